@@ -1,0 +1,53 @@
+# Kvasir top-level Makefile: wraps CMake/CTest and installs what is missing.
+#   make          build build/kvasir
+#   make test     install deps (apt-get, npm oracle), build, run every test
+#   make demo     generate a small model and run a prompt through it
+#   make asan     sanitizer build; every test again under ASan+UBSan
+#   make fuzz     longer libFuzzer runs
+#   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+FUZZ_BUILD ?= build-fuzz
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+FUZZ_SECONDS ?= 300
+
+.PHONY: all build deps oracle test asan demo fuzz bench clean
+
+all: build
+
+deps:
+	@bash tools/install-deps.sh
+
+oracle: deps
+	@bash tools/install-oracle.sh
+
+build:
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake --build $(BUILD) -j$(JOBS) -- --no-print-directory
+
+test: deps oracle
+	@$(MAKE) --no-print-directory build
+	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DKV_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+	@cd $(BUILD) && KV_FUZZ_BUILD=$(abspath $(FUZZ_BUILD)) ctest --output-on-failure -j$(JOBS)
+
+asan: deps oracle
+	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKV_SANITIZE=ON >/dev/null
+	@cmake --build $(ASAN_BUILD) -j$(JOBS)
+	@cd $(ASAN_BUILD) && KV_ASAN=1 ctest --output-on-failure -j$(JOBS)
+
+demo: deps
+	@$(MAKE) --no-print-directory build
+	@bash tools/demo.sh $(BUILD)/kvasir
+
+fuzz: deps
+	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DKV_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+	@bash tools/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
+
+bench: deps oracle
+	@$(MAKE) --no-print-directory build
+	@bash bench/run.sh $(BUILD)/kvasir
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

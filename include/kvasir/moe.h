@@ -1,0 +1,37 @@
+/* The expert-provider interface: how the forward pass gets routed-expert
+ * FFN outputs without knowing who computes them.
+ *
+ * A request carries, for one MoE layer, the normalized hidden states of
+ * n_tokens tokens and, for each token, the n_used expert ids chosen by the
+ * router (in top-k rank order). The provider returns one raw (unweighted)
+ * output vector per (token, rank). The coordinator applies the router
+ * weights and sums in rank order, so the combination is fixed no matter who
+ * answered. Implementations: in-process from the full model file (here),
+ * from slab files, and remote workers (later issues). */
+#ifndef KVASIR_MOE_H
+#define KVASIR_MOE_H
+
+#include <stdint.h>
+
+#include "kvasir/err.h"
+
+typedef struct kv_expert_req {
+    uint32_t layer;      /* block index */
+    uint32_t n_tokens;   /* tokens in this step */
+    uint32_t n_embd;     /* hidden size */
+    uint32_t n_used;     /* experts per token */
+    const float *x;      /* [n_tokens][n_embd] input to the experts (after ffn_norm) */
+    const int32_t *ids;  /* [n_tokens][n_used] expert ids, top-k rank order */
+} kv_expert_req;
+
+typedef struct kv_expert_provider {
+    void *impl;
+    /* Writes out[(t*n_used + k)*n_embd + i]. Returns 0 or a negative code
+     * with d filled; on error out is unspecified and must not be used. */
+    int (*compute)(void *impl, const kv_expert_req *req, float *out, kv_diag *d);
+    /* Releases impl (may be NULL). */
+    void (*free)(void *impl);
+    const char *name; /* "local", "slabs", "remote" ... for logs */
+} kv_expert_provider;
+
+#endif

@@ -1,0 +1,38 @@
+/* The `kvasir` command line: one thin file per subcommand, each parsing its
+ * flags and calling the library. Conventions shared by every subcommand:
+ * errors are printed once, on one line, as "kvasir CMD: message", and the
+ * command returns non-zero (1 for usage errors, 2 for failures). */
+#ifndef KVASIR_CLI_H
+#define KVASIR_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvasir/err.h"
+
+typedef int (*kv_cmd_fn)(int argc, char **argv);
+
+int kv_cmd_gen_model(int argc, char **argv);
+int kv_cmd_tokenize(int argc, char **argv);
+int kv_cmd_run(int argc, char **argv);
+int kv_cmd_bench(int argc, char **argv);
+
+/* Prints "kvasir <cmd>: <printf message>\n" to stderr; returns rc. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+int kv_cli_err(const char *cmd, int rc, const char *fmt, ...);
+/* Prints the diag as one line; returns 2. */
+int kv_cli_diag(const char *cmd, const kv_diag *d);
+
+/* Bounded numeric flag parsing. Each returns 0, or prints a one-line error
+ * naming the flag and returns 1 (usage error). */
+int kv_arg_long(const char *cmd, const char *flag, const char *s, long lo, long hi, long *out);
+int kv_arg_u64(const char *cmd, const char *flag, const char *s, uint64_t *out);
+int kv_arg_float(const char *cmd, const char *flag, const char *s, double lo, double hi,
+                 float *out);
+/* Returns argv[*i+1] and advances *i, or prints "flag needs a value" and
+ * returns NULL. */
+const char *kv_arg_value(const char *cmd, int argc, char **argv, int *i);
+
+#endif

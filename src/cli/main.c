@@ -1,0 +1,38 @@
+/* kvasir: one binary, git-style subcommands. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+
+static const struct {
+    const char *name;
+    kv_cmd_fn fn;
+    const char *summary;
+} kv_cmds[] = {
+    {"gen-model", kv_cmd_gen_model, "write a synthetic model (random weights, real BPE vocab)"},
+    {"tokenize", kv_cmd_tokenize, "print the token ids of a text as a JSON array"},
+    {"run", kv_cmd_run, "generate text from a prompt"},
+    {"bench", kv_cmd_bench, "measure prefill and decode tokens/s"},
+};
+
+static void kv_usage(FILE *f) {
+    fprintf(f, "usage: kvasir <command> [options]   (kvasir <command> --help for its options)\n\n"
+               "Kvasir runs Mixture-of-Experts language models from GGUF files.\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof kv_cmds / sizeof kv_cmds[0]; i++)
+        fprintf(f, "  %-10s %s\n", kv_cmds[i].name, kv_cmds[i].summary);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        kv_usage(stderr);
+        return 1;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        kv_usage(stdout);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof kv_cmds / sizeof kv_cmds[0]; i++)
+        if (!strcmp(argv[1], kv_cmds[i].name)) return kv_cmds[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "kvasir: unknown command '%s' (try kvasir --help)\n", argv[1]);
+    return 1;
+}

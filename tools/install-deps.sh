@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the build and test tools Kvasir needs when they are missing
+# (Debian packages via apt-get). Idempotent and quiet when all is present.
+set -euo pipefail
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have cmake || need+=(cmake)
+have gcc || need+=(gcc)
+have make || need+=(make)
+have clang || need+=(clang)
+have node || need+=(nodejs)
+have npm || need+=(npm)
+# libFuzzer and sanitizer runtimes for clang
+if have clang; then
+  rt=$(clang -print-resource-dir 2>/dev/null)/lib/linux/libclang_rt.fuzzer-x86_64.a
+  [ -f "$rt" ] || need+=(libclang-rt-14-dev)
+else
+  need+=(libclang-rt-14-dev)
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  echo "install-deps: installing ${need[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
