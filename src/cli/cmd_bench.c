@@ -1,3 +1,136 @@
-/* PLACEHOLDER: replaced by the real subcommand. */
+/* kvasir bench: prefill and decode speed of a model on this machine.
+ * Prefill evaluates -p prompt tokens as one batch; decode then evaluates
+ * -n tokens one at a time (greedy picks). A short warm-up first touches the
+ * weights so page faults are not timed. Repeated --reps times; the best
+ * run is reported (as llama-bench does with its mean; we print both). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
 #include "cli/cli.h"
-int kv_cmd_bench(int argc, char **argv) { (void)argc; (void)argv; return kv_cli_err("bench", 2, "not built yet"); }
+#include "kvasir/model.h"
+#include "kvasir/quant.h"
+
+#define CMD "bench"
+
+static const char *kv_bench_help =
+    "usage: kvasir bench -m F.gguf [-p 128] [-n 64] [--threads N] [--reps R] [--json]\n"
+    "  -m F          GGUF model file\n"
+    "  -p N          prompt tokens evaluated as one batch (default 128)\n"
+    "  -n N          tokens decoded one at a time (default 64)\n"
+    "  --threads N   worker threads (default: all CPUs)\n"
+    "  --batch N     prefill chunk size (default: the prompt length, at most 4096)\n"
+    "  --reps R      repetitions, mean and best reported (default 3)\n"
+    "  --json        one JSON object: {\"prefill_tok_s\":X,\"decode_tok_s\":Y,...}\n";
+
+static double kv_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int32_t kv_argmax(const float *x, uint32_t n) {
+    uint32_t b = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return (int32_t)b;
+}
+
+int kv_cmd_bench(int argc, char **argv) {
+    const char *model = NULL;
+    long n_prompt = 128, n_gen = 64, threads = 0, reps = 3, n_batch = 0;
+    bool json = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(kv_bench_help, stdout);
+            return 0;
+        } else if (!strcmp(a, "--json")) {
+            json = true;
+        } else if (!(v = kv_arg_value(CMD, argc, argv, &i))) {
+            return 1;
+        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            model = v;
+        } else if (!strcmp(a, "-p")) {
+            if (kv_arg_long(CMD, a, v, 1, 1 << 16, &n_prompt)) return 1;
+        } else if (!strcmp(a, "-n")) {
+            if (kv_arg_long(CMD, a, v, 0, 1 << 16, &n_gen)) return 1;
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+            if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &threads)) return 1;
+        } else if (!strcmp(a, "--reps")) {
+            if (kv_arg_long(CMD, a, v, 1, 100, &reps)) return 1;
+        } else if (!strcmp(a, "--batch")) {
+            if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
+        } else {
+            return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir bench --help)", a);
+        }
+    }
+    if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir bench --help)");
+    int rc = 2;
+    kv_diag d = {0};
+    kv_model *m = NULL;
+    kv_pool *pool = NULL;
+    kv_state *st = NULL;
+    int32_t *toks = NULL;
+    float *logits = NULL;
+    if (kv_model_load(&m, model, &d)) return kv_cli_diag(CMD, &d);
+    const kv_hparams *hp = kv_model_hparams(m);
+    if ((uint64_t)n_prompt + (uint64_t)n_gen > hp->n_ctx_train) {
+        rc = kv_cli_err(CMD, 1, "-p %ld + -n %ld exceeds the model's context (%u)", n_prompt, n_gen, hp->n_ctx_train);
+        goto done;
+    }
+    if (!n_batch) n_batch = n_prompt < 4096 ? n_prompt : 4096;
+    if (kv_pool_new(&pool, (int)threads, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+    kv_state_opts so = {(uint32_t)(n_prompt + n_gen), (uint32_t)n_batch, NULL};
+    if (kv_state_new(&st, m, pool, &so, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+    toks = malloc((size_t)n_prompt * sizeof *toks);
+    logits = malloc((size_t)hp->n_vocab * sizeof *logits);
+    if (!toks || !logits) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+    /* deterministic prompt spread over the vocabulary */
+    for (long i = 0; i < n_prompt; i++) toks[i] = (int32_t)((1000003ull * (uint64_t)(i + 1)) % hp->n_vocab);
+    /* warm-up: touch every weight page once */
+    if (kv_state_eval(st, toks, (uint32_t)(n_prompt < 16 ? n_prompt : 16), logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+    double best_pp = 0, best_tg = 0, sum_pp = 0, sum_tg = 0;
+    for (long r = 0; r < reps; r++) {
+        kv_state_reset(st);
+        double t0 = kv_now();
+        if (kv_state_eval(st, toks, (uint32_t)n_prompt, logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+        double t1 = kv_now();
+        for (long i = 0; i < n_gen; i++) {
+            int32_t t = kv_argmax(logits, hp->n_vocab);
+            if (kv_state_eval(st, &t, 1, logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+        }
+        double t2 = kv_now();
+        const double pp = (double)n_prompt / (t1 - t0), tg = n_gen ? (double)n_gen / (t2 - t1) : 0;
+        sum_pp += pp;
+        sum_tg += tg;
+        if (pp > best_pp) best_pp = pp;
+        if (tg > best_tg) best_tg = tg;
+        if (!json) fprintf(stderr, "kvasir bench: rep %ld: prefill %.2f tok/s, decode %.2f tok/s\n", r + 1, pp, tg);
+    }
+    const uint64_t bpt = kv_model_bytes_per_token(m);
+    if (json) {
+        printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"prefill_tok_s_best\":%.3f,"
+               "\"decode_tok_s_best\":%.3f,\"n_prompt\":%ld,\"n_gen\":%ld,\"threads\":%d,\"reps\":%ld,"
+               "\"backend\":\"%s\",\"bytes_per_token\":%llu,\"n_layer\":%u,\"n_embd\":%u,\"n_expert\":%u,"
+               "\"n_expert_used\":%u}\n",
+               sum_pp / (double)reps, sum_tg / (double)reps, best_pp, best_tg, n_prompt, n_gen,
+               kv_pool_size(pool), reps, kv_quant_backend(), (unsigned long long)bpt, hp->n_layer,
+               hp->n_embd, hp->n_expert, hp->n_expert_used);
+    } else {
+        printf("model %s: %u layers, embd %u, %u/%u experts, %d threads, kernels %s\n", model, hp->n_layer,
+               hp->n_embd, hp->n_expert_used, hp->n_expert, kv_pool_size(pool), kv_quant_backend());
+        printf("prefill (%ld tokens): %.2f tok/s (best %.2f)\n", n_prompt, sum_pp / (double)reps, best_pp);
+        printf("decode  (%ld tokens): %.2f tok/s (best %.2f), %.1f MB of weights per token\n", n_gen,
+               sum_tg / (double)reps, best_tg, (double)bpt / 1e6);
+    }
+    rc = 0;
+done:
+    free(toks);
+    free(logits);
+    kv_state_free(st);
+    kv_pool_free(pool);
+    kv_model_free(m);
+    return rc;
+}

@@ -47,10 +47,17 @@ int kv_diag_prefix(kv_diag *d, int code, const char *fmt, ...) {
     vsnprintf(pre, sizeof pre, fmt, ap);
     va_end(ap);
     memcpy(old, d->msg, sizeof old);
-    if (old[0])
-        snprintf(d->msg, sizeof d->msg, "%s: %s", pre, old);
-    else
-        snprintf(d->msg, sizeof d->msg, "%s: %s", pre, kv_err_str(code));
+    /* truncation of very long messages is acceptable: they stay NUL-terminated */
+    size_t n = strlen(pre);
+    if (n > sizeof d->msg - 3) n = sizeof d->msg - 3;
+    memcpy(d->msg, pre, n);
+    d->msg[n++] = ':';
+    d->msg[n++] = ' ';
+    const char *rest = old[0] ? old : kv_err_str(code);
+    size_t r = strlen(rest);
+    if (r > sizeof d->msg - 1 - n) r = sizeof d->msg - 1 - n;
+    memcpy(d->msg + n, rest, r);
+    d->msg[n + r] = 0;
     if (d->code == 0) d->code = code;
     return d->code;
 }

@@ -1,0 +1,129 @@
+/* Models: loading a GGUF into weight views, and running the forward pass.
+ *
+ * kv_model holds the hyper-parameters, the tokenizer and the weights as
+ * views into the GGUF mapping (nothing is copied). kv_state holds what one
+ * sequence needs while running: KV cache, activation buffers, routing
+ * buffers, all allocated once in kv_state_new; kv_state_eval never
+ * allocates. Routed experts are computed through a kv_expert_provider
+ * (moe.h): by default the in-process one reading the model file, but any
+ * provider with the same answers can stand in. */
+#ifndef KVASIR_MODEL_H
+#define KVASIR_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvasir/err.h"
+#include "kvasir/gguf.h"
+#include "kvasir/moe.h"
+#include "kvasir/pool.h"
+#include "kvasir/tok.h"
+
+#define KV_MAX_LAYERS 512
+#define KV_MAX_EXPERTS 1024
+#define KV_MAX_EXPERTS_USED 64
+#define KV_MAX_EMBD 65536
+#define KV_MAX_HEADS 1024
+#define KV_MAX_HEAD_DIM 1024
+#define KV_MAX_VOCAB (1u << 22)
+#define KV_MAX_CTX (1u << 20)
+#define KV_MAX_FF 262144
+
+enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_COUNT };
+
+typedef struct kv_hparams {
+    enum kv_arch arch;
+    char arch_name[32];      /* general.architecture */
+    uint32_t n_layer;        /* blocks */
+    uint32_t n_embd;         /* hidden size */
+    uint32_t n_head;         /* query heads */
+    uint32_t n_head_kv;      /* key/value heads (GQA) */
+    uint32_t head_dim;       /* key_length == value_length */
+    uint32_t n_rot;          /* rotary dims (== head_dim for qwen3moe) */
+    uint32_t n_expert;       /* routed experts per layer */
+    uint32_t n_expert_used;  /* top-k */
+    uint32_t n_ff_exp;       /* expert hidden size */
+    uint32_t n_vocab;        /* rows of token_embd */
+    uint32_t n_ctx_train;    /* context_length */
+    float rms_eps;           /* attention.layer_norm_rms_epsilon */
+    float rope_freq_base;    /* rope.freq_base */
+    float rope_freq_scale;   /* 1 / rope.scaling.factor, 1 if absent */
+    bool expert_weights_norm;   /* renormalize top-k weights to sum 1 */
+    float expert_weights_scale; /* applied when != 0 and != 1 */
+    bool tied_output;        /* output.weight absent: LM head is token_embd */
+} kv_hparams;
+
+/* A weight tensor as a view into the mapping. For 3-D expert tensors,
+ * expert e's matrix starts at data + e*nb2. */
+typedef struct kv_weight {
+    const void *data;  /* view into the GGUF mapping */
+    uint32_t type;     /* kv_type */
+    int64_t ne[3];     /* ne[0] = row length (input dim), ne[1] = rows, ne[2] = experts */
+    size_t row_bytes;  /* bytes per row */
+    size_t nb2;        /* bytes per expert matrix (ne[1] * row_bytes) */
+} kv_weight;
+
+typedef struct kv_layer {
+    kv_weight attn_norm;     /* [n_embd] f32 */
+    kv_weight wq, wk, wv;    /* [n_embd] -> [n_head*hd], [n_head_kv*hd] */
+    kv_weight wo;            /* [n_head*hd] -> [n_embd] */
+    kv_weight q_norm, k_norm;/* [head_dim] f32 */
+    kv_weight ffn_norm;      /* [n_embd] f32 */
+    kv_weight gate_inp;      /* router [n_embd] -> [n_expert] */
+    kv_weight gate_exps;     /* [n_expert][n_ff_exp][n_embd] */
+    kv_weight up_exps;       /* [n_expert][n_ff_exp][n_embd] */
+    kv_weight down_exps;     /* [n_expert][n_embd][n_ff_exp] */
+} kv_layer;
+
+typedef struct kv_model kv_model;
+
+/* Opens path, reads hyper-parameters and tokenizer, maps and checks every
+ * tensor (name, shape, type). Errors: KV_EUNSUPPORTED for an unknown
+ * architecture or a tensor type we cannot compute; KV_EFORMAT for missing
+ * or mis-shaped tensors and bad metadata; d names the culprit. Free with
+ * kv_model_free (accepts NULL). Thread-safe to share once loaded. */
+int kv_model_load(kv_model **out, const char *path, kv_diag *d);
+void kv_model_free(kv_model *m);
+
+const kv_hparams *kv_model_hparams(const kv_model *m);
+const kv_tok *kv_model_tok(const kv_model *m);
+const kv_gguf *kv_model_gguf(const kv_model *m);
+const kv_layer *kv_model_layer(const kv_model *m, uint32_t il);
+/* Bytes of weights read for one decoded token (attention, router, top-k
+ * experts, LM head, embedding row): used by bench to relate speed to
+ * memory bandwidth. */
+uint64_t kv_model_bytes_per_token(const kv_model *m);
+
+/* The in-process expert provider computing from m's own expert tensors,
+ * parallel over pool, with scratch for up to max_tokens tokens per call.
+ * Free with provider.free(provider.impl). */
+int kv_expert_local_new(kv_expert_provider *out, const kv_model *m, kv_pool *pool,
+                        uint32_t max_tokens, kv_diag *d);
+
+typedef struct kv_state kv_state;
+
+typedef struct kv_state_opts {
+    uint32_t n_ctx;     /* KV cache length; 0 = min(n_ctx_train, 4096) */
+    uint32_t n_batch;   /* tokens per forward chunk (prefill); 0 = 256 */
+    const kv_expert_provider *experts; /* NULL = in-process from the model */
+} kv_state_opts;
+
+/* Allocates the run state for one sequence. pool is borrowed (must outlive
+ * the state). Free with kv_state_free (accepts NULL). */
+int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_state_opts *opts,
+                 kv_diag *d);
+void kv_state_free(kv_state *s);
+uint32_t kv_state_n_ctx(const kv_state *s);
+uint32_t kv_state_pos(const kv_state *s);   /* tokens in the cache */
+void kv_state_reset(kv_state *s);           /* empties the cache */
+
+/* Appends n tokens at the current position and runs them through the model
+ * in chunks of n_batch. If logits is not NULL, writes the n_vocab logits of
+ * the last token. Errors: KV_ECTXFULL when pos + n > n_ctx (nothing is
+ * evaluated), KV_ERANGE for a token id outside the vocabulary, or what the
+ * expert provider returns (the cache is then rolled back to its previous
+ * position). */
+int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits, kv_diag *d);
+
+#endif

@@ -1,0 +1,38 @@
+/* Sampling the next token from logits: repetition penalty, top-k, top-p,
+ * min-p, temperature, then a draw from a seeded generator (or greedy argmax
+ * when temp <= 0). The order follows llama.cpp's default sampler chain
+ * (penalties, top-k, top-p, min-p, temperature, distribution). The same
+ * seed, logits and history always give the same token. */
+#ifndef KVASIR_SAMPLE_H
+#define KVASIR_SAMPLE_H
+
+#include <stdint.h>
+
+#include "kvasir/err.h"
+
+typedef struct kv_sample_params {
+    float temp;            /* <= 0: greedy */
+    int32_t top_k;         /* <= 0: off */
+    float top_p;           /* >= 1: off */
+    float min_p;           /* <= 0: off */
+    float repeat_penalty;  /* 1: off */
+    int32_t repeat_last_n; /* tokens of history the penalty looks at */
+    uint64_t seed;
+} kv_sample_params;
+
+/* llama.cpp's defaults: temp 0.8, top-k 40, top-p 0.95, min-p 0.05,
+ * repeat penalty 1.0 over the last 64 tokens, seed 0. */
+kv_sample_params kv_sample_defaults(void);
+
+typedef struct kv_sampler kv_sampler;
+
+/* Allocates buffers for n_vocab candidates. Free with kv_sampler_free
+ * (accepts NULL). Errors: KV_EINVAL for out-of-range parameters. */
+int kv_sampler_new(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p, kv_diag *d);
+void kv_sampler_free(kv_sampler *s);
+/* Picks a token from logits[n_vocab] (not modified). Not thread-safe. */
+int32_t kv_sampler_sample(kv_sampler *s, const float *logits);
+/* Adds a token to the penalty history (prompt and generated tokens). */
+void kv_sampler_accept(kv_sampler *s, int32_t token);
+
+#endif

@@ -1,0 +1,307 @@
+/* The qwen3moe forward pass over one sequence.
+ *
+ * Per block: attention RMSNorm; Q/K/V projections; per-head RMSNorm of Q and
+ * K; NeoX RoPE; causal softmax attention over the KV cache (GQA: query head
+ * h reads KV head h / (n_head / n_head_kv)); output projection and residual;
+ * FFN RMSNorm; router softmax, top-k, weight renormalization; routed experts
+ * through the expert provider; weighted sum in top-k rank order; residual.
+ * Then the final norm and the LM head on the last token.
+ *
+ * The state is allocated once (kv_state_new); kv_state_eval only computes.
+ * Prompts run as batches of up to n_batch tokens, decode one token at a
+ * time; both take the same path, and each output element is computed the
+ * same way whatever the batch, so results do not depend on chunking. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvasir/quant.h"
+#include "model/model_internal.h"
+
+struct kv_state {
+    const kv_model *m;
+    kv_pool *pool;
+    uint32_t n_ctx;        /* cache rows */
+    uint32_t n_batch;      /* tokens per chunk */
+    uint32_t pos;          /* tokens in the cache */
+    kv_expert_provider own;          /* in-process provider (if no other given) */
+    const kv_expert_provider *experts;
+    float *k_cache;        /* [n_layer][n_ctx][n_head_kv*head_dim] */
+    float *v_cache;        /* [n_layer][n_ctx][n_head_kv*head_dim] */
+    float *x;              /* [n_batch][n_embd] residual stream */
+    float *xb;             /* [n_batch][n_embd] normed input */
+    float *q;              /* [n_batch][n_head*head_dim] */
+    float *k;              /* [n_batch][n_head_kv*head_dim] */
+    float *v;              /* [n_batch][n_head_kv*head_dim] */
+    float *att;            /* [n_batch][n_head*head_dim] attention output */
+    float *tmp;            /* [n_batch][n_embd] projection output */
+    float *router;         /* [n_batch][n_expert] */
+    int32_t *ids;          /* [n_batch][n_expert_used] */
+    float *wts;            /* [n_batch][n_expert_used] */
+    float *eo;             /* [n_batch][n_expert_used][n_embd] expert outputs */
+    float *scores;         /* [n_threads][n_ctx] attention scores per thread */
+    void *scratch;         /* matmul activation scratch */
+};
+
+static size_t kv_max3(size_t a, size_t b, size_t c) {
+    size_t m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_state_opts *opts,
+                 kv_diag *d) {
+    *out = NULL;
+    const kv_hparams *hp = &m->hp;
+    kv_state_opts o = opts ? *opts : (kv_state_opts){0};
+    if (o.n_ctx == 0) o.n_ctx = hp->n_ctx_train < 4096 ? hp->n_ctx_train : 4096;
+    if (o.n_batch == 0) o.n_batch = 256;
+    if (o.n_ctx > KV_MAX_CTX) return kv_fail(d, KV_EINVAL, "context: %u exceeds max %u", o.n_ctx, KV_MAX_CTX);
+    if (o.n_batch > o.n_ctx) o.n_batch = o.n_ctx;
+    kv_state *s = calloc(1, sizeof *s);
+    if (!s) return kv_fail(d, KV_ENOMEM, "state: out of memory");
+    s->m = m;
+    s->pool = pool;
+    s->n_ctx = o.n_ctx;
+    s->n_batch = o.n_batch;
+    const size_t B = o.n_batch, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim,
+                 KVD = (size_t)hp->n_head_kv * hp->head_dim, K = hp->n_expert_used;
+    size_t cache_elems;
+    if (!kv_mul_ok((size_t)hp->n_layer * o.n_ctx, KVD, &cache_elems) ||
+        cache_elems > ((size_t)1 << 40) / sizeof(float)) {
+        kv_state_free(s);
+        return kv_fail(d, KV_EINVAL, "context: KV cache for %u tokens is too large", o.n_ctx);
+    }
+    s->k_cache = malloc(cache_elems * sizeof(float));
+    s->v_cache = malloc(cache_elems * sizeof(float));
+    s->x = malloc(B * E * sizeof(float));
+    s->xb = malloc(B * E * sizeof(float));
+    s->q = malloc(B * QD * sizeof(float));
+    s->k = malloc(B * KVD * sizeof(float));
+    s->v = malloc(B * KVD * sizeof(float));
+    s->att = malloc(B * QD * sizeof(float));
+    s->tmp = malloc(B * E * sizeof(float));
+    s->router = malloc(B * hp->n_expert * sizeof(float));
+    s->ids = malloc(B * K * sizeof(int32_t));
+    s->wts = malloc(B * K * sizeof(float));
+    s->eo = malloc(B * K * E * sizeof(float));
+    s->scores = malloc((size_t)kv_pool_size(pool) * o.n_ctx * sizeof(float));
+    s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
+    if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->k || !s->v || !s->att ||
+        !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->scratch) {
+        kv_state_free(s);
+        return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
+    }
+    if (o.experts) {
+        s->experts = o.experts;
+    } else {
+        int rc = kv_expert_local_new(&s->own, m, pool, o.n_batch, d);
+        if (rc) {
+            kv_state_free(s);
+            return rc;
+        }
+        s->experts = &s->own;
+    }
+    *out = s;
+    return 0;
+}
+
+void kv_state_free(kv_state *s) {
+    if (!s) return;
+    if (s->own.free) s->own.free(s->own.impl);
+    free(s->k_cache);
+    free(s->v_cache);
+    free(s->x);
+    free(s->xb);
+    free(s->q);
+    free(s->k);
+    free(s->v);
+    free(s->att);
+    free(s->tmp);
+    free(s->router);
+    free(s->ids);
+    free(s->wts);
+    free(s->eo);
+    free(s->scores);
+    free(s->scratch);
+    free(s);
+}
+
+uint32_t kv_state_n_ctx(const kv_state *s) { return s->n_ctx; }
+uint32_t kv_state_pos(const kv_state *s) { return s->pos; }
+void kv_state_reset(kv_state *s) { s->pos = 0; }
+
+/* ---- attention ---------------------------------------------------------- */
+
+typedef struct kv_attn_job {
+    kv_state *s;
+    uint32_t il, n_tok, pos0;
+} kv_attn_job;
+
+static float kv_dot_f32(const float *a, const float *b, int64_t n) {
+    /* 8 fixed lanes, summed in a fixed tree: order never depends on threads */
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static void kv_attn_worker(void *arg, int ith, int nth) {
+    kv_attn_job *j = arg;
+    kv_state *s = j->s;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t HD = hp->head_dim, H = hp->n_head, KVD = (int64_t)hp->n_head_kv * HD;
+    const int64_t gqa = hp->n_head / hp->n_head_kv;
+    const float scale = 1.0f / sqrtf((float)HD);
+    const float *kc = s->k_cache + (size_t)j->il * s->n_ctx * (size_t)KVD;
+    const float *vc = s->v_cache + (size_t)j->il * s->n_ctx * (size_t)KVD;
+    float *sc = s->scores + (size_t)ith * s->n_ctx;
+    long lo, hi;
+    kv_pool_split((long)j->n_tok * H, ith, nth, &lo, &hi);
+    for (long w = lo; w < hi; w++) {
+        const int64_t t = w / H, h = w % H, kvh = h / gqa;
+        const int64_t n_kv = (int64_t)j->pos0 + t + 1; /* causal: keys 0..pos */
+        const float *q = s->q + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
+        for (int64_t p = 0; p < n_kv; p++)
+            sc[p] = kv_dot_f32(q, kc + (size_t)p * (size_t)KVD + (size_t)kvh * (size_t)HD, HD) * scale;
+        kv_softmax(sc, n_kv);
+        float *o = s->att + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
+        memset(o, 0, (size_t)HD * sizeof(float));
+        for (int64_t p = 0; p < n_kv; p++) {
+            const float *vp = vc + (size_t)p * (size_t)KVD + (size_t)kvh * (size_t)HD;
+            const float pw = sc[p];
+            for (int64_t i = 0; i < HD; i++) o[i] += pw * vp[i];
+        }
+    }
+}
+
+/* ---- one chunk ------------------------------------------------------------ */
+
+static void kv_topk(const float *p, int n, int k, int32_t *ids) {
+    /* selection by descending probability, lower id first on ties */
+    for (int r = 0; r < k; r++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            bool taken = false;
+            for (int q = 0; q < r; q++) taken |= ids[q] == e;
+            if (taken) continue;
+            if (best < 0 || p[e] > p[best]) best = e;
+        }
+        ids[r] = best;
+    }
+}
+
+static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, float *logits, kv_diag *d) {
+    const kv_model *m = s->m;
+    const kv_hparams *hp = &m->hp;
+    const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
+    const int64_t QD = H * HD, KVD = HKV * HD, K = hp->n_expert_used, NE = hp->n_expert;
+    const uint32_t pos0 = s->pos;
+
+    /* token embeddings */
+    const kv_type_info *et = kv_type_get(m->tok_embd.type);
+    for (uint32_t t = 0; t < T; t++)
+        et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
+                     s->x + (size_t)t * (size_t)E, E);
+
+    for (uint32_t il = 0; il < hp->n_layer; il++) {
+        const kv_layer *L = &m->layers[il];
+        /* attention rmsnorm */
+        for (uint32_t t = 0; t < T; t++)
+            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
+        /* Q, K, V projections */
+        kv_matmul(s->pool, &L->wq, NULL, s->xb, T, s->q, s->scratch);
+        kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, s->scratch);
+        kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, s->scratch);
+        /* per-head Q/K norm, RoPE, then K and V into the cache */
+        float *kc = s->k_cache + ((size_t)il * s->n_ctx + pos0) * (size_t)KVD;
+        float *vc = s->v_cache + ((size_t)il * s->n_ctx + pos0) * (size_t)KVD;
+        for (uint32_t t = 0; t < T; t++) {
+            const int32_t pos = (int32_t)(pos0 + t);
+            for (int64_t h = 0; h < H; h++) {
+                float *qh = s->q + (size_t)t * QD + (size_t)h * HD;
+                kv_rmsnorm(qh, qh, L->q_norm.data, HD, hp->rms_eps);
+                kv_rope_neox(qh, HD, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
+            }
+            for (int64_t h = 0; h < HKV; h++) {
+                float *kh = s->k + (size_t)t * KVD + (size_t)h * HD;
+                kv_rmsnorm(kh, kh, L->k_norm.data, HD, hp->rms_eps);
+                kv_rope_neox(kh, HD, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
+            }
+        }
+        memcpy(kc, s->k, (size_t)T * KVD * sizeof(float));
+        memcpy(vc, s->v, (size_t)T * KVD * sizeof(float));
+        /* causal attention */
+        kv_attn_job aj = {s, il, T, pos0};
+        kv_pool_run(s->pool, kv_attn_worker, &aj);
+        /* output projection + residual */
+        kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, s->scratch);
+        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
+        /* FFN rmsnorm, router */
+        for (uint32_t t = 0; t < T; t++)
+            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->ffn_norm.data, E, hp->rms_eps);
+        kv_matmul(s->pool, &L->gate_inp, NULL, s->xb, T, s->router, s->scratch);
+        for (uint32_t t = 0; t < T; t++) {
+            float *p = s->router + (size_t)t * NE;
+            int32_t *ids = s->ids + (size_t)t * K;
+            float *w = s->wts + (size_t)t * K;
+            kv_softmax(p, NE);
+            kv_topk(p, (int)NE, (int)K, ids);
+            for (int64_t r = 0; r < K; r++) w[r] = p[ids[r]];
+            if (hp->expert_weights_norm) {
+                double sum = 0.0;
+                for (int64_t r = 0; r < K; r++) sum += (double)w[r];
+                float fs = (float)sum;
+                if (fs < 6.103515625e-5f) fs = 6.103515625e-5f;
+                for (int64_t r = 0; r < K; r++) w[r] = w[r] / fs;
+            }
+            if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
+                for (int64_t r = 0; r < K; r++) w[r] *= hp->expert_weights_scale;
+        }
+        /* routed experts, wherever they are computed */
+        kv_expert_req req = {il, T, (uint32_t)E, (uint32_t)K, s->xb, s->ids};
+        int rc = s->experts->compute(s->experts->impl, &req, s->eo, d);
+        if (rc) return kv_diag_prefix(d, rc, "layer %u experts", il);
+        /* weighted sum in rank order, then residual */
+        for (uint32_t t = 0; t < T; t++) {
+            float *xt = s->x + (size_t)t * E, *acc = s->tmp + (size_t)t * E;
+            const float *w = s->wts + (size_t)t * K;
+            const float *eo = s->eo + (size_t)t * K * E;
+            for (int64_t i = 0; i < E; i++) acc[i] = eo[i] * w[0];
+            for (int64_t r = 1; r < K; r++)
+                for (int64_t i = 0; i < E; i++) acc[i] = acc[i] + eo[(size_t)r * E + i] * w[r];
+            for (int64_t i = 0; i < E; i++) xt[i] = acc[i] + xt[i];
+        }
+    }
+    if (logits) {
+        float *h = s->xb; /* last token only */
+        kv_rmsnorm(h, s->x + (size_t)(T - 1) * E, m->output_norm.data, E, hp->rms_eps);
+        kv_matmul(s->pool, &m->output, NULL, h, 1, logits, s->scratch);
+    }
+    return 0;
+}
+
+int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits, kv_diag *d) {
+    const kv_hparams *hp = &s->m->hp;
+    if (n == 0) return kv_fail(d, KV_EINVAL, "eval: no tokens");
+    if ((uint64_t)s->pos + n > s->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "context full: %u tokens in cache + %u new > context %u", s->pos,
+                       n, s->n_ctx);
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= hp->n_vocab)
+            return kv_fail(d, KV_ERANGE, "eval: token id %d out of range (vocab %u)", tokens[i], hp->n_vocab);
+    const uint32_t pos_start = s->pos;
+    for (uint32_t done = 0; done < n;) {
+        uint32_t T = n - done < s->n_batch ? n - done : s->n_batch;
+        int rc = kv_eval_chunk(s, tokens + done, T, done + T == n ? logits : NULL, d);
+        if (rc) {
+            s->pos = pos_start;
+            return rc;
+        }
+        s->pos += T;
+        done += T;
+    }
+    return 0;
+}

@@ -1,0 +1,180 @@
+/* Token sampling: a candidate list filtered by the llama.cpp-ordered chain,
+ * drawn with xoshiro256** seeded through splitmix64. Buffers are allocated
+ * once per sampler. */
+#include "kvasir/sample.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct kv_cand {
+    int32_t id;
+    float logit;
+    float p;
+} kv_cand;
+
+struct kv_sampler {
+    kv_sample_params p;
+    int32_t n_vocab;
+    kv_cand *cand;     /* [n_vocab] */
+    int32_t *hist;     /* ring of the last repeat_last_n tokens */
+    int32_t n_hist, hist_at;
+    uint64_t rng[4];   /* xoshiro256** state */
+};
+
+kv_sample_params kv_sample_defaults(void) {
+    return (kv_sample_params){0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 0};
+}
+
+static uint64_t kv_splitmix(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t kv_rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static double kv_uniform(uint64_t *s) {
+    const uint64_t r = kv_rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = kv_rotl(s[3], 45);
+    return (double)(r >> 11) * (1.0 / 9007199254740992.0);
+}
+
+int kv_sampler_new(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p, kv_diag *d) {
+    *out = NULL;
+    if (n_vocab < 1) return kv_fail(d, KV_EINVAL, "sampler: vocabulary is empty");
+    if (!(p->temp >= 0.0f && p->temp <= 100.0f)) return kv_fail(d, KV_EINVAL, "sampler: temp %g out of range [0, 100]", p->temp);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f)) return kv_fail(d, KV_EINVAL, "sampler: top-p %g out of range (0, 1]", p->top_p);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f)) return kv_fail(d, KV_EINVAL, "sampler: min-p %g out of range [0, 1]", p->min_p);
+    if (!(p->repeat_penalty > 0.0f && p->repeat_penalty <= 100.0f))
+        return kv_fail(d, KV_EINVAL, "sampler: repeat penalty %g out of range (0, 100]", p->repeat_penalty);
+    if (p->repeat_last_n < 0 || p->repeat_last_n > 1 << 20)
+        return kv_fail(d, KV_EINVAL, "sampler: repeat-last-n %d out of range", p->repeat_last_n);
+    kv_sampler *s = calloc(1, sizeof *s);
+    if (!s) return kv_fail(d, KV_ENOMEM, "sampler: out of memory");
+    s->p = *p;
+    s->n_vocab = n_vocab;
+    s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
+    s->hist = malloc(((size_t)p->repeat_last_n + 1) * sizeof *s->hist);
+    if (!s->cand || !s->hist) {
+        kv_sampler_free(s);
+        return kv_fail(d, KV_ENOMEM, "sampler: out of memory");
+    }
+    uint64_t x = p->seed;
+    for (int i = 0; i < 4; i++) s->rng[i] = kv_splitmix(&x);
+    *out = s;
+    return 0;
+}
+
+void kv_sampler_free(kv_sampler *s) {
+    if (!s) return;
+    free(s->cand);
+    free(s->hist);
+    free(s);
+}
+
+void kv_sampler_accept(kv_sampler *s, int32_t token) {
+    if (s->p.repeat_last_n == 0) return;
+    s->hist[s->hist_at] = token;
+    s->hist_at = (s->hist_at + 1) % s->p.repeat_last_n;
+    if (s->n_hist < s->p.repeat_last_n) s->n_hist++;
+}
+
+static int kv_cand_desc(const void *a, const void *b) {
+    const kv_cand *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
+    return x->id < y->id ? -1 : (x->id > y->id);
+}
+
+/* Moves the k best candidates (by kv_cand_desc) to c[0..k), any order
+ * (Hoare quickselect, middle pivot). */
+static void kv_select(kv_cand *c, int32_t n, int32_t k) {
+    int32_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const kv_cand piv = c[lo + (hi - lo) / 2];
+        int32_t i = lo, j = hi;
+        while (i <= j) {
+            while (kv_cand_desc(&c[i], &piv) < 0) i++;
+            while (kv_cand_desc(&c[j], &piv) > 0) j--;
+            if (i <= j) {
+                const kv_cand t = c[i];
+                c[i++] = c[j];
+                c[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+/* softmax over n sorted candidates into .p */
+static void kv_cand_softmax(kv_cand *c, int32_t n) {
+    const float max = c[0].logit;
+    double sum = 0.0;
+    for (int32_t i = 0; i < n; i++) sum += (c[i].p = expf(c[i].logit - max));
+    for (int32_t i = 0; i < n; i++) c[i].p = (float)(c[i].p / sum);
+}
+
+int32_t kv_sampler_sample(kv_sampler *s, const float *logits) {
+    const kv_sample_params *p = &s->p;
+    kv_cand *c = s->cand;
+    int32_t n = s->n_vocab;
+    for (int32_t i = 0; i < n; i++) c[i] = (kv_cand){i, logits[i], 0.0f};
+    /* repetition penalty: each distinct token of the history once */
+    if (p->repeat_penalty != 1.0f) {
+        for (int32_t h = 0; h < s->n_hist; h++) {
+            const int32_t t = s->hist[h];
+            if (t < 0 || t >= n) continue;
+            bool seen = false;
+            for (int32_t g = 0; g < h; g++) seen |= s->hist[g] == t;
+            if (seen) continue;
+            c[t].logit = c[t].logit > 0 ? c[t].logit / p->repeat_penalty : c[t].logit * p->repeat_penalty;
+        }
+    }
+    if (p->temp <= 0.0f) {
+        int32_t best = 0;
+        for (int32_t i = 1; i < n; i++)
+            if (c[i].logit > c[best].logit) best = i;
+        return best;
+    }
+    if (p->top_k > 0 && p->top_k < n) {
+        kv_select(c, n, p->top_k);
+        n = p->top_k;
+    }
+    qsort(c, (size_t)n, sizeof *c, kv_cand_desc);
+    if (p->top_p < 1.0f) {
+        kv_cand_softmax(c, n);
+        double cum = 0.0;
+        for (int32_t i = 0; i < n; i++) {
+            cum += c[i].p;
+            if (cum >= p->top_p && i + 1 < n) {
+                n = i + 1;
+                break;
+            }
+        }
+    }
+    if (p->min_p > 0.0f) {
+        kv_cand_softmax(c, n);
+        const float thr = c[0].p * p->min_p;
+        int32_t keep = 1;
+        while (keep < n && c[keep].p >= thr) keep++;
+        n = keep;
+    }
+    for (int32_t i = 0; i < n; i++) c[i].logit /= p->temp;
+    kv_cand_softmax(c, n);
+    const double r = kv_uniform(s->rng);
+    double cum = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        cum += c[i].p;
+        if (r < cum) return c[i].id;
+    }
+    return c[n - 1].id;
+}
