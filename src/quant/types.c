@@ -1,12 +1,25 @@
-/* The type table: names, block sizes and byte sizes of every ggml type id,
- * as ggml defines them (ggml-common.h block structs). Kernels are attached
- * by the quant module's init for the types we compute with. */
-#include "kvasir/quant.h"
-
+/* The type table: names, block sizes and byte sizes of every ggml type id
+ * (ggml-common.h block structs), plus one kernel table per backend (scalar
+ * reference, AVX2, AVX-512) and the run-time choice between them.
+ *
+ * Invariants: the tables are built once (pthread_once) from CPU features
+ * (cpuid + xgetbv); a backend's table is built only if the CPU runs it, so
+ * no SIMD code is ever executed on a CPU that lacks it. A backend that does
+ * not implement a kernel inherits the next lower one's, so every table is
+ * complete for the compute types. */
 #include <ctype.h>
+#include <pthread.h>
 #include <string.h>
 
-/* Filled for every known id; kernels NULL until attached. Holes: name NULL. */
+#include "kvasir/err.h"
+#include "quant/quant_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define KV_X86 1
+#endif
+
+/* Filled for every known id. Holes: name NULL. */
 static const struct { const char *name; uint32_t blck, size; } kv_sizes[KV_TYPE_COUNT] = {
     [KV_TYPE_F32] = {"f32", 1, 4},         [KV_TYPE_F16] = {"f16", 1, 2},
     [KV_TYPE_Q4_0] = {"q4_0", 32, 18},     [KV_TYPE_Q4_1] = {"q4_1", 32, 20},
@@ -28,28 +41,120 @@ static const struct { const char *name; uint32_t blck, size; } kv_sizes[KV_TYPE_
     [KV_TYPE_Q2_0] = {"q2_0", 64, 18},
 };
 
-static kv_type_info kv_ref_table[KV_TYPE_COUNT];
-static int kv_ref_ready;
-
-static void kv_types_fill(kv_type_info *t) {
-    for (int i = 0; i < KV_TYPE_COUNT; i++) {
-        t[i].name = kv_sizes[i].name;
-        t[i].blck = kv_sizes[i].blck;
-        t[i].size = kv_sizes[i].size;
-        t[i].vec_dot_type = (uint32_t)i;
+/* Activation type of each compute type (ggml's vec_dot_type). */
+static uint32_t kv_vec_dot_type(uint32_t t) {
+    switch (t) {
+    case KV_TYPE_Q8_0: case KV_TYPE_Q4_0: return KV_TYPE_Q8_0;
+    case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K: return KV_TYPE_Q8_K;
+    default: return t;
     }
 }
 
-/* Placeholder dispatch until the kernel module attaches its tables. */
-const kv_type_info *kv_type_get_ref(uint32_t type) {
-    if (!kv_ref_ready) { kv_types_fill(kv_ref_table); kv_ref_ready = 1; }
-    if (type >= KV_TYPE_COUNT || !kv_sizes[type].name) return NULL;
-    return &kv_ref_table[type];
+enum { KV_BE_SCALAR, KV_BE_AVX2, KV_BE_AVX512, KV_BE_COUNT };
+static const char *const kv_be_names[KV_BE_COUNT] = {"scalar", "avx2", "avx512"};
+
+static kv_type_info kv_tabs[KV_BE_COUNT][KV_TYPE_COUNT];
+static kv_mat_fn kv_mats[KV_BE_COUNT][KV_TYPE_COUNT];
+static bool kv_be_ok[KV_BE_COUNT];
+static int kv_be_cur;
+static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
+
+#ifdef KV_X86
+static uint64_t kv_xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+#endif
+
+/* Which SIMD levels this CPU and OS support. */
+static void kv_detect(bool *avx2, bool *avx512) {
+    *avx2 = *avx512 = false;
+#ifdef KV_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29);
+    if (!osxsave) return;
+    uint64_t xcr0 = kv_xgetbv0();
+    bool ymm_os = (xcr0 & 6) == 6, zmm_os = (xcr0 & 0xe6) == 0xe6;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+    bool has_avx2 = b & (1u << 5), bmi2 = b & (1u << 8);
+    bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+    bool vnni = c & (1u << 11);
+    *avx2 = ymm_os && has_avx2 && fma && f16c && bmi2;
+    *avx512 = *avx2 && zmm_os && f512 && dq && bw && vl && vnni;
+#endif
 }
 
-const kv_type_info *kv_type_get(uint32_t type) { return kv_type_get_ref(type); }
+static void kv_build(int be, const kv_kernels *k) {
+    for (uint32_t i = 0; i < KV_TYPE_COUNT; i++) {
+        kv_type_info *t = &kv_tabs[be][i];
+        t->name = kv_sizes[i].name;
+        t->blck = kv_sizes[i].blck;
+        t->size = kv_sizes[i].size;
+        t->vec_dot_type = kv_vec_dot_type(i);
+        t->to_float = k[i].to_float;
+        t->from_float = k[i].from_float;
+        t->vec_dot = k[i].vec_dot;
+        t->compute = k[i].vec_dot != NULL;
+        kv_mats[be][i] = k[i].mat;
+    }
+}
+
+static void kv_init(void) {
+    static kv_kernels k[KV_TYPE_COUNT]; /* cumulative: each level overlays the last */
+    kv_quant_fill_ref(k);
+    kv_build(KV_BE_SCALAR, k);
+    kv_be_ok[KV_BE_SCALAR] = true;
+    bool avx2, avx512;
+    kv_detect(&avx2, &avx512);
+    if (avx2) {
+        kv_quant_fill_avx2(k);
+        kv_build(KV_BE_AVX2, k);
+        kv_be_ok[KV_BE_AVX2] = true;
+        kv_be_cur = KV_BE_AVX2;
+    }
+    if (avx512) {
+        kv_quant_fill_avx512(k);
+        kv_build(KV_BE_AVX512, k);
+        kv_be_ok[KV_BE_AVX512] = true;
+        kv_be_cur = KV_BE_AVX512;
+    }
+}
+
+static inline void kv_ensure(void) { pthread_once(&kv_once, kv_init); }
+
+const kv_type_info *kv_type_get_ref(uint32_t type) {
+    kv_ensure();
+    if (type >= KV_TYPE_COUNT || !kv_sizes[type].name) return NULL;
+    return &kv_tabs[KV_BE_SCALAR][type];
+}
+
+const kv_type_info *kv_type_get(uint32_t type) {
+    kv_ensure();
+    if (type >= KV_TYPE_COUNT || !kv_sizes[type].name) return NULL;
+    return &kv_tabs[kv_be_cur][type];
+}
+
+const char *kv_quant_backend(void) {
+    kv_ensure();
+    return kv_be_names[kv_be_cur];
+}
+
+int kv_quant_set_backend(const char *name) {
+    kv_ensure();
+    for (int i = 0; i < KV_BE_COUNT; i++) {
+        if (name && !strcmp(name, kv_be_names[i])) {
+            if (!kv_be_ok[i]) return -1;
+            kv_be_cur = i;
+            return 0;
+        }
+    }
+    return -1;
+}
 
 int kv_type_from_name(const char *name) {
+    if (!name) return -1;
     for (int i = 0; i < KV_TYPE_COUNT; i++) {
         const char *n = kv_sizes[i].name;
         if (!n) continue;
@@ -64,4 +169,18 @@ uint64_t kv_type_row_size(uint32_t type, uint64_t n) {
     if (type >= KV_TYPE_COUNT || !kv_sizes[type].name) return 0;
     if (n % kv_sizes[type].blck) return 0;
     return n / kv_sizes[type].blck * kv_sizes[type].size;
+}
+
+void kv_mat_rows(uint32_t type, const void *W, size_t row_bytes, int64_t n, int64_t r0,
+                 int64_t r1, const void *A, size_t a_stride, int64_t n_tok, float *Y,
+                 size_t y_stride) {
+    kv_ensure();
+    KV_ASSERT(type < KV_TYPE_COUNT && kv_tabs[kv_be_cur][type].vec_dot);
+    if (r1 <= r0 || n_tok <= 0) return;
+    kv_mat_fn mat = kv_mats[kv_be_cur][type];
+    if (mat) {
+        mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);
+        return;
+    }
+    kv_mat_generic(kv_tabs[kv_be_cur][type].vec_dot, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);
 }

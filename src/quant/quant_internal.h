@@ -1,0 +1,151 @@
+/* Private to the quant module: ggml's block layouts, small inline helpers
+ * shared by the scalar reference and the SIMD files, and the per-backend
+ * kernel tables.
+ *
+ * The canonical reduction order. Every backend computes a dot product in
+ * exactly the order below, so scalar, AVX2 and AVX-512 give identical bits
+ * (the SIMD files are tested bit-for-bit against the scalar reference):
+ *
+ *  - F32, F16, BF16: element i goes to lane i % 8; each lane accumulates
+ *    with a fused multiply-add in increasing i (f16/bf16 widened to f32
+ *    exactly first); the 8 lanes are then summed by kv_hsum8's fixed tree.
+ *  - Q8_0.Q8_0, Q4_0.Q8_0: 16 lanes. For block b (32 values) and group g
+ *    (values 4g..4g+3) the integer sum p = sum w*a is exact; lane
+ *    8*(b&1) + g accumulates fma((float)p, dw_b*da_b, lane) in block order;
+ *    then kv_fold16 (lane l + lane l+8, then kv_hsum8). This is what one
+ *    maddubs+madd (AVX2) or dpbusd (VNNI) step yields per block.
+ *  - Q4_K, Q5_K . Q8_K: per super-block the integer sums
+ *    isum = sum_j sc_j * dot_j and msum = sum_j m_j * (sum of a over j) are
+ *    exact; acc = fma(da*d, isum, acc), accm = fma(da*dmin, msum, accm) in
+ *    super-block order; result acc - accm.
+ *  - Q6_K . Q8_K: isum = sum_g sc_g * sum_16 (q-32)*a per super-block;
+ *    acc = fma(da*d, isum, acc); result acc.
+ *
+ * Activation blocks must hold values in [-127, 127] (what our quantizers
+ * produce); the AVX2 sign trick relies on it. */
+#ifndef KV_QUANT_INTERNAL_H
+#define KV_QUANT_INTERNAL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kvasir/quant.h"
+
+#define KV_QK8_0 32
+#define KV_QK4_0 32
+#define KV_K_SCALE_SIZE 12
+
+typedef struct {
+    uint16_t d;                /* fp16 scale */
+    int8_t qs[KV_QK8_0];       /* x = d * qs */
+} kv_block_q8_0;
+_Static_assert(sizeof(kv_block_q8_0) == 34, "q8_0 block size");
+
+typedef struct {
+    uint16_t d;                /* fp16 scale */
+    uint8_t qs[KV_QK4_0 / 2];  /* x[j] = d*((qs[j]&15)-8), x[j+16] = d*((qs[j]>>4)-8) */
+} kv_block_q4_0;
+_Static_assert(sizeof(kv_block_q4_0) == 18, "q4_0 block size");
+
+typedef struct {
+    uint16_t d;                      /* fp16 super-scale of the 6-bit scales */
+    uint16_t dmin;                   /* fp16 super-scale of the 6-bit mins */
+    uint8_t scales[KV_K_SCALE_SIZE]; /* 8 scales + 8 mins, 6 bits each, packed */
+    uint8_t qs[KV_QK_K / 2];         /* 4-bit quants: 64-element chunks, low nibbles first */
+} kv_block_q4_K;
+_Static_assert(sizeof(kv_block_q4_K) == 144, "q4_K block size");
+
+typedef struct {
+    uint16_t d;                      /* fp16 super-scale of the 6-bit scales */
+    uint16_t dmin;                   /* fp16 super-scale of the 6-bit mins */
+    uint8_t scales[KV_K_SCALE_SIZE]; /* as q4_K */
+    uint8_t qh[KV_QK_K / 8];         /* 5th bit: bit 2c (low) / 2c+1 (high) of chunk c */
+    uint8_t qs[KV_QK_K / 2];         /* low 4 bits, as q4_K */
+} kv_block_q5_K;
+_Static_assert(sizeof(kv_block_q5_K) == 176, "q5_K block size");
+
+typedef struct {
+    uint8_t ql[KV_QK_K / 2];     /* low 4 bits */
+    uint8_t qh[KV_QK_K / 4];     /* high 2 bits */
+    int8_t scales[KV_QK_K / 16]; /* one int8 scale per 16 elements */
+    uint16_t d;                  /* fp16 super-scale */
+} kv_block_q6_K;
+_Static_assert(sizeof(kv_block_q6_K) == 210, "q6_K block size");
+
+typedef struct {
+    float d;                      /* scale (may be negative) */
+    int8_t qs[KV_QK_K];           /* x = d * qs */
+    int16_t bsums[KV_QK_K / 16];  /* sum of qs in each group of 16 */
+} kv_block_q8_K;
+_Static_assert(sizeof(kv_block_q8_K) == 292, "q8_K block size");
+
+/* ---- helpers shared by all backends ---- */
+
+static inline uint32_t kv_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float kv_u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int; also
+ * what _mm256_round_ps(v, _MM_ROUND_NEAREST) gives). */
+static inline int kv_nearest_int(float v) {
+    float t = v + 12582912.f;  /* 1.5 * 2^23: the add rounds to an integer */
+    return (int)(kv_f2u(t) & 0x007fffff) - 0x00400000;
+}
+
+/* Fixed 8-lane tree: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), the order of
+ * the usual 256 -> 128 -> 64 -> 32 bit SIMD horizontal sum. */
+static inline float kv_hsum8(const float l[8]) {
+    float a0 = l[0] + l[4], a1 = l[1] + l[5], a2 = l[2] + l[6], a3 = l[3] + l[7];
+    float b0 = a0 + a2, b1 = a1 + a3;
+    return b0 + b1;
+}
+
+/* 16 lanes -> 8 (l + l+8) -> kv_hsum8. */
+static inline float kv_fold16(const float l[16]) {
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = l[i] + l[i + 8];
+    return kv_hsum8(f);
+}
+
+/* The 6-bit scale and min of sub-block j (0..7) of a q4_K/q5_K block. */
+static inline void kv_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* Unpack all 8 scales and 8 mins of a q4_K/q5_K block. */
+static inline void kv_unpack_k4(const uint8_t *q, uint8_t sc[8], uint8_t m[8]) {
+    for (int j = 0; j < 8; j++) kv_scale_min_k4(j, q, &sc[j], &m[j]);
+}
+
+/* ---- kernel tables ---- */
+
+typedef void (*kv_mat_fn)(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+                          const void *A, size_t a_stride, int64_t n_tok, float *Y,
+                          size_t y_stride);
+
+/* One backend's kernels for one type. Unset entries fall back to the next
+ * lower backend (avx512 -> avx2 -> ref). */
+typedef struct {
+    kv_to_float_fn to_float;
+    kv_from_float_fn from_float;
+    kv_vec_dot_fn vec_dot;
+    kv_mat_fn mat;
+} kv_kernels;
+
+/* Filled by each backend file; index = type id. */
+void kv_quant_fill_ref(kv_kernels *k);
+void kv_quant_fill_avx2(kv_kernels *k);
+void kv_quant_fill_avx512(kv_kernels *k);
+
+/* Generic mat kernel: calls vec_dot per (row, token) pair. */
+void kv_mat_generic(kv_vec_dot_fn dot, const void *W, size_t row_bytes, int64_t n, int64_t r0,
+                    int64_t r1, const void *A, size_t a_stride, int64_t n_tok, float *Y,
+                    size_t y_stride);
+
+#endif

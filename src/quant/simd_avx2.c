@@ -1,0 +1,437 @@
+/* AVX2 + FMA + F16C kernels (compiled with -mavx2 -mfma -mf16c -mbmi2; only
+ * called after run-time detection). Every kernel follows the canonical
+ * reduction order of quant_internal.h, so its results are bit-identical to
+ * the scalar reference.
+ *
+ * Hot path: each type has one tile routine computing an RT x TT block of
+ * (weight row, token) dot products over the whole row. Weight blocks are
+ * loaded and unpacked once per tile and reused for all TT tokens;
+ * activation blocks once and reused for all RT rows. vec_dot is the 1x1
+ * tile, so a lone dot and a tiled one run the same arithmetic per pair.
+ * kv_mat_rows walks the rows in tiles (RT rows x TT tokens); with few
+ * tokens it uses taller tiles. */
+#include <immintrin.h>
+
+#include "quant/quant_internal.h"
+
+#define AI static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")
+
+AI float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+AI int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Fixed 8-lane tree, same order as kv_hsum8. */
+AI float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l+l4 */
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                        /* (0+4)+(2+6), (1+5)+(3+7) */
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Run a tile routine over rows [r0,r1) x tokens [0,n_tok): RT x TT tiles,
+ * then the leftovers with 1-row / 1-token tiles. F(rt, tt, w, a, out)
+ * must compute out[r*tt + t] for the rt rows at w and tt tokens at a. */
+#define KV_MAT_DRIVER(F, RT, TT, RT1)                                                         \
+    do {                                                                                      \
+        const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;                     \
+        float o[(RT1) > (RT) * (TT) ? (RT1) : (RT) * (TT)];                                   \
+        int64_t r = r0;                                                                       \
+        if (n_tok < (TT)) {                                                                   \
+            for (; r + (RT1) <= r1; r += (RT1))                                               \
+                for (int64_t t = 0; t < n_tok; t++) {                                         \
+                    F(RT1, 1, wb + r * row_bytes, ab + t * a_stride, o);                      \
+                    for (int i = 0; i < (RT1); i++) Y[t * y_stride + r + i] = o[i];           \
+                }                                                                             \
+        }                                                                                     \
+        for (; r + (RT) <= r1; r += (RT)) {                                                   \
+            int64_t t = 0;                                                                    \
+            for (; t + (TT) <= n_tok; t += (TT)) {                                            \
+                F(RT, TT, wb + r * row_bytes, ab + t * a_stride, o);                          \
+                for (int i = 0; i < (RT); i++)                                                \
+                    for (int j = 0; j < (TT); j++) Y[(t + j) * y_stride + r + i] = o[i * (TT) + j]; \
+            }                                                                                 \
+            for (; t < n_tok; t++) {                                                          \
+                F(RT, 1, wb + r * row_bytes, ab + t * a_stride, o);                           \
+                for (int i = 0; i < (RT); i++) Y[t * y_stride + r + i] = o[i];                \
+            }                                                                                 \
+        }                                                                                     \
+        for (; r < r1; r++) {                                                                 \
+            int64_t t = 0;                                                                    \
+            for (; t + (TT) <= n_tok; t += (TT)) {                                            \
+                F(1, TT, wb + r * row_bytes, ab + t * a_stride, o);                           \
+                for (int j = 0; j < (TT); j++) Y[(t + j) * y_stride + r] = o[j];              \
+            }                                                                                 \
+            for (; t < n_tok; t++) {                                                          \
+                F(1, 1, wb + r * row_bytes, ab + t * a_stride, o);                            \
+                Y[t * y_stride + r] = o[0];                                                   \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+/* ================================================================== */
+/* float types: 8 lanes, lane i%8, fma in element order                */
+
+#define FLOAT_TILE(NAME, ELT, LOAD, SCAL)                                                      \
+    AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,     \
+                 size_t ab, float *out) {                                                      \
+        __m256 acc[4][4];                                                                      \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] =    \
+            _mm256_setzero_ps();                                                               \
+        int64_t i = 0;                                                                         \
+        for (; i + 8 <= n; i += 8) {                                                           \
+            __m256 av[4];                                                                      \
+            UNROLL for (int t = 0; t < TT; t++) av[t] = LOAD((const ELT *)(a + t * ab) + i);   \
+            UNROLL for (int r = 0; r < RT; r++) {                                              \
+                __m256 wv = LOAD((const ELT *)(w + r * rb) + i);                               \
+                UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, av[t], acc[r][t]); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < RT; r++)                                                           \
+            for (int t = 0; t < TT; t++) {                                                     \
+                float l[8];                                                                    \
+                _mm256_storeu_ps(l, acc[r][t]);                                                \
+                const ELT *x = (const ELT *)(w + r * rb), *y = (const ELT *)(a + t * ab);      \
+                for (int64_t k = i; k < n; k++) l[k & 7] = fmaf(SCAL(x[k]), SCAL(y[k]), l[k & 7]); \
+                out[r * TT + t] = kv_hsum8(l);                                                 \
+            }                                                                                  \
+    }
+
+AI __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+AI __m256 ld_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+AI __m256 ld_bf16(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+AI float sc_f32(float x) { return x; }
+AI float sc_f16(uint16_t h) { return _cvtsh_ss(h); }
+AI float sc_bf16(uint16_t h) { return kv_u2f((uint32_t)h << 16); }
+
+FLOAT_TILE(f32_tile, float, ld_f32, sc_f32)
+FLOAT_TILE(f16_tile, uint16_t, ld_f16, sc_f16)
+FLOAT_TILE(bf16_tile, uint16_t, ld_bf16, sc_bf16)
+
+/* ================================================================== */
+/* Q8_0 / Q4_0 against Q8_0: 16 lanes (even / odd block accumulators)   */
+
+/* Signed x signed 32-byte dot in 4-element groups -> 8 int32. */
+AI __m256i dot_i8_groups(__m256i ax, __m256i sy) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+}
+
+/* Q4_0 block -> 32 signed bytes (q - 8) in element order. */
+AI __m256i q4_0_bytes(const kv_block_q4_0 *b) {
+    __m128i v = _mm_loadu_si128((const __m128i *)b->qs);
+    __m256i x = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    x = _mm256_and_si256(x, _mm256_set1_epi8(0xF));
+    return _mm256_sub_epi8(x, _mm256_set1_epi8(8));
+}
+
+#define Q80_TILE(NAME, WBLK, WBYTES)                                                            \
+    AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,      \
+                 size_t ab, float *out) {                                                       \
+        __m256 acc[4][4][2];                                                                    \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {               \
+            acc[r][t][0] = _mm256_setzero_ps();                                                 \
+            acc[r][t][1] = _mm256_setzero_ps();                                                 \
+        }                                                                                       \
+        const int64_t nb = n / 32;                                                              \
+        for (int64_t b = 0; b < nb; b++) {                                                      \
+            const int odd = (int)(b & 1);                                                       \
+            __m256i yv[4];                                                                      \
+            float da[4];                                                                        \
+            UNROLL for (int t = 0; t < TT; t++) {                                               \
+                const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + t * ab) + b;               \
+                yv[t] = _mm256_loadu_si256((const __m256i *)y->qs);                             \
+                da[t] = h2f(y->d);                                                              \
+            }                                                                                   \
+            UNROLL for (int r = 0; r < RT; r++) {                                               \
+                const WBLK *x = (const WBLK *)(w + r * rb) + b;                                 \
+                __m256i xv = WBYTES(x);                                                         \
+                __m256i ax = _mm256_sign_epi8(xv, xv);                                          \
+                float dw = h2f(x->d);                                                           \
+                UNROLL for (int t = 0; t < TT; t++) {                                           \
+                    __m256i p = dot_i8_groups(ax, _mm256_sign_epi8(yv[t], xv));                 \
+                    __m256 d = _mm256_set1_ps(dw * da[t]);                                      \
+                    if (odd) acc[r][t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r][t][1]); \
+                    else acc[r][t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r][t][0]); \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)                 \
+            out[r * TT + t] = hsum_ps(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));               \
+    }
+
+AI __m256i q8_0_bytes(const kv_block_q8_0 *b) { return _mm256_loadu_si256((const __m256i *)b->qs); }
+
+Q80_TILE(q8_0_tile, kv_block_q8_0, q8_0_bytes)
+Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
+
+/* ================================================================== */
+/* K-quants against Q8_K                                                */
+
+/* q4_K/q5_K: per super-block int sums, then the scalar float steps. */
+#define K4_TILE(NAME, WBLK, Q5)                                                                 \
+    AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,      \
+                 size_t ab, float *out) {                                                       \
+        float acc[4][4] = {{0}}, accm[4][4] = {{0}};                                            \
+        const __m256i m4 = _mm256_set1_epi8(0xF);                                               \
+        for (int64_t i = 0; i < n / KV_QK_K; i++) {                                             \
+            __m256i isum[4][4];                                                                 \
+            uint8_t scs[4][8];                                                                  \
+            __m256i mdup[4];                                                                    \
+            UNROLL for (int r = 0; r < RT; r++) {                                               \
+                const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
+                uint8_t m[8];                                                                   \
+                kv_unpack_k4(x->scales, scs[r], m);                                             \
+                mdup[r] = _mm256_setr_epi16(m[0], m[0], m[1], m[1], m[2], m[2], m[3], m[3],     \
+                                            m[4], m[4], m[5], m[5], m[6], m[6], m[7], m[7]);    \
+                UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm256_setzero_si256();        \
+            }                                                                                   \
+            for (int c = 0; c < 4; c++) {                                                       \
+                __m256i ylo[4], yhi[4];                                                         \
+                UNROLL for (int t = 0; t < TT; t++) {                                           \
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
+                    ylo[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c));             \
+                    yhi[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c + 32));        \
+                }                                                                               \
+                UNROLL for (int r = 0; r < RT; r++) {                                           \
+                    const WBLK *x = (const WBLK *)(w + r * rb) + i;                             \
+                    __m256i qv = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * c));         \
+                    __m256i lo = _mm256_and_si256(qv, m4);                                      \
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                \
+                    if (Q5) {                                                                   \
+                        __m256i qh = _mm256_loadu_si256((const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh); \
+                        const __m256i one = _mm256_set1_epi8(1);                                \
+                        __m256i hl = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one); \
+                        __m256i hh = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one); \
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));                     \
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));                     \
+                    }                                                                           \
+                    const __m256i s0 = _mm256_set1_epi16(scs[r][2 * c]);                        \
+                    const __m256i s1 = _mm256_set1_epi16(scs[r][2 * c + 1]);                    \
+                    UNROLL for (int t = 0; t < TT; t++) {                                       \
+                        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo[t]), s0);   \
+                        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
+                        isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(p0, p1));    \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            UNROLL for (int r = 0; r < RT; r++) {                                               \
+                const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
+                float d = h2f(x->d), dmin = h2f(x->dmin);                                       \
+                UNROLL for (int t = 0; t < TT; t++) {                                           \
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
+                    __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);                 \
+                    int32_t ms = hsum_i32(_mm256_madd_epi16(bs, mdup[r]));                      \
+                    int32_t is = hsum_i32(isum[r][t]);                                          \
+                    acc[r][t] = fmaf(y->d * d, (float)is, acc[r][t]);                           \
+                    accm[r][t] = fmaf(y->d * dmin, (float)ms, accm[r][t]);                      \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < RT; r++)                                                            \
+            for (int t = 0; t < TT; t++) out[r * TT + t] = acc[r][t] - accm[r][t];              \
+    }
+
+K4_TILE(q4_K_tile, kv_block_q4_K, 0)
+K4_TILE(q5_K_tile, kv_block_q5_K, 1)
+
+AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,
+                  size_t ab, float *out) {
+    float acc[4][4] = {{0}};
+    const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < n / KV_QK_K; i++) {
+        __m256i isum[4][4];
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) isum[r][t] =
+            _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            for (int k = 0; k < 4; k++) {
+                __m256i yv[4];
+                UNROLL for (int t = 0; t < TT; t++) {
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
+                    yv[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 128 * h + 32 * k));
+                }
+                UNROLL for (int r = 0; r < RT; r++) {
+                    const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
+                    __m256i ql = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32 * (k & 1)));
+                    __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+                    __m256i lo = (k & 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
+                    __m256i hb = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * k)), m3);
+                    __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+                    __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(x->scales[8 * h + 2 * k + 1]),
+                                                   _mm_set1_epi16(x->scales[8 * h + 2 * k]));
+                    UNROLL for (int t = 0; t < TT; t++) {
+                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv[t]), s16);
+                        isum[r][t] = _mm256_add_epi32(isum[r][t], p);
+                    }
+                }
+            }
+        }
+        UNROLL for (int r = 0; r < RT; r++) {
+            const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
+            __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+            float d = h2f(x->d);
+            UNROLL for (int t = 0; t < TT; t++) {
+                const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
+                __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
+                int32_t corr = hsum_i32(_mm256_madd_epi16(bs, sc));
+                int32_t is = hsum_i32(isum[r][t]) - 32 * corr;
+                acc[r][t] = fmaf(y->d * d, (float)is, acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int t = 0; t < TT; t++) out[r * TT + t] = acc[r][t];
+}
+
+/* ================================================================== */
+/* vec_dot and mat entry points                                         */
+
+#define ENTRY(T, TILE, RT, TT, RT1)                                                             \
+    static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
+        TILE(1, 1, n, (const uint8_t *)w, 0, (const uint8_t *)a, 0, s);                         \
+    }                                                                                           \
+    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,     \
+                        const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
+        _Static_assert((RT) <= 4 && (TT) <= 4 && (RT1) <= 4, "tile too big");                   \
+        KV_MAT_DRIVER(T##_F, RT, TT, RT1);                                                      \
+    }
+
+/* The tile F(rt, tt, w, a, o) call used by KV_MAT_DRIVER, per type. */
+#define f32_F(rt, tt, w, a, o) f32_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+#define f16_F(rt, tt, w, a, o) f16_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+#define bf16_F(rt, tt, w, a, o) bf16_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+#define q8_0_F(rt, tt, w, a, o) q8_0_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+#define q4_0_F(rt, tt, w, a, o) q4_0_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+#define q4_K_F(rt, tt, w, a, o) q4_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+#define q5_K_F(rt, tt, w, a, o) q5_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+#define q6_K_F(rt, tt, w, a, o) q6_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
+
+ENTRY(f32, f32_tile, 3, 4, 4)
+ENTRY(f16, f16_tile, 3, 4, 4)
+ENTRY(bf16, bf16_tile, 3, 4, 4)
+ENTRY(q8_0, q8_0_tile, 2, 3, 4)
+ENTRY(q4_0, q4_0_tile, 2, 3, 4)
+ENTRY(q4_K, q4_K_tile, 2, 3, 4)
+ENTRY(q5_K, q5_K_tile, 2, 3, 4)
+ENTRY(q6_K, q6_K_tile, 2, 3, 4)
+
+/* ================================================================== */
+/* activation quantizers                                                */
+
+/* As the reference (ggml's x86 quantize_row_q8_0), bit for bit. */
+static void q8_0_from_float(const float *src, void *dst, int64_t n) {
+    kv_block_q8_0 *b = dst;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float *x = src + 32 * i;
+        __m256 v[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(x + 8 * k);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        b[i].d = kv_fp32_to_fp16(amax / 127.f);
+        __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.f / amax : 0.0f);
+        __m256i q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)b[i].qs, p);
+    }
+}
+
+/* As the reference quantize_row_q8_K: the first value of largest magnitude
+ * sets iscale = -127/max. */
+static void q8_K_from_float(const float *src, void *dst, int64_t n) {
+    kv_block_q8_K *b = dst;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < n / KV_QK_K; i++) {
+        const float *x = src + KV_QK_K * i;
+        __m256 mx = _mm256_setzero_ps();
+        for (int k = 0; k < 32; k++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k)));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        if (amax == 0) {
+            memset(&b[i], 0, sizeof b[i]);
+            continue;
+        }
+        float max = 0;
+        __m256 am = _mm256_set1_ps(amax);
+        for (int k = 0; k < 32; k++) {
+            int msk = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k)), am, _CMP_EQ_OQ));
+            if (msk) { max = x[8 * k + __builtin_ctz((unsigned)msk)]; break; }
+        }
+        float iscale = -127.f / max;
+        __m256 is = _mm256_set1_ps(iscale);
+        const __m256i lim = _mm256_set1_epi32(127);
+        for (int g = 0; g < 16; g++) {
+            __m256i q0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * g), is), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m256i q1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * g + 8), is), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            q0 = _mm256_min_epi32(q0, lim);
+            q1 = _mm256_min_epi32(q1, lim);
+            b[i].bsums[g] = (int16_t)hsum_i32(_mm256_add_epi32(q0, q1));
+            __m256i p = _mm256_packs_epi32(q0, q1);            /* 0-3 8-11 | 4-7 12-15 */
+            p = _mm256_permute4x64_epi64(p, 0xd8);              /* 0-7 | 8-15 */
+            __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+            _mm_storeu_si128((__m128i *)(b[i].qs + 16 * g), p8);
+        }
+        b[i].d = 1 / iscale;
+    }
+}
+
+/* RNE like kv_fp32_to_fp16 (NaN payloads aside: hardware keeps them). */
+static void f16_from_float(const float *src, void *dst, int64_t n) {
+    uint16_t *h = dst;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) h[i] = kv_fp32_to_fp16(src[i]);
+}
+
+static void f16_to_float(const void *src, float *dst, int64_t n) {
+    const uint16_t *h = src;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ld_f16(h + i));
+    for (; i < n; i++) dst[i] = kv_fp16_to_fp32(h[i]);
+}
+
+static void q8_0_to_float(const void *src, float *dst, int64_t n) {
+    const kv_block_q8_0 *b = src;
+    for (int64_t i = 0; i < n / 32; i++) {
+        __m256 d = _mm256_set1_ps(h2f(b[i].d));
+        for (int k = 0; k < 4; k++) {
+            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].qs + 8 * k)));
+            _mm256_storeu_ps(dst + 32 * i + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        }
+    }
+}
+
+void kv_quant_fill_avx2(kv_kernels *k) {
+    k[KV_TYPE_F32].vec_dot = f32_dot;     k[KV_TYPE_F32].mat = f32_mat;
+    k[KV_TYPE_F16].vec_dot = f16_dot;     k[KV_TYPE_F16].mat = f16_mat;
+    k[KV_TYPE_BF16].vec_dot = bf16_dot;   k[KV_TYPE_BF16].mat = bf16_mat;
+    k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8_0_mat;
+    k[KV_TYPE_Q4_0].vec_dot = q4_0_dot;   k[KV_TYPE_Q4_0].mat = q4_0_mat;
+    k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_mat;
+    k[KV_TYPE_Q5_K].vec_dot = q5_K_dot;   k[KV_TYPE_Q5_K].mat = q5_K_mat;
+    k[KV_TYPE_Q6_K].vec_dot = q6_K_dot;   k[KV_TYPE_Q6_K].mat = q6_K_mat;
+    k[KV_TYPE_Q8_0].from_float = q8_0_from_float;
+    k[KV_TYPE_Q8_K].from_float = q8_K_from_float;
+    k[KV_TYPE_F16].from_float = f16_from_float;
+    k[KV_TYPE_F16].to_float = f16_to_float;
+    k[KV_TYPE_Q8_0].to_float = q8_0_to_float;
+}

@@ -1,0 +1,278 @@
+/* The qwen3moe forward pass:
+ *  - against an independent f64 re-implementation (naive loops, doubles
+ *    throughout) on an F32 model: max |logit difference| bounded;
+ *  - logits bit-identical for 1, 2 and 4 threads (F32, Q8_0, Q4_K models);
+ *  - bit-identical whether the prompt runs as one batch, in chunks, or token
+ *    by token (results do not depend on batch composition);
+ *  - bit-identical when experts come through a different provider (one that
+ *    forwards every token separately, in reverse order);
+ *  - the context limit is enforced without changing the state.
+ * Models are written by `kvasir gen-model` ($KV_BIN) into a temp dir. */
+#include <stdbool.h>
+#include <stdint.h>
+#include <unistd.h>
+
+#include "kvasir/model.h"
+#include "kvasir/quant.h"
+#include "kvtest.h"
+
+static char g_dir[256];
+
+static int gen(const char *name, const char *args, char *path, size_t cap) {
+    const char *bin = getenv("KV_BIN");
+    if (!bin) { fprintf(stderr, "KV_BIN is not set\n"); return -1; }
+    snprintf(path, cap, "%s/%s.gguf", g_dir, name);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s gen-model --arch qwen3moe --out %s %s >/dev/null 2>&1", bin, path, args);
+    return system(cmd);
+}
+
+/* ---- f64 reference forward ------------------------------------------- */
+
+static const float *F(const kv_weight *w) { return (const float *)w->data; }
+
+static void ref_rmsnorm(double *y, const double *x, const float *w, int n, double eps) {
+    double s = 0;
+    for (int i = 0; i < n; i++) s += x[i] * x[i];
+    double sc = 1.0 / sqrt(s / n + eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * sc * w[i];
+}
+
+static void ref_matvec(double *y, const float *W, const double *x, int rows, int cols) {
+    for (int r = 0; r < rows; r++) {
+        double s = 0;
+        for (int c = 0; c < cols; c++) s += (double)W[(size_t)r * cols + c] * x[c];
+        y[r] = s;
+    }
+}
+
+/* Runs tokens[0..n) and returns the logits of the last one. */
+static void ref_forward(const kv_model *m, const int32_t *tokens, int n, double *logits) {
+    const kv_hparams *hp = kv_model_hparams(m);
+    const int E = hp->n_embd, H = hp->n_head, HKV = hp->n_head_kv, HD = hp->head_dim;
+    const int QD = H * HD, KVD = HKV * HD, NE = hp->n_expert, K = hp->n_expert_used, FF = hp->n_ff_exp;
+    const int V = hp->n_vocab, L = hp->n_layer;
+    double *x = calloc((size_t)n * E, sizeof *x), *xb = calloc(E, sizeof *xb);
+    double *kc = calloc((size_t)L * n * KVD, sizeof *kc), *vc = calloc((size_t)L * n * KVD, sizeof *vc);
+    double *q = calloc(QD, sizeof *q), *att = calloc(QD, sizeof *att), *tmp = calloc(E > V ? E : V, sizeof *tmp);
+    double *sc = calloc(n, sizeof *sc), *pr = calloc(NE, sizeof *pr), *g = calloc(FF, sizeof *g);
+    double *u = calloc(FF, sizeof *u), *acc = calloc(E, sizeof *acc);
+    const kv_weight *emb = NULL;
+    (void)emb;
+    const kv_gguf_tensor *te = kv_gguf_find_tensor(kv_model_gguf(m), "token_embd.weight");
+    const kv_gguf_tensor *to = kv_gguf_find_tensor(kv_model_gguf(m), "output.weight");
+    const kv_gguf_tensor *tn = kv_gguf_find_tensor(kv_model_gguf(m), "output_norm.weight");
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < E; i++) x[(size_t)t * E + i] = ((const float *)te->data)[(size_t)tokens[t] * E + i];
+    for (int l = 0; l < L; l++) {
+        const kv_layer *ly = kv_model_layer(m, (uint32_t)l);
+        for (int t = 0; t < n; t++) { /* causal: token t sees 0..t; process in order */
+            double *xt = x + (size_t)t * E;
+            ref_rmsnorm(xb, xt, F(&ly->attn_norm), E, hp->rms_eps);
+            ref_matvec(q, F(&ly->wq), xb, QD, E);
+            double *kt = kc + ((size_t)l * n + t) * KVD, *vt = vc + ((size_t)l * n + t) * KVD;
+            ref_matvec(kt, F(&ly->wk), xb, KVD, E);
+            ref_matvec(vt, F(&ly->wv), xb, KVD, E);
+            for (int h = 0; h < H + HKV; h++) {
+                double *v = h < H ? q + h * HD : kt + (h - H) * HD;
+                const float *nw = h < H ? F(&ly->q_norm) : F(&ly->k_norm);
+                ref_rmsnorm(v, v, nw, HD, hp->rms_eps);
+                for (int i = 0; i < HD / 2; i++) {
+                    double th = t * pow(hp->rope_freq_base, -2.0 * i / HD);
+                    double a = v[i], b = v[i + HD / 2];
+                    v[i] = a * cos(th) - b * sin(th);
+                    v[i + HD / 2] = a * sin(th) + b * cos(th);
+                }
+            }
+            for (int h = 0; h < H; h++) {
+                int kh = h / (H / HKV);
+                double mx = -1e300, sum = 0;
+                for (int p = 0; p <= t; p++) {
+                    double s = 0;
+                    for (int i = 0; i < HD; i++) s += q[h * HD + i] * kc[((size_t)l * n + p) * KVD + kh * HD + i];
+                    sc[p] = s / sqrt((double)HD);
+                    if (sc[p] > mx) mx = sc[p];
+                }
+                for (int p = 0; p <= t; p++) sum += (sc[p] = exp(sc[p] - mx));
+                for (int i = 0; i < HD; i++) {
+                    double o = 0;
+                    for (int p = 0; p <= t; p++) o += sc[p] / sum * vc[((size_t)l * n + p) * KVD + kh * HD + i];
+                    att[h * HD + i] = o;
+                }
+            }
+            ref_matvec(tmp, F(&ly->wo), att, E, QD);
+            for (int i = 0; i < E; i++) xt[i] += tmp[i];
+            ref_rmsnorm(xb, xt, F(&ly->ffn_norm), E, hp->rms_eps);
+            ref_matvec(pr, F(&ly->gate_inp), xb, NE, E);
+            double mx = -1e300, sum = 0;
+            for (int e = 0; e < NE; e++) if (pr[e] > mx) mx = pr[e];
+            for (int e = 0; e < NE; e++) sum += (pr[e] = exp(pr[e] - mx));
+            for (int e = 0; e < NE; e++) pr[e] /= sum;
+            int sel[64];
+            double wsum = 0;
+            for (int r = 0; r < K; r++) {
+                int b = -1;
+                for (int e = 0; e < NE; e++) {
+                    bool taken = false;
+                    for (int z = 0; z < r; z++) taken |= sel[z] == e;
+                    if (!taken && (b < 0 || pr[e] > pr[b])) b = e;
+                }
+                sel[r] = b;
+                wsum += pr[b];
+            }
+            for (int i = 0; i < E; i++) acc[i] = 0;
+            for (int r = 0; r < K; r++) {
+                const int e = sel[r];
+                ref_matvec(g, F(&ly->gate_exps) + (size_t)e * FF * E, xb, FF, E);
+                ref_matvec(u, F(&ly->up_exps) + (size_t)e * FF * E, xb, FF, E);
+                for (int i = 0; i < FF; i++) g[i] = g[i] / (1 + exp(-g[i])) * u[i];
+                ref_matvec(tmp, F(&ly->down_exps) + (size_t)e * E * FF, g, E, FF);
+                for (int i = 0; i < E; i++) acc[i] += pr[e] / wsum * tmp[i];
+            }
+            for (int i = 0; i < E; i++) xt[i] += acc[i];
+        }
+    }
+    ref_rmsnorm(xb, x + (size_t)(n - 1) * E, (const float *)tn->data, E, hp->rms_eps);
+    ref_matvec(logits, to ? (const float *)to->data : (const float *)te->data, xb, V, E);
+    free(x); free(xb); free(kc); free(vc); free(q); free(att); free(tmp); free(sc); free(pr);
+    free(g); free(u); free(acc);
+}
+
+/* ---- helpers ------------------------------------------------------------ */
+
+/* Evaluates prompt in chunks of n_batch on a pool of nth threads, then
+ * decodes n_dec greedy tokens; returns all logits concatenated (caller frees). */
+static float *run(const kv_model *m, int nth, uint32_t n_batch, const int32_t *prompt, int n,
+                  int n_dec, const kv_expert_provider *prov) {
+    const uint32_t V = kv_model_hparams(m)->n_vocab;
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    kv_state *s = NULL;
+    float *out = calloc((size_t)(n_dec + 1) * V, sizeof *out);
+    if (kv_pool_new(&pool, nth, &d)) { KVT_FAIL("pool: %s", d.msg); return out; }
+    kv_state_opts o = {64, n_batch, prov};
+    if (kv_state_new(&s, m, pool, &o, &d)) { KVT_FAIL("state: %s", d.msg); kv_pool_free(pool); return out; }
+    if (n_batch == 1) {
+        for (int i = 0; i < n; i++)
+            if (kv_state_eval(s, prompt + i, 1, i == n - 1 ? out : NULL, &d)) KVT_FAIL("eval: %s", d.msg);
+    } else if (kv_state_eval(s, prompt, (uint32_t)n, out, &d)) {
+        KVT_FAIL("eval: %s", d.msg);
+    }
+    for (int k = 0; k < n_dec; k++) {
+        const float *l = out + (size_t)k * V;
+        int32_t best = 0;
+        for (uint32_t i = 1; i < V; i++) if (l[i] > l[best]) best = (int32_t)i;
+        if (kv_state_eval(s, &best, 1, out + (size_t)(k + 1) * V, &d)) KVT_FAIL("decode: %s", d.msg);
+    }
+    kv_state_free(s);
+    kv_pool_free(pool);
+    return out;
+}
+
+/* A provider that forwards each token separately, last token first. */
+typedef struct { kv_expert_provider inner; } per_token;
+static int per_token_compute(void *impl, const kv_expert_req *r, float *out, kv_diag *d) {
+    per_token *p = impl;
+    for (int t = (int)r->n_tokens - 1; t >= 0; t--) {
+        kv_expert_req one = *r;
+        one.n_tokens = 1;
+        one.x = r->x + (size_t)t * r->n_embd;
+        one.ids = r->ids + (size_t)t * r->n_used;
+        int rc = p->inner.compute(p->inner.impl, &one, out + (size_t)t * r->n_used * r->n_embd, d);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/kvasir-test-model-XXXXXX");
+    if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 1; }
+    struct { const char *name, *args; } models[] = {
+        {"f32", "--layers 2 --embd 128 --ff-exp 64 --experts 8 --experts-used 3 --heads 4 --kv-heads 2 "
+                "--head-dim 32 --vocab 1024 --ctx 256 --type f32 --seed 11"},
+        {"q8_0", "--layers 2 --embd 128 --ff-exp 96 --experts 6 --experts-used 2 --heads 4 --kv-heads 1 "
+                 "--head-dim 32 --vocab 1024 --ctx 256 --type q8_0 --seed 12 --tied"},
+        {"q4_k", "--layers 2 --embd 256 --ff-exp 256 --experts 4 --experts-used 2 --heads 4 --kv-heads 2 "
+                 "--head-dim 64 --vocab 1024 --ctx 256 --type q4_k --seed 13"},
+    };
+    const int32_t prompt[] = {5, 77, 300, 12, 999, 4, 250, 640, 33};
+    const int n = (int)(sizeof prompt / sizeof prompt[0]);
+    for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
+        char path[512];
+        if (gen(models[mi].name, models[mi].args, path, sizeof path)) { KVT_FAIL("gen-model %s failed", models[mi].name); continue; }
+        kv_model *m = NULL;
+        kv_diag d = {0};
+        if (kv_model_load(&m, path, &d)) { KVT_FAIL("load %s: %s", models[mi].name, d.msg); continue; }
+        const uint32_t V = kv_model_hparams(m)->n_vocab;
+        const size_t bytes = (size_t)4 * V * sizeof(float);
+        float *base = run(m, 1, 16, prompt, n, 3, NULL);
+        for (int nth = 2; nth <= 4; nth *= 2) {
+            float *o = run(m, nth, 16, prompt, n, 3, NULL);
+            ASSERT_TRUE(memcmp(base, o, bytes) == 0);
+            free(o);
+        }
+        float *chunk = run(m, 2, 4, prompt, n, 3, NULL);
+        ASSERT_TRUE(memcmp(base, chunk, bytes) == 0);
+        float *single = run(m, 2, 1, prompt, n, 3, NULL);
+        ASSERT_TRUE(memcmp(base, single, bytes) == 0);
+        free(chunk);
+        free(single);
+        /* a different provider: same bits */
+        kv_pool *pool = NULL;
+        kv_pool_new(&pool, 2, &d);
+        per_token pt;
+        ASSERT_EQ(kv_expert_local_new(&pt.inner, m, pool, 16, &d), 0);
+        kv_expert_provider prov = {&pt, per_token_compute, NULL, "per-token"};
+        float *viap = run(m, 2, 16, prompt, n, 3, &prov);
+        ASSERT_TRUE(memcmp(base, viap, bytes) == 0);
+        free(viap);
+        pt.inner.free(pt.inner.impl);
+        kv_pool_free(pool);
+        /* logits are finite and not constant */
+        bool finite = true;
+        float lo = base[0], hi = base[0];
+        for (size_t i = 0; i < (size_t)4 * V; i++) {
+            finite &= isfinite(base[i]);
+            lo = base[i] < lo ? base[i] : lo;
+            hi = base[i] > hi ? base[i] : hi;
+        }
+        ASSERT_TRUE(finite);
+        ASSERT_TRUE(hi - lo > 0.5f);
+        /* F32 model against the f64 reference */
+        if (!strcmp(models[mi].name, "f32")) {
+            double *ref = malloc(V * sizeof *ref);
+            ref_forward(m, prompt, n, ref);
+            double maxd = 0, maxabs = 0;
+            for (uint32_t i = 0; i < V; i++) {
+                double df = fabs(ref[i] - base[i]);
+                maxd = df > maxd ? df : maxd;
+                maxabs = fabs(ref[i]) > maxabs ? fabs(ref[i]) : maxabs;
+            }
+            printf("f32 model vs f64 reference: max |dlogit| = %.3g (max |logit| %.3g)\n", maxd, maxabs);
+            ASSERT_TRUE(maxd < 1e-3);
+            free(ref);
+        }
+        /* context limit: nothing evaluated, position unchanged */
+        {
+            kv_pool *p1 = NULL;
+            kv_state *s = NULL;
+            kv_pool_new(&p1, 1, &d);
+            kv_state_opts o = {8, 8, NULL};
+            ASSERT_EQ(kv_state_new(&s, m, p1, &o, &d), 0);
+            ASSERT_EQ(kv_state_eval(s, prompt, 5, NULL, &d), 0);
+            ASSERT_EQ(kv_state_eval(s, prompt, 4, NULL, &d), KV_ECTXFULL);
+            ASSERT_EQ(kv_state_pos(s), 5);
+            int32_t badtok = (int32_t)V;
+            ASSERT_EQ(kv_state_eval(s, &badtok, 1, NULL, &d), KV_ERANGE);
+            ASSERT_EQ(kv_state_pos(s), 5);
+            kv_state_free(s);
+            kv_pool_free(p1);
+        }
+        free(base);
+        kv_model_free(m);
+    }
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
+    if (system(cmd)) fprintf(stderr, "could not remove %s\n", g_dir);
+    KV_TEST_END();
+}

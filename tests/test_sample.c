@@ -1,0 +1,146 @@
+/* Sampling: greedy is argmax; the same seed gives the same draws; every
+ * draw lies in the candidate set that an independent f64 computation of
+ * top-k / top-p / min-p admits; draw frequencies follow the tempered
+ * probabilities; the repetition penalty changes exactly the penalized
+ * tokens. */
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvasir/sample.h"
+#include "kvtest.h"
+
+#define NV 200
+
+static void fill_logits(float *l, uint64_t seed) {
+    uint64_t x = seed;
+    for (int i = 0; i < NV; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        l[i] = (float)((double)(x >> 11) / 9007199254740992.0 * 8.0 - 4.0);
+    }
+}
+
+/* Reference: which tokens may be drawn, and their probabilities, in f64. */
+static void ref_allowed(const float *l, int top_k, double top_p, double min_p, double temp,
+                        bool *allowed, double *prob) {
+    int order[NV];
+    for (int i = 0; i < NV; i++) order[i] = i;
+    for (int i = 0; i < NV; i++) /* selection sort by logit desc, id asc */
+        for (int j = i + 1; j < NV; j++)
+            if (l[order[j]] > l[order[i]] || (l[order[j]] == l[order[i]] && order[j] < order[i])) {
+                int t = order[i];
+                order[i] = order[j];
+                order[j] = t;
+            }
+    int n = top_k > 0 && top_k < NV ? top_k : NV;
+    double p[NV], sum = 0;
+    for (int i = 0; i < n; i++) sum += (p[i] = exp((double)l[order[i]] - l[order[0]]));
+    for (int i = 0; i < n; i++) p[i] /= sum;
+    if (top_p < 1.0) {
+        double cum = 0;
+        for (int i = 0; i < n; i++) {
+            cum += p[i];
+            if (cum >= top_p) { n = i + 1; break; }
+        }
+    }
+    if (min_p > 0) { /* p_i >= min_p * p_max  <=>  exp(l_i - l_max) >= min_p */
+        int keep = 1;
+        while (keep < n && exp((double)l[order[keep]] - l[order[0]]) >= min_p) keep++;
+        n = keep;
+    }
+    memset(allowed, 0, NV * sizeof *allowed);
+    for (int i = 0; i < NV; i++) prob[i] = 0;
+    sum = 0;
+    for (int i = 0; i < n; i++) sum += exp(((double)l[order[i]] - l[order[0]]) / temp);
+    for (int i = 0; i < n; i++) {
+        allowed[order[i]] = true;
+        prob[order[i]] = exp(((double)l[order[i]] - l[order[0]]) / temp) / sum;
+    }
+}
+
+int main(void) {
+    float l[NV];
+    kv_diag d = {0};
+    kv_sampler *s = NULL;
+
+    /* greedy */
+    fill_logits(l, 1);
+    int best = 0;
+    for (int i = 1; i < NV; i++) if (l[i] > l[best]) best = i;
+    kv_sample_params p = kv_sample_defaults();
+    p.temp = 0;
+    ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+    ASSERT_EQ(kv_sampler_sample(s, l), best);
+    kv_sampler_free(s);
+
+    /* same seed, same draws; different seed, different sequence */
+    p = kv_sample_defaults();
+    p.temp = 1.5f; p.top_k = 0; p.top_p = 1.0f; p.min_p = 0.0f; p.seed = 42;
+    int32_t a[64], b[64], c[64];
+    kv_sampler *s2 = NULL, *s3 = NULL;
+    ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+    ASSERT_EQ(kv_sampler_new(&s2, NV, &p, &d), 0);
+    p.seed = 43;
+    ASSERT_EQ(kv_sampler_new(&s3, NV, &p, &d), 0);
+    int differ = 0;
+    for (int i = 0; i < 64; i++) {
+        a[i] = kv_sampler_sample(s, l);
+        b[i] = kv_sampler_sample(s2, l);
+        c[i] = kv_sampler_sample(s3, l);
+        differ += a[i] != c[i];
+        ASSERT_EQ(a[i], b[i]);
+    }
+    ASSERT_TRUE(differ > 0);
+    kv_sampler_free(s); kv_sampler_free(s2); kv_sampler_free(s3);
+
+    /* filters: every draw allowed by the f64 reference; frequencies close */
+    struct { int k; float tp, mp, temp; } cases[] = {
+        {40, 1.0f, 0.0f, 1.0f}, {0, 0.5f, 0.0f, 1.0f}, {0, 1.0f, 0.2f, 1.0f},
+        {10, 0.9f, 0.05f, 0.7f}, {5, 1.0f, 0.0f, 2.0f},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        fill_logits(l, 100 + ci);
+        bool allowed[NV];
+        double prob[NV];
+        ref_allowed(l, cases[ci].k, cases[ci].tp, cases[ci].mp, cases[ci].temp, allowed, prob);
+        p = kv_sample_defaults();
+        p.top_k = cases[ci].k; p.top_p = cases[ci].tp; p.min_p = cases[ci].mp; p.temp = cases[ci].temp;
+        p.seed = 7 + ci;
+        ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+        const int N = 20000;
+        int cnt[NV] = {0}, bad = 0;
+        for (int i = 0; i < N; i++) {
+            int32_t t = kv_sampler_sample(s, l);
+            if (t < 0 || t >= NV || !allowed[t]) bad++;
+            else cnt[t]++;
+        }
+        ASSERT_EQ(bad, 0);
+        double maxdev = 0;
+        for (int i = 0; i < NV; i++) {
+            double dev = fabs(cnt[i] / (double)N - prob[i]);
+            if (dev > maxdev) maxdev = dev;
+        }
+        /* 20000 draws: a binomial sd is at most 0.0035; allow ~5 sd */
+        ASSERT_TRUE(maxdev < 0.018);
+        kv_sampler_free(s);
+    }
+
+    /* repetition penalty: penalized token's logit divided (positive) or multiplied (negative) */
+    for (int i = 0; i < NV; i++) l[i] = 0.0f;
+    l[3] = 2.0f; l[4] = 1.9f;
+    p = kv_sample_defaults();
+    p.temp = 0; p.repeat_penalty = 1.5f;
+    ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+    ASSERT_EQ(kv_sampler_sample(s, l), 3);
+    kv_sampler_accept(s, 3); /* 2.0/1.5 = 1.33 < 1.9 */
+    ASSERT_EQ(kv_sampler_sample(s, l), 4);
+    kv_sampler_free(s);
+
+    /* bad parameters are refused */
+    p = kv_sample_defaults();
+    p.top_p = 0.0f;
+    ASSERT_NE(kv_sampler_new(&s, NV, &p, &d), 0);
+    p = kv_sample_defaults();
+    p.temp = -1.0f;
+    ASSERT_NE(kv_sampler_new(&s, NV, &p, &d), 0);
+    KV_TEST_END();
+}
