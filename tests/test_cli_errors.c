@@ -75,7 +75,7 @@ static int rewrite(const char *src, const char *dst, mutation mut) {
         uint64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
         uint32_t type = t->type, nd = t->n_dims;
         if (!strcmp(name, "blk.0.attn_q.weight")) {
-            if (mut == MUT_TYPE) type = KV_TYPE_IQ2_XXS; /* a real ggml type kvasir does not compute */
+            if (mut == MUT_TYPE) type = KV_TYPE_Q5_0; /* a real ggml type kvasir does not compute */
             if (mut == MUT_SHAPE) ne[1] = ne[1] / 2;
         }
         rc = kv_gguf_writer_add_tensor(w, name, nd, ne, type, NULL, &d);
@@ -153,7 +153,7 @@ int main(void) {
     snprintf(path, sizeof path, "%s/type.gguf", g_dir);
     ASSERT_EQ(rewrite(good, path, MUT_TYPE), 0);
     snprintf(args, sizeof args, "run -m %s -p hello", path);
-    expect_err("unsupported tensor type", args, "iq2_xxs");
+    expect_err("unsupported tensor type", args, "q5_0");
     snprintf(path, sizeof path, "%s/shape.gguf", g_dir);
     ASSERT_EQ(rewrite(good, path, MUT_SHAPE), 0);
     snprintf(args, sizeof args, "run -m %s -p hello", path);
@@ -165,7 +165,7 @@ int main(void) {
     for (int i = 0; i < 150; i++) strcat(longp, "zq7 ");
     snprintf(args, sizeof args, "run -m %s -p '%s' -n 4", good, longp);
     expect_err("prompt longer than context", args, "context");
-    snprintf(args, sizeof args, "run -m %s -p hi --ctx 2 -n 4", good);
+    snprintf(args, sizeof args, "run -m %s -p 'hello there my good friend' --ctx 2 -n 4", good);
     expect_err("--ctx below prompt", args, "context");
     /* missing file, bad flags */
     snprintf(args, sizeof args, "run -m %s/nope.gguf -p hello", g_dir);

@@ -7,6 +7,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 int kv_cli_err(const char *cmd, int rc, const char *fmt, ...) {
     va_list ap;
@@ -59,7 +60,15 @@ int kv_arg_float(const char *cmd, const char *flag, const char *s, double lo, do
     return 0;
 }
 
-const char *kv_arg_value(const char *cmd, int argc, char **argv, int *i) {
+const char *kv_arg_value(const char *cmd, int argc, char **argv, int *i, const char *const *known) {
+    if (known) {
+        bool found = false;
+        for (const char *const *k = known; *k && !found; k++) found = !strcmp(*k, argv[*i]);
+        if (!found) {
+            kv_cli_err(cmd, 1, "unknown option '%s' (see kvasir %s --help)", argv[*i], cmd);
+            return NULL;
+        }
+    }
     if (*i + 1 >= argc) {
         kv_cli_err(cmd, 1, "%s needs a value", argv[*i]);
         return NULL;

@@ -32,7 +32,8 @@ int kv_arg_u64(const char *cmd, const char *flag, const char *s, uint64_t *out);
 int kv_arg_float(const char *cmd, const char *flag, const char *s, double lo, double hi,
                  float *out);
 /* Returns argv[*i+1] and advances *i, or prints "flag needs a value" and
- * returns NULL. */
-const char *kv_arg_value(const char *cmd, int argc, char **argv, int *i);
+ * returns NULL. If `known` (a NULL-terminated list of the command's value
+ * flags) is given and argv[*i] is not in it, prints "unknown option". */
+const char *kv_arg_value(const char *cmd, int argc, char **argv, int *i, const char *const *known);
 
 #endif

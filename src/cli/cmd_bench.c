@@ -12,6 +12,8 @@
 #include "kvasir/model.h"
 #include "kvasir/quant.h"
 
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", NULL};
+
 #define CMD "bench"
 
 static const char *kv_bench_help =
@@ -48,7 +50,7 @@ int kv_cmd_bench(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--json")) {
             json = true;
-        } else if (!(v = kv_arg_value(CMD, argc, argv, &i))) {
+        } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model = v;

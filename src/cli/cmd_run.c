@@ -8,6 +8,8 @@
 #include "kvasir/model.h"
 #include "kvasir/sample.h"
 
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", NULL};
+
 #define CMD "run"
 
 static const char *kv_run_help =
@@ -87,7 +89,7 @@ int kv_cmd_run(int argc, char **argv) {
             chat = true;
         } else if (!strcmp(a, "--json")) {
             json = true;
-        } else if (!(v = kv_arg_value(CMD, argc, argv, &i))) {
+        } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model = v;
