@@ -35,6 +35,7 @@
 #define KV_GGUF_MAX_KV (1u << 16)          /* metadata pairs per file */
 #define KV_GGUF_MAX_STRING (1u << 24)      /* bytes in one string (16 MiB) */
 #define KV_GGUF_MAX_NAME 256u              /* bytes in a key or tensor name */
+#define KV_GGUF_MAX_TENSOR_NAME 63u        /* bytes in a tensor name (ggml's GGML_MAX_NAME - 1) */
 #define KV_GGUF_MAX_ARRAY (1u << 26)       /* elements in one array */
 #define KV_GGUF_MAX_ARRAY_DEPTH 2u         /* nesting of arrays */
 #define KV_GGUF_MAX_DIMS 4u                /* tensor dimensions */

@@ -1,3 +1,159 @@
-/* PLACEHOLDER: replaced by the real subcommand. */
+/* kvasir gen-model: write a synthetic model (random weights of sane scale,
+ * real BPE vocabulary). Flags are applied over a preset (the default preset
+ * first, then --preset, then each size flag), validated by the library, and
+ * every bad value is reported on one line with exit status 1. */
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
 #include "cli/cli.h"
-int kv_cmd_gen_model(int argc, char **argv) { (void)argc; (void)argv; return kv_cli_err("gen_model", 2, "not built yet"); }
+#include "kvasir/gen.h"
+#include "kvasir/pool.h"
+#include "kvasir/quant.h"
+
+#define CMD "gen-model"
+
+static void usage(FILE *f) {
+    size_t n;
+    const kv_gen_preset *p = kv_gen_presets(&n);
+    fprintf(f,
+            "usage: kvasir gen-model --arch qwen3moe --out F.gguf [--preset NAME] [--layers N]\n"
+            "         [--embd N] [--ff-exp N] [--experts N] [--experts-used N] [--heads N]\n"
+            "         [--kv-heads N] [--head-dim N] [--vocab N] [--ctx N]\n"
+            "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q5_k|q6_k] [--seed S] [--tied|--untied]\n"
+            "         [--threads N]\n"
+            "\n"
+            "Writes a synthetic Mixture-of-Experts model loadable by llama.cpp: deterministic\n"
+            "random weights (same flags and seed, same bytes), a byte-level BPE vocabulary\n"
+            "learned from the bundled corpus with special tokens <|endoftext|>, <|im_start|>,\n"
+            "<|im_end|>, and a ChatML chat template.\n"
+            "\n"
+            "  --arch A         architecture; only qwen3moe (the default)\n"
+            "  --out F          output file (written as F.part, then renamed)\n"
+            "  --preset NAME    starting sizes (default %s); the flags below override them\n"
+            "  --layers N       blocks                            (1..%u)\n"
+            "  --embd N         hidden size                       (1..%u)\n"
+            "  --ff-exp N       hidden size of one expert         (1..%u)\n"
+            "  --experts N      routed experts per layer          (1..%u)\n"
+            "  --experts-used N experts per token (top-k)         (1..experts)\n"
+            "  --heads N        query heads                       (1..%u)\n"
+            "  --kv-heads N     key/value heads, divides heads\n"
+            "  --head-dim N     per-head size, even               (2..%u)\n"
+            "  --vocab N        vocabulary size                   (%u..%u)\n"
+            "  --ctx N          context length in the metadata    (1..%u)\n"
+            "  --type T         type of the embedding, attention, expert and output matrices\n"
+            "                   (norms and router stay f32); a matrix whose rows do not fit\n"
+            "                   the type's block falls back to q8_0 (k-quants) or f16, with a note\n"
+            "  --seed S         weights seed (default 42)\n"
+            "  --threads N      threads drawing and quantizing (default: all CPUs; the\n"
+            "                   file is the same for any N)\n"
+            "  --tied           no output.weight: the LM head reuses token_embd\n"
+            "  --untied         separate output.weight (default)\n"
+            "\npresets:\n",
+            p[0].name, KV_GEN_MAX_LAYER, KV_GEN_MAX_EMBD, KV_GEN_MAX_FF, KV_GEN_MAX_EXPERT,
+            KV_GEN_MAX_HEAD, KV_GEN_MAX_HEAD_DIM, KV_GEN_MIN_VOCAB, 1u << 22, KV_GEN_MAX_CTX);
+    for (size_t i = 0; i < n; i++) fprintf(f, "  %-20s %s\n", p[i].name, p[i].summary);
+}
+
+static int parse_type(const char *s, uint32_t *out) {
+    static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
+        if (strcasecmp(s, ok[i]) == 0) {
+            *out = (uint32_t)kv_type_from_name(ok[i]);
+            return 0;
+        }
+    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k", s);
+}
+
+int kv_cmd_gen_model(int argc, char **argv) {
+    kv_gen_config cfg;
+    kv_diag d = {0};
+    size_t np;
+    const char *preset = kv_gen_presets(&np)[0].name, *out = NULL;
+
+    /* pass 1: help and preset, so size flags override the preset wherever
+     * they appear */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (!strcmp(argv[i], "--preset")) {
+            if (!(preset = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+        }
+    }
+    if (kv_gen_preset_get(preset, &cfg, &d)) return kv_cli_err(CMD, 1, "--preset: %s", d.msg);
+    cfg.log = stderr;
+
+    /* pass 2: everything else */
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        long n;
+        struct {
+            const char *flag;
+            uint32_t *dst;
+            long lo, hi;
+        } nums[] = {
+            {"--layers", &cfg.n_layer, 1, KV_GEN_MAX_LAYER},
+            {"--embd", &cfg.n_embd, 1, KV_GEN_MAX_EMBD},
+            {"--ff-exp", &cfg.n_ff_exp, 1, KV_GEN_MAX_FF},
+            {"--experts", &cfg.n_expert, 1, KV_GEN_MAX_EXPERT},
+            {"--experts-used", &cfg.n_expert_used, 1, KV_GEN_MAX_EXPERT},
+            {"--heads", &cfg.n_head, 1, KV_GEN_MAX_HEAD},
+            {"--kv-heads", &cfg.n_head_kv, 1, KV_GEN_MAX_HEAD},
+            {"--head-dim", &cfg.head_dim, 2, KV_GEN_MAX_HEAD_DIM},
+            {"--vocab", &cfg.n_vocab, KV_GEN_MIN_VOCAB, 1L << 22},
+            {"--ctx", &cfg.n_ctx, 1, KV_GEN_MAX_CTX},
+        };
+        int matched = 0;
+        for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
+            if (strcmp(a, nums[k].flag)) continue;
+            matched = 1;
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (kv_arg_long(CMD, a, v, nums[k].lo, nums[k].hi, &n)) return 1;
+            *nums[k].dst = (uint32_t)n;
+        }
+        if (matched) continue;
+        if (!strcmp(a, "--preset")) {
+            i++; /* handled in pass 1 */
+        } else if (!strcmp(a, "--arch")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (strcmp(v, "qwen3moe"))
+                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe)", v);
+            cfg.arch = v;
+        } else if (!strcmp(a, "--out") || !strcmp(a, "-o")) {
+            if (!(out = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (!*out) return kv_cli_err(CMD, 1, "--out: empty path");
+        } else if (!strcmp(a, "--type")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (parse_type(v, &cfg.type)) return 1;
+        } else if (!strcmp(a, "--seed")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (kv_arg_u64(CMD, a, v, &cfg.seed)) return 1;
+        } else if (!strcmp(a, "--threads")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &n)) return 1;
+            cfg.n_threads = (int)n;
+        } else if (!strcmp(a, "--tied")) {
+            cfg.tied = true;
+        } else if (!strcmp(a, "--untied")) {
+            cfg.tied = false;
+        } else {
+            return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir gen-model --help)", a);
+        }
+    }
+    if (!out) return kv_cli_err(CMD, 1, "--out is required (see kvasir gen-model --help)");
+    if (kv_gen_validate(&cfg, &d)) return kv_cli_err(CMD, 1, "%s", d.msg);
+    char name[96];
+    snprintf(name, sizeof name, "kvasir-synthetic-%s", preset);
+    cfg.name = name;
+    int rc = kv_gen_model(&cfg, out, &d);
+    if (rc) return kv_cli_diag(CMD, &d);
+    fprintf(stderr,
+            "gen-model: wrote %s: qwen3moe, %u layers, embd %u, %u experts (top-%u) of %u, "
+            "%u/%u heads x %u, vocab %u, %s%s, seed %llu\n",
+            out, cfg.n_layer, cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_head,
+            cfg.n_head_kv, cfg.head_dim, cfg.n_vocab, kv_type_get_ref(cfg.type)->name,
+            cfg.tied ? ", tied" : "", (unsigned long long)cfg.seed);
+    return 0;
+}

@@ -1,0 +1,196 @@
+#!/usr/bin/env node
+// llama.cpp side of `make bench` (bench/run.sh), and the weight-bytes model.
+//
+//   node bench/llama_bench.mjs speed MODEL [--threads N] [-p 128] [-n 64] [--reps 3]
+//     llama.cpp (node-llama-cpp 3.21.1, prebuilt CPU libllama, the test
+//     oracle's install) on MODEL: prefill of p tokens as one batch, then n
+//     greedy decode steps, one token each, timed in node around the calls
+//     (performance.now()). Settings: CPU only, `threads` fixed (ideal = min),
+//     batch size 512 (>= p, so the prompt is one batch), flash attention OFF
+//     (like Kvasir, which has no flash attention), KV cache at llama.cpp's
+//     default F16, context 512, mmap. One untimed warm-up pass faults the
+//     weights in; the best of `reps` runs is reported. Prints JSON
+//     {prefill_tok_s, decode_tok_s, ...}.
+//
+//   node bench/llama_bench.mjs report OUTDIR THREADS TYPE...
+//     Table + OUTDIR/results.json from the files bench/run.sh wrote.
+//
+//   node bench/llama_bench.mjs bytes MODEL
+//     Bytes of weights read per decoded token, from the GGUF tensor table:
+//     every non-expert tensor of every layer (attention, norms, router) in
+//     full, n_expert_used/n_expert of each routed-expert tensor, the output
+//     norm and LM head (output.weight, or token_embd.weight when tied), and
+//     one row of token_embd. KV-cache reads are reported apart.
+import fs from "node:fs";
+import os from "node:os";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const oracle = await import(path.join(here, "../tests/oracle/oracle.mjs"));
+
+// ggml type -> [block bytes, block elements] (ggml.c type_traits)
+const GGML = {
+  0: [4, 1, "F32"], 1: [2, 1, "F16"], 2: [18, 32, "Q4_0"], 3: [20, 32, "Q4_1"], 6: [22, 32, "Q5_0"], 7: [24, 32, "Q5_1"],
+  8: [34, 32, "Q8_0"], 10: [84, 256, "Q2_K"], 11: [110, 256, "Q3_K"], 12: [144, 256, "Q4_K"], 13: [176, 256, "Q5_K"],
+  14: [210, 256, "Q6_K"], 15: [292, 256, "Q8_K"], 30: [2, 1, "BF16"],
+};
+
+function tensorBytes(t) {
+  const tt = GGML[t.ggmlType];
+  if (!tt) throw new Error(`tensor ${t.name}: unknown ggml type ${t.ggmlType}`);
+  const n = t.dimensions.reduce((a, b) => a * Number(b), 1);
+  return (n / tt[1]) * tt[0];
+}
+
+export async function weightBytes(file) {
+  const info = await oracle.readGgufFileInfo(file, { readTensorInfo: true });
+  const md = info.metadata;
+  const arch = md.general.architecture;
+  const a = md[arch];
+  const nExpert = Number(a.expert_count), nUsed = Number(a.expert_used_count);
+  let perToken = 0, total = 0, experts = 0, attn = 0, router = 0, head = 0, embdRow = 0;
+  const types = {};
+  const byName = new Map(info.tensorInfo.map((t) => [t.name, t]));
+  for (const t of info.tensorInfo) {
+    const b = tensorBytes(t);
+    total += b;
+    types[t.name.replace(/^blk\.\d+\./, "blk.*.")] = GGML[t.ggmlType][2];
+    if (/_exps\.weight$/.test(t.name)) { const r = (b * nUsed) / nExpert; perToken += r; experts += r; }
+    else if (t.name === "token_embd.weight") {
+      const row = b / Number(t.dimensions[1]);
+      embdRow = row;
+      perToken += row;
+      if (!byName.has("output.weight")) { perToken += b; head += b; }
+    } else if (t.name === "output.weight") { perToken += b; head += b; }
+    else if (/ffn_gate_inp/.test(t.name)) { perToken += b; router += b; }
+    else { perToken += b; if (/attn/.test(t.name)) attn += b; }
+  }
+  const nLayer = Number(a.block_count), nKv = Number(a.attention.head_count_kv);
+  const hd = Number(a.attention.key_length ?? a.embedding_length / a.attention.head_count);
+  return {
+    arch, n_layer: nLayer, n_embd: Number(a.embedding_length), n_expert: nExpert, n_expert_used: nUsed,
+    n_ff_exp: Number(a.expert_feed_forward_length), n_head: Number(a.attention.head_count), n_head_kv: nKv, head_dim: hd,
+    n_vocab: md.tokenizer.ggml.tokens.length, tied: !byName.has("output.weight"),
+    tensor_types: types,
+    file_bytes: fs.statSync(file).size, weight_bytes: total,
+    bytes_per_token: Math.round(perToken),
+    breakdown: { experts: Math.round(experts), attention: Math.round(attn), router: Math.round(router), lm_head: Math.round(head), embd_row: Math.round(embdRow) },
+    // K and V, f32, per position of context, read once per decoded token
+    kv_bytes_per_ctx_pos_f32: 2 * nLayer * nKv * hd * 4,
+  };
+}
+
+function ids(n, nVocab, salt) {
+  // deterministic ordinary-token ids (special tokens sit at the end of our vocabularies)
+  const out = [];
+  for (let i = 0; i < n; i++) out.push(((i + salt) * 7919 + 13) % Math.max(1, nVocab - 16));
+  return out;
+}
+
+export async function speed(file, { threads = 2, p = 128, n = 64, reps = 3 } = {}) {
+  const llama = await oracle.loadLlama(threads);
+  const model = await llama.loadModel({ modelPath: path.resolve(file), gpuLayers: 0, useMmap: true, defaultContextFlashAttention: false });
+  const ctx = await model.createContext({
+    contextSize: 512, batchSize: 512, sequences: 1, flashAttention: false,
+    threads: { ideal: threads, min: threads }, failedCreationRemedy: false,
+  });
+  const seq = ctx.getSequence();
+  const nVocab = model.fileInfo.metadata.tokenizer.ggml.tokens.length;
+  const gen = { generateNext: { token: true, options: { temperature: 0 } } };
+  async function once(np, nd, salt) {
+    await seq.clearHistory();
+    const prompt = ids(np, nVocab, salt);
+    const t0 = performance.now();
+    const r = await seq.controlledEvaluate(prompt.map((t, i) => (i === np - 1 ? [t, gen] : t)));
+    const t1 = performance.now();
+    let tok = r[np - 1].next.token;
+    for (let i = 0; i < nd; i++) {
+      const o = await seq.controlledEvaluate([[tok, gen]]);
+      tok = o[0].next.token;
+    }
+    const t2 = performance.now();
+    return { prefill_s: (t1 - t0) / 1000, decode_s: (t2 - t1) / 1000 };
+  }
+  await once(Math.min(p, 16), 4, 99); // warm-up: fault the mmap in
+  const runs = [];
+  for (let r = 0; r < reps; r++) runs.push(await once(p, n, r));
+  const bestP = Math.min(...runs.map((x) => x.prefill_s)), bestD = Math.min(...runs.map((x) => x.decode_s));
+  await ctx.dispose();
+  await model.dispose();
+  return {
+    prefill_tok_s: p / bestP, decode_tok_s: n / bestD, n_prompt: p, n_gen: n, threads, reps,
+    runs: runs.map((x) => ({ prefill_tok_s: p / x.prefill_s, decode_tok_s: n / x.decode_s })),
+    settings: "node-llama-cpp 3.21.1 CPU prebuilt; flash attention off; KV cache F16 (default); batch 512; ctx 512; best of reps after warm-up",
+  };
+}
+
+/** Reads bench/out/*.json written by bench/run.sh, prints the table and
+ *  writes results.json. */
+export function report(outDir, threads, types) {
+  const rd = (f) => JSON.parse(fs.readFileSync(path.join(outDir, f), "utf8"));
+  const bw = rd("membw.json"), bw1 = rd("membw1.json");
+  const cpu = (fs.readFileSync("/proc/cpuinfo", "utf8").match(/model name\s*:\s*(.*)/) || [])[1] ?? "?";
+  const rows = [];
+  for (const t of types) {
+    const bytes = rd(`${t}.bytes.json`);
+    const kvRuns = fs.readFileSync(path.join(outDir, `${t}.kvasir.jsonl`), "utf8").split("\n").filter((l) => l.trim()).map((l) => JSON.parse(l));
+    const kvasir = {
+      prefill_tok_s: Math.max(...kvRuns.map((r) => r.prefill_tok_s)),
+      decode_tok_s: Math.max(...kvRuns.map((r) => r.decode_tok_s)),
+      runs: kvRuns,
+    };
+    const llama = rd(`${t}.llama.json`);
+    const boundTokS = (bw.read_gb_s * 1e9) / bytes.bytes_per_token;
+    rows.push({
+      type: t, model: bytes, kvasir, llama,
+      prefill_ratio: kvasir.prefill_tok_s / llama.prefill_tok_s,
+      decode_ratio: kvasir.decode_tok_s / llama.decode_tok_s,
+      decode_bound_tok_s: boundTokS,
+      kvasir_decode_of_bound: kvasir.decode_tok_s / boundTokS,
+      llama_decode_of_bound: llama.decode_tok_s / boundTokS,
+    });
+  }
+  const res = {
+    date: new Date().toISOString(), cpu, nproc: os.cpus().length, loadavg: os.loadavg(), threads: Number(threads),
+    n_prompt: 128, n_gen: 64, bandwidth: bw, bandwidth_1thread: bw1, models: rows,
+  };
+  fs.writeFileSync(path.join(outDir, "results.json"), JSON.stringify(res, null, 1));
+  const f1 = (x) => x.toFixed(1), f2 = (x) => x.toFixed(2);
+  const head = ["model", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound"];
+  const lines = rows.map((r) => [
+    r.type, String(r.model.n_layer), f2(r.model.file_bytes / 1e9), f1(r.model.bytes_per_token / 1e6),
+    f1(r.kvasir.prefill_tok_s), f1(r.llama.prefill_tok_s), f2(r.prefill_ratio),
+    f1(r.kvasir.decode_tok_s), f1(r.llama.decode_tok_s), f2(r.decode_ratio),
+    f1(r.decode_bound_tok_s), (100 * r.kvasir_decode_of_bound).toFixed(0) + "%", (100 * r.llama_decode_of_bound).toFixed(0) + "%",
+  ]);
+  const w = head.map((h, i) => Math.max(h.length, ...lines.map((x) => x[i].length)));
+  const line = (x) => x.map((c, i) => c.padStart(w[i])).join("  ");
+  console.log(`\n${cpu}, ${res.nproc} cpus, load ${res.loadavg.map((x) => x.toFixed(2)).join(" ")}; ${threads} threads; read bandwidth ${bw.read_gb_s} GB/s (${bw.threads} threads), ${bw1.read_gb_s} GB/s (1 thread)`);
+  console.log(`tokens/s, prefill ${res.n_prompt} tokens, decode ${res.n_gen}; ratio = kvasir / llama.cpp; decode bound = bandwidth / bytes of weights per token`);
+  console.log(line(head));
+  for (const x of lines) console.log(line(x));
+  console.log(`bench: wrote ${path.join(outDir, "results.json")}`);
+  return res;
+}
+
+async function main() {
+  const argv = process.argv.slice(2);
+  const [cmd, file] = argv;
+  const opt = (k, d) => { const i = argv.indexOf(k); return i < 0 ? d : Number(argv[i + 1]); };
+  if (cmd === "bytes") console.log(JSON.stringify(await weightBytes(file)));
+  else if (cmd === "speed") {
+    const r = await speed(file, { threads: opt("--threads", 2), p: opt("-p", 128), n: opt("-n", 64), reps: opt("--reps", 3) });
+    console.log(JSON.stringify(r));
+    (await oracle.loadLlama()).dispose();
+  } else if (cmd === "report") {
+    report(file, argv[2], argv.slice(3));
+  } else {
+    process.stderr.write("usage: llama_bench.mjs speed|bytes MODEL [--threads N] [-p 128] [-n 64] [--reps 3]\n");
+    process.exit(2);
+  }
+}
+
+if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
+  main().catch((e) => { process.stderr.write(`llama_bench: ${e?.stack ?? e}\n`); process.exit(1); });
+}

@@ -1,0 +1,101 @@
+/* Synthetic model generator (`kvasir gen-model`).
+ *
+ * Writes a GGUF model of a supported architecture (qwen3moe) with the
+ * metadata and tensor names/shapes llama.cpp expects, a real byte-level BPE
+ * vocabulary trained on the bundled corpus (kv_bpe_train), and deterministic
+ * pseudo-random weights of sane scale: activations stay O(1) through the
+ * layers and logits spread over a few units, so greedy decoding is not
+ * degenerate and top logits rarely tie.
+ *
+ * Determinism: the weights of a tensor depend only on (seed, tensor name,
+ * row), not on the thread count, and are drawn with integer-only arithmetic plus single IEEE float
+ * multiplies/adds, then quantized with the scalar reference quantizer, so a
+ * given configuration produces the same bytes on every machine and build.
+ * The underlying float weights do not depend on --type: an f32 and a q8_0
+ * model of the same seed hold the same weights before rounding.
+ *
+ * Memory: tensor data is generated and written in slices of whole rows
+ * (a few MB), so a multi-GB model needs only a few MB of RAM besides the
+ * vocabulary. */
+#ifndef KVASIR_GEN_H
+#define KVASIR_GEN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvasir/err.h"
+
+/* Bounds on every size a configuration may ask for. */
+#define KV_GEN_MAX_LAYER 512u         /* llama.cpp's LLAMA_MAX_LAYERS */
+#define KV_GEN_MAX_EMBD 65536u
+#define KV_GEN_MAX_FF 131072u
+#define KV_GEN_MAX_EXPERT 1024u       /* llama.cpp's LLAMA_MAX_EXPERTS */
+#define KV_GEN_MAX_HEAD 1024u
+#define KV_GEN_MAX_HEAD_DIM 1024u
+#define KV_GEN_MIN_VOCAB 259u         /* 256 byte tokens + 3 special tokens */
+#define KV_GEN_MAX_CTX (1u << 20)
+#define KV_GEN_MAX_BYTES (256ull << 30) /* refuse to write models over 256 GiB */
+
+typedef struct kv_gen_config {
+    const char *arch;       /* "qwen3moe" */
+    const char *name;       /* general.name; NULL: "kvasir-synthetic" */
+    uint32_t n_layer;       /* blocks */
+    uint32_t n_embd;        /* hidden size */
+    uint32_t n_ff_exp;      /* hidden size of one routed expert */
+    uint32_t n_expert;      /* routed experts per layer */
+    uint32_t n_expert_used; /* experts chosen per token (top-k) */
+    uint32_t n_head;        /* query heads */
+    uint32_t n_head_kv;     /* key/value heads; divides n_head */
+    uint32_t head_dim;      /* per head, even (NeoX RoPE rotates pairs) */
+    uint32_t n_vocab;       /* tokens, >= KV_GEN_MIN_VOCAB */
+    uint32_t n_ctx;         /* context_length written to the file */
+    uint32_t type;          /* kv_type of the matrices (embedding, output,
+                               attention, experts); norms and router stay F32 */
+    uint64_t seed;          /* weights PRNG seed */
+    bool tied;              /* true: no output.weight (LM head = token_embd) */
+    int n_threads;          /* threads drawing/quantizing; 0: all CPUs (the
+                               bytes written do not depend on it) */
+    FILE *log;              /* progress and fallback notes; NULL: silent */
+} kv_gen_config;
+
+typedef struct kv_gen_preset {
+    const char *name;    /* "tiny", ... */
+    const char *summary; /* one line for --help */
+    kv_gen_config cfg;   /* arch, sizes, type, seed, tied; name/log NULL, threads 0 */
+} kv_gen_preset;
+
+/* The built-in presets (static storage); *n gets their count. The first is
+ * the default. */
+const kv_gen_preset *kv_gen_presets(size_t *n);
+
+/* Fills *cfg with the preset's values. KV_ENOTFOUND (listing the presets in
+ * the message) if there is no preset of that name. */
+int kv_gen_preset_get(const char *name, kv_gen_config *cfg, kv_diag *d);
+
+/* Checks every field against the bounds above and the architecture's rules
+ * (n_head % n_head_kv == 0, n_expert_used <= n_expert, even head_dim, a
+ * type we can quantize to, total size <= KV_GEN_MAX_BYTES). Returns 0,
+ * KV_EINVAL naming the field, or KV_EUNSUPPORTED for an unknown
+ * architecture/type. */
+int kv_gen_validate(const kv_gen_config *cfg, kv_diag *d);
+
+/* Storage type for a matrix whose rows hold row_len elements when `want` was
+ * asked for: `want` if row_len is a multiple of its block size, else the
+ * fallback (K-quants -> Q8_0, then F16 if the row is not a multiple of 32 -
+ * the same shape of rule as llama.cpp's quantizer, restricted to types
+ * Kvasir computes with). */
+uint32_t kv_gen_matrix_type(uint32_t want, uint64_t row_len);
+
+/* Bytes the model file will have (header excluded), or 0 if cfg is invalid
+ * or the size overflows. */
+uint64_t kv_gen_data_bytes(const kv_gen_config *cfg);
+
+/* Validates cfg, trains the vocabulary and writes the model to path (via
+ * "<path>.part", renamed on success; on failure path is left untouched and
+ * the partial file removed).
+ * Returns 0 or a negative KV_E* code with d naming the problem. Not
+ * thread-safe with respect to cfg->log. */
+int kv_gen_model(const kv_gen_config *cfg, const char *path, kv_diag *d);
+
+#endif

@@ -1,0 +1,542 @@
+/* Synthetic qwen3moe models: metadata, vocabulary and seeded weights.
+ *
+ * What llama.cpp needs to load the file (src/models/qwen3moe.cpp,
+ * llama-model.cpp, llama-vocab.cpp): the qwen3moe.* hyperparameters as u32
+ * (f32 for the RMS epsilon and RoPE base), a gpt2/qwen2 vocabulary with
+ * merges and token types, and tensors
+ *   token_embd [n_embd, n_vocab], output_norm [n_embd], output [n_embd, n_vocab]
+ *   (absent when tied), and per layer attn_norm, attn_q [n_embd, n_head*hd],
+ *   attn_k/attn_v [n_embd, n_head_kv*hd], attn_output [n_head*hd, n_embd],
+ *   attn_q_norm/attn_k_norm [hd], ffn_norm, ffn_gate_inp [n_embd, n_expert],
+ *   ffn_gate_exps/ffn_up_exps [n_embd, n_ff_exp, n_expert],
+ *   ffn_down_exps [n_ff_exp, n_embd, n_expert]   (ne[0] innermost).
+ * Expert weights are always renormalized after top-k in llama.cpp's qwen3moe
+ * graph, so no key for that is written.
+ *
+ * Weight scales (std = gain / sqrt(fan_in); norms around 1) are chosen so
+ * that every matrix product sees unit-RMS inputs, each layer adds O(1) to
+ * the residual stream, the router's logits spread by ~2 (clear top-k), and
+ * the LM head gives logits with a standard deviation of ~3: a clear but not
+ * one-hot next-token distribution whose top two rarely tie. The residual
+ * contributions are kept a few times larger than the embedding so that a
+ * tied LM head does not simply echo the input token.
+ *
+ * Hot path: drawing and quantizing the weights, one slice of rows at a time
+ * (GEN_CHUNK elements) split over a thread pool by rows, written with pwrite
+ * at the tensor's final place. Each row is its own PRNG stream (seeded from
+ * seed, tensor name and row index), so the bytes do not depend on the
+ * thread count or the slice size. */
+#include "kvasir/gen.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/gguf.h"
+#include "kvasir/pool.h"
+#include "kvasir/quant.h"
+#include "kvasir/tok.h"
+
+#define GEN_CHUNK (1u << 20) /* floats drawn and quantized per slice */
+#define GEN_LOG_BYTES (64ull << 20) /* models larger than this report progress */
+
+/* std = gain / sqrt(fan_in) for the matrices; see the file comment. */
+#define GEN_GAIN_EMBD 3.0f   /* token_embd: tied logits std ~3 */
+#define GEN_GAIN_OUT 3.0f    /* output: logits std ~3 */
+#define GEN_GAIN_QKV 1.0f    /* q/k/v of unit RMS */
+#define GEN_GAIN_WO 2.5f     /* attention output adds ~2.5 RMS */
+#define GEN_GAIN_ROUTER 2.0f /* router logits std ~2 */
+#define GEN_GAIN_UPGATE 1.0f /* expert gate/up of unit RMS */
+#define GEN_GAIN_DOWN 5.0f   /* expert mixture adds ~2.5 RMS */
+#define GEN_NORM_STD 0.1f    /* RMSNorm weights: 1 +- 0.1 */
+#define GEN_QKNORM_MEAN 1.5f /* Q/K norm weights: attention scores std ~2 */
+#define GEN_QKNORM_STD 0.2f
+
+#define GEN_RMS_EPS 1e-6f
+#define GEN_ROPE_BASE 1000000.0f
+
+static const char kv_chatml_template[] =
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/* ---- presets ---------------------------------------------------------- */
+
+#define GEN_QWEN3MOE(L, E, F, X, K, H, HKV, HD, V, CTX, T)                                         \
+    {.arch = "qwen3moe", .n_layer = L, .n_embd = E, .n_ff_exp = F, .n_expert = X,                 \
+     .n_expert_used = K, .n_head = H, .n_head_kv = HKV, .head_dim = HD, .n_vocab = V, .n_ctx = CTX, \
+     .type = T, .seed = 42}
+
+static const kv_gen_preset kv_presets[] = {
+    {"tiny", "2 layers, embd 256, 8 experts (top-2) of 256, 4/2 heads x 64, vocab 2048, ctx 512, f32",
+     GEN_QWEN3MOE(2, 256, 256, 8, 2, 4, 2, 64, 2048, 512, KV_TYPE_F32)},
+    {"small", "4 layers, embd 512, 16 experts (top-4) of 512, 8/2 heads x 64, vocab 4096, ctx 1024, f32",
+     GEN_QWEN3MOE(4, 512, 512, 16, 4, 8, 2, 64, 4096, 1024, KV_TYPE_F32)},
+    {"qwen3-30b-a3b-bench",
+     "Qwen3-30B-A3B layer shapes: embd 2048, 128 experts (top-8) of 768, 32/4 heads x 128, "
+     "vocab 151936, ctx 4096; 4 layers, q4_K (~1.8 GB; q8_0 ~3.3 GB)",
+     GEN_QWEN3MOE(4, 2048, 768, 128, 8, 32, 4, 128, 151936, 4096, KV_TYPE_Q4_K)},
+};
+
+const kv_gen_preset *kv_gen_presets(size_t *n) {
+    *n = sizeof kv_presets / sizeof kv_presets[0];
+    return kv_presets;
+}
+
+int kv_gen_preset_get(const char *name, kv_gen_config *cfg, kv_diag *d) {
+    size_t n;
+    const kv_gen_preset *p = kv_gen_presets(&n);
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(p[i].name, name) == 0) {
+            *cfg = p[i].cfg;
+            return 0;
+        }
+    return kv_fail(d, KV_ENOTFOUND, "unknown preset '%s' (presets: tiny, small, qwen3-30b-a3b-bench)",
+                   name);
+}
+
+/* ---- tensor list ------------------------------------------------------ */
+
+typedef struct gen_tensor {
+    char name[KV_GGUF_MAX_TENSOR_NAME + 1];
+    uint32_t n_dims;
+    uint64_t ne[4];
+    uint32_t type;  /* storage type after fallback */
+    uint32_t want;  /* type asked for */
+    float mean;     /* weight distribution */
+    float std;
+    uint64_t nbytes;
+} gen_tensor;
+
+uint32_t kv_gen_matrix_type(uint32_t want, uint64_t row_len) {
+    const kv_type_info *ti = kv_type_get_ref(want);
+    if (!ti || row_len % ti->blck == 0) return want;
+    if (ti->blck > 32 && row_len % 32 == 0) return KV_TYPE_Q8_0;
+    return KV_TYPE_F16;
+}
+
+static int is_gen_type(uint32_t t) {
+    switch (t) {
+    case KV_TYPE_F32: case KV_TYPE_F16: case KV_TYPE_BF16: case KV_TYPE_Q8_0:
+    case KV_TYPE_Q4_0: case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+typedef struct gen_list {
+    gen_tensor *t;
+    size_t n, cap;
+    uint64_t bytes; /* data section size, each tensor padded to 32 */
+    int overflow;
+} gen_list;
+
+static void add_t(gen_list *l, const char *name, uint32_t n_dims, uint64_t ne0, uint64_t ne1,
+                  uint64_t ne2, uint32_t want, int matrix, float mean, float std) {
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 64;
+        gen_tensor *p = realloc(l->t, cap * sizeof *p);
+        if (!p) {
+            l->overflow = 1;
+            return;
+        }
+        l->t = p;
+        l->cap = cap;
+    }
+    gen_tensor *t = &l->t[l->n++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->n_dims = n_dims;
+    t->ne[0] = ne0;
+    t->ne[1] = ne1;
+    t->ne[2] = ne2;
+    t->ne[3] = 1;
+    t->want = matrix ? want : KV_TYPE_F32;
+    t->type = matrix ? kv_gen_matrix_type(want, ne0) : KV_TYPE_F32;
+    t->mean = mean;
+    t->std = std;
+    /* sizes are bounded by validation (< 2^60 elements), so only the sum
+     * needs care */
+    uint64_t nb = kv_type_row_size(t->type, ne0) * ne1 * ne2;
+    t->nbytes = nb;
+    uint64_t padded = (nb + 31) & ~(uint64_t)31;
+    if (l->bytes > UINT64_MAX - padded)
+        l->overflow = 1;
+    else
+        l->bytes += padded;
+}
+
+static float gain(float g, uint64_t fan_in) { return g / sqrtf((float)fan_in); }
+
+/* Builds the tensor list of a validated config. Returns 0 or KV_ENOMEM. */
+static int build_list(const kv_gen_config *c, gen_list *l) {
+    memset(l, 0, sizeof *l);
+    uint64_t E = c->n_embd, V = c->n_vocab, Q = (uint64_t)c->n_head * c->head_dim,
+             KV = (uint64_t)c->n_head_kv * c->head_dim, F = c->n_ff_exp, X = c->n_expert;
+    char nm[80];
+    add_t(l, "token_embd.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_EMBD, E));
+    for (uint32_t i = 0; i < c->n_layer; i++) {
+#define NM(s) (snprintf(nm, sizeof nm, "blk.%u." s, i), nm)
+        add_t(l, NM("attn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+        add_t(l, NM("attn_q.weight"), 2, E, Q, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+        add_t(l, NM("attn_k.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+        add_t(l, NM("attn_v.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+        add_t(l, NM("attn_output.weight"), 2, Q, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_WO, Q));
+        add_t(l, NM("attn_q_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
+        add_t(l, NM("attn_k_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
+        add_t(l, NM("ffn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+        /* llama.cpp's quantizer never quantizes the router: F32 */
+        add_t(l, NM("ffn_gate_inp.weight"), 2, E, X, 1, 0, 0, 0.0f, gain(GEN_GAIN_ROUTER, E));
+        add_t(l, NM("ffn_gate_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
+        add_t(l, NM("ffn_up_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
+        add_t(l, NM("ffn_down_exps.weight"), 3, F, E, X, c->type, 1, 0.0f, gain(GEN_GAIN_DOWN, F));
+#undef NM
+    }
+    add_t(l, "output_norm.weight", 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+    if (!c->tied) add_t(l, "output.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_OUT, E));
+    if (l->overflow) {
+        free(l->t);
+        memset(l, 0, sizeof *l);
+        return KV_ENOMEM;
+    }
+    return 0;
+}
+
+/* ---- validation ------------------------------------------------------- */
+
+static int check_range(kv_diag *d, const char *what, uint64_t v, uint64_t lo, uint64_t hi) {
+    if (v < lo || v > hi)
+        return kv_fail(d, KV_EINVAL, "%s is %" PRIu64 ", must be in [%" PRIu64 ", %" PRIu64 "]", what,
+                       v, lo, hi);
+    return 0;
+}
+
+int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
+    int rc;
+    if (!c->arch || strcmp(c->arch, "qwen3moe") != 0)
+        return kv_fail(d, KV_EUNSUPPORTED, "unknown architecture '%s' (supported: qwen3moe)",
+                       c->arch ? c->arch : "(null)");
+    if ((rc = check_range(d, "layers", c->n_layer, 1, KV_GEN_MAX_LAYER)) ||
+        (rc = check_range(d, "embd", c->n_embd, 1, KV_GEN_MAX_EMBD)) ||
+        (rc = check_range(d, "ff-exp", c->n_ff_exp, 1, KV_GEN_MAX_FF)) ||
+        (rc = check_range(d, "experts", c->n_expert, 1, KV_GEN_MAX_EXPERT)) ||
+        (rc = check_range(d, "experts-used", c->n_expert_used, 1, c->n_expert)) ||
+        (rc = check_range(d, "heads", c->n_head, 1, KV_GEN_MAX_HEAD)) ||
+        (rc = check_range(d, "kv-heads", c->n_head_kv, 1, c->n_head)) ||
+        (rc = check_range(d, "head-dim", c->head_dim, 2, KV_GEN_MAX_HEAD_DIM)) ||
+        (rc = check_range(d, "vocab", c->n_vocab, KV_GEN_MIN_VOCAB, KV_TOK_MAX_VOCAB)) ||
+        (rc = check_range(d, "ctx", c->n_ctx, 1, KV_GEN_MAX_CTX)))
+        return rc;
+    if (c->n_head % c->n_head_kv)
+        return kv_fail(d, KV_EINVAL, "heads (%" PRIu32 ") must be a multiple of kv-heads (%" PRIu32 ")",
+                       c->n_head, c->n_head_kv);
+    if (c->head_dim % 2)
+        return kv_fail(d, KV_EINVAL, "head-dim %" PRIu32 " must be even (RoPE rotates pairs)", c->head_dim);
+    const kv_type_info *ti = kv_type_get_ref(c->type);
+    if (!is_gen_type(c->type) || !ti || !ti->from_float)
+        return kv_fail(d, KV_EUNSUPPORTED,
+                       "type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k)",
+                       ti ? ti->name : "unknown");
+    uint64_t bytes = kv_gen_data_bytes(c);
+    if (bytes == 0 || bytes > KV_GEN_MAX_BYTES)
+        return kv_fail(d, KV_EINVAL, "model would be %.1f GiB, max %.0f GiB", (double)bytes / (1 << 30),
+                       (double)KV_GEN_MAX_BYTES / (1 << 30));
+    return 0;
+}
+
+uint64_t kv_gen_data_bytes(const kv_gen_config *c) {
+    /* the list itself needs only bounded sizes: each factor <= 2^22, and
+     * products of three stay < 2^63 */
+    if (!c->n_embd || c->n_embd > KV_GEN_MAX_EMBD || !c->n_vocab || c->n_vocab > KV_TOK_MAX_VOCAB ||
+        !c->n_ff_exp || c->n_ff_exp > KV_GEN_MAX_FF || !c->n_expert || c->n_expert > KV_GEN_MAX_EXPERT ||
+        !c->n_head || c->n_head > KV_GEN_MAX_HEAD || !c->n_head_kv || c->n_head_kv > KV_GEN_MAX_HEAD ||
+        !c->head_dim || c->head_dim > KV_GEN_MAX_HEAD_DIM || c->n_layer > KV_GEN_MAX_LAYER ||
+        !kv_type_get_ref(c->type))
+        return 0;
+    gen_list l;
+    if (build_list(c, &l)) return 0;
+    uint64_t b = l.bytes;
+    free(l.t);
+    return b;
+}
+
+/* ---- weights ---------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Approximately standard normal: the sum of four 16-bit uniforms (Irwin-Hall),
+ * centred and scaled to unit variance. Integer arithmetic and one float
+ * multiply, so it is bit-identical everywhere; tails end at +-3.46 sigma,
+ * which suits weights (no outliers to blow up quantization scales). */
+static float gen_normal(uint64_t *s) {
+    uint64_t r = splitmix64(s);
+    int32_t sum = (int32_t)(r & 0xffff) + (int32_t)((r >> 16) & 0xffff) +
+                  (int32_t)((r >> 32) & 0xffff) + (int32_t)(r >> 48);
+    return (float)(sum - 131070) * (1.0f / 37837.23f);
+}
+
+static uint64_t name_seed(uint64_t seed, const char *name) {
+    uint64_t h = 1469598103934665603ull;
+    for (const char *p = name; *p; p++) {
+        h ^= (unsigned char)*p;
+        h *= 1099511628211ull;
+    }
+    uint64_t s = seed ^ h;
+    splitmix64(&s);
+    return s;
+}
+
+/* Seed of one row's stream: rows are independent streams so that any
+ * number of threads can draw them and produce the same bytes. */
+static uint64_t row_seed(uint64_t tensor_seed, uint64_t row) {
+    uint64_t a = row, b;
+    b = splitmix64(&a) ^ tensor_seed;
+    splitmix64(&b);
+    return b;
+}
+
+typedef struct gen_job {
+    const gen_tensor *t;    /* tensor being drawn */
+    const kv_type_info *ti; /* its storage type (scalar reference quantizer) */
+    uint64_t seed;          /* tensor seed */
+    uint64_t r0, nr;        /* rows [r0, r0 + nr) of the tensor in this slice */
+    uint64_t row_len;       /* elements per row */
+    uint64_t row_bytes;     /* bytes per stored row */
+    float *fbuf;            /* [nr * row_len] */
+    uint8_t *qbuf;          /* [nr * row_bytes] */
+} gen_job;
+
+/* Pool task: thread ith draws and quantizes its share of the slice's rows. */
+static void gen_rows(void *arg, int ith, int nth) {
+    const gen_job *j = arg;
+    long lo, hi;
+    kv_pool_split((long)j->nr, ith, nth, &lo, &hi);
+    if (lo >= hi) return;
+    for (long r = lo; r < hi; r++) {
+        uint64_t st = row_seed(j->seed, j->r0 + (uint64_t)r);
+        float *f = j->fbuf + (size_t)r * j->row_len;
+        for (uint64_t i = 0; i < j->row_len; i++) {
+            /* two statements: no fused multiply-add whatever the compiler */
+            float z = gen_normal(&st) * j->t->std;
+            f[i] = j->t->mean + z;
+        }
+    }
+    j->ti->from_float(j->fbuf + (size_t)lo * j->row_len, j->qbuf + (size_t)lo * j->row_bytes,
+                      (int64_t)((uint64_t)(hi - lo) * j->row_len));
+}
+
+/* Draws, quantizes and writes one tensor, a slice of whole rows at a time. */
+static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const gen_tensor *t,
+                           uint64_t seed, float *fbuf, size_t fcap, uint8_t *qbuf, kv_diag *d) {
+    gen_job j = {
+        .t = t,
+        .ti = kv_type_get_ref(t->type),
+        .seed = name_seed(seed, t->name),
+        .row_len = t->ne[0],
+        .row_bytes = kv_type_row_size(t->type, t->ne[0]),
+        .fbuf = fbuf,
+        .qbuf = qbuf,
+    };
+    uint64_t rows = t->ne[1] * t->ne[2] * t->ne[3], per = fcap / j.row_len;
+    for (j.r0 = 0; j.r0 < rows; j.r0 += per) {
+        j.nr = rows - j.r0 < per ? rows - j.r0 : per;
+        kv_pool_run(pool, gen_rows, &j);
+        int rc = kv_gguf_writer_write_data(w, idx, j.r0 * j.row_bytes, qbuf, (size_t)(j.nr * j.row_bytes), d);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* ---- model ------------------------------------------------------------ */
+
+static uint32_t file_type_of(uint32_t type) {
+    /* llama_ftype values (general.file_type) for an all-`type` model */
+    switch (type) {
+    case KV_TYPE_F32: return 0;
+    case KV_TYPE_F16: return 1;
+    case KV_TYPE_Q4_0: return 2;
+    case KV_TYPE_Q8_0: return 7;
+    case KV_TYPE_Q4_K: return 14; /* Q4_K_S */
+    case KV_TYPE_Q5_K: return 16; /* Q5_K_S */
+    case KV_TYPE_Q6_K: return 18;
+    case KV_TYPE_BF16: return 32;
+    default: return 0;
+    }
+}
+
+static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vocab *v, kv_diag *d) {
+    int rc;
+#define TRY(x) \
+    if ((rc = (x))) return rc
+    TRY(kv_gguf_writer_set_str(w, "general.architecture", "qwen3moe", d));
+    TRY(kv_gguf_writer_set_str(w, "general.name", c->name ? c->name : "kvasir-synthetic", d));
+    TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c->type), d));
+    TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.context_length", c->n_ctx, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.embedding_length", c->n_embd, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.block_count", c->n_layer, d));
+    /* dense FFN size of the HF config (unused by the MoE graph): k * n_ff_exp,
+     * which is what Qwen3-30B-A3B has (6144 = 8 * 768) */
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.feed_forward_length", c->n_ff_exp * c->n_expert_used, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.expert_feed_forward_length", c->n_ff_exp, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.expert_count", c->n_expert, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.expert_used_count", c->n_expert_used, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.attention.head_count", c->n_head, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.attention.head_count_kv", c->n_head_kv, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.attention.key_length", c->head_dim, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen3moe.attention.value_length", c->head_dim, d));
+    TRY(kv_gguf_writer_set_f32(w, "qwen3moe.attention.layer_norm_rms_epsilon", GEN_RMS_EPS, d));
+    TRY(kv_gguf_writer_set_f32(w, "qwen3moe.rope.freq_base", GEN_ROPE_BASE, d));
+
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2", d));
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.pre", "qwen2", d));
+    kv_str *s = malloc((v->n_tokens > v->n_merges ? v->n_tokens : v->n_merges) * sizeof *s + 1);
+    if (!s) return kv_fail(d, KV_ENOMEM, "out of memory for the vocabulary");
+    for (size_t i = 0; i < v->n_tokens; i++) s[i] = (kv_str){v->tokens[i], strlen(v->tokens[i])};
+    rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", s, v->n_tokens, d);
+    if (!rc) rc = kv_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", KV_GGUF_INT32, v->types,
+                                         v->n_tokens, d);
+    if (!rc) {
+        for (size_t i = 0; i < v->n_merges; i++) s[i] = (kv_str){v->merges[i], strlen(v->merges[i])};
+        rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", s, v->n_merges, d);
+    }
+    free(s);
+    if (rc) return rc;
+    /* as in Qwen3 instruct files: generation ends at <|im_end|>;
+     * <|endoftext|> is BOS and padding; no BOS is added */
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)v->im_end_id, d));
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)v->eos_id, d));
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)v->eos_id, d));
+    TRY(kv_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", false, d));
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.chat_template", kv_chatml_template, d));
+#undef TRY
+    return 0;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int kv_gen_model(const kv_gen_config *c, const char *path, kv_diag *d) {
+    int rc = kv_gen_validate(c, d);
+    if (rc) return rc;
+    gen_list l;
+    if (build_list(c, &l)) return kv_fail(d, KV_ENOMEM, "out of memory");
+
+    kv_bpe_vocab voc;
+    memset(&voc, 0, sizeof voc);
+    kv_gguf_writer *w = NULL;
+    kv_pool *pool = NULL;
+    float *fbuf = NULL;
+    uint8_t *qbuf = NULL;
+    char *part = NULL;
+    int part_made = 0;
+    FILE *log = c->log;
+    int verbose = log && l.bytes > GEN_LOG_BYTES;
+    double t0 = now_s();
+
+    /* notes about type fallbacks, once per tensor kind */
+    if (log)
+        for (size_t i = 0; i < l.n; i++) {
+            const gen_tensor *t = &l.t[i];
+            if (t->type == t->want) continue;
+            if (strncmp(t->name, "blk.", 4) == 0 && strncmp(t->name, "blk.0.", 6) != 0) continue;
+            fprintf(log,
+                    "gen-model: note: %s%s has rows of %" PRIu64 ", not a multiple of the %s block "
+                    "(%u); writing it as %s\n",
+                    t->name, strncmp(t->name, "blk.0.", 6) == 0 ? " (and every layer's)" : "", t->ne[0],
+                    kv_type_get_ref(t->want)->name, kv_type_get_ref(t->want)->blck,
+                    kv_type_get_ref(t->type)->name);
+        }
+
+    if (verbose) fprintf(log, "gen-model: training a %" PRIu32 "-token BPE vocabulary\n", c->n_vocab);
+    size_t corpus_len = 0;
+    const char *corpus = kv_bpe_default_corpus(&corpus_len);
+    rc = kv_bpe_train(corpus, corpus_len, "qwen2", c->n_vocab, &voc, d);
+    if (rc) {
+        kv_diag_prefix(d, rc, "vocabulary");
+        goto out;
+    }
+    if (voc.n_tokens != c->n_vocab || voc.eos_id < 0 || voc.im_end_id < 0 ||
+        (uint64_t)voc.eos_id >= voc.n_tokens || (uint64_t)voc.im_end_id >= voc.n_tokens) {
+        rc = kv_fail(d, KV_EINTERNAL, "vocabulary: trainer returned %zu tokens for %" PRIu32 " (eos %d, im_end %d)",
+                     voc.n_tokens, c->n_vocab, voc.eos_id, voc.im_end_id);
+        goto out;
+    }
+
+    if ((rc = kv_gguf_writer_new(&w, d))) goto out;
+    if ((rc = write_meta(w, c, &voc, d))) goto out;
+    for (size_t i = 0; i < l.n; i++) {
+        size_t idx;
+        rc = kv_gguf_writer_add_tensor(w, l.t[i].name, l.t[i].n_dims, l.t[i].ne, l.t[i].type, &idx, d);
+        if (rc) goto out;
+    }
+    /* the vocabulary now lives in the writer */
+    kv_bpe_vocab_free(&voc);
+
+    size_t plen = strlen(path);
+    part = malloc(plen + 6);
+    if (!part) {
+        rc = kv_fail(d, KV_ENOMEM, "out of memory");
+        goto out;
+    }
+    memcpy(part, path, plen);
+    memcpy(part + plen, ".part", 6);
+    if ((rc = kv_gguf_writer_begin(w, part, d))) goto out;
+    part_made = 1;
+
+    size_t fcap = GEN_CHUNK;
+    for (size_t i = 0; i < l.n; i++)
+        if (l.t[i].ne[0] > fcap) fcap = (size_t)l.t[i].ne[0];
+    fbuf = malloc(fcap * sizeof *fbuf);
+    qbuf = malloc(fcap * sizeof(float)); /* no type is wider than f32 */
+    if (!fbuf || !qbuf) {
+        rc = kv_fail(d, KV_ENOMEM, "out of memory for %zu-element buffers", fcap);
+        goto out;
+    }
+    if ((rc = kv_pool_new(&pool, c->n_threads, d))) goto out;
+    uint64_t done = 0;
+    double last = now_s();
+    for (size_t i = 0; i < l.n; i++) {
+        if ((rc = gen_tensor_data(w, pool, i, &l.t[i], c->seed, fbuf, fcap, qbuf, d))) goto out;
+        done += l.t[i].nbytes;
+        double t = now_s();
+        if (verbose && (t - last >= 2.0 || i + 1 == l.n)) {
+            fprintf(log, "gen-model: %5.1f%%  %.2f / %.2f GB  (%s)\n", 100.0 * (double)done / (double)l.bytes,
+                    (double)done / 1e9, (double)l.bytes / 1e9, l.t[i].name);
+            last = t;
+        }
+    }
+    if ((rc = kv_gguf_writer_finish(w, d))) goto out;
+    if (rename(part, path) != 0) {
+        rc = kv_fail(d, KV_EIO, "cannot rename %s to %s: %s", part, path, strerror(errno));
+        goto out;
+    }
+    part_made = 0;
+    if (verbose) fprintf(log, "gen-model: wrote %s in %.1f s\n", path, now_s() - t0);
+
+out:
+    if (rc && part_made) unlink(part);
+    free(part);
+    free(fbuf);
+    free(qbuf);
+    kv_gguf_writer_free(w);
+    kv_pool_free(pool);
+    kv_bpe_vocab_free(&voc);
+    free(l.t);
+    return rc;
+}

@@ -1,0 +1,368 @@
+#!/usr/bin/env node
+// Conformance of Kvasir with llama.cpp (issue 2, item 9), driven by
+// tests/test_conformance.sh. Test-only.
+//
+// For each synthetic model below (written by `kvasir gen-model` into a temp
+// dir) it checks, against llama.cpp via oracle.mjs on the same file:
+//   (i)   tokenization of varied texts, with and without special-token
+//         parsing, identical to llama.cpp's;
+//   (ii)  on F32 models, the greedy continuation of every prompt (32 tokens)
+//         identical to llama.cpp's;
+//   (iii) at every generated step, our log-softmax(logits) (from
+//         `kvasir run --logits-out`) within BOUNDS[type] of llama.cpp's,
+//         teacher-forced on OUR tokens (prompt + our generated tokens, one
+//         batch); max |diff| over the vocabulary, entries where llama.cpp's
+//         log-probability is below LP_FLOOR skipped (see below);
+//   (iv)  at every step, our chosen token within BOUNDS[type] of llama.cpp's
+//         best at that position (log p_best - log p_ours <= bound): where a
+//         quantized model's continuation diverges, it was a near tie.
+// It prints a summary table, writes conformance.json next to the models
+// (or to $KV_BUILD), and exits 1 on any failure, 0 otherwise. A missing
+// oracle is a failure, never a skip.
+//
+// Why log-softmax: node-llama-cpp exposes llama.cpp's next-token
+// probabilities (softmax of the raw logits in float32), not the logits; the
+// difference of log-softmax vectors is the difference of logits minus one
+// constant, so the bound reads as a bound on logits up to a common shift.
+import fs from "node:fs";
+import os from "node:os";
+import path from "node:path";
+import { execFileSync } from "node:child_process";
+import { openOracle, loadLlama, ORACLE_SETTINGS } from "./oracle.mjs";
+
+// Bound on max |log_softmax(ours) - log_softmax(llama.cpp)| per weight type,
+// and on the near-tie gap of (iv). Stated in docs/CONFORMANCE.md; keep both
+// in sync. See there for the measured values behind them.
+export const BOUNDS = {
+  f32: 1e-3,
+  f16: 1e-2,
+  q8_0: 5e-2,
+  q4_k: 5e-2,
+};
+// log-probabilities below this (llama.cpp side) are not compared: float32
+// softmax underflows near -87 and such tokens never matter for sampling.
+const LP_FLOOR = -60;
+const N_GEN = 32;
+// One thread by default: on a shared machine a second llama.cpp thread waits on
+// its barrier for a busy core (ms per step); results do not depend on it.
+const THREADS = Number(process.env.KV_CONFORMANCE_THREADS || 1);
+
+// Shapes differ between models: layers, n_embd, experts/top-k, heads and
+// kv-heads (always n_head != n_head_kv), head_dim, vocab, tied/untied.
+// k-quant rows are multiples of 256 (n_embd, n_ff_exp, n_head*head_dim).
+export const MODELS = [
+  { name: "f32-tied", type: "f32", seed: 11,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--vocab", "2000", "--tied"] },
+  { name: "f32-untied", type: "f32", seed: 12,
+    args: ["--layers", "3", "--embd", "384", "--ff-exp", "192", "--experts", "16", "--experts-used", "4",
+      "--heads", "6", "--kv-heads", "2", "--head-dim", "32", "--vocab", "3000", "--untied"] },
+  { name: "f16-untied", type: "f16", seed: 13,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "256", "--experts", "8", "--experts-used", "2",
+      "--heads", "8", "--kv-heads", "2", "--head-dim", "32", "--vocab", "2500", "--untied"] },
+  { name: "q8_0-tied", type: "q8_0", seed: 14,
+    args: ["--layers", "2", "--embd", "320", "--ff-exp", "160", "--experts", "8", "--experts-used", "3",
+      "--heads", "5", "--kv-heads", "1", "--head-dim", "64", "--vocab", "2000", "--tied"] },
+  { name: "q4_k-untied", type: "q4_k", seed: 15,
+    args: ["--layers", "2", "--embd", "512", "--ff-exp", "256", "--experts", "8", "--experts-used", "2",
+      "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--vocab", "2048", "--untied"] },
+  { name: "q4_k-tied", type: "q4_k", seed: 16,
+    args: ["--layers", "3", "--embd", "256", "--ff-exp", "256", "--experts", "16", "--experts-used", "4",
+      "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--vocab", "2200", "--tied"] },
+];
+
+export const TEXTS = [
+  "",
+  "a",
+  " ",
+  "\n",
+  "Hello world",
+  "Hello, world! How are you today?",
+  "The quick brown fox jumps over the lazy dog.",
+  "  two leading spaces",
+  "trailing spaces   ",
+  "runs    of     spaces",
+  "tabs\tand\t\ttabs",
+  "line1\nline2\n\nline4\n\n\n",
+  "   \n\n   \t\t \n",
+  "\r\nwindows\r\nline\r\n",
+  "café naïve résumé Ångström façade",
+  "e\u0301 combining, \u00a0nbsp, ß ẞ ﬁ",
+  "Ünïcödé — “quotes” ‘single’ … «guillemets»",
+  "中文分词测试，你好世界。",
+  "日本語のテキスト、カタカナとひらがな",
+  "한국어 텍스트 처리",
+  "Привет, мир! Ёлка",
+  "مرحبا بالعالم",
+  "emoji 😀🎉👍🏽 family 👨‍👩‍👧 flag 🇳🇴",
+  "digits 1234567890 3.14159 1,000,000 -42 1e-9",
+  "x=12345678901234567890",
+  "I'm we've they'll don't IT'S she'd",
+  "def f(x):\n    return x ** 2  # square\n",
+  "https://example.com/path?q=1&r=2#frag",
+  "mixed: abc123DEF456 ___ --- ... !!! ???",
+  "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+  "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n",
+  "<|endoftext|>",
+  "before<|im_end|>after",
+  "<|im_start|><|im_end|><|endoftext|>",
+  "<|im_start",
+  "< |im_start| >",
+];
+
+export const PROMPTS = [
+  "The quick brown fox",
+  "<|im_start|>user\nWhat is the capital of Norway?<|im_end|>\n<|im_start|>assistant\n",
+  "Once upon a time, 42 dragons",
+];
+
+function die(msg) {
+  process.stderr.write(`conformance: FAIL: ${msg}\n`);
+  process.exit(1);
+}
+
+function kv(bin, args, opts = {}) {
+  try {
+    return execFileSync(bin, args, { encoding: "utf8", maxBuffer: 1 << 28, stdio: ["ignore", "pipe", "pipe"], ...opts });
+  } catch (e) {
+    const err = (e.stderr || "").toString().trim().split("\n").slice(-3).join(" | ");
+    throw new Error(`\`kvasir ${args.map(shq).join(" ")}\` failed (rc ${e.status}): ${err}`);
+  }
+}
+
+function shq(s) {
+  return /^[A-Za-z0-9_./=:,+-]+$/.test(s) ? s : `'${String(s).replace(/'/g, "'\\''")}'`;
+}
+
+function jsq(s) {
+  return JSON.stringify(s);
+}
+
+function readF32(file) {
+  const b = fs.readFileSync(file);
+  return new Float32Array(b.buffer, b.byteOffset, b.byteLength / 4);
+}
+
+/** log_softmax in double of one f32 row. */
+function logSoftmax(row) {
+  let m = -Infinity;
+  for (const v of row) if (v > m) m = v;
+  let s = 0;
+  for (const v of row) s += Math.exp(v - m);
+  const lse = m + Math.log(s);
+  const out = new Float64Array(row.length);
+  for (let i = 0; i < row.length; i++) out[i] = row[i] - lse;
+  return out;
+}
+
+function argmax(a) {
+  let b = 0;
+  for (let i = 1; i < a.length; i++) if (a[i] > a[b]) b = i;
+  return b;
+}
+
+/** max |ours - llama| over entries where llama's log p >= LP_FLOOR; an entry
+ *  llama.cpp puts below the floor but we put well above it counts too. */
+function maxAbsDiff(ours, llama) {
+  let m = 0, at = -1;
+  for (let i = 0; i < ours.length; i++) {
+    const l = llama[i];
+    let d;
+    if (l >= LP_FLOOR) d = Math.abs(ours[i] - l);
+    else if (ours[i] >= LP_FLOOR + 10) d = Math.abs(ours[i] - (Number.isFinite(l) ? l : -87));
+    else continue;
+    if (!(d <= m)) { m = d; at = i; }
+  }
+  return { max: m, at };
+}
+
+function firstDiff(a, b) {
+  const n = Math.max(a.length, b.length);
+  for (let i = 0; i < n; i++) if (a[i] !== b[i]) return i;
+  return -1;
+}
+
+function fmt(x) {
+  if (x === 0) return "0";
+  if (!Number.isFinite(x)) return String(x);
+  return x < 1e-3 || x >= 1e3 ? x.toExponential(2) : x.toPrecision(3);
+}
+
+function oracleVersionOk(src) {
+  const pj = path.join(src, "tests/oracle/node_modules/node-llama-cpp/package.json");
+  if (!fs.existsSync(pj)) return `oracle not installed: ${pj} missing (run tools/install-oracle.sh)`;
+  const v = JSON.parse(fs.readFileSync(pj, "utf8")).version;
+  if (v !== "3.21.1") return `oracle is node-llama-cpp ${v}, expected exactly 3.21.1`;
+  if (!fs.existsSync(path.join(src, "tests/oracle/node_modules/@node-llama-cpp/linux-x64/bins")))
+    return "oracle prebuilt @node-llama-cpp/linux-x64 missing (run tools/install-oracle.sh)";
+  return null;
+}
+
+async function checkModel(bin, dir, m, log) {
+  const file = path.join(dir, `${m.name}.gguf`);
+  const res = { name: m.name, type: m.type, bound: BOUNDS[m.type], shape: m.args.join(" "), failures: [] };
+  const fail = (s) => { res.failures.push(s); log(`  FAIL ${s}`); };
+  const t0 = Date.now();
+  kv(bin, ["gen-model", "--arch", "qwen3moe", "--out", file, "--type", m.type, "--seed", String(m.seed), "--ctx", "512", ...m.args]);
+  res.bytes = fs.statSync(file).size;
+
+  let o;
+  try {
+    o = await openOracle(file, { threads: THREADS, ctx: 512 });
+  } catch (e) {
+    fail(`llama.cpp rejects ${file}: ${e.message}`);
+    return res;
+  }
+  try {
+    res.n_vocab = o.nVocab;
+    // (i) tokenization
+    let tokOk = 0, tokN = 0;
+    for (const text of TEXTS) {
+      for (const special of [true, false]) {
+        tokN++;
+        const args = ["tokenize", "-m", file, ...(special ? [] : ["--no-special"]), text];
+        let ours;
+        try {
+          ours = JSON.parse(kv(bin, args));
+        } catch (e) {
+          fail(`tokenize ${jsq(text)}${special ? "" : " --no-special"}: ${e.message}`);
+          continue;
+        }
+        const ref = o.tokenize(text, special);
+        const d = firstDiff(ours, ref);
+        if (d === -1) tokOk++;
+        else fail(`tokenize ${jsq(text)}${special ? "" : " (no special)"}: differs at index ${d}: ours ${jsq(ours)} llama.cpp ${jsq(ref)}; reproduce: kvasir ${args.map(shq).join(" ")}`);
+      }
+    }
+    res.tokenize = `${tokOk}/${tokN}`;
+
+    // (ii)-(iv) generation
+    res.prompts = [];
+    let worst = 0, worstGap = 0, greedyOk = 0;
+    for (const [pi, prompt] of PROMPTS.entries()) {
+      const lf = path.join(dir, `${m.name}.p${pi}.logits`);
+      const runArgs = ["run", "-m", file, "-p", prompt, "-n", String(N_GEN), "--temp", "0", "--threads", String(THREADS), "--json", "--logits-out", lf];
+      let r;
+      try {
+        r = JSON.parse(kv(bin, runArgs));
+      } catch (e) {
+        fail(`run prompt ${pi}: ${e.message}`);
+        continue;
+      }
+      const P = r.prompt_tokens, T = r.tokens;
+      const pr = { prompt: pi, n_prompt: P.length, n_gen: T.length };
+      res.prompts.push(pr);
+      const refP = o.tokenize(prompt, true);
+      if (firstDiff(P, refP) !== -1) fail(`prompt ${pi}: prompt_tokens ${jsq(P)} != llama.cpp ${jsq(refP)}`);
+      if (T.length === 0) { fail(`prompt ${pi}: no tokens generated`); continue; }
+      if (T.length < N_GEN) log(`  note: prompt ${pi}: we stopped after ${T.length} tokens (EOS?)`);
+      const L = readF32(lf);
+      if (L.length !== T.length * o.nVocab) {
+        fail(`prompt ${pi}: --logits-out has ${L.length} floats, expected ${T.length}x${o.nVocab}`);
+        continue;
+      }
+      // llama.cpp's own greedy run from our prompt tokens
+      const g = await o.generate(P, T.length);
+      const div = firstDiff(T, g.tokens);
+      pr.greedy_identical = div === -1;
+      pr.diverge_at = div;
+      if (div === -1) greedyOk++;
+      if (m.type === "f32" && div !== -1) {
+        fail(`(ii) prompt ${pi}: greedy continuation differs at step ${div}: ours ${jsq(T)} llama.cpp ${jsq(g.tokens)}; reproduce: kvasir ${runArgs.slice(0, -2).map(shq).join(" ")}`);
+      }
+      // teacher-forced on our tokens
+      const rows = await o.forced([...P, ...T.slice(0, -1)], P.length);
+      let pMax = 0, pGap = 0, pAt = null;
+      for (let s = 0; s < T.length; s++) {
+        const ours = logSoftmax(L.subarray(s * o.nVocab, (s + 1) * o.nVocab));
+        const ref = rows[s];
+        const { max, at } = maxAbsDiff(ours, ref);
+        if (max > pMax) { pMax = max; pAt = { step: s, token: at }; }
+        const best = argmax(ref);
+        const gap = ref[best] - ref[T[s]];
+        if (gap > pGap) pGap = gap;
+        if (!(gap <= BOUNDS[m.type])) {
+          fail(`(iv) prompt ${pi} step ${s}: we chose ${T[s]} (llama.cpp log p ${fmt(ref[T[s]])}), llama.cpp's best is ${best} (log p ${fmt(ref[best])}): gap ${fmt(gap)} > bound ${BOUNDS[m.type]}`);
+        }
+        if (argmax(ours) !== T[s]) fail(`prompt ${pi} step ${s}: our token ${T[s]} is not the argmax of our own --logits-out row (${argmax(ours)})`);
+      }
+      pr.max_abs_diff = pMax;
+      pr.max_at = pAt;
+      pr.max_gap = pGap;
+      if (!(pMax <= BOUNDS[m.type])) {
+        fail(`(iii) prompt ${pi}: max |dlogp| ${fmt(pMax)} at step ${pAt?.step} token ${pAt?.token} > bound ${BOUNDS[m.type]}`);
+      }
+      worst = Math.max(worst, pMax);
+      worstGap = Math.max(worstGap, pGap);
+    }
+    res.max_abs_diff = worst;
+    res.max_gap = worstGap;
+    res.greedy = `${greedyOk}/${PROMPTS.length}`;
+  } finally {
+    await o.dispose();
+  }
+  res.seconds = (Date.now() - t0) / 1000;
+  return res;
+}
+
+async function main() {
+  const src = process.env.KV_SRC || path.resolve(path.dirname(new URL(import.meta.url).pathname), "../..");
+  const bin = process.env.KV_BIN || path.join(src, "build/kvasir");
+  const oerr = oracleVersionOk(src);
+  if (oerr) die(oerr);
+  if (!fs.existsSync(bin)) die(`kvasir binary not found: ${bin}`);
+  const only = process.env.KV_CONFORMANCE_MODELS ? process.env.KV_CONFORMANCE_MODELS.split(",") : null;
+  const keep = !!process.env.KV_CONFORMANCE_KEEP;
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "kv-conformance-"));
+  const log = (s) => process.stdout.write(s + "\n");
+  log(`conformance: kvasir ${bin} vs llama.cpp (${ORACLE_SETTINGS.package}; flash attention off, KV cache F32, CPU, ${THREADS} threads)`);
+  log(`conformance: models in ${dir}${keep ? " (kept)" : ""}`);
+  try {
+    await loadLlama(THREADS);
+  } catch (e) {
+    die(`cannot load llama.cpp from node-llama-cpp: ${e.message}`);
+  }
+  const results = [];
+  for (const m of MODELS) {
+    if (only && !only.includes(m.name)) continue;
+    log(`-- ${m.name} (${m.type}): ${m.args.join(" ")}`);
+    let r;
+    try {
+      r = await checkModel(bin, dir, m, log);
+    } catch (e) {
+      r = { name: m.name, type: m.type, bound: BOUNDS[m.type], failures: [e.message] };
+      log(`  FAIL ${e.message}`);
+    }
+    results.push(r);
+  }
+  // summary table
+  const head = ["model", "type", "MB", "tokenize", "greedy=llama", "max|dlogp|", "max tie gap", "bound", "result"];
+  const rows = results.map((r) => [
+    r.name, r.type, r.bytes ? (r.bytes / 1e6).toFixed(1) : "-", r.tokenize ?? "-", r.greedy ?? "-",
+    r.max_abs_diff != null ? fmt(r.max_abs_diff) : "-", r.max_gap != null ? fmt(r.max_gap) : "-", String(r.bound),
+    r.failures.length ? `FAIL(${r.failures.length})` : "ok",
+  ]);
+  const w = head.map((h, i) => Math.max(h.length, ...rows.map((x) => x[i].length)));
+  const line = (x) => x.map((c, i) => c.padEnd(w[i])).join("  ");
+  log("");
+  log(line(head));
+  log(line(w.map((n) => "-".repeat(n))));
+  for (const x of rows) log(line(x));
+  log("max|dlogp|: max over steps and vocabulary of |log_softmax(ours) - log_softmax(llama.cpp)|, teacher-forced on our tokens;");
+  log("max tie gap: max over steps of llama.cpp's log p(best) - log p(our token); greedy=llama: prompts whose 32-token greedy continuation equals llama.cpp's");
+  const outDir = process.env.KV_BUILD && fs.existsSync(process.env.KV_BUILD) ? process.env.KV_BUILD : dir;
+  fs.writeFileSync(path.join(outDir, "conformance.json"), JSON.stringify({ oracle: ORACLE_SETTINGS, bounds: BOUNDS, results }, null, 1));
+  log(`conformance: details in ${path.join(outDir, "conformance.json")}`);
+  if (!keep) fs.rmSync(dir, { recursive: true, force: true });
+  const nFail = results.reduce((a, r) => a + r.failures.length, 0);
+  const ran = results.length;
+  (await loadLlama(THREADS)).dispose();
+  if (ran === 0) die("no model checked");
+  if (nFail) {
+    log(`conformance: FAIL (${nFail} failures)`);
+    process.exit(1);
+  }
+  log("conformance: PASS");
+}
+
+main().catch((e) => die(e?.stack ?? String(e)));
