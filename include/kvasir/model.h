@@ -100,6 +100,12 @@ uint64_t kv_model_bytes_per_token(const kv_model *m);
  * Free with provider.free(provider.impl). */
 int kv_expert_local_new(kv_expert_provider *out, const kv_model *m, kv_pool *pool,
                         uint32_t max_tokens, kv_diag *d);
+/* The same computation over any expert source (slabs, caches). src is
+ * copied; src->ctx is borrowed and must outlive the provider. */
+int kv_expert_local_new_src(kv_expert_provider *out, const kv_expert_source *src, kv_pool *pool,
+                            uint32_t max_tokens, kv_diag *d);
+/* The expert source reading m's own expert tensors (views, never fails). */
+kv_expert_source kv_model_expert_source(const kv_model *m);
 
 typedef struct kv_state kv_state;
 

@@ -34,4 +34,22 @@ typedef struct kv_expert_provider {
     const char *name; /* "local", "slabs", "remote" ... for logs */
 } kv_expert_provider;
 
+/* Where the in-process provider finds an expert's weights: the full model
+ * file, slab files, a bounded cache... acquire() returns views of expert e
+ * of a layer (gate and up: n_ff rows of n_embd; down: n_embd rows of n_ff;
+ * row-major in the given ggml types) that stay valid until the matching
+ * release(). acquire may block (e.g. to read a slab) and may fail with a
+ * clear error, in which case the request fails and nothing is produced. */
+typedef struct kv_expert_weights {
+    const void *gate, *up, *down; /* matrix starts */
+    uint32_t gate_type, up_type, down_type;
+} kv_expert_weights;
+
+typedef struct kv_expert_source {
+    void *ctx;
+    int (*acquire)(void *ctx, uint32_t layer, uint32_t expert, kv_expert_weights *w, kv_diag *d);
+    void (*release)(void *ctx, uint32_t layer, uint32_t expert); /* may be NULL */
+    uint32_t n_layer, n_expert, n_embd, n_ff_exp, n_expert_used;
+} kv_expert_source;
+
 #endif

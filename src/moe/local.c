@@ -1,14 +1,15 @@
-/* In-process expert provider: computes routed-expert FFNs from the expert
- * tensors of a loaded model.
+/* In-process expert provider: computes routed-expert FFNs from an expert
+ * source (the model file's expert tensors, slab files, a cache).
  *
  * A request's (token, rank) slots are grouped by expert (stable order), the
- * quantized inputs gathered per expert, and then three parallel phases run:
- * gate+up rows of every active expert, SwiGLU + re-quantization per slot,
- * down rows of every active expert. Work is split over the concatenated rows
- * of all active experts, so a decode step with 8 experts keeps every thread
- * busy. Every output element is one whole dot product, so results do not
- * depend on thread count or on which tokens share a step. Scratch is
- * allocated once for max_tokens. */
+ * weights of every active expert acquired, the quantized inputs gathered per
+ * expert, and then parallel phases run: gate+up rows of every active expert,
+ * SwiGLU + re-quantization per slot, down rows of every active expert,
+ * scatter back. Work is split over the concatenated rows of all active
+ * experts, so a decode step with 8 experts keeps every thread busy. Every
+ * output element is one whole dot product, so results do not depend on
+ * thread count, on which tokens share a step, or on where the weights live.
+ * Scratch is allocated once for max_tokens. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,15 +17,15 @@
 #include "model/model_internal.h"
 
 typedef struct kv_local {
-    const kv_model *m;
+    kv_expert_source src;
     kv_pool *pool;
-    uint32_t max_tokens;
     uint32_t n_slots_max;   /* max_tokens * n_expert_used */
     /* per-call scratch */
     int32_t *slot_order;    /* [n_slots] slots sorted by expert */
     int32_t *exp_first;     /* [n_expert+1] start of each expert's run in slot_order */
     int32_t *active;        /* [n_expert] experts with at least one slot */
     int32_t *cursor;        /* [n_expert] fill positions while sorting */
+    kv_expert_weights *w;   /* [n_expert] weights of active expert i (by active index) */
     uint8_t *xq;            /* [n_slots][row] gathered quantized inputs (gate/up type) */
     float *gate;            /* [n_slots][n_ff] */
     float *up;              /* [n_slots][n_ff] */
@@ -34,20 +35,23 @@ typedef struct kv_local {
 
 typedef struct kv_local_job {
     kv_local *l;
-    const kv_layer *L;
     const kv_expert_req *req;
     int n_active;
+    uint32_t up_vdt, down_vdt; /* activation types for gate/up and down */
     size_t xq_stride, hq_stride;
     float *out;
     int phase;
 } kv_local_job;
 
-/* Runs kv_mat_rows over this thread's share of the concatenated rows of all
- * active experts' matrices of w, for their gathered slot inputs. */
-static void kv_local_rows(kv_local_job *j, const kv_weight *w, const uint8_t *A, size_t a_stride,
-                          float *Y, int ith, int nth) {
+enum { KV_MAT_GATE, KV_MAT_UP, KV_MAT_DOWN };
+
+/* Runs kv_mat_rows over this thread's share of the concatenated rows of one
+ * matrix kind of all active experts, for their gathered slot inputs. */
+static void kv_local_rows(kv_local_job *j, int which, const uint8_t *A, size_t a_stride, float *Y,
+                          int ith, int nth) {
     kv_local *l = j->l;
-    const long rows = (long)w->ne[1];
+    const int64_t n_in = which == KV_MAT_DOWN ? l->src.n_ff_exp : l->src.n_embd;
+    const long rows = which == KV_MAT_DOWN ? (long)l->src.n_embd : (long)l->src.n_ff_exp;
     const long blocks_per = (rows + 15) / 16, total = blocks_per * j->n_active;
     long lo, hi;
     kv_pool_split(total, ith, nth, &lo, &hi);
@@ -56,10 +60,13 @@ static void kv_local_rows(kv_local_job *j, const kv_weight *w, const uint8_t *A,
         const long bend = (ai + 1) * blocks_per < hi ? (ai + 1) * blocks_per : hi;
         const int32_t e = l->active[ai];
         const int32_t s0 = l->exp_first[e], s1 = l->exp_first[e + 1];
+        const kv_expert_weights *w = &l->w[ai];
+        const void *mat = which == KV_MAT_GATE ? w->gate : which == KV_MAT_UP ? w->up : w->down;
+        const uint32_t type = which == KV_MAT_GATE ? w->gate_type : which == KV_MAT_UP ? w->up_type : w->down_type;
         long r0 = (b - ai * blocks_per) * 16, r1 = (bend - ai * blocks_per) * 16;
         if (r1 > rows) r1 = rows;
-        kv_mat_rows(w->type, (const uint8_t *)w->data + (size_t)e * w->nb2, w->row_bytes, w->ne[0],
-                    r0, r1, A + (size_t)s0 * a_stride, a_stride, s1 - s0, Y + (size_t)s0 * (size_t)rows,
+        kv_mat_rows(type, mat, (size_t)kv_type_row_size(type, (uint64_t)n_in), n_in, r0, r1,
+                    A + (size_t)s0 * a_stride, a_stride, s1 - s0, Y + (size_t)s0 * (size_t)rows,
                     (size_t)rows);
         b = bend;
     }
@@ -68,36 +75,34 @@ static void kv_local_rows(kv_local_job *j, const kv_weight *w, const uint8_t *A,
 static void kv_local_worker(void *arg, int ith, int nth) {
     kv_local_job *j = arg;
     kv_local *l = j->l;
-    const kv_layer *L = j->L;
     const kv_expert_req *r = j->req;
-    const int64_t n_ff = L->up_exps.ne[1], E = r->n_embd;
+    const int64_t n_ff = l->src.n_ff_exp, E = r->n_embd;
     const long n_slots = (long)r->n_tokens * r->n_used;
     long lo, hi;
     switch (j->phase) {
     case 0: /* gather + quantize inputs, in sorted slot order */
         kv_pool_split(n_slots, ith, nth, &lo, &hi);
         for (long i = lo; i < hi; i++) {
-            const int32_t slot = l->slot_order[i];
-            const int32_t t = slot / (int32_t)r->n_used;
-            kv_quantize_rows(kv_type_get(L->up_exps.type)->vec_dot_type, r->x + (size_t)t * (size_t)E,
-                             (size_t)E, E, 1, l->xq + (size_t)i * j->xq_stride, j->xq_stride);
+            const int32_t t = l->slot_order[i] / (int32_t)r->n_used;
+            kv_quantize_rows(j->up_vdt, r->x + (size_t)t * (size_t)E, (size_t)E, E, 1,
+                             l->xq + (size_t)i * j->xq_stride, j->xq_stride);
         }
         break;
     case 1: /* gate and up rows */
-        kv_local_rows(j, &L->gate_exps, l->xq, j->xq_stride, l->gate, ith, nth);
-        kv_local_rows(j, &L->up_exps, l->xq, j->xq_stride, l->up, ith, nth);
+        kv_local_rows(j, KV_MAT_GATE, l->xq, j->xq_stride, l->gate, ith, nth);
+        kv_local_rows(j, KV_MAT_UP, l->xq, j->xq_stride, l->up, ith, nth);
         break;
     case 2: /* SwiGLU and quantize for down */
         kv_pool_split(n_slots, ith, nth, &lo, &hi);
         for (long i = lo; i < hi; i++) {
             float *g = l->gate + (size_t)i * (size_t)n_ff;
             kv_swiglu(g, g, l->up + (size_t)i * (size_t)n_ff, n_ff);
-            kv_quantize_rows(kv_type_get(L->down_exps.type)->vec_dot_type, g, (size_t)n_ff, n_ff, 1,
-                             l->hq + (size_t)i * j->hq_stride, j->hq_stride);
+            kv_quantize_rows(j->down_vdt, g, (size_t)n_ff, n_ff, 1, l->hq + (size_t)i * j->hq_stride,
+                             j->hq_stride);
         }
         break;
     case 3: /* down rows */
-        kv_local_rows(j, &L->down_exps, l->hq, j->hq_stride, l->down, ith, nth);
+        kv_local_rows(j, KV_MAT_DOWN, l->hq, j->hq_stride, l->down, ith, nth);
         break;
     case 4: /* scatter back to (token, rank) order */
         kv_pool_split(n_slots, ith, nth, &lo, &hi);
@@ -108,38 +113,66 @@ static void kv_local_worker(void *arg, int ith, int nth) {
     }
 }
 
+static void kv_local_release(kv_local *l, uint32_t layer, int n) {
+    if (!l->src.release) return;
+    for (int i = 0; i < n; i++) l->src.release(l->src.ctx, layer, (uint32_t)l->active[i]);
+}
+
 static int kv_local_compute(void *impl, const kv_expert_req *req, float *out, kv_diag *d) {
     kv_local *l = impl;
-    const kv_hparams *hp = kv_model_hparams(l->m);
-    if (req->layer >= hp->n_layer)
-        return kv_fail(d, KV_ERANGE, "experts: layer %u out of range (%u layers)", req->layer, hp->n_layer);
-    if (req->n_embd != hp->n_embd || req->n_used == 0 || req->n_tokens == 0 ||
+    const kv_expert_source *src = &l->src;
+    if (req->layer >= src->n_layer)
+        return kv_fail(d, KV_ERANGE, "experts: layer %u out of range (%u layers)", req->layer, src->n_layer);
+    if (req->n_embd != src->n_embd || req->n_used == 0 || req->n_tokens == 0 ||
         (uint64_t)req->n_tokens * req->n_used > l->n_slots_max)
         return kv_fail(d, KV_EINVAL, "experts: request shape (%u tokens x %u experts, embd %u) exceeds "
                        "provider limits", req->n_tokens, req->n_used, req->n_embd);
-    const kv_layer *L = kv_model_layer(l->m, req->layer);
     const uint32_t n_slots = req->n_tokens * req->n_used;
     /* counting sort of slots by expert id: stable, so each expert's slots
      * stay in token order */
-    memset(l->exp_first, 0, (hp->n_expert + 1) * sizeof(int32_t));
+    memset(l->exp_first, 0, (src->n_expert + 1) * sizeof(int32_t));
     for (uint32_t s = 0; s < n_slots; s++) {
         const int32_t e = req->ids[s];
-        if (e < 0 || (uint32_t)e >= hp->n_expert)
-            return kv_fail(d, KV_ERANGE, "experts: expert id %d out of range (%u experts)", e, hp->n_expert);
+        if (e < 0 || (uint32_t)e >= src->n_expert)
+            return kv_fail(d, KV_ERANGE, "experts: expert id %d out of range (%u experts)", e, src->n_expert);
         l->exp_first[e + 1]++;
     }
     int n_active = 0;
-    for (uint32_t e = 0; e < hp->n_expert; e++) {
+    for (uint32_t e = 0; e < src->n_expert; e++) {
         if (l->exp_first[e + 1]) l->active[n_active++] = (int32_t)e;
         l->exp_first[e + 1] += l->exp_first[e];
     }
-    memcpy(l->cursor, l->exp_first, hp->n_expert * sizeof(int32_t));
+    memcpy(l->cursor, l->exp_first, src->n_expert * sizeof(int32_t));
     for (uint32_t s = 0; s < n_slots; s++) l->slot_order[l->cursor[req->ids[s]]++] = (int32_t)s;
-    kv_local_job j = {l, L, req, n_active,
-                      (size_t)kv_type_row_size(kv_type_get(L->up_exps.type)->vec_dot_type, hp->n_embd),
-                      (size_t)kv_type_row_size(kv_type_get(L->down_exps.type)->vec_dot_type, hp->n_ff_exp),
-                      out, 0};
+    /* weights of every active expert; all three matrices of a layer must
+     * share the activation type per role across experts */
+    for (int i = 0; i < n_active; i++) {
+        int rc = src->acquire(src->ctx, req->layer, (uint32_t)l->active[i], &l->w[i], d);
+        if (rc) {
+            kv_local_release(l, req->layer, i);
+            return rc;
+        }
+        if (i > 0 && (l->w[i].up_type != l->w[0].up_type || l->w[i].gate_type != l->w[0].gate_type ||
+                      l->w[i].down_type != l->w[0].down_type)) {
+            kv_local_release(l, req->layer, i + 1);
+            return kv_fail(d, KV_EFORMAT, "experts: layer %u expert %d has other tensor types than expert %d",
+                           req->layer, l->active[i], l->active[0]);
+        }
+    }
+    kv_local_job j = {l, req, n_active, 0, 0, 0, 0, out, 0};
+    const kv_type_info *tg = kv_type_get(l->w[0].gate_type), *tu = kv_type_get(l->w[0].up_type),
+                       *td = kv_type_get(l->w[0].down_type);
+    if (!tg || !tu || !td || !tg->compute || !tu->compute || !td->compute ||
+        tg->vec_dot_type != tu->vec_dot_type) {
+        kv_local_release(l, req->layer, n_active);
+        return kv_fail(d, KV_EUNSUPPORTED, "experts: layer %u: unsupported expert tensor types", req->layer);
+    }
+    j.up_vdt = tu->vec_dot_type;
+    j.down_vdt = td->vec_dot_type;
+    j.xq_stride = (size_t)kv_type_row_size(j.up_vdt, src->n_embd);
+    j.hq_stride = (size_t)kv_type_row_size(j.down_vdt, src->n_ff_exp);
     for (j.phase = 0; j.phase <= 4; j.phase++) kv_pool_run(l->pool, kv_local_worker, &j);
+    kv_local_release(l, req->layer, n_active);
     return 0;
 }
 
@@ -150,6 +183,7 @@ static void kv_local_free(void *impl) {
     free(l->exp_first);
     free(l->active);
     free(l->cursor);
+    free(l->w);
     free(l->xq);
     free(l->gate);
     free(l->up);
@@ -158,30 +192,31 @@ static void kv_local_free(void *impl) {
     free(l);
 }
 
-int kv_expert_local_new(kv_expert_provider *out, const kv_model *m, kv_pool *pool,
-                        uint32_t max_tokens, kv_diag *d) {
+int kv_expert_local_new_src(kv_expert_provider *out, const kv_expert_source *src, kv_pool *pool,
+                            uint32_t max_tokens, kv_diag *d) {
     memset(out, 0, sizeof *out);
-    const kv_hparams *hp = kv_model_hparams(m);
     if (max_tokens == 0) return kv_fail(d, KV_EINVAL, "experts: max_tokens must be > 0");
+    if (!src->acquire || !src->n_expert || !src->n_embd || !src->n_ff_exp || !src->n_expert_used)
+        return kv_fail(d, KV_EINVAL, "experts: incomplete expert source");
     kv_local *l = calloc(1, sizeof *l);
     if (!l) return kv_fail(d, KV_ENOMEM, "experts: out of memory");
-    l->m = m;
+    l->src = *src;
     l->pool = pool;
-    l->max_tokens = max_tokens;
-    const size_t ns = (size_t)max_tokens * hp->n_expert_used;
+    const size_t ns = (size_t)max_tokens * src->n_expert_used;
     l->n_slots_max = (uint32_t)ns;
-    const size_t row_in = kv_matmul_scratch(hp->n_embd, 1), row_ff = kv_matmul_scratch(hp->n_ff_exp, 1);
+    const size_t row_in = kv_matmul_scratch(src->n_embd, 1), row_ff = kv_matmul_scratch(src->n_ff_exp, 1);
     l->slot_order = malloc(ns * sizeof(int32_t));
-    l->exp_first = malloc((hp->n_expert + 1) * sizeof(int32_t));
-    l->active = malloc(hp->n_expert * sizeof(int32_t));
+    l->exp_first = malloc((src->n_expert + 1) * sizeof(int32_t));
+    l->active = malloc(src->n_expert * sizeof(int32_t));
+    l->cursor = malloc(src->n_expert * sizeof(int32_t));
+    l->w = calloc(src->n_expert, sizeof *l->w);
     l->xq = malloc(ns * row_in);
-    l->gate = malloc(ns * hp->n_ff_exp * sizeof(float));
-    l->up = malloc(ns * hp->n_ff_exp * sizeof(float));
+    l->gate = malloc(ns * src->n_ff_exp * sizeof(float));
+    l->up = malloc(ns * src->n_ff_exp * sizeof(float));
     l->hq = malloc(ns * row_ff);
-    l->down = malloc(ns * hp->n_embd * sizeof(float));
-    l->cursor = malloc(hp->n_expert * sizeof(int32_t));
-    if (!l->slot_order || !l->exp_first || !l->active || !l->xq || !l->gate || !l->up || !l->hq ||
-        !l->down || !l->cursor) {
+    l->down = malloc(ns * src->n_embd * sizeof(float));
+    if (!l->slot_order || !l->exp_first || !l->active || !l->cursor || !l->w || !l->xq || !l->gate ||
+        !l->up || !l->hq || !l->down) {
         kv_local_free(l);
         return kv_fail(d, KV_ENOMEM, "experts: out of memory for %u tokens", max_tokens);
     }
@@ -190,4 +225,32 @@ int kv_expert_local_new(kv_expert_provider *out, const kv_model *m, kv_pool *poo
     out->free = kv_local_free;
     out->name = "local";
     return 0;
+}
+
+/* ---- the model file as an expert source ---------------------------------- */
+
+static int kv_model_src_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
+    const kv_model *m = ctx;
+    const kv_layer *L = kv_model_layer(m, layer);
+    if (!L || e >= m->hp.n_expert)
+        return kv_fail(d, KV_ERANGE, "experts: layer %u expert %u out of range", layer, e);
+    w->gate = (const uint8_t *)L->gate_exps.data + (size_t)e * L->gate_exps.nb2;
+    w->up = (const uint8_t *)L->up_exps.data + (size_t)e * L->up_exps.nb2;
+    w->down = (const uint8_t *)L->down_exps.data + (size_t)e * L->down_exps.nb2;
+    w->gate_type = L->gate_exps.type;
+    w->up_type = L->up_exps.type;
+    w->down_type = L->down_exps.type;
+    return 0;
+}
+
+kv_expert_source kv_model_expert_source(const kv_model *m) {
+    const kv_hparams *hp = kv_model_hparams(m);
+    return (kv_expert_source){(void *)m, kv_model_src_acquire, NULL, hp->n_layer, hp->n_expert,
+                              hp->n_embd, hp->n_ff_exp, hp->n_expert_used};
+}
+
+int kv_expert_local_new(kv_expert_provider *out, const kv_model *m, kv_pool *pool,
+                        uint32_t max_tokens, kv_diag *d) {
+    kv_expert_source src = kv_model_expert_source(m);
+    return kv_expert_local_new_src(out, &src, pool, max_tokens, d);
 }
