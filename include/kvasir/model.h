@@ -84,6 +84,14 @@ typedef struct kv_model kv_model;
  * or mis-shaped tensors and bad metadata; d names the culprit. Free with
  * kv_model_free (accepts NULL). Thread-safe to share once loaded. */
 int kv_model_load(kv_model **out, const char *path, kv_diag *d);
+
+typedef struct kv_model_opts {
+    bool no_experts; /* the file holds no routed experts (a backbone): they
+                        must come from an expert provider given to kv_state_new */
+} kv_model_opts;
+int kv_model_load_ex(kv_model **out, const char *path, const kv_model_opts *opts, kv_diag *d);
+/* True if the model's routed experts were loaded from its own file. */
+bool kv_model_has_experts(const kv_model *m);
 void kv_model_free(kv_model *m);
 
 const kv_hparams *kv_model_hparams(const kv_model *m);

@@ -18,6 +18,8 @@
 #define KV_TOK_MAX_VOCAB (1u << 22)   /* tokens accepted from a file */
 #define KV_TOK_MAX_TOKEN_BYTES 4096u  /* bytes in one token's text */
 
+/* A tokenizer is immutable once loaded: every function below that takes a
+ * const kv_tok * may be called from several threads at once. */
 typedef struct kv_tok kv_tok;
 
 /* Token types as stored in tokenizer.ggml.token_type (llama.cpp values). */
@@ -82,10 +84,15 @@ typedef struct kv_bpe_vocab {
 
 /* Learns a vocabulary of exactly n_vocab tokens from corpus text, split by
  * the pre-tokenizer `pre` ("qwen2" or "qwen35"): 256 byte tokens, merges
- * in learned order, then the special tokens <|endoftext|>, <|im_start|>,
- * <|im_end|> (CONTROL). If the corpus cannot yield enough merges, pads with
- * merges of ... (documented in the implementation) so the count is exact.
- * Deterministic. Free with kv_bpe_vocab_free. */
+ * in learned order (pairs occurring at least twice), then the special tokens
+ * <|endoftext|>, <|im_start|>, <|im_end|> (CONTROL). If the corpus cannot
+ * yield enough merges, the rest is padded, as real Qwen GGUFs are, with
+ * "[PAD<id>]" tokens of type UNUSED (never produced by tokenizing, empty when
+ * detokenized, loaded by llama.cpp without warnings), so the count is exact.
+ * Every merge's parts and result are tokens; token texts are unique.
+ * Deterministic. Errors: KV_EUNSUPPORTED (pre), KV_EINVAL (n_vocab < 259 or
+ * > KV_TOK_MAX_VOCAB), KV_ENOMEM. On success the caller frees *out with
+ * kv_bpe_vocab_free (also safe after an error). */
 int kv_bpe_train(const char *corpus, size_t len, const char *pre, size_t n_vocab,
                  kv_bpe_vocab *out, kv_diag *d);
 void kv_bpe_vocab_free(kv_bpe_vocab *v);

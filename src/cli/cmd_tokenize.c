@@ -9,13 +9,15 @@
 #include "kvasir/gguf.h"
 #include "kvasir/tok.h"
 
-#define KV_TOKENIZE_MAX_INPUT (256u << 20) /* bytes read from -f */
+#define KV_TOKENIZE_MAX_INPUT (64u << 20) /* bytes read from -f */
 
 static void kv_tokenize_usage(FILE *f) {
     fprintf(f,
-            "usage: kvasir tokenize -m F.gguf [--no-special] TEXT\n"
+            "usage: kvasir tokenize -m F.gguf [--no-special] [--] TEXT\n"
             "       kvasir tokenize -m F.gguf [--no-special] -f FILE   (FILE '-' reads stdin)\n\n"
-            "Prints the token ids of TEXT as a JSON array (no BOS is added).\n\n"
+            "Prints the token ids of TEXT as a JSON array, as llama.cpp's llama_tokenize\n"
+            "gives them (no BOS is added). Special token texts such as <|im_start|> become\n"
+            "their ids unless --no-special. Put TEXT after -- if it looks like an option.\n\n"
             "  -m, --model F.gguf   model whose tokenizer to use\n"
             "  --no-special         treat special token texts as plain text\n"
             "  -f, --file FILE      read the text from FILE instead of the command line\n"
@@ -58,6 +60,18 @@ static int kv_read_input(const char *path, char **out, size_t *len) {
     return 0;
 }
 
+/* "-x", "--word-word": an option we do not know. Anything else that starts
+ * with '-' ("- item", "-5 degrees", "-") is taken as TEXT. */
+static bool kv_looks_like_flag(const char *a) {
+    if (a[0] != '-') return false;
+    const char *p = a + 1 + (a[1] == '-');
+    if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z'))) return false;
+    for (; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '-'))
+            return false;
+    return true;
+}
+
 int kv_cmd_tokenize(int argc, char **argv) {
     const char *model = NULL, *text = NULL, *file = NULL;
     bool special = true;
@@ -75,8 +89,8 @@ int kv_cmd_tokenize(int argc, char **argv) {
         } else if (!strcmp(a, "--")) {
             if (i + 1 < argc) text = argv[++i];
             if (i + 1 < argc) return kv_cli_err("tokenize", 1, "more than one TEXT given");
-        } else if (a[0] == '-' && a[1] != '\0') {
-            return kv_cli_err("tokenize", 1, "unknown option '%s' (try --help)", a);
+        } else if (kv_looks_like_flag(a)) {
+            return kv_cli_err("tokenize", 1, "unknown option '%s' (put TEXT after --; try --help)", a);
         } else if (text) {
             return kv_cli_err("tokenize", 1, "more than one TEXT given (quote it)");
         } else {

@@ -93,6 +93,9 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     }
     if (o.experts) {
         s->experts = o.experts;
+    } else if (!m->has_experts) {
+        kv_state_free(s);
+        return kv_fail(d, KV_EINVAL, "state: the model has no routed experts of its own; an expert provider is required");
     } else {
         int rc = kv_expert_local_new(&s->own, m, pool, o.n_batch, d);
         if (rc) {

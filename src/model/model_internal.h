@@ -12,6 +12,7 @@ struct kv_model {
     kv_weight output_norm; /* [n_embd] f32 */
     kv_weight output;    /* [n_vocab][n_embd]; == tok_embd when tied */
     kv_layer *layers;    /* [n_layer] */
+    bool has_experts;    /* expert tensors loaded (false for a backbone) */
 };
 
 /* ---- ops (src/model/ops.c) ---- */

@@ -158,7 +158,7 @@ static int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims
     return 0;
 }
 
-static int kv_load_weights(kv_model *m, kv_diag *d) {
+static int kv_load_weights(kv_model *m, bool experts, kv_diag *d) {
     kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
     const kv_gguf_tensor *te = kv_gguf_find_tensor(m->gguf, "token_embd.weight");
@@ -199,23 +199,31 @@ static int kv_load_weights(kv_model *m, kv_diag *d) {
         KV_W(k_norm, "attn_k_norm", 1, HD, 1, 1, true);
         KV_W(ffn_norm, "ffn_norm", 1, E, 1, 1, true);
         KV_W(gate_inp, "ffn_gate_inp", 2, E, hp->n_expert, 1, false);
-        KV_W(gate_exps, "ffn_gate_exps", 3, E, hp->n_ff_exp, hp->n_expert, false);
-        KV_W(up_exps, "ffn_up_exps", 3, E, hp->n_ff_exp, hp->n_expert, false);
-        KV_W(down_exps, "ffn_down_exps", 3, hp->n_ff_exp, E, hp->n_expert, false);
+        if (experts) {
+            KV_W(gate_exps, "ffn_gate_exps", 3, E, hp->n_ff_exp, hp->n_expert, false);
+            KV_W(up_exps, "ffn_up_exps", 3, E, hp->n_ff_exp, hp->n_expert, false);
+            KV_W(down_exps, "ffn_down_exps", 3, hp->n_ff_exp, E, hp->n_expert, false);
+        }
 #undef KV_W
     }
     return 0;
 }
 
 int kv_model_load(kv_model **out, const char *path, kv_diag *d) {
+    return kv_model_load_ex(out, path, NULL, d);
+}
+
+int kv_model_load_ex(kv_model **out, const char *path, const kv_model_opts *opts, kv_diag *d) {
     *out = NULL;
+    const bool experts = !(opts && opts->no_experts);
     kv_model *m = calloc(1, sizeof *m);
     if (!m) return kv_fail(d, KV_ENOMEM, "model: out of memory");
     int rc = kv_gguf_open(&m->gguf, path, d);
     if (rc) goto fail;
     if ((rc = kv_read_hparams(m, d))) goto fail;
     if ((rc = kv_tok_load(&m->tok, m->gguf, d))) goto fail;
-    if ((rc = kv_load_weights(m, d))) goto fail;
+    if ((rc = kv_load_weights(m, experts, d))) goto fail;
+    m->has_experts = experts;
     *out = m;
     return 0;
 fail:
@@ -232,6 +240,7 @@ void kv_model_free(kv_model *m) {
 }
 
 const kv_hparams *kv_model_hparams(const kv_model *m) { return &m->hp; }
+bool kv_model_has_experts(const kv_model *m) { return m->has_experts; }
 const kv_tok *kv_model_tok(const kv_model *m) { return m->tok; }
 const kv_gguf *kv_model_gguf(const kv_model *m) { return m->gguf; }
 const kv_layer *kv_model_layer(const kv_model *m, uint32_t il) {

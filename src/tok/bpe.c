@@ -262,7 +262,7 @@ int kv_tok_encode(const kv_tok *t, const char *text, size_t len, bool parse_spec
         if (rc) goto oom;
     }
     *n = o.n;
-    if (o.n > cap) rc = kv_fail(d, KV_ERANGE, "tokenize: %zu tokens, room for %zu", o.n, cap);
+    if (o.n > o.cap) rc = kv_fail(d, KV_ERANGE, "tokenize: %zu tokens, room for %zu", o.n, o.cap);
     goto done;
 oom:
     rc = kv_fail(d, KV_ENOMEM, "tokenize: out of memory");

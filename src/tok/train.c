@@ -422,32 +422,36 @@ int kv_bpe_train(const char *corpus, size_t len, const char *pre, size_t n_vocab
         if (kv_apply_merge(&tr, pk, c, ++stamp)) goto fail;
     }
 
-    /* specials, then padding */
+    /* specials, then padding. The split never lets a learned token span
+     * "<|", letters and "|>", nor "[", letters and digits, so these names
+     * cannot clash with learned ones; checked all the same, because
+     * llama.cpp aborts on duplicate token texts. */
     out->tokens = calloc(n_vocab, sizeof *out->tokens);
     out->types = malloc(n_vocab * sizeof *out->types);
     if (!out->tokens || !out->types) goto fail;
     out->n_tokens = n_vocab;
-    for (size_t i = 0; i < tr.vocab.n; i++) {
+    size_t at = tr.vocab.n;
+    for (; at < n_vocab; at++) {
+        const char *name = tmp;
+        if (at < tr.vocab.n + 3)
+            name = specials[at - tr.vocab.n];
+        else
+            snprintf(tmp, sizeof tmp, "[PAD%zu]", at);
+        if (kv_strmap_find(&tr.vocab, name, strlen(name)) >= 0) {
+            rc = kv_fail(d, KV_EINTERNAL, "bpe train: learned a token equal to %s", name);
+            goto fail_quiet;
+        }
+        out->tokens[at] = strdup(name);
+        if (!out->tokens[at]) goto fail;
+        out->types[at] = at < tr.vocab.n + 3 ? KV_TOK_CONTROL : KV_TOK_UNUSED;
+    }
+    out->eos_id = (int32_t)tr.vocab.n;
+    out->im_start_id = (int32_t)tr.vocab.n + 1;
+    out->im_end_id = (int32_t)tr.vocab.n + 2;
+    for (size_t i = 0; i < tr.vocab.n; i++) { /* learned texts change hands last */
         out->tokens[i] = tr.vocab.text[i];
         tr.vocab.text[i] = NULL;
         out->types[i] = KV_TOK_NORMAL;
-    }
-    size_t at = tr.vocab.n;
-    for (int i = 0; i < 3; i++, at++) {
-        out->tokens[at] = strdup(specials[i]);
-        if (!out->tokens[at]) goto fail;
-        out->types[at] = KV_TOK_CONTROL;
-    }
-    out->eos_id = (int32_t)(at - 3);
-    out->im_start_id = (int32_t)(at - 2);
-    out->im_end_id = (int32_t)(at - 1);
-    for (; at < n_vocab; at++) {
-        /* learned tokens are byte-level text: '[' is never merged with
-         * letters by the split, so these names cannot clash */
-        snprintf(tmp, sizeof tmp, "[PAD%zu]", at);
-        out->tokens[at] = strdup(tmp);
-        if (!out->tokens[at]) goto fail;
-        out->types[at] = KV_TOK_UNUSED;
     }
     out->merges = tr.merges;
     out->n_merges = tr.n_merges;
@@ -456,8 +460,9 @@ int kv_bpe_train(const char *corpus, size_t len, const char *pre, size_t n_vocab
     rc = 0;
     goto done;
 fail:
+    rc = kv_fail(d, KV_ENOMEM, "bpe train: out of memory");
+fail_quiet:
     kv_bpe_vocab_free(out);
-    rc = kv_fail(d, rc ? rc : KV_ENOMEM, "bpe train: out of memory");
 done:
     for (size_t i = 0; i < tr.n_merges; i++) free(tr.merges[i]);
     free(tr.merges);

@@ -11,7 +11,13 @@
  * and the special-token list (CONTROL, USER_DEFINED and UNKNOWN tokens,
  * longest text first). Where llama.cpp would abort (duplicate token texts) or
  * throw while loading, we return KV_EFORMAT. Every count and length is
- * bounded (KV_TOK_MAX_VOCAB, KV_TOK_MAX_MERGES, KV_TOK_MAX_TOKEN_BYTES). */
+ * bounded (KV_TOK_MAX_VOCAB, KV_TOK_MAX_MERGES, KV_TOK_MAX_TOKEN_BYTES).
+ *
+ * Not mirrored: the LSTRIP/RSTRIP attributes llama.cpp sets by model name
+ * (phi-3, jina-v2, modern-bert; none uses a qwen2 split), and, when two
+ * tokens both look like the same FIM role, which one llama.cpp picks (it
+ * walks a hash map; we take the lower id). Scores are not read (BPE ignores
+ * them). */
 #include "tok/tok_internal.h"
 
 #include <stdio.h>
@@ -316,6 +322,10 @@ int kv_tok_build(kv_tok **out, const kv_tok_spec *s, kv_diag *d) {
     KV_AUTODETECT(t, &fim_pad, kv_fim_pad_texts);
     KV_AUTODETECT(t, &fim_rep, kv_fim_rep_texts);
     KV_AUTODETECT(t, &fim_sep, kv_fim_sep_texts);
+
+    /* control tokens named "unused" are unused (as llama.cpp marks them) */
+    for (int32_t i = 0; i < nv; i++)
+        if ((t->attr[i] & KV_TA_CONTROL) && strstr(t->blob + t->off[i], "unused")) t->attr[i] |= KV_TA_UNUSED;
 
     /* end of generation */
     if (fim_pad >= 0) t->eog[fim_pad] = 1;
