@@ -16,6 +16,9 @@ int kv_cmd_gen_model(int argc, char **argv);
 int kv_cmd_tokenize(int argc, char **argv);
 int kv_cmd_run(int argc, char **argv);
 int kv_cmd_bench(int argc, char **argv);
+int kv_cmd_inspect(int argc, char **argv);
+int kv_cmd_slice(int argc, char **argv);
+int kv_cmd_expert(int argc, char **argv);
 
 /* Prints "kvasir <cmd>: <printf message>\n" to stderr; returns rc. */
 #if defined(__GNUC__)

@@ -13,6 +13,9 @@ static const struct {
     {"tokenize", kv_cmd_tokenize, "print the token ids of a text as a JSON array"},
     {"run", kv_cmd_run, "generate text from a prompt"},
     {"bench", kv_cmd_bench, "measure prefill and decode tokens/s"},
+    {"inspect", kv_cmd_inspect, "show the anatomy of a GGUF file (bytes by class, expert slabs)"},
+    {"slice", kv_cmd_slice, "cut a model into a backbone, expert slabs and a manifest"},
+    {"expert", kv_cmd_expert, "compute one expert's FFN for given hidden states"},
 };
 
 static void kv_usage(FILE *f) {

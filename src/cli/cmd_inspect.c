@@ -1,0 +1,3 @@
+/* PLACEHOLDER: replaced by the real subcommand. */
+#include "cli/cli.h"
+int kv_cmd_inspect(int argc, char **argv) { (void)argc; (void)argv; return kv_cli_err("inspect", 2, "not built yet"); }
