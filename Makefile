@@ -28,7 +28,7 @@ build:
 test: deps oracle
 	@$(MAKE) --no-print-directory build
 	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DKV_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzzers -- --no-print-directory
 	@cd $(BUILD) && KV_FUZZ_BUILD=$(abspath $(FUZZ_BUILD)) ctest --output-on-failure -j$(JOBS)
 
 asan: deps oracle
@@ -42,7 +42,7 @@ demo: deps
 
 fuzz: deps
 	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DKV_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzzers -- --no-print-directory
 	@bash tools/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 bench: deps oracle

@@ -83,6 +83,7 @@ static void test_sizes_and_names(void) {
 /* fp16 / bf16 */
 
 #ifdef HAVE_X86
+#include <cpuid.h>
 __attribute__((target("f16c"))) static uint16_t hw_f32_to_f16(float f) {
     return (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), 0), 0);
 }
@@ -94,7 +95,8 @@ __attribute__((target("f16c"))) static float hw_f16_to_f32(uint16_t h) {
 static void test_fp16(void) {
     int bad_rt = 0, bad_val = 0, bad_hw = 0;
 #ifdef HAVE_X86
-    int hw = __builtin_cpu_supports("f16c");
+    unsigned ca, cb, cc, cd;
+    int hw = __get_cpuid(1, &ca, &cb, &cc, &cd) && (cc & (1u << 29)); /* CPUID.1:ECX.F16C */
 #else
     int hw = 0;
 #endif

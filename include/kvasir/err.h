@@ -52,6 +52,9 @@ const char *kv_err_str(int code);
 __attribute__((format(printf, 3, 4)))
 #endif
 int kv_fail(kv_diag *d, int code, const char *fmt, ...);
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 0)))
+#endif
 int kv_vfail(kv_diag *d, int code, const char *fmt, va_list ap);
 
 /* Prefixes the existing message in d with "prefix: " (context added while an

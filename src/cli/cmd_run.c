@@ -164,7 +164,7 @@ int kv_cmd_run(int argc, char **argv) {
         prompt = chat_text;
     }
     const size_t plen = strlen(prompt);
-    size_t cap = plen + 2;
+    size_t cap = 3 * plen + 2; /* invalid bytes become U+FFFD (3 bytes) before BPE */
     ids = malloc(cap * sizeof *ids);
     if (!ids) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
     size_t off = 0;
