@@ -510,6 +510,42 @@ int main(void) {
     compare_dequant(pq, pf, "token_embd.weight", 0.12);
     compare_dequant(pq, pf, "blk.0.ffn_gate_inp.weight", 1e-12); /* f32, identical */
 
+    /* a vocabulary larger than the corpus teaches: padding (UNUSED) tokens
+     * get all-zero rows in token_embd and output, real tokens do not */
+    {
+        kv_gen_config cv = c;
+        cv.n_vocab = 5000;
+        cv.n_layer = 1;
+        char pv[400];
+        snprintf(pv, sizeof pv, "%s/v.gguf", tmpdir);
+        ASSERT_EQ(kv_gen_model(&cv, pv, &d), 0);
+        kv_gguf *g = NULL;
+        ASSERT_EQ(kv_gguf_open(&g, pv, &d), 0);
+        if (g) {
+            uint64_t nt = 0;
+            const uint8_t *types = NULL;
+            ASSERT_EQ(kv_gguf_get_arr(g, "tokenizer.ggml.token_type", KV_GGUF_INT32, &nt, &types, &d), 0);
+            const char *names[2] = {"token_embd.weight", "output.weight"};
+            uint64_t n_unused = 0, bad = 0;
+            for (int k = 0; k < 2; k++) {
+                const kv_gguf_tensor *t = kv_gguf_find_tensor(g, names[k]);
+                if (!t || nt != cv.n_vocab) break;
+                const float *w = t->data;
+                for (uint64_t r = 0; r < nt; r++) {
+                    int32_t ty;
+                    memcpy(&ty, types + 4 * r, 4);
+                    int zero = 1;
+                    for (uint64_t i = 0; i < cv.n_embd; i++) zero &= w[r * cv.n_embd + i] == 0.0f;
+                    if (ty == 5) n_unused++;
+                    if (zero != (ty == 5)) bad++;
+                }
+            }
+            ASSERT_TRUE(n_unused > 0); /* the corpus does not fill 5000 tokens */
+            ASSERT_EQ(bad, 0);
+            kv_gguf_close(g);
+        }
+    }
+
     /* an unwritable path fails cleanly */
     ASSERT_EQ(kv_gen_model(&c, "/nonexistent-dir-kv/m.gguf", &d), KV_EIO);
 

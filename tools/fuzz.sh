@@ -32,7 +32,7 @@ for bin in "${targets[@]}"; do
     failed+=("$name")
   else
     grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb)' "$build/fuzz-$name.log" || true
-    tail -n 1 "$build/fuzz-$name.log" | grep -o 'cov: [0-9]*' || true
+    grep -o 'cov: [0-9]*' "$build/fuzz-$name.log" | tail -n 1 || true
   fi
 done
 if [ "$found" -eq 0 ]; then

@@ -7,6 +7,7 @@
 #include <strings.h>
 
 #include "cli/cli.h"
+#include "kvasir/anatomy.h"
 #include "kvasir/gen.h"
 #include "kvasir/pool.h"
 #include "kvasir/quant.h"
@@ -53,6 +54,32 @@ static void usage(FILE *f) {
             p[0].name, KV_GEN_MAX_LAYER, KV_GEN_MAX_EMBD, KV_GEN_MAX_FF, KV_GEN_MAX_EXPERT,
             KV_GEN_MAX_HEAD, KV_GEN_MAX_HEAD_DIM, KV_GEN_MIN_VOCAB, 1u << 22, KV_GEN_MAX_CTX);
     for (size_t i = 0; i < n; i++) fprintf(f, "  %-20s %s\n", p[i].name, p[i].summary);
+    const kv_skeleton_preset *s = kv_skeleton_presets(&n);
+    fprintf(f, "\nskeleton presets (with --skeleton --out F.gguf: the real model's header, Q4_K_M\n"
+               "types, tensor data left as holes; see docs/ANATOMY.md):\n");
+    for (size_t i = 0; i < n; i++) fprintf(f, "  %-20s %s\n", s[i].name, s[i].summary);
+}
+
+/* --skeleton: the header of a real model, data left as holes (anatomy.h). */
+static int gen_skeleton(int argc, char **argv, const char *preset) {
+    const char *out = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--preset") || !strcmp(argv[i], "--skeleton")) {
+            i += !strcmp(argv[i], "--preset");
+        } else if (!strcmp(argv[i], "--out") || !strcmp(argv[i], "-o")) {
+            if (!(out = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (!*out) return kv_cli_err(CMD, 1, "--out: empty path");
+        } else {
+            return kv_cli_err(CMD, 1, "--skeleton takes only --preset and --out ('%s' given)", argv[i]);
+        }
+    }
+    if (!kv_skeleton_has(preset))
+        return kv_cli_err(CMD, 1, "--skeleton: '%s' is not a skeleton preset (qwen35-122b-a10b, "
+                                  "qwen35-35b-a3b, qwen3-30b-a3b)", preset);
+    if (!out) return kv_cli_err(CMD, 1, "--out is required (see kvasir gen-model --help)");
+    kv_diag d = {0};
+    if (kv_skeleton_write(preset, out, stderr, &d)) return kv_cli_diag(CMD, &d);
+    return 0;
 }
 
 static int parse_type(const char *s, uint32_t *out) {
@@ -70,6 +97,7 @@ int kv_cmd_gen_model(int argc, char **argv) {
     kv_diag d = {0};
     size_t np;
     const char *preset = kv_gen_presets(&np)[0].name, *out = NULL;
+    int skeleton = 0;
 
     /* pass 1: help and preset, so size flags override the preset wherever
      * they appear */
@@ -81,7 +109,11 @@ int kv_cmd_gen_model(int argc, char **argv) {
         if (!strcmp(argv[i], "--preset")) {
             if (!(preset = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
         }
+        if (!strcmp(argv[i], "--skeleton")) skeleton = 1;
     }
+    if (skeleton) return gen_skeleton(argc, argv, preset);
+    if (kv_skeleton_has(preset))
+        return kv_cli_err(CMD, 1, "--preset %s is a skeleton preset: add --skeleton", preset);
     if (kv_gen_preset_get(preset, &cfg, &d)) return kv_cli_err(CMD, 1, "--preset: %s", d.msg);
     cfg.log = stderr;
 

@@ -19,7 +19,11 @@
  * the LM head gives logits with a standard deviation of ~3: a clear but not
  * one-hot next-token distribution whose top two rarely tie. The residual
  * contributions are kept a few times larger than the embedding so that a
- * tied LM head does not simply echo the input token.
+ * tied LM head does not simply echo the input token. Padding tokens (type
+ * UNUSED, which fill a large vocabulary beyond what the corpus teaches) get
+ * all-zero embedding and output rows: their logit is exactly 0, well below
+ * the top of the real tokens, so generation does not wander into tokens
+ * that detokenize to nothing.
  *
  * Hot path: drawing and quantizing the weights, one slice of rows at a time
  * (GEN_CHUNK elements) split over a thread pool by rows, written with pwrite
@@ -111,6 +115,7 @@ typedef struct gen_tensor {
     uint32_t want;  /* type asked for */
     float mean;     /* weight distribution */
     float std;
+    int vocab_rows; /* rows are tokens: UNUSED tokens get all-zero rows */
     uint64_t nbytes;
 } gen_tensor;
 
@@ -182,6 +187,7 @@ static int build_list(const kv_gen_config *c, gen_list *l) {
              KV = (uint64_t)c->n_head_kv * c->head_dim, F = c->n_ff_exp, X = c->n_expert;
     char nm[80];
     add_t(l, "token_embd.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_EMBD, E));
+    l->t[l->n - 1].vocab_rows = 1;
     for (uint32_t i = 0; i < c->n_layer; i++) {
 #define NM(s) (snprintf(nm, sizeof nm, "blk.%u." s, i), nm)
         add_t(l, NM("attn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
@@ -200,7 +206,10 @@ static int build_list(const kv_gen_config *c, gen_list *l) {
 #undef NM
     }
     add_t(l, "output_norm.weight", 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-    if (!c->tied) add_t(l, "output.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_OUT, E));
+    if (!c->tied) {
+        add_t(l, "output.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_OUT, E));
+        l->t[l->n - 1].vocab_rows = 1;
+    }
     if (l->overflow) {
         free(l->t);
         memset(l, 0, sizeof *l);
@@ -314,6 +323,7 @@ typedef struct gen_job {
     uint64_t r0, nr;        /* rows [r0, r0 + nr) of the tensor in this slice */
     uint64_t row_len;       /* elements per row */
     uint64_t row_bytes;     /* bytes per stored row */
+    const uint8_t *unused;  /* [n_vocab] 1 for UNUSED tokens, if t->vocab_rows */
     float *fbuf;            /* [nr * row_len] */
     uint8_t *qbuf;          /* [nr * row_bytes] */
 } gen_job;
@@ -327,6 +337,10 @@ static void gen_rows(void *arg, int ith, int nth) {
     for (long r = lo; r < hi; r++) {
         uint64_t st = row_seed(j->seed, j->r0 + (uint64_t)r);
         float *f = j->fbuf + (size_t)r * j->row_len;
+        if (j->t->vocab_rows && j->unused[j->r0 + (uint64_t)r]) {
+            memset(f, 0, j->row_len * sizeof *f);
+            continue;
+        }
         for (uint64_t i = 0; i < j->row_len; i++) {
             /* two statements: no fused multiply-add whatever the compiler */
             float z = gen_normal(&st) * j->t->std;
@@ -339,13 +353,15 @@ static void gen_rows(void *arg, int ith, int nth) {
 
 /* Draws, quantizes and writes one tensor, a slice of whole rows at a time. */
 static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const gen_tensor *t,
-                           uint64_t seed, float *fbuf, size_t fcap, uint8_t *qbuf, kv_diag *d) {
+                           uint64_t seed, const uint8_t *unused, float *fbuf, size_t fcap,
+                           uint8_t *qbuf, kv_diag *d) {
     gen_job j = {
         .t = t,
         .ti = kv_type_get_ref(t->type),
         .seed = name_seed(seed, t->name),
         .row_len = t->ne[0],
         .row_bytes = kv_type_row_size(t->type, t->ne[0]),
+        .unused = unused,
         .fbuf = fbuf,
         .qbuf = qbuf,
     };
@@ -441,6 +457,7 @@ int kv_gen_model(const kv_gen_config *c, const char *path, kv_diag *d) {
     memset(&voc, 0, sizeof voc);
     kv_gguf_writer *w = NULL;
     kv_pool *pool = NULL;
+    uint8_t *unused = NULL;
     float *fbuf = NULL;
     uint8_t *qbuf = NULL;
     char *part = NULL;
@@ -485,7 +502,14 @@ int kv_gen_model(const kv_gen_config *c, const char *path, kv_diag *d) {
         rc = kv_gguf_writer_add_tensor(w, l.t[i].name, l.t[i].n_dims, l.t[i].ne, l.t[i].type, &idx, d);
         if (rc) goto out;
     }
-    /* the vocabulary now lives in the writer */
+    /* which rows of token_embd/output are padding tokens; the rest of the
+     * vocabulary now lives in the writer */
+    unused = calloc(voc.n_tokens, 1);
+    if (!unused) {
+        rc = kv_fail(d, KV_ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < voc.n_tokens; i++) unused[i] = voc.types[i] == KV_TOK_UNUSED;
     kv_bpe_vocab_free(&voc);
 
     size_t plen = strlen(path);
@@ -512,7 +536,7 @@ int kv_gen_model(const kv_gen_config *c, const char *path, kv_diag *d) {
     uint64_t done = 0;
     double last = now_s();
     for (size_t i = 0; i < l.n; i++) {
-        if ((rc = gen_tensor_data(w, pool, i, &l.t[i], c->seed, fbuf, fcap, qbuf, d))) goto out;
+        if ((rc = gen_tensor_data(w, pool, i, &l.t[i], c->seed, unused, fbuf, fcap, qbuf, d))) goto out;
         done += l.t[i].nbytes;
         double t = now_s();
         if (verbose && (t - last >= 2.0 || i + 1 == l.n)) {
@@ -532,6 +556,7 @@ int kv_gen_model(const kv_gen_config *c, const char *path, kv_diag *d) {
 out:
     if (rc && part_made) unlink(part);
     free(part);
+    free(unused);
     free(fbuf);
     free(qbuf);
     kv_gguf_writer_free(w);

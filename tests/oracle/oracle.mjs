@@ -28,14 +28,15 @@
 //   const o = await openOracle(path, { threads: 2 });
 //   o.tokenize(text, special)            -> number[]
 //   await o.generate(promptIds, n)       -> { tokens, logprobs: Float32Array[] }
-//   await o.forced(ids, from = 1)        -> Float32Array[] (one per position from-1 .. ids.length-1)
+//   await o.forced(ids, from = 1, mode)  -> Float32Array[] (one per position from-1 .. ids.length-1;
+//                                           mode "decode" (default) or "batch")
 //   await o.dispose()
 //
 // CLI use (JSON on stdout, vectors as little-endian f32, n_vocab per row):
 //   node oracle.mjs info     MODEL
 //   node oracle.mjs tokenize MODEL [--texts FILE.json | TEXT...]
 //   node oracle.mjs generate MODEL --ids 1,2,3 [-n 32] [--out FILE.f32]
-//   node oracle.mjs forced   MODEL --ids 1,2,3,... [--from K] --out FILE.f32
+//   node oracle.mjs forced   MODEL --ids 1,2,3,... [--from K] [--mode decode|batch] --out FILE.f32
 // common options: --threads N (default 2), --ctx N (default 1024)
 import fs from "node:fs";
 import path from "node:path";
@@ -151,21 +152,37 @@ export async function openOracle(modelPath, opts = {}) {
     },
 
     /**
-     * Teacher-forced: evaluates ids as one batch and returns, for every
-     * position p in [from-1, ids.length-1], the log-softmax of the next
-     * token after ids[0..p]. from defaults to 1 (every position).
+     * Teacher-forced: the next-token log-softmax after ids[0..p] for every
+     * position p in [from-1, ids.length-1] (from defaults to 1).
+     * mode "decode" (default) evaluates ids[0..from-1] as one batch and then
+     * feeds the remaining ids one per decode, exactly the computation
+     * `kvasir run` does for its prompt and generated tokens; mode "batch"
+     * evaluates the whole sequence as one batch (llama.cpp's F16 matmuls
+     * differ between the two by up to ~1e-2; quantized ones agree exactly).
      */
-    async forced(ids, from = 1) {
+    async forced(ids, from = 1, mode = "decode") {
       if (ids.length === 0) throw new Error("forced: empty sequence");
       if (from < 1 || from > ids.length) throw new Error(`forced: from=${from} out of [1, ${ids.length}]`);
       await sequence.clearHistory();
-      const input = ids.map((t, i) => (i >= from - 1 ? [t, { generateNext: greedy }] : t));
-      const res = await sequence.controlledEvaluate(input);
       const out = [];
+      if (mode === "batch") {
+        const input = ids.map((t, i) => (i >= from - 1 ? [t, { generateNext: greedy }] : t));
+        const res = await sequence.controlledEvaluate(input);
+        for (let p = from - 1; p < ids.length; p++) {
+          const next = res[p]?.next;
+          if (!next || !next.probabilities) throw new Error(`forced: no output at position ${p}`);
+          out.push(probsToLogSoftmax(next.probabilities, nVocab));
+        }
+        return out;
+      }
+      if (mode !== "decode") throw new Error(`forced: unknown mode ${mode}`);
+      let input = ids.slice(0, from).map((t, i) => (i === from - 1 ? [t, { generateNext: greedy }] : t));
       for (let p = from - 1; p < ids.length; p++) {
-        const next = res[p]?.next;
+        const res = await sequence.controlledEvaluate(input);
+        const next = res[input.length - 1]?.next;
         if (!next || !next.probabilities) throw new Error(`forced: no output at position ${p}`);
         out.push(probsToLogSoftmax(next.probabilities, nVocab));
+        if (p + 1 < ids.length) input = [[ids[p + 1], { generateNext: greedy }]];
       }
       return out;
     },
@@ -227,7 +244,7 @@ async function main() {
       console.log(JSON.stringify({ tokens: r.tokens, text: o.detokenize(r.tokens), n_vocab: o.nVocab }));
     } else if (cmd === "forced") {
       const ids = parseIds(a.ids);
-      const rows = await o.forced(ids, Number(a.from ?? 1));
+      const rows = await o.forced(ids, Number(a.from ?? 1), a.mode ?? "decode");
       if (!a.out) throw new Error("forced needs --out FILE");
       writeF32(a.out, rows);
       const argmax = rows.map((r) => { let b = 0; for (let i = 1; i < r.length; i++) if (r[i] > r[b]) b = i; return b; });
