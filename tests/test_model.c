@@ -150,7 +150,7 @@ static float *run(const kv_model *m, int nth, uint32_t n_batch, const int32_t *p
     kv_state *s = NULL;
     float *out = calloc((size_t)(n_dec + 1) * V, sizeof *out);
     if (kv_pool_new(&pool, nth, &d)) { KVT_FAIL("pool: %s", d.msg); return out; }
-    kv_state_opts o = {64, n_batch, prov};
+    kv_state_opts o = {.n_ctx = 64, .n_batch = n_batch, .experts = prov};
     if (kv_state_new(&s, m, pool, &o, &d)) { KVT_FAIL("state: %s", d.msg); kv_pool_free(pool); return out; }
     if (n_batch == 1) {
         for (int i = 0; i < n; i++)
@@ -228,6 +228,43 @@ int main(void) {
         free(viap);
         pt.inner.free(pt.inner.impl);
         kv_pool_free(pool);
+        /* three sequences decoding in shared steps: each bit-identical to
+         * running alone (base holds the lone run of `prompt`) */
+        {
+            kv_pool *p2 = NULL;
+            kv_state *s = NULL;
+            kv_pool_new(&p2, 2, &d);
+            kv_state_opts o = {.n_ctx = 64, .n_batch = 16, .n_seq = 3};
+            ASSERT_EQ(kv_state_new(&s, m, p2, &o, &d), 0);
+            float *lg = calloc((size_t)3 * V, sizeof *lg);
+            /* seq 1 gets the prompt; seqs 0 and 2 other prompts of other lengths */
+            ASSERT_EQ(kv_state_eval_seq(s, 0, prompt + 2, (uint32_t)n - 2, lg, &d), 0);
+            ASSERT_EQ(kv_state_eval_seq(s, 1, prompt, (uint32_t)n, lg + V, &d), 0);
+            ASSERT_EQ(kv_state_eval_seq(s, 2, prompt + 5, (uint32_t)n - 5, lg + 2 * V, &d), 0);
+            ASSERT_TRUE(memcmp(lg + V, base, V * sizeof(float)) == 0);
+            for (int k = 0; k < 3; k++) {
+                int32_t toks[3];
+                uint32_t seqs[3] = {2, 0, 1}; /* arrival order must not matter */
+                for (int q = 0; q < 3; q++) {
+                    const float *l = lg + (size_t)seqs[q] * V;
+                    int32_t best = 0;
+                    for (uint32_t i = 1; i < V; i++) if (l[i] > l[best]) best = (int32_t)i;
+                    toks[q] = best;
+                }
+                float *step = calloc((size_t)3 * V, sizeof *step);
+                ASSERT_EQ(kv_state_decode(s, toks, seqs, 3, step, &d), 0);
+                for (int q = 0; q < 3; q++) memcpy(lg + (size_t)seqs[q] * V, step + (size_t)q * V, V * sizeof(float));
+                free(step);
+                ASSERT_TRUE(memcmp(lg + V, base + (size_t)(k + 1) * V, V * sizeof(float)) == 0);
+            }
+            ASSERT_EQ(kv_state_pos_seq(s, 1), (uint32_t)n + 3);
+            uint32_t dup[2] = {1, 1};
+            int32_t tt[2] = {1, 2};
+            ASSERT_EQ(kv_state_decode(s, tt, dup, 2, NULL, &d), KV_EINVAL);
+            free(lg);
+            kv_state_free(s);
+            kv_pool_free(p2);
+        }
         /* logits are finite and not constant */
         bool finite = true;
         float lo = base[0], hi = base[0];
@@ -257,7 +294,7 @@ int main(void) {
             kv_pool *p1 = NULL;
             kv_state *s = NULL;
             kv_pool_new(&p1, 1, &d);
-            kv_state_opts o = {8, 8, NULL};
+            kv_state_opts o = {.n_ctx = 8, .n_batch = 8};
             ASSERT_EQ(kv_state_new(&s, m, p1, &o, &d), 0);
             ASSERT_EQ(kv_state_eval(s, prompt, 5, NULL, &d), 0);
             ASSERT_EQ(kv_state_eval(s, prompt, 4, NULL, &d), KV_ECTXFULL);

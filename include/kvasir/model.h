@@ -118,26 +118,41 @@ kv_expert_source kv_model_expert_source(const kv_model *m);
 typedef struct kv_state kv_state;
 
 typedef struct kv_state_opts {
-    uint32_t n_ctx;     /* KV cache length; 0 = min(n_ctx_train, 4096) */
+    uint32_t n_ctx;     /* KV cache length per sequence; 0 = min(n_ctx_train, 4096) */
     uint32_t n_batch;   /* tokens per forward chunk (prefill); 0 = 256 */
     const kv_expert_provider *experts; /* NULL = in-process from the model */
+    uint32_t n_seq;     /* independent sequences (own caches); 0 = 1 */
 } kv_state_opts;
 
-/* Allocates the run state for one sequence. pool is borrowed (must outlive
- * the state). Free with kv_state_free (accepts NULL). */
+/* Allocates the run state for n_seq sequences. pool is borrowed (must
+ * outlive the state). Free with kv_state_free (accepts NULL). */
 int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_state_opts *opts,
                  kv_diag *d);
 void kv_state_free(kv_state *s);
 uint32_t kv_state_n_ctx(const kv_state *s);
-uint32_t kv_state_pos(const kv_state *s);   /* tokens in the cache */
-void kv_state_reset(kv_state *s);           /* empties the cache */
+uint32_t kv_state_n_seq(const kv_state *s);
+uint32_t kv_state_pos(const kv_state *s);   /* tokens in sequence 0's cache */
+uint32_t kv_state_pos_seq(const kv_state *s, uint32_t seq);
+void kv_state_reset(kv_state *s);           /* empties every sequence's cache */
+void kv_state_reset_seq(kv_state *s, uint32_t seq);
 
-/* Appends n tokens at the current position and runs them through the model
- * in chunks of n_batch. If logits is not NULL, writes the n_vocab logits of
- * the last token. Errors: KV_ECTXFULL when pos + n > n_ctx (nothing is
- * evaluated), KV_ERANGE for a token id outside the vocabulary, or what the
- * expert provider returns (the cache is then rolled back to its previous
- * position). */
+/* Appends n tokens to sequence 0 at its current position and runs them
+ * through the model in chunks of n_batch. If logits is not NULL, writes the
+ * n_vocab logits of the last token. Errors: KV_ECTXFULL when pos + n > n_ctx
+ * (nothing is evaluated), KV_ERANGE for a token id outside the vocabulary,
+ * or what the expert provider returns (the cache is then rolled back to its
+ * previous position). */
 int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits, kv_diag *d);
+/* The same for sequence seq. */
+int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t n, float *logits,
+                      kv_diag *d);
+/* One shared step: token i is appended to sequence seqs[i] (distinct), all
+ * n tokens run through the model together (each expert provider call
+ * carries all of them), and logits[i*n_vocab ..] gets token i's logits
+ * (logits may be NULL). Each sequence's results are bit-identical to
+ * running it alone. n <= max(n_batch, n_seq). Errors as kv_state_eval;
+ * on error no sequence advances. */
+int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
+                    float *logits, kv_diag *d);
 
 #endif

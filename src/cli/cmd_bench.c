@@ -12,7 +12,7 @@
 #include "kvasir/model.h"
 #include "kvasir/quant.h"
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", NULL};
 
 #define CMD "bench"
 
@@ -24,6 +24,8 @@ static const char *kv_bench_help =
     "  --threads N   worker threads (default: all CPUs)\n"
     "  --batch N     prefill chunk size (default: the prompt length, at most 4096)\n"
     "  --reps R      repetitions, mean and best reported (default 3)\n"
+    "  --parallel S  decode S sequences in shared steps (one expert call per layer\n"
+    "                carries all S tokens); decode tok/s counts all sequences (default 1)\n"
     "  --json        one JSON object: {\"prefill_tok_s\":X,\"decode_tok_s\":Y,...}\n";
 
 static double kv_now(void) {
@@ -41,7 +43,7 @@ static int32_t kv_argmax(const float *x, uint32_t n) {
 
 int kv_cmd_bench(int argc, char **argv) {
     const char *model = NULL;
-    long n_prompt = 128, n_gen = 64, threads = 0, reps = 3, n_batch = 0;
+    long n_prompt = 128, n_gen = 64, threads = 0, reps = 3, n_batch = 0, n_par = 1;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -62,6 +64,8 @@ int kv_cmd_bench(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &threads)) return 1;
         } else if (!strcmp(a, "--reps")) {
             if (kv_arg_long(CMD, a, v, 1, 100, &reps)) return 1;
+        } else if (!strcmp(a, "--parallel")) {
+            if (kv_arg_long(CMD, a, v, 1, 256, &n_par)) return 1;
         } else if (!strcmp(a, "--batch")) {
             if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
         } else {
@@ -74,7 +78,8 @@ int kv_cmd_bench(int argc, char **argv) {
     kv_model *m = NULL;
     kv_pool *pool = NULL;
     kv_state *st = NULL;
-    int32_t *toks = NULL;
+    int32_t *toks = NULL, *step_tok = NULL;
+    uint32_t *step_seq = NULL;
     float *logits = NULL;
     if (kv_model_load(&m, model, &d)) return kv_cli_diag(CMD, &d);
     const kv_hparams *hp = kv_model_hparams(m);
@@ -84,11 +89,14 @@ int kv_cmd_bench(int argc, char **argv) {
     }
     if (!n_batch) n_batch = n_prompt < 4096 ? n_prompt : 4096;
     if (kv_pool_new(&pool, (int)threads, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
-    kv_state_opts so = {(uint32_t)(n_prompt + n_gen), (uint32_t)n_batch, NULL};
+    kv_state_opts so = {.n_ctx = (uint32_t)(n_prompt + n_gen), .n_batch = (uint32_t)n_batch,
+                        .n_seq = (uint32_t)n_par};
     if (kv_state_new(&st, m, pool, &so, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
     toks = malloc((size_t)n_prompt * sizeof *toks);
-    logits = malloc((size_t)hp->n_vocab * sizeof *logits);
-    if (!toks || !logits) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+    logits = malloc((size_t)n_par * hp->n_vocab * sizeof *logits);
+    step_tok = malloc((size_t)n_par * sizeof *step_tok);
+    step_seq = malloc((size_t)n_par * sizeof *step_seq);
+    if (!toks || !logits || !step_tok || !step_seq) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
     /* deterministic prompt spread over the vocabulary */
     for (long i = 0; i < n_prompt; i++) toks[i] = (int32_t)((1000003ull * (uint64_t)(i + 1)) % hp->n_vocab);
     /* warm-up: touch every weight page once */
@@ -97,14 +105,22 @@ int kv_cmd_bench(int argc, char **argv) {
     for (long r = 0; r < reps; r++) {
         kv_state_reset(st);
         double t0 = kv_now();
+        /* prefill: sequence 0 is timed; the others get the same prompt, untimed */
         if (kv_state_eval(st, toks, (uint32_t)n_prompt, logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
         double t1 = kv_now();
+        for (long q = 1; q < n_par; q++)
+            if (kv_state_eval_seq(st, (uint32_t)q, toks, (uint32_t)n_prompt, logits + (size_t)q * hp->n_vocab, &d)) {
+                rc = kv_cli_diag(CMD, &d);
+                goto done;
+            }
+        for (long q = 0; q < n_par; q++) step_seq[q] = (uint32_t)q;
+        double t1b = kv_now();
         for (long i = 0; i < n_gen; i++) {
-            int32_t t = kv_argmax(logits, hp->n_vocab);
-            if (kv_state_eval(st, &t, 1, logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+            for (long q = 0; q < n_par; q++) step_tok[q] = kv_argmax(logits + (size_t)q * hp->n_vocab, hp->n_vocab);
+            if (kv_state_decode(st, step_tok, step_seq, (uint32_t)n_par, logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
         }
         double t2 = kv_now();
-        const double pp = (double)n_prompt / (t1 - t0), tg = n_gen ? (double)n_gen / (t2 - t1) : 0;
+        const double pp = (double)n_prompt / (t1 - t0), tg = n_gen ? (double)(n_gen * n_par) / (t2 - t1b) : 0;
         sum_pp += pp;
         sum_tg += tg;
         if (pp > best_pp) best_pp = pp;
@@ -116,20 +132,22 @@ int kv_cmd_bench(int argc, char **argv) {
         printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"prefill_tok_s_best\":%.3f,"
                "\"decode_tok_s_best\":%.3f,\"n_prompt\":%ld,\"n_gen\":%ld,\"threads\":%d,\"reps\":%ld,"
                "\"backend\":\"%s\",\"bytes_per_token\":%llu,\"n_layer\":%u,\"n_embd\":%u,\"n_expert\":%u,"
-               "\"n_expert_used\":%u}\n",
+               "\"n_expert_used\":%u,\"parallel\":%ld}\n",
                sum_pp / (double)reps, sum_tg / (double)reps, best_pp, best_tg, n_prompt, n_gen,
                kv_pool_size(pool), reps, kv_quant_backend(), (unsigned long long)bpt, hp->n_layer,
-               hp->n_embd, hp->n_expert, hp->n_expert_used);
+               hp->n_embd, hp->n_expert, hp->n_expert_used, n_par);
     } else {
         printf("model %s: %u layers, embd %u, %u/%u experts, %d threads, kernels %s\n", model, hp->n_layer,
                hp->n_embd, hp->n_expert_used, hp->n_expert, kv_pool_size(pool), kv_quant_backend());
         printf("prefill (%ld tokens): %.2f tok/s (best %.2f)\n", n_prompt, sum_pp / (double)reps, best_pp);
-        printf("decode  (%ld tokens): %.2f tok/s (best %.2f), %.1f MB of weights per token\n", n_gen,
+        printf("decode  (%ld tokens x %ld sequences): %.2f tok/s (best %.2f), %.1f MB of weights per token\n", n_gen, n_par,
                sum_tg / (double)reps, best_tg, (double)bpt / 1e6);
     }
     rc = 0;
 done:
     free(toks);
+    free(step_tok);
+    free(step_seq);
     free(logits);
     kv_state_free(st);
     kv_pool_free(pool);

@@ -21,25 +21,31 @@
 struct kv_state {
     const kv_model *m;
     kv_pool *pool;
-    uint32_t n_ctx;        /* cache rows */
-    uint32_t n_batch;      /* tokens per chunk */
-    uint32_t pos;          /* tokens in the cache */
+    uint32_t n_ctx;        /* cache rows per sequence */
+    uint32_t n_batch;      /* tokens per prefill chunk */
+    uint32_t n_seq;        /* sequences */
+    uint32_t max_tok;      /* tokens per forward call: max(n_batch, n_seq) */
+    uint32_t *pos;         /* [n_seq] tokens in each sequence's cache */
+    uint32_t *tok_seq;     /* [max_tok] sequence of each token of the call */
+    uint32_t *tok_pos;     /* [max_tok] position of each token of the call */
+    uint32_t *out_all;     /* [max_tok] 0, 1, 2, ...: every token's logits wanted */
     kv_expert_provider own;          /* in-process provider (if no other given) */
     const kv_expert_provider *experts;
-    float *k_cache;        /* [n_layer][n_ctx][n_head_kv*head_dim] */
-    float *v_cache;        /* [n_layer][n_ctx][n_head_kv*head_dim] */
-    float *x;              /* [n_batch][n_embd] residual stream */
-    float *xb;             /* [n_batch][n_embd] normed input */
-    float *q;              /* [n_batch][n_head*head_dim] */
-    float *k;              /* [n_batch][n_head_kv*head_dim] */
-    float *v;              /* [n_batch][n_head_kv*head_dim] */
-    float *att;            /* [n_batch][n_head*head_dim] attention output */
-    float *tmp;            /* [n_batch][n_embd] projection output */
-    float *router;         /* [n_batch][n_expert] */
-    int32_t *ids;          /* [n_batch][n_expert_used] */
-    float *wts;            /* [n_batch][n_expert_used] */
-    float *eo;             /* [n_batch][n_expert_used][n_embd] expert outputs */
+    float *k_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
+    float *v_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
+    float *x;              /* [max_tok][n_embd] residual stream */
+    float *xb;             /* [max_tok][n_embd] normed input */
+    float *q;              /* [max_tok][n_head*head_dim] */
+    float *k;              /* [max_tok][n_head_kv*head_dim] */
+    float *v;              /* [max_tok][n_head_kv*head_dim] */
+    float *att;            /* [max_tok][n_head*head_dim] attention output */
+    float *tmp;            /* [max_tok][n_embd] projection output */
+    float *router;         /* [max_tok][n_expert] */
+    int32_t *ids;          /* [max_tok][n_expert_used] */
+    float *wts;            /* [max_tok][n_expert_used] */
+    float *eo;             /* [max_tok][n_expert_used][n_embd] expert outputs */
     float *scores;         /* [n_threads][n_ctx] attention scores per thread */
+    float *hout;           /* [max_tok][n_embd] final-normed rows whose logits are wanted */
     void *scratch;         /* matmul activation scratch */
 };
 
@@ -57,16 +63,20 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     if (o.n_batch == 0) o.n_batch = 256;
     if (o.n_ctx > KV_MAX_CTX) return kv_fail(d, KV_EINVAL, "context: %u exceeds max %u", o.n_ctx, KV_MAX_CTX);
     if (o.n_batch > o.n_ctx) o.n_batch = o.n_ctx;
+    if (o.n_seq == 0) o.n_seq = 1;
+    if (o.n_seq > 4096) return kv_fail(d, KV_EINVAL, "state: %u sequences exceed max 4096", o.n_seq);
     kv_state *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "state: out of memory");
     s->m = m;
     s->pool = pool;
     s->n_ctx = o.n_ctx;
     s->n_batch = o.n_batch;
-    const size_t B = o.n_batch, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim,
+    s->n_seq = o.n_seq;
+    s->max_tok = o.n_batch > o.n_seq ? o.n_batch : o.n_seq;
+    const size_t B = s->max_tok, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim,
                  KVD = (size_t)hp->n_head_kv * hp->head_dim, K = hp->n_expert_used;
     size_t cache_elems;
-    if (!kv_mul_ok((size_t)hp->n_layer * o.n_ctx, KVD, &cache_elems) ||
+    if (!kv_mul_ok((size_t)hp->n_layer * o.n_ctx * o.n_seq, KVD, &cache_elems) ||
         cache_elems > ((size_t)1 << 40) / sizeof(float)) {
         kv_state_free(s);
         return kv_fail(d, KV_EINVAL, "context: KV cache for %u tokens is too large", o.n_ctx);
@@ -85,19 +95,26 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->wts = malloc(B * K * sizeof(float));
     s->eo = malloc(B * K * E * sizeof(float));
     s->scores = malloc((size_t)kv_pool_size(pool) * o.n_ctx * sizeof(float));
+    s->pos = calloc(o.n_seq, sizeof *s->pos);
+    s->tok_seq = malloc(B * sizeof *s->tok_seq);
+    s->tok_pos = malloc(B * sizeof *s->tok_pos);
+    s->hout = malloc(B * E * sizeof(float));
+    s->out_all = malloc(B * sizeof *s->out_all);
     s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
     if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->k || !s->v || !s->att ||
-        !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->scratch) {
+        !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->scratch ||
+        !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all) {
         kv_state_free(s);
         return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
     }
+    for (size_t i = 0; i < B; i++) s->out_all[i] = (uint32_t)i;
     if (o.experts) {
         s->experts = o.experts;
     } else if (!m->has_experts) {
         kv_state_free(s);
         return kv_fail(d, KV_EINVAL, "state: the model has no routed experts of its own; an expert provider is required");
     } else {
-        int rc = kv_expert_local_new(&s->own, m, pool, o.n_batch, d);
+        int rc = kv_expert_local_new(&s->own, m, pool, s->max_tok, d);
         if (rc) {
             kv_state_free(s);
             return rc;
@@ -126,18 +143,33 @@ void kv_state_free(kv_state *s) {
     free(s->eo);
     free(s->scores);
     free(s->scratch);
+    free(s->pos);
+    free(s->tok_seq);
+    free(s->tok_pos);
+    free(s->hout);
+    free(s->out_all);
     free(s);
 }
 
 uint32_t kv_state_n_ctx(const kv_state *s) { return s->n_ctx; }
-uint32_t kv_state_pos(const kv_state *s) { return s->pos; }
-void kv_state_reset(kv_state *s) { s->pos = 0; }
+uint32_t kv_state_n_seq(const kv_state *s) { return s->n_seq; }
+uint32_t kv_state_pos(const kv_state *s) { return s->pos[0]; }
+uint32_t kv_state_pos_seq(const kv_state *s, uint32_t seq) { return seq < s->n_seq ? s->pos[seq] : 0; }
+void kv_state_reset(kv_state *s) { memset(s->pos, 0, s->n_seq * sizeof *s->pos); }
+void kv_state_reset_seq(kv_state *s, uint32_t seq) {
+    if (seq < s->n_seq) s->pos[seq] = 0;
+}
+
+/* First cache row of (seq, layer). */
+static size_t kv_cache_row(const kv_state *s, uint32_t seq, uint32_t il) {
+    return ((size_t)seq * s->m->hp.n_layer + il) * s->n_ctx;
+}
 
 /* ---- attention ---------------------------------------------------------- */
 
 typedef struct kv_attn_job {
     kv_state *s;
-    uint32_t il, n_tok, pos0;
+    uint32_t il, n_tok;
 } kv_attn_job;
 
 static float kv_dot_f32(const float *a, const float *b, int64_t n) {
@@ -158,14 +190,14 @@ static void kv_attn_worker(void *arg, int ith, int nth) {
     const int64_t HD = hp->head_dim, H = hp->n_head, KVD = (int64_t)hp->n_head_kv * HD;
     const int64_t gqa = hp->n_head / hp->n_head_kv;
     const float scale = 1.0f / sqrtf((float)HD);
-    const float *kc = s->k_cache + (size_t)j->il * s->n_ctx * (size_t)KVD;
-    const float *vc = s->v_cache + (size_t)j->il * s->n_ctx * (size_t)KVD;
     float *sc = s->scores + (size_t)ith * s->n_ctx;
     long lo, hi;
     kv_pool_split((long)j->n_tok * H, ith, nth, &lo, &hi);
     for (long w = lo; w < hi; w++) {
         const int64_t t = w / H, h = w % H, kvh = h / gqa;
-        const int64_t n_kv = (int64_t)j->pos0 + t + 1; /* causal: keys 0..pos */
+        const int64_t n_kv = (int64_t)s->tok_pos[t] + 1; /* causal: keys 0..pos of its sequence */
+        const size_t row0 = kv_cache_row(s, s->tok_seq[t], j->il);
+        const float *kc = s->k_cache + row0 * (size_t)KVD, *vc = s->v_cache + row0 * (size_t)KVD;
         const float *q = s->q + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
         for (int64_t p = 0; p < n_kv; p++)
             sc[p] = kv_dot_f32(q, kc + (size_t)p * (size_t)KVD + (size_t)kvh * (size_t)HD, HD) * scale;
@@ -196,12 +228,14 @@ static void kv_topk(const float *p, int n, int k, int32_t *ids) {
     }
 }
 
-static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, float *logits, kv_diag *d) {
+/* Runs T tokens (sequence s->tok_seq[t], position s->tok_pos[t]); writes
+ * the logits of the n_out tokens listed in out_idx (in that order). */
+static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
+                         uint32_t n_out, float *logits, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
     const int64_t QD = H * HD, KVD = HKV * HD, K = hp->n_expert_used, NE = hp->n_expert;
-    const uint32_t pos0 = s->pos;
 
     /* token embeddings */
     const kv_type_info *et = kv_type_get(m->tok_embd.type);
@@ -219,10 +253,8 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, float *
         kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, s->scratch);
         kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, s->scratch);
         /* per-head Q/K norm, RoPE, then K and V into the cache */
-        float *kc = s->k_cache + ((size_t)il * s->n_ctx + pos0) * (size_t)KVD;
-        float *vc = s->v_cache + ((size_t)il * s->n_ctx + pos0) * (size_t)KVD;
         for (uint32_t t = 0; t < T; t++) {
-            const int32_t pos = (int32_t)(pos0 + t);
+            const int32_t pos = (int32_t)s->tok_pos[t];
             for (int64_t h = 0; h < H; h++) {
                 float *qh = s->q + (size_t)t * QD + (size_t)h * HD;
                 kv_rmsnorm(qh, qh, L->q_norm.data, HD, hp->rms_eps);
@@ -234,10 +266,13 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, float *
                 kv_rope_neox(kh, HD, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
             }
         }
-        memcpy(kc, s->k, (size_t)T * KVD * sizeof(float));
-        memcpy(vc, s->v, (size_t)T * KVD * sizeof(float));
+        for (uint32_t t = 0; t < T; t++) {
+            const size_t row = kv_cache_row(s, s->tok_seq[t], il) + s->tok_pos[t];
+            memcpy(s->k_cache + row * (size_t)KVD, s->k + (size_t)t * KVD, (size_t)KVD * sizeof(float));
+            memcpy(s->v_cache + row * (size_t)KVD, s->v + (size_t)t * KVD, (size_t)KVD * sizeof(float));
+        }
         /* causal attention */
-        kv_attn_job aj = {s, il, T, pos0};
+        kv_attn_job aj = {s, il, T};
         kv_pool_run(s->pool, kv_attn_worker, &aj);
         /* output projection + residual */
         kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, s->scratch);
@@ -278,33 +313,74 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, float *
             for (int64_t i = 0; i < E; i++) xt[i] = acc[i] + xt[i];
         }
     }
-    if (logits) {
-        float *h = s->xb; /* last token only */
-        kv_rmsnorm(h, s->x + (size_t)(T - 1) * E, m->output_norm.data, E, hp->rms_eps);
-        kv_matmul(s->pool, &m->output, NULL, h, 1, logits, s->scratch);
+    if (logits && n_out) {
+        for (uint32_t i = 0; i < n_out; i++)
+            kv_rmsnorm(s->hout + (size_t)i * E, s->x + (size_t)out_idx[i] * E, m->output_norm.data, E,
+                       hp->rms_eps);
+        kv_matmul(s->pool, &m->output, NULL, s->hout, n_out, logits, s->scratch);
+    }
+    return 0;
+}
+
+static int kv_check_tokens(const kv_state *s, const int32_t *tokens, uint32_t n, kv_diag *d) {
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= s->m->hp.n_vocab)
+            return kv_fail(d, KV_ERANGE, "eval: token id %d out of range (vocab %u)", tokens[i],
+                           s->m->hp.n_vocab);
+    return 0;
+}
+
+int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t n, float *logits,
+                      kv_diag *d) {
+    if (n == 0) return kv_fail(d, KV_EINVAL, "eval: no tokens");
+    if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "eval: sequence %u out of range (%u)", seq, s->n_seq);
+    if ((uint64_t)s->pos[seq] + n > s->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "context full: %u tokens in cache + %u new > context %u",
+                       s->pos[seq], n, s->n_ctx);
+    int rc = kv_check_tokens(s, tokens, n, d);
+    if (rc) return rc;
+    const uint32_t pos_start = s->pos[seq];
+    for (uint32_t done = 0; done < n;) {
+        const uint32_t T = n - done < s->n_batch ? n - done : s->n_batch;
+        for (uint32_t t = 0; t < T; t++) {
+            s->tok_seq[t] = seq;
+            s->tok_pos[t] = s->pos[seq] + t;
+        }
+        const uint32_t last = T - 1;
+        rc = kv_eval_chunk(s, tokens + done, T, &last, 1, done + T == n ? logits : NULL, d);
+        if (rc) {
+            s->pos[seq] = pos_start;
+            return rc;
+        }
+        s->pos[seq] += T;
+        done += T;
     }
     return 0;
 }
 
 int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits, kv_diag *d) {
-    const kv_hparams *hp = &s->m->hp;
-    if (n == 0) return kv_fail(d, KV_EINVAL, "eval: no tokens");
-    if ((uint64_t)s->pos + n > s->n_ctx)
-        return kv_fail(d, KV_ECTXFULL, "context full: %u tokens in cache + %u new > context %u", s->pos,
-                       n, s->n_ctx);
-    for (uint32_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || (uint32_t)tokens[i] >= hp->n_vocab)
-            return kv_fail(d, KV_ERANGE, "eval: token id %d out of range (vocab %u)", tokens[i], hp->n_vocab);
-    const uint32_t pos_start = s->pos;
-    for (uint32_t done = 0; done < n;) {
-        uint32_t T = n - done < s->n_batch ? n - done : s->n_batch;
-        int rc = kv_eval_chunk(s, tokens + done, T, done + T == n ? logits : NULL, d);
-        if (rc) {
-            s->pos = pos_start;
-            return rc;
-        }
-        s->pos += T;
-        done += T;
+    return kv_state_eval_seq(s, 0, tokens, n, logits, d);
+}
+
+int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
+                    float *logits, kv_diag *d) {
+    if (n == 0) return kv_fail(d, KV_EINVAL, "decode: no tokens");
+    if (n > s->max_tok) return kv_fail(d, KV_EINVAL, "decode: %u tokens exceed the step size %u", n, s->max_tok);
+    for (uint32_t i = 0; i < n; i++) {
+        if (seqs[i] >= s->n_seq)
+            return kv_fail(d, KV_ERANGE, "decode: sequence %u out of range (%u)", seqs[i], s->n_seq);
+        for (uint32_t k = 0; k < i; k++)
+            if (seqs[k] == seqs[i]) return kv_fail(d, KV_EINVAL, "decode: sequence %u given twice", seqs[i]);
+        if (s->pos[seqs[i]] + 1 > s->n_ctx)
+            return kv_fail(d, KV_ECTXFULL, "context full: sequence %u holds %u tokens of %u", seqs[i],
+                           s->pos[seqs[i]], s->n_ctx);
+        s->tok_seq[i] = seqs[i];
+        s->tok_pos[i] = s->pos[seqs[i]];
     }
+    int rc = kv_check_tokens(s, tokens, n, d);
+    if (rc) return rc;
+    rc = kv_eval_chunk(s, tokens, n, s->out_all, n, logits, d);
+    if (rc) return rc;
+    for (uint32_t i = 0; i < n; i++) s->pos[seqs[i]]++;
     return 0;
 }
