@@ -1,0 +1,433 @@
+/* Skeleton models: the header of a real MoE model at true scale, exactly as
+ * llama.cpp's converter (convert_hf_to_gguf.py) and quantizer (llama-quant.cpp,
+ * Q4_K_M) lay it out, with the tensor data left as holes.
+ *
+ * What "exactly" covers: the architecture's metadata keys with the values of
+ * the model's config.json, a tokenizer of the real vocabulary size (our own
+ * BPE trained on the bundled corpus and padded, not Qwen's token texts), every
+ * tensor with its real name, shape and Q4_K_M type, in the order llama.cpp's
+ * quantizer writes them (non-block tensors first, then block by block, names
+ * sorted within a block: its loader's weight map order). Sources of each
+ * figure are listed in docs/ANATOMY.md.
+ *
+ * The Q4_K_M type rule (kv_skeleton_q4_k_m_type) restates llama-quant.cpp's
+ * behaviour for the tensors these architectures have:
+ *   - not quantized (kept in the converter's type, F32 for all of these):
+ *     tensors of fewer than 2 dims, norms, the router (ffn_gate_inp), the
+ *     gated-delta-net conv kernel (ssm_conv1d), names not ending in "weight";
+ *   - output.weight (and token_embd when tied): Q6_K;
+ *   - attn_v / attn_qkv ("attention-v-like"): Q6_K when their rank i among
+ *     all such tensors satisfies "use more bits", else Q4_K;
+ *   - every ffn_down* tensor (routed and shared): Q6_K when its block number
+ *     satisfies "use more bits" over the block count including MTP blocks;
+ *   - everything else: Q4_K;
+ *   - a row length not a multiple of the block falls back (Q4_K -> Q5_0,
+ *     Q6_K -> Q8_0, then F16).
+ * "use more bits"(i, n) = i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvasir/anatomy.h"
+#include "kvasir/gguf.h"
+#include "kvasir/quant.h"
+#include "kvasir/tok.h"
+
+#define LLAMA_FTYPE_MOSTLY_Q4_K_M 15u /* general.file_type of a Q4_K_M file */
+
+/* One model's hyperparameters, as its config.json gives them. */
+typedef struct skel_cfg {
+    const char *preset;
+    const char *summary;
+    const char *arch;          /* "qwen3moe" or "qwen35moe" */
+    const char *name;          /* general.name */
+    const char *basename;      /* general.basename */
+    const char *size_label;    /* general.size_label */
+    const char *pre;           /* tokenizer.ggml.pre */
+    uint32_t n_layer;          /* trunk blocks (num_hidden_layers) */
+    uint32_t n_nextn;          /* MTP blocks appended after the trunk */
+    uint32_t n_embd;           /* hidden_size */
+    uint32_t n_ff;             /* intermediate_size (feed_forward_length), 0: absent */
+    uint32_t n_head, n_head_kv, head_dim;
+    uint32_t n_expert, n_expert_used, n_ff_exp;
+    uint32_t n_ff_shexp;       /* shared expert, 0: none */
+    uint32_t n_vocab, n_ctx;
+    float rope_base, rms_eps;
+    /* gated delta net (qwen35moe); 0 for plain attention models */
+    uint32_t full_attn_interval; /* every k-th block is full attention */
+    uint32_t ssm_conv;           /* linear_conv_kernel_dim */
+    uint32_t ssm_state;          /* linear_key_head_dim (= value head dim) */
+    uint32_t ssm_group;          /* linear_num_key_heads */
+    uint32_t ssm_dt_rank;        /* linear_num_value_heads */
+    uint32_t rope_dim;           /* head_dim * partial_rotary_factor */
+    int32_t rope_sections[4];    /* mrope_section padded to 4 */
+} skel_cfg;
+
+static const skel_cfg skel_cfgs[] = {
+    {.preset = "qwen35-122b-a10b",
+     .summary = "Qwen3.5-122B-A10B Q4_K_M skeleton (qwen35moe, 48+1 MTP blocks, 256 experts, ~76 GB sparse)",
+     .arch = "qwen35moe", .name = "Qwen3.5 122B A10B", .basename = "Qwen3.5", .size_label = "122B-A10B",
+     .pre = "qwen35", .n_layer = 48, .n_nextn = 1, .n_embd = 3072, .n_ff = 0, .n_head = 32, .n_head_kv = 2,
+     .head_dim = 256, .n_expert = 256, .n_expert_used = 8, .n_ff_exp = 1024, .n_ff_shexp = 1024,
+     .n_vocab = 248320, .n_ctx = 262144, .rope_base = 10000000.0f, .rms_eps = 1e-6f,
+     .full_attn_interval = 4, .ssm_conv = 4, .ssm_state = 128, .ssm_group = 16, .ssm_dt_rank = 64,
+     .rope_dim = 64, .rope_sections = {11, 11, 10, 0}},
+    {.preset = "qwen35-35b-a3b",
+     .summary = "Qwen3.5-35B-A3B Q4_K_M skeleton (qwen35moe, 40+1 MTP blocks, 256 experts, ~22 GB sparse)",
+     .arch = "qwen35moe", .name = "Qwen3.5 35B A3B", .basename = "Qwen3.5", .size_label = "35B-A3B",
+     .pre = "qwen35", .n_layer = 40, .n_nextn = 1, .n_embd = 2048, .n_ff = 0, .n_head = 16, .n_head_kv = 2,
+     .head_dim = 256, .n_expert = 256, .n_expert_used = 8, .n_ff_exp = 512, .n_ff_shexp = 512,
+     .n_vocab = 248320, .n_ctx = 262144, .rope_base = 10000000.0f, .rms_eps = 1e-6f,
+     .full_attn_interval = 4, .ssm_conv = 4, .ssm_state = 128, .ssm_group = 16, .ssm_dt_rank = 32,
+     .rope_dim = 64, .rope_sections = {11, 11, 10, 0}},
+    {.preset = "qwen3-30b-a3b",
+     .summary = "Qwen3-30B-A3B Q4_K_M skeleton (qwen3moe, 48 blocks, 128 experts, ~18.6 GB sparse)",
+     .arch = "qwen3moe", .name = "Qwen3 30B A3B", .basename = "Qwen3", .size_label = "30B-A3B",
+     .pre = "qwen2", .n_layer = 48, .n_nextn = 0, .n_embd = 2048, .n_ff = 6144, .n_head = 32, .n_head_kv = 4,
+     .head_dim = 128, .n_expert = 128, .n_expert_used = 8, .n_ff_exp = 768, .n_ff_shexp = 0,
+     .n_vocab = 151936, .n_ctx = 40960, .rope_base = 1000000.0f, .rms_eps = 1e-6f},
+};
+#define N_SKEL (sizeof skel_cfgs / sizeof skel_cfgs[0])
+
+const kv_skeleton_preset *kv_skeleton_presets(size_t *n) {
+    static kv_skeleton_preset list[N_SKEL];
+    for (size_t i = 0; i < N_SKEL; i++) list[i] = (kv_skeleton_preset){skel_cfgs[i].preset, skel_cfgs[i].summary};
+    *n = N_SKEL;
+    return list;
+}
+
+static const skel_cfg *find_cfg(const char *name) {
+    for (size_t i = 0; name && i < N_SKEL; i++)
+        if (!strcmp(skel_cfgs[i].preset, name)) return &skel_cfgs[i];
+    return NULL;
+}
+
+bool kv_skeleton_has(const char *name) { return find_cfg(name) != NULL; }
+
+/* ---- the Q4_K_M rule -------------------------------------------------- */
+
+static bool use_more_bits(int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; }
+
+static bool has_sub(const char *s, const char *sub) { return strstr(s, sub) != NULL; }
+
+uint32_t kv_skeleton_q4_k_m_type(const char *name, uint32_t n_dims, const uint64_t *ne, uint32_t src_type,
+                                 int i_wv, int n_wv, int n_layer_all, bool tied) {
+    /* may it be quantized at all? */
+    size_t len = strlen(name);
+    bool q = n_dims >= 2 && len >= 6 && !strcmp(name + len - 6, "weight") && !has_sub(name, "_norm.weight") &&
+             !has_sub(name, "ffn_gate_inp.weight") && !has_sub(name, "ssm_conv1d");
+    if (!q) return src_type;
+
+    uint32_t t = KV_TYPE_Q4_K;
+    bool output = !strcmp(name, "output.weight"), embd = !strcmp(name, "token_embd.weight");
+    if (output || (tied && embd)) {
+        t = ne[0] % KV_QK_K ? KV_TYPE_Q8_0 : KV_TYPE_Q6_K;
+    } else if (embd) {
+        t = KV_TYPE_Q4_K;
+    } else if (has_sub(name, "attn_qkv.weight") || has_sub(name, "attn_v.weight")) {
+        if (use_more_bits(i_wv, n_wv)) t = KV_TYPE_Q6_K;
+    } else if (has_sub(name, "ffn_down")) {
+        /* MoE models: the layer comes from the name, n from the block count */
+        int il = -1;
+        if (sscanf(name, "blk.%d.", &il) == 1 && il >= 0 && use_more_bits(il, n_layer_all)) t = KV_TYPE_Q6_K;
+    }
+    /* rows that do not fit the type's block */
+    const kv_type_info *ti = kv_type_get_ref(t);
+    if (ne[0] % ti->blck) {
+        t = t == KV_TYPE_Q6_K ? KV_TYPE_Q8_0 : KV_TYPE_Q5_0;
+        if (ne[0] % 32) t = KV_TYPE_F16;
+    }
+    return t;
+}
+
+/* ---- tensor list ------------------------------------------------------ */
+
+typedef struct skel_tensor {
+    char name[KV_GGUF_MAX_TENSOR_NAME + 1];
+    int32_t layer;   /* block, -1 for none */
+    uint32_t n_dims;
+    uint64_t ne[4];
+    uint32_t src;    /* type in the converted (bf16) file */
+    uint32_t type;   /* after Q4_K_M */
+} skel_tensor;
+
+typedef struct skel_list {
+    skel_tensor *t;
+    size_t n, cap;
+    int oom;
+} skel_list;
+
+/* Adds a tensor; dims given innermost first, trailing ones dropped the way
+ * ggml writes them. 1-D tensors, norms, the router and the conv kernel are
+ * F32 in the converted file; the rest BF16. */
+static void add(skel_list *l, int32_t layer, const char *suffix, uint64_t ne0, uint64_t ne1, uint64_t ne2) {
+    if (l->oom) return;
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 256;
+        skel_tensor *p = realloc(l->t, cap * sizeof *p);
+        if (!p) {
+            l->oom = 1;
+            return;
+        }
+        l->t = p;
+        l->cap = cap;
+    }
+    skel_tensor *t = &l->t[l->n++];
+    memset(t, 0, sizeof *t);
+    if (layer >= 0)
+        snprintf(t->name, sizeof t->name, "blk.%d.%s", layer, suffix);
+    else
+        snprintf(t->name, sizeof t->name, "%s", suffix);
+    t->layer = layer;
+    t->ne[0] = ne0;
+    t->ne[1] = ne1;
+    t->ne[2] = ne2;
+    t->ne[3] = 1;
+    t->n_dims = ne2 > 1 ? 3 : ne1 > 1 ? 2 : 1;
+    bool f32 = t->n_dims == 1 || has_sub(t->name, "_norm.weight") || has_sub(t->name, "ffn_gate_inp") ||
+               has_sub(t->name, "ssm_conv1d");
+    t->src = f32 ? KV_TYPE_F32 : KV_TYPE_BF16;
+}
+
+static bool is_recurrent(const skel_cfg *c, uint32_t il) {
+    return c->full_attn_interval && il < c->n_layer && (il + 1) % c->full_attn_interval != 0;
+}
+
+static void add_full_attn(skel_list *l, const skel_cfg *c, int il, bool gated_q) {
+    uint64_t E = c->n_embd, hd = c->head_dim, q = (uint64_t)c->n_head * hd, kv = (uint64_t)c->n_head_kv * hd;
+    add(l, il, "attn_q.weight", E, gated_q ? 2 * q : q, 1); /* qwen35: query and its output gate */
+    add(l, il, "attn_k.weight", E, kv, 1);
+    add(l, il, "attn_v.weight", E, kv, 1);
+    add(l, il, "attn_output.weight", q, E, 1);
+    add(l, il, "attn_q_norm.weight", hd, 1, 1);
+    add(l, il, "attn_k_norm.weight", hd, 1, 1);
+}
+
+static void add_moe(skel_list *l, const skel_cfg *c, int il) {
+    uint64_t E = c->n_embd, F = c->n_ff_exp, X = c->n_expert, S = c->n_ff_shexp;
+    add(l, il, "ffn_gate_inp.weight", E, X, 1);
+    add(l, il, "ffn_gate_exps.weight", E, F, X);
+    add(l, il, "ffn_up_exps.weight", E, F, X);
+    add(l, il, "ffn_down_exps.weight", F, E, X);
+    if (S) {
+        add(l, il, "ffn_gate_inp_shexp.weight", E, 1, 1);
+        add(l, il, "ffn_gate_shexp.weight", E, S, 1);
+        add(l, il, "ffn_up_shexp.weight", E, S, 1);
+        add(l, il, "ffn_down_shexp.weight", S, E, 1);
+    }
+}
+
+static void build_list(const skel_cfg *c, skel_list *l) {
+    uint64_t E = c->n_embd, V = c->n_vocab;
+    bool q35 = !strcmp(c->arch, "qwen35moe");
+    add(l, -1, "token_embd.weight", E, V, 1);
+    add(l, -1, "output_norm.weight", E, 1, 1);
+    add(l, -1, "output.weight", E, V, 1);
+    uint32_t n_all = c->n_layer + c->n_nextn;
+    for (uint32_t i = 0; i < n_all; i++) {
+        int il = (int)i;
+        add(l, il, "attn_norm.weight", E, 1, 1);
+        if (!q35) { /* qwen3moe block */
+            add_full_attn(l, c, il, false);
+            add(l, il, "ffn_norm.weight", E, 1, 1);
+            add_moe(l, c, il);
+            continue;
+        }
+        add(l, il, "post_attention_norm.weight", E, 1, 1);
+        if (is_recurrent(c, i)) { /* gated delta net */
+            uint64_t kd = (uint64_t)c->ssm_state * c->ssm_group, vd = (uint64_t)c->ssm_state * c->ssm_dt_rank;
+            add(l, il, "attn_qkv.weight", E, 2 * kd + vd, 1);
+            add(l, il, "attn_gate.weight", E, vd, 1);
+            add(l, il, "ssm_conv1d.weight", c->ssm_conv, 2 * kd + vd, 1);
+            add(l, il, "ssm_dt.bias", c->ssm_dt_rank, 1, 1);
+            add(l, il, "ssm_a", c->ssm_dt_rank, 1, 1);
+            add(l, il, "ssm_beta.weight", E, c->ssm_dt_rank, 1);
+            add(l, il, "ssm_alpha.weight", E, c->ssm_dt_rank, 1);
+            add(l, il, "ssm_norm.weight", c->ssm_state, 1, 1);
+            add(l, il, "ssm_out.weight", vd, E, 1);
+        } else {
+            add_full_attn(l, c, il, true);
+        }
+        add_moe(l, c, il);
+        if (i >= c->n_layer) { /* MTP block: its glue to the trunk */
+            add(l, il, "nextn.eh_proj.weight", 2 * E, E, 1);
+            add(l, il, "nextn.enorm.weight", E, 1, 1);
+            add(l, il, "nextn.hnorm.weight", E, 1, 1);
+            add(l, il, "nextn.shared_head_norm.weight", E, 1, 1);
+        }
+    }
+}
+
+/* llama.cpp's loader order: block -1 first, then by block, then by name. */
+static int cmp_tensor(const void *a, const void *b) {
+    const skel_tensor *x = a, *y = b;
+    if (x->layer != y->layer) return x->layer < y->layer ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+static void assign_types(const skel_cfg *c, skel_list *l) {
+    qsort(l->t, l->n, sizeof *l->t, cmp_tensor);
+    bool tied = true;
+    int n_wv = 0, i_wv = 0;
+    for (size_t i = 0; i < l->n; i++) {
+        if (!strcmp(l->t[i].name, "output.weight")) tied = false;
+        if (has_sub(l->t[i].name, "attn_qkv.weight") || has_sub(l->t[i].name, "attn_v.weight")) n_wv++;
+    }
+    int n_all = (int)(c->n_layer + c->n_nextn);
+    for (size_t i = 0; i < l->n; i++) {
+        skel_tensor *t = &l->t[i];
+        bool wv = has_sub(t->name, "attn_qkv.weight") || has_sub(t->name, "attn_v.weight");
+        t->type = kv_skeleton_q4_k_m_type(t->name, t->n_dims, t->ne, t->src, i_wv, n_wv, n_all, tied);
+        if (wv) i_wv++;
+    }
+}
+
+/* ---- metadata --------------------------------------------------------- */
+
+static const char kv_chatml_template[] =
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+static int write_meta(kv_gguf_writer *w, const skel_cfg *c, const kv_bpe_vocab *v, kv_diag *d) {
+    int rc;
+    char k[96];
+    const char *A = c->arch;
+#define TRY(x) \
+    if ((rc = (x))) return rc
+#define KEY(s) (snprintf(k, sizeof k, "%s." s, A), k)
+    /* in the order the converter writes them */
+    TRY(kv_gguf_writer_set_str(w, "general.architecture", A, d));
+    TRY(kv_gguf_writer_set_str(w, "general.type", "model", d));
+    TRY(kv_gguf_writer_set_str(w, "general.name", c->name, d));
+    TRY(kv_gguf_writer_set_str(w, "general.basename", c->basename, d));
+    TRY(kv_gguf_writer_set_str(w, "general.size_label", c->size_label, d));
+    TRY(kv_gguf_writer_set_str(w, "general.license", "apache-2.0", d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("block_count"), c->n_layer + c->n_nextn, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("context_length"), c->n_ctx, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("embedding_length"), c->n_embd, d));
+    if (c->n_ff) TRY(kv_gguf_writer_set_u32(w, KEY("feed_forward_length"), c->n_ff, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("attention.head_count"), c->n_head, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("attention.head_count_kv"), c->n_head_kv, d));
+    if (c->rope_sections[0])
+        TRY(kv_gguf_writer_set_arr(w, KEY("rope.dimension_sections"), KV_GGUF_INT32, c->rope_sections, 4, d));
+    TRY(kv_gguf_writer_set_f32(w, KEY("rope.freq_base"), c->rope_base, d));
+    TRY(kv_gguf_writer_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), c->rms_eps, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("expert_count"), c->n_expert, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("expert_used_count"), c->n_expert_used, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("attention.key_length"), c->head_dim, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("attention.value_length"), c->head_dim, d));
+    TRY(kv_gguf_writer_set_u32(w, "general.file_type", LLAMA_FTYPE_MOSTLY_Q4_K_M, d));
+    TRY(kv_gguf_writer_set_u32(w, KEY("expert_feed_forward_length"), c->n_ff_exp, d));
+    if (c->n_ff_shexp) TRY(kv_gguf_writer_set_u32(w, KEY("expert_shared_feed_forward_length"), c->n_ff_shexp, d));
+    if (c->n_nextn) TRY(kv_gguf_writer_set_u32(w, KEY("nextn_predict_layers"), c->n_nextn, d));
+    if (c->full_attn_interval) {
+        TRY(kv_gguf_writer_set_u32(w, KEY("ssm.conv_kernel"), c->ssm_conv, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("ssm.state_size"), c->ssm_state, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("ssm.group_count"), c->ssm_group, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("ssm.time_step_rank"), c->ssm_dt_rank, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("ssm.inner_size"), c->ssm_state * c->ssm_dt_rank, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("full_attention_interval"), c->full_attn_interval, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("rope.dimension_count"), c->rope_dim, d));
+    }
+    TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
+#undef KEY
+
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2", d));
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.pre", c->pre, d));
+    size_t n = v->n_tokens > v->n_merges ? v->n_tokens : v->n_merges;
+    kv_str *s = malloc((n ? n : 1) * sizeof *s);
+    if (!s) return kv_fail(d, KV_ENOMEM, "out of memory for the vocabulary");
+    for (size_t i = 0; i < v->n_tokens; i++) s[i] = (kv_str){v->tokens[i], strlen(v->tokens[i])};
+    rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", s, v->n_tokens, d);
+    if (!rc)
+        rc = kv_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", KV_GGUF_INT32, v->types, v->n_tokens, d);
+    if (!rc) {
+        for (size_t i = 0; i < v->n_merges; i++) s[i] = (kv_str){v->merges[i], strlen(v->merges[i])};
+        rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", s, v->n_merges, d);
+    }
+    free(s);
+    if (rc) return rc;
+    /* Qwen instruct files: generation ends at <|im_end|>; <|endoftext|> is
+     * BOS and padding; no BOS is added */
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)v->im_end_id, d));
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)v->eos_id, d));
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)v->eos_id, d));
+    TRY(kv_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", false, d));
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.chat_template", kv_chatml_template, d));
+#undef TRY
+    return 0;
+}
+
+/* ---- writing ---------------------------------------------------------- */
+
+int kv_skeleton_write(const char *name, const char *path, FILE *log, kv_diag *d) {
+    const skel_cfg *c = find_cfg(name);
+    if (!c)
+        return kv_fail(d, KV_ENOTFOUND, "unknown skeleton preset '%s' (skeletons: qwen35-122b-a10b, "
+                                        "qwen35-35b-a3b, qwen3-30b-a3b)",
+                       name ? name : "(null)");
+    skel_list l = {0};
+    kv_bpe_vocab voc;
+    memset(&voc, 0, sizeof voc);
+    kv_gguf_writer *w = NULL;
+    char *part = NULL;
+    int part_made = 0, rc;
+
+    build_list(c, &l);
+    if (l.oom) {
+        rc = kv_fail(d, KV_ENOMEM, "out of memory");
+        goto out;
+    }
+    assign_types(c, &l);
+
+    if (log) fprintf(log, "gen-model: training a %u-token BPE vocabulary (pre-tokenizer %s)\n", c->n_vocab, c->pre);
+    size_t corpus_len = 0;
+    const char *corpus = kv_bpe_default_corpus(&corpus_len);
+    if ((rc = kv_bpe_train(corpus, corpus_len, c->pre, c->n_vocab, &voc, d))) {
+        kv_diag_prefix(d, rc, "vocabulary");
+        goto out;
+    }
+    if (voc.n_tokens != c->n_vocab || voc.eos_id < 0 || voc.im_end_id < 0) {
+        rc = kv_fail(d, KV_EINTERNAL, "vocabulary: trainer returned %zu tokens for %u", voc.n_tokens, c->n_vocab);
+        goto out;
+    }
+    if ((rc = kv_gguf_writer_new(&w, d))) goto out;
+    if ((rc = write_meta(w, c, &voc, d))) goto out;
+    kv_bpe_vocab_free(&voc);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < l.n; i++) {
+        rc = kv_gguf_writer_add_tensor(w, l.t[i].name, l.t[i].n_dims, l.t[i].ne, l.t[i].type, NULL, d);
+        if (rc) goto out;
+        bytes += kv_type_row_size(l.t[i].type, l.t[i].ne[0]) * l.t[i].ne[1] * l.t[i].ne[2];
+    }
+    size_t plen = strlen(path);
+    if (!(part = malloc(plen + 6))) {
+        rc = kv_fail(d, KV_ENOMEM, "out of memory");
+        goto out;
+    }
+    memcpy(part, path, plen);
+    memcpy(part + plen, ".part", 6);
+    if ((rc = kv_gguf_writer_begin(w, part, d))) goto out;
+    part_made = 1;
+    /* no tensor data is written: every tensor stays a hole */
+    if ((rc = kv_gguf_writer_finish(w, d))) goto out;
+    if (rename(part, path) != 0) {
+        rc = kv_fail(d, KV_EIO, "cannot rename %s to %s: %s", part, path, strerror(errno));
+        goto out;
+    }
+    part_made = 0;
+    if (log)
+        fprintf(log, "gen-model: wrote skeleton %s: %s, %zu tensors, %.2f GB of tensor data left as holes\n", path,
+                c->preset, l.n, (double)bytes / 1e9);
+out:
+    if (rc && part_made) unlink(part);
+    free(part);
+    kv_gguf_writer_free(w);
+    kv_bpe_vocab_free(&voc);
+    free(l.t);
+    return rc;
+}
