@@ -13,13 +13,19 @@
  *    (values 4g..4g+3) the integer sum p = sum w*a is exact; lane
  *    8*(b&1) + g accumulates fma((float)p, dw_b*da_b, lane) in block order;
  *    then kv_fold16 (lane l + lane l+8, then kv_hsum8). This is what one
- *    maddubs+madd (AVX2) or dpbusd (VNNI) step yields per block.
- *  - Q4_K, Q5_K . Q8_K: per super-block the integer sums
- *    isum = sum_j sc_j * dot_j and msum = sum_j m_j * (sum of a over j) are
- *    exact; acc = fma(da*d, isum, acc), accm = fma(da*dmin, msum, accm) in
- *    super-block order; result acc - accm.
- *  - Q6_K . Q8_K: isum = sum_g sc_g * sum_16 (q-32)*a per super-block;
- *    acc = fma(da*d, isum, acc); result acc.
+ *    maddubs+madd (AVX2) or dpbusd (VNNI) step yields per block in a ymm;
+ *    even and odd blocks go to two accumulators, so a single row has two
+ *    independent fma chains (one row at a time streams best from DRAM).
+ *  - K-quants . Q8_K: 8 lanes, no horizontal sum until the end of the row.
+ *    Lane j of a super-block takes the values p with (p / 4) % 8 == j (what
+ *    one maddubs + madd/dpwssd step leaves in int32 lane j of a ymm, or in
+ *    lanes j and j+8 of a zmm). Q4_K, Q5_K: L_j = sum sc*q*a over lane j
+ *    (q unsigned), M_j = m_j * (bsums[2j] + bsums[2j+1]) (sub-block j's
+ *    min), both exact; acc_j = fma((float)L_j, da*d, acc_j),
+ *    accm_j = fma((float)M_j, da*dmin, accm_j) in super-block order; result
+ *    kv_hsum8(acc - accm). Q6_K: L_j as above with q unsigned 0..63,
+ *    C_j = sc_2j*bsums[2j] + sc_2j+1*bsums[2j+1]; acc_j =
+ *    fma((float)(L_j - 32*C_j), da*d, acc_j); result kv_hsum8(acc).
  *
  * Activation blocks must hold values in [-127, 127] (what our quantizers
  * produce); the AVX2 sign trick relies on it. */
@@ -105,6 +111,20 @@ static inline float kv_fold16(const float l[16]) {
     float f[8];
     for (int i = 0; i < 8; i++) f[i] = l[i] + l[i + 8];
     return kv_hsum8(f);
+}
+
+/* One super-block's lane sums into the K-quant float lanes (canonical order). */
+static inline void kv_k_lanes(float acc[8], float accm[8], const int32_t L[8], const int32_t M[8],
+                              float dd, float dm) {
+    for (int j = 0; j < 8; j++) {
+        acc[j] = fmaf((float)L[j], dd, acc[j]);
+        accm[j] = fmaf((float)M[j], dm, accm[j]);
+    }
+}
+static inline float kv_k_result(const float acc[8], const float accm[8]) {
+    float l[8];
+    for (int j = 0; j < 8; j++) l[j] = acc[j] - accm[j];
+    return kv_hsum8(l);
 }
 
 /* The 6-bit scale and min of sub-block j (0..7) of a q4_K/q5_K block. */

@@ -231,26 +231,21 @@ static void q4_K_to_float(const void *src, float *dst, int64_t n) {
 static void q4_K_dot(int64_t n, float *s, const void *w, const void *a) {
     const kv_block_q4_K *x = w;
     const kv_block_q8_K *y = a;
-    float acc = 0, accm = 0;
+    float acc[8] = {0}, accm[8] = {0};
     for (int64_t i = 0; i < n / KV_QK_K; i++) {
         uint8_t sc[8], m[8];
         kv_unpack_k4(x[i].scales, sc, m);
-        int32_t isum = 0, msum = 0;
+        int32_t L[8] = {0}, M[8];
         for (int c = 0; c < 4; c++) {
             const uint8_t *q = x[i].qs + 32 * c;
             const int8_t *a8 = y[i].qs + 64 * c;
-            int32_t lo = 0, hi = 0;
-            for (int l = 0; l < 32; l++) {
-                lo += (q[l] & 0xF) * a8[l];
-                hi += (q[l] >> 4) * a8[32 + l];
-            }
-            isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+            for (int l = 0; l < 32; l++)
+                L[l >> 2] += sc[2 * c] * (q[l] & 0xF) * a8[l] + sc[2 * c + 1] * (q[l] >> 4) * a8[32 + l];
         }
-        for (int j = 0; j < 8; j++) msum += m[j] * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
-        acc = fmaf(y[i].d * kv_fp16_to_fp32(x[i].d), (float)isum, acc);
-        accm = fmaf(y[i].d * kv_fp16_to_fp32(x[i].dmin), (float)msum, accm);
+        for (int j = 0; j < 8; j++) M[j] = m[j] * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
+        kv_k_lanes(acc, accm, L, M, y[i].d * kv_fp16_to_fp32(x[i].d), y[i].d * kv_fp16_to_fp32(x[i].dmin));
     }
-    *s = acc - accm;
+    *s = kv_k_result(acc, accm);
 }
 
 /* ------------------------------------------------------------------ */
@@ -278,28 +273,24 @@ static void q5_K_to_float(const void *src, float *dst, int64_t n) {
 static void q5_K_dot(int64_t n, float *s, const void *w, const void *a) {
     const kv_block_q5_K *x = w;
     const kv_block_q8_K *y = a;
-    float acc = 0, accm = 0;
+    float acc[8] = {0}, accm[8] = {0};
     for (int64_t i = 0; i < n / KV_QK_K; i++) {
         uint8_t sc[8], m[8];
         kv_unpack_k4(x[i].scales, sc, m);
-        int32_t isum = 0, msum = 0;
+        int32_t L[8] = {0}, M[8];
         for (int c = 0; c < 4; c++) {
             const uint8_t *q = x[i].qs + 32 * c;
             const int8_t *a8 = y[i].qs + 64 * c;
-            int32_t lo = 0, hi = 0;
             for (int l = 0; l < 32; l++) {
                 int ql = (q[l] & 0xF) | (((x[i].qh[l] >> (2 * c)) & 1) << 4);
                 int qhv = (q[l] >> 4) | (((x[i].qh[l] >> (2 * c + 1)) & 1) << 4);
-                lo += ql * a8[l];
-                hi += qhv * a8[32 + l];
+                L[l >> 2] += sc[2 * c] * ql * a8[l] + sc[2 * c + 1] * qhv * a8[32 + l];
             }
-            isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
         }
-        for (int j = 0; j < 8; j++) msum += m[j] * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
-        acc = fmaf(y[i].d * kv_fp16_to_fp32(x[i].d), (float)isum, acc);
-        accm = fmaf(y[i].d * kv_fp16_to_fp32(x[i].dmin), (float)msum, accm);
+        for (int j = 0; j < 8; j++) M[j] = m[j] * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
+        kv_k_lanes(acc, accm, L, M, y[i].d * kv_fp16_to_fp32(x[i].d), y[i].d * kv_fp16_to_fp32(x[i].dmin));
     }
-    *s = acc - accm;
+    *s = kv_k_result(acc, accm);
 }
 
 /* ------------------------------------------------------------------ */
@@ -327,17 +318,17 @@ static void q6_K_to_float(const void *src, float *dst, int64_t n) {
 static void q6_K_dot(int64_t n, float *s, const void *w, const void *a) {
     const kv_block_q6_K *x = w;
     const kv_block_q8_K *y = a;
-    float acc = 0;
+    float acc[8] = {0};
     for (int64_t i = 0; i < n / KV_QK_K; i++) {
-        int32_t isum = 0;
-        for (int g = 0; g < 16; g++) {
-            int32_t gs = 0;
-            for (int e = 16 * g; e < 16 * g + 16; e++) gs += (q6_K_get(&x[i], e) - 32) * y[i].qs[e];
-            isum += x[i].scales[g] * gs;
+        int32_t L[8] = {0};
+        for (int e = 0; e < KV_QK_K; e++) L[(e >> 2) & 7] += x[i].scales[e / 16] * q6_K_get(&x[i], e) * y[i].qs[e];
+        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        for (int j = 0; j < 8; j++) {
+            const int32_t C = x[i].scales[2 * j] * y[i].bsums[2 * j] + x[i].scales[2 * j + 1] * y[i].bsums[2 * j + 1];
+            acc[j] = fmaf((float)(L[j] - 32 * C), dd, acc[j]);
         }
-        acc = fmaf(y[i].d * kv_fp16_to_fp32(x[i].d), (float)isum, acc);
     }
-    *s = acc;
+    *s = kv_hsum8(acc);
 }
 
 /* ------------------------------------------------------------------ */

@@ -176,21 +176,40 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
 /* K-quants against Q8_K                                                */
 
 /* q4_K/q5_K: per super-block int sums, then the scalar float steps. */
+/* 8 scales and 8 mins of a q4_K/q5_K block as bytes, branch-free. */
+AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t w0, w1, w2;
+    memcpy(&w0, q, 4);
+    memcpy(&w1, q + 4, 4);
+    memcpy(&w2, q + 8, 4);
+    sc[0] = w0 & 0x3f3f3f3fu;
+    mn[0] = w1 & 0x3f3f3f3fu;
+    sc[1] = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+    mn[1] = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+}
+
+/* q4_K/q5_K: int32 lane sums per super-block, then the canonical float lanes. */
 #define K4_TILE(NAME, WBLK, Q5)                                                                 \
     AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,      \
                  size_t ab, float *out) {                                                       \
-        float acc[4][4] = {{0}}, accm[4][4] = {{0}};                                            \
+        __m256 acc[4][4], accm[4][4];                                                           \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {               \
+            acc[r][t] = _mm256_setzero_ps();                                                    \
+            accm[r][t] = _mm256_setzero_ps();                                                   \
+        }                                                                                       \
         const __m256i m4 = _mm256_set1_epi8(0xF);                                               \
         for (int64_t i = 0; i < n / KV_QK_K; i++) {                                             \
             __m256i isum[4][4];                                                                 \
-            uint8_t scs[4][8];                                                                  \
-            __m256i mdup[4];                                                                    \
+            __m256i s16[4], mdup[4];                                                            \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
-                uint8_t m[8];                                                                   \
-                kv_unpack_k4(x->scales, scs[r], m);                                             \
-                mdup[r] = _mm256_setr_epi16(m[0], m[0], m[1], m[1], m[2], m[2], m[3], m[3],     \
-                                            m[4], m[4], m[5], m[5], m[6], m[6], m[7], m[7]);    \
+                uint32_t sc[2], mn[2];                                                          \
+                k4_scales(x->scales, sc, mn);                                                   \
+                __m128i s8 = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]);                       \
+                __m128i m8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);                       \
+                /* s16: 8 scales as int16 in both 128-bit lanes */                              \
+                s16[r] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(s8));                    \
+                mdup[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));                      \
                 UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm256_setzero_si256();        \
             }                                                                                   \
             for (int c = 0; c < 4; c++) {                                                       \
@@ -200,6 +219,9 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
                     ylo[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c));             \
                     yhi[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c + 32));        \
                 }                                                                               \
+                /* int16 words 2c / 2c+1 of s16 broadcast to every lane */                      \
+                const __m256i pick0 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c)); \
+                const __m256i pick1 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2)); \
                 UNROLL for (int r = 0; r < RT; r++) {                                           \
                     const WBLK *x = (const WBLK *)(w + r * rb) + i;                             \
                     __m256i qv = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * c));         \
@@ -213,8 +235,8 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
                         lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));                     \
                         hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));                     \
                     }                                                                           \
-                    const __m256i s0 = _mm256_set1_epi16(scs[r][2 * c]);                        \
-                    const __m256i s1 = _mm256_set1_epi16(scs[r][2 * c + 1]);                    \
+                    const __m256i s0 = _mm256_shuffle_epi8(s16[r], pick0);                      \
+                    const __m256i s1 = _mm256_shuffle_epi8(s16[r], pick1);                      \
                     UNROLL for (int t = 0; t < TT; t++) {                                       \
                         __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo[t]), s0);   \
                         __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
@@ -228,15 +250,16 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
                 UNROLL for (int t = 0; t < TT; t++) {                                           \
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
                     __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);                 \
-                    int32_t ms = hsum_i32(_mm256_madd_epi16(bs, mdup[r]));                      \
-                    int32_t is = hsum_i32(isum[r][t]);                                          \
-                    acc[r][t] = fmaf(y->d * d, (float)is, acc[r][t]);                           \
-                    accm[r][t] = fmaf(y->d * dmin, (float)ms, accm[r][t]);                      \
+                    __m256i mp = _mm256_madd_epi16(bs, mdup[r]);                                \
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]),                 \
+                                                _mm256_set1_ps(y->d * d), acc[r][t]);           \
+                    accm[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mp),                        \
+                                                 _mm256_set1_ps(y->d * dmin), accm[r][t]);      \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (int r = 0; r < RT; r++)                                                            \
-            for (int t = 0; t < TT; t++) out[r * TT + t] = acc[r][t] - accm[r][t];              \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)                 \
+            out[r * TT + t] = hsum_ps(_mm256_sub_ps(acc[r][t], accm[r][t]));                    \
     }
 
 K4_TILE(q4_K_tile, kv_block_q4_K, 0)
@@ -244,28 +267,40 @@ K4_TILE(q5_K_tile, kv_block_q5_K, 1)
 
 AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,
                   size_t ab, float *out) {
-    float acc[4][4] = {{0}};
+    __m256 acc[4][4];
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
     for (int64_t i = 0; i < n / KV_QK_K; i++) {
-        __m256i isum[4][4];
-        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) isum[r][t] =
-            _mm256_setzero_si256();
+        __m256i isum[4][4], sc16[4];
+        UNROLL for (int r = 0; r < RT; r++) {
+            const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
+            sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+            UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm256_setzero_si256();
+        }
         for (int h = 0; h < 2; h++) {
+            /* s16 of quarter k: scale 8h+2k in the low 128 bits, 8h+2k+1 in the high */
+            __m256i sh[4];
+            UNROLL for (int r = 0; r < RT; r++)
+                sh[r] = h ? _mm256_permute2x128_si256(sc16[r], sc16[r], 0x11)
+                          : _mm256_permute2x128_si256(sc16[r], sc16[r], 0x00);
             for (int k = 0; k < 4; k++) {
                 __m256i yv[4];
                 UNROLL for (int t = 0; t < TT; t++) {
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
                     yv[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 128 * h + 32 * k));
                 }
+                const __m256i pick = _mm256_setr_epi8(4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
+                                                      4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
+                                                      4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3,
+                                                      4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3);
                 UNROLL for (int r = 0; r < RT; r++) {
                     const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
                     __m256i ql = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32 * (k & 1)));
                     __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
                     __m256i lo = (k & 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
-                    __m256i hb = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * k)), m3);
+                    __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m3);
                     __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
-                    __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(x->scales[8 * h + 2 * k + 1]),
-                                                   _mm_set1_epi16(x->scales[8 * h + 2 * k]));
+                    __m256i s16 = _mm256_shuffle_epi8(sh[r], pick);
                     UNROLL for (int t = 0; t < TT; t++) {
                         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv[t]), s16);
                         isum[r][t] = _mm256_add_epi32(isum[r][t], p);
@@ -275,19 +310,17 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
         }
         UNROLL for (int r = 0; r < RT; r++) {
             const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
-            __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
             float d = h2f(x->d);
             UNROLL for (int t = 0; t < TT; t++) {
                 const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
                 __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
-                int32_t corr = hsum_i32(_mm256_madd_epi16(bs, sc));
-                int32_t is = hsum_i32(isum[r][t]) - 32 * corr;
-                acc[r][t] = fmaf(y->d * d, (float)is, acc[r][t]);
+                __m256i mp = _mm256_madd_epi16(bs, sc16[r]);
+                __m256i is = _mm256_sub_epi32(isum[r][t], _mm256_slli_epi32(mp, 5));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(y->d * d), acc[r][t]);
             }
         }
     }
-    for (int r = 0; r < RT; r++)
-        for (int t = 0; t < TT; t++) out[r * TT + t] = acc[r][t];
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) out[r * TT + t] = hsum_ps(acc[r][t]);
 }
 
 /* ================================================================== */

@@ -31,12 +31,36 @@ AI float hsum_ps8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AI __m512i ld2x256(const void *lo, const void *hi) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
-                              _mm256_loadu_si256((const __m256i *)hi), 1);
-}
-AI __m512 set2(float lo, float hi) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
+
+/* Q8_0 / Q4_0 against Q8_0, one 32-value block per ymm (8 canonical lanes,
+ * one 4-value group each). vpdpbusd needs unsigned weights: q8 weights are
+ * flipped to w + 128 (xor 0x80), q4 nibbles are already 0..15 (= w + 8); the
+ * offset K * (sum of each 4 activations) is subtracted by starting the
+ * integer accumulation from -K * groupsum. That start vector and the
+ * activation scale as a float are per token and block: kv_mat_rows computes
+ * them once per call (q80_prep) into a stack buffer, the lone vec_dot
+ * inline; the integers are exact either way, so the bits agree.
+ *
+ * Per (row, block): one weight load + unpack, one fp16 scale broadcast, and
+ * per token one vpdpbusd, one convert, one scale product, one fma. */
+
+/* Per-token precomputed data: [nb] start vectors (32 B) then [nb] floats. */
+#define KV_PRE_BYTES (64 * 1024)
+#ifndef KV_Q80_PF
+#define KV_Q80_PF 1
+#endif
+AI size_t q80_pre_stride(int64_t nb) { return ((size_t)nb * 36 + 63) & ~(size_t)63; }
+
+AI void q80_prep(const kv_block_q8_0 *y, int64_t nb, char K, uint8_t *pre) {
+    __m256i *ng = (__m256i *)(void *)pre;
+    float *da = (float *)(void *)(pre + (size_t)nb * 32);
+    const __m256i kk = _mm256_set1_epi8(K);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i yv = _mm256_loadu_si256((const __m256i *)y[b].qs);
+        _mm256_store_si256(ng + b, _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), kk, yv)));
+        da[b] = h2f(y[b].d);
+    }
 }
 
 /* Q4_0 block -> 32 unsigned bytes 0..15 in element order. */
@@ -46,63 +70,161 @@ AI __m256i q4_0_u8(const kv_block_q4_0 *b) {
     return _mm256_and_si256(x, _mm256_set1_epi8(0xF));
 }
 
-/* Q4: WQ4 = 1. K = offset removed from the unsigned weights. */
-#define Q80_TILE512(NAME, WBLK, WQ4)                                                            \
-    AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,      \
-                 size_t ab, float *out) {                                                       \
-        __m512 acc[4][4];                                                                       \
-        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] =     \
-            _mm512_setzero_ps();                                                                \
-        const __m512i koff = _mm512_set1_epi8(WQ4 ? 8 : (char)0x80);                            \
-        const int64_t nb = n / 32;                                                              \
-        for (int64_t b = 0; b < nb; b += 2) {                                                   \
-            const int two = b + 1 < nb;                                                         \
-            __m512i yv[4], ng[4];                                                               \
-            __m512 da[4];                                                                       \
-            UNROLL for (int t = 0; t < TT; t++) {                                               \
-                const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + t * ab) + b;               \
-                if (two) {                                                                      \
-                    yv[t] = ld2x256(y[0].qs, y[1].qs);                                          \
-                    da[t] = set2(h2f(y[0].d), h2f(y[1].d));                                     \
-                } else {                                                                        \
-                    yv[t] = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].qs)); \
-                    yv[t] = _mm512_inserti64x4(yv[t], _mm256_setzero_si256(), 1);               \
-                    da[t] = set2(h2f(y[0].d), 0.0f);                                            \
-                }                                                                               \
-                ng[t] = _mm512_sub_epi32(_mm512_setzero_si512(),                                \
-                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), koff, yv[t])); \
-            }                                                                                   \
-            UNROLL for (int r = 0; r < RT; r++) {                                               \
-                const WBLK *x = (const WBLK *)(w + r * rb) + b;                                 \
-                __m512i wu;                                                                     \
-                __m512 dw;                                                                      \
-                if (WQ4) {                                                                      \
-                    const kv_block_q4_0 *x4 = (const kv_block_q4_0 *)(const void *)x;           \
-                    __m256i w0 = q4_0_u8(x4), w1 = two ? q4_0_u8(x4 + 1) : _mm256_setzero_si256(); \
-                    wu = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);                 \
-                } else {                                                                        \
-                    const kv_block_q8_0 *x8 = (const kv_block_q8_0 *)(const void *)x;           \
-                    __m256i w0 = _mm256_loadu_si256((const __m256i *)x8[0].qs);                 \
-                    __m256i w1 = two ? _mm256_loadu_si256((const __m256i *)x8[1].qs) : _mm256_set1_epi8((char)0x80); \
-                    wu = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), koff); \
-                }                                                                               \
-                dw = set2(h2f(x[0].d), two ? h2f(x[1].d) : 0.0f);                               \
-                _mm_prefetch((const char *)x + KV_PF_DIST, _MM_HINT_T0);                        \
-                UNROLL for (int t = 0; t < TT; t++) {                                           \
-                    __m512i p = _mm512_dpbusd_epi32(ng[t], wu, yv[t]);                          \
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, da[t]), acc[r][t]); \
-                }                                                                               \
+/* One block b of an RT x TT tile into accumulator set E (b & 1). */
+#define Q80_STEP(WBLK, WQ4, b, E)                                                               \
+    do {                                                                                        \
+        __m256i yv[8], ng[8];                                                                   \
+        __m256 da[8];                                                                           \
+        UNROLL for (int t = 0; t < TT; t++) {                                                   \
+            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + t * ab) + (b);                 \
+            yv[t] = _mm256_loadu_si256((const __m256i *)y->qs);                                 \
+            if (pre) {                                                                          \
+                const uint8_t *p_ = pre + t * ps;                                               \
+                ng[t] = _mm256_load_si256((const __m256i *)(const void *)p_ + (b));             \
+                da[t] = _mm256_broadcast_ss((const float *)(const void *)(p_ + nb * 32) + (b)); \
+            } else {                                                                            \
+                ng[t] = _mm256_sub_epi32(_mm256_setzero_si256(),                                \
+                                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), kk, yv[t])); \
+                da[t] = _mm256_set1_ps(h2f(y->d));                                              \
             }                                                                                   \
         }                                                                                       \
+        if (KV_Q80_PF && RT > 1) {                                                              \
+            /* multi-row tiles: fetch the next tile's rows as one sequential run */             \
+            const char *nx_ = (const char *)w + RT * rb + (b) * (RT * sizeof(WBLK));            \
+            UNROLL for (int l_ = 0; l_ < (int)(RT * sizeof(WBLK) + 63) / 64; l_++)              \
+                _mm_prefetch(nx_ + 64 * l_, _MM_HINT_T0);                                       \
+        }                                                                                       \
+        UNROLL for (int r = 0; r < RT; r++) {                                                   \
+            const WBLK *x = (const WBLK *)(w + r * rb) + (b);                                   \
+            __m256i wu;                                                                         \
+            if (WQ4)                                                                            \
+                wu = q4_0_u8((const kv_block_q4_0 *)(const void *)x);                           \
+            else                                                                                \
+                wu = _mm256_xor_si256(                                                          \
+                    _mm256_loadu_si256((const __m256i *)((const kv_block_q8_0 *)(const void *)x)->qs), k80); \
+            const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi16((short)x->d));                     \
+            UNROLL for (int t = 0; t < TT; t++) {                                               \
+                __m256i p = _mm256_dpbusd_epi32(ng[t], wu, yv[t]);                              \
+                acc[r][t][E] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, da[t]), acc[r][t][E]); \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+
+/* RT rows x TT tokens over nb blocks. pre: per-token data (stride ps) of
+ * the TT tokens, or NULL to compute it inline. WQ4: weights are q4_0. */
+#define Q80_TILE(NAME, WBLK, WQ4)                                                               \
+    AI void NAME(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *a,     \
+                 size_t ab, const uint8_t *pre, size_t ps, float *out) {                        \
+        __m256 acc[8][8][2];                                                                    \
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {               \
-            __m256 f = _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]),                          \
-                                     _mm512_extractf32x8_ps(acc[r][t], 1));                     \
-            out[r * TT + t] = hsum_ps8(f);                                                      \
+            acc[r][t][0] = _mm256_setzero_ps();                                                 \
+            acc[r][t][1] = _mm256_setzero_ps();                                                 \
+        }                                                                                       \
+        const __m256i k80 = _mm256_set1_epi8((char)0x80);                                       \
+        const __m256i kk = _mm256_set1_epi8(WQ4 ? 8 : (char)0x80);                              \
+        (void)k80; (void)kk;                                                                    \
+        int64_t b = 0;                                                                          \
+        for (; b + 1 < nb; b += 2) {                                                            \
+            Q80_STEP(WBLK, WQ4, b, 0);                                                          \
+            Q80_STEP(WBLK, WQ4, b + 1, 1);                                                      \
+        }                                                                                       \
+        if (b < nb) Q80_STEP(WBLK, WQ4, b, 0);                                                  \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)                 \
+            out[r * TT + t] = hsum_ps8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));              \
+    }
+
+Q80_TILE(q8_0_tile, kv_block_q8_0, 0)
+Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
+
+/* Rows [r0,r1) x tokens [0,nt) with F(rt, tt, r, t, out) computing an
+ * rt x tt tile at row r, token t: RT x TT tiles (RTD x 1 when there is a
+ * single token), token leftovers as narrower tiles, row leftovers one by
+ * one. Every output is one whole dot product whatever tile computes it. */
+#define KV_TSTORE(RT_, TT_)                                                                    \
+    for (int i = 0; i < (RT_); i++)                                                           \
+        for (int j = 0; j < (TT_); j++) Y[(t + j) * y_stride + r + i] = o_[i * (TT_) + j]
+#define KV_TILE_LOOP(F, RT, TT, RTD)                                                           \
+    do {                                                                                      \
+        float o_[64];                                                                         \
+        int64_t r = r0;                                                                       \
+        if (nt == 1)                                                                          \
+            for (; r + (RTD) <= r1; r += (RTD)) {                                             \
+                F(RTD, 1, r, 0, o_);                                                          \
+                for (int i = 0; i < (RTD); i++) Y[r + i] = o_[i];                             \
+            }                                                                                 \
+        for (; r + (RT) <= r1; r += (RT)) {                                                   \
+            int64_t t = 0;                                                                    \
+            for (; t + (TT) <= nt; t += (TT)) {                                               \
+                F(RT, TT, r, t, o_);                                                          \
+                for (int i = 0; i < (RT); i++)                                                \
+                    for (int j = 0; j < (TT); j++) Y[(t + j) * y_stride + r + i] = o_[i * (TT) + j]; \
+            }                                                                                 \
+            /* leftover tokens: tiles of 4, 3, 2, 1 */                                        \
+            if ((TT) > 4 && nt - t >= 4) { F(RT, 4, r, t, o_); KV_TSTORE(RT, 4); t += 4; }    \
+            if ((TT) > 3 && nt - t == 3) { F(RT, 3, r, t, o_); KV_TSTORE(RT, 3); t += 3; }    \
+            if ((TT) > 2 && nt - t >= 2) { F(RT, 2, r, t, o_); KV_TSTORE(RT, 2); t += 2; }    \
+            if ((TT) > 1 && nt - t == 1) { F(RT, 1, r, t, o_); KV_TSTORE(RT, 1); t += 1; }    \
+        }                                                                                     \
+        for (; r < r1; r++) {                                                                 \
+            int64_t t = 0;                                                                    \
+            for (; t + (TT) <= nt; t += (TT)) {                                               \
+                F(1, TT, r, t, o_);                                                           \
+                for (int j = 0; j < (TT); j++) Y[(t + j) * y_stride + r] = o_[j];             \
+            }                                                                                 \
+            for (; t < nt; t++) {                                                             \
+                F(1, 1, r, t, o_);                                                            \
+                Y[t * y_stride + r] = o_[0];                                                  \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+#define Q80_ENTRY(T, WQ4, RT, TT, RTD)                                                          \
+    static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
+        T##_tile(1, 1, n / 32, (const uint8_t *)w, 0, (const uint8_t *)a, 0, NULL, 0, s);       \
+    }                                                                                           \
+    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,     \
+                        const void *A, size_t a_stride, int64_t n_tok, float *Y0, size_t y_stride) { \
+        _Static_assert((RT) * (TT) <= 32 && (RT) <= 8 && (TT) <= 8 && (RTD) <= 8, "tile");      \
+        const int64_t nb = n / 32;                                                              \
+        const size_t ps = q80_pre_stride(nb);                                                   \
+        const int64_t tc = (int64_t)(KV_PRE_BYTES / ps);                                        \
+        if (tc == 0) {                                                                          \
+            kv_mat_generic(T##_dot, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride); \
+            return;                                                                             \
+        }                                                                                       \
+        _Alignas(64) uint8_t pre[KV_PRE_BYTES];                                                 \
+        const uint8_t *wb = (const uint8_t *)W;                                                 \
+        for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {                                            \
+            const int64_t nt = n_tok - t0 < tc ? n_tok - t0 : tc;                               \
+            const uint8_t *ab = (const uint8_t *)A + (size_t)t0 * a_stride;                     \
+            float *Y = Y0 + (size_t)t0 * y_stride;                                              \
+            for (int64_t t = 0; t < nt; t++)                                                    \
+                q80_prep((const kv_block_q8_0 *)(const void *)(ab + (size_t)t * a_stride), nb,  \
+                         WQ4 ? 8 : (char)0x80, pre + (size_t)t * ps);                           \
+            _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"") \
+            KV_TILE_LOOP(T##_TF, RT, TT, RTD);                                                  \
+            _Pragma("GCC diagnostic pop")                                                       \
         }                                                                                       \
     }
 
-Q80_TILE512(q8_0_tile, kv_block_q8_0, 0)
-Q80_TILE512(q4_0_tile, kv_block_q4_0, 1)
+#define q8_0_TF(rt, tt, r, t, o)                                                                \
+    q8_0_tile(rt, tt, nb, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride, \
+              a_stride, pre + (size_t)(t) * ps, ps, o)
+#define q4_0_TF(rt, tt, r, t, o)                                                                \
+    q4_0_tile(rt, tt, nb, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride, \
+              a_stride, pre + (size_t)(t) * ps, ps, o)
+
+#ifndef KV_Q80_RT
+#define KV_Q80_RT 4
+#endif
+#ifndef KV_Q80_TT
+#define KV_Q80_TT 3
+#endif
+#ifndef KV_Q80_RTD
+#define KV_Q80_RTD 1
+#endif
+Q80_ENTRY(q8_0, 0, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
+Q80_ENTRY(q4_0, 1, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
 
 /* 8 scales and 8 mins of a q4_K/q5_K block as bytes, branch-free. */
 AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
@@ -116,15 +238,22 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
     mn[1] = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
 }
 
-AI int32_t hsum_i32_512(__m512i v) { return _mm512_reduce_add_epi32(v); }
+/* 16 int32 lanes -> 8: lane j + lane j+8 (the canonical K-quant lanes). */
+AI __m256i fold_i32(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
 
 #define K4_TILE512(NAME, WBLK, Q5)                                                              \
     AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,      \
                  size_t ab, float *out) {                                                       \
-        float acc[4][4] = {{0}}, accm[4][4] = {{0}};                                            \
+        __m256 acc[4][4], accm[4][4];                                                           \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {               \
+            acc[r][t] = _mm256_setzero_ps();                                                    \
+            accm[r][t] = _mm256_setzero_ps();                                                   \
+        }                                                                                       \
         const __m512i m4 = _mm512_set1_epi8(0xF);                                               \
         for (int64_t i = 0; i < n / KV_QK_K; i++) {                                             \
-            __m512i isum[4][4], s16[4];                                                         \
+            __m512i isum[4][4], isum2[4][4], s16[4];                                            \
             __m256i mdup[4];                                                                    \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
@@ -135,9 +264,9 @@ AI int32_t hsum_i32_512(__m512i v) { return _mm512_reduce_add_epi32(v); }
                 /* s16: 8 scales as int16, repeated in all four 128-bit lanes */                \
                 s16[r] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(s8));                         \
                 mdup[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));                      \
-                UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm512_setzero_si512();        \
+                UNROLL for (int t = 0; t < TT; t++) isum[r][t] = isum2[r][t] = _mm512_setzero_si512(); \
             }                                                                                   \
-            for (int c = 0; c < 4; c++) {                                                       \
+            UNROLL for (int c = 0; c < 4; c++) {                                                \
                 __m512i yv[4];                                                                  \
                 UNROLL for (int t = 0; t < TT; t++)                                             \
                     yv[t] = _mm512_loadu_si512((const void *)(((const kv_block_q8_K *)(a + t * ab) + i)->qs + 64 * c)); \
@@ -159,8 +288,13 @@ AI int32_t hsum_i32_512(__m512i v) { return _mm512_reduce_add_epi32(v); }
                         q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));                        \
                     }                                                                           \
                     __m512i sc = _mm512_shuffle_epi8(s16[r], pick);                             \
-                    UNROLL for (int t = 0; t < TT; t++)                                         \
-                        isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_maddubs_epi16(q, yv[t]), sc); \
+                    UNROLL for (int t = 0; t < TT; t++) {                                       \
+                        /* small tiles: two dependency chains (integer sums, exact) */          \
+                        if (RT * TT <= 2 && (c & 1))                                            \
+                            isum2[r][t] = _mm512_dpwssd_epi32(isum2[r][t], _mm512_maddubs_epi16(q, yv[t]), sc); \
+                        else                                                                    \
+                            isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_maddubs_epi16(q, yv[t]), sc); \
+                    }                                                                           \
                 }                                                                               \
             }                                                                                   \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
@@ -170,18 +304,16 @@ AI int32_t hsum_i32_512(__m512i v) { return _mm512_reduce_add_epi32(v); }
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
                     __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);                 \
                     __m256i mp = _mm256_madd_epi16(bs, mdup[r]);                                \
-                    __m128i m2 = _mm_add_epi32(_mm256_castsi256_si128(mp), _mm256_extracti128_si256(mp, 1)); \
-                    m2 = _mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0x4e));                        \
-                    m2 = _mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xb1));                        \
-                    int32_t ms = _mm_cvtsi128_si32(m2);                                         \
-                    int32_t is = hsum_i32_512(isum[r][t]);                                      \
-                    acc[r][t] = fmaf(y->d * d, (float)is, acc[r][t]);                           \
-                    accm[r][t] = fmaf(y->d * dmin, (float)ms, accm[r][t]);                      \
+                    if (RT * TT <= 2) isum[r][t] = _mm512_add_epi32(isum[r][t], isum2[r][t]);   \
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_i32(isum[r][t])),       \
+                                                _mm256_set1_ps(y->d * d), acc[r][t]);           \
+                    accm[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mp),                        \
+                                                 _mm256_set1_ps(y->d * dmin), accm[r][t]);      \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (int r = 0; r < RT; r++)                                                            \
-            for (int t = 0; t < TT; t++) out[r * TT + t] = acc[r][t] - accm[r][t];              \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)                 \
+            out[r * TT + t] = hsum_ps8(_mm256_sub_ps(acc[r][t], accm[r][t]));                   \
     }
 
 K4_TILE512(q4_K_tile, kv_block_q4_K, 0)
@@ -190,17 +322,18 @@ K4_TILE512(q5_K_tile, kv_block_q5_K, 1)
 /* Q6_K: 64 values per step: quarters (0,1) then (2,3) of each half. */
 AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,
                   size_t ab, float *out) {
-    float acc[4][4] = {{0}};
+    __m256 acc[4][4];
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(3);
     for (int64_t i = 0; i < n / KV_QK_K; i++) {
-        __m512i isum[4][4], sc16[4];
+        __m512i isum[4][4], isum2[4][4], sc16[4];
         UNROLL for (int r = 0; r < RT; r++) {
             const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
             sc16[r] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales)));
-            UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm512_setzero_si512();
+            UNROLL for (int t = 0; t < TT; t++) isum[r][t] = isum2[r][t] = _mm512_setzero_si512();
         }
-        for (int h = 0; h < 2; h++) {
-            for (int kp = 0; kp < 2; kp++) {
+        UNROLL for (int h = 0; h < 2; h++) {
+            UNROLL for (int kp = 0; kp < 2; kp++) {
                 /* values 128h + 64kp .. +63; int16 lane j uses scale 8h + 4kp + j/8 */
                 static const int16_t lane_grp[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                      2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
@@ -219,11 +352,18 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                     hb = _mm512_and_si512(hb, m3);
                     __m512i q = _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4));
                     __m512i sc = _mm512_permutexvar_epi16(idx, sc16[r]);
-                    UNROLL for (int t = 0; t < TT; t++)
-                        isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_maddubs_epi16(q, yv[t]), sc);
+                    UNROLL for (int t = 0; t < TT; t++) {
+                        if (RT * TT <= 2 && kp)
+                            isum2[r][t] = _mm512_dpwssd_epi32(isum2[r][t], _mm512_maddubs_epi16(q, yv[t]), sc);
+                        else
+                            isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_maddubs_epi16(q, yv[t]), sc);
+                    }
                 }
             }
         }
+        if (RT * TT <= 2)
+            UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)
+                isum[r][t] = _mm512_add_epi32(isum[r][t], isum2[r][t]);
         UNROLL for (int r = 0; r < RT; r++) {
             const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
             __m256i sc = _mm512_castsi512_si256(sc16[r]);
@@ -232,16 +372,12 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                 const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
                 __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
                 __m256i mp = _mm256_madd_epi16(bs, sc);
-                __m128i m2 = _mm_add_epi32(_mm256_castsi256_si128(mp), _mm256_extracti128_si256(mp, 1));
-                m2 = _mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0x4e));
-                m2 = _mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xb1));
-                int32_t is = hsum_i32_512(isum[r][t]) - 32 * _mm_cvtsi128_si32(m2);
-                acc[r][t] = fmaf(y->d * d, (float)is, acc[r][t]);
+                __m256i is = _mm256_sub_epi32(fold_i32(isum[r][t]), _mm256_slli_epi32(mp, 5));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(y->d * d), acc[r][t]);
             }
         }
     }
-    for (int r = 0; r < RT; r++)
-        for (int t = 0; t < TT; t++) out[r * TT + t] = acc[r][t];
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) out[r * TT + t] = hsum_ps8(acc[r][t]);
 }
 
 /* Same tiling driver as the AVX2 file. */
@@ -292,17 +428,16 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
         KV_MAT_DRIVER(T##_F, RT, TT, RT1);                                                      \
     }
 
-#define q8_0_F(rt, tt, w, a, o) q8_0_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
-#define q4_0_F(rt, tt, w, a, o) q4_0_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define q4_K_F(rt, tt, w, a, o) q4_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define q5_K_F(rt, tt, w, a, o) q5_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define q6_K_F(rt, tt, w, a, o) q6_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 
-ENTRY(q8_0, 4, 4, 4)
-ENTRY(q4_0, 4, 4, 4)
-ENTRY(q4_K, 4, 4, 4)
-ENTRY(q5_K, 4, 4, 4)
-ENTRY(q6_K, 4, 4, 4)
+#ifndef KV_KQ_RT1
+#define KV_KQ_RT1 1
+#endif
+ENTRY(q4_K, 4, 4, KV_KQ_RT1)
+ENTRY(q5_K, 4, 4, KV_KQ_RT1)
+ENTRY(q6_K, 4, 4, KV_KQ_RT1)
 
 void kv_quant_fill_avx512(kv_kernels *k) {
     k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8_0_mat;
