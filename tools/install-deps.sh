@@ -14,6 +14,7 @@ have pkg-config || need+=(pkg-config)
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
+[ -f /usr/include/openssl/evp.h ] || need+=(libssl-dev)
 # libFuzzer and sanitizer runtimes for clang
 if have clang; then
   rt=$(clang -print-resource-dir 2>/dev/null)/lib/linux/libclang_rt.fuzzer-x86_64.a
