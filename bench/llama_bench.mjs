@@ -119,9 +119,12 @@ export async function speed(file, { threads = 2, p = 128, n = 64, reps = 3 } = {
   await ctx.dispose();
   await model.dispose();
   return {
-    prefill_tok_s: p / bestP, decode_tok_s: n / bestD, n_prompt: p, n_gen: n, threads, reps,
+    prefill_tok_s: p / bestP, decode_tok_s: n / bestD,
+    prefill_tok_s_mean: runs.reduce((a, x) => a + p / x.prefill_s, 0) / runs.length,
+    decode_tok_s_mean: runs.reduce((a, x) => a + n / x.decode_s, 0) / runs.length,
+    n_prompt: p, n_gen: n, threads, reps,
     runs: runs.map((x) => ({ prefill_tok_s: p / x.prefill_s, decode_tok_s: n / x.decode_s })),
-    settings: "node-llama-cpp 3.21.1 CPU prebuilt; flash attention off; KV cache F16 (default); batch 512; ctx 512; best of reps after warm-up",
+    settings: "node-llama-cpp 3.21.1 CPU prebuilt; flash attention off; KV cache F16 (default); batch 512; ctx 512; best and mean of reps after warm-up",
   };
 }
 
@@ -134,13 +137,18 @@ export function report(outDir, threads, types) {
   const rows = [];
   for (const t of types) {
     const bytes = rd(`${t}.bytes.json`);
-    const kvRuns = fs.readFileSync(path.join(outDir, `${t}.kvasir.jsonl`), "utf8").split("\n").filter((l) => l.trim()).map((l) => JSON.parse(l));
-    const kvasir = {
-      prefill_tok_s: Math.max(...kvRuns.map((r) => r.prefill_tok_s)),
-      decode_tok_s: Math.max(...kvRuns.map((r) => r.decode_tok_s)),
-      runs: kvRuns,
-    };
-    const llama = rd(`${t}.llama.json`);
+    const rdl = (f) => fs.readFileSync(path.join(outDir, f), "utf8").split("\n").filter((l) => l.trim()).map((l) => JSON.parse(l));
+    // one JSON object per round; best and mean over rounds
+    const summarize = (runs) => ({
+      prefill_tok_s: Math.max(...runs.map((r) => r.prefill_tok_s)),
+      decode_tok_s: Math.max(...runs.map((r) => r.decode_tok_s)),
+      prefill_tok_s_mean: runs.reduce((a, r) => a + r.prefill_tok_s, 0) / runs.length,
+      decode_tok_s_mean: runs.reduce((a, r) => a + r.decode_tok_s, 0) / runs.length,
+      rounds: runs.map((r) => ({ prefill_tok_s: r.prefill_tok_s, decode_tok_s: r.decode_tok_s })),
+    });
+    const kvRuns = rdl(`${t}.kvasir.jsonl`), llRuns = rdl(`${t}.llama.jsonl`);
+    const kvasir = { ...summarize(kvRuns), backend: kvRuns[0]?.backend, bytes_per_token_reported: kvRuns[0]?.bytes_per_token };
+    const llama = { ...summarize(llRuns), settings: llRuns[0]?.settings };
     const boundTokS = (bw.read_gb_s * 1e9) / bytes.bytes_per_token;
     rows.push({
       type: t, model: bytes, kvasir, llama,
@@ -157,17 +165,19 @@ export function report(outDir, threads, types) {
   };
   fs.writeFileSync(path.join(outDir, "results.json"), JSON.stringify(res, null, 1));
   const f1 = (x) => x.toFixed(1), f2 = (x) => x.toFixed(2);
-  const head = ["model", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound"];
+  const head = ["model", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "mean ratio p/d"];
   const lines = rows.map((r) => [
     r.type, String(r.model.n_layer), f2(r.model.file_bytes / 1e9), f1(r.model.bytes_per_token / 1e6),
     f1(r.kvasir.prefill_tok_s), f1(r.llama.prefill_tok_s), f2(r.prefill_ratio),
     f1(r.kvasir.decode_tok_s), f1(r.llama.decode_tok_s), f2(r.decode_ratio),
     f1(r.decode_bound_tok_s), (100 * r.kvasir_decode_of_bound).toFixed(0) + "%", (100 * r.llama_decode_of_bound).toFixed(0) + "%",
+    `${f2(r.kvasir.prefill_tok_s_mean / r.llama.prefill_tok_s_mean)}/${f2(r.kvasir.decode_tok_s_mean / r.llama.decode_tok_s_mean)}`,
   ]);
   const w = head.map((h, i) => Math.max(h.length, ...lines.map((x) => x[i].length)));
   const line = (x) => x.map((c, i) => c.padStart(w[i])).join("  ");
   console.log(`\n${cpu}, ${res.nproc} cpus, load ${res.loadavg.map((x) => x.toFixed(2)).join(" ")}; ${threads} threads; read bandwidth ${bw.read_gb_s} GB/s (${bw.threads} threads), ${bw1.read_gb_s} GB/s (1 thread)`);
-  console.log(`tokens/s, prefill ${res.n_prompt} tokens, decode ${res.n_gen}; ratio = kvasir / llama.cpp; decode bound = bandwidth / bytes of weights per token`);
+  console.log(`tokens/s (best of ${rows[0]?.kvasir.rounds.length ?? "?"} alternating rounds), prefill ${res.n_prompt} tokens, decode ${res.n_gen}; ratio = kvasir / llama.cpp (best; last column: of the means);`);
+  console.log("decode bound = read bandwidth / bytes of weights per token");
   console.log(line(head));
   for (const x of lines) console.log(line(x));
   console.log(`bench: wrote ${path.join(outDir, "results.json")}`);

@@ -8,21 +8,23 @@
 #
 # For each model: `kvasir bench --json` and llama.cpp (node-llama-cpp 3.21.1,
 # bench/llama_bench.mjs) with the same thread count, prefill of 128 tokens
-# and 64 decoded tokens, best of KV_BENCH_REPS runs each; the memory read
+# and 64 decoded tokens, KV_BENCH_REPS alternating rounds (best and mean
+# reported); the memory read
 # bandwidth (a small C probe written and compiled here); the bytes of
 # weights read per decoded token (from the GGUF tensor table); a table on
 # stdout and everything in bench/out/results.json.
 #
-# Env: KV_BENCH_THREADS (default: nproc), KV_BENCH_REPS (3),
+# Env: KV_BENCH_THREADS (default: nproc), KV_BENCH_REPS (5),
 #      KV_BENCH_LAYERS_Q8_0 (2), KV_BENCH_LAYERS_Q4_K (4),
-#      KV_BENCH_TYPES ("q8_0 q4_k"), KV_BENCH_REGEN=1 rewrites the models.
+#      KV_BENCH_TYPES ("q8_0 q4_k"), KV_BENCH_REGEN=1 rewrites the models,
+#      KV_BENCH_SHAPE="--preset small" other gen-model shape flags (smoke test).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${1:-$SRC/build/kvasir}
 BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
 OUT=$SRC/bench/out
 THREADS=${KV_BENCH_THREADS:-$(nproc 2>/dev/null || echo 2)}
-REPS=${KV_BENCH_REPS:-3}
+REPS=${KV_BENCH_REPS:-5}
 TYPES=${KV_BENCH_TYPES:-q8_0 q4_k}
 P=128
 N=64
@@ -87,6 +89,9 @@ PRESET=qwen3-30b-a3b-bench
 SHAPE=(--embd 2048 --experts 128 --experts-used 8 --ff-exp 768 --heads 32 --kv-heads 4 --head-dim 128 --vocab 151936)
 HELP=$("$BIN" gen-model --help 2>&1 || true)
 if echo "$HELP" | grep -q -- "$PRESET"; then SHAPE=(--preset "$PRESET"); fi
+NAME=qwen3-30b-a3b-shape
+# smoke test of this script: KV_BENCH_SHAPE="--preset small" (another file name)
+if [ -n "${KV_BENCH_SHAPE:-}" ]; then read -r -a SHAPE <<< "$KV_BENCH_SHAPE"; NAME=custom-$(echo "$KV_BENCH_SHAPE" | tr -c 'A-Za-z0-9' '_'); fi
 models=()
 for t in $TYPES; do
   case $t in
@@ -94,7 +99,7 @@ for t in $TYPES; do
     q4_k) L=${KV_BENCH_LAYERS_Q4_K:-4} ;;
     *) L=${KV_BENCH_LAYERS:-2} ;;
   esac
-  f="$OUT/qwen3-30b-a3b-shape-$t-L$L.gguf"
+  f="$OUT/$NAME-$t-L$L.gguf"
   if [ ! -f "$f" ] || [ -n "${KV_BENCH_REGEN:-}" ]; then
     echo "bench: kvasir gen-model ${SHAPE[*]} --layers $L --type $t -> $f"
     "$BIN" gen-model --arch qwen3moe "${SHAPE[@]}" --layers "$L" --type "$t" --ctx 4096 --seed 7 --out "$f.tmp"
@@ -108,14 +113,17 @@ for m in "${models[@]}"; do
   t=${m%%:*}; f=${m#*:}
   echo "bench: $t: weights per token"
   node "$SRC/bench/llama_bench.mjs" bytes "$f" > "$OUT/$t.bytes.json"
-  echo "bench: $t: kvasir bench -p $P -n $N --threads $THREADS (x$REPS)"
+  # Rounds alternate the two engines so that both see the same machine
+  # load (the shared build machine is noisy); each round is one process
+  # with its own untimed warm-up.
   : > "$OUT/$t.kvasir.jsonl"
+  : > "$OUT/$t.llama.jsonl"
   for r in $(seq "$REPS"); do
-    "$BIN" bench -m "$f" -p "$P" -n "$N" --threads "$THREADS" --json >> "$OUT/$t.kvasir.jsonl"
+    echo "bench: $t: round $r/$REPS: kvasir bench -p $P -n $N --threads $THREADS; llama.cpp the same"
+    "$BIN" bench -m "$f" -p "$P" -n "$N" --threads "$THREADS" --reps 1 --json >> "$OUT/$t.kvasir.jsonl"
     echo >> "$OUT/$t.kvasir.jsonl"
+    node "$SRC/bench/llama_bench.mjs" speed "$f" --threads "$THREADS" -p "$P" -n "$N" --reps 1 >> "$OUT/$t.llama.jsonl"
   done
-  echo "bench: $t: llama.cpp -p $P -n $N --threads $THREADS (x$REPS)"
-  node "$SRC/bench/llama_bench.mjs" speed "$f" --threads "$THREADS" -p "$P" -n "$N" --reps "$REPS" > "$OUT/$t.llama.json"
 done
 
 node "$SRC/bench/llama_bench.mjs" report "$OUT" "$THREADS" $TYPES

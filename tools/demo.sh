@@ -23,3 +23,38 @@ echo "== kvasir run --chat --json (sampled, seed 42)"
 "$KV" run -m "$dir/demo.gguf" -p "What is a mixture of experts?" --chat -n 16 --seed 42 --json
 echo "== kvasir bench"
 "$KV" bench -m "$dir/demo.gguf" -p 64 -n 32 --reps 1
+
+# ---- distributed: experts computed by workers over loopback --------------------------------
+echo "== kvasir slice: backbone + expert slabs (6 experts per slab, 3 slabs per layer) + manifest"
+"$KV" slice "$dir/demo.gguf" --out "$dir/sl" --experts-per-slab 6 2>&1 | sed 's/^/   /'
+mkdir -p "$dir/coord"
+cp "$dir/sl/backbone.gguf" "$dir/sl/manifest.json" "$dir/coord/" # the coordinator gets no slab
+wpids=()
+trap 'for p in "${wpids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$dir"' EXIT
+echo "== kvasir worker x3 on 127.0.0.1, each holding a third of every layer's experts"
+waddr=()
+for g in 0 1 2; do
+  slabs=$(for l in 0 1 2 3; do ls "$dir/sl/experts/blk.$l."*.gguf | sed -n "$((g + 1))p"; done | paste -sd, -)
+  "$KV" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet >"$dir/w$g.out" 2>"$dir/w$g.err" &
+  wpids+=($!)
+  for _ in $(seq 200); do grep -q '^listening on' "$dir/w$g.out" && break; sleep 0.02; done
+  waddr+=(--worker "$(sed -n 's/^listening on //p' "$dir/w$g.out")")
+  echo "   worker $g: $(sed -n 's/^listening on //p' "$dir/w$g.out"): $(echo "$slabs" | tr , '\n' | xargs -n1 basename | paste -sd' ' -)"
+done
+prompt="The expert slabs travel across the swarm"
+echo "== kvasir run -m coord/manifest.json --worker x3 (greedy, 32 tokens)"
+"$KV" run -m "$dir/coord/manifest.json" "${waddr[@]}" -p "$prompt" -n 32 --temp 0 --verbose \
+  --logits-out "$dir/remote.bin" >"$dir/remote.txt" 2>"$dir/remote.err"
+cat "$dir/remote.txt"
+grep -E '^kvasir run: (dispatch|worker)' "$dir/remote.err" | sed 's/^kvasir run: /   /'
+"$KV" run -m "$dir/demo.gguf" -p "$prompt" -n 32 --temp 0 --logits-out "$dir/local.bin" >"$dir/local.txt" 2>/dev/null
+if cmp -s "$dir/local.txt" "$dir/remote.txt" && cmp -s "$dir/local.bin" "$dir/remote.bin"; then
+  echo "   output equals the single-process run: yes (text and every logit, byte for byte)"
+else
+  echo "   output equals the single-process run: NO" && exit 1
+fi
+echo "== stopping the workers"
+for p in "${wpids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+wait 2>/dev/null || true
+wpids=()
+for g in 0 1 2; do echo "   worker $g: $(grep -h 'served' "$dir/w$g.err" | sed 's/^worker: //')"; done

@@ -1,16 +1,26 @@
-/* Dispatch: the binary protocol between a coordinator and expert workers,
- * the worker server, and the remote expert provider.
+/* Dispatch: the binary protocol between a coordinator and expert workers
+ * (codec, stream helpers), the worker server, and the remote expert provider.
  *
- * Wire format (all integers little-endian, docs/PROTOCOL.md is normative):
+ * Wire format (all integers little-endian; docs/PROTOCOL.md is normative):
  *   frame   = header(16) payload(len)
  *   header  = u32 magic "KVD1" | u16 version | u16 type | u32 request_id | u32 len
  * Every length, count and id read from the wire is bounded by the maxima
- * below and checked against the bytes of the frame before use. A malformed,
+ * below and checked against the bytes of the frame before use; a payload's
+ * length must equal exactly the size its own counts imply. A malformed,
  * oversized or unknown frame closes that one connection with an ERROR frame
  * (when possible); the worker keeps serving others.
  *
- * Codec functions are pure (no I/O, no allocation beyond what the caller
- * gives them) so the decoder can be fuzzed directly. */
+ * Codec functions are pure (no I/O, no allocation): encoders write a whole
+ * frame into a caller buffer, decoders take one complete frame and fill a
+ * view whose pointers point into that frame (valid while the buffer is), so
+ * the decoder can be fuzzed directly. Big arrays (hidden states, pairs,
+ * outputs, ranges) stay in wire form and are read through accessors that
+ * convert (little-endian, f16/bf16 -> f32 with ggml's rounding).
+ *
+ * Error codes of the codec: KV_EPROTO (bad magic, unknown type, a length
+ * that is not the exact expected size, nonzero reserved bits, bad text),
+ * KV_ERANGE (a count or index outside its bound or the peer's dims),
+ * KV_EUNSUPPORTED (unknown encoding, no common protocol version). */
 #ifndef KVASIR_DISPATCH_H
 #define KVASIR_DISPATCH_H
 
@@ -23,28 +33,70 @@
 #include "kvasir/pool.h"
 
 #define KV_PROTO_MAGIC 0x3144564Bu /* "KVD1" little-endian */
-#define KV_PROTO_VERSION 1u
+#define KV_PROTO_VERSION 1u        /* the version this build speaks */
+#define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build speaks */
 #define KV_PROTO_HEADER 16u
 #define KV_PROTO_MAX_PAYLOAD (256u << 20) /* bytes in one frame's payload */
+#define KV_PROTO_MAX_FRAME (KV_PROTO_HEADER + KV_PROTO_MAX_PAYLOAD)
 #define KV_PROTO_MAX_TOKENS 4096u        /* tokens in one COMPUTE */
 #define KV_PROTO_MAX_PAIRS (1u << 16)    /* (token, expert) pairs in one COMPUTE */
 #define KV_PROTO_MAX_RANGES 65536u       /* held ranges listed in a HELLO_ACK */
-#define KV_PROTO_MAX_TEXT 1024u          /* bytes of an error message / backend name */
+#define KV_PROTO_MAX_TEXT 1024u          /* bytes of an error message */
+#define KV_PROTO_MAX_NAME 64u            /* bytes of a backend name */
+#define KV_PROTO_MAX_LAYERS 4096u        /* n_layer a peer may announce */
+#define KV_PROTO_MAX_EXPERTS 65536u      /* n_expert a peer may announce */
+#define KV_PROTO_MAX_EMBD 65536u         /* n_embd a peer may announce */
+#define KV_PROTO_MAX_FF (1u << 20)       /* n_ff_exp a peer may announce */
+#define KV_PROTO_MODEL_ID_LEN 64u        /* model identity: 64 lowercase hex digits */
+
+/* Fixed payload sizes (see docs/PROTOCOL.md). */
+#define KV_PROTO_HELLO_SIZE 72u          /* u16 min, u16 max, id[64], u32 enc_mask */
+#define KV_PROTO_HELLO_ACK_FIXED 96u     /* before backend name and ranges */
+#define KV_PROTO_COMPUTE_FIXED 20u       /* before hidden states and pairs */
+#define KV_PROTO_RESULT_FIXED 12u        /* before the outputs */
+#define KV_PROTO_ERROR_FIXED 8u          /* before the message */
+#define KV_PROTO_PING_SIZE 8u            /* u64 nonce (PING and PONG) */
+#define KV_PROTO_STATS_ACK_SIZE 48u      /* six u64 counters */
 
 enum kv_msg_type {
-    KV_MSG_HELLO = 1,     /* coordinator -> worker: versions, model id */
-    KV_MSG_HELLO_ACK = 2, /* worker -> coordinator: model id, dims, held ranges, backend */
+    KV_MSG_HELLO = 1,     /* coordinator -> worker: versions, model id, encodings */
+    KV_MSG_HELLO_ACK = 2, /* worker -> coordinator: version, model id, dims, backend, ranges */
     KV_MSG_COMPUTE = 3,   /* coordinator -> worker: layer, hidden states, expert pairs */
     KV_MSG_RESULT = 4,    /* worker -> coordinator: one output vector per pair */
     KV_MSG_ERROR = 5,     /* either way: code + message; the sender closes after it */
-    KV_MSG_PING = 6,
-    KV_MSG_PONG = 7,
+    KV_MSG_PING = 6,      /* either way: u64 nonce */
+    KV_MSG_PONG = 7,      /* answer to PING: the same nonce */
+    KV_MSG_STATS = 8,     /* coordinator -> worker: empty; asks for counters */
+    KV_MSG_STATS_ACK = 9, /* worker -> coordinator: counters */
     KV_MSG_TYPE_COUNT
 };
-_Static_assert(KV_MSG_COMPUTE == 3 && KV_MSG_ERROR == 5, "wire message types never change");
+_Static_assert(KV_MSG_HELLO == 1 && KV_MSG_HELLO_ACK == 2 && KV_MSG_COMPUTE == 3 &&
+                   KV_MSG_RESULT == 4 && KV_MSG_ERROR == 5 && KV_MSG_PING == 6 &&
+                   KV_MSG_PONG == 7 && KV_MSG_STATS == 8 && KV_MSG_STATS_ACK == 9,
+               "wire message types never change");
+
+/* Error codes carried by ERROR frames are the KV_E* numbers of err.h. */
+_Static_assert(KV_EINVAL == -1 && KV_ENOMEM == -2 && KV_EIO == -3 && KV_EFORMAT == -4 &&
+                   KV_EUNSUPPORTED == -5 && KV_ERANGE == -6 && KV_ENOTFOUND == -7 &&
+                   KV_EPROTO == -8 && KV_ETIMEOUT == -9 && KV_EHASH == -10 &&
+                   KV_ECTXFULL == -11 && KV_EINTERNAL == -12,
+               "wire error codes never change");
 
 /* Encodings of hidden states / outputs on the wire. */
 enum kv_act_enc { KV_ENC_F32 = 0, KV_ENC_F16 = 1, KV_ENC_BF16 = 2, KV_ENC_COUNT };
+_Static_assert(KV_ENC_F32 == 0 && KV_ENC_F16 == 1 && KV_ENC_BF16 == 2,
+               "wire encodings never change");
+#define KV_ENC_MASK_ALL ((1u << KV_ENC_COUNT) - 1u)
+
+/* "HELLO", "COMPUTE"... of a message type; "?" if unknown. */
+const char *kv_msg_type_name(uint32_t type);
+
+/* Bytes per element of an encoding (0 if unknown); its name ("f32"...,
+ * "?" if unknown). */
+size_t kv_enc_size(uint32_t enc);
+const char *kv_enc_name(uint32_t enc);
+/* "f32"/"f16"/"bf16" -> enc, or -1. */
+int kv_enc_from_name(const char *name);
 
 typedef struct kv_frame_header {
     uint32_t magic, len, request_id;
@@ -55,5 +107,329 @@ typedef struct kv_frame_header {
 typedef struct kv_held_range {
     uint32_t layer, first, last; /* inclusive */
 } kv_held_range;
+
+/* A (token, expert) pair of a COMPUTE. */
+typedef struct kv_proto_pair {
+    uint32_t token;  /* index into the message's hidden states, < n_tokens */
+    uint32_t expert; /* global expert id in the layer, < n_expert */
+} kv_proto_pair;
+
+/* ---- messages (encode inputs / decoded views) ------------------------- */
+
+typedef struct kv_msg_hello {
+    uint16_t min_version, max_version; /* protocol versions the coordinator speaks */
+    char model_id[KV_PROTO_MODEL_ID_LEN + 1]; /* 64 lowercase hex + NUL */
+    uint32_t enc_mask;                 /* bit e set: coordinator may send encoding e */
+} kv_msg_hello;
+
+typedef struct kv_msg_hello_ack {
+    uint16_t version;                  /* chosen protocol version */
+    char model_id[KV_PROTO_MODEL_ID_LEN + 1];
+    uint32_t n_layer, n_embd, n_ff_exp, n_expert, n_expert_used; /* model dims */
+    uint32_t enc_mask;                 /* encodings accepted (subset of HELLO's, F32 always) */
+    char backend[KV_PROTO_MAX_NAME + 1]; /* kernel backend, e.g. "avx2"; printable ASCII */
+    uint32_t n_ranges;                 /* held ranges, sorted by (layer, first), disjoint */
+    const kv_held_range *ranges;       /* encode: [n_ranges]; decode: NULL, use accessor */
+    const uint8_t *ranges_wire;        /* decode: [n_ranges][12] in the frame */
+} kv_msg_hello_ack;
+
+typedef struct kv_msg_compute {
+    uint32_t layer;
+    uint32_t enc;        /* encoding of the hidden states */
+    uint32_t out_enc;    /* encoding the RESULT must use */
+    uint32_t n_tokens;   /* hidden-state rows, 1..KV_PROTO_MAX_TOKENS */
+    uint32_t n_embd;
+    uint32_t n_pairs;    /* 1..KV_PROTO_MAX_PAIRS */
+    const float *x;              /* encode: [n_tokens][n_embd] (converted to enc) */
+    const kv_proto_pair *pairs;  /* encode: [n_pairs] */
+    const uint8_t *x_wire;       /* decode: [n_tokens][n_embd] in enc, in the frame */
+    const uint8_t *pairs_wire;   /* decode: [n_pairs][8] in the frame */
+} kv_msg_compute;
+
+typedef struct kv_msg_result {
+    uint32_t n_pairs, n_embd, enc;
+    const float *y;              /* encode: [n_pairs][n_embd] (converted to enc) */
+    const uint8_t *y_wire;       /* decode: [n_pairs][n_embd] in enc, in the frame */
+} kv_msg_result;
+
+typedef struct kv_msg_error {
+    int32_t code;                         /* a negative KV_E* code */
+    char msg[KV_PROTO_MAX_TEXT + 1];      /* NUL-terminated; no control characters */
+} kv_msg_error;
+
+typedef struct kv_msg_stats {
+    uint64_t n_compute;  /* COMPUTE messages answered with RESULT */
+    uint64_t n_pairs;    /* expert computations ((token, expert) pairs) served */
+    uint64_t n_tokens;   /* hidden-state rows received */
+    uint64_t n_conns;    /* connections accepted */
+    uint64_t n_errors;   /* ERROR frames sent */
+    uint64_t uptime_ms;  /* since the worker started serving */
+} kv_msg_stats;
+
+/* Limits a decoder checks besides the protocol maxima: the receiver's model
+ * dims (0 = unknown, not checked). */
+typedef struct kv_proto_limits {
+    uint32_t n_layer, n_embd, n_expert;
+} kv_proto_limits;
+
+/* A decoded frame: the header and, per type, a view into the frame. */
+typedef struct kv_msg {
+    kv_frame_header h;
+    union {
+        kv_msg_hello hello;
+        kv_msg_hello_ack ack;
+        kv_msg_compute compute;
+        kv_msg_result result;
+        kv_msg_error error;
+        uint64_t nonce;         /* PING, PONG */
+        kv_msg_stats stats;     /* STATS_ACK */
+    } u;
+} kv_msg;
+
+/* ---- frame header ------------------------------------------------------ */
+
+/* Parses the 16-byte header at p (n >= 16 required, else KV_EPROTO): magic,
+ * version != 0, known type, len <= KV_PROTO_MAX_PAYLOAD (else KV_ERANGE).
+ * Does not compare the version with a negotiated one (the caller does). */
+int kv_frame_header_decode(const uint8_t *p, size_t n, kv_frame_header *h, kv_diag *d);
+void kv_frame_header_encode(uint8_t out[KV_PROTO_HEADER], uint16_t type, uint32_t request_id,
+                            uint32_t len);
+
+/* ---- sizes -------------------------------------------------------------- */
+
+/* Whole-frame sizes (header included) for given counts; 0 if a count or
+ * encoding is out of bounds or the payload would exceed the maximum. Use
+ * them to size buffers before encoding. */
+size_t kv_msg_compute_size(uint32_t enc, uint32_t n_tokens, uint32_t n_embd, uint32_t n_pairs);
+size_t kv_msg_result_size(uint32_t enc, uint32_t n_pairs, uint32_t n_embd);
+size_t kv_msg_hello_ack_size(size_t backend_len, uint32_t n_ranges);
+
+/* ---- encoders ---------------------------------------------------------- */
+/* Each writes one whole frame (header + payload, header version
+ * KV_PROTO_VERSION) into buf[cap] and sets *n to its size. Inputs are
+ * validated like the decoder would (so a peer of this build never rejects
+ * what we send). Errors: KV_EINVAL (bad input: out-of-bound counts, bad
+ * model id, unknown encoding), KV_ERANGE (cap too small or payload too big);
+ * nothing useful is in buf then. Thread-safe (no state). */
+int kv_msg_hello_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_hello *m,
+                        size_t *n, kv_diag *d);
+int kv_msg_hello_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id,
+                            const kv_msg_hello_ack *m, size_t *n, kv_diag *d);
+int kv_msg_compute_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_compute *m,
+                          size_t *n, kv_diag *d);
+int kv_msg_result_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_result *m,
+                         size_t *n, kv_diag *d);
+/* RESULT in pieces, for a worker that computes rows out of order:
+ * _begin writes the header and fixed fields (checks like the encoder) and
+ * sets *n to the whole frame size; _put_row then writes output row p (of
+ * n_embd floats, converted to enc) into that frame. Every row must be put
+ * before the frame is sent. */
+int kv_msg_result_begin(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t enc,
+                        uint32_t n_pairs, uint32_t n_embd, size_t *n, kv_diag *d);
+void kv_msg_result_put_row(uint8_t *buf, uint32_t enc, uint32_t n_embd, uint32_t p,
+                           const float *row);
+/* code must be negative; msg may be NULL; it is cut to KV_PROTO_MAX_TEXT
+ * bytes and control characters become '?'. */
+int kv_msg_error_encode(uint8_t *buf, size_t cap, uint32_t request_id, int32_t code,
+                        const char *msg, size_t *n, kv_diag *d);
+/* type: KV_MSG_PING or KV_MSG_PONG. */
+int kv_msg_ping_encode(uint8_t *buf, size_t cap, uint16_t type, uint32_t request_id,
+                       uint64_t nonce, size_t *n, kv_diag *d);
+int kv_msg_stats_encode(uint8_t *buf, size_t cap, uint32_t request_id, size_t *n, kv_diag *d);
+int kv_msg_stats_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_stats *m,
+                            size_t *n, kv_diag *d);
+
+/* ---- decoder ------------------------------------------------------------ */
+
+/* Decodes one complete frame frame[n] (n must equal 16 + header len) into
+ * out: header checks as above, then the payload of its type, every field
+ * bounded and the length equal to the exact size implied by the counts.
+ * lim (may be NULL) adds the receiver's dims: COMPUTE layer < n_layer,
+ * n_embd == n_embd, expert < n_expert; RESULT n_embd == n_embd. Views in out
+ * point into frame. Returns 0, or KV_EPROTO / KV_ERANGE / KV_EUNSUPPORTED
+ * with d naming the field; out is then unspecified. Pure and thread-safe. */
+int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv_msg *out,
+                  kv_diag *d);
+
+/* ---- accessors of decoded views (bounds are the caller's: i < count) ---- */
+
+/* Held range i of a decoded (or encoder-input) HELLO_ACK. */
+kv_held_range kv_msg_hello_ack_range(const kv_msg_hello_ack *m, uint32_t i);
+/* True if the ack's ranges hold expert e of layer l. */
+bool kv_msg_hello_ack_holds(const kv_msg_hello_ack *m, uint32_t layer, uint32_t expert);
+/* Pair i of a decoded COMPUTE. */
+kv_proto_pair kv_msg_compute_pair(const kv_msg_compute *m, uint32_t i);
+/* Hidden-state row t as f32 into out[n_embd]. */
+void kv_msg_compute_row(const kv_msg_compute *m, uint32_t t, float *out);
+/* All rows as f32 into out[n_tokens][n_embd]. */
+void kv_msg_compute_x(const kv_msg_compute *m, float *out);
+/* The hidden states in place as f32 when that is possible without a copy
+ * (enc F32, little-endian host, 4-byte aligned); else NULL. */
+const float *kv_msg_compute_x_inplace(const kv_msg_compute *m);
+/* Output row p of a decoded RESULT as f32 into out[n_embd]. */
+void kv_msg_result_row(const kv_msg_result *m, uint32_t p, float *out);
+/* All outputs as f32 into out[n_pairs][n_embd]. */
+void kv_msg_result_y(const kv_msg_result *m, float *out);
+
+/* ---- stream I/O (blocking or nonblocking sockets) ------------------------ */
+
+/* Incremental reader of one frame from a socket into a caller buffer. */
+typedef struct kv_frame_rx {
+    uint8_t *buf;      /* caller-owned, cap bytes (>= KV_PROTO_HEADER) */
+    size_t cap;        /* frames longer than this are refused (KV_ERANGE) */
+    size_t have;       /* bytes of the current frame received */
+    size_t need;       /* bytes of the current frame: 16, then 16 + len */
+    kv_frame_header h; /* valid once have >= 16 */
+} kv_frame_rx;
+
+void kv_frame_rx_init(kv_frame_rx *rx, uint8_t *buf, size_t cap);
+/* Makes rx ready for the next frame (after one was consumed). */
+void kv_frame_rx_reset(kv_frame_rx *rx);
+/* Reads what fd has (one read() call at most per invocation when fd is
+ * nonblocking; loops on EINTR). Returns 1 when buf[0, need) holds a whole
+ * frame (decode it with kv_msg_decode(rx->buf, rx->need, ...), then reset),
+ * 0 when more bytes are needed (EAGAIN), or a negative code: KV_EIO (peer
+ * closed: d says "closed" if cleanly between frames, or a read error),
+ * KV_EPROTO / KV_ERANGE (bad header; the frame is never buffered). */
+int kv_frame_rx_read(kv_frame_rx *rx, int fd, kv_diag *d);
+
+/* Writes all n bytes to fd, waiting with poll() up to timeout_ms in total
+ * (< 0: no limit) when fd is nonblocking. KV_EIO or KV_ETIMEOUT. Never
+ * raises SIGPIPE (MSG_NOSIGNAL). */
+int kv_proto_write_all(int fd, const void *buf, size_t n, int timeout_ms, kv_diag *d);
+
+/* Reads one whole frame from a blocking or nonblocking fd into rx within
+ * timeout_ms (< 0: no limit), then decodes it into out (views into rx->buf;
+ * the caller resets rx afterwards). Returns 0, KV_ETIMEOUT, KV_EIO, or a
+ * decode error. An ERROR frame decodes successfully (out->h.type). */
+int kv_proto_read_msg(kv_frame_rx *rx, int fd, int timeout_ms, const kv_proto_limits *lim,
+                      kv_msg *out, kv_diag *d);
+
+/* Connects a TCP socket to "HOST:PORT" (numeric IPv4/IPv6 or a name),
+ * blocking, within timeout_ms; sets TCP_NODELAY and CLOEXEC. Returns 0 and
+ * the fd, or KV_EIO / KV_ETIMEOUT / KV_EINVAL (bad address). */
+int kv_proto_connect(const char *host_port, int timeout_ms, int *fd, kv_diag *d);
+/* Splits "HOST:PORT" / "[v6]:PORT" into host[hcap] and port; KV_EINVAL. */
+int kv_proto_parse_addr(const char *host_port, char *host, size_t hcap, uint16_t *port,
+                        kv_diag *d);
+
+/* ---- worker ------------------------------------------------------------- */
+
+typedef struct kv_worker kv_worker;
+
+typedef struct kv_worker_opts {
+    const char *slabs;     /* a folder of slab *.gguf (or a slice folder with experts/),
+                              or a comma-separated list of slab files */
+    const char *listen;    /* "HOST:PORT"; port 0 picks a free one */
+    int n_threads;         /* compute pool; 0 = all CPUs */
+    int max_conns;         /* concurrent connections; 0 = 64 */
+    int read_timeout_ms;   /* a frame started must complete within this; 0 = 10000 */
+    int idle_timeout_ms;   /* a connection with no frame for this long is closed; 0 = none */
+    bool quiet;            /* no per-connection log lines */
+} kv_worker_opts;
+
+/* Opens the slabs (all from one model: same kvasir.source.id and dims;
+ * no two holding the same expert), builds the compute provider and binds
+ * the listening socket. Errors: KV_EIO, KV_EFORMAT, KV_EINVAL, KV_ENOTFOUND
+ * (no slabs). Free with kv_worker_free (accepts NULL). */
+int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d);
+void kv_worker_free(kv_worker *w);
+/* The bound address, "HOST:PORT" with the actual port. */
+const char *kv_worker_addr(const kv_worker *w);
+/* Model identity the slabs carry, and what they hold. */
+const char *kv_worker_model_id(const kv_worker *w);
+size_t kv_worker_ranges(const kv_worker *w, const kv_held_range **out);
+/* Serves until kv_worker_stop is called (from another thread or a signal
+ * handler: async-signal-safe). Returns 0 or KV_EIO on a listen failure. */
+int kv_worker_serve(kv_worker *w, kv_diag *d);
+void kv_worker_stop(kv_worker *w);
+/* Counters (thread-safe snapshot). */
+void kv_worker_stats(const kv_worker *w, kv_msg_stats *out);
+
+/* ==== remote provider (coordinator side; src/dispatch/remote.c) ==========
+ * Owned by the coordinator's author; the codec above is the only thing it
+ * shares with the worker. See remote.c's opening comment for the rounds,
+ * the retry rules and why the output is bit-identical to a local run. */
+
+#include <stdio.h>
+
+#include "kvasir/model.h"
+#include "kvasir/slice.h"
+
+#define KV_REMOTE_MAX_WORKERS 1024u
+
+typedef struct kv_remote kv_remote;
+
+typedef struct kv_remote_opts {
+    const char *const *workers; /* [n_workers] "HOST:PORT" (or "[v6]:PORT") */
+    uint32_t n_workers;
+    uint32_t timeout_ms;        /* deadline of one request round, and of a handshake; 0 = 10000 */
+    uint32_t reconnect_ms;      /* a dropped worker is dialed again after this; 0 = 500 */
+    uint32_t enc;               /* KV_ENC_* of hidden states and outputs (F32 = exact); a worker
+                                   that does not accept it gets F32 */
+    uint32_t max_tokens;        /* tokens per compute call: max(n_batch, n_seq); 0 = 256 */
+    bool skip_hashes;           /* backbone and local slabs: check sizes and identity, not SHA-256 */
+    FILE *log;                  /* one line per connect, drop, reconnect; NULL = silent */
+} kv_remote_opts;
+
+/* Opens the coordinator's side of a sliced model at manifest_path
+ * (DIR/manifest.json): loads and checks the manifest; checks the backbone
+ * (inside DIR after symlinks, size, SHA-256, kvasir.source.id) and loads it
+ * without experts, checking its hparams against the manifest; opens every
+ * slab present in DIR as local fallback (same checks; absent slabs are
+ * fine); connects to every worker and handshakes (protocol version, model
+ * identity equal to the manifest's model_id, dims), all at once within
+ * timeout_ms. A worker unreachable at start is logged and dialed again
+ * later. Then every expert of every MoE layer must be served by a worker
+ * that is up or by a local slab, else KV_ENOTFOUND naming the first one
+ * missing (layer, expert, its slab, why each unreachable worker is).
+ * pool (borrowed, must outlive r) runs the local fallback. Errors as the
+ * steps say (KV_EHASH, KV_EFORMAT, KV_EIO, KV_EINVAL for a bad address...);
+ * *out is NULL then. Free with kv_remote_free (accepts NULL). */
+int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool,
+                   const kv_remote_opts *opts, kv_diag *d);
+void kv_remote_free(kv_remote *r);
+/* The backbone and manifest r loaded (owned by r). */
+const kv_model *kv_remote_model(const kv_remote *r);
+const kv_manifest *kv_remote_manifest(const kv_remote *r);
+/* The provider to give kv_state_new (owned by r; its .free is NULL).
+ * compute() returns 0 with every slot filled by a whole answer, or an error
+ * (KV_ENOTFOUND: an expert nobody left up can compute, with the reasons;
+ * KV_EINVAL / KV_ERANGE: a malformed request) and out must not be used.
+ * One call at a time. */
+const kv_expert_provider *kv_remote_provider(kv_remote *r);
+
+/* What the coordinator knows about worker i (pointers valid while r lives
+ * and until the next compute). */
+typedef struct kv_remote_worker {
+    const char *addr;           /* as given */
+    bool up;                    /* handshaken now */
+    const char *backend;        /* from its HELLO_ACK, "" before */
+    uint32_t enc;               /* encoding in use with it */
+    uint32_t n_ranges;          /* ranges it announced */
+    uint64_t requests;          /* COMPUTE frames sent */
+    uint64_t pairs;             /* expert computations it answered */
+    uint64_t pairs_since_connect; /* ... since its last handshake */
+    uint64_t drops;             /* times dropped while up */
+    uint64_t connects;          /* successful handshakes (1 + reconnects) */
+    const char *last_error;     /* why it was last dropped or refused, "" if never */
+} kv_remote_worker;
+uint32_t kv_remote_n_workers(const kv_remote *r);
+void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out);
+
+typedef struct kv_remote_stats {
+    uint64_t calls;             /* compute() calls (one per MoE layer and step) */
+    uint64_t rounds;            /* request rounds (> calls when retries happened or frames split) */
+    uint64_t retried_pairs;     /* (token, expert) slots sent again after a drop */
+    uint64_t pairs_remote, pairs_local; /* slots answered by workers / by local slabs */
+    uint64_t bytes_sent, bytes_recv;    /* frames, headers included */
+    uint64_t n_rtt;             /* rounds timed */
+    double rtt_p50_us, rtt_p99_us, rtt_max_us; /* round trip: first byte sent to last
+                                   answer in, over the last 65536 rounds that had workers */
+} kv_remote_stats;
+/* Counters since open (or the last reset). Allocates briefly to sort the
+ * samples: not for the hot path. */
+void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out);
+void kv_remote_reset_stats(kv_remote *r);
 
 #endif

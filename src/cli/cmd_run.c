@@ -5,16 +5,31 @@
 #include <time.h>
 
 #include "cli/cli.h"
+#include "kvasir/dispatch.h"
 #include "kvasir/model.h"
 #include "kvasir/sample.h"
+#include "kvasir/slice.h"
+#include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", NULL};
 
 #define CMD "run"
 
 static const char *kv_run_help =
     "usage: kvasir run -m F.gguf -p TEXT [options]\n"
-    "  -m, --model F        GGUF model file\n"
+    "  -m, --model F        GGUF model file, or DIR/manifest.json (or DIR) of a sliced model\n"
+    "                       (kvasir slice): the backbone stays resident, experts come from the slabs\n"
+    "  --expert-cache-mb N  sliced model: keep experts in a cache of N MiB filled from the slab\n"
+    "                       files on demand (LRU); default: map the slabs\n"
+    "  --skip-hashes        sliced model: check sizes, headers and model identity but do not\n"
+    "                       hash every piece at start (default: verify every SHA-256)\n"
+    "  --worker HOST:PORT   sliced model: compute experts on this worker (kvasir worker); repeat\n"
+    "                       for more. Only the backbone need be present; slabs that are present\n"
+    "                       serve the experts no worker holds, and every expert must be served\n"
+    "  --worker-timeout-ms N  a worker that has not answered a layer within N ms is dropped and\n"
+    "                       its experts retried elsewhere (default 10000)\n"
+    "  --wire ENC           hidden states to workers as f32 (exact, default), f16 or bf16\n"
+    "  --verbose            log worker connects/drops and print dispatch statistics\n"
     "  -p, --prompt TEXT    prompt (special tokens like <|im_start|> are parsed)\n"
     "  -f, --file F         read the prompt from a file instead\n"
     "  -n N                 tokens to generate (default 64; stops early at end-of-generation)\n"
@@ -74,10 +89,59 @@ static size_t kv_utf8_clean(const char *in, size_t n, char *out) {
     return o;
 }
 
+/* "dispatch":{...} for --json: per-layer round trip and each worker's work. */
+static void kv_run_dispatch_json(const kv_remote *r) {
+    kv_remote_stats st;
+    kv_remote_get_stats(r, &st);
+    printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
+           "\"pairs_local\":%llu,\"bytes_sent\":%llu,\"bytes_recv\":%llu,\"rtt_p50_us\":%.1f,\"rtt_p99_us\":%.1f,"
+           "\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
+           (unsigned long long)st.retried_pairs, (unsigned long long)st.pairs_remote,
+           (unsigned long long)st.pairs_local, (unsigned long long)st.bytes_sent, (unsigned long long)st.bytes_recv,
+           st.rtt_p50_us, st.rtt_p99_us);
+    for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
+        kv_remote_worker w;
+        kv_remote_worker_info(r, i, &w);
+        printf("%s{\"addr\":", i ? "," : "");
+        kv_json_str(stdout, w.addr, strlen(w.addr));
+        printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
+               "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
+               (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
+               (unsigned long long)w.drops, (unsigned long long)w.connects);
+        kv_json_str(stdout, w.last_error, strlen(w.last_error));
+        printf("}");
+    }
+    printf("]}");
+}
+
+/* --verbose: the same on stderr, one line per worker. */
+static void kv_run_dispatch_log(const kv_remote *r) {
+    kv_remote_stats st;
+    kv_remote_get_stats(r, &st);
+    fprintf(stderr, "kvasir run: dispatch: %llu layer calls, per-layer round trip p50 %.0f us, p99 %.0f us; "
+            "%llu expert computations remote, %llu local, %llu retried; %.2f MB sent, %.2f MB received\n",
+            (unsigned long long)st.calls, st.rtt_p50_us, st.rtt_p99_us, (unsigned long long)st.pairs_remote,
+            (unsigned long long)st.pairs_local, (unsigned long long)st.retried_pairs, (double)st.bytes_sent / 1e6,
+            (double)st.bytes_recv / 1e6);
+    for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
+        kv_remote_worker w;
+        kv_remote_worker_info(r, i, &w);
+        fprintf(stderr, "kvasir run: worker %s: %s, %llu expert computations (%llu since its last connect), "
+                "%llu requests, %llu drops, %llu connects%s%s\n", w.addr, w.up ? "up" : "down",
+                (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
+                (unsigned long long)w.requests, (unsigned long long)w.drops, (unsigned long long)w.connects,
+                w.last_error[0] ? "; last error: " : "", w.last_error);
+    }
+}
+
 int kv_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *pfile = NULL, *logits_path = NULL;
-    long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256;
-    bool chat = false, json = false, seed_set = false;
+    long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
+    bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false;
+    const char *workers[KV_REMOTE_MAX_WORKERS];
+    uint32_t n_workers = 0;
+    long worker_timeout = 10000;
+    int wire = KV_ENC_F32;
     kv_sample_params sp = kv_sample_defaults();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -89,6 +153,10 @@ int kv_cmd_run(int argc, char **argv) {
             chat = true;
         } else if (!strcmp(a, "--json")) {
             json = true;
+        } else if (!strcmp(a, "--skip-hashes")) {
+            skip_hashes = true;
+        } else if (!strcmp(a, "--verbose")) {
+            verbose = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
@@ -118,6 +186,17 @@ int kv_cmd_run(int argc, char **argv) {
             if (kv_arg_float(CMD, a, v, 0, 1, &sp.min_p)) return 1;
         } else if (!strcmp(a, "--repeat-penalty")) {
             if (kv_arg_float(CMD, a, v, 1e-3, 100, &sp.repeat_penalty)) return 1;
+        } else if (!strcmp(a, "--expert-cache-mb")) {
+            if (kv_arg_long(CMD, a, v, 1, 1l << 30, &cache_mb)) return 1;
+        } else if (!strcmp(a, "--worker")) {
+            if (n_workers == KV_REMOTE_MAX_WORKERS)
+                return kv_cli_err(CMD, 1, "--worker: at most %u workers", KV_REMOTE_MAX_WORKERS);
+            workers[n_workers++] = v;
+        } else if (!strcmp(a, "--worker-timeout-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &worker_timeout)) return 1;
+        } else if (!strcmp(a, "--wire")) {
+            if ((wire = kv_enc_from_name(v)) < 0)
+                return kv_cli_err(CMD, 1, "--wire: '%s' is not one of f32, f16, bf16", v);
         } else if (!strcmp(a, "--seed")) {
             if (kv_arg_u64(CMD, a, v, &sp.seed)) return 1;
             seed_set = true;
@@ -133,6 +212,11 @@ int kv_cmd_run(int argc, char **argv) {
     int rc = 2;
     kv_diag d = {0};
     kv_model *m = NULL;
+    const kv_model *mc = NULL; /* the model in use: m, or the backbone the remote provider owns */
+    kv_remote *remote = NULL;
+    kv_slices *slices = NULL;
+    kv_expert_provider prov = {0};
+    char *manifest = NULL;
     kv_pool *pool = NULL;
     kv_state *st = NULL;
     kv_sampler *smp = NULL;
@@ -155,9 +239,36 @@ int kv_cmd_run(int argc, char **argv) {
         fclose(f);
         prompt = ptext;
     }
-    if ((rc = kv_model_load(&m, model, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    const kv_hparams *hp = kv_model_hparams(m);
-    const kv_tok *tok = kv_model_tok(m);
+    {   /* a sliced model: DIR/manifest.json, or DIR */
+        struct stat mst;
+        const size_t ml = strlen(model);
+        if (!stat(model, &mst) && S_ISDIR(mst.st_mode)) {
+            if (!(manifest = malloc(ml + 16))) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+            snprintf(manifest, ml + 16, "%s/manifest.json", model);
+        } else if (ml >= 5 && !strcmp(model + ml - 5, ".json")) {
+            manifest = strdup(model);
+        }
+    }
+    if (!manifest && (cache_mb > 0 || skip_hashes)) { rc = kv_cli_err(CMD, 1, "--expert-cache-mb and --skip-hashes need a sliced model (-m DIR/manifest.json)"); goto done; }
+    if (!n_workers && (wire != KV_ENC_F32 || worker_timeout != 10000)) { rc = kv_cli_err(CMD, 1, "--wire and --worker-timeout-ms need --worker"); goto done; }
+    if (!manifest && n_workers) { rc = kv_cli_err(CMD, 1, "--worker needs a sliced model (-m DIR/manifest.json)"); goto done; }
+    if (n_workers && cache_mb > 0) { rc = kv_cli_err(CMD, 1, "--expert-cache-mb and --worker cannot be combined"); goto done; }
+    if (n_workers) {
+        /* the coordinator: backbone + manifest here, experts on the workers */
+        if ((rc = kv_pool_new(&pool, (int)threads, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+        const kv_remote_opts ro = {workers, n_workers, (uint32_t)worker_timeout, 0, (uint32_t)wire, (uint32_t)n_batch,
+                                   false, verbose ? stderr : NULL};
+        if ((rc = kv_remote_open(&remote, manifest, pool, &ro, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+        mc = kv_remote_model(remote);
+    } else if (manifest) {
+        const kv_slices_opts so = {cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0, skip_hashes, (int)threads};
+        if ((rc = kv_slices_open(&slices, manifest, &so, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+        if ((rc = kv_model_load_ex(&m, kv_slices_backbone_path(slices), &(kv_model_opts){.no_experts = true}, &d)) ||
+            (rc = kv_slices_check_model(slices, m, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+    } else if ((rc = kv_model_load(&m, model, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+    if (!mc) mc = m;
+    const kv_hparams *hp = kv_model_hparams(mc);
+    const kv_tok *tok = kv_model_tok(mc);
     if (chat) {
         chat_text = kv_tok_chatml(NULL, prompt);
         if (!chat_text) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
@@ -181,9 +292,10 @@ int kv_cmd_run(int argc, char **argv) {
         uint64_t want = (uint64_t)n_ids + (uint64_t)n_predict;
         n_ctx = (long)(want < hp->n_ctx_train ? want : hp->n_ctx_train);
     }
-    if ((rc = kv_pool_new(&pool, (int)threads, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    kv_state_opts so = {(uint32_t)n_ctx, (uint32_t)n_batch, NULL};
-    if ((rc = kv_state_new(&st, m, pool, &so, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+    if (!pool && (rc = kv_pool_new(&pool, (int)threads, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+    if (slices && (rc = kv_slices_provider_new(&prov, slices, pool, (uint32_t)n_batch, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+    kv_state_opts so = {.n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch, .experts = remote ? kv_remote_provider(remote) : slices ? &prov : NULL};
+    if ((rc = kv_state_new(&st, mc, pool, &so, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     if ((rc = kv_sampler_new(&smp, (int32_t)hp->n_vocab, &sp, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     logits = malloc((size_t)hp->n_vocab * sizeof(float));
     out_cap = 4096;
@@ -247,12 +359,24 @@ int kv_cmd_run(int argc, char **argv) {
         clean = malloc(out_len * 3 + 1);
         if (!clean) { free(gen); rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
         kv_json_str(stdout, clean, kv_utf8_clean(out_text, out_len, clean));
-        printf(",\"timings\":{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f}}\n", pre_tps, dec_tps);
+        printf(",\"timings\":{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f}", pre_tps, dec_tps);
+        if (remote) kv_run_dispatch_json(remote);
+        printf("}\n");
     } else {
         printf("\n");
+        fflush(stdout);
         fprintf(stderr, "kvasir run: %zu prompt tokens at %.1f tok/s, %zu generated at %.1f tok/s\n",
                 n_ids, pre_tps, n_gen, dec_tps);
     }
+    if (slices && cache_mb > 0 && !json) {
+        kv_slices_stats cs;
+        kv_slices_get_stats(slices, &cs);
+        fprintf(stderr, "kvasir run: expert cache %u slots x %.2f MiB: %llu hits, %llu misses, %llu evictions, %.1f MB read, "
+                "%llu extra waves\n", cs.cache_slots, (double)cs.slot_bytes / 1048576.0, (unsigned long long)cs.hits,
+                (unsigned long long)cs.misses, (unsigned long long)cs.evictions, (double)cs.bytes_read / 1e6,
+                (unsigned long long)cs.waves);
+    }
+    if (remote && verbose) kv_run_dispatch_log(remote);
     if (ctx_full) fprintf(stderr, "kvasir run: stopped at the end of the context (%ld tokens)\n", n_ctx);
     free(gen);
     rc = 0;
@@ -266,7 +390,11 @@ done:
     free(ptext);
     kv_sampler_free(smp);
     kv_state_free(st);
+    if (prov.free) prov.free(prov.impl);
+    kv_remote_free(remote);
     kv_pool_free(pool);
     kv_model_free(m);
+    kv_slices_free(slices);
+    free(manifest);
     return rc;
 }

@@ -16,6 +16,7 @@ static const struct {
     {"inspect", kv_cmd_inspect, "show the anatomy of a GGUF file (bytes by class, expert slabs)"},
     {"slice", kv_cmd_slice, "cut a model into a backbone, expert slabs and a manifest"},
     {"expert", kv_cmd_expert, "compute one expert's FFN for given hidden states"},
+    {"worker", kv_cmd_worker, "serve expert computation for held slabs over TCP"},
 };
 
 static void kv_usage(FILE *f) {

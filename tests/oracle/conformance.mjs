@@ -45,8 +45,8 @@ import { openOracle, loadLlama, ORACLE_SETTINGS } from "./oracle.mjs";
 export const BOUNDS = {
   f32: { max: 1e-3, p50: 1e-4 },
   f16: { max: 4e-2, p50: 1.5e-2 },
-  q8_0: { max: 0.5, p50: 0.05 },
-  q4_k: { max: 1.0, p50: 0.3 },
+  q8_0: { max: 0.5, p50: 0.02 },
+  q4_k: { max: 1.0, p50: 0.02 },
 };
 // log-probabilities below this (llama.cpp side) are not compared: float32
 // softmax underflows near -87 and such tokens never matter for sampling.

@@ -1,0 +1,152 @@
+/* libFuzzer target for the dispatch frame/message decoder.
+ *
+ * Decodes the input (an exact-size copy, so a read past the end is an ASan
+ * error) with and without a receiver's limits, and also as a stream of
+ * frames (header first, then as many bytes as it announces, as a socket
+ * reader would). Whatever decodes must satisfy the promised bounds and must
+ * re-encode to the same bytes (the encoding is canonical): a decoder that
+ * accepted something the encoder would never produce, or read a field
+ * differently than it is written, traps. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvasir/dispatch.h"
+
+#define CHECK(x)                    \
+    do {                            \
+        if (!(x)) __builtin_trap(); \
+    } while (0)
+
+static uint8_t out[1 << 22];
+static volatile float sink;
+
+/* Re-encodes a decoded message and compares with the input frame. */
+static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
+    kv_diag d = {0};
+    size_t k = 0;
+    int rc = -1;
+    switch (m->h.type) {
+    case KV_MSG_HELLO: rc = kv_msg_hello_encode(out, sizeof out, m->h.request_id, &m->u.hello, &k, &d); break;
+    case KV_MSG_HELLO_ACK: {
+        const kv_msg_hello_ack *a = &m->u.ack;
+        kv_held_range *r = malloc(sizeof *r * (a->n_ranges ? a->n_ranges : 1));
+        CHECK(r);
+        for (uint32_t i = 0; i < a->n_ranges; i++) {
+            r[i] = kv_msg_hello_ack_range(a, i);
+            CHECK(r[i].layer < a->n_layer && r[i].first <= r[i].last && r[i].last < a->n_expert);
+            CHECK(kv_msg_hello_ack_holds(a, r[i].layer, r[i].first));
+            CHECK(kv_msg_hello_ack_holds(a, r[i].layer, r[i].last));
+        }
+        kv_msg_hello_ack b = *a;
+        b.ranges = r;
+        rc = kv_msg_hello_ack_encode(out, sizeof out, m->h.request_id, &b, &k, &d);
+        free(r);
+        break;
+    }
+    case KV_MSG_COMPUTE: {
+        const kv_msg_compute *c = &m->u.compute;
+        CHECK(c->n_tokens >= 1 && c->n_tokens <= KV_PROTO_MAX_TOKENS);
+        CHECK(c->n_pairs >= 1 && c->n_pairs <= KV_PROTO_MAX_PAIRS);
+        CHECK(kv_msg_compute_size(c->enc, c->n_tokens, c->n_embd, c->n_pairs) == n);
+        CHECK(kv_msg_result_size(c->out_enc, c->n_pairs, c->n_embd) > 0);
+        kv_proto_pair *p = malloc(sizeof *p * c->n_pairs);
+        float *x = malloc(sizeof(float) * c->n_tokens * c->n_embd);
+        CHECK(p && x);
+        for (uint32_t i = 0; i < c->n_pairs; i++) {
+            p[i] = kv_msg_compute_pair(c, i);
+            CHECK(p[i].token < c->n_tokens);
+        }
+        kv_msg_compute_x(c, x);
+        sink = x[0];
+        if (c->enc == KV_ENC_F32) {
+            kv_msg_compute e = *c;
+            e.x = x, e.pairs = p;
+            rc = kv_msg_compute_encode(out, sizeof out, m->h.request_id, &e, &k, &d);
+        } else {
+            rc = 1; /* f16/bf16 -> f32 -> f16/bf16 may requiet NaNs: no byte compare */
+        }
+        free(p);
+        free(x);
+        break;
+    }
+    case KV_MSG_RESULT: {
+        const kv_msg_result *r = &m->u.result;
+        CHECK(kv_msg_result_size(r->enc, r->n_pairs, r->n_embd) == n);
+        float *y = malloc(sizeof(float) * r->n_pairs * r->n_embd);
+        CHECK(y);
+        kv_msg_result_y(r, y);
+        sink = y[0];
+        if (r->enc == KV_ENC_F32) {
+            kv_msg_result e = *r;
+            e.y = y;
+            rc = kv_msg_result_encode(out, sizeof out, m->h.request_id, &e, &k, &d);
+        } else {
+            rc = 1;
+        }
+        free(y);
+        break;
+    }
+    case KV_MSG_ERROR:
+        CHECK(m->u.error.code < 0 && strlen(m->u.error.msg) <= KV_PROTO_MAX_TEXT);
+        rc = kv_msg_error_encode(out, sizeof out, m->h.request_id, m->u.error.code, m->u.error.msg, &k, &d);
+        break;
+    case KV_MSG_PING:
+    case KV_MSG_PONG: rc = kv_msg_ping_encode(out, sizeof out, m->h.type, m->h.request_id, m->u.nonce, &k, &d); break;
+    case KV_MSG_STATS: rc = kv_msg_stats_encode(out, sizeof out, m->h.request_id, &k, &d); break;
+    case KV_MSG_STATS_ACK: rc = kv_msg_stats_ack_encode(out, sizeof out, m->h.request_id, &m->u.stats, &k, &d); break;
+    default: CHECK(0);
+    }
+    if (rc == 1) return;
+    if (rc == KV_ERANGE && n > sizeof out) return; /* our output buffer, not the codec */
+    CHECK(rc == 0);
+    CHECK(k == n);
+    /* the encoder writes its own version; everything else must match */
+    CHECK(!memcmp(out, f, 4) && !memcmp(out + 6, f + 6, n - 6));
+}
+
+static void one(const uint8_t *f, size_t n) {
+    kv_msg m;
+    kv_diag d = {0};
+    int rc = kv_msg_decode(f, n, NULL, &m, &d);
+    if (rc) {
+        CHECK(rc == KV_EPROTO || rc == KV_ERANGE || rc == KV_EUNSUPPORTED);
+        CHECK(d.code == rc && d.msg[0]);
+    } else {
+        CHECK(m.h.magic == KV_PROTO_MAGIC && m.h.type >= 1 && m.h.type < KV_MSG_TYPE_COUNT);
+        CHECK(m.h.len == n - KV_PROTO_HEADER && m.h.len <= KV_PROTO_MAX_PAYLOAD);
+        reencode(f, n, &m);
+    }
+    /* with a small model's limits: never accepts more than without */
+    const kv_proto_limits lim = {4, 16, 8};
+    int rc2 = kv_msg_decode(f, n, &lim, &m, &d);
+    if (rc) CHECK(rc2 != 0);
+    if (!rc2 && m.h.type == KV_MSG_COMPUTE) {
+        CHECK(m.u.compute.layer < 4 && m.u.compute.n_embd == 16);
+        for (uint32_t i = 0; i < m.u.compute.n_pairs; i++) CHECK(kv_msg_compute_pair(&m.u.compute, i).expert < 8);
+    }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    uint8_t *copy = malloc(size ? size : 1);
+    if (!copy) return 0;
+    if (size) memcpy(copy, data, size);
+    one(copy, size);
+    /* as a stream: consecutive frames, each sized by its header */
+    size_t at = 0;
+    while (size - at >= KV_PROTO_HEADER) {
+        kv_frame_header h;
+        kv_diag d = {0};
+        if (kv_frame_header_decode(copy + at, size - at, &h, &d)) break;
+        size_t fl = KV_PROTO_HEADER + (size_t)h.len;
+        if (fl > size - at) break;
+        uint8_t *f = malloc(fl);
+        if (!f) break;
+        memcpy(f, copy + at, fl);
+        one(f, fl);
+        free(f);
+        at += fl;
+    }
+    free(copy);
+    return 0;
+}

@@ -1,0 +1,102 @@
+/* kvasir worker: serve expert computation for the slabs this node holds,
+ * over the dispatch protocol (docs/PROTOCOL.md). */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "kvasir/dispatch.h"
+
+#define CMD "worker"
+
+static const char *const kv_value_flags[] = {"--slabs", "--listen", "--threads", "-t", "--max-conns",
+                                             "--read-timeout", "--idle-timeout", NULL};
+
+static const char *kv_worker_help =
+    "usage: kvasir worker --slabs DIR_OR_FILES --listen HOST:PORT [--threads N] [--max-conns N]\n"
+    "  --slabs S          a folder of slab *.gguf (a slice folder: its experts/), or a\n"
+    "                     comma-separated list of slab or full model files, all of one model\n"
+    "  --listen HOST:PORT address to serve on; port 0 picks a free one (printed)\n"
+    "  --threads N        compute threads (default: all CPUs; same bits for any N)\n"
+    "  --max-conns N      concurrent connections (default 64; more are refused)\n"
+    "  --read-timeout MS  a frame started must arrive whole within MS (default 10000)\n"
+    "  --idle-timeout MS  close connections silent for MS (default: never)\n"
+    "  --quiet            no per-connection log lines\n"
+    "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM and\n"
+    "prints how many expert computations it served.\n";
+
+static kv_worker *kv_the_worker;
+
+static void kv_on_signal(int sig) {
+    (void)sig;
+    if (kv_the_worker) kv_worker_stop(kv_the_worker);
+}
+
+int kv_cmd_worker(int argc, char **argv) {
+    kv_worker_opts o = {0};
+    long v_l;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(kv_worker_help, stdout);
+            return 0;
+        } else if (!strcmp(a, "--quiet")) {
+            o.quiet = true;
+        } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
+            return 1;
+        } else if (!strcmp(a, "--slabs")) {
+            o.slabs = v;
+        } else if (!strcmp(a, "--listen")) {
+            o.listen = v;
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+            if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &v_l)) return 1;
+            o.n_threads = (int)v_l;
+        } else if (!strcmp(a, "--max-conns")) {
+            if (kv_arg_long(CMD, a, v, 1, 65536, &v_l)) return 1;
+            o.max_conns = (int)v_l;
+        } else if (!strcmp(a, "--read-timeout")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &v_l)) return 1;
+            o.read_timeout_ms = (int)v_l;
+        } else if (!strcmp(a, "--idle-timeout")) {
+            if (kv_arg_long(CMD, a, v, 1, 86400000, &v_l)) return 1;
+            o.idle_timeout_ms = (int)v_l;
+        } else {
+            return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir worker --help)", a);
+        }
+    }
+    if (!o.slabs || !o.listen)
+        return kv_cli_err(CMD, 1, "needs --slabs and --listen (see kvasir worker --help)");
+    kv_diag d = {0};
+    kv_worker *w = NULL;
+    if (kv_worker_open(&w, &o, &d)) return kv_cli_diag(CMD, &d);
+    const kv_held_range *r;
+    size_t nr = kv_worker_ranges(w, &r);
+    uint64_t n_held = 0;
+    for (size_t i = 0; i < nr; i++) n_held += (uint64_t)r[i].last - r[i].first + 1;
+    fprintf(stderr, "worker: model %.16s..., %llu experts in %zu ranges\n", kv_worker_model_id(w),
+            (unsigned long long)n_held, nr);
+
+    kv_the_worker = w;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = kv_on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    printf("listening on %s\n", kv_worker_addr(w));
+    fflush(stdout);
+    int rc = kv_worker_serve(w, &d);
+    kv_msg_stats s;
+    kv_worker_stats(w, &s);
+    fprintf(stderr,
+            "worker: served %llu expert computations (%llu requests, %llu tokens) over %llu "
+            "connections, %llu errors\n",
+            (unsigned long long)s.n_pairs, (unsigned long long)s.n_compute,
+            (unsigned long long)s.n_tokens, (unsigned long long)s.n_conns,
+            (unsigned long long)s.n_errors);
+    kv_the_worker = NULL;
+    kv_worker_free(w);
+    return rc ? kv_cli_diag(CMD, &d) : 0;
+}

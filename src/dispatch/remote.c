@@ -1,0 +1,1030 @@
+/* The remote expert provider: the coordinator's side of dispatch.
+ *
+ * kv_remote_open loads what a coordinator needs and nothing more: the
+ * manifest, the backbone (size, SHA-256 and identity checked against the
+ * manifest), and whichever slabs happen to be present in the manifest's
+ * folder (verified the same way; they are the local fallback). It then
+ * connects to every worker, handshakes (protocol version, model identity
+ * equal to the manifest's, dims), and checks that every (layer, expert) of
+ * every MoE layer is served by a connected worker or a local slab; if not,
+ * it fails naming the first one missing, before any token is computed.
+ *
+ * compute(req), once per MoE layer and step, runs in rounds:
+ *   1. each pending (token, rank) slot is given to a worker that holds its
+ *      expert: all slots of one expert go to one worker, and each expert to
+ *      the holder with the fewest pairs so far in this round (ties broken
+ *      by a rotation keyed on the expert), so replicas share the load and
+ *      the choice depends only on the request and on who is up;
+ *   2. one COMPUTE per worker carries the hidden states of the tokens it
+ *      needs and its pairs; all are sent at once over nonblocking sockets,
+ *      slots nobody serves are computed from local slabs meanwhile, and the
+ *      answers are gathered with poll() under the round's deadline;
+ *   3. each RESULT is checked (request id, type, pair count, dims,
+ *      encoding) and its vectors copied to their slots. A worker that
+ *      closes, errs, stalls past the deadline or answers anything else is
+ *      dropped (socket closed, so no late answer can ever be taken) and
+ *      its slots stay pending for the next round, on another holder or
+ *      locally. A round either finishes slots or drops a worker, so rounds
+ *      are bounded. When a pending expert has no holder up, every worker
+ *      that is down is dialed at once and the handshakes awaited (once per
+ *      call: a holder may have restarted, or closed an idle connection);
+ *      if still nobody holds it, compute fails with a message naming it
+ *      and why each of its holders is gone.
+ * A slot's output is always one worker's (or the local provider's) whole
+ * answer for that (token, expert), and every one of those is bit-identical
+ * to the in-process computation (same kernels, one dot product per output
+ * element, independent of which tokens share a message), so the forward
+ * pass, which sums in rank order, gets the local run's bits. A request that
+ * fails leaves no partial output to be used: the forward pass stops.
+ *
+ * Dropped workers are reconnected asynchronously: once reconnect_ms has
+ * passed, a nonblocking connect and HELLO are started at the next compute
+ * call and progressed by the same poll loops; the worker is used again from
+ * the round after its HELLO_ACK passed the same checks as at open.
+ *
+ * Hot path: every buffer (frames in and out, gathered hidden states, pair
+ * lists, local fallback scratch, round-trip samples) is allocated in
+ * kv_remote_open for max_tokens tokens per call; compute never allocates.
+ * Requests larger than one frame's limits are split by tokens. Not
+ * thread-safe: one compute at a time (the forward pass's thread). */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/quant.h"
+
+#define KV_REMOTE_HASH_BUF (4u << 20)
+#define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
+#define KV_REMOTE_WHY 256u
+
+enum kv_rw_state {
+    KV_RW_DOWN,       /* no socket; retried at retry_at */
+    KV_RW_CONNECTING, /* nonblocking connect in progress; HELLO queued */
+    KV_RW_HELLO,      /* connected; HELLO (being) sent, waiting for HELLO_ACK */
+    KV_RW_UP,         /* handshaken; idle or busy with one COMPUTE */
+};
+
+typedef struct kv_rw {
+    char addr[280];               /* "HOST:PORT" as given */
+    struct sockaddr_storage sa;   /* resolved once at open */
+    socklen_t salen;
+    int fd;                       /* -1 when DOWN */
+    enum kv_rw_state state;
+    double retry_at;              /* DOWN: monotonic seconds of the next connect attempt */
+    double hs_deadline;           /* CONNECTING/HELLO: give up at */
+    uint32_t enc;                 /* encoding used with this worker (negotiated) */
+    char backend[KV_PROTO_MAX_NAME + 1];
+    uint8_t *holds;               /* [n_layer*n_expert] 1 if this worker serves the expert */
+    uint32_t n_ranges;            /* ranges announced in the last HELLO_ACK */
+    /* outgoing frame */
+    uint8_t *sbuf;                /* [scap] */
+    size_t scap, slen, soff;      /* capacity, frame bytes, bytes sent */
+    /* incoming frame */
+    uint8_t *rbuf;                /* [rcap] */
+    size_t rcap;
+    kv_frame_rx rx;
+    /* the request in flight (UP and busy) */
+    bool busy;                    /* a COMPUTE is in flight */
+    bool answered;                /* its RESULT was taken (this round) */
+    uint32_t req_id;              /* id of the last frame sent */
+    uint32_t n_pairs;             /* pairs sent */
+    int32_t *pair_slot;           /* [max_pairs] request slot of each pair sent */
+    kv_proto_pair *pairs;         /* [max_pairs] encode input */
+    /* counters */
+    uint64_t n_req, n_pairs_done, n_pairs_since, n_drops, n_connects;
+    char why[KV_REMOTE_WHY];      /* last reason it was dropped or refused */
+} kv_rw;
+
+struct kv_remote {
+    kv_remote_opts o;
+    kv_manifest *m;
+    kv_model *model;              /* the backbone (no routed experts) */
+    kv_pool *pool;                /* borrowed */
+    kv_expert_provider prov;      /* what the forward pass calls */
+    uint32_t n_layer, n_expert, n_embd, n_ff, n_used;
+    uint32_t max_tokens;          /* tokens per compute call */
+    uint32_t chunk_tokens;        /* tokens per round (frame limits) */
+    uint32_t max_slots;           /* chunk_tokens * n_used */
+    double timeout_s, reconnect_s;
+    /* workers */
+    kv_rw *w;                     /* [n_w] */
+    uint32_t n_w;
+    struct pollfd *pfd;           /* [n_w] */
+    int32_t *pfd_w;               /* [n_w] worker of each pollfd */
+    /* per-round scratch */
+    int32_t *slot_owner;          /* [max_slots] worker, KV_OWN_LOCAL, or KV_OWN_DONE */
+    int32_t *exp_owner;           /* [n_expert] worker this round, -1 unassigned */
+    uint32_t *load;               /* [n_w] pairs assigned this round */
+    int32_t *tok_local;           /* [chunk_tokens] index of a token in the frame being built, -1 */
+    float *xg;                    /* [chunk_tokens][n_embd] gathered hidden states */
+    /* local fallback: slabs present in the manifest's folder */
+    kv_gguf **lg;                 /* [m->n_slabs] open slab, NULL if absent */
+    kv_expert_weights *lw;        /* [n_layer*n_expert] views */
+    uint8_t *lhas;                /* [n_layer*n_expert] 1 if present locally */
+    size_t n_local_slabs;
+    kv_expert_provider local;     /* over lw; .compute NULL when no slab is present */
+    float *lx, *lout;             /* [max_slots][n_embd] gathered inputs / outputs */
+    int32_t *lids, *lslot;        /* [max_slots] expert (n_used = 1) / request slot */
+    /* stats */
+    uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
+    float *rtt_us;                /* [KV_REMOTE_RTT_SAMPLES] ring */
+    uint64_t n_rtt;
+};
+
+enum { KV_OWN_DONE = -1, KV_OWN_LOCAL = -2, KV_OWN_NONE = -3 };
+
+static double kv_mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void kv_rlog(const kv_remote *r, const char *fmt, ...) {
+    if (!r->o.log) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("kvasir remote: ", r->o.log);
+    vfprintf(r->o.log, fmt, ap);
+    fputc('\n', r->o.log);
+    fflush(r->o.log);
+    va_end(ap);
+}
+
+/* ---- workers: connection state machine ----------------------------------- */
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+/* Closes w and marks it DOWN with a reason; it is retried after
+ * reconnect_ms. Its pairs in flight (if any) stay pending for the caller. */
+static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
+    char prev[KV_REMOTE_WHY];
+    memcpy(prev, w->why, sizeof prev);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->why, sizeof w->why, fmt, ap);
+    va_end(ap);
+    if (w->fd >= 0) close(w->fd);
+    const bool was_up = w->state == KV_RW_UP;
+    w->fd = -1;
+    w->state = KV_RW_DOWN;
+    w->busy = false;
+    w->retry_at = kv_mono() + r->reconnect_s;
+    if (was_up) w->n_drops++;
+    if (was_up) kv_rlog(r, "worker %s dropped: %s", w->addr, w->why);
+    else if (strcmp(prev, w->why)) kv_rlog(r, "worker %s: cannot connect: %s", w->addr, w->why);
+}
+
+/* Starts a nonblocking connect and queues HELLO. On immediate failure the
+ * worker stays DOWN (with a new retry time). */
+static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
+    w->retry_at = now + r->reconnect_s;
+    const int fd = socket(w->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, IPPROTO_TCP);
+    if (fd < 0) {
+        snprintf(w->why, sizeof w->why, "socket: %s", strerror(errno));
+        return;
+    }
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    const int rc = connect(fd, (const struct sockaddr *)&w->sa, w->salen);
+    if (rc && errno != EINPROGRESS) {
+        snprintf(w->why, sizeof w->why, "connect: %s", strerror(errno));
+        close(fd);
+        return;
+    }
+    kv_msg_hello h = {KV_PROTO_VERSION_MIN, KV_PROTO_VERSION, {0}, (1u << KV_ENC_F32) | (1u << r->o.enc)};
+    memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
+    kv_diag d = {0};
+    if (kv_msg_hello_encode(w->sbuf, w->scap, 0, &h, &w->slen, &d)) {
+        snprintf(w->why, sizeof w->why, "HELLO: %.200s", d.msg);
+        close(fd);
+        return;
+    }
+    w->soff = 0;
+    w->fd = fd;
+    w->state = rc ? KV_RW_CONNECTING : KV_RW_HELLO;
+    w->hs_deadline = now + r->timeout_s;
+    w->busy = false;
+    kv_frame_rx_init(&w->rx, w->rbuf, w->rcap);
+}
+
+/* Checks a HELLO_ACK against the manifest and records what w holds. */
+static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, kv_diag *d) {
+    if (a->version < KV_PROTO_VERSION_MIN || a->version > KV_PROTO_VERSION)
+        return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u)", a->version,
+                       KV_PROTO_VERSION_MIN, KV_PROTO_VERSION);
+    if (memcmp(a->model_id, r->m->model_id, KV_PROTO_MODEL_ID_LEN))
+        return kv_fail(d, KV_EFORMAT, "serves another model (id %.16s..., the manifest's is %.16s...)", a->model_id,
+                       r->m->model_id);
+    if (a->n_layer != r->n_layer || a->n_embd != r->n_embd || a->n_ff_exp != r->n_ff ||
+        a->n_expert != r->n_expert || a->n_expert_used != r->n_used)
+        return kv_fail(d, KV_EFORMAT, "announces dims (%u layers, embd %u, ff %u, %u experts top-%u) other than the "
+                       "manifest's (%u, %u, %u, %u top-%u)", a->n_layer, a->n_embd, a->n_ff_exp, a->n_expert,
+                       a->n_expert_used, r->n_layer, r->n_embd, r->n_ff, r->n_expert, r->n_used);
+    if (!(a->enc_mask & (1u << KV_ENC_F32)))
+        return kv_fail(d, KV_EPROTO, "does not accept f32 hidden states");
+    const size_t n_keys = (size_t)r->n_layer * r->n_expert;
+    memset(w->holds, 0, n_keys);
+    for (uint32_t i = 0; i < a->n_ranges; i++) {
+        const kv_held_range h = kv_msg_hello_ack_range(a, i);
+        if (h.layer >= r->n_layer || h.first > h.last || h.last >= r->n_expert)
+            return kv_fail(d, KV_ERANGE, "announces layer %u experts %u-%u, outside the model", h.layer, h.first,
+                           h.last);
+        if (!r->m->moe_layer[h.layer])
+            return kv_fail(d, KV_ERANGE, "announces experts of layer %u, which has none", h.layer);
+        memset(w->holds + (size_t)h.layer * r->n_expert + h.first, 1, (size_t)h.last - h.first + 1);
+    }
+    w->enc = (a->enc_mask & (1u << r->o.enc)) ? r->o.enc : KV_ENC_F32;
+    snprintf(w->backend, sizeof w->backend, "%s", a->backend);
+    w->n_ranges = a->n_ranges;
+    return 0;
+}
+
+/* Places the vectors of a RESULT that answers w's request at their slots. */
+static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *out, kv_diag *d) {
+    const kv_msg_result *res = &msg->u.result;
+    if (msg->h.request_id != w->req_id)
+        return kv_fail(d, KV_EPROTO, "answered request %u, we asked %u", msg->h.request_id, w->req_id);
+    if (res->n_pairs != w->n_pairs || res->n_embd != r->n_embd || res->enc != w->enc)
+        return kv_fail(d, KV_EPROTO, "answered %u vectors of %u in %s, we asked %u of %u in %s", res->n_pairs,
+                       res->n_embd, kv_enc_name(res->enc), w->n_pairs, r->n_embd, kv_enc_name(w->enc));
+    for (uint32_t p = 0; p < w->n_pairs; p++)
+        kv_msg_result_row(res, p, out + (size_t)w->pair_slot[p] * r->n_embd);
+    return 0;
+}
+
+/* Handles one whole frame received from w. Returns 1 if it completed w's
+ * request, 0 otherwise; drops w on anything unexpected. */
+static int kv_rw_frame(kv_remote *r, kv_rw *w, float *out) {
+    kv_msg msg;
+    kv_diag d = {0};
+    const kv_proto_limits lim = {r->n_layer, r->n_embd, r->n_expert};
+    r->bytes_recv += w->rx.need;
+    if (kv_msg_decode(w->rx.buf, w->rx.need, &lim, &msg, &d)) {
+        kv_rw_drop(r, w, "malformed frame: %s", d.msg);
+        return 0;
+    }
+    kv_frame_rx_reset(&w->rx);
+    if (msg.h.type == KV_MSG_ERROR) {
+        kv_rw_drop(r, w, "error %s: %s", kv_err_name(msg.u.error.code), msg.u.error.msg);
+        return 0;
+    }
+    if (w->state == KV_RW_HELLO) {
+        if (msg.h.type != KV_MSG_HELLO_ACK) {
+            kv_rw_drop(r, w, "answered HELLO with a frame of type %u", msg.h.type);
+            return 0;
+        }
+        if (kv_rw_accept_ack(r, w, &msg.u.ack, &d)) {
+            kv_rw_drop(r, w, "%s", d.msg);
+            return 0;
+        }
+        w->state = KV_RW_UP;
+        w->n_connects++;
+        w->n_pairs_since = 0;
+        w->why[0] = 0;
+        kv_rlog(r, "worker %s up: %u ranges, backend %s, wire %s", w->addr, w->n_ranges, w->backend,
+                kv_enc_name(w->enc));
+        return 0;
+    }
+    if (!w->busy) {
+        kv_rw_drop(r, w, "sent a frame of type %u while idle", msg.h.type);
+        return 0;
+    }
+    if (msg.h.type != KV_MSG_RESULT) {
+        kv_rw_drop(r, w, "answered COMPUTE with a frame of type %u", msg.h.type);
+        return 0;
+    }
+    if (kv_rw_take_result(r, w, &msg, out, &d)) {
+        kv_rw_drop(r, w, "%s", d.msg);
+        return 0;
+    }
+    w->busy = false;
+    w->answered = true;
+    w->n_pairs_done += w->n_pairs;
+    w->n_pairs_since += w->n_pairs;
+    return 1;
+}
+
+/* Progresses w after poll() said revents: connect completion, sending,
+ * receiving. Returns 1 if w's request completed. */
+static int kv_rw_io(kv_remote *r, kv_rw *w, short revents, float *out) {
+    if (w->state == KV_RW_CONNECTING) {
+        if (!(revents & (POLLOUT | POLLERR | POLLHUP))) return 0;
+        int err = 0;
+        socklen_t el = sizeof err;
+        if (getsockopt(w->fd, SOL_SOCKET, SO_ERROR, &err, &el) || err) {
+            kv_rw_drop(r, w, "connect: %s", strerror(err ? err : errno));
+            return 0;
+        }
+        w->state = KV_RW_HELLO;
+    }
+    while (w->soff < w->slen) {
+        const ssize_t k = send(w->fd, w->sbuf + w->soff, w->slen - w->soff, MSG_NOSIGNAL);
+        if (k > 0) {
+            w->soff += (size_t)k;
+            r->bytes_sent += (uint64_t)k;
+        } else if (k < 0 && errno == EINTR) {
+            continue;
+        } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            break;
+        } else {
+            kv_rw_drop(r, w, "send: %s", k < 0 ? strerror(errno) : "nothing written");
+            return 0;
+        }
+    }
+    if (!(revents & (POLLIN | POLLERR | POLLHUP))) return 0;
+    /* drain what is there: one read per call of the reader, until EAGAIN */
+    for (;;) {
+        kv_diag d = {0};
+        const int rc = kv_frame_rx_read(&w->rx, w->fd, &d);
+        if (rc == 0) return 0;
+        if (rc < 0) {
+            kv_rw_drop(r, w, "%s", d.msg[0] ? d.msg : kv_err_str(rc));
+            return 0;
+        }
+        const int done = kv_rw_frame(r, w, out);
+        if (done || w->state == KV_RW_DOWN) return done;
+    }
+}
+
+/* Starts reconnects that are due, then one poll pass (timeout_ms, may be 0)
+ * over every connected worker; busy workers' answers are placed in out.
+ * Handshakes past their deadline are dropped. Returns the number of
+ * requests completed. */
+static int kv_remote_poll(kv_remote *r, int timeout_ms, float *out) {
+    const double now = kv_mono();
+    int n = 0, done = 0;
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        kv_rw *w = &r->w[i];
+        if (w->state == KV_RW_DOWN && now >= w->retry_at) kv_rw_connect(r, w, now);
+        if ((w->state == KV_RW_CONNECTING || w->state == KV_RW_HELLO) && now > w->hs_deadline) {
+            kv_rw_drop(r, w, "no handshake within %u ms", r->o.timeout_ms);
+            continue;
+        }
+        if (w->fd < 0) continue;
+        short ev = w->state == KV_RW_CONNECTING ? POLLOUT : POLLIN;
+        if (w->state != KV_RW_CONNECTING && w->soff < w->slen) ev |= POLLOUT;
+        r->pfd[n] = (struct pollfd){w->fd, ev, 0};
+        r->pfd_w[n++] = (int32_t)i;
+    }
+    if (n == 0) return 0;
+    int pr;
+    do pr = poll(r->pfd, (nfds_t)n, timeout_ms);
+    while (pr < 0 && errno == EINTR);
+    if (pr <= 0) return 0;
+    for (int k = 0; k < n; k++)
+        if (r->pfd[k].revents) done += kv_rw_io(r, &r->w[r->pfd_w[k]], r->pfd[k].revents, out);
+    return done;
+}
+
+/* ---- local fallback: slabs present in the manifest's folder -------------- */
+
+static int kv_local_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
+    const kv_remote *r = ctx;
+    const size_t k = (size_t)layer * r->n_expert + e;
+    if (layer >= r->n_layer || e >= r->n_expert || !r->lhas[k])
+        return kv_fail(d, KV_EINTERNAL, "remote: expert %u of layer %u is not present locally", e, layer);
+    *w = r->lw[k];
+    return 0;
+}
+
+/* Hashes path (size bytes) into out. */
+static int kv_hash_file(const char *path, const char *rel, uint64_t size, uint8_t out[32], kv_diag *d) {
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return kv_fail(d, KV_EIO, "remote: '%s': %s", rel, strerror(errno));
+    uint8_t *buf = malloc(KV_REMOTE_HASH_BUF);
+    if (!buf) {
+        close(fd);
+        return kv_fail(d, KV_ENOMEM, "remote: out of memory");
+    }
+    kv_sha256 h;
+    kv_sha256_init(&h);
+    int rc = 0;
+    for (uint64_t p = 0; p < size && !rc;) {
+        const size_t want = size - p > KV_REMOTE_HASH_BUF ? KV_REMOTE_HASH_BUF : (size_t)(size - p);
+        const ssize_t k = pread(fd, buf, want, (off_t)p);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) rc = kv_fail(d, KV_EIO, "remote: reading '%s': %s", rel, k < 0 ? strerror(errno) : "short file");
+        else {
+            kv_sha256_update(&h, buf, (size_t)k);
+            p += (uint64_t)k;
+        }
+    }
+    free(buf);
+    close(fd);
+    if (!rc) kv_sha256_final(&h, out);
+    else kv_sha256_discard(&h);
+    return rc;
+}
+
+/* Resolves a manifest-relative file, which must stay inside dir after
+ * symlinks, and checks its size and (unless skipped) its SHA-256.
+ * KV_ENOTFOUND if it is absent; *out is malloc'd. */
+static int kv_check_file(const kv_remote *r, const char *dir, const kv_manifest_file *mf, char **out, kv_diag *d) {
+    char full[PATH_MAX + 300], res[PATH_MAX];
+    *out = NULL;
+    snprintf(full, sizeof full, "%s/%s", dir, mf->path);
+    if (!realpath(full, res)) {
+        if (errno == ENOENT) return kv_fail(d, KV_ENOTFOUND, "remote: '%s' is missing", mf->path);
+        return kv_fail(d, KV_EIO, "remote: '%s': %s", mf->path, strerror(errno));
+    }
+    const size_t n = strlen(dir);
+    if (strncmp(res, dir, n) || res[n] != '/')
+        return kv_fail(d, KV_EFORMAT, "remote: '%s' resolves to '%s', outside the manifest's folder", mf->path, res);
+    struct stat st;
+    if (stat(res, &st) || !S_ISREG(st.st_mode))
+        return kv_fail(d, KV_EFORMAT, "remote: '%s' is not a regular file", mf->path);
+    if ((uint64_t)st.st_size != mf->size)
+        return kv_fail(d, KV_EFORMAT, "remote: '%s' has %lld bytes, the manifest says %" PRIu64, mf->path,
+                       (long long)st.st_size, mf->size);
+    if (!r->o.skip_hashes) {
+        if (!mf->has_sha256) return kv_fail(d, KV_EFORMAT, "remote: '%s' has no SHA-256 in the manifest", mf->path);
+        uint8_t got[32];
+        int rc = kv_hash_file(res, mf->path, mf->size, got, d);
+        if (rc) return rc;
+        if (memcmp(got, mf->sha256, 32)) {
+            char a[65], b[65];
+            kv_sha256_hex(got, a);
+            kv_sha256_hex(mf->sha256, b);
+            return kv_fail(d, KV_EHASH, "remote: '%s' is corrupt: SHA-256 %.16s... but the manifest says %.16s...",
+                           mf->path, a, b);
+        }
+    }
+    if (!(*out = strdup(res))) return kv_fail(d, KV_ENOMEM, "remote: out of memory");
+    return 0;
+}
+
+static int kv_check_source_id(const kv_remote *r, const kv_gguf *g, const char *rel, kv_diag *d) {
+    kv_str id;
+    if (kv_gguf_get_str(g, "kvasir.source.id", &id, NULL))
+        return kv_fail(d, KV_EFORMAT, "remote: '%s' has no kvasir.source.id (not a Kvasir slice)", rel);
+    if (id.len != 64 || memcmp(id.ptr, r->m->model_id, 64))
+        return kv_fail(d, KV_EFORMAT, "remote: '%s' belongs to another model (id %.16s..., manifest %.16s...)", rel,
+                       id.len >= 16 ? id.ptr : "?", r->m->model_id);
+    return 0;
+}
+
+/* Opens every slab of the manifest present in dir as local fallback. */
+static int kv_remote_open_local(kv_remote *r, const char *dir, kv_diag *d) {
+    const kv_manifest *m = r->m;
+    for (size_t i = 0; i < m->n_slabs; i++) {
+        const kv_manifest_slab *ms = &m->slabs[i];
+        char *path = NULL;
+        int rc = kv_check_file(r, dir, &ms->file, &path, d);
+        if (rc == KV_ENOTFOUND) continue;
+        if (rc) return rc;
+        rc = kv_gguf_open(&r->lg[i], path, d);
+        free(path);
+        if (rc) return kv_diag_prefix(d, rc, "remote: '%s'", ms->file.path);
+        if ((rc = kv_check_source_id(r, r->lg[i], ms->file.path, d))) return rc;
+        uint32_t L, f, l;
+        if (kv_gguf_get_u32(r->lg[i], "kvasir.slab.layer", &L, NULL) ||
+            kv_gguf_get_u32(r->lg[i], "kvasir.slab.first", &f, NULL) ||
+            kv_gguf_get_u32(r->lg[i], "kvasir.slab.last", &l, NULL) || L != ms->layer || f != ms->first ||
+            l != ms->last)
+            return kv_fail(d, KV_EFORMAT, "remote: '%s' does not hold layer %u experts %u-%u as the manifest says",
+                           ms->file.path, ms->layer, ms->first, ms->last);
+        for (uint32_t e = ms->first; e <= ms->last; e++) {
+            const size_t k = (size_t)ms->layer * r->n_expert + e;
+            uint32_t ne, nf;
+            if ((rc = kv_expert_find(r->lg[i], ms->layer, e, &r->lw[k], &ne, &nf, d)))
+                return kv_diag_prefix(d, rc, "remote: '%s'", ms->file.path);
+            if (ne != r->n_embd || nf != r->n_ff)
+                return kv_fail(d, KV_EFORMAT, "remote: '%s' holds experts of %ux%u, the manifest says %ux%u",
+                               ms->file.path, ne, nf, r->n_embd, r->n_ff);
+            r->lhas[k] = 1;
+        }
+        r->n_local_slabs++;
+    }
+    return 0;
+}
+
+/* ---- the provider ------------------------------------------------------ */
+
+/* Builds and queues w's COMPUTE for the slots it owns this round. */
+static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *req, uint32_t t0, uint32_t n_tok,
+                       kv_diag *d) {
+    const uint32_t nu = req->n_used, E = r->n_embd;
+    for (uint32_t t = 0; t < n_tok; t++) r->tok_local[t] = -1;
+    uint32_t nt = 0, np = 0;
+    bool identity = true; /* the frame's tokens are exactly the chunk's, in order */
+    for (uint32_t s = 0; s < n_tok * nu; s++) {
+        if (r->slot_owner[s] != wi) continue;
+        const uint32_t t = s / nu;
+        if (r->tok_local[t] < 0) {
+            identity &= t == nt;
+            r->tok_local[t] = (int32_t)nt++;
+        }
+        w->pairs[np] = (kv_proto_pair){(uint32_t)r->tok_local[t], (uint32_t)req->ids[(size_t)t0 * nu + s]};
+        w->pair_slot[np++] = (int32_t)s;
+    }
+    if (!identity) /* gather the rows of the tokens it needs */
+        for (uint32_t t = 0; t < n_tok; t++)
+            if (r->tok_local[t] >= 0)
+                memcpy(r->xg + (size_t)r->tok_local[t] * E, req->x + (size_t)(t0 + t) * E, (size_t)E * sizeof(float));
+    const kv_msg_compute c = {req->layer, w->enc, w->enc, nt, E, np,
+                              identity ? req->x + (size_t)t0 * E : r->xg, w->pairs, NULL, NULL};
+    int rc = kv_msg_compute_encode(w->sbuf, w->scap, ++w->req_id, &c, &w->slen, d);
+    if (rc) return kv_diag_prefix(d, rc, "remote: encoding COMPUTE for %s", w->addr);
+    w->soff = 0;
+    w->n_pairs = np;
+    w->busy = true;
+    w->answered = false;
+    w->n_req++;
+    return 0;
+}
+
+/* Chooses the worker for expert e of layer L: a holder that is up, with
+ * the fewest pairs this round, ties broken by a rotation keyed on e. */
+static int32_t kv_remote_pick(const kv_remote *r, uint32_t L, uint32_t e) {
+    const size_t k = (size_t)L * r->n_expert + e;
+    int32_t best = -1;
+    for (uint32_t j = 0; j < r->n_w; j++) {
+        const uint32_t i = (uint32_t)((k + j) % r->n_w);
+        const kv_rw *w = &r->w[i];
+        if (w->state != KV_RW_UP || !w->holds[k]) continue;
+        if (best < 0 || r->load[i] < r->load[best]) best = (int32_t)i;
+    }
+    return best;
+}
+
+/* Dials every worker that is down, whatever its retry time, and waits
+ * until no handshake is in progress (each has its own deadline). Returns
+ * true if a worker came up. */
+static bool kv_remote_revive(kv_remote *r) {
+    const double now = kv_mono();
+    uint32_t n_up = 0, n_up2 = 0;
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        kv_rw *w = &r->w[i];
+        n_up += w->state == KV_RW_UP;
+        if (w->state == KV_RW_DOWN) kv_rw_connect(r, w, now);
+    }
+    for (;;) {
+        bool hs = false;
+        for (uint32_t i = 0; i < r->n_w; i++) hs |= r->w[i].state == KV_RW_CONNECTING || r->w[i].state == KV_RW_HELLO;
+        if (!hs) break;
+        kv_remote_poll(r, 20, NULL);
+    }
+    for (uint32_t i = 0; i < r->n_w; i++) n_up2 += r->w[i].state == KV_RW_UP;
+    return n_up2 > n_up;
+}
+
+/* Names why nobody could compute expert e of layer L (for the error). */
+static void kv_remote_why(const kv_remote *r, uint32_t L, uint32_t e, char *buf, size_t cap) {
+    const size_t k = (size_t)L * r->n_expert + e;
+    size_t o = 0;
+    buf[0] = 0;
+    for (uint32_t i = 0; i < r->n_w && o + 1 < cap; i++) {
+        const kv_rw *w = &r->w[i];
+        if (!w->holds[k]) continue;
+        int n = snprintf(buf + o, cap - o, "%s%s: %s", o ? "; " : "", w->addr, w->why[0] ? w->why : "not connected");
+        if (n < 0) break;
+        o += (size_t)n;
+    }
+    if (!o) snprintf(buf, cap, "no connected worker announced it");
+}
+
+/* One chunk of tokens [t0, t0 + n_tok) of req into out (chunk-relative). */
+static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, uint32_t n_tok, float *out,
+                           kv_diag *d) {
+    const uint32_t nu = req->n_used, E = r->n_embd, n_slots = n_tok * nu;
+    const int32_t *ids = req->ids + (size_t)t0 * nu;
+    for (uint32_t s = 0; s < n_slots; s++) r->slot_owner[s] = KV_OWN_NONE;
+    uint32_t pending = n_slots;
+    bool revived = false;
+    /* a round finishes slots or drops a worker; reconnects need reconnect_ms */
+    const uint32_t max_rounds = 2 * r->n_w + 2;
+    for (uint32_t round = 0; pending; round++) {
+        if (round == max_rounds)
+            return kv_fail(d, KV_EINTERNAL, "remote: layer %u: experts still pending after %u rounds", req->layer, round);
+        if (round) r->n_retry_pairs += pending;
+        r->n_rounds++;
+        /* 1. assign every pending slot */
+    assign:
+        for (uint32_t e = 0; e < r->n_expert; e++) r->exp_owner[e] = -1;
+        memset(r->load, 0, r->n_w * sizeof *r->load);
+        uint32_t n_local = 0;
+        for (uint32_t s = 0; s < n_slots; s++) {
+            if (r->slot_owner[s] == KV_OWN_DONE) continue;
+            const int32_t e = ids[s];
+            if (e < 0 || (uint32_t)e >= r->n_expert)
+                return kv_fail(d, KV_ERANGE, "remote: expert id %d out of range (%u experts)", e, r->n_expert);
+            if (r->exp_owner[e] == -1) {
+                int32_t wi = kv_remote_pick(r, req->layer, (uint32_t)e);
+                if (wi < 0 && r->lhas[(size_t)req->layer * r->n_expert + (uint32_t)e]) wi = KV_OWN_LOCAL;
+                if (wi == -1 && !revived) {
+                    /* its holders may be back (restarted, or closed an idle
+                     * connection): dial every worker that is down now and
+                     * wait for the handshakes, once per chunk */
+                    revived = true;
+                    if (kv_remote_revive(r)) goto assign;
+                }
+                if (wi == -1) {
+                    char why[384];
+                    kv_remote_why(r, req->layer, (uint32_t)e, why, sizeof why);
+                    return kv_fail(d, KV_ENOTFOUND, "remote: layer %u expert %d: no worker can compute it and its slab "
+                                   "is not present locally (%s)", req->layer, e, why);
+                }
+                r->exp_owner[e] = wi;
+            }
+            const int32_t wi = r->exp_owner[e];
+            r->slot_owner[s] = wi;
+            if (wi >= 0) r->load[wi]++;
+            else n_local++;
+        }
+        /* 2. one COMPUTE per worker, all queued and sent at once */
+        const double t_send = kv_mono();
+        int n_busy = 0;
+        for (uint32_t i = 0; i < r->n_w; i++) r->w[i].answered = false;
+        for (uint32_t i = 0; i < r->n_w; i++) {
+            if (!r->load[i]) continue;
+            int rc = kv_rw_queue(r, &r->w[i], (int32_t)i, req, t0, n_tok, d);
+            if (rc) return rc;
+            n_busy++;
+        }
+        if (n_busy) kv_remote_poll(r, 0, out); /* gets the frames going before local work */
+        /* slots nobody serves: from local slabs, gathered one row per slot */
+        if (n_local) {
+            uint32_t n = 0;
+            for (uint32_t s = 0; s < n_slots; s++) {
+                if (r->slot_owner[s] != KV_OWN_LOCAL) continue;
+                memcpy(r->lx + (size_t)n * E, req->x + (size_t)(t0 + s / nu) * E, (size_t)E * sizeof(float));
+                r->lids[n] = ids[s];
+                r->lslot[n++] = (int32_t)s;
+            }
+            const kv_expert_req lr = {req->layer, n, E, 1, r->lx, r->lids};
+            int rc = r->local.compute(r->local.impl, &lr, r->lout, d);
+            if (rc) return kv_diag_prefix(d, rc, "remote: local fallback");
+            for (uint32_t j = 0; j < n; j++) {
+                memcpy(out + (size_t)r->lslot[j] * E, r->lout + (size_t)j * E, (size_t)E * sizeof(float));
+                r->slot_owner[r->lslot[j]] = KV_OWN_DONE;
+            }
+            pending -= n;
+            r->n_pairs_local += n;
+        }
+        /* 3. gather answers under the round's deadline (from now: local
+         * work above must not count against the workers) */
+        const double deadline = kv_mono() + r->timeout_s;
+        for (;;) {
+            int busy = 0;
+            for (uint32_t i = 0; i < r->n_w; i++) busy += r->w[i].busy;
+            if (!busy) break;
+            const double left = deadline - kv_mono();
+            if (left <= 0) {
+                for (uint32_t i = 0; i < r->n_w; i++)
+                    if (r->w[i].busy) kv_rw_drop(r, &r->w[i], "no answer within %u ms", r->o.timeout_ms);
+                break;
+            }
+            kv_remote_poll(r, (int)ceil(left * 1000.0), out);
+        }
+        if (n_busy) {
+            const double us = (kv_mono() - t_send) * 1e6;
+            r->rtt_us[r->n_rtt++ % KV_REMOTE_RTT_SAMPLES] = (float)us;
+        }
+        /* 4. slots of workers that answered are done; the others stay pending */
+        for (uint32_t s = 0; s < n_slots; s++) {
+            const int32_t wi = r->slot_owner[s];
+            if (wi < 0) continue;
+            if (r->w[wi].answered) {
+                r->slot_owner[s] = KV_OWN_DONE;
+                pending--;
+                r->n_pairs_remote++;
+            } else {
+                r->slot_owner[s] = KV_OWN_NONE;
+            }
+        }
+    }
+    return 0;
+}
+
+static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, kv_diag *d) {
+    kv_remote *r = impl;
+    if (req->layer >= r->n_layer || !r->m->moe_layer[req->layer])
+        return kv_fail(d, KV_ERANGE, "remote: layer %u has no routed experts", req->layer);
+    if (req->n_embd != r->n_embd || req->n_used != r->n_used || req->n_tokens == 0 || req->n_tokens > r->max_tokens)
+        return kv_fail(d, KV_EINVAL, "remote: request shape (%u tokens x %u experts, embd %u) exceeds the provider's "
+                       "(%u tokens x %u, embd %u)", req->n_tokens, req->n_used, req->n_embd, r->max_tokens, r->n_used,
+                       r->n_embd);
+    r->n_calls++;
+    kv_remote_poll(r, 0, out); /* notice closed peers, progress reconnects */
+    for (uint32_t t0 = 0; t0 < req->n_tokens; t0 += r->chunk_tokens) {
+        const uint32_t n = req->n_tokens - t0 < r->chunk_tokens ? req->n_tokens - t0 : r->chunk_tokens;
+        int rc = kv_remote_chunk(r, req, t0, n, out + (size_t)t0 * r->n_used * r->n_embd, d);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* ---- open / free -------------------------------------------------------- */
+
+static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
+    char host[256];
+    uint16_t port;
+    int rc = kv_proto_parse_addr(w->addr, host, sizeof host, &port, d);
+    if (rc) return rc;
+    char ps[8];
+    snprintf(ps, sizeof ps, "%u", port);
+    struct addrinfo hints = {0}, *ai = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    const int g = getaddrinfo(host, ps, &hints, &ai);
+    if (g || !ai) return kv_fail(d, KV_EINVAL, "remote: worker '%s': cannot resolve '%s': %s", w->addr, host, gai_strerror(g));
+    memcpy(&w->sa, ai->ai_addr, ai->ai_addrlen);
+    w->salen = ai->ai_addrlen;
+    freeaddrinfo(ai);
+    return 0;
+}
+
+void kv_remote_free(kv_remote *r) {
+    if (!r) return;
+    for (uint32_t i = 0; r->w && i < r->n_w; i++) {
+        kv_rw *w = &r->w[i];
+        if (w->fd >= 0) close(w->fd);
+        free(w->holds);
+        free(w->sbuf);
+        free(w->rbuf);
+        free(w->pair_slot);
+        free(w->pairs);
+    }
+    free(r->w);
+    free(r->pfd);
+    free(r->pfd_w);
+    free(r->slot_owner);
+    free(r->exp_owner);
+    free(r->load);
+    free(r->tok_local);
+    free(r->xg);
+    if (r->local.free) r->local.free(r->local.impl);
+    for (size_t i = 0; r->lg && i < r->m->n_slabs; i++) kv_gguf_close(r->lg[i]);
+    free(r->lg);
+    free(r->lw);
+    free(r->lhas);
+    free(r->lx);
+    free(r->lout);
+    free(r->lids);
+    free(r->lslot);
+    free(r->rtt_us);
+    kv_model_free(r->model);
+    kv_manifest_free(r->m);
+    free(r);
+}
+
+/* Loads and checks the backbone named by the manifest. */
+static int kv_remote_load_backbone(kv_remote *r, const char *dir, kv_diag *d) {
+    char *path = NULL;
+    int rc = kv_check_file(r, dir, &r->m->backbone, &path, d);
+    if (rc) return rc;
+    kv_gguf *g = NULL;
+    if (!(rc = kv_gguf_open(&g, path, d))) rc = kv_check_source_id(r, g, r->m->backbone.path, d);
+    kv_gguf_close(g);
+    if (!rc) rc = kv_model_load_ex(&r->model, path, &(kv_model_opts){.no_experts = true}, d);
+    free(path);
+    if (rc) return rc;
+    const kv_hparams *hp = kv_model_hparams(r->model);
+    const kv_manifest *m = r->m;
+    if (hp->n_layer != m->n_layer || hp->n_embd != m->n_embd || hp->n_expert != m->n_expert ||
+        hp->n_expert_used != m->n_expert_used || hp->n_ff_exp != m->n_ff_exp || strcmp(hp->arch_name, m->arch))
+        return kv_fail(d, KV_EFORMAT, "remote: the backbone (%s, %u layers, embd %u, %u experts top-%u of %u) disagrees "
+                       "with the manifest (%s, %u, %u, %u top-%u of %u)", hp->arch_name, hp->n_layer, hp->n_embd,
+                       hp->n_expert, hp->n_expert_used, hp->n_ff_exp, m->arch, m->n_layer, m->n_embd, m->n_expert,
+                       m->n_expert_used, m->n_ff_exp);
+    return 0;
+}
+
+int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, const kv_remote_opts *opts,
+                   kv_diag *d) {
+    *out = NULL;
+    if (!opts || opts->enc >= KV_ENC_COUNT || opts->n_workers > KV_REMOTE_MAX_WORKERS ||
+        (opts->n_workers && !opts->workers))
+        return kv_fail(d, KV_EINVAL, "remote: bad options (encoding, or more than %u workers)", KV_REMOTE_MAX_WORKERS);
+    kv_remote *r = calloc(1, sizeof *r);
+    if (!r) return kv_fail(d, KV_ENOMEM, "remote: out of memory");
+    r->o = *opts;
+    if (!r->o.timeout_ms) r->o.timeout_ms = 10000;
+    if (!r->o.reconnect_ms) r->o.reconnect_ms = 500;
+    if (!r->o.max_tokens) r->o.max_tokens = 256;
+    r->timeout_s = r->o.timeout_ms / 1000.0;
+    r->reconnect_s = r->o.reconnect_ms / 1000.0;
+    r->pool = pool;
+    int rc = kv_manifest_load(&r->m, manifest_path, d);
+    if (rc) goto fail;
+    const kv_manifest *m = r->m;
+    if (m->sparse) {
+        rc = kv_fail(d, KV_EUNSUPPORTED, "remote: %s describes a sparse skeleton; it cannot be run", manifest_path);
+        goto fail;
+    }
+    if (m->layer_first != 0 || m->layer_last != m->n_layer - 1 || m->n_expert_used == 0 ||
+        m->n_expert_used > m->n_expert || m->n_expert > KV_MAX_EXPERTS || m->n_expert_used > KV_MAX_EXPERTS_USED) {
+        rc = kv_fail(d, KV_EFORMAT, "remote: %s: slabs must cover every layer, with 0 < n_expert_used <= n_expert",
+                     manifest_path);
+        goto fail;
+    }
+    r->n_layer = m->n_layer;
+    r->n_expert = m->n_expert;
+    r->n_embd = m->n_embd;
+    r->n_ff = m->n_ff_exp;
+    r->n_used = m->n_expert_used;
+    r->max_tokens = r->o.max_tokens;
+    char dir[PATH_MAX];
+    {
+        char tmp[PATH_MAX + 1];
+        snprintf(tmp, sizeof tmp, "%s", manifest_path);
+        char *slash = strrchr(tmp, '/');
+        const char *dd = slash ? (slash == tmp ? "/" : (*slash = 0, tmp)) : ".";
+        if (!realpath(dd, dir)) {
+            rc = kv_fail(d, KV_EIO, "remote: cannot resolve the folder of %s", manifest_path);
+            goto fail;
+        }
+    }
+    if ((rc = kv_remote_load_backbone(r, dir, d))) goto fail;
+
+    /* frame limits: tokens per round so that COMPUTE and RESULT fit */
+    {
+        const uint64_t E = r->n_embd, nu = r->n_used;
+        uint64_t ct = r->max_tokens;
+        if (ct > KV_PROTO_MAX_TOKENS) ct = KV_PROTO_MAX_TOKENS;
+        if (ct > KV_PROTO_MAX_PAIRS / nu) ct = KV_PROTO_MAX_PAIRS / nu;
+        const uint64_t per_tok = nu * E * 4 + E * 4 + nu * 8, room = KV_PROTO_MAX_PAYLOAD - 4096;
+        if (ct > room / per_tok) ct = room / per_tok;
+        if (ct == 0) {
+            rc = kv_fail(d, KV_EUNSUPPORTED, "remote: one token's experts (%" PRIu64 " x %" PRIu64 ") exceed a frame",
+                         nu, E);
+            goto fail;
+        }
+        r->chunk_tokens = (uint32_t)ct;
+        r->max_slots = r->chunk_tokens * r->n_used;
+    }
+    const size_t n_keys = (size_t)r->n_layer * r->n_expert, E = r->n_embd, S = r->max_slots;
+    r->slot_owner = malloc(S * sizeof *r->slot_owner);
+    r->exp_owner = malloc(r->n_expert * sizeof *r->exp_owner);
+    r->n_w = r->o.n_workers;
+    r->load = calloc(r->n_w ? r->n_w : 1, sizeof *r->load);
+    r->tok_local = malloc(r->chunk_tokens * sizeof *r->tok_local);
+    r->xg = malloc((size_t)r->chunk_tokens * E * sizeof *r->xg);
+    r->lg = calloc(m->n_slabs ? m->n_slabs : 1, sizeof *r->lg);
+    r->lw = calloc(n_keys, sizeof *r->lw);
+    r->lhas = calloc(n_keys, 1);
+    r->rtt_us = malloc(KV_REMOTE_RTT_SAMPLES * sizeof *r->rtt_us);
+    r->w = calloc(r->n_w ? r->n_w : 1, sizeof *r->w);
+    r->pfd = calloc(r->n_w ? r->n_w : 1, sizeof *r->pfd);
+    r->pfd_w = calloc(r->n_w ? r->n_w : 1, sizeof *r->pfd_w);
+    if (!r->slot_owner || !r->exp_owner || !r->load || !r->tok_local || !r->xg || !r->lg || !r->lw ||
+        !r->lhas || !r->rtt_us || !r->w || !r->pfd || !r->pfd_w) {
+        rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
+        goto fail;
+    }
+    /* local fallback */
+    if ((rc = kv_remote_open_local(r, dir, d))) goto fail;
+    if (r->n_local_slabs) {
+        const kv_expert_source src = {r, kv_local_acquire, NULL, r->n_layer, r->n_expert, r->n_embd, r->n_ff, 1};
+        if ((rc = kv_expert_local_new_src(&r->local, &src, pool, r->max_slots, d))) goto fail;
+        r->lx = malloc(S * E * sizeof *r->lx);
+        r->lout = malloc(S * E * sizeof *r->lout);
+        r->lids = malloc(S * sizeof *r->lids);
+        r->lslot = malloc(S * sizeof *r->lslot);
+        if (!r->lx || !r->lout || !r->lids || !r->lslot) {
+            rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
+            goto fail;
+        }
+    }
+    /* workers: buffers for the largest frames either way */
+    const size_t s_max = kv_msg_compute_size(KV_ENC_F32, r->chunk_tokens, r->n_embd, r->max_slots);
+    size_t r_max = kv_msg_result_size(KV_ENC_F32, r->max_slots, r->n_embd);
+    const size_t ack_max = kv_msg_hello_ack_size(KV_PROTO_MAX_NAME, KV_PROTO_MAX_RANGES);
+    if (ack_max > r_max) r_max = ack_max;
+    if (!s_max || !r_max) {
+        rc = kv_fail(d, KV_EINTERNAL, "remote: frame sizes out of bounds");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        kv_rw *w = &r->w[i];
+        w->fd = -1;
+        w->state = KV_RW_DOWN;
+        snprintf(w->addr, sizeof w->addr, "%s", r->o.workers[i]);
+        if ((rc = kv_remote_resolve(w, d))) goto fail;
+        w->holds = calloc(n_keys, 1);
+        w->sbuf = malloc(w->scap = s_max);
+        w->rbuf = malloc(w->rcap = r_max);
+        w->pair_slot = malloc(S * sizeof *w->pair_slot);
+        w->pairs = malloc(S * sizeof *w->pairs);
+        if (!w->holds || !w->sbuf || !w->rbuf || !w->pair_slot || !w->pairs) {
+            rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
+            goto fail;
+        }
+        kv_frame_rx_init(&w->rx, w->rbuf, w->rcap);
+    }
+    /* connect and handshake with everyone at once */
+    for (;;) {
+        kv_remote_poll(r, 50, NULL);
+        bool pending = false;
+        for (uint32_t i = 0; i < r->n_w; i++) pending |= r->w[i].state == KV_RW_CONNECTING || r->w[i].state == KV_RW_HELLO;
+        if (!pending) break;
+    }
+    uint32_t n_up = 0;
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        if (r->w[i].state == KV_RW_UP) n_up++;
+        else kv_rlog(r, "worker %s unavailable at start: %s", r->w[i].addr, r->w[i].why);
+    }
+    /* every expert of every MoE layer must be served by someone */
+    for (uint32_t L = 0; L < r->n_layer; L++) {
+        if (!m->moe_layer[L]) continue;
+        for (uint32_t e = 0; e < r->n_expert; e++) {
+            const size_t k = (size_t)L * r->n_expert + e;
+            bool ok = r->lhas[k];
+            for (uint32_t i = 0; i < r->n_w && !ok; i++) ok = r->w[i].state == KV_RW_UP && r->w[i].holds[k];
+            if (ok) continue;
+            const char *slab = "?";
+            for (size_t s = 0; s < m->n_slabs; s++)
+                if (m->slabs[s].layer == L && m->slabs[s].first <= e && e <= m->slabs[s].last) slab = m->slabs[s].file.path;
+            char why[384] = "";
+            size_t o = 0;
+            for (uint32_t i = 0; i < r->n_w && o + 1 < sizeof why; i++) {
+                if (r->w[i].state == KV_RW_UP) continue;
+                int n = snprintf(why + o, sizeof why - o, "%s%s: %s", o ? "; " : "; unreachable: ", r->w[i].addr,
+                                 r->w[i].why);
+                if (n > 0) o += (size_t)n;
+            }
+            rc = kv_fail(d, KV_ENOTFOUND, "remote: layer %u expert %u is served by no worker (%u of %u up) and its "
+                         "slab '%s' is not present locally%s", L, e, n_up, r->n_w, slab, why);
+            goto fail;
+        }
+    }
+    r->prov = (kv_expert_provider){r, kv_remote_compute, NULL, "remote"};
+    *out = r;
+    return 0;
+fail:
+    kv_remote_free(r);
+    return rc;
+}
+
+const kv_expert_provider *kv_remote_provider(kv_remote *r) { return &r->prov; }
+const kv_model *kv_remote_model(const kv_remote *r) { return r->model; }
+const kv_manifest *kv_remote_manifest(const kv_remote *r) { return r->m; }
+uint32_t kv_remote_n_workers(const kv_remote *r) { return r->n_w; }
+
+void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out) {
+    memset(out, 0, sizeof *out);
+    if (i >= r->n_w) return;
+    const kv_rw *w = &r->w[i];
+    out->addr = w->addr;
+    out->up = w->state == KV_RW_UP;
+    out->backend = w->backend;
+    out->enc = w->enc;
+    out->n_ranges = w->n_ranges;
+    out->requests = w->n_req;
+    out->pairs = w->n_pairs_done;
+    out->pairs_since_connect = w->n_pairs_since;
+    out->drops = w->n_drops;
+    out->connects = w->n_connects;
+    out->last_error = w->why;
+}
+
+static int kv_cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
+    memset(out, 0, sizeof *out);
+    out->calls = r->n_calls;
+    out->rounds = r->n_rounds;
+    out->retried_pairs = r->n_retry_pairs;
+    out->pairs_remote = r->n_pairs_remote;
+    out->pairs_local = r->n_pairs_local;
+    out->bytes_sent = r->bytes_sent;
+    out->bytes_recv = r->bytes_recv;
+    out->n_rtt = r->n_rtt;
+    const size_t n = r->n_rtt < KV_REMOTE_RTT_SAMPLES ? (size_t)r->n_rtt : KV_REMOTE_RTT_SAMPLES;
+    if (!n) return;
+    float *tmp = malloc(n * sizeof *tmp); /* reporting, not the hot path */
+    if (!tmp) return;
+    memcpy(tmp, r->rtt_us, n * sizeof *tmp);
+    qsort(tmp, n, sizeof *tmp, kv_cmp_float);
+    out->rtt_p50_us = tmp[(n - 1) / 2];
+    out->rtt_p99_us = tmp[(size_t)((double)(n - 1) * 0.99)];
+    out->rtt_max_us = tmp[n - 1];
+    free(tmp);
+}
+
+void kv_remote_reset_stats(kv_remote *r) {
+    r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
+    r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
+}

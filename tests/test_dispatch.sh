@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# End to end on loopback: `kvasir run -m DIR/manifest.json --worker ...` with
+# three `kvasir worker` processes, each holding a third of the experts, and a
+# coordinator folder that holds only backbone.gguf and manifest.json, must give
+# the tokens and logits (prefill and every decode step) of `kvasir run -m F.gguf`
+# byte for byte, for f32, q8_0 and q4_k models. Then: workers with replicas, one
+# stalled (SIGSTOP) before the run and one killed during it: same bytes; a
+# worker of a model without replicas down: one clear line, exit 2; f16/bf16 on
+# the wire: the logit error is printed and bounded.
+set -euo pipefail
+KV=${KV_BIN:-build/kvasir}
+dir=$(mktemp -d -t kvasir-dispatch.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; kill -9 "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# start_worker NAME SLABS: starts a worker on a free port; sets $addr and $pid.
+start_worker() {
+  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet >"$dir/$1.out" 2>"$dir/$1.err" &
+  pid=$!
+  pids+=("$pid")
+  addr=
+  for _ in $(seq 200); do
+    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$1.out" 2>/dev/null | head -1 || true)
+    [ -n "$addr" ] && return 0
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.02
+  done
+  cat "$dir/$1.err" >&2
+  fail "worker $1 did not start"
+}
+
+# group MODEL_DIR N_LAYER G: the comma-separated slab files of expert group G
+# (slabs are 3 experts wide, so group G holds experts 3G..3G+2 of every layer).
+group() {
+  local out="" l
+  for ((l = 0; l < $2; l++)); do
+    out+="${out:+,}$1/experts/$(printf 'blk.%d.%04d-%04d.gguf' "$l" $((3 * $3)) $((3 * $3 + 2)))"
+  done
+  echo "$out"
+}
+
+declare -A WA WP # WA[type.g] / WP[type.g]: address / pid of worker g of a model
+PROMPT="The swarm computes every expert where it lives, and the tokens come out the same"
+RUN=(-p "$PROMPT" -n 12 --temp 0 --json --batch 5 --threads 2)
+
+for spec in "f32 128 64" "q8_0 256 128" "q4_k 256 256"; do
+  read -r type embd ff <<<"$spec"
+  m="$dir/$type"
+  mkdir -p "$m"
+  "$KV" gen-model --arch qwen3moe --out "$m/model.gguf" --layers 3 --embd "$embd" --ff-exp "$ff" --experts 9 \
+    --experts-used 3 --heads 4 --kv-heads 2 --head-dim 32 --vocab 600 --type "$type" --seed 5 >/dev/null 2>&1
+  "$KV" slice "$m/model.gguf" --out "$m/sl" --experts-per-slab 3 >/dev/null 2>&1
+  mkdir -p "$m/coord"
+  cp "$m/sl/backbone.gguf" "$m/sl/manifest.json" "$m/coord/"
+  [ ! -e "$m/coord/experts" ] || fail "the coordinator folder has slabs"
+  addrs=()
+  for g in 0 1 2; do
+    start_worker "$type-w$g" "$(group "$m/sl" 3 $g)"
+    addrs+=(--worker "$addr")
+    WA[$type.$g]=$addr
+    WP[$type.$g]=$pid
+  done
+  "$KV" run -m "$m/model.gguf" "${RUN[@]}" --logits-out "$m/local.bin" >"$m/local.json"
+  "$KV" run -m "$m/coord/manifest.json" "${addrs[@]}" "${RUN[@]}" --logits-out "$m/remote.bin" >"$m/remote.json"
+  [ "$(jq -c .tokens "$m/local.json")" = "$(jq -c .tokens "$m/remote.json")" ] || fail "$type: tokens differ"
+  cmp -s "$m/local.bin" "$m/remote.bin" || fail "$type: logits differ"
+  [ "$(jq '[.dispatch.workers[] | select(.pairs > 0)] | length' "$m/remote.json")" = 3 ] || fail "$type: a worker idle"
+  [ "$(jq '.dispatch.pairs_local' "$m/remote.json")" = 0 ] || fail "$type: local computations with no slabs"
+  echo "ok: $type: 3 workers, $(jq -c '[.dispatch.workers[].pairs]' "$m/remote.json") expert computations," \
+    "$(($(stat -c %s "$m/local.bin") / 2400)) logit rows identical; per-layer round trip" \
+    "p50 $(jq .dispatch.rtt_p50_us "$m/remote.json") us, p99 $(jq .dispatch.rtt_p99_us "$m/remote.json") us"
+done
+
+# ---- q8_0: replicas, a stalled worker and a killed one ------------------------
+m="$dir/q8_0"
+sl="$m/sl"
+r=()
+for g in 0 1 2; do
+  start_worker "rep$g" "$(group "$sl" 3 $g),$(group "$sl" 3 $(((g + 1) % 3)))"
+  r+=("$addr")
+  rpid[$g]=$pid
+done
+# stalled before the run: its handshake times out, the others cover its experts
+kill -STOP "${rpid[0]}"
+"$KV" run -m "$m/coord/manifest.json" --worker "${r[0]}" --worker "${r[1]}" --worker "${r[2]}" \
+  --worker-timeout-ms 300 "${RUN[@]}" --logits-out "$m/stall.bin" >"$m/stall.json"
+cmp -s "$m/local.bin" "$m/stall.bin" || fail "stalled worker: logits differ"
+[ "$(jq '.dispatch.workers[0].pairs' "$m/stall.json")" = 0 ] || fail "stalled worker served"
+kill -CONT "${rpid[0]}"
+echo "ok: a stalled worker: skipped, same logits"
+# killed during a longer decode
+"$KV" run -m "$m/model.gguf" -p "$PROMPT" -n 200 --temp 0 --json --threads 2 --logits-out "$m/long.bin" >/dev/null
+"$KV" run -m "$m/coord/manifest.json" --worker "${r[0]}" --worker "${r[1]}" --worker "${r[2]}" \
+  -p "$PROMPT" -n 200 --temp 0 --json --threads 2 --logits-out "$m/kill.bin" >"$m/kill.json" &
+run_pid=$!
+sleep 0.15
+kill -9 "${rpid[1]}"
+wait "${rpid[1]}" 2>/dev/null || true
+wait "$run_pid" || fail "the run failed after a worker with replicas was killed"
+cmp -s "$m/long.bin" "$m/kill.bin" || fail "killed worker: logits differ"
+echo "ok: a worker killed mid-run (drops: $(jq -c '[.dispatch.workers[].drops]' "$m/kill.json")," \
+  "retried pairs: $(jq .dispatch.retried_pairs "$m/kill.json")): same logits"
+
+# ---- no replicas: a worker down means a clear error before the first token -----
+kill -9 "${WP[q8_0.0]}"
+wait "${WP[q8_0.0]}" 2>/dev/null || true
+set +e
+"$KV" run -m "$m/coord/manifest.json" --worker "${WA[q8_0.0]}" --worker "${WA[q8_0.1]}" --worker "${WA[q8_0.2]}" \
+  "${RUN[@]}" >"$m/err.out" 2>"$m/err.txt"
+rc=$?
+set -e
+[ "$rc" = 2 ] || fail "missing experts: exit $rc, want 2"
+[ "$(wc -l <"$m/err.txt")" = 1 ] || fail "missing experts: want one line, got: $(cat "$m/err.txt")"
+grep -q "layer 0 expert 0 is served by no worker" "$m/err.txt" || fail "unclear error: $(cat "$m/err.txt")"
+[ ! -s "$m/err.out" ] || fail "output despite the error"
+echo "ok: missing experts: $(cat "$m/err.txt")"
+
+# ---- f16/bf16 on the wire: error against f32 (f32 model: no requantization) ----
+m="$dir/f32"
+for enc in f16 bf16; do
+  "$KV" run -m "$m/coord/manifest.json" --worker "${WA[f32.0]}" --worker "${WA[f32.1]}" --worker "${WA[f32.2]}" "${RUN[@]}" --wire "$enc" --logits-out "$m/$enc.bin" \
+    >"$m/$enc.json"
+  python3 - "$m/remote.bin" "$m/$enc.bin" "$enc" <<'EOF'
+import struct, sys
+a = open(sys.argv[1], 'rb').read(); b = open(sys.argv[2], 'rb').read()
+n = 600  # vocab: compare the prefill row (same context in both runs)
+x = struct.unpack('<%df' % n, a[:4 * n]); y = struct.unpack('<%df' % n, b[:4 * n])
+err = max(abs(p - q) for p, q in zip(x, y)); mean = sum(abs(p - q) for p, q in zip(x, y)) / n
+scale = max(abs(p) for p in x)
+print("ok: wire %s: prefill logits vs f32: max |error| %.3g, mean %.3g, max |logit| %.3g (relative %.2g)"
+      % (sys.argv[3], err, mean, scale, err / scale))
+if not (0 < err <= 0.05 * scale): sys.exit("FAIL: wire %s error out of bounds" % sys.argv[3])
+EOF
+done
+echo "test_dispatch: all ok"

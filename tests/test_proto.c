@@ -1,0 +1,542 @@
+/* Dispatch protocol codec: every message type round-trips; every
+ * truncation, extension and out-of-bounds field of a valid frame is
+ * rejected with its documented code; encoders refuse what decoders would;
+ * the stream reader assembles frames from dribbled bytes and refuses an
+ * oversized header before buffering anything. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/quant.h"
+#include "kvtest.h"
+
+#define ID_A "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+
+static _Alignas(16) uint8_t buf[1 << 20];
+static uint8_t buf2[1 << 20];
+
+static void wr32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24);
+}
+static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8); }
+
+/* Decodes a patched copy of frame[n]; returns the code. */
+static int dec(const uint8_t *frame, size_t n, const kv_proto_limits *lim) {
+    kv_msg m;
+    kv_diag d = {0};
+    int rc = kv_msg_decode(frame, n, lim, &m, &d);
+    if (rc) {
+        /* every rejection names what was wrong */
+        if (d.code != rc || !d.msg[0]) KVT_FAIL("rc %d without a diag message", rc);
+    }
+    return rc;
+}
+
+/* Every strict prefix of a valid frame fails; so does the header claiming
+ * a shorter or longer payload than what follows, and one byte more. */
+static void check_truncations(const uint8_t *frame, size_t n, const kv_proto_limits *lim, const char *what) {
+    int bad = 0;
+    for (size_t k = 0; k < n; k++) {
+        int rc = dec(frame, k, lim);
+        if (rc != KV_EPROTO) bad++;
+        /* a consistent header over a short payload */
+        if (k >= KV_PROTO_HEADER) {
+            memcpy(buf2, frame, k);
+            wr32(buf2 + 12, (uint32_t)(k - KV_PROTO_HEADER));
+            rc = dec(buf2, k, lim);
+            if (rc != KV_EPROTO && rc != KV_ERANGE) bad++;
+        }
+    }
+    memcpy(buf2, frame, n);
+    buf2[n] = 0;
+    if (dec(buf2, n + 1, lim) != KV_EPROTO) bad++;          /* header len != bytes */
+    wr32(buf2 + 12, (uint32_t)(n + 1 - KV_PROTO_HEADER));
+    int rc = dec(buf2, n + 1, lim);
+    if (rc != KV_EPROTO && rc != KV_ERANGE) bad++;          /* one trailing byte */
+    if (bad) KVT_FAIL("%s: %d truncations/extensions accepted or wrongly coded", what, bad);
+    ASSERT_EQ(bad, 0);
+}
+
+/* Patches one u32/u16 at payload offset off of a valid frame and expects code. */
+static void expect_patch32(const uint8_t *frame, size_t n, size_t off, uint32_t v, const kv_proto_limits *lim,
+                           int want, const char *what) {
+    memcpy(buf2, frame, n);
+    wr32(buf2 + KV_PROTO_HEADER + off, v);
+    int rc = dec(buf2, n, lim);
+    if (rc != want) KVT_FAIL("%s: got %s, want %s", what, kv_err_name(rc), kv_err_name(want));
+    kvt_checks++;
+}
+static void expect_patch16(const uint8_t *frame, size_t n, size_t off, uint16_t v, const kv_proto_limits *lim,
+                           int want, const char *what) {
+    memcpy(buf2, frame, n);
+    wr16(buf2 + KV_PROTO_HEADER + off, v);
+    int rc = dec(buf2, n, lim);
+    if (rc != want) KVT_FAIL("%s: got %s, want %s", what, kv_err_name(rc), kv_err_name(want));
+    kvt_checks++;
+}
+static void expect_patch8(const uint8_t *frame, size_t n, size_t off, uint8_t v, const kv_proto_limits *lim,
+                          int want, const char *what) {
+    memcpy(buf2, frame, n);
+    buf2[KV_PROTO_HEADER + off] = v;
+    int rc = dec(buf2, n, lim);
+    if (rc != want) KVT_FAIL("%s: got %s, want %s", what, kv_err_name(rc), kv_err_name(want));
+    kvt_checks++;
+}
+
+static float frand(uint32_t *s) {
+    *s = *s * 1664525u + 1013904223u;
+    return ((float)(*s >> 8) / 16777216.0f - 0.5f) * 8.0f;
+}
+
+static void test_header(void) {
+    kv_diag d = {0};
+    kv_frame_header h;
+    size_t n;
+    ASSERT_EQ(kv_msg_ping_encode(buf, sizeof buf, KV_MSG_PING, 7, 99, &n, &d), 0);
+    ASSERT_EQ(kv_frame_header_decode(buf, n, &h, &d), 0);
+    ASSERT_EQ(h.magic, KV_PROTO_MAGIC);
+    ASSERT_EQ(h.version, KV_PROTO_VERSION);
+    ASSERT_EQ(h.type, KV_MSG_PING);
+    ASSERT_EQ(h.request_id, 7);
+    ASSERT_EQ(h.len, 8);
+    ASSERT_TRUE(!memcmp(buf, "KVD1", 4));
+    memcpy(buf2, buf, n);
+    buf2[0] = 'X';
+    ASSERT_EQ(kv_frame_header_decode(buf2, n, &h, &d), KV_EPROTO);
+    memcpy(buf2, buf, n);
+    wr16(buf2 + 4, 0);
+    ASSERT_EQ(kv_frame_header_decode(buf2, n, &h, &d), KV_EPROTO);
+    uint16_t types[] = {0, KV_MSG_TYPE_COUNT, 77, 0xffff};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        memcpy(buf2, buf, n);
+        wr16(buf2 + 6, types[i]);
+        ASSERT_EQ(kv_frame_header_decode(buf2, n, &h, &d), KV_EPROTO);
+        ASSERT_EQ(dec(buf2, n, NULL), KV_EPROTO);
+    }
+    memcpy(buf2, buf, n);
+    wr32(buf2 + 12, KV_PROTO_MAX_PAYLOAD + 1);
+    ASSERT_EQ(kv_frame_header_decode(buf2, n, &h, &d), KV_ERANGE);
+    wr32(buf2 + 12, 0xffffffffu);
+    ASSERT_EQ(kv_frame_header_decode(buf2, n, &h, &d), KV_ERANGE);
+    ASSERT_EQ(kv_frame_header_decode(buf, 15, &h, &d), KV_EPROTO);
+    /* a future version's header is still a header; the connection decides */
+    memcpy(buf2, buf, n);
+    wr16(buf2 + 4, 2);
+    ASSERT_EQ(kv_frame_header_decode(buf2, n, &h, &d), 0);
+    ASSERT_EQ(h.version, 2);
+    ASSERT_STREQ(kv_msg_type_name(KV_MSG_COMPUTE), "COMPUTE");
+    ASSERT_STREQ(kv_msg_type_name(999), "?");
+}
+
+static void test_hello(void) {
+    kv_diag d = {0};
+    size_t n;
+    kv_msg_hello h = {1, 3, ID_A, (1u << KV_ENC_F32) | (1u << KV_ENC_BF16)};
+    ASSERT_EQ(kv_msg_hello_encode(buf, sizeof buf, 1, &h, &n, &d), 0);
+    ASSERT_EQ(n, KV_PROTO_HEADER + KV_PROTO_HELLO_SIZE);
+    kv_msg m;
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.h.type, KV_MSG_HELLO);
+    ASSERT_EQ(m.u.hello.min_version, 1);
+    ASSERT_EQ(m.u.hello.max_version, 3);
+    ASSERT_STREQ(m.u.hello.model_id, ID_A);
+    ASSERT_EQ(m.u.hello.enc_mask, h.enc_mask);
+    check_truncations(buf, n, NULL, "HELLO");
+    expect_patch16(buf, n, 0, 0, NULL, KV_EPROTO, "HELLO min version 0");
+    expect_patch16(buf, n, 0, 4, NULL, KV_EPROTO, "HELLO min > max");
+    expect_patch8(buf, n, 4, 'A', NULL, KV_EPROTO, "HELLO uppercase id");
+    expect_patch8(buf, n, 67, 0, NULL, KV_EPROTO, "HELLO NUL in id");
+    expect_patch32(buf, n, 68, 0x9, NULL, KV_EUNSUPPORTED, "HELLO unknown encoding");
+    expect_patch32(buf, n, 68, 0x2, NULL, KV_EPROTO, "HELLO without f32");
+    /* encoder refuses the same */
+    kv_msg_hello bad = h;
+    bad.min_version = 5;
+    ASSERT_EQ(kv_msg_hello_encode(buf2, sizeof buf2, 1, &bad, &n, &d), KV_EINVAL);
+    bad = h;
+    memcpy(bad.model_id, "xyz", 4);
+    ASSERT_EQ(kv_msg_hello_encode(buf2, sizeof buf2, 1, &bad, &n, &d), KV_EINVAL);
+    bad = h;
+    bad.enc_mask = 0x10;
+    ASSERT_EQ(kv_msg_hello_encode(buf2, sizeof buf2, 1, &bad, &n, &d), KV_EINVAL);
+    ASSERT_EQ(kv_msg_hello_encode(buf2, 40, 1, &h, &n, &d), KV_ERANGE);
+}
+
+static void test_hello_ack(void) {
+    kv_diag d = {0};
+    size_t n;
+    kv_held_range r[3] = {{0, 0, 3}, {0, 8, 15}, {2, 4, 4}};
+    kv_msg_hello_ack a = {0};
+    a.version = 1;
+    memcpy(a.model_id, ID_A, 65);
+    a.n_layer = 3, a.n_embd = 64, a.n_ff_exp = 32, a.n_expert = 16, a.n_expert_used = 2;
+    a.enc_mask = 0x7;
+    strcpy(a.backend, "avx512");
+    a.n_ranges = 3;
+    a.ranges = r;
+    ASSERT_EQ(kv_msg_hello_ack_encode(buf, sizeof buf, 2, &a, &n, &d), 0);
+    ASSERT_EQ(n, kv_msg_hello_ack_size(6, 3));
+    ASSERT_EQ(n, KV_PROTO_HEADER + KV_PROTO_HELLO_ACK_FIXED + 6 + 36);
+    kv_msg m;
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    const kv_msg_hello_ack *b = &m.u.ack;
+    ASSERT_EQ(m.h.request_id, 2);
+    ASSERT_EQ(b->version, 1);
+    ASSERT_STREQ(b->model_id, ID_A);
+    ASSERT_EQ(b->n_layer, 3);
+    ASSERT_EQ(b->n_embd, 64);
+    ASSERT_EQ(b->n_ff_exp, 32);
+    ASSERT_EQ(b->n_expert, 16);
+    ASSERT_EQ(b->n_expert_used, 2);
+    ASSERT_EQ(b->enc_mask, 7);
+    ASSERT_STREQ(b->backend, "avx512");
+    ASSERT_EQ(b->n_ranges, 3);
+    for (uint32_t i = 0; i < 3; i++) {
+        kv_held_range x = kv_msg_hello_ack_range(b, i);
+        ASSERT_TRUE(x.layer == r[i].layer && x.first == r[i].first && x.last == r[i].last);
+    }
+    /* holds() against a naive scan, on both the decoded and the input form */
+    int mism = 0;
+    for (uint32_t l = 0; l < 3; l++)
+        for (uint32_t e = 0; e < 16; e++) {
+            bool want = false;
+            for (int i = 0; i < 3; i++) want |= r[i].layer == l && r[i].first <= e && e <= r[i].last;
+            mism += kv_msg_hello_ack_holds(b, l, e) != want;
+            mism += kv_msg_hello_ack_holds(&a, l, e) != want;
+        }
+    ASSERT_EQ(mism, 0);
+    check_truncations(buf, n, NULL, "HELLO_ACK");
+    expect_patch16(buf, n, 0, 0, NULL, KV_EPROTO, "ACK version 0");
+    expect_patch16(buf, n, 2, 0, NULL, KV_ERANGE, "ACK backend length 0");
+    expect_patch16(buf, n, 2, KV_PROTO_MAX_NAME + 1, NULL, KV_ERANGE, "ACK backend length over max");
+    expect_patch16(buf, n, 2, 5, NULL, KV_EPROTO, "ACK backend length inconsistent");
+    expect_patch8(buf, n, 96, '\n', NULL, KV_EPROTO, "ACK backend control char");
+    expect_patch32(buf, n, 68, 0, NULL, KV_ERANGE, "ACK n_layer 0");
+    expect_patch32(buf, n, 68, KV_PROTO_MAX_LAYERS + 1, NULL, KV_ERANGE, "ACK n_layer over max");
+    expect_patch32(buf, n, 68, 2, NULL, KV_ERANGE, "ACK range layer >= n_layer");
+    expect_patch32(buf, n, 72, 0, NULL, KV_ERANGE, "ACK n_embd 0");
+    expect_patch32(buf, n, 72, KV_PROTO_MAX_EMBD + 1, NULL, KV_ERANGE, "ACK n_embd over max");
+    expect_patch32(buf, n, 76, 0, NULL, KV_ERANGE, "ACK n_ff 0");
+    expect_patch32(buf, n, 80, 15, NULL, KV_ERANGE, "ACK range last >= n_expert");
+    expect_patch32(buf, n, 80, KV_PROTO_MAX_EXPERTS + 1, NULL, KV_ERANGE, "ACK n_expert over max");
+    expect_patch32(buf, n, 84, 17, NULL, KV_ERANGE, "ACK n_used > n_expert");
+    expect_patch32(buf, n, 88, 0x6, NULL, KV_EPROTO, "ACK mask without f32");
+    expect_patch32(buf, n, 88, 0xf, NULL, KV_EUNSUPPORTED, "ACK unknown encoding");
+    expect_patch32(buf, n, 92, 2, NULL, KV_EPROTO, "ACK n_ranges inconsistent");
+    expect_patch32(buf, n, 92, KV_PROTO_MAX_RANGES + 1, NULL, KV_ERANGE, "ACK n_ranges over max");
+    const size_t r0 = 96 + 6;
+    expect_patch32(buf, n, r0 + 4, 4, NULL, KV_ERANGE, "ACK range first > last");
+    expect_patch32(buf, n, r0 + 12 + 4, 3, NULL, KV_ERANGE, "ACK ranges overlap");
+    expect_patch32(buf, n, r0 + 24, 0, NULL, KV_ERANGE, "ACK ranges overlap across layer order");
+    expect_patch32(buf, n, r0 + 12, 3, NULL, KV_ERANGE, "ACK ranges unsorted / layer out of range");
+    /* encoder refuses bad ranges and names */
+    kv_msg_hello_ack bad = a;
+    kv_held_range rb[2] = {{0, 4, 7}, {0, 0, 3}};
+    bad.ranges = rb, bad.n_ranges = 2;
+    ASSERT_EQ(kv_msg_hello_ack_encode(buf2, sizeof buf2, 2, &bad, &n, &d), KV_EINVAL);
+    bad = a;
+    strcpy(bad.backend, "has space");
+    ASSERT_EQ(kv_msg_hello_ack_encode(buf2, sizeof buf2, 2, &bad, &n, &d), KV_EINVAL);
+    bad = a;
+    bad.backend[0] = 0;
+    ASSERT_EQ(kv_msg_hello_ack_encode(buf2, sizeof buf2, 2, &bad, &n, &d), KV_EINVAL);
+    /* no ranges is valid (a worker holding nothing of interest) */
+    bad = a;
+    bad.n_ranges = 0, bad.ranges = NULL;
+    ASSERT_EQ(kv_msg_hello_ack_encode(buf2, sizeof buf2, 2, &bad, &n, &d), 0);
+    ASSERT_EQ(kv_msg_decode(buf2, n, NULL, &m, &d), 0);
+    ASSERT_TRUE(!kv_msg_hello_ack_holds(&m.u.ack, 0, 0));
+}
+
+static void test_compute_result(void) {
+    kv_diag d = {0};
+    size_t n;
+    enum { T = 5, E = 48, P = 9 };
+    static float x[T * E], y[P * E], got[P * E];
+    uint32_t s = 1;
+    for (int i = 0; i < T * E; i++) x[i] = frand(&s);
+    x[3] = -0.0f, x[4] = 1e-40f, x[5] = 65504.0f * 4; /* signed zero, subnormal, f16 overflow */
+    kv_proto_pair pairs[P];
+    for (int i = 0; i < P; i++) pairs[i] = (kv_proto_pair){(uint32_t)(i * 7 % T), (uint32_t)(i * 5 % 16)};
+    const kv_proto_limits lim = {4, E, 16};
+    for (uint32_t enc = 0; enc < KV_ENC_COUNT; enc++) {
+        kv_msg_compute c = {2, enc, enc, T, E, P, x, pairs, NULL, NULL};
+        ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 77, &c, &n, &d), 0);
+        ASSERT_EQ(n, kv_msg_compute_size(enc, T, E, P));
+        ASSERT_EQ(n, KV_PROTO_HEADER + KV_PROTO_COMPUTE_FIXED + (size_t)T * E * kv_enc_size(enc) + 8 * P);
+        kv_msg m;
+        ASSERT_EQ(kv_msg_decode(buf, n, &lim, &m, &d), 0);
+        const kv_msg_compute *v = &m.u.compute;
+        ASSERT_EQ(m.h.request_id, 77);
+        ASSERT_TRUE(v->layer == 2 && v->enc == enc && v->out_enc == enc && v->n_tokens == T && v->n_embd == E &&
+                    v->n_pairs == P);
+        int pm = 0;
+        for (uint32_t i = 0; i < P; i++) {
+            kv_proto_pair q = kv_msg_compute_pair(v, i);
+            pm += q.token != pairs[i].token || q.expert != pairs[i].expert;
+        }
+        ASSERT_EQ(pm, 0);
+        static float xr[T * E], row[E];
+        kv_msg_compute_x(v, xr);
+        int xm = 0;
+        for (int i = 0; i < T * E; i++) {
+            float want = enc == KV_ENC_F32   ? x[i]
+                         : enc == KV_ENC_F16 ? kv_fp16_to_fp32(kv_fp32_to_fp16(x[i]))
+                                             : kv_bf16_to_fp32(kv_fp32_to_bf16(x[i]));
+            xm += memcmp(&want, &xr[i], 4) != 0;
+        }
+        ASSERT_EQ(xm, 0);
+        kv_msg_compute_row(v, 3, row);
+        ASSERT_TRUE(!memcmp(row, xr + 3 * E, sizeof row));
+        if (enc == KV_ENC_F32) {
+            /* in place when aligned (the frame starts 16-aligned here) */
+            const float *ip = kv_msg_compute_x_inplace(v);
+            ASSERT_TRUE(ip != NULL && !memcmp(ip, x, sizeof x));
+        } else {
+            ASSERT_TRUE(kv_msg_compute_x_inplace(v) == NULL);
+        }
+        check_truncations(buf, n, &lim, "COMPUTE");
+        const size_t po = KV_PROTO_COMPUTE_FIXED + (size_t)T * E * kv_enc_size(enc);
+        expect_patch16(buf, n, 4, 3, &lim, KV_EUNSUPPORTED, "COMPUTE unknown encoding");
+        expect_patch16(buf, n, 6, 9, &lim, KV_EUNSUPPORTED, "COMPUTE unknown output encoding");
+        expect_patch32(buf, n, 0, 4, &lim, KV_ERANGE, "COMPUTE layer >= n_layer");
+        expect_patch32(buf, n, 0, 4, NULL, 0, "COMPUTE layer unchecked without limits");
+        expect_patch32(buf, n, 8, 0, &lim, KV_ERANGE, "COMPUTE n_tokens 0");
+        expect_patch32(buf, n, 8, KV_PROTO_MAX_TOKENS + 1, &lim, KV_ERANGE, "COMPUTE n_tokens over max");
+        expect_patch32(buf, n, 8, T + 1, &lim, KV_EPROTO, "COMPUTE n_tokens inconsistent with length");
+        expect_patch32(buf, n, 8, 0xffffffffu, &lim, KV_ERANGE, "COMPUTE n_tokens huge");
+        expect_patch32(buf, n, 12, E + 1, &lim, KV_ERANGE, "COMPUTE n_embd != model's");
+        expect_patch32(buf, n, 12, E + 1, NULL, KV_EPROTO, "COMPUTE n_embd inconsistent");
+        expect_patch32(buf, n, 12, 0, NULL, KV_ERANGE, "COMPUTE n_embd 0");
+        expect_patch32(buf, n, 12, KV_PROTO_MAX_EMBD + 1, NULL, KV_ERANGE, "COMPUTE n_embd over max");
+        expect_patch32(buf, n, 16, 0, &lim, KV_ERANGE, "COMPUTE n_pairs 0");
+        expect_patch32(buf, n, 16, KV_PROTO_MAX_PAIRS + 1, &lim, KV_ERANGE, "COMPUTE n_pairs over max");
+        expect_patch32(buf, n, 16, P - 1, &lim, KV_EPROTO, "COMPUTE n_pairs inconsistent");
+        expect_patch32(buf, n, po + 8 * 4, T, &lim, KV_ERANGE, "COMPUTE token >= n_tokens");
+        expect_patch32(buf, n, po + 8 * 8 + 4, 16, &lim, KV_ERANGE, "COMPUTE expert >= n_expert");
+        expect_patch32(buf, n, po + 4, KV_PROTO_MAX_EXPERTS, NULL, KV_ERANGE, "COMPUTE expert over max");
+        expect_patch32(buf, n, po + 4, 1000, NULL, 0, "COMPUTE expert unchecked without limits");
+
+        /* RESULT: encode, and begin/put_row in any order, give the same bytes */
+        for (int i = 0; i < P * E; i++) y[i] = frand(&s);
+        kv_msg_result res = {P, E, enc, y, NULL};
+        ASSERT_EQ(kv_msg_result_encode(buf, sizeof buf, 77, &res, &n, &d), 0);
+        ASSERT_EQ(n, kv_msg_result_size(enc, P, E));
+        size_t n2;
+        ASSERT_EQ(kv_msg_result_begin(buf2, sizeof buf2, 77, enc, P, E, &n2, &d), 0);
+        for (int i = P - 1; i >= 0; i--) kv_msg_result_put_row(buf2, enc, E, (uint32_t)i, y + i * E);
+        ASSERT_EQ(n2, n);
+        ASSERT_TRUE(!memcmp(buf, buf2, n));
+        ASSERT_EQ(kv_msg_decode(buf, n, &lim, &m, &d), 0);
+        ASSERT_EQ(m.h.type, KV_MSG_RESULT);
+        ASSERT_TRUE(m.u.result.n_pairs == P && m.u.result.n_embd == E && m.u.result.enc == enc);
+        kv_msg_result_y(&m.u.result, got);
+        int ym = 0;
+        for (int i = 0; i < P * E; i++) {
+            float want = enc == KV_ENC_F32   ? y[i]
+                         : enc == KV_ENC_F16 ? kv_fp16_to_fp32(kv_fp32_to_fp16(y[i]))
+                                             : kv_bf16_to_fp32(kv_fp32_to_bf16(y[i]));
+            ym += memcmp(&want, &got[i], 4) != 0;
+        }
+        ASSERT_EQ(ym, 0);
+        kv_msg_result_row(&m.u.result, P - 1, row);
+        ASSERT_TRUE(!memcmp(row, got + (P - 1) * E, sizeof row));
+        check_truncations(buf, n, &lim, "RESULT");
+        expect_patch32(buf, n, 0, 0, &lim, KV_ERANGE, "RESULT n_pairs 0");
+        expect_patch32(buf, n, 0, P + 1, &lim, KV_EPROTO, "RESULT n_pairs inconsistent");
+        expect_patch32(buf, n, 0, KV_PROTO_MAX_PAIRS + 1, &lim, KV_ERANGE, "RESULT n_pairs over max");
+        expect_patch32(buf, n, 4, E - 1, &lim, KV_ERANGE, "RESULT n_embd != expected");
+        expect_patch32(buf, n, 4, 0, NULL, KV_ERANGE, "RESULT n_embd 0");
+        expect_patch32(buf, n, 8, 3, &lim, KV_EUNSUPPORTED, "RESULT unknown encoding");
+    }
+    /* encoder refuses out-of-bounds input */
+    kv_msg_compute c = {0, KV_ENC_F32, KV_ENC_F32, T, E, P, x, pairs, NULL, NULL};
+    kv_proto_pair badp[P];
+    memcpy(badp, pairs, sizeof badp);
+    badp[2].token = T;
+    c.pairs = badp;
+    ASSERT_EQ(kv_msg_compute_encode(buf2, sizeof buf2, 1, &c, &n, &d), KV_EINVAL);
+    c.pairs = pairs;
+    c.enc = 3;
+    ASSERT_EQ(kv_msg_compute_encode(buf2, sizeof buf2, 1, &c, &n, &d), KV_EINVAL);
+    c.enc = KV_ENC_F32;
+    c.n_tokens = 0;
+    ASSERT_EQ(kv_msg_compute_encode(buf2, sizeof buf2, 1, &c, &n, &d), KV_EINVAL);
+    c.n_tokens = T;
+    ASSERT_EQ(kv_msg_compute_encode(buf2, 100, 1, &c, &n, &d), KV_ERANGE);
+    /* sizes: the largest valid request, and one beyond the payload maximum */
+    ASSERT_TRUE(kv_msg_compute_size(KV_ENC_F32, KV_PROTO_MAX_TOKENS, 4096, KV_PROTO_MAX_PAIRS) > 0);
+    ASSERT_EQ(kv_msg_compute_size(KV_ENC_F32, KV_PROTO_MAX_TOKENS, 65536, 1), 0);
+    ASSERT_EQ(kv_msg_compute_size(KV_ENC_F32, KV_PROTO_MAX_TOKENS + 1, 16, 1), 0);
+    ASSERT_EQ(kv_msg_compute_size(3, 1, 16, 1), 0);
+    ASSERT_EQ(kv_msg_result_size(KV_ENC_F32, KV_PROTO_MAX_PAIRS, 4096), 0); /* 1 GiB */
+    ASSERT_TRUE(kv_msg_result_size(KV_ENC_BF16, KV_PROTO_MAX_PAIRS, 2047) > 0);
+    /* a COMPUTE whose RESULT could not be sent is refused by both sides */
+    static float one_row[8192];
+    kv_proto_pair many[1] = {{0, 0}};
+    kv_msg_compute big = {0, KV_ENC_F32, KV_ENC_F32, 1, 8192, 1, one_row, many, NULL, NULL};
+    ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 1, &big, &n, &d), 0);
+    /* patch n_pairs to 16384 with matching length: result 512 MiB > max */
+    {
+        size_t pl = KV_PROTO_COMPUTE_FIXED + 8192 * 4 + 8 * 16384;
+        uint8_t *f = calloc(1, KV_PROTO_HEADER + pl);
+        memcpy(f, buf, n);
+        wr32(f + 12, (uint32_t)pl);
+        wr32(f + KV_PROTO_HEADER + 16, 16384);
+        ASSERT_EQ(dec(f, KV_PROTO_HEADER + pl, NULL), KV_ERANGE);
+        free(f);
+        big.n_pairs = 16384;
+        kv_proto_pair *mp = calloc(16384, sizeof *mp);
+        big.pairs = mp;
+        ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 1, &big, &n, &d), KV_EINVAL);
+        free(mp);
+    }
+}
+
+static void test_error_ping_stats(void) {
+    kv_diag d = {0};
+    size_t n;
+    kv_msg m;
+    ASSERT_EQ(kv_msg_error_encode(buf, sizeof buf, 9, KV_ENOTFOUND, "layer 3 expert 7 not held", &n, &d), 0);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.h.type, KV_MSG_ERROR);
+    ASSERT_EQ(m.h.request_id, 9);
+    ASSERT_EQ(m.u.error.code, KV_ENOTFOUND);
+    ASSERT_STREQ(m.u.error.msg, "layer 3 expert 7 not held");
+    check_truncations(buf, n, NULL, "ERROR");
+    expect_patch32(buf, n, 0, 0, NULL, KV_ERANGE, "ERROR code 0");
+    expect_patch32(buf, n, 0, 5, NULL, KV_ERANGE, "ERROR positive code");
+    expect_patch32(buf, n, 4, KV_PROTO_MAX_TEXT + 1, NULL, KV_ERANGE, "ERROR message over max");
+    expect_patch32(buf, n, 4, 3, NULL, KV_EPROTO, "ERROR message length inconsistent");
+    expect_patch8(buf, n, 8, 0x1b, NULL, KV_EPROTO, "ERROR escape char");
+    expect_patch8(buf, n, 9, 0, NULL, KV_EPROTO, "ERROR NUL");
+    /* sanitized and cut on encode */
+    static char longmsg[3000];
+    memset(longmsg, 'a', sizeof longmsg - 1);
+    longmsg[5] = '\n';
+    ASSERT_EQ(kv_msg_error_encode(buf, sizeof buf, 0, KV_EPROTO, longmsg, &n, &d), 0);
+    ASSERT_EQ(n, KV_PROTO_HEADER + KV_PROTO_ERROR_FIXED + KV_PROTO_MAX_TEXT);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.u.error.msg[5], '?');
+    ASSERT_EQ(strlen(m.u.error.msg), KV_PROTO_MAX_TEXT);
+    ASSERT_EQ(kv_msg_error_encode(buf, sizeof buf, 0, 0, "x", &n, &d), KV_EINVAL);
+    ASSERT_EQ(kv_msg_error_encode(buf, sizeof buf, 0, KV_EIO, NULL, &n, &d), 0);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_STREQ(m.u.error.msg, "");
+
+    for (uint16_t t = KV_MSG_PING; t <= KV_MSG_PONG; t++) {
+        ASSERT_EQ(kv_msg_ping_encode(buf, sizeof buf, t, 3, 0x0102030405060708ull, &n, &d), 0);
+        ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+        ASSERT_EQ(m.h.type, t);
+        ASSERT_TRUE(m.u.nonce == 0x0102030405060708ull);
+        ASSERT_EQ(buf[KV_PROTO_HEADER], 0x08); /* little-endian */
+        check_truncations(buf, n, NULL, "PING");
+    }
+    ASSERT_EQ(kv_msg_ping_encode(buf, sizeof buf, KV_MSG_ERROR, 3, 1, &n, &d), KV_EINVAL);
+
+    ASSERT_EQ(kv_msg_stats_encode(buf, sizeof buf, 4, &n, &d), 0);
+    ASSERT_EQ(n, KV_PROTO_HEADER);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.h.type, KV_MSG_STATS);
+    check_truncations(buf, n, NULL, "STATS");
+    kv_msg_stats st = {1, 2, 3, 4, 5, 1ull << 40};
+    ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 4, &st, &n, &d), 0);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.h.type, KV_MSG_STATS_ACK);
+    ASSERT_TRUE(!memcmp(&m.u.stats, &st, sizeof st));
+    check_truncations(buf, n, NULL, "STATS_ACK");
+}
+
+static void test_enc_names(void) {
+    ASSERT_EQ(kv_enc_size(KV_ENC_F32), 4);
+    ASSERT_EQ(kv_enc_size(KV_ENC_BF16), 2);
+    ASSERT_EQ(kv_enc_size(KV_ENC_COUNT), 0);
+    ASSERT_EQ(kv_enc_from_name("bf16"), KV_ENC_BF16);
+    ASSERT_EQ(kv_enc_from_name("f8"), -1);
+    ASSERT_STREQ(kv_enc_name(KV_ENC_F16), "f16");
+}
+
+/* The stream reader: frames dribbled a byte at a time, two back to back,
+ * an oversized header refused at once, EOF inside a frame, a timeout. */
+static void test_stream(void) {
+    kv_diag d = {0};
+    int sv[2];
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    fcntl(sv[1], F_SETFL, fcntl(sv[1], F_GETFL) | O_NONBLOCK);
+    static uint8_t rxbuf[4096];
+    kv_frame_rx rx;
+    kv_frame_rx_init(&rx, rxbuf, sizeof rxbuf);
+    size_t n1, n2;
+    ASSERT_EQ(kv_msg_ping_encode(buf, sizeof buf, KV_MSG_PING, 1, 11, &n1, &d), 0);
+    ASSERT_EQ(kv_msg_stats_encode(buf + n1, sizeof buf - n1, 2, &n2, &d), 0);
+    int frames = 0, zeros = 0;
+    for (size_t i = 0; i < n1 + n2; i++) {
+        ASSERT_EQ(write(sv[0], buf + i, 1), 1);
+        int rc = kv_frame_rx_read(&rx, sv[1], &d);
+        if (rc == 1) {
+            kv_msg m;
+            ASSERT_EQ(kv_msg_decode(rx.buf, rx.need, NULL, &m, &d), 0);
+            ASSERT_EQ(m.h.request_id, (uint32_t)frames + 1);
+            frames++;
+            kv_frame_rx_reset(&rx);
+        } else {
+            ASSERT_EQ(rc, 0);
+            zeros++;
+        }
+    }
+    ASSERT_EQ(frames, 2);
+    ASSERT_EQ(zeros, (int)(n1 + n2) - 2);
+    /* kv_proto_read_msg with a deadline on a partial frame */
+    ASSERT_EQ(write(sv[0], buf, 10), 10);
+    kv_msg m;
+    ASSERT_EQ(kv_proto_read_msg(&rx, sv[1], 50, NULL, &m, &d), KV_ETIMEOUT);
+    ASSERT_EQ(write(sv[0], buf + 10, n1 - 10), (ssize_t)(n1 - 10));
+    ASSERT_EQ(kv_proto_read_msg(&rx, sv[1], 1000, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_PING && m.u.nonce == 11);
+    kv_frame_rx_reset(&rx);
+    /* a header announcing more than the buffer: refused without reading on */
+    uint8_t hdr[KV_PROTO_HEADER];
+    kv_frame_header_encode(hdr, KV_MSG_COMPUTE, 5, 100000);
+    ASSERT_EQ(write(sv[0], hdr, sizeof hdr), (ssize_t)sizeof hdr);
+    ASSERT_EQ(kv_proto_read_msg(&rx, sv[1], 1000, NULL, &m, &d), KV_ERANGE);
+    kv_frame_rx_reset(&rx);
+    /* garbage header */
+    ASSERT_EQ(write(sv[0], "GET / HTTP/1.1\r\n", 16), 16);
+    ASSERT_EQ(kv_proto_read_msg(&rx, sv[1], 1000, NULL, &m, &d), KV_EPROTO);
+    kv_frame_rx_reset(&rx);
+    /* EOF inside a frame, then a clean EOF */
+    ASSERT_EQ(write(sv[0], buf, 5), 5);
+    close(sv[0]);
+    ASSERT_EQ(kv_proto_read_msg(&rx, sv[1], 1000, NULL, &m, &d), KV_EIO);
+    ASSERT_TRUE(strstr(d.msg, "inside a frame") != NULL);
+    kv_frame_rx_reset(&rx);
+    ASSERT_EQ(kv_proto_read_msg(&rx, sv[1], 1000, NULL, &m, &d), KV_EIO);
+    ASSERT_STREQ(d.msg, "closed");
+    close(sv[1]);
+    /* addresses */
+    char host[64];
+    uint16_t port;
+    ASSERT_EQ(kv_proto_parse_addr("127.0.0.1:8080", host, sizeof host, &port, &d), 0);
+    ASSERT_TRUE(!strcmp(host, "127.0.0.1") && port == 8080);
+    ASSERT_EQ(kv_proto_parse_addr("[::1]:0", host, sizeof host, &port, &d), 0);
+    ASSERT_TRUE(!strcmp(host, "::1") && port == 0);
+    ASSERT_EQ(kv_proto_parse_addr("127.0.0.1", host, sizeof host, &port, &d), KV_EINVAL);
+    ASSERT_EQ(kv_proto_parse_addr("h:70000", host, sizeof host, &port, &d), KV_EINVAL);
+    ASSERT_EQ(kv_proto_parse_addr("h:12a", host, sizeof host, &port, &d), KV_EINVAL);
+    ASSERT_EQ(kv_proto_parse_addr(":80", host, sizeof host, &port, &d), KV_EINVAL);
+}
+
+int main(void) {
+    test_header();
+    test_hello();
+    test_hello_ack();
+    test_compute_result();
+    test_error_ping_stats();
+    test_enc_names();
+    test_stream();
+    KV_TEST_END();
+}

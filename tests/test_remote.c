@@ -1,0 +1,699 @@
+/* The remote expert provider against real worker processes on loopback,
+ * and against an in-process liar: a greedy decode through workers must give
+ * the logits of the in-process run byte for byte, whatever happens to the
+ * workers, or fail with a clear error before any token is taken from
+ * partial results.
+ *
+ * Setup: a small synthetic model sliced in three expert groups per layer
+ * (G0 = experts 0-3, G1 = 4-7, G2 = 8-11); a coordinator folder holding only
+ * backbone.gguf and manifest.json; workers (`kvasir worker`, one thread
+ * each) started on free loopback ports with some of the groups.
+ *   - disjoint workers: identical output, every worker used;
+ *   - replicas (G0+G1, G1+G2, G2+G0): a worker SIGKILLed mid-decode, one
+ *     SIGSTOPped past the deadline: identical output, the worker dropped
+ *     and its pairs retried; the stalled one, continued, and the killed
+ *     one, restarted on its port, are reconnected and serve again (their
+ *     own STATS counters agree with the coordinator's);
+ *   - disjoint, a worker killed mid-decode: the step fails with
+ *     KV_ENOTFOUND naming the expert, the earlier steps were exact;
+ *   - a liar that handshakes properly, then answers with a wrong request
+ *     id, a short RESULT, garbage, an ERROR frame, a truncated frame or a
+ *     PONG: dropped each time, the pairs retried on honest replicas;
+ *   - coverage: a missing group is named before the first token; with its
+ *     slabs present in the coordinator's folder they are used locally;
+ *   - a worker of another model is refused at the handshake;
+ *   - f16/bf16 on the wire: the logit error against f32 is measured and
+ *     bounded. */
+#include <errno.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/gen.h"
+#include "kvasir/quant.h"
+#include "kvtest.h"
+
+#define N_GEN 14
+#define N_PROMPT 9
+#define TIMEOUT_MS 400
+#define RECONNECT_MS 50
+
+static char g_dir[256];
+static const char *g_bin;
+static kv_pool *g_pool;
+static uint32_t g_vocab;
+static float *g_ref;      /* [N_GEN + 1][vocab] logits of the in-process run */
+static int32_t g_prompt[N_PROMPT];
+static char g_group[3][1024]; /* comma-separated slab files of each group */
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
+}
+
+static int cp(const char *from, const char *to) {
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "cp '%s' '%s'", from, to);
+    return system(cmd);
+}
+
+/* ---- worker processes ----------------------------------------------------- */
+
+typedef struct proc {
+    pid_t pid;
+    uint16_t port;
+    char addr[32];
+    char slabs[3200];
+} proc;
+
+static uint16_t free_port(void) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t l = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) || getsockname(fd, (struct sockaddr *)&a, &l)) return 0;
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static bool port_open(uint16_t port) {
+    int fd = -1;
+    char addr[32];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    if (kv_proto_connect(addr, 200, &fd, NULL)) return false;
+    close(fd);
+    return true;
+}
+
+/* Starts `kvasir worker` on p->port with p->slabs; waits until it listens. */
+static bool start_worker(proc *p) {
+    char log[300];
+    snprintf(log, sizeof log, "%s/worker-%u.log", g_dir, p->port);
+    fflush(stdout);
+    fflush(stderr);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        FILE *g = freopen("/dev/null", "w", stdout);
+        (void)f;
+        (void)g;
+        execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", (char *)NULL);
+        _exit(127);
+    }
+    p->pid = pid;
+    for (int i = 0; i < 250; i++) {
+        if (port_open(p->port)) return true;
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) break;
+        sleep_ms(20);
+    }
+    fprintf(stderr, "worker on %s did not start (see %s)\n", p->addr, log);
+    return false;
+}
+
+static bool new_worker(proc *p, const char *slabs) {
+    memset(p, 0, sizeof *p);
+    p->port = free_port();
+    snprintf(p->addr, sizeof p->addr, "127.0.0.1:%u", p->port);
+    snprintf(p->slabs, sizeof p->slabs, "%s", slabs);
+    return p->port && start_worker(p);
+}
+
+static void kill_worker(proc *p, int sig) {
+    if (p->pid <= 0) return;
+    kill(p->pid, sig);
+    if (sig == SIGKILL || sig == SIGTERM) {
+        waitpid(p->pid, NULL, 0);
+        p->pid = 0;
+    }
+}
+
+/* The worker's own counters, over a fresh connection (HELLO, STATS). */
+static bool worker_stats(const proc *p, const char *model_id, kv_msg_stats *out) {
+    int fd = -1;
+    if (kv_proto_connect(p->addr, 1000, &fd, NULL)) return false;
+    uint8_t buf[1 << 16];
+    size_t n;
+    kv_msg_hello h = {KV_PROTO_VERSION_MIN, KV_PROTO_VERSION, {0}, 1u};
+    memcpy(h.model_id, model_id, 65);
+    kv_frame_rx rx;
+    kv_frame_rx_init(&rx, buf, sizeof buf);
+    kv_msg m;
+    bool ok = !kv_msg_hello_encode(buf, sizeof buf, 1, &h, &n, NULL) && !kv_proto_write_all(fd, buf, n, 1000, NULL) &&
+              !kv_proto_read_msg(&rx, fd, 1000, NULL, &m, NULL) && m.h.type == KV_MSG_HELLO_ACK;
+    kv_frame_rx_reset(&rx);
+    ok = ok && !kv_msg_stats_encode(buf, sizeof buf, 2, &n, NULL) && !kv_proto_write_all(fd, buf, n, 1000, NULL) &&
+         !kv_proto_read_msg(&rx, fd, 1000, NULL, &m, NULL) && m.h.type == KV_MSG_STATS_ACK;
+    if (ok) *out = m.u.stats;
+    close(fd);
+    return ok;
+}
+
+/* ---- the liar: an honest handshake, then wrong answers -------------------- */
+
+typedef struct liar {
+    int lfd;
+    uint16_t port;
+    char addr[32];
+    char model_id[65];
+    uint32_t n_layer, n_embd, n_ff, n_expert, n_used;
+    atomic_int stop;
+    atomic_int n_conns, n_lies;
+    pthread_t th;
+} liar;
+
+static void liar_lie(liar *L, int fd, int mode, const kv_msg *m) {
+    static uint8_t out[1 << 22];
+    size_t n = 0;
+    const uint32_t np = m->u.compute.n_pairs, id = m->h.request_id;
+    static float zero[1 << 16];
+    const kv_msg_result res = {np - (mode == 1), L->n_embd, m->u.compute.out_enc, zero, NULL};
+    switch (mode) {
+    case 0: /* a well-formed RESULT for another request */
+        kv_msg_result_encode(out, sizeof out, id + 7, &res, &n, NULL);
+        break;
+    case 1: /* one vector short */
+        if (np > 1) kv_msg_result_encode(out, sizeof out, id, &res, &n, NULL);
+        else kv_msg_ping_encode(out, sizeof out, KV_MSG_PONG, id, 1, &n, NULL);
+        break;
+    case 2: /* garbage */
+        for (n = 0; n < 64; n++) out[n] = (uint8_t)(n * 37 + 11);
+        break;
+    case 3: /* a refusal */
+        kv_msg_error_encode(out, sizeof out, id, KV_EINTERNAL, "lying on purpose", &n, NULL);
+        break;
+    case 4: /* half a RESULT, then close */
+        kv_msg_result_encode(out, sizeof out, id, &res, &n, NULL);
+        n /= 2;
+        break;
+    default: /* an unexpected type */
+        kv_msg_ping_encode(out, sizeof out, KV_MSG_PONG, id, 1, &n, NULL);
+        break;
+    }
+    kv_proto_write_all(fd, out, n, 1000, NULL);
+    atomic_fetch_add(&L->n_lies, 1);
+}
+
+static void *liar_main(void *arg) {
+    liar *L = arg;
+    static uint8_t buf[1 << 22];
+    while (!atomic_load(&L->stop)) {
+        struct timeval tv = {0, 50000};
+        setsockopt(L->lfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        const int fd = accept(L->lfd, NULL, NULL);
+        if (fd < 0) continue;
+        const int conn = atomic_fetch_add(&L->n_conns, 1);
+        kv_frame_rx rx;
+        kv_frame_rx_init(&rx, buf, sizeof buf);
+        kv_msg m;
+        const kv_proto_limits lim = {L->n_layer, L->n_embd, L->n_expert};
+        if (!kv_proto_read_msg(&rx, fd, 2000, &lim, &m, NULL) && m.h.type == KV_MSG_HELLO) {
+            static uint8_t ack[1 << 16];
+            kv_held_range rg[64];
+            for (uint32_t l = 0; l < L->n_layer; l++) rg[l] = (kv_held_range){l, 0, L->n_expert - 1};
+            kv_msg_hello_ack a = {KV_PROTO_VERSION, {0}, L->n_layer, L->n_embd, L->n_ff, L->n_expert, L->n_used,
+                                  1u, "liar", L->n_layer, rg, NULL};
+            memcpy(a.model_id, L->model_id, 65);
+            size_t n;
+            kv_frame_rx_reset(&rx);
+            if (!kv_msg_hello_ack_encode(ack, sizeof ack, m.h.request_id, &a, &n, NULL) &&
+                !kv_proto_write_all(fd, ack, n, 1000, NULL) && !kv_proto_read_msg(&rx, fd, 5000, &lim, &m, NULL) &&
+                m.h.type == KV_MSG_COMPUTE)
+                liar_lie(L, fd, conn % 6, &m);
+        }
+        sleep_ms(20); /* let the coordinator read it before the close */
+        close(fd);
+    }
+    return NULL;
+}
+
+static bool liar_start(liar *L, const kv_manifest *m) {
+    memset(L, 0, sizeof *L);
+    memcpy(L->model_id, m->model_id, 65);
+    L->n_layer = m->n_layer;
+    L->n_embd = m->n_embd;
+    L->n_ff = m->n_ff_exp;
+    L->n_expert = m->n_expert;
+    L->n_used = m->n_expert_used;
+    L->lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t l = sizeof a;
+    if (L->lfd < 0 || bind(L->lfd, (struct sockaddr *)&a, sizeof a) || listen(L->lfd, 16) ||
+        getsockname(L->lfd, (struct sockaddr *)&a, &l))
+        return false;
+    L->port = ntohs(a.sin_port);
+    snprintf(L->addr, sizeof L->addr, "127.0.0.1:%u", L->port);
+    return !pthread_create(&L->th, NULL, liar_main, L);
+}
+
+static void liar_stop(liar *L) {
+    atomic_store(&L->stop, 1);
+    pthread_join(L->th, NULL);
+    close(L->lfd);
+}
+
+/* ---- decoding ---------------------------------------------------------------- */
+
+typedef void (*step_hook)(int step, void *arg);
+
+/* Greedy decode of g_prompt: logits[(N_GEN+1)][vocab]. Returns the number
+ * of logit rows produced (N_GEN + 1 on success); d holds the error. */
+static int decode(const kv_model *m, const kv_expert_provider *p, float *logits, step_hook hook, void *arg,
+                  kv_diag *d) {
+    kv_state *st = NULL;
+    const kv_state_opts so = {.n_ctx = 64, .n_batch = 4, .experts = p};
+    if (kv_state_new(&st, m, g_pool, &so, d)) return 0;
+    int rows = 0;
+    if (!kv_state_eval(st, g_prompt, N_PROMPT, logits, d)) {
+        rows = 1;
+        for (int i = 0; i < N_GEN; i++) {
+            const float *l = logits + (size_t)i * g_vocab;
+            int32_t t = 0;
+            for (uint32_t v = 1; v < g_vocab; v++)
+                if (l[v] > l[t]) t = (int32_t)v;
+            if (hook) hook(i, arg);
+            if (kv_state_eval(st, &t, 1, logits + (size_t)(i + 1) * g_vocab, d)) break;
+            rows++;
+        }
+    }
+    kv_state_free(st);
+    return rows;
+}
+
+static char g_manifest[400];
+
+static kv_remote *open_remote(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest, kv_diag *d) {
+    kv_remote *r = NULL;
+    const kv_remote_opts o = {addrs, n, TIMEOUT_MS, RECONNECT_MS, enc, 4, false, NULL};
+    kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
+    return r;
+}
+
+/* Decodes through r and checks every logit row against the reference. */
+static void check_exact(kv_remote *r, step_hook hook, void *arg, const char *what) {
+    float *lg = calloc((size_t)(N_GEN + 1) * g_vocab, sizeof *lg);
+    kv_diag d = {0};
+    const int rows = decode(kv_remote_model(r), kv_remote_provider(r), lg, hook, arg, &d);
+    if (rows != N_GEN + 1) KVT_FAIL("%s: decode stopped after %d rows: %s", what, rows, d.msg);
+    ASSERT_EQ(rows, N_GEN + 1);
+    const bool same = !memcmp(lg, g_ref, (size_t)rows * g_vocab * sizeof *lg);
+    if (!same) KVT_FAIL("%s: logits differ from the in-process run", what);
+    ASSERT_TRUE(same);
+    free(lg);
+}
+
+static void print_workers(const kv_remote *r, const char *what) {
+    kv_remote_stats st;
+    kv_remote_get_stats(r, &st);
+    printf("  %s: %llu calls, %llu rounds, %llu retried, rtt p50 %.0f us p99 %.0f us\n", what,
+           (unsigned long long)st.calls, (unsigned long long)st.rounds, (unsigned long long)st.retried_pairs,
+           st.rtt_p50_us, st.rtt_p99_us);
+    for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
+        kv_remote_worker w;
+        kv_remote_worker_info(r, i, &w);
+        printf("    %s: %s pairs %llu (since connect %llu) drops %llu connects %llu %s\n", w.addr, w.up ? "up" : "down",
+               (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect, (unsigned long long)w.drops,
+               (unsigned long long)w.connects, w.last_error);
+    }
+}
+
+/* ---- scenarios ------------------------------------------------------------------ */
+
+static void test_disjoint(void) {
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+    kv_diag d = {0};
+    kv_remote *r = open_remote(addrs, 3, KV_ENC_F32, NULL, &d);
+    if (!r) KVT_FAIL("open: %s", d.msg);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        check_exact(r, NULL, NULL, "three disjoint workers");
+        kv_remote_stats st;
+        kv_remote_get_stats(r, &st);
+        ASSERT_EQ(st.retried_pairs, 0);
+        ASSERT_EQ(st.pairs_local, 0);
+        ASSERT_EQ(st.rounds, st.calls);
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < 3; i++) {
+            kv_remote_worker wi;
+            kv_remote_worker_info(r, i, &wi);
+            ASSERT_TRUE(wi.up);
+            ASSERT_TRUE(wi.pairs > 0);
+            ASSERT_EQ(wi.connects, 1);
+            sum += wi.pairs;
+        }
+        ASSERT_EQ(sum, st.pairs_remote);
+        /* every (token, rank) of every MoE layer: prompt + N_GEN tokens */
+        const kv_hparams *hp = kv_model_hparams(kv_remote_model(r));
+        ASSERT_EQ(sum, (uint64_t)(N_PROMPT + N_GEN) * hp->n_expert_used * hp->n_layer);
+        print_workers(r, "disjoint");
+        /* the workers' own counters agree */
+        for (uint32_t i = 0; i < 3; i++) {
+            kv_remote_worker wi;
+            kv_remote_worker_info(r, i, &wi);
+            kv_msg_stats ws = {0};
+            ASSERT_TRUE(worker_stats(&w[i], kv_remote_manifest(r)->model_id, &ws));
+            ASSERT_EQ(ws.n_pairs, wi.pairs);
+        }
+    }
+    kv_remote_free(r);
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+typedef struct fault_ctx {
+    proc *w;
+    int kill_at, stop_at, cont_at, restart_at;
+} fault_ctx;
+
+static void fault_hook(int step, void *arg) {
+    fault_ctx *c = arg;
+    if (step == c->kill_at) kill_worker(&c->w[1], SIGKILL);
+    if (step == c->stop_at) kill_worker(&c->w[0], SIGSTOP);
+    if (step == c->cont_at) kill_worker(&c->w[0], SIGCONT);
+    if (step == c->restart_at) {
+        if (!start_worker(&c->w[1])) KVT_FAIL("could not restart %s", c->w[1].addr);
+    }
+    if (step >= c->restart_at) sleep_ms(RECONNECT_MS / 2); /* time for reconnects */
+}
+
+static void test_replicas(void) {
+    char s[3][2100];
+    for (int i = 0; i < 3; i++) snprintf(s[i], sizeof s[i], "%s,%s", g_group[i], g_group[(i + 1) % 3]);
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], s[i]));
+    const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+    kv_diag d = {0};
+    kv_remote *r = open_remote(addrs, 3, KV_ENC_F32, NULL, &d);
+    if (!r) KVT_FAIL("open: %s", d.msg);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        /* kill w1 at step 2, restart it at step 4, stall w0 from step 7 (past
+         * the deadline; w1 is back by then, so G1 still has a holder),
+         * continue it at step 10: the output never changes */
+        fault_ctx c = {w, 2, 7, 10, 4};
+        check_exact(r, fault_hook, &c, "replicas with a kill, a stall and a restart");
+        print_workers(r, "replicas");
+        kv_remote_worker w0, w1, w2;
+        kv_remote_worker_info(r, 0, &w0);
+        kv_remote_worker_info(r, 1, &w1);
+        kv_remote_worker_info(r, 2, &w2);
+        kv_remote_stats st;
+        kv_remote_get_stats(r, &st);
+        ASSERT_TRUE(st.retried_pairs > 0);  /* the stall at least forced a retry */
+        ASSERT_EQ(w0.drops, 1);             /* stalled past the deadline */
+        ASSERT_EQ(w1.drops, 1);             /* killed */
+        ASSERT_EQ(w2.drops, 0);
+        ASSERT_EQ(w0.connects, 2);          /* continued: reconnected */
+        ASSERT_EQ(w1.connects, 2);          /* restarted: reconnected */
+        ASSERT_TRUE(w0.up && w1.up && w2.up);
+        ASSERT_TRUE(w0.pairs_since_connect > 0);
+        ASSERT_TRUE(w1.pairs_since_connect > 0);
+        /* the restarted process counts exactly what it served since */
+        kv_msg_stats ws = {0};
+        ASSERT_TRUE(worker_stats(&w[1], kv_remote_manifest(r)->model_id, &ws));
+        ASSERT_EQ(ws.n_pairs, w1.pairs_since_connect);
+        printf("  restarted worker %s served %llu expert computations after its restart (its own count: %llu)\n",
+               w[1].addr, (unsigned long long)w1.pairs_since_connect, (unsigned long long)ws.n_pairs);
+    }
+    kv_remote_free(r);
+    for (int i = 0; i < 3; i++) {
+        kill_worker(&w[i], SIGCONT);
+        kill_worker(&w[i], SIGKILL);
+    }
+}
+
+static void kill_w1_hook(int step, void *arg) {
+    if (step == 3) kill_worker(&((proc *)arg)[1], SIGKILL);
+}
+
+static void test_no_replica_dies(void) {
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+    kv_diag d = {0};
+    kv_remote *r = open_remote(addrs, 3, KV_ENC_F32, NULL, &d);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        float *lg = calloc((size_t)(N_GEN + 1) * g_vocab, sizeof *lg);
+        const int rows = decode(kv_remote_model(r), kv_remote_provider(r), lg, kill_w1_hook, w, &d);
+        ASSERT_EQ(rows, 4); /* prefill + 3 steps, then the failing one */
+        ASSERT_EQ(d.code, KV_ENOTFOUND);
+        ASSERT_TRUE(strstr(d.msg, "no worker can compute it") != NULL);
+        ASSERT_TRUE(strstr(d.msg, w[1].addr) != NULL);
+        printf("  expected error: %s\n", d.msg);
+        ASSERT_TRUE(!memcmp(lg, g_ref, (size_t)rows * g_vocab * sizeof *lg));
+        free(lg);
+    }
+    kv_remote_free(r);
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+static void slow_hook(int step, void *arg) {
+    (void)step;
+    (void)arg;
+    sleep_ms(RECONNECT_MS / 4);
+}
+
+static void bounce_w1_hook(int step, void *arg) {
+    proc *w = arg;
+    if (step == 3) {
+        kill_worker(&w[1], SIGKILL);
+        if (!start_worker(&w[1])) KVT_FAIL("could not restart %s", w[1].addr);
+    }
+}
+
+/* No replicas, but the worker is back (restarted) before its experts are
+ * needed again: it is dialed at once instead of failing the step. */
+static void test_no_replica_back(void) {
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+    kv_diag d = {0};
+    kv_remote *r = open_remote(addrs, 3, KV_ENC_F32, NULL, &d);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        check_exact(r, bounce_w1_hook, w, "no replica, a worker restarted between steps");
+        kv_remote_worker w1;
+        kv_remote_worker_info(r, 1, &w1);
+        ASSERT_EQ(w1.drops, 1);
+        ASSERT_EQ(w1.connects, 2);
+        ASSERT_TRUE(w1.pairs_since_connect > 0);
+        print_workers(r, "bounce");
+    }
+    kv_remote_free(r);
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+static void test_liar(void) {
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    kv_manifest *m = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_manifest_load(&m, g_manifest, &d), 0);
+    liar L;
+    ASSERT_TRUE(m && liar_start(&L, m));
+    const char *addrs[4] = {L.addr, w[0].addr, w[1].addr, w[2].addr};
+    kv_remote *r = open_remote(addrs, 4, KV_ENC_F32, NULL, &d);
+    if (!r) KVT_FAIL("open: %s", d.msg);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        /* the decode slowed a little so the liar is reconnected often */
+        for (int k = 0; k < 3; k++) check_exact(r, slow_hook, NULL, "a liar among honest workers");
+        print_workers(r, "liar");
+        kv_remote_worker li;
+        kv_remote_worker_info(r, 0, &li);
+        ASSERT_TRUE(li.drops >= 3);
+        ASSERT_EQ(li.pairs, 0);
+        ASSERT_TRUE(atomic_load(&L.n_lies) >= 3);
+        printf("  the liar lied %d times over %d connections; dropped %llu times\n", atomic_load(&L.n_lies),
+               atomic_load(&L.n_conns), (unsigned long long)li.drops);
+    }
+    kv_remote_free(r);
+    liar_stop(&L);
+    /* a worker of another model is refused at the handshake */
+    memset(m->model_id, 'a', 64);
+    ASSERT_TRUE(liar_start(&L, m));
+    const char *one[1] = {L.addr};
+    r = open_remote(one, 1, KV_ENC_F32, NULL, &d);
+    ASSERT_TRUE(r == NULL);
+    ASSERT_EQ(d.code, KV_ENOTFOUND);
+    ASSERT_TRUE(strstr(d.msg, "another model") != NULL);
+    printf("  expected error: %s\n", d.msg);
+    liar_stop(&L);
+    kv_manifest_free(m);
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+static void test_coverage_and_local(void) {
+    proc w[2];
+    for (int i = 0; i < 2; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    const char *addrs[3] = {w[0].addr, w[1].addr, "127.0.0.1:1"};
+    kv_diag d = {0};
+    kv_remote *r = open_remote(addrs, 3, KV_ENC_F32, NULL, &d);
+    ASSERT_TRUE(r == NULL);
+    ASSERT_EQ(d.code, KV_ENOTFOUND);
+    ASSERT_TRUE(strstr(d.msg, "layer 0 expert 8 is served by no worker") != NULL);
+    ASSERT_TRUE(strstr(d.msg, "127.0.0.1:1") != NULL);
+    printf("  expected error: %s\n", d.msg);
+    /* G2's slabs present in a coordinator folder: computed locally */
+    char dir[300], man[400], cmd[2400];
+    snprintf(dir, sizeof dir, "%s/coord-g2", g_dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s/experts' && cp '%s/slices/manifest.json' '%s/slices/backbone.gguf' '%s/' && "
+             "cp %s/slices/experts/blk.*.0008-0011.gguf '%s/experts/'", dir, g_dir, g_dir, dir, g_dir, dir);
+    ASSERT_EQ(system(cmd), 0);
+    snprintf(man, sizeof man, "%s/manifest.json", dir);
+    r = open_remote(addrs, 3, KV_ENC_F32, man, &d);
+    if (!r) KVT_FAIL("open: %s", d.msg);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        check_exact(r, NULL, NULL, "two workers and local slabs");
+        kv_remote_stats st;
+        kv_remote_get_stats(r, &st);
+        ASSERT_TRUE(st.pairs_local > 0);
+        ASSERT_TRUE(st.pairs_remote > 0);
+        print_workers(r, "local fallback");
+    }
+    kv_remote_free(r);
+    /* a corrupt local slab is an error, not a silent fallback */
+    snprintf(cmd, sizeof cmd, "printf 'X' | dd of='%s/experts/blk.1.0008-0011.gguf' bs=1 seek=5000 conv=notrunc 2>/dev/null",
+             dir);
+    ASSERT_EQ(system(cmd), 0);
+    r = open_remote(addrs, 3, KV_ENC_F32, man, &d);
+    ASSERT_TRUE(r == NULL);
+    ASSERT_EQ(d.code, KV_EHASH);
+    printf("  expected error: %s\n", d.msg);
+    for (int i = 0; i < 2; i++) kill_worker(&w[i], SIGKILL);
+}
+
+static void test_wire(void) {
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+    for (uint32_t enc = KV_ENC_F16; enc <= KV_ENC_BF16; enc++) {
+        kv_diag d = {0};
+        kv_remote *r = open_remote(addrs, 3, enc, NULL, &d);
+        ASSERT_TRUE(r != NULL);
+        if (!r) continue;
+        float *lg = calloc((size_t)(N_GEN + 1) * g_vocab, sizeof *lg);
+        /* teacher-forced: the prompt's prefill logits, the most comparable */
+        const int rows = decode(kv_remote_model(r), kv_remote_provider(r), lg, NULL, NULL, &d);
+        ASSERT_EQ(rows, N_GEN + 1);
+        double maxerr = 0, maxabs = 0, sumerr = 0;
+        for (size_t i = 0; i < g_vocab; i++) {
+            const double e = fabs((double)lg[i] - g_ref[i]);
+            if (e > maxerr) maxerr = e;
+            sumerr += e;
+            if (fabs(g_ref[i]) > maxabs) maxabs = fabs(g_ref[i]);
+        }
+        kv_remote_worker wi;
+        kv_remote_worker_info(r, 0, &wi);
+        ASSERT_EQ(wi.enc, enc);
+        kv_remote_stats st;
+        kv_remote_get_stats(r, &st);
+        printf("  wire %s: |logit error| after prefill: max %.3g, mean %.3g (max |logit| %.3g, relative %.3g); "
+               "%.1f kB sent, %.1f kB received\n", kv_enc_name(enc), maxerr, sumerr / g_vocab, maxabs, maxerr / maxabs,
+               st.bytes_sent / 1e3, st.bytes_recv / 1e3);
+        ASSERT_TRUE(maxerr > 0);                             /* it is lossy */
+        ASSERT_TRUE(maxerr <= 0.1 * maxabs); /* and bounded */
+        free(lg);
+        kv_remote_free(r);
+    }
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+int main(void) {
+    g_bin = getenv("KV_BIN");
+    if (!g_bin) {
+        fprintf(stderr, "test_remote: KV_BIN (the kvasir binary) is not set\n");
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    snprintf(g_dir, sizeof g_dir, "/tmp/kvasir-remote.XXXXXX");
+    if (!mkdtemp(g_dir)) return 1;
+    kv_diag d = {0};
+    kv_gen_config c;
+    ASSERT_EQ(kv_gen_preset_get("tiny", &c, &d), 0);
+    c.n_layer = 3;
+    c.n_embd = 128;
+    c.n_ff_exp = 64;
+    c.n_expert = 12;
+    c.n_expert_used = 4;
+    c.n_head = 4;
+    c.n_head_kv = 2;
+    c.head_dim = 32;
+    c.n_vocab = 512;
+    c.type = KV_TYPE_Q8_0;
+    c.n_threads = 1;
+    c.seed = 11;
+    c.log = NULL;
+    char model[300], slices[300];
+    snprintf(model, sizeof model, "%s/m.gguf", g_dir);
+    snprintf(slices, sizeof slices, "%s/slices", g_dir);
+    ASSERT_EQ(kv_gen_model(&c, model, &d), 0);
+    const kv_slice_opts so = {4, -1, -1, 1};
+    ASSERT_EQ(kv_slice_model(model, slices, &so, NULL, &d), 0);
+    /* the coordinator's folder: backbone and manifest only */
+    char coord[300], f1[400], f2[400];
+    snprintf(coord, sizeof coord, "%s/coord", g_dir);
+    mkdir(coord, 0755);
+    snprintf(f1, sizeof f1, "%s/backbone.gguf", slices);
+    snprintf(f2, sizeof f2, "%s/backbone.gguf", coord);
+    ASSERT_EQ(cp(f1, f2), 0);
+    snprintf(f1, sizeof f1, "%s/manifest.json", slices);
+    snprintf(f2, sizeof f2, "%s/manifest.json", coord);
+    ASSERT_EQ(cp(f1, f2), 0);
+    snprintf(g_manifest, sizeof g_manifest, "%s", f2);
+    for (int gi = 0; gi < 3; gi++) {
+        size_t o = 0;
+        for (uint32_t l = 0; l < c.n_layer; l++)
+            o += (size_t)snprintf(g_group[gi] + o, sizeof g_group[gi] - o, "%s%s/experts/blk.%u.%04u-%04u.gguf",
+                                  l ? "," : "", slices, l, 4u * gi, 4u * gi + 3);
+    }
+    if (kvt_failures) return 1;
+
+    /* the reference: in-process from the full model file */
+    ASSERT_EQ(kv_pool_new(&g_pool, 2, &d), 0);
+    kv_model *full = NULL;
+    ASSERT_EQ(kv_model_load(&full, model, &d), 0);
+    g_vocab = kv_model_hparams(full)->n_vocab;
+    for (int i = 0; i < N_PROMPT; i++) g_prompt[i] = 300 + 17 * i;
+    g_ref = calloc((size_t)(N_GEN + 1) * g_vocab, sizeof *g_ref);
+    ASSERT_EQ(decode(full, NULL, g_ref, NULL, NULL, &d), N_GEN + 1);
+    kv_model_free(full);
+    if (kvt_failures) return 1;
+
+    printf("disjoint workers\n");
+    test_disjoint();
+    printf("replicas: kill, stall, restart\n");
+    test_replicas();
+    printf("no replica: a worker dies\n");
+    test_no_replica_dies();
+    printf("no replica: a worker restarted between steps\n");
+    test_no_replica_back();
+    printf("a liar\n");
+    test_liar();
+    printf("coverage and local fallback\n");
+    test_coverage_and_local();
+    printf("f16/bf16 on the wire\n");
+    test_wire();
+
+    free(g_ref);
+    kv_pool_free(g_pool);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+    if (!kvt_failures) (void)!system(cmd);
+    else fprintf(stderr, "test_remote: files kept in %s\n", g_dir);
+    KV_TEST_END();
+}

@@ -1,0 +1,628 @@
+/* kvasir worker over loopback: a real worker process serves COMPUTE with
+ * results bit-identical to the in-process expert computation on the full
+ * model; every kind of bad input (garbage, oversized length, unknown type,
+ * truncated or stalled frame, wrong version, wrong model, requests before
+ * the handshake, wrong direction, layer out of range, too many
+ * connections) gets an ERROR and a close, or a request-level ERROR for
+ * experts not held, while a well-behaved connection keeps getting correct
+ * RESULTs throughout; the worker exits cleanly on SIGTERM and reports its
+ * expert computations. Everything on 127.0.0.1, ports chosen by the kernel. */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/gguf.h"
+#include "kvasir/quant.h"
+#include "kvasir/slice.h"
+#include "kvtest.h"
+
+#define N_LAYER 3
+#define N_EMBD 256
+#define N_EXPERT 8
+#define READ_TIMEOUT_MS 400
+
+static char g_dir[64];
+static const char *g_bin;
+static char g_model_id[65];
+static kv_gguf *g_full; /* the full model: the reference */
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...) {
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    int rc = system(cmd);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- a worker process ----------------------------------------------------- */
+
+typedef struct proc {
+    pid_t pid;
+    char addr[64];
+    char errlog[128];
+} proc;
+
+/* Starts `kvasir worker ARGS --listen 127.0.0.1:0`, waits for its
+ * "listening on" line. Returns 0, or -1 if it exited first. */
+static int worker_start(proc *p, const char *tag, const char *args) {
+    int pfd[2];
+    if (pipe(pfd)) return -1;
+    snprintf(p->errlog, sizeof p->errlog, "%s/%s.err", g_dir, tag);
+    p->pid = fork();
+    if (p->pid == 0) {
+        dup2(pfd[1], 1);
+        int e = open(p->errlog, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(e, 2);
+        close(pfd[0]);
+        char cmd[4096];
+        snprintf(cmd, sizeof cmd, "exec %s worker %s --listen 127.0.0.1:0", g_bin, args);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    close(pfd[1]);
+    char line[256];
+    size_t n = 0;
+    p->addr[0] = 0;
+    for (;;) {
+        char c;
+        ssize_t k = read(pfd[0], &c, 1);
+        if (k <= 0) break;
+        if (c == '\n') {
+            line[n] = 0;
+            if (!strncmp(line, "listening on ", 13)) {
+                snprintf(p->addr, sizeof p->addr, "%s", line + 13);
+                break;
+            }
+            n = 0;
+        } else if (n + 1 < sizeof line) {
+            line[n++] = c;
+        }
+    }
+    close(pfd[0]);
+    return p->addr[0] ? 0 : -1;
+}
+
+/* SIGTERM, wait; returns the exit status (-1 if killed by a signal). */
+static int worker_stop(proc *p) {
+    kill(p->pid, SIGTERM);
+    int st;
+    for (int i = 0; i < 100; i++) {
+        if (waitpid(p->pid, &st, WNOHANG) == p->pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        usleep(50000);
+    }
+    kill(p->pid, SIGKILL);
+    waitpid(p->pid, &st, 0);
+    return -2;
+}
+
+/* ---- a client -------------------------------------------------------------- */
+
+typedef struct client {
+    int fd;
+    uint8_t *buf; /* rx */
+    kv_frame_rx rx;
+    uint8_t *tx;
+    uint32_t next_id;
+} client;
+
+static int client_open(client *c, const char *addr) {
+    kv_diag d = {0};
+    memset(c, 0, sizeof *c);
+    c->buf = malloc(8u << 20);
+    c->tx = malloc(8u << 20);
+    kv_frame_rx_init(&c->rx, c->buf, 8u << 20);
+    c->next_id = 1;
+    int rc = kv_proto_connect(addr, 2000, &c->fd, &d);
+    if (rc) fprintf(stderr, "connect: %s\n", d.msg);
+    return rc;
+}
+
+static void client_close(client *c) {
+    if (c->fd > 0) close(c->fd);
+    free(c->buf);
+    free(c->tx);
+    c->fd = -1;
+}
+
+static int client_send(client *c, const void *b, size_t n) {
+    kv_diag d = {0};
+    return kv_proto_write_all(c->fd, b, n, 2000, &d);
+}
+
+/* Reads one message (5 s deadline). */
+static int client_recv(client *c, kv_msg *m, kv_diag *d) {
+    kv_frame_rx_reset(&c->rx);
+    return kv_proto_read_msg(&c->rx, c->fd, 5000, NULL, m, d);
+}
+
+/* True when the worker closed the connection (EOF within 3 s). */
+static bool closed_by_peer(client *c) {
+    kv_msg m;
+    kv_diag d = {0};
+    kv_frame_rx_reset(&c->rx);
+    int rc = kv_proto_read_msg(&c->rx, c->fd, 3000, NULL, &m, &d);
+    return rc == KV_EIO;
+}
+
+/* Expects an ERROR with code, then (if then_close) the close. */
+static void expect_error(client *c, int code, bool then_close, const char *what) {
+    kv_msg m;
+    kv_diag d = {0};
+    int rc = client_recv(c, &m, &d);
+    kvt_checks++;
+    if (rc) {
+        KVT_FAIL("%s: no ERROR frame (%s: %s)", what, kv_err_name(rc), d.msg);
+        return;
+    }
+    if (m.h.type != KV_MSG_ERROR || m.u.error.code != code) {
+        KVT_FAIL("%s: got %s code %d (%s), want ERROR %s", what, kv_msg_type_name(m.h.type),
+                 m.h.type == KV_MSG_ERROR ? m.u.error.code : 0, m.h.type == KV_MSG_ERROR ? m.u.error.msg : "",
+                 kv_err_name(code));
+        return;
+    }
+    if (!m.u.error.msg[0]) KVT_FAIL("%s: ERROR without a message", what);
+    if (then_close && !closed_by_peer(c)) KVT_FAIL("%s: connection not closed after ERROR", what);
+}
+
+static void hello(client *c, const char *model_id, kv_msg *ack) {
+    kv_diag d = {0};
+    size_t n;
+    kv_msg_hello h = {1, KV_PROTO_VERSION, "", KV_ENC_MASK_ALL};
+    memcpy(h.model_id, model_id, 65);
+    ASSERT_EQ(kv_msg_hello_encode(c->tx, 8u << 20, c->next_id++, &h, &n, &d), 0);
+    ASSERT_EQ(client_send(c, c->tx, n), 0);
+    ASSERT_EQ(client_recv(c, ack, &d), 0);
+    ASSERT_EQ(ack->h.type, KV_MSG_HELLO_ACK);
+}
+
+/* ---- reference -------------------------------------------------------------- */
+
+static uint32_t g_seed = 7;
+static float frand(void) {
+    g_seed = g_seed * 1664525u + 1013904223u;
+    return ((float)(g_seed >> 8) / 16777216.0f - 0.5f) * 2.0f;
+}
+
+/* y for one (token row, expert) on the full model with the engine's kernels. */
+static void reference(uint32_t layer, uint32_t expert, const float *x, float *y) {
+    kv_expert_weights w;
+    uint32_t E, F;
+    kv_diag d = {0};
+    if (kv_expert_find(g_full, layer, expert, &w, &E, &F, &d) ||
+        kv_expert_compute_one(&w, E, F, NULL, x, 1, y, &d))
+        KVT_FAIL("reference: %s", d.msg);
+}
+
+/* Sends a COMPUTE of n_tok random rows and the given pairs on c and checks
+ * the RESULT against the reference bit for bit (f32) or after rounding
+ * (bf16/f16: inputs rounded, outputs rounded). Returns mismatching floats. */
+static long compute_and_check(client *c, uint32_t layer, uint32_t n_tok, const kv_proto_pair *pairs,
+                              uint32_t n_pairs, uint32_t enc) {
+    kv_diag d = {0};
+    float *x = malloc(sizeof(float) * n_tok * N_EMBD), *xr = malloc(sizeof(float) * N_EMBD);
+    float *y = malloc(sizeof(float) * n_pairs * N_EMBD), *yr = malloc(sizeof(float) * N_EMBD);
+    for (uint32_t i = 0; i < n_tok * N_EMBD; i++) x[i] = frand();
+    kv_msg_compute cm = {layer, enc, enc, n_tok, N_EMBD, n_pairs, x, pairs, NULL, NULL};
+    size_t n;
+    uint32_t rid = c->next_id++;
+    long bad = -1;
+    if (kv_msg_compute_encode(c->tx, 8u << 20, rid, &cm, &n, &d) || client_send(c, c->tx, n)) {
+        KVT_FAIL("compute: send failed: %s", d.msg);
+        goto done;
+    }
+    kv_msg m;
+    if (client_recv(c, &m, &d)) {
+        KVT_FAIL("compute: no answer: %s", d.msg);
+        goto done;
+    }
+    if (m.h.type != KV_MSG_RESULT || m.h.request_id != rid || m.u.result.n_pairs != n_pairs ||
+        m.u.result.n_embd != N_EMBD || m.u.result.enc != enc) {
+        KVT_FAIL("compute: got %s (%s) for request %u", kv_msg_type_name(m.h.type),
+                 m.h.type == KV_MSG_ERROR ? m.u.error.msg : "", rid);
+        goto done;
+    }
+    kv_msg_result_y(&m.u.result, y);
+    bad = 0;
+    for (uint32_t p = 0; p < n_pairs; p++) {
+        for (uint32_t i = 0; i < N_EMBD; i++) {
+            float v = x[(size_t)pairs[p].token * N_EMBD + i];
+            xr[i] = enc == KV_ENC_F32 ? v : enc == KV_ENC_F16 ? kv_fp16_to_fp32(kv_fp32_to_fp16(v))
+                                                             : kv_bf16_to_fp32(kv_fp32_to_bf16(v));
+        }
+        reference(layer, pairs[p].expert, xr, yr);
+        for (uint32_t i = 0; i < N_EMBD; i++) {
+            float want = enc == KV_ENC_F32 ? yr[i] : enc == KV_ENC_F16 ? kv_fp16_to_fp32(kv_fp32_to_fp16(yr[i]))
+                                                                       : kv_bf16_to_fp32(kv_fp32_to_bf16(yr[i]));
+            bad += memcmp(&want, &y[(size_t)p * N_EMBD + i], 4) != 0;
+        }
+    }
+done:
+    free(x);
+    free(xr);
+    free(y);
+    free(yr);
+    return bad;
+}
+
+/* The well-behaved connection's periodic check: 4 tokens, 6 pairs. */
+static void good_step(client *g, const char *when) {
+    const kv_proto_pair pairs[6] = {{0, 1}, {0, 3}, {1, 0}, {2, 2}, {3, 1}, {1, 3}};
+    long bad = compute_and_check(g, 0, 4, pairs, 6, KV_ENC_F32);
+    if (bad != 0) KVT_FAIL("good connection %s: %ld floats differ", when, bad);
+    kvt_checks++;
+}
+
+/* ---- the tests ----------------------------------------------------------------- */
+
+static void make_models(void) {
+    ASSERT_EQ(sh("%s gen-model --arch qwen3moe --out %s/m.gguf --layers %d --embd %d --ff-exp 256 --experts %d "
+                 "--experts-used 2 --vocab 300 --type q4_k --seed 5 >/dev/null 2>&1",
+                 g_bin, g_dir, N_LAYER, N_EMBD, N_EXPERT),
+              0);
+    ASSERT_EQ(sh("%s slice %s/m.gguf --out %s/sl --experts-per-slab 4 >/dev/null 2>&1", g_bin, g_dir, g_dir), 0);
+    ASSERT_EQ(sh("%s gen-model --arch qwen3moe --out %s/other.gguf --layers %d --embd %d --ff-exp 256 --experts %d "
+                 "--experts-used 2 --vocab 300 --type q4_k --seed 6 >/dev/null 2>&1",
+                 g_bin, g_dir, N_LAYER, N_EMBD, N_EXPERT),
+              0);
+    ASSERT_EQ(sh("%s slice %s/other.gguf --out %s/sl2 >/dev/null 2>&1", g_bin, g_dir, g_dir), 0);
+    char p[256];
+    snprintf(p, sizeof p, "%s/m.gguf", g_dir);
+    kv_diag d = {0};
+    ASSERT_EQ(kv_gguf_open(&g_full, p, &d), 0);
+    kv_slice_model_id(g_full, g_model_id);
+}
+
+/* Bad inputs at startup: no slabs, mixed models, a bad address. */
+static void test_startup_errors(void) {
+    proc p;
+    ASSERT_EQ(sh("%s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl2/experts/blk.1.0000-0007.gguf "
+                 "--listen 127.0.0.1:0 >/dev/null 2>%s/mixed.err",
+                 g_bin, g_dir, g_dir, g_dir),
+              2);
+    ASSERT_EQ(sh("grep -q 'comes from model' %s/mixed.err", g_dir), 0);
+    ASSERT_EQ(sh("%s worker --slabs %s/nope --listen 127.0.0.1:0 >/dev/null 2>&1", g_bin, g_dir), 2);
+    ASSERT_EQ(sh("%s worker --slabs %s/sl --listen 127.0.0.1 >/dev/null 2>&1", g_bin, g_dir), 2);
+    ASSERT_EQ(sh("%s worker --slabs %s/sl >/dev/null 2>&1", g_bin, g_dir), 1);
+    ASSERT_EQ(sh("%s worker --slabs %s/sl --listen 127.0.0.1:0 --threads 0 >/dev/null 2>&1", g_bin, g_dir), 1);
+    /* the same file twice: an expert in two files */
+    ASSERT_EQ(sh("%s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl/experts/blk.0.0000-0003.gguf "
+                 "--listen 127.0.0.1:0 >/dev/null 2>&1",
+                 g_bin, g_dir, g_dir),
+              2);
+    (void)p;
+}
+
+/* A whole slice folder and a full model file: everything held. */
+static void test_folder_and_full_model(void) {
+    const char *specs[2] = {"sl", "m.gguf"};
+    for (int s = 0; s < 2; s++) {
+        proc p;
+        char args[512];
+        snprintf(args, sizeof args, "--slabs %s/%s --threads 3", g_dir, specs[s]);
+        if (worker_start(&p, specs[s], args)) {
+            KVT_FAIL("worker on %s did not start", specs[s]);
+            continue;
+        }
+        client c;
+        ASSERT_EQ(client_open(&c, p.addr), 0);
+        kv_msg ack;
+        hello(&c, g_model_id, &ack);
+        ASSERT_EQ(ack.u.ack.n_ranges, N_LAYER); /* slabs of 4 merged to one run per layer */
+        for (uint32_t l = 0; l < N_LAYER; l++) {
+            kv_held_range r = kv_msg_hello_ack_range(&ack.u.ack, l);
+            ASSERT_TRUE(r.layer == l && r.first == 0 && r.last == N_EXPERT - 1);
+        }
+        /* a prefill-sized batch over every expert of the last layer */
+        kv_proto_pair pairs[64];
+        for (int i = 0; i < 64; i++) pairs[i] = (kv_proto_pair){(uint32_t)(i % 16), (uint32_t)((i * 3) % N_EXPERT)};
+        ASSERT_EQ(compute_and_check(&c, N_LAYER - 1, 16, pairs, 64, KV_ENC_F32), 0);
+        client_close(&c);
+        ASSERT_EQ(worker_stop(&p), 0);
+    }
+}
+
+static void test_serving(void) {
+    proc p;
+    char args[1024];
+    /* layer 0 experts 0-3, layer 1 all (two slabs), nothing of layer 2 */
+    snprintf(args, sizeof args,
+             "--slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl/experts/blk.1.0000-0003.gguf,"
+             "%s/sl/experts/blk.1.0004-0007.gguf --threads 2 --max-conns 6 --read-timeout %d",
+             g_dir, g_dir, g_dir, READ_TIMEOUT_MS);
+    if (worker_start(&p, "serve", args)) {
+        KVT_FAIL("worker did not start (see %s)", p.errlog);
+        return;
+    }
+    client g;
+    ASSERT_EQ(client_open(&g, p.addr), 0);
+    kv_msg ack;
+    hello(&g, g_model_id, &ack);
+    const kv_msg_hello_ack *a = &ack.u.ack;
+    ASSERT_STREQ(a->model_id, g_model_id);
+    ASSERT_EQ(a->version, KV_PROTO_VERSION);
+    ASSERT_EQ(a->n_layer, N_LAYER);
+    ASSERT_EQ(a->n_embd, N_EMBD);
+    ASSERT_EQ(a->n_ff_exp, 256);
+    ASSERT_EQ(a->n_expert, N_EXPERT);
+    ASSERT_EQ(a->n_expert_used, 2);
+    ASSERT_EQ(a->enc_mask, KV_ENC_MASK_ALL);
+    ASSERT_STREQ(a->backend, kv_quant_backend());
+    ASSERT_EQ(a->n_ranges, 2);
+    ASSERT_TRUE(kv_msg_hello_ack_holds(a, 0, 3) && !kv_msg_hello_ack_holds(a, 0, 4));
+    ASSERT_TRUE(kv_msg_hello_ack_holds(a, 1, 7) && !kv_msg_hello_ack_holds(a, 2, 0));
+
+    /* correct results, f32 bit for bit, and the half encodings */
+    good_step(&g, "first");
+    {
+        kv_proto_pair pairs[10];
+        for (int i = 0; i < 10; i++) pairs[i] = (kv_proto_pair){(uint32_t)(i % 3), (uint32_t)(7 - i % 8)};
+        ASSERT_EQ(compute_and_check(&g, 1, 3, pairs, 10, KV_ENC_F32), 0);
+        ASSERT_EQ(compute_and_check(&g, 1, 3, pairs, 10, KV_ENC_BF16), 0);
+        ASSERT_EQ(compute_and_check(&g, 1, 3, pairs, 10, KV_ENC_F16), 0);
+    }
+    /* PING and STATS */
+    {
+        kv_diag d = {0};
+        size_t n;
+        kv_msg m;
+        ASSERT_EQ(kv_msg_ping_encode(g.tx, 1 << 20, KV_MSG_PING, 900, 0xfeedull, &n, &d), 0);
+        ASSERT_EQ(client_send(&g, g.tx, n), 0);
+        ASSERT_EQ(client_recv(&g, &m, &d), 0);
+        ASSERT_TRUE(m.h.type == KV_MSG_PONG && m.h.request_id == 900 && m.u.nonce == 0xfeedull);
+        ASSERT_EQ(kv_msg_stats_encode(g.tx, 1 << 20, 901, &n, &d), 0);
+        ASSERT_EQ(client_send(&g, g.tx, n), 0);
+        ASSERT_EQ(client_recv(&g, &m, &d), 0);
+        ASSERT_EQ(m.h.type, KV_MSG_STATS_ACK);
+        ASSERT_EQ(m.u.stats.n_compute, 4);
+        ASSERT_EQ(m.u.stats.n_pairs, 6 + 30);
+        ASSERT_EQ(m.u.stats.n_conns, 1);
+    }
+
+    kv_diag d = {0};
+    size_t n;
+    uint8_t hdr[KV_PROTO_HEADER];
+    client b;
+
+    /* garbage */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    ASSERT_EQ(client_send(&b, "GET / HTTP/1.1\r\nHost: x\r\n\r\n", 27), 0);
+    expect_error(&b, KV_EPROTO, true, "garbage");
+    client_close(&b);
+    good_step(&g, "after garbage");
+
+    /* oversized length: refused on the header, before any payload */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    hello(&b, g_model_id, &ack);
+    kv_frame_header_encode(hdr, KV_MSG_COMPUTE, 5, KV_PROTO_MAX_PAYLOAD);
+    ASSERT_EQ(client_send(&b, hdr, sizeof hdr), 0);
+    expect_error(&b, KV_ERANGE, true, "oversized length");
+    client_close(&b);
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    kv_frame_header_encode(hdr, KV_MSG_COMPUTE, 5, 0xfffffff0u);
+    ASSERT_EQ(client_send(&b, hdr, sizeof hdr), 0);
+    expect_error(&b, KV_ERANGE, true, "length beyond the protocol maximum");
+    client_close(&b);
+    good_step(&g, "after oversized");
+
+    /* unknown type */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    hello(&b, g_model_id, &ack);
+    kv_frame_header_encode(hdr, 42, 5, 0);
+    ASSERT_EQ(client_send(&b, hdr, sizeof hdr), 0);
+    expect_error(&b, KV_EPROTO, true, "unknown type");
+    client_close(&b);
+
+    /* a truncated frame that stalls (slow loris): the good connection is
+     * served meanwhile, and the stalled one gets ETIMEOUT and a close */
+    {
+        float x[4 * N_EMBD] = {0};
+        kv_proto_pair pr[1] = {{0, 0}};
+        kv_msg_compute cm = {0, KV_ENC_F32, KV_ENC_F32, 4, N_EMBD, 1, x, pr, NULL, NULL};
+        ASSERT_EQ(client_open(&b, p.addr), 0);
+        hello(&b, g_model_id, &ack);
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 6, &cm, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n / 2), 0);
+        int64_t t0 = now_ms();
+        good_step(&g, "while a frame stalls");
+        good_step(&g, "while a frame stalls (2)");
+        ASSERT_TRUE(now_ms() - t0 < READ_TIMEOUT_MS);
+        expect_error(&b, KV_ETIMEOUT, true, "stalled frame");
+        ASSERT_TRUE(now_ms() - t0 >= READ_TIMEOUT_MS - 50);
+        client_close(&b);
+        /* a truncated frame then EOF: closed without fuss */
+        ASSERT_EQ(client_open(&b, p.addr), 0);
+        hello(&b, g_model_id, &ack);
+        ASSERT_EQ(client_send(&b, b.tx, n - 3), 0);
+        shutdown(b.fd, SHUT_WR);
+        ASSERT_TRUE(closed_by_peer(&b));
+        client_close(&b);
+        /* a slow loris that keeps trickling still gets cut at the deadline */
+        ASSERT_EQ(client_open(&b, p.addr), 0);
+        hello(&b, g_model_id, &ack);
+        t0 = now_ms();
+        bool cut = false;
+        for (size_t i = 0; i < n && now_ms() - t0 < 4 * READ_TIMEOUT_MS; i++) {
+            if (send(b.fd, b.tx + i, 1, MSG_NOSIGNAL) != 1) {
+                cut = true;
+                break;
+            }
+            usleep(20000);
+        }
+        if (!cut) cut = closed_by_peer(&b);
+        ASSERT_TRUE(cut);
+        client_close(&b);
+    }
+    good_step(&g, "after truncated frames");
+
+    /* wrong version, wrong model, no HELLO first */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    {
+        kv_msg_hello h = {7, 9, "", 1};
+        memcpy(h.model_id, g_model_id, 65);
+        ASSERT_EQ(kv_msg_hello_encode(b.tx, 1 << 20, 1, &h, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        expect_error(&b, KV_EUNSUPPORTED, true, "wrong-version HELLO");
+    }
+    client_close(&b);
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    {
+        kv_msg_hello h = {1, 1, "", 1};
+        memcpy(h.model_id, g_model_id, 65);
+        h.model_id[0] = h.model_id[0] == 'a' ? 'b' : 'a';
+        ASSERT_EQ(kv_msg_hello_encode(b.tx, 1 << 20, 1, &h, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        expect_error(&b, KV_EHASH, true, "wrong model");
+    }
+    client_close(&b);
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    ASSERT_EQ(kv_msg_ping_encode(b.tx, 1 << 20, KV_MSG_PING, 1, 1, &n, &d), 0);
+    ASSERT_EQ(client_send(&b, b.tx, n), 0);
+    expect_error(&b, KV_EPROTO, true, "PING before HELLO");
+    client_close(&b);
+    good_step(&g, "after bad handshakes");
+
+    /* experts not held: a request-level ERROR; the connection stays usable */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    hello(&b, g_model_id, &ack);
+    {
+        float x[2 * N_EMBD] = {0};
+        kv_proto_pair pr[2] = {{0, 1}, {1, 6}};
+        kv_msg_compute cm = {0, KV_ENC_F32, KV_ENC_F32, 2, N_EMBD, 2, x, pr, NULL, NULL};
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 33, &cm, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        kv_msg m;
+        ASSERT_EQ(client_recv(&b, &m, &d), 0);
+        ASSERT_TRUE(m.h.type == KV_MSG_ERROR && m.h.request_id == 33 && m.u.error.code == KV_ENOTFOUND);
+        cm.layer = 2; /* no expert of layer 2 */
+        pr[1].expert = 0;
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 34, &cm, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        ASSERT_EQ(client_recv(&b, &m, &d), 0);
+        ASSERT_TRUE(m.h.type == KV_MSG_ERROR && m.h.request_id == 34 && m.u.error.code == KV_ENOTFOUND);
+        good_step(&b, "on the connection that asked for experts not held");
+        /* layer beyond the model, expert beyond the model: protocol errors */
+        cm.layer = N_LAYER;
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 35, &cm, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        expect_error(&b, KV_ERANGE, true, "layer out of range");
+        client_close(&b);
+        ASSERT_EQ(client_open(&b, p.addr), 0);
+        hello(&b, g_model_id, &ack);
+        cm.layer = 0;
+        pr[1].expert = N_EXPERT;
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 36, &cm, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        expect_error(&b, KV_ERANGE, true, "expert out of range");
+        client_close(&b);
+        /* a wrong n_embd */
+        ASSERT_EQ(client_open(&b, p.addr), 0);
+        hello(&b, g_model_id, &ack);
+        cm.n_embd = N_EMBD / 2;
+        pr[1].expert = 0;
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 37, &cm, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        expect_error(&b, KV_ERANGE, true, "wrong n_embd");
+        client_close(&b);
+    }
+    /* wrong direction: a RESULT sent to a worker */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    hello(&b, g_model_id, &ack);
+    {
+        float y[N_EMBD] = {0};
+        kv_msg_result r = {1, N_EMBD, KV_ENC_F32, y, NULL};
+        ASSERT_EQ(kv_msg_result_encode(b.tx, 1 << 20, 3, &r, &n, &d), 0);
+        ASSERT_EQ(client_send(&b, b.tx, n), 0);
+        expect_error(&b, KV_EPROTO, true, "RESULT to a worker");
+    }
+    client_close(&b);
+    /* a frame whose header length disagrees with its counts */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    hello(&b, g_model_id, &ack);
+    ASSERT_EQ(kv_msg_ping_encode(b.tx, 1 << 20, KV_MSG_PING, 1, 1, &n, &d), 0);
+    b.tx[12] = 4; /* len 8 -> 4 */
+    ASSERT_EQ(client_send(&b, b.tx, n - 4), 0);
+    expect_error(&b, KV_EPROTO, true, "short PING payload");
+    client_close(&b);
+    good_step(&g, "after wrong requests");
+
+    /* too many connections: max-conns 6, g is one; 5 more fill it up */
+    {
+        client many[6];
+        int opened = 0;
+        for (int i = 0; i < 5; i++) opened += client_open(&many[i], p.addr) == 0;
+        ASSERT_EQ(opened, 5);
+        usleep(100000);
+        ASSERT_EQ(client_open(&many[5], p.addr), 0);
+        expect_error(&many[5], KV_ERANGE, true, "connection over --max-conns");
+        client_close(&many[5]);
+        good_step(&g, "with every slot taken");
+        for (int i = 0; i < 5; i++) client_close(&many[i]);
+        /* slots come back */
+        bool ok = false;
+        for (int t = 0; t < 50 && !ok; t++) {
+            usleep(50000);
+            ASSERT_EQ(client_open(&b, p.addr), 0);
+            kv_msg_hello h = {1, 1, "", 1};
+            memcpy(h.model_id, g_model_id, 65);
+            kv_msg m;
+            if (!kv_msg_hello_encode(b.tx, 1 << 20, 1, &h, &n, &d) && !client_send(&b, b.tx, n) &&
+                !client_recv(&b, &m, &d))
+                ok = m.h.type == KV_MSG_HELLO_ACK;
+            client_close(&b);
+        }
+        ASSERT_TRUE(ok);
+    }
+    good_step(&g, "at the end");
+
+    /* counters: STATS agrees with what this test asked for */
+    {
+        kv_msg m;
+        ASSERT_EQ(kv_msg_stats_encode(g.tx, 1 << 20, 950, &n, &d), 0);
+        ASSERT_EQ(client_send(&g, g.tx, n), 0);
+        ASSERT_EQ(client_recv(&g, &m, &d), 0);
+        ASSERT_EQ(m.h.type, KV_MSG_STATS_ACK);
+        /* 10 good steps on g and one on b (6 pairs each), 3 x 10 pairs */
+        ASSERT_EQ(m.u.stats.n_pairs, 6 * 11 + 30);
+        ASSERT_TRUE(m.u.stats.n_errors >= 15);
+    }
+    client_close(&g);
+    ASSERT_EQ(worker_stop(&p), 0);
+    ASSERT_EQ(sh("grep -q 'served 96 expert computations' %s", p.errlog), 0);
+    ASSERT_EQ(sh("grep -q 'listening' %s", p.errlog), 1); /* that line goes to stdout */
+}
+
+int main(void) {
+    g_bin = getenv("KV_BIN");
+    if (!g_bin) {
+        fprintf(stderr, "KV_BIN not set\n");
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    snprintf(g_dir, sizeof g_dir, "/tmp/kv_worker_XXXXXX");
+    if (!mkdtemp(g_dir)) return 1;
+    make_models();
+    test_startup_errors();
+    test_folder_and_full_model();
+    test_serving();
+    kv_gguf_close(g_full);
+    if (!kvt_failures) sh("rm -rf %s", g_dir);
+    KV_TEST_END();
+}
