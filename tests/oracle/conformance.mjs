@@ -13,7 +13,7 @@
 //         teacher-forced on OUR tokens (prompt + our generated tokens, one
 //         batch); max |diff| over the vocabulary, entries where llama.cpp's
 //         log-probability is below LP_FLOOR skipped (see below);
-//   (iv)  at every step, our chosen token within BOUNDS[type] of llama.cpp's
+//   (iv)  at every step, our chosen token within BOUNDS[type].tie of llama.cpp's
 //         best at that position (log p_best - log p_ours <= bound): where a
 //         quantized model's continuation diverges, it was a near tie.
 // It prints a summary table, writes conformance.json next to the models
@@ -32,21 +32,24 @@ import { openOracle, loadLlama, ORACLE_SETTINGS } from "./oracle.mjs";
 
 // Bounds per weight type on d(step) = max over the vocabulary of
 // |log_softmax(ours) - log_softmax(llama.cpp)| at one generated step:
-//   max: every step, every prompt (also the near-tie bound of (iv));
-//   p50: the median step of the model (all prompts together).
+//   max: every step of every prompt;
+//   p50: the median step of the model (all prompts together);
+//   tie: (iv), llama.cpp's log p(its best) - log p(our token), every step.
 // Stated, with the measured values behind them, in docs/CONFORMANCE.md;
-// keep both in sync. Why two: with 8-bit activations (Q8_0, Q8_K) most
-// steps agree to ~1e-5, but an activation that lies within float noise of
-// a rounding boundary (or a router near-tie) rounds the other way now and
-// then and moves that step by ~0.1-1; llama.cpp itself differs that much
-// between evaluating the same tokens as one batch or one per decode (the
-// "llama self" column). The max bound catches gross errors, the median
-// catches a systematic one that the occasional flip would hide.
+// keep both in sync. Why a loose max and a tight median for 8-bit types:
+// llama.cpp rounds activations to 8-bit blocks (Q8_0, Q8_K) and Kvasir
+// mirrors it, so most steps agree to ~1e-5; but an activation within float
+// noise of a rounding boundary now and then rounds the other way, which
+// moves that step (and, through the KV cache, later ones) by ~0.1-0.3, and
+// once states differ a router near-tie can pick another expert (seen: 1.6).
+// llama.cpp itself differs that much between evaluating the same tokens as
+// one batch or one per decode (the "llama self" column). The max bound
+// catches gross errors, the median a systematic one that flips would hide.
 export const BOUNDS = {
-  f32: { max: 1e-3, p50: 1e-4 },
-  f16: { max: 4e-2, p50: 1.5e-2 },
-  q8_0: { max: 0.5, p50: 0.02 },
-  q4_k: { max: 1.0, p50: 0.02 },
+  f32: { max: 1e-3, p50: 1e-4, tie: 1e-3 },
+  f16: { max: 4e-2, p50: 1.5e-2, tie: 4e-2 },
+  q8_0: { max: 3.0, p50: 2e-2, tie: 0.5 },
+  q4_k: { max: 3.0, p50: 2e-2, tie: 0.5 },
 };
 // log-probabilities below this (llama.cpp side) are not compared: float32
 // softmax underflows near -87 and such tokens never matter for sampling.
@@ -303,8 +306,8 @@ async function checkModel(bin, dir, m, log) {
         const best = argmax(ref);
         const gap = ref[best] - ref[T[s]];
         if (gap > pGap) pGap = gap;
-        if (!(gap <= B.max)) {
-          fail(`(iv) prompt ${pi} step ${s}: we chose ${T[s]} (llama.cpp log p ${fmt(ref[T[s]])}), llama.cpp's best is ${best} (log p ${fmt(ref[best])}): gap ${fmt(gap)} > bound ${B.max}`);
+        if (!(gap <= B.tie)) {
+          fail(`(iv) prompt ${pi} step ${s}: we chose ${T[s]} (llama.cpp log p ${fmt(ref[T[s]])}), llama.cpp's best is ${best} (log p ${fmt(ref[best])}): gap ${fmt(gap)} > tie bound ${B.tie}`);
         }
         if (argmax(ours) !== T[s]) fail(`prompt ${pi} step ${s}: our token ${T[s]} is not the argmax of our own --logits-out row (${argmax(ours)})`);
       }
@@ -364,11 +367,11 @@ async function main() {
     results.push(r);
   }
   // summary table
-  const head = ["model", "type", "MB", "tokenize", "greedy=llama", "steps", "p50 d", "max d", "tie gap", "bound p50/max", "llama self", "result"];
+  const head = ["model", "type", "MB", "tokenize", "greedy=llama", "steps", "p50 d", "max d", "tie gap", "bounds p50/max/tie", "llama self", "result"];
   const num = (x) => (x != null && Number.isFinite(x) ? fmt(x) : "-");
   const rows = results.map((r) => [
     r.name, r.type, r.bytes ? (r.bytes / 1e6).toFixed(1) : "-", r.tokenize ?? "-", r.greedy ?? "-", String(r.steps ?? "-"),
-    num(r.p50), num(r.max_abs_diff), num(r.max_gap), `${r.bound.p50}/${r.bound.max}`, num(r.llama_self),
+    num(r.p50), num(r.max_abs_diff), num(r.max_gap), `${r.bound.p50}/${r.bound.max}/${r.bound.tie}`, num(r.llama_self),
     r.failures.length ? `FAIL(${r.failures.length})` : "ok",
   ]);
   const w = head.map((h, i) => Math.max(h.length, ...rows.map((x) => x[i].length)));
