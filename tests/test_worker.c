@@ -78,7 +78,7 @@ static int worker_start(proc *p, const char *tag, const char *args) {
         _exit(127);
     }
     close(pfd[1]);
-    char line[256];
+    char line[60];
     size_t n = 0;
     p->addr[0] = 0;
     for (;;) {
@@ -279,7 +279,7 @@ static void make_models(void) {
               0);
     ASSERT_EQ(sh("%s slice %s/m.gguf --out %s/sl --experts-per-slab 4 >/dev/null 2>&1", g_bin, g_dir, g_dir), 0);
     ASSERT_EQ(sh("%s gen-model --arch qwen3moe --out %s/other.gguf --layers %d --embd %d --ff-exp 256 --experts %d "
-                 "--experts-used 2 --vocab 300 --type q4_k --seed 6 >/dev/null 2>&1",
+                 "--experts-used 2 --vocab 300 --type q4_k --seed 6 --ctx 333 >/dev/null 2>&1",
                  g_bin, g_dir, N_LAYER, N_EMBD, N_EXPERT),
               0);
     ASSERT_EQ(sh("%s slice %s/other.gguf --out %s/sl2 >/dev/null 2>&1", g_bin, g_dir, g_dir), 0);
@@ -293,17 +293,17 @@ static void make_models(void) {
 /* Bad inputs at startup: no slabs, mixed models, a bad address. */
 static void test_startup_errors(void) {
     proc p;
-    ASSERT_EQ(sh("%s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl2/experts/blk.1.0000-0007.gguf "
+    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl2/experts/blk.1.0000-0007.gguf "
                  "--listen 127.0.0.1:0 >/dev/null 2>%s/mixed.err",
                  g_bin, g_dir, g_dir, g_dir),
               2);
     ASSERT_EQ(sh("grep -q 'comes from model' %s/mixed.err", g_dir), 0);
-    ASSERT_EQ(sh("%s worker --slabs %s/nope --listen 127.0.0.1:0 >/dev/null 2>&1", g_bin, g_dir), 2);
-    ASSERT_EQ(sh("%s worker --slabs %s/sl --listen 127.0.0.1 >/dev/null 2>&1", g_bin, g_dir), 2);
-    ASSERT_EQ(sh("%s worker --slabs %s/sl >/dev/null 2>&1", g_bin, g_dir), 1);
-    ASSERT_EQ(sh("%s worker --slabs %s/sl --listen 127.0.0.1:0 --threads 0 >/dev/null 2>&1", g_bin, g_dir), 1);
+    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/nope --listen 127.0.0.1:0 >/dev/null 2>&1", g_bin, g_dir), 2);
+    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl --listen 127.0.0.1 >/dev/null 2>&1", g_bin, g_dir), 2);
+    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl >/dev/null 2>&1", g_bin, g_dir), 1);
+    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl --listen 127.0.0.1:0 --threads 0 >/dev/null 2>&1", g_bin, g_dir), 1);
     /* the same file twice: an expert in two files */
-    ASSERT_EQ(sh("%s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl/experts/blk.0.0000-0003.gguf "
+    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl/experts/blk.0.0000-0003.gguf "
                  "--listen 127.0.0.1:0 >/dev/null 2>&1",
                  g_bin, g_dir, g_dir),
               2);
@@ -406,6 +406,15 @@ static void test_serving(void) {
     ASSERT_EQ(client_send(&b, "GET / HTTP/1.1\r\nHost: x\r\n\r\n", 27), 0);
     expect_error(&b, KV_EPROTO, true, "garbage");
     client_close(&b);
+    /* garbage with much more behind it: the ERROR still arrives (no reset) */
+    ASSERT_EQ(client_open(&b, p.addr), 0);
+    {
+        static uint8_t junk[200000];
+        memset(junk, 'z', sizeof junk);
+        (void)client_send(&b, junk, sizeof junk); /* may fail once the worker closed */
+        expect_error(&b, KV_EPROTO, true, "a lot of garbage");
+    }
+    client_close(&b);
     good_step(&g, "after garbage");
 
     /* oversized length: refused on the header, before any payload */
@@ -450,6 +459,7 @@ static void test_serving(void) {
         /* a truncated frame then EOF: closed without fuss */
         ASSERT_EQ(client_open(&b, p.addr), 0);
         hello(&b, g_model_id, &ack);
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 6, &cm, &n, &d), 0);
         ASSERT_EQ(client_send(&b, b.tx, n - 3), 0);
         shutdown(b.fd, SHUT_WR);
         ASSERT_TRUE(closed_by_peer(&b));
@@ -457,6 +467,7 @@ static void test_serving(void) {
         /* a slow loris that keeps trickling still gets cut at the deadline */
         ASSERT_EQ(client_open(&b, p.addr), 0);
         hello(&b, g_model_id, &ack);
+        ASSERT_EQ(kv_msg_compute_encode(b.tx, 1 << 20, 6, &cm, &n, &d), 0);
         t0 = now_ms();
         bool cut = false;
         for (size_t i = 0; i < n && now_ms() - t0 < 4 * READ_TIMEOUT_MS; i++) {
@@ -601,7 +612,7 @@ static void test_serving(void) {
         ASSERT_EQ(m.h.type, KV_MSG_STATS_ACK);
         /* 10 good steps on g and one on b (6 pairs each), 3 x 10 pairs */
         ASSERT_EQ(m.u.stats.n_pairs, 6 * 11 + 30);
-        ASSERT_TRUE(m.u.stats.n_errors >= 15);
+        ASSERT_TRUE(m.u.stats.n_errors >= 16);
     }
     client_close(&g);
     ASSERT_EQ(worker_stop(&p), 0);

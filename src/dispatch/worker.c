@@ -825,12 +825,35 @@ static void kv_conn_serve(kv_conn *c, char *why, size_t why_cap) {
     }
 }
 
+/* Before closing: half-close and discard what the peer still sends for a
+ * moment, so a pending ERROR frame is not destroyed by a reset (closing with
+ * unread input makes TCP send RST). Bounded in time and bytes. */
+static void kv_conn_linger(kv_conn *c) {
+    shutdown(c->fd, SHUT_WR);
+    uint8_t sink[4096];
+    size_t total = 0;
+    int64_t deadline = kv_now_ms() + 250;
+    while (total < (1u << 20) && !atomic_load(&c->w->stop)) {
+        int64_t left = deadline - kv_now_ms();
+        if (left <= 0) break;
+        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
+        int pr = poll(&pf, 1, (int)left);
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr <= 0) break;
+        ssize_t k = read(c->fd, sink, sizeof sink);
+        if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (k <= 0) break;
+        total += (size_t)k;
+    }
+}
+
 static void *kv_conn_main(void *arg) {
     kv_conn *c = arg;
     kv_worker *w = c->w;
     char why[600] = "closed";
     kv_conn_serve(c, why, sizeof why);
     kv_wlog(w, "conn %llu %s: closed (%s)", (unsigned long long)c->id, c->peer, why);
+    kv_conn_linger(c);
     pthread_mutex_lock(&w->mu);
     w->conns[c->slot] = NULL;
     w->n_active--;
