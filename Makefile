@@ -33,8 +33,10 @@ test: deps oracle
 
 asan: deps oracle
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKV_SANITIZE=ON >/dev/null
-	@cmake --build $(ASAN_BUILD) -j$(JOBS)
-	@cd $(ASAN_BUILD) && KV_ASAN=1 ctest --output-on-failure -j$(JOBS)
+	@cmake --build $(ASAN_BUILD) -j$(JOBS) -- --no-print-directory
+	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DKV_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzzers -- --no-print-directory
+	@cd $(ASAN_BUILD) && KV_FUZZ_BUILD=$(abspath $(FUZZ_BUILD)) ctest --output-on-failure -j$(JOBS)
 
 demo: deps
 	@$(MAKE) --no-print-directory build
