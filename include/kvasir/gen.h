@@ -38,7 +38,7 @@
 #define KV_GEN_MAX_BYTES (256ull << 30) /* refuse to write models over 256 GiB */
 
 typedef struct kv_gen_config {
-    const char *arch;       /* "qwen3moe" */
+    const char *arch;       /* "qwen3moe" or "qwen35moe" */
     const char *name;       /* general.name; NULL: "kvasir-synthetic" */
     uint32_t n_layer;       /* blocks */
     uint32_t n_embd;        /* hidden size */
@@ -57,7 +57,21 @@ typedef struct kv_gen_config {
     int n_threads;          /* threads drawing/quantizing; 0: all CPUs (the
                                bytes written do not depend on it) */
     FILE *log;              /* progress and fallback notes; NULL: silent */
+    /* qwen35moe only (ignored for qwen3moe); 0 = kv_gen_fill_defaults' value */
+    uint32_t n_ff_shexp;    /* shared expert hidden size (default n_ff_exp) */
+    uint32_t full_attn_interval; /* every k-th block is full attention (default 4) */
+    uint32_t ssm_d_conv;    /* conv kernel (default 4) */
+    uint32_t ssm_d_state;   /* delta-net head dim (default head_dim) */
+    uint32_t ssm_n_group;   /* delta-net key heads (default 2) */
+    uint32_t ssm_dt_rank;   /* delta-net value heads, a multiple of ssm_n_group (default 4) */
+    uint32_t n_rot;         /* rotary dims, even, <= head_dim (default head_dim / 4) */
+    int32_t rope_sections[4]; /* pairs per section; all 0: n_rot/2 split t, h, w as Qwen3.5 */
+    uint32_t n_nextn;       /* MTP blocks after the trunk (not defaulted: 0 = none) */
 } kv_gen_config;
+
+/* Fills the zero qwen35moe-only fields of a qwen35moe config with the
+ * defaults above (no-op for other architectures). */
+void kv_gen_fill_defaults(kv_gen_config *cfg);
 
 typedef struct kv_gen_preset {
     const char *name;    /* "tiny", ... */

@@ -30,7 +30,7 @@
 #define KV_MAX_CTX (1u << 20)
 #define KV_MAX_FF 262144
 
-enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_COUNT };
+enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_QWEN35MOE, KV_ARCH_COUNT };
 
 typedef struct kv_hparams {
     enum kv_arch arch;
@@ -52,6 +52,16 @@ typedef struct kv_hparams {
     bool expert_weights_norm;   /* renormalize top-k weights to sum 1 */
     float expert_weights_scale; /* applied when != 0 and != 1 */
     bool tied_output;        /* output.weight absent: LM head is token_embd */
+    /* qwen35moe (hybrid gated delta net + gated full attention); 0 otherwise */
+    uint32_t n_layer_nextn;  /* MTP blocks after the n_layer trunk blocks (loaded, not run) */
+    uint32_t full_attn_interval; /* every k-th block is full attention */
+    uint32_t n_ff_shexp;     /* shared expert hidden size, 0: none */
+    int32_t rope_sections[4];/* rope.dimension_sections (pairs per position component) */
+    uint32_t ssm_d_conv;     /* ssm.conv_kernel: causal conv window */
+    uint32_t ssm_d_state;    /* ssm.state_size: key/value head dim of the delta net */
+    uint32_t ssm_n_group;    /* ssm.group_count: key heads */
+    uint32_t ssm_dt_rank;    /* ssm.time_step_rank: value heads */
+    uint32_t ssm_d_inner;    /* ssm.inner_size == ssm_d_state * ssm_dt_rank */
 } kv_hparams;
 
 /* A weight tensor as a view into the mapping. For 3-D expert tensors,
@@ -74,6 +84,26 @@ typedef struct kv_layer {
     kv_weight gate_exps;     /* [n_expert][n_ff_exp][n_embd] */
     kv_weight up_exps;       /* [n_expert][n_ff_exp][n_embd] */
     kv_weight down_exps;     /* [n_expert][n_embd][n_ff_exp] */
+    /* qwen35moe only (data NULL otherwise). Full-attention blocks use wq as
+     * the joint query+gate projection [n_embd] -> [n_head*2*hd] (per head:
+     * hd query rows, then hd gate rows) and have no ffn_norm. */
+    bool recurrent;          /* gated-delta-net block (no wq/wk/wv/wo) */
+    kv_weight post_norm;     /* post_attention_norm [n_embd] f32 */
+    kv_weight wqkv;          /* [n_embd] -> [2*key_dim + value_dim] (q, k, v) */
+    kv_weight wqkv_gate;     /* attn_gate (z) [n_embd] -> [value_dim] */
+    kv_weight ssm_conv1d;    /* [conv_dim][d_conv] f32 */
+    kv_weight ssm_dt;        /* dt bias [n_v_heads] f32 */
+    kv_weight ssm_a;         /* -exp(A_log) [n_v_heads] f32 */
+    kv_weight ssm_beta;      /* [n_embd] -> [n_v_heads] */
+    kv_weight ssm_alpha;     /* [n_embd] -> [n_v_heads] */
+    kv_weight ssm_norm;      /* gated RMSNorm [head_v_dim] f32 */
+    kv_weight ssm_out;       /* [value_dim] -> [n_embd] */
+    kv_weight gate_inp_shexp;/* shared expert gate [n_embd] -> 1 */
+    kv_weight gate_shexp, up_shexp; /* [n_embd] -> [n_ff_shexp] */
+    kv_weight down_shexp;    /* [n_ff_shexp] -> [n_embd] */
+    /* MTP block only (il == n_layer): nextn glue */
+    kv_weight nextn_eh_proj; /* [2*n_embd] -> [n_embd] */
+    kv_weight nextn_enorm, nextn_hnorm, nextn_head_norm; /* [n_embd] f32 (head norm optional) */
 } kv_layer;
 
 typedef struct kv_model kv_model;
@@ -97,6 +127,7 @@ void kv_model_free(kv_model *m);
 const kv_hparams *kv_model_hparams(const kv_model *m);
 const kv_tok *kv_model_tok(const kv_model *m);
 const kv_gguf *kv_model_gguf(const kv_model *m);
+/* Block il < n_layer + n_layer_nextn (the MTP blocks follow the trunk). */
 const kv_layer *kv_model_layer(const kv_model *m, uint32_t il);
 /* Bytes of weights read for one decoded token (attention, router, top-k
  * experts, LM head, embedding row): used by bench to relate speed to

@@ -23,13 +23,21 @@ static void usage(FILE *f) {
             "         [--kv-heads N] [--head-dim N] [--vocab N] [--ctx N]\n"
             "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q5_k|q6_k] [--seed S] [--tied|--untied]\n"
             "         [--threads N]\n"
+            "       qwen35moe also: [--ff-shexp N] [--attn-interval N] [--ssm-conv N] [--ssm-state N]\n"
+            "         [--ssm-groups N] [--ssm-heads N] [--rope-dim N] [--rope-sections a,b,c,d] [--nextn 0|1]\n"
             "\n"
             "Writes a synthetic Mixture-of-Experts model loadable by llama.cpp: deterministic\n"
             "random weights (same flags and seed, same bytes), a byte-level BPE vocabulary\n"
             "learned from the bundled corpus with special tokens <|endoftext|>, <|im_start|>,\n"
             "<|im_end|>, and a ChatML chat template.\n"
             "\n"
-            "  --arch A         architecture; only qwen3moe (the default)\n"
+            "  --arch A         architecture: qwen3moe (the default) or qwen35moe (gated delta net\n"
+            "                   + gated full attention every --attn-interval blocks (default 4),\n"
+            "                   shared expert (--ff-shexp, default ff-exp), delta-net heads\n"
+            "                   --ssm-groups key / --ssm-heads value of --ssm-state dims (defaults\n"
+            "                   2 / 4 / head-dim), conv --ssm-conv (4), partial rotary --rope-dim\n"
+            "                   (head-dim/4) in --rope-sections (t,h,w split of rope-dim/2),\n"
+            "                   --nextn MTP blocks (0))\n"
             "  --out F          output file (written as F.part, then renamed)\n"
             "  --preset NAME    starting sizes (default %s); the flags below override them\n"
             "  --layers N       blocks                            (1..%u)\n"
@@ -136,6 +144,14 @@ int kv_cmd_gen_model(int argc, char **argv) {
             {"--head-dim", &cfg.head_dim, 2, KV_GEN_MAX_HEAD_DIM},
             {"--vocab", &cfg.n_vocab, KV_GEN_MIN_VOCAB, 1L << 22},
             {"--ctx", &cfg.n_ctx, 1, KV_GEN_MAX_CTX},
+            {"--ff-shexp", &cfg.n_ff_shexp, 1, KV_GEN_MAX_FF},
+            {"--attn-interval", &cfg.full_attn_interval, 1, KV_GEN_MAX_LAYER},
+            {"--ssm-conv", &cfg.ssm_d_conv, 2, 64},
+            {"--ssm-state", &cfg.ssm_d_state, 1, KV_GEN_MAX_HEAD_DIM},
+            {"--ssm-groups", &cfg.ssm_n_group, 1, KV_GEN_MAX_HEAD},
+            {"--ssm-heads", &cfg.ssm_dt_rank, 1, KV_GEN_MAX_HEAD},
+            {"--rope-dim", &cfg.n_rot, 2, KV_GEN_MAX_HEAD_DIM},
+            {"--nextn", &cfg.n_nextn, 0, 1},
         };
         int matched = 0;
         for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
@@ -150,9 +166,20 @@ int kv_cmd_gen_model(int argc, char **argv) {
             i++; /* handled in pass 1 */
         } else if (!strcmp(a, "--arch")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
-            if (strcmp(v, "qwen3moe"))
-                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe)", v);
+            if (strcmp(v, "qwen3moe") && strcmp(v, "qwen35moe"))
+                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe, qwen35moe)", v);
             cfg.arch = v;
+        } else if (!strcmp(a, "--rope-sections")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            int32_t sec[4] = {0};
+            int k = 0, used = 0;
+            if (sscanf(v, "%d,%d,%d,%d%n", &sec[0], &sec[1], &sec[2], &sec[3], &used) != 4 || v[used] != 0)
+                return kv_cli_err(CMD, 1, "--rope-sections: '%s' is not four integers a,b,c,d", v);
+            for (k = 0; k < 4; k++) {
+                if (sec[k] < 0 || sec[k] > (int32_t)KV_GEN_MAX_HEAD_DIM)
+                    return kv_cli_err(CMD, 1, "--rope-sections: %d out of range", sec[k]);
+                cfg.rope_sections[k] = sec[k];
+            }
         } else if (!strcmp(a, "--out") || !strcmp(a, "-o")) {
             if (!(out = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             if (!*out) return kv_cli_err(CMD, 1, "--out: empty path");
@@ -175,6 +202,7 @@ int kv_cmd_gen_model(int argc, char **argv) {
         }
     }
     if (!out) return kv_cli_err(CMD, 1, "--out is required (see kvasir gen-model --help)");
+    kv_gen_fill_defaults(&cfg);
     if (kv_gen_validate(&cfg, &d)) return kv_cli_err(CMD, 1, "%s", d.msg);
     char name[96];
     snprintf(name, sizeof name, "kvasir-synthetic-%s", preset);
@@ -182,9 +210,9 @@ int kv_cmd_gen_model(int argc, char **argv) {
     int rc = kv_gen_model(&cfg, out, &d);
     if (rc) return kv_cli_diag(CMD, &d);
     fprintf(stderr,
-            "gen-model: wrote %s: qwen3moe, %u layers, embd %u, %u experts (top-%u) of %u, "
+            "gen-model: wrote %s: %s, %u layers, embd %u, %u experts (top-%u) of %u, "
             "%u/%u heads x %u, vocab %u, %s%s, seed %llu\n",
-            out, cfg.n_layer, cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_head,
+            out, cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_head,
             cfg.n_head_kv, cfg.head_dim, cfg.n_vocab, kv_type_get_ref(cfg.type)->name,
             cfg.tied ? ", tied" : "", (unsigned long long)cfg.seed);
     return 0;

@@ -61,6 +61,15 @@
 #define GEN_QKNORM_MEAN 1.5f /* Q/K norm weights: attention scores std ~2 */
 #define GEN_QKNORM_STD 0.2f
 
+/* qwen35moe (see build_list_q35) */
+#define GEN_GAIN_SSM_OUT 2.5f /* delta-net output adds ~2.5 RMS */
+#define GEN_CONV_STD 0.6f     /* conv taps: output of ~unit RMS */
+#define GEN_SSM_A_MEAN -0.6f  /* -exp(A_log): negative (decay < 1), in [-1.12, -0.08] */
+#define GEN_SSM_A_STD 0.15f
+#define GEN_DT_MEAN -1.0f     /* dt bias: decay exp(g) mostly 0.5 .. 0.9 */
+#define GEN_DT_STD 0.5f
+#define GEN_GAIN_SHEXP_DOWN 2.5f
+
 #define GEN_RMS_EPS 1e-6f
 #define GEN_ROPE_BASE 1000000.0f
 
@@ -180,6 +189,77 @@ static void add_t(gen_list *l, const char *name, uint32_t n_dims, uint64_t ne0, 
 
 static float gain(float g, uint64_t fan_in) { return g / sqrtf((float)fan_in); }
 
+static bool is_q35(const kv_gen_config *c) { return c->arch && !strcmp(c->arch, "qwen35moe"); }
+
+void kv_gen_fill_defaults(kv_gen_config *c) {
+    if (!is_q35(c)) return;
+    if (!c->n_ff_shexp) c->n_ff_shexp = c->n_ff_exp;
+    if (!c->full_attn_interval) c->full_attn_interval = 4;
+    if (!c->ssm_d_conv) c->ssm_d_conv = 4;
+    if (!c->ssm_d_state) c->ssm_d_state = c->head_dim;
+    if (!c->ssm_n_group) c->ssm_n_group = 2;
+    if (!c->ssm_dt_rank) c->ssm_dt_rank = 2 * c->ssm_n_group;
+    if (!c->n_rot) c->n_rot = c->head_dim / 4 >= 2 ? (c->head_dim / 4) & ~1u : 2;
+    if (!c->rope_sections[0] && !c->rope_sections[1] && !c->rope_sections[2] && !c->rope_sections[3]) {
+        int32_t p = (int32_t)(c->n_rot / 2); /* Qwen3.5: 32 pairs as 11, 11, 10 */
+        c->rope_sections[0] = (p + 2) / 3;
+        c->rope_sections[1] = (p + 1) / 3;
+        c->rope_sections[2] = p / 3;
+    }
+}
+
+/* The qwen35moe tensor list: per block attn_norm, post_attention_norm, then
+ * either the gated delta net (attn_qkv, attn_gate, ssm_*) or gated full
+ * attention (attn_q of 2 * n_head * hd rows: query and gate per head), the
+ * router, routed experts and the gated shared expert; MTP blocks add the
+ * nextn glue. Shapes as llama.cpp's qwen35moe loader creates them. */
+static void build_list_q35(const kv_gen_config *c, gen_list *l) {
+    uint64_t E = c->n_embd, Q = (uint64_t)c->n_head * c->head_dim,
+             KV = (uint64_t)c->n_head_kv * c->head_dim, F = c->n_ff_exp, X = c->n_expert,
+             S = c->n_ff_shexp, KD = (uint64_t)c->ssm_d_state * c->ssm_n_group,
+             VD = (uint64_t)c->ssm_d_state * c->ssm_dt_rank, NV = c->ssm_dt_rank;
+    char nm[80];
+    for (uint32_t i = 0; i < c->n_layer + c->n_nextn; i++) {
+#define NM(s) (snprintf(nm, sizeof nm, "blk.%u." s, i), nm)
+        bool rec = i < c->n_layer && (i + 1) % c->full_attn_interval != 0;
+        add_t(l, NM("attn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+        add_t(l, NM("post_attention_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+        if (rec) {
+            add_t(l, NM("attn_qkv.weight"), 2, E, 2 * KD + VD, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+            add_t(l, NM("attn_gate.weight"), 2, E, VD, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+            add_t(l, NM("ssm_conv1d.weight"), 2, c->ssm_d_conv, 2 * KD + VD, 1, 0, 0, 0.0f, GEN_CONV_STD);
+            add_t(l, NM("ssm_dt.bias"), 1, NV, 1, 1, 0, 0, GEN_DT_MEAN, GEN_DT_STD);
+            add_t(l, NM("ssm_a"), 1, NV, 1, 1, 0, 0, GEN_SSM_A_MEAN, GEN_SSM_A_STD);
+            add_t(l, NM("ssm_beta.weight"), 2, E, NV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+            add_t(l, NM("ssm_alpha.weight"), 2, E, NV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+            add_t(l, NM("ssm_norm.weight"), 1, c->ssm_d_state, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+            add_t(l, NM("ssm_out.weight"), 2, VD, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_SSM_OUT, VD));
+        } else {
+            add_t(l, NM("attn_q.weight"), 2, E, 2 * Q, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+            add_t(l, NM("attn_k.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+            add_t(l, NM("attn_v.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
+            add_t(l, NM("attn_output.weight"), 2, Q, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_WO, Q));
+            add_t(l, NM("attn_q_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
+            add_t(l, NM("attn_k_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
+        }
+        add_t(l, NM("ffn_gate_inp.weight"), 2, E, X, 1, 0, 0, 0.0f, gain(GEN_GAIN_ROUTER, E));
+        add_t(l, NM("ffn_gate_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
+        add_t(l, NM("ffn_up_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
+        add_t(l, NM("ffn_down_exps.weight"), 3, F, E, X, c->type, 1, 0.0f, gain(GEN_GAIN_DOWN, F));
+        add_t(l, NM("ffn_gate_inp_shexp.weight"), 1, E, 1, 1, 0, 0, 0.0f, gain(GEN_GAIN_QKV, E));
+        add_t(l, NM("ffn_gate_shexp.weight"), 2, E, S, 1, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
+        add_t(l, NM("ffn_up_shexp.weight"), 2, E, S, 1, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
+        add_t(l, NM("ffn_down_shexp.weight"), 2, S, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_SHEXP_DOWN, S));
+        if (i >= c->n_layer) {
+            add_t(l, NM("nextn.eh_proj.weight"), 2, 2 * E, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, 2 * E));
+            add_t(l, NM("nextn.enorm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+            add_t(l, NM("nextn.hnorm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+            add_t(l, NM("nextn.shared_head_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
+        }
+#undef NM
+    }
+}
+
 /* Builds the tensor list of a validated config. Returns 0 or KV_ENOMEM. */
 static int build_list(const kv_gen_config *c, gen_list *l) {
     memset(l, 0, sizeof *l);
@@ -188,7 +268,7 @@ static int build_list(const kv_gen_config *c, gen_list *l) {
     char nm[80];
     add_t(l, "token_embd.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_EMBD, E));
     l->t[l->n - 1].vocab_rows = 1;
-    for (uint32_t i = 0; i < c->n_layer; i++) {
+    for (uint32_t i = 0; i < c->n_layer && !is_q35(c); i++) {
 #define NM(s) (snprintf(nm, sizeof nm, "blk.%u." s, i), nm)
         add_t(l, NM("attn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
         add_t(l, NM("attn_q.weight"), 2, E, Q, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
@@ -205,6 +285,7 @@ static int build_list(const kv_gen_config *c, gen_list *l) {
         add_t(l, NM("ffn_down_exps.weight"), 3, F, E, X, c->type, 1, 0.0f, gain(GEN_GAIN_DOWN, F));
 #undef NM
     }
+    if (is_q35(c)) build_list_q35(c, l);
     add_t(l, "output_norm.weight", 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
     if (!c->tied) {
         add_t(l, "output.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_OUT, E));
@@ -229,9 +310,32 @@ static int check_range(kv_diag *d, const char *what, uint64_t v, uint64_t lo, ui
 
 int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
     int rc;
-    if (!c->arch || strcmp(c->arch, "qwen3moe") != 0)
-        return kv_fail(d, KV_EUNSUPPORTED, "unknown architecture '%s' (supported: qwen3moe)",
+    if (!c->arch || (strcmp(c->arch, "qwen3moe") != 0 && !is_q35(c)))
+        return kv_fail(d, KV_EUNSUPPORTED, "unknown architecture '%s' (supported: qwen3moe, qwen35moe)",
                        c->arch ? c->arch : "(null)");
+    if (is_q35(c)) {
+        if ((rc = check_range(d, "ff-shexp", c->n_ff_shexp, 1, KV_GEN_MAX_FF)) ||
+            (rc = check_range(d, "attn-interval", c->full_attn_interval, 1, KV_GEN_MAX_LAYER)) ||
+            (rc = check_range(d, "ssm-conv", c->ssm_d_conv, 2, 64)) ||
+            (rc = check_range(d, "ssm-state", c->ssm_d_state, 1, KV_GEN_MAX_HEAD_DIM)) ||
+            (rc = check_range(d, "ssm-groups", c->ssm_n_group, 1, KV_GEN_MAX_HEAD)) ||
+            (rc = check_range(d, "ssm-heads", c->ssm_dt_rank, 1, KV_GEN_MAX_HEAD)) ||
+            (rc = check_range(d, "rope-dim", c->n_rot, 2, c->head_dim)) ||
+            (rc = check_range(d, "nextn", c->n_nextn, 0, 1)) ||
+            (rc = check_range(d, "layers + nextn", (uint64_t)c->n_layer + c->n_nextn, 1, KV_GEN_MAX_LAYER)))
+            return rc;
+        if (c->ssm_dt_rank % c->ssm_n_group)
+            return kv_fail(d, KV_EINVAL, "ssm-heads (%" PRIu32 ") must be a multiple of ssm-groups (%" PRIu32 ")",
+                           c->ssm_dt_rank, c->ssm_n_group);
+        if (c->n_rot % 2) return kv_fail(d, KV_EINVAL, "rope-dim %" PRIu32 " must be even", c->n_rot);
+        int64_t sum = 0;
+        for (int i = 0; i < 4; i++) {
+            if (c->rope_sections[i] < 0) return kv_fail(d, KV_EINVAL, "rope section %d is negative", i);
+            sum += c->rope_sections[i];
+        }
+        if (sum < 1 || sum > c->head_dim)
+            return kv_fail(d, KV_EINVAL, "rope sections sum to %lld, must be in [1, head-dim]", (long long)sum);
+    }
     if ((rc = check_range(d, "layers", c->n_layer, 1, KV_GEN_MAX_LAYER)) ||
         (rc = check_range(d, "embd", c->n_embd, 1, KV_GEN_MAX_EMBD)) ||
         (rc = check_range(d, "ff-exp", c->n_ff_exp, 1, KV_GEN_MAX_FF)) ||
@@ -268,6 +372,10 @@ uint64_t kv_gen_data_bytes(const kv_gen_config *c) {
         !c->n_head || c->n_head > KV_GEN_MAX_HEAD || !c->n_head_kv || c->n_head_kv > KV_GEN_MAX_HEAD ||
         !c->head_dim || c->head_dim > KV_GEN_MAX_HEAD_DIM || c->n_layer > KV_GEN_MAX_LAYER ||
         !kv_type_get_ref(c->type))
+        return 0;
+    if (is_q35(c) && (!c->full_attn_interval || c->n_ff_shexp > KV_GEN_MAX_FF || c->ssm_d_state > KV_GEN_MAX_HEAD_DIM ||
+                      c->ssm_n_group > KV_GEN_MAX_HEAD || c->ssm_dt_rank > KV_GEN_MAX_HEAD || c->ssm_d_conv > 64 ||
+                      c->n_nextn > 1))
         return 0;
     gen_list l;
     if (build_list(c, &l)) return 0;
@@ -392,10 +500,49 @@ static uint32_t file_type_of(uint32_t type) {
     }
 }
 
+/* The qwen35moe.* hyperparameters, keys as llama.cpp reads them. */
+static int write_meta_q35(kv_gguf_writer *w, const kv_gen_config *c, kv_diag *d) {
+    int rc;
+#define TRY(x) \
+    if ((rc = (x))) return rc
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.context_length", c->n_ctx, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.embedding_length", c->n_embd, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.block_count", c->n_layer + c->n_nextn, d));
+    if (c->n_nextn) TRY(kv_gguf_writer_set_u32(w, "qwen35moe.nextn_predict_layers", c->n_nextn, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.expert_feed_forward_length", c->n_ff_exp, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.expert_shared_feed_forward_length", c->n_ff_shexp, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.expert_count", c->n_expert, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.expert_used_count", c->n_expert_used, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.attention.head_count", c->n_head, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.attention.head_count_kv", c->n_head_kv, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.attention.key_length", c->head_dim, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.attention.value_length", c->head_dim, d));
+    TRY(kv_gguf_writer_set_f32(w, "qwen35moe.attention.layer_norm_rms_epsilon", GEN_RMS_EPS, d));
+    TRY(kv_gguf_writer_set_f32(w, "qwen35moe.rope.freq_base", GEN_ROPE_BASE, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.rope.dimension_count", c->n_rot, d));
+    TRY(kv_gguf_writer_set_arr(w, "qwen35moe.rope.dimension_sections", KV_GGUF_INT32, c->rope_sections, 4, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.ssm.conv_kernel", c->ssm_d_conv, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.ssm.state_size", c->ssm_d_state, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.ssm.group_count", c->ssm_n_group, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.ssm.time_step_rank", c->ssm_dt_rank, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.ssm.inner_size", c->ssm_d_state * c->ssm_dt_rank, d));
+    TRY(kv_gguf_writer_set_u32(w, "qwen35moe.full_attention_interval", c->full_attn_interval, d));
+#undef TRY
+    return 0;
+}
+
 static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vocab *v, kv_diag *d) {
     int rc;
 #define TRY(x) \
     if ((rc = (x))) return rc
+    if (is_q35(c)) {
+        TRY(kv_gguf_writer_set_str(w, "general.architecture", "qwen35moe", d));
+        TRY(kv_gguf_writer_set_str(w, "general.name", c->name ? c->name : "kvasir-synthetic", d));
+        TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c->type), d));
+        TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
+        TRY(write_meta_q35(w, c, d));
+        goto vocab;
+    }
     TRY(kv_gguf_writer_set_str(w, "general.architecture", "qwen3moe", d));
     TRY(kv_gguf_writer_set_str(w, "general.name", c->name ? c->name : "kvasir-synthetic", d));
     TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c->type), d));
@@ -416,8 +563,9 @@ static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vo
     TRY(kv_gguf_writer_set_f32(w, "qwen3moe.attention.layer_norm_rms_epsilon", GEN_RMS_EPS, d));
     TRY(kv_gguf_writer_set_f32(w, "qwen3moe.rope.freq_base", GEN_ROPE_BASE, d));
 
+vocab:
     TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2", d));
-    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.pre", "qwen2", d));
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.pre", is_q35(c) ? "qwen35" : "qwen2", d));
     kv_str *s = malloc((v->n_tokens > v->n_merges ? v->n_tokens : v->n_merges) * sizeof *s + 1);
     if (!s) return kv_fail(d, KV_ENOMEM, "out of memory for the vocabulary");
     for (size_t i = 0; i < v->n_tokens; i++) s[i] = (kv_str){v->tokens[i], strlen(v->tokens[i])};
@@ -483,7 +631,7 @@ int kv_gen_model(const kv_gen_config *c, const char *path, kv_diag *d) {
     if (verbose) fprintf(log, "gen-model: training a %" PRIu32 "-token BPE vocabulary\n", c->n_vocab);
     size_t corpus_len = 0;
     const char *corpus = kv_bpe_default_corpus(&corpus_len);
-    rc = kv_bpe_train(corpus, corpus_len, "qwen2", c->n_vocab, &voc, d);
+    rc = kv_bpe_train(corpus, corpus_len, is_q35(c) ? "qwen35" : "qwen2", c->n_vocab, &voc, d);
     if (rc) {
         kv_diag_prefix(d, rc, "vocabulary");
         goto out;

@@ -18,36 +18,6 @@
 #include "kvasir/quant.h"
 #include "model/model_internal.h"
 
-struct kv_state {
-    const kv_model *m;
-    kv_pool *pool;
-    uint32_t n_ctx;        /* cache rows per sequence */
-    uint32_t n_batch;      /* tokens per prefill chunk */
-    uint32_t n_seq;        /* sequences */
-    uint32_t max_tok;      /* tokens per forward call: max(n_batch, n_seq) */
-    uint32_t *pos;         /* [n_seq] tokens in each sequence's cache */
-    uint32_t *tok_seq;     /* [max_tok] sequence of each token of the call */
-    uint32_t *tok_pos;     /* [max_tok] position of each token of the call */
-    uint32_t *out_all;     /* [max_tok] 0, 1, 2, ...: every token's logits wanted */
-    kv_expert_provider own;          /* in-process provider (if no other given) */
-    const kv_expert_provider *experts;
-    float *k_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
-    float *v_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
-    float *x;              /* [max_tok][n_embd] residual stream */
-    float *xb;             /* [max_tok][n_embd] normed input */
-    float *q;              /* [max_tok][n_head*head_dim] */
-    float *k;              /* [max_tok][n_head_kv*head_dim] */
-    float *v;              /* [max_tok][n_head_kv*head_dim] */
-    float *att;            /* [max_tok][n_head*head_dim] attention output */
-    float *tmp;            /* [max_tok][n_embd] projection output */
-    float *router;         /* [max_tok][n_expert] */
-    int32_t *ids;          /* [max_tok][n_expert_used] */
-    float *wts;            /* [max_tok][n_expert_used] */
-    float *eo;             /* [max_tok][n_expert_used][n_embd] expert outputs */
-    float *scores;         /* [n_threads][n_ctx] attention scores per thread */
-    float *hout;           /* [max_tok][n_embd] final-normed rows whose logits are wanted */
-    void *scratch;         /* matmul activation scratch */
-};
 
 static size_t kv_max3(size_t a, size_t b, size_t c) {
     size_t m = a > b ? a : b;
@@ -108,6 +78,13 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
         return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
     }
     for (size_t i = 0; i < B; i++) s->out_all[i] = (uint32_t)i;
+    if (hp->arch == KV_ARCH_QWEN35MOE) {
+        int rc = kv_q35_state_new(s, d);
+        if (rc) {
+            kv_state_free(s);
+            return rc;
+        }
+    }
     if (o.experts) {
         s->experts = o.experts;
     } else if (!m->has_experts) {
@@ -128,6 +105,7 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
 void kv_state_free(kv_state *s) {
     if (!s) return;
     if (s->own.free) s->own.free(s->own.impl);
+    kv_q35_state_free(s);
     free(s->k_cache);
     free(s->v_cache);
     free(s->x);
@@ -228,14 +206,57 @@ static void kv_topk(const float *p, int n, int k, int32_t *ids) {
     }
 }
 
+int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_diag *d) {
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t E = hp->n_embd, K = hp->n_expert_used, NE = hp->n_expert;
+    kv_matmul(s->pool, &L->gate_inp, NULL, s->xb, T, s->router, s->scratch);
+    for (uint32_t t = 0; t < T; t++) {
+        float *p = s->router + (size_t)t * NE;
+        int32_t *ids = s->ids + (size_t)t * K;
+        float *w = s->wts + (size_t)t * K;
+        kv_softmax(p, NE);
+        kv_topk(p, (int)NE, (int)K, ids);
+        for (int64_t r = 0; r < K; r++) w[r] = p[ids[r]];
+        if (hp->expert_weights_norm) {
+            double sum = 0.0;
+            for (int64_t r = 0; r < K; r++) sum += (double)w[r];
+            float fs = (float)sum;
+            if (fs < 6.103515625e-5f) fs = 6.103515625e-5f;
+            for (int64_t r = 0; r < K; r++) w[r] = w[r] / fs;
+        }
+        if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
+            for (int64_t r = 0; r < K; r++) w[r] *= hp->expert_weights_scale;
+    }
+    /* routed experts, wherever they are computed */
+    kv_expert_req req = {il, T, (uint32_t)E, (uint32_t)K, s->xb, s->ids};
+    int rc = s->experts->compute(s->experts->impl, &req, s->eo, d);
+    if (rc) return kv_diag_prefix(d, rc, "layer %u experts", il);
+    /* weighted sum in rank order */
+    for (uint32_t t = 0; t < T; t++) {
+        float *acc = s->tmp + (size_t)t * E;
+        const float *w = s->wts + (size_t)t * K;
+        const float *eo = s->eo + (size_t)t * K * E;
+        for (int64_t i = 0; i < E; i++) acc[i] = eo[i] * w[0];
+        for (int64_t r = 1; r < K; r++)
+            for (int64_t i = 0; i < E; i++) acc[i] = acc[i] + eo[(size_t)r * E + i] * w[r];
+    }
+    return 0;
+}
+
+void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok) {
+    kv_attn_job aj = {s, il, n_tok};
+    kv_pool_run(s->pool, kv_attn_worker, &aj);
+}
+
 /* Runs T tokens (sequence s->tok_seq[t], position s->tok_pos[t]); writes
  * the logits of the n_out tokens listed in out_idx (in that order). */
 static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
                          uint32_t n_out, float *logits, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
+    if (hp->arch == KV_ARCH_QWEN35MOE) return kv_q35_eval_chunk(s, tokens, T, out_idx, n_out, logits, d);
     const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
-    const int64_t QD = H * HD, KVD = HKV * HD, K = hp->n_expert_used, NE = hp->n_expert;
+    const int64_t QD = H * HD, KVD = HKV * HD;
 
     /* token embeddings */
     const kv_type_info *et = kv_type_get(m->tok_embd.type);
@@ -272,46 +293,16 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const u
             memcpy(s->v_cache + row * (size_t)KVD, s->v + (size_t)t * KVD, (size_t)KVD * sizeof(float));
         }
         /* causal attention */
-        kv_attn_job aj = {s, il, T};
-        kv_pool_run(s->pool, kv_attn_worker, &aj);
+        kv_attn_run(s, il, T);
         /* output projection + residual */
         kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, s->scratch);
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
-        /* FFN rmsnorm, router */
+        /* FFN rmsnorm, routed experts, residual */
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->ffn_norm.data, E, hp->rms_eps);
-        kv_matmul(s->pool, &L->gate_inp, NULL, s->xb, T, s->router, s->scratch);
-        for (uint32_t t = 0; t < T; t++) {
-            float *p = s->router + (size_t)t * NE;
-            int32_t *ids = s->ids + (size_t)t * K;
-            float *w = s->wts + (size_t)t * K;
-            kv_softmax(p, NE);
-            kv_topk(p, (int)NE, (int)K, ids);
-            for (int64_t r = 0; r < K; r++) w[r] = p[ids[r]];
-            if (hp->expert_weights_norm) {
-                double sum = 0.0;
-                for (int64_t r = 0; r < K; r++) sum += (double)w[r];
-                float fs = (float)sum;
-                if (fs < 6.103515625e-5f) fs = 6.103515625e-5f;
-                for (int64_t r = 0; r < K; r++) w[r] = w[r] / fs;
-            }
-            if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
-                for (int64_t r = 0; r < K; r++) w[r] *= hp->expert_weights_scale;
-        }
-        /* routed experts, wherever they are computed */
-        kv_expert_req req = {il, T, (uint32_t)E, (uint32_t)K, s->xb, s->ids};
-        int rc = s->experts->compute(s->experts->impl, &req, s->eo, d);
-        if (rc) return kv_diag_prefix(d, rc, "layer %u experts", il);
-        /* weighted sum in rank order, then residual */
-        for (uint32_t t = 0; t < T; t++) {
-            float *xt = s->x + (size_t)t * E, *acc = s->tmp + (size_t)t * E;
-            const float *w = s->wts + (size_t)t * K;
-            const float *eo = s->eo + (size_t)t * K * E;
-            for (int64_t i = 0; i < E; i++) acc[i] = eo[i] * w[0];
-            for (int64_t r = 1; r < K; r++)
-                for (int64_t i = 0; i < E; i++) acc[i] = acc[i] + eo[(size_t)r * E + i] * w[r];
-            for (int64_t i = 0; i < E; i++) xt[i] = acc[i] + xt[i];
-        }
+        int rc = kv_moe_routed(s, L, il, T, d);
+        if (rc) return rc;
+        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
     }
     if (logits && n_out) {
         for (uint32_t i = 0; i < n_out; i++)
@@ -350,6 +341,12 @@ int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t
         rc = kv_eval_chunk(s, tokens + done, T, &last, 1, done + T == n ? logits : NULL, d);
         if (rc) {
             s->pos[seq] = pos_start;
+            if (done > 0 && s->q35) {
+                /* earlier chunks already advanced the recurrent state, which
+                 * cannot be rolled back: the sequence starts over */
+                s->pos[seq] = 0;
+                kv_diag_prefix(d, rc, "sequence %u reset to empty (recurrent state)", seq);
+            }
             return rc;
         }
         s->pos[seq] += T;

@@ -15,6 +15,69 @@ struct kv_model {
     bool has_experts;    /* expert tensors loaded (false for a backbone) */
 };
 
+/* The run state (allocated in forward.c, extended by qwen35.c). */
+struct kv_state {
+    const kv_model *m;
+    kv_pool *pool;
+    uint32_t n_ctx;        /* cache rows per sequence */
+    uint32_t n_batch;      /* tokens per prefill chunk */
+    uint32_t n_seq;        /* sequences */
+    uint32_t max_tok;      /* tokens per forward call: max(n_batch, n_seq) */
+    uint32_t *pos;         /* [n_seq] tokens in each sequence's cache */
+    uint32_t *tok_seq;     /* [max_tok] sequence of each token of the call */
+    uint32_t *tok_pos;     /* [max_tok] position of each token of the call */
+    uint32_t *out_all;     /* [max_tok] 0, 1, 2, ...: every token's logits wanted */
+    kv_expert_provider own;          /* in-process provider (if no other given) */
+    const kv_expert_provider *experts;
+    float *k_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
+    float *v_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
+    float *x;              /* [max_tok][n_embd] residual stream */
+    float *xb;             /* [max_tok][n_embd] normed input */
+    float *q;              /* [max_tok][n_head*head_dim] */
+    float *k;              /* [max_tok][n_head_kv*head_dim] */
+    float *v;              /* [max_tok][n_head_kv*head_dim] */
+    float *att;            /* [max_tok][n_head*head_dim] attention output */
+    float *tmp;            /* [max_tok][n_embd] projection output */
+    float *router;         /* [max_tok][n_expert] */
+    int32_t *ids;          /* [max_tok][n_expert_used] */
+    float *wts;            /* [max_tok][n_expert_used] */
+    float *eo;             /* [max_tok][n_expert_used][n_embd] expert outputs */
+    float *scores;         /* [n_threads][n_ctx] attention scores per thread */
+    float *hout;           /* [max_tok][n_embd] final-normed rows whose logits are wanted */
+    void *scratch;         /* matmul activation scratch */
+    struct kv_q35_state *q35; /* qwen35moe: recurrent state and buffers (qwen35.c), else NULL */
+};
+
+/* ---- shared by the forward passes (src/model/forward.c) ---- */
+
+/* Causal softmax attention of the chunk's n_tok tokens (s->q, stride
+ * n_head*head_dim) over layer il's KV cache rows, into s->att. */
+void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok);
+/* Routed MoE of layer il on the normed rows s->xb: router softmax, top-k,
+ * renormalized weights, experts through the provider, weighted sum in rank
+ * order into s->tmp. Errors: what the provider returns. */
+int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t n_tok, kv_diag *d);
+
+/* ---- loader helpers (src/model/model_load.c) ---- */
+int kv_hp_u32(const kv_gguf *g, const char *arch, const char *suffix, uint32_t *out, bool required,
+              uint32_t lo, uint32_t hi, kv_diag *d);
+int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64_t ne0, int64_t ne1,
+             int64_t ne2, bool f32_only, bool required, kv_diag *d);
+
+/* ---- qwen35moe (src/model/qwen35.c) ---- */
+
+/* Reads the qwen35moe-only hyper-parameters (after the common ones). */
+int kv_q35_read_hparams(kv_model *m, kv_diag *d);
+/* Maps and checks block il's tensors (trunk or MTP block). */
+int kv_q35_load_layer(kv_model *m, uint32_t il, bool experts, kv_diag *d);
+/* Allocates s->q35 (recurrent state of every sequence, buffers). */
+int kv_q35_state_new(kv_state *s, kv_diag *d);
+void kv_q35_state_free(kv_state *s);
+/* kv_eval_chunk for qwen35moe: same contract. On error no sequence's
+ * recurrent state changes. */
+int kv_q35_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
+                      uint32_t n_out, float *logits, kv_diag *d);
+
 /* ---- ops (src/model/ops.c) ---- */
 
 /* y = rmsnorm(x) * w over n elements, as ggml: sum of squares in double,

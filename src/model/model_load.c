@@ -9,10 +9,11 @@
 #include "kvasir/quant.h"
 #include "model/model_internal.h"
 
-static const char *kv_arch_names[KV_ARCH_COUNT] = {[KV_ARCH_QWEN3MOE] = "qwen3moe"};
+static const char *kv_arch_names[KV_ARCH_COUNT] = {[KV_ARCH_QWEN3MOE] = "qwen3moe",
+                                                    [KV_ARCH_QWEN35MOE] = "qwen35moe"};
 
 /* Reads "<arch>.<suffix>" as u32 into *out; required or optional. */
-static int kv_hp_u32(const kv_gguf *g, const char *arch, const char *suffix, uint32_t *out,
+int kv_hp_u32(const kv_gguf *g, const char *arch, const char *suffix, uint32_t *out,
                      bool required, uint32_t lo, uint32_t hi, kv_diag *d) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
@@ -54,7 +55,7 @@ static int kv_read_hparams(kv_model *m, kv_diag *d) {
     for (int i = 0; i < KV_ARCH_COUNT; i++)
         if (!strcmp(hp->arch_name, kv_arch_names[i])) arch = i;
     if (arch < 0)
-        return kv_fail(d, KV_EUNSUPPORTED, "model: unknown architecture '%s' (supported: qwen3moe)",
+        return kv_fail(d, KV_EUNSUPPORTED, "model: unknown architecture '%s' (supported: qwen3moe, qwen35moe)",
                        hp->arch_name);
     hp->arch = (enum kv_arch)arch;
     const char *an = hp->arch_name;
@@ -82,7 +83,7 @@ static int kv_read_hparams(kv_model *m, kv_diag *d) {
     hp->n_rot = hp->head_dim;
     if ((rc = kv_hp_u32(g, an, "rope.dimension_count", &hp->n_rot, false, 1, KV_MAX_HEAD_DIM, d)))
         return rc;
-    if (hp->n_rot != hp->head_dim)
+    if (hp->n_rot != hp->head_dim && hp->arch != KV_ARCH_QWEN35MOE) /* partial rotary: qwen35moe */
         return kv_fail(d, KV_EUNSUPPORTED, "model: rope.dimension_count %u != head dim %u", hp->n_rot,
                        hp->head_dim);
     if (hp->n_head % hp->n_head_kv)
@@ -113,12 +114,13 @@ static int kv_read_hparams(kv_model *m, kv_diag *d) {
     }
     hp->expert_weights_scale = 0.0f;
     if ((rc = kv_hp_f32(g, an, "expert_weights_scale", &hp->expert_weights_scale, false, d))) return rc;
+    if (hp->arch == KV_ARCH_QWEN35MOE) return kv_q35_read_hparams(m, d);
     return 0;
 }
 
 /* Looks up a tensor and checks its shape ([ne0, ne1, ne2] with trailing 1s
  * omitted by n_dims) and type; f32_only for norms. */
-static int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64_t ne0,
+int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64_t ne0,
                     int64_t ne1, int64_t ne2, bool f32_only, bool required, kv_diag *d) {
     memset(w, 0, sizeof *w);
     const kv_gguf_tensor *t = kv_gguf_find_tensor(m->gguf, name);
@@ -180,8 +182,13 @@ static int kv_load_weights(kv_model *m, bool experts, kv_diag *d) {
     } else if (rc) {
         return rc;
     }
-    m->layers = calloc(hp->n_layer, sizeof *m->layers);
+    m->layers = calloc((size_t)hp->n_layer + hp->n_layer_nextn, sizeof *m->layers);
     if (!m->layers) return kv_fail(d, KV_ENOMEM, "model: out of memory");
+    if (hp->arch == KV_ARCH_QWEN35MOE) {
+        for (uint32_t il = 0; il < hp->n_layer + hp->n_layer_nextn; il++)
+            if ((rc = kv_q35_load_layer(m, il, experts, d))) return rc;
+        return 0;
+    }
     for (uint32_t il = 0; il < hp->n_layer; il++) {
         kv_layer *L = &m->layers[il];
         char n[96];
@@ -244,7 +251,7 @@ bool kv_model_has_experts(const kv_model *m) { return m->has_experts; }
 const kv_tok *kv_model_tok(const kv_model *m) { return m->tok; }
 const kv_gguf *kv_model_gguf(const kv_model *m) { return m->gguf; }
 const kv_layer *kv_model_layer(const kv_model *m, uint32_t il) {
-    return il < m->hp.n_layer ? &m->layers[il] : NULL;
+    return il < m->hp.n_layer + m->hp.n_layer_nextn ? &m->layers[il] : NULL;
 }
 
 uint64_t kv_model_bytes_per_token(const kv_model *m) {
@@ -253,6 +260,8 @@ uint64_t kv_model_bytes_per_token(const kv_model *m) {
     for (uint32_t il = 0; il < hp->n_layer; il++) {
         const kv_layer *L = &m->layers[il];
         b += L->wq.nb2 + L->wk.nb2 + L->wv.nb2 + L->wo.nb2 + L->gate_inp.nb2;
+        b += L->wqkv.nb2 + L->wqkv_gate.nb2 + L->ssm_beta.nb2 + L->ssm_alpha.nb2 + L->ssm_out.nb2;
+        b += L->gate_inp_shexp.nb2 + L->gate_shexp.nb2 + L->up_shexp.nb2 + L->down_shexp.nb2;
         b += (uint64_t)hp->n_expert_used * (L->gate_exps.nb2 + L->up_exps.nb2 + L->down_exps.nb2);
         b += ((uint64_t)hp->n_embd * 2 + hp->head_dim * 2) * 4;
     }

@@ -81,6 +81,30 @@ export const MODELS = [
   { name: "q4_k-tied", type: "q4_k", seed: 16,
     args: ["--layers", "3", "--embd", "256", "--ff-exp", "256", "--experts", "16", "--experts-used", "4",
       "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--vocab", "2200", "--tied"] },
+  // qwen35moe (issue 5): gated delta net + gated full attention every
+  // --attn-interval blocks (2 or 3 full-attention blocks each), shared
+  // expert, partial rotary in IMROPE sections, value heads != key heads
+  // (head j reads key head j % groups), one with an MTP block (loaded, not
+  // run). Prompts are longer than the conv kernel (4).
+  { name: "q35-f32-untied", arch: "qwen35moe", type: "f32", seed: 21,
+    args: ["--layers", "4", "--embd", "256", "--ff-exp", "128", "--ff-shexp", "192", "--experts", "8",
+      "--experts-used", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--attn-interval", "2",
+      "--ssm-state", "32", "--ssm-groups", "2", "--ssm-heads", "4", "--rope-dim", "16", "--nextn", "1",
+      "--vocab", "2000", "--untied"] },
+  { name: "q35-f32-tied", arch: "qwen35moe", type: "f32", seed: 22,
+    args: ["--layers", "6", "--embd", "384", "--ff-exp", "96", "--experts", "16", "--experts-used", "4",
+      "--heads", "6", "--kv-heads", "2", "--head-dim", "32", "--attn-interval", "3", "--ssm-state", "48",
+      "--ssm-groups", "1", "--ssm-heads", "3", "--rope-dim", "24", "--rope-sections", "2,3,4,1",
+      "--vocab", "2500", "--tied"] },
+  { name: "q35-q8_0-tied", arch: "qwen35moe", type: "q8_0", seed: 23,
+    args: ["--layers", "4", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--attn-interval", "2", "--ssm-state", "32",
+      "--ssm-groups", "2", "--ssm-heads", "8", "--vocab", "2000", "--tied"] },
+  { name: "q35-q4_k-untied", arch: "qwen35moe", type: "q4_k", seed: 24,
+    args: ["--layers", "4", "--embd", "256", "--ff-exp", "256", "--ff-shexp", "256", "--experts", "8",
+      "--experts-used", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--attn-interval", "2",
+      "--ssm-state", "32", "--ssm-groups", "2", "--ssm-heads", "4", "--nextn", "1", "--vocab", "2048",
+      "--untied"] },
 ];
 
 export const TEXTS = [
@@ -216,7 +240,7 @@ async function checkModel(bin, dir, m, log) {
   const res = { name: m.name, type: m.type, bound: B, shape: m.args.join(" "), failures: [] };
   const fail = (s) => { res.failures.push(s); log(`  FAIL ${s}`); };
   const t0 = Date.now();
-  kv(bin, ["gen-model", "--arch", "qwen3moe", "--out", file, "--type", m.type, "--seed", String(m.seed), "--ctx", "512", ...m.args]);
+  kv(bin, ["gen-model", "--arch", m.arch ?? "qwen3moe", "--out", file, "--type", m.type, "--seed", String(m.seed), "--ctx", "512", ...m.args]);
   res.bytes = fs.statSync(file).size;
 
   let o;

@@ -1,0 +1,539 @@
+/* The qwen35moe model (Qwen3.5 MoE): loading and forward pass, as llama.cpp
+ * computes it (src/models/qwen35moe.cpp, delta-net-base.cpp, ggml-cpu ops).
+ *
+ * Blocks are of two kinds. Every full_attention_interval-th block (il + 1 a
+ * multiple of it) is gated full attention: one projection gives per head hd
+ * query rows then hd gate rows; Q and K get a per-head RMSNorm and the
+ * interleaved multi-section RoPE (IMROPE) on the first n_rot dims, each
+ * rotary pair taking the position component of its section (text: t = h =
+ * w = position, e = 0, as llama.cpp feeds text tokens); causal softmax
+ * attention; the output times sigmoid(gate); output projection. Every other
+ * block is a gated delta net (linear attention):
+ *   qkv = W_qkv x; z = W_gate x; beta = sigmoid(W_beta x);
+ *   g = ssm_a * softplus(W_alpha x + dt_bias)         (ssm_a = -exp(A_log))
+ *   c = silu(causal conv1d over [conv state | qkv], kernel d_conv, per channel)
+ *   q, k = l2norm per key head of c's first two thirds; v = the rest;
+ *   per value head j (key head j % n_k_heads), state S [S_v x S_v]:
+ *     S *= exp(g); d = (v - S^T k) * beta; S += k d^T; o = (S^T q) / sqrt(S_v)
+ *   o = rmsnorm(o) * ssm_norm * silu(z) per head; out = W_out o.
+ * Each block then adds its residual, applies post_attention_norm, and runs
+ * the routed experts (softmax, top-k, renormalized) plus the shared expert
+ * scaled by sigmoid(W_shexp_gate x). The MTP block (nextn) is loaded and
+ * never run here.
+ *
+ * State: next to the KV cache (kept for full-attention blocks only), each
+ * sequence has per recurrent block a conv state [conv_dim][d_conv-1] and a
+ * delta state [n_v_heads][S_v][S_v] (row j of a head = column j of S, as
+ * ggml stores it), in two slots: a chunk reads the committed slot and writes
+ * the other, and the slot flips only when the whole chunk succeeded, so a
+ * failed chunk (expert provider error) leaves every sequence as it was. A
+ * sequence at position 0 starts from zero state whatever the slots hold.
+ *
+ * Prefill and decode take the same token-by-token recurrence (llama.cpp's
+ * CPU backend uses its fused recurrent gated-delta-net op for both); the
+ * threads split value heads, never one head's recurrence, so results do not
+ * depend on the thread count or on how tokens are chunked. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvasir/quant.h"
+#include "model/model_internal.h"
+
+typedef struct kv_q35_state kv_q35_state;
+
+struct kv_q35_state {
+    uint32_t n_lin;      /* recurrent blocks */
+    int32_t *lin_of;     /* [n_layer] index among recurrent blocks, -1 for attention */
+    size_t conv_n;       /* floats of one conv state: conv_dim * (d_conv - 1) */
+    size_t ssm_n;        /* floats of one delta state: n_v_heads * S_v * S_v */
+    float *conv;         /* [n_seq][2 slots][n_lin][conv_n] */
+    float *ssm;          /* [n_seq][2 slots][n_lin][ssm_n] */
+    uint8_t *cur;        /* [n_seq] slot holding the committed state */
+    float *qkv;          /* [max_tok][conv_dim] projection (conv input) */
+    float *cv;           /* [max_tok][conv_dim] conv + silu; q, k l2-normed */
+    float *z;            /* [max_tok][value_dim] output gate */
+    float *beta;         /* [max_tok][n_v_heads] */
+    float *g;            /* [max_tok][n_v_heads] log decay */
+    float *o;            /* [max_tok][value_dim] delta-net output, then gated-normed */
+    float *qg;           /* [max_tok][n_head*2*head_dim] joint query + gate */
+    float *sh_g, *sh_u;  /* [max_tok][n_ff_shexp] shared expert */
+    float *sh_out;       /* [max_tok][n_embd] */
+    float *sh_gate;      /* [max_tok] */
+    float *delta;        /* [n_threads][S_v] */
+    void *scratch;       /* matmul scratch for the widest input */
+};
+
+/* ---- loading ------------------------------------------------------------- */
+
+int kv_q35_read_hparams(kv_model *m, kv_diag *d) {
+    const kv_gguf *g = m->gguf;
+    kv_hparams *hp = &m->hp;
+    const char *an = hp->arch_name;
+    int rc;
+    uint32_t n_all = hp->n_layer;
+    if ((rc = kv_hp_u32(g, an, "nextn_predict_layers", &hp->n_layer_nextn, false, 0, n_all - 1, d)))
+        return rc;
+    hp->n_layer = n_all - hp->n_layer_nextn;
+    hp->full_attn_interval = 4; /* llama.cpp's default */
+    if ((rc = kv_hp_u32(g, an, "full_attention_interval", &hp->full_attn_interval, false, 1,
+                        KV_MAX_LAYERS, d)) ||
+        (rc = kv_hp_u32(g, an, "ssm.conv_kernel", &hp->ssm_d_conv, true, 2, 64, d)) ||
+        (rc = kv_hp_u32(g, an, "ssm.state_size", &hp->ssm_d_state, true, 1, KV_MAX_HEAD_DIM, d)) ||
+        (rc = kv_hp_u32(g, an, "ssm.group_count", &hp->ssm_n_group, true, 1, KV_MAX_HEADS, d)) ||
+        (rc = kv_hp_u32(g, an, "ssm.time_step_rank", &hp->ssm_dt_rank, true, 1, KV_MAX_HEADS, d)) ||
+        (rc = kv_hp_u32(g, an, "ssm.inner_size", &hp->ssm_d_inner, true, 1, KV_MAX_EMBD, d)))
+        return rc;
+    char key[128];
+    snprintf(key, sizeof key, "%s.attention.recurrent_layers", an);
+    if (kv_gguf_find_kv(g, key))
+        return kv_fail(d, KV_EUNSUPPORTED, "model: '%s' is not supported (only full_attention_interval)", key);
+    if (hp->ssm_d_inner != hp->ssm_d_state * hp->ssm_dt_rank)
+        return kv_fail(d, KV_EUNSUPPORTED, "model: ssm.inner_size %u != state_size %u x time_step_rank %u",
+                       hp->ssm_d_inner, hp->ssm_d_state, hp->ssm_dt_rank);
+    if (hp->ssm_dt_rank % hp->ssm_n_group)
+        return kv_fail(d, KV_EFORMAT, "model: ssm.time_step_rank %u is not a multiple of ssm.group_count %u",
+                       hp->ssm_dt_rank, hp->ssm_n_group);
+    if (hp->n_rot > hp->head_dim || hp->n_rot % 2)
+        return kv_fail(d, KV_EFORMAT, "model: rope.dimension_count %u must be even and <= head dim %u",
+                       hp->n_rot, hp->head_dim);
+    /* shared expert size; llama.cpp falls back to feed_forward_length */
+    hp->n_ff_shexp = 0;
+    if ((rc = kv_hp_u32(g, an, "expert_shared_feed_forward_length", &hp->n_ff_shexp, false, 1, KV_MAX_FF, d)))
+        return rc;
+    if (!hp->n_ff_shexp &&
+        (rc = kv_hp_u32(g, an, "feed_forward_length", &hp->n_ff_shexp, false, 1, KV_MAX_FF, d)))
+        return rc;
+    if (!hp->n_ff_shexp)
+        return kv_fail(d, KV_EFORMAT, "model: missing metadata key '%s.expert_shared_feed_forward_length'", an);
+    /* rope.dimension_sections: up to 4 integers (a scalar repeats) */
+    snprintf(key, sizeof key, "%s.rope.dimension_sections", an);
+    memset(hp->rope_sections, 0, sizeof hp->rope_sections);
+    uint64_t n = 0;
+    const uint8_t *data = NULL;
+    rc = kv_gguf_get_arr(g, key, KV_GGUF_INT32, &n, &data, d);
+    if (rc == KV_EFORMAT) rc = kv_gguf_get_arr(g, key, KV_GGUF_UINT32, &n, &data, d);
+    if (rc == KV_ENOTFOUND) {
+        int32_t v;
+        if (kv_gguf_get_i32(g, key, &v, NULL))
+            return kv_fail(d, KV_EFORMAT, "model: missing metadata key '%s'", key);
+        for (int i = 0; i < 4; i++) hp->rope_sections[i] = v;
+    } else if (rc) {
+        return rc;
+    } else {
+        if (n < 1 || n > 4) return kv_fail(d, KV_EFORMAT, "model: %s has %llu elements, expected 1..4", key,
+                                           (unsigned long long)n);
+        for (uint64_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)data[4 * i] | (uint32_t)data[4 * i + 1] << 8 |
+                         (uint32_t)data[4 * i + 2] << 16 | (uint32_t)data[4 * i + 3] << 24;
+            hp->rope_sections[i] = (int32_t)u;
+        }
+    }
+    int64_t sum = 0;
+    for (int i = 0; i < 4; i++) {
+        if (hp->rope_sections[i] < 0 || hp->rope_sections[i] > (int32_t)KV_MAX_HEAD_DIM)
+            return kv_fail(d, KV_EFORMAT, "model: %s[%d] = %d out of range", key, i, hp->rope_sections[i]);
+        sum += hp->rope_sections[i];
+    }
+    if (sum < 1 || sum > hp->head_dim)
+        return kv_fail(d, KV_EFORMAT, "model: %s sum to %lld, expected 1..%u (head dim)", key, (long long)sum,
+                       hp->head_dim);
+    return 0;
+}
+
+static bool kv_q35_recurrent(const kv_hparams *hp, uint32_t il) {
+    return il < hp->n_layer && (il + 1) % hp->full_attn_interval != 0;
+}
+
+int kv_q35_load_layer(kv_model *m, uint32_t il, bool experts, kv_diag *d) {
+    const kv_hparams *hp = &m->hp;
+    kv_layer *L = &m->layers[il];
+    const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
+    const int64_t KD = (int64_t)hp->ssm_d_state * hp->ssm_n_group, VD = hp->ssm_d_inner;
+    const int64_t NV = hp->ssm_dt_rank, S = hp->n_ff_shexp, F = hp->n_ff_exp, X = hp->n_expert;
+    char n[96];
+    int rc;
+#define KV_W(field, suffix, nd, a, b, c, f32)                                        \
+    do {                                                                            \
+        snprintf(n, sizeof n, "blk.%u.%s", il, suffix);                            \
+        if ((rc = kv_get_w(m, &L->field, n, nd, a, b, c, f32, true, d))) return rc; \
+    } while (0)
+    L->recurrent = kv_q35_recurrent(hp, il);
+    KV_W(attn_norm, "attn_norm.weight", 1, E, 1, 1, true);
+    KV_W(post_norm, "post_attention_norm.weight", 1, E, 1, 1, true);
+    if (L->recurrent) {
+        KV_W(wqkv, "attn_qkv.weight", 2, E, 2 * KD + VD, 1, false);
+        KV_W(wqkv_gate, "attn_gate.weight", 2, E, VD, 1, false);
+        KV_W(ssm_conv1d, "ssm_conv1d.weight", 2, hp->ssm_d_conv, 2 * KD + VD, 1, true);
+        KV_W(ssm_dt, "ssm_dt.bias", 1, NV, 1, 1, true);
+        KV_W(ssm_a, "ssm_a", 1, NV, 1, 1, true);
+        KV_W(ssm_beta, "ssm_beta.weight", 2, E, NV, 1, false);
+        KV_W(ssm_alpha, "ssm_alpha.weight", 2, E, NV, 1, false);
+        KV_W(ssm_norm, "ssm_norm.weight", 1, hp->ssm_d_state, 1, 1, true);
+        KV_W(ssm_out, "ssm_out.weight", 2, VD, E, 1, false);
+    } else {
+        KV_W(wq, "attn_q.weight", 2, E, H * HD * 2, 1, false);
+        KV_W(wk, "attn_k.weight", 2, E, HKV * HD, 1, false);
+        KV_W(wv, "attn_v.weight", 2, E, HKV * HD, 1, false);
+        KV_W(wo, "attn_output.weight", 2, H * HD, E, 1, false);
+        KV_W(q_norm, "attn_q_norm.weight", 1, HD, 1, 1, true);
+        KV_W(k_norm, "attn_k_norm.weight", 1, HD, 1, 1, true);
+    }
+    KV_W(gate_inp, "ffn_gate_inp.weight", 2, E, X, 1, false);
+    if (experts) {
+        KV_W(gate_exps, "ffn_gate_exps.weight", 3, E, F, X, false);
+        KV_W(up_exps, "ffn_up_exps.weight", 3, E, F, X, false);
+        KV_W(down_exps, "ffn_down_exps.weight", 3, F, E, X, false);
+    }
+    KV_W(gate_inp_shexp, "ffn_gate_inp_shexp.weight", 1, E, 1, 1, false);
+    KV_W(gate_shexp, "ffn_gate_shexp.weight", 2, E, S, 1, false);
+    KV_W(up_shexp, "ffn_up_shexp.weight", 2, E, S, 1, false);
+    KV_W(down_shexp, "ffn_down_shexp.weight", 2, S, E, 1, false);
+    if (il >= hp->n_layer) { /* MTP block: loaded for later speculative decoding */
+        KV_W(nextn_eh_proj, "nextn.eh_proj.weight", 2, 2 * E, E, 1, false);
+        KV_W(nextn_enorm, "nextn.enorm.weight", 1, E, 1, 1, true);
+        KV_W(nextn_hnorm, "nextn.hnorm.weight", 1, E, 1, 1, true);
+        snprintf(n, sizeof n, "blk.%u.nextn.shared_head_norm.weight", il);
+        rc = kv_get_w(m, &L->nextn_head_norm, n, 1, E, 1, 1, true, false, d);
+        if (rc && rc != KV_ENOTFOUND) return rc;
+    }
+#undef KV_W
+    return 0;
+}
+
+/* ---- state --------------------------------------------------------------- */
+
+static size_t kv_zmax(size_t a, size_t b) { return a > b ? a : b; }
+
+int kv_q35_state_new(kv_state *s, kv_diag *d) {
+    const kv_hparams *hp = &s->m->hp;
+    kv_q35_state *q = calloc(1, sizeof *q);
+    if (!q) return kv_fail(d, KV_ENOMEM, "state: out of memory");
+    s->q35 = q;
+    const size_t B = s->max_tok, E = hp->n_embd, SV = hp->ssm_d_state, NV = hp->ssm_dt_rank;
+    const size_t C = 2 * (size_t)hp->ssm_d_state * hp->ssm_n_group + hp->ssm_d_inner, VD = hp->ssm_d_inner;
+    q->lin_of = malloc(hp->n_layer * sizeof *q->lin_of);
+    if (!q->lin_of) return kv_fail(d, KV_ENOMEM, "state: out of memory");
+    for (uint32_t il = 0; il < hp->n_layer; il++)
+        q->lin_of[il] = kv_q35_recurrent(hp, il) ? (int32_t)q->n_lin++ : -1;
+    q->conv_n = C * (hp->ssm_d_conv - 1);
+    q->ssm_n = NV * SV * SV;
+    size_t per_seq = 2 * (size_t)q->n_lin, conv_all, ssm_all;
+    if (!kv_mul_ok(per_seq * s->n_seq, q->conv_n, &conv_all) || !kv_mul_ok(per_seq * s->n_seq, q->ssm_n, &ssm_all) ||
+        ssm_all > ((size_t)1 << 40) / sizeof(float))
+        return kv_fail(d, KV_EINVAL, "state: recurrent state for %u sequences is too large", s->n_seq);
+    q->conv = calloc(conv_all ? conv_all : 1, sizeof(float));
+    q->ssm = calloc(ssm_all ? ssm_all : 1, sizeof(float));
+    q->cur = calloc(s->n_seq, 1);
+    q->qkv = malloc(B * C * sizeof(float));
+    q->cv = malloc(B * C * sizeof(float));
+    q->z = malloc(B * VD * sizeof(float));
+    q->beta = malloc(B * NV * sizeof(float));
+    q->g = malloc(B * NV * sizeof(float));
+    q->o = malloc(B * VD * sizeof(float));
+    q->qg = malloc(B * 2 * (size_t)hp->n_head * hp->head_dim * sizeof(float));
+    q->sh_g = malloc(B * hp->n_ff_shexp * sizeof(float));
+    q->sh_u = malloc(B * hp->n_ff_shexp * sizeof(float));
+    q->sh_out = malloc(B * E * sizeof(float));
+    q->sh_gate = malloc(B * sizeof(float));
+    q->delta = malloc((size_t)kv_pool_size(s->pool) * SV * sizeof(float));
+    size_t kmax = kv_zmax(kv_zmax(E, VD), kv_zmax(hp->n_ff_shexp, (size_t)hp->n_head * hp->head_dim));
+    q->scratch = malloc(kv_matmul_scratch((int64_t)kmax, (int64_t)B));
+    if (!q->conv || !q->ssm || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
+        !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->delta || !q->scratch)
+        return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
+    return 0;
+}
+
+void kv_q35_state_free(kv_state *s) {
+    kv_q35_state *q = s->q35;
+    if (!q) return;
+    free(q->lin_of);
+    free(q->conv);
+    free(q->ssm);
+    free(q->cur);
+    free(q->qkv);
+    free(q->cv);
+    free(q->z);
+    free(q->beta);
+    free(q->g);
+    free(q->o);
+    free(q->qg);
+    free(q->sh_g);
+    free(q->sh_u);
+    free(q->sh_out);
+    free(q->sh_gate);
+    free(q->delta);
+    free(q->scratch);
+    free(q);
+    s->q35 = NULL;
+}
+
+static float *kv_q35_conv_at(const kv_state *s, uint32_t seq, uint32_t slot, uint32_t li) {
+    const kv_q35_state *q = s->q35;
+    return q->conv + (((size_t)seq * 2 + slot) * q->n_lin + li) * q->conv_n;
+}
+
+static float *kv_q35_ssm_at(const kv_state *s, uint32_t seq, uint32_t slot, uint32_t li) {
+    const kv_q35_state *q = s->q35;
+    return q->ssm + (((size_t)seq * 2 + slot) * q->n_lin + li) * q->ssm_n;
+}
+
+/* Token t is its sequence's first of this call (its state comes from the
+ * committed slot, or is zero at position 0). */
+static bool kv_q35_first(const kv_state *s, uint32_t t) { return s->tok_pos[t] == s->pos[s->tok_seq[t]]; }
+
+/* ---- ops ------------------------------------------------------------------ */
+
+static float kv_q35_dot(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float kv_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static float kv_silu(float x) { return x / (1.0f + expf(-x)); }
+static float kv_softplus(float x) { return x > 20.0f ? x : logf(1.0f + expf(x)); }
+
+/* x /= max(||x||, eps), the norm's square summed in double (ggml_l2_norm). */
+static void kv_l2norm(float *x, int64_t n, float eps) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    const float scale = 1.0f / fmaxf(sqrtf((float)sum), eps);
+    for (int64_t i = 0; i < n; i++) x[i] *= scale;
+}
+
+/* Interleaved multi-section RoPE (ggml_rope_multi, GGML_ROPE_TYPE_IMROPE)
+ * on the first n_rot dims of one head (NeoX pairing i, i + n_rot/2). Pair i
+ * belongs to sector i % sum(sections); sectors cycle t, h, w (each within
+ * 3 * its section count), the rest take e. pos[4] = (t, h, w, e). */
+static void kv_rope_imrope(float *x, int64_t n_rot, const int32_t pos[4], const int32_t sec[4],
+                           float freq_base, float freq_scale) {
+    const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
+    const int sect_dims = sec[0] + sec[1] + sec[2] + sec[3];
+    const int64_t half = n_rot / 2;
+    float th[4] = {(float)pos[0], (float)pos[1], (float)pos[2], (float)pos[3]};
+    for (int64_t i = 0; i < half; i++) {
+        const int sector = (int)(i % sect_dims);
+        int c = 3; /* e */
+        if (sector % 3 == 1 && sector < 3 * sec[1]) c = 1;
+        else if (sector % 3 == 2 && sector < 3 * sec[2]) c = 2;
+        else if (sector % 3 == 0 && sector < 3 * sec[0]) c = 0;
+        const float t = freq_scale * th[c];
+        const float cs = cosf(t), sn = sinf(t);
+        const float x0 = x[i], x1 = x[i + half];
+        x[i] = x0 * cs - x1 * sn;
+        x[i + half] = x0 * sn + x1 * cs;
+        for (int k = 0; k < 4; k++) th[k] *= theta_scale;
+    }
+}
+
+/* ---- gated delta net ------------------------------------------------------ */
+
+typedef struct kv_q35_dn_job {
+    kv_state *s;
+    uint32_t li, T;
+} kv_q35_dn_job;
+
+/* Value heads split over threads; each head runs its tokens in order. */
+static void kv_q35_dn_worker(void *arg, int ith, int nth) {
+    const kv_q35_dn_job *j = arg;
+    kv_state *s = j->s;
+    kv_q35_state *q = s->q35;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t SV = hp->ssm_d_state, NV = hp->ssm_dt_rank, NK = hp->ssm_n_group;
+    const int64_t KD = SV * NK, C = 2 * KD + hp->ssm_d_inner, VD = hp->ssm_d_inner;
+    const float scale = 1.0f / sqrtf((float)SV);
+    float *delta = q->delta + (size_t)ith * (size_t)SV;
+    long lo, hi;
+    kv_pool_split((long)NV, ith, nth, &lo, &hi);
+    for (long h = lo; h < hi; h++) {
+        const int64_t kh = h % NK; /* value head h reads key head h mod n_k_heads */
+        for (uint32_t t = 0; t < j->T; t++) {
+            const uint32_t seq = s->tok_seq[t], rd = q->cur[seq];
+            float *M = kv_q35_ssm_at(s, seq, rd ^ 1u, j->li) + (size_t)h * (size_t)(SV * SV);
+            if (kv_q35_first(s, t)) {
+                if (s->tok_pos[t] == 0)
+                    memset(M, 0, (size_t)(SV * SV) * sizeof(float));
+                else
+                    memcpy(M, kv_q35_ssm_at(s, seq, rd, j->li) + (size_t)h * (size_t)(SV * SV),
+                           (size_t)(SV * SV) * sizeof(float));
+            }
+            const float *row = q->cv + (size_t)t * (size_t)C;
+            const float *qv = row + kh * SV, *kv = row + KD + kh * SV, *vv = row + 2 * KD + h * SV;
+            const float beta = q->beta[(size_t)t * NV + h];
+            const float decay = expf(q->g[(size_t)t * NV + h]);
+            for (int64_t i = 0; i < SV * SV; i++) M[i] *= decay;
+            for (int64_t jj = 0; jj < SV; jj++)
+                delta[jj] = (vv[jj] - kv_q35_dot(M + jj * SV, kv, SV)) * beta;
+            for (int64_t jj = 0; jj < SV; jj++) {
+                float *mr = M + jj * SV;
+                const float dj = delta[jj];
+                for (int64_t i = 0; i < SV; i++) mr[i] += kv[i] * dj;
+            }
+            float *o = q->o + (size_t)t * (size_t)VD + (size_t)h * (size_t)SV;
+            for (int64_t jj = 0; jj < SV; jj++) o[jj] = kv_q35_dot(M + jj * SV, qv, SV) * scale;
+        }
+    }
+}
+
+/* Linear-attention block il (recurrent index li) on s->xb; output in s->tmp. */
+static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t T) {
+    kv_q35_state *q = s->q35;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t SV = hp->ssm_d_state, NV = hp->ssm_dt_rank, NK = hp->ssm_n_group;
+    const int64_t KD = SV * NK, VD = hp->ssm_d_inner, C = 2 * KD + VD, KC = hp->ssm_d_conv;
+    /* projections */
+    kv_matmul(s->pool, &L->wqkv, NULL, s->xb, T, q->qkv, q->scratch);
+    kv_matmul(s->pool, &L->wqkv_gate, NULL, s->xb, T, q->z, q->scratch);
+    kv_matmul(s->pool, &L->ssm_beta, NULL, s->xb, T, q->beta, q->scratch);
+    kv_matmul(s->pool, &L->ssm_alpha, NULL, s->xb, T, q->g, q->scratch);
+    const float *dt = L->ssm_dt.data, *a = L->ssm_a.data;
+    for (uint32_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < NV; h++) {
+            float *bt = q->beta + (size_t)t * NV + h, *gt = q->g + (size_t)t * NV + h;
+            *bt = kv_sigmoid(*bt);
+            *gt = kv_softplus(*gt + dt[h]) * a[h];
+        }
+    /* causal conv1d over [state | tokens], then silu; the state keeps the
+     * last d_conv - 1 inputs of each channel */
+    const float *w = L->ssm_conv1d.data; /* [C][KC] */
+    for (uint32_t t = 0; t < T; t++) {
+        const uint32_t seq = s->tok_seq[t], rd = q->cur[seq];
+        float *st = kv_q35_conv_at(s, seq, rd ^ 1u, li);
+        if (kv_q35_first(s, t)) {
+            if (s->tok_pos[t] == 0)
+                memset(st, 0, q->conv_n * sizeof(float));
+            else
+                memcpy(st, kv_q35_conv_at(s, seq, rd, li), q->conv_n * sizeof(float));
+        }
+        const float *x = q->qkv + (size_t)t * C;
+        float *y = q->cv + (size_t)t * C;
+        for (int64_t c = 0; c < C; c++) {
+            float *sc = st + c * (KC - 1);
+            const float *wc = w + c * KC;
+            float sum = 0.0f;
+            for (int64_t i = 0; i < KC - 1; i++) sum += sc[i] * wc[i];
+            sum += x[c] * wc[KC - 1];
+            y[c] = kv_silu(sum);
+            for (int64_t i = 0; i + 1 < KC - 1; i++) sc[i] = sc[i + 1];
+            sc[KC - 2] = x[c];
+        }
+        /* l2-normalized query and key heads */
+        for (int64_t h = 0; h < 2 * NK; h++) kv_l2norm(y + h * SV, SV, hp->rms_eps);
+    }
+    /* the delta rule, per value head */
+    kv_q35_dn_job job = {s, li, T};
+    kv_pool_run(s->pool, kv_q35_dn_worker, &job);
+    /* gated RMSNorm per head, output projection */
+    for (uint32_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < NV; h++) {
+            float *o = q->o + (size_t)t * VD + (size_t)h * SV;
+            const float *z = q->z + (size_t)t * VD + (size_t)h * SV;
+            kv_rmsnorm(o, o, L->ssm_norm.data, SV, hp->rms_eps);
+            for (int64_t i = 0; i < SV; i++) o[i] = o[i] * kv_silu(z[i]);
+        }
+    kv_matmul(s->pool, &L->ssm_out, NULL, q->o, T, s->tmp, q->scratch);
+}
+
+/* Gated full-attention block il on s->xb; output in s->tmp. */
+static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T) {
+    kv_q35_state *q = s->q35;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
+    kv_matmul(s->pool, &L->wq, NULL, s->xb, T, q->qg, q->scratch);
+    kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, q->scratch);
+    kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, q->scratch);
+    for (uint32_t t = 0; t < T; t++) {
+        const int32_t p = (int32_t)s->tok_pos[t];
+        const int32_t pos[4] = {p, p, p, 0}; /* text: t = h = w = position, e = 0 */
+        for (int64_t h = 0; h < H; h++) {
+            float *qh = s->q + (size_t)t * QD + (size_t)h * HD;
+            kv_rmsnorm(qh, q->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD, L->q_norm.data, HD, hp->rms_eps);
+            kv_rope_imrope(qh, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
+        }
+        for (int64_t h = 0; h < HKV; h++) {
+            float *kh = s->k + (size_t)t * KVD + (size_t)h * HD;
+            kv_rmsnorm(kh, kh, L->k_norm.data, HD, hp->rms_eps);
+            kv_rope_imrope(kh, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
+        }
+        const size_t row = ((size_t)s->tok_seq[t] * hp->n_layer + il) * s->n_ctx + s->tok_pos[t];
+        memcpy(s->k_cache + row * (size_t)KVD, s->k + (size_t)t * KVD, (size_t)KVD * sizeof(float));
+        memcpy(s->v_cache + row * (size_t)KVD, s->v + (size_t)t * KVD, (size_t)KVD * sizeof(float));
+    }
+    kv_attn_run(s, il, T);
+    for (uint32_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            float *o = s->att + (size_t)t * QD + (size_t)h * HD;
+            const float *gate = q->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD + HD;
+            for (int64_t i = 0; i < HD; i++) o[i] = o[i] * kv_sigmoid(gate[i]);
+        }
+    kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, q->scratch);
+}
+
+/* Routed experts plus the gated shared expert on s->xb; output in s->tmp. */
+static int kv_q35_ffn(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_diag *d) {
+    kv_q35_state *q = s->q35;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t E = hp->n_embd, S = hp->n_ff_shexp;
+    int rc = kv_moe_routed(s, L, il, T, d);
+    if (rc) return rc;
+    kv_matmul(s->pool, &L->gate_shexp, NULL, s->xb, T, q->sh_g, q->scratch);
+    kv_matmul(s->pool, &L->up_shexp, NULL, s->xb, T, q->sh_u, q->scratch);
+    kv_swiglu(q->sh_g, q->sh_g, q->sh_u, (int64_t)T * S);
+    kv_matmul(s->pool, &L->down_shexp, NULL, q->sh_g, T, q->sh_out, q->scratch);
+    kv_matmul(s->pool, &L->gate_inp_shexp, NULL, s->xb, T, q->sh_gate, q->scratch);
+    for (uint32_t t = 0; t < T; t++) {
+        const float gt = kv_sigmoid(q->sh_gate[t]);
+        float *acc = s->tmp + (size_t)t * E;
+        const float *sh = q->sh_out + (size_t)t * E;
+        for (int64_t i = 0; i < E; i++) acc[i] = acc[i] + sh[i] * gt;
+    }
+    return 0;
+}
+
+int kv_q35_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
+                      uint32_t n_out, float *logits, kv_diag *d) {
+    const kv_model *m = s->m;
+    const kv_hparams *hp = &m->hp;
+    kv_q35_state *q = s->q35;
+    const int64_t E = hp->n_embd;
+
+    /* token embeddings */
+    const kv_type_info *et = kv_type_get(m->tok_embd.type);
+    for (uint32_t t = 0; t < T; t++)
+        et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
+                     s->x + (size_t)t * (size_t)E, E);
+
+    for (uint32_t il = 0; il < hp->n_layer; il++) {
+        const kv_layer *L = &m->layers[il];
+        for (uint32_t t = 0; t < T; t++)
+            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
+        if (L->recurrent)
+            kv_q35_linear(s, L, (uint32_t)q->lin_of[il], T);
+        else
+            kv_q35_attention(s, L, il, T);
+        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
+        /* post-attention norm, MoE with shared expert, residual */
+        for (uint32_t t = 0; t < T; t++)
+            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->post_norm.data, E, hp->rms_eps);
+        int rc = kv_q35_ffn(s, L, il, T, d);
+        if (rc) return rc; /* the committed recurrent slots are untouched */
+        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
+    }
+    /* commit: each sequence of the chunk now reads the slot just written */
+    for (uint32_t t = 0; t < T; t++)
+        if (kv_q35_first(s, t)) q->cur[s->tok_seq[t]] ^= 1u;
+    if (logits && n_out) {
+        for (uint32_t i = 0; i < n_out; i++)
+            kv_rmsnorm(s->hout + (size_t)i * E, s->x + (size_t)out_idx[i] * E, m->output_norm.data, E,
+                       hp->rms_eps);
+        kv_matmul(s->pool, &m->output, NULL, s->hout, n_out, logits, s->scratch);
+    }
+    return 0;
+}
