@@ -504,7 +504,8 @@ static void test_backends_identical(void) {
 
 static void test_mat_rows(void) {
     const char *bes[] = {"scalar", "avx2", "avx512"};
-    const int toks[] = {1, 3, 7, 17};
+    /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5) */
+    const int toks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
     const int n_rows = 37, n = 512;
     float *x = malloc(sizeof(float) * n * 40);
     uint8_t *W = malloc((size_t)n * 4 * n_rows), *A = malloc(((size_t)n * 4 + 8) * 17);
@@ -520,7 +521,7 @@ static void test_mat_rows(void) {
             for (int r = 0; r < n_rows; r++) t->from_float(x + (size_t)r * n, W + r * rb, n);
             fill_gauss(x, (int64_t)n * 17, 1.0f);
             for (int k = 0; k < 17; k++) ta->from_float(x + (size_t)k * n, A + k * ab, n);
-            for (size_t tk = 0; tk < 4; tk++) {
+            for (size_t tk = 0; tk < sizeof toks / sizeof toks[0]; tk++) {
                 int nt = toks[tk];
                 for (int range = 0; range < 3; range++) {
                     int r0 = range == 0 ? 0 : range == 1 ? 3 : 5, r1 = range == 0 ? n_rows : range == 1 ? 4 : 30;

@@ -349,11 +349,11 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
 ENTRY(f32, f32_tile, 3, 4, 4)
 ENTRY(f16, f16_tile, 3, 4, 4)
 ENTRY(bf16, bf16_tile, 3, 4, 4)
-ENTRY(q8_0, q8_0_tile, 2, 3, 4)
-ENTRY(q4_0, q4_0_tile, 2, 3, 4)
-ENTRY(q4_K, q4_K_tile, 2, 3, 4)
-ENTRY(q5_K, q5_K_tile, 2, 3, 4)
-ENTRY(q6_K, q6_K_tile, 2, 3, 4)
+ENTRY(q8_0, q8_0_tile, 2, 3, 1)
+ENTRY(q4_0, q4_0_tile, 2, 3, 1)
+ENTRY(q4_K, q4_K_tile, 2, 3, 1)
+ENTRY(q5_K, q5_K_tile, 2, 3, 1)
+ENTRY(q6_K, q6_K_tile, 2, 3, 1)
 
 /* ================================================================== */
 /* activation quantizers                                                */

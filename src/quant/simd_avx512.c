@@ -14,11 +14,6 @@
 
 #include "quant/quant_internal.h"
 
-/* Software prefetch distance (bytes ahead in each weight row): decode
- * streams several rows at once and the hardware prefetcher alone leaves
- * DRAM bandwidth unused. */
-#define KV_PF_DIST 1024
-
 #define AI static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 8")
 
@@ -226,89 +221,215 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
 Q80_ENTRY(q8_0, 0, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
 Q80_ENTRY(q4_0, 1, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
 
-/* 8 scales and 8 mins of a q4_K/q5_K block as bytes, branch-free. */
-AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
-    uint32_t w0, w1, w2;
-    memcpy(&w0, q, 4);
-    memcpy(&w1, q + 4, 4);
-    memcpy(&w2, q + 8, 4);
-    sc[0] = w0 & 0x3f3f3f3fu;
-    mn[0] = w1 & 0x3f3f3f3fu;
-    sc[1] = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-    mn[1] = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-}
-
 /* 16 int32 lanes -> 8: lane j + lane j+8 (the canonical K-quant lanes). */
 AI __m256i fold_i32(__m512i v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
+#define KT_R 4
+#define KT_T 8
+
+/* Q4_K / Q5_K against Q8_K. One zmm of weights is 64 bytes of qs, i.e. two
+ * 32-value chunks; its low nibbles are values 128k+0..31 and 128k+64..95 of
+ * the super-block (k = 0, 1), its high nibbles 128k+32..63 and 128k+96..127.
+ * The activations are read in that order: kv_mat_rows copies them once per
+ * call into a stack buffer (k4_prep), the lone vec_dot assembles them from
+ * two halves. vpmaddubsw + vpdpwssd (with the sub-block scales) leave int32
+ * lane l (0..15) holding the 4-value group l % 8 of one sub-block, so lane
+ * l + lane l+8 (fold_i32) is the canonical lane j = l; the integer sums are
+ * exact whatever the order, so the bits agree with the reference.
+ *
+ * Per (row, super-block): 2 weight loads, 3 unpack ops, the scale/min
+ * unpacking (vector), 4 scale shuffles, and the products d*da, dmin*da for
+ * all tokens of the tile in one multiply each; per (row, token,
+ * super-block): 4 vpmaddubsw + 4 vpdpwssd (the floor: on Zen 4 these share
+ * one 512-bit multiply pipe), then the canonical float steps with the
+ * products broadcast from memory and (float)M formed as m * pair sum.
+ * Tiles are 2 rows x up to 8 tokens: experts see few tokens each. */
+
+/* Prepared activations of a chunk of nt tokens (kv_mat_rows builds them
+ * once per call in a stack buffer). Per super-block, ss bytes:
+ * [nt][256] the quants reordered as above, [nt][8] float pair sums
+ * bsums[2j] + bsums[2j+1] (exact), [nt + 8] float d (zero-padded), so
+ * the tokens of a tile sit at fixed offsets and their d load as a vector. */
+typedef struct {
+    const uint8_t *q;  /* quants of the tile's first token, super-block 0 */
+    const float *b;    /* pair sums of the first token, super-block 0 */
+    const float *d;    /* d of the first token, super-block 0 */
+    size_t ss;         /* bytes per super-block */
+} k4_pre;
+
+AI size_t k4_pre_ss(int64_t nt) { return ((size_t)nt * 292 + 32 + 63) & ~(size_t)63; }
+
+/* Token t (of nt) into the chunk buffer at pre. */
+AI void k4_prep(const kv_block_q8_K *y, int64_t nsb, uint8_t *pre, int64_t t, int64_t nt) {
+    const size_t ss = k4_pre_ss(nt);
+    for (int64_t i = 0; i < nsb; i++) {
+        const int8_t *q = y[i].qs;
+        uint8_t *base = pre + (size_t)i * ss;
+        __m256i *o = (__m256i *)(void *)(base + (size_t)t * 256);
+        UNROLL for (int k = 0; k < 2; k++) {
+            _mm256_store_si256(o + 4 * k + 0, _mm256_loadu_si256((const __m256i *)(q + 128 * k)));
+            _mm256_store_si256(o + 4 * k + 1, _mm256_loadu_si256((const __m256i *)(q + 128 * k + 64)));
+            _mm256_store_si256(o + 4 * k + 2, _mm256_loadu_si256((const __m256i *)(q + 128 * k + 32)));
+            _mm256_store_si256(o + 4 * k + 3, _mm256_loadu_si256((const __m256i *)(q + 128 * k + 96)));
+        }
+        const __m256i bp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), _mm256_set1_epi16(1));
+        _mm256_storeu_ps((float *)(void *)(base + (size_t)nt * 256 + (size_t)t * 32), _mm256_cvtepi32_ps(bp));
+        float *d = (float *)(void *)(base + (size_t)nt * 288);
+        d[t] = y[i].d;
+        if (t == nt - 1)
+            for (int j = 0; j < 8; j++) d[nt + j] = 0.0f;
+    }
+}
+
+/* Activation part p (0: low nibbles of k = 0, 1: high, 2, 3: k = 1) of
+ * super-block i of token t: prepared (P) or assembled from the block at
+ * a + t * ab (P NULL: the lone vec_dot). */
+AI __m512i k4_act(const k4_pre *P, const uint8_t *a, size_t ab, int64_t i, int t, int p) {
+    if (P) return _mm512_load_si512((const void *)(P->q + (size_t)i * P->ss + 256 * t + 64 * p));
+    const int8_t *q = ((const kv_block_q8_K *)(a + t * ab) + i)->qs + 128 * (p >> 1) + 32 * (p & 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q)),
+                              _mm256_loadu_si256((const __m256i *)(q + 64)), 1);
+}
+
+/* The 8 scales (bytes 0-7) and 8 mins (bytes 8-15) of a q4_K/q5_K block,
+ * as kv_scale_min_k4 gives them, with 128-bit ops. q: the 12 scale bytes,
+ * followed by at least 4 more bytes of the block. */
+AI __m128i k4_scales_v(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);              /* w0 w1 w2 . */
+    const __m128i p = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));    /* w0 w2 w1 w2 */
+    const __m128i h = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));    /* w0 w0 w1 w1 */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(p, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(h, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
+}
+
+/* vpshufb indices that widen scale byte s to int16 (index 0x80 zeroes the
+ * high byte) over the int16 lanes of part p (of the broadcast scale
+ * bytes): lanes 0-15 take sub-block 4k + (p & 1), lanes 16-31 sub-block
+ * 4k + 2 + (p & 1). */
+AI __m512i k4_pick(int p) {
+    const int s0 = 4 * (p >> 1) + (p & 1), s1 = s0 + 2;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x8000 | s0))),
+                              _mm256_set1_epi16((short)(0x8000 | s1)), 1);
+}
+/* Indices that make int16 (m0, m0, m1, m1, ..., m7, m7) for vpmaddwd with
+ * the bsums, from the scale/min bytes in both 128-bit lanes. */
+AI __m256i k4_mpick(void) {
+    return _mm256_setr_epi8(8, -128, 8, -128, 9, -128, 9, -128, 10, -128, 10, -128, 11, -128, 11, -128,
+                            12, -128, 12, -128, 13, -128, 13, -128, 14, -128, 14, -128, 15, -128, 15, -128);
+}
+
+/* Q5_K: bit selectors of part p in qh (both 256-bit halves hold qh):
+ * chunk c's low values use bit 2c, its high values bit 2c+1. */
+AI __m512i k5_bits(int p) {
+    const int c0 = 2 * (p >> 1), b0 = 2 * c0 + (p & 1), b1 = b0 + 2;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8((char)(1 << b0))),
+                              _mm256_set1_epi8((char)(1 << b1)), 1);
+}
+
+/* Number of independent int32 chains per (row, token): tiles with few
+ * products get more so the vpdpwssd latency stays hidden. */
+#define K_NCH(RT, TT) ((RT) * (TT) == 1 ? 4 : (RT) * (TT) == 2 ? 2 : 1)
+
+/* RT rows x TT tokens over nsb super-blocks. P: the first token's
+ * prepared activations, or NULL (the block at a). pf: prefetch the next RT rows (the next
+ * tile) as one sequential run, spread over the super-blocks. */
 #define K4_TILE512(NAME, WBLK, Q5)                                                              \
-    AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,      \
-                 size_t ab, float *out) {                                                       \
-        __m256 acc[4][4], accm[4][4];                                                           \
+    AI void NAME(const int RT, const int TT, int64_t nsb, const uint8_t *w, size_t rb,          \
+                 const uint8_t *a, size_t ab, const k4_pre *P, int pf, float *out) {            \
+        /* callers pass P as a constant NULL or a local's address: both specialize */           \
+        __m256 acc[KT_R][KT_T], accm[KT_R][KT_T];                                               \
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {               \
             acc[r][t] = _mm256_setzero_ps();                                                    \
             accm[r][t] = _mm256_setzero_ps();                                                   \
         }                                                                                       \
         const __m512i m4 = _mm512_set1_epi8(0xF);                                               \
-        for (int64_t i = 0; i < n / KV_QK_K; i++) {                                             \
-            __m512i isum[4][4], isum2[4][4], s16[4];                                            \
-            __m256i mdup[4];                                                                    \
+        for (int64_t i = 0; i < nsb; i++) {                                                     \
+            if (pf) {                                                                           \
+                const char *nx_ = (const char *)w + RT * rb + i * (int64_t)(RT * sizeof(WBLK));  \
+                UNROLL for (int l_ = 0; l_ < (int)(RT * sizeof(WBLK) + 63) / 64; l_++)          \
+                    _mm_prefetch(nx_ + 64 * l_, _MM_HINT_T0);                                   \
+            }                                                                                   \
+            __m512i isum[4][KT_R][KT_T], s16[KT_R];                                             \
+            __m256i mdup[KT_R];                                                                 \
+            __m256 dr[KT_R], dmr[KT_R], mf[KT_R];                                               \
+            /* with P: the products d*da, dmin*da of each row and token */                      \
+            float pd[KT_R][8], pm[KT_R][8];                                                     \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
-                uint32_t sc[2], mn[2];                                                          \
-                k4_scales(x->scales, sc, mn);                                                   \
-                __m128i s8 = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]);                       \
-                __m128i m8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);                       \
-                /* s16: 8 scales as int16, repeated in all four 128-bit lanes */                \
-                s16[r] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(s8));                         \
-                mdup[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));                      \
-                UNROLL for (int t = 0; t < TT; t++) isum[r][t] = isum2[r][t] = _mm512_setzero_si512(); \
-            }                                                                                   \
-            UNROLL for (int c = 0; c < 4; c++) {                                                \
-                __m512i yv[4];                                                                  \
+                const __m128i sm = k4_scales_v(x->scales);                                      \
+                s16[r] = _mm512_broadcast_i32x4(sm);                                            \
+                dr[r] = _mm256_set1_ps(h2f(x->d));                                              \
+                dmr[r] = _mm256_set1_ps(h2f(x->dmin));                                          \
+                if (P) {                                                                        \
+                    const __m256 dav = _mm256_loadu_ps(P->d + (size_t)i * P->ss / 4);           \
+                    _mm256_storeu_ps(pd[r], _mm256_mul_ps(dr[r], dav));                         \
+                    _mm256_storeu_ps(pm[r], _mm256_mul_ps(dmr[r], dav));                        \
+                    mf[r] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));    \
+                } else {                                                                        \
+                    mdup[r] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(sm), k4_mpick()); \
+                }                                                                               \
                 UNROLL for (int t = 0; t < TT; t++)                                             \
-                    yv[t] = _mm512_loadu_si512((const void *)(((const kv_block_q8_K *)(a + t * ab) + i)->qs + 64 * c)); \
-                /* int16 lanes 0-15 take scale 2c, lanes 16-31 scale 2c+1 */                    \
-                const __m512i pick = _mm512_inserti64x4(                                        \
-                    _mm512_castsi256_si512(_mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c))), \
-                    _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2)), 1);           \
+                    isum[0][r][t] = isum[1][r][t] = isum[2][r][t] = isum[3][r][t] =             \
+                        _mm512_setzero_si512();                                                 \
+            }                                                                                   \
+            UNROLL for (int k = 0; k < 2; k++) {                                                \
+                __m512i q[KT_R][2], sc[KT_R][2];                                                \
                 UNROLL for (int r = 0; r < RT; r++) {                                           \
                     const WBLK *x = (const WBLK *)(w + r * rb) + i;                             \
-                    __m256i qv = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * c));         \
-                    _mm_prefetch((const char *)x->qs + 32 * c + KV_PF_DIST, _MM_HINT_T0);       \
-                    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(qv), _mm256_srli_epi16(qv, 4), 1); \
-                    q = _mm512_and_si512(q, m4);                                                \
+                    const __m512i qv = _mm512_loadu_si512((const void *)(x->qs + 64 * k));      \
+                    q[r][0] = _mm512_and_si512(qv, m4);                                         \
+                    q[r][1] = _mm512_and_si512(_mm512_srli_epi16(qv, 4), m4);                   \
                     if (Q5) {                                                                   \
-                        __m256i qh = _mm256_loadu_si256((const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh); \
-                        __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * c)), \
-                                                       _mm256_srli_epi16(qh, 2 * c + 1), 1);    \
-                        h = _mm512_and_si512(h, _mm512_set1_epi8(1));                           \
-                        q = _mm512_or_si512(q, _mm512_slli_epi16(h, 4));                        \
+                        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(           \
+                            (const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh));    \
+                        UNROLL for (int h = 0; h < 2; h++)                                      \
+                            q[r][h] = _mm512_mask_add_epi8(                                     \
+                                q[r][h], _mm512_test_epi8_mask(qh, k5_bits(2 * k + h)), q[r][h], \
+                                _mm512_set1_epi8(16));                                          \
                     }                                                                           \
-                    __m512i sc = _mm512_shuffle_epi8(s16[r], pick);                             \
-                    UNROLL for (int t = 0; t < TT; t++) {                                       \
-                        /* small tiles: two dependency chains (integer sums, exact) */          \
-                        if (RT * TT <= 2 && (c & 1))                                            \
-                            isum2[r][t] = _mm512_dpwssd_epi32(isum2[r][t], _mm512_maddubs_epi16(q, yv[t]), sc); \
-                        else                                                                    \
-                            isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_maddubs_epi16(q, yv[t]), sc); \
-                    }                                                                           \
+                    sc[r][0] = _mm512_shuffle_epi8(s16[r], k4_pick(2 * k));                     \
+                    sc[r][1] = _mm512_shuffle_epi8(s16[r], k4_pick(2 * k + 1));                 \
+                }                                                                               \
+                UNROLL for (int t = 0; t < TT; t++) UNROLL for (int h = 0; h < 2; h++) {        \
+                    const int p = 2 * k + h;                                                    \
+                    const int c_ = K_NCH(RT, TT) == 4 ? p : K_NCH(RT, TT) == 2 ? h : 0;         \
+                    const __m512i yv = k4_act(P, a, ab, i, t, p);                               \
+                    UNROLL for (int r = 0; r < RT; r++)                                         \
+                        isum[c_][r][t] = _mm512_dpwssd_epi32(isum[c_][r][t],                   \
+                                                             _mm512_maddubs_epi16(q[r][h], yv), sc[r][h]); \
                 }                                                                               \
             }                                                                                   \
-            UNROLL for (int r = 0; r < RT; r++) {                                               \
-                const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
-                float d = h2f(x->d), dmin = h2f(x->dmin);                                       \
-                UNROLL for (int t = 0; t < TT; t++) {                                           \
+            UNROLL for (int t = 0; t < TT; t++) {                                               \
+                __m256 da, bp;                                                                  \
+                __m256i bs;                                                                     \
+                if (P) {                                                                        \
+                    bp = _mm256_loadu_ps(P->b + (size_t)i * P->ss / 4 + 8 * t);                 \
+                } else {                                                                        \
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
-                    __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);                 \
-                    __m256i mp = _mm256_madd_epi16(bs, mdup[r]);                                \
-                    if (RT * TT <= 2) isum[r][t] = _mm512_add_epi32(isum[r][t], isum2[r][t]);   \
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_i32(isum[r][t])),       \
-                                                _mm256_set1_ps(y->d * d), acc[r][t]);           \
-                    accm[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mp),                        \
-                                                 _mm256_set1_ps(y->d * dmin), accm[r][t]);      \
+                    da = _mm256_broadcast_ss(&y->d);                                            \
+                    bs = _mm256_loadu_si256((const __m256i *)y->bsums);                         \
+                }                                                                               \
+                UNROLL for (int r = 0; r < RT; r++) {                                           \
+                    __m512i is = isum[0][r][t];                                                 \
+                    if (K_NCH(RT, TT) >= 2) is = _mm512_add_epi32(is, isum[1][r][t]);           \
+                    if (K_NCH(RT, TT) == 4)                                                     \
+                        is = _mm512_add_epi32(is, _mm512_add_epi32(isum[2][r][t], isum[3][r][t])); \
+                    const __m256 lf = _mm256_cvtepi32_ps(fold_i32(is));                         \
+                    /* (float)M exactly: m * pair sum (both small integers) */                  \
+                    if (P) {                                                                    \
+                        acc[r][t] = _mm256_fmadd_ps(lf, _mm256_broadcast_ss(&pd[r][t]), acc[r][t]); \
+                        accm[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(mf[r], bp),                  \
+                                                     _mm256_broadcast_ss(&pm[r][t]), accm[r][t]); \
+                    } else {                                                                    \
+                        const __m256i mp = _mm256_madd_epi16(bs, mdup[r]);                      \
+                        acc[r][t] = _mm256_fmadd_ps(lf, _mm256_mul_ps(dr[r], da), acc[r][t]);   \
+                        accm[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mp), _mm256_mul_ps(dmr[r], da), \
+                                                     accm[r][t]);                               \
+                    }                                                                           \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
@@ -320,13 +441,18 @@ K4_TILE512(q4_K_tile, kv_block_q4_K, 0)
 K4_TILE512(q5_K_tile, kv_block_q5_K, 1)
 
 /* Q6_K: 64 values per step: quarters (0,1) then (2,3) of each half. */
-AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,
-                  size_t ab, float *out) {
-    __m256 acc[4][4];
+AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, size_t rb,
+                  const uint8_t *a, size_t ab, int pf, float *out) {
+    __m256 acc[KT_R][KT_T];
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(3);
-    for (int64_t i = 0; i < n / KV_QK_K; i++) {
-        __m512i isum[4][4], isum2[4][4], sc16[4];
+    for (int64_t i = 0; i < nsb; i++) {
+        if (pf) {
+            const char *nx = (const char *)w + RT * rb + i * (int64_t)(RT * sizeof(kv_block_q6_K));
+            UNROLL for (int l = 0; l < (int)(RT * sizeof(kv_block_q6_K) + 63) / 64; l++)
+                _mm_prefetch(nx + 64 * l, _MM_HINT_T0);
+        }
+        __m512i isum[KT_R][KT_T], isum2[KT_R][KT_T], sc16[KT_R];
         UNROLL for (int r = 0; r < RT; r++) {
             const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
             sc16[r] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales)));
@@ -380,64 +506,115 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) out[r * TT + t] = hsum_ps8(acc[r][t]);
 }
 
-/* Same tiling driver as the AVX2 file. */
-#define KV_MAT_DRIVER(F, RT, TT, RT1)                                                         \
+/* K-quant tiling: rows [r0,r1) x tokens [0,nt) with F(rt, tt, r, t, pf, o)
+ * computing an rt x tt tile at row r, token t (pf: also prefetch the next
+ * rt rows). RT-row tiles (RTD-row tiles for a single token), the tokens of
+ * each row tile split into the fewest tiles of at most TT, as even as
+ * possible (9 tokens: 5 + 4, not 8 + 1); leftover rows one by one. Every
+ * output is one whole dot product whatever tile computes it. */
+#define K_CASE(F, RT_, TT, c)                                                                 \
+    case c:                                                                                   \
+        if ((c) <= (TT)) {                                                                    \
+            F(RT_, c, r, t, j_ == 0, o_);                                                     \
+            KV_TSTORE(RT_, c);                                                                \
+        }                                                                                     \
+        break
+#define K_TOKENS(F, RT_, TT)                                                                  \
     do {                                                                                      \
-        const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;                     \
-        float o[16];                                                                          \
-        int64_t r = r0;                                                                       \
-        if (n_tok < (TT)) {                                                                   \
-            for (; r + (RT1) <= r1; r += (RT1))                                               \
-                for (int64_t t = 0; t < n_tok; t++) {                                         \
-                    F(RT1, 1, wb + r * row_bytes, ab + t * a_stride, o);                      \
-                    for (int i = 0; i < (RT1); i++) Y[t * y_stride + r + i] = o[i];           \
-                }                                                                             \
-        }                                                                                     \
-        for (; r + (RT) <= r1; r += (RT)) {                                                   \
-            int64_t t = 0;                                                                    \
-            for (; t + (TT) <= n_tok; t += (TT)) {                                            \
-                F(RT, TT, wb + r * row_bytes, ab + t * a_stride, o);                          \
-                for (int i = 0; i < (RT); i++)                                                \
-                    for (int j = 0; j < (TT); j++) Y[(t + j) * y_stride + r + i] = o[i * (TT) + j]; \
+        const int64_t nj_ = (nt + (TT) - 1) / (TT);                                           \
+        int64_t t = 0;                                                                        \
+        for (int64_t j_ = 0; j_ < nj_; j_++) {                                                \
+            const int64_t left_ = nj_ - j_, tt_ = (nt - t + left_ - 1) / left_;               \
+            switch (tt_) {                                                                    \
+                K_CASE(F, RT_, TT, 1); K_CASE(F, RT_, TT, 2); K_CASE(F, RT_, TT, 3);          \
+                K_CASE(F, RT_, TT, 4); K_CASE(F, RT_, TT, 5); K_CASE(F, RT_, TT, 6);          \
+                K_CASE(F, RT_, TT, 7); K_CASE(F, RT_, TT, 8);                                 \
+            default: break;                                                                   \
             }                                                                                 \
-            for (; t < n_tok; t++) {                                                          \
-                F(RT, 1, wb + r * row_bytes, ab + t * a_stride, o);                           \
-                for (int i = 0; i < (RT); i++) Y[t * y_stride + r + i] = o[i];                \
-            }                                                                                 \
-        }                                                                                     \
-        for (; r < r1; r++) {                                                                 \
-            int64_t t = 0;                                                                    \
-            for (; t + (TT) <= n_tok; t += (TT)) {                                            \
-                F(1, TT, wb + r * row_bytes, ab + t * a_stride, o);                           \
-                for (int j = 0; j < (TT); j++) Y[(t + j) * y_stride + r] = o[j];              \
-            }                                                                                 \
-            for (; t < n_tok; t++) {                                                          \
-                F(1, 1, wb + r * row_bytes, ab + t * a_stride, o);                            \
-                Y[t * y_stride + r] = o[0];                                                   \
-            }                                                                                 \
+            t += tt_;                                                                         \
         }                                                                                     \
     } while (0)
+#define K_TILE_LOOP(F, RT, TT, RTD)                                                           \
+    do {                                                                                      \
+        float o_[64];                                                                         \
+        int64_t r = r0;                                                                       \
+        if (nt == 1)                                                                          \
+            for (; r + (RTD) <= r1; r += (RTD)) {                                             \
+                F(RTD, 1, r, 0, 1, o_);                                                       \
+                for (int i = 0; i < (RTD); i++) Y[r + i] = o_[i];                             \
+            }                                                                                 \
+        for (; r + (RT) <= r1; r += (RT)) K_TOKENS(F, RT, TT);                                \
+        for (; r < r1; r++) K_TOKENS(F, 1, TT);                                               \
+    } while (0)
 
-#define ENTRY(T, RT, TT, RT1)                                                                   \
+#ifndef KV_K4_RT
+#define KV_K4_RT 2
+#endif
+#ifndef KV_K4_TT
+#define KV_K4_TT 8
+#endif
+#ifndef KV_K6_RT
+#define KV_K6_RT 4
+#endif
+#ifndef KV_K6_TT
+#define KV_K6_TT 4
+#endif
+
+/* q4_K / q5_K: activations prepared per call (k4_prep) in token chunks
+ * that fit the stack buffer, then the tile loop. */
+#define K4_ENTRY(T, RT, TT, RTD)                                                                \
     static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
-        T##_tile(1, 1, n, (const uint8_t *)w, 0, (const uint8_t *)a, 0, s);                     \
+        T##_tile(1, 1, n / KV_QK_K, (const uint8_t *)w, 0, (const uint8_t *)a, 0, NULL, 0, s);  \
+    }                                                                                           \
+    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,     \
+                        const void *A, size_t a_stride, int64_t n_tok, float *Y0, size_t y_stride) { \
+        _Static_assert((RT) <= KT_R && (TT) <= KT_T && (RTD) <= KT_R, "tile");                  \
+        const int64_t nsb = n / KV_QK_K;                                                        \
+        int64_t tc = n_tok;                                                                     \
+        while (tc > 1 && (size_t)nsb * k4_pre_ss(tc) > KV_PRE_BYTES) tc = (tc + 1) / 2;         \
+        if ((size_t)nsb * k4_pre_ss(tc) > KV_PRE_BYTES) { /* rows too long for the buffer */    \
+            kv_mat_generic(T##_dot, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);  \
+            return;                                                                             \
+        }                                                                                       \
+        _Alignas(64) uint8_t pre[KV_PRE_BYTES];                                                 \
+        const uint8_t *wb = (const uint8_t *)W;                                                 \
+        for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {                                            \
+            const int64_t nt = n_tok - t0 < tc ? n_tok - t0 : tc;                               \
+            const uint8_t *ab = (const uint8_t *)A + (size_t)t0 * a_stride;                     \
+            const size_t ss = k4_pre_ss(nt);                                                    \
+            float *Y = Y0 + (size_t)t0 * y_stride;                                              \
+            for (int64_t t = 0; t < nt; t++)                                                    \
+                k4_prep((const kv_block_q8_K *)(const void *)(ab + (size_t)t * a_stride), nsb, pre, t, nt); \
+            K_TILE_LOOP(T##_TF, RT, TT, RTD);                                                   \
+        }                                                                                       \
+    }
+#define K4_TF(T, rt, tt, r, t, pf, o)                                                          \
+    do {                                                                                       \
+        const k4_pre P_ = {pre + (size_t)(t) * 256, (const float *)(const void *)(pre + (size_t)nt * 256) + 8 * (t), \
+                           (const float *)(const void *)(pre + (size_t)nt * 288) + (t), ss};   \
+        T##_tile(rt, tt, nsb, wb + (size_t)(r) * row_bytes, row_bytes, NULL, 0, &P_, pf, o);   \
+    } while (0)
+#define q4_K_TF(rt, tt, r, t, pf, o) K4_TF(q4_K, rt, tt, r, t, pf, o)
+#define q5_K_TF(rt, tt, r, t, pf, o) K4_TF(q5_K, rt, tt, r, t, pf, o)
+K4_ENTRY(q4_K, KV_K4_RT, KV_K4_TT, 1)
+K4_ENTRY(q5_K, KV_K4_RT, KV_K4_TT, 1)
+
+/* q6_K: no activation prep. */
+#define K6_ENTRY(T, RT, TT, RTD)                                                                \
+    static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
+        T##_tile(1, 1, n / KV_QK_K, (const uint8_t *)w, 0, (const uint8_t *)a, 0, 0, s);        \
     }                                                                                           \
     static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,     \
                         const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
-        _Static_assert((RT) * (TT) <= 16 && (RT) <= 4 && (TT) <= 4 && (RT1) <= 4, "tile");       \
-        KV_MAT_DRIVER(T##_F, RT, TT, RT1);                                                      \
+        _Static_assert((RT) <= KT_R && (TT) <= KT_T && (RTD) <= KT_R, "tile");                  \
+        const int64_t nsb = n / KV_QK_K, nt = n_tok;                                            \
+        const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;                       \
+        K_TILE_LOOP(T##_TF, RT, TT, RTD);                                                       \
     }
-
-#define q4_K_F(rt, tt, w, a, o) q4_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
-#define q5_K_F(rt, tt, w, a, o) q5_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
-#define q6_K_F(rt, tt, w, a, o) q6_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
-
-#ifndef KV_KQ_RT1
-#define KV_KQ_RT1 1
-#endif
-ENTRY(q4_K, 4, 4, KV_KQ_RT1)
-ENTRY(q5_K, 4, 4, KV_KQ_RT1)
-ENTRY(q6_K, 4, 4, KV_KQ_RT1)
+#define q6_K_TF(rt, tt, r, t, pf, o)                                                           \
+    q6_K_tile(rt, tt, nsb, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride, \
+              a_stride, pf, o)
+K6_ENTRY(q6_K, KV_K6_RT, KV_K6_TT, 1)
 
 void kv_quant_fill_avx512(kv_kernels *k) {
     k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8_0_mat;
