@@ -25,6 +25,8 @@
 #include <stdio.h>
 
 #include "kvasir/err.h"
+#include "kvasir/gguf.h"
+#include "kvasir/tok.h"
 
 /* Bounds on every size a configuration may ask for. */
 #define KV_GEN_MAX_LAYER 512u         /* llama.cpp's LLAMA_MAX_LAYERS */
@@ -111,5 +113,11 @@ uint64_t kv_gen_data_bytes(const kv_gen_config *cfg);
  * Returns 0 or a negative KV_E* code with d naming the problem. Not
  * thread-safe with respect to cfg->log. */
 int kv_gen_model(const kv_gen_config *cfg, const char *path, kv_diag *d);
+
+/* Writes the tokenizer.* metadata of a trained vocabulary as Qwen files carry
+ * it: model "gpt2", pre-tokenizer `pre` ("qwen2" or "qwen35"), tokens, token
+ * types, merges, <|im_end|> as EOS, <|endoftext|> as BOS and padding, no BOS
+ * added, and a ChatML chat template. Used by gen-model and the skeletons. */
+int kv_gen_write_tokenizer(kv_gguf_writer *w, const kv_bpe_vocab *v, const char *pre, kv_diag *d);
 
 #endif

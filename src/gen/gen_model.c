@@ -531,6 +531,35 @@ static int write_meta_q35(kv_gguf_writer *w, const kv_gen_config *c, kv_diag *d)
     return 0;
 }
 
+int kv_gen_write_tokenizer(kv_gguf_writer *w, const kv_bpe_vocab *v, const char *pre, kv_diag *d) {
+    int rc;
+#define TRY(x) \
+    if ((rc = (x))) return rc
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2", d));
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.pre", pre, d));
+    kv_str *s = malloc((v->n_tokens > v->n_merges ? v->n_tokens : v->n_merges) * sizeof *s + 1);
+    if (!s) return kv_fail(d, KV_ENOMEM, "out of memory for the vocabulary");
+    for (size_t i = 0; i < v->n_tokens; i++) s[i] = (kv_str){v->tokens[i], strlen(v->tokens[i])};
+    rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", s, v->n_tokens, d);
+    if (!rc) rc = kv_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", KV_GGUF_INT32, v->types,
+                                         v->n_tokens, d);
+    if (!rc) {
+        for (size_t i = 0; i < v->n_merges; i++) s[i] = (kv_str){v->merges[i], strlen(v->merges[i])};
+        rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", s, v->n_merges, d);
+    }
+    free(s);
+    if (rc) return rc;
+    /* as in Qwen3 instruct files: generation ends at <|im_end|>;
+     * <|endoftext|> is BOS and padding; no BOS is added */
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)v->im_end_id, d));
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)v->eos_id, d));
+    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)v->eos_id, d));
+    TRY(kv_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", false, d));
+    TRY(kv_gguf_writer_set_str(w, "tokenizer.chat_template", kv_chatml_template, d));
+#undef TRY
+    return 0;
+}
+
 static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vocab *v, kv_diag *d) {
     int rc;
 #define TRY(x) \
@@ -564,27 +593,7 @@ static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vo
     TRY(kv_gguf_writer_set_f32(w, "qwen3moe.rope.freq_base", GEN_ROPE_BASE, d));
 
 vocab:
-    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2", d));
-    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.pre", is_q35(c) ? "qwen35" : "qwen2", d));
-    kv_str *s = malloc((v->n_tokens > v->n_merges ? v->n_tokens : v->n_merges) * sizeof *s + 1);
-    if (!s) return kv_fail(d, KV_ENOMEM, "out of memory for the vocabulary");
-    for (size_t i = 0; i < v->n_tokens; i++) s[i] = (kv_str){v->tokens[i], strlen(v->tokens[i])};
-    rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", s, v->n_tokens, d);
-    if (!rc) rc = kv_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", KV_GGUF_INT32, v->types,
-                                         v->n_tokens, d);
-    if (!rc) {
-        for (size_t i = 0; i < v->n_merges; i++) s[i] = (kv_str){v->merges[i], strlen(v->merges[i])};
-        rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", s, v->n_merges, d);
-    }
-    free(s);
-    if (rc) return rc;
-    /* as in Qwen3 instruct files: generation ends at <|im_end|>;
-     * <|endoftext|> is BOS and padding; no BOS is added */
-    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)v->im_end_id, d));
-    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)v->eos_id, d));
-    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)v->eos_id, d));
-    TRY(kv_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", false, d));
-    TRY(kv_gguf_writer_set_str(w, "tokenizer.chat_template", kv_chatml_template, d));
+    TRY(kv_gen_write_tokenizer(w, v, is_q35(c) ? "qwen35" : "qwen2", d));
 #undef TRY
     return 0;
 }

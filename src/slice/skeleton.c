@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "kvasir/anatomy.h"
+#include "kvasir/gen.h"
 #include "kvasir/gguf.h"
 #include "kvasir/quant.h"
 #include "kvasir/tok.h"
@@ -286,12 +287,6 @@ static void assign_types(const skel_cfg *c, skel_list *l) {
 
 /* ---- metadata --------------------------------------------------------- */
 
-static const char kv_chatml_template[] =
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
-
 static int write_meta(kv_gguf_writer *w, const skel_cfg *c, const kv_bpe_vocab *v, kv_diag *d) {
     int rc;
     char k[96];
@@ -336,28 +331,7 @@ static int write_meta(kv_gguf_writer *w, const skel_cfg *c, const kv_bpe_vocab *
     TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
 #undef KEY
 
-    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2", d));
-    TRY(kv_gguf_writer_set_str(w, "tokenizer.ggml.pre", c->pre, d));
-    size_t n = v->n_tokens > v->n_merges ? v->n_tokens : v->n_merges;
-    kv_str *s = malloc((n ? n : 1) * sizeof *s);
-    if (!s) return kv_fail(d, KV_ENOMEM, "out of memory for the vocabulary");
-    for (size_t i = 0; i < v->n_tokens; i++) s[i] = (kv_str){v->tokens[i], strlen(v->tokens[i])};
-    rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", s, v->n_tokens, d);
-    if (!rc)
-        rc = kv_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", KV_GGUF_INT32, v->types, v->n_tokens, d);
-    if (!rc) {
-        for (size_t i = 0; i < v->n_merges; i++) s[i] = (kv_str){v->merges[i], strlen(v->merges[i])};
-        rc = kv_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", s, v->n_merges, d);
-    }
-    free(s);
-    if (rc) return rc;
-    /* Qwen instruct files: generation ends at <|im_end|>; <|endoftext|> is
-     * BOS and padding; no BOS is added */
-    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)v->im_end_id, d));
-    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)v->eos_id, d));
-    TRY(kv_gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)v->eos_id, d));
-    TRY(kv_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", false, d));
-    TRY(kv_gguf_writer_set_str(w, "tokenizer.chat_template", kv_chatml_template, d));
+    TRY(kv_gen_write_tokenizer(w, v, c->pre, d));
 #undef TRY
     return 0;
 }
