@@ -6,7 +6,8 @@
 # byte for byte, for f32, q8_0 and q4_k models. Then: workers with replicas, one
 # stalled (SIGSTOP) before the run and one killed during it: same bytes; a
 # worker of a model without replicas down: one clear line, exit 2; f16/bf16 on
-# the wire: the logit error is printed and bounded.
+# the wire: the logit error is printed and bounded. Last, a qwen35moe model
+# (delta net, shared expert, MTP block) on three workers: same bytes.
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
 dir=$(mktemp -d -t kvasir-dispatch.XXXXXX)
@@ -138,4 +139,33 @@ print("ok: wire %s: prefill logits vs f32: max |error| %.3g, mean %.3g, max |log
 if not (0 < err <= 0.05 * scale): sys.exit("FAIL: wire %s error out of bounds" % sys.argv[3])
 EOF
 done
+# ---- qwen35moe: linear attention and shared experts in the backbone ------------
+# 4 trunk blocks (3 delta-net, 1 full attention) + 1 MTP block. The workers
+# hold the trunk's experts a third each; worker 0 also serves the MTP block's
+# first third: MTP experts are sliced like any block's but the forward pass
+# never asks for them, so they need not be covered.
+m="$dir/q35"
+mkdir -p "$m/coord"
+"$KV" gen-model --arch qwen35moe --out "$m/model.gguf" --layers 4 --nextn 1 --embd 256 --ff-exp 256 --experts 9 \
+  --experts-used 3 --heads 4 --kv-heads 2 --head-dim 32 --vocab 600 --type q4_k --seed 5 >/dev/null 2>&1
+"$KV" slice "$m/model.gguf" --out "$m/sl" --experts-per-slab 3 >/dev/null 2>&1
+[ "$(jq .hparams.n_layer_nextn "$m/sl/manifest.json")" = 1 ] || fail "qwen35moe: manifest lacks n_layer_nextn"
+[ -e "$m/sl/experts/blk.4.0006-0008.gguf" ] || fail "qwen35moe: the MTP block's experts are not in slabs"
+cp "$m/sl/backbone.gguf" "$m/sl/manifest.json" "$m/coord/"
+addrs=()
+for g in 0 1 2; do
+  extra=""
+  [ "$g" = 0 ] && extra=",$m/sl/experts/blk.4.0000-0002.gguf"
+  start_worker "q35-w$g" "$(group "$m/sl" 4 $g)$extra"
+  addrs+=(--worker "$addr")
+done
+"$KV" run -m "$m/model.gguf" "${RUN[@]}" --logits-out "$m/local.bin" >"$m/local.json"
+"$KV" run -m "$m/coord/manifest.json" "${addrs[@]}" "${RUN[@]}" --logits-out "$m/remote.bin" >"$m/remote.json"
+[ "$(jq -c .tokens "$m/local.json")" = "$(jq -c .tokens "$m/remote.json")" ] || fail "qwen35moe: tokens differ"
+cmp -s "$m/local.bin" "$m/remote.bin" || fail "qwen35moe: logits differ"
+[ "$(jq '[.dispatch.workers[] | select(.pairs > 0)] | length' "$m/remote.json")" = 3 ] || fail "qwen35moe: a worker idle"
+[ "$(jq '.dispatch.pairs_local' "$m/remote.json")" = 0 ] || fail "qwen35moe: local computations with no slabs"
+echo "ok: qwen35moe q4_k: 3 workers, $(jq -c '[.dispatch.workers[].pairs]' "$m/remote.json") expert computations," \
+  "$(($(stat -c %s "$m/local.bin") / 2400)) logit rows identical (MTP experts only partly served)"
+
 echo "test_dispatch: all ok"

@@ -3,7 +3,10 @@
  * same logits bit for bit as the full file; one expert alone from a slab
  * equals the full file and stays within a bound of an f64 reference; bad
  * manifests, slabs and paths fail with one clear line and nothing loaded;
- * a sparse skeleton slices without reading its holes. */
+ * a sparse skeleton slices without reading its holes; qwen35moe (4 trunk
+ * blocks + 1 MTP): inspect's classes, slicing (MTP experts into slabs, the
+ * delta net and shared expert in the backbone), and running from pieces or
+ * trunk-only slabs bit for bit. */
 #include <fcntl.h>
 #include <jansson.h>
 #include <sodium.h>
@@ -93,7 +96,7 @@ static void hash_file(const char *path, uint8_t out[32]) {
 /* Every slab tensor equals its source byte range; the backbone holds every
  * other tensor byte-identical and every source key with its exact bytes;
  * sizes and hashes in the manifest are those of the files. */
-static void check_slices(const char *src, const char *dir, uint32_t per) {
+static void check_slices(const char *src, const char *dir, uint32_t per, uint32_t n_moe) {
     kv_diag d = {0};
     kv_gguf *g = NULL, *b = NULL;
     kv_manifest *m = NULL;
@@ -105,7 +108,7 @@ static void check_slices(const char *src, const char *dir, uint32_t per) {
     char id[65];
     kv_slice_model_id(g, id);
     ASSERT_STREQ(m->model_id, id);
-    ASSERT_EQ(m->n_slabs, 2 * ((8 + per - 1) / per));
+    ASSERT_EQ(m->n_slabs, n_moe * ((8 + per - 1) / per));
     size_t copied_tensors = 0;
     for (size_t i = 0; i < m->n_slabs; i++) {
         const kv_manifest_slab *s = &m->slabs[i];
@@ -150,7 +153,7 @@ static void check_slices(const char *src, const char *dir, uint32_t per) {
         uint8_t h[32];
         hash_file(p, h);
         ASSERT_EQ(memcmp(h, m->backbone.sha256, 32), 0);
-        ASSERT_EQ(kv_gguf_n_tensors(b), kv_gguf_n_tensors(g) - 6);
+        ASSERT_EQ(kv_gguf_n_tensors(b), kv_gguf_n_tensors(g) - 3 * n_moe);
         for (size_t k = 0; k < kv_gguf_n_tensors(b); k++) {
             const kv_gguf_tensor *t = kv_gguf_tensor_at(b, k);
             char name[80];
@@ -215,7 +218,7 @@ static void test_slice_types(void) {
         kv_slice_stats st;
         ASSERT_EQ(kv_slice_model(src, dir, &(kv_slice_opts){per, -1, -1, 2}, &st, &d), 0);
         ASSERT_TRUE(!st.sparse && st.bytes_copied > 0);
-        check_slices(src, dir, per ? per : 8);
+        check_slices(src, dir, per ? per : 8, 2);
 
         /* running from pieces: same logits, bit for bit */
         kv_model *full = NULL, *bb = NULL;
@@ -677,6 +680,235 @@ static void test_sparse(void) {
     ASSERT_TRUE(s == NULL && one_line(&d) && strstr(d.msg, "skeleton"));
 }
 
+/* ---- qwen35moe: inspect, slice, run from pieces --------------------------- */
+
+/* The class a qwen35moe tensor must have (docs/ANATOMY.md), from its name. */
+static const char *q35_class(const char *n) {
+    if (strstr(n, ".nextn.")) return "mtp";
+    if (strstr(n, "_exps")) return "routed_experts";
+    if (strstr(n, "_shexp")) return "shared_experts";
+    if (strstr(n, ".ssm_") || strstr(n, ".attn_qkv.") || strstr(n, ".attn_gate.")) return "linear_attention";
+    if (strstr(n, ".ffn_gate_inp.")) return "router";
+    if (strstr(n, "norm")) return "norms";
+    if (strstr(n, ".attn_")) return "attention";
+    if (!strcmp(n, "token_embd.weight")) return "embeddings";
+    if (!strcmp(n, "output.weight")) return "lm_head";
+    return "other";
+}
+
+/* `kvasir inspect --json` of a 4+1-block qwen35moe: every class's bytes and
+ * tensor count are the sums over the tensors the rules above put there, and
+ * the blocks are linear x3, full attention, MTP, each with routed experts. */
+static void check_q35_inspect(const char *src, const kv_gguf *g) {
+    char out[600];
+    snprintf(out, sizeof out, "%s/inspect_q35.json", g_dir);
+    ASSERT_EQ(sh("%s inspect %s --json >%s", g_bin, src, out), 0);
+    json_t *j = json_load_file(out, 0, NULL);
+    ASSERT_TRUE(j != NULL);
+    if (!j) return;
+    ASSERT_STREQ(json_string_value(json_object_get(j, "architecture")), "qwen35moe");
+    ASSERT_EQ(json_integer_value(json_object_get(j, "block_count")), 5);
+    ASSERT_EQ(json_integer_value(json_object_get(j, "nextn_predict_layers")), 1);
+    json_t *cls = json_object_get(j, "classes");
+    size_t i;
+    json_t *c;
+    int seen = 0;
+    json_array_foreach(cls, i, c) {
+        const char *id = json_string_value(json_object_get(c, "class"));
+        uint64_t bytes = 0, n = 0;
+        for (size_t k = 0; k < kv_gguf_n_tensors(g); k++) {
+            const kv_gguf_tensor *t = kv_gguf_tensor_at(g, k);
+            char name[96];
+            snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+            if (!strcmp(q35_class(name), id)) bytes += t->nbytes, n++;
+        }
+        if ((uint64_t)json_integer_value(json_object_get(c, "bytes")) != bytes ||
+            (uint64_t)json_integer_value(json_object_get(c, "tensors")) != n)
+            fprintf(stderr, "class %s: inspect says %lld B in %lld tensors, expected %llu in %llu\n", id,
+                    (long long)json_integer_value(json_object_get(c, "bytes")),
+                    (long long)json_integer_value(json_object_get(c, "tensors")), (unsigned long long)bytes,
+                    (unsigned long long)n);
+        ASSERT_EQ((uint64_t)json_integer_value(json_object_get(c, "bytes")), bytes);
+        ASSERT_EQ((uint64_t)json_integer_value(json_object_get(c, "tensors")), n);
+        /* 3 expert tensors x 5 blocks (MTP too); 4 shared-expert tensors x 5;
+         * 9 delta-net tensors x 3 linear blocks; 4 nextn glue tensors */
+        if (!strcmp(id, "routed_experts")) { ASSERT_EQ(n, 15); seen++; }
+        if (!strcmp(id, "shared_experts")) { ASSERT_EQ(n, 20); seen++; }
+        if (!strcmp(id, "linear_attention")) { ASSERT_EQ(n, 27); seen++; }
+        if (!strcmp(id, "attention")) { ASSERT_EQ(n, 8); seen++; }
+        if (!strcmp(id, "mtp")) { ASSERT_EQ(n, 4); seen++; }
+        if (!strcmp(id, "other")) { ASSERT_EQ(n, 0); seen++; }
+    }
+    ASSERT_EQ(seen, 6);
+    static const char *const kinds[5] = {"linear+moe", "linear+moe", "linear+moe", "attn+moe", "mtp+moe"};
+    json_t *layers = json_object_get(j, "layers");
+    ASSERT_EQ(json_array_size(layers), 5);
+    json_array_foreach(layers, i, c) {
+        if (i >= 5) break;
+        ASSERT_STREQ(json_string_value(json_object_get(c, "kind")), kinds[i]);
+        ASSERT_EQ(json_integer_value(json_object_get(c, "n_expert")), 8);
+    }
+    json_t *ex = json_object_get(j, "experts");
+    ASSERT_EQ(json_integer_value(json_object_get(ex, "moe_layers")), 5);
+    ASSERT_EQ(json_integer_value(json_object_get(ex, "slabs")), 40);
+    json_decref(j);
+}
+
+static void test_qwen35(void) {
+    /* f32 at embd 128; q4_k at embd 256 (rows of 128 fall back to q8_0) */
+    static const struct { const char *type; int embd, ff; uint32_t per; } cases[] = {{"f32", 128, 64, 0},
+                                                                                    {"q4_k", 256, 256, 3}};
+    kv_pool *pool = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const char *ty = cases[ci].type;
+        char src[512], dir[512], man[600], dir3[512], man3[600], dir2[512], man2[600];
+        snprintf(src, sizeof src, "%s/q35_%s.gguf", g_dir, ty);
+        snprintf(dir, sizeof dir, "%s/q35s_%s", g_dir, ty);
+        snprintf(man, sizeof man, "%s/manifest.json", dir);
+        ASSERT_EQ(sh("%s gen-model --arch qwen35moe --out %s --layers 4 --nextn 1 --embd %d --ff-exp %d --experts 8 "
+                     "--experts-used 2 --heads 4 --kv-heads 2 --head-dim 32 --vocab 1024 --type %s --threads 2 "
+                     ">/dev/null 2>&1", g_bin, src, cases[ci].embd, cases[ci].ff, ty), 0);
+        kv_gguf *g = NULL;
+        ASSERT_EQ(kv_gguf_open(&g, src, &d), 0);
+        if (!g) continue;
+        if (ci == 0) check_q35_inspect(src, g);
+
+        /* slicing: MTP experts go to slabs like every block's */
+        const uint32_t per = cases[ci].per;
+        kv_slice_stats st;
+        ASSERT_EQ(kv_slice_model(src, dir, &(kv_slice_opts){per, -1, -1, 2}, &st, &d), 0);
+        ASSERT_EQ(st.n_moe_layers, 5);
+        check_slices(src, dir, per ? per : 8, 5);
+        kv_manifest *m = NULL;
+        ASSERT_EQ(kv_manifest_load(&m, man, &d), 0);
+        if (m) {
+            ASSERT_EQ(m->n_layer, 5);
+            ASSERT_EQ(m->n_layer_nextn, 1);
+            ASSERT_EQ(m->layer_last, 4);
+            ASSERT_EQ(m->slabs[m->n_slabs - 1].layer, 4);
+        }
+        kv_manifest_free(m);
+        {   /* the backbone keeps the delta net, the gated attention, the shared
+             * expert, the router and the MTP glue, byte for byte (check_slices) */
+            static const char *const keep[] = {
+                "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_conv1d.weight", "blk.0.ssm_dt.bias",
+                "blk.0.ssm_a", "blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.0.ssm_norm.weight",
+                "blk.0.ssm_out.weight", "blk.2.ssm_out.weight", "blk.0.ffn_gate_inp_shexp.weight",
+                "blk.0.ffn_gate_shexp.weight", "blk.0.ffn_up_shexp.weight", "blk.0.ffn_down_shexp.weight",
+                "blk.3.attn_q.weight", "blk.3.attn_k.weight", "blk.3.attn_output.weight", "blk.3.attn_q_norm.weight",
+                "blk.3.post_attention_norm.weight", "blk.3.ffn_gate_inp.weight", "blk.4.nextn.eh_proj.weight",
+                "blk.4.nextn.enorm.weight", "blk.4.ffn_down_shexp.weight", "blk.4.attn_q.weight"};
+            char p[600];
+            snprintf(p, sizeof p, "%s/backbone.gguf", dir);
+            kv_gguf *b = NULL;
+            ASSERT_EQ(kv_gguf_open(&b, p, &d), 0);
+            for (size_t k = 0; b && k < sizeof keep / sizeof *keep; k++) {
+                const kv_gguf_tensor *t = kv_gguf_find_tensor(b, keep[k]);
+                if (!t) fprintf(stderr, "backbone lacks %s\n", keep[k]);
+                ASSERT_TRUE(t != NULL);
+            }
+            for (size_t k = 0; b && k < kv_gguf_n_tensors(b); k++) { /* every class but routed experts */
+                const kv_gguf_tensor *t = kv_gguf_tensor_at(b, k);
+                char name[96];
+                snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+                ASSERT_TRUE(strcmp(q35_class(name), "routed_experts") && strcmp(q35_class(name), "other"));
+            }
+            /* and the slabs only the three expert tensors (check_slices) */
+            kv_gguf_close(b);
+        }
+
+        /* running from pieces: same logits bit for bit (mmap; 2-expert cache) */
+        kv_model *full = NULL, *bb = NULL;
+        kv_slices *sl = NULL, *slc = NULL;
+        ASSERT_EQ(kv_model_load(&full, src, &d), 0);
+        ASSERT_EQ(kv_slices_open(&sl, man, &(kv_slices_opts){0, false, 2}, &d), 0);
+        if (!full || !sl) {
+            kv_gguf_close(g);
+            continue;
+        }
+        ASSERT_EQ(kv_model_load_ex(&bb, kv_slices_backbone_path(sl), &(kv_model_opts){.no_experts = true}, &d), 0);
+        ASSERT_EQ(kv_slices_check_model(sl, bb, &d), 0);
+        ASSERT_TRUE(bb && !kv_model_has_experts(bb) && kv_model_hparams(bb)->n_layer == 4 &&
+                    kv_model_hparams(bb)->n_layer_nextn == 1);
+        const uint32_t nv = kv_model_hparams(full)->n_vocab;
+        const int steps = 6;
+        const size_t nb = (size_t)steps * nv * 4;
+        float *a = calloc(nb, 1), *b = calloc(nb, 1), *c = calloc(nb, 1);
+        ASSERT_EQ(run_logits(full, NULL, pool, a, steps), 0);
+        kv_expert_provider p1, p2;
+        ASSERT_EQ(kv_slices_provider_new(&p1, sl, pool, 4, &d), 0);
+        ASSERT_EQ(run_logits(bb, &p1, pool, b, steps), 0);
+        ASSERT_EQ(memcmp(a, b, nb), 0);
+        p1.free(p1.impl);
+        const kv_weight *gw = &kv_model_layer(full, 0)->gate_exps, *dw = &kv_model_layer(full, 0)->down_exps;
+        const uint64_t eb = 2 * gw->nb2 + dw->nb2 + 3 * 64;
+        ASSERT_EQ(kv_slices_open(&slc, man, &(kv_slices_opts){2 * eb + 10, false, 2}, &d), 0);
+        kv_slices_stats cs = {0};
+        if (slc) {
+            memset(c, 0, nb);
+            ASSERT_EQ(kv_slices_provider_new(&p2, slc, pool, 4, &d), 0);
+            ASSERT_EQ(run_logits(bb, &p2, pool, c, steps), 0);
+            ASSERT_EQ(memcmp(a, c, nb), 0);
+            kv_slices_get_stats(slc, &cs);
+            ASSERT_TRUE(cs.waves > 0 && cs.evictions > 0);
+            p2.free(p2.impl);
+        }
+        kv_slices_free(slc);
+        slc = NULL;
+
+        /* slabs of the trunk only (no MTP experts): runs, same logits; one
+         * trunk layer short: refused with one line */
+        snprintf(dir3, sizeof dir3, "%s/q35s3_%s", g_dir, ty);
+        snprintf(man3, sizeof man3, "%s/manifest.json", dir3);
+        snprintf(dir2, sizeof dir2, "%s/q35s2_%s", g_dir, ty);
+        snprintf(man2, sizeof man2, "%s/manifest.json", dir2);
+        ASSERT_EQ(kv_slice_model(src, dir3, &(kv_slice_opts){per, 0, 3, 2}, NULL, &d), 0);
+        ASSERT_EQ(kv_slice_model(src, dir2, &(kv_slice_opts){per, 0, 2, 2}, NULL, &d), 0);
+        ASSERT_EQ(kv_slices_open(&slc, man3, &(kv_slices_opts){0, false, 2}, &d), 0);
+        if (slc) {
+            memset(c, 0, nb);
+            ASSERT_EQ(kv_slices_check_model(slc, bb, &d), 0);
+            ASSERT_EQ(kv_slices_provider_new(&p2, slc, pool, 4, &d), 0);
+            ASSERT_EQ(run_logits(bb, &p2, pool, c, steps), 0);
+            ASSERT_EQ(memcmp(a, c, nb), 0);
+            p2.free(p2.impl);
+        }
+        kv_slices_free(slc);
+        slc = (kv_slices *)1;
+        ASSERT_EQ(kv_slices_open(&slc, man2, NULL, &d), KV_EFORMAT);
+        ASSERT_TRUE(slc == NULL && one_line(&d) && strstr(d.msg, "running needs layers 0-3"));
+
+        /* the CLI: -m F.gguf, -m DIR/manifest.json, --expert-cache-mb */
+        ASSERT_EQ(sh("cd %s && %s run -m q35_%s.gguf -p 'Hello world, once more' -n 10 --temp 0 --threads 2 "
+                     "--logits-out qa_%s.bin --json >qta_%s.json 2>/dev/null", g_dir, g_bin, ty, ty, ty), 0);
+        ASSERT_EQ(sh("cd %s && %s run -m q35s_%s/manifest.json -p 'Hello world, once more' -n 10 --temp 0 --threads 2 "
+                     "--logits-out qb_%s.bin --json >qtb_%s.json 2>/dev/null", g_dir, g_bin, ty, ty, ty), 0);
+        ASSERT_EQ(sh("cd %s && %s run -m q35s_%s --expert-cache-mb 1 -p 'Hello world, once more' -n 10 --temp 0 "
+                     "--threads 2 --logits-out qc_%s.bin --json >qtc_%s.json 2>/dev/null", g_dir, g_bin, ty, ty, ty), 0);
+        ASSERT_EQ(sh("cd %s && cmp -s qa_%s.bin qb_%s.bin && cmp -s qa_%s.bin qc_%s.bin", g_dir, ty, ty, ty, ty), 0);
+        ASSERT_EQ(sh("cd %s && for f in qta qtb qtc; do sed 's/,\"timings.*//' ${f}_%s.json >${f}_%s.tok; done && "
+                     "cmp -s qta_%s.tok qtb_%s.tok && cmp -s qta_%s.tok qtc_%s.tok", g_dir, ty, ty, ty, ty, ty, ty), 0);
+        size_t n = 0;
+        char p[600];
+        snprintf(p, sizeof p, "%s/qa_%s.bin", g_dir, ty);
+        free(slurp(p, &n));
+        ASSERT_EQ(n, 10u * nv * 4);
+        printf("qwen35moe %-4s: %u slabs (MTP block's too), logits identical from pieces (mmap, 2-expert cache: "
+               "%llu waves; trunk-only slabs; CLI with and without --expert-cache-mb)\n", ty, st.n_slabs,
+               (unsigned long long)cs.waves);
+        free(a);
+        free(b);
+        free(c);
+        kv_slices_free(sl);
+        kv_model_free(bb);
+        kv_model_free(full);
+        kv_gguf_close(g);
+    }
+    kv_pool_free(pool);
+}
+
 int main(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) {
@@ -692,6 +924,7 @@ int main(void) {
     test_cli_run();
     test_bad_input();
     test_sparse();
+    test_qwen35();
     if (!kvt_failures) sh("rm -rf %s", g_dir);
     else fprintf(stderr, "test files kept in %s\n", g_dir);
     KV_TEST_END();

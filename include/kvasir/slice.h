@@ -24,7 +24,20 @@
  *   kvasir.slab.first    u32   first expert held
  *   kvasir.slab.last     u32   last expert held (inclusive)
  *   kvasir.slab.n_expert u32   routed experts in the layer (in the source)
- * The backbone carries kvasir.slice.version and kvasir.source.id too. */
+ * The backbone carries kvasir.slice.version and kvasir.source.id too.
+ *
+ * Multi-token prediction (qwen35moe): a file with nextn_predict_layers = K
+ * stores K MTP blocks after the trunk, as blocks n_layer-K .. n_layer-1 of
+ * block_count = n_layer. An MTP block has routed experts like any other
+ * block, and they are sliced like any other: into slabs, never into the
+ * backbone, so the backbone is the model minus every routed expert and the
+ * pieces together are the whole file. The manifest's n_layer counts every
+ * block (block_count) and hparams.n_layer_nextn says how many of the last
+ * are MTP (absent or 0 for models without them). The forward pass runs only
+ * the trunk, so running (kv_slices_open, the remote provider) needs the
+ * slabs, or workers, of trunk layers 0 .. n_layer-n_layer_nextn-1 only: a
+ * manifest sliced with --layers 0-(trunk end) runs, and MTP slabs that are
+ * present are verified like the rest but never read. */
 #ifndef KVASIR_SLICE_H
 #define KVASIR_SLICE_H
 
@@ -116,7 +129,8 @@ typedef struct kv_manifest {
     char model_id[65];            /* 64 hex digits */
     char name[256];               /* general.name, "" if none */
     char arch[64];                /* general.architecture */
-    uint32_t n_layer;             /* blocks */
+    uint32_t n_layer;             /* blocks (block_count: trunk + MTP) */
+    uint32_t n_layer_nextn;       /* of them, MTP blocks at the end (0: none) */
     uint32_t n_embd;              /* hidden size */
     uint32_t n_expert;            /* routed experts per MoE layer */
     uint32_t n_expert_used;       /* top-k (0 if the source does not say) */
@@ -168,9 +182,10 @@ typedef struct kv_slices_stats {
  * listed size and SHA-256 (unless skip_hashes), be a valid GGUF carrying the
  * manifest's model identity, and each slab must hold exactly its listed
  * layer and range with tensor shapes matching the hparams and types equal
- * across slabs of a layer. The manifest must cover all layers and have no
- * sparse piece. On any error *out is NULL, nothing stays open, and d says
- * which file and why (KV_EHASH, KV_ENOTFOUND, KV_EFORMAT, KV_EIO). Free with
+ * across slabs of a layer. The manifest must have no sparse piece and its
+ * slabs must cover every trunk layer (from 0 to n_layer-n_layer_nextn-1;
+ * MTP blocks may be absent). On any error *out is NULL, nothing stays
+ * open, and d says which file and why (KV_EHASH, KV_ENOTFOUND, KV_EFORMAT, KV_EIO). Free with
  * kv_slices_free (accepts NULL). */
 int kv_slices_open(kv_slices **out, const char *manifest_path, const kv_slices_opts *opts,
                    kv_diag *d);

@@ -800,12 +800,16 @@ static int kv_remote_load_backbone(kv_remote *r, const char *dir, kv_diag *d) {
     if (rc) return rc;
     const kv_hparams *hp = kv_model_hparams(r->model);
     const kv_manifest *m = r->m;
-    if (hp->n_layer != m->n_layer || hp->n_embd != m->n_embd || hp->n_expert != m->n_expert ||
+    /* hp->n_layer counts trunk blocks, the manifest every block (MTP too) */
+    if (hp->n_layer + hp->n_layer_nextn != m->n_layer || hp->n_layer_nextn != m->n_layer_nextn ||
+        hp->n_embd != m->n_embd || hp->n_expert != m->n_expert ||
         hp->n_expert_used != m->n_expert_used || hp->n_ff_exp != m->n_ff_exp || strcmp(hp->arch_name, m->arch))
-        return kv_fail(d, KV_EFORMAT, "remote: the backbone (%s, %u layers, embd %u, %u experts top-%u of %u) disagrees "
-                       "with the manifest (%s, %u, %u, %u top-%u of %u)", hp->arch_name, hp->n_layer, hp->n_embd,
-                       hp->n_expert, hp->n_expert_used, hp->n_ff_exp, m->arch, m->n_layer, m->n_embd, m->n_expert,
-                       m->n_expert_used, m->n_ff_exp);
+        return kv_fail(d, KV_EFORMAT, "remote: the backbone (%s, %u+%u layers, embd %u, %u experts top-%u of %u) "
+                       "disagrees with the manifest (%s, %u (%u MTP), %u, %u top-%u of %u)", hp->arch_name, hp->n_layer,
+                       hp->n_layer_nextn, hp->n_embd, hp->n_expert, hp->n_expert_used, hp->n_ff_exp, m->arch,
+                       m->n_layer, m->n_layer_nextn, m->n_embd, m->n_expert, m->n_expert_used, m->n_ff_exp);
+    for (uint32_t L = 0; L < hp->n_layer; L++)
+        if (!m->moe_layer[L]) return kv_fail(d, KV_EFORMAT, "remote: layer %u has no experts in the manifest", L);
     return 0;
 }
 
@@ -831,9 +835,9 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         rc = kv_fail(d, KV_EUNSUPPORTED, "remote: %s describes a sparse skeleton; it cannot be run", manifest_path);
         goto fail;
     }
-    if (m->layer_first != 0 || m->layer_last != m->n_layer - 1 || m->n_expert_used == 0 ||
+    if (m->layer_first != 0 || m->layer_last + 1 < m->n_layer - m->n_layer_nextn || m->n_expert_used == 0 ||
         m->n_expert_used > m->n_expert || m->n_expert > KV_MAX_EXPERTS || m->n_expert_used > KV_MAX_EXPERTS_USED) {
-        rc = kv_fail(d, KV_EFORMAT, "remote: %s: slabs must cover every layer, with 0 < n_expert_used <= n_expert",
+        rc = kv_fail(d, KV_EFORMAT, "remote: %s: slabs must cover every trunk layer, with 0 < n_expert_used <= n_expert",
                      manifest_path);
         goto fail;
     }
@@ -943,8 +947,9 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         if (r->w[i].state == KV_RW_UP) n_up++;
         else kv_rlog(r, "worker %s unavailable at start: %s", r->w[i].addr, r->w[i].why);
     }
-    /* every expert of every MoE layer must be served by someone */
-    for (uint32_t L = 0; L < r->n_layer; L++) {
+    /* every expert of every MoE layer the forward pass runs (the trunk, not
+     * the MTP blocks) must be served by someone */
+    for (uint32_t L = 0; L < r->n_layer - m->n_layer_nextn; L++) {
         if (!m->moe_layer[L]) continue;
         for (uint32_t e = 0; e < r->n_expert; e++) {
             const size_t k = (size_t)L * r->n_expert + e;

@@ -239,6 +239,8 @@ int kv_manifest_parse(kv_manifest **out, const char *json, size_t len, kv_diag *
         (rc = kv_m_u32(hp, "hparams", "n_expert", 1, KV_MAX_EXPERTS, &m->n_expert, d)) ||
         (rc = kv_m_u32(hp, "hparams", "n_expert_used", 0, m->n_expert, &m->n_expert_used, d)) ||
         (rc = kv_m_u32(hp, "hparams", "n_ff_exp", 1, KV_MAX_FF, &m->n_ff_exp, d)) ||
+        (json_object_get(hp, "n_layer_nextn") &&
+         (rc = kv_m_u32(hp, "hparams", "n_layer_nextn", 0, m->n_layer - 1, &m->n_layer_nextn, d))) ||
         (rc = kv_m_u32(layers, "layers", "first", 0, m->n_layer - 1, &m->layer_first, d)) ||
         (rc = kv_m_u32(layers, "layers", "last", m->layer_first, m->n_layer - 1, &m->layer_last, d)))
         goto done;
@@ -352,6 +354,7 @@ int kv_manifest_write(const kv_manifest *m, const char *path, kv_diag *d) {
     json_object_set_new(hp, "n_expert", json_integer(m->n_expert));
     json_object_set_new(hp, "n_expert_used", json_integer(m->n_expert_used));
     json_object_set_new(hp, "n_ff_exp", json_integer(m->n_ff_exp));
+    if (m->n_layer_nextn) json_object_set_new(hp, "n_layer_nextn", json_integer(m->n_layer_nextn));
     json_object_set_new(root, "hparams", hp);
     json_object_set_new(layers, "first", json_integer(m->layer_first));
     json_object_set_new(layers, "last", json_integer(m->layer_last));

@@ -298,9 +298,9 @@ int kv_slices_open(kv_slices **out, const char *manifest_path, const kv_slices_o
                      "be run", manifest_path);
         goto fail;
     }
-    if (m->layer_first != 0 || m->layer_last != m->n_layer - 1) {
-        rc = kv_fail(d, KV_EFORMAT, "slices: %s covers layers %u-%u only; running needs all %u layers", manifest_path,
-                     m->layer_first, m->layer_last, m->n_layer);
+    if (m->layer_first != 0 || m->layer_last + 1 < m->n_layer - m->n_layer_nextn) {
+        rc = kv_fail(d, KV_EFORMAT, "slices: %s covers layers %u-%u only; running needs layers 0-%u", manifest_path,
+                     m->layer_first, m->layer_last, m->n_layer - m->n_layer_nextn - 1);
         goto fail;
     }
     if (m->n_expert_used == 0) {
@@ -414,13 +414,15 @@ const char *kv_slices_backbone_path(const kv_slices *s) { return s->backbone; }
 int kv_slices_check_model(const kv_slices *s, const kv_model *model, kv_diag *d) {
     const kv_hparams *hp = kv_model_hparams(model);
     const kv_manifest *m = s->m;
-    if (hp->n_layer != m->n_layer || hp->n_embd != m->n_embd || hp->n_expert != m->n_expert ||
+    /* hp->n_layer counts trunk blocks, the manifest every block (MTP too) */
+    if (hp->n_layer + hp->n_layer_nextn != m->n_layer || hp->n_layer_nextn != m->n_layer_nextn ||
+        hp->n_embd != m->n_embd || hp->n_expert != m->n_expert ||
         hp->n_expert_used != m->n_expert_used || hp->n_ff_exp != m->n_ff_exp || strcmp(hp->arch_name, m->arch))
-        return kv_fail(d, KV_EFORMAT, "slices: the backbone (%s, %u layers, embd %u, %u experts top-%u of %u) disagrees "
-                       "with the manifest (%s, %u, %u, %u top-%u of %u)", hp->arch_name, hp->n_layer, hp->n_embd,
-                       hp->n_expert, hp->n_expert_used, hp->n_ff_exp, m->arch, m->n_layer, m->n_embd, m->n_expert,
-                       m->n_expert_used, m->n_ff_exp);
-    for (uint32_t L = 0; L < m->n_layer; L++)
+        return kv_fail(d, KV_EFORMAT, "slices: the backbone (%s, %u+%u layers, embd %u, %u experts top-%u of %u) "
+                       "disagrees with the manifest (%s, %u (%u MTP), %u, %u top-%u of %u)", hp->arch_name, hp->n_layer,
+                       hp->n_layer_nextn, hp->n_embd, hp->n_expert, hp->n_expert_used, hp->n_ff_exp, m->arch,
+                       m->n_layer, m->n_layer_nextn, m->n_embd, m->n_expert, m->n_expert_used, m->n_ff_exp);
+    for (uint32_t L = 0; L < hp->n_layer; L++)
         if (!m->moe_layer[L]) return kv_fail(d, KV_EFORMAT, "slices: layer %u has no experts in the manifest", L);
     /* identity: the backbone's kvasir.source.id was checked at open (its own
      * header differs from the source's by construction) */

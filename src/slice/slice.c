@@ -55,6 +55,7 @@ typedef struct kv_slicer {
     char model_id[65];
     kv_str arch;
     uint32_t n_layer, n_expert, n_embd, n_ff, n_used;
+    uint32_t n_nextn;            /* <arch>.nextn_predict_layers: MTP blocks at the end */
     kv_exp_layer *layers;        /* [n_layer], t[0] NULL for layers without experts */
     bool sparse;                 /* source has holes in tensor data */
     kv_slice_job *jobs;
@@ -100,6 +101,8 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
     if (kv_gguf_get_u32(g, key, &bc, NULL) || bc > KV_MAX_LAYERS) bc = 0;
     snprintf(key, sizeof key, "%.*s.expert_used_count", (int)s->arch.len, s->arch.ptr);
     if (kv_gguf_get_u32(g, key, &s->n_used, NULL)) s->n_used = 0;
+    snprintf(key, sizeof key, "%.*s.nextn_predict_layers", (int)s->arch.len, s->arch.ptr);
+    if (kv_gguf_get_u32(g, key, &s->n_nextn, NULL) || s->n_nextn >= bc) s->n_nextn = 0;
     s->n_layer = bc;
     if (!(s->layers = calloc(KV_MAX_LAYERS, sizeof *s->layers))) return kv_fail(d, KV_ENOMEM, "slice: out of memory");
     for (size_t i = 0; i < kv_gguf_n_tensors(g); i++) {
@@ -113,6 +116,7 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
         s->layers[L].t[k] = t;
         if (L + 1 > s->n_layer) s->n_layer = L + 1;
     }
+    if (s->n_layer != bc) s->n_nextn = 0; /* experts past block_count: MTP blocks are not the last */
     uint32_t n_moe = 0;
     for (uint32_t L = 0; L < s->n_layer; L++) {
         const kv_exp_layer *el = &s->layers[L];
@@ -210,12 +214,13 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, int fd, uint8_t
     } else {
         static const char *const copy_keys[] = {"general.architecture", "general.name", "general.alignment"};
         static const char *const hp_keys[] = {"block_count", "embedding_length", "expert_count",
-                                              "expert_used_count", "expert_feed_forward_length"};
+                                              "expert_used_count", "expert_feed_forward_length",
+                                              "nextn_predict_layers"};
         for (size_t i = 0; i < 3 && !rc; i++) {
             const kv_gguf_kv *kv = kv_gguf_find_kv(g, copy_keys[i]);
             if (kv) rc = kv_gguf_writer_copy_kv(w, kv, d);
         }
-        for (size_t i = 0; i < 5 && !rc; i++) {
+        for (size_t i = 0; i < sizeof hp_keys / sizeof hp_keys[0] && !rc; i++) {
             char key[128];
             snprintf(key, sizeof key, "%.*s.%s", (int)s->arch.len, s->arch.ptr, hp_keys[i]);
             const kv_gguf_kv *kv = kv_gguf_find_kv(g, key);
@@ -374,6 +379,7 @@ int kv_slice_model(const char *src, const char *out_dir, const kv_slice_opts *op
     if (!kv_gguf_get_str(g, "general.name", &nm, NULL))
         snprintf(m->name, sizeof m->name, "%.*s", (int)(nm.len < 255 ? nm.len : 255), nm.ptr);
     m->n_layer = s.n_layer;
+    m->n_layer_nextn = s.n_nextn;
     m->n_embd = s.n_embd;
     m->n_expert = s.n_expert;
     m->n_expert_used = s.n_used;
