@@ -105,8 +105,13 @@ kill -9 "${rpid[1]}"
 wait "${rpid[1]}" 2>/dev/null || true
 wait "$run_pid" || fail "the run failed after a worker with replicas was killed"
 cmp -s "$m/long.bin" "$m/kill.bin" || fail "killed worker: logits differ"
-echo "ok: a worker killed mid-run (drops: $(jq -c '[.dispatch.workers[].drops]' "$m/kill.json")," \
-  "retried pairs: $(jq .dispatch.retried_pairs "$m/kill.json")): same logits"
+if [ "$(jq '[.dispatch.workers[].drops] | add' "$m/kill.json")" = 0 ]; then
+  # timing-dependent here; test_remote kills a worker between known steps deterministically
+  echo "note: the run ended before the kill landed; same logits (mid-decode kills: test_remote)"
+else
+  echo "ok: a worker killed mid-run (drops: $(jq -c '[.dispatch.workers[].drops]' "$m/kill.json")," \
+    "retried pairs: $(jq .dispatch.retried_pairs "$m/kill.json")): same logits"
+fi
 
 # ---- no replicas: a worker down means a clear error before the first token -----
 kill -9 "${WP[q8_0.0]}"

@@ -11,6 +11,8 @@ have clang || need+=(clang)
 have node || need+=(nodejs)
 have npm || need+=(npm)
 have pkg-config || need+=(pkg-config)
+have jq || need+=(jq)
+have python3 || need+=(python3)
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
