@@ -4,7 +4,8 @@
  * values computed from the documented layouts; quantize->dequantize error
  * bounds; vec_dot against an f64 dot of the dequantized operands; every SIMD
  * backend bit-identical to the scalar reference; kv_mat_rows bit-identical to
- * per-element vec_dot for odd row/token counts. */
+ * per-element vec_dot for odd row/token counts; the attention helpers of
+ * quant/vec.h in their documented order on every backend. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,6 +14,7 @@
 
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "quant/vec.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -549,6 +551,54 @@ static void test_mat_rows(void) {
     free(x); free(W); free(A); free(Y);
 }
 
+/* ------------------------------------------------------------------ */
+/* attention helpers (quant/vec.h): every backend bit-identical to the
+ * scalar reference and to the documented per-element order. */
+
+static void test_attn_vec(void) {
+    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const int dims[] = {1, 7, 8, 15, 16, 24, 64, 100, 128, 136, 256};
+    const int rows[] = {1, 2, 5, 33};
+    const size_t stride = 300;
+    float *V = malloc(sizeof(float) * stride * 33), *w = malloc(sizeof(float) * 33);
+    float *q = malloc(sizeof(float) * 256), *o = malloc(sizeof(float) * 260);
+    float *want = malloc(sizeof(float) * 260);
+    fill_gauss(V, (int64_t)stride * 33, 1.0f);
+    fill_gauss(w, 33, 0.3f);
+    fill_gauss(q, 256, 1.0f);
+    for (size_t b = 0; b < 3; b++) {
+        if (kv_quant_set_backend(bes[b]) != 0) continue;
+        int bad = 0;
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+            for (size_t ri = 0; ri < sizeof rows / sizeof rows[0]; ri++) {
+                int n = dims[di], nr = rows[ri];
+                /* weighted sum: one fma per row, increasing row, from 0 */
+                for (int i = 0; i < n + 4; i++) o[i] = -7.f;
+                kv_f32_wsum_rows(o, w, V, stride, nr, n);
+                for (int i = 0; i < n; i++) {
+                    float acc = 0.0f;
+                    for (int p = 0; p < nr; p++) acc = fmaf(w[p], V[(size_t)p * stride + i], acc);
+                    if (f2u(acc) != f2u(o[i])) bad++;
+                }
+                for (int i = n; i < n + 4; i++) bad += o[i] != -7.f;
+                /* scaled dots: F32 vec_dot order, then * scale */
+                for (int p = 0; p < nr + 4; p++) o[p] = -7.f;
+                kv_f32_dot_rows(q, V, stride, nr, n, 0.125f, o);
+                for (int p = 0; p < nr; p++) {
+                    float l[8] = {0};
+                    for (int i = 0; i < n; i++) l[i & 7] = fmaf(V[(size_t)p * stride + i], q[i], l[i & 7]);
+                    float d = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+                    if (f2u(d * 0.125f) != f2u(o[p])) bad++;
+                }
+                for (int p = nr; p < nr + 4; p++) bad += o[p] != -7.f;
+            }
+        if (bad) KVT_FAIL("attention helpers backend %s: %d differ", bes[b], bad);
+        kvt_checks++;
+    }
+    kv_quant_set_backend("scalar");
+    free(V); free(w); free(q); free(o); free(want);
+}
+
 int main(void) {
     printf("dispatched backend: %s\n", kv_quant_backend());
     test_sizes_and_names();
@@ -560,5 +610,6 @@ int main(void) {
     test_vec_dot_ref();
     test_backends_identical();
     test_mat_rows();
+    test_attn_vec();
     KV_TEST_END();
 }

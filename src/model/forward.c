@@ -17,6 +17,7 @@
 
 #include "kvasir/quant.h"
 #include "model/model_internal.h"
+#include "quant/vec.h"
 
 
 static size_t kv_max3(size_t a, size_t b, size_t c) {
@@ -150,17 +151,6 @@ typedef struct kv_attn_job {
     uint32_t il, n_tok;
 } kv_attn_job;
 
-static float kv_dot_f32(const float *a, const float *b, int64_t n) {
-    /* 8 fixed lanes, summed in a fixed tree: order never depends on threads */
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
 static void kv_attn_worker(void *arg, int ith, int nth) {
     kv_attn_job *j = arg;
     kv_state *s = j->s;
@@ -177,16 +167,11 @@ static void kv_attn_worker(void *arg, int ith, int nth) {
         const size_t row0 = kv_cache_row(s, s->tok_seq[t], j->il);
         const float *kc = s->k_cache + row0 * (size_t)KVD, *vc = s->v_cache + row0 * (size_t)KVD;
         const float *q = s->q + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
-        for (int64_t p = 0; p < n_kv; p++)
-            sc[p] = kv_dot_f32(q, kc + (size_t)p * (size_t)KVD + (size_t)kvh * (size_t)HD, HD) * scale;
+        /* fixed order per output element (quant/vec.h): never depends on threads */
+        kv_f32_dot_rows(q, kc + (size_t)kvh * (size_t)HD, (size_t)KVD, n_kv, HD, scale, sc);
         kv_softmax(sc, n_kv);
         float *o = s->att + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
-        memset(o, 0, (size_t)HD * sizeof(float));
-        for (int64_t p = 0; p < n_kv; p++) {
-            const float *vp = vc + (size_t)p * (size_t)KVD + (size_t)kvh * (size_t)HD;
-            const float pw = sc[p];
-            for (int64_t i = 0; i < HD; i++) o[i] += pw * vp[i];
-        }
+        kv_f32_wsum_rows(o, sc, vc + (size_t)kvh * (size_t)HD, (size_t)KVD, n_kv, HD);
     }
 }
 

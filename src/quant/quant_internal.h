@@ -163,6 +163,16 @@ void kv_quant_fill_ref(kv_kernels *k);
 void kv_quant_fill_avx2(kv_kernels *k);
 void kv_quant_fill_avx512(kv_kernels *k);
 
+/* kv_f32_wsum_rows per backend (quant/vec.h). */
+typedef void (*kv_wsum_fn)(float *o, const float *w, const float *V, size_t v_stride,
+                           int64_t n_rows, int64_t n);
+void kv_f32_wsum_ref(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                     int64_t n);
+void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                      int64_t n);
+void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                        int64_t n);
+
 /* Generic mat kernel: calls vec_dot per (row, token) pair. */
 void kv_mat_generic(kv_vec_dot_fn dot, const void *W, size_t row_bytes, int64_t n, int64_t r0,
                     int64_t r1, const void *A, size_t a_stride, int64_t n_tok, float *Y,

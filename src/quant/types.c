@@ -13,6 +13,7 @@
 
 #include "kvasir/err.h"
 #include "quant/quant_internal.h"
+#include "quant/vec.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -57,6 +58,7 @@ static kv_type_info kv_tabs[KV_BE_COUNT][KV_TYPE_COUNT];
 static kv_mat_fn kv_mats[KV_BE_COUNT][KV_TYPE_COUNT];
 static bool kv_be_ok[KV_BE_COUNT];
 static int kv_be_cur;
+static kv_wsum_fn kv_wsums[KV_BE_COUNT];
 static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
 
 #ifdef KV_X86
@@ -106,18 +108,21 @@ static void kv_init(void) {
     kv_quant_fill_ref(k);
     kv_build(KV_BE_SCALAR, k);
     kv_be_ok[KV_BE_SCALAR] = true;
+    kv_wsums[KV_BE_SCALAR] = kv_f32_wsum_ref;
     bool avx2, avx512;
     kv_detect(&avx2, &avx512);
     if (avx2) {
         kv_quant_fill_avx2(k);
         kv_build(KV_BE_AVX2, k);
         kv_be_ok[KV_BE_AVX2] = true;
+        kv_wsums[KV_BE_AVX2] = kv_f32_wsum_avx2;
         kv_be_cur = KV_BE_AVX2;
     }
     if (avx512) {
         kv_quant_fill_avx512(k);
         kv_build(KV_BE_AVX512, k);
         kv_be_ok[KV_BE_AVX512] = true;
+        kv_wsums[KV_BE_AVX512] = kv_f32_wsum_avx512;
         kv_be_cur = KV_BE_AVX512;
     }
 }
@@ -183,4 +188,17 @@ void kv_mat_rows(uint32_t type, const void *W, size_t row_bytes, int64_t n, int6
         return;
     }
     kv_mat_generic(kv_tabs[kv_be_cur][type].vec_dot, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);
+}
+
+void kv_f32_dot_rows(const float *q, const float *K, size_t k_stride, int64_t n_rows, int64_t n,
+                     float scale, float *out) {
+    if (n_rows <= 0) return;
+    kv_mat_rows(KV_TYPE_F32, K, k_stride * sizeof(float), n, 0, n_rows, q, 0, 1, out, 0);
+    for (int64_t p = 0; p < n_rows; p++) out[p] *= scale;
+}
+
+void kv_f32_wsum_rows(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                      int64_t n) {
+    kv_ensure();
+    kv_wsums[kv_be_cur](o, w, V, v_stride, n_rows, n);
 }

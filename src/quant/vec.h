@@ -1,0 +1,24 @@
+/* Float vector helpers for attention, dispatched at run time like the
+ * quant kernels (scalar reference, AVX2, AVX-512; all bit-identical).
+ *
+ * Each output element has a fixed reduction order that depends only on its
+ * own inputs, never on threads, batching or which backend runs:
+ *  - kv_f32_dot_rows: out[p] = dot(K row p, q) * scale, where dot is F32
+ *    vec_dot's canonical order (quant_internal.h: lane i%8, fma in
+ *    increasing i, kv_hsum8), then one rounded multiply by scale.
+ *  - kv_f32_wsum_rows: o[i] = sum over p = 0..n_rows-1 of w[p]*V[p][i],
+ *    accumulated from 0 with one fma per p in increasing p. */
+#ifndef KV_QUANT_VEC_H
+#define KV_QUANT_VEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* K row p at K + p*k_stride (floats); q and each row hold n floats. */
+void kv_f32_dot_rows(const float *q, const float *K, size_t k_stride, int64_t n_rows, int64_t n,
+                     float scale, float *out);
+/* V row p at V + p*v_stride (floats); o gets n floats. */
+void kv_f32_wsum_rows(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                      int64_t n);
+
+#endif
