@@ -12,15 +12,18 @@
 //     weights in; the best of `reps` runs is reported. Prints JSON
 //     {prefill_tok_s, decode_tok_s, ...}.
 //
-//   node bench/llama_bench.mjs report OUTDIR THREADS TYPE...
-//     Table + OUTDIR/results.json from the files bench/run.sh wrote.
+//   node bench/llama_bench.mjs report OUTDIR THREADS KEY...
+//     Table + OUTDIR/results.json (or $KV_BENCH_RESULTS) from the files
+//     bench/run.sh wrote; KEY = q8_0, q4_k (qwen3moe), qwen35-q4_k, ...
 //
 //   node bench/llama_bench.mjs bytes MODEL
 //     Bytes of weights read per decoded token, from the GGUF tensor table:
-//     every non-expert tensor of every layer (attention, norms, router) in
+//     every non-expert tensor of every layer (attention, norms, router; for
+//     qwen35moe also the linear-attention tensors and the shared expert) in
 //     full, n_expert_used/n_expert of each routed-expert tensor, the output
 //     norm and LM head (output.weight, or token_embd.weight when tied), and
-//     one row of token_embd. KV-cache reads are reported apart.
+//     one row of token_embd; MTP blocks (nextn) are left out. KV-cache and
+//     recurrent-state reads are reported apart.
 import fs from "node:fs";
 import os from "node:os";
 import path from "node:path";
@@ -49,13 +52,17 @@ export async function weightBytes(file) {
   const arch = md.general.architecture;
   const a = md[arch];
   const nExpert = Number(a.expert_count), nUsed = Number(a.expert_used_count);
-  let perToken = 0, total = 0, experts = 0, attn = 0, router = 0, head = 0, embdRow = 0;
+  const nLayerAll = Number(a.block_count), nNextn = Number(a.nextn_predict_layers ?? 0);
+  const nLayer = nLayerAll - nNextn; // MTP blocks (qwen35moe) sit at the end and are not run per token
+  let perToken = 0, total = 0, experts = 0, attn = 0, linear = 0, shexp = 0, router = 0, head = 0, embdRow = 0, mtp = 0;
   const types = {};
   const byName = new Map(info.tensorInfo.map((t) => [t.name, t]));
   for (const t of info.tensorInfo) {
     const b = tensorBytes(t);
     total += b;
     types[t.name.replace(/^blk\.\d+\./, "blk.*.")] = GGML[t.ggmlType][2];
+    const blk = /^blk\.(\d+)\./.exec(t.name);
+    if (blk && Number(blk[1]) >= nLayer) { mtp += b; continue; }
     if (/_exps\.weight$/.test(t.name)) { const r = (b * nUsed) / nExpert; perToken += r; experts += r; }
     else if (t.name === "token_embd.weight") {
       const row = b / Number(t.dimensions[1]);
@@ -63,12 +70,20 @@ export async function weightBytes(file) {
       perToken += row;
       if (!byName.has("output.weight")) { perToken += b; head += b; }
     } else if (t.name === "output.weight") { perToken += b; head += b; }
+    // qwen35moe: the shared expert (and its sigmoid gate) is read in full for every token
+    else if (/_shexp\.weight$/.test(t.name)) { perToken += b; shexp += b; }
     else if (/ffn_gate_inp/.test(t.name)) { perToken += b; router += b; }
+    // qwen35moe linear-attention blocks: fused QKV, gate (z), alpha/beta, conv, dt/A, norm, out
+    else if (/\.(ssm_[a-z0-9_]+|attn_qkv|attn_gate)\.(weight|bias)$|\.ssm_(a|dt)$/.test(t.name)) { perToken += b; linear += b; }
     else { perToken += b; if (/attn/.test(t.name)) attn += b; }
   }
-  const nLayer = Number(a.block_count), nKv = Number(a.attention.head_count_kv);
+  const nKv = Number(a.attention.head_count_kv);
   const hd = Number(a.attention.key_length ?? a.embedding_length / a.attention.head_count);
-  return {
+  // qwen35moe: only every full_attention_interval-th block has a KV cache;
+  // the others carry a recurrent state (f32 in Kvasir) read and written per token
+  const interval = Number(a.full_attention_interval ?? 1);
+  const nFull = arch === "qwen35moe" ? Array.from({ length: nLayer }, (_, i) => (i + 1) % interval === 0).filter(Boolean).length : nLayer;
+  const out = {
     arch, n_layer: nLayer, n_embd: Number(a.embedding_length), n_expert: nExpert, n_expert_used: nUsed,
     n_ff_exp: Number(a.expert_feed_forward_length), n_head: Number(a.attention.head_count), n_head_kv: nKv, head_dim: hd,
     n_vocab: md.tokenizer.ggml.tokens.length, tied: !byName.has("output.weight"),
@@ -77,8 +92,20 @@ export async function weightBytes(file) {
     bytes_per_token: Math.round(perToken),
     breakdown: { experts: Math.round(experts), attention: Math.round(attn), router: Math.round(router), lm_head: Math.round(head), embd_row: Math.round(embdRow) },
     // K and V, f32, per position of context, read once per decoded token
-    kv_bytes_per_ctx_pos_f32: 2 * nLayer * nKv * hd * 4,
+    kv_bytes_per_ctx_pos_f32: 2 * nFull * nKv * hd * 4,
   };
+  if (arch === "qwen35moe") {
+    const sv = Number(a.ssm.state_size), nv = Number(a.ssm.time_step_rank), ng = Number(a.ssm.group_count);
+    const conv = Number(a.ssm.conv_kernel), inner = Number(a.ssm.inner_size);
+    Object.assign(out.breakdown, { linear_attention: Math.round(linear), shared_expert: Math.round(shexp) });
+    Object.assign(out, {
+      n_layer_nextn: nNextn, mtp_bytes: mtp, full_attention_interval: interval, n_full_attention: nFull, n_linear_attention: nLayer - nFull,
+      ssm: { d_state: sv, v_heads: nv, k_heads: ng, d_conv: conv, d_inner: inner },
+      // per linear block: nv heads of d_state x d_state f32, plus (d_conv-1) x conv channels
+      recurrent_state_bytes_f32: (nLayer - nFull) * (nv * sv * sv + (conv - 1) * (2 * ng * sv + inner)) * 4,
+    });
+  }
+  return out;
 }
 
 function ids(n, nVocab, salt) {
@@ -151,7 +178,7 @@ export function report(outDir, threads, types) {
     const llama = { ...summarize(llRuns), settings: llRuns[0]?.settings };
     const boundTokS = (bw.read_gb_s * 1e9) / bytes.bytes_per_token;
     rows.push({
-      type: t, model: bytes, kvasir, llama,
+      type: t, arch: bytes.arch, quant: t.replace(/^.*-/, ""), model: bytes, kvasir, llama,
       prefill_ratio: kvasir.prefill_tok_s / llama.prefill_tok_s,
       decode_ratio: kvasir.decode_tok_s / llama.decode_tok_s,
       decode_bound_tok_s: boundTokS,
@@ -163,7 +190,8 @@ export function report(outDir, threads, types) {
     date: new Date().toISOString(), cpu, nproc: os.cpus().length, loadavg: os.loadavg(), threads: Number(threads),
     n_prompt: 128, n_gen: 64, bandwidth: bw, bandwidth_1thread: bw1, models: rows,
   };
-  fs.writeFileSync(path.join(outDir, "results.json"), JSON.stringify(res, null, 1));
+  const resultsFile = path.join(outDir, process.env.KV_BENCH_RESULTS || "results.json");
+  fs.writeFileSync(resultsFile, JSON.stringify(res, null, 1));
   const f1 = (x) => x.toFixed(1), f2 = (x) => x.toFixed(2);
   const head = ["model", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "mean ratio p/d"];
   const lines = rows.map((r) => [
@@ -180,7 +208,7 @@ export function report(outDir, threads, types) {
   console.log("decode bound = read bandwidth / bytes of weights per token");
   console.log(line(head));
   for (const x of lines) console.log(line(x));
-  console.log(`bench: wrote ${path.join(outDir, "results.json")}`);
+  console.log(`bench: wrote ${resultsFile}`);
   return res;
 }
 

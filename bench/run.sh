@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# `make bench`: Kvasir vs llama.cpp speed on synthetic models with
+# `make bench`: Kvasir vs llama.cpp speed on synthetic qwen3moe models with
 # Qwen3-30B-A3B layer shapes (n_embd 2048, 128 experts, top-8, n_ff_exp 768,
 # 32/4 heads, head_dim 128, vocab 151936), few enough layers to be 1-2 GB,
-# in Q8_0 and Q4_K. Not part of `make test`. See docs/BENCHMARKS.md.
+# in Q8_0 and Q4_K, and on qwen35moe models (below). Not part of `make test`.
+# See docs/BENCHMARKS.md.
 #
 #   bench/run.sh [path/to/kvasir]
 #
@@ -14,10 +15,21 @@
 # weights read per decoded token (from the GGUF tensor table); a table on
 # stdout and everything in bench/out/results.json.
 #
+# A second family, qwen35moe with Qwen3.5-35B-A3B layer shapes (the
+# skeleton preset qwen35-35b-a3b's: n_embd 2048, 256 experts, top-8,
+# n_ff_exp 512, shared expert 512, 16/2 heads x 256, delta net 16 key /
+# 32 value heads x 128, conv 4, full attention every 4th block, rope dims 64
+# in sections 11,11,10,0, vocab 248320), 4 layers = 3 linear-attention + 1
+# full-attention block, no MTP block; keys qwen35-q4_k, qwen35-q8_0.
+#
 # Env: KV_BENCH_THREADS (default: nproc), KV_BENCH_REPS (5),
+#      KV_BENCH_ARCHS ("qwen3moe qwen35moe"),
 #      KV_BENCH_LAYERS_Q8_0 (2), KV_BENCH_LAYERS_Q4_K (4),
-#      KV_BENCH_TYPES ("q8_0 q4_k"), KV_BENCH_REGEN=1 rewrites the models,
-#      KV_BENCH_SHAPE="--preset small" other gen-model shape flags (smoke test).
+#      KV_BENCH_Q35_LAYERS_Q8_0 (4), KV_BENCH_Q35_LAYERS_Q4_K (4),
+#      KV_BENCH_TYPES ("q8_0 q4_k"; both families), KV_BENCH_REGEN=1 rewrites the models,
+#      KV_BENCH_SHAPE="--preset small" other gen-model shape flags (smoke test),
+#      KV_BENCH_Q35_SHAPE="..." the same for qwen35moe,
+#      KV_BENCH_RESULTS (results.json) the summary's file name in bench/out.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${1:-$SRC/build/kvasir}
@@ -85,27 +97,50 @@ echo "bench: memory bandwidth ($THREADS threads)..."
 cat "$OUT/membw.json"
 
 # --- models -----------------------------------------------------------------
-PRESET=qwen3-30b-a3b-bench
-SHAPE=(--embd 2048 --experts 128 --experts-used 8 --ff-exp 768 --heads 32 --kv-heads 4 --head-dim 128 --vocab 151936)
+ARCHS=${KV_BENCH_ARCHS:-qwen3moe qwen35moe}
 HELP=$("$BIN" gen-model --help 2>&1 || true)
-if echo "$HELP" | grep -q -- "$PRESET"; then SHAPE=(--preset "$PRESET"); fi
-NAME=qwen3-30b-a3b-shape
-# smoke test of this script: KV_BENCH_SHAPE="--preset small" (another file name)
-if [ -n "${KV_BENCH_SHAPE:-}" ]; then read -r -a SHAPE <<< "$KV_BENCH_SHAPE"; NAME=custom-$(echo "$KV_BENCH_SHAPE" | tr -c 'A-Za-z0-9' '_'); fi
 models=()
-for t in $TYPES; do
-  case $t in
-    q8_0) L=${KV_BENCH_LAYERS_Q8_0:-2} ;;
-    q4_k) L=${KV_BENCH_LAYERS_Q4_K:-4} ;;
-    *) L=${KV_BENCH_LAYERS:-2} ;;
+# gen_models ARCH NAME KEYPREFIX LAYERVAR_PREFIX SHAPE...
+gen_models() {
+  local arch=$1 name=$2 kp=$3 lv=$4; shift 4
+  local t L f v
+  for t in $TYPES; do
+    case $t in
+      q8_0) v=${lv}Q8_0; L=${!v:-} ;;
+      q4_k) v=${lv}Q4_K; L=${!v:-} ;;
+      *) L=${KV_BENCH_LAYERS:-} ;;
+    esac
+    [ -n "$L" ] || case $arch:$t in qwen3moe:q4_k|qwen35moe:*) L=4 ;; *) L=2 ;; esac
+    f="$OUT/$name-$t-L$L.gguf"
+    if [ ! -f "$f" ] || [ -n "${KV_BENCH_REGEN:-}" ]; then
+      echo "bench: kvasir gen-model --arch $arch $* --layers $L --type $t -> $f"
+      "$BIN" gen-model --arch "$arch" "$@" --layers "$L" --type "$t" --ctx 4096 --seed 7 --out "$f.tmp"
+      mv "$f.tmp" "$f"
+    fi
+    models+=("$kp$t:$f")
+  done
+}
+for arch in $ARCHS; do
+  case $arch in
+    qwen3moe)
+      PRESET=qwen3-30b-a3b-bench
+      SHAPE=(--embd 2048 --experts 128 --experts-used 8 --ff-exp 768 --heads 32 --kv-heads 4 --head-dim 128 --vocab 151936)
+      if echo "$HELP" | grep -q -- "$PRESET"; then SHAPE=(--preset "$PRESET"); fi
+      NAME=qwen3-30b-a3b-shape
+      # smoke test of this script: KV_BENCH_SHAPE="--preset small" (another file name)
+      if [ -n "${KV_BENCH_SHAPE:-}" ]; then read -r -a SHAPE <<< "$KV_BENCH_SHAPE"; NAME=custom-$(echo "$KV_BENCH_SHAPE" | tr -c 'A-Za-z0-9' '_'); fi
+      gen_models qwen3moe "$NAME" "" KV_BENCH_LAYERS_ "${SHAPE[@]}" ;;
+    qwen35moe)
+      # Qwen3.5-35B-A3B (src/slice/skeleton.c, preset qwen35-35b-a3b): 40 blocks
+      # there, a few here; the MTP block is left out (it is not run per token)
+      SHAPE=(--embd 2048 --experts 256 --experts-used 8 --ff-exp 512 --ff-shexp 512 --heads 16 --kv-heads 2
+             --head-dim 256 --vocab 248320 --attn-interval 4 --ssm-conv 4 --ssm-state 128 --ssm-groups 16
+             --ssm-heads 32 --rope-dim 64 --rope-sections 11,11,10,0 --nextn 0)
+      NAME=qwen35-35b-a3b-shape
+      if [ -n "${KV_BENCH_Q35_SHAPE:-}" ]; then read -r -a SHAPE <<< "$KV_BENCH_Q35_SHAPE"; NAME=custom35-$(echo "$KV_BENCH_Q35_SHAPE" | tr -c 'A-Za-z0-9' '_'); fi
+      gen_models qwen35moe "$NAME" qwen35- KV_BENCH_Q35_LAYERS_ "${SHAPE[@]}" ;;
+    *) die "unknown arch in KV_BENCH_ARCHS: $arch (qwen3moe, qwen35moe)" ;;
   esac
-  f="$OUT/$NAME-$t-L$L.gguf"
-  if [ ! -f "$f" ] || [ -n "${KV_BENCH_REGEN:-}" ]; then
-    echo "bench: kvasir gen-model ${SHAPE[*]} --layers $L --type $t -> $f"
-    "$BIN" gen-model --arch qwen3moe "${SHAPE[@]}" --layers "$L" --type "$t" --ctx 4096 --seed 7 --out "$f.tmp"
-    mv "$f.tmp" "$f"
-  fi
-  models+=("$t:$f")
 done
 
 # --- runs -------------------------------------------------------------------
@@ -126,4 +161,5 @@ for m in "${models[@]}"; do
   done
 done
 
-node "$SRC/bench/llama_bench.mjs" report "$OUT" "$THREADS" $TYPES
+keys=(); for m in "${models[@]}"; do keys+=("${m%%:*}"); done
+KV_BENCH_RESULTS=${KV_BENCH_RESULTS:-results.json} node "$SRC/bench/llama_bench.mjs" report "$OUT" "$THREADS" "${keys[@]}"
