@@ -599,6 +599,59 @@ static void test_attn_vec(void) {
     free(V); free(w); free(q); free(o); free(want);
 }
 
+/* delta-rule step (quant/vec.h): every backend bit-identical to the
+ * documented per-row order, in place and out of place. */
+static void test_delta_rows(void) {
+    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const int dims[] = {1, 7, 8, 16, 24, 100, 128, 136};
+    const int rows[] = {1, 3, 4, 5, 9, 128};
+    const int nmax = 136, rmax = 128;
+    float *S = malloc(sizeof(float) * nmax * rmax), *D = malloc(sizeof(float) * nmax * rmax);
+    float *W = malloc(sizeof(float) * nmax * rmax), *k = malloc(sizeof(float) * nmax);
+    float *q = malloc(sizeof(float) * nmax), *v = malloc(sizeof(float) * (rmax + 4));
+    float *o = malloc(sizeof(float) * (rmax + 4)), *wo = malloc(sizeof(float) * rmax);
+    fill_gauss(S, (int64_t)nmax * rmax, 0.1f);
+    fill_gauss(k, nmax, 0.3f);
+    fill_gauss(q, nmax, 0.3f);
+    fill_gauss(v, rmax, 1.0f);
+    const float decay = 0.93f, beta = 0.61f, scale = 0.088f;
+    for (size_t b = 0; b < 3; b++) {
+        if (kv_quant_set_backend(bes[b]) != 0) continue;
+        int bad = 0;
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+            for (size_t ri = 0; ri < sizeof rows / sizeof rows[0]; ri++) {
+                const int n = dims[di], nr = rows[ri];
+                for (int j = 0; j < nr; j++) {
+                    const float *s = S + (size_t)j * n;
+                    float l[8] = {0}, lq[8] = {0};
+                    for (int i = 0; i < n; i++) l[i & 7] = fmaf(s[i] * decay, k[i], l[i & 7]);
+                    const float dj = (v[j] - (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])))) * beta;
+                    for (int i = 0; i < n; i++) {
+                        const float m = fmaf(k[i], dj, s[i] * decay);
+                        W[(size_t)j * n + i] = m;
+                        lq[i & 7] = fmaf(m, q[i], lq[i & 7]);
+                    }
+                    wo[j] = (((lq[0] + lq[4]) + (lq[2] + lq[6])) + ((lq[1] + lq[5]) + (lq[3] + lq[7]))) * scale;
+                }
+                for (int pass = 0; pass < 2; pass++) { /* out of place, then in place */
+                    const size_t cnt = (size_t)n * nr;
+                    if (pass) memcpy(D, S, cnt * sizeof(float));
+                    else for (size_t i = 0; i < (size_t)nmax * rmax; i++) D[i] = -7.f;
+                    for (int j = 0; j < nr + 4; j++) o[j] = -7.f;
+                    kv_f32_delta_rows(pass ? D : S, D, nr, n, k, q, v, decay, beta, scale, o);
+                    for (size_t i = 0; i < cnt; i++) bad += f2u(D[i]) != f2u(W[i]);
+                    for (size_t i = cnt; i < cnt + 4 && i < (size_t)nmax * rmax; i++) bad += D[i] != -7.f && !pass;
+                    for (int j = 0; j < nr; j++) bad += f2u(o[j]) != f2u(wo[j]);
+                    for (int j = nr; j < nr + 4; j++) bad += o[j] != -7.f;
+                }
+            }
+        if (bad) KVT_FAIL("delta rows backend %s: %d differ", bes[b], bad);
+        kvt_checks++;
+    }
+    kv_quant_set_backend("scalar");
+    free(S); free(D); free(W); free(k); free(q); free(v); free(o); free(wo);
+}
+
 int main(void) {
     printf("dispatched backend: %s\n", kv_quant_backend());
     test_sizes_and_names();
@@ -611,5 +664,6 @@ int main(void) {
     test_backends_identical();
     test_mat_rows();
     test_attn_vec();
+    test_delta_rows();
     KV_TEST_END();
 }

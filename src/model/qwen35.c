@@ -15,6 +15,7 @@
  *   q, k = l2norm per key head of c's first two thirds; v = the rest;
  *   per value head j (key head j % n_k_heads), state S [S_v x S_v]:
  *     S *= exp(g); d = (v - S^T k) * beta; S += k d^T; o = (S^T q) / sqrt(S_v)
+ *   (one pass per state row: kv_f32_delta_rows, quant/vec.h, fixed order)
  *   o = rmsnorm(o) * ssm_norm * silu(z) per head; out = W_out o.
  * Each block then adds its residual, applies post_attention_norm, and runs
  * the routed experts (softmax, top-k, renormalized) plus the shared expert
@@ -25,7 +26,8 @@
  * sequence has per recurrent block a conv state [conv_dim][d_conv-1] and a
  * delta state [n_v_heads][S_v][S_v] (row j of a head = column j of S, as
  * ggml stores it), in two slots: a chunk reads the committed slot and writes
- * the other, and the slot flips only when the whole chunk succeeded, so a
+ * the other (the first token's step reads one and writes the other, so no
+ * copy), and the slot flips only when the whole chunk succeeded, so a
  * failed chunk (expert provider error) leaves every sequence as it was. A
  * sequence at position 0 starts from zero state whatever the slots hold.
  *
@@ -40,6 +42,7 @@
 
 #include "kvasir/quant.h"
 #include "model/model_internal.h"
+#include "quant/vec.h"
 
 typedef struct kv_q35_state kv_q35_state;
 
@@ -61,7 +64,6 @@ struct kv_q35_state {
     float *sh_g, *sh_u;  /* [max_tok][n_ff_shexp] shared expert */
     float *sh_out;       /* [max_tok][n_embd] */
     float *sh_gate;      /* [max_tok] */
-    float *delta;        /* [n_threads][S_v] */
     void *scratch;       /* matmul scratch for the widest input */
 };
 
@@ -237,11 +239,10 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->sh_u = malloc(B * hp->n_ff_shexp * sizeof(float));
     q->sh_out = malloc(B * E * sizeof(float));
     q->sh_gate = malloc(B * sizeof(float));
-    q->delta = malloc((size_t)kv_pool_size(s->pool) * SV * sizeof(float));
     size_t kmax = kv_zmax(kv_zmax(E, VD), kv_zmax(hp->n_ff_shexp, (size_t)hp->n_head * hp->head_dim));
     q->scratch = malloc(kv_matmul_scratch((int64_t)kmax, (int64_t)B));
     if (!q->conv || !q->ssm || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
-        !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->delta || !q->scratch)
+        !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->scratch)
         return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
     return 0;
 }
@@ -264,7 +265,6 @@ void kv_q35_state_free(kv_state *s) {
     free(q->sh_u);
     free(q->sh_out);
     free(q->sh_gate);
-    free(q->delta);
     free(q->scratch);
     free(q);
     s->q35 = NULL;
@@ -285,16 +285,6 @@ static float *kv_q35_ssm_at(const kv_state *s, uint32_t seq, uint32_t slot, uint
 static bool kv_q35_first(const kv_state *s, uint32_t t) { return s->tok_pos[t] == s->pos[s->tok_seq[t]]; }
 
 /* ---- ops ------------------------------------------------------------------ */
-
-static float kv_q35_dot(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
 
 static float kv_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 static float kv_silu(float x) { return x / (1.0f + expf(-x)); }
@@ -340,7 +330,9 @@ typedef struct kv_q35_dn_job {
     uint32_t li, T;
 } kv_q35_dn_job;
 
-/* Value heads split over threads; each head runs its tokens in order. */
+/* Value heads split over threads; each head runs its tokens in order. A
+ * sequence's first token of the chunk reads the committed slot and writes
+ * the other (no copy); later tokens update the written slot in place. */
 static void kv_q35_dn_worker(void *arg, int ith, int nth) {
     const kv_q35_dn_job *j = arg;
     kv_state *s = j->s;
@@ -349,7 +341,6 @@ static void kv_q35_dn_worker(void *arg, int ith, int nth) {
     const int64_t SV = hp->ssm_d_state, NV = hp->ssm_dt_rank, NK = hp->ssm_n_group;
     const int64_t KD = SV * NK, C = 2 * KD + hp->ssm_d_inner, VD = hp->ssm_d_inner;
     const float scale = 1.0f / sqrtf((float)SV);
-    float *delta = q->delta + (size_t)ith * (size_t)SV;
     long lo, hi;
     kv_pool_split((long)NV, ith, nth, &lo, &hi);
     for (long h = lo; h < hi; h++) {
@@ -357,27 +348,19 @@ static void kv_q35_dn_worker(void *arg, int ith, int nth) {
         for (uint32_t t = 0; t < j->T; t++) {
             const uint32_t seq = s->tok_seq[t], rd = q->cur[seq];
             float *M = kv_q35_ssm_at(s, seq, rd ^ 1u, j->li) + (size_t)h * (size_t)(SV * SV);
+            const float *src = M;
             if (kv_q35_first(s, t)) {
                 if (s->tok_pos[t] == 0)
                     memset(M, 0, (size_t)(SV * SV) * sizeof(float));
                 else
-                    memcpy(M, kv_q35_ssm_at(s, seq, rd, j->li) + (size_t)h * (size_t)(SV * SV),
-                           (size_t)(SV * SV) * sizeof(float));
+                    src = kv_q35_ssm_at(s, seq, rd, j->li) + (size_t)h * (size_t)(SV * SV);
             }
             const float *row = q->cv + (size_t)t * (size_t)C;
             const float *qv = row + kh * SV, *kv = row + KD + kh * SV, *vv = row + 2 * KD + h * SV;
             const float beta = q->beta[(size_t)t * NV + h];
             const float decay = expf(q->g[(size_t)t * NV + h]);
-            for (int64_t i = 0; i < SV * SV; i++) M[i] *= decay;
-            for (int64_t jj = 0; jj < SV; jj++)
-                delta[jj] = (vv[jj] - kv_q35_dot(M + jj * SV, kv, SV)) * beta;
-            for (int64_t jj = 0; jj < SV; jj++) {
-                float *mr = M + jj * SV;
-                const float dj = delta[jj];
-                for (int64_t i = 0; i < SV; i++) mr[i] += kv[i] * dj;
-            }
             float *o = q->o + (size_t)t * (size_t)VD + (size_t)h * (size_t)SV;
-            for (int64_t jj = 0; jj < SV; jj++) o[jj] = kv_q35_dot(M + jj * SV, qv, SV) * scale;
+            kv_f32_delta_rows(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
         }
     }
 }

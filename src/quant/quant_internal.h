@@ -173,6 +173,15 @@ void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride,
 void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                         int64_t n);
 
+/* kv_f32_delta_rows per backend (quant/vec.h). */
+typedef void (*kv_delta_fn)(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                            const float *q, const float *v, float decay, float beta, float scale,
+                            float *o);
+void kv_f32_delta_ref(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                      const float *q, const float *v, float decay, float beta, float scale, float *o);
+void kv_f32_delta_avx2(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                       const float *q, const float *v, float decay, float beta, float scale, float *o);
+
 /* Generic mat kernel: calls vec_dot per (row, token) pair. */
 void kv_mat_generic(kv_vec_dot_fn dot, const void *W, size_t row_bytes, int64_t n, int64_t r0,
                     int64_t r1, const void *A, size_t a_stride, int64_t n_tok, float *Y,

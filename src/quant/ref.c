@@ -347,6 +347,24 @@ void kv_f32_wsum_ref(float *o, const float *w, const float *V, size_t v_stride, 
     }
 }
 
+void kv_f32_delta_ref(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                      const float *q, const float *v, float decay, float beta, float scale, float *o) {
+    for (int64_t j = 0; j < n_rows; j++) {
+        const float *s = S + (size_t)j * (size_t)n;
+        float *d = D + (size_t)j * (size_t)n;
+        float l[8] = {0};
+        for (int64_t i = 0; i < n; i++) l[i & 7] = fmaf(s[i] * decay, k[i], l[i & 7]);
+        const float dj = (v[j] - kv_hsum8(l)) * beta;
+        float lq[8] = {0};
+        for (int64_t i = 0; i < n; i++) {
+            const float m = fmaf(k[i], dj, s[i] * decay);
+            d[i] = m;
+            lq[i & 7] = fmaf(m, q[i], lq[i & 7]);
+        }
+        o[j] = kv_hsum8(lq) * scale;
+    }
+}
+
 void kv_mat_generic(kv_vec_dot_fn dot, const void *W, size_t row_bytes, int64_t n, int64_t r0,
                     int64_t r1, const void *A, size_t a_stride, int64_t n_tok, float *Y,
                     size_t y_stride) {

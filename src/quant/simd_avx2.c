@@ -385,6 +385,57 @@ void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride,
 }
 
 /* ================================================================== */
+/* gated delta-rule step (quant/vec.h): rows in groups of 4 for ILP, each
+ * row's dots in one 8-lane accumulator (lane i%8, fma in increasing i, then
+ * the kv_hsum8 tree), exactly the reference order. The decayed state is
+ * recomputed in the second pass (same rounded multiply) instead of stored. */
+
+#define KV_DN_ROWS(R)                                                                              \
+    do {                                                                                           \
+        __m256 acc[R];                                                                             \
+        UNROLL for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                           \
+        for (int64_t i = 0; i < n; i += 8) {                                                       \
+            const __m256 kk = _mm256_loadu_ps(k + i);                                              \
+            UNROLL for (int r = 0; r < R; r++)                                                     \
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + r * n + i), dec), kk, acc[r]); \
+        }                                                                                          \
+        __m256 dd[R];                                                                              \
+        UNROLL for (int r = 0; r < R; r++) {                                                       \
+            dd[r] = _mm256_set1_ps((v[j + r] - hsum_ps(acc[r])) * beta);                           \
+            acc[r] = _mm256_setzero_ps();                                                          \
+        }                                                                                          \
+        for (int64_t i = 0; i < n; i += 8) {                                                       \
+            const __m256 kk = _mm256_loadu_ps(k + i), qq = _mm256_loadu_ps(q + i);                 \
+            UNROLL for (int r = 0; r < R; r++) {                                                   \
+                const __m256 m = _mm256_fmadd_ps(kk, dd[r], _mm256_mul_ps(_mm256_loadu_ps(s + r * n + i), dec)); \
+                _mm256_storeu_ps(d + r * n + i, m);                                                \
+                acc[r] = _mm256_fmadd_ps(m, qq, acc[r]);                                           \
+            }                                                                                      \
+        }                                                                                          \
+        UNROLL for (int r = 0; r < R; r++) o[j + r] = hsum_ps(acc[r]) * scale;                     \
+    } while (0)
+
+void kv_f32_delta_avx2(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                       const float *q, const float *v, float decay, float beta, float scale, float *o) {
+    if (n % 8) {
+        kv_f32_delta_ref(S, D, n_rows, n, k, q, v, decay, beta, scale, o);
+        return;
+    }
+    const __m256 dec = _mm256_set1_ps(decay);
+    int64_t j = 0;
+    for (; j + 4 <= n_rows; j += 4) {
+        const float *s = S + (size_t)j * (size_t)n;
+        float *d = D + (size_t)j * (size_t)n;
+        KV_DN_ROWS(4);
+    }
+    for (; j < n_rows; j++) {
+        const float *s = S + (size_t)j * (size_t)n;
+        float *d = D + (size_t)j * (size_t)n;
+        KV_DN_ROWS(1);
+    }
+}
+
+/* ================================================================== */
 /* activation quantizers                                                */
 
 /* As the reference (ggml's x86 quantize_row_q8_0), bit for bit. */

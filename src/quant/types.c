@@ -59,6 +59,7 @@ static kv_mat_fn kv_mats[KV_BE_COUNT][KV_TYPE_COUNT];
 static bool kv_be_ok[KV_BE_COUNT];
 static int kv_be_cur;
 static kv_wsum_fn kv_wsums[KV_BE_COUNT];
+static kv_delta_fn kv_deltas[KV_BE_COUNT];
 static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
 
 #ifdef KV_X86
@@ -109,6 +110,7 @@ static void kv_init(void) {
     kv_build(KV_BE_SCALAR, k);
     kv_be_ok[KV_BE_SCALAR] = true;
     kv_wsums[KV_BE_SCALAR] = kv_f32_wsum_ref;
+    kv_deltas[KV_BE_SCALAR] = kv_f32_delta_ref;
     bool avx2, avx512;
     kv_detect(&avx2, &avx512);
     if (avx2) {
@@ -116,6 +118,7 @@ static void kv_init(void) {
         kv_build(KV_BE_AVX2, k);
         kv_be_ok[KV_BE_AVX2] = true;
         kv_wsums[KV_BE_AVX2] = kv_f32_wsum_avx2;
+        kv_deltas[KV_BE_AVX2] = kv_f32_delta_avx2;
         kv_be_cur = KV_BE_AVX2;
     }
     if (avx512) {
@@ -123,6 +126,7 @@ static void kv_init(void) {
         kv_build(KV_BE_AVX512, k);
         kv_be_ok[KV_BE_AVX512] = true;
         kv_wsums[KV_BE_AVX512] = kv_f32_wsum_avx512;
+        kv_deltas[KV_BE_AVX512] = kv_f32_delta_avx2; /* ymm: the 8-lane order */
         kv_be_cur = KV_BE_AVX512;
     }
 }
@@ -201,4 +205,11 @@ void kv_f32_wsum_rows(float *o, const float *w, const float *V, size_t v_stride,
                       int64_t n) {
     kv_ensure();
     kv_wsums[kv_be_cur](o, w, V, v_stride, n_rows, n);
+}
+
+void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                       const float *q, const float *v, float decay, float beta, float scale,
+                       float *o) {
+    kv_ensure();
+    kv_deltas[kv_be_cur](S, D, n_rows, n, k, q, v, decay, beta, scale, o);
 }

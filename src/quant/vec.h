@@ -7,7 +7,12 @@
  *    vec_dot's canonical order (quant_internal.h: lane i%8, fma in
  *    increasing i, kv_hsum8), then one rounded multiply by scale.
  *  - kv_f32_wsum_rows: o[i] = sum over p = 0..n_rows-1 of w[p]*V[p][i],
- *    accumulated from 0 with one fma per p in increasing p. */
+ *    accumulated from 0 with one fma per p in increasing p.
+ *  - kv_f32_delta_rows (one gated delta-rule step, row by row): for row j,
+ *    m[i] = S_j[i] * decay (one rounded multiply); a = dot(m, k) in F32
+ *    vec_dot's order; d = (v[j] - a) * beta (rounded subtract, then
+ *    multiply); D_j[i] = fma(k[i], d, m[i]); o[j] = dot(D_j, q) in vec_dot's
+ *    order, then one rounded multiply by scale. */
 #ifndef KV_QUANT_VEC_H
 #define KV_QUANT_VEC_H
 
@@ -20,5 +25,11 @@ void kv_f32_dot_rows(const float *q, const float *K, size_t k_stride, int64_t n_
 /* V row p at V + p*v_stride (floats); o gets n floats. */
 void kv_f32_wsum_rows(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                       int64_t n);
+/* One delta-rule token step over n_rows state rows of n floats (row j at
+ * S + j*n, written to D + j*n; D may equal S, else the two must not
+ * overlap). k, q have n floats; v and o have n_rows. */
+void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                       const float *q, const float *v, float decay, float beta, float scale,
+                       float *o);
 
 #endif
