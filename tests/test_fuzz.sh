@@ -45,8 +45,8 @@ run_one() {
     tail -n 60 "$log" >&2
     for f in "$work"/crash-* "$work"/leak-* "$work"/timeout-* "$work"/oom-*; do
       [ -f "$f" ] || continue
-      mkdir -p "${KV_BUILD:-$work}/fuzz-artifacts"
-      cp "$f" "${KV_BUILD:-$work}/fuzz-artifacts/" && echo "reproducer saved: ${KV_BUILD:-$work}/fuzz-artifacts/$(basename "$f")" >&2
+      mkdir -p "${KV_BUILD:-$KV_FUZZ_BUILD}/fuzz-artifacts"
+      cp "$f" "${KV_BUILD:-$KV_FUZZ_BUILD}/fuzz-artifacts/" && echo "reproducer saved: ${KV_BUILD:-$KV_FUZZ_BUILD}/fuzz-artifacts/$(basename "$f")" >&2
     done
     rm -rf "$work"
     return 1

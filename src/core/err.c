@@ -23,10 +23,18 @@ const char *kv_err_str(int code) {
     }
 }
 
+/* Messages are one line by contract, and often quote untrusted input (a
+ * name from a file, a JSON fragment): control bytes become '?'. */
+static void kv_msg_clean(char *m) {
+    for (; *m; m++)
+        if ((unsigned char)*m < 0x20 || *m == 0x7f) *m = '?';
+}
+
 int kv_vfail(kv_diag *d, int code, const char *fmt, va_list ap) {
     if (d) {
         d->code = code;
         vsnprintf(d->msg, sizeof d->msg, fmt, ap);
+        kv_msg_clean(d->msg);
     }
     return code;
 }
@@ -58,6 +66,7 @@ int kv_diag_prefix(kv_diag *d, int code, const char *fmt, ...) {
     if (r > sizeof d->msg - 1 - n) r = sizeof d->msg - 1 - n;
     memcpy(d->msg + n, rest, r);
     d->msg[n + r] = 0;
+    kv_msg_clean(d->msg);
     if (d->code == 0) d->code = code;
     return d->code;
 }

@@ -182,7 +182,12 @@ int kv_manifest_parse(kv_manifest **out, const char *json, size_t len, kv_diag *
         return kv_fail(d, KV_EFORMAT, "manifest: %zu bytes, more than the limit of %u", len, KV_MANIFEST_MAX_BYTES);
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
-    if (!root) return kv_fail(d, KV_EFORMAT, "manifest: invalid JSON at line %d column %d: %s", je.line, je.column, je.text);
+    if (!root) {
+        /* jansson quotes the offending input: keep the message on one printable line */
+        for (char *c = je.text; *c; c++)
+            if ((unsigned char)*c < 0x20 || *c == 0x7f) *c = ' ';
+        return kv_fail(d, KV_EFORMAT, "manifest: invalid JSON at line %d column %d: %s", je.line, je.column, je.text);
+    }
     kv_manifest *m = calloc(1, sizeof *m);
     int rc = 0;
     char buf[64];
