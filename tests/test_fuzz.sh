@@ -5,7 +5,8 @@
 # input or OOM. The binaries come from the fuzz build: `make test` builds it
 # (clang, -DKV_FUZZ=ON: library instrumented with ASan/UBSan) and sets
 # KV_FUZZ_BUILD. A missing binary is a failure, not a skip: an unfuzzed
-# parser must not pass as a fuzzed one. Longer runs: `make fuzz`.
+# parser must not pass as a fuzzed one. The seed is fixed (KV_FUZZ_SEED, default 1) so a
+# run is repeatable; longer and randomly seeded runs: `make fuzz`.
 set -u
 secs=${KV_FUZZ_SECONDS:-20}
 src=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -37,7 +38,7 @@ run_one() {
   work=$(mktemp -d "${TMPDIR:-/tmp}/kv_fuzz_$name.XXXXXX")
   mkdir -p "$work/corpus"
   local log="$work/log"
-  "$bin" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+  "$bin" -seed="${KV_FUZZ_SEED:-1}" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="$work/" "$work/corpus" "$seeds" >"$log" 2>&1
   local rc=$?
   if [ $rc -ne 0 ]; then
