@@ -324,10 +324,11 @@ AI __m512i k4_pick(int p) {
  * of the low-nibble part and the high-nibble part of chunk pair k: int32
  * lanes 0-7 take (sc 4k, sc 4k+1), lanes 8-15 (sc 4k+2, sc 4k+3). */
 AI __m512i k4_pair_pick(int k) {
-    const int s0 = 4 * k;
-    const int lo = (0x80 << 8 | s0) | (0x80 << 8 | (s0 + 1)) << 16;
-    const int hi = (0x80 << 8 | (s0 + 2)) | (0x80 << 8 | (s0 + 3)) << 16;
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1);
+    const uint32_t s0 = 4u * (uint32_t)k; /* unsigned: the top index byte sets bit 31 */
+    const uint32_t lo = (0x80u << 8 | s0) | (0x80u << 8 | (s0 + 1)) << 16;
+    const uint32_t hi = (0x80u << 8 | (s0 + 2)) | (0x80u << 8 | (s0 + 3)) << 16;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)lo)),
+                              _mm256_set1_epi32((int)hi), 1);
 }
 #ifndef KV_K4_DPB
 #define KV_K4_DPB 1
