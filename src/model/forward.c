@@ -233,21 +233,13 @@ void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok) {
     kv_pool_run(s->pool, kv_attn_worker, &aj);
 }
 
-/* Runs T tokens (sequence s->tok_seq[t], position s->tok_pos[t]); writes
- * the logits of the n_out tokens listed in out_idx (in that order). */
-static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
-                         uint32_t n_out, float *logits, kv_diag *d) {
+/* The qwen3moe blocks over the T embedded tokens in s->x (sequence
+ * s->tok_seq[t], position s->tok_pos[t]). */
+static int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
-    if (hp->arch == KV_ARCH_QWEN35MOE) return kv_q35_eval_chunk(s, tokens, T, out_idx, n_out, logits, d);
     const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
     const int64_t QD = H * HD, KVD = HKV * HD;
-
-    /* token embeddings */
-    const kv_type_info *et = kv_type_get(m->tok_embd.type);
-    for (uint32_t t = 0; t < T; t++)
-        et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
-                     s->x + (size_t)t * (size_t)E, E);
 
     for (uint32_t il = 0; il < hp->n_layer; il++) {
         const kv_layer *L = &m->layers[il];
@@ -289,6 +281,23 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const u
         if (rc) return rc;
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
     }
+    return 0;
+}
+
+/* Runs T tokens (sequence s->tok_seq[t], position s->tok_pos[t]): token
+ * embeddings, the architecture's blocks, then the final norm and LM head for
+ * the n_out tokens listed in out_idx (in that order). */
+static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
+                         uint32_t n_out, float *logits, kv_diag *d) {
+    const kv_model *m = s->m;
+    const kv_hparams *hp = &m->hp;
+    const int64_t E = hp->n_embd;
+    const kv_type_info *et = kv_type_get(m->tok_embd.type);
+    for (uint32_t t = 0; t < T; t++)
+        et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
+                     s->x + (size_t)t * (size_t)E, E);
+    int rc = hp->arch == KV_ARCH_QWEN35MOE ? kv_q35_blocks(s, T, d) : kv_q3_blocks(s, T, d);
+    if (rc) return rc;
     if (logits && n_out) {
         for (uint32_t i = 0; i < n_out; i++)
             kv_rmsnorm(s->hout + (size_t)i * E, s->x + (size_t)out_idx[i] * E, m->output_norm.data, E,

@@ -73,10 +73,10 @@ int kv_q35_load_layer(kv_model *m, uint32_t il, bool experts, kv_diag *d);
 /* Allocates s->q35 (recurrent state of every sequence, buffers). */
 int kv_q35_state_new(kv_state *s, kv_diag *d);
 void kv_q35_state_free(kv_state *s);
-/* kv_eval_chunk for qwen35moe: same contract. On error no sequence's
+/* The qwen35moe blocks over the T embedded tokens in s->x (the chunk driver
+ * in forward.c embeds and computes logits). On error no sequence's
  * recurrent state changes. */
-int kv_q35_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
-                      uint32_t n_out, float *logits, kv_diag *d);
+int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d);
 
 /* ---- ops (src/model/ops.c) ---- */
 

@@ -480,18 +480,11 @@ static int kv_q35_ffn(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, k
     return 0;
 }
 
-int kv_q35_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
-                      uint32_t n_out, float *logits, kv_diag *d) {
+int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
     kv_q35_state *q = s->q35;
     const int64_t E = hp->n_embd;
-
-    /* token embeddings */
-    const kv_type_info *et = kv_type_get(m->tok_embd.type);
-    for (uint32_t t = 0; t < T; t++)
-        et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
-                     s->x + (size_t)t * (size_t)E, E);
 
     for (uint32_t il = 0; il < hp->n_layer; il++) {
         const kv_layer *L = &m->layers[il];
@@ -512,11 +505,5 @@ int kv_q35_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint
     /* commit: each sequence of the chunk now reads the slot just written */
     for (uint32_t t = 0; t < T; t++)
         if (kv_q35_first(s, t)) q->cur[s->tok_seq[t]] ^= 1u;
-    if (logits && n_out) {
-        for (uint32_t i = 0; i < n_out; i++)
-            kv_rmsnorm(s->hout + (size_t)i * E, s->x + (size_t)out_idx[i] * E, m->output_norm.data, E,
-                       hp->rms_eps);
-        kv_matmul(s->pool, &m->output, NULL, s->hout, n_out, logits, s->scratch);
-    }
     return 0;
 }
