@@ -87,7 +87,7 @@ typedef struct kvt_case {
 #define KVT_CASE(fn) {#fn, fn}
 #define KVT_N(a) (sizeof(a) / sizeof((a)[0]))
 
-static int kvt_run_with(int argc, char **argv, const kvt_case *cases, size_t n,
+static inline int kvt_run_with(int argc, char **argv, const kvt_case *cases, size_t n,
                         int (*setup)(void), void (*teardown)(void)) {
     if (argc > 1 && !strcmp(argv[1], "--list")) {
         for (size_t i = 0; i < n; i++) printf("%s\n", cases[i].name);
@@ -117,14 +117,14 @@ static int kvt_run_with(int argc, char **argv, const kvt_case *cases, size_t n,
     if (teardown) teardown();
     KV_TEST_END();
 }
-static int kvt_run(int argc, char **argv, const kvt_case *cases, size_t n) {
+static inline int kvt_run(int argc, char **argv, const kvt_case *cases, size_t n) {
     return kvt_run_with(argc, argv, cases, n, NULL, NULL);
 }
 
 /* A kernel backend a test could not exercise on this CPU: say so, and fail
  * when KV_REQUIRE_BACKENDS (comma-separated, e.g. "avx2,avx512") names it,
  * so a machine that should run it cannot pass by skipping. */
-static void kvt_skip_backend(const char *backend, const char *why) {
+static inline void kvt_skip_backend(const char *backend, const char *why) {
     const char *req = getenv("KV_REQUIRE_BACKENDS");
     int required = 0;
     if (req) {

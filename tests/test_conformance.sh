@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# kv-test-labels: oracle net
 # Conformance with llama.cpp (issue 2, item 9): tokenization, greedy
 # continuations and logits of `kvasir` on synthetic models, checked against
 # llama.cpp (node-llama-cpp 3.21.1, the test-only oracle in tests/oracle) on

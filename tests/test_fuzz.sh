@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# kv-test-labels: fuzz
 # Runs every libFuzzer target (one per parser: fuzz/fuzz_<name>.c) for a
 # short, bounded time (KV_FUZZ_SECONDS each, default 20) from its seeds in
 # fuzz/corpus/<name>, and fails on any crash, sanitizer report, leak, slow

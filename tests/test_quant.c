@@ -446,7 +446,7 @@ static void test_backends_identical(void) {
     float *f1 = malloc(4 * 8192), *f2 = malloc(4 * 8192);
     for (size_t b = 0; b < 2; b++) {
         if (kv_quant_set_backend(backends[b]) != 0) {
-            printf("  backend %s: not available on this CPU, skipped\n", backends[b]);
+            kvt_skip_backend(backends[b], "not available on this CPU (test_backends_identical)");
             continue;
         }
         printf("  backend %s: checking\n", backends[b]);
@@ -513,7 +513,7 @@ static void test_mat_rows(void) {
     uint8_t *W = malloc((size_t)n * 4 * n_rows), *A = malloc(((size_t)n * 4 + 8) * 17);
     float *Y = malloc(sizeof(float) * 64 * 17);
     for (size_t b = 0; b < 3; b++) {
-        if (kv_quant_set_backend(bes[b]) != 0) continue;
+        if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
         int bad = 0, bad_untouched = 0;
         for (size_t ti = 0; ti < N_COMPUTE; ti++) {
             uint32_t type = compute_types[ti];
@@ -567,7 +567,7 @@ static void test_attn_vec(void) {
     fill_gauss(w, 33, 0.3f);
     fill_gauss(q, 256, 1.0f);
     for (size_t b = 0; b < 3; b++) {
-        if (kv_quant_set_backend(bes[b]) != 0) continue;
+        if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
         int bad = 0;
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
             for (size_t ri = 0; ri < sizeof rows / sizeof rows[0]; ri++) {
@@ -616,7 +616,7 @@ static void test_delta_rows(void) {
     fill_gauss(v, rmax, 1.0f);
     const float decay = 0.93f, beta = 0.61f, scale = 0.088f;
     for (size_t b = 0; b < 3; b++) {
-        if (kv_quant_set_backend(bes[b]) != 0) continue;
+        if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
         int bad = 0;
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
             for (size_t ri = 0; ri < sizeof rows / sizeof rows[0]; ri++) {
@@ -652,18 +652,14 @@ static void test_delta_rows(void) {
     free(S); free(D); free(W); free(k); free(q); free(v); free(o); free(wo);
 }
 
-int main(void) {
+static const kvt_case cases[] = {
+    KVT_CASE(test_sizes_and_names), KVT_CASE(test_fp16),          KVT_CASE(test_bf16),
+    KVT_CASE(test_dequant_handmade), KVT_CASE(test_activation_rounding),
+    KVT_CASE(test_roundtrip_error), KVT_CASE(test_vec_dot_ref),  KVT_CASE(test_backends_identical),
+    KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_delta_rows),
+};
+
+int main(int argc, char **argv) {
     printf("dispatched backend: %s\n", kv_quant_backend());
-    test_sizes_and_names();
-    test_fp16();
-    test_bf16();
-    test_dequant_handmade();
-    test_activation_rounding();
-    test_roundtrip_error();
-    test_vec_dot_ref();
-    test_backends_identical();
-    test_mat_rows();
-    test_attn_vec();
-    test_delta_rows();
-    KV_TEST_END();
+    return kvt_run(argc, argv, cases, KVT_N(cases));
 }
