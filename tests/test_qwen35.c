@@ -11,8 +11,8 @@
 #include "kvasir/gen.h"
 #include "kvasir/model.h"
 #include "kvtest.h"
+#include "ref_gguf.h"
 
-#define F(w) ((const float *)(w)->data)
 
 static void ref_matvec(double *y, const float *w, const double *x, int rows, int cols) {
     for (int r = 0; r < rows; r++) {
@@ -30,14 +30,38 @@ static void ref_rms(double *y, const double *x, const float *w, int n, double ep
 static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
 static double silu(double x) { return x * sigm(x); }
 
-/* Logits of the last token of toks[0..n) by a plain f64 forward. */
-static void ref_forward(const kv_model *m, const int32_t *toks, int n, double *logits) {
-    const kv_hparams *hp = kv_model_hparams(m);
-    const int E = hp->n_embd, H = hp->n_head, HKV = hp->n_head_kv, HD = hp->head_dim, V = hp->n_vocab;
-    const int SV = hp->ssm_d_state, NK = hp->ssm_n_group, NV = hp->ssm_dt_rank, KC = hp->ssm_d_conv;
-    const int KD = SV * NK, VD = SV * NV, C = 2 * KD + VD, X = hp->n_expert, K = hp->n_expert_used;
-    const int FF = hp->n_ff_exp, S = hp->n_ff_shexp, L = hp->n_layer;
-    const double eps = hp->rms_eps;
+/* Logits of the last token of toks[0..n) by a plain f64 forward over the
+ * F32 file at rm (tests/ref_gguf.h: tensors by name, dims from metadata). */
+static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double *logits) {
+    const int E = (int)ref_u32(rm, "embedding_length"), H = (int)ref_u32(rm, "attention.head_count");
+    const int HKV = (int)ref_u32(rm, "attention.head_count_kv"), HD = (int)ref_u32(rm, "attention.key_length");
+    const int V = ref_n_vocab(rm);
+    const int SV = (int)ref_u32(rm, "ssm.state_size"), NK = (int)ref_u32(rm, "ssm.group_count");
+    const int NV = (int)ref_u32(rm, "ssm.time_step_rank"), KC = (int)ref_u32(rm, "ssm.conv_kernel");
+    const int KD = SV * NK, VD = SV * NV, C = 2 * KD + VD, X = (int)ref_u32(rm, "expert_count");
+    const int K = (int)ref_u32(rm, "expert_used_count"), FF = (int)ref_u32(rm, "expert_feed_forward_length");
+    const int S = (int)ref_u32(rm, "expert_shared_feed_forward_length");
+    const int L = (int)ref_u32(rm, "block_count") - (int)ref_u32_or(rm, "nextn_predict_layers", 0);
+    const int R = (int)ref_u32(rm, "rope.dimension_count");
+    const double eps = ref_f32_key(rm, "attention.layer_norm_rms_epsilon");
+    const double base = ref_f32_key(rm, "rope.freq_base");
+    int sec[4] = {0, 0, 0, 0};
+    {
+        char key[96];
+        snprintf(key, sizeof key, "%s.rope.dimension_sections", rm->arch);
+        uint64_t ns = 0;
+        const uint8_t *sd = NULL;
+        kv_diag d = {0};
+        if (kv_gguf_get_arr(rm->g, key, KV_GGUF_INT32, &ns, &sd, &d) || ns < 1 || ns > 4) {
+            KVT_FAIL("reference: %s: %s", key, d.msg);
+            return;
+        }
+        for (uint64_t i = 0; i < ns; i++) memcpy(&sec[i], sd + 4 * i, 4);
+    }
+    if (E <= 0 || H <= 0 || HKV <= 0 || V <= 0 || L <= 0 || K > 64 || C > 4096 || SV > 1024 || HD > 1024) {
+        KVT_FAIL("reference: implausible dims");
+        return;
+    }
     double *x = calloc((size_t)n * E, sizeof *x), *xb = calloc(E, sizeof *xb);
     double *qkv = calloc((size_t)n * C, sizeof *qkv), *tmp = calloc(E > V ? (E > C ? E : C) : (V > C ? V : C), sizeof *tmp);
     double *kc = calloc((size_t)n * HKV * HD, sizeof *kc), *vc = calloc((size_t)n * HKV * HD, sizeof *vc);
@@ -46,30 +70,39 @@ static void ref_forward(const kv_model *m, const int32_t *toks, int n, double *l
     double *pr = calloc(X, sizeof *pr), *g = calloc(FF > S ? FF : S, sizeof *g), *u = calloc(FF > S ? FF : S, sizeof *u);
     double *acc = calloc(E, sizeof *acc), *sc = calloc(n, sizeof *sc), *bb = calloc(NV, sizeof *bb), *aa = calloc(NV, sizeof *aa);
     /* embeddings (token_embd is F32 in this test model) */
-    const kv_gguf_tensor *te = kv_gguf_find_tensor(kv_model_gguf(m), "token_embd.weight");
+    const float *te = ref_f32(rm, (int64_t)V * E, "token_embd.weight");
     for (int t = 0; t < n; t++)
-        for (int i = 0; i < E; i++) x[(size_t)t * E + i] = ((const float *)te->data)[(size_t)toks[t] * E + i];
+        for (int i = 0; i < E; i++) x[(size_t)t * E + i] = te[(size_t)toks[t] * E + i];
     for (int il = 0; il < L; il++) {
-        const kv_layer *ly = kv_model_layer(m, (uint32_t)il);
-        if (ly->recurrent) {
+        const float *attn_norm = ref_f32(rm, E, "blk.%d.attn_norm.weight", il);
+        if (ref_has(rm, "blk.%d.ssm_a", il)) { /* gated delta-net block */
+            const float *wqkv = ref_f32(rm, (int64_t)C * E, "blk.%d.attn_qkv.weight", il);
+            const float *wgate = ref_f32(rm, (int64_t)VD * E, "blk.%d.attn_gate.weight", il);
+            const float *wbeta = ref_f32(rm, (int64_t)NV * E, "blk.%d.ssm_beta.weight", il);
+            const float *walpha = ref_f32(rm, (int64_t)NV * E, "blk.%d.ssm_alpha.weight", il);
+            const float *conv = ref_f32(rm, (int64_t)C * KC, "blk.%d.ssm_conv1d.weight", il);
+            const float *dt = ref_f32(rm, NV, "blk.%d.ssm_dt.bias", il);
+            const float *ssm_a = ref_f32(rm, NV, "blk.%d.ssm_a", il);
+            const float *ssm_norm = ref_f32(rm, SV, "blk.%d.ssm_norm.weight", il);
+            const float *ssm_out = ref_f32(rm, (int64_t)E * VD, "blk.%d.ssm_out.weight", il);
             /* projections for every token, then conv + delta rule in order */
             memset(st, 0, (size_t)NV * SV * SV * sizeof *st);
             for (int t = 0; t < n; t++) {
-                ref_rms(xb, x + (size_t)t * E, F(&ly->attn_norm), E, eps);
-                ref_matvec(qkv + (size_t)t * C, F(&ly->wqkv), xb, C, E);
+                ref_rms(xb, x + (size_t)t * E, attn_norm, E, eps);
+                ref_matvec(qkv + (size_t)t * C, wqkv, xb, C, E);
             }
             double *out = calloc((size_t)n * E, sizeof *out);
             for (int t = 0; t < n; t++) {
-                ref_rms(xb, x + (size_t)t * E, F(&ly->attn_norm), E, eps);
-                ref_matvec(z, F(&ly->wqkv_gate), xb, VD, E);
-                ref_matvec(bb, F(&ly->ssm_beta), xb, NV, E);
-                ref_matvec(aa, F(&ly->ssm_alpha), xb, NV, E);
+                ref_rms(xb, x + (size_t)t * E, attn_norm, E, eps);
+                ref_matvec(z, wgate, xb, VD, E);
+                ref_matvec(bb, wbeta, xb, NV, E);
+                ref_matvec(aa, walpha, xb, NV, E);
                 double cv[4096];
                 for (int c = 0; c < C; c++) {
                     double s = 0;
                     for (int i = 0; i < KC; i++) {
                         int tt = t - (KC - 1) + i;
-                        if (tt >= 0) s += qkv[(size_t)tt * C + c] * F(&ly->ssm_conv1d)[(size_t)c * KC + i];
+                        if (tt >= 0) s += qkv[(size_t)tt * C + c] * conv[(size_t)c * KC + i];
                     }
                     cv[c] = silu(s);
                 }
@@ -82,9 +115,9 @@ static void ref_forward(const kv_model *m, const int32_t *toks, int n, double *l
                 for (int h = 0; h < NV; h++) {
                     const int kh = h % NK;
                     const double *q = cv + kh * SV, *k = cv + KD + kh * SV, *v = cv + 2 * KD + h * SV;
-                    double a = aa[h] + F(&ly->ssm_dt)[h];
+                    double a = aa[h] + dt[h];
                     double sp = a > 20 ? a : log1p(exp(a));
-                    double decay = exp(sp * F(&ly->ssm_a)[h]), beta = sigm(bb[h]);
+                    double decay = exp(sp * ssm_a[h]), beta = sigm(bb[h]);
                     double *Sh = st + (size_t)h * SV * SV; /* Sh[i*SV + j] = S[i][j], i key dim, j value dim */
                     for (int i = 0; i < SV * SV; i++) Sh[i] *= decay;
                     for (int j = 0; j < SV; j++) {
@@ -99,35 +132,41 @@ static void ref_forward(const kv_model *m, const int32_t *toks, int n, double *l
                         for (int i = 0; i < SV; i++) s += Sh[i * SV + j] * q[i];
                         o[j] = s / sqrt((double)SV);
                     }
-                    ref_rms(att + h * SV, o, F(&ly->ssm_norm), SV, eps);
+                    ref_rms(att + h * SV, o, ssm_norm, SV, eps);
                     for (int j = 0; j < SV; j++) att[h * SV + j] *= silu(z[h * SV + j]);
                 }
-                ref_matvec(out + (size_t)t * E, F(&ly->ssm_out), att, E, VD);
+                ref_matvec(out + (size_t)t * E, ssm_out, att, E, VD);
             }
             for (size_t i = 0; i < (size_t)n * E; i++) x[i] += out[i];
             free(out);
-        } else {
+        } else { /* gated full attention */
+            const float *wq = ref_f32(rm, (int64_t)2 * H * HD * E, "blk.%d.attn_q.weight", il);
+            const float *wk = ref_f32(rm, (int64_t)HKV * HD * E, "blk.%d.attn_k.weight", il);
+            const float *wv = ref_f32(rm, (int64_t)HKV * HD * E, "blk.%d.attn_v.weight", il);
+            const float *wo = ref_f32(rm, (int64_t)E * H * HD, "blk.%d.attn_output.weight", il);
+            const float *q_norm = ref_f32(rm, HD, "blk.%d.attn_q_norm.weight", il);
+            const float *k_norm = ref_f32(rm, HD, "blk.%d.attn_k_norm.weight", il);
             double *out = calloc((size_t)n * E, sizeof *out);
             for (int t = 0; t < n; t++) {
-                ref_rms(xb, x + (size_t)t * E, F(&ly->attn_norm), E, eps);
-                ref_matvec(qg + (size_t)t * 2 * H * HD, F(&ly->wq), xb, 2 * H * HD, E);
-                ref_matvec(kc + (size_t)t * HKV * HD, F(&ly->wk), xb, HKV * HD, E);
-                ref_matvec(vc + (size_t)t * HKV * HD, F(&ly->wv), xb, HKV * HD, E);
+                ref_rms(xb, x + (size_t)t * E, attn_norm, E, eps);
+                ref_matvec(qg + (size_t)t * 2 * H * HD, wq, xb, 2 * H * HD, E);
+                ref_matvec(kc + (size_t)t * HKV * HD, wk, xb, HKV * HD, E);
+                ref_matvec(vc + (size_t)t * HKV * HD, wv, xb, HKV * HD, E);
             }
             /* norms and IMROPE: pair i of n_rot/2, sector i % sum, component by the interleave */
-            const int *sec = hp->rope_sections, sd = sec[0] + sec[1] + sec[2] + sec[3], R = hp->n_rot;
+            const int sd = sec[0] + sec[1] + sec[2] + sec[3];
             for (int t = 0; t < n; t++) {
                 const double pos[4] = {t, t, t, 0};
                 for (int h = 0; h < H + HKV; h++) {
                     double *v = h < H ? qg + (size_t)t * 2 * H * HD + (size_t)h * 2 * HD : kc + (size_t)t * HKV * HD + (size_t)(h - H) * HD;
                     double tmpv[1024];
-                    ref_rms(tmpv, v, h < H ? F(&ly->q_norm) : F(&ly->k_norm), HD, eps);
+                    ref_rms(tmpv, v, h < H ? q_norm : k_norm, HD, eps);
                     for (int i = 0; i < R / 2; i++) {
                         int s = i % sd, c = 3;
                         if (s % 3 == 1 && s < 3 * sec[1]) c = 1;
                         else if (s % 3 == 2 && s < 3 * sec[2]) c = 2;
                         else if (s % 3 == 0 && s < 3 * sec[0]) c = 0;
-                        double th = pos[c] * pow(hp->rope_freq_base, -2.0 * i / R);
+                        double th = pos[c] * pow(base, -2.0 * i / R);
                         double a = tmpv[i], b = tmpv[i + R / 2];
                         tmpv[i] = a * cos(th) - b * sin(th);
                         tmpv[i + R / 2] = a * sin(th) + b * cos(th);
@@ -153,16 +192,25 @@ static void ref_forward(const kv_model *m, const int32_t *toks, int n, double *l
                         att[h * HD + i] = o * sigm(q[HD + i]);
                     }
                 }
-                ref_matvec(out + (size_t)t * E, F(&ly->wo), att, E, H * HD);
+                ref_matvec(out + (size_t)t * E, wo, att, E, H * HD);
             }
             for (size_t i = 0; i < (size_t)n * E; i++) x[i] += out[i];
             free(out);
         }
         /* post-attention norm, routed + shared experts */
+        const float *post_norm = ref_f32(rm, E, "blk.%d.post_attention_norm.weight", il);
+        const float *router = ref_f32(rm, (int64_t)X * E, "blk.%d.ffn_gate_inp.weight", il);
+        const float *gate_exps = ref_f32(rm, (int64_t)X * FF * E, "blk.%d.ffn_gate_exps.weight", il);
+        const float *up_exps = ref_f32(rm, (int64_t)X * FF * E, "blk.%d.ffn_up_exps.weight", il);
+        const float *down_exps = ref_f32(rm, (int64_t)X * E * FF, "blk.%d.ffn_down_exps.weight", il);
+        const float *gate_sh = ref_f32(rm, (int64_t)S * E, "blk.%d.ffn_gate_shexp.weight", il);
+        const float *up_sh = ref_f32(rm, (int64_t)S * E, "blk.%d.ffn_up_shexp.weight", il);
+        const float *down_sh = ref_f32(rm, (int64_t)E * S, "blk.%d.ffn_down_shexp.weight", il);
+        const float *gate_inp_sh = ref_f32(rm, E, "blk.%d.ffn_gate_inp_shexp.weight", il);
         for (int t = 0; t < n; t++) {
             double *xt = x + (size_t)t * E;
-            ref_rms(xb, xt, F(&ly->post_norm), E, eps);
-            ref_matvec(pr, F(&ly->gate_inp), xb, X, E);
+            ref_rms(xb, xt, post_norm, E, eps);
+            ref_matvec(pr, router, xb, X, E);
             double mx = -1e300, sum = 0;
             for (int e = 0; e < X; e++) mx = pr[e] > mx ? pr[e] : mx;
             for (int e = 0; e < X; e++) sum += (pr[e] = exp(pr[e] - mx));
@@ -182,25 +230,25 @@ static void ref_forward(const kv_model *m, const int32_t *toks, int n, double *l
             memset(acc, 0, E * sizeof *acc);
             for (int r = 0; r < K; r++) {
                 int e = ids[r];
-                ref_matvec(g, F(&ly->gate_exps) + (size_t)e * FF * E, xb, FF, E);
-                ref_matvec(u, F(&ly->up_exps) + (size_t)e * FF * E, xb, FF, E);
+                ref_matvec(g, gate_exps + (size_t)e * FF * E, xb, FF, E);
+                ref_matvec(u, up_exps + (size_t)e * FF * E, xb, FF, E);
                 for (int i = 0; i < FF; i++) g[i] = silu(g[i]) * u[i];
-                ref_matvec(tmp, F(&ly->down_exps) + (size_t)e * E * FF, g, E, FF);
+                ref_matvec(tmp, down_exps + (size_t)e * E * FF, g, E, FF);
                 for (int i = 0; i < E; i++) acc[i] += pr[e] / wsum * tmp[i];
             }
-            ref_matvec(g, F(&ly->gate_shexp), xb, S, E);
-            ref_matvec(u, F(&ly->up_shexp), xb, S, E);
+            ref_matvec(g, gate_sh, xb, S, E);
+            ref_matvec(u, up_sh, xb, S, E);
             for (int i = 0; i < S; i++) g[i] = silu(g[i]) * u[i];
-            ref_matvec(tmp, F(&ly->down_shexp), g, E, S);
+            ref_matvec(tmp, down_sh, g, E, S);
             double gs;
-            ref_matvec(&gs, F(&ly->gate_inp_shexp), xb, 1, E);
+            ref_matvec(&gs, gate_inp_sh, xb, 1, E);
             for (int i = 0; i < E; i++) xt[i] += acc[i] + tmp[i] * sigm(gs);
         }
     }
-    const kv_gguf_tensor *on = kv_gguf_find_tensor(kv_model_gguf(m), "output_norm.weight");
-    const kv_gguf_tensor *ow = kv_gguf_find_tensor(kv_model_gguf(m), "output.weight");
-    ref_rms(xb, x + (size_t)(n - 1) * E, on->data, E, eps);
-    ref_matvec(logits, ow ? ow->data : te->data, xb, V, E);
+    const float *on = ref_f32(rm, E, "output_norm.weight");
+    const float *ow = ref_has(rm, "output.weight") ? ref_f32(rm, (int64_t)V * E, "output.weight") : te;
+    ref_rms(xb, x + (size_t)(n - 1) * E, on, E, eps);
+    ref_matvec(logits, ow, xb, V, E);
     free(x); free(xb); free(qkv); free(tmp); free(kc); free(vc); free(qg); free(att); free(st); free(z);
     free(pr); free(g); free(u); free(acc); free(sc); free(bb); free(aa);
 }
@@ -232,10 +280,16 @@ static float *ours(const kv_model *m, const int32_t *toks, int n, int nth, uint3
     return out;
 }
 
-int main(void) {
-    char dir[] = "/tmp/kvasir-test-q35-XXXXXX", path[128];
-    if (!mkdtemp(dir)) return 1;
-    snprintf(path, sizeof path, "%s/m.gguf", dir);
+static char g_dir[] = "/tmp/kvasir-test-q35-XXXXXX", g_path[128];
+static kv_model *g_m;
+enum { N = 11 };
+static const int32_t toks[N] = {17, 300, 5, 599, 42, 42, 7, 123, 256, 3, 77};
+static float *g_a; /* our logits after each token, token by token on 1 thread */
+static int V;
+
+static int setup(void) {
+    if (!mkdtemp(g_dir)) return 1;
+    snprintf(g_path, sizeof g_path, "%s/m.gguf", g_dir);
     kv_gen_config c = {.arch = "qwen35moe", .n_layer = 4, .n_embd = 128, .n_ff_exp = 64, .n_expert = 8,
                        .n_expert_used = 2, .n_head = 4, .n_head_kv = 2, .head_dim = 32, .n_vocab = 600,
                        .n_ctx = 256, .type = 0 /* KV_TYPE_F32 */, .seed = 5, .full_attn_interval = 2,
@@ -243,69 +297,90 @@ int main(void) {
                        .rope_sections = {2, 1, 2, 1}, .n_nextn = 1, .n_ff_shexp = 48, .n_threads = 1};
     kv_gen_fill_defaults(&c);
     kv_diag d = {0};
-    ASSERT_EQ(kv_gen_model(&c, path, &d), 0);
-    kv_model *m = NULL;
-    ASSERT_EQ(kv_model_load(&m, path, &d), 0);
-    if (!m) {
-        fprintf(stderr, "load: %s\n", d.msg);
+    if (kv_gen_model(&c, g_path, &d) || kv_model_load(&g_m, g_path, &d)) {
+        fprintf(stderr, "model: %s\n", d.msg);
         return 1;
     }
-    const kv_hparams *hp = kv_model_hparams(m);
+    V = (int)kv_model_hparams(g_m)->n_vocab;
+    g_a = ours(g_m, toks, N, 1, 0);
+    return 0;
+}
+
+static void teardown(void) {
+    free(g_a);
+    kv_model_free(g_m);
+    unlink(g_path);
+    rmdir(g_dir);
+}
+
+static void test_loaded(void) {
+    const kv_hparams *hp = kv_model_hparams(g_m);
     ASSERT_EQ(hp->arch, KV_ARCH_QWEN35MOE);
     ASSERT_EQ(hp->n_layer, 4);
     ASSERT_EQ(hp->n_layer_nextn, 1);
-    ASSERT_TRUE(kv_model_layer(m, 0)->recurrent && !kv_model_layer(m, 1)->recurrent);
-    ASSERT_TRUE(kv_model_layer(m, 4)->nextn_eh_proj.data != NULL); /* MTP loaded */
+    ASSERT_TRUE(kv_model_layer(g_m, 0)->recurrent && !kv_model_layer(g_m, 1)->recurrent);
+    ASSERT_TRUE(kv_model_layer(g_m, 4)->nextn_eh_proj.data != NULL); /* MTP loaded */
+}
 
-    enum { N = 11 };
-    const int32_t toks[N] = {17, 300, 5, 599, 42, 42, 7, 123, 256, 3, 77};
-    const int V = (int)hp->n_vocab;
-    float *a = ours(m, toks, N, 1, 0), *b = ours(m, toks, N, 2, 4), *cc = ours(m, toks, N, 2, 0);
-    /* f64 reference at several prefix lengths (positions cross the conv window and attention layers) */
+/* f64 reference at several prefix lengths (positions cross the conv window
+ * and attention layers) */
+static void test_f64_reference(void) {
     double *ref = calloc(V, sizeof *ref), worst = 0;
+    ref_model rm;
+    ASSERT_EQ(ref_open(&rm, g_path), 0);
     for (int n = 1; n <= N; n += 3) {
-        ref_forward(m, toks, n, ref);
+        ref_forward(&rm, toks, n, ref);
         for (int i = 0; i < V; i++) {
-            double e = fabs(ref[i] - a[(size_t)(n - 1) * V + i]);
+            double e = fabs(ref[i] - g_a[(size_t)(n - 1) * V + i]);
             if (e > worst) worst = e;
         }
     }
+    ref_close(&rm);
     printf("f32 qwen35moe vs f64 reference: max |dlogit| = %.3g\n", worst);
     ASSERT_TRUE(worst < 2e-4);
-    /* bit-identity: threads, token-by-token vs chunked prefill (chunks of 4) */
-    ASSERT_TRUE(memcmp(a, cc, (size_t)N * V * sizeof *a) == 0);
-    ASSERT_TRUE(memcmp(a, b, (size_t)N * V * sizeof *a) == 0);
-
-    /* several sequences decoded together == each alone; a reset sequence starts over */
-    {
-        kv_pool *pool = NULL;
-        kv_state *s = NULL;
-        kv_state_opts o = {.n_ctx = 64, .n_seq = 3};
-        ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
-        ASSERT_EQ(kv_state_new(&s, m, pool, &o, &d), 0);
-        float *lg = calloc((size_t)3 * V, sizeof *lg);
-        ASSERT_EQ(kv_state_eval_seq(s, 1, toks, 3, NULL, &d), 0); /* seq 1 ahead by 3 */
-        int ok = 1;
-        for (int t = 0; t < 6; t++) {
-            int32_t tk[3] = {toks[t], toks[t + 3], toks[t]};
-            uint32_t sq[3] = {0, 1, 2};
-            ASSERT_EQ(kv_state_decode(s, tk, sq, 3, lg, &d), 0);
-            ok &= !memcmp(lg, a + (size_t)t * V, V * sizeof *lg);
-            ok &= !memcmp(lg + V, a + (size_t)(t + 3) * V, V * sizeof *lg);
-            ok &= !memcmp(lg + 2 * V, a + (size_t)t * V, V * sizeof *lg);
-        }
-        ASSERT_TRUE(ok);
-        kv_state_reset_seq(s, 2);
-        ASSERT_EQ(kv_state_eval_seq(s, 2, toks, 1, lg, &d), 0);
-        ASSERT_TRUE(!memcmp(lg, a, V * sizeof *lg));
-        free(lg);
-        kv_state_free(s);
-        kv_pool_free(pool);
-    }
-    free(a); free(b); free(cc); free(ref);
-    kv_model_free(m);
-    unlink(path);
-    rmdir(dir);
-    printf("%d checks, %d failed\n", kvt_checks, kvt_failures);
-    return kvt_failures ? 1 : 0;
+    free(ref);
 }
+
+/* bit-identity: threads, token-by-token vs chunked prefill (chunks of 4) */
+static void test_bit_identity(void) {
+    float *b = ours(g_m, toks, N, 2, 4), *cc = ours(g_m, toks, N, 2, 0);
+    ASSERT_TRUE(memcmp(g_a, cc, (size_t)N * V * sizeof *g_a) == 0);
+    ASSERT_TRUE(memcmp(g_a, b, (size_t)N * V * sizeof *g_a) == 0);
+    free(b);
+    free(cc);
+}
+
+/* several sequences decoded together == each alone; a reset sequence starts over */
+static void test_multi_seq(void) {
+    const float *a = g_a;
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    kv_state *s = NULL;
+    kv_state_opts o = {.n_ctx = 64, .n_seq = 3};
+    ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
+    ASSERT_EQ(kv_state_new(&s, g_m, pool, &o, &d), 0);
+    if (!s) { kv_pool_free(pool); return; }
+    float *lg = calloc((size_t)3 * V, sizeof *lg);
+    ASSERT_EQ(kv_state_eval_seq(s, 1, toks, 3, NULL, &d), 0); /* seq 1 ahead by 3 */
+    int ok = 1;
+    for (int t = 0; t < 6; t++) {
+        int32_t tk[3] = {toks[t], toks[t + 3], toks[t]};
+        uint32_t sq[3] = {0, 1, 2};
+        ASSERT_EQ(kv_state_decode(s, tk, sq, 3, lg, &d), 0);
+        ok &= !memcmp(lg, a + (size_t)t * V, V * sizeof *lg);
+        ok &= !memcmp(lg + V, a + (size_t)(t + 3) * V, V * sizeof *lg);
+        ok &= !memcmp(lg + 2 * V, a + (size_t)t * V, V * sizeof *lg);
+    }
+    ASSERT_TRUE(ok);
+    kv_state_reset_seq(s, 2);
+    ASSERT_EQ(kv_state_eval_seq(s, 2, toks, 1, lg, &d), 0);
+    ASSERT_TRUE(!memcmp(lg, a, V * sizeof *lg));
+    free(lg);
+    kv_state_free(s);
+    kv_pool_free(pool);
+}
+
+static const kvt_case cases[] = {KVT_CASE(test_loaded), KVT_CASE(test_f64_reference),
+                                 KVT_CASE(test_bit_identity), KVT_CASE(test_multi_seq)};
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
