@@ -95,12 +95,14 @@ static int rewrite(const char *src, const char *dst, mutation mut) {
     return rc;
 }
 
-int main(void) {
+static char good[300]; /* a valid small model, written by setup */
+
+static int setup(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) { fprintf(stderr, "FAIL: KV_BIN is not set\n"); return 1; }
     snprintf(g_dir, sizeof g_dir, "/tmp/kvasir-test-cli-XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
-    char good[300], path[300], args[2048], err[8192];
+    char args[2048], err[8192];
     snprintf(good, sizeof good, "%s/good.gguf", g_dir);
     snprintf(args, sizeof args, "gen-model --arch qwen3moe --out %s --layers 1 --embd 64 --ff-exp 32 "
              "--experts 4 --experts-used 2 --heads 2 --kv-heads 1 --head-dim 32 --vocab 600 --ctx 64 --type f32",
@@ -109,6 +111,19 @@ int main(void) {
     snprintf(args, sizeof args, "run -m %s -p hello -n 2 --temp 0", good);
     ASSERT_EQ(run_cmd(args, err, sizeof err), 0);
 
+    return 0;
+}
+
+static void teardown(void) {
+    char args[400];
+    snprintf(args, sizeof args, "rm -rf %s", g_dir);
+    if (system(args)) fprintf(stderr, "could not remove %s\n", g_dir);
+}
+
+/* truncated and corrupt files */
+static void test_truncated_corrupt(void) {
+    char path[300], args[2048], err[8192];
+    (void)path; (void)err;
     /* truncated: header cut at several points, and data cut short */
     FILE *f = fopen(good, "rb");
     fseek(f, 0, SEEK_END);
@@ -146,6 +161,12 @@ int main(void) {
     expect_err("huge tensor count", args, "tensor");
     free(buf);
 
+}
+
+/* unknown architecture, unsupported type, wrong shape */
+static void test_mutated(void) {
+    char path[300], args[2048], err[8192];
+    (void)path; (void)err;
     snprintf(path, sizeof path, "%s/arch.gguf", g_dir);
     ASSERT_EQ(rewrite(good, path, MUT_ARCH), 0);
     snprintf(args, sizeof args, "run -m %s -p hello", path);
@@ -159,6 +180,11 @@ int main(void) {
     snprintf(args, sizeof args, "run -m %s -p hello", path);
     expect_err("wrong tensor shape", args, "blk.0.attn_q.weight");
 
+}
+
+static void test_context(void) {
+    char path[300], args[2048], err[8192];
+    (void)path; (void)err;
     /* a prompt longer than the context (model context 64) */
     char longp[1200];
     memset(longp, 0, sizeof longp);
@@ -167,6 +193,11 @@ int main(void) {
     expect_err("prompt longer than context", args, "context");
     snprintf(args, sizeof args, "run -m %s -p 'hello there my good friend' --ctx 2 -n 4", good);
     expect_err("--ctx below prompt", args, "context");
+}
+
+static void test_flags(void) {
+    char path[300], args[2048], err[8192];
+    (void)path; (void)err;
     /* missing file, bad flags */
     snprintf(args, sizeof args, "run -m %s/nope.gguf -p hello", g_dir);
     expect_err("missing file", args, "nope.gguf");
@@ -178,13 +209,17 @@ int main(void) {
     expect_err("unknown flag", args, "--bogus");
     snprintf(args, sizeof args, "bench -m %s/nope.gguf", g_dir);
     expect_err("bench missing file", args, "nope.gguf");
-    snprintf(args, sizeof args, "tokenize -m %s/arch.gguf hello", g_dir);
+    snprintf(path, sizeof path, "%s/arch-tok.gguf", g_dir);
+    ASSERT_EQ(rewrite(good, path, MUT_ARCH), 0);
+    snprintf(args, sizeof args, "tokenize -m %s hello", path);
     /* tokenize does not need the architecture: it must still work */
     ASSERT_EQ(run_cmd(args, err, sizeof err), 0);
     snprintf(args, sizeof args, "frobnicate");
     expect_err("unknown command", args, "frobnicate");
 
-    snprintf(args, sizeof args, "rm -rf %s", g_dir);
-    if (system(args)) fprintf(stderr, "could not remove %s\n", g_dir);
-    KV_TEST_END();
 }
+
+static const kvt_case cases[] = {KVT_CASE(test_truncated_corrupt), KVT_CASE(test_mutated),
+                                 KVT_CASE(test_context), KVT_CASE(test_flags)};
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -924,14 +924,10 @@ static void test_chatml(void) {
     free(s);
 }
 
-int main(void) {
-    test_unicode();
-    test_byte_map();
-    test_split();
-    test_bpe();
-    test_vocab_rules();
-    test_chatml();
-    test_trainer();
-    test_gguf_and_cli();
-    KV_TEST_END();
-}
+static const kvt_case cases[] = {
+    KVT_CASE(test_unicode),     KVT_CASE(test_byte_map), KVT_CASE(test_split),
+    KVT_CASE(test_bpe),         KVT_CASE(test_vocab_rules), KVT_CASE(test_chatml),
+    KVT_CASE(test_trainer),     KVT_CASE(test_gguf_and_cli),
+};
+
+int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }
