@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Prints the kernel backends this CPU runs, comma-separated ("avx2,avx512"),
+# from /proc/cpuinfo, with the same feature sets the run-time detection in
+# src/quant/types.c requires. `make test` exports it as KV_REQUIRE_BACKENDS,
+# so a test that skips one of them fails instead of passing unchecked.
+flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+has() { for x in "$@"; do case "$flags" in *" $x "*) ;; *) return 1;; esac; done; }
+out=
+if has avx2 fma f16c bmi2; then
+  out=avx2
+  if has avx512f avx512dq avx512bw avx512vl avx512_vnni; then out=$out,avx512; fi
+fi
+echo "$out"
