@@ -17,15 +17,15 @@
 
 #define KV_POOL_SPIN 20000 /* polls before a worker sleeps */
 
-typedef struct kv_worker {
+typedef struct kv_pool_thread {
     struct kv_pool *pool;
     int ith;
-} kv_worker;
+} kv_pool_thread;
 
 struct kv_pool {
     int n;                     /* threads including the caller */
     pthread_t *threads;        /* [n-1] */
-    kv_worker *workers;        /* [n-1] */
+    kv_pool_thread *workers;        /* [n-1] */
     kv_pool_fn fn;             /* current step */
     void *arg;
     atomic_uint_fast64_t gen;  /* bumped once per step */
@@ -36,7 +36,7 @@ struct kv_pool {
 };
 
 static void *kv_pool_main(void *p_) {
-    kv_worker *w = p_;
+    kv_pool_thread *w = p_;
     kv_pool *p = w->pool;
     uint64_t seen = 0;
     for (;;) {
@@ -80,7 +80,7 @@ int kv_pool_new(kv_pool **out, int n_threads, kv_diag *d) {
             return kv_fail(d, KV_ENOMEM, "thread pool: out of memory");
         }
         for (int i = 1; i < n_threads; i++) {
-            p->workers[i - 1] = (kv_worker){p, i};
+            p->workers[i - 1] = (kv_pool_thread){p, i};
             if (pthread_create(&p->threads[i - 1], NULL, kv_pool_main, &p->workers[i - 1])) {
                 p->n = i; /* join only those started */
                 kv_pool_free(p);
