@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "kvasir/gguf.h"
@@ -931,6 +932,30 @@ static void test_open_file_errors(void) {
     kv_gguf_close(NULL);
 }
 
+/* A FIFO (or any non-regular file) named as a model is refused before it is
+ * opened for reading: open(2) on a FIFO with no writer would block forever.
+ * Run in a child under alarm() so that a hang fails the test instead of
+ * stalling it. */
+static void test_open_fifo(void) {
+    char path[400];
+    snprintf(path, sizeof path, "%s/fifo.gguf", tmpdir);
+    ASSERT_EQ(mkfifo(path, 0600), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(5);
+        kv_diag d = {0};
+        kv_gguf *g = NULL;
+        int rc = kv_gguf_open(&g, path, &d);
+        _exit(rc == KV_EIO && g == NULL && strstr(d.msg, "not a regular file") && !strchr(d.msg, '\n') ? 0 : 1);
+    }
+    int st = 0;
+    ASSERT_TRUE(pid > 0 && waitpid(pid, &st, 0) == pid);
+    if (!WIFEXITED(st)) KVT_FAIL("kv_gguf_open on a FIFO hung (killed by signal %d)", WTERMSIG(st));
+    else ASSERT_EQ(WEXITSTATUS(st), 0);
+    unlink(path);
+}
+
 /* With KV_GGUF_SEED_DIR set, writes small valid files as fuzzing seeds
  * (fuzz/corpus/gguf is made this way; names end in .bin, not .gguf). */
 static void write_seed(const char *dir, const char *name, const B *b) {
@@ -1015,6 +1040,7 @@ int main(void) {
     test_truncations();
     test_corrupt();
     test_open_file_errors();
+    test_open_fifo();
     printf("%d corrupt-input cases\n", n_cases);
     const char *seed_dir = getenv("KV_GGUF_SEED_DIR");
     if (seed_dir && *seed_dir) {

@@ -224,7 +224,7 @@ static void test_slice_types(void) {
         kv_model *full = NULL, *bb = NULL;
         kv_slices *sl = NULL, *slc = NULL;
         ASSERT_EQ(kv_model_load(&full, src, &d), 0);
-        ASSERT_EQ(kv_slices_open(&sl, man, &(kv_slices_opts){0, false, 2}, &d), 0);
+        ASSERT_EQ(kv_slices_open(&sl, man, &(kv_slices_opts){0, false, 2, false}, &d), 0);
         if (!full || !sl) continue;
         ASSERT_EQ(kv_model_load_ex(&bb, kv_slices_backbone_path(sl), &(kv_model_opts){.no_experts = true}, &d), 0);
         ASSERT_EQ(kv_slices_check_model(sl, bb, &d), 0);
@@ -239,11 +239,11 @@ static void test_slice_types(void) {
         p1.free(p1.impl);
         /* a cache of 2 experts: waves in prefill (up to 8 active), evictions */
         kv_slices_stats cs;
-        ASSERT_EQ(kv_slices_open(&slc, man, &(kv_slices_opts){1, false, 2}, &d), KV_EINVAL); /* < one expert */
+        ASSERT_EQ(kv_slices_open(&slc, man, &(kv_slices_opts){1, false, 2, false}, &d), KV_EINVAL); /* < one expert */
         ASSERT_TRUE(one_line(&d));
         const kv_weight *gw = &kv_model_layer(full, 0)->gate_exps, *dw = &kv_model_layer(full, 0)->down_exps;
         const uint64_t eb = 2 * gw->nb2 + dw->nb2 + 3 * 64;
-        ASSERT_EQ(kv_slices_open(&slc, man, &(kv_slices_opts){2 * eb + 10, false, 2}, &d), 0);
+        ASSERT_EQ(kv_slices_open(&slc, man, &(kv_slices_opts){2 * eb + 10, false, 2, false}, &d), 0);
         if (slc) {
             ASSERT_EQ(kv_slices_provider_new(&p2, slc, pool, 4, &d), 0);
             ASSERT_EQ(run_logits(bb, &p2, pool, c, steps), 0);
@@ -274,14 +274,14 @@ static void test_cache_lru(void) {
     kv_diag d = {0};
     kv_slices *s = NULL;
     snprintf(man, sizeof man, "%s/s_q4_k/manifest.json", g_dir);
-    ASSERT_EQ(kv_slices_open(&s, man, &(kv_slices_opts){1, false, 1}, &d), KV_EINVAL);
+    ASSERT_EQ(kv_slices_open(&s, man, &(kv_slices_opts){1, false, 1, false}, &d), KV_EINVAL);
     /* find the slot size, then open with exactly two slots */
-    ASSERT_EQ(kv_slices_open(&s, man, &(kv_slices_opts){64u << 20, false, 1}, &d), 0);
+    ASSERT_EQ(kv_slices_open(&s, man, &(kv_slices_opts){64u << 20, false, 1, false}, &d), 0);
     kv_slices_stats st;
     kv_slices_get_stats(s, &st);
     kv_slices_free(s);
     s = NULL;
-    ASSERT_EQ(kv_slices_open(&s, man, &(kv_slices_opts){2 * st.slot_bytes, false, 1}, &d), 0);
+    ASSERT_EQ(kv_slices_open(&s, man, &(kv_slices_opts){2 * st.slot_bytes, false, 1, false}, &d), 0);
     if (!s) return;
     kv_expert_source src = kv_slices_expert_source(s);
     kv_expert_weights w1, w2, w3;
@@ -823,7 +823,7 @@ static void test_qwen35(void) {
         kv_model *full = NULL, *bb = NULL;
         kv_slices *sl = NULL, *slc = NULL;
         ASSERT_EQ(kv_model_load(&full, src, &d), 0);
-        ASSERT_EQ(kv_slices_open(&sl, man, &(kv_slices_opts){0, false, 2}, &d), 0);
+        ASSERT_EQ(kv_slices_open(&sl, man, &(kv_slices_opts){0, false, 2, false}, &d), 0);
         if (!full || !sl) {
             kv_gguf_close(g);
             continue;
@@ -844,7 +844,7 @@ static void test_qwen35(void) {
         p1.free(p1.impl);
         const kv_weight *gw = &kv_model_layer(full, 0)->gate_exps, *dw = &kv_model_layer(full, 0)->down_exps;
         const uint64_t eb = 2 * gw->nb2 + dw->nb2 + 3 * 64;
-        ASSERT_EQ(kv_slices_open(&slc, man, &(kv_slices_opts){2 * eb + 10, false, 2}, &d), 0);
+        ASSERT_EQ(kv_slices_open(&slc, man, &(kv_slices_opts){2 * eb + 10, false, 2, false}, &d), 0);
         kv_slices_stats cs = {0};
         if (slc) {
             memset(c, 0, nb);
@@ -866,7 +866,7 @@ static void test_qwen35(void) {
         snprintf(man2, sizeof man2, "%s/manifest.json", dir2);
         ASSERT_EQ(kv_slice_model(src, dir3, &(kv_slice_opts){per, 0, 3, 2}, NULL, &d), 0);
         ASSERT_EQ(kv_slice_model(src, dir2, &(kv_slice_opts){per, 0, 2, 2}, NULL, &d), 0);
-        ASSERT_EQ(kv_slices_open(&slc, man3, &(kv_slices_opts){0, false, 2}, &d), 0);
+        ASSERT_EQ(kv_slices_open(&slc, man3, &(kv_slices_opts){0, false, 2, false}, &d), 0);
         if (slc) {
             memset(c, 0, nb);
             ASSERT_EQ(kv_slices_check_model(slc, bb, &d), 0);

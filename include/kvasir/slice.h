@@ -76,7 +76,9 @@ const char *kv_sha256_backend(void);
 /* 64 lowercase hex digits + NUL. */
 void kv_sha256_hex(const uint8_t h[32], char out[65]);
 
-/* Model identity of an open GGUF (see above), as 64 hex digits + NUL. */
+/* Model identity of an open GGUF (see above) read through its mapping, on
+ * this thread, as 64 hex digits + NUL. kv_pieces_model_id (pieces.h) gives
+ * the same value in parallel and without reading holes. */
 void kv_slice_model_id(const kv_gguf *g, char out[65]);
 
 /* ---- slicing --------------------------------------------------------- */
@@ -166,6 +168,8 @@ typedef struct kv_slices_opts {
                              this many bytes, filled by pread on demand */
     bool skip_hashes;     /* check sizes, headers and identity but not SHA-256 */
     int n_threads;        /* parallel hashing; 0 = all CPUs */
+    bool allow_sparse;    /* run a sliced skeleton (sparse manifest: pieces without
+                             hashes are checked for size, header and identity) */
 } kv_slices_opts;
 
 typedef struct kv_slices_stats {

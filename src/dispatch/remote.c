@@ -66,9 +66,9 @@
 #include <unistd.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 
-#define KV_REMOTE_HASH_BUF (4u << 20)
 #define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
 #define KV_REMOTE_WHY 256u
 
@@ -406,102 +406,17 @@ static int kv_local_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_wei
     return 0;
 }
 
-/* Hashes path (size bytes) into out. */
-static int kv_hash_file(const char *path, const char *rel, uint64_t size, uint8_t out[32], kv_diag *d) {
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return kv_fail(d, KV_EIO, "remote: '%s': %s", rel, strerror(errno));
-    uint8_t *buf = malloc(KV_REMOTE_HASH_BUF);
-    if (!buf) {
-        close(fd);
-        return kv_fail(d, KV_ENOMEM, "remote: out of memory");
-    }
-    kv_sha256 h;
-    kv_sha256_init(&h);
-    int rc = 0;
-    for (uint64_t p = 0; p < size && !rc;) {
-        const size_t want = size - p > KV_REMOTE_HASH_BUF ? KV_REMOTE_HASH_BUF : (size_t)(size - p);
-        const ssize_t k = pread(fd, buf, want, (off_t)p);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) rc = kv_fail(d, KV_EIO, "remote: reading '%s': %s", rel, k < 0 ? strerror(errno) : "short file");
-        else {
-            kv_sha256_update(&h, buf, (size_t)k);
-            p += (uint64_t)k;
-        }
-    }
-    free(buf);
-    close(fd);
-    if (!rc) kv_sha256_final(&h, out);
-    else kv_sha256_discard(&h);
-    return rc;
-}
-
-/* Resolves a manifest-relative file, which must stay inside dir after
- * symlinks, and checks its size and (unless skipped) its SHA-256.
- * KV_ENOTFOUND if it is absent; *out is malloc'd. */
-static int kv_check_file(const kv_remote *r, const char *dir, const kv_manifest_file *mf, char **out, kv_diag *d) {
-    char full[PATH_MAX + 300], res[PATH_MAX];
-    *out = NULL;
-    snprintf(full, sizeof full, "%s/%s", dir, mf->path);
-    if (!realpath(full, res)) {
-        if (errno == ENOENT) return kv_fail(d, KV_ENOTFOUND, "remote: '%s' is missing", mf->path);
-        return kv_fail(d, KV_EIO, "remote: '%s': %s", mf->path, strerror(errno));
-    }
-    const size_t n = strlen(dir);
-    if (strncmp(res, dir, n) || res[n] != '/')
-        return kv_fail(d, KV_EFORMAT, "remote: '%s' resolves to '%s', outside the manifest's folder", mf->path, res);
-    struct stat st;
-    if (stat(res, &st) || !S_ISREG(st.st_mode))
-        return kv_fail(d, KV_EFORMAT, "remote: '%s' is not a regular file", mf->path);
-    if ((uint64_t)st.st_size != mf->size)
-        return kv_fail(d, KV_EFORMAT, "remote: '%s' has %lld bytes, the manifest says %" PRIu64, mf->path,
-                       (long long)st.st_size, mf->size);
-    if (!r->o.skip_hashes) {
-        if (!mf->has_sha256) return kv_fail(d, KV_EFORMAT, "remote: '%s' has no SHA-256 in the manifest", mf->path);
-        uint8_t got[32];
-        int rc = kv_hash_file(res, mf->path, mf->size, got, d);
-        if (rc) return rc;
-        if (memcmp(got, mf->sha256, 32)) {
-            char a[65], b[65];
-            kv_sha256_hex(got, a);
-            kv_sha256_hex(mf->sha256, b);
-            return kv_fail(d, KV_EHASH, "remote: '%s' is corrupt: SHA-256 %.16s... but the manifest says %.16s...",
-                           mf->path, a, b);
-        }
-    }
-    if (!(*out = strdup(res))) return kv_fail(d, KV_ENOMEM, "remote: out of memory");
-    return 0;
-}
-
-static int kv_check_source_id(const kv_remote *r, const kv_gguf *g, const char *rel, kv_diag *d) {
-    kv_str id;
-    if (kv_gguf_get_str(g, "kvasir.source.id", &id, NULL))
-        return kv_fail(d, KV_EFORMAT, "remote: '%s' has no kvasir.source.id (not a Kvasir slice)", rel);
-    if (id.len != 64 || memcmp(id.ptr, r->m->model_id, 64))
-        return kv_fail(d, KV_EFORMAT, "remote: '%s' belongs to another model (id %.16s..., manifest %.16s...)", rel,
-                       id.len >= 16 ? id.ptr : "?", r->m->model_id);
-    return 0;
-}
-
-/* Opens every slab of the manifest present in dir as local fallback. */
-static int kv_remote_open_local(kv_remote *r, const char *dir, kv_diag *d) {
+/* Takes the slabs that kv_pieces_open found present and verified (same
+ * checks as the backbone: pieces.c) as local fallback, and maps their
+ * experts. */
+static int kv_remote_open_local(kv_remote *r, kv_pieces *pc, kv_diag *d) {
     const kv_manifest *m = r->m;
     for (size_t i = 0; i < m->n_slabs; i++) {
         const kv_manifest_slab *ms = &m->slabs[i];
-        char *path = NULL;
-        int rc = kv_check_file(r, dir, &ms->file, &path, d);
-        if (rc == KV_ENOTFOUND) continue;
-        if (rc) return rc;
-        rc = kv_gguf_open(&r->lg[i], path, d);
-        free(path);
-        if (rc) return kv_diag_prefix(d, rc, "remote: '%s'", ms->file.path);
-        if ((rc = kv_check_source_id(r, r->lg[i], ms->file.path, d))) return rc;
-        uint32_t L, f, l;
-        if (kv_gguf_get_u32(r->lg[i], "kvasir.slab.layer", &L, NULL) ||
-            kv_gguf_get_u32(r->lg[i], "kvasir.slab.first", &f, NULL) ||
-            kv_gguf_get_u32(r->lg[i], "kvasir.slab.last", &l, NULL) || L != ms->layer || f != ms->first ||
-            l != ms->last)
-            return kv_fail(d, KV_EFORMAT, "remote: '%s' does not hold layer %u experts %u-%u as the manifest says",
-                           ms->file.path, ms->layer, ms->first, ms->last);
+        if (!pc->slabs[i].g) continue; /* absent */
+        r->lg[i] = pc->slabs[i].g;
+        pc->slabs[i].g = NULL;
+        int rc;
         for (uint32_t e = ms->first; e <= ms->last; e++) {
             const size_t k = (size_t)ms->layer * r->n_expert + e;
             uint32_t ne, nf;
@@ -787,30 +702,12 @@ void kv_remote_free(kv_remote *r) {
     free(r);
 }
 
-/* Loads and checks the backbone named by the manifest. */
-static int kv_remote_load_backbone(kv_remote *r, const char *dir, kv_diag *d) {
-    char *path = NULL;
-    int rc = kv_check_file(r, dir, &r->m->backbone, &path, d);
+/* Loads the backbone that kv_pieces_open verified, and checks it against
+ * the manifest. */
+static int kv_remote_load_backbone(kv_remote *r, const char *path, kv_diag *d) {
+    int rc = kv_model_load_ex(&r->model, path, &(kv_model_opts){.no_experts = true}, d);
     if (rc) return rc;
-    kv_gguf *g = NULL;
-    if (!(rc = kv_gguf_open(&g, path, d))) rc = kv_check_source_id(r, g, r->m->backbone.path, d);
-    kv_gguf_close(g);
-    if (!rc) rc = kv_model_load_ex(&r->model, path, &(kv_model_opts){.no_experts = true}, d);
-    free(path);
-    if (rc) return rc;
-    const kv_hparams *hp = kv_model_hparams(r->model);
-    const kv_manifest *m = r->m;
-    /* hp->n_layer counts trunk blocks, the manifest every block (MTP too) */
-    if (hp->n_layer + hp->n_layer_nextn != m->n_layer || hp->n_layer_nextn != m->n_layer_nextn ||
-        hp->n_embd != m->n_embd || hp->n_expert != m->n_expert ||
-        hp->n_expert_used != m->n_expert_used || hp->n_ff_exp != m->n_ff_exp || strcmp(hp->arch_name, m->arch))
-        return kv_fail(d, KV_EFORMAT, "remote: the backbone (%s, %u+%u layers, embd %u, %u experts top-%u of %u) "
-                       "disagrees with the manifest (%s, %u (%u MTP), %u, %u top-%u of %u)", hp->arch_name, hp->n_layer,
-                       hp->n_layer_nextn, hp->n_embd, hp->n_expert, hp->n_expert_used, hp->n_ff_exp, m->arch,
-                       m->n_layer, m->n_layer_nextn, m->n_embd, m->n_expert, m->n_expert_used, m->n_ff_exp);
-    for (uint32_t L = 0; L < hp->n_layer; L++)
-        if (!m->moe_layer[L]) return kv_fail(d, KV_EFORMAT, "remote: layer %u has no experts in the manifest", L);
-    return 0;
+    return kv_pieces_check_model(r->m, r->model, "remote", d);
 }
 
 int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, const kv_remote_opts *opts,
@@ -828,37 +725,21 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->timeout_s = r->o.timeout_ms / 1000.0;
     r->reconnect_s = r->o.reconnect_ms / 1000.0;
     r->pool = pool;
-    int rc = kv_manifest_load(&r->m, manifest_path, d);
+    /* the pieces: manifest, backbone, and whichever slabs are present */
+    kv_pieces *pc = NULL;
+    const kv_pieces_opts po = {.who = "remote", .runnable = true, .slabs_may_be_missing = true,
+                               .skip_hashes = r->o.skip_hashes, .keep_gguf = true};
+    int rc = kv_pieces_open(&pc, manifest_path, &po, d);
     if (rc) goto fail;
+    r->m = kv_pieces_take_manifest(pc);
     const kv_manifest *m = r->m;
-    if (m->sparse) {
-        rc = kv_fail(d, KV_EUNSUPPORTED, "remote: %s describes a sparse skeleton; it cannot be run", manifest_path);
-        goto fail;
-    }
-    if (m->layer_first != 0 || m->layer_last + 1 < m->n_layer - m->n_layer_nextn || m->n_expert_used == 0 ||
-        m->n_expert_used > m->n_expert || m->n_expert > KV_MAX_EXPERTS || m->n_expert_used > KV_MAX_EXPERTS_USED) {
-        rc = kv_fail(d, KV_EFORMAT, "remote: %s: slabs must cover every trunk layer, with 0 < n_expert_used <= n_expert",
-                     manifest_path);
-        goto fail;
-    }
     r->n_layer = m->n_layer;
     r->n_expert = m->n_expert;
     r->n_embd = m->n_embd;
     r->n_ff = m->n_ff_exp;
     r->n_used = m->n_expert_used;
     r->max_tokens = r->o.max_tokens;
-    char dir[PATH_MAX];
-    {
-        char tmp[PATH_MAX + 1];
-        snprintf(tmp, sizeof tmp, "%s", manifest_path);
-        char *slash = strrchr(tmp, '/');
-        const char *dd = slash ? (slash == tmp ? "/" : (*slash = 0, tmp)) : ".";
-        if (!realpath(dd, dir)) {
-            rc = kv_fail(d, KV_EIO, "remote: cannot resolve the folder of %s", manifest_path);
-            goto fail;
-        }
-    }
-    if ((rc = kv_remote_load_backbone(r, dir, d))) goto fail;
+    if ((rc = kv_remote_load_backbone(r, pc->backbone, d))) goto fail;
 
     /* frame limits: tokens per round so that COMPUTE and RESULT fit */
     {
@@ -896,7 +777,9 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         goto fail;
     }
     /* local fallback */
-    if ((rc = kv_remote_open_local(r, dir, d))) goto fail;
+    if ((rc = kv_remote_open_local(r, pc, d))) goto fail;
+    kv_pieces_free(pc);
+    pc = NULL;
     if (r->n_local_slabs) {
         const kv_expert_source src = {r, kv_local_acquire, NULL, r->n_layer, r->n_expert, r->n_embd, r->n_ff, 1};
         if ((rc = kv_expert_local_new_src(&r->local, &src, pool, r->max_slots, d))) goto fail;
@@ -976,6 +859,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     *out = r;
     return 0;
 fail:
+    kv_pieces_free(pc);
     kv_remote_free(r);
     return rc;
 }

@@ -41,6 +41,7 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
+#include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 
@@ -225,23 +226,10 @@ static int kv_arch_u32(const kv_gguf *g, const char *key, uint32_t *v) {
     return kv_gguf_get_u32(g, k, v, NULL);
 }
 
-/* Identity, layer count, and the (layer, first, last) triples one file holds. */
+/* The model a file belongs to (pieces.h owns the rule: a slab's
+ * kvasir.source.id, or the identity computed over a full model). */
 static int kv_file_identity(const kv_gguf *g, const char *path, char id[65], kv_diag *d) {
-    kv_str s;
-    if (!kv_gguf_get_str(g, "kvasir.source.id", &s, NULL)) {
-        if (s.len != 64)
-            return kv_fail(d, KV_EFORMAT, "%s: kvasir.source.id is not 64 hex digits", path);
-        for (size_t i = 0; i < 64; i++) {
-            char c = s.ptr[i];
-            if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
-                return kv_fail(d, KV_EFORMAT, "%s: kvasir.source.id is not lowercase hex", path);
-        }
-        memcpy(id, s.ptr, 64);
-        id[64] = 0;
-    } else {
-        kv_slice_model_id(g, id);
-    }
-    return 0;
+    return kv_pieces_file_identity(g, path, id, d);
 }
 
 static int kv_worker_add_expert(kv_worker *w, const kv_gguf *g, const char *path, uint32_t L,

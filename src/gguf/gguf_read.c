@@ -589,15 +589,21 @@ int kv_gguf_open_mem(kv_gguf **out, const void *buf, size_t size, kv_diag *d) {
 
 int kv_gguf_open(kv_gguf **out, const char *path, kv_diag *d) {
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* Refuse anything but a regular file before opening it: open(2) on a
+     * FIFO blocks until a writer comes, and a device may do anything. The
+     * open is nonblocking in case the name was swapped since the stat, and
+     * the descriptor is checked again (same file, still regular). */
+    struct stat st, st0;
+    if (stat(path, &st0) != 0) return kv_fail(d, KV_EIO, "gguf: %s: cannot open: %s", path, strerror(errno));
+    if (!S_ISREG(st0.st_mode)) return kv_fail(d, KV_EIO, "gguf: %s: not a regular file", path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return kv_fail(d, KV_EIO, "gguf: %s: cannot open: %s", path, strerror(errno));
-    struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = errno;
         close(fd);
         return kv_fail(d, KV_EIO, "gguf: %s: cannot stat: %s", path, strerror(e));
     }
-    if (!S_ISREG(st.st_mode)) {
+    if (!S_ISREG(st.st_mode) || st.st_dev != st0.st_dev || st.st_ino != st0.st_ino) {
         close(fd);
         return kv_fail(d, KV_EIO, "gguf: %s: not a regular file", path);
     }

@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kvasir/pieces.h"
 #include "kvasir/slice.h"
 
 void kv_manifest_free(kv_manifest *m) {
@@ -100,9 +101,75 @@ static bool kv_path_ok(const char *p) {
     return true;
 }
 
+/* Every key of o must be one of allowed (NULL-terminated): a manifest has
+ * no room for extensions it does not understand, and an unknown key is the
+ * cheapest place to hide padding. */
+static int kv_m_keys(json_t *o, const char *ctx, const char *const *allowed, kv_diag *d) {
+    const char *k;
+    json_t *v;
+    json_object_foreach(o, k, v) {
+        size_t i = 0;
+        while (allowed[i] && strcmp(allowed[i], k)) i++;
+        if (!allowed[i]) return kv_fail(d, KV_EFORMAT, "manifest: %s: unknown key '%.64s'", ctx, k);
+    }
+    return 0;
+}
+
+/* Bounds on the raw text, checked before jansson builds a tree (whose nodes
+ * cost ~50-100 bytes each, so a few MB of "[0,0,0,...]" would cost GBs).
+ * A manifest's containers nest at most 3 deep (root, slabs array, slab
+ * object); every object at depth 3 is a slab entry. Its size and the number
+ * of its JSON tokens (',' ':' '{' '[' outside strings) are then bounded by
+ * what that many slabs can need: a slab entry is at most ~500 bytes (a
+ * 255-byte path, a 64-digit hash, six keys, indentation) and 13 tokens, the
+ * rest at most a few KB and KV_MAX_LAYERS "moe" entries. */
+#define KV_MANIFEST_MAX_DEPTH 3u
+#define KV_MANIFEST_BYTES_BASE (16u << 10)
+#define KV_MANIFEST_BYTES_PER_LAYER 16u
+#define KV_MANIFEST_BYTES_PER_SLAB 1024u
+#define KV_MANIFEST_TOKENS_BASE 128u
+#define KV_MANIFEST_TOKENS_PER_SLAB 16u
+
+static int kv_m_prescan(const char *p, size_t n, kv_diag *d) {
+    size_t depth = 0, slabs = 0, tokens = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char c = p[i];
+        if (c == '"') { /* skip the string; an unterminated one is jansson's to report */
+            for (i++; i < n && p[i] != '"'; i++)
+                if (p[i] == '\\') i++;
+        } else if (c == '{' || c == '[') {
+            if (++depth > KV_MANIFEST_MAX_DEPTH)
+                return kv_fail(d, KV_EFORMAT, "manifest: nested deeper than %u levels at byte %zu",
+                               KV_MANIFEST_MAX_DEPTH, i);
+            slabs += c == '{' && depth == KV_MANIFEST_MAX_DEPTH;
+            tokens++;
+        } else if (c == '}' || c == ']') {
+            if (depth) depth--;
+        } else if (c == ',' || c == ':') {
+            tokens++;
+        }
+    }
+    if (slabs > KV_MANIFEST_MAX_SLABS)
+        return kv_fail(d, KV_EFORMAT, "manifest: %zu slabs, more than %u", slabs, KV_MANIFEST_MAX_SLABS);
+    const uint64_t max_bytes = KV_MANIFEST_BYTES_BASE + (uint64_t)KV_MANIFEST_BYTES_PER_LAYER * KV_MAX_LAYERS +
+                               (uint64_t)KV_MANIFEST_BYTES_PER_SLAB * slabs,
+                   max_tokens = KV_MANIFEST_TOKENS_BASE + 2ull * KV_MAX_LAYERS +
+                                (uint64_t)KV_MANIFEST_TOKENS_PER_SLAB * slabs;
+    if (n > max_bytes)
+        return kv_fail(d, KV_EFORMAT, "manifest: %zu bytes for %zu slabs, more than the %" PRIu64 " they can need", n,
+                       slabs, max_bytes);
+    if (tokens > max_tokens)
+        return kv_fail(d, KV_EFORMAT, "manifest: %zu JSON values for %zu slabs, more than the %" PRIu64
+                       " they can need", tokens, slabs, max_tokens);
+    return 0;
+}
+
 static int kv_m_file(json_t *o, const char *ctx, bool sparse, kv_manifest_file *f, kv_diag *d) {
     int rc;
     if (!json_is_object(o)) return kv_fail(d, KV_EFORMAT, "manifest: %s must be an object", ctx);
+    static const char *const file_keys[] = {"path", "size", "sha256", NULL};
+    static const char *const slab_keys[] = {"path", "size", "sha256", "layer", "first", "last", NULL};
+    if ((rc = kv_m_keys(o, ctx, strcmp(ctx, "backbone") ? slab_keys : file_keys, d))) return rc;
     if ((rc = kv_m_str(o, ctx, "path", f->path, sizeof f->path, true, d))) return rc;
     if (!kv_path_ok(f->path))
         return kv_fail(d, KV_EFORMAT, "manifest: %s: path '%s' must be relative, inside the manifest's folder "
@@ -180,6 +247,8 @@ int kv_manifest_parse(kv_manifest **out, const char *json, size_t len, kv_diag *
     *out = NULL;
     if (len > KV_MANIFEST_MAX_BYTES)
         return kv_fail(d, KV_EFORMAT, "manifest: %zu bytes, more than the limit of %u", len, KV_MANIFEST_MAX_BYTES);
+    int rc = kv_m_prescan(json, len, d);
+    if (rc) return rc;
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) {
@@ -189,7 +258,6 @@ int kv_manifest_parse(kv_manifest **out, const char *json, size_t len, kv_diag *
         return kv_fail(d, KV_EFORMAT, "manifest: invalid JSON at line %d column %d: %s", je.line, je.column, je.text);
     }
     kv_manifest *m = calloc(1, sizeof *m);
-    int rc = 0;
     char buf[64];
     if (!m) {
         rc = kv_fail(d, KV_ENOMEM, "manifest: out of memory");
@@ -199,6 +267,9 @@ int kv_manifest_parse(kv_manifest **out, const char *json, size_t len, kv_diag *
         rc = kv_fail(d, KV_EFORMAT, "manifest: the top level must be an object");
         goto done;
     }
+    static const char *const top_keys[] = {"format", "version", "model", "hparams", "layers", "sparse",
+                                           "backbone", "slabs", NULL};
+    if ((rc = kv_m_keys(root, "top level", top_keys, d))) goto done;
     if ((rc = kv_m_str(root, "top level", "format", buf, sizeof buf, true, d))) goto done;
     if (strcmp(buf, KV_MANIFEST_FORMAT)) {
         rc = kv_fail(d, KV_EFORMAT, "manifest: format is '%s', expected '%s'", buf, KV_MANIFEST_FORMAT);
@@ -222,6 +293,13 @@ int kv_manifest_parse(kv_manifest **out, const char *json, size_t len, kv_diag *
         goto done;
     }
     m->sparse = sparse && json_is_true(sparse);
+    static const char *const model_keys[] = {"id", "name", "architecture", NULL};
+    static const char *const hp_keys[] = {"n_layer", "n_embd", "n_expert", "n_expert_used", "n_ff_exp",
+                                          "n_layer_nextn", NULL};
+    static const char *const layer_keys[] = {"first", "last", "moe", NULL};
+    if ((rc = kv_m_keys(model, "model", model_keys, d)) || (rc = kv_m_keys(hp, "hparams", hp_keys, d)) ||
+        (rc = kv_m_keys(layers, "layers", layer_keys, d)))
+        goto done;
     if ((rc = kv_m_str(model, "model", "id", m->model_id, sizeof m->model_id, true, d))) goto done;
     if (!kv_is_hex64(m->model_id)) {
         rc = kv_fail(d, KV_EFORMAT, "manifest: model: 'id' must be 64 lowercase hex digits");
@@ -302,30 +380,33 @@ done:
 
 int kv_manifest_load(kv_manifest **out, const char *path, kv_diag *d) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return kv_fail(d, errno == ENOENT ? KV_ENOTFOUND : KV_EIO, "manifest: %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fileno(f), &st) || !S_ISREG(st.st_mode)) {
-        fclose(f);
-        return kv_fail(d, KV_EIO, "manifest: %s: not a regular file", path);
+    int fd = -1;
+    uint64_t size = 0;
+    int rc = kv_pieces_open_file(path, false, &fd, &size, d);
+    if (rc) return kv_diag_prefix(d, rc, "manifest");
+    if (size > KV_MANIFEST_MAX_BYTES) {
+        close(fd);
+        return kv_fail(d, KV_EFORMAT, "manifest: %s: %" PRIu64 " bytes, more than the limit of %u", path, size,
+                       KV_MANIFEST_MAX_BYTES);
     }
-    if ((uint64_t)st.st_size > KV_MANIFEST_MAX_BYTES) {
-        fclose(f);
-        return kv_fail(d, KV_EFORMAT, "manifest: %s: %lld bytes, more than the limit of %u", path,
-                       (long long)st.st_size, KV_MANIFEST_MAX_BYTES);
-    }
-    char *buf = malloc((size_t)st.st_size + 1);
+    char *buf = malloc((size_t)size + 1);
     if (!buf) {
-        fclose(f);
+        close(fd);
         return kv_fail(d, KV_ENOMEM, "manifest: out of memory");
     }
-    const size_t n = fread(buf, 1, (size_t)st.st_size, f);
-    fclose(f);
-    if (n != (size_t)st.st_size) {
+    size_t n = 0;
+    while (n < size) {
+        const ssize_t r = pread(fd, buf + n, (size_t)size - n, (off_t)n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        n += (size_t)r;
+    }
+    close(fd);
+    if (n != size) {
         free(buf);
         return kv_fail(d, KV_EIO, "manifest: %s: short read", path);
     }
-    int rc = kv_manifest_parse(out, buf, n, d);
+    rc = kv_manifest_parse(out, buf, n, d);
     free(buf);
     if (rc) kv_diag_prefix(d, rc, "%s", path);
     return rc;

@@ -2,10 +2,11 @@
  * the slab expert source with its bounded cache, the wave provider, and one
  * expert computed alone.
  *
- * Opening checks everything before anything is used: each file resolved
- * inside the manifest's folder, its size and SHA-256 (hashed in parallel),
- * its GGUF header, its model identity, and each slab's layer, range, tensor
- * shapes and types. Any failure frees everything and names the file.
+ * Opening is kv_pieces_open (pieces.c), which checks everything before
+ * anything is used: each file resolved inside the manifest's folder, its
+ * size and SHA-256 (hashed in parallel), its GGUF header, its model
+ * identity, and each slab's layer, range, tensor shapes and types. Any
+ * failure frees everything and names the file.
  *
  * Two ways to hold experts:
  *  - mmap (default): every slab mapped; acquire returns views, like the
@@ -28,26 +29,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 
-#define KV_HASH_BUF (8u << 20)
 #define KV_SLOT_ALIGN 64u
 
-typedef struct kv_slab {
-    char *path;             /* resolved absolute path */
-    kv_gguf *g;             /* mmap mode: the mapping the views point into */
-    int fd;                 /* cache mode: kept open for pread; else -1 */
-    uint32_t layer, first, last;
-    uint64_t off[3];        /* file offsets of gate, up, down data (expert `first`) */
-    uint64_t nb2[3];        /* bytes per expert matrix */
-    const uint8_t *base[3]; /* mmap mode: data views */
-    uint32_t type[3];
-} kv_slab;
+typedef kv_piece_slab kv_slab; /* path, fd, layer, range, offsets, views, types (pieces.h) */
 
 typedef struct kv_slot {
     int32_t key;            /* layer*n_expert + expert, -1 if free */
@@ -56,11 +47,10 @@ typedef struct kv_slot {
 } kv_slot;
 
 struct kv_slices {
-    kv_manifest *m;
-    char *dir;              /* resolved manifest folder */
-    char *backbone;         /* resolved backbone path */
-    kv_slab *slabs;         /* [m->n_slabs], manifest order */
-    int32_t *where;         /* [n_layer*n_expert] slab index, -1 if none */
+    kv_pieces *p;           /* the verified folder; owns everything below */
+    kv_manifest *m;         /* p->m */
+    kv_slab *slabs;         /* p->slabs: [m->n_slabs], manifest order */
+    int32_t *where;         /* p->where: [n_layer*n_expert] slab index, -1 if none */
     uint64_t expert_bytes;  /* largest gate+up+down of one expert */
     /* cache mode */
     bool cache;
@@ -88,32 +78,6 @@ static int kv_read_all(int fd, uint8_t *buf, size_t n, uint64_t at) {
     return 0;
 }
 
-/* Resolves rel inside dir; the result must stay inside dir after symlinks. */
-static int kv_resolve(const char *dir, const char *rel, char **out, kv_diag *d) {
-    char full[PATH_MAX + 300], res[PATH_MAX];
-    *out = NULL;
-    snprintf(full, sizeof full, "%s/%s", dir, rel);
-    if (!realpath(full, res)) {
-        if (errno == ENOENT) return kv_fail(d, KV_ENOTFOUND, "slices: '%s' is missing", rel);
-        return kv_fail(d, KV_EIO, "slices: '%s': %s", rel, strerror(errno));
-    }
-    const size_t n = strlen(dir);
-    if (strncmp(res, dir, n) || res[n] != '/')
-        return kv_fail(d, KV_EFORMAT, "slices: '%s' resolves to '%s', outside the manifest's folder '%s'", rel, res, dir);
-    if (!(*out = strdup(res))) return kv_fail(d, KV_ENOMEM, "slices: out of memory");
-    return 0;
-}
-
-typedef struct kv_verify {
-    kv_slices *s;
-    const kv_slices_opts *o;
-    atomic_size_t next;
-    size_t n;               /* files: 0 = backbone, 1.. = slabs */
-    atomic_int failed;
-    kv_diag d;
-    pthread_mutex_t mu;
-} kv_verify;
-
 static const char *const kv_exp_suffix[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
 
 static const kv_gguf_tensor *kv_find_exp(const kv_gguf *g, uint32_t layer, int k) {
@@ -125,163 +89,13 @@ static const kv_gguf_tensor *kv_find_exp(const kv_gguf *g, uint32_t layer, int k
     return kv_gguf_find_tensor(g, n);
 }
 
-static int kv_check_id(const kv_gguf *g, const kv_manifest *m, const char *rel, kv_diag *d) {
-    kv_str id;
-    if (kv_gguf_get_str(g, "kvasir.source.id", &id, NULL))
-        return kv_fail(d, KV_EFORMAT, "slices: '%s' has no kvasir.source.id (not a Kvasir slice)", rel);
-    if (id.len != 64 || memcmp(id.ptr, m->model_id, 64))
-        return kv_fail(d, KV_EFORMAT, "slices: '%s' belongs to another model (id %.16s..., manifest %.16s...)", rel,
-                       id.len >= 16 ? id.ptr : "?", m->model_id);
-    return 0;
-}
-
-/* Checks slab k's header against the manifest and records its layout. */
-static int kv_check_slab(kv_slices *s, size_t k, kv_gguf *g, kv_diag *d) {
-    const kv_manifest *m = s->m;
-    const kv_manifest_slab *ms = &m->slabs[k];
-    kv_slab *sl = &s->slabs[k];
-    const char *rel = ms->file.path;
-    int rc = kv_check_id(g, m, rel, d);
-    if (rc) return rc;
-    uint32_t L, f, l, ne;
-    if (kv_gguf_get_u32(g, "kvasir.slab.layer", &L, NULL) || kv_gguf_get_u32(g, "kvasir.slab.first", &f, NULL) ||
-        kv_gguf_get_u32(g, "kvasir.slab.last", &l, NULL) || kv_gguf_get_u32(g, "kvasir.slab.n_expert", &ne, NULL))
-        return kv_fail(d, KV_EFORMAT, "slices: '%s' lacks kvasir.slab.{layer,first,last,n_expert}", rel);
-    if (L != ms->layer || f != ms->first || l != ms->last || ne != m->n_expert)
-        return kv_fail(d, KV_EFORMAT, "slices: '%s' holds layer %u experts %u-%u of %u, the manifest says layer %u "
-                       "experts %u-%u of %u", rel, L, f, l, ne, ms->layer, ms->first, ms->last, m->n_expert);
-    const uint64_t cnt = (uint64_t)l - f + 1;
-    for (int j = 0; j < 3; j++) {
-        const kv_gguf_tensor *t = kv_find_exp(g, L, j);
-        const uint64_t in = j == 2 ? m->n_ff_exp : m->n_embd, out = j == 2 ? m->n_embd : m->n_ff_exp;
-        if (!t) return kv_fail(d, KV_EFORMAT, "slices: '%s' has no tensor blk.%u.%s", rel, L, kv_exp_suffix[j]);
-        if (t->n_dims != 3 || t->ne[0] != in || t->ne[1] != out || t->ne[2] != cnt)
-            return kv_fail(d, KV_EFORMAT, "slices: '%s': blk.%u.%s is %" PRIu64 "x%" PRIu64 "x%" PRIu64 ", expected %"
-                           PRIu64 "x%" PRIu64 "x%" PRIu64, rel, L, kv_exp_suffix[j], t->ne[0], t->ne[1], t->ne[2], in,
-                           out, cnt);
-        const kv_type_info *ti = kv_type_get(t->type);
-        if (!ti || !ti->compute)
-            return kv_fail(d, KV_EUNSUPPORTED, "slices: '%s': blk.%u.%s has type %s, which we cannot compute", rel, L,
-                           kv_exp_suffix[j], ti ? ti->name : "unknown");
-        sl->type[j] = t->type;
-        sl->nb2[j] = t->nbytes / cnt;
-        sl->off[j] = t->file_offset;
-        sl->base[j] = t->data;
-    }
-    sl->layer = L;
-    sl->first = f;
-    sl->last = l;
-    return 0;
-}
-
-/* Verifies file i (0 = backbone, else slab i-1): size, hash, header. */
-static int kv_verify_one(kv_verify *v, size_t i, uint8_t *buf, kv_diag *d) {
-    kv_slices *s = v->s;
-    const kv_manifest_file *mf = i == 0 ? &s->m->backbone : &s->m->slabs[i - 1].file;
-    char *path = NULL;
-    int rc = kv_resolve(s->dir, mf->path, &path, d);
-    if (rc) return rc;
-    if (i == 0) s->backbone = path;
-    else s->slabs[i - 1].path = path;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat st;
-    if (fd < 0) return kv_fail(d, errno == ENOENT ? KV_ENOTFOUND : KV_EIO, "slices: '%s': %s", mf->path, strerror(errno));
-    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return kv_fail(d, KV_EFORMAT, "slices: '%s' is not a regular file", mf->path);
-    }
-    if ((uint64_t)st.st_size != mf->size) {
-        close(fd);
-        return kv_fail(d, KV_EFORMAT, "slices: '%s' has %lld bytes, the manifest says %" PRIu64, mf->path,
-                       (long long)st.st_size, mf->size);
-    }
-    if (!v->o->skip_hashes) {
-        kv_sha256 h;
-        kv_sha256_init(&h);
-        for (uint64_t p = 0; p < mf->size;) {
-            const size_t k = mf->size - p > KV_HASH_BUF ? KV_HASH_BUF : (size_t)(mf->size - p);
-            if (kv_read_all(fd, buf, k, p)) {
-                close(fd);
-                kv_sha256_discard(&h);
-                return kv_fail(d, KV_EIO, "slices: reading '%s': %s", mf->path, strerror(errno));
-            }
-            kv_sha256_update(&h, buf, k);
-            p += k;
-            if (atomic_load(&v->failed)) break;
-        }
-        uint8_t got[32];
-        kv_sha256_final(&h, got);
-        if (!atomic_load(&v->failed) && memcmp(got, mf->sha256, 32)) {
-            char a[65], b[65];
-            kv_sha256_hex(got, a);
-            kv_sha256_hex(mf->sha256, b);
-            close(fd);
-            return kv_fail(d, KV_EHASH, "slices: '%s' is corrupt: SHA-256 %.16s... but the manifest says %.16s...",
-                           mf->path, a, b);
-        }
-        if (s->cache) posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    }
-    kv_gguf *g = NULL;
-    if ((rc = kv_gguf_open(&g, path, d))) {
-        close(fd);
-        return kv_diag_prefix(d, rc, "slices: '%s'", mf->path);
-    }
-    rc = i == 0 ? kv_check_id(g, s->m, mf->path, d) : kv_check_slab(s, i - 1, g, d);
-    if (rc || i == 0 || s->cache) {
-        kv_gguf_close(g);
-        g = NULL;
-    }
-    if (i > 0) {
-        s->slabs[i - 1].g = g;
-        if (s->cache && !rc) {
-            s->slabs[i - 1].fd = fd;
-            fd = -1;
-        }
-    }
-    if (fd >= 0) close(fd);
-    return rc;
-}
-
-static void *kv_verify_thread(void *arg) {
-    kv_verify *v = arg;
-    uint8_t *buf = v->o->skip_hashes ? NULL : malloc(KV_HASH_BUF);
-    kv_diag d = {0};
-    int rc = 0;
-    if (!v->o->skip_hashes && !buf) rc = kv_fail(&d, KV_ENOMEM, "slices: out of memory");
-    while (!rc && !atomic_load(&v->failed)) {
-        const size_t i = atomic_fetch_add(&v->next, 1);
-        if (i >= v->n) break;
-        rc = kv_verify_one(v, i, buf, &d);
-    }
-    if (rc) {
-        pthread_mutex_lock(&v->mu);
-        if (!atomic_load(&v->failed)) {
-            v->d = d;
-            atomic_store(&v->failed, rc);
-        }
-        pthread_mutex_unlock(&v->mu);
-    }
-    free(buf);
-    return NULL;
-}
-
 void kv_slices_free(kv_slices *s) {
     if (!s) return;
-    if (s->slabs)
-        for (size_t i = 0; i < s->m->n_slabs; i++) {
-            kv_gguf_close(s->slabs[i].g);
-            if (s->slabs[i].fd >= 0) close(s->slabs[i].fd);
-            free(s->slabs[i].path);
-        }
     if (s->cache) pthread_mutex_destroy(&s->mu);
-    free(s->slabs);
-    free(s->where);
     free(s->arena);
     free(s->slots);
     free(s->slot_of);
-    free(s->dir);
-    free(s->backbone);
-    kv_manifest_free(s->m);
+    kv_pieces_free(s->p);
     free(s);
 }
 
@@ -290,91 +104,23 @@ int kv_slices_open(kv_slices **out, const char *manifest_path, const kv_slices_o
     const kv_slices_opts o = opts ? *opts : (kv_slices_opts){0};
     kv_slices *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "slices: out of memory");
-    int rc = kv_manifest_load(&s->m, manifest_path, d);
-    if (rc) goto fail;
-    kv_manifest *m = s->m;
-    if (m->sparse) {
-        rc = kv_fail(d, KV_EUNSUPPORTED, "slices: %s describes a sparse skeleton (no hashes, no weights); it cannot "
-                     "be run", manifest_path);
-        goto fail;
-    }
-    if (m->layer_first != 0 || m->layer_last + 1 < m->n_layer - m->n_layer_nextn) {
-        rc = kv_fail(d, KV_EFORMAT, "slices: %s covers layers %u-%u only; running needs layers 0-%u", manifest_path,
-                     m->layer_first, m->layer_last, m->n_layer - m->n_layer_nextn - 1);
-        goto fail;
-    }
-    if (m->n_expert_used == 0) {
-        rc = kv_fail(d, KV_EFORMAT, "slices: %s: hparams.n_expert_used is 0", manifest_path);
-        goto fail;
-    }
-    {
-        char tmp[PATH_MAX + 1], res[PATH_MAX];
-        snprintf(tmp, sizeof tmp, "%s", manifest_path);
-        char *slash = strrchr(tmp, '/');
-        const char *dir = slash ? (slash == tmp ? "/" : (*slash = 0, tmp)) : ".";
-        if (!realpath(dir, res) || !(s->dir = strdup(res))) {
-            rc = kv_fail(d, KV_EIO, "slices: cannot resolve the folder of %s", manifest_path);
-            goto fail;
-        }
-    }
     s->cache = o.cache_bytes > 0;
     if (s->cache) pthread_mutex_init(&s->mu, NULL);
-    if (!(s->slabs = calloc(m->n_slabs ? m->n_slabs : 1, sizeof *s->slabs))) {
-        rc = kv_fail(d, KV_ENOMEM, "slices: out of memory");
-        goto fail;
-    }
-    for (size_t i = 0; i < m->n_slabs; i++) s->slabs[i].fd = -1;
-    if (s->cache) { /* every slab keeps a descriptor open */
-        struct rlimit rl;
-        if (!getrlimit(RLIMIT_NOFILE, &rl) && rl.rlim_cur < m->n_slabs + 64) {
-            rl.rlim_cur = rl.rlim_max < m->n_slabs + 64 ? rl.rlim_max : m->n_slabs + 64;
-            setrlimit(RLIMIT_NOFILE, &rl);
-            if (rl.rlim_cur < m->n_slabs + 64) {
-                rc = kv_fail(d, KV_EUNSUPPORTED, "slices: %zu slabs need more open files than the limit (%llu); raise "
-                             "ulimit -n or slice with more experts per slab", m->n_slabs, (unsigned long long)rl.rlim_cur);
-                goto fail;
-            }
-        }
-    }
-    {
-        kv_verify v = {.s = s, .o = &o, .n = m->n_slabs + 1};
-        pthread_mutex_init(&v.mu, NULL);
-        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-        int nth = o.n_threads > 0 ? o.n_threads : (int)(ncpu > 0 ? ncpu : 1);
-        if (nth > 64) nth = 64;
-        if ((size_t)nth > v.n) nth = (int)v.n;
-        pthread_t th[64];
-        int started = 0;
-        for (int i = 0; i < nth; i++)
-            if (!pthread_create(&th[i], NULL, kv_verify_thread, &v)) started++;
-            else break;
-        if (!started) kv_verify_thread(&v);
-        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-        pthread_mutex_destroy(&v.mu);
-        if ((rc = atomic_load(&v.failed))) {
-            if (d) *d = v.d;
-            goto fail;
-        }
-    }
-    /* index, and one set of types per layer */
+    /* every slab must be present; mmap mode keeps each slab mapped, cache
+     * mode keeps a descriptor for pread */
+    const kv_pieces_opts po = {.who = "slices", .runnable = true, .allow_sparse = o.allow_sparse,
+                               .skip_hashes = o.skip_hashes, .keep_gguf = !s->cache, .keep_fd = s->cache,
+                               .n_threads = o.n_threads};
+    int rc = kv_pieces_open(&s->p, manifest_path, &po, d);
+    if (rc) goto fail;
+    kv_manifest *m = s->m = s->p->m;
+    s->slabs = s->p->slabs;
+    s->where = s->p->where;
     const size_t n_keys = (size_t)m->n_layer * m->n_expert;
-    if (!(s->where = malloc(n_keys * sizeof *s->where))) {
-        rc = kv_fail(d, KV_ENOMEM, "slices: out of memory");
-        goto fail;
-    }
-    for (size_t k = 0; k < n_keys; k++) s->where[k] = -1;
     for (size_t i = 0; i < m->n_slabs; i++) {
         const kv_slab *sl = &s->slabs[i];
         const uint64_t eb = sl->nb2[0] + sl->nb2[1] + sl->nb2[2] + 3 * KV_SLOT_ALIGN;
         if (eb > s->expert_bytes) s->expert_bytes = eb;
-        for (uint32_t e = sl->first; e <= sl->last; e++) s->where[(size_t)sl->layer * m->n_expert + e] = (int32_t)i;
-        const int32_t f0 = s->where[(size_t)sl->layer * m->n_expert];
-        const kv_slab *r = &s->slabs[f0 >= 0 ? f0 : (int32_t)i];
-        if (memcmp(r->type, sl->type, sizeof r->type)) {
-            rc = kv_fail(d, KV_EFORMAT, "slices: '%s' has other tensor types than '%s' of the same layer",
-                         m->slabs[i].file.path, m->slabs[f0].file.path);
-            goto fail;
-        }
     }
     if (s->cache) {
         s->slot_bytes = s->expert_bytes;
@@ -409,24 +155,12 @@ fail:
 }
 
 const kv_manifest *kv_slices_manifest(const kv_slices *s) { return s->m; }
-const char *kv_slices_backbone_path(const kv_slices *s) { return s->backbone; }
+const char *kv_slices_backbone_path(const kv_slices *s) { return s->p->backbone; }
 
 int kv_slices_check_model(const kv_slices *s, const kv_model *model, kv_diag *d) {
-    const kv_hparams *hp = kv_model_hparams(model);
-    const kv_manifest *m = s->m;
-    /* hp->n_layer counts trunk blocks, the manifest every block (MTP too) */
-    if (hp->n_layer + hp->n_layer_nextn != m->n_layer || hp->n_layer_nextn != m->n_layer_nextn ||
-        hp->n_embd != m->n_embd || hp->n_expert != m->n_expert ||
-        hp->n_expert_used != m->n_expert_used || hp->n_ff_exp != m->n_ff_exp || strcmp(hp->arch_name, m->arch))
-        return kv_fail(d, KV_EFORMAT, "slices: the backbone (%s, %u+%u layers, embd %u, %u experts top-%u of %u) "
-                       "disagrees with the manifest (%s, %u (%u MTP), %u, %u top-%u of %u)", hp->arch_name, hp->n_layer,
-                       hp->n_layer_nextn, hp->n_embd, hp->n_expert, hp->n_expert_used, hp->n_ff_exp, m->arch,
-                       m->n_layer, m->n_layer_nextn, m->n_embd, m->n_expert, m->n_expert_used, m->n_ff_exp);
-    for (uint32_t L = 0; L < hp->n_layer; L++)
-        if (!m->moe_layer[L]) return kv_fail(d, KV_EFORMAT, "slices: layer %u has no experts in the manifest", L);
     /* identity: the backbone's kvasir.source.id was checked at open (its own
      * header differs from the source's by construction) */
-    return 0;
+    return kv_pieces_check_model(s->m, model, "slices", d);
 }
 
 void kv_slices_get_stats(const kv_slices *s, kv_slices_stats *out) {
@@ -709,4 +443,8 @@ int kv_expert_compute_one(const kv_expert_weights *w, uint32_t n_embd, uint32_t 
     }
     p.free(p.impl);
     return rc;
+}
+
+const kv_gguf_tensor *kv_slab_expert_tensor(const kv_gguf *g, uint32_t layer, int k) {
+    return k >= 0 && k < 3 ? kv_find_exp(g, layer, k) : NULL;
 }

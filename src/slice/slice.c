@@ -22,19 +22,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 
 #define KV_SLICE_BUF (8u << 20) /* copy buffer per thread */
-
-void kv_slice_model_id(const kv_gguf *g, char out[65]) {
-    uint8_t h[32];
-    kv_sha256 s;
-    kv_sha256_init(&s);
-    kv_sha256_update(&s, kv_gguf_base(g), (size_t)kv_gguf_data_offset(g));
-    kv_sha256_final(&s, h);
-    kv_sha256_hex(h, out);
-}
 
 /* One routed-expert layer of the source. */
 typedef struct kv_exp_layer {
@@ -350,7 +342,8 @@ int kv_slice_model(const char *src, const char *out_dir, const kv_slice_opts *op
     s.g = g;
     pthread_mutex_init(&s.mu, NULL);
     if ((rc = kv_slicer_scan(&s, d))) goto done;
-    kv_slice_model_id(g, s.model_id);
+    /* the identity first: every piece's header carries it */
+    if ((rc = kv_pieces_model_id(g, src, o.n_threads, s.model_id, d))) goto done;
     const int64_t lf = o.layer_first < 0 ? 0 : o.layer_first, ll = o.layer_last < 0 ? (int64_t)s.n_layer - 1 : o.layer_last;
     if (lf > ll || ll >= (int64_t)s.n_layer) {
         rc = kv_fail(d, KV_ERANGE, "slice: layer range %" PRId64 "-%" PRId64 " is not within 0-%u", lf, ll, s.n_layer - 1);
