@@ -443,7 +443,7 @@ static void test_error_ping_stats(void) {
     ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
     ASSERT_EQ(m.h.type, KV_MSG_STATS);
     check_truncations(buf, n, NULL, "STATS");
-    kv_msg_stats st = {1, 2, 3, 4, 5, 1ull << 40};
+    kv_msg_stats st = {1, 2, 3, 4, 5, 1ull << 40, 6, 7, 8};
     ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 4, &st, &n, &d), 0);
     ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
     ASSERT_EQ(m.h.type, KV_MSG_STATS_ACK);
@@ -530,13 +530,10 @@ static void test_stream(void) {
     ASSERT_EQ(kv_proto_parse_addr(":80", host, sizeof host, &port, &d), KV_EINVAL);
 }
 
-int main(void) {
-    test_header();
-    test_hello();
-    test_hello_ack();
-    test_compute_result();
-    test_error_ping_stats();
-    test_enc_names();
-    test_stream();
-    KV_TEST_END();
-}
+static const kvt_case cases[] = {
+    KVT_CASE(test_header),           KVT_CASE(test_hello),     KVT_CASE(test_hello_ack),
+    KVT_CASE(test_compute_result),   KVT_CASE(test_error_ping_stats), KVT_CASE(test_enc_names),
+    KVT_CASE(test_stream),
+};
+
+int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

@@ -60,7 +60,7 @@ static void sleep_ms(int ms) {
 }
 
 static int cp(const char *from, const char *to) {
-    char cmd[1200];
+    char cmd[2048];
     snprintf(cmd, sizeof cmd, "cp '%s' '%s'", from, to);
     return system(cmd);
 }
@@ -166,6 +166,9 @@ typedef struct liar {
     char addr[32];
     char model_id[65];
     uint32_t n_layer, n_embd, n_ff, n_expert, n_used;
+    kv_slab_hash slabs[64];  /* the manifest's slabs, honestly hashed */
+    uint32_t n_slabs;
+    int mode;                /* < 0: cycle through the lies; else always this one */
     atomic_int stop;
     atomic_int n_conns, n_lies;
     pthread_t th;
@@ -195,6 +198,27 @@ static void liar_lie(liar *L, int fd, int mode, const kv_msg *m) {
         kv_msg_result_encode(out, sizeof out, id, &res, &n, NULL);
         n /= 2;
         break;
+    case 6: /* NaN, Inf, 3e38: well-formed, finite-looking frames carrying lies */
+    case 7:
+    case 8: {
+        static float bad[1 << 16];
+        const float v = mode == 6 ? NAN : mode == 7 ? INFINITY : 3e38f;
+        for (uint32_t i = 0; i < np * L->n_embd && i < (1u << 16); i++) bad[i] = (i % 5 == 3) ? v : 0.25f;
+        const kv_msg_result rb = {np, L->n_embd, m->u.compute.out_enc, bad, NULL};
+        kv_msg_result_encode(out, sizeof out, id, &rb, &n, NULL);
+        break;
+    }
+    case 9: { /* stall: never answer, hold the connection until the peer gives up */
+        uint8_t sink[256];
+        struct timeval tv = {0, 50000};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        while (!atomic_load(&L->stop)) {
+            ssize_t k = read(fd, sink, sizeof sink);
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
+        }
+        atomic_fetch_add(&L->n_lies, 1);
+        return;
+    }
     default: /* an unexpected type */
         kv_msg_ping_encode(out, sizeof out, KV_MSG_PONG, id, 1, &n, NULL);
         break;
@@ -221,14 +245,14 @@ static void *liar_main(void *arg) {
             kv_held_range rg[64];
             for (uint32_t l = 0; l < L->n_layer; l++) rg[l] = (kv_held_range){l, 0, L->n_expert - 1};
             kv_msg_hello_ack a = {KV_PROTO_VERSION, {0}, L->n_layer, L->n_embd, L->n_ff, L->n_expert, L->n_used,
-                                  1u, "liar", L->n_layer, rg, NULL};
+                                  1u, "liar", L->n_layer, rg, NULL, KV_PROTO_MAX_PAIRS, L->n_slabs, L->slabs, NULL};
             memcpy(a.model_id, L->model_id, 65);
             size_t n;
             kv_frame_rx_reset(&rx);
             if (!kv_msg_hello_ack_encode(ack, sizeof ack, m.h.request_id, &a, &n, NULL) &&
                 !kv_proto_write_all(fd, ack, n, 1000, NULL) && !kv_proto_read_msg(&rx, fd, 5000, &lim, &m, NULL) &&
                 m.h.type == KV_MSG_COMPUTE)
-                liar_lie(L, fd, conn % 6, &m);
+                liar_lie(L, fd, L->mode >= 0 ? L->mode : conn % 6, &m);
         }
         sleep_ms(20); /* let the coordinator read it before the close */
         close(fd);
@@ -244,6 +268,12 @@ static bool liar_start(liar *L, const kv_manifest *m) {
     L->n_ff = m->n_ff_exp;
     L->n_expert = m->n_expert;
     L->n_used = m->n_expert_used;
+    L->mode = -1;
+    for (size_t i = 0; i < m->n_slabs && L->n_slabs < 64; i++) {
+        kv_slab_hash *h = &L->slabs[L->n_slabs++];
+        *h = (kv_slab_hash){m->slabs[i].layer, m->slabs[i].first, m->slabs[i].last, {0}};
+        memcpy(h->sha256, m->slabs[i].file.sha256, 32);
+    }
     L->lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {0};
     a.sin_family = AF_INET;
@@ -292,12 +322,18 @@ static int decode(const kv_model *m, const kv_expert_provider *p, float *logits,
 }
 
 static char g_manifest[400];
+static kv_gen_config g_cfg; /* the model's generator settings */
 
-static kv_remote *open_remote(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest, kv_diag *d) {
+static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest,
+                                 uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
-    const kv_remote_opts o = {addrs, n, TIMEOUT_MS, RECONNECT_MS, enc, 4, false, NULL};
+    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
+}
+
+static kv_remote *open_remote(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest, kv_diag *d) {
+    return open_remote_t(addrs, n, enc, manifest, TIMEOUT_MS, RECONNECT_MS, d);
 }
 
 /* Decodes through r and checks every logit row against the reference. */
@@ -510,9 +546,14 @@ static void test_liar(void) {
     ASSERT_TRUE(r != NULL);
     if (r) {
         /* the decode slowed a little so the liar is reconnected often */
-        for (int k = 0; k < 3; k++) check_exact(r, slow_hook, NULL, "a liar among honest workers");
-        print_workers(r, "liar");
         kv_remote_worker li;
+        /* reconnects back off after each lie: decode until it lied thrice */
+        for (int k = 0; k < 12; k++) {
+            check_exact(r, slow_hook, NULL, "a liar among honest workers");
+            kv_remote_worker_info(r, 0, &li);
+            if (k >= 2 && li.drops >= 3) break;
+        }
+        print_workers(r, "liar");
         kv_remote_worker_info(r, 0, &li);
         ASSERT_TRUE(li.drops >= 3);
         ASSERT_EQ(li.pairs, 0);
@@ -534,6 +575,163 @@ static void test_liar(void) {
     liar_stop(&L);
     kv_manifest_free(m);
     for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+/* A liar that answers NaN, Inf or 3e38 in well-formed RESULTs: its answers
+ * are never used (the output stays exact) and it is dropped each time. */
+static void test_liar_nonfinite(void) {
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    kv_manifest *m = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_manifest_load(&m, g_manifest, &d), 0);
+    const char *names[3] = {"NaN", "Inf", "3e38"};
+    for (int mode = 6; mode <= 8 && m; mode++) {
+        liar L;
+        ASSERT_TRUE(liar_start(&L, m));
+        L.mode = mode;
+        const char *addrs[4] = {L.addr, w[0].addr, w[1].addr, w[2].addr};
+        kv_remote *r = open_remote(addrs, 4, KV_ENC_F32, NULL, &d);
+        if (!r) KVT_FAIL("open: %s", d.msg);
+        if (r) {
+            char what[64];
+            snprintf(what, sizeof what, "a liar answering %s", names[mode - 6]);
+            check_exact(r, slow_hook, NULL, what);
+            kv_remote_worker li;
+            kv_remote_worker_info(r, 0, &li);
+            ASSERT_TRUE(li.drops >= 1);
+            ASSERT_EQ(li.pairs, 0);
+            ASSERT_TRUE(atomic_load(&L.n_lies) >= 1);
+            printf("  %s: lied %d times, dropped %llu times (%s)\n", names[mode - 6], atomic_load(&L.n_lies),
+                   (unsigned long long)li.drops, li.last_error);
+        }
+        kv_remote_free(r);
+        liar_stop(&L);
+    }
+    kv_manifest_free(m);
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+/* A worker that handshakes and then never answers: with an honest replica
+ * the output stays exact, and the staller is dialed with exponential
+ * backoff (a fixed 100 ms redial would hand it work about ten times in
+ * three seconds, each costing the 200 ms timeout). */
+static void test_stall_backoff(void) {
+    proc w[3];
+    for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+    kv_manifest *m = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_manifest_load(&m, g_manifest, &d), 0);
+    liar L;
+    ASSERT_TRUE(m && liar_start(&L, m));
+    L.mode = 9;
+    const char *addrs[4] = {L.addr, w[0].addr, w[1].addr, w[2].addr};
+    kv_remote *r = open_remote_t(addrs, 4, KV_ENC_F32, NULL, 200, 100, &d);
+    if (!r) KVT_FAIL("open: %s", d.msg);
+    if (r) {
+        const int64_t t0 = (int64_t)time(NULL);
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        int runs = 0;
+        do {
+            check_exact(r, NULL, NULL, "a worker that stalls after its handshake");
+            runs++;
+            clock_gettime(CLOCK_MONOTONIC, &b);
+        } while ((b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000 < 3000 && runs < 1000);
+        (void)t0;
+        kv_remote_worker li;
+        kv_remote_worker_info(r, 0, &li);
+        print_workers(r, "staller");
+        printf("  the staller was handed work %d times in %d decodes over 3 s\n", atomic_load(&L.n_lies), runs);
+        ASSERT_TRUE(atomic_load(&L.n_lies) >= 2);
+        ASSERT_TRUE(atomic_load(&L.n_lies) <= 6);
+        ASSERT_EQ(li.pairs, 0);
+    }
+    kv_remote_free(r);
+    liar_stop(&L);
+    kv_manifest_free(m);
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+/* Two models that differ only in their weights (another --seed: the same
+ * header): their identities differ (identity covers the weights), so a
+ * worker serving the other model's slabs is refused at the handshake. And a
+ * slab whose weight bytes were changed after slicing (its header, and so
+ * its kvasir.source.id, untouched) is refused by its SHA-256, which the
+ * worker reports and the coordinator compares with its manifest. */
+static void test_other_weights(void) {
+    kv_diag d = {0};
+    char other[300], om[400];
+    snprintf(other, sizeof other, "%s/other", g_dir);
+    snprintf(om, sizeof om, "%s/o.gguf", g_dir);
+    kv_gen_config c = g_cfg;
+    c.seed = g_cfg.seed + 1; /* the same flags, another seed */
+    ASSERT_EQ(kv_gen_model(&c, om, &d), 0);
+    const kv_slice_opts so = {4, -1, -1, 1};
+    ASSERT_EQ(kv_slice_model(om, other, &so, NULL, &d), 0);
+    snprintf(om, sizeof om, "%s/manifest.json", other);
+    kv_manifest *mine = NULL, *theirs = NULL;
+    ASSERT_EQ(kv_manifest_load(&mine, g_manifest, &d), 0);
+    ASSERT_EQ(kv_manifest_load(&theirs, om, &d), 0);
+    if (!mine || !theirs) return;
+    /* the premise: other bytes, and so another identity */
+    ASSERT_TRUE(strcmp(mine->model_id, theirs->model_id) != 0);
+    ASSERT_TRUE(memcmp(mine->slabs[0].file.sha256, theirs->slabs[0].file.sha256, 32) != 0);
+    char slabs[3200];
+    size_t o = 0;
+    for (uint32_t l = 0; l < 3; l++)
+        for (uint32_t g = 0; g < 3; g++)
+            o += (size_t)snprintf(slabs + o, sizeof slabs - o, "%s%s/experts/blk.%u.%04u-%04u.gguf", o ? "," : "", other,
+                                  l, 4u * g, 4u * g + 3);
+    proc w;
+    ASSERT_TRUE(new_worker(&w, slabs));
+    const char *addrs[1] = {w.addr};
+    kv_remote *r = open_remote(addrs, 1, KV_ENC_F32, NULL, &d);
+    ASSERT_TRUE(r == NULL);
+    ASSERT_EQ(d.code, KV_ENOTFOUND);
+    printf("  expected error (other model): %s\n", d.msg);
+    kv_remote_free(r);
+    kill_worker(&w, SIGKILL);
+
+    /* our own slabs, one of them with a weight byte changed in place */
+    char forged[300];
+    snprintf(forged, sizeof forged, "%s/forged", g_dir);
+    mkdir(forged, 0755);
+    o = 0;
+    for (uint32_t l = 0; l < 3; l++)
+        for (uint32_t g = 0; g < 3; g++) {
+            char from[600], to[600];
+            snprintf(from, sizeof from, "%s/slices/experts/blk.%u.%04u-%04u.gguf", g_dir, l, 4u * g, 4u * g + 3);
+            snprintf(to, sizeof to, "%s/blk.%u.%04u-%04u.gguf", forged, l, 4u * g, 4u * g + 3);
+            ASSERT_EQ(cp(from, to), 0);
+            if (l == 1 && g == 2) {
+                kv_gguf *gg = NULL;
+                ASSERT_EQ(kv_gguf_open(&gg, to, &d), 0);
+                uint64_t off = gg ? kv_gguf_data_offset(gg) + 40 : 0;
+                kv_gguf_close(gg);
+                FILE *f = fopen(to, "r+b");
+                ASSERT_TRUE(f != NULL);
+                if (f) {
+                    fseek(f, (long)off, SEEK_SET);
+                    int ch = fgetc(f);
+                    fseek(f, (long)off, SEEK_SET);
+                    fputc(ch ^ 0x10, f);
+                    fclose(f);
+                }
+            }
+            o += (size_t)snprintf(slabs + o, sizeof slabs - o, "%s%s", o ? "," : "", to);
+        }
+    ASSERT_TRUE(new_worker(&w, slabs));
+    addrs[0] = w.addr;
+    r = open_remote(addrs, 1, KV_ENC_F32, NULL, &d);
+    ASSERT_TRUE(r == NULL);
+    ASSERT_EQ(d.code, KV_ENOTFOUND);
+    ASSERT_TRUE(strstr(d.msg, "SHA-256") != NULL);
+    printf("  expected error (forged slab): %s\n", d.msg);
+    kv_remote_free(r);
+    kill_worker(&w, SIGKILL);
+    kv_manifest_free(mine);
+    kv_manifest_free(theirs);
 }
 
 static void test_coverage_and_local(void) {
@@ -613,7 +811,7 @@ static void test_wire(void) {
     for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
 }
 
-int main(void) {
+static int setup(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) {
         fprintf(stderr, "test_remote: KV_BIN (the kvasir binary) is not set\n");
@@ -638,6 +836,7 @@ int main(void) {
     c.n_threads = 1;
     c.seed = 11;
     c.log = NULL;
+    g_cfg = c;
     char model[300], slices[300];
     snprintf(model, sizeof model, "%s/m.gguf", g_dir);
     snprintf(slices, sizeof slices, "%s/slices", g_dir);
@@ -674,26 +873,23 @@ int main(void) {
     kv_model_free(full);
     if (kvt_failures) return 1;
 
-    printf("disjoint workers\n");
-    test_disjoint();
-    printf("replicas: kill, stall, restart\n");
-    test_replicas();
-    printf("no replica: a worker dies\n");
-    test_no_replica_dies();
-    printf("no replica: a worker restarted between steps\n");
-    test_no_replica_back();
-    printf("a liar\n");
-    test_liar();
-    printf("coverage and local fallback\n");
-    test_coverage_and_local();
-    printf("f16/bf16 on the wire\n");
-    test_wire();
+    return 0;
+}
 
+static void teardown(void) {
     free(g_ref);
     kv_pool_free(g_pool);
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (!kvt_failures) (void)!system(cmd);
     else fprintf(stderr, "test_remote: files kept in %s\n", g_dir);
-    KV_TEST_END();
 }
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_disjoint),       KVT_CASE(test_replicas),       KVT_CASE(test_no_replica_dies),
+    KVT_CASE(test_no_replica_back), KVT_CASE(test_liar),          KVT_CASE(test_liar_nonfinite),
+    KVT_CASE(test_stall_backoff),  KVT_CASE(test_other_weights),  KVT_CASE(test_coverage_and_local),
+    KVT_CASE(test_wire),
+};
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

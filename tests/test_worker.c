@@ -620,7 +620,7 @@ static void test_serving(void) {
     ASSERT_EQ(sh("grep -q 'listening' %s", p.errlog), 1); /* that line goes to stdout */
 }
 
-int main(void) {
+static int setup(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) {
         fprintf(stderr, "KV_BIN not set\n");
@@ -630,10 +630,18 @@ int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/kv_worker_XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     make_models();
-    test_startup_errors();
-    test_folder_and_full_model();
-    test_serving();
+    return kvt_failures != 0;
+}
+
+static void teardown(void) {
     kv_gguf_close(g_full);
     if (!kvt_failures) sh("rm -rf %s", g_dir);
-    KV_TEST_END();
 }
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_startup_errors),
+    KVT_CASE(test_folder_and_full_model),
+    KVT_CASE(test_serving),
+};
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -33,8 +33,9 @@
 #include "kvasir/pool.h"
 
 #define KV_PROTO_MAGIC 0x3144564Bu /* "KVD1" little-endian */
-#define KV_PROTO_VERSION 1u        /* the version this build speaks */
-#define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build speaks */
+#define KV_PROTO_VERSION 2u        /* the newest version this build speaks */
+#define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build decodes (a worker
+                                      answers v1 peers; coordinators require v2) */
 #define KV_PROTO_HEADER 16u
 #define KV_PROTO_MAX_PAYLOAD (256u << 20) /* bytes in one frame's payload */
 #define KV_PROTO_MAX_FRAME (KV_PROTO_HEADER + KV_PROTO_MAX_PAYLOAD)
@@ -51,12 +52,18 @@
 
 /* Fixed payload sizes (see docs/PROTOCOL.md). */
 #define KV_PROTO_HELLO_SIZE 72u          /* u16 min, u16 max, id[64], u32 enc_mask */
-#define KV_PROTO_HELLO_ACK_FIXED 96u     /* before backend name and ranges */
+#define KV_PROTO_HELLO_ACK_FIXED 96u     /* v1: before backend name and ranges */
+#define KV_PROTO_HELLO_ACK_FIXED_V2 104u /* v2: + u32 n_slabs, u32 max_pairs */
+#define KV_PROTO_SLAB_SIZE 44u           /* v2 slab entry: u32 layer, first, last, u8[32] sha256 */
 #define KV_PROTO_COMPUTE_FIXED 20u       /* before hidden states and pairs */
 #define KV_PROTO_RESULT_FIXED 12u        /* before the outputs */
 #define KV_PROTO_ERROR_FIXED 8u          /* before the message */
 #define KV_PROTO_PING_SIZE 8u            /* u64 nonce (PING and PONG) */
-#define KV_PROTO_STATS_ACK_SIZE 48u      /* six u64 counters */
+#define KV_PROTO_STATS_ACK_SIZE 48u      /* v1: six u64 counters */
+#define KV_PROTO_STATS_ACK_SIZE_V2 72u   /* v2: nine u64 counters */
+/* The largest magnitude an expert output may have on the wire: a RESULT
+ * with a NaN, an infinity or |y| above this is a lie (see PROTOCOL.md). */
+#define KV_PROTO_MAX_ABS_OUTPUT 1e12f
 
 enum kv_msg_type {
     KV_MSG_HELLO = 1,     /* coordinator -> worker: versions, model id, encodings */
@@ -108,6 +115,12 @@ typedef struct kv_held_range {
     uint32_t layer, first, last; /* inclusive */
 } kv_held_range;
 
+/* A slab a worker serves (v2 HELLO_ACK): its experts and its file's SHA-256. */
+typedef struct kv_slab_hash {
+    uint32_t layer, first, last; /* inclusive */
+    uint8_t sha256[32];          /* of the whole slab file */
+} kv_slab_hash;
+
 /* A (token, expert) pair of a COMPUTE. */
 typedef struct kv_proto_pair {
     uint32_t token;  /* index into the message's hidden states, < n_tokens */
@@ -131,6 +144,11 @@ typedef struct kv_msg_hello_ack {
     uint32_t n_ranges;                 /* held ranges, sorted by (layer, first), disjoint */
     const kv_held_range *ranges;       /* encode: [n_ranges]; decode: NULL, use accessor */
     const uint8_t *ranges_wire;        /* decode: [n_ranges][12] in the frame */
+    /* v2 only (version >= 2; absent from a v1 ack: 0 / NULL) */
+    uint32_t max_pairs;                /* pairs the worker accepts in one COMPUTE, 1..65536 */
+    uint32_t n_slabs;                  /* slabs served, sorted by (layer, first), disjoint */
+    const kv_slab_hash *slabs;         /* encode: [n_slabs]; decode: NULL, use accessor */
+    const uint8_t *slabs_wire;         /* decode: [n_slabs][44] in the frame */
 } kv_msg_hello_ack;
 
 typedef struct kv_msg_compute {
@@ -164,6 +182,10 @@ typedef struct kv_msg_stats {
     uint64_t n_conns;    /* connections accepted */
     uint64_t n_errors;   /* ERROR frames sent */
     uint64_t uptime_ms;  /* since the worker started serving */
+    /* v2 only (0 from a v1 peer) */
+    uint64_t n_batches;  /* kernel calls (one batch may serve several requests) */
+    uint64_t n_merged;   /* kernel calls that served rows of two or more connections */
+    uint64_t compute_us; /* microseconds spent in kernel calls */
 } kv_msg_stats;
 
 /* Limits a decoder checks besides the protocol maxima: the receiver's model
@@ -202,7 +224,9 @@ void kv_frame_header_encode(uint8_t out[KV_PROTO_HEADER], uint16_t type, uint32_
  * them to size buffers before encoding. */
 size_t kv_msg_compute_size(uint32_t enc, uint32_t n_tokens, uint32_t n_embd, uint32_t n_pairs);
 size_t kv_msg_result_size(uint32_t enc, uint32_t n_pairs, uint32_t n_embd);
+/* v1 layout (n_slabs 0); _v: the layout of version v (1 or 2). */
 size_t kv_msg_hello_ack_size(size_t backend_len, uint32_t n_ranges);
+size_t kv_msg_hello_ack_size_v(uint16_t version, size_t backend_len, uint32_t n_ranges, uint32_t n_slabs);
 
 /* ---- encoders ---------------------------------------------------------- */
 /* Each writes one whole frame (header + payload, header version
@@ -213,6 +237,7 @@ size_t kv_msg_hello_ack_size(size_t backend_len, uint32_t n_ranges);
  * nothing useful is in buf then. Thread-safe (no state). */
 int kv_msg_hello_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_hello *m,
                         size_t *n, kv_diag *d);
+/* The layout (and the header version) is m->version's: 1 or 2. */
 int kv_msg_hello_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id,
                             const kv_msg_hello_ack *m, size_t *n, kv_diag *d);
 int kv_msg_compute_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_compute *m,
@@ -228,6 +253,17 @@ int kv_msg_result_begin(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t 
                         uint32_t n_pairs, uint32_t n_embd, size_t *n, kv_diag *d);
 void kv_msg_result_put_row(uint8_t *buf, uint32_t enc, uint32_t n_embd, uint32_t p,
                            const float *row);
+/* RESULT streamed: _head writes the first KV_PROTO_HEADER +
+ * KV_PROTO_RESULT_FIXED bytes (header version `version`) into out and
+ * returns the whole frame size, or 0 if the counts are out of bounds; the
+ * rows then follow in order, each written by kv_msg_rows_put. */
+size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], uint16_t version,
+                          uint32_t request_id, uint32_t enc, uint32_t n_pairs, uint32_t n_embd);
+/* n floats to the wire in enc at dst (n * kv_enc_size(enc) bytes). */
+void kv_msg_rows_put(uint8_t *dst, uint32_t enc, const float *src, size_t n);
+/* Rewrites the version field of an encoded frame's header (a peer that
+ * negotiated an older version gets frames stamped with it). */
+void kv_frame_set_version(uint8_t *frame, uint16_t version);
 /* code must be negative; msg may be NULL; it is cut to KV_PROTO_MAX_TEXT
  * bytes and control characters become '?'. */
 int kv_msg_error_encode(uint8_t *buf, size_t cap, uint32_t request_id, int32_t code,
@@ -236,8 +272,12 @@ int kv_msg_error_encode(uint8_t *buf, size_t cap, uint32_t request_id, int32_t c
 int kv_msg_ping_encode(uint8_t *buf, size_t cap, uint16_t type, uint32_t request_id,
                        uint64_t nonce, size_t *n, kv_diag *d);
 int kv_msg_stats_encode(uint8_t *buf, size_t cap, uint32_t request_id, size_t *n, kv_diag *d);
+/* STATS_ACK in KV_PROTO_VERSION's layout; _v: in version's (1: six
+ * counters, 2: nine), header stamped with it. */
 int kv_msg_stats_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_stats *m,
                             size_t *n, kv_diag *d);
+int kv_msg_stats_ack_encode_v(uint8_t *buf, size_t cap, uint32_t request_id, uint16_t version,
+                              const kv_msg_stats *m, size_t *n, kv_diag *d);
 
 /* ---- decoder ------------------------------------------------------------ */
 
@@ -255,6 +295,8 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
 
 /* Held range i of a decoded (or encoder-input) HELLO_ACK. */
 kv_held_range kv_msg_hello_ack_range(const kv_msg_hello_ack *m, uint32_t i);
+/* Slab i of a decoded (or encoder-input) v2 HELLO_ACK. */
+kv_slab_hash kv_msg_hello_ack_slab(const kv_msg_hello_ack *m, uint32_t i);
 /* True if the ack's ranges hold expert e of layer l. */
 bool kv_msg_hello_ack_holds(const kv_msg_hello_ack *m, uint32_t layer, uint32_t expert);
 /* Pair i of a decoded COMPUTE. */
@@ -326,6 +368,14 @@ typedef struct kv_worker_opts {
     int read_timeout_ms;   /* a frame started must complete within this; 0 = 10000 */
     int idle_timeout_ms;   /* a connection with no frame for this long is closed; 0 = none */
     bool quiet;            /* no per-connection log lines */
+    int handshake_timeout_ms; /* HELLO must complete within this after accept; 0 = 5000 */
+    int max_pending_per_addr; /* connections of one address awaiting their handshake; 0 = 8 */
+    int evict_idle_ms;     /* when full, a connection without COMPUTE for this long yields
+                              its slot to a newcomer; 0 = 10000 */
+    int write_timeout_ms;  /* queued output must make progress within this; 0 = 30000 */
+    size_t mem_budget;     /* bytes all connections may buffer together; 0 = 1 GiB */
+    uint64_t max_request_cost; /* multiply-adds one COMPUTE may ask for (3 n_embd n_ff per
+                              pair, announced as max_pairs); 0 = 2^36 */
 } kv_worker_opts;
 
 /* Opens the slabs (all from one model: same kvasir.source.id and dims;
@@ -340,11 +390,16 @@ const char *kv_worker_addr(const kv_worker *w);
 const char *kv_worker_model_id(const kv_worker *w);
 size_t kv_worker_ranges(const kv_worker *w, const kv_held_range **out);
 /* Serves until kv_worker_stop is called (from another thread or a signal
- * handler: async-signal-safe). Returns 0 or KV_EIO on a listen failure. */
+ * handler: async-signal-safe), on this thread (one event loop for every
+ * connection) and the compute pool: the thread count does not depend on
+ * the number of connections. Returns 0 or KV_EIO. */
 int kv_worker_serve(kv_worker *w, kv_diag *d);
 void kv_worker_stop(kv_worker *w);
 /* Counters (thread-safe snapshot). */
 void kv_worker_stats(const kv_worker *w, kv_msg_stats *out);
+/* Bytes the connections buffer now and the most so far (thread-safe; NULL
+ * pointers are skipped). */
+void kv_worker_mem(const kv_worker *w, size_t *now, size_t *peak);
 
 /* ==== remote provider (coordinator side; src/dispatch/remote.c) ==========
  * Owned by the coordinator's author; the codec above is the only thing it

@@ -261,7 +261,7 @@ int kv_cmd_run(int argc, char **argv) {
         if ((rc = kv_remote_open(&remote, manifest, pool, &ro, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
         mc = kv_remote_model(remote);
     } else if (manifest) {
-        const kv_slices_opts so = {cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0, skip_hashes, (int)threads};
+        const kv_slices_opts so = {.cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0, .skip_hashes = skip_hashes, .n_threads = (int)threads};
         if ((rc = kv_slices_open(&slices, manifest, &so, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
         if ((rc = kv_model_load_ex(&m, kv_slices_backbone_path(slices), &(kv_model_opts){.no_experts = true}, &d)) ||
             (rc = kv_slices_check_model(slices, m, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }

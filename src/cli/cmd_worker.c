@@ -1,5 +1,6 @@
 /* kvasir worker: serve expert computation for the slabs this node holds,
  * over the dispatch protocol (docs/PROTOCOL.md). */
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,7 +11,9 @@
 #define CMD "worker"
 
 static const char *const kv_value_flags[] = {"--slabs", "--listen", "--threads", "-t", "--max-conns",
-                                             "--read-timeout", "--idle-timeout", NULL};
+                                             "--read-timeout", "--idle-timeout", "--handshake-timeout",
+                                             "--max-pending-per-addr", "--evict-idle", "--write-timeout",
+                                             "--mem-budget-mb", "--max-request-cost", NULL};
 
 static const char *kv_worker_help =
     "usage: kvasir worker --slabs DIR_OR_FILES --listen HOST:PORT [--threads N] [--max-conns N]\n"
@@ -21,6 +24,12 @@ static const char *kv_worker_help =
     "  --max-conns N      concurrent connections (default 64; more are refused)\n"
     "  --read-timeout MS  a frame started must arrive whole within MS (default 10000)\n"
     "  --idle-timeout MS  close connections silent for MS (default: never)\n"
+    "  --handshake-timeout MS  HELLO must complete within MS of connecting (default 5000)\n"
+    "  --max-pending-per-addr N  connections of one address awaiting their handshake (default 8)\n"
+    "  --evict-idle MS    when full, a connection without COMPUTE for MS yields its slot (default 10000)\n"
+    "  --write-timeout MS a peer that reads nothing for MS is closed (default 30000)\n"
+    "  --mem-budget-mb N  memory all connections may buffer together (default 1024)\n"
+    "  --max-request-cost N  multiply-adds one COMPUTE may ask for (default 2^36)\n"
     "  --quiet            no per-connection log lines\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM and\n"
     "prints how many expert computations it served.\n";
@@ -60,6 +69,24 @@ int kv_cmd_worker(int argc, char **argv) {
         } else if (!strcmp(a, "--idle-timeout")) {
             if (kv_arg_long(CMD, a, v, 1, 86400000, &v_l)) return 1;
             o.idle_timeout_ms = (int)v_l;
+        } else if (!strcmp(a, "--handshake-timeout")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &v_l)) return 1;
+            o.handshake_timeout_ms = (int)v_l;
+        } else if (!strcmp(a, "--max-pending-per-addr")) {
+            if (kv_arg_long(CMD, a, v, 1, 65536, &v_l)) return 1;
+            o.max_pending_per_addr = (int)v_l;
+        } else if (!strcmp(a, "--evict-idle")) {
+            if (kv_arg_long(CMD, a, v, 1, 86400000, &v_l)) return 1;
+            o.evict_idle_ms = (int)v_l;
+        } else if (!strcmp(a, "--write-timeout")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &v_l)) return 1;
+            o.write_timeout_ms = (int)v_l;
+        } else if (!strcmp(a, "--mem-budget-mb")) {
+            if (kv_arg_long(CMD, a, v, 1, 1L << 30, &v_l)) return 1;
+            o.mem_budget = (size_t)v_l << 20;
+        } else if (!strcmp(a, "--max-request-cost")) {
+            if (kv_arg_long(CMD, a, v, 1, LONG_MAX, &v_l)) return 1;
+            o.max_request_cost = (uint64_t)v_l;
         } else {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir worker --help)", a);
         }

@@ -168,6 +168,12 @@ static void kv_enc_read(float *dst, const uint8_t *src, size_t n, uint32_t enc) 
 
 /* ---- header ---------------------------------------------------------------- */
 
+void kv_frame_set_version(uint8_t *frame, uint16_t version) { kv_wr16(frame + 4, version); }
+
+void kv_msg_rows_put(uint8_t *dst, uint32_t enc, const float *src, size_t n) {
+    kv_enc_write(dst, src, n, enc);
+}
+
 void kv_frame_header_encode(uint8_t out[KV_PROTO_HEADER], uint16_t type, uint32_t request_id,
                             uint32_t len) {
     kv_wr32(out, KV_PROTO_MAGIC);
@@ -234,9 +240,18 @@ size_t kv_msg_result_size(uint32_t enc, uint32_t n_pairs, uint32_t n_embd) {
 }
 
 size_t kv_msg_hello_ack_size(size_t backend_len, uint32_t n_ranges) {
-    if (backend_len == 0 || backend_len > KV_PROTO_MAX_NAME || n_ranges > KV_PROTO_MAX_RANGES)
+    return kv_msg_hello_ack_size_v(1, backend_len, n_ranges, 0);
+}
+
+size_t kv_msg_hello_ack_size_v(uint16_t version, size_t backend_len, uint32_t n_ranges, uint32_t n_slabs) {
+    if (backend_len == 0 || backend_len > KV_PROTO_MAX_NAME || n_ranges > KV_PROTO_MAX_RANGES ||
+        n_slabs > KV_PROTO_MAX_RANGES || version == 0 || version > KV_PROTO_VERSION ||
+        (version == 1 && n_slabs))
         return 0;
-    return KV_PROTO_HEADER + KV_PROTO_HELLO_ACK_FIXED + backend_len + (size_t)n_ranges * 12;
+    if (version == 1)
+        return KV_PROTO_HEADER + KV_PROTO_HELLO_ACK_FIXED + backend_len + (size_t)n_ranges * 12;
+    return KV_PROTO_HEADER + KV_PROTO_HELLO_ACK_FIXED_V2 + backend_len + (size_t)n_ranges * 12 +
+           (size_t)n_slabs * KV_PROTO_SLAB_SIZE;
 }
 
 /* ---- field checks shared by encoders and the decoder ------------------------ */
@@ -296,6 +311,28 @@ static int kv_ack_check(const kv_msg_hello_ack *m, int code, kv_diag *d) {
                            i, r.layer, r.first, r.last, prev.layer, prev.first, prev.last);
         prev = r;
     }
+    if (m->version >= 2) {
+        if (m->max_pairs == 0 || m->max_pairs > KV_PROTO_MAX_PAIRS)
+            return kv_fail(d, code, "HELLO_ACK: max_pairs %u out of [1, %u]", m->max_pairs,
+                           KV_PROTO_MAX_PAIRS);
+        if (m->n_slabs > KV_PROTO_MAX_RANGES)
+            return kv_fail(d, code, "HELLO_ACK: %u slabs exceed maximum %u", m->n_slabs,
+                           KV_PROTO_MAX_RANGES);
+        kv_slab_hash ps = {0, 0, 0, {0}};
+        for (uint32_t i = 0; i < m->n_slabs; i++) {
+            kv_slab_hash s = kv_msg_hello_ack_slab(m, i);
+            if (s.layer >= m->n_layer || s.first > s.last || s.last >= m->n_expert)
+                return kv_fail(d, code, "HELLO_ACK: slab %u: layer %u experts [%u, %u] invalid", i,
+                               s.layer, s.first, s.last);
+            if (i > 0 && (s.layer < ps.layer || (s.layer == ps.layer && s.first <= ps.last)))
+                return kv_fail(d, code, "HELLO_ACK: slab %u not sorted after slab %u or overlaps it",
+                               i, i - 1);
+            if (!kv_msg_hello_ack_holds(m, s.layer, s.first) || !kv_msg_hello_ack_holds(m, s.layer, s.last))
+                return kv_fail(d, code, "HELLO_ACK: slab %u (layer %u [%u, %u]) outside the held ranges",
+                               i, s.layer, s.first, s.last);
+            ps = s;
+        }
+    }
     return 0;
 }
 
@@ -338,10 +375,11 @@ int kv_msg_hello_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_
 int kv_msg_hello_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id,
                             const kv_msg_hello_ack *m, size_t *n, kv_diag *d) {
     size_t bl = strnlen(m->backend, KV_PROTO_MAX_NAME + 1);
-    size_t fsize = kv_msg_hello_ack_size(bl, m->n_ranges);
+    const uint32_t n_slabs = m->version >= 2 ? m->n_slabs : 0;
+    size_t fsize = kv_msg_hello_ack_size_v(m->version, bl, m->n_ranges, n_slabs);
     if (!fsize)
-        return kv_fail(d, KV_EINVAL, "HELLO_ACK: backend name of %zu bytes or %u ranges out of "
-                                     "bounds", bl, m->n_ranges);
+        return kv_fail(d, KV_EINVAL, "HELLO_ACK: version %u, backend name of %zu bytes, %u ranges or "
+                                     "%u slabs out of bounds", m->version, bl, m->n_ranges, n_slabs);
     int rc = kv_enc_begin(buf, cap, fsize - KV_PROTO_HEADER, "HELLO_ACK", d);
     if (rc) return rc;
     if (m->version == 0) return kv_fail(d, KV_EINVAL, "HELLO_ACK: version 0");
@@ -354,8 +392,11 @@ int kv_msg_hello_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id,
     if (!(m->enc_mask & 1u) || (m->enc_mask & ~KV_ENC_MASK_ALL))
         return kv_fail(d, KV_EINVAL, "HELLO_ACK: encoding mask 0x%x invalid", m->enc_mask);
     if (m->n_ranges && !m->ranges) return kv_fail(d, KV_EINVAL, "HELLO_ACK: ranges missing");
+    if (n_slabs && !m->slabs) return kv_fail(d, KV_EINVAL, "HELLO_ACK: slabs missing");
     kv_msg_hello_ack chk = *m;
     chk.ranges_wire = NULL;
+    chk.slabs_wire = NULL;
+    chk.n_slabs = n_slabs;
     if ((rc = kv_ack_check(&chk, KV_EINVAL, d))) return rc;
     uint8_t *p = buf + KV_PROTO_HEADER;
     kv_frame_header_encode(buf, KV_MSG_HELLO_ACK, request_id,
@@ -370,12 +411,25 @@ int kv_msg_hello_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id,
     kv_wr32(p + 84, m->n_expert_used);
     kv_wr32(p + 88, m->enc_mask);
     kv_wr32(p + 92, m->n_ranges);
-    memcpy(p + 96, m->backend, bl);
-    uint8_t *r = p + 96 + bl;
+    size_t fixed = KV_PROTO_HELLO_ACK_FIXED;
+    if (m->version >= 2) {
+        kv_wr32(p + 96, n_slabs);
+        kv_wr32(p + 100, m->max_pairs);
+        fixed = KV_PROTO_HELLO_ACK_FIXED_V2;
+    }
+    kv_frame_set_version(buf, m->version);
+    memcpy(p + fixed, m->backend, bl);
+    uint8_t *r = p + fixed + bl;
     for (uint32_t i = 0; i < m->n_ranges; i++, r += 12) {
         kv_wr32(r, m->ranges[i].layer);
         kv_wr32(r + 4, m->ranges[i].first);
         kv_wr32(r + 8, m->ranges[i].last);
+    }
+    for (uint32_t i = 0; i < n_slabs; i++, r += KV_PROTO_SLAB_SIZE) {
+        kv_wr32(r, m->slabs[i].layer);
+        kv_wr32(r + 4, m->slabs[i].first);
+        kv_wr32(r + 8, m->slabs[i].last);
+        memcpy(r + 12, m->slabs[i].sha256, 32);
     }
     *n = fsize;
     return 0;
@@ -453,6 +507,18 @@ int kv_msg_result_begin(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t 
     return 0;
 }
 
+size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], uint16_t version,
+                          uint32_t request_id, uint32_t enc, uint32_t n_pairs, uint32_t n_embd) {
+    size_t pl = kv_result_payload(enc, n_pairs, n_embd);
+    if (!pl) return 0;
+    kv_frame_header_encode(out, KV_MSG_RESULT, request_id, (uint32_t)pl);
+    kv_frame_set_version(out, version);
+    kv_wr32(out + KV_PROTO_HEADER, n_pairs);
+    kv_wr32(out + KV_PROTO_HEADER + 4, n_embd);
+    kv_wr32(out + KV_PROTO_HEADER + 8, enc);
+    return KV_PROTO_HEADER + pl;
+}
+
 void kv_msg_result_put_row(uint8_t *buf, uint32_t enc, uint32_t n_embd, uint32_t p,
                            const float *row) {
     const size_t es = kv_enc_size(enc);
@@ -501,17 +567,31 @@ int kv_msg_stats_encode(uint8_t *buf, size_t cap, uint32_t request_id, size_t *n
 
 int kv_msg_stats_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_stats *m,
                             size_t *n, kv_diag *d) {
-    int rc = kv_enc_begin(buf, cap, KV_PROTO_STATS_ACK_SIZE, "STATS_ACK", d);
+    return kv_msg_stats_ack_encode_v(buf, cap, request_id, KV_PROTO_VERSION, m, n, d);
+}
+
+int kv_msg_stats_ack_encode_v(uint8_t *buf, size_t cap, uint32_t request_id, uint16_t version,
+                              const kv_msg_stats *m, size_t *n, kv_diag *d) {
+    if (version == 0 || version > KV_PROTO_VERSION)
+        return kv_fail(d, KV_EINVAL, "STATS_ACK: version %u unknown", version);
+    const uint32_t size = version == 1 ? KV_PROTO_STATS_ACK_SIZE : KV_PROTO_STATS_ACK_SIZE_V2;
+    int rc = kv_enc_begin(buf, cap, size, "STATS_ACK", d);
     if (rc) return rc;
     uint8_t *p = buf + KV_PROTO_HEADER;
-    kv_frame_header_encode(buf, KV_MSG_STATS_ACK, request_id, KV_PROTO_STATS_ACK_SIZE);
+    kv_frame_header_encode(buf, KV_MSG_STATS_ACK, request_id, size);
+    kv_frame_set_version(buf, version);
+    if (version >= 2) {
+        kv_wr64(p + 48, m->n_batches);
+        kv_wr64(p + 56, m->n_merged);
+        kv_wr64(p + 64, m->compute_us);
+    }
     kv_wr64(p, m->n_compute);
     kv_wr64(p + 8, m->n_pairs);
     kv_wr64(p + 16, m->n_tokens);
     kv_wr64(p + 24, m->n_conns);
     kv_wr64(p + 32, m->n_errors);
     kv_wr64(p + 40, m->uptime_ms);
-    *n = KV_PROTO_HEADER + KV_PROTO_STATS_ACK_SIZE;
+    *n = KV_PROTO_HEADER + size;
     return 0;
 }
 
@@ -547,7 +627,7 @@ static int kv_dec_hello(kv_rd *r, kv_msg_hello *m, kv_diag *d) {
     return 0;
 }
 
-static int kv_dec_ack(kv_rd *r, kv_msg_hello_ack *m, kv_diag *d) {
+static int kv_dec_ack(kv_rd *r, uint16_t hversion, kv_msg_hello_ack *m, kv_diag *d) {
     if (r->left < KV_PROTO_HELLO_ACK_FIXED)
         return kv_fail(d, KV_EPROTO, "HELLO_ACK: payload is %zu bytes, fixed part needs %u",
                        r->left, KV_PROTO_HELLO_ACK_FIXED);
@@ -565,14 +645,35 @@ static int kv_dec_ack(kv_rd *r, kv_msg_hello_ack *m, kv_diag *d) {
     kv_rd_u32(r, &m->enc_mask);
     kv_rd_u32(r, &m->n_ranges);
     if (m->version == 0) return kv_fail(d, KV_EPROTO, "HELLO_ACK: version 0");
+    if (m->version > KV_PROTO_VERSION)
+        return kv_fail(d, KV_EUNSUPPORTED, "HELLO_ACK: version %u unknown (this build speaks up to %u)",
+                       m->version, KV_PROTO_VERSION);
+    if (hversion != m->version)
+        return kv_fail(d, KV_EPROTO, "HELLO_ACK: chose version %u in a frame of version %u", m->version,
+                       hversion);
+    size_t fixed = KV_PROTO_HELLO_ACK_FIXED;
+    m->n_slabs = m->max_pairs = 0;
+    m->slabs = NULL;
+    m->slabs_wire = NULL;
+    if (m->version >= 2) {
+        if (len < KV_PROTO_HELLO_ACK_FIXED_V2)
+            return kv_fail(d, KV_EPROTO, "HELLO_ACK: payload is %zu bytes, v2 fixed part needs %u", len,
+                           KV_PROTO_HELLO_ACK_FIXED_V2);
+        kv_rd_u32(r, &m->n_slabs);
+        kv_rd_u32(r, &m->max_pairs);
+        if (m->n_slabs > KV_PROTO_MAX_RANGES)
+            return kv_fail(d, KV_ERANGE, "HELLO_ACK: %u slabs exceed maximum %u", m->n_slabs,
+                           KV_PROTO_MAX_RANGES);
+        fixed = KV_PROTO_HELLO_ACK_FIXED_V2;
+    }
     if (bl == 0 || bl > KV_PROTO_MAX_NAME)
         return kv_fail(d, KV_ERANGE, "HELLO_ACK: backend name length %u out of [1, %u]", bl,
                        KV_PROTO_MAX_NAME);
     if (m->n_ranges > KV_PROTO_MAX_RANGES)
         return kv_fail(d, KV_ERANGE, "HELLO_ACK: %u ranges exceed maximum %u", m->n_ranges,
                        KV_PROTO_MAX_RANGES);
-    int rc = kv_exact("HELLO_ACK", len, KV_PROTO_HELLO_ACK_FIXED + (size_t)bl +
-                                            (size_t)m->n_ranges * 12, d);
+    int rc = kv_exact("HELLO_ACK", len, fixed + (size_t)bl + (size_t)m->n_ranges * 12 +
+                                            (size_t)m->n_slabs * KV_PROTO_SLAB_SIZE, d);
     if (rc) return rc;
     if (!kv_model_id_ok((const char *)id, KV_PROTO_MODEL_ID_LEN))
         return kv_fail(d, KV_EPROTO, "HELLO_ACK: model id is not %u lowercase hex digits",
@@ -591,6 +692,7 @@ static int kv_dec_ack(kv_rd *r, kv_msg_hello_ack *m, kv_diag *d) {
     m->backend[bl] = 0;
     m->ranges = NULL;
     kv_rd_take(r, (size_t)m->n_ranges * 12, &m->ranges_wire);
+    if (m->n_slabs) kv_rd_take(r, (size_t)m->n_slabs * KV_PROTO_SLAB_SIZE, &m->slabs_wire);
     return kv_ack_check(m, KV_ERANGE, d);
 }
 
@@ -717,7 +819,7 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
     kv_rd r = {frame + KV_PROTO_HEADER, out->h.len};
     switch (out->h.type) {
     case KV_MSG_HELLO: return kv_dec_hello(&r, &out->u.hello, d);
-    case KV_MSG_HELLO_ACK: return kv_dec_ack(&r, &out->u.ack, d);
+    case KV_MSG_HELLO_ACK: return kv_dec_ack(&r, out->h.version, &out->u.ack, d);
     case KV_MSG_COMPUTE: return kv_dec_compute(&r, lim, &out->u.compute, d);
     case KV_MSG_RESULT: return kv_dec_result(&r, lim, &out->u.result, d);
     case KV_MSG_ERROR: return kv_dec_error(&r, &out->u.error, d);
@@ -730,14 +832,24 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
         return 0;
     case KV_MSG_STATS: return kv_exact("STATS", r.left, 0, d);
     case KV_MSG_STATS_ACK: {
-        if ((rc = kv_exact("STATS_ACK", r.left, KV_PROTO_STATS_ACK_SIZE, d))) return rc;
+        if (out->h.version > KV_PROTO_VERSION)
+            return kv_fail(d, KV_EUNSUPPORTED, "STATS_ACK: version %u unknown", out->h.version);
+        const bool v2 = out->h.version >= 2;
+        if ((rc = kv_exact("STATS_ACK", r.left, v2 ? KV_PROTO_STATS_ACK_SIZE_V2 : KV_PROTO_STATS_ACK_SIZE, d)))
+            return rc;
         kv_msg_stats *s = &out->u.stats;
+        memset(s, 0, sizeof *s);
         kv_rd_u64(&r, &s->n_compute);
         kv_rd_u64(&r, &s->n_pairs);
         kv_rd_u64(&r, &s->n_tokens);
         kv_rd_u64(&r, &s->n_conns);
         kv_rd_u64(&r, &s->n_errors);
         kv_rd_u64(&r, &s->uptime_ms);
+        if (v2) {
+            kv_rd_u64(&r, &s->n_batches);
+            kv_rd_u64(&r, &s->n_merged);
+            kv_rd_u64(&r, &s->compute_us);
+        }
         return 0;
     }
     default: return kv_fail(d, KV_EPROTO, "frame: unknown message type %u", out->h.type);
@@ -752,6 +864,15 @@ kv_held_range kv_msg_hello_ack_range(const kv_msg_hello_ack *m, uint32_t i) {
     const uint8_t *p = m->ranges_wire + (size_t)i * 12;
     kv_held_range r = {kv_rd32(p), kv_rd32(p + 4), kv_rd32(p + 8)};
     return r;
+}
+
+kv_slab_hash kv_msg_hello_ack_slab(const kv_msg_hello_ack *m, uint32_t i) {
+    KV_ASSERT(i < m->n_slabs);
+    if (m->slabs) return m->slabs[i];
+    const uint8_t *p = m->slabs_wire + (size_t)i * KV_PROTO_SLAB_SIZE;
+    kv_slab_hash s = {kv_rd32(p), kv_rd32(p + 4), kv_rd32(p + 8), {0}};
+    memcpy(s.sha256, p + 12, 32);
+    return s;
 }
 
 bool kv_msg_hello_ack_holds(const kv_msg_hello_ack *m, uint32_t layer, uint32_t expert) {

@@ -37,10 +37,23 @@
  * pass, which sums in rank order, gets the local run's bits. A request that
  * fails leaves no partial output to be used: the forward pass stops.
  *
- * Dropped workers are reconnected asynchronously: once reconnect_ms has
+ * Dropped workers are reconnected asynchronously: once their backoff has
  * passed, a nonblocking connect and HELLO are started at the next compute
  * call and progressed by the same poll loops; the worker is used again from
- * the round after its HELLO_ACK passed the same checks as at open.
+ * the round after its HELLO_ACK passed the same checks as at open. The
+ * backoff doubles with every drop or failed dial since the worker's last
+ * accepted RESULT (reconnect_ms, 2x, 4x... up to 60 s), so a worker that
+ * handshakes and then stalls or lies costs a timeout ever more rarely; one
+ * with two or more such failures is quarantined: not dialed early even when
+ * its experts have no other holder.
+ *
+ * Handshake (protocol v2 only): the HELLO_ACK lists every slab the worker
+ * serves with its SHA-256; each must be a slab of the manifest with the same
+ * experts and hash, and every expert the worker announces must lie in one
+ * of them: a worker holding other bytes (a model with the same header and
+ * other weights has the same model id) is refused. Every value of a RESULT
+ * must be finite and within KV_PROTO_MAX_ABS_OUTPUT; otherwise the whole
+ * answer is a lie: the worker is dropped and its slots are redone.
  *
  * Hot path: every buffer (frames in and out, gathered hidden states, pair
  * lists, local fallback scratch, round-trip samples) is allocated in
@@ -71,6 +84,8 @@
 
 #define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
 #define KV_REMOTE_WHY 256u
+#define KV_REMOTE_MAX_BACKOFF_S 60.0     /* longest wait between dials of one worker */
+#define KV_REMOTE_PROTO_MIN 2u           /* v1 workers cannot prove their slabs' bytes */
 
 enum kv_rw_state {
     KV_RW_DOWN,       /* no socket; retried at retry_at */
@@ -107,6 +122,8 @@ typedef struct kv_rw {
     kv_proto_pair *pairs;         /* [max_pairs] encode input */
     /* counters */
     uint64_t n_req, n_pairs_done, n_pairs_since, n_drops, n_connects;
+    uint32_t fails;               /* drops and failed dials since its last good RESULT */
+    uint32_t max_pairs;           /* pairs it accepts per COMPUTE (HELLO_ACK) */
     char why[KV_REMOTE_WHY];      /* last reason it was dropped or refused */
 } kv_rw;
 
@@ -170,6 +187,14 @@ static void kv_rlog(const kv_remote *r, const char *fmt, ...) {
 
 /* ---- workers: connection state machine ----------------------------------- */
 
+/* Seconds to wait before dialing w again: reconnect_ms doubled per failure
+ * since its last good RESULT, at most KV_REMOTE_MAX_BACKOFF_S. */
+static double kv_rw_backoff(const kv_remote *r, const kv_rw *w) {
+    double s = r->reconnect_s;
+    for (uint32_t i = 1; i < w->fails && s < KV_REMOTE_MAX_BACKOFF_S; i++) s *= 2;
+    return s < KV_REMOTE_MAX_BACKOFF_S ? s : KV_REMOTE_MAX_BACKOFF_S;
+}
+
 #if defined(__GNUC__)
 __attribute__((format(printf, 3, 4)))
 #endif
@@ -187,7 +212,8 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
     w->fd = -1;
     w->state = KV_RW_DOWN;
     w->busy = false;
-    w->retry_at = kv_mono() + r->reconnect_s;
+    w->fails++;
+    w->retry_at = kv_mono() + kv_rw_backoff(r, w);
     if (was_up) w->n_drops++;
     if (was_up) kv_rlog(r, "worker %s dropped: %s", w->addr, w->why);
     else if (strcmp(prev, w->why)) kv_rlog(r, "worker %s: cannot connect: %s", w->addr, w->why);
@@ -196,10 +222,11 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
 /* Starts a nonblocking connect and queues HELLO. On immediate failure the
  * worker stays DOWN (with a new retry time). */
 static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
-    w->retry_at = now + r->reconnect_s;
+    w->retry_at = now + kv_rw_backoff(r, w);
     const int fd = socket(w->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, IPPROTO_TCP);
     if (fd < 0) {
         snprintf(w->why, sizeof w->why, "socket: %s", strerror(errno));
+        w->fails++;
         return;
     }
     const int one = 1;
@@ -208,9 +235,10 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
     if (rc && errno != EINPROGRESS) {
         snprintf(w->why, sizeof w->why, "connect: %s", strerror(errno));
         close(fd);
+        w->fails++;
         return;
     }
-    kv_msg_hello h = {KV_PROTO_VERSION_MIN, KV_PROTO_VERSION, {0}, (1u << KV_ENC_F32) | (1u << r->o.enc)};
+    kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0}, (1u << KV_ENC_F32) | (1u << r->o.enc)};
     memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
     kv_diag d = {0};
     if (kv_msg_hello_encode(w->sbuf, w->scap, 0, &h, &w->slen, &d)) {
@@ -228,9 +256,9 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
 
 /* Checks a HELLO_ACK against the manifest and records what w holds. */
 static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, kv_diag *d) {
-    if (a->version < KV_PROTO_VERSION_MIN || a->version > KV_PROTO_VERSION)
-        return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u)", a->version,
-                       KV_PROTO_VERSION_MIN, KV_PROTO_VERSION);
+    if (a->version < KV_REMOTE_PROTO_MIN || a->version > KV_PROTO_VERSION)
+        return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u: v1 cannot prove its slabs)",
+                       a->version, KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION);
     if (memcmp(a->model_id, r->m->model_id, KV_PROTO_MODEL_ID_LEN))
         return kv_fail(d, KV_EFORMAT, "serves another model (id %.16s..., the manifest's is %.16s...)", a->model_id,
                        r->m->model_id);
@@ -241,8 +269,29 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
                        a->n_expert_used, r->n_layer, r->n_embd, r->n_ff, r->n_expert, r->n_used);
     if (!(a->enc_mask & (1u << KV_ENC_F32)))
         return kv_fail(d, KV_EPROTO, "does not accept f32 hidden states");
+    if (a->max_pairs < r->max_slots)
+        return kv_fail(d, KV_ERANGE, "accepts at most %u pairs per request; this coordinator may send %u",
+                       a->max_pairs, r->max_slots);
     const size_t n_keys = (size_t)r->n_layer * r->n_expert;
+    /* every slab it serves is one of the manifest's, byte for byte */
     memset(w->holds, 0, n_keys);
+    for (uint32_t i = 0; i < a->n_slabs; i++) {
+        const kv_slab_hash sh = kv_msg_hello_ack_slab(a, i);
+        const kv_manifest_slab *ms = NULL;
+        for (size_t j = 0; j < r->m->n_slabs && !ms; j++)
+            if (r->m->slabs[j].layer == sh.layer && r->m->slabs[j].first == sh.first && r->m->slabs[j].last == sh.last)
+                ms = &r->m->slabs[j];
+        if (!ms)
+            return kv_fail(d, KV_EHASH, "serves layer %u experts %u-%u, which is no slab of the manifest", sh.layer,
+                           sh.first, sh.last);
+        if (!ms->file.has_sha256 || memcmp(ms->file.sha256, sh.sha256, 32)) {
+            char got[65];
+            kv_sha256_hex(sh.sha256, got);
+            return kv_fail(d, KV_EHASH, "its slab '%s' has SHA-256 %.16s..., not the manifest's: other bytes",
+                           ms->file.path, got);
+        }
+        memset(w->holds + (size_t)sh.layer * r->n_expert + sh.first, 1, (size_t)sh.last - sh.first + 1);
+    }
     for (uint32_t i = 0; i < a->n_ranges; i++) {
         const kv_held_range h = kv_msg_hello_ack_range(a, i);
         if (h.layer >= r->n_layer || h.first > h.last || h.last >= r->n_expert)
@@ -250,8 +299,11 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
                            h.last);
         if (!r->m->moe_layer[h.layer])
             return kv_fail(d, KV_ERANGE, "announces experts of layer %u, which has none", h.layer);
-        memset(w->holds + (size_t)h.layer * r->n_expert + h.first, 1, (size_t)h.last - h.first + 1);
+        for (uint32_t e = h.first; e <= h.last; e++)
+            if (!w->holds[(size_t)h.layer * r->n_expert + e])
+                return kv_fail(d, KV_EHASH, "announces layer %u expert %u without a slab hash for it", h.layer, e);
     }
+    w->max_pairs = a->max_pairs;
     w->enc = (a->enc_mask & (1u << r->o.enc)) ? r->o.enc : KV_ENC_F32;
     snprintf(w->backend, sizeof w->backend, "%s", a->backend);
     w->n_ranges = a->n_ranges;
@@ -266,8 +318,17 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
     if (res->n_pairs != w->n_pairs || res->n_embd != r->n_embd || res->enc != w->enc)
         return kv_fail(d, KV_EPROTO, "answered %u vectors of %u in %s, we asked %u of %u in %s", res->n_pairs,
                        res->n_embd, kv_enc_name(res->enc), w->n_pairs, r->n_embd, kv_enc_name(w->enc));
-    for (uint32_t p = 0; p < w->n_pairs; p++)
-        kv_msg_result_row(res, p, out + (size_t)w->pair_slot[p] * r->n_embd);
+    /* non-finite or absurd values are a lie: nothing of this answer is used
+     * (the slots stay pending and are overwritten by the redo) */
+    for (uint32_t p = 0; p < w->n_pairs; p++) {
+        float *y = out + (size_t)w->pair_slot[p] * r->n_embd;
+        kv_msg_result_row(res, p, y);
+        for (uint32_t i = 0; i < r->n_embd; i++)
+            if (!isfinite(y[i]) || fabsf(y[i]) > KV_PROTO_MAX_ABS_OUTPUT)
+                return kv_fail(d, KV_EPROTO, "answered %g at pair %u element %u (not finite or beyond %g): a lie",
+                               (double)y[i], p, i, (double)KV_PROTO_MAX_ABS_OUTPUT);
+    }
+    w->fails = 0;
     return 0;
 }
 
@@ -490,7 +551,9 @@ static bool kv_remote_revive(kv_remote *r) {
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
         n_up += w->state == KV_RW_UP;
-        if (w->state == KV_RW_DOWN) kv_rw_connect(r, w, now);
+        /* quarantined workers (failed twice since their last good answer)
+         * wait for their backoff even here */
+        if (w->state == KV_RW_DOWN && (w->fails < 2 || now >= w->retry_at)) kv_rw_connect(r, w, now);
     }
     for (;;) {
         bool hs = false;
@@ -795,7 +858,9 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     /* workers: buffers for the largest frames either way */
     const size_t s_max = kv_msg_compute_size(KV_ENC_F32, r->chunk_tokens, r->n_embd, r->max_slots);
     size_t r_max = kv_msg_result_size(KV_ENC_F32, r->max_slots, r->n_embd);
-    const size_t ack_max = kv_msg_hello_ack_size(KV_PROTO_MAX_NAME, KV_PROTO_MAX_RANGES);
+    /* a HELLO_ACK lists at most every slab of the manifest (and as many ranges) */
+    const uint32_t n_pieces = m->n_slabs < KV_PROTO_MAX_RANGES ? (uint32_t)m->n_slabs : KV_PROTO_MAX_RANGES;
+    const size_t ack_max = kv_msg_hello_ack_size_v(KV_PROTO_VERSION, KV_PROTO_MAX_NAME, n_pieces, n_pieces);
     if (ack_max > r_max) r_max = ack_max;
     if (!s_max || !r_max) {
         rc = kv_fail(d, KV_EINTERNAL, "remote: frame sizes out of bounds");

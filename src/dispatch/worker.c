@@ -1,33 +1,49 @@
 /* The expert worker: serves COMPUTE requests for the experts held in a set
- * of slab files (or a full model file) over the dispatch protocol.
+ * of slab files (or a full model file) over the dispatch protocol, to many
+ * coordinators at once, on a fixed number of threads.
  *
- * Threads: one accept loop (kv_worker_serve) and one thread per connection,
- * at most max_conns. Connection threads read, decode and answer frames on
- * their own; the computation itself is serialized under one mutex because
- * it runs on one kv_pool (all its threads on one request: a decode step's
- * few experts already fill the machine). A slow or stalled client blocks
- * only its own thread: a frame started must complete within the read
- * timeout, writes have a deadline, and nothing is sent while holding the
- * compute mutex.
+ * Threads: the thread that calls kv_worker_serve runs one event loop
+ * (include/kvasir/net.h) for every connection, and the compute pool
+ * (--threads) runs the kernels; nothing else, whatever the number of
+ * connections. A connection's COMPUTE is held in its receive buffer as a
+ * job (its connection reads nothing more meanwhile); the loop's tick runs
+ * one scheduling round at a time:
+ *   - round robin over connections with a job: the first ready job names
+ *     the layer, and every ready job of that layer gets a quantum of its
+ *     next pairs (KV_WORKER_CHUNK rows per round in all), so requests of
+ *     several coordinators for one layer share one kernel call and one
+ *     maximum-size request cannot delay a small one by more than a round;
+ *   - the rows are computed in (expert, arrival) order by the in-process
+ *     provider with n_used = 1, and each job's rows are converted straight
+ *     into its connection's send queue in request order (a RESULT is
+ *     streamed while it is computed, never buffered whole);
+ *   - a job whose peer does not read (send queue above KV_WORKER_TX_HWM)
+ *     is skipped until the queue drains, so it holds neither memory nor
+ *     compute time; the write deadline then closes it.
+ * Every output element is one whole dot product, so a row does not depend
+ * on which other rows share its kernel call: a RESULT is bit-identical to
+ * the in-process computation whatever the batch composition, thread count
+ * or arrival order.
  *
- * Memory: a connection's receive buffer grows with the bytes that actually
- * arrived (never to a size announced by a header alone), up to the largest
- * COMPUTE this model admits (<= KV_PROTO_MAX_PAYLOAD); large buffers are
- * dropped after use. The compute scratch is allocated once.
+ * Slots and deadlines (what no peer may hold without doing real work):
+ * a connection must complete HELLO within the handshake timeout; at most
+ * max_pending_per_addr connections from one address may be waiting for
+ * their handshake; when every slot is taken, a newcomer evicts the
+ * handshaken connection that has gone longest without a COMPUTE (if that
+ * is at least evict_idle_ms ago; PING does not count as work), else it is
+ * refused. A frame started must complete within the read timeout.
  *
- * Same bits: a COMPUTE's pairs are sorted by (expert, token), gathered into
- * requests of n_used = 1 for the in-process provider, and each output row
- * written at its pair's position; every output element is one whole dot
- * product, so a RESULT equals the in-process computation bit for bit. */
+ * Memory: every connection's buffers are charged to one budget; a receive
+ * buffer grows with the bytes that actually arrived, up to the largest
+ * COMPUTE this model admits; the send queue is bounded by the high-water
+ * mark plus one round. The compute scratch is allocated once. */
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <arpa/inet.h>
-#include <poll.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -41,16 +57,18 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
+#include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 
-#define KV_WORKER_CHUNK 512u          /* pairs per provider call */
-#define KV_WORKER_MAX_FILES 65536u    /* slab files one worker opens */
-#define KV_WORKER_WRITE_MS 60000      /* a frame must be sent within this */
-#define KV_WORKER_KEEP_BUF (4u << 20) /* buffers above this are freed after use */
+#define KV_WORKER_CHUNK 512u             /* rows per scheduling round (one kernel call) */
+#define KV_WORKER_MAX_FILES 65536u       /* slab files one worker opens */
+#define KV_WORKER_TX_HWM (1u << 20)      /* a job waits while its peer has this much unread */
+#define KV_WORKER_HASH_BUF (4u << 20)    /* read size while hashing slabs */
+#define KV_WORKER_ERR_FRAME (KV_PROTO_HEADER + KV_PROTO_ERROR_FIXED + KV_PROTO_MAX_TEXT)
 
-typedef struct kv_conn kv_conn;
+typedef struct kv_wconn kv_wconn;
 
 struct kv_worker {
     kv_worker_opts opts;
@@ -64,49 +82,59 @@ struct kv_worker {
     uint8_t *held;                   /* [n_layer][n_expert] 1 if held */
     kv_held_range *ranges;           /* [n_ranges] sorted, merged runs */
     size_t n_ranges;
+    kv_slab_hash *slabs;             /* [n_slabs] what each file serves, with its SHA-256 */
+    size_t n_slabs;
     size_t max_payload;              /* largest COMPUTE payload this model admits */
+    uint32_t max_pairs;              /* pairs per COMPUTE (the cost cap) */
     kv_pool *pool;
     kv_expert_provider prov;
     bool have_prov;
-    /* compute scratch, under compute_mu */
-    pthread_mutex_t compute_mu;
-    uint64_t *keys;                  /* [KV_PROTO_MAX_PAIRS] (expert, token, pair index) */
+    /* round scratch (loop thread only) */
+    uint64_t *keys;                  /* [KV_WORKER_CHUNK] (expert << 32) | gathered row */
+    kv_wconn **rconn;                /* [KV_WORKER_CHUNK] job of each gathered row */
+    uint32_t *rpair;                 /* [KV_WORKER_CHUNK] its pair index in that job */
     float *xs;                       /* [KV_WORKER_CHUNK][n_embd] gathered inputs */
     int32_t *ids;                    /* [KV_WORKER_CHUNK] expert of each gathered row */
     float *ys;                       /* [KV_WORKER_CHUNK][n_embd] outputs */
-    /* connections, under mu */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;               /* signalled when a connection ends */
-    kv_conn **conns;                 /* [max_conns] active, NULL = free slot */
+    /* connections (loop thread only) */
+    kv_net_loop *loop;
+    kv_net_budget budget;
+    kv_net_watch lwatch;             /* the listening socket */
+    kv_wconn **conns;                /* [max_conns] slots, NULL = free */
     int n_active;
+    kv_wconn *jobs;                  /* ring of connections with a job; the next to serve */
     int lfd;                         /* listening socket */
-    int stop_pipe[2];                /* kv_worker_stop writes, serve polls */
     atomic_int stop;
     /* counters */
-    atomic_uint_fast64_t n_compute, n_pairs, n_tokens, n_conns, n_errors;
+    atomic_uint_fast64_t n_compute, n_pairs, n_tokens, n_conns, n_errors, n_batches, n_merged, compute_us;
     int64_t t_start_ms;
 };
 
-struct kv_conn {
+struct kv_wconn {
     kv_worker *w;
-    int fd;
-    int slot;                        /* index in w->conns */
+    kv_net_conn *nc;
+    int slot;                        /* index in w->conns, -1 once evicted */
     uint64_t id;                     /* connection number, for logs */
     char peer[96];                   /* "HOST:PORT" of the client */
-    uint8_t *rx;                     /* receive buffer */
-    size_t rx_cap;
-    uint8_t *tx;                     /* send buffer */
-    size_t tx_cap;
+    char ip[INET6_ADDRSTRLEN];       /* its address, for the per-address cap */
     bool hello;                      /* handshake done */
     uint16_t version;                /* negotiated */
     uint32_t enc_mask;               /* negotiated encodings */
+    int64_t last_work_ms;            /* handshake or last COMPUTE */
+    kv_net_timer hs_t;               /* handshake deadline */
+    kv_net_timer idle_t;             /* idle timeout (when configured) */
+    /* the job: a COMPUTE held in the receive buffer */
+    bool busy;
+    uint32_t rid;                    /* its request id */
+    kv_msg_compute job;              /* view into the held frame */
+    const float *xin;                /* hidden states in place, or NULL (converted per row) */
+    uint32_t next;                   /* pairs [0, next) are queued for sending */
+    uint8_t *wbase;                  /* this round's reserved rows in the send queue */
+    uint32_t wq;                     /* rows in this round */
+    kv_wconn *jprev, *jnext;         /* in w->jobs */
 };
 
-static int64_t kv_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
+static int64_t kv_now_ms(void) { return kv_net_now_ms(); }
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
@@ -381,45 +409,75 @@ static int kv_tab_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weigh
     return 0;
 }
 
-/* ---- listening ------------------------------------------------------------------------- */
+/* ---- slab hashes -------------------------------------------------------------------- */
 
-static int kv_worker_listen(kv_worker *w, kv_diag *d) {
-    char host[256], port_s[8];
-    uint16_t port;
-    int rc = kv_proto_parse_addr(w->opts.listen, host, sizeof host, &port, d);
-    if (rc) return kv_diag_prefix(d, rc, "--listen");
-    snprintf(port_s, sizeof port_s, "%u", port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE},
-                    *res = NULL;
-    int gr = getaddrinfo(host, port_s, &hints, &res);
-    if (gr) return kv_fail(d, KV_EINVAL, "--listen %s: %s", w->opts.listen, gai_strerror(gr));
-    rc = kv_fail(d, KV_EIO, "--listen %s: no address", w->opts.listen);
-    for (struct addrinfo *a = res; a; a = a->ai_next) {
-        int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) continue;
-        int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, a->ai_addr, a->ai_addrlen) || listen(fd, 128)) {
-            rc = kv_fail(d, KV_EIO, "--listen %s: %s", w->opts.listen, strerror(errno));
-            close(fd);
+static int kv_hash_path(const char *path, uint8_t out[32], kv_diag *d) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return kv_fail(d, KV_EIO, "%s: %s", path, strerror(errno));
+    uint8_t *buf = malloc(KV_WORKER_HASH_BUF);
+    if (!buf) {
+        close(fd);
+        return kv_fail(d, KV_ENOMEM, "slabs: out of memory");
+    }
+    kv_sha256 h;
+    kv_sha256_init(&h);
+    int rc = 0;
+    for (;;) {
+        ssize_t k = read(fd, buf, KV_WORKER_HASH_BUF);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) {
+            rc = kv_fail(d, KV_EIO, "%s: %s", path, strerror(errno));
+            break;
+        }
+        if (k == 0) break;
+        kv_sha256_update(&h, buf, (size_t)k);
+    }
+    free(buf);
+    close(fd);
+    if (rc) kv_sha256_discard(&h);
+    else kv_sha256_final(&h, out);
+    return rc;
+}
+
+static int kv_cmp_slab(const void *a, const void *b) {
+    const kv_slab_hash *x = a, *y = b;
+    if (x->layer != y->layer) return x->layer < y->layer ? -1 : 1;
+    return (x->first > y->first) - (x->first < y->first);
+}
+
+/* The SHA-256 of every file served, as (layer, first, last) entries for the
+ * HELLO_ACK: a slab is one entry; a full model file is one entry per layer
+ * it holds, with the whole file's hash (no manifest lists such a piece, so
+ * a coordinator refuses it). */
+static int kv_worker_hash_slabs(kv_worker *w, kv_diag *d) {
+    size_t cap = 0;
+    for (size_t i = 0; i < w->n_files; i++) {
+        uint32_t L;
+        cap += kv_gguf_get_u32(w->files[i], "kvasir.slab.layer", &L, NULL) ? w->n_layer : 1;
+    }
+    if (cap > KV_PROTO_MAX_RANGES) return kv_fail(d, KV_ERANGE, "slabs: %zu pieces exceed the protocol's %u", cap, KV_PROTO_MAX_RANGES);
+    w->slabs = calloc(cap ? cap : 1, sizeof *w->slabs);
+    if (!w->slabs) return kv_fail(d, KV_ENOMEM, "slabs: out of memory");
+    for (size_t i = 0; i < w->n_files; i++) {
+        uint8_t h[32];
+        int rc = kv_hash_path(w->paths[i], h, d);
+        if (rc) return rc;
+        uint32_t L, f, l;
+        if (!kv_gguf_get_u32(w->files[i], "kvasir.slab.layer", &L, NULL) &&
+            !kv_gguf_get_u32(w->files[i], "kvasir.slab.first", &f, NULL) &&
+            !kv_gguf_get_u32(w->files[i], "kvasir.slab.last", &l, NULL)) {
+            w->slabs[w->n_slabs] = (kv_slab_hash){L, f, l, {0}};
+            memcpy(w->slabs[w->n_slabs++].sha256, h, 32);
             continue;
         }
-        struct sockaddr_storage ss;
-        socklen_t sl = sizeof ss;
-        char hb[INET6_ADDRSTRLEN] = "?", pb[8] = "0";
-        if (!getsockname(fd, (struct sockaddr *)&ss, &sl))
-            getnameinfo((struct sockaddr *)&ss, sl, hb, sizeof hb, pb, sizeof pb, NI_NUMERICHOST | NI_NUMERICSERV);
-        if (ss.ss_family == AF_INET6)
-            snprintf(w->addr, sizeof w->addr, "[%s]:%s", hb, pb);
-        else
-            snprintf(w->addr, sizeof w->addr, "%s:%s", hb, pb);
-        w->lfd = fd;
-        rc = 0;
-        if (d) d->code = 0, d->msg[0] = 0;
-        break;
+        for (uint32_t layer = 0; layer < w->n_layer; layer++) {
+            if (!w->held[(size_t)layer * w->n_expert]) continue;
+            w->slabs[w->n_slabs] = (kv_slab_hash){layer, 0, w->n_expert - 1, {0}};
+            memcpy(w->slabs[w->n_slabs++].sha256, h, 32);
+        }
     }
-    freeaddrinfo(res);
-    return rc;
+    qsort(w->slabs, w->n_slabs, sizeof *w->slabs, kv_cmp_slab);
+    return 0;
 }
 
 /* ---- open / free ---------------------------------------------------------------------- */
@@ -433,22 +491,31 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
     w->opts = *opts;
     if (w->opts.max_conns <= 0) w->opts.max_conns = 64;
     if (w->opts.read_timeout_ms <= 0) w->opts.read_timeout_ms = 10000;
+    if (w->opts.handshake_timeout_ms <= 0) w->opts.handshake_timeout_ms = 5000;
+    if (w->opts.max_pending_per_addr <= 0) w->opts.max_pending_per_addr = 8;
+    if (w->opts.evict_idle_ms <= 0) w->opts.evict_idle_ms = 10000;
+    if (w->opts.write_timeout_ms <= 0) w->opts.write_timeout_ms = 30000;
+    if (!w->opts.mem_budget) w->opts.mem_budget = (size_t)1 << 30;
+    if (!w->opts.max_request_cost) w->opts.max_request_cost = (uint64_t)1 << 36;
     w->lfd = -1;
-    w->stop_pipe[0] = w->stop_pipe[1] = -1;
-    pthread_mutex_init(&w->compute_mu, NULL);
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_cond_init(&w->cv, NULL);
     int rc = kv_worker_load(w, d);
+    if (!rc) rc = kv_worker_hash_slabs(w, d);
     if (!rc) {
         /* the largest COMPUTE that can be valid for this model */
         size_t mp = kv_msg_compute_size(KV_ENC_F32, KV_PROTO_MAX_TOKENS, w->n_embd, KV_PROTO_MAX_PAIRS);
         w->max_payload = mp ? mp - KV_PROTO_HEADER : KV_PROTO_MAX_PAYLOAD;
-        w->keys = malloc(sizeof *w->keys * KV_PROTO_MAX_PAIRS);
+        /* the cost cap: multiply-adds of one pair (gate, up, down) */
+        const uint64_t per_pair = 3ull * w->n_embd * w->n_ff;
+        uint64_t mpairs = w->opts.max_request_cost / (per_pair ? per_pair : 1);
+        w->max_pairs = (uint32_t)(mpairs > KV_PROTO_MAX_PAIRS ? KV_PROTO_MAX_PAIRS : mpairs ? mpairs : 1);
+        w->keys = malloc(sizeof *w->keys * KV_WORKER_CHUNK);
+        w->rconn = malloc(sizeof *w->rconn * KV_WORKER_CHUNK);
+        w->rpair = malloc(sizeof *w->rpair * KV_WORKER_CHUNK);
         w->xs = malloc(sizeof *w->xs * KV_WORKER_CHUNK * w->n_embd);
         w->ys = malloc(sizeof *w->ys * KV_WORKER_CHUNK * w->n_embd);
         w->ids = malloc(sizeof *w->ids * KV_WORKER_CHUNK);
         w->conns = calloc((size_t)w->opts.max_conns, sizeof *w->conns);
-        if (!w->keys || !w->xs || !w->ys || !w->ids || !w->conns)
+        if (!w->keys || !w->rconn || !w->rpair || !w->xs || !w->ys || !w->ids || !w->conns)
             rc = kv_fail(d, KV_ENOMEM, "worker: out of memory");
     }
     if (!rc) rc = kv_pool_new(&w->pool, w->opts.n_threads, d);
@@ -457,13 +524,13 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
         rc = kv_expert_local_new_src(&w->prov, &src, w->pool, KV_WORKER_CHUNK, d);
         w->have_prov = rc == 0;
     }
-    if (!rc && pipe2(w->stop_pipe, O_CLOEXEC | O_NONBLOCK))
-        rc = kv_fail(d, KV_EIO, "worker: pipe: %s", strerror(errno));
-    if (!rc) rc = kv_worker_listen(w, d);
+    if (!rc) rc = kv_net_loop_new(&w->loop, d);
+    if (!rc) rc = kv_net_listen(w->opts.listen, 128, &w->lfd, w->addr, sizeof w->addr, d);
     if (rc) {
         kv_worker_free(w);
         return rc;
     }
+    kv_net_budget_init(&w->budget, w->opts.mem_budget);
     w->t_start_ms = kv_now_ms();
     *out = w;
     return 0;
@@ -471,9 +538,10 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
 
 void kv_worker_free(kv_worker *w) {
     if (!w) return;
+    kv_net_loop_free(w->loop); /* closes connections still open */
+    if (w->conns)
+        for (int i = 0; i < w->opts.max_conns; i++) free(w->conns[i]);
     if (w->lfd >= 0) close(w->lfd);
-    for (int i = 0; i < 2; i++)
-        if (w->stop_pipe[i] >= 0) close(w->stop_pipe[i]);
     if (w->have_prov) w->prov.free(w->prov.impl);
     kv_pool_free(w->pool);
     for (size_t i = 0; i < w->n_files; i++) {
@@ -485,14 +553,14 @@ void kv_worker_free(kv_worker *w) {
     free(w->tab);
     free(w->held);
     free(w->ranges);
+    free(w->slabs);
     free(w->keys);
+    free(w->rconn);
+    free(w->rpair);
     free(w->xs);
     free(w->ys);
     free(w->ids);
     free(w->conns);
-    pthread_mutex_destroy(&w->compute_mu);
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
     free(w);
 }
 
@@ -511,430 +579,521 @@ void kv_worker_stats(const kv_worker *w, kv_msg_stats *s) {
     s->n_conns = atomic_load(&mw->n_conns);
     s->n_errors = atomic_load(&mw->n_errors);
     s->uptime_ms = (uint64_t)(kv_now_ms() - w->t_start_ms);
+    s->n_batches = atomic_load(&mw->n_batches);
+    s->n_merged = atomic_load(&mw->n_merged);
+    s->compute_us = atomic_load(&mw->compute_us);
 }
 
 void kv_worker_stop(kv_worker *w) {
     atomic_store(&w->stop, 1);
-    if (w->stop_pipe[1] >= 0) {
-        ssize_t k = write(w->stop_pipe[1], "x", 1);
-        (void)k;
-    }
+    if (w->loop) kv_net_loop_stop(w->loop);
 }
 
 /* ---- one connection -------------------------------------------------------------------- */
 
-/* Grows a buffer to at least want bytes (keeping contents). */
-static int kv_grow(uint8_t **buf, size_t *cap, size_t want) {
-    if (*cap >= want) return 0;
-    size_t nc = *cap ? *cap : 4096;
-    while (nc < want) nc = nc > SIZE_MAX / 2 ? want : nc * 2;
-    uint8_t *nb = realloc(*buf, nc);
-    if (!nb) return -1;
-    *buf = nb;
-    *cap = nc;
-    return 0;
+/* Queues a frame just encoded into buf, stamped with the negotiated version. */
+static void kv_wc_queue(kv_wconn *c, uint8_t *buf, size_t n) {
+    if (c->hello) kv_frame_set_version(buf, c->version);
+    (void)kv_net_conn_send(c->nc, buf, n);
 }
 
-static void kv_shrink(uint8_t **buf, size_t *cap) {
-    if (*cap > KV_WORKER_KEEP_BUF) {
-        free(*buf);
-        *buf = NULL;
-        *cap = 0;
-    }
-}
-
-/* Sends an ERROR frame (best effort) and counts it. */
-static void kv_conn_send_error(kv_conn *c, uint32_t rid, int code, const char *msg) {
-    uint8_t buf[KV_PROTO_HEADER + KV_PROTO_ERROR_FIXED + KV_PROTO_MAX_TEXT];
+/* Queues an ERROR frame and counts it. */
+static void kv_wc_error(kv_wconn *c, uint32_t rid, int code, const char *msg) {
+    uint8_t buf[KV_WORKER_ERR_FRAME];
     size_t n;
     atomic_fetch_add(&c->w->n_errors, 1);
-    if (kv_msg_error_encode(buf, sizeof buf, rid, code, msg, &n, NULL) == 0)
-        (void)kv_proto_write_all(c->fd, buf, n, 2000, NULL);
+    if (kv_msg_error_encode(buf, sizeof buf, rid, code, msg, &n, NULL) == 0) kv_wc_queue(c, buf, n);
 }
 
-/* Waits until fd is readable, the deadline passes, or the worker stops.
- * Returns 1 readable, 0 timeout, -1 stop/error. */
-static int kv_conn_wait(kv_conn *c, int64_t deadline) {
-    for (;;) {
-        if (atomic_load(&c->w->stop)) return -1;
-        int wait = 500; /* re-check stop at least twice a second */
-        if (deadline >= 0) {
-            int64_t left = deadline - kv_now_ms();
-            if (left <= 0) return 0;
-            if (left < wait) wait = (int)left;
-        }
-        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
-        int pr = poll(&pf, 1, wait);
-        if (pr < 0 && errno != EINTR) return -1;
-        if (pr > 0) return 1;
-    }
-}
-
-/* Reads one frame into c->rx. Returns 0 with *len set, or a negative code
- * with msg filled; *quiet set for a clean close between frames or a stop. */
-static int kv_conn_read_frame(kv_conn *c, size_t *len, bool *quiet, kv_diag *d) {
-    kv_worker *w = c->w;
-    size_t have = 0, need = KV_PROTO_HEADER;
-    int64_t deadline = w->opts.idle_timeout_ms > 0 ? kv_now_ms() + w->opts.idle_timeout_ms : -1;
-    bool started = false;
-    *quiet = false;
-    if (kv_grow(&c->rx, &c->rx_cap, KV_PROTO_HEADER)) return kv_fail(d, KV_ENOMEM, "out of memory");
-    while (have < need) {
-        int wr = kv_conn_wait(c, deadline);
-        if (wr < 0) {
-            *quiet = true;
-            return kv_fail(d, KV_EIO, "stopping");
-        }
-        if (wr == 0)
-            return kv_fail(d, KV_ETIMEOUT, started ? "frame not complete within %d ms (%zu of %zu bytes)"
-                                                   : "idle for %d ms",
-                           started ? w->opts.read_timeout_ms : w->opts.idle_timeout_ms, have, need);
-        /* grow with what arrives, never to a size only announced */
-        size_t want = need - have;
-        if (c->rx_cap - have < want && c->rx_cap < need) {
-            size_t target = c->rx_cap * 2 < need ? c->rx_cap * 2 : need;
-            if (kv_grow(&c->rx, &c->rx_cap, target)) return kv_fail(d, KV_ENOMEM, "out of memory");
-        }
-        if (want > c->rx_cap - have) want = c->rx_cap - have;
-        ssize_t k = read(c->fd, c->rx + have, want);
-        if (k < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-            return kv_fail(d, KV_EIO, "read: %s", strerror(errno));
-        }
-        if (k == 0) {
-            if (!started) {
-                *quiet = true;
-                return kv_fail(d, KV_EIO, "closed by peer");
-            }
-            return kv_fail(d, KV_EIO, "closed inside a frame (%zu of %zu bytes)", have, need);
-        }
-        if (!started) {
-            started = true;
-            deadline = kv_now_ms() + w->opts.read_timeout_ms;
-        }
-        have += (size_t)k;
-        if (have == KV_PROTO_HEADER && need == KV_PROTO_HEADER) {
-            kv_frame_header h;
-            int rc = kv_frame_header_decode(c->rx, KV_PROTO_HEADER, &h, d);
-            if (rc) return rc;
-            if (h.len > w->max_payload)
-                return kv_fail(d, KV_ERANGE, "frame: payload length %u exceeds %zu (the largest "
-                                             "valid request for this model)", h.len, w->max_payload);
-            need = KV_PROTO_HEADER + (size_t)h.len;
-        }
-    }
-    *len = need;
+/* A protocol error: ERROR, then close (after it is flushed). */
+static int kv_wc_fatal(kv_wconn *c, uint32_t rid, int code, const char *what, const char *msg) {
+    char why[KV_PROTO_MAX_TEXT + 64];
+    kv_wc_error(c, rid, code, msg);
+    snprintf(why, sizeof why, "%s: %s", what, msg);
+    kv_net_conn_close(c->nc, code, why);
     return 0;
 }
+
+static void kv_job_add(kv_worker *w, kv_wconn *c) {
+    if (!w->jobs) {
+        c->jprev = c->jnext = c;
+        w->jobs = c;
+        return;
+    }
+    kv_wconn *h = w->jobs; /* at the tail: served after everyone waiting */
+    c->jprev = h->jprev;
+    c->jnext = h;
+    h->jprev->jnext = c;
+    h->jprev = c;
+}
+
+static void kv_job_remove(kv_worker *w, kv_wconn *c) {
+    if (!c->busy) return;
+    c->busy = false;
+    if (c->jnext == c) w->jobs = NULL;
+    else {
+        c->jprev->jnext = c->jnext;
+        c->jnext->jprev = c->jprev;
+        if (w->jobs == c) w->jobs = c->jnext;
+    }
+    c->jprev = c->jnext = NULL;
+}
+
+static int kv_wc_frame_len(kv_net_conn *nc, const uint8_t *hdr, size_t *total, kv_diag *d) {
+    kv_wconn *c = kv_net_conn_data(nc);
+    kv_frame_header h;
+    int rc = kv_frame_header_decode(hdr, KV_PROTO_HEADER, &h, d);
+    if (rc) return rc;
+    if (h.len > c->w->max_payload)
+        return kv_fail(d, KV_ERANGE, "frame: payload length %u exceeds %zu (the largest valid request for this model)",
+                       h.len, c->w->max_payload);
+    *total = KV_PROTO_HEADER + (size_t)h.len;
+    return 0;
+}
+
+static void kv_wc_on_error(kv_net_conn *nc, int code, const char *why) {
+    kv_wconn *c = kv_net_conn_data(nc);
+    if (code != KV_EIO) kv_wc_error(c, 0, code, why);
+}
+
+static void kv_wc_handshake_timeout(kv_net_loop *l, kv_net_timer *t) {
+    kv_wconn *c = t->data;
+    (void)l;
+    char msg[96];
+    snprintf(msg, sizeof msg, "no HELLO within %d ms", c->w->opts.handshake_timeout_ms);
+    kv_wc_fatal(c, 0, KV_ETIMEOUT, "handshake", msg);
+}
+
+static void kv_wc_idle_timeout(kv_net_loop *l, kv_net_timer *t) {
+    kv_wconn *c = t->data;
+    if (c->busy) { /* working for it: not idle */
+        kv_net_timer_start(l, t, c->w->opts.idle_timeout_ms);
+        return;
+    }
+    char msg[96];
+    snprintf(msg, sizeof msg, "idle for %d ms", c->w->opts.idle_timeout_ms);
+    kv_wc_fatal(c, 0, KV_ETIMEOUT, "idle", msg);
+}
+
+static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
+    kv_worker *w = c->w;
+    kv_diag d = {0};
+    uint32_t lo = h->min_version > KV_PROTO_VERSION_MIN ? h->min_version : KV_PROTO_VERSION_MIN;
+    uint32_t hi = h->max_version < KV_PROTO_VERSION ? h->max_version : KV_PROTO_VERSION;
+    int rc = 0;
+    if (c->hello) rc = kv_fail(&d, KV_EPROTO, "second HELLO");
+    else if (lo > hi)
+        rc = kv_fail(&d, KV_EUNSUPPORTED, "no common protocol version: coordinator speaks [%u, %u], this worker [%u, %u]",
+                     h->min_version, h->max_version, KV_PROTO_VERSION_MIN, KV_PROTO_VERSION);
+    else if (strcmp(h->model_id, w->model_id)) /* never echo any part of our id */
+        rc = kv_fail(&d, KV_EHASH, "this worker does not serve the model requested");
+    if (rc) return kv_wc_fatal(c, rid, rc, "handshake refused", d.msg);
+    kv_msg_hello_ack ack = {0};
+    ack.version = (uint16_t)hi;
+    memcpy(ack.model_id, w->model_id, sizeof ack.model_id);
+    ack.n_layer = w->n_layer;
+    ack.n_embd = w->n_embd;
+    ack.n_ff_exp = w->n_ff;
+    ack.n_expert = w->n_expert;
+    ack.n_expert_used = w->n_expert_used;
+    ack.enc_mask = h->enc_mask & KV_ENC_MASK_ALL;
+    snprintf(ack.backend, sizeof ack.backend, "%s", kv_quant_backend());
+    ack.n_ranges = (uint32_t)w->n_ranges;
+    ack.ranges = w->ranges;
+    ack.max_pairs = w->max_pairs;
+    ack.n_slabs = (uint32_t)w->n_slabs;
+    ack.slabs = w->slabs;
+    size_t fs = kv_msg_hello_ack_size_v(ack.version, strlen(ack.backend), ack.n_ranges,
+                                        ack.version >= 2 ? ack.n_slabs : 0), n = 0;
+    uint8_t *p = fs ? kv_net_conn_reserve(c->nc, fs) : NULL;
+    if (!p || kv_msg_hello_ack_encode(p, fs, rid, &ack, &n, &d)) {
+        if (kv_net_conn_closing(c->nc)) return 0;
+        return kv_wc_fatal(c, rid, KV_EINTERNAL, "internal", "cannot encode HELLO_ACK");
+    }
+    kv_net_conn_commit(c->nc, n);
+    c->hello = true;
+    c->version = (uint16_t)hi;
+    c->enc_mask = ack.enc_mask;
+    c->last_work_ms = kv_now_ms();
+    kv_net_timer_stop(w->loop, &c->hs_t);
+    kv_wlog(w, "conn %llu %s: handshake ok (protocol v%u)", (unsigned long long)c->id, c->peer, hi);
+    return 0;
+}
+
+/* Checks a COMPUTE and makes it this connection's job (KV_NET_HOLD), or
+ * answers it with a request-level ERROR (0). */
+static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
+    kv_worker *w = c->w;
+    kv_diag d = {0};
+    if (!((c->enc_mask >> cm->enc) & 1u) || !((c->enc_mask >> cm->out_enc) & 1u)) {
+        kv_fail(&d, KV_EPROTO, "COMPUTE uses encoding %s/%s, not negotiated", kv_enc_name(cm->enc), kv_enc_name(cm->out_enc));
+        return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", d.msg);
+    }
+    int code = 0;
+    if (cm->n_pairs > w->max_pairs) {
+        code = kv_fail(&d, KV_ERANGE, "request of %u pairs exceeds this worker's cost cap of %u pairs per request",
+                       cm->n_pairs, w->max_pairs);
+    } else {
+        /* experts not held: a request-level error, the connection stays */
+        for (uint32_t i = 0; i < cm->n_pairs && !code; i++) {
+            kv_proto_pair p = kv_msg_compute_pair(cm, i);
+            if (!w->held[(size_t)cm->layer * w->n_expert + p.expert])
+                code = kv_fail(&d, KV_ENOTFOUND, "layer %u expert %u (pair %u) is not held by this worker", cm->layer,
+                               p.expert, i);
+        }
+    }
+    if (!code && !kv_msg_result_size(cm->out_enc, cm->n_pairs, cm->n_embd))
+        code = kv_fail(&d, KV_ERANGE, "the RESULT of %u pairs would exceed the payload maximum", cm->n_pairs);
+    if (code) {
+        kv_wc_error(c, rid, code, d.msg);
+        kv_wlog(w, "conn %llu %s: request %u refused: %s", (unsigned long long)c->id, c->peer, rid, d.msg);
+        return 0;
+    }
+    c->job = *cm;
+    c->rid = rid;
+    c->xin = kv_msg_compute_x_inplace(cm);
+    c->next = 0;
+    c->busy = true;
+    c->last_work_ms = kv_now_ms();
+    kv_job_add(w, c);
+    return KV_NET_HOLD;
+}
+
+static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
+    kv_wconn *c = kv_net_conn_data(nc);
+    kv_worker *w = c->w;
+    const kv_proto_limits lim = {w->n_layer, w->n_embd, w->n_expert};
+    kv_diag d = {0};
+    kv_msg m;
+    if (w->opts.idle_timeout_ms > 0) kv_net_timer_start(w->loop, &c->idle_t, w->opts.idle_timeout_ms);
+    int rc = kv_msg_decode(f, len, &lim, &m, &d);
+    if (rc) return kv_wc_fatal(c, 0, rc, "protocol error", d.msg);
+    const uint32_t rid = m.h.request_id;
+    if (c->hello && m.h.version != c->version) {
+        kv_fail(&d, KV_EPROTO, "frame version %u, negotiated %u", m.h.version, c->version);
+        return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", d.msg);
+    }
+    if (!c->hello && m.h.type != KV_MSG_HELLO) {
+        kv_fail(&d, KV_EPROTO, "expected HELLO, got %s", kv_msg_type_name(m.h.type));
+        return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", d.msg);
+    }
+    uint8_t buf[KV_PROTO_HEADER + KV_PROTO_STATS_ACK_SIZE_V2];
+    size_t n = 0;
+    switch (m.h.type) {
+    case KV_MSG_HELLO: return kv_wc_hello(c, rid, &m.u.hello);
+    case KV_MSG_COMPUTE: return kv_wc_compute(c, rid, &m.u.compute);
+    case KV_MSG_PING:
+        if (!kv_msg_ping_encode(buf, sizeof buf, KV_MSG_PONG, rid, m.u.nonce, &n, NULL)) kv_wc_queue(c, buf, n);
+        return 0;
+    case KV_MSG_STATS: { /* only after a handshake (checked above): never to strangers */
+        kv_msg_stats s;
+        kv_worker_stats(w, &s);
+        if (!kv_msg_stats_ack_encode_v(buf, sizeof buf, rid, c->version, &s, &n, NULL)) kv_wc_queue(c, buf, n);
+        return 0;
+    }
+    case KV_MSG_ERROR: {
+        char why[KV_PROTO_MAX_TEXT + 64];
+        snprintf(why, sizeof why, "peer sent ERROR %s: %.300s", kv_err_name(m.u.error.code), m.u.error.msg);
+        kv_net_conn_close(nc, 0, why);
+        return 0;
+    }
+    default:
+        kv_fail(&d, KV_EPROTO, "unexpected %s from a coordinator", kv_msg_type_name(m.h.type));
+        return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", d.msg);
+    }
+}
+
+static void kv_wc_on_close(kv_net_conn *nc, int code, const char *why) {
+    kv_wconn *c = kv_net_conn_data(nc);
+    kv_worker *w = c->w;
+    kv_job_remove(w, c);
+    kv_net_timer_stop(w->loop, &c->hs_t);
+    kv_net_timer_stop(w->loop, &c->idle_t);
+    kv_wlog(w, "conn %llu %s: closed (%s)", (unsigned long long)c->id, c->peer,
+            why && why[0] ? why : code ? kv_err_str(code) : "closed");
+    if (c->slot >= 0) {
+        w->conns[c->slot] = NULL;
+        w->n_active--;
+    }
+    free(c);
+}
+
+static const kv_net_conn_cbs kv_wc_cbs = {
+    .frame_len = kv_wc_frame_len,
+    .on_frame = kv_wc_on_frame,
+    .on_error = kv_wc_on_error,
+    .on_close = kv_wc_on_close,
+};
+
+/* ---- scheduling: one round per tick -------------------------------------------------------- */
 
 static int kv_cmp_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
 }
 
-/* Computes a decoded COMPUTE into c->tx as a RESULT frame; *n its size. */
-static int kv_conn_compute(kv_conn *c, uint32_t rid, const kv_msg_compute *m, size_t *n, kv_diag *d) {
-    kv_worker *w = c->w;
-    size_t fsize = kv_msg_result_size(m->out_enc, m->n_pairs, m->n_embd);
-    if (!fsize || kv_grow(&c->tx, &c->tx_cap, fsize))
-        return kv_fail(d, KV_ENOMEM, "no memory for a result of %u pairs", m->n_pairs);
-    int rc = kv_msg_result_begin(c->tx, c->tx_cap, rid, m->out_enc, m->n_pairs, m->n_embd, n, d);
-    if (rc) return rc;
-    const float *xin = kv_msg_compute_x_inplace(m);
-    pthread_mutex_lock(&w->compute_mu);
-    /* pairs by (expert, token, index): each chunk holds few experts, many tokens */
-    for (uint32_t i = 0; i < m->n_pairs; i++) {
-        kv_proto_pair p = kv_msg_compute_pair(m, i);
-        w->keys[i] = ((uint64_t)p.expert << 32) | ((uint64_t)p.token << 16) | i;
-    }
-    qsort(w->keys, m->n_pairs, sizeof *w->keys, kv_cmp_u64);
-    for (uint32_t s = 0; s < m->n_pairs && !rc; s += KV_WORKER_CHUNK) {
-        uint32_t cn = m->n_pairs - s < KV_WORKER_CHUNK ? m->n_pairs - s : KV_WORKER_CHUNK;
-        for (uint32_t j = 0; j < cn; j++) {
-            uint64_t k = w->keys[s + j];
-            uint32_t tok = (uint32_t)(k >> 16) & 0xffffu;
-            float *row = w->xs + (size_t)j * w->n_embd;
-            if (xin)
-                memcpy(row, xin + (size_t)tok * w->n_embd, sizeof(float) * w->n_embd);
-            else
-                kv_msg_compute_row(m, tok, row);
-            w->ids[j] = (int32_t)(k >> 32);
-        }
-        kv_expert_req req = {m->layer, cn, w->n_embd, 1, w->xs, w->ids};
-        rc = w->prov.compute(w->prov.impl, &req, w->ys, d);
-        for (uint32_t j = 0; j < cn && !rc; j++)
-            kv_msg_result_put_row(c->tx, m->out_enc, w->n_embd, (uint32_t)(w->keys[s + j] & 0xffffu),
-                                  w->ys + (size_t)j * w->n_embd);
-    }
-    pthread_mutex_unlock(&w->compute_mu);
-    return rc;
+static bool kv_job_ready(const kv_wconn *c) {
+    return !kv_net_conn_closing(c->nc) && kv_net_conn_pending(c->nc) < KV_WORKER_TX_HWM;
 }
 
+/* Finishes c's job: the frame is released and the next one may be read. */
+static void kv_job_done(kv_worker *w, kv_wconn *c) {
+    atomic_fetch_add(&w->n_compute, 1);
+    atomic_fetch_add(&w->n_pairs, c->job.n_pairs);
+    atomic_fetch_add(&w->n_tokens, c->job.n_tokens);
+    kv_job_remove(w, c);
+    kv_net_conn_release(c->nc);
+}
 
-/* Serves one connection until it closes or breaks the protocol. Returns a
- * short reason for the log. */
-static void kv_conn_serve(kv_conn *c, char *why, size_t why_cap) {
-    kv_worker *w = c->w;
-    const kv_proto_limits lim = {w->n_layer, w->n_embd, w->n_expert};
+static bool kv_worker_tick(kv_net_loop *l, void *data) {
+    kv_worker *w = data;
+    (void)l;
+    if (!w->jobs) return false;
+    /* the first ready job, in round-robin order, names the layer */
+    kv_wconn *first = NULL, *c = w->jobs;
+    do {
+        if (kv_job_ready(c)) first = c;
+        c = c->jnext;
+    } while (!first && c != w->jobs);
+    if (!first) return false; /* every peer with a job is slow to read: wait for drains */
+    const uint32_t L = first->job.layer, E = w->n_embd;
+    uint32_t n_ready = 0;
+    c = first;
+    do {
+        n_ready += c->job.layer == L && kv_job_ready(c);
+        c = c->jnext;
+    } while (c != first);
+    uint32_t quantum = KV_WORKER_CHUNK / n_ready;
+    if (quantum == 0) quantum = 1;
+    /* gather each ready job's next pairs, in ring order */
+    uint32_t n = 0, n_jobs = 0;
+    c = first;
+    do {
+        c->wq = 0;
+        if (c->job.layer == L && kv_job_ready(c) && n < KV_WORKER_CHUNK) {
+            uint32_t q = c->job.n_pairs - c->next;
+            if (q > quantum) q = quantum;
+            if (q > KV_WORKER_CHUNK - n) q = KV_WORKER_CHUNK - n;
+            for (uint32_t i = 0; i < q; i++) {
+                kv_proto_pair p = kv_msg_compute_pair(&c->job, c->next + i);
+                w->keys[n] = ((uint64_t)p.expert << 32) | n;
+                w->rconn[n] = c;
+                w->rpair[n++] = c->next + i;
+            }
+            c->wq = q;
+            n_jobs++;
+        }
+        c = c->jnext;
+    } while (c != first);
+    /* rows of one expert together: the kernel streams each expert's weights once */
+    qsort(w->keys, n, sizeof *w->keys, kv_cmp_u64);
+    for (uint32_t k = 0; k < n; k++) {
+        const uint32_t j = (uint32_t)(w->keys[k] & 0xffffffffu);
+        const kv_wconn *jc = w->rconn[j];
+        kv_proto_pair p = kv_msg_compute_pair(&jc->job, w->rpair[j]);
+        float *row = w->xs + (size_t)k * E;
+        if (jc->xin) memcpy(row, jc->xin + (size_t)p.token * E, sizeof(float) * E);
+        else kv_msg_compute_row(&jc->job, p.token, row);
+        w->ids[k] = (int32_t)p.expert;
+    }
     kv_diag d = {0};
-    for (;;) {
-        size_t len = 0;
-        bool quiet;
-        int rc = kv_conn_read_frame(c, &len, &quiet, &d);
-        if (rc) {
-            if (!quiet && rc != KV_EIO) kv_conn_send_error(c, 0, rc, d.msg);
-            snprintf(why, why_cap, "%s", d.msg);
-            return;
+    const kv_expert_req req = {L, n, E, 1, w->xs, w->ids};
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    int rc = w->prov.compute(w->prov.impl, &req, w->ys, &d);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    atomic_fetch_add(&w->compute_us, (uint64_t)((b.tv_sec - a.tv_sec) * 1000000 + (b.tv_nsec - a.tv_nsec) / 1000));
+    atomic_fetch_add(&w->n_batches, 1);
+    if (n_jobs > 1) atomic_fetch_add(&w->n_merged, 1);
+    /* reserve each job's rows in its send queue (the RESULT head first) */
+    c = first;
+    do {
+        kv_wconn *nx = c->jnext;
+        if (c->wq) {
+            const size_t rb = (size_t)E * kv_enc_size(c->job.out_enc);
+            const size_t head = c->next == 0 ? KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED : 0;
+            c->wbase = rc ? NULL : kv_net_conn_reserve(c->nc, head + (size_t)c->wq * rb);
+            if (c->wbase && head) {
+                kv_msg_result_head(c->wbase, c->version, c->rid, c->job.out_enc, c->job.n_pairs, E);
+                c->wbase += head;
+            }
         }
-        kv_msg m;
-        rc = kv_msg_decode(c->rx, len, &lim, &m, &d);
-        const uint32_t rid = rc ? 0 : m.h.request_id;
-        if (rc) {
-            kv_conn_send_error(c, 0, rc, d.msg);
-            snprintf(why, why_cap, "protocol error: %s", d.msg);
-            return;
+        c = nx;
+    } while (c != first);
+    if (!rc)
+        for (uint32_t k = 0; k < n; k++) {
+            const uint32_t j = (uint32_t)(w->keys[k] & 0xffffffffu);
+            kv_wconn *jc = w->rconn[j];
+            if (!jc->wbase) continue;
+            const size_t rb = (size_t)E * kv_enc_size(jc->job.out_enc);
+            kv_msg_rows_put(jc->wbase + (size_t)(w->rpair[j] - jc->next) * rb, jc->job.out_enc, w->ys + (size_t)k * E, E);
         }
-        if (c->hello && m.h.version != c->version) {
-            kv_fail(&d, KV_EPROTO, "frame version %u, negotiated %u", m.h.version, c->version);
-            kv_conn_send_error(c, rid, KV_EPROTO, d.msg);
-            snprintf(why, why_cap, "protocol error: %s", d.msg);
-            return;
-        }
-        if (!c->hello && m.h.type != KV_MSG_HELLO) {
-            kv_fail(&d, KV_EPROTO, "expected HELLO, got %s", kv_msg_type_name(m.h.type));
-            kv_conn_send_error(c, rid, KV_EPROTO, d.msg);
-            snprintf(why, why_cap, "protocol error: %s", d.msg);
-            return;
-        }
-        size_t n = 0;
-        switch (m.h.type) {
-        case KV_MSG_HELLO: {
-            const kv_msg_hello *h = &m.u.hello;
-            uint32_t lo = h->min_version > KV_PROTO_VERSION_MIN ? h->min_version : KV_PROTO_VERSION_MIN;
-            uint32_t hi = h->max_version < KV_PROTO_VERSION ? h->max_version : KV_PROTO_VERSION;
-            if (c->hello) rc = kv_fail(&d, KV_EPROTO, "second HELLO");
-            else if (lo > hi)
-                rc = kv_fail(&d, KV_EUNSUPPORTED, "no common protocol version: coordinator speaks "
-                                                  "[%u, %u], this worker [%u, %u]",
-                             h->min_version, h->max_version, KV_PROTO_VERSION_MIN, KV_PROTO_VERSION);
-            else if (strcmp(h->model_id, w->model_id))
-                rc = kv_fail(&d, KV_EHASH, "model %.16s... requested, this worker serves %.16s...",
-                             h->model_id, w->model_id);
+    /* commit, finish the jobs that are complete, move the ring on */
+    kv_wconn *done[KV_WORKER_CHUNK];
+    uint32_t n_done = 0;
+    c = first;
+    do {
+        if (c->wq) {
             if (rc) {
-                kv_conn_send_error(c, rid, rc, d.msg);
-                snprintf(why, why_cap, "handshake refused: %s", d.msg);
-                return;
+                if (c->next == 0) { /* nothing sent yet: a request-level ERROR */
+                    kv_wc_error(c, c->rid, rc, d.msg);
+                } else { /* half a RESULT is out: the frame cannot be ended */
+                    kv_net_conn_close(c->nc, rc, d.msg);
+                }
+                done[n_done++] = c;
+            } else if (c->wbase) {
+                const size_t rb = (size_t)E * kv_enc_size(c->job.out_enc);
+                kv_net_conn_commit(c->nc, (c->next == 0 ? KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED : 0) + c->wq * rb);
+                c->next += c->wq;
+                if (c->next == c->job.n_pairs) done[n_done++] = c;
             }
-            kv_msg_hello_ack ack = {0};
-            ack.version = (uint16_t)hi;
-            memcpy(ack.model_id, w->model_id, sizeof ack.model_id);
-            ack.n_layer = w->n_layer;
-            ack.n_embd = w->n_embd;
-            ack.n_ff_exp = w->n_ff;
-            ack.n_expert = w->n_expert;
-            ack.n_expert_used = w->n_expert_used;
-            ack.enc_mask = h->enc_mask & KV_ENC_MASK_ALL;
-            snprintf(ack.backend, sizeof ack.backend, "%s", kv_quant_backend());
-            ack.n_ranges = (uint32_t)w->n_ranges;
-            ack.ranges = w->ranges;
-            size_t fs = kv_msg_hello_ack_size(strlen(ack.backend), ack.n_ranges);
-            if (!fs || kv_grow(&c->tx, &c->tx_cap, fs) ||
-                (rc = kv_msg_hello_ack_encode(c->tx, c->tx_cap, rid, &ack, &n, &d))) {
-                kv_conn_send_error(c, rid, KV_EINTERNAL, "cannot encode HELLO_ACK");
-                snprintf(why, why_cap, "internal: cannot encode HELLO_ACK: %s", d.msg);
-                return;
-            }
-            c->hello = true;
-            c->version = (uint16_t)hi;
-            c->enc_mask = ack.enc_mask;
-            kv_wlog(w, "conn %llu %s: handshake ok (protocol v%u)", (unsigned long long)c->id, c->peer, hi);
-            break;
+            c->wq = 0;
+            c->wbase = NULL;
         }
-        case KV_MSG_COMPUTE: {
-            const kv_msg_compute *cm = &m.u.compute;
-            if (!((c->enc_mask >> cm->enc) & 1u) || !((c->enc_mask >> cm->out_enc) & 1u)) {
-                kv_fail(&d, KV_EPROTO, "COMPUTE uses encoding %s/%s, not negotiated", kv_enc_name(cm->enc),
-                        kv_enc_name(cm->out_enc));
-                kv_conn_send_error(c, rid, KV_EPROTO, d.msg);
-                snprintf(why, why_cap, "protocol error: %s", d.msg);
-                return;
-            }
-            /* experts not held: a request-level error, the connection stays */
-            uint32_t bad = UINT32_MAX;
-            for (uint32_t i = 0; i < cm->n_pairs && bad == UINT32_MAX; i++) {
-                kv_proto_pair p = kv_msg_compute_pair(cm, i);
-                if (!w->held[(size_t)cm->layer * w->n_expert + p.expert]) bad = i;
-            }
-            if (bad != UINT32_MAX) {
-                kv_proto_pair p = kv_msg_compute_pair(cm, bad);
-                kv_fail(&d, KV_ENOTFOUND, "layer %u expert %u (pair %u) is not held by this worker", cm->layer,
-                        p.expert, bad);
-                kv_conn_send_error(c, rid, KV_ENOTFOUND, d.msg);
-                kv_wlog(w, "conn %llu %s: request %u refused: %s", (unsigned long long)c->id, c->peer, rid, d.msg);
-                continue;
-            }
-            rc = kv_conn_compute(c, rid, cm, &n, &d);
-            if (rc) {
-                kv_conn_send_error(c, rid, rc, d.msg);
-                kv_wlog(w, "conn %llu %s: request %u failed: %s", (unsigned long long)c->id, c->peer, rid, d.msg);
-                continue;
-            }
-            atomic_fetch_add(&w->n_compute, 1);
-            atomic_fetch_add(&w->n_pairs, cm->n_pairs);
-            atomic_fetch_add(&w->n_tokens, cm->n_tokens);
-            break;
+        c = c->jnext;
+    } while (c != first);
+    w->jobs = first->jnext == first ? first : first->jnext;
+    for (uint32_t i = 0; i < n_done; i++) {
+        if (rc) {
+            kv_job_remove(w, done[i]);
+            if (!kv_net_conn_closing(done[i]->nc)) kv_net_conn_release(done[i]->nc);
+        } else {
+            kv_job_done(w, done[i]);
         }
-        case KV_MSG_PING:
-            if (kv_grow(&c->tx, &c->tx_cap, KV_PROTO_HEADER + KV_PROTO_PING_SIZE)) return;
-            kv_msg_ping_encode(c->tx, c->tx_cap, KV_MSG_PONG, rid, m.u.nonce, &n, NULL);
-            break;
-        case KV_MSG_STATS: {
-            kv_msg_stats s;
-            kv_worker_stats(w, &s);
-            if (kv_grow(&c->tx, &c->tx_cap, KV_PROTO_HEADER + KV_PROTO_STATS_ACK_SIZE)) return;
-            kv_msg_stats_ack_encode(c->tx, c->tx_cap, rid, &s, &n, NULL);
-            break;
-        }
-        case KV_MSG_ERROR:
-            snprintf(why, why_cap, "peer sent ERROR %s: %.300s", kv_err_name(m.u.error.code), m.u.error.msg);
-            return;
-        default:
-            kv_fail(&d, KV_EPROTO, "unexpected %s from a coordinator", kv_msg_type_name(m.h.type));
-            kv_conn_send_error(c, rid, KV_EPROTO, d.msg);
-            snprintf(why, why_cap, "protocol error: %s", d.msg);
-            return;
-        }
-        if ((rc = kv_proto_write_all(c->fd, c->tx, n, KV_WORKER_WRITE_MS, &d))) {
-            snprintf(why, why_cap, "send: %s", d.msg);
-            return;
-        }
-        kv_shrink(&c->tx, &c->tx_cap);
-        kv_shrink(&c->rx, &c->rx_cap);
     }
+    if (rc) kv_wlog(w, "round of %u rows at layer %u failed: %s", n, L, d.msg);
+    if (!w->jobs) return false;
+    c = w->jobs;
+    do {
+        if (kv_job_ready(c)) return true;
+        c = c->jnext;
+    } while (c != w->jobs);
+    return false;
 }
 
-/* Before closing: half-close and discard what the peer still sends for a
- * moment, so a pending ERROR frame is not destroyed by a reset (closing with
- * unread input makes TCP send RST). Bounded in time and bytes. */
-static void kv_conn_linger(kv_conn *c) {
-    shutdown(c->fd, SHUT_WR);
-    uint8_t sink[4096];
-    size_t total = 0;
-    int64_t deadline = kv_now_ms() + 250;
-    while (total < (1u << 20) && !atomic_load(&c->w->stop)) {
-        int64_t left = deadline - kv_now_ms();
-        if (left <= 0) break;
-        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
-        int pr = poll(&pf, 1, (int)left);
-        if (pr < 0 && errno == EINTR) continue;
-        if (pr <= 0) break;
-        ssize_t k = read(c->fd, sink, sizeof sink);
-        if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (k <= 0) break;
-        total += (size_t)k;
+/* ---- accepting ---------------------------------------------------------------------------- */
+
+/* Refuses a connection that got no slot: one ERROR, best effort, then close. */
+static void kv_worker_refuse(kv_worker *w, int fd, uint64_t id, const char *peer, int code, const char *msg) {
+    uint8_t buf[KV_WORKER_ERR_FRAME];
+    size_t n;
+    atomic_fetch_add(&w->n_errors, 1);
+    if (kv_msg_error_encode(buf, sizeof buf, 0, code, msg, &n, NULL) == 0) {
+        ssize_t k = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)k;
     }
+    kv_wlog(w, "conn %llu %s: refused (%s)", (unsigned long long)id, peer, msg);
+    close(fd);
 }
 
-static void *kv_conn_main(void *arg) {
-    kv_conn *c = arg;
-    kv_worker *w = c->w;
-    char why[600] = "closed";
-    kv_conn_serve(c, why, sizeof why);
-    kv_wlog(w, "conn %llu %s: closed (%s)", (unsigned long long)c->id, c->peer, why);
-    kv_conn_linger(c);
-    pthread_mutex_lock(&w->mu);
-    w->conns[c->slot] = NULL;
+/* A slot for a newcomer: a free one, or the one of the handshaken
+ * connection longest without work, if idle for evict_idle_ms. -1 if none. */
+static int kv_worker_slot(kv_worker *w) {
+    for (int i = 0; i < w->opts.max_conns; i++)
+        if (!w->conns[i]) return i;
+    const int64_t now = kv_now_ms();
+    int victim = -1;
+    for (int i = 0; i < w->opts.max_conns; i++) {
+        kv_wconn *c = w->conns[i];
+        if (!c->hello || c->busy || kv_net_conn_closing(c->nc)) continue;
+        if (now - c->last_work_ms < w->opts.evict_idle_ms) continue;
+        if (victim < 0 || c->last_work_ms < w->conns[victim]->last_work_ms) victim = i;
+    }
+    if (victim < 0) return -1;
+    kv_wconn *v = w->conns[victim];
+    char msg[128];
+    snprintf(msg, sizeof msg, "slot taken back: no COMPUTE for %lld ms while another peer waits",
+             (long long)(now - v->last_work_ms));
+    kv_wc_fatal(v, 0, KV_ETIMEOUT, "evicted", msg);
+    v->slot = -1;
+    w->conns[victim] = NULL;
     w->n_active--;
-    close(c->fd);
-    pthread_cond_broadcast(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-    free(c->rx);
-    free(c->tx);
-    free(c);
-    return NULL;
+    return victim;
 }
 
-/* ---- accept loop -------------------------------------------------------------------------- */
-
-int kv_worker_serve(kv_worker *w, kv_diag *d) {
-    int rc = 0;
-    while (!atomic_load(&w->stop)) {
-        struct pollfd pf[2] = {{.fd = w->lfd, .events = POLLIN}, {.fd = w->stop_pipe[0], .events = POLLIN}};
-        int pr = poll(pf, 2, 1000);
-        if (pr < 0) {
-            if (errno == EINTR) continue;
-            rc = kv_fail(d, KV_EIO, "worker: poll: %s", strerror(errno));
-            break;
-        }
-        if (pf[1].revents) break;
-        if (!(pf[0].revents & POLLIN)) continue;
+static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
+    kv_worker *w = lw->data;
+    (void)ev;
+    for (int burst = 0; burst < 64; burst++) {
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
         int fd = accept4(w->lfd, (struct sockaddr *)&ss, &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                kv_wlog(w, "accept: %s (backing off)", strerror(errno));
-                usleep(100000);
-                continue;
-            }
-            rc = kv_fail(d, KV_EIO, "worker: accept: %s", strerror(errno));
-            break;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                kv_wlog(w, "accept: %s", strerror(errno));
+            return; /* EAGAIN, or retried on the next readiness */
         }
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        char hb[INET6_ADDRSTRLEN] = "?", pb[8] = "?";
+        char hb[INET6_ADDRSTRLEN] = "?", pb[8] = "?", peer[96];
         getnameinfo((struct sockaddr *)&ss, sl, hb, sizeof hb, pb, sizeof pb, NI_NUMERICHOST | NI_NUMERICSERV);
+        snprintf(peer, sizeof peer, "%s:%s", hb, pb);
         uint64_t id = atomic_fetch_add(&w->n_conns, 1) + 1;
-        kv_conn *c = calloc(1, sizeof *c);
-        pthread_mutex_lock(&w->mu);
-        int slot = -1;
-        for (int i = 0; i < w->opts.max_conns && c; i++)
-            if (!w->conns[i]) {
-                slot = i;
-                break;
-            }
+        int pending = 0;
+        for (int i = 0; i < w->opts.max_conns; i++)
+            pending += w->conns[i] && !w->conns[i]->hello && !strcmp(w->conns[i]->ip, hb);
+        if (pending >= w->opts.max_pending_per_addr) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "too many connections from %s waiting for their handshake (%d)", hb, pending);
+            kv_worker_refuse(w, fd, id, peer, KV_ERANGE, msg);
+            continue;
+        }
+        int slot = kv_worker_slot(w);
         if (slot < 0) {
-            pthread_mutex_unlock(&w->mu);
-            kv_conn tmp = {.w = w, .fd = fd};
-            kv_conn_send_error(&tmp, 0, KV_ERANGE, c ? "too many connections" : "out of memory");
-            kv_wlog(w, "conn %llu %s:%s: refused (%s)", (unsigned long long)id, hb, pb,
-                    c ? "too many connections" : "out of memory");
-            close(fd);
-            free(c);
+            kv_worker_refuse(w, fd, id, peer, KV_ERANGE, "too many connections");
+            continue;
+        }
+        kv_wconn *c = calloc(1, sizeof *c);
+        if (!c) {
+            kv_worker_refuse(w, fd, id, peer, KV_ENOMEM, "out of memory");
             continue;
         }
         c->w = w;
-        c->fd = fd;
         c->slot = slot;
         c->id = id;
-        snprintf(c->peer, sizeof c->peer, "%s:%s", hb, pb);
-        w->conns[slot] = c;
-        w->n_active++;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        pthread_t th;
-        int pe = pthread_create(&th, &at, kv_conn_main, c);
-        pthread_attr_destroy(&at);
-        if (pe) {
-            w->conns[slot] = NULL;
-            w->n_active--;
-            pthread_mutex_unlock(&w->mu);
-            kv_wlog(w, "conn %llu %s: refused (no thread: %s)", (unsigned long long)id, c->peer, strerror(pe));
-            close(fd);
+        snprintf(c->peer, sizeof c->peer, "%s", peer);
+        snprintf(c->ip, sizeof c->ip, "%s", hb);
+        c->last_work_ms = kv_now_ms();
+        kv_net_timer_init(&c->hs_t, kv_wc_handshake_timeout, c);
+        kv_net_timer_init(&c->idle_t, kv_wc_idle_timeout, c);
+        const size_t rb_max = (size_t)KV_WORKER_CHUNK * w->n_embd * 4;
+        const kv_net_conn_opts o = {
+            .header = KV_PROTO_HEADER,
+            .max_frame = KV_PROTO_HEADER + w->max_payload,
+            .tx_max = KV_WORKER_TX_HWM + rb_max + kv_msg_hello_ack_size_v(KV_PROTO_VERSION, KV_PROTO_MAX_NAME,
+                                                                          (uint32_t)w->n_ranges, (uint32_t)w->n_slabs) +
+                      4 * KV_WORKER_ERR_FRAME,
+            .frame_timeout_ms = w->opts.read_timeout_ms,
+            .write_timeout_ms = w->opts.write_timeout_ms,
+            .budget = &w->budget,
+        };
+        kv_diag d = {0};
+        if (kv_net_conn_new(&c->nc, l, fd, &o, &kv_wc_cbs, c, &d)) { /* fd closed by it */
+            kv_wlog(w, "conn %llu %s: refused (%s)", (unsigned long long)id, peer, d.msg);
             free(c);
             continue;
         }
-        pthread_mutex_unlock(&w->mu);
-        kv_wlog(w, "conn %llu %s: opened", (unsigned long long)id, c->peer);
+        w->conns[slot] = c;
+        w->n_active++;
+        kv_net_timer_start(l, &c->hs_t, w->opts.handshake_timeout_ms);
+        if (w->opts.idle_timeout_ms > 0) kv_net_timer_start(l, &c->idle_t, w->opts.idle_timeout_ms);
+        kv_wlog(w, "conn %llu %s: opened", (unsigned long long)id, peer);
     }
-    /* stop: wake every connection thread and wait for them */
-    atomic_store(&w->stop, 1);
-    pthread_mutex_lock(&w->mu);
-    for (int i = 0; i < w->opts.max_conns; i++)
-        if (w->conns[i]) shutdown(w->conns[i]->fd, SHUT_RDWR);
-    while (w->n_active > 0) pthread_cond_wait(&w->cv, &w->mu);
-    pthread_mutex_unlock(&w->mu);
+}
+
+int kv_worker_serve(kv_worker *w, kv_diag *d) {
+    int rc = kv_net_watch_add(w->loop, &w->lwatch, w->lfd, KV_NET_READ, kv_worker_accept, w, d);
+    if (rc) return rc;
+    kv_net_loop_set_tick(w->loop, kv_worker_tick, w);
+    while (!atomic_load(&w->stop) && !rc) rc = kv_net_loop_run_once(w->loop, 1000, d);
+    kv_net_watch_del(w->loop, &w->lwatch);
+    kv_net_loop_set_tick(w->loop, NULL, NULL);
     return rc;
+}
+
+/* kv_worker_mem: bytes the connections buffer now and at most so far. */
+void kv_worker_mem(const kv_worker *w, size_t *now, size_t *peak) {
+    kv_worker *mw = (kv_worker *)w;
+    if (now) *now = atomic_load(&mw->budget.used);
+    if (peak) *peak = atomic_load(&mw->budget.peak);
 }
