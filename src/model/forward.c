@@ -138,7 +138,7 @@ void kv_state_free(kv_state *s) {
     if (s->own.free) s->own.free(s->own.impl);
     kv_q35_state_free(s);
     if (s->arena)
-        for (uint32_t a = 0; a < s->blk_n / KV_ARENA; a++) free(s->arena[a]);
+        for (uint32_t a = 0; a < (s->blk_n + KV_ARENA - 1) / KV_ARENA; a++) free(s->arena[a]);
     free(s->arena);
     if (s->seq_blk)
         for (uint32_t i = 0; i < s->n_seq; i++) free(s->seq_blk[i]);
@@ -188,17 +188,20 @@ void kv_state_reset(kv_state *s) {
     for (uint32_t i = 0; i < s->n_seq; i++) kv_state_reset_seq(s, i);
 }
 
-/* One more arena of KV_ARENA blocks onto the free stack. */
+/* One more arena of KV_ARENA blocks (fewer for the last one below the cap)
+ * onto the free stack. */
 static int kv_pool_grow(kv_state *s, kv_diag *d) {
     const uint32_t a = s->blk_n / KV_ARENA;
-    uint32_t *nf = realloc(s->blk_free, ((size_t)s->blk_n + KV_ARENA) * sizeof *nf);
+    const uint32_t n = s->blk_max - s->blk_n < KV_ARENA ? s->blk_max - s->blk_n : KV_ARENA;
+    KV_ASSERT(n > 0 && s->blk_n % KV_ARENA == 0);
+    uint32_t *nf = realloc(s->blk_free, ((size_t)s->blk_n + n) * sizeof *nf);
     if (!nf) return kv_fail(d, KV_ENOMEM, "KV cache: out of memory growing the block pool past %u blocks", s->blk_n);
     s->blk_free = nf;
-    if (!(s->arena[a] = malloc(KV_ARENA * s->blk_bytes)))
+    if (!(s->arena[a] = malloc(n * s->blk_bytes)))
         return kv_fail(d, KV_ENOMEM, "KV cache: out of memory growing the block pool past %u blocks", s->blk_n);
     /* pushed so that the lowest id is taken first */
-    for (uint32_t i = KV_ARENA; i-- > 0;) s->blk_free[s->n_free++] = s->blk_n + i;
-    s->blk_n += KV_ARENA;
+    for (uint32_t i = n; i-- > 0;) s->blk_free[s->n_free++] = s->blk_n + i;
+    s->blk_n += n;
     return 0;
 }
 

@@ -41,7 +41,7 @@ struct kv_state {
     size_t kv_row;         /* bytes of one token's K (or V) in one layer: n_head_kv*head_dim elements */
     size_t blk_bytes;      /* one block: K then V, each [n_attn][KV_BLOCK] rows of kv_row bytes */
     uint32_t blk_max;      /* pool cap in blocks */
-    uint32_t blk_n;        /* blocks allocated so far (a multiple of KV_ARENA) */
+    uint32_t blk_n;        /* blocks allocated so far (a multiple of KV_ARENA below the cap) */
     uint8_t **arena;       /* [ceil(blk_max / KV_ARENA)] arenas of KV_ARENA blocks, NULL until needed */
     uint32_t *blk_free;    /* [blk_n] stack of free block ids */
     uint32_t n_free;       /* entries on blk_free */
