@@ -203,7 +203,8 @@ void kv_state_get_mem(const kv_state *s, kv_state_mem *out);
 /* Appends n tokens to sequence 0 at its current position and runs them
  * through the model in chunks of n_batch. If logits is not NULL, writes the
  * n_vocab logits of the last token. Errors: KV_ECTXFULL when pos + n > n_ctx
- * (nothing is evaluated), KV_ERANGE for a token id outside the vocabulary,
+ * and KV_ENOMEM when the KV pool cannot hold them (nothing is evaluated),
+ * KV_ERANGE for a token id outside the vocabulary,
  * or what the expert provider returns (the cache is then rolled back to its
  * previous position). */
 int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits, kv_diag *d);

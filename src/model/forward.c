@@ -1,16 +1,23 @@
-/* The qwen3moe forward pass over one sequence.
+/* The run state, its paged KV cache, the chunk driver shared by both
+ * architectures, and the qwen3moe blocks.
  *
- * Per block: attention RMSNorm; Q/K/V projections; per-head RMSNorm of Q and
- * K; NeoX RoPE; causal softmax attention over the KV cache (GQA: query head
- * h reads KV head h / (n_head / n_head_kv)); output projection and residual;
- * FFN RMSNorm; router softmax, top-k, weight renormalization; routed experts
- * through the expert provider; weighted sum in top-k rank order; residual.
- * Then the final norm and the LM head on the last token.
+ * Per qwen3moe block: attention RMSNorm; Q/K/V projections; per-head
+ * RMSNorm of Q and K; NeoX RoPE; causal softmax attention over the KV cache
+ * (GQA: query head h reads KV head h / (n_head / n_head_kv)); output
+ * projection and residual; FFN RMSNorm; router softmax, top-k, weight
+ * renormalization; routed experts through the expert provider; weighted sum
+ * in top-k rank order; residual. Then the final norm and the LM head on the
+ * tokens whose logits are wanted.
  *
- * The state is allocated once (kv_state_new); kv_state_eval only computes.
- * Prompts run as batches of up to n_batch tokens, decode one token at a
- * time; both take the same path, and each output element is computed the
- * same way whatever the batch, so results do not depend on chunking. */
+ * A call carries any tokens of any sequences (each at its own position):
+ * prompt chunks and decode tokens take the same path, and each output
+ * element is computed the same way whatever the batch, so results depend
+ * neither on chunking nor on what else shares the call. The KV cache is a
+ * pool of blocks of KV_BLOCK positions (attending layers only, F32 or F16):
+ * attention reads a sequence's blocks in position order with the same
+ * per-element operation order as over contiguous rows. Buffers are
+ * allocated in kv_state_new; the pool grows in kv_state_reserve, before a
+ * chunk runs, never inside it. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
