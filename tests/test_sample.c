@@ -2,7 +2,7 @@
  * draw lies in the candidate set that an independent f64 computation of
  * top-k / top-p / min-p admits; draw frequencies follow the tempered
  * probabilities; the repetition penalty changes exactly the penalized
- * tokens. */
+ * tokens; non-finite logits are an error, never a crash or a silent token. */
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -57,12 +57,10 @@ static void ref_allowed(const float *l, int top_k, double top_p, double min_p, d
     }
 }
 
-int main(void) {
+static void test_greedy(void) {
     float l[NV];
     kv_diag d = {0};
     kv_sampler *s = NULL;
-
-    /* greedy */
     fill_logits(l, 1);
     int best = 0;
     for (int i = 1; i < NV; i++) if (l[i] > l[best]) best = i;
@@ -71,9 +69,15 @@ int main(void) {
     ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
     ASSERT_EQ(kv_sampler_sample(s, l), best);
     kv_sampler_free(s);
+}
 
-    /* same seed, same draws; different seed, different sequence */
-    p = kv_sample_defaults();
+/* same seed, same draws; different seed, different sequence */
+static void test_seed(void) {
+    float l[NV];
+    kv_diag d = {0};
+    kv_sampler *s = NULL;
+    fill_logits(l, 1);
+    kv_sample_params p = kv_sample_defaults();
     p.temp = 1.5f; p.top_k = 0; p.top_p = 1.0f; p.min_p = 0.0f; p.seed = 42;
     int32_t a[64], b[64], c[64];
     kv_sampler *s2 = NULL, *s3 = NULL;
@@ -91,8 +95,14 @@ int main(void) {
     }
     ASSERT_TRUE(differ > 0);
     kv_sampler_free(s); kv_sampler_free(s2); kv_sampler_free(s3);
+}
 
-    /* filters: every draw allowed by the f64 reference; frequencies close */
+/* filters: every draw allowed by the f64 reference; frequencies close */
+static void test_filters(void) {
+    float l[NV];
+    kv_diag d = {0};
+    kv_sampler *s = NULL;
+    kv_sample_params p;
     struct { int k; float tp, mp, temp; } cases[] = {
         {40, 1.0f, 0.0f, 1.0f}, {0, 0.5f, 0.0f, 1.0f}, {0, 1.0f, 0.2f, 1.0f},
         {10, 0.9f, 0.05f, 0.7f}, {5, 1.0f, 0.0f, 2.0f},
@@ -123,24 +133,80 @@ int main(void) {
         ASSERT_TRUE(maxdev < 0.018);
         kv_sampler_free(s);
     }
+}
 
-    /* repetition penalty: penalized token's logit divided (positive) or multiplied (negative) */
+/* repetition penalty: penalized token's logit divided (positive) or multiplied (negative) */
+static void test_repeat_penalty(void) {
+    float l[NV];
+    kv_diag d = {0};
+    kv_sampler *s = NULL;
     for (int i = 0; i < NV; i++) l[i] = 0.0f;
     l[3] = 2.0f; l[4] = 1.9f;
-    p = kv_sample_defaults();
+    kv_sample_params p = kv_sample_defaults();
     p.temp = 0; p.repeat_penalty = 1.5f;
     ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
     ASSERT_EQ(kv_sampler_sample(s, l), 3);
     kv_sampler_accept(s, 3); /* 2.0/1.5 = 1.33 < 1.9 */
     ASSERT_EQ(kv_sampler_sample(s, l), 4);
     kv_sampler_free(s);
+}
 
-    /* bad parameters are refused */
-    p = kv_sample_defaults();
+/* bad parameters are refused */
+static void test_bad_params(void) {
+    kv_diag d = {0};
+    kv_sampler *s = NULL;
+    kv_sample_params p = kv_sample_defaults();
     p.top_p = 0.0f;
     ASSERT_NE(kv_sampler_new(&s, NV, &p, &d), 0);
     p = kv_sample_defaults();
     p.temp = -1.0f;
     ASSERT_NE(kv_sampler_new(&s, NV, &p, &d), 0);
-    KV_TEST_END();
 }
+
+/* Non-finite logits (a lying worker, a NaN weight) are refused with
+ * KV_ERANGE: before, NaN made the top-k quickselect run past the array
+ * (kv_cand_desc is no order on NaN) and greedy silently returned token 0.
+ * Each setting of the chain is tried with NaN at the front, in the middle,
+ * everywhere, and with +Inf; -Inf logits stay legal (undrawable tokens). */
+static void test_nonfinite(void) {
+    float l[NV];
+    kv_diag d = {0};
+    const struct { int k; float tp, mp, temp; } cfg[] = {
+        {0, 1.0f, 0.0f, 0.0f}, {40, 0.95f, 0.05f, 0.8f}, {0, 1.0f, 0.0f, 1.0f}, {199, 0.5f, 0.0f, 1.0f},
+    };
+    for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+        kv_sample_params p = kv_sample_defaults();
+        p.top_k = cfg[ci].k; p.top_p = cfg[ci].tp; p.min_p = cfg[ci].mp; p.temp = cfg[ci].temp;
+        for (int mode = 0; mode < 4; mode++) {
+            kv_sampler *s = NULL;
+            ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+            fill_logits(l, 9 + (uint64_t)mode);
+            if (mode == 0) l[0] = NAN;
+            else if (mode == 1) for (int i = 0; i < NV; i += 3) l[i] = NAN;
+            else if (mode == 2) for (int i = 0; i < NV; i++) l[i] = NAN;
+            else l[NV / 2] = INFINITY;
+            ASSERT_EQ(kv_sampler_sample(s, l), KV_ERANGE);
+            kv_sampler_free(s);
+        }
+        /* all -Inf: nothing can be drawn */
+        kv_sampler *s = NULL;
+        ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+        for (int i = 0; i < NV; i++) l[i] = -INFINITY;
+        ASSERT_EQ(kv_sampler_sample(s, l), KV_ERANGE);
+        /* -Inf except two tokens: only those are drawn */
+        l[17] = 1.0f; l[101] = 1.5f;
+        for (int i = 0; i < 200; i++) {
+            const int32_t t = kv_sampler_sample(s, l);
+            ASSERT_TRUE(t == 17 || t == 101);
+            if (cfg[ci].temp == 0.0f) ASSERT_EQ(t, 101);
+        }
+        kv_sampler_free(s);
+    }
+}
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_greedy), KVT_CASE(test_seed), KVT_CASE(test_filters), KVT_CASE(test_repeat_penalty),
+    KVT_CASE(test_bad_params), KVT_CASE(test_nonfinite),
+};
+
+int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

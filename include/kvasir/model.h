@@ -1,10 +1,11 @@
 /* Models: loading a GGUF into weight views, and running the forward pass.
  *
  * kv_model holds the hyper-parameters, the tokenizer and the weights as
- * views into the GGUF mapping (nothing is copied). kv_state holds what one
- * sequence needs while running: KV cache, activation buffers, routing
- * buffers, all allocated once in kv_state_new; kv_state_eval never
- * allocates. Routed experts are computed through a kv_expert_provider
+ * views into the GGUF mapping (nothing is copied). kv_state holds what its
+ * sequences need while running: KV cache blocks, recurrent states,
+ * activation and routing buffers. Buffers are allocated once in
+ * kv_state_new; the KV block pool grows only when a sequence needs a block
+ * no one holds (kv_state_reserve), never inside the forward pass. Routed experts are computed through a kv_expert_provider
  * (moe.h): by default the in-process one reading the model file, but any
  * provider with the same answers can stand in. */
 #ifndef KVASIR_MODEL_H
@@ -153,10 +154,21 @@ typedef struct kv_state_opts {
     uint32_t n_batch;   /* tokens per forward chunk (prefill); 0 = 256 */
     const kv_expert_provider *experts; /* NULL = in-process from the model */
     uint32_t n_seq;     /* independent sequences (own caches); 0 = 1 */
+    uint32_t max_tokens;/* tokens per forward call (kv_state_batch); 0 = max(n_batch, n_seq) */
+    uint32_t kv_type;   /* KV cache elements: KV_TYPE_F32 (0, exact) or KV_TYPE_F16 */
+    uint64_t kv_bytes_max; /* cap of the KV block pool; 0 = n_seq full contexts */
 } kv_state_opts;
 
 /* Allocates the run state for n_seq sequences. pool is borrowed (must
- * outlive the state). Free with kv_state_free (accepts NULL). */
+ * outlive the state). Free with kv_state_free (accepts NULL).
+ *
+ * KV memory follows use: attending layers only (every qwen3moe block, the
+ * full-attention blocks of qwen35moe) keep K and V, in blocks of
+ * KV_BLOCK positions taken from a pool as a sequence grows (the pool
+ * allocates arenas of blocks on demand, up to kv_bytes_max) and given
+ * back when the sequence is reset; a qwen35moe sequence's recurrent state
+ * is allocated at its first use and freed at its reset. Results do not
+ * depend on which blocks a sequence holds. */
 int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_state_opts *opts,
                  kv_diag *d);
 void kv_state_free(kv_state *s);
@@ -164,13 +176,35 @@ uint32_t kv_state_n_ctx(const kv_state *s);
 uint32_t kv_state_n_seq(const kv_state *s);
 uint32_t kv_state_pos(const kv_state *s);   /* tokens in sequence 0's cache */
 uint32_t kv_state_pos_seq(const kv_state *s, uint32_t seq);
-void kv_state_reset(kv_state *s);           /* empties every sequence's cache */
+uint32_t kv_state_max_tokens(const kv_state *s); /* tokens per kv_state_batch call */
+/* Empties every sequence's cache / sequence seq's, giving its KV blocks
+ * back to the pool and freeing its recurrent state. */
+void kv_state_reset(kv_state *s);
 void kv_state_reset_seq(kv_state *s, uint32_t seq);
+/* Makes sequence seq able to hold n_tok tokens: its KV blocks and its
+ * recurrent state. Errors: KV_ECTXFULL when n_tok > n_ctx; KV_ENOMEM when
+ * the pool's cap is reached ("KV cache full: ...") or memory runs out; the
+ * sequence keeps what it held before. Other sequences are not touched. */
+int kv_state_reserve(kv_state *s, uint32_t seq, uint32_t n_tok, kv_diag *d);
+
+typedef struct kv_state_mem {
+    uint32_t block_tokens;     /* positions per block */
+    uint64_t block_bytes;      /* bytes per block (K and V of every attending layer) */
+    uint32_t blocks_held;      /* by sequences now */
+    uint32_t blocks_allocated; /* by the pool so far (held + free) */
+    uint32_t blocks_max;       /* the pool's cap */
+    uint64_t kv_bytes;         /* blocks_allocated * block_bytes */
+    uint64_t recurrent_bytes;  /* qwen35moe recurrent states held */
+    uint32_t n_attn_layers;    /* layers with a KV cache */
+    uint32_t kv_type;          /* KV_TYPE_F32 / KV_TYPE_F16 */
+} kv_state_mem;
+void kv_state_get_mem(const kv_state *s, kv_state_mem *out);
 
 /* Appends n tokens to sequence 0 at its current position and runs them
  * through the model in chunks of n_batch. If logits is not NULL, writes the
  * n_vocab logits of the last token. Errors: KV_ECTXFULL when pos + n > n_ctx
- * (nothing is evaluated), KV_ERANGE for a token id outside the vocabulary,
+ * and KV_ENOMEM when the KV pool cannot hold them (nothing is evaluated),
+ * KV_ERANGE for a token id outside the vocabulary,
  * or what the expert provider returns (the cache is then rolled back to its
  * previous position). */
 int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits, kv_diag *d);
@@ -185,5 +219,16 @@ int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t
  * on error no sequence advances. */
 int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
                     float *logits, kv_diag *d);
+/* The general step: n tokens (n <= kv_state_max_tokens), token i appended
+ * to sequence seqs[i]; a sequence may appear several times (a prompt chunk)
+ * and its tokens take consecutive positions in batch order, so decode
+ * tokens of some sequences and prompt chunks of others run in one forward
+ * pass. logits[k*n_vocab ..] gets the logits of token out_idx[k] for k <
+ * n_out (logits may be NULL). Each token's results are bit-identical to
+ * running its sequence alone. Errors as kv_state_decode, plus KV_ENOMEM
+ * from kv_state_reserve (reserve first to fail one sequence alone); on
+ * error no sequence advances. */
+int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
+                   const uint32_t *out_idx, uint32_t n_out, float *logits, kv_diag *d);
 
 #endif

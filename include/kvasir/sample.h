@@ -30,7 +30,10 @@ typedef struct kv_sampler kv_sampler;
  * (accepts NULL). Errors: KV_EINVAL for out-of-range parameters. */
 int kv_sampler_new(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p, kv_diag *d);
 void kv_sampler_free(kv_sampler *s);
-/* Picks a token from logits[n_vocab] (not modified). Not thread-safe. */
+/* Picks a token from logits[n_vocab] (not modified): returns its id (>= 0),
+ * or KV_ERANGE when a logit is NaN or +Inf or every logit is -Inf (no token
+ * is drawn then, and the generator does not advance). -Inf logits are
+ * allowed (tokens that cannot be drawn). Not thread-safe. */
 int32_t kv_sampler_sample(kv_sampler *s, const float *logits);
 /* Adds a token to the penalty history (prompt and generated tokens). */
 void kv_sampler_accept(kv_sampler *s, int32_t token);

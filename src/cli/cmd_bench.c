@@ -2,7 +2,11 @@
  * Prefill evaluates -p prompt tokens as one batch; decode then evaluates
  * -n tokens one at a time (greedy picks). A short warm-up first touches the
  * weights so page faults are not timed. Repeated --reps times; the best
- * run is reported (as llama-bench does with its mean; we print both). */
+ * run is reported (as llama-bench does with its mean; we print both).
+ * Everything runs through engine sessions (kvasir/engine.h): prefill steps
+ * carry one session's prompt alone (the others paused), decode steps carry
+ * every session's token. Memory figures: KV blocks and recurrent state
+ * held with every session full, and the process's peak RSS. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,21 +14,22 @@
 
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
-#include "kvasir/model.h"
+#include "kvasir/engine.h"
 #include "kvasir/quant.h"
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", NULL};
 
 #define CMD "bench"
 
 static const char *kv_bench_help =
     "usage: kvasir bench -m F.gguf [-p 128] [-n 64] [--threads N] [--reps R] [--json]\n"
-    "  -m F          GGUF model file\n"
+    "  -m F          GGUF model file, or DIR/manifest.json of a sliced model\n"
     "  -p N          prompt tokens evaluated as one batch (default 128)\n"
     "  -n N          tokens decoded one at a time (default 64)\n"
     "  --threads N   worker threads (default: all CPUs)\n"
     "  --batch N     prefill chunk size (default: the prompt length, at most 4096)\n"
     "  --reps R      repetitions, mean and best reported (default 3)\n"
+    "  --kv-type T   KV cache elements: f32 (default) or f16\n"
     "  --parallel S  decode S sequences in shared steps (one expert call per layer\n"
     "                carries all S tokens); decode tok/s counts all sequences (default 1)\n"
     "  --worker H:P  with -m DIR/manifest.json: compute experts on this worker (repeat for\n"
@@ -39,11 +44,28 @@ static double kv_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static int32_t kv_argmax(const float *x, uint32_t n) {
-    uint32_t b = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (x[i] > x[b]) b = i;
-    return (int32_t)b;
+/* Steps until session s reaches status want (or stops); a failed step or
+ * session is an error in d. */
+static int kv_bench_until(kv_engine *e, kv_session *s, enum kv_session_status want, kv_diag *d) {
+    while (kv_session_status(s) != want && kv_session_status(s) != KV_SESSION_DONE) {
+        const int rc = kv_engine_step(e, d);
+        if (rc < 0) return rc;
+        if (kv_session_status(s) == KV_SESSION_FAILED) return kv_session_error(s, d);
+        if (rc == 0 && !kv_engine_busy(e)) return kv_fail(d, KV_EINTERNAL, "bench: session stalled");
+    }
+    return 0;
+}
+
+/* Peak resident memory of this process (VmHWM), KiB; -1 if unknown. */
+static long kv_bench_peak_rss_kb(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmHWM:", 6)) kb = strtol(line + 6, NULL, 10);
+    fclose(f);
+    return kb;
 }
 
 int kv_cmd_bench(int argc, char **argv) {
@@ -53,7 +75,7 @@ int kv_cmd_bench(int argc, char **argv) {
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     long worker_timeout = 10000;
-    int wire = KV_ENC_F32;
+    int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -84,6 +106,10 @@ int kv_cmd_bench(int argc, char **argv) {
                 return kv_cli_err(CMD, 1, "--wire: '%s' is not one of f32, f16, bf16", v);
         } else if (!strcmp(a, "--worker-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &worker_timeout)) return 1;
+        } else if (!strcmp(a, "--kv-type")) {
+            if (!strcmp(v, "f32")) kv_type = KV_TYPE_F32;
+            else if (!strcmp(v, "f16")) kv_type = KV_TYPE_F16;
+            else return kv_cli_err(CMD, 1, "--kv-type: '%s' is not one of f32, f16", v);
         } else if (!strcmp(a, "--batch")) {
             if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
         } else {
@@ -93,67 +119,80 @@ int kv_cmd_bench(int argc, char **argv) {
     if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir bench --help)");
     int rc = 2;
     kv_diag d = {0};
-    kv_model *m = NULL;
-    const kv_model *mc = NULL; /* m, or the backbone the remote provider owns */
-    kv_remote *remote = NULL;
+    kv_engine *eng = NULL;
+    kv_session **ss = NULL;
+    int32_t *toks = NULL;
     kv_remote_stats rs = {0};
-    kv_pool *pool = NULL;
-    kv_state *st = NULL;
-    int32_t *toks = NULL, *step_tok = NULL;
-    uint32_t *step_seq = NULL;
-    float *logits = NULL;
-    if (n_workers) {
-        /* coordinator: backbone + manifest here, experts on the workers */
-        if (!n_batch) n_batch = n_prompt < 4096 ? n_prompt : 4096;
-        if (kv_pool_new(&pool, (int)threads, &d)) return kv_cli_diag(CMD, &d);
-        const kv_remote_opts ro = {workers, n_workers, (uint32_t)worker_timeout, 0, (uint32_t)wire,
-                                   (uint32_t)(n_batch > n_par ? n_batch : n_par), false, NULL};
-        if (kv_remote_open(&remote, model, pool, &ro, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
-        mc = kv_remote_model(remote);
-    } else {
-        if (kv_model_load(&m, model, &d)) return kv_cli_diag(CMD, &d);
-        mc = m;
-    }
+    if (!n_batch) n_batch = n_prompt < 4096 ? n_prompt : 4096;
+    /* the model source (file, slices, slices + workers) is the engine's business */
+    const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)(n_prompt + n_gen + 1),
+                               .n_batch = (uint32_t)n_batch, .max_sessions = (uint32_t)n_par,
+                               .kv_type = (uint32_t)kv_type, .workers = workers, .n_workers = n_workers,
+                               .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire};
+    if (kv_engine_open(&eng, model, &eo, &d)) return kv_cli_diag(CMD, &d);
+    const kv_model *mc = kv_engine_model(eng);
+    kv_remote *remote = kv_engine_remote(eng);
     const kv_hparams *hp = kv_model_hparams(mc);
     if ((uint64_t)n_prompt + (uint64_t)n_gen > hp->n_ctx_train) {
         rc = kv_cli_err(CMD, 1, "-p %ld + -n %ld exceeds the model's context (%u)", n_prompt, n_gen, hp->n_ctx_train);
         goto done;
     }
-    if (!n_batch) n_batch = n_prompt < 4096 ? n_prompt : 4096;
-    if (!pool && kv_pool_new(&pool, (int)threads, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
-    kv_state_opts so = {.n_ctx = (uint32_t)(n_prompt + n_gen), .n_batch = (uint32_t)n_batch,
-                        .n_seq = (uint32_t)n_par, .experts = remote ? kv_remote_provider(remote) : NULL};
-    if (kv_state_new(&st, mc, pool, &so, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
     toks = malloc((size_t)n_prompt * sizeof *toks);
-    logits = malloc((size_t)n_par * hp->n_vocab * sizeof *logits);
-    step_tok = malloc((size_t)n_par * sizeof *step_tok);
-    step_seq = malloc((size_t)n_par * sizeof *step_seq);
-    if (!toks || !logits || !step_tok || !step_seq) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+    ss = calloc((size_t)n_par, sizeof *ss);
+    if (!toks || !ss) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
     /* deterministic prompt spread over the vocabulary */
     for (long i = 0; i < n_prompt; i++) toks[i] = (int32_t)((1000003ull * (uint64_t)(i + 1)) % hp->n_vocab);
+    /* greedy sessions that never stop early */
+    kv_session_opts so = {.sample = kv_sample_defaults(), .max_tokens = (uint32_t)n_gen + 1, .ignore_eog = true};
+    so.sample.temp = 0;
+    so.sample.repeat_penalty = 1.0f;
     /* warm-up: touch every weight page once */
-    if (kv_state_eval(st, toks, (uint32_t)(n_prompt < 16 ? n_prompt : 16), logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+    if (kv_session_new(&ss[0], eng, &so, &d) ||
+        kv_session_prompt(ss[0], toks, (uint32_t)(n_prompt < 16 ? n_prompt : 16), &d) ||
+        kv_bench_until(eng, ss[0], KV_SESSION_DECODE, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+    kv_session_free(ss[0]);
+    ss[0] = NULL;
     double best_pp = 0, best_tg = 0, sum_pp = 0, sum_tg = 0;
+    kv_engine_stats es = {0};
     for (long r = 0; r < reps; r++) {
-        kv_state_reset(st);
-        double t0 = kv_now();
-        /* prefill: sequence 0 is timed; the others get the same prompt, untimed */
-        if (kv_state_eval(st, toks, (uint32_t)n_prompt, logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
-        double t1 = kv_now();
-        for (long q = 1; q < n_par; q++)
-            if (kv_state_eval_seq(st, (uint32_t)q, toks, (uint32_t)n_prompt, logits + (size_t)q * hp->n_vocab, &d)) {
+        for (long q = 0; q < n_par; q++) {
+            if (kv_session_new(&ss[q], eng, &so, &d) || kv_session_prompt(ss[q], toks, (uint32_t)n_prompt, &d)) {
                 rc = kv_cli_diag(CMD, &d);
                 goto done;
             }
-        for (long q = 0; q < n_par; q++) step_seq[q] = (uint32_t)q;
+            kv_session_pause(ss[q], q > 0);
+        }
+        /* prefill: session 0 alone is timed; the others get the same prompt, untimed */
+        double t0 = kv_now();
+        if (kv_bench_until(eng, ss[0], KV_SESSION_DECODE, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+        double t1 = kv_now();
+        kv_session_pause(ss[0], true);
+        for (long q = 1; q < n_par; q++) {
+            kv_session_pause(ss[q], false);
+            if (kv_bench_until(eng, ss[q], KV_SESSION_DECODE, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+            kv_session_pause(ss[q], true);
+        }
+        for (long q = 0; q < n_par; q++) kv_session_pause(ss[q], false);
         if (remote) kv_remote_reset_stats(remote); /* dispatch figures of the decode phase */
+        /* decode: every session feeds one token per step, all in one forward pass */
         double t1b = kv_now();
         for (long i = 0; i < n_gen; i++) {
-            for (long q = 0; q < n_par; q++) step_tok[q] = kv_argmax(logits + (size_t)q * hp->n_vocab, hp->n_vocab);
-            if (kv_state_decode(st, step_tok, step_seq, (uint32_t)n_par, logits, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+            int k = kv_engine_step(eng, &d);
+            if (k < 0) { rc = kv_cli_diag(CMD, &d); goto done; }
+            for (long q = 0; q < n_par; q++)
+                if (kv_session_status(ss[q]) == KV_SESSION_FAILED) {
+                    kv_session_error(ss[q], &d);
+                    rc = kv_cli_diag(CMD, &d);
+                    goto done;
+                }
         }
         double t2 = kv_now();
         if (remote) kv_remote_get_stats(remote, &rs); /* kept from the last rep */
+        kv_engine_get_stats(eng, &es);                 /* memory with every session full */
+        for (long q = 0; q < n_par; q++) {
+            kv_session_free(ss[q]);
+            ss[q] = NULL;
+        }
         const double pp = (double)n_prompt / (t1 - t0), tg = n_gen ? (double)(n_gen * n_par) / (t2 - t1b) : 0;
         sum_pp += pp;
         sum_tg += tg;
@@ -162,14 +201,18 @@ int kv_cmd_bench(int argc, char **argv) {
         if (!json) fprintf(stderr, "kvasir bench: rep %ld: prefill %.2f tok/s, decode %.2f tok/s\n", r + 1, pp, tg);
     }
     const uint64_t bpt = kv_model_bytes_per_token(mc);
+    const long rss_kb = kv_bench_peak_rss_kb();
     if (json) {
         printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"prefill_tok_s_best\":%.3f,"
                "\"decode_tok_s_best\":%.3f,\"n_prompt\":%ld,\"n_gen\":%ld,\"threads\":%d,\"reps\":%ld,"
                "\"backend\":\"%s\",\"bytes_per_token\":%llu,\"n_layer\":%u,\"n_embd\":%u,\"n_expert\":%u,"
                "\"n_expert_used\":%u,\"parallel\":%ld",
                sum_pp / (double)reps, sum_tg / (double)reps, best_pp, best_tg, n_prompt, n_gen,
-               kv_pool_size(pool), reps, kv_quant_backend(), (unsigned long long)bpt, hp->n_layer,
+               kv_engine_n_threads(eng), reps, kv_quant_backend(), (unsigned long long)bpt, hp->n_layer,
                hp->n_embd, hp->n_expert, hp->n_expert_used, n_par);
+        printf(",\"kv_type\":\"%s\",\"kv_bytes\":%llu,\"kv_blocks_held\":%u,\"recurrent_bytes\":%llu,\"peak_rss_kb\":%ld",
+               kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes, es.mem.blocks_held,
+               (unsigned long long)es.mem.recurrent_bytes, rss_kb);
         if (remote)
             printf(",\"workers\":%u,\"wire\":\"%s\",\"layer_rtt_p50_us\":%.1f,\"layer_rtt_p99_us\":%.1f,"
                    "\"layer_calls\":%llu,\"retried_pairs\":%llu,\"bytes_per_step\":%.0f",
@@ -179,10 +222,13 @@ int kv_cmd_bench(int argc, char **argv) {
         printf("}\n");
     } else {
         printf("model %s: %u layers, embd %u, %u/%u experts, %d threads, kernels %s\n", model, hp->n_layer,
-               hp->n_embd, hp->n_expert_used, hp->n_expert, kv_pool_size(pool), kv_quant_backend());
+               hp->n_embd, hp->n_expert_used, hp->n_expert, kv_engine_n_threads(eng), kv_quant_backend());
         printf("prefill (%ld tokens): %.2f tok/s (best %.2f)\n", n_prompt, sum_pp / (double)reps, best_pp);
         printf("decode  (%ld tokens x %ld sequences): %.2f tok/s (best %.2f), %.1f MB of weights per token\n", n_gen, n_par,
                sum_tg / (double)reps, best_tg, (double)bpt / 1e6);
+        printf("memory: KV cache %.2f MiB (%s, %u blocks held), recurrent state %.2f MiB, peak RSS %.1f MiB\n",
+               (double)es.mem.kv_bytes / 1048576.0, kv_type == KV_TYPE_F16 ? "f16" : "f32", es.mem.blocks_held,
+               (double)es.mem.recurrent_bytes / 1048576.0, (double)rss_kb / 1024.0);
         if (remote)
             printf("dispatch (%u workers, %s): per-layer round trip p50 %.0f us, p99 %.0f us over %llu layer calls "
                    "(%.1f us per token at p50); %.1f kB on the wire per step; %llu pairs retried\n", n_workers,
@@ -192,13 +238,10 @@ int kv_cmd_bench(int argc, char **argv) {
     }
     rc = 0;
 done:
+    if (ss)
+        for (long q = 0; q < n_par; q++) kv_session_free(ss[q]);
+    free(ss);
     free(toks);
-    free(step_tok);
-    free(step_seq);
-    free(logits);
-    kv_state_free(st);
-    kv_remote_free(remote);
-    kv_pool_free(pool);
-    kv_model_free(m);
+    kv_engine_free(eng);
     return rc;
 }

@@ -1,4 +1,5 @@
-/* kvasir run: generate text from a prompt, streaming it as it comes. */
+/* kvasir run: generate text from a prompt, streaming it as it comes: one
+ * engine session (kvasir/engine.h), the same path a server takes. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -6,12 +7,12 @@
 
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
-#include "kvasir/model.h"
-#include "kvasir/sample.h"
+#include "kvasir/engine.h"
+#include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", NULL};
 
 #define CMD "run"
 
@@ -40,17 +41,12 @@ static const char *kv_run_help =
     "  --repeat-penalty R   penalize tokens of the last 64 (default 1.0 = off)\n"
     "  --seed S             random seed (default: from the clock)\n"
     "  --threads N          worker threads (default: all CPUs)\n"
-    "  --ctx N              context length (default: prompt + N, at most the model's)\n"
+    "  --ctx N              context length (default: the model's; KV memory follows the tokens held)\n"
     "  --batch N            prompt tokens per forward chunk (default 256)\n"
+    "  --kv-type T          KV cache elements: f32 (exact, default) or f16 (half the memory)\n"
     "  --chat               wrap the prompt in the ChatML chat template\n"
     "  --json               print one JSON object instead of streaming text\n"
     "  --logits-out F       write the logits used for each generated token (f32 LE, n_vocab each)\n";
-
-static double kv_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void kv_json_str(FILE *f, const char *s, size_t n) {
     fputc('"', f);
@@ -141,7 +137,7 @@ int kv_cmd_run(int argc, char **argv) {
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     long worker_timeout = 10000;
-    int wire = KV_ENC_F32;
+    int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
     kv_sample_params sp = kv_sample_defaults();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -197,6 +193,10 @@ int kv_cmd_run(int argc, char **argv) {
         } else if (!strcmp(a, "--wire")) {
             if ((wire = kv_enc_from_name(v)) < 0)
                 return kv_cli_err(CMD, 1, "--wire: '%s' is not one of f32, f16, bf16", v);
+        } else if (!strcmp(a, "--kv-type")) {
+            if (!strcmp(v, "f32")) kv_type = KV_TYPE_F32;
+            else if (!strcmp(v, "f16")) kv_type = KV_TYPE_F16;
+            else return kv_cli_err(CMD, 1, "--kv-type: '%s' is not one of f32, f16", v);
         } else if (!strcmp(a, "--seed")) {
             if (kv_arg_u64(CMD, a, v, &sp.seed)) return 1;
             seed_set = true;
@@ -211,18 +211,10 @@ int kv_cmd_run(int argc, char **argv) {
 
     int rc = 2;
     kv_diag d = {0};
-    kv_model *m = NULL;
-    const kv_model *mc = NULL; /* the model in use: m, or the backbone the remote provider owns */
-    kv_remote *remote = NULL;
-    kv_slices *slices = NULL;
-    kv_expert_provider prov = {0};
-    char *manifest = NULL;
-    kv_pool *pool = NULL;
-    kv_state *st = NULL;
-    kv_sampler *smp = NULL;
+    kv_engine *eng = NULL;
+    kv_session *ses = NULL;
     char *ptext = NULL, *chat_text = NULL, *out_text = NULL, *clean = NULL;
-    int32_t *ids = NULL;
-    float *logits = NULL;
+    int32_t *ids = NULL, *gen = NULL;
     FILE *lf = NULL;
     size_t n_ids = 0, out_len = 0, out_cap = 0;
 
@@ -239,34 +231,27 @@ int kv_cmd_run(int argc, char **argv) {
         fclose(f);
         prompt = ptext;
     }
+    bool sliced;
     {   /* a sliced model: DIR/manifest.json, or DIR */
         struct stat mst;
         const size_t ml = strlen(model);
-        if (!stat(model, &mst) && S_ISDIR(mst.st_mode)) {
-            if (!(manifest = malloc(ml + 16))) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
-            snprintf(manifest, ml + 16, "%s/manifest.json", model);
-        } else if (ml >= 5 && !strcmp(model + ml - 5, ".json")) {
-            manifest = strdup(model);
-        }
+        sliced = (!stat(model, &mst) && S_ISDIR(mst.st_mode)) || (ml >= 5 && !strcmp(model + ml - 5, ".json"));
     }
-    if (!manifest && (cache_mb > 0 || skip_hashes)) { rc = kv_cli_err(CMD, 1, "--expert-cache-mb and --skip-hashes need a sliced model (-m DIR/manifest.json)"); goto done; }
+    if (!sliced && (cache_mb > 0 || skip_hashes)) { rc = kv_cli_err(CMD, 1, "--expert-cache-mb and --skip-hashes need a sliced model (-m DIR/manifest.json)"); goto done; }
     if (!n_workers && (wire != KV_ENC_F32 || worker_timeout != 10000)) { rc = kv_cli_err(CMD, 1, "--wire and --worker-timeout-ms need --worker"); goto done; }
-    if (!manifest && n_workers) { rc = kv_cli_err(CMD, 1, "--worker needs a sliced model (-m DIR/manifest.json)"); goto done; }
+    if (!sliced && n_workers) { rc = kv_cli_err(CMD, 1, "--worker needs a sliced model (-m DIR/manifest.json)"); goto done; }
     if (n_workers && cache_mb > 0) { rc = kv_cli_err(CMD, 1, "--expert-cache-mb and --worker cannot be combined"); goto done; }
-    if (n_workers) {
-        /* the coordinator: backbone + manifest here, experts on the workers */
-        if ((rc = kv_pool_new(&pool, (int)threads, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-        const kv_remote_opts ro = {workers, n_workers, (uint32_t)worker_timeout, 0, (uint32_t)wire, (uint32_t)n_batch,
-                                   false, verbose ? stderr : NULL};
-        if ((rc = kv_remote_open(&remote, manifest, pool, &ro, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-        mc = kv_remote_model(remote);
-    } else if (manifest) {
-        const kv_slices_opts so = {.cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0, .skip_hashes = skip_hashes, .n_threads = (int)threads};
-        if ((rc = kv_slices_open(&slices, manifest, &so, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-        if ((rc = kv_model_load_ex(&m, kv_slices_backbone_path(slices), &(kv_model_opts){.no_experts = true}, &d)) ||
-            (rc = kv_slices_check_model(slices, m, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    } else if ((rc = kv_model_load(&m, model, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    if (!mc) mc = m;
+    /* one engine, one session: the same path a server takes */
+    const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
+                               .max_sessions = 1, .kv_type = (uint32_t)kv_type,
+                               .expert_cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0,
+                               .skip_hashes = skip_hashes, .workers = workers, .n_workers = n_workers,
+                               .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
+                               .log = verbose ? stderr : NULL};
+    if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
+    const kv_model *mc = kv_engine_model(eng);
+    kv_remote *remote = kv_engine_remote(eng);
+    kv_slices *slices = kv_engine_slices(eng);
     const kv_hparams *hp = kv_model_hparams(mc);
     const kv_tok *tok = kv_model_tok(mc);
     if (chat) {
@@ -283,51 +268,43 @@ int kv_cmd_run(int argc, char **argv) {
     if ((rc = kv_tok_encode(tok, prompt, plen, true, ids + off, cap - off, &n_ids, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     n_ids += off;
     if (n_ids == 0) { rc = kv_cli_err(CMD, 1, "the prompt is empty"); goto done; }
-    if (n_ids > hp->n_ctx_train || (n_ctx && n_ids > (size_t)n_ctx)) {
-        rc = kv_cli_err(CMD, 2, "prompt has %zu tokens, longer than the context (%ld)", n_ids,
-                        n_ctx ? n_ctx : (long)hp->n_ctx_train);
+    if (n_ids > kv_engine_n_ctx(eng)) {
+        rc = kv_cli_err(CMD, 2, "prompt has %zu tokens, longer than the context (%u)", n_ids, kv_engine_n_ctx(eng));
         goto done;
     }
-    if (!n_ctx) {
-        uint64_t want = (uint64_t)n_ids + (uint64_t)n_predict;
-        n_ctx = (long)(want < hp->n_ctx_train ? want : hp->n_ctx_train);
+    kv_session_opts so = {.sample = sp, .max_tokens = n_predict > 0 ? (uint32_t)n_predict : 1};
+    if ((rc = kv_session_new(&ses, eng, &so, &d)) || (rc = kv_session_prompt(ses, ids, (uint32_t)n_ids, &d))) {
+        rc = kv_cli_diag(CMD, &d);
+        goto done;
     }
-    if (!pool && (rc = kv_pool_new(&pool, (int)threads, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    if (slices && (rc = kv_slices_provider_new(&prov, slices, pool, (uint32_t)n_batch, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    kv_state_opts so = {.n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch, .experts = remote ? kv_remote_provider(remote) : slices ? &prov : NULL};
-    if ((rc = kv_state_new(&st, mc, pool, &so, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    if ((rc = kv_sampler_new(&smp, (int32_t)hp->n_vocab, &sp, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
-    logits = malloc((size_t)hp->n_vocab * sizeof(float));
     out_cap = 4096;
     out_text = malloc(out_cap);
-    if (!logits || !out_text) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+    gen = malloc(((size_t)n_predict + 1) * sizeof *gen);
+    if (!out_text || !gen) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
     if (logits_path && !(lf = fopen(logits_path, "wb"))) { rc = kv_cli_err(CMD, 2, "cannot write '%s'", logits_path); goto done; }
-    for (size_t i = 0; i < n_ids; i++) kv_sampler_accept(smp, ids[i]);
-
-    int32_t *gen = malloc(((size_t)n_predict + 1) * sizeof *gen);
-    if (!gen) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
     size_t n_gen = 0;
-    double t0 = kv_now();
-    if ((rc = kv_state_eval(st, ids, (uint32_t)n_ids, logits, &d))) { free(gen); rc = kv_cli_diag(CMD, &d); goto done; }
-    double t1 = kv_now(), t_dec = 0;
-    bool ctx_full = false;
-    while ((long)n_gen < n_predict) {
-        if (lf && fwrite(logits, sizeof(float), hp->n_vocab, lf) != hp->n_vocab) {
-            free(gen);
+    while (kv_engine_busy(eng)) {
+        if ((rc = kv_engine_step(eng, &d)) < 0) { rc = kv_cli_diag(CMD, &d); goto done; }
+        if (kv_session_status(ses) == KV_SESSION_FAILED) {
+            kv_session_error(ses, &d);
+            rc = kv_cli_diag(CMD, &d);
+            goto done;
+        }
+        const int32_t t = kv_session_token(ses);
+        if (t < 0 || n_predict == 0) continue;
+        if (lf && fwrite(kv_session_logits(ses), sizeof(float), hp->n_vocab, lf) != hp->n_vocab) {
             rc = kv_cli_err(CMD, 2, "write error on '%s'", logits_path);
             goto done;
         }
-        const int32_t t = kv_sampler_sample(smp, logits);
-        kv_sampler_accept(smp, t);
         gen[n_gen++] = t;
-        if (kv_tok_is_eog(tok, t)) break;
+        if (kv_tok_is_eog(tok, t)) continue;
         char piece[512];
         int pn = kv_tok_piece(tok, t, false, piece, sizeof piece);
         if (pn > (int)sizeof piece) pn = (int)sizeof piece;
         if (pn > 0) {
             if (out_len + (size_t)pn + 1 > out_cap) {
                 char *nb = realloc(out_text, out_cap * 2 + (size_t)pn);
-                if (!nb) { free(gen); rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+                if (!nb) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
                 out_text = nb;
                 out_cap = out_cap * 2 + (size_t)pn;
             }
@@ -338,18 +315,14 @@ int kv_cmd_run(int argc, char **argv) {
                 fflush(stdout);
             }
         }
-        if ((long)n_gen == n_predict) break;
-        if (kv_state_pos(st) >= kv_state_n_ctx(st)) {
-            ctx_full = true;
-            break;
-        }
-        double a = kv_now();
-        if ((rc = kv_state_eval(st, &t, 1, logits, &d))) { free(gen); rc = kv_cli_diag(CMD, &d); goto done; }
-        t_dec += kv_now() - a;
     }
+    kv_session_stats ss;
+    kv_session_get_stats(ses, &ss);
+    kv_engine_stats es;
+    kv_engine_get_stats(eng, &es);
     const size_t n_dec = n_gen > 0 ? n_gen - 1 : 0;
-    const double pre_tps = (double)n_ids / (t1 - t0 > 0 ? t1 - t0 : 1e-9);
-    const double dec_tps = n_dec && t_dec > 0 ? (double)n_dec / t_dec : 0.0;
+    const double pre_tps = (double)n_ids / (ss.t_prefill_s > 0 ? ss.t_prefill_s : 1e-9);
+    const double dec_tps = n_dec && ss.t_decode_s > 0 ? (double)n_dec / ss.t_decode_s : 0.0;
     if (json) {
         printf("{\"prompt_tokens\":[");
         for (size_t i = 0; i < n_ids; i++) printf("%s%d", i ? "," : "", ids[i]);
@@ -357,9 +330,15 @@ int kv_cmd_run(int argc, char **argv) {
         for (size_t i = 0; i < n_gen; i++) printf("%s%d", i ? "," : "", gen[i]);
         printf("],\"text\":");
         clean = malloc(out_len * 3 + 1);
-        if (!clean) { free(gen); rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+        if (!clean) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
         kv_json_str(stdout, clean, kv_utf8_clean(out_text, out_len, clean));
         printf(",\"timings\":{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f}", pre_tps, dec_tps);
+        printf(",\"stop\":\"%s\",\"engine\":{\"steps\":%llu,\"prefill_tokens\":%llu,\"decode_tokens\":%llu,"
+               "\"prefill_s\":%.6f,\"decode_s\":%.6f,\"kv_type\":\"%s\",\"kv_bytes\":%llu,\"recurrent_bytes\":%llu}",
+               kv_stop_name(kv_session_stop_reason(ses)), (unsigned long long)es.steps,
+               (unsigned long long)es.tokens_prefill, (unsigned long long)es.tokens_decode, es.t_prefill_s, es.t_decode_s,
+               kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes,
+               (unsigned long long)es.mem.recurrent_bytes);
         if (remote) kv_run_dispatch_json(remote);
         printf("}\n");
     } else {
@@ -377,24 +356,18 @@ int kv_cmd_run(int argc, char **argv) {
                 (unsigned long long)cs.waves);
     }
     if (remote && verbose) kv_run_dispatch_log(remote);
-    if (ctx_full) fprintf(stderr, "kvasir run: stopped at the end of the context (%ld tokens)\n", n_ctx);
-    free(gen);
+    if (kv_session_stop_reason(ses) == KV_STOP_CTX_FULL)
+        fprintf(stderr, "kvasir run: stopped at the end of the context (%u tokens)\n", kv_engine_n_ctx(eng));
     rc = 0;
 done:
     if (lf && fclose(lf) && rc == 0) rc = kv_cli_err(CMD, 2, "write error on '%s'", logits_path);
     free(clean);
-    free(logits);
+    free(gen);
     free(out_text);
     free(ids);
     free(chat_text);
     free(ptext);
-    kv_sampler_free(smp);
-    kv_state_free(st);
-    if (prov.free) prov.free(prov.impl);
-    kv_remote_free(remote);
-    kv_pool_free(pool);
-    kv_model_free(m);
-    kv_slices_free(slices);
-    free(manifest);
+    kv_session_free(ses);
+    kv_engine_free(eng);
     return rc;
 }

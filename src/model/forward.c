@@ -1,16 +1,23 @@
-/* The qwen3moe forward pass over one sequence.
+/* The run state, its paged KV cache, the chunk driver shared by both
+ * architectures, and the qwen3moe blocks.
  *
- * Per block: attention RMSNorm; Q/K/V projections; per-head RMSNorm of Q and
- * K; NeoX RoPE; causal softmax attention over the KV cache (GQA: query head
- * h reads KV head h / (n_head / n_head_kv)); output projection and residual;
- * FFN RMSNorm; router softmax, top-k, weight renormalization; routed experts
- * through the expert provider; weighted sum in top-k rank order; residual.
- * Then the final norm and the LM head on the last token.
+ * Per qwen3moe block: attention RMSNorm; Q/K/V projections; per-head
+ * RMSNorm of Q and K; NeoX RoPE; causal softmax attention over the KV cache
+ * (GQA: query head h reads KV head h / (n_head / n_head_kv)); output
+ * projection and residual; FFN RMSNorm; router softmax, top-k, weight
+ * renormalization; routed experts through the expert provider; weighted sum
+ * in top-k rank order; residual. Then the final norm and the LM head on the
+ * tokens whose logits are wanted.
  *
- * The state is allocated once (kv_state_new); kv_state_eval only computes.
- * Prompts run as batches of up to n_batch tokens, decode one token at a
- * time; both take the same path, and each output element is computed the
- * same way whatever the batch, so results do not depend on chunking. */
+ * A call carries any tokens of any sequences (each at its own position):
+ * prompt chunks and decode tokens take the same path, and each output
+ * element is computed the same way whatever the batch, so results depend
+ * neither on chunking nor on what else shares the call. The KV cache is a
+ * pool of blocks of KV_BLOCK positions (attending layers only, F32 or F16):
+ * attention reads a sequence's blocks in position order with the same
+ * per-element operation order as over contiguous rows. Buffers are
+ * allocated in kv_state_new; the pool grows in kv_state_reserve, before a
+ * chunk runs, never inside it. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +32,12 @@ static size_t kv_max3(size_t a, size_t b, size_t c) {
     return m > c ? m : c;
 }
 
+/* Layers with an attention cache: every qwen3moe block; the full-attention
+ * blocks of qwen35moe. */
+static bool kv_layer_attends(const kv_model *m, uint32_t il) {
+    return m->hp.arch != KV_ARCH_QWEN35MOE || !m->layers[il].recurrent;
+}
+
 int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_state_opts *opts,
                  kv_diag *d) {
     *out = NULL;
@@ -36,6 +49,9 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     if (o.n_batch > o.n_ctx) o.n_batch = o.n_ctx;
     if (o.n_seq == 0) o.n_seq = 1;
     if (o.n_seq > 4096) return kv_fail(d, KV_EINVAL, "state: %u sequences exceed max 4096", o.n_seq);
+    if (o.max_tokens > 65536) return kv_fail(d, KV_EINVAL, "state: %u tokens per step exceed max 65536", o.max_tokens);
+    if (o.kv_type != KV_TYPE_F32 && o.kv_type != KV_TYPE_F16)
+        return kv_fail(d, KV_EINVAL, "state: KV cache type %u is not f32 or f16", o.kv_type);
     kv_state *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "state: out of memory");
     s->m = m;
@@ -44,16 +60,37 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->n_batch = o.n_batch;
     s->n_seq = o.n_seq;
     s->max_tok = o.n_batch > o.n_seq ? o.n_batch : o.n_seq;
+    if (o.max_tokens > s->max_tok) s->max_tok = o.max_tokens;
+    s->kv_type = o.kv_type;
     const size_t B = s->max_tok, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim,
                  KVD = (size_t)hp->n_head_kv * hp->head_dim, K = hp->n_expert_used;
-    size_t cache_elems;
-    if (!kv_mul_ok((size_t)hp->n_layer * o.n_ctx * o.n_seq, KVD, &cache_elems) ||
-        cache_elems > ((size_t)1 << 40) / sizeof(float)) {
+    const size_t NT = (size_t)kv_pool_size(pool);
+    /* the block pool: a cap (never more than every sequence's full context) */
+    s->attn_of = malloc(hp->n_layer * sizeof *s->attn_of);
+    if (!s->attn_of) {
         kv_state_free(s);
-        return kv_fail(d, KV_EINVAL, "context: KV cache for %u tokens is too large", o.n_ctx);
+        return kv_fail(d, KV_ENOMEM, "state: out of memory");
     }
-    s->k_cache = malloc(cache_elems * sizeof(float));
-    s->v_cache = malloc(cache_elems * sizeof(float));
+    for (uint32_t il = 0; il < hp->n_layer; il++)
+        s->attn_of[il] = kv_layer_attends(m, il) ? (int32_t)s->n_attn++ : -1;
+    s->kv_row = KVD * (o.kv_type == KV_TYPE_F16 ? 2 : 4);
+    s->blk_bytes = 2 * (size_t)s->n_attn * KV_BLOCK * s->kv_row;
+    const uint64_t full = (uint64_t)o.n_seq * ((o.n_ctx + KV_BLOCK - 1) / KV_BLOCK);
+    uint64_t cap = full;
+    if (o.kv_bytes_max && s->blk_bytes) {
+        const uint64_t c = o.kv_bytes_max / s->blk_bytes;
+        if (c < cap) cap = c;
+    }
+    if (s->blk_bytes && cap * s->blk_bytes > ((uint64_t)1 << 40)) {
+        kv_state_free(s);
+        return kv_fail(d, KV_EINVAL, "context: KV cache for %u sequences of %u tokens is too large; cap it", o.n_seq, o.n_ctx);
+    }
+    s->blk_max = s->n_attn ? (uint32_t)cap : 0;
+    s->arena = calloc((s->blk_max + KV_ARENA - 1) / KV_ARENA + 1, sizeof *s->arena);
+    s->seq_blk = calloc(o.n_seq, sizeof *s->seq_blk);
+    s->seq_nblk = calloc(o.n_seq, sizeof *s->seq_nblk);
+    s->seq_cap = calloc(o.n_seq, sizeof *s->seq_cap);
+    s->kv_wide = malloc(NT * 2 * KV_BLOCK * hp->head_dim * sizeof(float));
     s->x = malloc(B * E * sizeof(float));
     s->xb = malloc(B * E * sizeof(float));
     s->q = malloc(B * QD * sizeof(float));
@@ -65,16 +102,16 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->ids = malloc(B * K * sizeof(int32_t));
     s->wts = malloc(B * K * sizeof(float));
     s->eo = malloc(B * K * E * sizeof(float));
-    s->scores = malloc((size_t)kv_pool_size(pool) * o.n_ctx * sizeof(float));
+    s->scores = malloc(NT * o.n_ctx * sizeof(float));
     s->pos = calloc(o.n_seq, sizeof *s->pos);
     s->tok_seq = malloc(B * sizeof *s->tok_seq);
     s->tok_pos = malloc(B * sizeof *s->tok_pos);
     s->hout = malloc(B * E * sizeof(float));
     s->out_all = malloc(B * sizeof *s->out_all);
     s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
-    if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->k || !s->v || !s->att ||
-        !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->scratch ||
-        !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all) {
+    if (!s->arena || !s->seq_blk || !s->seq_nblk || !s->seq_cap || !s->kv_wide || !s->x || !s->xb || !s->q ||
+        !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores ||
+        !s->scratch || !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all) {
         kv_state_free(s);
         return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
     }
@@ -107,8 +144,17 @@ void kv_state_free(kv_state *s) {
     if (!s) return;
     if (s->own.free) s->own.free(s->own.impl);
     kv_q35_state_free(s);
-    free(s->k_cache);
-    free(s->v_cache);
+    if (s->arena)
+        for (uint32_t a = 0; a < (s->blk_n + KV_ARENA - 1) / KV_ARENA; a++) free(s->arena[a]);
+    free(s->arena);
+    if (s->seq_blk)
+        for (uint32_t i = 0; i < s->n_seq; i++) free(s->seq_blk[i]);
+    free(s->seq_blk);
+    free(s->seq_nblk);
+    free(s->seq_cap);
+    free(s->blk_free);
+    free(s->attn_of);
+    free(s->kv_wide);
     free(s->x);
     free(s->xb);
     free(s->q);
@@ -132,16 +178,109 @@ void kv_state_free(kv_state *s) {
 
 uint32_t kv_state_n_ctx(const kv_state *s) { return s->n_ctx; }
 uint32_t kv_state_n_seq(const kv_state *s) { return s->n_seq; }
+uint32_t kv_state_max_tokens(const kv_state *s) { return s->max_tok; }
 uint32_t kv_state_pos(const kv_state *s) { return s->pos[0]; }
 uint32_t kv_state_pos_seq(const kv_state *s, uint32_t seq) { return seq < s->n_seq ? s->pos[seq] : 0; }
-void kv_state_reset(kv_state *s) { memset(s->pos, 0, s->n_seq * sizeof *s->pos); }
+
 void kv_state_reset_seq(kv_state *s, uint32_t seq) {
-    if (seq < s->n_seq) s->pos[seq] = 0;
+    if (seq >= s->n_seq) return;
+    s->pos[seq] = 0;
+    /* its blocks go back to the pool (most recent on top), its recurrent state is freed */
+    for (uint32_t i = s->seq_nblk[seq]; i-- > 0;) s->blk_free[s->n_free++] = s->seq_blk[seq][i];
+    s->seq_nblk[seq] = 0;
+    kv_q35_seq_free(s, seq);
 }
 
-/* First cache row of (seq, layer). */
-static size_t kv_cache_row(const kv_state *s, uint32_t seq, uint32_t il) {
-    return ((size_t)seq * s->m->hp.n_layer + il) * s->n_ctx;
+void kv_state_reset(kv_state *s) {
+    for (uint32_t i = 0; i < s->n_seq; i++) kv_state_reset_seq(s, i);
+}
+
+/* One more arena of KV_ARENA blocks (fewer for the last one below the cap)
+ * onto the free stack. */
+static int kv_pool_grow(kv_state *s, kv_diag *d) {
+    const uint32_t a = s->blk_n / KV_ARENA;
+    const uint32_t n = s->blk_max - s->blk_n < KV_ARENA ? s->blk_max - s->blk_n : KV_ARENA;
+    KV_ASSERT(n > 0 && s->blk_n % KV_ARENA == 0);
+    uint32_t *nf = realloc(s->blk_free, ((size_t)s->blk_n + n) * sizeof *nf);
+    if (!nf) return kv_fail(d, KV_ENOMEM, "KV cache: out of memory growing the block pool past %u blocks", s->blk_n);
+    s->blk_free = nf;
+    if (!(s->arena[a] = malloc(n * s->blk_bytes)))
+        return kv_fail(d, KV_ENOMEM, "KV cache: out of memory growing the block pool past %u blocks", s->blk_n);
+    /* pushed so that the lowest id is taken first */
+    for (uint32_t i = n; i-- > 0;) s->blk_free[s->n_free++] = s->blk_n + i;
+    s->blk_n += n;
+    return 0;
+}
+
+int kv_state_reserve(kv_state *s, uint32_t seq, uint32_t n_tok, kv_diag *d) {
+    if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "reserve: sequence %u out of range (%u)", seq, s->n_seq);
+    if (n_tok > s->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "context full: sequence %u needs %u tokens of a context of %u", seq, n_tok, s->n_ctx);
+    int rc = kv_q35_seq_alloc(s, seq, d);
+    if (rc) return rc;
+    if (!s->n_attn) return 0;
+    const uint32_t need = (n_tok + KV_BLOCK - 1) / KV_BLOCK;
+    if (need <= s->seq_nblk[seq]) return 0;
+    const uint32_t more = need - s->seq_nblk[seq];
+    const uint64_t avail = (uint64_t)s->n_free + (s->blk_max > s->blk_n ? s->blk_max - s->blk_n : 0);
+    if (more > avail)
+        return kv_fail(d, KV_ENOMEM, "KV cache full: sequence %u needs %u more blocks of %u tokens, %llu free of %u",
+                       seq, more, KV_BLOCK, (unsigned long long)avail, s->blk_max);
+    if (need > s->seq_cap[seq]) {
+        uint32_t cap = s->seq_cap[seq] ? s->seq_cap[seq] : 8;
+        while (cap < need) cap *= 2;
+        uint32_t *nt = realloc(s->seq_blk[seq], (size_t)cap * sizeof *nt);
+        if (!nt) return kv_fail(d, KV_ENOMEM, "KV cache: out of memory for the block table of sequence %u", seq);
+        s->seq_blk[seq] = nt;
+        s->seq_cap[seq] = cap;
+    }
+    while (s->seq_nblk[seq] < need) {
+        if (!s->n_free && (rc = kv_pool_grow(s, d))) return rc;
+        s->seq_blk[seq][s->seq_nblk[seq]++] = s->blk_free[--s->n_free];
+    }
+    return 0;
+}
+
+void kv_state_get_mem(const kv_state *s, kv_state_mem *out) {
+    uint32_t held = 0;
+    for (uint32_t i = 0; i < s->n_seq; i++) held += s->seq_nblk[i];
+    out->block_tokens = KV_BLOCK;
+    out->block_bytes = s->blk_bytes;
+    out->blocks_held = held;
+    out->blocks_allocated = s->blk_n;
+    out->blocks_max = s->blk_max;
+    out->kv_bytes = (uint64_t)s->blk_n * s->blk_bytes;
+    out->recurrent_bytes = kv_q35_bytes(s);
+    out->n_attn_layers = s->n_attn;
+    out->kv_type = s->kv_type;
+}
+
+/* Start of the K (v = 0) or V (v = 1) row of position p of sequence seq in
+ * attending layer ai. The block must be reserved. */
+static uint8_t *kv_cache_at(const kv_state *s, uint32_t seq, uint32_t ai, int v, uint32_t p) {
+    const uint32_t b = s->seq_blk[seq][p / KV_BLOCK];
+    uint8_t *blk = s->arena[b / KV_ARENA] + (size_t)(b % KV_ARENA) * s->blk_bytes;
+    return blk + (((size_t)v * s->n_attn + ai) * KV_BLOCK + p % KV_BLOCK) * s->kv_row;
+}
+
+void kv_cache_put(kv_state *s, uint32_t il, uint32_t T) {
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t KVD = (int64_t)hp->n_head_kv * hp->head_dim;
+    const uint32_t ai = (uint32_t)s->attn_of[il];
+    KV_ASSERT(s->attn_of[il] >= 0);
+    const kv_type_info *f16 = s->kv_type == KV_TYPE_F16 ? kv_type_get(KV_TYPE_F16) : NULL;
+    for (uint32_t t = 0; t < T; t++) {
+        uint8_t *kd = kv_cache_at(s, s->tok_seq[t], ai, 0, s->tok_pos[t]);
+        uint8_t *vd = kv_cache_at(s, s->tok_seq[t], ai, 1, s->tok_pos[t]);
+        const float *ks = s->k + (size_t)t * KVD, *vs = s->v + (size_t)t * KVD;
+        if (f16) {
+            f16->from_float(ks, kd, KVD);
+            f16->from_float(vs, vd, KVD);
+        } else {
+            memcpy(kd, ks, (size_t)KVD * sizeof(float));
+            memcpy(vd, vs, (size_t)KVD * sizeof(float));
+        }
+    }
 }
 
 /* ---- attention ---------------------------------------------------------- */
@@ -151,6 +290,10 @@ typedef struct kv_attn_job {
     uint32_t il, n_tok;
 } kv_attn_job;
 
+/* Per (token, head): scores block by block (each a dot of its own, so the
+ * split changes no bit), softmax over all, then the weighted sum of V rows
+ * continued block to block in increasing position (the bits of one call
+ * over contiguous rows). F16 rows are widened (exactly) to F32 first. */
 static void kv_attn_worker(void *arg, int ith, int nth) {
     kv_attn_job *j = arg;
     kv_state *s = j->s;
@@ -158,20 +301,46 @@ static void kv_attn_worker(void *arg, int ith, int nth) {
     const int64_t HD = hp->head_dim, H = hp->n_head, KVD = (int64_t)hp->n_head_kv * HD;
     const int64_t gqa = hp->n_head / hp->n_head_kv;
     const float scale = 1.0f / sqrtf((float)HD);
+    const uint32_t ai = (uint32_t)s->attn_of[j->il];
+    const bool f16 = s->kv_type == KV_TYPE_F16;
+    const kv_type_info *ti = f16 ? kv_type_get(KV_TYPE_F16) : NULL;
+    const size_t esz = f16 ? 2 : 4;
     float *sc = s->scores + (size_t)ith * s->n_ctx;
+    float *wide = s->kv_wide + (size_t)ith * 2 * KV_BLOCK * (size_t)HD;
     long lo, hi;
     kv_pool_split((long)j->n_tok * H, ith, nth, &lo, &hi);
     for (long w = lo; w < hi; w++) {
         const int64_t t = w / H, h = w % H, kvh = h / gqa;
+        const uint32_t seq = s->tok_seq[t];
         const int64_t n_kv = (int64_t)s->tok_pos[t] + 1; /* causal: keys 0..pos of its sequence */
-        const size_t row0 = kv_cache_row(s, s->tok_seq[t], j->il);
-        const float *kc = s->k_cache + row0 * (size_t)KVD, *vc = s->v_cache + row0 * (size_t)KVD;
         const float *q = s->q + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
-        /* fixed order per output element (quant/vec.h): never depends on threads */
-        kv_f32_dot_rows(q, kc + (size_t)kvh * (size_t)HD, (size_t)KVD, n_kv, HD, scale, sc);
-        kv_softmax(sc, n_kv);
         float *o = s->att + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
-        kv_f32_wsum_rows(o, sc, vc + (size_t)kvh * (size_t)HD, (size_t)KVD, n_kv, HD);
+        /* fixed order per output element (quant/vec.h): never depends on threads */
+        for (int64_t p0 = 0; p0 < n_kv; p0 += KV_BLOCK) {
+            const int64_t n = n_kv - p0 < KV_BLOCK ? n_kv - p0 : KV_BLOCK;
+            const uint8_t *kb = kv_cache_at(s, seq, ai, 0, (uint32_t)p0) + (size_t)kvh * (size_t)HD * esz;
+            if (f16) {
+                for (int64_t r = 0; r < n; r++) ti->to_float(kb + (size_t)r * s->kv_row, wide + r * HD, HD);
+                kv_f32_dot_rows(q, wide, (size_t)HD, n, HD, scale, sc + p0);
+            } else {
+                kv_f32_dot_rows(q, (const float *)kb, (size_t)KVD, n, HD, scale, sc + p0);
+            }
+        }
+        kv_softmax(sc, n_kv);
+        for (int64_t p0 = 0; p0 < n_kv; p0 += KV_BLOCK) {
+            const int64_t n = n_kv - p0 < KV_BLOCK ? n_kv - p0 : KV_BLOCK;
+            const uint8_t *vb = kv_cache_at(s, seq, ai, 1, (uint32_t)p0) + (size_t)kvh * (size_t)HD * esz;
+            const float *rows = (const float *)vb;
+            size_t stride = (size_t)KVD;
+            if (f16) {
+                float *wv = wide + KV_BLOCK * HD;
+                for (int64_t r = 0; r < n; r++) ti->to_float(vb + (size_t)r * s->kv_row, wv + r * HD, HD);
+                rows = wv;
+                stride = (size_t)HD;
+            }
+            if (p0 == 0) kv_f32_wsum_rows(o, sc, rows, stride, n, HD);
+            else kv_f32_wsum_rows_acc(o, sc + p0, rows, stride, n, HD);
+        }
     }
 }
 
@@ -264,11 +433,7 @@ static int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
                 kv_rope_neox(kh, HD, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
             }
         }
-        for (uint32_t t = 0; t < T; t++) {
-            const size_t row = kv_cache_row(s, s->tok_seq[t], il) + s->tok_pos[t];
-            memcpy(s->k_cache + row * (size_t)KVD, s->k + (size_t)t * KVD, (size_t)KVD * sizeof(float));
-            memcpy(s->v_cache + row * (size_t)KVD, s->v + (size_t)t * KVD, (size_t)KVD * sizeof(float));
-        }
+        kv_cache_put(s, il, T);
         /* causal attention */
         kv_attn_run(s, il, T);
         /* output projection + residual */
@@ -324,6 +489,7 @@ int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t
                        s->pos[seq], n, s->n_ctx);
     int rc = kv_check_tokens(s, tokens, n, d);
     if (rc) return rc;
+    if ((rc = kv_state_reserve(s, seq, s->pos[seq] + n, d))) return rc;
     const uint32_t pos_start = s->pos[seq];
     for (uint32_t done = 0; done < n;) {
         const uint32_t T = n - done < s->n_batch ? n - done : s->n_batch;
@@ -353,6 +519,35 @@ int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits,
     return kv_state_eval_seq(s, 0, tokens, n, logits, d);
 }
 
+int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
+                   const uint32_t *out_idx, uint32_t n_out, float *logits, kv_diag *d) {
+    if (n == 0) return kv_fail(d, KV_EINVAL, "batch: no tokens");
+    if (n > s->max_tok) return kv_fail(d, KV_EINVAL, "batch: %u tokens exceed the step size %u", n, s->max_tok);
+    if (n_out > n) return kv_fail(d, KV_EINVAL, "batch: %u logit rows wanted of %u tokens", n_out, n);
+    for (uint32_t i = 0; i < n_out; i++)
+        if (out_idx[i] >= n) return kv_fail(d, KV_ERANGE, "batch: logit row %u out of range (%u tokens)", out_idx[i], n);
+    int rc = kv_check_tokens(s, tokens, n, d);
+    if (rc) return rc;
+    /* positions: each sequence's tokens follow its cache in batch order;
+     * s->pos is the committed count until the chunk succeeds */
+    for (uint32_t i = 0; i < n; i++) {
+        if (seqs[i] >= s->n_seq) return kv_fail(d, KV_ERANGE, "batch: sequence %u out of range (%u)", seqs[i], s->n_seq);
+        uint32_t before = 0;
+        for (uint32_t k = 0; k < i; k++) before += seqs[k] == seqs[i];
+        s->tok_seq[i] = seqs[i];
+        s->tok_pos[i] = s->pos[seqs[i]] + before;
+        if (s->tok_pos[i] >= s->n_ctx)
+            return kv_fail(d, KV_ECTXFULL, "context full: sequence %u holds %u tokens of %u", seqs[i], s->pos[seqs[i]],
+                           s->n_ctx);
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if ((rc = kv_state_reserve(s, seqs[i], s->tok_pos[i] + 1, d))) return rc;
+    rc = kv_eval_chunk(s, tokens, n, out_idx, n_out, logits, d);
+    if (rc) return rc;
+    for (uint32_t i = 0; i < n; i++) s->pos[seqs[i]]++;
+    return 0;
+}
+
 int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
                     float *logits, kv_diag *d) {
     if (n == 0) return kv_fail(d, KV_EINVAL, "decode: no tokens");
@@ -362,16 +557,6 @@ int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, ui
             return kv_fail(d, KV_ERANGE, "decode: sequence %u out of range (%u)", seqs[i], s->n_seq);
         for (uint32_t k = 0; k < i; k++)
             if (seqs[k] == seqs[i]) return kv_fail(d, KV_EINVAL, "decode: sequence %u given twice", seqs[i]);
-        if (s->pos[seqs[i]] + 1 > s->n_ctx)
-            return kv_fail(d, KV_ECTXFULL, "context full: sequence %u holds %u tokens of %u", seqs[i],
-                           s->pos[seqs[i]], s->n_ctx);
-        s->tok_seq[i] = seqs[i];
-        s->tok_pos[i] = s->pos[seqs[i]];
     }
-    int rc = kv_check_tokens(s, tokens, n, d);
-    if (rc) return rc;
-    rc = kv_eval_chunk(s, tokens, n, s->out_all, n, logits, d);
-    if (rc) return rc;
-    for (uint32_t i = 0; i < n; i++) s->pos[seqs[i]]++;
-    return 0;
+    return kv_state_batch(s, tokens, seqs, n, s->out_all, n, logits, d);
 }

@@ -15,6 +15,9 @@ struct kv_model {
     bool has_experts;    /* expert tensors loaded (false for a backbone) */
 };
 
+#define KV_BLOCK 16 /* positions per KV cache block */
+#define KV_ARENA 16 /* blocks per pool allocation */
+
 /* The run state (allocated in forward.c, extended by qwen35.c). */
 struct kv_state {
     const kv_model *m;
@@ -29,8 +32,23 @@ struct kv_state {
     uint32_t *out_all;     /* [max_tok] 0, 1, 2, ...: every token's logits wanted */
     kv_expert_provider own;          /* in-process provider (if no other given) */
     const kv_expert_provider *experts;
-    float *k_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
-    float *v_cache;        /* [n_seq][n_layer][n_ctx][n_head_kv*head_dim] */
+    /* KV cache: a pool of blocks (pages) of KV_BLOCK positions, handed to
+     * sequences as they grow and taken back when they are reset, so memory
+     * follows the tokens held; only attending layers have a cache */
+    uint32_t kv_type;      /* KV_TYPE_F32 or KV_TYPE_F16: cache element type */
+    uint32_t n_attn;       /* layers with an attention cache */
+    int32_t *attn_of;      /* [n_layer] index among attending layers, -1: none */
+    size_t kv_row;         /* bytes of one token's K (or V) in one layer: n_head_kv*head_dim elements */
+    size_t blk_bytes;      /* one block: K then V, each [n_attn][KV_BLOCK] rows of kv_row bytes */
+    uint32_t blk_max;      /* pool cap in blocks */
+    uint32_t blk_n;        /* blocks allocated so far (a multiple of KV_ARENA below the cap) */
+    uint8_t **arena;       /* [ceil(blk_max / KV_ARENA)] arenas of KV_ARENA blocks, NULL until needed */
+    uint32_t *blk_free;    /* [blk_n] stack of free block ids */
+    uint32_t n_free;       /* entries on blk_free */
+    uint32_t **seq_blk;    /* [n_seq] block table: entry i holds positions [i*KV_BLOCK, (i+1)*KV_BLOCK) */
+    uint32_t *seq_nblk;    /* [n_seq] blocks held */
+    uint32_t *seq_cap;     /* [n_seq] entries allocated in seq_blk[seq] */
+    float *kv_wide;        /* [n_threads][2][KV_BLOCK][head_dim] F16 rows widened for the kernels */
     float *x;              /* [max_tok][n_embd] residual stream */
     float *xb;             /* [max_tok][n_embd] normed input */
     float *q;              /* [max_tok][n_head*head_dim] */
@@ -53,6 +71,9 @@ struct kv_state {
 /* Causal softmax attention of the chunk's n_tok tokens (s->q, stride
  * n_head*head_dim) over layer il's KV cache rows, into s->att. */
 void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok);
+/* Writes the chunk's K and V rows (s->k, s->v) of layer il into the cache
+ * at each token's (sequence, position); the blocks are reserved. */
+void kv_cache_put(kv_state *s, uint32_t il, uint32_t n_tok);
 /* Routed MoE of layer il on the normed rows s->xb: router softmax, top-k,
  * renormalized weights, experts through the provider, weighted sum in rank
  * order into s->tmp. Errors: what the provider returns. */
@@ -70,9 +91,16 @@ int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64
 int kv_q35_read_hparams(kv_model *m, kv_diag *d);
 /* Maps and checks block il's tensors (trunk or MTP block). */
 int kv_q35_load_layer(kv_model *m, uint32_t il, bool experts, kv_diag *d);
-/* Allocates s->q35 (recurrent state of every sequence, buffers). */
+/* Allocates s->q35 (buffers; each sequence's recurrent state comes with
+ * kv_q35_seq_alloc). */
 int kv_q35_state_new(kv_state *s, kv_diag *d);
 void kv_q35_state_free(kv_state *s);
+/* Allocates sequence seq's recurrent state if it has none (KV_ENOMEM). */
+int kv_q35_seq_alloc(kv_state *s, uint32_t seq, kv_diag *d);
+/* Frees sequence seq's recurrent state (it starts from zero when next used). */
+void kv_q35_seq_free(kv_state *s, uint32_t seq);
+/* Bytes of recurrent state held now. */
+uint64_t kv_q35_bytes(const kv_state *s);
 /* The qwen35moe blocks over the T embedded tokens in s->x (the chunk driver
  * in forward.c embeds and computes logits). On error no sequence's
  * recurrent state changes. */

@@ -23,7 +23,7 @@
  * never run here.
  *
  * State: next to the KV cache (kept for full-attention blocks only), each
- * sequence has per recurrent block a conv state [conv_dim][d_conv-1] and a
+ * sequence (from its first use until it is reset) has per recurrent block a conv state [conv_dim][d_conv-1] and a
  * delta state [n_v_heads][S_v][S_v] (row j of a head = column j of S, as
  * ggml stores it), in two slots: a chunk reads the committed slot and writes
  * the other (the first token's step reads one and writes the other, so no
@@ -51,8 +51,9 @@ struct kv_q35_state {
     int32_t *lin_of;     /* [n_layer] index among recurrent blocks, -1 for attention */
     size_t conv_n;       /* floats of one conv state: conv_dim * (d_conv - 1) */
     size_t ssm_n;        /* floats of one delta state: n_v_heads * S_v * S_v */
-    float *conv;         /* [n_seq][2 slots][n_lin][conv_n] */
-    float *ssm;          /* [n_seq][2 slots][n_lin][ssm_n] */
+    float **rec;         /* [n_seq] recurrent state, NULL until used: [2 slots][n_lin][conv_n]
+                            conv states, then [2 slots][n_lin][ssm_n] delta states */
+    uint32_t n_rec;      /* sequences holding a recurrent state */
     uint8_t *cur;        /* [n_seq] slot holding the committed state */
     float *qkv;          /* [max_tok][conv_dim] projection (conv input) */
     float *cv;           /* [max_tok][conv_dim] conv + silu; q, k l2-normed */
@@ -222,11 +223,10 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->conv_n = C * (hp->ssm_d_conv - 1);
     q->ssm_n = NV * SV * SV;
     size_t per_seq = 2 * (size_t)q->n_lin, conv_all, ssm_all;
-    if (!kv_mul_ok(per_seq * s->n_seq, q->conv_n, &conv_all) || !kv_mul_ok(per_seq * s->n_seq, q->ssm_n, &ssm_all) ||
-        ssm_all > ((size_t)1 << 40) / sizeof(float))
-        return kv_fail(d, KV_EINVAL, "state: recurrent state for %u sequences is too large", s->n_seq);
-    q->conv = calloc(conv_all ? conv_all : 1, sizeof(float));
-    q->ssm = calloc(ssm_all ? ssm_all : 1, sizeof(float));
+    if (!kv_mul_ok(per_seq, q->conv_n, &conv_all) || !kv_mul_ok(per_seq, q->ssm_n, &ssm_all) ||
+        ssm_all > ((size_t)1 << 36) / sizeof(float))
+        return kv_fail(d, KV_EINVAL, "state: recurrent state of one sequence is too large");
+    q->rec = calloc(s->n_seq, sizeof *q->rec);
     q->cur = calloc(s->n_seq, 1);
     q->qkv = malloc(B * C * sizeof(float));
     q->cv = malloc(B * C * sizeof(float));
@@ -241,7 +241,7 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->sh_gate = malloc(B * sizeof(float));
     size_t kmax = kv_zmax(kv_zmax(E, VD), kv_zmax(hp->n_ff_shexp, (size_t)hp->n_head * hp->head_dim));
     q->scratch = malloc(kv_matmul_scratch((int64_t)kmax, (int64_t)B));
-    if (!q->conv || !q->ssm || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
+    if (!q->rec || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
         !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->scratch)
         return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
     return 0;
@@ -251,8 +251,9 @@ void kv_q35_state_free(kv_state *s) {
     kv_q35_state *q = s->q35;
     if (!q) return;
     free(q->lin_of);
-    free(q->conv);
-    free(q->ssm);
+    if (q->rec)
+        for (uint32_t i = 0; i < s->n_seq; i++) free(q->rec[i]);
+    free(q->rec);
     free(q->cur);
     free(q->qkv);
     free(q->cv);
@@ -270,14 +271,39 @@ void kv_q35_state_free(kv_state *s) {
     s->q35 = NULL;
 }
 
+static size_t kv_q35_seq_floats(const kv_q35_state *q) { return 2 * (size_t)q->n_lin * (q->conv_n + q->ssm_n); }
+
+int kv_q35_seq_alloc(kv_state *s, uint32_t seq, kv_diag *d) {
+    kv_q35_state *q = s->q35;
+    if (!q || q->rec[seq] || !q->n_lin) return 0;
+    if (!(q->rec[seq] = calloc(kv_q35_seq_floats(q), sizeof(float))))
+        return kv_fail(d, KV_ENOMEM, "state: out of memory for the recurrent state of sequence %u", seq);
+    q->cur[seq] = 0;
+    q->n_rec++;
+    return 0;
+}
+
+void kv_q35_seq_free(kv_state *s, uint32_t seq) {
+    kv_q35_state *q = s->q35;
+    if (!q || !q->rec[seq]) return;
+    free(q->rec[seq]);
+    q->rec[seq] = NULL;
+    q->n_rec--;
+}
+
+uint64_t kv_q35_bytes(const kv_state *s) {
+    const kv_q35_state *q = s->q35;
+    return q ? (uint64_t)q->n_rec * kv_q35_seq_floats(q) * sizeof(float) : 0;
+}
+
 static float *kv_q35_conv_at(const kv_state *s, uint32_t seq, uint32_t slot, uint32_t li) {
     const kv_q35_state *q = s->q35;
-    return q->conv + (((size_t)seq * 2 + slot) * q->n_lin + li) * q->conv_n;
+    return q->rec[seq] + ((size_t)slot * q->n_lin + li) * q->conv_n;
 }
 
 static float *kv_q35_ssm_at(const kv_state *s, uint32_t seq, uint32_t slot, uint32_t li) {
     const kv_q35_state *q = s->q35;
-    return q->ssm + (((size_t)seq * 2 + slot) * q->n_lin + li) * q->ssm_n;
+    return q->rec[seq] + 2 * (size_t)q->n_lin * q->conv_n + ((size_t)slot * q->n_lin + li) * q->ssm_n;
 }
 
 /* Token t is its sequence's first of this call (its state comes from the
@@ -445,10 +471,8 @@ static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32
             kv_rmsnorm(kh, kh, L->k_norm.data, HD, hp->rms_eps);
             kv_rope_imrope(kh, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
         }
-        const size_t row = ((size_t)s->tok_seq[t] * hp->n_layer + il) * s->n_ctx + s->tok_pos[t];
-        memcpy(s->k_cache + row * (size_t)KVD, s->k + (size_t)t * KVD, (size_t)KVD * sizeof(float));
-        memcpy(s->v_cache + row * (size_t)KVD, s->v + (size_t)t * KVD, (size_t)KVD * sizeof(float));
     }
+    kv_cache_put(s, il, T);
     kv_attn_run(s, il, T);
     for (uint32_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++) {

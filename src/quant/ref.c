@@ -339,8 +339,9 @@ void kv_quant_q5_K_from_float(const float *src, void *dst, int64_t n);
 void kv_quant_q6_K_from_float(const float *src, void *dst, int64_t n);
 
 void kv_f32_wsum_ref(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
-                     int64_t n) {
-    for (int64_t i = 0; i < n; i++) o[i] = 0.0f;
+                     int64_t n, int acc) {
+    if (!acc)
+        for (int64_t i = 0; i < n; i++) o[i] = 0.0f;
     for (int64_t p = 0; p < n_rows; p++) {
         const float *v = V + (size_t)p * v_stride, wp = w[p];
         for (int64_t i = 0; i < n; i++) o[i] = fmaf(wp, v[i], o[i]);

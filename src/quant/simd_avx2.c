@@ -359,11 +359,11 @@ ENTRY(q6_K, q6_K_tile, 2, 3, 1)
 /* attention weighted sum: o[i] = fma chain over p (quant/vec.h)        */
 
 void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
-                      int64_t n) {
+                      int64_t n, int acc0) {
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
         __m256 acc[8];
-        UNROLL for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+        UNROLL for (int k = 0; k < 8; k++) acc[k] = acc0 ? _mm256_loadu_ps(o + i + 8 * k) : _mm256_setzero_ps();
         for (int64_t p = 0; p < n_rows; p++) {
             const float *v = V + (size_t)p * v_stride + i;
             __m256 wp = _mm256_broadcast_ss(w + p);
@@ -372,13 +372,13 @@ void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride,
         UNROLL for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i + 8 * k, acc[k]);
     }
     for (; i + 8 <= n; i += 8) {
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc = acc0 ? _mm256_loadu_ps(o + i) : _mm256_setzero_ps();
         for (int64_t p = 0; p < n_rows; p++)
             acc = _mm256_fmadd_ps(_mm256_broadcast_ss(w + p), _mm256_loadu_ps(V + (size_t)p * v_stride + i), acc);
         _mm256_storeu_ps(o + i, acc);
     }
     for (; i < n; i++) {
-        float acc = 0.0f;
+        float acc = acc0 ? o[i] : 0.0f;
         for (int64_t p = 0; p < n_rows; p++) acc = fmaf(w[p], V[(size_t)p * v_stride + i], acc);
         o[i] = acc;
     }

@@ -656,11 +656,11 @@ K6_ENTRY(q6_K, KV_K6_RT, KV_K6_TT, 1)
 
 /* attention weighted sum: o[i] = fma chain over p (quant/vec.h) */
 void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
-                        int64_t n) {
+                        int64_t n, int acc0) {
     int64_t i = 0;
     for (; i + 128 <= n; i += 128) {
         __m512 acc[8];
-        for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+        for (int k = 0; k < 8; k++) acc[k] = acc0 ? _mm512_loadu_ps(o + i + 16 * k) : _mm512_setzero_ps();
         for (int64_t p = 0; p < n_rows; p++) {
             const float *v = V + (size_t)p * v_stride + i;
             __m512 wp = _mm512_set1_ps(w[p]);
@@ -670,7 +670,7 @@ void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_strid
     }
     for (; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        __m512 acc = _mm512_setzero_ps();
+        __m512 acc = acc0 ? _mm512_maskz_loadu_ps(m, o + i) : _mm512_setzero_ps();
         for (int64_t p = 0; p < n_rows; p++)
             acc = _mm512_fmadd_ps(_mm512_set1_ps(w[p]), _mm512_maskz_loadu_ps(m, V + (size_t)p * v_stride + i), acc);
         _mm512_mask_storeu_ps(o + i, m, acc);

@@ -204,7 +204,13 @@ void kv_f32_dot_rows(const float *q, const float *K, size_t k_stride, int64_t n_
 void kv_f32_wsum_rows(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                       int64_t n) {
     kv_ensure();
-    kv_wsums[kv_be_cur](o, w, V, v_stride, n_rows, n);
+    kv_wsums[kv_be_cur](o, w, V, v_stride, n_rows, n, 0);
+}
+
+void kv_f32_wsum_rows_acc(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                          int64_t n) {
+    kv_ensure();
+    kv_wsums[kv_be_cur](o, w, V, v_stride, n_rows, n, 1);
 }
 
 void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,

@@ -25,6 +25,11 @@ void kv_f32_dot_rows(const float *q, const float *K, size_t k_stride, int64_t n_
 /* V row p at V + p*v_stride (floats); o gets n floats. */
 void kv_f32_wsum_rows(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                       int64_t n);
+/* The same, continuing each o[i]'s fma chain from its current value, so a
+ * sum over rows split in pieces (a paged KV cache) has the bits of one
+ * call over all the rows. */
+void kv_f32_wsum_rows_acc(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                          int64_t n);
 /* One delta-rule token step over n_rows state rows of n floats (row j at
  * S + j*n, written to D + j*n; D may equal S, else the two must not
  * overlap). k, q have n floats; v and o have n_rows. */

@@ -87,9 +87,15 @@ void kv_sampler_accept(kv_sampler *s, int32_t token) {
     if (s->n_hist < s->p.repeat_last_n) s->n_hist++;
 }
 
+/* A strict total order (best first, lower id first on ties), NaN after
+ * every number: with NaN treated as unordered the quickselect's scans would
+ * find no stopper and run past the array. kv_sampler_sample refuses NaN
+ * before sorting; the order stays total anyway. */
 static int kv_cand_desc(const void *a, const void *b) {
     const kv_cand *x = a, *y = b;
-    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
+    const bool xn = isnan(x->logit), yn = isnan(y->logit);
+    if (xn != yn) return xn ? 1 : -1;
+    if (!xn && x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
     return x->id < y->id ? -1 : (x->id > y->id);
 }
 
@@ -127,7 +133,14 @@ int32_t kv_sampler_sample(kv_sampler *s, const float *logits) {
     const kv_sample_params *p = &s->p;
     kv_cand *c = s->cand;
     int32_t n = s->n_vocab;
-    for (int32_t i = 0; i < n; i++) c[i] = (kv_cand){i, logits[i], 0.0f};
+    bool any_finite = false;
+    for (int32_t i = 0; i < n; i++) {
+        const float l = logits[i];
+        if (isnan(l) || l == INFINITY) return KV_ERANGE; /* a lie, not a value */
+        any_finite |= l != -INFINITY;
+        c[i] = (kv_cand){i, l, 0.0f};
+    }
+    if (!any_finite) return KV_ERANGE; /* nothing can be drawn */
     /* repetition penalty: each distinct token of the history once */
     if (p->repeat_penalty != 1.0f) {
         for (int32_t h = 0; h < s->n_hist; h++) {

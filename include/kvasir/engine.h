@@ -1,0 +1,188 @@
+/* The engine: one model (from a GGUF file, a sliced model, or a sliced
+ * model whose experts live on workers) serving many sessions at once.
+ *
+ * A session is one conversation: its own sampler, its own KV cache blocks
+ * and recurrent state, its own stop conditions. Sessions are created, fed a
+ * prompt, stepped and freed at any time while others run. One engine step
+ * is one batched forward pass: every session that is generating feeds its
+ * last token, and sessions with prompt tokens waiting fold up to n_batch of
+ * them in as well (chunked prefill, oldest session first); the expert
+ * provider gets one request per MoE layer carrying all of those tokens.
+ * Each session's tokens and logits are byte-identical to running it alone,
+ * whatever joins, prefills or leaves beside it (kv_state_batch's guarantee:
+ * no result depends on batch composition).
+ *
+ * Errors are per session where they belong to one: a session whose KV
+ * blocks cannot be had (the pool's cap) or whose logits are not finite
+ * fails alone, with its own code and message (kv_session_error); the others
+ * continue. An error that belongs to the step (the expert provider could
+ * not answer) fails the step: kv_engine_step returns it and no session
+ * advances, so the step can be retried.
+ *
+ * Threads: an engine and its sessions are driven from one thread at a time
+ * (no call may overlap another on the same engine or any of its sessions);
+ * the engine parallelizes each step internally on its own pool. A server
+ * keeps one scheduler thread that owns the engine: request threads hand it
+ * work (create, prompt, free) through their own queue and read tokens it
+ * publishes. Nothing in here blocks except kv_engine_step (compute, and the
+ * network when workers serve the experts). */
+#ifndef KVASIR_ENGINE_H
+#define KVASIR_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvasir/err.h"
+#include "kvasir/model.h"
+#include "kvasir/sample.h"
+
+typedef struct kv_engine kv_engine;
+typedef struct kv_session kv_session;
+struct kv_remote;
+struct kv_slices;
+
+#define KV_ENGINE_MAX_SESSIONS 4096u
+#define KV_SESSION_MAX_STOP 16u
+
+typedef struct kv_engine_opts {
+    int n_threads;               /* compute threads; 0 = all CPUs */
+    uint32_t n_ctx;              /* positions per session; 0 = the model's context */
+    uint32_t n_batch;            /* prompt tokens per step (chunked prefill); 0 = 256 */
+    uint32_t max_sessions;       /* sessions alive at once; 0 = 64 */
+    uint32_t kv_type;            /* KV cache elements: KV_TYPE_F32 (0, default) or KV_TYPE_F16 */
+    uint64_t kv_bytes_max;       /* cap of the KV block pool; 0 = max_sessions full contexts */
+    /* sliced model (path is DIR or DIR/manifest.json) */
+    uint64_t expert_cache_bytes; /* no workers: bounded LRU expert cache filled from the slabs;
+                                    0 = map every slab */
+    bool skip_hashes;            /* check sizes and identity, not every SHA-256 */
+    const char *const *workers;  /* [n_workers] "HOST:PORT": experts computed there */
+    uint32_t n_workers;
+    uint32_t worker_timeout_ms;  /* per-layer deadline before a worker is dropped; 0 = 10000 */
+    uint32_t wire;               /* KV_ENC_* of hidden states to workers; 0 = F32 (exact) */
+    FILE *log;                   /* worker connects and drops; NULL = silent */
+} kv_engine_opts;
+
+/* Opens path: a GGUF file (experts in-process from it), or a sliced model
+ * (DIR or DIR/manifest.json: the backbone resident, experts from the slabs,
+ * or from opts->workers when given, with slabs present as fallback). Every
+ * check of kv_model_load / kv_slices_open / kv_remote_open applies, with
+ * their errors; *out is NULL on error. Free with kv_engine_free (accepts
+ * NULL; frees every session still open). */
+int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts, kv_diag *d);
+/* The same over a loaded model (borrowed; must outlive the engine) and an
+ * expert provider (borrowed; NULL = in-process from m's own experts). The
+ * source fields of opts (expert cache, hashes, workers) are ignored. */
+int kv_engine_open_model(kv_engine **out, const kv_model *m, const kv_expert_provider *experts,
+                         const kv_engine_opts *opts, kv_diag *d);
+void kv_engine_free(kv_engine *e);
+
+const kv_model *kv_engine_model(const kv_engine *e);      /* hparams, tokenizer */
+struct kv_remote *kv_engine_remote(kv_engine *e);         /* NULL unless opened with workers */
+struct kv_slices *kv_engine_slices(kv_engine *e);         /* NULL unless sliced without workers */
+int kv_engine_n_threads(const kv_engine *e);
+uint32_t kv_engine_n_ctx(const kv_engine *e);
+
+/* Runs one step (see the top). Returns the number of sessions that got a
+ * new token (0 when no session had work), or a negative code when the step
+ * as a whole failed (d says why, prefixed "step N"); then no session
+ * advanced. Per-session failures do not fail the step. */
+int kv_engine_step(kv_engine *e, kv_diag *d);
+/* True while some session is prefilling or generating (and not paused). */
+bool kv_engine_busy(const kv_engine *e);
+
+typedef struct kv_engine_stats {
+    uint64_t steps;              /* forward passes run */
+    uint64_t steps_failed;       /* steps that returned an error */
+    uint64_t tokens_prefill;     /* prompt tokens evaluated */
+    uint64_t tokens_decode;      /* generated tokens fed back and evaluated */
+    uint64_t tokens_sampled;     /* tokens handed to sessions */
+    uint64_t sessions_created;
+    uint64_t sessions_failed;    /* sessions that ended in an error */
+    uint32_t sessions_open;      /* alive now */
+    uint32_t max_step_tokens;    /* most tokens one step carried */
+    double t_prefill_s;          /* step time, split between prefill and decode by their */
+    double t_decode_s;           /* share of the step's tokens */
+    kv_state_mem mem;            /* KV blocks and recurrent state now */
+} kv_engine_stats;
+void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out);
+
+/* ---- sessions ---------------------------------------------------------- */
+
+enum kv_session_status {
+    KV_SESSION_IDLE = 0,  /* no prompt yet */
+    KV_SESSION_PREFILL,   /* prompt tokens waiting */
+    KV_SESSION_DECODE,    /* generating */
+    KV_SESSION_DONE,      /* stopped (kv_session_stop_reason); a new prompt continues it */
+    KV_SESSION_FAILED,    /* an error (kv_session_error); only kv_session_free remains */
+    KV_SESSION_STATUS_COUNT
+};
+
+enum kv_stop {
+    KV_STOP_NONE = 0,
+    KV_STOP_EOG,          /* an end-of-generation token (it is the last token emitted) */
+    KV_STOP_TOKEN,        /* one of opts.stop_tokens (emitted too) */
+    KV_STOP_MAX_TOKENS,   /* opts.max_tokens emitted */
+    KV_STOP_CTX_FULL,     /* the session holds n_ctx positions */
+    KV_STOP_ERROR,        /* see kv_session_error */
+    KV_STOP_COUNT
+};
+
+typedef struct kv_session_opts {
+    kv_sample_params sample;     /* kv_sample_defaults() for llama.cpp's */
+    uint32_t max_tokens;         /* tokens emitted per prompt before KV_STOP_MAX_TOKENS; 0 = no limit */
+    bool ignore_eog;             /* keep going past end-of-generation tokens */
+    int32_t stop_tokens[KV_SESSION_MAX_STOP]; /* extra stop tokens (copied) */
+    uint32_t n_stop;
+    void *data;                  /* the caller's, never touched */
+} kv_session_opts;
+
+/* Opens a session (IDLE). Errors: KV_ENOMEM when max_sessions are open or
+ * memory is short; KV_EINVAL for bad sampler parameters or stop tokens.
+ * Free with kv_session_free. */
+int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, kv_diag *d);
+/* Leaves the batch at once (between steps), giving back its KV blocks and
+ * recurrent state. Accepts NULL. */
+void kv_session_free(kv_session *s);
+
+/* Queues n prompt tokens (copied; they also enter the sampler's penalty
+ * history). Allowed when IDLE, PREFILL (appends) or DONE (the next turn:
+ * the stop reason and token count reset; the last emitted token was not fed
+ * to the model, so a caller continuing a conversation puts it first).
+ * Errors: KV_EINVAL while generating or after a failure, KV_ERANGE for a
+ * token outside the vocabulary, KV_ECTXFULL when the session would exceed
+ * n_ctx; nothing is queued then. */
+int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d);
+/* A paused session is skipped by steps (no prefill, no decode) and keeps
+ * its state: backpressure for a slow reader. */
+void kv_session_pause(kv_session *s, bool paused);
+
+enum kv_session_status kv_session_status(const kv_session *s);
+enum kv_stop kv_session_stop_reason(const kv_session *s);
+/* The token the last step emitted for s, or -1 if none. */
+int32_t kv_session_token(const kv_session *s);
+/* The n_vocab logits that token was sampled from; valid until the next
+ * step or kv_session_free; NULL if the last step emitted none for s. */
+const float *kv_session_logits(const kv_session *s);
+/* 0, or the session's error code, with its one-line message copied to d
+ * (names the session and the step). */
+int kv_session_error(const kv_session *s, kv_diag *d);
+uint64_t kv_session_id(const kv_session *s);        /* 1, 2, ... in creation order */
+void *kv_session_data(const kv_session *s);
+
+typedef struct kv_session_stats {
+    uint32_t n_prompt;      /* prompt tokens evaluated (all turns) */
+    uint32_t n_gen;         /* tokens emitted this turn */
+    uint32_t n_gen_total;   /* ... over all turns */
+    uint32_t pos;           /* positions held in its cache */
+    uint32_t n_pending;     /* prompt tokens still waiting */
+    uint64_t steps;         /* steps it took part in */
+    double t_prefill_s;     /* wall time of the steps that carried its prompt */
+    double t_decode_s;      /* ... that carried its generated tokens */
+} kv_session_stats;
+void kv_session_get_stats(const kv_session *s, kv_session_stats *out);
+
+const char *kv_session_status_name(enum kv_session_status st);
+const char *kv_stop_name(enum kv_stop r); /* "none", "eog", "stop_token", "max_tokens", "ctx_full", "error" */
+
+#endif

@@ -1,0 +1,520 @@
+/* The engine (include/kvasir/engine.h): sessions over one kv_state whose
+ * sequence slots they borrow, stepped together.
+ *
+ * Invariants: a session owns slot `slot` of the state from kv_session_new
+ * to kv_session_free (the slot's cache and recurrent state are empty when
+ * it is taken and emptied when it is given back); sessions are kept in
+ * creation order, which is the order prompt chunks are served; a step
+ * first reserves each participant's KV blocks (a session that cannot get
+ * them fails alone), then runs one kv_state_batch, and only then moves any
+ * session's cursors, so a failed step leaves every session as it was.
+ *
+ * Hot path: kv_engine_step fills preallocated step buffers (tokens,
+ * sequences, logit rows for at most max_sessions outputs) and calls
+ * kv_state_batch; nothing is allocated there except KV blocks the pool
+ * hands out (kv_state_reserve). */
+#include "kvasir/engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/quant.h"
+#include "kvasir/slice.h"
+
+struct kv_session {
+    kv_engine *e;
+    uint32_t slot;              /* sequence of e->st */
+    uint64_t id;                /* 1, 2, ... */
+    kv_session_opts o;
+    kv_sampler *smp;
+    kv_session *prev, *next;    /* e's list, creation order */
+    enum kv_session_status status;
+    enum kv_stop stop;
+    bool paused;
+    int32_t *prompt;            /* [prompt_cap] queued prompt tokens */
+    uint32_t prompt_cap, n_prompt, prompt_at; /* capacity, queued, fed so far */
+    int32_t pending;            /* emitted, to be fed next (DECODE) */
+    int32_t token;              /* emitted by the last step, -1 none */
+    const float *logits;        /* its row in e->logits, NULL none */
+    uint32_t chunk;             /* prompt tokens in the current step */
+    bool in_step;               /* takes part in the current step */
+    int err;                    /* 0 or the failure's code */
+    char msg[sizeof(((kv_diag *)0)->msg)]; /* the failure's message */
+    kv_session_stats st;
+};
+
+struct kv_engine {
+    kv_engine_opts o;
+    kv_model *own_model;        /* loaded here (NULL when borrowed) */
+    const kv_model *m;
+    kv_slices *slices;          /* sliced, no workers */
+    kv_remote *remote;          /* with workers */
+    kv_expert_provider prov;    /* over the slices (owned), .free NULL otherwise */
+    const kv_expert_provider *experts; /* NULL: in-process from m */
+    kv_pool *pool;
+    kv_state *st;
+    uint32_t n_vocab, n_ctx, n_batch, max_sessions, max_tok;
+    kv_session **slot;          /* [max_sessions] owner of each sequence, NULL free */
+    kv_session *head, *tail;    /* open sessions, creation order */
+    uint64_t next_id;
+    int32_t *b_tok;             /* [max_tok] step tokens */
+    uint32_t *b_seq;            /* [max_tok] their sequences */
+    uint32_t *b_out;            /* [max_sessions] token index of each logit row */
+    kv_session **b_who;         /* [max_sessions] session of each logit row */
+    float *logits;              /* [max_sessions][n_vocab] */
+    kv_engine_stats stats;
+};
+
+static double kv_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- opening ---------------------------------------------------------------- */
+
+/* Everything after the model and provider are known: sizes, state, buffers. */
+static int kv_engine_setup(kv_engine *e, kv_diag *d) {
+    const kv_hparams *hp = kv_model_hparams(e->m);
+    e->n_vocab = hp->n_vocab;
+    e->n_ctx = e->o.n_ctx ? e->o.n_ctx : hp->n_ctx_train;
+    if (e->n_ctx > KV_MAX_CTX) e->n_ctx = KV_MAX_CTX;
+    kv_state_opts so = {.n_ctx = e->n_ctx, .n_batch = e->n_batch, .experts = e->experts,
+                        .n_seq = e->max_sessions, .max_tokens = e->max_tok, .kv_type = e->o.kv_type,
+                        .kv_bytes_max = e->o.kv_bytes_max};
+    int rc = kv_state_new(&e->st, e->m, e->pool, &so, d);
+    if (rc) return rc;
+    e->max_tok = kv_state_max_tokens(e->st);
+    e->slot = calloc(e->max_sessions, sizeof *e->slot);
+    e->b_tok = malloc(e->max_tok * sizeof *e->b_tok);
+    e->b_seq = malloc(e->max_tok * sizeof *e->b_seq);
+    e->b_out = malloc(e->max_sessions * sizeof *e->b_out);
+    e->b_who = malloc(e->max_sessions * sizeof *e->b_who);
+    size_t nl;
+    if (!kv_mul_ok(e->max_sessions, e->n_vocab, &nl) || nl > ((size_t)1 << 34))
+        return kv_fail(d, KV_EINVAL, "engine: logits of %u sessions x %u tokens are too large", e->max_sessions,
+                       e->n_vocab);
+    e->logits = malloc(nl * sizeof(float));
+    if (!e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
+        return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
+    return 0;
+}
+
+/* Options checked and defaults applied; the step size is what providers
+ * must accept per call. */
+static int kv_engine_alloc(kv_engine **out, const kv_engine_opts *opts, kv_diag *d) {
+    *out = NULL;
+    kv_engine_opts o = opts ? *opts : (kv_engine_opts){0};
+    if (o.max_sessions == 0) o.max_sessions = 64;
+    if (o.max_sessions > KV_ENGINE_MAX_SESSIONS)
+        return kv_fail(d, KV_EINVAL, "engine: %u sessions exceed max %u", o.max_sessions, KV_ENGINE_MAX_SESSIONS);
+    if (o.n_batch == 0) o.n_batch = 256;
+    if (o.n_batch > 65536) return kv_fail(d, KV_EINVAL, "engine: batch %u exceeds max 65536", o.n_batch);
+    if (o.n_ctx > KV_MAX_CTX) return kv_fail(d, KV_EINVAL, "engine: context %u exceeds max %u", o.n_ctx, KV_MAX_CTX);
+    if (o.kv_type != KV_TYPE_F32 && o.kv_type != KV_TYPE_F16)
+        return kv_fail(d, KV_EINVAL, "engine: KV cache type %u is not f32 or f16", o.kv_type);
+    kv_engine *e = calloc(1, sizeof *e);
+    if (!e) return kv_fail(d, KV_ENOMEM, "engine: out of memory");
+    e->o = o;
+    e->max_sessions = o.max_sessions;
+    e->n_batch = o.n_batch;
+    e->max_tok = o.n_batch + o.max_sessions; /* every decode token plus a full prompt chunk */
+    e->next_id = 1;
+    *out = e;
+    return 0;
+}
+
+int kv_engine_open_model(kv_engine **out, const kv_model *m, const kv_expert_provider *experts,
+                         const kv_engine_opts *opts, kv_diag *d) {
+    kv_engine *e;
+    *out = NULL;
+    int rc = kv_engine_alloc(&e, opts, d);
+    if (rc) return rc;
+    e->m = m;
+    e->experts = experts;
+    if (e->n_batch > kv_model_hparams(m)->n_ctx_train && !e->o.n_ctx) e->n_batch = kv_model_hparams(m)->n_ctx_train;
+    if ((rc = kv_pool_new(&e->pool, e->o.n_threads, d)) || (rc = kv_engine_setup(e, d))) {
+        kv_engine_free(e);
+        return rc;
+    }
+    *out = e;
+    return 0;
+}
+
+int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts, kv_diag *d) {
+    kv_engine *e;
+    *out = NULL;
+    int rc = kv_engine_alloc(&e, opts, d);
+    if (rc) return rc;
+    char *manifest = NULL;
+    struct stat mst;
+    const size_t pl = strlen(path);
+    const bool is_dir = !stat(path, &mst) && S_ISDIR(mst.st_mode);
+    if (is_dir || (pl >= 5 && !strcmp(path + pl - 5, ".json"))) { /* a sliced model */
+        if (!(manifest = malloc(pl + 16))) {
+            rc = kv_fail(d, KV_ENOMEM, "engine: out of memory");
+            goto fail;
+        }
+        snprintf(manifest, pl + 16, is_dir ? "%s/manifest.json" : "%s", path);
+    }
+    if (!manifest && (e->o.n_workers || e->o.expert_cache_bytes || e->o.skip_hashes)) {
+        rc = kv_fail(d, KV_EINVAL, "engine: workers, an expert cache and skipped hashes need a sliced model "
+                                   "(DIR/manifest.json), not '%s'", path);
+        goto fail;
+    }
+    if (e->o.n_workers && e->o.expert_cache_bytes) {
+        rc = kv_fail(d, KV_EINVAL, "engine: an expert cache and workers cannot be combined");
+        goto fail;
+    }
+    if ((rc = kv_pool_new(&e->pool, e->o.n_threads, d))) goto fail;
+    if (e->o.n_workers) {
+        /* the coordinator: backbone + manifest here, experts on the workers */
+        const kv_remote_opts ro = {e->o.workers, e->o.n_workers, e->o.worker_timeout_ms, 0, e->o.wire,
+                                   e->max_tok, e->o.skip_hashes, e->o.log};
+        if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
+        e->m = kv_remote_model(e->remote);
+        e->experts = kv_remote_provider(e->remote);
+    } else if (manifest) {
+        const kv_slices_opts so = {.cache_bytes = e->o.expert_cache_bytes, .skip_hashes = e->o.skip_hashes, .n_threads = e->o.n_threads};
+        if ((rc = kv_slices_open(&e->slices, manifest, &so, d))) goto fail;
+        if ((rc = kv_model_load_ex(&e->own_model, kv_slices_backbone_path(e->slices),
+                                   &(kv_model_opts){.no_experts = true}, d)) ||
+            (rc = kv_slices_check_model(e->slices, e->own_model, d)))
+            goto fail;
+        e->m = e->own_model;
+        if ((rc = kv_slices_provider_new(&e->prov, e->slices, e->pool, e->max_tok, d))) goto fail;
+        e->experts = &e->prov;
+    } else {
+        if ((rc = kv_model_load(&e->own_model, path, d))) goto fail;
+        e->m = e->own_model;
+    }
+    if ((rc = kv_engine_setup(e, d))) goto fail;
+    free(manifest);
+    *out = e;
+    return 0;
+fail:
+    free(manifest);
+    kv_engine_free(e);
+    return rc;
+}
+
+void kv_engine_free(kv_engine *e) {
+    if (!e) return;
+    while (e->head) kv_session_free(e->head);
+    kv_state_free(e->st);
+    if (e->prov.free) e->prov.free(e->prov.impl);
+    kv_remote_free(e->remote);
+    kv_slices_free(e->slices);
+    kv_pool_free(e->pool);
+    kv_model_free(e->own_model);
+    free(e->slot);
+    free(e->b_tok);
+    free(e->b_seq);
+    free(e->b_out);
+    free(e->b_who);
+    free(e->logits);
+    free(e);
+}
+
+const kv_model *kv_engine_model(const kv_engine *e) { return e->m; }
+kv_remote *kv_engine_remote(kv_engine *e) { return e->remote; }
+kv_slices *kv_engine_slices(kv_engine *e) { return e->slices; }
+int kv_engine_n_threads(const kv_engine *e) { return kv_pool_size(e->pool); }
+uint32_t kv_engine_n_ctx(const kv_engine *e) { return e->n_ctx; }
+
+void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out) {
+    *out = e->stats;
+    kv_state_get_mem(e->st, &out->mem);
+}
+
+bool kv_engine_busy(const kv_engine *e) {
+    for (const kv_session *s = e->head; s; s = s->next)
+        if (!s->paused && (s->status == KV_SESSION_PREFILL || s->status == KV_SESSION_DECODE)) return true;
+    return false;
+}
+
+/* ---- sessions ---------------------------------------------------------------- */
+
+int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, kv_diag *d) {
+    *out = NULL;
+    kv_session_opts o;
+    if (opts) {
+        o = *opts;
+    } else {
+        memset(&o, 0, sizeof o);
+        o.sample = kv_sample_defaults();
+    }
+    if (o.n_stop > KV_SESSION_MAX_STOP)
+        return kv_fail(d, KV_EINVAL, "session: %u stop tokens exceed max %u", o.n_stop, KV_SESSION_MAX_STOP);
+    for (uint32_t i = 0; i < o.n_stop; i++)
+        if (o.stop_tokens[i] < 0 || (uint32_t)o.stop_tokens[i] >= e->n_vocab)
+            return kv_fail(d, KV_EINVAL, "session: stop token %d out of range (vocab %u)", o.stop_tokens[i], e->n_vocab);
+    uint32_t slot = 0;
+    while (slot < e->max_sessions && e->slot[slot]) slot++;
+    if (slot == e->max_sessions)
+        return kv_fail(d, KV_ENOMEM, "session: all %u session slots are in use", e->max_sessions);
+    kv_session *s = calloc(1, sizeof *s);
+    if (!s) return kv_fail(d, KV_ENOMEM, "session: out of memory");
+    int rc = kv_sampler_new(&s->smp, (int32_t)e->n_vocab, &o.sample, d);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    s->e = e;
+    s->slot = slot;
+    s->id = e->next_id++;
+    s->o = o;
+    s->token = -1;
+    s->status = KV_SESSION_IDLE;
+    kv_state_reset_seq(e->st, slot); /* empty already; the contract says so */
+    e->slot[slot] = s;
+    s->prev = e->tail;
+    if (e->tail) e->tail->next = s;
+    else e->head = s;
+    e->tail = s;
+    e->stats.sessions_created++;
+    e->stats.sessions_open++;
+    *out = s;
+    return 0;
+}
+
+void kv_session_free(kv_session *s) {
+    if (!s) return;
+    kv_engine *e = s->e;
+    if (s->prev) s->prev->next = s->next;
+    else e->head = s->next;
+    if (s->next) s->next->prev = s->prev;
+    else e->tail = s->prev;
+    kv_state_reset_seq(e->st, s->slot);
+    e->slot[s->slot] = NULL;
+    e->stats.sessions_open--;
+    kv_sampler_free(s->smp);
+    free(s->prompt);
+    free(s);
+}
+
+int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d) {
+    kv_engine *e = s->e;
+    if (s->status == KV_SESSION_FAILED)
+        return kv_fail(d, KV_EINVAL, "session %llu: failed earlier (%s)", (unsigned long long)s->id, s->msg);
+    if (s->status == KV_SESSION_DECODE)
+        return kv_fail(d, KV_EINVAL, "session %llu: is generating; a prompt comes before or after", (unsigned long long)s->id);
+    if (n == 0) return kv_fail(d, KV_EINVAL, "session %llu: empty prompt", (unsigned long long)s->id);
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= e->n_vocab)
+            return kv_fail(d, KV_ERANGE, "session %llu: prompt token %d out of range (vocab %u)",
+                           (unsigned long long)s->id, tokens[i], e->n_vocab);
+    const uint64_t held = (uint64_t)kv_state_pos_seq(e->st, s->slot) + (s->n_prompt - s->prompt_at);
+    if (held + n > e->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "session %llu: prompt of %u tokens does not fit: %llu held, context %u",
+                       (unsigned long long)s->id, n, (unsigned long long)held, e->n_ctx);
+    /* compact the consumed part, then grow */
+    if (s->prompt_at) {
+        memmove(s->prompt, s->prompt + s->prompt_at, (s->n_prompt - s->prompt_at) * sizeof *s->prompt);
+        s->n_prompt -= s->prompt_at;
+        s->prompt_at = 0;
+    }
+    if (s->n_prompt + n > s->prompt_cap) {
+        uint32_t cap = s->prompt_cap ? s->prompt_cap : 64;
+        while (cap < s->n_prompt + n) cap *= 2;
+        int32_t *np = realloc(s->prompt, (size_t)cap * sizeof *np);
+        if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for the prompt", (unsigned long long)s->id);
+        s->prompt = np;
+        s->prompt_cap = cap;
+    }
+    memcpy(s->prompt + s->n_prompt, tokens, (size_t)n * sizeof *tokens);
+    s->n_prompt += n;
+    for (uint32_t i = 0; i < n; i++) kv_sampler_accept(s->smp, tokens[i]);
+    if (s->status != KV_SESSION_PREFILL) {
+        s->status = KV_SESSION_PREFILL;
+        s->stop = KV_STOP_NONE;
+        s->st.n_gen = 0;
+    }
+    return 0;
+}
+
+void kv_session_pause(kv_session *s, bool paused) { s->paused = paused; }
+enum kv_session_status kv_session_status(const kv_session *s) { return s->status; }
+enum kv_stop kv_session_stop_reason(const kv_session *s) { return s->stop; }
+int32_t kv_session_token(const kv_session *s) { return s->token; }
+const float *kv_session_logits(const kv_session *s) { return s->logits; }
+uint64_t kv_session_id(const kv_session *s) { return s->id; }
+void *kv_session_data(const kv_session *s) { return s->o.data; }
+
+int kv_session_error(const kv_session *s, kv_diag *d) {
+    if (s->err && d) {
+        d->code = s->err;
+        memcpy(d->msg, s->msg, sizeof d->msg);
+    }
+    return s->err;
+}
+
+void kv_session_get_stats(const kv_session *s, kv_session_stats *out) {
+    *out = s->st;
+    out->pos = kv_state_pos_seq(s->e->st, s->slot);
+    out->n_pending = s->n_prompt - s->prompt_at;
+}
+
+const char *kv_session_status_name(enum kv_session_status st) {
+    static const char *const n[] = {"idle", "prefill", "decode", "done", "failed"};
+    return (unsigned)st < KV_SESSION_STATUS_COUNT ? n[st] : "?";
+}
+
+const char *kv_stop_name(enum kv_stop r) {
+    static const char *const n[] = {"none", "eog", "stop_token", "max_tokens", "ctx_full", "error"};
+    return (unsigned)r < KV_STOP_COUNT ? n[r] : "?";
+}
+
+/* The session ends in an error of its own; its KV blocks and recurrent
+ * state go back at once (it cannot continue), the slot stays until freed. */
+static void kv_session_fail(kv_session *s, int code, const char *msg) {
+    s->status = KV_SESSION_FAILED;
+    s->stop = KV_STOP_ERROR;
+    s->err = code;
+    snprintf(s->msg, sizeof s->msg, "%s", msg);
+    s->in_step = false;
+    kv_state_reset_seq(s->e->st, s->slot);
+    s->e->stats.sessions_failed++;
+}
+
+/* ---- the step ------------------------------------------------------------------ */
+
+/* Takes a sampled token: stop conditions, or the next decode. */
+static void kv_session_take(kv_session *s, int32_t t, const float *row) {
+    kv_engine *e = s->e;
+    kv_sampler_accept(s->smp, t);
+    s->token = t;
+    s->logits = row;
+    s->st.n_gen++;
+    s->st.n_gen_total++;
+    e->stats.tokens_sampled++;
+    bool stop_tok = false;
+    for (uint32_t i = 0; i < s->o.n_stop; i++) stop_tok |= s->o.stop_tokens[i] == t;
+    if (!s->o.ignore_eog && kv_tok_is_eog(kv_model_tok(e->m), t)) s->stop = KV_STOP_EOG;
+    else if (stop_tok) s->stop = KV_STOP_TOKEN;
+    else if (s->o.max_tokens && s->st.n_gen >= s->o.max_tokens) s->stop = KV_STOP_MAX_TOKENS;
+    else if (kv_state_pos_seq(e->st, s->slot) >= e->n_ctx) s->stop = KV_STOP_CTX_FULL;
+    if (s->stop != KV_STOP_NONE) {
+        s->status = KV_SESSION_DONE;
+    } else {
+        s->status = KV_SESSION_DECODE;
+        s->pending = t;
+    }
+}
+
+int kv_engine_step(kv_engine *e, kv_diag *d) {
+    const uint64_t step = e->stats.steps + e->stats.steps_failed + 1;
+    uint32_t n = 0, n_out = 0, n_dec = 0, n_pre = 0;
+    kv_diag sd;
+    /* generating sessions feed their last token */
+    for (kv_session *s = e->head; s; s = s->next) {
+        s->token = -1;
+        s->logits = NULL;
+        s->in_step = false;
+        s->chunk = 0;
+        if (s->paused || s->status != KV_SESSION_DECODE) continue;
+        const uint32_t pos = kv_state_pos_seq(e->st, s->slot);
+        memset(&sd, 0, sizeof sd);
+        int rc = kv_state_reserve(e->st, s->slot, pos + 1, &sd);
+        if (rc) {
+            char msg[sizeof sd.msg];
+            snprintf(msg, sizeof msg, "session %llu: step %llu: %.440s", (unsigned long long)s->id,
+                     (unsigned long long)step, sd.msg);
+            kv_session_fail(s, rc, msg);
+            continue;
+        }
+        s->in_step = true;
+        e->b_tok[n] = s->pending;
+        e->b_seq[n] = s->slot;
+        e->b_out[n_out] = n;
+        e->b_who[n_out++] = s;
+        n++;
+        n_dec++;
+    }
+    /* then prompt chunks, oldest session first, up to n_batch tokens */
+    uint32_t budget = e->n_batch;
+    for (kv_session *s = e->head; s && budget; s = s->next) {
+        if (s->paused || s->status != KV_SESSION_PREFILL) continue;
+        const uint32_t left = s->n_prompt - s->prompt_at, take = left < budget ? left : budget;
+        const uint32_t pos = kv_state_pos_seq(e->st, s->slot);
+        memset(&sd, 0, sizeof sd);
+        int rc = kv_state_reserve(e->st, s->slot, pos + take, &sd);
+        if (rc) {
+            char msg[sizeof sd.msg];
+            snprintf(msg, sizeof msg, "session %llu: step %llu: %.440s", (unsigned long long)s->id,
+                     (unsigned long long)step, sd.msg);
+            kv_session_fail(s, rc, msg);
+            continue;
+        }
+        s->in_step = true;
+        s->chunk = take;
+        for (uint32_t i = 0; i < take; i++) {
+            e->b_tok[n] = s->prompt[s->prompt_at + i];
+            e->b_seq[n++] = s->slot;
+        }
+        if (take == left) { /* its last prompt token: logits to sample from */
+            e->b_out[n_out] = n - 1;
+            e->b_who[n_out++] = s;
+        }
+        budget -= take;
+        n_pre += take;
+    }
+    if (n == 0) return 0;
+    const double t0 = kv_now();
+    int rc = kv_state_batch(e->st, e->b_tok, e->b_seq, n, e->b_out, n_out, e->logits, d);
+    const double dt = kv_now() - t0;
+    if (rc) {
+        e->stats.steps_failed++;
+        for (kv_session *s = e->head; s; s = s->next) s->in_step = false;
+        return kv_diag_prefix(d, rc, "step %llu", (unsigned long long)step);
+    }
+    e->stats.steps++;
+    e->stats.tokens_prefill += n_pre;
+    e->stats.tokens_decode += n_dec;
+    if (n > e->stats.max_step_tokens) e->stats.max_step_tokens = n;
+    e->stats.t_prefill_s += dt * (double)n_pre / (double)n;
+    e->stats.t_decode_s += dt * (double)n_dec / (double)n;
+    for (kv_session *s = e->head; s; s = s->next) {
+        if (!s->in_step) continue;
+        s->st.steps++;
+        if (s->chunk) {
+            s->prompt_at += s->chunk;
+            s->st.n_prompt += s->chunk;
+            s->st.t_prefill_s += dt;
+        } else {
+            s->st.t_decode_s += dt;
+        }
+    }
+    int emitted = 0;
+    for (uint32_t k = 0; k < n_out; k++) {
+        kv_session *s = e->b_who[k];
+        const float *row = e->logits + (size_t)k * e->n_vocab;
+        /* non-finite logits are a lie (a worker) or a broken model, never a value */
+        uint32_t bad = e->n_vocab;
+        for (uint32_t i = 0; i < e->n_vocab && bad == e->n_vocab; i++)
+            if (!isfinite(row[i])) bad = i;
+        char msg[sizeof sd.msg];
+        if (bad < e->n_vocab) {
+            snprintf(msg, sizeof msg, "session %llu: step %llu: logit %u of position %u is %s: non-finite logits "
+                     "(an expert provider or the model produced them); no token taken",
+                     (unsigned long long)s->id, (unsigned long long)step, bad, kv_state_pos_seq(e->st, s->slot) - 1,
+                     isnan(row[bad]) ? "NaN" : row[bad] > 0 ? "+Inf" : "-Inf");
+            kv_session_fail(s, KV_ERANGE, msg);
+            continue;
+        }
+        const int32_t t = kv_sampler_sample(s->smp, row);
+        if (t < 0) { /* cannot happen with finite logits; kept as a clear error */
+            snprintf(msg, sizeof msg, "session %llu: step %llu: the sampler refused the logits (%s)",
+                     (unsigned long long)s->id, (unsigned long long)step, kv_err_name(t));
+            kv_session_fail(s, t, msg);
+            continue;
+        }
+        kv_session_take(s, t, row);
+        emitted++;
+    }
+    return emitted;
+}
