@@ -94,7 +94,9 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
     case KV_MSG_PING:
     case KV_MSG_PONG: rc = kv_msg_ping_encode(out, sizeof out, m->h.type, m->h.request_id, m->u.nonce, &k, &d); break;
     case KV_MSG_STATS: rc = kv_msg_stats_encode(out, sizeof out, m->h.request_id, &k, &d); break;
-    case KV_MSG_STATS_ACK: rc = kv_msg_stats_ack_encode(out, sizeof out, m->h.request_id, &m->u.stats, &k, &d); break;
+    case KV_MSG_STATS_ACK:
+        rc = kv_msg_stats_ack_encode_v(out, sizeof out, m->h.request_id, m->h.version, &m->u.stats, &k, &d);
+        break;
     default: CHECK(0);
     }
     if (rc == 1) return;
