@@ -59,17 +59,11 @@ void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok);
 int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t n_tok, kv_diag *d);
 
 /* ---- loader helpers (src/model/model_load.c) ---- */
-int kv_hp_u32(const kv_gguf *g, const char *arch, const char *suffix, uint32_t *out, bool required,
-              uint32_t lo, uint32_t hi, kv_diag *d);
 int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64_t ne0, int64_t ne1,
              int64_t ne2, bool f32_only, bool required, kv_diag *d);
 
 /* ---- qwen35moe (src/model/qwen35.c) ---- */
 
-/* Reads the qwen35moe-only hyper-parameters (after the common ones). */
-int kv_q35_read_hparams(kv_model *m, kv_diag *d);
-/* Maps and checks block il's tensors (trunk or MTP block). */
-int kv_q35_load_layer(kv_model *m, uint32_t il, bool experts, kv_diag *d);
 /* Allocates s->q35 (recurrent state of every sequence, buffers). */
 int kv_q35_state_new(kv_state *s, kv_diag *d);
 void kv_q35_state_free(kv_state *s);
