@@ -38,7 +38,11 @@ static const kv_tensor_desc kv_q3_tensors[] = {
           KV_ROLE_LM_HEAD, KV_MAT(KV_INIT_GAIN_OUT)),
 };
 
-static const kv_hparam_key kv_q3_keys[] = {KV_ARCH_COMMON_KEYS};
+static const kv_hparam_key kv_q3_keys[] = {
+    KV_ARCH_COMMON_KEYS,
+    /* the HF config's dense FFN size, unused by the MoE graph */
+    {"feed_forward_length", KV_KEY_U32, KV_HP_OFF(n_ff), false, 1, KV_MAX_FF, 0},
+};
 
 static uint32_t kv_q3_block_kind(const kv_hparams *hp, uint32_t il) {
     (void)hp;
