@@ -55,6 +55,13 @@ static void test_registry(void) {
         }
         ASSERT_EQ(seen[KV_T_TOKEN_EMBD], 1);
         ASSERT_EQ(seen[KV_T_FFN_GATE_EXPS] + seen[KV_T_FFN_UP_EXPS] + seen[KV_T_FFN_DOWN_EXPS], 3);
+        /* the expert stems the slicer, slab reader and worker use name this table's experts */
+        if (seen[KV_T_FFN_GATE_EXPS] + seen[KV_T_FFN_UP_EXPS] + seen[KV_T_FFN_DOWN_EXPS] == 3) {
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_GATE_EXPS)->name, "ffn_gate_exps.weight");
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_UP_EXPS)->name, "ffn_up_exps.weight");
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_DOWN_EXPS)->name, "ffn_down_exps.weight");
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_GATE_EXPS)->name, KV_EXPERT_STEM_GATE ".weight");
+        }
         for (size_t i = 0; i < a->n_keys; i++)
             for (size_t j = 0; j < i; j++) ASSERT_TRUE(strcmp(a->keys[i].key, a->keys[j].key) != 0);
     }

@@ -118,6 +118,13 @@ enum kv_tensor {
     KV_T_COUNT
 };
 
+/* Name stems of the routed-expert tensors in a block ("blk.N." + stem +
+ * ".weight"), the same in every table (test_arch checks): the slicer, the
+ * slab reader and the worker find expert tensors by them. */
+#define KV_EXPERT_STEM_GATE "ffn_gate_exps"
+#define KV_EXPERT_STEM_UP "ffn_up_exps"
+#define KV_EXPERT_STEM_DOWN "ffn_down_exps"
+
 /* A dimension expressed in hyper-parameters (kv_dim_value gives it). */
 enum kv_dim {
     KV_D_1 = 0,        /* 1 (an absent dimension) */

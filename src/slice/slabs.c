@@ -32,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 
@@ -114,7 +115,7 @@ typedef struct kv_verify {
     pthread_mutex_t mu;
 } kv_verify;
 
-static const char *const kv_exp_suffix[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+static const char *const kv_exp_suffix[3] = {KV_EXPERT_STEM_GATE, KV_EXPERT_STEM_UP, KV_EXPERT_STEM_DOWN};
 
 static const kv_gguf_tensor *kv_find_exp(const kv_gguf *g, uint32_t layer, int k) {
     char n[96];
