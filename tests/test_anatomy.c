@@ -542,7 +542,31 @@ static void check_errors(void) {
     ASSERT_EQ(kv_skeleton_write("nope", q, NULL, &d), KV_ENOTFOUND);
 }
 
-int main(void) {
+static void test_classes(void) { check_classes(); }
+static void test_q4km(void) { check_q4km(); }
+static void test_generated_q4k(void) { check_generated(KV_TYPE_Q4_K, "gen_q4k.gguf"); }
+static void test_generated_q8(void) { check_generated(KV_TYPE_Q8_0, "gen_q8.gguf"); }
+static void test_skeleton_122b(void) { check_skeleton_122b(); }
+static void test_skeleton_35b(void) {
+    /* qwen35-35b-a3b: 30 linear x 19 + 10 full x 16 + MTP 20 + 3; experts:
+     * gate/up 512 rows x 8 q4_K blocks, down 2048 rows x 2 blocks */
+    check_skeleton_other("qwen35-35b-a3b", 3 + 30 * 19 + 10 * 16 + 20, 41, 256,
+                         2 * 512 * 8 * 144 + 2048 * 2 * 144, 2 * 512 * 8 * 144 + 2048 * 2 * 210);
+}
+static void test_skeleton_30b(void) {
+    /* qwen3-30b-a3b: 48 x 12 + 3; gate/up 768 rows x 8 blocks, down 2048 rows x 3 */
+    check_skeleton_other("qwen3-30b-a3b", 3 + 48 * 12, 48, 128, 2 * 768 * 8 * 144 + 2048 * 3 * 144,
+                         2 * 768 * 8 * 144 + 2048 * 3 * 210);
+}
+static void test_errors(void) { check_errors(); }
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_classes),       KVT_CASE(test_q4km),         KVT_CASE(test_generated_q4k),
+    KVT_CASE(test_generated_q8),  KVT_CASE(test_skeleton_122b), KVT_CASE(test_skeleton_35b),
+    KVT_CASE(test_skeleton_30b),  KVT_CASE(test_errors),
+};
+
+static int setup(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) {
         fprintf(stderr, "FAIL: KV_BIN is not set\n");
@@ -553,21 +577,13 @@ int main(void) {
         perror("mkdtemp");
         return 1;
     }
-    check_classes();
-    check_q4km();
-    check_generated(KV_TYPE_Q4_K, "gen_q4k.gguf");
-    check_generated(KV_TYPE_Q8_0, "gen_q8.gguf");
-    check_skeleton_122b();
-    /* qwen35-35b-a3b: 30 linear x 19 + 10 full x 16 + MTP 20 + 3; experts:
-     * gate/up 512 rows x 8 q4_K blocks, down 2048 rows x 2 blocks */
-    check_skeleton_other("qwen35-35b-a3b", 3 + 30 * 19 + 10 * 16 + 20, 41, 256,
-                         2 * 512 * 8 * 144 + 2048 * 2 * 144, 2 * 512 * 8 * 144 + 2048 * 2 * 210);
-    /* qwen3-30b-a3b: 48 x 12 + 3; gate/up 768 rows x 8 blocks, down 2048 rows x 3 */
-    check_skeleton_other("qwen3-30b-a3b", 3 + 48 * 12, 48, 128, 2 * 768 * 8 * 144 + 2048 * 3 * 144,
-                         2 * 768 * 8 * 144 + 2048 * 3 * 210);
-    check_errors();
+    return 0;
+}
+
+static void teardown(void) {
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
     if (system(cmd)) fprintf(stderr, "could not remove %s\n", tmpdir);
-    KV_TEST_END();
 }
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

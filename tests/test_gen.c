@@ -438,22 +438,11 @@ static void test_validate(void) {
     ASSERT_EQ(kv_gen_preset_get("nope", &bench, &d), KV_ENOTFOUND);
 }
 
-int main(void) {
-    const char *t = getenv("TMPDIR");
-    snprintf(tmpdir, sizeof tmpdir, "%s/kv_test_gen_XXXXXX", t && *t ? t : "/tmp");
-    if (!mkdtemp(tmpdir)) return 1;
+static char pa[400], pb[400], pc[400], pt[400], pq[400], pf[400];
+
+/* a tiny untied f32 model, twice with one seed and once with another */
+static void test_seeds(void) {
     kv_diag d = {0};
-    char pa[400], pb[400], pc[400], pt[400], pq[400], pf[400];
-    snprintf(pa, sizeof pa, "%s/a.gguf", tmpdir);
-    snprintf(pb, sizeof pb, "%s/b.gguf", tmpdir);
-    snprintf(pc, sizeof pc, "%s/c.gguf", tmpdir);
-    snprintf(pt, sizeof pt, "%s/t.gguf", tmpdir);
-    snprintf(pq, sizeof pq, "%s/q.gguf", tmpdir);
-    snprintf(pf, sizeof pf, "%s/f.gguf", tmpdir);
-
-    test_validate();
-
-    /* a tiny untied f32 model, twice with one seed and once with another */
     kv_gen_config c = small_cfg();
     int rc = kv_gen_model(&c, pa, &d);
     if (rc) KVT_FAIL("gen: %s", d.msg);
@@ -488,18 +477,23 @@ int main(void) {
     free(ba);
     free(bb);
     free(bc);
+}
 
-    /* tied */
-    kv_gen_config ct = c;
+static void test_tied(void) {
+    kv_diag d = {0};
+    kv_gen_config ct = small_cfg();
     ct.tied = true;
     ASSERT_EQ(kv_gen_model(&ct, pt, &d), 0);
     check_model(pt, &ct, 0);
+}
 
-    /* quantized with fallbacks: q4_K matrices; ff-exp 128 rows -> q8_0 */
-    kv_gen_config cq = c;
+/* quantized with fallbacks: q4_K matrices; ff-exp 128 rows -> q8_0 */
+static void test_quantized(void) {
+    kv_diag d = {0};
+    kv_gen_config cq = small_cfg();
     cq.n_ff_exp = 128;
     cq.type = KV_TYPE_Q4_K;
-    rc = kv_gen_model(&cq, pq, &d);
+    int rc = kv_gen_model(&cq, pq, &d);
     if (rc) KVT_FAIL("gen q4_K: %s", d.msg);
     check_model(pq, &cq, 1);
     kv_gen_config cf = cq;
@@ -509,50 +503,74 @@ int main(void) {
     compare_dequant(pq, pf, "blk.1.ffn_down_exps.weight", 0.02); /* q8_0 fallback */
     compare_dequant(pq, pf, "token_embd.weight", 0.12);
     compare_dequant(pq, pf, "blk.0.ffn_gate_inp.weight", 1e-12); /* f32, identical */
+}
 
-    /* a vocabulary larger than the corpus teaches: padding (UNUSED) tokens
-     * get all-zero rows in token_embd and output, real tokens do not */
-    {
-        kv_gen_config cv = c;
-        cv.n_vocab = 5000;
-        cv.n_layer = 1;
-        char pv[400];
-        snprintf(pv, sizeof pv, "%s/v.gguf", tmpdir);
-        ASSERT_EQ(kv_gen_model(&cv, pv, &d), 0);
-        kv_gguf *g = NULL;
-        ASSERT_EQ(kv_gguf_open(&g, pv, &d), 0);
-        if (g) {
-            uint64_t nt = 0;
-            const uint8_t *types = NULL;
-            ASSERT_EQ(kv_gguf_get_arr(g, "tokenizer.ggml.token_type", KV_GGUF_INT32, &nt, &types, &d), 0);
-            const char *names[2] = {"token_embd.weight", "output.weight"};
-            uint64_t n_unused = 0, bad = 0;
-            for (int k = 0; k < 2; k++) {
-                const kv_gguf_tensor *t = kv_gguf_find_tensor(g, names[k]);
-                if (!t || nt != cv.n_vocab) break;
-                const float *w = t->data;
-                for (uint64_t r = 0; r < nt; r++) {
-                    int32_t ty;
-                    memcpy(&ty, types + 4 * r, 4);
-                    int zero = 1;
-                    for (uint64_t i = 0; i < cv.n_embd; i++) zero &= w[r * cv.n_embd + i] == 0.0f;
-                    if (ty == 5) n_unused++;
-                    if (zero != (ty == 5)) bad++;
-                }
+/* a vocabulary larger than the corpus teaches: padding (UNUSED) tokens
+ * get all-zero rows in token_embd and output, real tokens do not */
+static void test_padding_rows(void) {
+    kv_diag d = {0};
+    kv_gen_config cv = small_cfg();
+    cv.n_vocab = 5000;
+    cv.n_layer = 1;
+    char pv[400];
+    snprintf(pv, sizeof pv, "%s/v.gguf", tmpdir);
+    ASSERT_EQ(kv_gen_model(&cv, pv, &d), 0);
+    kv_gguf *g = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, pv, &d), 0);
+    if (g) {
+        uint64_t nt = 0;
+        const uint8_t *types = NULL;
+        ASSERT_EQ(kv_gguf_get_arr(g, "tokenizer.ggml.token_type", KV_GGUF_INT32, &nt, &types, &d), 0);
+        const char *names[2] = {"token_embd.weight", "output.weight"};
+        uint64_t n_unused = 0, bad = 0;
+        for (int k = 0; k < 2; k++) {
+            const kv_gguf_tensor *t = kv_gguf_find_tensor(g, names[k]);
+            if (!t || nt != cv.n_vocab) break;
+            const float *w = t->data;
+            for (uint64_t r = 0; r < nt; r++) {
+                int32_t ty;
+                memcpy(&ty, types + 4 * r, 4);
+                int zero = 1;
+                for (uint64_t i = 0; i < cv.n_embd; i++) zero &= w[r * cv.n_embd + i] == 0.0f;
+                if (ty == 5) n_unused++;
+                if (zero != (ty == 5)) bad++;
             }
-            ASSERT_TRUE(n_unused > 0); /* the corpus does not fill 5000 tokens */
-            ASSERT_EQ(bad, 0);
-            kv_gguf_close(g);
         }
+        ASSERT_TRUE(n_unused > 0); /* the corpus does not fill 5000 tokens */
+        ASSERT_EQ(bad, 0);
+        kv_gguf_close(g);
     }
+}
 
-    /* an unwritable path fails cleanly */
+/* an unwritable path fails cleanly */
+static void test_unwritable(void) {
+    kv_diag d = {0};
+    kv_gen_config c = small_cfg();
     ASSERT_EQ(kv_gen_model(&c, "/nonexistent-dir-kv/m.gguf", &d), KV_EIO);
+}
 
-    test_cli();
+static const kvt_case cases[] = {
+    KVT_CASE(test_validate), KVT_CASE(test_seeds),      KVT_CASE(test_tied),       KVT_CASE(test_quantized),
+    KVT_CASE(test_padding_rows), KVT_CASE(test_unwritable), KVT_CASE(test_cli),
+};
 
+static int setup(void) {
+    const char *t = getenv("TMPDIR");
+    snprintf(tmpdir, sizeof tmpdir, "%s/kv_test_gen_XXXXXX", t && *t ? t : "/tmp");
+    if (!mkdtemp(tmpdir)) return 1;
+    snprintf(pa, sizeof pa, "%s/a.gguf", tmpdir);
+    snprintf(pb, sizeof pb, "%s/b.gguf", tmpdir);
+    snprintf(pc, sizeof pc, "%s/c.gguf", tmpdir);
+    snprintf(pt, sizeof pt, "%s/t.gguf", tmpdir);
+    snprintf(pq, sizeof pq, "%s/q.gguf", tmpdir);
+    snprintf(pf, sizeof pf, "%s/f.gguf", tmpdir);
+    return 0;
+}
+
+static void teardown(void) {
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
     if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
-    KV_TEST_END();
 }
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -4,7 +4,9 @@
  *
  * Every tensor is put in one class from its name and shape only, so files of
  * architectures Kvasir cannot run are still measured; names we do not know go
- * to KV_ANAT_OTHER. The rules (first match wins):
+ * to KV_ANAT_OTHER. When the file's architecture has a table (arch.h), the
+ * tensors it names take their class from the table's role (test_arch checks
+ * the two agree); the rules (first match wins) classify the rest:
  *   blk.N.nextn.*, nextn.*                       -> MTP (multi-token prediction)
  *   blk.N.ssm_*, time_mix_*, shortconv.*         -> linear attention
  *   blk.N.attn_qkv/attn_gate in a layer holding

@@ -15,55 +15,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/err.h"
 #include "kvasir/gguf.h"
 #include "kvasir/moe.h"
 #include "kvasir/pool.h"
 #include "kvasir/tok.h"
 
-#define KV_MAX_LAYERS 512
-#define KV_MAX_EXPERTS 1024
-#define KV_MAX_EXPERTS_USED 64
-#define KV_MAX_EMBD 65536
-#define KV_MAX_HEADS 1024
-#define KV_MAX_HEAD_DIM 1024
-#define KV_MAX_VOCAB (1u << 22)
-#define KV_MAX_CTX (1u << 20)
-#define KV_MAX_FF 262144
-
-enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_QWEN35MOE, KV_ARCH_COUNT };
-
-typedef struct kv_hparams {
-    enum kv_arch arch;
-    char arch_name[32];      /* general.architecture */
-    uint32_t n_layer;        /* blocks */
-    uint32_t n_embd;         /* hidden size */
-    uint32_t n_head;         /* query heads */
-    uint32_t n_head_kv;      /* key/value heads (GQA) */
-    uint32_t head_dim;       /* key_length == value_length */
-    uint32_t n_rot;          /* rotary dims (== head_dim for qwen3moe) */
-    uint32_t n_expert;       /* routed experts per layer */
-    uint32_t n_expert_used;  /* top-k */
-    uint32_t n_ff_exp;       /* expert hidden size */
-    uint32_t n_vocab;        /* rows of token_embd */
-    uint32_t n_ctx_train;    /* context_length */
-    float rms_eps;           /* attention.layer_norm_rms_epsilon */
-    float rope_freq_base;    /* rope.freq_base */
-    float rope_freq_scale;   /* 1 / rope.scaling.factor, 1 if absent */
-    bool expert_weights_norm;   /* renormalize top-k weights to sum 1 */
-    float expert_weights_scale; /* applied when != 0 and != 1 */
-    bool tied_output;        /* output.weight absent: LM head is token_embd */
-    /* qwen35moe (hybrid gated delta net + gated full attention); 0 otherwise */
-    uint32_t n_layer_nextn;  /* MTP blocks after the n_layer trunk blocks (loaded, not run) */
-    uint32_t full_attn_interval; /* every k-th block is full attention */
-    uint32_t n_ff_shexp;     /* shared expert hidden size, 0: none */
-    int32_t rope_sections[4];/* rope.dimension_sections (pairs per position component) */
-    uint32_t ssm_d_conv;     /* ssm.conv_kernel: causal conv window */
-    uint32_t ssm_d_state;    /* ssm.state_size: key/value head dim of the delta net */
-    uint32_t ssm_n_group;    /* ssm.group_count: key heads */
-    uint32_t ssm_dt_rank;    /* ssm.time_step_rank: value heads */
-    uint32_t ssm_d_inner;    /* ssm.inner_size == ssm_d_state * ssm_dt_rank */
-} kv_hparams;
+/* KV_MAX_* bounds, enum kv_arch and kv_hparams live in arch.h. */
 
 /* A weight tensor as a view into the mapping. For 3-D expert tensors,
  * expert e's matrix starts at data + e*nb2. */

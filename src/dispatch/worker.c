@@ -54,6 +54,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
@@ -363,7 +364,7 @@ static int kv_worker_load(kv_worker *w, kv_diag *d) {
             /* a full model: every layer that has routed-expert tensors */
             char name[64];
             for (uint32_t l = 0; l < w->n_layer && !rc; l++) {
-                snprintf(name, sizeof name, "blk.%u.ffn_gate_exps.weight", l);
+                snprintf(name, sizeof name, "blk.%u." KV_EXPERT_STEM_GATE ".weight", l);
                 if (!kv_gguf_find_tensor(g, name)) continue;
                 for (uint32_t e = 0; e < w->n_expert && !rc; e++)
                     rc = kv_worker_add_expert(w, g, path, l, e, d);

@@ -32,6 +32,8 @@
  * thread count or the slice size. */
 #include "kvasir/gen.h"
 
+#include "kvasir/arch.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -49,27 +51,7 @@
 #define GEN_CHUNK (1u << 20) /* floats drawn and quantized per slice */
 #define GEN_LOG_BYTES (64ull << 20) /* models larger than this report progress */
 
-/* std = gain / sqrt(fan_in) for the matrices; see the file comment. */
-#define GEN_GAIN_EMBD 3.0f   /* token_embd: tied logits std ~3 */
-#define GEN_GAIN_OUT 3.0f    /* output: logits std ~3 */
-#define GEN_GAIN_QKV 1.0f    /* q/k/v of unit RMS */
-#define GEN_GAIN_WO 2.5f     /* attention output adds ~2.5 RMS */
-#define GEN_GAIN_ROUTER 2.0f /* router logits std ~2 */
-#define GEN_GAIN_UPGATE 1.0f /* expert gate/up of unit RMS */
-#define GEN_GAIN_DOWN 5.0f   /* expert mixture adds ~2.5 RMS */
-#define GEN_NORM_STD 0.1f    /* RMSNorm weights: 1 +- 0.1 */
-#define GEN_QKNORM_MEAN 1.5f /* Q/K norm weights: attention scores std ~2 */
-#define GEN_QKNORM_STD 0.2f
-
-/* qwen35moe (see build_list_q35) */
-#define GEN_GAIN_SSM_OUT 2.5f /* delta-net output adds ~2.5 RMS */
-#define GEN_CONV_STD 0.6f     /* conv taps: output of ~unit RMS */
-#define GEN_SSM_A_MEAN -0.6f  /* -exp(A_log): negative (decay < 1), in [-1.12, -0.08] */
-#define GEN_SSM_A_STD 0.15f
-#define GEN_DT_MEAN -1.0f     /* dt bias: decay exp(g) mostly 0.5 .. 0.9 */
-#define GEN_DT_STD 0.5f
-#define GEN_GAIN_SHEXP_DOWN 2.5f
-
+/* The weight scales of each tensor are in the architecture tables (src/arch/). */
 #define GEN_RMS_EPS 1e-6f
 #define GEN_ROPE_BASE 1000000.0f
 
@@ -208,88 +190,67 @@ void kv_gen_fill_defaults(kv_gen_config *c) {
     }
 }
 
-/* The qwen35moe tensor list: per block attn_norm, post_attention_norm, then
- * either the gated delta net (attn_qkv, attn_gate, ssm_*) or gated full
- * attention (attn_q of 2 * n_head * hd rows: query and gate per head), the
- * router, routed experts and the gated shared expert; MTP blocks add the
- * nextn glue. Shapes as llama.cpp's qwen35moe loader creates them. */
-static void build_list_q35(const kv_gen_config *c, gen_list *l) {
-    uint64_t E = c->n_embd, Q = (uint64_t)c->n_head * c->head_dim,
-             KV = (uint64_t)c->n_head_kv * c->head_dim, F = c->n_ff_exp, X = c->n_expert,
-             S = c->n_ff_shexp, KD = (uint64_t)c->ssm_d_state * c->ssm_n_group,
-             VD = (uint64_t)c->ssm_d_state * c->ssm_dt_rank, NV = c->ssm_dt_rank;
-    char nm[80];
-    for (uint32_t i = 0; i < c->n_layer + c->n_nextn; i++) {
-#define NM(s) (snprintf(nm, sizeof nm, "blk.%u." s, i), nm)
-        bool rec = i < c->n_layer && (i + 1) % c->full_attn_interval != 0;
-        add_t(l, NM("attn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-        add_t(l, NM("post_attention_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-        if (rec) {
-            add_t(l, NM("attn_qkv.weight"), 2, E, 2 * KD + VD, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-            add_t(l, NM("attn_gate.weight"), 2, E, VD, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-            add_t(l, NM("ssm_conv1d.weight"), 2, c->ssm_d_conv, 2 * KD + VD, 1, 0, 0, 0.0f, GEN_CONV_STD);
-            add_t(l, NM("ssm_dt.bias"), 1, NV, 1, 1, 0, 0, GEN_DT_MEAN, GEN_DT_STD);
-            add_t(l, NM("ssm_a"), 1, NV, 1, 1, 0, 0, GEN_SSM_A_MEAN, GEN_SSM_A_STD);
-            add_t(l, NM("ssm_beta.weight"), 2, E, NV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-            add_t(l, NM("ssm_alpha.weight"), 2, E, NV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-            add_t(l, NM("ssm_norm.weight"), 1, c->ssm_d_state, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-            add_t(l, NM("ssm_out.weight"), 2, VD, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_SSM_OUT, VD));
-        } else {
-            add_t(l, NM("attn_q.weight"), 2, E, 2 * Q, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-            add_t(l, NM("attn_k.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-            add_t(l, NM("attn_v.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-            add_t(l, NM("attn_output.weight"), 2, Q, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_WO, Q));
-            add_t(l, NM("attn_q_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
-            add_t(l, NM("attn_k_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
-        }
-        add_t(l, NM("ffn_gate_inp.weight"), 2, E, X, 1, 0, 0, 0.0f, gain(GEN_GAIN_ROUTER, E));
-        add_t(l, NM("ffn_gate_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
-        add_t(l, NM("ffn_up_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
-        add_t(l, NM("ffn_down_exps.weight"), 3, F, E, X, c->type, 1, 0.0f, gain(GEN_GAIN_DOWN, F));
-        add_t(l, NM("ffn_gate_inp_shexp.weight"), 1, E, 1, 1, 0, 0, 0.0f, gain(GEN_GAIN_QKV, E));
-        add_t(l, NM("ffn_gate_shexp.weight"), 2, E, S, 1, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
-        add_t(l, NM("ffn_up_shexp.weight"), 2, E, S, 1, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
-        add_t(l, NM("ffn_down_shexp.weight"), 2, S, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_SHEXP_DOWN, S));
-        if (i >= c->n_layer) {
-            add_t(l, NM("nextn.eh_proj.weight"), 2, 2 * E, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, 2 * E));
-            add_t(l, NM("nextn.enorm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-            add_t(l, NM("nextn.hnorm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-            add_t(l, NM("nextn.shared_head_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-        }
-#undef NM
-    }
+/* The hyper-parameters a config describes, for the table's shapes. */
+static void gen_hparams(const kv_gen_config *c, kv_hparams *hp) {
+    memset(hp, 0, sizeof *hp);
+    hp->n_layer = c->n_layer;
+    hp->n_embd = c->n_embd;
+    hp->n_head = c->n_head;
+    hp->n_head_kv = c->n_head_kv;
+    hp->head_dim = c->head_dim;
+    hp->n_expert = c->n_expert;
+    hp->n_expert_used = c->n_expert_used;
+    hp->n_ff_exp = c->n_ff_exp;
+    hp->n_vocab = c->n_vocab;
+    if (!is_q35(c)) return;
+    hp->n_layer_nextn = c->n_nextn;
+    hp->full_attn_interval = c->full_attn_interval;
+    hp->n_ff_shexp = c->n_ff_shexp;
+    hp->ssm_d_conv = c->ssm_d_conv;
+    hp->ssm_d_state = c->ssm_d_state;
+    hp->ssm_n_group = c->ssm_n_group;
+    hp->ssm_dt_rank = c->ssm_dt_rank;
+    hp->ssm_d_inner = c->ssm_d_state * c->ssm_dt_rank;
 }
 
-/* Builds the tensor list of a validated config. Returns 0 or KV_ENOMEM. */
+/* Adds the table's tensor t (of block il) to the list: matrices in the
+ * config's type, f32 tensors (norms, router, conv kernel...) in f32. */
+static void add_desc(gen_list *l, const kv_gen_config *c, const kv_hparams *hp, const kv_tensor_desc *t,
+                     uint32_t il) {
+    char nm[KV_GGUF_MAX_TENSOR_NAME + 1];
+    if (kv_tensor_name(t, il, nm, sizeof nm) < 0) {
+        l->overflow = 1;
+        return;
+    }
+    int64_t ne[3];
+    kv_tensor_shape(t, hp, ne);
+    const int matrix = !(t->flags & (KV_TF_F32 | KV_TF_KEEP_F32));
+    const float std = t->init_gain != 0.0f ? gain(t->init_gain, (uint64_t)ne[0]) : t->init_std;
+    add_t(l, nm, t->n_dims, (uint64_t)ne[0], (uint64_t)ne[1], (uint64_t)ne[2], matrix ? c->type : 0, matrix,
+          t->init_mean, std);
+    if (!l->overflow && (t->flags & KV_TF_VOCAB_ROWS)) l->t[l->n - 1].vocab_rows = 1;
+}
+
+/* Builds the tensor list of a validated config from its architecture's
+ * table, in the table's file order: the global tensors before the first
+ * block tensor, every block's tensors, then the other global tensors
+ * (output.weight left out when tied). Returns 0 or KV_ENOMEM. */
 static int build_list(const kv_gen_config *c, gen_list *l) {
     memset(l, 0, sizeof *l);
-    uint64_t E = c->n_embd, V = c->n_vocab, Q = (uint64_t)c->n_head * c->head_dim,
-             KV = (uint64_t)c->n_head_kv * c->head_dim, F = c->n_ff_exp, X = c->n_expert;
-    char nm[80];
-    add_t(l, "token_embd.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_EMBD, E));
-    l->t[l->n - 1].vocab_rows = 1;
-    for (uint32_t i = 0; i < c->n_layer && !is_q35(c); i++) {
-#define NM(s) (snprintf(nm, sizeof nm, "blk.%u." s, i), nm)
-        add_t(l, NM("attn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-        add_t(l, NM("attn_q.weight"), 2, E, Q, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-        add_t(l, NM("attn_k.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-        add_t(l, NM("attn_v.weight"), 2, E, KV, 1, c->type, 1, 0.0f, gain(GEN_GAIN_QKV, E));
-        add_t(l, NM("attn_output.weight"), 2, Q, E, 1, c->type, 1, 0.0f, gain(GEN_GAIN_WO, Q));
-        add_t(l, NM("attn_q_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
-        add_t(l, NM("attn_k_norm.weight"), 1, c->head_dim, 1, 1, 0, 0, GEN_QKNORM_MEAN, GEN_QKNORM_STD);
-        add_t(l, NM("ffn_norm.weight"), 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-        /* llama.cpp's quantizer never quantizes the router: F32 */
-        add_t(l, NM("ffn_gate_inp.weight"), 2, E, X, 1, 0, 0, 0.0f, gain(GEN_GAIN_ROUTER, E));
-        add_t(l, NM("ffn_gate_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
-        add_t(l, NM("ffn_up_exps.weight"), 3, E, F, X, c->type, 1, 0.0f, gain(GEN_GAIN_UPGATE, E));
-        add_t(l, NM("ffn_down_exps.weight"), 3, F, E, X, c->type, 1, 0.0f, gain(GEN_GAIN_DOWN, F));
-#undef NM
-    }
-    if (is_q35(c)) build_list_q35(c, l);
-    add_t(l, "output_norm.weight", 1, E, 1, 1, 0, 0, 1.0f, GEN_NORM_STD);
-    if (!c->tied) {
-        add_t(l, "output.weight", 2, E, V, 1, c->type, 1, 0.0f, gain(GEN_GAIN_OUT, E));
-        l->t[l->n - 1].vocab_rows = 1;
+    const kv_arch_table *a = kv_arch_find(c->arch);
+    if (!a) return KV_ENOMEM; /* validated before: cannot happen */
+    kv_hparams hp;
+    gen_hparams(c, &hp);
+    size_t first_blk = 0;
+    while (first_blk < a->n_tensors && !a->tensors[first_blk].blocks) first_blk++;
+    for (size_t i = 0; i < first_blk; i++) add_desc(l, c, &hp, &a->tensors[i], 0);
+    for (uint32_t il = 0; il < kv_arch_n_blocks(&hp); il++)
+        for (size_t i = first_blk; i < a->n_tensors; i++)
+            if (kv_tensor_in_block(a, &a->tensors[i], &hp, il)) add_desc(l, c, &hp, &a->tensors[i], il);
+    for (size_t i = first_blk; i < a->n_tensors; i++) {
+        const kv_tensor_desc *t = &a->tensors[i];
+        if (t->blocks || ((t->flags & KV_TF_TIED) && c->tied)) continue;
+        add_desc(l, c, &hp, t, 0);
     }
     if (l->overflow) {
         free(l->t);

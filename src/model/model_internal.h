@@ -3,6 +3,7 @@
 #define KVASIR_MODEL_INTERNAL_H
 
 #include "kvasir/model.h"
+#include "kvasir/ops.h" /* kv_swiglu, kv_matmul_scratch, kv_quantize_rows */
 
 struct kv_model {
     kv_gguf *gguf;       /* owns the mapping all weights point into */
@@ -80,17 +81,11 @@ void kv_cache_put(kv_state *s, uint32_t il, uint32_t n_tok);
 int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t n_tok, kv_diag *d);
 
 /* ---- loader helpers (src/model/model_load.c) ---- */
-int kv_hp_u32(const kv_gguf *g, const char *arch, const char *suffix, uint32_t *out, bool required,
-              uint32_t lo, uint32_t hi, kv_diag *d);
 int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64_t ne0, int64_t ne1,
              int64_t ne2, bool f32_only, bool required, kv_diag *d);
 
 /* ---- qwen35moe (src/model/qwen35.c) ---- */
 
-/* Reads the qwen35moe-only hyper-parameters (after the common ones). */
-int kv_q35_read_hparams(kv_model *m, kv_diag *d);
-/* Maps and checks block il's tensors (trunk or MTP block). */
-int kv_q35_load_layer(kv_model *m, uint32_t il, bool experts, kv_diag *d);
 /* Allocates s->q35 (buffers; each sequence's recurrent state comes with
  * kv_q35_seq_alloc). */
 int kv_q35_state_new(kv_state *s, kv_diag *d);
@@ -116,15 +111,7 @@ void kv_softmax(float *x, int64_t n);
 /* NeoX RoPE on one head of head_dim floats at position pos. */
 void kv_rope_neox(float *x, int64_t head_dim, int64_t n_rot, int32_t pos, float freq_base,
                   float freq_scale);
-/* silu(g) * u elementwise, as ggml's swiglu. */
-void kv_swiglu(float *y, const float *g, const float *u, int64_t n);
 
-/* Bytes of scratch kv_matmul needs for n_tok rows of length k (any type). */
-size_t kv_matmul_scratch(int64_t k, int64_t n_tok);
-/* Converts n_tok rows of x (f32, length k, x_stride floats apart) to w's
- * vec_dot_type into q (q_stride bytes apart). */
-void kv_quantize_rows(uint32_t vec_dot_type, const float *x, size_t x_stride, int64_t k,
-                      int64_t n_tok, void *q, size_t q_stride);
 /* Y[t][r] = W·x[t] for all rows of a 2-D weight (or one expert matrix at
  * mat), parallel over rows on pool. scratch from kv_matmul_scratch. */
 void kv_matmul(kv_pool *pool, const kv_weight *w, const void *mat, const float *x, int64_t n_tok,

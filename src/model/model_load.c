@@ -1,122 +1,18 @@
 /* Loading a model: hyper-parameters from GGUF metadata, tokenizer, and every
  * weight as a view into the mapping, each checked for presence, shape and a
- * type we can compute before anything runs. */
+ * type we can compute before anything runs. What to read comes from the
+ * architecture's table (arch.h): its keys, and for every block the tensors
+ * the block's kind carries, with their shapes in hyper-parameters. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/model.h"
 #include "kvasir/quant.h"
 #include "model/model_internal.h"
 
-static const char *kv_arch_names[KV_ARCH_COUNT] = {[KV_ARCH_QWEN3MOE] = "qwen3moe",
-                                                    [KV_ARCH_QWEN35MOE] = "qwen35moe"};
-
-/* Reads "<arch>.<suffix>" as u32 into *out; required or optional. */
-int kv_hp_u32(const kv_gguf *g, const char *arch, const char *suffix, uint32_t *out,
-                     bool required, uint32_t lo, uint32_t hi, kv_diag *d) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    int rc = kv_gguf_get_u32(g, key, out, d);
-    if (rc == KV_ENOTFOUND && !required) return 0;
-    if (rc == KV_ENOTFOUND) return kv_fail(d, KV_EFORMAT, "model: missing metadata key '%s'", key);
-    if (rc) return rc;
-    if (*out < lo || *out > hi)
-        return kv_fail(d, KV_EFORMAT, "model: %s = %u is out of range [%u, %u]", key, *out, lo, hi);
-    return 0;
-}
-
-static int kv_hp_f32(const kv_gguf *g, const char *arch, const char *suffix, float *out,
-                     bool required, kv_diag *d) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    int rc = kv_gguf_get_f32(g, key, out, d);
-    if (rc == KV_ENOTFOUND && !required) return 0;
-    if (rc == KV_ENOTFOUND) return kv_fail(d, KV_EFORMAT, "model: missing metadata key '%s'", key);
-    if (rc) return rc;
-    if (!(*out == *out) || *out > 1e30f || *out < -1e30f)
-        return kv_fail(d, KV_EFORMAT, "model: %s is not a finite number", key);
-    return 0;
-}
-
-static int kv_read_hparams(kv_model *m, kv_diag *d) {
-    const kv_gguf *g = m->gguf;
-    kv_hparams *hp = &m->hp;
-    kv_str a;
-    int rc = kv_gguf_get_str(g, "general.architecture", &a, d);
-    if (rc == KV_ENOTFOUND)
-        return kv_fail(d, KV_EFORMAT, "model: missing metadata key 'general.architecture'");
-    if (rc) return rc;
-    if (a.len >= sizeof hp->arch_name)
-        return kv_fail(d, KV_EUNSUPPORTED, "model: unknown architecture (name of %zu bytes)", a.len);
-    memcpy(hp->arch_name, a.ptr, a.len);
-    hp->arch_name[a.len] = 0;
-    int arch = -1;
-    for (int i = 0; i < KV_ARCH_COUNT; i++)
-        if (!strcmp(hp->arch_name, kv_arch_names[i])) arch = i;
-    if (arch < 0)
-        return kv_fail(d, KV_EUNSUPPORTED, "model: unknown architecture '%s' (supported: qwen3moe, qwen35moe)",
-                       hp->arch_name);
-    hp->arch = (enum kv_arch)arch;
-    const char *an = hp->arch_name;
-
-    if ((rc = kv_hp_u32(g, an, "block_count", &hp->n_layer, true, 1, KV_MAX_LAYERS, d)) ||
-        (rc = kv_hp_u32(g, an, "embedding_length", &hp->n_embd, true, 1, KV_MAX_EMBD, d)) ||
-        (rc = kv_hp_u32(g, an, "attention.head_count", &hp->n_head, true, 1, KV_MAX_HEADS, d)) ||
-        (rc = kv_hp_u32(g, an, "context_length", &hp->n_ctx_train, true, 1, KV_MAX_CTX, d)) ||
-        (rc = kv_hp_u32(g, an, "expert_count", &hp->n_expert, true, 1, KV_MAX_EXPERTS, d)) ||
-        (rc = kv_hp_u32(g, an, "expert_used_count", &hp->n_expert_used, true, 1,
-                        KV_MAX_EXPERTS_USED, d)) ||
-        (rc = kv_hp_u32(g, an, "expert_feed_forward_length", &hp->n_ff_exp, true, 1, KV_MAX_FF, d)))
-        return rc;
-    hp->n_head_kv = hp->n_head;
-    if ((rc = kv_hp_u32(g, an, "attention.head_count_kv", &hp->n_head_kv, false, 1, KV_MAX_HEADS, d)))
-        return rc;
-    hp->head_dim = hp->n_embd / hp->n_head;
-    if ((rc = kv_hp_u32(g, an, "attention.key_length", &hp->head_dim, false, 1, KV_MAX_HEAD_DIM, d)))
-        return rc;
-    uint32_t vdim = hp->head_dim;
-    if ((rc = kv_hp_u32(g, an, "attention.value_length", &vdim, false, 1, KV_MAX_HEAD_DIM, d)))
-        return rc;
-    if (vdim != hp->head_dim)
-        return kv_fail(d, KV_EUNSUPPORTED, "model: key_length %u != value_length %u", hp->head_dim, vdim);
-    hp->n_rot = hp->head_dim;
-    if ((rc = kv_hp_u32(g, an, "rope.dimension_count", &hp->n_rot, false, 1, KV_MAX_HEAD_DIM, d)))
-        return rc;
-    if (hp->n_rot != hp->head_dim && hp->arch != KV_ARCH_QWEN35MOE) /* partial rotary: qwen35moe */
-        return kv_fail(d, KV_EUNSUPPORTED, "model: rope.dimension_count %u != head dim %u", hp->n_rot,
-                       hp->head_dim);
-    if (hp->n_head % hp->n_head_kv)
-        return kv_fail(d, KV_EFORMAT, "model: head_count %u is not a multiple of head_count_kv %u",
-                       hp->n_head, hp->n_head_kv);
-    if (hp->n_expert_used > hp->n_expert)
-        return kv_fail(d, KV_EFORMAT, "model: expert_used_count %u > expert_count %u",
-                       hp->n_expert_used, hp->n_expert);
-    if (hp->head_dim % 2) return kv_fail(d, KV_EFORMAT, "model: head dim %u is odd", hp->head_dim);
-    if ((rc = kv_hp_f32(g, an, "attention.layer_norm_rms_epsilon", &hp->rms_eps, true, d))) return rc;
-    if (!(hp->rms_eps >= 0.0f && hp->rms_eps < 1.0f))
-        return kv_fail(d, KV_EFORMAT, "model: layer_norm_rms_epsilon %g out of range", hp->rms_eps);
-    hp->rope_freq_base = 10000.0f;
-    if ((rc = kv_hp_f32(g, an, "rope.freq_base", &hp->rope_freq_base, false, d))) return rc;
-    if (!(hp->rope_freq_base > 1.0f))
-        return kv_fail(d, KV_EFORMAT, "model: rope.freq_base %g must be > 1", hp->rope_freq_base);
-    float factor = 0.0f;
-    if ((rc = kv_hp_f32(g, an, "rope.scaling.factor", &factor, false, d))) return rc;
-    hp->rope_freq_scale = factor > 0.0f ? 1.0f / factor : 1.0f;
-    hp->expert_weights_norm = true; /* qwen3moe always renormalizes the top-k weights */
-    {
-        char key[128];
-        bool b;
-        snprintf(key, sizeof key, "%s.expert_weights_norm", an);
-        rc = kv_gguf_get_bool(g, key, &b, d);
-        if (rc == 0) hp->expert_weights_norm = b;
-        else if (rc != KV_ENOTFOUND) return rc;
-    }
-    hp->expert_weights_scale = 0.0f;
-    if ((rc = kv_hp_f32(g, an, "expert_weights_scale", &hp->expert_weights_scale, false, d))) return rc;
-    if (hp->arch == KV_ARCH_QWEN35MOE) return kv_q35_read_hparams(m, d);
-    return 0;
-}
+static int kv_read_hparams(kv_model *m, kv_diag *d) { return kv_arch_read_hparams(m->gguf, &m->hp, d); }
 
 /* Looks up a tensor and checks its shape ([ne0, ne1, ne2] with trailing 1s
  * omitted by n_dims) and type; f32_only for norms. */
@@ -160,58 +56,96 @@ int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64
     return 0;
 }
 
+/* Where a block tensor of kind k lands in kv_layer (NULL: not a block tensor). */
+static kv_weight *kv_layer_slot(kv_layer *L, enum kv_tensor k) {
+    switch (k) {
+    case KV_T_ATTN_NORM: return &L->attn_norm;
+    case KV_T_POST_NORM: return &L->post_norm;
+    case KV_T_ATTN_Q: return &L->wq;
+    case KV_T_ATTN_K: return &L->wk;
+    case KV_T_ATTN_V: return &L->wv;
+    case KV_T_ATTN_OUT: return &L->wo;
+    case KV_T_ATTN_Q_NORM: return &L->q_norm;
+    case KV_T_ATTN_K_NORM: return &L->k_norm;
+    case KV_T_FFN_NORM: return &L->ffn_norm;
+    case KV_T_ATTN_QKV: return &L->wqkv;
+    case KV_T_ATTN_GATE: return &L->wqkv_gate;
+    case KV_T_SSM_CONV1D: return &L->ssm_conv1d;
+    case KV_T_SSM_DT: return &L->ssm_dt;
+    case KV_T_SSM_A: return &L->ssm_a;
+    case KV_T_SSM_BETA: return &L->ssm_beta;
+    case KV_T_SSM_ALPHA: return &L->ssm_alpha;
+    case KV_T_SSM_NORM: return &L->ssm_norm;
+    case KV_T_SSM_OUT: return &L->ssm_out;
+    case KV_T_FFN_GATE_INP: return &L->gate_inp;
+    case KV_T_FFN_GATE_EXPS: return &L->gate_exps;
+    case KV_T_FFN_UP_EXPS: return &L->up_exps;
+    case KV_T_FFN_DOWN_EXPS: return &L->down_exps;
+    case KV_T_FFN_GATE_INP_SHEXP: return &L->gate_inp_shexp;
+    case KV_T_FFN_GATE_SHEXP: return &L->gate_shexp;
+    case KV_T_FFN_UP_SHEXP: return &L->up_shexp;
+    case KV_T_FFN_DOWN_SHEXP: return &L->down_shexp;
+    case KV_T_NEXTN_EH_PROJ: return &L->nextn_eh_proj;
+    case KV_T_NEXTN_ENORM: return &L->nextn_enorm;
+    case KV_T_NEXTN_HNORM: return &L->nextn_hnorm;
+    case KV_T_NEXTN_SHARED_HEAD_NORM: return &L->nextn_head_norm;
+    default: return NULL;
+    }
+}
+
+/* Maps and checks tensor t (of block il) into w as the table says. */
+static int kv_load_tensor(kv_model *m, const kv_tensor_desc *t, uint32_t il, kv_weight *w, kv_diag *d) {
+    char n[KV_GGUF_MAX_TENSOR_NAME + 1];
+    if (kv_tensor_name(t, il, n, sizeof n) < 0)
+        return kv_fail(d, KV_EINTERNAL, "model: tensor name '%s' of block %u too long", t->name, il);
+    int64_t ne[3];
+    kv_tensor_shape(t, &m->hp, ne);
+    const bool required = !(t->flags & (KV_TF_OPTIONAL | KV_TF_TIED));
+    return kv_get_w(m, w, n, t->n_dims, ne[0], ne[1], ne[2], t->flags & KV_TF_F32, required, d);
+}
+
 static int kv_load_weights(kv_model *m, bool experts, kv_diag *d) {
     kv_hparams *hp = &m->hp;
-    const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
-    const kv_gguf_tensor *te = kv_gguf_find_tensor(m->gguf, "token_embd.weight");
-    if (!te) return kv_fail(d, KV_EFORMAT, "model: missing tensor 'token_embd.weight'");
+    const kv_arch_table *a = kv_arch_get(hp->arch);
+    const kv_tensor_desc *embd = kv_arch_tensor(a, KV_T_TOKEN_EMBD);
+    const kv_tensor_desc *onorm = kv_arch_tensor(a, KV_T_OUTPUT_NORM);
+    const kv_tensor_desc *out = kv_arch_tensor(a, KV_T_OUTPUT);
+    if (!embd || !onorm || !out) return kv_fail(d, KV_EINTERNAL, "model: table of %s lacks a global tensor", a->name);
+    /* the vocabulary size comes from the embedding's rows */
+    const kv_gguf_tensor *te = kv_gguf_find_tensor(m->gguf, embd->name);
+    if (!te) return kv_fail(d, KV_EFORMAT, "model: missing tensor '%s'", embd->name);
     if (te->n_dims != 2 || te->ne[1] < 1 || te->ne[1] > KV_MAX_VOCAB)
-        return kv_fail(d, KV_EFORMAT, "model: tensor 'token_embd.weight' must be 2-D [n_embd, n_vocab]");
+        return kv_fail(d, KV_EFORMAT, "model: tensor '%s' must be 2-D [n_embd, n_vocab]", embd->name);
     hp->n_vocab = (uint32_t)te->ne[1];
     if (kv_tok_n_vocab(m->tok) != (int32_t)hp->n_vocab)
         return kv_fail(d, KV_EFORMAT, "model: vocabulary has %d tokens but token_embd has %u rows",
                        kv_tok_n_vocab(m->tok), hp->n_vocab);
     int rc;
-    if ((rc = kv_get_w(m, &m->tok_embd, "token_embd.weight", 2, E, hp->n_vocab, 1, false, true, d)) ||
-        (rc = kv_get_w(m, &m->output_norm, "output_norm.weight", 1, E, 1, 1, true, true, d)))
+    if ((rc = kv_load_tensor(m, embd, 0, &m->tok_embd, d)) || (rc = kv_load_tensor(m, onorm, 0, &m->output_norm, d)))
         return rc;
-    rc = kv_get_w(m, &m->output, "output.weight", 2, E, hp->n_vocab, 1, false, false, d);
+    rc = kv_load_tensor(m, out, 0, &m->output, d);
     if (rc == KV_ENOTFOUND) {
         m->output = m->tok_embd;
         hp->tied_output = true;
     } else if (rc) {
         return rc;
     }
-    m->layers = calloc((size_t)hp->n_layer + hp->n_layer_nextn, sizeof *m->layers);
+    const uint32_t n_blocks = kv_arch_n_blocks(hp);
+    m->layers = calloc(n_blocks, sizeof *m->layers);
     if (!m->layers) return kv_fail(d, KV_ENOMEM, "model: out of memory");
-    if (hp->arch == KV_ARCH_QWEN35MOE) {
-        for (uint32_t il = 0; il < hp->n_layer + hp->n_layer_nextn; il++)
-            if ((rc = kv_q35_load_layer(m, il, experts, d))) return rc;
-        return 0;
-    }
-    for (uint32_t il = 0; il < hp->n_layer; il++) {
+    for (uint32_t il = 0; il < n_blocks; il++) {
         kv_layer *L = &m->layers[il];
-        char n[96];
-#define KV_W(field, suffix, nd, a, b, c, f32)                                              \
-    do {                                                                                  \
-        snprintf(n, sizeof n, "blk.%u.%s.weight", il, suffix);                           \
-        if ((rc = kv_get_w(m, &L->field, n, nd, a, b, c, f32, true, d))) return rc;       \
-    } while (0)
-        KV_W(attn_norm, "attn_norm", 1, E, 1, 1, true);
-        KV_W(wq, "attn_q", 2, E, H * HD, 1, false);
-        KV_W(wk, "attn_k", 2, E, HKV * HD, 1, false);
-        KV_W(wv, "attn_v", 2, E, HKV * HD, 1, false);
-        KV_W(wo, "attn_output", 2, H * HD, E, 1, false);
-        KV_W(q_norm, "attn_q_norm", 1, HD, 1, 1, true);
-        KV_W(k_norm, "attn_k_norm", 1, HD, 1, 1, true);
-        KV_W(ffn_norm, "ffn_norm", 1, E, 1, 1, true);
-        KV_W(gate_inp, "ffn_gate_inp", 2, E, hp->n_expert, 1, false);
-        if (experts) {
-            KV_W(gate_exps, "ffn_gate_exps", 3, E, hp->n_ff_exp, hp->n_expert, false);
-            KV_W(up_exps, "ffn_up_exps", 3, E, hp->n_ff_exp, hp->n_expert, false);
-            KV_W(down_exps, "ffn_down_exps", 3, hp->n_ff_exp, E, hp->n_expert, false);
+        L->recurrent = a->block_kind(hp, il) == KV_BLK_RECURRENT;
+        for (size_t i = 0; i < a->n_tensors; i++) {
+            const kv_tensor_desc *t = &a->tensors[i];
+            if (!kv_tensor_in_block(a, t, hp, il)) continue;
+            if (t->role == KV_ROLE_EXPERT && !experts) continue; /* a backbone: from a provider */
+            kv_weight *w = kv_layer_slot(L, t->kind);
+            if (!w) return kv_fail(d, KV_EINTERNAL, "model: tensor kind %d has no place in a block", (int)t->kind);
+            rc = kv_load_tensor(m, t, il, w, d);
+            if (rc == KV_ENOTFOUND) continue; /* optional */
+            if (rc) return rc;
         }
-#undef KV_W
     }
     return 0;
 }

@@ -13,8 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvasir/model.h"
+#include "kvasir/ops.h"
+#include "kvasir/pool.h"
 #include "kvasir/quant.h"
-#include "model/model_internal.h"
 
 typedef struct kv_local {
     kv_expert_source src;
@@ -232,7 +234,7 @@ int kv_expert_local_new_src(kv_expert_provider *out, const kv_expert_source *src
 static int kv_model_src_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
     const kv_model *m = ctx;
     const kv_layer *L = kv_model_layer(m, layer);
-    if (!L || e >= m->hp.n_expert)
+    if (!L || e >= kv_model_hparams(m)->n_expert)
         return kv_fail(d, KV_ERANGE, "experts: layer %u expert %u out of range", layer, e);
     w->gate = (const uint8_t *)L->gate_exps.data + (size_t)e * L->gate_exps.nb2;
     w->up = (const uint8_t *)L->up_exps.data + (size_t)e * L->up_exps.nb2;

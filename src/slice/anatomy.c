@@ -9,6 +9,10 @@
  * reader checked every tensor lies inside the file, so their sum is below
  * the file size.
  *
+ * A tensor the file's architecture table (arch.h) names takes its class
+ * from the table's role; any other name (or a file of an architecture
+ * without a table) follows the name rules of anatomy.h.
+ *
  * Two passes over the tensors: the first finds which blocks are recurrent
  * (hold ssm_* tensors, which decides what attn_qkv/attn_gate are), the
  * second classifies and sums. */
@@ -19,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/quant.h"
 
 static const char *const class_ids[KV_ANAT_CLASS_COUNT] = {
@@ -144,6 +149,22 @@ static int role_rank(const char *role) {
     return 4;
 }
 
+/* Class of a tensor the architecture's table names (from its role), or -1
+ * for a name the table does not know (or no table): then the name rules
+ * decide. */
+static int table_class(const kv_arch_table *at, const char *name, size_t len) {
+    static const int by_role[KV_ROLE_COUNT] = {
+        [KV_ROLE_EMBD] = KV_ANAT_EMBEDDINGS,   [KV_ROLE_LM_HEAD] = KV_ANAT_LM_HEAD,
+        [KV_ROLE_NORM] = KV_ANAT_NORMS,        [KV_ROLE_ATTN] = KV_ANAT_ATTENTION,
+        [KV_ROLE_LINEAR] = KV_ANAT_LINEAR_ATTENTION, [KV_ROLE_ROUTER] = KV_ANAT_ROUTER,
+        [KV_ROLE_EXPERT] = KV_ANAT_ROUTED_EXPERTS,   [KV_ROLE_SHEXP] = KV_ANAT_SHARED_EXPERTS,
+        [KV_ROLE_MTP] = KV_ANAT_MTP,
+    };
+    int32_t il;
+    const kv_tensor_desc *t = at ? kv_arch_match(at, name, len, &il) : NULL;
+    return t && (unsigned)t->role < KV_ROLE_COUNT ? by_role[t->role] : -1;
+}
+
 /* ---- measuring -------------------------------------------------------- */
 
 #define MAX_ROLES 8 /* expert tensors per layer that get a place in the label */
@@ -213,6 +234,8 @@ int kv_anatomy_from_gguf(kv_anatomy **out, const kv_gguf *g, kv_diag *d) {
         if (kv_gguf_get_u32(g, key, &a->nextn_layers, NULL)) a->nextn_layers = 0;
     }
 
+    const kv_arch_table *at = kv_arch_find(a->arch);
+
     /* pass 1: which blocks exist, which are recurrent */
     uint32_t max_blk = 0;
     bool any_blk = false;
@@ -251,7 +274,8 @@ int kv_anatomy_from_gguf(kv_anatomy **out, const kv_gguf *g, kv_diag *d) {
         const char *r;
         size_t rl;
         int32_t b = split_block(t->name.ptr, t->name.len, &r, &rl);
-        int c = kv_anat_classify(t->name.ptr, t->name.len, b >= 0 && acc[b].recurrent, NULL);
+        int c = table_class(at, t->name.ptr, t->name.len);
+        if (c < 0) c = kv_anat_classify(t->name.ptr, t->name.len, b >= 0 && acc[b].recurrent, NULL);
         a->class_bytes[c] += t->nbytes;
         a->class_tensors[c]++;
         a->tensor_bytes += t->nbytes;

@@ -8,7 +8,8 @@
  * tensor with its real name, shape and Q4_K_M type, in the order llama.cpp's
  * quantizer writes them (non-block tensors first, then block by block, names
  * sorted within a block: its loader's weight map order). Sources of each
- * figure are listed in docs/ANATOMY.md.
+ * figure are listed in docs/ANATOMY.md. Names and shapes come from the
+ * architecture's table (arch.h); the config gives the hyper-parameters.
  *
  * The Q4_K_M type rule (kv_skeleton_q4_k_m_type) restates llama-quant.cpp's
  * behaviour for the tensors these architectures have:
@@ -31,6 +32,7 @@
 #include <unistd.h>
 
 #include "kvasir/anatomy.h"
+#include "kvasir/arch.h"
 #include "kvasir/gen.h"
 #include "kvasir/gguf.h"
 #include "kvasir/quant.h"
@@ -160,10 +162,10 @@ typedef struct skel_list {
     int oom;
 } skel_list;
 
-/* Adds a tensor; dims given innermost first, trailing ones dropped the way
- * ggml writes them. 1-D tensors, norms, the router and the conv kernel are
- * F32 in the converted file; the rest BF16. */
-static void add(skel_list *l, int32_t layer, const char *suffix, uint64_t ne0, uint64_t ne1, uint64_t ne2) {
+/* Adds the table's tensor t of block il (-1 for a global). Tensors the
+ * table keeps in f32 (norms, router, conv kernel, 1-D vectors) are F32 in
+ * the converted file; the rest BF16. */
+static void add(skel_list *l, const kv_tensor_desc *t, const kv_hparams *hp, int32_t layer) {
     if (l->oom) return;
     if (l->n == l->cap) {
         size_t cap = l->cap ? l->cap * 2 : 256;
@@ -175,90 +177,53 @@ static void add(skel_list *l, int32_t layer, const char *suffix, uint64_t ne0, u
         l->t = p;
         l->cap = cap;
     }
-    skel_tensor *t = &l->t[l->n++];
-    memset(t, 0, sizeof *t);
-    if (layer >= 0)
-        snprintf(t->name, sizeof t->name, "blk.%d.%s", layer, suffix);
-    else
-        snprintf(t->name, sizeof t->name, "%s", suffix);
-    t->layer = layer;
-    t->ne[0] = ne0;
-    t->ne[1] = ne1;
-    t->ne[2] = ne2;
-    t->ne[3] = 1;
-    t->n_dims = ne2 > 1 ? 3 : ne1 > 1 ? 2 : 1;
-    bool f32 = t->n_dims == 1 || has_sub(t->name, "_norm.weight") || has_sub(t->name, "ffn_gate_inp") ||
-               has_sub(t->name, "ssm_conv1d");
-    t->src = f32 ? KV_TYPE_F32 : KV_TYPE_BF16;
+    skel_tensor *st = &l->t[l->n++];
+    memset(st, 0, sizeof *st);
+    if (kv_tensor_name(t, layer < 0 ? 0 : (uint32_t)layer, st->name, sizeof st->name) < 0) l->oom = 1;
+    st->layer = layer;
+    int64_t ne[3];
+    kv_tensor_shape(t, hp, ne);
+    for (int i = 0; i < 3; i++) st->ne[i] = (uint64_t)ne[i];
+    st->ne[3] = 1;
+    st->n_dims = t->n_dims;
+    st->src = t->flags & (KV_TF_F32 | KV_TF_KEEP_F32) ? KV_TYPE_F32 : KV_TYPE_BF16;
 }
 
-static bool is_recurrent(const skel_cfg *c, uint32_t il) {
-    return c->full_attn_interval && il < c->n_layer && (il + 1) % c->full_attn_interval != 0;
+/* The hyper-parameters of a config, for the table's shapes. */
+static void skel_hparams(const skel_cfg *c, kv_hparams *hp) {
+    memset(hp, 0, sizeof *hp);
+    hp->n_layer = c->n_layer;
+    hp->n_layer_nextn = c->n_nextn;
+    hp->n_embd = c->n_embd;
+    hp->n_head = c->n_head;
+    hp->n_head_kv = c->n_head_kv;
+    hp->head_dim = c->head_dim;
+    hp->n_rot = c->rope_dim ? c->rope_dim : c->head_dim;
+    hp->n_expert = c->n_expert;
+    hp->n_expert_used = c->n_expert_used;
+    hp->n_ff_exp = c->n_ff_exp;
+    hp->n_ff_shexp = c->n_ff_shexp;
+    hp->n_vocab = c->n_vocab;
+    hp->n_ctx_train = c->n_ctx;
+    hp->rms_eps = c->rms_eps;
+    hp->full_attn_interval = c->full_attn_interval;
+    hp->ssm_d_conv = c->ssm_conv;
+    hp->ssm_d_state = c->ssm_state;
+    hp->ssm_n_group = c->ssm_group;
+    hp->ssm_dt_rank = c->ssm_dt_rank;
+    hp->ssm_d_inner = c->ssm_state * c->ssm_dt_rank;
 }
 
-static void add_full_attn(skel_list *l, const skel_cfg *c, int il, bool gated_q) {
-    uint64_t E = c->n_embd, hd = c->head_dim, q = (uint64_t)c->n_head * hd, kv = (uint64_t)c->n_head_kv * hd;
-    add(l, il, "attn_q.weight", E, gated_q ? 2 * q : q, 1); /* qwen35: query and its output gate */
-    add(l, il, "attn_k.weight", E, kv, 1);
-    add(l, il, "attn_v.weight", E, kv, 1);
-    add(l, il, "attn_output.weight", q, E, 1);
-    add(l, il, "attn_q_norm.weight", hd, 1, 1);
-    add(l, il, "attn_k_norm.weight", hd, 1, 1);
-}
-
-static void add_moe(skel_list *l, const skel_cfg *c, int il) {
-    uint64_t E = c->n_embd, F = c->n_ff_exp, X = c->n_expert, S = c->n_ff_shexp;
-    add(l, il, "ffn_gate_inp.weight", E, X, 1);
-    add(l, il, "ffn_gate_exps.weight", E, F, X);
-    add(l, il, "ffn_up_exps.weight", E, F, X);
-    add(l, il, "ffn_down_exps.weight", F, E, X);
-    if (S) {
-        add(l, il, "ffn_gate_inp_shexp.weight", E, 1, 1);
-        add(l, il, "ffn_gate_shexp.weight", E, S, 1);
-        add(l, il, "ffn_up_shexp.weight", E, S, 1);
-        add(l, il, "ffn_down_shexp.weight", S, E, 1);
-    }
-}
-
+/* Every tensor the architecture's table gives the config (sorted later). */
 static void build_list(const skel_cfg *c, skel_list *l) {
-    uint64_t E = c->n_embd, V = c->n_vocab;
-    bool q35 = !strcmp(c->arch, "qwen35moe");
-    add(l, -1, "token_embd.weight", E, V, 1);
-    add(l, -1, "output_norm.weight", E, 1, 1);
-    add(l, -1, "output.weight", E, V, 1);
-    uint32_t n_all = c->n_layer + c->n_nextn;
-    for (uint32_t i = 0; i < n_all; i++) {
-        int il = (int)i;
-        add(l, il, "attn_norm.weight", E, 1, 1);
-        if (!q35) { /* qwen3moe block */
-            add_full_attn(l, c, il, false);
-            add(l, il, "ffn_norm.weight", E, 1, 1);
-            add_moe(l, c, il);
-            continue;
-        }
-        add(l, il, "post_attention_norm.weight", E, 1, 1);
-        if (is_recurrent(c, i)) { /* gated delta net */
-            uint64_t kd = (uint64_t)c->ssm_state * c->ssm_group, vd = (uint64_t)c->ssm_state * c->ssm_dt_rank;
-            add(l, il, "attn_qkv.weight", E, 2 * kd + vd, 1);
-            add(l, il, "attn_gate.weight", E, vd, 1);
-            add(l, il, "ssm_conv1d.weight", c->ssm_conv, 2 * kd + vd, 1);
-            add(l, il, "ssm_dt.bias", c->ssm_dt_rank, 1, 1);
-            add(l, il, "ssm_a", c->ssm_dt_rank, 1, 1);
-            add(l, il, "ssm_beta.weight", E, c->ssm_dt_rank, 1);
-            add(l, il, "ssm_alpha.weight", E, c->ssm_dt_rank, 1);
-            add(l, il, "ssm_norm.weight", c->ssm_state, 1, 1);
-            add(l, il, "ssm_out.weight", vd, E, 1);
-        } else {
-            add_full_attn(l, c, il, true);
-        }
-        add_moe(l, c, il);
-        if (i >= c->n_layer) { /* MTP block: its glue to the trunk */
-            add(l, il, "nextn.eh_proj.weight", 2 * E, E, 1);
-            add(l, il, "nextn.enorm.weight", E, 1, 1);
-            add(l, il, "nextn.hnorm.weight", E, 1, 1);
-            add(l, il, "nextn.shared_head_norm.weight", E, 1, 1);
-        }
-    }
+    const kv_arch_table *a = kv_arch_find(c->arch);
+    kv_hparams hp;
+    skel_hparams(c, &hp);
+    for (size_t i = 0; i < a->n_tensors; i++)
+        if (!a->tensors[i].blocks) add(l, &a->tensors[i], &hp, -1);
+    for (uint32_t il = 0; il < kv_arch_n_blocks(&hp); il++)
+        for (size_t i = 0; i < a->n_tensors; i++)
+            if (kv_tensor_in_block(a, &a->tensors[i], &hp, il)) add(l, &a->tensors[i], &hp, (int32_t)il);
 }
 
 /* llama.cpp's loader order: block -1 first, then by block, then by name. */

@@ -32,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
@@ -78,7 +79,7 @@ static int kv_read_all(int fd, uint8_t *buf, size_t n, uint64_t at) {
     return 0;
 }
 
-static const char *const kv_exp_suffix[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+static const char *const kv_exp_suffix[3] = {KV_EXPERT_STEM_GATE, KV_EXPERT_STEM_UP, KV_EXPERT_STEM_DOWN};
 
 static const kv_gguf_tensor *kv_find_exp(const kv_gguf *g, uint32_t layer, int k) {
     char n[96];

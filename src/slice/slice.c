@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
@@ -59,7 +60,7 @@ typedef struct kv_slicer {
     atomic_uint_fast64_t copied, holes;
 } kv_slicer;
 
-static const char *const kv_exp_names[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+static const char *const kv_exp_names[3] = {KV_EXPERT_STEM_GATE, KV_EXPERT_STEM_UP, KV_EXPERT_STEM_DOWN};
 
 /* "blk.<L>.<name>.weight" or "blk.<L>.<name>" -> layer and which of the
  * three expert tensors; -1 if not a routed-expert tensor. */

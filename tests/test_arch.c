@@ -1,0 +1,295 @@
+/* The architecture tables (arch.h) against the files they describe: every
+ * tensor of a generated model and of every skeleton is named by its table,
+ * in a block of the right kind, with the table's shape, and the counts match
+ * hand-computed figures; the loader loads the generated models; the metadata
+ * keys of those files are keys the table knows; the table's roles agree with
+ * anatomy's name rules; name matching rejects what it should. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvasir/anatomy.h"
+#include "kvasir/arch.h"
+#include "kvasir/gen.h"
+#include "kvasir/gguf.h"
+#include "kvasir/model.h"
+#include "kvtest.h"
+
+static char tmpdir[256];
+
+/* ---- the tables themselves ------------------------------------------------ */
+
+static void test_registry(void) {
+    ASSERT_TRUE(kv_arch_get(KV_ARCH_QWEN3MOE) == kv_arch_find("qwen3moe"));
+    ASSERT_TRUE(kv_arch_get(KV_ARCH_QWEN35MOE) == kv_arch_find("qwen35moe"));
+    ASSERT_TRUE(kv_arch_find("llama") == NULL);
+    ASSERT_TRUE(kv_arch_find(NULL) == NULL);
+    ASSERT_TRUE(kv_arch_get(KV_ARCH_COUNT) == NULL);
+    for (int id = 0; id < KV_ARCH_COUNT; id++) {
+        const kv_arch_table *a = kv_arch_get((enum kv_arch)id);
+        ASSERT_TRUE(a != NULL);
+        if (!a) continue;
+        ASSERT_EQ(a->id, id);
+        ASSERT_TRUE(a->block_kind != NULL);
+        ASSERT_TRUE(strstr(kv_arch_list(), a->name) != NULL);
+        int seen[KV_T_COUNT] = {0};
+        for (size_t i = 0; i < a->n_tensors; i++) {
+            const kv_tensor_desc *t = &a->tensors[i];
+            ASSERT_TRUE((unsigned)t->kind < KV_T_COUNT);
+            if ((unsigned)t->kind < KV_T_COUNT) ASSERT_EQ(seen[t->kind]++, 0); /* one entry per kind */
+            ASSERT_TRUE(t->n_dims >= 1 && t->n_dims <= 3);
+            for (uint32_t k = t->n_dims; k < 3; k++) ASSERT_EQ(t->ne[k], KV_D_1);
+            ASSERT_TRUE(kv_arch_tensor(a, t->kind) == t);
+            ASSERT_EQ(t->blocks & ~KV_BLK_ALL, 0);
+            /* routed experts: 3-D, expert index outermost, never f32-only */
+            if (t->role == KV_ROLE_EXPERT) {
+                ASSERT_EQ(t->n_dims, 3);
+                ASSERT_EQ(t->ne[2], KV_D_EXPERT);
+                ASSERT_EQ(t->flags & KV_TF_F32, 0);
+            }
+            /* names unique among globals / among block tensors */
+            for (size_t j = 0; j < i; j++)
+                if (!a->tensors[j].blocks == !t->blocks) ASSERT_TRUE(strcmp(a->tensors[j].name, t->name) != 0);
+            ASSERT_TRUE(t->init_gain > 0.0f || t->init_std > 0.0f);
+        }
+        ASSERT_EQ(seen[KV_T_TOKEN_EMBD], 1);
+        ASSERT_EQ(seen[KV_T_FFN_GATE_EXPS] + seen[KV_T_FFN_UP_EXPS] + seen[KV_T_FFN_DOWN_EXPS], 3);
+        /* the expert stems the slicer, slab reader and worker use name this table's experts */
+        if (seen[KV_T_FFN_GATE_EXPS] + seen[KV_T_FFN_UP_EXPS] + seen[KV_T_FFN_DOWN_EXPS] == 3) {
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_GATE_EXPS)->name, "ffn_gate_exps.weight");
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_UP_EXPS)->name, "ffn_up_exps.weight");
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_DOWN_EXPS)->name, "ffn_down_exps.weight");
+            ASSERT_STREQ(kv_arch_tensor(a, KV_T_FFN_GATE_EXPS)->name, KV_EXPERT_STEM_GATE ".weight");
+        }
+        for (size_t i = 0; i < a->n_keys; i++)
+            for (size_t j = 0; j < i; j++) ASSERT_TRUE(strcmp(a->keys[i].key, a->keys[j].key) != 0);
+    }
+    ASSERT_TRUE(kv_arch_get(KV_ARCH_QWEN35MOE)->blocks == kv_q35_blocks);
+}
+
+static void test_match(void) {
+    const kv_arch_table *a = kv_arch_find("qwen35moe");
+    int32_t il = 99;
+    const char *n = "blk.17.ffn_gate_exps.weight";
+    const kv_tensor_desc *t = kv_arch_match(a, n, strlen(n), &il);
+    ASSERT_TRUE(t && t->kind == KV_T_FFN_GATE_EXPS);
+    ASSERT_EQ(il, 17);
+    n = "token_embd.weight";
+    t = kv_arch_match(a, n, strlen(n), &il);
+    ASSERT_TRUE(t && t->kind == KV_T_TOKEN_EMBD);
+    ASSERT_EQ(il, -1);
+    /* a prefix of a longer buffer: only len bytes count */
+    n = "blk.3.ssm_a.weight";
+    t = kv_arch_match(a, n, strlen("blk.3.ssm_a"), &il);
+    ASSERT_TRUE(t && t->kind == KV_T_SSM_A);
+    ASSERT_TRUE(kv_arch_match(a, n, strlen(n), &il) == NULL);
+    static const char *const bad[] = {"blk.0.token_embd.weight", "attn_norm.weight", "blk..attn_norm.weight",
+                                      "blk.x.attn_norm.weight", "blk.512.attn_norm.weight",
+                                      "blk.99999999999.attn_norm.weight", "blk.1", "blk.1.", "",
+                                      "blk.1.attn_norm.weigh"};
+    for (size_t i = 0; i < KVT_N(bad); i++) {
+        ASSERT_TRUE(kv_arch_match(a, bad[i], strlen(bad[i]), &il) == NULL);
+        ASSERT_EQ(il, -1);
+    }
+    char buf[64];
+    ASSERT_EQ(kv_tensor_name(kv_arch_tensor(a, KV_T_SSM_DT), 5, buf, sizeof buf), (int)strlen("blk.5.ssm_dt.bias"));
+    ASSERT_STREQ(buf, "blk.5.ssm_dt.bias");
+    ASSERT_EQ(kv_tensor_name(kv_arch_tensor(a, KV_T_SSM_DT), 5, buf, 8), -1);
+    ASSERT_TRUE(kv_arch_tensor(kv_arch_find("qwen3moe"), KV_T_SSM_DT) == NULL);
+}
+
+/* ---- files against their table -------------------------------------------- */
+
+/* Anatomy's class for a role, written out here independently of anatomy.c. */
+static int role_class(enum kv_role r) {
+    switch (r) {
+    case KV_ROLE_EMBD: return KV_ANAT_EMBEDDINGS;
+    case KV_ROLE_LM_HEAD: return KV_ANAT_LM_HEAD;
+    case KV_ROLE_NORM: return KV_ANAT_NORMS;
+    case KV_ROLE_ATTN: return KV_ANAT_ATTENTION;
+    case KV_ROLE_LINEAR: return KV_ANAT_LINEAR_ATTENTION;
+    case KV_ROLE_ROUTER: return KV_ANAT_ROUTER;
+    case KV_ROLE_EXPERT: return KV_ANAT_ROUTED_EXPERTS;
+    case KV_ROLE_SHEXP: return KV_ANAT_SHARED_EXPERTS;
+    case KV_ROLE_MTP: return KV_ANAT_MTP;
+    default: return -1;
+    }
+}
+
+/* Checks every tensor of g against the table; returns how many there are
+ * (or -1 if the file could not be read as the table's architecture). */
+static long check_file(const kv_gguf *g, bool *tied) {
+    kv_hparams hp;
+    kv_diag d = {0};
+    int rc = kv_arch_read_hparams(g, &hp, &d);
+    ASSERT_EQ(rc, 0);
+    if (rc) {
+        fprintf(stderr, "  %s\n", d.msg);
+        return -1;
+    }
+    const kv_arch_table *a = kv_arch_get(hp.arch);
+    const kv_gguf_tensor *te = kv_gguf_find_tensor(g, "token_embd.weight");
+    ASSERT_TRUE(te != NULL);
+    if (!te) return -1;
+    hp.n_vocab = (uint32_t)te->ne[1];
+    *tied = kv_gguf_find_tensor(g, "output.weight") == NULL;
+    const uint32_t nb = kv_arch_n_blocks(&hp);
+    /* every tensor in the file is named by the table, in a block that carries it, with its shape */
+    size_t nt = kv_gguf_n_tensors(g);
+    for (size_t i = 0; i < nt; i++) {
+        const kv_gguf_tensor *t = kv_gguf_tensor_at(g, i);
+        int32_t il;
+        const kv_tensor_desc *td = kv_arch_match(a, t->name.ptr, t->name.len, &il);
+        if (!td) {
+            KVT_FAIL("tensor '%.*s' is not in the %s table", (int)t->name.len, t->name.ptr, a->name);
+            continue;
+        }
+        if (td->blocks) ASSERT_TRUE(kv_tensor_in_block(a, td, &hp, (uint32_t)il));
+        int64_t ne[3];
+        kv_tensor_shape(td, &hp, ne);
+        ASSERT_EQ(t->n_dims, td->n_dims);
+        for (int k = 0; k < 3; k++) ASSERT_EQ(t->ne[k], ne[k]);
+        if (td->flags & (KV_TF_F32 | KV_TF_KEEP_F32)) ASSERT_EQ(t->type, 0); /* f32 */
+        /* the table's role and anatomy's name rules agree */
+        bool rec = il >= 0 && a->block_kind(&hp, (uint32_t)il) == KV_BLK_RECURRENT;
+        ASSERT_EQ(kv_anat_classify(t->name.ptr, t->name.len, rec, NULL), role_class(td->role));
+    }
+    /* and every tensor the table asks for is in the file */
+    long want = 0;
+    char name[128];
+    for (size_t k = 0; k < a->n_tensors; k++) {
+        const kv_tensor_desc *td = &a->tensors[k];
+        for (uint32_t il = 0; il < (td->blocks ? nb : 1); il++) {
+            if (td->blocks && !kv_tensor_in_block(a, td, &hp, il)) continue;
+            if ((td->flags & KV_TF_TIED) && *tied) continue;
+            want++;
+            ASSERT_TRUE(kv_tensor_name(td, il, name, sizeof name) > 0);
+            if (!kv_gguf_find_tensor(g, name) && !(td->flags & KV_TF_OPTIONAL))
+                KVT_FAIL("table tensor '%s' missing from the file", name);
+        }
+    }
+    ASSERT_EQ(want, (long)nt);
+    /* every "<arch>." key of the file is a key of the table */
+    size_t pl = strlen(a->name);
+    for (size_t i = 0; i < kv_gguf_n_kv(g); i++) {
+        const kv_gguf_kv *kv = kv_gguf_kv_at(g, i);
+        if (kv->key.len <= pl + 1 || memcmp(kv->key.ptr, a->name, pl) || kv->key.ptr[pl] != '.') continue;
+        bool known = false;
+        for (size_t k = 0; k < a->n_keys && !known; k++)
+            known = strlen(a->keys[k].key) == kv->key.len - pl - 1 &&
+                    !memcmp(a->keys[k].key, kv->key.ptr + pl + 1, kv->key.len - pl - 1);
+        if (!known) KVT_FAIL("key '%.*s' is not in the %s table", (int)kv->key.len, kv->key.ptr, a->name);
+    }
+    return (long)nt;
+}
+
+static void gen_and_check(kv_gen_config *c, const char *file, long want_tensors) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s", tmpdir, file);
+    kv_gen_fill_defaults(c);
+    kv_diag d = {0};
+    int rc = kv_gen_model(c, p, &d);
+    ASSERT_EQ(rc, 0);
+    if (rc) {
+        fprintf(stderr, "  %s\n", d.msg);
+        return;
+    }
+    kv_gguf *g = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, p, &d), 0);
+    if (!g) return;
+    bool tied = false;
+    ASSERT_EQ(check_file(g, &tied), want_tensors);
+    ASSERT_EQ(tied, c->tied);
+    kv_hparams hp;
+    ASSERT_EQ(kv_arch_read_hparams(g, &hp, &d), 0);
+    ASSERT_EQ(hp.n_layer, c->n_layer);
+    ASSERT_EQ(hp.n_layer_nextn, c->n_nextn);
+    ASSERT_EQ(hp.n_embd, c->n_embd);
+    ASSERT_EQ(hp.n_expert, c->n_expert);
+    ASSERT_EQ(hp.head_dim, c->head_dim);
+    kv_gguf_close(g);
+    /* the loader, reading the same table, accepts it */
+    kv_model *m = NULL;
+    rc = kv_model_load(&m, p, &d);
+    ASSERT_EQ(rc, 0);
+    if (rc) fprintf(stderr, "  %s\n", d.msg);
+    if (m) {
+        const kv_layer *L = kv_model_layer(m, 0);
+        ASSERT_TRUE(L && L->gate_exps.data && L->gate_exps.ne[2] == c->n_expert);
+        ASSERT_EQ(kv_model_hparams(m)->tied_output, c->tied);
+    }
+    kv_model_free(m);
+    remove(p);
+}
+
+static void test_gen_qwen3moe(void) {
+    kv_gen_config c;
+    ASSERT_EQ(kv_gen_preset_get("tiny", &c, NULL), 0);
+    c.n_layer = 3;
+    c.n_embd = 64;
+    c.head_dim = 16;
+    c.n_ff_exp = 32;
+    c.n_vocab = 300;
+    gen_and_check(&c, "q3.gguf", 3 + 3 * 12); /* token_embd, output_norm, output; 12 per block */
+    c.tied = true;
+    gen_and_check(&c, "q3t.gguf", 2 + 3 * 12);
+}
+
+static void test_gen_qwen35moe(void) {
+    kv_gen_config c;
+    ASSERT_EQ(kv_gen_preset_get("tiny", &c, NULL), 0);
+    c.arch = "qwen35moe";
+    c.n_layer = 4;
+    c.n_nextn = 1;
+    c.full_attn_interval = 2;
+    c.n_embd = 64;
+    c.head_dim = 16;
+    c.n_ff_exp = 32;
+    c.n_vocab = 300;
+    /* blocks 0, 2 recurrent (19 tensors), 1, 3 full attention (16), MTP 4 (16 + 4 nextn) */
+    gen_and_check(&c, "q35.gguf", 3 + 2 * 19 + 2 * 16 + 20);
+}
+
+static void test_skeletons(void) {
+    static const struct {
+        const char *preset;
+        long tensors;
+    } sk[] = {
+        {"qwen3-30b-a3b", 3 + 48 * 12},
+        {"qwen35-35b-a3b", 3 + 30 * 19 + 10 * 16 + 20},
+        {"qwen35-122b-a10b", 3 + 36 * 19 + 12 * 16 + 20},
+    };
+    for (size_t i = 0; i < KVT_N(sk); i++) {
+        char p[512];
+        snprintf(p, sizeof p, "%s/skel.gguf", tmpdir);
+        kv_diag d = {0};
+        ASSERT_EQ(kv_skeleton_write(sk[i].preset, p, NULL, &d), 0);
+        kv_gguf *g = NULL;
+        ASSERT_EQ(kv_gguf_open(&g, p, &d), 0);
+        if (!g) continue;
+        bool tied = true;
+        ASSERT_EQ(check_file(g, &tied), sk[i].tensors);
+        ASSERT_TRUE(!tied);
+        kv_gguf_close(g);
+        remove(p);
+    }
+}
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_registry),
+    KVT_CASE(test_match),
+    KVT_CASE(test_gen_qwen3moe),
+    KVT_CASE(test_gen_qwen35moe),
+    KVT_CASE(test_skeletons),
+};
+
+static int setup(void) {
+    const char *t = getenv("TMPDIR");
+    snprintf(tmpdir, sizeof tmpdir, "%s/kv_test_arch_XXXXXX", t && *t ? t : "/tmp");
+    return mkdtemp(tmpdir) ? 0 : 1;
+}
+
+static void teardown(void) { rmdir(tmpdir); }
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
