@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# kv-test-labels: net
 # End to end on loopback: `kvasir run -m DIR/manifest.json --worker ...` with
 # three `kvasir worker` processes, each holding a third of the experts, and a
 # coordinator folder that holds only backbone.gguf and manifest.json, must give

@@ -1,3 +1,4 @@
+/* kv-test-labels: unit net */
 /* The engine and its sessions (src/engine/engine.c) against an independent
  * reference: each session run alone through the plain kv_state path (its
  * own single-sequence state, kv_state_eval for the prompt and every token,
