@@ -505,6 +505,25 @@ static void test_sparse_open(void) {
         if (src.release) src.release(src.ctx, 1, 3);
     }
     kv_slices_free(s);
+    /* the CLI: a real model (tokenizer and all) with holes punched in one
+     * expert tensor slices sparse; run refuses it naming the flag, and runs
+     * it with --allow-sparse */
+    char src[300], sdir[300];
+    snprintf(src, sizeof src, "%s/punched.gguf", g_dir);
+    snprintf(sdir, sizeof sdir, "%s/s_punched", g_dir);
+    gen_model(src, 5);
+    kv_gguf *g = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, src, &d), 0);
+    const kv_gguf_tensor *t = g ? kv_gguf_find_tensor(g, "blk.1.ffn_up_exps.weight") : NULL;
+    ASSERT_TRUE(t != NULL && t->nbytes > 3 * 4096);
+    const uint64_t a0 = t ? (t->file_offset + 4095) / 4096 * 4096 : 0, len = t ? (t->nbytes - 4096) / 4096 * 4096 : 0;
+    kv_gguf_close(g);
+    ASSERT_EQ(sh("fallocate -p -o %llu -l %llu %s", (unsigned long long)a0, (unsigned long long)len, src), 0);
+    ASSERT_EQ(kv_slice_model(src, sdir, &(kv_slice_opts){0, -1, -1, 2}, &ss, &d), 0);
+    ASSERT_TRUE(ss.sparse);
+    ASSERT_NE(sh("%s run -m %s -p hi -n 2 --threads 2 >/dev/null 2>%s/err.txt", g_bin, sdir, g_dir), 0);
+    ASSERT_EQ(sh("grep -q -- '--allow-sparse' %s/err.txt && test $(wc -l < %s/err.txt) = 1", g_dir, g_dir), 0);
+    ASSERT_EQ(sh("%s run -m %s --allow-sparse -p hi -n 2 --threads 2 >/dev/null 2>&1", g_bin, sdir), 0);
     /* the checks still hold: a slab of the wrong size is refused */
     ASSERT_EQ(sh("truncate -s -1 %s/experts/blk.0.0000-0007.gguf", dir), 0);
     s = (kv_slices *)1;

@@ -23,6 +23,8 @@ static const char *kv_run_help =
     "                       files on demand (LRU); default: map the slabs\n"
     "  --skip-hashes        sliced model: check sizes, headers and model identity but do not\n"
     "                       hash every piece at start (default: verify every SHA-256)\n"
+    "  --allow-sparse       sliced model: run a sliced skeleton (pieces without hashes: sizes,\n"
+    "                       headers and identity are checked); refused without this flag\n"
     "  --worker HOST:PORT   sliced model: compute experts on this worker (kvasir worker); repeat\n"
     "                       for more. Only the backbone need be present; slabs that are present\n"
     "                       serve the experts no worker holds, and every expert must be served\n"
@@ -137,7 +139,7 @@ static void kv_run_dispatch_log(const kv_remote *r) {
 int kv_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *pfile = NULL, *logits_path = NULL;
     long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
-    bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false;
+    bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     long worker_timeout = 10000;
@@ -155,6 +157,8 @@ int kv_cmd_run(int argc, char **argv) {
             json = true;
         } else if (!strcmp(a, "--skip-hashes")) {
             skip_hashes = true;
+        } else if (!strcmp(a, "--allow-sparse")) { /* run a sliced skeleton (pieces without hashes) */
+            allow_sparse = true;
         } else if (!strcmp(a, "--verbose")) {
             verbose = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
@@ -261,7 +265,7 @@ int kv_cmd_run(int argc, char **argv) {
         if ((rc = kv_remote_open(&remote, manifest, pool, &ro, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
         mc = kv_remote_model(remote);
     } else if (manifest) {
-        const kv_slices_opts so = {cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0, skip_hashes, (int)threads};
+        const kv_slices_opts so = {cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0, skip_hashes, (int)threads, allow_sparse};
         if ((rc = kv_slices_open(&slices, manifest, &so, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
         if ((rc = kv_model_load_ex(&m, kv_slices_backbone_path(slices), &(kv_model_opts){.no_experts = true}, &d)) ||
             (rc = kv_slices_check_model(slices, m, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
