@@ -295,7 +295,7 @@ static char g_manifest[400];
 
 static kv_remote *open_remote(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest, kv_diag *d) {
     kv_remote *r = NULL;
-    const kv_remote_opts o = {addrs, n, TIMEOUT_MS, RECONNECT_MS, enc, 4, false, NULL};
+    const kv_remote_opts o = {addrs, n, TIMEOUT_MS, RECONNECT_MS, enc, 4, false, NULL, false};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }

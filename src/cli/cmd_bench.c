@@ -107,7 +107,7 @@ int kv_cmd_bench(int argc, char **argv) {
         if (!n_batch) n_batch = n_prompt < 4096 ? n_prompt : 4096;
         if (kv_pool_new(&pool, (int)threads, &d)) return kv_cli_diag(CMD, &d);
         const kv_remote_opts ro = {workers, n_workers, (uint32_t)worker_timeout, 0, (uint32_t)wire,
-                                   (uint32_t)(n_batch > n_par ? n_batch : n_par), false, NULL};
+                                   (uint32_t)(n_batch > n_par ? n_batch : n_par), false, NULL, false};
         if (kv_remote_open(&remote, model, pool, &ro, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
         mc = kv_remote_model(remote);
     } else {

@@ -261,7 +261,7 @@ int kv_cmd_run(int argc, char **argv) {
         /* the coordinator: backbone + manifest here, experts on the workers */
         if ((rc = kv_pool_new(&pool, (int)threads, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
         const kv_remote_opts ro = {workers, n_workers, (uint32_t)worker_timeout, 0, (uint32_t)wire, (uint32_t)n_batch,
-                                   false, verbose ? stderr : NULL};
+                                   false, verbose ? stderr : NULL, allow_sparse};
         if ((rc = kv_remote_open(&remote, manifest, pool, &ro, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
         mc = kv_remote_model(remote);
     } else if (manifest) {

@@ -728,7 +728,8 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     /* the pieces: manifest, backbone, and whichever slabs are present */
     kv_pieces *pc = NULL;
     const kv_pieces_opts po = {.who = "remote", .runnable = true, .slabs_may_be_missing = true,
-                               .skip_hashes = r->o.skip_hashes, .keep_gguf = true};
+                               .allow_sparse = r->o.allow_sparse, .skip_hashes = r->o.skip_hashes,
+                               .keep_gguf = true};
     int rc = kv_pieces_open(&pc, manifest_path, &po, d);
     if (rc) goto fail;
     r->m = kv_pieces_take_manifest(pc);
