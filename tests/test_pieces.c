@@ -9,6 +9,7 @@
  * is built; a sliced skeleton runs only when asked (allow_sparse). */
 #include <fcntl.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <sodium.h>
@@ -475,6 +476,11 @@ static void test_manifest_bounds(void) {
 
 /* ---- a sliced skeleton runs only when asked ------------------------------------- */
 
+static void *serve_main(void *w) {
+    kv_worker_serve(w, NULL);
+    return NULL;
+}
+
 static void test_sparse_open(void) {
     char sk[300], dir[300], man[600];
     snprintf(sk, sizeof sk, "%s/skel.gguf", g_dir);
@@ -505,6 +511,57 @@ static void test_sparse_open(void) {
         if (src.release) src.release(src.ctx, 1, 3);
     }
     kv_slices_free(s);
+    /* the CLI: a real model (tokenizer and all) with holes punched in one
+     * expert tensor slices sparse; run refuses it naming the flag, and runs
+     * it with --allow-sparse */
+    char src[300], sdir[300];
+    snprintf(src, sizeof src, "%s/punched.gguf", g_dir);
+    snprintf(sdir, sizeof sdir, "%s/s_punched", g_dir);
+    gen_model(src, 5);
+    kv_gguf *g = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, src, &d), 0);
+    const kv_gguf_tensor *t = g ? kv_gguf_find_tensor(g, "blk.1.ffn_up_exps.weight") : NULL;
+    ASSERT_TRUE(t != NULL && t->nbytes > 3 * 4096);
+    const uint64_t a0 = t ? (t->file_offset + 4095) / 4096 * 4096 : 0, len = t ? (t->nbytes - 4096) / 4096 * 4096 : 0;
+    kv_gguf_close(g);
+    ASSERT_EQ(sh("fallocate -p -o %llu -l %llu %s", (unsigned long long)a0, (unsigned long long)len, src), 0);
+    ASSERT_EQ(kv_slice_model(src, sdir, &(kv_slice_opts){0, -1, -1, 2}, &ss, &d), 0);
+    ASSERT_TRUE(ss.sparse);
+    ASSERT_NE(sh("%s run -m %s -p hi -n 2 --threads 2 >/dev/null 2>%s/err.txt", g_bin, sdir, g_dir), 0);
+    ASSERT_EQ(sh("grep -q -- '--allow-sparse' %s/err.txt && test $(wc -l < %s/err.txt) = 1", g_dir, g_dir), 0);
+    ASSERT_EQ(sh("%s run -m %s --allow-sparse -p hi -n 2 --threads 2 >/dev/null 2>&1", g_bin, sdir), 0);
+    /* distributed: a coordinator folder (backbone + manifest) and a worker
+     * serving the sparse slabs */
+    char coord[300];
+    snprintf(coord, sizeof coord, "%s/c_punched", g_dir);
+    ASSERT_EQ(sh("mkdir -p %s && cp %s/backbone.gguf %s/manifest.json %s/", coord, sdir, sdir, coord), 0);
+    kv_worker *wk = NULL;
+    const kv_worker_opts wo = {.slabs = sdir, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true};
+    ASSERT_EQ(kv_worker_open(&wk, &wo, &d), 0);
+    pthread_t th;
+    if (wk && !pthread_create(&th, NULL, serve_main, wk)) {
+        char man2[400];
+        snprintf(man2, sizeof man2, "%s/manifest.json", coord);
+        kv_pool *pool = NULL;
+        ASSERT_EQ(kv_pool_new(&pool, 1, &d), 0);
+        const char *addrs[1] = {kv_worker_addr(wk)};
+        kv_remote *r = (kv_remote *)1;
+        const kv_remote_opts ro = {.workers = addrs, .n_workers = 1, .timeout_ms = 5000};
+        ASSERT_EQ(kv_remote_open(&r, man2, pool, &ro, &d), KV_EUNSUPPORTED);
+        ASSERT_TRUE(r == NULL && one_line(&d) && strstr(d.msg, "--allow-sparse"));
+        const kv_remote_opts ro2 = {.workers = addrs, .n_workers = 1, .timeout_ms = 5000, .allow_sparse = true};
+        ASSERT_EQ(kv_remote_open(&r, man2, pool, &ro2, &d), 0);
+        kv_remote_free(r);
+        kv_pool_free(pool);
+        ASSERT_NE(sh("%s run -m %s --worker %s -p hi -n 2 --threads 2 >/dev/null 2>%s/err.txt", g_bin, coord,
+                     kv_worker_addr(wk), g_dir), 0);
+        ASSERT_EQ(sh("grep -q -- '--allow-sparse' %s/err.txt", g_dir), 0);
+        ASSERT_EQ(sh("%s run -m %s --worker %s --allow-sparse -p hi -n 2 --threads 2 --json >%s/out.json 2>/dev/null",
+                     g_bin, coord, kv_worker_addr(wk), g_dir), 0);
+        kv_worker_stop(wk);
+        pthread_join(th, NULL);
+    }
+    kv_worker_free(wk);
     /* the checks still hold: a slab of the wrong size is refused */
     ASSERT_EQ(sh("truncate -s -1 %s/experts/blk.0.0000-0007.gguf", dir), 0);
     s = (kv_slices *)1;

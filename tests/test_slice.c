@@ -203,6 +203,23 @@ static int run_logits(const kv_model *m, const kv_expert_provider *prov, kv_pool
     return rc;
 }
 
+/* The models and slices test_slice_types makes (m_<type>.gguf, s_<type>/),
+ * for the cases that read them when run alone. */
+static void ensure_types(void) {
+    static const char *types[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
+    for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
+        char src[512], dir[512], man[600];
+        struct stat st;
+        snprintf(src, sizeof src, "%s/m_%s.gguf", g_dir, types[ti]);
+        snprintf(dir, sizeof dir, "%s/s_%s", g_dir, types[ti]);
+        snprintf(man, sizeof man, "%s/manifest.json", dir);
+        if (!stat(man, &st)) continue;
+        gen_model(src, types[ti], "");
+        kv_diag d = {0};
+        ASSERT_EQ(kv_slice_model(src, dir, &(kv_slice_opts){ti % 2 ? 3 : 0, -1, -1, 2}, NULL, &d), 0);
+    }
+}
+
 static void test_slice_types(void) {
     static const char *types[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
     kv_pool *pool = NULL;
@@ -270,6 +287,7 @@ static void test_slice_types(void) {
 /* ---- the cache's LRU and pins ------------------------------------------ */
 
 static void test_cache_lru(void) {
+    ensure_types();
     char man[600];
     kv_diag d = {0};
     kv_slices *s = NULL;
@@ -311,6 +329,7 @@ static void test_cache_lru(void) {
 /* ---- one expert alone ----------------------------------------------------- */
 
 static void test_expert_one(void) {
+    ensure_types();
     static const char *types[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
     static const double bound[] = {1e-5, 1e-2, 2e-2, 1e-2, 1e-2, 2e-2, 2e-2, 2e-2};
     kv_diag d = {0};
@@ -412,6 +431,7 @@ static void test_expert_one(void) {
 /* ---- running through the CLI -------------------------------------------- */
 
 static void test_cli_run(void) {
+    ensure_types();
     const char *types[] = {"q4_k", "q8_0", "f16"};
     for (int i = 0; i < 3; i++) {
         const char *t = types[i];
@@ -456,6 +476,7 @@ static void save_json(json_t *j, const char *p) {
 }
 
 static void test_bad_input(void) {
+    ensure_types();
     char base[600], work[600], man[700], p[800], q[800];
     snprintf(base, sizeof base, "%s/s_q4_k", g_dir);
     snprintf(work, sizeof work, "%s/bad", g_dir);
@@ -909,23 +930,25 @@ static void test_qwen35(void) {
     kv_pool_free(pool);
 }
 
-int main(void) {
+static const kvt_case cases[] = {
+    KVT_CASE(test_sha256),    KVT_CASE(test_slice_types), KVT_CASE(test_cache_lru), KVT_CASE(test_expert_one),
+    KVT_CASE(test_cli_run),   KVT_CASE(test_bad_input),   KVT_CASE(test_sparse),    KVT_CASE(test_qwen35),
+};
+
+static int setup(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) {
         fprintf(stderr, "FAIL: KV_BIN is not set\n");
         return 1;
     }
+    if (sodium_init() < 0) return 1;
     snprintf(g_dir, sizeof g_dir, "/tmp/kv_slice_XXXXXX");
-    if (!mkdtemp(g_dir)) return 1;
-    test_sha256();
-    test_slice_types();
-    test_cache_lru();
-    test_expert_one();
-    test_cli_run();
-    test_bad_input();
-    test_sparse();
-    test_qwen35();
+    return mkdtemp(g_dir) ? 0 : 1;
+}
+
+static void teardown(void) {
     if (!kvt_failures) sh("rm -rf %s", g_dir);
     else fprintf(stderr, "test files kept in %s\n", g_dir);
-    KV_TEST_END();
 }
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -425,6 +425,8 @@ typedef struct kv_remote_opts {
     uint32_t max_tokens;        /* tokens per compute call: max(n_batch, n_seq); 0 = 256 */
     bool skip_hashes;           /* backbone and local slabs: check sizes and identity, not SHA-256 */
     FILE *log;                  /* one line per connect, drop, reconnect; NULL = silent */
+    bool allow_sparse;          /* accept a sparse manifest (a sliced skeleton; pieces without
+                                   hashes checked for size, header, identity) */
 } kv_remote_opts;
 
 /* Opens the coordinator's side of a sliced model at manifest_path

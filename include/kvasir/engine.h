@@ -56,6 +56,8 @@ typedef struct kv_engine_opts {
     uint64_t expert_cache_bytes; /* no workers: bounded LRU expert cache filled from the slabs;
                                     0 = map every slab */
     bool skip_hashes;            /* check sizes and identity, not every SHA-256 */
+    bool allow_sparse;           /* accept a sparse manifest (a sliced skeleton: its holes read
+                                    as zeros; pieces checked for size, header and identity) */
     const char *const *workers;  /* [n_workers] "HOST:PORT": experts computed there */
     uint32_t n_workers;
     uint32_t worker_timeout_ms;  /* per-layer deadline before a worker is dropped; 0 = 10000 */

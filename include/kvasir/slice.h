@@ -11,10 +11,21 @@
  *                                size + SHA-256 of every file
  * Every tensor's data is the source's byte range, copied verbatim.
  *
- * Model identity: the SHA-256 of the source file's header (magic to the end
- * of the tensor infos, i.e. all metadata, tensor names, shapes, types and
- * offsets), in hex. It is cheap (header only) and changes with any change of
- * metadata or layout; weights themselves are covered by the per-file hashes.
+ * Model identity (kvasir.source.id, manifest model.id), in hex:
+ *   id   = SHA-256( "kvasir-model-id-v2" NUL || SHA-256(header)
+ *                   || u64le(D) || leaf_0 || leaf_1 || ... )
+ *   leaf_i = SHA-256(data[i*2^20, min((i+1)*2^20, D)))
+ * where header is the file's bytes [0, data offset) (all metadata, tensor
+ * names, shapes, types and offsets) and data is the D bytes from the data
+ * offset to the end of the last tensor (padding included, trailing bytes
+ * not). So two models that differ in any weight byte, or any header byte,
+ * differ. It is cheap to get: the leaves hash in parallel (the slicer does
+ * it before writing, since every piece's header carries the id), and a
+ * leaf wholly inside a hole (SEEK_DATA) is the constant hash of 2^20 zero
+ * bytes, not read, so a skeleton's identity costs time proportional to its
+ * data, not its size, and equals that of the same bytes written densely.
+ * kv_pieces_model_id (pieces.h) computes it; the pieces are then bound to
+ * it by their SHA-256 in the manifest.
  *
  * Slab metadata (all slabs): general.architecture, general.name (if the
  * source has one), general.alignment (if the source has one), and
@@ -105,8 +116,8 @@ typedef struct kv_slice_stats {
  * are the 3-D tensors blk.L.ffn_{gate,up,down}_exps of equal ne[2]. A hole
  * in the source (SEEK_HOLE) stays a hole and is not read, so a skeleton
  * slices in time proportional to its header; files with holes get no
- * SHA-256 in the manifest (sha256 null, "sparse": true) and cannot be run
- * from. Errors: KV_EIO, KV_EFORMAT (no routed experts, inconsistent expert
+ * SHA-256 in the manifest (sha256 null, "sparse": true) and run only when
+ * asked (kv_slices_opts.allow_sparse, `run --allow-sparse`). Errors: KV_EIO, KV_EFORMAT (no routed experts, inconsistent expert
  * tensors), KV_ERANGE (bad layer range). stats may be NULL. */
 int kv_slice_model(const char *src, const char *out_dir, const kv_slice_opts *opts,
                    kv_slice_stats *stats, kv_diag *d);
@@ -146,7 +157,10 @@ typedef struct kv_manifest {
 } kv_manifest;
 
 /* Parses and validates manifest JSON (len bytes, need not be NUL-terminated).
- * Checks types and bounds of every field, relative paths only (no "..", no
+ * Before any tree is built, the text must nest at most 3 deep and its size
+ * and JSON token count stay within what its slab entries can need (about
+ * 1 KiB and 16 tokens a slab, plus a fixed part); every object refuses
+ * unknown keys. Checks types and bounds of every field, relative paths only (no "..", no
  * absolute path, no empty or "." component, no backslash or NUL), hex hashes,
  * and that in every MoE layer of [layer_first, layer_last] the slabs cover
  * experts [0, n_expert) exactly once (no overlap, no gap), and no slab lies
@@ -186,7 +200,8 @@ typedef struct kv_slices_stats {
  * listed size and SHA-256 (unless skip_hashes), be a valid GGUF carrying the
  * manifest's model identity, and each slab must hold exactly its listed
  * layer and range with tensor shapes matching the hparams and types equal
- * across slabs of a layer. The manifest must have no sparse piece and its
+ * across slabs of a layer (kv_pieces_open does these checks). A sparse
+ * manifest is refused (KV_EUNSUPPORTED) unless opts->allow_sparse; its
  * slabs must cover every trunk layer (from 0 to n_layer-n_layer_nextn-1;
  * MTP blocks may be absent). On any error *out is NULL, nothing stays
  * open, and d says which file and why (KV_EHASH, KV_ENOTFOUND, KV_EFORMAT, KV_EIO). Free with

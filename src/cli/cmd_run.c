@@ -24,6 +24,8 @@ static const char *kv_run_help =
     "                       files on demand (LRU); default: map the slabs\n"
     "  --skip-hashes        sliced model: check sizes, headers and model identity but do not\n"
     "                       hash every piece at start (default: verify every SHA-256)\n"
+    "  --allow-sparse       sliced model: run a sliced skeleton (pieces without hashes: sizes,\n"
+    "                       headers and identity are checked); refused without this flag\n"
     "  --worker HOST:PORT   sliced model: compute experts on this worker (kvasir worker); repeat\n"
     "                       for more. Only the backbone need be present; slabs that are present\n"
     "                       serve the experts no worker holds, and every expert must be served\n"
@@ -133,7 +135,7 @@ static void kv_run_dispatch_log(const kv_remote *r) {
 int kv_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *pfile = NULL, *logits_path = NULL;
     long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
-    bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false;
+    bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     long worker_timeout = 10000;
@@ -151,6 +153,8 @@ int kv_cmd_run(int argc, char **argv) {
             json = true;
         } else if (!strcmp(a, "--skip-hashes")) {
             skip_hashes = true;
+        } else if (!strcmp(a, "--allow-sparse")) { /* run a sliced skeleton (pieces without hashes) */
+            allow_sparse = true;
         } else if (!strcmp(a, "--verbose")) {
             verbose = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
@@ -245,7 +249,7 @@ int kv_cmd_run(int argc, char **argv) {
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = 1, .kv_type = (uint32_t)kv_type,
                                .expert_cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0,
-                               .skip_hashes = skip_hashes, .workers = workers, .n_workers = n_workers,
+                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .log = verbose ? stderr : NULL};
     if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }

@@ -277,14 +277,27 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
     memset(w->holds, 0, n_keys);
     for (uint32_t i = 0; i < a->n_slabs; i++) {
         const kv_slab_hash sh = kv_msg_hello_ack_slab(a, i);
+        /* the manifest's slabs are sorted by (layer, first) and disjoint:
+         * binary search, so a 12,544-slab handshake stays cheap */
         const kv_manifest_slab *ms = NULL;
-        for (size_t j = 0; j < r->m->n_slabs && !ms; j++)
-            if (r->m->slabs[j].layer == sh.layer && r->m->slabs[j].first == sh.first && r->m->slabs[j].last == sh.last)
-                ms = &r->m->slabs[j];
+        size_t lo = 0, hi = r->m->n_slabs;
+        while (lo < hi) {
+            const size_t mid = lo + (hi - lo) / 2;
+            const kv_manifest_slab *c = &r->m->slabs[mid];
+            if (c->layer < sh.layer || (c->layer == sh.layer && c->first < sh.first)) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo < r->m->n_slabs && r->m->slabs[lo].layer == sh.layer && r->m->slabs[lo].first == sh.first &&
+            r->m->slabs[lo].last == sh.last)
+            ms = &r->m->slabs[lo];
         if (!ms)
             return kv_fail(d, KV_EHASH, "serves layer %u experts %u-%u, which is no slab of the manifest", sh.layer,
                            sh.first, sh.last);
-        if (!ms->file.has_sha256 || memcmp(ms->file.sha256, sh.sha256, 32)) {
+        /* a sparse manifest (a skeleton, run only when asked) has no hash to
+         * compare: its slabs are held to identity, dims and ranges alone */
+        if (!ms->file.has_sha256 && r->o.allow_sparse) {
+            /* accepted as the manifest describes it */
+        } else if (!ms->file.has_sha256 || memcmp(ms->file.sha256, sh.sha256, 32)) {
             char got[65];
             kv_sha256_hex(sh.sha256, got);
             return kv_fail(d, KV_EHASH, "its slab '%s' has SHA-256 %.16s..., not the manifest's: other bytes",
@@ -791,7 +804,8 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     /* the pieces: manifest, backbone, and whichever slabs are present */
     kv_pieces *pc = NULL;
     const kv_pieces_opts po = {.who = "remote", .runnable = true, .slabs_may_be_missing = true,
-                               .skip_hashes = r->o.skip_hashes, .keep_gguf = true};
+                               .allow_sparse = r->o.allow_sparse, .skip_hashes = r->o.skip_hashes,
+                               .keep_gguf = true};
     int rc = kv_pieces_open(&pc, manifest_path, &po, d);
     if (rc) goto fail;
     r->m = kv_pieces_take_manifest(pc);

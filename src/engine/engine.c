@@ -161,8 +161,8 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
         }
         snprintf(manifest, pl + 16, is_dir ? "%s/manifest.json" : "%s", path);
     }
-    if (!manifest && (e->o.n_workers || e->o.expert_cache_bytes || e->o.skip_hashes)) {
-        rc = kv_fail(d, KV_EINVAL, "engine: workers, an expert cache and skipped hashes need a sliced model "
+    if (!manifest && (e->o.n_workers || e->o.expert_cache_bytes || e->o.skip_hashes || e->o.allow_sparse)) {
+        rc = kv_fail(d, KV_EINVAL, "engine: workers, an expert cache, skipped hashes and sparse pieces need a sliced model "
                                    "(DIR/manifest.json), not '%s'", path);
         goto fail;
     }
@@ -174,12 +174,13 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
     if (e->o.n_workers) {
         /* the coordinator: backbone + manifest here, experts on the workers */
         const kv_remote_opts ro = {e->o.workers, e->o.n_workers, e->o.worker_timeout_ms, 0, e->o.wire,
-                                   e->max_tok, e->o.skip_hashes, e->o.log};
+                                   e->max_tok, e->o.skip_hashes, e->o.log, e->o.allow_sparse};
         if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
         e->m = kv_remote_model(e->remote);
         e->experts = kv_remote_provider(e->remote);
     } else if (manifest) {
-        const kv_slices_opts so = {.cache_bytes = e->o.expert_cache_bytes, .skip_hashes = e->o.skip_hashes, .n_threads = e->o.n_threads};
+        const kv_slices_opts so = {.cache_bytes = e->o.expert_cache_bytes, .skip_hashes = e->o.skip_hashes, .n_threads = e->o.n_threads,
+                                   .allow_sparse = e->o.allow_sparse};
         if ((rc = kv_slices_open(&e->slices, manifest, &so, d))) goto fail;
         if ((rc = kv_model_load_ex(&e->own_model, kv_slices_backbone_path(e->slices),
                                    &(kv_model_opts){.no_experts = true}, d)) ||
