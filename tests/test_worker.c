@@ -1026,7 +1026,10 @@ static void test_fairness_and_cost_cap(void) {
     ASSERT_EQ(a.n, 3);
     ASSERT_TRUE(a.ms > 1000);    /* the big ones were big */
     ASSERT_TRUE(n_small >= 5);
-    ASSERT_TRUE(worst < 500);    /* and did not hold the small ones back */
+    /* and did not hold the small ones back: served one at a time, a small
+     * request waits for a whole big one (a third of their time); with fair
+     * rounds, for about one round. Relative, so a loaded machine passes. */
+    ASSERT_TRUE(worst * 8 < a.ms);
     client_close(&g);
     ASSERT_EQ(worker_stop(&p), 0);
 
