@@ -1141,6 +1141,81 @@ static void test_leaks_and_versions(void) {
     ASSERT_EQ(worker_stop(&p), 0);
 }
 
+/* Batching amortization: overhead(S) = round trip - the worker's own
+ * compute time (its STATS compute_us), for S tokens x 2 experts in one
+ * COMPUTE; amortization = overhead(1) / (overhead(S) / S). With KV_BENCH=1
+ * it measures S = 1..256 on f32 and f16 wires, the worker pinned to core 1
+ * and this thread to core 0, and prints the table for docs/BENCHMARKS.md;
+ * otherwise a short run checks that the numbers are consistent. */
+#include <sched.h>
+static void test_bench_amortization(void) {
+    const bool full = getenv("KV_BENCH") && atoi(getenv("KV_BENCH"));
+    proc p;
+    char args[512];
+    snprintf(args, sizeof args, "--slabs %s/sl --threads 1 --quiet", g_dir);
+    if (worker_start(&p, "bench", args)) {
+        KVT_FAIL("worker did not start");
+        return;
+    }
+    const long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    if (ncpu >= 2) {
+        sh("taskset -a -p -c 1 %d >/dev/null 2>&1", (int)p.pid);
+        cpu_set_t cs;
+        CPU_ZERO(&cs);
+        CPU_SET(0, &cs);
+        sched_setaffinity(0, sizeof cs, &cs);
+    }
+    client c;
+    ASSERT_EQ(client_open(&c, p.addr), 0);
+    ASSERT_TRUE(hello_rt(&c, g_model_id));
+    const uint32_t sizes[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+    const int n_sizes = full ? 9 : 3;
+    static float x[256 * N_EMBD];
+    static kv_proto_pair pairs[512];
+    uint8_t *rbuf = malloc(8u << 20);
+    for (uint32_t i = 0; i < 256 * N_EMBD; i++) x[i] = 0.001f * (float)(i % 101);
+    for (int ei = 0; ei < 2; ei++) {
+        const uint32_t enc = ei ? KV_ENC_F16 : KV_ENC_F32;
+        double ov1 = 0;
+        if (full) printf("  wire %s:\n  |    S | round trip us | worker compute us | overhead us | overhead/S us | amortization |\n", kv_enc_name(enc));
+        for (int si = 0; si < n_sizes; si++) {
+            const uint32_t S = sizes[si], np = 2 * S;
+            for (uint32_t i = 0; i < np; i++) pairs[i] = (kv_proto_pair){i / 2, (i * 3 + i / 2) % N_EXPERT};
+            kv_msg_compute cm = {0, enc, enc, S, N_EMBD, np, x, pairs, NULL, NULL};
+            size_t n;
+            kv_diag d = {0};
+            const int reps = full ? (S <= 16 ? 400 : S <= 64 ? 150 : 60) : 20;
+            kv_msg_stats s0, s1;
+            get_stats(&c, &s0); /* (uses c.tx: before the COMPUTE is encoded there) */
+            ASSERT_EQ(kv_msg_compute_encode(c.tx, 8u << 20, 5, &cm, &n, &d), 0);
+            double rtt_sum = 0;
+            int ok = 0;
+            for (int r = 0; r < reps; r++) {
+                struct timespec a, b;
+                kv_msg m;
+                clock_gettime(CLOCK_MONOTONIC, &a);
+                if (client_send(&c, c.tx, n) || client_recv(&c, &m, &d) || m.h.type != KV_MSG_RESULT) break;
+                clock_gettime(CLOCK_MONOTONIC, &b);
+                rtt_sum += (double)(b.tv_sec - a.tv_sec) * 1e6 + (double)(b.tv_nsec - a.tv_nsec) / 1e3;
+                ok++;
+            }
+            ASSERT_EQ(ok, reps);
+            get_stats(&c, &s1);
+            const double rtt = rtt_sum / reps, comp = (double)(s1.compute_us - s0.compute_us) / reps;
+            const double ov = rtt - comp;
+            if (si == 0) ov1 = ov;
+            ASSERT_TRUE(s1.compute_us > s0.compute_us);
+            if (!(comp < rtt)) KVT_FAIL("S %u: compute %.1f us >= round trip %.1f us (ok %d)", S, comp, rtt, ok);
+            if (full)
+                printf("  | %4u | %13.1f | %17.1f | %11.1f | %13.2f | %12.1f |\n", S, rtt, comp, ov, ov / S,
+                       ov1 / (ov / S));
+        }
+    }
+    free(rbuf);
+    client_close(&c);
+    ASSERT_EQ(worker_stop(&p), 0);
+}
+
 static int setup(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) {
@@ -1169,6 +1244,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_memory_budget),
     KVT_CASE(test_fairness_and_cost_cap),
     KVT_CASE(test_leaks_and_versions),
+    KVT_CASE(test_bench_amortization),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
