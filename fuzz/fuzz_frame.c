@@ -38,10 +38,21 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
             CHECK(kv_msg_hello_ack_holds(a, r[i].layer, r[i].first));
             CHECK(kv_msg_hello_ack_holds(a, r[i].layer, r[i].last));
         }
+        kv_slab_hash *sl = malloc(sizeof *sl * (a->n_slabs ? a->n_slabs : 1));
+        CHECK(sl);
+        CHECK(a->version >= 2 || a->n_slabs == 0);
+        for (uint32_t i = 0; i < a->n_slabs; i++) {
+            sl[i] = kv_msg_hello_ack_slab(a, i);
+            CHECK(sl[i].layer < a->n_layer && sl[i].first <= sl[i].last && sl[i].last < a->n_expert);
+            CHECK(kv_msg_hello_ack_holds(a, sl[i].layer, sl[i].first));
+        }
+        CHECK(a->version < 2 || (a->max_pairs >= 1 && a->max_pairs <= KV_PROTO_MAX_PAIRS));
         kv_msg_hello_ack b = *a;
         b.ranges = r;
+        b.slabs = sl;
         rc = kv_msg_hello_ack_encode(out, sizeof out, m->h.request_id, &b, &k, &d);
         free(r);
+        free(sl);
         break;
     }
     case KV_MSG_COMPUTE: {
@@ -94,7 +105,8 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
     case KV_MSG_PING:
     case KV_MSG_PONG: rc = kv_msg_ping_encode(out, sizeof out, m->h.type, m->h.request_id, m->u.nonce, &k, &d); break;
     case KV_MSG_STATS: rc = kv_msg_stats_encode(out, sizeof out, m->h.request_id, &k, &d); break;
-    case KV_MSG_STATS_ACK:
+    case KV_MSG_STATS_ACK: /* the layout is the header version's */
+        CHECK(m->h.version >= 1 && m->h.version <= KV_PROTO_VERSION);
         rc = kv_msg_stats_ack_encode_v(out, sizeof out, m->h.request_id, m->h.version, &m->u.stats, &k, &d);
         break;
     default: CHECK(0);

@@ -530,10 +530,159 @@ static void test_stream(void) {
     ASSERT_EQ(kv_proto_parse_addr(":80", host, sizeof host, &port, &d), KV_EINVAL);
 }
 
+/* ---- golden frames ----------------------------------------------------------------
+ * Written out by hand from docs/PROTOCOL.md (not produced by the encoder),
+ * so that a bug shared by encoder and decoder cannot pass: each is decoded
+ * and its fields compared, then encoded from those fields and compared byte
+ * for byte. */
+
+#define HDR(ver, type, rid, len)                                                      \
+    0x4B, 0x56, 0x44, 0x31, (ver), 0x00, (type), 0x00, (rid), 0x00, 0x00, 0x00, (len), \
+        0x00, 0x00, 0x00
+#define ID64                                                                           \
+    '0', '1', '2', '3', '4', '5', '6', '7', '8', '9', 'a', 'b', 'c', 'd', 'e', 'f', '0', '1', '2', '3', \
+        '4', '5', '6', '7', '8', '9', 'a', 'b', 'c', 'd', 'e', 'f', '0', '1', '2', '3', '4', '5', '6', \
+        '7', '8', '9', 'a', 'b', 'c', 'd', 'e', 'f', '0', '1', '2', '3', '4', '5', '6', '7', '8', '9', \
+        'a', 'b', 'c', 'd', 'e', 'f'
+#define U32(v) (uint8_t)(v), (uint8_t)((v) >> 8), (uint8_t)((v) >> 16), (uint8_t)((v) >> 24)
+#define U64(v) U32(v), 0, 0, 0, 0
+
+static const uint8_t g_hello[] = {HDR(2, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
+static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
+                                U32(2), U32(64), U32(32), U32(8), U32(2), U32(1), U32(1) /* n_ranges */,
+                                U32(1) /* n_slabs */, U32(512) /* max_pairs */, 'a', 'v', 'x', '2',
+                                U32(1), U32(0), U32(7),                       /* range */
+                                U32(1), U32(0), U32(7),                       /* slab */
+                                0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
+                                0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
+                                0xab, 0xab, 0xab, 0xab, 0xab, 0x01};
+static const uint8_t g_compute[] = {HDR(2, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
+                                    U32(1), U32(2), U32(2), 0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0,
+                                    U32(0), U32(3), U32(0), U32(5)};
+static const uint8_t g_result[] = {HDR(2, 4, 9, 20), U32(2), U32(2), U32(1),
+                                   0x00, 0x3C, 0x00, 0x38, 0x00, 0xC0, 0xFF, 0x7B};
+static const uint8_t g_error[] = {HDR(2, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
+static const uint8_t g_ping[] = {HDR(2, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
+static const uint8_t g_stats_ack[] = {HDR(2, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
+                                      U64(7), U64(8), U64(9)};
+static const uint8_t g_stats_ack_v1[] = {HDR(1, 9, 5, 48), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6)};
+
+static void check_bytes(const uint8_t *got, size_t n, const uint8_t *want, size_t wn, const char *what) {
+    kvt_checks++;
+    if (n != wn || memcmp(got, want, wn)) {
+        size_t i = 0;
+        while (i < n && i < wn && got[i] == want[i]) i++;
+        KVT_FAIL("%s: encoded %zu bytes, golden %zu; first difference at byte %zu", what, n, wn, i);
+    }
+}
+
+static void test_golden(void) {
+    kv_diag d = {0};
+    kv_msg m;
+    size_t n;
+    /* HELLO */
+    ASSERT_EQ(kv_msg_decode(g_hello, sizeof g_hello, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 2 && m.h.request_id == 7);
+    ASSERT_TRUE(m.u.hello.min_version == 2 && m.u.hello.max_version == 2 && m.u.hello.enc_mask == 3);
+    ASSERT_STREQ(m.u.hello.model_id, ID_A);
+    ASSERT_EQ(kv_msg_hello_encode(buf, sizeof buf, 7, &m.u.hello, &n, &d), 0);
+    check_bytes(buf, n, g_hello, sizeof g_hello, "HELLO");
+    /* HELLO_ACK v2 */
+    ASSERT_EQ(kv_msg_decode(g_ack, sizeof g_ack, NULL, &m, &d), 0);
+    const kv_msg_hello_ack *a = &m.u.ack;
+    ASSERT_TRUE(a->version == 2 && a->n_layer == 2 && a->n_embd == 64 && a->n_ff_exp == 32 && a->n_expert == 8);
+    ASSERT_TRUE(a->n_expert_used == 2 && a->enc_mask == 1 && a->n_ranges == 1 && a->n_slabs == 1);
+    ASSERT_EQ(a->max_pairs, 512);
+    ASSERT_STREQ(a->backend, "avx2");
+    kv_held_range r = kv_msg_hello_ack_range(a, 0);
+    ASSERT_TRUE(r.layer == 1 && r.first == 0 && r.last == 7);
+    kv_slab_hash sh = kv_msg_hello_ack_slab(a, 0);
+    ASSERT_TRUE(sh.layer == 1 && sh.first == 0 && sh.last == 7 && sh.sha256[0] == 0xab && sh.sha256[31] == 0x01);
+    kv_msg_hello_ack e = *a;
+    e.ranges = &r;
+    e.slabs = &sh;
+    ASSERT_EQ(kv_msg_hello_ack_encode(buf, sizeof buf, 7, &e, &n, &d), 0);
+    check_bytes(buf, n, g_ack, sizeof g_ack, "HELLO_ACK v2");
+    /* COMPUTE: f32 in, f16 out */
+    ASSERT_EQ(kv_msg_decode(g_compute, sizeof g_compute, NULL, &m, &d), 0);
+    const kv_msg_compute *c = &m.u.compute;
+    ASSERT_TRUE(c->layer == 1 && c->enc == KV_ENC_F32 && c->out_enc == KV_ENC_F16 && c->n_tokens == 1);
+    ASSERT_TRUE(c->n_embd == 2 && c->n_pairs == 2);
+    float x[2];
+    kv_msg_compute_x(c, x);
+    ASSERT_TRUE(x[0] == 1.0f && x[1] == -2.0f);
+    kv_proto_pair pp[2] = {kv_msg_compute_pair(c, 0), kv_msg_compute_pair(c, 1)};
+    ASSERT_TRUE(pp[0].token == 0 && pp[0].expert == 3 && pp[1].token == 0 && pp[1].expert == 5);
+    kv_msg_compute ce = *c;
+    ce.x = x;
+    ce.pairs = pp;
+    ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 9, &ce, &n, &d), 0);
+    check_bytes(buf, n, g_compute, sizeof g_compute, "COMPUTE");
+    /* RESULT in f16: 1, 0.5, -2, 65504 */
+    ASSERT_EQ(kv_msg_decode(g_result, sizeof g_result, NULL, &m, &d), 0);
+    float y[4];
+    kv_msg_result_y(&m.u.result, y);
+    ASSERT_TRUE(m.u.result.n_pairs == 2 && m.u.result.n_embd == 2 && m.u.result.enc == KV_ENC_F16);
+    ASSERT_TRUE(y[0] == 1.0f && y[1] == 0.5f && y[2] == -2.0f && y[3] == 65504.0f);
+    kv_msg_result re = m.u.result;
+    re.y = y;
+    ASSERT_EQ(kv_msg_result_encode(buf, sizeof buf, 9, &re, &n, &d), 0);
+    check_bytes(buf, n, g_result, sizeof g_result, "RESULT");
+    /* the streamed RESULT writes the same bytes */
+    ASSERT_EQ(kv_msg_result_head(buf, 2, 9, KV_ENC_F16, 2, 2), sizeof g_result);
+    kv_msg_rows_put(buf + KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED, KV_ENC_F16, y, 4);
+    check_bytes(buf, sizeof g_result, g_result, sizeof g_result, "streamed RESULT");
+    /* ERROR ENOTFOUND "abc" */
+    ASSERT_EQ(kv_msg_decode(g_error, sizeof g_error, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.u.error.code == KV_ENOTFOUND);
+    ASSERT_STREQ(m.u.error.msg, "abc");
+    ASSERT_EQ(kv_msg_error_encode(buf, sizeof buf, 9, KV_ENOTFOUND, "abc", &n, &d), 0);
+    check_bytes(buf, n, g_error, sizeof g_error, "ERROR");
+    /* PING */
+    ASSERT_EQ(kv_msg_decode(g_ping, sizeof g_ping, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_PING && m.u.nonce == 0x0102030405060708ull);
+    ASSERT_EQ(kv_msg_ping_encode(buf, sizeof buf, KV_MSG_PING, 4, 0x0102030405060708ull, &n, &d), 0);
+    check_bytes(buf, n, g_ping, sizeof g_ping, "PING");
+    /* STATS_ACK v2 and v1 */
+    ASSERT_EQ(kv_msg_decode(g_stats_ack, sizeof g_stats_ack, NULL, &m, &d), 0);
+    const kv_msg_stats *st = &m.u.stats;
+    ASSERT_TRUE(st->n_compute == 1 && st->n_pairs == 2 && st->n_tokens == 3 && st->n_conns == 4 && st->n_errors == 5);
+    ASSERT_TRUE(st->uptime_ms == 6 && st->n_batches == 7 && st->n_merged == 8 && st->compute_us == 9);
+    kv_msg_stats s2 = *st;
+    ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 5, &s2, &n, &d), 0);
+    check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2");
+    ASSERT_EQ(kv_msg_decode(g_stats_ack_v1, sizeof g_stats_ack_v1, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.u.stats.uptime_ms == 6 && m.u.stats.n_batches == 0);
+    ASSERT_EQ(kv_msg_stats_ack_encode_v(buf, sizeof buf, 5, 1, &m.u.stats, &n, &d), 0);
+    check_bytes(buf, n, g_stats_ack_v1, sizeof g_stats_ack_v1, "STATS_ACK v1");
+    /* a v2 ack in a v1 frame, and a v1-length STATS_ACK in a v2 frame: refused */
+    memcpy(buf, g_ack, sizeof g_ack);
+    buf[4] = 1;
+    ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_EPROTO);
+    memcpy(buf, g_stats_ack_v1, sizeof g_stats_ack_v1);
+    buf[4] = 2;
+    ASSERT_EQ(dec(buf, sizeof g_stats_ack_v1, NULL), KV_EPROTO);
+    /* an unknown ack version */
+    memcpy(buf, g_ack, sizeof g_ack);
+    buf[4] = 3, buf[16] = 3;
+    ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_EUNSUPPORTED);
+    /* v2 fields bounded: max_pairs 0, a slab outside the ranges */
+    memcpy(buf, g_ack, sizeof g_ack);
+    wr32(buf + 16 + 100, 0);
+    ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_ERANGE);
+    memcpy(buf, g_ack, sizeof g_ack);
+    wr32(buf + 16 + 104 + 4 + 12, 0); /* slab layer 0: not held */
+    ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_ERANGE);
+    memcpy(buf, g_ack, sizeof g_ack);
+    wr32(buf + 16 + 96, 2); /* n_slabs inconsistent with the length */
+    ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_EPROTO);
+    check_truncations(g_ack, sizeof g_ack, NULL, "HELLO_ACK v2");
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_header),           KVT_CASE(test_hello),     KVT_CASE(test_hello_ack),
     KVT_CASE(test_compute_result),   KVT_CASE(test_error_ping_stats), KVT_CASE(test_enc_names),
-    KVT_CASE(test_stream),
+    KVT_CASE(test_stream),           KVT_CASE(test_golden),
 };
 
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

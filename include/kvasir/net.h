@@ -170,6 +170,8 @@ typedef struct kv_net_conn_opts {
     int frame_timeout_ms;     /* a frame started must complete within this; 0 = none */
     int write_timeout_ms;     /* queued output must progress within this; 0 = none */
     int linger_ms;            /* after a close: drain input this long; 0 = 250 */
+    size_t keep;              /* an emptied buffer larger than this is freed; 0 = 4 MiB,
+                                 SIZE_MAX = never (a hot path that must not reallocate) */
     kv_net_budget *budget;    /* charged for every buffered byte; NULL = none */
     const kv_net_io_ops *io;  /* NULL = plain TCP */
     void *io_ctx;             /* passed to io */

@@ -16,9 +16,10 @@
  *      by a rotation keyed on the expert), so replicas share the load and
  *      the choice depends only on the request and on who is up;
  *   2. one COMPUTE per worker carries the hidden states of the tokens it
- *      needs and its pairs; all are sent at once over nonblocking sockets,
- *      slots nobody serves are computed from local slabs meanwhile, and the
- *      answers are gathered with poll() under the round's deadline;
+ *      needs and its pairs; all are queued at once on the workers'
+ *      connections (one event loop, include/kvasir/net.h), slots nobody
+ *      serves are computed from local slabs meanwhile, and the answers are
+ *      gathered by running the loop under the round's deadline;
  *   3. each RESULT is checked (request id, type, pair count, dims,
  *      encoding) and its vectors copied to their slots. A worker that
  *      closes, errs, stalls past the deadline or answers anything else is
@@ -38,8 +39,8 @@
  * fails leaves no partial output to be used: the forward pass stops.
  *
  * Dropped workers are reconnected asynchronously: once their backoff has
- * passed, a nonblocking connect and HELLO are started at the next compute
- * call and progressed by the same poll loops; the worker is used again from
+ * passed, a nonblocking dial and HELLO are started at the next compute
+ * call and progressed by the same loop; the worker is used again from
  * the round after its HELLO_ACK passed the same checks as at open. The
  * backoff doubles with every drop or failed dial since the worker's last
  * accepted RESULT (reconnect_ms, 2x, 4x... up to 60 s), so a worker that
@@ -68,7 +69,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,6 +79,7 @@
 #include <unistd.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
 
@@ -98,7 +99,7 @@ typedef struct kv_rw {
     char addr[280];               /* "HOST:PORT" as given */
     struct sockaddr_storage sa;   /* resolved once at open */
     socklen_t salen;
-    int fd;                       /* -1 when DOWN */
+    kv_net_conn *nc;              /* NULL when DOWN */
     enum kv_rw_state state;
     double retry_at;              /* DOWN: monotonic seconds of the next connect attempt */
     double hs_deadline;           /* CONNECTING/HELLO: give up at */
@@ -106,13 +107,8 @@ typedef struct kv_rw {
     char backend[KV_PROTO_MAX_NAME + 1];
     uint8_t *holds;               /* [n_layer*n_expert] 1 if this worker serves the expert */
     uint32_t n_ranges;            /* ranges announced in the last HELLO_ACK */
-    /* outgoing frame */
-    uint8_t *sbuf;                /* [scap] */
-    size_t scap, slen, soff;      /* capacity, frame bytes, bytes sent */
-    /* incoming frame */
-    uint8_t *rbuf;                /* [rcap] */
-    size_t rcap;
-    kv_frame_rx rx;
+    kv_remote *r;                 /* owner (for the connection's callbacks) */
+    size_t scap, rcap;            /* largest frame sent / received */
     /* the request in flight (UP and busy) */
     bool busy;                    /* a COMPUTE is in flight */
     bool answered;                /* its RESULT was taken (this round) */
@@ -141,8 +137,9 @@ struct kv_remote {
     /* workers */
     kv_rw *w;                     /* [n_w] */
     uint32_t n_w;
-    struct pollfd *pfd;           /* [n_w] */
-    int32_t *pfd_w;               /* [n_w] worker of each pollfd */
+    kv_net_loop *loop;            /* every worker connection */
+    float *cur_out;               /* where answers of the current poll go (NULL: none expected) */
+    int n_done;                   /* requests completed in the current poll */
     /* per-round scratch */
     int32_t *slot_owner;          /* [max_slots] worker, KV_OWN_LOCAL, or KV_OWN_DONE */
     int32_t *exp_owner;           /* [n_expert] worker this round, -1 unassigned */
@@ -207,9 +204,12 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(w->why, sizeof w->why, fmt, ap);
     va_end(ap);
-    if (w->fd >= 0) close(w->fd);
+    if (w->nc) { /* closed now: no late answer can ever be taken */
+        kv_net_conn *c = w->nc;
+        w->nc = NULL;
+        kv_net_conn_close(c, 0, NULL);
+    }
     const bool was_up = w->state == KV_RW_UP;
-    w->fd = -1;
     w->state = KV_RW_DOWN;
     w->busy = false;
     w->fails++;
@@ -221,37 +221,38 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
 
 /* Starts a nonblocking connect and queues HELLO. On immediate failure the
  * worker stays DOWN (with a new retry time). */
+static const kv_net_conn_cbs kv_rw_cbs;
+
 static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
     w->retry_at = now + kv_rw_backoff(r, w);
-    const int fd = socket(w->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, IPPROTO_TCP);
-    if (fd < 0) {
-        snprintf(w->why, sizeof w->why, "socket: %s", strerror(errno));
-        w->fails++;
-        return;
-    }
-    const int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    const int rc = connect(fd, (const struct sockaddr *)&w->sa, w->salen);
-    if (rc && errno != EINPROGRESS) {
-        snprintf(w->why, sizeof w->why, "connect: %s", strerror(errno));
-        close(fd);
+    const kv_net_conn_opts o = {
+        .header = KV_PROTO_HEADER,
+        .max_frame = w->rcap,
+        .tx_max = w->scap + 4096, /* one COMPUTE (or HELLO) at a time, and room to spare */
+        .keep = SIZE_MAX, /* compute never reallocates once the buffers have grown */
+    };
+    kv_diag d = {0};
+    kv_net_conn *c = NULL;
+    if (kv_net_conn_dial(&c, r->loop, (const struct sockaddr *)&w->sa, w->salen, 0, &o, &kv_rw_cbs, w, &d)) {
+        snprintf(w->why, sizeof w->why, "%.200s", d.msg);
         w->fails++;
         return;
     }
     kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0}, (1u << KV_ENC_F32) | (1u << r->o.enc)};
     memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
-    kv_diag d = {0};
-    if (kv_msg_hello_encode(w->sbuf, w->scap, 0, &h, &w->slen, &d)) {
+    size_t n = 0;
+    uint8_t *p = kv_net_conn_reserve(c, KV_PROTO_HEADER + KV_PROTO_HELLO_SIZE);
+    if (!p || kv_msg_hello_encode(p, KV_PROTO_HEADER + KV_PROTO_HELLO_SIZE, 0, &h, &n, &d)) {
         snprintf(w->why, sizeof w->why, "HELLO: %.200s", d.msg);
-        close(fd);
+        kv_net_conn_close(c, 0, NULL);
         return;
     }
-    w->soff = 0;
-    w->fd = fd;
-    w->state = rc ? KV_RW_CONNECTING : KV_RW_HELLO;
+    kv_net_conn_commit(c, n);
+    r->bytes_sent += n;
+    w->nc = c;
+    w->state = KV_RW_CONNECTING;
     w->hs_deadline = now + r->timeout_s;
     w->busy = false;
-    kv_frame_rx_init(&w->rx, w->rbuf, w->rcap);
 }
 
 /* Checks a HELLO_ACK against the manifest and records what w holds. */
@@ -347,16 +348,15 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
 
 /* Handles one whole frame received from w. Returns 1 if it completed w's
  * request, 0 otherwise; drops w on anything unexpected. */
-static int kv_rw_frame(kv_remote *r, kv_rw *w, float *out) {
+static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float *out) {
     kv_msg msg;
     kv_diag d = {0};
     const kv_proto_limits lim = {r->n_layer, r->n_embd, r->n_expert};
-    r->bytes_recv += w->rx.need;
-    if (kv_msg_decode(w->rx.buf, w->rx.need, &lim, &msg, &d)) {
+    r->bytes_recv += n;
+    if (kv_msg_decode(f, n, &lim, &msg, &d)) {
         kv_rw_drop(r, w, "malformed frame: %s", d.msg);
         return 0;
     }
-    kv_frame_rx_reset(&w->rx);
     if (msg.h.type == KV_MSG_ERROR) {
         kv_rw_drop(r, w, "error %s: %s", kv_err_name(msg.u.error.code), msg.u.error.msg);
         return 0;
@@ -378,7 +378,7 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, float *out) {
                 kv_enc_name(w->enc));
         return 0;
     }
-    if (!w->busy) {
+    if (!w->busy || !out) {
         kv_rw_drop(r, w, "sent a frame of type %u while idle", msg.h.type);
         return 0;
     }
@@ -397,55 +397,51 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, float *out) {
     return 1;
 }
 
-/* Progresses w after poll() said revents: connect completion, sending,
- * receiving. Returns 1 if w's request completed. */
-static int kv_rw_io(kv_remote *r, kv_rw *w, short revents, float *out) {
-    if (w->state == KV_RW_CONNECTING) {
-        if (!(revents & (POLLOUT | POLLERR | POLLHUP))) return 0;
-        int err = 0;
-        socklen_t el = sizeof err;
-        if (getsockopt(w->fd, SOL_SOCKET, SO_ERROR, &err, &el) || err) {
-            kv_rw_drop(r, w, "connect: %s", strerror(err ? err : errno));
-            return 0;
-        }
-        w->state = KV_RW_HELLO;
-    }
-    while (w->soff < w->slen) {
-        const ssize_t k = send(w->fd, w->sbuf + w->soff, w->slen - w->soff, MSG_NOSIGNAL);
-        if (k > 0) {
-            w->soff += (size_t)k;
-            r->bytes_sent += (uint64_t)k;
-        } else if (k < 0 && errno == EINTR) {
-            continue;
-        } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            break;
-        } else {
-            kv_rw_drop(r, w, "send: %s", k < 0 ? strerror(errno) : "nothing written");
-            return 0;
-        }
-    }
-    if (!(revents & (POLLIN | POLLERR | POLLHUP))) return 0;
-    /* drain what is there: one read per call of the reader, until EAGAIN */
-    for (;;) {
-        kv_diag d = {0};
-        const int rc = kv_frame_rx_read(&w->rx, w->fd, &d);
-        if (rc == 0) return 0;
-        if (rc < 0) {
-            kv_rw_drop(r, w, "%s", d.msg[0] ? d.msg : kv_err_str(rc));
-            return 0;
-        }
-        const int done = kv_rw_frame(r, w, out);
-        if (done || w->state == KV_RW_DOWN) return done;
-    }
+/* ---- the workers' connections on the event loop ---------------------------- */
+
+static void kv_rw_on_open(kv_net_conn *c, int code) {
+    kv_rw *w = kv_net_conn_data(c);
+    if (w->nc == c && code == 0 && w->state == KV_RW_CONNECTING) w->state = KV_RW_HELLO;
 }
 
-/* Starts reconnects that are due, then one poll pass (timeout_ms, may be 0)
- * over every connected worker; busy workers' answers are placed in out.
- * Handshakes past their deadline are dropped. Returns the number of
+static int kv_rw_frame_len(kv_net_conn *c, const uint8_t *hdr, size_t *total, kv_diag *d) {
+    (void)c;
+    kv_frame_header h;
+    int rc = kv_frame_header_decode(hdr, KV_PROTO_HEADER, &h, d);
+    if (rc) return rc;
+    *total = KV_PROTO_HEADER + (size_t)h.len;
+    return 0;
+}
+
+static int kv_rw_on_frame(kv_net_conn *c, const uint8_t *f, size_t n) {
+    kv_rw *w = kv_net_conn_data(c);
+    if (w->nc != c) return 0; /* a connection already dropped */
+    kv_remote *r = w->r;
+    r->n_done += kv_rw_frame(r, w, f, n, r->cur_out);
+    return 0;
+}
+
+static void kv_rw_on_close(kv_net_conn *c, int code, const char *why) {
+    kv_rw *w = kv_net_conn_data(c);
+    if (w->nc != c) return;
+    w->nc = NULL;
+    kv_rw_drop(w->r, w, "%s", why && why[0] ? why : code ? kv_err_str(code) : "closed");
+}
+
+static const kv_net_conn_cbs kv_rw_cbs = {
+    .on_open = kv_rw_on_open,
+    .frame_len = kv_rw_frame_len,
+    .on_frame = kv_rw_on_frame,
+    .on_close = kv_rw_on_close,
+};
+
+/* Starts reconnects that are due, then one loop iteration (timeout_ms, may
+ * be 0) over every connected worker; busy workers' answers are placed in
+ * out. Handshakes past their deadline are dropped. Returns the number of
  * requests completed. */
 static int kv_remote_poll(kv_remote *r, int timeout_ms, float *out) {
     const double now = kv_mono();
-    int n = 0, done = 0;
+    bool any = false;
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
         if (w->state == KV_RW_DOWN && now >= w->retry_at) kv_rw_connect(r, w, now);
@@ -453,20 +449,14 @@ static int kv_remote_poll(kv_remote *r, int timeout_ms, float *out) {
             kv_rw_drop(r, w, "no handshake within %u ms", r->o.timeout_ms);
             continue;
         }
-        if (w->fd < 0) continue;
-        short ev = w->state == KV_RW_CONNECTING ? POLLOUT : POLLIN;
-        if (w->state != KV_RW_CONNECTING && w->soff < w->slen) ev |= POLLOUT;
-        r->pfd[n] = (struct pollfd){w->fd, ev, 0};
-        r->pfd_w[n++] = (int32_t)i;
+        any |= w->nc != NULL;
     }
-    if (n == 0) return 0;
-    int pr;
-    do pr = poll(r->pfd, (nfds_t)n, timeout_ms);
-    while (pr < 0 && errno == EINTR);
-    if (pr <= 0) return 0;
-    for (int k = 0; k < n; k++)
-        if (r->pfd[k].revents) done += kv_rw_io(r, &r->w[r->pfd_w[k]], r->pfd[k].revents, out);
-    return done;
+    if (!any) return 0;
+    r->cur_out = out;
+    r->n_done = 0;
+    (void)kv_net_loop_run_once(r->loop, timeout_ms, NULL);
+    r->cur_out = NULL;
+    return r->n_done;
 }
 
 /* ---- local fallback: slabs present in the manifest's folder -------------- */
@@ -531,9 +521,13 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
                 memcpy(r->xg + (size_t)r->tok_local[t] * E, req->x + (size_t)(t0 + t) * E, (size_t)E * sizeof(float));
     const kv_msg_compute c = {req->layer, w->enc, w->enc, nt, E, np,
                               identity ? req->x + (size_t)t0 * E : r->xg, w->pairs, NULL, NULL};
-    int rc = kv_msg_compute_encode(w->sbuf, w->scap, ++w->req_id, &c, &w->slen, d);
+    uint8_t *p = kv_net_conn_reserve(w->nc, w->scap);
+    if (!p) return kv_fail(d, KV_EINTERNAL, "remote: no room to queue a COMPUTE for %s", w->addr);
+    size_t len = 0;
+    int rc = kv_msg_compute_encode(p, w->scap, ++w->req_id, &c, &len, d);
     if (rc) return kv_diag_prefix(d, rc, "remote: encoding COMPUTE for %s", w->addr);
-    w->soff = 0;
+    kv_net_conn_commit(w->nc, len);
+    r->bytes_sent += len;
     w->n_pairs = np;
     w->busy = true;
     w->answered = false;
@@ -748,16 +742,12 @@ void kv_remote_free(kv_remote *r) {
     if (!r) return;
     for (uint32_t i = 0; r->w && i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
-        if (w->fd >= 0) close(w->fd);
         free(w->holds);
-        free(w->sbuf);
-        free(w->rbuf);
         free(w->pair_slot);
         free(w->pairs);
     }
+    kv_net_loop_free(r->loop); /* closes every worker connection */
     free(r->w);
-    free(r->pfd);
-    free(r->pfd_w);
     free(r->slot_owner);
     free(r->exp_owner);
     free(r->load);
@@ -846,10 +836,12 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->lhas = calloc(n_keys, 1);
     r->rtt_us = malloc(KV_REMOTE_RTT_SAMPLES * sizeof *r->rtt_us);
     r->w = calloc(r->n_w ? r->n_w : 1, sizeof *r->w);
-    r->pfd = calloc(r->n_w ? r->n_w : 1, sizeof *r->pfd);
-    r->pfd_w = calloc(r->n_w ? r->n_w : 1, sizeof *r->pfd_w);
+    if (kv_net_loop_new(&r->loop, d)) {
+        rc = KV_EIO;
+        goto fail;
+    }
     if (!r->slot_owner || !r->exp_owner || !r->load || !r->tok_local || !r->xg || !r->lg || !r->lw ||
-        !r->lhas || !r->rtt_us || !r->w || !r->pfd || !r->pfd_w) {
+        !r->lhas || !r->rtt_us || !r->w) {
         rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
         goto fail;
     }
@@ -882,20 +874,20 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     }
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
-        w->fd = -1;
+        w->nc = NULL;
+        w->r = r;
         w->state = KV_RW_DOWN;
         snprintf(w->addr, sizeof w->addr, "%s", r->o.workers[i]);
         if ((rc = kv_remote_resolve(w, d))) goto fail;
         w->holds = calloc(n_keys, 1);
-        w->sbuf = malloc(w->scap = s_max);
-        w->rbuf = malloc(w->rcap = r_max);
+        w->scap = s_max;
+        w->rcap = r_max;
         w->pair_slot = malloc(S * sizeof *w->pair_slot);
         w->pairs = malloc(S * sizeof *w->pairs);
-        if (!w->holds || !w->sbuf || !w->rbuf || !w->pair_slot || !w->pairs) {
+        if (!w->holds || !w->pair_slot || !w->pairs) {
             rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
             goto fail;
         }
-        kv_frame_rx_init(&w->rx, w->rbuf, w->rcap);
     }
     /* connect and handshake with everyone at once */
     for (;;) {

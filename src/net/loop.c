@@ -432,7 +432,7 @@ static void kv_conn_flush(kv_net_conn *c) {
     if (c->tx_off == c->tx_len) {
         c->tx_off = c->tx_len = 0;
         kv_net_timer_stop(c->l, &c->write_t);
-        if (c->tx_cap > KV_NET_KEEP) (void)kv_conn_resize(c, &c->tx, &c->tx_cap, 0);
+        if (c->tx_cap > c->o.keep) (void)kv_conn_resize(c, &c->tx, &c->tx_cap, 0);
         if (c->state == KV_NC_FLUSH) {
             kv_conn_linger(c);
             return;
@@ -450,7 +450,7 @@ static void kv_conn_consume(kv_net_conn *c, size_t n) {
     memmove(c->rx, c->rx + n, c->rx_have - n);
     c->rx_have -= n;
     c->rx_need = 0;
-    if (c->rx_have == 0 && c->rx_cap > KV_NET_KEEP) (void)kv_conn_resize(c, &c->rx, &c->rx_cap, KV_NET_RX_MIN);
+    if (c->rx_have == 0 && c->rx_cap > c->o.keep) (void)kv_conn_resize(c, &c->rx, &c->rx_cap, KV_NET_RX_MIN);
 }
 
 /* An input-side failure (bad header, frame too big or too slow, no memory):
@@ -621,6 +621,7 @@ static int kv_conn_setup(kv_net_conn **out, kv_net_loop *l, int fd, bool connect
     c->fd = fd;
     c->o = *o;
     if (c->o.linger_ms <= 0) c->o.linger_ms = 250;
+    if (c->o.keep == 0) c->o.keep = KV_NET_KEEP;
     c->cbs = *cbs;
     c->data = data;
     c->reading = true;
