@@ -598,22 +598,28 @@ static void test_nonfinite_provider(void) {
 /* A GGUF (F32, so the NaN is not lost in an activation quantization)
  * whose output norm weight holds a NaN: greedy used to emit token 0
  * silently; now the session fails with KV_ERANGE. */
-static void test_nan_weight(void) {
+static bool nan_model(char *path, size_t cap) {
     fixture *f = &g_fx[1];
-    char path[400], cmd[1000];
-    snprintf(path, sizeof path, "%s/nan.gguf", g_dir);
+    char cmd[1000];
+    snprintf(path, cap, "%s/nan.gguf", g_dir);
     snprintf(cmd, sizeof cmd, "cp '%s' '%s'", f->model, path);
     ASSERT_EQ(run_cmd(cmd), 0);
     const kv_gguf_tensor *t = kv_gguf_find_tensor(kv_model_gguf(f->m), "output_norm.weight");
     ASSERT_TRUE(t != NULL);
-    if (!t) return;
-    FILE *fp = fopen(path, "r+b");
+    FILE *fp = t ? fopen(path, "r+b") : NULL;
     ASSERT_TRUE(fp != NULL);
-    if (!fp) return;
+    if (!fp) return false;
     const float nan = NAN;
     fseek(fp, (long)t->file_offset + 4 * 5, SEEK_SET);
-    ASSERT_EQ(fwrite(&nan, 4, 1, fp), 1);
+    const bool ok = fwrite(&nan, 4, 1, fp) == 1;
     fclose(fp);
+    ASSERT_TRUE(ok);
+    return ok;
+}
+
+static void test_nan_weight(void) {
+    char path[400];
+    if (!nan_model(path, sizeof path)) return;
     kv_diag d = {0};
     kv_engine *e = NULL;
     const kv_engine_opts o = {.n_threads = 1, .n_ctx = 64, .max_sessions = 2};
@@ -632,6 +638,27 @@ static void test_nan_weight(void) {
     printf("  NaN norm weight, greedy: %s\n", d.msg);
     kv_session_free(s);
     kv_engine_free(e);
+}
+
+/* The same file through `kvasir run`: before, greedy printed token 0 and
+ * sampling ran the top-k quickselect past its array on NaN; now one line
+ * naming session and step, exit status 2, for greedy and sampled runs. */
+static void test_run_cli_nan(void) {
+    char path[400], cmd[1200], err[400];
+    if (!nan_model(path, sizeof path)) return;
+    snprintf(err, sizeof err, "%s/run.err", g_dir);
+    const char *modes[] = {"--temp 0", "--temp 0.8 --seed 3"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd, "'%s' run -m '%s' -p hello -n 3 %s --json > /dev/null 2> '%s'", g_bin, path, modes[i], err);
+        const int st = run_cmd(cmd);
+        ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 2);
+        FILE *f = fopen(err, "r");
+        char line[600] = "";
+        ASSERT_TRUE(f && fgets(line, sizeof line, f));
+        if (f) fclose(f);
+        ASSERT_TRUE(strstr(line, "kvasir run: session 1: step 1:") && strstr(line, "non-finite"));
+        if (i == 0) printf("  %s", line);
+    }
 }
 
 /* ---- API contract ------------------------------------------------------------------ */
@@ -752,7 +779,7 @@ static void teardown(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_mix_qwen3moe), KVT_CASE(test_mix_qwen35moe), KVT_CASE(test_kv_memory),
     KVT_CASE(test_kv_full),      KVT_CASE(test_nonfinite_provider), KVT_CASE(test_nan_weight),
-    KVT_CASE(test_api),
+    KVT_CASE(test_run_cli_nan),  KVT_CASE(test_api),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
