@@ -661,6 +661,71 @@ static void test_run_cli_nan(void) {
     }
 }
 
+/* A second turn continues the same cache: prompt, N tokens, then the last
+ * token plus a new prompt, equals one sequence fed all of it on the plain
+ * kv_state path (greedy, both architectures). */
+static void test_second_turn(void) {
+    for (int fi = 0; fi < 2; fi++) {
+        fixture *f = &g_fx[fi];
+        const uint32_t V = f->n_vocab, N = 5;
+        const int32_t p1[6] = {11, 12, 13, 14, 15, 16}, p2[4] = {21, 22, 23, 24};
+        /* reference */
+        kv_diag d = {0};
+        kv_pool *pool = NULL;
+        kv_state *st = NULL;
+        ASSERT_EQ(kv_pool_new(&pool, 1, &d), 0);
+        const kv_state_opts so = {.n_ctx = 64, .n_batch = 4};
+        ASSERT_EQ(kv_state_new(&st, f->m, pool, &so, &d), 0);
+        if (!st) return;
+        float *lg = malloc(V * sizeof(float));
+        int32_t ref[2][8];
+        ASSERT_EQ(kv_state_eval(st, p1, 6, lg, &d), 0);
+        for (int turn = 0; turn < 2; turn++) {
+            for (uint32_t i = 0; i < N; i++) {
+                int32_t t = 0;
+                for (uint32_t v = 1; v < V; v++) if (lg[v] > lg[t]) t = (int32_t)v;
+                ref[turn][i] = t;
+                if (i + 1 < N) ASSERT_EQ(kv_state_eval(st, &t, 1, lg, &d), 0);
+            }
+            if (turn == 0) {
+                int32_t next[5] = {ref[0][N - 1], p2[0], p2[1], p2[2], p2[3]};
+                ASSERT_EQ(kv_state_eval(st, next, 5, lg, &d), 0);
+            }
+        }
+        kv_state_free(st);
+        kv_pool_free(pool);
+        free(lg);
+        /* the engine, a session beside it */
+        kv_engine *e = NULL;
+        const kv_engine_opts o = {.n_threads = 2, .n_ctx = 64, .n_batch = 3, .max_sessions = 2};
+        ASSERT_EQ(kv_engine_open(&e, f->model, &o, &d), 0);
+        if (!e) return;
+        kv_session *s = NULL, *other = NULL;
+        kv_session_opts sopt = {.sample = kv_sample_defaults(), .max_tokens = N, .ignore_eog = true};
+        sopt.sample.temp = 0;
+        ASSERT_EQ(kv_session_new(&s, e, &sopt, &d), 0);
+        ASSERT_EQ(kv_session_new(&other, e, &sopt, &d), 0);
+        ASSERT_EQ(kv_session_prompt(other, p2, 4, &d), 0);
+        ASSERT_EQ(kv_session_prompt(s, p1, 6, &d), 0);
+        int ok = 1;
+        for (int turn = 0; turn < 2; turn++) {
+            uint32_t n = 0;
+            while (kv_session_status(s) == KV_SESSION_PREFILL || kv_session_status(s) == KV_SESSION_DECODE) {
+                ASSERT_TRUE(kv_engine_step(e, &d) >= 0);
+                if (kv_session_token(s) >= 0) ok &= n < N && kv_session_token(s) == ref[turn][n++];
+            }
+            ok &= n == N;
+            if (turn == 0) {
+                int32_t next[5] = {ref[0][N - 1], p2[0], p2[1], p2[2], p2[3]};
+                ASSERT_EQ(kv_session_prompt(s, next, 5, &d), 0);
+                if (kv_session_status(other) == KV_SESSION_DONE) ASSERT_EQ(kv_session_prompt(other, p1, 2, &d), 0);
+            }
+        }
+        ASSERT_TRUE(ok);
+        kv_engine_free(e);
+    }
+}
+
 /* ---- API contract ------------------------------------------------------------------ */
 
 static void test_api(void) {
@@ -779,7 +844,7 @@ static void teardown(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_mix_qwen3moe), KVT_CASE(test_mix_qwen35moe), KVT_CASE(test_kv_memory),
     KVT_CASE(test_kv_full),      KVT_CASE(test_nonfinite_provider), KVT_CASE(test_nan_weight),
-    KVT_CASE(test_run_cli_nan),  KVT_CASE(test_api),
+    KVT_CASE(test_run_cli_nan),  KVT_CASE(test_second_turn), KVT_CASE(test_api),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
