@@ -33,6 +33,7 @@
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
+#include "quant/vec.h"
 
 #define MAX_GEN 12
 
@@ -726,6 +727,38 @@ static void test_second_turn(void) {
     }
 }
 
+/* Paged attention's weighted sum, block by block with
+ * kv_f32_wsum_rows_acc, has the bits of one kv_f32_wsum_rows over all the
+ * rows, on every backend this CPU has. */
+static void test_wsum_blocks(void) {
+    enum { R = 70, HD = 136, STRIDE = 150 };
+    static float V[R * STRIDE], w[R], one[HD], blk[HD];
+    uint64_t x = 77;
+    for (int i = 0; i < R * STRIDE; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        V[i] = (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+    }
+    for (int p = 0; p < R; p++) w[p] = (float)(p % 7 + 1) / 28.0f;
+    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const char *was = kv_quant_backend();
+    for (int b = 0; b < 3; b++) {
+        if (kv_quant_set_backend(bes[b]) != 0) {
+            kvt_skip_backend(bes[b], "not on this CPU");
+            continue;
+        }
+        for (int n = 1; n <= HD; n += 45) {
+            kv_f32_wsum_rows(one, w, V, STRIDE, R, n);
+            for (int p0 = 0; p0 < R; p0 += 16) {
+                const int m = R - p0 < 16 ? R - p0 : 16;
+                if (p0 == 0) kv_f32_wsum_rows(blk, w, V, STRIDE, m, n);
+                else kv_f32_wsum_rows_acc(blk, w + p0, V + (size_t)p0 * STRIDE, STRIDE, m, n);
+            }
+            ASSERT_TRUE(!memcmp(one, blk, (size_t)n * sizeof(float)));
+        }
+    }
+    kv_quant_set_backend(was);
+}
+
 /* ---- API contract ------------------------------------------------------------------ */
 
 static void test_api(void) {
@@ -844,7 +877,8 @@ static void teardown(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_mix_qwen3moe), KVT_CASE(test_mix_qwen35moe), KVT_CASE(test_kv_memory),
     KVT_CASE(test_kv_full),      KVT_CASE(test_nonfinite_provider), KVT_CASE(test_nan_weight),
-    KVT_CASE(test_run_cli_nan),  KVT_CASE(test_second_turn), KVT_CASE(test_api),
+    KVT_CASE(test_run_cli_nan),  KVT_CASE(test_second_turn), KVT_CASE(test_wsum_blocks),
+    KVT_CASE(test_api),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
