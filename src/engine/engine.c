@@ -66,6 +66,7 @@ struct kv_engine {
     uint32_t *b_out;            /* [max_sessions] token index of each logit row */
     kv_session **b_who;         /* [max_sessions] session of each logit row */
     float *logits;              /* [max_sessions][n_vocab] */
+    void *cand;                 /* sampler scratch shared by every session (one thread samples) */
     kv_engine_stats stats;
 };
 
@@ -99,7 +100,8 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
         return kv_fail(d, KV_EINVAL, "engine: logits of %u sessions x %u tokens are too large", e->max_sessions,
                        e->n_vocab);
     e->logits = malloc(nl * sizeof(float));
-    if (!e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
+    e->cand = malloc(kv_sampler_scratch_bytes((int32_t)e->n_vocab));
+    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     return 0;
 }
@@ -217,6 +219,7 @@ void kv_engine_free(kv_engine *e) {
     free(e->b_out);
     free(e->b_who);
     free(e->logits);
+    free(e->cand);
     free(e);
 }
 
@@ -259,7 +262,7 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
         return kv_fail(d, KV_ENOMEM, "session: all %u session slots are in use", e->max_sessions);
     kv_session *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "session: out of memory");
-    int rc = kv_sampler_new(&s->smp, (int32_t)e->n_vocab, &o.sample, d);
+    int rc = kv_sampler_new_ex(&s->smp, (int32_t)e->n_vocab, &o.sample, false, d);
     if (rc) {
         free(s);
         return rc;
@@ -506,7 +509,7 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             kv_session_fail(s, KV_ERANGE, msg);
             continue;
         }
-        const int32_t t = kv_sampler_sample(s->smp, row);
+        const int32_t t = kv_sampler_sample_in(s->smp, row, e->cand);
         if (t < 0) { /* cannot happen with finite logits; kept as a clear error */
             snprintf(msg, sizeof msg, "session %llu: step %llu: the sampler refused the logits (%s)",
                      (unsigned long long)s->id, (unsigned long long)step, kv_err_name(t));
