@@ -14,9 +14,10 @@
  *   - KV memory: blocks follow the tokens held, only attending layers have
  *     a cache; a session that cannot get blocks fails alone with a clear
  *     error while the others stay exact;
- *   - non-finite logits (an expert provider answering NaN, Inf or 3e38; a
- *     model with a NaN norm weight, greedy): the session fails with
- *     KV_ERANGE naming session and step, never a crash or a token;
+ *   - non-finite values (an expert provider answering NaN, Inf or 3e38; a
+ *     model with a NaN norm weight, F32 or Q8_0, greedy or sampled, also
+ *     through `kvasir run`): the session fails with KV_ERANGE naming
+ *     session and step, never a crash or a token;
  *   - API errors and stop conditions. */
 #include <errno.h>
 #include <netinet/in.h>
@@ -566,7 +567,7 @@ static void test_nonfinite_provider(void) {
                 ASSERT_EQ(kv_session_token(a), -1);
                 kv_diag se = {0};
                 ASSERT_EQ(kv_session_error(a, &se), KV_ERANGE);
-                ASSERT_TRUE(strstr(se.msg, "session 1") && strstr(se.msg, "step 1") && strstr(se.msg, "non-finite"));
+                ASSERT_TRUE(strstr(se.msg, "session 1") && strstr(se.msg, "step 1") && strstr(se.msg, "NaN"));
                 if (vi == 0 && temp0) printf("  a NaN-answering provider, greedy: %s\n", se.msg);
                 /* a fresh session beside it, honest answers: exact */
                 L.row = 1000000;
@@ -596,16 +597,13 @@ static void test_nonfinite_provider(void) {
     }
 }
 
-/* A GGUF (F32, so the NaN is not lost in an activation quantization)
- * whose output norm weight holds a NaN: greedy used to emit token 0
- * silently; now the session fails with KV_ERANGE. */
-static bool nan_model(char *path, size_t cap) {
-    fixture *f = &g_fx[1];
+/* A copy of fixture f's file with a NaN in element 5 of tensor `name`. */
+static bool nan_model(char *path, size_t cap, const fixture *f, const char *name) {
     char cmd[1000];
-    snprintf(path, cap, "%s/nan.gguf", g_dir);
+    snprintf(path, cap, "%s/nan-%s-%s.gguf", g_dir, f->arch, name);
     snprintf(cmd, sizeof cmd, "cp '%s' '%s'", f->model, path);
     ASSERT_EQ(run_cmd(cmd), 0);
-    const kv_gguf_tensor *t = kv_gguf_find_tensor(kv_model_gguf(f->m), "output_norm.weight");
+    const kv_gguf_tensor *t = kv_gguf_find_tensor(kv_model_gguf(f->m), name);
     ASSERT_TRUE(t != NULL);
     FILE *fp = t ? fopen(path, "r+b") : NULL;
     ASSERT_TRUE(fp != NULL);
@@ -618,9 +616,13 @@ static bool nan_model(char *path, size_t cap) {
     return ok;
 }
 
-static void test_nan_weight(void) {
+/* A GGUF with a NaN in a norm weight (the output norm, the first
+ * block's attention norm; F32 and Q8_0 models, where quantizing the
+ * activation would turn the NaN into finite garbage): greedy used to emit
+ * a token silently; now the session fails with KV_ERANGE. */
+static void nan_weight_one(const fixture *f, const char *name) {
     char path[400];
-    if (!nan_model(path, sizeof path)) return;
+    if (!nan_model(path, sizeof path, f, name)) return;
     kv_diag d = {0};
     kv_engine *e = NULL;
     const kv_engine_opts o = {.n_threads = 1, .n_ctx = 64, .max_sessions = 2};
@@ -636,9 +638,16 @@ static void test_nan_weight(void) {
     ASSERT_EQ(kv_session_token(s), -1);
     ASSERT_EQ(kv_session_error(s, &d), KV_ERANGE);
     ASSERT_TRUE(strstr(d.msg, "NaN") != NULL);
-    printf("  NaN norm weight, greedy: %s\n", d.msg);
+    printf("  %s, NaN in %s, greedy: %s\n", f->arch, name, d.msg);
     kv_session_free(s);
     kv_engine_free(e);
+}
+
+static void test_nan_weight(void) {
+    for (int fi = 0; fi < 2; fi++) {
+        nan_weight_one(&g_fx[fi], "output_norm.weight");
+        nan_weight_one(&g_fx[fi], "blk.0.attn_norm.weight");
+    }
 }
 
 /* The same file through `kvasir run`: before, greedy printed token 0 and
@@ -646,7 +655,7 @@ static void test_nan_weight(void) {
  * naming session and step, exit status 2, for greedy and sampled runs. */
 static void test_run_cli_nan(void) {
     char path[400], cmd[1200], err[400];
-    if (!nan_model(path, sizeof path)) return;
+    if (!nan_model(path, sizeof path, &g_fx[0], "output_norm.weight")) return;
     snprintf(err, sizeof err, "%s/run.err", g_dir);
     const char *modes[] = {"--temp 0", "--temp 0.8 --seed 3"};
     for (int i = 0; i < 2; i++) {
@@ -657,7 +666,7 @@ static void test_run_cli_nan(void) {
         char line[600] = "";
         ASSERT_TRUE(f && fgets(line, sizeof line, f));
         if (f) fclose(f);
-        ASSERT_TRUE(strstr(line, "kvasir run: session 1: step 1:") && strstr(line, "non-finite"));
+        ASSERT_TRUE(strstr(line, "kvasir run: session 1: step 1:") && strstr(line, "NaN"));
         if (i == 0) printf("  %s", line);
     }
 }

@@ -492,9 +492,19 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             s->st.t_decode_s += dt;
         }
     }
+    /* a NaN/Inf anywhere in a session's hidden states fails it, logits or not */
+    for (kv_session *s = e->head; s; s = s->next) {
+        if (!s->in_step || kv_state_seq_finite(e->st, s->slot)) continue;
+        char msg[sizeof sd.msg];
+        snprintf(msg, sizeof msg, "session %llu: step %llu: a NaN or Inf appeared in its hidden state at position "
+                 "%u or before (from an expert provider or the model's weights); no token taken",
+                 (unsigned long long)s->id, (unsigned long long)step, kv_state_pos_seq(e->st, s->slot) - 1);
+        kv_session_fail(s, KV_ERANGE, msg);
+    }
     int emitted = 0;
     for (uint32_t k = 0; k < n_out; k++) {
         kv_session *s = e->b_who[k];
+        if (s->status == KV_SESSION_FAILED) continue;
         const float *row = e->logits + (size_t)k * e->n_vocab;
         /* non-finite logits are a lie (a worker) or a broken model, never a value */
         uint32_t bad = e->n_vocab;
