@@ -15,9 +15,10 @@
  *   - KV memory: blocks follow the tokens held, only attending layers have
  *     a cache; a session that cannot get blocks fails alone with a clear
  *     error while the others stay exact;
- *   - non-finite logits (an expert provider answering NaN, Inf or 3e38; a
- *     model with a NaN norm weight, greedy): the session fails with
- *     KV_ERANGE naming session and step, never a crash or a token;
+ *   - non-finite values (an expert provider answering NaN, Inf or 3e38; a
+ *     model with a NaN norm weight, F32 or Q8_0, greedy or sampled, also
+ *     through `kvasir run`): the session fails with KV_ERANGE naming
+ *     session and step, never a crash or a token;
  *   - API errors and stop conditions. */
 #include <errno.h>
 #include <netinet/in.h>
@@ -34,6 +35,7 @@
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
+#include "quant/vec.h"
 
 #define MAX_GEN 12
 
@@ -566,7 +568,7 @@ static void test_nonfinite_provider(void) {
                 ASSERT_EQ(kv_session_token(a), -1);
                 kv_diag se = {0};
                 ASSERT_EQ(kv_session_error(a, &se), KV_ERANGE);
-                ASSERT_TRUE(strstr(se.msg, "session 1") && strstr(se.msg, "step 1") && strstr(se.msg, "non-finite"));
+                ASSERT_TRUE(strstr(se.msg, "session 1") && strstr(se.msg, "step 1") && strstr(se.msg, "NaN"));
                 if (vi == 0 && temp0) printf("  a NaN-answering provider, greedy: %s\n", se.msg);
                 /* a fresh session beside it, honest answers: exact */
                 L.row = 1000000;
@@ -596,25 +598,32 @@ static void test_nonfinite_provider(void) {
     }
 }
 
-/* A GGUF (F32, so the NaN is not lost in an activation quantization)
- * whose output norm weight holds a NaN: greedy used to emit token 0
- * silently; now the session fails with KV_ERANGE. */
-static void test_nan_weight(void) {
-    fixture *f = &g_fx[1];
-    char path[400], cmd[1000];
-    snprintf(path, sizeof path, "%s/nan.gguf", g_dir);
+/* A copy of fixture f's file with a NaN in element 5 of tensor `name`. */
+static bool nan_model(char *path, size_t cap, const fixture *f, const char *name) {
+    char cmd[1000];
+    snprintf(path, cap, "%s/nan-%s-%s.gguf", g_dir, f->arch, name);
     snprintf(cmd, sizeof cmd, "cp '%s' '%s'", f->model, path);
     ASSERT_EQ(run_cmd(cmd), 0);
-    const kv_gguf_tensor *t = kv_gguf_find_tensor(kv_model_gguf(f->m), "output_norm.weight");
+    const kv_gguf_tensor *t = kv_gguf_find_tensor(kv_model_gguf(f->m), name);
     ASSERT_TRUE(t != NULL);
-    if (!t) return;
-    FILE *fp = fopen(path, "r+b");
+    FILE *fp = t ? fopen(path, "r+b") : NULL;
     ASSERT_TRUE(fp != NULL);
-    if (!fp) return;
+    if (!fp) return false;
     const float nan = NAN;
     fseek(fp, (long)t->file_offset + 4 * 5, SEEK_SET);
-    ASSERT_EQ(fwrite(&nan, 4, 1, fp), 1);
+    const bool ok = fwrite(&nan, 4, 1, fp) == 1;
     fclose(fp);
+    ASSERT_TRUE(ok);
+    return ok;
+}
+
+/* A GGUF with a NaN in a norm weight (the output norm, the first
+ * block's attention norm; F32 and Q8_0 models, where quantizing the
+ * activation would turn the NaN into finite garbage): greedy used to emit
+ * a token silently; now the session fails with KV_ERANGE. */
+static void nan_weight_one(const fixture *f, const char *name) {
+    char path[400];
+    if (!nan_model(path, sizeof path, f, name)) return;
     kv_diag d = {0};
     kv_engine *e = NULL;
     const kv_engine_opts o = {.n_threads = 1, .n_ctx = 64, .max_sessions = 2};
@@ -630,9 +639,134 @@ static void test_nan_weight(void) {
     ASSERT_EQ(kv_session_token(s), -1);
     ASSERT_EQ(kv_session_error(s, &d), KV_ERANGE);
     ASSERT_TRUE(strstr(d.msg, "NaN") != NULL);
-    printf("  NaN norm weight, greedy: %s\n", d.msg);
+    printf("  %s, NaN in %s, greedy: %s\n", f->arch, name, d.msg);
     kv_session_free(s);
     kv_engine_free(e);
+}
+
+static void test_nan_weight(void) {
+    for (int fi = 0; fi < 2; fi++) {
+        nan_weight_one(&g_fx[fi], "output_norm.weight");
+        nan_weight_one(&g_fx[fi], "blk.0.attn_norm.weight");
+    }
+}
+
+/* The same file through `kvasir run`: before, greedy printed token 0 and
+ * sampling ran the top-k quickselect past its array on NaN; now one line
+ * naming session and step, exit status 2, for greedy and sampled runs. */
+static void test_run_cli_nan(void) {
+    char path[400], cmd[1200], err[400];
+    if (!nan_model(path, sizeof path, &g_fx[0], "output_norm.weight")) return;
+    snprintf(err, sizeof err, "%s/run.err", g_dir);
+    const char *modes[] = {"--temp 0", "--temp 0.8 --seed 3"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd, "'%s' run -m '%s' -p hello -n 3 %s --json > /dev/null 2> '%s'", g_bin, path, modes[i], err);
+        const int st = run_cmd(cmd);
+        ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 2);
+        FILE *f = fopen(err, "r");
+        char line[600] = "";
+        ASSERT_TRUE(f && fgets(line, sizeof line, f));
+        if (f) fclose(f);
+        ASSERT_TRUE(strstr(line, "kvasir run: session 1: step 1:") && strstr(line, "NaN"));
+        if (i == 0) printf("  %s", line);
+    }
+}
+
+/* A second turn continues the same cache: prompt, N tokens, then the last
+ * token plus a new prompt, equals one sequence fed all of it on the plain
+ * kv_state path (greedy, both architectures). */
+static void test_second_turn(void) {
+    for (int fi = 0; fi < 2; fi++) {
+        fixture *f = &g_fx[fi];
+        const uint32_t V = f->n_vocab, N = 5;
+        const int32_t p1[6] = {11, 12, 13, 14, 15, 16}, p2[4] = {21, 22, 23, 24};
+        /* reference */
+        kv_diag d = {0};
+        kv_pool *pool = NULL;
+        kv_state *st = NULL;
+        ASSERT_EQ(kv_pool_new(&pool, 1, &d), 0);
+        const kv_state_opts so = {.n_ctx = 64, .n_batch = 4};
+        ASSERT_EQ(kv_state_new(&st, f->m, pool, &so, &d), 0);
+        if (!st) return;
+        float *lg = malloc(V * sizeof(float));
+        int32_t ref[2][8];
+        ASSERT_EQ(kv_state_eval(st, p1, 6, lg, &d), 0);
+        for (int turn = 0; turn < 2; turn++) {
+            for (uint32_t i = 0; i < N; i++) {
+                int32_t t = 0;
+                for (uint32_t v = 1; v < V; v++) if (lg[v] > lg[t]) t = (int32_t)v;
+                ref[turn][i] = t;
+                if (i + 1 < N) ASSERT_EQ(kv_state_eval(st, &t, 1, lg, &d), 0);
+            }
+            if (turn == 0) {
+                int32_t next[5] = {ref[0][N - 1], p2[0], p2[1], p2[2], p2[3]};
+                ASSERT_EQ(kv_state_eval(st, next, 5, lg, &d), 0);
+            }
+        }
+        kv_state_free(st);
+        kv_pool_free(pool);
+        free(lg);
+        /* the engine, a session beside it */
+        kv_engine *e = NULL;
+        const kv_engine_opts o = {.n_threads = 2, .n_ctx = 64, .n_batch = 3, .max_sessions = 2};
+        ASSERT_EQ(kv_engine_open(&e, f->model, &o, &d), 0);
+        if (!e) return;
+        kv_session *s = NULL, *other = NULL;
+        kv_session_opts sopt = {.sample = kv_sample_defaults(), .max_tokens = N, .ignore_eog = true};
+        sopt.sample.temp = 0;
+        ASSERT_EQ(kv_session_new(&s, e, &sopt, &d), 0);
+        ASSERT_EQ(kv_session_new(&other, e, &sopt, &d), 0);
+        ASSERT_EQ(kv_session_prompt(other, p2, 4, &d), 0);
+        ASSERT_EQ(kv_session_prompt(s, p1, 6, &d), 0);
+        int ok = 1;
+        for (int turn = 0; turn < 2; turn++) {
+            uint32_t n = 0;
+            while (kv_session_status(s) == KV_SESSION_PREFILL || kv_session_status(s) == KV_SESSION_DECODE) {
+                ASSERT_TRUE(kv_engine_step(e, &d) >= 0);
+                if (kv_session_token(s) >= 0) ok &= n < N && kv_session_token(s) == ref[turn][n++];
+            }
+            ok &= n == N;
+            if (turn == 0) {
+                int32_t next[5] = {ref[0][N - 1], p2[0], p2[1], p2[2], p2[3]};
+                ASSERT_EQ(kv_session_prompt(s, next, 5, &d), 0);
+                if (kv_session_status(other) == KV_SESSION_DONE) ASSERT_EQ(kv_session_prompt(other, p1, 2, &d), 0);
+            }
+        }
+        ASSERT_TRUE(ok);
+        kv_engine_free(e);
+    }
+}
+
+/* Paged attention's weighted sum, block by block with
+ * kv_f32_wsum_rows_acc, has the bits of one kv_f32_wsum_rows over all the
+ * rows, on every backend this CPU has. */
+static void test_wsum_blocks(void) {
+    enum { R = 70, HD = 136, STRIDE = 150 };
+    static float V[R * STRIDE], w[R], one[HD], blk[HD];
+    uint64_t x = 77;
+    for (int i = 0; i < R * STRIDE; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        V[i] = (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+    }
+    for (int p = 0; p < R; p++) w[p] = (float)(p % 7 + 1) / 28.0f;
+    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const char *was = kv_quant_backend();
+    for (int b = 0; b < 3; b++) {
+        if (kv_quant_set_backend(bes[b]) != 0) {
+            kvt_skip_backend(bes[b], "not on this CPU");
+            continue;
+        }
+        for (int n = 1; n <= HD; n += 45) {
+            kv_f32_wsum_rows(one, w, V, STRIDE, R, n);
+            for (int p0 = 0; p0 < R; p0 += 16) {
+                const int m = R - p0 < 16 ? R - p0 : 16;
+                if (p0 == 0) kv_f32_wsum_rows(blk, w, V, STRIDE, m, n);
+                else kv_f32_wsum_rows_acc(blk, w + p0, V + (size_t)p0 * STRIDE, STRIDE, m, n);
+            }
+            ASSERT_TRUE(!memcmp(one, blk, (size_t)n * sizeof(float)));
+        }
+    }
+    kv_quant_set_backend(was);
 }
 
 /* ---- API contract ------------------------------------------------------------------ */
@@ -753,6 +887,7 @@ static void teardown(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_mix_qwen3moe), KVT_CASE(test_mix_qwen35moe), KVT_CASE(test_kv_memory),
     KVT_CASE(test_kv_full),      KVT_CASE(test_nonfinite_provider), KVT_CASE(test_nan_weight),
+    KVT_CASE(test_run_cli_nan),  KVT_CASE(test_second_turn), KVT_CASE(test_wsum_blocks),
     KVT_CASE(test_api),
 };
 

@@ -204,9 +204,35 @@ static void test_nonfinite(void) {
     }
 }
 
+/* A sampler on lent scratch draws exactly what one with its own buffer
+ * draws, and one without any refuses to sample. */
+static void test_shared_scratch(void) {
+    float l[NV];
+    kv_diag d = {0};
+    kv_sampler *own = NULL, *lent = NULL;
+    kv_sample_params p = kv_sample_defaults();
+    p.seed = 5;
+    ASSERT_EQ(kv_sampler_new(&own, NV, &p, &d), 0);
+    ASSERT_EQ(kv_sampler_new_ex(&lent, NV, &p, false, &d), 0);
+    void *buf = malloc(kv_sampler_scratch_bytes(NV));
+    int same = 1;
+    for (int i = 0; i < 300; i++) {
+        fill_logits(l, 500 + (uint64_t)i);
+        const int32_t a = kv_sampler_sample(own, l), b = kv_sampler_sample_in(lent, l, buf);
+        same &= a == b && a >= 0;
+        kv_sampler_accept(own, a);
+        kv_sampler_accept(lent, b);
+    }
+    ASSERT_TRUE(same);
+    ASSERT_EQ(kv_sampler_sample(lent, l), KV_EINVAL);
+    free(buf);
+    kv_sampler_free(own);
+    kv_sampler_free(lent);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_greedy), KVT_CASE(test_seed), KVT_CASE(test_filters), KVT_CASE(test_repeat_penalty),
-    KVT_CASE(test_bad_params), KVT_CASE(test_nonfinite),
+    KVT_CASE(test_bad_params), KVT_CASE(test_nonfinite), KVT_CASE(test_shared_scratch),
 };
 
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

@@ -136,6 +136,10 @@ uint32_t kv_state_n_seq(const kv_state *s);
 uint32_t kv_state_pos(const kv_state *s);   /* tokens in sequence 0's cache */
 uint32_t kv_state_pos_seq(const kv_state *s, uint32_t seq);
 uint32_t kv_state_max_tokens(const kv_state *s); /* tokens per kv_state_batch call */
+/* False once a NaN or Inf appeared in the hidden state of one of seq's
+ * tokens (a lying expert provider, a NaN weight), until its reset. Checked
+ * on every projection's input, so a quantized matmul cannot hide it. */
+bool kv_state_seq_finite(const kv_state *s, uint32_t seq);
 /* Empties every sequence's cache / sequence seq's, giving its KV blocks
  * back to the pool and freeing its recurrent state. */
 void kv_state_reset(kv_state *s);

@@ -6,6 +6,8 @@
 #ifndef KVASIR_SAMPLE_H
 #define KVASIR_SAMPLE_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kvasir/err.h"
@@ -35,6 +37,18 @@ void kv_sampler_free(kv_sampler *s);
  * is drawn then, and the generator does not advance). -Inf logits are
  * allowed (tokens that cannot be drawn). Not thread-safe. */
 int32_t kv_sampler_sample(kv_sampler *s, const float *logits);
+/* The same sampler without a candidate buffer of its own (n_vocab x 12
+ * bytes): the caller lends one to each kv_sampler_sample_in, so many
+ * samplers used from one thread share one buffer. own_scratch = true is
+ * kv_sampler_new. */
+int kv_sampler_new_ex(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p, bool own_scratch,
+                      kv_diag *d);
+/* Bytes of scratch kv_sampler_sample_in needs for n_vocab candidates. */
+size_t kv_sampler_scratch_bytes(int32_t n_vocab);
+/* kv_sampler_sample with scratch of kv_sampler_scratch_bytes (NULL: the
+ * sampler's own; KV_EINVAL if it has none). The result does not depend on
+ * whose buffer is used. */
+int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch);
 /* Adds a token to the penalty history (prompt and generated tokens). */
 void kv_sampler_accept(kv_sampler *s, int32_t token);
 

@@ -66,6 +66,7 @@ struct kv_engine {
     uint32_t *b_out;            /* [max_sessions] token index of each logit row */
     kv_session **b_who;         /* [max_sessions] session of each logit row */
     float *logits;              /* [max_sessions][n_vocab] */
+    void *cand;                 /* sampler scratch shared by every session (one thread samples) */
     kv_engine_stats stats;
 };
 
@@ -99,7 +100,8 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
         return kv_fail(d, KV_EINVAL, "engine: logits of %u sessions x %u tokens are too large", e->max_sessions,
                        e->n_vocab);
     e->logits = malloc(nl * sizeof(float));
-    if (!e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
+    e->cand = malloc(kv_sampler_scratch_bytes((int32_t)e->n_vocab));
+    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     return 0;
 }
@@ -218,6 +220,7 @@ void kv_engine_free(kv_engine *e) {
     free(e->b_out);
     free(e->b_who);
     free(e->logits);
+    free(e->cand);
     free(e);
 }
 
@@ -260,7 +263,7 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
         return kv_fail(d, KV_ENOMEM, "session: all %u session slots are in use", e->max_sessions);
     kv_session *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "session: out of memory");
-    int rc = kv_sampler_new(&s->smp, (int32_t)e->n_vocab, &o.sample, d);
+    int rc = kv_sampler_new_ex(&s->smp, (int32_t)e->n_vocab, &o.sample, false, d);
     if (rc) {
         free(s);
         return rc;
@@ -490,9 +493,19 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             s->st.t_decode_s += dt;
         }
     }
+    /* a NaN/Inf anywhere in a session's hidden states fails it, logits or not */
+    for (kv_session *s = e->head; s; s = s->next) {
+        if (!s->in_step || kv_state_seq_finite(e->st, s->slot)) continue;
+        char msg[sizeof sd.msg];
+        snprintf(msg, sizeof msg, "session %llu: step %llu: a NaN or Inf appeared in its hidden state at position "
+                 "%u or before (from an expert provider or the model's weights); no token taken",
+                 (unsigned long long)s->id, (unsigned long long)step, kv_state_pos_seq(e->st, s->slot) - 1);
+        kv_session_fail(s, KV_ERANGE, msg);
+    }
     int emitted = 0;
     for (uint32_t k = 0; k < n_out; k++) {
         kv_session *s = e->b_who[k];
+        if (s->status == KV_SESSION_FAILED) continue;
         const float *row = e->logits + (size_t)k * e->n_vocab;
         /* non-finite logits are a lie (a worker) or a broken model, never a value */
         uint32_t bad = e->n_vocab;
@@ -507,7 +520,7 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             kv_session_fail(s, KV_ERANGE, msg);
             continue;
         }
-        const int32_t t = kv_sampler_sample(s->smp, row);
+        const int32_t t = kv_sampler_sample_in(s->smp, row, e->cand);
         if (t < 0) { /* cannot happen with finite logits; kept as a clear error */
             snprintf(msg, sizeof msg, "session %llu: step %llu: the sampler refused the logits (%s)",
                      (unsigned long long)s->id, (unsigned long long)step, kv_err_name(t));

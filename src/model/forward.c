@@ -91,6 +91,8 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->seq_nblk = calloc(o.n_seq, sizeof *s->seq_nblk);
     s->seq_cap = calloc(o.n_seq, sizeof *s->seq_cap);
     s->kv_wide = malloc(NT * 2 * KV_BLOCK * hp->head_dim * sizeof(float));
+    s->bad = calloc(B, 1);
+    s->tainted = calloc(o.n_seq, 1);
     s->x = malloc(B * E * sizeof(float));
     s->xb = malloc(B * E * sizeof(float));
     s->q = malloc(B * QD * sizeof(float));
@@ -109,7 +111,7 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->hout = malloc(B * E * sizeof(float));
     s->out_all = malloc(B * sizeof *s->out_all);
     s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
-    if (!s->arena || !s->seq_blk || !s->seq_nblk || !s->seq_cap || !s->kv_wide || !s->x || !s->xb || !s->q ||
+    if (!s->bad || !s->tainted || !s->arena || !s->seq_blk || !s->seq_nblk || !s->seq_cap || !s->kv_wide || !s->x || !s->xb || !s->q ||
         !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores ||
         !s->scratch || !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all) {
         kv_state_free(s);
@@ -155,6 +157,8 @@ void kv_state_free(kv_state *s) {
     free(s->blk_free);
     free(s->attn_of);
     free(s->kv_wide);
+    free(s->bad);
+    free(s->tainted);
     free(s->x);
     free(s->xb);
     free(s->q);
@@ -180,11 +184,22 @@ uint32_t kv_state_n_ctx(const kv_state *s) { return s->n_ctx; }
 uint32_t kv_state_n_seq(const kv_state *s) { return s->n_seq; }
 uint32_t kv_state_max_tokens(const kv_state *s) { return s->max_tok; }
 uint32_t kv_state_pos(const kv_state *s) { return s->pos[0]; }
+bool kv_state_seq_finite(const kv_state *s, uint32_t seq) { return seq < s->n_seq && !s->tainted[seq]; }
+
+void kv_check_rows(kv_state *s, const float *x, size_t stride, uint32_t T, int64_t n) {
+    for (uint32_t t = 0; t < T; t++) {
+        const float *r = x + (size_t)t * stride;
+        float acc = 0.0f; /* x * 0 is NaN exactly for NaN and +-Inf */
+        for (int64_t i = 0; i < n; i++) acc += r[i] * 0.0f;
+        if (acc != acc) s->bad[t] = 1;
+    }
+}
 uint32_t kv_state_pos_seq(const kv_state *s, uint32_t seq) { return seq < s->n_seq ? s->pos[seq] : 0; }
 
 void kv_state_reset_seq(kv_state *s, uint32_t seq) {
     if (seq >= s->n_seq) return;
     s->pos[seq] = 0;
+    s->tainted[seq] = 0;
     /* its blocks go back to the pool (most recent on top), its recurrent state is freed */
     for (uint32_t i = s->seq_nblk[seq]; i-- > 0;) s->blk_free[s->n_free++] = s->seq_blk[seq][i];
     s->seq_nblk[seq] = 0;
@@ -415,6 +430,7 @@ static int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         /* attention rmsnorm */
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
+        kv_check_rows(s, s->xb, (size_t)E, T, E);
         /* Q, K, V projections */
         kv_matmul(s->pool, &L->wq, NULL, s->xb, T, s->q, s->scratch);
         kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, s->scratch);
@@ -437,11 +453,13 @@ static int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         /* causal attention */
         kv_attn_run(s, il, T);
         /* output projection + residual */
+        kv_check_rows(s, s->att, (size_t)QD, T, QD);
         kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, s->scratch);
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
         /* FFN rmsnorm, routed experts, residual */
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->ffn_norm.data, E, hp->rms_eps);
+        kv_check_rows(s, s->xb, (size_t)E, T, E);
         int rc = kv_moe_routed(s, L, il, T, d);
         if (rc) return rc;
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
@@ -458,17 +476,25 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const u
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd;
     const kv_type_info *et = kv_type_get(m->tok_embd.type);
+    memset(s->bad, 0, T);
     for (uint32_t t = 0; t < T; t++)
         et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
                      s->x + (size_t)t * (size_t)E, E);
     int rc = hp->arch == KV_ARCH_QWEN35MOE ? kv_q35_blocks(s, T, d) : kv_q3_blocks(s, T, d);
     if (rc) return rc;
     if (logits && n_out) {
-        for (uint32_t i = 0; i < n_out; i++)
-            kv_rmsnorm(s->hout + (size_t)i * E, s->x + (size_t)out_idx[i] * E, m->output_norm.data, E,
-                       hp->rms_eps);
+        for (uint32_t i = 0; i < n_out; i++) {
+            float *h = s->hout + (size_t)i * E;
+            kv_rmsnorm(h, s->x + (size_t)out_idx[i] * E, m->output_norm.data, E, hp->rms_eps);
+            float acc = 0.0f;
+            for (int64_t k = 0; k < E; k++) acc += h[k] * 0.0f;
+            if (acc != acc) s->bad[out_idx[i]] = 1;
+        }
         kv_matmul(s->pool, &m->output, NULL, s->hout, n_out, logits, s->scratch);
     }
+    /* the call succeeded: a sequence that met a NaN/Inf stays marked until its reset */
+    for (uint32_t t = 0; t < T; t++)
+        if (s->bad[t]) s->tainted[s->tok_seq[t]] = 1;
     return 0;
 }
 

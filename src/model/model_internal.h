@@ -50,6 +50,8 @@ struct kv_state {
     uint32_t *seq_nblk;    /* [n_seq] blocks held */
     uint32_t *seq_cap;     /* [n_seq] entries allocated in seq_blk[seq] */
     float *kv_wide;        /* [n_threads][2][KV_BLOCK][head_dim] F16 rows widened for the kernels */
+    uint8_t *bad;          /* [max_tok] a NaN/Inf appeared in this token's hidden state (this call) */
+    uint8_t *tainted;      /* [n_seq] ... in one of the sequence's tokens since its reset */
     float *x;              /* [max_tok][n_embd] residual stream */
     float *xb;             /* [max_tok][n_embd] normed input */
     float *q;              /* [max_tok][n_head*head_dim] */
@@ -75,6 +77,11 @@ void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok);
 /* Writes the chunk's K and V rows (s->k, s->v) of layer il into the cache
  * at each token's (sequence, position); the blocks are reserved. */
 void kv_cache_put(kv_state *s, uint32_t il, uint32_t n_tok);
+/* Marks token t (< n_tok) bad when one of the n floats at x + t*stride is
+ * NaN or Inf. Called on the inputs of the projections (normed rows,
+ * attention and delta-net outputs) and on the final-normed rows: a
+ * quantized matmul would turn a NaN into finite garbage. */
+void kv_check_rows(kv_state *s, const float *x, size_t stride, uint32_t n_tok, int64_t n);
 /* Routed MoE of layer il on the normed rows s->xb: router softmax, top-k,
  * renormalized weights, experts through the provider, weighted sum in rank
  * order into s->tmp. Errors: what the provider returns. */

@@ -318,6 +318,7 @@ static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t 
             kv_rmsnorm(o, o, L->ssm_norm.data, SV, hp->rms_eps);
             for (int64_t i = 0; i < SV; i++) o[i] = o[i] * kv_silu(z[i]);
         }
+    kv_check_rows(s, q->o, (size_t)VD, T, VD);
     kv_matmul(s->pool, &L->ssm_out, NULL, q->o, T, s->tmp, q->scratch);
 }
 
@@ -351,6 +352,7 @@ static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32
             const float *gate = q->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD + HD;
             for (int64_t i = 0; i < HD; i++) o[i] = o[i] * kv_sigmoid(gate[i]);
         }
+    kv_check_rows(s, s->att, (size_t)QD, T, QD);
     kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, q->scratch);
 }
 
@@ -385,6 +387,7 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         const kv_layer *L = &m->layers[il];
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
+        kv_check_rows(s, s->xb, (size_t)E, T, E);
         if (L->recurrent)
             kv_q35_linear(s, L, (uint32_t)q->lin_of[il], T);
         else
@@ -393,6 +396,7 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         /* post-attention norm, MoE with shared expert, residual */
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->post_norm.data, E, hp->rms_eps);
+        kv_check_rows(s, s->xb, (size_t)E, T, E);
         int rc = kv_q35_ffn(s, L, il, T, d);
         if (rc) return rc; /* the committed recurrent slots are untouched */
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];

@@ -17,7 +17,7 @@ typedef struct kv_cand {
 struct kv_sampler {
     kv_sample_params p;
     int32_t n_vocab;
-    kv_cand *cand;     /* [n_vocab] */
+    kv_cand *cand;     /* [n_vocab], NULL when the caller lends scratch */
     int32_t *hist;     /* ring of the last repeat_last_n tokens */
     int32_t n_hist, hist_at;
     uint64_t rng[4];   /* xoshiro256** state */
@@ -48,6 +48,13 @@ static double kv_uniform(uint64_t *s) {
 }
 
 int kv_sampler_new(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p, kv_diag *d) {
+    return kv_sampler_new_ex(out, n_vocab, p, true, d);
+}
+
+size_t kv_sampler_scratch_bytes(int32_t n_vocab) { return n_vocab > 0 ? (size_t)n_vocab * sizeof(kv_cand) : 0; }
+
+int kv_sampler_new_ex(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p, bool own_scratch,
+                      kv_diag *d) {
     *out = NULL;
     if (n_vocab < 1) return kv_fail(d, KV_EINVAL, "sampler: vocabulary is empty");
     if (!(p->temp >= 0.0f && p->temp <= 100.0f)) return kv_fail(d, KV_EINVAL, "sampler: temp %g out of range [0, 100]", p->temp);
@@ -61,9 +68,9 @@ int kv_sampler_new(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p,
     if (!s) return kv_fail(d, KV_ENOMEM, "sampler: out of memory");
     s->p = *p;
     s->n_vocab = n_vocab;
-    s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
+    s->cand = own_scratch ? malloc((size_t)n_vocab * sizeof *s->cand) : NULL;
     s->hist = malloc(((size_t)p->repeat_last_n + 1) * sizeof *s->hist);
-    if (!s->cand || !s->hist) {
+    if ((own_scratch && !s->cand) || !s->hist) {
         kv_sampler_free(s);
         return kv_fail(d, KV_ENOMEM, "sampler: out of memory");
     }
@@ -129,9 +136,12 @@ static void kv_cand_softmax(kv_cand *c, int32_t n) {
     for (int32_t i = 0; i < n; i++) c[i].p = (float)(c[i].p / sum);
 }
 
-int32_t kv_sampler_sample(kv_sampler *s, const float *logits) {
+int32_t kv_sampler_sample(kv_sampler *s, const float *logits) { return kv_sampler_sample_in(s, logits, NULL); }
+
+int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch) {
     const kv_sample_params *p = &s->p;
-    kv_cand *c = s->cand;
+    kv_cand *c = scratch ? scratch : s->cand;
+    if (!c) return KV_EINVAL;
     int32_t n = s->n_vocab;
     bool any_finite = false;
     for (int32_t i = 0; i < n; i++) {
