@@ -173,6 +173,9 @@ void kv_hub_announce_free(kv_hub_announce *a);
 /* Serializes an announcement (client side); malloc'd string, caller frees. */
 char *kv_hub_announce_json(const kv_hub_announce *a);
 
+/* Body of POST /v1/challenge: {"nonce": HEX64, "sha256": HEX64}. */
+int kv_hub_parse_answer(const char *json, size_t len, uint8_t nonce[32], uint8_t hash[32], kv_diag *d);
+
 typedef struct kv_hub_market {
     bool covered;               /* every shard has a live replica */
     kv_hub_shard_view *shards;  /* [n_shards] in the hub's order (scarcest first) */

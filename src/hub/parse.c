@@ -220,6 +220,26 @@ char *kv_hub_announce_json(const kv_hub_announce *a) {
     return s;
 }
 
+/* ---- challenge answer ------------------------------------------------------ */
+
+int kv_hub_parse_answer(const char *json, size_t len, uint8_t nonce[32], uint8_t hash[32], kv_diag *d) {
+    memset(nonce, 0, 32);
+    memset(hash, 0, 32);
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "challenge answer: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    if (!json_is_object(root)) rc = kv_fail(d, KV_EFORMAT, "challenge answer: must be a JSON object");
+    else if (!(rc = kv_j_hex32(root, "challenge answer", "nonce", nonce, d)))
+        rc = kv_j_hex32(root, "challenge answer", "sha256", hash, d);
+    json_decref(root);
+    if (rc) {
+        memset(nonce, 0, 32);
+        memset(hash, 0, 32);
+    }
+    return rc;
+}
+
 /* ---- market ---------------------------------------------------------------- */
 
 #define KV_HUB_MARKET_MAX_SHARDS (1u << 20) /* as KV_MANIFEST_MAX_SLABS */

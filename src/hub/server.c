@@ -762,38 +762,10 @@ static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, cons
     return kv_reply_json(c, MHD_HTTP_OK, j);
 }
 
-/* Body of POST /v1/challenge: {"nonce": HEX64, "sha256": HEX64}. */
-static int kv_parse_answer(const char *body, size_t n, uint8_t nonce[32], uint8_t hash[32], kv_diag *d) {
-    /* an announcement-shaped parse would be overkill: two fixed fields */
-    json_error_t je;
-    json_t *j = json_loadb(body ? body : "", n, JSON_REJECT_DUPLICATES, &je);
-    if (!j) return kv_fail(d, KV_EFORMAT, "challenge answer: bad JSON: %s", je.text);
-    int rc = 0;
-    const char *keys[2] = {"nonce", "sha256"};
-    uint8_t *outs[2] = {nonce, hash};
-    for (int k = 0; k < 2 && !rc; k++) {
-        json_t *v = json_is_object(j) ? json_object_get(j, keys[k]) : NULL;
-        const char *s = v && json_is_string(v) && json_string_length(v) == 64 ? json_string_value(v) : NULL;
-        for (int i = 0; s && i < 64; i++)
-            if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) s = NULL;
-        if (!s) {
-            rc = kv_fail(d, KV_EFORMAT, "challenge answer: '%s' must be 64 lowercase hex digits", keys[k]);
-            break;
-        }
-        for (int i = 0; i < 32; i++) {
-            unsigned hi = (unsigned)(s[2 * i] <= '9' ? s[2 * i] - '0' : s[2 * i] - 'a' + 10);
-            unsigned lo = (unsigned)(s[2 * i + 1] <= '9' ? s[2 * i + 1] - '0' : s[2 * i + 1] - 'a' + 10);
-            outs[k][i] = (uint8_t)(hi << 4 | lo);
-        }
-    }
-    json_decref(j);
-    return rc;
-}
-
 static enum MHD_Result kv_do_answer(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     kv_diag d = {0};
     uint8_t nonce[32], ans[32], want[32];
-    if (kv_parse_answer(q->body, q->n, nonce, ans, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    if (kv_hub_parse_answer(q->body ? q->body : "", q->n, nonce, ans, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
     enum MHD_Result ret;
     kv_hub_node *n = kv_lock_signer(h, c, s, &ret);
     if (!n) return ret;
