@@ -11,7 +11,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -928,10 +931,102 @@ static void test_challenge(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
+/* ---- cases: resources ------------------------------------------------------------ */
+
+static int tcp_connect(const hub_proc *p) {
+    unsigned port = 0;
+    const char *c = strrchr(p->url, ':');
+    if (c) port = (unsigned)atoi(c + 1);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* 1 if the peer closes fd within ms, 0 if it stays open. */
+static int closed_within(int fd, int ms) {
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
+    if (poll(&pf, 1, ms) != 1) return 0;
+    char b[256];
+    return read(fd, b, sizeof b) <= 0;
+}
+
+static void test_connection_limits(void) {
+    char db[512];
+    db_path(db, sizeof db, "limits");
+    hub_proc p;
+    if (hub_start(&p, db, "--per-ip-conns 4 --timeout 1 --threads 1")) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    int fds[5];
+    for (int i = 0; i < 4; i++) fds[i] = tcp_connect(&p);
+    usleep(100 * 1000);
+    /* a fifth idle connection from the same address is refused at once */
+    fds[4] = tcp_connect(&p);
+    ASSERT_TRUE(fds[4] < 0 || closed_within(fds[4], 500));
+    /* idle connections do not hold their slot past the timeout */
+    for (int i = 0; i < 4; i++) ASSERT_EQ(closed_within(fds[i], 3000), 1);
+    for (int i = 0; i < 5; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    /* a request that starts a body and never finishes it is dropped too */
+    int fd = tcp_connect(&p);
+    const char *half = "POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{";
+    ASSERT_TRUE(write(fd, half, strlen(half)) == (ssize_t)strlen(half));
+    ASSERT_EQ(closed_within(fd, 3000), 1);
+    close(fd);
+    /* and the hub still serves */
+    resp r = get(&p, "/v1/status");
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
+/* A store belongs to one model: opening it for another fails, and the
+ * store is left as it was (the first model's hub opens it again). */
+static void test_store_of_other_model(void) {
+    char db[512], cmd[2048], other[600];
+    db_path(db, sizeof db, "model_a");
+    hub_proc p;
+    if (hub_start(&p, db, NULL)) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    kv_node_key a;
+    char kdir[600];
+    snprintf(kdir, sizeof kdir, "%s/node_a", g_dir);
+    kv_diag d = {0};
+    ASSERT_EQ(kv_node_key_load(&a, kdir, true, &d), 0);
+    const int sa[] = {0};
+    ASSERT_EQ(do_register(&p, &a, "127.0.0.1:9600", sa, 1, NULL), 200);
+    ASSERT_EQ(hub_stop(&p), 0);
+    snprintf(other, sizeof other, "%s/other/manifest.json", g_dir);
+    snprintf(cmd, sizeof cmd,
+             "'%s' gen-model --preset tiny --type f16 --out '%s/o.gguf' >/dev/null 2>&1 && "
+             "'%s' slice '%s/o.gguf' --out '%s/other' --experts-per-slab 4 >/dev/null 2>&1",
+             getenv("KV_BIN"), g_dir, getenv("KV_BIN"), g_dir, g_dir);
+    ASSERT_EQ(run_cmd(cmd), 0);
+    snprintf(cmd, sizeof cmd, "'%s' hub --model '%s' --db '%s' --quiet 2>&1 | grep -q 'belongs to model'",
+             getenv("KV_BIN"), other, db);
+    ASSERT_EQ(run_cmd(cmd), 0);
+    if (hub_start(&p, db, NULL)) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    int live[64] = {1, 0, 0, 0};
+    check_market(&p, live, 2, 1000000);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
-    KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge),
+    KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
+    KVT_CASE(test_store_of_other_model),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
