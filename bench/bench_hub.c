@@ -110,7 +110,7 @@ static int bench_market(int argc, char **argv) {
         memcpy(pk, &k, sizeof k);
         pk[31] = 0xb7;
         for (size_t i = 0; i < per; i++) sl[i] = (uint32_t)(next++ % ns);
-        char addr[32];
+        char addr[64];
         snprintf(addr, sizeof addr, "10.0.%ld.%ld:7000", k / 256, k % 256);
         kv_diag d = {0};
         if (kv_hub_inject_node(h, pk, addr, sl, per, k % 10 ? now_ms : now_ms - 3600 * 1000, &d)) {

@@ -123,7 +123,7 @@ static size_t on_header(char *d, size_t s, size_t m, void *arg) {
     return n;
 }
 
-/* method GET/POST; hdrs NULL-terminated list; body may be NULL. */
+/* method GET/HEAD/POST, or GETBODY (a GET that sends a body); hdrs NULL-terminated list; body may be NULL. */
 static resp http(const char *method, const char *url, const char *const *hdrs, const char *body, size_t blen) {
     resp r = {0};
     CURL *c = curl_easy_init();
@@ -138,7 +138,9 @@ static resp http(const char *method, const char *url, const char *const *hdrs, c
     curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
     curl_easy_setopt(c, CURLOPT_HEADERDATA, &r);
     curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 10000L);
-    if (!strcmp(method, "POST")) {
+    if (!strcmp(method, "HEAD")) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+    if (!strcmp(method, "POST") || !strcmp(method, "GETBODY")) {
+        if (!strcmp(method, "GETBODY")) curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, "GET");
         curl_easy_setopt(c, CURLOPT_POST, 1L);
         curl_easy_setopt(c, CURLOPT_POSTFIELDS, body ? body : "");
         curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, (long)blen);
@@ -415,6 +417,14 @@ static void test_pieces_range(void) {
         ASSERT_EQ(r.status, 200);
         ASSERT_TRUE(r.n == n && !memcmp(r.body, b, n));
         resp_free(&r);
+        {
+            char url[1024];
+            snprintf(url, sizeof url, "%s%s", p.url, up);
+            r = http("HEAD", url, NULL, NULL, 0);
+            ASSERT_EQ(r.status, 200);
+            ASSERT_EQ(r.n, 0);
+            resp_free(&r);
+        }
         uint64_t offs[][2] = {{0, 0}, {1, 4096}, {n / 2, n - 1}, {n - 1, n - 1}};
         for (int k = 0; k < 4; k++) {
             char rg[96], want[128];
@@ -802,6 +812,7 @@ static void test_bad_requests(void) {
         "{\"nonce\":\"NONCE\",\"addr\":\"h:1\",\"memory\":-1,\"backend\":\"x\",\"shards\":[]}",
         "{\"nonce\":\"NONCE\",\"addr\":\"h:1\",\"memory\":1,\"backend\":\"x\",\"shards\":[{\"layer\":0}]}",
         "{\"nonce\":\"NONCE\",\"addr\":\"h\\\"x:1\",\"memory\":1,\"backend\":\"x\",\"shards\":[]}",
+        "{\"nonce\":\"NONCE\",\"addr\":\"h:1\",\"memory\":1,\"backend\":\"x\",\"shards\":[]}",
         "{\"nonce\":\"NONCE\",\"addr\":\"h:1\",\"memory\":1,\"backend\":\"x\",\"shards\":[{\"layer\":99,\"first\":0,"
         "\"last\":3,\"sha256\":\"HASH\"}]}",
     };
@@ -809,7 +820,7 @@ static void test_bad_requests(void) {
         char js[1024];
         subst(js, sizeof js, malformed[i], nonce);
         r = post_signed(&p, &c2, "/v1/register", js, kv_node_next_counter(&c2));
-        ASSERT_EQ(r.status, i == KVT_N(malformed) - 1 ? 422 : 400);
+        ASSERT_EQ(r.status, i + 2 >= KVT_N(malformed) ? 422 : 400);
         ASSERT_TRUE(is_json_error(&r));
         resp_free(&r);
     }
@@ -824,6 +835,20 @@ static void test_bad_requests(void) {
     ASSERT_EQ(r.status, 413);
     ASSERT_TRUE(is_json_error(&r));
     resp_free(&r);
+    /* the same without a Content-Length (chunked): refused once it passes the bound */
+    {
+        const char *hs[] = {"Transfer-Encoding: chunked", NULL};
+        r = http("POST", url, hs, big, strlen(big));
+        ASSERT_EQ(r.status, 413);
+        ASSERT_TRUE(is_json_error(&r));
+        resp_free(&r);
+        char surl[400];
+        snprintf(surl, sizeof surl, "%s/v1/status", p.url);
+        r = http("GETBODY", surl, hs, big, strlen(big)); /* a GET with a body */
+        ASSERT_EQ(r.status, 400);
+        ASSERT_TRUE(is_json_error(&r));
+        resp_free(&r);
+    }
     free(big);
     /* nothing above changed state (the counters of refused requests included:
      * the next request with a counter just above the last accepted one works) */

@@ -416,7 +416,9 @@ int kv_hub_inject_node(kv_hub *h, const uint8_t pk[32], const char *addr, const 
 typedef struct kv_req {
     char *body;     /* [n] accumulated upload */
     size_t n, cap;
-    bool too_big;   /* answered 413 already */
+    bool too_big;   /* body over the bound (or a body where none belongs) */
+    bool answered;  /* the refusal is queued */
+    size_t discarded; /* bytes dropped since too_big */
 } kv_req;
 
 static enum MHD_Result kv_reply(struct MHD_Connection *c, unsigned status, const char *type, char *body,
@@ -629,6 +631,12 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     if (!sl) {
         kv_hub_announce_free(&a);
         return kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
+    }
+    if (!a.n_shards) {
+        /* a node that holds nothing has nothing to register for, and an empty
+         * registration would let anyone fill the registry for free */
+        ret = kv_reply_err(c, MHD_HTTP_UNPROCESSABLE_CONTENT, KV_EINVAL, "announcement lists no shards");
+        goto out;
     }
     for (size_t i = 0; i < a.n_shards; i++) {
         const kv_hub_held *e = &a.shards[i];
@@ -849,7 +857,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         if (post) {
             const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
             if (cl && (strlen(cl) > 12 || strtoull(cl, NULL, 10) > h->o.max_body)) {
-                q->too_big = true;
+                q->too_big = q->answered = true;
                 return kv_reply_errf(c, MHD_HTTP_CONTENT_TOO_LARGE, KV_ERANGE, "request body over %u bytes",
                                      h->o.max_body);
             }
@@ -857,17 +865,15 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         return MHD_YES;
     }
     if (*upload_size) {
-        if (q->too_big) {
-            *upload_size = 0;
-            return MHD_YES;
-        }
-        if (!post || *upload_size > h->o.max_body - q->n) {
+        /* libmicrohttpd takes no answer while a body is arriving: an
+         * overflowing (chunked) body is discarded until it ends, then
+         * answered 413; one that goes on far past the bound closes the
+         * connection instead */
+        if (q->too_big || !post || *upload_size > h->o.max_body - q->n) {
             q->too_big = true;
+            q->discarded += *upload_size;
             *upload_size = 0;
-            if (!post)
-                return kv_reply_errf(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL, "a %.16s request takes no body", method);
-            return kv_reply_errf(c, MHD_HTTP_CONTENT_TOO_LARGE, KV_ERANGE, "request body over %u bytes",
-                                 h->o.max_body);
+            return q->discarded > 4 * (size_t)h->o.max_body + (1u << 20) ? MHD_NO : MHD_YES;
         }
         if (q->n + *upload_size > q->cap) {
             size_t nc = q->cap ? q->cap : 4096;
@@ -882,7 +888,12 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         *upload_size = 0;
         return MHD_YES;
     }
-    if (q->too_big) return MHD_YES;
+    if (q->too_big && q->answered) return MHD_YES;
+    if (q->too_big) {
+        q->answered = true;
+        if (!post) return kv_reply_errf(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL, "a %.16s request takes no body", method);
+        return kv_reply_errf(c, MHD_HTTP_CONTENT_TOO_LARGE, KV_ERANGE, "request body over %u bytes", h->o.max_body);
+    }
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     if (get) {
         if (!strcmp(url, "/v1/manifest")) {
