@@ -1047,11 +1047,31 @@ static void test_store_of_other_model(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
+static void test_market_cli_errors(void) {
+    char cmd[1024];
+    /* usage errors exit 1, a hub that cannot be reached exits 2, one line each */
+    snprintf(cmd, sizeof cmd, "'%s' market 2>/dev/null", getenv("KV_BIN"));
+    ASSERT_EQ(run_cmd(cmd), 1);
+    snprintf(cmd, sizeof cmd, "'%s' market --hub http://127.0.0.1:1 --timeout-ms 2000 2>&1 >/dev/null | wc -l | grep -qx 1",
+             getenv("KV_BIN"));
+    ASSERT_EQ(run_cmd(cmd), 0);
+    snprintf(cmd, sizeof cmd, "'%s' market --hub http://127.0.0.1:1 --timeout-ms 2000 2>/dev/null", getenv("KV_BIN"));
+    ASSERT_EQ(run_cmd(cmd), 2);
+    snprintf(cmd, sizeof cmd, "'%s' hub --model '%s' 2>/dev/null", getenv("KV_BIN"), g_manifest);
+    ASSERT_EQ(run_cmd(cmd), 1);
+    snprintf(cmd, sizeof cmd, "'%s' hub --model /nonexistent/manifest.json --db '%s/x.db' 2>/dev/null", getenv("KV_BIN"),
+             g_dir);
+    ASSERT_EQ(run_cmd(cmd), 2);
+    snprintf(cmd, sizeof cmd, "'%s' hub --model '%s' --db '%s/y.db' --listen 127.0.0.1:99999 2>/dev/null",
+             getenv("KV_BIN"), g_manifest, g_dir);
+    ASSERT_EQ(run_cmd(cmd), 2);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
-    KVT_CASE(test_store_of_other_model),
+    KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
