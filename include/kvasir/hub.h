@@ -60,6 +60,8 @@ typedef struct kv_hub_opts {
     uint32_t per_ip_conns;     /* concurrent connections per client IP; 0 = 64 */
     uint32_t conn_timeout_s;   /* idle connection timeout; 0 = 30 */
     uint32_t threads;          /* server threads; 0 = 4 */
+    uint32_t challenge_every;  /* heartbeats between storage challenges; 0 = 12 */
+    uint32_t challenge_ttl_ms; /* a challenge unanswered this long fails; 0 = 60000 */
     bool quiet;                /* no log lines on stderr */
 } kv_hub_opts;
 

@@ -11,7 +11,8 @@
 
 static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--wanted", "--deadline-ms",
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
-                                             "--timeout", "--threads", NULL};
+                                             "--timeout", "--threads", "--challenge-every",
+                                             "--challenge-ttl-ms", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json --db FILE [--listen HOST:PORT] [options]\n"
@@ -26,6 +27,8 @@ static const char *kv_hub_help =
     "  --per-ip-conns N    concurrent connections per client IP (default 64)\n"
     "  --timeout S         idle connection timeout, seconds (default 30)\n"
     "  --threads N         server threads (default 4)\n"
+    "  --challenge-every N storage challenge every N heartbeats of a node (default 12)\n"
+    "  --challenge-ttl-ms MS  an unanswered challenge fails after MS (default 60000)\n"
     "  --quiet             no log lines\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n";
 
@@ -78,6 +81,12 @@ int kv_cmd_hub(int argc, char **argv) {
         } else if (!strcmp(a, "--threads")) {
             if (kv_arg_long(CMD, a, s, 1, 256, &v)) return 1;
             o.threads = (uint32_t)v;
+        } else if (!strcmp(a, "--challenge-every")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.challenge_every = (uint32_t)v;
+        } else if (!strcmp(a, "--challenge-ttl-ms")) {
+            if (kv_arg_long(CMD, a, s, 100, 86400000, &v)) return 1;
+            o.challenge_ttl_ms = (uint32_t)v;
         } else {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir hub --help)", a);
         }

@@ -42,8 +42,6 @@
 #include "kvasir/slice.h"
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
-#define KV_HUB_CHALLENGE_TTL_MS 60000        /* a challenge must be answered within this */
-#define KV_HUB_CHALLENGE_EVERY 12            /* heartbeats between challenges */
 
 typedef struct kv_hub_node {
     uint8_t pk[32];                       /* identity */
@@ -606,7 +604,7 @@ static void kv_challenge_json(const kv_hub *h, const kv_hub_node *n, json_t *out
     json_object_set_new(c, "path", json_string(s->file.path));
     json_object_set_new(c, "offset", json_integer((json_int_t)off));
     json_object_set_new(c, "length", json_integer((json_int_t)len));
-    json_object_set_new(c, "expires_ms", json_integer(n->ch_issued_ms + KV_HUB_CHALLENGE_TTL_MS));
+    json_object_set_new(c, "expires_ms", json_integer(n->ch_issued_ms + h->o.challenge_ttl_ms));
     json_object_set_new(out, "challenge", c);
 }
 
@@ -745,7 +743,7 @@ static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, cons
     if (!n) return ret;
     int64_t now = kv_now_ms();
     json_t *j = json_object();
-    if (n->ch_pending && now - n->ch_issued_ms > KV_HUB_CHALLENGE_TTL_MS) {
+    if (n->ch_pending && now - n->ch_issued_ms > (int64_t)h->o.challenge_ttl_ms) {
         /* an unanswered storage challenge counts as a failed one */
         if (kv_node_drop(h, n, s->counter, &d)) {
             pthread_mutex_unlock(&h->mu);
@@ -761,7 +759,7 @@ static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, cons
     }
     n->counter = s->counter;
     n->last_seen_ms = now;
-    if (!n->ch_pending && ++n->beats >= KV_HUB_CHALLENGE_EVERY) kv_challenge_issue(n, now);
+    if (!n->ch_pending && ++n->beats >= h->o.challenge_every) kv_challenge_issue(n, now);
     json_object_set_new(j, "ok", json_true());
     json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
     json_object_set_new(j, "live_until_ms", json_integer(now + h->o.deadline_ms));
@@ -1046,6 +1044,8 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.per_ip_conns) h->o.per_ip_conns = 64;
     if (!h->o.conn_timeout_s) h->o.conn_timeout_s = 30;
     if (!h->o.threads) h->o.threads = 4;
+    if (!h->o.challenge_every) h->o.challenge_every = 12;
+    if (!h->o.challenge_ttl_ms) h->o.challenge_ttl_ms = 60000;
     int rc;
     if ((rc = kv_read_file(opts->manifest, KV_MANIFEST_MAX_BYTES, &h->manifest_json, &h->manifest_len, d)) ||
         (rc = kv_manifest_parse(&h->m, h->manifest_json, h->manifest_len, d)))
