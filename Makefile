@@ -5,6 +5,7 @@
 #   make asan     sanitizer build; every test again under ASan+UBSan
 #   make fuzz     longer libFuzzer runs
 #   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)
+#   make bench-hub  hub market view at 122B scale + load of 2,000 heartbeating nodes
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
@@ -16,7 +17,7 @@ FUZZ_SECONDS ?= 300
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench clean
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub clean
 
 all: build
 
@@ -55,6 +56,10 @@ fuzz: deps
 bench: deps oracle
 	@$(MAKE) --no-print-directory build
 	@bash bench/run.sh $(BUILD)/kvasir
+
+bench-hub: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/hub.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

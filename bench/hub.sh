@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Hub benchmarks (make bench-hub): the market view at the 122B skeleton's
+# scale (12,544 shards, 2,000 nodes) and a load of 2,000 nodes heartbeating
+# every 5 s while coordinators read the placement map. Loopback only.
+# Figures: docs/BENCHMARKS.md. HUB_LOAD_SECONDS sets the load duration (30).
+set -euo pipefail
+build=${1:-build}
+bin=$build/kvasir
+work=$(mktemp -d "${TMPDIR:-/tmp}/kv_bench_hub.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+echo "CPU: $(lscpu | sed -n 's/^Model name: *//p' | head -n1), $(nproc) threads"
+"$bin" gen-model --preset qwen35-122b-a10b --skeleton --out "$work/s.gguf" >/dev/null 2>&1 2>&1
+"$bin" slice "$work/s.gguf" --out "$work/s" --experts-per-slab 1 >/dev/null 2>&1 2>&1
+"$build/bench_hub" market "$work/s/manifest.json" --nodes 2000 --reps 20
+"$bin" gen-model --preset tiny --out "$work/t.gguf" >/dev/null 2>&1 2>&1
+"$bin" slice "$work/t.gguf" --out "$work/t" --experts-per-slab 1 >/dev/null 2>&1 2>&1
+"$build/bench_hub" load "$work/t/manifest.json" --nodes 2000 --seconds "${HUB_LOAD_SECONDS:-30}" \
+  --interval-ms 5000 --threads 16 --readers 4 --read-ms 100

@@ -1,0 +1,199 @@
+/* The hub: registry of nodes, piece server and coverage market.
+ *
+ * A hub serves one sliced model (its manifest.json and the files it names)
+ * over HTTP, keeps a registry of nodes (a node is an Ed25519 key) and what
+ * each holds, and publishes the coverage market: for every shard (one slab
+ * of the manifest: a layer's expert range) the wanted replicas, the live
+ * replicas (nodes whose last heartbeat is within the deadline) and a reward
+ * rate. The HTTP API is described in docs/HUB.md.
+ *
+ * Three parts live behind this header:
+ *   - the server (kv_hub_open/serve/stop/free): libmicrohttpd, its state
+ *     behind one store interface (kv_hub_store_ops; SQLite in WAL mode);
+ *   - the client side of node identity, used by nodes and tests alike:
+ *     key files, request signing, the storage-challenge answer;
+ *   - the parsers the hub adds (Range header, auth headers, announcement,
+ *     market JSON), exposed so that they are fuzzed and tested directly.
+ *
+ * Signed requests. Every state-changing request carries three headers:
+ *   X-Kvasir-Key:       the node's public key, 64 lowercase hex digits
+ *   X-Kvasir-Counter:   a decimal u64 that must exceed the last one the hub
+ *                       accepted from this key (stored, so it survives a
+ *                       restart): a captured request cannot be replayed
+ *   X-Kvasir-Signature: Ed25519 signature, 128 hex digits, over
+ *                       "kvasir-hub-v1\n" METHOD "\n" PATH "\n" COUNTER "\n"
+ *                       hex(SHA-256(body)) "\n"
+ * Registration also carries a single-use hub nonce in its body (GET
+ * /v1/nonce), so a node proves it holds the key now. */
+#ifndef KVASIR_HUB_H
+#define KVASIR_HUB_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvasir/err.h"
+
+#define KV_HUB_SIG_DOMAIN "kvasir-hub-v1"
+#define KV_HUB_MAX_BODY (1u << 20)        /* default bound on a request body */
+#define KV_HUB_MAX_ADDR 255u              /* bytes in an announced HOST:PORT */
+#define KV_HUB_MAX_BACKEND 63u            /* bytes in an announced backend name */
+#define KV_HUB_MAX_SHARDS_PER_NODE 65536u /* shards one announcement may list */
+#define KV_HUB_MAX_NONCES 65536u          /* outstanding registration nonces */
+#define KV_HUB_NONCE_TTL_MS 60000         /* a registration nonce lives this long */
+#define KV_HUB_CHALLENGE_MAX_LEN 65536u   /* bytes hashed by one storage challenge */
+#define KV_HUB_KEY_FILE "node.key"        /* in a node's data folder */
+
+/* ---- server ----------------------------------------------------------- */
+
+typedef struct kv_hub kv_hub;
+
+typedef struct kv_hub_opts {
+    const char *manifest;      /* path of manifest.json; pieces are served from its folder */
+    const char *listen;        /* HOST:PORT; NULL = "127.0.0.1:0" (port 0 picks one) */
+    const char *db;            /* store URI: a SQLite file path */
+    uint32_t wanted;           /* replicas wanted per shard; 0 = 2 */
+    uint32_t deadline_ms;      /* heartbeat deadline for "live"; 0 = 15000 */
+    uint64_t reward_base;      /* micro-KVR per hour for a shard with wanted replicas; 0 = 1000000 */
+    uint32_t max_body;         /* request body bound, bytes; 0 = KV_HUB_MAX_BODY */
+    uint32_t max_conns;        /* concurrent connections; 0 = 1024 */
+    uint32_t per_ip_conns;     /* concurrent connections per client IP; 0 = 64 */
+    uint32_t conn_timeout_s;   /* idle connection timeout; 0 = 30 */
+    uint32_t threads;          /* server threads; 0 = 4 */
+    uint32_t challenge_every;  /* heartbeats between storage challenges; 0 = 12 */
+    uint32_t challenge_ttl_ms; /* a challenge unanswered this long fails; 0 = 60000 */
+    bool quiet;                /* no log lines on stderr */
+} kv_hub_opts;
+
+/* Loads the manifest, opens (or creates) the store, reloads the registry
+ * from it and starts serving on opts->listen. The store must belong to the
+ * same model (its model_id) or KV_EINVAL. On error *out is NULL and d says
+ * why. Free with kv_hub_free. */
+int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d);
+/* "HOST:PORT" actually bound (valid while h lives). */
+const char *kv_hub_addr(const kv_hub *h);
+/* Blocks until kv_hub_stop (the server runs on its own threads meanwhile). */
+int kv_hub_serve(kv_hub *h, kv_diag *d);
+/* Async-signal-safe: makes kv_hub_serve return. */
+void kv_hub_stop(kv_hub *h);
+/* Stops the server threads and closes the store; accepts NULL. */
+void kv_hub_free(kv_hub *h);
+
+/* ---- market (also computed in process, for benchmarks) ---------------- */
+
+typedef struct kv_hub_shard_view {
+    uint32_t layer, first, last; /* the slab's expert range, inclusive */
+    uint64_t bytes;              /* slab file size */
+    uint32_t wanted, live;       /* replicas */
+    uint64_t reward;             /* micro-KVR per hour offered to one more holder */
+} kv_hub_shard_view;
+
+/* Renders GET /v1/market into a malloc'd NUL-terminated JSON string (caller
+ * frees) at the hub's current time. Thread-safe. */
+int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
+
+/* ---- node identity (client side) --------------------------------------- */
+
+typedef struct kv_node_key {
+    uint8_t pk[32];        /* Ed25519 public key */
+    uint8_t sk[64];        /* secret key (libsodium layout: seed || pk) */
+    uint64_t last_counter; /* last counter handed out by kv_node_next_counter */
+} kv_node_key;
+
+/* Loads DIR/node.key, or, when it does not exist and create is true, makes
+ * DIR (0700) and a new key file (0600, 64 hex digits of seed + newline,
+ * written to a temporary name and renamed). A file of any other size or
+ * content is KV_EFORMAT; it is never overwritten. */
+int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d);
+/* Deterministic key from a 32-byte seed (tests, load generator). */
+void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]);
+void kv_hex(const uint8_t *b, size_t n, char *out); /* 2n digits + NUL */
+/* Strictly increasing: max(last + 1, wall clock in microseconds), so a node
+ * that restarts without state still outruns the counters it used before. */
+uint64_t kv_node_next_counter(kv_node_key *k);
+
+typedef struct kv_hub_auth {
+    char key[65];       /* X-Kvasir-Key */
+    char counter[21];   /* X-Kvasir-Counter */
+    char sig[129];      /* X-Kvasir-Signature */
+} kv_hub_auth;
+
+/* Signs a request (see the header comment for the signed text). path is the
+ * request path without the query. Never fails. */
+void kv_hub_sign(const kv_node_key *k, const char *method, const char *path, const void *body,
+                 size_t body_len, uint64_t counter, kv_hub_auth *out);
+/* Verifies a parsed signature over the same text; 0 or KV_EPROTO. */
+int kv_hub_verify(const uint8_t pk[32], const uint8_t sig[64], const char *method, const char *path,
+                  const void *body, size_t body_len, uint64_t counter);
+
+/* ---- storage challenge ------------------------------------------------- */
+
+/* The byte range of a file of `size` bytes that a challenge nonce selects:
+ * off = H(nonce)[0..8) mod size, len = min(KV_HUB_CHALLENGE_MAX_LEN, size -
+ * off). Both sides compute it; size 0 gives 0, 0. */
+void kv_hub_challenge_range(const uint8_t nonce[32], uint64_t size, uint64_t *off, uint64_t *len);
+/* The answer: SHA-256(nonce || bytes [off, off+len) of the file at path),
+ * the range taken from kv_hub_challenge_range over the file's size, which
+ * must equal `size` (KV_EHASH otherwise). KV_EIO if unreadable. */
+int kv_hub_challenge_answer(const char *path, uint64_t size, const uint8_t nonce[32], uint8_t out[32],
+                            kv_diag *d);
+
+/* ---- parsers of untrusted input (fuzzed: fuzz/fuzz_hub_*.c) ------------ */
+
+/* A Range header against a file of `size` bytes: "bytes=A-B", "bytes=A-" or
+ * "bytes=-N", one range only. Returns 0 with [*off, *off + *len) inside the
+ * file, KV_EFORMAT for a header that is not one such range, KV_ERANGE for
+ * a range that does not overlap the file (HTTP 416). */
+int kv_hub_parse_range(const char *hdr, uint64_t size, uint64_t *off, uint64_t *len, kv_diag *d);
+
+/* The three auth headers (any may be NULL: KV_EPROTO "unsigned"). */
+int kv_hub_parse_auth(const char *key, const char *counter, const char *sig, uint8_t pk[32],
+                      uint64_t *ctr, uint8_t sg[64], kv_diag *d);
+
+typedef struct kv_hub_held {
+    uint32_t layer, first, last; /* a slab of the manifest */
+    uint8_t sha256[32];          /* what the node holds; must equal the manifest's */
+} kv_hub_held;
+
+/* A node's announcement (body of POST /v1/register):
+ *   {"nonce": HEX64, "addr": "HOST:PORT", "memory": BYTES, "backend": NAME,
+ *    "shards": [{"layer": L, "first": F, "last": T, "sha256": HEX64}, ...]} */
+typedef struct kv_hub_announce {
+    uint8_t nonce[32];
+    char addr[KV_HUB_MAX_ADDR + 1];
+    uint64_t memory;
+    char backend[KV_HUB_MAX_BACKEND + 1];
+    kv_hub_held *shards; /* [n_shards], malloc'd */
+    size_t n_shards;
+} kv_hub_announce;
+/* Parses and bounds-checks an announcement (len bytes, need not be NUL-
+ * terminated): addr is HOST:PORT with a port in 1..65535, made of
+ * [A-Za-z0-9.-:[]]; backend of [A-Za-z0-9._+-]; no duplicate shard. Checks against the manifest come later.
+ * On error a is zeroed. Free with kv_hub_announce_free (accepts NULL). */
+int kv_hub_parse_announce(kv_hub_announce *a, const char *json, size_t len, kv_diag *d);
+void kv_hub_announce_free(kv_hub_announce *a);
+/* Serializes an announcement (client side); malloc'd string, caller frees. */
+char *kv_hub_announce_json(const kv_hub_announce *a);
+
+/* Body of POST /v1/challenge: {"nonce": HEX64, "sha256": HEX64}. */
+int kv_hub_parse_answer(const char *json, size_t len, uint8_t nonce[32], uint8_t hash[32], kv_diag *d);
+
+typedef struct kv_hub_market {
+    bool covered;               /* every shard has a live replica */
+    kv_hub_shard_view *shards;  /* [n_shards] in the hub's order (scarcest first) */
+    size_t n_shards;
+} kv_hub_market;
+/* Parses GET /v1/market (client side: `kvasir market`). Free with
+ * kv_hub_market_free (accepts NULL). */
+int kv_hub_parse_market(kv_hub_market *m, const char *json, size_t len, kv_diag *d);
+void kv_hub_market_free(kv_hub_market *m);
+
+/* ---- HTTP client helper (libcurl) -------------------------------------- */
+
+/* GET url into a malloc'd NUL-terminated buffer of at most max bytes (caller
+ * frees); *status gets the HTTP status. KV_EIO on transport errors or a
+ * larger body, KV_ETIMEOUT after timeout_ms. */
+int kv_hub_http_get(const char *url, size_t max, long timeout_ms, char **body, size_t *len, long *status,
+                    kv_diag *d);
+
+#endif

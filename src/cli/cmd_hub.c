@@ -1,0 +1,113 @@
+/* kvasir hub: serve a sliced model's pieces, the node registry and the
+ * coverage market over HTTP (docs/HUB.md). */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "kvasir/hub.h"
+
+#define CMD "hub"
+
+static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--wanted", "--deadline-ms",
+                                             "--reward", "--max-body", "--max-conns", "--per-ip-conns",
+                                             "--timeout", "--threads", "--challenge-every",
+                                             "--challenge-ttl-ms", NULL};
+
+static const char *kv_hub_help =
+    "usage: kvasir hub --model DIR/manifest.json --db FILE [--listen HOST:PORT] [options]\n"
+    "  --model PATH        the manifest of a sliced model; its pieces are served from its folder\n"
+    "  --db FILE           SQLite store (created if absent; WAL mode); the registry survives restarts\n"
+    "  --listen HOST:PORT  address to serve on (default 127.0.0.1:0; port 0 picks one, printed)\n"
+    "  --wanted N          replicas wanted per shard (default 2)\n"
+    "  --deadline-ms MS    a node is live while its last heartbeat is this recent (default 15000)\n"
+    "  --reward MICRO      micro-KVR per hour offered for a shard at its wanted count (default 1000000)\n"
+    "  --max-body BYTES    request body bound (default 1048576)\n"
+    "  --max-conns N       concurrent connections (default 1024)\n"
+    "  --per-ip-conns N    concurrent connections per client IP (default 64)\n"
+    "  --timeout S         idle connection timeout, seconds (default 30)\n"
+    "  --threads N         server threads (default 4)\n"
+    "  --challenge-every N storage challenge every N heartbeats of a node (default 12)\n"
+    "  --challenge-ttl-ms MS  an unanswered challenge fails after MS (default 60000)\n"
+    "  --quiet             no log lines\n"
+    "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n";
+
+static kv_hub *kv_the_hub;
+
+static void kv_on_signal(int sig) {
+    (void)sig;
+    if (kv_the_hub) kv_hub_stop(kv_the_hub);
+}
+
+int kv_cmd_hub(int argc, char **argv) {
+    kv_hub_opts o = {0};
+    long v;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *s;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(kv_hub_help, stdout);
+            return 0;
+        } else if (!strcmp(a, "--quiet")) {
+            o.quiet = true;
+        } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
+            return 1;
+        } else if (!strcmp(a, "--model")) {
+            o.manifest = s;
+        } else if (!strcmp(a, "--listen")) {
+            o.listen = s;
+        } else if (!strcmp(a, "--db")) {
+            o.db = s;
+        } else if (!strcmp(a, "--wanted")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.wanted = (uint32_t)v;
+        } else if (!strcmp(a, "--deadline-ms")) {
+            if (kv_arg_long(CMD, a, s, 1, 86400000, &v)) return 1;
+            o.deadline_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--reward")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000000000L, &v)) return 1;
+            o.reward_base = (uint64_t)v;
+        } else if (!strcmp(a, "--max-body")) {
+            if (kv_arg_long(CMD, a, s, 1024, 64L << 20, &v)) return 1;
+            o.max_body = (uint32_t)v;
+        } else if (!strcmp(a, "--max-conns")) {
+            if (kv_arg_long(CMD, a, s, 1, 65536, &v)) return 1;
+            o.max_conns = (uint32_t)v;
+        } else if (!strcmp(a, "--per-ip-conns")) {
+            if (kv_arg_long(CMD, a, s, 1, 65536, &v)) return 1;
+            o.per_ip_conns = (uint32_t)v;
+        } else if (!strcmp(a, "--timeout")) {
+            if (kv_arg_long(CMD, a, s, 1, 3600, &v)) return 1;
+            o.conn_timeout_s = (uint32_t)v;
+        } else if (!strcmp(a, "--threads")) {
+            if (kv_arg_long(CMD, a, s, 1, 256, &v)) return 1;
+            o.threads = (uint32_t)v;
+        } else if (!strcmp(a, "--challenge-every")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.challenge_every = (uint32_t)v;
+        } else if (!strcmp(a, "--challenge-ttl-ms")) {
+            if (kv_arg_long(CMD, a, s, 100, 86400000, &v)) return 1;
+            o.challenge_ttl_ms = (uint32_t)v;
+        } else {
+            return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir hub --help)", a);
+        }
+    }
+    if (!o.manifest || !o.db) return kv_cli_err(CMD, 1, "needs --model and --db (see kvasir hub --help)");
+    signal(SIGPIPE, SIG_IGN);
+    kv_diag d = {0};
+    kv_hub *h = NULL;
+    if (kv_hub_open(&h, &o, &d)) return kv_cli_diag(CMD, &d);
+    kv_the_hub = h;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = kv_on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    printf("listening on %s\n", kv_hub_addr(h));
+    fflush(stdout);
+    int rc = kv_hub_serve(h, &d);
+    kv_the_hub = NULL;
+    kv_hub_free(h);
+    if (!o.quiet) fprintf(stderr, "hub: stopped\n");
+    return rc ? kv_cli_diag(CMD, &d) : 0;
+}

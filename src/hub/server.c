@@ -1,0 +1,1183 @@
+/* The hub server: libmicrohttpd routes over one registry.
+ *
+ * State. The registry (nodes, what each holds, counters, pending storage
+ * challenges) lives in memory under one mutex; every change is written
+ * through the store (store.h) before memory changes and before the answer,
+ * so an acknowledged change survives a restart and a failed write changes
+ * nothing. The market and the placement map are computed from memory.
+ *
+ * Requests. A handler runs only once the whole body is in (bounded by
+ * max_body: a larger Content-Length, or a chunked body that grows past it,
+ * is answered 413 at once). State-changing requests are POSTs whose headers
+ * carry a signature (hub.h); the order of checks is: parse, signature,
+ * counter (must exceed the node's last), request-specific checks, store
+ * write, memory update. Every refusal is a 4xx with {"error", "code"} and
+ * leaves state as it was. Pieces are served only under the exact relative
+ * paths that the manifest lists, from the manifest's folder, so no request
+ * path can name another file.
+ *
+ * Resources. Connections are bounded in total and per client IP, idle ones
+ * time out, per-connection memory is bounded, and so are outstanding
+ * registration nonces (a ring: the oldest is forgotten) and registered
+ * nodes (KV_HUB_MAX_NODES). */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <sodium.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "hub/hub_internal.h"
+#include "hub/store.h"
+#include "kvasir/slice.h"
+
+#define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
+
+typedef struct kv_hub_node {
+    uint8_t pk[32];                       /* identity */
+    char addr[KV_HUB_MAX_ADDR + 1];       /* dispatch HOST:PORT */
+    char backend[KV_HUB_MAX_BACKEND + 1]; /* kernel backend name */
+    uint64_t memory;                      /* announced budget, bytes */
+    uint64_t counter;                     /* last accepted request counter */
+    int64_t last_seen_ms, registered_ms;  /* Unix ms */
+    uint32_t *slabs;                      /* [n_slabs] manifest slab indices held, sorted */
+    size_t n_slabs;
+    uint32_t beats;                       /* heartbeats since the last challenge */
+    bool ch_pending;                      /* a storage challenge awaits its answer */
+    uint8_t ch_nonce[32];
+    uint32_t ch_slab;                     /* slab index challenged */
+    int64_t ch_issued_ms;
+} kv_hub_node;
+
+typedef struct kv_hub_nonce {
+    uint8_t nonce[32]; /* bytes 0..3: slot index (LE), rest random */
+    int64_t expires_ms;
+    bool live;         /* issued and not yet used */
+} kv_hub_nonce;
+
+typedef struct kv_hub_path {
+    const char *path; /* manifest-relative */
+    int64_t slab;     /* slab index, -1 for the backbone */
+    uint64_t size;
+    const uint8_t *sha256; /* NULL when the manifest has none */
+} kv_hub_path;
+
+struct kv_hub {
+    kv_hub_opts o;
+    kv_manifest *m;
+    char *manifest_json;        /* the file as served */
+    size_t manifest_len;
+    int dir_fd;                 /* the manifest's folder */
+    kv_hub_path *paths;         /* [n_paths] sorted by path */
+    size_t n_paths;
+    uint32_t *wanted;           /* [n_slabs] replicas wanted per shard */
+    kv_hub_store store;
+    pthread_mutex_t mu;         /* guards everything below and the store */
+    kv_hub_node *nodes;         /* [n_nodes] */
+    size_t n_nodes, cap_nodes;
+    uint32_t *tab;              /* [tab_size] node index + 1, 0 = empty (open addressing by pk) */
+    size_t tab_size;
+    kv_hub_nonce *nonces;       /* [KV_HUB_MAX_NONCES] ring */
+    uint32_t nonce_next;
+    struct MHD_Daemon *mhd;
+    char addr[128];
+    int stop_pipe[2];
+};
+
+static int64_t kv_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- growable output buffer (JSON rendering) ---------------------------- */
+
+typedef struct kv_sb {
+    char *p;
+    size_t n, cap;
+    int oom;
+} kv_sb;
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void kv_sb_printf(kv_sb *b, const char *fmt, ...) {
+    if (b->oom) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int k = vsnprintf(b->p ? b->p + b->n : NULL, b->p ? b->cap - b->n : 0, fmt, ap);
+        va_end(ap);
+        if (k < 0) {
+            b->oom = 1;
+            return;
+        }
+        if (b->p && (size_t)k < b->cap - b->n) {
+            b->n += (size_t)k;
+            return;
+        }
+        size_t nc = b->cap ? b->cap * 2 : 65536;
+        while (nc < b->n + (size_t)k + 1) nc *= 2;
+        char *np = realloc(b->p, nc);
+        if (!np) {
+            b->oom = 1;
+            return;
+        }
+        b->p = np;
+        b->cap = nc;
+    }
+}
+
+/* ---- node table --------------------------------------------------------- */
+
+static size_t kv_pk_hash(const uint8_t pk[32], size_t mask) {
+    uint64_t x;
+    memcpy(&x, pk, 8); /* keys are uniformly random */
+    return (size_t)x & mask;
+}
+
+static kv_hub_node *kv_node_find(kv_hub *h, const uint8_t pk[32]) {
+    if (!h->tab_size) return NULL;
+    size_t mask = h->tab_size - 1;
+    for (size_t i = kv_pk_hash(pk, mask);; i = (i + 1) & mask) {
+        uint32_t e = h->tab[i];
+        if (!e) return NULL;
+        if (!memcmp(h->nodes[e - 1].pk, pk, 32)) return &h->nodes[e - 1];
+    }
+}
+
+static int kv_tab_grow(kv_hub *h) {
+    size_t ns = h->tab_size ? h->tab_size * 2 : 1024;
+    uint32_t *t = calloc(ns, sizeof *t);
+    if (!t) return -1;
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        size_t i = kv_pk_hash(h->nodes[k].pk, ns - 1);
+        while (t[i]) i = (i + 1) & (ns - 1);
+        t[i] = (uint32_t)k + 1;
+    }
+    free(h->tab);
+    h->tab = t;
+    h->tab_size = ns;
+    return 0;
+}
+
+/* Adds a node with pk (zeroed otherwise), or NULL when out of memory. */
+static kv_hub_node *kv_node_add(kv_hub *h, const uint8_t pk[32]) {
+    if (h->n_nodes == h->cap_nodes) {
+        size_t nc = h->cap_nodes ? h->cap_nodes * 2 : 256;
+        kv_hub_node *nn = realloc(h->nodes, nc * sizeof *nn);
+        if (!nn) return NULL;
+        h->nodes = nn;
+        h->cap_nodes = nc;
+    }
+    if ((h->n_nodes + 1) * 2 > h->tab_size && kv_tab_grow(h)) return NULL;
+    kv_hub_node *n = &h->nodes[h->n_nodes];
+    memset(n, 0, sizeof *n);
+    memcpy(n->pk, pk, 32);
+    size_t mask = h->tab_size - 1, i = kv_pk_hash(pk, mask);
+    while (h->tab[i]) i = (i + 1) & mask;
+    h->tab[i] = (uint32_t)++h->n_nodes;
+    return n;
+}
+
+static bool kv_node_live(const kv_hub *h, const kv_hub_node *n, int64_t now) {
+    return n->n_slabs && now - n->last_seen_ms <= (int64_t)h->o.deadline_ms;
+}
+
+/* Slab index of (layer, first, last) in the manifest, or -1. */
+static int64_t kv_slab_find(const kv_manifest *m, uint32_t layer, uint32_t first, uint32_t last) {
+    size_t lo = 0, hi = m->n_slabs;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        const kv_manifest_slab *s = &m->slabs[mid];
+        if (s->layer < layer || (s->layer == layer && s->first < first)) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < m->n_slabs && m->slabs[lo].layer == layer && m->slabs[lo].first == first &&
+        m->slabs[lo].last == last)
+        return (int64_t)lo;
+    return -1;
+}
+
+/* The store's view of a node: its holdings with the manifest's hashes. */
+static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *slabs, size_t ns, kv_diag *d) {
+    kv_hub_held *held = calloc(ns ? ns : 1, sizeof *held);
+    if (!held) return kv_fail(d, KV_ENOMEM, "out of memory");
+    for (size_t i = 0; i < ns; i++) {
+        const kv_manifest_slab *s = &h->m->slabs[slabs[i]];
+        held[i] = (kv_hub_held){.layer = s->layer, .first = s->first, .last = s->last};
+        memcpy(held[i].sha256, s->file.sha256, 32);
+    }
+    kv_hub_node_rec r = {.memory = n->memory, .counter = n->counter, .last_seen_ms = n->last_seen_ms,
+                         .registered_ms = n->registered_ms, .shards = held, .n_shards = ns};
+    memcpy(r.pk, n->pk, 32);
+    memcpy(r.addr, n->addr, sizeof r.addr);
+    memcpy(r.backend, n->backend, sizeof r.backend);
+    int rc = h->store.ops->node_put(h->store.impl, &r, d);
+    free(held);
+    return rc;
+}
+
+/* ---- market and placement ------------------------------------------------ */
+
+size_t kv_hub_n_shards(const kv_hub *h) { return h->m->n_slabs; }
+
+typedef struct kv_mkt_sort {
+    uint32_t idx, wanted, live;
+} kv_mkt_sort;
+
+/* Scarcest first: smallest live/wanted, then the larger deficit, then
+ * manifest order (layer, first), so the order is total and stable. */
+static int kv_mkt_cmp(const void *a, const void *b) {
+    const kv_mkt_sort *x = a, *y = b;
+    uint64_t l = (uint64_t)x->live * y->wanted, r = (uint64_t)y->live * x->wanted;
+    if (l != r) return l < r ? -1 : 1;
+    int64_t dx = (int64_t)x->wanted - x->live, dy = (int64_t)y->wanted - y->live;
+    if (dx != dy) return dx > dy ? -1 : 1;
+    return x->idx < y->idx ? -1 : x->idx > y->idx;
+}
+
+/* Reward offered to one more holder: base * wanted / (live + 1), so a shard
+ * at its wanted count offers base * wanted / (wanted + 1) and an uncovered
+ * one base * wanted. */
+static uint64_t kv_mkt_reward(uint64_t base, uint32_t wanted, uint32_t live) {
+    return base * wanted / ((uint64_t)live + 1);
+}
+
+/* live[i] for every slab; caller holds mu. */
+static void kv_mkt_live(kv_hub *h, int64_t now, uint32_t *live) {
+    memset(live, 0, h->m->n_slabs * sizeof *live);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *n = &h->nodes[k];
+        if (!kv_node_live(h, n, now)) continue;
+        for (size_t i = 0; i < n->n_slabs; i++) live[n->slabs[i]]++;
+    }
+}
+
+int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
+    *out = NULL;
+    const size_t ns = h->m->n_slabs;
+    uint32_t *live = malloc((ns ? ns : 1) * sizeof *live);
+    kv_mkt_sort *ord = malloc((ns ? ns : 1) * sizeof *ord);
+    if (!live || !ord) {
+        free(live);
+        free(ord);
+        return kv_fail(d, KV_ENOMEM, "market: out of memory");
+    }
+    int64_t now = kv_now_ms();
+    pthread_mutex_lock(&h->mu);
+    kv_mkt_live(h, now, live);
+    size_t n_nodes = h->n_nodes, n_live = 0;
+    for (size_t k = 0; k < h->n_nodes; k++) n_live += kv_node_live(h, &h->nodes[k], now);
+    pthread_mutex_unlock(&h->mu);
+    bool covered = ns > 0;
+    for (size_t i = 0; i < ns; i++) {
+        ord[i] = (kv_mkt_sort){(uint32_t)i, h->wanted[i], live[i]};
+        if (!live[i]) covered = false;
+    }
+    qsort(ord, ns, sizeof *ord, kv_mkt_cmp);
+    kv_sb b = {0};
+    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"covered\":%s,\"nodes\":%zu,\"live_nodes\":%zu,\"deadline_ms\":%u,"
+                 "\"shards\":[", h->m->model_id, covered ? "true" : "false", n_nodes, n_live, h->o.deadline_ms);
+    for (size_t i = 0; i < ns; i++) {
+        const kv_manifest_slab *s = &h->m->slabs[ord[i].idx];
+        uint32_t w = ord[i].wanted, l = ord[i].live;
+        kv_sb_printf(&b, "%s{\"layer\":%u,\"first\":%u,\"last\":%u,\"bytes\":%" PRIu64 ",\"wanted\":%u,\"live\":%u,"
+                     "\"scarcity\":%.4f,\"reward\":%" PRIu64 "}", i ? "," : "", s->layer, s->first, s->last,
+                     s->file.size, w, l, l >= w ? 0.0 : (double)(w - l) / w, kv_mkt_reward(h->o.reward_base, w, l));
+    }
+    kv_sb_printf(&b, "]}\n");
+    free(live);
+    free(ord);
+    if (b.oom) {
+        free(b.p);
+        return kv_fail(d, KV_ENOMEM, "market: out of memory");
+    }
+    *out = b.p;
+    *len = b.n;
+    return 0;
+}
+
+/* Placement: for every shard (manifest order) the live nodes holding it.
+ * layer_filter < 0 means all layers. */
+static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, size_t *len, kv_diag *d) {
+    *out = NULL;
+    const size_t ns = h->m->n_slabs;
+    int64_t now = kv_now_ms();
+    kv_sb b = {0};
+    pthread_mutex_lock(&h->mu);
+    uint32_t *cnt = calloc(ns + 1, sizeof *cnt);
+    uint32_t *who = NULL;
+    size_t total = 0;
+    if (cnt) {
+        for (size_t k = 0; k < h->n_nodes; k++)
+            if (kv_node_live(h, &h->nodes[k], now))
+                for (size_t i = 0; i < h->nodes[k].n_slabs; i++) cnt[h->nodes[k].slabs[i] + 1]++;
+        for (size_t i = 0; i < ns; i++) cnt[i + 1] += cnt[i];
+        total = cnt[ns];
+        who = malloc((total ? total : 1) * sizeof *who);
+    }
+    if (!cnt || !who) {
+        pthread_mutex_unlock(&h->mu);
+        free(cnt);
+        return kv_fail(d, KV_ENOMEM, "placement: out of memory");
+    }
+    {
+        uint32_t *fill = calloc(ns ? ns : 1, sizeof *fill);
+        if (!fill) {
+            pthread_mutex_unlock(&h->mu);
+            free(cnt);
+            free(who);
+            return kv_fail(d, KV_ENOMEM, "placement: out of memory");
+        }
+        for (size_t k = 0; k < h->n_nodes; k++)
+            if (kv_node_live(h, &h->nodes[k], now))
+                for (size_t i = 0; i < h->nodes[k].n_slabs; i++) {
+                    uint32_t s = h->nodes[k].slabs[i];
+                    who[cnt[s] + fill[s]++] = (uint32_t)k;
+                }
+        free(fill);
+    }
+    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"deadline_ms\":%u,\"shards\":[", h->m->model_id, h->o.deadline_ms);
+    bool first = true;
+    for (size_t i = 0; i < ns; i++) {
+        const kv_manifest_slab *s = &h->m->slabs[i];
+        if (layer_filter >= 0 && s->layer != (uint64_t)layer_filter) continue;
+        kv_sb_printf(&b, "%s{\"layer\":%u,\"first\":%u,\"last\":%u,\"nodes\":[", first ? "" : ",", s->layer,
+                     s->first, s->last);
+        first = false;
+        for (uint32_t j = cnt[i]; j < cnt[i + 1]; j++) {
+            const kv_hub_node *n = &h->nodes[who[j]];
+            char hex[65];
+            kv_hex(n->pk, 32, hex);
+            /* addr and backend are printable ASCII without '"' or '\\'
+             * (kv_hub_parse_announce), so they need no escaping */
+            kv_sb_printf(&b, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"backend\":\"%s\",\"last_seen_ms\":%" PRId64 "}",
+                         j > cnt[i] ? "," : "", hex, n->addr, n->backend, n->last_seen_ms);
+        }
+        kv_sb_printf(&b, "]}");
+    }
+    pthread_mutex_unlock(&h->mu);
+    kv_sb_printf(&b, "]}\n");
+    free(cnt);
+    free(who);
+    if (b.oom) {
+        free(b.p);
+        return kv_fail(d, KV_ENOMEM, "placement: out of memory");
+    }
+    *out = b.p;
+    *len = b.n;
+    return 0;
+}
+
+int kv_hub_placement_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
+    return kv_hub_placement_render(h, -1, out, len, d);
+}
+
+int kv_hub_inject_node(kv_hub *h, const uint8_t pk[32], const char *addr, const uint32_t *slab_idx, size_t n,
+                       int64_t last_seen_ms, kv_diag *d) {
+    for (size_t i = 0; i < n; i++)
+        if (slab_idx[i] >= h->m->n_slabs) return kv_fail(d, KV_ERANGE, "inject: slab %u out of range", slab_idx[i]);
+    uint32_t *sl = malloc((n ? n : 1) * sizeof *sl);
+    if (!sl) return kv_fail(d, KV_ENOMEM, "inject: out of memory");
+    memcpy(sl, slab_idx, n * sizeof *sl);
+    pthread_mutex_lock(&h->mu);
+    kv_hub_node *nd = kv_node_find(h, pk);
+    if (!nd) nd = kv_node_add(h, pk);
+    if (!nd) {
+        pthread_mutex_unlock(&h->mu);
+        free(sl);
+        return kv_fail(d, KV_ENOMEM, "inject: out of memory");
+    }
+    free(nd->slabs);
+    nd->slabs = sl;
+    nd->n_slabs = n;
+    snprintf(nd->addr, sizeof nd->addr, "%s", addr);
+    snprintf(nd->backend, sizeof nd->backend, "bench");
+    nd->last_seen_ms = last_seen_ms;
+    pthread_mutex_unlock(&h->mu);
+    return 0;
+}
+
+/* ---- HTTP plumbing -------------------------------------------------------- */
+
+typedef struct kv_req {
+    char *body;     /* [n] accumulated upload */
+    size_t n, cap;
+    bool too_big;   /* body over the bound (or a body where none belongs) */
+    bool answered;  /* the refusal is queued */
+    size_t discarded; /* bytes dropped since too_big */
+} kv_req;
+
+static enum MHD_Result kv_reply(struct MHD_Connection *c, unsigned status, const char *type, char *body,
+                                size_t n) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(n, body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    MHD_add_response_header(r, "Cache-Control", "no-store");
+    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result kv_reply_json(struct MHD_Connection *c, unsigned status, json_t *j) {
+    char *s = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    if (!s) return MHD_NO;
+    size_t n = strlen(s);
+    return kv_reply(c, status, "application/json", s, n);
+}
+
+/* {"error": message, "code": "ENAME"} */
+static enum MHD_Result kv_reply_err(struct MHD_Connection *c, unsigned status, int code, const char *msg) {
+    json_t *j = json_object();
+    json_object_set_new(j, "error", json_string(msg));
+    json_object_set_new(j, "code", json_string(kv_err_name(code)));
+    json_object_set_new(j, "status", json_integer(status));
+    return kv_reply_json(c, status, j);
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+static enum MHD_Result kv_reply_errf(struct MHD_Connection *c, unsigned status, int code, const char *fmt, ...) {
+    kv_diag d = {0};
+    va_list ap;
+    va_start(ap, fmt);
+    kv_vfail(&d, code, fmt, ap);
+    va_end(ap);
+    return kv_reply_err(c, status, code, d.msg);
+}
+
+static enum MHD_Result kv_reply_diag(struct MHD_Connection *c, unsigned status, const kv_diag *d) {
+    return kv_reply_err(c, status, d->code ? d->code : KV_EINTERNAL, d->msg[0] ? d->msg : "error");
+}
+
+/* ---- pieces ---------------------------------------------------------------- */
+
+static int kv_path_cmp(const void *a, const void *b) {
+    return strcmp(((const kv_hub_path *)a)->path, ((const kv_hub_path *)b)->path);
+}
+
+static const kv_hub_path *kv_path_find(const kv_hub *h, const char *p) {
+    kv_hub_path key = {.path = p};
+    return bsearch(&key, h->paths, h->n_paths, sizeof key, kv_path_cmp);
+}
+
+/* A request path that would leave the folder if taken as a file name. */
+static bool kv_path_escapes(const char *p) {
+    if (p[0] == '/' || strchr(p, '\\')) return true;
+    for (const char *s = p; *s;) {
+        const char *e = strchr(s, '/');
+        size_t l = e ? (size_t)(e - s) : strlen(s);
+        if ((l == 2 && s[0] == '.' && s[1] == '.') || (l == 1 && s[0] == '.') || l == 0) return true;
+        s += l + (e ? 1 : 0);
+        if (e && !*s) return true;
+    }
+    return false;
+}
+
+static enum MHD_Result kv_serve_piece(kv_hub *h, struct MHD_Connection *c, const char *rel) {
+    if (kv_path_escapes(rel))
+        return kv_reply_err(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL,
+                            "piece path must be relative, without '.', '..', empty components or '\\'");
+    const kv_hub_path *p = kv_path_find(h, rel);
+    if (!p) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no piece '%.200s' in the manifest", rel);
+    const char *range = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_RANGE);
+    uint64_t off = 0, len = p->size;
+    bool partial = false;
+    if (range) {
+        kv_diag d = {0};
+        int rc = kv_hub_parse_range(range, p->size, &off, &len, &d);
+        if (rc == KV_ERANGE) {
+            json_t *j = json_object();
+            json_object_set_new(j, "error", json_string(d.msg));
+            json_object_set_new(j, "code", json_string("ERANGE"));
+            char *s = json_dumps(j, JSON_COMPACT);
+            json_decref(j);
+            if (!s) return MHD_NO;
+            struct MHD_Response *r = MHD_create_response_from_buffer(strlen(s), s, MHD_RESPMEM_MUST_FREE);
+            if (!r) {
+                free(s);
+                return MHD_NO;
+            }
+            char cr[64];
+            snprintf(cr, sizeof cr, "bytes */%" PRIu64, p->size);
+            MHD_add_response_header(r, "Content-Range", cr);
+            MHD_add_response_header(r, "Content-Type", "application/json");
+            enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_RANGE_NOT_SATISFIABLE, r);
+            MHD_destroy_response(r);
+            return ret;
+        }
+        if (rc) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+        partial = true;
+    }
+    int fd = openat(h->dir_fd, p->path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) || (uint64_t)st.st_size != p->size) {
+        if (fd >= 0) close(fd);
+        return kv_reply_errf(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_EIO, "piece '%s' is missing or has changed size",
+                             p->path);
+    }
+    struct MHD_Response *r = MHD_create_response_from_fd_at_offset64(len, fd, off);
+    if (!r) {
+        close(fd);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Accept-Ranges", "bytes");
+    MHD_add_response_header(r, "Content-Type", "application/octet-stream");
+    if (p->sha256) {
+        char et[68];
+        et[0] = '"';
+        kv_hex(p->sha256, 32, et + 1);
+        et[65] = '"';
+        et[66] = 0;
+        MHD_add_response_header(r, "ETag", et);
+    }
+    if (partial) {
+        char cr[96];
+        snprintf(cr, sizeof cr, "bytes %" PRIu64 "-%" PRIu64 "/%" PRIu64, off, off + len - 1, p->size);
+        MHD_add_response_header(r, "Content-Range", cr);
+    }
+    enum MHD_Result ret = MHD_queue_response(c, partial ? MHD_HTTP_PARTIAL_CONTENT : MHD_HTTP_OK, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+/* ---- signed requests ------------------------------------------------------ */
+
+typedef struct kv_signed {
+    uint8_t pk[32];
+    uint64_t counter;
+} kv_signed;
+
+/* Parses and verifies the signature headers over (method, url, body). */
+static int kv_check_sig(struct MHD_Connection *c, const char *method, const char *url, const kv_req *q,
+                        kv_signed *s, kv_diag *d) {
+    uint8_t sig[64];
+    int rc = kv_hub_parse_auth(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Kvasir-Key"),
+                               MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Kvasir-Counter"),
+                               MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Kvasir-Signature"), s->pk,
+                               &s->counter, sig, d);
+    if (rc) return rc;
+    if (kv_hub_verify(s->pk, sig, method, url, q->body, q->n, s->counter))
+        return kv_fail(d, KV_EPROTO, "bad signature (not made by X-Kvasir-Key over this method, path, counter "
+                                     "and body)");
+    return 0;
+}
+
+/* Picks a slab the node holds and a fresh nonce; caller holds mu. */
+static void kv_challenge_issue(kv_hub_node *n, int64_t now) {
+    if (!n->n_slabs) return;
+    n->ch_slab = n->slabs[randombytes_uniform((uint32_t)n->n_slabs)];
+    randombytes_buf(n->ch_nonce, sizeof n->ch_nonce);
+    n->ch_issued_ms = now;
+    n->ch_pending = true;
+    n->beats = 0;
+}
+
+static void kv_challenge_json(const kv_hub *h, const kv_hub_node *n, json_t *out) {
+    if (!n->ch_pending) return;
+    const kv_manifest_slab *s = &h->m->slabs[n->ch_slab];
+    uint64_t off, len;
+    kv_hub_challenge_range(n->ch_nonce, s->file.size, &off, &len);
+    char hex[65];
+    kv_hex(n->ch_nonce, 32, hex);
+    json_t *c = json_object();
+    json_object_set_new(c, "nonce", json_string(hex));
+    json_object_set_new(c, "layer", json_integer(s->layer));
+    json_object_set_new(c, "first", json_integer(s->first));
+    json_object_set_new(c, "last", json_integer(s->last));
+    json_object_set_new(c, "path", json_string(s->file.path));
+    json_object_set_new(c, "offset", json_integer((json_int_t)off));
+    json_object_set_new(c, "length", json_integer((json_int_t)len));
+    json_object_set_new(c, "expires_ms", json_integer(n->ch_issued_ms + h->o.challenge_ttl_ms));
+    json_object_set_new(out, "challenge", c);
+}
+
+/* Drops a node's holdings (store first), keeping it registered. */
+static int kv_node_drop(kv_hub *h, kv_hub_node *n, uint64_t counter, kv_diag *d) {
+    int rc = h->store.ops->node_drop_shards(h->store.impl, n->pk, counter, d);
+    if (rc) return rc;
+    free(n->slabs);
+    n->slabs = NULL;
+    n->n_slabs = 0;
+    n->counter = counter;
+    n->ch_pending = false;
+    return 0;
+}
+
+static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
+    kv_diag d = {0};
+    kv_hub_announce a;
+    if (kv_hub_parse_announce(&a, q->body ? q->body : "", q->n, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    enum MHD_Result ret;
+    uint32_t *sl = malloc((a.n_shards ? a.n_shards : 1) * sizeof *sl);
+    if (!sl) {
+        kv_hub_announce_free(&a);
+        return kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
+    }
+    if (!a.n_shards) {
+        /* a node that holds nothing has nothing to register for, and an empty
+         * registration would let anyone fill the registry for free */
+        ret = kv_reply_err(c, MHD_HTTP_UNPROCESSABLE_CONTENT, KV_EINVAL, "announcement lists no shards");
+        goto out;
+    }
+    for (size_t i = 0; i < a.n_shards; i++) {
+        const kv_hub_held *e = &a.shards[i];
+        int64_t k = kv_slab_find(h->m, e->layer, e->first, e->last);
+        if (k < 0) {
+            ret = kv_reply_errf(c, MHD_HTTP_UNPROCESSABLE_CONTENT, KV_ENOTFOUND,
+                                "shard layer %u experts %u-%u is not a slab of model %.16s", e->layer, e->first,
+                                e->last, h->m->model_id);
+            goto out;
+        }
+        const kv_manifest_file *f = &h->m->slabs[k].file;
+        if (!f->has_sha256 || memcmp(f->sha256, e->sha256, 32)) {
+            ret = kv_reply_errf(c, MHD_HTTP_UNPROCESSABLE_CONTENT, KV_EHASH,
+                                "shard layer %u experts %u-%u: sha256 %s the manifest's", e->layer, e->first,
+                                e->last, f->has_sha256 ? "differs from" : "cannot be checked: no hash in");
+            goto out;
+        }
+        sl[i] = (uint32_t)k; /* shards are sorted by (layer, first): so are the indices */
+    }
+    int64_t now = kv_now_ms();
+    pthread_mutex_lock(&h->mu);
+    uint32_t slot;
+    memcpy(&slot, a.nonce, 4);
+    kv_hub_nonce *nc = &h->nonces[slot % KV_HUB_MAX_NONCES];
+    kv_hub_node *n = kv_node_find(h, s->pk);
+    if (!nc->live || memcmp(nc->nonce, a.nonce, 32) || nc->expires_ms < now) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_err(c, MHD_HTTP_CONFLICT, KV_EPROTO,
+                           "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
+        goto out;
+    }
+    if (n && s->counter <= n->counter) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_errf(c, MHD_HTTP_CONFLICT, KV_EPROTO,
+                            "replayed or stale request: counter %" PRIu64 " <= last accepted %" PRIu64, s->counter,
+                            n->counter);
+        goto out;
+    }
+    if (!n && h->n_nodes >= KV_HUB_MAX_NODES) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_errf(c, MHD_HTTP_SERVICE_UNAVAILABLE, KV_ERANGE, "hub is full (%u nodes)", KV_HUB_MAX_NODES);
+        goto out;
+    }
+    kv_hub_node tmp = {0};
+    memcpy(tmp.pk, s->pk, 32);
+    memcpy(tmp.addr, a.addr, sizeof tmp.addr);
+    memcpy(tmp.backend, a.backend, sizeof tmp.backend);
+    tmp.memory = a.memory;
+    tmp.counter = s->counter;
+    tmp.last_seen_ms = tmp.registered_ms = now;
+    if (kv_node_store_put(h, &tmp, sl, a.n_shards, &d)) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        goto out;
+    }
+    if (!n && !(n = kv_node_add(h, s->pk))) {
+        /* stored but not in memory: reload on restart picks it up */
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
+        goto out;
+    }
+    nc->live = false;
+    free(n->slabs);
+    tmp.slabs = sl;
+    tmp.n_slabs = a.n_shards;
+    *n = tmp;
+    sl = NULL;
+    kv_challenge_issue(n, now);
+    json_t *j = json_object();
+    json_object_set_new(j, "ok", json_true());
+    json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
+    json_object_set_new(j, "deadline_ms", json_integer(h->o.deadline_ms));
+    kv_challenge_json(h, n, j);
+    pthread_mutex_unlock(&h->mu);
+    ret = kv_reply_json(c, MHD_HTTP_OK, j);
+out:
+    free(sl);
+    kv_hub_announce_free(&a);
+    return ret;
+}
+
+/* Finds the signer and checks its counter; on success returns with mu held. */
+static kv_hub_node *kv_lock_signer(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, enum MHD_Result *ret) {
+    pthread_mutex_lock(&h->mu);
+    kv_hub_node *n = kv_node_find(h, s->pk);
+    if (!n) {
+        pthread_mutex_unlock(&h->mu);
+        *ret = kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "unknown node: register first (POST /v1/register)");
+        return NULL;
+    }
+    if (s->counter <= n->counter) {
+        uint64_t last = n->counter;
+        pthread_mutex_unlock(&h->mu);
+        *ret = kv_reply_errf(c, MHD_HTTP_CONFLICT, KV_EPROTO,
+                             "replayed or stale request: counter %" PRIu64 " <= last accepted %" PRIu64, s->counter,
+                             last);
+        return NULL;
+    }
+    return n;
+}
+
+static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, const kv_signed *s) {
+    enum MHD_Result ret;
+    kv_diag d = {0};
+    kv_hub_node *n = kv_lock_signer(h, c, s, &ret);
+    if (!n) return ret;
+    int64_t now = kv_now_ms();
+    json_t *j = json_object();
+    if (n->ch_pending && now - n->ch_issued_ms > (int64_t)h->o.challenge_ttl_ms) {
+        /* an unanswered storage challenge counts as a failed one */
+        if (kv_node_drop(h, n, s->counter, &d)) {
+            pthread_mutex_unlock(&h->mu);
+            json_decref(j);
+            return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        }
+        json_object_set_new(j, "dropped", json_string("storage challenge not answered in time: holdings dropped"));
+    }
+    if (h->store.ops->node_touch(h->store.impl, n->pk, s->counter, now, &d)) {
+        pthread_mutex_unlock(&h->mu);
+        json_decref(j);
+        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    n->counter = s->counter;
+    n->last_seen_ms = now;
+    if (!n->ch_pending && ++n->beats >= h->o.challenge_every) kv_challenge_issue(n, now);
+    json_object_set_new(j, "ok", json_true());
+    json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
+    json_object_set_new(j, "live_until_ms", json_integer(now + h->o.deadline_ms));
+    kv_challenge_json(h, n, j);
+    pthread_mutex_unlock(&h->mu);
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
+static enum MHD_Result kv_do_answer(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
+    kv_diag d = {0};
+    uint8_t nonce[32], ans[32], want[32];
+    if (kv_hub_parse_answer(q->body ? q->body : "", q->n, nonce, ans, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    enum MHD_Result ret;
+    kv_hub_node *n = kv_lock_signer(h, c, s, &ret);
+    if (!n) return ret;
+    if (!n->ch_pending || memcmp(n->ch_nonce, nonce, 32)) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_err(c, MHD_HTTP_CONFLICT, KV_EPROTO, "no pending storage challenge with this nonce");
+    }
+    const kv_manifest_slab *sl = &h->m->slabs[n->ch_slab];
+    if (kv_hub_challenge_answer_at(h->dir_fd, sl->file.path, sl->file.size, n->ch_nonce, want, &d)) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    if (sodium_memcmp(want, ans, 32) == 0) {
+        if (h->store.ops->node_touch(h->store.impl, n->pk, s->counter, n->last_seen_ms, &d)) {
+            pthread_mutex_unlock(&h->mu);
+            return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        }
+        n->counter = s->counter;
+        n->ch_pending = false;
+        pthread_mutex_unlock(&h->mu);
+        json_t *j = json_object();
+        json_object_set_new(j, "ok", json_true());
+        return kv_reply_json(c, MHD_HTTP_OK, j);
+    }
+    uint32_t L = sl->layer, F = sl->first, T = sl->last;
+    if (kv_node_drop(h, n, s->counter, &d)) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    pthread_mutex_unlock(&h->mu);
+    return kv_reply_errf(c, MHD_HTTP_UNPROCESSABLE_CONTENT, KV_EHASH,
+                         "storage challenge failed for layer %u experts %u-%u: holdings dropped", L, F, T);
+}
+
+static enum MHD_Result kv_do_nonce(kv_hub *h, struct MHD_Connection *c) {
+    uint8_t nonce[32];
+    int64_t now = kv_now_ms();
+    pthread_mutex_lock(&h->mu);
+    uint32_t slot = h->nonce_next++ % KV_HUB_MAX_NONCES;
+    memcpy(nonce, &slot, 4);
+    randombytes_buf(nonce + 4, 28);
+    kv_hub_nonce *e = &h->nonces[slot];
+    memcpy(e->nonce, nonce, 32);
+    e->expires_ms = now + KV_HUB_NONCE_TTL_MS;
+    e->live = true;
+    pthread_mutex_unlock(&h->mu);
+    char hex[65];
+    kv_hex(nonce, 32, hex);
+    json_t *j = json_object();
+    json_object_set_new(j, "nonce", json_string(hex));
+    json_object_set_new(j, "ttl_ms", json_integer(KV_HUB_NONCE_TTL_MS));
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
+static enum MHD_Result kv_do_status(kv_hub *h, struct MHD_Connection *c) {
+    int64_t now = kv_now_ms();
+    pthread_mutex_lock(&h->mu);
+    size_t n_live = 0;
+    for (size_t k = 0; k < h->n_nodes; k++) n_live += kv_node_live(h, &h->nodes[k], now);
+    json_t *j = json_object();
+    json_object_set_new(j, "model_id", json_string(h->m->model_id));
+    json_object_set_new(j, "shards", json_integer((json_int_t)h->m->n_slabs));
+    json_object_set_new(j, "nodes", json_integer((json_int_t)h->n_nodes));
+    json_object_set_new(j, "live_nodes", json_integer((json_int_t)n_live));
+    json_object_set_new(j, "store", json_string(h->store.ops->name));
+    pthread_mutex_unlock(&h->mu);
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
+/* ---- dispatch --------------------------------------------------------------- */
+
+static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                const char *version, const char *upload_data, size_t *upload_size, void **con_cls) {
+    kv_hub *h = cls;
+    kv_req *q = *con_cls;
+    bool post = !strcmp(method, "POST");
+    if (!q) {
+        q = calloc(1, sizeof *q);
+        if (!q) return MHD_NO;
+        *con_cls = q;
+        if (post) {
+            const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+            if (cl && (strlen(cl) > 12 || strtoull(cl, NULL, 10) > h->o.max_body)) {
+                q->too_big = q->answered = true;
+                return kv_reply_errf(c, MHD_HTTP_CONTENT_TOO_LARGE, KV_ERANGE, "request body over %u bytes",
+                                     h->o.max_body);
+            }
+        }
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        /* libmicrohttpd takes no answer while a body is arriving: an
+         * overflowing (chunked) body is discarded until it ends, then
+         * answered 413; one that goes on far past the bound closes the
+         * connection instead */
+        if (q->too_big || !post || *upload_size > h->o.max_body - q->n) {
+            q->too_big = true;
+            q->discarded += *upload_size;
+            *upload_size = 0;
+            return q->discarded > 4 * (size_t)h->o.max_body + (1u << 20) ? MHD_NO : MHD_YES;
+        }
+        if (q->n + *upload_size > q->cap) {
+            size_t nc = q->cap ? q->cap : 4096;
+            while (nc < q->n + *upload_size) nc *= 2;
+            char *np = realloc(q->body, nc);
+            if (!np) return MHD_NO;
+            q->body = np;
+            q->cap = nc;
+        }
+        memcpy(q->body + q->n, upload_data, *upload_size);
+        q->n += *upload_size;
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (q->too_big && q->answered) return MHD_YES;
+    if (q->too_big) {
+        q->answered = true;
+        if (!post) return kv_reply_errf(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL, "a %.16s request takes no body", method);
+        return kv_reply_errf(c, MHD_HTTP_CONTENT_TOO_LARGE, KV_ERANGE, "request body over %u bytes", h->o.max_body);
+    }
+    bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    if (get) {
+        if (!strcmp(url, "/v1/manifest")) {
+            char *s = malloc(h->manifest_len ? h->manifest_len : 1);
+            if (!s) return MHD_NO;
+            memcpy(s, h->manifest_json, h->manifest_len);
+            return kv_reply(c, MHD_HTTP_OK, "application/json", s, h->manifest_len);
+        }
+        if (!strncmp(url, "/v1/pieces/", 11)) return kv_serve_piece(h, c, url + 11);
+        if (!strcmp(url, "/v1/nonce")) return kv_do_nonce(h, c);
+        if (!strcmp(url, "/v1/status")) return kv_do_status(h, c);
+        if (!strcmp(url, "/v1/market") || !strcmp(url, "/v1/placement")) {
+            kv_diag d = {0};
+            char *s;
+            size_t n;
+            int rc;
+            if (url[4] == 'm') {
+                rc = kv_hub_market_json(h, &s, &n, &d);
+            } else {
+                int64_t layer = -1;
+                const char *ls = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "layer");
+                if (ls) {
+                    char *e;
+                    errno = 0;
+                    long v = strtol(ls, &e, 10);
+                    if (!*ls || *e || errno || v < 0 || v >= (long)h->m->n_layer)
+                        return kv_reply_errf(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL, "layer must be in [0, %u)",
+                                             h->m->n_layer);
+                    layer = v;
+                }
+                rc = kv_hub_placement_render(h, layer, &s, &n, &d);
+            }
+            if (rc) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
+        }
+        if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge"))
+            return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "%s needs POST", url);
+        return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
+    }
+    if (!post) return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "method %.16s not allowed", method);
+    int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3 : 0;
+    if (!which) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
+    kv_diag d = {0};
+    kv_signed s;
+    if (kv_check_sig(c, method, url, q, &s, &d)) return kv_reply_diag(c, MHD_HTTP_UNAUTHORIZED, &d);
+    if (which == 1) return kv_do_register(h, c, &s, q);
+    if (which == 2) return kv_do_heartbeat(h, c, &s);
+    return kv_do_answer(h, c, &s, q);
+}
+
+static void kv_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    kv_req *q = *con_cls;
+    if (q) {
+        free(q->body);
+        free(q);
+    }
+    *con_cls = NULL;
+}
+
+/* ---- open / serve / free ------------------------------------------------------ */
+
+static int kv_node_reload(void *arg, const kv_hub_node_rec *r) {
+    kv_hub *h = arg;
+    kv_hub_node *n = kv_node_find(h, r->pk);
+    if (!n && !(n = kv_node_add(h, r->pk))) return KV_ENOMEM;
+    uint32_t *sl = malloc((r->n_shards ? r->n_shards : 1) * sizeof *sl);
+    if (!sl) return KV_ENOMEM;
+    size_t k = 0;
+    for (size_t i = 0; i < r->n_shards; i++) {
+        int64_t x = kv_slab_find(h->m, r->shards[i].layer, r->shards[i].first, r->shards[i].last);
+        /* a holding that no longer matches the manifest's bytes is not served */
+        if (x >= 0 && h->m->slabs[x].file.has_sha256 && !memcmp(h->m->slabs[x].file.sha256, r->shards[i].sha256, 32))
+            sl[k++] = (uint32_t)x;
+    }
+    free(n->slabs);
+    memcpy(n->addr, r->addr, sizeof n->addr);
+    memcpy(n->backend, r->backend, sizeof n->backend);
+    n->memory = r->memory;
+    n->counter = r->counter;
+    n->last_seen_ms = r->last_seen_ms;
+    n->registered_ms = r->registered_ms;
+    n->slabs = sl;
+    n->n_slabs = k;
+    return 0;
+}
+
+static int kv_read_file(const char *path, size_t max, char **out, size_t *len, kv_diag *d) {
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return kv_fail(d, KV_EIO, "hub: cannot open '%s': %s", path, strerror(errno));
+    char *b = malloc(max + 1);
+    if (!b) {
+        fclose(f);
+        return kv_fail(d, KV_ENOMEM, "hub: out of memory");
+    }
+    size_t n = fread(b, 1, max + 1, f);
+    fclose(f);
+    if (n > max) {
+        free(b);
+        return kv_fail(d, KV_ERANGE, "hub: '%s' is larger than %zu bytes", path, max);
+    }
+    *out = b;
+    *len = n;
+    return 0;
+}
+
+static int kv_parse_listen(const char *listen, struct sockaddr_storage *ss, socklen_t *sl, kv_diag *d) {
+    char host[256];
+    const char *colon = strrchr(listen, ':');
+    if (!colon || (size_t)(colon - listen) >= sizeof host || colon == listen)
+        return kv_fail(d, KV_EINVAL, "hub: --listen '%s' must be HOST:PORT", listen);
+    memcpy(host, listen, (size_t)(colon - listen));
+    host[colon - listen] = 0;
+    char *h = host;
+    if (h[0] == '[' && h[strlen(h) - 1] == ']') {
+        h[strlen(h) - 1] = 0;
+        h++;
+    }
+    char *e;
+    long port = strtol(colon + 1, &e, 10);
+    if (!colon[1] || *e || port < 0 || port > 65535)
+        return kv_fail(d, KV_EINVAL, "hub: --listen '%s': port must be 0..65535", listen);
+    struct addrinfo hints = {.ai_flags = AI_NUMERICSERV | AI_PASSIVE, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+    char ps[8];
+    snprintf(ps, sizeof ps, "%ld", port);
+    int g = getaddrinfo(h, ps, &hints, &ai);
+    if (g || !ai) return kv_fail(d, KV_EINVAL, "hub: --listen '%s': %s", listen, gai_strerror(g));
+    memcpy(ss, ai->ai_addr, ai->ai_addrlen);
+    *sl = ai->ai_addrlen;
+    freeaddrinfo(ai);
+    return 0;
+}
+
+int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
+    *out = NULL;
+    if (!opts->manifest || !opts->db) return kv_fail(d, KV_EINVAL, "hub: needs a manifest and a store");
+    if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "hub: libsodium failed to start");
+    kv_hub *h = calloc(1, sizeof *h);
+    if (!h) return kv_fail(d, KV_ENOMEM, "hub: out of memory");
+    h->dir_fd = -1;
+    h->stop_pipe[0] = h->stop_pipe[1] = -1;
+    pthread_mutex_init(&h->mu, NULL);
+    h->o = *opts;
+    if (!h->o.listen) h->o.listen = "127.0.0.1:0";
+    if (!h->o.wanted) h->o.wanted = 2;
+    if (!h->o.deadline_ms) h->o.deadline_ms = 15000;
+    if (!h->o.reward_base) h->o.reward_base = 1000000;
+    if (!h->o.max_body) h->o.max_body = KV_HUB_MAX_BODY;
+    if (!h->o.max_conns) h->o.max_conns = 1024;
+    if (!h->o.per_ip_conns) h->o.per_ip_conns = 64;
+    if (!h->o.conn_timeout_s) h->o.conn_timeout_s = 30;
+    if (!h->o.threads) h->o.threads = 4;
+    if (!h->o.challenge_every) h->o.challenge_every = 12;
+    if (!h->o.challenge_ttl_ms) h->o.challenge_ttl_ms = 60000;
+    int rc;
+    if ((rc = kv_read_file(opts->manifest, KV_MANIFEST_MAX_BYTES, &h->manifest_json, &h->manifest_len, d)) ||
+        (rc = kv_manifest_parse(&h->m, h->manifest_json, h->manifest_len, d)))
+        goto fail;
+    {
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s", opts->manifest);
+        char *sl = strrchr(dir, '/');
+        if (sl) *sl = 0; else snprintf(dir, sizeof dir, ".");
+        if (!dir[0]) snprintf(dir, sizeof dir, "/");
+        h->dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (h->dir_fd < 0) {
+            rc = kv_fail(d, KV_EIO, "hub: cannot open folder '%s': %s", dir, strerror(errno));
+            goto fail;
+        }
+    }
+    h->n_paths = h->m->n_slabs + 1;
+    h->paths = calloc(h->n_paths, sizeof *h->paths);
+    h->wanted = calloc(h->m->n_slabs ? h->m->n_slabs : 1, sizeof *h->wanted);
+    h->nonces = calloc(KV_HUB_MAX_NONCES, sizeof *h->nonces);
+    if (!h->paths || !h->wanted || !h->nonces) {
+        rc = kv_fail(d, KV_ENOMEM, "hub: out of memory");
+        goto fail;
+    }
+    h->paths[0] = (kv_hub_path){h->m->backbone.path, -1, h->m->backbone.size,
+                                h->m->backbone.has_sha256 ? h->m->backbone.sha256 : NULL};
+    for (size_t i = 0; i < h->m->n_slabs; i++) {
+        const kv_manifest_file *f = &h->m->slabs[i].file;
+        h->paths[i + 1] = (kv_hub_path){f->path, (int64_t)i, f->size, f->has_sha256 ? f->sha256 : NULL};
+        h->wanted[i] = h->o.wanted;
+    }
+    qsort(h->paths, h->n_paths, sizeof *h->paths, kv_path_cmp);
+    for (size_t i = 0; i < h->n_paths; i++) {
+        struct stat st;
+        if (fstatat(h->dir_fd, h->paths[i].path, &st, 0) || !S_ISREG(st.st_mode) ||
+            (uint64_t)st.st_size != h->paths[i].size) {
+            rc = kv_fail(d, KV_ENOTFOUND, "hub: piece '%s' is missing or not %" PRIu64 " bytes", h->paths[i].path,
+                         h->paths[i].size);
+            goto fail;
+        }
+        if (i && !strcmp(h->paths[i - 1].path, h->paths[i].path)) {
+            rc = kv_fail(d, KV_EFORMAT, "hub: manifest names '%s' twice", h->paths[i].path);
+            goto fail;
+        }
+    }
+    if ((rc = kv_hub_store_open(&h->store, opts->db, d))) goto fail;
+    {
+        char mid[128];
+        if ((rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d))) goto fail;
+        if (!mid[0]) {
+            if ((rc = h->store.ops->meta_put(h->store.impl, "model_id", h->m->model_id, d))) goto fail;
+        } else if (strcmp(mid, h->m->model_id)) {
+            rc = kv_fail(d, KV_EINVAL, "hub: store '%s' belongs to model %.16s..., not %.16s...", opts->db, mid,
+                         h->m->model_id);
+            goto fail;
+        }
+    }
+    if ((rc = h->store.ops->node_each(h->store.impl, kv_node_reload, h, d))) {
+        if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
+        goto fail;
+    }
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if ((rc = kv_parse_listen(h->o.listen, &ss, &sl, d))) goto fail;
+    if (pipe(h->stop_pipe)) {
+        rc = kv_fail(d, KV_EIO, "hub: pipe: %s", strerror(errno));
+        goto fail;
+    }
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL;
+    if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
+    if (!h->o.quiet) flags |= MHD_USE_ERROR_LOG;
+    h->mhd = MHD_start_daemon(flags, 0, NULL, NULL, kv_route, h,
+                              MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+                              MHD_OPTION_THREAD_POOL_SIZE, (unsigned)h->o.threads,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)h->o.max_conns,
+                              MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)h->o.per_ip_conns,
+                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)h->o.conn_timeout_s,
+                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024),
+                              MHD_OPTION_NOTIFY_COMPLETED, kv_done, h,
+                              MHD_OPTION_END);
+    if (!h->mhd) {
+        rc = kv_fail(d, KV_EIO, "hub: cannot listen on %s (address in use or not local?)", h->o.listen);
+        goto fail;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    unsigned port = di ? di->port : 0;
+    char host[INET6_ADDRSTRLEN] = "?";
+    if (ss.ss_family == AF_INET)
+        inet_ntop(AF_INET, &((struct sockaddr_in *)&ss)->sin_addr, host, sizeof host);
+    else
+        inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, host, sizeof host);
+    snprintf(h->addr, sizeof h->addr, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, port);
+    *out = h;
+    return 0;
+fail:
+    kv_hub_free(h);
+    return rc;
+}
+
+const char *kv_hub_addr(const kv_hub *h) { return h->addr; }
+
+int kv_hub_serve(kv_hub *h, kv_diag *d) {
+    char c;
+    for (;;) {
+        ssize_t r = read(h->stop_pipe[0], &c, 1);
+        if (r == 1 || (r < 0 && errno != EINTR)) break;
+    }
+    return 0;
+}
+
+void kv_hub_stop(kv_hub *h) {
+    if (h && h->stop_pipe[1] >= 0) {
+        ssize_t r = write(h->stop_pipe[1], "x", 1);
+        (void)r;
+    }
+}
+
+void kv_hub_free(kv_hub *h) {
+    if (!h) return;
+    if (h->mhd) MHD_stop_daemon(h->mhd);
+    kv_hub_store_close(&h->store);
+    for (size_t k = 0; k < h->n_nodes; k++) free(h->nodes[k].slabs);
+    free(h->nodes);
+    free(h->tab);
+    free(h->nonces);
+    free(h->paths);
+    free(h->wanted);
+    kv_manifest_free(h->m);
+    free(h->manifest_json);
+    if (h->dir_fd >= 0) close(h->dir_fd);
+    if (h->stop_pipe[0] >= 0) close(h->stop_pipe[0]);
+    if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
+    pthread_mutex_destroy(&h->mu);
+    free(h);
+}

@@ -1,0 +1,301 @@
+/* SQLite backend of the hub store (store.h).
+ *
+ * One connection, WAL journal, synchronous=NORMAL (a commit survives a
+ * process crash; an OS crash may lose the last commits, which only rolls a
+ * node's counter back to one the node has already outrun, since node
+ * counters are derived from the clock). All SQL goes through prepared
+ * statements with bound parameters. Rows read back are bounds-checked like
+ * any other input: a row that does not fit is an error, never a crash. */
+#include <sqlite3.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hub/store.h"
+
+typedef struct kv_sql {
+    sqlite3 *db;
+    sqlite3_stmt *meta_get, *meta_put, *node_put, *hold_del, *hold_put, *touch, *node_all,
+        *hold_all;
+} kv_sql;
+
+static const char *kv_sql_schema =
+    "PRAGMA journal_mode=WAL;"
+    "PRAGMA synchronous=NORMAL;"
+    "PRAGMA foreign_keys=ON;"
+    "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS nodes(pk BLOB PRIMARY KEY, addr TEXT NOT NULL, backend TEXT NOT NULL,"
+    " memory INTEGER NOT NULL, counter INTEGER NOT NULL, last_seen_ms INTEGER NOT NULL,"
+    " registered_ms INTEGER NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS holdings(pk BLOB NOT NULL REFERENCES nodes(pk) ON DELETE CASCADE,"
+    " layer INTEGER NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL, sha256 BLOB NOT NULL,"
+    " PRIMARY KEY(pk, layer, first));";
+
+static int kv_sql_err(kv_sql *s, kv_diag *d, const char *what) {
+    return kv_fail(d, KV_EIO, "hub store (sqlite): %s: %s", what, sqlite3_errmsg(s->db));
+}
+
+static void kv_sql_close(void *impl) {
+    kv_sql *s = impl;
+    if (!s) return;
+    sqlite3_stmt *all[] = {s->meta_get, s->meta_put, s->node_put, s->hold_del,
+                           s->hold_put, s->touch,    s->node_all, s->hold_all};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) sqlite3_finalize(all[i]);
+    sqlite3_close(s->db);
+    free(s);
+}
+
+static int kv_sql_open(void **impl, const char *uri, kv_diag *d) {
+    *impl = NULL;
+    kv_sql *s = calloc(1, sizeof *s);
+    if (!s) return kv_fail(d, KV_ENOMEM, "hub store: out of memory");
+    if (sqlite3_open_v2(uri, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
+                        NULL) != SQLITE_OK) {
+        int rc = kv_fail(d, KV_EIO, "hub store: cannot open '%s': %s", uri,
+                         s->db ? sqlite3_errmsg(s->db) : "out of memory");
+        kv_sql_close(s);
+        return rc;
+    }
+    sqlite3_busy_timeout(s->db, 5000);
+    char *em = NULL;
+    if (sqlite3_exec(s->db, kv_sql_schema, NULL, NULL, &em) != SQLITE_OK) {
+        int rc = kv_fail(d, KV_EIO, "hub store: '%s': schema: %s", uri, em ? em : "?");
+        sqlite3_free(em);
+        kv_sql_close(s);
+        return rc;
+    }
+    struct {
+        sqlite3_stmt **st;
+        const char *sql;
+    } q[] = {
+        {&s->meta_get, "SELECT value FROM meta WHERE key=?1"},
+        {&s->meta_put, "INSERT INTO meta(key,value) VALUES(?1,?2) ON CONFLICT(key) DO UPDATE SET value=?2"},
+        {&s->node_put, "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms)"
+                       " VALUES(?1,?2,?3,?4,?5,?6,?7) ON CONFLICT(pk) DO UPDATE SET addr=?2,backend=?3,"
+                       "memory=?4,counter=?5,last_seen_ms=?6,registered_ms=?7"},
+        {&s->hold_del, "DELETE FROM holdings WHERE pk=?1"},
+        {&s->hold_put, "INSERT INTO holdings(pk,layer,first,last,sha256) VALUES(?1,?2,?3,?4,?5)"},
+        {&s->touch, "UPDATE nodes SET counter=?2,last_seen_ms=?3 WHERE pk=?1"},
+        {&s->node_all, "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms FROM nodes ORDER BY pk"},
+        {&s->hold_all, "SELECT layer,first,last,sha256 FROM holdings WHERE pk=?1 ORDER BY layer,first"},
+    };
+    for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
+        if (sqlite3_prepare_v2(s->db, q[i].sql, -1, q[i].st, NULL) != SQLITE_OK) {
+            int rc = kv_sql_err(s, d, "prepare");
+            kv_sql_close(s);
+            return rc;
+        }
+    }
+    *impl = s;
+    return 0;
+}
+
+static int kv_sql_meta_get(void *impl, const char *key, char *val, size_t cap, kv_diag *d) {
+    kv_sql *s = impl;
+    val[0] = 0;
+    sqlite3_reset(s->meta_get);
+    sqlite3_bind_text(s->meta_get, 1, key, -1, SQLITE_STATIC);
+    int r = sqlite3_step(s->meta_get), rc = 0;
+    if (r == SQLITE_ROW) {
+        const unsigned char *t = sqlite3_column_text(s->meta_get, 0);
+        int n = sqlite3_column_bytes(s->meta_get, 0);
+        if (!t || n < 0 || (size_t)n >= cap)
+            rc = kv_fail(d, KV_EFORMAT, "hub store: meta '%s' is longer than %zu bytes", key, cap - 1);
+        else
+            memcpy(val, t, (size_t)n + 1);
+    } else if (r != SQLITE_DONE) {
+        rc = kv_sql_err(s, d, "meta_get");
+    }
+    sqlite3_reset(s->meta_get);
+    return rc;
+}
+
+static int kv_sql_meta_put(void *impl, const char *key, const char *val, kv_diag *d) {
+    kv_sql *s = impl;
+    sqlite3_reset(s->meta_put);
+    sqlite3_bind_text(s->meta_put, 1, key, -1, SQLITE_STATIC);
+    sqlite3_bind_text(s->meta_put, 2, val, -1, SQLITE_STATIC);
+    int r = sqlite3_step(s->meta_put);
+    sqlite3_reset(s->meta_put);
+    return r == SQLITE_DONE ? 0 : kv_sql_err(s, d, "meta_put");
+}
+
+static int kv_sql_exec(kv_sql *s, const char *sql) { return sqlite3_exec(s->db, sql, NULL, NULL, NULL); }
+
+static int kv_sql_step1(kv_sql *s, sqlite3_stmt *st) {
+    int r = sqlite3_step(st);
+    sqlite3_reset(st);
+    return r == SQLITE_DONE ? 0 : -1;
+}
+
+static int kv_sql_node_put(void *impl, const kv_hub_node_rec *n, kv_diag *d) {
+    kv_sql *s = impl;
+    if (kv_sql_exec(s, "BEGIN IMMEDIATE")) return kv_sql_err(s, d, "begin");
+    sqlite3_stmt *st = s->node_put;
+    sqlite3_bind_blob(st, 1, n->pk, 32, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, n->addr, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 3, n->backend, -1, SQLITE_STATIC);
+    sqlite3_bind_int64(st, 4, (sqlite3_int64)n->memory);
+    sqlite3_bind_int64(st, 5, (sqlite3_int64)n->counter);
+    sqlite3_bind_int64(st, 6, n->last_seen_ms);
+    sqlite3_bind_int64(st, 7, n->registered_ms);
+    int bad = kv_sql_step1(s, st);
+    if (!bad) {
+        sqlite3_bind_blob(s->hold_del, 1, n->pk, 32, SQLITE_STATIC);
+        bad = kv_sql_step1(s, s->hold_del);
+    }
+    for (size_t i = 0; !bad && i < n->n_shards; i++) {
+        st = s->hold_put;
+        sqlite3_bind_blob(st, 1, n->pk, 32, SQLITE_STATIC);
+        sqlite3_bind_int64(st, 2, n->shards[i].layer);
+        sqlite3_bind_int64(st, 3, n->shards[i].first);
+        sqlite3_bind_int64(st, 4, n->shards[i].last);
+        sqlite3_bind_blob(st, 5, n->shards[i].sha256, 32, SQLITE_STATIC);
+        bad = kv_sql_step1(s, st);
+    }
+    if (bad) {
+        int rc = kv_sql_err(s, d, "node_put");
+        kv_sql_exec(s, "ROLLBACK");
+        return rc;
+    }
+    if (kv_sql_exec(s, "COMMIT")) {
+        int rc = kv_sql_err(s, d, "commit");
+        kv_sql_exec(s, "ROLLBACK");
+        return rc;
+    }
+    return 0;
+}
+
+static int kv_sql_node_touch(void *impl, const uint8_t pk[32], uint64_t counter, int64_t last_seen_ms,
+                             kv_diag *d) {
+    kv_sql *s = impl;
+    sqlite3_bind_blob(s->touch, 1, pk, 32, SQLITE_STATIC);
+    sqlite3_bind_int64(s->touch, 2, (sqlite3_int64)counter);
+    sqlite3_bind_int64(s->touch, 3, last_seen_ms);
+    if (kv_sql_step1(s, s->touch)) return kv_sql_err(s, d, "node_touch");
+    if (sqlite3_changes(s->db) != 1) return kv_fail(d, KV_ENOTFOUND, "hub store: node_touch: no such node");
+    return 0;
+}
+
+static int kv_sql_node_drop_shards(void *impl, const uint8_t pk[32], uint64_t counter, kv_diag *d) {
+    kv_sql *s = impl;
+    if (kv_sql_exec(s, "BEGIN IMMEDIATE")) return kv_sql_err(s, d, "begin");
+    sqlite3_bind_blob(s->hold_del, 1, pk, 32, SQLITE_STATIC);
+    int bad = kv_sql_step1(s, s->hold_del);
+    if (!bad) {
+        /* the counter moves on (the request that failed was signed); last_seen stays */
+        sqlite3_stmt *st;
+        bad = sqlite3_prepare_v2(s->db, "UPDATE nodes SET counter=?2 WHERE pk=?1", -1, &st, NULL) != SQLITE_OK;
+        if (!bad) {
+            sqlite3_bind_blob(st, 1, pk, 32, SQLITE_STATIC);
+            sqlite3_bind_int64(st, 2, (sqlite3_int64)counter);
+            bad = sqlite3_step(st) != SQLITE_DONE;
+            sqlite3_finalize(st);
+        }
+    }
+    if (bad || kv_sql_exec(s, "COMMIT")) {
+        int rc = kv_sql_err(s, d, "node_drop_shards");
+        kv_sql_exec(s, "ROLLBACK");
+        return rc;
+    }
+    return 0;
+}
+
+/* Copies a text column of at most cap-1 bytes. */
+static int kv_sql_text(sqlite3_stmt *st, int col, char *out, size_t cap) {
+    const unsigned char *t = sqlite3_column_text(st, col);
+    int n = sqlite3_column_bytes(st, col);
+    if (!t || n < 0 || (size_t)n >= cap) return -1;
+    memcpy(out, t, (size_t)n + 1);
+    return 0;
+}
+
+static int kv_sql_node_each(void *impl, int (*cb)(void *arg, const kv_hub_node_rec *n), void *arg,
+                            kv_diag *d) {
+    kv_sql *s = impl;
+    int rc = 0, r;
+    kv_hub_held *held = NULL;
+    size_t cap = 0;
+    sqlite3_reset(s->node_all);
+    while (!rc && (r = sqlite3_step(s->node_all)) == SQLITE_ROW) {
+        kv_hub_node_rec n;
+        memset(&n, 0, sizeof n);
+        sqlite3_stmt *st = s->node_all;
+        if (sqlite3_column_bytes(st, 0) != 32 || kv_sql_text(st, 1, n.addr, sizeof n.addr) ||
+            kv_sql_text(st, 2, n.backend, sizeof n.backend) || sqlite3_column_int64(st, 3) < 0 ||
+            sqlite3_column_int64(st, 4) < 0) {
+            rc = kv_fail(d, KV_EFORMAT, "hub store: a nodes row is malformed");
+            break;
+        }
+        memcpy(n.pk, sqlite3_column_blob(st, 0), 32);
+        n.memory = (uint64_t)sqlite3_column_int64(st, 3);
+        n.counter = (uint64_t)sqlite3_column_int64(st, 4);
+        n.last_seen_ms = sqlite3_column_int64(st, 5);
+        n.registered_ms = sqlite3_column_int64(st, 6);
+        size_t nh = 0;
+        sqlite3_stmt *h = s->hold_all;
+        sqlite3_reset(h);
+        sqlite3_bind_blob(h, 1, n.pk, 32, SQLITE_TRANSIENT);
+        while ((r = sqlite3_step(h)) == SQLITE_ROW) {
+            if (nh == KV_HUB_MAX_SHARDS_PER_NODE) {
+                rc = kv_fail(d, KV_EFORMAT, "hub store: a node holds more than %u shards",
+                             KV_HUB_MAX_SHARDS_PER_NODE);
+                break;
+            }
+            if (nh == cap) {
+                size_t nc = cap ? cap * 2 : 64;
+                kv_hub_held *nhp = realloc(held, nc * sizeof *held);
+                if (!nhp) {
+                    rc = kv_fail(d, KV_ENOMEM, "hub store: out of memory");
+                    break;
+                }
+                held = nhp;
+                cap = nc;
+            }
+            sqlite3_int64 L = sqlite3_column_int64(h, 0), F = sqlite3_column_int64(h, 1),
+                          T = sqlite3_column_int64(h, 2);
+            if (L < 0 || F < 0 || T < F || L > UINT32_MAX || T > UINT32_MAX ||
+                sqlite3_column_bytes(h, 3) != 32) {
+                rc = kv_fail(d, KV_EFORMAT, "hub store: a holdings row is malformed");
+                break;
+            }
+            held[nh].layer = (uint32_t)L;
+            held[nh].first = (uint32_t)F;
+            held[nh].last = (uint32_t)T;
+            memcpy(held[nh].sha256, sqlite3_column_blob(h, 3), 32);
+            nh++;
+        }
+        if (!rc && r != SQLITE_DONE && r != SQLITE_ROW) rc = kv_sql_err(s, d, "holdings");
+        sqlite3_reset(h);
+        if (rc) break;
+        n.shards = held;
+        n.n_shards = nh;
+        rc = cb(arg, &n);
+    }
+    if (!rc && r != SQLITE_DONE) rc = kv_sql_err(s, d, "nodes");
+    sqlite3_reset(s->node_all);
+    free(held);
+    return rc;
+}
+
+const kv_hub_store_ops kv_hub_store_sqlite = {
+    .name = "sqlite",
+    .open = kv_sql_open,
+    .close = kv_sql_close,
+    .meta_get = kv_sql_meta_get,
+    .meta_put = kv_sql_meta_put,
+    .node_put = kv_sql_node_put,
+    .node_touch = kv_sql_node_touch,
+    .node_drop_shards = kv_sql_node_drop_shards,
+    .node_each = kv_sql_node_each,
+};
+
+int kv_hub_store_open(kv_hub_store *s, const char *uri, kv_diag *d) {
+    s->ops = &kv_hub_store_sqlite;
+    s->impl = NULL;
+    return s->ops->open(&s->impl, uri, d);
+}
+
+void kv_hub_store_close(kv_hub_store *s) {
+    if (s && s->ops) s->ops->close(s->impl);
+    if (s) s->impl = NULL;
+}
