@@ -17,6 +17,7 @@ have python3 || need+=(python3)
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
 [ -f /usr/include/openssl/evp.h ] || need+=(libssl-dev)
+[ -f /usr/include/sqlite3.h ] || need+=(libsqlite3-dev)
 # libFuzzer and sanitizer runtimes for clang
 if have clang; then
   rt=$(clang -print-resource-dir 2>/dev/null)/lib/linux/libclang_rt.fuzzer-x86_64.a

@@ -17,6 +17,8 @@ static const struct {
     {"slice", kv_cmd_slice, "cut a model into a backbone, expert slabs and a manifest"},
     {"expert", kv_cmd_expert, "compute one expert's FFN for given hidden states"},
     {"worker", kv_cmd_worker, "serve expert computation for held slabs over TCP"},
+    {"wallet", kv_cmd_wallet, "make a KVR key, show its account, sign a payment authorization"},
+    {"ledger", kv_cmd_ledger, "KVR ledger: init, issue, balance, statement, check"},
 };
 
 static void kv_usage(FILE *f) {
