@@ -5,6 +5,7 @@
 #   make asan     sanitizer build; every test again under ASan+UBSan
 #   make fuzz     longer libFuzzer runs
 #   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)
+#   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
@@ -16,7 +17,7 @@ FUZZ_SECONDS ?= 300
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench clean
+.PHONY: all build deps oracle test asan demo fuzz bench bench-ledger clean
 
 all: build
 
@@ -55,6 +56,11 @@ fuzz: deps
 bench: deps oracle
 	@$(MAKE) --no-print-directory build
 	@bash bench/run.sh $(BUILD)/kvasir
+
+bench-ledger: deps
+	@$(MAKE) --no-print-directory build
+	@$(BUILD)/bench_ledger 1 500
+	@$(BUILD)/bench_ledger 8 250
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)
