@@ -458,6 +458,15 @@ static void test_attack_receipts(void) {
     bad.req.receipts = bad.rc;
     ASSERT_EQ(kv_receipt_sign(&bad.rc[0], &nodes[0], &other, 10, bad.log[0].log_digest, NULL), 0);
     ASSERT_EQ(kv_ledger_settle(l, &bad.req, NULL, &d), KV_LEDGER_RRECEIPT);
+    /* signed by the right node for this authorization, but via another gateway */
+    kv_auth elsewhere = a;
+    snprintf(elsewhere.gateway, sizeof elsewhere.gateway, "gw-elsewhere");
+    bad = s;
+    bad.req.log = bad.log;
+    bad.req.receipts = bad.rc;
+    ASSERT_EQ(kv_receipt_sign(&bad.rc[0], &nodes[0], &elsewhere, 10, bad.log[0].log_digest, NULL), 0);
+    ASSERT_EQ(kv_ledger_settle(l, &bad.req, NULL, &d), KV_LEDGER_RRECEIPT);
+    ASSERT_TRUE(strstr(d.msg, "gateway") != NULL);
     /* nothing moved by any of those */
     ASSERT_EQ(lt_bal(l, "escrow"), 100000);
     ASSERT_EQ(lt_bal_n(l, nodes[0].pk) + lt_bal_n(l, nodes[1].pk) + lt_bal_n(l, thief.pk), 0);
@@ -482,7 +491,8 @@ static void test_attack_receipts(void) {
     ASSERT_EQ(kv_issue_sign(&is, &lt_op, nodes[2].pk, 1000, NULL, &d), 0);
     ASSERT_EQ(kv_ledger_issue(l, &is, &d), 0);                      /* funds consumer:KEY, never node:KEY */
     lt_settle none;
-    lt_mk_settle(&none, &b, nodes, counts, 3, 0, 1, 1, 1000, 1000); /* log but no receipt */
+    uint64_t counts3[3] = {10, 30, 5};
+    lt_mk_settle(&none, &b, nodes, counts3, 3, 0, 1, 1, 1000, 1000); /* log but no receipt */
     e = lt_expect_of(&none);
     ASSERT_EQ(kv_ledger_settle(l, &none.req, NULL, &d), 0);
     ASSERT_EQ(lt_bal_n(l, nodes[2].pk), 0);

@@ -482,6 +482,11 @@ int kv_ledger_settle(kv_ledger *l, const kv_settle_req *r, kv_settle_result *res
         goto done;
     }
     for (size_t k = 0; k < r->n_receipts; k++) {
+        if (strcmp(r->receipts[k].gateway, u.gateway)) {
+            rc = kv_fail(d, KV_LEDGER_RRECEIPT, "receipt %zu names gateway '%s', the hold is at '%s'", k,
+                         r->receipts[k].gateway, u.gateway);
+            goto done;
+        }
         kv_store_receipt sr = {0};
         memcpy(sr.node, r->receipts[k].node, 32);
         memcpy(sr.nonce, r->receipts[k].nonce, 16);
