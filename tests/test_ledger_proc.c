@@ -99,7 +99,9 @@ static void test_attack_concurrent_processes(void) {
 /* ---- 6. a settling process killed with SIGKILL, restarted ------------------------------------- */
 #define LP_N 120
 #define LP_GW "gw-crash"
-static int lp_settler(const char *path, kv_auth *auths, lt_settle *ss) {
+/* Writes one byte to progress_fd after each completion, so the parent can
+ * kill it part-way at a point it chooses, on any machine speed. */
+static int lp_settler(const char *path, kv_auth *auths, lt_settle *ss, int progress_fd) {
     kv_ledger *l = NULL;
     if (kv_ledger_open(&l, path, NULL)) return 2;
     uint64_t now = (uint64_t)time(NULL);
@@ -109,6 +111,7 @@ static int lp_settler(const char *path, kv_auth *auths, lt_settle *ss) {
         if (i % 5 == 4) rc = kv_ledger_release(l, auths[i].consumer, auths[i].nonce, NULL);
         else rc = kv_ledger_settle(l, &ss[i].req, NULL, NULL);
         if (rc != 0 && rc != KV_LEDGER_EXISTS && rc != KV_LEDGER_RSTATE) return 4;
+        if (write(progress_fd, "", 1) != 1) return 5;
     }
     kv_ledger_free(l);
     return 0;
@@ -132,14 +135,40 @@ static void test_crash_sigkill(void) {
     }
     int killed = 0;
     uint64_t recovered = 0;
+    /* one crash at a known point: a process holds auths[0] and dies before settling it */
+    pid_t p0 = fork();
+    if (p0 == 0) {
+        kv_ledger *cl = NULL;
+        if (kv_ledger_open(&cl, path, NULL) || kv_ledger_escrow(cl, &auths[0], LP_GW, (uint64_t)time(NULL), NULL))
+            _exit(1);
+        raise(SIGKILL);
+    }
+    int st0 = 0;
+    waitpid(p0, &st0, 0);
+    ASSERT_TRUE(WIFSIGNALED(st0));
+    ASSERT_EQ(lt_bal(l, "escrow"), auths[0].max);
     for (int round = 0; round < 8; round++) {
+        int pfd[2];
+        ASSERT_EQ(pipe(pfd), 0);
         pid_t p = fork();
-        if (p == 0) _exit(lp_settler(path, auths, ss));
+        if (p == 0) {
+            close(pfd[0]);
+            _exit(lp_settler(path, auths, ss, pfd[1]));
+        }
+        close(pfd[1]);
         int last = round == 7;
         if (!last) {
-            usleep((useconds_t)(20000 + rand() % 80000));
+            /* let it get past what earlier runs did, then kill it inside its next steps */
+            int want = 12 * (round + 1) + rand() % 10, got = 0;
+            char b;
+            while (got < want && read(pfd[0], &b, 1) == 1) got++;
+            usleep((useconds_t)(rand() % 15000));
             kill(p, SIGKILL);
+        } else {
+            char b;
+            while (read(pfd[0], &b, 1) == 1) {}
         }
+        close(pfd[0]);
         int st = 0;
         waitpid(p, &st, 0);
         if (WIFSIGNALED(st)) killed++;
@@ -153,7 +182,8 @@ static void test_crash_sigkill(void) {
         lt_check(r);
         kv_ledger_free(r);
     }
-    ASSERT_TRUE(killed > 0);
+    ASSERT_EQ(killed, 7);
+    ASSERT_TRUE(recovered >= 1);
     /* the reference: each authorization settled once (exact figures) or released */
     uint64_t ref_c = funded, ref_t = 0, ref_n[3] = {0}, n_settled = 0, n_released = 0;
     for (int i = 0; i < LP_N; i++) {
