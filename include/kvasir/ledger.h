@@ -87,6 +87,9 @@ int kv_wallet_save(const kv_wallet *w, const char *path, kv_diag *d);
 /* Reads a key file written by kv_wallet_save (size and format checked).
  * Returns 0, KV_EIO or KV_EFORMAT. */
 int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d);
+/* The same from n bytes in memory (a trailing newline is optional).
+ * Returns 0 or KV_EFORMAT. */
+int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d);
 /* Lower-case hex of 32 bytes into out[65]. */
 void kv_hex32(const uint8_t b[32], char out[65]);
 /* Parses exactly 64 hex digits. Returns 0 or KV_EFORMAT. */

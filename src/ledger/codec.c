@@ -129,24 +129,29 @@ int kv_wallet_save(const kv_wallet *w, const char *path, kv_diag *d) {
     return 0;
 }
 
-int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d) {
+int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d) {
     if (kv_sodium_ready(d)) return KV_EINTERNAL;
+    size_t tag = strlen(KV_KEYFILE_TAG), want = tag + 64;
+    if (n == want + 1 && b[want] == '\n') n = want;
+    uint8_t seed[32];
+    if (n != want || memcmp(b, KV_KEYFILE_TAG, tag) || kv_unhex((const char *)b + tag, 32, seed))
+        return kv_fail(d, KV_EFORMAT, "not a kvasir-ed25519-v1 key");
+    crypto_sign_seed_keypair(w->pk, w->sk, seed);
+    sodium_memzero(seed, sizeof seed);
+    return 0;
+}
+
+int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d) {
     uint8_t buf[130];
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kv_fail(d, KV_EIO, "key file '%s': %s", path, strerror(errno));
     ssize_t n = read(fd, buf, sizeof buf);
     close(fd);
     if (n < 0) return kv_fail(d, KV_EIO, "key file '%s': %s", path, strerror(errno));
-    size_t tag = strlen(KV_KEYFILE_TAG), want = tag + 64;
-    size_t len = (size_t)n;
-    if (len == want + 1 && buf[want] == '\n') len = want;
-    uint8_t seed[32];
-    int bad = len != want || memcmp(buf, KV_KEYFILE_TAG, tag) || kv_unhex((const char *)buf + tag, 32, seed);
+    int rc = kv_wallet_parse(w, buf, (size_t)n, d);
     sodium_memzero(buf, sizeof buf);
-    if (bad) return kv_fail(d, KV_EFORMAT, "key file '%s' is not a kvasir-ed25519-v1 key", path);
-    crypto_sign_seed_keypair(w->pk, w->sk, seed);
-    sodium_memzero(seed, sizeof seed);
-    return 0;
+    if (rc) kv_diag_prefix(d, rc, "key file '%s'", path);
+    return rc;
 }
 
 /* ---- authorizations ---------------------------------------------------------- */
