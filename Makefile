@@ -6,6 +6,7 @@
 #   make fuzz     longer libFuzzer runs
 #   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)
 #   make bench-hub  hub market view at 122B scale + load of 2,000 heartbeating nodes
+#   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
@@ -17,7 +18,7 @@ FUZZ_SECONDS ?= 300
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub clean
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger clean
 
 all: build
 
@@ -60,6 +61,11 @@ bench: deps oracle
 bench-hub: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/hub.sh $(BUILD)
+
+bench-ledger: deps
+	@$(MAKE) --no-print-directory build
+	@$(BUILD)/bench_ledger 1 500
+	@$(BUILD)/bench_ledger 8 250
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

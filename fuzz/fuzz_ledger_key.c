@@ -1,0 +1,39 @@
+/* libFuzzer target for the wallet key file parser (kv_wallet_parse), over an
+ * exact-size copy. A parsed key must re-encode (kv_wallet_save's format) to
+ * the input, with or without its trailing newline, and its public key must
+ * be the one its seed derives; failures give a negative code and one line. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvasir/ledger.h"
+
+#define CHECK(x)                    \
+    do {                            \
+        if (!(x)) __builtin_trap(); \
+    } while (0)
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    uint8_t *b = malloc(size ? size : 1);
+    if (!b) return 0;
+    memcpy(b, data, size);
+    kv_wallet w;
+    kv_diag d = {0};
+    int rc = kv_wallet_parse(&w, b, size, &d);
+    if (rc == 0) {
+        char hex[65], line[128];
+        kv_hex32(w.sk, hex);
+        int n = snprintf(line, sizeof line, "kvasir-ed25519-v1 %s\n", hex);
+        CHECK((size == (size_t)n || size == (size_t)n - 1) && !memcmp(w.sk + 32, w.pk, 32));
+        for (size_t i = 0; i < size; i++) {
+            char c = (char)b[i];
+            if (c >= 'A' && c <= 'F') c = (char)(c - 'A' + 'a');
+            CHECK(c == line[i]);
+        }
+    } else {
+        CHECK(rc < 0 && d.msg[0] && !strchr(d.msg, '\n'));
+    }
+    free(b);
+    return 0;
+}
