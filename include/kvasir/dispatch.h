@@ -402,9 +402,10 @@ void kv_worker_stats(const kv_worker *w, kv_msg_stats *out);
 void kv_worker_mem(const kv_worker *w, size_t *now, size_t *peak);
 
 /* ==== remote provider (coordinator side; src/dispatch/remote.c) ==========
- * Owned by the coordinator's author; the codec above is the only thing it
- * shares with the worker. See remote.c's opening comment for the rounds,
- * the retry rules and why the output is bit-identical to a local run. */
+ * It shares the codec above and the event loop (include/kvasir/net.h) with
+ * the worker. See remote.c's opening comment for the rounds, the retry and
+ * backoff rules, the slab-hash and output checks, and why the output is
+ * bit-identical to a local run. */
 
 #include <stdio.h>
 
@@ -419,7 +420,8 @@ typedef struct kv_remote_opts {
     const char *const *workers; /* [n_workers] "HOST:PORT" (or "[v6]:PORT") */
     uint32_t n_workers;
     uint32_t timeout_ms;        /* deadline of one request round, and of a handshake; 0 = 10000 */
-    uint32_t reconnect_ms;      /* a dropped worker is dialed again after this; 0 = 500 */
+    uint32_t reconnect_ms;      /* a dropped worker is dialed again after this, doubled per
+                                   failure since its last good answer (at most 60 s); 0 = 500 */
     uint32_t enc;               /* KV_ENC_* of hidden states and outputs (F32 = exact); a worker
                                    that does not accept it gets F32 */
     uint32_t max_tokens;        /* tokens per compute call: max(n_batch, n_seq); 0 = 256 */

@@ -101,6 +101,8 @@ struct kv_worker {
     kv_net_loop *loop;
     kv_net_budget budget;
     kv_net_watch lwatch;             /* the listening socket */
+    bool listening;                  /* lwatch registered */
+    kv_net_timer accept_t;           /* re-arms accepting after EMFILE and the like */
     kv_wconn **conns;                /* [max_conns] slots, NULL = free */
     int n_active;
     kv_wconn *jobs;                  /* ring of connections with a job; the next to serve */
@@ -1012,6 +1014,14 @@ static int kv_worker_slot(kv_worker *w) {
     return victim;
 }
 
+static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev);
+
+static void kv_worker_resume_accept(kv_net_loop *l, kv_net_timer *t) {
+    kv_worker *w = t->data;
+    if (!w->listening && !kv_net_watch_add(l, &w->lwatch, w->lfd, KV_NET_READ, kv_worker_accept, w, NULL))
+        w->listening = true;
+}
+
 static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
     kv_worker *w = lw->data;
     (void)ev;
@@ -1020,8 +1030,14 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
         socklen_t sl = sizeof ss;
         int fd = accept4(w->lfd, (struct sockaddr *)&ss, &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) {
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                kv_wlog(w, "accept: %s", strerror(errno));
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                /* the pending connection stays readable: stop watching for
+                 * 100 ms instead of spinning on it */
+                kv_wlog(w, "accept: %s (backing off)", strerror(errno));
+                kv_net_watch_del(l, &w->lwatch);
+                w->listening = false;
+                kv_net_timer_start(l, &w->accept_t, 100);
+            }
             return; /* EAGAIN, or retried on the next readiness */
         }
         int one = 1;
@@ -1085,9 +1101,13 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
 int kv_worker_serve(kv_worker *w, kv_diag *d) {
     int rc = kv_net_watch_add(w->loop, &w->lwatch, w->lfd, KV_NET_READ, kv_worker_accept, w, d);
     if (rc) return rc;
+    w->listening = true;
+    kv_net_timer_init(&w->accept_t, kv_worker_resume_accept, w);
     kv_net_loop_set_tick(w->loop, kv_worker_tick, w);
     while (!atomic_load(&w->stop) && !rc) rc = kv_net_loop_run_once(w->loop, 1000, d);
-    kv_net_watch_del(w->loop, &w->lwatch);
+    kv_net_timer_stop(w->loop, &w->accept_t);
+    if (w->listening) kv_net_watch_del(w->loop, &w->lwatch);
+    w->listening = false;
     kv_net_loop_set_tick(w->loop, NULL, NULL);
     return rc;
 }
