@@ -1,3 +1,4 @@
+/* kv-test-labels: net */
 /* The network layer (include/kvasir/net.h) on its own: timers fire in
  * order and can be stopped or re-armed; frames are cut exactly whatever
  * the byte boundaries (pipelined in one write, or one byte at a time);

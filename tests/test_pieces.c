@@ -1,3 +1,4 @@
+/* kv-test-labels: unit net */
 /* Pieces: the model identity against an independent reimplementation of its
  * definition (libsodium SHA-256 over the file read with stdio), two models
  * that differ only in weights (same header bytes) get different ids and
