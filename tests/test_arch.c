@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kvasir/anatomy.h"
@@ -14,6 +15,7 @@
 #include "kvasir/gen.h"
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
+#include "kvasir/quant.h"
 #include "kvtest.h"
 
 static char tmpdir[256];
@@ -276,12 +278,133 @@ static void test_skeletons(void) {
     }
 }
 
+/* ---- a skeleton's real small tensors -------------------------------------- */
+
+/* Top-k experts of the router of layer il for token tok, computed here from
+ * the file's bytes in double: the embedding row (every block adds zero, so
+ * it is the hidden state), RMSNorm with post_attention_norm, the router. */
+static int route(const kv_gguf *g, uint32_t il, uint32_t tok, uint32_t k, int *top) {
+    char n[96];
+    const kv_gguf_tensor *te = kv_gguf_find_tensor(g, "token_embd.weight");
+    snprintf(n, sizeof n, "blk.%u.post_attention_norm.weight", il);
+    const kv_gguf_tensor *tn = kv_gguf_find_tensor(g, n);
+    snprintf(n, sizeof n, "blk.%u.ffn_gate_inp.weight", il);
+    const kv_gguf_tensor *tr = kv_gguf_find_tensor(g, n);
+    if (!te || !tn || !tr || tr->type != 0 || tn->type != 0) return -1;
+    const uint64_t E = te->ne[0], X = tr->ne[1];
+    const kv_type_info *ti = kv_type_get_ref(te->type);
+    float *x = malloc(E * sizeof *x);
+    double *logit = malloc(X * sizeof *logit);
+    if (!x || !logit || !ti || !ti->to_float) {
+        free(x);
+        free(logit);
+        return -1;
+    }
+    ti->to_float((const uint8_t *)te->data + tok * kv_type_row_size(te->type, E), x, (int64_t)E);
+    double ss = 0;
+    for (uint64_t i = 0; i < E; i++) ss += (double)x[i] * x[i];
+    const double scale = 1.0 / sqrt(ss / (double)E + 1e-6);
+    const float *nw = tn->data, *W = tr->data;
+    for (uint64_t e = 0; e < X; e++) {
+        double acc = 0;
+        for (uint64_t i = 0; i < E; i++) acc += (double)W[e * E + i] * (x[i] * scale * nw[i]);
+        logit[e] = acc;
+    }
+    for (uint32_t j = 0; j < k; j++) { /* selection, ties to the lower id as top-k does */
+        int best = -1;
+        for (uint64_t e = 0; e < X; e++) {
+            bool taken = false;
+            for (uint32_t q = 0; q < j; q++) taken |= top[q] == (int)e;
+            if (!taken && (best < 0 || logit[e] > logit[best])) best = (int)e;
+        }
+        top[j] = best;
+    }
+    free(x);
+    free(logit);
+    return 0;
+}
+
+static void test_skeleton_routing(void) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/skel35.gguf", tmpdir);
+    kv_diag d = {0};
+    ASSERT_EQ(kv_skeleton_write("qwen35-35b-a3b", p, NULL, &d), 0);
+    kv_gguf *g = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, p, &d), 0);
+    if (!g) return;
+    uint64_t nt = 0;
+    const uint8_t *types = NULL;
+    ASSERT_EQ(kv_gguf_get_arr(g, "tokenizer.ggml.token_type", KV_GGUF_INT32, &nt, &types, &d), 0);
+    /* 48 real tokens, spread over the learned vocabulary */
+    uint32_t toks[48], n_tok = 0, n_real = 0;
+    for (uint64_t r = 0; r < nt; r++) {
+        int32_t ty;
+        memcpy(&ty, types + 4 * r, 4);
+        n_real += ty != 5;
+    }
+    for (uint64_t r = 0, i = 0; r < nt && n_tok < 48; r++) {
+        int32_t ty;
+        memcpy(&ty, types + 4 * r, 4);
+        if (ty == 5) continue;
+        if (i++ % (n_real / 48 ? n_real / 48 : 1) == 0) toks[n_tok++] = (uint32_t)r;
+    }
+    ASSERT_EQ(n_tok, 48);
+    const uint32_t layers[] = {0, 3, 40}; /* recurrent, full attention, MTP */
+    for (size_t li = 0; li < KVT_N(layers); li++) {
+        int hits[256] = {0}, distinct = 0, first8 = 0;
+        for (uint32_t t = 0; t < n_tok; t++) {
+            int top[8];
+            ASSERT_EQ(route(g, layers[li], toks[t], 8, top), 0);
+            bool low = true;
+            for (int j = 0; j < 8; j++) {
+                if (top[j] >= 0 && top[j] < 256 && !hits[top[j]]++) distinct++;
+                low &= top[j] >= 0 && top[j] < 8;
+            }
+            first8 += low;
+        }
+        /* 48 tokens x 8 choices over 256 experts: an all-zero router gives 8 */
+        printf("  layer %u: %d distinct experts chosen by %u tokens\n", layers[li], distinct, n_tok);
+        ASSERT_TRUE(distinct >= 128);
+        ASSERT_EQ(first8, 0);
+    }
+    /* experts and projections are holes that read as zeros */
+    static const char *const holes[] = {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight",
+                                        "blk.0.attn_qkv.weight", "blk.3.attn_output.weight", "output.weight"};
+    for (size_t i = 0; i < KVT_N(holes); i++) {
+        const kv_gguf_tensor *t = kv_gguf_find_tensor(g, holes[i]);
+        ASSERT_TRUE(t != NULL);
+        if (!t) continue;
+        const uint8_t *b = t->data;
+        uint64_t nz = 0;
+        for (uint64_t o = 0; o < t->nbytes; o += 4093) nz += b[o] != 0;
+        ASSERT_EQ(nz, 0);
+    }
+    kv_gguf_close(g);
+    /* and the file stays small on disk */
+    struct stat st;
+    ASSERT_EQ(stat(p, &st), 0);
+    printf("  qwen35-35b-a3b skeleton: %.1f MB on disk of %.1f GB\n", (double)st.st_blocks * 512 / 1e6,
+           (double)st.st_size / 1e9);
+    ASSERT_TRUE((uint64_t)st.st_blocks * 512 < 48ull << 20);
+    /* header only: no tensor data at all */
+    ASSERT_EQ(kv_skeleton_write_ex("qwen35-35b-a3b", p, false, NULL, &d), 0);
+    ASSERT_EQ(kv_gguf_open(&g, p, &d), 0);
+    if (g) {
+        int top[8];
+        ASSERT_EQ(route(g, 0, toks[0], 8, top), 0);
+        for (int j = 0; j < 8; j++) ASSERT_EQ(top[j], j); /* all-zero router: experts 0..7 */
+        kv_gguf_close(g);
+    }
+    remove(p);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_registry),
     KVT_CASE(test_match),
     KVT_CASE(test_gen_qwen3moe),
     KVT_CASE(test_gen_qwen35moe),
     KVT_CASE(test_skeletons),
+    KVT_CASE(test_skeleton_routing),
 };
 
 static int setup(void) {

@@ -12,7 +12,7 @@
 #include <stdatomic.h>
 
 #include "ledger/ledger_internal.h"
-#include "ledger_support.h"
+#include "test_ledger_support.h"
 
 /* ---- 1. the journal --------------------------------------------------------- */
 static void test_transfer_ids(void) {

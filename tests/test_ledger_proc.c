@@ -11,7 +11,7 @@
 #include <sys/wait.h>
 #include <pthread.h>
 
-#include "ledger_support.h"
+#include "test_ledger_support.h"
 
 #define LP_PROCS 8
 

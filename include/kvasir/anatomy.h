@@ -164,9 +164,14 @@ const kv_skeleton_preset *kv_skeleton_presets(size_t *n);
 bool kv_skeleton_has(const char *name);
 
 /* Writes the skeleton of preset `name` to path (via "<path>.part", renamed on
- * success). log (may be NULL) gets progress notes. Errors: KV_ENOTFOUND (no
- * such preset, listing them), KV_EIO, KV_ENOMEM. */
+ * success). log (may be NULL) gets progress notes. The small tensors carry
+ * real seeded values (token embeddings of the tokens the vocabulary has,
+ * norms, routers: a few MB), so routing spreads over the experts as in a
+ * real model; experts and projections stay holes that read as zeros.
+ * Errors: KV_ENOTFOUND (no such preset, listing them), KV_EIO, KV_ENOMEM. */
 int kv_skeleton_write(const char *name, const char *path, FILE *log, kv_diag *d);
+/* The same; real = false leaves every tensor a hole (header only). */
+int kv_skeleton_write_ex(const char *name, const char *path, bool real, FILE *log, kv_diag *d);
 
 /* The type llama.cpp's Q4_K_M quantizer gives a tensor (llama-quant.cpp),
  * for tests and docs: `src_type` is its type in the converted (f16/bf16)

@@ -1,7 +1,8 @@
 /* Synthetic model generator (`kvasir gen-model`).
  *
- * Writes a GGUF model of a supported architecture (qwen3moe) with the
- * metadata and tensor names/shapes llama.cpp expects, a real byte-level BPE
+ * Writes a GGUF model of a supported architecture (qwen3moe, qwen35moe)
+ * with the metadata llama.cpp expects and the tensor names/shapes of the
+ * architecture's table (arch.h), a real byte-level BPE
  * vocabulary trained on the bundled corpus (kv_bpe_train), and deterministic
  * pseudo-random weights of sane scale: activations stay O(1) through the
  * layers and logits spread over a few units, so greedy decoding is not

@@ -64,11 +64,12 @@ static void usage(FILE *f) {
     for (size_t i = 0; i < n; i++) fprintf(f, "  %-20s %s\n", p[i].name, p[i].summary);
     const kv_skeleton_preset *s = kv_skeleton_presets(&n);
     fprintf(f, "\nskeleton presets (with --skeleton --out F.gguf: the real model's header, Q4_K_M\n"
-               "types, tensor data left as holes; see docs/ANATOMY.md):\n");
+               "types; real embeddings, norms and routers, every other tensor a hole; see\n"
+               "docs/ANATOMY.md):\n");
     for (size_t i = 0; i < n; i++) fprintf(f, "  %-20s %s\n", s[i].name, s[i].summary);
 }
 
-/* --skeleton: the header of a real model, data left as holes (anatomy.h). */
+/* --skeleton: the header of a real model, data holes but for the small tensors (anatomy.h). */
 static int gen_skeleton(int argc, char **argv, const char *preset) {
     const char *out = NULL;
     for (int i = 1; i < argc; i++) {

@@ -1,15 +1,15 @@
-/* Synthetic qwen3moe models: metadata, vocabulary and seeded weights.
+/* Synthetic qwen3moe and qwen35moe models: metadata, vocabulary and seeded
+ * weights.
  *
  * What llama.cpp needs to load the file (src/models/qwen3moe.cpp,
- * llama-model.cpp, llama-vocab.cpp): the qwen3moe.* hyperparameters as u32
- * (f32 for the RMS epsilon and RoPE base), a gpt2/qwen2 vocabulary with
- * merges and token types, and tensors
- *   token_embd [n_embd, n_vocab], output_norm [n_embd], output [n_embd, n_vocab]
- *   (absent when tied), and per layer attn_norm, attn_q [n_embd, n_head*hd],
- *   attn_k/attn_v [n_embd, n_head_kv*hd], attn_output [n_head*hd, n_embd],
- *   attn_q_norm/attn_k_norm [hd], ffn_norm, ffn_gate_inp [n_embd, n_expert],
- *   ffn_gate_exps/ffn_up_exps [n_embd, n_ff_exp, n_expert],
- *   ffn_down_exps [n_ff_exp, n_embd, n_expert]   (ne[0] innermost).
+ * qwen35moe.cpp, llama-model.cpp, llama-vocab.cpp): the <arch>.*
+ * hyperparameters as u32 (f32 for the RMS epsilon and RoPE base), a
+ * gpt2/qwen2 (qwen35) vocabulary with merges and token types, and the
+ * tensors of the architecture's table (src/arch/: names, which blocks carry
+ * them, shapes in hyper-parameters, ne[0] innermost, and the distribution of
+ * each), written in the table's file order; output.weight is absent when
+ * tied.
+ *
  * Expert weights are always renormalized after top-k in llama.cpp's qwen3moe
  * graph, so no key for that is written.
  *

@@ -1,6 +1,7 @@
 /* Skeleton models: the header of a real MoE model at true scale, exactly as
  * llama.cpp's converter (convert_hf_to_gguf.py) and quantizer (llama-quant.cpp,
- * Q4_K_M) lay it out, with the tensor data left as holes.
+ * Q4_K_M) lay it out, with the tensor data left as holes except in the small
+ * tensors (token embeddings, norms, routers: see "real small tensors").
  *
  * What "exactly" covers: the architecture's metadata keys with the values of
  * the model's config.json, a tokenizer of the real vocabulary size (our own
@@ -27,6 +28,7 @@
  * "use more bits"(i, n) = i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2. */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -154,6 +156,9 @@ typedef struct skel_tensor {
     uint64_t ne[4];
     uint32_t src;    /* type in the converted (bf16) file */
     uint32_t type;   /* after Q4_K_M */
+    enum kv_role role; /* from the table: decides which tensors get real values */
+    float mean, std; /* norms: their distribution */
+    size_t idx;      /* index in the writer */
 } skel_tensor;
 
 typedef struct skel_list {
@@ -187,6 +192,9 @@ static void add(skel_list *l, const kv_tensor_desc *t, const kv_hparams *hp, int
     st->ne[3] = 1;
     st->n_dims = t->n_dims;
     st->src = t->flags & (KV_TF_F32 | KV_TF_KEEP_F32) ? KV_TYPE_F32 : KV_TYPE_BF16;
+    st->role = t->role;
+    st->mean = t->init_mean;
+    st->std = t->init_std;
 }
 
 /* The hyper-parameters of a config, for the table's shapes. */
@@ -301,9 +309,102 @@ static int write_meta(kv_gguf_writer *w, const skel_cfg *c, const kv_bpe_vocab *
     return 0;
 }
 
+/* ---- real small tensors ----------------------------------------------
+ * Token embeddings (the rows of tokens the vocabulary really has), norms and
+ * routers carry seeded values; everything else stays a hole that reads as
+ * zeros. With every projection and expert zero, a token's hidden state is
+ * its embedding in every block, so each layer's router sees the normed
+ * embedding and routing spreads over the experts as in a real model (an
+ * all-zero router would pick experts 0..k-1 for every token).
+ *
+ * Disk: a router row e holds values only in SKEL_ROUTER_DIMS dims, the first
+ * ones for even e and the last ones for odd e, so rows 2j+1 and 2j+2 share
+ * one run of bytes: about n_expert/2 pages per layer instead of the whole
+ * [n_embd][n_expert] f32 matrix (3 MB a layer on the 122B). */
+#define SKEL_SEED 0x6b7661736b656cull /* "kvaskel" */
+#define SKEL_ROUTER_DIMS 64u
+#define SKEL_ROUTER_GAIN 2.0f /* router logits of std ~2: a clear top-k */
+
+static uint64_t skel_mix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Approximately standard normal (sum of four 16-bit uniforms), integer
+ * arithmetic and one multiply: the same bits everywhere. */
+static float skel_normal(uint64_t *s) {
+    uint64_t r = skel_mix(s);
+    int32_t sum = (int32_t)(r & 0xffff) + (int32_t)((r >> 16) & 0xffff) + (int32_t)((r >> 32) & 0xffff) +
+                  (int32_t)(r >> 48);
+    return (float)(sum - 131070) * (1.0f / 37837.23f);
+}
+
+/* The PRNG stream of row `row` of tensor `name`. */
+static uint64_t skel_stream(const char *name, uint64_t row) {
+    uint64_t h = 1469598103934665603ull;
+    for (const char *p = name; *p; p++) {
+        h ^= (unsigned char)*p;
+        h *= 1099511628211ull;
+    }
+    uint64_t s = SKEL_SEED ^ h ^ (row * 0x100000001b3ull);
+    skel_mix(&s);
+    return s;
+}
+
+static void skel_draw(float *f, size_t n, const char *name, uint64_t row, float mean, float std) {
+    uint64_t st = skel_stream(name, row);
+    for (size_t i = 0; i < n; i++) {
+        float z = skel_normal(&st) * std;
+        f[i] = mean + z;
+    }
+}
+
+/* Writes the real values of t (a norm, a router or the token embedding;
+ * other tensors are left alone). unused[r]: token r is padding. buf holds
+ * at least 4 * ne[0] bytes, f as many floats. */
+static int skel_write_real(kv_gguf_writer *w, const skel_tensor *t, const uint8_t *unused, size_t n_vocab, float *f,
+                           uint8_t *buf, kv_diag *d) {
+    const uint64_t E = t->ne[0];
+    if (t->role == KV_ROLE_NORM && t->type == KV_TYPE_F32) {
+        skel_draw(f, (size_t)E, t->name, 0, t->mean, t->std);
+        return kv_gguf_writer_write_data(w, t->idx, 0, f, (size_t)E * sizeof(float), d);
+    }
+    if (t->role == KV_ROLE_ROUTER && t->type == KV_TYPE_F32 && t->n_dims == 2) {
+        const uint64_t k = E < SKEL_ROUTER_DIMS ? E : SKEL_ROUTER_DIMS;
+        const float std = SKEL_ROUTER_GAIN / sqrtf((float)k);
+        for (uint64_t e = 0; e < t->ne[1]; e++) {
+            const uint64_t first = e % 2 ? E - k : 0; /* odd rows: their last dims */
+            skel_draw(f, (size_t)k, t->name, e, 0.0f, std);
+            int rc = kv_gguf_writer_write_data(w, t->idx, (e * E + first) * sizeof(float), f, (size_t)k * sizeof(float), d);
+            if (rc) return rc;
+        }
+        return 0;
+    }
+    if (t->role == KV_ROLE_EMBD) {
+        const kv_type_info *ti = kv_type_get_ref(t->type);
+        const uint64_t rb = kv_type_row_size(t->type, E);
+        if (!ti || !ti->from_float || !rb) return kv_fail(d, KV_EINTERNAL, "skeleton: cannot quantize %s", t->name);
+        const float std = 1.0f; /* RMSNorm follows: only the direction matters */
+        for (uint64_t r = 0; r < t->ne[1] && r < n_vocab; r++) {
+            if (unused[r]) continue;
+            skel_draw(f, (size_t)E, t->name, r, 0.0f, std);
+            ti->from_float(f, buf, (int64_t)E);
+            int rc = kv_gguf_writer_write_data(w, t->idx, r * rb, buf, (size_t)rb, d);
+            if (rc) return rc;
+        }
+    }
+    return 0;
+}
+
 /* ---- writing ---------------------------------------------------------- */
 
 int kv_skeleton_write(const char *name, const char *path, FILE *log, kv_diag *d) {
+    return kv_skeleton_write_ex(name, path, true, log, d);
+}
+
+int kv_skeleton_write_ex(const char *name, const char *path, bool real, FILE *log, kv_diag *d) {
     const skel_cfg *c = find_cfg(name);
     if (!c)
         return kv_fail(d, KV_ENOTFOUND, "unknown skeleton preset '%s' (skeletons: qwen35-122b-a10b, "
@@ -314,6 +415,9 @@ int kv_skeleton_write(const char *name, const char *path, FILE *log, kv_diag *d)
     memset(&voc, 0, sizeof voc);
     kv_gguf_writer *w = NULL;
     char *part = NULL;
+    uint8_t *unused = NULL, *qbuf = NULL;
+    float *fbuf = NULL;
+    size_t n_vocab = 0;
     int part_made = 0, rc;
 
     build_list(c, &l);
@@ -336,10 +440,16 @@ int kv_skeleton_write(const char *name, const char *path, FILE *log, kv_diag *d)
     }
     if ((rc = kv_gguf_writer_new(&w, d))) goto out;
     if ((rc = write_meta(w, c, &voc, d))) goto out;
+    if (!(unused = calloc(voc.n_tokens, 1))) {
+        rc = kv_fail(d, KV_ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < voc.n_tokens; i++) unused[i] = voc.types[i] == KV_TOK_UNUSED;
+    n_vocab = voc.n_tokens;
     kv_bpe_vocab_free(&voc);
     uint64_t bytes = 0;
     for (size_t i = 0; i < l.n; i++) {
-        rc = kv_gguf_writer_add_tensor(w, l.t[i].name, l.t[i].n_dims, l.t[i].ne, l.t[i].type, NULL, d);
+        rc = kv_gguf_writer_add_tensor(w, l.t[i].name, l.t[i].n_dims, l.t[i].ne, l.t[i].type, &l.t[i].idx, d);
         if (rc) goto out;
         bytes += kv_type_row_size(l.t[i].type, l.t[i].ne[0]) * l.t[i].ne[1] * l.t[i].ne[2];
     }
@@ -352,7 +462,18 @@ int kv_skeleton_write(const char *name, const char *path, FILE *log, kv_diag *d)
     memcpy(part + plen, ".part", 6);
     if ((rc = kv_gguf_writer_begin(w, part, d))) goto out;
     part_made = 1;
-    /* no tensor data is written: every tensor stays a hole */
+    /* real values in the small tensors; the rest stays holes */
+    if (real) {
+        size_t fmax = 0;
+        for (size_t i = 0; i < l.n; i++)
+            if (l.t[i].ne[0] > fmax) fmax = (size_t)l.t[i].ne[0];
+        if (!(fbuf = malloc(fmax * sizeof *fbuf)) || !(qbuf = malloc(fmax * sizeof *fbuf))) {
+            rc = kv_fail(d, KV_ENOMEM, "out of memory");
+            goto out;
+        }
+        for (size_t i = 0; i < l.n; i++)
+            if ((rc = skel_write_real(w, &l.t[i], unused, n_vocab, fbuf, qbuf, d))) goto out;
+    }
     if ((rc = kv_gguf_writer_finish(w, d))) goto out;
     if (rename(part, path) != 0) {
         rc = kv_fail(d, KV_EIO, "cannot rename %s to %s: %s", part, path, strerror(errno));
@@ -360,11 +481,15 @@ int kv_skeleton_write(const char *name, const char *path, FILE *log, kv_diag *d)
     }
     part_made = 0;
     if (log)
-        fprintf(log, "gen-model: wrote skeleton %s: %s, %zu tensors, %.2f GB of tensor data left as holes\n", path,
-                c->preset, l.n, (double)bytes / 1e9);
+        fprintf(log, "gen-model: wrote skeleton %s: %s, %zu tensors, %.2f GB of tensor data, holes but for %s\n",
+                path, c->preset, l.n, (double)bytes / 1e9,
+                real ? "the embeddings, norms and routers" : "none (header only)");
 out:
     if (rc && part_made) unlink(part);
     free(part);
+    free(unused);
+    free(fbuf);
+    free(qbuf);
     kv_gguf_writer_free(w);
     kv_bpe_vocab_free(&voc);
     free(l.t);

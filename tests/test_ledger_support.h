@@ -2,8 +2,8 @@
  * operator key, settle requests with node-signed receipts, the invariant
  * check after every case, and the independent reference for the split
  * (OpenSSL big integers, not the library's 128-bit arithmetic). */
-#ifndef KVASIR_LEDGER_SUPPORT_H
-#define KVASIR_LEDGER_SUPPORT_H
+#ifndef KVASIR_TEST_LEDGER_SUPPORT_H
+#define KVASIR_TEST_LEDGER_SUPPORT_H
 
 #include <openssl/bn.h>
 #include <stdio.h>
