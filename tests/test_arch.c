@@ -101,6 +101,93 @@ static void test_match(void) {
     ASSERT_TRUE(kv_arch_tensor(kv_arch_find("qwen3moe"), KV_T_SSM_DT) == NULL);
 }
 
+/* ---- hyper-parameter keys ------------------------------------------------- */
+
+/* A metadata-only qwen35moe file: the base keys, with `skip` left out and
+ * `over` (if not NULL) set to val; returns kv_arch_read_hparams' code. */
+static int read_keys(const char *skip, const char *over, uint32_t val, kv_hparams *hp, kv_diag *d) {
+    static const struct {
+        const char *k;
+        uint32_t v;
+    } u[] = {{"block_count", 5},          {"embedding_length", 64},     {"attention.head_count", 4},
+             {"context_length", 512},     {"expert_count", 8},          {"expert_used_count", 2},
+             {"expert_feed_forward_length", 32}, {"attention.head_count_kv", 2}, {"attention.key_length", 16},
+             {"attention.value_length", 16}, {"rope.dimension_count", 4}, {"nextn_predict_layers", 1},
+             {"full_attention_interval", 2}, {"ssm.conv_kernel", 4},     {"ssm.state_size", 16},
+             {"ssm.group_count", 2},      {"ssm.time_step_rank", 4},    {"ssm.inner_size", 64},
+             {"expert_shared_feed_forward_length", 32}};
+    char p[512], key[128];
+    snprintf(p, sizeof p, "%s/keys.gguf", tmpdir);
+    kv_gguf_writer *w = NULL;
+    int rc = kv_gguf_writer_new(&w, d);
+    if (!rc) rc = kv_gguf_writer_set_str(w, "general.architecture", "qwen35moe", d);
+    for (size_t i = 0; i < KVT_N(u) && !rc; i++) {
+        if (skip && !strcmp(skip, u[i].k)) continue;
+        snprintf(key, sizeof key, "qwen35moe.%s", u[i].k);
+        rc = kv_gguf_writer_set_u32(w, key, over && !strcmp(over, u[i].k) ? val : u[i].v, d);
+    }
+    if (!rc && over && !strcmp(over, "attention.recurrent_layers"))
+        rc = kv_gguf_writer_set_u32(w, "qwen35moe.attention.recurrent_layers", val, d);
+    if (!rc && !(skip && !strcmp(skip, "attention.layer_norm_rms_epsilon")))
+        rc = kv_gguf_writer_set_f32(w, "qwen35moe.attention.layer_norm_rms_epsilon", 1e-6f, d);
+    const int32_t sec[4] = {1, 1, 0, 0};
+    if (!rc && !(skip && !strcmp(skip, "rope.dimension_sections")))
+        rc = kv_gguf_writer_set_arr(w, "qwen35moe.rope.dimension_sections", KV_GGUF_INT32, sec, 4, d);
+    if (!rc) rc = kv_gguf_writer_begin(w, p, d);
+    if (!rc) rc = kv_gguf_writer_finish(w, d);
+    kv_gguf_writer_free(w);
+    if (rc) return 1000 + rc; /* the test's own failure */
+    kv_gguf *g = NULL;
+    if ((rc = kv_gguf_open(&g, p, d))) return 2000 + rc;
+    rc = kv_arch_read_hparams(g, hp, d);
+    kv_gguf_close(g);
+    remove(p);
+    return rc;
+}
+
+static void test_keys(void) {
+    kv_hparams hp;
+    kv_diag d = {0};
+    ASSERT_EQ(read_keys(NULL, NULL, 0, &hp, &d), 0);
+    ASSERT_EQ(hp.arch, KV_ARCH_QWEN35MOE);
+    ASSERT_EQ(hp.n_layer, 4); /* block_count 5 less one MTP block */
+    ASSERT_EQ(hp.n_layer_nextn, 1);
+    ASSERT_EQ(hp.head_dim, 16);
+    ASSERT_EQ(hp.n_ff_shexp, 32);
+    ASSERT_EQ(hp.rope_sections[1], 1);
+    ASSERT_NEAR(hp.rope_freq_base, 10000.0, 0); /* the table's default */
+    ASSERT_NEAR(hp.rope_freq_scale, 1.0, 0);
+    ASSERT_TRUE(hp.expert_weights_norm);
+    ASSERT_EQ(hp.ssm_d_inner, 64);
+    /* each wrong input: its code, a message naming the key, on one line */
+    static const struct {
+        const char *skip, *over;
+        uint32_t val;
+        int code;
+        const char *msg;
+    } bad[] = {
+        {"expert_count", NULL, 0, KV_EFORMAT, "qwen35moe.expert_count"},
+        {NULL, "expert_count", KV_MAX_EXPERTS + 1, KV_EFORMAT, "out of range"},
+        {NULL, "expert_used_count", 9, KV_EFORMAT, "expert_used_count 9 > expert_count 8"},
+        {NULL, "ssm.conv_kernel", 1, KV_EFORMAT, "ssm.conv_kernel = 1"},
+        {NULL, "nextn_predict_layers", 5, KV_EFORMAT, "nextn_predict_layers = 5 is out of range [0, 4]"},
+        {NULL, "attention.value_length", 8, KV_EUNSUPPORTED, "value_length"},
+        {NULL, "attention.head_count_kv", 3, KV_EFORMAT, "head_count_kv"},
+        {NULL, "ssm.inner_size", 60, KV_EUNSUPPORTED, "inner_size"},
+        {NULL, "attention.recurrent_layers", 1, KV_EUNSUPPORTED, "recurrent_layers"},
+        {"attention.layer_norm_rms_epsilon", NULL, 0, KV_EFORMAT, "layer_norm_rms_epsilon"},
+        {"rope.dimension_sections", NULL, 0, KV_EFORMAT, "rope.dimension_sections"},
+        {NULL, "rope.dimension_count", 5, KV_EFORMAT, "rope.dimension_count 5"},
+    };
+    for (size_t i = 0; i < KVT_N(bad); i++) {
+        memset(&d, 0, sizeof d);
+        int rc = read_keys(bad[i].skip, bad[i].over, bad[i].val, &hp, &d);
+        ASSERT_EQ(rc, bad[i].code);
+        if (!strstr(d.msg, bad[i].msg) || strchr(d.msg, '\n'))
+            KVT_FAIL("case %zu: message '%s' lacks '%s'", i, d.msg, bad[i].msg);
+    }
+}
+
 /* ---- files against their table -------------------------------------------- */
 
 /* Anatomy's class for a role, written out here independently of anatomy.c. */
@@ -401,6 +488,7 @@ static void test_skeleton_routing(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_registry),
     KVT_CASE(test_match),
+    KVT_CASE(test_keys),
     KVT_CASE(test_gen_qwen3moe),
     KVT_CASE(test_gen_qwen35moe),
     KVT_CASE(test_skeletons),
