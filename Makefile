@@ -6,6 +6,7 @@
 #   make fuzz     longer libFuzzer runs
 #   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)
 #   make bench-hub  hub market view at 122B scale + load of 2,000 heartbeating nodes
+#   make bench-122b  the Qwen3.5-122B-A10B shape over 3 loopback workers vs one process
 #   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
@@ -18,7 +19,7 @@ FUZZ_SECONDS ?= 300
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger clean
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b clean
 
 all: build
 
@@ -61,6 +62,10 @@ bench: deps oracle
 bench-hub: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/hub.sh $(BUILD)
+
+bench-122b: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/skeleton122.sh $(BUILD)/kvasir
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build

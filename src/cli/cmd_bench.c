@@ -36,6 +36,9 @@ static const char *kv_bench_help =
     "                more; see kvasir run --help); prints the per-layer round trip\n"
     "  --wire ENC    hidden states to workers as f32 (default), f16 or bf16\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --skip-hashes with a sliced model: check sizes and identity, not every SHA-256\n"
+    "  --allow-sparse with a sliced skeleton (gen-model --skeleton, then slice): run it,\n"
+    "                its holes reading as zeros (figures of the real shape, not of real weights)\n"
     "  --json        one JSON object: {\"prefill_tok_s\":X,\"decode_tok_s\":Y,...}\n";
 
 static double kv_now(void) {
@@ -71,7 +74,7 @@ static long kv_bench_peak_rss_kb(void) {
 int kv_cmd_bench(int argc, char **argv) {
     const char *model = NULL;
     long n_prompt = 128, n_gen = 64, threads = 0, reps = 3, n_batch = 0, n_par = 1;
-    bool json = false;
+    bool json = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     long worker_timeout = 10000;
@@ -83,6 +86,10 @@ int kv_cmd_bench(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--json")) {
             json = true;
+        } else if (!strcmp(a, "--skip-hashes")) {
+            skip_hashes = true;
+        } else if (!strcmp(a, "--allow-sparse")) {
+            allow_sparse = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
@@ -128,7 +135,8 @@ int kv_cmd_bench(int argc, char **argv) {
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)(n_prompt + n_gen + 1),
                                .n_batch = (uint32_t)n_batch, .max_sessions = (uint32_t)n_par,
                                .kv_type = (uint32_t)kv_type, .workers = workers, .n_workers = n_workers,
-                               .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire};
+                               .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
+                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse};
     if (kv_engine_open(&eng, model, &eo, &d)) return kv_cli_diag(CMD, &d);
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);
@@ -215,10 +223,11 @@ int kv_cmd_bench(int argc, char **argv) {
                (unsigned long long)es.mem.recurrent_bytes, rss_kb);
         if (remote)
             printf(",\"workers\":%u,\"wire\":\"%s\",\"layer_rtt_p50_us\":%.1f,\"layer_rtt_p99_us\":%.1f,"
-                   "\"layer_calls\":%llu,\"retried_pairs\":%llu,\"bytes_per_step\":%.0f",
+                   "\"layer_calls\":%llu,\"retried_pairs\":%llu,\"bytes_per_step\":%.0f,\"rounds_per_step\":%.2f",
                    n_workers, kv_enc_name((uint32_t)wire), rs.rtt_p50_us, rs.rtt_p99_us, (unsigned long long)rs.calls,
                    (unsigned long long)rs.retried_pairs,
-                   n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / (double)n_gen : 0.0);
+                   n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / (double)n_gen : 0.0,
+                   n_gen ? (double)rs.rounds / (double)n_gen : 0.0);
         printf("}\n");
     } else {
         printf("model %s: %u layers, embd %u, %u/%u experts, %d threads, kernels %s\n", model, hp->n_layer,
@@ -231,9 +240,10 @@ int kv_cmd_bench(int argc, char **argv) {
                (double)es.mem.recurrent_bytes / 1048576.0, (double)rss_kb / 1024.0);
         if (remote)
             printf("dispatch (%u workers, %s): per-layer round trip p50 %.0f us, p99 %.0f us over %llu layer calls "
-                   "(%.1f us per token at p50); %.1f kB on the wire per step; %llu pairs retried\n", n_workers,
+                   "(%.1f us per token at p50); %.2f request rounds and %.1f kB on the wire per step; %llu pairs retried\n", n_workers,
                    kv_enc_name((uint32_t)wire), rs.rtt_p50_us, rs.rtt_p99_us, (unsigned long long)rs.calls,
-                   rs.rtt_p50_us / (double)n_par, n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / 1e3 / (double)n_gen : 0.0,
+                   rs.rtt_p50_us / (double)n_par, n_gen ? (double)rs.rounds / (double)n_gen : 0.0,
+                   n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / 1e3 / (double)n_gen : 0.0,
                    (unsigned long long)rs.retried_pairs);
     }
     rc = 0;
