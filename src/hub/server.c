@@ -1086,8 +1086,11 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.challenge_every) h->o.challenge_every = 12;
     if (!h->o.challenge_ttl_ms) h->o.challenge_ttl_ms = 60000;
     int rc;
+    /* the bytes served and the manifest parsed are read from the same path
+     * (the parse through the slices module's own loader, so the format keeps
+     * one owner); the folder is the hub's, not replaced while it starts */
     if ((rc = kv_read_file(opts->manifest, KV_MANIFEST_MAX_BYTES, &h->manifest_json, &h->manifest_len, d)) ||
-        (rc = kv_manifest_parse(&h->m, h->manifest_json, h->manifest_len, d)))
+        (rc = kv_manifest_load(&h->m, opts->manifest, d)))
         goto fail;
     {
         char dir[4096];
