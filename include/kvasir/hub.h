@@ -62,11 +62,13 @@ typedef struct kv_hub_opts {
     uint32_t threads;          /* server threads; 0 = 4 */
     uint32_t challenge_every;  /* heartbeats between storage challenges; 0 = 12 */
     uint32_t challenge_ttl_ms; /* a challenge unanswered this long fails; 0 = 60000 */
+    bool skip_verify;          /* check piece sizes only, not their SHA-256 */
     bool quiet;                /* no log lines on stderr */
 } kv_hub_opts;
 
-/* Loads the manifest, opens (or creates) the store, reloads the registry
- * from it and starts serving on opts->listen. The store must belong to the
+/* Loads the manifest, checks every piece it names (size, and SHA-256
+ * unless skip_verify: KV_EHASH), opens (or creates) the store, reloads the
+ * registry from it and starts serving on opts->listen. The store must belong to the
  * same model (its model_id) or KV_EINVAL. On error *out is NULL and d says
  * why. Free with kv_hub_free. */
 int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d);

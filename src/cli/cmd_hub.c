@@ -29,6 +29,7 @@ static const char *kv_hub_help =
     "  --threads N         server threads (default 4)\n"
     "  --challenge-every N storage challenge every N heartbeats of a node (default 12)\n"
     "  --challenge-ttl-ms MS  an unanswered challenge fails after MS (default 60000)\n"
+    "  --no-verify         check piece sizes at start, not their SHA-256 (default: hash every piece)\n"
     "  --quiet             no log lines\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n";
 
@@ -49,6 +50,8 @@ int kv_cmd_hub(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--quiet")) {
             o.quiet = true;
+        } else if (!strcmp(a, "--no-verify")) {
+            o.skip_verify = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--model")) {
