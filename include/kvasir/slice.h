@@ -117,7 +117,9 @@ typedef struct kv_slice_stats {
  * in the source (SEEK_HOLE) stays a hole and is not read, so a skeleton
  * slices in time proportional to its header; files with holes get no
  * SHA-256 in the manifest (sha256 null, "sparse": true) and run only when
- * asked (kv_slices_opts.allow_sparse, `run --allow-sparse`). Errors: KV_EIO, KV_EFORMAT (no routed experts, inconsistent expert
+ * asked (kv_slices_opts.allow_sparse, `run --allow-sparse`). The model
+ * identity is computed first (one parallel read of the source's data,
+ * holes skipped). Errors: KV_EIO, KV_EFORMAT (no routed experts, inconsistent expert
  * tensors), KV_ERANGE (bad layer range). stats may be NULL. */
 int kv_slice_model(const char *src, const char *out_dir, const kv_slice_opts *opts,
                    kv_slice_stats *stats, kv_diag *d);

@@ -62,7 +62,8 @@ int kv_cmd_slice(int argc, char **argv) {
     fprintf(stderr, "kvasir slice: %s -> %s: backbone + %u slabs (%u MoE layers), %.1f MB written in %.2f s", src, out,
             st.n_slabs, st.n_moe_layers, mb, st.seconds);
     if (st.sparse)
-        fprintf(stderr, "; sparse source: %.1f MB copied, %.1f MB of holes kept as holes, no hashes\n", cmb,
+        fprintf(stderr, "; sparse source: %.1f MB copied, %.1f MB of holes kept as holes, no hashes (run it with "
+                "--allow-sparse)\n", cmb,
                 (double)st.bytes_holes / 1e6);
     else
         fprintf(stderr, " (%.0f MB/s, SHA-256 %s)\n", st.seconds > 0 ? cmb / st.seconds : 0.0, kv_sha256_backend());

@@ -353,10 +353,9 @@ static int kv_worker_load(kv_worker *w, kv_diag *d) {
         kv_gguf *g = w->files[i];
         const char *path = w->paths[i];
         uint32_t L, first, last;
-        if (!kv_gguf_get_u32(g, "kvasir.slab.layer", &L, NULL)) {
-            if (kv_gguf_get_u32(g, "kvasir.slab.first", &first, NULL) ||
-                kv_gguf_get_u32(g, "kvasir.slab.last", &last, NULL) || first > last ||
-                last >= w->n_expert || L >= w->n_layer) {
+        const int sm = kv_pieces_slab_meta(g, &L, &first, &last, NULL, NULL);
+        if (sm != KV_ENOTFOUND) { /* a slab */
+            if (sm || last >= w->n_expert || L >= w->n_layer) {
                 rc = kv_fail(d, KV_EFORMAT, "%s: kvasir.slab.{layer,first,last} missing or out of range",
                              path);
                 break;

@@ -9,7 +9,11 @@
  * that are holes (SEEK_DATA/SEEK_HOLE) are neither read nor written, so a
  * skeleton slices in time proportional to its header; such a source yields
  * pieces without hashes (hashing its zeros would cost time proportional to
- * the logical size, and a skeleton holds no weights worth protecting). */
+ * the logical size, and a skeleton holds no weights worth protecting).
+ * Before any file is written, the model identity (slice.h) is computed by
+ * kv_pieces_model_id over the source, in parallel and skipping holes: every
+ * piece's header carries it, so it must be known first (one more read of
+ * the source, which leaves it in the page cache for the copy). */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -300,10 +304,10 @@ done:
 static void *kv_slice_thread(void *arg) {
     kv_slicer *s = arg;
     uint8_t *buf = malloc(KV_SLICE_BUF);
-    int fd = open(s->src_path, O_RDONLY | O_CLOEXEC);
     kv_diag d = {0};
-    int rc = 0;
-    if (!buf || fd < 0) rc = kv_fail(&d, KV_EIO, "slice: cannot open '%s' or allocate a buffer", s->src_path);
+    int fd = -1, rc = kv_pieces_open_file(s->src_path, false, &fd, NULL, &d);
+    if (rc) kv_diag_prefix(&d, rc, "slice");
+    else if (!buf) rc = kv_fail(&d, KV_ENOMEM, "slice: cannot allocate a copy buffer");
     if (!rc) posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
     while (!rc && !atomic_load(&s->failed)) {
         size_t i = atomic_fetch_add(&s->next_job, 1);
@@ -352,9 +356,9 @@ int kv_slice_model(const char *src, const char *out_dir, const kv_slice_opts *op
     }
     const uint32_t per = o.experts_per_slab == 0 || o.experts_per_slab > s.n_expert ? s.n_expert : o.experts_per_slab;
     {   /* holes in tensor data? */
-        int fd = open(src, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
-            rc = kv_fail(d, KV_EIO, "slice: cannot open '%s': %s", src, strerror(errno));
+        int fd = -1;
+        if ((rc = kv_pieces_open_file(src, false, &fd, NULL, d))) {
+            kv_diag_prefix(d, rc, "slice");
             goto done;
         }
         off_t hole = lseek(fd, (off_t)kv_gguf_data_offset(g), SEEK_HOLE);
