@@ -47,11 +47,11 @@ echo "one process: bench -m sliced skeleton (slabs mapped)"
 addrs=()
 for w in 0 1 2; do
   files=$(ls "$DIR"/sl/experts/*.gguf | awk -v w=$w -F'[.-]' '{ f = $(NF-2) + 0; if ((f / 32) % 3 == w) print }' | paste -sd,)
-  "$BIN" worker --slabs "$files" --listen 127.0.0.1:0 --threads "$WTHREADS" --quiet > "$DIR/w$w.out" 2>&1 &
+  "$BIN" worker --slabs "$files" --listen 127.0.0.1:0 --threads "$WTHREADS" --quiet --allow-sparse > "$DIR/w$w.out" 2>&1 &
   pids+=($!)
 done
 for w in 0 1 2; do
-  for _ in $(seq 1 200); do grep -q 'listening on' "$DIR/w$w.out" 2>/dev/null && break; sleep 0.1; done
+  for _ in $(seq 1 1200); do grep -q 'listening on' "$DIR/w$w.out" 2>/dev/null && break; sleep 0.1; done
   addrs+=(--worker "$(grep -o 'listening on [^ ]*' "$DIR/w$w.out" | awk '{print $3}')")
 done
 echo "3 workers: bench -m coordinator folder ${addrs[*]}"

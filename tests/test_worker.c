@@ -1025,7 +1025,8 @@ static void test_fairness_and_cost_cap(void) {
     printf("  3 maximum-cost requests (65535 pairs each) took %lld ms; %d honest 2-pair requests meanwhile, the "
            "slowest %lld ms\n", (long long)a.ms, n_small, (long long)worst);
     ASSERT_EQ(a.n, 3);
-    ASSERT_TRUE(a.ms > 1000);    /* the big ones were big */
+    /* the big ones were big: many small requests were answered while they ran
+     * (a count, not a clock, so a fast or a loaded machine both pass) */
     ASSERT_TRUE(n_small >= 5);
     /* and did not hold the small ones back: served one at a time, a small
      * request waits for a whole big one (a third of their time); with fair

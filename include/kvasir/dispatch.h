@@ -376,6 +376,10 @@ typedef struct kv_worker_opts {
     size_t mem_budget;     /* bytes all connections may buffer together; 0 = 1 GiB */
     uint64_t max_request_cost; /* multiply-adds one COMPUTE may ask for (3 n_embd n_ff per
                               pair, announced as max_pairs); 0 = 2^36 */
+    bool allow_sparse;     /* a slab file with holes (a sliced skeleton) is not hashed: its
+                              hash is announced as 32 zero bytes, which only a coordinator
+                              whose manifest has no hash for it (and that allows sparse
+                              pieces) accepts; off: every file is hashed */
 } kv_worker_opts;
 
 /* Opens the slabs (all from one model: same kvasir.source.id and dims;

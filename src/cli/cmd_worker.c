@@ -32,6 +32,8 @@ static const char *kv_worker_help =
     "  --mem-budget-mb N  memory all connections may buffer together (default 1024)\n"
     "  --max-request-cost N  multiply-adds one COMPUTE may ask for (default 2^36)\n"
     "  --quiet            no per-connection log lines\n"
+    "  --allow-sparse     slabs with holes (a sliced skeleton) are served unhashed; only a\n"
+    "                     coordinator run with --allow-sparse on a hashless manifest accepts them\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM and\n"
     "prints how many expert computations it served.\n";
 
@@ -52,6 +54,8 @@ int kv_cmd_worker(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--quiet")) {
             o.quiet = true;
+        } else if (!strcmp(a, "--allow-sparse")) {
+            o.allow_sparse = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--slabs")) {

@@ -451,6 +451,21 @@ static int kv_cmp_slab(const void *a, const void *b) {
  * HELLO_ACK: a slab is one entry; a full model file is one entry per layer
  * it holds, with the whole file's hash (no manifest lists such a piece, so
  * a coordinator refuses it). */
+/* True if the file at path has a hole before its end (SEEK_HOLE): a sparse
+ * skeleton's piece, whose zeros are not worth hashing. */
+static bool kv_file_has_holes(const char *path) {
+    const int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return false;
+    struct stat st;
+    bool holes = false;
+    if (!fstat(fd, &st) && S_ISREG(st.st_mode) && st.st_size > 0) {
+        const off_t h = lseek(fd, 0, SEEK_HOLE);
+        holes = h >= 0 && h < st.st_size;
+    }
+    close(fd);
+    return holes;
+}
+
 static int kv_worker_hash_slabs(kv_worker *w, kv_diag *d) {
     size_t cap = 0;
     for (size_t i = 0; i < w->n_files; i++) {
@@ -461,9 +476,11 @@ static int kv_worker_hash_slabs(kv_worker *w, kv_diag *d) {
     w->slabs = calloc(cap ? cap : 1, sizeof *w->slabs);
     if (!w->slabs) return kv_fail(d, KV_ENOMEM, "slabs: out of memory");
     for (size_t i = 0; i < w->n_files; i++) {
-        uint8_t h[32];
-        int rc = kv_hash_path(w->paths[i], h, d);
-        if (rc) return rc;
+        uint8_t h[32] = {0};
+        if (!(w->opts.allow_sparse && kv_file_has_holes(w->paths[i]))) {
+            int rc = kv_hash_path(w->paths[i], h, d);
+            if (rc) return rc;
+        }
         uint32_t L, f, l;
         if (!kv_gguf_get_u32(w->files[i], "kvasir.slab.layer", &L, NULL) &&
             !kv_gguf_get_u32(w->files[i], "kvasir.slab.first", &f, NULL) &&
