@@ -34,6 +34,7 @@ static void test_registry(void) {
         if (!a) continue;
         ASSERT_EQ(a->id, id);
         ASSERT_TRUE(a->block_kind != NULL);
+        ASSERT_TRUE(a->blocks != NULL); /* the forward pass runs through the table */
         ASSERT_TRUE(strstr(kv_arch_list(), a->name) != NULL);
         int seen[KV_T_COUNT] = {0};
         for (size_t i = 0; i < a->n_tensors; i++) {

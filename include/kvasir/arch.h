@@ -226,8 +226,7 @@ typedef struct kv_arch_table {
     /* After the keys are read: derived defaults and cross-checks (g for keys
      * whose meaning depends on others). Errors KV_EFORMAT / KV_EUNSUPPORTED. */
     int (*check)(kv_hparams *hp, const kv_gguf *g, kv_diag *d);
-    /* The forward pass of the trunk blocks (the engine's); NULL: the
-     * engine's built-in attention + MoE blocks (forward.c). */
+    /* The forward pass of the trunk blocks (src/model/). Required. */
     kv_arch_blocks_fn *blocks;
 } kv_arch_table;
 
@@ -268,5 +267,6 @@ int kv_arch_read_hparams(const kv_gguf *g, kv_hparams *hp, kv_diag *d);
 
 /* ---- block functions the engine defines (src/model/), named by tables ---- */
 int kv_q35_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
+int kv_q3_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
 
 #endif

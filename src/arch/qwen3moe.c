@@ -67,5 +67,5 @@ const kv_arch_table kv_arch_qwen3moe = {
     .n_keys = sizeof kv_q3_keys / sizeof kv_q3_keys[0],
     .block_kind = kv_q3_block_kind,
     .check = kv_q3_check,
-    .blocks = NULL, /* forward.c's built-in blocks (kv_q3_blocks) */
+    .blocks = kv_q3_blocks, /* src/model/forward.c */
 };

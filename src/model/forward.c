@@ -419,7 +419,7 @@ void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok) {
 
 /* The qwen3moe blocks over the T embedded tokens in s->x (sequence
  * s->tok_seq[t], position s->tok_pos[t]). */
-static int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
+int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
@@ -480,7 +480,8 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const u
     for (uint32_t t = 0; t < T; t++)
         et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
                      s->x + (size_t)t * (size_t)E, E);
-    int rc = hp->arch == KV_ARCH_QWEN35MOE ? kv_q35_blocks(s, T, d) : kv_q3_blocks(s, T, d);
+    /* the architecture's own blocks, from its table (src/arch/) */
+    int rc = kv_arch_get(hp->arch)->blocks(s, T, d);
     if (rc) return rc;
     if (logits && n_out) {
         for (uint32_t i = 0; i < n_out; i++) {
