@@ -1032,31 +1032,40 @@ static void cleanup_tmpdir(void) {
     if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
 }
 
-int main(void) {
-    mk_tmpdir();
-    test_round_trip(32);
-    test_round_trip(64);
-    test_writer_errors();
-    test_truncations();
-    test_corrupt();
-    test_open_file_errors();
-    test_open_fifo();
-    printf("%d corrupt-input cases\n", n_cases);
+static void test_round_trip_32(void) { test_round_trip(32); }
+static void test_round_trip_64(void) { test_round_trip(64); }
+
+/* KV_GGUF_SEED_DIR=DIR writes the fuzz seeds there; the seeds must open. */
+static void test_seeds(void) {
     const char *seed_dir = getenv("KV_GGUF_SEED_DIR");
-    if (seed_dir && *seed_dir) {
-        write_seeds(seed_dir);
-        /* the seeds themselves must open */
-        const char *names[3] = {"small.bin", "types.bin", "empty.bin"};
-        for (int i = 0; i < 3; i++) {
-            char path[600];
-            snprintf(path, sizeof path, "%s/%s", seed_dir, names[i]);
-            kv_gguf *g = NULL;
-            kv_diag d = {0};
-            int rc = kv_gguf_open(&g, path, &d);
-            if (rc) KVT_FAIL("seed %s: %s", names[i], d.msg);
-            kv_gguf_close(g);
-        }
+    if (!seed_dir || !*seed_dir) return;
+    write_seeds(seed_dir);
+    const char *names[3] = {"small.bin", "types.bin", "empty.bin"};
+    for (int i = 0; i < 3; i++) {
+        char path[600];
+        snprintf(path, sizeof path, "%s/%s", seed_dir, names[i]);
+        kv_gguf *g = NULL;
+        kv_diag d = {0};
+        int rc = kv_gguf_open(&g, path, &d);
+        kvt_checks++;
+        if (rc) KVT_FAIL("seed %s: %s", names[i], d.msg);
+        kv_gguf_close(g);
     }
-    cleanup_tmpdir();
-    KV_TEST_END();
 }
+
+static int setup(void) {
+    mk_tmpdir();
+    return 0;
+}
+static void teardown(void) {
+    printf("%d corrupt-input cases\n", n_cases);
+    cleanup_tmpdir();
+}
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_round_trip_32), KVT_CASE(test_round_trip_64), KVT_CASE(test_writer_errors),
+    KVT_CASE(test_truncations),   KVT_CASE(test_corrupt),       KVT_CASE(test_open_file_errors),
+    KVT_CASE(test_open_fifo),     KVT_CASE(test_seeds),
+};
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
