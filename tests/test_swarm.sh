@@ -14,6 +14,13 @@ KV=${KV_BIN:-build/kvasir}
 dir=$(mktemp -d -t kvasir-swarm.XXXXXX)
 pids=()
 cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 40); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.05
+  done
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$dir"
@@ -73,6 +80,14 @@ grep -q "lists no live node" "$dir/cC.txt" || fail "cC: $(cat "$dir/cC.txt")"
 cmp -s "$bb" "$dir/cC/pieces/backbone.gguf" || fail "a changed backbone was not fetched again"
 echo "ok: downloads resume, wrong bytes are deleted, a changed file is fetched again"
 
+# node 4 starts with every slab on disk, each with one byte changed: all are
+# deleted (the check below finds only the slicer's bytes on every node)
+mkdir -p "$dir/n4/pieces/experts"
+for f in "$dir/sl/experts/"*.gguf; do
+  cp "$f" "$dir/n4/pieces/experts/"
+  printf '\x55' | dd of="$dir/n4/pieces/experts/$(basename "$f")" bs=1 seek=100000 conv=notrunc 2>/dev/null
+done
+
 declare -a NP
 for i in 1 2 3 4; do
   "$KV" node --hub "$url" --budget "$budget" --data "$dir/n$i" --interval-ms 300 --threads 1 \
@@ -105,6 +120,7 @@ for i in 1 2 3 4; do
   done
   [ -s "$dir/n$i/node.key" ] || fail "node $i has no key"
 done
+[ "$(grep -c "not the manifest's bytes, deleted" "$dir/n4.err")" = 8 ] || fail "node 4 kept damaged slabs"
 
 same_as_local() { # NAME: the run's tokens and logits equal the local run's
   [ "$(jq -c .tokens "$dir/local.json")" = "$(jq -c .tokens "$dir/$1.json")" ] || fail "$1: tokens differ"

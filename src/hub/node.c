@@ -538,6 +538,7 @@ struct kv_node {
     char addr[KV_HUB_MAX_ADDR + 1]; /* announced */
     bool registered;
     uint32_t interval_ms;
+    int64_t last_beat_ms;       /* monotonic ms of the last heartbeat sent */
     uint64_t salt;              /* from the public key: this node's order among equal shards */
     atomic_int stop;
     int stop_pipe[2];
@@ -778,6 +779,7 @@ static int kv_node_register(kv_node *n, kv_diag *d) {
 }
 
 static int kv_node_heartbeat(kv_node *n, kv_diag *d) {
+    n->last_beat_ms = kv_mono_ms();
     char *reply = NULL;
     long st = 0;
     int rc = kv_node_post(n->o.hub, &n->key, "/v1/heartbeat", "{}", &reply, &st, d);
@@ -837,9 +839,19 @@ static int kv_node_market(kv_node *n, kv_hub_shard_view *view, kv_diag *d) {
     return 0;
 }
 
-static void kv_node_progress_log(void *arg, const char *path, uint64_t done, uint64_t total) {
+static int kv_node_heartbeat(kv_node *n, kv_diag *d);
+
+/* Progress of a slab download: reported, and the heartbeat kept going
+ * meanwhile (a long download must not make the node look dead for what
+ * it already serves). */
+static void kv_node_fetch_progress(void *arg, const char *path, uint64_t done, uint64_t total) {
     kv_node *n = arg;
-    if (done == total) kv_node_log(n, "fetched %s (%" PRIu64 " bytes)", path, total);
+    if (n->o.progress) n->o.progress(n->o.progress_arg, path, done, total);
+    else if (done == total) kv_node_log(n, "fetched %s (%" PRIu64 " bytes)", path, total);
+    if (n->registered && kv_mono_ms() - n->last_beat_ms >= (int64_t)n->interval_ms) {
+        kv_diag e = {0};
+        if (kv_node_heartbeat(n, &e)) kv_node_log(n, "%s", e.msg);
+    }
 }
 
 /* Fetches and verifies every slab of want not yet held; a failed one is
@@ -848,9 +860,7 @@ static void kv_node_fetch_set(kv_node *n, uint8_t *want) {
     for (size_t i = 0; i < n->m->n_slabs && !atomic_load(&n->stop); i++) {
         if (!want[i] || n->held[i]) continue;
         kv_diag d = {0};
-        if (kv_node_fetch_piece(n->o.hub, n->o.dir, &n->m->slabs[i].file,
-                                n->o.progress ? n->o.progress : kv_node_progress_log,
-                                n->o.progress ? n->o.progress_arg : n, &d)) {
+        if (kv_node_fetch_piece(n->o.hub, n->o.dir, &n->m->slabs[i].file, kv_node_fetch_progress, n, &d)) {
             kv_node_log(n, "%s", d.msg);
             want[i] = 0;
         }
@@ -913,6 +923,21 @@ int kv_node_run(kv_node *n, kv_diag *d) {
         goto out;
     }
     kv_node_log(n, "model %.16s: %zu shards, budget %" PRIu64 " bytes", n->m->model_id, ns, n->o.budget);
+    /* slabs left from an earlier run are checked now: other bytes (a
+     * damaged disk, another model) are deleted, never kept for later */
+    for (size_t i = 0; i < ns && !atomic_load(&n->stop); i++) {
+        const kv_manifest_file *f = &n->m->slabs[i].file;
+        char path[4096];
+        uint8_t got[32];
+        struct stat st;
+        kv_diag e = {0};
+        if (kv_node_piece_path(n->o.dir, f->path, path, sizeof path, &e) || lstat(path, &st)) continue;
+        if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != f->size || !f->has_sha256 ||
+            kv_pieces_hash_file(path, got, &e) || memcmp(got, f->sha256, 32)) {
+            kv_node_log(n, "%s: not the manifest's bytes, deleted", f->path);
+            unlink(path);
+        }
+    }
     while (!atomic_load(&n->stop)) {
         kv_diag e = {0};
         int64_t t0 = kv_mono_ms();
