@@ -17,7 +17,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
-#include <sys/select.h>
+#include <poll.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -626,11 +626,8 @@ void kv_node_free(kv_node *n) {
 /* Sleeps up to ms, or until kv_node_stop. */
 static void kv_node_sleep(kv_node *n, int64_t ms) {
     if (ms <= 0 || atomic_load(&n->stop)) return;
-    fd_set rs;
-    FD_ZERO(&rs);
-    FD_SET(n->stop_pipe[0], &rs);
-    struct timeval tv = {.tv_sec = (time_t)(ms / 1000), .tv_usec = (suseconds_t)(ms % 1000) * 1000};
-    select(n->stop_pipe[0] + 1, &rs, NULL, NULL, &tv);
+    struct pollfd pf = {.fd = n->stop_pipe[0], .events = POLLIN};
+    poll(&pf, 1, (int)(ms > 3600000 ? 3600000 : ms));
 }
 
 /* Starts a worker over the held slabs (each hashed again right here, so a
@@ -858,8 +855,15 @@ static void kv_node_fetch_progress(void *arg, const char *path, uint64_t done, u
  * cleared from want (logged). */
 static void kv_node_fetch_set(kv_node *n, uint8_t *want) {
     for (size_t i = 0; i < n->m->n_slabs && !atomic_load(&n->stop); i++) {
-        if (!want[i] || n->held[i]) continue;
+        if (!want[i]) continue;
         kv_diag d = {0};
+        char path[4096];
+        struct stat st;
+        /* a served slab is fetched again only if its file went away (one
+         * found changed when a worker opened it was deleted) */
+        if (n->held[i] && !kv_node_piece_path(n->o.dir, n->m->slabs[i].file.path, path, sizeof path, &d) &&
+            !lstat(path, &st))
+            continue;
         if (kv_node_fetch_piece(n->o.hub, n->o.dir, &n->m->slabs[i].file, kv_node_fetch_progress, n, &d)) {
             kv_node_log(n, "%s", d.msg);
             want[i] = 0;
