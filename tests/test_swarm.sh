@@ -132,6 +132,12 @@ same_as_local() { # NAME: the run's tokens and logits equal the local run's
 same_as_local hub1
 [ ! -e "$dir/coord/pieces/experts" ] || fail "the coordinator downloaded slabs"
 echo "ok: run --hub equals the local run ($(jq '.dispatch.workers | length' "$dir/hub1.json") workers)"
+"$KV" bench --hub "$url" --data "$dir/coord" -p 8 -n 4 --reps 1 --threads 1 --json >"$dir/bench.json" 2>"$dir/bench.err" ||
+  fail "bench --hub failed"
+jq -e '.decode_tok_s > 0' "$dir/bench.json" >/dev/null || fail "bench --hub: $(cat "$dir/bench.json")"
+# not a terminal: one plain line per downloaded piece, no progress bar
+grep -q "^node: fetched experts/blk\.[0-9]*\.[0-9-]*\.gguf ($slab bytes)$" "$dir/n2.err" || fail "no download log line"
+! grep -q $'\r' "$dir/n2.err" || fail "a progress bar on a non-terminal"
 
 # kill node 1; its current worker address is the last one it served on
 victim=$(sed -n 's/^node: serving .* on \(.*\)$/\1/p' "$dir/n1.err" | tail -1)
