@@ -22,6 +22,7 @@ int kv_cmd_expert(int argc, char **argv);
 int kv_cmd_worker(int argc, char **argv);
 int kv_cmd_hub(int argc, char **argv);
 int kv_cmd_market(int argc, char **argv);
+int kv_cmd_node(int argc, char **argv);
 int kv_cmd_wallet(int argc, char **argv);
 int kv_cmd_ledger(int argc, char **argv);
 

@@ -15,9 +15,10 @@
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/engine.h"
+#include "kvasir/node.h"
 #include "kvasir/quant.h"
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", "--hub", "--data", NULL};
 
 #define CMD "bench"
 
@@ -32,6 +33,8 @@ static const char *kv_bench_help =
     "  --kv-type T   KV cache elements: f32 (default) or f16\n"
     "  --parallel S  decode S sequences in shared steps (one expert call per layer\n"
     "                carries all S tokens); decode tok/s counts all sequences (default 1)\n"
+    "  --hub URL     instead of -m: fetch the manifest and backbone from a hub into --data DIR\n"
+    "                (default kvasir-data; resumable, hash checked) and use its live nodes\n"
     "  --worker H:P  with -m DIR/manifest.json: compute experts on this worker (repeat for\n"
     "                more; see kvasir run --help); prints the per-layer round trip\n"
     "  --wire ENC    hidden states to workers as f32 (default), f16 or bf16\n"
@@ -77,6 +80,10 @@ int kv_cmd_bench(int argc, char **argv) {
     bool json = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
+    const char *hub = NULL, *data_dir = "kvasir-data";
+    char hub_manifest[4200];
+    char **hub_workers = NULL;
+    uint32_t n_hub_workers = 0;
     long worker_timeout = 10000;
     int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
     for (int i = 1; i < argc; i++) {
@@ -111,6 +118,10 @@ int kv_cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--wire")) {
             if ((wire = kv_enc_from_name(v)) < 0)
                 return kv_cli_err(CMD, 1, "--wire: '%s' is not one of f32, f16, bf16", v);
+        } else if (!strcmp(a, "--hub")) {
+            hub = v;
+        } else if (!strcmp(a, "--data")) {
+            data_dir = v;
         } else if (!strcmp(a, "--worker-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &worker_timeout)) return 1;
         } else if (!strcmp(a, "--kv-type")) {
@@ -123,7 +134,17 @@ int kv_cmd_bench(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir bench --help)", a);
         }
     }
-    if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir bench --help)");
+    if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
+    if (hub) { /* the coordinator folder from the hub, the workers from its placement map */
+        kv_diag hd = {0};
+        if (kv_node_fetch_coordinator(hub, data_dir, hub_manifest, sizeof hub_manifest, &hub_workers, &n_hub_workers,
+                                      NULL, NULL, &hd))
+            return kv_cli_diag(CMD, &hd);
+        for (uint32_t k = 0; k < n_hub_workers; k++) workers[k] = hub_workers[k];
+        n_workers = n_hub_workers;
+        model = hub_manifest;
+    }
+    if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir bench --help)");
     int rc = 2;
     kv_diag d = {0};
     kv_engine *eng = NULL;
@@ -137,7 +158,10 @@ int kv_cmd_bench(int argc, char **argv) {
                                .kv_type = (uint32_t)kv_type, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .skip_hashes = skip_hashes, .allow_sparse = allow_sparse};
-    if (kv_engine_open(&eng, model, &eo, &d)) return kv_cli_diag(CMD, &d);
+    if (kv_engine_open(&eng, model, &eo, &d)) {
+        kv_node_workers_free(hub_workers, n_hub_workers);
+        return kv_cli_diag(CMD, &d);
+    }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);
     const kv_hparams *hp = kv_model_hparams(mc);
@@ -253,5 +277,6 @@ done:
     free(ss);
     free(toks);
     kv_engine_free(eng);
+    kv_node_workers_free(hub_workers, n_hub_workers);
     return rc;
 }

@@ -8,11 +8,12 @@
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/engine.h"
+#include "kvasir/node.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", NULL};
 
 #define CMD "run"
 
@@ -31,6 +32,10 @@ static const char *kv_run_help =
     "                       serve the experts no worker holds, and every expert must be served\n"
     "  --worker-timeout-ms N  a worker that has not answered a layer within N ms is dropped and\n"
     "                       its experts retried elsewhere (default 10000)\n"
+    "  --hub URL            take the model from a hub: its manifest and backbone are fetched into\n"
+    "                       --data DIR (resumable, hash checked) and its experts computed by the\n"
+    "                       live nodes of the hub's placement map (instead of -m)\n"
+    "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
     "  --wire ENC           hidden states to workers as f32 (exact, default), f16 or bf16\n"
     "  --verbose            log worker connects/drops and print dispatch statistics\n"
     "  -p, --prompt TEXT    prompt (special tokens like <|im_start|> are parsed)\n"
@@ -138,6 +143,10 @@ int kv_cmd_run(int argc, char **argv) {
     bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
+    const char *hub = NULL, *data_dir = "kvasir-data";
+    char hub_manifest[4200];
+    char **hub_workers = NULL;
+    uint32_t n_hub_workers = 0;
     long worker_timeout = 10000;
     int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
     kv_sample_params sp = kv_sample_defaults();
@@ -192,6 +201,10 @@ int kv_cmd_run(int argc, char **argv) {
             if (n_workers == KV_REMOTE_MAX_WORKERS)
                 return kv_cli_err(CMD, 1, "--worker: at most %u workers", KV_REMOTE_MAX_WORKERS);
             workers[n_workers++] = v;
+        } else if (!strcmp(a, "--hub")) {
+            hub = v;
+        } else if (!strcmp(a, "--data")) {
+            data_dir = v;
         } else if (!strcmp(a, "--worker-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &worker_timeout)) return 1;
         } else if (!strcmp(a, "--wire")) {
@@ -208,9 +221,19 @@ int kv_cmd_run(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir run --help)", a);
         }
     }
-    if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir run --help)");
+    if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
+    if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir run --help)");
     if (!prompt && !pfile) return kv_cli_err(CMD, 1, "missing -p PROMPT or -f FILE");
     if (prompt && pfile) return kv_cli_err(CMD, 1, "give either -p or -f, not both");
+    if (hub) { /* the coordinator folder from the hub, the workers from its placement map */
+        kv_diag hd = {0};
+        if (kv_node_fetch_coordinator(hub, data_dir, hub_manifest, sizeof hub_manifest, &hub_workers, &n_hub_workers,
+                                      NULL, NULL, &hd))
+            return kv_cli_diag(CMD, &hd);
+        for (uint32_t k = 0; k < n_hub_workers; k++) workers[k] = hub_workers[k];
+        n_workers = n_hub_workers;
+        model = hub_manifest;
+    }
     if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
 
     int rc = 2;
@@ -373,5 +396,6 @@ done:
     free(ptext);
     kv_session_free(ses);
     kv_engine_free(eng);
+    kv_node_workers_free(hub_workers, n_hub_workers);
     return rc;
 }

@@ -19,6 +19,7 @@ static const struct {
     {"worker", kv_cmd_worker, "serve expert computation for held slabs over TCP"},
     {"hub", kv_cmd_hub, "serve a model's pieces, the node registry and the coverage market"},
     {"market", kv_cmd_market, "print a hub's coverage market (scarcest shards first)"},
+    {"node", kv_cmd_node, "join a hub's swarm: hold, verify and serve the shards its market needs"},
     {"wallet", kv_cmd_wallet, "make a KVR key, show its account, sign a payment authorization"},
     {"ledger", kv_cmd_ledger, "KVR ledger: init, issue, balance, statement, check"},
 };

@@ -1,0 +1,136 @@
+/* Node: a machine that joins a hub's swarm with a memory budget.
+ *
+ * `kvasir node` reads the hub's coverage market, chooses the shards worth
+ * holding within its budget (kv_node_choose, a pure function), downloads
+ * them into DATA/pieces/ (resumable, with HTTP Range), verifies each against
+ * the manifest's SHA-256 before it is served (a piece that differs is
+ * deleted), serves them as an in-process expert worker, registers with the
+ * hub (signed by DATA/node.key), heartbeats, answers storage challenges and
+ * chooses again when the market changes. A coordinator uses the same
+ * download path to fetch the manifest and backbone (kv_node_fetch_coordinator).
+ *
+ * Everything read from the hub is untrusted: bodies are bounded, JSON is
+ * parsed by the bounded parsers of hub.h, piece bytes are never more than
+ * the manifest's size and are hashed before use, and every file written
+ * lies inside DATA/pieces/ under a path the manifest parser has checked
+ * (relative, no '.', '..' or empty parts). */
+#ifndef KVASIR_NODE_H
+#define KVASIR_NODE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvasir/err.h"
+#include "kvasir/hub.h"
+#include "kvasir/slice.h"
+
+#define KV_NODE_MAX_MARKET (64u << 20)    /* bytes of a market or placement answer */
+#define KV_NODE_MAX_REPLY (1u << 20)      /* bytes of a register/heartbeat answer */
+#define KV_NODE_PIECES "pieces"           /* subfolder of the data folder */
+
+/* ---- shard choice ------------------------------------------------------ */
+
+/* Chooses the shards to hold. shards[0..n) is a market (any order; `live`
+ * counts every live holder, this node included where held[i]), held[i] is
+ * 1 if this node holds shard i and the hub counts it live. Writes take[i]
+ * (1 = hold) and returns the bytes taken.
+ *
+ * Rule, in order: (1) a held shard nobody else holds live (live - held ==
+ * 0) is kept, budget or not: a node never drops the last live replica;
+ * (2) the rest are visited by class, then held before not held (so a node
+ * does not trade a shard for an equal one), then larger remaining deficit
+ * (wanted - others), then kv_node_tie(salt, shard), then index, and each is taken if it fits in
+ * what is left of the budget. Class 0: nobody else holds it (uncovered);
+ * class 1: another replica is still wanted (others + 1 <= wanted); class 2:
+ * a replica beyond wanted. So an uncovered shard is taken before a third
+ * replica of a covered one, and a held extra replica yields its room to
+ * one that is wanted. Pure: no I/O, no allocation beyond a scratch array
+ * (KV_ENOMEM then, take zeroed). */
+int kv_node_choose(const kv_hub_shard_view *shards, size_t n, uint64_t budget, const uint8_t *held, uint64_t salt,
+                   uint8_t *take, uint64_t *bytes, kv_diag *d);
+/* The order among shards equal in class, held and deficit: a hash of salt
+ * (the node's, from its key) and the shard, so nodes that start together
+ * spread over different shards instead of all taking the same ones. */
+uint64_t kv_node_tie(uint64_t salt, uint32_t layer, uint32_t first);
+
+/* "8G", "512M", "100K", "12345" (bytes; K/M/G/T are powers of 1024, upper
+ * or lower case). KV_EINVAL for anything else or an overflow. */
+int kv_node_parse_size(const char *s, uint64_t *out, kv_diag *d);
+
+/* ---- downloads --------------------------------------------------------- */
+
+/* Progress callback of a download: bytes done of total. */
+typedef void (*kv_node_progress_fn)(void *arg, const char *path, uint64_t done, uint64_t total);
+
+/* Fetches GET hub_url/v1/manifest (bounded by KV_MANIFEST_MAX_BYTES),
+ * parses it (kv_manifest_parse) and writes it to dir/pieces/manifest.json
+ * (temporary file + rename). *out is the parsed manifest (caller frees with
+ * kv_manifest_free). */
+int kv_node_fetch_manifest(const char *hub_url, const char *dir, kv_manifest **out, kv_diag *d);
+
+/* Makes dir/pieces/<f->path> hold the manifest's bytes: an existing file is
+ * hashed and kept if it matches; else GET hub_url/v1/pieces/<path> into
+ * <path>.part, resuming from the bytes already there (Range), never past
+ * f->size, then hashed and renamed into place. A file whose SHA-256 differs
+ * is deleted and KV_EHASH returned. A piece without a hash (sparse) is
+ * refused (KV_EUNSUPPORTED). progress may be NULL. */
+int kv_node_fetch_piece(const char *hub_url, const char *dir, const kv_manifest_file *f, kv_node_progress_fn progress,
+                        void *parg, kv_diag *d);
+
+/* The absolute-or-relative path dir/pieces/<rel> into out[cap]. */
+int kv_node_piece_path(const char *dir, const char *rel, char *out, size_t cap, kv_diag *d);
+
+/* ---- coordinator side -------------------------------------------------- */
+
+/* Materializes a coordinator folder from a hub: the manifest and the
+ * backbone in dir/pieces/ (fetched, resumable, hash checked), and the
+ * workers of GET /v1/placement (every distinct live node address, in the
+ * order first seen). manifest_path[cap] gets dir/pieces/manifest.json;
+ * *workers is a malloc'd array of malloc'd strings (free with
+ * kv_node_workers_free). */
+int kv_node_fetch_coordinator(const char *hub_url, const char *dir, char *manifest_path, size_t cap, char ***workers,
+                              uint32_t *n_workers, kv_node_progress_fn progress, void *parg, kv_diag *d);
+void kv_node_workers_free(char **workers, uint32_t n);
+/* Parses GET /v1/placement (len bytes, untrusted; fuzzed:
+ * fuzz/fuzz_node_placement.c) into the distinct node addresses, first seen
+ * first: each 1..KV_HUB_MAX_ADDR bytes of [A-Za-z0-9.-:[]], at most
+ * KV_REMOTE_MAX_WORKERS. On error *workers is NULL and *n 0. */
+int kv_node_parse_placement(const char *json, size_t len, char ***workers, uint32_t *n, kv_diag *d);
+
+/* ---- the node ------------------------------------------------------------ */
+
+typedef struct kv_node kv_node;
+
+typedef struct kv_node_opts {
+    const char *hub;           /* hub URL, "http://HOST:PORT" */
+    const char *dir;           /* data folder: node.key, pieces/ */
+    uint64_t budget;           /* bytes of slabs this node may hold */
+    const char *listen;        /* worker address; NULL = "127.0.0.1:0" */
+    const char *advertise;     /* address announced; NULL = the worker's bound address */
+    uint32_t interval_ms;      /* heartbeat and market period; 0 = the hub's deadline / 3 */
+    int n_threads;             /* worker compute threads; 0 = all CPUs */
+    FILE *log;                 /* one line per event; NULL = silent */
+    kv_node_progress_fn progress; /* download progress; NULL = none */
+    void *progress_arg;
+} kv_node_opts;
+
+/* Loads (or creates) the node key in opts->dir. Nothing else happens until
+ * kv_node_run. Free with kv_node_free (accepts NULL). */
+int kv_node_open(kv_node **out, const kv_node_opts *opts, kv_diag *d);
+/* Runs until kv_node_stop: choose, download, verify, serve, register, then
+ * every interval heartbeat (answering challenges, registering again when the
+ * hub dropped or forgot the node) and read the market, choosing again when
+ * it changed. The worker cannot add slabs while it runs, so a new choice
+ * starts a new in-process worker with the new set, registers it, and stops
+ * the old one a moment later (make before break; with a fixed --listen
+ * port the old one stops first). Transient hub errors are logged and
+ * retried; returns 0 after kv_node_stop, or an error that cannot be
+ * retried (bad key file, unwritable folder). */
+int kv_node_run(kv_node *n, kv_diag *d);
+/* Async-signal-safe: makes kv_node_run return soon. */
+void kv_node_stop(kv_node *n);
+void kv_node_free(kv_node *n);
+
+#endif

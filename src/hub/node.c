@@ -1,0 +1,986 @@
+/* The node side of the hub protocol (include/kvasir/node.h): the shard
+ * choice, bounded downloads into the data folder, the coordinator's fetch,
+ * and the node's loop (worker thread, registration, heartbeats, storage
+ * challenges, re-choice).
+ *
+ * Invariants: a slab is given to the worker only after its file's SHA-256
+ * equals the manifest's (checked in this process, just before the worker
+ * opens it); a download never writes past the manifest's size; every path
+ * written is DIR/pieces/ + a manifest path (kv_manifest_parse allows only
+ * relative [A-Za-z0-9._-] parts, none "." or ".."); every answer from the
+ * hub is bounded in size and parsed by a bounded parser. */
+#include <curl/curl.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/node.h"
+#include "kvasir/pieces.h"
+#include "kvasir/quant.h"
+
+/* ---- shard choice ------------------------------------------------------------ */
+
+typedef struct kv_choice_key {
+    uint32_t idx, cls, held;
+    int64_t deficit;
+    uint64_t tie;               /* per-node order among equals */
+} kv_choice_key;
+
+uint64_t kv_node_tie(uint64_t salt, uint32_t layer, uint32_t first) {
+    uint64_t x = salt ^ ((uint64_t)layer << 32 | first);
+    x ^= x >> 33; /* splitmix64 finalizer */
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+static uint32_t kv_choice_class(const kv_hub_shard_view *s, uint32_t others) {
+    if (others == 0) return 0;
+    if ((uint64_t)others + 1 <= s->wanted) return 1;
+    return 2;
+}
+
+static int kv_choice_cmp(const void *a, const void *b) {
+    const kv_choice_key *x = a, *y = b;
+    if (x->cls != y->cls) return x->cls < y->cls ? -1 : 1;
+    if (x->held != y->held) return x->held > y->held ? -1 : 1;
+    if (x->deficit != y->deficit) return x->deficit > y->deficit ? -1 : 1;
+    if (x->tie != y->tie) return x->tie < y->tie ? -1 : 1;
+    return x->idx < y->idx ? -1 : x->idx > y->idx;
+}
+
+int kv_node_choose(const kv_hub_shard_view *shards, size_t n, uint64_t budget, const uint8_t *held, uint64_t salt,
+                   uint8_t *take, uint64_t *bytes, kv_diag *d) {
+    memset(take, 0, n);
+    *bytes = 0;
+    kv_choice_key *k = malloc((n ? n : 1) * sizeof *k);
+    if (!k) return kv_fail(d, KV_ENOMEM, "choose: out of memory");
+    uint64_t used = 0;
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t h = held && held[i] ? 1 : 0;
+        uint32_t others = shards[i].live >= h ? shards[i].live - h : 0;
+        if (h && others == 0) { /* the last live replica is never dropped */
+            take[i] = 1;
+            used += shards[i].bytes;
+            continue;
+        }
+        k[m++] = (kv_choice_key){(uint32_t)i, kv_choice_class(&shards[i], others), h,
+                                 (int64_t)shards[i].wanted - (int64_t)others,
+                                 kv_node_tie(salt, shards[i].layer, shards[i].first)};
+    }
+    qsort(k, m, sizeof *k, kv_choice_cmp);
+    for (size_t j = 0; j < m; j++) {
+        const kv_hub_shard_view *s = &shards[k[j].idx];
+        if (used <= budget && s->bytes <= budget - used) {
+            take[k[j].idx] = 1;
+            used += s->bytes;
+        }
+    }
+    free(k);
+    *bytes = used;
+    return 0;
+}
+
+int kv_node_parse_size(const char *s, uint64_t *out, kv_diag *d) {
+    *out = 0;
+    uint64_t v = 0;
+    const char *p = s;
+    if (!*p) return kv_fail(d, KV_EINVAL, "size '' is empty");
+    for (; *p >= '0' && *p <= '9'; p++) {
+        if (v > (UINT64_MAX - 9) / 10) return kv_fail(d, KV_EINVAL, "size '%.40s' overflows", s);
+        v = v * 10 + (uint64_t)(*p - '0');
+    }
+    if (p == s) return kv_fail(d, KV_EINVAL, "size '%.40s' must be digits with an optional K, M, G or T", s);
+    unsigned sh = 0;
+    if (*p) {
+        switch (*p) {
+        case 'k': case 'K': sh = 10; break;
+        case 'm': case 'M': sh = 20; break;
+        case 'g': case 'G': sh = 30; break;
+        case 't': case 'T': sh = 40; break;
+        default: return kv_fail(d, KV_EINVAL, "size '%.40s' must be digits with an optional K, M, G or T", s);
+        }
+        p++;
+        if (*p == 'i' && p[1] == 'B') p += 2;
+        else if (*p == 'B') p++;
+        if (*p) return kv_fail(d, KV_EINVAL, "size '%.40s' must be digits with an optional K, M, G or T", s);
+    }
+    if (sh && v > (UINT64_MAX >> sh)) return kv_fail(d, KV_EINVAL, "size '%.40s' overflows", s);
+    *out = v << sh;
+    return 0;
+}
+
+/* ---- HTTP ------------------------------------------------------------------------ */
+
+typedef struct kv_body {
+    char *p;
+    size_t n, cap, max;
+    int over;
+} kv_body;
+
+static size_t kv_body_write(char *data, size_t sz, size_t nm, void *arg) {
+    kv_body *b = arg;
+    size_t n = sz * nm;
+    if (n > b->max - b->n) {
+        b->over = 1;
+        return 0;
+    }
+    if (b->n + n + 1 > b->cap) {
+        size_t nc = b->cap ? b->cap : 4096;
+        while (nc < b->n + n + 1) nc *= 2;
+        char *np = realloc(b->p, nc);
+        if (!np) return 0;
+        b->p = np;
+        b->cap = nc;
+    }
+    memcpy(b->p + b->n, data, n);
+    b->n += n;
+    b->p[b->n] = 0;
+    return n;
+}
+
+/* A signed POST of body to hub_url + path; the answer (at most
+ * KV_NODE_MAX_REPLY bytes) in *out (caller frees), status in *status. */
+static int kv_node_post(const char *hub_url, kv_node_key *key, const char *path, const char *body, char **out,
+                        long *status, kv_diag *d) {
+    *out = NULL;
+    *status = 0;
+    char url[1024], h1[128], h2[64], h3[200];
+    if (snprintf(url, sizeof url, "%s%s", hub_url, path) >= (int)sizeof url)
+        return kv_fail(d, KV_EINVAL, "hub URL is too long");
+    kv_hub_auth a;
+    size_t blen = strlen(body);
+    kv_hub_sign(key, "POST", path, body, blen, kv_node_next_counter(key), &a);
+    snprintf(h1, sizeof h1, "X-Kvasir-Key: %s", a.key);
+    snprintf(h2, sizeof h2, "X-Kvasir-Counter: %s", a.counter);
+    snprintf(h3, sizeof h3, "X-Kvasir-Signature: %s", a.sig);
+    CURL *c = curl_easy_init();
+    if (!c) return kv_fail(d, KV_ENOMEM, "http: curl_easy_init failed");
+    struct curl_slist *hl = NULL;
+    hl = curl_slist_append(hl, h1);
+    hl = curl_slist_append(hl, h2);
+    hl = curl_slist_append(hl, h3);
+    hl = curl_slist_append(hl, "Content-Type: application/json");
+    hl = curl_slist_append(hl, "Expect:");
+    kv_body b = {.max = KV_NODE_MAX_REPLY};
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hl);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)blen);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_body_write);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 10000L);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    CURLcode r = curl_easy_perform(c);
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, status);
+    curl_easy_cleanup(c);
+    curl_slist_free_all(hl);
+    if (r != CURLE_OK) {
+        free(b.p);
+        if (b.over) return kv_fail(d, KV_EIO, "http: %s: answer larger than %u bytes", url, KV_NODE_MAX_REPLY);
+        return kv_fail(d, r == CURLE_OPERATION_TIMEDOUT ? KV_ETIMEOUT : KV_EIO, "http: %s: %s", url,
+                       curl_easy_strerror(r));
+    }
+    if (!b.p && !(b.p = calloc(1, 1))) return kv_fail(d, KV_ENOMEM, "http: out of memory");
+    *out = b.p;
+    return 0;
+}
+
+/* GET hub_url + path, bounded; 200 required. */
+static int kv_node_get(const char *hub_url, const char *path, size_t max, char **out, size_t *len, kv_diag *d) {
+    char url[1024];
+    if (snprintf(url, sizeof url, "%s%s", hub_url, path) >= (int)sizeof url)
+        return kv_fail(d, KV_EINVAL, "hub URL is too long");
+    long st = 0;
+    int rc = kv_hub_http_get(url, max, 30000, out, len, &st, d);
+    if (rc) return rc;
+    if (st != 200) {
+        free(*out);
+        *out = NULL;
+        return kv_fail(d, KV_EIO, "http: %s: status %ld", url, st);
+    }
+    return 0;
+}
+
+/* ---- files ---------------------------------------------------------------------- */
+
+int kv_node_piece_path(const char *dir, const char *rel, char *out, size_t cap, kv_diag *d) {
+    if (!rel[0] || rel[0] == '/' || strstr(rel, ".."))
+        return kv_fail(d, KV_EINVAL, "piece path '%.200s' must stay inside the data folder", rel);
+    if (snprintf(out, cap, "%s/%s/%s", dir, KV_NODE_PIECES, rel) >= (int)cap)
+        return kv_fail(d, KV_EINVAL, "piece path '%.200s' is too long", rel);
+    return 0;
+}
+
+/* mkdir -p of the folders above path (not path itself). */
+static int kv_mkdirs_for(const char *path, kv_diag *d) {
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(tmp, 0700) && errno != EEXIST) return kv_fail(d, KV_EIO, "cannot create '%s': %s", tmp, strerror(errno));
+        *p = '/';
+    }
+    return 0;
+}
+
+int kv_node_fetch_manifest(const char *hub_url, const char *dir, kv_manifest **out, kv_diag *d) {
+    *out = NULL;
+    char *body = NULL;
+    size_t len = 0;
+    int rc = kv_node_get(hub_url, "/v1/manifest", KV_MANIFEST_MAX_BYTES, &body, &len, d);
+    if (rc) return rc;
+    if ((rc = kv_manifest_parse(out, body, len, d))) {
+        free(body);
+        return rc;
+    }
+    char path[4096], tmp[4200];
+    if ((rc = kv_node_piece_path(dir, "manifest.json", path, sizeof path, d)) || (rc = kv_mkdirs_for(path, d))) goto fail;
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "wb");
+    if (!f || fwrite(body, 1, len, f) != len || fclose(f)) {
+        if (f) unlink(tmp);
+        rc = kv_fail(d, KV_EIO, "cannot write '%s': %s", tmp, strerror(errno));
+        goto fail;
+    }
+    if (rename(tmp, path)) {
+        rc = kv_fail(d, KV_EIO, "cannot rename '%s': %s", tmp, strerror(errno));
+        unlink(tmp);
+        goto fail;
+    }
+    free(body);
+    return 0;
+fail:
+    free(body);
+    kv_manifest_free(*out);
+    *out = NULL;
+    return rc;
+}
+
+typedef struct kv_dl {
+    int fd;
+    uint64_t have, size;        /* bytes in the file; the manifest's size */
+    int over;                   /* the server sent more than size */
+    int werr;
+    kv_node_progress_fn progress;
+    void *parg;
+    const char *path;
+    uint64_t last_report;
+} kv_dl;
+
+static size_t kv_dl_write(char *data, size_t sz, size_t nm, void *arg) {
+    kv_dl *w = arg;
+    size_t n = sz * nm;
+    if (n > w->size - w->have) {
+        w->over = 1;
+        return 0;
+    }
+    size_t done = 0;
+    while (done < n) {
+        ssize_t r = write(w->fd, data + done, n - done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            w->werr = errno ? errno : EIO;
+            return 0;
+        }
+        done += (size_t)r;
+    }
+    w->have += n;
+    if (w->progress && (w->have - w->last_report >= (1u << 20) || w->have == w->size)) {
+        w->last_report = w->have;
+        w->progress(w->parg, w->path, w->have, w->size);
+    }
+    return n;
+}
+
+/* Range answers must start where we asked: a 200 to a Range request means
+ * the server sends the whole file, so the partial file is started over. */
+typedef struct kv_hdr {
+    long status;
+    int range_ok;               /* Content-Range starts at the offset asked */
+    uint64_t want_off;
+} kv_hdr;
+
+static size_t kv_dl_header(char *data, size_t sz, size_t nm, void *arg) {
+    kv_hdr *h = arg;
+    size_t n = sz * nm;
+    if (n > 21 && !strncasecmp(data, "Content-Range: bytes ", 21)) {
+        char tmp[64];
+        size_t l = n - 21 < sizeof tmp - 1 ? n - 21 : sizeof tmp - 1;
+        memcpy(tmp, data + 21, l);
+        tmp[l] = 0;
+        char *e;
+        errno = 0;
+        unsigned long long a = strtoull(tmp, &e, 10);
+        h->range_ok = !errno && e != tmp && *e == '-' && a == h->want_off;
+    }
+    return n;
+}
+
+/* One transfer into path.part from its current size. */
+static int kv_dl_once(const char *url, const char *part, const kv_manifest_file *f, kv_node_progress_fn progress,
+                      void *parg, kv_diag *d) {
+    int fd = open(part, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) return kv_fail(d, KV_EIO, "cannot open '%s': %s", part, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return kv_fail(d, KV_EIO, "'%s' is not a regular file", part);
+    }
+    uint64_t have = (uint64_t)st.st_size;
+    if (have > f->size) { /* longer than the piece: start over */
+        if (ftruncate(fd, 0)) {
+            close(fd);
+            return kv_fail(d, KV_EIO, "cannot truncate '%s': %s", part, strerror(errno));
+        }
+        have = 0;
+    }
+    if (have == f->size) {
+        close(fd);
+        return 0;
+    }
+    CURL *c = curl_easy_init();
+    if (!c) {
+        close(fd);
+        return kv_fail(d, KV_ENOMEM, "http: curl_easy_init failed");
+    }
+    kv_dl w = {.fd = fd, .have = have, .size = f->size, .progress = progress, .parg = parg, .path = f->path,
+               .last_report = have};
+    kv_hdr h = {.want_off = have};
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_dl_write);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &w);
+    curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, kv_dl_header);
+    curl_easy_setopt(c, CURLOPT_HEADERDATA, &h);
+    curl_easy_setopt(c, CURLOPT_FAILONERROR, 1L);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 10000L);
+    /* a stalled transfer (under 1 KiB/s for 30 s) is abandoned and resumed */
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1024L);
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, 30L);
+    /* Range: bytes=HAVE-; a 200 to it (the whole file again) is
+     * CURLE_RANGE_ERROR before any byte is written */
+    if (have) curl_easy_setopt(c, CURLOPT_RESUME_FROM_LARGE, (curl_off_t)have);
+    CURLcode r = curl_easy_perform(c);
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &h.status);
+    curl_easy_cleanup(c);
+    close(fd);
+    if (w.over) return kv_fail(d, KV_EFORMAT, "%s: the hub sent more than the manifest's %" PRIu64 " bytes", url, f->size);
+    if (w.werr) return kv_fail(d, KV_EIO, "cannot write '%s': %s", part, strerror(w.werr));
+    if (r == CURLE_RANGE_ERROR) return kv_fail(d, KV_EPROTO, "%s: the hub cannot resume at %" PRIu64, url, have);
+    if (r != CURLE_OK) return kv_fail(d, r == CURLE_OPERATION_TIMEDOUT ? KV_ETIMEOUT : KV_EIO, "%s: %s", url, curl_easy_strerror(r));
+    if (have && (h.status != 206 || !h.range_ok))
+        return kv_fail(d, KV_EPROTO, "%s: resume at %" PRIu64 " not answered with that range", url, have);
+    if (w.have != f->size) return kv_fail(d, KV_EIO, "%s: transfer ended at %" PRIu64 " of %" PRIu64 " bytes", url, w.have, f->size);
+    return 0;
+}
+
+int kv_node_fetch_piece(const char *hub_url, const char *dir, const kv_manifest_file *f, kv_node_progress_fn progress,
+                        void *parg, kv_diag *d) {
+    if (!f->has_sha256)
+        return kv_fail(d, KV_EUNSUPPORTED, "piece '%s' has no SHA-256 in the manifest: it cannot be verified", f->path);
+    char path[4096], part[4200], url[2048];
+    int rc = kv_node_piece_path(dir, f->path, path, sizeof path, d);
+    if (rc || (rc = kv_mkdirs_for(path, d))) return rc;
+    uint8_t got[32];
+    struct stat st;
+    if (!lstat(path, &st)) {
+        if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == f->size && !kv_pieces_hash_file(path, got, d) &&
+            !memcmp(got, f->sha256, 32))
+            return 0;
+        unlink(path); /* other bytes are never served */
+    }
+    if (snprintf(url, sizeof url, "%s/v1/pieces/%s", hub_url, f->path) >= (int)sizeof url)
+        return kv_fail(d, KV_EINVAL, "piece URL is too long");
+    snprintf(part, sizeof part, "%s.part", path);
+    rc = kv_dl_once(url, part, f, progress, parg, d);
+    if (rc == KV_EPROTO) { /* a server that cannot resume: start over once */
+        unlink(part);
+        rc = kv_dl_once(url, part, f, progress, parg, d);
+    }
+    if (rc) return rc;
+    if ((rc = kv_pieces_hash_file(part, got, d))) return rc;
+    if (memcmp(got, f->sha256, 32)) {
+        unlink(part);
+        return kv_fail(d, KV_EHASH, "piece '%s' from the hub does not match the manifest's SHA-256: deleted", f->path);
+    }
+    if (rename(part, path)) return kv_fail(d, KV_EIO, "cannot rename '%s': %s", part, strerror(errno));
+    return 0;
+}
+
+/* ---- placement ------------------------------------------------------------------- */
+
+#define KV_ADDR_OK "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-:[]"
+
+void kv_node_workers_free(char **workers, uint32_t n) {
+    if (!workers) return;
+    for (uint32_t i = 0; i < n; i++) free(workers[i]);
+    free(workers);
+}
+
+int kv_node_parse_placement(const char *json, size_t len, char ***out, uint32_t *n_out, kv_diag *d) {
+    *out = NULL;
+    *n_out = 0;
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "placement: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    char **w = calloc(KV_REMOTE_MAX_WORKERS, sizeof *w);
+    uint32_t n = 0;
+    json_t *sh = json_object_get(root, "shards");
+    if (!w) {
+        rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
+        goto out;
+    }
+    if (!json_is_object(root) || !json_is_array(sh)) {
+        rc = kv_fail(d, KV_EFORMAT, "placement: needs {\"shards\": [...]}");
+        goto out;
+    }
+    for (size_t i = 0; i < json_array_size(sh); i++) {
+        json_t *nodes = json_object_get(json_array_get(sh, i), "nodes");
+        if (!json_is_array(nodes)) {
+            rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes must be an array", i);
+            goto out;
+        }
+        for (size_t j = 0; j < json_array_size(nodes); j++) {
+            json_t *a = json_object_get(json_array_get(nodes, j), "addr");
+            const char *s = json_is_string(a) ? json_string_value(a) : NULL;
+            size_t l = s ? json_string_length(a) : 0;
+            if (!s || !l || l > KV_HUB_MAX_ADDR || strspn(s, KV_ADDR_OK) != l) {
+                rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes[%zu].addr must be HOST:PORT", i, j);
+                goto out;
+            }
+            bool seen = false;
+            for (uint32_t k = 0; k < n && !seen; k++) seen = !strcmp(w[k], s);
+            if (seen) continue;
+            if (n == KV_REMOTE_MAX_WORKERS) {
+                rc = kv_fail(d, KV_ERANGE, "placement: more than %u workers", KV_REMOTE_MAX_WORKERS);
+                goto out;
+            }
+            if (!(w[n] = strdup(s))) {
+                rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
+                goto out;
+            }
+            n++;
+        }
+    }
+out:
+    json_decref(root);
+    if (rc) {
+        kv_node_workers_free(w, n);
+        return rc;
+    }
+    *out = w;
+    *n_out = n;
+    return 0;
+}
+
+int kv_node_fetch_coordinator(const char *hub_url, const char *dir, char *manifest_path, size_t cap, char ***workers,
+                              uint32_t *n_workers, kv_node_progress_fn progress, void *parg, kv_diag *d) {
+    *workers = NULL;
+    *n_workers = 0;
+    kv_manifest *m = NULL;
+    int rc = kv_node_fetch_manifest(hub_url, dir, &m, d);
+    if (rc) return rc;
+    rc = kv_node_fetch_piece(hub_url, dir, &m->backbone, progress, parg, d);
+    kv_manifest_free(m);
+    if (rc) return rc;
+    if ((rc = kv_node_piece_path(dir, "manifest.json", manifest_path, cap, d))) return rc;
+    char *body = NULL;
+    size_t len = 0;
+    if ((rc = kv_node_get(hub_url, "/v1/placement", KV_NODE_MAX_MARKET, &body, &len, d))) return rc;
+    rc = kv_node_parse_placement(body, len, workers, n_workers, d);
+    free(body);
+    if (!rc && !*n_workers) {
+        kv_node_workers_free(*workers, 0);
+        *workers = NULL;
+        rc = kv_fail(d, KV_ENOTFOUND, "hub %s lists no live node", hub_url);
+    }
+    return rc;
+}
+
+/* ---- the node ----------------------------------------------------------------------- */
+
+#define KV_NODE_GRACE_MS 10000 /* a retired worker serves this long after a switch */
+
+typedef struct kv_node_worker {
+    kv_worker *w;
+    pthread_t th;
+    bool running;
+} kv_node_worker;
+
+struct kv_node {
+    kv_node_opts o;
+    kv_node_key key;
+    kv_manifest *m;
+    uint8_t *held;              /* [m->n_slabs] verified, served and announced */
+    uint8_t *live;              /* [m->n_slabs] the hub counts us for it (registered, not dropped) */
+    kv_node_worker cur, old;    /* the serving worker, and the one being retired */
+    int64_t old_until_ms;       /* when the retired worker stops */
+    char addr[KV_HUB_MAX_ADDR + 1]; /* announced */
+    bool registered;
+    uint32_t interval_ms;
+    int64_t last_beat_ms;       /* monotonic ms of the last heartbeat sent */
+    uint64_t salt;              /* from the public key: this node's order among equal shards */
+    atomic_int stop;
+    int stop_pipe[2];
+};
+
+static int64_t kv_mono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void kv_node_log(const kv_node *n, const char *fmt, ...) {
+    if (!n->o.log) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(n->o.log, "node: ");
+    vfprintf(n->o.log, fmt, ap);
+    fputc('\n', n->o.log);
+    fflush(n->o.log);
+    va_end(ap);
+}
+
+int kv_node_open(kv_node **out, const kv_node_opts *opts, kv_diag *d) {
+    *out = NULL;
+    if (!opts->hub || !opts->dir) return kv_fail(d, KV_EINVAL, "node: needs a hub URL and a data folder");
+    kv_node *n = calloc(1, sizeof *n);
+    if (!n) return kv_fail(d, KV_ENOMEM, "node: out of memory");
+    n->o = *opts;
+    n->stop_pipe[0] = n->stop_pipe[1] = -1;
+    if (!n->o.listen) n->o.listen = "127.0.0.1:0";
+    int rc = kv_node_key_load(&n->key, opts->dir, true, d);
+    if (rc || pipe(n->stop_pipe)) {
+        if (!rc) rc = kv_fail(d, KV_EIO, "node: pipe: %s", strerror(errno));
+        kv_node_free(n);
+        return rc;
+    }
+    memcpy(&n->salt, n->key.pk, sizeof n->salt);
+    srand((unsigned)n->salt ^ (unsigned)getpid());
+    fcntl(n->stop_pipe[0], F_SETFL, O_NONBLOCK);
+    fcntl(n->stop_pipe[1], F_SETFL, O_NONBLOCK);
+    *out = n;
+    return 0;
+}
+
+void kv_node_stop(kv_node *n) {
+    if (!n) return;
+    atomic_store(&n->stop, 1);
+    if (n->stop_pipe[1] >= 0) {
+        ssize_t r = write(n->stop_pipe[1], "x", 1);
+        (void)r;
+    }
+}
+
+static void *kv_worker_thread(void *arg) {
+    kv_diag d = {0};
+    kv_worker_serve(arg, &d);
+    return NULL;
+}
+
+static void kv_nw_stop(kv_node_worker *w) {
+    if (!w->w) return;
+    if (w->running) {
+        kv_worker_stop(w->w);
+        pthread_join(w->th, NULL);
+    }
+    kv_worker_free(w->w);
+    memset(w, 0, sizeof *w);
+}
+
+void kv_node_free(kv_node *n) {
+    if (!n) return;
+    kv_nw_stop(&n->old);
+    kv_nw_stop(&n->cur);
+    kv_manifest_free(n->m);
+    free(n->held);
+    free(n->live);
+    if (n->stop_pipe[0] >= 0) close(n->stop_pipe[0]);
+    if (n->stop_pipe[1] >= 0) close(n->stop_pipe[1]);
+    free(n);
+}
+
+/* Sleeps up to ms, or until kv_node_stop. */
+static void kv_node_sleep(kv_node *n, int64_t ms) {
+    if (ms <= 0 || atomic_load(&n->stop)) return;
+    struct pollfd pf = {.fd = n->stop_pipe[0], .events = POLLIN};
+    poll(&pf, 1, (int)(ms > 3600000 ? 3600000 : ms));
+}
+
+/* Starts a worker over the held slabs (each hashed again right here, so a
+ * file changed on disk since it was fetched is deleted, not served). */
+static int kv_node_start_worker(kv_node *n, const uint8_t *set, kv_node_worker *out, kv_diag *d) {
+    memset(out, 0, sizeof *out);
+    size_t cap = 1, cnt = 0;
+    for (size_t i = 0; i < n->m->n_slabs; i++)
+        if (set[i]) cap += 4200;
+    char *list = malloc(cap);
+    if (!list) return kv_fail(d, KV_ENOMEM, "node: out of memory");
+    list[0] = 0;
+    size_t off = 0;
+    for (size_t i = 0; i < n->m->n_slabs; i++) {
+        if (!set[i]) continue;
+        const kv_manifest_file *f = &n->m->slabs[i].file;
+        char path[4096];
+        uint8_t got[32];
+        int rc = kv_node_piece_path(n->o.dir, f->path, path, sizeof path, d);
+        if (!rc) rc = kv_pieces_hash_file(path, got, d);
+        if (!rc && memcmp(got, f->sha256, 32)) {
+            unlink(path);
+            rc = kv_fail(d, KV_EHASH, "node: '%s' changed on disk (SHA-256 differs): deleted", f->path);
+        }
+        if (rc) {
+            free(list);
+            return rc;
+        }
+        off += (size_t)snprintf(list + off, cap - off, "%s%s", cnt ? "," : "", path);
+        cnt++;
+    }
+    kv_worker_opts wo = {.slabs = list, .listen = n->o.listen, .n_threads = n->o.n_threads, .quiet = true};
+    int rc = kv_worker_open(&out->w, &wo, d);
+    free(list);
+    if (rc) return rc;
+    if (pthread_create(&out->th, NULL, kv_worker_thread, out->w)) {
+        kv_worker_free(out->w);
+        out->w = NULL;
+        return kv_fail(d, KV_EIO, "node: cannot start the worker thread");
+    }
+    out->running = true;
+    return 0;
+}
+
+/* Answers a storage challenge object from a register/heartbeat answer. */
+static void kv_node_challenge(kv_node *n, json_t *ch) {
+    if (!json_is_object(ch)) return;
+    json_t *jn = json_object_get(ch, "nonce");
+    json_t *jl = json_object_get(ch, "layer"), *jf = json_object_get(ch, "first"), *jt = json_object_get(ch, "last");
+    const char *hex = json_is_string(jn) ? json_string_value(jn) : NULL;
+    uint8_t nonce[32];
+    if (!hex || json_string_length(jn) != 64 || !json_is_integer(jl) || !json_is_integer(jf) || !json_is_integer(jt)) {
+        kv_node_log(n, "challenge: malformed, ignored");
+        return;
+    }
+    for (int i = 0; i < 32; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1) {
+            kv_node_log(n, "challenge: malformed nonce, ignored");
+            return;
+        }
+        nonce[i] = (uint8_t)v;
+    }
+    json_int_t L = json_integer_value(jl), F = json_integer_value(jf), T = json_integer_value(jt);
+    if (L < 0 || F < 0 || T < 0 || L > UINT32_MAX || F > UINT32_MAX || T > UINT32_MAX) return;
+    /* the file is ours, found from the manifest: the path in the challenge is not trusted */
+    const kv_manifest_slab *s = kv_manifest_find_slab(n->m, (uint32_t)L, (uint32_t)F, (uint32_t)T);
+    kv_diag d = {0};
+    char path[4096];
+    uint8_t ans[32];
+    if (!s || !n->held[s - n->m->slabs]) {
+        kv_node_log(n, "challenge for a shard this node does not hold (layer %" PRId64 ")", (int64_t)L);
+        return;
+    }
+    if (kv_node_piece_path(n->o.dir, s->file.path, path, sizeof path, &d) ||
+        kv_hub_challenge_answer(path, s->file.size, nonce, ans, &d)) {
+        kv_node_log(n, "challenge: %s", d.msg);
+        return;
+    }
+    char ah[65], body[200], *reply = NULL;
+    kv_hex(ans, 32, ah);
+    snprintf(body, sizeof body, "{\"nonce\":\"%.64s\",\"sha256\":\"%s\"}", hex, ah);
+    long st = 0;
+    if (kv_node_post(n->o.hub, &n->key, "/v1/challenge", body, &reply, &st, &d)) kv_node_log(n, "challenge: %s", d.msg);
+    else if (st != 200) kv_node_log(n, "challenge answer refused (%ld): %.200s", st, reply);
+    else kv_node_log(n, "challenge answered (layer %u experts %u-%u)", s->layer, s->first, s->last);
+    free(reply);
+}
+
+static int kv_node_register(kv_node *n, kv_diag *d) {
+    char *body = NULL, *reply = NULL;
+    size_t len = 0;
+    int rc = kv_node_get(n->o.hub, "/v1/nonce", 4096, &body, &len, d);
+    if (rc) return rc;
+    json_error_t je;
+    json_t *j = json_loadb(body, len, 0, &je);
+    free(body);
+    json_t *jn = j ? json_object_get(j, "nonce") : NULL;
+    kv_hub_announce a = {0};
+    const char *hex = json_is_string(jn) ? json_string_value(jn) : NULL;
+    bool ok = hex && json_string_length(jn) == 64;
+    for (int i = 0; ok && i < 32; i++) {
+        unsigned v;
+        ok = sscanf(hex + 2 * i, "%2x", &v) == 1;
+        a.nonce[i] = (uint8_t)v;
+    }
+    json_decref(j);
+    if (!ok) return kv_fail(d, KV_EFORMAT, "hub: /v1/nonce answer is not {\"nonce\": HEX64}");
+    snprintf(a.addr, sizeof a.addr, "%s", n->addr);
+    snprintf(a.backend, sizeof a.backend, "%s", kv_quant_backend());
+    a.memory = n->o.budget;
+    size_t cnt = 0;
+    for (size_t i = 0; i < n->m->n_slabs; i++) cnt += n->held[i];
+    a.shards = calloc(cnt ? cnt : 1, sizeof *a.shards);
+    if (!a.shards) return kv_fail(d, KV_ENOMEM, "node: out of memory");
+    for (size_t i = 0; i < n->m->n_slabs; i++) {
+        if (!n->held[i]) continue;
+        const kv_manifest_slab *s = &n->m->slabs[i];
+        a.shards[a.n_shards] = (kv_hub_held){.layer = s->layer, .first = s->first, .last = s->last};
+        memcpy(a.shards[a.n_shards++].sha256, s->file.sha256, 32);
+    }
+    char *js = kv_hub_announce_json(&a);
+    free(a.shards);
+    if (!js) return kv_fail(d, KV_ENOMEM, "node: out of memory");
+    long st = 0;
+    rc = kv_node_post(n->o.hub, &n->key, "/v1/register", js, &reply, &st, d);
+    free(js);
+    if (rc) return rc;
+    if (st != 200) {
+        rc = kv_fail(d, KV_EPROTO, "hub refused the registration (%ld): %.300s", st, reply);
+        free(reply);
+        return rc;
+    }
+    j = json_loads(reply, 0, &je);
+    free(reply);
+    json_t *dl = j ? json_object_get(j, "deadline_ms") : NULL;
+    if (!n->o.interval_ms && json_is_integer(dl) && json_integer_value(dl) > 0)
+        n->interval_ms = (uint32_t)(json_integer_value(dl) / 3 > 0 ? json_integer_value(dl) / 3 : 1);
+    if (n->interval_ms > 60000) n->interval_ms = 60000;
+    n->registered = true;
+    memcpy(n->live, n->held, n->m->n_slabs);
+    kv_node_log(n, "registered %zu shards at %s", cnt, n->addr);
+    if (j) kv_node_challenge(n, json_object_get(j, "challenge"));
+    json_decref(j);
+    return 0;
+}
+
+static int kv_node_heartbeat(kv_node *n, kv_diag *d) {
+    n->last_beat_ms = kv_mono_ms();
+    char *reply = NULL;
+    long st = 0;
+    int rc = kv_node_post(n->o.hub, &n->key, "/v1/heartbeat", "{}", &reply, &st, d);
+    if (rc) return rc;
+    if (st == 404) { /* the hub forgot us (a new store): register again */
+        free(reply);
+        n->registered = false;
+        memset(n->live, 0, n->m->n_slabs);
+        return 0;
+    }
+    if (st != 200) {
+        rc = kv_fail(d, KV_EPROTO, "heartbeat refused (%ld): %.300s", st, reply);
+        free(reply);
+        return rc;
+    }
+    json_error_t je;
+    json_t *j = json_loads(reply, 0, &je);
+    free(reply);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        return kv_fail(d, KV_EFORMAT, "heartbeat answer is not a JSON object");
+    }
+    if (json_object_get(j, "dropped")) {
+        kv_node_log(n, "the hub dropped our holdings; registering again");
+        n->registered = false;
+        memset(n->live, 0, n->m->n_slabs);
+    }
+    kv_node_challenge(n, json_object_get(j, "challenge"));
+    json_decref(j);
+    return 0;
+}
+
+/* Reads the market and maps it onto manifest order; view[i] for slab i. */
+static int kv_node_market(kv_node *n, kv_hub_shard_view *view, kv_diag *d) {
+    char *body = NULL;
+    size_t len = 0;
+    int rc = kv_node_get(n->o.hub, "/v1/market", KV_NODE_MAX_MARKET, &body, &len, d);
+    if (rc) return rc;
+    kv_hub_market mk;
+    rc = kv_hub_parse_market(&mk, body, len, d);
+    free(body);
+    if (rc) return rc;
+    for (size_t i = 0; i < n->m->n_slabs; i++) {
+        const kv_manifest_slab *s = &n->m->slabs[i];
+        view[i] = (kv_hub_shard_view){s->layer, s->first, s->last, s->file.size, 1, 0, 0};
+    }
+    for (size_t k = 0; k < mk.n_shards; k++) {
+        const kv_hub_shard_view *v = &mk.shards[k];
+        const kv_manifest_slab *s = kv_manifest_find_slab(n->m, v->layer, v->first, v->last);
+        if (!s) continue;
+        size_t i = (size_t)(s - n->m->slabs);
+        view[i].wanted = v->wanted;
+        view[i].live = v->live;
+        view[i].reward = v->reward;
+    }
+    kv_hub_market_free(&mk);
+    return 0;
+}
+
+static int kv_node_heartbeat(kv_node *n, kv_diag *d);
+
+/* Progress of a slab download: reported, and the heartbeat kept going
+ * meanwhile (a long download must not make the node look dead for what
+ * it already serves). */
+static void kv_node_fetch_progress(void *arg, const char *path, uint64_t done, uint64_t total) {
+    kv_node *n = arg;
+    if (n->o.progress) n->o.progress(n->o.progress_arg, path, done, total);
+    else if (done == total) kv_node_log(n, "fetched %s (%" PRIu64 " bytes)", path, total);
+    if (n->registered && kv_mono_ms() - n->last_beat_ms >= (int64_t)n->interval_ms) {
+        kv_diag e = {0};
+        if (kv_node_heartbeat(n, &e)) kv_node_log(n, "%s", e.msg);
+    }
+}
+
+/* Fetches and verifies every slab of want not yet held; a failed one is
+ * cleared from want (logged). */
+static void kv_node_fetch_set(kv_node *n, uint8_t *want) {
+    for (size_t i = 0; i < n->m->n_slabs && !atomic_load(&n->stop); i++) {
+        if (!want[i]) continue;
+        kv_diag d = {0};
+        char path[4096];
+        struct stat st;
+        /* a served slab is fetched again only if its file went away (one
+         * found changed when a worker opened it was deleted) */
+        if (n->held[i] && !kv_node_piece_path(n->o.dir, n->m->slabs[i].file.path, path, sizeof path, &d) &&
+            !lstat(path, &st))
+            continue;
+        if (kv_node_fetch_piece(n->o.hub, n->o.dir, &n->m->slabs[i].file, kv_node_fetch_progress, n, &d)) {
+            kv_node_log(n, "%s", d.msg);
+            want[i] = 0;
+        }
+    }
+}
+
+/* Serves and announces `want`: a new worker first, registered, then the old
+ * one retired after a grace period (or first, when the port is fixed). */
+static int kv_node_switch(kv_node *n, const uint8_t *want, kv_diag *d) {
+    kv_node_worker nw;
+    int rc = kv_node_start_worker(n, want, &nw, d);
+    if (rc == KV_EIO && n->cur.w) { /* a fixed port: break before make */
+        kv_nw_stop(&n->cur);
+        rc = kv_node_start_worker(n, want, &nw, d);
+    }
+    if (rc) return rc;
+    kv_nw_stop(&n->old);
+    n->old = n->cur;
+    /* coordinators that read the placement map before the switch still
+     * reach the old address for a while */
+    n->old_until_ms = kv_mono_ms() + (2 * (int64_t)n->interval_ms > KV_NODE_GRACE_MS ? 2 * (int64_t)n->interval_ms
+                                                                                      : KV_NODE_GRACE_MS);
+    n->cur = nw;
+    memcpy(n->held, want, n->m->n_slabs);
+    snprintf(n->addr, sizeof n->addr, "%s", n->o.advertise ? n->o.advertise : kv_worker_addr(n->cur.w));
+    n->registered = false;
+    memset(n->live, 0, n->m->n_slabs);
+    size_t cnt = 0;
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n->m->n_slabs; i++)
+        if (want[i]) {
+            cnt++;
+            bytes += n->m->slabs[i].file.size;
+        }
+    kv_node_log(n, "serving %zu shards (%" PRIu64 " bytes) on %s", cnt, bytes, kv_worker_addr(n->cur.w));
+    return 0;
+}
+
+int kv_node_run(kv_node *n, kv_diag *d) {
+    int rc = 0;
+    kv_hub_shard_view *view = NULL;
+    uint8_t *want = NULL;
+    n->interval_ms = n->o.interval_ms ? n->o.interval_ms : 1000;
+    /* the manifest, until it can be read */
+    while (!atomic_load(&n->stop) && !n->m) {
+        kv_diag e = {0};
+        if (kv_node_fetch_manifest(n->o.hub, n->o.dir, &n->m, &e)) {
+            kv_node_log(n, "%s (retrying)", e.msg);
+            kv_node_sleep(n, 1000);
+        }
+    }
+    if (!n->m) return 0;
+    size_t ns = n->m->n_slabs;
+    n->held = calloc(ns ? ns : 1, 1);
+    n->live = calloc(ns ? ns : 1, 1);
+    view = calloc(ns ? ns : 1, sizeof *view);
+    want = calloc(ns ? ns : 1, 1);
+    if (!n->held || !n->live || !view || !want) {
+        rc = kv_fail(d, KV_ENOMEM, "node: out of memory");
+        goto out;
+    }
+    kv_node_log(n, "model %.16s: %zu shards, budget %" PRIu64 " bytes", n->m->model_id, ns, n->o.budget);
+    /* slabs left from an earlier run are checked now: other bytes (a
+     * damaged disk, another model) are deleted, never kept for later */
+    for (size_t i = 0; i < ns && !atomic_load(&n->stop); i++) {
+        const kv_manifest_file *f = &n->m->slabs[i].file;
+        char path[4096];
+        uint8_t got[32];
+        struct stat st;
+        kv_diag e = {0};
+        if (kv_node_piece_path(n->o.dir, f->path, path, sizeof path, &e) || lstat(path, &st)) continue;
+        if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != f->size || !f->has_sha256 ||
+            kv_pieces_hash_file(path, got, &e) || memcmp(got, f->sha256, 32)) {
+            kv_node_log(n, "%s: not the manifest's bytes, deleted", f->path);
+            unlink(path);
+        }
+    }
+    while (!atomic_load(&n->stop)) {
+        kv_diag e = {0};
+        int64_t t0 = kv_mono_ms();
+        if (n->registered && kv_node_heartbeat(n, &e)) kv_node_log(n, "%s", e.msg);
+        if (!kv_node_market(n, view, &e)) {
+            uint64_t bytes;
+            if (kv_node_choose(view, ns, n->o.budget, n->live, n->salt, want, &bytes, &e)) {
+                rc = e.code;
+                *d = e;
+                goto out;
+            }
+            /* Giving up a replica that is still wanted (for an uncovered
+             * shard) is done only every other round on average: nodes that
+             * see the same market at once would otherwise all trade the
+             * same way and swap shards back and forth. */
+            bool gives_wanted = false;
+            for (size_t i = 0; i < ns; i++)
+                if (n->held[i] && !want[i] && view[i].live >= 1 && view[i].live <= view[i].wanted) gives_wanted = true;
+            if (gives_wanted && (rand() & 1)) memcpy(want, n->held, ns);
+            if (memcmp(want, n->held, ns)) {
+                kv_node_fetch_set(n, want);
+                bool any = false;
+                for (size_t i = 0; i < ns; i++) any |= want[i];
+                if (any && memcmp(want, n->held, ns) && kv_node_switch(n, want, &e))
+                    kv_node_log(n, "cannot serve the new set: %s", e.msg);
+            }
+        } else {
+            kv_node_log(n, "%s", e.msg);
+        }
+        bool any = false;
+        for (size_t i = 0; i < ns; i++) any |= n->held[i];
+        if (any && !n->registered && kv_node_register(n, &e)) kv_node_log(n, "%s", e.msg);
+        if (n->old.w && kv_mono_ms() >= n->old_until_ms) kv_nw_stop(&n->old);
+        /* jitter keeps nodes that started together from choosing in lockstep */
+        int64_t wait = (int64_t)n->interval_ms + (int64_t)(rand() % (n->interval_ms / 4 + 1));
+        kv_node_sleep(n, wait - (kv_mono_ms() - t0));
+    }
+out:
+    free(view);
+    free(want);
+    return rc;
+}
