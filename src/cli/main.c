@@ -21,6 +21,7 @@ static const struct {
     {"market", kv_cmd_market, "print a hub's coverage market (scarcest shards first)"},
     {"wallet", kv_cmd_wallet, "make a KVR key, show its account, sign a payment authorization"},
     {"ledger", kv_cmd_ledger, "KVR ledger: init, issue, balance, statement, check"},
+    {"gateway", kv_cmd_gateway, "serve a model over the OpenAI, Anthropic and Ollama HTTP APIs"},
 };
 
 static void kv_usage(FILE *f) {
