@@ -377,13 +377,16 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     kv_gateway *g = c->g;
     kv_gw_req *r = c->r;
     pthread_mutex_lock(&g->mu);
-    while (r->n_toks == c->consumed && r->state != KV_REQ_DONE) {
-        if (kv_hung_up(c->fd)) {
+    bool look = true; /* a hang-up is looked for once per call, and before every wait */
+    while (look || (r->n_toks == c->consumed && r->state != KV_REQ_DONE)) {
+        look = false;
+        if (r->state != KV_REQ_DONE && kv_hung_up(c->fd)) {
             r->cancel = true;
             pthread_cond_signal(&g->work_cv);
             pthread_mutex_unlock(&g->mu);
             return -1;
         }
+        if (r->n_toks != c->consumed || r->state == KV_REQ_DONE) break;
         struct timespec ts;
         kv_deadline(&ts, 250);
         pthread_cond_timedwait(&g->out_cv, &g->mu, &ts);
