@@ -7,7 +7,9 @@
  * strings, 8 concurrent requests of different lengths each equal to the
  * same request alone, a disconnecting client freeing its session, every
  * error shape and status, keys, a full queue, /metrics as Prometheus text,
- * the chat template over a message list and the incremental text logic. */
+ * the chat template over a message list, the incremental text logic, and
+ * the sliced model served through a `kvasir worker` (one message per layer
+ * per step for the whole batch; a dead worker is a 500 and a 503 health). */
 #include <curl/curl.h>
 #include <jansson.h>
 #include <pthread.h>
@@ -16,11 +18,18 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <unistd.h>
 
 #include "gateway/gateway_internal.h"
+#include "kvasir/dispatch.h"
 #include "kvasir/engine.h"
+#include "kvasir/slice.h"
 #include "kvasir/gateway.h"
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
@@ -680,6 +689,15 @@ static void test_queue_full_503(void) {
         usleep(2000);
     }
     ASSERT_EQ(st.queued, 2);
+    resp sl = {0};
+    http(base, "/v1/slots", NULL, NULL, &sl);
+    json_t *sj = parse(sl.body);
+    ASSERT_EQ(jint(sj, "queued"), 2);
+    ASSERT_EQ(json_array_size(json_object_get(sj, "slots")), 2);
+    ASSERT_STREQ(jstr(sj, "slots.0.state"), "queued");
+    ASSERT_STREQ(jstr(sj, "slots.1.api"), "openai_chat");
+    json_decref(sj);
+    free(sl.body);
     const char *paths[3] = {"/v1/chat/completions", "/v1/messages", "/api/chat"};
     const char *bodies[3] = {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}",
                              "{\"model\":\"tiny\",\"max_tokens\":2,\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}",
@@ -939,12 +957,164 @@ static void test_text_incremental(void) {
     kv_gw_params_free(&p);
 }
 
+
+/* ---- through a worker ------------------------------------------------------ */
+
+static uint16_t free_port(void) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t l = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) || getsockname(fd, (struct sockaddr *)&a, &l)) return 0;
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* The model sliced, its experts on one `kvasir worker`: 8 concurrent
+ * requests equal the full model run alone in-process (same bits wherever
+ * computed), and the worker got exactly one message per MoE layer per step
+ * for all of them. Then the worker dies: a request fails with a 500 in
+ * the API's shape (never a token from partial results) and /health is 503. */
+static void test_worker_batched(void) {
+    const char *bin = getenv("KV_BIN");
+    ASSERT_TRUE(bin != NULL);
+    if (!bin) return;
+    kv_diag d = {0};
+    char sl[260], co[260], cmd[1200], slabs[2048];
+    snprintf(sl, sizeof sl, "%s/sl", g_dir);
+    snprintf(co, sizeof co, "%s/coord", g_dir);
+    const kv_slice_opts so = {4, -1, -1, 1};
+    ASSERT_EQ(kv_slice_model(g_model, sl, &so, NULL, &d), 0);
+    mkdir(co, 0755);
+    snprintf(cmd, sizeof cmd, "cp '%s/backbone.gguf' '%s/manifest.json' '%s/'", sl, sl, co);
+    ASSERT_EQ(system(cmd), 0);
+    const kv_hparams *hp = kv_model_hparams(kv_engine_model(g_ref));
+    size_t o = 0;
+    for (uint32_t l = 0; l < hp->n_layer; l++)
+        for (uint32_t h = 0; h < 2; h++)
+            o += (size_t)snprintf(slabs + o, sizeof slabs - o, "%s%s/experts/blk.%u.%04u-%04u.gguf", o ? "," : "", sl,
+                                  l, 4 * h, 4 * h + 3);
+    char addr[32];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", free_port());
+    fflush(stdout);
+    fflush(stderr);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen("/dev/null", "w", stdout);
+        (void)f;
+        execl(bin, bin, "worker", "--slabs", slabs, "--listen", addr, "--threads", "1", "--quiet", (char *)NULL);
+        _exit(127);
+    }
+    bool up = false;
+    for (int i = 0; i < 500 && !up; i++) {
+        int fd = -1;
+        if (!kv_proto_connect(addr, 200, &fd, NULL)) {
+            close(fd);
+            up = true;
+        } else {
+            usleep(20000);
+        }
+    }
+    ASSERT_TRUE(up);
+    char manifest[300];
+    snprintf(manifest, sizeof manifest, "%s/manifest.json", co);
+    const char *workers[1] = {addr};
+    kv_engine *e = NULL;
+    kv_engine_opts eo = {.n_threads = 1, .max_sessions = 8, .workers = workers, .n_workers = 1,
+                         .worker_timeout_ms = 5000};
+    ASSERT_EQ(kv_engine_open(&e, manifest, &eo, &d), 0);
+    kv_gateway *g = NULL;
+    kv_gateway_opts go = {.model_name = "tiny", .max_active = 8};
+    if (e) ASSERT_EQ(kv_gateway_start(&g, e, &go, &d), 0);
+    if (!g) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        kv_engine_free(e);
+        return;
+    }
+    char base[64];
+    snprintf(base, sizeof base, "http://127.0.0.1:%u", kv_gateway_port(g));
+    resp h = {0};
+    http(base, "/health", NULL, NULL, &h);
+    ASSERT_EQ(h.status, 200);
+    free(h.body);
+    conc c[8];
+    pthread_t th[8];
+    char *saved = strdup(g_base);
+    snprintf(g_base, sizeof g_base, "%s", base); /* conc_main posts to g_base */
+    for (int i = 0; i < 8; i++) {
+        c[i] = (conc){.i = i};
+        c[i].body = chat_body(g_prompts[i], 0.8f, 500 + (uint64_t)i, conc_len(i), i % 2,
+                              i % 2 ? "\"stream_options\":{\"include_usage\":true}" : NULL);
+        pthread_create(&th[i], NULL, conc_main, &c[i]);
+    }
+    for (int i = 0; i < 8; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 8; i++) {
+        ref rf;
+        ref_run(g_prompts[i], true, sp_of(0.8f, 500 + (uint64_t)i), conc_len(i), NULL, &rf);
+        ASSERT_EQ(c[i].r.status, 200);
+        static char text[65536];
+        long long comp = -1, prompt = -1;
+        if (i % 2) {
+            const char *fin;
+            ASSERT_TRUE(stream_text(KV_GW_OPENAI_CHAT, c[i].r.body, text, sizeof text, &comp, &prompt, &fin));
+        } else {
+            json_t *j = parse(c[i].r.body);
+            const char *t = jstr(j, "choices.0.message.content");
+            snprintf(text, sizeof text, "%s", t ? t : "(none)");
+            comp = jint(j, "usage.completion_tokens");
+            json_decref(j);
+        }
+        if (strcmp(text, rf.text)) KVT_FAIL("worker request %d: text differs from the engine alone", i);
+        kvt_checks++;
+        ASSERT_EQ(comp, rf.n_gen);
+        free(c[i].body);
+        free(c[i].r.body);
+    }
+    /* the worker dies: the next request fails whole, and health says so */
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    resp f = {0};
+    http(base, "/v1/chat/completions", "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":4}", NULL, &f);
+    ASSERT_EQ(f.status, 500);
+    json_t *fj = parse(f.body);
+    ASSERT_TRUE(jstr(fj, "error.message") != NULL);
+    json_decref(fj);
+    free(f.body);
+    resp h2 = {0};
+    http(base, "/health", NULL, NULL, &h2);
+    ASSERT_EQ(h2.status, 503);
+    free(h2.body);
+    snprintf(g_base, sizeof g_base, "%s", saved);
+    free(saved);
+    kv_gateway_free(g); /* the engine is ours again: its counters are stable */
+    kv_engine_stats es;
+    kv_engine_get_stats(e, &es);
+    kv_remote_stats rs;
+    kv_remote_get_stats(kv_engine_remote(e), &rs);
+    kv_remote_worker w;
+    kv_remote_worker_info(kv_engine_remote(e), 0, &w);
+    /* every successful step: one compute call per MoE layer, each one message
+       to the worker for every session in the step (the failed step and its
+       retries inside the coordinator may add a few before the worker is
+       found gone; a gateway stepping sessions one by one would send about
+       8 times as many) */
+    const uint64_t ok_calls = (es.steps - es.steps_failed) * hp->n_layer;
+    ASSERT_TRUE(es.max_step_tokens > 1);
+    if (!(rs.calls >= ok_calls && rs.calls <= ok_calls + 2 * hp->n_layer))
+        KVT_FAIL("calls %llu, steps %llu (failed %llu), layers %u, worker requests %llu", (unsigned long long)rs.calls, (unsigned long long)es.steps, (unsigned long long)es.steps_failed, hp->n_layer, (unsigned long long)w.requests);
+    kvt_checks++;
+    ASSERT_TRUE(w.requests >= ok_calls && w.requests <= ok_calls + 2 * hp->n_layer);
+    kv_engine_free(e);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_chatml_messages),       KVT_CASE(test_text_incremental), KVT_CASE(test_chat_matches_engine),
     KVT_CASE(test_chat_stream),           KVT_CASE(test_completions),      KVT_CASE(test_stop_strings),
     KVT_CASE(test_concurrent_8_identical), KVT_CASE(test_disconnect_frees_session), KVT_CASE(test_disconnect_while_queued), KVT_CASE(test_errors),
     KVT_CASE(test_api_keys),              KVT_CASE(test_queue_full_503),   KVT_CASE(test_anthropic),
-    KVT_CASE(test_ollama),                KVT_CASE(test_health_models_metrics),
+    KVT_CASE(test_ollama),                KVT_CASE(test_health_models_metrics), KVT_CASE(test_worker_batched),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
