@@ -1109,12 +1109,69 @@ static void test_worker_batched(void) {
     kv_engine_free(e);
 }
 
+/* `kvasir gateway` with bad flags: one line on stderr naming the problem,
+ * exit 1 for usage and 2 for a failure, and nothing left listening. */
+static void test_cli_flags(void) {
+    const char *bin = getenv("KV_BIN");
+    ASSERT_TRUE(bin != NULL);
+    if (!bin) return;
+    char keys[300], empty[300];
+    snprintf(keys, sizeof keys, "%s/keys.txt", g_dir);
+    snprintf(empty, sizeof empty, "%s/empty.txt", g_dir);
+    FILE *f = fopen(keys, "w");
+    fprintf(f, "# comment\nsk-ok\nbad key with spaces\n");
+    fclose(f);
+    f = fopen(empty, "w");
+    fprintf(f, "# nothing\n\n");
+    fclose(f);
+    struct { const char *args; int rc; const char *needle; } t[] = {
+        {"", 1, "missing -m"},
+        {"-m M --listen nonsense", 1, "HOST:PORT"},
+        {"-m M --listen 127.0.0.1:99999", 1, "--listen"},
+        {"-m M --hub http://x", 1, "--hub"},
+        {"-m M --parallel 0", 1, "--parallel"},
+        {"-m M --frobnicate", 1, "frobnicate"},
+        {"-m /nonexistent.gguf --listen 127.0.0.1:0", 2, "nonexistent"},
+        {"-m M --api-keys KEYS", 2, "space"},
+        {"-m M --api-keys EMPTY", 1, "no key"},
+        {"-m M --listen 999.1.1.1:0", 2, "999.1.1.1"},
+    };
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        char args[600], cmd[1600], ef[300];
+        /* M, KEYS and EMPTY stand for the paths */
+        char *o = args;
+        for (const char *a = t[i].args; *a;) {
+            if (!strncmp(a, "KEYS", 4)) { o += sprintf(o, "%s", keys); a += 4; }
+            else if (!strncmp(a, "EMPTY", 5)) { o += sprintf(o, "%s", empty); a += 5; }
+            else if (a[0] == 'M' && (a[1] == ' ' || !a[1])) { o += sprintf(o, "%s", g_model); a += 1; }
+            else *o++ = *a++;
+        }
+        *o = 0;
+        snprintf(ef, sizeof ef, "%s/cli.err", g_dir);
+        snprintf(cmd, sizeof cmd, "%s gateway %s >/dev/null 2>%s </dev/null", bin, args, ef);
+        int st = system(cmd);
+        int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 1000;
+        char err[2048] = "";
+        FILE *e = fopen(ef, "r");
+        if (e) {
+            size_t n = fread(err, 1, sizeof err - 1, e);
+            err[n] = 0;
+            fclose(e);
+        }
+        int lines = 0;
+        for (const char *p = err; *p; p++) lines += *p == '\n';
+        if (rc != t[i].rc || lines != 1 || !strstr(err, t[i].needle))
+            KVT_FAIL("gateway %s: rc %d (want %d), %d lines: %s", t[i].args, rc, t[i].rc, lines, err);
+        kvt_checks++;
+    }
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_chatml_messages),       KVT_CASE(test_text_incremental), KVT_CASE(test_chat_matches_engine),
     KVT_CASE(test_chat_stream),           KVT_CASE(test_completions),      KVT_CASE(test_stop_strings),
     KVT_CASE(test_concurrent_8_identical), KVT_CASE(test_disconnect_frees_session), KVT_CASE(test_disconnect_while_queued), KVT_CASE(test_errors),
     KVT_CASE(test_api_keys),              KVT_CASE(test_queue_full_503),   KVT_CASE(test_anthropic),
-    KVT_CASE(test_ollama),                KVT_CASE(test_health_models_metrics), KVT_CASE(test_worker_batched),
+    KVT_CASE(test_ollama),                KVT_CASE(test_health_models_metrics), KVT_CASE(test_worker_batched), KVT_CASE(test_cli_flags),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
