@@ -92,6 +92,7 @@ struct kv_gateway {
     uint64_t completed, cancelled, rejected_full, tokens_prompt, tokens_completion;
     uint64_t steps, steps_failed;
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
+    uint32_t max_batch;         /* most sessions one step carried */
     uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
     double step_sum;
 };
@@ -225,6 +226,7 @@ static void *kv_sched_main(void *arg) {
             kv_sched_health_locked(g);
             continue;
         }
+        if (g->n_active > g->max_batch) g->max_batch = g->n_active;
         pthread_mutex_unlock(&g->mu);
         kv_diag d = {0};
         const double t0 = kv_now();
@@ -622,6 +624,9 @@ static char *kv_metrics_text(kv_gateway *g) {
     KV_M("# HELP kvasir_gateway_active_sessions Sessions in the running batch.\n");
     KV_M("# TYPE kvasir_gateway_active_sessions gauge\n");
     KV_M("kvasir_gateway_active_sessions %u\n", g->n_active);
+    KV_M("# HELP kvasir_gateway_max_batch_sessions Most sessions one engine step carried.\n");
+    KV_M("# TYPE kvasir_gateway_max_batch_sessions gauge\n");
+    KV_M("kvasir_gateway_max_batch_sessions %u\n", g->max_batch);
     KV_M("# HELP kvasir_gateway_step_seconds Engine step (one batched forward pass) wall time.\n");
     KV_M("# TYPE kvasir_gateway_step_seconds histogram\n");
     uint64_t cum = 0;
