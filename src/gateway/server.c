@@ -836,6 +836,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     o.model_name = g->model;
     o.host = NULL;
     g->o = o;
+    kv_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (pthread_create(&g->sched, NULL, kv_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
     g->sched_up = true;
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD;
