@@ -69,6 +69,30 @@ int kv_tok_piece(const kv_tok *t, int32_t id, bool special, char *buf, size_t ca
  * Returns a malloc'd NUL-terminated string (caller frees) or NULL on OOM. */
 char *kv_tok_chatml(const char *system, const char *user);
 
+/* One message of a conversation: role is "system", "user" or "assistant". */
+typedef struct kv_chat_msg {
+    const char *role;
+    const char *content;   /* len bytes (need not be NUL-terminated) */
+    size_t len;
+} kv_chat_msg;
+
+/* ChatML for a list of messages, in order: each as
+ * "<|im_start|>ROLE\nCONTENT<|im_end|>\n", then "<|im_start|>assistant\n"
+ * when add_assistant (the generation prompt). kv_tok_chatml(s, u) is this
+ * for {system s (if any), user u}. Returns a malloc'd NUL-terminated string
+ * (caller frees), or NULL on OOM or a role outside the three. */
+char *kv_tok_chatml_msgs(const kv_chat_msg *m, size_t n, bool add_assistant);
+/* Token ids of the same template, with <|im_start|> and <|im_end|> as their
+ * special ids and every role and content encoded as plain text (special
+ * token texts inside a message stay text: a client cannot inject control
+ * tokens). For content free of special token texts the ids equal
+ * kv_tok_encode(kv_tok_chatml_msgs(...), parse_special = true). Does not add
+ * BOS. Writes up to cap ids; *n_out gets the full count. Errors: KV_EINVAL
+ * (a role outside the three), KV_EUNSUPPORTED (the vocabulary has no
+ * <|im_start|>/<|im_end|>), KV_ERANGE (*n_out > cap), KV_ENOMEM. */
+int kv_tok_encode_chatml(const kv_tok *t, const kv_chat_msg *m, size_t n, bool add_assistant,
+                         int32_t *ids, size_t cap, size_t *n_out, kv_diag *d);
+
 /* ---- BPE training (for synthetic models) ---------------------------- */
 
 /* A trained byte-level BPE vocabulary, in GGUF form. */

@@ -22,6 +22,7 @@ static const struct {
     {"node", kv_cmd_node, "join a hub's swarm: hold, verify and serve the shards its market needs"},
     {"wallet", kv_cmd_wallet, "make a KVR key, show its account, sign a payment authorization"},
     {"ledger", kv_cmd_ledger, "KVR ledger: init, issue, balance, statement, check"},
+    {"gateway", kv_cmd_gateway, "serve a model over the OpenAI, Anthropic and Ollama HTTP APIs"},
 };
 
 static void kv_usage(FILE *f) {

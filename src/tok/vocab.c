@@ -635,3 +635,75 @@ char *kv_tok_chatml(const char *system, const char *user) {
     snprintf(s + at, n - at, "<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n", u);
     return s;
 }
+
+static bool kv_chat_role_ok(const char *r) {
+    return r && (!strcmp(r, "system") || !strcmp(r, "user") || !strcmp(r, "assistant"));
+}
+
+char *kv_tok_chatml_msgs(const kv_chat_msg *m, size_t n, bool add_assistant) {
+    size_t cap = 32;
+    for (size_t i = 0; i < n; i++) {
+        if (!kv_chat_role_ok(m[i].role)) return NULL;
+        if (m[i].len > SIZE_MAX / 2 - cap) return NULL;
+        cap += m[i].len + 48;
+    }
+    char *s = malloc(cap);
+    if (!s) return NULL;
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        at += (size_t)snprintf(s + at, cap - at, "<|im_start|>%s\n", m[i].role);
+        if (m[i].len) memcpy(s + at, m[i].content, m[i].len);
+        at += m[i].len;
+        at += (size_t)snprintf(s + at, cap - at, "<|im_end|>\n");
+    }
+    if (add_assistant) at += (size_t)snprintf(s + at, cap - at, "<|im_start|>assistant\n");
+    s[at] = 0;
+    return s;
+}
+
+/* Appends the plain-text ids of len bytes at ids[*at...]; counts past cap. */
+static int kv_chat_frag(const kv_tok *t, const char *txt, size_t len, int32_t *ids, size_t cap, size_t *at,
+                        kv_diag *d) {
+    if (!len) return 0;
+    size_t n = 0, room = *at < cap ? cap - *at : 0;
+    int rc = kv_tok_encode(t, txt, len, false, room ? ids + *at : NULL, room, &n, d);
+    if (rc && rc != KV_ERANGE) return rc;
+    *at += n;
+    return 0;
+}
+
+int kv_tok_encode_chatml(const kv_tok *t, const kv_chat_msg *m, size_t n, bool add_assistant,
+                         int32_t *ids, size_t cap, size_t *n_out, kv_diag *d) {
+    *n_out = 0;
+    const int32_t im_start = kv_tok_find(t, "<|im_start|>"), im_end = kv_tok_find(t, "<|im_end|>");
+    if (im_start < 0 || im_end < 0)
+        return kv_fail(d, KV_EUNSUPPORTED, "chat template: the vocabulary has no <|im_start|>/<|im_end|>");
+    size_t at = 0;
+    int rc;
+    for (size_t i = 0; i <= n; i++) {
+        if (i == n && !add_assistant) break;
+        const char *role = i < n ? m[i].role : "assistant";
+        if (!kv_chat_role_ok(role))
+            return kv_fail(d, KV_EINVAL, "chat template: message %zu has role '%.32s', not system, user or assistant",
+                           i, role ? role : "(none)");
+        if (at < cap) ids[at] = im_start;
+        at++;
+        /* "ROLE\nCONTENT" is one fragment between specials, as parse_special splits it */
+        const size_t rl = strlen(role), cl = i < n ? m[i].len : 0;
+        char *frag = malloc(rl + 1 + cl);
+        if (!frag) return kv_fail(d, KV_ENOMEM, "chat template: out of memory");
+        memcpy(frag, role, rl);
+        frag[rl] = '\n';
+        if (cl) memcpy(frag + rl + 1, m[i].content, cl);
+        rc = kv_chat_frag(t, frag, rl + 1 + cl, ids, cap, &at, d);
+        free(frag);
+        if (rc) return rc;
+        if (i == n) break;
+        if (at < cap) ids[at] = im_end;
+        at++;
+        if ((rc = kv_chat_frag(t, "\n", 1, ids, cap, &at, d))) return rc;
+    }
+    *n_out = at;
+    if (at > cap) return kv_fail(d, KV_ERANGE, "chat template: %zu tokens, room for %zu", at, cap);
+    return 0;
+}

@@ -1,0 +1,93 @@
+/* libFuzzer target for the gateway's request-body parsers and its
+ * incremental text.
+ *
+ * The first input byte picks the API (OpenAI chat, completions, Anthropic,
+ * Ollama); the rest is the body (an exact-size copy, so a read past the end
+ * is an ASan error). Whatever parses must satisfy the promised bounds (counts
+ * within KV_GW_MAX_*, roles among the three, sampler values in range), and
+ * the rendered chat template must hold every message. The body bytes are
+ * also fed, in pieces, to the incremental text with the parsed stop strings:
+ * the chunks must be valid UTF-8 and together equal the kept text cleaned
+ * as a whole (no boundary splits a character). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/gateway_internal.h"
+
+#define CHECK(x)                    \
+    do {                            \
+        if (!(x)) __builtin_trap(); \
+    } while (0)
+
+static bool utf8_valid(const char *s, size_t n) {
+    char *c = malloc(n * 3 + 1);
+    size_t k = kv_gw_utf8_clean(s, n, c);
+    bool ok = k == n && !memcmp(c, s, n);
+    free(c);
+    return ok;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (size < 1) return 0;
+    const int api = data[0] % KV_GW_API_COUNT;
+    char *body = malloc(size - 1 ? size - 1 : 1);
+    memcpy(body, data + 1, size - 1);
+    kv_gw_params *p = calloc(1, sizeof *p);
+    kv_diag d = {0};
+    if (!kv_gw_parse(p, api, body, size - 1, &d)) {
+        CHECK(p->n_msgs <= KV_GW_MAX_MSGS && p->n_stop <= KV_GW_MAX_STOP);
+        CHECK(!p->has_max_tokens || (p->max_tokens >= 1 && p->max_tokens <= KV_GW_MAX_TOKENS));
+        CHECK(p->sp.temp >= 0 && p->sp.top_p > 0 && p->sp.top_p <= 1 && p->sp.min_p >= 0 && p->sp.min_p <= 1);
+        CHECK(p->sp.top_k >= 0);
+        if (api == KV_GW_OPENAI_TEXT) CHECK(p->prompt != NULL);
+        else CHECK(p->n_msgs >= 1);
+        for (uint32_t i = 0; i < p->n_stop; i++) CHECK(p->stop_len[i] >= 1 && p->stop_len[i] <= KV_GW_MAX_STOP_LEN);
+        if (p->n_msgs) {
+            char *t = kv_tok_chatml_msgs(p->msgs, p->n_msgs, true);
+            CHECK(t != NULL);
+            for (size_t i = 0; i < p->n_msgs; i++) CHECK(strstr(t, p->msgs[i].role) != NULL);
+            free(t);
+        }
+        /* incremental text over the body bytes, in pieces of 1..7 */
+        kv_gw_text tx;
+        kv_gw_text_init(&tx, p->stop, p->stop_len, p->n_stop);
+        char *got = malloc((size - 1) * 3 + 1);
+        size_t gn = 0, step = 1 + (size % 7);
+        for (size_t i = 0; i < size - 1 && !tx.stopped; i += step) {
+            size_t k = i + step <= size - 1 ? step : size - 1 - i;
+            CHECK(kv_gw_text_push(&tx, body + i, k) == 0);
+            char *c;
+            size_t n;
+            CHECK(kv_gw_text_take(&tx, false, &c, &n) == 0);
+            if (c) {
+                CHECK(utf8_valid(c, n));
+                memcpy(got + gn, c, n);
+                gn += n;
+                free(c);
+            }
+        }
+        char *c;
+        size_t n;
+        CHECK(kv_gw_text_take(&tx, true, &c, &n) == 0);
+        if (c) {
+            memcpy(got + gn, c, n);
+            gn += n;
+            free(c);
+        }
+        /* the chunks together are the kept text, cleaned as a whole: no
+           boundary split a character and nothing was lost or repeated */
+        got[gn] = 0;
+        char *whole = malloc(tx.len * 3 + 1);
+        const size_t wn = kv_gw_utf8_clean(tx.buf ? tx.buf : "", tx.len, whole);
+        CHECK(wn == gn && !memcmp(whole, got, gn));
+        free(whole);
+        if (tx.stopped) CHECK(tx.stop_index >= 0 && (uint32_t)tx.stop_index < p->n_stop);
+        free(got);
+        kv_gw_text_free(&tx);
+    }
+    kv_gw_params_free(p);
+    free(p);
+    free(body);
+    return 0;
+}

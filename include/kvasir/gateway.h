@@ -1,0 +1,86 @@
+/* The gateway: the HTTP APIs clients already speak (OpenAI chat completions
+ * and completions, Anthropic messages, Ollama chat) over one engine, with
+ * continuous batching.
+ *
+ * One scheduler thread owns the engine (kvasir/engine.h's contract): it
+ * admits queued requests as sessions between steps, runs kv_engine_step for
+ * every active session at once, publishes each session's new token and
+ * frees the sessions that finished, failed or whose client went away. HTTP
+ * connections (libmicrohttpd, one thread per connection, bounded in number
+ * and per client IP) parse and check the request, tokenize the prompt, hand
+ * it over through a bounded queue and turn the published tokens into text
+ * (whole UTF-8 characters only, stop strings matched across tokens and never
+ * sent) in the API's own shape, streamed or whole. A request's tokens do not
+ * depend on what runs beside it (the engine's guarantee).
+ *
+ * Errors are answered in the shape of the API asked (OpenAI
+ * {"error":{...}}, Anthropic {"type":"error",...}, Ollama {"error":"..."})
+ * with the status that fits: 400 malformed body or a prompt longer than
+ * the context (both counts named), 401 without a valid key when keys are
+ * configured, 404 unknown model or path, 413 body too large, 503 with
+ * Retry-After when the queue is full. */
+#ifndef KVASIR_GATEWAY_H
+#define KVASIR_GATEWAY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvasir/engine.h"
+#include "kvasir/err.h"
+
+typedef struct kv_gateway kv_gateway;
+
+#define KV_GATEWAY_MAX_KEYS 1024u
+#define KV_GATEWAY_MAX_KEY_LEN 256u
+#define KV_GATEWAY_MAX_BODY (64u << 20)
+
+typedef struct kv_gateway_opts {
+    const char *host;           /* bind address; NULL = "127.0.0.1" */
+    uint16_t port;              /* 0 = any free port (kv_gateway_port says which) */
+    const char *model_name;     /* the model id clients name; NULL = "kvasir" */
+    const char *const *api_keys;/* [n_api_keys] accepted keys (copied); none = no auth */
+    uint32_t n_api_keys;
+    uint32_t max_active;        /* sessions stepping at once; 0 = 16 (at most the engine's) */
+    uint32_t queue_max;         /* requests waiting for a slot; 0 = 64 */
+    uint32_t max_conns;         /* open connections; 0 = 256 */
+    uint32_t per_ip_conns;      /* open connections per client IP; 0 = 64 */
+    uint32_t timeout_s;         /* idle connection timeout; 0 = 120 */
+    size_t body_max;            /* request body bytes; 0 = 1 MiB, at most KV_GATEWAY_MAX_BODY */
+    uint32_t max_tokens_default;/* when a request names none; 0 = 512 */
+    bool hold;                  /* start with admission held (kv_gateway_hold) */
+} kv_gateway_opts;
+
+/* Starts serving engine e (borrowed: the gateway's scheduler thread drives
+ * it from now on and no other thread may touch it until kv_gateway_free).
+ * Errors: KV_EINVAL (bad options), KV_EIO (cannot bind), KV_ENOMEM; *out is
+ * NULL then. */
+int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts, kv_diag *d);
+/* Stops listening, ends every request (clients get an error or a cut
+ * stream), frees every session and joins the scheduler; the engine is the
+ * caller's again. Accepts NULL. */
+void kv_gateway_free(kv_gateway *g);
+uint16_t kv_gateway_port(const kv_gateway *g);
+/* Holds (or releases) admission: while held, requests queue (up to
+ * queue_max) and no new session starts; active ones keep running. For
+ * draining and for tests that need a full queue. Thread-safe. */
+void kv_gateway_hold(kv_gateway *g, bool hold);
+
+typedef struct kv_gateway_stats {
+    uint64_t requests;          /* requests answered (every status) */
+    uint64_t completed;         /* generations that ran to their end */
+    uint64_t cancelled;         /* sessions freed because the client went away */
+    uint64_t rejected_full;     /* 503: queue full */
+    uint64_t tokens_prompt, tokens_completion;
+    uint32_t queued, active;    /* now */
+} kv_gateway_stats;
+void kv_gateway_get_stats(kv_gateway *g, kv_gateway_stats *out); /* thread-safe */
+
+/* Reads API keys from a file: one per line, '#' comments and blank lines
+ * skipped, surrounding whitespace trimmed. *keys (n_keys entries, each and
+ * the array malloc'd) is freed with kv_gateway_keys_free. Errors: KV_EIO,
+ * KV_EFORMAT (a key too long or with control bytes), KV_ERANGE (too many). */
+int kv_gateway_keys_load(const char *path, char ***keys, uint32_t *n_keys, kv_diag *d);
+void kv_gateway_keys_free(char **keys, uint32_t n_keys);
+
+#endif

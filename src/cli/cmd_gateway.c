@@ -1,0 +1,185 @@
+/* kvasir gateway: serve a model over the OpenAI, Anthropic and Ollama HTTP
+ * APIs with continuous batching (kvasir/gateway.h). Parses flags, opens the
+ * engine from the same model sources `kvasir run` takes, and serves until
+ * SIGINT/SIGTERM. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "kvasir/dispatch.h"
+#include "kvasir/engine.h"
+#include "kvasir/gateway.h"
+#include "kvasir/pool.h"
+
+#define CMD "gateway"
+
+static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
+                                             "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
+                                             "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
+                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", NULL};
+
+static const char *kv_gateway_help =
+    "usage: kvasir gateway -m MODEL [--listen HOST:PORT] [options]\n"
+    "  -m, --model F        GGUF file, or DIR/manifest.json (or DIR) of a sliced model\n"
+    "  --worker HOST:PORT   sliced model: experts on this worker (repeat for more)\n"
+    "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
+    "                       printed on stdout as \"listening on HOST:PORT\")\n"
+    "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
+    "  --api-key KEY        accept this key (Authorization: Bearer KEY or x-api-key); repeatable\n"
+    "  --api-keys FILE      accept the keys in FILE (one a line, # comments)\n"
+    "  --ctx N              positions per session (default: the model's)\n"
+    "  --parallel N         sessions in the running batch (default 16)\n"
+    "  --queue N            requests waiting for a slot before 503 (default 64)\n"
+    "  --max-conns N        open connections (default 256); --per-ip N per client IP (default 64)\n"
+    "  --timeout S          idle connection timeout in seconds (default 120)\n"
+    "  --body-max BYTES     request body limit (default 1048576)\n"
+    "  --max-tokens N       tokens per request when it names none (default 512)\n"
+    "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n";
+
+static volatile sig_atomic_t kv_gw_stop_flag;
+static void kv_gw_on_signal(int sig) {
+    (void)sig;
+    kv_gw_stop_flag = 1;
+}
+
+int kv_cmd_gateway(int argc, char **argv) {
+    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL;
+    const char *workers[KV_REMOTE_MAX_WORKERS];
+    const char *keys[KV_GATEWAY_MAX_KEYS];
+    uint32_t n_workers = 0, n_keys = 0;
+    long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 64;
+    long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(kv_gateway_help, stdout);
+            return 0;
+        } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
+            return 1;
+        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            model = v;
+        } else if (!strcmp(a, "--hub")) {
+            return kv_cli_err(CMD, 1, "--hub is not supported yet: give -m MODEL (with --worker for a swarm)");
+        } else if (!strcmp(a, "--listen")) {
+            listen = v;
+        } else if (!strcmp(a, "--name")) {
+            name = v;
+        } else if (!strcmp(a, "--worker")) {
+            if (n_workers == KV_REMOTE_MAX_WORKERS)
+                return kv_cli_err(CMD, 1, "--worker: at most %u workers", KV_REMOTE_MAX_WORKERS);
+            workers[n_workers++] = v;
+        } else if (!strcmp(a, "--api-key")) {
+            if (n_keys == KV_GATEWAY_MAX_KEYS) return kv_cli_err(CMD, 1, "--api-key: at most %u keys", KV_GATEWAY_MAX_KEYS);
+            if (!*v || strlen(v) > KV_GATEWAY_MAX_KEY_LEN)
+                return kv_cli_err(CMD, 1, "--api-key: a key is 1 to %u bytes", KV_GATEWAY_MAX_KEY_LEN);
+            keys[n_keys++] = v;
+        } else if (!strcmp(a, "--api-keys")) {
+            keyfile = v;
+        } else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
+            if (kv_arg_long(CMD, a, v, 1, KV_MAX_CTX, &n_ctx)) return 1;
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+            if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &threads)) return 1;
+        } else if (!strcmp(a, "--batch") || !strcmp(a, "-b")) {
+            if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
+        } else if (!strcmp(a, "--parallel")) {
+            if (kv_arg_long(CMD, a, v, 1, KV_ENGINE_MAX_SESSIONS, &parallel)) return 1;
+        } else if (!strcmp(a, "--queue")) {
+            if (kv_arg_long(CMD, a, v, 1, 1 << 16, &queue)) return 1;
+        } else if (!strcmp(a, "--max-conns")) {
+            if (kv_arg_long(CMD, a, v, 1, 1 << 16, &max_conns)) return 1;
+        } else if (!strcmp(a, "--per-ip")) {
+            if (kv_arg_long(CMD, a, v, 1, 1 << 16, &per_ip)) return 1;
+        } else if (!strcmp(a, "--timeout")) {
+            if (kv_arg_long(CMD, a, v, 1, 86400, &timeout)) return 1;
+        } else if (!strcmp(a, "--body-max")) {
+            if (kv_arg_long(CMD, a, v, 1024, KV_GATEWAY_MAX_BODY, &body_max)) return 1;
+        } else if (!strcmp(a, "--max-tokens")) {
+            if (kv_arg_long(CMD, a, v, 1, 1 << 20, &max_tokens)) return 1;
+        } else if (!strcmp(a, "--worker-timeout-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &worker_timeout)) return 1;
+        } else {
+            return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir gateway --help)", a);
+        }
+    }
+    if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir gateway --help)");
+    /* HOST:PORT, [v6]:PORT */
+    char host[128];
+    long port;
+    {
+        const char *colon = strrchr(listen, ':');
+        if (!colon || colon == listen) return kv_cli_err(CMD, 1, "--listen: '%s' is not HOST:PORT", listen);
+        size_t hl = (size_t)(colon - listen);
+        const char *h = listen;
+        if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') {
+            h++;
+            hl -= 2;
+        }
+        if (hl >= sizeof host) return kv_cli_err(CMD, 1, "--listen: host too long");
+        memcpy(host, h, hl);
+        host[hl] = 0;
+        if (kv_arg_long(CMD, "--listen", colon + 1, 0, 65535, &port)) return 1;
+    }
+    char **fkeys = NULL;
+    uint32_t n_fkeys = 0;
+    kv_diag d = {0};
+    if (keyfile) {
+        if (kv_gateway_keys_load(keyfile, &fkeys, &n_fkeys, &d)) return kv_cli_diag(CMD, &d);
+        for (uint32_t i = 0; i < n_fkeys; i++) {
+            if (n_keys == KV_GATEWAY_MAX_KEYS) {
+                kv_gateway_keys_free(fkeys, n_fkeys);
+                return kv_cli_err(CMD, 1, "--api-keys: at most %u keys in all", KV_GATEWAY_MAX_KEYS);
+            }
+            keys[n_keys++] = fkeys[i];
+        }
+        if (!n_fkeys) {
+            kv_gateway_keys_free(fkeys, n_fkeys);
+            return kv_cli_err(CMD, 1, "--api-keys: '%s' holds no key", keyfile);
+        }
+    }
+    char mname[256];
+    if (name) {
+        snprintf(mname, sizeof mname, "%s", name);
+    } else {
+        const char *b = strrchr(model, '/');
+        b = b ? b + 1 : model;
+        snprintf(mname, sizeof mname, "%s", b);
+        size_t l = strlen(mname);
+        if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l - 5] = 0;
+        if (!strcmp(mname, "manifest.json") || !mname[0]) snprintf(mname, sizeof mname, "kvasir");
+    }
+    const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
+                               .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
+                               .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr};
+    kv_engine *e = NULL;
+    kv_gateway *g = NULL;
+    int rc = 0;
+    if (kv_engine_open(&e, model, &eo, &d)) {
+        rc = kv_cli_diag(CMD, &d);
+        goto done;
+    }
+    const kv_gateway_opts go = {.host = host, .port = (uint16_t)port, .model_name = mname, .api_keys = keys,
+                                .n_api_keys = n_keys, .max_active = (uint32_t)parallel, .queue_max = (uint32_t)queue,
+                                .max_conns = (uint32_t)max_conns, .per_ip_conns = (uint32_t)per_ip,
+                                .timeout_s = (uint32_t)timeout, .body_max = (size_t)body_max,
+                                .max_tokens_default = (uint32_t)max_tokens};
+    if (kv_gateway_start(&g, e, &go, &d)) {
+        rc = kv_cli_diag(CMD, &d);
+        goto done;
+    }
+    signal(SIGINT, kv_gw_on_signal);
+    signal(SIGTERM, kv_gw_on_signal);
+    signal(SIGPIPE, SIG_IGN);
+    printf(strchr(host, ':') ? "listening on [%s]:%u\n" : "listening on %s:%u\n", host, kv_gateway_port(g));
+    fflush(stdout);
+    while (!kv_gw_stop_flag) pause();
+done:
+    kv_gateway_free(g);
+    kv_engine_free(e);
+    kv_gateway_keys_free(fkeys, n_fkeys);
+    return rc;
+}

@@ -1,0 +1,86 @@
+/* Ollama's shapes: POST /api/chat (streaming by default, as NDJSON: one
+ * {"message":{"role","content"},"done":false} per chunk, then one with
+ * "done":true, "done_reason" and the counts), GET /api/tags. Sampler fields
+ * sit under "options" (num_predict, temperature, top_k, top_p, min_p, seed,
+ * stop). Errors: {"error":"..."}. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gateway/gateway_internal.h"
+
+int kv_gw_bool(json_t *o, const char *key, bool *out, kv_diag *d);
+int kv_gw_sampling(kv_gw_params *p, json_t *o, const char *max_key, kv_diag *d);
+int kv_gw_stops(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
+int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d);
+int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
+
+int kv_gw_parse_ollama(kv_gw_params *p, json_t *o, kv_diag *d) {
+    int rc;
+    if ((rc = kv_gw_model(p, o, false, d))) return rc;
+    if ((rc = kv_gw_messages(p, o, true, d))) return rc;
+    p->stream = true;
+    if ((rc = kv_gw_bool(o, "stream", &p->stream, d))) return rc;
+    json_t *op = json_object_get(o, "options");
+    if (op && !json_is_null(op)) {
+        if (!json_is_object(op)) return kv_fail(d, KV_EFORMAT, "'options' must be an object");
+        if ((rc = kv_gw_sampling(p, op, "num_predict", d))) return rc;
+        if ((rc = kv_gw_stops(p, op, "stop", d))) return rc;
+    }
+    return 0;
+}
+
+char *kv_gw_ollama_error(unsigned status, const char *msg) {
+    json_t *j = json_pack("{s:s}", "error", msg);
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return s;
+}
+
+static void kv_ol_time(long long t, char *buf, size_t cap) {
+    time_t tt = (time_t)t;
+    struct tm tm;
+    gmtime_r(&tt, &tm);
+    strftime(buf, cap, "%Y-%m-%dT%H:%M:%SZ", &tm);
+}
+
+static json_t *kv_ol_obj(const kv_gw_result *r, const char *text, size_t n, bool done) {
+    char ts[32];
+    kv_ol_time(r->created, ts, sizeof ts);
+    json_t *j = json_pack("{s:s,s:s,s:{s:s,s:s%},s:b}", "model", r->model, "created_at", ts, "message", "role",
+                          "assistant", "content", text, n, "done", done);
+    if (j && done) {
+        json_object_set_new(j, "done_reason", json_string(r->finish == KV_GW_FINISH_LENGTH ? "length" : "stop"));
+        json_object_set_new(j, "prompt_eval_count", json_integer(r->prompt_tokens));
+        json_object_set_new(j, "eval_count", json_integer(r->completion_tokens));
+    }
+    return j;
+}
+
+char *kv_gw_ollama_full(const kv_gw_result *r, const char *text, size_t n) {
+    json_t *j = kv_ol_obj(r, text, n, true);
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return s;
+}
+
+void kv_gw_ollama_delta(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
+    kv_gw_buf_json(b, "", kv_ol_obj(r, text, n, false), "\n");
+}
+
+void kv_gw_ollama_end(const kv_gw_result *r, kv_gw_buf *b) { kv_gw_buf_json(b, "", kv_ol_obj(r, "", 0, true), "\n"); }
+
+void kv_gw_ollama_stream_error(const char *msg, kv_gw_buf *b) {
+    kv_gw_buf_json(b, "", json_pack("{s:s}", "error", msg), "\n");
+}
+
+/* GET /api/tags: the one model served. */
+char *kv_gw_ollama_tags(const char *model, long long created, unsigned long long size) {
+    char ts[32];
+    kv_ol_time(created, ts, sizeof ts);
+    json_t *j = json_pack("{s:[{s:s,s:s,s:s,s:I,s:s,s:{s:s}}]}", "models", "name", model, "model", model,
+                          "modified_at", ts, "size", (json_int_t)size, "digest", "", "details", "format", "gguf");
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return s;
+}

@@ -1,0 +1,122 @@
+/* OpenAI's shapes: POST /v1/chat/completions and /v1/completions, whole
+ * and as server-sent events ("data: {chunk}\n\n" ... "data: [DONE]\n\n"),
+ * usage in the body or, with stream_options.include_usage, in a last chunk
+ * whose choices are empty. Errors: {"error":{"message","type","param","code"}}. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/gateway_internal.h"
+
+int kv_gw_num(json_t *o, const char *key, double lo, double hi, double *out, bool *has, kv_diag *d);
+int kv_gw_bool(json_t *o, const char *key, bool *out, kv_diag *d);
+int kv_gw_sampling(kv_gw_params *p, json_t *o, const char *max_key, kv_diag *d);
+int kv_gw_stops(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
+int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d);
+int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
+
+int kv_gw_parse_openai(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
+    int rc;
+    if ((rc = kv_gw_model(p, o, false, d))) return rc;
+    if (chat) {
+        if ((rc = kv_gw_messages(p, o, true, d))) return rc;
+    } else {
+        json_t *pr = json_object_get(o, "prompt");
+        if (json_is_array(pr) && json_array_size(pr) == 1) pr = json_array_get(pr, 0);
+        if (!json_is_string(pr)) return kv_fail(d, KV_EFORMAT, "'prompt' must be a string");
+        p->prompt = json_string_value(pr);
+        p->prompt_len = json_string_length(pr);
+    }
+    if ((rc = kv_gw_sampling(p, o, "max_tokens", d))) return rc;
+    if (!p->has_max_tokens && (rc = kv_gw_sampling(p, o, "max_completion_tokens", d))) return rc;
+    if ((rc = kv_gw_stops(p, o, "stop", d))) return rc;
+    if ((rc = kv_gw_bool(o, "stream", &p->stream, d))) return rc;
+    json_t *so = json_object_get(o, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so)) return kv_fail(d, KV_EFORMAT, "'stream_options' must be an object");
+        if ((rc = kv_gw_bool(so, "include_usage", &p->include_usage, d))) return rc;
+    }
+    json_t *n = json_object_get(o, "n");
+    if (n && !json_is_null(n) && !(json_is_integer(n) && json_integer_value(n) == 1))
+        return kv_fail(d, KV_EUNSUPPORTED, "'n' must be 1");
+    return 0;
+}
+
+static const char *kv_oa_finish(int f) { return f == KV_GW_FINISH_LENGTH ? "length" : "stop"; }
+
+static json_t *kv_oa_usage(const kv_gw_result *r) {
+    return json_pack("{s:I,s:I,s:I}", "prompt_tokens", (json_int_t)r->prompt_tokens, "completion_tokens",
+                     (json_int_t)r->completion_tokens, "total_tokens",
+                     (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens);
+}
+
+char *kv_gw_openai_error(unsigned status, const char *msg) {
+    const char *type = status == 401 ? "authentication_error" : status == 404 ? "not_found_error"
+                     : status == 503 ? "server_overloaded" : status >= 500 ? "server_error" : "invalid_request_error";
+    const char *code = status == 401 ? "invalid_api_key" : status == 404 ? "model_not_found"
+                     : status == 503 ? "server_overloaded" : status == 413 ? "request_too_large"
+                     : status >= 500 ? "internal_error" : "invalid_request";
+    json_t *j = json_pack("{s:{s:s,s:s,s:n,s:s}}", "error", "message", msg, "type", type, "param", "code", code);
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return s;
+}
+
+char *kv_gw_openai_full(bool chat, const kv_gw_result *r, const char *text, size_t n) {
+    json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s%},s:n,s:s}", "index", 0, "message", "role", "assistant",
+                                      "content", text, n, "logprobs", "finish_reason", kv_oa_finish(r->finish))
+                          : json_pack("{s:i,s:s%,s:n,s:s}", "index", 0, "text", text, n, "logprobs",
+                                      "finish_reason", kv_oa_finish(r->finish));
+    json_t *j = json_pack("{s:s,s:s,s:I,s:s,s:[o],s:o}", "id", r->id, "object",
+                          chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created, "model",
+                          r->model, "choices", choice, "usage", kv_oa_usage(r));
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return s;
+}
+
+static json_t *kv_oa_chunk(bool chat, const kv_gw_result *r, json_t *choices) {
+    return json_pack("{s:s,s:s,s:I,s:s,s:o}", "id", r->id, "object", chat ? "chat.completion.chunk" : "text_completion",
+                     "created", (json_int_t)r->created, "model", r->model, "choices", choices);
+}
+
+void kv_gw_openai_begin(bool chat, const kv_gw_result *r, kv_gw_buf *b) {
+    if (!chat) return;
+    json_t *c = json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", 0, "delta", "role", "assistant", "content", "",
+                          "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
+}
+
+void kv_gw_openai_delta(bool chat, const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
+    json_t *c = chat ? json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", 0, "delta", "content", text, n, "logprobs",
+                                 "finish_reason")
+                     : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", 0, "text", text, n, "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
+}
+
+void kv_gw_openai_end(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
+    json_t *c = chat ? json_pack("[{s:i,s:{},s:n,s:s}]", "index", 0, "delta", "logprobs", "finish_reason",
+                                 kv_oa_finish(r->finish))
+                     : json_pack("[{s:i,s:s,s:n,s:s}]", "index", 0, "text", "", "logprobs", "finish_reason",
+                                 kv_oa_finish(r->finish));
+    json_t *ch = kv_oa_chunk(chat, r, c);
+    if (ch && include_usage) json_object_set_new(ch, "usage", json_null());
+    kv_gw_buf_json(b, "data: ", ch, "\n\n");
+    if (include_usage) {
+        json_t *u = kv_oa_chunk(chat, r, json_array());
+        if (u) json_object_set_new(u, "usage", kv_oa_usage(r));
+        kv_gw_buf_json(b, "data: ", u, "\n\n");
+    }
+    kv_gw_buf_add(b, "data: [DONE]\n\n", 14);
+}
+
+void kv_gw_openai_stream_error(const char *msg, kv_gw_buf *b) {
+    char *e = kv_gw_openai_error(500, msg);
+    if (!e) {
+        b->oom = true;
+        return;
+    }
+    kv_gw_buf_add(b, "data: ", 6);
+    kv_gw_buf_add(b, e, strlen(e));
+    kv_gw_buf_add(b, "\n\ndata: [DONE]\n\n", 16);
+    free(e);
+}

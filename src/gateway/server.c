@@ -1,0 +1,943 @@
+/* The gateway server: libmicrohttpd (one thread per connection, bounded in
+ * number and per IP, idle timeout) in front of one scheduler thread that
+ * owns the engine.
+ *
+ * A request's life: its connection thread reads the body (at most
+ * body_max), checks the key, parses and tokenizes, then queues a kv_gw_req
+ * (at most queue_max waiting: beyond that 503 + Retry-After). The scheduler
+ * admits queued requests as sessions between steps (at most max_active at
+ * once), steps the engine, appends each session's new token to its
+ * request's token array (allocated once, never moved: readers take
+ * toks[0..n_toks) without the lock), and frees finished sessions. The
+ * connection thread turns tokens into text (gateway/text.c) and answers
+ * whole or as a stream. A client that goes away (its socket hung up, seen
+ * before every wait) or a stop string marks the request cancelled, and the
+ * scheduler frees its session before the next step.
+ *
+ * Locking: one mutex (g->mu) guards every queue, list, counter and the
+ * mutable fields of every request; work_cv wakes the scheduler, out_cv the
+ * connection threads. A request is freed when its last reference (the
+ * connection's, the scheduler's) is dropped. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <math.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "gateway/gateway_internal.h"
+#include "kvasir/dispatch.h"
+#include "kvasir/gateway.h"
+
+enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
+
+typedef struct kv_gw_req {
+    struct kv_gw_req *next;     /* queue or active list (g->mu) */
+    uint64_t id;                /* 1, 2, ... */
+    int api;
+    kv_session_opts so;
+    int32_t *prompt;            /* [n_prompt], freed once prompted */
+    uint32_t n_prompt;
+    uint32_t max_tokens;
+    /* guarded by g->mu */
+    int refs;
+    int state;                  /* KV_REQ_* */
+    bool cancel;                /* client gone or a stop string matched */
+    int32_t *toks;              /* [cap] tokens published; entries below n_toks never change */
+    uint32_t n_toks, cap;
+    enum kv_stop stop;
+    int err;                    /* 0, or why it failed */
+    char errmsg[256];
+    kv_session *s;              /* the scheduler's */
+    enum kv_session_status sst; /* last seen, for /v1/slots */
+} kv_gw_req;
+
+#define KV_GW_N_CODES 8
+static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 404, 405, 413, 500, 503};
+#define KV_GW_N_BUCKETS 12
+static const double kv_gw_buckets[KV_GW_N_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                      0.1,   0.25,   0.5,   1,    2.5,   10};
+static const char *const kv_gw_api_names[KV_GW_API_COUNT + 1] = {"openai_chat", "openai_completions", "anthropic",
+                                                                 "ollama", "other"};
+
+struct kv_gateway {
+    kv_engine *e;               /* the scheduler's alone */
+    const kv_tok *tok;          /* immutable: any thread */
+    uint32_t n_ctx;
+    kv_gateway_opts o;
+    char model[KV_GW_MAX_MODEL_LEN + 1];
+    char **keys;                /* [n_keys] copies */
+    uint32_t n_keys;
+    long long started;          /* unix seconds */
+    struct MHD_Daemon *mhd;
+    uint16_t port;
+    pthread_t sched;
+    bool sched_up;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, out_cv;
+    /* guarded by mu */
+    bool quit, hold, healthy;
+    char health_msg[256];
+    kv_gw_req *queue, *queue_tail, *active;
+    uint32_t n_queued, n_active;
+    uint64_t next_id;
+    uint64_t req_count[KV_GW_API_COUNT + 1][KV_GW_N_CODES];
+    uint64_t completed, cancelled, rejected_full, tokens_prompt, tokens_completion;
+    uint64_t steps, steps_failed;
+    uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
+    uint32_t max_batch;         /* most sessions one step carried */
+    uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
+    double step_sum;
+};
+
+/* ---- requests --------------------------------------------------------- */
+
+static void kv_req_unref_locked(kv_gw_req *r) {
+    if (--r->refs > 0) return;
+    free(r->prompt);
+    free(r->toks);
+    free(r);
+}
+
+static void kv_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg) {
+    if (r->s) {
+        r->stop = kv_session_stop_reason(r->s);
+        kv_session_free(r->s);
+        r->s = NULL;
+    }
+    if (err) {
+        r->err = err;
+        snprintf(r->errmsg, sizeof r->errmsg, "%s", msg);
+    } else {
+        g->completed++;
+    }
+    r->state = KV_REQ_DONE;
+    kv_req_unref_locked(r);
+}
+
+static double kv_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void kv_deadline(struct timespec *ts, long ms) {
+    clock_gettime(CLOCK_REALTIME, ts);
+    ts->tv_sec += ms / 1000;
+    ts->tv_nsec += (ms % 1000) * 1000000L;
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+/* Health as the scheduler sees it: with workers, every one must be up
+ * (the engine refuses to open unless every expert is served). */
+static void kv_sched_health_locked(kv_gateway *g) {
+    kv_remote *rm = kv_engine_remote(g->e);
+    g->healthy = true;
+    g->health_msg[0] = 0;
+    if (!rm) return;
+    for (uint32_t i = 0; i < kv_remote_n_workers(rm); i++) {
+        kv_remote_worker w;
+        kv_remote_worker_info(rm, i, &w);
+        if (!w.up) {
+            g->healthy = false;
+            snprintf(g->health_msg, sizeof g->health_msg, "worker %.64s is down: %.160s", w.addr, w.last_error);
+            return;
+        }
+    }
+}
+
+static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
+    kv_diag d = {0};
+    kv_session *s = NULL;
+    int rc = kv_session_new(&s, g->e, &r->so, &d);
+    if (!rc) rc = kv_session_prompt(s, r->prompt, r->n_prompt, &d);
+    free(r->prompt);
+    r->prompt = NULL;
+    if (rc) {
+        kv_session_free(s);
+        kv_req_finish_locked(g, r, rc, d.msg);
+        return;
+    }
+    r->s = s;
+    r->state = KV_REQ_ACTIVE;
+    r->sst = kv_session_status(s);
+    r->next = NULL;
+    kv_gw_req **pp = &g->active;
+    while (*pp) pp = &(*pp)->next;
+    *pp = r;
+    g->n_active++;
+}
+
+static void *kv_sched_main(void *arg) {
+    kv_gateway *g = arg;
+    pthread_mutex_lock(&g->mu);
+    kv_sched_health_locked(g);
+    while (!g->quit) {
+        /* leave: queued or active requests whose client went away */
+        for (kv_gw_req **pp = &g->queue, *prev = NULL; *pp;) {
+            kv_gw_req *r = *pp;
+            if (!r->cancel) {
+                prev = r;
+                pp = &r->next;
+                continue;
+            }
+            *pp = r->next;
+            if (g->queue_tail == r) g->queue_tail = prev;
+            g->n_queued--;
+            g->cancelled++;
+            r->state = KV_REQ_DONE;
+            kv_req_unref_locked(r);
+        }
+        for (kv_gw_req **pp = &g->active; *pp;) {
+            kv_gw_req *r = *pp;
+            if (!r->cancel) {
+                pp = &r->next;
+                continue;
+            }
+            *pp = r->next;
+            g->n_active--;
+            g->cancelled++;
+            kv_req_finish_locked(g, r, 0, NULL);
+            g->completed--; /* it did not run to its end */
+        }
+        /* join: queued requests, oldest first, while there is room */
+        while (!g->hold && g->queue && g->n_active < g->o.max_active) {
+            kv_gw_req *r = g->queue;
+            g->queue = r->next;
+            if (!g->queue) g->queue_tail = NULL;
+            g->n_queued--;
+            kv_sched_admit_locked(g, r);
+        }
+        pthread_cond_broadcast(&g->out_cv);
+        if (!g->active) {
+            struct timespec ts;
+            kv_deadline(&ts, 1000);
+            pthread_cond_timedwait(&g->work_cv, &g->mu, &ts);
+            kv_sched_health_locked(g);
+            continue;
+        }
+        if (g->n_active > g->max_batch) g->max_batch = g->n_active;
+        pthread_mutex_unlock(&g->mu);
+        kv_diag d = {0};
+        const double t0 = kv_now();
+        const int rc = kv_engine_step(g->e, &d);
+        const double dt = kv_now() - t0;
+        pthread_mutex_lock(&g->mu);
+        g->steps++;
+        g->step_sum += dt;
+        int b = 0;
+        while (b < KV_GW_N_BUCKETS && dt > kv_gw_buckets[b]) b++;
+        g->step_bucket[b]++;
+        if (rc < 0) {
+            /* the step failed as a whole: no token came from partial results; its
+               requests end with the error rather than wait on a broken swarm */
+            g->steps_failed++;
+            while (g->active) {
+                kv_gw_req *r = g->active;
+                g->active = r->next;
+                g->n_active--;
+                kv_req_finish_locked(g, r, rc, d.msg);
+            }
+            kv_sched_health_locked(g);
+            continue;
+        }
+        for (kv_gw_req **pp = &g->active; *pp;) {
+            kv_gw_req *r = *pp;
+            const int32_t t = kv_session_token(r->s);
+            if (t >= 0 && r->n_toks < r->cap) {
+                r->toks[r->n_toks++] = t;
+                g->tokens_generated++;
+            }
+            const enum kv_session_status st = kv_session_status(r->s);
+            r->sst = st;
+            if (st == KV_SESSION_DONE || st == KV_SESSION_FAILED || r->n_toks >= r->cap) {
+                kv_diag sd = {0};
+                const int err = st == KV_SESSION_FAILED ? kv_session_error(r->s, &sd) : 0;
+                *pp = r->next;
+                g->n_active--;
+                kv_req_finish_locked(g, r, err ? err : 0, sd.msg);
+                continue;
+            }
+            pp = &r->next;
+        }
+    }
+    /* stopping: every request ends with an error */
+    while (g->queue) {
+        kv_gw_req *r = g->queue;
+        g->queue = r->next;
+        r->err = KV_EIO;
+        snprintf(r->errmsg, sizeof r->errmsg, "the gateway is shutting down");
+        r->state = KV_REQ_DONE;
+        kv_req_unref_locked(r);
+    }
+    g->queue_tail = NULL;
+    g->n_queued = 0;
+    while (g->active) {
+        kv_gw_req *r = g->active;
+        g->active = r->next;
+        kv_req_finish_locked(g, r, KV_EIO, "the gateway is shutting down");
+    }
+    g->n_active = 0;
+    pthread_cond_broadcast(&g->out_cv);
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+/* ---- connections ------------------------------------------------------ */
+
+enum kv_route {
+    KV_R_NONE = 0, KV_R_HEALTH, KV_R_METRICS, KV_R_MODELS, KV_R_SLOTS, KV_R_TAGS, KV_R_GEN, KV_R_NOTFOUND,
+    KV_R_METHOD
+};
+
+typedef struct kv_gw_conn {
+    kv_gateway *g;
+    int route;                  /* enum kv_route */
+    int api;                    /* error shape (and the generation API for KV_R_GEN) */
+    char *body;                 /* [n] received, at most body_max */
+    size_t n, cap;
+    bool too_big;
+    int fd;                     /* the client socket, to see it hang up */
+    kv_gw_req *r;               /* our reference, or NULL */
+    kv_gw_params *p;
+    kv_gw_text text;
+    kv_gw_buf out;              /* bytes waiting to be sent (stream) */
+    size_t out_off;
+    kv_gw_buf full;             /* whole text (non-stream) */
+    kv_gw_result res;
+    char id[64];
+    uint32_t consumed;          /* tokens of r->toks turned into text */
+    bool finished;
+    bool counted;               /* the request is in req_count */
+} kv_gw_conn;
+
+static int kv_code_index(unsigned status) {
+    for (int i = 0; i < KV_GW_N_CODES; i++)
+        if (kv_gw_codes[i] == status) return i;
+    return 6; /* 500 */
+}
+
+static void kv_count(kv_gw_conn *c, unsigned status) {
+    if (c->counted) return;
+    c->counted = true;
+    pthread_mutex_lock(&c->g->mu);
+    c->g->req_count[c->api][kv_code_index(status)]++;
+    pthread_mutex_unlock(&c->g->mu);
+}
+
+static enum MHD_Result kv_reply(kv_gw_conn *cn, struct MHD_Connection *c, unsigned status, const char *type,
+                                char *body) {
+    if (!body) return MHD_NO;
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    MHD_add_response_header(r, "Cache-Control", "no-store");
+    if (status == 503) MHD_add_response_header(r, "Retry-After", "1");
+    if (status == 401 && cn->api == KV_GW_ANTHROPIC) MHD_add_response_header(r, "WWW-Authenticate", "x-api-key");
+    else if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    kv_count(cn, status);
+    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result kv_reply_err(kv_gw_conn *cn, struct MHD_Connection *c, unsigned status, const char *fmt,
+                                    ...) __attribute__((format(printf, 4, 5)));
+static enum MHD_Result kv_reply_err(kv_gw_conn *cn, struct MHD_Connection *c, unsigned status, const char *fmt,
+                                    ...) {
+    char msg[600], clean[1801];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    clean[kv_gw_utf8_clean(msg, strlen(msg), clean)] = 0;
+    return kv_reply(cn, c, status, "application/json", kv_gw_error_body(cn->api, status, clean));
+}
+
+static bool kv_hung_up(int fd) {
+    if (fd < 0) return false;
+    struct pollfd pf = {.fd = fd, .events = POLLRDHUP};
+    return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+/* Turns new tokens into text, waiting for some if none are new. Returns 0,
+ * or -1 when the client went away (the request is cancelled then). */
+static int kv_advance(kv_gw_conn *c, bool stream) {
+    kv_gateway *g = c->g;
+    kv_gw_req *r = c->r;
+    pthread_mutex_lock(&g->mu);
+    bool look = true; /* a hang-up is looked for once per call, and before every wait */
+    while (look || (r->n_toks == c->consumed && r->state != KV_REQ_DONE)) {
+        look = false;
+        if (r->state != KV_REQ_DONE && kv_hung_up(c->fd)) {
+            r->cancel = true;
+            pthread_cond_signal(&g->work_cv);
+            pthread_mutex_unlock(&g->mu);
+            return -1;
+        }
+        if (r->n_toks != c->consumed || r->state == KV_REQ_DONE) break;
+        struct timespec ts;
+        kv_deadline(&ts, 250);
+        pthread_cond_timedwait(&g->out_cv, &g->mu, &ts);
+    }
+    const uint32_t n = r->n_toks;
+    const bool done = r->state == KV_REQ_DONE;
+    const enum kv_stop stop = r->stop;
+    const int err = r->err;
+    char errmsg[256];
+    memcpy(errmsg, r->errmsg, sizeof errmsg);
+    pthread_mutex_unlock(&g->mu);
+
+    bool stopped = false;
+    char pb[KV_TOK_MAX_TOKEN_BYTES];
+    while (c->consumed < n && !stopped) {
+        const int32_t t = r->toks[c->consumed++];
+        c->res.completion_tokens++;
+        if (kv_tok_is_eog(g->tok, t)) continue;
+        int pn = kv_tok_piece(g->tok, t, false, pb, sizeof pb);
+        if (pn > (int)sizeof pb) pn = (int)sizeof pb;
+        if (pn > 0 && kv_gw_text_push(&c->text, pb, (size_t)pn)) return -1;
+        stopped = c->text.stopped;
+    }
+    if (stopped) {
+        c->res.finish = KV_GW_FINISH_STOP;
+        c->res.stop_seq = c->text.stop[c->text.stop_index];
+        pthread_mutex_lock(&g->mu);
+        r->cancel = r->state != KV_REQ_DONE; /* the scheduler frees the session before the next step */
+        pthread_cond_signal(&g->work_cv);
+        pthread_mutex_unlock(&g->mu);
+    } else if (done && c->consumed == n) {
+        c->res.finish = stop == KV_STOP_MAX_TOKENS || stop == KV_STOP_CTX_FULL || stop == KV_STOP_NONE
+                            ? KV_GW_FINISH_LENGTH : KV_GW_FINISH_STOP;
+    }
+    const bool final = stopped || (done && c->consumed == n);
+    char *chunk = NULL;
+    size_t cn = 0;
+    if (kv_gw_text_take(&c->text, final, &chunk, &cn)) return -1;
+    if (chunk) {
+        if (stream) kv_gw_stream_delta(c->api, &c->res, chunk, cn, &c->out);
+        else kv_gw_buf_add(&c->full, chunk, cn);
+        free(chunk);
+    }
+    if (final) {
+        c->finished = true;
+        pthread_mutex_lock(&g->mu);
+        g->tokens_completion += c->res.completion_tokens;
+        pthread_mutex_unlock(&g->mu);
+        if (err && !stopped) {
+            if (stream) kv_gw_stream_error(c->api, errmsg[0] ? errmsg : kv_err_str(err), &c->out);
+            return 1;
+        }
+        if (stream) kv_gw_stream_end(c->api, &c->res, c->p->include_usage, &c->out);
+    }
+    return 0;
+}
+
+static ssize_t kv_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    kv_gw_conn *c = cls;
+    for (;;) {
+        if (c->out.oom) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (c->out_off < c->out.n) {
+            size_t k = c->out.n - c->out_off;
+            if (k > max) k = max;
+            memcpy(buf, c->out.p + c->out_off, k);
+            c->out_off += k;
+            return (ssize_t)k;
+        }
+        if (c->finished) return MHD_CONTENT_READER_END_OF_STREAM;
+        c->out.n = c->out_off = 0;
+        if (kv_advance(c, true) < 0) return MHD_CONTENT_READER_END_WITH_ERROR;
+    }
+}
+
+/* Key check: constant time in the key's bytes. */
+static bool kv_key_ok(kv_gateway *g, struct MHD_Connection *c) {
+    if (!g->n_keys) return true;
+    const char *k = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
+    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (a && !strncasecmp(a, "Bearer ", 7)) k = a + 7;
+    if (!k) return false;
+    const size_t kl = strlen(k);
+    bool ok = false;
+    for (uint32_t i = 0; i < g->n_keys; i++) {
+        const size_t l = strlen(g->keys[i]);
+        unsigned diff = (unsigned)(l ^ kl);
+        for (size_t j = 0; j < l; j++) diff |= (unsigned char)g->keys[i][j] ^ (unsigned char)(j < kl ? k[j] : 0);
+        ok |= diff == 0;
+    }
+    return ok;
+}
+
+static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
+    kv_gateway *g = cn->g;
+    kv_diag d = {0};
+    cn->p = calloc(1, sizeof *cn->p);
+    if (!cn->p) return kv_reply_err(cn, c, 500, "out of memory");
+    if (kv_gw_parse(cn->p, cn->api, cn->body ? cn->body : "", cn->n, &d)) return kv_reply_err(cn, c, 400, "%s", d.msg);
+    kv_gw_params *p = cn->p;
+    if (p->model && strcmp(p->model, g->model))
+        return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
+                            g->model);
+    /* prompt tokens */
+    size_t bytes = p->prompt_len + 16;
+    for (size_t i = 0; i < p->n_msgs; i++) bytes += p->msgs[i].len + 16;
+    const size_t cap = 3 * bytes + 8;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    if (!ids) return kv_reply_err(cn, c, 500, "out of memory");
+    size_t off = 0, n = 0;
+    if (kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
+    int rc = cn->api == KV_GW_OPENAI_TEXT
+                 ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, &d)
+                 : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, true, ids + off, cap - off, &n, &d);
+    n += off;
+    if (rc) {
+        free(ids);
+        return kv_reply_err(cn, c, rc == KV_ENOMEM ? 500 : 400, "%s", d.msg);
+    }
+    if (n == 0) {
+        free(ids);
+        return kv_reply_err(cn, c, 400, "the prompt is empty");
+    }
+    if (n >= g->n_ctx) {
+        free(ids);
+        return kv_reply_err(cn, c, 400,
+                            "the prompt has %zu tokens, more than the context of %u tokens leaves room for "
+                            "(at least one must be generated)", n, g->n_ctx);
+    }
+    kv_gw_req *r = calloc(1, sizeof *r);
+    const uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
+    const uint32_t room = g->n_ctx - (uint32_t)n;
+    if (r) {
+        r->cap = (max_tokens < room ? max_tokens : room) + 1;
+        r->toks = malloc((size_t)r->cap * sizeof *r->toks);
+    }
+    if (!r || !r->toks) {
+        free(ids);
+        if (r) free(r);
+        return kv_reply_err(cn, c, 500, "out of memory");
+    }
+    r->api = cn->api;
+    r->prompt = ids;
+    r->n_prompt = (uint32_t)n;
+    r->max_tokens = max_tokens;
+    r->so.sample = p->sp;
+    if (!p->has_seed) r->so.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
+    r->so.max_tokens = max_tokens;
+    r->so.ignore_eog = p->ignore_eos;
+    r->refs = 2;
+    pthread_mutex_lock(&g->mu);
+    if (g->quit || g->n_queued >= g->o.queue_max) {
+        g->rejected_full++;
+        pthread_mutex_unlock(&g->mu);
+        free(r->toks);
+        free(r->prompt);
+        free(r);
+        return kv_reply_err(cn, c, 503, "the queue is full (%u requests waiting); retry later", g->o.queue_max);
+    }
+    r->id = ++g->next_id;
+    r->state = KV_REQ_QUEUED;
+    if (g->queue_tail) g->queue_tail->next = r;
+    else g->queue = r;
+    g->queue_tail = r;
+    g->n_queued++;
+    g->tokens_prompt += n;
+    pthread_cond_signal(&g->work_cv);
+    pthread_mutex_unlock(&g->mu);
+    cn->r = r;
+
+    static const char *const prefix[KV_GW_API_COUNT] = {"chatcmpl-", "cmpl-", "msg_", "ollama-"};
+    snprintf(cn->id, sizeof cn->id, "%skv%llx%llu", prefix[cn->api], (unsigned long long)g->started,
+             (unsigned long long)r->id);
+    cn->res = (kv_gw_result){.id = cn->id, .model = g->model, .created = (long long)time(NULL),
+                             .prompt_tokens = (uint32_t)n};
+    kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
+
+    if (p->stream) {
+        kv_gw_stream_begin(cn->api, &cn->res, &cn->out);
+        struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, kv_stream_read, cn, NULL);
+        if (!resp) return MHD_NO;
+        MHD_add_response_header(resp, "Content-Type", kv_gw_stream_type(cn->api));
+        MHD_add_response_header(resp, "Cache-Control", "no-cache");
+        kv_count(cn, 200);
+        enum MHD_Result ret = MHD_queue_response(c, 200, resp);
+        MHD_destroy_response(resp);
+        return ret;
+    }
+    int a;
+    while (!cn->finished)
+        if ((a = kv_advance(cn, false)) < 0) return MHD_NO;
+        else if (a > 0) {
+            pthread_mutex_lock(&g->mu);
+            char msg[256];
+            memcpy(msg, r->errmsg, sizeof msg);
+            pthread_mutex_unlock(&g->mu);
+            return kv_reply_err(cn, c, 500, "generation failed: %s", msg);
+        }
+    if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory");
+    return kv_reply(cn, c, 200, "application/json",
+                    kv_gw_full_body(cn->api, &cn->res, cn->full.p ? cn->full.p : "", cn->full.n));
+}
+
+static char *kv_metrics_text(kv_gateway *g) {
+    kv_gw_buf b = {0};
+    char line[256];
+#define KV_M(...) kv_gw_buf_add(&b, line, (size_t)snprintf(line, sizeof line, __VA_ARGS__))
+    pthread_mutex_lock(&g->mu);
+    KV_M("# HELP kvasir_gateway_requests_total HTTP requests answered, by API and status.\n");
+    KV_M("# TYPE kvasir_gateway_requests_total counter\n");
+    for (int a = 0; a <= KV_GW_API_COUNT; a++)
+        for (int k = 0; k < KV_GW_N_CODES; k++)
+            if (g->req_count[a][k])
+                KV_M("kvasir_gateway_requests_total{api=\"%s\",code=\"%u\"} %llu\n", kv_gw_api_names[a],
+                     kv_gw_codes[k], (unsigned long long)g->req_count[a][k]);
+    KV_M("# HELP kvasir_gateway_prompt_tokens_total Prompt tokens of admitted requests.\n");
+    KV_M("# TYPE kvasir_gateway_prompt_tokens_total counter\n");
+    KV_M("kvasir_gateway_prompt_tokens_total %llu\n", (unsigned long long)g->tokens_prompt);
+    KV_M("# HELP kvasir_gateway_completion_tokens_total Tokens generated for clients.\n");
+    KV_M("# TYPE kvasir_gateway_completion_tokens_total counter\n");
+    KV_M("kvasir_gateway_completion_tokens_total %llu\n", (unsigned long long)g->tokens_completion);
+    KV_M("# HELP kvasir_gateway_generated_tokens_total Tokens the engine generated for requests.\n");
+    KV_M("# TYPE kvasir_gateway_generated_tokens_total counter\n");
+    KV_M("kvasir_gateway_generated_tokens_total %llu\n", (unsigned long long)g->tokens_generated);
+    KV_M("# HELP kvasir_gateway_cancelled_total Sessions freed because the client went away or a stop string matched.\n");
+    KV_M("# TYPE kvasir_gateway_cancelled_total counter\n");
+    KV_M("kvasir_gateway_cancelled_total %llu\n", (unsigned long long)g->cancelled);
+    KV_M("# HELP kvasir_gateway_rejected_total Requests refused with 503 (queue full).\n");
+    KV_M("# TYPE kvasir_gateway_rejected_total counter\n");
+    KV_M("kvasir_gateway_rejected_total %llu\n", (unsigned long long)g->rejected_full);
+    KV_M("# HELP kvasir_gateway_queue_depth Requests waiting for a session.\n");
+    KV_M("# TYPE kvasir_gateway_queue_depth gauge\n");
+    KV_M("kvasir_gateway_queue_depth %u\n", g->n_queued);
+    KV_M("# HELP kvasir_gateway_active_sessions Sessions in the running batch.\n");
+    KV_M("# TYPE kvasir_gateway_active_sessions gauge\n");
+    KV_M("kvasir_gateway_active_sessions %u\n", g->n_active);
+    KV_M("# HELP kvasir_gateway_max_batch_sessions Most sessions one engine step carried.\n");
+    KV_M("# TYPE kvasir_gateway_max_batch_sessions gauge\n");
+    KV_M("kvasir_gateway_max_batch_sessions %u\n", g->max_batch);
+    KV_M("# HELP kvasir_gateway_step_seconds Engine step (one batched forward pass) wall time.\n");
+    KV_M("# TYPE kvasir_gateway_step_seconds histogram\n");
+    uint64_t cum = 0;
+    for (int k = 0; k < KV_GW_N_BUCKETS; k++) {
+        cum += g->step_bucket[k];
+        KV_M("kvasir_gateway_step_seconds_bucket{le=\"%g\"} %llu\n", kv_gw_buckets[k], (unsigned long long)cum);
+    }
+    cum += g->step_bucket[KV_GW_N_BUCKETS];
+    KV_M("kvasir_gateway_step_seconds_bucket{le=\"+Inf\"} %llu\n", (unsigned long long)cum);
+    KV_M("kvasir_gateway_step_seconds_sum %.6f\n", g->step_sum);
+    KV_M("kvasir_gateway_step_seconds_count %llu\n", (unsigned long long)g->steps);
+    KV_M("# HELP kvasir_gateway_steps_failed_total Engine steps that failed as a whole.\n");
+    KV_M("# TYPE kvasir_gateway_steps_failed_total counter\n");
+    KV_M("kvasir_gateway_steps_failed_total %llu\n", (unsigned long long)g->steps_failed);
+    pthread_mutex_unlock(&g->mu);
+#undef KV_M
+    if (b.oom) {
+        free(b.p);
+        return NULL;
+    }
+    return b.p ? b.p : strdup("");
+}
+
+static char *kv_slots_json(kv_gateway *g) {
+    json_t *a = json_array();
+    pthread_mutex_lock(&g->mu);
+    for (int pass = 0; pass < 2; pass++)
+        for (kv_gw_req *r = pass ? g->queue : g->active; r; r = r->next) {
+            const char *state = pass ? "queued" : r->sst == KV_SESSION_PREFILL ? "prefill" : "decode";
+            json_array_append_new(a, json_pack("{s:I,s:s,s:s,s:I,s:I,s:I,s:b}", "id", (json_int_t)r->id, "api",
+                                               kv_gw_api_names[r->api], "state", state, "prompt_tokens",
+                                               (json_int_t)r->n_prompt, "completion_tokens", (json_int_t)r->n_toks,
+                                               "max_tokens", (json_int_t)r->max_tokens, "cancelled", r->cancel));
+        }
+    json_t *j = json_pack("{s:o,s:I,s:I,s:I}", "slots", a, "active", (json_int_t)g->n_active, "queued",
+                          (json_int_t)g->n_queued, "max_active", (json_int_t)g->o.max_active);
+    pthread_mutex_unlock(&g->mu);
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return s;
+}
+
+static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
+    static const struct { const char *m, *u; int route, api; } t[] = {
+        {"GET", "/health", KV_R_HEALTH, KV_GW_API_COUNT},
+        {"GET", "/metrics", KV_R_METRICS, KV_GW_API_COUNT},
+        {"GET", "/v1/models", KV_R_MODELS, KV_GW_OPENAI_CHAT},
+        {"GET", "/v1/slots", KV_R_SLOTS, KV_GW_API_COUNT},
+        {"GET", "/api/tags", KV_R_TAGS, KV_GW_OLLAMA},
+        {"POST", "/v1/chat/completions", KV_R_GEN, KV_GW_OPENAI_CHAT},
+        {"POST", "/v1/completions", KV_R_GEN, KV_GW_OPENAI_TEXT},
+        {"POST", "/v1/messages", KV_R_GEN, KV_GW_ANTHROPIC},
+        {"POST", "/api/chat", KV_R_GEN, KV_GW_OLLAMA},
+    };
+    cn->route = KV_R_NOTFOUND;
+    cn->api = !strncmp(url, "/api/", 5) ? KV_GW_OLLAMA : !strcmp(url, "/v1/messages") ? KV_GW_ANTHROPIC
+                                                                                       : KV_GW_API_COUNT;
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(url, t[i].u)) {
+            cn->api = t[i].api;
+            cn->route = strcmp(method, t[i].m) ? KV_R_METHOD : t[i].route;
+            return;
+        }
+}
+
+static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                 const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+    kv_gateway *g = cls;
+    kv_gw_conn *cn = *con_cls;
+    if (!cn) {
+        if (!(cn = calloc(1, sizeof *cn))) return MHD_NO;
+        cn->g = g;
+        cn->fd = -1;
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        if (ci) cn->fd = ci->connect_fd;
+        kv_route_of(cn, method, url);
+        *con_cls = cn;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (!cn->too_big && cn->n + *upload_size > g->o.body_max) cn->too_big = true;
+        if (!cn->too_big) {
+            if (cn->n + *upload_size + 1 > cn->cap) {
+                size_t nc = cn->cap * 2 + *upload_size + 1;
+                if (nc > g->o.body_max + 1) nc = g->o.body_max + 1;
+                char *nb = realloc(cn->body, nc);
+                if (!nb) return MHD_NO;
+                cn->body = nb;
+                cn->cap = nc;
+            }
+            memcpy(cn->body + cn->n, upload, *upload_size);
+            cn->n += *upload_size;
+        }
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (cn->route == KV_R_NOTFOUND) return kv_reply_err(cn, c, 404, "no route %.8s %.200s", method, url);
+    if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
+    if (cn->too_big)
+        return kv_reply_err(cn, c, 413, "the request body is larger than %zu bytes", g->o.body_max);
+    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS;
+    if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
+    switch (cn->route) {
+    case KV_R_HEALTH: {
+        pthread_mutex_lock(&g->mu);
+        const bool ok = g->healthy && !g->quit;
+        char msg[300];
+        snprintf(msg, sizeof msg, "%s", g->health_msg);
+        pthread_mutex_unlock(&g->mu);
+        json_t *j = ok ? json_pack("{s:s,s:s}", "status", "ok", "model", g->model)
+                       : json_pack("{s:s,s:s}", "status", "unavailable", "reason", msg[0] ? msg : "stopping");
+        char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+        json_decref(j);
+        return kv_reply(cn, c, ok ? 200 : 503, "application/json", s);
+    }
+    case KV_R_METRICS: return kv_reply(cn, c, 200, "text/plain; version=0.0.4", kv_metrics_text(g));
+    case KV_R_SLOTS: return kv_reply(cn, c, 200, "application/json", kv_slots_json(g));
+    case KV_R_MODELS: {
+        json_t *j = json_pack("{s:s,s:[{s:s,s:s,s:I,s:s}]}", "object", "list", "data", "id", g->model, "object",
+                              "model", "created", (json_int_t)g->started, "owned_by", "kvasir");
+        char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+        json_decref(j);
+        return kv_reply(cn, c, 200, "application/json", s);
+    }
+    case KV_R_TAGS: {
+        char *kv_gw_ollama_tags(const char *model, long long created, unsigned long long size);
+        return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_tags(g->model, g->started, 0));
+    }
+    default: return kv_generate(cn, c);
+    }
+}
+
+static void kv_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    kv_gateway *g = cls;
+    kv_gw_conn *cn = *con_cls;
+    if (!cn) return;
+    if (cn->r) {
+        pthread_mutex_lock(&g->mu);
+        if (cn->r->state != KV_REQ_DONE) {
+            cn->r->cancel = true;
+            pthread_cond_signal(&g->work_cv);
+        }
+        kv_req_unref_locked(cn->r);
+        pthread_mutex_unlock(&g->mu);
+    }
+    kv_gw_text_free(&cn->text);
+    kv_gw_params_free(cn->p);
+    free(cn->p);
+    free(cn->out.p);
+    free(cn->full.p);
+    free(cn->body);
+    free(cn);
+    *con_cls = NULL;
+}
+
+/* ---- life ------------------------------------------------------------- */
+
+int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts, kv_diag *d) {
+    *out = NULL;
+    kv_gateway_opts o = opts ? *opts : (kv_gateway_opts){0};
+    if (!o.host) o.host = "127.0.0.1";
+    if (!o.model_name) o.model_name = "kvasir";
+    if (!o.max_active) o.max_active = 16;
+    if (!o.queue_max) o.queue_max = 64;
+    if (!o.max_conns) o.max_conns = 256;
+    if (!o.per_ip_conns) o.per_ip_conns = 64;
+    if (!o.timeout_s) o.timeout_s = 120;
+    if (!o.body_max) o.body_max = 1u << 20;
+    if (!o.max_tokens_default) o.max_tokens_default = 512;
+    if (o.body_max > KV_GATEWAY_MAX_BODY) return kv_fail(d, KV_EINVAL, "gateway: body limit %zu is over %u", o.body_max, KV_GATEWAY_MAX_BODY);
+    if (o.n_api_keys > KV_GATEWAY_MAX_KEYS) return kv_fail(d, KV_EINVAL, "gateway: %u keys, at most %u", o.n_api_keys, KV_GATEWAY_MAX_KEYS);
+    if (strlen(o.model_name) > KV_GW_MAX_MODEL_LEN) return kv_fail(d, KV_EINVAL, "gateway: model name too long");
+    struct sockaddr_storage ss = {0};
+    struct sockaddr_in *s4 = (struct sockaddr_in *)&ss;
+    struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&ss;
+    if (inet_pton(AF_INET, o.host, &s4->sin_addr) == 1) {
+        s4->sin_family = AF_INET;
+        s4->sin_port = htons(o.port);
+    } else if (inet_pton(AF_INET6, o.host, &s6->sin6_addr) == 1) {
+        s6->sin6_family = AF_INET6;
+        s6->sin6_port = htons(o.port);
+    } else {
+        return kv_fail(d, KV_EINVAL, "gateway: '%.100s' is not an IPv4 or IPv6 address", o.host);
+    }
+    kv_gateway *g = calloc(1, sizeof *g);
+    if (!g) return kv_fail(d, KV_ENOMEM, "gateway: out of memory");
+    g->e = e;
+    g->tok = kv_model_tok(kv_engine_model(e));
+    g->n_ctx = kv_engine_n_ctx(e);
+    snprintf(g->model, sizeof g->model, "%s", o.model_name);
+    g->started = (long long)time(NULL);
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->work_cv, NULL);
+    pthread_cond_init(&g->out_cv, NULL);
+    g->hold = o.hold;
+    int rc = 0;
+    if (o.n_api_keys) {
+        if (!(g->keys = calloc(o.n_api_keys, sizeof *g->keys))) { rc = kv_fail(d, KV_ENOMEM, "gateway: out of memory"); goto fail; }
+        for (uint32_t i = 0; i < o.n_api_keys; i++) {
+            const size_t l = o.api_keys[i] ? strlen(o.api_keys[i]) : 0;
+            if (l == 0 || l > KV_GATEWAY_MAX_KEY_LEN) { rc = kv_fail(d, KV_EINVAL, "gateway: API key %u is empty or over %u bytes", i, KV_GATEWAY_MAX_KEY_LEN); goto fail; }
+            if (!(g->keys[i] = strdup(o.api_keys[i]))) { rc = kv_fail(d, KV_ENOMEM, "gateway: out of memory"); goto fail; }
+            g->n_keys++;
+        }
+    }
+    o.api_keys = NULL;
+    o.model_name = g->model;
+    o.host = NULL;
+    g->o = o;
+    kv_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
+    if (pthread_create(&g->sched, NULL, kv_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
+    g->sched_up = true;
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD;
+    if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
+    g->mhd = MHD_start_daemon(flags, 0, NULL, NULL, kv_handle, g, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)o.max_conns,
+                              MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)o.per_ip_conns,
+                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)o.timeout_s,
+                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024),
+                              MHD_OPTION_NOTIFY_COMPLETED, kv_done, g, MHD_OPTION_END);
+    if (!g->mhd) { rc = kv_fail(d, KV_EIO, "gateway: cannot listen on %.100s port %u (in use, or not a local address?)", opts && opts->host ? opts->host : "127.0.0.1", o.port); goto fail; }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(g->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    g->port = di ? di->port : o.port;
+    *out = g;
+    return 0;
+fail:
+    kv_gateway_free(g);
+    return rc;
+}
+
+uint16_t kv_gateway_port(const kv_gateway *g) { return g->port; }
+
+void kv_gateway_hold(kv_gateway *g, bool hold) {
+    pthread_mutex_lock(&g->mu);
+    g->hold = hold;
+    pthread_cond_signal(&g->work_cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+void kv_gateway_get_stats(kv_gateway *g, kv_gateway_stats *out) {
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&g->mu);
+    for (int a = 0; a <= KV_GW_API_COUNT; a++)
+        for (int k = 0; k < KV_GW_N_CODES; k++) out->requests += g->req_count[a][k];
+    out->completed = g->completed;
+    out->cancelled = g->cancelled;
+    out->rejected_full = g->rejected_full;
+    out->tokens_prompt = g->tokens_prompt;
+    out->tokens_completion = g->tokens_completion;
+    out->queued = g->n_queued;
+    out->active = g->n_active;
+    pthread_mutex_unlock(&g->mu);
+}
+
+void kv_gateway_free(kv_gateway *g) {
+    if (!g) return;
+    if (g->sched_up) {
+        pthread_mutex_lock(&g->mu);
+        g->quit = true;
+        pthread_cond_signal(&g->work_cv);
+        pthread_mutex_unlock(&g->mu);
+        pthread_join(g->sched, NULL);
+    }
+    if (g->mhd) MHD_stop_daemon(g->mhd);
+    for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
+    free(g->keys);
+    pthread_cond_destroy(&g->work_cv);
+    pthread_cond_destroy(&g->out_cv);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
+/* ---- keys file -------------------------------------------------------- */
+
+void kv_gateway_keys_free(char **keys, uint32_t n) {
+    if (!keys) return;
+    for (uint32_t i = 0; i < n; i++) free(keys[i]);
+    free(keys);
+}
+
+int kv_gateway_keys_load(const char *path, char ***keys, uint32_t *n_keys, kv_diag *d) {
+    *keys = NULL;
+    *n_keys = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return kv_fail(d, KV_EIO, "cannot open API key file '%s': %s", path, strerror(errno));
+    char line[KV_GATEWAY_MAX_KEY_LEN + 64];
+    char **k = calloc(KV_GATEWAY_MAX_KEYS, sizeof *k);
+    uint32_t n = 0, lineno = 0;
+    int rc = k ? 0 : kv_fail(d, KV_ENOMEM, "out of memory");
+    while (!rc && fgets(line, sizeof line, f)) {
+        lineno++;
+        size_t l = strlen(line);
+        if (l == sizeof line - 1 && line[l - 1] != '\n') { rc = kv_fail(d, KV_EFORMAT, "%s:%u: key over %u bytes", path, lineno, KV_GATEWAY_MAX_KEY_LEN); break; }
+        while (l && (line[l - 1] == '\n' || line[l - 1] == '\r' || line[l - 1] == ' ' || line[l - 1] == '\t')) line[--l] = 0;
+        char *s = line;
+        while (*s == ' ' || *s == '\t') s++;
+        if (!*s || *s == '#') continue;
+        for (char *q = s; *q; q++)
+            if ((unsigned char)*q < 0x21 || (unsigned char)*q == 0x7f) { rc = kv_fail(d, KV_EFORMAT, "%s:%u: a key has a space or control byte", path, lineno); break; }
+        if (rc) break;
+        if (strlen(s) > KV_GATEWAY_MAX_KEY_LEN) { rc = kv_fail(d, KV_EFORMAT, "%s:%u: key over %u bytes", path, lineno, KV_GATEWAY_MAX_KEY_LEN); break; }
+        if (n == KV_GATEWAY_MAX_KEYS) { rc = kv_fail(d, KV_ERANGE, "%s: more than %u keys", path, KV_GATEWAY_MAX_KEYS); break; }
+        if (!(k[n] = strdup(s))) { rc = kv_fail(d, KV_ENOMEM, "out of memory"); break; }
+        n++;
+    }
+    fclose(f);
+    if (rc) {
+        kv_gateway_keys_free(k, n);
+        return rc;
+    }
+    *keys = k;
+    *n_keys = n;
+    return 0;
+}
