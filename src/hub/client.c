@@ -5,16 +5,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hub/curl_body.h"
 #include "kvasir/hub.h"
 
-typedef struct kv_buf {
-    char *p;
-    size_t n, cap, max;
-    int over;
-} kv_buf;
-
-static size_t kv_curl_write(char *data, size_t sz, size_t nm, void *arg) {
-    kv_buf *b = arg;
+size_t kv_curl_body_write(char *data, size_t sz, size_t nm, void *arg) {
+    kv_curl_body *b = arg;
     size_t n = sz * nm;
     if (n > b->max - b->n) {
         b->over = 1;
@@ -41,10 +36,10 @@ int kv_hub_http_get(const char *url, size_t max, long timeout_ms, char **body, s
     *status = 0;
     CURL *c = curl_easy_init();
     if (!c) return kv_fail(d, KV_ENOMEM, "http: curl_easy_init failed");
-    kv_buf b = {.max = max};
+    kv_curl_body b = {.max = max};
     curl_easy_setopt(c, CURLOPT_URL, url);
     curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_curl_write);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_curl_body_write);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
     curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, timeout_ms);
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);

@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "hub/curl_body.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/node.h"
 #include "kvasir/pieces.h"
@@ -127,33 +128,6 @@ int kv_node_parse_size(const char *s, uint64_t *out, kv_diag *d) {
 
 /* ---- HTTP ------------------------------------------------------------------------ */
 
-typedef struct kv_body {
-    char *p;
-    size_t n, cap, max;
-    int over;
-} kv_body;
-
-static size_t kv_body_write(char *data, size_t sz, size_t nm, void *arg) {
-    kv_body *b = arg;
-    size_t n = sz * nm;
-    if (n > b->max - b->n) {
-        b->over = 1;
-        return 0;
-    }
-    if (b->n + n + 1 > b->cap) {
-        size_t nc = b->cap ? b->cap : 4096;
-        while (nc < b->n + n + 1) nc *= 2;
-        char *np = realloc(b->p, nc);
-        if (!np) return 0;
-        b->p = np;
-        b->cap = nc;
-    }
-    memcpy(b->p + b->n, data, n);
-    b->n += n;
-    b->p[b->n] = 0;
-    return n;
-}
-
 /* A signed POST of body to hub_url + path; the answer (at most
  * KV_NODE_MAX_REPLY bytes) in *out (caller frees), status in *status. */
 static int kv_node_post(const char *hub_url, kv_node_key *key, const char *path, const char *body, char **out,
@@ -177,13 +151,13 @@ static int kv_node_post(const char *hub_url, kv_node_key *key, const char *path,
     hl = curl_slist_append(hl, h3);
     hl = curl_slist_append(hl, "Content-Type: application/json");
     hl = curl_slist_append(hl, "Expect:");
-    kv_body b = {.max = KV_NODE_MAX_REPLY};
+    kv_curl_body b = {.max = KV_NODE_MAX_REPLY};
     curl_easy_setopt(c, CURLOPT_URL, url);
     curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, hl);
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)blen);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_body_write);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_curl_body_write);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
     curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 10000L);
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
