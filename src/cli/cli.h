@@ -26,6 +26,8 @@ int kv_cmd_node(int argc, char **argv);
 int kv_cmd_wallet(int argc, char **argv);
 int kv_cmd_ledger(int argc, char **argv);
 int kv_cmd_gateway(int argc, char **argv);
+int kv_cmd_swarm(int argc, char **argv);
+int kv_cmd_plan(int argc, char **argv);
 
 /* Prints "kvasir <cmd>: <printf message>\n" to stderr; returns rc. */
 #if defined(__GNUC__)
