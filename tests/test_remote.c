@@ -328,7 +328,7 @@ static kv_gen_config g_cfg; /* the model's generator settings */
 static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest,
                                  uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
-    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false};
+    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, 0, false};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }

@@ -49,6 +49,12 @@ typedef struct kv_gateway_opts {
     size_t body_max;            /* request body bytes; 0 = 1 MiB, at most KV_GATEWAY_MAX_BODY */
     uint32_t max_tokens_default;/* when a request names none; 0 = 512 */
     bool hold;                  /* start with admission held (kv_gateway_hold) */
+    /* a swarm (the engine is a coordinator: kv_engine_remote non-NULL) */
+    const char *hub_url;        /* re-read HUB/v1/placement and add its new nodes to the engine's
+                                   workers (opened with room: kv_engine_opts.max_workers); NULL = none */
+    uint32_t hub_refresh_ms;    /* how often; 0 = 2000 (and at once after a failed step) */
+    uint32_t step_retry_ms;     /* a failed step (an expert whose holders are all gone) is retried,
+                                   its sessions kept, for this long before they fail; 0 = 30000 */
 } kv_gateway_opts;
 
 /* Starts serving engine e (borrowed: the gateway's scheduler thread drives
