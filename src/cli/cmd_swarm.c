@@ -663,35 +663,6 @@ static int kv_sw_mkdir(const char *p) {
     return 0;
 }
 
-/* Gateway workers for a gateway without --hub: the placement's addresses. */
-static int kv_sw_placement_workers(const char *hub_url, char ***w, uint32_t *n) {
-    char url[512], *body = NULL;
-    size_t len = 0;
-    long st = 0;
-    kv_diag d = {0};
-    snprintf(url, sizeof url, "%s/v1/placement", hub_url);
-    if (kv_hub_http_get(url, KV_SWARM_HTTP_MAX, 3000, &body, &len, &st, &d)) return kv_cli_diag(CMD, &d);
-    int rc = kv_node_parse_placement(body, len, w, n, &d);
-    free(body);
-    return rc ? kv_cli_diag(CMD, &d) : 0;
-}
-
-/* Does this build's gateway take --hub? (It reads the model and its workers
- * from the hub and follows placement changes; until then the gateway is
- * given the slices and the workers of the placement at start.) */
-static bool kv_sw_gateway_has_hub(void) {
-    char cmd[KV_SWARM_PATH + 64];
-    snprintf(cmd, sizeof cmd, "'%s' gateway --help 2>/dev/null", kv_sw_self);
-    FILE *f = popen(cmd, "r");
-    if (!f) return false;
-    char line[512];
-    bool has = false;
-    while (fgets(line, sizeof line, f))
-        if (strstr(line, "--hub URL")) has = true;
-    pclose(f);
-    return has;
-}
-
 static int kv_swarm_up(int argc, char **argv) {
     static const char *const vf[] = {"-m", "--model", "--preset", "--nodes", "--dir", "--listen", "--hub-listen",
                                      "--budget", "--experts-per-slab", "--threads", "--beacon-port", "--interval-ms",
@@ -851,7 +822,6 @@ static int kv_swarm_up(int argc, char **argv) {
     const double end = t0 + (double)timeout / 1e3;
     kv_sw_cov c = {0};
     long health = 0;
-    bool gw_hub = kv_sw_gateway_has_hub();
     char last_line[200] = "";
     /* the nodes settle: full coverage, then a placement map unchanged for
      * three heartbeat periods (nodes trade shards for a few rounds after the
@@ -887,24 +857,11 @@ static int kv_swarm_up(int argc, char **argv) {
             snprintf(s.gateway.name, sizeof s.gateway.name, "gateway");
             snprintf(s.gateway.log, sizeof s.gateway.log, "%s/gateway.log", logs);
             snprintf(path, sizeof path, "%s/gateway", dir);
-            if (gw_hub) {
-                char *av[] = {"kvasir", "gateway", "--hub", s.hub.url, "--data", path, "--listen", (char *)listen,
-                              "--threads", ths, NULL};
-                if (kv_sw_spawn(&s.gateway, av)) goto fail;
-            } else {
-                char **w = NULL;
-                uint32_t nw = 0;
-                if (kv_sw_placement_workers(s.hub.url, &w, &nw)) goto fail;
-                char *av[8 + 2 * KV_SWARM_MAX_NODES + 4];
-                int a = 0;
-                av[a++] = "kvasir", av[a++] = "gateway", av[a++] = "-m", av[a++] = s.manifest;
-                av[a++] = "--listen", av[a++] = (char *)listen, av[a++] = "--threads", av[a++] = ths;
-                for (uint32_t k = 0; k < nw && k < KV_SWARM_MAX_NODES; k++) av[a++] = "--worker", av[a++] = w[k];
-                av[a] = NULL;
-                int src = kv_sw_spawn(&s.gateway, av);
-                kv_node_workers_free(w, nw);
-                if (src) goto fail;
-            }
+            /* the gateway reads the model and its workers from the hub and
+             * follows the placement map as nodes come, go and trade shards */
+            char *av[] = {"kvasir", "gateway", "--hub", s.hub.url, "--data", path, "--listen", (char *)listen,
+                          "--threads", ths, NULL};
+            if (kv_sw_spawn(&s.gateway, av)) goto fail;
             if (kv_sw_save(&s) || kv_sw_wait_listening(&s.gateway, 60) || kv_sw_save(&s)) goto fail;
         }
         if (s.gateway.pid) {
