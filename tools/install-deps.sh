@@ -12,6 +12,7 @@ have node || need+=(nodejs)
 have npm || need+=(npm)
 have pkg-config || need+=(pkg-config)
 have jq || need+=(jq)
+have curl || need+=(curl)
 have python3 || need+=(python3)
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)

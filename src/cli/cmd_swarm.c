@@ -45,6 +45,7 @@
 #define KV_SWARM_STATE_MAX (1u << 20)  /* bytes of swarm.json */
 #define KV_SWARM_HTTP_MAX (64u << 20)  /* bytes of a market or placement answer */
 #define KV_SWARM_PATH 1024
+#define KV_SWARM_MAX_GW_ARGS 32        /* --gateway-arg, at most */
 
 /* One process of the swarm. */
 typedef struct kv_sw_proc {
@@ -655,18 +656,30 @@ static const char *kv_swarm_up_help =
     "  --beacon-port P     the hub's LAN beacon port (default 47474); --no-beacon: none\n"
     "  --interval-ms MS    node heartbeat period (default 1000)\n"
     "  --timeout-ms MS     give up waiting for coverage and health after MS (default 120000)\n"
+    "  --gateway-arg ARG   one more argument for `kvasir gateway` (repeatable; e.g. its ledger flags)\n"
     "Prints the gateway and hub URLs once the market is covered and the gateway's /health is 200.\n"
     "On a timeout it stops what it started and names the logs (DIR/logs).\n";
 
+/* mkdir -p */
 static int kv_sw_mkdir(const char *p) {
-    if (mkdir(p, 0755) && errno != EEXIST) return kv_cli_err(CMD, 2, "cannot create %s: %s", p, strerror(errno));
+    char t[KV_SWARM_PATH];
+    snprintf(t, sizeof t, "%s", p);
+    for (char *c = t + 1; *c; c++) {
+        if (*c != '/') continue;
+        *c = 0;
+        if (mkdir(t, 0755) && errno != EEXIST) return kv_cli_err(CMD, 2, "cannot create %s: %s", t, strerror(errno));
+        *c = '/';
+    }
+    if (mkdir(t, 0755) && errno != EEXIST) return kv_cli_err(CMD, 2, "cannot create %s: %s", t, strerror(errno));
     return 0;
 }
 
 static int kv_swarm_up(int argc, char **argv) {
     static const char *const vf[] = {"-m", "--model", "--preset", "--nodes", "--dir", "--listen", "--hub-listen",
                                      "--budget", "--experts-per-slab", "--threads", "--beacon-port", "--interval-ms",
-                                     "--timeout-ms", NULL};
+                                     "--timeout-ms", "--gateway-arg", NULL};
+    const char *gw_extra[KV_SWARM_MAX_GW_ARGS];
+    int n_gw_extra = 0;
     const char *model = NULL, *preset = NULL, *dir = "kvasir-swarm", *listen = "127.0.0.1:8080";
     const char *hub_listen = "127.0.0.1:8700", *budget_s = NULL;
     long n_nodes = 3, eps = 2, threads = 0, beacon_port = KV_BEACON_PORT, interval = 1000, timeout = 120000;
@@ -703,6 +716,10 @@ static int kv_swarm_up(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 10, 600000, &interval)) return 1;
         } else if (!strcmp(a, "--timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 100, 86400000, &timeout)) return 1;
+        } else if (!strcmp(a, "--gateway-arg")) {
+            if (n_gw_extra == KV_SWARM_MAX_GW_ARGS)
+                return kv_cli_err(CMD, 1, "--gateway-arg: at most %d", KV_SWARM_MAX_GW_ARGS);
+            gw_extra[n_gw_extra++] = v;
         }
     }
     if (model && preset) return kv_cli_err(CMD, 1, "give -m MODEL or --preset NAME, not both");
@@ -859,8 +876,10 @@ static int kv_swarm_up(int argc, char **argv) {
             snprintf(path, sizeof path, "%s/gateway", dir);
             /* the gateway reads the model and its workers from the hub and
              * follows the placement map as nodes come, go and trade shards */
-            char *av[] = {"kvasir", "gateway", "--hub", s.hub.url, "--data", path, "--listen", (char *)listen,
-                          "--threads", ths, NULL};
+            char *av[12 + KV_SWARM_MAX_GW_ARGS] = {"kvasir", "gateway", "--hub", s.hub.url, "--data", path,
+                                                   "--listen", (char *)listen, "--threads", ths};
+            for (int k = 0; k < n_gw_extra; k++) av[10 + k] = (char *)gw_extra[k];
+            av[10 + n_gw_extra] = NULL;
             if (kv_sw_spawn(&s.gateway, av)) goto fail;
             if (kv_sw_save(&s) || kv_sw_wait_listening(&s.gateway, 60) || kv_sw_save(&s)) goto fail;
         }
