@@ -110,7 +110,16 @@ static bool kv_sw_alive(const kv_sw_proc *p) {
     if (p->pid <= 0) return false;
     char st = 0;
     unsigned long long s = kv_sw_proc_start(p->pid, &st);
-    return s && s == p->start && st != 'Z' && st != 'X';
+    if (!s || s != p->start || st == 'Z' || st == 'X') return false;
+    /* and it runs a kvasir binary: swarm.json names the processes that
+     * swarm down signals, so it never names another program */
+    char link[64], exe[KV_SWARM_PATH];
+    snprintf(link, sizeof link, "/proc/%d/exe", (int)p->pid);
+    ssize_t n = readlink(link, exe, sizeof exe - 1);
+    if (n <= 0) return false;
+    exe[n] = 0;
+    const char *b = strrchr(exe, '/');
+    return !strncmp(b ? b + 1 : exe, "kvasir", 6);
 }
 
 /* Reaps p if it is our child and has exited; returns its wait status in
@@ -579,7 +588,8 @@ static const char *kv_swarm_down_help =
 static void kv_sw_stop_all(kv_swarm *s, long grace_ms, int *n_term, int *n_kill, int *n_gone) {
     kv_sw_proc *all[KV_SWARM_MAX_NODES + 2];
     int n = 0;
-    /* the gateway first (it is a client of the nodes), the hub last */
+    /* signalled in this order: the gateway (a client of the nodes), the
+     * nodes, the hub */
     if (s->gateway.pid) all[n++] = &s->gateway;
     for (uint32_t i = 0; i < s->n_nodes; i++) all[n++] = &s->nodes[i];
     if (s->hub.pid) all[n++] = &s->hub;
@@ -794,9 +804,12 @@ static int kv_swarm_up(int argc, char **argv) {
     char db[KV_SWARM_PATH + 16], bps[24], ivs[24], ths[24], dls[24];
     snprintf(db, sizeof db, "%s/hub.db", dir);
     unlink(db);
-    snprintf(db + strlen(db), 8, "-wal");
+    const size_t dbl = strlen(db);
+    snprintf(db + dbl, 8, "-wal");
     unlink(db);
-    db[strlen(db) - 4] = 0;
+    snprintf(db + dbl, 8, "-shm");
+    unlink(db);
+    db[dbl] = 0;
     snprintf(bps, sizeof bps, "%ld", beacon_port);
     snprintf(ivs, sizeof ivs, "%ld", interval);
     snprintf(ths, sizeof ths, "%ld", threads);
@@ -807,11 +820,12 @@ static int kv_swarm_up(int argc, char **argv) {
     {
         char *av[] = {"kvasir", "hub", "--model", s.manifest, "--db", db, "--listen", (char *)hub_listen,
                       "--deadline-ms", dls, beacon_port ? "--beacon" : NULL, bps, NULL};
-        if (kv_sw_spawn(&s.hub, av) || kv_sw_save(&s)) return 2;
+        if (kv_sw_spawn(&s.hub, av)) return 2;
     }
     int rc = 2;
-    const double t0 = kv_sw_now();
-    if (kv_sw_wait_listening(&s.hub, 60)) goto fail;
+    const double t0 = kv_sw_now(), end = t0 + (double)timeout / 1e3;
+    /* the hub hashes every piece before it serves: within the overall timeout */
+    if (kv_sw_save(&s) || kv_sw_wait_listening(&s.hub, end - kv_sw_now())) goto fail;
     if (kv_sw_save(&s)) goto fail;
 
     /* 3. the nodes */
@@ -836,7 +850,6 @@ static int kv_swarm_up(int argc, char **argv) {
 
     /* 4. full coverage; 5. the gateway; 6. its /health */
     const bool tty = isatty(1);
-    const double end = t0 + (double)timeout / 1e3;
     kv_sw_cov c = {0};
     long health = 0;
     char last_line[200] = "";
@@ -881,7 +894,7 @@ static int kv_swarm_up(int argc, char **argv) {
             for (int k = 0; k < n_gw_extra; k++) av[10 + k] = (char *)gw_extra[k];
             av[10 + n_gw_extra] = NULL;
             if (kv_sw_spawn(&s.gateway, av)) goto fail;
-            if (kv_sw_save(&s) || kv_sw_wait_listening(&s.gateway, 60) || kv_sw_save(&s)) goto fail;
+            if (kv_sw_save(&s) || kv_sw_wait_listening(&s.gateway, end - kv_sw_now() > 5 ? end - kv_sw_now() : 5) || kv_sw_save(&s)) goto fail;
         }
         if (s.gateway.pid) {
             if (kv_sw_exited(&s.gateway, NULL)) {
