@@ -134,6 +134,33 @@ jq -e '.per_token.messages_min == 2 and .per_token.messages_max == 2' "$dir/plan
   fail "one node: plan $(jq .per_token.bytes_min "$dir/plan1.json") != bench $(jq .bytes_per_step "$dir/bench1.json") bytes per token"
 echo "ok: plan with one holder: $(jq .per_token.bytes_min "$dir/plan1.json") bytes per token, as measured"
 
+# two nodes holding disjoint halves (one replica wanted): a token's experts
+# meet one or two workers per layer; the measured bytes lie in plan's range
+slab=$(stat -c %s "$SW/model/experts/blk.0.0000-0001.gguf")
+"$KV" hub --model "$SW/model/manifest.json" --db "$dir/two.db" --listen 127.0.0.1:0 --wanted 1 --quiet >"$dir/two.out" 2>&1 &
+twohub=$!
+for _ in $(seq 200); do grep -q "^listening on" "$dir/two.out" && break; sleep 0.05; done
+URL2="http://$(sed -n 's/^listening on //p' "$dir/two.out")"
+"$KV" node --hub "$URL2" --budget $((4 * slab)) --data "$dir/twoA" --interval-ms 300 --threads 1 --quiet &
+twoA=$!
+"$KV" node --hub "$URL2" --budget $((4 * slab)) --data "$dir/twoB" --interval-ms 300 --threads 1 --quiet &
+twoB=$!
+for _ in $(seq 150); do
+  [ "$(curl -sf "$URL2/v1/market" | jq '.covered and ([.shards[].live] | max) == 1')" = true ] && break
+  sleep 0.2
+done
+"$KV" plan --hub "$URL2" --json >"$dir/plan2.json" || fail "plan (two nodes)"
+"$KV" bench --hub "$URL2" --data "$dir/coord2" -p 8 -n 32 --reps 1 --threads 1 --json >"$dir/bench2.json" 2>/dev/null ||
+  fail "bench --hub (two nodes)"
+kill "$twoA" "$twoB" "$twohub"
+wait "$twoA" "$twoB" "$twohub" 2>/dev/null || true
+jq -e '.covered and (.nodes | length) == 2 and .per_token.messages_min == 2 and .per_token.messages_max == 4' \
+  "$dir/plan2.json" >/dev/null || fail "two nodes: $(jq -c '[.nodes[].ranges, .per_token]' "$dir/plan2.json")"
+jq -e --slurpfile p "$dir/plan2.json" '.rounds_per_step == $p[0].per_token.round_trips and
+    .bytes_per_step >= $p[0].per_token.bytes_min and .bytes_per_step <= $p[0].per_token.bytes_max' "$dir/bench2.json" \
+  >/dev/null || fail "two nodes: bench $(jq -c '[.rounds_per_step, .bytes_per_step]' "$dir/bench2.json") vs plan $(jq -c .per_token "$dir/plan2.json")"
+echo "ok: plan with two disjoint holders: $(jq -c '[.per_token.bytes_min, .per_token.bytes_max]' "$dir/plan2.json") bytes per token, measured $(jq .bytes_per_step "$dir/bench2.json")"
+
 # a node without --hub joins by the beacon
 "$KV" node --budget 2M --data "$dir/extra" --beacon-port "$BP" --beacon-wait-ms 15000 --interval-ms 300 --threads 1 \
   >"$dir/extra.log" 2>&1 &

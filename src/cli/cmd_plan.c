@@ -17,7 +17,7 @@
  * keyed on (layer, expert) over the workers in placement order (first seen
  * in /v1/placement, the order `run --hub` dials them). The plan runs that
  * rule over every ordered choice of k distinct experts (uniform routing)
- * when there are at most KV_PLAN_ENUM of them per layer, else over
+ * when n_expert^k is at most KV_PLAN_ENUM, else over
  * KV_PLAN_SAMPLES seeded draws, and reports the least, the most and the
  * mean number of messages. Everything read from the hub is bounded and
  * checked before use. */
@@ -34,7 +34,7 @@
 #include "kvasir/slice.h"
 
 #define CMD "plan"
-#define KV_PLAN_ENUM 2000000u    /* ordered top-k choices enumerated per layer, at most */
+#define KV_PLAN_ENUM 4000000u    /* n_expert^k steps of the enumeration per layer, at most */
 #define KV_PLAN_SAMPLES 100000u  /* draws per layer otherwise */
 #define KV_PLAN_MAX_K 64u        /* top-k the simulation handles */
 
@@ -56,6 +56,8 @@ typedef struct kv_plan {
     char **addr;         /* [n_w] */
     char (*key)[65];     /* [n_w] hex public key ("" if the hub gave none) */
     uint8_t *holds;      /* [n_w][n_layer][n_expert] */
+    uint32_t *hoff;      /* [n_layer * n_expert + 1]: holders of (L, e) are hw[hoff[i] .. hoff[i+1]) */
+    uint32_t *hw;        /* worker indices, ascending per (L, e) */
 } kv_plan;
 
 static uint8_t *kv_plan_at(const kv_plan *p, uint32_t w, uint32_t L, uint32_t e) {
@@ -103,23 +105,45 @@ static int kv_plan_parse(kv_plan *p, const char *body, size_t len, kv_diag *d) {
     return rc;
 }
 
+/* Holder lists from the bitmap (the simulation visits only holders). */
+static int kv_plan_index(kv_plan *p) {
+    const size_t n = (size_t)p->m->n_layer * p->m->n_expert;
+    size_t total = 0;
+    if (!(p->hoff = calloc(n + 1, sizeof *p->hoff))) return KV_ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        p->hoff[i] = (uint32_t)total;
+        for (uint32_t w = 0; w < p->n_w; w++) total += p->holds[(size_t)w * n + i];
+    }
+    p->hoff[n] = (uint32_t)total;
+    if (!(p->hw = calloc(total ? total : 1, sizeof *p->hw))) return KV_ENOMEM;
+    for (size_t i = 0, o = 0; i < n; i++)
+        for (uint32_t w = 0; w < p->n_w; w++)
+            if (p->holds[(size_t)w * n + i]) p->hw[o++] = w;
+    return 0;
+}
+
 /* Messages for one token whose experts are ids[0..k) in rank order: the
- * coordinator's assignment (remote.c kv_remote_pick) over live holders. */
+ * coordinator's assignment (remote.c kv_remote_pick) over live holders:
+ * the holder with the fewest pairs so far; among equals the first met
+ * when the workers are visited from (L * n_expert + e) mod n_w on. */
 static uint32_t kv_plan_messages(const kv_plan *p, uint32_t L, const uint32_t *ids, uint32_t k, uint32_t *load) {
-    memset(load, 0, p->n_w * sizeof *load);
     uint32_t msgs = 0;
     for (uint32_t s = 0; s < k; s++) {
         const size_t key = (size_t)L * p->m->n_expert + ids[s];
+        const uint32_t start = (uint32_t)(key % p->n_w);
         int64_t best = -1;
-        for (uint32_t j = 0; j < p->n_w; j++) {
-            const uint32_t i = (uint32_t)((key + j) % p->n_w);
-            if (!*kv_plan_at(p, i, L, ids[s])) continue;
-            if (best < 0 || load[i] < load[best]) best = i;
+        uint32_t best_rank = 0;
+        for (uint32_t h = p->hoff[key]; h < p->hoff[key + 1]; h++) {
+            const uint32_t i = p->hw[h], rank = (i + p->n_w - start) % p->n_w;
+            if (best < 0 || load[i] < load[best] || (load[i] == load[best] && rank < best_rank)) best = i, best_rank = rank;
         }
         if (best < 0) continue; /* uncovered: reported before */
         msgs += load[best] == 0;
         load[best]++;
     }
+    for (uint32_t s = 0; s < k; s++) /* clear only what was touched */
+        for (uint32_t h = p->hoff[(size_t)L * p->m->n_expert + ids[s]]; h < p->hoff[(size_t)L * p->m->n_expert + ids[s] + 1]; h++)
+            load[p->hw[h]] = 0;
     return msgs;
 }
 
@@ -130,11 +154,11 @@ typedef struct {
     uint64_t cases;  /* choices looked at */
 } kv_plan_layer;
 
-/* Ordered choices of k distinct experts out of n, if at most cap; else 0. */
-static uint64_t kv_plan_n_ordered(uint32_t n, uint32_t k, uint64_t cap) {
+/* n^k (the odometer's steps over k digits of base n), if at most cap; else 0. */
+static uint64_t kv_plan_n_pow(uint32_t n, uint32_t k, uint64_t cap) {
     uint64_t c = 1;
     for (uint32_t i = 0; i < k; i++) {
-        c *= (uint64_t)(n - i);
+        c *= (uint64_t)n;
         if (c > cap) return 0;
     }
     return c;
@@ -151,8 +175,7 @@ static void kv_plan_layer_stats(const kv_plan *p, uint32_t L, uint32_t k, uint32
     const uint32_t n = p->m->n_expert;
     *out = (kv_plan_layer){UINT32_MAX, 0, 0, false, 0};
     double sum = 0;
-    const uint64_t total = kv_plan_n_ordered(n, k, KV_PLAN_ENUM);
-    if (total) { /* every ordered k-tuple of distinct experts, as an odometer */
+    if (kv_plan_n_pow(n, k, KV_PLAN_ENUM)) { /* every ordered k-tuple of distinct experts, by an odometer */
         uint32_t idx[KV_PLAN_MAX_K] = {0};
         for (;;) {
             bool distinct = true;
@@ -270,6 +293,10 @@ int kv_cmd_plan(int argc, char **argv) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
+    if (kv_plan_index(&p)) {
+        rc = kv_cli_err(CMD, 2, "out of memory");
+        goto done;
+    }
     /* coverage: every expert of every MoE layer has a holder */
     uint32_t n_moe = 0, missing = 0, miss_L = 0, miss_e = 0;
     for (uint32_t L = 0; L < m->n_layer; L++) {
@@ -371,6 +398,8 @@ done:
     free(load);
     free(p.key);
     free(p.holds);
+    free(p.hoff);
+    free(p.hw);
     kv_node_workers_free(p.addr, p.n_w);
     kv_manifest_free(m);
     free(body);
