@@ -39,6 +39,39 @@ fail() {
 }
 SW="$dir/sw"
 
+# usage errors: exit 1 and one line naming the problem
+usage() { # WANT_TEXT ARGS...
+  local want=$1
+  shift
+  set +e
+  "$KV" "$@" >/dev/null 2>"$dir/usage.err"
+  local rc=$?
+  set -e
+  [ "$rc" = 1 ] && [ "$(wc -l <"$dir/usage.err")" = 1 ] && grep -q -- "$want" "$dir/usage.err" ||
+    fail "kvasir $*: rc $rc: $(cat "$dir/usage.err")"
+}
+set +e
+"$KV" swarm >/dev/null 2>"$dir/usage.err"
+rc=$?
+set -e
+[ "$rc" = 1 ] && grep -q "^usage: kvasir swarm up|status|down" "$dir/usage.err" || fail "bare swarm: rc $rc"
+usage "unknown subcommand 'frob'" swarm frob
+usage "--nodes" swarm up --nodes 0 --dir "$dir/never"
+usage "not both" swarm up -m x.gguf --preset tiny --dir "$dir/never"
+usage "--budget" swarm up --budget 12Q --dir "$dir/never"
+usage "unknown option '--bogus'" swarm up --bogus 1 --dir "$dir/never"
+usage "needs --hub" plan
+usage "--wire" plan --hub http://127.0.0.1:1 --wire f64
+usage "--model-id" node --budget 1M --data "$dir/never" --model-id zz
+usage "--beacon" hub --model x --db y --beacon 0
+echo "ok: usage errors: exit 1, one line each; plan without a hub: exit 2, one line"
+[ ! -e "$dir/never" ] || fail "a usage error created files"
+set +e
+"$KV" plan --hub http://127.0.0.1:1 --timeout-ms 2000 >/dev/null 2>"$dir/plan0.err"
+rc=$?
+set -e
+[ "$rc" = 2 ] && [ "$(wc -l <"$dir/plan0.err")" = 1 ] || fail "plan without a hub: rc $rc: $(cat "$dir/plan0.err")"
+
 # no swarm yet
 set +e
 "$KV" swarm status --dir "$SW" >/dev/null 2>"$dir/st0.err"
