@@ -241,15 +241,16 @@ set -e
 echo "ok: swarm down stopped all 5 processes; none is left"
 
 # an up that cannot reach coverage (budgets below one slab) stops what it
-# started and names the logs
+# started and names the logs (on a loaded machine the hub itself may be what
+# the timeout catches: either error names the logs)
 set +e
 "$KV" swarm up --dir "$dir/bad" --nodes 2 --budget 1K --listen 127.0.0.1:0 --hub-listen 127.0.0.1:0 --no-beacon \
-  --threads 1 --timeout-ms 2500 >"$dir/bad.out" 2>"$dir/bad.err"
+  --threads 1 --timeout-ms 4000 >"$dir/bad.out" 2>"$dir/bad.err"
 rc=$?
 set -e
-[ "$rc" = 2 ] && grep -q "no full coverage within 2500 ms.*see the logs in $dir/bad/logs" "$dir/bad.err" ||
+[ "$rc" = 2 ] && grep -Eq "no full coverage within 4000 ms.*see the logs in $dir/bad/logs|hub did not print its address within .*see $dir/bad/logs/hub.log" "$dir/bad.err" ||
   fail "bad up: rc $rc: $(cat "$dir/bad.err")"
-grep -q "stopped the 3 processes it had started" "$dir/bad.err" || fail "bad up: $(cat "$dir/bad.err")"
+grep -Eq "stopped the [0-9]+ processes it had started; logs in $dir/bad/logs" "$dir/bad.err" || fail "bad up: $(cat "$dir/bad.err")"
 ! ps -eo stat=,args= | grep -v '^Z' | grep -F -- "$dir/bad" | grep -v grep >/dev/null || fail "the failed up left a process"
-[ -f "$dir/bad/logs/node1.log" ] || fail "no node log kept"
+[ -f "$dir/bad/logs/hub.log" ] && [ ! -f "$dir/bad/swarm.json" ] || fail "logs not kept, or state left"
 echo "ok: an up without coverage fails in bounded time, names the logs and leaves nothing running"
