@@ -12,7 +12,7 @@ trap '[ -f "$dir/d/swarm/swarm.json" ] && "$KV" swarm down --dir "$dir/d/swarm" 
 fail() { echo "FAIL: $*" >&2; cat "$dir/out" >&2; exit 1; }
 KV_DEMO_DIR="$dir/d" bash "$SRC/tools/demo.sh" "$KV" >"$dir/out" 2>&1 || fail "demo exited non-zero"
 grep -q "equals the single-process answer (kvasir run --chat, same parameters): yes" "$dir/out" || fail "no equality line"
-[ "$(grep -cE '^   node[123] \(127\.0\.0\.1:[0-9]+, [0-9]+ shards\): [0-9]+ expert computations$' "$dir/out")" = 3 ] ||
+[ "$(grep -cE '^   node[123] \(127\.0\.0\.1:[0-9]+, [0-9]+ shards\): [0-9]+ expert computations \(hub: [0-9]+\)$' "$dir/out")" = 3 ] ||
   fail "no per-node expert counts"
 grep -qE "^   total [0-9]+ = [0-9]+ tokens through the model .*: yes$" "$dir/out" || fail "the counts do not add up"
 grep -qE "^== status page: http://127\.0\.0\.1:[0-9]+/ " "$dir/out" || fail "no status page line"

@@ -127,6 +127,10 @@ echo "ok: two chat completions through the gateway equal kvasir run --chat"
 got=$(jq '[.nodes[].experts_computed] | add' "$dir/st2.json")
 [ "$got" = "$pairs" ] || fail "workers computed $got experts, the requests need $pairs: $(jq -c '[.nodes[].experts_computed]' "$dir/st2.json")"
 echo "ok: the nodes computed $pairs experts ($(jq -c '[.nodes[].experts_computed]' "$dir/st2.json")), what the requests need"
+# the hub's node metrics (served totals in heartbeats) catch up within a few heartbeats
+hub_served() { "$KV" swarm status --dir "$SW" --json | jq '[.nodes[].served_pairs] | add'; }
+for _ in $(seq 50); do [ "$(hub_served)" = "$pairs" ] && break; sleep 0.2; done
+[ "$(hub_served)" = "$pairs" ] || fail "the hub says the nodes served $(hub_served), not $pairs"
 
 # plan against a measured decode
 "$KV" plan --hub "$HUB" --json >"$dir/plan.json" || fail "plan"

@@ -79,9 +79,11 @@ else
   exit 1
 fi
 
-echo "== who computed the experts (each node's worker counters, dispatch STATS)"
+echo "== who computed the experts (each node's worker counters, dispatch STATS; the hub's node metrics)"
+sleep 1.2 # one heartbeat, so that the hub's figures (GET /v1/nodes) have caught up
 "$KV" swarm status --dir "$SW" --json >"$dir/status.json"
-jq -r '.nodes[] | "   \(.name) (\(.addr), \(.shards | length) shards): \(.experts_computed) expert computations"' "$dir/status.json"
+jq -r '.nodes[] | "   \(.name) (\(.addr), \(.shards | length) shards): \(.experts_computed) expert computations" +
+  " (hub: \(.served_pairs // "?"))"' "$dir/status.json"
 "$KV" plan --hub "$HUB" --json >"$dir/plan.json"
 toks=$(jq '.usage.prompt_tokens + .usage.completion_tokens - 1' "$dir/chat.json")
 L=$(jq .n_moe_layers "$dir/plan.json")

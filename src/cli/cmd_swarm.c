@@ -6,8 +6,9 @@
  *                gateway as separate processes of this same binary, waits
  *                until the market shows full coverage and the gateway's
  *                /health is 200, and prints the endpoints;
- *   swarm status reads the hub's market and placement, the gateway's
- *                /health and every node's worker counters (dispatch STATS);
+ *   swarm status reads the hub's market, placement and nodes, the
+ *                gateway's /health and every node's worker counters
+ *                (dispatch STATS);
  *   swarm down   SIGTERM to each process, SIGKILL after a grace period.
  *
  * State lives in DIR: DIR/swarm.json (each process's pid, its start time
@@ -456,6 +457,7 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
     const bool hub_up = kv_sw_alive(&s->hub);
     kv_sw_cov c = hub_up ? kv_sw_coverage(s->hub.url) : (kv_sw_cov){0};
     json_t *placement = hub_up ? kv_sw_get_json(s->hub.url, "/v1/placement", 3000, NULL) : NULL;
+    json_t *hub_nodes = hub_up ? kv_sw_get_json(s->hub.url, "/v1/nodes", 3000, NULL) : NULL;
     json_t *root = json_object();
     json_object_set_new(root, "dir", json_string(s->dir));
     json_object_set_new(root, "model_id", json_string(man ? man->model_id : ""));
@@ -489,6 +491,17 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
         json_t *n = json_pack("{s:s, s:I, s:b, s:s, s:I, s:s, s:s, s:o}", "name", p->name, "pid", (json_int_t)p->pid,
                               "alive", kv_sw_alive(p), "key", key, "budget", (json_int_t)p->budget, "addr", addr, "log",
                               p->log, "shards", shards);
+        /* the hub's view of the node: registered and live, and what every
+         * worker it ran served, as of its last heartbeat */
+        json_array_foreach(json_object_get(hub_nodes, "nodes"), k, e) {
+            const char *nk = json_string_value(json_object_get(e, "key"));
+            if (!nk || !key[0] || strcmp(nk, key)) continue;
+            json_t *live = json_object_get(e, "live"), *sp = json_object_get(e, "served_pairs");
+            json_t *pps = json_object_get(e, "pairs_per_s");
+            if (json_is_boolean(live)) json_object_set(n, "hub_live", live);
+            if (json_is_integer(sp) && json_integer_value(sp) >= 0) json_object_set(n, "served_pairs", sp);
+            if (json_is_number(pps)) json_object_set(n, "pairs_per_s", pps);
+        }
         kv_msg_stats st = {0};
         kv_diag sd = {0};
         if (addr[0] && man && !kv_sw_worker_stats(addr, man->model_id, &st, &sd)) {
@@ -503,6 +516,8 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
     }
     json_object_set_new(root, "nodes", nodes);
     json_object_set_new(root, "experts_computed", json_integer((json_int_t)total));
+    json_t *tps = json_object_get(hub_nodes, "tokens_per_s");
+    if (json_is_number(tps)) json_object_set(root, "tokens_per_s", tps);
     if (s->gateway.pid) {
         const bool up = kv_sw_alive(&s->gateway);
         json_object_set_new(root, "gateway", json_pack("{s:s, s:I, s:b, s:i}", "url", s->gateway.url, "pid",
@@ -510,6 +525,7 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
                                                        up ? (int)kv_sw_health(s->gateway.url) : 0));
     }
     json_decref(placement);
+    json_decref(hub_nodes);
     kv_manifest_free(man);
     return root;
 }
