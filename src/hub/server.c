@@ -6,6 +6,19 @@
  * so an acknowledged change survives a restart and a failed write changes
  * nothing. The market and the placement map are computed from memory.
  *
+ * Shared stores. When the store is shared (PostgreSQL: several hub
+ * processes on one database), the store decides every signed write: its
+ * counter condition and nonce consumption run inside its transaction, so a
+ * request accepted by one hub is refused by every other, and a nonce one hub
+ * handed out can be used once at any of them. Memory is then a view of the
+ * store that lives at most refresh_ms: the market, placement and status
+ * reload it (from a second connection, outside the state lock) when it is
+ * older, and a signed request from a key this hub has not seen loads that
+ * node from the store. A reloaded record replaces the one in memory only
+ * when its counter is higher, so a snapshot taken before this hub's own
+ * write cannot undo it. Pending storage challenges stay with the hub that
+ * issued them.
+ *
  * Requests. A handler runs only once the whole body is in (bounded by
  * max_body: a larger Content-Length, or a chunked body that grows past it,
  * is answered 413 at once). State-changing requests are POSTs whose headers
@@ -82,6 +95,10 @@ struct kv_hub {
     size_t n_paths;
     uint32_t *wanted;           /* [n_slabs] replicas wanted per shard */
     kv_hub_store store;
+    bool shared;                /* the store is shared with other hubs (store.h) */
+    kv_hub_store rstore;        /* shared only: the connection the view is reloaded from */
+    pthread_mutex_t refresh_mu; /* guards rstore and refreshed_ms */
+    int64_t refreshed_ms;       /* wall clock of the last reload of the view */
     pthread_mutex_t mu;         /* guards everything below and the store */
     kv_hub_node *nodes;         /* [n_nodes] */
     size_t n_nodes, cap_nodes;
@@ -210,7 +227,8 @@ static int64_t kv_slab_find(const kv_manifest *m, uint32_t layer, uint32_t first
 }
 
 /* The store's view of a node: its holdings with the manifest's hashes. */
-static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *slabs, size_t ns, kv_diag *d) {
+static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *slabs, size_t ns,
+                             const uint8_t *nonce, int64_t now, kv_diag *d) {
     kv_hub_held *held = calloc(ns ? ns : 1, sizeof *held);
     if (!held) return kv_fail(d, KV_ENOMEM, "out of memory");
     for (size_t i = 0; i < ns; i++) {
@@ -223,8 +241,51 @@ static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *sl
     memcpy(r.pk, n->pk, 32);
     memcpy(r.addr, n->addr, sizeof r.addr);
     memcpy(r.backend, n->backend, sizeof r.backend);
-    int rc = h->store.ops->node_put(h->store.impl, &r, d);
+    int rc = h->store.ops->node_put(h->store.impl, &r, nonce, now, d);
     free(held);
+    return rc;
+}
+
+/* ---- the view of a shared store ------------------------------------------- */
+
+static int kv_node_reload(void *arg, const kv_hub_node_rec *r);
+
+/* One node of a reloaded snapshot: taken when memory has never seen it or
+ * the snapshot's counter is higher (a newer accepted request, at this hub or
+ * another); otherwise memory is as new (it follows this hub's own writes,
+ * which the snapshot may predate). Takes mu per node, so requests are not
+ * held for the whole reload. */
+static int kv_node_merge(void *arg, const kv_hub_node_rec *r) {
+    kv_hub *h = arg;
+    int rc = 0;
+    pthread_mutex_lock(&h->mu);
+    kv_hub_node *n = kv_node_find(h, r->pk);
+    if (!n) {
+        if (h->n_nodes < KV_HUB_MAX_NODES) rc = kv_node_reload(h, r);
+    } else if (r->counter > n->counter) {
+        bool again = r->registered_ms != n->registered_ms;
+        rc = kv_node_reload(h, r);
+        /* a registration elsewhere replaced the holdings it was asked about */
+        if (!rc && again) n->ch_pending = false;
+    }
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
+/* Shared store: reloads the view when it is older than refresh_ms. One
+ * caller reloads at a time; the others use the current view meanwhile.
+ * Returns 0 or the store's error (the view is then as old as before). */
+static int kv_hub_refresh(kv_hub *h, kv_diag *d) {
+    if (!h->shared) return 0;
+    int64_t now = kv_now_ms();
+    if (pthread_mutex_trylock(&h->refresh_mu)) return 0;
+    int rc = 0;
+    if (now - h->refreshed_ms >= (int64_t)h->o.refresh_ms) {
+        rc = h->rstore.ops->node_each(h->rstore.impl, kv_node_merge, h, d);
+        if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
+        if (!rc) h->refreshed_ms = now;
+    }
+    pthread_mutex_unlock(&h->refresh_mu);
     return rc;
 }
 
@@ -274,6 +335,12 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
         free(ord);
         return kv_fail(d, KV_ENOMEM, "market: out of memory");
     }
+    int rc = kv_hub_refresh(h, d);
+    if (rc) {
+        free(live);
+        free(ord);
+        return rc;
+    }
     int64_t now = kv_now_ms();
     pthread_mutex_lock(&h->mu);
     kv_mkt_live(h, now, live);
@@ -313,6 +380,8 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
 static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, size_t *len, kv_diag *d) {
     *out = NULL;
     const size_t ns = h->m->n_slabs;
+    int rc = kv_hub_refresh(h, d);
+    if (rc) return rc;
     int64_t now = kv_now_ms();
     kv_sb b = {0};
     pthread_mutex_lock(&h->mu);
@@ -608,16 +677,33 @@ static void kv_challenge_json(const kv_hub *h, const kv_hub_node *n, json_t *out
     json_object_set_new(out, "challenge", c);
 }
 
-/* Drops a node's holdings (store first), keeping it registered. */
-static int kv_node_drop(kv_hub *h, kv_hub_node *n, uint64_t counter, kv_diag *d) {
-    int rc = h->store.ops->node_drop_shards(h->store.impl, n->pk, counter, d);
+/* Drops a node's holdings (store first), keeping it registered; moves its
+ * counter on and, when last_seen_ms >= 0, its last heartbeat. */
+static int kv_node_drop(kv_hub *h, kv_hub_node *n, uint64_t counter, int64_t last_seen_ms, kv_diag *d) {
+    int rc = h->store.ops->node_drop_shards(h->store.impl, n->pk, counter, last_seen_ms, d);
     if (rc) return rc;
     free(n->slabs);
     n->slabs = NULL;
     n->n_slabs = 0;
     n->counter = counter;
+    if (last_seen_ms >= 0) n->last_seen_ms = last_seen_ms;
     n->ch_pending = false;
     return 0;
+}
+
+/* HTTP status for a failed conditional store write (store.h codes). */
+static unsigned kv_store_http(int rc) {
+    return rc == KV_EPROTO ? MHD_HTTP_CONFLICT : rc == KV_ENOTFOUND ? MHD_HTTP_NOT_FOUND
+                                                                    : MHD_HTTP_INTERNAL_SERVER_ERROR;
+}
+
+/* Shared store: loads node pk from the store into memory; caller holds mu.
+ * NULL when the store has no such node (or it could not be loaded: *rc). */
+static kv_hub_node *kv_node_fetch(kv_hub *h, const uint8_t pk[32], int *rc, kv_diag *d) {
+    *rc = KV_ENOTFOUND;
+    if (!h->shared || h->n_nodes >= KV_HUB_MAX_NODES) return NULL;
+    *rc = h->store.ops->node_get(h->store.impl, pk, kv_node_reload, h, d);
+    return *rc ? NULL : kv_node_find(h, pk);
 }
 
 static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
@@ -660,7 +746,14 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     memcpy(&slot, a.nonce, 4);
     kv_hub_nonce *nc = &h->nonces[slot % KV_HUB_MAX_NONCES];
     kv_hub_node *n = kv_node_find(h, s->pk);
-    if (!nc->live || memcmp(nc->nonce, a.nonce, 32) || nc->expires_ms < now) {
+    int frc = 0;
+    if (!n && !(n = kv_node_fetch(h, s->pk, &frc, &d)) && frc != KV_ENOTFOUND) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        goto out;
+    }
+    /* a shared store checks and consumes the nonce in node_put */
+    if (!h->shared && (!nc->live || memcmp(nc->nonce, a.nonce, 32) || nc->expires_ms < now)) {
         pthread_mutex_unlock(&h->mu);
         ret = kv_reply_err(c, MHD_HTTP_CONFLICT, KV_EPROTO,
                            "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
@@ -685,9 +778,14 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     tmp.memory = a.memory;
     tmp.counter = s->counter;
     tmp.last_seen_ms = tmp.registered_ms = now;
-    if (kv_node_store_put(h, &tmp, sl, a.n_shards, &d)) {
+    int wrc = kv_node_store_put(h, &tmp, sl, a.n_shards, h->shared ? a.nonce : NULL, now, &d);
+    if (wrc) {
         pthread_mutex_unlock(&h->mu);
-        ret = kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        if (wrc == KV_ENOTFOUND) /* the shared store's nonce check */
+            ret = kv_reply_err(c, MHD_HTTP_CONFLICT, KV_EPROTO,
+                               "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
+        else
+            ret = kv_reply_diag(c, kv_store_http(wrc), &d);
         goto out;
     }
     if (!n && !(n = kv_node_add(h, s->pk))) {
@@ -696,7 +794,7 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
         ret = kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
         goto out;
     }
-    nc->live = false;
+    if (!h->shared) nc->live = false;
     free(n->slabs);
     tmp.slabs = sl;
     tmp.n_slabs = a.n_shards;
@@ -720,6 +818,13 @@ out:
 static kv_hub_node *kv_lock_signer(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, enum MHD_Result *ret) {
     pthread_mutex_lock(&h->mu);
     kv_hub_node *n = kv_node_find(h, s->pk);
+    int frc = 0;
+    kv_diag d = {0};
+    if (!n && !(n = kv_node_fetch(h, s->pk, &frc, &d)) && frc != KV_ENOTFOUND) {
+        pthread_mutex_unlock(&h->mu);
+        *ret = kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        return NULL;
+    }
     if (!n) {
         pthread_mutex_unlock(&h->mu);
         *ret = kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "unknown node: register first (POST /v1/register)");
@@ -743,19 +848,19 @@ static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, cons
     if (!n) return ret;
     int64_t now = kv_now_ms();
     json_t *j = json_object();
+    int wrc;
     if (n->ch_pending && now - n->ch_issued_ms > (int64_t)h->o.challenge_ttl_ms) {
         /* an unanswered storage challenge counts as a failed one */
-        if (kv_node_drop(h, n, s->counter, &d)) {
+        if ((wrc = kv_node_drop(h, n, s->counter, now, &d))) {
             pthread_mutex_unlock(&h->mu);
             json_decref(j);
-            return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply_diag(c, kv_store_http(wrc), &d);
         }
         json_object_set_new(j, "dropped", json_string("storage challenge not answered in time: holdings dropped"));
-    }
-    if (h->store.ops->node_touch(h->store.impl, n->pk, s->counter, now, &d)) {
+    } else if ((wrc = h->store.ops->node_touch(h->store.impl, n->pk, s->counter, now, &d))) {
         pthread_mutex_unlock(&h->mu);
         json_decref(j);
-        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        return kv_reply_diag(c, kv_store_http(wrc), &d);
     }
     n->counter = s->counter;
     n->last_seen_ms = now;
@@ -784,10 +889,11 @@ static enum MHD_Result kv_do_answer(kv_hub *h, struct MHD_Connection *c, const k
         pthread_mutex_unlock(&h->mu);
         return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
     }
+    int wrc;
     if (sodium_memcmp(want, ans, 32) == 0) {
-        if (h->store.ops->node_touch(h->store.impl, n->pk, s->counter, n->last_seen_ms, &d)) {
+        if ((wrc = h->store.ops->node_touch(h->store.impl, n->pk, s->counter, -1, &d))) {
             pthread_mutex_unlock(&h->mu);
-            return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply_diag(c, kv_store_http(wrc), &d);
         }
         n->counter = s->counter;
         n->ch_pending = false;
@@ -797,9 +903,9 @@ static enum MHD_Result kv_do_answer(kv_hub *h, struct MHD_Connection *c, const k
         return kv_reply_json(c, MHD_HTTP_OK, j);
     }
     uint32_t L = sl->layer, F = sl->first, T = sl->last;
-    if (kv_node_drop(h, n, s->counter, &d)) {
+    if ((wrc = kv_node_drop(h, n, s->counter, -1, &d))) {
         pthread_mutex_unlock(&h->mu);
-        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        return kv_reply_diag(c, kv_store_http(wrc), &d);
     }
     pthread_mutex_unlock(&h->mu);
     return kv_reply_errf(c, MHD_HTTP_UNPROCESSABLE_CONTENT, KV_EHASH,
@@ -810,14 +916,23 @@ static enum MHD_Result kv_do_nonce(kv_hub *h, struct MHD_Connection *c) {
     uint8_t nonce[32];
     int64_t now = kv_now_ms();
     pthread_mutex_lock(&h->mu);
-    uint32_t slot = h->nonce_next++ % KV_HUB_MAX_NONCES;
-    memcpy(nonce, &slot, 4);
-    randombytes_buf(nonce + 4, 28);
-    kv_hub_nonce *e = &h->nonces[slot];
-    memcpy(e->nonce, nonce, 32);
-    e->expires_ms = now + KV_HUB_NONCE_TTL_MS;
-    e->live = true;
-    pthread_mutex_unlock(&h->mu);
+    if (h->shared) {
+        /* every hub on the store can take it: the store keeps the ring */
+        kv_diag d = {0};
+        randombytes_buf(nonce, 32);
+        int rc = h->store.ops->nonce_put(h->store.impl, nonce, now + KV_HUB_NONCE_TTL_MS, &d);
+        pthread_mutex_unlock(&h->mu);
+        if (rc) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    } else {
+        uint32_t slot = h->nonce_next++ % KV_HUB_MAX_NONCES;
+        memcpy(nonce, &slot, 4);
+        randombytes_buf(nonce + 4, 28);
+        kv_hub_nonce *e = &h->nonces[slot];
+        memcpy(e->nonce, nonce, 32);
+        e->expires_ms = now + KV_HUB_NONCE_TTL_MS;
+        e->live = true;
+        pthread_mutex_unlock(&h->mu);
+    }
     char hex[65];
     kv_hex(nonce, 32, hex);
     json_t *j = json_object();
@@ -827,6 +942,8 @@ static enum MHD_Result kv_do_nonce(kv_hub *h, struct MHD_Connection *c) {
 }
 
 static enum MHD_Result kv_do_status(kv_hub *h, struct MHD_Connection *c) {
+    kv_diag d = {0};
+    if (kv_hub_refresh(h, &d)) return kv_reply_diag(c, MHD_HTTP_SERVICE_UNAVAILABLE, &d);
     int64_t now = kv_now_ms();
     pthread_mutex_lock(&h->mu);
     size_t n_live = 0;
@@ -924,7 +1041,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
                 }
                 rc = kv_hub_placement_render(h, layer, &s, &n, &d);
             }
-            if (rc) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            if (rc) return kv_reply_diag(c, rc == KV_EIO ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
         if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge"))
@@ -1073,6 +1190,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     h->dir_fd = -1;
     h->stop_pipe[0] = h->stop_pipe[1] = -1;
     pthread_mutex_init(&h->mu, NULL);
+    pthread_mutex_init(&h->refresh_mu, NULL);
     h->o = *opts;
     if (!h->o.listen) h->o.listen = "127.0.0.1:0";
     if (!h->o.wanted) h->o.wanted = 2;
@@ -1085,6 +1203,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.threads) h->o.threads = 4;
     if (!h->o.challenge_every) h->o.challenge_every = 12;
     if (!h->o.challenge_ttl_ms) h->o.challenge_ttl_ms = 60000;
+    if (!h->o.refresh_ms) h->o.refresh_ms = 250;
     int rc;
     /* the bytes served and the manifest parsed are read from the same path
      * (the parse through the slices module's own loader, so the format keeps
@@ -1135,12 +1254,18 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         }
     }
     if ((rc = kv_hub_store_open(&h->store, opts->db, d))) goto fail;
+    h->shared = h->store.ops->shared;
+    if (h->shared && (rc = kv_hub_store_open(&h->rstore, opts->db, d))) goto fail;
     {
         char mid[128];
         if ((rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d))) goto fail;
         if (!mid[0]) {
-            if ((rc = h->store.ops->meta_put(h->store.impl, "model_id", h->m->model_id, d))) goto fail;
-        } else if (strcmp(mid, h->m->model_id)) {
+            /* read back: on a shared store another hub may have put its own meanwhile */
+            if ((rc = h->store.ops->meta_put(h->store.impl, "model_id", h->m->model_id, d)) ||
+                (rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d)))
+                goto fail;
+        }
+        if (strcmp(mid, h->m->model_id)) {
             rc = kv_fail(d, KV_EINVAL, "hub: store '%s' belongs to model %.16s..., not %.16s...", opts->db, mid,
                          h->m->model_id);
             goto fail;
@@ -1150,6 +1275,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
         goto fail;
     }
+    h->refreshed_ms = kv_now_ms();
     struct sockaddr_storage ss;
     socklen_t sl;
     if ((rc = kv_parse_listen(h->o.listen, &ss, &sl, d))) goto fail;
@@ -1210,6 +1336,7 @@ void kv_hub_free(kv_hub *h) {
     if (!h) return;
     if (h->mhd) MHD_stop_daemon(h->mhd);
     kv_hub_store_close(&h->store);
+    kv_hub_store_close(&h->rstore);
     for (size_t k = 0; k < h->n_nodes; k++) free(h->nodes[k].slabs);
     free(h->nodes);
     free(h->tab);
@@ -1222,5 +1349,6 @@ void kv_hub_free(kv_hub *h) {
     if (h->stop_pipe[0] >= 0) close(h->stop_pipe[0]);
     if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
     pthread_mutex_destroy(&h->mu);
+    pthread_mutex_destroy(&h->refresh_mu);
     free(h);
 }
