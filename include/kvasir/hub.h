@@ -64,7 +64,7 @@ typedef struct kv_hub_opts {
     uint32_t threads;          /* server threads; 0 = 4 */
     uint32_t challenge_every;  /* heartbeats between storage challenges; 0 = 12 */
     uint32_t challenge_ttl_ms; /* a challenge unanswered this long fails; 0 = 60000 */
-    uint32_t refresh_ms;       /* shared store: the market/placement view is at most this old; 0 = 250 */
+    uint32_t refresh_ms;       /* shared store: the view of other hubs' changes is reloaded this often; 0 = 250 */
     bool skip_verify;          /* check piece sizes only, not their SHA-256 */
     bool quiet;                /* no log lines on stderr */
 } kv_hub_opts;

@@ -11,10 +11,12 @@
  * counter condition and nonce consumption run inside its transaction, so a
  * request accepted by one hub is refused by every other, and a nonce one hub
  * handed out can be used once at any of them. Memory is then a view of the
- * store that lives at most refresh_ms: the market, placement and status
- * reload it (from a second connection, outside the state lock) when it is
- * older, and a signed request from a key this hub has not seen loads that
- * node from the store. A reloaded record replaces the one in memory only
+ * store that lives about refresh_ms: a refresher thread reloads it from a
+ * second connection (outside the state lock, so no request waits for a
+ * reload); the market, placement and status answer 503 while the view is
+ * older than 4 refresh periods plus a second (the store is unreachable), and
+ * a signed request from a key this hub has not seen loads that node from
+ * the store. A reloaded record replaces the one in memory only
  * when its counter is higher, so a snapshot taken before this hub's own
  * write cannot undo it. Pending storage challenges stay with the hub that
  * issued them.
@@ -97,8 +99,12 @@ struct kv_hub {
     kv_hub_store store;
     bool shared;                /* the store is shared with other hubs (store.h) */
     kv_hub_store rstore;        /* shared only: the connection the view is reloaded from */
-    pthread_mutex_t refresh_mu; /* guards rstore and refreshed_ms */
-    int64_t refreshed_ms;       /* wall clock of the last reload of the view */
+    pthread_mutex_t refresh_mu; /* guards rstore and refresh_stop (held during a reload) */
+    pthread_cond_t refresh_cv;  /* wakes the refresher to stop */
+    pthread_t refresher;        /* reloads the view every refresh_ms */
+    bool refresher_on, refresh_stop;
+    int64_t refreshed_ms;       /* wall clock of the last successful reload (atomic) */
+    kv_diag refresh_diag;       /* why the last reload failed, if it did (under mu) */
     pthread_mutex_t mu;         /* guards everything below and the store */
     kv_hub_node *nodes;         /* [n_nodes] */
     size_t n_nodes, cap_nodes;
@@ -272,20 +278,42 @@ static int kv_node_merge(void *arg, const kv_hub_node_rec *r) {
     return rc;
 }
 
-/* Shared store: reloads the view when it is older than refresh_ms. One
- * caller reloads at a time; the others use the current view meanwhile.
- * Returns 0 or the store's error (the view is then as old as before). */
-static int kv_hub_refresh(kv_hub *h, kv_diag *d) {
-    if (!h->shared) return 0;
-    int64_t now = kv_now_ms();
-    if (pthread_mutex_trylock(&h->refresh_mu)) return 0;
-    int rc = 0;
-    if (now - h->refreshed_ms >= (int64_t)h->o.refresh_ms) {
-        rc = h->rstore.ops->node_each(h->rstore.impl, kv_node_merge, h, d);
-        if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
-        if (!rc) h->refreshed_ms = now;
+/* The refresher: one reload per refresh_ms until kv_hub_free stops it. */
+static void *kv_hub_refresher(void *arg) {
+    kv_hub *h = arg;
+    pthread_mutex_lock(&h->refresh_mu);
+    while (!h->refresh_stop) {
+        kv_diag d = {0};
+        int rc = h->rstore.ops->node_each(h->rstore.impl, kv_node_merge, h, &d);
+        if (rc == KV_ENOMEM) kv_fail(&d, rc, "hub: out of memory reloading nodes");
+        if (!rc) {
+            __atomic_store_n(&h->refreshed_ms, kv_now_ms(), __ATOMIC_RELEASE);
+        } else {
+            pthread_mutex_lock(&h->mu);
+            h->refresh_diag = d;
+            pthread_mutex_unlock(&h->mu);
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)h->o.refresh_ms * 1000000u;
+        ts.tv_sec += (time_t)(ns / 1000000000u);
+        ts.tv_nsec = (long)(ns % 1000000000u);
+        if (!h->refresh_stop) pthread_cond_timedwait(&h->refresh_cv, &h->refresh_mu, &ts);
     }
     pthread_mutex_unlock(&h->refresh_mu);
+    return NULL;
+}
+
+/* Shared store: 0 while the view is fresh, else KV_EIO with the reason (a
+ * view older than four refresh periods plus a second is not served). */
+static int kv_hub_refresh(kv_hub *h, kv_diag *d) {
+    if (!h->shared) return 0;
+    int64_t age = kv_now_ms() - __atomic_load_n(&h->refreshed_ms, __ATOMIC_ACQUIRE);
+    if (age <= 4 * (int64_t)h->o.refresh_ms + 1000) return 0;
+    pthread_mutex_lock(&h->mu);
+    int rc = kv_fail(d, KV_EIO, "hub: the view of the shared store is %lld ms old: %s", (long long)age,
+                     h->refresh_diag.msg[0] ? h->refresh_diag.msg : "no reload yet");
+    pthread_mutex_unlock(&h->mu);
     return rc;
 }
 
@@ -1191,6 +1219,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     h->stop_pipe[0] = h->stop_pipe[1] = -1;
     pthread_mutex_init(&h->mu, NULL);
     pthread_mutex_init(&h->refresh_mu, NULL);
+    pthread_cond_init(&h->refresh_cv, NULL);
     h->o = *opts;
     if (!h->o.listen) h->o.listen = "127.0.0.1:0";
     if (!h->o.wanted) h->o.wanted = 2;
@@ -1276,6 +1305,13 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         goto fail;
     }
     h->refreshed_ms = kv_now_ms();
+    if (h->shared) {
+        if (pthread_create(&h->refresher, NULL, kv_hub_refresher, h)) {
+            rc = kv_fail(d, KV_EINTERNAL, "hub: cannot start the refresher thread");
+            goto fail;
+        }
+        h->refresher_on = true;
+    }
     struct sockaddr_storage ss;
     socklen_t sl;
     if ((rc = kv_parse_listen(h->o.listen, &ss, &sl, d))) goto fail;
@@ -1335,6 +1371,13 @@ void kv_hub_stop(kv_hub *h) {
 void kv_hub_free(kv_hub *h) {
     if (!h) return;
     if (h->mhd) MHD_stop_daemon(h->mhd);
+    if (h->refresher_on) {
+        pthread_mutex_lock(&h->refresh_mu);
+        h->refresh_stop = true;
+        pthread_cond_signal(&h->refresh_cv);
+        pthread_mutex_unlock(&h->refresh_mu);
+        pthread_join(h->refresher, NULL);
+    }
     kv_hub_store_close(&h->store);
     kv_hub_store_close(&h->rstore);
     for (size_t k = 0; k < h->n_nodes; k++) free(h->nodes[k].slabs);
@@ -1350,5 +1393,6 @@ void kv_hub_free(kv_hub *h) {
     if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
     pthread_mutex_destroy(&h->mu);
     pthread_mutex_destroy(&h->refresh_mu);
+    pthread_cond_destroy(&h->refresh_cv);
     free(h);
 }
