@@ -127,6 +127,7 @@ int kv_pq_i64(PGresult *r, int row, int col, int64_t min, int64_t max, int64_t *
               const char *who, const char *what) {
     if (PQgetisnull(r, row, col)) return kv_fail(d, KV_EFORMAT, "%s: %s is NULL", who, what);
     const char *s = PQgetvalue(r, row, col);
+    if ((size_t)PQgetlength(r, row, col) != strlen(s)) return kv_fail(d, KV_EFORMAT, "%s: %s holds a NUL byte", who, what);
     char *e;
     errno = 0;
     long long v = strtoll(s, &e, 10);
@@ -142,6 +143,7 @@ int kv_pq_text(PGresult *r, int row, int col, char *out, size_t cap, kv_diag *d,
     if (PQgetisnull(r, row, col)) return kv_fail(d, KV_EFORMAT, "%s: %s is NULL", who, what);
     int n = PQgetlength(r, row, col);
     if (n < 0 || (size_t)n >= cap) return kv_fail(d, KV_EFORMAT, "%s: %s is longer than %zu bytes", who, what, cap - 1);
+    if (memchr(PQgetvalue(r, row, col), 0, (size_t)n)) return kv_fail(d, KV_EFORMAT, "%s: %s holds a NUL byte", who, what);
     memcpy(out, PQgetvalue(r, row, col), (size_t)n);
     out[n] = 0;
     return 0;
