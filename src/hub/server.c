@@ -59,6 +59,10 @@
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
 
+/* the status page (src/hub/status.html, embedded at build time) */
+extern const unsigned char kv_status_page_data[];
+extern const size_t kv_status_page_len;
+
 typedef struct kv_hub_node {
     uint8_t pk[32];                       /* identity */
     char addr[KV_HUB_MAX_ADDR + 1];       /* dispatch HOST:PORT */
@@ -73,6 +77,10 @@ typedef struct kv_hub_node {
     uint8_t ch_nonce[32];
     uint32_t ch_slab;                     /* slab index challenged */
     int64_t ch_issued_ms;
+    /* what it served, from its heartbeats (memory only: rates restart with the hub) */
+    uint64_t served_pairs, served_tokens; /* totals last reported (since the node started) */
+    int64_t served_ms;                    /* when; 0 = never reported */
+    double pairs_per_s, tokens_per_s;     /* between its last two reports */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -873,9 +881,28 @@ static kv_hub_node *kv_lock_signer(kv_hub *h, struct MHD_Connection *c, const kv
     return n;
 }
 
-static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, const kv_signed *s) {
+/* A report of served totals: rates from the difference with the last one
+ * (a total that went down is a restarted node: no rate this time). */
+static void kv_node_served(kv_hub_node *n, const kv_hub_beat *b, int64_t now) {
+    if (!b->has) return;
+    if (n->served_ms && now > n->served_ms && b->served_pairs >= n->served_pairs &&
+        b->served_tokens >= n->served_tokens) {
+        const double dt = (double)(now - n->served_ms) / 1000.0;
+        n->pairs_per_s = (double)(b->served_pairs - n->served_pairs) / dt;
+        n->tokens_per_s = (double)(b->served_tokens - n->served_tokens) / dt;
+    } else {
+        n->pairs_per_s = n->tokens_per_s = 0;
+    }
+    n->served_pairs = b->served_pairs;
+    n->served_tokens = b->served_tokens;
+    n->served_ms = now;
+}
+
+static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     enum MHD_Result ret;
     kv_diag d = {0};
+    kv_hub_beat beat;
+    if (kv_hub_parse_beat(&beat, q->body ? q->body : "", q->n, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
     kv_hub_node *n = kv_lock_signer(h, c, s, &ret);
     if (!n) return ret;
     int64_t now = kv_now_ms();
@@ -896,6 +923,7 @@ static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, cons
     }
     n->counter = s->counter;
     n->last_seen_ms = now;
+    kv_node_served(n, &beat, now);
     if (!n->ch_pending && ++n->beats >= h->o.challenge_every) kv_challenge_issue(n, now);
     json_object_set_new(j, "ok", json_true());
     json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
@@ -1042,6 +1070,89 @@ static int kv_hub_load_key(kv_hub *h, kv_diag *d) {
 }
 
 const uint8_t *kv_hub_key(const kv_hub *h) { return h->hub_pk; }
+/* GET /v1/nodes: every registered node, what it holds and serves, and the
+ * swarm's rates (docs/HUB.md). Node fields need no escaping (addr and
+ * backend are from the announcement's character sets). earned_micro_kvr
+ * is present only when opts.earned answers for the node. */
+static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
+    *out = NULL;
+    const kv_manifest *m = h->m;
+    uint32_t n_moe = 0;
+    for (uint32_t L = 0; L + m->n_layer_nextn < m->n_layer; L++) n_moe += m->moe_layer[L] ? 1 : 0;
+    /* earnings come from outside (the ledger): looked up without the
+       registry lock, for the nodes known now, matched by key below */
+    size_t n_earn = 0;
+    uint8_t (*pks)[32] = NULL;
+    uint64_t *earn = NULL;
+    uint8_t *has = NULL;
+    if (h->o.earned) {
+        pthread_mutex_lock(&h->mu);
+        n_earn = h->n_nodes;
+        pks = malloc((n_earn ? n_earn : 1) * 32);
+        if (pks)
+            for (size_t k = 0; k < n_earn; k++) memcpy(pks[k], h->nodes[k].pk, 32);
+        pthread_mutex_unlock(&h->mu);
+        earn = calloc(n_earn ? n_earn : 1, sizeof *earn);
+        has = calloc(n_earn ? n_earn : 1, 1);
+        if (!pks || !earn || !has) {
+            free(pks);
+            free(earn);
+            free(has);
+            return kv_fail(d, KV_ENOMEM, "nodes: out of memory");
+        }
+        for (size_t k = 0; k < n_earn; k++) has[k] = h->o.earned(h->o.earned_arg, pks[k], &earn[k]) == 0;
+    }
+    const int64_t now = kv_now_ms();
+    kv_sb b = {0};
+    double pairs_s = 0, rows_s = 0;
+    size_t n_live = 0;
+    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"now_ms\":%" PRId64 ",\"deadline_ms\":%u,\"n_layer\":%u,"
+                 "\"n_expert\":%u,\"n_expert_used\":%u,\"moe_layers\":%u,\"nodes\":[", m->model_id, now,
+                 h->o.deadline_ms, m->n_layer, m->n_expert, m->n_expert_used, n_moe);
+    pthread_mutex_lock(&h->mu);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *n = &h->nodes[k];
+        const bool live = kv_node_live(h, n, now);
+        /* a node that stopped beating serves nothing now */
+        const double ps = live ? n->pairs_per_s : 0, ts = live ? n->tokens_per_s : 0;
+        n_live += live;
+        pairs_s += ps;
+        rows_s += ts;
+        char hex[65];
+        kv_hex(n->pk, 32, hex);
+        kv_sb_printf(&b, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"backend\":\"%s\",\"memory\":%" PRIu64
+                     ",\"live\":%s,\"last_seen_ms\":%" PRId64 ",\"registered_ms\":%" PRId64 ",\"served_pairs\":%"
+                     PRIu64 ",\"served_tokens\":%" PRIu64 ",\"pairs_per_s\":%.3f,\"tokens_per_s\":%.3f",
+                     k ? "," : "", hex, n->addr, n->backend, n->memory, live ? "true" : "false", n->last_seen_ms,
+                     n->registered_ms, n->served_pairs, n->served_tokens, ps, ts);
+        if (k < n_earn && has[k] && !memcmp(pks[k], n->pk, 32))
+            kv_sb_printf(&b, ",\"earned_micro_kvr\":%" PRIu64, earn[k]);
+        kv_sb_printf(&b, ",\"shards\":[");
+        for (size_t i = 0; i < n->n_slabs; i++) {
+            const kv_manifest_slab *sl = &m->slabs[n->slabs[i]];
+            kv_sb_printf(&b, "%s[%u,%u,%u]", i ? "," : "", sl->layer, sl->first, sl->last);
+        }
+        kv_sb_printf(&b, "]}");
+    }
+    pthread_mutex_unlock(&h->mu);
+    free(pks);
+    free(earn);
+    free(has);
+    /* every token through the swarm (prompt or generated, from any
+       coordinator) costs n_expert_used expert computations per MoE layer */
+    const double per_tok = (double)n_moe * (m->n_expert_used ? m->n_expert_used : 1);
+    kv_sb_printf(&b, "],\"live_nodes\":%zu,\"pairs_per_s\":%.3f,\"rows_per_s\":%.3f,\"tokens_per_s\":%.3f}\n",
+                 n_live, pairs_s, rows_s, per_tok > 0 ? pairs_s / per_tok : 0.0);
+    if (b.oom) {
+        free(b.p);
+        return kv_fail(d, KV_ENOMEM, "nodes: out of memory");
+    }
+    *out = b.p;
+    *len = b.n;
+    return 0;
+}
+
+int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d) { return kv_hub_nodes_render(h, out, len, d); }
 
 /* ---- dispatch --------------------------------------------------------------- */
 
@@ -1105,6 +1216,19 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         if (!strncmp(url, "/v1/pieces/", 11)) return kv_serve_piece(h, c, url + 11);
         if (!strcmp(url, "/v1/nonce")) return kv_do_nonce(h, c);
         if (!strcmp(url, "/v1/status")) return kv_do_status(h, c);
+        if (!strcmp(url, "/") || !strcmp(url, "/index.html")) {
+            char *s = malloc(kv_status_page_len + 1);
+            if (!s) return MHD_NO;
+            memcpy(s, kv_status_page_data, kv_status_page_len);
+            return kv_reply(c, MHD_HTTP_OK, "text/html; charset=utf-8", s, kv_status_page_len);
+        }
+        if (!strcmp(url, "/v1/nodes")) {
+            kv_diag d = {0};
+            char *s;
+            size_t n;
+            if (kv_hub_nodes_render(h, &s, &n, &d)) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
+        }
         if (!strcmp(url, "/v1/market") || !strcmp(url, "/v1/placement")) {
             kv_diag d = {0};
             char *s;
@@ -1142,7 +1266,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
     kv_signed s;
     if (kv_check_sig(c, method, url, q, &s, &d)) return kv_reply_diag(c, MHD_HTTP_UNAUTHORIZED, &d);
     if (which == 1) return kv_do_register(h, c, &s, q);
-    if (which == 2) return kv_do_heartbeat(h, c, &s);
+    if (which == 2) return kv_do_heartbeat(h, c, &s, q);
     if (which == 4) return kv_do_voucher(h, c, &s);
     return kv_do_answer(h, c, &s, q);
 }
