@@ -34,6 +34,7 @@
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "test_auth_support.h"
 
 static char g_dir[200];
 static char g_model[300];
@@ -1013,7 +1014,8 @@ static void test_worker_batched(void) {
     if (pid == 0) {
         FILE *f = freopen("/dev/null", "w", stdout);
         (void)f;
-        execl(bin, bin, "worker", "--slabs", slabs, "--listen", addr, "--threads", "1", "--quiet", (char *)NULL);
+        execl(bin, bin, "worker", "--slabs", slabs, "--listen", addr, "--threads", "1", "--quiet", "--allow-key",
+              kvt_coord_hex(), (char *)NULL);
         _exit(127);
     }
     bool up = false;
@@ -1029,10 +1031,58 @@ static void test_worker_batched(void) {
     ASSERT_TRUE(up);
     char manifest[300];
     snprintf(manifest, sizeof manifest, "%s/manifest.json", co);
+    {
+        /* a coordinator with no worker yet (as `gateway --hub` before any
+           node): it opens, /health is 503 naming every shard, and the worker
+           added later covers them (coverage against the slabs the worker
+           serves: every one of the manifest's) */
+        kv_engine *e0 = NULL;
+        kv_engine_opts eo0 = {.n_threads = 1, .max_sessions = 2, .max_workers = 4, .allow_uncovered = true,
+                              .worker_timeout_ms = 5000};
+        ASSERT_EQ(kv_engine_open(&e0, manifest, &eo0, &d), 0);
+        kv_remote *rm = e0 ? kv_engine_remote(e0) : NULL;
+        ASSERT_TRUE(rm != NULL);
+        if (rm) {
+            const uint32_t n_slabs = (uint32_t)kv_remote_manifest(rm)->n_slabs;
+            kv_remote_coverage cv;
+            uint32_t miss[64];
+            kv_remote_get_coverage(rm, &cv, miss, 64);
+            ASSERT_EQ(cv.total, n_slabs);
+            ASSERT_EQ(cv.covered, 0);
+            ASSERT_EQ(cv.n_missing, n_slabs);
+            kv_gateway *g0 = NULL;
+            kv_gateway_opts go0 = {.model_name = "tiny"};
+            ASSERT_EQ(kv_gateway_start(&g0, e0, &go0, &d), 0);
+            char b0[64];
+            snprintf(b0, sizeof b0, "http://127.0.0.1:%u", g0 ? kv_gateway_port(g0) : 0);
+            resp h0 = {0};
+            http(b0, "/health", NULL, NULL, &h0);
+            ASSERT_EQ(h0.status, 503);
+            json_t *hj = parse(h0.body);
+            ASSERT_EQ(jint(hj, "shards_covered"), 0);
+            ASSERT_EQ(jint(hj, "shards_total"), n_slabs);
+            ASSERT_EQ(json_array_size(json_object_get(hj, "missing")), n_slabs);
+            json_decref(hj);
+            free(h0.body);
+            kv_gateway_free(g0); /* the engine is ours again */
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 1);
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 0); /* known */
+            ASSERT_TRUE(kv_remote_add_worker(rm, "no-such-host.invalid:1", &d) < 0);
+            for (int k = 0; k < 500; k++) {
+                kv_remote_tend(rm, 10);
+                kv_remote_get_coverage(rm, &cv, miss, 64);
+                if (cv.workers_up == 1) break;
+            }
+            ASSERT_EQ(cv.workers_up, 1);
+            ASSERT_EQ(cv.covered, n_slabs);
+            ASSERT_EQ(cv.n_missing, 0);
+        }
+        kv_engine_free(e0);
+    }
     const char *workers[1] = {addr};
     kv_engine *e = NULL;
     kv_engine_opts eo = {.n_threads = 1, .max_sessions = 8, .workers = workers, .n_workers = 1,
-                         .worker_timeout_ms = 5000};
+                         .worker_timeout_ms = 5000, .key_sk = kvt_coord_sk()};
     ASSERT_EQ(kv_engine_open(&e, manifest, &eo, &d), 0);
     kv_gateway *g = NULL;
     kv_gateway_opts go = {.model_name = "tiny", .max_active = 8, .step_retry_ms = 300};

@@ -24,6 +24,10 @@ have chromedriver || need+=(chromium-driver)
 [ -f /usr/include/microhttpd.h ] || need+=(libmicrohttpd-dev)
 [ -f /usr/include/sqlite3.h ] || need+=(libsqlite3-dev)
 [ -f /usr/include/x86_64-linux-gnu/curl/curl.h ] || [ -f /usr/include/curl/curl.h ] || need+=(libcurl4-openssl-dev)
+# PostgreSQL stores: libpq to build them, the server (initdb, pg_ctl, psql)
+# for the tests, which start a throw-away cluster (tests/pg_env.sh)
+[ -f /usr/include/postgresql/libpq-fe.h ] || need+=(libpq-dev)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && have psql || need+=(postgresql)
 # libFuzzer and sanitizer runtimes for clang
 if have clang; then
   rt=$(clang -print-resource-dir 2>/dev/null)/lib/linux/libclang_rt.fuzzer-x86_64.a

@@ -13,6 +13,13 @@
  * sent) in the API's own shape, streamed or whole. A request's tokens do not
  * depend on what runs beside it (the engine's guarantee).
  *
+ * A swarm (the engine's experts on workers): GET /health is 503 until every
+ * shard is covered by a worker that is up; with opts.hub_url a thread
+ * re-reads the hub's placement map and the scheduler adds its new nodes to
+ * the engine's workers between steps; a step that fails for want of a
+ * holder keeps its sessions and is retried (step_retry_ms), so nothing is
+ * answered partially. docs/GATEWAY.md.
+ *
  * Errors are answered in the shape of the API asked (OpenAI
  * {"error":{...}}, Anthropic {"type":"error",...}, Ollama {"error":"..."})
  * with the status that fits: 400 malformed body or a prompt longer than

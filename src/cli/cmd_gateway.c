@@ -21,7 +21,7 @@
 static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
-                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--data",
+                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", NULL};
 
 static const char *kv_gateway_help =
@@ -35,6 +35,7 @@ static const char *kv_gateway_help =
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --key FILE           the coordinator key proved to workers (default ~/.kvasir/coordinator.key)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -56,7 +57,8 @@ static void kv_gw_on_signal(int sig) {
 }
 
 int kv_cmd_gateway(int argc, char **argv) {
-    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL;
+    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL, *coord_key = NULL;
+    kv_cli_auth auth = {0};
     const char *workers[KV_REMOTE_MAX_WORKERS];
     const char *keys[KV_GATEWAY_MAX_KEYS];
     uint32_t n_workers = 0, n_keys = 0;
@@ -78,6 +80,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--key")) {
+            coord_key = v;
         } else if (!strcmp(a, "--data")) {
             data_dir = v;
         } else if (!strcmp(a, "--hub-refresh-ms")) {
@@ -196,10 +200,15 @@ int kv_cmd_gateway(int argc, char **argv) {
         n_workers = n_hub_workers;
         model = hub_manifest;
     }
+    if ((n_workers || hub) &&
+        (rc = kv_cli_auth_setup(CMD, coord_key, hub, data_dir, hub_workers, n_hub_workers, &auth)))
+        goto done;
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
-                               .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL};
+                               .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL,
+                               .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
+                               .worker_keys = (const uint8_t(*)[32])auth.worker_keys};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -225,5 +234,6 @@ done:
     kv_engine_free(e);
     kv_gateway_keys_free(fkeys, n_fkeys);
     kv_node_workers_free(hub_workers, n_hub_workers);
+    kv_cli_auth_free(&auth);
     return rc;
 }
