@@ -139,7 +139,7 @@ for _ in $(seq 50); do [ "$(hub_served)" = "$pairs" ] && break; sleep 0.2; done
 jq -e '.covered and .n_moe_layers == 2 and .n_expert_used == 2 and (.nodes | length) == 3 and
        ([.nodes[].experts] | add) >= 16 and .per_token.expert_pairs == 4 and .per_token.exact' "$dir/plan.json" >/dev/null ||
   fail "plan: $(cat "$dir/plan.json")"
-"$KV" bench --hub "$HUB" --data "$dir/coord" -p 8 -n 16 --reps 1 --threads 1 --json >"$dir/bench.json" 2>"$dir/bench.err" ||
+"$KV" bench --hub "$HUB" --key "$SW/coordinator.key" --data "$dir/coord" -p 8 -n 16 --reps 1 --threads 1 --json >"$dir/bench.json" 2>"$dir/bench.err" ||
   fail "bench --hub: $(cat "$dir/bench.err")"
 rt=$(jq .per_token.round_trips "$dir/plan.json")
 jq -e --argjson rt "$rt" '.rounds_per_step == $rt and .retried_pairs == 0' "$dir/bench.json" >/dev/null ||
@@ -153,7 +153,7 @@ jq -ne --argjson b "$bytes" --argjson lo "$bmin" --argjson hi "$bmax" '$b >= $lo
 echo "ok: plan: $rt round trips and $bmin..$bmax bytes per token; bench --hub measured $(jq .rounds_per_step "$dir/bench.json") and $bytes"
 
 # a single holder of every expert: one message per MoE layer, the bytes exact
-"$KV" hub --model "$SW/model/manifest.json" --db "$dir/one.db" --listen 127.0.0.1:0 --quiet >"$dir/one.out" 2>&1 &
+"$KV" hub --model "$SW/model/manifest.json" --db "$dir/one.db" --listen 127.0.0.1:0 --vouch-open --quiet >"$dir/one.out" 2>&1 &
 onehub=$!
 for _ in $(seq 200); do grep -q "^listening on" "$dir/one.out" && break; sleep 0.05; done
 URL1="http://$(sed -n 's/^listening on //p' "$dir/one.out")"
@@ -174,7 +174,7 @@ echo "ok: plan with one holder: $(jq .per_token.bytes_min "$dir/plan1.json") byt
 # two nodes holding disjoint halves (one replica wanted): a token's experts
 # meet one or two workers per layer; the measured bytes lie in plan's range
 slab=$(stat -c %s "$SW/model/experts/blk.0.0000-0001.gguf")
-"$KV" hub --model "$SW/model/manifest.json" --db "$dir/two.db" --listen 127.0.0.1:0 --wanted 1 --quiet >"$dir/two.out" 2>&1 &
+"$KV" hub --model "$SW/model/manifest.json" --db "$dir/two.db" --listen 127.0.0.1:0 --wanted 1 --vouch-open --quiet >"$dir/two.out" 2>&1 &
 twohub=$!
 for _ in $(seq 200); do grep -q "^listening on" "$dir/two.out" && break; sleep 0.05; done
 URL2="http://$(sed -n 's/^listening on //p' "$dir/two.out")"

@@ -25,6 +25,7 @@
 #include <inttypes.h>
 #include <jansson.h>
 #include <signal.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,7 @@
 #define CMD "swarm"
 #define KV_SWARM_MAX_NODES 64
 #define KV_SWARM_STATE "swarm.json"
+#define KV_SWARM_KEY "coordinator.key"  /* the swarm's coordinator key, in DIR */
 #define KV_SWARM_STATE_MAX (1u << 20)  /* bytes of swarm.json */
 #define KV_SWARM_HTTP_MAX (64u << 20)  /* bytes of a market or placement answer */
 #define KV_SWARM_PATH 1024
@@ -404,37 +406,78 @@ static void kv_sw_node_key(const char *dir, char out[65]) {
     if (!kv_node_key_load(&k, dir, false, &d)) kv_hex(k.pk, 32, out);
 }
 
-/* A worker's counters over the dispatch protocol: HELLO with the model id
- * (STATS is answered only after a handshake), then STATS. */
-static int kv_sw_worker_stats(const char *addr, const char *model_id, kv_msg_stats *out, kv_diag *d) {
+/* The swarm's coordinator identity: DIR/coordinator.key (the gateway's
+ * key, which the hub vouches for) and, once the hub answers, its voucher. */
+typedef struct kv_sw_auth {
+    kv_node_key key;
+    kv_voucher voucher;
+    bool has_voucher;
+} kv_sw_auth;
+
+/* Reads one frame of an expected type; an ERROR frame becomes the error. */
+static int kv_sw_expect(kv_frame_rx *rx, int fd, uint16_t type, const char *addr, kv_msg *m, kv_diag *d) {
+    kv_frame_rx_reset(rx);
+    int rc = kv_proto_read_msg(rx, fd, 2000, NULL, m, d);
+    if (rc) return rc;
+    if (m->h.type == KV_MSG_ERROR) return kv_fail(d, m->u.error.code, "%s: %s", addr, m->u.error.msg);
+    if (m->h.type != type) return kv_fail(d, KV_EPROTO, "%s: frame type %u where %u was due", addr, m->h.type, type);
+    return 0;
+}
+
+/* A worker's counters over the dispatch protocol: HELLO (v3) with the
+ * model id, the authentication (the worker must prove worker_key, the key
+ * the node's own key file holds; we prove the swarm's coordinator key with
+ * the hub's voucher), then STATS, which a worker answers only then. */
+static int kv_sw_worker_stats(const char *addr, const char *model_id, const uint8_t worker_key[32],
+                              const kv_sw_auth *au, kv_msg_stats *out, kv_diag *d) {
     int fd = -1, rc = kv_proto_connect(addr, 2000, &fd, d);
     if (rc) return rc;
-    uint8_t *buf = malloc(1u << 20), out_buf[KV_PROTO_HEADER + KV_PROTO_HELLO_SIZE];
+    enum { CAP = 1u << 20 };
+    uint8_t *buf = malloc(CAP), ob[KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE + KV_PROTO_HELLO_SIZE];
     if (!buf) {
         close(fd);
         return kv_fail(d, KV_ENOMEM, "out of memory");
     }
-    kv_msg_hello h = {KV_PROTO_VERSION, KV_PROTO_VERSION, {0}, 1u << KV_ENC_F32};
+    kv_msg_hello h = {KV_PROTO_AUTH_VERSION, KV_PROTO_VERSION, {0}, 1u << KV_ENC_F32};
     snprintf(h.model_id, sizeof h.model_id, "%s", model_id);
     size_t n = 0;
     kv_frame_rx rx;
-    kv_frame_rx_init(&rx, buf, 1u << 20);
+    kv_frame_rx_init(&rx, buf, CAP);
     kv_msg m;
-    if ((rc = kv_msg_hello_encode(out_buf, sizeof out_buf, 1, &h, &n, d)) ||
-        (rc = kv_proto_write_all(fd, out_buf, n, 2000, d)) || (rc = kv_proto_read_msg(&rx, fd, 2000, NULL, &m, d)))
+    if ((rc = kv_msg_hello_encode(ob, sizeof ob, 1, &h, &n, d)) || (rc = kv_proto_write_all(fd, ob, n, 2000, d)) ||
+        (rc = kv_sw_expect(&rx, fd, KV_MSG_HELLO_ACK, addr, &m, d)))
         goto done;
-    if (m.h.type != KV_MSG_HELLO_ACK) {
-        rc = kv_fail(d, KV_EPROTO, "%s: no HELLO_ACK (type %u)", addr, m.h.type);
-        goto done;
-    }
-    kv_frame_rx_reset(&rx);
-    if ((rc = kv_msg_stats_encode(out_buf, sizeof out_buf, 2, &n, d))) goto done;
-    kv_frame_set_version(out_buf, KV_PROTO_VERSION);
-    if ((rc = kv_proto_write_all(fd, out_buf, n, 2000, d)) || (rc = kv_proto_read_msg(&rx, fd, 2000, NULL, &m, d))) goto done;
-    if (m.h.type != KV_MSG_STATS_ACK) {
-        rc = kv_fail(d, KV_EPROTO, "%s: no STATS_ACK (type %u)", addr, m.h.type);
+    const uint16_t ver = m.u.ack.version;
+    if ((rc = kv_sw_expect(&rx, fd, KV_MSG_AUTH_CHALLENGE, addr, &m, d))) goto done;
+    if (sodium_memcmp(m.u.challenge.worker_key, worker_key, 32)) {
+        rc = kv_fail(d, KV_EAUTH, "%s proves another key than its node's", addr);
         goto done;
     }
+    kv_msg_auth a = {0};
+    uint8_t challenge[32], dg[32];
+    memcpy(challenge, m.u.challenge.challenge, 32);
+    memcpy(a.key, au->key.pk, 32);
+    randombytes_buf(a.nonce, sizeof a.nonce);
+    kv_dispatch_digest('C', model_id, ver, worker_key, challenge, au->key.pk, a.nonce, dg);
+    kv_dispatch_sign(au->key.sk, dg, a.sig);
+    if (au->has_voucher) {
+        a.flags = KV_PROTO_AUTH_VOUCHER;
+        a.voucher_expires_ms = au->voucher.expires_ms;
+        memcpy(a.voucher_sig, au->voucher.sig, 64);
+    }
+    if ((rc = kv_msg_auth_encode(ob, sizeof ob, 0, &a, &n, d))) goto done;
+    kv_frame_set_version(ob, ver);
+    if ((rc = kv_proto_write_all(fd, ob, n, 2000, d)) || (rc = kv_sw_expect(&rx, fd, KV_MSG_AUTH_OK, addr, &m, d)))
+        goto done;
+    kv_dispatch_digest('W', model_id, ver, worker_key, challenge, au->key.pk, a.nonce, dg);
+    if (kv_dispatch_verify(worker_key, dg, m.u.auth_ok)) {
+        rc = kv_fail(d, KV_EAUTH, "%s: its AUTH_OK does not verify", addr);
+        goto done;
+    }
+    if ((rc = kv_msg_stats_encode(ob, sizeof ob, 2, &n, d))) goto done;
+    kv_frame_set_version(ob, ver);
+    if ((rc = kv_proto_write_all(fd, ob, n, 2000, d)) || (rc = kv_sw_expect(&rx, fd, KV_MSG_STATS_ACK, addr, &m, d)))
+        goto done;
     *out = m.u.stats;
 done:
     free(buf);
@@ -456,6 +499,14 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
     kv_manifest_load(&man, s->manifest, &d);
     const bool hub_up = kv_sw_alive(&s->hub);
     kv_sw_cov c = hub_up ? kv_sw_coverage(s->hub.url) : (kv_sw_cov){0};
+    /* the swarm's coordinator key and a voucher for it: what a worker asks
+     * before it answers STATS */
+    kv_sw_auth au = {0};
+    char kp[KV_SWARM_PATH + 32];
+    snprintf(kp, sizeof kp, "%s/%s", s->dir, KV_SWARM_KEY);
+    kv_diag kd = {0};
+    if (!kv_key_file_load(&au.key, kp, false, &kd) && hub_up)
+        au.has_voucher = !kv_node_fetch_auth(s->hub.url, &au.key, NULL, 0, NULL, &au.voucher, &kd);
     json_t *placement = hub_up ? kv_sw_get_json(s->hub.url, "/v1/placement", 3000, NULL) : NULL;
     json_t *hub_nodes = hub_up ? kv_sw_get_json(s->hub.url, "/v1/nodes", 3000, NULL) : NULL;
     json_t *root = json_object();
@@ -504,7 +555,9 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
         }
         kv_msg_stats st = {0};
         kv_diag sd = {0};
-        if (addr[0] && man && !kv_sw_worker_stats(addr, man->model_id, &st, &sd)) {
+        uint8_t wk[32];
+        if (addr[0] && man && key[0] && !kv_key_from_hex(key, wk, &sd) &&
+            !kv_sw_worker_stats(addr, man->model_id, wk, &au, &st, &sd)) {
             json_object_set_new(n, "experts_computed", json_integer((json_int_t)st.n_pairs));
             json_object_set_new(n, "requests", json_integer((json_int_t)st.n_compute));
             total += st.n_pairs;
@@ -683,6 +736,8 @@ static const char *kv_swarm_up_help =
     "  --interval-ms MS    node heartbeat period (default 1000)\n"
     "  --timeout-ms MS     give up waiting for coverage and health after MS (default 120000)\n"
     "  --gateway-arg ARG   one more argument for `kvasir gateway` (repeatable; e.g. its ledger flags)\n"
+    "  --vouch-open        the hub vouches for any coordinator key (default: only the swarm's own,\n"
+    "                      DIR/coordinator.key, which the gateway uses)\n"
     "Prints the gateway and hub URLs once the market is covered and the gateway's /health is 200.\n"
     "On a timeout it stops what it started and names the logs (DIR/logs).\n";
 
@@ -708,6 +763,7 @@ static int kv_swarm_up(int argc, char **argv) {
     int n_gw_extra = 0;
     const char *model = NULL, *preset = NULL, *dir = "kvasir-swarm", *listen = "127.0.0.1:8080";
     const char *hub_listen = "127.0.0.1:8700", *budget_s = NULL;
+    bool vouch_open = false;
     long n_nodes = 3, eps = 2, threads = 0, beacon_port = KV_BEACON_PORT, interval = 1000, timeout = 120000;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -716,6 +772,8 @@ static int kv_swarm_up(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--no-beacon")) {
             beacon_port = 0;
+        } else if (!strcmp(a, "--vouch-open")) {
+            vouch_open = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, vf))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
@@ -833,9 +891,23 @@ static int kv_swarm_up(int argc, char **argv) {
     snprintf(s.hub.name, sizeof s.hub.name, "hub");
     snprintf(s.hub.log, sizeof s.hub.log, "%s/hub.log", logs);
     s.beacon_port = (uint32_t)beacon_port;
+    /* the swarm's coordinator key (the gateway proves it to the nodes'
+     * workers; swarm status too): the hub vouches for it, and for any key
+     * with --vouch-open */
+    char keyf[KV_SWARM_PATH + 32], keyhex[65];
+    snprintf(keyf, sizeof keyf, "%s/%s", dir, KV_SWARM_KEY);
     {
-        char *av[] = {"kvasir", "hub", "--model", s.manifest, "--db", db, "--listen", (char *)hub_listen,
-                      "--deadline-ms", dls, beacon_port ? "--beacon" : NULL, bps, NULL};
+        kv_node_key ck;
+        if (kv_key_file_load(&ck, keyf, true, &d)) return kv_cli_diag(CMD, &d);
+        kv_hex(ck.pk, 32, keyhex);
+    }
+    {
+        char *av[16] = {"kvasir", "hub", "--model", s.manifest, "--db", db, "--listen", (char *)hub_listen,
+                        "--deadline-ms", dls, "--vouch-key", keyhex};
+        int a = 12;
+        if (vouch_open) av[a++] = "--vouch-open";
+        if (beacon_port) av[a++] = "--beacon", av[a++] = bps;
+        av[a] = NULL;
         if (kv_sw_spawn(&s.hub, av)) return 2;
     }
     int rc = 2;
@@ -905,10 +977,10 @@ static int kv_swarm_up(int argc, char **argv) {
             snprintf(path, sizeof path, "%s/gateway", dir);
             /* the gateway reads the model and its workers from the hub and
              * follows the placement map as nodes come, go and trade shards */
-            char *av[12 + KV_SWARM_MAX_GW_ARGS] = {"kvasir", "gateway", "--hub", s.hub.url, "--data", path,
-                                                   "--listen", (char *)listen, "--threads", ths};
-            for (int k = 0; k < n_gw_extra; k++) av[10 + k] = (char *)gw_extra[k];
-            av[10 + n_gw_extra] = NULL;
+            char *av[14 + KV_SWARM_MAX_GW_ARGS] = {"kvasir", "gateway", "--hub", s.hub.url, "--data", path,
+                                                   "--listen", (char *)listen, "--threads", ths, "--key", keyf};
+            for (int k = 0; k < n_gw_extra; k++) av[12 + k] = (char *)gw_extra[k];
+            av[12 + n_gw_extra] = NULL;
             if (kv_sw_spawn(&s.gateway, av)) goto fail;
             if (kv_sw_save(&s) || kv_sw_wait_listening(&s.gateway, end - kv_sw_now() > 5 ? end - kv_sw_now() : 5) || kv_sw_save(&s)) goto fail;
         }
@@ -958,6 +1030,7 @@ static int kv_swarm_up(int argc, char **argv) {
            s.gateway.url);
     printf("hub      %s  (status page %s/, market %s/v1/market)\n", s.hub.url, s.hub.url, s.hub.url);
     if (beacon_port) printf("beacon   UDP port %ld (kvasir node --budget SIZE --data DIR joins without --hub)\n", beacon_port);
+    printf("key      %s (the coordinator key the hub vouches for: kvasir run --hub %s --key %s)\n", keyf, s.hub.url, keyf);
     printf("state    %s/%s (kvasir swarm status --dir %s; kvasir swarm down --dir %s)\n", dir, KV_SWARM_STATE, dir, dir);
     return 0;
 fail:
