@@ -359,10 +359,16 @@ AI __m512i k5_bits(int p) {
     AI void NAME(const int RT, const int TT, int64_t nsb, const uint8_t *w, size_t rb,          \
                  const uint8_t *a, size_t ab, const k4_pre *P, int pf, float *out) {            \
         /* callers pass P as a constant NULL or a local's address: both specialize */           \
+        /* with P, tokens 2u and 2u+1 share a zmm (acc2, accm2: the first one's 8 \
+         * lanes low, the second one's high); an odd last token and the lone   \
+         * vec_dot use the ymm accumulators */                                  \
         __m256 acc[KT_R][KT_T], accm[KT_R][KT_T];                                               \
+        __m512 acc2[KT_R][KT_T / 2], accm2[KT_R][KT_T / 2];                                     \
+        const int TP = P ? TT / 2 : 0;                                                          \
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {               \
             acc[r][t] = _mm256_setzero_ps();                                                    \
             accm[r][t] = _mm256_setzero_ps();                                                   \
+            if (t < TP) acc2[r][t] = accm2[r][t] = _mm512_setzero_ps();                         \
         }                                                                                       \
         const __m512i m4 = _mm512_set1_epi8(0xF);                                               \
         for (int64_t i = 0; i < nsb; i++) {                                                     \
@@ -376,6 +382,7 @@ AI __m512i k5_bits(int p) {
             __m256 dr[KT_R], dmr[KT_R], mf[KT_R];                                               \
             /* with P: the products d*da, dmin*da of each row and token */                      \
             float pd[KT_R][8], pm[KT_R][8];                                                     \
+            __m512 pdz[KT_R], pmz[KT_R], mf2[KT_R];                                             \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
                 const __m128i sm = k4_scales_v(x->scales);                                      \
@@ -384,9 +391,13 @@ AI __m512i k5_bits(int p) {
                 dmr[r] = _mm256_set1_ps(h2f(x->dmin));                                          \
                 if (P) {                                                                        \
                     const __m256 dav = _mm256_loadu_ps(P->d + (size_t)i * P->ss / 4);           \
-                    _mm256_storeu_ps(pd[r], _mm256_mul_ps(dr[r], dav));                         \
-                    _mm256_storeu_ps(pm[r], _mm256_mul_ps(dmr[r], dav));                        \
+                    const __m256 pdv = _mm256_mul_ps(dr[r], dav), pmv = _mm256_mul_ps(dmr[r], dav); \
+                    _mm256_storeu_ps(pd[r], pdv);                                               \
+                    _mm256_storeu_ps(pm[r], pmv);                                               \
+                    pdz[r] = _mm512_castps256_ps512(pdv);                                       \
+                    pmz[r] = _mm512_castps256_ps512(pmv);                                       \
                     mf[r] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));    \
+                    mf2[r] = _mm512_insertf32x8(_mm512_castps256_ps512(mf[r]), mf[r], 1);       \
                 } else {                                                                        \
                     mdup[r] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(sm), k4_mpick()); \
                 }                                                                               \
@@ -441,7 +452,28 @@ AI __m512i k5_bits(int p) {
                                                              _mm512_maddubs_epi16(q[r][h], yv), sc[r][h]); \
                 }                                                                               \
             }                                                                                   \
-            UNROLL for (int t = 0; t < TT; t++) {                                               \
+            /* pairs: fold both tokens' 16 lanes to 8 at once, one convert and     \
+             * the same per-lane fma steps as the ymm code below (same bits) */     \
+            UNROLL for (int u = 0; u < TP; u++) {                                               \
+                const __m512 bp2 = _mm512_loadu_ps(P->b + (size_t)i * P->ss / 4 + 16 * u);      \
+                const __m512i sel = _mm512_setr_epi32(2 * u, 2 * u, 2 * u, 2 * u, 2 * u, 2 * u, \
+                    2 * u, 2 * u, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1,       \
+                    2 * u + 1, 2 * u + 1, 2 * u + 1);                                           \
+                UNROLL for (int r = 0; r < RT; r++) {                                           \
+                    __m512i i0 = isum[0][r][2 * u], i1 = isum[0][r][2 * u + 1];                 \
+                    if (K_NCH(RT, TT) >= 2) {                                                   \
+                        i0 = _mm512_add_epi32(i0, isum[1][r][2 * u]);                           \
+                        i1 = _mm512_add_epi32(i1, isum[1][r][2 * u + 1]);                       \
+                    }                                                                           \
+                    const __m512i f = _mm512_add_epi32(_mm512_shuffle_i64x2(i0, i1, 0x44),      \
+                                                       _mm512_shuffle_i64x2(i0, i1, 0xEE));     \
+                    acc2[r][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), _mm512_permutexvar_ps(sel, pdz[r]), \
+                                                 acc2[r][u]);                                   \
+                    accm2[r][u] = _mm512_fmadd_ps(_mm512_mul_ps(mf2[r], bp2),                   \
+                                                  _mm512_permutexvar_ps(sel, pmz[r]), accm2[r][u]); \
+                }                                                                               \
+            }                                                                                   \
+            UNROLL for (int t = 2 * TP; t < TT; t++) {                                          \
                 __m256 da, bp;                                                                  \
                 __m256i bs;                                                                     \
                 if (P) {                                                                        \
@@ -470,6 +502,12 @@ AI __m512i k5_bits(int p) {
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
+        }                                                                                       \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) {               \
+            acc[r][2 * u] = _mm512_castps512_ps256(acc2[r][u]);                                 \
+            acc[r][2 * u + 1] = _mm512_extractf32x8_ps(acc2[r][u], 1);                          \
+            accm[r][2 * u] = _mm512_castps512_ps256(accm2[r][u]);                               \
+            accm[r][2 * u + 1] = _mm512_extractf32x8_ps(accm2[r][u], 1);                        \
         }                                                                                       \
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)                 \
             out[r * TT + t] = hsum_ps8(_mm256_sub_ps(acc[r][t], accm[r][t]));                   \
