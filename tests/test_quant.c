@@ -506,18 +506,25 @@ static void test_backends_identical(void) {
 
 static void test_mat_rows(void) {
     const char *bes[] = {"scalar", "avx2", "avx512"};
-    /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5) */
+    /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5);
+     * for the 32-value block types also an odd block count (544: the zmm
+     * Q8_0 kernel's half pair) and rows long enough (8224) that 17 tokens
+     * need more than one chunk of prepared activations */
     const int toks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
-    const int n_rows = 37, n = 512;
-    float *x = malloc(sizeof(float) * n * 40);
-    uint8_t *W = malloc((size_t)n * 4 * n_rows), *A = malloc(((size_t)n * 4 + 8) * 17);
+    const int n_rows = 37, nmax = 8224, ns[] = {512, 544, 8224};
+    float *x = malloc(sizeof(float) * nmax * 40);
+    uint8_t *W = malloc((size_t)nmax * 4 * n_rows), *A = malloc(((size_t)nmax * 4 + 8) * 17);
     float *Y = malloc(sizeof(float) * 64 * 17);
     for (size_t b = 0; b < 3; b++) {
         if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
-        int bad = 0, bad_untouched = 0;
-        for (size_t ti = 0; ti < N_COMPUTE; ti++) {
+        int bad = 0, bad_ref = 0, bad_untouched = 0;
+        for (size_t ti = 0; ti < N_COMPUTE; ti++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
             uint32_t type = compute_types[ti];
+            const int n = ns[ni];
             const kv_type_info *t = kv_type_get(type), *ta = kv_type_get(t->vec_dot_type);
+            const kv_type_info *tr = kv_type_get_ref(type);
+            if (n % t->blck || (n != 512 && t->blck != 32)) continue;
             size_t rb = kv_type_row_size(type, n), ab = kv_type_row_size(t->vec_dot_type, n) + 8;
             fill_gauss(x, (int64_t)n * n_rows, 0.05f);
             for (int r = 0; r < n_rows; r++) t->from_float(x + (size_t)r * n, W + r * rb, n);
@@ -537,14 +544,18 @@ static void test_mat_rows(void) {
                                 if (got != -12345.f) bad_untouched++;
                                 continue;
                             }
-                            float want;
+                            float want, want_ref;
                             t->vec_dot(n, &want, W + r * rb, A + k * ab);
+                            tr->vec_dot(n, &want_ref, W + r * rb, A + k * ab);
                             if (f2u(got) != f2u(want)) bad++;
+                            if (f2u(got) != f2u(want_ref)) bad_ref++;
                         }
                 }
             }
         }
-        if (bad || bad_untouched) KVT_FAIL("mat_rows backend %s: %d differ, %d outside range written", bes[b], bad, bad_untouched);
+        if (bad || bad_ref || bad_untouched)
+            KVT_FAIL("mat_rows backend %s: %d differ from its vec_dot, %d from the reference, %d outside range written",
+                     bes[b], bad, bad_ref, bad_untouched);
         kvt_checks++;
     }
     kv_quant_set_backend("scalar");

@@ -9,6 +9,7 @@
  * complete for the compute types. */
 #include <ctype.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvasir/err.h"
@@ -129,6 +130,12 @@ static void kv_init(void) {
         kv_deltas[KV_BE_AVX512] = kv_f32_delta_avx2; /* ymm: the 8-lane order */
         kv_be_cur = KV_BE_AVX512;
     }
+    /* KV_QUANT_BACKEND=scalar|avx2|avx512 caps the choice (benchmarks of a
+     * lower path on a CPU that has a higher one); a level the CPU lacks or
+     * an unknown name leaves the detected one. */
+    const char *want = getenv("KV_QUANT_BACKEND");
+    for (int i = 0; want && i < KV_BE_COUNT; i++)
+        if (!strcmp(want, kv_be_names[i]) && kv_be_ok[i]) kv_be_cur = i;
 }
 
 static inline void kv_ensure(void) { pthread_once(&kv_once, kv_init); }
