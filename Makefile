@@ -8,6 +8,7 @@
 #   make bench-hub  hub market view at 122B scale + load of 2,000 heartbeating nodes
 #   make bench-122b  the Qwen3.5-122B-A10B shape over 3 loopback workers vs one process
 #   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
+#   make bench-gateway  tokens/s of 1, 4, 16 clients through the gateway vs llama.cpp sequences
 #   make arm      cross-build build-aarch64/kvasir (runs under qemu-aarch64)
 #   make test-arm the unit tests of the aarch64 build under qemu, and ARM
 #                 nodes in a loopback swarm (tests/test_arm.sh, full version)
@@ -24,7 +25,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b clean deps-arm arm test-arm
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway clean deps-arm arm test-arm
 
 all: build
 
@@ -91,6 +92,10 @@ bench-hub: deps
 bench-122b: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/skeleton122.sh $(BUILD)/kvasir
+
+bench-gateway: deps oracle
+	@$(MAKE) --no-print-directory build
+	@bash bench/gateway.sh $(BUILD)/kvasir
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build
