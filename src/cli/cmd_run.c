@@ -109,6 +109,8 @@ static void kv_run_dispatch_json(const kv_remote *r) {
         kv_remote_worker_info(r, i, &w);
         printf("%s{\"addr\":", i ? "," : "");
         kv_json_str(stdout, w.addr, strlen(w.addr));
+        printf(",\"backend\":"); /* the kernel backend it announced (HELLO_ACK) */
+        kv_json_str(stdout, w.backend, strlen(w.backend));
         printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
                "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
                (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
