@@ -26,6 +26,7 @@ int kv_cmd_node(int argc, char **argv);
 int kv_cmd_wallet(int argc, char **argv);
 int kv_cmd_ledger(int argc, char **argv);
 int kv_cmd_gateway(int argc, char **argv);
+int kv_cmd_ring(int argc, char **argv);
 
 /* Prints "kvasir <cmd>: <printf message>\n" to stderr; returns rc. */
 #if defined(__GNUC__)
