@@ -104,6 +104,7 @@ struct kv_ring_node {
     kv_rconn *next;           /* dialed link (NULL while down) */
     uint32_t next_first, next_last;
     kv_rconn *prev;           /* accepted link from the node before */
+    uint32_t prev_first, prev_last; /* its window */
     kv_net_timer redial_t, probe_t, tick_t;
     bool ring_up;             /* a probe of ours, or someone's "whole", went round */
     uint64_t nonce;
@@ -381,6 +382,10 @@ static void kv_rn_compute(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, co
     }
     n->stats.frames_hidden++;
     n->stats.tokens_computed += count;
+    if (n->o.die_after_frames && n->stats.frames_hidden >= n->o.die_after_frames) {
+        kv_rn_log(n, "test hook: dying after %llu frames", (unsigned long long)n->stats.frames_hidden);
+        _exit(137);
+    }
     if (!kv_state_seq_finite(n->st, slot)) {
         snprintf(msg, sizeof msg, "ring: node %u-%u: a NaN or Inf appeared in the hidden state at position %u or "
                  "before; no token taken", n->o.first, n->o.last, pos + count - 1);
@@ -681,16 +686,16 @@ static void kv_rc_on_close(kv_net_conn *nc, int code, const char *why) {
     if (c->role == KV_RC_NEXT) {
         n->next = NULL;
         if (c->acked) {
-            snprintf(msg, sizeof msg, "the link to layers %u-%u (%s) closed: %.200s", n->next_first, n->next_last,
-                     n->next_addr, why && *why ? why : kv_err_name(code));
+            snprintf(msg, sizeof msg, "layers %u-%u are gone: the link to them (%s) closed: %.200s", n->next_first,
+                     n->next_last, n->next_addr, why && *why ? why : kv_err_name(code));
             kv_rn_log(n, "%s", msg);
             kv_rn_broken(n, msg);
         }
         if (!kv_net_loop_stopping(n->loop)) kv_net_timer_start(n->loop, &n->redial_t, KV_RN_REDIAL_MS);
     } else if (c->role == KV_RC_PREV) {
         n->prev = NULL;
-        snprintf(msg, sizeof msg, "the link from the node before layer %u closed: %.200s", n->o.first,
-                 why && *why ? why : kv_err_name(code));
+        snprintf(msg, sizeof msg, "layers %u-%u are gone: the link from them closed: %.200s", n->prev_first,
+                 n->prev_last, why && *why ? why : kv_err_name(code));
         kv_rn_log(n, "%s", msg);
         const bool was_up = n->ring_up;
         kv_rn_broken(n, msg);
@@ -747,6 +752,8 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
             }
             c->role = KV_RC_PREV;
             n->prev = c;
+            n->prev_first = m.u.hello.first;
+            n->prev_last = m.u.hello.last;
             kv_rn_log(n, "link from layers %u-%u up", m.u.hello.first, m.u.hello.last);
         } else {
             c->role = KV_RC_CLIENT;
