@@ -233,6 +233,7 @@ typedef struct kv_ring_node_opts {
 
 typedef struct kv_ring_node_stats {
     uint64_t frames_hidden;     /* HIDDEN frames computed */
+    uint64_t batches;           /* forward passes (frames that arrived together run as one) */
     uint64_t tokens_computed;   /* tokens run through the window */
     uint64_t tokens_sampled;    /* tail: tokens sampled */
     uint64_t requests;          /* home: requests accepted */

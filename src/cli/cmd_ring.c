@@ -123,9 +123,9 @@ int kv_cmd_ring(int argc, char **argv) {
     int rc = kv_ring_node_run(n, &d);
     kv_ring_node_get_stats(n, &st);
     if (o.log)
-        fprintf(stderr, "kvasir ring %u-%u: %llu tokens computed in %llu frames (%.3f s busy), %llu sampled, "
+        fprintf(stderr, "kvasir ring %u-%u: %llu tokens computed in %llu frames, %llu passes (%.3f s busy), %llu sampled, "
                 "%llu requests, %llu replays, %llu breaks\n", o.first, o.last, (unsigned long long)st.tokens_computed,
-                (unsigned long long)st.frames_hidden, st.busy_s, (unsigned long long)st.tokens_sampled,
+                (unsigned long long)st.frames_hidden, (unsigned long long)st.batches, st.busy_s, (unsigned long long)st.tokens_sampled,
                 (unsigned long long)st.requests, (unsigned long long)st.replays, (unsigned long long)st.breaks);
     kv_the_node = NULL;
     kv_ring_node_free(n);

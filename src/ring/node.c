@@ -114,10 +114,15 @@ struct kv_ring_node {
     kv_rconn *conns;          /* every connection alive */
     kv_net_budget budget;     /* bytes buffered by accepted connections */
     uint64_t id_base, id_ctr;
-    float *xin, *xout;        /* [n_batch][n_embd] */
-    float *logits;            /* [n_vocab] */
-    int32_t *tbuf;            /* [n_batch] */
-    uint32_t *sbuf;           /* [n_batch] */
+    uint32_t max_tok;         /* tokens per forward pass: max(n_batch, max_seqs) */
+    float *xin, *xout;        /* [max_tok][n_embd] queued hidden states in, results out */
+    float *logits;            /* [max_seqs][n_vocab] */
+    int32_t *tbuf;            /* [n_batch] a prompt chunk */
+    int32_t *q_tok;           /* [max_tok] queued tokens (head) */
+    uint32_t *sbuf;           /* [max_tok] state sequence of each queued token */
+    uint32_t *q_out;          /* [max_seqs] queue index of each logits row */
+    struct kv_rjob *jobs;     /* [max_tok] queued frames */
+    uint32_t n_jobs, q_n, n_out_q; /* frames, tokens and logit rows queued */
     kv_ring_node_stats stats;
 };
 
@@ -298,6 +303,7 @@ static void kv_rn_broken(kv_ring_node *n, const char *why) {
         kv_rn_log(n, "ring broken: %s", why);
     }
     n->ring_up = false;
+    n->n_jobs = n->q_n = n->n_out_q = 0; /* queued work of lost sequences */
     for (uint32_t i = 0; i < n->max_seqs; i++) kv_rn_seq_free(n, &n->seqs[i]);
     const int64_t dl = kv_net_now_ms() + n->o.replay_timeout_ms;
     for (kv_rreq *r = n->reqs; r; r = r->next)
@@ -346,69 +352,134 @@ static void kv_rn_on_probe(kv_ring_node *n, const kv_ring_probe *q, const uint8_
 
 /* ---- compute ------------------------------------------------------------------------- */
 
-/* Sends a token from the tail: to the client if this node is its home, and to
- * the head (the next node) always. */
+/* Home: a token of one of its requests, to its client (logits from the wire
+ * or from the tail's own row). */
 static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const uint8_t *logits_wire,
                                 const float *logits_host);
 
-/* Runs count tokens of sequence s through the window: from tokens (head) or
- * hidden states xin; then forwards the hidden states, or (tail) samples
- * after the last one when want_logits. */
-static void kv_rn_compute(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, const float *xin, uint32_t pos,
-                          uint32_t count, bool want_logits) {
-    const uint32_t slot = kv_rn_slot(n, s);
-    const uint64_t seq = s->seq;
+/* ---- the work queue: frames that arrive together run as one forward pass ----
+ * HIDDEN frames (and, at the head, tokens fed back) are queued as they are
+ * decoded and computed together at the end of the loop iteration (or when
+ * the queue is full, or before any frame that changes which sequences
+ * exist), in one kv_state_batch_window call: the engine's guarantee that no
+ * result depends on batch composition keeps every sequence's bits. */
+
+/* Queued: tokens [off, off + count) of the queue are sequence s's, from pos. */
+typedef struct kv_rjob {
+    kv_rseq *s;
+    uint64_t seq;        /* s->seq when queued (a sequence freed meanwhile is skipped) */
+    uint32_t pos, count, off;
+    bool want;           /* the tail samples after its last token (the HIDDEN flag) */
+    bool logits;         /* ... and this node is the tail: a logits row */
+} kv_rjob;
+
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row);
+
+/* Computes everything queued and sends the results on. */
+static void kv_rn_flush(kv_ring_node *n) {
+    if (!n->n_jobs) return;
+    const uint32_t nj = n->n_jobs, nt = n->q_n;
+    n->n_jobs = 0;
+    n->q_n = 0;
+    uint32_t n_out = 0;
+    for (uint32_t j = 0; j < nj; j++)
+        if (n->jobs[j].logits) n->q_out[n_out++] = n->jobs[j].off + n->jobs[j].count - 1;
     kv_diag d = {0};
     char msg[KV_RING_MAX_MSG];
-    if (kv_state_pos_seq(n->st, slot) != pos) {
-        snprintf(msg, sizeof msg, "ring: node %u-%u: sequence at position %u here, frame says %u", n->o.first,
-                 n->o.last, kv_state_pos_seq(n->st, slot), pos);
-        kv_rn_fail_seq(n, seq, KV_EPROTO, msg);
-        return;
+    int rc = 0;
+    for (uint32_t j = 0; j < nj && !rc; j++) {
+        const kv_rjob *b = &n->jobs[j];
+        rc = kv_state_reserve(n->st, kv_rn_slot(n, b->s), b->pos + b->count, &d);
     }
-    for (uint32_t i = 0; i < count; i++) n->sbuf[i] = slot;
-    const uint32_t last = count - 1;
-    const bool sample = n->tail && want_logits;
     const double t0 = kv_rn_now();
-    int rc = kv_state_reserve(n->st, slot, pos + count, &d);
     if (!rc)
-        rc = kv_state_batch_window(n->st, tokens, xin, n->sbuf, count, &last, sample ? 1 : 0, sample ? n->logits : NULL,
-                                   n->tail ? NULL : n->xout, &d);
+        rc = kv_state_batch_window(n->st, n->head ? n->q_tok : NULL, n->head ? NULL : n->xin, n->sbuf, nt, n->q_out, n_out,
+                                   n_out ? n->logits : NULL, n->tail ? NULL : n->xout, &d);
     n->stats.busy_s += kv_rn_now() - t0;
     if (rc) {
         snprintf(msg, sizeof msg, "ring: node %u-%u: %.440s", n->o.first, n->o.last, d.msg);
-        kv_rn_fail_seq(n, seq, rc, msg);
+        for (uint32_t j = 0; j < nj; j++)
+            if (n->jobs[j].s->seq == n->jobs[j].seq) kv_rn_fail_seq(n, n->jobs[j].seq, rc, msg);
         return;
     }
-    n->stats.frames_hidden++;
-    n->stats.tokens_computed += count;
-    if (n->o.die_after_frames && n->stats.frames_hidden >= n->o.die_after_frames) {
-        kv_rn_log(n, "test hook: dying after %llu frames", (unsigned long long)n->stats.frames_hidden);
-        _exit(137);
+    n->stats.batches++;
+    uint32_t k = 0;
+    for (uint32_t j = 0; j < nj; j++) {
+        const kv_rjob *b = &n->jobs[j];
+        const float *row = b->logits ? n->logits + (size_t)k++ * n->n_vocab : NULL;
+        n->stats.frames_hidden++;
+        n->stats.tokens_computed += b->count;
+        if (n->o.die_after_frames && n->stats.frames_hidden >= n->o.die_after_frames) {
+            kv_rn_log(n, "test hook: dying after %llu frames", (unsigned long long)n->stats.frames_hidden);
+            _exit(137);
+        }
+        if (b->s->seq != b->seq) continue; /* failed meanwhile */
+        if (!kv_state_seq_finite(n->st, kv_rn_slot(n, b->s))) {
+            snprintf(msg, sizeof msg, "ring: node %u-%u: a NaN or Inf appeared in the hidden state at position %u or "
+                     "before; no token taken", n->o.first, n->o.last, b->pos + b->count - 1);
+            kv_rn_fail_seq(n, b->seq, KV_ERANGE, msg);
+            continue;
+        }
+        if (!n->tail) {
+            kv_ring_hidden h = {b->seq, b->pos, b->count, b->want ? KV_RING_HIDDEN_LOGITS : 0, n->n_embd, NULL};
+            const size_t sz = KV_RING_HEADER + kv_ring_hidden_size(b->count, n->n_embd);
+            uint8_t *f = kv_rn_reserve(n->next, sz);
+            size_t len;
+            if (f && !kv_ring_hidden_encode(f, sz, &h, n->xout + (size_t)b->off * n->n_embd, &len, NULL))
+                kv_net_conn_commit(n->next->nc, len);
+            continue; /* no link: the break handling drops the sequence */
+        }
+        if (row) kv_rn_sample(n, b->s, row);
     }
-    if (!kv_state_seq_finite(n->st, slot)) {
-        snprintf(msg, sizeof msg, "ring: node %u-%u: a NaN or Inf appeared in the hidden state at position %u or "
-                 "before; no token taken", n->o.first, n->o.last, pos + count - 1);
-        kv_rn_fail_seq(n, seq, KV_ERANGE, msg);
+}
+
+/* Queues count tokens of sequence s from pos: tokens (head) or hidden
+ * states x (wire floats, widened here). */
+static void kv_rn_enqueue(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, const uint8_t *x, uint32_t pos,
+                          uint32_t count, bool want_logits) {
+    const bool logits = n->tail && want_logits;
+    if (n->q_n + count > n->max_tok || (logits && n->n_out_q >= n->max_seqs)) kv_rn_flush(n);
+    if (n->q_n == 0) n->n_out_q = 0;
+    uint32_t expect = kv_state_pos_seq(n->st, kv_rn_slot(n, s));
+    for (uint32_t j = 0; j < n->n_jobs; j++)
+        if (n->jobs[j].s == s) expect += n->jobs[j].count;
+    if (pos != expect) {
+        char msg[KV_RING_MAX_MSG];
+        snprintf(msg, sizeof msg, "ring: node %u-%u: sequence at position %u here, frame says %u", n->o.first,
+                 n->o.last, expect, pos);
+        kv_rn_flush(n); /* its queued tokens must not run after its slot is freed */
+        kv_rn_fail_seq(n, s->seq, KV_EPROTO, msg);
         return;
     }
-    if (!n->tail) {
-        kv_ring_hidden h = {seq, pos, count, want_logits ? KV_RING_HIDDEN_LOGITS : 0, n->n_embd, NULL};
-        const size_t sz = KV_RING_HEADER + kv_ring_hidden_size(count, n->n_embd);
-        uint8_t *f = kv_rn_reserve(n->next, sz);
-        size_t len;
-        if (f && !kv_ring_hidden_encode(f, sz, &h, n->xout, &len, NULL)) kv_net_conn_commit(n->next->nc, len);
-        return; /* no link: the break handling drops the sequence */
-    }
-    if (!sample) return;
+    const uint32_t off = n->q_n;
+    for (uint32_t i = 0; i < count; i++) n->sbuf[off + i] = kv_rn_slot(n, s);
+    if (tokens) memcpy(n->q_tok + off, tokens, count * sizeof *tokens);
+    else kv_ring_floats_get(x, count * n->n_embd, n->xin + (size_t)off * n->n_embd);
+    n->jobs[n->n_jobs++] = (kv_rjob){s, s->seq, pos, count, off, want_logits, logits};
+    n->q_n += count;
+    if (logits) n->n_out_q++;
+}
+
+static bool kv_rn_tick(kv_net_loop *l, void *data) {
+    (void)l;
+    kv_rn_flush(data);
+    return false;
+}
+
+/* The tail: samples a token for s from its logits row and sends it on. */
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
+    const uint64_t seq = s->seq;
+    const uint32_t slot = kv_rn_slot(n, s);
+    const uint32_t held = kv_state_pos_seq(n->st, slot);
+    char msg[KV_RING_MAX_MSG];
     for (uint32_t i = 0; i < n->n_vocab; i++)
-        if (!isfinite(n->logits[i])) {
+        if (!isfinite(row[i])) {
             snprintf(msg, sizeof msg, "ring: node %u-%u: logit %u of position %u is not finite; no token taken",
-                     n->o.first, n->o.last, i, pos + last);
+                     n->o.first, n->o.last, i, held - 1);
             kv_rn_fail_seq(n, seq, KV_ERANGE, msg);
             return;
         }
-    const int32_t tok = kv_sampler_sample(s->smp, n->logits);
+    const int32_t tok = kv_sampler_sample(s->smp, row);
     if (tok < 0) {
         kv_rn_fail_seq(n, seq, tok, "ring: the sampler refused the logits");
         return;
@@ -417,19 +488,18 @@ static void kv_rn_compute(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, co
     s->n_gen++;
     n->stats.tokens_sampled++;
     uint32_t stop = KV_STOP_NONE;
-    const uint32_t held = kv_state_pos_seq(n->st, slot);
     if (kv_tok_is_eog(kv_model_tok(n->m), tok)) stop = KV_STOP_EOG;
     else if (s->n_gen >= s->p.n_predict) stop = KV_STOP_MAX_TOKENS;
     else if (held >= n->n_ctx) stop = KV_STOP_CTX_FULL;
     kv_ring_token t = {.seq = seq, .pos = held, .token = tok, .stop = stop, .n_logits = 0};
-    if (s->home == n->o.first) kv_rn_deliver_token(n, &t, NULL, n->logits);
+    if (s->home == n->o.first) kv_rn_deliver_token(n, &t, NULL, row);
     /* to the head: it feeds the token back in (or frees the sequence) */
     const bool logits_on_ring = (s->p.flags & KV_RING_SUBMIT_LOGITS) && s->home != n->o.first;
     t.n_logits = logits_on_ring ? n->n_vocab : 0;
     const size_t sz = KV_RING_HEADER + kv_ring_token_size(0, t.n_logits);
     uint8_t *f = kv_rn_reserve(n->next, sz);
     size_t len;
-    if (f && !kv_ring_token_encode(f, sz, &t, n->logits, &len, NULL)) kv_net_conn_commit(n->next->nc, len);
+    if (f && !kv_ring_token_encode(f, sz, &t, row, &len, NULL)) kv_net_conn_commit(n->next->nc, len);
     if (stop) kv_rn_seq_free(n, s);
 }
 
@@ -469,6 +539,7 @@ static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const u
 /* A sequence begins, or passes on its way to the head. */
 static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8_t *raw, size_t raw_len) {
     kv_diag d = {0};
+    kv_rn_flush(n); /* a slot may be taken: nothing queued may still name it */
     if (!(st->flags & KV_RING_START_BEGUN) && !n->head) { /* toward the head */
         if (kv_rn_next_up(n)) kv_rn_send_raw(n->next, raw, raw_len);
         return;
@@ -500,9 +571,9 @@ static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8
     for (uint32_t done = 0; done < st->n_tokens;) {
         const uint32_t c = st->n_tokens - done < n->n_batch ? st->n_tokens - done : n->n_batch;
         for (uint32_t i = 0; i < c; i++) n->tbuf[i] = kv_ring_tokens_get(st->tokens, done + i);
-        kv_rn_compute(n, s, n->tbuf, NULL, done, c, done + c == st->n_tokens);
+        kv_rn_enqueue(n, s, n->tbuf, NULL, done, c, done + c == st->n_tokens);
         done += c;
-        if (s->seq != seq) return; /* it failed (or a tail-head finished it) */
+        if (s->seq != seq) return; /* it failed */
     }
 }
 
@@ -526,8 +597,7 @@ static void kv_rn_on_hidden(kv_ring_node *n, const kv_ring_hidden *h) {
         kv_rn_fail_seq(n, h->seq, KV_ERANGE, msg);
         return;
     }
-    kv_ring_floats_get(h->x, h->n_tokens * n->n_embd, n->xin);
-    kv_rn_compute(n, s, NULL, n->xin, h->pos, h->n_tokens, h->flags & KV_RING_HIDDEN_LOGITS);
+    kv_rn_enqueue(n, s, NULL, h->x, h->pos, h->n_tokens, h->flags & KV_RING_HIDDEN_LOGITS);
 }
 
 static void kv_rn_on_token(kv_ring_node *n, const kv_ring_token *t, const uint8_t *raw, size_t len) {
@@ -537,8 +607,7 @@ static void kv_rn_on_token(kv_ring_node *n, const kv_ring_token *t, const uint8_
     }
     const uint32_t home = s ? s->home : UINT32_MAX;
     if (n->head && s && !t->stop) {
-        n->tbuf[0] = t->token;
-        kv_rn_compute(n, s, n->tbuf, NULL, t->pos, 1, true); /* the token takes position pos */
+        kv_rn_enqueue(n, s, &t->token, NULL, t->pos, 1, true); /* the token takes position pos */
     }
     if (t->stop && s && !n->tail) kv_rn_seq_free(n, s);
     if (n->tail) return;
@@ -553,6 +622,7 @@ static void kv_rn_on_token(kv_ring_node *n, const kv_ring_token *t, const uint8_
 }
 
 static void kv_rn_on_error_frame(kv_ring_node *n, const kv_ring_error *e, const uint8_t *raw, size_t len) {
+    kv_rn_flush(n);
     kv_rn_seq_free(n, kv_rn_seq(n, e->seq));
     kv_rn_deliver_error(n, e->seq, e->code, e->msg);
     if (e->origin != n->o.first && kv_rn_next_up(n) && n->next_first != e->origin) kv_rn_send_raw(n->next, raw, len);
@@ -803,7 +873,8 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         kv_rn_on_submit(n, c, &m.u.submit);
         return 0;
     }
-    /* the link from the node before */
+    /* the link from the node before; what changes which sequences exist runs after the queue */
+    if (ty != KV_RING_HIDDEN && !(ty == KV_RING_TOKEN && !m.u.token.stop)) kv_rn_flush(n);
     switch (ty) {
     case KV_RING_START: kv_rn_on_start(n, &m.u.start, f, len); break;
     case KV_RING_HIDDEN: kv_rn_on_hidden(n, &m.u.hidden); break;
@@ -977,12 +1048,16 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     if ((rc = kv_state_new(&n->st, n->m, n->pool, &so, d))) goto fail;
     n->n_ctx = kv_state_n_ctx(n->st);
     n->seqs = calloc(n->max_seqs, sizeof *n->seqs);
-    n->xin = malloc((size_t)n->n_batch * n->n_embd * sizeof(float));
-    n->xout = malloc((size_t)n->n_batch * n->n_embd * sizeof(float));
-    n->logits = malloc((size_t)n->n_vocab * sizeof(float));
+    n->max_tok = max_tok;
+    n->xin = malloc((size_t)max_tok * n->n_embd * sizeof(float));
+    n->xout = malloc((size_t)max_tok * n->n_embd * sizeof(float));
+    n->logits = malloc((size_t)n->max_seqs * n->n_vocab * sizeof(float));
     n->tbuf = malloc(n->n_batch * sizeof *n->tbuf);
+    n->q_tok = malloc(max_tok * sizeof *n->q_tok);
     n->sbuf = malloc(max_tok * sizeof *n->sbuf);
-    if (!n->seqs || !n->xin || !n->xout || !n->logits || !n->tbuf || !n->sbuf) {
+    n->q_out = malloc(n->max_seqs * sizeof *n->q_out);
+    n->jobs = malloc(max_tok * sizeof *n->jobs);
+    if (!n->seqs || !n->xin || !n->xout || !n->logits || !n->tbuf || !n->q_tok || !n->sbuf || !n->q_out || !n->jobs) {
         rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
         goto fail;
     }
@@ -992,6 +1067,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     if ((rc = kv_net_loop_new(&n->loop, d))) goto fail;
     if ((rc = kv_net_listen(n->o.listen, 64, &n->lfd, n->addr, sizeof n->addr, d))) goto fail;
     if ((rc = kv_net_watch_add(n->loop, &n->lw, n->lfd, KV_NET_READ, kv_rn_accept, n, d))) goto fail;
+    kv_net_loop_set_tick(n->loop, kv_rn_tick, n);
     kv_net_timer_init(&n->redial_t, kv_rn_redial, n);
     kv_net_timer_init(&n->probe_t, kv_rn_probe_timer, n);
     kv_net_timer_init(&n->tick_t, kv_rn_tick_timer, n);
@@ -1043,6 +1119,9 @@ void kv_ring_node_free(kv_ring_node *n) {
     free(n->xout);
     free(n->logits);
     free(n->tbuf);
+    free(n->q_tok);
     free(n->sbuf);
+    free(n->q_out);
+    free(n->jobs);
     free(n);
 }
