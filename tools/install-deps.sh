@@ -13,6 +13,7 @@ have npm || need+=(npm)
 have pkg-config || need+=(pkg-config)
 have jq || need+=(jq)
 have python3 || need+=(python3)
+have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)

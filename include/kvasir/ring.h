@@ -227,6 +227,8 @@ typedef struct kv_ring_node_opts {
     uint32_t replay_timeout_ms; /* a broken ring must re-form within this, else requests fail; 0 = 30000 */
     bool skip_hashes;           /* sliced model: check sizes and identity, not every SHA-256 */
     FILE *log;                  /* links up and down, breaks, replays; NULL = silent */
+    uint32_t link_delay_ms;     /* frames to the next node wait this long first (an emulated
+                                   link latency, for benchmarks where netem is missing); 0 = none */
     uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after
                                    computing this many HIDDEN frames, before sending the last; 0 = never */
 } kv_ring_node_opts;

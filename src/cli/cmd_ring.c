@@ -12,7 +12,7 @@
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -31,6 +31,8 @@ static const char *kv_ring_help =
     "                      then replayed from their tokens, else they fail (default 30000)\n"
     "  --skip-hashes       sliced model: check sizes and identity, not every SHA-256\n"
     "  --quiet             no log lines (links, breaks, replays) on stderr\n"
+    "  --link-delay-ms N   hold every frame to the next node N ms (emulated latency, for benchmarks\n"
+    "                      where tc netem is not available)\n"
     "  --die-after-frames N  test hook: exit abruptly after computing N hidden-state frames\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n"
     "Submit requests with: kvasir run --ring HOST:PORT -p TEXT ...\n";
@@ -93,6 +95,9 @@ int kv_cmd_ring(int argc, char **argv) {
         } else if (!strcmp(a, "--die-after-frames")) { /* test hook (fault tests): a crash at a known point */
             if (kv_arg_long(CMD, a, v, 1, 1L << 30, &lv)) return 1;
             o.die_after_frames = (uint32_t)lv;
+        } else if (!strcmp(a, "--link-delay-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 60000, &lv)) return 1;
+            o.link_delay_ms = (uint32_t)lv;
         } else if (!strcmp(a, "--replay-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &lv)) return 1;
             o.replay_timeout_ms = (uint32_t)lv;

@@ -149,10 +149,19 @@ typedef struct kv_run_ring_out {
     size_t n_gen, cap;
     char *text;              /* [text_cap] */
     size_t text_len, text_cap;
+    double t_first, t_last;  /* wall clock (s) of the first and last token's arrival */
 } kv_run_ring_out;
+
+static double kv_wall_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
 
 static int kv_run_ring_tok(void *data, int32_t token, const char *piece, size_t pn, const float *logits, uint32_t nv) {
     kv_run_ring_out *o = data;
+    o->t_last = kv_wall_s();
+    if (!o->n_gen) o->t_first = o->t_last;
     if (o->lf && logits && fwrite(logits, sizeof(float), nv, o->lf) != nv) o->werr = true;
     if (o->n_gen == o->cap) {
         size_t nc = o->cap ? 2 * o->cap : 64;
@@ -184,6 +193,7 @@ static int kv_run_ring(const char *addr, const char *prompt, long n_predict, con
     kv_ring_result res = {0};
     kv_diag d = {0};
     int rc = 0;
+    const double t0 = kv_wall_s();
     if (logits_path && !(o.lf = fopen(logits_path, "wb"))) return kv_cli_err(CMD, 2, "cannot write '%s'", logits_path);
     const kv_ring_params p = {.flags = logits_path ? KV_RING_SUBMIT_LOGITS : 0,
                               .n_predict = n_predict > 0 ? (uint32_t)n_predict : 1, .sample = *sp};
@@ -204,6 +214,10 @@ static int kv_run_ring(const char *addr, const char *prompt, long n_predict, con
         if (clean) kv_json_str(stdout, clean, kv_utf8_clean(o.text ? o.text : "", o.text_len, clean));
         else printf("\"\"");
         free(clean);
+        /* wall-clock stamps, so that several clients' decode phases can be combined */
+        printf(",\"timings\":{\"first_token_s\":%.6f,\"decode_tok_s\":%.3f,\"t_first\":%.6f,\"t_last\":%.6f}",
+               o.n_gen ? o.t_first - t0 : 0.0, o.n_gen > 1 && o.t_last > o.t_first ? (double)(o.n_gen - 1) / (o.t_last - o.t_first) : 0.0,
+               o.t_first, o.t_last);
         printf(",\"stop\":\"%s\",\"ring\":\"", kv_stop_name((enum kv_stop)res.stop));
         printf("%s\"}\n", addr);
     } else {

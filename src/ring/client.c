@@ -75,7 +75,7 @@ int kv_ring_request(const char *addr, const char *text, size_t text_len, const k
     float *lg = NULL;
     int rc = kv_proto_connect(addr, c.timeout_ms, &c.fd, d);
     if (rc) return kv_diag_prefix(d, rc, "ring: node %s", addr);
-    c.cap = KV_RING_HEADER + 64 + text_len;
+    c.cap = KV_RING_HEADER + 128 + text_len; /* HELLO (88) or SUBMIT (44 + text) */
     if (!(c.buf = malloc(c.cap))) {
         rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
         goto done;

@@ -24,6 +24,8 @@
 #include <errno.h>
 #include <math.h>
 #include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -113,6 +115,9 @@ struct kv_ring_node {
     kv_rreq *reqs;            /* home requests */
     kv_rconn *conns;          /* every connection alive */
     kv_net_budget budget;     /* bytes buffered by accepted connections */
+    struct kv_rdelay *dq_head, *dq_tail, *stage; /* --link-delay-ms FIFO, a frame being written */
+    size_t dq_bytes;
+    kv_net_timer delay_t;
     uint64_t id_base, id_ctr;
     uint32_t max_tok;         /* tokens per forward pass: max(n_batch, max_seqs) */
     float *xin, *xout;        /* [max_tok][n_embd] queued hidden states in, results out */
@@ -145,14 +150,90 @@ static void kv_rn_log(kv_ring_node *n, const char *fmt, ...) {
 
 /* ---- sending ------------------------------------------------------------------ */
 
-/* Room for a frame of sz bytes on c (NULL: the link is gone or full; it closes). */
+/* --link-delay-ms: frames to the next node wait in a FIFO (an emulated
+ * one-way link latency where netem is not available). */
+typedef struct kv_rdelay {
+    struct kv_rdelay *next;
+    int64_t due_ms;
+    size_t len;
+    uint8_t data[];
+} kv_rdelay;
+
+static bool kv_rn_delayed(const kv_rconn *c) { return c && c->role == KV_RC_NEXT && c->n->o.link_delay_ms; }
+
+static void kv_rn_delay_drop(kv_ring_node *n) {
+    while (n->dq_head) {
+        kv_rdelay *e = n->dq_head;
+        n->dq_head = e->next;
+        free(e);
+    }
+    n->dq_tail = NULL;
+    n->dq_bytes = 0;
+    free(n->stage);
+    n->stage = NULL;
+}
+
+static void kv_rn_delay_push(kv_ring_node *n, kv_rdelay *e, size_t len) {
+    e->next = NULL;
+    e->len = len;
+    e->due_ms = kv_net_now_ms() + n->o.link_delay_ms;
+    if (n->dq_tail) n->dq_tail->next = e;
+    else n->dq_head = e;
+    n->dq_tail = e;
+    n->dq_bytes += len;
+    if (n->dq_bytes > KV_RN_TX_MAX && n->next) {
+        kv_net_conn_close(n->next->nc, KV_ENOMEM, "delayed output over its bound");
+        return;
+    }
+    if (!kv_net_timer_armed(&n->delay_t)) kv_net_timer_start(n->loop, &n->delay_t, n->o.link_delay_ms);
+}
+
+static void kv_rn_delay_timer(kv_net_loop *l, kv_net_timer *t) {
+    kv_ring_node *n = t->data;
+    const int64_t now = kv_net_now_ms();
+    while (n->dq_head && n->dq_head->due_ms <= now) {
+        kv_rdelay *e = n->dq_head;
+        n->dq_head = e->next;
+        if (!n->dq_head) n->dq_tail = NULL;
+        n->dq_bytes -= e->len;
+        if (n->next && !kv_net_conn_closing(n->next->nc)) (void)kv_net_conn_send(n->next->nc, e->data, e->len);
+        free(e);
+    }
+    if (n->dq_head) kv_net_timer_start(l, t, n->dq_head->due_ms - now);
+}
+
+/* Room for a frame of sz bytes on c (NULL: the link is gone or full; it
+ * closes); kv_rn_commit sends the len bytes written there. */
 static uint8_t *kv_rn_reserve(kv_rconn *c, size_t sz) {
     if (!c || kv_net_conn_closing(c->nc)) return NULL;
+    if (kv_rn_delayed(c)) {
+        free(c->n->stage);
+        c->n->stage = malloc(sizeof(kv_rdelay) + sz);
+        return c->n->stage ? c->n->stage->data : NULL;
+    }
     return kv_net_conn_reserve(c->nc, sz);
 }
 
+static void kv_rn_commit(kv_rconn *c, size_t len) {
+    if (kv_rn_delayed(c)) {
+        kv_rdelay *e = c->n->stage;
+        c->n->stage = NULL;
+        if (e) kv_rn_delay_push(c->n, e, len);
+        return;
+    }
+    kv_net_conn_commit(c->nc, len);
+}
+
 static void kv_rn_send_raw(kv_rconn *c, const uint8_t *f, size_t len) {
-    if (c && !kv_net_conn_closing(c->nc)) (void)kv_net_conn_send(c->nc, f, len);
+    if (!c || kv_net_conn_closing(c->nc)) return;
+    if (kv_rn_delayed(c)) {
+        kv_rdelay *e = malloc(sizeof *e + len);
+        if (!e) return;
+        memcpy(e->data, f, len);
+        kv_rn_delay_push(c->n, e, len);
+        return;
+    }
+    (void)kv_net_conn_send(c->nc, f, len);
 }
 
 static void kv_rn_send_error(kv_rconn *c, uint64_t seq, int code, uint32_t origin, const char *msg) {
@@ -426,7 +507,7 @@ static void kv_rn_flush(kv_ring_node *n) {
             uint8_t *f = kv_rn_reserve(n->next, sz);
             size_t len;
             if (f && !kv_ring_hidden_encode(f, sz, &h, n->xout + (size_t)b->off * n->n_embd, &len, NULL))
-                kv_net_conn_commit(n->next->nc, len);
+                kv_rn_commit(n->next, len);
             continue; /* no link: the break handling drops the sequence */
         }
         if (row) kv_rn_sample(n, b->s, row);
@@ -499,7 +580,7 @@ static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
     const size_t sz = KV_RING_HEADER + kv_ring_token_size(0, t.n_logits);
     uint8_t *f = kv_rn_reserve(n->next, sz);
     size_t len;
-    if (f && !kv_ring_token_encode(f, sz, &t, row, &len, NULL)) kv_net_conn_commit(n->next->nc, len);
+    if (f && !kv_ring_token_encode(f, sz, &t, row, &len, NULL)) kv_rn_commit(n->next, len);
     if (stop) kv_rn_seq_free(n, s);
 }
 
@@ -561,7 +642,7 @@ static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8
             if (f) {
                 memcpy(f, raw, raw_len);
                 f[KV_RING_HEADER + 12] |= KV_RING_START_BEGUN; /* flags u32 LE at payload offset 12 */
-                kv_net_conn_commit(n->next->nc, raw_len);
+                kv_rn_commit(n->next, raw_len);
             }
         }
     }
@@ -755,6 +836,7 @@ static void kv_rc_on_close(kv_net_conn *nc, int code, const char *why) {
     char msg[KV_RING_MAX_MSG];
     if (c->role == KV_RC_NEXT) {
         n->next = NULL;
+        kv_rn_delay_drop(n); /* frames of the link that closed */
         if (c->acked) {
             snprintf(msg, sizeof msg, "layers %u-%u are gone: the link to them (%s) closed: %.200s", n->next_first,
                      n->next_last, n->next_addr, why && *why ? why : kv_err_name(code));
@@ -955,6 +1037,8 @@ static void kv_rn_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
     for (int k = 0; k < 16; k++) {
         int fd = accept4(n->lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) return;
+        int one = 1; /* tokens go out one small frame at a time: no Nagle */
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         kv_rconn *c = kv_rc_new(n);
         if (!c) {
             close(fd);
@@ -1071,6 +1155,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     kv_net_timer_init(&n->redial_t, kv_rn_redial, n);
     kv_net_timer_init(&n->probe_t, kv_rn_probe_timer, n);
     kv_net_timer_init(&n->tick_t, kv_rn_tick_timer, n);
+    kv_net_timer_init(&n->delay_t, kv_rn_delay_timer, n);
     snprintf(n->why, sizeof n->why, "the ring has not formed yet");
     *out = n;
     return 0;
@@ -1100,6 +1185,7 @@ void kv_ring_node_free(kv_ring_node *n) {
         kv_net_loop_free(n->loop); /* closes every connection without on_close */
     }
     while (n->conns) kv_rc_free(n->conns);
+    kv_rn_delay_drop(n);
     if (n->lfd >= 0) close(n->lfd);
     while (n->reqs) {
         kv_rreq *r = n->reqs;
