@@ -25,6 +25,7 @@ bench_cleanup() {
   ring_cleanup
 }
 trap bench_cleanup EXIT
+ring_keys
 NODES=${RING_NODES:-4}
 LAYERS=${RING_LAYERS:-8}
 GEN=${RING_GEN:-32}
@@ -53,7 +54,7 @@ ring_rate() {
   shift
   local addrs=("$@") pids=() i
   for ((i = 0; i < S; i++)); do
-    ${CLIENT_NS:-} "$KV" run --ring "${addrs[$((i % ${#addrs[@]}))]}" -p "${PROMPTS[$((i % 8))]}" -n "$GEN" --temp 0 \
+    ${CLIENT_NS:-} "$KV" run --ring "${addrs[$((i % ${#addrs[@]}))]}" "${RK[@]}" -p "${PROMPTS[$((i % 8))]}" -n "$GEN" --temp 0 \
       --json >"$dir/c$i.json" &
     pids+=($!)
   done
@@ -104,7 +105,8 @@ if ip netns add kvrb-probe 2>/dev/null && ip netns exec kvrb-probe tc qdisc add 
   RING_PID=()
   for ((i = 0; i < NODES; i++)); do
     ip netns exec "kvrb$i" "$KV" ring -m "$m" --layers "${wins[$i]}" --listen "${addrs[$i]}" \
-      --next "${addrs[$(((i + 1) % NODES))]}" --threads 1 >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
+      --next "${addrs[$(((i + 1) % NODES))]}" --threads 1 --key "$dir/k$i.key" --allow-key "$dir/allow" \
+      >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
     RING_PID[$i]=$!
     RING_ALL+=($!)
   done

@@ -84,6 +84,9 @@ static void reencode(const uint8_t *f, size_t n, const kv_ring_msg *m) {
         rc = kv_ring_broken_encode(out, sizeof out, m->u.broken.origin, m->u.broken.msg, &k, &d);
         break;
     case KV_RING_PROBE: rc = kv_ring_probe_encode(out, sizeof out, &m->u.probe, &k, &d); break;
+    case KV_RING_AUTH_CHALLENGE:
+    case KV_RING_AUTH:
+    case KV_RING_AUTH_OK: rc = kv_ring_auth_encode(out, sizeof out, m->h.type, &m->u.auth, &k, &d); break;
     default: CHECK(0);
     }
     CHECK(rc == 0);

@@ -21,15 +21,42 @@ for s in ss: s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in ss))' "$1"
 }
 
+# ring_keys: node keys $dir/k0.key .. k9.key (node i uses k$i), a client key
+# $dir/client.key, and $dir/allow listing all of them: every node admits
+# every other and the client. RK holds the client's flags for run --ring.
+ring_keys() {
+  local i
+  : >"$dir/allow"
+  for i in 0 1 2 3 4 5 6 7 8 9 client; do
+    k="$dir/k$i.key"
+    [ $i = client ] && k="$dir/client.key"
+    "$KV" key --key "$k" >>"$dir/allow" || fail "kvasir key failed"
+  done
+  RK=(--key "$dir/client.key")
+}
+
 # ring_node I MODEL WINDOW LISTEN NEXT [EXTRA...]: starts node I.
 ring_node() {
   local i=$1 model=$2 win=$3 listen=$4 next=$5
   shift 5
-  "$KV" ring -m "$model" --layers "$win" --listen "$listen" --next "$next" --threads 1 "$@" \
+  [ -s "$dir/allow" ] || ring_keys
+  "$KV" ring -m "$model" --layers "$win" --listen "$listen" --next "$next" --threads 1 \
+    --key "$dir/k$((i % 10)).key" --allow-key "$dir/allow" "$@" \
     >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
   RING_PID[$i]=$!
   RING_ALL+=($!)
   RING_ADDR[$i]=$listen
+}
+
+# ring_wait_listen I: node I is listening (bounded).
+ring_wait_listen() {
+  for _ in $(seq 300); do
+    grep -q "^listening on" "$dir/ring$1.out" 2>/dev/null && return 0
+    kill -0 "${RING_PID[$1]}" 2>/dev/null || break
+    sleep 0.05
+  done
+  cat "$dir/ring$1.err" >&2
+  fail "ring node $1 did not start"
 }
 
 # ring_wait_whole: every node logged "ring whole" since its start (bounded).

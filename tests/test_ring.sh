@@ -14,6 +14,7 @@ SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 dir=$(mktemp -d -t kvasir-ring.XXXXXX)
 . "$SRC/tests/ring_support.sh"
 trap ring_cleanup EXIT
+ring_keys
 
 PROMPTS=("The ring passes each token's hidden state to its neighbour" "No node holds the model and no node is master"
          "The last node samples and hands the token back to the first")
@@ -28,7 +29,7 @@ check_ring() {
   local k=0 i
   for i in "${!RING_ADDR[@]}"; do
     local p=${PROMPTS[$((i % ${#PROMPTS[@]}))]}
-    "$KV" run --ring "${RING_ADDR[$i]}" -p "$p" "${RUN[@]}" --logits-out "$dir/r.bin" >"$dir/r.json" ||
+    "$KV" run --ring "${RING_ADDR[$i]}" "${RK[@]}" -p "$p" "${RUN[@]}" --logits-out "$dir/r.bin" >"$dir/r.json" ||
       fail "$arch ${#RING_ADDR[@]} nodes: request to node $i failed"
     same "$dir/r.json" "$dir/r.bin" "$dir/$arch.local$((i % ${#PROMPTS[@]}))" "$arch, ${#RING_ADDR[@]} nodes, via node $i"
     k=$((k + 1))
@@ -36,7 +37,7 @@ check_ring() {
   # three in flight at once, each to another node
   local pids=()
   for i in 0 1 2; do
-    "$KV" run --ring "${RING_ADDR[$((i % ${#RING_ADDR[@]}))]}" -p "${PROMPTS[$i]}" "${RUN[@]}" \
+    "$KV" run --ring "${RING_ADDR[$((i % ${#RING_ADDR[@]}))]}" "${RK[@]}" -p "${PROMPTS[$i]}" "${RUN[@]}" \
       --logits-out "$dir/c$i.bin" >"$dir/c$i.json" &
     pids+=($!)
   done
@@ -82,7 +83,7 @@ big="$dir/big.gguf"
   --heads 4 --kv-heads 2 --head-dim 64 --vocab 600 --type q8_0 --seed 9 >/dev/null 2>&1
 fsize=$(stat -c %s "$big")
 ring_start "$big" 0-0 1-1 2-2 3-3
-"$KV" run --ring "${RING_ADDR[0]}" -p "${PROMPTS[0]}" -n 24 --temp 0 --json >/dev/null || fail "big model: request failed"
+"$KV" run --ring "${RING_ADDR[0]}" "${RK[@]}" -p "${PROMPTS[0]}" -n 24 --temp 0 --json >/dev/null || fail "big model: request failed"
 for i in "${!RING_ADDR[@]}"; do
   w=$(sed -n 's/.*window of \([0-9]*\) bytes.*/\1/p' "$dir/ring$i.err" | head -1)
   r=$(mapped_rss "${RING_PID[$i]}" "$big")

@@ -11,6 +11,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
+#include "kvasir/dispatch.h"
 #include "kvasir/gen.h"
 #include "kvasir/model.h"
 #include "kvasir/pool.h"
@@ -231,6 +234,55 @@ static void test_start_submit_token(void) {
     check_truncations(buf, n);
 }
 
+/* AUTH frames at their documented offsets; the transcript binds role, model,
+ * both keys, challenge and nonce (an independent SHA-256 over the same
+ * bytes), and a signature verifies only over its own transcript. */
+static void test_auth(void) {
+    uint8_t pk[32], sk[64], pk2[32], sk2[64];
+    ASSERT_TRUE(sodium_init() >= 0);
+    crypto_sign_keypair(pk, sk);
+    crypto_sign_keypair(pk2, sk2);
+    kv_ring_auth a;
+    memcpy(a.key, pk, 32);
+    for (int i = 0; i < 32; i++) a.nonce[i] = (uint8_t)(i * 7 + 1);
+    uint8_t ch[32];
+    for (int i = 0; i < 32; i++) ch[i] = (uint8_t)(200 - i);
+    uint8_t dg[32], ref[32];
+    kv_ring_auth_digest('C', ID, pk2, ch, pk, a.nonce, dg);
+    uint8_t text[20 + 1 + 64 + 128];
+    memcpy(text, "kvasir-ring-auth-v1\n", 20);
+    text[20] = 'C';
+    memcpy(text + 21, ID, 64);
+    memcpy(text + 85, pk2, 32);
+    memcpy(text + 117, ch, 32);
+    memcpy(text + 149, pk, 32);
+    memcpy(text + 181, a.nonce, 32);
+    crypto_hash_sha256(ref, text, sizeof text);
+    ASSERT_TRUE(!memcmp(dg, ref, 32));
+    kv_ring_auth_digest('A', ID, pk2, ch, pk, a.nonce, ref);
+    ASSERT_TRUE(memcmp(dg, ref, 32)); /* the roles sign different texts */
+    kv_dispatch_sign(sk, dg, a.sig);
+    ASSERT_EQ(kv_dispatch_verify(pk, dg, a.sig), 0);
+    ASSERT_EQ(kv_dispatch_verify(pk2, dg, a.sig), KV_EAUTH);
+    ASSERT_EQ(kv_dispatch_verify(pk, ref, a.sig), KV_EAUTH);
+    size_t n;
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 128);
+    ASSERT_EQ(buf[6], KV_RING_AUTH);
+    ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER, pk, 32) && !memcmp(buf + KV_RING_HEADER + 64, a.sig, 64));
+    kv_ring_msg m;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_TRUE(!memcmp(m.u.auth.sig, a.sig, 64) && !memcmp(m.u.auth.nonce, a.nonce, 32));
+    check_truncations(buf, n);
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_CHALLENGE, &a, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 64);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &a, &n, NULL), 0);
+    ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER, a.sig, 64));
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_PROBE, &a, &n, NULL), KV_EINVAL);
+}
+
 /* ---- the layer-window forward pass ---------------------------------------------- */
 
 static char g_dir[200];
@@ -333,6 +385,7 @@ static void test_window_qwen35moe(void) { window_case("qwen35moe"); }
 
 static const kvt_case cases[] = {
     KVT_CASE(test_header_layout), KVT_CASE(test_hello), KVT_CASE(test_hidden), KVT_CASE(test_start_submit_token),
+    KVT_CASE(test_auth),
     KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
 };
 

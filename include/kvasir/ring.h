@@ -70,6 +70,9 @@ enum kv_ring_type {
     KV_RING_ERROR,       /* a request (seq != 0) or the connection failed */
     KV_RING_BROKEN,      /* along the ring: a link broke; drop the sequences in flight */
     KV_RING_PROBE,       /* along the ring: is it whole? (kind 1), it is (kind 2) */
+    KV_RING_AUTH_CHALLENGE, /* acceptor -> connector after HELLO_ACK: its key, a fresh challenge */
+    KV_RING_AUTH,        /* connector -> acceptor: its key, a nonce, a signature of the transcript */
+    KV_RING_AUTH_OK,     /* acceptor -> connector: its signature of the same transcript */
     KV_RING_TYPE_COUNT
 };
 
@@ -157,6 +160,12 @@ typedef struct kv_ring_probe {
     uint64_t nonce;
 } kv_ring_probe;
 
+typedef struct kv_ring_auth {
+    uint8_t key[32];         /* Ed25519 public key (AUTH_CHALLENGE: the acceptor's; AUTH: the connector's) */
+    uint8_t nonce[32];       /* AUTH_CHALLENGE: the challenge; AUTH: the connector's nonce */
+    uint8_t sig[64];         /* AUTH and AUTH_OK: over kv_ring_auth_digest */
+} kv_ring_auth;
+
 typedef struct kv_ring_msg {
     kv_ring_header h;
     union {
@@ -169,6 +178,7 @@ typedef struct kv_ring_msg {
         kv_ring_error error;
         kv_ring_broken broken;
         kv_ring_probe probe;
+        kv_ring_auth auth;      /* AUTH_CHALLENGE (key, nonce), AUTH (all), AUTH_OK (sig) */
     } u;
 } kv_ring_msg;
 
@@ -207,6 +217,21 @@ int kv_ring_error_encode(uint8_t *out, size_t cap, uint64_t seq, int32_t code, u
 int kv_ring_broken_encode(uint8_t *out, size_t cap, uint32_t origin, const char *msg, size_t *n, kv_diag *d);
 int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *p, size_t *n, kv_diag *d);
 
+/* type: KV_RING_AUTH_CHALLENGE (key, nonce: 64 bytes), KV_RING_AUTH (key,
+ * nonce, sig: 128) or KV_RING_AUTH_OK (sig: 64). */
+int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d);
+
+/* The transcript both ends of a connection sign (the dispatch plane's
+ * scheme, in its own domain): SHA-256 over "kvasir-ring-auth-v1\n", the role
+ * ('C' the connector: a node linking to its next, or a client; 'A' the
+ * acceptor), the model id (64 hex), the acceptor's key and challenge, the
+ * connector's key and nonce. The fresh challenge makes every connection's
+ * transcript different (a signature cannot be replayed elsewhere); the
+ * acceptor's key binds the proof to the node it was meant for. Pure. */
+void kv_ring_auth_digest(char role, const char model_id[KV_RING_MODEL_ID_LEN], const uint8_t acceptor_key[32],
+                         const uint8_t challenge[32], const uint8_t connector_key[32], const uint8_t nonce[32],
+                         uint8_t out[32]);
+
 /* Views to host values. */
 int32_t kv_ring_tokens_get(const uint8_t *tokens, uint32_t i);
 void kv_ring_floats_get(const uint8_t *src, uint32_t n, float *dst);
@@ -227,6 +252,14 @@ typedef struct kv_ring_node_opts {
     uint32_t replay_timeout_ms; /* a broken ring must re-form within this, else requests fail; 0 = 30000 */
     bool skip_hashes;           /* sliced model: check sizes and identity, not every SHA-256 */
     FILE *log;                  /* links up and down, breaks, replays; NULL = silent */
+    /* Authentication (every connection, as the dispatch plane): the
+     * connector proves an Ed25519 key over the connection's transcript; a
+     * link's connector also checks the acceptor's proof. A key is admitted
+     * when it is in allow_keys, or any key when allow_any. */
+    const uint8_t *key_sk;      /* [64] this node's secret key (seed || pk); NULL = a fresh random key */
+    const uint8_t (*allow_keys)[32]; /* [n_allow] keys admitted (nodes and clients alike) */
+    size_t n_allow;
+    bool allow_any;             /* admit every key that proves itself (an open ring) */
     uint32_t link_delay_ms;     /* frames to the next node wait this long first (an emulated
                                    link latency, for benchmarks where netem is missing); 0 = none */
     uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after
@@ -280,6 +313,12 @@ typedef struct kv_ring_result {
  * ring gave them: "ring broken: ..."). */
 int kv_ring_request(const char *addr, const char *text, size_t text_len, const kv_ring_params *p,
                    int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res, kv_diag *d);
+/* The same, proving key_sk ([64] seed || pk; NULL = a fresh random key, which
+ * only an open ring admits) to the node; KV_EAUTH when the node refuses it or
+ * its own proof is wrong. */
+int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *text, size_t text_len,
+                        const kv_ring_params *p, int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res,
+                        kv_diag *d);
 void kv_ring_result_free(kv_ring_result *r);
 
 #endif

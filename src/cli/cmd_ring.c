@@ -6,13 +6,15 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "kvasir/dispatch.h"
+#include "kvasir/hub.h"
 #include "kvasir/pool.h"
 #include "kvasir/ring.h"
 
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -30,6 +32,12 @@ static const char *kv_ring_help =
     "  --replay-timeout-ms N  after a break, requests wait N ms for the ring to re-form and are\n"
     "                      then replayed from their tokens, else they fail (default 30000)\n"
     "  --skip-hashes       sliced model: check sizes and identity, not every SHA-256\n"
+    "  --key FILE          this node's Ed25519 key (created if absent, 0600; kvasir key prints its\n"
+    "                      public half); default: a fresh key for this process\n"
+    "  --allow-key K       admit key K (64 hex digits, or a file of keys, one a line): the other\n"
+    "                      nodes of the ring and the clients; repeatable. Every connection proves\n"
+    "                      its key (challenge and signature); a node links only to a next it admits\n"
+    "  --open              admit every key that proves itself (instead of --allow-key)\n"
     "  --quiet             no log lines (links, breaks, replays) on stderr\n"
     "  --link-delay-ms N   hold every frame to the next node N ms (emulated latency, for benchmarks\n"
     "                      where tc netem is not available)\n"
@@ -58,6 +66,10 @@ static int kv_parse_layers(const char *v, uint32_t *a, uint32_t *b) {
 int kv_cmd_ring(int argc, char **argv) {
     kv_ring_node_opts o = {.log = stderr};
     bool layers = false;
+    const char *key_path = NULL;
+    uint8_t (*allow)[32] = NULL;
+    size_t n_allow = 0;
+    kv_diag d = {0};
     long lv;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -68,10 +80,19 @@ int kv_cmd_ring(int argc, char **argv) {
             o.log = NULL;
         } else if (!strcmp(a, "--skip-hashes")) {
             o.skip_hashes = true;
+        } else if (!strcmp(a, "--open")) {
+            o.allow_any = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             o.model = v;
+        } else if (!strcmp(a, "--key")) {
+            key_path = v;
+        } else if (!strcmp(a, "--allow-key")) {
+            if (kv_key_list_add(v, &allow, &n_allow, &d)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--allow-key: %s", d.msg);
+            }
         } else if (!strcmp(a, "--layers")) {
             if (kv_parse_layers(v, &o.first, &o.last))
                 return kv_cli_err(CMD, 1, "--layers: '%s' is not A-B with A <= B < %u", v, KV_RING_MAX_LAYERS);
@@ -105,11 +126,25 @@ int kv_cmd_ring(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir ring --help)", a);
         }
     }
-    if (!o.model || !layers || !o.listen || !o.next)
+    if (!o.model || !layers || !o.listen || !o.next) {
+        free(allow);
         return kv_cli_err(CMD, 1, "needs --model, --layers, --listen and --next (see kvasir ring --help)");
-    kv_diag d = {0};
+    }
+    kv_node_key key;
+    if (key_path) {
+        if (kv_key_file_load(&key, key_path, true, &d)) {
+            free(allow);
+            return kv_cli_diag(CMD, &d);
+        }
+        o.key_sk = key.sk;
+    }
+    o.allow_keys = (const uint8_t(*)[32])allow;
+    o.n_allow = n_allow;
     kv_ring_node *n = NULL;
-    if (kv_ring_node_new(&n, &o, &d)) return kv_cli_diag(CMD, &d);
+    int nrc = kv_ring_node_new(&n, &o, &d);
+    free(allow);
+    memset(&key, 0, sizeof key);
+    if (nrc) return kv_cli_diag(CMD, &d);
     kv_ring_node_stats st;
     kv_ring_node_get_stats(n, &st);
     if (o.log)

@@ -39,7 +39,7 @@ static const char *kv_run_help =
     "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
     "  --ring HOST:PORT     submit to a ring node (kvasir ring) instead of -m: the ring tokenizes,\n"
     "                       computes and streams the tokens back (--ring-timeout-ms N: longest wait\n"
-    "                       for one token, default 60000)\n"
+    "                       for one token, default 60000); it proves --key (below) to the node\n"
     "  --key FILE           the key proved to workers (default DATA/coordinator.key with --hub,\n"
     "                       else ~/.kvasir/coordinator.key; created if absent; see kvasir key)\n"
     "  --wire ENC           hidden states to workers as f32 (exact, default), f16 or bf16\n"
@@ -189,17 +189,20 @@ static int kv_run_ring_tok(void *data, int32_t token, const char *piece, size_t 
     return 0;
 }
 
-static int kv_run_ring(const char *addr, const char *prompt, long n_predict, const kv_sample_params *sp, bool json,
-                       const char *logits_path, long timeout_ms) {
+static int kv_run_ring(const char *addr, const char *key_path, const char *prompt, long n_predict,
+                       const kv_sample_params *sp, bool json, const char *logits_path, long timeout_ms) {
     kv_run_ring_out o = {.json = json};
     kv_ring_result res = {0};
     kv_diag d = {0};
     int rc = 0;
     const double t0 = kv_wall_s();
+    kv_node_key key;
+    if ((rc = kv_cli_key(CMD, key_path, NULL, &key))) return rc;
     if (logits_path && !(o.lf = fopen(logits_path, "wb"))) return kv_cli_err(CMD, 2, "cannot write '%s'", logits_path);
     const kv_ring_params p = {.flags = logits_path ? KV_RING_SUBMIT_LOGITS : 0,
                               .n_predict = n_predict > 0 ? (uint32_t)n_predict : 1, .sample = *sp};
-    rc = kv_ring_request(addr, prompt, strlen(prompt), &p, (int)timeout_ms, kv_run_ring_tok, &o, &res, &d);
+    rc = kv_ring_request_key(addr, key.sk, prompt, strlen(prompt), &p, (int)timeout_ms, kv_run_ring_tok, &o, &res, &d);
+    memset(&key, 0, sizeof key);
     if (o.lf && fclose(o.lf)) o.werr = true;
     if (rc) {
         if (!json && o.n_gen) printf("\n");
@@ -330,7 +333,7 @@ int kv_cmd_run(int argc, char **argv) {
     if (ring && !prompt) return kv_cli_err(CMD, 1, "missing -p PROMPT");
     if (ring) {
         if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
-        return kv_run_ring(ring, prompt, n_predict, &sp, json, logits_path, ring_timeout);
+        return kv_run_ring(ring, key_path, prompt, n_predict, &sp, json, logits_path, ring_timeout);
     }
     if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir run --help)");
     if (!prompt && !pfile) return kv_cli_err(CMD, 1, "missing -p PROMPT or -f FILE");

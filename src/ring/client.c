@@ -15,6 +15,8 @@
 #include "kvasir/dispatch.h" /* kv_proto_connect */
 #include "kvasir/ring.h"
 
+#include <sodium.h>
+
 typedef struct kv_rcl {
     int fd;
     uint8_t *buf;
@@ -68,6 +70,12 @@ static int kv_rcl_send(int fd, const uint8_t *p, size_t n, kv_diag *d) {
 
 int kv_ring_request(const char *addr, const char *text, size_t text_len, const kv_ring_params *p, int timeout_ms,
                     kv_ring_token_fn fn, void *data, kv_ring_result *res, kv_diag *d) {
+    return kv_ring_request_key(addr, NULL, text, text_len, p, timeout_ms, fn, data, res, d);
+}
+
+int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *text, size_t text_len,
+                        const kv_ring_params *p, int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res,
+                        kv_diag *d) {
     memset(res, 0, sizeof *res);
     if (text_len < 1 || text_len > KV_RING_MAX_TEXT)
         return kv_fail(d, KV_EINVAL, "ring: prompt of %zu bytes out of range [1, %u]", text_len, KV_RING_MAX_TEXT);
@@ -84,14 +92,65 @@ int kv_ring_request(const char *addr, const char *text, size_t text_len, const k
     const kv_ring_hello me = {.role = KV_RING_ROLE_CLIENT};
     if ((rc = kv_ring_hello_encode(c.buf, c.cap, KV_RING_HELLO, &me, &n, d)) || (rc = kv_rcl_send(c.fd, c.buf, n, d)))
         goto done;
-    const kv_ring_submit sb = {*p, text, (uint32_t)text_len};
-    if ((rc = kv_ring_submit_encode(c.buf, c.cap, &sb, &n, d)) || (rc = kv_rcl_send(c.fd, c.buf, n, d))) goto done;
+    if (sodium_init() < 0) {
+        rc = kv_fail(d, KV_EINTERNAL, "ring: libsodium did not initialize");
+        goto done;
+    }
+    uint8_t sk[64], node_key[32], challenge[32], nonce[32];
+    if (key_sk) {
+        memcpy(sk, key_sk, 64);
+    } else {
+        uint8_t pk[32];
+        crypto_sign_keypair(pk, sk);
+    }
     kv_ring_msg m;
     uint32_t n_vocab = 0;
+    char model_id[KV_RING_MODEL_ID_LEN + 1] = "";
+    int stage = 0; /* 0 HELLO_ACK, 1 AUTH_CHALLENGE, 2 AUTH_OK, 3 the request */
     for (;;) {
         if ((rc = kv_rcl_frame(&c, &m, d))) goto done;
+        if (stage < 3 && m.h.type != KV_RING_ERROR &&
+            m.h.type != (stage == 0 ? KV_RING_HELLO_ACK : stage == 1 ? KV_RING_AUTH_CHALLENGE : KV_RING_AUTH_OK)) {
+            rc = kv_fail(d, KV_EPROTO, "ring: frame type %u from the node during the handshake", m.h.type);
+            goto done;
+        }
         switch (m.h.type) {
-        case KV_RING_HELLO_ACK: n_vocab = m.u.hello.n_vocab; break;
+        case KV_RING_HELLO_ACK:
+            if (m.u.hello.role != KV_RING_ROLE_LINK) {
+                rc = kv_fail(d, KV_EPROTO, "ring: the peer at %s is not a ring node", addr);
+                goto done;
+            }
+            n_vocab = m.u.hello.n_vocab;
+            memcpy(model_id, m.u.hello.model_id, sizeof model_id);
+            stage = 1;
+            break;
+        case KV_RING_AUTH_CHALLENGE: {
+            memcpy(node_key, m.u.auth.key, 32);
+            memcpy(challenge, m.u.auth.nonce, 32);
+            randombytes_buf(nonce, sizeof nonce);
+            kv_ring_auth a;
+            memcpy(a.key, sk + 32, 32);
+            memcpy(a.nonce, nonce, 32);
+            uint8_t dg[32];
+            kv_ring_auth_digest('C', model_id, node_key, challenge, a.key, nonce, dg);
+            kv_dispatch_sign(sk, dg, a.sig);
+            if ((rc = kv_ring_auth_encode(c.buf, c.cap, KV_RING_AUTH, &a, &n, d)) || (rc = kv_rcl_send(c.fd, c.buf, n, d)))
+                goto done;
+            stage = 2;
+            break;
+        }
+        case KV_RING_AUTH_OK: {
+            uint8_t dg[32];
+            kv_ring_auth_digest('A', model_id, node_key, challenge, sk + 32, nonce, dg);
+            if (kv_dispatch_verify(node_key, dg, m.u.auth.sig)) {
+                rc = kv_fail(d, KV_EAUTH, "ring: the node at %s did not prove its key", addr);
+                goto done;
+            }
+            const kv_ring_submit sb = {*p, text, (uint32_t)text_len};
+            if ((rc = kv_ring_submit_encode(c.buf, c.cap, &sb, &n, d)) || (rc = kv_rcl_send(c.fd, c.buf, n, d))) goto done;
+            stage = 3;
+            break;
+        }
         case KV_RING_ACCEPT:
             free(res->prompt);
             if (!(res->prompt = malloc(m.u.accept.n_tokens * sizeof *res->prompt))) {
@@ -127,6 +186,7 @@ int kv_ring_request(const char *addr, const char *text, size_t text_len, const k
         }
     }
 done:
+    sodium_memzero(sk, sizeof sk);
     free(lg);
     free(c.buf);
     if (c.fd >= 0) close(c.fd);

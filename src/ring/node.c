@@ -43,6 +43,9 @@
 #include "kvasir/pieces.h"
 #include "kvasir/ring.h"
 #include "kvasir/slice.h"
+#include "kvasir/hub.h" /* kv_hex */
+
+#include <sodium.h>
 
 #define KV_RN_HELLO_MS 5000        /* an accepted connection must say HELLO within this */
 #define KV_RN_REDIAL_MS 200        /* next link: pause between dials */
@@ -78,8 +81,13 @@ typedef struct kv_rreq {
 struct kv_rconn {
     kv_ring_node *n;
     kv_net_conn *nc;
-    enum { KV_RC_NEW = 0, KV_RC_PREV, KV_RC_CLIENT, KV_RC_NEXT } role;
-    bool acked;          /* NEXT: HELLO_ACK received */
+    enum { KV_RC_NEW = 0, KV_RC_AUTH, KV_RC_PREV, KV_RC_CLIENT, KV_RC_NEXT } role;
+    bool acked;          /* NEXT: HELLO_ACK received and the acceptor's AUTH_OK checked */
+    bool hello_ok;       /* NEXT: HELLO_ACK received (AUTH_CHALLENGE next) */
+    kv_ring_hello peer;  /* AUTH: the HELLO that waits for its AUTH; NEXT: the HELLO_ACK */
+    uint8_t challenge[32]; /* AUTH: ours; NEXT: the acceptor's */
+    uint8_t peer_key[32];  /* NEXT: the acceptor's key */
+    uint8_t nonce[32];     /* NEXT: ours */
     kv_rreq *req;        /* CLIENT: its request (one at a time) */
     kv_net_timer hs_t;   /* HELLO deadline */
     kv_rconn *lprev, *lnext; /* the node's list of connections (freed with it) */
@@ -96,6 +104,8 @@ struct kv_ring_node {
     uint32_t n_layer, n_embd, n_vocab, n_ctx, n_batch, max_seqs;
     bool head, tail;
     char model_id[KV_RING_MODEL_ID_LEN + 1];
+    uint8_t sk[64];           /* this node's Ed25519 key (seed || pk) */
+    uint8_t (*allow)[32];     /* [n_allow] keys admitted (a copy) */
     char next_addr[256];
     kv_net_loop *loop;
     int lfd;
@@ -863,6 +873,13 @@ static void kv_rc_on_close(kv_net_conn *nc, int code, const char *why) {
     kv_rc_free(c);
 }
 
+static bool kv_rn_allowed(const kv_ring_node *n, const uint8_t key[32]) {
+    if (n->o.allow_any) return true;
+    for (size_t i = 0; i < n->o.n_allow; i++)
+        if (!memcmp(n->allow[i], key, 32)) return true;
+    return false;
+}
+
 static int kv_rn_check_peer(kv_ring_node *n, const kv_ring_hello *h, uint32_t want_first, bool check_last,
                             char *msg, size_t cap) {
     if (h->role != KV_RING_ROLE_LINK) return snprintf(msg, cap, "ring: expected a ring node, got a client"), KV_EPROTO;
@@ -894,27 +911,67 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
             kv_net_conn_close(nc, KV_EPROTO, "no HELLO");
             return KV_EPROTO;
         }
+        if (m.u.hello.role == KV_RING_ROLE_LINK &&
+            (rc = kv_rn_check_peer(n, &m.u.hello, n->o.first, true, msg, sizeof msg))) {
+            kv_rn_send_error(c, 0, rc, n->o.first, msg);
+            kv_net_conn_close(nc, rc, msg);
+            return rc;
+        }
+        c->peer = m.u.hello;
+        c->role = KV_RC_AUTH; /* nothing else until the peer proves its key */
+        kv_ring_hello me = {KV_RING_ROLE_LINK, n->n_layer, n->o.first, n->o.last, n->n_embd, n->n_vocab, {0}};
+        memcpy(me.model_id, n->model_id, sizeof me.model_id);
+        uint8_t buf[KV_RING_HEADER + 128];
+        size_t bl;
+        if (!kv_ring_hello_encode(buf, sizeof buf, KV_RING_HELLO_ACK, &me, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+        kv_ring_auth ch;
+        memcpy(ch.key, n->sk + 32, 32);
+        randombytes_buf(c->challenge, sizeof c->challenge);
+        memcpy(ch.nonce, c->challenge, 32);
+        if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_CHALLENGE, &ch, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+        return 0;
+    }
+    if (c->role == KV_RC_AUTH) {
+        if (ty != KV_RING_AUTH) {
+            kv_rn_send_error(c, 0, KV_EAUTH, n->o.first, "ring: AUTH must follow HELLO; nothing is served before it");
+            kv_net_conn_close(nc, KV_EAUTH, "no AUTH");
+            return KV_EAUTH;
+        }
+        char hex[65];
+        kv_hex(m.u.auth.key, 32, hex);
+        uint8_t dg[32];
+        kv_ring_auth_digest('C', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
+        if (!kv_rn_allowed(n, m.u.auth.key))
+            snprintf(msg, sizeof msg, "ring: key %.16s... is not allowed on this node (--allow-key)", hex);
+        else if (kv_dispatch_verify(m.u.auth.key, dg, m.u.auth.sig))
+            snprintf(msg, sizeof msg, "ring: the signature of key %.16s... does not verify", hex);
+        else
+            msg[0] = 0;
+        if (!msg[0] && c->peer.role == KV_RING_ROLE_LINK && n->prev)
+            snprintf(msg, sizeof msg, "ring: layer %u already has a live link from the node before it", n->o.first);
+        if (msg[0]) {
+            const int code = strstr(msg, "already") ? KV_EPROTO : KV_EAUTH;
+            kv_rn_send_error(c, 0, code, n->o.first, msg);
+            kv_rn_log(n, "refused a %s: %s", c->peer.role == KV_RING_ROLE_LINK ? "link" : "client", msg);
+            kv_net_conn_close(nc, code, msg);
+            return code;
+        }
         kv_net_timer_stop(n->loop, &c->hs_t);
-        if (m.u.hello.role == KV_RING_ROLE_LINK) {
-            if ((rc = kv_rn_check_peer(n, &m.u.hello, n->o.first, true, msg, sizeof msg)) ||
-                (n->prev && (rc = KV_EPROTO) && snprintf(msg, sizeof msg, "ring: layer %u already has a live link from the node before it", n->o.first) > 0)) {
-                kv_rn_send_error(c, 0, rc, n->o.first, msg);
-                kv_net_conn_close(nc, rc, msg);
-                return rc;
-            }
+        kv_ring_auth ok;
+        kv_ring_auth_digest('A', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
+        kv_dispatch_sign(n->sk, dg, ok.sig);
+        uint8_t buf[KV_RING_HEADER + 64];
+        size_t bl;
+        if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &ok, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+        if (c->peer.role == KV_RING_ROLE_LINK) {
             c->role = KV_RC_PREV;
             n->prev = c;
-            n->prev_first = m.u.hello.first;
-            n->prev_last = m.u.hello.last;
-            kv_rn_log(n, "link from layers %u-%u up", m.u.hello.first, m.u.hello.last);
+            n->prev_first = c->peer.first;
+            n->prev_last = c->peer.last;
+            kv_rn_log(n, "link from layers %u-%u up (key %.16s...)", c->peer.first, c->peer.last, hex);
         } else {
             c->role = KV_RC_CLIENT;
         }
-        kv_ring_hello me = {KV_RING_ROLE_LINK, n->n_layer, n->o.first, n->o.last, n->n_embd, n->n_vocab, {0}};
-        memcpy(me.model_id, n->model_id, sizeof me.model_id);
-        uint8_t buf[KV_RING_HEADER + 24 + KV_RING_MODEL_ID_LEN];
-        size_t bl;
-        if (!kv_ring_hello_encode(buf, sizeof buf, KV_RING_HELLO_ACK, &me, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
         return 0;
     }
     if (c->role == KV_RC_NEXT) {
@@ -924,13 +981,50 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
                 kv_net_conn_close(nc, m.u.error.code, m.u.error.msg);
                 return m.u.error.code;
             }
-            if (ty != KV_RING_HELLO_ACK ||
-                (rc = kv_rn_check_peer(n, &m.u.hello, (n->o.last + 1) % n->n_layer, false, msg, sizeof msg))) {
-                if (ty != KV_RING_HELLO_ACK) snprintf(msg, sizeof msg, "ring: expected HELLO_ACK from the next node");
-                kv_rn_log(n, "%s", msg);
-                kv_net_conn_close(nc, KV_EPROTO, msg);
-                return KV_EPROTO;
+            if (!c->hello_ok) {
+                if (ty != KV_RING_HELLO_ACK ||
+                    (rc = kv_rn_check_peer(n, &m.u.hello, (n->o.last + 1) % n->n_layer, false, msg, sizeof msg))) {
+                    if (ty != KV_RING_HELLO_ACK) snprintf(msg, sizeof msg, "ring: expected HELLO_ACK from the next node");
+                    kv_rn_log(n, "%s", msg);
+                    kv_net_conn_close(nc, KV_EPROTO, msg);
+                    return KV_EPROTO;
+                }
+                c->hello_ok = true;
+                c->peer = m.u.hello;
+                return 0;
             }
+            if (ty == KV_RING_AUTH_CHALLENGE) { /* prove our key; the next must be a node we admit */
+                char hex[65];
+                kv_hex(m.u.auth.key, 32, hex);
+                if (!kv_rn_allowed(n, m.u.auth.key)) {
+                    kv_rn_log(n, "the next node's key %.16s... is not allowed (--allow-key); not linking", hex);
+                    kv_net_conn_close(nc, KV_EAUTH, "the next node's key is not allowed");
+                    return KV_EAUTH;
+                }
+                memcpy(c->peer_key, m.u.auth.key, 32);
+                memcpy(c->challenge, m.u.auth.nonce, 32);
+                kv_ring_auth a;
+                memcpy(a.key, n->sk + 32, 32);
+                randombytes_buf(c->nonce, 32);
+                memcpy(a.nonce, c->nonce, 32);
+                uint8_t dg[32];
+                kv_ring_auth_digest('C', n->model_id, c->peer_key, c->challenge, a.key, a.nonce, dg);
+                kv_dispatch_sign(n->sk, dg, a.sig);
+                uint8_t buf[KV_RING_HEADER + 128];
+                size_t bl;
+                if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+                return 0;
+            }
+            uint8_t dg[32];
+            if (ty == KV_RING_AUTH_OK)
+                kv_ring_auth_digest('A', n->model_id, c->peer_key, c->challenge, n->sk + 32, c->nonce, dg);
+            if (ty != KV_RING_AUTH_OK || kv_dispatch_verify(c->peer_key, dg, m.u.auth.sig)) {
+                snprintf(msg, sizeof msg, "ring: the next node's AUTH_OK is missing or does not verify");
+                kv_rn_log(n, "%s", msg);
+                kv_net_conn_close(nc, KV_EAUTH, msg);
+                return KV_EAUTH;
+            }
+            m.u.hello = c->peer;
             c->acked = true;
             n->next_first = m.u.hello.first;
             n->next_last = m.u.hello.last;
@@ -1078,6 +1172,30 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     }
     n->max_seqs = n->o.max_seqs;
     n->n_batch = n->o.n_batch;
+    if (!n->o.allow_any && !n->o.n_allow) {
+        rc = kv_fail(d, KV_EINVAL, "ring: no key is admitted: give --allow-key KEY (the keys of the other nodes and of "
+                                   "clients) or --open");
+        goto fail;
+    }
+    if (sodium_init() < 0) {
+        rc = kv_fail(d, KV_EINTERNAL, "ring: libsodium did not initialize");
+        goto fail;
+    }
+    if (n->o.key_sk) {
+        memcpy(n->sk, n->o.key_sk, 64);
+    } else {
+        uint8_t pk[32];
+        crypto_sign_keypair(pk, n->sk);
+    }
+    if (n->o.n_allow) {
+        if (!(n->allow = malloc(n->o.n_allow * sizeof *n->allow))) {
+            rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
+            goto fail;
+        }
+        memcpy(n->allow, n->o.allow_keys, n->o.n_allow * sizeof *n->allow);
+    }
+    n->o.key_sk = NULL;
+    n->o.allow_keys = NULL;
     {   /* where the next node is: resolved once */
         char host[256];
         uint16_t port;
@@ -1209,5 +1327,7 @@ void kv_ring_node_free(kv_ring_node *n) {
     free(n->sbuf);
     free(n->q_out);
     free(n->jobs);
+    free(n->allow);
+    sodium_memzero(n->sk, sizeof n->sk);
     free(n);
 }

@@ -16,6 +16,8 @@
 #include "kvasir/engine.h" /* KV_STOP_* */
 #include "kvasir/ring.h"
 
+#include <sodium.h>
+
 static inline uint32_t kv_rg32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
@@ -323,6 +325,21 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         EXACT(8 + (size_t)ml, "BROKEN");
         return kv_msg_get(p + 8, ml, b->msg, d);
     }
+    case KV_RING_AUTH_CHALLENGE:
+        EXACT(64, "AUTH_CHALLENGE");
+        memcpy(m->u.auth.key, p, 32);
+        memcpy(m->u.auth.nonce, p + 32, 32);
+        return 0;
+    case KV_RING_AUTH:
+        EXACT(128, "AUTH");
+        memcpy(m->u.auth.key, p, 32);
+        memcpy(m->u.auth.nonce, p + 32, 32);
+        memcpy(m->u.auth.sig, p + 64, 64);
+        return 0;
+    case KV_RING_AUTH_OK:
+        EXACT(64, "AUTH_OK");
+        memcpy(m->u.auth.sig, p, 64);
+        return 0;
     case KV_RING_PROBE: {
         EXACT(16, "PROBE");
         kv_ring_probe *q = &m->u.probe;
@@ -475,4 +492,37 @@ int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *q, size_
     kv_wg32(p + 4, q->kind);
     kv_wg64(p + 8, q->nonce);
     return 0;
+}
+
+int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d) {
+    const size_t len = type == KV_RING_AUTH ? 128 : type == KV_RING_AUTH_CHALLENGE || type == KV_RING_AUTH_OK ? 64 : 0;
+    if (!len) return kv_fail(d, KV_EINVAL, "ring: AUTH frame of type %u", type);
+    int rc = kv_hdr_put(out, cap, type, len, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    if (type == KV_RING_AUTH_OK) {
+        memcpy(p, a->sig, 64);
+        return 0;
+    }
+    memcpy(p, a->key, 32);
+    memcpy(p + 32, a->nonce, 32);
+    if (type == KV_RING_AUTH) memcpy(p + 64, a->sig, 64);
+    return 0;
+}
+
+void kv_ring_auth_digest(char role, const char model_id[KV_RING_MODEL_ID_LEN], const uint8_t acceptor_key[32],
+                         const uint8_t challenge[32], const uint8_t connector_key[32], const uint8_t nonce[32],
+                         uint8_t out[32]) {
+    static const char tag[] = "kvasir-ring-auth-v1\n";
+    crypto_hash_sha256_state h;
+    crypto_hash_sha256_init(&h);
+    crypto_hash_sha256_update(&h, (const uint8_t *)tag, sizeof tag - 1);
+    const uint8_t r = (uint8_t)role;
+    crypto_hash_sha256_update(&h, &r, 1);
+    crypto_hash_sha256_update(&h, (const uint8_t *)model_id, KV_RING_MODEL_ID_LEN);
+    crypto_hash_sha256_update(&h, acceptor_key, 32);
+    crypto_hash_sha256_update(&h, challenge, 32);
+    crypto_hash_sha256_update(&h, connector_key, 32);
+    crypto_hash_sha256_update(&h, nonce, 32);
+    crypto_hash_sha256_final(&h, out);
 }
