@@ -8,6 +8,7 @@
 #   make bench-hub  hub market view at 122B scale + load of 2,000 heartbeating nodes
 #   make bench-122b  the Qwen3.5-122B-A10B shape over 3 loopback workers vs one process
 #   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
+#   make bench-gateway  tokens/s of 1, 4, 16 clients through the gateway vs llama.cpp sequences
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
@@ -20,7 +21,7 @@ FUZZ_SECONDS ?= 300
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-ring clean
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean
 
 all: build
 
@@ -68,6 +69,9 @@ bench-122b: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/skeleton122.sh $(BUILD)/kvasir
 
+bench-gateway: deps oracle
+	@$(MAKE) --no-print-directory build
+	@bash bench/gateway.sh $(BUILD)/kvasir
 bench-ring: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/ring.sh $(BUILD)

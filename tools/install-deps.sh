@@ -13,6 +13,9 @@ have npm || need+=(npm)
 have pkg-config || need+=(pkg-config)
 have jq || need+=(jq)
 have python3 || need+=(python3)
+# the hub's status page is tested in a real browser (tests/test_hub_status.sh)
+have chromium || need+=(chromium)
+have chromedriver || need+=(chromium-driver)
 have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
@@ -21,6 +24,10 @@ have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 [ -f /usr/include/microhttpd.h ] || need+=(libmicrohttpd-dev)
 [ -f /usr/include/sqlite3.h ] || need+=(libsqlite3-dev)
 [ -f /usr/include/x86_64-linux-gnu/curl/curl.h ] || [ -f /usr/include/curl/curl.h ] || need+=(libcurl4-openssl-dev)
+# PostgreSQL stores: libpq to build them, the server (initdb, pg_ctl, psql)
+# for the tests, which start a throw-away cluster (tests/pg_env.sh)
+[ -f /usr/include/postgresql/libpq-fe.h ] || need+=(libpq-dev)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && have psql || need+=(postgresql)
 # libFuzzer and sanitizer runtimes for clang
 if have clang; then
   rt=$(clang -print-resource-dir 2>/dev/null)/lib/linux/libclang_rt.fuzzer-x86_64.a
