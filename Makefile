@@ -72,6 +72,7 @@ bench-122b: deps
 bench-gateway: deps oracle
 	@$(MAKE) --no-print-directory build
 	@bash bench/gateway.sh $(BUILD)/kvasir
+
 bench-ring: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/ring.sh $(BUILD)
