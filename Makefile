@@ -12,6 +12,7 @@
 #   make arm      cross-build build-aarch64/kvasir (runs under qemu-aarch64)
 #   make test-arm the unit tests of the aarch64 build under qemu, and ARM
 #                 nodes in a loopback swarm (tests/test_arm.sh, full version)
+#   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
@@ -25,7 +26,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway clean deps-arm arm test-arm
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm
 
 all: build
 
@@ -96,6 +97,10 @@ bench-122b: deps
 bench-gateway: deps oracle
 	@$(MAKE) --no-print-directory build
 	@bash bench/gateway.sh $(BUILD)/kvasir
+
+bench-ring: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/ring.sh $(BUILD)
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build
