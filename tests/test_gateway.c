@@ -1038,7 +1038,7 @@ static void test_worker_batched(void) {
            serves: every one of the manifest's) */
         kv_engine *e0 = NULL;
         kv_engine_opts eo0 = {.n_threads = 1, .max_sessions = 2, .max_workers = 4, .allow_uncovered = true,
-                              .worker_timeout_ms = 5000};
+                              .worker_timeout_ms = 5000, .key_sk = kvt_coord_sk()};
         ASSERT_EQ(kv_engine_open(&e0, manifest, &eo0, &d), 0);
         kv_remote *rm = e0 ? kv_engine_remote(e0) : NULL;
         ASSERT_TRUE(rm != NULL);

@@ -52,7 +52,7 @@ RUN=(-p "$PROMPT" -n 8 --temp 0 --json --threads 1)
 "$KV" run -m "$dir/m.gguf" "${RUN[@]}" --logits-out "$dir/local.bin" >"$dir/local.json"
 
 start_hub() { # NAME: starts a hub on the shared store, sets url_NAME
-  "$KV" hub --model "$dir/sl/manifest.json" --db "$store" --listen 127.0.0.1:0 --deadline-ms 1500 \
+  "$KV" hub --vouch-open --model "$dir/sl/manifest.json" --db "$store" --listen 127.0.0.1:0 --deadline-ms 1500 \
     --challenge-every 3 --refresh-ms 100 --quiet >"$dir/hub$1.out" 2>"$dir/hub$1.err" &
   pids+=($!)
   local u=

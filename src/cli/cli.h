@@ -28,6 +28,7 @@ int kv_cmd_ledger(int argc, char **argv);
 int kv_cmd_gateway(int argc, char **argv);
 int kv_cmd_swarm(int argc, char **argv);
 int kv_cmd_plan(int argc, char **argv);
+int kv_cmd_ring(int argc, char **argv);
 int kv_cmd_key(int argc, char **argv);
 
 struct kv_node_key;
