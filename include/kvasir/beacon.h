@@ -12,7 +12,7 @@
  * else (another magic or version, a length that disagrees, a byte outside
  * the sets) is refused with a message and changes nothing.
  *
- * The beacon is not signed: the hub has no key of its own. A listener
+ * The beacon is not signed (the hub server exposes no signing call). A listener
  * therefore treats it as a hint, not as a fact: kv_beacon_wait takes the
  * first valid datagram (of the wanted model, when one is named), and the
  * caller checks the hub's own /v1/status answers the same model id before
