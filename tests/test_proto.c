@@ -263,7 +263,7 @@ static void test_compute_result(void) {
     x[3] = -0.0f, x[4] = 1e-40f, x[5] = 65504.0f * 4; /* signed zero, subnormal, f16 overflow */
     kv_proto_pair pairs[P];
     for (int i = 0; i < P; i++) pairs[i] = (kv_proto_pair){(uint32_t)(i * 7 % T), (uint32_t)(i * 5 % 16)};
-    const kv_proto_limits lim = {4, E, 16};
+    const kv_proto_limits lim = {4, E, 16, 0};
     for (uint32_t enc = 0; enc < KV_ENC_COUNT; enc++) {
         kv_msg_compute c = {2, enc, enc, T, E, P, x, pairs, NULL, NULL};
         ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 77, &c, &n, &d), 0);
@@ -324,7 +324,7 @@ static void test_compute_result(void) {
 
         /* RESULT: encode, and begin/put_row in any order, give the same bytes */
         for (int i = 0; i < P * E; i++) y[i] = frand(&s);
-        kv_msg_result res = {P, E, enc, y, NULL};
+        kv_msg_result res = {P, E, enc, y, NULL, 0};
         ASSERT_EQ(kv_msg_result_encode(buf, sizeof buf, 77, &res, &n, &d), 0);
         ASSERT_EQ(n, kv_msg_result_size(enc, P, E));
         size_t n2;
