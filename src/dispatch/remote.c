@@ -1196,4 +1196,5 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
+    r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
 }
