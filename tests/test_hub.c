@@ -1425,13 +1425,63 @@ static void test_two_hubs_one_store(void) {
 
 static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_one_store)};
 
+/* Reports: a node registered, then reported by a vouched coordinator, is
+ * no longer placed and may not register again; an unvouched reporter is
+ * 403 and changes nothing; a malformed body is 400; an unknown node 404. */
+static void test_report(void) {
+    char db[512];
+    db_path(db, sizeof db, "report");
+    kv_node_key c, x, n1;
+    test_key(&c, 710);
+    test_key(&x, 711);
+    test_key(&n1, 712);
+    char hex[65], extra[128], nhex[65];
+    kv_hex(c.pk, 32, hex);
+    kv_hex(n1.pk, 32, nhex);
+    snprintf(extra, sizeof extra, "--vouch-key %s", hex);
+    hub_proc p;
+    if (hub_start(&p, db, extra)) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    const int sl[] = {0, 1};
+    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 200);
+    resp r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) != NULL);
+    resp_free(&r);
+    char body[256];
+    snprintf(body, sizeof body, "{\"key\":\"%s\",\"reason\":\"caught: gate product differs\"}", nhex);
+    r = post_signed(&p, &x, "/v1/report", body, kv_node_next_counter(&x));
+    ASSERT_TRUE(r.status == 403 && is_json_error(&r));
+    resp_free(&r);
+    r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) != NULL); /* nothing changed */
+    resp_free(&r);
+    r = post_signed(&p, &c, "/v1/report", "{\"key\":\"zz\"}", kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 400);
+    resp_free(&r);
+    char other[256];
+    snprintf(other, sizeof other, "{\"key\":\"%064d\",\"reason\":\"x\"}", 7);
+    r = post_signed(&p, &c, "/v1/report", other, kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 404);
+    resp_free(&r);
+    r = post_signed(&p, &c, "/v1/report", body, kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) == NULL);
+    resp_free(&r);
+    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 403);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
     KVT_CASE(test_nodes_served),
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
     KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
-    KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher),
+    KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher), KVT_CASE(test_report),
 };
 
 int main(int argc, char **argv) {

@@ -55,6 +55,7 @@
 #include "hub/hub_internal.h"
 #include "hub/store.h"
 #include "kvasir/dispatch.h"
+#include "kvasir/node.h"
 #include "kvasir/slice.h"
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
@@ -81,6 +82,7 @@ typedef struct kv_hub_node {
     uint64_t served_pairs, served_tokens; /* totals last reported (since the node started) */
     int64_t served_ms;                    /* when; 0 = never reported */
     double pairs_per_s, tokens_per_s;     /* between its last two reports */
+    bool reported;                        /* a vouched coordinator caught it lying: unlisted */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -799,6 +801,11 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
                            "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
         goto out;
     }
+    if (n && n->reported) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "this node was reported for wrong answers and is unlisted");
+        goto out;
+    }
     if (n && s->counter <= n->counter) {
         pthread_mutex_unlock(&h->mu);
         ret = kv_reply_errf(c, MHD_HTTP_CONFLICT, KV_EPROTO,
@@ -1154,6 +1161,39 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
 
 int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d) { return kv_hub_nodes_render(h, out, len, d); }
 
+/* POST /v1/report, signed by a coordinator the hub vouches for: the node
+ * with that key loses its holdings (stored) and may not register again
+ * while this hub runs, so the placement map stops listing it. */
+static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
+    kv_diag d = {0};
+    uint8_t key[32];
+    char reason[KV_HUB_MAX_REASON + 1];
+    if (kv_hub_parse_report(q->body ? q->body : "", q->n, key, reason, sizeof reason, &d))
+        return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    if (!h->o.vouch_open && !(h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp)))
+        return kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "only coordinators this hub vouches for may report nodes");
+    pthread_mutex_lock(&h->mu);
+    kv_hub_node *n = kv_node_find(h, key);
+    if (!n) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no node with this key");
+    }
+    if (n->n_slabs && kv_node_drop(h, n, n->counter, -1, &d)) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    n->reported = true;
+    char hex[65], by[65];
+    kv_hex(key, 32, hex);
+    kv_hex(s->pk, 32, by);
+    pthread_mutex_unlock(&h->mu);
+    if (!h->o.quiet) fprintf(stderr, "hub: node %.16s... reported by coordinator %.16s...: %s: unlisted\n", hex, by, reason);
+    json_t *j = json_object();
+    json_object_set_new(j, "ok", json_true());
+    json_object_set_new(j, "unlisted", json_string(hex));
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
 /* ---- dispatch --------------------------------------------------------------- */
 
 static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -1254,13 +1294,13 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
         if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge") ||
-            !strcmp(url, "/v1/voucher"))
+            !strcmp(url, "/v1/voucher") || !strcmp(url, "/v1/report"))
             return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "%s needs POST", url);
         return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     }
     if (!post) return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "method %.16s not allowed", method);
     int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3
-                : !strcmp(url, "/v1/voucher") ? 4 : 0;
+                : !strcmp(url, "/v1/voucher") ? 4 : !strcmp(url, "/v1/report") ? 5 : 0;
     if (!which) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     kv_diag d = {0};
     kv_signed s;
@@ -1268,6 +1308,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
     if (which == 1) return kv_do_register(h, c, &s, q);
     if (which == 2) return kv_do_heartbeat(h, c, &s, q);
     if (which == 4) return kv_do_voucher(h, c, &s);
+    if (which == 5) return kv_do_report(h, c, &s, q);
     return kv_do_answer(h, c, &s, q);
 }
 
