@@ -20,13 +20,14 @@
 static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
-                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", NULL};
+                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", NULL};
 
 static const char *kv_gateway_help =
     "usage: kvasir gateway -m MODEL [--listen HOST:PORT] [options]\n"
     "  -m, --model F        GGUF file, or DIR/manifest.json (or DIR) of a sliced model\n"
     "  --worker HOST:PORT   sliced model: experts on this worker (repeat for more)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --key FILE           the coordinator key proved to workers (default ~/.kvasir/coordinator.key)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -48,7 +49,8 @@ static void kv_gw_on_signal(int sig) {
 }
 
 int kv_cmd_gateway(int argc, char **argv) {
-    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL;
+    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL, *coord_key = NULL;
+    kv_cli_auth auth = {0};
     const char *workers[KV_REMOTE_MAX_WORKERS];
     const char *keys[KV_GATEWAY_MAX_KEYS];
     uint32_t n_workers = 0, n_keys = 0;
@@ -65,6 +67,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             return kv_cli_err(CMD, 1, "--hub is not supported yet: give -m MODEL (with --worker for a swarm)");
+        } else if (!strcmp(a, "--key")) {
+            coord_key = v;
         } else if (!strcmp(a, "--listen")) {
             listen = v;
         } else if (!strcmp(a, "--name")) {
@@ -154,10 +158,12 @@ int kv_cmd_gateway(int argc, char **argv) {
     }
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
-                               .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr};
+                               .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
+                               .key_sk = auth.key.sk};
     kv_engine *e = NULL;
     kv_gateway *g = NULL;
     int rc = 0;
+    if (n_workers && (rc = kv_cli_auth_setup(CMD, coord_key, NULL, NULL, NULL, 0, &auth))) goto done;
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
