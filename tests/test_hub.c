@@ -1262,6 +1262,95 @@ static void test_market_cli_errors(void) {
     ASSERT_EQ(run_cmd(cmd), 2);
 }
 
+/* ---- two hubs on one PostgreSQL store -------------------------------------------- */
+/* A node registered at one hub is placed by the other; a nonce handed out
+ * by one is good once at either; a signed request accepted by one is a
+ * replay at the other; both publish the same market. */
+static void test_two_hubs_one_store(void) {
+    char db[512];
+    db_path(db, sizeof db, "shared");
+    hub_proc a, b;
+    if (hub_start(&a, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    if (hub_start(&b, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        hub_stop(&a);
+        return;
+    }
+    resp st = get(&b, "/v1/status"), sa = get(&a, "/v1/status");
+    ASSERT_TRUE(strstr(st.body, "\"store\":\"postgresql\"") != NULL);
+    /* one hub key for the swarm: vouchers from either hub check alike */
+    json_t *ja = json_loads(sa.body, 0, NULL), *jb = json_loads(st.body, 0, NULL);
+    const char *ka = json_string_value(json_object_get(ja, "hub_key")), *kb = json_string_value(json_object_get(jb, "hub_key"));
+    ASSERT_TRUE(ka && kb && !strcmp(ka, kb));
+    json_decref(ja);
+    json_decref(jb);
+    resp_free(&st);
+    resp_free(&sa);
+    kv_node_key k, k2;
+    test_key(&k, 700);
+    test_key(&k2, 701);
+    const int s0[] = {0, 2};
+    /* a nonce from A, the registration at B */
+    char *nonce = fresh_nonce(&a);
+    ASSERT_TRUE(nonce != NULL);
+    char *body = announce_json(nonce, "127.0.0.1:9700", s0, 2, -1);
+    uint64_t c1 = kv_node_next_counter(&k);
+    resp r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* the same request replayed at A, and at B */
+    r = post_signed(&a, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(is_json_error(&r));
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    /* the used nonce under a fresh counter, by another key, at A: refused */
+    free(body);
+    body = announce_json(nonce, "127.0.0.1:9701", s0, 2, -1);
+    r = post_signed(&a, &k2, "/v1/register", body, kv_node_next_counter(&k2));
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(r.body && strstr(r.body, "nonce") != NULL);
+    resp_free(&r);
+    free(body);
+    free(nonce);
+    /* a heartbeat at A (which never saw the registration) is accepted;
+     * the same bytes at B are a replay */
+    uint64_t c2 = kv_node_next_counter(&k);
+    r = post_signed(&a, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", kv_node_next_counter(&k));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* a second node at A; both hubs then publish one market and place both */
+    const int s1[] = {1};
+    ASSERT_EQ(do_register(&a, &k2, "127.0.0.1:9702", s1, 1, NULL), 200);
+    usleep(250000); /* past both views' refresh_ms */
+    int live[64] = {1, 1, 1};
+    check_market(&a, live, 2, 1000000);
+    check_market(&b, live, 2, 1000000);
+    resp ma = get(&a, "/v1/market"), mb = get(&b, "/v1/market");
+    ASSERT_STREQ(ma.body, mb.body);
+    resp_free(&ma);
+    resp_free(&mb);
+    char ad[256];
+    placement_addrs(&b, 1, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9702");
+    placement_addrs(&a, 2, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9700");
+    ASSERT_EQ(hub_stop(&a), 0);
+    ASSERT_EQ(hub_stop(&b), 0);
+}
+
+static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_one_store)};
 /* The hub's key from GET /v1/status (parsed with the node's parser). */
 static int status_key(const hub_proc *p, uint8_t out[32]) {
     resp r = get(p, "/v1/status");
@@ -1342,88 +1431,6 @@ static void test_voucher(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
-/* ---- two hubs on one PostgreSQL store -------------------------------------------- */
-/* A node registered at one hub is placed by the other; a nonce handed out
- * by one is good once at either; a signed request accepted by one is a
- * replay at the other; both publish the same market. */
-static void test_two_hubs_one_store(void) {
-    char db[512];
-    db_path(db, sizeof db, "shared");
-    hub_proc a, b;
-    if (hub_start(&a, db, "--refresh-ms 100")) {
-        ASSERT_TRUE(0);
-        return;
-    }
-    if (hub_start(&b, db, "--refresh-ms 100")) {
-        ASSERT_TRUE(0);
-        hub_stop(&a);
-        return;
-    }
-    resp st = get(&b, "/v1/status");
-    ASSERT_TRUE(strstr(st.body, "\"store\":\"postgresql\"") != NULL);
-    resp_free(&st);
-    kv_node_key k, k2;
-    test_key(&k, 700);
-    test_key(&k2, 701);
-    const int s0[] = {0, 2};
-    /* a nonce from A, the registration at B */
-    char *nonce = fresh_nonce(&a);
-    ASSERT_TRUE(nonce != NULL);
-    char *body = announce_json(nonce, "127.0.0.1:9700", s0, 2, -1);
-    uint64_t c1 = kv_node_next_counter(&k);
-    resp r = post_signed(&b, &k, "/v1/register", body, c1);
-    ASSERT_EQ(r.status, 200);
-    resp_free(&r);
-    /* the same request replayed at A, and at B */
-    r = post_signed(&a, &k, "/v1/register", body, c1);
-    ASSERT_EQ(r.status, 409);
-    ASSERT_TRUE(is_json_error(&r));
-    resp_free(&r);
-    r = post_signed(&b, &k, "/v1/register", body, c1);
-    ASSERT_EQ(r.status, 409);
-    resp_free(&r);
-    /* the used nonce under a fresh counter, by another key, at A: refused */
-    free(body);
-    body = announce_json(nonce, "127.0.0.1:9701", s0, 2, -1);
-    r = post_signed(&a, &k2, "/v1/register", body, kv_node_next_counter(&k2));
-    ASSERT_EQ(r.status, 409);
-    ASSERT_TRUE(r.body && strstr(r.body, "nonce") != NULL);
-    resp_free(&r);
-    free(body);
-    free(nonce);
-    /* a heartbeat at A (which never saw the registration) is accepted;
-     * the same bytes at B are a replay */
-    uint64_t c2 = kv_node_next_counter(&k);
-    r = post_signed(&a, &k, "/v1/heartbeat", "{}", c2);
-    ASSERT_EQ(r.status, 200);
-    resp_free(&r);
-    r = post_signed(&b, &k, "/v1/heartbeat", "{}", c2);
-    ASSERT_EQ(r.status, 409);
-    resp_free(&r);
-    r = post_signed(&b, &k, "/v1/heartbeat", "{}", kv_node_next_counter(&k));
-    ASSERT_EQ(r.status, 200);
-    resp_free(&r);
-    /* a second node at A; both hubs then publish one market and place both */
-    const int s1[] = {1};
-    ASSERT_EQ(do_register(&a, &k2, "127.0.0.1:9702", s1, 1, NULL), 200);
-    usleep(250000); /* past both views' refresh_ms */
-    int live[64] = {1, 1, 1};
-    check_market(&a, live, 2, 1000000);
-    check_market(&b, live, 2, 1000000);
-    resp ma = get(&a, "/v1/market"), mb = get(&b, "/v1/market");
-    ASSERT_STREQ(ma.body, mb.body);
-    resp_free(&ma);
-    resp_free(&mb);
-    char ad[256];
-    placement_addrs(&b, 1, ad, sizeof ad);
-    ASSERT_STREQ(ad, "127.0.0.1:9702");
-    placement_addrs(&a, 2, ad, sizeof ad);
-    ASSERT_STREQ(ad, "127.0.0.1:9700");
-    ASSERT_EQ(hub_stop(&a), 0);
-    ASSERT_EQ(hub_stop(&b), 0);
-}
-
-static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_one_store)};
 
 /* Reports: a node registered, then reported by a vouched coordinator, is
  * no longer placed and may not register again; an unvouched reporter is

@@ -1066,8 +1066,12 @@ static int kv_hub_load_key(kv_hub *h, kv_diag *d) {
     if (!seedhex[0]) {
         randombytes_buf(seed, 32);
         kv_hex(seed, 32, seedhex);
-        if ((rc = h->store.ops->meta_put(h->store.impl, "hub_key_seed", seedhex, d))) return rc;
-    } else if (kv_key_from_hex(seedhex, seed, NULL)) {
+        /* of hubs starting together on a shared store the first seed wins */
+        if ((rc = h->store.ops->meta_put_new(h->store.impl, "hub_key_seed", seedhex, d)) ||
+            (rc = h->store.ops->meta_get(h->store.impl, "hub_key_seed", seedhex, sizeof seedhex, d)))
+            return rc;
+    }
+    if (kv_key_from_hex(seedhex, seed, NULL)) {
         return kv_fail(d, KV_EFORMAT, "hub: the store's hub_key_seed is not 64 hex digits");
     }
     crypto_sign_seed_keypair(h->hub_pk, h->hub_sk, seed);
@@ -1515,7 +1519,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         if ((rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d))) goto fail;
         if (!mid[0]) {
             /* read back: on a shared store another hub may have put its own meanwhile */
-            if ((rc = h->store.ops->meta_put(h->store.impl, "model_id", h->m->model_id, d)) ||
+            if ((rc = h->store.ops->meta_put_new(h->store.impl, "model_id", h->m->model_id, d)) ||
                 (rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d)))
                 goto fail;
         }
@@ -1629,9 +1633,9 @@ void kv_hub_free(kv_hub *h) {
     if (h->stop_pipe[0] >= 0) close(h->stop_pipe[0]);
     if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
     pthread_mutex_destroy(&h->mu);
-    free(h->vouch);
-    sodium_memzero(h->hub_sk, sizeof h->hub_sk);
     pthread_mutex_destroy(&h->refresh_mu);
     pthread_cond_destroy(&h->refresh_cv);
+    free(h->vouch);
+    sodium_memzero(h->hub_sk, sizeof h->hub_sk);
     free(h);
 }
