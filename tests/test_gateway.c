@@ -34,6 +34,7 @@
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "test_auth_support.h"
 
 static char g_dir[200];
 static char g_model[300];
@@ -1013,7 +1014,8 @@ static void test_worker_batched(void) {
     if (pid == 0) {
         FILE *f = freopen("/dev/null", "w", stdout);
         (void)f;
-        execl(bin, bin, "worker", "--slabs", slabs, "--listen", addr, "--threads", "1", "--quiet", (char *)NULL);
+        execl(bin, bin, "worker", "--slabs", slabs, "--listen", addr, "--threads", "1", "--quiet", "--allow-key",
+              kvt_coord_hex(), (char *)NULL);
         _exit(127);
     }
     bool up = false;
@@ -1036,7 +1038,7 @@ static void test_worker_batched(void) {
            serves: every one of the manifest's) */
         kv_engine *e0 = NULL;
         kv_engine_opts eo0 = {.n_threads = 1, .max_sessions = 2, .max_workers = 4, .allow_uncovered = true,
-                              .worker_timeout_ms = 5000};
+                              .worker_timeout_ms = 5000, .key_sk = kvt_coord_sk()};
         ASSERT_EQ(kv_engine_open(&e0, manifest, &eo0, &d), 0);
         kv_remote *rm = e0 ? kv_engine_remote(e0) : NULL;
         ASSERT_TRUE(rm != NULL);
@@ -1063,9 +1065,9 @@ static void test_worker_batched(void) {
             json_decref(hj);
             free(h0.body);
             kv_gateway_free(g0); /* the engine is ours again */
-            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 1);
-            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 0); /* known */
-            ASSERT_TRUE(kv_remote_add_worker(rm, "no-such-host.invalid:1", &d) < 0);
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, NULL, &d), 1);
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, NULL, &d), 0); /* known */
+            ASSERT_TRUE(kv_remote_add_worker(rm, "no-such-host.invalid:1", NULL, &d) < 0);
             for (int k = 0; k < 500; k++) {
                 kv_remote_tend(rm, 10);
                 kv_remote_get_coverage(rm, &cv, miss, 64);
@@ -1080,7 +1082,7 @@ static void test_worker_batched(void) {
     const char *workers[1] = {addr};
     kv_engine *e = NULL;
     kv_engine_opts eo = {.n_threads = 1, .max_sessions = 8, .workers = workers, .n_workers = 1,
-                         .worker_timeout_ms = 5000};
+                         .worker_timeout_ms = 5000, .key_sk = kvt_coord_sk()};
     ASSERT_EQ(kv_engine_open(&e, manifest, &eo, &d), 0);
     kv_gateway *g = NULL;
     kv_gateway_opts go = {.model_name = "tiny", .max_active = 8, .step_retry_ms = 300};

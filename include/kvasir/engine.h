@@ -41,6 +41,7 @@ typedef struct kv_engine kv_engine;
 typedef struct kv_session kv_session;
 struct kv_remote;
 struct kv_slices;
+struct kv_voucher;
 
 #define KV_ENGINE_MAX_SESSIONS 4096u
 #define KV_SESSION_MAX_STOP 16u
@@ -68,6 +69,10 @@ typedef struct kv_engine_opts {
     bool allow_uncovered;        /* coordinator: open even when some expert has no worker up
                                     (a step needing it fails until one comes) */
     FILE *log;                   /* worker connects and drops; NULL = silent */
+    /* authenticated dispatch (used at open only, with workers) */
+    const uint8_t *key_sk;       /* [64] the coordinator's Ed25519 secret key: required with workers */
+    const struct kv_voucher *voucher; /* a hub voucher for that key; NULL = none */
+    const uint8_t (*worker_keys)[32]; /* [n_workers] keys the workers must prove; NULL = any */
 } kv_engine_opts;
 
 /* Opens path: a GGUF file (experts in-process from it), or a sliced model

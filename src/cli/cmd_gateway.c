@@ -21,7 +21,7 @@
 static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
-                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--data",
+                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", NULL};
 
 static const char *kv_gateway_help =
@@ -35,6 +35,8 @@ static const char *kv_gateway_help =
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --key FILE           the coordinator key proved to workers (default DATA/coordinator.key with\n"
+    "                       --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -56,7 +58,8 @@ static void kv_gw_on_signal(int sig) {
 }
 
 int kv_cmd_gateway(int argc, char **argv) {
-    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL;
+    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL, *coord_key = NULL;
+    kv_cli_auth auth = {0};
     const char *workers[KV_REMOTE_MAX_WORKERS];
     const char *keys[KV_GATEWAY_MAX_KEYS];
     uint32_t n_workers = 0, n_keys = 0;
@@ -84,6 +87,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 10, 3600000, &hub_refresh)) return 1;
         } else if (!strcmp(a, "--step-retry-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &step_retry)) return 1;
+        } else if (!strcmp(a, "--key")) {
+            coord_key = v;
         } else if (!strcmp(a, "--listen")) {
             listen = v;
         } else if (!strcmp(a, "--name")) {
@@ -196,9 +201,15 @@ int kv_cmd_gateway(int argc, char **argv) {
         n_workers = n_hub_workers;
         model = hub_manifest;
     }
+    /* the key proved to workers, and with a hub its voucher and the key
+       each listed node must prove */
+    if ((n_workers || hub) && (rc = kv_cli_auth_setup(CMD, coord_key, hub, data_dir, hub_workers, n_hub_workers, &auth)))
+        goto done;
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
+                               .key_sk = auth.key.sk,
+                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
                                .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
@@ -225,5 +236,6 @@ done:
     kv_engine_free(e);
     kv_gateway_keys_free(fkeys, n_fkeys);
     kv_node_workers_free(hub_workers, n_hub_workers);
+    kv_cli_auth_free(&auth);
     return rc;
 }

@@ -178,6 +178,7 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
         /* the coordinator: backbone + manifest here, experts on the workers */
         const kv_remote_opts ro = {e->o.workers, e->o.n_workers, e->o.worker_timeout_ms, 0, e->o.wire,
                                    e->max_tok, e->o.skip_hashes, e->o.log, e->o.allow_sparse,
+                                   e->o.key_sk, e->o.voucher, e->o.worker_keys,
                                    .max_workers = e->o.max_workers, .allow_uncovered = e->o.allow_uncovered};
         if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
         e->m = kv_remote_model(e->remote);
