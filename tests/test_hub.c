@@ -304,7 +304,21 @@ static void teardown(void) {
     curl_global_cleanup();
 }
 
-static void db_path(char *out, size_t cap, const char *name) { snprintf(out, cap, "%s/%s.db", g_dir, name); }
+/* The store of one case: a SQLite file, or (KV_TEST_PG names a PostgreSQL
+ * server: tests/test_pg_store.sh) a fresh database on it, so every case
+ * runs against both backends. */
+static void db_path(char *out, size_t cap, const char *name) {
+    const char *pg = getenv("KV_TEST_PG");
+    if (!pg || !*pg) {
+        snprintf(out, cap, "%s/%s.db", g_dir, name);
+        return;
+    }
+    char cmd[1024];
+    snprintf(out, cap, "pg:%s dbname=kvh_%s_%ld", pg, name, (long)getpid());
+    snprintf(cmd, sizeof cmd, "psql -X -q -v ON_ERROR_STOP=1 '%s dbname=postgres' -c 'CREATE DATABASE kvh_%s_%ld' >/dev/null",
+             pg, name, (long)getpid());
+    ASSERT_EQ(run_cmd(cmd), 0);
+}
 
 static unsigned char *read_file(const char *path, size_t *n) {
     FILE *f = fopen(path, "rb");
@@ -1328,6 +1342,89 @@ static void test_voucher(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
+/* ---- two hubs on one PostgreSQL store -------------------------------------------- */
+/* A node registered at one hub is placed by the other; a nonce handed out
+ * by one is good once at either; a signed request accepted by one is a
+ * replay at the other; both publish the same market. */
+static void test_two_hubs_one_store(void) {
+    char db[512];
+    db_path(db, sizeof db, "shared");
+    hub_proc a, b;
+    if (hub_start(&a, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    if (hub_start(&b, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        hub_stop(&a);
+        return;
+    }
+    resp st = get(&b, "/v1/status");
+    ASSERT_TRUE(strstr(st.body, "\"store\":\"postgresql\"") != NULL);
+    resp_free(&st);
+    kv_node_key k, k2;
+    test_key(&k, 700);
+    test_key(&k2, 701);
+    const int s0[] = {0, 2};
+    /* a nonce from A, the registration at B */
+    char *nonce = fresh_nonce(&a);
+    ASSERT_TRUE(nonce != NULL);
+    char *body = announce_json(nonce, "127.0.0.1:9700", s0, 2, -1);
+    uint64_t c1 = kv_node_next_counter(&k);
+    resp r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* the same request replayed at A, and at B */
+    r = post_signed(&a, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(is_json_error(&r));
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    /* the used nonce under a fresh counter, by another key, at A: refused */
+    free(body);
+    body = announce_json(nonce, "127.0.0.1:9701", s0, 2, -1);
+    r = post_signed(&a, &k2, "/v1/register", body, kv_node_next_counter(&k2));
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(r.body && strstr(r.body, "nonce") != NULL);
+    resp_free(&r);
+    free(body);
+    free(nonce);
+    /* a heartbeat at A (which never saw the registration) is accepted;
+     * the same bytes at B are a replay */
+    uint64_t c2 = kv_node_next_counter(&k);
+    r = post_signed(&a, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", kv_node_next_counter(&k));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* a second node at A; both hubs then publish one market and place both */
+    const int s1[] = {1};
+    ASSERT_EQ(do_register(&a, &k2, "127.0.0.1:9702", s1, 1, NULL), 200);
+    usleep(250000); /* past both views' refresh_ms */
+    int live[64] = {1, 1, 1};
+    check_market(&a, live, 2, 1000000);
+    check_market(&b, live, 2, 1000000);
+    resp ma = get(&a, "/v1/market"), mb = get(&b, "/v1/market");
+    ASSERT_STREQ(ma.body, mb.body);
+    resp_free(&ma);
+    resp_free(&mb);
+    char ad[256];
+    placement_addrs(&b, 1, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9702");
+    placement_addrs(&a, 2, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9700");
+    ASSERT_EQ(hub_stop(&a), 0);
+    ASSERT_EQ(hub_stop(&b), 0);
+}
+
+static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_one_store)};
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
@@ -1337,4 +1434,12 @@ static const kvt_case cases[] = {
     KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher),
 };
 
-int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
+int main(int argc, char **argv) {
+    /* on PostgreSQL every case, and those that need a shared store */
+    static kvt_case all[KVT_N(cases) + KVT_N(cases_pg)];
+    size_t n = 0;
+    for (size_t i = 0; i < KVT_N(cases); i++) all[n++] = cases[i];
+    if (getenv("KV_TEST_PG") && *getenv("KV_TEST_PG"))
+        for (size_t i = 0; i < KVT_N(cases_pg); i++) all[n++] = cases_pg[i];
+    return kvt_run_with(argc, argv, all, n, setup, teardown);
+}

@@ -9,7 +9,8 @@
  *
  * Three parts live behind this header:
  *   - the server (kv_hub_open/serve/stop/free): libmicrohttpd, its state
- *     behind one store interface (kv_hub_store_ops; SQLite in WAL mode);
+ *     behind one store interface (kv_hub_store_ops; SQLite in WAL mode, or
+ *     PostgreSQL shared by several hub processes);
  *   - the client side of node identity, used by nodes and tests alike:
  *     key files, request signing, the storage-challenge answer;
  *   - the parsers the hub adds (Range header, auth headers, announcement,
@@ -51,7 +52,8 @@ typedef struct kv_hub kv_hub;
 typedef struct kv_hub_opts {
     const char *manifest;      /* path of manifest.json; pieces are served from its folder */
     const char *listen;        /* HOST:PORT; NULL = "127.0.0.1:0" (port 0 picks one) */
-    const char *db;            /* store URI: a SQLite file path */
+    const char *db;            /* store URI: a SQLite file path, or PostgreSQL ("postgresql://...",
+                                * "pg:CONNINFO") for several hubs on one state */
     uint32_t wanted;           /* replicas wanted per shard; 0 = 2 */
     uint32_t deadline_ms;      /* heartbeat deadline for "live"; 0 = 15000 */
     uint64_t reward_base;      /* micro-KVR per hour for a shard with wanted replicas; 0 = 1000000 */
@@ -62,18 +64,19 @@ typedef struct kv_hub_opts {
     uint32_t threads;          /* server threads; 0 = 4 */
     uint32_t challenge_every;  /* heartbeats between storage challenges; 0 = 12 */
     uint32_t challenge_ttl_ms; /* a challenge unanswered this long fails; 0 = 60000 */
+    uint32_t refresh_ms;       /* shared store: the view of other hubs' changes is reloaded this often; 0 = 250 */
     bool skip_verify;          /* check piece sizes only, not their SHA-256 */
     bool quiet;                /* no log lines on stderr */
-    /* per-node earnings for GET /v1/nodes and the status page (the ledger's):
-       0 with *micro_kvr set, or nonzero when unknown (the field is left out).
-       Called from server threads without the hub's lock; NULL = none */
-    int (*earned)(void *arg, const uint8_t pk[32], uint64_t *micro_kvr);
-    void *earned_arg;
     /* coordinators the hub vouches for (POST /v1/voucher; docs/HUB.md) */
     bool vouch_open;           /* any key that signs a voucher request (a test swarm) */
     const uint8_t (*vouch_keys)[32]; /* [n_vouch_keys] operator-approved coordinator keys (copied) */
     size_t n_vouch_keys;
     uint32_t voucher_ttl_ms;   /* a voucher's lifetime; 0 = 3600000 (one hour) */
+    /* per-node earnings for GET /v1/nodes and the status page (the ledger's):
+       0 with *micro_kvr set, or nonzero when unknown (the field is left out).
+       Called from server threads without the hub's lock; NULL = none */
+    int (*earned)(void *arg, const uint8_t pk[32], uint64_t *micro_kvr);
+    void *earned_arg;
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256

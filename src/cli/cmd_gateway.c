@@ -81,14 +81,14 @@ int kv_cmd_gateway(int argc, char **argv) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--key")) {
+            coord_key = v;
         } else if (!strcmp(a, "--data")) {
             data_dir = v;
         } else if (!strcmp(a, "--hub-refresh-ms")) {
             if (kv_arg_long(CMD, a, v, 10, 3600000, &hub_refresh)) return 1;
         } else if (!strcmp(a, "--step-retry-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &step_retry)) return 1;
-        } else if (!strcmp(a, "--key")) {
-            coord_key = v;
         } else if (!strcmp(a, "--listen")) {
             listen = v;
         } else if (!strcmp(a, "--name")) {
@@ -201,16 +201,15 @@ int kv_cmd_gateway(int argc, char **argv) {
         n_workers = n_hub_workers;
         model = hub_manifest;
     }
-    /* the key proved to workers, and with a hub its voucher and the key
-       each listed node must prove */
-    if ((n_workers || hub) && (rc = kv_cli_auth_setup(CMD, coord_key, hub, data_dir, hub_workers, n_hub_workers, &auth)))
+    if ((n_workers || hub) &&
+        (rc = kv_cli_auth_setup(CMD, coord_key, hub, data_dir, hub_workers, n_hub_workers, &auth)))
         goto done;
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
-                               .key_sk = auth.key.sk,
-                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
-                               .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL};
+                               .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL,
+                               .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
+                               .worker_keys = (const uint8_t(*)[32])auth.worker_keys};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
