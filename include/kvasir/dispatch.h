@@ -653,11 +653,13 @@ void kv_remote_reset_stats(kv_remote *r);
  * Same thread as compute, never during it. */
 
 /* Adds worker addr (dialed at the next compute or kv_remote_tend, and used
- * from the round after its handshake passed the checks of kv_remote_open).
+ * from the round after its handshake passed the checks of kv_remote_open),
+ * which must prove key[32] (NULL: any key; a known address named with
+ * another key must prove the new one from now on, its connection redone).
  * Returns 1 if added, 0 if it was already known (a known one that is down
  * is dialed again at once), KV_ERANGE when max_workers are known, KV_EINVAL
  * for an address that does not resolve. Allocates. */
-int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d);
+int kv_remote_add_worker(kv_remote *r, const char *addr, const uint8_t *key, kv_diag *d);
 /* Progresses connections while no compute runs: dials workers whose
  * backoff passed, completes handshakes, notices peers that closed. Waits
  * at most timeout_ms (0 = just look). */

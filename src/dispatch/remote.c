@@ -904,14 +904,16 @@ static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
 }
 
 /* Sets up w (a zeroed entry of r->w) for addr: resolved, DOWN with no
- * backoff (dialed at the next poll), buffers for the largest frames. */
-static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, kv_diag *d) {
+ * backoff (dialed at the next poll), buffers for the largest frames, the
+ * key it must prove (NULL = any). */
+static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, const uint8_t *expect, kv_diag *d) {
     const size_t n_keys = (size_t)r->n_layer * r->n_expert, S = r->max_slots;
     w->nc = NULL;
     w->r = r;
     w->state = KV_RW_DOWN;
     if (snprintf(w->addr, sizeof w->addr, "%s", addr) >= (int)sizeof w->addr)
         return kv_fail(d, KV_EINVAL, "remote: worker address '%.64s...' is too long", addr);
+    if (expect) memcpy(w->expect, expect, 32);
     int rc = kv_remote_resolve(w, d);
     if (rc) return rc;
     w->holds = calloc(n_keys, 1);
@@ -1100,9 +1102,8 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->w_scap = s_max;
     r->w_rcap = r_max;
     for (uint32_t i = 0; i < r->n_w; i++)
-        if ((rc = kv_rw_init(r, &r->w[i], r->o.workers[i], d))) goto fail;
-    if (r->o.worker_keys)
-        for (uint32_t i = 0; i < r->n_w; i++) memcpy(r->w[i].expect, r->o.worker_keys[i], 32);
+        if ((rc = kv_rw_init(r, &r->w[i], r->o.workers[i], r->o.worker_keys ? r->o.worker_keys[i] : NULL, d)))
+            goto fail;
     /* connect and handshake with everyone at once */
     for (;;) {
         kv_remote_poll(r, 50, NULL);
@@ -1219,10 +1220,20 @@ void kv_remote_reset_stats(kv_remote *r) {
 
 /* ---- a worker set that changes ---------------------------------------------- */
 
-int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d) {
+int kv_remote_add_worker(kv_remote *r, const char *addr, const uint8_t *key, kv_diag *d) {
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
         if (strcmp(w->addr, addr)) continue;
+        if (key && memcmp(w->expect, key, 32)) {
+            /* the address now belongs to another node (a replacement): it
+               must prove the new key; a connection to the old one goes */
+            memcpy(w->expect, key, 32);
+            w->fails = 0;
+            if (w->state != KV_RW_DOWN) kv_rw_drop(r, w, "the hub lists another node at this address");
+            w->fails = 0;
+            w->retry_at = 0;
+            return 0;
+        }
         /* named again by the placement: it may have restarted; quarantined
          * ones still wait for their backoff */
         if (w->state == KV_RW_DOWN && w->fails < 2) w->retry_at = 0;
@@ -1231,7 +1242,7 @@ int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d) {
     if (r->n_w >= r->cap_w)
         return kv_fail(d, KV_ERANGE, "remote: cannot add worker %.64s: room for %u workers", addr, r->cap_w);
     kv_rw *w = &r->w[r->n_w];
-    int rc = kv_rw_init(r, w, addr, d);
+    int rc = kv_rw_init(r, w, addr, key, d);
     if (rc) {
         free(w->holds);
         free(w->pair_slot);

@@ -177,18 +177,22 @@ static void kv_sched_health_locked(kv_gateway *g) {
  * held; drops it while the remote set changes. */
 static void kv_sched_placement_locked(kv_gateway *g) {
     char **addrs = NULL;
+    uint8_t (*keys)[32] = NULL;
     uint32_t n = 0;
     kv_remote *rm = kv_engine_remote(g->e);
-    if (!rm || !kv_gw_watch_take(g->watch, &addrs, &n)) return;
+    if (!rm || !kv_gw_watch_take(g->watch, &addrs, &keys, &n)) return;
     pthread_mutex_unlock(&g->mu);
     uint64_t added = 0;
+    static const uint8_t zero[32];
     for (uint32_t i = 0; i < n; i++) {
         kv_diag d = {0};
-        const int rc = kv_remote_add_worker(rm, addrs[i], &d);
+        /* the node must prove the key the hub lists it with */
+        const int rc = kv_remote_add_worker(rm, addrs[i], memcmp(keys[i], zero, 32) ? keys[i] : NULL, &d);
         if (rc > 0) added++;
         else if (rc < 0) fprintf(stderr, "kvasir gateway: placement: %s\n", d.msg);
     }
     kv_node_workers_free(addrs, n);
+    free(keys);
     if (added) kv_remote_tend(rm, 0);
     pthread_mutex_lock(&g->mu);
     g->workers_added += added;
