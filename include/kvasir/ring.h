@@ -244,7 +244,8 @@ typedef struct kv_ring_node_opts {
     const char *model;          /* GGUF file, or DIR/manifest.json of a sliced model */
     uint32_t first, last;       /* the layer window */
     const char *listen;         /* "HOST:PORT" (port 0 picks one) */
-    const char *next;           /* "HOST:PORT" of the node holding layer last + 1 (mod n_layer) */
+    const char *next;           /* "HOST:PORT" of the node holding layer last + 1 (mod n_layer);
+                                   NULL: set later with kv_ring_node_set_next (a hub) */
     int n_threads;              /* compute threads; 0 = all CPUs */
     uint32_t n_ctx;             /* positions per sequence; 0 = min(model, 4096) */
     uint32_t n_batch;           /* prompt tokens per HIDDEN frame; 0 = 256 */
@@ -291,6 +292,11 @@ const char *kv_ring_node_addr(const kv_ring_node *n);
 int kv_ring_node_run(kv_ring_node *n, kv_diag *d);
 void kv_ring_node_stop(kv_ring_node *n);
 void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out);
+/* Sets the next node's address (thread-safe; used when a hub says who holds
+ * the window after this one): dialed at the next (re)dial, the current link
+ * is kept while it is up. opts.next may then be NULL at start. */
+void kv_ring_node_set_next(kv_ring_node *n, const char *host_port);
+void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last, uint32_t *n_layer);
 
 /* ---- the client ----------------------------------------------------------- */
 
