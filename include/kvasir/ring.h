@@ -261,6 +261,10 @@ typedef struct kv_ring_node_opts {
     const uint8_t (*allow_keys)[32]; /* [n_allow] keys admitted (nodes and clients alike) */
     size_t n_allow;
     bool allow_any;             /* admit every key that proves itself (an open ring) */
+    const char *const *workers; /* [n_workers] sliced model: the window's routed experts are
+                                   computed by these expert workers (kvasir worker, the dispatch
+                                   protocol; this node proves its own key to them) */
+    uint32_t n_workers;
     uint32_t link_delay_ms;     /* frames to the next node wait this long first (an emulated
                                    link latency, for benchmarks where netem is missing); 0 = none */
     uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after

@@ -15,7 +15,7 @@
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -38,6 +38,9 @@ static const char *kv_ring_help =
     "  --replay-timeout-ms N  after a break, requests wait N ms for the ring to re-form and are\n"
     "                      then replayed from their tokens, else they fail (default 30000)\n"
     "  --skip-hashes       sliced model: check sizes and identity, not every SHA-256\n"
+    "  --worker HOST:PORT  sliced model: compute this window's routed experts on expert workers\n"
+    "                      (kvasir worker; repeat for more; they must admit this node's --key):\n"
+    "                      only the backbone and the manifest need be here\n"
     "  --key FILE          this node's Ed25519 key (created if absent, 0600; kvasir key prints its\n"
     "                      public half); default: a fresh key for this process\n"
     "  --allow-key K       admit key K (64 hex digits, or a file of keys, one a line): the other\n"
@@ -78,6 +81,8 @@ int kv_cmd_ring(int argc, char **argv) {
     kv_diag d = {0};
     const char *hub = NULL, *data_dir = "kvasir-data";
     uint64_t budget = 0;
+    const char *workers[64];
+    uint32_t n_workers = 0;
     long lv;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -98,6 +103,12 @@ int kv_cmd_ring(int argc, char **argv) {
             key_path = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--worker")) {
+            if (n_workers == 64) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--worker: at most 64 workers");
+            }
+            workers[n_workers++] = v;
         } else if (!strcmp(a, "--data")) {
             data_dir = v;
         } else if (!strcmp(a, "--budget")) {
@@ -168,6 +179,8 @@ int kv_cmd_ring(int argc, char **argv) {
         }
         o.key_sk = key.sk;
     }
+    o.workers = workers;
+    o.n_workers = n_workers;
     o.allow_keys = (const uint8_t(*)[32])allow;
     o.n_allow = n_allow;
     kv_ring_node *n = NULL;

@@ -99,6 +99,7 @@ struct kv_ring_node {
     kv_ring_node_opts o;
     kv_model *m;
     kv_pieces *pc;            /* sliced model: the manifest's pieces present here (the window's slabs) */
+    kv_remote *remote;        /* --worker: the window's experts computed by expert workers */
     kv_expert_provider prov;  /* over the slices (owned) */
     kv_pool *pool;
     kv_state *st;
@@ -1287,7 +1288,25 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
             (rc = kv_pieces_check_model(n->pc->m, n->m, "ring", d)))
             goto fail;
         const kv_manifest *mf = n->pc->m;
-        for (uint32_t il = n->o.first; il <= n->o.last; il++)
+        if (n->o.n_workers) { /* one market, two modes: this window's experts on expert workers */
+            /* the other windows' experts are not ours to cover: open, then check our layers */
+            const kv_remote_opts ro = {.workers = n->o.workers, .n_workers = n->o.n_workers, .max_tokens = max_tok,
+                                       .skip_hashes = n->o.skip_hashes, .log = n->o.log, .key_sk = n->sk,
+                                       .allow_uncovered = true};
+            if ((rc = kv_remote_open(&n->remote, man, n->pool, &ro, d))) goto fail;
+            experts = kv_remote_provider(n->remote);
+            kv_remote_coverage cov;
+            uint32_t miss[256];
+            kv_remote_get_coverage(n->remote, &cov, miss, 256);
+            for (uint32_t k = 0; k < cov.n_missing; k++) {
+                const kv_manifest_slab *sl = &mf->slabs[miss[k]];
+                if (sl->layer < n->o.first || sl->layer > n->o.last) continue;
+                rc = kv_fail(d, KV_ENOTFOUND, "ring: layer %u experts %u-%u are served by no worker up and their slab "
+                             "is not here", sl->layer, sl->first, sl->last);
+                goto fail;
+            }
+        }
+        for (uint32_t il = n->o.first; il <= n->o.last && !n->remote; il++)
             for (uint32_t e = 0; e < mf->n_expert; e++)
                 if (n->pc->where[(size_t)il * mf->n_expert + e] < 0) {
                     rc = kv_fail(d, KV_ENOTFOUND, "ring: no slab here holds layer %u expert %u (the window %u-%u needs "
@@ -1296,8 +1315,10 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
                 }
         const kv_expert_source src = {n->pc, kv_rn_pieces_acquire, NULL, mf->n_layer, mf->n_expert, mf->n_embd,
                                       kv_model_hparams(n->m)->n_ff_exp, kv_model_hparams(n->m)->n_expert_used};
-        if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d))) goto fail;
-        experts = &n->prov;
+        if (!n->remote) {
+            if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d))) goto fail;
+            experts = &n->prov;
+        }
         snprintf(n->model_id, sizeof n->model_id, "%s", mf->model_id);
     } else {
         if ((rc = kv_model_load_ex(&n->m, n->o.model, &mo, d))) goto fail;
@@ -1382,6 +1403,7 @@ void kv_ring_node_free(kv_ring_node *n) {
     free(n->seqs);
     kv_state_free(n->st);
     if (n->prov.free) n->prov.free(n->prov.impl);
+    kv_remote_free(n->remote);
     kv_pieces_free(n->pc);
     pthread_mutex_destroy(&n->next_mu);
     kv_model_free(n->m);
