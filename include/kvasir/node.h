@@ -79,6 +79,12 @@ int kv_node_fetch_manifest(const char *hub_url, const char *dir, kv_manifest **o
 int kv_node_fetch_piece(const char *hub_url, const char *dir, const kv_manifest_file *f, kv_node_progress_fn progress,
                         void *parg, kv_diag *d);
 
+/* A signed POST of body (NUL-terminated JSON) to hub_url + path; the answer
+ * (bounded) in *out (caller frees), the HTTP status in *status. For other
+ * kinds of node (the ring's) that register with a hub like this one. */
+int kv_node_hub_post(const char *hub_url, kv_node_key *key, const char *path, const char *body, char **out,
+                     long *status, kv_diag *d);
+
 /* The absolute-or-relative path dir/pieces/<rel> into out[cap]. */
 int kv_node_piece_path(const char *dir, const char *rel, char *out, size_t cap, kv_diag *d);
 

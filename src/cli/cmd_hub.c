@@ -14,8 +14,8 @@
 static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--wanted", "--deadline-ms",
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
                                              "--timeout", "--threads", "--challenge-every",
-                                             "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg",
-                                             "--refresh-ms", NULL};
+                                             "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
+                                             "--ring-windows", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -27,6 +27,8 @@ static const char *kv_hub_help =
     "  --refresh-ms MS     shared store: the market/placement view is at most MS old (default 250)\n"
     "  --listen HOST:PORT  address to serve on (default 127.0.0.1:0; port 0 picks one, printed)\n"
     "  --wanted N          replicas wanted per shard (default 2)\n"
+    "  --ring-windows A-B,C-D,...  also trade these consecutive layer windows to ring nodes\n"
+    "                      (kvasir ring --hub; GET /v1/ring)\n"
     "  --deadline-ms MS    a node is live while its last heartbeat is this recent (default 15000)\n"
     "  --reward MICRO      micro-KVR per hour offered for a shard at its wanted count (default 1000000)\n"
     "  --max-body BYTES    request body bound (default 1048576)\n"
@@ -71,6 +73,8 @@ int kv_cmd_hub(int argc, char **argv) {
             o.vouch_open = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
+        } else if (!strcmp(a, "--ring-windows")) {
+            o.ring_windows = s;
         } else if (!strcmp(a, "--vouch-key")) {
             if (kv_key_list_add(s, &vk, &n_vk, &ad)) {
                 free(vk);

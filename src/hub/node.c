@@ -176,6 +176,11 @@ static int kv_node_post(const char *hub_url, kv_node_key *key, const char *path,
     return 0;
 }
 
+int kv_node_hub_post(const char *hub_url, kv_node_key *key, const char *path, const char *body, char **out,
+                     long *status, kv_diag *d) {
+    return kv_node_post(hub_url, key, path, body, out, status, d);
+}
+
 /* GET hub_url + path, bounded; 200 required. */
 static int kv_node_get(const char *hub_url, const char *path, size_t max, char **out, size_t *len, kv_diag *d) {
     char url[1024];
