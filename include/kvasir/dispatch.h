@@ -463,6 +463,8 @@ typedef struct kv_worker_opts {
     const uint8_t (*allow_keys)[32]; /* [n_allow_keys] coordinator keys served (copied) */
     size_t n_allow_keys;
     const uint8_t *hub_key;         /* [32] hub whose vouchers are honored, NULL = none */
+    bool opencl;           /* compute experts with the OpenCL backend (kvasir/opencl.h) and
+                              announce "opencl"; off: the CPU kernels kv_quant_backend() names */
 } kv_worker_opts;
 
 /* Opens the slabs (all from one model: same kvasir.source.id and dims;
