@@ -489,6 +489,8 @@ typedef struct kv_worker_opts {
     int test_lie;                   /* TEST ONLY (kvasir worker --test-lie=MODE): a KV_WORKER_LIE_*
                                        that makes this worker return wrong numbers, so that the
                                        coordinator's checks can be tested; 0 = honest */
+    bool opencl;           /* compute experts with the OpenCL backend (kvasir/opencl.h) and
+                              announce "opencl"; off: the CPU kernels kv_quant_backend() names */
 } kv_worker_opts;
 
 /* Lies a test worker tells (docs/VERIFY.md); never use outside tests. */

@@ -20,6 +20,7 @@ int kv_cmd_inspect(int argc, char **argv);
 int kv_cmd_slice(int argc, char **argv);
 int kv_cmd_expert(int argc, char **argv);
 int kv_cmd_worker(int argc, char **argv);
+int kv_cmd_xcheck(int argc, char **argv);
 int kv_cmd_hub(int argc, char **argv);
 int kv_cmd_market(int argc, char **argv);
 int kv_cmd_node(int argc, char **argv);

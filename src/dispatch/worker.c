@@ -65,6 +65,7 @@
 
 #include "kvasir/arch.h"
 #include "kvasir/dispatch.h"
+#include "kvasir/opencl.h"
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
 #include "kvasir/net.h"
@@ -597,7 +598,10 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
     if (!rc) rc = kv_pool_new(&w->pool, w->opts.n_threads, d);
     if (!rc) {
         kv_expert_source src = {w, kv_tab_acquire, NULL, w->n_layer, w->n_expert, w->n_embd, w->n_ff, 1};
-        rc = kv_expert_local_new_src(&w->prov, &src, w->pool, KV_WORKER_CHUNK, d);
+        if (w->opts.opencl) /* the OpenCL expert backend (kvasir/opencl.h) */
+            rc = kv_opencl_expert_new(&w->prov, &src, KV_WORKER_CHUNK, d);
+        else
+            rc = kv_expert_local_new_src(&w->prov, &src, w->pool, KV_WORKER_CHUNK, d);
         w->have_prov = rc == 0;
     }
     if (!rc) rc = kv_net_loop_new(&w->loop, d);
@@ -805,8 +809,10 @@ static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     ack.n_ff_exp = w->n_ff;
     ack.n_expert = w->n_expert;
     ack.n_expert_used = w->n_expert_used;
-    ack.enc_mask = h->enc_mask & KV_ENC_MASK_VALID; /* pre-activations too, when asked */
-    snprintf(ack.backend, sizeof ack.backend, "%s", kv_quant_backend());
+    /* pre-activations too, when asked (the CPU kernels only: the OpenCL
+       backend does not return them yet, so it does not offer them) */
+    ack.enc_mask = h->enc_mask & KV_ENC_MASK_VALID & ~(w->opts.opencl ? (uint32_t)KV_PROTO_CAP_PREACT : 0u);
+    snprintf(ack.backend, sizeof ack.backend, "%s", w->opts.opencl ? "opencl" : kv_quant_backend());
     ack.n_ranges = (uint32_t)w->n_ranges;
     ack.ranges = w->ranges;
     ack.max_pairs = w->max_pairs;
