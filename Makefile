@@ -1,7 +1,8 @@
 # Kvasir top-level Makefile: wraps CMake/CTest and installs what is missing.
 #   make          build build/kvasir
 #   make test     install deps (apt-get, npm oracle), build, run every test
-#   make demo     generate a small model and run a prompt through it
+#   make demo     a local swarm of three nodes (kvasir swarm up), a chat completion through its
+#                 gateway, equal to the single-process answer; then kvasir swarm down
 #   make asan     sanitizer build; every test again under ASan+UBSan
 #   make fuzz     longer libFuzzer runs
 #   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)

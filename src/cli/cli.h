@@ -27,6 +27,8 @@ int kv_cmd_node(int argc, char **argv);
 int kv_cmd_wallet(int argc, char **argv);
 int kv_cmd_ledger(int argc, char **argv);
 int kv_cmd_gateway(int argc, char **argv);
+int kv_cmd_swarm(int argc, char **argv);
+int kv_cmd_plan(int argc, char **argv);
 int kv_cmd_ring(int argc, char **argv);
 int kv_cmd_key(int argc, char **argv);
 
