@@ -495,4 +495,25 @@ typedef struct kv_remote_stats {
 void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out);
 void kv_remote_reset_stats(kv_remote *r);
 
+/* ---- per-session work tally ---------------------------------------------
+ * What the coordinator dispatched to, and took back from, each worker, per
+ * session (a tag: the engine's sequence slot), for paying nodes: batches mix
+ * sessions, so each (token, expert) pair is counted under its token's tag.
+ * A step's counts are kept apart until the step ends: kv_remote_tally_end
+ * (commit) adds them to the totals, (!commit) drops them (a failed step
+ * produced nothing anyone pays for). Not thread-safe (the forward pass's
+ * thread, like compute). */
+/* Allocates the counters for tags 0..n_tags-1 and every worker (zero).
+ * Returns 0 or KV_ENOMEM. Not for the hot path. */
+int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d);
+/* The coming compute calls carry n_tokens tokens, token t under tags[t]
+ * (borrowed until kv_remote_tally_end). A call of another size is not
+ * counted. No-op before kv_remote_tally_open. */
+void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens);
+void kv_remote_tally_end(kv_remote *r, bool commit);
+/* Pairs sent to and answered (accepted) by worker w for tag, since the
+ * tag's last reset. Zero for a tag or worker out of range. */
+void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered);
+void kv_remote_tally_reset(kv_remote *r, uint32_t tag);
+
 #endif

@@ -2,6 +2,7 @@
  * APIs with continuous batching (kvasir/gateway.h). Parses flags, opens the
  * engine from the same model sources `kvasir run` takes, and serves until
  * SIGINT/SIGTERM. */
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +14,7 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/engine.h"
 #include "kvasir/gateway.h"
+#include "kvasir/ledger.h"
 #include "kvasir/pool.h"
 
 #define CMD "gateway"
@@ -20,7 +22,8 @@
 static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
-                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", NULL};
+                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub",
+                                             "--ledger", "--gateway-key", "--gateway-id", "--prices", NULL};
 
 static const char *kv_gateway_help =
     "usage: kvasir gateway -m MODEL [--listen HOST:PORT] [options]\n"
@@ -39,7 +42,12 @@ static const char *kv_gateway_help =
     "  --timeout S          idle connection timeout in seconds (default 120)\n"
     "  --body-max BYTES     request body limit (default 1048576)\n"
     "  --max-tokens N       tokens per request when it names none (default 512)\n"
-    "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n";
+    "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n"
+    "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
+    "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
+    "  --gateway-key FILE   the gateway's node key (kvasir wallet new), needed with --ledger\n"
+    "  --gateway-id ID      the id authorizations name (default gw- and 24 hex of the key)\n"
+    "  --prices P,C         micro-KVR per prompt token and per completion token (default 1,2)\n";
 
 static volatile sig_atomic_t kv_gw_stop_flag;
 static void kv_gw_on_signal(int sig) {
@@ -54,6 +62,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     uint32_t n_workers = 0, n_keys = 0;
     long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 64;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
+    const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
+    uint64_t price_p = 1, price_c = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -65,6 +75,25 @@ int kv_cmd_gateway(int argc, char **argv) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             return kv_cli_err(CMD, 1, "--hub is not supported yet: give -m MODEL (with --worker for a swarm)");
+        } else if (!strcmp(a, "--ledger")) {
+            ledger = v;
+        } else if (!strcmp(a, "--gateway-key")) {
+            gw_key = v;
+        } else if (!strcmp(a, "--gateway-id")) {
+            gw_id = v;
+        } else if (!strcmp(a, "--prices")) {
+            char *end = NULL;
+            const char *comma = strchr(v, ',');
+            if (!comma || kv_arg_u64(CMD, a, comma + 1, &price_c))
+                return kv_cli_err(CMD, 1, "--prices: '%s' is not PROMPT,COMPLETION (micro-KVR per token)", v);
+            errno = 0;
+            const unsigned long long pp = strtoull(v, &end, 10);
+            if (end != comma || v[0] < '0' || v[0] > '9' || errno)
+                return kv_cli_err(CMD, 1, "--prices: '%s' is not PROMPT,COMPLETION (micro-KVR per token)", v);
+            price_p = pp;
+            if (price_p > KV_LEDGER_MAX_AMOUNT || price_c > KV_LEDGER_MAX_AMOUNT)
+                return kv_cli_err(CMD, 1, "--prices: at most %llu micro-KVR per token",
+                                  (unsigned long long)KV_LEDGER_MAX_AMOUNT);
         } else if (!strcmp(a, "--listen")) {
             listen = v;
         } else if (!strcmp(a, "--name")) {
@@ -107,6 +136,9 @@ int kv_cmd_gateway(int argc, char **argv) {
         }
     }
     if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir gateway --help)");
+    if (!ledger && (gw_key || gw_id))
+        return kv_cli_err(CMD, 1, "--gateway-key and --gateway-id need --ledger FILE");
+    if (ledger && !gw_key) return kv_cli_err(CMD, 1, "--ledger needs --gateway-key FILE (kvasir wallet new --out FILE)");
     /* HOST:PORT, [v6]:PORT */
     char host[128];
     long port;
@@ -166,7 +198,9 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .n_api_keys = n_keys, .max_active = (uint32_t)parallel, .queue_max = (uint32_t)queue,
                                 .max_conns = (uint32_t)max_conns, .per_ip_conns = (uint32_t)per_ip,
                                 .timeout_s = (uint32_t)timeout, .body_max = (size_t)body_max,
-                                .max_tokens_default = (uint32_t)max_tokens};
+                                .max_tokens_default = (uint32_t)max_tokens, .ledger_path = ledger,
+                                .gateway_key_path = gw_key, .gateway_id = gw_id, .price_prompt = price_p,
+                                .price_completion = price_c};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

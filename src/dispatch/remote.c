@@ -158,6 +158,13 @@ struct kv_remote {
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
     float *rtt_us;                /* [KV_REMOTE_RTT_SAMPLES] ring */
     uint64_t n_rtt;
+    /* per-session work tally (kvasir/dispatch.h): [n_tags][n_w] each */
+    uint32_t n_tags;
+    uint64_t *t_sent, *t_ans;     /* committed */
+    uint64_t *ts_sent, *ts_ans;   /* this step */
+    const uint32_t *tags;         /* [tag_n] tag of each token of the step's calls, NULL none */
+    uint32_t tag_n;
+    bool tag_on;                  /* the current compute call is counted */
 };
 
 enum { KV_OWN_DONE = -1, KV_OWN_LOCAL = -2, KV_OWN_NONE = -3 };
@@ -514,6 +521,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
         }
         w->pairs[np] = (kv_proto_pair){(uint32_t)r->tok_local[t], (uint32_t)req->ids[(size_t)t0 * nu + s]};
         w->pair_slot[np++] = (int32_t)s;
+        if (r->tag_on) r->ts_sent[(size_t)r->tags[t0 + t] * r->n_w + (uint32_t)wi]++;
     }
     if (!identity) /* gather the rows of the tokens it needs */
         for (uint32_t t = 0; t < n_tok; t++)
@@ -692,6 +700,7 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                 r->slot_owner[s] = KV_OWN_DONE;
                 pending--;
                 r->n_pairs_remote++;
+                if (r->tag_on) r->ts_ans[(size_t)r->tags[t0 + s / nu] * r->n_w + (uint32_t)wi]++;
             } else {
                 r->slot_owner[s] = KV_OWN_NONE;
             }
@@ -709,6 +718,7 @@ static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, k
                        "(%u tokens x %u, embd %u)", req->n_tokens, req->n_used, req->n_embd, r->max_tokens, r->n_used,
                        r->n_embd);
     r->n_calls++;
+    r->tag_on = r->tags && req->n_tokens == r->tag_n;
     kv_remote_poll(r, 0, out); /* notice closed peers, progress reconnects */
     for (uint32_t t0 = 0; t0 < req->n_tokens; t0 += r->chunk_tokens) {
         const uint32_t n = req->n_tokens - t0 < r->chunk_tokens ? req->n_tokens - t0 : r->chunk_tokens;
@@ -763,6 +773,10 @@ void kv_remote_free(kv_remote *r) {
     free(r->lids);
     free(r->lslot);
     free(r->rtt_us);
+    free(r->t_sent);
+    free(r->t_ans);
+    free(r->ts_sent);
+    free(r->ts_ans);
     kv_model_free(r->model);
     kv_manifest_free(r->m);
     free(r);
@@ -987,4 +1001,69 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
+}
+
+/* ---- per-session work tally ---------------------------------------------- */
+
+int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d) {
+    const size_t n = (size_t)n_tags * r->n_w;
+    free(r->t_sent);
+    free(r->t_ans);
+    free(r->ts_sent);
+    free(r->ts_ans);
+    r->t_sent = calloc(n ? n : 1, sizeof(uint64_t));
+    r->t_ans = calloc(n ? n : 1, sizeof(uint64_t));
+    r->ts_sent = calloc(n ? n : 1, sizeof(uint64_t));
+    r->ts_ans = calloc(n ? n : 1, sizeof(uint64_t));
+    r->tags = NULL;
+    r->tag_on = false;
+    if (!r->t_sent || !r->t_ans || !r->ts_sent || !r->ts_ans) {
+        r->n_tags = 0;
+        return kv_fail(d, KV_ENOMEM, "remote: out of memory for the work tally (%u sessions x %u workers)", n_tags,
+                       r->n_w);
+    }
+    r->n_tags = n_tags;
+    return 0;
+}
+
+void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens) {
+    r->tags = NULL;
+    r->tag_n = 0;
+    if (!r->n_tags || !tags) return;
+    for (uint32_t t = 0; t < n_tokens; t++)
+        if (tags[t] >= r->n_tags) return; /* not ours to count */
+    for (uint32_t t = 0; t < n_tokens; t++) {
+        memset(r->ts_sent + (size_t)tags[t] * r->n_w, 0, r->n_w * sizeof(uint64_t));
+        memset(r->ts_ans + (size_t)tags[t] * r->n_w, 0, r->n_w * sizeof(uint64_t));
+    }
+    r->tags = tags;
+    r->tag_n = n_tokens;
+}
+
+void kv_remote_tally_end(kv_remote *r, bool commit) {
+    if (r->tags && commit) {
+        for (uint32_t t = 0; t < r->tag_n; t++) {
+            const size_t row = (size_t)r->tags[t] * r->n_w;
+            for (uint32_t w = 0; w < r->n_w; w++) {
+                r->t_sent[row + w] += r->ts_sent[row + w];
+                r->t_ans[row + w] += r->ts_ans[row + w];
+                r->ts_sent[row + w] = r->ts_ans[row + w] = 0; /* a tag's row is added once */
+            }
+        }
+    }
+    r->tags = NULL;
+    r->tag_n = 0;
+    r->tag_on = false;
+}
+
+void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered) {
+    const bool in = tag < r->n_tags && w < r->n_w;
+    if (sent) *sent = in ? r->t_sent[(size_t)tag * r->n_w + w] : 0;
+    if (answered) *answered = in ? r->t_ans[(size_t)tag * r->n_w + w] : 0;
+}
+
+void kv_remote_tally_reset(kv_remote *r, uint32_t tag) {
+    if (tag >= r->n_tags) return;
+    memset(r->t_sent + (size_t)tag * r->n_w, 0, r->n_w * sizeof(uint64_t));
+    memset(r->t_ans + (size_t)tag * r->n_w, 0, r->n_w * sizeof(uint64_t));
 }

@@ -33,6 +33,7 @@
 #include <time.h>
 
 #include "gateway/gateway_internal.h"
+#include "gateway/pay.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/gateway.h"
 
@@ -57,10 +58,12 @@ typedef struct kv_gw_req {
     char errmsg[256];
     kv_session *s;              /* the scheduler's */
     enum kv_session_status sst; /* last seen, for /v1/slots */
+    uint64_t products;          /* its session's (token, expert) products (kv_session_work), once DONE */
+    uint64_t *answered;         /* [g->n_workers] of them answered by each worker, once DONE; NULL unpaid */
 } kv_gw_req;
 
-#define KV_GW_N_CODES 8
-static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 404, 405, 413, 500, 503};
+#define KV_GW_N_CODES 9
+static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 402, 404, 405, 413, 500, 503};
 #define KV_GW_N_BUCKETS 12
 static const double kv_gw_buckets[KV_GW_N_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                       0.1,   0.25,   0.5,   1,    2.5,   10};
@@ -93,6 +96,8 @@ struct kv_gateway {
     uint64_t steps, steps_failed;
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
     uint32_t max_batch;         /* most sessions one step carried */
+    kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
+    uint32_t n_workers;         /* the engine's dispatch workers (fixed at open) */
     uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
     double step_sum;
 };
@@ -101,6 +106,7 @@ struct kv_gateway {
 
 static void kv_req_unref_locked(kv_gw_req *r) {
     if (--r->refs > 0) return;
+    free(r->answered);
     free(r->prompt);
     free(r->toks);
     free(r);
@@ -108,6 +114,7 @@ static void kv_req_unref_locked(kv_gw_req *r) {
 
 static void kv_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg) {
     if (r->s) {
+        if (r->answered) r->products = kv_session_work(r->s, r->answered, g->n_workers); /* who to pay */
         r->stop = kv_session_stop_reason(r->s);
         kv_session_free(r->s);
         r->s = NULL;
@@ -297,7 +304,7 @@ static void *kv_sched_main(void *arg) {
 
 enum kv_route {
     KV_R_NONE = 0, KV_R_HEALTH, KV_R_METRICS, KV_R_MODELS, KV_R_SLOTS, KV_R_TAGS, KV_R_GEN, KV_R_NOTFOUND,
-    KV_R_METHOD
+    KV_R_METHOD, KV_R_PRICES
 };
 
 typedef struct kv_gw_conn {
@@ -319,12 +326,15 @@ typedef struct kv_gw_conn {
     uint32_t consumed;          /* tokens of r->toks turned into text */
     bool finished;
     bool counted;               /* the request is in req_count */
+    kv_gw_charge charge;        /* its payment while held (pay.h) */
+    bool paid;                  /* settled: cost below */
+    kv_settle_result paid_res;
 } kv_gw_conn;
 
 static int kv_code_index(unsigned status) {
     for (int i = 0; i < KV_GW_N_CODES; i++)
         if (kv_gw_codes[i] == status) return i;
-    return 6; /* 500 */
+    return 7; /* 500 */
 }
 
 static void kv_count(kv_gw_conn *c, unsigned status) {
@@ -346,6 +356,11 @@ static enum MHD_Result kv_reply(kv_gw_conn *cn, struct MHD_Connection *c, unsign
     MHD_add_response_header(r, "Content-Type", type);
     MHD_add_response_header(r, "Cache-Control", "no-store");
     if (status == 503) MHD_add_response_header(r, "Retry-After", "1");
+    if (cn->paid) {
+        char v[32];
+        snprintf(v, sizeof v, "%llu", (unsigned long long)cn->paid_res.cost);
+        MHD_add_response_header(r, "X-KVR-Cost", v);
+    }
     if (status == 401 && cn->api == KV_GW_ANTHROPIC) MHD_add_response_header(r, "WWW-Authenticate", "x-api-key");
     else if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     kv_count(cn, status);
@@ -371,6 +386,45 @@ static bool kv_hung_up(int fd) {
     if (fd < 0) return false;
     struct pollfd pf = {.fd = fd, .events = POLLRDHUP};
     return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+/* Waits until the scheduler is done with r (its work tally is then final). */
+static void kv_wait_done(kv_gateway *g, kv_gw_req *r) {
+    pthread_mutex_lock(&g->mu);
+    while (r->state != KV_REQ_DONE) {
+        pthread_cond_signal(&g->work_cv);
+        struct timespec ts;
+        kv_deadline(&ts, 250);
+        pthread_cond_timedwait(&g->out_cv, &g->mu, &ts);
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* Settles c's payment for the tokens it was given, or releases it whole
+ * (failed: nothing is charged for a completion that errs). */
+static void kv_pay_end(kv_gw_conn *c, bool failed) {
+    kv_gateway *g = c->g;
+    if (!g->pay || !c->charge.held) return;
+    kv_diag d = {0};
+    int rc;
+    if (failed || !c->r) {
+        rc = kv_gw_pay_release(g->pay, &c->charge, &d);
+    } else {
+        kv_wait_done(g, c->r);
+        kv_gw_work_node nodes[KV_REMOTE_MAX_WORKERS];
+        const uint32_t n = c->r->answered ? g->n_workers : 0;
+        kv_remote *rm = n ? kv_engine_remote(g->e) : NULL;
+        for (uint32_t i = 0; i < n; i++) {
+            /* a worker's key comes with authenticated dispatch; until it
+               proves one, its work is booked to the gateway's own node */
+            (void)rm;
+            nodes[i] = (kv_gw_work_node){.has_key = false, .answered = c->r->answered[i]};
+        }
+        const kv_gw_work w = {c->r->products, nodes, n};
+        rc = kv_gw_pay_settle(g->pay, &c->charge, c->res.completion_tokens, &w, &c->paid_res, &d);
+        if (rc == 0) c->paid = true;
+    }
+    if (rc) fprintf(stderr, "gateway: payment of %s left held (released at the next start): %s\n", c->id, d.msg);
 }
 
 /* Turns new tokens into text, waiting for some if none are new. Returns 0,
@@ -438,9 +492,11 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         g->tokens_completion += c->res.completion_tokens;
         pthread_mutex_unlock(&g->mu);
         if (err && !stopped) {
+            kv_pay_end(c, true);
             if (stream) kv_gw_stream_error(c->api, errmsg[0] ? errmsg : kv_err_str(err), &c->out);
             return 1;
         }
+        kv_pay_end(c, false); /* before the last bytes go out: a client that saw the end sees it settled */
         if (stream) kv_gw_stream_end(c->api, &c->res, c->p->include_usage, &c->out);
     }
     return 0;
@@ -517,16 +573,32 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
                             "the prompt has %zu tokens, more than the context of %u tokens leaves room for "
                             "(at least one must be generated)", n, g->n_ctx);
     }
+    uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
+    if (g->pay) {
+        /* paid before any compute: the hold covers the prompt and at least
+           one token, and the completion stops at what the max pays for */
+        unsigned status = 402;
+        const char *hdr = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-KVR-Payment");
+        if (kv_gw_pay_hold(g->pay, hdr, n, &max_tokens, &cn->charge, &status, &d)) {
+            free(ids);
+            return kv_reply_err(cn, c, status, "%s", d.msg);
+        }
+    }
     kv_gw_req *r = calloc(1, sizeof *r);
-    const uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
     const uint32_t room = g->n_ctx - (uint32_t)n;
     if (r) {
         r->cap = (max_tokens < room ? max_tokens : room) + 1;
         r->toks = malloc((size_t)r->cap * sizeof *r->toks);
+        if (g->pay) r->answered = calloc(g->n_workers ? g->n_workers : 1, sizeof *r->answered);
     }
-    if (!r || !r->toks) {
+    if (!r || !r->toks || (g->pay && !r->answered)) {
         free(ids);
-        if (r) free(r);
+        if (r) {
+            free(r->toks);
+            free(r->answered);
+            free(r);
+        }
+        kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 500, "out of memory");
     }
     r->api = cn->api;
@@ -544,7 +616,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         pthread_mutex_unlock(&g->mu);
         free(r->toks);
         free(r->prompt);
+        free(r->answered);
         free(r);
+        kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 503, "the queue is full (%u requests waiting); retry later", g->o.queue_max);
     }
     r->id = ++g->next_id;
@@ -586,7 +660,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             pthread_mutex_unlock(&g->mu);
             return kv_reply_err(cn, c, 500, "generation failed: %s", msg);
         }
-    if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory");
+    if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
     return kv_reply(cn, c, 200, "application/json",
                     kv_gw_full_body(cn->api, &cn->res, cn->full.p ? cn->full.p : "", cn->full.n));
 }
@@ -676,6 +750,7 @@ static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
         {"GET", "/v1/models", KV_R_MODELS, KV_GW_OPENAI_CHAT},
         {"GET", "/v1/slots", KV_R_SLOTS, KV_GW_API_COUNT},
         {"GET", "/api/tags", KV_R_TAGS, KV_GW_OLLAMA},
+        {"GET", "/v1/prices", KV_R_PRICES, KV_GW_OPENAI_CHAT},
         {"POST", "/v1/chat/completions", KV_R_GEN, KV_GW_OPENAI_CHAT},
         {"POST", "/v1/completions", KV_R_GEN, KV_GW_OPENAI_TEXT},
         {"POST", "/v1/messages", KV_R_GEN, KV_GW_ANTHROPIC},
@@ -727,7 +802,7 @@ static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char
     if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
     if (cn->too_big)
         return kv_reply_err(cn, c, 413, "the request body is larger than %zu bytes", g->o.body_max);
-    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS;
+    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES;
     if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
     switch (cn->route) {
     case KV_R_HEALTH: {
@@ -744,6 +819,9 @@ static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char
     }
     case KV_R_METRICS: return kv_reply(cn, c, 200, "text/plain; version=0.0.4", kv_metrics_text(g));
     case KV_R_SLOTS: return kv_reply(cn, c, 200, "application/json", kv_slots_json(g));
+    case KV_R_PRICES:
+        if (!g->pay) return kv_reply_err(cn, c, 404, "this gateway does not charge (started without --ledger)");
+        return kv_reply(cn, c, 200, "application/json", kv_gw_pay_prices_json(g->pay));
     case KV_R_MODELS: {
         json_t *j = json_pack("{s:s,s:[{s:s,s:s,s:I,s:s}]}", "object", "list", "data", "id", g->model, "object",
                               "model", "created", (json_int_t)g->started, "owned_by", "kvasir");
@@ -769,9 +847,13 @@ static void kv_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MH
             cn->r->cancel = true;
             pthread_cond_signal(&g->work_cv);
         }
+        pthread_mutex_unlock(&g->mu);
+        kv_pay_end(cn, false); /* the client left: it pays for what it was given */
+        pthread_mutex_lock(&g->mu);
         kv_req_unref_locked(cn->r);
         pthread_mutex_unlock(&g->mu);
     }
+    kv_pay_end(cn, true); /* held without a request (cannot happen): back whole */
     kv_gw_text_free(&cn->text);
     kv_gw_params_free(cn->p);
     free(cn->p);
@@ -836,6 +918,18 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     o.model_name = g->model;
     o.host = NULL;
     g->o = o;
+    if (o.ledger_path) {
+        uint64_t n_rec = 0;
+        if ((rc = kv_gw_pay_open(&g->pay, o.ledger_path, o.gateway_key_path, o.gateway_id, o.price_prompt,
+                                 o.price_completion, &n_rec, d))) {
+            kv_diag_prefix(d, rc, "gateway: ledger");
+            goto fail;
+        }
+        if (n_rec) fprintf(stderr, "gateway: released %llu holds a previous run of %s left\n",
+                           (unsigned long long)n_rec, kv_gw_pay_id(g->pay));
+    }
+    g->o.ledger_path = g->o.gateway_key_path = g->o.gateway_id = NULL; /* the caller's strings */
+    g->n_workers = kv_engine_remote(e) ? kv_remote_n_workers(kv_engine_remote(e)) : 0;
     kv_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (pthread_create(&g->sched, NULL, kv_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
     g->sched_up = true;
@@ -890,7 +984,8 @@ void kv_gateway_free(kv_gateway *g) {
         pthread_mutex_unlock(&g->mu);
         pthread_join(g->sched, NULL);
     }
-    if (g->mhd) MHD_stop_daemon(g->mhd);
+    if (g->mhd) MHD_stop_daemon(g->mhd); /* every connection ends: their payments are settled or released */
+    kv_gw_pay_free(g->pay);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);
