@@ -239,6 +239,12 @@ int kv_ledger_split(uint64_t pool, const uint64_t *counts, const uint8_t (*ids)[
  * supply it issued. */
 int kv_ledger_balance(kv_ledger *l, const char *account, uint64_t *out, kv_diag *d);
 
+/* What node earned: the sum of its rewards (a node account is credited by
+ * rewards only), and the receipts behind them (count, products). Zeros for
+ * a node never paid. One read transaction. */
+int kv_ledger_node_earnings(kv_ledger *l, const uint8_t node[32], uint64_t *earned, uint64_t *products,
+                            uint64_t *n_receipts, kv_diag *d);
+
 typedef struct kv_ledger_entry {
     int64_t seq;                           /* journal order */
     uint8_t id[16];                        /* transfer id */

@@ -88,6 +88,16 @@ void kv_gw_pay_free(kv_gw_pay *p) {
 const char *kv_gw_pay_id(const kv_gw_pay *p) { return p->id; }
 const uint8_t *kv_gw_pay_node_key(const kv_gw_pay *p) { return p->key.pk; }
 
+/* The ledger's one-line meaning of a refusal ("insufficient funds"). */
+static const char *kv_gw_refusal_str(int rc) {
+    switch (rc) {
+#define KV_GW_RSTR(name, val, str) case val: return str;
+        KV_LEDGER_REFUSAL_MAP(KV_GW_RSTR)
+#undef KV_GW_RSTR
+    }
+    return kv_ledger_rc_name(rc);
+}
+
 static bool kv_mul_add(uint64_t a, uint64_t b, uint64_t c, uint64_t *out) {
     uint64_t m;
     if (__builtin_mul_overflow(a, b, &m) || __builtin_add_overflow(m, c, out)) return false;
@@ -137,7 +147,7 @@ int kv_gw_pay_hold(kv_gw_pay *p, const char *header, uint64_t n_prompt, uint32_t
         *status = 500;
         return kv_fail(d, rc, "ledger: %s", vd.msg);
     }
-    return kv_fail(d, rc, "payment refused: %s", vd.msg);
+    return kv_fail(d, rc, "payment refused: %s: %s", kv_gw_refusal_str(rc), vd.msg);
 refused:
     pthread_mutex_lock(&p->mu);
     p->st.refused++;

@@ -617,6 +617,22 @@ int kv_ledger_balance(kv_ledger *l, const char *account, uint64_t *out, kv_diag 
     return 0;
 }
 
+int kv_ledger_node_earnings(kv_ledger *l, const uint8_t node[32], uint64_t *earned, uint64_t *products,
+                            uint64_t *n_receipts, kv_diag *d) {
+    *earned = *products = *n_receipts = 0;
+    char id[KV_LEDGER_ACCOUNT_MAX];
+    kv_ledger_account_node(node, id);
+    int rc = l->ops->begin_read(l->s, d);
+    if (rc) return rc;
+    kv_store_account a;
+    rc = l->ops->account_get(l->s, id, &a, d);
+    if (rc == KV_ENOTFOUND) rc = 0;
+    else if (rc == 0) *earned = a.credits;
+    if (rc == 0) rc = l->ops->node_receipts(l->s, node, n_receipts, products, d);
+    l->ops->rollback(l->s);
+    return rc;
+}
+
 typedef struct {
     int (*fn)(void *ctx, const kv_ledger_entry *e);
     void *ctx;
