@@ -181,4 +181,11 @@ ok "SIGKILL mid-completion: the hold of 30000 stayed, the restart released it, $
 KV ledger summary --db "$D/l.db" >"$D/summary.txt" || fail "summary: $(cat "$D/summary.txt")"
 [ "$(KV ledger summary --db "$D/l.db" --json | jq .balanced)" = true ] || fail "the books do not balance"
 tail -1 "$D/summary.txt"
+# the demo's paying part (tools/demo_pay.sh), on this ledger and on its own
+bash "$SRC/tools/demo_pay.sh" --report "$BIN" "$D/l.db" >"$D/demo1.txt" || fail "demo_pay --report: $(cat "$D/demo1.txt")"
+grep -q "books balance: consumers paid" "$D/demo1.txt" || fail "demo_pay --report: $(cat "$D/demo1.txt")"
+bash "$SRC/tools/demo_pay.sh" "$BIN" "$D/tiny.gguf" >"$D/demo2.txt" 2>&1 || fail "demo_pay: $(cat "$D/demo2.txt")"
+grep -q "the same authorization again: HTTP 402" "$D/demo2.txt" && grep -q "books balance" "$D/demo2.txt" ||
+  fail "demo_pay: $(cat "$D/demo2.txt")"
+ok "tools/demo_pay.sh: $(tail -1 "$D/demo2.txt" | sed 's/^ *//')"
 echo "test_gateway_pay: ok"
