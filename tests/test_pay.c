@@ -308,6 +308,23 @@ static void test_settle_nodes(void) {
     ASSERT_EQ(status, 402);
     kv_ledger_report rep;
     ASSERT_EQ(kv_ledger_check(l, &rep, &d), 0);
+    /* the status page's view: read-only, the same figures, no writes */
+    kv_ledger_reader *rd = NULL;
+    ASSERT_EQ(kv_ledger_reader_open(&rd, db, &d), 0);
+    uint64_t e1 = 1, e3 = 1;
+    ASSERT_EQ(kv_ledger_reader_earned(rd, n1.pk, &e1), 0);
+    ASSERT_EQ(e1, shares[0]);
+    ASSERT_EQ(kv_ledger_reader_earned(rd, n3.pk, &e3), 0);
+    ASSERT_EQ(e3, 0); /* never paid */
+    kv_ledger_reader_free(rd);
+    kv_ledger *ro = NULL;
+    ASSERT_EQ(kv_ledger_open_readonly(&ro, db, &d), 0);
+    ASSERT_EQ(kv_issue_sign(&is, &op, c.pk, 5, NULL, &d), 0);
+    ASSERT_TRUE(kv_ledger_issue(ro, &is, &d) < 0);
+    kv_ledger_account_consumer(c.pk, acct);
+    ASSERT_EQ(kv_ledger_balance(ro, acct, &b, &d), 0);
+    ASSERT_EQ(b, 1000000 - fee - shares[0] - shares[2]);
+    kv_ledger_free(ro);
     kv_gw_pay_free(p);
     kv_ledger_free(l);
 }

@@ -176,6 +176,9 @@ typedef struct kv_ledger kv_ledger;
 int kv_ledger_init(const char *path, const uint8_t operator_pk[32], uint32_t fee_bps, kv_diag *d);
 /* Opens an initialized ledger (WAL). Caller frees with kv_ledger_free. */
 int kv_ledger_open(kv_ledger **out, const char *path, kv_diag *d);
+/* The same, read-only (SQLite READONLY + query_only): every write call
+ * fails with the store's error and nothing changes. */
+int kv_ledger_open_readonly(kv_ledger **out, const char *path, kv_diag *d);
 void kv_ledger_free(kv_ledger *l); /* accepts NULL */
 
 /* Credits is->consumer from the mint. The signature must verify against the
@@ -244,6 +247,15 @@ int kv_ledger_balance(kv_ledger *l, const char *account, uint64_t *out, kv_diag 
  * a node never paid. One read transaction. */
 int kv_ledger_node_earnings(kv_ledger *l, const uint8_t node[32], uint64_t *earned, uint64_t *products,
                             uint64_t *n_receipts, kv_diag *d);
+
+/* A read-only view shared by server threads (one connection behind a
+ * mutex), for status pages: kv_ledger_reader_earned has the shape of
+ * kv_hub_opts.earned (arg = the reader): 0 with *micro_kvr the node's
+ * rewards (0 for a node never paid), nonzero on a store error. */
+typedef struct kv_ledger_reader kv_ledger_reader;
+int kv_ledger_reader_open(kv_ledger_reader **out, const char *path, kv_diag *d);
+void kv_ledger_reader_free(kv_ledger_reader *r); /* accepts NULL */
+int kv_ledger_reader_earned(void *reader, const uint8_t pk[32], uint64_t *micro_kvr);
 
 typedef struct kv_ledger_entry {
     int64_t seq;                           /* journal order */

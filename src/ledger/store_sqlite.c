@@ -6,6 +6,7 @@
  * connection with bound parameters; no SQL is ever built from data. Every
  * value read back is bounds-checked (a corrupt row is KV_EFORMAT). */
 #include <sqlite3.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,12 +97,13 @@ static void kv_sq_close(kv_store *s) {
     free(s);
 }
 
-static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) {
+static int kv_sq_open_flags(kv_store **out, const char *path, bool ro, kv_diag *d) {
     *out = NULL;
     kv_store *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "ledger store: out of memory");
-    if (sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                        NULL) != SQLITE_OK) {
+    const int flags = ro ? SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX
+                         : SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX;
+    if (sqlite3_open_v2(path, &s->db, flags, NULL) != SQLITE_OK) {
         int rc = kv_fail(d, KV_EIO, "ledger store: cannot open '%s': %s", path,
                          s->db ? sqlite3_errmsg(s->db) : "out of memory");
         kv_sq_close(s);
@@ -109,7 +111,9 @@ static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) {
     }
     sqlite3_busy_timeout(s->db, 60000);
     sqlite3_extended_result_codes(s->db, 1);
-    int rc = kv_sq_exec(s, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;", d);
+    /* a reader changes nothing, not even the journal mode (the writers set WAL) */
+    int rc = ro ? kv_sq_exec(s, "PRAGMA query_only=ON;", d)
+                : kv_sq_exec(s, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;", d);
     if (rc) {
         kv_diag_prefix(d, rc, "'%s'", path);
         kv_sq_close(s);
@@ -118,6 +122,8 @@ static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) {
     *out = s;
     return 0;
 }
+static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) { return kv_sq_open_flags(out, path, false, d); }
+static int kv_sq_open_ro(kv_store **out, const char *path, kv_diag *d) { return kv_sq_open_flags(out, path, true, d); }
 
 static int kv_sq_init_schema(kv_store *s, kv_diag *d) { return kv_sq_exec(s, kv_schema, d); }
 
@@ -537,5 +543,6 @@ const kv_store_ops kv_store_sqlite = {
     .receipt_put = kv_sq_receipt_put,
     .each_transfer = kv_sq_each_transfer,
     .node_receipts = kv_sq_node_receipts,
+    .open_ro = kv_sq_open_ro,
     .check = kv_sq_check,
 };
