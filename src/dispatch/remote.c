@@ -158,8 +158,8 @@ struct kv_remote {
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
     float *rtt_us;                /* [KV_REMOTE_RTT_SAMPLES] ring */
     uint64_t n_rtt;
-    /* per-session work tally (kvasir/dispatch.h): [n_tags][n_w] each */
-    uint32_t n_tags;
+    /* per-session work tally (kvasir/dispatch.h): [n_tags][t_stride] each */
+    uint32_t n_tags, t_stride;    /* tags; workers per tag row (workers past it are not counted) */
     uint64_t *t_sent, *t_ans;     /* committed */
     uint64_t *ts_sent, *ts_ans;   /* this step */
     const uint32_t *tags;         /* [tag_n] tag of each token of the step's calls, NULL none */
@@ -521,7 +521,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
         }
         w->pairs[np] = (kv_proto_pair){(uint32_t)r->tok_local[t], (uint32_t)req->ids[(size_t)t0 * nu + s]};
         w->pair_slot[np++] = (int32_t)s;
-        if (r->tag_on) r->ts_sent[(size_t)r->tags[t0 + t] * r->n_w + (uint32_t)wi]++;
+        if (r->tag_on && (uint32_t)wi < r->t_stride) r->ts_sent[(size_t)r->tags[t0 + t] * r->t_stride + (uint32_t)wi]++;
     }
     if (!identity) /* gather the rows of the tokens it needs */
         for (uint32_t t = 0; t < n_tok; t++)
@@ -700,7 +700,8 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                 r->slot_owner[s] = KV_OWN_DONE;
                 pending--;
                 r->n_pairs_remote++;
-                if (r->tag_on) r->ts_ans[(size_t)r->tags[t0 + s / nu] * r->n_w + (uint32_t)wi]++;
+                if (r->tag_on && (uint32_t)wi < r->t_stride)
+                    r->ts_ans[(size_t)r->tags[t0 + s / nu] * r->t_stride + (uint32_t)wi]++;
             } else {
                 r->slot_owner[s] = KV_OWN_NONE;
             }
@@ -1006,7 +1007,8 @@ void kv_remote_reset_stats(kv_remote *r) {
 /* ---- per-session work tally ---------------------------------------------- */
 
 int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d) {
-    const size_t n = (size_t)n_tags * r->n_w;
+    const uint32_t stride = r->n_w; /* every worker this remote can have (its set is fixed at open) */
+    const size_t n = (size_t)n_tags * stride;
     free(r->t_sent);
     free(r->t_ans);
     free(r->ts_sent);
@@ -1018,11 +1020,12 @@ int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d) {
     r->tags = NULL;
     r->tag_on = false;
     if (!r->t_sent || !r->t_ans || !r->ts_sent || !r->ts_ans) {
-        r->n_tags = 0;
+        r->n_tags = r->t_stride = 0;
         return kv_fail(d, KV_ENOMEM, "remote: out of memory for the work tally (%u sessions x %u workers)", n_tags,
                        r->n_w);
     }
     r->n_tags = n_tags;
+    r->t_stride = stride;
     return 0;
 }
 
@@ -1033,8 +1036,8 @@ void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens
     for (uint32_t t = 0; t < n_tokens; t++)
         if (tags[t] >= r->n_tags) return; /* not ours to count */
     for (uint32_t t = 0; t < n_tokens; t++) {
-        memset(r->ts_sent + (size_t)tags[t] * r->n_w, 0, r->n_w * sizeof(uint64_t));
-        memset(r->ts_ans + (size_t)tags[t] * r->n_w, 0, r->n_w * sizeof(uint64_t));
+        memset(r->ts_sent + (size_t)tags[t] * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+        memset(r->ts_ans + (size_t)tags[t] * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
     }
     r->tags = tags;
     r->tag_n = n_tokens;
@@ -1043,8 +1046,8 @@ void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens
 void kv_remote_tally_end(kv_remote *r, bool commit) {
     if (r->tags && commit) {
         for (uint32_t t = 0; t < r->tag_n; t++) {
-            const size_t row = (size_t)r->tags[t] * r->n_w;
-            for (uint32_t w = 0; w < r->n_w; w++) {
+            const size_t row = (size_t)r->tags[t] * r->t_stride;
+            for (uint32_t w = 0; w < r->t_stride; w++) {
                 r->t_sent[row + w] += r->ts_sent[row + w];
                 r->t_ans[row + w] += r->ts_ans[row + w];
                 r->ts_sent[row + w] = r->ts_ans[row + w] = 0; /* a tag's row is added once */
@@ -1057,13 +1060,13 @@ void kv_remote_tally_end(kv_remote *r, bool commit) {
 }
 
 void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered) {
-    const bool in = tag < r->n_tags && w < r->n_w;
-    if (sent) *sent = in ? r->t_sent[(size_t)tag * r->n_w + w] : 0;
-    if (answered) *answered = in ? r->t_ans[(size_t)tag * r->n_w + w] : 0;
+    const bool in = tag < r->n_tags && w < r->t_stride;
+    if (sent) *sent = in ? r->t_sent[(size_t)tag * r->t_stride + w] : 0;
+    if (answered) *answered = in ? r->t_ans[(size_t)tag * r->t_stride + w] : 0;
 }
 
 void kv_remote_tally_reset(kv_remote *r, uint32_t tag) {
     if (tag >= r->n_tags) return;
-    memset(r->t_sent + (size_t)tag * r->n_w, 0, r->n_w * sizeof(uint64_t));
-    memset(r->t_ans + (size_t)tag * r->n_w, 0, r->n_w * sizeof(uint64_t));
+    memset(r->t_sent + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+    memset(r->t_ans + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
 }

@@ -58,8 +58,10 @@ typedef struct kv_gw_req {
     char errmsg[256];
     kv_session *s;              /* the scheduler's */
     enum kv_session_status sst; /* last seen, for /v1/slots */
+    bool paid;                  /* its work is recorded below when it finishes */
     uint64_t products;          /* its session's (token, expert) products (kv_session_work), once DONE */
-    uint64_t *answered;         /* [g->n_workers] of them answered by each worker, once DONE; NULL unpaid */
+    kv_gw_work_node *work;      /* [n_work] workers that answered some of them, once DONE */
+    uint32_t n_work;
 } kv_gw_req;
 
 #define KV_GW_N_CODES 9
@@ -97,7 +99,6 @@ struct kv_gateway {
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
     uint32_t max_batch;         /* most sessions one step carried */
     kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
-    uint32_t n_workers;         /* the engine's dispatch workers (fixed at open) */
     uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
     double step_sum;
 };
@@ -106,15 +107,35 @@ struct kv_gateway {
 
 static void kv_req_unref_locked(kv_gw_req *r) {
     if (--r->refs > 0) return;
-    free(r->answered);
+    free(r->work);
     free(r->prompt);
     free(r->toks);
     free(r);
 }
 
+/* The scheduler's record of who computed r's session (it owns the engine
+ * and the remote): the products, and each worker that answered some, with
+ * the key its handshake proved. On no memory the workers' part is booked
+ * as the gateway's own (pay.h), never lost. */
+static void kv_req_record_work(kv_gateway *g, kv_gw_req *r) {
+    kv_remote *rm = kv_engine_remote(g->e);
+    const uint32_t nw = rm ? kv_remote_n_workers(rm) : 0;
+    uint64_t *ans = nw ? calloc(nw, sizeof *ans) : NULL;
+    r->products = kv_session_work(r->s, ans, ans ? nw : 0);
+    uint32_t n = 0;
+    for (uint32_t i = 0; ans && i < nw; i++) n += ans[i] > 0;
+    if (n && (r->work = calloc(n, sizeof *r->work))) {
+        for (uint32_t i = 0; i < nw; i++) {
+            if (!ans[i]) continue;
+            r->work[r->n_work++] = (kv_gw_work_node){.has_key = false, .answered = ans[i]};
+        }
+    }
+    free(ans);
+}
+
 static void kv_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg) {
     if (r->s) {
-        if (r->answered) r->products = kv_session_work(r->s, r->answered, g->n_workers); /* who to pay */
+        if (r->paid) kv_req_record_work(g, r); /* who to pay */
         r->stop = kv_session_stop_reason(r->s);
         kv_session_free(r->s);
         r->s = NULL;
@@ -410,17 +431,8 @@ static void kv_pay_end(kv_gw_conn *c, bool failed) {
     if (failed || !c->r) {
         rc = kv_gw_pay_release(g->pay, &c->charge, &d);
     } else {
-        kv_wait_done(g, c->r);
-        kv_gw_work_node nodes[KV_REMOTE_MAX_WORKERS];
-        const uint32_t n = c->r->answered ? g->n_workers : 0;
-        kv_remote *rm = n ? kv_engine_remote(g->e) : NULL;
-        for (uint32_t i = 0; i < n; i++) {
-            /* a worker's key comes with authenticated dispatch; until it
-               proves one, its work is booked to the gateway's own node */
-            (void)rm;
-            nodes[i] = (kv_gw_work_node){.has_key = false, .answered = c->r->answered[i]};
-        }
-        const kv_gw_work w = {c->r->products, nodes, n};
+        kv_wait_done(g, c->r); /* its work record is final then, and the scheduler's no more */
+        const kv_gw_work w = {c->r->products, c->r->work, c->r->n_work};
         rc = kv_gw_pay_settle(g->pay, &c->charge, c->res.completion_tokens, &w, &c->paid_res, &d);
         if (rc == 0) c->paid = true;
     }
@@ -589,13 +601,12 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (r) {
         r->cap = (max_tokens < room ? max_tokens : room) + 1;
         r->toks = malloc((size_t)r->cap * sizeof *r->toks);
-        if (g->pay) r->answered = calloc(g->n_workers ? g->n_workers : 1, sizeof *r->answered);
+        r->paid = g->pay != NULL;
     }
-    if (!r || !r->toks || (g->pay && !r->answered)) {
+    if (!r || !r->toks) {
         free(ids);
         if (r) {
             free(r->toks);
-            free(r->answered);
             free(r);
         }
         kv_pay_end(cn, true);
@@ -616,7 +627,6 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         pthread_mutex_unlock(&g->mu);
         free(r->toks);
         free(r->prompt);
-        free(r->answered);
         free(r);
         kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 503, "the queue is full (%u requests waiting); retry later", g->o.queue_max);
@@ -929,7 +939,6 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
                            (unsigned long long)n_rec, kv_gw_pay_id(g->pay));
     }
     g->o.ledger_path = g->o.gateway_key_path = g->o.gateway_id = NULL; /* the caller's strings */
-    g->n_workers = kv_engine_remote(e) ? kv_remote_n_workers(kv_engine_remote(e)) : 0;
     kv_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (pthread_create(&g->sched, NULL, kv_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
     g->sched_up = true;
