@@ -16,6 +16,9 @@
  *     work pays each node its exact share (kv_ledger_split of cost - fee),
  *     books keyless and local work to the gateway's node, returns the share
  *     of a node without a valid receipt to the consumer;
+ *   - test_receipt_frames: the RECEIPT_REQ / RECEIPT payloads round-trip
+ *     and refuse every malformed field; a worker signs only while what it
+ *     signed for stays within what it computed;
  *   - test_tally_failed_step: a worker killed mid-decode fails the step;
  *     what the other worker answered in it is not counted (nothing came of
  *     it), while its own pair counter did move. */
@@ -329,6 +332,70 @@ static void test_settle_nodes(void) {
     kv_ledger_free(l);
 }
 
+/* The worker's side of a receipt: it signs only within what it computed,
+ * the codecs round-trip, and every malformed payload is refused. */
+static void test_receipt_frames(void) {
+    kv_diag d = {0};
+    kv_wallet node;
+    ASSERT_EQ(kv_wallet_generate(&node, &d), 0);
+    kv_receipt_req q = {.n_products = 700};
+    snprintf(q.gateway, sizeof q.gateway, "gw-test");
+    for (int i = 0; i < 32; i++) q.consumer[i] = (uint8_t)i, q.log_digest[i] = (uint8_t)(200 - i);
+    for (int i = 0; i < 16; i++) q.auth_nonce[i] = (uint8_t)(9 * i);
+    uint8_t pl[KV_PROTO_RECEIPT_REQ_SIZE];
+    ASSERT_EQ(kv_receipt_req_to_payload(&q, pl, &d), 0);
+    kv_receipt_req q2;
+    ASSERT_EQ(kv_receipt_req_from_payload(&q2, pl, sizeof pl, &d), 0);
+    ASSERT_STREQ(q2.gateway, "gw-test");
+    ASSERT_EQ(q2.n_products, 700);
+    ASSERT_TRUE(!memcmp(q2.consumer, q.consumer, 32) && !memcmp(q2.auth_nonce, q.auth_nonce, 16) &&
+                !memcmp(q2.log_digest, q.log_digest, 32));
+    /* truncated, padded, zero count, bad padding, bad gateway byte */
+    ASSERT_EQ(kv_receipt_req_from_payload(&q2, pl, sizeof pl - 1, &d), KV_EPROTO);
+    uint8_t bad[KV_PROTO_RECEIPT_REQ_SIZE];
+    memcpy(bad, pl, sizeof bad);
+    memset(bad + 80, 0, 8);
+    ASSERT_EQ(kv_receipt_req_from_payload(&q2, bad, sizeof bad, &d), KV_ERANGE);
+    memcpy(bad, pl, sizeof bad);
+    bad[20] = 'x';
+    ASSERT_EQ(kv_receipt_req_from_payload(&q2, bad, sizeof bad, &d), KV_EPROTO);
+    memcpy(bad, pl, sizeof bad);
+    bad[2] = ' ';
+    ASSERT_EQ(kv_receipt_req_from_payload(&q2, bad, sizeof bad, &d), KV_EPROTO);
+    /* the budget: 1000 computed; 700 signed, then 301 refused, 300 signed, 1 refused */
+    kv_receipt_budget b = {.computed = 1000};
+    kv_receipt r;
+    ASSERT_EQ(kv_receipt_grant(&b, &q, node.sk, &r, &d), 0);
+    ASSERT_EQ(b.signed_for, 700);
+    ASSERT_TRUE(!memcmp(r.node, node.pk, 32) && r.n_products == 700 && !strcmp(r.gateway, "gw-test"));
+    q.n_products = 301;
+    ASSERT_EQ(kv_receipt_grant(&b, &q, node.sk, &r, &d), KV_LEDGER_RRECEIPT);
+    ASSERT_EQ(b.signed_for, 700);
+    q.n_products = 300;
+    ASSERT_EQ(kv_receipt_grant(&b, &q, node.sk, &r, &d), 0);
+    q.n_products = 1;
+    ASSERT_EQ(kv_receipt_grant(&b, &q, node.sk, &r, &d), KV_LEDGER_RRECEIPT);
+    ASSERT_EQ(b.signed_for, 1000);
+    /* the answer carries a receipt that verifies; a flipped bit is refused */
+    q.n_products = 300;
+    uint8_t ans[KV_PROTO_RECEIPT_SIZE];
+    kv_receipt_budget b2 = {.computed = 300};
+    ASSERT_EQ(kv_receipt_grant(&b2, &q, node.sk, &r, &d), 0);
+    ASSERT_EQ(kv_receipt_ans_to_payload(KV_RECEIPT_SIGNED, &r, ans, &d), 0);
+    uint32_t st = 9;
+    kv_receipt r2;
+    ASSERT_EQ(kv_receipt_ans_from_payload(&st, &r2, ans, sizeof ans, &d), 0);
+    ASSERT_EQ(st, KV_RECEIPT_SIGNED);
+    ASSERT_TRUE(!memcmp(&r2.sig, &r.sig, 64) && r2.n_products == 300);
+    ans[8 + 130] ^= 1;
+    ASSERT_TRUE(kv_receipt_ans_from_payload(&st, &r2, ans, sizeof ans, &d) < 0);
+    ASSERT_EQ(kv_receipt_ans_to_payload(KV_RECEIPT_REFUSED, NULL, ans, &d), 0);
+    ASSERT_EQ(kv_receipt_ans_from_payload(&st, &r2, ans, sizeof ans, &d), 0);
+    ASSERT_EQ(st, KV_RECEIPT_REFUSED);
+    ans[100] = 1;
+    ASSERT_EQ(kv_receipt_ans_from_payload(&st, &r2, ans, sizeof ans, &d), KV_EPROTO);
+}
+
 static int setup(void) {
     g_bin = getenv("KV_BIN");
     if (!g_bin) {
@@ -387,6 +454,7 @@ static void teardown(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_tally_alone_equals_batched),
     KVT_CASE(test_settle_nodes),
+    KVT_CASE(test_receipt_frames),
     KVT_CASE(test_tally_failed_step), /* last: it kills a worker */
 };
 

@@ -516,4 +516,38 @@ void kv_remote_tally_end(kv_remote *r, bool commit);
 void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered);
 void kv_remote_tally_reset(kv_remote *r, uint32_t tag);
 
+/* ---- work receipts (src/dispatch/receipt.c, docs/PROTOCOL.md "RECEIPT") ---
+ * After a completion the coordinator asks a worker that computed some of
+ * its experts for a receipt (kvasir/ledger.h kv_receipt) over the count in
+ * its own dispatch log; the worker signs only while what it signed for on
+ * the connection stays within what it computed there. */
+#define KV_PROTO_RECEIPT_REQ_SIZE 120u /* gateway[32], consumer[32], nonce[16], u64 n, digest[32] */
+#define KV_PROTO_RECEIPT_SIZE 248u     /* u32 status, u32 zero, receipt[240] */
+enum { KV_RECEIPT_SIGNED = 0, KV_RECEIPT_REFUSED = 1 };
+struct kv_receipt;
+typedef struct kv_receipt_req {
+    char gateway[33];       /* gateway id, 1..32 of [A-Za-z0-9._:-] */
+    uint8_t consumer[32];   /* the completion's authorization ... */
+    uint8_t auth_nonce[16]; /* ... (consumer, nonce) */
+    uint64_t n_products;    /* 1..2^40: the coordinator's count for this worker */
+    uint8_t log_digest[32]; /* the coordinator's digest of that entry */
+} kv_receipt_req;
+/* What a worker computed for one connection and what it signed for. */
+typedef struct kv_receipt_budget {
+    uint64_t computed;   /* (token, expert) pairs answered on the connection */
+    uint64_t signed_for; /* products of the receipts it signed there */
+} kv_receipt_budget;
+/* Payload codecs: exact sizes, every field checked (KV_EPROTO, KV_ERANGE);
+ * an answer's receipt is parsed and its signature verified. */
+int kv_receipt_req_to_payload(const kv_receipt_req *q, uint8_t out[KV_PROTO_RECEIPT_REQ_SIZE], kv_diag *d);
+int kv_receipt_req_from_payload(kv_receipt_req *q, const uint8_t *p, size_t n, kv_diag *d);
+int kv_receipt_ans_to_payload(uint32_t status, const struct kv_receipt *r, uint8_t out[KV_PROTO_RECEIPT_SIZE],
+                              kv_diag *d);
+int kv_receipt_ans_from_payload(uint32_t *status, struct kv_receipt *r, const uint8_t *p, size_t n, kv_diag *d);
+/* The worker's side: signs q with sk (libsodium seed || pk) when
+ * b->signed_for + q->n_products <= b->computed, and counts it; otherwise
+ * KV_LEDGER_RRECEIPT and nothing is signed. */
+int kv_receipt_grant(kv_receipt_budget *b, const kv_receipt_req *q, const uint8_t sk[64], struct kv_receipt *out,
+                     kv_diag *d);
+
 #endif
