@@ -109,6 +109,18 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         CHECK(m->h.version >= 1 && m->h.version <= KV_PROTO_VERSION);
         rc = kv_msg_stats_ack_encode_v(out, sizeof out, m->h.request_id, m->h.version, &m->u.stats, &k, &d);
         break;
+    case KV_MSG_AUTH_CHALLENGE:
+        CHECK(m->h.version >= KV_PROTO_AUTH_VERSION);
+        rc = kv_msg_auth_challenge_encode(out, sizeof out, m->h.request_id, &m->u.challenge, &k, &d);
+        break;
+    case KV_MSG_AUTH:
+        CHECK(m->h.version >= KV_PROTO_AUTH_VERSION && !(m->u.auth.flags & ~KV_PROTO_AUTH_VOUCHER));
+        rc = kv_msg_auth_encode(out, sizeof out, m->h.request_id, &m->u.auth, &k, &d);
+        break;
+    case KV_MSG_AUTH_OK:
+        CHECK(m->h.version >= KV_PROTO_AUTH_VERSION);
+        rc = kv_msg_auth_ok_encode(out, sizeof out, m->h.request_id, m->u.auth_ok, &k, &d);
+        break;
     default: CHECK(0);
     }
     if (rc == 1) return;

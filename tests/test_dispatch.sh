@@ -20,10 +20,15 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
+# authenticated dispatch: workers serve only this coordinator key
+KEY="$dir/coord.key"
+PK=$("$KV" key --key "$KEY")
+OTHER=$("$KV" key --key "$dir/other.key")
 
 # start_worker NAME SLABS: starts a worker on a free port; sets $addr and $pid.
 start_worker() {
-  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet >"$dir/$1.out" 2>"$dir/$1.err" &
+  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$OTHER" --allow-key "$PK" \
+    >"$dir/$1.out" 2>"$dir/$1.err" &
   pid=$!
   pids+=("$pid")
   addr=
@@ -49,7 +54,7 @@ group() {
 
 declare -A WA WP # WA[type.g] / WP[type.g]: address / pid of worker g of a model
 PROMPT="The swarm computes every expert where it lives, and the tokens come out the same"
-RUN=(-p "$PROMPT" -n 12 --temp 0 --json --batch 5 --threads 2)
+RUN=(-p "$PROMPT" -n 12 --temp 0 --json --batch 5 --threads 2 --key "$KEY")
 
 for spec in "f32 128 64" "q8_0 256 128" "q4_k 256 256"; do
   read -r type embd ff <<<"$spec"
@@ -99,7 +104,7 @@ echo "ok: a stalled worker: skipped, same logits"
 # killed during a longer decode
 "$KV" run -m "$m/model.gguf" -p "$PROMPT" -n 200 --temp 0 --json --threads 2 --logits-out "$m/long.bin" >/dev/null
 "$KV" run -m "$m/coord/manifest.json" --worker "${r[0]}" --worker "${r[1]}" --worker "${r[2]}" \
-  -p "$PROMPT" -n 200 --temp 0 --json --threads 2 --logits-out "$m/kill.bin" >"$m/kill.json" &
+  -p "$PROMPT" -n 200 --temp 0 --json --threads 2 --key "$KEY" --logits-out "$m/kill.bin" >"$m/kill.json" &
 run_pid=$!
 sleep 0.15
 kill -9 "${rpid[1]}"
@@ -113,6 +118,16 @@ else
   echo "ok: a worker killed mid-run (drops: $(jq -c '[.dispatch.workers[].drops]' "$m/kill.json")," \
     "retried pairs: $(jq .dispatch.retried_pairs "$m/kill.json")): same logits"
 fi
+
+# ---- a coordinator key the workers do not allow: refused before any compute ----
+set +e
+"$KV" run -m "$m/coord/manifest.json" --worker "${r[0]}" --worker "${r[2]}" "${RUN[@]/$KEY/$dir/stranger.key}" \
+  >"$m/stranger.out" 2>"$m/stranger.txt"
+rc=$?
+set -e
+[ "$rc" = 2 ] || fail "unknown coordinator key: exit $rc, want 2"
+grep -q "not allowed" "$m/stranger.txt" || fail "unknown key: unclear error: $(cat "$m/stranger.txt")"
+echo "ok: a coordinator key no worker allows: refused ($(head -c 160 "$m/stranger.txt"))"
 
 # ---- no replicas: a worker down means a clear error before the first token -----
 kill -9 "${WP[q8_0.0]}"

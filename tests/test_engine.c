@@ -35,6 +35,7 @@
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
+#include "test_auth_support.h"
 #include "quant/vec.h"
 
 #define MAX_GEN 12
@@ -147,7 +148,8 @@ static bool worker_start(proc *p, const char *slabs) {
     if (pid == 0) {
         FILE *f = freopen("/dev/null", "w", stdout);
         (void)f;
-        execl(g_bin, g_bin, "worker", "--slabs", slabs, "--listen", p->addr, "--threads", "1", "--quiet", (char *)NULL);
+        execl(g_bin, g_bin, "worker", "--slabs", slabs, "--listen", p->addr, "--threads", "1", "--quiet", "--allow-key",
+              kvt_coord_hex(), (char *)NULL);
         _exit(127);
     }
     p->pid = pid;
@@ -341,6 +343,7 @@ static kv_engine *open_at(fixture *f, enum placement pl, uint32_t kv_type, proc 
         }
         o.workers = addrs;
         o.n_workers = 2;
+        o.key_sk = kvt_coord_sk();
         o.worker_timeout_ms = 5000;
         kv_engine_open(&e, f->coord, &o, d);
     }

@@ -34,6 +34,7 @@
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "test_auth_support.h"
 
 static char g_dir[200];
 static char g_model[300];
@@ -1013,7 +1014,8 @@ static void test_worker_batched(void) {
     if (pid == 0) {
         FILE *f = freopen("/dev/null", "w", stdout);
         (void)f;
-        execl(bin, bin, "worker", "--slabs", slabs, "--listen", addr, "--threads", "1", "--quiet", (char *)NULL);
+        execl(bin, bin, "worker", "--slabs", slabs, "--listen", addr, "--threads", "1", "--quiet", "--allow-key",
+              kvt_coord_hex(), (char *)NULL);
         _exit(127);
     }
     bool up = false;
@@ -1032,7 +1034,7 @@ static void test_worker_batched(void) {
     const char *workers[1] = {addr};
     kv_engine *e = NULL;
     kv_engine_opts eo = {.n_threads = 1, .max_sessions = 8, .workers = workers, .n_workers = 1,
-                         .worker_timeout_ms = 5000};
+                         .worker_timeout_ms = 5000, .key_sk = kvt_coord_sk()};
     ASSERT_EQ(kv_engine_open(&e, manifest, &eo, &d), 0);
     kv_gateway *g = NULL;
     kv_gateway_opts go = {.model_name = "tiny", .max_active = 8};

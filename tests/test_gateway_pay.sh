@@ -61,7 +61,8 @@ start_gw() {
 N_LAYER=2 N_USED=2 # every block routes each token to N_USED of 8 experts
 KV gen-model --preset tiny --layers $N_LAYER --experts 8 --experts-used $N_USED --out "$D/tiny.gguf" >/dev/null 2>&1 ||
   fail "gen-model"
-for k in op gwA gwB gwC c1 c2 c3 c4; do KV wallet new --out "$D/$k.key" >/dev/null; done
+for k in op gwA gwB c1 c2 c3 c4; do KV wallet new --out "$D/$k.key" >/dev/null; done
+KV key --key "$D/coord.key" >/dev/null # `kvasir key`'s format: the sliced gateway's coordinator and node key
 KV ledger init --db "$D/l.db" --key "$D/op.key" --fee-bps 250 >/dev/null
 acct() { KV wallet show --key "$D/$1.key" --json | jq -r .account; }
 for spec in "c1 1000000" "c2 500" "c3 10000" "c4 200000"; do
@@ -92,23 +93,24 @@ WPID=()
 for g in 0 1; do
   slabs=""
   for l in 0 1; do slabs+="${slabs:+,}$D/sl/experts/$(printf 'blk.%d.%04d-%04d.gguf' "$l" $((4 * g)) $((4 * g + 3)))"; done
-  "$BIN" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet >"$D/w$g.out" 2>"$D/w$g.err" &
+  "$BIN" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$(KV key --key "$D/coord.key")" \
+    --key "$D/w$g.key" >"$D/w$g.out" 2>"$D/w$g.err" &
   WPID+=("$!")
   PIDS+=("$!")
   for _ in $(seq 1 200); do
-    a=$(sed -n 's/^listening on \(.*\)$/\1/p' "$D/w$g.out" 2>/dev/null | head -1)
+    a=$(sed -n 's/^listening on \(.*\)$/\1/p' "$D/w$g.out" 2>/dev/null | head -1 || true)
     [ -n "$a" ] && break
     sleep 0.05
   done
   [ -n "$a" ] || fail "worker $g did not start: $(cat "$D/w$g.err")"
   WADDR+=(--worker "$a")
 done
-GWC=(-m "$D/coord/manifest.json" "${WADDR[@]}" --worker-timeout-ms 30000 --ledger "$D/l.db"
-  --gateway-key "$D/gwC.key" --gateway-id gwC --prices 5,11)
+GWC=(-m "$D/coord/manifest.json" "${WADDR[@]}" --worker-timeout-ms 30000 --ledger "$D/l.db" --key "$D/coord.key"
+  --gateway-id gwC --prices 5,11)
 start_gw C "${GWC[@]}"
 C=$ADDR
 C4=$(acct c4)
-NODE_C=node:$(KV wallet show --key "$D/gwC.key")
+NODE_C=node:$(KV wallet show --key "$D/coord.key") # the gateway's node account is its coordinator key
 chat() { # chat MAX_TOKENS STREAM: a request body
   printf '{"messages":[{"role":"user","content":"Pay the swarm."}],"max_tokens":%s,"temperature":0,"stream":%s}' "$1" "$2"
 }

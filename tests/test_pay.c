@@ -50,6 +50,7 @@ typedef struct proc {
     char addr[32];
 } proc;
 static proc g_w[2];
+static kv_wallet g_coord; /* the coordinator key the workers allow */
 
 static void sleep_ms(int ms) {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -76,7 +77,10 @@ static bool start_worker(proc *p, const char *slabs) {
     if (pid == 0) {
         FILE *f = freopen("/dev/null", "w", stdout);
         (void)f;
-        execl(g_bin, g_bin, "worker", "--slabs", slabs, "--listen", p->addr, "--threads", "1", "--quiet", (char *)NULL);
+        char allow[65];
+        kv_hex32(g_coord.pk, allow);
+        execl(g_bin, g_bin, "worker", "--slabs", slabs, "--listen", p->addr, "--threads", "1", "--quiet",
+              "--allow-key", allow, (char *)NULL);
         _exit(127);
     }
     p->pid = pid;
@@ -101,7 +105,7 @@ static void stop_worker(proc *p) {
 static kv_engine *open_engine_t(kv_diag *d, uint32_t timeout_ms) {
     const char *w[2] = {g_w[0].addr, g_w[1].addr};
     const kv_engine_opts eo = {.n_threads = 1, .n_ctx = 96, .n_batch = 8, .max_sessions = 4, .workers = w,
-                               .n_workers = 2, .worker_timeout_ms = timeout_ms};
+                               .n_workers = 2, .worker_timeout_ms = timeout_ms, .key_sk = g_coord.sk};
     kv_engine *e = NULL;
     return kv_engine_open(&e, g_manifest, &eo, d) ? NULL : e;
 }
@@ -406,6 +410,7 @@ static int setup(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/kvasir-pay.XXXXXX");
     if (!mkdtemp(g_dir)) return 1;
     kv_diag d = {0};
+    ASSERT_EQ(kv_wallet_generate(&g_coord, &d), 0);
     kv_gen_config c;
     ASSERT_EQ(kv_gen_preset_get("tiny", &c, &d), 0);
     c.n_layer = N_LAYER;

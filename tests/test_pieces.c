@@ -26,6 +26,7 @@
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
+#include "test_auth_support.h"
 
 static char g_dir[64];
 static const char *g_bin;
@@ -313,11 +314,12 @@ static int fifo_child(void) {
         kv_remote *r = NULL;
         kv_pool *pool = NULL;
         kv_pool_new(&pool, 1, &d);
-        const kv_remote_opts o = {.timeout_ms = 500};
+        const kv_remote_opts o = {.timeout_ms = 500, .key_sk = kvt_coord_sk()};
         rc = kv_remote_open(&r, g_fifo_path, pool, &o, &d);
     } else {
         kv_worker *w = NULL;
-        const kv_worker_opts o = {.slabs = g_fifo_path, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true};
+        const kv_worker_opts o = {.slabs = g_fifo_path, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true,
+                                  .allow_keys = kvt_coord_allow(), .n_allow_keys = 1};
         rc = kv_worker_open(&w, &o, &d);
     }
     printf("  fifo case %d: rc %d: %s\n", g_fifo_case, rc, d.msg);
@@ -537,7 +539,8 @@ static void test_sparse_open(void) {
     snprintf(coord, sizeof coord, "%s/c_punched", g_dir);
     ASSERT_EQ(sh("mkdir -p %s && cp %s/backbone.gguf %s/manifest.json %s/", coord, sdir, sdir, coord), 0);
     kv_worker *wk = NULL;
-    const kv_worker_opts wo = {.slabs = sdir, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true};
+    const kv_worker_opts wo = {.slabs = sdir, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true,
+                               .allow_keys = kvt_coord_allow(), .n_allow_keys = 1};
     ASSERT_EQ(kv_worker_open(&wk, &wo, &d), 0);
     pthread_t th;
     if (wk && !pthread_create(&th, NULL, serve_main, wk)) {
@@ -547,18 +550,22 @@ static void test_sparse_open(void) {
         ASSERT_EQ(kv_pool_new(&pool, 1, &d), 0);
         const char *addrs[1] = {kv_worker_addr(wk)};
         kv_remote *r = (kv_remote *)1;
-        const kv_remote_opts ro = {.workers = addrs, .n_workers = 1, .timeout_ms = 5000};
+        const kv_remote_opts ro = {.workers = addrs, .n_workers = 1, .timeout_ms = 5000, .key_sk = kvt_coord_sk()};
         ASSERT_EQ(kv_remote_open(&r, man2, pool, &ro, &d), KV_EUNSUPPORTED);
         ASSERT_TRUE(r == NULL && one_line(&d) && strstr(d.msg, "--allow-sparse"));
-        const kv_remote_opts ro2 = {.workers = addrs, .n_workers = 1, .timeout_ms = 5000, .allow_sparse = true};
+        const kv_remote_opts ro2 = {.workers = addrs, .n_workers = 1, .timeout_ms = 5000, .allow_sparse = true,
+                                    .key_sk = kvt_coord_sk()};
         ASSERT_EQ(kv_remote_open(&r, man2, pool, &ro2, &d), 0);
         kv_remote_free(r);
         kv_pool_free(pool);
-        ASSERT_NE(sh("%s run -m %s --worker %s -p hi -n 2 --threads 2 >/dev/null 2>%s/err.txt", g_bin, coord,
-                     kv_worker_addr(wk), g_dir), 0);
+        char kf[300];
+        snprintf(kf, sizeof kf, "%s/coord.key", g_dir);
+        ASSERT_EQ(kvt_write_coord_key(kf), 0);
+        ASSERT_NE(sh("%s run -m %s --worker %s --key %s -p hi -n 2 --threads 2 >/dev/null 2>%s/err.txt", g_bin, coord,
+                     kv_worker_addr(wk), kf, g_dir), 0);
         ASSERT_EQ(sh("grep -q -- '--allow-sparse' %s/err.txt", g_dir), 0);
-        ASSERT_EQ(sh("%s run -m %s --worker %s --allow-sparse -p hi -n 2 --threads 2 --json >%s/out.json 2>/dev/null",
-                     g_bin, coord, kv_worker_addr(wk), g_dir), 0);
+        ASSERT_EQ(sh("%s run -m %s --worker %s --key %s --allow-sparse -p hi -n 2 --threads 2 --json >%s/out.json "
+                     "2>/dev/null", g_bin, coord, kv_worker_addr(wk), kf, g_dir), 0);
         kv_worker_stop(wk);
         pthread_join(th, NULL);
     }

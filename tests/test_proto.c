@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sodium.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -451,6 +452,111 @@ static void test_error_ping_stats(void) {
     check_truncations(buf, n, NULL, "STATS_ACK");
 }
 
+/* v3 authentication frames: the offsets of docs/PROTOCOL.md, the flag
+ * rules, version 3 only, truncations; and the transcript: every field it
+ * binds changes the digest, and a signature verifies only over its own. */
+static void test_auth_frames(void) {
+    kv_diag d = {0};
+    size_t n;
+    kv_msg m;
+    kv_msg_auth_challenge ch;
+    for (int i = 0; i < 32; i++) ch.worker_key[i] = (uint8_t)i, ch.challenge[i] = (uint8_t)(0x80 + i);
+    ASSERT_EQ(kv_msg_auth_challenge_encode(buf, sizeof buf, 5, &ch, &n, &d), 0);
+    ASSERT_EQ(n, KV_PROTO_HEADER + 64);
+    ASSERT_TRUE(buf[4] == 3 && buf[5] == 0 && buf[6] == KV_MSG_AUTH_CHALLENGE);
+    ASSERT_TRUE(buf[KV_PROTO_HEADER + 1] == 1 && buf[KV_PROTO_HEADER + 32] == 0x80); /* key at 0, challenge at 32 */
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_AUTH_CHALLENGE && !memcmp(&m.u.challenge, &ch, sizeof ch));
+    check_truncations(buf, n, NULL, "AUTH_CHALLENGE");
+    wr16(buf + 4, 2); /* in a v2 frame: refused */
+    ASSERT_EQ(dec(buf, n, NULL), KV_EPROTO);
+
+    kv_msg_auth a = {0};
+    for (int i = 0; i < 32; i++) a.key[i] = (uint8_t)(i + 1), a.nonce[i] = (uint8_t)(0x40 + i);
+    for (int i = 0; i < 64; i++) a.sig[i] = (uint8_t)(0xc0 + (i & 31)), a.voucher_sig[i] = (uint8_t)(i + 7);
+    a.flags = KV_PROTO_AUTH_VOUCHER;
+    a.voucher_expires_ms = 0x0102030405060708ull;
+    ASSERT_EQ(kv_msg_auth_encode(buf, sizeof buf, 6, &a, &n, &d), 0);
+    ASSERT_EQ(n, KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE);
+    const uint8_t *p = buf + KV_PROTO_HEADER;
+    ASSERT_TRUE(p[0] == 1 && p[32] == 0x40 && p[64] == 0xc0 && p[128] == 1 && p[132] == 0x08 && p[139] == 0x01 &&
+                p[140] == 7);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_AUTH && !memcmp(m.u.auth.key, a.key, 32) && !memcmp(m.u.auth.nonce, a.nonce, 32) &&
+                !memcmp(m.u.auth.sig, a.sig, 64) && m.u.auth.flags == a.flags &&
+                m.u.auth.voucher_expires_ms == a.voucher_expires_ms && !memcmp(m.u.auth.voucher_sig, a.voucher_sig, 64));
+    check_truncations(buf, n, NULL, "AUTH");
+    expect_patch32(buf, n, 128, 2, NULL, KV_EPROTO, "AUTH reserved flag");
+    expect_patch32(buf, n, 128, 0, NULL, KV_EPROTO, "AUTH voucher fields without the flag");
+    memcpy(buf2, buf, n);
+    memset(buf2 + KV_PROTO_HEADER + 132, 0, 8);
+    ASSERT_EQ(dec(buf2, n, NULL), KV_EPROTO);
+    kv_msg_auth z = a;
+    z.flags = 0;
+    ASSERT_EQ(kv_msg_auth_encode(buf, sizeof buf, 6, &z, &n, &d), KV_EINVAL);
+    z.voucher_expires_ms = 0;
+    memset(z.voucher_sig, 0, 64);
+    ASSERT_EQ(kv_msg_auth_encode(buf, sizeof buf, 6, &z, &n, &d), 0);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.u.auth.flags, 0);
+
+    uint8_t sig[64];
+    memset(sig, 0x33, sizeof sig);
+    ASSERT_EQ(kv_msg_auth_ok_encode(buf, sizeof buf, 7, sig, &n, &d), 0);
+    ASSERT_EQ(n, KV_PROTO_HEADER + 64);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_AUTH_OK && !memcmp(m.u.auth_ok, sig, 64));
+    check_truncations(buf, n, NULL, "AUTH_OK");
+
+    /* the transcript binds each field */
+    const char *mid = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    uint8_t f[4][32], base[32], dg[32];
+    for (int k = 0; k < 4; k++) memset(f[k], 0x10 * (k + 1), 32);
+    kv_dispatch_digest('C', mid, 3, f[0], f[1], f[2], f[3], base);
+    kv_dispatch_digest('W', mid, 3, f[0], f[1], f[2], f[3], dg);
+    ASSERT_TRUE(memcmp(base, dg, 32) != 0);
+    kv_dispatch_digest('C', mid, 4, f[0], f[1], f[2], f[3], dg);
+    ASSERT_TRUE(memcmp(base, dg, 32) != 0);
+    for (int k = 0; k < 4; k++) {
+        f[k][31] ^= 1;
+        kv_dispatch_digest('C', mid, 3, f[0], f[1], f[2], f[3], dg);
+        ASSERT_TRUE(memcmp(base, dg, 32) != 0);
+        f[k][31] ^= 1;
+    }
+    char mid2[65];
+    memcpy(mid2, mid, 65);
+    mid2[0] = '1';
+    kv_dispatch_digest('C', mid2, 3, f[0], f[1], f[2], f[3], dg);
+    ASSERT_TRUE(memcmp(base, dg, 32) != 0);
+    /* sign / verify, against libsodium directly */
+    uint8_t pk[32], sk[64], s2[64];
+    crypto_sign_keypair(pk, sk);
+    kv_dispatch_sign(sk, base, s2);
+    ASSERT_EQ(crypto_sign_verify_detached(s2, base, 32, pk), 0);
+    ASSERT_EQ(kv_dispatch_verify(pk, base, s2), 0);
+    s2[0] ^= 1;
+    ASSERT_EQ(kv_dispatch_verify(pk, base, s2), KV_EAUTH);
+    /* voucher digest: key and expiry bound */
+    uint8_t v1[32], v2[32];
+    kv_voucher_digest(mid, f[0], 1000, v1);
+    kv_voucher_digest(mid, f[0], 1001, v2);
+    ASSERT_TRUE(memcmp(v1, v2, 32) != 0);
+    kv_voucher_digest(mid, f[1], 1000, v2);
+    ASSERT_TRUE(memcmp(v1, v2, 32) != 0);
+    /* key lists */
+    uint8_t(*keys)[32] = NULL;
+    size_t nk = 0;
+    char hex[65];
+    for (int i = 0; i < 64; i++) hex[i] = "0123456789abcdef"[i % 16];
+    hex[64] = 0;
+    ASSERT_EQ(kv_key_list_add(hex, &keys, &nk, &d), 0);
+    ASSERT_TRUE(nk == 1 && keys[0][0] == 0x01 && keys[0][31] == 0xef);
+    hex[3] = 'G';
+    ASSERT_EQ(kv_key_list_add(hex, &keys, &nk, &d), KV_EINVAL);
+    ASSERT_EQ(nk, 1);
+    free(keys);
+}
+
 static void test_enc_names(void) {
     ASSERT_EQ(kv_enc_size(KV_ENC_F32), 4);
     ASSERT_EQ(kv_enc_size(KV_ENC_BF16), 2);
@@ -547,7 +653,7 @@ static void test_stream(void) {
 #define U32(v) (uint8_t)(v), (uint8_t)((v) >> 8), (uint8_t)((v) >> 16), (uint8_t)((v) >> 24)
 #define U64(v) U32(v), 0, 0, 0, 0
 
-static const uint8_t g_hello[] = {HDR(2, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
+static const uint8_t g_hello[] = {HDR(3, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
 static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 U32(2), U32(64), U32(32), U32(8), U32(2), U32(1), U32(1) /* n_ranges */,
                                 U32(1) /* n_slabs */, U32(512) /* max_pairs */, 'a', 'v', 'x', '2',
@@ -556,14 +662,14 @@ static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0x01};
-static const uint8_t g_compute[] = {HDR(2, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
+static const uint8_t g_compute[] = {HDR(3, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
                                     U32(1), U32(2), U32(2), 0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0,
                                     U32(0), U32(3), U32(0), U32(5)};
-static const uint8_t g_result[] = {HDR(2, 4, 9, 20), U32(2), U32(2), U32(1),
+static const uint8_t g_result[] = {HDR(3, 4, 9, 20), U32(2), U32(2), U32(1),
                                    0x00, 0x3C, 0x00, 0x38, 0x00, 0xC0, 0xFF, 0x7B};
-static const uint8_t g_error[] = {HDR(2, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
-static const uint8_t g_ping[] = {HDR(2, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
-static const uint8_t g_stats_ack[] = {HDR(2, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
+static const uint8_t g_error[] = {HDR(3, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
+static const uint8_t g_ping[] = {HDR(3, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
+static const uint8_t g_stats_ack[] = {HDR(3, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
                                       U64(7), U64(8), U64(9)};
 static const uint8_t g_stats_ack_v1[] = {HDR(1, 9, 5, 48), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6)};
 
@@ -582,7 +688,7 @@ static void test_golden(void) {
     size_t n;
     /* HELLO */
     ASSERT_EQ(kv_msg_decode(g_hello, sizeof g_hello, NULL, &m, &d), 0);
-    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 2 && m.h.request_id == 7);
+    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 3 && m.h.request_id == 7);
     ASSERT_TRUE(m.u.hello.min_version == 2 && m.u.hello.max_version == 2 && m.u.hello.enc_mask == 3);
     ASSERT_STREQ(m.u.hello.model_id, ID_A);
     ASSERT_EQ(kv_msg_hello_encode(buf, sizeof buf, 7, &m.u.hello, &n, &d), 0);
@@ -629,7 +735,7 @@ static void test_golden(void) {
     ASSERT_EQ(kv_msg_result_encode(buf, sizeof buf, 9, &re, &n, &d), 0);
     check_bytes(buf, n, g_result, sizeof g_result, "RESULT");
     /* the streamed RESULT writes the same bytes */
-    ASSERT_EQ(kv_msg_result_head(buf, 2, 9, KV_ENC_F16, 2, 2), sizeof g_result);
+    ASSERT_EQ(kv_msg_result_head(buf, 3, 9, KV_ENC_F16, 2, 2), sizeof g_result);
     kv_msg_rows_put(buf + KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED, KV_ENC_F16, y, 4);
     check_bytes(buf, sizeof g_result, g_result, sizeof g_result, "streamed RESULT");
     /* ERROR ENOTFOUND "abc" */
@@ -650,7 +756,7 @@ static void test_golden(void) {
     ASSERT_TRUE(st->uptime_ms == 6 && st->n_batches == 7 && st->n_merged == 8 && st->compute_us == 9);
     kv_msg_stats s2 = *st;
     ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 5, &s2, &n, &d), 0);
-    check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2");
+    check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2 layout (v3 header)");
     ASSERT_EQ(kv_msg_decode(g_stats_ack_v1, sizeof g_stats_ack_v1, NULL, &m, &d), 0);
     ASSERT_TRUE(m.u.stats.uptime_ms == 6 && m.u.stats.n_batches == 0);
     ASSERT_EQ(kv_msg_stats_ack_encode_v(buf, sizeof buf, 5, 1, &m.u.stats, &n, &d), 0);
@@ -664,7 +770,7 @@ static void test_golden(void) {
     ASSERT_EQ(dec(buf, sizeof g_stats_ack_v1, NULL), KV_EPROTO);
     /* an unknown ack version */
     memcpy(buf, g_ack, sizeof g_ack);
-    buf[4] = 3, buf[16] = 3;
+    buf[4] = 4, buf[16] = 4;
     ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_EUNSUPPORTED);
     /* v2 fields bounded: max_pairs 0, a slab outside the ranges */
     memcpy(buf, g_ack, sizeof g_ack);
@@ -682,7 +788,7 @@ static void test_golden(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_header),           KVT_CASE(test_hello),     KVT_CASE(test_hello_ack),
     KVT_CASE(test_compute_result),   KVT_CASE(test_error_ping_stats), KVT_CASE(test_enc_names),
-    KVT_CASE(test_stream),           KVT_CASE(test_golden),
+    KVT_CASE(test_stream),           KVT_CASE(test_golden),    KVT_CASE(test_auth_frames),
 };
 
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

@@ -40,6 +40,7 @@
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "test_auth_support.h"
 
 #define N_GEN 14
 #define N_PROMPT 9
@@ -107,7 +108,8 @@ static bool start_worker(proc *p) {
         FILE *g = freopen("/dev/null", "w", stdout);
         (void)f;
         (void)g;
-        execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", (char *)NULL);
+        execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", "--allow-key",
+              kvt_coord_hex(), (char *)NULL);
         _exit(127);
     }
     p->pid = pid;
@@ -150,7 +152,8 @@ static bool worker_stats(const proc *p, const char *model_id, kv_msg_stats *out)
     kv_frame_rx_init(&rx, buf, sizeof buf);
     kv_msg m;
     bool ok = !kv_msg_hello_encode(buf, sizeof buf, 1, &h, &n, NULL) && !kv_proto_write_all(fd, buf, n, 1000, NULL) &&
-              !kv_proto_read_msg(&rx, fd, 1000, NULL, &m, NULL) && m.h.type == KV_MSG_HELLO_ACK;
+              !kv_proto_read_msg(&rx, fd, 1000, NULL, &m, NULL) && m.h.type == KV_MSG_HELLO_ACK &&
+              !kvt_auth(fd, &rx, buf, sizeof buf, model_id, m.u.ack.version, NULL);
     kv_frame_rx_reset(&rx);
     ok = ok && !kv_msg_stats_encode(buf, sizeof buf, 2, &n, NULL) && !kv_proto_write_all(fd, buf, n, 1000, NULL) &&
          !kv_proto_read_msg(&rx, fd, 1000, NULL, &m, NULL) && m.h.type == KV_MSG_STATS_ACK;
@@ -228,6 +231,17 @@ static void liar_lie(liar *L, int fd, int mode, const kv_msg *m) {
     atomic_fetch_add(&L->n_lies, 1);
 }
 
+/* The fake worker's key. */
+static const uint8_t *kvt_liar_sk(void) {
+    static uint8_t pk[32], sk[64];
+    static int init;
+    if (!init) {
+        kvt_key(20, pk, sk);
+        init = 1;
+    }
+    return sk;
+}
+
 static void *liar_main(void *arg) {
     liar *L = arg;
     static uint8_t buf[1 << 22];
@@ -251,8 +265,9 @@ static void *liar_main(void *arg) {
             size_t n;
             kv_frame_rx_reset(&rx);
             if (!kv_msg_hello_ack_encode(ack, sizeof ack, m.h.request_id, &a, &n, NULL) &&
-                !kv_proto_write_all(fd, ack, n, 1000, NULL) && !kv_proto_read_msg(&rx, fd, 5000, &lim, &m, NULL) &&
-                m.h.type == KV_MSG_COMPUTE)
+                !kv_proto_write_all(fd, ack, n, 1000, NULL) &&
+                !kvt_worker_auth(fd, &rx, L->model_id, KV_PROTO_VERSION, kvt_liar_sk(), NULL) &&
+                !kv_proto_read_msg(&rx, fd, 5000, &lim, &m, NULL) && m.h.type == KV_MSG_COMPUTE)
                 liar_lie(L, fd, L->mode >= 0 ? L->mode : conn % 6, &m);
         }
         sleep_ms(20); /* let the coordinator read it before the close */
@@ -328,7 +343,7 @@ static kv_gen_config g_cfg; /* the model's generator settings */
 static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest,
                                  uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
-    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false};
+    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }
@@ -776,6 +791,72 @@ static void test_coverage_and_local(void) {
     for (int i = 0; i < 2; i++) kill_worker(&w[i], SIGKILL);
 }
 
+/* The key a worker printed at start ("worker: key HEX" in its log). */
+static bool worker_key_of(const proc *p, uint8_t out[32]) {
+    char log[300], line[256];
+    snprintf(log, sizeof log, "%s/worker-%u.log", g_dir, p->port);
+    for (int t = 0; t < 100; t++) {
+        FILE *f = fopen(log, "r");
+        bool ok = false;
+        while (f && fgets(line, sizeof line, f))
+            if (!strncmp(line, "worker: key ", 12)) {
+                line[12 + 64] = 0;
+                ok = kv_key_from_hex(line + 12, out, NULL) == 0;
+            }
+        if (f) fclose(f);
+        if (ok) return true;
+        sleep_ms(20);
+    }
+    return false;
+}
+
+/* Mutual authentication: with the keys the workers announced the decode
+ * is exact and each worker's proved key is reported; a worker expected
+ * under another key (a listing that names someone else) is refused before
+ * use, and so is a coordinator key the workers do not allow. */
+static void test_mutual_keys(void) {
+    proc w[3];
+    uint8_t keys[3][32];
+    for (int i = 0; i < 3; i++) {
+        ASSERT_TRUE(new_worker(&w[i], g_group[i]));
+        ASSERT_TRUE(worker_key_of(&w[i], keys[i]));
+    }
+    const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+    kv_diag d = {0};
+    kv_remote *r = NULL;
+    kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
+                        (const uint8_t(*)[32])keys};
+    ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), 0);
+    if (r) {
+        check_exact(r, NULL, NULL, "workers under the keys they are listed with");
+        for (uint32_t i = 0; i < 3; i++) {
+            kv_remote_worker wi;
+            kv_remote_worker_info(r, i, &wi);
+            ASSERT_TRUE(wi.up && !memcmp(wi.key, keys[i], 32));
+        }
+    }
+    kv_remote_free(r);
+    uint8_t wrong[3][32];
+    memcpy(wrong, keys, sizeof wrong);
+    memcpy(wrong[0], keys[1], 32); /* worker 0 listed under worker 1's key */
+    o.worker_keys = (const uint8_t(*)[32])wrong;
+    r = NULL;
+    ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), KV_ENOTFOUND);
+    ASSERT_TRUE(r == NULL && strstr(d.msg, "another key than the one it is listed with"));
+    printf("  expected error: %.300s\n", d.msg);
+    /* a coordinator key nobody allows */
+    uint8_t spk[32], ssk[64];
+    kvt_key(33, spk, ssk);
+    o.worker_keys = NULL;
+    o.key_sk = ssk;
+    ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), KV_ENOTFOUND);
+    ASSERT_TRUE(r == NULL && strstr(d.msg, "EAUTH"));
+    /* no key at all: refused at once */
+    o.key_sk = NULL;
+    ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), KV_EINVAL);
+    for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
 static void test_wire(void) {
     proc w[3];
     for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], g_group[i]));
@@ -890,7 +971,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_disjoint),       KVT_CASE(test_replicas),       KVT_CASE(test_no_replica_dies),
     KVT_CASE(test_no_replica_back), KVT_CASE(test_liar),          KVT_CASE(test_liar_nonfinite),
     KVT_CASE(test_stall_backoff),  KVT_CASE(test_other_weights),  KVT_CASE(test_coverage_and_local),
-    KVT_CASE(test_wire),
+    KVT_CASE(test_wire),           KVT_CASE(test_mutual_keys),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

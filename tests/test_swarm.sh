@@ -42,8 +42,11 @@ PROMPT="The swarm holds every expert twice"
 RUN=(-p "$PROMPT" -n 8 --temp 0 --json --threads 1)
 "$KV" run -m "$dir/m.gguf" "${RUN[@]}" --logits-out "$dir/local.bin" >"$dir/local.json"
 
+# the hub vouches for the coordinator key of $dir/coord (operator-approved)
+mkdir -p "$dir/coord"
+CPK=$("$KV" key --key "$dir/coord/coordinator.key")
 "$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms 1500 \
-  --challenge-every 3 --quiet >"$dir/hub.out" 2>"$dir/hub.err" &
+  --challenge-every 3 --vouch-key "$CPK" --quiet >"$dir/hub.out" 2>"$dir/hub.err" &
 pids+=($!)
 url=
 for _ in $(seq 300); do
@@ -132,6 +135,15 @@ same_as_local() { # NAME: the run's tokens and logits equal the local run's
 same_as_local hub1
 [ ! -e "$dir/coord/pieces/experts" ] || fail "the coordinator downloaded slabs"
 echo "ok: run --hub equals the local run ($(jq '.dispatch.workers | length' "$dir/hub1.json") workers)"
+# a coordinator key the hub does not vouch for: a warning, and no node serves it
+set +e
+"$KV" run --hub "$url" --data "$dir/coord" --key "$dir/stranger.key" "${RUN[@]}" >"$dir/stranger.json" 2>"$dir/stranger.err"
+rc=$?
+set -e
+[ "$rc" = 2 ] || fail "unvouched coordinator: exit $rc, want 2"
+grep -q "does not vouch for coordinator key" "$dir/stranger.err" || fail "no voucher warning: $(cat "$dir/stranger.err")"
+[ ! -s "$dir/stranger.json" ] || fail "unvouched coordinator got output"
+echo "ok: a coordinator the hub does not vouch for is refused by every node"
 "$KV" bench --hub "$url" --data "$dir/coord" -p 8 -n 4 --reps 1 --threads 1 --json >"$dir/bench.json" 2>"$dir/bench.err" ||
   fail "bench --hub failed"
 jq -e '.decode_tok_s > 0' "$dir/bench.json" >/dev/null || fail "bench --hub: $(cat "$dir/bench.json")"

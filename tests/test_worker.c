@@ -24,9 +24,11 @@
 
 #include "kvasir/dispatch.h"
 #include "kvasir/gguf.h"
+#include "kvasir/hub.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
+#include "test_auth_support.h"
 
 #define N_LAYER 3
 #define N_EMBD 256
@@ -76,7 +78,8 @@ static int worker_start(proc *p, const char *tag, const char *args) {
         dup2(e, 2);
         close(pfd[0]);
         char cmd[4096];
-        snprintf(cmd, sizeof cmd, "exec %s worker %s --listen 127.0.0.1:0", g_bin, args);
+        snprintf(cmd, sizeof cmd, "exec %s worker %s --allow-key %s --listen 127.0.0.1:0", g_bin, args,
+                 kvt_coord_hex());
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
     }
@@ -123,6 +126,7 @@ typedef struct client {
     uint8_t *buf; /* rx */
     kv_frame_rx rx;
     uint8_t *tx;
+    uint8_t *ackbuf; /* the last HELLO_ACK, kept while later frames are read */
     uint32_t next_id;
 } client;
 
@@ -131,6 +135,7 @@ static int client_open(client *c, const char *addr) {
     memset(c, 0, sizeof *c);
     c->buf = malloc(8u << 20);
     c->tx = malloc(8u << 20);
+    c->ackbuf = malloc(1u << 20);
     kv_frame_rx_init(&c->rx, c->buf, 8u << 20);
     c->next_id = 1;
     int rc = kv_proto_connect(addr, 2000, &c->fd, &d);
@@ -142,6 +147,7 @@ static void client_close(client *c) {
     if (c->fd > 0) close(c->fd);
     free(c->buf);
     free(c->tx);
+    free(c->ackbuf);
     c->fd = -1;
 }
 
@@ -194,6 +200,13 @@ static void hello(client *c, const char *model_id, kv_msg *ack) {
     ASSERT_EQ(client_send(c, c->tx, n), 0);
     ASSERT_EQ(client_recv(c, ack, &d), 0);
     ASSERT_EQ(ack->h.type, KV_MSG_HELLO_ACK);
+    if (ack->h.type != KV_MSG_HELLO_ACK || c->rx.need > (1u << 20)) return;
+    /* keep the ack readable, then prove the test coordinator's key */
+    const size_t fl = c->rx.need;
+    memcpy(c->ackbuf, c->buf, fl);
+    ASSERT_EQ(kv_msg_decode(c->ackbuf, fl, NULL, ack, &d), 0);
+    const int rc = kvt_auth(c->fd, &c->rx, c->tx, 8u << 20, model_id, ack->u.ack.version, &d);
+    if (rc) KVT_FAIL("authentication: %s", d.msg);
 }
 
 /* ---- reference -------------------------------------------------------------- */
@@ -341,7 +354,8 @@ static bool hello_rt(client *c, const char *model_id) {
     size_t n;
     memcpy(h.model_id, model_id, 65);
     return !kv_msg_hello_encode(c->tx, 8u << 20, c->next_id++, &h, &n, &d) && !client_send(c, c->tx, n) &&
-           !client_recv(c, &m, &d) && m.h.type == KV_MSG_HELLO_ACK;
+           !client_recv(c, &m, &d) && m.h.type == KV_MSG_HELLO_ACK &&
+           !kvt_auth(c->fd, &c->rx, c->tx, 8u << 20, model_id, m.u.ack.version, &d);
 }
 
 static void get_stats(client *c, kv_msg_stats *out) {
@@ -379,20 +393,26 @@ static void make_models(void) {
 /* Bad inputs at startup: no slabs, mixed models, a bad address. */
 static void test_startup_errors(void) {
     proc p;
-    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl2/experts/blk.1.0000-0007.gguf "
+    ASSERT_EQ(sh("timeout 20 %s worker --allow-key %s --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl2/experts/blk.1.0000-0007.gguf "
                  "--listen 127.0.0.1:0 >/dev/null 2>%s/mixed.err",
-                 g_bin, g_dir, g_dir, g_dir),
+                 g_bin, kvt_coord_hex(), g_dir, g_dir, g_dir),
               2);
     ASSERT_EQ(sh("grep -q 'comes from model' %s/mixed.err", g_dir), 0);
-    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/nope --listen 127.0.0.1:0 >/dev/null 2>&1", g_bin, g_dir), 2);
-    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl --listen 127.0.0.1 >/dev/null 2>&1", g_bin, g_dir), 2);
-    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl >/dev/null 2>&1", g_bin, g_dir), 1);
-    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl --listen 127.0.0.1:0 --threads 0 >/dev/null 2>&1", g_bin, g_dir), 1);
+    ASSERT_EQ(sh("timeout 20 %s worker --allow-key %s --slabs %s/nope --listen 127.0.0.1:0 >/dev/null 2>&1", g_bin, kvt_coord_hex(), g_dir), 2);
+    ASSERT_EQ(sh("timeout 20 %s worker --allow-key %s --slabs %s/sl --listen 127.0.0.1 >/dev/null 2>&1", g_bin, kvt_coord_hex(), g_dir), 2);
+    ASSERT_EQ(sh("timeout 20 %s worker --allow-key %s --slabs %s/sl >/dev/null 2>&1", g_bin, kvt_coord_hex(), g_dir), 1);
+    ASSERT_EQ(sh("timeout 20 %s worker --allow-key %s --slabs %s/sl --listen 127.0.0.1:0 --threads 0 >/dev/null 2>&1", g_bin, kvt_coord_hex(), g_dir), 1);
     /* the same file twice: an expert in two files */
-    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl/experts/blk.0.0000-0003.gguf "
+    ASSERT_EQ(sh("timeout 20 %s worker --allow-key %s --slabs %s/sl/experts/blk.0.0000-0003.gguf,%s/sl/experts/blk.0.0000-0003.gguf "
                  "--listen 127.0.0.1:0 >/dev/null 2>&1",
-                 g_bin, g_dir, g_dir),
+                 g_bin, kvt_coord_hex(), g_dir, g_dir),
               2);
+    /* no coordinator could use it: a usage error, not a worker serving nobody */
+    ASSERT_EQ(sh("timeout 20 %s worker --slabs %s/sl --listen 127.0.0.1:0 >/dev/null 2>%s/noauth.err", g_bin, g_dir,
+                 g_dir), 1);
+    ASSERT_EQ(sh("grep -q 'needs --allow-key or --hub-key' %s/noauth.err", g_dir), 0);
+    ASSERT_EQ(sh("timeout 20 %s worker --allow-key 1234 --slabs %s/sl --listen 127.0.0.1:0 >/dev/null 2>&1", g_bin,
+                 g_dir), 1);
     (void)p;
 }
 
@@ -581,7 +601,7 @@ static void test_serving(void) {
     client_close(&b);
     ASSERT_EQ(client_open(&b, p.addr), 0);
     {
-        kv_msg_hello h = {1, 1, "", 1};
+        kv_msg_hello h = {1, KV_PROTO_VERSION, "", 1};
         memcpy(h.model_id, g_model_id, 65);
         h.model_id[0] = h.model_id[0] == 'a' ? 'b' : 'a';
         ASSERT_EQ(kv_msg_hello_encode(b.tx, 1 << 20, 1, &h, &n, &d), 0);
@@ -677,7 +697,7 @@ static void test_serving(void) {
         for (int t = 0; t < 50 && !ok; t++) {
             usleep(50000);
             ASSERT_EQ(client_open(&b, p.addr), 0);
-            kv_msg_hello h = {1, 1, "", 1};
+            kv_msg_hello h = {1, KV_PROTO_VERSION, "", 1};
             memcpy(h.model_id, g_model_id, 65);
             kv_msg m;
             if (!kv_msg_hello_encode(b.tx, 1 << 20, 1, &h, &n, &d) && !client_send(&b, b.tx, n) &&
@@ -1103,28 +1123,17 @@ static void test_leaks_and_versions(void) {
         ASSERT_EQ(leaked, 0);
     }
     client_close(&b);
-    /* v1: v1 layout and header version 1 on every answer */
-    ASSERT_EQ(client_open(&b, p.addr), 0);
-    {
-        kv_msg_hello h = {1, 1, "", 1};
+    /* v1 and v2 coordinators cannot authenticate: refused before anything else */
+    for (uint16_t v = 1; v <= 2; v++) {
+        ASSERT_EQ(client_open(&b, p.addr), 0);
+        kv_msg_hello h = {1, v, "", 1};
         memcpy(h.model_id, g_model_id, 65);
         ASSERT_EQ(kv_msg_hello_encode(b.tx, 1 << 20, 1, &h, &n, &d), 0);
         ASSERT_EQ(client_send(&b, b.tx, n), 0);
-        ASSERT_EQ(client_recv(&b, &m, &d), 0);
-        ASSERT_TRUE(m.h.type == KV_MSG_HELLO_ACK && m.h.version == 1 && m.u.ack.version == 1 && m.u.ack.n_slabs == 0);
-        ASSERT_EQ(kv_msg_ping_encode(b.tx, 1 << 20, KV_MSG_PING, 2, 5, &n, &d), 0);
-        kv_frame_set_version(b.tx, 1);
-        ASSERT_EQ(client_send(&b, b.tx, n), 0);
-        ASSERT_EQ(client_recv(&b, &m, &d), 0);
-        ASSERT_TRUE(m.h.type == KV_MSG_PONG && m.h.version == 1);
-        ASSERT_EQ(kv_msg_stats_encode(b.tx, 1 << 20, 3, &n, &d), 0);
-        kv_frame_set_version(b.tx, 1);
-        ASSERT_EQ(client_send(&b, b.tx, n), 0);
-        ASSERT_EQ(client_recv(&b, &m, &d), 0);
-        ASSERT_TRUE(m.h.type == KV_MSG_STATS_ACK && m.h.version == 1 && m.h.len == KV_PROTO_STATS_ACK_SIZE);
+        expect_error(&b, KV_EUNSUPPORTED, true, v == 1 ? "a v1 coordinator" : "a v2 coordinator");
+        client_close(&b);
     }
-    client_close(&b);
-    /* v2: one slab entry per file, with the file's SHA-256 */
+    /* v3: one slab entry per file, with the file's SHA-256 */
     ASSERT_EQ(client_open(&b, p.addr), 0);
     hello(&b, g_model_id, &m);
     ASSERT_EQ(m.u.ack.n_slabs, N_LAYER * 2); /* slabs of 4 experts */
@@ -1140,6 +1149,175 @@ static void test_leaks_and_versions(void) {
         ASSERT_STREQ(got, want);
     }
     client_close(&b);
+    ASSERT_EQ(worker_stop(&p), 0);
+}
+
+/* Sends HELLO on a fresh connection to p and reads the ACK (kept in
+ * c->ackbuf). */
+static void hello_only(client *c, const proc *p, kv_msg *ack) {
+    kv_diag d = {0};
+    size_t n;
+    ASSERT_EQ(client_open(c, p->addr), 0);
+    kv_msg_hello h = {1, KV_PROTO_VERSION, "", 1};
+    memcpy(h.model_id, g_model_id, 65);
+    ASSERT_EQ(kv_msg_hello_encode(c->tx, 1 << 20, 1, &h, &n, &d), 0);
+    ASSERT_EQ(client_send(c, c->tx, n), 0);
+    ASSERT_EQ(client_recv(c, ack, &d), 0);
+    ASSERT_EQ(ack->h.type, KV_MSG_HELLO_ACK);
+}
+
+/* Reads AUTH_CHALLENGE after hello_only. */
+static void read_challenge(client *c, kv_msg_auth_challenge *ch) {
+    kv_diag d = {0};
+    kv_msg m;
+    ASSERT_EQ(client_recv(c, &m, &d), 0);
+    ASSERT_EQ(m.h.type, KV_MSG_AUTH_CHALLENGE);
+    if (m.h.type == KV_MSG_AUTH_CHALLENGE) *ch = m.u.challenge;
+}
+
+/* Sends an AUTH and expects ERROR EAUTH and the close. */
+static void auth_refused(client *c, const kv_msg_auth *a, const char *what) {
+    kv_diag d = {0};
+    size_t n;
+    ASSERT_EQ(kv_msg_auth_encode(c->tx, 1 << 20, 2, a, &n, &d), 0);
+    kv_frame_set_version(c->tx, KV_PROTO_VERSION);
+    ASSERT_EQ(client_send(c, c->tx, n), 0);
+    expect_error(c, KV_EAUTH, true, what);
+}
+
+/* A coordinator's AUTH over challenge ch, signed by sk. */
+static kv_msg_auth make_auth(const kv_msg_auth_challenge *ch, const uint8_t sk[64]) {
+    kv_msg_auth a = {0};
+    memcpy(a.key, sk + 32, 32);
+    randombytes_buf(a.nonce, 32);
+    uint8_t dg[32];
+    kv_dispatch_digest('C', g_model_id, KV_PROTO_VERSION, ch->worker_key, ch->challenge, a.key, a.nonce, dg);
+    kv_dispatch_sign(sk, dg, a.sig);
+    return a;
+}
+
+/* Authenticated dispatch against a raw socket client: nothing is computed
+ * or told before AUTH (COMPUTE, STATS, PING right after HELLO: EAUTH and
+ * close); a forged signature, an unknown key, an AUTH replayed from another
+ * connection (another challenge), a voucher of another hub, an expired one
+ * or one made out for another key: EAUTH and close. A key listed with
+ * --allow-key and a key with a valid voucher of the --hub-key hub are
+ * served, and the worker's AUTH_OK proves the key it announced. */
+static void test_auth(void) {
+    uint8_t hub_pk[32], hub_sk[64], other_pk[32], other_sk[64], x_pk[32], x_sk[64];
+    kvt_key(9, hub_pk, hub_sk);     /* the hub the worker trusts */
+    kvt_key(10, other_pk, other_sk); /* a coordinator nobody lists */
+    kvt_key(11, x_pk, x_sk);         /* another hub */
+    char hub_hex[65];
+    kv_hex(hub_pk, 32, hub_hex);
+    proc p;
+    char args[512];
+    snprintf(args, sizeof args, "--slabs %s/sl --threads 1 --hub-key %s", g_dir, hub_hex);
+    if (worker_start(&p, "auth", args)) {
+        KVT_FAIL("worker did not start");
+        return;
+    }
+    kv_diag d = {0};
+    size_t n;
+    kv_msg ack, m;
+    client c, c2;
+    kv_msg_auth_challenge ch, ch2;
+    const kv_proto_pair pr[2] = {{0, 1}, {1, 2}};
+    float x[2 * N_EMBD] = {0};
+    const kv_msg_compute cm = {0, KV_ENC_F32, KV_ENC_F32, 2, N_EMBD, 2, x, pr, NULL, NULL};
+
+    /* COMPUTE / STATS / PING before AUTH */
+    const int kinds[3] = {KV_MSG_COMPUTE, KV_MSG_STATS, KV_MSG_PING};
+    for (int k = 0; k < 3; k++) {
+        hello_only(&c, &p, &ack);
+        read_challenge(&c, &ch);
+        if (kinds[k] == KV_MSG_COMPUTE) ASSERT_EQ(kv_msg_compute_encode(c.tx, 1 << 20, 5, &cm, &n, &d), 0);
+        else if (kinds[k] == KV_MSG_STATS) ASSERT_EQ(kv_msg_stats_encode(c.tx, 1 << 20, 5, &n, &d), 0);
+        else ASSERT_EQ(kv_msg_ping_encode(c.tx, 1 << 20, KV_MSG_PING, 5, 1, &n, &d), 0);
+        kv_frame_set_version(c.tx, KV_PROTO_VERSION);
+        ASSERT_EQ(client_send(&c, c.tx, n), 0);
+        expect_error(&c, KV_EAUTH, true, kv_msg_type_name((uint32_t)kinds[k]));
+        client_close(&c);
+    }
+    /* a forged signature: the test key, one bit of the signature flipped */
+    hello_only(&c, &p, &ack);
+    read_challenge(&c, &ch);
+    kv_msg_auth a = make_auth(&ch, kvt_coord_sk());
+    a.sig[17] ^= 0x04;
+    auth_refused(&c, &a, "forged signature");
+    client_close(&c);
+    /* a key the worker does not list, no voucher */
+    hello_only(&c, &p, &ack);
+    read_challenge(&c, &ch);
+    a = make_auth(&ch, other_sk);
+    auth_refused(&c, &a, "unknown key");
+    client_close(&c);
+    /* replay: a valid AUTH of connection 1 sent on connection 2 */
+    hello_only(&c, &p, &ack);
+    read_challenge(&c, &ch);
+    hello_only(&c2, &p, &ack);
+    read_challenge(&c2, &ch2);
+    ASSERT_TRUE(memcmp(ch.challenge, ch2.challenge, 32) != 0);
+    a = make_auth(&ch, kvt_coord_sk());
+    auth_refused(&c2, &a, "AUTH replayed from another connection");
+    client_close(&c2);
+    /* ... and on its own connection it is good: AUTH_OK, then compute */
+    ASSERT_EQ(kv_msg_auth_encode(c.tx, 1 << 20, 2, &a, &n, &d), 0);
+    ASSERT_EQ(client_send(&c, c.tx, n), 0);
+    ASSERT_EQ(client_recv(&c, &m, &d), 0);
+    ASSERT_EQ(m.h.type, KV_MSG_AUTH_OK);
+    if (m.h.type == KV_MSG_AUTH_OK) {
+        uint8_t dg[32];
+        kv_dispatch_digest('W', g_model_id, KV_PROTO_VERSION, ch.worker_key, ch.challenge, a.key, a.nonce, dg);
+        ASSERT_EQ(kv_dispatch_verify(ch.worker_key, dg, m.u.auth_ok), 0);
+        /* the worker's signature does not pass for the coordinator's role */
+        kv_dispatch_digest('C', g_model_id, KV_PROTO_VERSION, ch.worker_key, ch.challenge, a.key, a.nonce, dg);
+        ASSERT_EQ(kv_dispatch_verify(ch.worker_key, dg, m.u.auth_ok), KV_EAUTH);
+    }
+    good_step(&c, "after AUTH");
+    /* a second AUTH on an authenticated connection is a protocol error */
+    ASSERT_EQ(kv_msg_auth_encode(c.tx, 1 << 20, 3, &a, &n, &d), 0);
+    ASSERT_EQ(client_send(&c, c.tx, n), 0);
+    expect_error(&c, KV_EPROTO, true, "second AUTH");
+    client_close(&c);
+    /* vouchers: the trusted hub's (good), another hub's, expired, another key's */
+    struct {
+        const uint8_t *signer;
+        int64_t ttl_ms;
+        const uint8_t *for_key;
+        const char *what;
+        bool ok;
+    } vc[4] = {{hub_sk, 60000, other_pk, "valid voucher", true},
+               {x_sk, 60000, other_pk, "voucher of another hub", false},
+               {hub_sk, -1000, other_pk, "expired voucher", false},
+               {hub_sk, 60000, x_pk, "voucher for another key", false}};
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    const int64_t wall = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    for (int i = 0; i < 4; i++) {
+        kv_voucher v = {{0}, (uint64_t)(wall + vc[i].ttl_ms), {0}};
+        memcpy(v.key, vc[i].for_key, 32);
+        uint8_t dg[32];
+        kv_voucher_digest(g_model_id, v.key, v.expires_ms, dg);
+        kv_dispatch_sign(vc[i].signer, dg, v.sig);
+        hello_only(&c, &p, &ack);
+        int code = 0;
+        const int rc = kvt_auth_v(c.fd, &c.rx, c.tx, 1 << 20, g_model_id, KV_PROTO_VERSION, other_sk, &v, NULL, &code, &d);
+        kvt_checks++;
+        if (vc[i].ok && rc) KVT_FAIL("%s refused: %s", vc[i].what, d.msg);
+        if (!vc[i].ok && (rc != KV_EAUTH || code != KV_EAUTH)) KVT_FAIL("%s: rc %d code %d, want EAUTH", vc[i].what, rc, code);
+        if (vc[i].ok && !rc) good_step(&c, "with a hub voucher");
+        if (!vc[i].ok) ASSERT_TRUE(closed_by_peer(&c));
+        client_close(&c);
+    }
+    /* nothing refused was computed: the worker served exactly the 2 good steps */
+    ASSERT_EQ(client_open(&c, p.addr), 0);
+    hello(&c, g_model_id, &m);
+    kv_msg_stats st;
+    get_stats(&c, &st);
+    ASSERT_EQ(st.n_pairs, 12);
+    ASSERT_EQ(st.n_compute, 2);
+    client_close(&c);
     ASSERT_EQ(worker_stop(&p), 0);
 }
 
@@ -1253,6 +1431,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_memory_budget),
     KVT_CASE(test_fairness_and_cost_cap),
     KVT_CASE(test_leaks_and_versions),
+    KVT_CASE(test_auth),
     KVT_CASE(test_bench_amortization),
 };
 

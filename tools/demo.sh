@@ -33,11 +33,14 @@ mkdir -p "$dir/coord"
 cp "$dir/sl/backbone.gguf" "$dir/sl/manifest.json" "$dir/coord/" # the coordinator gets no slab
 wpids=()
 trap 'for p in "${wpids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$dir"' EXIT
+echo "== kvasir key: the coordinator's key, the only one the workers will serve"
+ckey=$("$KV" key --key "$dir/coord.key")
+echo "   $ckey"
 echo "== kvasir worker x3 on 127.0.0.1, each holding a third of every layer's experts"
 waddr=()
 for g in 0 1 2; do
   slabs=$(for l in 0 1 2 3; do ls "$dir/sl/experts/blk.$l."*.gguf | sed -n "$((g + 1))p"; done | paste -sd, -)
-  "$KV" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet >"$dir/w$g.out" 2>"$dir/w$g.err" &
+  "$KV" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$ckey" >"$dir/w$g.out" 2>"$dir/w$g.err" &
   wpids+=($!)
   for _ in $(seq 200); do grep -q '^listening on' "$dir/w$g.out" && break; sleep 0.02; done
   waddr+=(--worker "$(sed -n 's/^listening on //p' "$dir/w$g.out")")
@@ -45,7 +48,7 @@ for g in 0 1 2; do
 done
 prompt="The expert slabs travel across the swarm"
 echo "== kvasir run -m coord/manifest.json --worker x3 (greedy, 32 tokens)"
-"$KV" run -m "$dir/coord/manifest.json" "${waddr[@]}" -p "$prompt" -n 32 --temp 0 --verbose \
+"$KV" run -m "$dir/coord/manifest.json" "${waddr[@]}" --key "$dir/coord.key" -p "$prompt" -n 32 --temp 0 --verbose \
   --logits-out "$dir/remote.bin" >"$dir/remote.txt" 2>"$dir/remote.err"
 cat "$dir/remote.txt"
 grep -E '^kvasir run: (dispatch|worker)' "$dir/remote.err" | sed 's/^kvasir run: /   /'

@@ -33,9 +33,10 @@
 #include "kvasir/pool.h"
 
 #define KV_PROTO_MAGIC 0x3144564Bu /* "KVD1" little-endian */
-#define KV_PROTO_VERSION 2u        /* the newest version this build speaks */
-#define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build decodes (a worker
-                                      answers v1 peers; coordinators require v2) */
+#define KV_PROTO_VERSION 3u        /* the newest version this build speaks */
+#define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build decodes */
+#define KV_PROTO_AUTH_VERSION 3u   /* the first version with authenticated dispatch: workers
+                                      and coordinators of this build require it */
 #define KV_PROTO_HEADER 16u
 #define KV_PROTO_MAX_PAYLOAD (256u << 20) /* bytes in one frame's payload */
 #define KV_PROTO_MAX_FRAME (KV_PROTO_HEADER + KV_PROTO_MAX_PAYLOAD)
@@ -61,6 +62,10 @@
 #define KV_PROTO_PING_SIZE 8u            /* u64 nonce (PING and PONG) */
 #define KV_PROTO_STATS_ACK_SIZE 48u      /* v1: six u64 counters */
 #define KV_PROTO_STATS_ACK_SIZE_V2 72u   /* v2: nine u64 counters */
+#define KV_PROTO_AUTH_CHALLENGE_SIZE 64u /* v3: u8[32] worker key, u8[32] challenge */
+#define KV_PROTO_AUTH_SIZE 204u          /* v3: key, nonce, sig, u32 flags, u64 expiry, voucher sig */
+#define KV_PROTO_AUTH_OK_SIZE 64u        /* v3: the worker's signature */
+#define KV_PROTO_AUTH_VOUCHER 1u               /* AUTH flags bit 0: a hub voucher is attached */
 /* The largest magnitude an expert output may have on the wire: a RESULT
  * with a NaN, an infinity or |y| above this is a lie (see PROTOCOL.md). */
 #define KV_PROTO_MAX_ABS_OUTPUT 1e12f
@@ -75,18 +80,22 @@ enum kv_msg_type {
     KV_MSG_PONG = 7,      /* answer to PING: the same nonce */
     KV_MSG_STATS = 8,     /* coordinator -> worker: empty; asks for counters */
     KV_MSG_STATS_ACK = 9, /* worker -> coordinator: counters */
+    KV_MSG_AUTH_CHALLENGE = 10, /* v3 worker -> coordinator: its key and a fresh challenge */
+    KV_MSG_AUTH = 11,     /* v3 coordinator -> worker: key, signature, optional hub voucher */
+    KV_MSG_AUTH_OK = 12,  /* v3 worker -> coordinator: its signature over the same transcript */
     KV_MSG_TYPE_COUNT
 };
 _Static_assert(KV_MSG_HELLO == 1 && KV_MSG_HELLO_ACK == 2 && KV_MSG_COMPUTE == 3 &&
                    KV_MSG_RESULT == 4 && KV_MSG_ERROR == 5 && KV_MSG_PING == 6 &&
-                   KV_MSG_PONG == 7 && KV_MSG_STATS == 8 && KV_MSG_STATS_ACK == 9,
+                   KV_MSG_PONG == 7 && KV_MSG_STATS == 8 && KV_MSG_STATS_ACK == 9 &&
+                   KV_MSG_AUTH_CHALLENGE == 10 && KV_MSG_AUTH == 11 && KV_MSG_AUTH_OK == 12,
                "wire message types never change");
 
 /* Error codes carried by ERROR frames are the KV_E* numbers of err.h. */
 _Static_assert(KV_EINVAL == -1 && KV_ENOMEM == -2 && KV_EIO == -3 && KV_EFORMAT == -4 &&
                    KV_EUNSUPPORTED == -5 && KV_ERANGE == -6 && KV_ENOTFOUND == -7 &&
                    KV_EPROTO == -8 && KV_ETIMEOUT == -9 && KV_EHASH == -10 &&
-                   KV_ECTXFULL == -11 && KV_EINTERNAL == -12,
+                   KV_ECTXFULL == -11 && KV_EINTERNAL == -12 && KV_EAUTH == -13,
                "wire error codes never change");
 
 /* Encodings of hidden states / outputs on the wire. */
@@ -188,6 +197,31 @@ typedef struct kv_msg_stats {
     uint64_t compute_us; /* microseconds spent in kernel calls */
 } kv_msg_stats;
 
+/* v3 AUTH_CHALLENGE: sent by the worker right after its HELLO_ACK. */
+typedef struct kv_msg_auth_challenge {
+    uint8_t worker_key[32]; /* the worker's Ed25519 public key */
+    uint8_t challenge[32];  /* random, fresh for this connection */
+} kv_msg_auth_challenge;
+
+/* v3 AUTH: the coordinator proves its key over this connection's
+ * transcript (kv_dispatch_digest, role 'C') and may attach a hub voucher. */
+typedef struct kv_msg_auth {
+    uint8_t key[32];             /* the coordinator's Ed25519 public key */
+    uint8_t nonce[32];           /* random, fresh: the worker signs it back in AUTH_OK */
+    uint8_t sig[64];             /* over kv_dispatch_digest('C', ...) */
+    uint32_t flags;              /* KV_PROTO_AUTH_VOUCHER or 0; other bits reserved (0) */
+    uint64_t voucher_expires_ms; /* Unix ms; 0 without a voucher */
+    uint8_t voucher_sig[64];     /* hub's signature over kv_voucher_digest; zeros without */
+} kv_msg_auth;
+
+/* A hub voucher: the hub's statement that it vouches for a coordinator key
+ * for one model until a time (see docs/HUB.md, POST /v1/voucher). */
+typedef struct kv_voucher {
+    uint8_t key[32];     /* the coordinator key vouched for */
+    uint64_t expires_ms; /* Unix ms */
+    uint8_t sig[64];     /* by the hub's key over kv_voucher_digest(model, key, expires) */
+} kv_voucher;
+
 /* Limits a decoder checks besides the protocol maxima: the receiver's model
  * dims (0 = unknown, not checked). */
 typedef struct kv_proto_limits {
@@ -205,6 +239,9 @@ typedef struct kv_msg {
         kv_msg_error error;
         uint64_t nonce;         /* PING, PONG */
         kv_msg_stats stats;     /* STATS_ACK */
+        kv_msg_auth_challenge challenge; /* AUTH_CHALLENGE */
+        kv_msg_auth auth;       /* AUTH */
+        uint8_t auth_ok[64];    /* AUTH_OK: the worker's signature */
     } u;
 } kv_msg;
 
@@ -278,6 +315,44 @@ int kv_msg_stats_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id, const
                             size_t *n, kv_diag *d);
 int kv_msg_stats_ack_encode_v(uint8_t *buf, size_t cap, uint32_t request_id, uint16_t version,
                               const kv_msg_stats *m, size_t *n, kv_diag *d);
+
+/* v3 authentication frames (header stamped version 3). AUTH checks its
+ * flags (unknown bits, or voucher fields set without the flag: KV_EINVAL). */
+int kv_msg_auth_challenge_encode(uint8_t *buf, size_t cap, uint32_t request_id,
+                                 const kv_msg_auth_challenge *m, size_t *n, kv_diag *d);
+int kv_msg_auth_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_auth *m, size_t *n,
+                       kv_diag *d);
+int kv_msg_auth_ok_encode(uint8_t *buf, size_t cap, uint32_t request_id, const uint8_t sig[64], size_t *n,
+                          kv_diag *d);
+
+/* ---- authentication (src/dispatch/auth.c; libsodium Ed25519) ------------ */
+
+/* The transcript both ends sign on one connection: SHA-256 over
+ * "kvasir-dispatch-auth-v3\n", the role ('C' coordinator, 'W' worker), the
+ * model id (64 hex), the version (u16 LE), the worker's key, its challenge,
+ * the coordinator's key and its nonce. The challenge makes every
+ * connection's transcript different (an AUTH cannot be replayed on another
+ * connection); the worker key binds the coordinator's proof to the worker
+ * it meant (a worker cannot relay it to another); the role keeps the two
+ * signatures apart. Pure. */
+void kv_dispatch_digest(char role, const char model_id[KV_PROTO_MODEL_ID_LEN], uint16_t version,
+                    const uint8_t worker_key[32], const uint8_t challenge[32], const uint8_t coord_key[32],
+                    const uint8_t coord_nonce[32], uint8_t out[32]);
+/* The text a hub signs in a voucher: SHA-256 over "kvasir-voucher-v1\n",
+ * the model id, the coordinator key and expires_ms (u64 LE). Pure. */
+void kv_voucher_digest(const char model_id[KV_PROTO_MODEL_ID_LEN], const uint8_t key[32], uint64_t expires_ms,
+                       uint8_t out[32]);
+/* Ed25519 over a 32-byte digest with a libsodium secret key (seed || pk);
+ * verify: 0 or KV_EAUTH. Thread-safe. */
+void kv_dispatch_sign(const uint8_t sk[64], const uint8_t digest[32], uint8_t sig[64]);
+int kv_dispatch_verify(const uint8_t pk[32], const uint8_t digest[32], const uint8_t sig[64]);
+/* "64 lowercase hex digits" -> 32 bytes; KV_EINVAL otherwise. */
+int kv_key_from_hex(const char *hex, uint8_t out[32], kv_diag *d);
+/* Keys from --allow-key VALUE: 64 hex digits, or a file with one key per
+ * line ('#' comments and blank lines skipped; at most KV_PROTO_MAX_KEYS).
+ * Appends to *keys (realloc'd; caller frees) and *n. KV_EINVAL / KV_EIO. */
+#define KV_PROTO_MAX_KEYS 65536u
+int kv_key_list_add(const char *value, uint8_t (**keys)[32], size_t *n, kv_diag *d);
 
 /* ---- decoder ------------------------------------------------------------ */
 
@@ -380,6 +455,14 @@ typedef struct kv_worker_opts {
                               hash is announced as 32 zero bytes, which only a coordinator
                               whose manifest has no hash for it (and that allows sparse
                               pieces) accepts; off: every file is hashed */
+    /* Authenticated dispatch (v3): a coordinator is served only once it has
+     * proved a key in allow_keys, or one that the hub with hub_key vouches
+     * for. One of the two must be given. */
+    const uint8_t *key_sk;          /* [64] this worker's Ed25519 secret key (seed || pk); NULL =
+                                       a fresh random key for this process */
+    const uint8_t (*allow_keys)[32]; /* [n_allow_keys] coordinator keys served (copied) */
+    size_t n_allow_keys;
+    const uint8_t *hub_key;         /* [32] hub whose vouchers are honored, NULL = none */
 } kv_worker_opts;
 
 /* Opens the slabs (all from one model: same kvasir.source.id and dims;
@@ -399,6 +482,12 @@ size_t kv_worker_ranges(const kv_worker *w, const kv_held_range **out);
  * the number of connections. Returns 0 or KV_EIO. */
 int kv_worker_serve(kv_worker *w, kv_diag *d);
 void kv_worker_stop(kv_worker *w);
+/* The worker's public key (announced in AUTH_CHALLENGE). */
+const uint8_t *kv_worker_key(const kv_worker *w);
+/* Replaces the allowed keys and the hub key (hub_key NULL = keep the
+ * current one). Thread-safe (the node refreshes them while the worker
+ * serves); takes effect for handshakes that complete afterwards. KV_ENOMEM. */
+int kv_worker_set_auth(kv_worker *w, const uint8_t (*keys)[32], size_t n, const uint8_t *hub_key, kv_diag *d);
 /* Counters (thread-safe snapshot). */
 void kv_worker_stats(const kv_worker *w, kv_msg_stats *out);
 /* Bytes the connections buffer now and the most so far (thread-safe; NULL
@@ -433,6 +522,11 @@ typedef struct kv_remote_opts {
     FILE *log;                  /* one line per connect, drop, reconnect; NULL = silent */
     bool allow_sparse;          /* accept a sparse manifest (a sliced skeleton; pieces without
                                    hashes checked for size, header, identity) */
+    const uint8_t *key_sk;      /* [64] the coordinator's Ed25519 secret key (required) */
+    const kv_voucher *voucher;  /* a hub voucher for it, sent in AUTH; NULL = none */
+    const uint8_t (*worker_keys)[32]; /* [n_workers] key each worker must prove (mutual
+                                   authentication, e.g. from the hub's placement); NULL or an
+                                   all-zero entry: any key that signs the transcript */
 } kv_remote_opts;
 
 /* Opens the coordinator's side of a sliced model at manifest_path
@@ -476,6 +570,7 @@ typedef struct kv_remote_worker {
     uint64_t drops;             /* times dropped while up */
     uint64_t connects;          /* successful handshakes (1 + reconnects) */
     const char *last_error;     /* why it was last dropped or refused, "" if never */
+    const uint8_t *key;         /* [32] the key it proved at its last handshake (zeros before) */
 } kv_remote_worker;
 uint32_t kv_remote_n_workers(const kv_remote *r);
 void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out);

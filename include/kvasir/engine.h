@@ -41,6 +41,7 @@ typedef struct kv_engine kv_engine;
 typedef struct kv_session kv_session;
 struct kv_remote;
 struct kv_slices;
+struct kv_voucher;
 
 #define KV_ENGINE_MAX_SESSIONS 4096u
 #define KV_SESSION_MAX_STOP 16u
@@ -63,6 +64,10 @@ typedef struct kv_engine_opts {
     uint32_t worker_timeout_ms;  /* per-layer deadline before a worker is dropped; 0 = 10000 */
     uint32_t wire;               /* KV_ENC_* of hidden states to workers; 0 = F32 (exact) */
     FILE *log;                   /* worker connects and drops; NULL = silent */
+    /* authenticated dispatch (used at open only, with workers) */
+    const uint8_t *key_sk;       /* [64] the coordinator's Ed25519 secret key: required with workers */
+    const struct kv_voucher *voucher; /* a hub voucher for that key; NULL = none */
+    const uint8_t (*worker_keys)[32]; /* [n_workers] keys the workers must prove; NULL = any */
 } kv_engine_opts;
 
 /* Opens path: a GGUF file (experts in-process from it), or a sliced model

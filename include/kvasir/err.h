@@ -23,13 +23,14 @@
     X(ETIMEOUT,    -9,  "timed out")                         \
     X(EHASH,       -10, "hash mismatch")                     \
     X(ECTXFULL,    -11, "context full")                      \
-    X(EINTERNAL,   -12, "internal error")
+    X(EINTERNAL,   -12, "internal error")                    \
+    X(EAUTH,       -13, "not authorized")
 
 enum kv_err {
 #define KV_ERR_ENUM(name, val, str) KV_##name = (val),
     KV_ERR_MAP(KV_ERR_ENUM)
 #undef KV_ERR_ENUM
-    KV_ERR_COUNT = 13
+    KV_ERR_COUNT = 14
 };
 
 _Static_assert(KV_EPROTO == -8, "wire error codes never change");

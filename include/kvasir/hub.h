@@ -64,6 +64,11 @@ typedef struct kv_hub_opts {
     uint32_t challenge_ttl_ms; /* a challenge unanswered this long fails; 0 = 60000 */
     bool skip_verify;          /* check piece sizes only, not their SHA-256 */
     bool quiet;                /* no log lines on stderr */
+    /* coordinators the hub vouches for (POST /v1/voucher; docs/HUB.md) */
+    bool vouch_open;           /* any key that signs a voucher request (a test swarm) */
+    const uint8_t (*vouch_keys)[32]; /* [n_vouch_keys] operator-approved coordinator keys (copied) */
+    size_t n_vouch_keys;
+    uint32_t voucher_ttl_ms;   /* a voucher's lifetime; 0 = 3600000 (one hour) */
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256
@@ -80,6 +85,9 @@ int kv_hub_serve(kv_hub *h, kv_diag *d);
 void kv_hub_stop(kv_hub *h);
 /* Stops the server threads and closes the store; accepts NULL. */
 void kv_hub_free(kv_hub *h);
+/* The hub's own Ed25519 public key (signs vouchers; kept in the store as
+ * meta "hub_key_seed", so every hub process on one store shares it). */
+const uint8_t *kv_hub_key(const kv_hub *h);
 
 /* ---- market (also computed in process, for benchmarks) ---------------- */
 
@@ -107,6 +115,9 @@ typedef struct kv_node_key {
  * written to a temporary name and renamed). A file of any other size or
  * content is KV_EFORMAT; it is never overwritten. */
 int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d);
+/* The same for a key file at any path (its folder made 0700 if missing):
+ * a coordinator's --key FILE. */
+int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d);
 /* Deterministic key from a 32-byte seed (tests, load generator). */
 void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]);
 void kv_hex(const uint8_t *b, size_t n, char *out); /* 2n digits + NUL */

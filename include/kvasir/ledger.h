@@ -84,12 +84,16 @@ int kv_wallet_generate(kv_wallet *w, kv_diag *d);
 /* Writes "kvasir-ed25519-v1 <64 hex of the seed>\n" to a new file (mode 0600;
  * refuses to overwrite). Returns 0 or KV_EIO. */
 int kv_wallet_save(const kv_wallet *w, const char *path, kv_diag *d);
-/* Reads a key file written by kv_wallet_save (size and format checked).
- * Returns 0, KV_EIO or KV_EFORMAT. */
+/* Reads a key file written by kv_wallet_save, or a node / coordinator key
+ * file of `kvasir key` (64 lowercase hex digits of the seed and a newline:
+ * a node's account is its node key). Size and format checked. Returns 0,
+ * KV_EIO or KV_EFORMAT. */
 int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d);
 /* The same from n bytes in memory (a trailing newline is optional).
  * Returns 0 or KV_EFORMAT. */
 int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d);
+/* The node key format (exactly 65 bytes). Returns 0 or KV_EFORMAT. */
+int kv_wallet_parse_node_key(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d);
 /* Lower-case hex of 32 bytes into out[65]. */
 void kv_hex32(const uint8_t b[32], char out[65]);
 /* Parses exactly 64 hex digits. Returns 0 or KV_EFORMAT. */

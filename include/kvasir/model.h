@@ -103,6 +103,13 @@ int kv_expert_local_new(kv_expert_provider *out, const kv_model *m, kv_pool *poo
  * copied; src->ctx is borrowed and must outlive the provider. */
 int kv_expert_local_new_src(kv_expert_provider *out, const kv_expert_source *src, kv_pool *pool,
                             uint32_t max_tokens, kv_diag *d);
+/* The same call as p->compute on a provider made by kv_expert_local_new*,
+ * also writing each slot's gate and up pre-activations (before SwiGLU) to
+ * gate/up[(t*n_used + k)*n_ff_exp + i]: the values the down product was
+ * computed from, for a verifier (include/kvasir/verify.h). Not thread-safe
+ * (like compute). KV_EINVAL for another kind of provider. */
+int kv_expert_local_compute_pre(const kv_expert_provider *p, const kv_expert_req *req, float *out, float *gate,
+                                float *up, kv_diag *d);
 /* The expert source reading m's own expert tensors (views, never fails). */
 kv_expert_source kv_model_expert_source(const kv_model *m);
 

@@ -99,6 +99,25 @@ void kv_node_workers_free(char **workers, uint32_t n);
  * KV_REMOTE_MAX_WORKERS. On error *workers is NULL and *n 0. */
 int kv_node_parse_placement(const char *json, size_t len, char ***workers, uint32_t *n, kv_diag *d);
 
+/* ---- authenticated dispatch (docs/HUB.md, docs/PROTOCOL.md v3) ---------- */
+
+struct kv_voucher;
+/* GET /v1/status's "hub_key": the key whose vouchers a node's worker
+ * honors. Parsers of untrusted JSON (fuzzed: fuzz/fuzz_node_auth.c). */
+int kv_node_fetch_hub_key(const char *hub_url, uint8_t out[32], kv_diag *d);
+int kv_node_parse_hub_key(const char *json, size_t len, uint8_t out[32], kv_diag *d);
+/* A coordinator's side: POST /v1/voucher signed by key (KV_EAUTH when the
+ * hub does not vouch for it) into *v, then GET /v1/placement for the key
+ * each of workers[0..n) is listed with (keys[i] zero when not listed), so
+ * that the coordinator checks it talks to the node the hub listed. */
+int kv_node_fetch_auth(const char *hub_url, kv_node_key *key, char *const *workers, uint32_t n, uint8_t (*keys)[32],
+                       struct kv_voucher *v, kv_diag *d);
+int kv_node_parse_voucher(const char *json, size_t len, struct kv_voucher *v, uint8_t hub_key[32], kv_diag *d);
+/* keys[i] = the key placement lists for address workers[i] (zero if none);
+ * an address listed with two keys is KV_EFORMAT. */
+int kv_node_parse_placement_keys(const char *json, size_t len, char *const *workers, uint32_t n, uint8_t (*keys)[32],
+                                 kv_diag *d);
+
 /* ---- the node ------------------------------------------------------------ */
 
 typedef struct kv_node kv_node;
@@ -114,6 +133,9 @@ typedef struct kv_node_opts {
     FILE *log;                 /* one line per event; NULL = silent */
     kv_node_progress_fn progress; /* download progress; NULL = none */
     void *progress_arg;
+    const uint8_t (*allow_keys)[32]; /* [n_allow_keys] coordinators served besides those the hub
+                                   vouches for (borrowed while the node runs) */
+    size_t n_allow_keys;
 } kv_node_opts;
 
 /* Loads (or creates) the node key in opts->dir. Nothing else happens until

@@ -26,6 +26,29 @@ int kv_cmd_node(int argc, char **argv);
 int kv_cmd_wallet(int argc, char **argv);
 int kv_cmd_ledger(int argc, char **argv);
 int kv_cmd_gateway(int argc, char **argv);
+int kv_cmd_key(int argc, char **argv);
+
+struct kv_node_key;
+/* Loads (creating if absent) a coordinator key: path, else
+ * DATA/coordinator.key when data_dir is given, else ~/.kvasir/coordinator.key.
+ * Returns 0, or prints one line and returns non-zero. */
+int kv_cli_key(const char *cmd, const char *path, const char *data_dir, struct kv_node_key *k);
+
+#include "kvasir/dispatch.h"
+#include "kvasir/hub.h"
+/* What a coordinator command proves to workers: its key (kv_cli_key), and
+ * with a hub, the hub's voucher for it and the key the placement lists for
+ * each of workers[0..n). A hub that does not vouch for the key is a warning
+ * (workers that list it with --allow-key still serve it). */
+typedef struct kv_cli_auth {
+    kv_node_key key;
+    kv_voucher voucher;
+    bool has_voucher;
+    uint8_t (*worker_keys)[32]; /* [n] or NULL */
+} kv_cli_auth;
+int kv_cli_auth_setup(const char *cmd, const char *key_path, const char *hub, const char *data_dir,
+                      char *const *workers, uint32_t n, kv_cli_auth *a);
+void kv_cli_auth_free(kv_cli_auth *a);
 
 /* Prints "kvasir <cmd>: <printf message>\n" to stderr; returns rc. */
 #if defined(__GNUC__)

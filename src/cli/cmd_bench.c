@@ -18,7 +18,7 @@
 #include "kvasir/node.h"
 #include "kvasir/quant.h"
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", "--hub", "--data", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", "--hub", "--data", "--key", NULL};
 
 #define CMD "bench"
 
@@ -35,6 +35,8 @@ static const char *kv_bench_help =
     "                carries all S tokens); decode tok/s counts all sequences (default 1)\n"
     "  --hub URL     instead of -m: fetch the manifest and backbone from a hub into --data DIR\n"
     "                (default kvasir-data; resumable, hash checked) and use its live nodes\n"
+    "  --key FILE    the key proved to workers (default DATA/coordinator.key with --hub, else\n"
+    "                ~/.kvasir/coordinator.key; created if absent)\n"
     "  --worker H:P  with -m DIR/manifest.json: compute experts on this worker (repeat for\n"
     "                more; see kvasir run --help); prints the per-layer round trip\n"
     "  --wire ENC    hidden states to workers as f32 (default), f16 or bf16\n"
@@ -80,7 +82,8 @@ int kv_cmd_bench(int argc, char **argv) {
     bool json = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
-    const char *hub = NULL, *data_dir = "kvasir-data";
+    const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL;
+    kv_cli_auth auth = {0};
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
@@ -120,6 +123,8 @@ int kv_cmd_bench(int argc, char **argv) {
                 return kv_cli_err(CMD, 1, "--wire: '%s' is not one of f32, f16, bf16", v);
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--key")) {
+            key_path = v;
         } else if (!strcmp(a, "--data")) {
             data_dir = v;
         } else if (!strcmp(a, "--worker-timeout-ms")) {
@@ -145,6 +150,10 @@ int kv_cmd_bench(int argc, char **argv) {
         model = hub_manifest;
     }
     if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir bench --help)");
+    if (n_workers && kv_cli_auth_setup(CMD, key_path, hub, data_dir, hub_workers, n_hub_workers, &auth)) {
+        kv_node_workers_free(hub_workers, n_hub_workers);
+        return 2;
+    }
     int rc = 2;
     kv_diag d = {0};
     kv_engine *eng = NULL;
@@ -157,9 +166,11 @@ int kv_cmd_bench(int argc, char **argv) {
                                .n_batch = (uint32_t)n_batch, .max_sessions = (uint32_t)n_par,
                                .kv_type = (uint32_t)kv_type, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
-                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse};
+                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .key_sk = auth.key.sk,
+                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys};
     if (kv_engine_open(&eng, model, &eo, &d)) {
         kv_node_workers_free(hub_workers, n_hub_workers);
+        kv_cli_auth_free(&auth);
         return kv_cli_diag(CMD, &d);
     }
     const kv_model *mc = kv_engine_model(eng);
@@ -278,5 +289,6 @@ done:
     free(toks);
     kv_engine_free(eng);
     kv_node_workers_free(hub_workers, n_hub_workers);
+    kv_cli_auth_free(&auth);
     return rc;
 }

@@ -4,6 +4,7 @@
  * SIGINT/SIGTERM. */
 #include <errno.h>
 #include <signal.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/engine.h"
 #include "kvasir/gateway.h"
+#include "kvasir/hub.h"
 #include "kvasir/ledger.h"
 #include "kvasir/pool.h"
 
@@ -22,7 +24,7 @@
 static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
-                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub",
+                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key",
                                              "--ledger", "--gateway-key", "--gateway-id", "--prices", NULL};
 
 static const char *kv_gateway_help =
@@ -30,6 +32,7 @@ static const char *kv_gateway_help =
     "  -m, --model F        GGUF file, or DIR/manifest.json (or DIR) of a sliced model\n"
     "  --worker HOST:PORT   sliced model: experts on this worker (repeat for more)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --key FILE           the coordinator key proved to workers (default ~/.kvasir/coordinator.key)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -45,7 +48,7 @@ static const char *kv_gateway_help =
     "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
-    "  --gateway-key FILE   the gateway's node key (kvasir wallet new), needed with --ledger\n"
+    "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
     "  --gateway-id ID      the id authorizations name (default gw- and 24 hex of the key)\n"
     "  --prices P,C         micro-KVR per prompt token and per completion token (default 1,2)\n";
 
@@ -56,7 +59,8 @@ static void kv_gw_on_signal(int sig) {
 }
 
 int kv_cmd_gateway(int argc, char **argv) {
-    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL;
+    const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL, *coord_key = NULL;
+    kv_cli_auth auth = {0};
     const char *workers[KV_REMOTE_MAX_WORKERS];
     const char *keys[KV_GATEWAY_MAX_KEYS];
     uint32_t n_workers = 0, n_keys = 0;
@@ -94,6 +98,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (price_p > KV_LEDGER_MAX_AMOUNT || price_c > KV_LEDGER_MAX_AMOUNT)
                 return kv_cli_err(CMD, 1, "--prices: at most %llu micro-KVR per token",
                                   (unsigned long long)KV_LEDGER_MAX_AMOUNT);
+        } else if (!strcmp(a, "--key")) {
+            coord_key = v;
         } else if (!strcmp(a, "--listen")) {
             listen = v;
         } else if (!strcmp(a, "--name")) {
@@ -138,7 +144,16 @@ int kv_cmd_gateway(int argc, char **argv) {
     if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir gateway --help)");
     if (!ledger && (gw_key || gw_id))
         return kv_cli_err(CMD, 1, "--gateway-key and --gateway-id need --ledger FILE");
-    if (ledger && !gw_key) return kv_cli_err(CMD, 1, "--ledger needs --gateway-key FILE (kvasir wallet new --out FILE)");
+    char def_key[4200];
+    if (ledger && !gw_key) {
+        /* the gateway's node account defaults to its coordinator key */
+        kv_node_key k;
+        if (kv_cli_key(CMD, coord_key, NULL, &k)) return 1;
+        sodium_memzero(&k, sizeof k);
+        const char *home = getenv("HOME");
+        snprintf(def_key, sizeof def_key, "%s/.kvasir/coordinator.key", home ? home : "");
+        gw_key = coord_key ? coord_key : def_key;
+    }
     /* HOST:PORT, [v6]:PORT */
     char host[128];
     long port;
@@ -186,10 +201,12 @@ int kv_cmd_gateway(int argc, char **argv) {
     }
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
-                               .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr};
+                               .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
+                               .key_sk = auth.key.sk};
     kv_engine *e = NULL;
     kv_gateway *g = NULL;
     int rc = 0;
+    if (n_workers && (rc = kv_cli_auth_setup(CMD, coord_key, NULL, NULL, NULL, 0, &auth))) goto done;
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

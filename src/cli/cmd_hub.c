@@ -2,9 +2,11 @@
  * coverage market over HTTP (docs/HUB.md). */
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli/cli.h"
+#include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
 
 #define CMD "hub"
@@ -12,7 +14,7 @@
 static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--wanted", "--deadline-ms",
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
                                              "--timeout", "--threads", "--challenge-every",
-                                             "--challenge-ttl-ms", NULL};
+                                             "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json --db FILE [--listen HOST:PORT] [options]\n"
@@ -31,6 +33,10 @@ static const char *kv_hub_help =
     "  --challenge-ttl-ms MS  an unanswered challenge fails after MS (default 60000)\n"
     "  --no-verify         check piece sizes at start, not their SHA-256 (default: hash every piece)\n"
     "  --quiet             no log lines\n"
+    "  --vouch-key K       vouch for coordinator key K (64 hex digits, or a file of keys, one a\n"
+    "                      line): POST /v1/voucher signed by it gets a voucher workers honor; repeatable\n"
+    "  --vouch-open        vouch for any coordinator key that asks (a test swarm only)\n"
+    "  --voucher-ttl-ms MS a voucher's lifetime (default 3600000)\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n";
 
 static kv_hub *kv_the_hub;
@@ -43,6 +49,9 @@ static void kv_on_signal(int sig) {
 int kv_cmd_hub(int argc, char **argv) {
     kv_hub_opts o = {0};
     long v;
+    uint8_t(*vk)[32] = NULL;
+    size_t n_vk = 0;
+    kv_diag ad = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *s;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -52,8 +61,18 @@ int kv_cmd_hub(int argc, char **argv) {
             o.quiet = true;
         } else if (!strcmp(a, "--no-verify")) {
             o.skip_verify = true;
+        } else if (!strcmp(a, "--vouch-open")) {
+            o.vouch_open = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
+        } else if (!strcmp(a, "--vouch-key")) {
+            if (kv_key_list_add(s, &vk, &n_vk, &ad)) {
+                free(vk);
+                return kv_cli_err(CMD, 1, "--vouch-key: %s", ad.msg);
+            }
+        } else if (!strcmp(a, "--voucher-ttl-ms")) {
+            if (kv_arg_long(CMD, a, s, 1000, 30L * 86400000, &v)) return 1;
+            o.voucher_ttl_ms = (uint32_t)v;
         } else if (!strcmp(a, "--model")) {
             o.manifest = s;
         } else if (!strcmp(a, "--listen")) {
@@ -98,7 +117,16 @@ int kv_cmd_hub(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     kv_diag d = {0};
     kv_hub *h = NULL;
-    if (kv_hub_open(&h, &o, &d)) return kv_cli_diag(CMD, &d);
+    o.vouch_keys = (const uint8_t(*)[32])vk;
+    o.n_vouch_keys = n_vk;
+    int orc = kv_hub_open(&h, &o, &d);
+    free(vk);
+    if (orc) return kv_cli_diag(CMD, &d);
+    if (!o.quiet) {
+        char hk[65];
+        kv_hex(kv_hub_key(h), 32, hk);
+        fprintf(stderr, "hub: key %s (vouches for %s)\n", hk, o.vouch_open ? "any coordinator" : "listed coordinators");
+    }
     kv_the_hub = h;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

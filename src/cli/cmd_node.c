@@ -4,16 +4,18 @@
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "kvasir/dispatch.h"
 #include "kvasir/node.h"
 
 #define CMD "node"
 
 static const char *const kv_value_flags[] = {"--hub", "--budget", "--data", "--listen", "--advertise",
-                                             "--interval-ms", "--threads", "-t", NULL};
+                                             "--interval-ms", "--threads", "-t", "--allow-key", NULL};
 
 static const char *kv_node_help =
     "usage: kvasir node --hub URL --budget SIZE --data DIR [--listen HOST:PORT] [options]\n"
@@ -25,6 +27,8 @@ static const char *kv_node_help =
     "  --interval-ms MS    heartbeat and market period (default: the hub's deadline / 3)\n"
     "  --threads N         worker compute threads (default: all CPUs)\n"
     "  --quiet             no log lines\n"
+    "  --allow-key K       also serve coordinator key K (hex, or a file of keys) besides those the\n"
+    "                      hub vouches for; repeatable\n"
     "Downloads resume where they stopped; a piece whose SHA-256 differs from the manifest's is\n"
     "deleted and never served. Stops on SIGINT/SIGTERM.\n";
 
@@ -52,6 +56,9 @@ static void kv_progress(void *arg, const char *path, uint64_t done, uint64_t tot
 int kv_cmd_node(int argc, char **argv) {
     kv_node_opts o = {0};
     const char *budget = NULL;
+    uint8_t(*ak)[32] = NULL;
+    size_t n_ak = 0;
+    kv_diag ad = {0};
     bool quiet = false;
     long v;
     for (int i = 1; i < argc; i++) {
@@ -63,6 +70,11 @@ int kv_cmd_node(int argc, char **argv) {
             quiet = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
+        } else if (!strcmp(a, "--allow-key")) {
+            if (kv_key_list_add(s, &ak, &n_ak, &ad)) {
+                free(ak);
+                return kv_cli_err(CMD, 1, "--allow-key: %s", ad.msg);
+            }
         } else if (!strcmp(a, "--hub")) {
             o.hub = s;
         } else if (!strcmp(a, "--budget")) {
@@ -92,7 +104,12 @@ int kv_cmd_node(int argc, char **argv) {
     o.progress_arg = &tty;
     signal(SIGPIPE, SIG_IGN);
     kv_node *n = NULL;
-    if (kv_node_open(&n, &o, &d)) return kv_cli_diag(CMD, &d);
+    o.allow_keys = (const uint8_t(*)[32])ak;
+    o.n_allow_keys = n_ak;
+    if (kv_node_open(&n, &o, &d)) {
+        free(ak);
+        return kv_cli_diag(CMD, &d);
+    }
     kv_the_node = n;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -103,5 +120,6 @@ int kv_cmd_node(int argc, char **argv) {
     int rc = kv_node_run(n, &d);
     kv_the_node = NULL;
     kv_node_free(n);
+    free(ak);
     return rc ? kv_cli_diag(CMD, &d) : 0;
 }

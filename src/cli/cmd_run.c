@@ -13,7 +13,7 @@
 #include "kvasir/slice.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--key", NULL};
 
 #define CMD "run"
 
@@ -36,6 +36,8 @@ static const char *kv_run_help =
     "                       --data DIR (resumable, hash checked) and its experts computed by the\n"
     "                       live nodes of the hub's placement map (instead of -m)\n"
     "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
+    "  --key FILE           the key proved to workers (default DATA/coordinator.key with --hub,\n"
+    "                       else ~/.kvasir/coordinator.key; created if absent; see kvasir key)\n"
     "  --wire ENC           hidden states to workers as f32 (exact, default), f16 or bf16\n"
     "  --verbose            log worker connects/drops and print dispatch statistics\n"
     "  -p, --prompt TEXT    prompt (special tokens like <|im_start|> are parsed)\n"
@@ -143,7 +145,8 @@ int kv_cmd_run(int argc, char **argv) {
     bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
-    const char *hub = NULL, *data_dir = "kvasir-data";
+    const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL;
+    kv_cli_auth auth = {0};
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
@@ -203,6 +206,8 @@ int kv_cmd_run(int argc, char **argv) {
             workers[n_workers++] = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--key")) {
+            key_path = v;
         } else if (!strcmp(a, "--data")) {
             data_dir = v;
         } else if (!strcmp(a, "--worker-timeout-ms")) {
@@ -233,6 +238,10 @@ int kv_cmd_run(int argc, char **argv) {
         for (uint32_t k = 0; k < n_hub_workers; k++) workers[k] = hub_workers[k];
         n_workers = n_hub_workers;
         model = hub_manifest;
+    }
+    if (n_workers && kv_cli_auth_setup(CMD, key_path, hub, data_dir, hub_workers, n_hub_workers, &auth)) {
+        kv_node_workers_free(hub_workers, n_hub_workers);
+        return 2;
     }
     if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
 
@@ -274,7 +283,8 @@ int kv_cmd_run(int argc, char **argv) {
                                .expert_cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0,
                                .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
-                               .log = verbose ? stderr : NULL};
+                               .log = verbose ? stderr : NULL, .key_sk = auth.key.sk,
+                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys};
     if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);
@@ -397,5 +407,6 @@ done:
     kv_session_free(ses);
     kv_engine_free(eng);
     kv_node_workers_free(hub_workers, n_hub_workers);
+    kv_cli_auth_free(&auth);
     return rc;
 }

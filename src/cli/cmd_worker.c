@@ -3,17 +3,20 @@
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
+#include "kvasir/hub.h"
 
 #define CMD "worker"
 
 static const char *const kv_value_flags[] = {"--slabs", "--listen", "--threads", "-t", "--max-conns",
                                              "--read-timeout", "--idle-timeout", "--handshake-timeout",
                                              "--max-pending-per-addr", "--evict-idle", "--write-timeout",
-                                             "--mem-budget-mb", "--max-request-cost", NULL};
+                                             "--mem-budget-mb", "--max-request-cost", "--allow-key",
+                                             "--hub-key", "--key", NULL};
 
 static const char *kv_worker_help =
     "usage: kvasir worker --slabs DIR_OR_FILES --listen HOST:PORT [--threads N] [--max-conns N]\n"
@@ -34,6 +37,11 @@ static const char *kv_worker_help =
     "  --quiet            no per-connection log lines\n"
     "  --allow-sparse     slabs with holes (a sliced skeleton) are served unhashed; only a\n"
     "                     coordinator run with --allow-sparse on a hashless manifest accepts them\n"
+    "  --allow-key K      serve the coordinator whose public key is K (64 hex digits, see\n"
+    "                     `kvasir key`), or every key listed in file K (one per line); repeatable\n"
+    "  --hub-key K        also serve coordinators holding a voucher of the hub whose key is K\n"
+    "                     (GET /v1/status \"hub_key\"); one of --allow-key / --hub-key is required\n"
+    "  --key FILE         this worker's own key (proved to coordinators); default: a fresh one\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM and\n"
     "prints how many expert computations it served.\n";
 
@@ -47,6 +55,10 @@ static void kv_on_signal(int sig) {
 int kv_cmd_worker(int argc, char **argv) {
     kv_worker_opts o = {0};
     long v_l;
+    uint8_t(*allow)[32] = NULL, hub_key[32];
+    size_t n_allow = 0;
+    kv_node_key own;
+    kv_diag ad = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -58,6 +70,23 @@ int kv_cmd_worker(int argc, char **argv) {
             o.allow_sparse = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
+        } else if (!strcmp(a, "--allow-key")) {
+            if (kv_key_list_add(v, &allow, &n_allow, &ad)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--allow-key: %s", ad.msg);
+            }
+        } else if (!strcmp(a, "--hub-key")) {
+            if (kv_key_from_hex(v, hub_key, &ad)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--hub-key: %s", ad.msg);
+            }
+            o.hub_key = hub_key;
+        } else if (!strcmp(a, "--key")) {
+            if (kv_key_file_load(&own, v, true, &ad)) {
+                free(allow);
+                return kv_cli_diag(CMD, &ad);
+            }
+            o.key_sk = own.sk;
         } else if (!strcmp(a, "--slabs")) {
             o.slabs = v;
         } else if (!strcmp(a, "--listen")) {
@@ -96,11 +125,21 @@ int kv_cmd_worker(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir worker --help)", a);
         }
     }
-    if (!o.slabs || !o.listen)
+    if (!o.slabs || !o.listen) {
+        free(allow);
         return kv_cli_err(CMD, 1, "needs --slabs and --listen (see kvasir worker --help)");
+    }
+    if (!n_allow && !o.hub_key) {
+        return kv_cli_err(CMD, 1, "needs --allow-key or --hub-key: a worker serves only coordinators that prove "
+                                  "a key it allows (see kvasir worker --help)");
+    }
+    o.allow_keys = (const uint8_t(*)[32])allow;
+    o.n_allow_keys = n_allow;
     kv_diag d = {0};
     kv_worker *w = NULL;
-    if (kv_worker_open(&w, &o, &d)) return kv_cli_diag(CMD, &d);
+    int orc = kv_worker_open(&w, &o, &d);
+    free(allow);
+    if (orc) return kv_cli_diag(CMD, &d);
     const kv_held_range *r;
     size_t nr = kv_worker_ranges(w, &r);
     uint64_t n_held = 0;
@@ -117,6 +156,9 @@ int kv_cmd_worker(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
 
+    char wk[65];
+    kv_hex(kv_worker_key(w), 32, wk);
+    fprintf(stderr, "worker: key %s\n", wk);
     printf("listening on %s\n", kv_worker_addr(w));
     fflush(stdout);
     int rc = kv_worker_serve(w, &d);

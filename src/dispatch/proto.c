@@ -88,7 +88,8 @@ static int kv_rd_u64(kv_rd *r, uint64_t *v) {
 
 const char *kv_msg_type_name(uint32_t t) {
     static const char *const names[] = {"?", "HELLO", "HELLO_ACK", "COMPUTE", "RESULT", "ERROR",
-                                        "PING", "PONG", "STATS", "STATS_ACK"};
+                                        "PING", "PONG", "STATS", "STATS_ACK", "AUTH_CHALLENGE", "AUTH",
+                                        "AUTH_OK"};
     _Static_assert(sizeof names / sizeof names[0] == KV_MSG_TYPE_COUNT, "a name per type");
     return t < KV_MSG_TYPE_COUNT ? names[t] : "?";
 }
@@ -595,6 +596,63 @@ int kv_msg_stats_ack_encode_v(uint8_t *buf, size_t cap, uint32_t request_id, uin
     return 0;
 }
 
+int kv_msg_auth_challenge_encode(uint8_t *buf, size_t cap, uint32_t request_id,
+                                 const kv_msg_auth_challenge *m, size_t *n, kv_diag *d) {
+    int rc = kv_enc_begin(buf, cap, KV_PROTO_AUTH_CHALLENGE_SIZE, "AUTH_CHALLENGE", d);
+    if (rc) return rc;
+    kv_frame_header_encode(buf, KV_MSG_AUTH_CHALLENGE, request_id, KV_PROTO_AUTH_CHALLENGE_SIZE);
+    kv_frame_set_version(buf, KV_PROTO_AUTH_VERSION);
+    memcpy(buf + KV_PROTO_HEADER, m->worker_key, 32);
+    memcpy(buf + KV_PROTO_HEADER + 32, m->challenge, 32);
+    *n = KV_PROTO_HEADER + KV_PROTO_AUTH_CHALLENGE_SIZE;
+    return 0;
+}
+
+static bool kv_all_zero(const uint8_t *p, size_t n) {
+    uint8_t acc = 0;
+    for (size_t i = 0; i < n; i++) acc |= p[i];
+    return acc == 0;
+}
+
+/* A voucher's fields are all zero exactly when the flag is clear. */
+static int kv_auth_check(const kv_msg_auth *m, int code, kv_diag *d) {
+    if (m->flags & ~KV_PROTO_AUTH_VOUCHER) return kv_fail(d, code, "AUTH: reserved flag bits 0x%x set", m->flags);
+    if (!(m->flags & KV_PROTO_AUTH_VOUCHER) && (m->voucher_expires_ms || !kv_all_zero(m->voucher_sig, 64)))
+        return kv_fail(d, code, "AUTH: voucher fields set without the voucher flag");
+    if ((m->flags & KV_PROTO_AUTH_VOUCHER) && m->voucher_expires_ms == 0)
+        return kv_fail(d, code, "AUTH: a voucher with expiry 0");
+    return 0;
+}
+
+int kv_msg_auth_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_auth *m, size_t *n,
+                       kv_diag *d) {
+    int rc = kv_enc_begin(buf, cap, KV_PROTO_AUTH_SIZE, "AUTH", d);
+    if (rc) return rc;
+    if ((rc = kv_auth_check(m, KV_EINVAL, d))) return rc;
+    uint8_t *p = buf + KV_PROTO_HEADER;
+    kv_frame_header_encode(buf, KV_MSG_AUTH, request_id, KV_PROTO_AUTH_SIZE);
+    kv_frame_set_version(buf, KV_PROTO_AUTH_VERSION);
+    memcpy(p, m->key, 32);
+    memcpy(p + 32, m->nonce, 32);
+    memcpy(p + 64, m->sig, 64);
+    kv_wr32(p + 128, m->flags);
+    kv_wr64(p + 132, m->voucher_expires_ms);
+    memcpy(p + 140, m->voucher_sig, 64);
+    *n = KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE;
+    return 0;
+}
+
+int kv_msg_auth_ok_encode(uint8_t *buf, size_t cap, uint32_t request_id, const uint8_t sig[64], size_t *n,
+                          kv_diag *d) {
+    int rc = kv_enc_begin(buf, cap, KV_PROTO_AUTH_OK_SIZE, "AUTH_OK", d);
+    if (rc) return rc;
+    kv_frame_header_encode(buf, KV_MSG_AUTH_OK, request_id, KV_PROTO_AUTH_OK_SIZE);
+    kv_frame_set_version(buf, KV_PROTO_AUTH_VERSION);
+    memcpy(buf + KV_PROTO_HEADER, sig, 64);
+    *n = KV_PROTO_HEADER + KV_PROTO_AUTH_OK_SIZE;
+    return 0;
+}
+
 /* ---- decoder ------------------------------------------------------------------- */
 
 static int kv_exact(const char *what, size_t len, size_t want, kv_diag *d) {
@@ -851,6 +909,42 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
             kv_rd_u64(&r, &s->compute_us);
         }
         return 0;
+    }
+    case KV_MSG_AUTH_CHALLENGE:
+    case KV_MSG_AUTH:
+    case KV_MSG_AUTH_OK: {
+        /* only in v3 and later: a v2 peer never sends them */
+        if (out->h.version < KV_PROTO_AUTH_VERSION)
+            return kv_fail(d, KV_EPROTO, "%s in a frame of version %u (needs %u)", kv_msg_type_name(out->h.type),
+                           out->h.version, KV_PROTO_AUTH_VERSION);
+        const uint8_t *p = NULL;
+        if (out->h.type == KV_MSG_AUTH_CHALLENGE) {
+            if ((rc = kv_exact("AUTH_CHALLENGE", r.left, KV_PROTO_AUTH_CHALLENGE_SIZE, d))) return rc;
+            kv_rd_take(&r, 32, &p);
+            memcpy(out->u.challenge.worker_key, p, 32);
+            kv_rd_take(&r, 32, &p);
+            memcpy(out->u.challenge.challenge, p, 32);
+            return 0;
+        }
+        if (out->h.type == KV_MSG_AUTH_OK) {
+            if ((rc = kv_exact("AUTH_OK", r.left, KV_PROTO_AUTH_OK_SIZE, d))) return rc;
+            kv_rd_take(&r, 64, &p);
+            memcpy(out->u.auth_ok, p, 64);
+            return 0;
+        }
+        if ((rc = kv_exact("AUTH", r.left, KV_PROTO_AUTH_SIZE, d))) return rc;
+        kv_msg_auth *a = &out->u.auth;
+        kv_rd_take(&r, 32, &p);
+        memcpy(a->key, p, 32);
+        kv_rd_take(&r, 32, &p);
+        memcpy(a->nonce, p, 32);
+        kv_rd_take(&r, 64, &p);
+        memcpy(a->sig, p, 64);
+        kv_rd_u32(&r, &a->flags);
+        kv_rd_u64(&r, &a->voucher_expires_ms);
+        kv_rd_take(&r, 64, &p);
+        memcpy(a->voucher_sig, p, 64);
+        return kv_auth_check(a, KV_EPROTO, d);
     }
     default: return kv_fail(d, KV_EPROTO, "frame: unknown message type %u", out->h.type);
     }

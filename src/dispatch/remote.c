@@ -48,7 +48,12 @@
  * with two or more such failures is quarantined: not dialed early even when
  * its experts have no other holder.
  *
- * Handshake (protocol v2 only): the HELLO_ACK lists every slab the worker
+ * Handshake (protocol v3 only): after HELLO_ACK the worker sends its key
+ * and a challenge; we sign the transcript with the coordinator key (and
+ * attach the hub's voucher when we have one), and the worker's AUTH_OK must
+ * verify under the key it announced, which must be the one it is listed
+ * with when opts->worker_keys names one (docs/PROTOCOL.md, Authentication).
+ * The HELLO_ACK lists every slab the worker
  * serves with its SHA-256; each must be a slab of the manifest with the same
  * experts and hash, and every expert the worker announces must lie in one
  * of them: a worker holding other bytes (a model with the same header and
@@ -69,6 +74,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sodium.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,12 +92,15 @@
 #define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
 #define KV_REMOTE_WHY 256u
 #define KV_REMOTE_MAX_BACKOFF_S 60.0     /* longest wait between dials of one worker */
-#define KV_REMOTE_PROTO_MIN 2u           /* v1 workers cannot prove their slabs' bytes */
+#define KV_REMOTE_PROTO_MIN KV_PROTO_AUTH_VERSION /* v1 workers cannot prove their slabs' bytes,
+                                                    v2 workers cannot authenticate */
 
 enum kv_rw_state {
     KV_RW_DOWN,       /* no socket; retried at retry_at */
     KV_RW_CONNECTING, /* nonblocking connect in progress; HELLO queued */
     KV_RW_HELLO,      /* connected; HELLO (being) sent, waiting for HELLO_ACK */
+    KV_RW_CHALLENGE,  /* HELLO_ACK accepted; waiting for AUTH_CHALLENGE */
+    KV_RW_AUTH,       /* AUTH sent; waiting for AUTH_OK (the worker's proof) */
     KV_RW_UP,         /* handshaken; idle or busy with one COMPUTE */
 };
 
@@ -121,10 +130,19 @@ typedef struct kv_rw {
     uint32_t fails;               /* drops and failed dials since its last good RESULT */
     uint32_t max_pairs;           /* pairs it accepts per COMPUTE (HELLO_ACK) */
     char why[KV_REMOTE_WHY];      /* last reason it was dropped or refused */
+    /* authentication */
+    uint8_t expect[32];           /* the key it must prove; all zero = any */
+    uint8_t key[32];              /* the key it announced in AUTH_CHALLENGE */
+    uint8_t challenge[32];        /* its challenge on this connection */
+    uint8_t nonce[32];            /* ours on this connection */
+    uint16_t version;             /* negotiated on this connection */
 } kv_rw;
 
 struct kv_remote {
     kv_remote_opts o;
+    uint8_t pk[32], sk[64];       /* the coordinator's identity (o.key_sk copied) */
+    kv_voucher voucher;           /* sent in AUTH when has_voucher */
+    bool has_voucher;
     kv_manifest *m;
     kv_model *model;              /* the backbone (no routed experts) */
     kv_pool *pool;                /* borrowed */
@@ -190,6 +208,11 @@ static void kv_rlog(const kv_remote *r, const char *fmt, ...) {
 }
 
 /* ---- workers: connection state machine ----------------------------------- */
+
+static bool kv_rw_handshaking(const kv_rw *w) {
+    return w->state == KV_RW_CONNECTING || w->state == KV_RW_HELLO || w->state == KV_RW_CHALLENGE ||
+           w->state == KV_RW_AUTH;
+}
 
 /* Seconds to wait before dialing w again: reconnect_ms doubled per failure
  * since its last good RESULT, at most KV_REMOTE_MAX_BACKOFF_S. */
@@ -265,7 +288,7 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
 /* Checks a HELLO_ACK against the manifest and records what w holds. */
 static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, kv_diag *d) {
     if (a->version < KV_REMOTE_PROTO_MIN || a->version > KV_PROTO_VERSION)
-        return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u: v1 cannot prove its slabs)",
+        return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u: v1 cannot prove its slabs, v2 cannot authenticate)",
                        a->version, KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION);
     if (memcmp(a->model_id, r->m->model_id, KV_PROTO_MODEL_ID_LEN))
         return kv_fail(d, KV_EFORMAT, "serves another model (id %.16s..., the manifest's is %.16s...)", a->model_id,
@@ -377,6 +400,61 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
             kv_rw_drop(r, w, "%s", d.msg);
             return 0;
         }
+        w->version = msg.u.ack.version;
+        w->state = KV_RW_CHALLENGE;
+        return 0;
+    }
+    if (msg.h.version != w->version) {
+        kv_rw_drop(r, w, "frame version %u, negotiated %u", msg.h.version, w->version);
+        return 0;
+    }
+    if (w->state == KV_RW_CHALLENGE) {
+        if (msg.h.type != KV_MSG_AUTH_CHALLENGE) {
+            kv_rw_drop(r, w, "sent %s where AUTH_CHALLENGE was due", kv_msg_type_name(msg.h.type));
+            return 0;
+        }
+        static const uint8_t zero[32];
+        if (memcmp(w->expect, zero, 32) && sodium_memcmp(w->expect, msg.u.challenge.worker_key, 32)) {
+            kv_rw_drop(r, w, "proves another key than the one it is listed with: not the worker we meant");
+            return 0;
+        }
+        memcpy(w->key, msg.u.challenge.worker_key, 32);
+        memcpy(w->challenge, msg.u.challenge.challenge, 32);
+        randombytes_buf(w->nonce, 32);
+        kv_msg_auth a = {0};
+        memcpy(a.key, r->pk, 32);
+        memcpy(a.nonce, w->nonce, 32);
+        uint8_t dg[32];
+        kv_dispatch_digest('C', r->m->model_id, w->version, w->key, w->challenge, r->pk, w->nonce, dg);
+        kv_dispatch_sign(r->sk, dg, a.sig);
+        if (r->has_voucher) {
+            a.flags = KV_PROTO_AUTH_VOUCHER;
+            a.voucher_expires_ms = r->voucher.expires_ms;
+            memcpy(a.voucher_sig, r->voucher.sig, 64);
+        }
+        uint8_t *p = kv_net_conn_reserve(w->nc, KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE);
+        size_t fn = 0;
+        if (!p || kv_msg_auth_encode(p, KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE, 0, &a, &fn, &d)) {
+            kv_rw_drop(r, w, "AUTH: %s", d.msg[0] ? d.msg : "cannot queue");
+            return 0;
+        }
+        kv_frame_set_version(p, w->version);
+        kv_net_conn_commit(w->nc, fn);
+        r->bytes_sent += fn;
+        w->state = KV_RW_AUTH;
+        return 0;
+    }
+    if (w->state == KV_RW_AUTH) {
+        if (msg.h.type != KV_MSG_AUTH_OK) {
+            kv_rw_drop(r, w, "sent %s where AUTH_OK was due", kv_msg_type_name(msg.h.type));
+            return 0;
+        }
+        uint8_t dg[32];
+        kv_dispatch_digest('W', r->m->model_id, w->version, w->key, w->challenge, r->pk, w->nonce, dg);
+        if (kv_dispatch_verify(w->key, dg, msg.u.auth_ok)) {
+            kv_rw_drop(r, w, "AUTH_OK signature does not verify: not the key it announced");
+            return 0;
+        }
         w->state = KV_RW_UP;
         w->n_connects++;
         w->n_pairs_since = 0;
@@ -452,7 +530,7 @@ static int kv_remote_poll(kv_remote *r, int timeout_ms, float *out) {
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
         if (w->state == KV_RW_DOWN && now >= w->retry_at) kv_rw_connect(r, w, now);
-        if ((w->state == KV_RW_CONNECTING || w->state == KV_RW_HELLO) && now > w->hs_deadline) {
+        if (kv_rw_handshaking(w) && now > w->hs_deadline) {
             kv_rw_drop(r, w, "no handshake within %u ms", r->o.timeout_ms);
             continue;
         }
@@ -572,7 +650,7 @@ static bool kv_remote_revive(kv_remote *r) {
     }
     for (;;) {
         bool hs = false;
-        for (uint32_t i = 0; i < r->n_w; i++) hs |= r->w[i].state == KV_RW_CONNECTING || r->w[i].state == KV_RW_HELLO;
+        for (uint32_t i = 0; i < r->n_w; i++) hs |= kv_rw_handshaking(&r->w[i]);
         if (!hs) break;
         kv_remote_poll(r, 20, NULL);
     }
@@ -780,6 +858,7 @@ void kv_remote_free(kv_remote *r) {
     free(r->ts_ans);
     kv_model_free(r->model);
     kv_manifest_free(r->m);
+    sodium_memzero(r->sk, sizeof r->sk);
     free(r);
 }
 
@@ -797,9 +876,21 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     if (!opts || opts->enc >= KV_ENC_COUNT || opts->n_workers > KV_REMOTE_MAX_WORKERS ||
         (opts->n_workers && !opts->workers))
         return kv_fail(d, KV_EINVAL, "remote: bad options (encoding, or more than %u workers)", KV_REMOTE_MAX_WORKERS);
+    if (!opts->key_sk)
+        return kv_fail(d, KV_EINVAL, "remote: a coordinator key is required (workers serve only coordinators "
+                                     "that prove a key they allow)");
+    if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "remote: libsodium failed to start");
     kv_remote *r = calloc(1, sizeof *r);
     if (!r) return kv_fail(d, KV_ENOMEM, "remote: out of memory");
     r->o = *opts;
+    memcpy(r->sk, opts->key_sk, 64);
+    crypto_sign_ed25519_sk_to_pk(r->pk, r->sk);
+    if (opts->voucher) {
+        r->voucher = *opts->voucher;
+        r->has_voucher = true;
+    }
+    r->o.key_sk = NULL;
+    r->o.voucher = NULL;
     if (!r->o.timeout_ms) r->o.timeout_ms = 10000;
     if (!r->o.reconnect_ms) r->o.reconnect_ms = 500;
     if (!r->o.max_tokens) r->o.max_tokens = 256;
@@ -893,6 +984,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         w->r = r;
         w->state = KV_RW_DOWN;
         snprintf(w->addr, sizeof w->addr, "%s", r->o.workers[i]);
+        if (r->o.worker_keys) memcpy(w->expect, r->o.worker_keys[i], 32);
         if ((rc = kv_remote_resolve(w, d))) goto fail;
         w->holds = calloc(n_keys, 1);
         w->scap = s_max;
@@ -908,7 +1000,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     for (;;) {
         kv_remote_poll(r, 50, NULL);
         bool pending = false;
-        for (uint32_t i = 0; i < r->n_w; i++) pending |= r->w[i].state == KV_RW_CONNECTING || r->w[i].state == KV_RW_HELLO;
+        for (uint32_t i = 0; i < r->n_w; i++) pending |= kv_rw_handshaking(&r->w[i]);
         if (!pending) break;
     }
     uint32_t n_up = 0;
@@ -970,6 +1062,7 @@ void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out
     out->drops = w->n_drops;
     out->connects = w->n_connects;
     out->last_error = w->why;
+    out->key = w->key;
 }
 
 static int kv_cmp_float(const void *a, const void *b) {

@@ -25,8 +25,14 @@
  * the in-process computation whatever the batch composition, thread count
  * or arrival order.
  *
+ * Authentication: after HELLO the only frame served is AUTH; nothing is
+ * computed or told to a connection before its coordinator has signed this
+ * connection's challenge with a key that is allowed (listed, or vouched for
+ * by the trusted hub); the allowed set can be replaced while serving
+ * (kv_worker_set_auth, under auth_mu).
+ *
  * Slots and deadlines (what no peer may hold without doing real work):
- * a connection must complete HELLO within the handshake timeout; at most
+ * a connection must complete HELLO and AUTH within the handshake timeout; at most
  * max_pending_per_addr connections from one address may be waiting for
  * their handshake; when every slot is taken, a newcomer evicts the
  * handshaken connection that has gone longest without a COMPUTE (if that
@@ -44,6 +50,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
+#include <sodium.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -108,6 +116,14 @@ struct kv_worker {
     kv_wconn *jobs;                  /* ring of connections with a job; the next to serve */
     int lfd;                         /* listening socket */
     atomic_int stop;
+    /* authentication (v3): who may be served */
+    uint8_t pk[32], sk[64];          /* this worker's identity */
+    pthread_mutex_t auth_mu;         /* guards allow, n_allow, hub_key, have_hub */
+    bool have_auth_mu;
+    uint8_t (*allow)[32];            /* [n_allow] coordinator keys served, sorted */
+    size_t n_allow;
+    uint8_t hub_key[32];             /* hub whose vouchers are honored, if have_hub */
+    bool have_hub;
     /* counters */
     atomic_uint_fast64_t n_compute, n_pairs, n_tokens, n_conns, n_errors, n_batches, n_merged, compute_us;
     int64_t t_start_ms;
@@ -120,7 +136,10 @@ struct kv_wconn {
     uint64_t id;                     /* connection number, for logs */
     char peer[96];                   /* "HOST:PORT" of the client */
     char ip[INET6_ADDRSTRLEN];       /* its address, for the per-address cap */
-    bool hello;                      /* handshake done */
+    bool hello;                      /* HELLO answered (HELLO_ACK and AUTH_CHALLENGE sent) */
+    bool authed;                     /* AUTH verified: the handshake is done */
+    uint8_t challenge[32];           /* sent in AUTH_CHALLENGE */
+    uint8_t peer_key[32];            /* the coordinator key proved in AUTH */
     uint16_t version;                /* negotiated */
     uint32_t enc_mask;               /* negotiated encodings */
     int64_t last_work_ms;            /* handshake or last COMPUTE */
@@ -138,6 +157,13 @@ struct kv_wconn {
 };
 
 static int64_t kv_now_ms(void) { return kv_net_now_ms(); }
+
+/* Unix ms: voucher expiry is a wall-clock time the hub chose. */
+static int64_t kv_wall_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
@@ -517,7 +543,27 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
     if (!w->opts.mem_budget) w->opts.mem_budget = (size_t)1 << 30;
     if (!w->opts.max_request_cost) w->opts.max_request_cost = (uint64_t)1 << 36;
     w->lfd = -1;
-    int rc = kv_worker_load(w, d);
+    if (sodium_init() < 0) {
+        free(w);
+        return kv_fail(d, KV_EINTERNAL, "worker: libsodium failed to start");
+    }
+    if (opts->key_sk) {
+        memcpy(w->sk, opts->key_sk, 64);
+        crypto_sign_ed25519_sk_to_pk(w->pk, w->sk);
+    } else {
+        crypto_sign_keypair(w->pk, w->sk);
+    }
+    w->opts.key_sk = NULL;
+    w->opts.allow_keys = NULL;
+    w->opts.hub_key = NULL;
+    pthread_mutex_init(&w->auth_mu, NULL);
+    w->have_auth_mu = true;
+    int rc = 0;
+    if (!opts->n_allow_keys && !opts->hub_key)
+        rc = kv_fail(d, KV_EINVAL, "worker: no coordinator could use it: allow coordinator keys (--allow-key) "
+                                   "or name a hub whose vouchers it honors");
+    if (!rc) rc = kv_worker_set_auth(w, opts->allow_keys, opts->n_allow_keys, opts->hub_key, d);
+    if (!rc) rc = kv_worker_load(w, d);
     if (!rc) rc = kv_worker_hash_slabs(w, d);
     if (!rc) {
         /* the largest COMPUTE that can be valid for this model */
@@ -580,7 +626,35 @@ void kv_worker_free(kv_worker *w) {
     free(w->ys);
     free(w->ids);
     free(w->conns);
+    free(w->allow);
+    if (w->have_auth_mu) pthread_mutex_destroy(&w->auth_mu);
+    sodium_memzero(w->sk, sizeof w->sk);
     free(w);
+}
+
+const uint8_t *kv_worker_key(const kv_worker *w) { return w->pk; }
+
+static int kv_cmp_key(const void *a, const void *b) { return memcmp(a, b, 32); }
+
+int kv_worker_set_auth(kv_worker *w, const uint8_t (*keys)[32], size_t n, const uint8_t *hub_key, kv_diag *d) {
+    if (n > KV_PROTO_MAX_KEYS) return kv_fail(d, KV_ERANGE, "worker: more than %u allowed keys", KV_PROTO_MAX_KEYS);
+    uint8_t(*copy)[32] = NULL;
+    if (n) {
+        if (!(copy = malloc(n * sizeof *copy))) return kv_fail(d, KV_ENOMEM, "worker: out of memory");
+        memcpy(copy, keys, n * sizeof *copy);
+        qsort(copy, n, sizeof *copy, kv_cmp_key);
+    }
+    pthread_mutex_lock(&w->auth_mu);
+    uint8_t(*old)[32] = w->allow;
+    w->allow = copy;
+    w->n_allow = n;
+    if (hub_key) {
+        memcpy(w->hub_key, hub_key, 32);
+        w->have_hub = true;
+    }
+    pthread_mutex_unlock(&w->auth_mu);
+    free(old);
+    return 0;
 }
 
 const char *kv_worker_addr(const kv_worker *w) { return w->addr; }
@@ -697,13 +771,15 @@ static void kv_wc_idle_timeout(kv_net_loop *l, kv_net_timer *t) {
 static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     kv_worker *w = c->w;
     kv_diag d = {0};
-    uint32_t lo = h->min_version > KV_PROTO_VERSION_MIN ? h->min_version : KV_PROTO_VERSION_MIN;
+    /* v3 and later only: an older coordinator cannot authenticate */
+    uint32_t lo = h->min_version > KV_PROTO_AUTH_VERSION ? h->min_version : KV_PROTO_AUTH_VERSION;
     uint32_t hi = h->max_version < KV_PROTO_VERSION ? h->max_version : KV_PROTO_VERSION;
     int rc = 0;
     if (c->hello) rc = kv_fail(&d, KV_EPROTO, "second HELLO");
     else if (lo > hi)
-        rc = kv_fail(&d, KV_EUNSUPPORTED, "no common protocol version: coordinator speaks [%u, %u], this worker [%u, %u]",
-                     h->min_version, h->max_version, KV_PROTO_VERSION_MIN, KV_PROTO_VERSION);
+        rc = kv_fail(&d, KV_EUNSUPPORTED, "no common protocol version: coordinator speaks [%u, %u], this worker [%u, %u] "
+                     "(authenticated dispatch needs v%u)", h->min_version, h->max_version, KV_PROTO_AUTH_VERSION,
+                     KV_PROTO_VERSION, KV_PROTO_AUTH_VERSION);
     else if (strcmp(h->model_id, w->model_id)) /* never echo any part of our id */
         rc = kv_fail(&d, KV_EHASH, "this worker does not serve the model requested");
     if (rc) return kv_wc_fatal(c, rid, rc, "handshake refused", d.msg);
@@ -733,9 +809,65 @@ static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     c->hello = true;
     c->version = (uint16_t)hi;
     c->enc_mask = ack.enc_mask;
+    /* the challenge: the handshake deadline keeps running until AUTH */
+    kv_msg_auth_challenge ch;
+    memcpy(ch.worker_key, w->pk, 32);
+    randombytes_buf(c->challenge, 32);
+    memcpy(ch.challenge, c->challenge, 32);
+    uint8_t buf[KV_PROTO_HEADER + KV_PROTO_AUTH_CHALLENGE_SIZE];
+    if (kv_msg_auth_challenge_encode(buf, sizeof buf, rid, &ch, &n, &d) == 0) kv_wc_queue(c, buf, n);
+    return 0;
+}
+
+/* True if key may be served: listed, or vouched for by the hub until a time
+ * still to come. Takes auth_mu. */
+static bool kv_worker_allowed(kv_worker *w, const kv_msg_auth *a, char *why, size_t cap) {
+    bool ok = false;
+    pthread_mutex_lock(&w->auth_mu);
+    if (w->n_allow && bsearch(a->key, w->allow, w->n_allow, sizeof *w->allow, kv_cmp_key)) ok = true;
+    else if (!(a->flags & KV_PROTO_AUTH_VOUCHER)) snprintf(why, cap, "coordinator key is not allowed here and carries no hub voucher");
+    else if (!w->have_hub) snprintf(why, cap, "coordinator key is not allowed here, and this worker honors no hub's vouchers");
+    else if ((int64_t)a->voucher_expires_ms <= kv_wall_ms()) snprintf(why, cap, "hub voucher expired");
+    else {
+        uint8_t dg[32];
+        kv_voucher_digest(w->model_id, a->key, a->voucher_expires_ms, dg);
+        ok = kv_dispatch_verify(w->hub_key, dg, a->voucher_sig) == 0;
+        if (!ok) snprintf(why, cap, "hub voucher is not signed by this worker's hub for this key and model");
+    }
+    pthread_mutex_unlock(&w->auth_mu);
+    return ok;
+}
+
+/* Checks AUTH: the signature over this connection's transcript, then the
+ * key; answers AUTH_OK, or EAUTH and close. */
+static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
+    kv_worker *w = c->w;
+    if (c->authed) return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", "second AUTH");
+    uint8_t dg[32];
+    kv_dispatch_digest('C', w->model_id, c->version, w->pk, c->challenge, a->key, a->nonce, dg);
+    if (kv_dispatch_verify(a->key, dg, a->sig))
+        return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused",
+                           "AUTH signature does not verify over this connection's challenge");
+    char why[160];
+    if (!kv_worker_allowed(w, a, why, sizeof why)) return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused", why);
+    uint8_t sig[64], buf[KV_PROTO_HEADER + KV_PROTO_AUTH_OK_SIZE];
+    size_t n;
+    kv_dispatch_digest('W', w->model_id, c->version, w->pk, c->challenge, a->key, a->nonce, dg);
+    kv_dispatch_sign(w->sk, dg, sig);
+    if (kv_msg_auth_ok_encode(buf, sizeof buf, rid, sig, &n, NULL) == 0) kv_wc_queue(c, buf, n);
+    c->authed = true;
+    memcpy(c->peer_key, a->key, 32);
     c->last_work_ms = kv_now_ms();
     kv_net_timer_stop(w->loop, &c->hs_t);
-    kv_wlog(w, "conn %llu %s: handshake ok (protocol v%u)", (unsigned long long)c->id, c->peer, hi);
+    char hex[17];
+    static const char dig[] = "0123456789abcdef";
+    for (int i = 0; i < 8; i++) {
+        hex[2 * i] = dig[a->key[i] >> 4];
+        hex[2 * i + 1] = dig[a->key[i] & 15];
+    }
+    hex[16] = 0;
+    kv_wlog(w, "conn %llu %s: handshake ok (protocol v%u, coordinator %s...)", (unsigned long long)c->id, c->peer,
+            c->version, hex);
     return 0;
 }
 
@@ -796,10 +928,16 @@ static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         kv_fail(&d, KV_EPROTO, "expected HELLO, got %s", kv_msg_type_name(m.h.type));
         return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", d.msg);
     }
+    /* nothing is computed or told before the coordinator has proved its key */
+    if (c->hello && !c->authed && m.h.type != KV_MSG_AUTH && m.h.type != KV_MSG_ERROR) {
+        kv_fail(&d, KV_EAUTH, "not authenticated: expected AUTH, got %s", kv_msg_type_name(m.h.type));
+        return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused", d.msg);
+    }
     uint8_t buf[KV_PROTO_HEADER + KV_PROTO_STATS_ACK_SIZE_V2];
     size_t n = 0;
     switch (m.h.type) {
     case KV_MSG_HELLO: return kv_wc_hello(c, rid, &m.u.hello);
+    case KV_MSG_AUTH: return kv_wc_auth(c, rid, &m.u.auth);
     case KV_MSG_COMPUTE: return kv_wc_compute(c, rid, &m.u.compute);
     case KV_MSG_PING:
         if (!kv_msg_ping_encode(buf, sizeof buf, KV_MSG_PONG, rid, m.u.nonce, &n, NULL)) kv_wc_queue(c, buf, n);
@@ -1014,7 +1152,7 @@ static int kv_worker_slot(kv_worker *w) {
     int victim = -1;
     for (int i = 0; i < w->opts.max_conns; i++) {
         kv_wconn *c = w->conns[i];
-        if (!c->hello || c->busy || kv_net_conn_closing(c->nc)) continue;
+        if (!c->authed || c->busy || kv_net_conn_closing(c->nc)) continue;
         if (now - c->last_work_ms < w->opts.evict_idle_ms) continue;
         if (victim < 0 || c->last_work_ms < w->conns[victim]->last_work_ms) victim = i;
     }
@@ -1064,7 +1202,7 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
         uint64_t id = atomic_fetch_add(&w->n_conns, 1) + 1;
         int pending = 0;
         for (int i = 0; i < w->opts.max_conns; i++)
-            pending += w->conns[i] && !w->conns[i]->hello && !strcmp(w->conns[i]->ip, hb);
+            pending += w->conns[i] && !w->conns[i]->authed && !strcmp(w->conns[i]->ip, hb);
         if (pending >= w->opts.max_pending_per_addr) {
             char msg[160];
             snprintf(msg, sizeof msg, "too many connections from %s waiting for their handshake (%d)", hb, pending);
@@ -1095,6 +1233,7 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
             .max_frame = KV_PROTO_HEADER + w->max_payload,
             .tx_max = KV_WORKER_TX_HWM + rb_max + kv_msg_hello_ack_size_v(KV_PROTO_VERSION, KV_PROTO_MAX_NAME,
                                                                           (uint32_t)w->n_ranges, (uint32_t)w->n_slabs) +
+                      KV_PROTO_HEADER + KV_PROTO_AUTH_CHALLENGE_SIZE + KV_PROTO_HEADER + KV_PROTO_AUTH_OK_SIZE +
                       4 * KV_WORKER_ERR_FRAME,
             .frame_timeout_ms = w->opts.read_timeout_ms,
             .write_timeout_ms = w->opts.write_timeout_ms,

@@ -178,7 +178,8 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
     if (e->o.n_workers) {
         /* the coordinator: backbone + manifest here, experts on the workers */
         const kv_remote_opts ro = {e->o.workers, e->o.n_workers, e->o.worker_timeout_ms, 0, e->o.wire,
-                                   e->max_tok, e->o.skip_hashes, e->o.log, e->o.allow_sparse};
+                                   e->max_tok, e->o.skip_hashes, e->o.log, e->o.allow_sparse,
+                                   e->o.key_sk, e->o.voucher, e->o.worker_keys};
         if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
         e->m = kv_remote_model(e->remote);
         e->experts = kv_remote_provider(e->remote);

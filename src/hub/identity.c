@@ -55,15 +55,27 @@ void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]) {
 }
 
 int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d) {
-    memset(k, 0, sizeof *k);
-    if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "node key: libsodium failed to start");
     char path[4096];
+    memset(k, 0, sizeof *k);
     if (snprintf(path, sizeof path, "%s/%s", dir, KV_HUB_KEY_FILE) >= (int)sizeof path)
         return kv_fail(d, KV_EINVAL, "node key: folder path is too long");
+    return kv_key_file_load(k, path, create, d);
+}
+
+int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d) {
+    memset(k, 0, sizeof *k);
+    if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "node key: libsodium failed to start");
+    if (strlen(path) > 4000) return kv_fail(d, KV_EINVAL, "node key: path is too long");
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT && create) {
-        if (mkdir(dir, 0700) && errno != EEXIST)
-            return kv_fail(d, KV_EIO, "node key: cannot create '%s': %s", dir, strerror(errno));
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s", path);
+        char *slash = strrchr(dir, '/');
+        if (slash && slash != dir) {
+            *slash = 0;
+            if (mkdir(dir, 0700) && errno != EEXIST)
+                return kv_fail(d, KV_EIO, "node key: cannot create '%s': %s", dir, strerror(errno));
+        }
         uint8_t seed[32];
         randombytes_buf(seed, sizeof seed);
         char line[66];

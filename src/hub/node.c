@@ -491,6 +491,119 @@ int kv_node_fetch_coordinator(const char *hub_url, const char *dir, char *manife
     return rc;
 }
 
+/* ---- authenticated dispatch: the hub's key, vouchers, worker keys ----------------- */
+
+/* A "key"-like member: 2n lowercase hex digits into out[n]. */
+static int kv_json_hex(json_t *o, const char *name, uint8_t *out, size_t n) {
+    json_t *v = json_object_get(o, name);
+    if (!json_is_string(v) || json_string_length(v) != 2 * n) return -1;
+    const char *s = json_string_value(v);
+    for (size_t i = 0; i < 2 * n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return -1;
+    for (size_t i = 0; i < n; i++) {
+        int a = s[2 * i] <= '9' ? s[2 * i] - '0' : s[2 * i] - 'a' + 10;
+        int b = s[2 * i + 1] <= '9' ? s[2 * i + 1] - '0' : s[2 * i + 1] - 'a' + 10;
+        out[i] = (uint8_t)(a << 4 | b);
+    }
+    return 0;
+}
+
+int kv_node_parse_hub_key(const char *json, size_t len, uint8_t out[32], kv_diag *d) {
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "status: bad JSON at line %d: %s", je.line, je.text);
+    int rc = json_is_object(root) && !kv_json_hex(root, "hub_key", out, 32)
+                 ? 0
+                 : kv_fail(d, KV_EFORMAT, "status: needs \"hub_key\": 64 lowercase hex digits (a hub of protocol v3)");
+    json_decref(root);
+    return rc;
+}
+
+int kv_node_parse_voucher(const char *json, size_t len, kv_voucher *v, uint8_t hub_key[32], kv_diag *d) {
+    memset(v, 0, sizeof *v);
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "voucher: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    json_t *e = json_object_get(root, "expires_ms");
+    if (!json_is_object(root) || kv_json_hex(root, "key", v->key, 32) || kv_json_hex(root, "sig", v->sig, 64) ||
+        kv_json_hex(root, "hub_key", hub_key, 32) || !json_is_integer(e) || json_integer_value(e) <= 0)
+        rc = kv_fail(d, KV_EFORMAT, "voucher: needs key, sig, hub_key (hex) and expires_ms > 0");
+    else
+        v->expires_ms = (uint64_t)json_integer_value(e);
+    json_decref(root);
+    return rc;
+}
+
+int kv_node_parse_placement_keys(const char *json, size_t len, char *const *workers, uint32_t n, uint8_t (*keys)[32],
+                                 kv_diag *d) {
+    memset(keys, 0, (size_t)n * 32);
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "placement: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    json_t *sh = json_object_get(root, "shards");
+    if (!json_is_object(root) || !json_is_array(sh)) {
+        rc = kv_fail(d, KV_EFORMAT, "placement: needs {\"shards\": [...]}");
+        goto out;
+    }
+    for (size_t i = 0; i < json_array_size(sh) && !rc; i++) {
+        json_t *nodes = json_object_get(json_array_get(sh, i), "nodes");
+        if (!json_is_array(nodes)) {
+            rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes must be an array", i);
+            break;
+        }
+        for (size_t j = 0; j < json_array_size(nodes) && !rc; j++) {
+            json_t *nd = json_array_get(nodes, j);
+            json_t *a = json_object_get(nd, "addr");
+            if (!json_is_string(a)) continue;
+            uint8_t k[32];
+            if (kv_json_hex(nd, "key", k, 32)) {
+                rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes[%zu].key must be 64 lowercase hex digits", i, j);
+                break;
+            }
+            for (uint32_t w = 0; w < n; w++) {
+                if (strcmp(workers[w], json_string_value(a))) continue;
+                static const uint8_t zero[32];
+                if (!memcmp(keys[w], zero, 32)) memcpy(keys[w], k, 32);
+                else if (memcmp(keys[w], k, 32))
+                    rc = kv_fail(d, KV_EFORMAT, "placement: address %.200s is listed with two keys", workers[w]);
+            }
+        }
+    }
+out:
+    json_decref(root);
+    return rc;
+}
+
+int kv_node_fetch_hub_key(const char *hub_url, uint8_t out[32], kv_diag *d) {
+    char *body = NULL;
+    size_t len = 0;
+    int rc = kv_node_get(hub_url, "/v1/status", KV_NODE_MAX_REPLY, &body, &len, d);
+    if (!rc) rc = kv_node_parse_hub_key(body, len, out, d);
+    free(body);
+    return rc;
+}
+
+int kv_node_fetch_auth(const char *hub_url, kv_node_key *key, char *const *workers, uint32_t n, uint8_t (*keys)[32],
+                       kv_voucher *v, kv_diag *d) {
+    char *body = NULL;
+    size_t len = 0;
+    long st = 0;
+    int rc = kv_node_post(hub_url, key, "/v1/voucher", "{}", &body, &st, d);
+    if (!rc && st != 200) rc = kv_fail(d, st == 403 ? KV_EAUTH : KV_EPROTO, "voucher refused (%ld): %.300s", st, body);
+    uint8_t hk[32];
+    if (!rc) rc = kv_node_parse_voucher(body, strlen(body), v, hk, d);
+    if (!rc && memcmp(v->key, key->pk, 32)) rc = kv_fail(d, KV_EPROTO, "voucher: made out for another key");
+    free(body);
+    body = NULL;
+    if (rc || !n) return rc;
+    if ((rc = kv_node_get(hub_url, "/v1/placement", KV_NODE_MAX_MARKET, &body, &len, d))) return rc;
+    rc = kv_node_parse_placement_keys(body, len, workers, n, keys, d);
+    free(body);
+    return rc;
+}
+
 /* ---- the node ----------------------------------------------------------------------- */
 
 #define KV_NODE_GRACE_MS 10000 /* a retired worker serves this long after a switch */
@@ -514,6 +627,8 @@ struct kv_node {
     uint32_t interval_ms;
     int64_t last_beat_ms;       /* monotonic ms of the last heartbeat sent */
     uint64_t salt;              /* from the public key: this node's order among equal shards */
+    uint8_t hub_key[32];        /* the hub's key: its vouchers admit coordinators to our worker */
+    bool have_hub_key;
     atomic_int stop;
     int stop_pipe[2];
 };
@@ -633,8 +748,18 @@ static int kv_node_start_worker(kv_node *n, const uint8_t *set, kv_node_worker *
         off += (size_t)snprintf(list + off, cap - off, "%s%s", cnt ? "," : "", path);
         cnt++;
     }
-    kv_worker_opts wo = {.slabs = list, .listen = n->o.listen, .n_threads = n->o.n_threads, .quiet = true};
-    int rc = kv_worker_open(&out->w, &wo, d);
+    /* the worker proves the node's key (the one the placement lists), and
+     * serves the coordinators the hub vouches for, plus any --allow-key */
+    int rc = 0;
+    if (!n->have_hub_key && (rc = kv_node_fetch_hub_key(n->o.hub, n->hub_key, d)) == 0) n->have_hub_key = true;
+    if (rc) {
+        free(list);
+        return rc;
+    }
+    kv_worker_opts wo = {.slabs = list, .listen = n->o.listen, .n_threads = n->o.n_threads, .quiet = true,
+                         .key_sk = n->key.sk, .hub_key = n->hub_key, .allow_keys = n->o.allow_keys,
+                         .n_allow_keys = n->o.n_allow_keys};
+    rc = kv_worker_open(&out->w, &wo, d);
     free(list);
     if (rc) return rc;
     if (pthread_create(&out->th, NULL, kv_worker_thread, out->w)) {

@@ -39,6 +39,7 @@
 
 #include "hub/hub_internal.h"
 #include "hub/store.h"
+#include "kvasir/dispatch.h"
 #include "kvasir/slice.h"
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
@@ -92,6 +93,9 @@ struct kv_hub {
     struct MHD_Daemon *mhd;
     char addr[128];
     int stop_pipe[2];
+    uint8_t hub_pk[32], hub_sk[64]; /* signs vouchers */
+    uint8_t (*vouch)[32];       /* [n_vouch] operator-approved coordinator keys, sorted */
+    size_t n_vouch;
 };
 
 static int64_t kv_now_ms(void) {
@@ -837,9 +841,62 @@ static enum MHD_Result kv_do_status(kv_hub *h, struct MHD_Connection *c) {
     json_object_set_new(j, "nodes", json_integer((json_int_t)h->n_nodes));
     json_object_set_new(j, "live_nodes", json_integer((json_int_t)n_live));
     json_object_set_new(j, "store", json_string(h->store.ops->name));
+    char hk[65];
+    kv_hex(h->hub_pk, 32, hk);
+    json_object_set_new(j, "hub_key", json_string(hk));
     pthread_mutex_unlock(&h->mu);
     return kv_reply_json(c, MHD_HTTP_OK, j);
 }
+
+static int kv_key_cmp(const void *a, const void *b) { return memcmp(a, b, 32); }
+
+/* POST /v1/voucher, signed by the coordinator key to vouch for: the hub
+ * signs (model, key, expiry) if the key is approved (listed by the
+ * operator, or any key with vouch_open). Stateless: a replayed request only
+ * yields another voucher for the same key, useless without its secret. */
+static enum MHD_Result kv_do_voucher(kv_hub *h, struct MHD_Connection *c, const kv_signed *s) {
+    char hex[65];
+    kv_hex(s->pk, 32, hex);
+    if (!h->o.vouch_open && !(h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp)))
+        return kv_reply_errf(c, MHD_HTTP_FORBIDDEN, KV_EAUTH,
+                             "this hub does not vouch for coordinator key %.16s... (its operator lists the keys it "
+                             "vouches for with --vouch-key)", hex);
+    const uint64_t exp = (uint64_t)kv_now_ms() + h->o.voucher_ttl_ms;
+    uint8_t dg[32], sig[64];
+    kv_voucher_digest(h->m->model_id, s->pk, exp, dg);
+    kv_dispatch_sign(h->hub_sk, dg, sig);
+    char sh[129], hk[65];
+    kv_hex(sig, 64, sh);
+    kv_hex(h->hub_pk, 32, hk);
+    json_t *j = json_object();
+    json_object_set_new(j, "key", json_string(hex));
+    json_object_set_new(j, "model_id", json_string(h->m->model_id));
+    json_object_set_new(j, "expires_ms", json_integer((json_int_t)exp));
+    json_object_set_new(j, "sig", json_string(sh));
+    json_object_set_new(j, "hub_key", json_string(hk));
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
+/* The hub's signing key: its seed in the store (made on first open). */
+static int kv_hub_load_key(kv_hub *h, kv_diag *d) {
+    char seedhex[80];
+    uint8_t seed[32];
+    int rc = h->store.ops->meta_get(h->store.impl, "hub_key_seed", seedhex, sizeof seedhex, d);
+    if (rc) return rc;
+    if (!seedhex[0]) {
+        randombytes_buf(seed, 32);
+        kv_hex(seed, 32, seedhex);
+        if ((rc = h->store.ops->meta_put(h->store.impl, "hub_key_seed", seedhex, d))) return rc;
+    } else if (kv_key_from_hex(seedhex, seed, NULL)) {
+        return kv_fail(d, KV_EFORMAT, "hub: the store's hub_key_seed is not 64 hex digits");
+    }
+    crypto_sign_seed_keypair(h->hub_pk, h->hub_sk, seed);
+    sodium_memzero(seed, sizeof seed);
+    sodium_memzero(seedhex, sizeof seedhex);
+    return 0;
+}
+
+const uint8_t *kv_hub_key(const kv_hub *h) { return h->hub_pk; }
 
 /* ---- dispatch --------------------------------------------------------------- */
 
@@ -927,18 +984,21 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
             if (rc) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
-        if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge"))
+        if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge") ||
+            !strcmp(url, "/v1/voucher"))
             return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "%s needs POST", url);
         return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     }
     if (!post) return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "method %.16s not allowed", method);
-    int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3 : 0;
+    int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3
+                : !strcmp(url, "/v1/voucher") ? 4 : 0;
     if (!which) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     kv_diag d = {0};
     kv_signed s;
     if (kv_check_sig(c, method, url, q, &s, &d)) return kv_reply_diag(c, MHD_HTTP_UNAUTHORIZED, &d);
     if (which == 1) return kv_do_register(h, c, &s, q);
     if (which == 2) return kv_do_heartbeat(h, c, &s);
+    if (which == 4) return kv_do_voucher(h, c, &s);
     return kv_do_answer(h, c, &s, q);
 }
 
@@ -1146,6 +1206,18 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
             goto fail;
         }
     }
+    if ((rc = kv_hub_load_key(h, d))) goto fail;
+    if (opts->n_vouch_keys) {
+        if (!(h->vouch = malloc(opts->n_vouch_keys * sizeof *h->vouch))) {
+            rc = kv_fail(d, KV_ENOMEM, "hub: out of memory");
+            goto fail;
+        }
+        memcpy(h->vouch, opts->vouch_keys, opts->n_vouch_keys * sizeof *h->vouch);
+        qsort(h->vouch, opts->n_vouch_keys, sizeof *h->vouch, kv_key_cmp);
+        h->n_vouch = opts->n_vouch_keys;
+    }
+    h->o.vouch_keys = NULL;
+    if (!h->o.voucher_ttl_ms) h->o.voucher_ttl_ms = 3600000;
     if ((rc = h->store.ops->node_each(h->store.impl, kv_node_reload, h, d))) {
         if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
         goto fail;
@@ -1222,5 +1294,7 @@ void kv_hub_free(kv_hub *h) {
     if (h->stop_pipe[0] >= 0) close(h->stop_pipe[0]);
     if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
     pthread_mutex_destroy(&h->mu);
+    free(h->vouch);
+    sodium_memzero(h->hub_sk, sizeof h->hub_sk);
     free(h);
 }

@@ -33,6 +33,8 @@ typedef struct kv_local {
     float *up;              /* [n_slots][n_ff] */
     uint8_t *hq;            /* [n_slots][row] quantized SwiGLU outputs (down type) */
     float *down;            /* [n_slots][n_embd] */
+    float *pre_gate, *pre_up; /* kv_expert_local_compute_pre: [n_slots][n_ff] outputs in
+                                 (token, rank) order, or NULL */
 } kv_local;
 
 typedef struct kv_local_job {
@@ -98,6 +100,11 @@ static void kv_local_worker(void *arg, int ith, int nth) {
         kv_pool_split(n_slots, ith, nth, &lo, &hi);
         for (long i = lo; i < hi; i++) {
             float *g = l->gate + (size_t)i * (size_t)n_ff;
+            if (l->pre_gate) { /* the pre-activations a verifier checks, before SwiGLU overwrites them */
+                const size_t o = (size_t)l->slot_order[i] * (size_t)n_ff;
+                memcpy(l->pre_gate + o, g, (size_t)n_ff * sizeof(float));
+                memcpy(l->pre_up + o, l->up + (size_t)i * (size_t)n_ff, (size_t)n_ff * sizeof(float));
+            }
             kv_swiglu(g, g, l->up + (size_t)i * (size_t)n_ff, n_ff);
             kv_quantize_rows(j->down_vdt, g, (size_t)n_ff, n_ff, 1, l->hq + (size_t)i * j->hq_stride,
                              j->hq_stride);
@@ -227,6 +234,17 @@ int kv_expert_local_new_src(kv_expert_provider *out, const kv_expert_source *src
     out->free = kv_local_free;
     out->name = "local";
     return 0;
+}
+
+int kv_expert_local_compute_pre(const kv_expert_provider *p, const kv_expert_req *req, float *out, float *gate,
+                                float *up, kv_diag *d) {
+    if (p->compute != kv_local_compute) return kv_fail(d, KV_EINVAL, "experts: not an in-process provider");
+    kv_local *l = p->impl;
+    l->pre_gate = gate;
+    l->pre_up = up;
+    int rc = kv_local_compute(l, req, out, d);
+    l->pre_gate = l->pre_up = NULL;
+    return rc;
 }
 
 /* ---- the model file as an expert source ---------------------------------- */

@@ -1,0 +1,44 @@
+/* libFuzzer target for the parsers of authenticated dispatch that read a
+ * hub's answers (untrusted): GET /v1/status's hub_key, a POST /v1/voucher
+ * answer, and the worker keys of GET /v1/placement. Whatever parses must be
+ * well formed (a positive expiry; keys only for listed addresses); a
+ * failure must leave a message and, for the voucher, a zeroed result. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/node.h"
+
+#define CHECK(x)                    \
+    do {                            \
+        if (!(x)) __builtin_trap(); \
+    } while (0)
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    char *buf = malloc(size ? size : 1);
+    CHECK(buf);
+    memcpy(buf, data, size);
+    kv_diag d = {0};
+    uint8_t hk[32];
+    int rc = kv_node_parse_hub_key(buf, size, hk, &d);
+    CHECK(rc == 0 || (rc < 0 && d.msg[0]));
+    kv_voucher v;
+    d = (kv_diag){0};
+    rc = kv_node_parse_voucher(buf, size, &v, hk, &d);
+    if (rc) {
+        static const kv_voucher zero;
+        CHECK(rc < 0 && d.msg[0] && !memcmp(&v, &zero, sizeof v));
+    } else {
+        CHECK(v.expires_ms > 0);
+    }
+    /* the keys of two addresses, one of them absent from most inputs */
+    char a0[] = "127.0.0.1:9000", a1[] = "h:1";
+    char *const workers[2] = {a0, a1};
+    uint8_t keys[2][32];
+    d = (kv_diag){0};
+    rc = kv_node_parse_placement_keys(buf, size, workers, 2, keys, &d);
+    CHECK(rc == 0 || (rc < 0 && d.msg[0]));
+    free(buf);
+    return 0;
+}
