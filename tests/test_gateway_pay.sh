@@ -9,9 +9,11 @@
 #     other-gateway, replayed, uncoverable or too-small authorization with
 #     nothing charged, replays across the gateways, 8 concurrent spends of
 #     one balance across both;
-#  2. a gateway over a sliced model whose experts are on two `kvasir
-#     worker`s: a paid completion settles (the node's receipt counts
-#     (prompt + completion - 1) x n_layer x n_used products); a client that
+#  2. a gateway over a sliced model whose experts are on two keyed `kvasir
+#     worker`s: a paid completion settles, each worker signs a receipt for
+#     its part (together (prompt + completion - 1) x n_layer x n_used
+#     products) and earns its largest-remainder share of cost - fee,
+#     computed here; the gateway's own node gets nothing; a client that
 #     leaves mid-completion pays for its prompt only; the gateway SIGKILLed
 #     with a completion in flight leaves its hold, and the restarted gateway
 #     releases it: the consumer's balance is back to the cent, the settled
@@ -121,12 +123,31 @@ pt=$(jq .usage.prompt_tokens "$D/c1.json")
 ct=$(jq .usage.completion_tokens "$D/c1.json")
 [ "$ct" -gt 0 ] || fail "the sliced gateway's completion: $(cat "$D/c1.json")"
 [ $((b0 - $(bal "$C4"))) = $((pt * 5 + ct * 11)) ] || fail "sliced: paid $((b0 - $(bal "$C4"))), want $((pt * 5 + ct * 11))"
-# the receipt counts every token evaluated (the last one emitted is never fed back) x layers x experts used
+# each worker signed a receipt for what it computed; the two together count every token
+# evaluated (the last one emitted is never fed back) x layers x experts used
 want=$(((pt + ct - 1) * N_LAYER * N_USED))
-products=$(KV ledger summary --db "$D/l.db" --json | jq --arg n "$NODE_C" '.nodes[] | select(.account == $n) | .products')
-[ "$products" = "$want" ] || fail "sliced: receipt products $products, want $want"
+SUM=$(KV ledger summary --db "$D/l.db" --json)
+node_f() { jq --arg n "node:$(KV wallet show --key "$1")" ".nodes[] | select(.account == \$n) | .$2" <<<"$SUM"; }
+p0=$(node_f "$D/w0.key" products)
+p1=$(node_f "$D/w1.key" products)
+[ -n "$p0" ] && [ -n "$p1" ] && [ $((p0 + p1)) = "$want" ] || fail "sliced: worker receipts $p0 + $p1 products, want $want"
+[ -z "$(node_f "$D/coord.key" products)" ] || fail "sliced: the gateway's node was paid for work its workers did"
+# the split, independently: fee = floor(cost x 250 / 10000), the pool by largest remainder
+cost=$((pt * 5 + ct * 11))
+pool=$((cost - cost * 250 / 10000))
+s0=$((pool * p0 / want))
+s1=$((pool * p1 / want))
+if [ $((s0 + s1)) -lt "$pool" ]; then
+  r0=$((pool * p0 % want))
+  r1=$((pool * p1 % want))
+  k0=$(KV wallet show --key "$D/w0.key")
+  k1=$(KV wallet show --key "$D/w1.key")
+  if [ "$r0" -gt "$r1" ] || { [ "$r0" = "$r1" ] && [[ "$k0" < "$k1" ]]; }; then s0=$((s0 + 1)); else s1=$((s1 + 1)); fi
+fi
+[ "$(node_f "$D/w0.key" earned)" = "$s0" ] && [ "$(node_f "$D/w1.key" earned)" = "$s1" ] ||
+  fail "sliced: workers earned $(node_f "$D/w0.key" earned) and $(node_f "$D/w1.key" earned), want $s0 and $s1"
 check_ledger "the sliced completion"
-ok "sliced model on 2 workers: paid $((pt * 5 + ct * 11)) for $pt + $ct tokens, the gateway's receipt holds $products products"
+ok "sliced model on 2 workers: paid $cost for $pt + $ct tokens; the workers signed for $p0 + $p1 products and earned $s0 + $s1"
 
 # a client that leaves while its completion waits on a stalled worker pays its prompt only
 b0=$(bal "$C4")

@@ -19,6 +19,10 @@
  *   - test_receipt_frames: the RECEIPT_REQ / RECEIPT payloads round-trip
  *     and refuse every malformed field; a worker signs only while what it
  *     signed for stays within what it computed;
+ *   - test_receipt_wire: a real worker, asked over RECEIPT_REQ, signs with
+ *     the key it proved for at most what it computed on that connection
+ *     (one more is refused, the budget is used up, a new connection starts
+ *     from nothing), and a refusal leaves it up;
  *   - test_tally_failed_step: a worker killed mid-decode fails the step;
  *     what the other worker answered in it is not counted (nothing came of
  *     it), while its own pair counter did move. */
@@ -199,6 +203,53 @@ static void test_tally_alone_equals_batched(void) {
     ASSERT_EQ(w3.answered[0] + w3.answered[1], 0);
     kv_session_free(s3);
     kv_session_free(s[1]);
+    kv_engine_free(e);
+}
+
+/* Over the wire: a real worker signs what it computed for this connection
+ * and nothing more, with the key it proved at the handshake. */
+static void test_receipt_wire(void) {
+    kv_diag d = {0};
+    kv_engine *e = open_engine(&d);
+    ASSERT_TRUE(e != NULL);
+    if (!e) return;
+    kv_session *s = new_session(e, 4, 6, 5);
+    ASSERT_TRUE(s != NULL);
+    ASSERT_EQ(run_until_done(e, &s, 1), 0);
+    work wk;
+    take(s, &wk);
+    kv_remote *rm = kv_engine_remote(e);
+    kv_remote_worker wi;
+    kv_remote_worker_info(rm, 0, &wi);
+    ASSERT_TRUE(wk.answered[0] > 0 && wi.pairs == wk.answered[0]);
+    kv_receipt_req q = {.n_products = wk.answered[0] + 1};
+    snprintf(q.gateway, sizeof q.gateway, "gw-wire");
+    memset(q.consumer, 7, 32);
+    memset(q.auth_nonce, 9, 16);
+    memset(q.log_digest, 5, 32);
+    kv_receipt r;
+    ASSERT_EQ(kv_remote_receipt(rm, 0, &q, &r, &d), KV_LEDGER_RRECEIPT); /* one more than it computed */
+    q.n_products = wk.answered[0] - 1;
+    ASSERT_EQ(kv_remote_receipt(rm, 0, &q, &r, &d), 0);
+    ASSERT_TRUE(!memcmp(r.node, wi.key, 32) && r.n_products == wk.answered[0] - 1 && !strcmp(r.gateway, "gw-wire"));
+    uint8_t b[KV_RECEIPT_SIZE];
+    kv_receipt r2;
+    ASSERT_EQ(kv_receipt_to_bytes(&r, b, &d), 0);
+    ASSERT_EQ(kv_receipt_from_bytes(&r2, b, sizeof b, &d), 0); /* the signature verifies */
+    q.n_products = 2;
+    ASSERT_EQ(kv_remote_receipt(rm, 0, &q, &r, &d), KV_LEDGER_RRECEIPT); /* 1 left of its budget */
+    q.n_products = 1;
+    ASSERT_EQ(kv_remote_receipt(rm, 0, &q, &r, &d), 0);
+    ASSERT_EQ(kv_remote_receipt(rm, 0, &q, &r, &d), KV_LEDGER_RRECEIPT);
+    kv_remote_worker_info(rm, 0, &wi);
+    ASSERT_TRUE(wi.up); /* a refusal is an answer, not a fault */
+    kv_session_free(s);
+    kv_engine_free(e);
+    /* a new connection has computed nothing yet */
+    e = open_engine(&d);
+    ASSERT_TRUE(e != NULL);
+    if (!e) return;
+    ASSERT_EQ(kv_remote_receipt(kv_engine_remote(e), 1, &q, &r, &d), KV_LEDGER_RRECEIPT);
     kv_engine_free(e);
 }
 
@@ -460,6 +511,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_tally_alone_equals_batched),
     KVT_CASE(test_settle_nodes),
     KVT_CASE(test_receipt_frames),
+    KVT_CASE(test_receipt_wire),
     KVT_CASE(test_tally_failed_step), /* last: it kills a worker */
 };
 

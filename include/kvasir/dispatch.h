@@ -83,12 +83,15 @@ enum kv_msg_type {
     KV_MSG_AUTH_CHALLENGE = 10, /* v3 worker -> coordinator: its key and a fresh challenge */
     KV_MSG_AUTH = 11,     /* v3 coordinator -> worker: key, signature, optional hub voucher */
     KV_MSG_AUTH_OK = 12,  /* v3 worker -> coordinator: its signature over the same transcript */
+    KV_MSG_RECEIPT_REQ = 13, /* v3 coordinator -> worker: sign a work receipt for this count */
+    KV_MSG_RECEIPT = 14,  /* v3 worker -> coordinator: the signed receipt, or a refusal */
     KV_MSG_TYPE_COUNT
 };
 _Static_assert(KV_MSG_HELLO == 1 && KV_MSG_HELLO_ACK == 2 && KV_MSG_COMPUTE == 3 &&
                    KV_MSG_RESULT == 4 && KV_MSG_ERROR == 5 && KV_MSG_PING == 6 &&
                    KV_MSG_PONG == 7 && KV_MSG_STATS == 8 && KV_MSG_STATS_ACK == 9 &&
-                   KV_MSG_AUTH_CHALLENGE == 10 && KV_MSG_AUTH == 11 && KV_MSG_AUTH_OK == 12,
+                   KV_MSG_AUTH_CHALLENGE == 10 && KV_MSG_AUTH == 11 && KV_MSG_AUTH_OK == 12 &&
+                   KV_MSG_RECEIPT_REQ == 13 && KV_MSG_RECEIPT == 14,
                "wire message types never change");
 
 /* Error codes carried by ERROR frames are the KV_E* numbers of err.h. */
@@ -229,6 +232,24 @@ typedef struct kv_proto_limits {
 } kv_proto_limits;
 
 /* A decoded frame: the header and, per type, a view into the frame. */
+/* RECEIPT_REQ / RECEIPT (v3; the codecs and the worker's rule are below) */
+#define KV_PROTO_RECEIPT_REQ_SIZE 120u /* gateway[32], consumer[32], nonce[16], u64 n, digest[32] */
+#define KV_PROTO_RECEIPT_SIZE 248u     /* u32 status, u32 zero, receipt[240] */
+enum { KV_RECEIPT_SIGNED = 0, KV_RECEIPT_REFUSED = 1 };
+struct kv_receipt;
+typedef struct kv_receipt_req {
+    char gateway[33];       /* gateway id, 1..32 of [A-Za-z0-9._:-] */
+    uint8_t consumer[32];   /* the completion's authorization ... */
+    uint8_t auth_nonce[16]; /* ... (consumer, nonce) */
+    uint64_t n_products;    /* 1..2^40: the coordinator's count for this worker */
+    uint8_t log_digest[32]; /* the coordinator's digest of that entry */
+} kv_receipt_req;
+/* What a worker computed for one connection and what it signed for. */
+typedef struct kv_receipt_budget {
+    uint64_t computed;   /* (token, expert) pairs answered on the connection */
+    uint64_t signed_for; /* products of the receipts it signed there */
+} kv_receipt_budget;
+
 typedef struct kv_msg {
     kv_frame_header h;
     union {
@@ -242,6 +263,9 @@ typedef struct kv_msg {
         kv_msg_auth_challenge challenge; /* AUTH_CHALLENGE */
         kv_msg_auth auth;       /* AUTH */
         uint8_t auth_ok[64];    /* AUTH_OK: the worker's signature */
+        kv_receipt_req receipt_req; /* RECEIPT_REQ */
+        const uint8_t *receipt; /* RECEIPT: its payload (KV_PROTO_RECEIPT_SIZE bytes, checked and its
+                                   receipt's signature verified; kv_receipt_ans_from_payload reads it) */
     } u;
 } kv_msg;
 
@@ -616,22 +640,6 @@ void kv_remote_tally_reset(kv_remote *r, uint32_t tag);
  * its experts for a receipt (kvasir/ledger.h kv_receipt) over the count in
  * its own dispatch log; the worker signs only while what it signed for on
  * the connection stays within what it computed there. */
-#define KV_PROTO_RECEIPT_REQ_SIZE 120u /* gateway[32], consumer[32], nonce[16], u64 n, digest[32] */
-#define KV_PROTO_RECEIPT_SIZE 248u     /* u32 status, u32 zero, receipt[240] */
-enum { KV_RECEIPT_SIGNED = 0, KV_RECEIPT_REFUSED = 1 };
-struct kv_receipt;
-typedef struct kv_receipt_req {
-    char gateway[33];       /* gateway id, 1..32 of [A-Za-z0-9._:-] */
-    uint8_t consumer[32];   /* the completion's authorization ... */
-    uint8_t auth_nonce[16]; /* ... (consumer, nonce) */
-    uint64_t n_products;    /* 1..2^40: the coordinator's count for this worker */
-    uint8_t log_digest[32]; /* the coordinator's digest of that entry */
-} kv_receipt_req;
-/* What a worker computed for one connection and what it signed for. */
-typedef struct kv_receipt_budget {
-    uint64_t computed;   /* (token, expert) pairs answered on the connection */
-    uint64_t signed_for; /* products of the receipts it signed there */
-} kv_receipt_budget;
 /* Payload codecs: exact sizes, every field checked (KV_EPROTO, KV_ERANGE);
  * an answer's receipt is parsed and its signature verified. */
 int kv_receipt_req_to_payload(const kv_receipt_req *q, uint8_t out[KV_PROTO_RECEIPT_REQ_SIZE], kv_diag *d);
@@ -639,6 +647,22 @@ int kv_receipt_req_from_payload(kv_receipt_req *q, const uint8_t *p, size_t n, k
 int kv_receipt_ans_to_payload(uint32_t status, const struct kv_receipt *r, uint8_t out[KV_PROTO_RECEIPT_SIZE],
                               kv_diag *d);
 int kv_receipt_ans_from_payload(uint32_t *status, struct kv_receipt *r, const uint8_t *p, size_t n, kv_diag *d);
+/* Whole frames (header + payload; version KV_PROTO_VERSION, set the
+ * negotiated one with kv_frame_set_version). cap >= KV_PROTO_HEADER + the
+ * payload size, else KV_ERANGE. */
+int kv_msg_receipt_req_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_receipt_req *q, size_t *len,
+                              kv_diag *d);
+int kv_msg_receipt_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t status,
+                          const struct kv_receipt *r, size_t *len, kv_diag *d);
+/* The coordinator's side, between computes (same thread): asks worker i
+ * of r (up and idle) to sign q and waits up to the round deadline. Returns
+ * 0 with out a receipt that verifies, by the key the worker proved, for
+ * exactly q's figures; KV_LEDGER_RRECEIPT when the worker refused (it did
+ * not compute that much for this connection); KV_ENOTFOUND when it is not
+ * up; KV_EIO when it was dropped meanwhile (an answer for other figures, a
+ * bad signature, a stall: the same rules as a RESULT). */
+struct kv_remote;
+int kv_remote_receipt(struct kv_remote *r, uint32_t i, const kv_receipt_req *q, struct kv_receipt *out, kv_diag *d);
 /* The worker's side: signs q with sk (libsodium seed || pk) when
  * b->signed_for + q->n_products <= b->computed, and counts it; otherwise
  * KV_LEDGER_RRECEIPT and nothing is signed. */

@@ -133,3 +133,41 @@ int kv_receipt_grant(kv_receipt_budget *b, const kv_receipt_req *q, const uint8_
     b->signed_for += q->n_products;
     return 0;
 }
+
+int kv_msg_receipt_req_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_receipt_req *q, size_t *len,
+                              kv_diag *d) {
+    *len = 0;
+    if (cap < KV_PROTO_HEADER + KV_PROTO_RECEIPT_REQ_SIZE) return kv_fail(d, KV_ERANGE, "RECEIPT_REQ: buffer too small");
+    int rc = kv_receipt_req_to_payload(q, buf + KV_PROTO_HEADER, d);
+    if (rc) return rc;
+    kv_frame_header_encode(buf, KV_MSG_RECEIPT_REQ, request_id, KV_PROTO_RECEIPT_REQ_SIZE);
+    *len = KV_PROTO_HEADER + KV_PROTO_RECEIPT_REQ_SIZE;
+    return 0;
+}
+
+int kv_msg_receipt_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t status, const kv_receipt *r,
+                          size_t *len, kv_diag *d) {
+    *len = 0;
+    if (cap < KV_PROTO_HEADER + KV_PROTO_RECEIPT_SIZE) return kv_fail(d, KV_ERANGE, "RECEIPT: buffer too small");
+    int rc = kv_receipt_ans_to_payload(status, r, buf + KV_PROTO_HEADER, d);
+    if (rc) return rc;
+    kv_frame_header_encode(buf, KV_MSG_RECEIPT, request_id, KV_PROTO_RECEIPT_SIZE);
+    *len = KV_PROTO_HEADER + KV_PROTO_RECEIPT_SIZE;
+    return 0;
+}
+
+int kv_msg_receipt_decode(const uint8_t *p, size_t n, uint16_t type, kv_msg *out, kv_diag *d) {
+    kv_diag vd = {0};
+    int rc;
+    if (type == KV_MSG_RECEIPT_REQ) {
+        rc = kv_receipt_req_from_payload(&out->u.receipt_req, p, n, &vd);
+    } else {
+        uint32_t st;
+        kv_receipt r;
+        rc = kv_receipt_ans_from_payload(&st, &r, p, n, &vd);
+        out->u.receipt = p;
+    }
+    /* the wire's codes: a bad receipt is a protocol error of the frame */
+    if (rc) return kv_fail(d, rc == KV_ERANGE ? KV_ERANGE : KV_EPROTO, "%s", vd.msg);
+    return 0;
+}

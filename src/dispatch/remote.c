@@ -85,6 +85,7 @@
 #include <unistd.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/ledger.h"
 #include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
@@ -133,6 +134,12 @@ typedef struct kv_rw {
     /* authentication */
     uint8_t expect[32];           /* the key it must prove; all zero = any */
     uint8_t key[32];              /* the key it announced in AUTH_CHALLENGE */
+    /* a RECEIPT_REQ in flight (kv_remote_receipt) */
+    bool rcpt_wait;               /* asked, not answered */
+    uint32_t rcpt_id;             /* its request id */
+    int rcpt_rc;                  /* 0 signed, KV_LEDGER_RRECEIPT refused */
+    kv_receipt_req rcpt_req;      /* what was asked */
+    kv_receipt rcpt;              /* the answer, verified */
     uint8_t challenge[32];        /* its challenge on this connection */
     uint8_t nonce[32];            /* ours on this connection */
     uint16_t version;             /* negotiated on this connection */
@@ -461,6 +468,30 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         w->why[0] = 0;
         kv_rlog(r, "worker %s up: %u ranges, backend %s, wire %s", w->addr, w->n_ranges, w->backend,
                 kv_enc_name(w->enc));
+        return 0;
+    }
+    if (msg.h.type == KV_MSG_RECEIPT) {
+        if (!w->rcpt_wait || msg.h.request_id != w->rcpt_id) {
+            kv_rw_drop(r, w, "sent a RECEIPT nobody asked for");
+            return 0;
+        }
+        uint32_t st = KV_RECEIPT_REFUSED;
+        kv_receipt rc;
+        const kv_receipt_req *q = &w->rcpt_req;
+        if (kv_receipt_ans_from_payload(&st, &rc, msg.u.receipt, KV_PROTO_RECEIPT_SIZE, &d)) {
+            kv_rw_drop(r, w, "%s", d.msg);
+            return 0;
+        }
+        if (st == KV_RECEIPT_SIGNED &&
+            (sodium_memcmp(rc.node, w->key, 32) || strcmp(rc.gateway, q->gateway) ||
+             memcmp(rc.consumer, q->consumer, 32) || memcmp(rc.auth_nonce, q->auth_nonce, 16) ||
+             rc.n_products != q->n_products || memcmp(rc.log_digest, q->log_digest, 32))) {
+            kv_rw_drop(r, w, "signed a receipt for other figures or with another key than it proved");
+            return 0;
+        }
+        w->rcpt_wait = false;
+        w->rcpt_rc = st == KV_RECEIPT_SIGNED ? 0 : KV_LEDGER_RRECEIPT;
+        w->rcpt = rc;
         return 0;
     }
     if (!w->busy || !out) {
@@ -1162,4 +1193,41 @@ void kv_remote_tally_reset(kv_remote *r, uint32_t tag) {
     if (tag >= r->n_tags) return;
     memset(r->t_sent + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
     memset(r->t_ans + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+}
+
+/* ---- work receipts ------------------------------------------------------------ */
+
+int kv_remote_receipt(kv_remote *r, uint32_t i, const kv_receipt_req *q, struct kv_receipt *out, kv_diag *d) {
+    if (i >= r->n_w) return kv_fail(d, KV_EINVAL, "remote: no worker %u", i);
+    kv_rw *w = &r->w[i];
+    if (w->state != KV_RW_UP || w->busy)
+        return kv_fail(d, KV_ENOTFOUND, "remote: worker %s is not up for a receipt", w->addr);
+    const size_t cap = KV_PROTO_HEADER + KV_PROTO_RECEIPT_REQ_SIZE;
+    uint8_t *p = kv_net_conn_reserve(w->nc, cap);
+    if (!p) return kv_fail(d, KV_EINTERNAL, "remote: no room to queue a RECEIPT_REQ for %s", w->addr);
+    size_t len = 0;
+    int rc = kv_msg_receipt_req_encode(p, cap, ++w->req_id, q, &len, d);
+    if (rc) return rc;
+    kv_frame_set_version(p, w->version);
+    kv_net_conn_commit(w->nc, len);
+    r->bytes_sent += len;
+    w->rcpt_wait = true;
+    w->rcpt_id = w->req_id;
+    w->rcpt_req = *q;
+    const double deadline = kv_mono() + r->timeout_s;
+    while (w->rcpt_wait && w->state == KV_RW_UP) {
+        const double left = deadline - kv_mono();
+        if (left <= 0) {
+            kv_rw_drop(r, w, "no RECEIPT within %u ms", r->o.timeout_ms);
+            break;
+        }
+        kv_remote_poll(r, (int)ceil(left * 1000.0), NULL);
+    }
+    if (w->rcpt_wait) {
+        w->rcpt_wait = false;
+        return kv_fail(d, KV_EIO, "remote: worker %s gave no receipt: %s", w->addr, w->why);
+    }
+    if (w->rcpt_rc) return kv_fail(d, w->rcpt_rc, "remote: worker %s refused the receipt", w->addr);
+    *out = w->rcpt;
+    return 0;
 }

@@ -36,6 +36,7 @@
 #include "gateway/pay.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/gateway.h"
+#include "kvasir/ledger.h"
 
 enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
 
@@ -61,7 +62,9 @@ typedef struct kv_gw_req {
     bool paid;                  /* its work is recorded below when it finishes */
     uint64_t products;          /* its session's (token, expert) products (kv_session_work), once DONE */
     kv_gw_work_node *work;      /* [n_work] workers that answered some of them, once DONE */
+    kv_receipt *rcpts;          /* [n_work] their receipts (work[i].receipt points here) */
     uint32_t n_work;
+    uint8_t pay_consumer[32], pay_nonce[16]; /* the authorization it is paid by */
 } kv_gw_req;
 
 #define KV_GW_N_CODES 9
@@ -108,6 +111,7 @@ struct kv_gateway {
 static void kv_req_unref_locked(kv_gw_req *r) {
     if (--r->refs > 0) return;
     free(r->work);
+    free(r->rcpts);
     free(r->prompt);
     free(r->toks);
     free(r);
@@ -124,10 +128,31 @@ static void kv_req_record_work(kv_gateway *g, kv_gw_req *r) {
     r->products = kv_session_work(r->s, ans, ans ? nw : 0);
     uint32_t n = 0;
     for (uint32_t i = 0; ans && i < nw; i++) n += ans[i] > 0;
-    if (n && (r->work = calloc(n, sizeof *r->work))) {
+    static const uint8_t zero[32];
+    if (n && (r->work = calloc(n, sizeof *r->work)) && (r->rcpts = calloc(n, sizeof *r->rcpts))) {
         for (uint32_t i = 0; i < nw; i++) {
             if (!ans[i]) continue;
-            r->work[r->n_work++] = (kv_gw_work_node){.has_key = false, .answered = ans[i]};
+            kv_gw_work_node *nd = &r->work[r->n_work];
+            *nd = (kv_gw_work_node){.answered = ans[i]};
+            kv_remote_worker wi;
+            kv_remote_worker_info(rm, i, &wi);
+            if (wi.key && memcmp(wi.key, zero, 32)) {
+                /* the worker signs for what it computed; without its receipt
+                   its share goes back to the consumer (the ledger's rule) */
+                nd->has_key = true;
+                memcpy(nd->key, wi.key, 32);
+                kv_receipt_req q = {.n_products = ans[i] < KV_LEDGER_MAX_PRODUCTS ? ans[i] : KV_LEDGER_MAX_PRODUCTS};
+                snprintf(q.gateway, sizeof q.gateway, "%s", kv_gw_pay_id(g->pay));
+                memcpy(q.consumer, r->pay_consumer, 32);
+                memcpy(q.auth_nonce, r->pay_nonce, 16);
+                kv_gw_pay_log_digest(q.gateway, q.consumer, q.auth_nonce, nd->key, q.n_products, q.log_digest);
+                kv_diag d = {0};
+                if (kv_remote_receipt(rm, i, &q, &r->rcpts[r->n_work], &d) == 0)
+                    nd->receipt = &r->rcpts[r->n_work];
+                else
+                    fprintf(stderr, "gateway: no receipt from worker %s: %s\n", wi.addr, d.msg);
+            }
+            r->n_work++;
         }
     }
     free(ans);
@@ -135,7 +160,7 @@ static void kv_req_record_work(kv_gateway *g, kv_gw_req *r) {
 
 static void kv_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg) {
     if (r->s) {
-        if (r->paid) kv_req_record_work(g, r); /* who to pay */
+        if (r->paid && !err) kv_req_record_work(g, r); /* who to pay (a failed one is released) */
         r->stop = kv_session_stop_reason(r->s);
         kv_session_free(r->s);
         r->s = NULL;
@@ -602,6 +627,8 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         r->cap = (max_tokens < room ? max_tokens : room) + 1;
         r->toks = malloc((size_t)r->cap * sizeof *r->toks);
         r->paid = g->pay != NULL;
+        memcpy(r->pay_consumer, cn->charge.a.consumer, 32);
+        memcpy(r->pay_nonce, cn->charge.a.nonce, 16);
     }
     if (!r || !r->toks) {
         free(ids);
