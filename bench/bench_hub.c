@@ -57,8 +57,17 @@ static long arg_long(int argc, char **argv, const char *flag, long def, long lo,
     return def;
 }
 
-static kv_hub *open_hub(const char *manifest, char *dbpath, size_t cap, uint32_t per_ip) {
-    snprintf(dbpath, cap, "%s/kv_bench_hub_%ld.db", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (long)getpid());
+/* --db URI: the store (default a fresh SQLite file in TMPDIR; a PostgreSQL
+ * URI measures the shared backend: bench/hub.sh with HUB_PG=1) */
+static const char *arg_db(int argc, char **argv) {
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--db")) return argv[i + 1];
+    return NULL;
+}
+
+static kv_hub *open_hub(const char *manifest, char *dbpath, size_t cap, uint32_t per_ip, const char *uri) {
+    if (uri) snprintf(dbpath, cap, "%s", uri);
+    else snprintf(dbpath, cap, "%s/kv_bench_hub_%ld.db", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (long)getpid());
     kv_hub_opts o = {.manifest = manifest, .db = dbpath, .listen = "127.0.0.1:0", .quiet = true,
                      .per_ip_conns = per_ip, .max_conns = 4096, .threads = 4};
     kv_diag d = {0};
@@ -71,6 +80,7 @@ static kv_hub *open_hub(const char *manifest, char *dbpath, size_t cap, uint32_t
 }
 
 static void drop_db(const char *db) {
+    if (!strncmp(db, "pg:", 3) || !strncmp(db, "postgres", 8)) return; /* the script drops the server */
     char p[600];
     unlink(db);
     snprintf(p, sizeof p, "%s-wal", db);
@@ -95,7 +105,7 @@ static int bench_market(int argc, char **argv) {
     long n_nodes = arg_long(argc, argv, "--nodes", 2000, 1, 1000000);
     long reps = arg_long(argc, argv, "--reps", 20, 1, 10000);
     char db[512];
-    kv_hub *h = open_hub(argv[2], db, sizeof db, 64);
+    kv_hub *h = open_hub(argv[2], db, sizeof db, 64, arg_db(argc, argv));
     size_t ns = kv_hub_n_shards(h);
     /* every shard held twice, spread round-robin over the nodes; a tenth of
      * the nodes are past the deadline (so liveness is really evaluated) */
@@ -374,7 +384,7 @@ static int bench_load(int argc, char **argv) {
     char *sl = strrchr(dir, '/');
     if (sl) *sl = 0; else snprintf(dir, sizeof dir, ".");
     char db[512];
-    kv_hub *h = open_hub(argv[2], db, sizeof db, (uint32_t)(n_thr + n_rd + 8));
+    kv_hub *h = open_hub(argv[2], db, sizeof db, (uint32_t)(n_thr + n_rd + 8), arg_db(argc, argv));
     char url[200];
     snprintf(url, sizeof url, "http://%s", kv_hub_addr(h));
     lg g = {.url = url, .dir = dir, .m = m, .n_nodes = (size_t)n_nodes, .interval = interval / 1e3,

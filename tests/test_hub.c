@@ -18,6 +18,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <math.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -303,7 +304,21 @@ static void teardown(void) {
     curl_global_cleanup();
 }
 
-static void db_path(char *out, size_t cap, const char *name) { snprintf(out, cap, "%s/%s.db", g_dir, name); }
+/* The store of one case: a SQLite file, or (KV_TEST_PG names a PostgreSQL
+ * server: tests/test_pg_store.sh) a fresh database on it, so every case
+ * runs against both backends. */
+static void db_path(char *out, size_t cap, const char *name) {
+    const char *pg = getenv("KV_TEST_PG");
+    if (!pg || !*pg) {
+        snprintf(out, cap, "%s/%s.db", g_dir, name);
+        return;
+    }
+    char cmd[1024];
+    snprintf(out, cap, "pg:%s dbname=kvh_%s_%ld", pg, name, (long)getpid());
+    snprintf(cmd, sizeof cmd, "psql -X -q -v ON_ERROR_STOP=1 '%s dbname=postgres' -c 'CREATE DATABASE kvh_%s_%ld' >/dev/null",
+             pg, name, (long)getpid());
+    ASSERT_EQ(run_cmd(cmd), 0);
+}
 
 static unsigned char *read_file(const char *path, size_t *n) {
     FILE *f = fopen(path, "rb");
@@ -640,6 +655,119 @@ static void test_deadline(void) {
     resp_free(&r);
     int live3[64] = {1, 1, 2, 1};
     check_market(&p, live3, 2, 1000000);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Heartbeat bodies: the parser on good, truncated, out-of-range and
+ * unknown input; then a hub turns two reports into the rates and totals
+ * of GET /v1/nodes (bounded by the times the test measured around them),
+ * refuses bad bodies with a 400 and keeps serving, and serves GET / as
+ * the HTML status page. */
+static void test_nodes_served(void) {
+    kv_diag d = {0};
+    kv_hub_beat b;
+    ASSERT_EQ(kv_hub_parse_beat(&b, "", 0, &d), 0);
+    ASSERT_TRUE(!b.has);
+    ASSERT_EQ(kv_hub_parse_beat(&b, "{}", 2, &d), 0);
+    ASSERT_TRUE(!b.has);
+    const char *ok = "{\"served_pairs\":12,\"served_tokens\":3,\"later\":[1]}";
+    ASSERT_EQ(kv_hub_parse_beat(&b, ok, strlen(ok), &d), 0);
+    ASSERT_TRUE(b.has && b.served_pairs == 12 && b.served_tokens == 3);
+    const char *bad[] = {"{\"served_pairs\":12", "{\"served_pairs\":12}", "{\"served_pairs\":-1,\"served_tokens\":0}",
+                         "{\"served_pairs\":9007199254740993,\"served_tokens\":0}", "[]",
+                         "{\"served_pairs\":1.5,\"served_tokens\":0}", "{\"served_pairs\":1,\"served_pairs\":2}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&d, 0, sizeof d);
+        b.has = true;
+        if (kv_hub_parse_beat(&b, bad[i], strlen(bad[i]), &d) == 0 || b.has || !d.msg[0])
+            KVT_FAIL("heartbeat body '%s' was accepted", bad[i]);
+        kvt_checks++;
+    }
+
+    char db[512];
+    db_path(db, sizeof db, "served");
+    hub_proc p;
+    if (hub_start(&p, db, NULL)) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    kv_node_key a;
+    test_key(&a, 300);
+    const int sa[] = {0, 1};
+    ASSERT_EQ(do_register(&p, &a, "127.0.0.1:9300", sa, 2, NULL), 200);
+    const double t0 = mono_s();
+    resp r = post_signed(&p, &a, "/v1/heartbeat", "{\"served_pairs\":100,\"served_tokens\":10}", kv_node_next_counter(&a));
+    const double t1 = mono_s();
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    usleep(300 * 1000);
+    const double t2 = mono_s();
+    r = post_signed(&p, &a, "/v1/heartbeat", "{\"served_pairs\":700,\"served_tokens\":70}", kv_node_next_counter(&a));
+    const double t3 = mono_s();
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = get(&p, "/v1/nodes");
+    ASSERT_EQ(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *n0 = json_array_get(json_object_get(j, "nodes"), 0);
+    ASSERT_EQ(json_array_size(json_object_get(j, "nodes")), 1);
+    ASSERT_EQ(json_integer_value(json_object_get(n0, "served_pairs")), 700);
+    ASSERT_EQ(json_integer_value(json_object_get(n0, "served_tokens")), 70);
+    ASSERT_TRUE(json_is_true(json_object_get(n0, "live")));
+    ASSERT_EQ(json_array_size(json_object_get(n0, "shards")), 2);
+    ASSERT_TRUE(json_object_get(n0, "earned_micro_kvr") == NULL); /* no ledger behind this hub */
+    /* 600 computations between the reports, which the hub saw between
+       t2 - t1 and t3 - t0 apart (ms clock: 2 ms of slack each way) */
+    const double ps = json_number_value(json_object_get(n0, "pairs_per_s"));
+    const double lo = 600 / (t3 - t0 + 0.002), hi = 600 / (t2 - t1 - 0.002);
+    if (!(ps >= lo && ps <= hi)) KVT_FAIL("pairs_per_s %.3f outside [%.3f, %.3f]", ps, lo, hi);
+    kvt_checks++;
+    const double ts = json_number_value(json_object_get(n0, "tokens_per_s"));
+    if (!(fabs(ts * 10 - ps) <= 0.02 * ps)) KVT_FAIL("tokens_per_s %.3f is not a tenth of %.3f", ts, ps);
+    kvt_checks++;
+    /* the swarm's tokens/s: computations / (MoE layers x experts used) */
+    const double per_tok = (double)json_integer_value(json_object_get(j, "moe_layers")) *
+                           (double)json_integer_value(json_object_get(j, "n_expert_used"));
+    ASSERT_EQ(json_integer_value(json_object_get(j, "moe_layers")), (json_int_t)g_m->n_layer);
+    const double sw = json_number_value(json_object_get(j, "tokens_per_s"));
+    if (!(per_tok > 0 && fabs(sw - ps / per_tok) <= 0.002 + 1e-6 * ps)) KVT_FAIL("swarm tokens/s %.3f vs %.3f", sw, ps / per_tok);
+    kvt_checks++;
+    json_decref(j);
+    resp_free(&r);
+    /* totals that went down (a restarted node): no rate */
+    r = post_signed(&p, &a, "/v1/heartbeat", "{\"served_pairs\":5,\"served_tokens\":1}", kv_node_next_counter(&a));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = get(&p, "/v1/nodes");
+    j = json_loads(r.body, 0, NULL);
+    n0 = json_array_get(json_object_get(j, "nodes"), 0);
+    ASSERT_EQ(json_integer_value(json_object_get(n0, "served_pairs")), 5);
+    ASSERT_TRUE(json_number_value(json_object_get(n0, "pairs_per_s")) == 0);
+    json_decref(j);
+    resp_free(&r);
+    /* bad bodies: 400 in the hub's error shape, state unchanged, still serving */
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        r = post_signed(&p, &a, "/v1/heartbeat", bad[i], kv_node_next_counter(&a));
+        if (r.status != 400 || !is_json_error(&r)) KVT_FAIL("heartbeat '%s': status %ld", bad[i], r.status);
+        kvt_checks++;
+        resp_free(&r);
+    }
+    r = get(&p, "/v1/nodes");
+    j = json_loads(r.body, 0, NULL);
+    ASSERT_EQ(json_integer_value(json_object_get(json_array_get(json_object_get(j, "nodes"), 0), "served_pairs")), 5);
+    json_decref(j);
+    resp_free(&r);
+    r = get(&p, "/");
+    ASSERT_EQ(r.status, 200);
+    ASSERT_TRUE(strstr(r.body, "<title>Kvasir hub</title>") != NULL);
+    ASSERT_TRUE(strstr(r.body, "/v1/nodes") != NULL && strstr(r.body, "/v1/market") != NULL);
+    resp_free(&r);
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
@@ -1214,12 +1342,104 @@ static void test_voucher(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
+/* ---- two hubs on one PostgreSQL store -------------------------------------------- */
+/* A node registered at one hub is placed by the other; a nonce handed out
+ * by one is good once at either; a signed request accepted by one is a
+ * replay at the other; both publish the same market. */
+static void test_two_hubs_one_store(void) {
+    char db[512];
+    db_path(db, sizeof db, "shared");
+    hub_proc a, b;
+    if (hub_start(&a, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    if (hub_start(&b, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        hub_stop(&a);
+        return;
+    }
+    resp st = get(&b, "/v1/status");
+    ASSERT_TRUE(strstr(st.body, "\"store\":\"postgresql\"") != NULL);
+    resp_free(&st);
+    kv_node_key k, k2;
+    test_key(&k, 700);
+    test_key(&k2, 701);
+    const int s0[] = {0, 2};
+    /* a nonce from A, the registration at B */
+    char *nonce = fresh_nonce(&a);
+    ASSERT_TRUE(nonce != NULL);
+    char *body = announce_json(nonce, "127.0.0.1:9700", s0, 2, -1);
+    uint64_t c1 = kv_node_next_counter(&k);
+    resp r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* the same request replayed at A, and at B */
+    r = post_signed(&a, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(is_json_error(&r));
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    /* the used nonce under a fresh counter, by another key, at A: refused */
+    free(body);
+    body = announce_json(nonce, "127.0.0.1:9701", s0, 2, -1);
+    r = post_signed(&a, &k2, "/v1/register", body, kv_node_next_counter(&k2));
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(r.body && strstr(r.body, "nonce") != NULL);
+    resp_free(&r);
+    free(body);
+    free(nonce);
+    /* a heartbeat at A (which never saw the registration) is accepted;
+     * the same bytes at B are a replay */
+    uint64_t c2 = kv_node_next_counter(&k);
+    r = post_signed(&a, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", kv_node_next_counter(&k));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* a second node at A; both hubs then publish one market and place both */
+    const int s1[] = {1};
+    ASSERT_EQ(do_register(&a, &k2, "127.0.0.1:9702", s1, 1, NULL), 200);
+    usleep(250000); /* past both views' refresh_ms */
+    int live[64] = {1, 1, 1};
+    check_market(&a, live, 2, 1000000);
+    check_market(&b, live, 2, 1000000);
+    resp ma = get(&a, "/v1/market"), mb = get(&b, "/v1/market");
+    ASSERT_STREQ(ma.body, mb.body);
+    resp_free(&ma);
+    resp_free(&mb);
+    char ad[256];
+    placement_addrs(&b, 1, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9702");
+    placement_addrs(&a, 2, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9700");
+    ASSERT_EQ(hub_stop(&a), 0);
+    ASSERT_EQ(hub_stop(&b), 0);
+}
+
+static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_one_store)};
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
+    KVT_CASE(test_nodes_served),
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
     KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
     KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher),
 };
 
-int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
+int main(int argc, char **argv) {
+    /* on PostgreSQL every case, and those that need a shared store */
+    static kvt_case all[KVT_N(cases) + KVT_N(cases_pg)];
+    size_t n = 0;
+    for (size_t i = 0; i < KVT_N(cases); i++) all[n++] = cases[i];
+    if (getenv("KV_TEST_PG") && *getenv("KV_TEST_PG"))
+        for (size_t i = 0; i < KVT_N(cases_pg); i++) all[n++] = cases_pg[i];
+    return kvt_run_with(argc, argv, all, n, setup, teardown);
+}

@@ -16,30 +16,9 @@
 #define LP_PROCS 8
 
 /* ---- 4c. concurrent spends across processes ------------------------------------------------ */
+static void lp_bar_wait(void *bar) { pthread_barrier_wait(bar); }
 static int lp_naive_child(const char *path, const char *acct, uint64_t amount, pthread_barrier_t *bar) {
-    sqlite3 *db;
-    if (sqlite3_open(path, &db) != SQLITE_OK) return 2;
-    sqlite3_busy_timeout(db, 10000);
-    sqlite3_stmt *st;
-    sqlite3_prepare_v2(db, "SELECT balance FROM accounts WHERE id=?1", -1, &st, NULL);
-    sqlite3_bind_text(st, 1, acct, -1, SQLITE_STATIC);
-    sqlite3_int64 bal = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int64(st, 0) : 0;
-    sqlite3_finalize(st);
-    pthread_barrier_wait(bar);
-    int rc = 1;
-    if (bal >= (sqlite3_int64)amount) {
-        sqlite3_prepare_v2(db, "UPDATE accounts SET balance=?2 WHERE id=?1", -1, &st, NULL);
-        sqlite3_bind_text(st, 1, acct, -1, SQLITE_STATIC);
-        sqlite3_bind_int64(st, 2, bal - (sqlite3_int64)amount);
-        rc = sqlite3_step(st) == SQLITE_DONE ? 0 : 2;
-        sqlite3_finalize(st);
-        sqlite3_prepare_v2(db, "UPDATE accounts SET balance=balance+?1 WHERE id='escrow'", -1, &st, NULL);
-        sqlite3_bind_int64(st, 1, (sqlite3_int64)amount);
-        sqlite3_step(st);
-        sqlite3_finalize(st);
-    }
-    sqlite3_close(db);
-    return rc;
+    return lt_naive_spend(path, acct, amount, lp_bar_wait, bar);
 }
 static int lp_real_child(const char *path, const kv_auth *a, pthread_barrier_t *bar) {
     kv_ledger *l = NULL;
@@ -241,7 +220,7 @@ static void test_cli(void) {
     ASSERT_TRUE(bin != NULL);
     if (!bin) return;
     char o[4096], c_hex[128], db[300], op[300], ck[300], bad[300];
-    snprintf(db, sizeof db, "%s/cli.db", lt_dir);
+    lt_fresh(db, "cli");
     snprintf(op, sizeof op, "%s/op.key", lt_dir);
     snprintf(ck, sizeof ck, "%s/c.key", lt_dir);
     snprintf(bad, sizeof bad, "%s/bad.key", lt_dir);
@@ -252,27 +231,27 @@ static void test_cli(void) {
     ASSERT_EQ(lp_sh(o, sizeof o, "%s wallet show --key %s", bin, ck), 0);
     ASSERT_STREQ(o, c_hex);
     ASSERT_EQ(lp_sh(o, sizeof o, "%s wallet new --out %s", bin, bad), 0);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger init --db %s --key %s", bin, db, op), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger init --db '%s' --key %s", bin, db, op), 0);
     ASSERT_STREQ(o, "created");
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger init --db %s --key %s", bin, db, op), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger init --db '%s' --key %s", bin, db, op), 0);
     ASSERT_STREQ(o, "exists");
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger init --db %s --key %s 2>&1", bin, db, bad), 2);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger init --db '%s' --key %s 2>&1", bin, db, bad), 2);
     /* issuance: exactly once by id; a changed retry, another key, a node: refused */
     const char *id = "0123456789abcdef0123456789abcdef";
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to %s --amount 5000000 --id %s", bin, db, op, c_hex, id), 0);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to %s --amount 5000000 --id %s --json", bin, db, op, c_hex, id), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to %s --amount 5000000 --id %s", bin, db, op, c_hex, id), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to %s --amount 5000000 --id %s --json", bin, db, op, c_hex, id), 0);
     ASSERT_TRUE(strstr(o, "\"result\":\"exists\"") != NULL);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to %s --amount 5000001 --id %s 2>&1", bin, db, op, c_hex, id), 2);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to %s --amount 5 2>&1", bin, db, bad, c_hex), 2);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to %s --amount 5000001 --id %s 2>&1", bin, db, op, c_hex, id), 2);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to %s --amount 5 2>&1", bin, db, bad, c_hex), 2);
     ASSERT_TRUE(strstr(o, "operator") != NULL);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to node:%s --amount 5 2>&1", bin, db, op, c_hex), 2);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to %s --amount -5 2>&1", bin, db, op, c_hex), 1);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to %s --amount 4611686018427387904 2>&1", bin, db, op, c_hex), 1);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db %s --key %s --to zz --amount 5 2>&1", bin, db, op), 2);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to node:%s --amount 5 2>&1", bin, db, op, c_hex), 2);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to %s --amount -5 2>&1", bin, db, op, c_hex), 1);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to %s --amount 4611686018427387904 2>&1", bin, db, op, c_hex), 1);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger issue --db '%s' --key %s --to zz --amount 5 2>&1", bin, db, op), 2);
     ASSERT_TRUE(strchr(o, '\n') == NULL); /* one line */
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger balance --db %s --account %s", bin, db, c_hex), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger balance --db '%s' --account %s", bin, db, c_hex), 0);
     ASSERT_STREQ(o, "5000000");
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger balance --db %s --account mint --json", bin, db), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger balance --db '%s' --account mint --json", bin, db), 0);
     ASSERT_TRUE(strstr(o, "\"balance\":5000000}") != NULL);
     /* a payment header from the CLI, held by the library like a gateway would */
     char hdr[512];
@@ -290,21 +269,18 @@ static void test_cli(void) {
     kv_ledger_free(l);
     ASSERT_EQ(lp_sh(o, sizeof o, "%s wallet pay --key %s --gateway %s --max 0 2>&1", bin, ck, LT_GW), 1);
     ASSERT_EQ(lp_sh(o, sizeof o, "%s wallet pay --key %s --gateway 'a b' --max 5 2>&1", bin, ck), 2);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger statement --db %s --json", bin, db), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger statement --db '%s' --json", bin, db), 0);
     ASSERT_TRUE(strstr(o, "\"code\":\"issue\"") && strstr(o, "\"code\":\"hold\""));
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db %s", bin, db), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db '%s'", bin, db), 0);
     ASSERT_TRUE(!strncmp(o, "ledger ok: ", 11));
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db %s --json", bin, db), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db '%s' --json", bin, db), 0);
     ASSERT_TRUE(strstr(o, "\"ok\":true") && strstr(o, "\"escrow\":250000"));
     /* a tampered file fails the check with one line naming the invariant */
-    sqlite3 *sdb;
-    sqlite3_open(db, &sdb);
-    sqlite3_exec(sdb, "UPDATE accounts SET balance = balance + 1, credits = credits + 1 WHERE id = 'treasury'", NULL, NULL, NULL);
-    sqlite3_close(sdb);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db %s 2>&1", bin, db), 2);
+    ASSERT_EQ(lt_sql(db, "UPDATE accounts SET balance = balance + 1, credits = credits + 1 WHERE id = 'treasury'"), 0);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db '%s' 2>&1", bin, db), 2);
     ASSERT_TRUE(strstr(o, "invariant") != NULL && strchr(o, '\n') == NULL);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db %s/none.db 2>&1", bin, lt_dir), 2);
-    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger frobnicate --db %s 2>&1", bin, db), 1);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger check --db '%s'/none.db 2>&1", bin, lt_dir), 2);
+    ASSERT_EQ(lp_sh(o, sizeof o, "%s ledger frobnicate --db '%s' 2>&1", bin, db), 1);
 }
 
 static const kvt_case cases[] = {

@@ -1,6 +1,9 @@
-/* Shared helpers of the ledger tests: a temp folder of real SQLite files, an
- * operator key, settle requests with node-signed receipts, the invariant
- * check after every case, and the independent reference for the split
+/* Shared helpers of the ledger tests: a temp folder of real SQLite files
+ * (or, when KV_TEST_PG holds a libpq conninfo of a server, one fresh
+ * PostgreSQL database per ledger: tests/test_pg_store.sh), an operator key,
+ * settle requests with node-signed receipts, the invariant check after
+ * every case, raw SQL and a naive read-then-write spend behind the ledger's
+ * back for either backend, and the independent reference for the split
  * (OpenSSL big integers, not the library's 128-bit arithmetic). */
 #ifndef KVASIR_TEST_LEDGER_SUPPORT_H
 #define KVASIR_TEST_LEDGER_SUPPORT_H
@@ -12,8 +15,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sqlite3.h>
+
 #include "kvasir/ledger.h"
 #include "kvtest.h"
+#include "pg/pq.h"
 
 static char lt_dir[200];
 static kv_wallet lt_op;
@@ -21,10 +27,125 @@ static int lt_seq;
 #define LT_GW "gw-test"
 #define LT_FEE_BPS 500
 
+static const char *lt_pg; /* conninfo of the PostgreSQL server under test, or NULL (SQLite) */
+
 static int lt_setup(void) {
     snprintf(lt_dir, sizeof lt_dir, "%s/kv_ledger_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     if (!mkdtemp(lt_dir)) return 1;
+    lt_pg = getenv("KV_TEST_PG");
+    if (lt_pg && !*lt_pg) lt_pg = NULL;
     return kv_wallet_generate(&lt_op, NULL);
+}
+
+/* Runs sql on the store at path, behind the ledger's back. 0 when it ran. */
+static int lt_sql(const char *path, const char *sql) {
+    if (!kv_pq_uri(path)) {
+        sqlite3 *db;
+        if (sqlite3_open(path, &db) != SQLITE_OK) return -1;
+        sqlite3_busy_timeout(db, 10000);
+        int rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
+        sqlite3_close(db);
+        return rc == SQLITE_OK ? 0 : -1;
+    }
+#ifdef KV_HAVE_PG
+    PGconn *c = PQconnectdb(kv_pq_uri(path));
+    int rc = -1;
+    if (PQstatus(c) == CONNECTION_OK) {
+        PGresult *r = PQexec(c, "SET search_path = kvledger");
+        PQclear(r);
+        r = PQexec(c, sql);
+        rc = PQresultStatus(r) == PGRES_COMMAND_OK || PQresultStatus(r) == PGRES_TUPLES_OK ? 0 : -1;
+        if (rc) fprintf(stderr, "lt_sql: %s", PQresultErrorMessage(r));
+        PQclear(r);
+    } else {
+        fprintf(stderr, "lt_sql: %s", PQerrorMessage(c));
+    }
+    PQfinish(c);
+    return rc;
+#else
+    return -1;
+#endif
+}
+
+/* A new store location: a file path under lt_dir, or a fresh PostgreSQL
+ * database (created empty). Into path (256 bytes). */
+static void lt_fresh(char *path, const char *tag) {
+    static int n;
+    n++;
+    if (!lt_pg) {
+        snprintf(path, 256, "%s/%s-%d.db", lt_dir, tag, n);
+        return;
+    }
+    char admin[300], sql[128];
+    snprintf(admin, sizeof admin, "pg:%s dbname=postgres", lt_pg);
+    snprintf(sql, sizeof sql, "CREATE DATABASE kvl_%s_%ld_%d", tag, (long)getpid(), n);
+    ASSERT_EQ(lt_sql(admin, sql), 0);
+    snprintf(path, 256, "pg:%s dbname=kvl_%s_%ld_%d", lt_pg, tag, (long)getpid(), n);
+}
+
+/* The naive spend the attack tests exploit: read the balance, wait(arg)
+ * (every spender reads the same balance), then write balance - amount and
+ * credit the escrow, in separate statements without a lock. Returns 0
+ * spent, 1 not covered, 2 error. */
+static int lt_naive_spend(const char *path, const char *acct, uint64_t amount, void (*wait)(void *), void *arg) {
+    int rc = 2;
+    if (!kv_pq_uri(path)) {
+        sqlite3 *db;
+        if (sqlite3_open(path, &db) != SQLITE_OK) return 2;
+        sqlite3_busy_timeout(db, 10000);
+        sqlite3_stmt *st;
+        sqlite3_prepare_v2(db, "SELECT balance FROM accounts WHERE id=?1", -1, &st, NULL);
+        sqlite3_bind_text(st, 1, acct, -1, SQLITE_STATIC);
+        sqlite3_int64 bal = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int64(st, 0) : 0;
+        sqlite3_finalize(st);
+        wait(arg);
+        rc = 1;
+        if (bal >= (sqlite3_int64)amount) {
+            sqlite3_prepare_v2(db, "UPDATE accounts SET balance=?2 WHERE id=?1", -1, &st, NULL);
+            sqlite3_bind_text(st, 1, acct, -1, SQLITE_STATIC);
+            sqlite3_bind_int64(st, 2, bal - (sqlite3_int64)amount);
+            rc = sqlite3_step(st) == SQLITE_DONE ? 0 : 2;
+            sqlite3_finalize(st);
+            sqlite3_prepare_v2(db, "UPDATE accounts SET balance=balance+?1 WHERE id='escrow'", -1, &st, NULL);
+            sqlite3_bind_int64(st, 1, (sqlite3_int64)amount);
+            sqlite3_step(st);
+            sqlite3_finalize(st);
+        }
+        sqlite3_close(db);
+        return rc;
+    }
+#ifdef KV_HAVE_PG
+    PGconn *c = PQconnectdb(kv_pq_uri(path));
+    if (PQstatus(c) != CONNECTION_OK) {
+        PQfinish(c);
+        wait(arg);
+        return 2;
+    }
+    PQclear(PQexec(c, "SET search_path = kvledger"));
+    const char *v[2] = {acct, NULL};
+    PGresult *r = PQexecParams(c, "SELECT balance FROM accounts WHERE id=$1", 1, NULL, v, NULL, NULL, 0);
+    long long bal = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) ? strtoll(PQgetvalue(r, 0, 0), NULL, 10) : 0;
+    PQclear(r);
+    wait(arg);
+    rc = 1;
+    if (bal >= (long long)amount) {
+        char nb[32], am[32];
+        snprintf(nb, sizeof nb, "%lld", bal - (long long)amount);
+        snprintf(am, sizeof am, "%llu", (unsigned long long)amount);
+        const char *u[2] = {acct, nb};
+        r = PQexecParams(c, "UPDATE accounts SET balance=$2 WHERE id=$1", 2, NULL, u, NULL, NULL, 0);
+        rc = PQresultStatus(r) == PGRES_COMMAND_OK ? 0 : 2;
+        PQclear(r);
+        const char *e[1] = {am};
+        r = PQexecParams(c, "UPDATE accounts SET balance=balance+$1 WHERE id='escrow'", 1, NULL, e, NULL, NULL, 0);
+        PQclear(r);
+    }
+    PQfinish(c);
+    return rc;
+#else
+    wait(arg);
+    return 2;
+#endif
 }
 static void lt_teardown(void) {
     char cmd[300];
@@ -36,7 +157,8 @@ static void lt_teardown(void) {
 static kv_ledger *lt_new(char *path) {
     char p[256];
     if (!path) path = p;
-    snprintf(path, 256, "%s/ledger-%d.db", lt_dir, ++lt_seq);
+    lt_seq++;
+    lt_fresh(path, "ledger");
     kv_diag d = {0};
     int rc = kv_ledger_init(path, lt_op.pk, LT_FEE_BPS, &d);
     ASSERT_EQ(rc, 0);

@@ -343,7 +343,7 @@ static kv_gen_config g_cfg; /* the model's generator settings */
 static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest,
                                  uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
-    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL};
+    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL, 0, false};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }
@@ -825,7 +825,7 @@ static void test_mutual_keys(void) {
     kv_diag d = {0};
     kv_remote *r = NULL;
     kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                        (const uint8_t(*)[32])keys};
+                        (const uint8_t(*)[32])keys, 0, false};
     ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), 0);
     if (r) {
         check_exact(r, NULL, NULL, "workers under the keys they are listed with");

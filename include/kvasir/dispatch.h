@@ -551,6 +551,10 @@ typedef struct kv_remote_opts {
     const uint8_t (*worker_keys)[32]; /* [n_workers] key each worker must prove (mutual
                                    authentication, e.g. from the hub's placement); NULL or an
                                    all-zero entry: any key that signs the transcript */
+    uint32_t max_workers;       /* room for workers added later (kv_remote_add_worker), at most
+                                   KV_REMOTE_MAX_WORKERS; 0 = n_workers (none can be added) */
+    bool allow_uncovered;       /* open even when some expert has no holder up (compute fails with
+                                   KV_ENOTFOUND for it until a holder comes; kv_remote_coverage) */
 } kv_remote_opts;
 
 /* Opens the coordinator's side of a sliced model at manifest_path
@@ -668,5 +672,29 @@ int kv_remote_receipt(struct kv_remote *r, uint32_t i, const kv_receipt_req *q, 
  * KV_LEDGER_RRECEIPT and nothing is signed. */
 int kv_receipt_grant(kv_receipt_budget *b, const kv_receipt_req *q, const uint8_t sk[64], struct kv_receipt *out,
                      kv_diag *d);
+/* ---- a worker set that changes (coordinators fed by a hub's placement) ----
+ * Same thread as compute, never during it. */
+
+/* Adds worker addr (dialed at the next compute or kv_remote_tend, and used
+ * from the round after its handshake passed the checks of kv_remote_open).
+ * Returns 1 if added, 0 if it was already known (a known one that is down
+ * is dialed again at once), KV_ERANGE when max_workers are known, KV_EINVAL
+ * for an address that does not resolve. Allocates. */
+int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d);
+/* Progresses connections while no compute runs: dials workers whose
+ * backoff passed, completes handshakes, notices peers that closed. Waits
+ * at most timeout_ms (0 = just look). */
+void kv_remote_tend(kv_remote *r, int timeout_ms);
+
+/* Coverage of the slabs the forward pass needs (every slab of a MoE trunk
+ * layer): a slab is covered when each of its experts is served by a worker
+ * that is up now or present locally. missing gets the first cap uncovered
+ * slabs (manifest indices). */
+typedef struct kv_remote_coverage {
+    uint32_t total, covered;    /* slabs */
+    uint32_t workers_up;        /* workers handshaken now */
+    uint32_t n_missing;         /* entries written to missing (at most cap) */
+} kv_remote_coverage;
+void kv_remote_get_coverage(const kv_remote *r, kv_remote_coverage *out, uint32_t *missing, uint32_t cap);
 
 #endif

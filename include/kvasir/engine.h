@@ -63,6 +63,11 @@ typedef struct kv_engine_opts {
     uint32_t n_workers;
     uint32_t worker_timeout_ms;  /* per-layer deadline before a worker is dropped; 0 = 10000 */
     uint32_t wire;               /* KV_ENC_* of hidden states to workers; 0 = F32 (exact) */
+    uint32_t max_workers;        /* room for workers added later (kv_remote_add_worker through
+                                    kv_engine_remote); nonzero makes a coordinator even with no
+                                    worker yet; 0 = n_workers */
+    bool allow_uncovered;        /* coordinator: open even when some expert has no worker up
+                                    (a step needing it fails until one comes) */
     FILE *log;                   /* worker connects and drops; NULL = silent */
     /* authenticated dispatch (used at open only, with workers) */
     const uint8_t *key_sk;       /* [64] the coordinator's Ed25519 secret key: required with workers */

@@ -26,6 +26,7 @@ int kv_cmd_node(int argc, char **argv);
 int kv_cmd_wallet(int argc, char **argv);
 int kv_cmd_ledger(int argc, char **argv);
 int kv_cmd_gateway(int argc, char **argv);
+int kv_cmd_ring(int argc, char **argv);
 int kv_cmd_key(int argc, char **argv);
 
 struct kv_node_key;

@@ -14,12 +14,17 @@
 static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--wanted", "--deadline-ms",
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
                                              "--timeout", "--threads", "--challenge-every",
-                                             "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", NULL};
+                                             "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
+                                             NULL};
 
 static const char *kv_hub_help =
-    "usage: kvasir hub --model DIR/manifest.json --db FILE [--listen HOST:PORT] [options]\n"
+    "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
     "  --model PATH        the manifest of a sliced model; its pieces are served from its folder\n"
     "  --db FILE           SQLite store (created if absent; WAL mode); the registry survives restarts\n"
+    "  --db postgresql://USER@HOST/DB?host=SOCKETDIR\n"
+    "                      PostgreSQL store, shared by every hub started on it (also postgres://)\n"
+    "  --pg CONNINFO       the same with a libpq conninfo, e.g. 'host=/run/pg dbname=kvasir'\n"
+    "  --refresh-ms MS     shared store: the market/placement view is at most MS old (default 250)\n"
     "  --listen HOST:PORT  address to serve on (default 127.0.0.1:0; port 0 picks one, printed)\n"
     "  --wanted N          replicas wanted per shard (default 2)\n"
     "  --deadline-ms MS    a node is live while its last heartbeat is this recent (default 15000)\n"
@@ -48,6 +53,7 @@ static void kv_on_signal(int sig) {
 
 int kv_cmd_hub(int argc, char **argv) {
     kv_hub_opts o = {0};
+    static char pg_uri[2048];
     long v;
     uint8_t(*vk)[32] = NULL;
     size_t n_vk = 0;
@@ -79,6 +85,13 @@ int kv_cmd_hub(int argc, char **argv) {
             o.listen = s;
         } else if (!strcmp(a, "--db")) {
             o.db = s;
+        } else if (!strcmp(a, "--pg")) {
+            if (strlen(s) > sizeof pg_uri - 4) return kv_cli_err(CMD, 1, "--pg: conninfo longer than %zu bytes", sizeof pg_uri - 4);
+            snprintf(pg_uri, sizeof pg_uri, "pg:%s", s);
+            o.db = pg_uri;
+        } else if (!strcmp(a, "--refresh-ms")) {
+            if (kv_arg_long(CMD, a, s, 10, 60000, &v)) return 1;
+            o.refresh_ms = (uint32_t)v;
         } else if (!strcmp(a, "--wanted")) {
             if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
             o.wanted = (uint32_t)v;

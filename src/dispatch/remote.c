@@ -160,8 +160,10 @@ struct kv_remote {
     uint32_t max_slots;           /* chunk_tokens * n_used */
     double timeout_s, reconnect_s;
     /* workers */
-    kv_rw *w;                     /* [n_w] */
-    uint32_t n_w;
+    kv_rw *w;                     /* [cap_w], the first n_w in use (never moved: connections
+                                     point at their kv_rw) */
+    uint32_t n_w, cap_w;
+    size_t w_scap, w_rcap;        /* a worker's largest frame sent / received */
     kv_net_loop *loop;            /* every worker connection */
     float *cur_out;               /* where answers of the current poll go (NULL: none expected) */
     int n_done;                   /* requests completed in the current poll */
@@ -858,6 +860,26 @@ static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
     return 0;
 }
 
+/* Sets up w (a zeroed entry of r->w) for addr: resolved, DOWN with no
+ * backoff (dialed at the next poll), buffers for the largest frames. */
+static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, kv_diag *d) {
+    const size_t n_keys = (size_t)r->n_layer * r->n_expert, S = r->max_slots;
+    w->nc = NULL;
+    w->r = r;
+    w->state = KV_RW_DOWN;
+    if (snprintf(w->addr, sizeof w->addr, "%s", addr) >= (int)sizeof w->addr)
+        return kv_fail(d, KV_EINVAL, "remote: worker address '%.64s...' is too long", addr);
+    int rc = kv_remote_resolve(w, d);
+    if (rc) return rc;
+    w->holds = calloc(n_keys, 1);
+    w->scap = r->w_scap;
+    w->rcap = r->w_rcap;
+    w->pair_slot = malloc(S * sizeof *w->pair_slot);
+    w->pairs = malloc(S * sizeof *w->pairs);
+    if (!w->holds || !w->pair_slot || !w->pairs) return kv_fail(d, KV_ENOMEM, "remote: out of memory");
+    return 0;
+}
+
 void kv_remote_free(kv_remote *r) {
     if (!r) return;
     for (uint32_t i = 0; r->w && i < r->n_w; i++) {
@@ -965,14 +987,16 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->slot_owner = malloc(S * sizeof *r->slot_owner);
     r->exp_owner = malloc(r->n_expert * sizeof *r->exp_owner);
     r->n_w = r->o.n_workers;
-    r->load = calloc(r->n_w ? r->n_w : 1, sizeof *r->load);
+    r->cap_w = r->o.max_workers > r->n_w ? r->o.max_workers : r->n_w;
+    if (r->cap_w > KV_REMOTE_MAX_WORKERS) r->cap_w = KV_REMOTE_MAX_WORKERS;
+    r->load = calloc(r->cap_w ? r->cap_w : 1, sizeof *r->load);
     r->tok_local = malloc(r->chunk_tokens * sizeof *r->tok_local);
     r->xg = malloc((size_t)r->chunk_tokens * E * sizeof *r->xg);
     r->lg = calloc(m->n_slabs ? m->n_slabs : 1, sizeof *r->lg);
     r->lw = calloc(n_keys, sizeof *r->lw);
     r->lhas = calloc(n_keys, 1);
     r->rtt_us = malloc(KV_REMOTE_RTT_SAMPLES * sizeof *r->rtt_us);
-    r->w = calloc(r->n_w ? r->n_w : 1, sizeof *r->w);
+    r->w = calloc(r->cap_w ? r->cap_w : 1, sizeof *r->w);
     if (kv_net_loop_new(&r->loop, d)) {
         rc = KV_EIO;
         goto fail;
@@ -1009,24 +1033,12 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         rc = kv_fail(d, KV_EINTERNAL, "remote: frame sizes out of bounds");
         goto fail;
     }
-    for (uint32_t i = 0; i < r->n_w; i++) {
-        kv_rw *w = &r->w[i];
-        w->nc = NULL;
-        w->r = r;
-        w->state = KV_RW_DOWN;
-        snprintf(w->addr, sizeof w->addr, "%s", r->o.workers[i]);
-        if (r->o.worker_keys) memcpy(w->expect, r->o.worker_keys[i], 32);
-        if ((rc = kv_remote_resolve(w, d))) goto fail;
-        w->holds = calloc(n_keys, 1);
-        w->scap = s_max;
-        w->rcap = r_max;
-        w->pair_slot = malloc(S * sizeof *w->pair_slot);
-        w->pairs = malloc(S * sizeof *w->pairs);
-        if (!w->holds || !w->pair_slot || !w->pairs) {
-            rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
-            goto fail;
-        }
-    }
+    r->w_scap = s_max;
+    r->w_rcap = r_max;
+    for (uint32_t i = 0; i < r->n_w; i++)
+        if ((rc = kv_rw_init(r, &r->w[i], r->o.workers[i], d))) goto fail;
+    if (r->o.worker_keys)
+        for (uint32_t i = 0; i < r->n_w; i++) memcpy(r->w[i].expect, r->o.worker_keys[i], 32);
     /* connect and handshake with everyone at once */
     for (;;) {
         kv_remote_poll(r, 50, NULL);
@@ -1059,11 +1071,17 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
                                  r->w[i].why);
                 if (n > 0) o += (size_t)n;
             }
+            if (r->o.allow_uncovered) {
+                kv_rlog(r, "layer %u expert %u is served by no worker yet (%u of %u up; slab '%s')", L, e, n_up,
+                        r->n_w, slab);
+                goto covered_enough;
+            }
             rc = kv_fail(d, KV_ENOTFOUND, "remote: layer %u expert %u is served by no worker (%u of %u up) and its "
                          "slab '%s' is not present locally%s", L, e, n_up, r->n_w, slab, why);
             goto fail;
         }
     }
+covered_enough:
     r->prov = (kv_expert_provider){r, kv_remote_compute, NULL, "remote"};
     *out = r;
     return 0;
@@ -1131,7 +1149,7 @@ void kv_remote_reset_stats(kv_remote *r) {
 /* ---- per-session work tally ---------------------------------------------- */
 
 int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d) {
-    const uint32_t stride = r->n_w; /* every worker this remote can have (its set is fixed at open) */
+    const uint32_t stride = r->cap_w; /* every worker this remote can have, added ones included */
     const size_t n = (size_t)n_tags * stride;
     free(r->t_sent);
     free(r->t_ans);
@@ -1146,7 +1164,7 @@ int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d) {
     if (!r->t_sent || !r->t_ans || !r->ts_sent || !r->ts_ans) {
         r->n_tags = r->t_stride = 0;
         return kv_fail(d, KV_ENOMEM, "remote: out of memory for the work tally (%u sessions x %u workers)", n_tags,
-                       r->n_w);
+                       stride);
     }
     r->n_tags = n_tags;
     r->t_stride = stride;
@@ -1230,4 +1248,53 @@ int kv_remote_receipt(kv_remote *r, uint32_t i, const kv_receipt_req *q, struct 
     if (w->rcpt_rc) return kv_fail(d, w->rcpt_rc, "remote: worker %s refused the receipt", w->addr);
     *out = w->rcpt;
     return 0;
+}
+
+/* ---- a worker set that changes ---------------------------------------------- */
+
+int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d) {
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        kv_rw *w = &r->w[i];
+        if (strcmp(w->addr, addr)) continue;
+        /* named again by the placement: it may have restarted; quarantined
+         * ones still wait for their backoff */
+        if (w->state == KV_RW_DOWN && w->fails < 2) w->retry_at = 0;
+        return 0;
+    }
+    if (r->n_w >= r->cap_w)
+        return kv_fail(d, KV_ERANGE, "remote: cannot add worker %.64s: room for %u workers", addr, r->cap_w);
+    kv_rw *w = &r->w[r->n_w];
+    int rc = kv_rw_init(r, w, addr, d);
+    if (rc) {
+        free(w->holds);
+        free(w->pair_slot);
+        free(w->pairs);
+        memset(w, 0, sizeof *w);
+        return rc;
+    }
+    r->n_w++;
+    kv_rlog(r, "worker %s added", w->addr);
+    return 1;
+}
+
+void kv_remote_tend(kv_remote *r, int timeout_ms) { kv_remote_poll(r, timeout_ms, NULL); }
+
+void kv_remote_get_coverage(const kv_remote *r, kv_remote_coverage *out, uint32_t *missing, uint32_t cap) {
+    memset(out, 0, sizeof *out);
+    for (uint32_t i = 0; i < r->n_w; i++) out->workers_up += r->w[i].state == KV_RW_UP;
+    const kv_manifest *m = r->m;
+    for (size_t s = 0; s < m->n_slabs; s++) {
+        const kv_manifest_slab *sl = &m->slabs[s];
+        if (sl->layer >= r->n_layer - m->n_layer_nextn || !m->moe_layer[sl->layer]) continue;
+        out->total++;
+        bool ok = true;
+        for (uint32_t e = sl->first; e <= sl->last && e < r->n_expert && ok; e++) {
+            const size_t k = (size_t)sl->layer * r->n_expert + e;
+            bool held = r->lhas[k];
+            for (uint32_t i = 0; i < r->n_w && !held; i++) held = r->w[i].state == KV_RW_UP && r->w[i].holds[k];
+            ok = held;
+        }
+        if (ok) out->covered++;
+        else if (out->n_missing < cap) missing[out->n_missing++] = (uint32_t)s;
+    }
 }

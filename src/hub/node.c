@@ -631,6 +631,7 @@ struct kv_node {
     bool have_hub_key;
     atomic_int stop;
     int stop_pipe[2];
+    uint64_t retired_pairs, retired_tokens; /* served by workers already stopped */
 };
 
 static int64_t kv_mono_ms(void) {
@@ -698,6 +699,17 @@ static void kv_nw_stop(kv_node_worker *w) {
     }
     kv_worker_free(w->w);
     memset(w, 0, sizeof *w);
+}
+
+/* Stops w, keeping what it served in the node's totals (reported in heartbeats). */
+static void kv_node_retire(kv_node *n, kv_node_worker *w) {
+    if (w->w) {
+        kv_msg_stats st;
+        kv_worker_stats(w->w, &st);
+        n->retired_pairs += st.n_pairs;
+        n->retired_tokens += st.n_tokens;
+    }
+    kv_nw_stop(w);
 }
 
 void kv_node_free(kv_node *n) {
@@ -878,7 +890,20 @@ static int kv_node_heartbeat(kv_node *n, kv_diag *d) {
     n->last_beat_ms = kv_mono_ms();
     char *reply = NULL;
     long st = 0;
-    int rc = kv_node_post(n->o.hub, &n->key, "/v1/heartbeat", "{}", &reply, &st, d);
+    /* what this node served since it started (every worker it ran): the
+       hub turns the difference between beats into rates (docs/HUB.md) */
+    uint64_t pairs = n->retired_pairs, tokens = n->retired_tokens;
+    for (int k = 0; k < 2; k++) {
+        const kv_node_worker *w = k ? &n->old : &n->cur;
+        if (!w->w) continue;
+        kv_msg_stats ms;
+        kv_worker_stats(w->w, &ms);
+        pairs += ms.n_pairs;
+        tokens += ms.n_tokens;
+    }
+    char body[96];
+    snprintf(body, sizeof body, "{\"served_pairs\":%" PRIu64 ",\"served_tokens\":%" PRIu64 "}", pairs, tokens);
+    int rc = kv_node_post(n->o.hub, &n->key, "/v1/heartbeat", body, &reply, &st, d);
     if (rc) return rc;
     if (st == 404) { /* the hub forgot us (a new store): register again */
         free(reply);
@@ -976,11 +1001,11 @@ static int kv_node_switch(kv_node *n, const uint8_t *want, kv_diag *d) {
     kv_node_worker nw;
     int rc = kv_node_start_worker(n, want, &nw, d);
     if (rc == KV_EIO && n->cur.w) { /* a fixed port: break before make */
-        kv_nw_stop(&n->cur);
+        kv_node_retire(n, &n->cur);
         rc = kv_node_start_worker(n, want, &nw, d);
     }
     if (rc) return rc;
-    kv_nw_stop(&n->old);
+    kv_node_retire(n, &n->old);
     n->old = n->cur;
     /* coordinators that read the placement map before the switch still
      * reach the old address for a while */
@@ -1073,7 +1098,7 @@ int kv_node_run(kv_node *n, kv_diag *d) {
         bool any = false;
         for (size_t i = 0; i < ns; i++) any |= n->held[i];
         if (any && !n->registered && kv_node_register(n, &e)) kv_node_log(n, "%s", e.msg);
-        if (n->old.w && kv_mono_ms() >= n->old_until_ms) kv_nw_stop(&n->old);
+        if (n->old.w && kv_mono_ms() >= n->old_until_ms) kv_node_retire(n, &n->old);
         /* jitter keeps nodes that started together from choosing in lockstep */
         int64_t wait = (int64_t)n->interval_ms + (int64_t)(rand() % (n->interval_ms / 4 + 1));
         kv_node_sleep(n, wait - (kv_mono_ms() - t0));

@@ -6,6 +6,21 @@
  * so an acknowledged change survives a restart and a failed write changes
  * nothing. The market and the placement map are computed from memory.
  *
+ * Shared stores. When the store is shared (PostgreSQL: several hub
+ * processes on one database), the store decides every signed write: its
+ * counter condition and nonce consumption run inside its transaction, so a
+ * request accepted by one hub is refused by every other, and a nonce one hub
+ * handed out can be used once at any of them. Memory is then a view of the
+ * store that lives about refresh_ms: a refresher thread reloads it from a
+ * second connection (outside the state lock, so no request waits for a
+ * reload); the market, placement and status answer 503 while the view is
+ * older than 4 refresh periods plus a second (the store is unreachable), and
+ * a signed request from a key this hub has not seen loads that node from
+ * the store. A reloaded record replaces the one in memory only
+ * when its counter is higher, so a snapshot taken before this hub's own
+ * write cannot undo it. Pending storage challenges stay with the hub that
+ * issued them.
+ *
  * Requests. A handler runs only once the whole body is in (bounded by
  * max_body: a larger Content-Length, or a chunked body that grows past it,
  * is answered 413 at once). State-changing requests are POSTs whose headers
@@ -44,6 +59,10 @@
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
 
+/* the status page (src/hub/status.html, embedded at build time) */
+extern const unsigned char kv_status_page_data[];
+extern const size_t kv_status_page_len;
+
 typedef struct kv_hub_node {
     uint8_t pk[32];                       /* identity */
     char addr[KV_HUB_MAX_ADDR + 1];       /* dispatch HOST:PORT */
@@ -58,6 +77,10 @@ typedef struct kv_hub_node {
     uint8_t ch_nonce[32];
     uint32_t ch_slab;                     /* slab index challenged */
     int64_t ch_issued_ms;
+    /* what it served, from its heartbeats (memory only: rates restart with the hub) */
+    uint64_t served_pairs, served_tokens; /* totals last reported (since the node started) */
+    int64_t served_ms;                    /* when; 0 = never reported */
+    double pairs_per_s, tokens_per_s;     /* between its last two reports */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -83,6 +106,14 @@ struct kv_hub {
     size_t n_paths;
     uint32_t *wanted;           /* [n_slabs] replicas wanted per shard */
     kv_hub_store store;
+    bool shared;                /* the store is shared with other hubs (store.h) */
+    kv_hub_store rstore;        /* shared only: the connection the view is reloaded from */
+    pthread_mutex_t refresh_mu; /* guards rstore and refresh_stop (held during a reload) */
+    pthread_cond_t refresh_cv;  /* wakes the refresher to stop */
+    pthread_t refresher;        /* reloads the view every refresh_ms */
+    bool refresher_on, refresh_stop;
+    int64_t refreshed_ms;       /* wall clock of the last successful reload (atomic) */
+    kv_diag refresh_diag;       /* why the last reload failed, if it did (under mu) */
     pthread_mutex_t mu;         /* guards everything below and the store */
     kv_hub_node *nodes;         /* [n_nodes] */
     size_t n_nodes, cap_nodes;
@@ -214,7 +245,8 @@ static int64_t kv_slab_find(const kv_manifest *m, uint32_t layer, uint32_t first
 }
 
 /* The store's view of a node: its holdings with the manifest's hashes. */
-static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *slabs, size_t ns, kv_diag *d) {
+static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *slabs, size_t ns,
+                             const uint8_t *nonce, int64_t now, kv_diag *d) {
     kv_hub_held *held = calloc(ns ? ns : 1, sizeof *held);
     if (!held) return kv_fail(d, KV_ENOMEM, "out of memory");
     for (size_t i = 0; i < ns; i++) {
@@ -227,8 +259,73 @@ static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *sl
     memcpy(r.pk, n->pk, 32);
     memcpy(r.addr, n->addr, sizeof r.addr);
     memcpy(r.backend, n->backend, sizeof r.backend);
-    int rc = h->store.ops->node_put(h->store.impl, &r, d);
+    int rc = h->store.ops->node_put(h->store.impl, &r, nonce, now, d);
     free(held);
+    return rc;
+}
+
+/* ---- the view of a shared store ------------------------------------------- */
+
+static int kv_node_reload(void *arg, const kv_hub_node_rec *r);
+
+/* One node of a reloaded snapshot: taken when memory has never seen it or
+ * the snapshot's counter is higher (a newer accepted request, at this hub or
+ * another); otherwise memory is as new (it follows this hub's own writes,
+ * which the snapshot may predate). Takes mu per node, so requests are not
+ * held for the whole reload. */
+static int kv_node_merge(void *arg, const kv_hub_node_rec *r) {
+    kv_hub *h = arg;
+    int rc = 0;
+    pthread_mutex_lock(&h->mu);
+    kv_hub_node *n = kv_node_find(h, r->pk);
+    if (!n) {
+        if (h->n_nodes < KV_HUB_MAX_NODES) rc = kv_node_reload(h, r);
+    } else if (r->counter > n->counter) {
+        bool again = r->registered_ms != n->registered_ms;
+        rc = kv_node_reload(h, r);
+        /* a registration elsewhere replaced the holdings it was asked about */
+        if (!rc && again) n->ch_pending = false;
+    }
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
+/* The refresher: one reload per refresh_ms until kv_hub_free stops it. */
+static void *kv_hub_refresher(void *arg) {
+    kv_hub *h = arg;
+    pthread_mutex_lock(&h->refresh_mu);
+    while (!h->refresh_stop) {
+        kv_diag d = {0};
+        int rc = h->rstore.ops->node_each(h->rstore.impl, kv_node_merge, h, &d);
+        if (rc == KV_ENOMEM) kv_fail(&d, rc, "hub: out of memory reloading nodes");
+        if (!rc) {
+            __atomic_store_n(&h->refreshed_ms, kv_now_ms(), __ATOMIC_RELEASE);
+        } else {
+            pthread_mutex_lock(&h->mu);
+            h->refresh_diag = d;
+            pthread_mutex_unlock(&h->mu);
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)h->o.refresh_ms * 1000000u;
+        ts.tv_sec += (time_t)(ns / 1000000000u);
+        ts.tv_nsec = (long)(ns % 1000000000u);
+        if (!h->refresh_stop) pthread_cond_timedwait(&h->refresh_cv, &h->refresh_mu, &ts);
+    }
+    pthread_mutex_unlock(&h->refresh_mu);
+    return NULL;
+}
+
+/* Shared store: 0 while the view is fresh, else KV_EIO with the reason (a
+ * view older than four refresh periods plus a second is not served). */
+static int kv_hub_refresh(kv_hub *h, kv_diag *d) {
+    if (!h->shared) return 0;
+    int64_t age = kv_now_ms() - __atomic_load_n(&h->refreshed_ms, __ATOMIC_ACQUIRE);
+    if (age <= 4 * (int64_t)h->o.refresh_ms + 1000) return 0;
+    pthread_mutex_lock(&h->mu);
+    int rc = kv_fail(d, KV_EIO, "hub: the view of the shared store is %lld ms old: %s", (long long)age,
+                     h->refresh_diag.msg[0] ? h->refresh_diag.msg : "no reload yet");
+    pthread_mutex_unlock(&h->mu);
     return rc;
 }
 
@@ -278,6 +375,12 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
         free(ord);
         return kv_fail(d, KV_ENOMEM, "market: out of memory");
     }
+    int rc = kv_hub_refresh(h, d);
+    if (rc) {
+        free(live);
+        free(ord);
+        return rc;
+    }
     int64_t now = kv_now_ms();
     pthread_mutex_lock(&h->mu);
     kv_mkt_live(h, now, live);
@@ -317,6 +420,8 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
 static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, size_t *len, kv_diag *d) {
     *out = NULL;
     const size_t ns = h->m->n_slabs;
+    int rc = kv_hub_refresh(h, d);
+    if (rc) return rc;
     int64_t now = kv_now_ms();
     kv_sb b = {0};
     pthread_mutex_lock(&h->mu);
@@ -612,16 +717,33 @@ static void kv_challenge_json(const kv_hub *h, const kv_hub_node *n, json_t *out
     json_object_set_new(out, "challenge", c);
 }
 
-/* Drops a node's holdings (store first), keeping it registered. */
-static int kv_node_drop(kv_hub *h, kv_hub_node *n, uint64_t counter, kv_diag *d) {
-    int rc = h->store.ops->node_drop_shards(h->store.impl, n->pk, counter, d);
+/* Drops a node's holdings (store first), keeping it registered; moves its
+ * counter on and, when last_seen_ms >= 0, its last heartbeat. */
+static int kv_node_drop(kv_hub *h, kv_hub_node *n, uint64_t counter, int64_t last_seen_ms, kv_diag *d) {
+    int rc = h->store.ops->node_drop_shards(h->store.impl, n->pk, counter, last_seen_ms, d);
     if (rc) return rc;
     free(n->slabs);
     n->slabs = NULL;
     n->n_slabs = 0;
     n->counter = counter;
+    if (last_seen_ms >= 0) n->last_seen_ms = last_seen_ms;
     n->ch_pending = false;
     return 0;
+}
+
+/* HTTP status for a failed conditional store write (store.h codes). */
+static unsigned kv_store_http(int rc) {
+    return rc == KV_EPROTO ? MHD_HTTP_CONFLICT : rc == KV_ENOTFOUND ? MHD_HTTP_NOT_FOUND
+                                                                    : MHD_HTTP_INTERNAL_SERVER_ERROR;
+}
+
+/* Shared store: loads node pk from the store into memory; caller holds mu.
+ * NULL when the store has no such node (or it could not be loaded: *rc). */
+static kv_hub_node *kv_node_fetch(kv_hub *h, const uint8_t pk[32], int *rc, kv_diag *d) {
+    *rc = KV_ENOTFOUND;
+    if (!h->shared || h->n_nodes >= KV_HUB_MAX_NODES) return NULL;
+    *rc = h->store.ops->node_get(h->store.impl, pk, kv_node_reload, h, d);
+    return *rc ? NULL : kv_node_find(h, pk);
 }
 
 static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
@@ -664,7 +786,14 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     memcpy(&slot, a.nonce, 4);
     kv_hub_nonce *nc = &h->nonces[slot % KV_HUB_MAX_NONCES];
     kv_hub_node *n = kv_node_find(h, s->pk);
-    if (!nc->live || memcmp(nc->nonce, a.nonce, 32) || nc->expires_ms < now) {
+    int frc = 0;
+    if (!n && !(n = kv_node_fetch(h, s->pk, &frc, &d)) && frc != KV_ENOTFOUND) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        goto out;
+    }
+    /* a shared store checks and consumes the nonce in node_put */
+    if (!h->shared && (!nc->live || memcmp(nc->nonce, a.nonce, 32) || nc->expires_ms < now)) {
         pthread_mutex_unlock(&h->mu);
         ret = kv_reply_err(c, MHD_HTTP_CONFLICT, KV_EPROTO,
                            "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
@@ -689,9 +818,14 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     tmp.memory = a.memory;
     tmp.counter = s->counter;
     tmp.last_seen_ms = tmp.registered_ms = now;
-    if (kv_node_store_put(h, &tmp, sl, a.n_shards, &d)) {
+    int wrc = kv_node_store_put(h, &tmp, sl, a.n_shards, h->shared ? a.nonce : NULL, now, &d);
+    if (wrc) {
         pthread_mutex_unlock(&h->mu);
-        ret = kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        if (wrc == KV_ENOTFOUND) /* the shared store's nonce check */
+            ret = kv_reply_err(c, MHD_HTTP_CONFLICT, KV_EPROTO,
+                               "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
+        else
+            ret = kv_reply_diag(c, kv_store_http(wrc), &d);
         goto out;
     }
     if (!n && !(n = kv_node_add(h, s->pk))) {
@@ -700,7 +834,7 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
         ret = kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
         goto out;
     }
-    nc->live = false;
+    if (!h->shared) nc->live = false;
     free(n->slabs);
     tmp.slabs = sl;
     tmp.n_slabs = a.n_shards;
@@ -724,6 +858,13 @@ out:
 static kv_hub_node *kv_lock_signer(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, enum MHD_Result *ret) {
     pthread_mutex_lock(&h->mu);
     kv_hub_node *n = kv_node_find(h, s->pk);
+    int frc = 0;
+    kv_diag d = {0};
+    if (!n && !(n = kv_node_fetch(h, s->pk, &frc, &d)) && frc != KV_ENOTFOUND) {
+        pthread_mutex_unlock(&h->mu);
+        *ret = kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        return NULL;
+    }
     if (!n) {
         pthread_mutex_unlock(&h->mu);
         *ret = kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "unknown node: register first (POST /v1/register)");
@@ -740,29 +881,49 @@ static kv_hub_node *kv_lock_signer(kv_hub *h, struct MHD_Connection *c, const kv
     return n;
 }
 
-static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, const kv_signed *s) {
+/* A report of served totals: rates from the difference with the last one
+ * (a total that went down is a restarted node: no rate this time). */
+static void kv_node_served(kv_hub_node *n, const kv_hub_beat *b, int64_t now) {
+    if (!b->has) return;
+    if (n->served_ms && now > n->served_ms && b->served_pairs >= n->served_pairs &&
+        b->served_tokens >= n->served_tokens) {
+        const double dt = (double)(now - n->served_ms) / 1000.0;
+        n->pairs_per_s = (double)(b->served_pairs - n->served_pairs) / dt;
+        n->tokens_per_s = (double)(b->served_tokens - n->served_tokens) / dt;
+    } else {
+        n->pairs_per_s = n->tokens_per_s = 0;
+    }
+    n->served_pairs = b->served_pairs;
+    n->served_tokens = b->served_tokens;
+    n->served_ms = now;
+}
+
+static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     enum MHD_Result ret;
     kv_diag d = {0};
+    kv_hub_beat beat;
+    if (kv_hub_parse_beat(&beat, q->body ? q->body : "", q->n, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
     kv_hub_node *n = kv_lock_signer(h, c, s, &ret);
     if (!n) return ret;
     int64_t now = kv_now_ms();
     json_t *j = json_object();
+    int wrc;
     if (n->ch_pending && now - n->ch_issued_ms > (int64_t)h->o.challenge_ttl_ms) {
         /* an unanswered storage challenge counts as a failed one */
-        if (kv_node_drop(h, n, s->counter, &d)) {
+        if ((wrc = kv_node_drop(h, n, s->counter, now, &d))) {
             pthread_mutex_unlock(&h->mu);
             json_decref(j);
-            return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply_diag(c, kv_store_http(wrc), &d);
         }
         json_object_set_new(j, "dropped", json_string("storage challenge not answered in time: holdings dropped"));
-    }
-    if (h->store.ops->node_touch(h->store.impl, n->pk, s->counter, now, &d)) {
+    } else if ((wrc = h->store.ops->node_touch(h->store.impl, n->pk, s->counter, now, &d))) {
         pthread_mutex_unlock(&h->mu);
         json_decref(j);
-        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        return kv_reply_diag(c, kv_store_http(wrc), &d);
     }
     n->counter = s->counter;
     n->last_seen_ms = now;
+    kv_node_served(n, &beat, now);
     if (!n->ch_pending && ++n->beats >= h->o.challenge_every) kv_challenge_issue(n, now);
     json_object_set_new(j, "ok", json_true());
     json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
@@ -788,10 +949,11 @@ static enum MHD_Result kv_do_answer(kv_hub *h, struct MHD_Connection *c, const k
         pthread_mutex_unlock(&h->mu);
         return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
     }
+    int wrc;
     if (sodium_memcmp(want, ans, 32) == 0) {
-        if (h->store.ops->node_touch(h->store.impl, n->pk, s->counter, n->last_seen_ms, &d)) {
+        if ((wrc = h->store.ops->node_touch(h->store.impl, n->pk, s->counter, -1, &d))) {
             pthread_mutex_unlock(&h->mu);
-            return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply_diag(c, kv_store_http(wrc), &d);
         }
         n->counter = s->counter;
         n->ch_pending = false;
@@ -801,9 +963,9 @@ static enum MHD_Result kv_do_answer(kv_hub *h, struct MHD_Connection *c, const k
         return kv_reply_json(c, MHD_HTTP_OK, j);
     }
     uint32_t L = sl->layer, F = sl->first, T = sl->last;
-    if (kv_node_drop(h, n, s->counter, &d)) {
+    if ((wrc = kv_node_drop(h, n, s->counter, -1, &d))) {
         pthread_mutex_unlock(&h->mu);
-        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        return kv_reply_diag(c, kv_store_http(wrc), &d);
     }
     pthread_mutex_unlock(&h->mu);
     return kv_reply_errf(c, MHD_HTTP_UNPROCESSABLE_CONTENT, KV_EHASH,
@@ -814,14 +976,23 @@ static enum MHD_Result kv_do_nonce(kv_hub *h, struct MHD_Connection *c) {
     uint8_t nonce[32];
     int64_t now = kv_now_ms();
     pthread_mutex_lock(&h->mu);
-    uint32_t slot = h->nonce_next++ % KV_HUB_MAX_NONCES;
-    memcpy(nonce, &slot, 4);
-    randombytes_buf(nonce + 4, 28);
-    kv_hub_nonce *e = &h->nonces[slot];
-    memcpy(e->nonce, nonce, 32);
-    e->expires_ms = now + KV_HUB_NONCE_TTL_MS;
-    e->live = true;
-    pthread_mutex_unlock(&h->mu);
+    if (h->shared) {
+        /* every hub on the store can take it: the store keeps the ring */
+        kv_diag d = {0};
+        randombytes_buf(nonce, 32);
+        int rc = h->store.ops->nonce_put(h->store.impl, nonce, now + KV_HUB_NONCE_TTL_MS, &d);
+        pthread_mutex_unlock(&h->mu);
+        if (rc) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    } else {
+        uint32_t slot = h->nonce_next++ % KV_HUB_MAX_NONCES;
+        memcpy(nonce, &slot, 4);
+        randombytes_buf(nonce + 4, 28);
+        kv_hub_nonce *e = &h->nonces[slot];
+        memcpy(e->nonce, nonce, 32);
+        e->expires_ms = now + KV_HUB_NONCE_TTL_MS;
+        e->live = true;
+        pthread_mutex_unlock(&h->mu);
+    }
     char hex[65];
     kv_hex(nonce, 32, hex);
     json_t *j = json_object();
@@ -831,6 +1002,8 @@ static enum MHD_Result kv_do_nonce(kv_hub *h, struct MHD_Connection *c) {
 }
 
 static enum MHD_Result kv_do_status(kv_hub *h, struct MHD_Connection *c) {
+    kv_diag d = {0};
+    if (kv_hub_refresh(h, &d)) return kv_reply_diag(c, MHD_HTTP_SERVICE_UNAVAILABLE, &d);
     int64_t now = kv_now_ms();
     pthread_mutex_lock(&h->mu);
     size_t n_live = 0;
@@ -897,6 +1070,89 @@ static int kv_hub_load_key(kv_hub *h, kv_diag *d) {
 }
 
 const uint8_t *kv_hub_key(const kv_hub *h) { return h->hub_pk; }
+/* GET /v1/nodes: every registered node, what it holds and serves, and the
+ * swarm's rates (docs/HUB.md). Node fields need no escaping (addr and
+ * backend are from the announcement's character sets). earned_micro_kvr
+ * is present only when opts.earned answers for the node. */
+static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
+    *out = NULL;
+    const kv_manifest *m = h->m;
+    uint32_t n_moe = 0;
+    for (uint32_t L = 0; L + m->n_layer_nextn < m->n_layer; L++) n_moe += m->moe_layer[L] ? 1 : 0;
+    /* earnings come from outside (the ledger): looked up without the
+       registry lock, for the nodes known now, matched by key below */
+    size_t n_earn = 0;
+    uint8_t (*pks)[32] = NULL;
+    uint64_t *earn = NULL;
+    uint8_t *has = NULL;
+    if (h->o.earned) {
+        pthread_mutex_lock(&h->mu);
+        n_earn = h->n_nodes;
+        pks = malloc((n_earn ? n_earn : 1) * 32);
+        if (pks)
+            for (size_t k = 0; k < n_earn; k++) memcpy(pks[k], h->nodes[k].pk, 32);
+        pthread_mutex_unlock(&h->mu);
+        earn = calloc(n_earn ? n_earn : 1, sizeof *earn);
+        has = calloc(n_earn ? n_earn : 1, 1);
+        if (!pks || !earn || !has) {
+            free(pks);
+            free(earn);
+            free(has);
+            return kv_fail(d, KV_ENOMEM, "nodes: out of memory");
+        }
+        for (size_t k = 0; k < n_earn; k++) has[k] = h->o.earned(h->o.earned_arg, pks[k], &earn[k]) == 0;
+    }
+    const int64_t now = kv_now_ms();
+    kv_sb b = {0};
+    double pairs_s = 0, rows_s = 0;
+    size_t n_live = 0;
+    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"now_ms\":%" PRId64 ",\"deadline_ms\":%u,\"n_layer\":%u,"
+                 "\"n_expert\":%u,\"n_expert_used\":%u,\"moe_layers\":%u,\"nodes\":[", m->model_id, now,
+                 h->o.deadline_ms, m->n_layer, m->n_expert, m->n_expert_used, n_moe);
+    pthread_mutex_lock(&h->mu);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *n = &h->nodes[k];
+        const bool live = kv_node_live(h, n, now);
+        /* a node that stopped beating serves nothing now */
+        const double ps = live ? n->pairs_per_s : 0, ts = live ? n->tokens_per_s : 0;
+        n_live += live;
+        pairs_s += ps;
+        rows_s += ts;
+        char hex[65];
+        kv_hex(n->pk, 32, hex);
+        kv_sb_printf(&b, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"backend\":\"%s\",\"memory\":%" PRIu64
+                     ",\"live\":%s,\"last_seen_ms\":%" PRId64 ",\"registered_ms\":%" PRId64 ",\"served_pairs\":%"
+                     PRIu64 ",\"served_tokens\":%" PRIu64 ",\"pairs_per_s\":%.3f,\"tokens_per_s\":%.3f",
+                     k ? "," : "", hex, n->addr, n->backend, n->memory, live ? "true" : "false", n->last_seen_ms,
+                     n->registered_ms, n->served_pairs, n->served_tokens, ps, ts);
+        if (k < n_earn && has[k] && !memcmp(pks[k], n->pk, 32))
+            kv_sb_printf(&b, ",\"earned_micro_kvr\":%" PRIu64, earn[k]);
+        kv_sb_printf(&b, ",\"shards\":[");
+        for (size_t i = 0; i < n->n_slabs; i++) {
+            const kv_manifest_slab *sl = &m->slabs[n->slabs[i]];
+            kv_sb_printf(&b, "%s[%u,%u,%u]", i ? "," : "", sl->layer, sl->first, sl->last);
+        }
+        kv_sb_printf(&b, "]}");
+    }
+    pthread_mutex_unlock(&h->mu);
+    free(pks);
+    free(earn);
+    free(has);
+    /* every token through the swarm (prompt or generated, from any
+       coordinator) costs n_expert_used expert computations per MoE layer */
+    const double per_tok = (double)n_moe * (m->n_expert_used ? m->n_expert_used : 1);
+    kv_sb_printf(&b, "],\"live_nodes\":%zu,\"pairs_per_s\":%.3f,\"rows_per_s\":%.3f,\"tokens_per_s\":%.3f}\n",
+                 n_live, pairs_s, rows_s, per_tok > 0 ? pairs_s / per_tok : 0.0);
+    if (b.oom) {
+        free(b.p);
+        return kv_fail(d, KV_ENOMEM, "nodes: out of memory");
+    }
+    *out = b.p;
+    *len = b.n;
+    return 0;
+}
+
+int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d) { return kv_hub_nodes_render(h, out, len, d); }
 
 /* ---- dispatch --------------------------------------------------------------- */
 
@@ -960,6 +1216,19 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         if (!strncmp(url, "/v1/pieces/", 11)) return kv_serve_piece(h, c, url + 11);
         if (!strcmp(url, "/v1/nonce")) return kv_do_nonce(h, c);
         if (!strcmp(url, "/v1/status")) return kv_do_status(h, c);
+        if (!strcmp(url, "/") || !strcmp(url, "/index.html")) {
+            char *s = malloc(kv_status_page_len + 1);
+            if (!s) return MHD_NO;
+            memcpy(s, kv_status_page_data, kv_status_page_len);
+            return kv_reply(c, MHD_HTTP_OK, "text/html; charset=utf-8", s, kv_status_page_len);
+        }
+        if (!strcmp(url, "/v1/nodes")) {
+            kv_diag d = {0};
+            char *s;
+            size_t n;
+            if (kv_hub_nodes_render(h, &s, &n, &d)) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
+        }
         if (!strcmp(url, "/v1/market") || !strcmp(url, "/v1/placement")) {
             kv_diag d = {0};
             char *s;
@@ -981,7 +1250,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
                 }
                 rc = kv_hub_placement_render(h, layer, &s, &n, &d);
             }
-            if (rc) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            if (rc) return kv_reply_diag(c, rc == KV_EIO ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
         if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge") ||
@@ -997,7 +1266,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
     kv_signed s;
     if (kv_check_sig(c, method, url, q, &s, &d)) return kv_reply_diag(c, MHD_HTTP_UNAUTHORIZED, &d);
     if (which == 1) return kv_do_register(h, c, &s, q);
-    if (which == 2) return kv_do_heartbeat(h, c, &s);
+    if (which == 2) return kv_do_heartbeat(h, c, &s, q);
     if (which == 4) return kv_do_voucher(h, c, &s);
     return kv_do_answer(h, c, &s, q);
 }
@@ -1133,6 +1402,8 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     h->dir_fd = -1;
     h->stop_pipe[0] = h->stop_pipe[1] = -1;
     pthread_mutex_init(&h->mu, NULL);
+    pthread_mutex_init(&h->refresh_mu, NULL);
+    pthread_cond_init(&h->refresh_cv, NULL);
     h->o = *opts;
     if (!h->o.listen) h->o.listen = "127.0.0.1:0";
     if (!h->o.wanted) h->o.wanted = 2;
@@ -1145,6 +1416,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.threads) h->o.threads = 4;
     if (!h->o.challenge_every) h->o.challenge_every = 12;
     if (!h->o.challenge_ttl_ms) h->o.challenge_ttl_ms = 60000;
+    if (!h->o.refresh_ms) h->o.refresh_ms = 250;
     int rc;
     /* the bytes served and the manifest parsed are read from the same path
      * (the parse through the slices module's own loader, so the format keeps
@@ -1195,12 +1467,18 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         }
     }
     if ((rc = kv_hub_store_open(&h->store, opts->db, d))) goto fail;
+    h->shared = h->store.ops->shared;
+    if (h->shared && (rc = kv_hub_store_open(&h->rstore, opts->db, d))) goto fail;
     {
         char mid[128];
         if ((rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d))) goto fail;
         if (!mid[0]) {
-            if ((rc = h->store.ops->meta_put(h->store.impl, "model_id", h->m->model_id, d))) goto fail;
-        } else if (strcmp(mid, h->m->model_id)) {
+            /* read back: on a shared store another hub may have put its own meanwhile */
+            if ((rc = h->store.ops->meta_put(h->store.impl, "model_id", h->m->model_id, d)) ||
+                (rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d)))
+                goto fail;
+        }
+        if (strcmp(mid, h->m->model_id)) {
             rc = kv_fail(d, KV_EINVAL, "hub: store '%s' belongs to model %.16s..., not %.16s...", opts->db, mid,
                          h->m->model_id);
             goto fail;
@@ -1221,6 +1499,14 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if ((rc = h->store.ops->node_each(h->store.impl, kv_node_reload, h, d))) {
         if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
         goto fail;
+    }
+    h->refreshed_ms = kv_now_ms();
+    if (h->shared) {
+        if (pthread_create(&h->refresher, NULL, kv_hub_refresher, h)) {
+            rc = kv_fail(d, KV_EINTERNAL, "hub: cannot start the refresher thread");
+            goto fail;
+        }
+        h->refresher_on = true;
     }
     struct sockaddr_storage ss;
     socklen_t sl;
@@ -1281,7 +1567,15 @@ void kv_hub_stop(kv_hub *h) {
 void kv_hub_free(kv_hub *h) {
     if (!h) return;
     if (h->mhd) MHD_stop_daemon(h->mhd);
+    if (h->refresher_on) {
+        pthread_mutex_lock(&h->refresh_mu);
+        h->refresh_stop = true;
+        pthread_cond_signal(&h->refresh_cv);
+        pthread_mutex_unlock(&h->refresh_mu);
+        pthread_join(h->refresher, NULL);
+    }
     kv_hub_store_close(&h->store);
+    kv_hub_store_close(&h->rstore);
     for (size_t k = 0; k < h->n_nodes; k++) free(h->nodes[k].slabs);
     free(h->nodes);
     free(h->tab);
@@ -1296,5 +1590,7 @@ void kv_hub_free(kv_hub *h) {
     pthread_mutex_destroy(&h->mu);
     free(h->vouch);
     sodium_memzero(h->hub_sk, sizeof h->hub_sk);
+    pthread_mutex_destroy(&h->refresh_mu);
+    pthread_cond_destroy(&h->refresh_cv);
     free(h);
 }

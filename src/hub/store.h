@@ -4,15 +4,28 @@
  * computed from there) and writes every change through a kv_hub_store
  * before it answers, so a restart reloads exactly what was acknowledged.
  * A backend is one file that fills a kv_hub_store_ops table: SQLite
- * (store_sqlite.c) today; a PostgreSQL one (libpq) would be one more file
- * and a branch in kv_hub_store_open.
+ * (store_sqlite.c, one hub process per file) and PostgreSQL (store_pg.c,
+ * any number of hub processes on one database); kv_hub_store_open picks one
+ * from the URI (src/pg/pq.h: "postgresql://...", "pg:CONNINFO", else a
+ * SQLite file path).
+ *
+ * Replay protection lives in the store, not only in a hub's memory: every
+ * write that a signed request causes (node_put, node_touch,
+ * node_drop_shards) is conditional on the stored counter being below the
+ * request's, inside one transaction, so of two hubs on one database that
+ * receive the same signed request only one accepts it. A shared backend
+ * (ops->shared) also keeps the registration nonces (node_put consumes one
+ * in the same transaction), so a nonce handed out by hub A can be used once,
+ * at A or at B.
  *
  * Contract for every operation: returns 0 or a negative KV_E* code with d
  * filled; a failed write changes nothing (each runs in one transaction).
- * Calls on one store are serialized by the caller (the hub's state lock). */
+ * Calls on one store are serialized by the caller (the hub's state lock);
+ * a second kv_hub_store on the same URI is an independent connection. */
 #ifndef KVASIR_HUB_STORE_H
 #define KVASIR_HUB_STORE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "kvasir/err.h"
@@ -32,33 +45,55 @@ typedef struct kv_hub_node_rec {
 } kv_hub_node_rec;
 
 typedef struct kv_hub_store_ops {
-    const char *name;                                        /* "sqlite" */
+    const char *name;                                        /* "sqlite", "postgresql" */
+    bool shared;    /* other processes may change the state: the hub refreshes its view */
     int (*open)(void **impl, const char *uri, kv_diag *d);
     void (*close)(void *impl);                               /* accepts NULL */
-    /* meta key/value (model_id, settings); *val "" when absent */
+    /* meta key/value (model_id, settings); *val "" when absent; put
+     * inserts or replaces */
     int (*meta_get)(void *impl, const char *key, char *val, size_t cap, kv_diag *d);
     int (*meta_put)(void *impl, const char *key, const char *val, kv_diag *d);
-    /* insert or replace a node with its whole holding list */
-    int (*node_put)(void *impl, const kv_hub_node_rec *n, kv_diag *d);
-    /* a heartbeat: counter and last_seen only */
+    /* Insert or replace a node with its whole holding list, only if no
+     * stored counter for pk is >= n->counter (else KV_EPROTO, nothing
+     * written). With nonce (shared backends), the registration nonce is
+     * consumed in the same transaction: unknown, used or expired at now_ms
+     * is KV_ENOTFOUND and nothing is written. */
+    int (*node_put)(void *impl, const kv_hub_node_rec *n, const uint8_t nonce[32], int64_t now_ms, kv_diag *d);
+    /* A heartbeat: counter and last_seen only, if the stored counter is
+     * below counter. KV_ENOTFOUND: no such node; KV_EPROTO: stale counter. */
     int (*node_touch)(void *impl, const uint8_t pk[32], uint64_t counter, int64_t last_seen_ms,
                       kv_diag *d);
-    /* drop a node's holdings (failed challenge), keep its counter */
-    int (*node_drop_shards)(void *impl, const uint8_t pk[32], uint64_t counter, kv_diag *d);
-    /* calls cb for every node (shards valid during the call only); a
-     * non-zero return from cb stops and is returned */
+    /* Drop a node's holdings (failed challenge) and move its counter on,
+     * under the same condition and codes as node_touch; last_seen_ms < 0
+     * keeps the stored one. */
+    int (*node_drop_shards)(void *impl, const uint8_t pk[32], uint64_t counter, int64_t last_seen_ms,
+                            kv_diag *d);
+    /* calls cb for every node (shards valid during the call only), from
+     * one consistent snapshot; a non-zero return from cb stops and is
+     * returned */
     int (*node_each)(void *impl, int (*cb)(void *arg, const kv_hub_node_rec *n), void *arg,
                      kv_diag *d);
+    /* shared backends only (NULL otherwise): */
+    /* one node, KV_ENOTFOUND when absent */
+    int (*node_get)(void *impl, const uint8_t pk[32], int (*cb)(void *arg, const kv_hub_node_rec *n), void *arg,
+                    kv_diag *d);
+    /* records a registration nonce until expires_ms; the store picks its
+     * slot in a bounded ring of KV_HUB_MAX_NONCES (the oldest is forgotten)
+     * and writes it into nonce[0..3]; bytes 4..31 are the caller's random */
+    int (*nonce_put)(void *impl, uint8_t nonce[32], int64_t expires_ms, kv_diag *d);
 } kv_hub_store_ops;
 
 extern const kv_hub_store_ops kv_hub_store_sqlite;
+extern const kv_hub_store_ops kv_hub_store_pg;
 
 typedef struct kv_hub_store {
     const kv_hub_store_ops *ops;
     void *impl;
 } kv_hub_store;
 
-/* Opens the backend the URI names (today: any path is a SQLite file). */
+/* Opens the backend the URI names: PostgreSQL for "postgresql://...",
+ * "postgres://..." and "pg:CONNINFO" (KV_EUNSUPPORTED when built without
+ * libpq), else a SQLite file path. */
 int kv_hub_store_open(kv_hub_store *s, const char *uri, kv_diag *d);
 void kv_hub_store_close(kv_hub_store *s);
 

@@ -1,4 +1,4 @@
-/* SQLite backend of the hub store (store.h).
+/* SQLite backend of the hub store (store.h): one hub process per file.
  *
  * One connection, WAL journal, synchronous=NORMAL (a commit survives a
  * process crash; an OS crash may lose the last commits, which only rolls a
@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "hub/store.h"
+#include "pg/pq.h"
 
 typedef struct kv_sql {
     sqlite3 *db;
@@ -71,10 +72,11 @@ static int kv_sql_open(void **impl, const char *uri, kv_diag *d) {
         {&s->meta_put, "INSERT INTO meta(key,value) VALUES(?1,?2) ON CONFLICT(key) DO UPDATE SET value=?2"},
         {&s->node_put, "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms)"
                        " VALUES(?1,?2,?3,?4,?5,?6,?7) ON CONFLICT(pk) DO UPDATE SET addr=?2,backend=?3,"
-                       "memory=?4,counter=?5,last_seen_ms=?6,registered_ms=?7"},
+                       "memory=?4,counter=?5,last_seen_ms=?6,registered_ms=?7 WHERE nodes.counter < ?5"},
         {&s->hold_del, "DELETE FROM holdings WHERE pk=?1"},
         {&s->hold_put, "INSERT INTO holdings(pk,layer,first,last,sha256) VALUES(?1,?2,?3,?4,?5)"},
-        {&s->touch, "UPDATE nodes SET counter=?2,last_seen_ms=?3 WHERE pk=?1"},
+        {&s->touch, "UPDATE nodes SET counter=?2,last_seen_ms=CASE WHEN ?3 < 0 THEN last_seen_ms ELSE ?3 END"
+                    " WHERE pk=?1 AND counter < ?2"},
         {&s->node_all, "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms FROM nodes ORDER BY pk"},
         {&s->hold_all, "SELECT layer,first,last,sha256 FROM holdings WHERE pk=?1 ORDER BY layer,first"},
     };
@@ -127,8 +129,24 @@ static int kv_sql_step1(kv_sql *s, sqlite3_stmt *st) {
     return r == SQLITE_DONE ? 0 : -1;
 }
 
-static int kv_sql_node_put(void *impl, const kv_hub_node_rec *n, kv_diag *d) {
+/* After a conditional update that changed no row: no node, or a stale counter. */
+static int kv_sql_why_not(kv_sql *s, const uint8_t pk[32], kv_diag *d, const char *what) {
+    sqlite3_stmt *st;
+    if (sqlite3_prepare_v2(s->db, "SELECT counter FROM nodes WHERE pk=?1", -1, &st, NULL) != SQLITE_OK)
+        return kv_sql_err(s, d, what);
+    sqlite3_bind_blob(st, 1, pk, 32, SQLITE_STATIC);
+    int r = sqlite3_step(st);
+    long long c = r == SQLITE_ROW ? sqlite3_column_int64(st, 0) : 0;
+    sqlite3_finalize(st);
+    if (r == SQLITE_DONE) return kv_fail(d, KV_ENOTFOUND, "hub store: %s: no such node", what);
+    if (r != SQLITE_ROW) return kv_sql_err(s, d, what);
+    return kv_fail(d, KV_EPROTO, "replayed or stale request: counter not above last accepted %lld", c);
+}
+
+static int kv_sql_node_put(void *impl, const kv_hub_node_rec *n, const uint8_t nonce[32], int64_t now_ms,
+                           kv_diag *d) {
     kv_sql *s = impl;
+    if (nonce) return kv_fail(d, KV_EUNSUPPORTED, "hub store (sqlite): nonces are kept by the hub process");
     if (kv_sql_exec(s, "BEGIN IMMEDIATE")) return kv_sql_err(s, d, "begin");
     sqlite3_stmt *st = s->node_put;
     sqlite3_bind_blob(st, 1, n->pk, 32, SQLITE_STATIC);
@@ -139,6 +157,11 @@ static int kv_sql_node_put(void *impl, const kv_hub_node_rec *n, kv_diag *d) {
     sqlite3_bind_int64(st, 6, n->last_seen_ms);
     sqlite3_bind_int64(st, 7, n->registered_ms);
     int bad = kv_sql_step1(s, st);
+    if (!bad && sqlite3_changes(s->db) != 1) {
+        int rc = kv_sql_why_not(s, n->pk, d, "node_put");
+        kv_sql_exec(s, "ROLLBACK");
+        return rc;
+    }
     if (!bad) {
         sqlite3_bind_blob(s->hold_del, 1, n->pk, 32, SQLITE_STATIC);
         bad = kv_sql_step1(s, s->hold_del);
@@ -172,25 +195,27 @@ static int kv_sql_node_touch(void *impl, const uint8_t pk[32], uint64_t counter,
     sqlite3_bind_int64(s->touch, 2, (sqlite3_int64)counter);
     sqlite3_bind_int64(s->touch, 3, last_seen_ms);
     if (kv_sql_step1(s, s->touch)) return kv_sql_err(s, d, "node_touch");
-    if (sqlite3_changes(s->db) != 1) return kv_fail(d, KV_ENOTFOUND, "hub store: node_touch: no such node");
+    if (sqlite3_changes(s->db) != 1) return kv_sql_why_not(s, pk, d, "node_touch");
     return 0;
 }
 
-static int kv_sql_node_drop_shards(void *impl, const uint8_t pk[32], uint64_t counter, kv_diag *d) {
+static int kv_sql_node_drop_shards(void *impl, const uint8_t pk[32], uint64_t counter, int64_t last_seen_ms,
+                                   kv_diag *d) {
     kv_sql *s = impl;
     if (kv_sql_exec(s, "BEGIN IMMEDIATE")) return kv_sql_err(s, d, "begin");
-    sqlite3_bind_blob(s->hold_del, 1, pk, 32, SQLITE_STATIC);
-    int bad = kv_sql_step1(s, s->hold_del);
+    /* the counter moves on (the request that failed was signed) */
+    sqlite3_bind_blob(s->touch, 1, pk, 32, SQLITE_STATIC);
+    sqlite3_bind_int64(s->touch, 2, (sqlite3_int64)counter);
+    sqlite3_bind_int64(s->touch, 3, last_seen_ms);
+    int bad = kv_sql_step1(s, s->touch);
+    if (!bad && sqlite3_changes(s->db) != 1) {
+        int rc = kv_sql_why_not(s, pk, d, "node_drop_shards");
+        kv_sql_exec(s, "ROLLBACK");
+        return rc;
+    }
     if (!bad) {
-        /* the counter moves on (the request that failed was signed); last_seen stays */
-        sqlite3_stmt *st;
-        bad = sqlite3_prepare_v2(s->db, "UPDATE nodes SET counter=?2 WHERE pk=?1", -1, &st, NULL) != SQLITE_OK;
-        if (!bad) {
-            sqlite3_bind_blob(st, 1, pk, 32, SQLITE_STATIC);
-            sqlite3_bind_int64(st, 2, (sqlite3_int64)counter);
-            bad = sqlite3_step(st) != SQLITE_DONE;
-            sqlite3_finalize(st);
-        }
+        sqlite3_bind_blob(s->hold_del, 1, pk, 32, SQLITE_STATIC);
+        bad = kv_sql_step1(s, s->hold_del);
     }
     if (bad || kv_sql_exec(s, "COMMIT")) {
         int rc = kv_sql_err(s, d, "node_drop_shards");
@@ -290,7 +315,7 @@ const kv_hub_store_ops kv_hub_store_sqlite = {
 };
 
 int kv_hub_store_open(kv_hub_store *s, const char *uri, kv_diag *d) {
-    s->ops = &kv_hub_store_sqlite;
+    s->ops = kv_pq_uri(uri) ? &kv_hub_store_pg : &kv_hub_store_sqlite;
     s->impl = NULL;
     return s->ops->open(&s->impl, uri, d);
 }

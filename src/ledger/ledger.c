@@ -24,9 +24,10 @@
 #include <time.h>
 
 #include "ledger/ledger_internal.h"
+#include "pg/pq.h"
 
 struct kv_ledger {
-    const kv_store_ops *ops; /* backend: SQLite */
+    const kv_store_ops *ops; /* backend: SQLite, or PostgreSQL for a store URI (pg/pq.h) */
     kv_store *s;
     uint8_t operator_pk[32]; /* the only key that may issue */
     uint32_t fee_bps;        /* protocol fee, 0..10000 */
@@ -115,7 +116,7 @@ static int kv_ledger_open_store_ro(kv_ledger **out, const char *path, bool ro, k
     if (kv_sodium_ready(d)) return KV_EINTERNAL;
     kv_ledger *l = calloc(1, sizeof *l);
     if (!l) return kv_fail(d, KV_ENOMEM, "ledger: out of memory");
-    l->ops = &kv_store_sqlite;
+    l->ops = kv_pq_uri(path) ? &kv_store_pg : &kv_store_sqlite;
     int rc = ro ? l->ops->open_ro(&l->s, path, d) : l->ops->open(&l->s, path, d);
     if (rc) {
         free(l);

@@ -1,6 +1,7 @@
 /* The ledger's storage interface: every SQL statement of the ledger lives
- * behind these operations, so a second backend (PostgreSQL) is one more
- * file implementing kv_store_ops. The logic (signatures, balances, limits,
+ * behind these operations; SQLite (store_sqlite.c) and PostgreSQL
+ * (store_pg.c) implement them, chosen from the path like the hub's store
+ * ("postgresql://...", "postgres://...", "pg:CONNINFO", else a file). The logic (signatures, balances, limits,
  * idempotency) lives in ledger.c and never sees SQL.
  *
  * Contract for every backend: begin_write starts a transaction that
@@ -112,6 +113,7 @@ typedef struct kv_store_ops {
     int (*open_ro)(kv_store **out, const char *path, kv_diag *d);
 } kv_store_ops;
 
-extern const kv_store_ops kv_store_sqlite;
+extern const kv_store_ops kv_store_sqlite; /* a file path */
+extern const kv_store_ops kv_store_pg;     /* a store URI that pg/pq.h's kv_pq_uri accepts */
 
 #endif
