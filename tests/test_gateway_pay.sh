@@ -72,6 +72,10 @@ for spec in "c1 1000000" "c2 500" "c3 10000" "c4 200000"; do
   KV ledger issue --db "$D/l.db" --key "$D/op.key" --to "$(acct "$c")" --amount "$amount" >/dev/null
 done
 check_ledger "issuance"
+j=$(KV wallet pay --key "$D/c1.key" --gateway gwA --max 77 --expires 60 --json)
+[ "$(jq -r .consumer <<<"$j")" = "$(acct c1)" ] && [ "$(jq .max <<<"$j")" = 77 ] && [ "$(jq -r .gateway <<<"$j")" = gwA ] &&
+  [ "$(jq -r .header <<<"$j" | cut -c1-5)" = kvr1. ] && [ "$(jq -r .header <<<"$j" | wc -c)" = 230 ] ||
+  fail "wallet pay --json: $j"
 
 # ---- 1. the clients against two gateways on one ledger -----------------------
 start_gw A -m "$D/tiny.gguf" --ledger "$D/l.db" --gateway-key "$D/gwA.key" --gateway-id gwA --prices 3,7 --parallel 2
@@ -197,6 +201,12 @@ curl -s "http://$C/v1/chat/completions" -H "X-KVR-Payment: $(KV wallet pay --key
   -d "$(chat 5 false)" >"$D/c2.json"
 ct=$(jq .usage.completion_tokens "$D/c2.json")
 [ $((b0 - $(bal "$C4"))) = $((pt * 5 + ct * 11)) ] || fail "after restart: paid $((b0 - $(bal "$C4")))"
+# its metrics count that one charge: cost = nodes + treasury
+curl -s "http://$C/metrics" >"$D/metrics.txt"
+m() { sed -n "s/^kvasir_gateway_kvr_$1 //p" "$D/metrics.txt"; }
+[ "$(m 'micro_total{to="cost"}')" = $((pt * 5 + ct * 11)) ] &&
+  [ $(($(m 'micro_total{to="nodes"}') + $(m 'micro_total{to="treasury"}'))) = $((pt * 5 + ct * 11)) ] &&
+  [ "$(m 'charges_total{outcome="settled"}')" = 1 ] || fail "metrics: $(grep kvr "$D/metrics.txt")"
 check_ledger "after the restart"
 ok "SIGKILL mid-completion: the hold of 30000 stayed, the restart released it, $settled_before settled stayed once"
 

@@ -820,6 +820,21 @@ static char *kv_metrics_text(kv_gateway *g) {
     KV_M("# HELP kvasir_gateway_steps_failed_total Engine steps that failed as a whole.\n");
     KV_M("# TYPE kvasir_gateway_steps_failed_total counter\n");
     KV_M("kvasir_gateway_steps_failed_total %llu\n", (unsigned long long)g->steps_failed);
+    if (g->pay) {
+        kv_gw_pay_stats ps;
+        kv_gw_pay_get_stats(g->pay, &ps);
+        KV_M("# HELP kvasir_gateway_kvr_charges_total Paid completions by outcome: held, settled, released, refused (402).\n");
+        KV_M("# TYPE kvasir_gateway_kvr_charges_total counter\n");
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"held\"} %llu\n", (unsigned long long)ps.held);
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"settled\"} %llu\n", (unsigned long long)ps.settled);
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"released\"} %llu\n", (unsigned long long)ps.released);
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"refused\"} %llu\n", (unsigned long long)ps.refused);
+        KV_M("# HELP kvasir_gateway_kvr_micro_total micro-KVR settled: cost, of it to nodes and to the treasury.\n");
+        KV_M("# TYPE kvasir_gateway_kvr_micro_total counter\n");
+        KV_M("kvasir_gateway_kvr_micro_total{to=\"cost\"} %llu\n", (unsigned long long)ps.charged);
+        KV_M("kvasir_gateway_kvr_micro_total{to=\"nodes\"} %llu\n", (unsigned long long)ps.to_nodes);
+        KV_M("kvasir_gateway_kvr_micro_total{to=\"treasury\"} %llu\n", (unsigned long long)ps.fees);
+    }
     if (g->man) {
         KV_M("# HELP kvasir_gateway_steps_retried_total Failed steps whose sessions were kept for a retry.\n");
         KV_M("# TYPE kvasir_gateway_steps_retried_total counter\n");
