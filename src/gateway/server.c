@@ -525,9 +525,16 @@ static void kv_pay_end(kv_gw_conn *c, bool failed) {
         rc = kv_gw_pay_release(g->pay, &c->charge, &d);
     } else {
         kv_wait_done(g, c->r); /* its work record is final then, and the scheduler's no more */
-        const kv_gw_work w = {c->r->products, c->r->work, c->r->n_work};
-        rc = kv_gw_pay_settle(g->pay, &c->charge, c->res.completion_tokens, &w, &c->paid_res, &d);
-        if (rc == 0) c->paid = true;
+        pthread_mutex_lock(&g->mu);
+        const int err = c->r->err;
+        pthread_mutex_unlock(&g->mu);
+        if (err) { /* it failed (its client may have left too): nothing is charged */
+            rc = kv_gw_pay_release(g->pay, &c->charge, &d);
+        } else {
+            const kv_gw_work w = {c->r->products, c->r->work, c->r->n_work};
+            rc = kv_gw_pay_settle(g->pay, &c->charge, c->res.completion_tokens, &w, &c->paid_res, &d);
+            if (rc == 0) c->paid = true;
+        }
     }
     if (rc) fprintf(stderr, "gateway: payment of %s left held (released at the next start): %s\n", c->id, d.msg);
 }
