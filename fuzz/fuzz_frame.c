@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/ledger.h"
 
 #define CHECK(x)                    \
     do {                            \
@@ -137,6 +138,16 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         CHECK(m->h.version >= KV_PROTO_AUTH_VERSION);
         rc = kv_msg_auth_ok_encode(out, sizeof out, m->h.request_id, m->u.auth_ok, &k, &d);
         break;
+    case KV_MSG_RECEIPT_REQ:
+        rc = kv_msg_receipt_req_encode(out, sizeof out, m->h.request_id, &m->u.receipt_req, &k, &d);
+        break;
+    case KV_MSG_RECEIPT: {
+        uint32_t st;
+        kv_receipt r;
+        CHECK(kv_receipt_ans_from_payload(&st, &r, m->u.receipt, KV_PROTO_RECEIPT_SIZE, NULL) == 0);
+        rc = kv_msg_receipt_encode(out, sizeof out, m->h.request_id, st, &r, &k, &d);
+        break;
+    }
     default: CHECK(0);
     }
     if (rc == 1) return;

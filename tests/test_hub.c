@@ -26,6 +26,7 @@
 
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
+#include "kvasir/ledger.h"
 #include "kvasir/node.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
@@ -1482,6 +1483,93 @@ static void test_report(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
+/* kvasir hub --ledger FILE: each node's earned_micro_kvr is its rewards in
+ * the ledger (read independently here), 0 for a node never paid, and the
+ * hub changes nothing in the ledger. */
+static void test_ledger_earnings(void) {
+    kv_diag d = {0};
+    char db[512], ldb[600], extra[700];
+    db_path(db, sizeof db, "earn");
+    snprintf(ldb, sizeof ldb, "%s.ledger", db);
+    kv_wallet op, c, na;
+    kv_node_key a, b;
+    test_key(&a, 500);
+    test_key(&b, 501);
+    memcpy(na.pk, a.pk, 32);
+    memcpy(na.sk, a.sk, 64);
+    ASSERT_EQ(kv_wallet_generate(&op, &d) | kv_wallet_generate(&c, &d), 0);
+    ASSERT_EQ(kv_ledger_init(ldb, op.pk, 0, &d), 0);
+    kv_ledger *l = NULL;
+    ASSERT_EQ(kv_ledger_open(&l, ldb, &d), 0);
+    if (!l) return;
+    kv_issue is;
+    ASSERT_EQ(kv_issue_sign(&is, &op, c.pk, 100000, NULL, &d), 0);
+    ASSERT_EQ(kv_ledger_issue(l, &is, &d), 0);
+    /* one completion paid to node a against its receipt */
+    kv_auth au;
+    ASSERT_EQ(kv_auth_sign(&au, &c, "gw-hub", 9000, (uint64_t)time(NULL) + 60, &d), 0);
+    ASSERT_EQ(kv_ledger_escrow(l, &au, "gw-hub", (uint64_t)time(NULL), &d), 0);
+    uint8_t dg[32] = {1, 2, 3};
+    kv_receipt rc;
+    ASSERT_EQ(kv_receipt_sign(&rc, &na, &au, 40, dg, &d), 0);
+    kv_dispatch_entry e = {.n_products = 40};
+    memcpy(e.node, a.pk, 32);
+    memcpy(e.log_digest, dg, 32);
+    kv_settle_req q = {.prompt_tokens = 11, .completion_tokens = 9, .price_prompt = 3, .price_completion = 7,
+                       .log = &e, .n_log = 1, .receipts = &rc, .n_receipts = 1};
+    memcpy(q.consumer, c.pk, 32);
+    memcpy(q.nonce, au.nonce, 16);
+    kv_settle_result res;
+    ASSERT_EQ(kv_ledger_settle(l, &q, &res, &d), 0);
+    char acct[KV_LEDGER_ACCOUNT_MAX];
+    uint64_t bal = 0;
+    kv_ledger_account_node(a.pk, acct);
+    ASSERT_EQ(kv_ledger_balance(l, acct, &bal, &d), 0);
+    ASSERT_EQ(bal, 11 * 3 + 9 * 7); /* no fee: the whole cost */
+    kv_ledger_report before, after;
+    ASSERT_EQ(kv_ledger_check(l, &before, &d), 0);
+    hub_proc p;
+    snprintf(extra, sizeof extra, "--ledger '%s'", ldb);
+    if (hub_start(&p, db, extra)) {
+        ASSERT_TRUE(0);
+        kv_ledger_free(l);
+        return;
+    }
+    const int sa[] = {0}, sb[] = {1};
+    ASSERT_EQ(do_register(&p, &a, "127.0.0.1:9501", sa, 1, NULL), 200);
+    ASSERT_EQ(do_register(&p, &b, "127.0.0.1:9502", sb, 1, NULL), 200);
+    resp r = get(&p, "/v1/nodes");
+    ASSERT_EQ(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *nodes = json_object_get(j, "nodes");
+    ASSERT_EQ(json_array_size(nodes), 2);
+    char ha[65], hb[65];
+    kv_hex(a.pk, 32, ha);
+    kv_hex(b.pk, 32, hb);
+    int seen = 0;
+    for (size_t i = 0; i < json_array_size(nodes); i++) {
+        json_t *n = json_array_get(nodes, i);
+        const char *k = json_string_value(json_object_get(n, "key"));
+        json_t *ej = json_object_get(n, "earned_micro_kvr");
+        ASSERT_TRUE(k && json_is_integer(ej));
+        if (k && !strcmp(k, ha)) {
+            seen++;
+            ASSERT_EQ(json_integer_value(ej), (long long)bal);
+        }
+        if (k && !strcmp(k, hb)) {
+            seen++;
+            ASSERT_EQ(json_integer_value(ej), 0);
+        }
+    }
+    ASSERT_EQ(seen, 2);
+    json_decref(j);
+    resp_free(&r);
+    ASSERT_EQ(hub_stop(&p), 0);
+    ASSERT_EQ(kv_ledger_check(l, &after, &d), 0);
+    ASSERT_EQ(after.n_transfers, before.n_transfers);
+    kv_ledger_free(l);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
@@ -1489,6 +1577,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
     KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
     KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher), KVT_CASE(test_report),
+    KVT_CASE(test_ledger_earnings),
 };
 
 int main(int argc, char **argv) {

@@ -91,13 +91,15 @@ enum kv_msg_type {
     KV_MSG_AUTH = 11,     /* v3 coordinator -> worker: key, signature, optional hub voucher */
     KV_MSG_AUTH_OK = 12,  /* v3 worker -> coordinator: its signature over the same transcript */
     KV_MSG_RESULT_PRE = 13, /* v3 worker -> coordinator: per pair y, gate and up pre-activations */
+    KV_MSG_RECEIPT_REQ = 14, /* v3 coordinator -> worker: sign a work receipt for this count */
+    KV_MSG_RECEIPT = 15,  /* v3 worker -> coordinator: the signed receipt, or a refusal */
     KV_MSG_TYPE_COUNT
 };
 _Static_assert(KV_MSG_HELLO == 1 && KV_MSG_HELLO_ACK == 2 && KV_MSG_COMPUTE == 3 &&
                    KV_MSG_RESULT == 4 && KV_MSG_ERROR == 5 && KV_MSG_PING == 6 &&
                    KV_MSG_PONG == 7 && KV_MSG_STATS == 8 && KV_MSG_STATS_ACK == 9 &&
                    KV_MSG_AUTH_CHALLENGE == 10 && KV_MSG_AUTH == 11 && KV_MSG_AUTH_OK == 12 &&
-                   KV_MSG_RESULT_PRE == 13,
+                   KV_MSG_RESULT_PRE == 13 && KV_MSG_RECEIPT_REQ == 14 && KV_MSG_RECEIPT == 15,
                "wire message types never change");
 
 /* Error codes carried by ERROR frames are the KV_E* numbers of err.h. */
@@ -242,6 +244,24 @@ typedef struct kv_proto_limits {
 } kv_proto_limits;
 
 /* A decoded frame: the header and, per type, a view into the frame. */
+/* RECEIPT_REQ / RECEIPT (v3; the codecs and the worker's rule are below) */
+#define KV_PROTO_RECEIPT_REQ_SIZE 120u /* gateway[32], consumer[32], nonce[16], u64 n, digest[32] */
+#define KV_PROTO_RECEIPT_SIZE 248u     /* u32 status, u32 zero, receipt[240] */
+enum { KV_RECEIPT_SIGNED = 0, KV_RECEIPT_REFUSED = 1 };
+struct kv_receipt;
+typedef struct kv_receipt_req {
+    char gateway[33];       /* gateway id, 1..32 of [A-Za-z0-9._:-] */
+    uint8_t consumer[32];   /* the completion's authorization ... */
+    uint8_t auth_nonce[16]; /* ... (consumer, nonce) */
+    uint64_t n_products;    /* 1..2^40: the coordinator's count for this worker */
+    uint8_t log_digest[32]; /* the coordinator's digest of that entry */
+} kv_receipt_req;
+/* What a worker computed for one connection and what it signed for. */
+typedef struct kv_receipt_budget {
+    uint64_t computed;   /* (token, expert) pairs answered on the connection */
+    uint64_t signed_for; /* products of the receipts it signed there */
+} kv_receipt_budget;
+
 typedef struct kv_msg {
     kv_frame_header h;
     union {
@@ -255,6 +275,9 @@ typedef struct kv_msg {
         kv_msg_auth_challenge challenge; /* AUTH_CHALLENGE */
         kv_msg_auth auth;       /* AUTH */
         uint8_t auth_ok[64];    /* AUTH_OK: the worker's signature */
+        kv_receipt_req receipt_req; /* RECEIPT_REQ */
+        const uint8_t *receipt; /* RECEIPT: its payload (KV_PROTO_RECEIPT_SIZE bytes, checked and its
+                                   receipt's signature verified; kv_receipt_ans_from_payload reads it) */
     } u;
 } kv_msg;
 
@@ -651,6 +674,60 @@ typedef struct kv_remote_stats {
 void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out);
 void kv_remote_reset_stats(kv_remote *r);
 
+/* ---- per-session work tally ---------------------------------------------
+ * What the coordinator dispatched to, and took back from, each worker, per
+ * session (a tag: the engine's sequence slot), for paying nodes: batches mix
+ * sessions, so each (token, expert) pair is counted under its token's tag.
+ * A step's counts are kept apart until the step ends: kv_remote_tally_end
+ * (commit) adds them to the totals, (!commit) drops them (a failed step
+ * produced nothing anyone pays for). Not thread-safe (the forward pass's
+ * thread, like compute). */
+/* Allocates the counters for tags 0..n_tags-1 and every worker (zero).
+ * Returns 0 or KV_ENOMEM. Not for the hot path. */
+int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d);
+/* The coming compute calls carry n_tokens tokens, token t under tags[t]
+ * (borrowed until kv_remote_tally_end). A call of another size is not
+ * counted. No-op before kv_remote_tally_open. */
+void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens);
+void kv_remote_tally_end(kv_remote *r, bool commit);
+/* Pairs sent to and answered (accepted) by worker w for tag, since the
+ * tag's last reset. Zero for a tag or worker out of range. */
+void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered);
+void kv_remote_tally_reset(kv_remote *r, uint32_t tag);
+
+/* ---- work receipts (src/dispatch/receipt.c, docs/PROTOCOL.md "RECEIPT") ---
+ * After a completion the coordinator asks a worker that computed some of
+ * its experts for a receipt (kvasir/ledger.h kv_receipt) over the count in
+ * its own dispatch log; the worker signs only while what it signed for on
+ * the connection stays within what it computed there. */
+/* Payload codecs: exact sizes, every field checked (KV_EPROTO, KV_ERANGE);
+ * an answer's receipt is parsed and its signature verified. */
+int kv_receipt_req_to_payload(const kv_receipt_req *q, uint8_t out[KV_PROTO_RECEIPT_REQ_SIZE], kv_diag *d);
+int kv_receipt_req_from_payload(kv_receipt_req *q, const uint8_t *p, size_t n, kv_diag *d);
+int kv_receipt_ans_to_payload(uint32_t status, const struct kv_receipt *r, uint8_t out[KV_PROTO_RECEIPT_SIZE],
+                              kv_diag *d);
+int kv_receipt_ans_from_payload(uint32_t *status, struct kv_receipt *r, const uint8_t *p, size_t n, kv_diag *d);
+/* Whole frames (header + payload; version KV_PROTO_VERSION, set the
+ * negotiated one with kv_frame_set_version). cap >= KV_PROTO_HEADER + the
+ * payload size, else KV_ERANGE. */
+int kv_msg_receipt_req_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_receipt_req *q, size_t *len,
+                              kv_diag *d);
+int kv_msg_receipt_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t status,
+                          const struct kv_receipt *r, size_t *len, kv_diag *d);
+/* The coordinator's side, between computes (same thread): asks worker i
+ * of r (up and idle) to sign q and waits up to the round deadline. Returns
+ * 0 with out a receipt that verifies, by the key the worker proved, for
+ * exactly q's figures; KV_LEDGER_RRECEIPT when the worker refused (it did
+ * not compute that much for this connection); KV_ENOTFOUND when it is not
+ * up; KV_EIO when it was dropped meanwhile (an answer for other figures, a
+ * bad signature, a stall: the same rules as a RESULT). */
+struct kv_remote;
+int kv_remote_receipt(struct kv_remote *r, uint32_t i, const kv_receipt_req *q, struct kv_receipt *out, kv_diag *d);
+/* The worker's side: signs q with sk (libsodium seed || pk) when
+ * b->signed_for + q->n_products <= b->computed, and counts it; otherwise
+ * KV_LEDGER_RRECEIPT and nothing is signed. */
+int kv_receipt_grant(kv_receipt_budget *b, const kv_receipt_req *q, const uint8_t sk[64], struct kv_receipt *out,
+                     kv_diag *d);
 /* ---- a worker set that changes (coordinators fed by a hub's placement) ----
  * Same thread as compute, never during it. */
 

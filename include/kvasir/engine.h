@@ -186,6 +186,13 @@ const float *kv_session_logits(const kv_session *s);
  * (names the session and the step). */
 int kv_session_error(const kv_session *s, kv_diag *d);
 uint64_t kv_session_id(const kv_session *s);        /* 1, 2, ... in creation order */
+/* The session's work, for paying who did it: returns the (token, expert)
+ * products of every step it took part in that succeeded (n_layer x
+ * n_expert_used per token evaluated), and fills answered[i] (i <
+ * n_workers) with those of them worker i of kv_engine_remote answered
+ * (0 for an engine without workers, or past its worker count); the rest
+ * were computed in this process. */
+uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers);
 void *kv_session_data(const kv_session *s);
 
 typedef struct kv_session_stats {

@@ -89,7 +89,7 @@ static int kv_rd_u64(kv_rd *r, uint64_t *v) {
 const char *kv_msg_type_name(uint32_t t) {
     static const char *const names[] = {"?", "HELLO", "HELLO_ACK", "COMPUTE", "RESULT", "ERROR",
                                         "PING", "PONG", "STATS", "STATS_ACK", "AUTH_CHALLENGE", "AUTH",
-                                        "AUTH_OK", "RESULT_PRE"};
+                                        "AUTH_OK", "RESULT_PRE", "RECEIPT_REQ", "RECEIPT"};
     _Static_assert(sizeof names / sizeof names[0] == KV_MSG_TYPE_COUNT, "a name per type");
     return t < KV_MSG_TYPE_COUNT ? names[t] : "?";
 }
@@ -1018,6 +1018,14 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
         kv_rd_take(&r, 64, &p);
         memcpy(a->voucher_sig, p, 64);
         return kv_auth_check(a, KV_EPROTO, d);
+    }
+    case KV_MSG_RECEIPT_REQ:
+    case KV_MSG_RECEIPT: {
+        int kv_msg_receipt_decode(const uint8_t *p, size_t n, uint16_t type, kv_msg *out, kv_diag *d);
+        if (out->h.version < KV_PROTO_AUTH_VERSION) /* receipts name the keys of authenticated dispatch */
+            return kv_fail(d, KV_EPROTO, "%s in a frame of version %u (needs %u)", kv_msg_type_name(out->h.type),
+                           out->h.version, KV_PROTO_AUTH_VERSION);
+        return kv_msg_receipt_decode(r.p, r.left, out->h.type, out, d);
     }
     default: return kv_fail(d, KV_EPROTO, "frame: unknown message type %u", out->h.type);
     }

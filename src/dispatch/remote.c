@@ -85,6 +85,7 @@
 #include <unistd.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/ledger.h"
 #include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
@@ -134,6 +135,12 @@ typedef struct kv_rw {
     /* authentication */
     uint8_t expect[32];           /* the key it must prove; all zero = any */
     uint8_t key[32];              /* the key it announced in AUTH_CHALLENGE */
+    /* a RECEIPT_REQ in flight (kv_remote_receipt) */
+    bool rcpt_wait;               /* asked, not answered */
+    uint32_t rcpt_id;             /* its request id */
+    int rcpt_rc;                  /* 0 signed, KV_LEDGER_RRECEIPT refused */
+    kv_receipt_req rcpt_req;      /* what was asked */
+    kv_receipt rcpt;              /* the answer, verified */
     uint8_t challenge[32];        /* its challenge on this connection */
     uint8_t nonce[32];            /* ours on this connection */
     uint16_t version;             /* negotiated on this connection */
@@ -188,6 +195,13 @@ struct kv_remote {
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
     float *rtt_us;                /* [KV_REMOTE_RTT_SAMPLES] ring */
     uint64_t n_rtt;
+    /* per-session work tally (kvasir/dispatch.h): [n_tags][t_stride] each */
+    uint32_t n_tags, t_stride;    /* tags; workers per tag row (workers past it are not counted) */
+    uint64_t *t_sent, *t_ans;     /* committed */
+    uint64_t *ts_sent, *ts_ans;   /* this step */
+    const uint32_t *tags;         /* [tag_n] tag of each token of the step's calls, NULL none */
+    uint32_t tag_n;
+    bool tag_on;                  /* the current compute call is counted */
 };
 
 enum { KV_OWN_DONE = -1, KV_OWN_LOCAL = -2, KV_OWN_NONE = -3 };
@@ -540,6 +554,30 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
                 kv_enc_name(w->enc));
         return 0;
     }
+    if (msg.h.type == KV_MSG_RECEIPT) {
+        if (!w->rcpt_wait || msg.h.request_id != w->rcpt_id) {
+            kv_rw_drop(r, w, "sent a RECEIPT nobody asked for");
+            return 0;
+        }
+        uint32_t st = KV_RECEIPT_REFUSED;
+        kv_receipt rc;
+        const kv_receipt_req *q = &w->rcpt_req;
+        if (kv_receipt_ans_from_payload(&st, &rc, msg.u.receipt, KV_PROTO_RECEIPT_SIZE, &d)) {
+            kv_rw_drop(r, w, "%s", d.msg);
+            return 0;
+        }
+        if (st == KV_RECEIPT_SIGNED &&
+            (sodium_memcmp(rc.node, w->key, 32) || strcmp(rc.gateway, q->gateway) ||
+             memcmp(rc.consumer, q->consumer, 32) || memcmp(rc.auth_nonce, q->auth_nonce, 16) ||
+             rc.n_products != q->n_products || memcmp(rc.log_digest, q->log_digest, 32))) {
+            kv_rw_drop(r, w, "signed a receipt for other figures or with another key than it proved");
+            return 0;
+        }
+        w->rcpt_wait = false;
+        w->rcpt_rc = st == KV_RECEIPT_SIGNED ? 0 : KV_LEDGER_RRECEIPT;
+        w->rcpt = rc;
+        return 0;
+    }
     if (!w->busy || !out) {
         kv_rw_drop(r, w, "sent a frame of type %u while idle", msg.h.type);
         return 0;
@@ -677,6 +715,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
         }
         w->pairs[np] = (kv_proto_pair){(uint32_t)r->tok_local[t], (uint32_t)req->ids[(size_t)t0 * nu + s]};
         w->pair_slot[np++] = (int32_t)s;
+        if (r->tag_on && (uint32_t)wi < r->t_stride) r->ts_sent[(size_t)r->tags[t0 + t] * r->t_stride + (uint32_t)wi]++;
     }
     if (!identity) /* gather the rows of the tokens it needs */
         for (uint32_t t = 0; t < n_tok; t++)
@@ -857,6 +896,8 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                 r->slot_owner[s] = KV_OWN_DONE;
                 pending--;
                 r->n_pairs_remote++;
+                if (r->tag_on && (uint32_t)wi < r->t_stride)
+                    r->ts_ans[(size_t)r->tags[t0 + s / nu] * r->t_stride + (uint32_t)wi]++;
             } else {
                 r->slot_owner[s] = KV_OWN_NONE;
             }
@@ -874,6 +915,7 @@ static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, k
                        "(%u tokens x %u, embd %u)", req->n_tokens, req->n_used, req->n_embd, r->max_tokens, r->n_used,
                        r->n_embd);
     r->n_calls++;
+    r->tag_on = r->tags && req->n_tokens == r->tag_n;
     kv_remote_poll(r, 0, out); /* notice closed peers, progress reconnects */
     for (uint32_t t0 = 0; t0 < req->n_tokens; t0 += r->chunk_tokens) {
         const uint32_t n = req->n_tokens - t0 < r->chunk_tokens ? req->n_tokens - t0 : r->chunk_tokens;
@@ -950,6 +992,10 @@ void kv_remote_free(kv_remote *r) {
     free(r->lids);
     free(r->lslot);
     free(r->rtt_us);
+    free(r->t_sent);
+    free(r->t_ans);
+    free(r->ts_sent);
+    free(r->ts_ans);
     kv_model_free(r->model);
     kv_manifest_free(r->m);
     kv_verify_free(r->ver);
@@ -1216,6 +1262,110 @@ void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
     r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
+}
+
+/* ---- per-session work tally ---------------------------------------------- */
+
+int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d) {
+    const uint32_t stride = r->cap_w; /* every worker this remote can have, added ones included */
+    const size_t n = (size_t)n_tags * stride;
+    free(r->t_sent);
+    free(r->t_ans);
+    free(r->ts_sent);
+    free(r->ts_ans);
+    r->t_sent = calloc(n ? n : 1, sizeof(uint64_t));
+    r->t_ans = calloc(n ? n : 1, sizeof(uint64_t));
+    r->ts_sent = calloc(n ? n : 1, sizeof(uint64_t));
+    r->ts_ans = calloc(n ? n : 1, sizeof(uint64_t));
+    r->tags = NULL;
+    r->tag_on = false;
+    if (!r->t_sent || !r->t_ans || !r->ts_sent || !r->ts_ans) {
+        r->n_tags = r->t_stride = 0;
+        return kv_fail(d, KV_ENOMEM, "remote: out of memory for the work tally (%u sessions x %u workers)", n_tags,
+                       stride);
+    }
+    r->n_tags = n_tags;
+    r->t_stride = stride;
+    return 0;
+}
+
+void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens) {
+    r->tags = NULL;
+    r->tag_n = 0;
+    if (!r->n_tags || !tags) return;
+    for (uint32_t t = 0; t < n_tokens; t++)
+        if (tags[t] >= r->n_tags) return; /* not ours to count */
+    for (uint32_t t = 0; t < n_tokens; t++) {
+        memset(r->ts_sent + (size_t)tags[t] * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+        memset(r->ts_ans + (size_t)tags[t] * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+    }
+    r->tags = tags;
+    r->tag_n = n_tokens;
+}
+
+void kv_remote_tally_end(kv_remote *r, bool commit) {
+    if (r->tags && commit) {
+        for (uint32_t t = 0; t < r->tag_n; t++) {
+            const size_t row = (size_t)r->tags[t] * r->t_stride;
+            for (uint32_t w = 0; w < r->t_stride; w++) {
+                r->t_sent[row + w] += r->ts_sent[row + w];
+                r->t_ans[row + w] += r->ts_ans[row + w];
+                r->ts_sent[row + w] = r->ts_ans[row + w] = 0; /* a tag's row is added once */
+            }
+        }
+    }
+    r->tags = NULL;
+    r->tag_n = 0;
+    r->tag_on = false;
+}
+
+void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered) {
+    const bool in = tag < r->n_tags && w < r->t_stride;
+    if (sent) *sent = in ? r->t_sent[(size_t)tag * r->t_stride + w] : 0;
+    if (answered) *answered = in ? r->t_ans[(size_t)tag * r->t_stride + w] : 0;
+}
+
+void kv_remote_tally_reset(kv_remote *r, uint32_t tag) {
+    if (tag >= r->n_tags) return;
+    memset(r->t_sent + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+    memset(r->t_ans + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+}
+
+/* ---- work receipts ------------------------------------------------------------ */
+
+int kv_remote_receipt(kv_remote *r, uint32_t i, const kv_receipt_req *q, struct kv_receipt *out, kv_diag *d) {
+    if (i >= r->n_w) return kv_fail(d, KV_EINVAL, "remote: no worker %u", i);
+    kv_rw *w = &r->w[i];
+    if (w->state != KV_RW_UP || w->busy)
+        return kv_fail(d, KV_ENOTFOUND, "remote: worker %s is not up for a receipt", w->addr);
+    const size_t cap = KV_PROTO_HEADER + KV_PROTO_RECEIPT_REQ_SIZE;
+    uint8_t *p = kv_net_conn_reserve(w->nc, cap);
+    if (!p) return kv_fail(d, KV_EINTERNAL, "remote: no room to queue a RECEIPT_REQ for %s", w->addr);
+    size_t len = 0;
+    int rc = kv_msg_receipt_req_encode(p, cap, ++w->req_id, q, &len, d);
+    if (rc) return rc;
+    kv_frame_set_version(p, w->version);
+    kv_net_conn_commit(w->nc, len);
+    r->bytes_sent += len;
+    w->rcpt_wait = true;
+    w->rcpt_id = w->req_id;
+    w->rcpt_req = *q;
+    const double deadline = kv_mono() + r->timeout_s;
+    while (w->rcpt_wait && w->state == KV_RW_UP) {
+        const double left = deadline - kv_mono();
+        if (left <= 0) {
+            kv_rw_drop(r, w, "no RECEIPT within %u ms", r->o.timeout_ms);
+            break;
+        }
+        kv_remote_poll(r, (int)ceil(left * 1000.0), NULL);
+    }
+    if (w->rcpt_wait) {
+        w->rcpt_wait = false;
+        return kv_fail(d, KV_EIO, "remote: worker %s gave no receipt: %s", w->addr, w->why);
+    }
+    if (w->rcpt_rc) return kv_fail(d, w->rcpt_rc, "remote: worker %s refused the receipt", w->addr);
+    *out = w->rcpt;
+    return 0;
 }
 
 /* ---- a worker set that changes ---------------------------------------------- */

@@ -66,6 +66,7 @@
 #include "kvasir/arch.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/opencl.h"
+#include "kvasir/ledger.h"
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
 #include "kvasir/net.h"
@@ -146,6 +147,7 @@ struct kv_wconn {
     bool authed;                     /* AUTH verified: the handshake is done */
     uint8_t challenge[32];           /* sent in AUTH_CHALLENGE */
     uint8_t peer_key[32];            /* the coordinator key proved in AUTH */
+    kv_receipt_budget budget;        /* pairs answered here, and those signed for in receipts */
     uint16_t version;                /* negotiated */
     uint32_t enc_mask;               /* negotiated encodings */
     int64_t last_work_ms;            /* handshake or last COMPUTE */
@@ -976,6 +978,16 @@ static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         if (!kv_msg_stats_ack_encode_v(buf, sizeof buf, rid, c->version, &s, &n, NULL)) kv_wc_queue(c, buf, n);
         return 0;
     }
+    case KV_MSG_RECEIPT_REQ: { /* after AUTH only (checked above): sign within what was computed here */
+        kv_receipt r;
+        uint8_t rb[KV_PROTO_HEADER + KV_PROTO_RECEIPT_SIZE];
+        const int g = kv_receipt_grant(&c->budget, &m.u.receipt_req, w->sk, &r, &d);
+        if (g) kv_wlog(w, "conn %llu %s: receipt refused: %s", (unsigned long long)c->id, c->peer, d.msg);
+        if (!kv_msg_receipt_encode(rb, sizeof rb, rid, g ? KV_RECEIPT_REFUSED : KV_RECEIPT_SIGNED, g ? NULL : &r, &n,
+                                   NULL))
+            kv_wc_queue(c, rb, n);
+        return 0;
+    }
     case KV_MSG_ERROR: {
         char why[KV_PROTO_MAX_TEXT + 64];
         snprintf(why, sizeof why, "peer sent ERROR %s: %.300s", kv_err_name(m.u.error.code), m.u.error.msg);
@@ -1025,6 +1037,7 @@ static bool kv_job_ready(const kv_wconn *c) {
 static void kv_job_done(kv_worker *w, kv_wconn *c) {
     atomic_fetch_add(&w->n_compute, 1);
     atomic_fetch_add(&w->n_pairs, c->job.n_pairs);
+    c->budget.computed += c->job.n_pairs; /* what receipts on this connection may cover */
     atomic_fetch_add(&w->n_tokens, c->job.n_tokens);
     kv_job_remove(w, c);
     kv_net_conn_release(c->nc);
