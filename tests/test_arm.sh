@@ -86,8 +86,11 @@ for ty in "${TYPES[@]}"; do
   RUN=(-p "An ARM node computes experts" -n "$NTOK" --temp 0 --json --threads 1)
   "$KV" run -m "$d/m.gguf" "${RUN[@]}" --logits-out "$d/local.bin" >"$d/local.json"
 
+  # the hub vouches for the coordinator key of $d/coord (operator-approved)
+  mkdir -p "$d/coord"
+  CPK=$("$KV" key --key "$d/coord/coordinator.key")
   "$KV" hub --model "$d/sl/manifest.json" --db "$d/hub.db" --listen 127.0.0.1:0 --deadline-ms 4000 \
-    --quiet >"$d/hub.out" 2>"$d/hub.err" &
+    --vouch-key "$CPK" --quiet >"$d/hub.out" 2>"$d/hub.err" &
   pids+=($!)
   url=
   for _ in $(seq 300); do

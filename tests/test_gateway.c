@@ -1065,9 +1065,9 @@ static void test_worker_batched(void) {
             json_decref(hj);
             free(h0.body);
             kv_gateway_free(g0); /* the engine is ours again */
-            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 1);
-            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 0); /* known */
-            ASSERT_TRUE(kv_remote_add_worker(rm, "no-such-host.invalid:1", &d) < 0);
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, NULL, &d), 1);
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, NULL, &d), 0); /* known */
+            ASSERT_TRUE(kv_remote_add_worker(rm, "no-such-host.invalid:1", NULL, &d) < 0);
             for (int k = 0; k < 500; k++) {
                 kv_remote_tend(rm, 10);
                 kv_remote_get_coverage(rm, &cv, miss, 64);

@@ -6,7 +6,9 @@
 # Their budgets hold the model 2.5 times, and each reads the market of its
 # own hub, so they reach full coverage only if each hub sees the other's
 # nodes. Both hubs publish the same market; `kvasir run --hub B` (and --hub
-# A) gives the tokens and logits of `kvasir run -m FULL.gguf` byte for byte.
+# A) gives the tokens and logits of `kvasir run -m FULL.gguf` byte for byte;
+# both hubs have one hub key (in the store), so the voucher a coordinator
+# gets from B is honoured by the nodes that joined A.
 # Then node 1 (registered at A) is killed with SIGKILL: a decode through B
 # right after still equals the local run; within a bounded wait B drops it
 # from the placement map, the others take its shards, and a decode through
@@ -51,9 +53,15 @@ PROMPT="Two hubs, one state"
 RUN=(-p "$PROMPT" -n 8 --temp 0 --json --threads 1)
 "$KV" run -m "$dir/m.gguf" "${RUN[@]}" --logits-out "$dir/local.bin" >"$dir/local.json"
 
+# both hubs vouch for the two coordinators' keys; they share one hub key
+# (kept in the store), so a voucher from B is good at a node that joined A
+mkdir -p "$dir/coord" "$dir/coordA"
+CPK=$("$KV" key --key "$dir/coord/coordinator.key")
+CPKA=$("$KV" key --key "$dir/coordA/coordinator.key")
 start_hub() { # NAME: starts a hub on the shared store, sets url_NAME
-  "$KV" hub --vouch-open --model "$dir/sl/manifest.json" --db "$store" --listen 127.0.0.1:0 --deadline-ms 1500 \
-    --challenge-every 3 --refresh-ms 100 --quiet >"$dir/hub$1.out" 2>"$dir/hub$1.err" &
+  "$KV" hub --model "$dir/sl/manifest.json" --db "$store" --listen 127.0.0.1:0 --deadline-ms 1500 \
+    --challenge-every 3 --refresh-ms 100 --vouch-key "$CPK" --vouch-key "$CPKA" --quiet \
+    >"$dir/hub$1.out" 2>"$dir/hub$1.err" &
   pids+=($!)
   local u=
   for _ in $(seq 300); do
@@ -67,6 +75,8 @@ start_hub() { # NAME: starts a hub on the shared store, sets url_NAME
 start_hub A
 start_hub B
 [ "$(curl -sf "$url_B/v1/status" | jq -r .store)" = postgresql ] || fail "hub B: not on PostgreSQL"
+[ "$(curl -sf "$url_A/v1/status" | jq -r .hub_key)" = "$(curl -sf "$url_B/v1/status" | jq -r .hub_key)" ] ||
+  fail "the hubs have two keys"
 
 declare -a NP
 for i in 1 2 3 4; do

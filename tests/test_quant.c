@@ -6,11 +6,14 @@
  * backend bit-identical to the scalar reference; kv_mat_rows bit-identical to
  * per-element vec_dot for odd row/token counts; the attention helpers of
  * quant/vec.h in their documented order on every backend. */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kvasir/quant.h"
 #include "kvtest.h"
@@ -672,14 +675,62 @@ static void test_delta_rows(void) {
     free(S); free(D); free(W); free(k); free(q); free(v); free(o); free(wo);
 }
 
+/* ------------------------------------------------------------------ */
+/* KV_QUANT_BACKEND caps the run-time choice; it is read once, at the first
+ * call, so each value is checked in a fresh process (this test, re-run with
+ * --print-backend). */
+
+static int backend_with_env(const char *val, char *out, size_t cap) {
+    int fd[2];
+    if (pipe(fd)) return -1;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        close(fd[0]);
+        if (val) setenv("KV_QUANT_BACKEND", val, 1); else unsetenv("KV_QUANT_BACKEND");
+        execl("/proc/self/exe", "test_quant", "--print-backend", (char *)NULL);
+        _exit(127);
+    }
+    close(fd[1]);
+    ssize_t n = read(fd[0], out, cap - 1);
+    close(fd[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    out[n > 0 ? n : 0] = 0;
+    out[strcspn(out, "\n")] = 0;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+}
+
+static void test_backend_env(void) {
+    char def[32], got[32];
+    ASSERT_EQ(backend_with_env(NULL, def, sizeof def), 0);
+    ASSERT_STREQ(def, kv_quant_backend()); /* same CPU, same detection */
+    ASSERT_EQ(backend_with_env("scalar", got, sizeof got), 0);
+    ASSERT_STREQ(got, "scalar");
+    ASSERT_EQ(backend_with_env("bogus", got, sizeof got), 0);
+    ASSERT_STREQ(got, def);
+    const int has_avx2 = kv_quant_set_backend("avx2") == 0, has_512 = kv_quant_set_backend("avx512") == 0;
+    kv_quant_set_backend(def);
+    ASSERT_EQ(backend_with_env("avx2", got, sizeof got), 0);
+    ASSERT_STREQ(got, has_avx2 ? "avx2" : def);
+    ASSERT_EQ(backend_with_env("avx512", got, sizeof got), 0);
+    ASSERT_STREQ(got, has_512 ? "avx512" : def);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_sizes_and_names), KVT_CASE(test_fp16),          KVT_CASE(test_bf16),
     KVT_CASE(test_dequant_handmade), KVT_CASE(test_activation_rounding),
     KVT_CASE(test_roundtrip_error), KVT_CASE(test_vec_dot_ref),  KVT_CASE(test_backends_identical),
     KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_delta_rows),
+    KVT_CASE(test_backend_env),
 };
 
 int main(int argc, char **argv) {
+    if (argc == 2 && !strcmp(argv[1], "--print-backend")) {
+        printf("%s\n", kv_quant_backend());
+        return 0;
+    }
     printf("dispatched backend: %s\n", kv_quant_backend());
     return kvt_run(argc, argv, cases, KVT_N(cases));
 }

@@ -17,4 +17,8 @@ case "$feats" in *" asimd "*)
   out=${out:+$out,}neon
   case "$feats" in *" asimddp "*) out=$out,neondot;; esac;;
 esac
+# an OpenCL device (PoCL counts: tests/test_opencl.c then must not skip)
+if command -v clinfo >/dev/null 2>&1 && clinfo -l 2>/dev/null | grep -q "Device #"; then
+  out=${out:+$out,}opencl
+fi
 echo "$out"

@@ -29,6 +29,12 @@ have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 # for the tests, which start a throw-away cluster (tests/pg_env.sh)
 [ -f /usr/include/postgresql/libpq-fe.h ] || need+=(libpq-dev)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && have psql || need+=(postgresql)
+# the OpenCL expert backend: headers, the ICD loader, PoCL (a CPU OpenCL
+# device, so its tests run on any machine) and clinfo (tools/cpu-backends.sh)
+[ -f /usr/include/CL/cl.h ] || need+=(opencl-headers)
+[ -f /usr/lib/x86_64-linux-gnu/libOpenCL.so ] || [ -f /usr/lib/libOpenCL.so ] || need+=(ocl-icd-opencl-dev)
+[ -n "$(ls /etc/OpenCL/vendors/pocl*.icd 2>/dev/null)" ] || need+=(pocl-opencl-icd)
+have clinfo || need+=(clinfo)
 # libFuzzer and sanitizer runtimes for clang
 if have clang; then
   rt=$(clang -print-resource-dir 2>/dev/null)/lib/linux/libclang_rt.fuzzer-x86_64.a

@@ -244,7 +244,8 @@ typedef struct kv_ring_node_opts {
     const char *model;          /* GGUF file, or DIR/manifest.json of a sliced model */
     uint32_t first, last;       /* the layer window */
     const char *listen;         /* "HOST:PORT" (port 0 picks one) */
-    const char *next;           /* "HOST:PORT" of the node holding layer last + 1 (mod n_layer) */
+    const char *next;           /* "HOST:PORT" of the node holding layer last + 1 (mod n_layer);
+                                   NULL: set later with kv_ring_node_set_next (a hub) */
     int n_threads;              /* compute threads; 0 = all CPUs */
     uint32_t n_ctx;             /* positions per sequence; 0 = min(model, 4096) */
     uint32_t n_batch;           /* prompt tokens per HIDDEN frame; 0 = 256 */
@@ -260,6 +261,10 @@ typedef struct kv_ring_node_opts {
     const uint8_t (*allow_keys)[32]; /* [n_allow] keys admitted (nodes and clients alike) */
     size_t n_allow;
     bool allow_any;             /* admit every key that proves itself (an open ring) */
+    const char *const *workers; /* [n_workers] sliced model: the window's routed experts are
+                                   computed by these expert workers (kvasir worker, the dispatch
+                                   protocol; this node proves its own key to them) */
+    uint32_t n_workers;
     uint32_t link_delay_ms;     /* frames to the next node wait this long first (an emulated
                                    link latency, for benchmarks where netem is missing); 0 = none */
     uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after
@@ -291,6 +296,45 @@ const char *kv_ring_node_addr(const kv_ring_node *n);
 int kv_ring_node_run(kv_ring_node *n, kv_diag *d);
 void kv_ring_node_stop(kv_ring_node *n);
 void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out);
+/* Sets the next node's address (thread-safe; used when a hub says who holds
+ * the window after this one): dialed at the next (re)dial, the current link
+ * is kept while it is up. opts.next may then be NULL at start. */
+void kv_ring_node_set_next(kv_ring_node *n, const char *host_port);
+void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last, uint32_t *n_layer);
+
+/* ---- the layer market (src/ring/hub.c, docs/HUB.md GET /v1/ring) ---------- */
+
+#define KV_RING_HUB_ADDR 64u /* longest node address the market lists (KV_HUB_MAX_ADDR) */
+
+typedef struct kv_ring_window {
+    uint32_t first, last;          /* the window's layers */
+    uint64_t bytes;                /* of its slabs */
+    uint32_t wanted, live;         /* holders */
+    char addr[KV_RING_HUB_ADDR + 1]; /* a live holder's ring address, "" none */
+} kv_ring_window;
+
+/* Parses GET /v1/ring (len bytes, untrusted; fuzzed: fuzz/fuzz_ring_market.c)
+ * into out[cap] (*n windows) and *n_layer; every number range-checked, node
+ * addresses of [A-Za-z0-9.-:[]]. KV_EFORMAT / KV_ERANGE; *n is 0 on error. */
+int kv_ring_parse_market(const char *json, size_t len, kv_ring_window *out, size_t cap, size_t *n, uint32_t *n_layer,
+                         kv_diag *d);
+/* The window a node with `budget` bytes takes: the scarcest (fewest live
+ * holders per wanted) whose bytes fit, the lower layers first on ties; -1
+ * if none fits. */
+int kv_ring_choose(const kv_ring_window *w, size_t n, uint64_t budget);
+/* Takes a window from the hub's market and makes dir/pieces/ hold the
+ * manifest, the backbone and the window's slabs (fetched, resumable, hash
+ * checked): *first, *last and manifest_path[cap] say what to serve. */
+int kv_ring_hub_join(const char *hub, const char *dir, uint64_t budget, uint32_t *first, uint32_t *last,
+                     char *manifest_path, size_t cap, FILE *log, kv_diag *d);
+typedef struct kv_ring_hub kv_ring_hub;
+/* Registers node (its window's slabs, backend "ring", its address) with the
+ * hub under dir/node.key, then heartbeats on a thread of its own, answers
+ * storage challenges and sets the node's next to the live holder of the
+ * window after its own. Stop with kv_ring_hub_stop (accepts NULL). */
+int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
+                      FILE *log, kv_diag *d);
+void kv_ring_hub_stop(kv_ring_hub *h);
 
 /* ---- the client ----------------------------------------------------------- */
 

@@ -20,6 +20,7 @@ int kv_cmd_inspect(int argc, char **argv);
 int kv_cmd_slice(int argc, char **argv);
 int kv_cmd_expert(int argc, char **argv);
 int kv_cmd_worker(int argc, char **argv);
+int kv_cmd_xcheck(int argc, char **argv);
 int kv_cmd_hub(int argc, char **argv);
 int kv_cmd_market(int argc, char **argv);
 int kv_cmd_node(int argc, char **argv);
@@ -48,7 +49,11 @@ typedef struct kv_cli_auth {
     kv_voucher voucher;
     bool has_voucher;
     uint8_t (*worker_keys)[32]; /* [n] or NULL */
+    const char *hub;            /* where caught workers are reported, or NULL */
 } kv_cli_auth;
+/* kv_engine_opts.on_caught for the CLI (arg: a kv_cli_auth): one line on
+ * stderr, and with a hub a signed report (POST /v1/report). */
+void kv_cli_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
 int kv_cli_auth_setup(const char *cmd, const char *key_path, const char *hub, const char *data_dir,
                       char *const *workers, uint32_t n, kv_cli_auth *a);
 void kv_cli_auth_free(kv_cli_auth *a);

@@ -10,6 +10,7 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
 #include "kvasir/slice.h"
+#include "kvasir/ledger.h"
 
 #define CMD "hub"
 
@@ -17,7 +18,7 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
                                              "--timeout", "--threads", "--challenge-every",
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
-                                             "--beacon-to", "--beacon-interval-ms", NULL};
+                                             "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -29,6 +30,8 @@ static const char *kv_hub_help =
     "  --refresh-ms MS     shared store: the market/placement view is at most MS old (default 250)\n"
     "  --listen HOST:PORT  address to serve on (default 127.0.0.1:0; port 0 picks one, printed)\n"
     "  --wanted N          replicas wanted per shard (default 2)\n"
+    "  --ring-windows A-B,C-D,...  also trade these consecutive layer windows to ring nodes\n"
+    "                      (kvasir ring --hub; GET /v1/ring)\n"
     "  --deadline-ms MS    a node is live while its last heartbeat is this recent (default 15000)\n"
     "  --reward MICRO      micro-KVR per hour offered for a shard at its wanted count (default 1000000)\n"
     "  --max-body BYTES    request body bound (default 1048576)\n"
@@ -49,6 +52,8 @@ static const char *kv_hub_help =
     "                      line): POST /v1/voucher signed by it gets a voucher workers honor; repeatable\n"
     "  --vouch-open        vouch for any coordinator key that asks (a test swarm only)\n"
     "  --voucher-ttl-ms MS a voucher's lifetime (default 3600000)\n"
+    "  --ledger FILE|URI   the KVR ledger the gateways settle into, opened read-only: each node's\n"
+    "                      earned_micro_kvr on /v1/nodes and the status page (docs/LEDGER.md)\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n";
 
 static kv_hub *kv_the_hub;
@@ -81,6 +86,7 @@ int kv_cmd_hub(int argc, char **argv) {
     uint8_t(*vk)[32] = NULL;
     size_t n_vk = 0;
     kv_diag ad = {0};
+    const char *ledger = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *s;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -99,6 +105,8 @@ int kv_cmd_hub(int argc, char **argv) {
             o.vouch_open = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
+        } else if (!strcmp(a, "--ring-windows")) {
+            o.ring_windows = s;
         } else if (!strcmp(a, "--vouch-key")) {
             if (kv_key_list_add(s, &vk, &n_vk, &ad)) {
                 free(vk);
@@ -107,6 +115,8 @@ int kv_cmd_hub(int argc, char **argv) {
         } else if (!strcmp(a, "--voucher-ttl-ms")) {
             if (kv_arg_long(CMD, a, s, 1000, 30L * 86400000, &v)) return 1;
             o.voucher_ttl_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--ledger")) {
+            ledger = s;
         } else if (!strcmp(a, "--model")) {
             o.manifest = s;
         } else if (!strcmp(a, "--listen")) {
@@ -164,9 +174,19 @@ int kv_cmd_hub(int argc, char **argv) {
     kv_hub *h = NULL;
     o.vouch_keys = (const uint8_t(*)[32])vk;
     o.n_vouch_keys = n_vk;
+    kv_ledger_reader *lr = NULL; /* read-only: the hub can show earnings, never move them */
+    if (ledger && kv_ledger_reader_open(&lr, ledger, &d)) {
+        free(vk);
+        return kv_cli_diag(CMD, &d);
+    }
+    o.earned = lr ? kv_ledger_reader_earned : NULL;
+    o.earned_arg = lr;
     int orc = kv_hub_open(&h, &o, &d);
     free(vk);
-    if (orc) return kv_cli_diag(CMD, &d);
+    if (orc) {
+        kv_ledger_reader_free(lr);
+        return kv_cli_diag(CMD, &d);
+    }
     if (!o.quiet) {
         char hk[65];
         kv_hex(kv_hub_key(h), 32, hk);
@@ -192,6 +212,7 @@ int kv_cmd_hub(int argc, char **argv) {
     kv_the_hub = NULL;
     kv_beacon_free(b);
     kv_hub_free(h);
+    kv_ledger_reader_free(lr);
     if (!o.quiet) fprintf(stderr, "hub: stopped\n");
     return rc ? kv_cli_diag(CMD, &d) : 0;
 }

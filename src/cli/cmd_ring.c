@@ -8,16 +8,22 @@
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
+#include "kvasir/node.h"
 #include "kvasir/pool.h"
 #include "kvasir/ring.h"
 
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
+    "       kvasir ring --hub URL --budget SIZE [--data DIR] --listen HOST:PORT [options]\n"
+    "  --hub URL           take the scarcest layer window of the hub's market that fits --budget\n"
+    "                      (e.g. 512M, 8G), fetch its pieces into --data DIR (default kvasir-data;\n"
+    "                      resumable, hash checked), register it, and learn the next node from the\n"
+    "                      hub (instead of --model, --layers and --next)\n"
     "  -m, --model MODEL   GGUF file, or DIR/manifest.json (or DIR) of a sliced model; only the\n"
     "                      tensors of layers A..B are touched (the token embedding only when A is 0,\n"
     "                      the final norm and LM head only when B is the last layer)\n"
@@ -32,6 +38,9 @@ static const char *kv_ring_help =
     "  --replay-timeout-ms N  after a break, requests wait N ms for the ring to re-form and are\n"
     "                      then replayed from their tokens, else they fail (default 30000)\n"
     "  --skip-hashes       sliced model: check sizes and identity, not every SHA-256\n"
+    "  --worker HOST:PORT  sliced model: compute this window's routed experts on expert workers\n"
+    "                      (kvasir worker; repeat for more; they must admit this node's --key):\n"
+    "                      only the backbone and the manifest need be here\n"
     "  --key FILE          this node's Ed25519 key (created if absent, 0600; kvasir key prints its\n"
     "                      public half); default: a fresh key for this process\n"
     "  --allow-key K       admit key K (64 hex digits, or a file of keys, one a line): the other\n"
@@ -70,6 +79,10 @@ int kv_cmd_ring(int argc, char **argv) {
     uint8_t (*allow)[32] = NULL;
     size_t n_allow = 0;
     kv_diag d = {0};
+    const char *hub = NULL, *data_dir = "kvasir-data";
+    uint64_t budget = 0;
+    const char *workers[64];
+    uint32_t n_workers = 0;
     long lv;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -88,6 +101,21 @@ int kv_cmd_ring(int argc, char **argv) {
             o.model = v;
         } else if (!strcmp(a, "--key")) {
             key_path = v;
+        } else if (!strcmp(a, "--hub")) {
+            hub = v;
+        } else if (!strcmp(a, "--worker")) {
+            if (n_workers == 64) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--worker: at most 64 workers");
+            }
+            workers[n_workers++] = v;
+        } else if (!strcmp(a, "--data")) {
+            data_dir = v;
+        } else if (!strcmp(a, "--budget")) {
+            if (kv_node_parse_size(v, &budget, &d)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--budget: %s", d.msg);
+            }
         } else if (!strcmp(a, "--allow-key")) {
             if (kv_key_list_add(v, &allow, &n_allow, &d)) {
                 free(allow);
@@ -126,7 +154,20 @@ int kv_cmd_ring(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir ring --help)", a);
         }
     }
-    if (!o.model || !layers || !o.listen || !o.next) {
+    char manifest[4200];
+    if (hub) {
+        if (o.model || layers || o.next || !o.listen || !budget) {
+            free(allow);
+            return kv_cli_err(CMD, 1, "--hub takes --budget and --listen, and replaces --model, --layers and --next");
+        }
+        if (kv_ring_hub_join(hub, data_dir, budget, &o.first, &o.last, manifest, sizeof manifest, o.log, &d)) {
+            free(allow);
+            return kv_cli_diag(CMD, &d);
+        }
+        o.model = manifest;
+        layers = true;
+    }
+    if (!o.model || !layers || !o.listen || (!o.next && !hub)) {
         free(allow);
         return kv_cli_err(CMD, 1, "needs --model, --layers, --listen and --next (see kvasir ring --help)");
     }
@@ -138,6 +179,8 @@ int kv_cmd_ring(int argc, char **argv) {
         }
         o.key_sk = key.sk;
     }
+    o.workers = workers;
+    o.n_workers = n_workers;
     o.allow_keys = (const uint8_t(*)[32])allow;
     o.n_allow = n_allow;
     kv_ring_node *n = NULL;
@@ -149,7 +192,12 @@ int kv_cmd_ring(int argc, char **argv) {
     kv_ring_node_get_stats(n, &st);
     if (o.log)
         fprintf(stderr, "kvasir ring %u-%u: window of %llu bytes of weights (%.2f MiB), next %s\n", o.first, o.last,
-                (unsigned long long)st.weight_bytes, (double)st.weight_bytes / 1048576.0, o.next);
+                (unsigned long long)st.weight_bytes, (double)st.weight_bytes / 1048576.0, o.next ? o.next : "from the hub");
+    kv_ring_hub *rh = NULL;
+    if (hub && kv_ring_hub_start(&rh, hub, data_dir, n, budget, o.log, &d)) {
+        kv_ring_node_free(n);
+        return kv_cli_diag(CMD, &d);
+    }
     kv_the_node = n;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -168,6 +216,7 @@ int kv_cmd_ring(int argc, char **argv) {
                 (unsigned long long)st.frames_hidden, (unsigned long long)st.batches, st.busy_s, (unsigned long long)st.tokens_sampled,
                 (unsigned long long)st.requests, (unsigned long long)st.replays, (unsigned long long)st.breaks);
     kv_the_node = NULL;
+    kv_ring_hub_stop(rh);
     kv_ring_node_free(n);
     return rc ? kv_cli_diag(CMD, &d) : 0;
 }

@@ -12,9 +12,10 @@
 #include "kvasir/quant.h"
 #include "kvasir/ring.h"
 #include "kvasir/slice.h"
+#include "kvasir/verify.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", NULL};
 
 #define CMD "run"
 
@@ -40,6 +41,9 @@ static const char *kv_run_help =
     "  --ring HOST:PORT     submit to a ring node (kvasir ring) instead of -m: the ring tokenizes,\n"
     "                       computes and streams the tokens back (--ring-timeout-ms N: longest wait\n"
     "                       for one token, default 60000); it proves --key (below) to the node\n"
+    "  --verify             check every worker answer (Freivalds, docs/VERIFY.md) against the slabs\n"
+    "                       present in the manifest's folder; a worker caught lying is dropped for good\n"
+    "  --verify-recompute R also recompute a fraction R of the answers in full (with --verify)\n"
     "  --key FILE           the key proved to workers (default DATA/coordinator.key with --hub,\n"
     "                       else ~/.kvasir/coordinator.key; created if absent; see kvasir key)\n"
     "  --wire ENC           hidden states to workers as f32 (exact, default), f16 or bf16\n"
@@ -104,10 +108,13 @@ static void kv_run_dispatch_json(const kv_remote *r) {
     kv_remote_get_stats(r, &st);
     printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
            "\"pairs_local\":%llu,\"bytes_sent\":%llu,\"bytes_recv\":%llu,\"rtt_p50_us\":%.1f,\"rtt_p99_us\":%.1f,"
+           "\"verified\":%llu,\"unverified\":%llu,\"recomputed\":%llu,\"caught\":%llu,"
            "\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
            (unsigned long long)st.retried_pairs, (unsigned long long)st.pairs_remote,
            (unsigned long long)st.pairs_local, (unsigned long long)st.bytes_sent, (unsigned long long)st.bytes_recv,
-           st.rtt_p50_us, st.rtt_p99_us);
+           st.rtt_p50_us, st.rtt_p99_us, (unsigned long long)st.pairs_verified,
+           (unsigned long long)st.pairs_unverified, (unsigned long long)st.pairs_recomputed,
+           (unsigned long long)st.caught);
     for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
         kv_remote_worker w;
         kv_remote_worker_info(r, i, &w);
@@ -115,6 +122,7 @@ static void kv_run_dispatch_json(const kv_remote *r) {
         kv_json_str(stdout, w.addr, strlen(w.addr));
         printf(",\"backend\":"); /* the kernel backend it announced (HELLO_ACK) */
         kv_json_str(stdout, w.backend, strlen(w.backend));
+        printf(",\"caught\":%s,\"verified\":%llu", w.caught ? "true" : "false", (unsigned long long)w.verified);
         printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
                "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
                (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
@@ -246,6 +254,9 @@ int kv_cmd_run(int argc, char **argv) {
     const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL, *ring = NULL;
     long ring_timeout = 60000;
     kv_cli_auth auth = {0};
+    bool verify = false;
+    double verify_rate = 0;
+    const kv_verify_opts vopts = {0};
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
@@ -262,6 +273,8 @@ int kv_cmd_run(int argc, char **argv) {
             chat = true;
         } else if (!strcmp(a, "--json")) {
             json = true;
+        } else if (!strcmp(a, "--verify")) {
+            verify = true;
         } else if (!strcmp(a, "--skip-hashes")) {
             skip_hashes = true;
         } else if (!strcmp(a, "--allow-sparse")) { /* run a sliced skeleton (pieces without hashes) */
@@ -305,6 +318,11 @@ int kv_cmd_run(int argc, char **argv) {
             workers[n_workers++] = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--verify-recompute")) {
+            float f;
+            if (kv_arg_float(CMD, a, v, 0, 1, &f)) return 1;
+            verify_rate = f;
+            verify = true;
         } else if (!strcmp(a, "--key")) {
             key_path = v;
         } else if (!strcmp(a, "--data")) {
@@ -394,7 +412,9 @@ int kv_cmd_run(int argc, char **argv) {
                                .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .log = verbose ? stderr : NULL, .key_sk = auth.key.sk,
-                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys};
+                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
+                               .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
+                               .on_caught = kv_cli_caught, .caught_arg = &auth};
     if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);

@@ -9,6 +9,7 @@
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
+#include "kvasir/quant.h"
 
 #define CMD "worker"
 
@@ -16,7 +17,7 @@ static const char *const kv_value_flags[] = {"--slabs", "--listen", "--threads",
                                              "--read-timeout", "--idle-timeout", "--handshake-timeout",
                                              "--max-pending-per-addr", "--evict-idle", "--write-timeout",
                                              "--mem-budget-mb", "--max-request-cost", "--allow-key",
-                                             "--hub-key", "--key", NULL};
+                                             "--hub-key", "--key", "--backend", NULL};
 
 static const char *kv_worker_help =
     "usage: kvasir worker --slabs DIR_OR_FILES --listen HOST:PORT [--threads N] [--max-conns N]\n"
@@ -34,6 +35,8 @@ static const char *kv_worker_help =
     "  --write-timeout MS a peer that reads nothing for MS is closed (default 30000)\n"
     "  --mem-budget-mb N  memory all connections may buffer together (default 1024)\n"
     "  --max-request-cost N  multiply-adds one COMPUTE may ask for (default 2^36)\n"
+    "  --backend NAME     expert kernels: scalar, avx2, avx512, neon, neondot (what this CPU\n"
+    "                     runs; default the fastest) or opencl (the first OpenCL device)\n"
     "  --quiet            no per-connection log lines\n"
     "  --allow-sparse     slabs with holes (a sliced skeleton) are served unhashed; only a\n"
     "                     coordinator run with --allow-sparse on a hashless manifest accepts them\n"
@@ -68,6 +71,12 @@ int kv_cmd_worker(int argc, char **argv) {
             o.quiet = true;
         } else if (!strcmp(a, "--allow-sparse")) {
             o.allow_sparse = true;
+        } else if (!strncmp(a, "--test-lie=", 11)) {
+            /* TEST ONLY, deliberately absent from --help: return wrong numbers (docs/VERIFY.md) */
+            const int m = kv_worker_lie_from_name(a + 11);
+            if (m < 0) return kv_cli_err(CMD, 1, "--test-lie: '%s' is not noise, swap, stale or later", a + 11);
+            o.test_lie = m;
+            fprintf(stderr, "worker: TEST MODE: this worker lies (%s)\n", a + 11);
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--allow-key")) {
@@ -87,6 +96,13 @@ int kv_cmd_worker(int argc, char **argv) {
                 return kv_cli_diag(CMD, &ad);
             }
             o.key_sk = own.sk;
+        } else if (!strcmp(a, "--backend")) {
+            if (!strcmp(v, "opencl")) {
+                o.opencl = true;
+            } else if (kv_quant_set_backend(v)) {
+                return kv_cli_err(CMD, 1, "--backend %s: not a backend this CPU runs (scalar, avx2, avx512, "
+                                  "neon, neondot, opencl)", v);
+            }
         } else if (!strcmp(a, "--slabs")) {
             o.slabs = v;
         } else if (!strcmp(a, "--listen")) {

@@ -17,6 +17,7 @@ static const struct {
     {"slice", kv_cmd_slice, "cut a model into a backbone, expert slabs and a manifest"},
     {"expert", kv_cmd_expert, "compute one expert's FFN for given hidden states"},
     {"worker", kv_cmd_worker, "serve expert computation for held slabs over TCP"},
+    {"xcheck", kv_cmd_xcheck, "compare sampled experts across every backend this machine runs"},
     {"key", kv_cmd_key, "print (creating if absent) a coordinator key's public half"},
     {"hub", kv_cmd_hub, "serve a model's pieces, the node registry and the coverage market"},
     {"market", kv_cmd_market, "print a hub's coverage market (scarcest shards first)"},

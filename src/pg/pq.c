@@ -130,8 +130,10 @@ int kv_pq_i64(PGresult *r, int row, int col, int64_t min, int64_t max, int64_t *
     if ((size_t)PQgetlength(r, row, col) != strlen(s)) return kv_fail(d, KV_EFORMAT, "%s: %s holds a NUL byte", who, what);
     char *e;
     errno = 0;
+    /* the server writes [-]digits; strtoll alone would also take blanks and '+' */
     long long v = strtoll(s, &e, 10);
-    if (!*s || *e || errno || v < min || v > max)
+    if (!((s[0] >= '0' && s[0] <= '9') || (s[0] == '-' && s[1] >= '0' && s[1] <= '9')) || *e || errno || v < min ||
+        v > max)
         return kv_fail(d, KV_EFORMAT, "%s: %s = '%.40s' is not an integer in [%" PRId64 ", %" PRId64 "]", who, what,
                        s, min, max);
     *out = (int64_t)v;

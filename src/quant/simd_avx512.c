@@ -519,8 +519,15 @@ K4_TILE512(q5_K_tile, kv_block_q5_K, 1)
 /* Q6_K: 64 values per step: quarters (0,1) then (2,3) of each half. */
 AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, size_t rb,
                   const uint8_t *a, size_t ab, int pf, float *out) {
+    /* tokens 2u, 2u+1 share a zmm accumulator (acc2: the first one's 8 lanes
+     * low); an odd last token uses the ymm ones */
     __m256 acc[KT_R][KT_T];
-    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
+    __m512 acc2[KT_R][KT_T / 2];
+    const int TP = TT / 2;
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {
+        acc[r][t] = _mm256_setzero_ps();
+        if (t < TP) acc2[r][t] = _mm512_setzero_ps();
+    }
     const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(3);
     for (int64_t i = 0; i < nsb; i++) {
         if (pf) {
@@ -566,11 +573,34 @@ AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, siz
         if (RT * TT <= 2)
             UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)
                 isum[r][t] = _mm512_add_epi32(isum[r][t], isum2[r][t]);
+        /* pairs: both tokens' scale sums, fold, convert and fma at once (the
+         * same per-lane steps as below, so the same bits) */
+        __m512i bs2[KT_T / 2];
+        __m512 da2[KT_T / 2];
+        UNROLL for (int u = 0; u < TP; u++) {
+            const kv_block_q8_K *y0 = (const kv_block_q8_K *)(a + 2 * u * ab) + i;
+            const kv_block_q8_K *y1 = (const kv_block_q8_K *)(a + (2 * u + 1) * ab) + i;
+            bs2[u] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y0->bsums)),
+                                        _mm256_loadu_si256((const __m256i *)y1->bsums), 1);
+            da2[u] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(y0->d)), _mm256_set1_ps(y1->d), 1);
+        }
         UNROLL for (int r = 0; r < RT; r++) {
             const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
             __m256i sc = _mm512_castsi512_si256(sc16[r]);
             float d = h2f(x->d);
-            UNROLL for (int t = 0; t < TT; t++) {
+            if (TP) {
+                const __m512i sc2 = _mm512_inserti64x4(_mm512_castsi256_si512(sc), sc, 1);
+                const __m512 d2 = _mm512_set1_ps(d);
+                UNROLL for (int u = 0; u < TP; u++) {
+                    const __m512i i0 = isum[r][2 * u], i1 = isum[r][2 * u + 1];
+                    const __m512i f = _mm512_add_epi32(_mm512_shuffle_i64x2(i0, i1, 0x44),
+                                                       _mm512_shuffle_i64x2(i0, i1, 0xEE));
+                    const __m512i mp = _mm512_madd_epi16(bs2[u], sc2);
+                    const __m512i is = _mm512_sub_epi32(f, _mm512_slli_epi32(mp, 5));
+                    acc2[r][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(da2[u], d2), acc2[r][u]);
+                }
+            }
+            UNROLL for (int t = 2 * TP; t < TT; t++) {
                 const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
                 __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
                 __m256i mp = _mm256_madd_epi16(bs, sc);
@@ -578,6 +608,10 @@ AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, siz
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(y->d * d), acc[r][t]);
             }
         }
+    }
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) {
+        acc[r][2 * u] = _mm512_castps512_ps256(acc2[r][u]);
+        acc[r][2 * u + 1] = _mm512_extractf32x8_ps(acc2[r][u], 1);
     }
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) out[r * TT + t] = hsum_ps8(acc[r][t]);
 }

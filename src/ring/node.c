@@ -22,6 +22,7 @@
  * next link's send buffer. Compute runs on the loop's thread; the pool
  * parallelizes it. */
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -43,6 +44,7 @@
 #include "kvasir/pieces.h"
 #include "kvasir/ring.h"
 #include "kvasir/slice.h"
+#include "kvasir/pieces.h"
 #include "kvasir/hub.h" /* kv_hex */
 
 #include <sodium.h>
@@ -96,7 +98,8 @@ struct kv_rconn {
 struct kv_ring_node {
     kv_ring_node_opts o;
     kv_model *m;
-    kv_slices *sl;            /* sliced model */
+    kv_pieces *pc;            /* sliced model: the manifest's pieces present here (the window's slabs) */
+    kv_remote *remote;        /* --worker: the window's experts computed by expert workers */
     kv_expert_provider prov;  /* over the slices (owned) */
     kv_pool *pool;
     kv_state *st;
@@ -117,6 +120,9 @@ struct kv_ring_node {
     uint32_t next_first, next_last;
     kv_rconn *prev;           /* accepted link from the node before */
     uint32_t prev_first, prev_last; /* its window */
+    pthread_mutex_t next_mu;  /* guards next_want, next_changed (set from other threads) */
+    char next_want[256];      /* kv_ring_node_set_next's address */
+    bool next_changed;
     kv_net_timer redial_t, probe_t, tick_t;
     bool ring_up;             /* a probe of ours, or someone's "whole", went round */
     uint64_t nonce;
@@ -1099,9 +1105,22 @@ static kv_net_conn_opts kv_rn_conn_opts(void) {
                               .tx_max = KV_RN_TX_MAX, .frame_timeout_ms = 30000, .write_timeout_ms = 30000};
 }
 
+static int kv_rn_resolve_next(kv_ring_node *n, const char *host_port, kv_diag *d);
 static void kv_rn_redial(kv_net_loop *l, kv_net_timer *t) {
     kv_ring_node *n = t->data;
     if (n->next) return;
+    pthread_mutex_lock(&n->next_mu); /* a new next from the hub */
+    if (n->next_changed) {
+        n->next_changed = false;
+        kv_diag d = {0};
+        if (kv_rn_resolve_next(n, n->next_want, &d)) kv_rn_log(n, "%s", d.msg);
+        else kv_rn_log(n, "next node: %s (from the hub)", n->next_addr);
+    }
+    pthread_mutex_unlock(&n->next_mu);
+    if (!n->next_salen) { /* not known yet */
+        kv_net_timer_start(l, t, KV_RN_REDIAL_MS);
+        return;
+    }
     kv_rconn *c = kv_rc_new(n);
     if (!c) {
         kv_net_timer_start(l, t, KV_RN_REDIAL_MS);
@@ -1151,6 +1170,58 @@ static void kv_rn_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
 
 /* ---- life ------------------------------------------------------------------------------- */
 
+/* Expert weights of a sliced model from the slabs present (mmap views). */
+static int kv_rn_pieces_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
+    const kv_pieces *p = ctx;
+    if (layer >= p->m->n_layer || e >= p->m->n_expert)
+        return kv_fail(d, KV_ERANGE, "ring: layer %u expert %u out of range", layer, e);
+    const int32_t si = p->where[(size_t)layer * p->m->n_expert + e];
+    if (si < 0) return kv_fail(d, KV_ENOTFOUND, "ring: no slab here holds layer %u expert %u", layer, e);
+    const kv_piece_slab *sl = &p->slabs[si];
+    const uint64_t le = e - sl->first;
+    w->gate = sl->base[0] + le * sl->nb2[0];
+    w->up = sl->base[1] + le * sl->nb2[1];
+    w->down = sl->base[2] + le * sl->nb2[2];
+    w->gate_type = sl->type[0];
+    w->up_type = sl->type[1];
+    w->down_type = sl->type[2];
+    return 0;
+}
+
+/* Resolves host_port into the next node's address. */
+static int kv_rn_resolve_next(kv_ring_node *n, const char *host_port, kv_diag *d) {
+    char host[256];
+    uint16_t port;
+    int rc = kv_proto_parse_addr(host_port, host, sizeof host, &port, d);
+    if (rc) return rc;
+    char ps[8];
+    snprintf(ps, sizeof ps, "%u", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+    int g = getaddrinfo(host, ps, &hints, &ai);
+    if (g || !ai) return kv_fail(d, KV_EINVAL, "ring: cannot resolve the next node '%s': %s", host_port, gai_strerror(g));
+    memcpy(&n->next_sa, ai->ai_addr, ai->ai_addrlen);
+    n->next_salen = ai->ai_addrlen;
+    freeaddrinfo(ai);
+    snprintf(n->next_addr, sizeof n->next_addr, "%s", host_port);
+    return 0;
+}
+
+void kv_ring_node_set_next(kv_ring_node *n, const char *host_port) {
+    pthread_mutex_lock(&n->next_mu);
+    if (strcmp(n->next_want, host_port)) {
+        snprintf(n->next_want, sizeof n->next_want, "%s", host_port);
+        n->next_changed = true;
+    }
+    pthread_mutex_unlock(&n->next_mu);
+    kv_net_loop_wake(n->loop);
+}
+
+void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last, uint32_t *n_layer) {
+    *first = n->o.first;
+    *last = n->o.last;
+    *n_layer = n->n_layer;
+}
+
 int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag *d) {
     *out = NULL;
     kv_ring_node *n = calloc(1, sizeof *n);
@@ -1166,8 +1237,8 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
                      KV_RING_MAX_TOKENS);
         goto fail;
     }
-    if (!n->o.model || !n->o.listen || !n->o.next) {
-        rc = kv_fail(d, KV_EINVAL, "ring: a model, a listen address and a next address are required");
+    if (!n->o.model || !n->o.listen) {
+        rc = kv_fail(d, KV_EINVAL, "ring: a model and a listen address are required");
         goto fail;
     }
     n->max_seqs = n->o.max_seqs;
@@ -1196,23 +1267,8 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     }
     n->o.key_sk = NULL;
     n->o.allow_keys = NULL;
-    {   /* where the next node is: resolved once */
-        char host[256];
-        uint16_t port;
-        if ((rc = kv_proto_parse_addr(n->o.next, host, sizeof host, &port, d))) goto fail;
-        char ps[8];
-        snprintf(ps, sizeof ps, "%u", port);
-        struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
-        int g = getaddrinfo(host, ps, &hints, &ai);
-        if (g || !ai) {
-            rc = kv_fail(d, KV_EINVAL, "ring: cannot resolve --next '%s': %s", n->o.next, gai_strerror(g));
-            goto fail;
-        }
-        memcpy(&n->next_sa, ai->ai_addr, ai->ai_addrlen);
-        n->next_salen = ai->ai_addrlen;
-        freeaddrinfo(ai);
-        snprintf(n->next_addr, sizeof n->next_addr, "%s", n->o.next);
-    }
+    pthread_mutex_init(&n->next_mu, NULL);
+    if (n->o.next && (rc = kv_rn_resolve_next(n, n->o.next, d))) goto fail; /* else set later (a hub) */
     if ((rc = kv_pool_new(&n->pool, n->o.n_threads, d))) goto fail;
     const size_t pl = strlen(n->o.model);
     struct stat mst;
@@ -1220,19 +1276,50 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     const kv_model_opts mo = {.window = true, .layer_first = n->o.first, .layer_last = n->o.last};
     const kv_expert_provider *experts = NULL;
     uint32_t max_tok = n->n_batch > n->max_seqs ? n->n_batch : n->max_seqs;
-    if (is_dir || (pl >= 5 && !strcmp(n->o.model + pl - 5, ".json"))) { /* sliced: backbone window + slabs */
+    if (is_dir || (pl >= 5 && !strcmp(n->o.model + pl - 5, ".json"))) { /* sliced: backbone window + its slabs */
         char man[4200];
         snprintf(man, sizeof man, is_dir ? "%s/manifest.json" : "%s", n->o.model);
-        const kv_slices_opts so = {.skip_hashes = n->o.skip_hashes, .n_threads = n->o.n_threads};
+        const kv_pieces_opts po = {.who = "ring", .runnable = true, .slabs_may_be_missing = true,
+                                   .skip_hashes = n->o.skip_hashes, .keep_gguf = true, .n_threads = n->o.n_threads};
         kv_model_opts bo = mo;
         bo.no_experts = true;
-        if ((rc = kv_slices_open(&n->sl, man, &so, d)) ||
-            (rc = kv_model_load_ex(&n->m, kv_slices_backbone_path(n->sl), &bo, d)) ||
-            (rc = kv_slices_check_model(n->sl, n->m, d)) ||
-            (rc = kv_slices_provider_new(&n->prov, n->sl, n->pool, max_tok, d)))
+        if ((rc = kv_pieces_open(&n->pc, man, &po, d)) ||
+            (rc = kv_model_load_ex(&n->m, n->pc->backbone, &bo, d)) ||
+            (rc = kv_pieces_check_model(n->pc->m, n->m, "ring", d)))
             goto fail;
-        experts = &n->prov;
-        snprintf(n->model_id, sizeof n->model_id, "%s", kv_slices_manifest(n->sl)->model_id);
+        const kv_manifest *mf = n->pc->m;
+        if (n->o.n_workers) { /* one market, two modes: this window's experts on expert workers */
+            /* the other windows' experts are not ours to cover: open, then check our layers */
+            const kv_remote_opts ro = {.workers = n->o.workers, .n_workers = n->o.n_workers, .max_tokens = max_tok,
+                                       .skip_hashes = n->o.skip_hashes, .log = n->o.log, .key_sk = n->sk,
+                                       .allow_uncovered = true};
+            if ((rc = kv_remote_open(&n->remote, man, n->pool, &ro, d))) goto fail;
+            experts = kv_remote_provider(n->remote);
+            kv_remote_coverage cov;
+            uint32_t miss[256];
+            kv_remote_get_coverage(n->remote, &cov, miss, 256);
+            for (uint32_t k = 0; k < cov.n_missing; k++) {
+                const kv_manifest_slab *sl = &mf->slabs[miss[k]];
+                if (sl->layer < n->o.first || sl->layer > n->o.last) continue;
+                rc = kv_fail(d, KV_ENOTFOUND, "ring: layer %u experts %u-%u are served by no worker up and their slab "
+                             "is not here", sl->layer, sl->first, sl->last);
+                goto fail;
+            }
+        }
+        for (uint32_t il = n->o.first; il <= n->o.last && !n->remote; il++)
+            for (uint32_t e = 0; e < mf->n_expert; e++)
+                if (n->pc->where[(size_t)il * mf->n_expert + e] < 0) {
+                    rc = kv_fail(d, KV_ENOTFOUND, "ring: no slab here holds layer %u expert %u (the window %u-%u needs "
+                                 "every slab of its layers)", il, e, n->o.first, n->o.last);
+                    goto fail;
+                }
+        const kv_expert_source src = {n->pc, kv_rn_pieces_acquire, NULL, mf->n_layer, mf->n_expert, mf->n_embd,
+                                      kv_model_hparams(n->m)->n_ff_exp, kv_model_hparams(n->m)->n_expert_used};
+        if (!n->remote) {
+            if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d))) goto fail;
+            experts = &n->prov;
+        }
+        snprintf(n->model_id, sizeof n->model_id, "%s", mf->model_id);
     } else {
         if ((rc = kv_model_load_ex(&n->m, n->o.model, &mo, d))) goto fail;
         char id[65];
@@ -1316,7 +1403,9 @@ void kv_ring_node_free(kv_ring_node *n) {
     free(n->seqs);
     kv_state_free(n->st);
     if (n->prov.free) n->prov.free(n->prov.impl);
-    kv_slices_free(n->sl);
+    kv_remote_free(n->remote);
+    kv_pieces_free(n->pc);
+    pthread_mutex_destroy(&n->next_mu);
     kv_model_free(n->m);
     kv_pool_free(n->pool);
     free(n->xin);
