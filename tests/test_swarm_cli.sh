@@ -54,7 +54,7 @@ set +e
 "$KV" swarm >/dev/null 2>"$dir/usage.err"
 rc=$?
 set -e
-[ "$rc" = 1 ] && grep -q "^usage: kvasir swarm up|status|down" "$dir/usage.err" || fail "bare swarm: rc $rc"
+[ "$rc" = 1 ] && grep -q "^usage: kvasir swarm up|status|down" "$dir/usage.err" || fail "bare swarm: rc $rc: $(cat "$dir/usage.err")"
 usage "unknown subcommand 'frob'" swarm frob
 usage "--nodes" swarm up --nodes 0 --dir "$dir/never"
 usage "not both" swarm up -m x.gguf --preset tiny --dir "$dir/never"
