@@ -6,12 +6,10 @@
 #      its LAN beacon), three nodes and a gateway, waits for full coverage;
 #   2. a chat completion through the gateway with curl, and the answer;
 #   3. the same request in one process (kvasir run --chat): equal or not;
-#   4. which node computed how many experts (each worker's STATS counters,
-#      and the hub's node metrics), the plan (placement, round trips and
-#      bytes per token) and where the status page is;
-#   5. paying in KVR (tools/demo_pay.sh, when present): what the consumer
-#      paid, what each node earned, whether the books balance;
-#   6. kvasir swarm down.
+#   4. which node computed how many experts (each worker's STATS counters),
+#      the plan (placement, round trips and bytes per token) and where the
+#      status page is;
+#   5. kvasir swarm down.
 # Usage: tools/demo.sh [KVASIR_BINARY]; without one it installs what is
 # missing (tools/install-deps.sh) and builds first. KV_DEMO_PRESET picks the
 # gen-model preset (default tiny), KV_DEMO_DIR keeps the swarm's folder.
@@ -34,15 +32,27 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# ---- payment --------------------------------------------------------------
-# tools/demo_pay.sh (the ledger's part of the demo) is a script of its own:
-# after the chat through the swarm it runs a paid gateway on the same model
-# (a consumer pays in KVR for two completions) and shows what the consumer
-# paid, what each node earned and whether the books balance.
+# ---- payment hook ------------------------------------------------------------
+# tools/demo_pay.sh, when present, is sourced here. Before the swarm starts it
+# may set SWARM_GATEWAY_ARGS (more `kvasir gateway` flags, e.g. its ledger;
+# passed with swarm up --gateway-arg) and CHAT_HEADERS (more curl arguments
+# for the chat request, e.g. -H "X-KVR-Payment: ..."); it defines
+# demo_pay_report, run after the chat completion and before swarm down, to
+# print what the consumer paid, what each node earned and whether the books
+# balance. $KV, $dir, $SW, and after swarm up $HUB and $GW, are set for it.
+SWARM_GATEWAY_ARGS=()
+CHAT_HEADERS=()
+demo_pay_report() { :; }
+if [ -f "$SRC/tools/demo_pay.sh" ]; then
+  # shellcheck source=/dev/null
+  source "$SRC/tools/demo_pay.sh"
+fi
+gw_args=()
+for a in "${SWARM_GATEWAY_ARGS[@]+"${SWARM_GATEWAY_ARGS[@]}"}"; do gw_args+=(--gateway-arg "$a"); done
 
 echo "== kvasir swarm up: a hub, three nodes and a gateway on 127.0.0.1"
 "$KV" swarm up --preset "${KV_DEMO_PRESET:-tiny}" --nodes 3 --dir "$SW" --listen 127.0.0.1:0 \
-  --hub-listen 127.0.0.1:0 | sed 's/^/   /'
+  --hub-listen 127.0.0.1:0 "${gw_args[@]+"${gw_args[@]}"}" | sed 's/^/   /'
 HUB=$(jq -r .hub.url "$SW/swarm.json")
 GW=$(jq -r .gateway.url "$SW/swarm.json")
 MODEL=$(curl -sf "$GW/v1/models" | jq -r '.data[0].id')
@@ -53,7 +63,8 @@ body=$(jq -nc --arg m "$MODEL" --arg p "$prompt" --argjson n $n --argjson t $tem
   --argjson tp $topp --argjson mp $minp --argjson s $seed \
   '{model:$m, messages:[{role:"user", content:$p}], max_tokens:$n, temperature:$t, top_k:$k, top_p:$tp, min_p:$mp, seed:$s}')
 echo "== curl $GW/v1/chat/completions  (\"$prompt\", $n tokens, temperature $temp, seed $seed)"
-curl -sf "$GW/v1/chat/completions" -H 'Content-Type: application/json' -d "$body" >"$dir/chat.json"
+curl -sf "$GW/v1/chat/completions" -H 'Content-Type: application/json' "${CHAT_HEADERS[@]+"${CHAT_HEADERS[@]}"}" \
+  -d "$body" >"$dir/chat.json"
 answer=$(jq -r '.choices[0].message.content' "$dir/chat.json")
 echo "   answer (random weights, so the text is gibberish): $(printf '%s' "$answer" | jq -Rs .)"
 echo "   usage: $(jq -c .usage "$dir/chat.json")"
@@ -84,9 +95,7 @@ echo "== kvasir swarm status"
 "$KV" swarm status --dir "$SW" | sed 's/^/   /'
 echo "== kvasir plan --hub $HUB"
 "$KV" plan --hub "$HUB" | sed 's/^/   /'
-if [ -f "$SRC/tools/demo_pay.sh" ]; then
-  bash "$SRC/tools/demo_pay.sh" "$KV" "$SW/model.gguf"
-fi
+demo_pay_report
 echo "== status page: $HUB/   (market: $HUB/v1/market, placement: $HUB/v1/placement)"
 echo "== kvasir swarm down"
 "$KV" swarm down --dir "$SW" | sed 's/^/   /'
