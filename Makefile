@@ -14,6 +14,7 @@
 #   make test-arm the unit tests of the aarch64 build under qemu, and ARM
 #                 nodes in a loopback swarm (tests/test_arm.sh, full version)
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
+#   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
@@ -27,7 +28,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -50,12 +51,13 @@ test: deps oracle deps-arm
 	  KV_REQUIRE_ARM=1 ctest --output-on-failure -j$(JOBS)
 
 # aarch64: Debian's cross compiler and arm64 libraries (cmake/aarch64.cmake);
-# the unit tests run under qemu-user (CMAKE_CROSSCOMPILING_EMULATOR).
+# the unit tests run under qemu-user (CMAKE_CROSSCOMPILING_EMULATOR). No
+# PostgreSQL stores there: libpq-dev:arm64 does not co-install with amd64's.
 deps-arm:
 	@bash tools/install-deps.sh --arm
 
 arm: deps-arm
-	@cmake -S . -B $(ARM_BUILD) -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64.cmake -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake -S . -B $(ARM_BUILD) -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64.cmake -DCMAKE_BUILD_TYPE=Release -DKV_PG=OFF >/dev/null
 	@cmake --build $(ARM_BUILD) -j$(JOBS) $(ARM_TARGET) -- --no-print-directory
 
 # test_worker is left out under emulation: its fairness case times three
@@ -66,6 +68,14 @@ test-arm: arm
 	@cd $(ARM_BUILD) && KV_REQUIRE_BACKENDS=neon,neondot ctest --output-on-failure -j$(JOBS) -E '^test_(fuzz|worker)$$'
 	@cd $(BUILD) && KV_ARM_BIN=$(abspath $(ARM_BUILD))/kvasir KV_REQUIRE_ARM=1 KV_ARM_FULL=1 \
 	  ctest --output-on-failure -R '^test_(arm|xcheck|mixed)$$'
+
+# a 256 MiB ARM node (emulated) in a swarm of a 428 MB model: slabs held,
+# peak resident memory, a byte-identical decode (docs/BENCHMARKS.md)
+bench-arm: arm
+	@$(MAKE) --no-print-directory build
+	@KV_BIN=$(abspath $(BUILD))/kvasir KV_SRC=$(CURDIR) KV_ARM_BIN=$(abspath $(ARM_BUILD))/kvasir KV_REQUIRE_ARM=1 \
+	  KV_ARM_BUDGET=256M KV_ARM_TOKENS=16 KV_ARM_MODEL="--layers 2 --embd 1024 --ff-exp 1024 --experts 64 --type q8_0" \
+	  bash tests/test_arm_budget.sh
 
 asan: deps oracle
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKV_SANITIZE=ON >/dev/null

@@ -70,6 +70,9 @@ arm_deps() {
   [ -f $lib/pkgconfig/libcrypto.pc ] || arm+=(libssl-dev:arm64)
   [ -f $lib/pkgconfig/libmicrohttpd.pc ] || arm+=(libmicrohttpd-dev:arm64)
   [ -f $lib/pkgconfig/sqlite3.pc ] || arm+=(libsqlite3-dev:arm64)
+  # not libpq-dev:arm64: it is not Multi-Arch "same" in Debian 12, and apt
+  # would remove the amd64 libpq-dev to install it; the aarch64 build goes
+  # without the PostgreSQL stores (the node path does not use them)
   [ -e /lib/ld-linux-aarch64.so.1 ] || arm+=(libc6:arm64)
   [ ${#arm[@]} -gt 0 ] || return 0
   if ! dpkg --print-foreign-architectures | grep -qx arm64; then

@@ -31,7 +31,7 @@
 #define KV_XC_MAX_SAMPLES 64
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--experts", "--layers", "--tokens", "--seed",
-                                             "--arm", "--dump", NULL};
+                                             "--arm", "--dump", "--reps", NULL};
 static const char *kv_xcheck_help =
     "usage: kvasir xcheck -m MODEL.gguf [--experts N] [--layers N] [--tokens T] [--seed S] [--arm BIN]\n"
     "                     [--json]\n"
@@ -40,6 +40,7 @@ static const char *kv_xcheck_help =
     "  prints cosine similarity and max relative error for each pair of backends.\n"
     "  --arm BIN   also run the aarch64 build BIN under qemu-aarch64 (its scalar, neon, neondot)\n"
     "  --dump P    (used by --arm) write each CPU backend's outputs to P.BACKEND.f32 and exit\n"
+    "  --reps R    time the fastest of R runs per backend (default 1)\n"
     "  --json      one JSON object on stdout (expert_ms: wall time per sampled expert, per backend)\n"
     "Exit status 3 when a pair of backends differs beyond its stated bound (docs/NUMERICS.md).\n";
 
@@ -88,7 +89,7 @@ static int kv_xc_run(kv_expert_provider *p, const uint32_t (*samp)[2], uint32_t 
 
 int kv_cmd_xcheck(int argc, char **argv) {
     const char *model = NULL, *arm = NULL, *dump = NULL;
-    long n_exp = 2, n_lay = 0, T = 4, seed = 1;
+    long n_exp = 2, n_lay = 0, T = 4, seed = 1, reps = 1;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -110,6 +111,8 @@ int kv_cmd_xcheck(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 1, 64, &T)) return 1;
         } else if (!strcmp(a, "--seed")) {
             if (kv_arg_long(CMD, a, v, 1, 1L << 30, &seed)) return 1;
+        } else if (!strcmp(a, "--reps")) {
+            if (kv_arg_long(CMD, a, v, 1, 100, &reps)) return 1;
         } else if (!strcmp(a, "--arm")) {
             arm = v;
         } else if (!strcmp(a, "--dump")) {
@@ -183,10 +186,14 @@ int kv_cmd_xcheck(int argc, char **argv) {
         }
         be[nb].y = malloc(n * sizeof(float));
         snprintf(be[nb].name, sizeof be[nb].name, "%s", cpu[k]);
-        const double t0 = kv_xc_now_ms();
-        int r = be[nb].y ? kv_xc_run(&p, (const uint32_t (*)[2])samp, ns, (uint32_t)T, E, x, be[nb].y, &d)
-                         : kv_fail(&d, KV_ENOMEM, "out of memory");
-        be[nb].ms = (kv_xc_now_ms() - t0) / ns;
+        int r = be[nb].y ? 0 : kv_fail(&d, KV_ENOMEM, "out of memory");
+        be[nb].ms = -1;
+        for (long k = 0; k < reps && !r; k++) { /* the fastest of --reps runs (the first faults pages in) */
+            const double t0 = kv_xc_now_ms();
+            r = kv_xc_run(&p, (const uint32_t (*)[2])samp, ns, (uint32_t)T, E, x, be[nb].y, &d);
+            const double ms = (kv_xc_now_ms() - t0) / ns;
+            if (be[nb].ms < 0 || ms < be[nb].ms) be[nb].ms = ms;
+        }
         p.free(p.impl);
         nb++;
         if (r) {
@@ -217,10 +224,14 @@ int kv_cmd_xcheck(int argc, char **argv) {
         }
         be[nb].y = malloc(n * sizeof(float));
         snprintf(be[nb].name, sizeof be[nb].name, "opencl");
-        const double t0 = kv_xc_now_ms();
-        int r = be[nb].y ? kv_xc_run(&p, (const uint32_t (*)[2])samp, ns, (uint32_t)T, E, x, be[nb].y, &d)
-                         : kv_fail(&d, KV_ENOMEM, "out of memory");
-        be[nb].ms = (kv_xc_now_ms() - t0) / ns;
+        int r = be[nb].y ? 0 : kv_fail(&d, KV_ENOMEM, "out of memory");
+        be[nb].ms = -1;
+        for (long k = 0; k < reps && !r; k++) { /* the fastest of --reps runs (the first faults pages in) */
+            const double t0 = kv_xc_now_ms();
+            r = kv_xc_run(&p, (const uint32_t (*)[2])samp, ns, (uint32_t)T, E, x, be[nb].y, &d);
+            const double ms = (kv_xc_now_ms() - t0) / ns;
+            if (be[nb].ms < 0 || ms < be[nb].ms) be[nb].ms = ms;
+        }
         p.free(p.impl);
         nb++;
         if (r) {
