@@ -109,6 +109,22 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         CHECK(m->h.version >= 1 && m->h.version <= KV_PROTO_VERSION);
         rc = kv_msg_stats_ack_encode_v(out, sizeof out, m->h.request_id, m->h.version, &m->u.stats, &k, &d);
         break;
+    case KV_MSG_RESULT_PRE: {
+        const kv_msg_result *r = &m->u.result;
+        const size_t nf = (size_t)r->n_pairs * ((size_t)r->n_embd + 2 * (size_t)r->n_ff);
+        CHECK(r->n_ff > 0 && r->enc == KV_ENC_F32 && 16 + 16 + nf * 4 == n);
+        float *rows = malloc(sizeof(float) * nf), g[4], u[4];
+        CHECK(rows);
+        for (uint32_t p = 0; p < r->n_pairs; p++) {
+            kv_msg_result_row(r, p, rows + p * (r->n_embd + 2 * (size_t)r->n_ff));
+            if (r->n_ff <= 4) kv_msg_result_pre_row(r, p, g, u);
+        }
+        /* y rows only were read back; re-encode from the raw wire rows */
+        memcpy(rows, f + 32, nf * 4);
+        rc = kv_msg_result_pre_encode(out, sizeof out, m->h.request_id, r->n_pairs, r->n_embd, r->n_ff, rows, &k, &d);
+        free(rows);
+        break;
+    }
     case KV_MSG_AUTH_CHALLENGE:
         CHECK(m->h.version >= KV_PROTO_AUTH_VERSION);
         rc = kv_msg_auth_challenge_encode(out, sizeof out, m->h.request_id, &m->u.challenge, &k, &d);
@@ -144,7 +160,7 @@ static void one(const uint8_t *f, size_t n) {
         reencode(f, n, &m);
     }
     /* with a small model's limits: never accepts more than without */
-    const kv_proto_limits lim = {4, 16, 8};
+    const kv_proto_limits lim = {4, 16, 8, 0};
     int rc2 = kv_msg_decode(f, n, &lim, &m, &d);
     if (rc) CHECK(rc2 != 0);
     if (!rc2 && m.h.type == KV_MSG_COMPUTE) {

@@ -18,6 +18,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <math.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -654,6 +655,119 @@ static void test_deadline(void) {
     resp_free(&r);
     int live3[64] = {1, 1, 2, 1};
     check_market(&p, live3, 2, 1000000);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Heartbeat bodies: the parser on good, truncated, out-of-range and
+ * unknown input; then a hub turns two reports into the rates and totals
+ * of GET /v1/nodes (bounded by the times the test measured around them),
+ * refuses bad bodies with a 400 and keeps serving, and serves GET / as
+ * the HTML status page. */
+static void test_nodes_served(void) {
+    kv_diag d = {0};
+    kv_hub_beat b;
+    ASSERT_EQ(kv_hub_parse_beat(&b, "", 0, &d), 0);
+    ASSERT_TRUE(!b.has);
+    ASSERT_EQ(kv_hub_parse_beat(&b, "{}", 2, &d), 0);
+    ASSERT_TRUE(!b.has);
+    const char *ok = "{\"served_pairs\":12,\"served_tokens\":3,\"later\":[1]}";
+    ASSERT_EQ(kv_hub_parse_beat(&b, ok, strlen(ok), &d), 0);
+    ASSERT_TRUE(b.has && b.served_pairs == 12 && b.served_tokens == 3);
+    const char *bad[] = {"{\"served_pairs\":12", "{\"served_pairs\":12}", "{\"served_pairs\":-1,\"served_tokens\":0}",
+                         "{\"served_pairs\":9007199254740993,\"served_tokens\":0}", "[]",
+                         "{\"served_pairs\":1.5,\"served_tokens\":0}", "{\"served_pairs\":1,\"served_pairs\":2}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&d, 0, sizeof d);
+        b.has = true;
+        if (kv_hub_parse_beat(&b, bad[i], strlen(bad[i]), &d) == 0 || b.has || !d.msg[0])
+            KVT_FAIL("heartbeat body '%s' was accepted", bad[i]);
+        kvt_checks++;
+    }
+
+    char db[512];
+    db_path(db, sizeof db, "served");
+    hub_proc p;
+    if (hub_start(&p, db, NULL)) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    kv_node_key a;
+    test_key(&a, 300);
+    const int sa[] = {0, 1};
+    ASSERT_EQ(do_register(&p, &a, "127.0.0.1:9300", sa, 2, NULL), 200);
+    const double t0 = mono_s();
+    resp r = post_signed(&p, &a, "/v1/heartbeat", "{\"served_pairs\":100,\"served_tokens\":10}", kv_node_next_counter(&a));
+    const double t1 = mono_s();
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    usleep(300 * 1000);
+    const double t2 = mono_s();
+    r = post_signed(&p, &a, "/v1/heartbeat", "{\"served_pairs\":700,\"served_tokens\":70}", kv_node_next_counter(&a));
+    const double t3 = mono_s();
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = get(&p, "/v1/nodes");
+    ASSERT_EQ(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *n0 = json_array_get(json_object_get(j, "nodes"), 0);
+    ASSERT_EQ(json_array_size(json_object_get(j, "nodes")), 1);
+    ASSERT_EQ(json_integer_value(json_object_get(n0, "served_pairs")), 700);
+    ASSERT_EQ(json_integer_value(json_object_get(n0, "served_tokens")), 70);
+    ASSERT_TRUE(json_is_true(json_object_get(n0, "live")));
+    ASSERT_EQ(json_array_size(json_object_get(n0, "shards")), 2);
+    ASSERT_TRUE(json_object_get(n0, "earned_micro_kvr") == NULL); /* no ledger behind this hub */
+    /* 600 computations between the reports, which the hub saw between
+       t2 - t1 and t3 - t0 apart (ms clock: 2 ms of slack each way) */
+    const double ps = json_number_value(json_object_get(n0, "pairs_per_s"));
+    const double lo = 600 / (t3 - t0 + 0.002), hi = 600 / (t2 - t1 - 0.002);
+    if (!(ps >= lo && ps <= hi)) KVT_FAIL("pairs_per_s %.3f outside [%.3f, %.3f]", ps, lo, hi);
+    kvt_checks++;
+    const double ts = json_number_value(json_object_get(n0, "tokens_per_s"));
+    if (!(fabs(ts * 10 - ps) <= 0.02 * ps)) KVT_FAIL("tokens_per_s %.3f is not a tenth of %.3f", ts, ps);
+    kvt_checks++;
+    /* the swarm's tokens/s: computations / (MoE layers x experts used) */
+    const double per_tok = (double)json_integer_value(json_object_get(j, "moe_layers")) *
+                           (double)json_integer_value(json_object_get(j, "n_expert_used"));
+    ASSERT_EQ(json_integer_value(json_object_get(j, "moe_layers")), (json_int_t)g_m->n_layer);
+    const double sw = json_number_value(json_object_get(j, "tokens_per_s"));
+    if (!(per_tok > 0 && fabs(sw - ps / per_tok) <= 0.002 + 1e-6 * ps)) KVT_FAIL("swarm tokens/s %.3f vs %.3f", sw, ps / per_tok);
+    kvt_checks++;
+    json_decref(j);
+    resp_free(&r);
+    /* totals that went down (a restarted node): no rate */
+    r = post_signed(&p, &a, "/v1/heartbeat", "{\"served_pairs\":5,\"served_tokens\":1}", kv_node_next_counter(&a));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = get(&p, "/v1/nodes");
+    j = json_loads(r.body, 0, NULL);
+    n0 = json_array_get(json_object_get(j, "nodes"), 0);
+    ASSERT_EQ(json_integer_value(json_object_get(n0, "served_pairs")), 5);
+    ASSERT_TRUE(json_number_value(json_object_get(n0, "pairs_per_s")) == 0);
+    json_decref(j);
+    resp_free(&r);
+    /* bad bodies: 400 in the hub's error shape, state unchanged, still serving */
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        r = post_signed(&p, &a, "/v1/heartbeat", bad[i], kv_node_next_counter(&a));
+        if (r.status != 400 || !is_json_error(&r)) KVT_FAIL("heartbeat '%s': status %ld", bad[i], r.status);
+        kvt_checks++;
+        resp_free(&r);
+    }
+    r = get(&p, "/v1/nodes");
+    j = json_loads(r.body, 0, NULL);
+    ASSERT_EQ(json_integer_value(json_object_get(json_array_get(json_object_get(j, "nodes"), 0), "served_pairs")), 5);
+    json_decref(j);
+    resp_free(&r);
+    r = get(&p, "/");
+    ASSERT_EQ(r.status, 200);
+    ASSERT_TRUE(strstr(r.body, "<title>Kvasir hub</title>") != NULL);
+    ASSERT_TRUE(strstr(r.body, "/v1/nodes") != NULL && strstr(r.body, "/v1/market") != NULL);
+    resp_free(&r);
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
@@ -1317,12 +1431,64 @@ static void test_voucher(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
+
+/* Reports: a node registered, then reported by a vouched coordinator, is
+ * no longer placed and may not register again; an unvouched reporter is
+ * 403 and changes nothing; a malformed body is 400; an unknown node 404. */
+static void test_report(void) {
+    char db[512];
+    db_path(db, sizeof db, "report");
+    kv_node_key c, x, n1;
+    test_key(&c, 710);
+    test_key(&x, 711);
+    test_key(&n1, 712);
+    char hex[65], extra[128], nhex[65];
+    kv_hex(c.pk, 32, hex);
+    kv_hex(n1.pk, 32, nhex);
+    snprintf(extra, sizeof extra, "--vouch-key %s", hex);
+    hub_proc p;
+    if (hub_start(&p, db, extra)) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    const int sl[] = {0, 1};
+    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 200);
+    resp r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) != NULL);
+    resp_free(&r);
+    char body[256];
+    snprintf(body, sizeof body, "{\"key\":\"%s\",\"reason\":\"caught: gate product differs\"}", nhex);
+    r = post_signed(&p, &x, "/v1/report", body, kv_node_next_counter(&x));
+    ASSERT_TRUE(r.status == 403 && is_json_error(&r));
+    resp_free(&r);
+    r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) != NULL); /* nothing changed */
+    resp_free(&r);
+    r = post_signed(&p, &c, "/v1/report", "{\"key\":\"zz\"}", kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 400);
+    resp_free(&r);
+    char other[256];
+    snprintf(other, sizeof other, "{\"key\":\"%064d\",\"reason\":\"x\"}", 7);
+    r = post_signed(&p, &c, "/v1/report", other, kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 404);
+    resp_free(&r);
+    r = post_signed(&p, &c, "/v1/report", body, kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) == NULL);
+    resp_free(&r);
+    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 403);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
+    KVT_CASE(test_nodes_served),
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
     KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
-    KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher),
+    KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher), KVT_CASE(test_report),
 };
 
 int main(int argc, char **argv) {

@@ -6,11 +6,14 @@
  * backend bit-identical to the scalar reference; kv_mat_rows bit-identical to
  * per-element vec_dot for odd row/token counts; the attention helpers of
  * quant/vec.h in their documented order on every backend. */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kvasir/quant.h"
 #include "kvtest.h"
@@ -92,6 +95,13 @@ __attribute__((target("f16c"))) static uint16_t hw_f32_to_f16(float f) {
 __attribute__((target("f16c"))) static float hw_f16_to_f32(uint16_t h) {
     return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
 }
+#elif defined(__aarch64__)
+/* the FCVT instruction (base ARMv8): widening is exact, as the reference */
+static float hw_f16_to_f32(uint16_t h) {
+    __fp16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
 #endif
 
 static void test_fp16(void) {
@@ -99,6 +109,8 @@ static void test_fp16(void) {
 #ifdef HAVE_X86
     unsigned ca, cb, cc, cd;
     int hw = __get_cpuid(1, &ca, &cb, &cc, &cd) && (cc & (1u << 29)); /* CPUID.1:ECX.F16C */
+#elif defined(__aarch64__)
+    int hw = 1;
 #else
     int hw = 0;
 #endif
@@ -115,7 +127,7 @@ static void test_fp16(void) {
         }
         if ((double)f != want || !!signbit(f) != !!(h & 0x8000)) bad_val++;
         if (kv_fp32_to_fp16(f) != h) bad_rt++;
-#ifdef HAVE_X86
+#if defined(HAVE_X86) || defined(__aarch64__)
         if (hw && f2u(hw_f16_to_f32((uint16_t)h)) != f2u(f)) bad_hw++;
 #endif
     }
@@ -436,7 +448,7 @@ static void test_vec_dot_ref(void) {
 /* ------------------------------------------------------------------ */
 /* SIMD backends: bit-identical to the scalar reference. */
 
-static const char *const backends[] = {"avx2", "avx512"};
+static const char *const backends[] = {"avx2", "avx512", "neon", "neondot"};
 
 static void test_backends_identical(void) {
     const int64_t nq[] = {256, 512, 768, 2048, 256 * 13, 256 * 17};
@@ -444,7 +456,7 @@ static void test_backends_identical(void) {
     float *xw = malloc(4 * 8192), *xa = malloc(4 * 8192);
     uint8_t *w = malloc(4 * 8192), *a = malloc(4 * 8192), *w2 = malloc(4 * 8192);
     float *f1 = malloc(4 * 8192), *f2 = malloc(4 * 8192);
-    for (size_t b = 0; b < 2; b++) {
+    for (size_t b = 0; b < sizeof backends / sizeof backends[0]; b++) {
         if (kv_quant_set_backend(backends[b]) != 0) {
             kvt_skip_backend(backends[b], "not available on this CPU (test_backends_identical)");
             continue;
@@ -505,19 +517,26 @@ static void test_backends_identical(void) {
 /* kv_mat_rows: each output equals a lone vec_dot of the same backend. */
 
 static void test_mat_rows(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512"};
-    /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5) */
+    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5);
+     * for the 32-value block types also an odd block count (544: the zmm
+     * Q8_0 kernel's half pair) and rows long enough (8224) that 17 tokens
+     * need more than one chunk of prepared activations */
     const int toks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
-    const int n_rows = 37, n = 512;
-    float *x = malloc(sizeof(float) * n * 40);
-    uint8_t *W = malloc((size_t)n * 4 * n_rows), *A = malloc(((size_t)n * 4 + 8) * 17);
+    const int n_rows = 37, nmax = 8224, ns[] = {512, 544, 8224};
+    float *x = malloc(sizeof(float) * nmax * 40);
+    uint8_t *W = malloc((size_t)nmax * 4 * n_rows), *A = malloc(((size_t)nmax * 4 + 8) * 17);
     float *Y = malloc(sizeof(float) * 64 * 17);
-    for (size_t b = 0; b < 3; b++) {
+    for (size_t b = 0; b < sizeof bes / sizeof bes[0]; b++) {
         if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
-        int bad = 0, bad_untouched = 0;
-        for (size_t ti = 0; ti < N_COMPUTE; ti++) {
+        int bad = 0, bad_ref = 0, bad_untouched = 0;
+        for (size_t ti = 0; ti < N_COMPUTE; ti++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
             uint32_t type = compute_types[ti];
+            const int n = ns[ni];
             const kv_type_info *t = kv_type_get(type), *ta = kv_type_get(t->vec_dot_type);
+            const kv_type_info *tr = kv_type_get_ref(type);
+            if (n % t->blck || (n != 512 && t->blck != 32)) continue;
             size_t rb = kv_type_row_size(type, n), ab = kv_type_row_size(t->vec_dot_type, n) + 8;
             fill_gauss(x, (int64_t)n * n_rows, 0.05f);
             for (int r = 0; r < n_rows; r++) t->from_float(x + (size_t)r * n, W + r * rb, n);
@@ -537,14 +556,18 @@ static void test_mat_rows(void) {
                                 if (got != -12345.f) bad_untouched++;
                                 continue;
                             }
-                            float want;
+                            float want, want_ref;
                             t->vec_dot(n, &want, W + r * rb, A + k * ab);
+                            tr->vec_dot(n, &want_ref, W + r * rb, A + k * ab);
                             if (f2u(got) != f2u(want)) bad++;
+                            if (f2u(got) != f2u(want_ref)) bad_ref++;
                         }
                 }
             }
         }
-        if (bad || bad_untouched) KVT_FAIL("mat_rows backend %s: %d differ, %d outside range written", bes[b], bad, bad_untouched);
+        if (bad || bad_ref || bad_untouched)
+            KVT_FAIL("mat_rows backend %s: %d differ from its vec_dot, %d from the reference, %d outside range written",
+                     bes[b], bad, bad_ref, bad_untouched);
         kvt_checks++;
     }
     kv_quant_set_backend("scalar");
@@ -556,7 +579,7 @@ static void test_mat_rows(void) {
  * scalar reference and to the documented per-element order. */
 
 static void test_attn_vec(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
     const int dims[] = {1, 7, 8, 15, 16, 24, 64, 100, 128, 136, 256};
     const int rows[] = {1, 2, 5, 33};
     const size_t stride = 300;
@@ -566,7 +589,7 @@ static void test_attn_vec(void) {
     fill_gauss(V, (int64_t)stride * 33, 1.0f);
     fill_gauss(w, 33, 0.3f);
     fill_gauss(q, 256, 1.0f);
-    for (size_t b = 0; b < 3; b++) {
+    for (size_t b = 0; b < sizeof bes / sizeof bes[0]; b++) {
         if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
         int bad = 0;
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
@@ -602,7 +625,7 @@ static void test_attn_vec(void) {
 /* delta-rule step (quant/vec.h): every backend bit-identical to the
  * documented per-row order, in place and out of place. */
 static void test_delta_rows(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
     const int dims[] = {1, 7, 8, 16, 24, 100, 128, 136};
     const int rows[] = {1, 3, 4, 5, 9, 128};
     const int nmax = 136, rmax = 128;
@@ -615,7 +638,7 @@ static void test_delta_rows(void) {
     fill_gauss(q, nmax, 0.3f);
     fill_gauss(v, rmax, 1.0f);
     const float decay = 0.93f, beta = 0.61f, scale = 0.088f;
-    for (size_t b = 0; b < 3; b++) {
+    for (size_t b = 0; b < sizeof bes / sizeof bes[0]; b++) {
         if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
         int bad = 0;
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
@@ -652,14 +675,62 @@ static void test_delta_rows(void) {
     free(S); free(D); free(W); free(k); free(q); free(v); free(o); free(wo);
 }
 
+/* ------------------------------------------------------------------ */
+/* KV_QUANT_BACKEND caps the run-time choice; it is read once, at the first
+ * call, so each value is checked in a fresh process (this test, re-run with
+ * --print-backend). */
+
+static int backend_with_env(const char *val, char *out, size_t cap) {
+    int fd[2];
+    if (pipe(fd)) return -1;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        close(fd[0]);
+        if (val) setenv("KV_QUANT_BACKEND", val, 1); else unsetenv("KV_QUANT_BACKEND");
+        execl("/proc/self/exe", "test_quant", "--print-backend", (char *)NULL);
+        _exit(127);
+    }
+    close(fd[1]);
+    ssize_t n = read(fd[0], out, cap - 1);
+    close(fd[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    out[n > 0 ? n : 0] = 0;
+    out[strcspn(out, "\n")] = 0;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+}
+
+static void test_backend_env(void) {
+    char def[32], got[32];
+    ASSERT_EQ(backend_with_env(NULL, def, sizeof def), 0);
+    ASSERT_STREQ(def, kv_quant_backend()); /* same CPU, same detection */
+    ASSERT_EQ(backend_with_env("scalar", got, sizeof got), 0);
+    ASSERT_STREQ(got, "scalar");
+    ASSERT_EQ(backend_with_env("bogus", got, sizeof got), 0);
+    ASSERT_STREQ(got, def);
+    const int has_avx2 = kv_quant_set_backend("avx2") == 0, has_512 = kv_quant_set_backend("avx512") == 0;
+    kv_quant_set_backend(def);
+    ASSERT_EQ(backend_with_env("avx2", got, sizeof got), 0);
+    ASSERT_STREQ(got, has_avx2 ? "avx2" : def);
+    ASSERT_EQ(backend_with_env("avx512", got, sizeof got), 0);
+    ASSERT_STREQ(got, has_512 ? "avx512" : def);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_sizes_and_names), KVT_CASE(test_fp16),          KVT_CASE(test_bf16),
     KVT_CASE(test_dequant_handmade), KVT_CASE(test_activation_rounding),
     KVT_CASE(test_roundtrip_error), KVT_CASE(test_vec_dot_ref),  KVT_CASE(test_backends_identical),
     KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_delta_rows),
+    KVT_CASE(test_backend_env),
 };
 
 int main(int argc, char **argv) {
+    if (argc == 2 && !strcmp(argv[1], "--print-backend")) {
+        printf("%s\n", kv_quant_backend());
+        return 0;
+    }
     printf("dispatched backend: %s\n", kv_quant_backend());
     return kvt_run(argc, argv, cases, KVT_N(cases));
 }

@@ -13,6 +13,10 @@ have npm || need+=(npm)
 have pkg-config || need+=(pkg-config)
 have jq || need+=(jq)
 have python3 || need+=(python3)
+# the hub's status page is tested in a real browser (tests/test_hub_status.sh)
+have chromium || need+=(chromium)
+have chromedriver || need+=(chromium-driver)
+have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
@@ -31,9 +35,45 @@ if have clang; then
 else
   need+=(libclang-rt-14-dev)
 fi
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+updated=0
+install() { # PACKAGE...: apt-get install, one update per run
+  echo "install-deps: installing $*"
+  [ "$updated" = 1 ] || $SUDO apt-get update -qq
+  updated=1
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$@" >/dev/null
+}
 if [ ${#need[@]} -gt 0 ]; then
-  echo "install-deps: installing ${need[*]}"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  install "${need[@]}"
 fi
+
+# The aarch64 build and its emulation (make arm, make test-arm, and the short
+# ARM scenario of make test): Debian's cross compiler, the arm64 -dev
+# packages of every library (multiarch: they co-install with the amd64 ones)
+# (libc6:arm64 among them: its loader lets plain `qemu-aarch64 BINARY` run
+# the binary; no binfmt registration needed) and qemu-user.
+arm_deps() {
+  local arm=()
+  have aarch64-linux-gnu-gcc || arm+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
+  have qemu-aarch64 || arm+=(qemu-user)
+  local lib=/usr/lib/aarch64-linux-gnu
+  [ -f /usr/include/aarch64-linux-gnu/curl/curl.h ] || arm+=(libcurl4-openssl-dev:arm64)
+  [ -f $lib/pkgconfig/libsodium.pc ] || arm+=(libsodium-dev:arm64)
+  [ -f $lib/pkgconfig/jansson.pc ] || arm+=(libjansson-dev:arm64)
+  [ -f $lib/pkgconfig/libcrypto.pc ] || arm+=(libssl-dev:arm64)
+  [ -f $lib/pkgconfig/libmicrohttpd.pc ] || arm+=(libmicrohttpd-dev:arm64)
+  [ -f $lib/pkgconfig/sqlite3.pc ] || arm+=(libsqlite3-dev:arm64)
+  [ -e /lib/ld-linux-aarch64.so.1 ] || arm+=(libc6:arm64)
+  [ ${#arm[@]} -gt 0 ] || return 0
+  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    $SUDO dpkg --add-architecture arm64
+    updated=0
+  fi
+  install "${arm[@]}"
+}
+for a in "$@"; do
+  case "$a" in
+  --arm) arm_deps ;;
+  *) echo "install-deps: unknown option $a" >&2; exit 2 ;;
+  esac
+done

@@ -42,6 +42,7 @@ typedef struct kv_session kv_session;
 struct kv_remote;
 struct kv_slices;
 struct kv_voucher;
+struct kv_verify_opts;
 
 #define KV_ENGINE_MAX_SESSIONS 4096u
 #define KV_SESSION_MAX_STOP 16u
@@ -63,11 +64,21 @@ typedef struct kv_engine_opts {
     uint32_t n_workers;
     uint32_t worker_timeout_ms;  /* per-layer deadline before a worker is dropped; 0 = 10000 */
     uint32_t wire;               /* KV_ENC_* of hidden states to workers; 0 = F32 (exact) */
+    uint32_t max_workers;        /* room for workers added later (kv_remote_add_worker through
+                                    kv_engine_remote); nonzero makes a coordinator even with no
+                                    worker yet; 0 = n_workers */
+    bool allow_uncovered;        /* coordinator: open even when some expert has no worker up
+                                    (a step needing it fails until one comes) */
     FILE *log;                   /* worker connects and drops; NULL = silent */
     /* authenticated dispatch (used at open only, with workers) */
     const uint8_t *key_sk;       /* [64] the coordinator's Ed25519 secret key: required with workers */
     const struct kv_voucher *voucher; /* a hub voucher for that key; NULL = none */
     const uint8_t (*worker_keys)[32]; /* [n_workers] keys the workers must prove; NULL = any */
+    /* verified compute (docs/VERIFY.md; see kv_remote_opts) */
+    const struct kv_verify_opts *verify; /* NULL = no checks */
+    double recompute_rate;       /* fraction of answers also recomputed from the local slab */
+    void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
+    void *caught_arg;
 } kv_engine_opts;
 
 /* Opens path: a GGUF file (experts in-process from it), or a sliced model

@@ -13,6 +13,13 @@
  * sent) in the API's own shape, streamed or whole. A request's tokens do not
  * depend on what runs beside it (the engine's guarantee).
  *
+ * A swarm (the engine's experts on workers): GET /health is 503 until every
+ * shard is covered by a worker that is up; with opts.hub_url a thread
+ * re-reads the hub's placement map and the scheduler adds its new nodes to
+ * the engine's workers between steps; a step that fails for want of a
+ * holder keeps its sessions and is retried (step_retry_ms), so nothing is
+ * answered partially. docs/GATEWAY.md.
+ *
  * Errors are answered in the shape of the API asked (OpenAI
  * {"error":{...}}, Anthropic {"type":"error",...}, Ollama {"error":"..."})
  * with the status that fits: 400 malformed body or a prompt longer than
@@ -49,6 +56,12 @@ typedef struct kv_gateway_opts {
     size_t body_max;            /* request body bytes; 0 = 1 MiB, at most KV_GATEWAY_MAX_BODY */
     uint32_t max_tokens_default;/* when a request names none; 0 = 512 */
     bool hold;                  /* start with admission held (kv_gateway_hold) */
+    /* a swarm (the engine is a coordinator: kv_engine_remote non-NULL) */
+    const char *hub_url;        /* re-read HUB/v1/placement and add its new nodes to the engine's
+                                   workers (opened with room: kv_engine_opts.max_workers); NULL = none */
+    uint32_t hub_refresh_ms;    /* how often; 0 = 2000 (and at once after a failed step) */
+    uint32_t step_retry_ms;     /* a failed step (an expert whose holders are all gone) is retried,
+                                   its sessions kept, for this long before they fail; 0 = 30000 */
 } kv_gateway_opts;
 
 /* Starts serving engine e (borrowed: the gateway's scheduler thread drives

@@ -72,6 +72,11 @@ typedef struct kv_hub_opts {
     const uint8_t (*vouch_keys)[32]; /* [n_vouch_keys] operator-approved coordinator keys (copied) */
     size_t n_vouch_keys;
     uint32_t voucher_ttl_ms;   /* a voucher's lifetime; 0 = 3600000 (one hour) */
+    /* per-node earnings for GET /v1/nodes and the status page (the ledger's):
+       0 with *micro_kvr set, or nonzero when unknown (the field is left out).
+       Called from server threads without the hub's lock; NULL = none */
+    int (*earned)(void *arg, const uint8_t pk[32], uint64_t *micro_kvr);
+    void *earned_arg;
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256
@@ -104,6 +109,11 @@ typedef struct kv_hub_shard_view {
 /* Renders GET /v1/market into a malloc'd NUL-terminated JSON string (caller
  * frees) at the hub's current time. Thread-safe. */
 int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
+
+/* Renders GET /v1/nodes (every registered node: what it holds, whether it
+ * is live, what it served and at what rate; the swarm's rates) into a
+ * malloc'd string (caller frees). Thread-safe. */
+int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
 
 /* ---- node identity (client side) --------------------------------------- */
 
@@ -190,6 +200,17 @@ int kv_hub_parse_announce(kv_hub_announce *a, const char *json, size_t len, kv_d
 void kv_hub_announce_free(kv_hub_announce *a);
 /* Serializes an announcement (client side); malloc'd string, caller frees. */
 char *kv_hub_announce_json(const kv_hub_announce *a);
+
+/* Body of POST /v1/heartbeat: {} (nothing reported) or {"served_pairs": N,
+ * "served_tokens": M}: what the node's workers served since it started
+ * (expert computations and hidden-state rows), both or neither, each at
+ * most 2^53. Unknown keys are ignored (later versions may report more).
+ * An empty body (len 0) is {}. *has is false when nothing was reported. */
+typedef struct kv_hub_beat {
+    bool has;
+    uint64_t served_pairs, served_tokens;
+} kv_hub_beat;
+int kv_hub_parse_beat(kv_hub_beat *b, const char *json, size_t len, kv_diag *d);
 
 /* Body of POST /v1/challenge: {"nonce": HEX64, "sha256": HEX64}. */
 int kv_hub_parse_answer(const char *json, size_t len, uint8_t nonce[32], uint8_t hash[32], kv_diag *d);

@@ -118,6 +118,16 @@ int kv_node_parse_voucher(const char *json, size_t len, struct kv_voucher *v, ui
 int kv_node_parse_placement_keys(const char *json, size_t len, char *const *workers, uint32_t n, uint8_t (*keys)[32],
                                  kv_diag *d);
 
+/* A coordinator reports a worker it caught lying: POST /v1/report signed by
+ * key, body {"key": HEX64 of the worker's key, "reason": TEXT}. The hub
+ * accepts reports only from coordinators it vouches for (docs/HUB.md). */
+int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_key[32], const char *reason,
+                   kv_diag *d);
+/* Parses a report body (the hub's side; fuzzed): the key, and the reason cut
+ * to reason_cap - 1 printable bytes. */
+#define KV_HUB_MAX_REASON 300u
+int kv_hub_parse_report(const char *json, size_t len, uint8_t key[32], char *reason, size_t reason_cap, kv_diag *d);
+
 /* ---- the node ------------------------------------------------------------ */
 
 typedef struct kv_node kv_node;

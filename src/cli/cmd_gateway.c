@@ -13,6 +13,7 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/engine.h"
 #include "kvasir/gateway.h"
+#include "kvasir/node.h"
 #include "kvasir/pool.h"
 
 #define CMD "gateway"
@@ -20,14 +21,22 @@
 static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
-                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", NULL};
+                                             "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
+                                             "--hub-refresh-ms", "--step-retry-ms", NULL};
 
 static const char *kv_gateway_help =
-    "usage: kvasir gateway -m MODEL [--listen HOST:PORT] [options]\n"
+    "usage: kvasir gateway (-m MODEL | --hub URL) [--listen HOST:PORT] [options]\n"
     "  -m, --model F        GGUF file, or DIR/manifest.json (or DIR) of a sliced model\n"
     "  --worker HOST:PORT   sliced model: experts on this worker (repeat for more)\n"
+    "  --hub URL            take the model from a hub: manifest and backbone fetched into --data,\n"
+    "                       experts on the live nodes of its placement map, read again every\n"
+    "                       --hub-refresh-ms (default 2000) and after a failed step\n"
+    "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
+    "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
+    "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
-    "  --key FILE           the coordinator key proved to workers (default ~/.kvasir/coordinator.key)\n"
+    "  --key FILE           the coordinator key proved to workers (default DATA/coordinator.key with\n"
+    "                       --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -56,6 +65,11 @@ int kv_cmd_gateway(int argc, char **argv) {
     uint32_t n_workers = 0, n_keys = 0;
     long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 64;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
+    long hub_refresh = 2000, step_retry = 30000;
+    const char *hub = NULL, *data_dir = "kvasir-data";
+    char hub_manifest[4200];
+    char **hub_workers = NULL;
+    uint32_t n_hub_workers = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -66,9 +80,15 @@ int kv_cmd_gateway(int argc, char **argv) {
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
-            return kv_cli_err(CMD, 1, "--hub is not supported yet: give -m MODEL (with --worker for a swarm)");
+            hub = v;
         } else if (!strcmp(a, "--key")) {
             coord_key = v;
+        } else if (!strcmp(a, "--data")) {
+            data_dir = v;
+        } else if (!strcmp(a, "--hub-refresh-ms")) {
+            if (kv_arg_long(CMD, a, v, 10, 3600000, &hub_refresh)) return 1;
+        } else if (!strcmp(a, "--step-retry-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &step_retry)) return 1;
         } else if (!strcmp(a, "--listen")) {
             listen = v;
         } else if (!strcmp(a, "--name")) {
@@ -110,7 +130,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir gateway --help)", a);
         }
     }
-    if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL (see kvasir gateway --help)");
+    if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
+    if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir gateway --help)");
     /* HOST:PORT, [v6]:PORT */
     char host[128];
     long port;
@@ -148,6 +169,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     char mname[256];
     if (name) {
         snprintf(mname, sizeof mname, "%s", name);
+    } else if (!model) { /* --hub */
+        snprintf(mname, sizeof mname, "kvasir");
     } else {
         const char *b = strrchr(model, '/');
         b = b ? b + 1 : model;
@@ -156,14 +179,37 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l - 5] = 0;
         if (!strcmp(mname, "manifest.json") || !mname[0]) snprintf(mname, sizeof mname, "kvasir");
     }
-    const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
-                               .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
-                               .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
-                               .key_sk = auth.key.sk};
     kv_engine *e = NULL;
     kv_gateway *g = NULL;
     int rc = 0;
-    if (n_workers && (rc = kv_cli_auth_setup(CMD, coord_key, NULL, NULL, NULL, 0, &auth))) goto done;
+    if (hub) {
+        /* the coordinator folder from the hub; the workers from its placement
+           map now, and later ones as they come (so none yet is fine) */
+        hub_manifest[0] = 0;
+        rc = kv_node_fetch_coordinator(hub, data_dir, hub_manifest, sizeof hub_manifest, &hub_workers,
+                                       &n_hub_workers, NULL, NULL, &d);
+        if (rc == KV_ENOTFOUND && hub_manifest[0]) {
+            fprintf(stderr, "kvasir gateway: %s; waiting for nodes (/health is 503 until every shard is covered)\n",
+                    d.msg);
+            rc = 0;
+        }
+        if (rc) {
+            rc = kv_cli_diag(CMD, &d);
+            goto done;
+        }
+        for (uint32_t k = 0; k < n_hub_workers; k++) workers[k] = hub_workers[k];
+        n_workers = n_hub_workers;
+        model = hub_manifest;
+    }
+    if ((n_workers || hub) &&
+        (rc = kv_cli_auth_setup(CMD, coord_key, hub, data_dir, hub_workers, n_hub_workers, &auth)))
+        goto done;
+    const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
+                               .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
+                               .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
+                               .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL,
+                               .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
+                               .worker_keys = (const uint8_t(*)[32])auth.worker_keys};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -172,7 +218,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .n_api_keys = n_keys, .max_active = (uint32_t)parallel, .queue_max = (uint32_t)queue,
                                 .max_conns = (uint32_t)max_conns, .per_ip_conns = (uint32_t)per_ip,
                                 .timeout_s = (uint32_t)timeout, .body_max = (size_t)body_max,
-                                .max_tokens_default = (uint32_t)max_tokens};
+                                .max_tokens_default = (uint32_t)max_tokens, .hub_url = hub,
+                                .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -187,5 +234,7 @@ done:
     kv_gateway_free(g);
     kv_engine_free(e);
     kv_gateway_keys_free(fkeys, n_fkeys);
+    kv_node_workers_free(hub_workers, n_hub_workers);
+    kv_cli_auth_free(&auth);
     return rc;
 }

@@ -24,6 +24,7 @@ static const struct {
     {"wallet", kv_cmd_wallet, "make a KVR key, show its account, sign a payment authorization"},
     {"ledger", kv_cmd_ledger, "KVR ledger: init, issue, balance, statement, check"},
     {"gateway", kv_cmd_gateway, "serve a model over the OpenAI, Anthropic and Ollama HTTP APIs"},
+    {"ring", kv_cmd_ring, "serve a layer window as a node of a ring (pipeline, no master)"},
 };
 
 static void kv_usage(FILE *f) {

@@ -88,6 +88,7 @@
 #include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
+#include "kvasir/verify.h"
 
 #define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
 #define KV_REMOTE_WHY 256u
@@ -136,6 +137,9 @@ typedef struct kv_rw {
     uint8_t challenge[32];        /* its challenge on this connection */
     uint8_t nonce[32];            /* ours on this connection */
     uint16_t version;             /* negotiated on this connection */
+    bool pre;                     /* it returns pre-activations (verified compute) */
+    bool caught;                  /* caught lying: never used again */
+    uint64_t n_verified;          /* its pairs that passed the checks */
 } kv_rw;
 
 struct kv_remote {
@@ -144,6 +148,12 @@ struct kv_remote {
     kv_voucher voucher;           /* sent in AUTH when has_voucher */
     bool has_voucher;
     kv_manifest *m;
+    kv_verify *ver;               /* NULL without verify */
+    float *vg, *vu, *vy;          /* [n_ff], [n_ff], [n_embd] one answer being checked */
+    const kv_expert_req *cur_req; /* the request of the chunk in progress */
+    uint32_t cur_t0;              /* its first token */
+    uint64_t rng;                 /* sampled recompute */
+    uint64_t n_verified, n_unverified, n_recomputed, n_caught;
     kv_model *model;              /* the backbone (no routed experts) */
     kv_pool *pool;                /* borrowed */
     kv_expert_provider prov;      /* what the forward pass calls */
@@ -153,8 +163,10 @@ struct kv_remote {
     uint32_t max_slots;           /* chunk_tokens * n_used */
     double timeout_s, reconnect_s;
     /* workers */
-    kv_rw *w;                     /* [n_w] */
-    uint32_t n_w;
+    kv_rw *w;                     /* [cap_w], the first n_w in use (never moved: connections
+                                     point at their kv_rw) */
+    uint32_t n_w, cap_w;
+    size_t w_scap, w_rcap;        /* a worker's largest frame sent / received */
     kv_net_loop *loop;            /* every worker connection */
     float *cur_out;               /* where answers of the current poll go (NULL: none expected) */
     int n_done;                   /* requests completed in the current poll */
@@ -261,7 +273,8 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
         w->fails++;
         return;
     }
-    kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0}, (1u << KV_ENC_F32) | (1u << r->o.enc)};
+    kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0},
+                      (1u << KV_ENC_F32) | (1u << r->o.enc) | (r->ver ? KV_PROTO_CAP_PREACT : 0)};
     memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
     size_t n = 0;
     uint8_t *p = kv_net_conn_reserve(c, KV_PROTO_HEADER + KV_PROTO_HELLO_SIZE);
@@ -340,11 +353,78 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
             if (!w->holds[(size_t)h.layer * r->n_expert + e])
                 return kv_fail(d, KV_EHASH, "announces layer %u expert %u without a slab hash for it", h.layer, e);
     }
+    w->pre = (a->enc_mask & KV_PROTO_CAP_PREACT) != 0;
+    if (r->ver && !w->pre)
+        return kv_fail(d, KV_EUNSUPPORTED, "returns no pre-activations: its answers could not be verified");
     w->max_pairs = a->max_pairs;
-    w->enc = (a->enc_mask & (1u << r->o.enc)) ? r->o.enc : KV_ENC_F32;
+    w->enc = !r->ver && (a->enc_mask & (1u << r->o.enc)) ? r->o.enc : KV_ENC_F32;
     snprintf(w->backend, sizeof w->backend, "%s", a->backend);
     w->n_ranges = a->n_ranges;
     return 0;
+}
+
+/* Checks every pair of a RESULT_PRE (already copied to its slots in out)
+ * against the secret projections of its expert, prepared on first use from
+ * the local slab; a sample is also recomputed in full. Any failure marks w
+ * caught (KV_EPROTO "caught lying"). */
+static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const float *out, kv_diag *d) {
+    const kv_expert_req *req = r->cur_req;
+    const uint32_t nu = req->n_used, E = r->n_embd;
+    uint64_t n_ok = 0, n_rec = 0; /* counted once the whole answer passed */
+    for (uint32_t p = 0; p < w->n_pairs; p++) {
+        const uint32_t s = (uint32_t)w->pair_slot[p], t = r->cur_t0 + s / nu;
+        const uint32_t e = (uint32_t)req->ids[(size_t)r->cur_t0 * nu + s];
+        const size_t k = (size_t)req->layer * r->n_expert + e;
+        if (!r->lhas[k]) { /* no trusted weights to check against */
+            r->n_unverified++;
+            continue;
+        }
+        int rc = kv_verify_prepare(r->ver, req->layer, e, &r->lw[k], d);
+        if (rc) return kv_diag_prefix(d, KV_EINTERNAL, "remote: verify");
+        const float *x = req->x + (size_t)t * E, *y = out + (size_t)s * E;
+        kv_msg_result_pre_row(res, p, r->vg, r->vu);
+        kv_verify_report rep;
+        if (kv_verify_check(r->ver, req->layer, e, x, r->vg, r->vu, y, &rep, d)) {
+            w->caught = true;
+            return kv_diag_prefix(d, KV_EPROTO, "caught lying: layer %u expert %u (pair %u)", req->layer, e, p);
+        }
+        n_ok++;
+        /* sampled full recompute from the slab */
+        r->rng ^= r->rng << 13, r->rng ^= r->rng >> 7, r->rng ^= r->rng << 17;
+        if (r->o.recompute_rate > 0 && (double)(r->rng >> 11) * (1.0 / 9007199254740992.0) < r->o.recompute_rate) {
+            memcpy(r->lx, x, (size_t)E * sizeof(float));
+            r->lids[0] = (int32_t)e;
+            const kv_expert_req lr = {req->layer, 1, E, 1, r->lx, r->lids};
+            if ((rc = r->local.compute(r->local.impl, &lr, r->vy, d))) return kv_diag_prefix(d, rc, "remote: recompute");
+            const bool same = !strcmp(w->backend, kv_quant_backend());
+            float mx = 0;
+            for (uint32_t i = 0; i < E; i++) mx = fmaxf(mx, fabsf(r->vy[i]));
+            for (uint32_t i = 0; i < E; i++) {
+                const bool ok = same ? memcmp(&r->vy[i], &y[i], 4) == 0 : fabsf(r->vy[i] - y[i]) <= 1e-4f * mx;
+                if (!ok) {
+                    w->caught = true;
+                    return kv_fail(d, KV_EPROTO, "caught lying: layer %u expert %u: a full recompute differs at element "
+                                   "%u (%g, it said %g)", req->layer, e, i, (double)r->vy[i], (double)y[i]);
+                }
+            }
+            n_rec++;
+        }
+    }
+    r->n_verified += n_ok;
+    w->n_verified += n_ok;
+    r->n_recomputed += n_rec;
+    return 0;
+}
+
+/* Marks w caught: dropped for good, counted, reported through the hook. */
+static void kv_rw_caught(kv_remote *r, kv_rw *w, const char *why) {
+    kv_rw_drop(r, w, "%s", why);
+    w->caught = true;
+    w->retry_at = INFINITY;
+    w->fails = 1000000;
+    r->n_caught++;
+    kv_rlog(r, "worker %s caught lying and dropped for good: %s", w->addr, why);
+    if (r->o.on_caught) r->o.on_caught(r->o.caught_arg, (uint32_t)(w - r->w), w->addr, w->key, why);
 }
 
 /* Places the vectors of a RESULT that answers w's request at their slots. */
@@ -365,6 +445,10 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
                 return kv_fail(d, KV_EPROTO, "answered %g at pair %u element %u (not finite or beyond %g): a lie",
                                (double)y[i], p, i, (double)KV_PROTO_MAX_ABS_OUTPUT);
     }
+    if (r->ver) {
+        int rc = kv_rw_verify(r, w, res, out, d);
+        if (rc) return rc;
+    }
     w->fails = 0;
     return 0;
 }
@@ -374,7 +458,7 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
 static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float *out) {
     kv_msg msg;
     kv_diag d = {0};
-    const kv_proto_limits lim = {r->n_layer, r->n_embd, r->n_expert};
+    const kv_proto_limits lim = {r->n_layer, r->n_embd, r->n_expert, r->n_ff};
     r->bytes_recv += n;
     if (kv_msg_decode(f, n, &lim, &msg, &d)) {
         kv_rw_drop(r, w, "malformed frame: %s", d.msg);
@@ -460,12 +544,13 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         kv_rw_drop(r, w, "sent a frame of type %u while idle", msg.h.type);
         return 0;
     }
-    if (msg.h.type != KV_MSG_RESULT) {
+    if (msg.h.type != (r->ver ? KV_MSG_RESULT_PRE : KV_MSG_RESULT)) {
         kv_rw_drop(r, w, "answered COMPUTE with a frame of type %u", msg.h.type);
         return 0;
     }
     if (kv_rw_take_result(r, w, &msg, out, &d)) {
-        kv_rw_drop(r, w, "%s", d.msg);
+        if (w->caught) kv_rw_caught(r, w, d.msg);
+        else kv_rw_drop(r, w, "%s", d.msg);
         return 0;
     }
     w->busy = false;
@@ -597,7 +682,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
         for (uint32_t t = 0; t < n_tok; t++)
             if (r->tok_local[t] >= 0)
                 memcpy(r->xg + (size_t)r->tok_local[t] * E, req->x + (size_t)(t0 + t) * E, (size_t)E * sizeof(float));
-    const kv_msg_compute c = {req->layer, w->enc, w->enc, nt, E, np,
+    const kv_msg_compute c = {req->layer, w->enc, w->enc | (r->ver ? KV_OUT_PREACT : 0), nt, E, np,
                               identity ? req->x + (size_t)t0 * E : r->xg, w->pairs, NULL, NULL};
     uint8_t *p = kv_net_conn_reserve(w->nc, w->scap);
     if (!p) return kv_fail(d, KV_EINTERNAL, "remote: no room to queue a COMPUTE for %s", w->addr);
@@ -670,6 +755,8 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                            kv_diag *d) {
     const uint32_t nu = req->n_used, E = r->n_embd, n_slots = n_tok * nu;
     const int32_t *ids = req->ids + (size_t)t0 * nu;
+    r->cur_req = req;
+    r->cur_t0 = t0;
     for (uint32_t s = 0; s < n_slots; s++) r->slot_owner[s] = KV_OWN_NONE;
     uint32_t pending = n_slots;
     bool revived = false;
@@ -816,6 +903,28 @@ static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
     return 0;
 }
 
+/* Sets up w (a zeroed entry of r->w) for addr: resolved, DOWN with no
+ * backoff (dialed at the next poll), buffers for the largest frames, the
+ * key it must prove (NULL = any). */
+static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, const uint8_t *expect, kv_diag *d) {
+    const size_t n_keys = (size_t)r->n_layer * r->n_expert, S = r->max_slots;
+    w->nc = NULL;
+    w->r = r;
+    w->state = KV_RW_DOWN;
+    if (snprintf(w->addr, sizeof w->addr, "%s", addr) >= (int)sizeof w->addr)
+        return kv_fail(d, KV_EINVAL, "remote: worker address '%.64s...' is too long", addr);
+    if (expect) memcpy(w->expect, expect, 32);
+    int rc = kv_remote_resolve(w, d);
+    if (rc) return rc;
+    w->holds = calloc(n_keys, 1);
+    w->scap = r->w_scap;
+    w->rcap = r->w_rcap;
+    w->pair_slot = malloc(S * sizeof *w->pair_slot);
+    w->pairs = malloc(S * sizeof *w->pairs);
+    if (!w->holds || !w->pair_slot || !w->pairs) return kv_fail(d, KV_ENOMEM, "remote: out of memory");
+    return 0;
+}
+
 void kv_remote_free(kv_remote *r) {
     if (!r) return;
     for (uint32_t i = 0; r->w && i < r->n_w; i++) {
@@ -843,6 +952,10 @@ void kv_remote_free(kv_remote *r) {
     free(r->rtt_us);
     kv_model_free(r->model);
     kv_manifest_free(r->m);
+    kv_verify_free(r->ver);
+    free(r->vg);
+    free(r->vu);
+    free(r->vy);
     sodium_memzero(r->sk, sizeof r->sk);
     free(r);
 }
@@ -919,14 +1032,16 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->slot_owner = malloc(S * sizeof *r->slot_owner);
     r->exp_owner = malloc(r->n_expert * sizeof *r->exp_owner);
     r->n_w = r->o.n_workers;
-    r->load = calloc(r->n_w ? r->n_w : 1, sizeof *r->load);
+    r->cap_w = r->o.max_workers > r->n_w ? r->o.max_workers : r->n_w;
+    if (r->cap_w > KV_REMOTE_MAX_WORKERS) r->cap_w = KV_REMOTE_MAX_WORKERS;
+    r->load = calloc(r->cap_w ? r->cap_w : 1, sizeof *r->load);
     r->tok_local = malloc(r->chunk_tokens * sizeof *r->tok_local);
     r->xg = malloc((size_t)r->chunk_tokens * E * sizeof *r->xg);
     r->lg = calloc(m->n_slabs ? m->n_slabs : 1, sizeof *r->lg);
     r->lw = calloc(n_keys, sizeof *r->lw);
     r->lhas = calloc(n_keys, 1);
     r->rtt_us = malloc(KV_REMOTE_RTT_SAMPLES * sizeof *r->rtt_us);
-    r->w = calloc(r->n_w ? r->n_w : 1, sizeof *r->w);
+    r->w = calloc(r->cap_w ? r->cap_w : 1, sizeof *r->w);
     if (kv_net_loop_new(&r->loop, d)) {
         rc = KV_EIO;
         goto fail;
@@ -955,6 +1070,27 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     /* workers: buffers for the largest frames either way */
     const size_t s_max = kv_msg_compute_size(KV_ENC_F32, r->chunk_tokens, r->n_embd, r->max_slots);
     size_t r_max = kv_msg_result_size(KV_ENC_F32, r->max_slots, r->n_embd);
+    if (opts->verify) { /* answers carry gate and up beside y */
+        uint8_t hb[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED];
+        const size_t pre = kv_msg_result_pre_head(hb, KV_PROTO_VERSION, 0, r->max_slots, r->n_embd, r->n_ff);
+        if (!pre) {
+            rc = kv_fail(d, KV_ERANGE, "remote: answers with pre-activations would exceed a frame");
+            goto fail;
+        }
+        if (pre > r_max) r_max = pre;
+        if ((rc = kv_verify_new(&r->ver, r->n_layer, r->n_expert, r->n_embd, r->n_ff, opts->verify, d))) goto fail;
+        r->vg = malloc(r->n_ff * sizeof *r->vg);
+        r->vu = malloc(r->n_ff * sizeof *r->vu);
+        r->vy = malloc(r->n_embd * sizeof *r->vy);
+        if (!r->vg || !r->vu || !r->vy) {
+            rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
+            goto fail;
+        }
+        randombytes_buf(&r->rng, sizeof r->rng);
+        r->rng |= 1;
+        if (!r->n_local_slabs)
+            kv_rlog(r, "verify: no slab in the manifest's folder: answers cannot be checked (counted unverified)");
+    }
     /* a HELLO_ACK lists at most every slab of the manifest (and as many ranges) */
     const uint32_t n_pieces = m->n_slabs < KV_PROTO_MAX_RANGES ? (uint32_t)m->n_slabs : KV_PROTO_MAX_RANGES;
     const size_t ack_max = kv_msg_hello_ack_size_v(KV_PROTO_VERSION, KV_PROTO_MAX_NAME, n_pieces, n_pieces);
@@ -963,24 +1099,11 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         rc = kv_fail(d, KV_EINTERNAL, "remote: frame sizes out of bounds");
         goto fail;
     }
-    for (uint32_t i = 0; i < r->n_w; i++) {
-        kv_rw *w = &r->w[i];
-        w->nc = NULL;
-        w->r = r;
-        w->state = KV_RW_DOWN;
-        snprintf(w->addr, sizeof w->addr, "%s", r->o.workers[i]);
-        if (r->o.worker_keys) memcpy(w->expect, r->o.worker_keys[i], 32);
-        if ((rc = kv_remote_resolve(w, d))) goto fail;
-        w->holds = calloc(n_keys, 1);
-        w->scap = s_max;
-        w->rcap = r_max;
-        w->pair_slot = malloc(S * sizeof *w->pair_slot);
-        w->pairs = malloc(S * sizeof *w->pairs);
-        if (!w->holds || !w->pair_slot || !w->pairs) {
-            rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
+    r->w_scap = s_max;
+    r->w_rcap = r_max;
+    for (uint32_t i = 0; i < r->n_w; i++)
+        if ((rc = kv_rw_init(r, &r->w[i], r->o.workers[i], r->o.worker_keys ? r->o.worker_keys[i] : NULL, d)))
             goto fail;
-        }
-    }
     /* connect and handshake with everyone at once */
     for (;;) {
         kv_remote_poll(r, 50, NULL);
@@ -1013,11 +1136,17 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
                                  r->w[i].why);
                 if (n > 0) o += (size_t)n;
             }
+            if (r->o.allow_uncovered) {
+                kv_rlog(r, "layer %u expert %u is served by no worker yet (%u of %u up; slab '%s')", L, e, n_up,
+                        r->n_w, slab);
+                goto covered_enough;
+            }
             rc = kv_fail(d, KV_ENOTFOUND, "remote: layer %u expert %u is served by no worker (%u of %u up) and its "
                          "slab '%s' is not present locally%s", L, e, n_up, r->n_w, slab, why);
             goto fail;
         }
     }
+covered_enough:
     r->prov = (kv_expert_provider){r, kv_remote_compute, NULL, "remote"};
     *out = r;
     return 0;
@@ -1048,6 +1177,8 @@ void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out
     out->connects = w->n_connects;
     out->last_error = w->why;
     out->key = w->key;
+    out->caught = w->caught;
+    out->verified = w->n_verified;
 }
 
 static int kv_cmp_float(const void *a, const void *b) {
@@ -1065,6 +1196,10 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->bytes_sent = r->bytes_sent;
     out->bytes_recv = r->bytes_recv;
     out->n_rtt = r->n_rtt;
+    out->pairs_verified = r->n_verified;
+    out->pairs_unverified = r->n_unverified;
+    out->pairs_recomputed = r->n_recomputed;
+    out->caught = r->n_caught;
     const size_t n = r->n_rtt < KV_REMOTE_RTT_SAMPLES ? (size_t)r->n_rtt : KV_REMOTE_RTT_SAMPLES;
     if (!n) return;
     float *tmp = malloc(n * sizeof *tmp); /* reporting, not the hot path */
@@ -1080,4 +1215,64 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
+    r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
+}
+
+/* ---- a worker set that changes ---------------------------------------------- */
+
+int kv_remote_add_worker(kv_remote *r, const char *addr, const uint8_t *key, kv_diag *d) {
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        kv_rw *w = &r->w[i];
+        if (strcmp(w->addr, addr)) continue;
+        if (key && memcmp(w->expect, key, 32)) {
+            /* the address now belongs to another node (a replacement): it
+               must prove the new key; a connection to the old one goes */
+            memcpy(w->expect, key, 32);
+            w->fails = 0;
+            if (w->state != KV_RW_DOWN) kv_rw_drop(r, w, "the hub lists another node at this address");
+            w->fails = 0;
+            w->retry_at = 0;
+            return 0;
+        }
+        /* named again by the placement: it may have restarted; quarantined
+         * ones still wait for their backoff */
+        if (w->state == KV_RW_DOWN && w->fails < 2) w->retry_at = 0;
+        return 0;
+    }
+    if (r->n_w >= r->cap_w)
+        return kv_fail(d, KV_ERANGE, "remote: cannot add worker %.64s: room for %u workers", addr, r->cap_w);
+    kv_rw *w = &r->w[r->n_w];
+    int rc = kv_rw_init(r, w, addr, key, d);
+    if (rc) {
+        free(w->holds);
+        free(w->pair_slot);
+        free(w->pairs);
+        memset(w, 0, sizeof *w);
+        return rc;
+    }
+    r->n_w++;
+    kv_rlog(r, "worker %s added", w->addr);
+    return 1;
+}
+
+void kv_remote_tend(kv_remote *r, int timeout_ms) { kv_remote_poll(r, timeout_ms, NULL); }
+
+void kv_remote_get_coverage(const kv_remote *r, kv_remote_coverage *out, uint32_t *missing, uint32_t cap) {
+    memset(out, 0, sizeof *out);
+    for (uint32_t i = 0; i < r->n_w; i++) out->workers_up += r->w[i].state == KV_RW_UP;
+    const kv_manifest *m = r->m;
+    for (size_t s = 0; s < m->n_slabs; s++) {
+        const kv_manifest_slab *sl = &m->slabs[s];
+        if (sl->layer >= r->n_layer - m->n_layer_nextn || !m->moe_layer[sl->layer]) continue;
+        out->total++;
+        bool ok = true;
+        for (uint32_t e = sl->first; e <= sl->last && e < r->n_expert && ok; e++) {
+            const size_t k = (size_t)sl->layer * r->n_expert + e;
+            bool held = r->lhas[k];
+            for (uint32_t i = 0; i < r->n_w && !held; i++) held = r->w[i].state == KV_RW_UP && r->w[i].holds[k];
+            ok = held;
+        }
+        if (ok) out->covered++;
+        else if (out->n_missing < cap) missing[out->n_missing++] = (uint32_t)s;
+    }
 }

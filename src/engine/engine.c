@@ -163,21 +163,25 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
         }
         snprintf(manifest, pl + 16, is_dir ? "%s/manifest.json" : "%s", path);
     }
-    if (!manifest && (e->o.n_workers || e->o.expert_cache_bytes || e->o.skip_hashes || e->o.allow_sparse)) {
+    const bool coord = e->o.n_workers || e->o.max_workers; /* experts on workers (maybe added later) */
+    if (!manifest && (coord || e->o.expert_cache_bytes || e->o.skip_hashes || e->o.allow_sparse)) {
         rc = kv_fail(d, KV_EINVAL, "engine: workers, an expert cache, skipped hashes and sparse pieces need a sliced model "
                                    "(DIR/manifest.json), not '%s'", path);
         goto fail;
     }
-    if (e->o.n_workers && e->o.expert_cache_bytes) {
+    if (coord && e->o.expert_cache_bytes) {
         rc = kv_fail(d, KV_EINVAL, "engine: an expert cache and workers cannot be combined");
         goto fail;
     }
     if ((rc = kv_pool_new(&e->pool, e->o.n_threads, d))) goto fail;
-    if (e->o.n_workers) {
+    if (coord) {
         /* the coordinator: backbone + manifest here, experts on the workers */
         const kv_remote_opts ro = {e->o.workers, e->o.n_workers, e->o.worker_timeout_ms, 0, e->o.wire,
                                    e->max_tok, e->o.skip_hashes, e->o.log, e->o.allow_sparse,
-                                   e->o.key_sk, e->o.voucher, e->o.worker_keys};
+                                   e->o.key_sk, e->o.voucher, e->o.worker_keys,
+                                   .max_workers = e->o.max_workers, .allow_uncovered = e->o.allow_uncovered,
+                                   .verify = e->o.verify, .recompute_rate = e->o.recompute_rate,
+                                   .on_caught = e->o.on_caught, .caught_arg = e->o.caught_arg};
         if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
         e->m = kv_remote_model(e->remote);
         e->experts = kv_remote_provider(e->remote);

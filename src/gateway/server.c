@@ -35,6 +35,7 @@
 #include "gateway/gateway_internal.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/gateway.h"
+#include "kvasir/node.h"
 
 enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
 
@@ -61,6 +62,7 @@ typedef struct kv_gw_req {
 
 #define KV_GW_N_CODES 8
 static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 404, 405, 413, 500, 503};
+#define KV_GW_MISSING_MAX 16 /* uncovered shards named by /health */
 #define KV_GW_N_BUCKETS 12
 static const double kv_gw_buckets[KV_GW_N_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                       0.1,   0.25,   0.5,   1,    2.5,   10};
@@ -95,6 +97,15 @@ struct kv_gateway {
     uint32_t max_batch;         /* most sessions one step carried */
     uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
     double step_sum;
+    /* a swarm: the engine's experts on workers */
+    const kv_manifest *man;     /* the coordinator's manifest (immutable), NULL without workers */
+    kv_gw_watch *watch;         /* the hub's placement reader, or NULL */
+    double fail_since;          /* scheduler only: monotonic time steps began failing, 0 if not */
+    /* guarded by mu */
+    uint32_t cov_total, cov_covered, cov_up, cov_n_missing;
+    uint32_t cov_missing[KV_GW_MISSING_MAX]; /* manifest slab indices of uncovered shards */
+    uint64_t steps_retried;     /* failed steps kept for a retry */
+    uint64_t workers_added;     /* workers added from the hub's placement */
 };
 
 /* ---- requests --------------------------------------------------------- */
@@ -138,22 +149,53 @@ static void kv_deadline(struct timespec *ts, long ms) {
     }
 }
 
-/* Health as the scheduler sees it: with workers, every one must be up
- * (the engine refuses to open unless every expert is served). */
+/* Health as the scheduler sees it: with workers, every shard (slab of a
+ * MoE layer) must have each of its experts served by a worker that is up
+ * (handshaken, its slabs' hashes checked) or by a local slab. */
 static void kv_sched_health_locked(kv_gateway *g) {
     kv_remote *rm = kv_engine_remote(g->e);
     g->healthy = true;
     g->health_msg[0] = 0;
     if (!rm) return;
-    for (uint32_t i = 0; i < kv_remote_n_workers(rm); i++) {
-        kv_remote_worker w;
-        kv_remote_worker_info(rm, i, &w);
-        if (!w.up) {
-            g->healthy = false;
-            snprintf(g->health_msg, sizeof g->health_msg, "worker %.64s is down: %.160s", w.addr, w.last_error);
-            return;
-        }
+    kv_remote_coverage cv;
+    kv_remote_get_coverage(rm, &cv, g->cov_missing, KV_GW_MISSING_MAX);
+    g->cov_total = cv.total;
+    g->cov_covered = cv.covered;
+    g->cov_up = cv.workers_up;
+    g->cov_n_missing = cv.n_missing;
+    if (cv.covered < cv.total) {
+        const kv_manifest_slab *sl = &g->man->slabs[g->cov_missing[0]];
+        g->healthy = false;
+        snprintf(g->health_msg, sizeof g->health_msg,
+                 "%u of %u shards covered by the %u workers up (first missing: layer %u experts %u-%u)", cv.covered,
+                 cv.total, cv.workers_up, sl->layer, sl->first, sl->last);
     }
+}
+
+/* Between steps: adds the nodes of a new placement map to the engine's
+ * workers (dialed at once; used from their handshake on). Called with mu
+ * held; drops it while the remote set changes. */
+static void kv_sched_placement_locked(kv_gateway *g) {
+    char **addrs = NULL;
+    uint8_t (*keys)[32] = NULL;
+    uint32_t n = 0;
+    kv_remote *rm = kv_engine_remote(g->e);
+    if (!rm || !kv_gw_watch_take(g->watch, &addrs, &keys, &n)) return;
+    pthread_mutex_unlock(&g->mu);
+    uint64_t added = 0;
+    static const uint8_t zero[32];
+    for (uint32_t i = 0; i < n; i++) {
+        kv_diag d = {0};
+        /* the node must prove the key the hub lists it with */
+        const int rc = kv_remote_add_worker(rm, addrs[i], memcmp(keys[i], zero, 32) ? keys[i] : NULL, &d);
+        if (rc > 0) added++;
+        else if (rc < 0) fprintf(stderr, "kvasir gateway: placement: %s\n", d.msg);
+    }
+    kv_node_workers_free(addrs, n);
+    free(keys);
+    if (added) kv_remote_tend(rm, 0);
+    pthread_mutex_lock(&g->mu);
+    g->workers_added += added;
 }
 
 static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
@@ -219,10 +261,17 @@ static void *kv_sched_main(void *arg) {
             kv_sched_admit_locked(g, r);
         }
         pthread_cond_broadcast(&g->out_cv);
+        kv_sched_placement_locked(g);
         if (!g->active) {
             struct timespec ts;
-            kv_deadline(&ts, 1000);
+            kv_remote *rm = kv_engine_remote(g->e);
+            kv_deadline(&ts, rm ? 100 : 1000);
             pthread_cond_timedwait(&g->work_cv, &g->mu, &ts);
+            if (rm) { /* idle: reconnects and handshakes go on, closed peers are seen */
+                pthread_mutex_unlock(&g->mu);
+                kv_remote_tend(rm, 10);
+                pthread_mutex_lock(&g->mu);
+            }
             kv_sched_health_locked(g);
             continue;
         }
@@ -238,9 +287,32 @@ static void *kv_sched_main(void *arg) {
         int b = 0;
         while (b < KV_GW_N_BUCKETS && dt > kv_gw_buckets[b]) b++;
         g->step_bucket[b]++;
+        kv_remote *rm = kv_engine_remote(g->e);
+        if (rc < 0 && rm && (g->fail_since == 0 || kv_now() - g->fail_since < g->o.step_retry_ms / 1000.0)) {
+            /* the step failed as a whole (no session advanced): an expert
+               whose holders are all gone. Keep the sessions and retry once
+               the placement is read again: a replacement, or a holder back */
+            g->steps_failed++;
+            g->steps_retried++;
+            if (g->fail_since == 0) g->fail_since = kv_now();
+            kv_gw_watch_kick(g->watch);
+            kv_sched_health_locked(g);
+            pthread_mutex_unlock(&g->mu);
+            kv_remote_tend(rm, 0);
+            pthread_mutex_lock(&g->mu);
+            struct timespec ts;
+            kv_deadline(&ts, 200);
+            pthread_cond_timedwait(&g->work_cv, &g->mu, &ts);
+            continue;
+        }
+        if (rc >= 0 && g->fail_since != 0) {
+            g->fail_since = 0;
+            kv_sched_health_locked(g);
+        }
         if (rc < 0) {
             /* the step failed as a whole: no token came from partial results; its
                requests end with the error rather than wait on a broken swarm */
+            g->fail_since = 0;
             g->steps_failed++;
             while (g->active) {
                 kv_gw_req *r = g->active;
@@ -641,6 +713,23 @@ static char *kv_metrics_text(kv_gateway *g) {
     KV_M("# HELP kvasir_gateway_steps_failed_total Engine steps that failed as a whole.\n");
     KV_M("# TYPE kvasir_gateway_steps_failed_total counter\n");
     KV_M("kvasir_gateway_steps_failed_total %llu\n", (unsigned long long)g->steps_failed);
+    if (g->man) {
+        KV_M("# HELP kvasir_gateway_steps_retried_total Failed steps whose sessions were kept for a retry.\n");
+        KV_M("# TYPE kvasir_gateway_steps_retried_total counter\n");
+        KV_M("kvasir_gateway_steps_retried_total %llu\n", (unsigned long long)g->steps_retried);
+        KV_M("# HELP kvasir_gateway_shards_total Shards (expert slabs of MoE layers) the model needs.\n");
+        KV_M("# TYPE kvasir_gateway_shards_total gauge\n");
+        KV_M("kvasir_gateway_shards_total %u\n", g->cov_total);
+        KV_M("# HELP kvasir_gateway_shards_covered Shards whose every expert a worker that is up (or a local slab) serves.\n");
+        KV_M("# TYPE kvasir_gateway_shards_covered gauge\n");
+        KV_M("kvasir_gateway_shards_covered %u\n", g->cov_covered);
+        KV_M("# HELP kvasir_gateway_workers_up Workers handshaken now.\n");
+        KV_M("# TYPE kvasir_gateway_workers_up gauge\n");
+        KV_M("kvasir_gateway_workers_up %u\n", g->cov_up);
+        KV_M("# HELP kvasir_gateway_workers_added_total Workers added from the hub's placement map.\n");
+        KV_M("# TYPE kvasir_gateway_workers_added_total counter\n");
+        KV_M("kvasir_gateway_workers_added_total %llu\n", (unsigned long long)g->workers_added);
+    }
     pthread_mutex_unlock(&g->mu);
 #undef KV_M
     if (b.oom) {
@@ -667,6 +756,38 @@ static char *kv_slots_json(kv_gateway *g) {
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
+}
+
+/* GET /health: 200 {"status":"ok"} when the model is loaded and, with
+ * workers, every shard covered; 503 {"status":"unavailable","reason"}
+ * otherwise. With workers both carry the coverage: shards covered / total,
+ * workers up, and the first uncovered shards. */
+static enum MHD_Result kv_health(kv_gw_conn *cn, struct MHD_Connection *c) {
+    kv_gateway *g = cn->g;
+    pthread_mutex_lock(&g->mu);
+    const bool ok = g->healthy && !g->quit;
+    char msg[300];
+    snprintf(msg, sizeof msg, "%s", g->health_msg);
+    json_t *j = ok ? json_pack("{s:s,s:s}", "status", "ok", "model", g->model)
+                   : json_pack("{s:s,s:s,s:s}", "status", "unavailable", "model", g->model, "reason",
+                               msg[0] ? msg : "stopping");
+    if (j && g->man) {
+        json_t *miss = json_array();
+        for (uint32_t i = 0; i < g->cov_n_missing; i++) {
+            const kv_manifest_slab *sl = &g->man->slabs[g->cov_missing[i]];
+            json_array_append_new(miss, json_pack("{s:I,s:I,s:I}", "layer", (json_int_t)sl->layer, "first",
+                                                  (json_int_t)sl->first, "last", (json_int_t)sl->last));
+        }
+        json_object_set_new(j, "shards_total", json_integer(g->cov_total));
+        json_object_set_new(j, "shards_covered", json_integer(g->cov_covered));
+        json_object_set_new(j, "workers_up", json_integer(g->cov_up));
+        json_object_set_new(j, "missing", miss);
+        if (g->cov_total - g->cov_covered > g->cov_n_missing) json_object_set_new(j, "missing_truncated", json_true());
+    }
+    pthread_mutex_unlock(&g->mu);
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return kv_reply(cn, c, ok ? 200 : 503, "application/json", s);
 }
 
 static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
@@ -730,18 +851,7 @@ static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char
     const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS;
     if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
     switch (cn->route) {
-    case KV_R_HEALTH: {
-        pthread_mutex_lock(&g->mu);
-        const bool ok = g->healthy && !g->quit;
-        char msg[300];
-        snprintf(msg, sizeof msg, "%s", g->health_msg);
-        pthread_mutex_unlock(&g->mu);
-        json_t *j = ok ? json_pack("{s:s,s:s}", "status", "ok", "model", g->model)
-                       : json_pack("{s:s,s:s}", "status", "unavailable", "reason", msg[0] ? msg : "stopping");
-        char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
-        json_decref(j);
-        return kv_reply(cn, c, ok ? 200 : 503, "application/json", s);
-    }
+    case KV_R_HEALTH: return kv_health(cn, c);
     case KV_R_METRICS: return kv_reply(cn, c, 200, "text/plain; version=0.0.4", kv_metrics_text(g));
     case KV_R_SLOTS: return kv_reply(cn, c, 200, "application/json", kv_slots_json(g));
     case KV_R_MODELS: {
@@ -796,6 +906,9 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if (!o.timeout_s) o.timeout_s = 120;
     if (!o.body_max) o.body_max = 1u << 20;
     if (!o.max_tokens_default) o.max_tokens_default = 512;
+    if (!o.step_retry_ms) o.step_retry_ms = 30000;
+    if (o.hub_url && !kv_engine_remote(e))
+        return kv_fail(d, KV_EINVAL, "gateway: a hub URL needs an engine whose experts are on workers");
     if (o.body_max > KV_GATEWAY_MAX_BODY) return kv_fail(d, KV_EINVAL, "gateway: body limit %zu is over %u", o.body_max, KV_GATEWAY_MAX_BODY);
     if (o.n_api_keys > KV_GATEWAY_MAX_KEYS) return kv_fail(d, KV_EINVAL, "gateway: %u keys, at most %u", o.n_api_keys, KV_GATEWAY_MAX_KEYS);
     if (strlen(o.model_name) > KV_GW_MAX_MODEL_LEN) return kv_fail(d, KV_EINVAL, "gateway: model name too long");
@@ -835,6 +948,9 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     o.api_keys = NULL;
     o.model_name = g->model;
     o.host = NULL;
+    if (kv_engine_remote(e)) g->man = kv_remote_manifest(kv_engine_remote(e));
+    if (o.hub_url && (rc = kv_gw_watch_start(&g->watch, o.hub_url, o.hub_refresh_ms, d))) goto fail;
+    o.hub_url = NULL;
     g->o = o;
     kv_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (pthread_create(&g->sched, NULL, kv_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
@@ -891,6 +1007,7 @@ void kv_gateway_free(kv_gateway *g) {
         pthread_join(g->sched, NULL);
     }
     if (g->mhd) MHD_stop_daemon(g->mhd);
+    kv_gw_watch_free(g->watch);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);

@@ -604,6 +604,49 @@ int kv_node_fetch_auth(const char *hub_url, kv_node_key *key, char *const *worke
     return rc;
 }
 
+int kv_hub_parse_report(const char *json, size_t len, uint8_t key[32], char *reason, size_t reason_cap, kv_diag *d) {
+    if (reason_cap) reason[0] = 0;
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "report: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    json_t *r = json_object_get(root, "reason");
+    if (!json_is_object(root) || kv_json_hex(root, "key", key, 32) || !json_is_string(r) ||
+        json_string_length(r) > KV_HUB_MAX_REASON) {
+        rc = kv_fail(d, KV_EFORMAT, "report: needs {\"key\": 64 hex digits, \"reason\": text of at most %u bytes}",
+                     KV_HUB_MAX_REASON);
+    } else if (reason_cap) {
+        const char *t = json_string_value(r);
+        size_t n = 0;
+        for (size_t i = 0; t[i] && n + 1 < reason_cap; i++) /* printable ASCII only: it is logged and served */
+            reason[n++] = (t[i] >= 0x20 && t[i] < 0x7f && t[i] != '"' && t[i] != '\\') ? t[i] : '?';
+        reason[n] = 0;
+    }
+    json_decref(root);
+    return rc;
+}
+
+int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_key[32], const char *reason,
+                   kv_diag *d) {
+    json_t *j = json_object();
+    char hex[65];
+    kv_hex(worker_key, 32, hex);
+    char rs[KV_HUB_MAX_REASON + 1];
+    snprintf(rs, sizeof rs, "%s", reason ? reason : "");
+    json_object_set_new(j, "key", json_string(hex));
+    json_object_set_new(j, "reason", json_string(rs));
+    char *body = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    if (!body) return kv_fail(d, KV_ENOMEM, "report: out of memory");
+    char *reply = NULL;
+    long st = 0;
+    int rc = kv_node_post(hub_url, key, "/v1/report", body, &reply, &st, d);
+    free(body);
+    if (!rc && st != 200) rc = kv_fail(d, st == 403 ? KV_EAUTH : KV_EPROTO, "report refused (%ld): %.300s", st, reply);
+    free(reply);
+    return rc;
+}
+
 /* ---- the node ----------------------------------------------------------------------- */
 
 #define KV_NODE_GRACE_MS 10000 /* a retired worker serves this long after a switch */
@@ -631,6 +674,7 @@ struct kv_node {
     bool have_hub_key;
     atomic_int stop;
     int stop_pipe[2];
+    uint64_t retired_pairs, retired_tokens; /* served by workers already stopped */
 };
 
 static int64_t kv_mono_ms(void) {
@@ -698,6 +742,17 @@ static void kv_nw_stop(kv_node_worker *w) {
     }
     kv_worker_free(w->w);
     memset(w, 0, sizeof *w);
+}
+
+/* Stops w, keeping what it served in the node's totals (reported in heartbeats). */
+static void kv_node_retire(kv_node *n, kv_node_worker *w) {
+    if (w->w) {
+        kv_msg_stats st;
+        kv_worker_stats(w->w, &st);
+        n->retired_pairs += st.n_pairs;
+        n->retired_tokens += st.n_tokens;
+    }
+    kv_nw_stop(w);
 }
 
 void kv_node_free(kv_node *n) {
@@ -878,7 +933,20 @@ static int kv_node_heartbeat(kv_node *n, kv_diag *d) {
     n->last_beat_ms = kv_mono_ms();
     char *reply = NULL;
     long st = 0;
-    int rc = kv_node_post(n->o.hub, &n->key, "/v1/heartbeat", "{}", &reply, &st, d);
+    /* what this node served since it started (every worker it ran): the
+       hub turns the difference between beats into rates (docs/HUB.md) */
+    uint64_t pairs = n->retired_pairs, tokens = n->retired_tokens;
+    for (int k = 0; k < 2; k++) {
+        const kv_node_worker *w = k ? &n->old : &n->cur;
+        if (!w->w) continue;
+        kv_msg_stats ms;
+        kv_worker_stats(w->w, &ms);
+        pairs += ms.n_pairs;
+        tokens += ms.n_tokens;
+    }
+    char body[96];
+    snprintf(body, sizeof body, "{\"served_pairs\":%" PRIu64 ",\"served_tokens\":%" PRIu64 "}", pairs, tokens);
+    int rc = kv_node_post(n->o.hub, &n->key, "/v1/heartbeat", body, &reply, &st, d);
     if (rc) return rc;
     if (st == 404) { /* the hub forgot us (a new store): register again */
         free(reply);
@@ -976,11 +1044,11 @@ static int kv_node_switch(kv_node *n, const uint8_t *want, kv_diag *d) {
     kv_node_worker nw;
     int rc = kv_node_start_worker(n, want, &nw, d);
     if (rc == KV_EIO && n->cur.w) { /* a fixed port: break before make */
-        kv_nw_stop(&n->cur);
+        kv_node_retire(n, &n->cur);
         rc = kv_node_start_worker(n, want, &nw, d);
     }
     if (rc) return rc;
-    kv_nw_stop(&n->old);
+    kv_node_retire(n, &n->old);
     n->old = n->cur;
     /* coordinators that read the placement map before the switch still
      * reach the old address for a while */
@@ -1073,7 +1141,7 @@ int kv_node_run(kv_node *n, kv_diag *d) {
         bool any = false;
         for (size_t i = 0; i < ns; i++) any |= n->held[i];
         if (any && !n->registered && kv_node_register(n, &e)) kv_node_log(n, "%s", e.msg);
-        if (n->old.w && kv_mono_ms() >= n->old_until_ms) kv_nw_stop(&n->old);
+        if (n->old.w && kv_mono_ms() >= n->old_until_ms) kv_node_retire(n, &n->old);
         /* jitter keeps nodes that started together from choosing in lockstep */
         int64_t wait = (int64_t)n->interval_ms + (int64_t)(rand() % (n->interval_ms / 4 + 1));
         kv_node_sleep(n, wait - (kv_mono_ms() - t0));

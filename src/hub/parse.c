@@ -240,6 +240,29 @@ int kv_hub_parse_answer(const char *json, size_t len, uint8_t nonce[32], uint8_t
     return rc;
 }
 
+/* ---- heartbeat ------------------------------------------------------------- */
+
+#define KV_HUB_BEAT_MAX ((uint64_t)1 << 53) /* exact in a JS number (the status page) */
+
+int kv_hub_parse_beat(kv_hub_beat *b, const char *json, size_t len, kv_diag *d) {
+    memset(b, 0, sizeof *b);
+    if (len == 0) return 0;
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "heartbeat: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    if (!json_is_object(root)) {
+        rc = kv_fail(d, KV_EFORMAT, "heartbeat: must be a JSON object");
+    } else if (json_object_get(root, "served_pairs") || json_object_get(root, "served_tokens")) {
+        if (!(rc = kv_j_u64(root, "heartbeat", "served_pairs", KV_HUB_BEAT_MAX, &b->served_pairs, d)))
+            rc = kv_j_u64(root, "heartbeat", "served_tokens", KV_HUB_BEAT_MAX, &b->served_tokens, d);
+        b->has = rc == 0;
+    }
+    json_decref(root);
+    if (rc) memset(b, 0, sizeof *b);
+    return rc;
+}
+
 /* ---- market ---------------------------------------------------------------- */
 
 #define KV_HUB_MARKET_MAX_SHARDS (1u << 20) /* as KV_MANIFEST_MAX_SLABS */

@@ -55,9 +55,14 @@
 #include "hub/hub_internal.h"
 #include "hub/store.h"
 #include "kvasir/dispatch.h"
+#include "kvasir/node.h"
 #include "kvasir/slice.h"
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
+
+/* the status page (src/hub/status.html, embedded at build time) */
+extern const unsigned char kv_status_page_data[];
+extern const size_t kv_status_page_len;
 
 typedef struct kv_hub_node {
     uint8_t pk[32];                       /* identity */
@@ -73,6 +78,11 @@ typedef struct kv_hub_node {
     uint8_t ch_nonce[32];
     uint32_t ch_slab;                     /* slab index challenged */
     int64_t ch_issued_ms;
+    /* what it served, from its heartbeats (memory only: rates restart with the hub) */
+    uint64_t served_pairs, served_tokens; /* totals last reported (since the node started) */
+    int64_t served_ms;                    /* when; 0 = never reported */
+    double pairs_per_s, tokens_per_s;     /* between its last two reports */
+    bool reported;                        /* a vouched coordinator caught it lying: unlisted */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -791,6 +801,11 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
                            "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
         goto out;
     }
+    if (n && n->reported) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "this node was reported for wrong answers and is unlisted");
+        goto out;
+    }
     if (n && s->counter <= n->counter) {
         pthread_mutex_unlock(&h->mu);
         ret = kv_reply_errf(c, MHD_HTTP_CONFLICT, KV_EPROTO,
@@ -873,9 +888,28 @@ static kv_hub_node *kv_lock_signer(kv_hub *h, struct MHD_Connection *c, const kv
     return n;
 }
 
-static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, const kv_signed *s) {
+/* A report of served totals: rates from the difference with the last one
+ * (a total that went down is a restarted node: no rate this time). */
+static void kv_node_served(kv_hub_node *n, const kv_hub_beat *b, int64_t now) {
+    if (!b->has) return;
+    if (n->served_ms && now > n->served_ms && b->served_pairs >= n->served_pairs &&
+        b->served_tokens >= n->served_tokens) {
+        const double dt = (double)(now - n->served_ms) / 1000.0;
+        n->pairs_per_s = (double)(b->served_pairs - n->served_pairs) / dt;
+        n->tokens_per_s = (double)(b->served_tokens - n->served_tokens) / dt;
+    } else {
+        n->pairs_per_s = n->tokens_per_s = 0;
+    }
+    n->served_pairs = b->served_pairs;
+    n->served_tokens = b->served_tokens;
+    n->served_ms = now;
+}
+
+static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     enum MHD_Result ret;
     kv_diag d = {0};
+    kv_hub_beat beat;
+    if (kv_hub_parse_beat(&beat, q->body ? q->body : "", q->n, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
     kv_hub_node *n = kv_lock_signer(h, c, s, &ret);
     if (!n) return ret;
     int64_t now = kv_now_ms();
@@ -896,6 +930,7 @@ static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, cons
     }
     n->counter = s->counter;
     n->last_seen_ms = now;
+    kv_node_served(n, &beat, now);
     if (!n->ch_pending && ++n->beats >= h->o.challenge_every) kv_challenge_issue(n, now);
     json_object_set_new(j, "ok", json_true());
     json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
@@ -1046,6 +1081,122 @@ static int kv_hub_load_key(kv_hub *h, kv_diag *d) {
 }
 
 const uint8_t *kv_hub_key(const kv_hub *h) { return h->hub_pk; }
+/* GET /v1/nodes: every registered node, what it holds and serves, and the
+ * swarm's rates (docs/HUB.md). Node fields need no escaping (addr and
+ * backend are from the announcement's character sets). earned_micro_kvr
+ * is present only when opts.earned answers for the node. */
+static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
+    *out = NULL;
+    const kv_manifest *m = h->m;
+    uint32_t n_moe = 0;
+    for (uint32_t L = 0; L + m->n_layer_nextn < m->n_layer; L++) n_moe += m->moe_layer[L] ? 1 : 0;
+    /* earnings come from outside (the ledger): looked up without the
+       registry lock, for the nodes known now, matched by key below */
+    size_t n_earn = 0;
+    uint8_t (*pks)[32] = NULL;
+    uint64_t *earn = NULL;
+    uint8_t *has = NULL;
+    if (h->o.earned) {
+        pthread_mutex_lock(&h->mu);
+        n_earn = h->n_nodes;
+        pks = malloc((n_earn ? n_earn : 1) * 32);
+        if (pks)
+            for (size_t k = 0; k < n_earn; k++) memcpy(pks[k], h->nodes[k].pk, 32);
+        pthread_mutex_unlock(&h->mu);
+        earn = calloc(n_earn ? n_earn : 1, sizeof *earn);
+        has = calloc(n_earn ? n_earn : 1, 1);
+        if (!pks || !earn || !has) {
+            free(pks);
+            free(earn);
+            free(has);
+            return kv_fail(d, KV_ENOMEM, "nodes: out of memory");
+        }
+        for (size_t k = 0; k < n_earn; k++) has[k] = h->o.earned(h->o.earned_arg, pks[k], &earn[k]) == 0;
+    }
+    const int64_t now = kv_now_ms();
+    kv_sb b = {0};
+    double pairs_s = 0, rows_s = 0;
+    size_t n_live = 0;
+    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"now_ms\":%" PRId64 ",\"deadline_ms\":%u,\"n_layer\":%u,"
+                 "\"n_expert\":%u,\"n_expert_used\":%u,\"moe_layers\":%u,\"nodes\":[", m->model_id, now,
+                 h->o.deadline_ms, m->n_layer, m->n_expert, m->n_expert_used, n_moe);
+    pthread_mutex_lock(&h->mu);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *n = &h->nodes[k];
+        const bool live = kv_node_live(h, n, now);
+        /* a node that stopped beating serves nothing now */
+        const double ps = live ? n->pairs_per_s : 0, ts = live ? n->tokens_per_s : 0;
+        n_live += live;
+        pairs_s += ps;
+        rows_s += ts;
+        char hex[65];
+        kv_hex(n->pk, 32, hex);
+        kv_sb_printf(&b, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"backend\":\"%s\",\"memory\":%" PRIu64
+                     ",\"live\":%s,\"last_seen_ms\":%" PRId64 ",\"registered_ms\":%" PRId64 ",\"served_pairs\":%"
+                     PRIu64 ",\"served_tokens\":%" PRIu64 ",\"pairs_per_s\":%.3f,\"tokens_per_s\":%.3f",
+                     k ? "," : "", hex, n->addr, n->backend, n->memory, live ? "true" : "false", n->last_seen_ms,
+                     n->registered_ms, n->served_pairs, n->served_tokens, ps, ts);
+        if (k < n_earn && has[k] && !memcmp(pks[k], n->pk, 32))
+            kv_sb_printf(&b, ",\"earned_micro_kvr\":%" PRIu64, earn[k]);
+        kv_sb_printf(&b, ",\"shards\":[");
+        for (size_t i = 0; i < n->n_slabs; i++) {
+            const kv_manifest_slab *sl = &m->slabs[n->slabs[i]];
+            kv_sb_printf(&b, "%s[%u,%u,%u]", i ? "," : "", sl->layer, sl->first, sl->last);
+        }
+        kv_sb_printf(&b, "]}");
+    }
+    pthread_mutex_unlock(&h->mu);
+    free(pks);
+    free(earn);
+    free(has);
+    /* every token through the swarm (prompt or generated, from any
+       coordinator) costs n_expert_used expert computations per MoE layer */
+    const double per_tok = (double)n_moe * (m->n_expert_used ? m->n_expert_used : 1);
+    kv_sb_printf(&b, "],\"live_nodes\":%zu,\"pairs_per_s\":%.3f,\"rows_per_s\":%.3f,\"tokens_per_s\":%.3f}\n",
+                 n_live, pairs_s, rows_s, per_tok > 0 ? pairs_s / per_tok : 0.0);
+    if (b.oom) {
+        free(b.p);
+        return kv_fail(d, KV_ENOMEM, "nodes: out of memory");
+    }
+    *out = b.p;
+    *len = b.n;
+    return 0;
+}
+
+int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d) { return kv_hub_nodes_render(h, out, len, d); }
+
+/* POST /v1/report, signed by a coordinator the hub vouches for: the node
+ * with that key loses its holdings (stored) and may not register again
+ * while this hub runs, so the placement map stops listing it. */
+static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
+    kv_diag d = {0};
+    uint8_t key[32];
+    char reason[KV_HUB_MAX_REASON + 1];
+    if (kv_hub_parse_report(q->body ? q->body : "", q->n, key, reason, sizeof reason, &d))
+        return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    if (!h->o.vouch_open && !(h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp)))
+        return kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "only coordinators this hub vouches for may report nodes");
+    pthread_mutex_lock(&h->mu);
+    kv_hub_node *n = kv_node_find(h, key);
+    if (!n) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no node with this key");
+    }
+    if (n->n_slabs && kv_node_drop(h, n, n->counter, -1, &d)) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    n->reported = true;
+    char hex[65], by[65];
+    kv_hex(key, 32, hex);
+    kv_hex(s->pk, 32, by);
+    pthread_mutex_unlock(&h->mu);
+    if (!h->o.quiet) fprintf(stderr, "hub: node %.16s... reported by coordinator %.16s...: %s: unlisted\n", hex, by, reason);
+    json_t *j = json_object();
+    json_object_set_new(j, "ok", json_true());
+    json_object_set_new(j, "unlisted", json_string(hex));
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
 
 /* ---- dispatch --------------------------------------------------------------- */
 
@@ -1109,6 +1260,19 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         if (!strncmp(url, "/v1/pieces/", 11)) return kv_serve_piece(h, c, url + 11);
         if (!strcmp(url, "/v1/nonce")) return kv_do_nonce(h, c);
         if (!strcmp(url, "/v1/status")) return kv_do_status(h, c);
+        if (!strcmp(url, "/") || !strcmp(url, "/index.html")) {
+            char *s = malloc(kv_status_page_len + 1);
+            if (!s) return MHD_NO;
+            memcpy(s, kv_status_page_data, kv_status_page_len);
+            return kv_reply(c, MHD_HTTP_OK, "text/html; charset=utf-8", s, kv_status_page_len);
+        }
+        if (!strcmp(url, "/v1/nodes")) {
+            kv_diag d = {0};
+            char *s;
+            size_t n;
+            if (kv_hub_nodes_render(h, &s, &n, &d)) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
+        }
         if (!strcmp(url, "/v1/market") || !strcmp(url, "/v1/placement")) {
             kv_diag d = {0};
             char *s;
@@ -1134,20 +1298,21 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
         if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge") ||
-            !strcmp(url, "/v1/voucher"))
+            !strcmp(url, "/v1/voucher") || !strcmp(url, "/v1/report"))
             return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "%s needs POST", url);
         return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     }
     if (!post) return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "method %.16s not allowed", method);
     int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3
-                : !strcmp(url, "/v1/voucher") ? 4 : 0;
+                : !strcmp(url, "/v1/voucher") ? 4 : !strcmp(url, "/v1/report") ? 5 : 0;
     if (!which) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     kv_diag d = {0};
     kv_signed s;
     if (kv_check_sig(c, method, url, q, &s, &d)) return kv_reply_diag(c, MHD_HTTP_UNAUTHORIZED, &d);
     if (which == 1) return kv_do_register(h, c, &s, q);
-    if (which == 2) return kv_do_heartbeat(h, c, &s);
+    if (which == 2) return kv_do_heartbeat(h, c, &s, q);
     if (which == 4) return kv_do_voucher(h, c, &s);
+    if (which == 5) return kv_do_report(h, c, &s, q);
     return kv_do_answer(h, c, &s, q);
 }
 

@@ -162,6 +162,8 @@ typedef struct {
 void kv_quant_fill_ref(kv_kernels *k);
 void kv_quant_fill_avx2(kv_kernels *k);
 void kv_quant_fill_avx512(kv_kernels *k);
+void kv_quant_fill_neon(kv_kernels *k);    /* aarch64 only */
+void kv_quant_fill_neondot(kv_kernels *k); /* aarch64 with DotProd only */
 
 /* kv_f32_wsum_rows per backend (quant/vec.h); acc: continue from o's
  * values instead of 0 (kv_f32_wsum_rows_acc). */
@@ -173,6 +175,8 @@ void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride,
                       int64_t n, int acc);
 void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                         int64_t n, int acc);
+void kv_f32_wsum_neon(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
+                      int64_t n, int acc); /* aarch64 only */
 
 /* kv_f32_delta_rows per backend (quant/vec.h). */
 typedef void (*kv_delta_fn)(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,

@@ -3,12 +3,13 @@
  * reference, AVX2, AVX-512) and the run-time choice between them.
  *
  * Invariants: the tables are built once (pthread_once) from CPU features
- * (cpuid + xgetbv); a backend's table is built only if the CPU runs it, so
+ * (cpuid + xgetbv on x86, getauxval(AT_HWCAP) on aarch64); a backend's table is built only if the CPU runs it, so
  * no SIMD code is ever executed on a CPU that lacks it. A backend that does
  * not implement a kernel inherits the next lower one's, so every table is
  * complete for the compute types. */
 #include <ctype.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvasir/err.h"
@@ -18,6 +19,15 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define KV_X86 1
+#endif
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1 << 1)
+#endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
 #endif
 
 /* Filled for every known id. Holes: name NULL. */
@@ -51,8 +61,8 @@ static uint32_t kv_vec_dot_type(uint32_t t) {
     }
 }
 
-enum { KV_BE_SCALAR, KV_BE_AVX2, KV_BE_AVX512, KV_BE_COUNT };
-static const char *const kv_be_names[KV_BE_COUNT] = {"scalar", "avx2", "avx512"};
+enum { KV_BE_SCALAR, KV_BE_AVX2, KV_BE_AVX512, KV_BE_NEON, KV_BE_NEONDOT, KV_BE_COUNT };
+static const char *const kv_be_names[KV_BE_COUNT] = {"scalar", "avx2", "avx512", "neon", "neondot"};
 
 static kv_type_info kv_tabs[KV_BE_COUNT][KV_TYPE_COUNT];
 static kv_mat_fn kv_mats[KV_BE_COUNT][KV_TYPE_COUNT];
@@ -61,6 +71,9 @@ static int kv_be_cur;
 static kv_wsum_fn kv_wsums[KV_BE_COUNT];
 static kv_delta_fn kv_deltas[KV_BE_COUNT];
 static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
+#if defined(__aarch64__)
+static void kv_init_neon(void);
+#endif
 
 #ifdef KV_X86
 static uint64_t kv_xgetbv0(void) {
@@ -71,7 +84,7 @@ static uint64_t kv_xgetbv0(void) {
 #endif
 
 /* Which SIMD levels this CPU and OS support. */
-static void kv_detect(bool *avx2, bool *avx512) {
+__attribute__((unused)) static void kv_detect(bool *avx2, bool *avx512) {
     *avx2 = *avx512 = false;
 #ifdef KV_X86
     unsigned a, b, c, d;
@@ -111,6 +124,7 @@ static void kv_init(void) {
     kv_be_ok[KV_BE_SCALAR] = true;
     kv_wsums[KV_BE_SCALAR] = kv_f32_wsum_ref;
     kv_deltas[KV_BE_SCALAR] = kv_f32_delta_ref;
+#ifdef KV_X86
     bool avx2, avx512;
     kv_detect(&avx2, &avx512);
     if (avx2) {
@@ -129,7 +143,41 @@ static void kv_init(void) {
         kv_deltas[KV_BE_AVX512] = kv_f32_delta_avx2; /* ymm: the 8-lane order */
         kv_be_cur = KV_BE_AVX512;
     }
+#endif
+#if defined(__aarch64__)
+    kv_init_neon();
+#endif
+    /* KV_QUANT_BACKEND=scalar|avx2|avx512|neon|neondot caps the choice (benchmarks of a
+     * lower path on a CPU that has a higher one); a level the CPU lacks or
+     * an unknown name leaves the detected one. */
+    const char *want = getenv("KV_QUANT_BACKEND");
+    for (int i = 0; want && i < KV_BE_COUNT; i++)
+        if (!strcmp(want, kv_be_names[i]) && kv_be_ok[i]) kv_be_cur = i;
 }
+
+#if defined(__aarch64__)
+/* aarch64: NEON (ASIMD) and its int8 dot-product extension, from the
+ * kernel's hwcaps; each table overlays the scalar one (neon.c, neon_dot.c). */
+static void kv_init_neon(void) {
+    const unsigned long hw = getauxval(AT_HWCAP);
+    if (!(hw & HWCAP_ASIMD)) return;
+    static kv_kernels k[KV_TYPE_COUNT];
+    kv_quant_fill_ref(k);
+    kv_quant_fill_neon(k);
+    kv_build(KV_BE_NEON, k);
+    kv_be_ok[KV_BE_NEON] = true;
+    kv_wsums[KV_BE_NEON] = kv_f32_wsum_neon;
+    kv_deltas[KV_BE_NEON] = kv_f32_delta_ref;
+    kv_be_cur = KV_BE_NEON;
+    if (!(hw & HWCAP_ASIMDDP)) return;
+    kv_quant_fill_neondot(k);
+    kv_build(KV_BE_NEONDOT, k);
+    kv_be_ok[KV_BE_NEONDOT] = true;
+    kv_wsums[KV_BE_NEONDOT] = kv_f32_wsum_neon;
+    kv_deltas[KV_BE_NEONDOT] = kv_f32_delta_ref;
+    kv_be_cur = KV_BE_NEONDOT;
+}
+#endif
 
 static inline void kv_ensure(void) { pthread_once(&kv_once, kv_init); }
 
