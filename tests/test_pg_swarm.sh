@@ -12,7 +12,9 @@
 # Then node 1 (registered at A) is killed with SIGKILL: a decode through B
 # right after still equals the local run; within a bounded wait B drops it
 # from the placement map, the others take its shards, and a decode through
-# B after the change equals the local run again. Fails, never skips, when
+# B after the change equals the local run again. Then PostgreSQL is stopped:
+# the hubs answer 503 rather than publish a stale market; started again, the
+# hubs reconnect and a decode equals the local run. Fails, never skips, when
 # PostgreSQL or libpq support is missing.
 set -euo pipefail
 src=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -147,3 +149,18 @@ echo "ok: a decode through B after the change equals the local run"
 grep -q "challenge answered" "$dir"/n*.err || fail "no storage challenge was answered"
 ! grep -q "dropped our holdings" "$dir"/n[234].err || fail "an honest node was dropped"
 echo "ok: storage challenges answered at both hubs, no honest node dropped"
+
+# an outage of the store: the hubs stop publishing (503) instead of serving a
+# stale market; when it is back they reconnect, and the swarm is whole again
+code() { curl -s -o /dev/null -w '%{http_code}' "$url_B/v1/market"; }
+kv_pg_pause || fail "cannot stop PostgreSQL"
+wait_until 15 eval '[ "$(code)" = 503 ]' || fail "B still answers $(code) with its store down"
+curl -s "$url_B/v1/market" | jq -e '.code == "EIO"' >/dev/null || fail "503 without an EIO error body"
+kv_pg_resume || fail "cannot restart PostgreSQL"
+wait_until 20 eval '[ "$(code)" = 200 ]' || fail "B did not recover after the outage: $(code)"
+wait_until 30 full "$url_B" 15 || fail "not whole after the outage: $(market "$url_B")"
+wait_until 30 full "$url_A" 15 || fail "A not whole after the outage: $(market "$url_A")"
+"$KV" run --hub "$url_B" --data "$dir/coord" "${RUN[@]}" --logits-out "$dir/hubB4.bin" >"$dir/hubB4.json" \
+  2>"$dir/hubB4.err" || fail "run --hub B after the outage failed"
+same_as_local hubB4
+echo "ok: a store outage is a 503 at the hub, and after it the swarm and decodes are whole again"

@@ -1265,9 +1265,24 @@ static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const k
         pthread_mutex_unlock(&h->mu);
         return kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no node with this key");
     }
-    /* the counter moves on by one, as the store only moves counters forward;
-       a request the node signs with it is refused, as a reported node is */
-    if (n->n_slabs && kv_node_drop(h, n, n->counter + 1, -1, &d)) {
+    /* the drop moves the node's counter on by one, like a request of its
+     * own: the store's condition holds it against a racing heartbeat, and
+     * hubs sharing the store take the drop into their views (a higher
+     * counter); a node's counters come from its clock, so one step costs it
+     * nothing. On a shared store another hub may have accepted a newer
+     * request: reload the node and try once more. */
+    int wrc = 0;
+    for (int tries = 0; n->n_slabs && tries < 2; tries++) {
+        if (n->counter >= (uint64_t)INT64_MAX) {
+            wrc = kv_fail(&d, KV_ERANGE, "node counter at its maximum");
+            break;
+        }
+        wrc = kv_node_drop(h, n, n->counter + 1, -1, &d);
+        if (wrc != KV_EPROTO || !h->shared) break;
+        if ((wrc = h->store.ops->node_get(h->store.impl, key, kv_node_reload, h, &d))) break;
+        wrc = KV_EPROTO;
+    }
+    if (wrc) {
         pthread_mutex_unlock(&h->mu);
         return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
     }

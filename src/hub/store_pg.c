@@ -59,7 +59,6 @@ static const char *const kv_hpg_sql[] = {
 static const char *const kv_hpg_schema =
     "SELECT pg_advisory_lock(7079018201);"
     "CREATE SCHEMA IF NOT EXISTS kvhub;"
-    "SET search_path = kvhub;"
     "CREATE TABLE IF NOT EXISTS meta(key text PRIMARY KEY, value text NOT NULL);"
     "CREATE TABLE IF NOT EXISTS nodes(pk bytea PRIMARY KEY CHECK (length(pk) = 32),"
     " addr text NOT NULL, backend text NOT NULL, memory bigint NOT NULL CHECK (memory >= 0),"
@@ -87,7 +86,7 @@ static int kv_hpg_open(void **impl, const char *uri, kv_diag *d) {
     *impl = NULL;
     kv_hpg *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "hub store: out of memory");
-    int rc = kv_pq_open(&s->p, kv_pq_uri(uri), WHO, d);
+    int rc = kv_pq_open(&s->p, kv_pq_uri(uri), WHO, "SET search_path = kvhub", d);
     if (!rc) rc = kv_pq_exec(&s->p, kv_hpg_schema, d);
     if (rc) {
         kv_hpg_close(s);

@@ -103,8 +103,7 @@ static int kv_lp_open(kv_store **out, const char *path, kv_diag *d) {
     *out = NULL;
     kv_store *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "ledger store: out of memory");
-    int rc = kv_pq_open(&s->p, kv_pq_uri(path), WHO, d);
-    if (!rc) rc = kv_pq_exec(&s->p, "SET search_path = kvledger", d);
+    int rc = kv_pq_open(&s->p, kv_pq_uri(path), WHO, "SET search_path = kvledger", d);
     if (rc) {
         kv_lp_close(s);
         return rc;
