@@ -5,7 +5,7 @@
  * prefill) calls of kv_mat_rows, single-threaded. Prints GB/s of weights
  * read and G multiply-adds/s. Times are the process's CPU time, so that a
  * machine shared with other work disturbs them less than wall time would.
- * Usage: bench_quant [type ...] */
+ * Usage: bench_quant [type ...]; KV_BENCH_NO_SCALAR=1 skips the scalar rows. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +33,7 @@ int main(int argc, char **argv) {
         int type = kv_type_from_name(argc > 1 ? argv[1 + ti] : types[ti]);
         if (type < 0) continue;
         for (int b = 0; b < 3; b++) {
+            if (b == 0 && getenv("KV_BENCH_NO_SCALAR")) continue; /* the slow one */
             if (kv_quant_set_backend(bes[b])) continue;
             const kv_type_info *t = kv_type_get((uint32_t)type), *ta = kv_type_get(t->vec_dot_type);
             size_t rb = kv_type_row_size((uint32_t)type, n), ab = kv_type_row_size(t->vec_dot_type, n);

@@ -704,6 +704,9 @@ static int backend_with_env(const char *val, char *out, size_t cap) {
 
 static void test_backend_env(void) {
     char def[32], got[32];
+    const char *was = kv_quant_backend();
+    const int has_avx2 = kv_quant_set_backend("avx2") == 0, has_512 = kv_quant_set_backend("avx512") == 0;
+    kv_quant_set_backend(was);
     ASSERT_EQ(backend_with_env(NULL, def, sizeof def), 0);
     /* same CPU, same detection: the best level this process can set (other
        cases leave another one chosen here) */
@@ -714,12 +717,11 @@ static void test_backend_env(void) {
             break;
         }
     ASSERT_STREQ(def, want);
+    kv_quant_set_backend(was);
     ASSERT_EQ(backend_with_env("scalar", got, sizeof got), 0);
     ASSERT_STREQ(got, "scalar");
     ASSERT_EQ(backend_with_env("bogus", got, sizeof got), 0);
     ASSERT_STREQ(got, def);
-    const int has_avx2 = kv_quant_set_backend("avx2") == 0, has_512 = kv_quant_set_backend("avx512") == 0;
-    kv_quant_set_backend(def);
     ASSERT_EQ(backend_with_env("avx2", got, sizeof got), 0);
     ASSERT_STREQ(got, has_avx2 ? "avx2" : def);
     ASSERT_EQ(backend_with_env("avx512", got, sizeof got), 0);
