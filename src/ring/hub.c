@@ -136,8 +136,9 @@ int kv_ring_hub_join(const char *hub, const char *dir, uint64_t budget, uint32_t
     if (k < 0) return kv_fail(d, KV_ENOMEM, "ring: no layer window of the hub's %zu fits a budget of %" PRIu64 " bytes", n, budget);
     *first = w[k].first;
     *last = w[k].last;
-    if (log) fprintf(log, "kvasir ring: took layers %u-%u from the market (%u of %u live, %" PRIu64 " bytes)\n", *first, *last,
-                     w[k].live, w[k].wanted, w[k].bytes);
+    if (log)
+        fprintf(log, "kvasir ring %u-%u: took layers %u-%u from the market (%u of %u live, %" PRIu64 " bytes)\n", *first,
+                *last, *first, *last, w[k].live, w[k].wanted, w[k].bytes);
     kv_manifest *m = NULL;
     if ((rc = kv_node_fetch_manifest(hub, dir, &m, d))) return rc;
     if ((rc = kv_node_fetch_piece(hub, dir, &m->backbone, NULL, NULL, d))) goto done;
