@@ -27,6 +27,8 @@
 #include "kvasir/ring.h"
 #include "kvasir/slice.h"
 
+_Static_assert(KV_RING_HUB_ADDR >= KV_HUB_MAX_ADDR, "the ring keeps any address the hub lists");
+
 #define KV_RING_HUB_MAX_REPLY (4u << 20)
 
 int kv_ring_parse_market(const char *json, size_t len, kv_ring_window *out, size_t cap, size_t *n, uint32_t *n_layer,
@@ -72,7 +74,7 @@ int kv_ring_parse_market(const char *json, size_t len, kv_ring_window *out, size
         if (n0) {
             const char *a = json_is_string(ad) ? json_string_value(ad) : NULL;
             const size_t al = a ? json_string_length(ad) : 0;
-            bool ok = a && al >= 3 && al <= KV_HUB_MAX_ADDR && strlen(a) == al;
+            bool ok = a && al >= 3 && al < sizeof o->addr && strlen(a) == al;
             for (size_t k = 0; ok && k < al; k++) {
                 const char c = a[k];
                 ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
@@ -169,7 +171,7 @@ struct kv_ring_hub {
     bool stop, started;
 };
 
-static void kv_rh_log(kv_ring_hub *h, const char *fmt, ...) {
+__attribute__((format(printf, 2, 3))) static void kv_rh_log(kv_ring_hub *h, const char *fmt, ...) {
     if (!h->log) return;
     va_list ap;
     va_start(ap, fmt);

@@ -154,7 +154,7 @@ static double kv_rn_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void kv_rn_log(kv_ring_node *n, const char *fmt, ...) {
+__attribute__((format(printf, 2, 3))) static void kv_rn_log(kv_ring_node *n, const char *fmt, ...) {
     if (!n->o.log) return;
     va_list ap;
     va_start(ap, fmt);
