@@ -61,7 +61,7 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         CHECK(c->n_tokens >= 1 && c->n_tokens <= KV_PROTO_MAX_TOKENS);
         CHECK(c->n_pairs >= 1 && c->n_pairs <= KV_PROTO_MAX_PAIRS);
         CHECK(kv_msg_compute_size(c->enc, c->n_tokens, c->n_embd, c->n_pairs) == n);
-        CHECK(kv_msg_result_size(c->out_enc, c->n_pairs, c->n_embd) > 0);
+        CHECK(kv_msg_result_size(c->out_enc & ~KV_OUT_PREACT, c->n_pairs, c->n_embd) > 0);
         kv_proto_pair *p = malloc(sizeof *p * c->n_pairs);
         float *x = malloc(sizeof(float) * c->n_tokens * c->n_embd);
         CHECK(p && x);

@@ -15,6 +15,13 @@ grep -q "equals the single-process answer (kvasir run --chat, same parameters): 
 [ "$(grep -cE '^   node[123] \(127\.0\.0\.1:[0-9]+, [0-9]+ shards\): [0-9]+ expert computations \(hub: [0-9]+\)$' "$dir/out")" = 3 ] ||
   fail "no per-node expert counts"
 grep -qE "^   total [0-9]+ = [0-9]+ tokens through the model .*: yes$" "$dir/out" || fail "the counts do not add up"
+grep -qE "^   books balance: consumers paid [1-9][0-9]* = nodes earned [0-9]+ \+ fees [0-9]+$" "$dir/out" || fail "no payment lines"
+grep -qE "^   ledger ok: " "$dir/out" || fail "the ledger check did not pass"
+# what each node was paid for is what its worker counted
+for n in $(grep -oE '^   node[123] \(127\.0\.0\.1:[0-9]+, [0-9]+ shards\): [0-9]+' "$dir/out" | awk '{print $NF}'); do
+  grep -qE "^   node node:[0-9a-f]+\.\.\. earned [0-9]+ micro-KVR for $n expert products$" "$dir/out" ||
+    fail "no node paid for its $n expert products"
+done
 grep -qE "^== status page: http://127\.0\.0\.1:[0-9]+/ " "$dir/out" || fail "no status page line"
 grep -q "swarm down: 5 processes stopped (5 by SIGTERM, 0 by SIGKILL)" "$dir/out" || fail "no swarm down report"
 [ ! -f "$dir/d/swarm/swarm.json" ] || fail "swarm.json left"

@@ -22,9 +22,10 @@ set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
 dir=$(mktemp -d -t kvasir-swarmcli.XXXXXX)
 BP=$((20000 + ($$ * 13) % 30000)) # beacon port of this run
-extra=
+extra= onenode= onehub= twoA= twoB= twohub=
 cleanup() {
-  [ -n "$extra" ] && kill -9 "$extra" 2>/dev/null
+  # every process this script started by hand, then the swarms it brought up
+  for p in $extra $onenode $onehub $twoA $twoB $twohub; do kill -9 "$p" 2>/dev/null; done
   for d in "$dir/sw" "$dir/bad"; do
     [ -f "$d/swarm.json" ] && "$KV" swarm down --dir "$d" --grace-ms 2000 >/dev/null 2>&1
   done
@@ -165,6 +166,7 @@ for _ in $(seq 150); do [ "$(curl -sf "$URL1/v1/market" | jq .covered)" = true ]
   fail "bench --hub (one node)"
 kill "$onenode" "$onehub"
 wait "$onenode" "$onehub" 2>/dev/null || true
+onenode= onehub=
 jq -e '.per_token.messages_min == 2 and .per_token.messages_max == 2' "$dir/plan1.json" >/dev/null ||
   fail "one node: $(jq -c .per_token "$dir/plan1.json")"
 [ "$(jq .per_token.bytes_min "$dir/plan1.json")" = "$(jq .bytes_per_step "$dir/bench1.json")" ] ||
@@ -182,15 +184,17 @@ URL2="http://$(sed -n 's/^listening on //p' "$dir/two.out")"
 twoA=$!
 "$KV" node --hub "$URL2" --budget $((4 * slab)) --data "$dir/twoB" --interval-ms 300 --threads 1 --quiet &
 twoB=$!
-for _ in $(seq 150); do
-  [ "$(curl -sf "$URL2/v1/market" | jq '.covered and ([.shards[].live] | max) == 1')" = true ] && break
+for _ in $(seq 300); do
+  [ "$(curl -sf -m 5 "$URL2/v1/market" | jq '.covered and ([.shards[].live] | max) == 1')" = true ] && break
   sleep 0.2
 done
+[ "$(curl -sf -m 5 "$URL2/v1/market" | jq '.covered')" = true ] || fail "two nodes: no full coverage in 60 s"
 "$KV" plan --hub "$URL2" --json >"$dir/plan2.json" || fail "plan (two nodes)"
 "$KV" bench --hub "$URL2" --data "$dir/coord2" -p 8 -n 32 --reps 1 --threads 1 --json >"$dir/bench2.json" 2>/dev/null ||
   fail "bench --hub (two nodes)"
 kill "$twoA" "$twoB" "$twohub"
 wait "$twoA" "$twoB" "$twohub" 2>/dev/null || true
+twoA= twoB= twohub=
 jq -e '.covered and (.nodes | length) == 2 and .per_token.messages_min == 2 and .per_token.messages_max == 4' \
   "$dir/plan2.json" >/dev/null || fail "two nodes: $(jq -c '[.nodes[].ranges, .per_token]' "$dir/plan2.json")"
 jq -e --slurpfile p "$dir/plan2.json" '.rounds_per_step == $p[0].per_token.round_trips and

@@ -27,6 +27,26 @@ report() { # report KVASIR DB
   fi
 }
 
+# Sourced by tools/demo.sh (make demo): the swarm's gateway charges the demo's
+# chat completion through a ledger, and demo_pay_report prints who paid and
+# who earned. The gateway id is fixed (--gateway-id) so that the
+# authorization can be made before the swarm starts.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then
+  mkdir -p "$dir"
+  for k in operator gateway consumer; do "$KV" wallet new --out "$dir/$k.key" >/dev/null; done
+  "$KV" ledger init --db "$dir/ledger.db" --key "$dir/operator.key" --fee-bps 500 >/dev/null
+  demo_consumer=$("$KV" wallet show --key "$dir/consumer.key")
+  "$KV" ledger issue --db "$dir/ledger.db" --key "$dir/operator.key" --to "$demo_consumer" --amount 1000000 >/dev/null
+  SWARM_GATEWAY_ARGS=(--ledger "$dir/ledger.db" --gateway-key "$dir/gateway.key" --gateway-id demo-gw --prices 2,5)
+  CHAT_HEADERS=(-H "X-KVR-Payment: $("$KV" wallet pay --key "$dir/consumer.key" --gateway demo-gw --max 20000)")
+  demo_pay_report() {
+    echo "== paying in KVR (the operator issued 1000000 micro-KVR to consumer ${demo_consumer:0:16}...;"
+    echo "   the gateway charged the completion above at 2 + 5 micro-KVR per prompt + completion token)"
+    report "$KV" "$dir/ledger.db"
+  }
+  return 0
+fi
+
 if [ "${1:-}" = --report ]; then
   report "$2" "$3"
   exit

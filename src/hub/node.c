@@ -530,12 +530,17 @@ int kv_node_parse_voucher(const char *json, size_t len, kv_voucher *v, uint8_t h
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) return kv_fail(d, KV_EFORMAT, "voucher: bad JSON at line %d: %s", je.line, je.text);
     int rc = 0;
+    kv_voucher t = {{0}, 0, {0}};
+    uint8_t hk[32];
     json_t *e = json_object_get(root, "expires_ms");
-    if (!json_is_object(root) || kv_json_hex(root, "key", v->key, 32) || kv_json_hex(root, "sig", v->sig, 64) ||
-        kv_json_hex(root, "hub_key", hub_key, 32) || !json_is_integer(e) || json_integer_value(e) <= 0)
+    if (!json_is_object(root) || kv_json_hex(root, "key", t.key, 32) || kv_json_hex(root, "sig", t.sig, 64) ||
+        kv_json_hex(root, "hub_key", hk, 32) || !json_is_integer(e) || json_integer_value(e) <= 0) {
         rc = kv_fail(d, KV_EFORMAT, "voucher: needs key, sig, hub_key (hex) and expires_ms > 0");
-    else
-        v->expires_ms = (uint64_t)json_integer_value(e);
+    } else { /* nothing is written unless all of it parsed */
+        t.expires_ms = (uint64_t)json_integer_value(e);
+        *v = t;
+        memcpy(hub_key, hk, 32);
+    }
     json_decref(root);
     return rc;
 }

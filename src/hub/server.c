@@ -1265,7 +1265,9 @@ static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const k
         pthread_mutex_unlock(&h->mu);
         return kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no node with this key");
     }
-    if (n->n_slabs && kv_node_drop(h, n, n->counter, -1, &d)) {
+    /* the counter moves on by one, as the store only moves counters forward;
+       a request the node signs with it is refused, as a reported node is */
+    if (n->n_slabs && kv_node_drop(h, n, n->counter + 1, -1, &d)) {
         pthread_mutex_unlock(&h->mu);
         return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
     }
