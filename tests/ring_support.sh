@@ -60,12 +60,19 @@ ring_wait_listen() {
 }
 
 # ring_wait_whole: every node logged "ring whole" since its start (bounded).
+# Returns 2 when a node could not bind its port (another process took it
+# between free_ports and the bind: the machine is shared), so that
+# ring_start can try other ports.
 ring_wait_whole() {
   local i n
-  for _ in $(seq 300); do
+  for _ in $(seq 400); do
     n=0
     for i in "${!RING_PID[@]}"; do
-      kill -0 "${RING_PID[$i]}" 2>/dev/null || { cat "$dir/ring$i.err" >&2; fail "ring node $i died"; }
+      if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then return 2; fi
+      if ! kill -0 "${RING_PID[$i]}" 2>/dev/null || grep -q "^kvasir ring: " "$dir/ring$i.err" 2>/dev/null; then
+        cat "$dir/ring$i.err" >&2
+        fail "ring node $i died"
+      fi
       grep -q "ring whole" "$dir/ring$i.err" 2>/dev/null && n=$((n + 1))
     done
     [ "$n" = "${#RING_PID[@]}" ] && return 0
@@ -75,20 +82,27 @@ ring_wait_whole() {
   fail "the ring did not form"
 }
 
-# ring_start MODEL WINDOW...: one node per window, each linked to the next.
+# ring_start MODEL WINDOW...: one node per window, each linked to the next
+# (new ports when one was taken meanwhile, up to 5 tries).
 ring_start() {
   local model=$1
   shift
-  local n=$# i
-  read -r -a ports <<<"$(free_ports "$n")"
+  local n=$# i try rc
   local wins=("$@")
-  RING_ADDR=()
-  RING_PID=()
-  for ((i = 0; i < n; i++)); do
-    ring_node "$i" "$model" "${wins[$i]}" "127.0.0.1:${ports[$i]}" "127.0.0.1:${ports[$(((i + 1) % n))]}" \
-      ${RING_EXTRA:-}
+  for try in 1 2 3 4 5; do
+    read -r -a ports <<<"$(free_ports "$n")"
+    RING_ADDR=()
+    RING_PID=()
+    for ((i = 0; i < n; i++)); do
+      ring_node "$i" "$model" "${wins[$i]}" "127.0.0.1:${ports[$i]}" "127.0.0.1:${ports[$(((i + 1) % n))]}" \
+        ${RING_EXTRA:-}
+    done
+    rc=0
+    ring_wait_whole || rc=$?
+    [ $rc = 0 ] && return 0
+    ring_stop
   done
-  ring_wait_whole
+  fail "no free ports for a ring after 5 tries"
 }
 
 ring_stop() {

@@ -304,7 +304,7 @@ void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last,
 
 /* ---- the layer market (src/ring/hub.c, docs/HUB.md GET /v1/ring) ---------- */
 
-#define KV_RING_HUB_ADDR 64u /* longest node address the market lists (KV_HUB_MAX_ADDR) */
+#define KV_RING_HUB_ADDR 255u /* longest node address the market lists (KV_HUB_MAX_ADDR) */
 
 typedef struct kv_ring_window {
     uint32_t first, last;          /* the window's layers */

@@ -27,6 +27,8 @@
 #include "kvasir/ring.h"
 #include "kvasir/slice.h"
 
+_Static_assert(KV_RING_HUB_ADDR >= KV_HUB_MAX_ADDR, "the ring keeps any address the hub lists");
+
 #define KV_RING_HUB_MAX_REPLY (4u << 20)
 
 int kv_ring_parse_market(const char *json, size_t len, kv_ring_window *out, size_t cap, size_t *n, uint32_t *n_layer,
@@ -72,7 +74,7 @@ int kv_ring_parse_market(const char *json, size_t len, kv_ring_window *out, size
         if (n0) {
             const char *a = json_is_string(ad) ? json_string_value(ad) : NULL;
             const size_t al = a ? json_string_length(ad) : 0;
-            bool ok = a && al >= 3 && al <= KV_HUB_MAX_ADDR && strlen(a) == al;
+            bool ok = a && al >= 3 && al < sizeof o->addr && strlen(a) == al;
             for (size_t k = 0; ok && k < al; k++) {
                 const char c = a[k];
                 ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
@@ -136,8 +138,9 @@ int kv_ring_hub_join(const char *hub, const char *dir, uint64_t budget, uint32_t
     if (k < 0) return kv_fail(d, KV_ENOMEM, "ring: no layer window of the hub's %zu fits a budget of %" PRIu64 " bytes", n, budget);
     *first = w[k].first;
     *last = w[k].last;
-    if (log) fprintf(log, "kvasir ring: took layers %u-%u from the market (%u of %u live, %" PRIu64 " bytes)\n", *first, *last,
-                     w[k].live, w[k].wanted, w[k].bytes);
+    if (log)
+        fprintf(log, "kvasir ring %u-%u: took layers %u-%u from the market (%u of %u live, %" PRIu64 " bytes)\n", *first,
+                *last, *first, *last, w[k].live, w[k].wanted, w[k].bytes);
     kv_manifest *m = NULL;
     if ((rc = kv_node_fetch_manifest(hub, dir, &m, d))) return rc;
     if ((rc = kv_node_fetch_piece(hub, dir, &m->backbone, NULL, NULL, d))) goto done;
@@ -168,7 +171,7 @@ struct kv_ring_hub {
     bool stop, started;
 };
 
-static void kv_rh_log(kv_ring_hub *h, const char *fmt, ...) {
+__attribute__((format(printf, 2, 3))) static void kv_rh_log(kv_ring_hub *h, const char *fmt, ...) {
     if (!h->log) return;
     va_list ap;
     va_start(ap, fmt);

@@ -54,7 +54,7 @@
 #define KV_RN_PROBE_MS 500         /* resend a probe while the ring is not whole */
 #define KV_RN_TICK_MS 100          /* replay deadlines checked this often */
 #define KV_RN_TX_MAX (1024u << 20) /* bytes queued on one link at most */
-#define KV_RN_CLIENT_FRAME (KV_RING_HEADER + 64u + KV_RING_MAX_TEXT)
+#define KV_RN_MAX_CONNS 256u     /* accepted connections at once (links and clients) */
 
 typedef struct kv_rconn kv_rconn;
 
@@ -130,6 +130,7 @@ struct kv_ring_node {
     kv_rseq *seqs;            /* [max_seqs]; index = state sequence */
     kv_rreq *reqs;            /* home requests */
     kv_rconn *conns;          /* every connection alive */
+    uint32_t n_conns;         /* of them */
     kv_net_budget budget;     /* bytes buffered by accepted connections */
     struct kv_rdelay *dq_head, *dq_tail, *stage; /* --link-delay-ms FIFO, a frame being written */
     size_t dq_bytes;
@@ -153,7 +154,7 @@ static double kv_rn_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void kv_rn_log(kv_ring_node *n, const char *fmt, ...) {
+__attribute__((format(printf, 2, 3))) static void kv_rn_log(kv_ring_node *n, const char *fmt, ...) {
     if (!n->o.log) return;
     va_list ap;
     va_start(ap, fmt);
@@ -834,6 +835,7 @@ static kv_rconn *kv_rc_new(kv_ring_node *n) {
     c->lnext = n->conns;
     if (n->conns) n->conns->lprev = c;
     n->conns = c;
+    n->n_conns++;
     return c;
 }
 
@@ -842,6 +844,7 @@ static void kv_rc_free(kv_rconn *c) {
     if (c->lprev) c->lprev->lnext = c->lnext;
     else n->conns = c->lnext;
     if (c->lnext) c->lnext->lprev = c->lprev;
+    n->n_conns--;
     free(c);
 }
 
@@ -1032,6 +1035,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
             }
             m.u.hello = c->peer;
             c->acked = true;
+            kv_net_timer_stop(n->loop, &c->hs_t);
             n->next_first = m.u.hello.first;
             n->next_last = m.u.hello.last;
             kv_rn_log(n, "link to layers %u-%u (%s) up", n->next_first, n->next_last, n->next_addr);
@@ -1106,6 +1110,7 @@ static kv_net_conn_opts kv_rn_conn_opts(void) {
 }
 
 static int kv_rn_resolve_next(kv_ring_node *n, const char *host_port, kv_diag *d);
+static void kv_rc_hello_timeout(kv_net_loop *l, kv_net_timer *t);
 static void kv_rn_redial(kv_net_loop *l, kv_net_timer *t) {
     kv_ring_node *n = t->data;
     if (n->next) return;
@@ -1127,7 +1132,7 @@ static void kv_rn_redial(kv_net_loop *l, kv_net_timer *t) {
         return;
     }
     c->role = KV_RC_NEXT;
-    kv_net_timer_init(&c->hs_t, NULL, c);
+    kv_net_timer_init(&c->hs_t, kv_rc_hello_timeout, c); /* the next must answer HELLO and AUTH in time */
     const kv_net_conn_opts o = kv_rn_conn_opts();
     if (kv_net_conn_dial(&c->nc, l, (const struct sockaddr *)&n->next_sa, n->next_salen, 2000, &o, &kv_rc_cbs, c, NULL)) {
         kv_rc_free(c);
@@ -1135,13 +1140,14 @@ static void kv_rn_redial(kv_net_loop *l, kv_net_timer *t) {
         return;
     }
     n->next = c;
+    kv_net_timer_start(l, &c->hs_t, KV_RN_HELLO_MS);
 }
 
 static void kv_rc_hello_timeout(kv_net_loop *l, kv_net_timer *t) {
     (void)l;
     kv_rconn *c = t->data;
-    kv_rn_send_error(c, 0, KV_ETIMEOUT, c->n->o.first, "ring: no HELLO in time");
-    kv_net_conn_close(c->nc, KV_ETIMEOUT, "no HELLO in time");
+    kv_rn_send_error(c, 0, KV_ETIMEOUT, c->n->o.first, "ring: the handshake (HELLO, AUTH) did not complete in time");
+    kv_net_conn_close(c->nc, KV_ETIMEOUT, "the handshake did not complete in time");
 }
 
 static void kv_rn_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
@@ -1150,6 +1156,10 @@ static void kv_rn_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
     for (int k = 0; k < 16; k++) {
         int fd = accept4(n->lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) return;
+        if (n->n_conns >= KV_RN_MAX_CONNS) { /* full: the newcomer is refused, the ring keeps serving */
+            close(fd);
+            continue;
+        }
         int one = 1; /* tokens go out one small frame at a time: no Nagle */
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         kv_rconn *c = kv_rc_new(n);
