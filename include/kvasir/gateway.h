@@ -87,6 +87,13 @@ uint16_t kv_gateway_port(const kv_gateway *g);
  * draining and for tests that need a full queue. Thread-safe. */
 void kv_gateway_hold(kv_gateway *g, bool hold);
 
+/* Records a worker key caught lying (kv_engine_opts.on_caught, docs/VERIFY.md):
+ * from now on no session that has not settled yet asks it for a receipt or
+ * pays it a share (its share goes back to the consumer, the ledger's rule
+ * for a missing receipt). A zero key is ignored. Thread-safe; callable from
+ * the engine's hook inside a step. */
+void kv_gateway_caught(kv_gateway *g, const uint8_t key[32]);
+
 typedef struct kv_gateway_stats {
     uint64_t requests;          /* requests answered (every status) */
     uint64_t completed;         /* generations that ran to their end */

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <sodium.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +20,7 @@
 #include "kvasir/ledger.h"
 #include "kvasir/node.h"
 #include "kvasir/pool.h"
+#include "kvasir/verify.h"
 
 #define CMD "gateway"
 
@@ -27,7 +29,7 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
-                                             "--gateway-id", "--prices", NULL};
+                                             "--gateway-id", "--prices", "--verify-recompute", NULL};
 
 static const char *kv_gateway_help =
     "usage: kvasir gateway (-m MODEL | --hub URL) [--listen HOST:PORT] [options]\n"
@@ -59,7 +61,26 @@ static const char *kv_gateway_help =
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
     "  --gateway-id ID      the id authorizations name (default gw- and 24 hex of the key)\n"
-    "  --prices P,C         micro-KVR per prompt token and per completion token (default 1,2)\n";
+    "  --prices P,C         micro-KVR per prompt token and per completion token (default 1,2)\n"
+    "  --verify             check every worker answer (Freivalds, docs/VERIFY.md) against the slabs\n"
+    "                       in the manifest's folder; a worker caught lying is dropped for good, its\n"
+    "                       part redone before any token goes out, reported to --hub, and (with\n"
+    "                       --ledger) never paid again: sessions not yet settled ask it for no\n"
+    "                       receipt, so its share goes back to the consumer\n"
+    "  --verify-recompute R also recompute a fraction R of the answers in full (implies --verify)\n";
+
+/* The engine's on_caught for the gateway: the CLI's line and hub report
+ * (kv_cli_caught), then the key recorded in the gateway so that it is not
+ * paid. The gateway starts after the engine opens, before any step runs. */
+typedef struct kv_gw_caught_ctx {
+    kv_cli_auth *auth;
+    _Atomic(kv_gateway *) g;
+} kv_gw_caught_ctx;
+static void kv_gw_on_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why) {
+    kv_gw_caught_ctx *c = arg;
+    kv_cli_caught(c->auth, worker, addr, key, why);
+    kv_gateway_caught(atomic_load(&c->g), key);
+}
 
 static volatile sig_atomic_t kv_gw_stop_flag;
 static void kv_gw_on_signal(int sig) {
@@ -82,17 +103,28 @@ int kv_cmd_gateway(int argc, char **argv) {
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
+    bool verify = false;
+    double verify_rate = 0;
+    const kv_verify_opts vopts = {0};
+    kv_gw_caught_ctx caught = {.auth = &auth};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(kv_gateway_help, stdout);
             return 0;
+        } else if (!strcmp(a, "--verify")) {
+            verify = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--verify-recompute")) {
+            float f;
+            if (kv_arg_float(CMD, a, v, 0, 1, &f)) return 1;
+            verify_rate = f;
+            verify = true;
         } else if (!strcmp(a, "--ledger")) {
             ledger = v;
         } else if (!strcmp(a, "--gateway-key")) {
@@ -253,7 +285,9 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
                                .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL,
                                .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
-                               .worker_keys = (const uint8_t(*)[32])auth.worker_keys};
+                               .worker_keys = (const uint8_t(*)[32])auth.worker_keys,
+                               .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
+                               .on_caught = kv_gw_on_caught, .caught_arg = &caught};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -270,6 +304,7 @@ int kv_cmd_gateway(int argc, char **argv) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
+    atomic_store(&caught.g, g);
     signal(SIGINT, kv_gw_on_signal);
     signal(SIGTERM, kv_gw_on_signal);
     signal(SIGPIPE, SIG_IGN);
@@ -277,6 +312,7 @@ int kv_cmd_gateway(int argc, char **argv) {
     fflush(stdout);
     while (!kv_gw_stop_flag) pause();
 done:
+    atomic_store(&caught.g, NULL);
     kv_gateway_free(g);
     kv_engine_free(e);
     kv_gateway_keys_free(fkeys, n_fkeys);

@@ -115,7 +115,21 @@ struct kv_gateway {
     uint32_t cov_missing[KV_GW_MISSING_MAX]; /* manifest slab indices of uncovered shards */
     uint64_t steps_retried;     /* failed steps kept for a retry */
     uint64_t workers_added;     /* workers added from the hub's placement */
+    /* workers caught lying (kv_gateway_caught): never asked for a receipt,
+       never paid; guarded by caught_mu (taken from the engine's hook, inside
+       a step, and under mu when a session settles: never the other way) */
+    pthread_mutex_t caught_mu;
+    uint8_t caught[KV_REMOTE_MAX_WORKERS][32];
+    uint32_t n_caught;
 };
+
+static bool kv_gw_is_caught(kv_gateway *g, const uint8_t key[32]) {
+    pthread_mutex_lock(&g->caught_mu);
+    bool hit = false;
+    for (uint32_t i = 0; i < g->n_caught && !hit; i++) hit = !memcmp(g->caught[i], key, 32);
+    pthread_mutex_unlock(&g->caught_mu);
+    return hit;
+}
 
 /* ---- requests --------------------------------------------------------- */
 
@@ -152,6 +166,13 @@ static void kv_req_record_work(kv_gateway *g, kv_gw_req *r) {
                    its share goes back to the consumer (the ledger's rule) */
                 nd->has_key = true;
                 memcpy(nd->key, wi.key, 32);
+                if (wi.caught || kv_gw_is_caught(g, wi.key)) {
+                    /* caught lying (docs/VERIFY.md): no receipt asked, so its
+                       share of this session returns to the consumer */
+                    fprintf(stderr, "gateway: worker %s was caught lying: not paid for this session\n", wi.addr);
+                    r->n_work++;
+                    continue;
+                }
                 kv_receipt_req q = {.n_products = ans[i] < KV_LEDGER_MAX_PRODUCTS ? ans[i] : KV_LEDGER_MAX_PRODUCTS};
                 snprintf(q.gateway, sizeof q.gateway, "%s", kv_gw_pay_id(g->pay));
                 memcpy(q.consumer, r->pay_consumer, 32);
@@ -1073,6 +1094,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     snprintf(g->model, sizeof g->model, "%s", o.model_name);
     g->started = (long long)time(NULL);
     pthread_mutex_init(&g->mu, NULL);
+    pthread_mutex_init(&g->caught_mu, NULL);
     pthread_cond_init(&g->work_cv, NULL);
     pthread_cond_init(&g->out_cv, NULL);
     g->hold = o.hold;
@@ -1134,6 +1156,16 @@ void kv_gateway_hold(kv_gateway *g, bool hold) {
     pthread_mutex_unlock(&g->mu);
 }
 
+void kv_gateway_caught(kv_gateway *g, const uint8_t key[32]) {
+    static const uint8_t zero[32];
+    if (!g || !key || !memcmp(key, zero, 32)) return;
+    pthread_mutex_lock(&g->caught_mu);
+    bool known = false;
+    for (uint32_t i = 0; i < g->n_caught && !known; i++) known = !memcmp(g->caught[i], key, 32);
+    if (!known && g->n_caught < KV_REMOTE_MAX_WORKERS) memcpy(g->caught[g->n_caught++], key, 32);
+    pthread_mutex_unlock(&g->caught_mu);
+}
+
 void kv_gateway_get_stats(kv_gateway *g, kv_gateway_stats *out) {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&g->mu);
@@ -1166,6 +1198,7 @@ void kv_gateway_free(kv_gateway *g) {
     pthread_cond_destroy(&g->work_cv);
     pthread_cond_destroy(&g->out_cv);
     pthread_mutex_destroy(&g->mu);
+    pthread_mutex_destroy(&g->caught_mu);
     free(g);
 }
 
