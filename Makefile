@@ -1,7 +1,8 @@
 # Kvasir top-level Makefile: wraps CMake/CTest and installs what is missing.
 #   make          build build/kvasir
 #   make test     install deps (apt-get, npm oracle), build, run every test
-#   make demo     generate a small model and run a prompt through it
+#   make demo     a local swarm of three nodes (kvasir swarm up), a chat completion through its
+#                 gateway, equal to the single-process answer; then kvasir swarm down
 #   make asan     sanitizer build; every test again under ASan+UBSan
 #   make fuzz     longer libFuzzer runs
 #   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)
@@ -12,6 +13,7 @@
 #   make arm      cross-build build-aarch64/kvasir (runs under qemu-aarch64)
 #   make test-arm the unit tests of the aarch64 build under qemu, and ARM
 #                 nodes in a loopback swarm (tests/test_arm.sh, full version)
+#   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
@@ -26,7 +28,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway clean deps-arm arm test-arm bench-arm
+.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -106,6 +108,10 @@ bench-122b: deps
 bench-gateway: deps oracle
 	@$(MAKE) --no-print-directory build
 	@bash bench/gateway.sh $(BUILD)/kvasir
+
+bench-ring: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/ring.sh $(BUILD)
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build

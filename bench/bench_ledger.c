@@ -4,8 +4,11 @@
  * 3 node-signed receipts (5 journal entries per completion: hold, fee, 3
  * rewards, return). Prints completions/s and journal entries/s, then checks
  * every invariant.
- *   build/bench_ledger [clients=8] [completions per client=250] [dir=/tmp] */
+ *   build/bench_ledger [clients=8] [completions per client=250] [dir=/tmp | store URI]
+ * A PostgreSQL store URI ("pg:..." or "postgresql://...", an empty database)
+ * in place of dir measures the PostgreSQL backend. */
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,7 +69,9 @@ int main(int argc, char **argv) {
         return 1;
     }
     char path[512];
-    snprintf(path, sizeof path, "%s/kv_bench_ledger_%d.db", dir, (int)getpid());
+    bool pg = !strncmp(dir, "pg:", 3) || !strncmp(dir, "postgres", 8);
+    if (pg) snprintf(path, sizeof path, "%s", dir);
+    else snprintf(path, sizeof path, "%s/kv_bench_ledger_%d.db", dir, (int)getpid());
     kv_wallet op, nodes[3];
     kv_diag d = {0};
     kv_wallet_generate(&op, NULL);
@@ -98,6 +103,7 @@ int main(int argc, char **argv) {
            clients, n, s, done / s, (double)rep.n_transfers / s, rc ? d.msg : "invariants hold");
     kv_ledger_free(l);
     char p2[600];
+    if (pg) path[0] = 0; /* the database is the caller's to drop */
     unlink(path);
     snprintf(p2, sizeof p2, "%s-wal", path);
     unlink(p2);

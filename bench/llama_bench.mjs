@@ -119,7 +119,7 @@ export async function speed(file, { threads = 2, p = 128, n = 64, reps = 3 } = {
   const llama = await oracle.loadLlama(threads);
   const model = await llama.loadModel({ modelPath: path.resolve(file), gpuLayers: 0, useMmap: true, defaultContextFlashAttention: false });
   const ctx = await model.createContext({
-    contextSize: 512, batchSize: 512, sequences: 1, flashAttention: false,
+    contextSize: Math.max(512, p + n + 16), batchSize: 512, sequences: 1, flashAttention: false,
     threads: { ideal: threads, min: threads }, failedCreationRemedy: false,
   });
   const seq = ctx.getSequence();
@@ -151,7 +151,7 @@ export async function speed(file, { threads = 2, p = 128, n = 64, reps = 3 } = {
     decode_tok_s_mean: runs.reduce((a, x) => a + n / x.decode_s, 0) / runs.length,
     n_prompt: p, n_gen: n, threads, reps,
     runs: runs.map((x) => ({ prefill_tok_s: p / x.prefill_s, decode_tok_s: n / x.decode_s })),
-    settings: "node-llama-cpp 3.21.1 CPU prebuilt; flash attention off; KV cache F16 (default); batch 512; ctx 512; best and mean of reps after warm-up",
+    settings: "node-llama-cpp 3.21.1 CPU prebuilt; flash attention off; KV cache F16 (default); batch 512; ctx max(512, prompt + generated + 16); best and mean of reps after warm-up",
   };
 }
 
@@ -159,10 +159,15 @@ export async function speed(file, { threads = 2, p = 128, n = 64, reps = 3 } = {
  *  writes results.json. */
 export function report(outDir, threads, types) {
   const rd = (f) => JSON.parse(fs.readFileSync(path.join(outDir, f), "utf8"));
-  const bw = rd("membw.json"), bw1 = rd("membw1.json");
+  const bws = {};
+  for (const th of String(threads).split(/\s+/).filter(Boolean)) bws[th] = rd(`membw-t${th}.json`);
+  const bw1 = bws["1"];
   const cpu = (fs.readFileSync("/proc/cpuinfo", "utf8").match(/model name\s*:\s*(.*)/) || [])[1] ?? "?";
   const rows = [];
-  for (const t of types) {
+  for (const key of types) {
+    // key: MODEL.tTHREADS (bench/run.sh)
+    const t = key.replace(/\.t\d+$/, ""), th = Number(key.match(/\.t(\d+)$/)?.[1] ?? threads);
+    const bw = bws[String(th)];
     const bytes = rd(`${t}.bytes.json`);
     const rdl = (f) => fs.readFileSync(path.join(outDir, f), "utf8").split("\n").filter((l) => l.trim()).map((l) => JSON.parse(l));
     // one JSON object per round; best and mean over rounds
@@ -173,12 +178,20 @@ export function report(outDir, threads, types) {
       decode_tok_s_mean: runs.reduce((a, r) => a + r.decode_tok_s, 0) / runs.length,
       rounds: runs.map((r) => ({ prefill_tok_s: r.prefill_tok_s, decode_tok_s: r.decode_tok_s })),
     });
-    const kvRuns = rdl(`${t}.kvasir.jsonl`), llRuns = rdl(`${t}.llama.jsonl`);
+    const kvRuns = rdl(`${key}.kvasir.jsonl`), llRuns = rdl(`${key}.llama.jsonl`);
+    const ex = (f) => fs.existsSync(path.join(outDir, f));
+    let ttft = null;
+    if (ex(`${key}.ttft.kvasir.json`) && ex(`${key}.ttft.llama.json`)) {
+      const a = rd(`${key}.ttft.kvasir.json`), b = rd(`${key}.ttft.llama.json`);
+      // prompt evaluated and the first token picked (no tokenization: both get ids)
+      ttft = { n_prompt: b.n_prompt, kvasir_s: b.n_prompt / a.prefill_tok_s, llama_s: b.n_prompt / b.prefill_tok_s };
+      ttft.ratio = ttft.llama_s / ttft.kvasir_s;
+    }
     const kvasir = { ...summarize(kvRuns), backend: kvRuns[0]?.backend, bytes_per_token_reported: kvRuns[0]?.bytes_per_token };
     const llama = { ...summarize(llRuns), settings: llRuns[0]?.settings };
     const boundTokS = (bw.read_gb_s * 1e9) / bytes.bytes_per_token;
     rows.push({
-      type: t, arch: bytes.arch, quant: t.replace(/^.*-/, ""), model: bytes, kvasir, llama,
+      type: t, threads: th, ttft, read_gb_s: bw.read_gb_s, arch: bytes.arch, quant: t.replace(/^.*-/, ""), model: bytes, kvasir, llama,
       prefill_ratio: kvasir.prefill_tok_s / llama.prefill_tok_s,
       decode_ratio: kvasir.decode_tok_s / llama.decode_tok_s,
       decode_bound_tok_s: boundTokS,
@@ -187,25 +200,28 @@ export function report(outDir, threads, types) {
     });
   }
   const res = {
-    date: new Date().toISOString(), cpu, nproc: os.cpus().length, loadavg: os.loadavg(), threads: Number(threads),
-    n_prompt: 128, n_gen: 64, bandwidth: bw, bandwidth_1thread: bw1, models: rows,
+    date: new Date().toISOString(), cpu, nproc: os.cpus().length, loadavg: os.loadavg(), threads: String(threads),
+    isa: process.env.KV_BENCH_ISA || "native",
+    n_prompt: 128, n_gen: 64, bandwidth: bws, bandwidth_1thread: bw1, models: rows,
   };
   const resultsFile = path.join(outDir, process.env.KV_BENCH_RESULTS || "results.json");
   fs.writeFileSync(resultsFile, JSON.stringify(res, null, 1));
   const f1 = (x) => x.toFixed(1), f2 = (x) => x.toFixed(2);
-  const head = ["model", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "mean ratio p/d"];
+  const head = ["model", "threads", "backend", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "mean ratio p/d", "TTFT kvasir s", "TTFT llama s", "TTFT ratio"];
   const lines = rows.map((r) => [
-    r.type, String(r.model.n_layer), f2(r.model.file_bytes / 1e9), f1(r.model.bytes_per_token / 1e6),
+    r.type, String(r.threads), String(r.kvasir.backend), String(r.model.n_layer), f2(r.model.file_bytes / 1e9), f1(r.model.bytes_per_token / 1e6),
     f1(r.kvasir.prefill_tok_s), f1(r.llama.prefill_tok_s), f2(r.prefill_ratio),
     f1(r.kvasir.decode_tok_s), f1(r.llama.decode_tok_s), f2(r.decode_ratio),
     f1(r.decode_bound_tok_s), (100 * r.kvasir_decode_of_bound).toFixed(0) + "%", (100 * r.llama_decode_of_bound).toFixed(0) + "%",
     `${f2(r.kvasir.prefill_tok_s_mean / r.llama.prefill_tok_s_mean)}/${f2(r.kvasir.decode_tok_s_mean / r.llama.decode_tok_s_mean)}`,
+    r.ttft ? f2(r.ttft.kvasir_s) : "-", r.ttft ? f2(r.ttft.llama_s) : "-", r.ttft ? f2(r.ttft.ratio) : "-",
   ]);
   const w = head.map((h, i) => Math.max(h.length, ...lines.map((x) => x[i].length)));
   const line = (x) => x.map((c, i) => c.padStart(w[i])).join("  ");
-  console.log(`\n${cpu}, ${res.nproc} cpus, load ${res.loadavg.map((x) => x.toFixed(2)).join(" ")}; ${threads} threads; read bandwidth ${bw.read_gb_s} GB/s (${bw.threads} threads), ${bw1.read_gb_s} GB/s (1 thread)`);
+  const bwTxt = Object.values(bws).map((b) => `${b.read_gb_s} GB/s (${b.threads} threads)`).join(", ");
+  console.log(`\n${cpu}, ${res.nproc} cpus, load ${res.loadavg.map((x) => x.toFixed(2)).join(" ")}; threads ${threads}; llama.cpp ISA ${res.isa}; read bandwidth ${bwTxt}`);
   console.log(`tokens/s (best of ${rows[0]?.kvasir.rounds.length ?? "?"} alternating rounds), prefill ${res.n_prompt} tokens, decode ${res.n_gen}; ratio = kvasir / llama.cpp (best; last column: of the means);`);
-  console.log("decode bound = read bandwidth / bytes of weights per token");
+  console.log("decode bound = read bandwidth / bytes of weights per token; TTFT: a " + (rows.find((r) => r.ttft)?.ttft.n_prompt ?? "-") + "-token prompt evaluated and the first token picked, one round; TTFT ratio = llama.cpp / kvasir");
   console.log(line(head));
   for (const x of lines) console.log(line(x));
   console.log(`bench: wrote ${resultsFile}`);

@@ -22,11 +22,21 @@
 # in sections 11,11,10,0, vocab 248320), 4 layers = 3 linear-attention + 1
 # full-attention block, no MTP block; keys qwen35-q4_k, qwen35-q8_0.
 #
-# Env: KV_BENCH_THREADS (default: nproc), KV_BENCH_REPS (5),
+# Every thread count of KV_BENCH_THREADS ("1 2" by default, or nproc if
+# that is 1) runs in the same invocation, and one table lists them all:
+# model, threads, prefill and decode ratio against llama.cpp, decode bound,
+# and the time to first token of a KV_BENCH_TTFT-token prompt (2048; one
+# alternating round per model and thread count; 0 skips it).
+# KV_BENCH_ISA=avx2 benchmarks the AVX2 paths on a CPU that has more:
+# Kvasir with KV_QUANT_BACKEND=avx2, llama.cpp with its variants above
+# "haswell" hidden (bench/llama_isa.sh; needs root for a mount namespace).
+# q4_k_m: Q4_K with ffn_down*, attn_v and output in Q6_K (llama.cpp's mix).
+#
+# Env: KV_BENCH_THREADS ("1 2"), KV_BENCH_REPS (5), KV_BENCH_TTFT (2048), KV_BENCH_ISA (native),
 #      KV_BENCH_ARCHS ("qwen3moe qwen35moe"),
 #      KV_BENCH_LAYERS_Q8_0 (2), KV_BENCH_LAYERS_Q4_K (4),
 #      KV_BENCH_Q35_LAYERS_Q8_0 (4), KV_BENCH_Q35_LAYERS_Q4_K (4),
-#      KV_BENCH_TYPES ("q8_0 q4_k"; both families), KV_BENCH_REGEN=1 rewrites the models,
+#      KV_BENCH_TYPES ("q8_0 q4_k q4_k_m"; both families), KV_BENCH_REGEN=1 rewrites the models,
 #      KV_BENCH_SHAPE="--preset small" other gen-model shape flags (smoke test),
 #      KV_BENCH_Q35_SHAPE="..." the same for qwen35moe,
 #      KV_BENCH_RESULTS (results.json) the summary's file name in bench/out.
@@ -35,9 +45,13 @@ SRC=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${1:-$SRC/build/kvasir}
 BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
 OUT=$SRC/bench/out
-THREADS=${KV_BENCH_THREADS:-$(nproc 2>/dev/null || echo 2)}
+NPROC=$(nproc 2>/dev/null || echo 2)
+THREADS=${KV_BENCH_THREADS:-$([ "$NPROC" -ge 2 ] && echo "1 2" || echo 1)}
+TTFT=${KV_BENCH_TTFT:-2048}
+ISA=${KV_BENCH_ISA:-native}
+case $ISA in native) KVENV=() ;; avx2) KVENV=(KV_QUANT_BACKEND=avx2) ;; *) echo "bench: KV_BENCH_ISA: native or avx2" >&2; exit 1 ;; esac
 REPS=${KV_BENCH_REPS:-5}
-TYPES=${KV_BENCH_TYPES:-q8_0 q4_k}
+TYPES=${KV_BENCH_TYPES:-q8_0 q4_k q4_k_m}
 P=128
 N=64
 mkdir -p "$OUT"
@@ -91,10 +105,11 @@ int main(int argc, char **argv) {
 }
 EOF
 cc -O3 -march=native -pthread -o "$OUT/membw" "$OUT/membw.c"
-echo "bench: memory bandwidth ($THREADS threads)..."
-"$OUT/membw" "$THREADS" > "$OUT/membw.json"
-"$OUT/membw" 1 > "$OUT/membw1.json"
-cat "$OUT/membw.json"
+for th in $THREADS; do
+  echo "bench: memory bandwidth ($th threads)..."
+  "$OUT/membw" "$th" > "$OUT/membw-t$th.json"
+  cat "$OUT/membw-t$th.json"
+done
 
 # --- models -----------------------------------------------------------------
 ARCHS=${KV_BENCH_ARCHS:-qwen3moe qwen35moe}
@@ -107,10 +122,10 @@ gen_models() {
   for t in $TYPES; do
     case $t in
       q8_0) v=${lv}Q8_0; L=${!v:-} ;;
-      q4_k) v=${lv}Q4_K; L=${!v:-} ;;
+      q4_k|q4_k_m) v=${lv}Q4_K; L=${!v:-} ;;
       *) L=${KV_BENCH_LAYERS:-} ;;
     esac
-    [ -n "$L" ] || case $arch:$t in qwen3moe:q4_k|qwen35moe:*) L=4 ;; *) L=2 ;; esac
+    [ -n "$L" ] || case $arch:$t in qwen3moe:q4_k*|qwen35moe:*) L=4 ;; *) L=2 ;; esac
     f="$OUT/$name-$t-L$L.gguf"
     if [ ! -f "$f" ] || [ -n "${KV_BENCH_REGEN:-}" ]; then
       echo "bench: kvasir gen-model --arch $arch $* --layers $L --type $t -> $f"
@@ -144,22 +159,34 @@ for arch in $ARCHS; do
 done
 
 # --- runs -------------------------------------------------------------------
+LL=("$SRC/bench/llama_isa.sh" "$ISA" node "$SRC/bench/llama_bench.mjs")
+keys=()
 for m in "${models[@]}"; do
   t=${m%%:*}; f=${m#*:}
   echo "bench: $t: weights per token"
   node "$SRC/bench/llama_bench.mjs" bytes "$f" > "$OUT/$t.bytes.json"
-  # Rounds alternate the two engines so that both see the same machine
-  # load (the shared build machine is noisy); each round is one process
-  # with its own untimed warm-up.
-  : > "$OUT/$t.kvasir.jsonl"
-  : > "$OUT/$t.llama.jsonl"
-  for r in $(seq "$REPS"); do
-    echo "bench: $t: round $r/$REPS: kvasir bench -p $P -n $N --threads $THREADS; llama.cpp the same"
-    "$BIN" bench -m "$f" -p "$P" -n "$N" --threads "$THREADS" --reps 1 --json >> "$OUT/$t.kvasir.jsonl"
-    echo >> "$OUT/$t.kvasir.jsonl"
-    node "$SRC/bench/llama_bench.mjs" speed "$f" --threads "$THREADS" -p "$P" -n "$N" --reps 1 >> "$OUT/$t.llama.jsonl"
+  for th in $THREADS; do
+    k=$t.t$th; keys+=("$k")
+    # Rounds alternate the two engines so that both see the same machine
+    # load (the shared build machine is noisy); each round is one process
+    # with its own untimed warm-up.
+    : > "$OUT/$k.kvasir.jsonl"
+    : > "$OUT/$k.llama.jsonl"
+    for r in $(seq "$REPS"); do
+      echo "bench: $k: round $r/$REPS: kvasir bench -p $P -n $N --threads $th; llama.cpp the same ($ISA)"
+      env "${KVENV[@]}" "$BIN" bench -m "$f" -p "$P" -n "$N" --threads "$th" --reps 1 --json >> "$OUT/$k.kvasir.jsonl"
+      echo >> "$OUT/$k.kvasir.jsonl"
+      "${LL[@]}" speed "$f" --threads "$th" -p "$P" -n "$N" --reps 1 >> "$OUT/$k.llama.jsonl"
+    done
+    rm -f "$OUT/$k.ttft.kvasir.json" "$OUT/$k.ttft.llama.json"
+    if [ "$TTFT" -gt 0 ]; then
+      # time to first token: a TTFT-token prompt evaluated and the next token
+      # picked, one alternating round
+      echo "bench: $k: time to first token, $TTFT-token prompt"
+      env "${KVENV[@]}" "$BIN" bench -m "$f" -p "$TTFT" -n 1 --threads "$th" --reps 1 --json > "$OUT/$k.ttft.kvasir.json"
+      "${LL[@]}" speed "$f" --threads "$th" -p "$TTFT" -n 1 --reps 1 > "$OUT/$k.ttft.llama.json"
+    fi
   done
 done
 
-keys=(); for m in "${models[@]}"; do keys+=("${m%%:*}"); done
-KV_BENCH_RESULTS=${KV_BENCH_RESULTS:-results.json} node "$SRC/bench/llama_bench.mjs" report "$OUT" "$THREADS" "${keys[@]}"
+KV_BENCH_ISA=$ISA KV_BENCH_RESULTS=${KV_BENCH_RESULTS:-results.json} node "$SRC/bench/llama_bench.mjs" report "$OUT" "$THREADS" "${keys[@]}"

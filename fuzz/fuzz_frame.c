@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/ledger.h"
 
 #define CHECK(x)                    \
     do {                            \
@@ -60,7 +61,7 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         CHECK(c->n_tokens >= 1 && c->n_tokens <= KV_PROTO_MAX_TOKENS);
         CHECK(c->n_pairs >= 1 && c->n_pairs <= KV_PROTO_MAX_PAIRS);
         CHECK(kv_msg_compute_size(c->enc, c->n_tokens, c->n_embd, c->n_pairs) == n);
-        CHECK(kv_msg_result_size(c->out_enc, c->n_pairs, c->n_embd) > 0);
+        CHECK(kv_msg_result_size(c->out_enc & ~KV_OUT_PREACT, c->n_pairs, c->n_embd) > 0);
         kv_proto_pair *p = malloc(sizeof *p * c->n_pairs);
         float *x = malloc(sizeof(float) * c->n_tokens * c->n_embd);
         CHECK(p && x);
@@ -109,6 +110,22 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         CHECK(m->h.version >= 1 && m->h.version <= KV_PROTO_VERSION);
         rc = kv_msg_stats_ack_encode_v(out, sizeof out, m->h.request_id, m->h.version, &m->u.stats, &k, &d);
         break;
+    case KV_MSG_RESULT_PRE: {
+        const kv_msg_result *r = &m->u.result;
+        const size_t nf = (size_t)r->n_pairs * ((size_t)r->n_embd + 2 * (size_t)r->n_ff);
+        CHECK(r->n_ff > 0 && r->enc == KV_ENC_F32 && 16 + 16 + nf * 4 == n);
+        float *rows = malloc(sizeof(float) * nf), g[4], u[4];
+        CHECK(rows);
+        for (uint32_t p = 0; p < r->n_pairs; p++) {
+            kv_msg_result_row(r, p, rows + p * (r->n_embd + 2 * (size_t)r->n_ff));
+            if (r->n_ff <= 4) kv_msg_result_pre_row(r, p, g, u);
+        }
+        /* y rows only were read back; re-encode from the raw wire rows */
+        memcpy(rows, f + 32, nf * 4);
+        rc = kv_msg_result_pre_encode(out, sizeof out, m->h.request_id, r->n_pairs, r->n_embd, r->n_ff, rows, &k, &d);
+        free(rows);
+        break;
+    }
     case KV_MSG_AUTH_CHALLENGE:
         CHECK(m->h.version >= KV_PROTO_AUTH_VERSION);
         rc = kv_msg_auth_challenge_encode(out, sizeof out, m->h.request_id, &m->u.challenge, &k, &d);
@@ -121,6 +138,16 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         CHECK(m->h.version >= KV_PROTO_AUTH_VERSION);
         rc = kv_msg_auth_ok_encode(out, sizeof out, m->h.request_id, m->u.auth_ok, &k, &d);
         break;
+    case KV_MSG_RECEIPT_REQ:
+        rc = kv_msg_receipt_req_encode(out, sizeof out, m->h.request_id, &m->u.receipt_req, &k, &d);
+        break;
+    case KV_MSG_RECEIPT: {
+        uint32_t st;
+        kv_receipt r;
+        CHECK(kv_receipt_ans_from_payload(&st, &r, m->u.receipt, KV_PROTO_RECEIPT_SIZE, NULL) == 0);
+        rc = kv_msg_receipt_encode(out, sizeof out, m->h.request_id, st, &r, &k, &d);
+        break;
+    }
     default: CHECK(0);
     }
     if (rc == 1) return;
@@ -144,7 +171,7 @@ static void one(const uint8_t *f, size_t n) {
         reencode(f, n, &m);
     }
     /* with a small model's limits: never accepts more than without */
-    const kv_proto_limits lim = {4, 16, 8};
+    const kv_proto_limits lim = {4, 16, 8, 0};
     int rc2 = kv_msg_decode(f, n, &lim, &m, &d);
     if (rc) CHECK(rc2 != 0);
     if (!rc2 && m.h.type == KV_MSG_COMPUTE) {

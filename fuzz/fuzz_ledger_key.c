@@ -1,7 +1,8 @@
 /* libFuzzer target for the wallet key file parser (kv_wallet_parse), over an
  * exact-size copy. A parsed key must re-encode (kv_wallet_save's format) to
  * the input, with or without its trailing newline, and its public key must
- * be the one its seed derives; failures give a negative code and one line. */
+ * be the one its seed derives; failures give a negative code and one line.
+ * The same for the node key format (kv_wallet_parse_node_key). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +32,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (c >= 'A' && c <= 'F') c = (char)(c - 'A' + 'a');
             CHECK(c == line[i]);
         }
+    } else {
+        CHECK(rc < 0 && d.msg[0] && !strchr(d.msg, '\n'));
+    }
+    memset(&d, 0, sizeof d);
+    rc = kv_wallet_parse_node_key(&w, b, size, &d);
+    if (rc == 0) {
+        char hex[65];
+        kv_hex32(w.sk, hex);
+        CHECK(size == 65 && !memcmp(b, hex, 64) && b[64] == '\n' && !memcmp(w.sk + 32, w.pk, 32));
     } else {
         CHECK(rc < 0 && d.msg[0] && !strchr(d.msg, '\n'));
     }

@@ -1,6 +1,6 @@
 /* libFuzzer target for the parsers of authenticated dispatch that read a
  * hub's answers (untrusted): GET /v1/status's hub_key, a POST /v1/voucher
- * answer, and the worker keys of GET /v1/placement. Whatever parses must be
+ * answer, the worker keys of GET /v1/placement, and a POST /v1/report body. Whatever parses must be
  * well formed (a positive expiry; keys only for listed addresses); a
  * failure must leave a message and, for the voucher, a zeroed result. */
 #include <stdint.h>
@@ -39,6 +39,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     d = (kv_diag){0};
     rc = kv_node_parse_placement_keys(buf, size, workers, 2, keys, &d);
     CHECK(rc == 0 || (rc < 0 && d.msg[0]));
+    /* a report body (the hub's side): the reason printable and bounded */
+    char reason[KV_HUB_MAX_REASON + 1];
+    d = (kv_diag){0};
+    rc = kv_hub_parse_report(buf, size, hk, reason, sizeof reason, &d);
+    if (!rc) {
+        CHECK(strlen(reason) <= KV_HUB_MAX_REASON);
+        for (size_t i = 0; reason[i]; i++) CHECK(reason[i] >= 0x20 && reason[i] < 0x7f && reason[i] != '"');
+    } else {
+        CHECK(rc < 0 && d.msg[0] && reason[0] == 0);
+    }
     free(buf);
     return 0;
 }

@@ -10,6 +10,7 @@
 #   kv_pg_start            # sets KV_PG_DIR and KV_PG (a libpq conninfo to
 #                          # database "postgres" as superuser "kvasir")
 #   kv_pg_createdb NAME    # prints the store URI "pg:<conninfo> dbname=NAME"
+#   kv_pg_pause, kv_pg_resume  # an outage: stop the server, start it again
 #   kv_pg_stop             # stops the server and removes the folder
 #
 # Every failure says what is missing and returns non-zero: a PostgreSQL test
@@ -49,14 +50,27 @@ kv_pg_start() {
     echo "pg_env: initdb failed: $(tail -3 "$KV_PG_DIR/initdb.log")" >&2
     return 1
   fi
+  KV_PG="host=$KV_PG_DIR user=kvasir dbname=postgres"
+  export KV_PG_DIR KV_PG
+  kv_pg_resume
+}
+
+# kv_pg_pause / kv_pg_resume: stop the server (immediate: clients lose their
+# connections) and start it again on the same data, for outage tests
+kv_pg_resume() {
+  local bin
+  bin=$(kv_pg_bin) || return 1
   if ! kv_pg_as "$bin/pg_ctl" -D "$KV_PG_DIR/data" -w -t 60 -l "$KV_PG_DIR/server.log" \
       -o "-c listen_addresses='' -c unix_socket_directories='$KV_PG_DIR' -c fsync=off -c full_page_writes=off -c max_connections=200 -c shared_buffers=32MB" \
       start >/dev/null 2>&1; then
     echo "pg_env: the server did not start: $(tail -3 "$KV_PG_DIR/server.log" 2>/dev/null)" >&2
     return 1
   fi
-  KV_PG="host=$KV_PG_DIR user=kvasir dbname=postgres"
-  export KV_PG_DIR KV_PG
+}
+kv_pg_pause() {
+  local bin
+  bin=$(kv_pg_bin) || return 1
+  kv_pg_as "$bin/pg_ctl" -D "$KV_PG_DIR/data" -m immediate -w stop >/dev/null 2>&1
 }
 
 kv_pg_createdb() {

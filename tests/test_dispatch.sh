@@ -25,9 +25,9 @@ KEY="$dir/coord.key"
 PK=$("$KV" key --key "$KEY")
 OTHER=$("$KV" key --key "$dir/other.key")
 
-# start_worker NAME SLABS: starts a worker on a free port; sets $addr and $pid.
+# start_worker NAME SLABS [FLAG]: starts a worker on a free port; sets $addr and $pid.
 start_worker() {
-  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$OTHER" --allow-key "$PK" \
+  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$OTHER" --allow-key "$PK" ${3:-} \
     >"$dir/$1.out" 2>"$dir/$1.err" &
   pid=$!
   pids+=("$pid")
@@ -160,6 +160,21 @@ print("ok: wire %s: prefill logits vs f32: max |error| %.3g, mean %.3g, max |log
 if not (0 < err <= 0.05 * scale): sys.exit("FAIL: wire %s error out of bounds" % sys.argv[3])
 EOF
 done
+# ---- verified compute: a worker that lies is caught, the output stays exact ----
+# the coordinator holds the slabs (the projections' source); the liar serves
+# groups 0 and 1 and answers with another expert's output
+start_worker "liar" "$(group "$m/sl" 3 0),$(group "$m/sl" 3 1)" --test-lie=swap
+"$KV" run -m "$m/sl/manifest.json" --worker "$addr" --worker "${WA[f32.0]}" --worker "${WA[f32.1]}" \
+  --worker "${WA[f32.2]}" "${RUN[@]}" --verify --verify-recompute 0.2 --logits-out "$m/verified.bin" \
+  >"$m/verified.json" 2>"$m/verified.err"
+cmp -s "$m/local.bin" "$m/verified.bin" || fail "verified run with a liar: logits differ"
+[ "$(jq .dispatch.caught "$m/verified.json")" = 1 ] || fail "the liar was not caught: $(cat "$m/verified.err")"
+[ "$(jq .dispatch.workers[0].caught "$m/verified.json")" = true ] || fail "the wrong worker was caught"
+[ "$(jq .dispatch.unverified "$m/verified.json")" = 0 ] || fail "unverified answers"
+grep -q "caught lying" "$m/verified.err" || fail "no line about the caught worker"
+echo "ok: --verify: a lying worker caught ($(jq .dispatch.verified "$m/verified.json") answers verified," \
+  "$(jq .dispatch.recomputed "$m/verified.json") recomputed in full), logits identical to the local run"
+
 # ---- qwen35moe: linear attention and shared experts in the backbone ------------
 # 4 trunk blocks (3 delta-net, 1 full attention) + 1 MTP block. The workers
 # hold the trunk's experts a third each; worker 0 also serves the MTP block's

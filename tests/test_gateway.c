@@ -1038,7 +1038,7 @@ static void test_worker_batched(void) {
            serves: every one of the manifest's) */
         kv_engine *e0 = NULL;
         kv_engine_opts eo0 = {.n_threads = 1, .max_sessions = 2, .max_workers = 4, .allow_uncovered = true,
-                              .worker_timeout_ms = 5000};
+                              .worker_timeout_ms = 5000, .key_sk = kvt_coord_sk()};
         ASSERT_EQ(kv_engine_open(&e0, manifest, &eo0, &d), 0);
         kv_remote *rm = e0 ? kv_engine_remote(e0) : NULL;
         ASSERT_TRUE(rm != NULL);
@@ -1065,9 +1065,9 @@ static void test_worker_batched(void) {
             json_decref(hj);
             free(h0.body);
             kv_gateway_free(g0); /* the engine is ours again */
-            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 1);
-            ASSERT_EQ(kv_remote_add_worker(rm, addr, &d), 0); /* known */
-            ASSERT_TRUE(kv_remote_add_worker(rm, "no-such-host.invalid:1", &d) < 0);
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, NULL, &d), 1);
+            ASSERT_EQ(kv_remote_add_worker(rm, addr, NULL, &d), 0); /* known */
+            ASSERT_TRUE(kv_remote_add_worker(rm, "no-such-host.invalid:1", NULL, &d) < 0);
             for (int k = 0; k < 500; k++) {
                 kv_remote_tend(rm, 10);
                 kv_remote_get_coverage(rm, &cv, miss, 64);

@@ -50,7 +50,7 @@ n_slabs=$(jq '.slabs | length' "$dir/sl/manifest.json")
 all=$(du -b "$dir/sl/experts" | cut -f1)
 budget=$((all * 2)) # every slab
 
-"$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms 1500 \
+"$KV" hub --vouch-open --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms 1500 \
   --wanted 1 --quiet >"$dir/hub.out" 2>"$dir/hub.err" &
 pids+=($!)
 wait_until 30 listening "$dir/hub.out" || fail "hub did not start"

@@ -176,11 +176,12 @@ static void check_model(const char *path, const kv_gen_config *c, int expect_out
     uint64_t E = c->n_embd, V = c->n_vocab, Q = (uint64_t)c->n_head * c->head_dim,
              KVd = (uint64_t)c->n_head_kv * c->head_dim, F = c->n_ff_exp, X = c->n_expert;
     uint32_t T = c->type, F32 = KV_TYPE_F32;
+    const uint32_t T6 = c->q6_mix ? KV_TYPE_Q6_K : T; /* the q4_k_m mix's Q6_K matrices */
     ASSERT_EQ(kv_gguf_n_tensors(g), 2 + 12 * (size_t)c->n_layer + (expect_output ? 1 : 0));
     check_tensor(g, "token_embd.weight", 2, E, V, 1, kv_gen_matrix_type(T, E));
     check_tensor(g, "output_norm.weight", 1, E, 1, 1, F32);
     if (expect_output)
-        check_tensor(g, "output.weight", 2, E, V, 1, kv_gen_matrix_type(T, E));
+        check_tensor(g, "output.weight", 2, E, V, 1, kv_gen_matrix_type(T6, E));
     else
         ASSERT_TRUE(kv_gguf_find_tensor(g, "output.weight") == NULL);
     for (uint32_t i = 0; i < c->n_layer; i++) {
@@ -189,7 +190,7 @@ static void check_model(const char *path, const kv_gen_config *c, int expect_out
         check_tensor(g, N("attn_norm.weight"), 1, E, 1, 1, F32);
         check_tensor(g, N("attn_q.weight"), 2, E, Q, 1, kv_gen_matrix_type(T, E));
         check_tensor(g, N("attn_k.weight"), 2, E, KVd, 1, kv_gen_matrix_type(T, E));
-        check_tensor(g, N("attn_v.weight"), 2, E, KVd, 1, kv_gen_matrix_type(T, E));
+        check_tensor(g, N("attn_v.weight"), 2, E, KVd, 1, kv_gen_matrix_type(T6, E));
         check_tensor(g, N("attn_output.weight"), 2, Q, E, 1, kv_gen_matrix_type(T, Q));
         check_tensor(g, N("attn_q_norm.weight"), 1, c->head_dim, 1, 1, F32);
         check_tensor(g, N("attn_k_norm.weight"), 1, c->head_dim, 1, 1, F32);
@@ -197,7 +198,7 @@ static void check_model(const char *path, const kv_gen_config *c, int expect_out
         check_tensor(g, N("ffn_gate_inp.weight"), 2, E, X, 1, F32);
         check_tensor(g, N("ffn_gate_exps.weight"), 3, E, F, X, kv_gen_matrix_type(T, E));
         check_tensor(g, N("ffn_up_exps.weight"), 3, E, F, X, kv_gen_matrix_type(T, E));
-        check_tensor(g, N("ffn_down_exps.weight"), 3, F, E, X, kv_gen_matrix_type(T, F));
+        check_tensor(g, N("ffn_down_exps.weight"), 3, F, E, X, kv_gen_matrix_type(T6, F));
 #undef N
     }
     kv_gguf_close(g);
@@ -438,7 +439,7 @@ static void test_validate(void) {
     ASSERT_EQ(kv_gen_preset_get("nope", &bench, &d), KV_ENOTFOUND);
 }
 
-static char pa[400], pb[400], pc[400], pt[400], pq[400], pf[400];
+static char pa[400], pb[400], pc[400], pt[400], pq[400], pf[400], pm[400];
 
 /* a tiny untied f32 model, twice with one seed and once with another */
 static void test_seeds(void) {
@@ -505,6 +506,41 @@ static void test_quantized(void) {
     compare_dequant(pq, pf, "blk.0.ffn_gate_inp.weight", 1e-12); /* f32, identical */
 }
 
+/* --type q4_k_m: llama.cpp's Q4_K_M mix, ffn_down*, attn_v and output in
+ * Q6_K, the other matrices Q4_K; file type 15 (MOSTLY_Q4_K_M) */
+static void test_q4_k_m(void) {
+    kv_diag d = {0};
+    kv_gen_config cm = small_cfg();
+    cm.type = KV_TYPE_Q4_K;
+    cm.q6_mix = true;
+    int rc = kv_gen_model(&cm, pm, &d);
+    if (rc) KVT_FAIL("gen q4_k_m: %s", d.msg);
+    check_model(pm, &cm, 1);
+    kv_gguf *g = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, pm, &d), 0);
+    if (!g) return;
+    check_u32(g, "general.file_type", 15);
+    static const struct { const char *name; uint32_t type; } want[] = {
+        {"blk.0.ffn_down_exps.weight", KV_TYPE_Q6_K}, {"blk.1.ffn_down_exps.weight", KV_TYPE_Q6_K},
+        {"blk.0.attn_v.weight", KV_TYPE_Q6_K},       {"output.weight", KV_TYPE_Q6_K},
+        {"blk.0.ffn_up_exps.weight", KV_TYPE_Q4_K},  {"blk.0.ffn_gate_exps.weight", KV_TYPE_Q4_K},
+        {"blk.0.attn_q.weight", KV_TYPE_Q4_K},       {"blk.0.attn_k.weight", KV_TYPE_Q4_K},
+        {"token_embd.weight", KV_TYPE_Q4_K},         {"blk.0.ffn_gate_inp.weight", KV_TYPE_F32},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const kv_gguf_tensor *t = kv_gguf_find_tensor(g, want[i].name);
+        ASSERT_TRUE(t != NULL);
+        if (t && t->type != want[i].type) KVT_FAIL("%s: type %u, want %u", want[i].name, t->type, want[i].type);
+    }
+    kv_gguf_close(g);
+    kv_gen_config cf = cm;
+    cf.type = KV_TYPE_F32;
+    cf.q6_mix = false;
+    ASSERT_EQ(kv_gen_model(&cf, pf, &d), 0);
+    compare_dequant(pm, pf, "blk.0.ffn_down_exps.weight", 0.03); /* q6_K */
+    compare_dequant(pm, pf, "blk.0.ffn_up_exps.weight", 0.12);   /* q4_K */
+}
+
 /* a vocabulary larger than the corpus teaches: padding (UNUSED) tokens
  * get all-zero rows in token_embd and output, real tokens do not */
 static void test_padding_rows(void) {
@@ -550,7 +586,7 @@ static void test_unwritable(void) {
 }
 
 static const kvt_case cases[] = {
-    KVT_CASE(test_validate), KVT_CASE(test_seeds),      KVT_CASE(test_tied),       KVT_CASE(test_quantized),
+    KVT_CASE(test_validate), KVT_CASE(test_seeds),      KVT_CASE(test_tied),       KVT_CASE(test_quantized), KVT_CASE(test_q4_k_m),
     KVT_CASE(test_padding_rows), KVT_CASE(test_unwritable), KVT_CASE(test_cli),
 };
 
@@ -564,6 +600,7 @@ static int setup(void) {
     snprintf(pt, sizeof pt, "%s/t.gguf", tmpdir);
     snprintf(pq, sizeof pq, "%s/q.gguf", tmpdir);
     snprintf(pf, sizeof pf, "%s/f.gguf", tmpdir);
+    snprintf(pm, sizeof pm, "%s/m.gguf", tmpdir);
     return 0;
 }
 

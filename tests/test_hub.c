@@ -26,6 +26,7 @@
 
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
+#include "kvasir/ledger.h"
 #include "kvasir/node.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
@@ -1262,6 +1263,95 @@ static void test_market_cli_errors(void) {
     ASSERT_EQ(run_cmd(cmd), 2);
 }
 
+/* ---- two hubs on one PostgreSQL store -------------------------------------------- */
+/* A node registered at one hub is placed by the other; a nonce handed out
+ * by one is good once at either; a signed request accepted by one is a
+ * replay at the other; both publish the same market. */
+static void test_two_hubs_one_store(void) {
+    char db[512];
+    db_path(db, sizeof db, "shared");
+    hub_proc a, b;
+    if (hub_start(&a, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    if (hub_start(&b, db, "--refresh-ms 100")) {
+        ASSERT_TRUE(0);
+        hub_stop(&a);
+        return;
+    }
+    resp st = get(&b, "/v1/status"), sa = get(&a, "/v1/status");
+    ASSERT_TRUE(strstr(st.body, "\"store\":\"postgresql\"") != NULL);
+    /* one hub key for the swarm: vouchers from either hub check alike */
+    json_t *ja = json_loads(sa.body, 0, NULL), *jb = json_loads(st.body, 0, NULL);
+    const char *ka = json_string_value(json_object_get(ja, "hub_key")), *kb = json_string_value(json_object_get(jb, "hub_key"));
+    ASSERT_TRUE(ka && kb && !strcmp(ka, kb));
+    json_decref(ja);
+    json_decref(jb);
+    resp_free(&st);
+    resp_free(&sa);
+    kv_node_key k, k2;
+    test_key(&k, 700);
+    test_key(&k2, 701);
+    const int s0[] = {0, 2};
+    /* a nonce from A, the registration at B */
+    char *nonce = fresh_nonce(&a);
+    ASSERT_TRUE(nonce != NULL);
+    char *body = announce_json(nonce, "127.0.0.1:9700", s0, 2, -1);
+    uint64_t c1 = kv_node_next_counter(&k);
+    resp r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* the same request replayed at A, and at B */
+    r = post_signed(&a, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(is_json_error(&r));
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/register", body, c1);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    /* the used nonce under a fresh counter, by another key, at A: refused */
+    free(body);
+    body = announce_json(nonce, "127.0.0.1:9701", s0, 2, -1);
+    r = post_signed(&a, &k2, "/v1/register", body, kv_node_next_counter(&k2));
+    ASSERT_EQ(r.status, 409);
+    ASSERT_TRUE(r.body && strstr(r.body, "nonce") != NULL);
+    resp_free(&r);
+    free(body);
+    free(nonce);
+    /* a heartbeat at A (which never saw the registration) is accepted;
+     * the same bytes at B are a replay */
+    uint64_t c2 = kv_node_next_counter(&k);
+    r = post_signed(&a, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", c2);
+    ASSERT_EQ(r.status, 409);
+    resp_free(&r);
+    r = post_signed(&b, &k, "/v1/heartbeat", "{}", kv_node_next_counter(&k));
+    ASSERT_EQ(r.status, 200);
+    resp_free(&r);
+    /* a second node at A; both hubs then publish one market and place both */
+    const int s1[] = {1};
+    ASSERT_EQ(do_register(&a, &k2, "127.0.0.1:9702", s1, 1, NULL), 200);
+    usleep(250000); /* past both views' refresh_ms */
+    int live[64] = {1, 1, 1};
+    check_market(&a, live, 2, 1000000);
+    check_market(&b, live, 2, 1000000);
+    resp ma = get(&a, "/v1/market"), mb = get(&b, "/v1/market");
+    ASSERT_STREQ(ma.body, mb.body);
+    resp_free(&ma);
+    resp_free(&mb);
+    char ad[256];
+    placement_addrs(&b, 1, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9702");
+    placement_addrs(&a, 2, ad, sizeof ad);
+    ASSERT_STREQ(ad, "127.0.0.1:9700");
+    ASSERT_EQ(hub_stop(&a), 0);
+    ASSERT_EQ(hub_stop(&b), 0);
+}
+
+static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_one_store)};
 /* The hub's key from GET /v1/status (parsed with the node's parser). */
 static int status_key(const hub_proc *p, uint8_t out[32]) {
     resp r = get(p, "/v1/status");
@@ -1342,88 +1432,143 @@ static void test_voucher(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
-/* ---- two hubs on one PostgreSQL store -------------------------------------------- */
-/* A node registered at one hub is placed by the other; a nonce handed out
- * by one is good once at either; a signed request accepted by one is a
- * replay at the other; both publish the same market. */
-static void test_two_hubs_one_store(void) {
+
+/* Reports: a node registered, then reported by a vouched coordinator, is
+ * no longer placed and may not register again; an unvouched reporter is
+ * 403 and changes nothing; a malformed body is 400; an unknown node 404. */
+static void test_report(void) {
     char db[512];
-    db_path(db, sizeof db, "shared");
-    hub_proc a, b;
-    if (hub_start(&a, db, "--refresh-ms 100")) {
+    db_path(db, sizeof db, "report");
+    kv_node_key c, x, n1;
+    test_key(&c, 710);
+    test_key(&x, 711);
+    test_key(&n1, 712);
+    char hex[65], extra[128], nhex[65];
+    kv_hex(c.pk, 32, hex);
+    kv_hex(n1.pk, 32, nhex);
+    snprintf(extra, sizeof extra, "--vouch-key %s", hex);
+    hub_proc p;
+    if (hub_start(&p, db, extra)) {
         ASSERT_TRUE(0);
         return;
     }
-    if (hub_start(&b, db, "--refresh-ms 100")) {
-        ASSERT_TRUE(0);
-        hub_stop(&a);
-        return;
-    }
-    resp st = get(&b, "/v1/status");
-    ASSERT_TRUE(strstr(st.body, "\"store\":\"postgresql\"") != NULL);
-    resp_free(&st);
-    kv_node_key k, k2;
-    test_key(&k, 700);
-    test_key(&k2, 701);
-    const int s0[] = {0, 2};
-    /* a nonce from A, the registration at B */
-    char *nonce = fresh_nonce(&a);
-    ASSERT_TRUE(nonce != NULL);
-    char *body = announce_json(nonce, "127.0.0.1:9700", s0, 2, -1);
-    uint64_t c1 = kv_node_next_counter(&k);
-    resp r = post_signed(&b, &k, "/v1/register", body, c1);
+    const int sl[] = {0, 1};
+    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 200);
+    resp r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) != NULL);
+    resp_free(&r);
+    char body[256];
+    snprintf(body, sizeof body, "{\"key\":\"%s\",\"reason\":\"caught: gate product differs\"}", nhex);
+    r = post_signed(&p, &x, "/v1/report", body, kv_node_next_counter(&x));
+    ASSERT_TRUE(r.status == 403 && is_json_error(&r));
+    resp_free(&r);
+    r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) != NULL); /* nothing changed */
+    resp_free(&r);
+    r = post_signed(&p, &c, "/v1/report", "{\"key\":\"zz\"}", kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 400);
+    resp_free(&r);
+    char other[256];
+    snprintf(other, sizeof other, "{\"key\":\"%064d\",\"reason\":\"x\"}", 7);
+    r = post_signed(&p, &c, "/v1/report", other, kv_node_next_counter(&c));
+    ASSERT_EQ(r.status, 404);
+    resp_free(&r);
+    r = post_signed(&p, &c, "/v1/report", body, kv_node_next_counter(&c));
     ASSERT_EQ(r.status, 200);
     resp_free(&r);
-    /* the same request replayed at A, and at B */
-    r = post_signed(&a, &k, "/v1/register", body, c1);
-    ASSERT_EQ(r.status, 409);
-    ASSERT_TRUE(is_json_error(&r));
+    r = get(&p, "/v1/placement");
+    ASSERT_TRUE(strstr(r.body, nhex) == NULL);
     resp_free(&r);
-    r = post_signed(&b, &k, "/v1/register", body, c1);
-    ASSERT_EQ(r.status, 409);
-    resp_free(&r);
-    /* the used nonce under a fresh counter, by another key, at A: refused */
-    free(body);
-    body = announce_json(nonce, "127.0.0.1:9701", s0, 2, -1);
-    r = post_signed(&a, &k2, "/v1/register", body, kv_node_next_counter(&k2));
-    ASSERT_EQ(r.status, 409);
-    ASSERT_TRUE(r.body && strstr(r.body, "nonce") != NULL);
-    resp_free(&r);
-    free(body);
-    free(nonce);
-    /* a heartbeat at A (which never saw the registration) is accepted;
-     * the same bytes at B are a replay */
-    uint64_t c2 = kv_node_next_counter(&k);
-    r = post_signed(&a, &k, "/v1/heartbeat", "{}", c2);
-    ASSERT_EQ(r.status, 200);
-    resp_free(&r);
-    r = post_signed(&b, &k, "/v1/heartbeat", "{}", c2);
-    ASSERT_EQ(r.status, 409);
-    resp_free(&r);
-    r = post_signed(&b, &k, "/v1/heartbeat", "{}", kv_node_next_counter(&k));
-    ASSERT_EQ(r.status, 200);
-    resp_free(&r);
-    /* a second node at A; both hubs then publish one market and place both */
-    const int s1[] = {1};
-    ASSERT_EQ(do_register(&a, &k2, "127.0.0.1:9702", s1, 1, NULL), 200);
-    usleep(250000); /* past both views' refresh_ms */
-    int live[64] = {1, 1, 1};
-    check_market(&a, live, 2, 1000000);
-    check_market(&b, live, 2, 1000000);
-    resp ma = get(&a, "/v1/market"), mb = get(&b, "/v1/market");
-    ASSERT_STREQ(ma.body, mb.body);
-    resp_free(&ma);
-    resp_free(&mb);
-    char ad[256];
-    placement_addrs(&b, 1, ad, sizeof ad);
-    ASSERT_STREQ(ad, "127.0.0.1:9702");
-    placement_addrs(&a, 2, ad, sizeof ad);
-    ASSERT_STREQ(ad, "127.0.0.1:9700");
-    ASSERT_EQ(hub_stop(&a), 0);
-    ASSERT_EQ(hub_stop(&b), 0);
+    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 403);
+    ASSERT_EQ(hub_stop(&p), 0);
 }
 
-static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_one_store)};
+/* kvasir hub --ledger FILE: each node's earned_micro_kvr is its rewards in
+ * the ledger (read independently here), 0 for a node never paid, and the
+ * hub changes nothing in the ledger. */
+static void test_ledger_earnings(void) {
+    kv_diag d = {0};
+    char db[512], ldb[600], extra[700];
+    db_path(db, sizeof db, "earn");
+    snprintf(ldb, sizeof ldb, "%s.ledger", db);
+    kv_wallet op, c, na;
+    kv_node_key a, b;
+    test_key(&a, 500);
+    test_key(&b, 501);
+    memcpy(na.pk, a.pk, 32);
+    memcpy(na.sk, a.sk, 64);
+    ASSERT_EQ(kv_wallet_generate(&op, &d) | kv_wallet_generate(&c, &d), 0);
+    ASSERT_EQ(kv_ledger_init(ldb, op.pk, 0, &d), 0);
+    kv_ledger *l = NULL;
+    ASSERT_EQ(kv_ledger_open(&l, ldb, &d), 0);
+    if (!l) return;
+    kv_issue is;
+    ASSERT_EQ(kv_issue_sign(&is, &op, c.pk, 100000, NULL, &d), 0);
+    ASSERT_EQ(kv_ledger_issue(l, &is, &d), 0);
+    /* one completion paid to node a against its receipt */
+    kv_auth au;
+    ASSERT_EQ(kv_auth_sign(&au, &c, "gw-hub", 9000, (uint64_t)time(NULL) + 60, &d), 0);
+    ASSERT_EQ(kv_ledger_escrow(l, &au, "gw-hub", (uint64_t)time(NULL), &d), 0);
+    uint8_t dg[32] = {1, 2, 3};
+    kv_receipt rc;
+    ASSERT_EQ(kv_receipt_sign(&rc, &na, &au, 40, dg, &d), 0);
+    kv_dispatch_entry e = {.n_products = 40};
+    memcpy(e.node, a.pk, 32);
+    memcpy(e.log_digest, dg, 32);
+    kv_settle_req q = {.prompt_tokens = 11, .completion_tokens = 9, .price_prompt = 3, .price_completion = 7,
+                       .log = &e, .n_log = 1, .receipts = &rc, .n_receipts = 1};
+    memcpy(q.consumer, c.pk, 32);
+    memcpy(q.nonce, au.nonce, 16);
+    kv_settle_result res;
+    ASSERT_EQ(kv_ledger_settle(l, &q, &res, &d), 0);
+    char acct[KV_LEDGER_ACCOUNT_MAX];
+    uint64_t bal = 0;
+    kv_ledger_account_node(a.pk, acct);
+    ASSERT_EQ(kv_ledger_balance(l, acct, &bal, &d), 0);
+    ASSERT_EQ(bal, 11 * 3 + 9 * 7); /* no fee: the whole cost */
+    kv_ledger_report before, after;
+    ASSERT_EQ(kv_ledger_check(l, &before, &d), 0);
+    hub_proc p;
+    snprintf(extra, sizeof extra, "--ledger '%s'", ldb);
+    if (hub_start(&p, db, extra)) {
+        ASSERT_TRUE(0);
+        kv_ledger_free(l);
+        return;
+    }
+    const int sa[] = {0}, sb[] = {1};
+    ASSERT_EQ(do_register(&p, &a, "127.0.0.1:9501", sa, 1, NULL), 200);
+    ASSERT_EQ(do_register(&p, &b, "127.0.0.1:9502", sb, 1, NULL), 200);
+    resp r = get(&p, "/v1/nodes");
+    ASSERT_EQ(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *nodes = json_object_get(j, "nodes");
+    ASSERT_EQ(json_array_size(nodes), 2);
+    char ha[65], hb[65];
+    kv_hex(a.pk, 32, ha);
+    kv_hex(b.pk, 32, hb);
+    int seen = 0;
+    for (size_t i = 0; i < json_array_size(nodes); i++) {
+        json_t *n = json_array_get(nodes, i);
+        const char *k = json_string_value(json_object_get(n, "key"));
+        json_t *ej = json_object_get(n, "earned_micro_kvr");
+        ASSERT_TRUE(k && json_is_integer(ej));
+        if (k && !strcmp(k, ha)) {
+            seen++;
+            ASSERT_EQ(json_integer_value(ej), (long long)bal);
+        }
+        if (k && !strcmp(k, hb)) {
+            seen++;
+            ASSERT_EQ(json_integer_value(ej), 0);
+        }
+    }
+    ASSERT_EQ(seen, 2);
+    json_decref(j);
+    resp_free(&r);
+    ASSERT_EQ(hub_stop(&p), 0);
+    ASSERT_EQ(kv_ledger_check(l, &after, &d), 0);
+    ASSERT_EQ(after.n_transfers, before.n_transfers);
+    kv_ledger_free(l);
+}
 
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
@@ -1431,7 +1576,8 @@ static const kvt_case cases[] = {
     KVT_CASE(test_nodes_served),
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
     KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
-    KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher),
+    KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher), KVT_CASE(test_report),
+    KVT_CASE(test_ledger_earnings),
 };
 
 int main(int argc, char **argv) {

@@ -45,7 +45,7 @@ listening() { grep -q '^listening on ' "$1" 2>/dev/null; }
 [ "$(jq '.slabs | length' "$dir/sl/manifest.json")" = 8 ] || fail "want 8 slabs"
 slab=$(stat -c %s "$dir/sl/experts/blk.0.0000-0001.gguf")
 DEADLINE=1500
-"$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms $DEADLINE \
+"$KV" hub --vouch-open --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms $DEADLINE \
   --quiet >"$dir/hub.out" 2>"$dir/hub.err" &
 pids+=($!)
 wait_until 30 listening "$dir/hub.out" || fail "hub did not start"

@@ -151,6 +151,13 @@ static void test_put_touch_drop_reopen(void) {
     char v[16];
     ASSERT_EQ(st.ops->meta_get(st.impl, "model_id", v, sizeof v, &d), 0);
     ASSERT_STREQ(v, "abc");
+    /* put_new keeps what is there (the first of two starting hubs wins) */
+    ASSERT_EQ(st.ops->meta_put_new(st.impl, "model_id", "xyz", &d), 0);
+    ASSERT_EQ(st.ops->meta_get(st.impl, "model_id", v, sizeof v, &d), 0);
+    ASSERT_STREQ(v, "abc");
+    ASSERT_EQ(st.ops->meta_put_new(st.impl, "fresh", "1", &d), 0);
+    ASSERT_EQ(st.ops->meta_get(st.impl, "fresh", v, sizeof v, &d), 0);
+    ASSERT_STREQ(v, "1");
     ASSERT_EQ(st.ops->meta_get(st.impl, "absent", v, sizeof v, &d), 0);
     ASSERT_STREQ(v, "");
     ASSERT_EQ(st.ops->meta_put(st.impl, "long", "0123456789abcdefXYZ", &d), 0);

@@ -31,7 +31,7 @@ run() { # NAME ARGS...: one test binary, its tail on failure
 }
 KV_TEST_PG_URI=$(kv_pg_createdb kv_hub_store) run test_hub_store
 run test_hub test_register_market_placement test_deadline test_restart test_bad_requests test_challenge \
-  test_store_of_other_model test_challenge_schedule test_two_hubs_one_store
+  test_store_of_other_model test_challenge_schedule test_report test_two_hubs_one_store
 run test_ledger test_transfer_ids test_check_detects test_issue_operator_only test_escrow_settle_release \
   test_attack_replay test_attack_receipts test_attack_concurrent_threads test_store_rows_checked
 run test_ledger_proc

@@ -6,11 +6,15 @@
 # Their budgets hold the model 2.5 times, and each reads the market of its
 # own hub, so they reach full coverage only if each hub sees the other's
 # nodes. Both hubs publish the same market; `kvasir run --hub B` (and --hub
-# A) gives the tokens and logits of `kvasir run -m FULL.gguf` byte for byte.
+# A) gives the tokens and logits of `kvasir run -m FULL.gguf` byte for byte;
+# both hubs have one hub key (in the store), so the voucher a coordinator
+# gets from B is honoured by the nodes that joined A.
 # Then node 1 (registered at A) is killed with SIGKILL: a decode through B
 # right after still equals the local run; within a bounded wait B drops it
 # from the placement map, the others take its shards, and a decode through
-# B after the change equals the local run again. Fails, never skips, when
+# B after the change equals the local run again. Then PostgreSQL is stopped:
+# the hubs answer 503 rather than publish a stale market; started again, the
+# hubs reconnect and a decode equals the local run. Fails, never skips, when
 # PostgreSQL or libpq support is missing.
 set -euo pipefail
 src=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -51,9 +55,15 @@ PROMPT="Two hubs, one state"
 RUN=(-p "$PROMPT" -n 8 --temp 0 --json --threads 1)
 "$KV" run -m "$dir/m.gguf" "${RUN[@]}" --logits-out "$dir/local.bin" >"$dir/local.json"
 
+# both hubs vouch for the two coordinators' keys; they share one hub key
+# (kept in the store), so a voucher from B is good at a node that joined A
+mkdir -p "$dir/coord" "$dir/coordA"
+CPK=$("$KV" key --key "$dir/coord/coordinator.key")
+CPKA=$("$KV" key --key "$dir/coordA/coordinator.key")
 start_hub() { # NAME: starts a hub on the shared store, sets url_NAME
   "$KV" hub --model "$dir/sl/manifest.json" --db "$store" --listen 127.0.0.1:0 --deadline-ms 1500 \
-    --challenge-every 3 --refresh-ms 100 --quiet >"$dir/hub$1.out" 2>"$dir/hub$1.err" &
+    --challenge-every 3 --refresh-ms 100 --vouch-key "$CPK" --vouch-key "$CPKA" --quiet \
+    >"$dir/hub$1.out" 2>"$dir/hub$1.err" &
   pids+=($!)
   local u=
   for _ in $(seq 300); do
@@ -67,6 +77,8 @@ start_hub() { # NAME: starts a hub on the shared store, sets url_NAME
 start_hub A
 start_hub B
 [ "$(curl -sf "$url_B/v1/status" | jq -r .store)" = postgresql ] || fail "hub B: not on PostgreSQL"
+[ "$(curl -sf "$url_A/v1/status" | jq -r .hub_key)" = "$(curl -sf "$url_B/v1/status" | jq -r .hub_key)" ] ||
+  fail "the hubs have two keys"
 
 declare -a NP
 for i in 1 2 3 4; do
@@ -137,3 +149,18 @@ echo "ok: a decode through B after the change equals the local run"
 grep -q "challenge answered" "$dir"/n*.err || fail "no storage challenge was answered"
 ! grep -q "dropped our holdings" "$dir"/n[234].err || fail "an honest node was dropped"
 echo "ok: storage challenges answered at both hubs, no honest node dropped"
+
+# an outage of the store: the hubs stop publishing (503) instead of serving a
+# stale market; when it is back they reconnect, and the swarm is whole again
+code() { curl -s -o /dev/null -w '%{http_code}' "$url_B/v1/market"; }
+kv_pg_pause || fail "cannot stop PostgreSQL"
+wait_until 15 eval '[ "$(code)" = 503 ]' || fail "B still answers $(code) with its store down"
+curl -s "$url_B/v1/market" | jq -e '.code == "EIO"' >/dev/null || fail "503 without an EIO error body"
+kv_pg_resume || fail "cannot restart PostgreSQL"
+wait_until 20 eval '[ "$(code)" = 200 ]' || fail "B did not recover after the outage: $(code)"
+wait_until 30 full "$url_B" 15 || fail "not whole after the outage: $(market "$url_B")"
+wait_until 30 full "$url_A" 15 || fail "A not whole after the outage: $(market "$url_A")"
+"$KV" run --hub "$url_B" --data "$dir/coord" "${RUN[@]}" --logits-out "$dir/hubB4.bin" >"$dir/hubB4.json" \
+  2>"$dir/hubB4.err" || fail "run --hub B after the outage failed"
+same_as_local hubB4
+echo "ok: a store outage is a 503 at the hub, and after it the swarm and decodes are whole again"

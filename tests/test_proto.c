@@ -263,7 +263,7 @@ static void test_compute_result(void) {
     x[3] = -0.0f, x[4] = 1e-40f, x[5] = 65504.0f * 4; /* signed zero, subnormal, f16 overflow */
     kv_proto_pair pairs[P];
     for (int i = 0; i < P; i++) pairs[i] = (kv_proto_pair){(uint32_t)(i * 7 % T), (uint32_t)(i * 5 % 16)};
-    const kv_proto_limits lim = {4, E, 16};
+    const kv_proto_limits lim = {4, E, 16, 0};
     for (uint32_t enc = 0; enc < KV_ENC_COUNT; enc++) {
         kv_msg_compute c = {2, enc, enc, T, E, P, x, pairs, NULL, NULL};
         ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 77, &c, &n, &d), 0);
@@ -324,7 +324,7 @@ static void test_compute_result(void) {
 
         /* RESULT: encode, and begin/put_row in any order, give the same bytes */
         for (int i = 0; i < P * E; i++) y[i] = frand(&s);
-        kv_msg_result res = {P, E, enc, y, NULL};
+        kv_msg_result res = {P, E, enc, y, NULL, 0};
         ASSERT_EQ(kv_msg_result_encode(buf, sizeof buf, 77, &res, &n, &d), 0);
         ASSERT_EQ(n, kv_msg_result_size(enc, P, E));
         size_t n2;
@@ -555,6 +555,52 @@ static void test_auth_frames(void) {
     ASSERT_EQ(kv_key_list_add(hex, &keys, &nk, &d), KV_EINVAL);
     ASSERT_EQ(nk, 1);
     free(keys);
+}
+
+/* v3 verified compute: RESULT_PRE offsets and bounds, the COMPUTE flag, the
+ * capability bit of the encoding masks. */
+static void test_result_pre(void) {
+    kv_diag d = {0};
+    size_t n;
+    kv_msg m;
+    float rows[2 * (3 + 2 * 2)];
+    for (int i = 0; i < 14; i++) rows[i] = (float)i + 0.5f;
+    ASSERT_EQ(kv_msg_result_pre_encode(buf, sizeof buf, 8, 2, 3, 2, rows, &n, &d), 0);
+    ASSERT_EQ(n, KV_PROTO_HEADER + 16 + 14 * 4);
+    const uint8_t *p = buf + KV_PROTO_HEADER;
+    ASSERT_TRUE(buf[6] == KV_MSG_RESULT_PRE && buf[4] == 3 && p[0] == 2 && p[4] == 3 && p[8] == 2 && p[12] == 0);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_RESULT_PRE && m.u.result.n_ff == 2 && m.u.result.n_pairs == 2);
+    float y[3], g[2], u[2];
+    kv_msg_result_row(&m.u.result, 1, y);
+    kv_msg_result_pre_row(&m.u.result, 1, g, u);
+    ASSERT_TRUE(y[0] == 7.5f && y[2] == 9.5f && g[0] == 10.5f && g[1] == 11.5f && u[0] == 12.5f && u[1] == 13.5f);
+    check_truncations(buf, n, NULL, "RESULT_PRE");
+    expect_patch32(buf, n, 12, KV_ENC_F16, NULL, KV_EPROTO, "RESULT_PRE not f32");
+    expect_patch32(buf, n, 8, 0, NULL, KV_ERANGE, "RESULT_PRE n_ff 0");
+    expect_patch32(buf, n, 8, 3, NULL, KV_EPROTO, "RESULT_PRE n_ff inconsistent with the length");
+    const kv_proto_limits lim = {0, 3, 0, 4};
+    ASSERT_EQ(dec(buf, n, &lim), KV_ERANGE);
+    memcpy(buf2, buf, n);
+    wr16(buf2 + 4, 2);
+    ASSERT_EQ(dec(buf2, n, NULL), KV_EPROTO);
+    /* COMPUTE asking for pre-activations: f32 only */
+    const float x[4] = {1, 2, 3, 4};
+    const kv_proto_pair pr[1] = {{0, 1}};
+    kv_msg_compute cm = {0, KV_ENC_F32, KV_ENC_F32 | KV_OUT_PREACT, 1, 4, 1, x, pr, NULL, NULL};
+    ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 9, &cm, &n, &d), 0);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.u.compute.out_enc, KV_ENC_F32 | KV_OUT_PREACT);
+    expect_patch16(buf, n, 6, KV_ENC_F16 | KV_OUT_PREACT, NULL, KV_EPROTO, "COMPUTE pre-activations in f16");
+    cm.out_enc = KV_ENC_BF16 | KV_OUT_PREACT;
+    ASSERT_EQ(kv_msg_compute_encode(buf, sizeof buf, 9, &cm, &n, &d), KV_EINVAL);
+    /* the capability bit is a valid mask bit; other unknown bits are not */
+    kv_msg_hello h = {3, 3, "", 1u | KV_PROTO_CAP_PREACT};
+    memset(h.model_id, 'a', 64);
+    ASSERT_EQ(kv_msg_hello_encode(buf, sizeof buf, 1, &h, &n, &d), 0);
+    ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
+    ASSERT_EQ(m.u.hello.enc_mask, 1u | KV_PROTO_CAP_PREACT);
+    expect_patch32(buf, n, 68, 1u | (1u << 30), NULL, KV_EUNSUPPORTED, "HELLO unknown mask bit");
 }
 
 static void test_enc_names(void) {
@@ -788,7 +834,7 @@ static void test_golden(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_header),           KVT_CASE(test_hello),     KVT_CASE(test_hello_ack),
     KVT_CASE(test_compute_result),   KVT_CASE(test_error_ping_stats), KVT_CASE(test_enc_names),
-    KVT_CASE(test_stream),           KVT_CASE(test_golden),    KVT_CASE(test_auth_frames),
+    KVT_CASE(test_stream),           KVT_CASE(test_golden),    KVT_CASE(test_auth_frames), KVT_CASE(test_result_pre),
 };
 
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

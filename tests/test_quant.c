@@ -6,11 +6,14 @@
  * backend bit-identical to the scalar reference; kv_mat_rows bit-identical to
  * per-element vec_dot for odd row/token counts; the attention helpers of
  * quant/vec.h in their documented order on every backend. */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kvasir/quant.h"
 #include "kvtest.h"
@@ -515,18 +518,25 @@ static void test_backends_identical(void) {
 
 static void test_mat_rows(void) {
     const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
-    /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5) */
+    /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5);
+     * for the 32-value block types also an odd block count (544: the zmm
+     * Q8_0 kernel's half pair) and rows long enough (8224) that 17 tokens
+     * need more than one chunk of prepared activations */
     const int toks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
-    const int n_rows = 37, n = 512;
-    float *x = malloc(sizeof(float) * n * 40);
-    uint8_t *W = malloc((size_t)n * 4 * n_rows), *A = malloc(((size_t)n * 4 + 8) * 17);
+    const int n_rows = 37, nmax = 8224, ns[] = {512, 544, 8224};
+    float *x = malloc(sizeof(float) * nmax * 40);
+    uint8_t *W = malloc((size_t)nmax * 4 * n_rows), *A = malloc(((size_t)nmax * 4 + 8) * 17);
     float *Y = malloc(sizeof(float) * 64 * 17);
     for (size_t b = 0; b < sizeof bes / sizeof bes[0]; b++) {
         if (kv_quant_set_backend(bes[b]) != 0) { kvt_skip_backend(bes[b], "not available on this CPU"); continue; }
-        int bad = 0, bad_untouched = 0;
-        for (size_t ti = 0; ti < N_COMPUTE; ti++) {
+        int bad = 0, bad_ref = 0, bad_untouched = 0;
+        for (size_t ti = 0; ti < N_COMPUTE; ti++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
             uint32_t type = compute_types[ti];
+            const int n = ns[ni];
             const kv_type_info *t = kv_type_get(type), *ta = kv_type_get(t->vec_dot_type);
+            const kv_type_info *tr = kv_type_get_ref(type);
+            if (n % t->blck || (n != 512 && t->blck != 32)) continue;
             size_t rb = kv_type_row_size(type, n), ab = kv_type_row_size(t->vec_dot_type, n) + 8;
             fill_gauss(x, (int64_t)n * n_rows, 0.05f);
             for (int r = 0; r < n_rows; r++) t->from_float(x + (size_t)r * n, W + r * rb, n);
@@ -546,14 +556,18 @@ static void test_mat_rows(void) {
                                 if (got != -12345.f) bad_untouched++;
                                 continue;
                             }
-                            float want;
+                            float want, want_ref;
                             t->vec_dot(n, &want, W + r * rb, A + k * ab);
+                            tr->vec_dot(n, &want_ref, W + r * rb, A + k * ab);
                             if (f2u(got) != f2u(want)) bad++;
+                            if (f2u(got) != f2u(want_ref)) bad_ref++;
                         }
                 }
             }
         }
-        if (bad || bad_untouched) KVT_FAIL("mat_rows backend %s: %d differ, %d outside range written", bes[b], bad, bad_untouched);
+        if (bad || bad_ref || bad_untouched)
+            KVT_FAIL("mat_rows backend %s: %d differ from its vec_dot, %d from the reference, %d outside range written",
+                     bes[b], bad, bad_ref, bad_untouched);
         kvt_checks++;
     }
     kv_quant_set_backend("scalar");
@@ -661,14 +675,72 @@ static void test_delta_rows(void) {
     free(S); free(D); free(W); free(k); free(q); free(v); free(o); free(wo);
 }
 
+/* ------------------------------------------------------------------ */
+/* KV_QUANT_BACKEND caps the run-time choice; it is read once, at the first
+ * call, so each value is checked in a fresh process (this test, re-run with
+ * --print-backend). */
+
+static int backend_with_env(const char *val, char *out, size_t cap) {
+    int fd[2];
+    if (pipe(fd)) return -1;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        close(fd[0]);
+        if (val) setenv("KV_QUANT_BACKEND", val, 1); else unsetenv("KV_QUANT_BACKEND");
+        execl("/proc/self/exe", "test_quant", "--print-backend", (char *)NULL);
+        _exit(127);
+    }
+    close(fd[1]);
+    ssize_t n = read(fd[0], out, cap - 1);
+    close(fd[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    out[n > 0 ? n : 0] = 0;
+    out[strcspn(out, "\n")] = 0;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+}
+
+static void test_backend_env(void) {
+    char def[32], got[32];
+    const char *was = kv_quant_backend();
+    const int has_avx2 = kv_quant_set_backend("avx2") == 0, has_512 = kv_quant_set_backend("avx512") == 0;
+    kv_quant_set_backend(was);
+    ASSERT_EQ(backend_with_env(NULL, def, sizeof def), 0);
+    /* same CPU, same detection: the best level this process can set (other
+       cases leave another one chosen here) */
+    const char *best[] = {"neondot", "neon", "avx512", "avx2", "scalar"}, *want = "scalar";
+    for (size_t i = 0; i < sizeof best / sizeof best[0]; i++)
+        if (kv_quant_set_backend(best[i]) == 0) {
+            want = best[i];
+            break;
+        }
+    ASSERT_STREQ(def, want);
+    kv_quant_set_backend(was);
+    ASSERT_EQ(backend_with_env("scalar", got, sizeof got), 0);
+    ASSERT_STREQ(got, "scalar");
+    ASSERT_EQ(backend_with_env("bogus", got, sizeof got), 0);
+    ASSERT_STREQ(got, def);
+    ASSERT_EQ(backend_with_env("avx2", got, sizeof got), 0);
+    ASSERT_STREQ(got, has_avx2 ? "avx2" : def);
+    ASSERT_EQ(backend_with_env("avx512", got, sizeof got), 0);
+    ASSERT_STREQ(got, has_512 ? "avx512" : def);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_sizes_and_names), KVT_CASE(test_fp16),          KVT_CASE(test_bf16),
     KVT_CASE(test_dequant_handmade), KVT_CASE(test_activation_rounding),
     KVT_CASE(test_roundtrip_error), KVT_CASE(test_vec_dot_ref),  KVT_CASE(test_backends_identical),
     KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_delta_rows),
+    KVT_CASE(test_backend_env),
 };
 
 int main(int argc, char **argv) {
+    if (argc == 2 && !strcmp(argv[1], "--print-backend")) {
+        printf("%s\n", kv_quant_backend());
+        return 0;
+    }
     printf("dispatched backend: %s\n", kv_quant_backend());
     return kvt_run(argc, argv, cases, KVT_N(cases));
 }

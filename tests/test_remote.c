@@ -41,6 +41,7 @@
 #include "kvasir/quant.h"
 #include "kvtest.h"
 #include "test_auth_support.h"
+#include "kvasir/verify.h"
 
 #define N_GEN 14
 #define N_PROMPT 9
@@ -74,6 +75,7 @@ typedef struct proc {
     uint16_t port;
     char addr[32];
     char slabs[3200];
+    char lie[32];       /* "--test-lie=MODE" or "" */
 } proc;
 
 static uint16_t free_port(void) {
@@ -108,8 +110,12 @@ static bool start_worker(proc *p) {
         FILE *g = freopen("/dev/null", "w", stdout);
         (void)f;
         (void)g;
-        execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", "--allow-key",
-              kvt_coord_hex(), (char *)NULL);
+        if (p->lie[0])
+            execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", "--allow-key",
+                  kvt_coord_hex(), p->lie, (char *)NULL);
+        else
+            execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", "--allow-key",
+                  kvt_coord_hex(), (char *)NULL);
         _exit(127);
     }
     p->pid = pid;
@@ -183,7 +189,7 @@ static void liar_lie(liar *L, int fd, int mode, const kv_msg *m) {
     size_t n = 0;
     const uint32_t np = m->u.compute.n_pairs, id = m->h.request_id;
     static float zero[1 << 16];
-    const kv_msg_result res = {np - (mode == 1), L->n_embd, m->u.compute.out_enc, zero, NULL};
+    const kv_msg_result res = {np - (mode == 1), L->n_embd, m->u.compute.out_enc, zero, NULL, 0};
     switch (mode) {
     case 0: /* a well-formed RESULT for another request */
         kv_msg_result_encode(out, sizeof out, id + 7, &res, &n, NULL);
@@ -208,7 +214,7 @@ static void liar_lie(liar *L, int fd, int mode, const kv_msg *m) {
         static float bad[1 << 16];
         const float v = mode == 6 ? NAN : mode == 7 ? INFINITY : 3e38f;
         for (uint32_t i = 0; i < np * L->n_embd && i < (1u << 16); i++) bad[i] = (i % 5 == 3) ? v : 0.25f;
-        const kv_msg_result rb = {np, L->n_embd, m->u.compute.out_enc, bad, NULL};
+        const kv_msg_result rb = {np, L->n_embd, m->u.compute.out_enc, bad, NULL, 0};
         kv_msg_result_encode(out, sizeof out, id, &rb, &n, NULL);
         break;
     }
@@ -254,7 +260,7 @@ static void *liar_main(void *arg) {
         kv_frame_rx rx;
         kv_frame_rx_init(&rx, buf, sizeof buf);
         kv_msg m;
-        const kv_proto_limits lim = {L->n_layer, L->n_embd, L->n_expert};
+        const kv_proto_limits lim = {L->n_layer, L->n_embd, L->n_expert, 0};
         if (!kv_proto_read_msg(&rx, fd, 2000, &lim, &m, NULL) && m.h.type == KV_MSG_HELLO) {
             static uint8_t ack[1 << 16];
             kv_held_range rg[64];
@@ -343,7 +349,8 @@ static kv_gen_config g_cfg; /* the model's generator settings */
 static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest,
                                  uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
-    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL, 0, false};
+    const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL,
+                              0, false, NULL, 0, NULL, NULL};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }
@@ -825,7 +832,7 @@ static void test_mutual_keys(void) {
     kv_diag d = {0};
     kv_remote *r = NULL;
     kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                        (const uint8_t(*)[32])keys, 0, false};
+                        (const uint8_t(*)[32])keys, 0, false, NULL, 0, NULL, NULL};
     ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), 0);
     if (r) {
         check_exact(r, NULL, NULL, "workers under the keys they are listed with");
@@ -855,6 +862,90 @@ static void test_mutual_keys(void) {
     o.key_sk = NULL;
     ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), KV_EINVAL);
     for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+}
+
+typedef struct caught_log {
+    int n;
+    uint32_t worker;
+    uint8_t key[32];
+    char why[256];
+} caught_log;
+
+static void on_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why) {
+    caught_log *c = arg;
+    (void)addr;
+    c->n++;
+    c->worker = worker;
+    memcpy(c->key, key, 32);
+    snprintf(c->why, sizeof c->why, "%s", why);
+}
+
+/* Verified compute against real workers, one of them lying in each of the
+ * test modes of `kvasir worker --test-lie`: the liar is caught (the hook
+ * fires once, with its key), never used again, its part is redone by a
+ * replica or the local slab, and the decode's logits equal the in-process
+ * run's bit for bit. With three honest workers nothing is caught, every
+ * answer is verified, and a sample is recomputed in full. */
+static void test_verified(void) {
+    char slices_man[400], s[3][sizeof((proc *)0)->slabs];
+    snprintf(slices_man, sizeof slices_man, "%s/slices/manifest.json", g_dir); /* the coordinator holds the slabs */
+    for (int i = 0; i < 3; i++) snprintf(s[i], sizeof s[i], "%.1500s,%.1500s", g_group[i], g_group[(i + 1) % 3]);
+    const char *modes[5] = {NULL, "noise", "swap", "stale", "later"};
+    const kv_verify_opts vo = {.seed = 99};
+    for (int mi = 0; mi < 5; mi++) {
+        proc w[3];
+        for (int i = 0; i < 3; i++) {
+            memset(&w[i], 0, sizeof w[i]);
+            w[i].port = free_port();
+            snprintf(w[i].addr, sizeof w[i].addr, "127.0.0.1:%u", w[i].port);
+            memcpy(w[i].slabs, s[i], sizeof w[i].slabs);
+            if (i == 1 && modes[mi]) snprintf(w[i].lie, sizeof w[i].lie, "--test-lie=%s", modes[mi]);
+            ASSERT_TRUE(start_worker(&w[i]));
+        }
+        const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+        caught_log cl = {0};
+        kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
+                            NULL, 0, false, &vo, 0.05, on_caught, &cl};
+        kv_diag d = {0};
+        kv_remote *r = NULL;
+        ASSERT_EQ(kv_remote_open(&r, slices_man, g_pool, &o, &d), 0);
+        if (!r) {
+            KVT_FAIL("open: %s", d.msg);
+            for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+            continue;
+        }
+        char what[64];
+        snprintf(what, sizeof what, "verified, liar %s", modes[mi] ? modes[mi] : "none");
+        check_exact(r, NULL, NULL, what);
+        kv_remote_stats st;
+        kv_remote_get_stats(r, &st);
+        kv_remote_worker wi;
+        kv_remote_worker_info(r, 1, &wi);
+        ASSERT_EQ(st.pairs_unverified, 0);
+        ASSERT_EQ(st.pairs_verified, st.pairs_remote); /* a discarded answer counts for nothing */
+        ASSERT_TRUE(st.pairs_verified > 0);
+        if (!modes[mi]) {
+            ASSERT_EQ(cl.n, 0);
+            ASSERT_EQ(st.caught, 0);
+            ASSERT_TRUE(st.pairs_recomputed > 0);
+        } else {
+            ASSERT_EQ(cl.n, 1);
+            ASSERT_EQ(st.caught, 1);
+            ASSERT_TRUE(cl.worker == 1 && wi.caught && !wi.up && !memcmp(cl.key, wi.key, 32));
+            ASSERT_TRUE(strstr(cl.why, "caught lying") != NULL);
+            /* the pairs it answered before it lied were verified, none after */
+            printf("  liar %-5s caught after %llu verified pairs: %s\n", modes[mi], (unsigned long long)wi.verified,
+                   cl.why);
+            /* it answered honestly at first: those answers were verified (the one it lied in is discarded whole) */
+            if (!strcmp(modes[mi], "later")) ASSERT_TRUE(wi.verified > 0 && wi.verified <= 64);
+        }
+        printf("  %s: %llu verified, %llu recomputed, %llu remote, %llu local, %llu retried\n", what,
+               (unsigned long long)st.pairs_verified, (unsigned long long)st.pairs_recomputed,
+               (unsigned long long)st.pairs_remote, (unsigned long long)st.pairs_local,
+               (unsigned long long)st.retried_pairs);
+        kv_remote_free(r);
+        for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+    }
 }
 
 static void test_wire(void) {
@@ -971,7 +1062,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_disjoint),       KVT_CASE(test_replicas),       KVT_CASE(test_no_replica_dies),
     KVT_CASE(test_no_replica_back), KVT_CASE(test_liar),          KVT_CASE(test_liar_nonfinite),
     KVT_CASE(test_stall_backoff),  KVT_CASE(test_other_weights),  KVT_CASE(test_coverage_and_local),
-    KVT_CASE(test_wire),           KVT_CASE(test_mutual_keys),
+    KVT_CASE(test_wire),           KVT_CASE(test_mutual_keys),    KVT_CASE(test_verified),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -664,7 +664,7 @@ static void test_serving(void) {
     hello(&b, g_model_id, &ack);
     {
         float y[N_EMBD] = {0};
-        kv_msg_result r = {1, N_EMBD, KV_ENC_F32, y, NULL};
+        kv_msg_result r = {1, N_EMBD, KV_ENC_F32, y, NULL, 0};
         ASSERT_EQ(kv_msg_result_encode(b.tx, 1 << 20, 3, &r, &n, &d), 0);
         ASSERT_EQ(client_send(&b, b.tx, n), 0);
         expect_error(&b, KV_EPROTO, true, "RESULT to a worker");

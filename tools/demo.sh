@@ -1,65 +1,101 @@
 #!/usr/bin/env bash
-# make demo: generate a small synthetic qwen3moe model and run a prompt through it.
+# make demo: a local swarm of three nodes, one chat completion through its
+# gateway, and the proof that the swarm's answer is the single process's.
+#
+#   1. kvasir swarm up: generates a tiny model, slices it, starts a hub (with
+#      its LAN beacon), three nodes and a gateway, waits for full coverage;
+#   2. a chat completion through the gateway with curl, and the answer;
+#   3. the same request in one process (kvasir run --chat): equal or not;
+#   4. which node computed how many experts (each worker's STATS counters),
+#      the plan (placement, round trips and bytes per token) and where the
+#      status page is;
+#   5. kvasir swarm down.
+# Usage: tools/demo.sh [KVASIR_BINARY]; without one it installs what is
+# missing (tools/install-deps.sh) and builds first. KV_DEMO_PRESET picks the
+# gen-model preset (default tiny), KV_DEMO_DIR keeps the swarm's folder.
 set -euo pipefail
-KV=${1:-build/kvasir}
-dir=$(mktemp -d -t kvasir-demo.XXXXXX)
-trap 'rm -rf "$dir"' EXIT
-echo "== kvasir gen-model: a small qwen3moe (4 layers, 16 experts, top-4, Q8_0)"
-"$KV" gen-model --arch qwen3moe --out "$dir/demo.gguf" --layers 4 --embd 512 --ff-exp 256 \
-  --experts 16 --experts-used 4 --heads 8 --kv-heads 2 --head-dim 64 --vocab 4096 --type q8_0 --seed 7
-ls -l "$dir/demo.gguf" | awk '{printf "   %s: %.1f MB\n", $NF, $5/1e6}'
-echo "== kvasir inspect: where the bytes are"
-"$KV" inspect "$dir/demo.gguf" > "$dir/inspect.txt"
-head -n 24 "$dir/inspect.txt"
-echo "== kvasir gen-model --skeleton: Qwen3.5-122B-A10B's real header, data left as holes"
-"$KV" gen-model --preset qwen35-122b-a10b --skeleton --out "$dir/q35-122b.gguf" >/dev/null
-du -h --apparent-size "$dir/q35-122b.gguf" | awk '{printf "   apparent size %s, ", $1}'
-du -h "$dir/q35-122b.gguf" | awk '{printf "on disk %s\n", $1}'
-"$KV" inspect "$dir/q35-122b.gguf" > "$dir/inspect.txt"
-head -n 20 "$dir/inspect.txt"
-echo "== kvasir tokenize"
-"$KV" tokenize -m "$dir/demo.gguf" "Hello, swarm! <|im_end|>"
-echo "== kvasir run (greedy, 32 tokens; random weights, so the text is gibberish)"
-"$KV" run -m "$dir/demo.gguf" -p "The expert slabs travel across the swarm" -n 32 --temp 0
-echo "== kvasir run --chat --json (sampled, seed 42)"
-"$KV" run -m "$dir/demo.gguf" -p "What is a mixture of experts?" --chat -n 16 --seed 42 --json
-echo "== kvasir bench"
-"$KV" bench -m "$dir/demo.gguf" -p 64 -n 32 --reps 1
-
-# ---- distributed: experts computed by workers over loopback --------------------------------
-echo "== kvasir slice: backbone + expert slabs (6 experts per slab, 3 slabs per layer) + manifest"
-"$KV" slice "$dir/demo.gguf" --out "$dir/sl" --experts-per-slab 6 2>&1 | sed 's/^/   /'
-mkdir -p "$dir/coord"
-cp "$dir/sl/backbone.gguf" "$dir/sl/manifest.json" "$dir/coord/" # the coordinator gets no slab
-wpids=()
-trap 'for p in "${wpids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$dir"' EXIT
-echo "== kvasir key: the coordinator's key, the only one the workers will serve"
-ckey=$("$KV" key --key "$dir/coord.key")
-echo "   $ckey"
-echo "== kvasir worker x3 on 127.0.0.1, each holding a third of every layer's experts"
-waddr=()
-for g in 0 1 2; do
-  slabs=$(for l in 0 1 2 3; do ls "$dir/sl/experts/blk.$l."*.gguf | sed -n "$((g + 1))p"; done | paste -sd, -)
-  "$KV" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$ckey" >"$dir/w$g.out" 2>"$dir/w$g.err" &
-  wpids+=($!)
-  for _ in $(seq 200); do grep -q '^listening on' "$dir/w$g.out" && break; sleep 0.02; done
-  waddr+=(--worker "$(sed -n 's/^listening on //p' "$dir/w$g.out")")
-  echo "   worker $g: $(sed -n 's/^listening on //p' "$dir/w$g.out"): $(echo "$slabs" | tr , '\n' | xargs -n1 basename | paste -sd' ' -)"
-done
-prompt="The expert slabs travel across the swarm"
-echo "== kvasir run -m coord/manifest.json --worker x3 (greedy, 32 tokens)"
-"$KV" run -m "$dir/coord/manifest.json" "${waddr[@]}" --key "$dir/coord.key" -p "$prompt" -n 32 --temp 0 --verbose \
-  --logits-out "$dir/remote.bin" >"$dir/remote.txt" 2>"$dir/remote.err"
-cat "$dir/remote.txt"
-grep -E '^kvasir run: (dispatch|worker)' "$dir/remote.err" | sed 's/^kvasir run: /   /'
-"$KV" run -m "$dir/demo.gguf" -p "$prompt" -n 32 --temp 0 --logits-out "$dir/local.bin" >"$dir/local.txt" 2>/dev/null
-if cmp -s "$dir/local.txt" "$dir/remote.txt" && cmp -s "$dir/local.bin" "$dir/remote.bin"; then
-  echo "   output equals the single-process run: yes (text and every logit, byte for byte)"
-else
-  echo "   output equals the single-process run: NO" && exit 1
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+KV=${1:-}
+if [ -z "$KV" ]; then
+  bash "$SRC/tools/install-deps.sh"
+  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build "$SRC/build" -j"$(nproc 2>/dev/null || echo 2)" >/dev/null
+  KV=$SRC/build/kvasir
 fi
-echo "== stopping the workers"
-for p in "${wpids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
-wait 2>/dev/null || true
-wpids=()
-for g in 0 1 2; do echo "   worker $g: $(grep -h 'served' "$dir/w$g.err" | sed 's/^worker: //')"; done
+command -v curl >/dev/null && command -v jq >/dev/null || { echo "demo: needs curl and jq (tools/install-deps.sh)" >&2; exit 1; }
+keep=${KV_DEMO_DIR:-}
+dir=${KV_DEMO_DIR:-$(mktemp -d -t kvasir-demo.XXXXXX)}
+SW=$dir/swarm
+cleanup() {
+  [ -f "$SW/swarm.json" ] && "$KV" swarm down --dir "$SW" >/dev/null 2>&1
+  [ -n "$keep" ] || rm -rf "$dir"
+}
+trap cleanup EXIT
+
+# ---- payment hook ------------------------------------------------------------
+# tools/demo_pay.sh, when present, is sourced here. Before the swarm starts it
+# may set SWARM_GATEWAY_ARGS (more `kvasir gateway` flags, e.g. its ledger;
+# passed with swarm up --gateway-arg) and CHAT_HEADERS (more curl arguments
+# for the chat request, e.g. -H "X-KVR-Payment: ..."); it defines
+# demo_pay_report, run after the chat completion and before swarm down, to
+# print what the consumer paid, what each node earned and whether the books
+# balance. $KV, $dir, $SW, and after swarm up $HUB and $GW, are set for it.
+SWARM_GATEWAY_ARGS=()
+CHAT_HEADERS=()
+demo_pay_report() { :; }
+if [ -f "$SRC/tools/demo_pay.sh" ]; then
+  # shellcheck source=/dev/null
+  source "$SRC/tools/demo_pay.sh"
+fi
+gw_args=()
+for a in "${SWARM_GATEWAY_ARGS[@]+"${SWARM_GATEWAY_ARGS[@]}"}"; do gw_args+=(--gateway-arg "$a"); done
+
+echo "== kvasir swarm up: a hub, three nodes and a gateway on 127.0.0.1"
+"$KV" swarm up --preset "${KV_DEMO_PRESET:-tiny}" --nodes 3 --dir "$SW" --listen 127.0.0.1:0 \
+  --hub-listen 127.0.0.1:0 "${gw_args[@]+"${gw_args[@]}"}" | sed 's/^/   /'
+HUB=$(jq -r .hub.url "$SW/swarm.json")
+GW=$(jq -r .gateway.url "$SW/swarm.json")
+MODEL=$(curl -sf "$GW/v1/models" | jq -r '.data[0].id')
+
+prompt="What is a mixture of experts?"
+n=24 temp=0.8 topk=40 topp=0.95 minp=0.05 seed=42
+body=$(jq -nc --arg m "$MODEL" --arg p "$prompt" --argjson n $n --argjson t $temp --argjson k $topk \
+  --argjson tp $topp --argjson mp $minp --argjson s $seed \
+  '{model:$m, messages:[{role:"user", content:$p}], max_tokens:$n, temperature:$t, top_k:$k, top_p:$tp, min_p:$mp, seed:$s}')
+echo "== curl $GW/v1/chat/completions  (\"$prompt\", $n tokens, temperature $temp, seed $seed)"
+curl -sf "$GW/v1/chat/completions" -H 'Content-Type: application/json' "${CHAT_HEADERS[@]+"${CHAT_HEADERS[@]}"}" \
+  -d "$body" >"$dir/chat.json"
+answer=$(jq -r '.choices[0].message.content' "$dir/chat.json")
+echo "   answer (random weights, so the text is gibberish): $(printf '%s' "$answer" | jq -Rs .)"
+echo "   usage: $(jq -c .usage "$dir/chat.json")"
+
+"$KV" run -m "$SW/model.gguf" --chat --json --threads 1 -p "$prompt" -n $n --temp $temp --top-k $topk \
+  --top-p $topp --min-p $minp --seed $seed >"$dir/ref.json" 2>/dev/null
+if [ "$answer" = "$(jq -r .text "$dir/ref.json")" ]; then
+  echo "   equals the single-process answer (kvasir run --chat, same parameters): yes"
+else
+  echo "   equals the single-process answer (kvasir run --chat, same parameters): NO"
+  echo "   single process: $(jq -c .text "$dir/ref.json")"
+  exit 1
+fi
+
+echo "== who computed the experts (each node's worker counters, dispatch STATS; the hub's node metrics)"
+sleep 1.2 # one heartbeat, so that the hub's figures (GET /v1/nodes) have caught up
+"$KV" swarm status --dir "$SW" --json >"$dir/status.json"
+jq -r '.nodes[] | "   \(.name) (\(.addr), \(.shards | length) shards): \(.experts_computed) expert computations" +
+  " (hub: \(.served_pairs // "?"))"' "$dir/status.json"
+"$KV" plan --hub "$HUB" --json >"$dir/plan.json"
+toks=$(jq '.usage.prompt_tokens + .usage.completion_tokens - 1' "$dir/chat.json")
+L=$(jq .n_moe_layers "$dir/plan.json")
+k=$(jq .n_expert_used "$dir/plan.json")
+got=$(jq .experts_computed "$dir/status.json")
+echo "   total $got = $toks tokens through the model (prompt + answer - 1) x $L MoE layers x top-$k:" \
+  "$([ "$got" = $((toks * L * k)) ] && echo yes || echo NO)"
+echo "== kvasir swarm status"
+"$KV" swarm status --dir "$SW" | sed 's/^/   /'
+echo "== kvasir plan --hub $HUB"
+"$KV" plan --hub "$HUB" | sed 's/^/   /'
+demo_pay_report
+echo "== status page: $HUB/   (market: $HUB/v1/market, placement: $HUB/v1/placement)"
+echo "== kvasir swarm down"
+"$KV" swarm down --dir "$SW" | sed 's/^/   /'

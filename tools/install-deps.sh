@@ -12,10 +12,12 @@ have node || need+=(nodejs)
 have npm || need+=(npm)
 have pkg-config || need+=(pkg-config)
 have jq || need+=(jq)
+have curl || need+=(curl)
 have python3 || need+=(python3)
 # the hub's status page is tested in a real browser (tests/test_hub_status.sh)
 have chromium || need+=(chromium)
 have chromedriver || need+=(chromium-driver)
+have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)

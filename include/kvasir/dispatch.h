@@ -65,6 +65,13 @@
 #define KV_PROTO_AUTH_CHALLENGE_SIZE 64u /* v3: u8[32] worker key, u8[32] challenge */
 #define KV_PROTO_AUTH_SIZE 204u          /* v3: key, nonce, sig, u32 flags, u64 expiry, voucher sig */
 #define KV_PROTO_AUTH_OK_SIZE 64u        /* v3: the worker's signature */
+#define KV_PROTO_RESULT_PRE_FIXED 16u    /* v3 RESULT_PRE: n_pairs, n_embd, n_ff, enc */
+/* v3 verified compute (docs/VERIFY.md): in HELLO's enc_mask, "this
+ * coordinator may ask for pre-activations"; in HELLO_ACK's, "this worker
+ * returns them". Not an encoding. */
+#define KV_PROTO_CAP_PREACT (1u << 31)
+/* In COMPUTE's out_enc: answer with RESULT_PRE (y, gate, up per pair; f32 only). */
+#define KV_OUT_PREACT 0x8000u
 #define KV_PROTO_AUTH_VOUCHER 1u               /* AUTH flags bit 0: a hub voucher is attached */
 /* The largest magnitude an expert output may have on the wire: a RESULT
  * with a NaN, an infinity or |y| above this is a lie (see PROTOCOL.md). */
@@ -83,12 +90,16 @@ enum kv_msg_type {
     KV_MSG_AUTH_CHALLENGE = 10, /* v3 worker -> coordinator: its key and a fresh challenge */
     KV_MSG_AUTH = 11,     /* v3 coordinator -> worker: key, signature, optional hub voucher */
     KV_MSG_AUTH_OK = 12,  /* v3 worker -> coordinator: its signature over the same transcript */
+    KV_MSG_RESULT_PRE = 13, /* v3 worker -> coordinator: per pair y, gate and up pre-activations */
+    KV_MSG_RECEIPT_REQ = 14, /* v3 coordinator -> worker: sign a work receipt for this count */
+    KV_MSG_RECEIPT = 15,  /* v3 worker -> coordinator: the signed receipt, or a refusal */
     KV_MSG_TYPE_COUNT
 };
 _Static_assert(KV_MSG_HELLO == 1 && KV_MSG_HELLO_ACK == 2 && KV_MSG_COMPUTE == 3 &&
                    KV_MSG_RESULT == 4 && KV_MSG_ERROR == 5 && KV_MSG_PING == 6 &&
                    KV_MSG_PONG == 7 && KV_MSG_STATS == 8 && KV_MSG_STATS_ACK == 9 &&
-                   KV_MSG_AUTH_CHALLENGE == 10 && KV_MSG_AUTH == 11 && KV_MSG_AUTH_OK == 12,
+                   KV_MSG_AUTH_CHALLENGE == 10 && KV_MSG_AUTH == 11 && KV_MSG_AUTH_OK == 12 &&
+                   KV_MSG_RESULT_PRE == 13 && KV_MSG_RECEIPT_REQ == 14 && KV_MSG_RECEIPT == 15,
                "wire message types never change");
 
 /* Error codes carried by ERROR frames are the KV_E* numbers of err.h. */
@@ -103,6 +114,7 @@ enum kv_act_enc { KV_ENC_F32 = 0, KV_ENC_F16 = 1, KV_ENC_BF16 = 2, KV_ENC_COUNT 
 _Static_assert(KV_ENC_F32 == 0 && KV_ENC_F16 == 1 && KV_ENC_BF16 == 2,
                "wire encodings never change");
 #define KV_ENC_MASK_ALL ((1u << KV_ENC_COUNT) - 1u)
+#define KV_ENC_MASK_VALID (KV_ENC_MASK_ALL | KV_PROTO_CAP_PREACT) /* bits a mask may carry */
 
 /* "HELLO", "COMPUTE"... of a message type; "?" if unknown. */
 const char *kv_msg_type_name(uint32_t type);
@@ -176,7 +188,9 @@ typedef struct kv_msg_compute {
 typedef struct kv_msg_result {
     uint32_t n_pairs, n_embd, enc;
     const float *y;              /* encode: [n_pairs][n_embd] (converted to enc) */
-    const uint8_t *y_wire;       /* decode: [n_pairs][n_embd] in enc, in the frame */
+    const uint8_t *y_wire;       /* decode: [n_pairs][n_embd] in enc, in the frame (RESULT_PRE:
+                                    [n_pairs][n_embd + 2 n_ff] f32: y, gate, up) */
+    uint32_t n_ff;               /* RESULT_PRE: gate and up per pair follow y; 0 in RESULT */
 } kv_msg_result;
 
 typedef struct kv_msg_error {
@@ -226,9 +240,28 @@ typedef struct kv_voucher {
  * dims (0 = unknown, not checked). */
 typedef struct kv_proto_limits {
     uint32_t n_layer, n_embd, n_expert;
+    uint32_t n_ff;  /* RESULT_PRE's n_ff must equal it (0 = not checked) */
 } kv_proto_limits;
 
 /* A decoded frame: the header and, per type, a view into the frame. */
+/* RECEIPT_REQ / RECEIPT (v3; the codecs and the worker's rule are below) */
+#define KV_PROTO_RECEIPT_REQ_SIZE 120u /* gateway[32], consumer[32], nonce[16], u64 n, digest[32] */
+#define KV_PROTO_RECEIPT_SIZE 248u     /* u32 status, u32 zero, receipt[240] */
+enum { KV_RECEIPT_SIGNED = 0, KV_RECEIPT_REFUSED = 1 };
+struct kv_receipt;
+typedef struct kv_receipt_req {
+    char gateway[33];       /* gateway id, 1..32 of [A-Za-z0-9._:-] */
+    uint8_t consumer[32];   /* the completion's authorization ... */
+    uint8_t auth_nonce[16]; /* ... (consumer, nonce) */
+    uint64_t n_products;    /* 1..2^40: the coordinator's count for this worker */
+    uint8_t log_digest[32]; /* the coordinator's digest of that entry */
+} kv_receipt_req;
+/* What a worker computed for one connection and what it signed for. */
+typedef struct kv_receipt_budget {
+    uint64_t computed;   /* (token, expert) pairs answered on the connection */
+    uint64_t signed_for; /* products of the receipts it signed there */
+} kv_receipt_budget;
+
 typedef struct kv_msg {
     kv_frame_header h;
     union {
@@ -242,6 +275,9 @@ typedef struct kv_msg {
         kv_msg_auth_challenge challenge; /* AUTH_CHALLENGE */
         kv_msg_auth auth;       /* AUTH */
         uint8_t auth_ok[64];    /* AUTH_OK: the worker's signature */
+        kv_receipt_req receipt_req; /* RECEIPT_REQ */
+        const uint8_t *receipt; /* RECEIPT: its payload (KV_PROTO_RECEIPT_SIZE bytes, checked and its
+                                   receipt's signature verified; kv_receipt_ans_from_payload reads it) */
     } u;
 } kv_msg;
 
@@ -296,6 +332,14 @@ void kv_msg_result_put_row(uint8_t *buf, uint32_t enc, uint32_t n_embd, uint32_t
  * rows then follow in order, each written by kv_msg_rows_put. */
 size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], uint16_t version,
                           uint32_t request_id, uint32_t enc, uint32_t n_pairs, uint32_t n_embd);
+/* RESULT_PRE streamed: the first KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED
+ * bytes; returns the whole frame size (0 if out of bounds). Rows follow in
+ * order, each n_embd + 2 n_ff f32: y, then gate, then up. */
+size_t kv_msg_result_pre_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED], uint16_t version,
+                              uint32_t request_id, uint32_t n_pairs, uint32_t n_embd, uint32_t n_ff);
+/* The whole frame from rows[n_pairs][n_embd + 2 n_ff]. */
+int kv_msg_result_pre_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t n_pairs, uint32_t n_embd,
+                             uint32_t n_ff, const float *rows, size_t *n, kv_diag *d);
 /* n floats to the wire in enc at dst (n * kv_enc_size(enc) bytes). */
 void kv_msg_rows_put(uint8_t *dst, uint32_t enc, const float *src, size_t n);
 /* Rewrites the version field of an encoded frame's header (a peer that
@@ -385,6 +429,8 @@ void kv_msg_compute_x(const kv_msg_compute *m, float *out);
 const float *kv_msg_compute_x_inplace(const kv_msg_compute *m);
 /* Output row p of a decoded RESULT as f32 into out[n_embd]. */
 void kv_msg_result_row(const kv_msg_result *m, uint32_t p, float *out);
+/* RESULT_PRE: pair p's gate and up pre-activations into gate/up[n_ff]. */
+void kv_msg_result_pre_row(const kv_msg_result *m, uint32_t p, float *gate, float *up);
 /* All outputs as f32 into out[n_pairs][n_embd]. */
 void kv_msg_result_y(const kv_msg_result *m, float *out);
 
@@ -463,9 +509,24 @@ typedef struct kv_worker_opts {
     const uint8_t (*allow_keys)[32]; /* [n_allow_keys] coordinator keys served (copied) */
     size_t n_allow_keys;
     const uint8_t *hub_key;         /* [32] hub whose vouchers are honored, NULL = none */
+    int test_lie;                   /* TEST ONLY (kvasir worker --test-lie=MODE): a KV_WORKER_LIE_*
+                                       that makes this worker return wrong numbers, so that the
+                                       coordinator's checks can be tested; 0 = honest */
     bool opencl;           /* compute experts with the OpenCL backend (kvasir/opencl.h) and
                               announce "opencl"; off: the CPU kernels kv_quant_backend() names */
 } kv_worker_opts;
+
+/* Lies a test worker tells (docs/VERIFY.md); never use outside tests. */
+enum kv_worker_lie {
+    KV_WORKER_LIE_NONE = 0,
+    KV_WORKER_LIE_NOISE,  /* about 1% of pairs: one output element moved by 1e-3 of the row's max */
+    KV_WORKER_LIE_SWAP,   /* every pair: another held expert's answer */
+    KV_WORKER_LIE_STALE,  /* every pair after the first round: computed on the previous round's inputs */
+    KV_WORKER_LIE_LATER,  /* honest for its first 64 pairs, then NOISE on every pair */
+    KV_WORKER_LIE_COUNT
+};
+/* "noise", "swap", "stale", "later" -> KV_WORKER_LIE_*, or -1. */
+int kv_worker_lie_from_name(const char *name);
 
 /* Opens the slabs (all from one model: same kvasir.source.id and dims;
  * no two holding the same expert), builds the compute provider and binds
@@ -533,6 +594,17 @@ typedef struct kv_remote_opts {
                                    KV_REMOTE_MAX_WORKERS; 0 = n_workers (none can be added) */
     bool allow_uncovered;       /* open even when some expert has no holder up (compute fails with
                                    KV_ENOTFOUND for it until a holder comes; kv_remote_coverage) */
+    /* verified compute (docs/VERIFY.md) */
+    const struct kv_verify_opts *verify; /* check every answer against secret projections of the
+                                   experts' slabs present in the manifest's folder (needs workers
+                                   that return pre-activations); NULL = no checks */
+    double recompute_rate;      /* with verify: fraction of answered pairs also recomputed from the
+                                   local slab and compared (bit for bit on the same backend) */
+    /* Called once when worker i is caught lying (its answer is discarded and
+     * redone, it is never dialed again): the hook for reporting it and
+     * forfeiting what it is owed. key: the key it proved. May be NULL. */
+    void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
+    void *caught_arg;
 } kv_remote_opts;
 
 /* Opens the coordinator's side of a sliced model at manifest_path
@@ -577,6 +649,8 @@ typedef struct kv_remote_worker {
     uint64_t connects;          /* successful handshakes (1 + reconnects) */
     const char *last_error;     /* why it was last dropped or refused, "" if never */
     const uint8_t *key;         /* [32] the key it proved at its last handshake (zeros before) */
+    bool caught;                /* caught lying: dropped for good */
+    uint64_t verified;          /* its pairs that passed the checks */
 } kv_remote_worker;
 uint32_t kv_remote_n_workers(const kv_remote *r);
 void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out);
@@ -588,6 +662,10 @@ typedef struct kv_remote_stats {
     uint64_t pairs_remote, pairs_local; /* slots answered by workers / by local slabs */
     uint64_t bytes_sent, bytes_recv;    /* frames, headers included */
     uint64_t n_rtt;             /* rounds timed */
+    uint64_t pairs_verified;    /* answers checked and passed (verify) */
+    uint64_t pairs_unverified;  /* answers of experts without a local slab to check against */
+    uint64_t pairs_recomputed;  /* sampled full recomputes that matched */
+    uint64_t caught;            /* workers caught lying */
     double rtt_p50_us, rtt_p99_us, rtt_max_us; /* round trip: first byte sent to last
                                    answer in, over the last 65536 rounds that had workers */
 } kv_remote_stats;
@@ -596,15 +674,71 @@ typedef struct kv_remote_stats {
 void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out);
 void kv_remote_reset_stats(kv_remote *r);
 
+/* ---- per-session work tally ---------------------------------------------
+ * What the coordinator dispatched to, and took back from, each worker, per
+ * session (a tag: the engine's sequence slot), for paying nodes: batches mix
+ * sessions, so each (token, expert) pair is counted under its token's tag.
+ * A step's counts are kept apart until the step ends: kv_remote_tally_end
+ * (commit) adds them to the totals, (!commit) drops them (a failed step
+ * produced nothing anyone pays for). Not thread-safe (the forward pass's
+ * thread, like compute). */
+/* Allocates the counters for tags 0..n_tags-1 and every worker (zero).
+ * Returns 0 or KV_ENOMEM. Not for the hot path. */
+int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d);
+/* The coming compute calls carry n_tokens tokens, token t under tags[t]
+ * (borrowed until kv_remote_tally_end). A call of another size is not
+ * counted. No-op before kv_remote_tally_open. */
+void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens);
+void kv_remote_tally_end(kv_remote *r, bool commit);
+/* Pairs sent to and answered (accepted) by worker w for tag, since the
+ * tag's last reset. Zero for a tag or worker out of range. */
+void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered);
+void kv_remote_tally_reset(kv_remote *r, uint32_t tag);
+
+/* ---- work receipts (src/dispatch/receipt.c, docs/PROTOCOL.md "RECEIPT") ---
+ * After a completion the coordinator asks a worker that computed some of
+ * its experts for a receipt (kvasir/ledger.h kv_receipt) over the count in
+ * its own dispatch log; the worker signs only while what it signed for on
+ * the connection stays within what it computed there. */
+/* Payload codecs: exact sizes, every field checked (KV_EPROTO, KV_ERANGE);
+ * an answer's receipt is parsed and its signature verified. */
+int kv_receipt_req_to_payload(const kv_receipt_req *q, uint8_t out[KV_PROTO_RECEIPT_REQ_SIZE], kv_diag *d);
+int kv_receipt_req_from_payload(kv_receipt_req *q, const uint8_t *p, size_t n, kv_diag *d);
+int kv_receipt_ans_to_payload(uint32_t status, const struct kv_receipt *r, uint8_t out[KV_PROTO_RECEIPT_SIZE],
+                              kv_diag *d);
+int kv_receipt_ans_from_payload(uint32_t *status, struct kv_receipt *r, const uint8_t *p, size_t n, kv_diag *d);
+/* Whole frames (header + payload; version KV_PROTO_VERSION, set the
+ * negotiated one with kv_frame_set_version). cap >= KV_PROTO_HEADER + the
+ * payload size, else KV_ERANGE. */
+int kv_msg_receipt_req_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_receipt_req *q, size_t *len,
+                              kv_diag *d);
+int kv_msg_receipt_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t status,
+                          const struct kv_receipt *r, size_t *len, kv_diag *d);
+/* The coordinator's side, between computes (same thread): asks worker i
+ * of r (up and idle) to sign q and waits up to the round deadline. Returns
+ * 0 with out a receipt that verifies, by the key the worker proved, for
+ * exactly q's figures; KV_LEDGER_RRECEIPT when the worker refused (it did
+ * not compute that much for this connection); KV_ENOTFOUND when it is not
+ * up; KV_EIO when it was dropped meanwhile (an answer for other figures, a
+ * bad signature, a stall: the same rules as a RESULT). */
+struct kv_remote;
+int kv_remote_receipt(struct kv_remote *r, uint32_t i, const kv_receipt_req *q, struct kv_receipt *out, kv_diag *d);
+/* The worker's side: signs q with sk (libsodium seed || pk) when
+ * b->signed_for + q->n_products <= b->computed, and counts it; otherwise
+ * KV_LEDGER_RRECEIPT and nothing is signed. */
+int kv_receipt_grant(kv_receipt_budget *b, const kv_receipt_req *q, const uint8_t sk[64], struct kv_receipt *out,
+                     kv_diag *d);
 /* ---- a worker set that changes (coordinators fed by a hub's placement) ----
  * Same thread as compute, never during it. */
 
 /* Adds worker addr (dialed at the next compute or kv_remote_tend, and used
- * from the round after its handshake passed the checks of kv_remote_open).
+ * from the round after its handshake passed the checks of kv_remote_open),
+ * which must prove key[32] (NULL: any key; a known address named with
+ * another key must prove the new one from now on, its connection redone).
  * Returns 1 if added, 0 if it was already known (a known one that is down
  * is dialed again at once), KV_ERANGE when max_workers are known, KV_EINVAL
  * for an address that does not resolve. Allocates. */
-int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d);
+int kv_remote_add_worker(kv_remote *r, const char *addr, const uint8_t *key, kv_diag *d);
 /* Progresses connections while no compute runs: dials workers whose
  * backoff passed, completes handshakes, notices peers that closed. Waits
  * at most timeout_ms (0 = just look). */

@@ -42,6 +42,7 @@ typedef struct kv_session kv_session;
 struct kv_remote;
 struct kv_slices;
 struct kv_voucher;
+struct kv_verify_opts;
 
 #define KV_ENGINE_MAX_SESSIONS 4096u
 #define KV_SESSION_MAX_STOP 16u
@@ -73,6 +74,11 @@ typedef struct kv_engine_opts {
     const uint8_t *key_sk;       /* [64] the coordinator's Ed25519 secret key: required with workers */
     const struct kv_voucher *voucher; /* a hub voucher for that key; NULL = none */
     const uint8_t (*worker_keys)[32]; /* [n_workers] keys the workers must prove; NULL = any */
+    /* verified compute (docs/VERIFY.md; see kv_remote_opts) */
+    const struct kv_verify_opts *verify; /* NULL = no checks */
+    double recompute_rate;       /* fraction of answers also recomputed from the local slab */
+    void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
+    void *caught_arg;
 } kv_engine_opts;
 
 /* Opens path: a GGUF file (experts in-process from it), or a sliced model
@@ -180,6 +186,13 @@ const float *kv_session_logits(const kv_session *s);
  * (names the session and the step). */
 int kv_session_error(const kv_session *s, kv_diag *d);
 uint64_t kv_session_id(const kv_session *s);        /* 1, 2, ... in creation order */
+/* The session's work, for paying who did it: returns the (token, expert)
+ * products of every step it took part in that succeeded (n_layer x
+ * n_expert_used per token evaluated), and fills answered[i] (i <
+ * n_workers) with those of them worker i of kv_engine_remote answered
+ * (0 for an engine without workers, or past its worker count); the rest
+ * were computed in this process. */
+uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers);
 void *kv_session_data(const kv_session *s);
 
 typedef struct kv_session_stats {

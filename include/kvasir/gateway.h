@@ -24,7 +24,9 @@
  * {"error":{...}}, Anthropic {"type":"error",...}, Ollama {"error":"..."})
  * with the status that fits: 400 malformed body or a prompt longer than
  * the context (both counts named), 401 without a valid key when keys are
- * configured, 404 unknown model or path, 413 body too large, 503 with
+ * configured, 402 when the gateway charges (ledger_path) and the request's
+ * X-KVR-Payment authorization is missing or refused (nothing is charged
+ * then), 404 unknown model or path, 413 body too large, 503 with
  * Retry-After when the queue is full. */
 #ifndef KVASIR_GATEWAY_H
 #define KVASIR_GATEWAY_H
@@ -56,6 +58,12 @@ typedef struct kv_gateway_opts {
     size_t body_max;            /* request body bytes; 0 = 1 MiB, at most KV_GATEWAY_MAX_BODY */
     uint32_t max_tokens_default;/* when a request names none; 0 = 512 */
     bool hold;                  /* start with admission held (kv_gateway_hold) */
+    /* charging in KVR (docs/LEDGER.md "The gateway"); all unset = free */
+    const char *ledger_path;    /* an initialized ledger: every completion is paid */
+    const char *gateway_key_path; /* the gateway's node key (required with a ledger) */
+    const char *gateway_id;     /* the id authorizations name; NULL = "gw-" + 24 hex of the key */
+    uint64_t price_prompt;      /* micro-KVR per prompt token */
+    uint64_t price_completion;  /* micro-KVR per completion token */
     /* a swarm (the engine is a coordinator: kv_engine_remote non-NULL) */
     const char *hub_url;        /* re-read HUB/v1/placement and add its new nodes to the engine's
                                    workers (opened with room: kv_engine_opts.max_workers); NULL = none */

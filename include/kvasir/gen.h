@@ -55,6 +55,9 @@ typedef struct kv_gen_config {
     uint32_t n_ctx;         /* context_length written to the file */
     uint32_t type;          /* kv_type of the matrices (embedding, output,
                                attention, experts); norms and router stay F32 */
+    bool q6_mix;            /* with type Q4_K: the mix of llama.cpp's Q4_K_M, i.e.
+                               ffn_down* (routed and shared), attn_v and output
+                               in Q6_K, the other matrices Q4_K */
     uint64_t seed;          /* weights PRNG seed */
     bool tied;              /* true: no output.weight (LM head = token_embd) */
     int n_threads;          /* threads drawing/quantizing; 0: all CPUs (the

@@ -77,6 +77,9 @@ typedef struct kv_hub_opts {
        Called from server threads without the hub's lock; NULL = none */
     int (*earned)(void *arg, const uint8_t pk[32], uint64_t *micro_kvr);
     void *earned_arg;
+    /* the layer market of the ring (GET /v1/ring, docs/HUB.md): "A-B,C-D,..."
+       consecutive windows covering the trunk layers; NULL = none */
+    const char *ring_windows;
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256

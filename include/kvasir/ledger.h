@@ -84,12 +84,16 @@ int kv_wallet_generate(kv_wallet *w, kv_diag *d);
 /* Writes "kvasir-ed25519-v1 <64 hex of the seed>\n" to a new file (mode 0600;
  * refuses to overwrite). Returns 0 or KV_EIO. */
 int kv_wallet_save(const kv_wallet *w, const char *path, kv_diag *d);
-/* Reads a key file written by kv_wallet_save (size and format checked).
- * Returns 0, KV_EIO or KV_EFORMAT. */
+/* Reads a key file written by kv_wallet_save, or a node / coordinator key
+ * file of `kvasir key` (64 lowercase hex digits of the seed and a newline:
+ * a node's account is its node key). Size and format checked. Returns 0,
+ * KV_EIO or KV_EFORMAT. */
 int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d);
 /* The same from n bytes in memory (a trailing newline is optional).
  * Returns 0 or KV_EFORMAT. */
 int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d);
+/* The node key format (exactly 65 bytes). Returns 0 or KV_EFORMAT. */
+int kv_wallet_parse_node_key(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d);
 /* Lower-case hex of 32 bytes into out[65]. */
 void kv_hex32(const uint8_t b[32], char out[65]);
 /* Parses exactly 64 hex digits. Returns 0 or KV_EFORMAT. */
@@ -176,6 +180,9 @@ typedef struct kv_ledger kv_ledger;
 int kv_ledger_init(const char *path, const uint8_t operator_pk[32], uint32_t fee_bps, kv_diag *d);
 /* Opens an initialized ledger (WAL). Caller frees with kv_ledger_free. */
 int kv_ledger_open(kv_ledger **out, const char *path, kv_diag *d);
+/* The same, read-only (SQLite READONLY + query_only): every write call
+ * fails with the store's error and nothing changes. */
+int kv_ledger_open_readonly(kv_ledger **out, const char *path, kv_diag *d);
 void kv_ledger_free(kv_ledger *l); /* accepts NULL */
 
 /* Credits is->consumer from the mint. The signature must verify against the
@@ -238,6 +245,21 @@ int kv_ledger_split(uint64_t pool, const uint64_t *counts, const uint8_t (*ids)[
 /* Balance of an account (0 for one never seen). The mint reports the
  * supply it issued. */
 int kv_ledger_balance(kv_ledger *l, const char *account, uint64_t *out, kv_diag *d);
+
+/* What node earned: the sum of its rewards (a node account is credited by
+ * rewards only), and the receipts behind them (count, products). Zeros for
+ * a node never paid. One read transaction. */
+int kv_ledger_node_earnings(kv_ledger *l, const uint8_t node[32], uint64_t *earned, uint64_t *products,
+                            uint64_t *n_receipts, kv_diag *d);
+
+/* A read-only view shared by server threads (one connection behind a
+ * mutex), for status pages: kv_ledger_reader_earned has the shape of
+ * kv_hub_opts.earned (arg = the reader): 0 with *micro_kvr the node's
+ * rewards (0 for a node never paid), nonzero on a store error. */
+typedef struct kv_ledger_reader kv_ledger_reader;
+int kv_ledger_reader_open(kv_ledger_reader **out, const char *path, kv_diag *d);
+void kv_ledger_reader_free(kv_ledger_reader *r); /* accepts NULL */
+int kv_ledger_reader_earned(void *reader, const uint8_t pk[32], uint64_t *micro_kvr);
 
 typedef struct kv_ledger_entry {
     int64_t seq;                           /* journal order */

@@ -78,10 +78,23 @@ int kv_model_load(kv_model **out, const char *path, kv_diag *d);
 typedef struct kv_model_opts {
     bool no_experts; /* the file holds no routed experts (a backbone): they
                         must come from an expert provider given to kv_state_new */
+    /* A layer window (the ring): only blocks [layer_first, layer_last] are
+     * loaded (their tensors are the only ones touched, so only their pages
+     * of the mapping become resident); the token embedding only when the
+     * window starts at block 0, the final norm and LM head only when it ends
+     * at the last block (the embedding too then, if the head is tied). MTP
+     * blocks are not loaded. KV_EINVAL for a window outside the model. */
+    bool window;
+    uint32_t layer_first, layer_last;
 } kv_model_opts;
 int kv_model_load_ex(kv_model **out, const char *path, const kv_model_opts *opts, kv_diag *d);
 /* True if the model's routed experts were loaded from its own file. */
 bool kv_model_has_experts(const kv_model *m);
+/* The blocks the model holds: [0, n_layer - 1] unless loaded as a window. */
+void kv_model_window(const kv_model *m, uint32_t *first, uint32_t *last);
+/* Bytes of the tensors loaded (views into the mapping, each counted once):
+ * what a window's node must hold. */
+uint64_t kv_model_weight_bytes(const kv_model *m);
 void kv_model_free(kv_model *m);
 
 const kv_hparams *kv_model_hparams(const kv_model *m);
@@ -200,5 +213,17 @@ int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, ui
  * error no sequence advances. */
 int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
                    const uint32_t *out_idx, uint32_t n_out, float *logits, kv_diag *d);
+/* kv_state_batch over the model's layer window (kv_model_opts.window):
+ * when x_in is not NULL, the n_embd floats of each token's hidden state
+ * entering the window's first block are taken from x_in[n][n_embd]
+ * (tokens may then be NULL), else the tokens are embedded (the window must
+ * start at block 0). When x_out is not NULL it gets the hidden states
+ * leaving the window's last block. Logits need the window to end at the
+ * last block. The same computation as kv_state_batch, so a ring of windows
+ * gives the bits of one process. Errors as kv_state_batch, plus KV_EINVAL
+ * when the window lacks the embedding or the head a call needs. */
+int kv_state_batch_window(kv_state *s, const int32_t *tokens, const float *x_in, const uint32_t *seqs,
+                          uint32_t n, const uint32_t *out_idx, uint32_t n_out, float *logits, float *x_out,
+                          kv_diag *d);
 
 #endif

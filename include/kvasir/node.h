@@ -79,6 +79,12 @@ int kv_node_fetch_manifest(const char *hub_url, const char *dir, kv_manifest **o
 int kv_node_fetch_piece(const char *hub_url, const char *dir, const kv_manifest_file *f, kv_node_progress_fn progress,
                         void *parg, kv_diag *d);
 
+/* A signed POST of body (NUL-terminated JSON) to hub_url + path; the answer
+ * (bounded) in *out (caller frees), the HTTP status in *status. For other
+ * kinds of node (the ring's) that register with a hub like this one. */
+int kv_node_hub_post(const char *hub_url, kv_node_key *key, const char *path, const char *body, char **out,
+                     long *status, kv_diag *d);
+
 /* The absolute-or-relative path dir/pieces/<rel> into out[cap]. */
 int kv_node_piece_path(const char *dir, const char *rel, char *out, size_t cap, kv_diag *d);
 
@@ -117,6 +123,16 @@ int kv_node_parse_voucher(const char *json, size_t len, struct kv_voucher *v, ui
  * an address listed with two keys is KV_EFORMAT. */
 int kv_node_parse_placement_keys(const char *json, size_t len, char *const *workers, uint32_t n, uint8_t (*keys)[32],
                                  kv_diag *d);
+
+/* A coordinator reports a worker it caught lying: POST /v1/report signed by
+ * key, body {"key": HEX64 of the worker's key, "reason": TEXT}. The hub
+ * accepts reports only from coordinators it vouches for (docs/HUB.md). */
+int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_key[32], const char *reason,
+                   kv_diag *d);
+/* Parses a report body (the hub's side; fuzzed): the key, and the reason cut
+ * to reason_cap - 1 printable bytes. */
+#define KV_HUB_MAX_REASON 300u
+int kv_hub_parse_report(const char *json, size_t len, uint8_t key[32], char *reason, size_t reason_cap, kv_diag *d);
 
 /* ---- the node ------------------------------------------------------------ */
 

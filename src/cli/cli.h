@@ -27,6 +27,9 @@ int kv_cmd_node(int argc, char **argv);
 int kv_cmd_wallet(int argc, char **argv);
 int kv_cmd_ledger(int argc, char **argv);
 int kv_cmd_gateway(int argc, char **argv);
+int kv_cmd_swarm(int argc, char **argv);
+int kv_cmd_plan(int argc, char **argv);
+int kv_cmd_ring(int argc, char **argv);
 int kv_cmd_key(int argc, char **argv);
 
 struct kv_node_key;
@@ -46,7 +49,11 @@ typedef struct kv_cli_auth {
     kv_voucher voucher;
     bool has_voucher;
     uint8_t (*worker_keys)[32]; /* [n] or NULL */
+    const char *hub;            /* where caught workers are reported, or NULL */
 } kv_cli_auth;
+/* kv_engine_opts.on_caught for the CLI (arg: a kv_cli_auth): one line on
+ * stderr, and with a hub a signed report (POST /v1/report). */
+void kv_cli_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
 int kv_cli_auth_setup(const char *cmd, const char *key_path, const char *hub, const char *data_dir,
                       char *const *workers, uint32_t n, kv_cli_auth *a);
 void kv_cli_auth_free(kv_cli_auth *a);

@@ -2,7 +2,9 @@
  * APIs with continuous batching (kvasir/gateway.h). Parses flags, opens the
  * engine from the same model sources `kvasir run` takes, and serves until
  * SIGINT/SIGTERM. */
+#include <errno.h>
 #include <signal.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +15,8 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/engine.h"
 #include "kvasir/gateway.h"
+#include "kvasir/hub.h"
+#include "kvasir/ledger.h"
 #include "kvasir/node.h"
 #include "kvasir/pool.h"
 
@@ -22,7 +26,8 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
-                                             "--hub-refresh-ms", "--step-retry-ms", NULL};
+                                             "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
+                                             "--gateway-id", "--prices", NULL};
 
 static const char *kv_gateway_help =
     "usage: kvasir gateway (-m MODEL | --hub URL) [--listen HOST:PORT] [options]\n"
@@ -35,7 +40,8 @@ static const char *kv_gateway_help =
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
-    "  --key FILE           the coordinator key proved to workers (default ~/.kvasir/coordinator.key)\n"
+    "  --key FILE           the coordinator key proved to workers (default DATA/coordinator.key with\n"
+    "                       --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -48,7 +54,12 @@ static const char *kv_gateway_help =
     "  --timeout S          idle connection timeout in seconds (default 120)\n"
     "  --body-max BYTES     request body limit (default 1048576)\n"
     "  --max-tokens N       tokens per request when it names none (default 512)\n"
-    "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n";
+    "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n"
+    "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
+    "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
+    "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
+    "  --gateway-id ID      the id authorizations name (default gw- and 24 hex of the key)\n"
+    "  --prices P,C         micro-KVR per prompt token and per completion token (default 1,2)\n";
 
 static volatile sig_atomic_t kv_gw_stop_flag;
 static void kv_gw_on_signal(int sig) {
@@ -64,6 +75,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     uint32_t n_workers = 0, n_keys = 0;
     long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 64;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
+    const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
+    uint64_t price_p = 1, price_c = 2;
     long hub_refresh = 2000, step_retry = 30000;
     const char *hub = NULL, *data_dir = "kvasir-data";
     char hub_manifest[4200];
@@ -80,6 +93,25 @@ int kv_cmd_gateway(int argc, char **argv) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--ledger")) {
+            ledger = v;
+        } else if (!strcmp(a, "--gateway-key")) {
+            gw_key = v;
+        } else if (!strcmp(a, "--gateway-id")) {
+            gw_id = v;
+        } else if (!strcmp(a, "--prices")) {
+            char *end = NULL;
+            const char *comma = strchr(v, ',');
+            if (!comma || kv_arg_u64(CMD, a, comma + 1, &price_c))
+                return kv_cli_err(CMD, 1, "--prices: '%s' is not PROMPT,COMPLETION (micro-KVR per token)", v);
+            errno = 0;
+            const unsigned long long pp = strtoull(v, &end, 10);
+            if (end != comma || v[0] < '0' || v[0] > '9' || errno)
+                return kv_cli_err(CMD, 1, "--prices: '%s' is not PROMPT,COMPLETION (micro-KVR per token)", v);
+            price_p = pp;
+            if (price_p > KV_LEDGER_MAX_AMOUNT || price_c > KV_LEDGER_MAX_AMOUNT)
+                return kv_cli_err(CMD, 1, "--prices: at most %llu micro-KVR per token",
+                                  (unsigned long long)KV_LEDGER_MAX_AMOUNT);
         } else if (!strcmp(a, "--key")) {
             coord_key = v;
         } else if (!strcmp(a, "--data")) {
@@ -131,6 +163,19 @@ int kv_cmd_gateway(int argc, char **argv) {
     }
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
     if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir gateway --help)");
+    if (!ledger && (gw_key || gw_id))
+        return kv_cli_err(CMD, 1, "--gateway-key and --gateway-id need --ledger FILE");
+    char def_key[4200];
+    if (ledger && !gw_key) {
+        /* the gateway's node account defaults to its coordinator key */
+        kv_node_key k;
+        if (kv_cli_key(CMD, coord_key, hub ? data_dir : NULL, &k)) return 1; /* creates the default one */
+        sodium_memzero(&k, sizeof k);
+        const char *home = getenv("HOME");
+        if (hub) snprintf(def_key, sizeof def_key, "%s/coordinator.key", data_dir);
+        else snprintf(def_key, sizeof def_key, "%s/.kvasir/coordinator.key", home ? home : "");
+        gw_key = coord_key ? coord_key : def_key;
+    }
     /* HOST:PORT, [v6]:PORT */
     char host[128];
     long port;
@@ -218,7 +263,9 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .max_conns = (uint32_t)max_conns, .per_ip_conns = (uint32_t)per_ip,
                                 .timeout_s = (uint32_t)timeout, .body_max = (size_t)body_max,
                                 .max_tokens_default = (uint32_t)max_tokens, .hub_url = hub,
-                                .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry};
+                                .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry,
+                                .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,
+                                .price_prompt = price_p, .price_completion = price_c};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

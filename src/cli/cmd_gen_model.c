@@ -21,7 +21,7 @@ static void usage(FILE *f) {
             "usage: kvasir gen-model --arch qwen3moe --out F.gguf [--preset NAME] [--layers N]\n"
             "         [--embd N] [--ff-exp N] [--experts N] [--experts-used N] [--heads N]\n"
             "         [--kv-heads N] [--head-dim N] [--vocab N] [--ctx N]\n"
-            "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q5_k|q6_k] [--seed S] [--tied|--untied]\n"
+            "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q4_k_m|q5_k|q6_k] [--seed S] [--tied|--untied]\n"
             "         [--threads N]\n"
             "       qwen35moe also: [--ff-shexp N] [--attn-interval N] [--ssm-conv N] [--ssm-state N]\n"
             "         [--ssm-groups N] [--ssm-heads N] [--rope-dim N] [--rope-sections a,b,c,d] [--nextn 0|1]\n"
@@ -52,7 +52,8 @@ static void usage(FILE *f) {
             "  --ctx N          context length in the metadata    (1..%u)\n"
             "  --type T         type of the embedding, attention, expert and output matrices\n"
             "                   (norms and router stay f32); a matrix whose rows do not fit\n"
-            "                   the type's block falls back to q8_0 (k-quants) or f16, with a note\n"
+            "                   the type's block falls back to q8_0 (k-quants) or f16, with a note;\n"
+            "                   q4_k_m: q4_k with ffn_down*, attn_v and output in q6_k (llama.cpp's mix)\n"
             "  --seed S         weights seed (default 42)\n"
             "  --threads N      threads drawing and quantizing (default: all CPUs; the\n"
             "                   file is the same for any N)\n"
@@ -98,7 +99,7 @@ static int parse_type(const char *s, uint32_t *out) {
             *out = (uint32_t)kv_type_from_name(ok[i]);
             return 0;
         }
-    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k", s);
+    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k", s);
 }
 
 int kv_cmd_gen_model(int argc, char **argv) {
@@ -186,7 +187,8 @@ int kv_cmd_gen_model(int argc, char **argv) {
             if (!*out) return kv_cli_err(CMD, 1, "--out: empty path");
         } else if (!strcmp(a, "--type")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
-            if (parse_type(v, &cfg.type)) return 1;
+            cfg.q6_mix = !strcasecmp(v, "q4_k_m");
+            if (parse_type(cfg.q6_mix ? "q4_k" : v, &cfg.type)) return 1;
         } else if (!strcmp(a, "--seed")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             if (kv_arg_u64(CMD, a, v, &cfg.seed)) return 1;

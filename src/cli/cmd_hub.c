@@ -6,8 +6,11 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "kvasir/beacon.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
+#include "kvasir/slice.h"
+#include "kvasir/ledger.h"
 
 #define CMD "hub"
 
@@ -15,7 +18,7 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
                                              "--timeout", "--threads", "--challenge-every",
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
-                                             NULL};
+                                             "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -27,6 +30,8 @@ static const char *kv_hub_help =
     "  --refresh-ms MS     shared store: the market/placement view is at most MS old (default 250)\n"
     "  --listen HOST:PORT  address to serve on (default 127.0.0.1:0; port 0 picks one, printed)\n"
     "  --wanted N          replicas wanted per shard (default 2)\n"
+    "  --ring-windows A-B,C-D,...  also trade these consecutive layer windows to ring nodes\n"
+    "                      (kvasir ring --hub; GET /v1/ring)\n"
     "  --deadline-ms MS    a node is live while its last heartbeat is this recent (default 15000)\n"
     "  --reward MICRO      micro-KVR per hour offered for a shard at its wanted count (default 1000000)\n"
     "  --max-body BYTES    request body bound (default 1048576)\n"
@@ -37,11 +42,18 @@ static const char *kv_hub_help =
     "  --challenge-every N storage challenge every N heartbeats of a node (default 12)\n"
     "  --challenge-ttl-ms MS  an unanswered challenge fails after MS (default 60000)\n"
     "  --no-verify         check piece sizes at start, not their SHA-256 (default: hash every piece)\n"
+    "  --beacon [PORT]     announce the hub by UDP broadcast on PORT (default 47474) so that\n"
+    "                      `kvasir node` without --hub finds it (include/kvasir/beacon.h)\n"
+    "  --beacon-to ADDR    broadcast address (default 127.255.255.255 for a loopback hub,\n"
+    "                      255.255.255.255 otherwise)\n"
+    "  --beacon-interval-ms MS  period of the beacon (default 1000)\n"
     "  --quiet             no log lines\n"
     "  --vouch-key K       vouch for coordinator key K (64 hex digits, or a file of keys, one a\n"
     "                      line): POST /v1/voucher signed by it gets a voucher workers honor; repeatable\n"
     "  --vouch-open        vouch for any coordinator key that asks (a test swarm only)\n"
     "  --voucher-ttl-ms MS a voucher's lifetime (default 3600000)\n"
+    "  --ledger FILE|URI   the KVR ledger the gateways settle into, opened read-only: each node's\n"
+    "                      earned_micro_kvr on /v1/nodes and the status page (docs/LEDGER.md)\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n";
 
 static kv_hub *kv_the_hub;
@@ -51,13 +63,30 @@ static void kv_on_signal(int sig) {
     if (kv_the_hub) kv_hub_stop(kv_the_hub);
 }
 
+/* The beacon's message: the hub's URL and its model id (from the manifest). */
+static int kv_hub_beacon_start(kv_beacon **out, const kv_hub_opts *o, const char *addr, const char *to, long port,
+                               long interval_ms, kv_diag *d) {
+    kv_manifest *m = NULL;
+    int rc = kv_manifest_load(&m, o->manifest, d);
+    if (rc) return rc;
+    kv_beacon_opts bo = {.to = to, .port = (uint16_t)port, .interval_ms = (uint32_t)interval_ms};
+    snprintf(bo.msg.model_id, sizeof bo.msg.model_id, "%s", m->model_id);
+    kv_manifest_free(m);
+    if (!to) bo.to = !strncmp(addr, "127.", 4) || !strncmp(addr, "localhost:", 10) ? "127.255.255.255" : "255.255.255.255";
+    if ((size_t)snprintf(bo.msg.url, sizeof bo.msg.url, "http://%s", addr) >= sizeof bo.msg.url)
+        return kv_fail(d, KV_EINVAL, "beacon: the hub address '%s' is too long to announce", addr);
+    return kv_beacon_start(out, &bo, d);
+}
+
 int kv_cmd_hub(int argc, char **argv) {
     kv_hub_opts o = {0};
     static char pg_uri[2048];
-    long v;
+    long v, beacon_port = -1, beacon_interval = KV_BEACON_INTERVAL_MS;
+    const char *beacon_to = NULL;
     uint8_t(*vk)[32] = NULL;
     size_t n_vk = 0;
     kv_diag ad = {0};
+    const char *ledger = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *s;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -67,10 +96,17 @@ int kv_cmd_hub(int argc, char **argv) {
             o.quiet = true;
         } else if (!strcmp(a, "--no-verify")) {
             o.skip_verify = true;
+        } else if (!strcmp(a, "--beacon")) { /* an optional PORT: the next word if it is all digits */
+            beacon_port = KV_BEACON_PORT;
+            if (i + 1 < argc && argv[i + 1][0] >= '0' && argv[i + 1][0] <= '9') {
+                if (kv_arg_long(CMD, a, argv[++i], 1, 65535, &beacon_port)) return 1;
+            }
         } else if (!strcmp(a, "--vouch-open")) {
             o.vouch_open = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
+        } else if (!strcmp(a, "--ring-windows")) {
+            o.ring_windows = s;
         } else if (!strcmp(a, "--vouch-key")) {
             if (kv_key_list_add(s, &vk, &n_vk, &ad)) {
                 free(vk);
@@ -79,6 +115,8 @@ int kv_cmd_hub(int argc, char **argv) {
         } else if (!strcmp(a, "--voucher-ttl-ms")) {
             if (kv_arg_long(CMD, a, s, 1000, 30L * 86400000, &v)) return 1;
             o.voucher_ttl_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--ledger")) {
+            ledger = s;
         } else if (!strcmp(a, "--model")) {
             o.manifest = s;
         } else if (!strcmp(a, "--listen")) {
@@ -119,6 +157,10 @@ int kv_cmd_hub(int argc, char **argv) {
         } else if (!strcmp(a, "--challenge-every")) {
             if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
             o.challenge_every = (uint32_t)v;
+        } else if (!strcmp(a, "--beacon-to")) {
+            beacon_to = s;
+        } else if (!strcmp(a, "--beacon-interval-ms")) {
+            if (kv_arg_long(CMD, a, s, 10, 3600000, &beacon_interval)) return 1;
         } else if (!strcmp(a, "--challenge-ttl-ms")) {
             if (kv_arg_long(CMD, a, s, 100, 86400000, &v)) return 1;
             o.challenge_ttl_ms = (uint32_t)v;
@@ -132,9 +174,19 @@ int kv_cmd_hub(int argc, char **argv) {
     kv_hub *h = NULL;
     o.vouch_keys = (const uint8_t(*)[32])vk;
     o.n_vouch_keys = n_vk;
+    kv_ledger_reader *lr = NULL; /* read-only: the hub can show earnings, never move them */
+    if (ledger && kv_ledger_reader_open(&lr, ledger, &d)) {
+        free(vk);
+        return kv_cli_diag(CMD, &d);
+    }
+    o.earned = lr ? kv_ledger_reader_earned : NULL;
+    o.earned_arg = lr;
     int orc = kv_hub_open(&h, &o, &d);
     free(vk);
-    if (orc) return kv_cli_diag(CMD, &d);
+    if (orc) {
+        kv_ledger_reader_free(lr);
+        return kv_cli_diag(CMD, &d);
+    }
     if (!o.quiet) {
         char hk[65];
         kv_hex(kv_hub_key(h), 32, hk);
@@ -147,11 +199,20 @@ int kv_cmd_hub(int argc, char **argv) {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    kv_beacon *b = NULL;
+    if (beacon_port > 0 && kv_hub_beacon_start(&b, &o, kv_hub_addr(h), beacon_to, beacon_port, beacon_interval, &d)) {
+        kv_the_hub = NULL;
+        kv_hub_free(h);
+        return kv_cli_diag(CMD, &d);
+    }
     printf("listening on %s\n", kv_hub_addr(h));
+    if (b) printf("beacon on UDP port %ld\n", beacon_port);
     fflush(stdout);
     int rc = kv_hub_serve(h, &d);
     kv_the_hub = NULL;
+    kv_beacon_free(b);
     kv_hub_free(h);
+    kv_ledger_reader_free(lr);
     if (!o.quiet) fprintf(stderr, "hub: stopped\n");
     return rc ? kv_cli_diag(CMD, &d) : 0;
 }

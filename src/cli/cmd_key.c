@@ -58,6 +58,7 @@ int kv_cli_auth_setup(const char *cmd, const char *key_path, const char *hub, co
     memset(a, 0, sizeof *a);
     int rc = kv_cli_key(cmd, key_path, hub ? data_dir : NULL, &a->key);
     if (rc || !hub) return rc;
+    a->hub = hub;
     if (n && !(a->worker_keys = calloc(n, sizeof *a->worker_keys))) return kv_cli_err(cmd, 2, "out of memory");
     kv_diag d = {0};
     rc = kv_node_fetch_auth(hub, &a->key, workers, n, a->worker_keys, &a->voucher, &d);
@@ -74,4 +75,14 @@ int kv_cli_auth_setup(const char *cmd, const char *key_path, const char *hub, co
 void kv_cli_auth_free(kv_cli_auth *a) {
     free(a->worker_keys);
     a->worker_keys = NULL;
+}
+
+void kv_cli_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why) {
+    kv_cli_auth *a = arg;
+    (void)worker;
+    fprintf(stderr, "kvasir: worker %s caught lying, dropped and its part redone: %s\n", addr, why);
+    if (!a || !a->hub) return;
+    kv_diag d = {0};
+    if (kv_node_report(a->hub, &a->key, key, why, &d)) fprintf(stderr, "kvasir: reporting it to the hub: %s\n", d.msg);
+    else fprintf(stderr, "kvasir: reported it to the hub\n");
 }

@@ -1,6 +1,7 @@
 /* kvasir ledger: make a ledger, issue KVR with the operator key, read
  * balances and statements, and check every invariant (docs/LEDGER.md). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli/cli.h"
@@ -17,10 +18,13 @@ static const char *kv_ledger_help =
     "       kvasir ledger balance --db FILE --account ACCOUNT [--json]\n"
     "       kvasir ledger statement --db FILE [--account ACCOUNT] [--json]\n"
     "       kvasir ledger check --db FILE [--json]\n"
+    "       kvasir ledger summary --db FILE [--json]\n"
     "  init       creates the ledger; only OPERATOR_KEYFILE's key may issue; fee to the treasury\n"
     "             in basis points of each settled cost (default 500)\n"
     "  issue      funds a consumer account (its wallet's public key); --id makes a retry exact\n"
     "  check      exit 0 only when every invariant holds, with a one-line summary\n"
+    "  summary    what each consumer paid, what each node earned (and for how many products),\n"
+    "             the fees, and whether the books balance (exit 0 only then)\n"
     "ACCOUNT: a 64-hex public key (a consumer), consumer:KEY, node:KEY, treasury, escrow, mint\n";
 
 static int kv_print_entry(void *ctx, const kv_ledger_entry *e) {
@@ -37,6 +41,114 @@ static int kv_print_entry(void *ctx, const kv_ledger_entry *e) {
                (unsigned long long)e->amount, e->debit, e->credit);
     }
     return 0;
+}
+
+/* ---- summary: paid, earned, fees, from the journal ---------------------------- */
+#define KV_SUM_MAX 4096 /* accounts listed; more are summed but not named */
+typedef struct {
+    char id[KV_LEDGER_ACCOUNT_MAX];
+    uint64_t in, out; /* consumer: issued, then held - returned; node: rewards */
+} kv_sum_acct;
+typedef struct {
+    kv_sum_acct c[KV_SUM_MAX], n[KV_SUM_MAX];
+    size_t n_c, n_n;
+    uint64_t holds, returns, rewards, fees, issued;
+    bool overflow; /* some account not listed */
+} kv_sum;
+
+static kv_sum_acct *kv_sum_find(kv_sum_acct *a, size_t *n, const char *id, bool *overflow) {
+    for (size_t i = 0; i < *n; i++)
+        if (!strcmp(a[i].id, id)) return &a[i];
+    if (*n == KV_SUM_MAX) {
+        *overflow = true;
+        return NULL;
+    }
+    kv_sum_acct *x = &a[(*n)++];
+    memset(x, 0, sizeof *x);
+    snprintf(x->id, sizeof x->id, "%s", id);
+    return x;
+}
+
+static int kv_sum_entry(void *ctx, const kv_ledger_entry *e) {
+    kv_sum *s = ctx;
+    kv_sum_acct *a;
+    switch (e->code) {
+    case KV_XFER_ISSUE:
+        s->issued += e->amount;
+        if ((a = kv_sum_find(s->c, &s->n_c, e->credit, &s->overflow))) a->in += e->amount;
+        break;
+    case KV_XFER_HOLD:
+        s->holds += e->amount;
+        if ((a = kv_sum_find(s->c, &s->n_c, e->debit, &s->overflow))) a->out += e->amount;
+        break;
+    case KV_XFER_RETURN:
+        s->returns += e->amount;
+        if ((a = kv_sum_find(s->c, &s->n_c, e->credit, &s->overflow))) a->out -= e->amount;
+        break;
+    case KV_XFER_REWARD:
+        s->rewards += e->amount;
+        if ((a = kv_sum_find(s->n, &s->n_n, e->credit, &s->overflow))) a->in += e->amount;
+        break;
+    case KV_XFER_FEE: s->fees += e->amount; break;
+    default: break;
+    }
+    return 0;
+}
+
+/* Paid (held - returned, less what is still held) must equal earned +
+ * fees, and every invariant of kv_ledger_check must hold: exit 0 only then. */
+static int kv_ledger_summary(kv_ledger *l, bool json, kv_diag *d) {
+    kv_sum *s = calloc(1, sizeof *s);
+    if (!s) return kv_cli_err(CMD, 2, "out of memory");
+    kv_ledger_report rep;
+    int ret = 0;
+    if (kv_ledger_statement(l, NULL, kv_sum_entry, s, d)) {
+        ret = kv_cli_diag(CMD, d);
+        goto out;
+    }
+    const int crc = kv_ledger_check(l, &rep, d);
+    if (crc && !rep.failed[0]) {
+        ret = kv_cli_diag(CMD, d);
+        goto out;
+    }
+    const uint64_t paid = s->holds - s->returns - rep.escrow_held;
+    const bool balanced = !crc && paid == s->rewards + s->fees;
+    if (json) printf("{\"consumers\":[");
+    for (size_t i = 0; i < s->n_c; i++) {
+        uint64_t bal = 0;
+        kv_ledger_balance(l, s->c[i].id, &bal, NULL);
+        if (json) printf("%s{\"account\":\"%s\",\"issued\":%llu,\"paid\":%llu,\"balance\":%llu}", i ? "," : "",
+                         s->c[i].id, (unsigned long long)s->c[i].in, (unsigned long long)s->c[i].out,
+                         (unsigned long long)bal);
+        else printf("consumer %s paid %llu micro-KVR (issued %llu, balance %llu)\n", s->c[i].id,
+                    (unsigned long long)s->c[i].out, (unsigned long long)s->c[i].in, (unsigned long long)bal);
+    }
+    if (json) printf("],\"nodes\":[");
+    for (size_t i = 0; i < s->n_n; i++) {
+        uint8_t pk[32];
+        uint64_t earned = 0, products = 0, n_rcpt = 0;
+        if (!kv_unhex32(s->n[i].id + 5, pk, NULL)) kv_ledger_node_earnings(l, pk, &earned, &products, &n_rcpt, NULL);
+        if (json) printf("%s{\"account\":\"%s\",\"earned\":%llu,\"products\":%llu,\"receipts\":%llu}", i ? "," : "",
+                         s->n[i].id, (unsigned long long)s->n[i].in, (unsigned long long)products,
+                         (unsigned long long)n_rcpt);
+        else printf("node %s earned %llu micro-KVR for %llu expert products (%llu receipts)\n", s->n[i].id,
+                    (unsigned long long)s->n[i].in, (unsigned long long)products, (unsigned long long)n_rcpt);
+    }
+    if (json)
+        printf("],\"paid\":%llu,\"earned\":%llu,\"fees\":%llu,\"held\":%llu,\"issued\":%llu,\"balanced\":%s,"
+               "\"check\":\"%s\",\"complete\":%s}\n",
+               (unsigned long long)paid, (unsigned long long)s->rewards, (unsigned long long)s->fees,
+               (unsigned long long)rep.escrow_held, (unsigned long long)s->issued, balanced ? "true" : "false",
+               crc ? rep.failed : "ok", s->overflow ? "false" : "true");
+    else
+        printf("books %s: consumers paid %llu = nodes earned %llu + fees %llu%s (held in escrow %llu; %s)\n",
+               balanced ? "balance" : "DO NOT balance", (unsigned long long)paid, (unsigned long long)s->rewards,
+               (unsigned long long)s->fees, s->overflow ? " (accounts past 4096 not listed)" : "",
+               (unsigned long long)rep.escrow_held, crc ? rep.failed : "ledger check ok");
+    ret = balanced ? 0 : 2;
+out:
+    free(s);
+    return ret;
 }
 
 int kv_cmd_ledger(int argc, char **argv) {
@@ -159,8 +271,11 @@ int kv_cmd_ledger(int argc, char **argv) {
                        (unsigned long long)r.n_settled, (unsigned long long)r.n_released);
             }
         }
+    } else if (!strcmp(sub, "summary")) {
+        if (kv_ledger_open(&l, db, &d)) ret = kv_cli_diag(CMD, &d);
+        else ret = kv_ledger_summary(l, json, &d);
     } else {
-        return kv_cli_err(CMD, 1, "unknown subcommand '%s' (init, issue, balance, statement, check)", sub);
+        return kv_cli_err(CMD, 1, "unknown subcommand '%s' (init, issue, balance, statement, check, summary)", sub);
     }
     kv_ledger_free(l);
     return ret;

@@ -9,17 +9,23 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "kvasir/beacon.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/node.h"
 
 #define CMD "node"
 
 static const char *const kv_value_flags[] = {"--hub", "--budget", "--data", "--listen", "--advertise",
-                                             "--interval-ms", "--threads", "-t", "--allow-key", NULL};
+                                             "--interval-ms", "--threads", "-t", "--allow-key", "--beacon-port",
+                                             "--beacon-wait-ms", "--model-id", NULL};
 
 static const char *kv_node_help =
-    "usage: kvasir node --hub URL --budget SIZE --data DIR [--listen HOST:PORT] [options]\n"
-    "  --hub URL           the hub (http://HOST:PORT)\n"
+    "usage: kvasir node [--hub URL] --budget SIZE --data DIR [--listen HOST:PORT] [options]\n"
+    "  --hub URL           the hub (http://HOST:PORT); without it, the first hub heard by its\n"
+    "                      LAN beacon (kvasir hub --beacon) whose /v1/status names the same model\n"
+    "  --beacon-port P     UDP port to hear the beacon on (default 47474)\n"
+    "  --beacon-wait-ms MS how long to wait for a beacon (default 10000)\n"
+    "  --model-id HEX      only join a hub announcing this model id\n"
     "  --budget SIZE       bytes of slabs to hold: digits with K, M, G or T (powers of 1024)\n"
     "  --data DIR          node key (DIR/node.key, created on first start) and pieces (DIR/pieces/)\n"
     "  --listen HOST:PORT  worker address (default 127.0.0.1:0: a free port, printed)\n"
@@ -60,7 +66,9 @@ int kv_cmd_node(int argc, char **argv) {
     size_t n_ak = 0;
     kv_diag ad = {0};
     bool quiet = false;
-    long v;
+    long v, beacon_port = KV_BEACON_PORT, beacon_wait = 10000;
+    const char *model_id = NULL;
+    char beacon_url[KV_BEACON_MAX_URL + 1];
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *s;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -88,6 +96,14 @@ int kv_cmd_node(int argc, char **argv) {
         } else if (!strcmp(a, "--interval-ms")) {
             if (kv_arg_long(CMD, a, s, 10, 600000, &v)) return 1;
             o.interval_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--beacon-port")) {
+            if (kv_arg_long(CMD, a, s, 1, 65535, &beacon_port)) return 1;
+        } else if (!strcmp(a, "--beacon-wait-ms")) {
+            if (kv_arg_long(CMD, a, s, 1, 3600000, &beacon_wait)) return 1;
+        } else if (!strcmp(a, "--model-id")) {
+            if (strlen(s) != 64 || strspn(s, "0123456789abcdef") != 64)
+                return kv_cli_err(CMD, 1, "--model-id: '%s' is not 64 lowercase hex digits", s);
+            model_id = s;
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
             if (kv_arg_long(CMD, a, s, 1, 1024, &v)) return 1;
             o.n_threads = (int)v;
@@ -95,9 +111,16 @@ int kv_cmd_node(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir node --help)", a);
         }
     }
-    if (!o.hub || !budget || !o.dir) return kv_cli_err(CMD, 1, "needs --hub, --budget and --data (see kvasir node --help)");
+    if (!budget || !o.dir) return kv_cli_err(CMD, 1, "needs --budget and --data (see kvasir node --help)");
     kv_diag d = {0};
     if (kv_node_parse_size(budget, &o.budget, &d)) return kv_cli_err(CMD, 1, "--budget: %s", d.msg);
+    if (!o.hub) { /* find one by its LAN beacon */
+        if (!quiet) fprintf(stderr, "node: no --hub: listening for a hub beacon on UDP port %ld\n", beacon_port);
+        if (kv_beacon_find_hub((uint16_t)beacon_port, (uint32_t)beacon_wait, model_id, beacon_url, sizeof beacon_url, &d))
+            return kv_cli_diag(CMD, &d);
+        o.hub = beacon_url;
+        if (!quiet) fprintf(stderr, "node: joining the hub %s (heard by its beacon)\n", o.hub);
+    }
     bool tty = isatty(2);
     o.log = quiet ? NULL : stderr;
     o.progress = quiet ? NULL : kv_progress;

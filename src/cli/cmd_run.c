@@ -10,10 +10,12 @@
 #include "kvasir/engine.h"
 #include "kvasir/node.h"
 #include "kvasir/quant.h"
+#include "kvasir/ring.h"
 #include "kvasir/slice.h"
+#include "kvasir/verify.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--key", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", NULL};
 
 #define CMD "run"
 
@@ -36,6 +38,12 @@ static const char *kv_run_help =
     "                       --data DIR (resumable, hash checked) and its experts computed by the\n"
     "                       live nodes of the hub's placement map (instead of -m)\n"
     "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
+    "  --ring HOST:PORT     submit to a ring node (kvasir ring) instead of -m: the ring tokenizes,\n"
+    "                       computes and streams the tokens back (--ring-timeout-ms N: longest wait\n"
+    "                       for one token, default 60000); it proves --key (below) to the node\n"
+    "  --verify             check every worker answer (Freivalds, docs/VERIFY.md) against the slabs\n"
+    "                       present in the manifest's folder; a worker caught lying is dropped for good\n"
+    "  --verify-recompute R also recompute a fraction R of the answers in full (with --verify)\n"
     "  --key FILE           the key proved to workers (default DATA/coordinator.key with --hub,\n"
     "                       else ~/.kvasir/coordinator.key; created if absent; see kvasir key)\n"
     "  --wire ENC           hidden states to workers as f32 (exact, default), f16 or bf16\n"
@@ -100,10 +108,13 @@ static void kv_run_dispatch_json(const kv_remote *r) {
     kv_remote_get_stats(r, &st);
     printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
            "\"pairs_local\":%llu,\"bytes_sent\":%llu,\"bytes_recv\":%llu,\"rtt_p50_us\":%.1f,\"rtt_p99_us\":%.1f,"
+           "\"verified\":%llu,\"unverified\":%llu,\"recomputed\":%llu,\"caught\":%llu,"
            "\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
            (unsigned long long)st.retried_pairs, (unsigned long long)st.pairs_remote,
            (unsigned long long)st.pairs_local, (unsigned long long)st.bytes_sent, (unsigned long long)st.bytes_recv,
-           st.rtt_p50_us, st.rtt_p99_us);
+           st.rtt_p50_us, st.rtt_p99_us, (unsigned long long)st.pairs_verified,
+           (unsigned long long)st.pairs_unverified, (unsigned long long)st.pairs_recomputed,
+           (unsigned long long)st.caught);
     for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
         kv_remote_worker w;
         kv_remote_worker_info(r, i, &w);
@@ -111,6 +122,7 @@ static void kv_run_dispatch_json(const kv_remote *r) {
         kv_json_str(stdout, w.addr, strlen(w.addr));
         printf(",\"backend\":"); /* the kernel backend it announced (HELLO_ACK) */
         kv_json_str(stdout, w.backend, strlen(w.backend));
+        printf(",\"caught\":%s,\"verified\":%llu", w.caught ? "true" : "false", (unsigned long long)w.verified);
         printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
                "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
                (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
@@ -141,14 +153,110 @@ static void kv_run_dispatch_log(const kv_remote *r) {
     }
 }
 
+/* --ring: the request goes to a ring node; tokens (and logits) stream back. */
+typedef struct kv_run_ring_out {
+    FILE *lf;                /* --logits-out */
+    bool json, werr;
+    int32_t *gen;            /* [cap] tokens */
+    size_t n_gen, cap;
+    char *text;              /* [text_cap] */
+    size_t text_len, text_cap;
+    double t_first, t_last;  /* wall clock (s) of the first and last token's arrival */
+} kv_run_ring_out;
+
+static double kv_wall_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int kv_run_ring_tok(void *data, int32_t token, const char *piece, size_t pn, const float *logits, uint32_t nv) {
+    kv_run_ring_out *o = data;
+    o->t_last = kv_wall_s();
+    if (!o->n_gen) o->t_first = o->t_last;
+    if (o->lf && logits && fwrite(logits, sizeof(float), nv, o->lf) != nv) o->werr = true;
+    if (o->n_gen == o->cap) {
+        size_t nc = o->cap ? 2 * o->cap : 64;
+        int32_t *ng = realloc(o->gen, nc * sizeof *ng);
+        if (!ng) return 1;
+        o->gen = ng;
+        o->cap = nc;
+    }
+    o->gen[o->n_gen++] = token;
+    if (o->text_len + pn + 1 > o->text_cap) {
+        size_t nc = 2 * o->text_cap + pn + 64;
+        char *nt = realloc(o->text, nc);
+        if (!nt) return 1;
+        o->text = nt;
+        o->text_cap = nc;
+    }
+    memcpy(o->text + o->text_len, piece, pn);
+    o->text_len += pn;
+    if (!o->json && pn) {
+        fwrite(piece, 1, pn, stdout);
+        fflush(stdout);
+    }
+    return 0;
+}
+
+static int kv_run_ring(const char *addr, const char *key_path, const char *prompt, long n_predict,
+                       const kv_sample_params *sp, bool json, const char *logits_path, long timeout_ms) {
+    kv_run_ring_out o = {.json = json};
+    kv_ring_result res = {0};
+    kv_diag d = {0};
+    int rc = 0;
+    const double t0 = kv_wall_s();
+    kv_node_key key;
+    if ((rc = kv_cli_key(CMD, key_path, NULL, &key))) return rc;
+    if (logits_path && !(o.lf = fopen(logits_path, "wb"))) return kv_cli_err(CMD, 2, "cannot write '%s'", logits_path);
+    const kv_ring_params p = {.flags = logits_path ? KV_RING_SUBMIT_LOGITS : 0,
+                              .n_predict = n_predict > 0 ? (uint32_t)n_predict : 1, .sample = *sp};
+    rc = kv_ring_request_key(addr, key.sk, prompt, strlen(prompt), &p, (int)timeout_ms, kv_run_ring_tok, &o, &res, &d);
+    memset(&key, 0, sizeof key);
+    if (o.lf && fclose(o.lf)) o.werr = true;
+    if (rc) {
+        if (!json && o.n_gen) printf("\n");
+        rc = kv_cli_diag(CMD, &d);
+    } else if (o.werr) {
+        rc = kv_cli_err(CMD, 2, "write error on '%s'", logits_path);
+    } else if (json) {
+        printf("{\"prompt_tokens\":[");
+        for (uint32_t i = 0; i < res.n_prompt; i++) printf("%s%d", i ? "," : "", res.prompt[i]);
+        printf("],\"tokens\":[");
+        for (size_t i = 0; i < o.n_gen; i++) printf("%s%d", i ? "," : "", o.gen[i]);
+        printf("],\"text\":");
+        char *clean = malloc(o.text_len * 3 + 1);
+        if (clean) kv_json_str(stdout, clean, kv_utf8_clean(o.text ? o.text : "", o.text_len, clean));
+        else printf("\"\"");
+        free(clean);
+        /* wall-clock stamps, so that several clients' decode phases can be combined */
+        printf(",\"timings\":{\"first_token_s\":%.6f,\"decode_tok_s\":%.3f,\"t_first\":%.6f,\"t_last\":%.6f}",
+               o.n_gen ? o.t_first - t0 : 0.0, o.n_gen > 1 && o.t_last > o.t_first ? (double)(o.n_gen - 1) / (o.t_last - o.t_first) : 0.0,
+               o.t_first, o.t_last);
+        printf(",\"stop\":\"%s\",\"ring\":\"", kv_stop_name((enum kv_stop)res.stop));
+        printf("%s\"}\n", addr);
+    } else {
+        printf("\n");
+        fprintf(stderr, "kvasir run: %u prompt tokens, %zu generated through the ring at %s\n", res.n_prompt, o.n_gen, addr);
+    }
+    kv_ring_result_free(&res);
+    free(o.gen);
+    free(o.text);
+    return rc;
+}
+
 int kv_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *pfile = NULL, *logits_path = NULL;
     long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
     bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
-    const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL;
+    const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL, *ring = NULL;
+    long ring_timeout = 60000;
     kv_cli_auth auth = {0};
+    bool verify = false;
+    double verify_rate = 0;
+    const kv_verify_opts vopts = {0};
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
@@ -165,6 +273,8 @@ int kv_cmd_run(int argc, char **argv) {
             chat = true;
         } else if (!strcmp(a, "--json")) {
             json = true;
+        } else if (!strcmp(a, "--verify")) {
+            verify = true;
         } else if (!strcmp(a, "--skip-hashes")) {
             skip_hashes = true;
         } else if (!strcmp(a, "--allow-sparse")) { /* run a sliced skeleton (pieces without hashes) */
@@ -208,10 +318,19 @@ int kv_cmd_run(int argc, char **argv) {
             workers[n_workers++] = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--verify-recompute")) {
+            float f;
+            if (kv_arg_float(CMD, a, v, 0, 1, &f)) return 1;
+            verify_rate = f;
+            verify = true;
         } else if (!strcmp(a, "--key")) {
             key_path = v;
         } else if (!strcmp(a, "--data")) {
             data_dir = v;
+        } else if (!strcmp(a, "--ring")) {
+            ring = v;
+        } else if (!strcmp(a, "--ring-timeout-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &ring_timeout)) return 1;
         } else if (!strcmp(a, "--worker-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &worker_timeout)) return 1;
         } else if (!strcmp(a, "--wire")) {
@@ -229,6 +348,13 @@ int kv_cmd_run(int argc, char **argv) {
         }
     }
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
+    if (ring && (model || hub || n_workers || chat || pfile))
+        return kv_cli_err(CMD, 1, "--ring replaces -m, --hub and --worker, and takes -p TEXT (no --chat, no -f)");
+    if (ring && !prompt) return kv_cli_err(CMD, 1, "missing -p PROMPT");
+    if (ring) {
+        if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
+        return kv_run_ring(ring, key_path, prompt, n_predict, &sp, json, logits_path, ring_timeout);
+    }
     if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir run --help)");
     if (!prompt && !pfile) return kv_cli_err(CMD, 1, "missing -p PROMPT or -f FILE");
     if (prompt && pfile) return kv_cli_err(CMD, 1, "give either -p or -f, not both");
@@ -286,7 +412,9 @@ int kv_cmd_run(int argc, char **argv) {
                                .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .log = verbose ? stderr : NULL, .key_sk = auth.key.sk,
-                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys};
+                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
+                               .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
+                               .on_caught = kv_cli_caught, .caught_arg = &auth};
     if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);

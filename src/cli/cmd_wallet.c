@@ -14,7 +14,7 @@ static const char *const kv_value_flags[] = {"--out", "--key", "--gateway", "--m
 static const char *kv_wallet_help =
     "usage: kvasir wallet new --out KEYFILE\n"
     "       kvasir wallet show --key KEYFILE [--json]\n"
-    "       kvasir wallet pay --key KEYFILE --gateway GATEWAY_ID --max MICRO_KVR [--expires SECONDS]\n"
+    "       kvasir wallet pay --key KEYFILE --gateway GATEWAY_ID --max MICRO_KVR [--expires SECONDS] [--json]\n"
     "  new   writes a fresh Ed25519 key (mode 0600, never overwrites) and prints its public key\n"
     "  show  prints the public key: the consumer account (or node account) of this key\n"
     "  pay   prints a payment authorization for the X-KVR-Payment header: usable once, at\n"
@@ -81,7 +81,16 @@ int kv_cmd_wallet(int argc, char **argv) {
         uint64_t now = (uint64_t)time(NULL);
         if (kv_auth_sign(&a, &w, gateway, max, now + expires, &d) || kv_auth_encode(&a, hdr, sizeof hdr, &d))
             return kv_cli_diag(CMD, &d);
-        printf("%s\n", hdr);
+        if (json) {
+            char nonce[33];
+            for (int i = 0; i < 16; i++) snprintf(nonce + 2 * i, 3, "%02x", a.nonce[i]);
+            kv_hex32(a.consumer, hex);
+            printf("{\"header\":\"%s\",\"consumer\":\"consumer:%s\",\"gateway\":\"%s\",\"max\":%llu,"
+                   "\"expires\":%llu,\"nonce\":\"%s\"}\n", hdr, hex, a.gateway, (unsigned long long)a.max,
+                   (unsigned long long)a.expires, nonce);
+        } else {
+            printf("%s\n", hdr);
+        }
         return 0;
     }
     return kv_cli_err(CMD, 1, "unknown subcommand '%s' (new, show, pay)", sub);

@@ -25,6 +25,9 @@ static const struct {
     {"wallet", kv_cmd_wallet, "make a KVR key, show its account, sign a payment authorization"},
     {"ledger", kv_cmd_ledger, "KVR ledger: init, issue, balance, statement, check"},
     {"gateway", kv_cmd_gateway, "serve a model over the OpenAI, Anthropic and Ollama HTTP APIs"},
+    {"swarm", kv_cmd_swarm, "bring a local swarm (hub, nodes, gateway) up, show its status, bring it down"},
+    {"plan", kv_cmd_plan, "print a hub's placement and the expected bytes and round trips per token"},
+    {"ring", kv_cmd_ring, "serve a layer window as a node of a ring (pipeline, no master)"},
 };
 
 static void kv_usage(FILE *f) {

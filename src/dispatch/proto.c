@@ -89,7 +89,7 @@ static int kv_rd_u64(kv_rd *r, uint64_t *v) {
 const char *kv_msg_type_name(uint32_t t) {
     static const char *const names[] = {"?", "HELLO", "HELLO_ACK", "COMPUTE", "RESULT", "ERROR",
                                         "PING", "PONG", "STATS", "STATS_ACK", "AUTH_CHALLENGE", "AUTH",
-                                        "AUTH_OK"};
+                                        "AUTH_OK", "RESULT_PRE", "RECEIPT_REQ", "RECEIPT"};
     _Static_assert(sizeof names / sizeof names[0] == KV_MSG_TYPE_COUNT, "a name per type");
     return t < KV_MSG_TYPE_COUNT ? names[t] : "?";
 }
@@ -230,6 +230,17 @@ static size_t kv_result_payload(uint32_t enc, uint32_t n_pairs, uint32_t n_embd)
     return t <= KV_PROTO_MAX_PAYLOAD ? t : 0;
 }
 
+static size_t kv_result_pre_payload(uint32_t n_pairs, uint32_t n_embd, uint32_t n_ff) {
+    size_t rw, t;
+    if (n_pairs == 0 || n_pairs > KV_PROTO_MAX_PAIRS || n_embd == 0 || n_embd > KV_PROTO_MAX_EMBD || n_ff == 0 ||
+        n_ff > KV_PROTO_MAX_FF)
+        return 0;
+    if (!kv_mul_ok((size_t)n_embd + 2 * (size_t)n_ff, 4 * (size_t)n_pairs, &rw) ||
+        !kv_add_ok(rw, KV_PROTO_RESULT_PRE_FIXED, &t))
+        return 0;
+    return t <= KV_PROTO_MAX_PAYLOAD ? t : 0;
+}
+
 size_t kv_msg_compute_size(uint32_t enc, uint32_t n_tokens, uint32_t n_embd, uint32_t n_pairs) {
     size_t p = kv_compute_payload(enc, n_tokens, n_embd, n_pairs);
     return p ? p + KV_PROTO_HEADER : 0;
@@ -360,7 +371,7 @@ int kv_msg_hello_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_
         !kv_model_id_ok(m->model_id, KV_PROTO_MODEL_ID_LEN))
         return kv_fail(d, KV_EINVAL, "HELLO: model id must be %u lowercase hex digits",
                        KV_PROTO_MODEL_ID_LEN);
-    if (!(m->enc_mask & 1u) || (m->enc_mask & ~KV_ENC_MASK_ALL))
+    if (!(m->enc_mask & 1u) || (m->enc_mask & ~KV_ENC_MASK_VALID))
         return kv_fail(d, KV_EINVAL, "HELLO: encoding mask 0x%x must include f32 and only known "
                                      "encodings", m->enc_mask);
     uint8_t *p = buf + KV_PROTO_HEADER;
@@ -390,7 +401,7 @@ int kv_msg_hello_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id,
                        KV_PROTO_MODEL_ID_LEN);
     if (!kv_name_ok((const uint8_t *)m->backend, bl))
         return kv_fail(d, KV_EINVAL, "HELLO_ACK: backend name must be printable ASCII");
-    if (!(m->enc_mask & 1u) || (m->enc_mask & ~KV_ENC_MASK_ALL))
+    if (!(m->enc_mask & 1u) || (m->enc_mask & ~KV_ENC_MASK_VALID))
         return kv_fail(d, KV_EINVAL, "HELLO_ACK: encoding mask 0x%x invalid", m->enc_mask);
     if (m->n_ranges && !m->ranges) return kv_fail(d, KV_EINVAL, "HELLO_ACK: ranges missing");
     if (n_slabs && !m->slabs) return kv_fail(d, KV_EINVAL, "HELLO_ACK: slabs missing");
@@ -442,7 +453,9 @@ int kv_msg_compute_encode(uint8_t *buf, size_t cap, uint32_t request_id, const k
     if (!pl)
         return kv_fail(d, KV_EINVAL, "COMPUTE: enc %u, %u tokens x %u, %u pairs out of bounds",
                        m->enc, m->n_tokens, m->n_embd, m->n_pairs);
-    if (!kv_result_payload(m->out_enc, m->n_pairs, m->n_embd))
+    if ((m->out_enc & KV_OUT_PREACT) && (m->out_enc & ~KV_OUT_PREACT) != KV_ENC_F32)
+        return kv_fail(d, KV_EINVAL, "COMPUTE: pre-activations are answered in f32 only");
+    if (!kv_result_payload(m->out_enc & ~KV_OUT_PREACT, m->n_pairs, m->n_embd))
         return kv_fail(d, KV_EINVAL, "COMPUTE: result of %u pairs x %u in enc %u out of bounds",
                        m->n_pairs, m->n_embd, m->out_enc);
     int rc = kv_enc_begin(buf, cap, pl, "COMPUTE", d);
@@ -518,6 +531,32 @@ size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], 
     kv_wr32(out + KV_PROTO_HEADER + 4, n_embd);
     kv_wr32(out + KV_PROTO_HEADER + 8, enc);
     return KV_PROTO_HEADER + pl;
+}
+
+size_t kv_msg_result_pre_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED], uint16_t version,
+                              uint32_t request_id, uint32_t n_pairs, uint32_t n_embd, uint32_t n_ff) {
+    const size_t pl = kv_result_pre_payload(n_pairs, n_embd, n_ff);
+    if (!pl) return 0;
+    kv_frame_header_encode(out, KV_MSG_RESULT_PRE, request_id, (uint32_t)pl);
+    kv_frame_set_version(out, version);
+    kv_wr32(out + KV_PROTO_HEADER, n_pairs);
+    kv_wr32(out + KV_PROTO_HEADER + 4, n_embd);
+    kv_wr32(out + KV_PROTO_HEADER + 8, n_ff);
+    kv_wr32(out + KV_PROTO_HEADER + 12, KV_ENC_F32);
+    return KV_PROTO_HEADER + pl;
+}
+
+int kv_msg_result_pre_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t n_pairs, uint32_t n_embd,
+                             uint32_t n_ff, const float *rows, size_t *n, kv_diag *d) {
+    const size_t pl = kv_result_pre_payload(n_pairs, n_embd, n_ff);
+    if (!pl) return kv_fail(d, KV_EINVAL, "RESULT_PRE: %u pairs x (%u + 2 x %u) out of bounds", n_pairs, n_embd, n_ff);
+    int rc = kv_enc_begin(buf, cap, pl, "RESULT_PRE", d);
+    if (rc) return rc;
+    kv_msg_result_pre_head(buf, KV_PROTO_AUTH_VERSION, request_id, n_pairs, n_embd, n_ff);
+    kv_msg_rows_put(buf + KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED, KV_ENC_F32, rows,
+                    (size_t)n_pairs * ((size_t)n_embd + 2 * (size_t)n_ff));
+    *n = KV_PROTO_HEADER + pl;
+    return 0;
 }
 
 void kv_msg_result_put_row(uint8_t *buf, uint32_t enc, uint32_t n_embd, uint32_t p,
@@ -678,7 +717,7 @@ static int kv_dec_hello(kv_rd *r, kv_msg_hello *m, kv_diag *d) {
                        KV_PROTO_MODEL_ID_LEN);
     memcpy(m->model_id, id, KV_PROTO_MODEL_ID_LEN);
     m->model_id[KV_PROTO_MODEL_ID_LEN] = 0;
-    if (m->enc_mask & ~KV_ENC_MASK_ALL)
+    if (m->enc_mask & ~KV_ENC_MASK_VALID)
         return kv_fail(d, KV_EUNSUPPORTED, "HELLO: unknown encodings in mask 0x%x", m->enc_mask);
     if (!(m->enc_mask & 1u))
         return kv_fail(d, KV_EPROTO, "HELLO: encoding mask 0x%x lacks f32", m->enc_mask);
@@ -738,7 +777,7 @@ static int kv_dec_ack(kv_rd *r, uint16_t hversion, kv_msg_hello_ack *m, kv_diag 
                        KV_PROTO_MODEL_ID_LEN);
     memcpy(m->model_id, id, KV_PROTO_MODEL_ID_LEN);
     m->model_id[KV_PROTO_MODEL_ID_LEN] = 0;
-    if (m->enc_mask & ~KV_ENC_MASK_ALL)
+    if (m->enc_mask & ~KV_ENC_MASK_VALID)
         return kv_fail(d, KV_EUNSUPPORTED, "HELLO_ACK: unknown encodings in mask 0x%x",
                        m->enc_mask);
     if (!(m->enc_mask & 1u))
@@ -772,8 +811,10 @@ static int kv_dec_compute(kv_rd *r, const kv_proto_limits *lim, kv_msg_compute *
     m->pairs = NULL;
     if (!kv_enc_size(m->enc))
         return kv_fail(d, KV_EUNSUPPORTED, "COMPUTE: unknown encoding %u", m->enc);
-    if (!kv_enc_size(m->out_enc))
+    if (!kv_enc_size(m->out_enc & ~KV_OUT_PREACT))
         return kv_fail(d, KV_EUNSUPPORTED, "COMPUTE: unknown output encoding %u", m->out_enc);
+    if ((m->out_enc & KV_OUT_PREACT) && (m->out_enc & ~KV_OUT_PREACT) != KV_ENC_F32)
+        return kv_fail(d, KV_EPROTO, "COMPUTE: pre-activations are answered in f32 only");
     if (m->n_tokens == 0 || m->n_tokens > KV_PROTO_MAX_TOKENS)
         return kv_fail(d, KV_ERANGE, "COMPUTE: n_tokens %u out of [1, %u]", m->n_tokens,
                        KV_PROTO_MAX_TOKENS);
@@ -792,7 +833,7 @@ static int kv_dec_compute(kv_rd *r, const kv_proto_limits *lim, kv_msg_compute *
     if (!want)
         return kv_fail(d, KV_ERANGE, "COMPUTE: %u tokens x %u in %s exceed the payload maximum",
                        m->n_tokens, m->n_embd, kv_enc_name(m->enc));
-    if (!kv_result_payload(m->out_enc, m->n_pairs, m->n_embd))
+    if (!kv_result_payload(m->out_enc & ~KV_OUT_PREACT, m->n_pairs, m->n_embd))
         return kv_fail(d, KV_ERANGE, "COMPUTE: the result (%u pairs x %u in %s) would exceed "
                                      "the payload maximum", m->n_pairs, m->n_embd,
                        kv_enc_name(m->out_enc));
@@ -822,6 +863,7 @@ static int kv_dec_result(kv_rd *r, const kv_proto_limits *lim, kv_msg_result *m,
     kv_rd_u32(r, &m->n_embd);
     kv_rd_u32(r, &m->enc);
     m->y = NULL;
+    m->n_ff = 0;
     if (!kv_enc_size(m->enc))
         return kv_fail(d, KV_EUNSUPPORTED, "RESULT: unknown encoding %u", m->enc);
     if (m->n_pairs == 0 || m->n_pairs > KV_PROTO_MAX_PAIRS)
@@ -839,6 +881,36 @@ static int kv_dec_result(kv_rd *r, const kv_proto_limits *lim, kv_msg_result *m,
     int rc = kv_exact("RESULT", len, want, d);
     if (rc) return rc;
     kv_rd_take(r, want - KV_PROTO_RESULT_FIXED, &m->y_wire);
+    return 0;
+}
+
+static int kv_dec_result_pre(kv_rd *r, uint16_t hversion, const kv_proto_limits *lim, kv_msg_result *m,
+                             kv_diag *d) {
+    if (hversion < KV_PROTO_AUTH_VERSION)
+        return kv_fail(d, KV_EPROTO, "RESULT_PRE in a frame of version %u (needs %u)", hversion, KV_PROTO_AUTH_VERSION);
+    if (r->left < KV_PROTO_RESULT_PRE_FIXED)
+        return kv_fail(d, KV_EPROTO, "RESULT_PRE: payload is %zu bytes, fixed part needs %u", r->left,
+                       KV_PROTO_RESULT_PRE_FIXED);
+    const size_t len = r->left;
+    kv_rd_u32(r, &m->n_pairs);
+    kv_rd_u32(r, &m->n_embd);
+    kv_rd_u32(r, &m->n_ff);
+    kv_rd_u32(r, &m->enc);
+    m->y = NULL;
+    if (m->enc != KV_ENC_F32) return kv_fail(d, KV_EPROTO, "RESULT_PRE: encoding %u, must be f32", m->enc);
+    if (m->n_pairs == 0 || m->n_pairs > KV_PROTO_MAX_PAIRS)
+        return kv_fail(d, KV_ERANGE, "RESULT_PRE: n_pairs %u out of [1, %u]", m->n_pairs, KV_PROTO_MAX_PAIRS);
+    if (m->n_embd == 0 || m->n_embd > KV_PROTO_MAX_EMBD || m->n_ff == 0 || m->n_ff > KV_PROTO_MAX_FF)
+        return kv_fail(d, KV_ERANGE, "RESULT_PRE: dims %u x %u out of bounds", m->n_embd, m->n_ff);
+    if (lim && lim->n_embd && m->n_embd != lim->n_embd)
+        return kv_fail(d, KV_ERANGE, "RESULT_PRE: n_embd %u, expected %u", m->n_embd, lim->n_embd);
+    if (lim && lim->n_ff && m->n_ff != lim->n_ff)
+        return kv_fail(d, KV_ERANGE, "RESULT_PRE: n_ff %u, expected %u", m->n_ff, lim->n_ff);
+    const size_t want = kv_result_pre_payload(m->n_pairs, m->n_embd, m->n_ff);
+    if (!want) return kv_fail(d, KV_ERANGE, "RESULT_PRE: exceeds the payload maximum");
+    int rc = kv_exact("RESULT_PRE", len, want, d);
+    if (rc) return rc;
+    kv_rd_take(r, want - KV_PROTO_RESULT_PRE_FIXED, &m->y_wire);
     return 0;
 }
 
@@ -880,6 +952,7 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
     case KV_MSG_HELLO_ACK: return kv_dec_ack(&r, out->h.version, &out->u.ack, d);
     case KV_MSG_COMPUTE: return kv_dec_compute(&r, lim, &out->u.compute, d);
     case KV_MSG_RESULT: return kv_dec_result(&r, lim, &out->u.result, d);
+    case KV_MSG_RESULT_PRE: return kv_dec_result_pre(&r, out->h.version, lim, &out->u.result, d);
     case KV_MSG_ERROR: return kv_dec_error(&r, &out->u.error, d);
     case KV_MSG_PING:
     case KV_MSG_PONG:
@@ -945,6 +1018,14 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
         kv_rd_take(&r, 64, &p);
         memcpy(a->voucher_sig, p, 64);
         return kv_auth_check(a, KV_EPROTO, d);
+    }
+    case KV_MSG_RECEIPT_REQ:
+    case KV_MSG_RECEIPT: {
+        int kv_msg_receipt_decode(const uint8_t *p, size_t n, uint16_t type, kv_msg *out, kv_diag *d);
+        if (out->h.version < KV_PROTO_AUTH_VERSION) /* receipts name the keys of authenticated dispatch */
+            return kv_fail(d, KV_EPROTO, "%s in a frame of version %u (needs %u)", kv_msg_type_name(out->h.type),
+                           out->h.version, KV_PROTO_AUTH_VERSION);
+        return kv_msg_receipt_decode(r.p, r.left, out->h.type, out, d);
     }
     default: return kv_fail(d, KV_EPROTO, "frame: unknown message type %u", out->h.type);
     }
@@ -1019,6 +1100,10 @@ const float *kv_msg_compute_x_inplace(const kv_msg_compute *m) {
 
 void kv_msg_result_row(const kv_msg_result *m, uint32_t p, float *out) {
     KV_ASSERT(p < m->n_pairs);
+    if (m->n_ff) { /* RESULT_PRE: rows of y, gate, up in f32 */
+        kv_enc_read(out, m->y_wire + (size_t)p * ((size_t)m->n_embd + 2 * (size_t)m->n_ff) * 4, m->n_embd, KV_ENC_F32);
+        return;
+    }
     if (m->y) {
         memcpy(out, m->y + (size_t)p * m->n_embd, (size_t)m->n_embd * sizeof(float));
         return;
@@ -1027,7 +1112,18 @@ void kv_msg_result_row(const kv_msg_result *m, uint32_t p, float *out) {
     kv_enc_read(out, m->y_wire + (size_t)p * m->n_embd * es, m->n_embd, m->enc);
 }
 
+void kv_msg_result_pre_row(const kv_msg_result *m, uint32_t p, float *gate, float *up) {
+    KV_ASSERT(p < m->n_pairs && m->n_ff);
+    const uint8_t *row = m->y_wire + (size_t)p * ((size_t)m->n_embd + 2 * (size_t)m->n_ff) * 4 + (size_t)m->n_embd * 4;
+    kv_enc_read(gate, row, m->n_ff, KV_ENC_F32);
+    kv_enc_read(up, row + (size_t)m->n_ff * 4, m->n_ff, KV_ENC_F32);
+}
+
 void kv_msg_result_y(const kv_msg_result *m, float *out) {
+    if (m->n_ff) {
+        for (uint32_t p = 0; p < m->n_pairs; p++) kv_msg_result_row(m, p, out + (size_t)p * m->n_embd);
+        return;
+    }
     size_t ny = (size_t)m->n_pairs * m->n_embd;
     if (m->y)
         memcpy(out, m->y, ny * sizeof(float));

@@ -85,9 +85,11 @@
 #include <unistd.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/ledger.h"
 #include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
+#include "kvasir/verify.h"
 
 #define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
 #define KV_REMOTE_WHY 256u
@@ -133,9 +135,18 @@ typedef struct kv_rw {
     /* authentication */
     uint8_t expect[32];           /* the key it must prove; all zero = any */
     uint8_t key[32];              /* the key it announced in AUTH_CHALLENGE */
+    /* a RECEIPT_REQ in flight (kv_remote_receipt) */
+    bool rcpt_wait;               /* asked, not answered */
+    uint32_t rcpt_id;             /* its request id */
+    int rcpt_rc;                  /* 0 signed, KV_LEDGER_RRECEIPT refused */
+    kv_receipt_req rcpt_req;      /* what was asked */
+    kv_receipt rcpt;              /* the answer, verified */
     uint8_t challenge[32];        /* its challenge on this connection */
     uint8_t nonce[32];            /* ours on this connection */
     uint16_t version;             /* negotiated on this connection */
+    bool pre;                     /* it returns pre-activations (verified compute) */
+    bool caught;                  /* caught lying: never used again */
+    uint64_t n_verified;          /* its pairs that passed the checks */
 } kv_rw;
 
 struct kv_remote {
@@ -144,6 +155,12 @@ struct kv_remote {
     kv_voucher voucher;           /* sent in AUTH when has_voucher */
     bool has_voucher;
     kv_manifest *m;
+    kv_verify *ver;               /* NULL without verify */
+    float *vg, *vu, *vy;          /* [n_ff], [n_ff], [n_embd] one answer being checked */
+    const kv_expert_req *cur_req; /* the request of the chunk in progress */
+    uint32_t cur_t0;              /* its first token */
+    uint64_t rng;                 /* sampled recompute */
+    uint64_t n_verified, n_unverified, n_recomputed, n_caught;
     kv_model *model;              /* the backbone (no routed experts) */
     kv_pool *pool;                /* borrowed */
     kv_expert_provider prov;      /* what the forward pass calls */
@@ -178,6 +195,13 @@ struct kv_remote {
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
     float *rtt_us;                /* [KV_REMOTE_RTT_SAMPLES] ring */
     uint64_t n_rtt;
+    /* per-session work tally (kvasir/dispatch.h): [n_tags][t_stride] each */
+    uint32_t n_tags, t_stride;    /* tags; workers per tag row (workers past it are not counted) */
+    uint64_t *t_sent, *t_ans;     /* committed */
+    uint64_t *ts_sent, *ts_ans;   /* this step */
+    const uint32_t *tags;         /* [tag_n] tag of each token of the step's calls, NULL none */
+    uint32_t tag_n;
+    bool tag_on;                  /* the current compute call is counted */
 };
 
 enum { KV_OWN_DONE = -1, KV_OWN_LOCAL = -2, KV_OWN_NONE = -3 };
@@ -263,7 +287,8 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
         w->fails++;
         return;
     }
-    kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0}, (1u << KV_ENC_F32) | (1u << r->o.enc)};
+    kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0},
+                      (1u << KV_ENC_F32) | (1u << r->o.enc) | (r->ver ? KV_PROTO_CAP_PREACT : 0)};
     memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
     size_t n = 0;
     uint8_t *p = kv_net_conn_reserve(c, KV_PROTO_HEADER + KV_PROTO_HELLO_SIZE);
@@ -342,11 +367,78 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
             if (!w->holds[(size_t)h.layer * r->n_expert + e])
                 return kv_fail(d, KV_EHASH, "announces layer %u expert %u without a slab hash for it", h.layer, e);
     }
+    w->pre = (a->enc_mask & KV_PROTO_CAP_PREACT) != 0;
+    if (r->ver && !w->pre)
+        return kv_fail(d, KV_EUNSUPPORTED, "returns no pre-activations: its answers could not be verified");
     w->max_pairs = a->max_pairs;
-    w->enc = (a->enc_mask & (1u << r->o.enc)) ? r->o.enc : KV_ENC_F32;
+    w->enc = !r->ver && (a->enc_mask & (1u << r->o.enc)) ? r->o.enc : KV_ENC_F32;
     snprintf(w->backend, sizeof w->backend, "%s", a->backend);
     w->n_ranges = a->n_ranges;
     return 0;
+}
+
+/* Checks every pair of a RESULT_PRE (already copied to its slots in out)
+ * against the secret projections of its expert, prepared on first use from
+ * the local slab; a sample is also recomputed in full. Any failure marks w
+ * caught (KV_EPROTO "caught lying"). */
+static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const float *out, kv_diag *d) {
+    const kv_expert_req *req = r->cur_req;
+    const uint32_t nu = req->n_used, E = r->n_embd;
+    uint64_t n_ok = 0, n_rec = 0; /* counted once the whole answer passed */
+    for (uint32_t p = 0; p < w->n_pairs; p++) {
+        const uint32_t s = (uint32_t)w->pair_slot[p], t = r->cur_t0 + s / nu;
+        const uint32_t e = (uint32_t)req->ids[(size_t)r->cur_t0 * nu + s];
+        const size_t k = (size_t)req->layer * r->n_expert + e;
+        if (!r->lhas[k]) { /* no trusted weights to check against */
+            r->n_unverified++;
+            continue;
+        }
+        int rc = kv_verify_prepare(r->ver, req->layer, e, &r->lw[k], d);
+        if (rc) return kv_diag_prefix(d, KV_EINTERNAL, "remote: verify");
+        const float *x = req->x + (size_t)t * E, *y = out + (size_t)s * E;
+        kv_msg_result_pre_row(res, p, r->vg, r->vu);
+        kv_verify_report rep;
+        if (kv_verify_check(r->ver, req->layer, e, x, r->vg, r->vu, y, &rep, d)) {
+            w->caught = true;
+            return kv_diag_prefix(d, KV_EPROTO, "caught lying: layer %u expert %u (pair %u)", req->layer, e, p);
+        }
+        n_ok++;
+        /* sampled full recompute from the slab */
+        r->rng ^= r->rng << 13, r->rng ^= r->rng >> 7, r->rng ^= r->rng << 17;
+        if (r->o.recompute_rate > 0 && (double)(r->rng >> 11) * (1.0 / 9007199254740992.0) < r->o.recompute_rate) {
+            memcpy(r->lx, x, (size_t)E * sizeof(float));
+            r->lids[0] = (int32_t)e;
+            const kv_expert_req lr = {req->layer, 1, E, 1, r->lx, r->lids};
+            if ((rc = r->local.compute(r->local.impl, &lr, r->vy, d))) return kv_diag_prefix(d, rc, "remote: recompute");
+            const bool same = !strcmp(w->backend, kv_quant_backend());
+            float mx = 0;
+            for (uint32_t i = 0; i < E; i++) mx = fmaxf(mx, fabsf(r->vy[i]));
+            for (uint32_t i = 0; i < E; i++) {
+                const bool ok = same ? memcmp(&r->vy[i], &y[i], 4) == 0 : fabsf(r->vy[i] - y[i]) <= 1e-4f * mx;
+                if (!ok) {
+                    w->caught = true;
+                    return kv_fail(d, KV_EPROTO, "caught lying: layer %u expert %u: a full recompute differs at element "
+                                   "%u (%g, it said %g)", req->layer, e, i, (double)r->vy[i], (double)y[i]);
+                }
+            }
+            n_rec++;
+        }
+    }
+    r->n_verified += n_ok;
+    w->n_verified += n_ok;
+    r->n_recomputed += n_rec;
+    return 0;
+}
+
+/* Marks w caught: dropped for good, counted, reported through the hook. */
+static void kv_rw_caught(kv_remote *r, kv_rw *w, const char *why) {
+    kv_rw_drop(r, w, "%s", why);
+    w->caught = true;
+    w->retry_at = INFINITY;
+    w->fails = 1000000;
+    r->n_caught++;
+    kv_rlog(r, "worker %s caught lying and dropped for good: %s", w->addr, why);
+    if (r->o.on_caught) r->o.on_caught(r->o.caught_arg, (uint32_t)(w - r->w), w->addr, w->key, why);
 }
 
 /* Places the vectors of a RESULT that answers w's request at their slots. */
@@ -367,6 +459,10 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
                 return kv_fail(d, KV_EPROTO, "answered %g at pair %u element %u (not finite or beyond %g): a lie",
                                (double)y[i], p, i, (double)KV_PROTO_MAX_ABS_OUTPUT);
     }
+    if (r->ver) {
+        int rc = kv_rw_verify(r, w, res, out, d);
+        if (rc) return rc;
+    }
     w->fails = 0;
     return 0;
 }
@@ -376,7 +472,7 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
 static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float *out) {
     kv_msg msg;
     kv_diag d = {0};
-    const kv_proto_limits lim = {r->n_layer, r->n_embd, r->n_expert};
+    const kv_proto_limits lim = {r->n_layer, r->n_embd, r->n_expert, r->n_ff};
     r->bytes_recv += n;
     if (kv_msg_decode(f, n, &lim, &msg, &d)) {
         kv_rw_drop(r, w, "malformed frame: %s", d.msg);
@@ -458,16 +554,41 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
                 kv_enc_name(w->enc));
         return 0;
     }
+    if (msg.h.type == KV_MSG_RECEIPT) {
+        if (!w->rcpt_wait || msg.h.request_id != w->rcpt_id) {
+            kv_rw_drop(r, w, "sent a RECEIPT nobody asked for");
+            return 0;
+        }
+        uint32_t st = KV_RECEIPT_REFUSED;
+        kv_receipt rc;
+        const kv_receipt_req *q = &w->rcpt_req;
+        if (kv_receipt_ans_from_payload(&st, &rc, msg.u.receipt, KV_PROTO_RECEIPT_SIZE, &d)) {
+            kv_rw_drop(r, w, "%s", d.msg);
+            return 0;
+        }
+        if (st == KV_RECEIPT_SIGNED &&
+            (sodium_memcmp(rc.node, w->key, 32) || strcmp(rc.gateway, q->gateway) ||
+             memcmp(rc.consumer, q->consumer, 32) || memcmp(rc.auth_nonce, q->auth_nonce, 16) ||
+             rc.n_products != q->n_products || memcmp(rc.log_digest, q->log_digest, 32))) {
+            kv_rw_drop(r, w, "signed a receipt for other figures or with another key than it proved");
+            return 0;
+        }
+        w->rcpt_wait = false;
+        w->rcpt_rc = st == KV_RECEIPT_SIGNED ? 0 : KV_LEDGER_RRECEIPT;
+        w->rcpt = rc;
+        return 0;
+    }
     if (!w->busy || !out) {
         kv_rw_drop(r, w, "sent a frame of type %u while idle", msg.h.type);
         return 0;
     }
-    if (msg.h.type != KV_MSG_RESULT) {
+    if (msg.h.type != (r->ver ? KV_MSG_RESULT_PRE : KV_MSG_RESULT)) {
         kv_rw_drop(r, w, "answered COMPUTE with a frame of type %u", msg.h.type);
         return 0;
     }
     if (kv_rw_take_result(r, w, &msg, out, &d)) {
-        kv_rw_drop(r, w, "%s", d.msg);
+        if (w->caught) kv_rw_caught(r, w, d.msg);
+        else kv_rw_drop(r, w, "%s", d.msg);
         return 0;
     }
     w->busy = false;
@@ -594,12 +715,13 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
         }
         w->pairs[np] = (kv_proto_pair){(uint32_t)r->tok_local[t], (uint32_t)req->ids[(size_t)t0 * nu + s]};
         w->pair_slot[np++] = (int32_t)s;
+        if (r->tag_on && (uint32_t)wi < r->t_stride) r->ts_sent[(size_t)r->tags[t0 + t] * r->t_stride + (uint32_t)wi]++;
     }
     if (!identity) /* gather the rows of the tokens it needs */
         for (uint32_t t = 0; t < n_tok; t++)
             if (r->tok_local[t] >= 0)
                 memcpy(r->xg + (size_t)r->tok_local[t] * E, req->x + (size_t)(t0 + t) * E, (size_t)E * sizeof(float));
-    const kv_msg_compute c = {req->layer, w->enc, w->enc, nt, E, np,
+    const kv_msg_compute c = {req->layer, w->enc, w->enc | (r->ver ? KV_OUT_PREACT : 0), nt, E, np,
                               identity ? req->x + (size_t)t0 * E : r->xg, w->pairs, NULL, NULL};
     uint8_t *p = kv_net_conn_reserve(w->nc, w->scap);
     if (!p) return kv_fail(d, KV_EINTERNAL, "remote: no room to queue a COMPUTE for %s", w->addr);
@@ -672,6 +794,8 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                            kv_diag *d) {
     const uint32_t nu = req->n_used, E = r->n_embd, n_slots = n_tok * nu;
     const int32_t *ids = req->ids + (size_t)t0 * nu;
+    r->cur_req = req;
+    r->cur_t0 = t0;
     for (uint32_t s = 0; s < n_slots; s++) r->slot_owner[s] = KV_OWN_NONE;
     uint32_t pending = n_slots;
     bool revived = false;
@@ -772,6 +896,8 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                 r->slot_owner[s] = KV_OWN_DONE;
                 pending--;
                 r->n_pairs_remote++;
+                if (r->tag_on && (uint32_t)wi < r->t_stride)
+                    r->ts_ans[(size_t)r->tags[t0 + s / nu] * r->t_stride + (uint32_t)wi]++;
             } else {
                 r->slot_owner[s] = KV_OWN_NONE;
             }
@@ -789,6 +915,7 @@ static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, k
                        "(%u tokens x %u, embd %u)", req->n_tokens, req->n_used, req->n_embd, r->max_tokens, r->n_used,
                        r->n_embd);
     r->n_calls++;
+    r->tag_on = r->tags && req->n_tokens == r->tag_n;
     kv_remote_poll(r, 0, out); /* notice closed peers, progress reconnects */
     for (uint32_t t0 = 0; t0 < req->n_tokens; t0 += r->chunk_tokens) {
         const uint32_t n = req->n_tokens - t0 < r->chunk_tokens ? req->n_tokens - t0 : r->chunk_tokens;
@@ -819,14 +946,16 @@ static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
 }
 
 /* Sets up w (a zeroed entry of r->w) for addr: resolved, DOWN with no
- * backoff (dialed at the next poll), buffers for the largest frames. */
-static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, kv_diag *d) {
+ * backoff (dialed at the next poll), buffers for the largest frames, the
+ * key it must prove (NULL = any). */
+static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, const uint8_t *expect, kv_diag *d) {
     const size_t n_keys = (size_t)r->n_layer * r->n_expert, S = r->max_slots;
     w->nc = NULL;
     w->r = r;
     w->state = KV_RW_DOWN;
     if (snprintf(w->addr, sizeof w->addr, "%s", addr) >= (int)sizeof w->addr)
         return kv_fail(d, KV_EINVAL, "remote: worker address '%.64s...' is too long", addr);
+    if (expect) memcpy(w->expect, expect, 32);
     int rc = kv_remote_resolve(w, d);
     if (rc) return rc;
     w->holds = calloc(n_keys, 1);
@@ -863,8 +992,16 @@ void kv_remote_free(kv_remote *r) {
     free(r->lids);
     free(r->lslot);
     free(r->rtt_us);
+    free(r->t_sent);
+    free(r->t_ans);
+    free(r->ts_sent);
+    free(r->ts_ans);
     kv_model_free(r->model);
     kv_manifest_free(r->m);
+    kv_verify_free(r->ver);
+    free(r->vg);
+    free(r->vu);
+    free(r->vy);
     sodium_memzero(r->sk, sizeof r->sk);
     free(r);
 }
@@ -979,6 +1116,27 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     /* workers: buffers for the largest frames either way */
     const size_t s_max = kv_msg_compute_size(KV_ENC_F32, r->chunk_tokens, r->n_embd, r->max_slots);
     size_t r_max = kv_msg_result_size(KV_ENC_F32, r->max_slots, r->n_embd);
+    if (opts->verify) { /* answers carry gate and up beside y */
+        uint8_t hb[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED];
+        const size_t pre = kv_msg_result_pre_head(hb, KV_PROTO_VERSION, 0, r->max_slots, r->n_embd, r->n_ff);
+        if (!pre) {
+            rc = kv_fail(d, KV_ERANGE, "remote: answers with pre-activations would exceed a frame");
+            goto fail;
+        }
+        if (pre > r_max) r_max = pre;
+        if ((rc = kv_verify_new(&r->ver, r->n_layer, r->n_expert, r->n_embd, r->n_ff, opts->verify, d))) goto fail;
+        r->vg = malloc(r->n_ff * sizeof *r->vg);
+        r->vu = malloc(r->n_ff * sizeof *r->vu);
+        r->vy = malloc(r->n_embd * sizeof *r->vy);
+        if (!r->vg || !r->vu || !r->vy) {
+            rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
+            goto fail;
+        }
+        randombytes_buf(&r->rng, sizeof r->rng);
+        r->rng |= 1;
+        if (!r->n_local_slabs)
+            kv_rlog(r, "verify: no slab in the manifest's folder: answers cannot be checked (counted unverified)");
+    }
     /* a HELLO_ACK lists at most every slab of the manifest (and as many ranges) */
     const uint32_t n_pieces = m->n_slabs < KV_PROTO_MAX_RANGES ? (uint32_t)m->n_slabs : KV_PROTO_MAX_RANGES;
     const size_t ack_max = kv_msg_hello_ack_size_v(KV_PROTO_VERSION, KV_PROTO_MAX_NAME, n_pieces, n_pieces);
@@ -990,9 +1148,8 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->w_scap = s_max;
     r->w_rcap = r_max;
     for (uint32_t i = 0; i < r->n_w; i++)
-        if ((rc = kv_rw_init(r, &r->w[i], r->o.workers[i], d))) goto fail;
-    if (r->o.worker_keys)
-        for (uint32_t i = 0; i < r->n_w; i++) memcpy(r->w[i].expect, r->o.worker_keys[i], 32);
+        if ((rc = kv_rw_init(r, &r->w[i], r->o.workers[i], r->o.worker_keys ? r->o.worker_keys[i] : NULL, d)))
+            goto fail;
     /* connect and handshake with everyone at once */
     for (;;) {
         kv_remote_poll(r, 50, NULL);
@@ -1066,6 +1223,8 @@ void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out
     out->connects = w->n_connects;
     out->last_error = w->why;
     out->key = w->key;
+    out->caught = w->caught;
+    out->verified = w->n_verified;
 }
 
 static int kv_cmp_float(const void *a, const void *b) {
@@ -1083,6 +1242,10 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->bytes_sent = r->bytes_sent;
     out->bytes_recv = r->bytes_recv;
     out->n_rtt = r->n_rtt;
+    out->pairs_verified = r->n_verified;
+    out->pairs_unverified = r->n_unverified;
+    out->pairs_recomputed = r->n_recomputed;
+    out->caught = r->n_caught;
     const size_t n = r->n_rtt < KV_REMOTE_RTT_SAMPLES ? (size_t)r->n_rtt : KV_REMOTE_RTT_SAMPLES;
     if (!n) return;
     float *tmp = malloc(n * sizeof *tmp); /* reporting, not the hot path */
@@ -1098,14 +1261,129 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
+    r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
+}
+
+/* ---- per-session work tally ---------------------------------------------- */
+
+int kv_remote_tally_open(kv_remote *r, uint32_t n_tags, kv_diag *d) {
+    const uint32_t stride = r->cap_w; /* every worker this remote can have, added ones included */
+    const size_t n = (size_t)n_tags * stride;
+    free(r->t_sent);
+    free(r->t_ans);
+    free(r->ts_sent);
+    free(r->ts_ans);
+    r->t_sent = calloc(n ? n : 1, sizeof(uint64_t));
+    r->t_ans = calloc(n ? n : 1, sizeof(uint64_t));
+    r->ts_sent = calloc(n ? n : 1, sizeof(uint64_t));
+    r->ts_ans = calloc(n ? n : 1, sizeof(uint64_t));
+    r->tags = NULL;
+    r->tag_on = false;
+    if (!r->t_sent || !r->t_ans || !r->ts_sent || !r->ts_ans) {
+        r->n_tags = r->t_stride = 0;
+        return kv_fail(d, KV_ENOMEM, "remote: out of memory for the work tally (%u sessions x %u workers)", n_tags,
+                       stride);
+    }
+    r->n_tags = n_tags;
+    r->t_stride = stride;
+    return 0;
+}
+
+void kv_remote_tally_begin(kv_remote *r, const uint32_t *tags, uint32_t n_tokens) {
+    r->tags = NULL;
+    r->tag_n = 0;
+    if (!r->n_tags || !tags) return;
+    for (uint32_t t = 0; t < n_tokens; t++)
+        if (tags[t] >= r->n_tags) return; /* not ours to count */
+    for (uint32_t t = 0; t < n_tokens; t++) {
+        memset(r->ts_sent + (size_t)tags[t] * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+        memset(r->ts_ans + (size_t)tags[t] * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+    }
+    r->tags = tags;
+    r->tag_n = n_tokens;
+}
+
+void kv_remote_tally_end(kv_remote *r, bool commit) {
+    if (r->tags && commit) {
+        for (uint32_t t = 0; t < r->tag_n; t++) {
+            const size_t row = (size_t)r->tags[t] * r->t_stride;
+            for (uint32_t w = 0; w < r->t_stride; w++) {
+                r->t_sent[row + w] += r->ts_sent[row + w];
+                r->t_ans[row + w] += r->ts_ans[row + w];
+                r->ts_sent[row + w] = r->ts_ans[row + w] = 0; /* a tag's row is added once */
+            }
+        }
+    }
+    r->tags = NULL;
+    r->tag_n = 0;
+    r->tag_on = false;
+}
+
+void kv_remote_tally_get(const kv_remote *r, uint32_t tag, uint32_t w, uint64_t *sent, uint64_t *answered) {
+    const bool in = tag < r->n_tags && w < r->t_stride;
+    if (sent) *sent = in ? r->t_sent[(size_t)tag * r->t_stride + w] : 0;
+    if (answered) *answered = in ? r->t_ans[(size_t)tag * r->t_stride + w] : 0;
+}
+
+void kv_remote_tally_reset(kv_remote *r, uint32_t tag) {
+    if (tag >= r->n_tags) return;
+    memset(r->t_sent + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+    memset(r->t_ans + (size_t)tag * r->t_stride, 0, r->t_stride * sizeof(uint64_t));
+}
+
+/* ---- work receipts ------------------------------------------------------------ */
+
+int kv_remote_receipt(kv_remote *r, uint32_t i, const kv_receipt_req *q, struct kv_receipt *out, kv_diag *d) {
+    if (i >= r->n_w) return kv_fail(d, KV_EINVAL, "remote: no worker %u", i);
+    kv_rw *w = &r->w[i];
+    if (w->state != KV_RW_UP || w->busy)
+        return kv_fail(d, KV_ENOTFOUND, "remote: worker %s is not up for a receipt", w->addr);
+    const size_t cap = KV_PROTO_HEADER + KV_PROTO_RECEIPT_REQ_SIZE;
+    uint8_t *p = kv_net_conn_reserve(w->nc, cap);
+    if (!p) return kv_fail(d, KV_EINTERNAL, "remote: no room to queue a RECEIPT_REQ for %s", w->addr);
+    size_t len = 0;
+    int rc = kv_msg_receipt_req_encode(p, cap, ++w->req_id, q, &len, d);
+    if (rc) return rc;
+    kv_frame_set_version(p, w->version);
+    kv_net_conn_commit(w->nc, len);
+    r->bytes_sent += len;
+    w->rcpt_wait = true;
+    w->rcpt_id = w->req_id;
+    w->rcpt_req = *q;
+    const double deadline = kv_mono() + r->timeout_s;
+    while (w->rcpt_wait && w->state == KV_RW_UP) {
+        const double left = deadline - kv_mono();
+        if (left <= 0) {
+            kv_rw_drop(r, w, "no RECEIPT within %u ms", r->o.timeout_ms);
+            break;
+        }
+        kv_remote_poll(r, (int)ceil(left * 1000.0), NULL);
+    }
+    if (w->rcpt_wait) {
+        w->rcpt_wait = false;
+        return kv_fail(d, KV_EIO, "remote: worker %s gave no receipt: %s", w->addr, w->why);
+    }
+    if (w->rcpt_rc) return kv_fail(d, w->rcpt_rc, "remote: worker %s refused the receipt", w->addr);
+    *out = w->rcpt;
+    return 0;
 }
 
 /* ---- a worker set that changes ---------------------------------------------- */
 
-int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d) {
+int kv_remote_add_worker(kv_remote *r, const char *addr, const uint8_t *key, kv_diag *d) {
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
         if (strcmp(w->addr, addr)) continue;
+        if (key && memcmp(w->expect, key, 32)) {
+            /* the address now belongs to another node (a replacement): it
+               must prove the new key; a connection to the old one goes */
+            memcpy(w->expect, key, 32);
+            w->fails = 0;
+            if (w->state != KV_RW_DOWN) kv_rw_drop(r, w, "the hub lists another node at this address");
+            w->fails = 0;
+            w->retry_at = 0;
+            return 0;
+        }
         /* named again by the placement: it may have restarted; quarantined
          * ones still wait for their backoff */
         if (w->state == KV_RW_DOWN && w->fails < 2) w->retry_at = 0;
@@ -1114,7 +1392,7 @@ int kv_remote_add_worker(kv_remote *r, const char *addr, kv_diag *d) {
     if (r->n_w >= r->cap_w)
         return kv_fail(d, KV_ERANGE, "remote: cannot add worker %.64s: room for %u workers", addr, r->cap_w);
     kv_rw *w = &r->w[r->n_w];
-    int rc = kv_rw_init(r, w, addr, d);
+    int rc = kv_rw_init(r, w, addr, key, d);
     if (rc) {
         free(w->holds);
         free(w->pair_slot);

@@ -47,6 +47,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -65,6 +66,7 @@
 #include "kvasir/arch.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/opencl.h"
+#include "kvasir/ledger.h"
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
 #include "kvasir/net.h"
@@ -106,6 +108,10 @@ struct kv_worker {
     float *xs;                       /* [KV_WORKER_CHUNK][n_embd] gathered inputs */
     int32_t *ids;                    /* [KV_WORKER_CHUNK] expert of each gathered row */
     float *ys;                       /* [KV_WORKER_CHUNK][n_embd] outputs */
+    float *gs, *us;                  /* [KV_WORKER_CHUNK][n_ff] gate and up pre-activations */
+    float *xprev;                    /* test lie "stale": [KV_WORKER_CHUNK][n_embd] last round's inputs */
+    uint32_t n_prev;                 /* rows in xprev */
+    uint64_t lie_pairs;              /* test lies: pairs computed so far */
     /* connections (loop thread only) */
     kv_net_loop *loop;
     kv_net_budget budget;
@@ -141,6 +147,7 @@ struct kv_wconn {
     bool authed;                     /* AUTH verified: the handshake is done */
     uint8_t challenge[32];           /* sent in AUTH_CHALLENGE */
     uint8_t peer_key[32];            /* the coordinator key proved in AUTH */
+    kv_receipt_budget budget;        /* pairs answered here, and those signed for in receipts */
     uint16_t version;                /* negotiated */
     uint32_t enc_mask;               /* negotiated encodings */
     int64_t last_work_ms;            /* handshake or last COMPUTE */
@@ -152,6 +159,8 @@ struct kv_wconn {
     kv_msg_compute job;              /* view into the held frame */
     const float *xin;                /* hidden states in place, or NULL (converted per row) */
     uint32_t next;                   /* pairs [0, next) are queued for sending */
+    bool pre;                        /* the job answers RESULT_PRE (y, gate, up) */
+    uint32_t oenc;                   /* its output encoding (out_enc without KV_OUT_PREACT) */
     uint8_t *wbase;                  /* this round's reserved rows in the send queue */
     uint32_t wq;                     /* rows in this round */
     kv_wconn *jprev, *jnext;         /* in w->jobs */
@@ -579,9 +588,13 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
         w->rpair = malloc(sizeof *w->rpair * KV_WORKER_CHUNK);
         w->xs = malloc(sizeof *w->xs * KV_WORKER_CHUNK * w->n_embd);
         w->ys = malloc(sizeof *w->ys * KV_WORKER_CHUNK * w->n_embd);
+        w->gs = malloc(sizeof *w->gs * KV_WORKER_CHUNK * w->n_ff);
+        w->us = malloc(sizeof *w->us * KV_WORKER_CHUNK * w->n_ff);
+        w->xprev = malloc(sizeof *w->xprev * KV_WORKER_CHUNK * w->n_embd);
         w->ids = malloc(sizeof *w->ids * KV_WORKER_CHUNK);
         w->conns = calloc((size_t)w->opts.max_conns, sizeof *w->conns);
-        if (!w->keys || !w->rconn || !w->rpair || !w->xs || !w->ys || !w->ids || !w->conns)
+        if (!w->keys || !w->rconn || !w->rpair || !w->xs || !w->ys || !w->ids || !w->conns || !w->gs || !w->us ||
+            !w->xprev)
             rc = kv_fail(d, KV_ENOMEM, "worker: out of memory");
     }
     if (!rc) rc = kv_pool_new(&w->pool, w->opts.n_threads, d);
@@ -628,6 +641,9 @@ void kv_worker_free(kv_worker *w) {
     free(w->rpair);
     free(w->xs);
     free(w->ys);
+    free(w->gs);
+    free(w->us);
+    free(w->xprev);
     free(w->ids);
     free(w->conns);
     free(w->allow);
@@ -795,7 +811,9 @@ static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     ack.n_ff_exp = w->n_ff;
     ack.n_expert = w->n_expert;
     ack.n_expert_used = w->n_expert_used;
-    ack.enc_mask = h->enc_mask & KV_ENC_MASK_ALL;
+    /* pre-activations too, when asked (the CPU kernels only: the OpenCL
+       backend does not return them yet, so it does not offer them) */
+    ack.enc_mask = h->enc_mask & KV_ENC_MASK_VALID & ~(w->opts.opencl ? (uint32_t)KV_PROTO_CAP_PREACT : 0u);
     snprintf(ack.backend, sizeof ack.backend, "%s", w->opts.opencl ? "opencl" : kv_quant_backend());
     ack.n_ranges = (uint32_t)w->n_ranges;
     ack.ranges = w->ranges;
@@ -880,8 +898,12 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
 static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
     kv_worker *w = c->w;
     kv_diag d = {0};
-    if (!((c->enc_mask >> cm->enc) & 1u) || !((c->enc_mask >> cm->out_enc) & 1u)) {
-        kv_fail(&d, KV_EPROTO, "COMPUTE uses encoding %s/%s, not negotiated", kv_enc_name(cm->enc), kv_enc_name(cm->out_enc));
+    const bool pre = (cm->out_enc & KV_OUT_PREACT) != 0;
+    const uint32_t oenc = cm->out_enc & ~KV_OUT_PREACT;
+    if (!((c->enc_mask >> cm->enc) & 1u) || !((c->enc_mask >> oenc) & 1u) ||
+        (pre && !(c->enc_mask & KV_PROTO_CAP_PREACT))) {
+        kv_fail(&d, KV_EPROTO, "COMPUTE uses encoding %s/%s%s, not negotiated", kv_enc_name(cm->enc), kv_enc_name(oenc),
+                pre ? " with pre-activations" : "");
         return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", d.msg);
     }
     int code = 0;
@@ -897,7 +919,9 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
                                p.expert, i);
         }
     }
-    if (!code && !kv_msg_result_size(cm->out_enc, cm->n_pairs, cm->n_embd))
+    uint8_t hb[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED];
+    if (!code && (pre ? !kv_msg_result_pre_head(hb, 3, 0, cm->n_pairs, cm->n_embd, w->n_ff)
+                      : !kv_msg_result_size(oenc, cm->n_pairs, cm->n_embd)))
         code = kv_fail(&d, KV_ERANGE, "the RESULT of %u pairs would exceed the payload maximum", cm->n_pairs);
     if (code) {
         kv_wc_error(c, rid, code, d.msg);
@@ -907,6 +931,8 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
     c->job = *cm;
     c->rid = rid;
     c->xin = kv_msg_compute_x_inplace(cm);
+    c->pre = pre;
+    c->oenc = oenc;
     c->next = 0;
     c->busy = true;
     c->last_work_ms = kv_now_ms();
@@ -917,7 +943,7 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
 static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
     kv_wconn *c = kv_net_conn_data(nc);
     kv_worker *w = c->w;
-    const kv_proto_limits lim = {w->n_layer, w->n_embd, w->n_expert};
+    const kv_proto_limits lim = {w->n_layer, w->n_embd, w->n_expert, w->n_ff};
     kv_diag d = {0};
     kv_msg m;
     if (w->opts.idle_timeout_ms > 0) kv_net_timer_start(w->loop, &c->idle_t, w->opts.idle_timeout_ms);
@@ -950,6 +976,16 @@ static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         kv_msg_stats s;
         kv_worker_stats(w, &s);
         if (!kv_msg_stats_ack_encode_v(buf, sizeof buf, rid, c->version, &s, &n, NULL)) kv_wc_queue(c, buf, n);
+        return 0;
+    }
+    case KV_MSG_RECEIPT_REQ: { /* after AUTH only (checked above): sign within what was computed here */
+        kv_receipt r;
+        uint8_t rb[KV_PROTO_HEADER + KV_PROTO_RECEIPT_SIZE];
+        const int g = kv_receipt_grant(&c->budget, &m.u.receipt_req, w->sk, &r, &d);
+        if (g) kv_wlog(w, "conn %llu %s: receipt refused: %s", (unsigned long long)c->id, c->peer, d.msg);
+        if (!kv_msg_receipt_encode(rb, sizeof rb, rid, g ? KV_RECEIPT_REFUSED : KV_RECEIPT_SIGNED, g ? NULL : &r, &n,
+                                   NULL))
+            kv_wc_queue(c, rb, n);
         return 0;
     }
     case KV_MSG_ERROR: {
@@ -1001,9 +1037,73 @@ static bool kv_job_ready(const kv_wconn *c) {
 static void kv_job_done(kv_worker *w, kv_wconn *c) {
     atomic_fetch_add(&w->n_compute, 1);
     atomic_fetch_add(&w->n_pairs, c->job.n_pairs);
+    c->budget.computed += c->job.n_pairs; /* what receipts on this connection may cover */
     atomic_fetch_add(&w->n_tokens, c->job.n_tokens);
     kv_job_remove(w, c);
     kv_net_conn_release(c->nc);
+}
+
+/* Bytes of one answer row of c's job, and of its RESULT's head. */
+static size_t kv_wc_row_bytes(const kv_wconn *c) {
+    return c->pre ? ((size_t)c->w->n_embd + 2 * (size_t)c->w->n_ff) * 4 : (size_t)c->w->n_embd * kv_enc_size(c->oenc);
+}
+static size_t kv_wc_head_bytes(const kv_wconn *c) {
+    return KV_PROTO_HEADER + (c->pre ? KV_PROTO_RESULT_PRE_FIXED : KV_PROTO_RESULT_FIXED);
+}
+
+/* ---- test-only lies (docs/VERIFY.md): the checks' adversary ---------------------------- */
+
+int kv_worker_lie_from_name(const char *name) {
+    static const char *const names[KV_WORKER_LIE_COUNT] = {"none", "noise", "swap", "stale", "later"};
+    for (int i = 1; i < KV_WORKER_LIE_COUNT; i++)
+        if (!strcmp(name, names[i])) return i;
+    return -1;
+}
+
+/* Before the kernel: "swap" computes another held expert of the layer,
+ * "stale" the previous round's inputs (the inputs of an earlier step). */
+static void kv_worker_lie_inputs(kv_worker *w, uint32_t L, uint32_t n) {
+    const uint32_t E = w->n_embd;
+    if (w->opts.test_lie == KV_WORKER_LIE_SWAP) {
+        for (uint32_t k = 0; k < n; k++) {
+            uint32_t e = (uint32_t)w->ids[k];
+            for (uint32_t s = 1; s < w->n_expert; s++) {
+                const uint32_t o = (e + s) % w->n_expert;
+                if (w->held[(size_t)L * w->n_expert + o]) {
+                    w->ids[k] = (int32_t)o;
+                    break;
+                }
+            }
+        }
+    } else if (w->opts.test_lie == KV_WORKER_LIE_STALE) {
+        const uint32_t m = n < w->n_prev ? n : w->n_prev;
+        for (uint32_t k = 0; k < n; k++) { /* swap this round's rows with the last round's */
+            if (k < m)
+                for (uint32_t i = 0; i < E; i++) {
+                    const float t = w->xs[(size_t)k * E + i];
+                    w->xs[(size_t)k * E + i] = w->xprev[(size_t)k * E + i];
+                    w->xprev[(size_t)k * E + i] = t;
+                }
+            else
+                memcpy(w->xprev + (size_t)k * E, w->xs + (size_t)k * E, sizeof(float) * E);
+        }
+        if (n > w->n_prev) w->n_prev = n;
+    }
+}
+
+/* After the kernel: "noise" moves one element of about 1% of the pairs
+ * (pair 7, 107, 207... of this worker) by 1e-3 of its row's max; "later"
+ * does so on every pair once 64 pairs were answered honestly. */
+static void kv_worker_lie_outputs(kv_worker *w, uint32_t n) {
+    const uint32_t E = w->n_embd;
+    for (uint32_t k = 0; k < n; k++, w->lie_pairs++) {
+        const bool hit = (w->opts.test_lie == KV_WORKER_LIE_NOISE && w->lie_pairs % 100 == 7) ||
+                         (w->opts.test_lie == KV_WORKER_LIE_LATER && w->lie_pairs >= 64);
+        if (!hit) continue;
+        float *y = w->ys + (size_t)k * E, mx = 0;
+        for (uint32_t i = 0; i < E; i++) mx = fabsf(y[i]) > mx ? fabsf(y[i]) : mx;
+        y[w->lie_pairs % E] += 1e-3f * (mx > 0 ? mx : 1.0f);
+    }
 }
 
 static bool kv_worker_tick(kv_net_loop *l, void *data) {
@@ -1058,11 +1158,20 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
         w->ids[k] = (int32_t)p.expert;
     }
     kv_diag d = {0};
+    bool want_pre = false;
+    c = first;
+    do {
+        want_pre |= c->wq && c->pre;
+        c = c->jnext;
+    } while (c != first);
+    if (w->opts.test_lie) kv_worker_lie_inputs(w, L, n);
     const kv_expert_req req = {L, n, E, 1, w->xs, w->ids};
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
-    int rc = w->prov.compute(w->prov.impl, &req, w->ys, &d);
+    int rc = want_pre ? kv_expert_local_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d)
+                      : w->prov.compute(w->prov.impl, &req, w->ys, &d);
     clock_gettime(CLOCK_MONOTONIC, &b);
+    if (!rc && w->opts.test_lie) kv_worker_lie_outputs(w, n);
     atomic_fetch_add(&w->compute_us, (uint64_t)((b.tv_sec - a.tv_sec) * 1000000 + (b.tv_nsec - a.tv_nsec) / 1000));
     atomic_fetch_add(&w->n_batches, 1);
     if (n_jobs > 1) atomic_fetch_add(&w->n_merged, 1);
@@ -1071,11 +1180,12 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
     do {
         kv_wconn *nx = c->jnext;
         if (c->wq) {
-            const size_t rb = (size_t)E * kv_enc_size(c->job.out_enc);
-            const size_t head = c->next == 0 ? KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED : 0;
+            const size_t rb = kv_wc_row_bytes(c);
+            const size_t head = c->next == 0 ? kv_wc_head_bytes(c) : 0;
             c->wbase = rc ? NULL : kv_net_conn_reserve(c->nc, head + (size_t)c->wq * rb);
             if (c->wbase && head) {
-                kv_msg_result_head(c->wbase, c->version, c->rid, c->job.out_enc, c->job.n_pairs, E);
+                if (c->pre) kv_msg_result_pre_head(c->wbase, c->version, c->rid, c->job.n_pairs, E, w->n_ff);
+                else kv_msg_result_head(c->wbase, c->version, c->rid, c->oenc, c->job.n_pairs, E);
                 c->wbase += head;
             }
         }
@@ -1086,8 +1196,13 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
             const uint32_t j = (uint32_t)(w->keys[k] & 0xffffffffu);
             kv_wconn *jc = w->rconn[j];
             if (!jc->wbase) continue;
-            const size_t rb = (size_t)E * kv_enc_size(jc->job.out_enc);
-            kv_msg_rows_put(jc->wbase + (size_t)(w->rpair[j] - jc->next) * rb, jc->job.out_enc, w->ys + (size_t)k * E, E);
+            const size_t rb = kv_wc_row_bytes(jc);
+            uint8_t *dst = jc->wbase + (size_t)(w->rpair[j] - jc->next) * rb;
+            kv_msg_rows_put(dst, jc->oenc, w->ys + (size_t)k * E, E);
+            if (jc->pre) { /* f32: y, gate, up */
+                kv_msg_rows_put(dst + (size_t)E * 4, KV_ENC_F32, w->gs + (size_t)k * w->n_ff, w->n_ff);
+                kv_msg_rows_put(dst + ((size_t)E + w->n_ff) * 4, KV_ENC_F32, w->us + (size_t)k * w->n_ff, w->n_ff);
+            }
         }
     /* commit, finish the jobs that are complete, move the ring on */
     kv_wconn *done[KV_WORKER_CHUNK];
@@ -1103,8 +1218,8 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
                 }
                 done[n_done++] = c;
             } else if (c->wbase) {
-                const size_t rb = (size_t)E * kv_enc_size(c->job.out_enc);
-                kv_net_conn_commit(c->nc, (c->next == 0 ? KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED : 0) + c->wq * rb);
+                const size_t rb = kv_wc_row_bytes(c);
+                kv_net_conn_commit(c->nc, (c->next == 0 ? kv_wc_head_bytes(c) : 0) + c->wq * rb);
                 c->next += c->wq;
                 if (c->next == c->job.n_pairs) done[n_done++] = c;
             }
@@ -1231,7 +1346,8 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
         c->last_work_ms = kv_now_ms();
         kv_net_timer_init(&c->hs_t, kv_wc_handshake_timeout, c);
         kv_net_timer_init(&c->idle_t, kv_wc_idle_timeout, c);
-        const size_t rb_max = (size_t)KV_WORKER_CHUNK * w->n_embd * 4;
+        const size_t rb_max = (size_t)KV_WORKER_CHUNK * ((size_t)w->n_embd + 2 * (size_t)w->n_ff) * 4 +
+                              KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED; /* one round of RESULT_PRE rows */
         const kv_net_conn_opts o = {
             .header = KV_PROTO_HEADER,
             .max_frame = KV_PROTO_HEADER + w->max_payload,

@@ -45,6 +45,7 @@ struct kv_session {
     int err;                    /* 0 or the failure's code */
     char msg[sizeof(((kv_diag *)0)->msg)]; /* the failure's message */
     kv_session_stats st;
+    uint64_t products;          /* (token, expert) products of the steps it took part in that succeeded */
 };
 
 struct kv_engine {
@@ -103,6 +104,7 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
     e->cand = malloc(kv_sampler_scratch_bytes((int32_t)e->n_vocab));
     if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
+    if (e->remote && (rc = kv_remote_tally_open(e->remote, e->max_sessions, d))) return rc;
     return 0;
 }
 
@@ -179,7 +181,9 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
         const kv_remote_opts ro = {e->o.workers, e->o.n_workers, e->o.worker_timeout_ms, 0, e->o.wire,
                                    e->max_tok, e->o.skip_hashes, e->o.log, e->o.allow_sparse,
                                    e->o.key_sk, e->o.voucher, e->o.worker_keys,
-                                   .max_workers = e->o.max_workers, .allow_uncovered = e->o.allow_uncovered};
+                                   .max_workers = e->o.max_workers, .allow_uncovered = e->o.allow_uncovered,
+                                   .verify = e->o.verify, .recompute_rate = e->o.recompute_rate,
+                                   .on_caught = e->o.on_caught, .caught_arg = e->o.caught_arg};
         if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
         e->m = kv_remote_model(e->remote);
         e->experts = kv_remote_provider(e->remote);
@@ -278,6 +282,7 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
     s->token = -1;
     s->status = KV_SESSION_IDLE;
     kv_state_reset_seq(e->st, slot); /* empty already; the contract says so */
+    if (e->remote) kv_remote_tally_reset(e->remote, slot); /* the work tally is the session's */
     e->slot[slot] = s;
     s->prev = e->tail;
     if (e->tail) e->tail->next = s;
@@ -350,6 +355,16 @@ enum kv_stop kv_session_stop_reason(const kv_session *s) { return s->stop; }
 int32_t kv_session_token(const kv_session *s) { return s->token; }
 const float *kv_session_logits(const kv_session *s) { return s->logits; }
 uint64_t kv_session_id(const kv_session *s) { return s->id; }
+
+uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers) {
+    kv_remote *rm = s->e->remote;
+    const uint32_t nw = rm ? kv_remote_n_workers(rm) : 0;
+    for (uint32_t i = 0; i < n_workers; i++) {
+        answered[i] = 0;
+        if (i < nw) kv_remote_tally_get(rm, s->slot, i, NULL, &answered[i]);
+    }
+    return s->products;
+}
 void *kv_session_data(const kv_session *s) { return s->o.data; }
 
 int kv_session_error(const kv_session *s, kv_diag *d) {
@@ -472,8 +487,10 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     }
     if (n == 0) return 0;
     const double t0 = kv_now();
+    if (e->remote) kv_remote_tally_begin(e->remote, e->b_seq, n); /* who computed what, per session */
     int rc = kv_state_batch(e->st, e->b_tok, e->b_seq, n, e->b_out, n_out, e->logits, d);
     const double dt = kv_now() - t0;
+    if (e->remote) kv_remote_tally_end(e->remote, rc == 0);
     if (rc) {
         e->stats.steps_failed++;
         for (kv_session *s = e->head; s; s = s->next) s->in_step = false;
@@ -485,8 +502,14 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     if (n > e->stats.max_step_tokens) e->stats.max_step_tokens = n;
     e->stats.t_prefill_s += dt * (double)n_pre / (double)n;
     e->stats.t_decode_s += dt * (double)n_dec / (double)n;
+    /* every block of every supported architecture routes each token to
+       n_expert_used experts (kv_moe_routed), so a token is n_layer x n_used
+       (token, expert) products, wherever they were computed */
+    const kv_hparams *hp = kv_model_hparams(e->m);
+    const uint64_t per_tok = (uint64_t)hp->n_layer * hp->n_expert_used;
     for (kv_session *s = e->head; s; s = s->next) {
         if (!s->in_step) continue;
+        s->products += per_tok * (s->chunk ? s->chunk : 1);
         s->st.steps++;
         if (s->chunk) {
             s->prompt_at += s->chunk;

@@ -39,7 +39,8 @@ static const char *kv_an_stop(const kv_gw_result *r) {
 }
 
 char *kv_gw_anthropic_error(unsigned status, const char *msg) {
-    const char *type = status == 401 ? "authentication_error" : status == 404 ? "not_found_error"
+    const char *type = status == 401 ? "authentication_error" : status == 402 ? "billing_error"
+                     : status == 404 ? "not_found_error"
                      : status == 413 ? "request_too_large" : status == 503 ? "overloaded_error"
                      : status >= 500 ? "api_error" : "invalid_request_error";
     json_t *j = json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "type", type, "message", msg);

@@ -127,8 +127,9 @@ typedef struct kv_gw_watch kv_gw_watch;
 int kv_gw_watch_start(kv_gw_watch **out, const char *hub_url, uint32_t refresh_ms, kv_diag *d);
 void kv_gw_watch_kick(kv_gw_watch *w);
 /* true with the list read since the last take (free with
- * kv_node_workers_free), false with *addrs NULL when nothing new. */
-bool kv_gw_watch_take(kv_gw_watch *w, char ***addrs, uint32_t *n);
+ * kv_node_workers_free) and the key each address is listed with (zero:
+ * none; free()), false with both NULL when nothing new. */
+bool kv_gw_watch_take(kv_gw_watch *w, char ***addrs, uint8_t (**keys)[32], uint32_t *n);
 /* Reads and failed reads so far, and why the last one failed ("" if it did not). */
 void kv_gw_watch_info(kv_gw_watch *w, uint64_t *reads, uint64_t *failures, char *err, size_t cap);
 void kv_gw_watch_free(kv_gw_watch *w); /* joins the thread; accepts NULL */

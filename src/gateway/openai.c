@@ -53,6 +53,7 @@ char *kv_gw_openai_error(unsigned status, const char *msg) {
     const char *type = status == 401 ? "authentication_error" : status == 404 ? "not_found_error"
                      : status == 503 ? "server_overloaded" : status >= 500 ? "server_error" : "invalid_request_error";
     const char *code = status == 401 ? "invalid_api_key" : status == 404 ? "model_not_found"
+                     : status == 402 ? "payment_required"
                      : status == 503 ? "server_overloaded" : status == 413 ? "request_too_large"
                      : status >= 500 ? "internal_error" : "invalid_request";
     json_t *j = json_pack("{s:{s:s,s:s,s:n,s:s}}", "error", "message", msg, "type", type, "param", "code", code);

@@ -33,8 +33,10 @@
 #include <time.h>
 
 #include "gateway/gateway_internal.h"
+#include "gateway/pay.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/gateway.h"
+#include "kvasir/ledger.h"
 #include "kvasir/node.h"
 
 enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
@@ -58,10 +60,16 @@ typedef struct kv_gw_req {
     char errmsg[256];
     kv_session *s;              /* the scheduler's */
     enum kv_session_status sst; /* last seen, for /v1/slots */
+    bool paid;                  /* its work is recorded below when it finishes */
+    uint64_t products;          /* its session's (token, expert) products (kv_session_work), once DONE */
+    kv_gw_work_node *work;      /* [n_work] workers that answered some of them, once DONE */
+    kv_receipt *rcpts;          /* [n_work] their receipts (work[i].receipt points here) */
+    uint32_t n_work;
+    uint8_t pay_consumer[32], pay_nonce[16]; /* the authorization it is paid by */
 } kv_gw_req;
 
-#define KV_GW_N_CODES 8
-static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 404, 405, 413, 500, 503};
+#define KV_GW_N_CODES 9
+static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 402, 404, 405, 413, 500, 503};
 #define KV_GW_MISSING_MAX 16 /* uncovered shards named by /health */
 #define KV_GW_N_BUCKETS 12
 static const double kv_gw_buckets[KV_GW_N_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -95,6 +103,7 @@ struct kv_gateway {
     uint64_t steps, steps_failed;
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
     uint32_t max_batch;         /* most sessions one step carried */
+    kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
     uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
     double step_sum;
     /* a swarm: the engine's experts on workers */
@@ -112,13 +121,57 @@ struct kv_gateway {
 
 static void kv_req_unref_locked(kv_gw_req *r) {
     if (--r->refs > 0) return;
+    free(r->work);
+    free(r->rcpts);
     free(r->prompt);
     free(r->toks);
     free(r);
 }
 
+/* The scheduler's record of who computed r's session (it owns the engine
+ * and the remote): the products, and each worker that answered some, with
+ * the key its handshake proved. On no memory the workers' part is booked
+ * as the gateway's own (pay.h), never lost. */
+static void kv_req_record_work(kv_gateway *g, kv_gw_req *r) {
+    kv_remote *rm = kv_engine_remote(g->e);
+    const uint32_t nw = rm ? kv_remote_n_workers(rm) : 0;
+    uint64_t *ans = nw ? calloc(nw, sizeof *ans) : NULL;
+    r->products = kv_session_work(r->s, ans, ans ? nw : 0);
+    uint32_t n = 0;
+    for (uint32_t i = 0; ans && i < nw; i++) n += ans[i] > 0;
+    static const uint8_t zero[32];
+    if (n && (r->work = calloc(n, sizeof *r->work)) && (r->rcpts = calloc(n, sizeof *r->rcpts))) {
+        for (uint32_t i = 0; i < nw; i++) {
+            if (!ans[i]) continue;
+            kv_gw_work_node *nd = &r->work[r->n_work];
+            *nd = (kv_gw_work_node){.answered = ans[i]};
+            kv_remote_worker wi;
+            kv_remote_worker_info(rm, i, &wi);
+            if (wi.key && memcmp(wi.key, zero, 32)) {
+                /* the worker signs for what it computed; without its receipt
+                   its share goes back to the consumer (the ledger's rule) */
+                nd->has_key = true;
+                memcpy(nd->key, wi.key, 32);
+                kv_receipt_req q = {.n_products = ans[i] < KV_LEDGER_MAX_PRODUCTS ? ans[i] : KV_LEDGER_MAX_PRODUCTS};
+                snprintf(q.gateway, sizeof q.gateway, "%s", kv_gw_pay_id(g->pay));
+                memcpy(q.consumer, r->pay_consumer, 32);
+                memcpy(q.auth_nonce, r->pay_nonce, 16);
+                kv_gw_pay_log_digest(q.gateway, q.consumer, q.auth_nonce, nd->key, q.n_products, q.log_digest);
+                kv_diag d = {0};
+                if (kv_remote_receipt(rm, i, &q, &r->rcpts[r->n_work], &d) == 0)
+                    nd->receipt = &r->rcpts[r->n_work];
+                else
+                    fprintf(stderr, "gateway: no receipt from worker %s: %s\n", wi.addr, d.msg);
+            }
+            r->n_work++;
+        }
+    }
+    free(ans);
+}
+
 static void kv_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg) {
     if (r->s) {
+        if (r->paid && !err) kv_req_record_work(g, r); /* who to pay (a failed one is released) */
         r->stop = kv_session_stop_reason(r->s);
         kv_session_free(r->s);
         r->s = NULL;
@@ -177,18 +230,22 @@ static void kv_sched_health_locked(kv_gateway *g) {
  * held; drops it while the remote set changes. */
 static void kv_sched_placement_locked(kv_gateway *g) {
     char **addrs = NULL;
+    uint8_t (*keys)[32] = NULL;
     uint32_t n = 0;
     kv_remote *rm = kv_engine_remote(g->e);
-    if (!rm || !kv_gw_watch_take(g->watch, &addrs, &n)) return;
+    if (!rm || !kv_gw_watch_take(g->watch, &addrs, &keys, &n)) return;
     pthread_mutex_unlock(&g->mu);
     uint64_t added = 0;
+    static const uint8_t zero[32];
     for (uint32_t i = 0; i < n; i++) {
         kv_diag d = {0};
-        const int rc = kv_remote_add_worker(rm, addrs[i], &d);
+        /* the node must prove the key the hub lists it with */
+        const int rc = kv_remote_add_worker(rm, addrs[i], memcmp(keys[i], zero, 32) ? keys[i] : NULL, &d);
         if (rc > 0) added++;
         else if (rc < 0) fprintf(stderr, "kvasir gateway: placement: %s\n", d.msg);
     }
     kv_node_workers_free(addrs, n);
+    free(keys);
     if (added) kv_remote_tend(rm, 0);
     pthread_mutex_lock(&g->mu);
     g->workers_added += added;
@@ -365,7 +422,7 @@ static void *kv_sched_main(void *arg) {
 
 enum kv_route {
     KV_R_NONE = 0, KV_R_HEALTH, KV_R_METRICS, KV_R_MODELS, KV_R_SLOTS, KV_R_TAGS, KV_R_GEN, KV_R_NOTFOUND,
-    KV_R_METHOD
+    KV_R_METHOD, KV_R_PRICES
 };
 
 typedef struct kv_gw_conn {
@@ -387,12 +444,15 @@ typedef struct kv_gw_conn {
     uint32_t consumed;          /* tokens of r->toks turned into text */
     bool finished;
     bool counted;               /* the request is in req_count */
+    kv_gw_charge charge;        /* its payment while held (pay.h) */
+    bool paid;                  /* settled: cost below */
+    kv_settle_result paid_res;
 } kv_gw_conn;
 
 static int kv_code_index(unsigned status) {
     for (int i = 0; i < KV_GW_N_CODES; i++)
         if (kv_gw_codes[i] == status) return i;
-    return 6; /* 500 */
+    return 7; /* 500 */
 }
 
 static void kv_count(kv_gw_conn *c, unsigned status) {
@@ -414,6 +474,11 @@ static enum MHD_Result kv_reply(kv_gw_conn *cn, struct MHD_Connection *c, unsign
     MHD_add_response_header(r, "Content-Type", type);
     MHD_add_response_header(r, "Cache-Control", "no-store");
     if (status == 503) MHD_add_response_header(r, "Retry-After", "1");
+    if (cn->paid) {
+        char v[32];
+        snprintf(v, sizeof v, "%llu", (unsigned long long)cn->paid_res.cost);
+        MHD_add_response_header(r, "X-KVR-Cost", v);
+    }
     if (status == 401 && cn->api == KV_GW_ANTHROPIC) MHD_add_response_header(r, "WWW-Authenticate", "x-api-key");
     else if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     kv_count(cn, status);
@@ -439,6 +504,43 @@ static bool kv_hung_up(int fd) {
     if (fd < 0) return false;
     struct pollfd pf = {.fd = fd, .events = POLLRDHUP};
     return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+/* Waits until the scheduler is done with r (its work tally is then final). */
+static void kv_wait_done(kv_gateway *g, kv_gw_req *r) {
+    pthread_mutex_lock(&g->mu);
+    while (r->state != KV_REQ_DONE) {
+        pthread_cond_signal(&g->work_cv);
+        struct timespec ts;
+        kv_deadline(&ts, 250);
+        pthread_cond_timedwait(&g->out_cv, &g->mu, &ts);
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* Settles c's payment for the tokens it was given, or releases it whole
+ * (failed: nothing is charged for a completion that errs). */
+static void kv_pay_end(kv_gw_conn *c, bool failed) {
+    kv_gateway *g = c->g;
+    if (!g->pay || !c->charge.held) return;
+    kv_diag d = {0};
+    int rc;
+    if (failed || !c->r) {
+        rc = kv_gw_pay_release(g->pay, &c->charge, &d);
+    } else {
+        kv_wait_done(g, c->r); /* its work record is final then, and the scheduler's no more */
+        pthread_mutex_lock(&g->mu);
+        const int err = c->r->err;
+        pthread_mutex_unlock(&g->mu);
+        if (err) { /* it failed (its client may have left too): nothing is charged */
+            rc = kv_gw_pay_release(g->pay, &c->charge, &d);
+        } else {
+            const kv_gw_work w = {c->r->products, c->r->work, c->r->n_work};
+            rc = kv_gw_pay_settle(g->pay, &c->charge, c->res.completion_tokens, &w, &c->paid_res, &d);
+            if (rc == 0) c->paid = true;
+        }
+    }
+    if (rc) fprintf(stderr, "gateway: payment of %s left held (released at the next start): %s\n", c->id, d.msg);
 }
 
 /* Turns new tokens into text, waiting for some if none are new. Returns 0,
@@ -506,9 +608,11 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         g->tokens_completion += c->res.completion_tokens;
         pthread_mutex_unlock(&g->mu);
         if (err && !stopped) {
+            kv_pay_end(c, true);
             if (stream) kv_gw_stream_error(c->api, errmsg[0] ? errmsg : kv_err_str(err), &c->out);
             return 1;
         }
+        kv_pay_end(c, false); /* before the last bytes go out: a client that saw the end sees it settled */
         if (stream) kv_gw_stream_end(c->api, &c->res, c->p->include_usage, &c->out);
     }
     return 0;
@@ -585,16 +689,33 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
                             "the prompt has %zu tokens, more than the context of %u tokens leaves room for "
                             "(at least one must be generated)", n, g->n_ctx);
     }
+    uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
+    if (g->pay) {
+        /* paid before any compute: the hold covers the prompt and at least
+           one token, and the completion stops at what the max pays for */
+        unsigned status = 402;
+        const char *hdr = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-KVR-Payment");
+        if (kv_gw_pay_hold(g->pay, hdr, n, &max_tokens, &cn->charge, &status, &d)) {
+            free(ids);
+            return kv_reply_err(cn, c, status, "%s", d.msg);
+        }
+    }
     kv_gw_req *r = calloc(1, sizeof *r);
-    const uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
     const uint32_t room = g->n_ctx - (uint32_t)n;
     if (r) {
         r->cap = (max_tokens < room ? max_tokens : room) + 1;
         r->toks = malloc((size_t)r->cap * sizeof *r->toks);
+        r->paid = g->pay != NULL;
+        memcpy(r->pay_consumer, cn->charge.a.consumer, 32);
+        memcpy(r->pay_nonce, cn->charge.a.nonce, 16);
     }
     if (!r || !r->toks) {
         free(ids);
-        if (r) free(r);
+        if (r) {
+            free(r->toks);
+            free(r);
+        }
+        kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 500, "out of memory");
     }
     r->api = cn->api;
@@ -613,6 +734,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         free(r->toks);
         free(r->prompt);
         free(r);
+        kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 503, "the queue is full (%u requests waiting); retry later", g->o.queue_max);
     }
     r->id = ++g->next_id;
@@ -654,7 +776,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             pthread_mutex_unlock(&g->mu);
             return kv_reply_err(cn, c, 500, "generation failed: %s", msg);
         }
-    if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory");
+    if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
     return kv_reply(cn, c, 200, "application/json",
                     kv_gw_full_body(cn->api, &cn->res, cn->full.p ? cn->full.p : "", cn->full.n));
 }
@@ -709,6 +831,21 @@ static char *kv_metrics_text(kv_gateway *g) {
     KV_M("# HELP kvasir_gateway_steps_failed_total Engine steps that failed as a whole.\n");
     KV_M("# TYPE kvasir_gateway_steps_failed_total counter\n");
     KV_M("kvasir_gateway_steps_failed_total %llu\n", (unsigned long long)g->steps_failed);
+    if (g->pay) {
+        kv_gw_pay_stats ps;
+        kv_gw_pay_get_stats(g->pay, &ps);
+        KV_M("# HELP kvasir_gateway_kvr_charges_total Paid completions by outcome: held, settled, released, refused (402).\n");
+        KV_M("# TYPE kvasir_gateway_kvr_charges_total counter\n");
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"held\"} %llu\n", (unsigned long long)ps.held);
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"settled\"} %llu\n", (unsigned long long)ps.settled);
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"released\"} %llu\n", (unsigned long long)ps.released);
+        KV_M("kvasir_gateway_kvr_charges_total{outcome=\"refused\"} %llu\n", (unsigned long long)ps.refused);
+        KV_M("# HELP kvasir_gateway_kvr_micro_total micro-KVR settled: cost, of it to nodes and to the treasury.\n");
+        KV_M("# TYPE kvasir_gateway_kvr_micro_total counter\n");
+        KV_M("kvasir_gateway_kvr_micro_total{to=\"cost\"} %llu\n", (unsigned long long)ps.charged);
+        KV_M("kvasir_gateway_kvr_micro_total{to=\"nodes\"} %llu\n", (unsigned long long)ps.to_nodes);
+        KV_M("kvasir_gateway_kvr_micro_total{to=\"treasury\"} %llu\n", (unsigned long long)ps.fees);
+    }
     if (g->man) {
         KV_M("# HELP kvasir_gateway_steps_retried_total Failed steps whose sessions were kept for a retry.\n");
         KV_M("# TYPE kvasir_gateway_steps_retried_total counter\n");
@@ -793,6 +930,7 @@ static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
         {"GET", "/v1/models", KV_R_MODELS, KV_GW_OPENAI_CHAT},
         {"GET", "/v1/slots", KV_R_SLOTS, KV_GW_API_COUNT},
         {"GET", "/api/tags", KV_R_TAGS, KV_GW_OLLAMA},
+        {"GET", "/v1/prices", KV_R_PRICES, KV_GW_OPENAI_CHAT},
         {"POST", "/v1/chat/completions", KV_R_GEN, KV_GW_OPENAI_CHAT},
         {"POST", "/v1/completions", KV_R_GEN, KV_GW_OPENAI_TEXT},
         {"POST", "/v1/messages", KV_R_GEN, KV_GW_ANTHROPIC},
@@ -844,12 +982,15 @@ static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char
     if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
     if (cn->too_big)
         return kv_reply_err(cn, c, 413, "the request body is larger than %zu bytes", g->o.body_max);
-    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS;
+    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES;
     if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
     switch (cn->route) {
     case KV_R_HEALTH: return kv_health(cn, c);
     case KV_R_METRICS: return kv_reply(cn, c, 200, "text/plain; version=0.0.4", kv_metrics_text(g));
     case KV_R_SLOTS: return kv_reply(cn, c, 200, "application/json", kv_slots_json(g));
+    case KV_R_PRICES:
+        if (!g->pay) return kv_reply_err(cn, c, 404, "this gateway does not charge (started without --ledger)");
+        return kv_reply(cn, c, 200, "application/json", kv_gw_pay_prices_json(g->pay));
     case KV_R_MODELS: {
         json_t *j = json_pack("{s:s,s:[{s:s,s:s,s:I,s:s}]}", "object", "list", "data", "id", g->model, "object",
                               "model", "created", (json_int_t)g->started, "owned_by", "kvasir");
@@ -875,9 +1016,13 @@ static void kv_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MH
             cn->r->cancel = true;
             pthread_cond_signal(&g->work_cv);
         }
+        pthread_mutex_unlock(&g->mu);
+        kv_pay_end(cn, false); /* the client left: it pays for what it was given */
+        pthread_mutex_lock(&g->mu);
         kv_req_unref_locked(cn->r);
         pthread_mutex_unlock(&g->mu);
     }
+    kv_pay_end(cn, true); /* held without a request (cannot happen): back whole */
     kv_gw_text_free(&cn->text);
     kv_gw_params_free(cn->p);
     free(cn->p);
@@ -948,6 +1093,17 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if (o.hub_url && (rc = kv_gw_watch_start(&g->watch, o.hub_url, o.hub_refresh_ms, d))) goto fail;
     o.hub_url = NULL;
     g->o = o;
+    if (o.ledger_path) {
+        uint64_t n_rec = 0;
+        if ((rc = kv_gw_pay_open(&g->pay, o.ledger_path, o.gateway_key_path, o.gateway_id, o.price_prompt,
+                                 o.price_completion, &n_rec, d))) {
+            kv_diag_prefix(d, rc, "gateway: ledger");
+            goto fail;
+        }
+        if (n_rec) fprintf(stderr, "gateway: released %llu holds a previous run of %s left\n",
+                           (unsigned long long)n_rec, kv_gw_pay_id(g->pay));
+    }
+    g->o.ledger_path = g->o.gateway_key_path = g->o.gateway_id = NULL; /* the caller's strings */
     kv_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (pthread_create(&g->sched, NULL, kv_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
     g->sched_up = true;
@@ -1002,8 +1158,9 @@ void kv_gateway_free(kv_gateway *g) {
         pthread_mutex_unlock(&g->mu);
         pthread_join(g->sched, NULL);
     }
-    if (g->mhd) MHD_stop_daemon(g->mhd);
+    if (g->mhd) MHD_stop_daemon(g->mhd); /* every connection ends: their payments are settled or released */
     kv_gw_watch_free(g->watch);
+    kv_gw_pay_free(g->pay);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);

@@ -4,7 +4,8 @@
  * live node addresses for the scheduler to take between steps.
  *
  * Invariants: an answer is bounded (KV_NODE_MAX_MARKET bytes) and parsed by
- * the fuzzed placement parser (kv_node_parse_placement); a failed read keeps
+ * the fuzzed placement parsers (kv_node_parse_placement and _keys: each
+ * address with the node key it must prove); a failed read keeps
  * the last good list and records why. The thread never touches the engine:
  * only the scheduler (the engine's owner) applies a list. */
 #include <pthread.h>
@@ -27,6 +28,7 @@ struct kv_gw_watch {
     /* guarded by mu */
     bool quit, kicked, fresh;
     char **addrs;            /* [n_addrs] latest list (owned) */
+    uint8_t (*keys)[32];     /* [n_addrs] the key placement lists for each (zero: none) */
     uint32_t n_addrs;
     uint64_t reads, failures;
     char err[256];           /* why the last read failed, "" after a good one */
@@ -50,12 +52,22 @@ static void *kv_watch_main(void *arg) {
         pthread_mutex_unlock(&w->mu);
         kv_diag d = {0};
         char *body = NULL, **addrs = NULL;
+        uint8_t (*keys)[32] = NULL;
         size_t len = 0;
         long st = 0;
         uint32_t n = 0;
         int rc = kv_hub_http_get(w->url, KV_NODE_MAX_MARKET, 5000, &body, &len, &st, &d);
         if (!rc && st != 200) rc = kv_fail(&d, KV_EIO, "%s: status %ld", w->url, st);
         if (!rc) rc = kv_node_parse_placement(body, len, &addrs, &n, &d);
+        if (!rc && !(keys = calloc(n ? n : 1, sizeof *keys))) rc = kv_fail(&d, KV_ENOMEM, "placement: out of memory");
+        if (!rc) rc = kv_node_parse_placement_keys(body, len, addrs, n, keys, &d);
+        if (rc) {
+            kv_node_workers_free(addrs, n);
+            free(keys);
+            addrs = NULL;
+            keys = NULL;
+            n = 0;
+        }
         free(body);
         pthread_mutex_lock(&w->mu);
         w->reads++;
@@ -64,7 +76,9 @@ static void *kv_watch_main(void *arg) {
             snprintf(w->err, sizeof w->err, "%.250s", d.msg);
         } else {
             kv_node_workers_free(w->addrs, w->n_addrs);
+            free(w->keys);
             w->addrs = addrs;
+            w->keys = keys;
             w->n_addrs = n;
             w->fresh = true;
             w->err[0] = 0;
@@ -111,16 +125,19 @@ void kv_gw_watch_kick(kv_gw_watch *w) {
     pthread_mutex_unlock(&w->mu);
 }
 
-bool kv_gw_watch_take(kv_gw_watch *w, char ***addrs, uint32_t *n) {
+bool kv_gw_watch_take(kv_gw_watch *w, char ***addrs, uint8_t (**keys)[32], uint32_t *n) {
     *addrs = NULL;
+    *keys = NULL;
     *n = 0;
     if (!w) return false;
     pthread_mutex_lock(&w->mu);
     const bool fresh = w->fresh;
     if (fresh) {
         *addrs = w->addrs;
+        *keys = w->keys;
         *n = w->n_addrs;
         w->addrs = NULL;
+        w->keys = NULL;
         w->n_addrs = 0;
         w->fresh = false;
     }
@@ -146,6 +163,7 @@ void kv_gw_watch_free(kv_gw_watch *w) {
         pthread_join(w->th, NULL);
     }
     kv_node_workers_free(w->addrs, w->n_addrs);
+    free(w->keys);
     pthread_cond_destroy(&w->cv);
     pthread_mutex_destroy(&w->mu);
     free(w);

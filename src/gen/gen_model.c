@@ -226,7 +226,10 @@ static void add_desc(gen_list *l, const kv_gen_config *c, const kv_hparams *hp, 
     kv_tensor_shape(t, hp, ne);
     const int matrix = !(t->flags & (KV_TF_F32 | KV_TF_KEEP_F32));
     const float std = t->init_gain != 0.0f ? gain(t->init_gain, (uint64_t)ne[0]) : t->init_std;
-    add_t(l, nm, t->n_dims, (uint64_t)ne[0], (uint64_t)ne[1], (uint64_t)ne[2], matrix ? c->type : 0, matrix,
+    uint32_t want = c->type;
+    if (c->q6_mix && (strstr(nm, "ffn_down") || strstr(nm, "attn_v.") || !strcmp(nm, "output.weight")))
+        want = KV_TYPE_Q6_K;
+    add_t(l, nm, t->n_dims, (uint64_t)ne[0], (uint64_t)ne[1], (uint64_t)ne[2], matrix ? want : 0, matrix,
           t->init_mean, std);
     if (!l->overflow && (t->flags & KV_TF_VOCAB_ROWS)) l->t[l->n - 1].vocab_rows = 1;
 }
@@ -446,9 +449,10 @@ static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const g
 
 /* ---- model ------------------------------------------------------------ */
 
-static uint32_t file_type_of(uint32_t type) {
+static uint32_t file_type_of(const kv_gen_config *c) {
     /* llama_ftype values (general.file_type) for an all-`type` model */
-    switch (type) {
+    if (c->q6_mix && c->type == KV_TYPE_Q4_K) return 15; /* Q4_K_M */
+    switch (c->type) {
     case KV_TYPE_F32: return 0;
     case KV_TYPE_F16: return 1;
     case KV_TYPE_Q4_0: return 2;
@@ -528,14 +532,14 @@ static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vo
     if (is_q35(c)) {
         TRY(kv_gguf_writer_set_str(w, "general.architecture", "qwen35moe", d));
         TRY(kv_gguf_writer_set_str(w, "general.name", c->name ? c->name : "kvasir-synthetic", d));
-        TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c->type), d));
+        TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c), d));
         TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
         TRY(write_meta_q35(w, c, d));
         goto vocab;
     }
     TRY(kv_gguf_writer_set_str(w, "general.architecture", "qwen3moe", d));
     TRY(kv_gguf_writer_set_str(w, "general.name", c->name ? c->name : "kvasir-synthetic", d));
-    TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c->type), d));
+    TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c), d));
     TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
     TRY(kv_gguf_writer_set_u32(w, "qwen3moe.context_length", c->n_ctx, d));
     TRY(kv_gguf_writer_set_u32(w, "qwen3moe.embedding_length", c->n_embd, d));

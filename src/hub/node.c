@@ -176,6 +176,11 @@ static int kv_node_post(const char *hub_url, kv_node_key *key, const char *path,
     return 0;
 }
 
+int kv_node_hub_post(const char *hub_url, kv_node_key *key, const char *path, const char *body, char **out,
+                     long *status, kv_diag *d) {
+    return kv_node_post(hub_url, key, path, body, out, status, d);
+}
+
 /* GET hub_url + path, bounded; 200 required. */
 static int kv_node_get(const char *hub_url, const char *path, size_t max, char **out, size_t *len, kv_diag *d) {
     char url[1024];
@@ -525,12 +530,17 @@ int kv_node_parse_voucher(const char *json, size_t len, kv_voucher *v, uint8_t h
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) return kv_fail(d, KV_EFORMAT, "voucher: bad JSON at line %d: %s", je.line, je.text);
     int rc = 0;
+    kv_voucher t = {{0}, 0, {0}};
+    uint8_t hk[32];
     json_t *e = json_object_get(root, "expires_ms");
-    if (!json_is_object(root) || kv_json_hex(root, "key", v->key, 32) || kv_json_hex(root, "sig", v->sig, 64) ||
-        kv_json_hex(root, "hub_key", hub_key, 32) || !json_is_integer(e) || json_integer_value(e) <= 0)
+    if (!json_is_object(root) || kv_json_hex(root, "key", t.key, 32) || kv_json_hex(root, "sig", t.sig, 64) ||
+        kv_json_hex(root, "hub_key", hk, 32) || !json_is_integer(e) || json_integer_value(e) <= 0) {
         rc = kv_fail(d, KV_EFORMAT, "voucher: needs key, sig, hub_key (hex) and expires_ms > 0");
-    else
-        v->expires_ms = (uint64_t)json_integer_value(e);
+    } else { /* nothing is written unless all of it parsed */
+        t.expires_ms = (uint64_t)json_integer_value(e);
+        *v = t;
+        memcpy(hub_key, hk, 32);
+    }
     json_decref(root);
     return rc;
 }
@@ -601,6 +611,49 @@ int kv_node_fetch_auth(const char *hub_url, kv_node_key *key, char *const *worke
     if ((rc = kv_node_get(hub_url, "/v1/placement", KV_NODE_MAX_MARKET, &body, &len, d))) return rc;
     rc = kv_node_parse_placement_keys(body, len, workers, n, keys, d);
     free(body);
+    return rc;
+}
+
+int kv_hub_parse_report(const char *json, size_t len, uint8_t key[32], char *reason, size_t reason_cap, kv_diag *d) {
+    if (reason_cap) reason[0] = 0;
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "report: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    json_t *r = json_object_get(root, "reason");
+    if (!json_is_object(root) || kv_json_hex(root, "key", key, 32) || !json_is_string(r) ||
+        json_string_length(r) > KV_HUB_MAX_REASON) {
+        rc = kv_fail(d, KV_EFORMAT, "report: needs {\"key\": 64 hex digits, \"reason\": text of at most %u bytes}",
+                     KV_HUB_MAX_REASON);
+    } else if (reason_cap) {
+        const char *t = json_string_value(r);
+        size_t n = 0;
+        for (size_t i = 0; t[i] && n + 1 < reason_cap; i++) /* printable ASCII only: it is logged and served */
+            reason[n++] = (t[i] >= 0x20 && t[i] < 0x7f && t[i] != '"' && t[i] != '\\') ? t[i] : '?';
+        reason[n] = 0;
+    }
+    json_decref(root);
+    return rc;
+}
+
+int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_key[32], const char *reason,
+                   kv_diag *d) {
+    json_t *j = json_object();
+    char hex[65];
+    kv_hex(worker_key, 32, hex);
+    char rs[KV_HUB_MAX_REASON + 1];
+    snprintf(rs, sizeof rs, "%s", reason ? reason : "");
+    json_object_set_new(j, "key", json_string(hex));
+    json_object_set_new(j, "reason", json_string(rs));
+    char *body = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    if (!body) return kv_fail(d, KV_ENOMEM, "report: out of memory");
+    char *reply = NULL;
+    long st = 0;
+    int rc = kv_node_post(hub_url, key, "/v1/report", body, &reply, &st, d);
+    free(body);
+    if (!rc && st != 200) rc = kv_fail(d, st == 403 ? KV_EAUTH : KV_EPROTO, "report refused (%ld): %.300s", st, reply);
+    free(reply);
     return rc;
 }
 

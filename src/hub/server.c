@@ -55,6 +55,7 @@
 #include "hub/hub_internal.h"
 #include "hub/store.h"
 #include "kvasir/dispatch.h"
+#include "kvasir/node.h"
 #include "kvasir/slice.h"
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
@@ -81,6 +82,7 @@ typedef struct kv_hub_node {
     uint64_t served_pairs, served_tokens; /* totals last reported (since the node started) */
     int64_t served_ms;                    /* when; 0 = never reported */
     double pairs_per_s, tokens_per_s;     /* between its last two reports */
+    bool reported;                        /* a vouched coordinator caught it lying: unlisted */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -105,6 +107,8 @@ struct kv_hub {
     kv_hub_path *paths;         /* [n_paths] sorted by path */
     size_t n_paths;
     uint32_t *wanted;           /* [n_slabs] replicas wanted per shard */
+    uint32_t (*rwin)[2];        /* [n_rwin] ring layer windows (first, last), in layer order */
+    size_t n_rwin;
     kv_hub_store store;
     bool shared;                /* the store is shared with other hubs (store.h) */
     kv_hub_store rstore;        /* shared only: the connection the view is reloaded from */
@@ -355,14 +359,95 @@ static uint64_t kv_mkt_reward(uint64_t base, uint32_t wanted, uint32_t live) {
     return base * wanted / ((uint64_t)live + 1);
 }
 
+/* A ring node (backend "ring") holds slabs as parts of a layer window and
+ * speaks the ring protocol, not dispatch: it is listed by GET /v1/ring, not
+ * counted as an expert worker nor placed. */
+static bool kv_node_is_ring(const kv_hub_node *n) { return !strcmp(n->backend, "ring"); }
+
 /* live[i] for every slab; caller holds mu. */
 static void kv_mkt_live(kv_hub *h, int64_t now, uint32_t *live) {
     memset(live, 0, h->m->n_slabs * sizeof *live);
     for (size_t k = 0; k < h->n_nodes; k++) {
         const kv_hub_node *n = &h->nodes[k];
-        if (!kv_node_live(h, n, now)) continue;
+        if (!kv_node_live(h, n, now) || kv_node_is_ring(n)) continue;
         for (size_t i = 0; i < n->n_slabs; i++) live[n->slabs[i]]++;
     }
+}
+
+/* GET /v1/ring: the layer windows as shards of the market, in layer order:
+ * bytes (the window's slabs; the backbone comes on top), one replica wanted,
+ * the live ring nodes holding every slab of the window (its holder), and the
+ * scarcity and reward of the market's formula. */
+static int kv_hub_ring_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
+    const int64_t now = kv_now_ms();
+    kv_sb b = {0};
+    pthread_mutex_lock(&h->mu);
+    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"n_layer\":%u,\"deadline_ms\":%u,\"windows\":[", h->m->model_id,
+                 h->m->n_layer - h->m->n_layer_nextn, h->o.deadline_ms);
+    for (size_t w = 0; w < h->n_rwin; w++) {
+        const uint32_t a = h->rwin[w][0], z = h->rwin[w][1];
+        uint64_t bytes = 0;
+        size_t need = 0;
+        for (size_t i = 0; i < h->m->n_slabs; i++)
+            if (h->m->slabs[i].layer >= a && h->m->slabs[i].layer <= z) {
+                bytes += h->m->slabs[i].file.size;
+                need++;
+            }
+        uint32_t live = 0;
+        kv_sb nb = {0};
+        for (size_t k = 0; k < h->n_nodes; k++) {
+            const kv_hub_node *n = &h->nodes[k];
+            if (!kv_node_is_ring(n) || !kv_node_live(h, n, now)) continue;
+            size_t got = 0;
+            for (size_t i = 0; i < n->n_slabs; i++) {
+                const kv_manifest_slab *sl = &h->m->slabs[n->slabs[i]];
+                got += sl->layer >= a && sl->layer <= z;
+            }
+            if (got != need || n->n_slabs != need) continue; /* holds exactly this window */
+            char hex[65];
+            kv_hex(n->pk, 32, hex);
+            kv_sb_printf(&nb, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"last_seen_ms\":%lld}", live ? "," : "", hex, n->addr,
+                         (long long)n->last_seen_ms);
+            live++;
+        }
+        const uint32_t wanted = 1;
+        kv_sb_printf(&b, "%s{\"first\":%u,\"last\":%u,\"bytes\":%llu,\"wanted\":%u,\"live\":%u,\"scarcity\":%.3f,"
+                     "\"reward\":%llu,\"nodes\":[%s]}", w ? "," : "", a, z, (unsigned long long)bytes, wanted, live,
+                     live >= wanted ? 0.0 : 1.0, (unsigned long long)kv_mkt_reward(h->o.reward_base, wanted, live),
+                     nb.p ? nb.p : "");
+        free(nb.p);
+    }
+    kv_sb_printf(&b, "]}");
+    pthread_mutex_unlock(&h->mu);
+    if (b.oom || !b.p) {
+        free(b.p);
+        return kv_fail(d, KV_ENOMEM, "ring: out of memory");
+    }
+    *out = b.p;
+    *len = b.n;
+    return 0;
+}
+
+/* "A-B,C-D,..." into h->rwin: consecutive, from 0 to the last trunk layer. */
+static int kv_hub_parse_windows(kv_hub *h, const char *spec, kv_diag *d) {
+    const uint32_t nl = h->m->n_layer - h->m->n_layer_nextn;
+    if (!(h->rwin = calloc(nl ? nl : 1, sizeof *h->rwin))) return kv_fail(d, KV_ENOMEM, "hub: out of memory");
+    uint32_t next = 0;
+    for (const char *p = spec; *p;) {
+        char *e1, *e2;
+        const unsigned long a = strtoul(p, &e1, 10);
+        if (e1 == p || *e1 != '-') return kv_fail(d, KV_EINVAL, "hub: --ring-windows: expected A-B at '%.40s'", p);
+        const unsigned long z = strtoul(e1 + 1, &e2, 10);
+        if (e2 == e1 + 1 || (*e2 && *e2 != ',') || a != next || z < a || z >= nl || h->n_rwin >= nl)
+            return kv_fail(d, KV_EINVAL, "hub: --ring-windows: windows must be consecutive from layer 0 to %u, "
+                           "got '%.40s'", nl - 1, p);
+        h->rwin[h->n_rwin][0] = (uint32_t)a;
+        h->rwin[h->n_rwin++][1] = (uint32_t)z;
+        next = (uint32_t)z + 1;
+        p = *e2 ? e2 + 1 : e2;
+    }
+    if (next != nl) return kv_fail(d, KV_EINVAL, "hub: --ring-windows end at layer %u, the model has %u", next, nl);
+    return 0;
 }
 
 int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
@@ -430,7 +515,7 @@ static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, 
     size_t total = 0;
     if (cnt) {
         for (size_t k = 0; k < h->n_nodes; k++)
-            if (kv_node_live(h, &h->nodes[k], now))
+            if (kv_node_live(h, &h->nodes[k], now) && !kv_node_is_ring(&h->nodes[k]))
                 for (size_t i = 0; i < h->nodes[k].n_slabs; i++) cnt[h->nodes[k].slabs[i] + 1]++;
         for (size_t i = 0; i < ns; i++) cnt[i + 1] += cnt[i];
         total = cnt[ns];
@@ -450,7 +535,7 @@ static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, 
             return kv_fail(d, KV_ENOMEM, "placement: out of memory");
         }
         for (size_t k = 0; k < h->n_nodes; k++)
-            if (kv_node_live(h, &h->nodes[k], now))
+            if (kv_node_live(h, &h->nodes[k], now) && !kv_node_is_ring(&h->nodes[k]))
                 for (size_t i = 0; i < h->nodes[k].n_slabs; i++) {
                     uint32_t s = h->nodes[k].slabs[i];
                     who[cnt[s] + fill[s]++] = (uint32_t)k;
@@ -799,6 +884,11 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
                            "registration nonce is unknown, used or expired (GET /v1/nonce for a fresh one)");
         goto out;
     }
+    if (n && n->reported) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "this node was reported for wrong answers and is unlisted");
+        goto out;
+    }
     if (n && s->counter <= n->counter) {
         pthread_mutex_unlock(&h->mu);
         ret = kv_reply_errf(c, MHD_HTTP_CONFLICT, KV_EPROTO,
@@ -1059,8 +1149,12 @@ static int kv_hub_load_key(kv_hub *h, kv_diag *d) {
     if (!seedhex[0]) {
         randombytes_buf(seed, 32);
         kv_hex(seed, 32, seedhex);
-        if ((rc = h->store.ops->meta_put(h->store.impl, "hub_key_seed", seedhex, d))) return rc;
-    } else if (kv_key_from_hex(seedhex, seed, NULL)) {
+        /* of hubs starting together on a shared store the first seed wins */
+        if ((rc = h->store.ops->meta_put_new(h->store.impl, "hub_key_seed", seedhex, d)) ||
+            (rc = h->store.ops->meta_get(h->store.impl, "hub_key_seed", seedhex, sizeof seedhex, d)))
+            return rc;
+    }
+    if (kv_key_from_hex(seedhex, seed, NULL)) {
         return kv_fail(d, KV_EFORMAT, "hub: the store's hub_key_seed is not 64 hex digits");
     }
     crypto_sign_seed_keypair(h->hub_pk, h->hub_sk, seed);
@@ -1154,6 +1248,56 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
 
 int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d) { return kv_hub_nodes_render(h, out, len, d); }
 
+/* POST /v1/report, signed by a coordinator the hub vouches for: the node
+ * with that key loses its holdings (stored) and may not register again
+ * while this hub runs, so the placement map stops listing it. */
+static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
+    kv_diag d = {0};
+    uint8_t key[32];
+    char reason[KV_HUB_MAX_REASON + 1];
+    if (kv_hub_parse_report(q->body ? q->body : "", q->n, key, reason, sizeof reason, &d))
+        return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    if (!h->o.vouch_open && !(h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp)))
+        return kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "only coordinators this hub vouches for may report nodes");
+    pthread_mutex_lock(&h->mu);
+    kv_hub_node *n = kv_node_find(h, key);
+    if (!n) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no node with this key");
+    }
+    /* the drop moves the node's counter on by one, like a request of its
+     * own: the store's condition holds it against a racing heartbeat, and
+     * hubs sharing the store take the drop into their views (a higher
+     * counter); a node's counters come from its clock, so one step costs it
+     * nothing. On a shared store another hub may have accepted a newer
+     * request: reload the node and try once more. */
+    int wrc = 0;
+    for (int tries = 0; n->n_slabs && tries < 2; tries++) {
+        if (n->counter >= (uint64_t)INT64_MAX) {
+            wrc = kv_fail(&d, KV_ERANGE, "node counter at its maximum");
+            break;
+        }
+        wrc = kv_node_drop(h, n, n->counter + 1, -1, &d);
+        if (wrc != KV_EPROTO || !h->shared) break;
+        if ((wrc = h->store.ops->node_get(h->store.impl, key, kv_node_reload, h, &d))) break;
+        wrc = KV_EPROTO;
+    }
+    if (wrc) {
+        pthread_mutex_unlock(&h->mu);
+        return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    n->reported = true;
+    char hex[65], by[65];
+    kv_hex(key, 32, hex);
+    kv_hex(s->pk, 32, by);
+    pthread_mutex_unlock(&h->mu);
+    if (!h->o.quiet) fprintf(stderr, "hub: node %.16s... reported by coordinator %.16s...: %s: unlisted\n", hex, by, reason);
+    json_t *j = json_object();
+    json_object_set_new(j, "ok", json_true());
+    json_object_set_new(j, "unlisted", json_string(hex));
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
 /* ---- dispatch --------------------------------------------------------------- */
 
 static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -1229,6 +1373,14 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
             if (kv_hub_nodes_render(h, &s, &n, &d)) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
+        if (!strcmp(url, "/v1/ring")) {
+            kv_diag d = {0};
+            char *s = NULL;
+            size_t n = 0;
+            if (!h->n_rwin) return kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "this hub trades no ring windows");
+            if (kv_hub_ring_render(h, &s, &n, &d)) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
+        }
         if (!strcmp(url, "/v1/market") || !strcmp(url, "/v1/placement")) {
             kv_diag d = {0};
             char *s;
@@ -1254,13 +1406,13 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
         if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge") ||
-            !strcmp(url, "/v1/voucher"))
+            !strcmp(url, "/v1/voucher") || !strcmp(url, "/v1/report"))
             return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "%s needs POST", url);
         return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     }
     if (!post) return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "method %.16s not allowed", method);
     int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3
-                : !strcmp(url, "/v1/voucher") ? 4 : 0;
+                : !strcmp(url, "/v1/voucher") ? 4 : !strcmp(url, "/v1/report") ? 5 : 0;
     if (!which) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     kv_diag d = {0};
     kv_signed s;
@@ -1268,6 +1420,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
     if (which == 1) return kv_do_register(h, c, &s, q);
     if (which == 2) return kv_do_heartbeat(h, c, &s, q);
     if (which == 4) return kv_do_voucher(h, c, &s);
+    if (which == 5) return kv_do_report(h, c, &s, q);
     return kv_do_answer(h, c, &s, q);
 }
 
@@ -1444,6 +1597,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         rc = kv_fail(d, KV_ENOMEM, "hub: out of memory");
         goto fail;
     }
+    if (h->o.ring_windows && (rc = kv_hub_parse_windows(h, h->o.ring_windows, d))) goto fail;
     h->paths[0] = (kv_hub_path){h->m->backbone.path, -1, h->m->backbone.size,
                                 h->m->backbone.has_sha256 ? h->m->backbone.sha256 : NULL};
     for (size_t i = 0; i < h->m->n_slabs; i++) {
@@ -1474,7 +1628,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         if ((rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d))) goto fail;
         if (!mid[0]) {
             /* read back: on a shared store another hub may have put its own meanwhile */
-            if ((rc = h->store.ops->meta_put(h->store.impl, "model_id", h->m->model_id, d)) ||
+            if ((rc = h->store.ops->meta_put_new(h->store.impl, "model_id", h->m->model_id, d)) ||
                 (rc = h->store.ops->meta_get(h->store.impl, "model_id", mid, sizeof mid, d)))
                 goto fail;
         }
@@ -1582,15 +1736,16 @@ void kv_hub_free(kv_hub *h) {
     free(h->nonces);
     free(h->paths);
     free(h->wanted);
+    free(h->rwin);
     kv_manifest_free(h->m);
     free(h->manifest_json);
     if (h->dir_fd >= 0) close(h->dir_fd);
     if (h->stop_pipe[0] >= 0) close(h->stop_pipe[0]);
     if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
     pthread_mutex_destroy(&h->mu);
-    free(h->vouch);
-    sodium_memzero(h->hub_sk, sizeof h->hub_sk);
     pthread_mutex_destroy(&h->refresh_mu);
     pthread_cond_destroy(&h->refresh_cv);
+    free(h->vouch);
+    sodium_memzero(h->hub_sk, sizeof h->hub_sk);
     free(h);
 }

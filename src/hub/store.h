@@ -53,6 +53,9 @@ typedef struct kv_hub_store_ops {
      * inserts or replaces */
     int (*meta_get)(void *impl, const char *key, char *val, size_t cap, kv_diag *d);
     int (*meta_put)(void *impl, const char *key, const char *val, kv_diag *d);
+    /* put only if the key is absent (of hubs that start together on one
+     * store, the first wins; each then reads the value back) */
+    int (*meta_put_new)(void *impl, const char *key, const char *val, kv_diag *d);
     /* Insert or replace a node with its whole holding list, only if no
      * stored counter for pk is >= n->counter (else KV_EPROTO, nothing
      * written). With nonce (shared backends), the registration nonce is

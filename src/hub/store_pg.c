@@ -29,12 +29,13 @@ typedef struct kv_hpg {
     kv_pq p;
 } kv_hpg;
 
-enum { Q_META_GET, Q_META_PUT, Q_NODE_PUT, Q_HOLD_DEL, Q_HOLD_PUT, Q_TOUCH, Q_WHY, Q_NODES, Q_HOLDS,
+enum { Q_META_GET, Q_META_PUT, Q_META_NEW, Q_NODE_PUT, Q_HOLD_DEL, Q_HOLD_PUT, Q_TOUCH, Q_WHY, Q_NODES, Q_HOLDS,
        Q_NODE1, Q_HOLD1, Q_NONCE_TAKE, Q_NONCE_SLOT, Q_NONCE_PUT };
 
 static const char *const kv_hpg_sql[] = {
     [Q_META_GET] = "SELECT value FROM meta WHERE key=$1",
     [Q_META_PUT] = "INSERT INTO meta(key,value) VALUES($1,$2) ON CONFLICT(key) DO UPDATE SET value=EXCLUDED.value",
+    [Q_META_NEW] = "INSERT INTO meta(key,value) VALUES($1,$2) ON CONFLICT(key) DO NOTHING",
     [Q_NODE_PUT] = "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms)"
                    " VALUES($1,$2,$3,$4,$5,$6,$7) ON CONFLICT(pk) DO UPDATE SET addr=EXCLUDED.addr,"
                    "backend=EXCLUDED.backend,memory=EXCLUDED.memory,counter=EXCLUDED.counter,"
@@ -58,7 +59,6 @@ static const char *const kv_hpg_sql[] = {
 static const char *const kv_hpg_schema =
     "SELECT pg_advisory_lock(7079018201);"
     "CREATE SCHEMA IF NOT EXISTS kvhub;"
-    "SET search_path = kvhub;"
     "CREATE TABLE IF NOT EXISTS meta(key text PRIMARY KEY, value text NOT NULL);"
     "CREATE TABLE IF NOT EXISTS nodes(pk bytea PRIMARY KEY CHECK (length(pk) = 32),"
     " addr text NOT NULL, backend text NOT NULL, memory bigint NOT NULL CHECK (memory >= 0),"
@@ -86,7 +86,7 @@ static int kv_hpg_open(void **impl, const char *uri, kv_diag *d) {
     *impl = NULL;
     kv_hpg *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "hub store: out of memory");
-    int rc = kv_pq_open(&s->p, kv_pq_uri(uri), WHO, d);
+    int rc = kv_pq_open(&s->p, kv_pq_uri(uri), WHO, "SET search_path = kvhub", d);
     if (!rc) rc = kv_pq_exec(&s->p, kv_hpg_schema, d);
     if (rc) {
         kv_hpg_close(s);
@@ -114,6 +114,16 @@ static int kv_hpg_meta_put(void *impl, const char *key, const char *val, kv_diag
     kv_pq_arg_text(&a, key);
     kv_pq_arg_text(&a, val);
     PGresult *r = kv_hpg_run(s, Q_META_PUT, &a, d);
+    PQclear(r);
+    return r ? 0 : KV_EIO;
+}
+
+static int kv_hpg_meta_put_new(void *impl, const char *key, const char *val, kv_diag *d) {
+    kv_hpg *s = impl;
+    kv_pq_args a = {0};
+    kv_pq_arg_text(&a, key);
+    kv_pq_arg_text(&a, val);
+    PGresult *r = kv_hpg_run(s, Q_META_NEW, &a, d);
     PQclear(r);
     return r ? 0 : KV_EIO;
 }
@@ -366,6 +376,7 @@ const kv_hub_store_ops kv_hub_store_pg = {
     .close = kv_hpg_close,
     .meta_get = kv_hpg_meta_get,
     .meta_put = kv_hpg_meta_put,
+    .meta_put_new = kv_hpg_meta_put_new,
     .node_put = kv_hpg_node_put,
     .node_touch = kv_hpg_node_touch,
     .node_drop_shards = kv_hpg_node_drop_shards,

@@ -15,7 +15,7 @@
 
 typedef struct kv_sql {
     sqlite3 *db;
-    sqlite3_stmt *meta_get, *meta_put, *node_put, *hold_del, *hold_put, *touch, *node_all,
+    sqlite3_stmt *meta_get, *meta_put, *meta_new, *node_put, *hold_del, *hold_put, *touch, *node_all,
         *hold_all;
 } kv_sql;
 
@@ -38,7 +38,7 @@ static int kv_sql_err(kv_sql *s, kv_diag *d, const char *what) {
 static void kv_sql_close(void *impl) {
     kv_sql *s = impl;
     if (!s) return;
-    sqlite3_stmt *all[] = {s->meta_get, s->meta_put, s->node_put, s->hold_del,
+    sqlite3_stmt *all[] = {s->meta_get, s->meta_put, s->meta_new, s->node_put, s->hold_del,
                            s->hold_put, s->touch,    s->node_all, s->hold_all};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) sqlite3_finalize(all[i]);
     sqlite3_close(s->db);
@@ -70,6 +70,7 @@ static int kv_sql_open(void **impl, const char *uri, kv_diag *d) {
     } q[] = {
         {&s->meta_get, "SELECT value FROM meta WHERE key=?1"},
         {&s->meta_put, "INSERT INTO meta(key,value) VALUES(?1,?2) ON CONFLICT(key) DO UPDATE SET value=?2"},
+        {&s->meta_new, "INSERT INTO meta(key,value) VALUES(?1,?2) ON CONFLICT(key) DO NOTHING"},
         {&s->node_put, "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms)"
                        " VALUES(?1,?2,?3,?4,?5,?6,?7) ON CONFLICT(pk) DO UPDATE SET addr=?2,backend=?3,"
                        "memory=?4,counter=?5,last_seen_ms=?6,registered_ms=?7 WHERE nodes.counter < ?5"},
@@ -119,6 +120,16 @@ static int kv_sql_meta_put(void *impl, const char *key, const char *val, kv_diag
     int r = sqlite3_step(s->meta_put);
     sqlite3_reset(s->meta_put);
     return r == SQLITE_DONE ? 0 : kv_sql_err(s, d, "meta_put");
+}
+
+static int kv_sql_meta_put_new(void *impl, const char *key, const char *val, kv_diag *d) {
+    kv_sql *s = impl;
+    sqlite3_reset(s->meta_new);
+    sqlite3_bind_text(s->meta_new, 1, key, -1, SQLITE_STATIC);
+    sqlite3_bind_text(s->meta_new, 2, val, -1, SQLITE_STATIC);
+    int r = sqlite3_step(s->meta_new);
+    sqlite3_reset(s->meta_new);
+    return r == SQLITE_DONE ? 0 : kv_sql_err(s, d, "meta_put_new");
 }
 
 static int kv_sql_exec(kv_sql *s, const char *sql) { return sqlite3_exec(s->db, sql, NULL, NULL, NULL); }
@@ -308,6 +319,7 @@ const kv_hub_store_ops kv_hub_store_sqlite = {
     .close = kv_sql_close,
     .meta_get = kv_sql_meta_get,
     .meta_put = kv_sql_meta_put,
+    .meta_put_new = kv_sql_meta_put_new,
     .node_put = kv_sql_node_put,
     .node_touch = kv_sql_node_touch,
     .node_drop_shards = kv_sql_node_drop_shards,

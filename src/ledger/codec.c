@@ -141,6 +141,18 @@ int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d) {
     return 0;
 }
 
+int kv_wallet_parse_node_key(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d) {
+    if (kv_sodium_ready(d)) return KV_EINTERNAL;
+    uint8_t seed[32];
+    for (size_t i = 0; i < 64 && n == 65; i++)
+        if (!((b[i] >= '0' && b[i] <= '9') || (b[i] >= 'a' && b[i] <= 'f'))) n = 0;
+    if (n != 65 || b[64] != '\n' || kv_unhex((const char *)b, 32, seed))
+        return kv_fail(d, KV_EFORMAT, "not a node key (64 lowercase hex digits and a newline)");
+    crypto_sign_seed_keypair(w->pk, w->sk, seed);
+    sodium_memzero(seed, sizeof seed);
+    return 0;
+}
+
 int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d) {
     uint8_t buf[130];
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -149,6 +161,7 @@ int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d) {
     close(fd);
     if (n < 0) return kv_fail(d, KV_EIO, "key file '%s': %s", path, strerror(errno));
     int rc = kv_wallet_parse(w, buf, (size_t)n, d);
+    if (rc == KV_EFORMAT && kv_wallet_parse_node_key(w, buf, (size_t)n, NULL) == 0) rc = 0; /* `kvasir key`'s */
     sodium_memzero(buf, sizeof buf);
     if (rc) kv_diag_prefix(d, rc, "key file '%s'", path);
     return rc;

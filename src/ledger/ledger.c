@@ -16,6 +16,7 @@
  * signature; no call credits a node except kv_ledger_settle, which needs a
  * held authorization, the coordinator's dispatch log and the node's own
  * signed receipt, and records the receipt so it is used once. */
+#include <pthread.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,19 +111,22 @@ static int kv_ledger_load_meta(kv_ledger *l, kv_diag *d) {
     return 0;
 }
 
-static int kv_ledger_open_store(kv_ledger **out, const char *path, kv_diag *d) {
+static int kv_ledger_open_store_ro(kv_ledger **out, const char *path, bool ro, kv_diag *d) {
     *out = NULL;
     if (kv_sodium_ready(d)) return KV_EINTERNAL;
     kv_ledger *l = calloc(1, sizeof *l);
     if (!l) return kv_fail(d, KV_ENOMEM, "ledger: out of memory");
     l->ops = kv_pq_uri(path) ? &kv_store_pg : &kv_store_sqlite;
-    int rc = l->ops->open(&l->s, path, d);
+    int rc = ro ? l->ops->open_ro(&l->s, path, d) : l->ops->open(&l->s, path, d);
     if (rc) {
         free(l);
         return rc;
     }
     *out = l;
     return 0;
+}
+static int kv_ledger_open_store(kv_ledger **out, const char *path, kv_diag *d) {
+    return kv_ledger_open_store_ro(out, path, false, d);
 }
 
 int kv_ledger_init(const char *path, const uint8_t operator_pk[32], uint32_t fee_bps, kv_diag *d) {
@@ -158,9 +162,9 @@ out:
     return rc;
 }
 
-int kv_ledger_open(kv_ledger **out, const char *path, kv_diag *d) {
+static int kv_ledger_open_mode(kv_ledger **out, const char *path, bool ro, kv_diag *d) {
     kv_ledger *l;
-    int rc = kv_ledger_open_store(&l, path, d);
+    int rc = kv_ledger_open_store_ro(&l, path, ro, d);
     if (rc) return rc;
     if ((rc = kv_ledger_load_meta(l, d))) {
         kv_diag_prefix(d, rc, "'%s'", path);
@@ -169,6 +173,46 @@ int kv_ledger_open(kv_ledger **out, const char *path, kv_diag *d) {
     }
     *out = l;
     return 0;
+}
+int kv_ledger_open(kv_ledger **out, const char *path, kv_diag *d) { return kv_ledger_open_mode(out, path, false, d); }
+int kv_ledger_open_readonly(kv_ledger **out, const char *path, kv_diag *d) {
+    return kv_ledger_open_mode(out, path, true, d);
+}
+
+/* ---- a shared reader (status pages) ------------------------------------------- */
+struct kv_ledger_reader {
+    pthread_mutex_t mu; /* one connection, many server threads */
+    kv_ledger *l;
+};
+
+int kv_ledger_reader_open(kv_ledger_reader **out, const char *path, kv_diag *d) {
+    *out = NULL;
+    kv_ledger_reader *r = calloc(1, sizeof *r);
+    if (!r) return kv_fail(d, KV_ENOMEM, "ledger: out of memory");
+    int rc = kv_ledger_open_readonly(&r->l, path, d);
+    if (rc) {
+        free(r);
+        return rc;
+    }
+    pthread_mutex_init(&r->mu, NULL);
+    *out = r;
+    return 0;
+}
+
+void kv_ledger_reader_free(kv_ledger_reader *r) {
+    if (!r) return;
+    kv_ledger_free(r->l);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
+int kv_ledger_reader_earned(void *reader, const uint8_t pk[32], uint64_t *micro_kvr) {
+    kv_ledger_reader *r = reader;
+    uint64_t products, n;
+    pthread_mutex_lock(&r->mu);
+    const int rc = kv_ledger_node_earnings(r->l, pk, micro_kvr, &products, &n, NULL);
+    pthread_mutex_unlock(&r->mu);
+    return rc;
 }
 
 void kv_ledger_free(kv_ledger *l) {
@@ -616,6 +660,22 @@ int kv_ledger_balance(kv_ledger *l, const char *account, uint64_t *out, kv_diag 
     if (a.kind == KV_ACCT_MINT) *out = a.balance <= 0 ? (uint64_t)(-a.balance) : 0;
     else *out = a.balance >= 0 ? (uint64_t)a.balance : 0;
     return 0;
+}
+
+int kv_ledger_node_earnings(kv_ledger *l, const uint8_t node[32], uint64_t *earned, uint64_t *products,
+                            uint64_t *n_receipts, kv_diag *d) {
+    *earned = *products = *n_receipts = 0;
+    char id[KV_LEDGER_ACCOUNT_MAX];
+    kv_ledger_account_node(node, id);
+    int rc = l->ops->begin_read(l->s, d);
+    if (rc) return rc;
+    kv_store_account a;
+    rc = l->ops->account_get(l->s, id, &a, d);
+    if (rc == KV_ENOTFOUND) rc = 0;
+    else if (rc == 0) *earned = a.credits;
+    if (rc == 0) rc = l->ops->node_receipts(l->s, node, n_receipts, products, d);
+    l->ops->rollback(l->s);
+    return rc;
 }
 
 typedef struct {

@@ -107,6 +107,10 @@ typedef struct kv_store_ops {
     int (*each_transfer)(kv_store *s, const char *account,
                          int (*fn)(void *ctx, const kv_store_transfer *t), void *ctx, kv_diag *d);
     int (*check)(kv_store *s, kv_store_check *c, kv_diag *d);
+    /* How many receipts of node are recorded, and the sum of their products. */
+    int (*node_receipts)(kv_store *s, const uint8_t node[32], uint64_t *n, uint64_t *products, kv_diag *d);
+    /* open, read-only: every write (and begin_write) fails */
+    int (*open_ro)(kv_store **out, const char *path, kv_diag *d);
 } kv_store_ops;
 
 extern const kv_store_ops kv_store_sqlite; /* a file path */

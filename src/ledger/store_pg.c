@@ -33,7 +33,7 @@
 
 enum {
     Q_META_GET, Q_META_PUT, Q_ACCT_GET, Q_ACCT_LOCK, Q_ACCT_PUT, Q_XFER_GET, Q_XFER_PUT, Q_AUTH_GET, Q_AUTH_PUT,
-    Q_AUTH_HELD, Q_RCPT_USED, Q_RCPT_PUT, Q_EACH_ALL, Q_EACH_ACCT, Q_CHECK0, Q_COUNT = Q_CHECK0 + 20
+    Q_AUTH_HELD, Q_RCPT_USED, Q_RCPT_PUT, Q_EACH_ALL, Q_EACH_ACCT, Q_RCPT_SUM, Q_CHECK0, Q_COUNT = Q_CHECK0 + 20
 };
 static const char *const kv_sql[Q_CHECK0] = {
     [Q_META_GET] = "SELECT value FROM meta WHERE key=$1",
@@ -58,6 +58,7 @@ static const char *const kv_sql[Q_CHECK0] = {
                    "VALUES($1,$2,$3,$4,$5,$6)",
     [Q_EACH_ALL] = "SELECT id FROM transfers ORDER BY seq",
     [Q_EACH_ACCT] = "SELECT id FROM transfers WHERE debit=$1 OR credit=$1 ORDER BY seq",
+    [Q_RCPT_SUM] = "SELECT COUNT(*)::bigint, COALESCE(SUM(n_products),0)::bigint FROM receipts WHERE node=$1",
 };
 
 static const char *const kv_schema =
@@ -102,14 +103,23 @@ static int kv_lp_open(kv_store **out, const char *path, kv_diag *d) {
     *out = NULL;
     kv_store *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "ledger store: out of memory");
-    int rc = kv_pq_open(&s->p, kv_pq_uri(path), WHO, d);
-    if (!rc) rc = kv_pq_exec(&s->p, "SET search_path = kvledger", d);
+    int rc = kv_pq_open(&s->p, kv_pq_uri(path), WHO, "SET search_path = kvledger", d);
     if (rc) {
         kv_lp_close(s);
         return rc;
     }
     *out = s;
     return 0;
+}
+
+/* A reader: every transaction of the session is read-only (a write fails). */
+static int kv_lp_open_ro(kv_store **out, const char *path, kv_diag *d) {
+    int rc = kv_lp_open(out, path, d);
+    if (!rc && (rc = kv_pq_exec(&(*out)->p, "SET default_transaction_read_only = on", d))) {
+        kv_lp_close(*out);
+        *out = NULL;
+    }
+    return rc;
 }
 
 static int kv_lp_init_schema(kv_store *s, kv_diag *d) { return kv_pq_exec(&s->p, kv_schema, d); }
@@ -340,6 +350,19 @@ static int kv_lp_receipt_put(kv_store *s, const kv_store_receipt *r, kv_diag *d)
     return kv_lp_do(s, Q_RCPT_PUT, &p, d);
 }
 
+static int kv_lp_node_receipts(kv_store *s, const uint8_t node[32], uint64_t *n, uint64_t *products, kv_diag *d) {
+    *n = *products = 0;
+    kv_pq_args p = {0};
+    kv_pq_arg_blob(&p, node, 32);
+    PGresult *r;
+    int rc = kv_lp_one(s, Q_RCPT_SUM, &p, &r, d);
+    if (rc) return rc == KV_ENOTFOUND ? kv_fail(d, KV_EIO, "ledger store: receipt sum: no row") : rc;
+    if (!(rc = kv_lp_u64(r, 0, INT64_MAX, n, d, "receipt count")))
+        rc = kv_lp_u64(r, 1, KV_LEDGER_MAX_AMOUNT, products, d, "receipt products");
+    PQclear(r);
+    return rc;
+}
+
 static int kv_lp_each_transfer(kv_store *s, const char *account, int (*fn)(void *ctx, const kv_store_transfer *t),
                                void *ctx, kv_diag *d) {
     kv_pq_args p = {0};
@@ -458,6 +481,8 @@ const kv_store_ops kv_store_pg = {
     .receipt_put = kv_lp_receipt_put,
     .each_transfer = kv_lp_each_transfer,
     .check = kv_lp_check,
+    .node_receipts = kv_lp_node_receipts,
+    .open_ro = kv_lp_open_ro,
 };
 
 #else /* built without libpq */
@@ -468,5 +493,5 @@ static int kv_lp_none(kv_store **out, const char *path, kv_diag *d) {
                    "ledger store: '%.60s' names PostgreSQL, but this kvasir was built without libpq "
                    "(install libpq-dev and rebuild)", path);
 }
-const kv_store_ops kv_store_pg = {.name = "postgresql", .open = kv_lp_none};
+const kv_store_ops kv_store_pg = {.name = "postgresql", .open = kv_lp_none, .open_ro = kv_lp_none};
 #endif

@@ -6,6 +6,7 @@
  * connection with bound parameters; no SQL is ever built from data. Every
  * value read back is bounds-checked (a corrupt row is KV_EFORMAT). */
 #include <sqlite3.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +15,7 @@
 
 enum {
     Q_META_GET, Q_META_PUT, Q_ACCT_GET, Q_ACCT_PUT, Q_XFER_GET, Q_XFER_PUT, Q_AUTH_GET, Q_AUTH_PUT,
-    Q_AUTH_HELD, Q_RCPT_USED, Q_RCPT_PUT, Q_EACH_ALL, Q_EACH_ACCT, Q_COUNT
+    Q_AUTH_HELD, Q_RCPT_USED, Q_RCPT_PUT, Q_EACH_ALL, Q_EACH_ACCT, Q_RCPT_SUM, Q_COUNT
 };
 static const char *const kv_sql[Q_COUNT] = {
     [Q_META_GET] = "SELECT value FROM meta WHERE key=?1",
@@ -34,6 +35,7 @@ static const char *const kv_sql[Q_COUNT] = {
                    "VALUES(?1,?2,?3,?4,?5,?6)",
     [Q_EACH_ALL] = "SELECT id FROM transfers ORDER BY seq",
     [Q_EACH_ACCT] = "SELECT id FROM transfers WHERE debit=?1 OR credit=?1 ORDER BY seq",
+    [Q_RCPT_SUM] = "SELECT COUNT(*),COALESCE(SUM(n_products),0) FROM receipts WHERE node=?1",
 };
 
 static const char *const kv_schema =
@@ -95,12 +97,13 @@ static void kv_sq_close(kv_store *s) {
     free(s);
 }
 
-static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) {
+static int kv_sq_open_flags(kv_store **out, const char *path, bool ro, kv_diag *d) {
     *out = NULL;
     kv_store *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "ledger store: out of memory");
-    if (sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                        NULL) != SQLITE_OK) {
+    const int flags = ro ? SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX
+                         : SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX;
+    if (sqlite3_open_v2(path, &s->db, flags, NULL) != SQLITE_OK) {
         int rc = kv_fail(d, KV_EIO, "ledger store: cannot open '%s': %s", path,
                          s->db ? sqlite3_errmsg(s->db) : "out of memory");
         kv_sq_close(s);
@@ -108,7 +111,9 @@ static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) {
     }
     sqlite3_busy_timeout(s->db, 60000);
     sqlite3_extended_result_codes(s->db, 1);
-    int rc = kv_sq_exec(s, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;", d);
+    /* a reader changes nothing, not even the journal mode (the writers set WAL) */
+    int rc = ro ? kv_sq_exec(s, "PRAGMA query_only=ON;", d)
+                : kv_sq_exec(s, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;", d);
     if (rc) {
         kv_diag_prefix(d, rc, "'%s'", path);
         kv_sq_close(s);
@@ -117,6 +122,8 @@ static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) {
     *out = s;
     return 0;
 }
+static int kv_sq_open(kv_store **out, const char *path, kv_diag *d) { return kv_sq_open_flags(out, path, false, d); }
+static int kv_sq_open_ro(kv_store **out, const char *path, kv_diag *d) { return kv_sq_open_flags(out, path, true, d); }
 
 static int kv_sq_init_schema(kv_store *s, kv_diag *d) { return kv_sq_exec(s, kv_schema, d); }
 
@@ -377,6 +384,28 @@ static int kv_sq_receipt_put(kv_store *s, const kv_store_receipt *r, kv_diag *d)
     return kv_sq_done(s, st, d);
 }
 
+static int kv_sq_node_receipts(kv_store *s, const uint8_t node[32], uint64_t *n, uint64_t *products, kv_diag *d) {
+    *n = *products = 0;
+    sqlite3_stmt *st = kv_sq_stmt(s, Q_RCPT_SUM, d);
+    if (!st) return KV_EIO;
+    sqlite3_bind_blob(st, 1, node, 32, SQLITE_TRANSIENT);
+    int rc = 0;
+    if (sqlite3_step(st) != SQLITE_ROW) {
+        rc = kv_sq_err(s, d, "receipt sum");
+    } else {
+        const int64_t c = sqlite3_column_int64(st, 0), p = sqlite3_column_int64(st, 1);
+        /* each receipt is at most 2^40 products; a sum past 2^62 is a corrupt row */
+        if (c < 0 || p < 0 || (uint64_t)p > KV_LEDGER_MAX_AMOUNT)
+            rc = kv_fail(d, KV_EFORMAT, "ledger store: receipt sum out of range");
+        else {
+            *n = (uint64_t)c;
+            *products = (uint64_t)p;
+        }
+    }
+    sqlite3_reset(st);
+    return rc;
+}
+
 static int kv_sq_each_transfer(kv_store *s, const char *account,
                                int (*fn)(void *ctx, const kv_store_transfer *t), void *ctx, kv_diag *d) {
     /* ids first, rows after: the callback may use this store */
@@ -513,5 +542,7 @@ const kv_store_ops kv_store_sqlite = {
     .receipt_used = kv_sq_receipt_used,
     .receipt_put = kv_sq_receipt_put,
     .each_transfer = kv_sq_each_transfer,
+    .node_receipts = kv_sq_node_receipts,
+    .open_ro = kv_sq_open_ro,
     .check = kv_sq_check,
 };

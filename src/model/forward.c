@@ -35,6 +35,7 @@ static size_t kv_max3(size_t a, size_t b, size_t c) {
 /* Layers with an attention cache: every qwen3moe block; the full-attention
  * blocks of qwen35moe. */
 static bool kv_layer_attends(const kv_model *m, uint32_t il) {
+    if (!kv_model_in_window(m, il)) return false; /* another node's block: no cache here */
     return m->hp.arch != KV_ARCH_QWEN35MOE || !m->layers[il].recurrent;
 }
 
@@ -425,7 +426,7 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
     const int64_t QD = H * HD, KVD = HKV * HD;
 
-    for (uint32_t il = 0; il < hp->n_layer; il++) {
+    for (uint32_t il = m->il_first; il <= m->il_last; il++) { /* the window: every block unless a ring node */
         const kv_layer *L = &m->layers[il];
         /* attention rmsnorm */
         for (uint32_t t = 0; t < T; t++)
@@ -470,19 +471,25 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
 /* Runs T tokens (sequence s->tok_seq[t], position s->tok_pos[t]): token
  * embeddings, the architecture's blocks, then the final norm and LM head for
  * the n_out tokens listed in out_idx (in that order). */
-static int kv_eval_chunk(kv_state *s, const int32_t *tokens, uint32_t T, const uint32_t *out_idx,
-                         uint32_t n_out, float *logits, kv_diag *d) {
+static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, uint32_t T,
+                         const uint32_t *out_idx, uint32_t n_out, float *logits, float *x_out, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd;
-    const kv_type_info *et = kv_type_get(m->tok_embd.type);
     memset(s->bad, 0, T);
-    for (uint32_t t = 0; t < T; t++)
-        et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
-                     s->x + (size_t)t * (size_t)E, E);
+    if (x_in) { /* a ring node: the hidden states of the window before */
+        memcpy(s->x, x_in, (size_t)T * (size_t)E * sizeof(float));
+        kv_check_rows(s, s->x, (size_t)E, T, E);
+    } else {
+        const kv_type_info *et = kv_type_get(m->tok_embd.type);
+        for (uint32_t t = 0; t < T; t++)
+            et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
+                         s->x + (size_t)t * (size_t)E, E);
+    }
     /* the architecture's own blocks, from its table (src/arch/) */
     int rc = kv_arch_get(hp->arch)->blocks(s, T, d);
     if (rc) return rc;
+    if (x_out) memcpy(x_out, s->x, (size_t)T * (size_t)E * sizeof(float));
     if (logits && n_out) {
         for (uint32_t i = 0; i < n_out; i++) {
             float *h = s->hout + (size_t)i * E;
@@ -525,7 +532,7 @@ int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t
             s->tok_pos[t] = s->pos[seq] + t;
         }
         const uint32_t last = T - 1;
-        rc = kv_eval_chunk(s, tokens + done, T, &last, 1, done + T == n ? logits : NULL, d);
+        rc = kv_eval_chunk(s, tokens + done, NULL, T, &last, 1, done + T == n ? logits : NULL, NULL, d);
         if (rc) {
             s->pos[seq] = pos_start;
             if (done > 0 && s->q35) {
@@ -548,12 +555,23 @@ int kv_state_eval(kv_state *s, const int32_t *tokens, uint32_t n, float *logits,
 
 int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
                    const uint32_t *out_idx, uint32_t n_out, float *logits, kv_diag *d) {
+    return kv_state_batch_window(s, tokens, NULL, seqs, n, out_idx, n_out, logits, NULL, d);
+}
+
+int kv_state_batch_window(kv_state *s, const int32_t *tokens, const float *x_in, const uint32_t *seqs,
+                          uint32_t n, const uint32_t *out_idx, uint32_t n_out, float *logits, float *x_out,
+                          kv_diag *d) {
     if (n == 0) return kv_fail(d, KV_EINVAL, "batch: no tokens");
+    if (!x_in && !s->m->has_embd)
+        return kv_fail(d, KV_EINVAL, "batch: the window starts at block %u: hidden states are needed, not tokens",
+                       s->m->il_first);
+    if (logits && n_out && !s->m->has_head)
+        return kv_fail(d, KV_EINVAL, "batch: the window ends at block %u: it has no LM head", s->m->il_last);
     if (n > s->max_tok) return kv_fail(d, KV_EINVAL, "batch: %u tokens exceed the step size %u", n, s->max_tok);
     if (n_out > n) return kv_fail(d, KV_EINVAL, "batch: %u logit rows wanted of %u tokens", n_out, n);
     for (uint32_t i = 0; i < n_out; i++)
         if (out_idx[i] >= n) return kv_fail(d, KV_ERANGE, "batch: logit row %u out of range (%u tokens)", out_idx[i], n);
-    int rc = kv_check_tokens(s, tokens, n, d);
+    int rc = x_in ? 0 : kv_check_tokens(s, tokens, n, d);
     if (rc) return rc;
     /* positions: each sequence's tokens follow its cache in batch order;
      * s->pos is the committed count until the chunk succeeds */
@@ -569,7 +587,7 @@ int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uin
     }
     for (uint32_t i = 0; i < n; i++)
         if ((rc = kv_state_reserve(s, seqs[i], s->tok_pos[i] + 1, d))) return rc;
-    rc = kv_eval_chunk(s, tokens, n, out_idx, n_out, logits, d);
+    rc = kv_eval_chunk(s, tokens, x_in, n, out_idx, n_out, logits, x_out, d);
     if (rc) return rc;
     for (uint32_t i = 0; i < n; i++) s->pos[seqs[i]]++;
     return 0;

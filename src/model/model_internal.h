@@ -14,7 +14,15 @@ struct kv_model {
     kv_weight output;    /* [n_vocab][n_embd]; == tok_embd when tied */
     kv_layer *layers;    /* [n_layer] */
     bool has_experts;    /* expert tensors loaded (false for a backbone) */
+    uint32_t il_first, il_last; /* blocks loaded and run: [0, n_layer-1] unless a window */
+    bool has_embd;       /* tok_embd loaded (a window from block 0, or a tied head) */
+    bool has_head;       /* output_norm and output loaded (a window to the last block) */
 };
+
+/* Whether block il is in the model's window (and so has weights and state). */
+static inline bool kv_model_in_window(const kv_model *m, uint32_t il) {
+    return il >= m->il_first && il <= m->il_last;
+}
 
 #define KV_BLOCK 16 /* positions per KV cache block */
 #define KV_ARENA 16 /* blocks per pool allocation */

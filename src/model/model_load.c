@@ -104,7 +104,7 @@ static int kv_load_tensor(kv_model *m, const kv_tensor_desc *t, uint32_t il, kv_
     return kv_get_w(m, w, n, t->n_dims, ne[0], ne[1], ne[2], t->flags & KV_TF_F32, required, d);
 }
 
-static int kv_load_weights(kv_model *m, bool experts, kv_diag *d) {
+static int kv_load_weights(kv_model *m, bool experts, const kv_model_opts *opts, kv_diag *d) {
     kv_hparams *hp = &m->hp;
     const kv_arch_table *a = kv_arch_get(hp->arch);
     const kv_tensor_desc *embd = kv_arch_tensor(a, KV_T_TOKEN_EMBD);
@@ -120,21 +120,41 @@ static int kv_load_weights(kv_model *m, bool experts, kv_diag *d) {
     if (kv_tok_n_vocab(m->tok) != (int32_t)hp->n_vocab)
         return kv_fail(d, KV_EFORMAT, "model: vocabulary has %d tokens but token_embd has %u rows",
                        kv_tok_n_vocab(m->tok), hp->n_vocab);
+    const bool window = opts && opts->window;
+    m->il_first = 0;
+    m->il_last = hp->n_layer - 1;
+    if (window) {
+        if (opts->layer_first > opts->layer_last || opts->layer_last >= hp->n_layer)
+            return kv_fail(d, KV_EINVAL, "model: layer window %u-%u is outside the model's blocks 0-%u",
+                           opts->layer_first, opts->layer_last, hp->n_layer - 1);
+        m->il_first = opts->layer_first;
+        m->il_last = opts->layer_last;
+    }
+    m->has_head = m->il_last == hp->n_layer - 1;
+    /* the LM head is tied when output.weight is absent (a header lookup: no data touched) */
+    char oname[KV_GGUF_MAX_TENSOR_NAME + 1];
+    if (kv_tensor_name(out, 0, oname, sizeof oname) < 0)
+        return kv_fail(d, KV_EINTERNAL, "model: tensor name '%s' too long", out->name);
+    hp->tied_output = !kv_gguf_find_tensor(m->gguf, oname) && (out->flags & KV_TF_TIED);
+    m->has_embd = m->il_first == 0 || (m->has_head && hp->tied_output);
     int rc;
-    if ((rc = kv_load_tensor(m, embd, 0, &m->tok_embd, d)) || (rc = kv_load_tensor(m, onorm, 0, &m->output_norm, d)))
-        return rc;
-    rc = kv_load_tensor(m, out, 0, &m->output, d);
-    if (rc == KV_ENOTFOUND) {
-        m->output = m->tok_embd;
-        hp->tied_output = true;
-    } else if (rc) {
-        return rc;
+    if (m->has_embd && (rc = kv_load_tensor(m, embd, 0, &m->tok_embd, d))) return rc;
+    if (m->has_head) {
+        if ((rc = kv_load_tensor(m, onorm, 0, &m->output_norm, d))) return rc;
+        rc = kv_load_tensor(m, out, 0, &m->output, d);
+        if (rc == KV_ENOTFOUND) {
+            m->output = m->tok_embd;
+            hp->tied_output = true;
+        } else if (rc) {
+            return rc;
+        }
     }
     const uint32_t n_blocks = kv_arch_n_blocks(hp);
     m->layers = calloc(n_blocks, sizeof *m->layers);
     if (!m->layers) return kv_fail(d, KV_ENOMEM, "model: out of memory");
     for (uint32_t il = 0; il < n_blocks; il++) {
         kv_layer *L = &m->layers[il];
+        if (window && !kv_model_in_window(m, il)) continue; /* another node's blocks (MTP too) */
         L->recurrent = a->block_kind(hp, il) == KV_BLK_RECURRENT;
         for (size_t i = 0; i < a->n_tensors; i++) {
             const kv_tensor_desc *t = &a->tensors[i];
@@ -163,7 +183,7 @@ int kv_model_load_ex(kv_model **out, const char *path, const kv_model_opts *opts
     if (rc) goto fail;
     if ((rc = kv_read_hparams(m, d))) goto fail;
     if ((rc = kv_tok_load(&m->tok, m->gguf, d))) goto fail;
-    if ((rc = kv_load_weights(m, experts, d))) goto fail;
+    if ((rc = kv_load_weights(m, experts, opts, d))) goto fail;
     m->has_experts = experts;
     *out = m;
     return 0;
@@ -182,6 +202,29 @@ void kv_model_free(kv_model *m) {
 
 const kv_hparams *kv_model_hparams(const kv_model *m) { return &m->hp; }
 bool kv_model_has_experts(const kv_model *m) { return m->has_experts; }
+void kv_model_window(const kv_model *m, uint32_t *first, uint32_t *last) {
+    *first = m->il_first;
+    *last = m->il_last;
+}
+
+static uint64_t kv_w_bytes(const kv_weight *w) { return w->data ? (uint64_t)w->nb2 * (uint64_t)w->ne[2] : 0; }
+
+uint64_t kv_model_weight_bytes(const kv_model *m) {
+    uint64_t b = kv_w_bytes(&m->tok_embd) + kv_w_bytes(&m->output_norm);
+    if (m->output.data != m->tok_embd.data) b += kv_w_bytes(&m->output);
+    for (uint32_t il = 0; il < kv_arch_n_blocks(&m->hp); il++) {
+        /* every kv_weight of a block, in declaration order */
+        const kv_layer *L = &m->layers[il];
+        const kv_weight *all[] = {&L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->q_norm, &L->k_norm,
+                                  &L->ffn_norm, &L->gate_inp, &L->gate_exps, &L->up_exps, &L->down_exps,
+                                  &L->post_norm, &L->wqkv, &L->wqkv_gate, &L->ssm_conv1d, &L->ssm_dt, &L->ssm_a,
+                                  &L->ssm_beta, &L->ssm_alpha, &L->ssm_norm, &L->ssm_out, &L->gate_inp_shexp,
+                                  &L->gate_shexp, &L->up_shexp, &L->down_shexp, &L->nextn_eh_proj,
+                                  &L->nextn_enorm, &L->nextn_hnorm, &L->nextn_head_norm};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) b += kv_w_bytes(all[i]);
+    }
+    return b;
+}
 const kv_tok *kv_model_tok(const kv_model *m) { return m->tok; }
 const kv_gguf *kv_model_gguf(const kv_model *m) { return m->gguf; }
 const kv_layer *kv_model_layer(const kv_model *m, uint32_t il) {

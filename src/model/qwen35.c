@@ -76,6 +76,11 @@ static bool kv_q35_recurrent(const kv_hparams *hp, uint32_t il) {
     return il < hp->n_layer && (il + 1) % hp->full_attn_interval != 0;
 }
 
+/* Recurrent blocks of the model's window (a ring node keeps state for its own only). */
+static bool kv_q35_has_state(const kv_model *m, uint32_t il) {
+    return kv_model_in_window(m, il) && kv_q35_recurrent(&m->hp, il);
+}
+
 /* ---- state --------------------------------------------------------------- */
 
 static size_t kv_zmax(size_t a, size_t b) { return a > b ? a : b; }
@@ -90,7 +95,7 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->lin_of = malloc(hp->n_layer * sizeof *q->lin_of);
     if (!q->lin_of) return kv_fail(d, KV_ENOMEM, "state: out of memory");
     for (uint32_t il = 0; il < hp->n_layer; il++)
-        q->lin_of[il] = kv_q35_recurrent(hp, il) ? (int32_t)q->n_lin++ : -1;
+        q->lin_of[il] = kv_q35_has_state(s->m, il) ? (int32_t)q->n_lin++ : -1;
     q->conv_n = C * (hp->ssm_d_conv - 1);
     q->ssm_n = NV * SV * SV;
     size_t per_seq = 2 * (size_t)q->n_lin, conv_all, ssm_all;
@@ -383,7 +388,7 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     kv_q35_state *q = s->q35;
     const int64_t E = hp->n_embd;
 
-    for (uint32_t il = 0; il < hp->n_layer; il++) {
+    for (uint32_t il = m->il_first; il <= m->il_last; il++) { /* the window: every block unless a ring node */
         const kv_layer *L = &m->layers[il];
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);

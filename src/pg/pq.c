@@ -24,9 +24,26 @@ static int kv_pq_fail(kv_pq *p, kv_diag *d, const char *what, const char *msg) {
     return kv_fail(d, KV_EIO, "%s (postgresql): %s: %s", p->who, what, m);
 }
 
-int kv_pq_open(kv_pq *p, const char *conninfo, const char *who, kv_diag *d) {
+/* The settings every statement relies on; lost with a connection. */
+static int kv_pq_session(kv_pq *p, kv_diag *d) {
+    PQsetNoticeProcessor(p->c, kv_pq_quiet, NULL);
+    /* a lock wait or a stuck server is an error after a minute, like
+     * SQLite's busy timeout, never a hang */
+    const char *sql[2] = {"SET statement_timeout = 60000; SET bytea_output = 'hex'", p->session};
+    for (int i = 0; i < 2 && sql[i]; i++) {
+        PGresult *r = PQexec(p->c, sql[i]); /* not kv_pq_exec: it may call us */
+        int ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+        if (!ok) kv_pq_fail(p, d, sql[i], r ? PQresultErrorMessage(r) : PQerrorMessage(p->c));
+        PQclear(r);
+        if (!ok) return KV_EIO;
+    }
+    return 0;
+}
+
+int kv_pq_open(kv_pq *p, const char *conninfo, const char *who, const char *session, kv_diag *d) {
     memset(p, 0, sizeof *p);
     p->who = who;
+    p->session = session;
     p->c = PQconnectdb(conninfo);
     if (!p->c) return kv_fail(d, KV_ENOMEM, "%s (postgresql): out of memory", who);
     if (PQstatus(p->c) != CONNECTION_OK) {
@@ -34,10 +51,7 @@ int kv_pq_open(kv_pq *p, const char *conninfo, const char *who, kv_diag *d) {
         kv_pq_close(p);
         return rc;
     }
-    PQsetNoticeProcessor(p->c, kv_pq_quiet, NULL);
-    /* a lock wait or a stuck server is an error after a minute, like
-     * SQLite's busy timeout, never a hang */
-    int rc = kv_pq_exec(p, "SET statement_timeout = 60000; SET bytea_output = 'hex'", d);
+    int rc = kv_pq_session(p, d);
     if (rc) kv_pq_close(p);
     return rc;
 }
@@ -72,10 +86,15 @@ void kv_pq_arg_blob(kv_pq_args *a, const void *b, size_t n) {
 }
 
 static void kv_pq_maybe_reset(kv_pq *p) {
-    if (PQstatus(p->c) == CONNECTION_BAD && !p->in_txn) {
+    if (p->in_txn) return;
+    if (PQstatus(p->c) == CONNECTION_BAD) {
         PQreset(p->c);
         p->prepared = 0;
+        p->need_session = true;
     }
+    /* until the session settings are back no statement of ours is run:
+     * without its search_path a statement fails, it never reads elsewhere */
+    if (p->need_session && PQstatus(p->c) == CONNECTION_OK && !kv_pq_session(p, NULL)) p->need_session = false;
 }
 
 PGresult *kv_pq_run(kv_pq *p, int q, const char *sql, const kv_pq_args *a, char state[6], kv_diag *d) {
@@ -130,8 +149,10 @@ int kv_pq_i64(PGresult *r, int row, int col, int64_t min, int64_t max, int64_t *
     if ((size_t)PQgetlength(r, row, col) != strlen(s)) return kv_fail(d, KV_EFORMAT, "%s: %s holds a NUL byte", who, what);
     char *e;
     errno = 0;
+    /* the server writes [-]digits; strtoll alone would also take blanks and '+' */
     long long v = strtoll(s, &e, 10);
-    if (!*s || *e || errno || v < min || v > max)
+    if (!((s[0] >= '0' && s[0] <= '9') || (s[0] == '-' && s[1] >= '0' && s[1] <= '9')) || *e || errno || v < min ||
+        v > max)
         return kv_fail(d, KV_EFORMAT, "%s: %s = '%.40s' is not an integer in [%" PRId64 ", %" PRId64 "]", who, what,
                        s, min, max);
     *out = (int64_t)v;

@@ -40,13 +40,17 @@ static inline const char *kv_pq_uri(const char *uri) {
 typedef struct kv_pq {
     PGconn *c;
     const char *who;       /* "hub store", "ledger store": prefix of every message */
+    const char *session;   /* SET commands of this store (its search_path), run on every connect */
     uint64_t prepared;     /* bit q: statement "kvq<q>" is prepared on this connection */
     bool in_txn;
+    bool need_session;     /* reconnected, session settings not yet restored */
 } kv_pq;
 
-/* Connects (conninfo from kv_pq_uri), sets a short statement timeout for
- * lock waits and quiet notices. Returns 0, KV_EIO (d says why). */
-int kv_pq_open(kv_pq *p, const char *conninfo, const char *who, kv_diag *d);
+/* Connects (conninfo from kv_pq_uri), sets a statement timeout for lock
+ * waits, hex bytea output and quiet notices, then runs session (a fixed
+ * string, e.g. "SET search_path = kvhub"); the same again after every
+ * reset of a lost connection. Returns 0, KV_EIO (d says why). */
+int kv_pq_open(kv_pq *p, const char *conninfo, const char *who, const char *session, kv_diag *d);
 void kv_pq_close(kv_pq *p); /* accepts a zeroed or closed one */
 
 /* One parameter list: text values (NULL = SQL NULL) or binary blobs. */

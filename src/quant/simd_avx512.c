@@ -359,10 +359,16 @@ AI __m512i k5_bits(int p) {
     AI void NAME(const int RT, const int TT, int64_t nsb, const uint8_t *w, size_t rb,          \
                  const uint8_t *a, size_t ab, const k4_pre *P, int pf, float *out) {            \
         /* callers pass P as a constant NULL or a local's address: both specialize */           \
+        /* with P, tokens 2u and 2u+1 share a zmm (acc2, accm2: the first one's 8 \
+         * lanes low, the second one's high); an odd last token and the lone   \
+         * vec_dot use the ymm accumulators */                                  \
         __m256 acc[KT_R][KT_T], accm[KT_R][KT_T];                                               \
+        __m512 acc2[KT_R][KT_T / 2], accm2[KT_R][KT_T / 2];                                     \
+        const int TP = P ? TT / 2 : 0;                                                          \
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {               \
             acc[r][t] = _mm256_setzero_ps();                                                    \
             accm[r][t] = _mm256_setzero_ps();                                                   \
+            if (t < TP) acc2[r][t] = accm2[r][t] = _mm512_setzero_ps();                         \
         }                                                                                       \
         const __m512i m4 = _mm512_set1_epi8(0xF);                                               \
         for (int64_t i = 0; i < nsb; i++) {                                                     \
@@ -376,6 +382,7 @@ AI __m512i k5_bits(int p) {
             __m256 dr[KT_R], dmr[KT_R], mf[KT_R];                                               \
             /* with P: the products d*da, dmin*da of each row and token */                      \
             float pd[KT_R][8], pm[KT_R][8];                                                     \
+            __m512 pdz[KT_R], pmz[KT_R], mf2[KT_R];                                             \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
                 const __m128i sm = k4_scales_v(x->scales);                                      \
@@ -384,9 +391,13 @@ AI __m512i k5_bits(int p) {
                 dmr[r] = _mm256_set1_ps(h2f(x->dmin));                                          \
                 if (P) {                                                                        \
                     const __m256 dav = _mm256_loadu_ps(P->d + (size_t)i * P->ss / 4);           \
-                    _mm256_storeu_ps(pd[r], _mm256_mul_ps(dr[r], dav));                         \
-                    _mm256_storeu_ps(pm[r], _mm256_mul_ps(dmr[r], dav));                        \
+                    const __m256 pdv = _mm256_mul_ps(dr[r], dav), pmv = _mm256_mul_ps(dmr[r], dav); \
+                    _mm256_storeu_ps(pd[r], pdv);                                               \
+                    _mm256_storeu_ps(pm[r], pmv);                                               \
+                    pdz[r] = _mm512_castps256_ps512(pdv);                                       \
+                    pmz[r] = _mm512_castps256_ps512(pmv);                                       \
                     mf[r] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));    \
+                    mf2[r] = _mm512_insertf32x8(_mm512_castps256_ps512(mf[r]), mf[r], 1);       \
                 } else {                                                                        \
                     mdup[r] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(sm), k4_mpick()); \
                 }                                                                               \
@@ -441,7 +452,28 @@ AI __m512i k5_bits(int p) {
                                                              _mm512_maddubs_epi16(q[r][h], yv), sc[r][h]); \
                 }                                                                               \
             }                                                                                   \
-            UNROLL for (int t = 0; t < TT; t++) {                                               \
+            /* pairs: fold both tokens' 16 lanes to 8 at once, one convert and     \
+             * the same per-lane fma steps as the ymm code below (same bits) */     \
+            UNROLL for (int u = 0; u < TP; u++) {                                               \
+                const __m512 bp2 = _mm512_loadu_ps(P->b + (size_t)i * P->ss / 4 + 16 * u);      \
+                const __m512i sel = _mm512_setr_epi32(2 * u, 2 * u, 2 * u, 2 * u, 2 * u, 2 * u, \
+                    2 * u, 2 * u, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1,       \
+                    2 * u + 1, 2 * u + 1, 2 * u + 1);                                           \
+                UNROLL for (int r = 0; r < RT; r++) {                                           \
+                    __m512i i0 = isum[0][r][2 * u], i1 = isum[0][r][2 * u + 1];                 \
+                    if (K_NCH(RT, TT) >= 2) {                                                   \
+                        i0 = _mm512_add_epi32(i0, isum[1][r][2 * u]);                           \
+                        i1 = _mm512_add_epi32(i1, isum[1][r][2 * u + 1]);                       \
+                    }                                                                           \
+                    const __m512i f = _mm512_add_epi32(_mm512_shuffle_i64x2(i0, i1, 0x44),      \
+                                                       _mm512_shuffle_i64x2(i0, i1, 0xEE));     \
+                    acc2[r][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), _mm512_permutexvar_ps(sel, pdz[r]), \
+                                                 acc2[r][u]);                                   \
+                    accm2[r][u] = _mm512_fmadd_ps(_mm512_mul_ps(mf2[r], bp2),                   \
+                                                  _mm512_permutexvar_ps(sel, pmz[r]), accm2[r][u]); \
+                }                                                                               \
+            }                                                                                   \
+            UNROLL for (int t = 2 * TP; t < TT; t++) {                                          \
                 __m256 da, bp;                                                                  \
                 __m256i bs;                                                                     \
                 if (P) {                                                                        \
@@ -471,6 +503,12 @@ AI __m512i k5_bits(int p) {
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) {               \
+            acc[r][2 * u] = _mm512_castps512_ps256(acc2[r][u]);                                 \
+            acc[r][2 * u + 1] = _mm512_extractf32x8_ps(acc2[r][u], 1);                          \
+            accm[r][2 * u] = _mm512_castps512_ps256(accm2[r][u]);                               \
+            accm[r][2 * u + 1] = _mm512_extractf32x8_ps(accm2[r][u], 1);                        \
+        }                                                                                       \
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)                 \
             out[r * TT + t] = hsum_ps8(_mm256_sub_ps(acc[r][t], accm[r][t]));                   \
     }
@@ -481,8 +519,15 @@ K4_TILE512(q5_K_tile, kv_block_q5_K, 1)
 /* Q6_K: 64 values per step: quarters (0,1) then (2,3) of each half. */
 AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, size_t rb,
                   const uint8_t *a, size_t ab, int pf, float *out) {
+    /* tokens 2u, 2u+1 share a zmm accumulator (acc2: the first one's 8 lanes
+     * low); an odd last token uses the ymm ones */
     __m256 acc[KT_R][KT_T];
-    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
+    __m512 acc2[KT_R][KT_T / 2];
+    const int TP = TT / 2;
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {
+        acc[r][t] = _mm256_setzero_ps();
+        if (t < TP) acc2[r][t] = _mm512_setzero_ps();
+    }
     const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(3);
     for (int64_t i = 0; i < nsb; i++) {
         if (pf) {
@@ -528,11 +573,34 @@ AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, siz
         if (RT * TT <= 2)
             UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)
                 isum[r][t] = _mm512_add_epi32(isum[r][t], isum2[r][t]);
+        /* pairs: both tokens' scale sums, fold, convert and fma at once (the
+         * same per-lane steps as below, so the same bits) */
+        __m512i bs2[KT_T / 2];
+        __m512 da2[KT_T / 2];
+        UNROLL for (int u = 0; u < TP; u++) {
+            const kv_block_q8_K *y0 = (const kv_block_q8_K *)(a + 2 * u * ab) + i;
+            const kv_block_q8_K *y1 = (const kv_block_q8_K *)(a + (2 * u + 1) * ab) + i;
+            bs2[u] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y0->bsums)),
+                                        _mm256_loadu_si256((const __m256i *)y1->bsums), 1);
+            da2[u] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(y0->d)), _mm256_set1_ps(y1->d), 1);
+        }
         UNROLL for (int r = 0; r < RT; r++) {
             const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
             __m256i sc = _mm512_castsi512_si256(sc16[r]);
             float d = h2f(x->d);
-            UNROLL for (int t = 0; t < TT; t++) {
+            if (TP) {
+                const __m512i sc2 = _mm512_inserti64x4(_mm512_castsi256_si512(sc), sc, 1);
+                const __m512 d2 = _mm512_set1_ps(d);
+                UNROLL for (int u = 0; u < TP; u++) {
+                    const __m512i i0 = isum[r][2 * u], i1 = isum[r][2 * u + 1];
+                    const __m512i f = _mm512_add_epi32(_mm512_shuffle_i64x2(i0, i1, 0x44),
+                                                       _mm512_shuffle_i64x2(i0, i1, 0xEE));
+                    const __m512i mp = _mm512_madd_epi16(bs2[u], sc2);
+                    const __m512i is = _mm512_sub_epi32(f, _mm512_slli_epi32(mp, 5));
+                    acc2[r][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(da2[u], d2), acc2[r][u]);
+                }
+            }
+            UNROLL for (int t = 2 * TP; t < TT; t++) {
                 const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
                 __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
                 __m256i mp = _mm256_madd_epi16(bs, sc);
@@ -540,6 +608,10 @@ AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, siz
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(y->d * d), acc[r][t]);
             }
         }
+    }
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) {
+        acc[r][2 * u] = _mm512_castps512_ps256(acc2[r][u]);
+        acc[r][2 * u + 1] = _mm512_extractf32x8_ps(acc2[r][u], 1);
     }
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) out[r * TT + t] = hsum_ps8(acc[r][t]);
 }
@@ -654,6 +726,150 @@ K4_ENTRY(q5_K, KV_K4_RT, KV_K4_TT, 1)
               a_stride, pf, o)
 K6_ENTRY(q6_K, KV_K6_RT, KV_K6_TT, 1)
 
+
+/* Q8_0 . Q8_0 with whole zmms: the 16 canonical lanes are one zmm, its low
+ * half block 2j (lanes 0-7), its high half block 2j+1 (lanes 8-15), so one
+ * vpdpbusd, convert, scale product and fma per (row, token) cover 64
+ * values, and one fma chain per (row, token) runs in block-pair order,
+ * which is the canonical per-lane order. An odd last block updates lanes
+ * 0-7 only (masked). The result is kv_fold16 of the lanes: bit-identical
+ * to the reference and to the ymm kernels.
+ *
+ * Per token and call (q8z_prep): for each block pair the start vector
+ * -128 * (sum of each 4 activations) as one zmm, and the activation scales
+ * as floats; the activations themselves are read from their rows. */
+AI size_t q8z_pre_stride(int64_t nb) {
+    const size_t np = (size_t)(nb + 1) / 2;
+    return (np * 64 + np * 8 + 63) & ~(size_t)63;
+}
+AI __m512i q8z_qs(const kv_block_q8_0 *b, int two) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)b[0].qs);
+    return two ? _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_loadu_si256((const __m256i *)b[1].qs), 1)
+               : _mm512_zextsi256_si512(lo);
+}
+AI void q8z_prep(const kv_block_q8_0 *y, int64_t nb, uint8_t *pre) {
+    const int64_t np = (nb + 1) / 2;
+    __m512i *ng = (__m512i *)(void *)pre;
+    float *da = (float *)(void *)(pre + (size_t)np * 64);
+    const __m512i kk = _mm512_set1_epi8((char)0x80);
+    for (int64_t j = 0; j < np; j++) {
+        const int two = 2 * j + 1 < nb;
+        const __m512i yv = q8z_qs(y + 2 * j, two);
+        _mm512_store_si512(ng + j, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), kk, yv)));
+        da[2 * j] = h2f(y[2 * j].d);
+        da[2 * j + 1] = two ? h2f(y[2 * j + 1].d) : 0.0f;
+    }
+}
+
+/* One block pair j (TWO: both blocks, else block 2j alone) of an RT x TT
+ * tile. */
+#define Q8Z_STEP(j, TWO)                                                                        \
+    do {                                                                                        \
+        __m512i yv[8], ng[8];                                                                   \
+        __m512 da[8];                                                                           \
+        UNROLL for (int t = 0; t < TT; t++) {                                                   \
+            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + t * ab) + 2 * (j);             \
+            const uint8_t *p_ = pre + t * ps;                                                   \
+            yv[t] = q8z_qs(y, TWO);                                                             \
+            ng[t] = _mm512_load_si512((const void *)(p_ + (size_t)(j) * 64));                   \
+            da[t] = _mm512_permutexvar_ps(pick2, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd( \
+                        (const double *)(const void *)(p_ + np * 64 + (size_t)(j) * 8)))));     \
+        }                                                                                       \
+        if (RT > 1) {                                                                           \
+            const char *nx_ = (const char *)w + RT * rb + (j) * (RT * 2 * sizeof(kv_block_q8_0)); \
+            UNROLL for (int l_ = 0; l_ < (int)(RT * 2 * sizeof(kv_block_q8_0) + 63) / 64; l_++) \
+                _mm_prefetch(nx_ + 64 * l_, _MM_HINT_T0);                                       \
+        }                                                                                       \
+        UNROLL for (int r = 0; r < RT; r++) {                                                   \
+            const kv_block_q8_0 *x = (const kv_block_q8_0 *)(w + r * rb) + 2 * (j);             \
+            const __m512i wu = _mm512_xor_si512(q8z_qs(x, TWO), k80);                           \
+            __m256i d16;                                                                        \
+            if (TWO) /* fp16 scales of blocks 2j and 2j+1: words 0 and 17 from x */             \
+                d16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pickd, _mm512_loadu_si512((const void *)x))); \
+            else                                                                                \
+                d16 = _mm256_set1_epi16((short)x->d);                                           \
+            const __m512 dw = _mm512_cvtph_ps(d16);                                             \
+            UNROLL for (int t = 0; t < TT; t++) {                                               \
+                const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(ng[t], wu, yv[t]));    \
+                if (TWO)                                                                        \
+                    acc[r][t] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, da[t]), acc[r][t]);       \
+                else                                                                            \
+                    acc[r][t] = _mm512_mask3_fmadd_ps(p, _mm512_mul_ps(dw, da[t]), acc[r][t],  \
+                                                      (__mmask16)0x00ff);                       \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+
+AI void q8z_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
+                 const uint8_t *pre, size_t ps, float *out) {
+    __m512 acc[8][8];
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    const __m512i k80 = _mm512_set1_epi8((char)0x80);
+    const __m512i pick2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i pickd = _mm512_setr_epi32(0, 0, 0, 0, 17 | 17 << 16, 17 | 17 << 16, 17 | 17 << 16,
+                                            17 | 17 << 16, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int64_t np = (nb + 1) / 2, nfull = nb / 2;
+    for (int64_t j = 0; j < nfull; j++) Q8Z_STEP(j, 1);
+    if (nfull < np) Q8Z_STEP(nfull, 0);
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {
+        const __m512 v = acc[r][t];
+        out[r * TT + t] = hsum_ps8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+    }
+}
+
+#ifndef KV_Q8Z_RT
+#define KV_Q8Z_RT 4
+#endif
+#ifndef KV_Q8Z_TT
+#define KV_Q8Z_TT 4
+#endif
+#ifndef KV_Q8Z_RTD
+#define KV_Q8Z_RTD 2
+#endif
+/* Prepared activations for up to this many bytes per call: about 56
+ * tokens of 2048 values (the pool threads have the default 8 MiB stacks). */
+#define KV_Q8Z_PRE_BYTES (128 * 1024)
+
+static void q8z_dot(int64_t n, float *s, const void *w, const void *a) {
+    const int64_t nb = n / 32;
+    if (q8z_pre_stride(nb) > KV_Q8Z_PRE_BYTES) { /* no buffer: the ymm kernel, same bits */
+        q8_0_dot(n, s, w, a);
+        return;
+    }
+    _Alignas(64) uint8_t pre[KV_Q8Z_PRE_BYTES];
+    q8z_prep((const kv_block_q8_0 *)a, nb, pre);
+    q8z_tile(1, 1, nb, (const uint8_t *)w, 0, (const uint8_t *)a, 0, pre, 0, s);
+}
+
+#define q8z_TF(rt, tt, r, t, pf, o)                                                                 \
+    q8z_tile(rt, tt, nb, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride,  \
+             a_stride, pre + (size_t)(t) * ps, ps, o)
+
+static void q8z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+                    size_t a_stride, int64_t n_tok, float *Y0, size_t y_stride) {
+    _Static_assert(KV_Q8Z_RT <= 8 && KV_Q8Z_TT <= 8 && KV_Q8Z_RTD <= 8 && KV_Q8Z_RT * KV_Q8Z_TT <= 64, "tile");
+    const int64_t nb = n / 32;
+    const size_t ps = q8z_pre_stride(nb);
+    const int64_t tc = (int64_t)(KV_Q8Z_PRE_BYTES / ps);
+    if (tc == 0) {
+        q8_0_mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
+        return;
+    }
+    _Alignas(64) uint8_t pre[KV_Q8Z_PRE_BYTES];
+    const uint8_t *wb = (const uint8_t *)W;
+    for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {
+        const int64_t nt = n_tok - t0 < tc ? n_tok - t0 : tc;
+        const uint8_t *ab = (const uint8_t *)A + (size_t)t0 * a_stride;
+        float *Y = Y0 + (size_t)t0 * y_stride;
+        for (int64_t t = 0; t < nt; t++)
+            q8z_prep((const kv_block_q8_0 *)(const void *)(ab + (size_t)t * a_stride), nb, pre + (size_t)t * ps);
+        _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")
+        K_TILE_LOOP(q8z_TF, KV_Q8Z_RT, KV_Q8Z_TT, KV_Q8Z_RTD);
+        _Pragma("GCC diagnostic pop")
+    }
+}
+
 /* attention weighted sum: o[i] = fma chain over p (quant/vec.h) */
 void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                         int64_t n, int acc0) {
@@ -678,7 +894,7 @@ void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_strid
 }
 
 void kv_quant_fill_avx512(kv_kernels *k) {
-    k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8_0_mat;
+    k[KV_TYPE_Q8_0].vec_dot = q8z_dot;    k[KV_TYPE_Q8_0].mat = q8z_mat;
     k[KV_TYPE_Q4_0].vec_dot = q4_0_dot;   k[KV_TYPE_Q4_0].mat = q4_0_mat;
     k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_mat;
     k[KV_TYPE_Q5_K].vec_dot = q5_K_dot;   k[KV_TYPE_Q5_K].mat = q5_K_mat;

@@ -9,6 +9,7 @@
  * complete for the compute types. */
 #include <ctype.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvasir/err.h"
@@ -146,6 +147,12 @@ static void kv_init(void) {
 #if defined(__aarch64__)
     kv_init_neon();
 #endif
+    /* KV_QUANT_BACKEND=scalar|avx2|avx512|neon|neondot caps the choice (benchmarks of a
+     * lower path on a CPU that has a higher one); a level the CPU lacks or
+     * an unknown name leaves the detected one. */
+    const char *want = getenv("KV_QUANT_BACKEND");
+    for (int i = 0; want && i < KV_BE_COUNT; i++)
+        if (!strcmp(want, kv_be_names[i]) && kv_be_ok[i]) kv_be_cur = i;
 }
 
 #if defined(__aarch64__)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# bench/llama_isa.sh ISA CMD...: runs CMD (the llama.cpp side of bench/run.sh)
+# with node-llama-cpp's CPU variants above ISA hidden, so llama.cpp's
+# run-time choice falls to that ISA's kernels as on a CPU that has no more.
+# ISA: avx2 (the "haswell" variant: AVX2 + FMA + F16C, as Kvasir's avx2
+# backend) or native (no change). Hiding is a bind mount of /dev/null over
+# each other variant's library inside a private mount namespace (unshare -m,
+# needs root); without it the command runs unchanged and a note says so.
+set -euo pipefail
+ISA=$1; shift
+[ "$ISA" = native ] && exec "$@"
+[ "$ISA" = avx2 ] || { echo "llama_isa: unknown ISA '$ISA' (avx2, native)" >&2; exit 2; }
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+BINS=$(ls -d "$SRC"/tests/oracle/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64 2>/dev/null || true)
+[ -n "$BINS" ] || { echo "llama_isa: node-llama-cpp binaries not found" >&2; exit 2; }
+BINS=$(readlink -f "$BINS")
+if ! unshare -m true 2>/dev/null; then
+  echo "llama_isa: cannot make a mount namespace (not root?): llama.cpp runs its own best variant" >&2
+  exec "$@"
+fi
+HIDE=""
+for f in "$BINS"/libggml-cpu-*.so; do
+  case $(basename "$f") in libggml-cpu-haswell.so|libggml-cpu-x64.so|libggml-cpu-sse42.so|libggml-cpu-sandybridge.so|libggml-cpu-ivybridge.so|libggml-cpu-piledriver.so) ;;
+    *) HIDE="$HIDE $f" ;; esac
+done
+exec unshare -m bash -c 'for f in '"$HIDE"'; do mount --bind /dev/null "$f"; done; exec "$@"' llama_isa "$@"

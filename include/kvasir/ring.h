@@ -1,0 +1,368 @@
+/* The ring: pipeline inference with no master.
+ *
+ * Each node holds a window of consecutive layers [first, last] of one model
+ * (kv_model_opts.window: only the window's tensors are touched, so only
+ * they become resident), keeps the KV cache and recurrent state of those
+ * layers for every sequence in flight, and passes each token's hidden
+ * state to the node after it (its --next). The node with layer 0 (the
+ * head) embeds tokens; the node with the last layer (the tail) applies the
+ * final norm and the LM head, samples, and sends the token to its next,
+ * which is the head, which feeds it back in. A client submits a request to
+ * any node (its home); the home tokenizes it and sends it along the ring
+ * to the head; tokens travel from the tail back to the home and out to the
+ * client. Several sequences are in flight at once and every node computes
+ * whichever hidden state arrives, so with S sequences S nodes work at once.
+ *
+ * Frames (docs/PROTOCOL.md, "Ring protocol"): a 12-byte header (magic
+ * "KVRG", version, type, payload length, little-endian) and a payload whose
+ * every count is bounded by a named maximum and checked against the bytes
+ * present; hidden states and logits from a peer must be finite (a
+ * non-finite value is a lie, and closes the link). The codec below never
+ * allocates: decoded messages are views into the caller's frame.
+ *
+ * Faults: when a link of the ring closes, every node learns it (a BROKEN
+ * frame travels from the node after the break to the node before it), drops
+ * the sequences in flight, and the home of each request holds it: once the
+ * ring is whole again (a replacement took the missing window, a PROBE went
+ * round), it replays the request from its tokens (the prompt and the tokens
+ * already streamed, as one prompt), so it completes with the same bits; if
+ * the ring does not re-form within the replay deadline, the client gets a
+ * clear error. A token is never taken from a sequence that crossed a break.
+ *
+ * Threads: a node runs on one thread (its event loop), computing on its own
+ * pool; kv_ring_node_stop may be called from any thread or a signal
+ * handler. */
+#ifndef KVASIR_RING_H
+#define KVASIR_RING_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvasir/err.h"
+#include "kvasir/sample.h"
+
+/* ---- wire format -------------------------------------------------------- */
+
+#define KV_RING_MAGIC 0x4752564bu      /* "KVRG" little-endian */
+#define KV_RING_VERSION 1u
+#define KV_RING_HEADER 12u             /* magic u32, version u16, type u16, len u32 */
+#define KV_RING_MAX_TOKENS 4096u       /* tokens in one HIDDEN / START / ACCEPT frame */
+#define KV_RING_MAX_EMBD 65536u        /* n_embd of a hidden state */
+#define KV_RING_MAX_VOCAB (1u << 22)   /* logits in one TOKEN frame */
+#define KV_RING_MAX_TEXT (1u << 20)    /* prompt bytes in SUBMIT */
+#define KV_RING_MAX_PIECE 256u         /* bytes of one token's text in TOKEN */
+#define KV_RING_MAX_MSG 512u           /* bytes of an ERROR / BROKEN message */
+#define KV_RING_MAX_LAYERS 512u
+#define KV_RING_MAX_HIDDEN_BYTES (64u << 20) /* x of one HIDDEN frame */
+#define KV_RING_MAX_PAYLOAD ((64u << 20) + 64u) /* the largest payload of any frame */
+#define KV_RING_MODEL_ID_LEN 64u       /* model identity: 64 lowercase hex digits */
+
+enum kv_ring_type {
+    KV_RING_HELLO = 1,   /* first frame on every connection: role, model, window */
+    KV_RING_HELLO_ACK,   /* the acceptor's answer: its model and window */
+    KV_RING_SUBMIT,      /* client -> home: a prompt (text) and sampling parameters */
+    KV_RING_ACCEPT,      /* home -> client: the request's id and prompt tokens */
+    KV_RING_START,       /* along the ring: a sequence begins (params + prompt tokens) */
+    KV_RING_HIDDEN,      /* along the ring: hidden states of a sequence's tokens */
+    KV_RING_TOKEN,       /* tail -> head -> ... -> home -> client: a sampled token */
+    KV_RING_ERROR,       /* a request (seq != 0) or the connection failed */
+    KV_RING_BROKEN,      /* along the ring: a link broke; drop the sequences in flight */
+    KV_RING_PROBE,       /* along the ring: is it whole? (kind 1), it is (kind 2) */
+    KV_RING_AUTH_CHALLENGE, /* acceptor -> connector after HELLO_ACK: its key, a fresh challenge */
+    KV_RING_AUTH,        /* connector -> acceptor: its key, a nonce, a signature of the transcript */
+    KV_RING_AUTH_OK,     /* acceptor -> connector: its signature of the same transcript */
+    KV_RING_TYPE_COUNT
+};
+
+enum kv_ring_role { KV_RING_ROLE_LINK = 1, KV_RING_ROLE_CLIENT = 2 };
+
+#define KV_RING_SUBMIT_LOGITS 1u /* SUBMIT flags: TOKEN frames to the client carry the logits */
+#define KV_RING_START_BEGUN 1u   /* START flags: the head has begun the sequence */
+#define KV_RING_HIDDEN_LOGITS 1u /* HIDDEN flags: the tail samples after the last token */
+
+typedef struct kv_ring_header {
+    uint32_t magic, len;
+    uint16_t version, type;
+} kv_ring_header;
+
+typedef struct kv_ring_hello {
+    uint32_t role;                          /* kv_ring_role */
+    uint32_t n_layer, first, last;          /* the sender's window (0s for a client) */
+    uint32_t n_embd, n_vocab;
+    char model_id[KV_RING_MODEL_ID_LEN + 1];/* 64 hex digits (empty for a client) */
+} kv_ring_hello;
+
+/* Sampling and stop parameters of a request, as they travel. */
+typedef struct kv_ring_params {
+    uint32_t flags;          /* KV_RING_SUBMIT_* */
+    uint32_t n_predict;      /* tokens to emit, >= 1 */
+    kv_sample_params sample;
+} kv_ring_params;
+
+typedef struct kv_ring_submit {
+    kv_ring_params p;
+    const char *text;        /* [text_len] UTF-8, not NUL-terminated (view) */
+    uint32_t text_len;
+} kv_ring_submit;
+
+typedef struct kv_ring_start {
+    uint64_t seq;            /* ring-wide sequence id (the home chooses it) */
+    uint32_t home;           /* first layer of the home node */
+    uint32_t flags;          /* KV_RING_START_* */
+    kv_ring_params p;
+    uint32_t n_tokens;       /* prompt, 1..KV_RING_MAX_TOKENS * 16 */
+    const uint8_t *tokens;   /* [n_tokens] i32 LE (view; kv_ring_tokens_get) */
+} kv_ring_start;
+
+typedef struct kv_ring_hidden {
+    uint64_t seq;
+    uint32_t pos;            /* position of the first token */
+    uint32_t n_tokens;       /* 1..KV_RING_MAX_TOKENS */
+    uint32_t flags;          /* KV_RING_HIDDEN_* */
+    uint32_t n_embd;
+    const uint8_t *x;        /* [n_tokens][n_embd] f32 LE, every value finite (view) */
+} kv_ring_hidden;
+
+typedef struct kv_ring_token {
+    uint64_t seq;
+    uint32_t pos;            /* position the token will take (prompt + tokens before it) */
+    int32_t token;
+    uint32_t stop;           /* kv_stop: 0 = more follow */
+    uint32_t piece_len;      /* bytes of text (to a client; 0 on the ring) */
+    const char *piece;       /* view */
+    uint32_t n_logits;       /* 0 or n_vocab */
+    const uint8_t *logits;   /* [n_logits] f32 LE, every value finite (view) */
+} kv_ring_token;
+
+typedef struct kv_ring_accept {
+    uint64_t seq;
+    uint32_t n_tokens;
+    const uint8_t *tokens;   /* [n_tokens] i32 LE (view) */
+} kv_ring_accept;
+
+typedef struct kv_ring_error {
+    uint64_t seq;            /* 0: the connection */
+    int32_t code;            /* a negative KV_E* */
+    uint32_t origin;         /* first layer of the node that raised it (it travels round to there) */
+    char msg[KV_RING_MAX_MSG + 1];
+} kv_ring_error;
+
+typedef struct kv_ring_broken {
+    uint32_t origin;         /* first layer of the node that saw the break */
+    char msg[KV_RING_MAX_MSG + 1];
+} kv_ring_broken;
+
+typedef struct kv_ring_probe {
+    uint32_t origin;         /* first layer of the node that sent it */
+    uint32_t kind;           /* 1: probe, 2: the ring is whole */
+    uint64_t nonce;
+} kv_ring_probe;
+
+typedef struct kv_ring_auth {
+    uint8_t key[32];         /* Ed25519 public key (AUTH_CHALLENGE: the acceptor's; AUTH: the connector's) */
+    uint8_t nonce[32];       /* AUTH_CHALLENGE: the challenge; AUTH: the connector's nonce */
+    uint8_t sig[64];         /* AUTH and AUTH_OK: over kv_ring_auth_digest */
+} kv_ring_auth;
+
+typedef struct kv_ring_msg {
+    kv_ring_header h;
+    union {
+        kv_ring_hello hello;    /* HELLO, HELLO_ACK */
+        kv_ring_submit submit;
+        kv_ring_accept accept;
+        kv_ring_start start;
+        kv_ring_hidden hidden;
+        kv_ring_token token;
+        kv_ring_error error;
+        kv_ring_broken broken;
+        kv_ring_probe probe;
+        kv_ring_auth auth;      /* AUTH_CHALLENGE (key, nonce), AUTH (all), AUTH_OK (sig) */
+    } u;
+} kv_ring_msg;
+
+#define KV_RING_MAX_PROMPT (KV_RING_MAX_TOKENS * 16u) /* tokens of one START / ACCEPT */
+
+/* Payload bytes of a frame of each kind (0 if the counts are out of bounds). */
+size_t kv_ring_hidden_size(uint32_t n_tokens, uint32_t n_embd);
+size_t kv_ring_token_size(uint32_t piece_len, uint32_t n_logits);
+
+/* Decodes the header of a frame from hdr[n] (n >= KV_RING_HEADER). Errors:
+ * KV_EPROTO for a bad magic or unknown type, KV_EUNSUPPORTED for another
+ * version, KV_ERANGE for a payload over KV_RING_MAX_PAYLOAD. */
+int kv_ring_header_decode(const uint8_t *hdr, size_t n, kv_ring_header *out, kv_diag *d);
+/* Decodes one whole frame f[n] into views over f. Every count is checked
+ * against its maximum and the exact payload size; floats from the wire must
+ * be finite. Errors KV_EPROTO / KV_ERANGE / KV_EUNSUPPORTED; nothing is
+ * allocated. */
+int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *out, kv_diag *d);
+
+/* Encoders: write one frame into out[cap], *n its size. KV_ERANGE if it
+ * does not fit or a count is out of bounds. */
+int kv_ring_hello_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_hello *h, size_t *n, kv_diag *d);
+int kv_ring_submit_encode(uint8_t *out, size_t cap, const kv_ring_submit *s, size_t *n, kv_diag *d);
+/* tokens are host int32_t here */
+int kv_ring_accept_encode(uint8_t *out, size_t cap, uint64_t seq, const int32_t *tokens, uint32_t n_tokens,
+                          size_t *n, kv_diag *d);
+int kv_ring_start_encode(uint8_t *out, size_t cap, const kv_ring_start *s, const int32_t *tokens, size_t *n,
+                         kv_diag *d);
+/* x: host floats [n_tokens][n_embd] */
+int kv_ring_hidden_encode(uint8_t *out, size_t cap, const kv_ring_hidden *h, const float *x, size_t *n, kv_diag *d);
+/* logits: host floats [n_logits] (may be NULL when n_logits is 0) */
+int kv_ring_token_encode(uint8_t *out, size_t cap, const kv_ring_token *t, const float *logits, size_t *n,
+                         kv_diag *d);
+int kv_ring_error_encode(uint8_t *out, size_t cap, uint64_t seq, int32_t code, uint32_t origin, const char *msg,
+                         size_t *n, kv_diag *d);
+int kv_ring_broken_encode(uint8_t *out, size_t cap, uint32_t origin, const char *msg, size_t *n, kv_diag *d);
+int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *p, size_t *n, kv_diag *d);
+
+/* type: KV_RING_AUTH_CHALLENGE (key, nonce: 64 bytes), KV_RING_AUTH (key,
+ * nonce, sig: 128) or KV_RING_AUTH_OK (sig: 64). */
+int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d);
+
+/* The transcript both ends of a connection sign (the dispatch plane's
+ * scheme, in its own domain): SHA-256 over "kvasir-ring-auth-v1\n", the role
+ * ('C' the connector: a node linking to its next, or a client; 'A' the
+ * acceptor), the model id (64 hex), the acceptor's key and challenge, the
+ * connector's key and nonce. The fresh challenge makes every connection's
+ * transcript different (a signature cannot be replayed elsewhere); the
+ * acceptor's key binds the proof to the node it was meant for. Pure. */
+void kv_ring_auth_digest(char role, const char model_id[KV_RING_MODEL_ID_LEN], const uint8_t acceptor_key[32],
+                         const uint8_t challenge[32], const uint8_t connector_key[32], const uint8_t nonce[32],
+                         uint8_t out[32]);
+
+/* Views to host values. */
+int32_t kv_ring_tokens_get(const uint8_t *tokens, uint32_t i);
+void kv_ring_floats_get(const uint8_t *src, uint32_t n, float *dst);
+
+/* ---- the node ----------------------------------------------------------- */
+
+typedef struct kv_ring_node kv_ring_node;
+
+typedef struct kv_ring_node_opts {
+    const char *model;          /* GGUF file, or DIR/manifest.json of a sliced model */
+    uint32_t first, last;       /* the layer window */
+    const char *listen;         /* "HOST:PORT" (port 0 picks one) */
+    const char *next;           /* "HOST:PORT" of the node holding layer last + 1 (mod n_layer);
+                                   NULL: set later with kv_ring_node_set_next (a hub) */
+    int n_threads;              /* compute threads; 0 = all CPUs */
+    uint32_t n_ctx;             /* positions per sequence; 0 = min(model, 4096) */
+    uint32_t n_batch;           /* prompt tokens per HIDDEN frame; 0 = 256 */
+    uint32_t max_seqs;          /* sequences in flight at once; 0 = 16 */
+    uint32_t replay_timeout_ms; /* a broken ring must re-form within this, else requests fail; 0 = 30000 */
+    bool skip_hashes;           /* sliced model: check sizes and identity, not every SHA-256 */
+    FILE *log;                  /* links up and down, breaks, replays; NULL = silent */
+    /* Authentication (every connection, as the dispatch plane): the
+     * connector proves an Ed25519 key over the connection's transcript; a
+     * link's connector also checks the acceptor's proof. A key is admitted
+     * when it is in allow_keys, or any key when allow_any. */
+    const uint8_t *key_sk;      /* [64] this node's secret key (seed || pk); NULL = a fresh random key */
+    const uint8_t (*allow_keys)[32]; /* [n_allow] keys admitted (nodes and clients alike) */
+    size_t n_allow;
+    bool allow_any;             /* admit every key that proves itself (an open ring) */
+    const char *const *workers; /* [n_workers] sliced model: the window's routed experts are
+                                   computed by these expert workers (kvasir worker, the dispatch
+                                   protocol; this node proves its own key to them) */
+    uint32_t n_workers;
+    uint32_t link_delay_ms;     /* frames to the next node wait this long first (an emulated
+                                   link latency, for benchmarks where netem is missing); 0 = none */
+    uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after
+                                   computing this many HIDDEN frames, before sending the last; 0 = never */
+} kv_ring_node_opts;
+
+typedef struct kv_ring_node_stats {
+    uint64_t frames_hidden;     /* HIDDEN frames computed */
+    uint64_t batches;           /* forward passes (frames that arrived together run as one) */
+    uint64_t tokens_computed;   /* tokens run through the window */
+    uint64_t tokens_sampled;    /* tail: tokens sampled */
+    uint64_t requests;          /* home: requests accepted */
+    uint64_t replays;           /* home: requests replayed after a break */
+    uint64_t breaks;            /* breaks seen */
+    uint64_t dropped;           /* frames of unknown (dropped) sequences ignored */
+    uint64_t weight_bytes;      /* bytes of the window's tensors */
+    double busy_s;              /* time spent computing */
+} kv_ring_node_stats;
+
+/* Loads the window and listens (the next link is dialed by run, and
+ * redialed whenever it drops). Errors of kv_model_load_ex, KV_EINVAL for a
+ * bad window or address, KV_EIO if the port is taken. Free with
+ * kv_ring_node_free (accepts NULL). */
+int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *o, kv_diag *d);
+void kv_ring_node_free(kv_ring_node *n);
+/* "HOST:PORT" actually bound. */
+const char *kv_ring_node_addr(const kv_ring_node *n);
+/* Serves until kv_ring_node_stop. Returns 0, or KV_EIO if the loop failed. */
+int kv_ring_node_run(kv_ring_node *n, kv_diag *d);
+void kv_ring_node_stop(kv_ring_node *n);
+void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out);
+/* Sets the next node's address (thread-safe; used when a hub says who holds
+ * the window after this one): dialed at the next (re)dial, the current link
+ * is kept while it is up. opts.next may then be NULL at start. */
+void kv_ring_node_set_next(kv_ring_node *n, const char *host_port);
+void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last, uint32_t *n_layer);
+
+/* ---- the layer market (src/ring/hub.c, docs/HUB.md GET /v1/ring) ---------- */
+
+#define KV_RING_HUB_ADDR 255u /* longest node address the market lists (KV_HUB_MAX_ADDR) */
+
+typedef struct kv_ring_window {
+    uint32_t first, last;          /* the window's layers */
+    uint64_t bytes;                /* of its slabs */
+    uint32_t wanted, live;         /* holders */
+    char addr[KV_RING_HUB_ADDR + 1]; /* a live holder's ring address, "" none */
+} kv_ring_window;
+
+/* Parses GET /v1/ring (len bytes, untrusted; fuzzed: fuzz/fuzz_ring_market.c)
+ * into out[cap] (*n windows) and *n_layer; every number range-checked, node
+ * addresses of [A-Za-z0-9.-:[]]. KV_EFORMAT / KV_ERANGE; *n is 0 on error. */
+int kv_ring_parse_market(const char *json, size_t len, kv_ring_window *out, size_t cap, size_t *n, uint32_t *n_layer,
+                         kv_diag *d);
+/* The window a node with `budget` bytes takes: the scarcest (fewest live
+ * holders per wanted) whose bytes fit, the lower layers first on ties; -1
+ * if none fits. */
+int kv_ring_choose(const kv_ring_window *w, size_t n, uint64_t budget);
+/* Takes a window from the hub's market and makes dir/pieces/ hold the
+ * manifest, the backbone and the window's slabs (fetched, resumable, hash
+ * checked): *first, *last and manifest_path[cap] say what to serve. */
+int kv_ring_hub_join(const char *hub, const char *dir, uint64_t budget, uint32_t *first, uint32_t *last,
+                     char *manifest_path, size_t cap, FILE *log, kv_diag *d);
+typedef struct kv_ring_hub kv_ring_hub;
+/* Registers node (its window's slabs, backend "ring", its address) with the
+ * hub under dir/node.key, then heartbeats on a thread of its own, answers
+ * storage challenges and sets the node's next to the live holder of the
+ * window after its own. Stop with kv_ring_hub_stop (accepts NULL). */
+int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
+                      FILE *log, kv_diag *d);
+void kv_ring_hub_stop(kv_ring_hub *h);
+
+/* ---- the client ----------------------------------------------------------- */
+
+/* Called for every token streamed back (logits NULL unless asked for;
+ * n_vocab floats). Return non-zero to stop reading (the request is then
+ * abandoned). */
+typedef int (*kv_ring_token_fn)(void *data, int32_t token, const char *piece, size_t piece_len,
+                                const float *logits, uint32_t n_vocab);
+
+typedef struct kv_ring_result {
+    int32_t *prompt;         /* [n_prompt] the prompt's tokens (malloc'd; kv_ring_result_free) */
+    uint32_t n_prompt;
+    uint32_t n_tokens;       /* tokens streamed */
+    uint32_t stop;           /* kv_stop of the last token */
+} kv_ring_result;
+
+/* Submits text to the node at addr and streams the tokens to fn until the
+ * request stops. timeout_ms bounds each wait for a frame (0 = 60000).
+ * Errors: the connection's, or the request's ERROR (code and message as the
+ * ring gave them: "ring broken: ..."). */
+int kv_ring_request(const char *addr, const char *text, size_t text_len, const kv_ring_params *p,
+                   int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res, kv_diag *d);
+/* The same, proving key_sk ([64] seed || pk; NULL = a fresh random key, which
+ * only an open ring admits) to the node; KV_EAUTH when the node refuses it or
+ * its own proof is wrong. */
+int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *text, size_t text_len,
+                        const kv_ring_params *p, int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res,
+                        kv_diag *d);
+void kv_ring_result_free(kv_ring_result *r);
+
+#endif

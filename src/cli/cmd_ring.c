@@ -1,0 +1,222 @@
+/* kvasir ring: serve one layer window of a model as a node of a ring
+ * (include/kvasir/ring.h, docs/PROTOCOL.md "Ring protocol"). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "kvasir/dispatch.h"
+#include "kvasir/hub.h"
+#include "kvasir/node.h"
+#include "kvasir/pool.h"
+#include "kvasir/ring.h"
+
+#define CMD "ring"
+
+static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", NULL};
+
+static const char *kv_ring_help =
+    "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
+    "       kvasir ring --hub URL --budget SIZE [--data DIR] --listen HOST:PORT [options]\n"
+    "  --hub URL           take the scarcest layer window of the hub's market that fits --budget\n"
+    "                      (e.g. 512M, 8G), fetch its pieces into --data DIR (default kvasir-data;\n"
+    "                      resumable, hash checked), register it, and learn the next node from the\n"
+    "                      hub (instead of --model, --layers and --next)\n"
+    "  -m, --model MODEL   GGUF file, or DIR/manifest.json (or DIR) of a sliced model; only the\n"
+    "                      tensors of layers A..B are touched (the token embedding only when A is 0,\n"
+    "                      the final norm and LM head only when B is the last layer)\n"
+    "  --layers A-B        the window of consecutive layers this node computes\n"
+    "  --listen HOST:PORT  where the node before it and clients connect (port 0 picks one; printed)\n"
+    "  --next HOST:PORT    the node holding layer B+1 (the node with layer 0 after the last);\n"
+    "                      dialed, and redialed whenever the link drops\n"
+    "  --threads N         compute threads (default: all CPUs; same bits for any N)\n"
+    "  --ctx N             positions per sequence (default: min(model, 4096))\n"
+    "  --batch N           prompt tokens per hidden-state frame (default 256)\n"
+    "  --max-seqs N        sequences in flight at once (default 16)\n"
+    "  --replay-timeout-ms N  after a break, requests wait N ms for the ring to re-form and are\n"
+    "                      then replayed from their tokens, else they fail (default 30000)\n"
+    "  --skip-hashes       sliced model: check sizes and identity, not every SHA-256\n"
+    "  --worker HOST:PORT  sliced model: compute this window's routed experts on expert workers\n"
+    "                      (kvasir worker; repeat for more; they must admit this node's --key):\n"
+    "                      only the backbone and the manifest need be here\n"
+    "  --key FILE          this node's Ed25519 key (created if absent, 0600; kvasir key prints its\n"
+    "                      public half); default: a fresh key for this process\n"
+    "  --allow-key K       admit key K (64 hex digits, or a file of keys, one a line): the other\n"
+    "                      nodes of the ring and the clients; repeatable. Every connection proves\n"
+    "                      its key (challenge and signature); a node links only to a next it admits\n"
+    "  --open              admit every key that proves itself (instead of --allow-key)\n"
+    "  --quiet             no log lines (links, breaks, replays) on stderr\n"
+    "  --link-delay-ms N   hold every frame to the next node N ms (emulated latency, for benchmarks\n"
+    "                      where tc netem is not available)\n"
+    "  --die-after-frames N  test hook: exit abruptly after computing N hidden-state frames\n"
+    "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n"
+    "Submit requests with: kvasir run --ring HOST:PORT -p TEXT ...\n";
+
+static kv_ring_node *kv_the_node;
+
+static void kv_on_signal(int sig) {
+    (void)sig;
+    if (kv_the_node) kv_ring_node_stop(kv_the_node);
+}
+
+static int kv_parse_layers(const char *v, uint32_t *a, uint32_t *b) {
+    char *e1, *e2;
+    const unsigned long x = strtoul(v, &e1, 10);
+    if (e1 == v || *e1 != '-') return -1;
+    const unsigned long y = strtoul(e1 + 1, &e2, 10);
+    if (e2 == e1 + 1 || *e2 || x > y || y >= KV_RING_MAX_LAYERS) return -1;
+    *a = (uint32_t)x;
+    *b = (uint32_t)y;
+    return 0;
+}
+
+int kv_cmd_ring(int argc, char **argv) {
+    kv_ring_node_opts o = {.log = stderr};
+    bool layers = false;
+    const char *key_path = NULL;
+    uint8_t (*allow)[32] = NULL;
+    size_t n_allow = 0;
+    kv_diag d = {0};
+    const char *hub = NULL, *data_dir = "kvasir-data";
+    uint64_t budget = 0;
+    const char *workers[64];
+    uint32_t n_workers = 0;
+    long lv;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(kv_ring_help, stdout);
+            return 0;
+        } else if (!strcmp(a, "--quiet")) {
+            o.log = NULL;
+        } else if (!strcmp(a, "--skip-hashes")) {
+            o.skip_hashes = true;
+        } else if (!strcmp(a, "--open")) {
+            o.allow_any = true;
+        } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
+            return 1;
+        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            o.model = v;
+        } else if (!strcmp(a, "--key")) {
+            key_path = v;
+        } else if (!strcmp(a, "--hub")) {
+            hub = v;
+        } else if (!strcmp(a, "--worker")) {
+            if (n_workers == 64) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--worker: at most 64 workers");
+            }
+            workers[n_workers++] = v;
+        } else if (!strcmp(a, "--data")) {
+            data_dir = v;
+        } else if (!strcmp(a, "--budget")) {
+            if (kv_node_parse_size(v, &budget, &d)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--budget: %s", d.msg);
+            }
+        } else if (!strcmp(a, "--allow-key")) {
+            if (kv_key_list_add(v, &allow, &n_allow, &d)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--allow-key: %s", d.msg);
+            }
+        } else if (!strcmp(a, "--layers")) {
+            if (kv_parse_layers(v, &o.first, &o.last))
+                return kv_cli_err(CMD, 1, "--layers: '%s' is not A-B with A <= B < %u", v, KV_RING_MAX_LAYERS);
+            layers = true;
+        } else if (!strcmp(a, "--listen")) {
+            o.listen = v;
+        } else if (!strcmp(a, "--next")) {
+            o.next = v;
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+            if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &lv)) return 1;
+            o.n_threads = (int)lv;
+        } else if (!strcmp(a, "--ctx")) {
+            if (kv_arg_long(CMD, a, v, 1, 1 << 20, &lv)) return 1;
+            o.n_ctx = (uint32_t)lv;
+        } else if (!strcmp(a, "--batch")) {
+            if (kv_arg_long(CMD, a, v, 1, KV_RING_MAX_TOKENS, &lv)) return 1;
+            o.n_batch = (uint32_t)lv;
+        } else if (!strcmp(a, "--max-seqs")) {
+            if (kv_arg_long(CMD, a, v, 1, 4096, &lv)) return 1;
+            o.max_seqs = (uint32_t)lv;
+        } else if (!strcmp(a, "--die-after-frames")) { /* test hook (fault tests): a crash at a known point */
+            if (kv_arg_long(CMD, a, v, 1, 1L << 30, &lv)) return 1;
+            o.die_after_frames = (uint32_t)lv;
+        } else if (!strcmp(a, "--link-delay-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 60000, &lv)) return 1;
+            o.link_delay_ms = (uint32_t)lv;
+        } else if (!strcmp(a, "--replay-timeout-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &lv)) return 1;
+            o.replay_timeout_ms = (uint32_t)lv;
+        } else {
+            return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir ring --help)", a);
+        }
+    }
+    char manifest[4200];
+    if (hub) {
+        if (o.model || layers || o.next || !o.listen || !budget) {
+            free(allow);
+            return kv_cli_err(CMD, 1, "--hub takes --budget and --listen, and replaces --model, --layers and --next");
+        }
+        if (kv_ring_hub_join(hub, data_dir, budget, &o.first, &o.last, manifest, sizeof manifest, o.log, &d)) {
+            free(allow);
+            return kv_cli_diag(CMD, &d);
+        }
+        o.model = manifest;
+        layers = true;
+    }
+    if (!o.model || !layers || !o.listen || (!o.next && !hub)) {
+        free(allow);
+        return kv_cli_err(CMD, 1, "needs --model, --layers, --listen and --next (see kvasir ring --help)");
+    }
+    kv_node_key key;
+    if (key_path) {
+        if (kv_key_file_load(&key, key_path, true, &d)) {
+            free(allow);
+            return kv_cli_diag(CMD, &d);
+        }
+        o.key_sk = key.sk;
+    }
+    o.workers = workers;
+    o.n_workers = n_workers;
+    o.allow_keys = (const uint8_t(*)[32])allow;
+    o.n_allow = n_allow;
+    kv_ring_node *n = NULL;
+    int nrc = kv_ring_node_new(&n, &o, &d);
+    free(allow);
+    memset(&key, 0, sizeof key);
+    if (nrc) return kv_cli_diag(CMD, &d);
+    kv_ring_node_stats st;
+    kv_ring_node_get_stats(n, &st);
+    if (o.log)
+        fprintf(stderr, "kvasir ring %u-%u: window of %llu bytes of weights (%.2f MiB), next %s\n", o.first, o.last,
+                (unsigned long long)st.weight_bytes, (double)st.weight_bytes / 1048576.0, o.next ? o.next : "from the hub");
+    kv_ring_hub *rh = NULL;
+    if (hub && kv_ring_hub_start(&rh, hub, data_dir, n, budget, o.log, &d)) {
+        kv_ring_node_free(n);
+        return kv_cli_diag(CMD, &d);
+    }
+    kv_the_node = n;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = kv_on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    printf("listening on %s\n", kv_ring_node_addr(n));
+    fflush(stdout);
+    int rc = kv_ring_node_run(n, &d);
+    kv_ring_node_get_stats(n, &st);
+    if (o.log)
+        fprintf(stderr, "kvasir ring %u-%u: %llu tokens computed in %llu frames, %llu passes (%.3f s busy), %llu sampled, "
+                "%llu requests, %llu replays, %llu breaks\n", o.first, o.last, (unsigned long long)st.tokens_computed,
+                (unsigned long long)st.frames_hidden, (unsigned long long)st.batches, st.busy_s, (unsigned long long)st.tokens_sampled,
+                (unsigned long long)st.requests, (unsigned long long)st.replays, (unsigned long long)st.breaks);
+    kv_the_node = NULL;
+    kv_ring_hub_stop(rh);
+    kv_ring_node_free(n);
+    return rc ? kv_cli_diag(CMD, &d) : 0;
+}

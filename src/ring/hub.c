@@ -1,0 +1,371 @@
+/* A ring node in a hub's layer market (kvasir ring --hub URL --budget SIZE):
+ * GET /v1/ring lists the hub's layer windows (docs/HUB.md); the node takes
+ * the scarcest one that fits its budget, fetches the manifest, the backbone
+ * and the slabs of the window's layers (resumable, hash checked, like any
+ * node), registers them with backend "ring" and its ring address, and then,
+ * on a thread of its own, heartbeats, answers storage challenges, and asks
+ * the hub who holds the window after its own: that address becomes its
+ * --next (kv_ring_node_set_next), so a ring forms from the market and
+ * re-forms when a replacement takes a window that lost its node.
+ *
+ * Invariants: every answer from the hub is bounded (KV_RING_HUB_MAX_REPLY)
+ * and parsed by kv_ring_parse_market (fuzzed) with each number range
+ * checked; the files a challenge names are found from our manifest, never
+ * from the challenge's path. */
+#include <inttypes.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvasir/hub.h"
+#include "kvasir/node.h"
+#include "kvasir/pieces.h"
+#include "kvasir/ring.h"
+#include "kvasir/slice.h"
+
+_Static_assert(KV_RING_HUB_ADDR >= KV_HUB_MAX_ADDR, "the ring keeps any address the hub lists");
+
+#define KV_RING_HUB_MAX_REPLY (4u << 20)
+
+int kv_ring_parse_market(const char *json, size_t len, kv_ring_window *out, size_t cap, size_t *n, uint32_t *n_layer,
+                         kv_diag *d) {
+    *n = 0;
+    *n_layer = 0;
+    json_error_t je;
+    json_t *j = json_loadb(json, len, 0, &je);
+    if (!j) return kv_fail(d, KV_EFORMAT, "ring market: not JSON (%s)", je.text);
+    int rc = 0;
+    json_t *nl = json_object_get(j, "n_layer"), *ws = json_object_get(j, "windows");
+    if (!json_is_integer(nl) || json_integer_value(nl) < 1 || json_integer_value(nl) > KV_RING_MAX_LAYERS ||
+        !json_is_array(ws)) {
+        rc = kv_fail(d, KV_EFORMAT, "ring market: needs n_layer in [1, %u] and a windows array", KV_RING_MAX_LAYERS);
+        goto done;
+    }
+    *n_layer = (uint32_t)json_integer_value(nl);
+    if (json_array_size(ws) > cap || json_array_size(ws) > *n_layer) {
+        rc = kv_fail(d, KV_ERANGE, "ring market: %zu windows, at most %u", json_array_size(ws), *n_layer);
+        goto done;
+    }
+    for (size_t i = 0; i < json_array_size(ws); i++) {
+        json_t *w = json_array_get(ws, i);
+        json_t *f = json_object_get(w, "first"), *l = json_object_get(w, "last"), *b = json_object_get(w, "bytes");
+        json_t *lv = json_object_get(w, "live"), *wa = json_object_get(w, "wanted"), *nodes = json_object_get(w, "nodes");
+        if (!json_is_integer(f) || !json_is_integer(l) || !json_is_integer(b) || !json_is_integer(lv) ||
+            !json_is_integer(wa) || !json_is_array(nodes) || json_integer_value(f) < 0 ||
+            json_integer_value(l) < json_integer_value(f) || json_integer_value(l) >= *n_layer ||
+            json_integer_value(b) < 0 || json_integer_value(lv) < 0 || json_integer_value(lv) > (1 << 20) ||
+            json_integer_value(wa) < 1 || json_integer_value(wa) > (1 << 20)) {
+            rc = kv_fail(d, KV_EFORMAT, "ring market: window %zu is malformed or out of range", i);
+            goto done;
+        }
+        kv_ring_window *o = &out[i];
+        memset(o, 0, sizeof *o);
+        o->first = (uint32_t)json_integer_value(f);
+        o->last = (uint32_t)json_integer_value(l);
+        o->bytes = (uint64_t)json_integer_value(b);
+        o->live = (uint32_t)json_integer_value(lv);
+        o->wanted = (uint32_t)json_integer_value(wa);
+        json_t *n0 = json_array_size(nodes) ? json_array_get(nodes, 0) : NULL;
+        json_t *ad = n0 ? json_object_get(n0, "addr") : NULL;
+        if (n0) {
+            const char *a = json_is_string(ad) ? json_string_value(ad) : NULL;
+            const size_t al = a ? json_string_length(ad) : 0;
+            bool ok = a && al >= 3 && al < sizeof o->addr && strlen(a) == al;
+            for (size_t k = 0; ok && k < al; k++) {
+                const char c = a[k];
+                ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                     c == '-' || c == ':' || c == '[' || c == ']';
+            }
+            if (!ok) {
+                rc = kv_fail(d, KV_EFORMAT, "ring market: window %zu: a node address is malformed", i);
+                goto done;
+            }
+            memcpy(o->addr, a, al + 1);
+        }
+        *n = i + 1;
+    }
+done:
+    if (rc) *n = 0;
+    json_decref(j);
+    return rc;
+}
+
+int kv_ring_choose(const kv_ring_window *w, size_t n, uint64_t budget) {
+    int best = -1;
+    for (size_t i = 0; i < n; i++) {
+        if (w[i].bytes > budget) continue;
+        /* scarcest first: fewest live holders for the wanted ones, then the lower layers */
+        if (best < 0 || (uint64_t)w[i].live * w[best].wanted < (uint64_t)w[best].live * w[i].wanted) best = (int)i;
+    }
+    return best;
+}
+
+static int kv_rh_get(const char *hub, const char *path, char **out, size_t *len, kv_diag *d) {
+    char url[1200];
+    if (snprintf(url, sizeof url, "%s%s", hub, path) >= (int)sizeof url) return kv_fail(d, KV_EINVAL, "hub URL is too long");
+    long st = 0;
+    int rc = kv_hub_http_get(url, KV_RING_HUB_MAX_REPLY, 10000, out, len, &st, d);
+    if (rc) return rc;
+    if (st != 200) {
+        rc = kv_fail(d, KV_EIO, "hub: %s: status %ld: %.200s", url, st, *out ? *out : "");
+        free(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+static int kv_rh_market(const char *hub, kv_ring_window *w, size_t cap, size_t *n, uint32_t *n_layer, kv_diag *d) {
+    char *body = NULL;
+    size_t len = 0;
+    int rc = kv_rh_get(hub, "/v1/ring", &body, &len, d);
+    if (!rc) rc = kv_ring_parse_market(body, len, w, cap, n, n_layer, d);
+    free(body);
+    return rc;
+}
+
+int kv_ring_hub_join(const char *hub, const char *dir, uint64_t budget, uint32_t *first, uint32_t *last,
+                     char *manifest_path, size_t cap, FILE *log, kv_diag *d) {
+    kv_ring_window w[KV_RING_MAX_LAYERS];
+    size_t n = 0;
+    uint32_t n_layer = 0;
+    int rc = kv_rh_market(hub, w, KV_RING_MAX_LAYERS, &n, &n_layer, d);
+    if (rc) return rc;
+    const int k = kv_ring_choose(w, n, budget);
+    if (k < 0) return kv_fail(d, KV_ENOMEM, "ring: no layer window of the hub's %zu fits a budget of %" PRIu64 " bytes", n, budget);
+    *first = w[k].first;
+    *last = w[k].last;
+    if (log)
+        fprintf(log, "kvasir ring %u-%u: took layers %u-%u from the market (%u of %u live, %" PRIu64 " bytes)\n", *first,
+                *last, *first, *last, w[k].live, w[k].wanted, w[k].bytes);
+    kv_manifest *m = NULL;
+    if ((rc = kv_node_fetch_manifest(hub, dir, &m, d))) return rc;
+    if ((rc = kv_node_fetch_piece(hub, dir, &m->backbone, NULL, NULL, d))) goto done;
+    for (size_t i = 0; i < m->n_slabs; i++)
+        if (m->slabs[i].layer >= *first && m->slabs[i].layer <= *last &&
+            (rc = kv_node_fetch_piece(hub, dir, &m->slabs[i].file, NULL, NULL, d)))
+            goto done;
+    rc = kv_node_piece_path(dir, "manifest.json", manifest_path, cap, d);
+done:
+    kv_manifest_free(m);
+    return rc;
+}
+
+/* ---- membership --------------------------------------------------------------- */
+
+struct kv_ring_hub {
+    char *hub, *dir;
+    kv_ring_node *node;
+    kv_node_key key;
+    kv_manifest *m;
+    uint32_t first, last, n_layer;
+    uint64_t budget;
+    uint32_t interval_ms;
+    FILE *log;
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stop, started;
+};
+
+__attribute__((format(printf, 2, 3))) static void kv_rh_log(kv_ring_hub *h, const char *fmt, ...) {
+    if (!h->log) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(h->log, "kvasir ring %u-%u: hub: ", h->first, h->last);
+    vfprintf(h->log, fmt, ap);
+    fputc('\n', h->log);
+    fflush(h->log);
+    va_end(ap);
+}
+
+static bool kv_hex32(const char *hex, size_t len, uint8_t out[32]) {
+    if (!hex || len != 64) return false;
+    for (int i = 0; i < 32; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1) return false;
+        out[i] = (uint8_t)v;
+    }
+    return true;
+}
+
+/* Answers a storage challenge from our own copy of the named slab. */
+static void kv_rh_challenge(kv_ring_hub *h, json_t *ch) {
+    if (!json_is_object(ch)) return;
+    json_t *jn = json_object_get(ch, "nonce"), *jl = json_object_get(ch, "layer"), *jf = json_object_get(ch, "first"),
+           *jt = json_object_get(ch, "last");
+    uint8_t nonce[32];
+    if (!json_is_string(jn) || !kv_hex32(json_string_value(jn), json_string_length(jn), nonce) || !json_is_integer(jl) ||
+        !json_is_integer(jf) || !json_is_integer(jt) || json_integer_value(jl) < h->first ||
+        json_integer_value(jl) > h->last || json_integer_value(jf) < 0 || json_integer_value(jt) < 0 ||
+        json_integer_value(jf) > UINT32_MAX || json_integer_value(jt) > UINT32_MAX) {
+        kv_rh_log(h, "a malformed storage challenge, ignored");
+        return;
+    }
+    const kv_manifest_slab *s = kv_manifest_find_slab(h->m, (uint32_t)json_integer_value(jl), (uint32_t)json_integer_value(jf),
+                                                      (uint32_t)json_integer_value(jt));
+    kv_diag d = {0};
+    char path[4096], ah[65], body[200], *reply = NULL;
+    uint8_t ans[32];
+    if (!s || kv_node_piece_path(h->dir, s->file.path, path, sizeof path, &d) ||
+        kv_hub_challenge_answer(path, s->file.size, nonce, ans, &d)) {
+        kv_rh_log(h, "challenge: %s", s ? d.msg : "not a slab of this window");
+        return;
+    }
+    kv_hex(ans, 32, ah);
+    snprintf(body, sizeof body, "{\"nonce\":\"%.64s\",\"sha256\":\"%s\"}", json_string_value(jn), ah);
+    long st = 0;
+    if (kv_node_hub_post(h->hub, &h->key, "/v1/challenge", body, &reply, &st, &d)) kv_rh_log(h, "challenge: %s", d.msg);
+    else if (st != 200) kv_rh_log(h, "challenge answer refused (%ld): %.200s", st, reply);
+    free(reply);
+}
+
+static int kv_rh_register(kv_ring_hub *h, kv_diag *d) {
+    char *body = NULL, *reply = NULL;
+    size_t len = 0;
+    int rc = kv_rh_get(h->hub, "/v1/nonce", &body, &len, d);
+    if (rc) return rc;
+    json_error_t je;
+    json_t *j = json_loadb(body, len, 0, &je);
+    free(body);
+    kv_hub_announce a = {0};
+    json_t *jn = j ? json_object_get(j, "nonce") : NULL;
+    const bool ok = json_is_string(jn) && kv_hex32(json_string_value(jn), json_string_length(jn), a.nonce);
+    json_decref(j);
+    if (!ok) return kv_fail(d, KV_EFORMAT, "hub: /v1/nonce answer is not {\"nonce\": HEX64}");
+    snprintf(a.addr, sizeof a.addr, "%s", kv_ring_node_addr(h->node));
+    snprintf(a.backend, sizeof a.backend, "ring");
+    a.memory = h->budget;
+    if (!(a.shards = calloc(h->m->n_slabs ? h->m->n_slabs : 1, sizeof *a.shards))) return kv_fail(d, KV_ENOMEM, "out of memory");
+    for (size_t i = 0; i < h->m->n_slabs; i++) {
+        const kv_manifest_slab *s = &h->m->slabs[i];
+        if (s->layer < h->first || s->layer > h->last) continue;
+        a.shards[a.n_shards] = (kv_hub_held){.layer = s->layer, .first = s->first, .last = s->last};
+        memcpy(a.shards[a.n_shards++].sha256, s->file.sha256, 32);
+    }
+    char *js = kv_hub_announce_json(&a);
+    free(a.shards);
+    if (!js) return kv_fail(d, KV_ENOMEM, "out of memory");
+    long st = 0;
+    rc = kv_node_hub_post(h->hub, &h->key, "/v1/register", js, &reply, &st, d);
+    free(js);
+    if (rc) return rc;
+    if (st != 200) {
+        rc = kv_fail(d, KV_EPROTO, "hub refused the registration (%ld): %.300s", st, reply);
+        free(reply);
+        return rc;
+    }
+    j = json_loads(reply, 0, &je);
+    free(reply);
+    json_t *dl = j ? json_object_get(j, "deadline_ms") : NULL;
+    if (json_is_integer(dl) && json_integer_value(dl) >= 3 && json_integer_value(dl) <= 180000)
+        h->interval_ms = (uint32_t)(json_integer_value(dl) / 3);
+    kv_rh_log(h, "registered layers %u-%u at %s", h->first, h->last, kv_ring_node_addr(h->node));
+    if (j) kv_rh_challenge(h, json_object_get(j, "challenge"));
+    json_decref(j);
+    return 0;
+}
+
+/* Who holds the window after ours: that node is our next. */
+static void kv_rh_next(kv_ring_hub *h) {
+    kv_ring_window w[KV_RING_MAX_LAYERS];
+    size_t n = 0;
+    uint32_t nl = 0;
+    kv_diag d = {0};
+    if (kv_rh_market(h->hub, w, KV_RING_MAX_LAYERS, &n, &nl, &d)) {
+        kv_rh_log(h, "%s", d.msg);
+        return;
+    }
+    const uint32_t want = (h->last + 1) % (nl ? nl : 1);
+    for (size_t i = 0; i < n; i++)
+        if (w[i].first == want && w[i].addr[0]) kv_ring_node_set_next(h->node, w[i].addr);
+}
+
+static void *kv_rh_thread(void *arg) {
+    kv_ring_hub *h = arg;
+    pthread_mutex_lock(&h->mu);
+    while (!h->stop) {
+        pthread_mutex_unlock(&h->mu);
+        kv_diag d = {0};
+        char *reply = NULL;
+        long st = 0;
+        if (kv_node_hub_post(h->hub, &h->key, "/v1/heartbeat", "{}", &reply, &st, &d)) {
+            kv_rh_log(h, "heartbeat: %s", d.msg);
+        } else if (st != 200) { /* unknown to the hub (restarted, or dropped us): register again */
+            kv_rh_log(h, "heartbeat refused (%ld); registering again", st);
+            if (kv_rh_register(h, &d)) kv_rh_log(h, "%s", d.msg);
+        } else {
+            json_error_t je;
+            json_t *j = json_loads(reply, 0, &je);
+            if (j && json_object_get(j, "dropped")) {
+                kv_rh_log(h, "the hub dropped our holdings; registering again");
+                if (kv_rh_register(h, &d)) kv_rh_log(h, "%s", d.msg);
+            } else if (j) {
+                kv_rh_challenge(h, json_object_get(j, "challenge"));
+            }
+            json_decref(j);
+        }
+        free(reply);
+        kv_rh_next(h);
+        pthread_mutex_lock(&h->mu);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        const uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)h->interval_ms * 1000000u;
+        ts.tv_sec += (time_t)(ns / 1000000000u);
+        ts.tv_nsec = (long)(ns % 1000000000u);
+        if (!h->stop) pthread_cond_timedwait(&h->cv, &h->mu, &ts);
+    }
+    pthread_mutex_unlock(&h->mu);
+    return NULL;
+}
+
+int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
+                      FILE *log, kv_diag *d) {
+    *out = NULL;
+    kv_ring_hub *h = calloc(1, sizeof *h);
+    if (!h) return kv_fail(d, KV_ENOMEM, "out of memory");
+    h->hub = strdup(hub);
+    h->dir = strdup(dir);
+    h->node = node;
+    h->budget = budget;
+    h->log = log;
+    h->interval_ms = 1000;
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_cond_init(&h->cv, NULL);
+    kv_ring_node_window(node, &h->first, &h->last, &h->n_layer);
+    char mp[4200];
+    int rc;
+    if (!h->hub || !h->dir) rc = kv_fail(d, KV_ENOMEM, "out of memory");
+    else if (!(rc = kv_node_key_load(&h->key, dir, true, d)) && !(rc = kv_node_piece_path(dir, "manifest.json", mp, sizeof mp, d)))
+        rc = kv_manifest_load(&h->m, mp, d);
+    if (!rc) rc = kv_rh_register(h, d);
+    if (!rc) kv_rh_next(h);
+    if (!rc && pthread_create(&h->th, NULL, kv_rh_thread, h)) rc = kv_fail(d, KV_ENOMEM, "ring: cannot start the hub thread");
+    if (rc) {
+        kv_ring_hub_stop(h);
+        return rc;
+    }
+    h->started = true;
+    *out = h;
+    return 0;
+}
+
+void kv_ring_hub_stop(kv_ring_hub *h) {
+    if (!h) return;
+    if (h->started) {
+        pthread_mutex_lock(&h->mu);
+        h->stop = true;
+        pthread_cond_signal(&h->cv);
+        pthread_mutex_unlock(&h->mu);
+        pthread_join(h->th, NULL);
+    }
+    pthread_mutex_destroy(&h->mu);
+    pthread_cond_destroy(&h->cv);
+    kv_manifest_free(h->m);
+    free(h->hub);
+    free(h->dir);
+    free(h);
+}

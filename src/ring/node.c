@@ -1,0 +1,1432 @@
+/* A ring node (include/kvasir/ring.h): one layer window of a model, its
+ * sequences' caches, the link to the node after it (dialed, redialed when
+ * it drops), the link from the node before it (accepted), and clients.
+ *
+ * Roles follow from the window: the head (layer 0) begins sequences
+ * (embeds prompts and tokens), the tail (last layer) samples; a node may be
+ * both (a ring of one links to itself). Every frame a node forwards
+ * unchanged (START on its way to the head, TOKEN, ERROR, BROKEN, PROBE) is
+ * sent as the bytes received.
+ *
+ * Invariants: a sequence id is known to a node from its START to its last
+ * TOKEN (or ERROR, or a break); frames of an unknown sequence are dropped,
+ * never computed, and a replayed request takes a fresh id, so nothing that
+ * crossed a break reaches a client. A HIDDEN frame must start at the
+ * sequence's next position here (the ring keeps every node's positions in
+ * step); anything else fails the request. The home keeps the tokens of its
+ * requests (prompt + streamed) so that it can replay them.
+ *
+ * Hot path: a HIDDEN frame is decoded in place, its floats widened into a
+ * buffer allocated once, computed with kv_state_batch_window (the engine's
+ * own forward pass over the window) and the output encoded straight into the
+ * next link's send buffer. Compute runs on the loop's thread; the pool
+ * parallelizes it. */
+#include <errno.h>
+#include <pthread.h>
+#include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/dispatch.h" /* kv_proto_parse_addr */
+#include "kvasir/engine.h"   /* KV_STOP_* */
+#include "kvasir/model.h"
+#include "kvasir/net.h"
+#include "kvasir/pieces.h"
+#include "kvasir/ring.h"
+#include "kvasir/slice.h"
+#include "kvasir/pieces.h"
+#include "kvasir/hub.h" /* kv_hex */
+
+#include <sodium.h>
+
+#define KV_RN_HELLO_MS 5000        /* an accepted connection must say HELLO within this */
+#define KV_RN_REDIAL_MS 200        /* next link: pause between dials */
+#define KV_RN_PROBE_MS 500         /* resend a probe while the ring is not whole */
+#define KV_RN_TICK_MS 100          /* replay deadlines checked this often */
+#define KV_RN_TX_MAX (1024u << 20) /* bytes queued on one link at most */
+#define KV_RN_MAX_CONNS 256u     /* accepted connections at once (links and clients) */
+
+typedef struct kv_rconn kv_rconn;
+
+/* A sequence this node holds state for. */
+typedef struct kv_rseq {
+    uint64_t seq;        /* ring id; 0 = free */
+    uint32_t home;       /* first layer of its home */
+    kv_ring_params p;
+    kv_sampler *smp;     /* tail: its sampler (penalty history = prompt + sampled) */
+    uint32_t n_gen;      /* tail: tokens sampled */
+} kv_rseq;
+
+/* A request whose home is this node. */
+typedef struct kv_rreq {
+    uint64_t id;         /* the client sees this one */
+    uint64_t seq;        /* ring id of the current attempt; 0 while held */
+    kv_rconn *client;    /* NULL once the client left */
+    kv_ring_params p;
+    int32_t *toks;       /* [cap] prompt, then the tokens streamed */
+    uint32_t n_prompt, n_gen, cap;
+    bool held;           /* waiting for the ring to be whole */
+    int64_t deadline_ms; /* while held */
+    struct kv_rreq *next;
+} kv_rreq;
+
+struct kv_rconn {
+    kv_ring_node *n;
+    kv_net_conn *nc;
+    enum { KV_RC_NEW = 0, KV_RC_AUTH, KV_RC_PREV, KV_RC_CLIENT, KV_RC_NEXT } role;
+    bool acked;          /* NEXT: HELLO_ACK received and the acceptor's AUTH_OK checked */
+    bool hello_ok;       /* NEXT: HELLO_ACK received (AUTH_CHALLENGE next) */
+    kv_ring_hello peer;  /* AUTH: the HELLO that waits for its AUTH; NEXT: the HELLO_ACK */
+    uint8_t challenge[32]; /* AUTH: ours; NEXT: the acceptor's */
+    uint8_t peer_key[32];  /* NEXT: the acceptor's key */
+    uint8_t nonce[32];     /* NEXT: ours */
+    kv_rreq *req;        /* CLIENT: its request (one at a time) */
+    kv_net_timer hs_t;   /* HELLO deadline */
+    kv_rconn *lprev, *lnext; /* the node's list of connections (freed with it) */
+};
+
+struct kv_ring_node {
+    kv_ring_node_opts o;
+    kv_model *m;
+    kv_pieces *pc;            /* sliced model: the manifest's pieces present here (the window's slabs) */
+    kv_remote *remote;        /* --worker: the window's experts computed by expert workers */
+    kv_expert_provider prov;  /* over the slices (owned) */
+    kv_pool *pool;
+    kv_state *st;
+    const kv_hparams *hp;
+    uint32_t n_layer, n_embd, n_vocab, n_ctx, n_batch, max_seqs;
+    bool head, tail;
+    char model_id[KV_RING_MODEL_ID_LEN + 1];
+    uint8_t sk[64];           /* this node's Ed25519 key (seed || pk) */
+    uint8_t (*allow)[32];     /* [n_allow] keys admitted (a copy) */
+    char next_addr[256];
+    kv_net_loop *loop;
+    int lfd;
+    kv_net_watch lw;
+    char addr[128];
+    struct sockaddr_storage next_sa;
+    socklen_t next_salen;
+    kv_rconn *next;           /* dialed link (NULL while down) */
+    uint32_t next_first, next_last;
+    kv_rconn *prev;           /* accepted link from the node before */
+    uint32_t prev_first, prev_last; /* its window */
+    pthread_mutex_t next_mu;  /* guards next_want, next_changed (set from other threads) */
+    char next_want[256];      /* kv_ring_node_set_next's address */
+    bool next_changed;
+    kv_net_timer redial_t, probe_t, tick_t;
+    bool ring_up;             /* a probe of ours, or someone's "whole", went round */
+    uint64_t nonce;
+    char why[256];            /* the last break */
+    kv_rseq *seqs;            /* [max_seqs]; index = state sequence */
+    kv_rreq *reqs;            /* home requests */
+    kv_rconn *conns;          /* every connection alive */
+    uint32_t n_conns;         /* of them */
+    kv_net_budget budget;     /* bytes buffered by accepted connections */
+    struct kv_rdelay *dq_head, *dq_tail, *stage; /* --link-delay-ms FIFO, a frame being written */
+    size_t dq_bytes;
+    kv_net_timer delay_t;
+    uint64_t id_base, id_ctr;
+    uint32_t max_tok;         /* tokens per forward pass: max(n_batch, max_seqs) */
+    float *xin, *xout;        /* [max_tok][n_embd] queued hidden states in, results out */
+    float *logits;            /* [max_seqs][n_vocab] */
+    int32_t *tbuf;            /* [n_batch] a prompt chunk */
+    int32_t *q_tok;           /* [max_tok] queued tokens (head) */
+    uint32_t *sbuf;           /* [max_tok] state sequence of each queued token */
+    uint32_t *q_out;          /* [max_seqs] queue index of each logits row */
+    struct kv_rjob *jobs;     /* [max_tok] queued frames */
+    uint32_t n_jobs, q_n, n_out_q; /* frames, tokens and logit rows queued */
+    kv_ring_node_stats stats;
+};
+
+static double kv_rn_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+__attribute__((format(printf, 2, 3))) static void kv_rn_log(kv_ring_node *n, const char *fmt, ...) {
+    if (!n->o.log) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(n->o.log, "kvasir ring %u-%u: ", n->o.first, n->o.last);
+    vfprintf(n->o.log, fmt, ap);
+    fputc('\n', n->o.log);
+    fflush(n->o.log);
+    va_end(ap);
+}
+
+/* ---- sending ------------------------------------------------------------------ */
+
+/* --link-delay-ms: frames to the next node wait in a FIFO (an emulated
+ * one-way link latency where netem is not available). */
+typedef struct kv_rdelay {
+    struct kv_rdelay *next;
+    int64_t due_ms;
+    size_t len;
+    uint8_t data[];
+} kv_rdelay;
+
+static bool kv_rn_delayed(const kv_rconn *c) { return c && c->role == KV_RC_NEXT && c->n->o.link_delay_ms; }
+
+static void kv_rn_delay_drop(kv_ring_node *n) {
+    while (n->dq_head) {
+        kv_rdelay *e = n->dq_head;
+        n->dq_head = e->next;
+        free(e);
+    }
+    n->dq_tail = NULL;
+    n->dq_bytes = 0;
+    free(n->stage);
+    n->stage = NULL;
+}
+
+static void kv_rn_delay_push(kv_ring_node *n, kv_rdelay *e, size_t len) {
+    e->next = NULL;
+    e->len = len;
+    e->due_ms = kv_net_now_ms() + n->o.link_delay_ms;
+    if (n->dq_tail) n->dq_tail->next = e;
+    else n->dq_head = e;
+    n->dq_tail = e;
+    n->dq_bytes += len;
+    if (n->dq_bytes > KV_RN_TX_MAX && n->next) {
+        kv_net_conn_close(n->next->nc, KV_ENOMEM, "delayed output over its bound");
+        return;
+    }
+    if (!kv_net_timer_armed(&n->delay_t)) kv_net_timer_start(n->loop, &n->delay_t, n->o.link_delay_ms);
+}
+
+static void kv_rn_delay_timer(kv_net_loop *l, kv_net_timer *t) {
+    kv_ring_node *n = t->data;
+    const int64_t now = kv_net_now_ms();
+    while (n->dq_head && n->dq_head->due_ms <= now) {
+        kv_rdelay *e = n->dq_head;
+        n->dq_head = e->next;
+        if (!n->dq_head) n->dq_tail = NULL;
+        n->dq_bytes -= e->len;
+        if (n->next && !kv_net_conn_closing(n->next->nc)) (void)kv_net_conn_send(n->next->nc, e->data, e->len);
+        free(e);
+    }
+    if (n->dq_head) kv_net_timer_start(l, t, n->dq_head->due_ms - now);
+}
+
+/* Room for a frame of sz bytes on c (NULL: the link is gone or full; it
+ * closes); kv_rn_commit sends the len bytes written there. */
+static uint8_t *kv_rn_reserve(kv_rconn *c, size_t sz) {
+    if (!c || kv_net_conn_closing(c->nc)) return NULL;
+    if (kv_rn_delayed(c)) {
+        free(c->n->stage);
+        c->n->stage = malloc(sizeof(kv_rdelay) + sz);
+        return c->n->stage ? c->n->stage->data : NULL;
+    }
+    return kv_net_conn_reserve(c->nc, sz);
+}
+
+static void kv_rn_commit(kv_rconn *c, size_t len) {
+    if (kv_rn_delayed(c)) {
+        kv_rdelay *e = c->n->stage;
+        c->n->stage = NULL;
+        if (e) kv_rn_delay_push(c->n, e, len);
+        return;
+    }
+    kv_net_conn_commit(c->nc, len);
+}
+
+static void kv_rn_send_raw(kv_rconn *c, const uint8_t *f, size_t len) {
+    if (!c || kv_net_conn_closing(c->nc)) return;
+    if (kv_rn_delayed(c)) {
+        kv_rdelay *e = malloc(sizeof *e + len);
+        if (!e) return;
+        memcpy(e->data, f, len);
+        kv_rn_delay_push(c->n, e, len);
+        return;
+    }
+    (void)kv_net_conn_send(c->nc, f, len);
+}
+
+static void kv_rn_send_error(kv_rconn *c, uint64_t seq, int code, uint32_t origin, const char *msg) {
+    uint8_t buf[KV_RING_HEADER + 20 + KV_RING_MAX_MSG];
+    size_t len;
+    if (!kv_ring_error_encode(buf, sizeof buf, seq, code, origin, msg, &len, NULL)) kv_rn_send_raw(c, buf, len);
+}
+
+static bool kv_rn_next_up(const kv_ring_node *n) { return n->next && n->next->acked && !kv_net_conn_closing(n->next->nc); }
+static bool kv_rn_next_is_tail(const kv_ring_node *n) { return n->next_last == n->n_layer - 1; }
+
+/* ---- sequences ------------------------------------------------------------------ */
+
+static kv_rseq *kv_rn_seq(kv_ring_node *n, uint64_t seq) {
+    for (uint32_t i = 0; i < n->max_seqs; i++)
+        if (n->seqs[i].seq == seq) return &n->seqs[i];
+    return NULL;
+}
+static uint32_t kv_rn_slot(const kv_ring_node *n, const kv_rseq *s) { return (uint32_t)(s - n->seqs); }
+
+static void kv_rn_seq_free(kv_ring_node *n, kv_rseq *s) {
+    if (!s || !s->seq) return;
+    kv_state_reset_seq(n->st, kv_rn_slot(n, s));
+    kv_sampler_free(s->smp);
+    memset(s, 0, sizeof *s);
+}
+
+/* A slot for a sequence beginning (tail: its sampler, fed the prompt). */
+static int kv_rn_seq_new(kv_ring_node *n, const kv_ring_start *st, kv_rseq **out, kv_diag *d) {
+    *out = NULL;
+    if (kv_rn_seq(n, st->seq)) return kv_fail(d, KV_EPROTO, "ring: sequence %016llx begun twice", (unsigned long long)st->seq);
+    if (st->n_tokens > n->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "ring: a prompt of %u tokens does not fit the context of %u", st->n_tokens, n->n_ctx);
+    for (uint32_t i = 0; i < st->n_tokens; i++)
+        if ((uint32_t)kv_ring_tokens_get(st->tokens, i) >= n->n_vocab)
+            return kv_fail(d, KV_ERANGE, "ring: prompt token %d out of range (vocab %u)", kv_ring_tokens_get(st->tokens, i), n->n_vocab);
+    kv_rseq *s = kv_rn_seq(n, 0);
+    if (!s) return kv_fail(d, KV_ENOMEM, "ring: node %u-%u holds %u sequences already", n->o.first, n->o.last, n->max_seqs);
+    if (n->tail) {
+        int rc = kv_sampler_new(&s->smp, (int32_t)n->n_vocab, &st->p.sample, d);
+        if (rc) return rc;
+        for (uint32_t i = 0; i < st->n_tokens; i++) kv_sampler_accept(s->smp, kv_ring_tokens_get(st->tokens, i));
+    }
+    s->seq = st->seq;
+    s->home = st->home;
+    s->p = st->p;
+    s->n_gen = 0;
+    kv_state_reset_seq(n->st, kv_rn_slot(n, s));
+    *out = s;
+    return 0;
+}
+
+/* Fails seq everywhere: frees it here, and sends an ERROR round the ring
+ * (and to the client when this node is the home). */
+static void kv_rn_deliver_error(kv_ring_node *n, uint64_t seq, int code, const char *msg);
+static void kv_rn_fail_seq(kv_ring_node *n, uint64_t seq, int code, const char *msg) {
+    kv_rn_seq_free(n, kv_rn_seq(n, seq));
+    kv_rn_log(n, "sequence %016llx failed: %s", (unsigned long long)seq, msg);
+    kv_rn_deliver_error(n, seq, code, msg);
+    if (kv_rn_next_up(n) && n->next_first != n->o.first) kv_rn_send_error(n->next, seq, code, n->o.first, msg);
+}
+
+/* ---- home requests ----------------------------------------------------------------- */
+
+static kv_rreq *kv_rn_req_by_seq(kv_ring_node *n, uint64_t seq) {
+    for (kv_rreq *r = n->reqs; r; r = r->next)
+        if (r->seq == seq) return r;
+    return NULL;
+}
+
+static void kv_rn_req_free(kv_ring_node *n, kv_rreq *r) {
+    for (kv_rreq **pp = &n->reqs; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    if (r->client) r->client->req = NULL;
+    free(r->toks);
+    free(r);
+}
+
+static void kv_rn_deliver_error(kv_ring_node *n, uint64_t seq, int code, const char *msg) {
+    kv_rreq *r = kv_rn_req_by_seq(n, seq);
+    if (!r) return;
+    if (r->client) kv_rn_send_error(r->client, r->id, code, n->o.first, msg);
+    kv_rn_req_free(n, r);
+}
+
+static uint64_t kv_rn_new_id(kv_ring_node *n) {
+    uint64_t id;
+    do id = n->id_base ^ (++n->id_ctr * 0x9e3779b97f4a7c15ull);
+    while (id == 0 || kv_rn_req_by_seq(n, id));
+    return id;
+}
+
+static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8_t *raw, size_t raw_len);
+
+/* Sends the request into the ring under a fresh sequence id: its prompt and
+ * the tokens already streamed, as one prompt, for the tokens still wanted. */
+static void kv_rn_launch(kv_ring_node *n, kv_rreq *r) {
+    r->held = false;
+    r->seq = kv_rn_new_id(n);
+    const uint32_t n_tok = r->n_prompt + r->n_gen;
+    kv_ring_start st = {.seq = r->seq, .home = n->o.first, .flags = 0, .p = r->p, .n_tokens = n_tok};
+    st.p.n_predict = r->p.n_predict - r->n_gen;
+    const size_t sz = KV_RING_HEADER + 60 + 4 * (size_t)n_tok;
+    uint8_t *f = malloc(sz);
+    size_t len;
+    kv_diag d = {0};
+    if (!f || kv_ring_start_encode(f, sz, &st, r->toks, &len, &d)) {
+        if (r->client) kv_rn_send_error(r->client, r->id, f ? d.code : KV_ENOMEM, n->o.first, f ? d.msg : "out of memory");
+        free(f);
+        kv_rn_req_free(n, r);
+        return;
+    }
+    kv_ring_msg m;
+    if (kv_ring_decode(f, len, &m, &d)) { /* cannot happen: our own encoding */
+        free(f);
+        kv_rn_req_free(n, r);
+        return;
+    }
+    kv_rn_on_start(n, &m.u.start, f, len);
+    free(f);
+}
+
+/* The ring is whole again: replay every held request. */
+static void kv_rn_replay_all(kv_ring_node *n) {
+    kv_rreq *r = n->reqs;
+    while (r) {
+        kv_rreq *nx = r->next;
+        if (r->held) {
+            if (r->n_gen) n->stats.replays++;
+            if (r->n_gen) kv_rn_log(n, "replaying request %016llx from its %u + %u tokens", (unsigned long long)r->id,
+                                    r->n_prompt, r->n_gen);
+            kv_rn_launch(n, r);
+        }
+        r = nx;
+    }
+}
+
+/* ---- breaks and probes --------------------------------------------------------------- */
+
+/* Every sequence in flight is lost: drop them, hold the home requests. */
+static void kv_rn_broken(kv_ring_node *n, const char *why) {
+    if (n->ring_up || !n->why[0]) snprintf(n->why, sizeof n->why, "%s", why);
+    if (n->ring_up) {
+        n->stats.breaks++;
+        kv_rn_log(n, "ring broken: %s", why);
+    }
+    n->ring_up = false;
+    n->n_jobs = n->q_n = n->n_out_q = 0; /* queued work of lost sequences */
+    for (uint32_t i = 0; i < n->max_seqs; i++) kv_rn_seq_free(n, &n->seqs[i]);
+    const int64_t dl = kv_net_now_ms() + n->o.replay_timeout_ms;
+    for (kv_rreq *r = n->reqs; r; r = r->next)
+        if (!r->held) {
+            r->held = true;
+            r->seq = 0;
+            r->deadline_ms = dl;
+        }
+}
+
+static void kv_rn_send_probe(kv_ring_node *n, uint32_t kind) {
+    if (!kv_rn_next_up(n)) return;
+    kv_ring_probe q = {n->o.first, kind, n->nonce};
+    uint8_t buf[KV_RING_HEADER + 16];
+    size_t len;
+    if (!kv_ring_probe_encode(buf, sizeof buf, &q, &len, NULL)) kv_rn_send_raw(n->next, buf, len);
+}
+
+static void kv_rn_probe_timer(kv_net_loop *l, kv_net_timer *t) {
+    kv_ring_node *n = t->data;
+    if (n->ring_up || !kv_rn_next_up(n)) return;
+    n->nonce++;
+    kv_rn_send_probe(n, 1);
+    kv_net_timer_start(l, t, KV_RN_PROBE_MS);
+}
+
+static void kv_rn_on_probe(kv_ring_node *n, const kv_ring_probe *q, const uint8_t *raw, size_t len) {
+    if (q->origin == n->o.first) {
+        if (q->kind == 1 && q->nonce == n->nonce && !n->ring_up) { /* our probe came round: whole */
+            n->ring_up = true;
+            n->why[0] = 0;
+            kv_rn_log(n, "ring whole");
+            kv_rn_send_probe(n, 2);
+            kv_rn_replay_all(n);
+        }
+        return;
+    }
+    if (q->kind == 2 && !n->ring_up) {
+        n->ring_up = true;
+        n->why[0] = 0;
+        kv_rn_log(n, "ring whole");
+        kv_rn_replay_all(n);
+    }
+    if (kv_rn_next_up(n)) kv_rn_send_raw(n->next, raw, len);
+}
+
+/* ---- compute ------------------------------------------------------------------------- */
+
+/* Home: a token of one of its requests, to its client (logits from the wire
+ * or from the tail's own row). */
+static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const uint8_t *logits_wire,
+                                const float *logits_host);
+
+/* ---- the work queue: frames that arrive together run as one forward pass ----
+ * HIDDEN frames (and, at the head, tokens fed back) are queued as they are
+ * decoded and computed together at the end of the loop iteration (or when
+ * the queue is full, or before any frame that changes which sequences
+ * exist), in one kv_state_batch_window call: the engine's guarantee that no
+ * result depends on batch composition keeps every sequence's bits. */
+
+/* Queued: tokens [off, off + count) of the queue are sequence s's, from pos. */
+typedef struct kv_rjob {
+    kv_rseq *s;
+    uint64_t seq;        /* s->seq when queued (a sequence freed meanwhile is skipped) */
+    uint32_t pos, count, off;
+    bool want;           /* the tail samples after its last token (the HIDDEN flag) */
+    bool logits;         /* ... and this node is the tail: a logits row */
+} kv_rjob;
+
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row);
+
+/* Computes everything queued and sends the results on. */
+static void kv_rn_flush(kv_ring_node *n) {
+    if (!n->n_jobs) return;
+    const uint32_t nj = n->n_jobs, nt = n->q_n;
+    n->n_jobs = 0;
+    n->q_n = 0;
+    uint32_t n_out = 0;
+    for (uint32_t j = 0; j < nj; j++)
+        if (n->jobs[j].logits) n->q_out[n_out++] = n->jobs[j].off + n->jobs[j].count - 1;
+    kv_diag d = {0};
+    char msg[KV_RING_MAX_MSG];
+    int rc = 0;
+    for (uint32_t j = 0; j < nj && !rc; j++) {
+        const kv_rjob *b = &n->jobs[j];
+        rc = kv_state_reserve(n->st, kv_rn_slot(n, b->s), b->pos + b->count, &d);
+    }
+    const double t0 = kv_rn_now();
+    if (!rc)
+        rc = kv_state_batch_window(n->st, n->head ? n->q_tok : NULL, n->head ? NULL : n->xin, n->sbuf, nt, n->q_out, n_out,
+                                   n_out ? n->logits : NULL, n->tail ? NULL : n->xout, &d);
+    n->stats.busy_s += kv_rn_now() - t0;
+    if (rc) {
+        snprintf(msg, sizeof msg, "ring: node %u-%u: %.440s", n->o.first, n->o.last, d.msg);
+        for (uint32_t j = 0; j < nj; j++)
+            if (n->jobs[j].s->seq == n->jobs[j].seq) kv_rn_fail_seq(n, n->jobs[j].seq, rc, msg);
+        return;
+    }
+    n->stats.batches++;
+    uint32_t k = 0;
+    for (uint32_t j = 0; j < nj; j++) {
+        const kv_rjob *b = &n->jobs[j];
+        const float *row = b->logits ? n->logits + (size_t)k++ * n->n_vocab : NULL;
+        n->stats.frames_hidden++;
+        n->stats.tokens_computed += b->count;
+        if (n->o.die_after_frames && n->stats.frames_hidden >= n->o.die_after_frames) {
+            kv_rn_log(n, "test hook: dying after %llu frames", (unsigned long long)n->stats.frames_hidden);
+            _exit(137);
+        }
+        if (b->s->seq != b->seq) continue; /* failed meanwhile */
+        if (!kv_state_seq_finite(n->st, kv_rn_slot(n, b->s))) {
+            snprintf(msg, sizeof msg, "ring: node %u-%u: a NaN or Inf appeared in the hidden state at position %u or "
+                     "before; no token taken", n->o.first, n->o.last, b->pos + b->count - 1);
+            kv_rn_fail_seq(n, b->seq, KV_ERANGE, msg);
+            continue;
+        }
+        if (!n->tail) {
+            kv_ring_hidden h = {b->seq, b->pos, b->count, b->want ? KV_RING_HIDDEN_LOGITS : 0, n->n_embd, NULL};
+            const size_t sz = KV_RING_HEADER + kv_ring_hidden_size(b->count, n->n_embd);
+            uint8_t *f = kv_rn_reserve(n->next, sz);
+            size_t len;
+            if (f && !kv_ring_hidden_encode(f, sz, &h, n->xout + (size_t)b->off * n->n_embd, &len, NULL))
+                kv_rn_commit(n->next, len);
+            continue; /* no link: the break handling drops the sequence */
+        }
+        if (row) kv_rn_sample(n, b->s, row);
+    }
+}
+
+/* Queues count tokens of sequence s from pos: tokens (head) or hidden
+ * states x (wire floats, widened here). */
+static void kv_rn_enqueue(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, const uint8_t *x, uint32_t pos,
+                          uint32_t count, bool want_logits) {
+    const bool logits = n->tail && want_logits;
+    if (n->q_n + count > n->max_tok || (logits && n->n_out_q >= n->max_seqs)) kv_rn_flush(n);
+    if (n->q_n == 0) n->n_out_q = 0;
+    uint32_t expect = kv_state_pos_seq(n->st, kv_rn_slot(n, s));
+    for (uint32_t j = 0; j < n->n_jobs; j++)
+        if (n->jobs[j].s == s) expect += n->jobs[j].count;
+    if (pos != expect) {
+        char msg[KV_RING_MAX_MSG];
+        snprintf(msg, sizeof msg, "ring: node %u-%u: sequence at position %u here, frame says %u", n->o.first,
+                 n->o.last, expect, pos);
+        kv_rn_flush(n); /* its queued tokens must not run after its slot is freed */
+        kv_rn_fail_seq(n, s->seq, KV_EPROTO, msg);
+        return;
+    }
+    const uint32_t off = n->q_n;
+    for (uint32_t i = 0; i < count; i++) n->sbuf[off + i] = kv_rn_slot(n, s);
+    if (tokens) memcpy(n->q_tok + off, tokens, count * sizeof *tokens);
+    else kv_ring_floats_get(x, count * n->n_embd, n->xin + (size_t)off * n->n_embd);
+    n->jobs[n->n_jobs++] = (kv_rjob){s, s->seq, pos, count, off, want_logits, logits};
+    n->q_n += count;
+    if (logits) n->n_out_q++;
+}
+
+static bool kv_rn_tick(kv_net_loop *l, void *data) {
+    (void)l;
+    kv_rn_flush(data);
+    return false;
+}
+
+/* The tail: samples a token for s from its logits row and sends it on. */
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
+    const uint64_t seq = s->seq;
+    const uint32_t slot = kv_rn_slot(n, s);
+    const uint32_t held = kv_state_pos_seq(n->st, slot);
+    char msg[KV_RING_MAX_MSG];
+    for (uint32_t i = 0; i < n->n_vocab; i++)
+        if (!isfinite(row[i])) {
+            snprintf(msg, sizeof msg, "ring: node %u-%u: logit %u of position %u is not finite; no token taken",
+                     n->o.first, n->o.last, i, held - 1);
+            kv_rn_fail_seq(n, seq, KV_ERANGE, msg);
+            return;
+        }
+    const int32_t tok = kv_sampler_sample(s->smp, row);
+    if (tok < 0) {
+        kv_rn_fail_seq(n, seq, tok, "ring: the sampler refused the logits");
+        return;
+    }
+    kv_sampler_accept(s->smp, tok);
+    s->n_gen++;
+    n->stats.tokens_sampled++;
+    uint32_t stop = KV_STOP_NONE;
+    if (kv_tok_is_eog(kv_model_tok(n->m), tok)) stop = KV_STOP_EOG;
+    else if (s->n_gen >= s->p.n_predict) stop = KV_STOP_MAX_TOKENS;
+    else if (held >= n->n_ctx) stop = KV_STOP_CTX_FULL;
+    kv_ring_token t = {.seq = seq, .pos = held, .token = tok, .stop = stop, .n_logits = 0};
+    if (s->home == n->o.first) kv_rn_deliver_token(n, &t, NULL, row);
+    /* to the head: it feeds the token back in (or frees the sequence) */
+    const bool logits_on_ring = (s->p.flags & KV_RING_SUBMIT_LOGITS) && s->home != n->o.first;
+    t.n_logits = logits_on_ring ? n->n_vocab : 0;
+    const size_t sz = KV_RING_HEADER + kv_ring_token_size(0, t.n_logits);
+    uint8_t *f = kv_rn_reserve(n->next, sz);
+    size_t len;
+    if (f && !kv_ring_token_encode(f, sz, &t, row, &len, NULL)) kv_rn_commit(n->next, len);
+    if (stop) kv_rn_seq_free(n, s);
+}
+
+/* Home: a token of one of its requests, to the client. */
+static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const uint8_t *logits_wire,
+                                const float *logits_host) {
+    kv_rreq *r = kv_rn_req_by_seq(n, t->seq);
+    if (!r) return;
+    if (r->n_prompt + r->n_gen >= r->cap) { /* cannot happen: cap covers n_predict */
+        kv_rn_req_free(n, r);
+        return;
+    }
+    r->toks[r->n_prompt + r->n_gen++] = t->token;
+    if (r->client) {
+        char piece[KV_RING_MAX_PIECE];
+        int pn = kv_tok_is_eog(kv_model_tok(n->m), t->token) ? 0
+                                                             : kv_tok_piece(kv_model_tok(n->m), t->token, false, piece, sizeof piece);
+        if (pn < 0) pn = 0;
+        if (pn > (int)sizeof piece) pn = (int)sizeof piece;
+        const bool want = r->p.flags & KV_RING_SUBMIT_LOGITS;
+        float *lg = NULL;
+        if (want && !logits_host && logits_wire) {
+            lg = n->logits; /* the tail's buffer is free here: this node is not computing */
+            kv_ring_floats_get(logits_wire, n->n_vocab, lg);
+            logits_host = lg;
+        }
+        kv_ring_token o = {.seq = r->id, .pos = t->pos, .token = t->token, .stop = t->stop,
+                           .piece_len = (uint32_t)pn, .piece = piece, .n_logits = want && logits_host ? n->n_vocab : 0};
+        const size_t sz = KV_RING_HEADER + kv_ring_token_size(o.piece_len, o.n_logits);
+        uint8_t *f = kv_rn_reserve(r->client, sz);
+        size_t len;
+        if (f && !kv_ring_token_encode(f, sz, &o, logits_host, &len, NULL)) kv_net_conn_commit(r->client->nc, len);
+    }
+    if (t->stop) kv_rn_req_free(n, r);
+}
+
+/* A sequence begins, or passes on its way to the head. */
+static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8_t *raw, size_t raw_len) {
+    kv_diag d = {0};
+    kv_rn_flush(n); /* a slot may be taken: nothing queued may still name it */
+    if (!(st->flags & KV_RING_START_BEGUN) && !n->head) { /* toward the head */
+        if (kv_rn_next_up(n)) kv_rn_send_raw(n->next, raw, raw_len);
+        return;
+    }
+    if ((st->flags & KV_RING_START_BEGUN) && n->head) return; /* came round: cannot happen, the tail stops it */
+    kv_rseq *s;
+    if (kv_rn_seq_new(n, st, &s, &d)) {
+        char msg[KV_RING_MAX_MSG];
+        snprintf(msg, sizeof msg, "ring: node %u-%u: %.440s", n->o.first, n->o.last, d.msg);
+        kv_rn_deliver_error(n, st->seq, d.code, msg);
+        if (kv_rn_next_up(n) && n->next_first != n->o.first) kv_rn_send_error(n->next, st->seq, d.code, n->o.first, msg);
+        return;
+    }
+    if (!n->tail && kv_rn_next_up(n)) {
+        if (st->flags & KV_RING_START_BEGUN) {
+            kv_rn_send_raw(n->next, raw, raw_len);
+        } else { /* the head begins it: the same frame, flagged */
+            uint8_t *f = kv_rn_reserve(n->next, raw_len);
+            if (f) {
+                memcpy(f, raw, raw_len);
+                f[KV_RING_HEADER + 12] |= KV_RING_START_BEGUN; /* flags u32 LE at payload offset 12 */
+                kv_rn_commit(n->next, raw_len);
+            }
+        }
+    }
+    if (!n->head) return;
+    /* the head: the prompt in chunks of n_batch, logits after the last */
+    const uint64_t seq = s->seq;
+    for (uint32_t done = 0; done < st->n_tokens;) {
+        const uint32_t c = st->n_tokens - done < n->n_batch ? st->n_tokens - done : n->n_batch;
+        for (uint32_t i = 0; i < c; i++) n->tbuf[i] = kv_ring_tokens_get(st->tokens, done + i);
+        kv_rn_enqueue(n, s, n->tbuf, NULL, done, c, done + c == st->n_tokens);
+        done += c;
+        if (s->seq != seq) return; /* it failed */
+    }
+}
+
+static void kv_rn_on_hidden(kv_ring_node *n, const kv_ring_hidden *h) {
+    kv_rseq *s = kv_rn_seq(n, h->seq);
+    if (!s || n->head) {
+        n->stats.dropped++;
+        return;
+    }
+    if (h->n_embd != n->n_embd) {
+        char msg[KV_RING_MAX_MSG];
+        snprintf(msg, sizeof msg, "ring: node %u-%u: hidden state of %u floats, the model has %u", n->o.first, n->o.last,
+                 h->n_embd, n->n_embd);
+        kv_rn_fail_seq(n, h->seq, KV_EPROTO, msg);
+        return;
+    }
+    if (h->n_tokens > n->n_batch) {
+        char msg[KV_RING_MAX_MSG];
+        snprintf(msg, sizeof msg, "ring: node %u-%u: HIDDEN of %u tokens exceeds the batch %u", n->o.first, n->o.last,
+                 h->n_tokens, n->n_batch);
+        kv_rn_fail_seq(n, h->seq, KV_ERANGE, msg);
+        return;
+    }
+    kv_rn_enqueue(n, s, NULL, h->x, h->pos, h->n_tokens, h->flags & KV_RING_HIDDEN_LOGITS);
+}
+
+static void kv_rn_on_token(kv_ring_node *n, const kv_ring_token *t, const uint8_t *raw, size_t len) {
+    kv_rseq *s = kv_rn_seq(n, t->seq);
+    if (n->tail) { /* a ring of one: the head half of this node */
+        if (!s) return;
+    }
+    const uint32_t home = s ? s->home : UINT32_MAX;
+    if (n->head && s && !t->stop) {
+        kv_rn_enqueue(n, s, &t->token, NULL, t->pos, 1, true); /* the token takes position pos */
+    }
+    if (t->stop && s && !n->tail) kv_rn_seq_free(n, s);
+    if (n->tail) return;
+    if (home == n->o.first) {
+        kv_rn_deliver_token(n, t, t->n_logits ? t->logits : NULL, NULL);
+        if (!t->stop) return;
+    } else if (home == UINT32_MAX) {
+        n->stats.dropped++;
+        if (!t->stop) return;
+    }
+    if (kv_rn_next_up(n) && !kv_rn_next_is_tail(n)) kv_rn_send_raw(n->next, raw, len);
+}
+
+static void kv_rn_on_error_frame(kv_ring_node *n, const kv_ring_error *e, const uint8_t *raw, size_t len) {
+    kv_rn_flush(n);
+    kv_rn_seq_free(n, kv_rn_seq(n, e->seq));
+    kv_rn_deliver_error(n, e->seq, e->code, e->msg);
+    if (e->origin != n->o.first && kv_rn_next_up(n) && n->next_first != e->origin) kv_rn_send_raw(n->next, raw, len);
+}
+
+/* ---- clients ------------------------------------------------------------------------- */
+
+static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_submit *sb) {
+    kv_diag d = {0};
+    if (c->req) {
+        kv_rn_send_error(c, 0, KV_EINVAL, n->o.first, "ring: one request at a time per connection");
+        return;
+    }
+    const kv_tok *tok = kv_model_tok(n->m);
+    const size_t cap = 3 * (size_t)sb->text_len + 2;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    if (!ids) {
+        kv_rn_send_error(c, 0, KV_ENOMEM, n->o.first, "ring: out of memory");
+        return;
+    }
+    size_t off = 0, n_ids = 0;
+    if (kv_tok_add_bos(tok) && kv_tok_bos(tok) >= 0) ids[off++] = kv_tok_bos(tok);
+    int rc = kv_tok_encode(tok, sb->text, sb->text_len, true, ids + off, cap - off, &n_ids, &d);
+    n_ids += off;
+    char msg[KV_RING_MAX_MSG];
+    if (!rc && n_ids == 0) rc = kv_fail(&d, KV_EINVAL, "the prompt is empty");
+    if (!rc && (n_ids > n->n_ctx || n_ids > KV_RING_MAX_PROMPT))
+        rc = kv_fail(&d, KV_ECTXFULL, "prompt has %zu tokens, longer than the context (%u)", n_ids, n->n_ctx);
+    if (!rc && n_ids + sb->p.n_predict > KV_RING_MAX_PROMPT + 1u)
+        rc = kv_fail(&d, KV_ERANGE, "prompt + n_predict exceed %u tokens", KV_RING_MAX_PROMPT);
+    kv_rreq *r = NULL;
+    if (!rc) {
+        kv_sampler *probe = NULL; /* the parameters are checked where they are used: check them here first */
+        rc = kv_sampler_new(&probe, (int32_t)n->n_vocab, &sb->p.sample, &d);
+        kv_sampler_free(probe);
+    }
+    if (!rc && (!(r = calloc(1, sizeof *r)) || !(r->toks = malloc(((size_t)n_ids + sb->p.n_predict) * sizeof *r->toks))))
+        rc = kv_fail(&d, KV_ENOMEM, "out of memory");
+    if (rc) {
+        snprintf(msg, sizeof msg, "ring: %.480s", d.msg);
+        kv_rn_send_error(c, 0, rc, n->o.first, msg);
+        if (r) free(r->toks);
+        free(r);
+        free(ids);
+        return;
+    }
+    memcpy(r->toks, ids, n_ids * sizeof *ids);
+    free(ids);
+    r->n_prompt = (uint32_t)n_ids;
+    r->cap = (uint32_t)n_ids + sb->p.n_predict;
+    r->p = sb->p;
+    r->client = c;
+    r->id = kv_rn_new_id(n);
+    c->req = r;
+    r->next = n->reqs;
+    n->reqs = r;
+    n->stats.requests++;
+    const size_t sz = KV_RING_HEADER + 12 + 4 * (size_t)r->n_prompt;
+    uint8_t *f = kv_rn_reserve(c, sz);
+    size_t len;
+    if (f && !kv_ring_accept_encode(f, sz, r->id, r->toks, r->n_prompt, &len, NULL)) kv_net_conn_commit(c->nc, len);
+    if (n->ring_up) {
+        kv_rn_launch(n, r);
+    } else {
+        r->held = true;
+        r->deadline_ms = kv_net_now_ms() + n->o.replay_timeout_ms;
+    }
+}
+
+/* Held requests past their deadline fail with the break's reason. */
+static void kv_rn_tick_timer(kv_net_loop *l, kv_net_timer *t) {
+    kv_ring_node *n = t->data;
+    const int64_t now = kv_net_now_ms();
+    kv_rreq *r = n->reqs;
+    while (r) {
+        kv_rreq *nx = r->next;
+        if (r->held && now >= r->deadline_ms) {
+            char msg[KV_RING_MAX_MSG];
+            snprintf(msg, sizeof msg, "ring broken: %.300s; it did not re-form within %u ms (%u tokens were streamed)",
+                     n->why[0] ? n->why : "the ring has not formed", n->o.replay_timeout_ms, r->n_gen);
+            if (r->client) kv_rn_send_error(r->client, r->id, KV_ETIMEOUT, n->o.first, msg);
+            kv_rn_log(n, "request %016llx failed: %s", (unsigned long long)r->id, msg);
+            kv_rn_req_free(n, r);
+        }
+        r = nx;
+    }
+    kv_net_timer_start(l, t, KV_RN_TICK_MS);
+}
+
+/* ---- connections ------------------------------------------------------------------------ */
+
+static int kv_rc_frame_len(kv_net_conn *nc, const uint8_t *hdr, size_t *total, kv_diag *d) {
+    (void)nc;
+    kv_ring_header h;
+    int rc = kv_ring_header_decode(hdr, KV_RING_HEADER, &h, d);
+    if (rc) return rc;
+    *total = KV_RING_HEADER + (size_t)h.len;
+    return 0;
+}
+
+static void kv_rc_on_error(kv_net_conn *nc, int code, const char *why) {
+    kv_rconn *c = kv_net_conn_data(nc);
+    if (c->role != KV_RC_NEXT) kv_rn_send_error(c, 0, code < 0 ? code : KV_EPROTO, c->n->o.first, why);
+}
+
+static void kv_rn_redial(kv_net_loop *l, kv_net_timer *t);
+
+static kv_rconn *kv_rc_new(kv_ring_node *n) {
+    kv_rconn *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->n = n;
+    c->lnext = n->conns;
+    if (n->conns) n->conns->lprev = c;
+    n->conns = c;
+    n->n_conns++;
+    return c;
+}
+
+static void kv_rc_free(kv_rconn *c) {
+    kv_ring_node *n = c->n;
+    if (c->lprev) c->lprev->lnext = c->lnext;
+    else n->conns = c->lnext;
+    if (c->lnext) c->lnext->lprev = c->lprev;
+    n->n_conns--;
+    free(c);
+}
+
+static void kv_rc_on_close(kv_net_conn *nc, int code, const char *why) {
+    kv_rconn *c = kv_net_conn_data(nc);
+    kv_ring_node *n = c->n;
+    kv_net_timer_stop(n->loop, &c->hs_t);
+    char msg[KV_RING_MAX_MSG];
+    if (c->role == KV_RC_NEXT) {
+        n->next = NULL;
+        kv_rn_delay_drop(n); /* frames of the link that closed */
+        if (c->acked) {
+            snprintf(msg, sizeof msg, "layers %u-%u are gone: the link to them (%s) closed: %.200s", n->next_first,
+                     n->next_last, n->next_addr, why && *why ? why : kv_err_name(code));
+            kv_rn_log(n, "%s", msg);
+            kv_rn_broken(n, msg);
+        }
+        if (!kv_net_loop_stopping(n->loop)) kv_net_timer_start(n->loop, &n->redial_t, KV_RN_REDIAL_MS);
+    } else if (c->role == KV_RC_PREV) {
+        n->prev = NULL;
+        snprintf(msg, sizeof msg, "layers %u-%u are gone: the link from them closed: %.200s", n->prev_first,
+                 n->prev_last, why && *why ? why : kv_err_name(code));
+        kv_rn_log(n, "%s", msg);
+        const bool was_up = n->ring_up;
+        kv_rn_broken(n, msg);
+        (void)was_up;
+        if (kv_rn_next_up(n)) { /* tell everyone after us, round to the node before the break */
+            uint8_t buf[KV_RING_HEADER + 8 + KV_RING_MAX_MSG];
+            size_t len;
+            if (!kv_ring_broken_encode(buf, sizeof buf, n->o.first, msg, &len, NULL)) kv_rn_send_raw(n->next, buf, len);
+        }
+    } else if (c->role == KV_RC_CLIENT && c->req) {
+        c->req->client = NULL; /* its tokens are dropped; it still runs to its end */
+    }
+    kv_rc_free(c);
+}
+
+static bool kv_rn_allowed(const kv_ring_node *n, const uint8_t key[32]) {
+    if (n->o.allow_any) return true;
+    for (size_t i = 0; i < n->o.n_allow; i++)
+        if (!memcmp(n->allow[i], key, 32)) return true;
+    return false;
+}
+
+static int kv_rn_check_peer(kv_ring_node *n, const kv_ring_hello *h, uint32_t want_first, bool check_last,
+                            char *msg, size_t cap) {
+    if (h->role != KV_RING_ROLE_LINK) return snprintf(msg, cap, "ring: expected a ring node, got a client"), KV_EPROTO;
+    if (strcmp(h->model_id, n->model_id) || h->n_layer != n->n_layer || h->n_embd != n->n_embd || h->n_vocab != n->n_vocab)
+        return snprintf(msg, cap, "ring: the peer serves another model (%.16s..., %u layers) than this node (%.16s..., %u layers)",
+                        h->model_id, h->n_layer, n->model_id, n->n_layer), KV_EPROTO;
+    if (check_last ? (h->last + 1) % n->n_layer != want_first : h->first != want_first)
+        return snprintf(msg, cap, "ring: the peer holds layers %u-%u; this node %s layer %u", h->first, h->last,
+                        check_last ? "starts at" : "needs its next to start at", want_first), KV_EPROTO;
+    return 0;
+}
+
+static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
+    kv_rconn *c = kv_net_conn_data(nc);
+    kv_ring_node *n = c->n;
+    kv_ring_msg m;
+    kv_diag d = {0};
+    char msg[KV_RING_MAX_MSG];
+    int rc = kv_ring_decode(f, len, &m, &d);
+    if (rc) {
+        if (c->role != KV_RC_NEXT) kv_rn_send_error(c, 0, rc, n->o.first, d.msg);
+        kv_net_conn_close(nc, rc, d.msg);
+        return rc;
+    }
+    const uint16_t ty = m.h.type;
+    if (c->role == KV_RC_NEW) {
+        if (ty != KV_RING_HELLO) {
+            kv_rn_send_error(c, 0, KV_EPROTO, n->o.first, "ring: the first frame must be HELLO");
+            kv_net_conn_close(nc, KV_EPROTO, "no HELLO");
+            return KV_EPROTO;
+        }
+        if (m.u.hello.role == KV_RING_ROLE_LINK &&
+            (rc = kv_rn_check_peer(n, &m.u.hello, n->o.first, true, msg, sizeof msg))) {
+            kv_rn_send_error(c, 0, rc, n->o.first, msg);
+            kv_net_conn_close(nc, rc, msg);
+            return rc;
+        }
+        c->peer = m.u.hello;
+        c->role = KV_RC_AUTH; /* nothing else until the peer proves its key */
+        kv_ring_hello me = {KV_RING_ROLE_LINK, n->n_layer, n->o.first, n->o.last, n->n_embd, n->n_vocab, {0}};
+        memcpy(me.model_id, n->model_id, sizeof me.model_id);
+        uint8_t buf[KV_RING_HEADER + 128];
+        size_t bl;
+        if (!kv_ring_hello_encode(buf, sizeof buf, KV_RING_HELLO_ACK, &me, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+        kv_ring_auth ch;
+        memcpy(ch.key, n->sk + 32, 32);
+        randombytes_buf(c->challenge, sizeof c->challenge);
+        memcpy(ch.nonce, c->challenge, 32);
+        if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_CHALLENGE, &ch, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+        return 0;
+    }
+    if (c->role == KV_RC_AUTH) {
+        if (ty != KV_RING_AUTH) {
+            kv_rn_send_error(c, 0, KV_EAUTH, n->o.first, "ring: AUTH must follow HELLO; nothing is served before it");
+            kv_net_conn_close(nc, KV_EAUTH, "no AUTH");
+            return KV_EAUTH;
+        }
+        char hex[65];
+        kv_hex(m.u.auth.key, 32, hex);
+        uint8_t dg[32];
+        kv_ring_auth_digest('C', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
+        if (!kv_rn_allowed(n, m.u.auth.key))
+            snprintf(msg, sizeof msg, "ring: key %.16s... is not allowed on this node (--allow-key)", hex);
+        else if (kv_dispatch_verify(m.u.auth.key, dg, m.u.auth.sig))
+            snprintf(msg, sizeof msg, "ring: the signature of key %.16s... does not verify", hex);
+        else
+            msg[0] = 0;
+        if (!msg[0] && c->peer.role == KV_RING_ROLE_LINK && n->prev)
+            snprintf(msg, sizeof msg, "ring: layer %u already has a live link from the node before it", n->o.first);
+        if (msg[0]) {
+            const int code = strstr(msg, "already") ? KV_EPROTO : KV_EAUTH;
+            kv_rn_send_error(c, 0, code, n->o.first, msg);
+            kv_rn_log(n, "refused a %s: %s", c->peer.role == KV_RING_ROLE_LINK ? "link" : "client", msg);
+            kv_net_conn_close(nc, code, msg);
+            return code;
+        }
+        kv_net_timer_stop(n->loop, &c->hs_t);
+        kv_ring_auth ok;
+        kv_ring_auth_digest('A', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
+        kv_dispatch_sign(n->sk, dg, ok.sig);
+        uint8_t buf[KV_RING_HEADER + 64];
+        size_t bl;
+        if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &ok, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+        if (c->peer.role == KV_RING_ROLE_LINK) {
+            c->role = KV_RC_PREV;
+            n->prev = c;
+            n->prev_first = c->peer.first;
+            n->prev_last = c->peer.last;
+            kv_rn_log(n, "link from layers %u-%u up (key %.16s...)", c->peer.first, c->peer.last, hex);
+        } else {
+            c->role = KV_RC_CLIENT;
+        }
+        return 0;
+    }
+    if (c->role == KV_RC_NEXT) {
+        if (!c->acked) {
+            if (ty == KV_RING_ERROR) {
+                kv_rn_log(n, "the next node refused the link: %s", m.u.error.msg);
+                kv_net_conn_close(nc, m.u.error.code, m.u.error.msg);
+                return m.u.error.code;
+            }
+            if (!c->hello_ok) {
+                if (ty != KV_RING_HELLO_ACK ||
+                    (rc = kv_rn_check_peer(n, &m.u.hello, (n->o.last + 1) % n->n_layer, false, msg, sizeof msg))) {
+                    if (ty != KV_RING_HELLO_ACK) snprintf(msg, sizeof msg, "ring: expected HELLO_ACK from the next node");
+                    kv_rn_log(n, "%s", msg);
+                    kv_net_conn_close(nc, KV_EPROTO, msg);
+                    return KV_EPROTO;
+                }
+                c->hello_ok = true;
+                c->peer = m.u.hello;
+                return 0;
+            }
+            if (ty == KV_RING_AUTH_CHALLENGE) { /* prove our key; the next must be a node we admit */
+                char hex[65];
+                kv_hex(m.u.auth.key, 32, hex);
+                if (!kv_rn_allowed(n, m.u.auth.key)) {
+                    kv_rn_log(n, "the next node's key %.16s... is not allowed (--allow-key); not linking", hex);
+                    kv_net_conn_close(nc, KV_EAUTH, "the next node's key is not allowed");
+                    return KV_EAUTH;
+                }
+                memcpy(c->peer_key, m.u.auth.key, 32);
+                memcpy(c->challenge, m.u.auth.nonce, 32);
+                kv_ring_auth a;
+                memcpy(a.key, n->sk + 32, 32);
+                randombytes_buf(c->nonce, 32);
+                memcpy(a.nonce, c->nonce, 32);
+                uint8_t dg[32];
+                kv_ring_auth_digest('C', n->model_id, c->peer_key, c->challenge, a.key, a.nonce, dg);
+                kv_dispatch_sign(n->sk, dg, a.sig);
+                uint8_t buf[KV_RING_HEADER + 128];
+                size_t bl;
+                if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+                return 0;
+            }
+            uint8_t dg[32];
+            if (ty == KV_RING_AUTH_OK)
+                kv_ring_auth_digest('A', n->model_id, c->peer_key, c->challenge, n->sk + 32, c->nonce, dg);
+            if (ty != KV_RING_AUTH_OK || kv_dispatch_verify(c->peer_key, dg, m.u.auth.sig)) {
+                snprintf(msg, sizeof msg, "ring: the next node's AUTH_OK is missing or does not verify");
+                kv_rn_log(n, "%s", msg);
+                kv_net_conn_close(nc, KV_EAUTH, msg);
+                return KV_EAUTH;
+            }
+            m.u.hello = c->peer;
+            c->acked = true;
+            kv_net_timer_stop(n->loop, &c->hs_t);
+            n->next_first = m.u.hello.first;
+            n->next_last = m.u.hello.last;
+            kv_rn_log(n, "link to layers %u-%u (%s) up", n->next_first, n->next_last, n->next_addr);
+            n->nonce++;
+            kv_rn_send_probe(n, 1);
+            kv_net_timer_start(n->loop, &n->probe_t, KV_RN_PROBE_MS);
+            return 0;
+        }
+        if (ty == KV_RING_ERROR && m.u.error.seq == 0) {
+            kv_net_conn_close(nc, m.u.error.code, m.u.error.msg);
+            return m.u.error.code;
+        }
+        return 0; /* nothing else comes back on our own link */
+    }
+    if (c->role == KV_RC_CLIENT) {
+        if (ty != KV_RING_SUBMIT) {
+            kv_rn_send_error(c, 0, KV_EPROTO, n->o.first, "ring: a client sends SUBMIT frames only");
+            kv_net_conn_close(nc, KV_EPROTO, "client frame");
+            return KV_EPROTO;
+        }
+        kv_rn_on_submit(n, c, &m.u.submit);
+        return 0;
+    }
+    /* the link from the node before; what changes which sequences exist runs after the queue */
+    if (ty != KV_RING_HIDDEN && !(ty == KV_RING_TOKEN && !m.u.token.stop)) kv_rn_flush(n);
+    switch (ty) {
+    case KV_RING_START: kv_rn_on_start(n, &m.u.start, f, len); break;
+    case KV_RING_HIDDEN: kv_rn_on_hidden(n, &m.u.hidden); break;
+    case KV_RING_TOKEN: kv_rn_on_token(n, &m.u.token, f, len); break;
+    case KV_RING_ERROR:
+        if (m.u.error.seq == 0) {
+            kv_net_conn_close(nc, m.u.error.code, m.u.error.msg);
+            return m.u.error.code;
+        }
+        kv_rn_on_error_frame(n, &m.u.error, f, len);
+        break;
+    case KV_RING_BROKEN:
+        kv_rn_broken(n, m.u.broken.msg);
+        if (m.u.broken.origin != n->o.first && kv_rn_next_up(n)) kv_rn_send_raw(n->next, f, len);
+        break;
+    case KV_RING_PROBE: kv_rn_on_probe(n, &m.u.probe, f, len); break;
+    default:
+        kv_rn_send_error(c, 0, KV_EPROTO, n->o.first, "ring: unexpected frame on a ring link");
+        kv_net_conn_close(nc, KV_EPROTO, "unexpected frame");
+        return KV_EPROTO;
+    }
+    return 0;
+}
+
+static void kv_rc_on_open(kv_net_conn *nc, int code) {
+    kv_rconn *c = kv_net_conn_data(nc);
+    kv_ring_node *n = c->n;
+    if (code < 0) return; /* on_close follows and redials */
+    kv_ring_hello me = {KV_RING_ROLE_LINK, n->n_layer, n->o.first, n->o.last, n->n_embd, n->n_vocab, {0}};
+    memcpy(me.model_id, n->model_id, sizeof me.model_id);
+    uint8_t buf[KV_RING_HEADER + 24 + KV_RING_MODEL_ID_LEN];
+    size_t bl;
+    if (!kv_ring_hello_encode(buf, sizeof buf, KV_RING_HELLO, &me, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
+}
+
+static const kv_net_conn_cbs kv_rc_cbs = {
+    .on_open = kv_rc_on_open,
+    .frame_len = kv_rc_frame_len,
+    .on_frame = kv_rc_on_frame,
+    .on_error = kv_rc_on_error,
+    .on_close = kv_rc_on_close,
+};
+
+static kv_net_conn_opts kv_rn_conn_opts(void) {
+    return (kv_net_conn_opts){.header = KV_RING_HEADER, .max_frame = KV_RING_HEADER + KV_RING_MAX_PAYLOAD,
+                              .tx_max = KV_RN_TX_MAX, .frame_timeout_ms = 30000, .write_timeout_ms = 30000};
+}
+
+static int kv_rn_resolve_next(kv_ring_node *n, const char *host_port, kv_diag *d);
+static void kv_rc_hello_timeout(kv_net_loop *l, kv_net_timer *t);
+static void kv_rn_redial(kv_net_loop *l, kv_net_timer *t) {
+    kv_ring_node *n = t->data;
+    if (n->next) return;
+    pthread_mutex_lock(&n->next_mu); /* a new next from the hub */
+    if (n->next_changed) {
+        n->next_changed = false;
+        kv_diag d = {0};
+        if (kv_rn_resolve_next(n, n->next_want, &d)) kv_rn_log(n, "%s", d.msg);
+        else kv_rn_log(n, "next node: %s (from the hub)", n->next_addr);
+    }
+    pthread_mutex_unlock(&n->next_mu);
+    if (!n->next_salen) { /* not known yet */
+        kv_net_timer_start(l, t, KV_RN_REDIAL_MS);
+        return;
+    }
+    kv_rconn *c = kv_rc_new(n);
+    if (!c) {
+        kv_net_timer_start(l, t, KV_RN_REDIAL_MS);
+        return;
+    }
+    c->role = KV_RC_NEXT;
+    kv_net_timer_init(&c->hs_t, kv_rc_hello_timeout, c); /* the next must answer HELLO and AUTH in time */
+    const kv_net_conn_opts o = kv_rn_conn_opts();
+    if (kv_net_conn_dial(&c->nc, l, (const struct sockaddr *)&n->next_sa, n->next_salen, 2000, &o, &kv_rc_cbs, c, NULL)) {
+        kv_rc_free(c);
+        kv_net_timer_start(l, t, KV_RN_REDIAL_MS);
+        return;
+    }
+    n->next = c;
+    kv_net_timer_start(l, &c->hs_t, KV_RN_HELLO_MS);
+}
+
+static void kv_rc_hello_timeout(kv_net_loop *l, kv_net_timer *t) {
+    (void)l;
+    kv_rconn *c = t->data;
+    kv_rn_send_error(c, 0, KV_ETIMEOUT, c->n->o.first, "ring: the handshake (HELLO, AUTH) did not complete in time");
+    kv_net_conn_close(c->nc, KV_ETIMEOUT, "the handshake did not complete in time");
+}
+
+static void kv_rn_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
+    (void)ev;
+    kv_ring_node *n = w->data;
+    for (int k = 0; k < 16; k++) {
+        int fd = accept4(n->lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) return;
+        if (n->n_conns >= KV_RN_MAX_CONNS) { /* full: the newcomer is refused, the ring keeps serving */
+            close(fd);
+            continue;
+        }
+        int one = 1; /* tokens go out one small frame at a time: no Nagle */
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        kv_rconn *c = kv_rc_new(n);
+        if (!c) {
+            close(fd);
+            return;
+        }
+        kv_net_timer_init(&c->hs_t, kv_rc_hello_timeout, c);
+        kv_net_conn_opts o = kv_rn_conn_opts();
+        o.budget = &n->budget; /* a stranger's half-sent frames are bounded all together */
+        if (kv_net_conn_new(&c->nc, l, fd, &o, &kv_rc_cbs, c, NULL)) {
+            kv_rc_free(c);
+            continue;
+        }
+        kv_net_timer_start(l, &c->hs_t, KV_RN_HELLO_MS);
+    }
+}
+
+/* ---- life ------------------------------------------------------------------------------- */
+
+/* Expert weights of a sliced model from the slabs present (mmap views). */
+static int kv_rn_pieces_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
+    const kv_pieces *p = ctx;
+    if (layer >= p->m->n_layer || e >= p->m->n_expert)
+        return kv_fail(d, KV_ERANGE, "ring: layer %u expert %u out of range", layer, e);
+    const int32_t si = p->where[(size_t)layer * p->m->n_expert + e];
+    if (si < 0) return kv_fail(d, KV_ENOTFOUND, "ring: no slab here holds layer %u expert %u", layer, e);
+    const kv_piece_slab *sl = &p->slabs[si];
+    const uint64_t le = e - sl->first;
+    w->gate = sl->base[0] + le * sl->nb2[0];
+    w->up = sl->base[1] + le * sl->nb2[1];
+    w->down = sl->base[2] + le * sl->nb2[2];
+    w->gate_type = sl->type[0];
+    w->up_type = sl->type[1];
+    w->down_type = sl->type[2];
+    return 0;
+}
+
+/* Resolves host_port into the next node's address. */
+static int kv_rn_resolve_next(kv_ring_node *n, const char *host_port, kv_diag *d) {
+    char host[256];
+    uint16_t port;
+    int rc = kv_proto_parse_addr(host_port, host, sizeof host, &port, d);
+    if (rc) return rc;
+    char ps[8];
+    snprintf(ps, sizeof ps, "%u", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+    int g = getaddrinfo(host, ps, &hints, &ai);
+    if (g || !ai) return kv_fail(d, KV_EINVAL, "ring: cannot resolve the next node '%s': %s", host_port, gai_strerror(g));
+    memcpy(&n->next_sa, ai->ai_addr, ai->ai_addrlen);
+    n->next_salen = ai->ai_addrlen;
+    freeaddrinfo(ai);
+    snprintf(n->next_addr, sizeof n->next_addr, "%s", host_port);
+    return 0;
+}
+
+void kv_ring_node_set_next(kv_ring_node *n, const char *host_port) {
+    pthread_mutex_lock(&n->next_mu);
+    if (strcmp(n->next_want, host_port)) {
+        snprintf(n->next_want, sizeof n->next_want, "%s", host_port);
+        n->next_changed = true;
+    }
+    pthread_mutex_unlock(&n->next_mu);
+    kv_net_loop_wake(n->loop);
+}
+
+void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last, uint32_t *n_layer) {
+    *first = n->o.first;
+    *last = n->o.last;
+    *n_layer = n->n_layer;
+}
+
+int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag *d) {
+    *out = NULL;
+    kv_ring_node *n = calloc(1, sizeof *n);
+    if (!n) return kv_fail(d, KV_ENOMEM, "ring: out of memory");
+    n->o = *opts;
+    n->lfd = -1;
+    if (!n->o.max_seqs) n->o.max_seqs = 16;
+    if (!n->o.n_batch) n->o.n_batch = 256;
+    if (!n->o.replay_timeout_ms) n->o.replay_timeout_ms = 30000;
+    int rc = 0;
+    if (n->o.max_seqs > 4096 || n->o.n_batch > KV_RING_MAX_TOKENS) {
+        rc = kv_fail(d, KV_EINVAL, "ring: %u sequences / batch %u out of range (max 4096 / %u)", n->o.max_seqs, n->o.n_batch,
+                     KV_RING_MAX_TOKENS);
+        goto fail;
+    }
+    if (!n->o.model || !n->o.listen) {
+        rc = kv_fail(d, KV_EINVAL, "ring: a model and a listen address are required");
+        goto fail;
+    }
+    n->max_seqs = n->o.max_seqs;
+    n->n_batch = n->o.n_batch;
+    if (!n->o.allow_any && !n->o.n_allow) {
+        rc = kv_fail(d, KV_EINVAL, "ring: no key is admitted: give --allow-key KEY (the keys of the other nodes and of "
+                                   "clients) or --open");
+        goto fail;
+    }
+    if (sodium_init() < 0) {
+        rc = kv_fail(d, KV_EINTERNAL, "ring: libsodium did not initialize");
+        goto fail;
+    }
+    if (n->o.key_sk) {
+        memcpy(n->sk, n->o.key_sk, 64);
+    } else {
+        uint8_t pk[32];
+        crypto_sign_keypair(pk, n->sk);
+    }
+    if (n->o.n_allow) {
+        if (!(n->allow = malloc(n->o.n_allow * sizeof *n->allow))) {
+            rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
+            goto fail;
+        }
+        memcpy(n->allow, n->o.allow_keys, n->o.n_allow * sizeof *n->allow);
+    }
+    n->o.key_sk = NULL;
+    n->o.allow_keys = NULL;
+    pthread_mutex_init(&n->next_mu, NULL);
+    if (n->o.next && (rc = kv_rn_resolve_next(n, n->o.next, d))) goto fail; /* else set later (a hub) */
+    if ((rc = kv_pool_new(&n->pool, n->o.n_threads, d))) goto fail;
+    const size_t pl = strlen(n->o.model);
+    struct stat mst;
+    const bool is_dir = !stat(n->o.model, &mst) && S_ISDIR(mst.st_mode);
+    const kv_model_opts mo = {.window = true, .layer_first = n->o.first, .layer_last = n->o.last};
+    const kv_expert_provider *experts = NULL;
+    uint32_t max_tok = n->n_batch > n->max_seqs ? n->n_batch : n->max_seqs;
+    if (is_dir || (pl >= 5 && !strcmp(n->o.model + pl - 5, ".json"))) { /* sliced: backbone window + its slabs */
+        char man[4200];
+        snprintf(man, sizeof man, is_dir ? "%s/manifest.json" : "%s", n->o.model);
+        const kv_pieces_opts po = {.who = "ring", .runnable = true, .slabs_may_be_missing = true,
+                                   .skip_hashes = n->o.skip_hashes, .keep_gguf = true, .n_threads = n->o.n_threads};
+        kv_model_opts bo = mo;
+        bo.no_experts = true;
+        if ((rc = kv_pieces_open(&n->pc, man, &po, d)) ||
+            (rc = kv_model_load_ex(&n->m, n->pc->backbone, &bo, d)) ||
+            (rc = kv_pieces_check_model(n->pc->m, n->m, "ring", d)))
+            goto fail;
+        const kv_manifest *mf = n->pc->m;
+        if (n->o.n_workers) { /* one market, two modes: this window's experts on expert workers */
+            /* the other windows' experts are not ours to cover: open, then check our layers */
+            const kv_remote_opts ro = {.workers = n->o.workers, .n_workers = n->o.n_workers, .max_tokens = max_tok,
+                                       .skip_hashes = n->o.skip_hashes, .log = n->o.log, .key_sk = n->sk,
+                                       .allow_uncovered = true};
+            if ((rc = kv_remote_open(&n->remote, man, n->pool, &ro, d))) goto fail;
+            experts = kv_remote_provider(n->remote);
+            kv_remote_coverage cov;
+            uint32_t miss[256];
+            kv_remote_get_coverage(n->remote, &cov, miss, 256);
+            for (uint32_t k = 0; k < cov.n_missing; k++) {
+                const kv_manifest_slab *sl = &mf->slabs[miss[k]];
+                if (sl->layer < n->o.first || sl->layer > n->o.last) continue;
+                rc = kv_fail(d, KV_ENOTFOUND, "ring: layer %u experts %u-%u are served by no worker up and their slab "
+                             "is not here", sl->layer, sl->first, sl->last);
+                goto fail;
+            }
+        }
+        for (uint32_t il = n->o.first; il <= n->o.last && !n->remote; il++)
+            for (uint32_t e = 0; e < mf->n_expert; e++)
+                if (n->pc->where[(size_t)il * mf->n_expert + e] < 0) {
+                    rc = kv_fail(d, KV_ENOTFOUND, "ring: no slab here holds layer %u expert %u (the window %u-%u needs "
+                                 "every slab of its layers)", il, e, n->o.first, n->o.last);
+                    goto fail;
+                }
+        const kv_expert_source src = {n->pc, kv_rn_pieces_acquire, NULL, mf->n_layer, mf->n_expert, mf->n_embd,
+                                      kv_model_hparams(n->m)->n_ff_exp, kv_model_hparams(n->m)->n_expert_used};
+        if (!n->remote) {
+            if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d))) goto fail;
+            experts = &n->prov;
+        }
+        snprintf(n->model_id, sizeof n->model_id, "%s", mf->model_id);
+    } else {
+        if ((rc = kv_model_load_ex(&n->m, n->o.model, &mo, d))) goto fail;
+        char id[65];
+        if ((rc = kv_pieces_file_identity(kv_model_gguf(n->m), n->o.model, id, d))) goto fail;
+        memcpy(n->model_id, id, sizeof n->model_id);
+    }
+    n->hp = kv_model_hparams(n->m);
+    n->n_layer = n->hp->n_layer;
+    n->n_embd = n->hp->n_embd;
+    n->n_vocab = n->hp->n_vocab;
+    n->head = n->o.first == 0;
+    n->tail = n->o.last == n->n_layer - 1;
+    const kv_state_opts so = {.n_ctx = n->o.n_ctx, .n_batch = n->n_batch, .experts = experts, .n_seq = n->max_seqs,
+                              .max_tokens = max_tok};
+    if ((rc = kv_state_new(&n->st, n->m, n->pool, &so, d))) goto fail;
+    n->n_ctx = kv_state_n_ctx(n->st);
+    n->seqs = calloc(n->max_seqs, sizeof *n->seqs);
+    n->max_tok = max_tok;
+    n->xin = malloc((size_t)max_tok * n->n_embd * sizeof(float));
+    n->xout = malloc((size_t)max_tok * n->n_embd * sizeof(float));
+    n->logits = malloc((size_t)n->max_seqs * n->n_vocab * sizeof(float));
+    n->tbuf = malloc(n->n_batch * sizeof *n->tbuf);
+    n->q_tok = malloc(max_tok * sizeof *n->q_tok);
+    n->sbuf = malloc(max_tok * sizeof *n->sbuf);
+    n->q_out = malloc(n->max_seqs * sizeof *n->q_out);
+    n->jobs = malloc(max_tok * sizeof *n->jobs);
+    if (!n->seqs || !n->xin || !n->xout || !n->logits || !n->tbuf || !n->q_tok || !n->sbuf || !n->q_out || !n->jobs) {
+        rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
+        goto fail;
+    }
+    n->stats.weight_bytes = kv_model_weight_bytes(n->m);
+    if (getrandom(&n->id_base, sizeof n->id_base, 0) != sizeof n->id_base) n->id_base = (uint64_t)time(NULL) * 0x2545f4914f6cdd1dull;
+    kv_net_budget_init(&n->budget, (size_t)1 << 31);
+    if ((rc = kv_net_loop_new(&n->loop, d))) goto fail;
+    if ((rc = kv_net_listen(n->o.listen, 64, &n->lfd, n->addr, sizeof n->addr, d))) goto fail;
+    if ((rc = kv_net_watch_add(n->loop, &n->lw, n->lfd, KV_NET_READ, kv_rn_accept, n, d))) goto fail;
+    kv_net_loop_set_tick(n->loop, kv_rn_tick, n);
+    kv_net_timer_init(&n->redial_t, kv_rn_redial, n);
+    kv_net_timer_init(&n->probe_t, kv_rn_probe_timer, n);
+    kv_net_timer_init(&n->tick_t, kv_rn_tick_timer, n);
+    kv_net_timer_init(&n->delay_t, kv_rn_delay_timer, n);
+    snprintf(n->why, sizeof n->why, "the ring has not formed yet");
+    *out = n;
+    return 0;
+fail:
+    kv_ring_node_free(n);
+    return rc;
+}
+
+const char *kv_ring_node_addr(const kv_ring_node *n) { return n->addr; }
+
+int kv_ring_node_run(kv_ring_node *n, kv_diag *d) {
+    kv_net_timer_start(n->loop, &n->redial_t, 0);
+    kv_net_timer_start(n->loop, &n->tick_t, KV_RN_TICK_MS);
+    return kv_net_loop_run(n->loop, d);
+}
+
+void kv_ring_node_stop(kv_ring_node *n) {
+    if (n && n->loop) kv_net_loop_stop(n->loop);
+}
+
+void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out) { *out = n->stats; }
+
+void kv_ring_node_free(kv_ring_node *n) {
+    if (!n) return;
+    if (n->loop) {
+        if (n->lfd >= 0 && n->lw.fn) kv_net_watch_del(n->loop, &n->lw);
+        kv_net_loop_free(n->loop); /* closes every connection without on_close */
+    }
+    while (n->conns) kv_rc_free(n->conns);
+    kv_rn_delay_drop(n);
+    if (n->lfd >= 0) close(n->lfd);
+    while (n->reqs) {
+        kv_rreq *r = n->reqs;
+        n->reqs = r->next;
+        free(r->toks);
+        free(r);
+    }
+    if (n->seqs)
+        for (uint32_t i = 0; i < n->max_seqs; i++) kv_sampler_free(n->seqs[i].smp);
+    free(n->seqs);
+    kv_state_free(n->st);
+    if (n->prov.free) n->prov.free(n->prov.impl);
+    kv_remote_free(n->remote);
+    kv_pieces_free(n->pc);
+    pthread_mutex_destroy(&n->next_mu);
+    kv_model_free(n->m);
+    kv_pool_free(n->pool);
+    free(n->xin);
+    free(n->xout);
+    free(n->logits);
+    free(n->tbuf);
+    free(n->q_tok);
+    free(n->sbuf);
+    free(n->q_out);
+    free(n->jobs);
+    free(n->allow);
+    sodium_memzero(n->sk, sizeof n->sk);
+    free(n);
+}

@@ -1,0 +1,528 @@
+/* The ring protocol codec (include/kvasir/ring.h, docs/PROTOCOL.md "Ring
+ * protocol"): frames to and from bytes.
+ *
+ * Invariants: the decoder reads one complete frame through a bounded
+ * reader; every count is checked against its named maximum, and the exact
+ * payload size is computed from the counts (no product overflows: each
+ * factor is bounded first) and compared with the bytes present before any
+ * array is looked at; floats from the wire must be finite; decoded arrays
+ * are views into the frame. Integers are little-endian, read and written
+ * byte by byte; the encoding is canonical (what decodes re-encodes to the
+ * same bytes, which the fuzz target checks). Nothing here allocates. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvasir/engine.h" /* KV_STOP_* */
+#include "kvasir/ring.h"
+
+#include <sodium.h>
+
+static inline uint32_t kv_rg32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint64_t kv_rg64(const uint8_t *p) { return (uint64_t)kv_rg32(p) | ((uint64_t)kv_rg32(p + 4) << 32); }
+static inline void kv_wg16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void kv_wg32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+static inline void kv_wg64(uint8_t *p, uint64_t v) {
+    kv_wg32(p, (uint32_t)v);
+    kv_wg32(p + 4, (uint32_t)(v >> 32));
+}
+static inline float kv_bits_f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint32_t kv_f_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+/* exponent all ones: Inf or NaN */
+static inline bool kv_bits_finite(uint32_t u) { return (u & 0x7f800000u) != 0x7f800000u; }
+
+int32_t kv_ring_tokens_get(const uint8_t *tokens, uint32_t i) { return (int32_t)kv_rg32(tokens + 4 * (size_t)i); }
+
+void kv_ring_floats_get(const uint8_t *src, uint32_t n, float *dst) {
+    for (uint32_t i = 0; i < n; i++) dst[i] = kv_bits_f(kv_rg32(src + 4 * (size_t)i));
+}
+
+static bool kv_floats_finite(const uint8_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!kv_bits_finite(kv_rg32(p + 4 * i))) return false;
+    return true;
+}
+
+/* ---- sizes ------------------------------------------------------------------ */
+
+#define KV_RING_HELLO_SIZE (24u + KV_RING_MODEL_ID_LEN)
+#define KV_RING_PARAMS_SIZE 40u
+#define KV_RING_HIDDEN_FIXED 24u
+#define KV_RING_TOKEN_FIXED 28u
+#define KV_RING_START_FIXED (16u + KV_RING_PARAMS_SIZE + 4u)
+
+size_t kv_ring_hidden_size(uint32_t n_tokens, uint32_t n_embd) {
+    if (n_tokens < 1 || n_tokens > KV_RING_MAX_TOKENS || n_embd < 1 || n_embd > KV_RING_MAX_EMBD) return 0;
+    const uint64_t xb = (uint64_t)n_tokens * n_embd * 4u;
+    if (xb > KV_RING_MAX_HIDDEN_BYTES) return 0;
+    return KV_RING_HIDDEN_FIXED + (size_t)xb;
+}
+
+size_t kv_ring_token_size(uint32_t piece_len, uint32_t n_logits) {
+    if (piece_len > KV_RING_MAX_PIECE || n_logits > KV_RING_MAX_VOCAB) return 0;
+    return KV_RING_TOKEN_FIXED + piece_len + 4u * (size_t)n_logits;
+}
+
+/* ---- header ------------------------------------------------------------------ */
+
+int kv_ring_header_decode(const uint8_t *hdr, size_t n, kv_ring_header *out, kv_diag *d) {
+    if (n < KV_RING_HEADER) return kv_fail(d, KV_EPROTO, "ring: frame of %zu bytes is shorter than its header", n);
+    out->magic = kv_rg32(hdr);
+    out->version = (uint16_t)(hdr[4] | (hdr[5] << 8));
+    out->type = (uint16_t)(hdr[6] | (hdr[7] << 8));
+    out->len = kv_rg32(hdr + 8);
+    if (out->magic != KV_RING_MAGIC) return kv_fail(d, KV_EPROTO, "ring: bad magic 0x%08x (not a ring peer)", out->magic);
+    if (out->version != KV_RING_VERSION)
+        return kv_fail(d, KV_EUNSUPPORTED, "ring: protocol version %u, this node speaks %u", out->version,
+                       KV_RING_VERSION);
+    if (out->type < 1 || out->type >= KV_RING_TYPE_COUNT)
+        return kv_fail(d, KV_EPROTO, "ring: unknown frame type %u", out->type);
+    if (out->len > KV_RING_MAX_PAYLOAD)
+        return kv_fail(d, KV_ERANGE, "ring: payload of %u bytes exceeds max %u", out->len, KV_RING_MAX_PAYLOAD);
+    return 0;
+}
+
+static int kv_hdr_put(uint8_t *out, size_t cap, uint16_t type, size_t len, size_t *n, kv_diag *d) {
+    if (len > KV_RING_MAX_PAYLOAD) return kv_fail(d, KV_ERANGE, "ring: payload of %zu bytes exceeds max", len);
+    if (cap < KV_RING_HEADER + len)
+        return kv_fail(d, KV_ERANGE, "ring: frame of %zu bytes does not fit in %zu", KV_RING_HEADER + len, cap);
+    kv_wg32(out, KV_RING_MAGIC);
+    kv_wg16(out + 4, KV_RING_VERSION);
+    kv_wg16(out + 6, type);
+    kv_wg32(out + 8, (uint32_t)len);
+    *n = KV_RING_HEADER + len;
+    return 0;
+}
+
+/* ---- pieces ------------------------------------------------------------------ */
+
+static bool kv_hex_id(const uint8_t *p) {
+    for (uint32_t i = 0; i < KV_RING_MODEL_ID_LEN; i++)
+        if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f'))) return false;
+    return true;
+}
+
+static int kv_params_get(const uint8_t *p, kv_ring_params *o, kv_diag *d) {
+    o->flags = kv_rg32(p);
+    o->n_predict = kv_rg32(p + 4);
+    const uint32_t fb[5] = {kv_rg32(p + 8), kv_rg32(p + 16), kv_rg32(p + 20), kv_rg32(p + 24), 0};
+    for (int i = 0; i < 4; i++)
+        if (!kv_bits_finite(fb[i])) return kv_fail(d, KV_EPROTO, "ring: a sampling parameter is not finite");
+    o->sample.temp = kv_bits_f(fb[0]);
+    o->sample.top_k = (int32_t)kv_rg32(p + 12);
+    o->sample.top_p = kv_bits_f(fb[1]);
+    o->sample.min_p = kv_bits_f(fb[2]);
+    o->sample.repeat_penalty = kv_bits_f(fb[3]);
+    o->sample.repeat_last_n = (int32_t)kv_rg32(p + 28);
+    o->sample.seed = kv_rg64(p + 32);
+    if (o->flags & ~KV_RING_SUBMIT_LOGITS) return kv_fail(d, KV_EPROTO, "ring: unknown request flags 0x%x", o->flags);
+    if (o->n_predict < 1 || o->n_predict > (1u << 20))
+        return kv_fail(d, KV_ERANGE, "ring: n_predict %u out of range [1, %u]", o->n_predict, 1u << 20);
+    const kv_sample_params *s = &o->sample;
+    if (!(s->temp >= 0.0f && s->temp <= 100.0f) || !(s->top_p > 0.0f && s->top_p <= 1.0f) ||
+        !(s->min_p >= 0.0f && s->min_p <= 1.0f) || !(s->repeat_penalty >= 1e-3f && s->repeat_penalty <= 100.0f) ||
+        s->top_k < 0 || s->top_k > (1 << 22) || s->repeat_last_n < 0 || s->repeat_last_n > (1 << 20))
+        return kv_fail(d, KV_ERANGE, "ring: sampling parameters out of range");
+    return 0;
+}
+
+static void kv_params_put(uint8_t *p, const kv_ring_params *o) {
+    kv_wg32(p, o->flags);
+    kv_wg32(p + 4, o->n_predict);
+    kv_wg32(p + 8, kv_f_bits(o->sample.temp));
+    kv_wg32(p + 12, (uint32_t)o->sample.top_k);
+    kv_wg32(p + 16, kv_f_bits(o->sample.top_p));
+    kv_wg32(p + 20, kv_f_bits(o->sample.min_p));
+    kv_wg32(p + 24, kv_f_bits(o->sample.repeat_penalty));
+    kv_wg32(p + 28, (uint32_t)o->sample.repeat_last_n);
+    kv_wg64(p + 32, o->sample.seed);
+}
+
+/* A message of len bytes at p: no NUL inside (so it reads back the same). */
+static int kv_msg_get(const uint8_t *p, uint32_t len, char *out, kv_diag *d) {
+    if (len > KV_RING_MAX_MSG) return kv_fail(d, KV_ERANGE, "ring: message of %u bytes exceeds max %u", len, KV_RING_MAX_MSG);
+    if (memchr(p, 0, len)) return kv_fail(d, KV_EPROTO, "ring: message holds a NUL byte");
+    memcpy(out, p, len);
+    out[len] = 0;
+    return 0;
+}
+
+/* ---- decode ------------------------------------------------------------------ */
+
+int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
+    memset(m, 0, sizeof *m);
+    int rc = kv_ring_header_decode(f, n, &m->h, d);
+    if (rc) return rc;
+    if ((size_t)m->h.len != n - KV_RING_HEADER)
+        return kv_fail(d, KV_EPROTO, "ring: header says %u payload bytes, frame has %zu", m->h.len, n - KV_RING_HEADER);
+    const uint8_t *p = f + KV_RING_HEADER;
+    const size_t len = m->h.len;
+#define NEED(k, what)                                                                                       \
+    do {                                                                                                    \
+        if (len < (size_t)(k))                                                                              \
+            return kv_fail(d, KV_EPROTO, "ring: %s frame of %zu bytes, needs %zu", what, len, (size_t)(k)); \
+    } while (0)
+#define EXACT(k, what)                                                                                      \
+    do {                                                                                                    \
+        if (len != (size_t)(k))                                                                             \
+            return kv_fail(d, KV_EPROTO, "ring: %s frame of %zu bytes, expected %zu", what, len, (size_t)(k)); \
+    } while (0)
+    switch (m->h.type) {
+    case KV_RING_HELLO:
+    case KV_RING_HELLO_ACK: {
+        EXACT(KV_RING_HELLO_SIZE, "HELLO");
+        kv_ring_hello *h = &m->u.hello;
+        h->role = kv_rg32(p);
+        h->n_layer = kv_rg32(p + 4);
+        h->first = kv_rg32(p + 8);
+        h->last = kv_rg32(p + 12);
+        h->n_embd = kv_rg32(p + 16);
+        h->n_vocab = kv_rg32(p + 20);
+        const uint8_t *id = p + 24;
+        if (h->role == KV_RING_ROLE_CLIENT) {
+            for (uint32_t i = 0; i < 24 - 4; i++)
+                if (p[4 + i]) return kv_fail(d, KV_EPROTO, "ring: a client's HELLO carries a window");
+            for (uint32_t i = 0; i < KV_RING_MODEL_ID_LEN; i++)
+                if (id[i]) return kv_fail(d, KV_EPROTO, "ring: a client's HELLO carries a model id");
+            return 0;
+        }
+        if (h->role != KV_RING_ROLE_LINK) return kv_fail(d, KV_EPROTO, "ring: unknown role %u", h->role);
+        if (h->n_layer < 1 || h->n_layer > KV_RING_MAX_LAYERS || h->first > h->last || h->last >= h->n_layer)
+            return kv_fail(d, KV_ERANGE, "ring: window %u-%u of %u layers is out of range", h->first, h->last, h->n_layer);
+        if (h->n_embd < 1 || h->n_embd > KV_RING_MAX_EMBD || h->n_vocab < 1 || h->n_vocab > KV_RING_MAX_VOCAB)
+            return kv_fail(d, KV_ERANGE, "ring: n_embd %u / n_vocab %u out of range", h->n_embd, h->n_vocab);
+        if (!kv_hex_id(id)) return kv_fail(d, KV_EPROTO, "ring: model id is not 64 lowercase hex digits");
+        memcpy(h->model_id, id, KV_RING_MODEL_ID_LEN);
+        h->model_id[KV_RING_MODEL_ID_LEN] = 0;
+        return 0;
+    }
+    case KV_RING_SUBMIT: {
+        NEED(KV_RING_PARAMS_SIZE + 4, "SUBMIT");
+        kv_ring_submit *s = &m->u.submit;
+        if ((rc = kv_params_get(p, &s->p, d))) return rc;
+        s->text_len = kv_rg32(p + KV_RING_PARAMS_SIZE);
+        if (s->text_len < 1 || s->text_len > KV_RING_MAX_TEXT)
+            return kv_fail(d, KV_ERANGE, "ring: prompt of %u bytes out of range [1, %u]", s->text_len, KV_RING_MAX_TEXT);
+        EXACT(KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len, "SUBMIT");
+        s->text = (const char *)p + KV_RING_PARAMS_SIZE + 4;
+        return 0;
+    }
+    case KV_RING_ACCEPT: {
+        NEED(12, "ACCEPT");
+        kv_ring_accept *a = &m->u.accept;
+        a->seq = kv_rg64(p);
+        a->n_tokens = kv_rg32(p + 8);
+        if (a->n_tokens < 1 || a->n_tokens > KV_RING_MAX_PROMPT)
+            return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range [1, %u]", a->n_tokens, KV_RING_MAX_PROMPT);
+        EXACT(12 + 4 * (size_t)a->n_tokens, "ACCEPT");
+        a->tokens = p + 12;
+        for (uint32_t i = 0; i < a->n_tokens; i++)
+            if (kv_ring_tokens_get(a->tokens, i) < 0 || (uint32_t)kv_ring_tokens_get(a->tokens, i) >= KV_RING_MAX_VOCAB)
+                return kv_fail(d, KV_ERANGE, "ring: prompt token %u out of range", i);
+        return 0;
+    }
+    case KV_RING_START: {
+        NEED(KV_RING_START_FIXED, "START");
+        kv_ring_start *s = &m->u.start;
+        s->seq = kv_rg64(p);
+        s->home = kv_rg32(p + 8);
+        s->flags = kv_rg32(p + 12);
+        if ((rc = kv_params_get(p + 16, &s->p, d))) return rc;
+        s->n_tokens = kv_rg32(p + 16 + KV_RING_PARAMS_SIZE);
+        if (s->seq == 0) return kv_fail(d, KV_EPROTO, "ring: START of sequence 0");
+        if (s->flags & ~KV_RING_START_BEGUN) return kv_fail(d, KV_EPROTO, "ring: unknown START flags 0x%x", s->flags);
+        if (s->home >= KV_RING_MAX_LAYERS) return kv_fail(d, KV_ERANGE, "ring: home layer %u out of range", s->home);
+        if (s->n_tokens < 1 || s->n_tokens > KV_RING_MAX_PROMPT)
+            return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range [1, %u]", s->n_tokens, KV_RING_MAX_PROMPT);
+        EXACT(KV_RING_START_FIXED + 4 * (size_t)s->n_tokens, "START");
+        s->tokens = p + KV_RING_START_FIXED;
+        for (uint32_t i = 0; i < s->n_tokens; i++)
+            if (kv_ring_tokens_get(s->tokens, i) < 0 || (uint32_t)kv_ring_tokens_get(s->tokens, i) >= KV_RING_MAX_VOCAB)
+                return kv_fail(d, KV_ERANGE, "ring: prompt token %u out of range", i);
+        return 0;
+    }
+    case KV_RING_HIDDEN: {
+        NEED(KV_RING_HIDDEN_FIXED, "HIDDEN");
+        kv_ring_hidden *h = &m->u.hidden;
+        h->seq = kv_rg64(p);
+        h->pos = kv_rg32(p + 8);
+        h->n_tokens = kv_rg32(p + 12);
+        h->flags = kv_rg32(p + 16);
+        h->n_embd = kv_rg32(p + 20);
+        if (h->seq == 0) return kv_fail(d, KV_EPROTO, "ring: HIDDEN of sequence 0");
+        if (h->flags & ~KV_RING_HIDDEN_LOGITS) return kv_fail(d, KV_EPROTO, "ring: unknown HIDDEN flags 0x%x", h->flags);
+        const size_t want = kv_ring_hidden_size(h->n_tokens, h->n_embd);
+        if (!want)
+            return kv_fail(d, KV_ERANGE, "ring: HIDDEN of %u tokens x %u floats is out of range", h->n_tokens, h->n_embd);
+        if ((uint64_t)h->pos + h->n_tokens > (1u << 20))
+            return kv_fail(d, KV_ERANGE, "ring: HIDDEN positions %u.. past max context", h->pos);
+        EXACT(want, "HIDDEN");
+        h->x = p + KV_RING_HIDDEN_FIXED;
+        if (!kv_floats_finite(h->x, (size_t)h->n_tokens * h->n_embd))
+            return kv_fail(d, KV_EPROTO, "ring: a hidden state holds NaN or Inf (a lie, not a value)");
+        return 0;
+    }
+    case KV_RING_TOKEN: {
+        NEED(KV_RING_TOKEN_FIXED, "TOKEN");
+        kv_ring_token *t = &m->u.token;
+        t->seq = kv_rg64(p);
+        t->pos = kv_rg32(p + 8);
+        t->token = (int32_t)kv_rg32(p + 12);
+        t->stop = kv_rg32(p + 16);
+        t->piece_len = kv_rg32(p + 20);
+        t->n_logits = kv_rg32(p + 24);
+        if (t->seq == 0) return kv_fail(d, KV_EPROTO, "ring: TOKEN of sequence 0");
+        if (t->token < 0 || (uint32_t)t->token >= KV_RING_MAX_VOCAB || t->pos > (1u << 20))
+            return kv_fail(d, KV_ERANGE, "ring: token %d at position %u out of range", t->token, t->pos);
+        if (t->stop >= KV_STOP_ERROR) return kv_fail(d, KV_EPROTO, "ring: unknown stop reason %u", t->stop);
+        const size_t want = kv_ring_token_size(t->piece_len, t->n_logits);
+        if (!want) return kv_fail(d, KV_ERANGE, "ring: TOKEN with %u text bytes and %u logits is out of range", t->piece_len, t->n_logits);
+        EXACT(want, "TOKEN");
+        t->piece = (const char *)p + KV_RING_TOKEN_FIXED;
+        t->logits = p + KV_RING_TOKEN_FIXED + t->piece_len;
+        if (!kv_floats_finite(t->logits, t->n_logits))
+            return kv_fail(d, KV_EPROTO, "ring: a logit is NaN or Inf (a lie, not a value)");
+        return 0;
+    }
+    case KV_RING_ERROR: {
+        NEED(20, "ERROR");
+        kv_ring_error *e = &m->u.error;
+        e->seq = kv_rg64(p);
+        e->code = (int32_t)kv_rg32(p + 8);
+        e->origin = kv_rg32(p + 12);
+        const uint32_t ml = kv_rg32(p + 16);
+        if (e->code >= 0 || e->code <= -KV_ERR_COUNT) return kv_fail(d, KV_EPROTO, "ring: error code %d is not a KV_E* code", e->code);
+        if (e->origin >= KV_RING_MAX_LAYERS) return kv_fail(d, KV_ERANGE, "ring: origin layer %u out of range", e->origin);
+        if (ml > KV_RING_MAX_MSG) return kv_fail(d, KV_ERANGE, "ring: message of %u bytes exceeds max %u", ml, KV_RING_MAX_MSG);
+        EXACT(20 + (size_t)ml, "ERROR");
+        return kv_msg_get(p + 20, ml, e->msg, d);
+    }
+    case KV_RING_BROKEN: {
+        NEED(8, "BROKEN");
+        kv_ring_broken *b = &m->u.broken;
+        b->origin = kv_rg32(p);
+        const uint32_t ml = kv_rg32(p + 4);
+        if (b->origin >= KV_RING_MAX_LAYERS) return kv_fail(d, KV_ERANGE, "ring: origin layer %u out of range", b->origin);
+        if (ml > KV_RING_MAX_MSG) return kv_fail(d, KV_ERANGE, "ring: message of %u bytes exceeds max %u", ml, KV_RING_MAX_MSG);
+        EXACT(8 + (size_t)ml, "BROKEN");
+        return kv_msg_get(p + 8, ml, b->msg, d);
+    }
+    case KV_RING_AUTH_CHALLENGE:
+        EXACT(64, "AUTH_CHALLENGE");
+        memcpy(m->u.auth.key, p, 32);
+        memcpy(m->u.auth.nonce, p + 32, 32);
+        return 0;
+    case KV_RING_AUTH:
+        EXACT(128, "AUTH");
+        memcpy(m->u.auth.key, p, 32);
+        memcpy(m->u.auth.nonce, p + 32, 32);
+        memcpy(m->u.auth.sig, p + 64, 64);
+        return 0;
+    case KV_RING_AUTH_OK:
+        EXACT(64, "AUTH_OK");
+        memcpy(m->u.auth.sig, p, 64);
+        return 0;
+    case KV_RING_PROBE: {
+        EXACT(16, "PROBE");
+        kv_ring_probe *q = &m->u.probe;
+        q->origin = kv_rg32(p);
+        q->kind = kv_rg32(p + 4);
+        q->nonce = kv_rg64(p + 8);
+        if (q->origin >= KV_RING_MAX_LAYERS || (q->kind != 1 && q->kind != 2))
+            return kv_fail(d, KV_EPROTO, "ring: PROBE of origin %u, kind %u", q->origin, q->kind);
+        return 0;
+    }
+    default: return kv_fail(d, KV_EPROTO, "ring: unknown frame type %u", m->h.type);
+    }
+#undef NEED
+#undef EXACT
+}
+
+/* ---- encode ------------------------------------------------------------------ */
+
+int kv_ring_hello_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_hello *h, size_t *n, kv_diag *d) {
+    if (type != KV_RING_HELLO && type != KV_RING_HELLO_ACK) return kv_fail(d, KV_EINVAL, "ring: HELLO of type %u", type);
+    int rc = kv_hdr_put(out, cap, type, KV_RING_HELLO_SIZE, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    memset(p, 0, KV_RING_HELLO_SIZE);
+    kv_wg32(p, h->role);
+    if (h->role == KV_RING_ROLE_CLIENT) return 0;
+    kv_wg32(p + 4, h->n_layer);
+    kv_wg32(p + 8, h->first);
+    kv_wg32(p + 12, h->last);
+    kv_wg32(p + 16, h->n_embd);
+    kv_wg32(p + 20, h->n_vocab);
+    if (strlen(h->model_id) != KV_RING_MODEL_ID_LEN) return kv_fail(d, KV_EINVAL, "ring: model id of %zu characters", strlen(h->model_id));
+    memcpy(p + 24, h->model_id, KV_RING_MODEL_ID_LEN);
+    return 0;
+}
+
+int kv_ring_submit_encode(uint8_t *out, size_t cap, const kv_ring_submit *s, size_t *n, kv_diag *d) {
+    if (s->text_len < 1 || s->text_len > KV_RING_MAX_TEXT)
+        return kv_fail(d, KV_ERANGE, "ring: prompt of %u bytes out of range [1, %u]", s->text_len, KV_RING_MAX_TEXT);
+    int rc = kv_hdr_put(out, cap, KV_RING_SUBMIT, KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_params_put(p, &s->p);
+    kv_wg32(p + KV_RING_PARAMS_SIZE, s->text_len);
+    memcpy(p + KV_RING_PARAMS_SIZE + 4, s->text, s->text_len);
+    return 0;
+}
+
+int kv_ring_accept_encode(uint8_t *out, size_t cap, uint64_t seq, const int32_t *tokens, uint32_t n_tokens,
+                          size_t *n, kv_diag *d) {
+    if (n_tokens < 1 || n_tokens > KV_RING_MAX_PROMPT) return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range", n_tokens);
+    int rc = kv_hdr_put(out, cap, KV_RING_ACCEPT, 12 + 4 * (size_t)n_tokens, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg64(p, seq);
+    kv_wg32(p + 8, n_tokens);
+    for (uint32_t i = 0; i < n_tokens; i++) kv_wg32(p + 12 + 4 * (size_t)i, (uint32_t)tokens[i]);
+    return 0;
+}
+
+int kv_ring_start_encode(uint8_t *out, size_t cap, const kv_ring_start *s, const int32_t *tokens, size_t *n,
+                         kv_diag *d) {
+    if (s->n_tokens < 1 || s->n_tokens > KV_RING_MAX_PROMPT)
+        return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range", s->n_tokens);
+    int rc = kv_hdr_put(out, cap, KV_RING_START, KV_RING_START_FIXED + 4 * (size_t)s->n_tokens, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg64(p, s->seq);
+    kv_wg32(p + 8, s->home);
+    kv_wg32(p + 12, s->flags);
+    kv_params_put(p + 16, &s->p);
+    kv_wg32(p + 16 + KV_RING_PARAMS_SIZE, s->n_tokens);
+    for (uint32_t i = 0; i < s->n_tokens; i++) kv_wg32(p + KV_RING_START_FIXED + 4 * (size_t)i, (uint32_t)tokens[i]);
+    return 0;
+}
+
+int kv_ring_hidden_encode(uint8_t *out, size_t cap, const kv_ring_hidden *h, const float *x, size_t *n, kv_diag *d) {
+    const size_t sz = kv_ring_hidden_size(h->n_tokens, h->n_embd);
+    if (!sz) return kv_fail(d, KV_ERANGE, "ring: HIDDEN of %u tokens x %u floats is out of range", h->n_tokens, h->n_embd);
+    int rc = kv_hdr_put(out, cap, KV_RING_HIDDEN, sz, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg64(p, h->seq);
+    kv_wg32(p + 8, h->pos);
+    kv_wg32(p + 12, h->n_tokens);
+    kv_wg32(p + 16, h->flags);
+    kv_wg32(p + 20, h->n_embd);
+    const size_t nf = (size_t)h->n_tokens * h->n_embd;
+    for (size_t i = 0; i < nf; i++) kv_wg32(p + KV_RING_HIDDEN_FIXED + 4 * i, kv_f_bits(x[i]));
+    return 0;
+}
+
+int kv_ring_token_encode(uint8_t *out, size_t cap, const kv_ring_token *t, const float *logits, size_t *n,
+                         kv_diag *d) {
+    const size_t sz = kv_ring_token_size(t->piece_len, t->n_logits);
+    if (!sz) return kv_fail(d, KV_ERANGE, "ring: TOKEN with %u text bytes and %u logits is out of range", t->piece_len, t->n_logits);
+    int rc = kv_hdr_put(out, cap, KV_RING_TOKEN, sz, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg64(p, t->seq);
+    kv_wg32(p + 8, t->pos);
+    kv_wg32(p + 12, (uint32_t)t->token);
+    kv_wg32(p + 16, t->stop);
+    kv_wg32(p + 20, t->piece_len);
+    kv_wg32(p + 24, t->n_logits);
+    if (t->piece_len) memcpy(p + KV_RING_TOKEN_FIXED, t->piece, t->piece_len);
+    for (uint32_t i = 0; i < t->n_logits; i++)
+        kv_wg32(p + KV_RING_TOKEN_FIXED + t->piece_len + 4 * (size_t)i, kv_f_bits(logits[i]));
+    return 0;
+}
+
+/* msg cut to KV_RING_MAX_MSG bytes */
+static size_t kv_msg_len(const char *msg) {
+    const size_t ml = msg ? strlen(msg) : 0;
+    return ml > KV_RING_MAX_MSG ? KV_RING_MAX_MSG : ml;
+}
+
+int kv_ring_error_encode(uint8_t *out, size_t cap, uint64_t seq, int32_t code, uint32_t origin, const char *msg,
+                         size_t *n, kv_diag *d) {
+    if (code >= 0 || code <= -KV_ERR_COUNT) code = KV_EINTERNAL;
+    if (origin >= KV_RING_MAX_LAYERS) return kv_fail(d, KV_ERANGE, "ring: origin layer %u out of range", origin);
+    const size_t ml = kv_msg_len(msg);
+    int rc = kv_hdr_put(out, cap, KV_RING_ERROR, 20 + ml, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg64(p, seq);
+    kv_wg32(p + 8, (uint32_t)code);
+    kv_wg32(p + 12, origin);
+    kv_wg32(p + 16, (uint32_t)ml);
+    if (ml) memcpy(p + 20, msg, ml);
+    return 0;
+}
+
+int kv_ring_broken_encode(uint8_t *out, size_t cap, uint32_t origin, const char *msg, size_t *n, kv_diag *d) {
+    const size_t ml = kv_msg_len(msg);
+    int rc = kv_hdr_put(out, cap, KV_RING_BROKEN, 8 + ml, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg32(p, origin);
+    kv_wg32(p + 4, (uint32_t)ml);
+    if (ml) memcpy(p + 8, msg, ml);
+    return 0;
+}
+
+int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *q, size_t *n, kv_diag *d) {
+    int rc = kv_hdr_put(out, cap, KV_RING_PROBE, 16, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg32(p, q->origin);
+    kv_wg32(p + 4, q->kind);
+    kv_wg64(p + 8, q->nonce);
+    return 0;
+}
+
+int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d) {
+    const size_t len = type == KV_RING_AUTH ? 128 : type == KV_RING_AUTH_CHALLENGE || type == KV_RING_AUTH_OK ? 64 : 0;
+    if (!len) return kv_fail(d, KV_EINVAL, "ring: AUTH frame of type %u", type);
+    int rc = kv_hdr_put(out, cap, type, len, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    if (type == KV_RING_AUTH_OK) {
+        memcpy(p, a->sig, 64);
+        return 0;
+    }
+    memcpy(p, a->key, 32);
+    memcpy(p + 32, a->nonce, 32);
+    if (type == KV_RING_AUTH) memcpy(p + 64, a->sig, 64);
+    return 0;
+}
+
+void kv_ring_auth_digest(char role, const char model_id[KV_RING_MODEL_ID_LEN], const uint8_t acceptor_key[32],
+                         const uint8_t challenge[32], const uint8_t connector_key[32], const uint8_t nonce[32],
+                         uint8_t out[32]) {
+    static const char tag[] = "kvasir-ring-auth-v1\n";
+    crypto_hash_sha256_state h;
+    crypto_hash_sha256_init(&h);
+    crypto_hash_sha256_update(&h, (const uint8_t *)tag, sizeof tag - 1);
+    const uint8_t r = (uint8_t)role;
+    crypto_hash_sha256_update(&h, &r, 1);
+    crypto_hash_sha256_update(&h, (const uint8_t *)model_id, KV_RING_MODEL_ID_LEN);
+    crypto_hash_sha256_update(&h, acceptor_key, 32);
+    crypto_hash_sha256_update(&h, challenge, 32);
+    crypto_hash_sha256_update(&h, connector_key, 32);
+    crypto_hash_sha256_update(&h, nonce, 32);
+    crypto_hash_sha256_final(&h, out);
+}

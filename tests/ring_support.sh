@@ -1,0 +1,122 @@
+# Shared by the ring's script tests (sourced): start and stop a ring of
+# `kvasir ring` nodes on loopback. Needs KV (the binary) and dir (a scratch
+# folder). Sets RING_ADDR[i], RING_PID[i]; node i logs to $dir/ring$i.err.
+RING_ADDR=()
+RING_PID=()
+RING_ALL=()
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+ring_cleanup() {
+  for p in "${RING_ALL[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$dir"
+}
+
+# free_ports N: N free loopback ports (bound and released at once).
+free_ports() {
+  python3 -c '
+import socket, sys
+ss = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in ss))' "$1"
+}
+
+# ring_keys: node keys $dir/k0.key .. k9.key (node i uses k$i), a client key
+# $dir/client.key, and $dir/allow listing all of them: every node admits
+# every other and the client. RK holds the client's flags for run --ring.
+ring_keys() {
+  local i
+  : >"$dir/allow"
+  for i in 0 1 2 3 4 5 6 7 8 9 client; do
+    k="$dir/k$i.key"
+    [ $i = client ] && k="$dir/client.key"
+    "$KV" key --key "$k" >>"$dir/allow" || fail "kvasir key failed"
+  done
+  RK=(--key "$dir/client.key")
+}
+
+# ring_node I MODEL WINDOW LISTEN NEXT [EXTRA...]: starts node I.
+ring_node() {
+  local i=$1 model=$2 win=$3 listen=$4 next=$5
+  shift 5
+  [ -s "$dir/allow" ] || ring_keys
+  "$KV" ring -m "$model" --layers "$win" --listen "$listen" --next "$next" --threads 1 \
+    --key "$dir/k$((i % 10)).key" --allow-key "$dir/allow" "$@" \
+    >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
+  RING_PID[$i]=$!
+  RING_ALL+=($!)
+  RING_ADDR[$i]=$listen
+}
+
+# ring_wait_listen I: node I is listening (bounded).
+ring_wait_listen() {
+  for _ in $(seq 300); do
+    grep -q "^listening on" "$dir/ring$1.out" 2>/dev/null && return 0
+    kill -0 "${RING_PID[$1]}" 2>/dev/null || break
+    sleep 0.05
+  done
+  cat "$dir/ring$1.err" >&2
+  fail "ring node $1 did not start"
+}
+
+# ring_wait_whole: every node logged "ring whole" since its start (bounded).
+# Returns 2 when a node could not bind its port (another process took it
+# between free_ports and the bind: the machine is shared), so that
+# ring_start can try other ports.
+ring_wait_whole() {
+  local i n
+  for _ in $(seq 400); do
+    n=0
+    for i in "${!RING_PID[@]}"; do
+      if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then return 2; fi
+      if ! kill -0 "${RING_PID[$i]}" 2>/dev/null || grep -q "^kvasir ring: " "$dir/ring$i.err" 2>/dev/null; then
+        cat "$dir/ring$i.err" >&2
+        fail "ring node $i died"
+      fi
+      grep -q "ring whole" "$dir/ring$i.err" 2>/dev/null && n=$((n + 1))
+    done
+    [ "$n" = "${#RING_PID[@]}" ] && return 0
+    sleep 0.05
+  done
+  for i in "${!RING_PID[@]}"; do cat "$dir/ring$i.err" >&2; done
+  fail "the ring did not form"
+}
+
+# ring_start MODEL WINDOW...: one node per window, each linked to the next
+# (new ports when one was taken meanwhile, up to 5 tries).
+ring_start() {
+  local model=$1
+  shift
+  local n=$# i try rc
+  local wins=("$@")
+  for try in 1 2 3 4 5; do
+    read -r -a ports <<<"$(free_ports "$n")"
+    RING_ADDR=()
+    RING_PID=()
+    for ((i = 0; i < n; i++)); do
+      ring_node "$i" "$model" "${wins[$i]}" "127.0.0.1:${ports[$i]}" "127.0.0.1:${ports[$(((i + 1) % n))]}" \
+        ${RING_EXTRA:-}
+    done
+    rc=0
+    ring_wait_whole || rc=$?
+    [ $rc = 0 ] && return 0
+    ring_stop
+  done
+  fail "no free ports for a ring after 5 tries"
+}
+
+ring_stop() {
+  local p
+  for p in "${RING_PID[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${RING_PID[@]}"; do wait "$p" 2>/dev/null || true; done
+  RING_PID=()
+  RING_ADDR=()
+}
+
+# mapped_rss PID FILE: bytes of FILE's mapping resident in PID.
+mapped_rss() {
+  awk -v f="$(readlink -f "$2")" '
+    /^[0-9a-f]+-[0-9a-f]+ / { on = ($NF == f) }
+    on && /^Rss:/ { s += $2 }
+    END { print s * 1024 }' "/proc/$1/smaps"
+}

@@ -1,0 +1,398 @@
+/* kv-test-labels: unit
+ * The ring: its frame codec checked against the byte layout written in
+ * docs/PROTOCOL.md ("Ring protocol": field offsets read here by hand, not
+ * through the decoder), truncated, oversized, non-finite and unknown input
+ * refused with the right code; and the layer-window forward pass
+ * (kv_state_batch_window) chained over windows in one process giving the
+ * bits of kv_state_batch over the whole model, for qwen3moe and qwen35moe. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <sodium.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/gen.h"
+#include "kvasir/model.h"
+#include "kvasir/pool.h"
+#include "kvasir/quant.h"
+#include "kvasir/ring.h"
+#include "kvtest.h"
+
+static uint32_t rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
+static void wr32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint8_t buf[1 << 20];
+
+static const char *ID = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/* Every shorter prefix of a valid frame is refused. */
+static void check_truncations(const uint8_t *f, size_t n) {
+    kv_ring_msg m;
+    for (size_t k = 0; k < n; k++) {
+        kv_diag d = {0};
+        int rc = kv_ring_decode(f, k, &m, &d);
+        if (rc == 0) KVT_FAIL("a prefix of %zu of %zu bytes decoded", k, n);
+        kvt_checks++;
+    }
+}
+
+static void test_header_layout(void) {
+    kv_ring_probe q = {7, 1, 0x1122334455667788ull};
+    size_t n;
+    ASSERT_EQ(kv_ring_probe_encode(buf, sizeof buf, &q, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 16);
+    ASSERT_EQ(rd32(buf), 0x4752564bu); /* "KVRG" */
+    ASSERT_TRUE(!memcmp(buf, "KVRG", 4));
+    ASSERT_EQ(buf[4] | buf[5] << 8, KV_RING_VERSION);
+    ASSERT_EQ(buf[6] | buf[7] << 8, KV_RING_PROBE);
+    ASSERT_EQ(rd32(buf + 8), 16);
+    ASSERT_EQ(rd32(buf + 12), 7);
+    ASSERT_EQ(rd32(buf + 16), 1);
+    ASSERT_EQ(rd64(buf + 20), 0x1122334455667788ull);
+    kv_ring_msg m;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.probe.nonce, q.nonce);
+    check_truncations(buf, n);
+    /* bad magic, version, type, oversized length */
+    uint8_t f[KV_RING_HEADER + 16];
+    memcpy(f, buf, sizeof f);
+    f[0] ^= 1;
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
+    memcpy(f, buf, sizeof f);
+    f[4] = 2;
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
+    memcpy(f, buf, sizeof f);
+    f[6] = KV_RING_TYPE_COUNT;
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
+    memcpy(f, buf, sizeof f);
+    wr32(f + 8, KV_RING_MAX_PAYLOAD + 1);
+    ASSERT_EQ(kv_ring_header_decode(f, sizeof f, &m.h, &d), KV_ERANGE);
+    memcpy(f, buf, sizeof f);
+    wr32(f + 16, 3); /* kind */
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
+}
+
+static void test_hello(void) {
+    kv_ring_hello h = {KV_RING_ROLE_LINK, 48, 12, 23, 3072, 248320, {0}};
+    memcpy(h.model_id, ID, 65);
+    size_t n;
+    ASSERT_EQ(kv_ring_hello_encode(buf, sizeof buf, KV_RING_HELLO, &h, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 88);
+    const uint8_t *p = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd32(p), 1);
+    ASSERT_EQ(rd32(p + 4), 48);
+    ASSERT_EQ(rd32(p + 8), 12);
+    ASSERT_EQ(rd32(p + 12), 23);
+    ASSERT_EQ(rd32(p + 16), 3072);
+    ASSERT_EQ(rd32(p + 20), 248320);
+    ASSERT_TRUE(!memcmp(p + 24, ID, 64));
+    kv_ring_msg m;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_STREQ(m.u.hello.model_id, ID);
+    ASSERT_EQ(m.u.hello.last, 23);
+    check_truncations(buf, n);
+    /* window past the model, upper-case id, unknown role */
+    wr32(buf + KV_RING_HEADER + 12, 48);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+    wr32(buf + KV_RING_HEADER + 12, 23);
+    buf[KV_RING_HEADER + 24] = 'A';
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    buf[KV_RING_HEADER + 24] = '0';
+    wr32(buf + KV_RING_HEADER, 3);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    /* a client: all zero beyond the role */
+    kv_ring_hello c = {.role = KV_RING_ROLE_CLIENT};
+    ASSERT_EQ(kv_ring_hello_encode(buf, sizeof buf, KV_RING_HELLO, &c, &n, NULL), 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    buf[KV_RING_HEADER + 8] = 1;
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+}
+
+static void test_hidden(void) {
+    float x[3 * 5];
+    for (int i = 0; i < 15; i++) x[i] = (float)i * 0.25f - 1.0f;
+    kv_ring_hidden h = {0xdeadbeefcafef00dull, 40, 3, KV_RING_HIDDEN_LOGITS, 5, NULL};
+    size_t n;
+    ASSERT_EQ(kv_ring_hidden_encode(buf, sizeof buf, &h, x, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 24 + 60);
+    const uint8_t *p = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd64(p), h.seq);
+    ASSERT_EQ(rd32(p + 8), 40);
+    ASSERT_EQ(rd32(p + 12), 3);
+    ASSERT_EQ(rd32(p + 16), KV_RING_HIDDEN_LOGITS);
+    ASSERT_EQ(rd32(p + 20), 5);
+    uint32_t b;
+    memcpy(&b, &x[7], 4);
+    ASSERT_EQ(rd32(p + 24 + 28), b);
+    kv_ring_msg m;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    float y[15];
+    kv_ring_floats_get(m.u.hidden.x, 15, y);
+    ASSERT_TRUE(!memcmp(x, y, sizeof x));
+    check_truncations(buf, n);
+    /* a NaN or an Inf is a lie */
+    const uint32_t nan = 0x7fc00000u, inf = 0x7f800000u;
+    wr32(buf + KV_RING_HEADER + 24 + 8, nan);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    wr32(buf + KV_RING_HEADER + 24 + 8, inf | 0x80000000u);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    /* counts past their maxima, or not matching the bytes */
+    kv_ring_hidden big = {1, 0, KV_RING_MAX_TOKENS + 1, 0, 5, NULL};
+    ASSERT_EQ(kv_ring_hidden_encode(buf, sizeof buf, &big, x, &n, NULL), KV_ERANGE);
+    ASSERT_EQ(kv_ring_hidden_size(KV_RING_MAX_TOKENS, KV_RING_MAX_EMBD), 0); /* past the 64 MiB cap */
+    ASSERT_EQ(kv_ring_hidden_encode(buf, sizeof buf, &h, x, &n, NULL), 0);
+    wr32(buf + KV_RING_HEADER + 12, 4); /* says 4 tokens, carries 3 */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    wr32(buf + KV_RING_HEADER + 12, KV_RING_MAX_TOKENS + 1);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+    wr32(buf + KV_RING_HEADER + 12, 3);
+    wr32(buf + KV_RING_HEADER + 16, 2); /* unknown flag */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+}
+
+static void test_start_submit_token(void) {
+    kv_ring_params p = {KV_RING_SUBMIT_LOGITS, 12, kv_sample_defaults()};
+    p.sample.seed = 99;
+    const int32_t toks[4] = {5, 0, 599, 42};
+    kv_ring_start s = {77, 2, 0, p, 4, NULL};
+    size_t n;
+    ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &s, toks, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 60 + 16);
+    const uint8_t *q = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd64(q), 77);
+    ASSERT_EQ(rd32(q + 8), 2);
+    ASSERT_EQ(rd32(q + 16), KV_RING_SUBMIT_LOGITS);
+    ASSERT_EQ(rd32(q + 20), 12);
+    ASSERT_EQ(rd64(q + 48), 99);
+    ASSERT_EQ(rd32(q + 56), 4);
+    ASSERT_EQ(rd32(q + 60 + 8), 599);
+    kv_ring_msg m;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(kv_ring_tokens_get(m.u.start.tokens, 3), 42);
+    ASSERT_EQ(m.u.start.p.sample.seed, 99);
+    check_truncations(buf, n);
+    wr32(buf + KV_RING_HEADER + 60 + 4, 0xffffffffu); /* token -1 */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+    /* SUBMIT: a NaN temperature, an empty prompt */
+    kv_ring_submit sb = {p, "hello", 5};
+    ASSERT_EQ(kv_ring_submit_encode(buf, sizeof buf, &sb, &n, NULL), 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.submit.text_len, 5);
+    ASSERT_TRUE(!memcmp(m.u.submit.text, "hello", 5));
+    check_truncations(buf, n);
+    wr32(buf + KV_RING_HEADER + 8, 0x7fc00000u);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    sb.text_len = 0;
+    ASSERT_EQ(kv_ring_submit_encode(buf, sizeof buf, &sb, &n, NULL), KV_ERANGE);
+    sb.text_len = KV_RING_MAX_TEXT + 1;
+    ASSERT_EQ(kv_ring_submit_encode(buf, sizeof buf, &sb, &n, NULL), KV_ERANGE);
+    /* TOKEN with text and logits */
+    float lg[6] = {1, -2, 3.5f, 0, -0.0f, 1e30f};
+    kv_ring_token t = {.seq = 9, .pos = 17, .token = 3, .stop = 3, .piece_len = 2, .piece = "ab", .n_logits = 6};
+    ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, lg, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 28 + 2 + 24);
+    q = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd32(q + 8), 17);
+    ASSERT_EQ(rd32(q + 16), 3);
+    ASSERT_EQ(rd32(q + 20), 2);
+    ASSERT_EQ(rd32(q + 24), 6);
+    ASSERT_TRUE(!memcmp(q + 28, "ab", 2));
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    float back[6];
+    kv_ring_floats_get(m.u.token.logits, 6, back);
+    ASSERT_TRUE(!memcmp(back, lg, sizeof lg));
+    check_truncations(buf, n);
+    wr32(buf + KV_RING_HEADER + 30 + 20, 0x7f800000u);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    wr32(buf + KV_RING_HEADER + 30 + 20, 0);
+    wr32(buf + KV_RING_HEADER + 16, 5); /* stop reason "error" never travels */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    /* ERROR and BROKEN */
+    ASSERT_EQ(kv_ring_error_encode(buf, sizeof buf, 9, KV_ETIMEOUT, 3, "ring broken: x", &n, NULL), 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.error.code, KV_ETIMEOUT);
+    ASSERT_EQ(m.u.error.origin, 3);
+    ASSERT_STREQ(m.u.error.msg, "ring broken: x");
+    check_truncations(buf, n);
+    buf[n - 1] = 0; /* a NUL inside the message */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    wr32(buf + KV_RING_HEADER + 8, 1); /* a positive code */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    ASSERT_EQ(kv_ring_broken_encode(buf, sizeof buf, 4, "gone", &n, NULL), 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_STREQ(m.u.broken.msg, "gone");
+    check_truncations(buf, n);
+}
+
+/* AUTH frames at their documented offsets; the transcript binds role, model,
+ * both keys, challenge and nonce (an independent SHA-256 over the same
+ * bytes), and a signature verifies only over its own transcript. */
+static void test_auth(void) {
+    uint8_t pk[32], sk[64], pk2[32], sk2[64];
+    ASSERT_TRUE(sodium_init() >= 0);
+    crypto_sign_keypair(pk, sk);
+    crypto_sign_keypair(pk2, sk2);
+    kv_ring_auth a;
+    memcpy(a.key, pk, 32);
+    for (int i = 0; i < 32; i++) a.nonce[i] = (uint8_t)(i * 7 + 1);
+    uint8_t ch[32];
+    for (int i = 0; i < 32; i++) ch[i] = (uint8_t)(200 - i);
+    uint8_t dg[32], ref[32];
+    kv_ring_auth_digest('C', ID, pk2, ch, pk, a.nonce, dg);
+    uint8_t text[20 + 1 + 64 + 128];
+    memcpy(text, "kvasir-ring-auth-v1\n", 20);
+    text[20] = 'C';
+    memcpy(text + 21, ID, 64);
+    memcpy(text + 85, pk2, 32);
+    memcpy(text + 117, ch, 32);
+    memcpy(text + 149, pk, 32);
+    memcpy(text + 181, a.nonce, 32);
+    crypto_hash_sha256(ref, text, sizeof text);
+    ASSERT_TRUE(!memcmp(dg, ref, 32));
+    kv_ring_auth_digest('A', ID, pk2, ch, pk, a.nonce, ref);
+    ASSERT_TRUE(memcmp(dg, ref, 32)); /* the roles sign different texts */
+    kv_dispatch_sign(sk, dg, a.sig);
+    ASSERT_EQ(kv_dispatch_verify(pk, dg, a.sig), 0);
+    ASSERT_EQ(kv_dispatch_verify(pk2, dg, a.sig), KV_EAUTH);
+    ASSERT_EQ(kv_dispatch_verify(pk, ref, a.sig), KV_EAUTH);
+    size_t n;
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 128);
+    ASSERT_EQ(buf[6], KV_RING_AUTH);
+    ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER, pk, 32) && !memcmp(buf + KV_RING_HEADER + 64, a.sig, 64));
+    kv_ring_msg m;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_TRUE(!memcmp(m.u.auth.sig, a.sig, 64) && !memcmp(m.u.auth.nonce, a.nonce, 32));
+    check_truncations(buf, n);
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_CHALLENGE, &a, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 64);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &a, &n, NULL), 0);
+    ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER, a.sig, 64));
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_PROBE, &a, &n, NULL), KV_EINVAL);
+}
+
+/* ---- the layer-window forward pass ---------------------------------------------- */
+
+static char g_dir[200];
+
+static void window_case(const char *arch) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/%s.gguf", g_dir, arch);
+    kv_diag d = {0};
+    kv_gen_config c;
+    if (!strcmp(arch, "qwen3moe")) {
+        ASSERT_EQ(kv_gen_preset_get("tiny", &c, &d), 0);
+        c.n_layer = 4; c.n_embd = 64; c.n_ff_exp = 32; c.n_expert = 8; c.n_expert_used = 2;
+        c.n_head = 4; c.n_head_kv = 2; c.head_dim = 16; c.n_vocab = 512; c.type = KV_TYPE_Q8_0;
+        c.n_ctx = 128; c.seed = 3;
+    } else {
+        c = (kv_gen_config){.arch = "qwen35moe", .n_layer = 4, .n_embd = 64, .n_ff_exp = 32, .n_expert = 8,
+                            .n_expert_used = 2, .n_head = 4, .n_head_kv = 2, .head_dim = 16, .n_vocab = 512,
+                            .n_ctx = 128, .type = KV_TYPE_F32, .seed = 5, .full_attn_interval = 2,
+                            .ssm_d_state = 8, .ssm_n_group = 2, .ssm_dt_rank = 4, .n_rot = 8,
+                            .rope_sections = {2, 1, 1, 0}, .n_nextn = 1, .n_ff_shexp = 24};
+        kv_gen_fill_defaults(&c);
+    }
+    c.n_threads = 1;
+    c.log = NULL;
+    if (kv_gen_model(&c, path, &d)) {
+        KVT_FAIL("gen %s: %s", arch, d.msg);
+        return;
+    }
+    kv_pool *pool = NULL;
+    ASSERT_EQ(kv_pool_new(&pool, 1, &d), 0);
+    kv_model *full = NULL, *w[3] = {NULL, NULL, NULL};
+    const uint32_t win[3][2] = {{0, 0}, {1, 2}, {3, 3}};
+    ASSERT_EQ(kv_model_load(&full, path, &d), 0);
+    for (int i = 0; i < 3; i++) {
+        kv_model_opts o = {.window = true, .layer_first = win[i][0], .layer_last = win[i][1]};
+        ASSERT_EQ(kv_model_load_ex(&w[i], path, &o, &d), 0);
+    }
+    kv_model_opts bad = {.window = true, .layer_first = 2, .layer_last = 4};
+    kv_model *wb = NULL;
+    ASSERT_EQ(kv_model_load_ex(&wb, path, &bad, &d), KV_EINVAL);
+    if (!full || !w[0] || !w[1] || !w[2]) goto out;
+    /* the windows together hold the model's trunk, the middle one neither embedding nor head */
+    ASSERT_TRUE(kv_model_weight_bytes(w[1]) < kv_model_weight_bytes(full));
+    ASSERT_TRUE(kv_model_weight_bytes(w[0]) + kv_model_weight_bytes(w[1]) + kv_model_weight_bytes(w[2]) <=
+                kv_model_weight_bytes(full) + (uint64_t)c.n_vocab * c.n_embd * 4 /* a tied head counted twice */);
+    kv_state *sf = NULL, *sw[3] = {NULL, NULL, NULL};
+    const kv_state_opts so = {.n_ctx = 64, .n_batch = 8, .n_seq = 2};
+    ASSERT_EQ(kv_state_new(&sf, full, pool, &so, &d), 0);
+    for (int i = 0; i < 3; i++) ASSERT_EQ(kv_state_new(&sw[i], w[i], pool, &so, &d), 0);
+    /* a middle window cannot embed, a first one has no head */
+    const int32_t t0 = 1;
+    const uint32_t s0 = 0, o0 = 0;
+    float *lg = malloc(c.n_vocab * sizeof(float) * 2), *lw = malloc(c.n_vocab * sizeof(float) * 2);
+    float *x1 = malloc(8 * c.n_embd * sizeof(float)), *x2 = malloc(8 * c.n_embd * sizeof(float));
+    ASSERT_EQ(kv_state_batch_window(sw[1], &t0, NULL, &s0, 1, &o0, 0, NULL, x1, &d), KV_EINVAL);
+    ASSERT_EQ(kv_state_batch_window(sw[0], &t0, NULL, &s0, 1, &o0, 1, lg, NULL, &d), KV_EINVAL);
+    /* a prompt chunk of sequence 0 beside a decode token of sequence 1, then steps */
+    int32_t tok[6] = {3, 17, 101, 7, 256, 9};
+    uint32_t seq[6] = {0, 0, 0, 0, 0, 1};
+    for (int step = 0; step < 5; step++) {
+        const uint32_t nt = step == 0 ? 6 : 2;
+        uint32_t out[2] = {nt == 6 ? 4u : 0u, nt == 6 ? 5u : 1u};
+        if (step) {
+            seq[0] = 0;
+            seq[1] = 1;
+        }
+        ASSERT_EQ(kv_state_batch(sf, tok, seq, nt, out, 2, lg, &d), 0);
+        ASSERT_EQ(kv_state_batch_window(sw[0], tok, NULL, seq, nt, out, 0, NULL, x1, &d), 0);
+        ASSERT_EQ(kv_state_batch_window(sw[1], NULL, x1, seq, nt, out, 0, NULL, x2, &d), 0);
+        ASSERT_EQ(kv_state_batch_window(sw[2], NULL, x2, seq, nt, out, 2, lw, NULL, &d), 0);
+        ASSERT_TRUE(!memcmp(lg, lw, 2 * c.n_vocab * sizeof(float)));
+        /* greedy next tokens */
+        for (int k = 0; k < 2; k++) {
+            int best = 0;
+            for (uint32_t v = 1; v < c.n_vocab; v++)
+                if (lg[k * c.n_vocab + v] > lg[k * c.n_vocab + best]) best = (int)v;
+            tok[k] = best;
+        }
+    }
+    ASSERT_EQ(kv_state_pos_seq(sw[1], 0), kv_state_pos_seq(sf, 0));
+    kv_state_mem mf, mm;
+    kv_state_get_mem(sf, &mf);
+    kv_state_get_mem(sw[1], &mm);
+    ASSERT_TRUE(mm.n_attn_layers < mf.n_attn_layers || mf.n_attn_layers == 0); /* caches for its own layers only */
+    free(lg);
+    free(lw);
+    free(x1);
+    free(x2);
+    kv_state_free(sf);
+    for (int i = 0; i < 3; i++) kv_state_free(sw[i]);
+out:
+    kv_model_free(full);
+    for (int i = 0; i < 3; i++) kv_model_free(w[i]);
+    kv_pool_free(pool);
+    unlink(path);
+}
+
+static void test_window_qwen3moe(void) { window_case("qwen3moe"); }
+static void test_window_qwen35moe(void) { window_case("qwen35moe"); }
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_header_layout), KVT_CASE(test_hello), KVT_CASE(test_hidden), KVT_CASE(test_start_submit_token),
+    KVT_CASE(test_auth),
+    KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
+};
+
+int main(int argc, char **argv) {
+    snprintf(g_dir, sizeof g_dir, "%s/kv_ring_test_%d", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
+    mkdir(g_dir, 0755);
+    int rc = kvt_run(argc, argv, cases, KVT_N(cases));
+    rmdir(g_dir);
+    return rc;
+}
