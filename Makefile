@@ -67,7 +67,7 @@ test-arm: arm
 	@$(MAKE) --no-print-directory build
 	@cd $(ARM_BUILD) && KV_REQUIRE_BACKENDS=neon,neondot ctest --output-on-failure -j$(JOBS) -E '^test_(fuzz|worker)$$'
 	@cd $(BUILD) && KV_ARM_BIN=$(abspath $(ARM_BUILD))/kvasir KV_REQUIRE_ARM=1 KV_ARM_FULL=1 \
-	  ctest --output-on-failure -R '^test_(arm|xcheck|mixed)$$'
+	  ctest --output-on-failure -R '^test_(arm|arm_budget|xcheck|mixed|opencl)$$'
 
 # a 256 MiB ARM node (emulated) in a swarm of a 428 MB model: slabs held,
 # peak resident memory, a byte-identical decode (docs/BENCHMARKS.md)
