@@ -105,7 +105,18 @@ for k in $(seq 0 $((nb - 1))); do
   jq -e --arg b "${bes[$k]}" '[.dispatch.workers[] | select(.backend == $b and .pairs > 0)] | length == 1' \
     "$dir/mixed.json" >/dev/null || fail "mixed: backend ${bes[$k]} computed nothing: $(jq -c .dispatch.workers "$dir/mixed.json")"
 done
-echo "ok: mixed swarm equals the local run byte for byte: $(jq -c '[.dispatch.workers[] | {backend, pairs}]' "$dir/mixed.json")"
+# which backend computed each expert of each step: one row per engine step;
+# its per-worker counts add up to each worker's total, its per-backend counts
+# to the step's, and the backends are the ones the workers announced
+jq -e '.dispatch as $d | ($d.steps | length) == .engine.steps and
+    ([range($d.workers | length) as $i | ([$d.steps[].workers[$i]] | add) == $d.workers[$i].pairs] | all) and
+    ([$d.steps[] | (.backends | [.[]] | add // 0) == ((.workers | add) + .local)] | all) and
+    ([$d.steps[].workers[]] | add) == $d.pairs_remote and
+    ([$d.steps[].backends | keys[]] | unique) == ([$d.workers[] | select(.pairs > 0) | .backend] | unique) and
+    ([$d.steps[] | select((.workers | add) > 0)] | length) > 1' "$dir/mixed.json" >/dev/null ||
+  fail "mixed: per-step backends do not add up: $(jq -c '[.engine.steps, .dispatch.steps]' "$dir/mixed.json")"
+echo "ok: mixed swarm equals the local run byte for byte: $(jq -c '[.dispatch.workers[] | {backend, pairs}]' "$dir/mixed.json");" \
+  "step 1 by backend: $(jq -c '.dispatch.steps[0].backends' "$dir/mixed.json")"
 for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
 wait 2>/dev/null || true
 pids=()

@@ -102,8 +102,84 @@ static size_t kv_utf8_clean(const char *in, size_t n, char *out) {
     return o;
 }
 
+/* --json with workers: which worker (so which backend) computed how many
+ * experts in each engine step, from the deltas of each worker's answered
+ * pairs and of the pairs computed here (docs/NUMERICS.md). */
+typedef struct kv_run_steplog {
+    uint32_t nw;       /* workers at the start (a run adds none) */
+    uint64_t *prev;    /* [nw + 1] totals after the last step (last: local) */
+    uint64_t *rows;    /* [n][nw + 1] per step */
+    size_t n, cap;
+    bool oom;
+} kv_run_steplog;
+
+static void kv_run_steplog_take(kv_run_steplog *l, const kv_remote *r) {
+    if (l->oom || !l->prev) return;
+    if (l->n == l->cap) {
+        const size_t cap = l->cap ? l->cap * 2 : 64;
+        uint64_t *nr = realloc(l->rows, cap * (l->nw + 1) * sizeof *nr);
+        if (!nr) {
+            l->oom = true;
+            return;
+        }
+        l->rows = nr;
+        l->cap = cap;
+    }
+    uint64_t *row = l->rows + l->n * (l->nw + 1);
+    for (uint32_t i = 0; i < l->nw; i++) {
+        kv_remote_worker w;
+        kv_remote_worker_info(r, i, &w);
+        row[i] = w.pairs - l->prev[i];
+        l->prev[i] = w.pairs;
+    }
+    kv_remote_stats st;
+    kv_remote_get_stats(r, &st);
+    row[l->nw] = st.pairs_local - l->prev[l->nw];
+    l->prev[l->nw] = st.pairs_local;
+    l->n++;
+}
+
+/* ,"steps":[{"workers":[n per worker],"local":n,"backends":{"name":n,...}}] */
+static void kv_run_steplog_json(const kv_run_steplog *l, const kv_remote *r) {
+    if (!l->prev || l->oom) return;
+    char (*be)[sizeof(((kv_remote_worker *)0)->backend)] = calloc(l->nw ? l->nw : 1, sizeof *be);
+    if (!be) return;
+    for (uint32_t i = 0; i < l->nw; i++) {
+        kv_remote_worker w;
+        kv_remote_worker_info(r, i, &w);
+        memcpy(be[i], w.backend, sizeof be[i]);
+        be[i][sizeof be[i] - 1] = 0;
+    }
+    printf(",\"steps\":[");
+    for (size_t k = 0; k < l->n; k++) {
+        const uint64_t *row = l->rows + k * (l->nw + 1);
+        printf("%s{\"workers\":[", k ? "," : "");
+        for (uint32_t i = 0; i < l->nw; i++) printf("%s%llu", i ? "," : "", (unsigned long long)row[i]);
+        printf("],\"local\":%llu,\"backends\":{", (unsigned long long)row[l->nw]);
+        bool first = true;
+        for (uint32_t i = 0; i < l->nw; i++) {
+            bool seen = false; /* one key per backend name: its workers summed */
+            for (uint32_t j = 0; j < i && !seen; j++) seen = !strcmp(be[j], be[i]);
+            if (seen) continue;
+            uint64_t sum = 0;
+            for (uint32_t j = i; j < l->nw; j++) sum += strcmp(be[j], be[i]) ? 0 : row[j];
+            if (!sum) continue;
+            printf("%s", first ? "" : ",");
+            kv_json_str(stdout, be[i], strlen(be[i]));
+            printf(":%llu", (unsigned long long)sum);
+            first = false;
+        }
+        if (row[l->nw]) {
+            printf("%s\"local:%s\":%llu", first ? "" : ",", kv_quant_backend(), (unsigned long long)row[l->nw]);
+        }
+        printf("}}");
+    }
+    printf("]");
+    free(be);
+}
+
 /* "dispatch":{...} for --json: per-layer round trip and each worker's work. */
-static void kv_run_dispatch_json(const kv_remote *r) {
+static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
     kv_remote_stats st;
     kv_remote_get_stats(r, &st);
     printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
@@ -130,7 +206,9 @@ static void kv_run_dispatch_json(const kv_remote *r) {
         kv_json_str(stdout, w.last_error, strlen(w.last_error));
         printf("}");
     }
-    printf("]}");
+    printf("]");
+    kv_run_steplog_json(sl, r);
+    printf("}");
 }
 
 /* --verbose: the same on stderr, one line per worker. */
@@ -380,6 +458,7 @@ int kv_cmd_run(int argc, char **argv) {
     char *ptext = NULL, *chat_text = NULL, *out_text = NULL, *clean = NULL;
     int32_t *ids = NULL, *gen = NULL;
     FILE *lf = NULL;
+    kv_run_steplog steplog = {0};
     size_t n_ids = 0, out_len = 0, out_cap = 0;
 
     if (pfile) {
@@ -450,8 +529,15 @@ int kv_cmd_run(int argc, char **argv) {
     if (!out_text || !gen) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
     if (logits_path && !(lf = fopen(logits_path, "wb"))) { rc = kv_cli_err(CMD, 2, "cannot write '%s'", logits_path); goto done; }
     size_t n_gen = 0;
+    if (json && remote) {
+        steplog.nw = kv_remote_n_workers(remote);
+        steplog.prev = calloc(steplog.nw + 1, sizeof *steplog.prev);
+        if (steplog.prev) kv_run_steplog_take(&steplog, remote); /* the totals before the first step */
+        steplog.n = 0;
+    }
     while (kv_engine_busy(eng)) {
         if ((rc = kv_engine_step(eng, &d)) < 0) { rc = kv_cli_diag(CMD, &d); goto done; }
+        if (json && remote) kv_run_steplog_take(&steplog, remote);
         if (kv_session_status(ses) == KV_SESSION_FAILED) {
             kv_session_error(ses, &d);
             rc = kv_cli_diag(CMD, &d);
@@ -506,7 +592,7 @@ int kv_cmd_run(int argc, char **argv) {
                (unsigned long long)es.tokens_prefill, (unsigned long long)es.tokens_decode, es.t_prefill_s, es.t_decode_s,
                kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes,
                (unsigned long long)es.mem.recurrent_bytes);
-        if (remote) kv_run_dispatch_json(remote);
+        if (remote) kv_run_dispatch_json(remote, &steplog);
         printf("}\n");
     } else {
         printf("\n");
@@ -538,5 +624,7 @@ done:
     kv_engine_free(eng);
     kv_node_workers_free(hub_workers, n_hub_workers);
     kv_cli_auth_free(&auth);
+    free(steplog.prev);
+    free(steplog.rows);
     return rc;
 }
