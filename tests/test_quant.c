@@ -586,6 +586,10 @@ static void test_attn_vec(void) {
     float *V = malloc(sizeof(float) * stride * 33), *w = malloc(sizeof(float) * 33);
     float *q = malloc(sizeof(float) * 256), *o = malloc(sizeof(float) * 260);
     float *want = malloc(sizeof(float) * 260);
+    float *Q = malloc(sizeof(float) * 260 * 9), *Y = malloc(sizeof(float) * 40 * 9);
+    float *WQ = malloc(sizeof(float) * 40 * 9), *O = malloc(sizeof(float) * 264 * 9);
+    fill_gauss(Q, 260 * 9, 1.0f);
+    fill_gauss(WQ, 40 * 9, 0.3f);
     fill_gauss(V, (int64_t)stride * 33, 1.0f);
     fill_gauss(w, 33, 0.3f);
     fill_gauss(q, 256, 1.0f);
@@ -614,12 +618,46 @@ static void test_attn_vec(void) {
                     if (f2u(d * 0.125f) != f2u(o[p])) bad++;
                 }
                 for (int p = nr; p < nr + 4; p++) bad += o[p] != -7.f;
+                /* several queries at once (attention units): the F32 mat
+                 * kernel with up to 9 query rows (every zmm pair and an odd
+                 * last one), each score the documented dot; and the shared-V
+                 * weighted sums, fresh and continued, each element its own
+                 * query's fma chain */
+                for (int nq = 1; nq <= 9; nq++) {
+                    const size_t ys = 40;
+                    for (size_t i = 0; i < (size_t)nq * ys; i++) Y[i] = -7.f;
+                    kv_mat_rows(KV_TYPE_F32, V, stride * sizeof(float), n, 0, nr, Q, 260 * sizeof(float), nq, Y, ys);
+                    for (int j = 0; j < nq; j++) {
+                        for (int p = 0; p < nr; p++) {
+                            float l[8] = {0};
+                            for (int i = 0; i < n; i++)
+                                l[i & 7] = fmaf(V[(size_t)p * stride + i], Q[(size_t)j * 260 + i], l[i & 7]);
+                            float d = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+                            if (f2u(d) != f2u(Y[(size_t)j * ys + p])) bad++;
+                        }
+                        for (int p = nr; p < (int)ys; p++) bad += Y[(size_t)j * ys + p] != -7.f;
+                    }
+                    for (int acc0 = 0; acc0 < 2; acc0++) {
+                        for (size_t i = 0; i < (size_t)nq * 264; i++) O[i] = acc0 ? 0.25f * (float)(i % 13) - 1.f : -7.f;
+                        kv_f32_wsum_rows_multi(O, 264, WQ, 40, nq, V, stride, nr, n, acc0);
+                        for (int j = 0; j < nq; j++) {
+                            for (int i = 0; i < n; i++) {
+                                float acc = acc0 ? 0.25f * (float)(((size_t)j * 264 + (size_t)i) % 13) - 1.f : 0.0f;
+                                for (int p = 0; p < nr; p++)
+                                    acc = fmaf(WQ[(size_t)j * 40 + p], V[(size_t)p * stride + i], acc);
+                                if (f2u(acc) != f2u(O[(size_t)j * 264 + i])) bad++;
+                            }
+                            for (int i = n; i < 264; i++)
+                                bad += O[(size_t)j * 264 + i] != (acc0 ? 0.25f * (float)(((size_t)j * 264 + (size_t)i) % 13) - 1.f : -7.f);
+                        }
+                    }
+                }
             }
         if (bad) KVT_FAIL("attention helpers backend %s: %d differ", bes[b], bad);
         kvt_checks++;
     }
     kv_quant_set_backend("scalar");
-    free(V); free(w); free(q); free(o); free(want);
+    free(V); free(w); free(q); free(o); free(want); free(Q); free(Y); free(WQ); free(O);
 }
 
 /* delta-rule step (quant/vec.h): every backend bit-identical to the

@@ -105,7 +105,19 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->ids = malloc(B * K * sizeof(int32_t));
     s->wts = malloc(B * K * sizeof(float));
     s->eo = malloc(B * K * E * sizeof(float));
-    s->scores = malloc(NT * o.n_ctx * sizeof(float));
+    /* attention units: the query heads of one KV head (and up to 16 query
+     * rows of consecutive tokens) share each K/V row load; the score rows
+     * of a unit are bounded to 16 MiB per thread */
+    const uint32_t gqa = hp->n_head_kv ? hp->n_head / hp->n_head_kv : 1;
+    s->att_heads = gqa;
+    s->att_tok = gqa < 16 ? 16 / gqa : 1;
+    while (s->att_tok > 1 && (uint64_t)s->att_tok * s->att_heads * o.n_ctx * 4 > ((uint64_t)16 << 20)) s->att_tok /= 2;
+    while (s->att_heads > 1 && s->att_heads % 2 == 0 && (uint64_t)s->att_heads * o.n_ctx * 4 > ((uint64_t)16 << 20))
+        s->att_heads /= 2;
+    const size_t AQ = (size_t)s->att_tok * s->att_heads;
+    s->scores = malloc(NT * AQ * o.n_ctx * sizeof(float));
+    s->att_qbuf = malloc(NT * AQ * hp->head_dim * sizeof(float));
+    s->att_grp = malloc((B + 1) * sizeof *s->att_grp);
     s->pos = calloc(o.n_seq, sizeof *s->pos);
     s->tok_seq = malloc(B * sizeof *s->tok_seq);
     s->tok_pos = malloc(B * sizeof *s->tok_pos);
@@ -113,7 +125,7 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->out_all = malloc(B * sizeof *s->out_all);
     s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
     if (!s->bad || !s->tainted || !s->arena || !s->seq_blk || !s->seq_nblk || !s->seq_cap || !s->kv_wide || !s->x || !s->xb || !s->q ||
-        !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores ||
+        !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->att_qbuf || !s->att_grp ||
         !s->scratch || !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all) {
         kv_state_free(s);
         return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
@@ -172,6 +184,8 @@ void kv_state_free(kv_state *s) {
     free(s->wts);
     free(s->eo);
     free(s->scores);
+    free(s->att_qbuf);
+    free(s->att_grp);
     free(s->scratch);
     free(s->pos);
     free(s->tok_seq);
@@ -303,60 +317,97 @@ void kv_cache_put(kv_state *s, uint32_t il, uint32_t T) {
 
 typedef struct kv_attn_job {
     kv_state *s;
-    uint32_t il, n_tok;
+    uint32_t il, n_grp;
 } kv_attn_job;
 
-/* Per (token, head): scores block by block (each a dot of its own, so the
- * split changes no bit), softmax over all, then the weighted sum of V rows
- * continued block to block in increasing position (the bits of one call
- * over contiguous rows). F16 rows are widened (exactly) to F32 first. */
+/* Rows [p0, p0+n) of K (v = 0) or V (v = 1) for KV head kvh of sequence
+ * seq, as F32 rows at *stride floats apart: the cache itself (F32) or
+ * widened (exactly) into buf (F16). */
+static const float *kv_attn_rows(const kv_state *s, uint32_t seq, uint32_t ai, int v, int64_t p0, int64_t n,
+                                 int64_t kvh, float *buf, size_t *stride) {
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t HD = hp->head_dim;
+    const size_t esz = s->kv_type == KV_TYPE_F16 ? 2 : 4;
+    const uint8_t *b = kv_cache_at(s, seq, ai, v, (uint32_t)p0) + (size_t)kvh * (size_t)HD * esz;
+    if (s->kv_type != KV_TYPE_F16) {
+        *stride = (size_t)hp->n_head_kv * (size_t)HD;
+        return (const float *)(const void *)b;
+    }
+    const kv_type_info *ti = kv_type_get(KV_TYPE_F16);
+    for (int64_t r = 0; r < n; r++) ti->to_float(b + (size_t)r * s->kv_row, buf + r * HD, HD);
+    *stride = (size_t)HD;
+    return buf;
+}
+
+/* One unit: the att_heads query heads h0.. (sharing KV head kvh) of the
+ * group's tokens (consecutive positions of one sequence). Per query the
+ * same arithmetic as one (token, head) alone: scores block by block, each
+ * a whole F32 dot (kv_mat_rows, keys as rows and the unit's queries as its
+ * tokens), then the rounded multiply by the scale; softmax over the
+ * token's own keys 0..pos; the weighted sum of V rows continued block to
+ * block in increasing position (kv_f32_wsum_rows_multi: each output
+ * element's fma chain is that query's alone). So the bits do not depend on
+ * how tokens and heads are grouped, nor on threads. */
+static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int64_t kvh, int64_t h0, int ith) {
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t HD = hp->head_dim, H = hp->n_head, NH = s->att_heads;
+    const float scale = 1.0f / sqrtf((float)HD);
+    const size_t SCS = s->n_ctx, AQ = (size_t)s->att_tok * s->att_heads;
+    float *sc = s->scores + (size_t)ith * AQ * SCS;
+    float *qb = s->att_qbuf + (size_t)ith * AQ * (size_t)HD;
+    float *wide = s->kv_wide + (size_t)ith * 2 * KV_BLOCK * (size_t)HD;
+    const uint32_t seq = s->tok_seq[t0];
+    const int64_t pos0 = s->tok_pos[t0], maxkv = (int64_t)s->tok_pos[t0 + nt - 1] + 1;
+    for (uint32_t u = 0; u < nt; u++)
+        memcpy(qb + (size_t)u * NH * HD, s->q + (size_t)(t0 + u) * (size_t)(H * HD) + (size_t)h0 * (size_t)HD,
+               (size_t)(NH * HD) * sizeof(float));
+    /* scores: token u attends keys 0..pos0+u; a block's rows past that are
+     * computed for the rows' sake and never read */
+    for (int64_t p0 = 0; p0 < maxkv; p0 += KV_BLOCK) {
+        const int64_t n = maxkv - p0 < KV_BLOCK ? maxkv - p0 : KV_BLOCK;
+        const uint32_t ulo = p0 > pos0 ? (uint32_t)(p0 - pos0) : 0; /* tokens with a key in this block */
+        size_t ks;
+        const float *K = kv_attn_rows(s, seq, ai, 0, p0, n, kvh, wide, &ks);
+        kv_mat_rows(KV_TYPE_F32, K, ks * sizeof(float), HD, 0, n, qb + (size_t)ulo * NH * HD,
+                    (size_t)HD * sizeof(float), (int64_t)(nt - ulo) * NH, sc + (size_t)ulo * NH * SCS + p0,
+                    SCS);
+    }
+    for (uint32_t u = 0; u < nt; u++) {
+        const int64_t n_kv = pos0 + u + 1;
+        for (int64_t j = 0; j < NH; j++) {
+            float *row = sc + ((size_t)u * NH + (size_t)j) * SCS;
+            for (int64_t p = 0; p < n_kv; p++) row[p] *= scale;
+            kv_softmax(row, n_kv);
+        }
+    }
+    for (int64_t p0 = 0; p0 < maxkv; p0 += KV_BLOCK) {
+        const int64_t n = maxkv - p0 < KV_BLOCK ? maxkv - p0 : KV_BLOCK;
+        size_t vs;
+        const float *V = kv_attn_rows(s, seq, ai, 1, p0, n, kvh, wide + KV_BLOCK * HD, &vs);
+        for (uint32_t u = 0; u < nt; u++) {
+            const int64_t n_kv = pos0 + u + 1;
+            if (n_kv <= p0) continue;
+            const int64_t m = n_kv - p0 < n ? n_kv - p0 : n;
+            float *o = s->att + (size_t)(t0 + u) * (size_t)(H * HD) + (size_t)h0 * (size_t)HD;
+            kv_f32_wsum_rows_multi(o, (size_t)HD, sc + (size_t)u * NH * SCS + p0, SCS, NH, V, vs, m, HD, p0 != 0);
+        }
+    }
+}
+
+/* Units (token group, KV head, head slice) dealt round-robin to the
+ * threads, so the long-context groups of a chunk's end are shared. */
 static void kv_attn_worker(void *arg, int ith, int nth) {
     kv_attn_job *j = arg;
     kv_state *s = j->s;
     const kv_hparams *hp = &s->m->hp;
-    const int64_t HD = hp->head_dim, H = hp->n_head, KVD = (int64_t)hp->n_head_kv * HD;
-    const int64_t gqa = hp->n_head / hp->n_head_kv;
-    const float scale = 1.0f / sqrtf((float)HD);
+    const int64_t gqa = hp->n_head / hp->n_head_kv, slices = gqa / s->att_heads;
     const uint32_t ai = (uint32_t)s->attn_of[j->il];
-    const bool f16 = s->kv_type == KV_TYPE_F16;
-    const kv_type_info *ti = f16 ? kv_type_get(KV_TYPE_F16) : NULL;
-    const size_t esz = f16 ? 2 : 4;
-    float *sc = s->scores + (size_t)ith * s->n_ctx;
-    float *wide = s->kv_wide + (size_t)ith * 2 * KV_BLOCK * (size_t)HD;
-    long lo, hi;
-    kv_pool_split((long)j->n_tok * H, ith, nth, &lo, &hi);
-    for (long w = lo; w < hi; w++) {
-        const int64_t t = w / H, h = w % H, kvh = h / gqa;
-        const uint32_t seq = s->tok_seq[t];
-        const int64_t n_kv = (int64_t)s->tok_pos[t] + 1; /* causal: keys 0..pos of its sequence */
-        const float *q = s->q + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
-        float *o = s->att + (size_t)t * (size_t)(H * HD) + (size_t)h * (size_t)HD;
-        /* fixed order per output element (quant/vec.h): never depends on threads */
-        for (int64_t p0 = 0; p0 < n_kv; p0 += KV_BLOCK) {
-            const int64_t n = n_kv - p0 < KV_BLOCK ? n_kv - p0 : KV_BLOCK;
-            const uint8_t *kb = kv_cache_at(s, seq, ai, 0, (uint32_t)p0) + (size_t)kvh * (size_t)HD * esz;
-            if (f16) {
-                for (int64_t r = 0; r < n; r++) ti->to_float(kb + (size_t)r * s->kv_row, wide + r * HD, HD);
-                kv_f32_dot_rows(q, wide, (size_t)HD, n, HD, scale, sc + p0);
-            } else {
-                kv_f32_dot_rows(q, (const float *)kb, (size_t)KVD, n, HD, scale, sc + p0);
-            }
-        }
-        kv_softmax(sc, n_kv);
-        for (int64_t p0 = 0; p0 < n_kv; p0 += KV_BLOCK) {
-            const int64_t n = n_kv - p0 < KV_BLOCK ? n_kv - p0 : KV_BLOCK;
-            const uint8_t *vb = kv_cache_at(s, seq, ai, 1, (uint32_t)p0) + (size_t)kvh * (size_t)HD * esz;
-            const float *rows = (const float *)vb;
-            size_t stride = (size_t)KVD;
-            if (f16) {
-                float *wv = wide + KV_BLOCK * HD;
-                for (int64_t r = 0; r < n; r++) ti->to_float(vb + (size_t)r * s->kv_row, wv + r * HD, HD);
-                rows = wv;
-                stride = (size_t)HD;
-            }
-            if (p0 == 0) kv_f32_wsum_rows(o, sc, rows, stride, n, HD);
-            else kv_f32_wsum_rows_acc(o, sc + p0, rows, stride, n, HD);
-        }
+    const long n_units = (long)j->n_grp * hp->n_head_kv * slices;
+    for (long w = ith; w < n_units; w += nth) {
+        const long g = w / (hp->n_head_kv * slices), r = w % (hp->n_head_kv * slices);
+        const int64_t kvh = r / slices, h0 = kvh * gqa + (r % slices) * s->att_heads;
+        const uint32_t t0 = s->att_grp[g];
+        kv_attn_unit(s, ai, t0, s->att_grp[g + 1] - t0, kvh, h0, ith);
     }
 }
 
@@ -414,7 +465,16 @@ int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_di
 }
 
 void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok) {
-    kv_attn_job aj = {s, il, n_tok};
+    /* token groups: up to att_tok consecutive positions of one sequence */
+    uint32_t ng = 0;
+    for (uint32_t t = 0; t < n_tok; t++) {
+        const uint32_t g0 = ng ? s->att_grp[ng - 1] : 0;
+        if (!ng || t - g0 >= s->att_tok || s->tok_seq[t] != s->tok_seq[t - 1] ||
+            s->tok_pos[t] != s->tok_pos[t - 1] + 1)
+            s->att_grp[ng++] = t;
+    }
+    s->att_grp[ng] = n_tok;
+    kv_attn_job aj = {s, il, ng};
     kv_pool_run(s->pool, kv_attn_worker, &aj);
 }
 

@@ -71,7 +71,11 @@ struct kv_state {
     int32_t *ids;          /* [max_tok][n_expert_used] */
     float *wts;            /* [max_tok][n_expert_used] */
     float *eo;             /* [max_tok][n_expert_used][n_embd] expert outputs */
-    float *scores;         /* [n_threads][n_ctx] attention scores per thread */
+    float *scores;         /* [n_threads][att_tok*att_heads][n_ctx] attention scores per thread */
+    float *att_qbuf;       /* [n_threads][att_tok*att_heads][head_dim] one unit's queries, gathered */
+    uint32_t *att_grp;     /* [max_tok+1] start of each attention token group (this call) */
+    uint32_t att_tok;      /* tokens per attention unit (consecutive positions of one sequence) */
+    uint32_t att_heads;    /* query heads per attention unit (of the n_head/n_head_kv sharing a KV head) */
     float *hout;           /* [max_tok][n_embd] final-normed rows whose logits are wanted */
     void *scratch;         /* matmul activation scratch */
     struct kv_q35_state *q35; /* qwen35moe: recurrent state and buffers (qwen35.c), else NULL */
@@ -121,7 +125,8 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d);
 /* y = rmsnorm(x) * w over n elements, as ggml: sum of squares in double,
  * scale = 1/sqrtf(mean + eps), y[i] = (x[i]*scale) * w[i]. */
 void kv_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps);
-/* In-place softmax as ggml: max, exp(x-max) summed in double, times 1/sum. */
+/* In-place softmax as ggml: max, exp(x-max) summed in double (8 lanes, i % 8,
+ * then a fixed tree: ops.c), times 1/sum. */
 void kv_softmax(float *x, int64_t n);
 /* NeoX RoPE on one head of head_dim floats at position pos. */
 void kv_rope_neox(float *x, int64_t head_dim, int64_t n_rot, int32_t pos, float freq_base,

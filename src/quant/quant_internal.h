@@ -178,6 +178,14 @@ void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_strid
 void kv_f32_wsum_neon(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                       int64_t n, int acc); /* aarch64 only */
 
+/* kv_f32_wsum_rows_multi per backend (quant/vec.h). */
+typedef void (*kv_wsum_multi_fn)(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
+                                 const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc);
+void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
+                            const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc);
+void kv_f32_wsum_multi_avx512(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
+                              const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc);
+
 /* kv_f32_delta_rows per backend (quant/vec.h). */
 typedef void (*kv_delta_fn)(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
                             const float *q, const float *v, float decay, float beta, float scale,

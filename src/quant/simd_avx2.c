@@ -384,6 +384,39 @@ void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride,
     }
 }
 
+/* Several queries' weighted sums over the same V rows (quant/vec.h): the
+ * fma chain of kv_f32_wsum_avx2 per element, each V load shared by up to
+ * 4 queries (16 columns x 4 queries = 8 ymm accumulators). */
+void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
+                            const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc0) {
+    int64_t q0 = 0;
+    for (; q0 + 4 <= n_q && n >= 16; q0 += 4) {
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            __m256 acc[4][2];
+            UNROLL for (int j = 0; j < 4; j++) UNROLL for (int k = 0; k < 2; k++) acc[j][k] =
+                acc0 ? _mm256_loadu_ps(o + (size_t)(q0 + j) * o_stride + i + 8 * k) : _mm256_setzero_ps();
+            for (int64_t p = 0; p < n_rows; p++) {
+                const float *v = V + (size_t)p * v_stride + i;
+                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+                UNROLL for (int j = 0; j < 4; j++) {
+                    const __m256 wp = _mm256_broadcast_ss(w + (size_t)(q0 + j) * w_stride + p);
+                    acc[j][0] = _mm256_fmadd_ps(wp, v0, acc[j][0]);
+                    acc[j][1] = _mm256_fmadd_ps(wp, v1, acc[j][1]);
+                }
+            }
+            UNROLL for (int j = 0; j < 4; j++) UNROLL for (int k = 0; k < 2; k++)
+                _mm256_storeu_ps(o + (size_t)(q0 + j) * o_stride + i + 8 * k, acc[j][k]);
+        }
+        if (i < n)
+            for (int j = 0; j < 4; j++)
+                kv_f32_wsum_avx2(o + (size_t)(q0 + j) * o_stride + i, w + (size_t)(q0 + j) * w_stride, V + i,
+                                 v_stride, n_rows, n - i, acc0);
+    }
+    for (; q0 < n_q; q0++)
+        kv_f32_wsum_avx2(o + (size_t)q0 * o_stride, w + (size_t)q0 * w_stride, V, v_stride, n_rows, n, acc0);
+}
+
 /* ================================================================== */
 /* gated delta-rule step (quant/vec.h): rows in groups of 4 for ILP, each
  * row's dots in one 8-lane accumulator (lane i%8, fma in increasing i, then

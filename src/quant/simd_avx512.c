@@ -1,6 +1,6 @@
 /* AVX-512 (F/BW/VL/DQ/VNNI) kernels; only called after run-time detection.
  * Same canonical reduction order as the reference (quant_internal.h), so
- * results are bit-identical to it and to AVX2. Types not here (the float
+ * results are bit-identical to it and to AVX2. Types not here (F16, BF16
  * types) inherit the AVX2 kernels.
  *
  * Q8_0 / Q4_0: one zmm holds two blocks, i.e. exactly the 16 canonical
@@ -870,6 +870,107 @@ static void q8z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int6
     }
 }
 
+/* F32 . F32, 8 canonical lanes (lane i%8, fma in increasing i, then
+ * kv_hsum8): one zmm carries two tokens' 8 lanes (token 2u low, 2u+1
+ * high) and each row's 8 values are broadcast to both halves, so per lane
+ * it is the ymm tile's fma chain and the bits are the same. An odd last
+ * token fills both halves (the high one is dropped). Tiles of up to 4 rows
+ * x 8 tokens (16 accumulators). Attention's scores are this kernel: keys as
+ * rows, the query heads sharing a KV head (and neighbouring tokens) as
+ * tokens. */
+AI void f32z_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
+                  float *out) {
+    const int TP = (TT + 1) / 2;
+    __m512 acc[4][4];
+    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) acc[r][u] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512 av[4];
+        UNROLL for (int u = 0; u < TP; u++) {
+            const float *a0 = (const float *)(const void *)(a + (size_t)(2 * u) * ab) + i;
+            const float *a1 = 2 * u + 1 < TT ? (const float *)(const void *)(a + (size_t)(2 * u + 1) * ab) + i : a0;
+            av[u] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a0)), _mm256_loadu_ps(a1), 1);
+        }
+        UNROLL for (int r = 0; r < RT; r++) {
+            const __m512 wv = _mm512_broadcast_f32x8(_mm256_loadu_ps((const float *)(const void *)(w + (size_t)r * rb) + i));
+            UNROLL for (int u = 0; u < TP; u++) acc[r][u] = _mm512_fmadd_ps(wv, av[u], acc[r][u]);
+        }
+    }
+    if (i == n) { /* kv_hsum8 of both halves at once: (l + l+4), (+ l+2), (+ l+1) */
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) {
+            __m512 v = acc[r][u];
+            v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+            v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+            v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+            out[r * TT + 2 * u] = _mm512_cvtss_f32(v);
+            if (2 * u + 1 < TT) out[r * TT + 2 * u + 1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(v, 2));
+        }
+        return;
+    }
+    for (int r = 0; r < RT; r++)
+        for (int t = 0; t < TT; t++) {
+            float l[16];
+            _mm512_storeu_ps(l, acc[r][t / 2]);
+            float *h = l + 8 * (t & 1);
+            const float *x = (const float *)(const void *)(w + (size_t)r * rb);
+            const float *y = (const float *)(const void *)(a + (size_t)t * ab);
+            for (int64_t k = i; k < n; k++) h[k & 7] = fmaf(x[k], y[k], h[k & 7]);
+            out[r * TT + t] = kv_hsum8(h);
+        }
+}
+
+static void f32z_dot(int64_t n, float *s, const void *w, const void *a) {
+    f32z_tile(1, 1, n, (const uint8_t *)w, 0, (const uint8_t *)a, 0, s);
+}
+
+#define f32z_TF(rt, tt, r, t, pf, o)                                                                \
+    f32z_tile(rt, tt, n, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride, a_stride, o)
+
+static void f32z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+                     size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
+    const int64_t nt = n_tok;
+    const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
+    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")
+    K_TILE_LOOP(f32z_TF, 4, 8, 4);
+    _Pragma("GCC diagnostic pop")
+}
+
+/* Several queries' weighted sums over the same V rows (quant/vec.h): per
+ * output element the same fma chain as kv_f32_wsum_avx512, with each V
+ * load shared by up to 4 queries (64 columns x 4 queries = 16 zmm). */
+void kv_f32_wsum_multi_avx512(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
+                              const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc0) {
+    int64_t q0 = 0;
+    for (; q0 + 4 <= n_q && n >= 64; q0 += 4) {
+        int64_t i = 0;
+        for (; i + 64 <= n; i += 64) {
+            __m512 acc[4][4];
+            UNROLL for (int j = 0; j < 4; j++) UNROLL for (int k = 0; k < 4; k++) acc[j][k] =
+                acc0 ? _mm512_loadu_ps(o + (size_t)(q0 + j) * o_stride + i + 16 * k) : _mm512_setzero_ps();
+            for (int64_t p = 0; p < n_rows; p++) {
+                const float *v = V + (size_t)p * v_stride + i;
+                const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                             v3 = _mm512_loadu_ps(v + 48);
+                UNROLL for (int j = 0; j < 4; j++) {
+                    const __m512 wp = _mm512_set1_ps(w[(size_t)(q0 + j) * w_stride + p]);
+                    acc[j][0] = _mm512_fmadd_ps(wp, v0, acc[j][0]);
+                    acc[j][1] = _mm512_fmadd_ps(wp, v1, acc[j][1]);
+                    acc[j][2] = _mm512_fmadd_ps(wp, v2, acc[j][2]);
+                    acc[j][3] = _mm512_fmadd_ps(wp, v3, acc[j][3]);
+                }
+            }
+            UNROLL for (int j = 0; j < 4; j++) UNROLL for (int k = 0; k < 4; k++)
+                _mm512_storeu_ps(o + (size_t)(q0 + j) * o_stride + i + 16 * k, acc[j][k]);
+        }
+        if (i < n)
+            for (int j = 0; j < 4; j++)
+                kv_f32_wsum_avx512(o + (size_t)(q0 + j) * o_stride + i, w + (size_t)(q0 + j) * w_stride,
+                                   V + i, v_stride, n_rows, n - i, acc0);
+    }
+    for (; q0 < n_q; q0++)
+        kv_f32_wsum_avx512(o + (size_t)q0 * o_stride, w + (size_t)q0 * w_stride, V, v_stride, n_rows, n, acc0);
+}
+
 /* attention weighted sum: o[i] = fma chain over p (quant/vec.h) */
 void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                         int64_t n, int acc0) {
@@ -894,6 +995,7 @@ void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_strid
 }
 
 void kv_quant_fill_avx512(kv_kernels *k) {
+    k[KV_TYPE_F32].vec_dot = f32z_dot;    k[KV_TYPE_F32].mat = f32z_mat;
     k[KV_TYPE_Q8_0].vec_dot = q8z_dot;    k[KV_TYPE_Q8_0].mat = q8z_mat;
     k[KV_TYPE_Q4_0].vec_dot = q4_0_dot;   k[KV_TYPE_Q4_0].mat = q4_0_mat;
     k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_mat;

@@ -70,6 +70,7 @@ static bool kv_be_ok[KV_BE_COUNT];
 static int kv_be_cur;
 static kv_wsum_fn kv_wsums[KV_BE_COUNT];
 static kv_delta_fn kv_deltas[KV_BE_COUNT];
+static kv_wsum_multi_fn kv_wsum_multis[KV_BE_COUNT]; /* NULL: one query at a time */
 static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
 #if defined(__aarch64__)
 static void kv_init_neon(void);
@@ -132,6 +133,7 @@ static void kv_init(void) {
         kv_build(KV_BE_AVX2, k);
         kv_be_ok[KV_BE_AVX2] = true;
         kv_wsums[KV_BE_AVX2] = kv_f32_wsum_avx2;
+        kv_wsum_multis[KV_BE_AVX2] = kv_f32_wsum_multi_avx2;
         kv_deltas[KV_BE_AVX2] = kv_f32_delta_avx2;
         kv_be_cur = KV_BE_AVX2;
     }
@@ -140,6 +142,7 @@ static void kv_init(void) {
         kv_build(KV_BE_AVX512, k);
         kv_be_ok[KV_BE_AVX512] = true;
         kv_wsums[KV_BE_AVX512] = kv_f32_wsum_avx512;
+        kv_wsum_multis[KV_BE_AVX512] = kv_f32_wsum_multi_avx512;
         kv_deltas[KV_BE_AVX512] = kv_f32_delta_avx2; /* ymm: the 8-lane order */
         kv_be_cur = KV_BE_AVX512;
     }
@@ -259,6 +262,22 @@ void kv_f32_wsum_rows_acc(float *o, const float *w, const float *V, size_t v_str
                           int64_t n) {
     kv_ensure();
     kv_wsums[kv_be_cur](o, w, V, v_stride, n_rows, n, 1);
+}
+
+void kv_f32_wsum_rows_multi(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
+                            const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc) {
+    kv_ensure();
+    if (n_q <= 0 || n_rows <= 0) {
+        if (!acc)
+            for (int64_t j = 0; j < n_q; j++) memset(o + (size_t)j * o_stride, 0, (size_t)n * sizeof(float));
+        return;
+    }
+    if (kv_wsum_multis[kv_be_cur]) {
+        kv_wsum_multis[kv_be_cur](o, o_stride, w, w_stride, n_q, V, v_stride, n_rows, n, acc);
+        return;
+    }
+    for (int64_t j = 0; j < n_q; j++)
+        kv_wsums[kv_be_cur](o + (size_t)j * o_stride, w + (size_t)j * w_stride, V, v_stride, n_rows, n, acc);
 }
 
 void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,

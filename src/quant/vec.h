@@ -30,6 +30,12 @@ void kv_f32_wsum_rows(float *o, const float *w, const float *V, size_t v_stride,
  * call over all the rows. */
 void kv_f32_wsum_rows_acc(float *o, const float *w, const float *V, size_t v_stride, int64_t n_rows,
                           int64_t n);
+/* n_q weighted sums over the same rows: query j's weights at w + j*w_stride,
+ * its output (n floats) at o + j*o_stride; each output element has the
+ * bits of kv_f32_wsum_rows (acc = 0) or kv_f32_wsum_rows_acc (acc = 1) of
+ * its query alone (the V loads are shared, the fma chains are not). */
+void kv_f32_wsum_rows_multi(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
+                            const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc);
 /* One delta-rule token step over n_rows state rows of n floats (row j at
  * S + j*n, written to D + j*n; D may equal S, else the two must not
  * overlap). k, q have n floats; v and o have n_rows. */
