@@ -172,6 +172,109 @@ AI __m256i q8_0_bytes(const kv_block_q8_0 *b) { return _mm256_loadu_si256((const
 Q80_TILE(q8_0_tile, kv_block_q8_0, q8_0_bytes)
 Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
 
+/* Q8_0 . Q8_0 for several tokens: the same 16 canonical lanes, but the
+ * even-block chain and the odd-block chain of each (row, token) run one
+ * after the other (they are independent), so a 2-row x 4-token tile keeps
+ * only 8 accumulators live. The 8 scale products dw_r * da_t of a block are
+ * one vector multiply (the same rounded float products), each then
+ * broadcast from the stack: per (row, token, block) the multiply pipes see
+ * maddubs, madd and the fma only. Activation scales are converted once per
+ * call (q8a_mat), block-major, so a tile's 4 tokens are one load. */
+#ifndef KV_Q8A_PF
+#define KV_Q8A_PF 8 /* rows ahead to prefetch */
+#endif
+AI void q8a_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
+                 const float *da, size_t ds, int pf, float *out) {
+    __m256 keep[2][4];
+    const __m256i ones = _mm256_set1_epi16(1);
+    UNROLL for (int par = 0; par < 2; par++) {
+        __m256 acc[2][4];
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
+        for (int64_t b = par; b < nb; b += 2) {
+            const kv_block_q8_0 *x0 = (const kv_block_q8_0 *)(const void *)w + b;
+            const kv_block_q8_0 *x1 = (const kv_block_q8_0 *)(const void *)(w + (RT > 1 ? rb : 0)) + b;
+            if (pf && par == 0) { /* the next row pair, while this one computes */
+                _mm_prefetch((const char *)(x0 + 0) + KV_Q8A_PF * rb, _MM_HINT_T0);
+                _mm_prefetch((const char *)(x0 + 0) + (KV_Q8A_PF + 1) * rb, _MM_HINT_T0);
+            }
+            _Alignas(32) float d8[8];
+            const __m256 dal = _mm256_broadcast_ps((const __m128 *)(const void *)(da + (size_t)b * ds));
+            const __m256 dwl = _mm256_set_m128(_mm_set1_ps(h2f(x1->d)), _mm_set1_ps(h2f(x0->d)));
+            _mm256_store_ps(d8, _mm256_mul_ps(dwl, dal));
+            __m256i xv[2], ax[2];
+            UNROLL for (int r = 0; r < RT; r++) {
+                xv[r] = _mm256_loadu_si256((const __m256i *)(const void *)(r ? x1 : x0)->qs);
+                ax[r] = _mm256_sign_epi8(xv[r], xv[r]);
+            }
+            UNROLL for (int t = 0; t < TT; t++) {
+                const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(a + (size_t)t * ab) + b;
+                const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)y->qs);
+                UNROLL for (int r = 0; r < RT; r++) {
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(yv, xv[r])), ones);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d8 + 4 * r + t), acc[r][t]);
+                }
+            }
+        }
+        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {
+            if (par == 0) keep[r][t] = acc[r][t];
+            else out[r * TT + t] = hsum_ps(_mm256_add_ps(keep[r][t], acc[r][t]));
+        }
+    }
+}
+
+/* Block-major activation scales for a chunk of tokens, 4 floats of padding. */
+#define KV_Q8A_PRE_FLOATS 8192
+
+#define Q8A_CASE(RT_, c)                                                                        \
+    case c:                                                                                     \
+        q8a_tile(RT_, c, nb, wb + (size_t)r * row_bytes, row_bytes, ab + (size_t)(t0 + t) * a_stride, \
+                 a_stride, da + t, (size_t)nt, j_ == 0, o);                                     \
+        for (int i_ = 0; i_ < (RT_); i_++)                                                      \
+            for (int j_ = 0; j_ < (c); j_++) Y[(t0 + t + j_) * y_stride + r + i_] = o[i_ * (c) + j_]; \
+        break
+#define Q8A_TOKENS(RT_)                                                                         \
+    do {                                                                                        \
+        const int64_t nj_ = (nt + 3) / 4;                                                       \
+        int64_t t = 0;                                                                          \
+        for (int64_t j_ = 0; j_ < nj_; j_++) {                                                  \
+            const int64_t left_ = nj_ - j_, tt_ = (nt - t + left_ - 1) / left_;                 \
+            switch (tt_) { Q8A_CASE(RT_, 1); Q8A_CASE(RT_, 2); Q8A_CASE(RT_, 3); Q8A_CASE(RT_, 4); default: break; } \
+            t += tt_;                                                                           \
+        }                                                                                       \
+    } while (0)
+
+static void q8_0_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+                     size_t a_stride, int64_t n_tok, float *Y, size_t y_stride);
+
+/* Several tokens: rows in pairs, each pair's tokens split into the fewest
+ * tiles of at most 4, as even as possible; one token: the one-row tiles
+ * (q8_0_mat), which stream best from memory. Every output is one whole
+ * dot product either way. */
+static void q8a_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+                    size_t a_stride, int64_t n_tok, float *Y0, size_t y_stride) {
+    const int64_t nb = n / 32;
+    if (n_tok < 2 || (nb + 1) * 5 > KV_Q8A_PRE_FLOATS) {
+        q8_0_mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
+        return;
+    }
+    _Alignas(32) float da[KV_Q8A_PRE_FLOATS];
+    const int64_t tc = KV_Q8A_PRE_FLOATS / (nb + 1) - 4; /* tokens per chunk, >= 1 */
+    const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
+    float o[8];
+    for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {
+        const int64_t nt = n_tok - t0 < tc ? n_tok - t0 : tc;
+        float *Y = Y0;
+        for (int64_t t = 0; t < nt; t++) {
+            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(ab + (size_t)(t0 + t) * a_stride);
+            for (int64_t b = 0; b < nb; b++) da[b * nt + t] = h2f(y[b].d);
+        }
+        for (int64_t i = nb * nt; i < nb * nt + 4; i++) da[i] = 0.0f;
+        int64_t r = r0;
+        for (; r + 2 <= r1; r += 2) Q8A_TOKENS(2);
+        for (; r < r1; r++) Q8A_TOKENS(1);
+    }
+}
+
 /* ================================================================== */
 /* K-quants against Q8_K                                                */
 
@@ -570,7 +673,7 @@ void kv_quant_fill_avx2(kv_kernels *k) {
     k[KV_TYPE_F32].vec_dot = f32_dot;     k[KV_TYPE_F32].mat = f32_mat;
     k[KV_TYPE_F16].vec_dot = f16_dot;     k[KV_TYPE_F16].mat = f16_mat;
     k[KV_TYPE_BF16].vec_dot = bf16_dot;   k[KV_TYPE_BF16].mat = bf16_mat;
-    k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8_0_mat;
+    k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8a_mat;
     k[KV_TYPE_Q4_0].vec_dot = q4_0_dot;   k[KV_TYPE_Q4_0].mat = q4_0_mat;
     k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_mat;
     k[KV_TYPE_Q5_K].vec_dot = q5_K_dot;   k[KV_TYPE_Q5_K].mat = q5_K_mat;
