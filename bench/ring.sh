@@ -88,7 +88,9 @@ for i in "${!RING_PID[@]}"; do
 done
 ring_stop
 
+REAL=0
 if wan_available; then
+  REAL=1
   wan_setup "$NODES" "$DELAY"
   mode="$WAN_MECH; one network namespace per node, each hop between nodes crosses the line, clients in their node's namespace"
   wan_ring_start "$m" "${wins[@]}"
@@ -102,13 +104,24 @@ for S in $SEQS; do
 done
 ring_stop
 wan_cleanup
+# the same in this run with the nodes' own emulated latency, for comparison
+declare -A EMUL
+if [ "$REAL" = 1 ]; then
+  RING_EXTRA="--link-delay-ms $DELAY" ring_start "$m" "${wins[@]}"
+  CLIENT_WRAP=()
+  for S in $SEQS; do
+    for ((r = 0; r < REPS; r++)); do EMUL[$S]=$(best "${EMUL[$S]:-}" "$(ring_rate "$S" "${RING_ADDR[@]}")"); done
+  done
+  ring_stop
+fi
 
 echo
 echo "aggregate decode tokens/s ($NODES-node ring, one thread per node; one process, one thread):"
-printf "%4s  %12s  %12s  %8s  %14s\n" S "one process" "ring" "ratio" "ring +${DELAY}ms"
+printf "%4s  %12s  %12s  %8s  %14s  %18s\n" S "one process" "ring" "ratio" "ring +${DELAY}ms" "(emulated +${DELAY}ms)"
 for S in $SEQS; do
-  printf "%4s  %12s  %12s  %8s  %14s\n" "$S" "${LOCAL[$S]}" "${RING[$S]}" \
-    "$(awk -v a="${RING[$S]}" -v b="${LOCAL[$S]}" 'BEGIN { printf "%.2f", a / b }')" "${DELAYED[$S]}"
+  printf "%4s  %12s  %12s  %8s  %14s  %18s\n" "$S" "${LOCAL[$S]}" "${RING[$S]}" \
+    "$(awk -v a="${RING[$S]}" -v b="${LOCAL[$S]}" 'BEGIN { printf "%.2f", a / b }')" "${DELAYED[$S]}" "${EMUL[$S]:--}"
 done
 echo "delay: $mode"
+[ "$REAL" = 1 ] && echo "emulated: the same ring with --link-delay-ms $DELAY on loopback (each node holds every frame to its next), for comparison"
 echo "decode only: the ring from each sequence's first token to its last (all S together), one process from kvasir bench --parallel S"

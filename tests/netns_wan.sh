@@ -141,17 +141,19 @@ wan_line() {
     WAN_MECH="a userspace delay line (kv-netdelay on TUN devices, this kernel has no sch_netem): ${delay} ms one way${*:+, $*}"
     ;;
   netem)
-    local q=(delay "${delay}ms")
+    local q=(delay "${delay}ms") more=()
     while [ $# -gt 0 ]; do
       case $1 in
-      --jitter-ms) q+=("$2ms") ;;
-      --loss-pct) q+=(loss "$2%") ;;
-      --rate-kbit) q+=(rate "$2kbit") ;;
-      --limit) q+=(limit "$2") ;;
+      --jitter-ms) q+=("$2ms") ;; # right after the delay, so set once
+      --loss-pct) more+=(loss "$2%") ;;
+      --rate-kbit) more+=(rate "$2kbit") ;;
+      --limit) more+=(limit "$2") ;;
+      --seed) ;; # kv-netdelay's PRNG; netem draws its own
       *) wan_fail "wan_line: unknown option $1" ;;
       esac
       shift 2
     done
+    q+=("${more[@]}")
     for ((i = 0; i < WAN_N; i++)); do
       ip netns exec "${WAN_NS[$i]}" tc qdisc replace dev kvw0 root netem "${q[@]}" || wan_fail "tc netem failed"
     done

@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -343,6 +344,11 @@ int main(int argc, char **argv) {
     slots[i].next = i + 1 < limit ? (int32_t)(i + 1) : -1;
   }
   free_head = 0;
+
+  /* a script killed before its cleanup ran must not leave the line (and,
+   * through its TUN files, the namespaces) alive: go when the parent goes */
+  pid_t parent = getppid();
+  if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != parent) die("parent gone");
 
   int home = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
   for (int i = 0; i < n_port; i++) attach(&ports[i], home);
