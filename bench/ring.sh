@@ -3,25 +3,30 @@
 # sequences in flight, against one process decoding the same S sequences in
 # shared steps (`kvasir bench --parallel S`), on one synthetic qwen3moe model.
 # A ring of RING_NODES nodes (each one thread, a window of consecutive
-# layers) on loopback; then the same with 20 ms between nodes: `tc netem`
-# in network namespaces (one namespace per node, veth pairs on a bridge) if
-# the kernel has netem, else (said so in the output) the nodes' own emulated
-# link latency (`kvasir ring --link-delay-ms 20`: every frame to the next
-# node waits 20 ms). Not part of `make test`. Figures: docs/BENCHMARKS.md.
+# layers) on loopback; then the same across a real delayed link: one network
+# namespace per node, every pair of them RING_DELAY_MS apart one way
+# (tests/netns_wan.sh: `tc netem` where the kernel has it, else kv-netdelay,
+# a userspace delay line on TUN devices), each client in the namespace of the
+# node it asks. Only where namespaces cannot be made (not root) does it fall
+# back to the nodes' own emulated latency (`kvasir ring --link-delay-ms`),
+# and says so. The output names the mechanism used. Not part of `make test`.
+# Figures: docs/BENCHMARKS.md.
 #
 # Env: RING_NODES (4), RING_LAYERS (8), RING_GEN (32 tokens per sequence),
 #      RING_SHAPE (gen-model shape flags), RING_DELAY_MS (20), RING_SEQS ("1 2 4 8"),
-#      RING_REPS (3: best of, one process and ring rounds alternating).
+#      RING_REPS (3: best of, one process and ring rounds alternating),
+#      NETNS_WAN_MODE (auto: netem if the kernel has it, else netdelay).
 set -euo pipefail
 build=${1:-build}
 KV=$build/kvasir
 dir=$(mktemp -d "${TMPDIR:-/tmp}/kv_bench_ring.XXXXXX")
 SRC=$(cd "$(dirname "$0")/.." && pwd)
+KV_BUILD=$build
 . "$SRC/tests/ring_support.sh"
-NETNS=()
+. "$SRC/tests/netns_wan.sh"
+CLIENT_WRAP=() # per node: how its clients run (in its namespace on the delayed ring)
 bench_cleanup() {
-  for ns in "${NETNS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
-  ip link del kvrbr0 2>/dev/null || true
+  wan_cleanup
   ring_cleanup
 }
 trap bench_cleanup EXIT
@@ -54,7 +59,7 @@ ring_rate() {
   shift
   local addrs=("$@") pids=() i
   for ((i = 0; i < S; i++)); do
-    ${CLIENT_NS:-} "$KV" run --ring "${addrs[$((i % ${#addrs[@]}))]}" "${RK[@]}" -p "${PROMPTS[$((i % 8))]}" -n "$GEN" --temp 0 \
+    ${CLIENT_WRAP[$((i % ${#addrs[@]}))]:-} "$KV" run --ring "${addrs[$((i % ${#addrs[@]}))]}" "${RK[@]}" -p "${PROMPTS[$((i % 8))]}" -n "$GEN" --temp 0 \
       --json >"$dir/c$i.json" &
     pids+=($!)
   done
@@ -83,51 +88,40 @@ for i in "${!RING_PID[@]}"; do
 done
 ring_stop
 
-mode=""
-if ip netns add kvrb-probe 2>/dev/null && ip netns exec kvrb-probe tc qdisc add dev lo root netem delay 1ms 2>/dev/null; then
-  ip netns del kvrb-probe
-  mode="tc netem delay ${DELAY}ms on every node's veth (network namespaces)"
-  ip link add kvrbr0 type bridge && ip addr add 10.231.0.254/24 dev kvrbr0 && ip link set kvrbr0 up
-  addrs=()
-  for ((i = 0; i < NODES; i++)); do
-    ns=kvrb$i
-    NETNS+=("$ns")
-    ip netns add "$ns"
-    ip link add "kvrb$i-a" type veth peer name "kvrb$i-b"
-    ip link set "kvrb$i-a" netns "$ns"
-    ip link set "kvrb$i-b" master kvrbr0 up
-    ip -n "$ns" addr add "10.231.0.$((i + 1))/24" dev "kvrb$i-a"
-    ip -n "$ns" link set "kvrb$i-a" up
-    ip -n "$ns" link set lo up
-    ip netns exec "$ns" tc qdisc add dev "kvrb$i-a" root netem delay "${DELAY}ms"
-    addrs+=("10.231.0.$((i + 1)):7700")
-  done
-  RING_PID=()
-  for ((i = 0; i < NODES; i++)); do
-    ip netns exec "kvrb$i" "$KV" ring -m "$m" --layers "${wins[$i]}" --listen "${addrs[$i]}" \
-      --next "${addrs[$(((i + 1) % NODES))]}" --threads 1 --key "$dir/k$i.key" --allow-key "$dir/allow" \
-      >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
-    RING_PID[$i]=$!
-    RING_ALL+=($!)
-  done
-  ring_wait_whole
-  RING_ADDR=("${addrs[@]}")
+REAL=0
+if wan_available; then
+  REAL=1
+  wan_setup "$NODES" "$DELAY"
+  mode="$WAN_MECH; one network namespace per node, each hop between nodes crosses the line, clients in their node's namespace"
+  wan_ring_start "$m" "${wins[@]}"
+  for ((i = 0; i < NODES; i++)); do CLIENT_WRAP[$i]="ip netns exec ${WAN_NS[$i]}"; done
 else
-  ip netns del kvrb-probe 2>/dev/null || true
-  mode="EMULATED: this kernel has no tc netem (sch_netem), so each node holds every frame to its next ${DELAY} ms itself (--link-delay-ms)"
+  mode="EMULATED: no network namespaces here (not root), so each node holds every frame to its next ${DELAY} ms itself (--link-delay-ms)"
   RING_EXTRA="--link-delay-ms $DELAY" ring_start "$m" "${wins[@]}"
 fi
 for S in $SEQS; do
   for ((r = 0; r < REPS; r++)); do DELAYED[$S]=$(best "${DELAYED[$S]:-}" "$(ring_rate "$S" "${RING_ADDR[@]}")"); done
 done
 ring_stop
+wan_cleanup
+# the same in this run with the nodes' own emulated latency, for comparison
+declare -A EMUL
+if [ "$REAL" = 1 ]; then
+  RING_EXTRA="--link-delay-ms $DELAY" ring_start "$m" "${wins[@]}"
+  CLIENT_WRAP=()
+  for S in $SEQS; do
+    for ((r = 0; r < REPS; r++)); do EMUL[$S]=$(best "${EMUL[$S]:-}" "$(ring_rate "$S" "${RING_ADDR[@]}")"); done
+  done
+  ring_stop
+fi
 
 echo
 echo "aggregate decode tokens/s ($NODES-node ring, one thread per node; one process, one thread):"
-printf "%4s  %12s  %12s  %8s  %14s\n" S "one process" "ring" "ratio" "ring +${DELAY}ms"
+printf "%4s  %12s  %12s  %8s  %14s  %18s\n" S "one process" "ring" "ratio" "ring +${DELAY}ms" "(emulated +${DELAY}ms)"
 for S in $SEQS; do
-  printf "%4s  %12s  %12s  %8s  %14s\n" "$S" "${LOCAL[$S]}" "${RING[$S]}" \
-    "$(awk -v a="${RING[$S]}" -v b="${LOCAL[$S]}" 'BEGIN { printf "%.2f", a / b }')" "${DELAYED[$S]}"
+  printf "%4s  %12s  %12s  %8s  %14s  %18s\n" "$S" "${LOCAL[$S]}" "${RING[$S]}" \
+    "$(awk -v a="${RING[$S]}" -v b="${LOCAL[$S]}" 'BEGIN { printf "%.2f", a / b }')" "${DELAYED[$S]}" "${EMUL[$S]:--}"
 done
 echo "delay: $mode"
+[ "$REAL" = 1 ] && echo "emulated: the same ring with --link-delay-ms $DELAY on loopback (each node holds every frame to its next), for comparison"
 echo "decode only: the ring from each sequence's first token to its last (all S together), one process from kvasir bench --parallel S"
