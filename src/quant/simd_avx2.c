@@ -74,6 +74,45 @@ AI float hsum_ps(__m256 v) {
         }                                                                                     \
     } while (0)
 
+/* The same, with each row tile's tokens split into the fewest tiles of at
+ * most TT (<= 3), as even as possible (8 tokens: 3 + 3 + 2, not 3 + 3 +
+ * 1 + 1), so an expert's few tokens never fall to one-token tiles. */
+#define KV_MAT_CASE(F, RT_, c)                                                                \
+    case c:                                                                                   \
+        F(RT_, c, wb + r * row_bytes, ab + t * a_stride, o);                                  \
+        for (int i = 0; i < (RT_); i++)                                                       \
+            for (int j = 0; j < (c); j++) Y[(t + j) * y_stride + r + i] = o[i * (c) + j];     \
+        break
+#define KV_MAT_TOKENS(F, RT_, TT)                                                             \
+    do {                                                                                      \
+        const int64_t nj_ = (n_tok + (TT) - 1) / (TT);                                        \
+        int64_t t = 0;                                                                        \
+        for (int64_t j_ = 0; j_ < nj_; j_++) {                                                \
+            const int64_t left_ = nj_ - j_, tt_ = (n_tok - t + left_ - 1) / left_;            \
+            switch (tt_) {                                                                    \
+                KV_MAT_CASE(F, RT_, 1);                                                       \
+                KV_MAT_CASE(F, RT_, 2);                                                       \
+                KV_MAT_CASE(F, RT_, 3);                                                       \
+            default: break;                                                                   \
+            }                                                                                 \
+            t += tt_;                                                                         \
+        }                                                                                     \
+    } while (0)
+#define KV_MAT_DRIVER_EVEN(F, RT, TT, RT1)                                                    \
+    do {                                                                                      \
+        _Static_assert((TT) <= 3, "KV_MAT_TOKENS has cases 1..3");                            \
+        const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;                     \
+        float o[(RT1) > (RT) * (TT) ? (RT1) : (RT) * (TT)];                                   \
+        int64_t r = r0;                                                                       \
+        if (n_tok == 1)                                                                       \
+            for (; r + (RT1) <= r1; r += (RT1)) {                                             \
+                F(RT1, 1, wb + r * row_bytes, ab, o);                                         \
+                for (int i = 0; i < (RT1); i++) Y[r + i] = o[i];                              \
+            }                                                                                 \
+        for (; r + (RT) <= r1; r += (RT)) KV_MAT_TOKENS(F, RT, TT);                           \
+        for (; r < r1; r++) KV_MAT_TOKENS(F, 1, TT);                                          \
+    } while (0)
+
 /* ================================================================== */
 /* float types: 8 lanes, lane i%8, fma in element order                */
 
@@ -302,6 +341,12 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
         }                                                                                       \
         const __m256i m4 = _mm256_set1_epi8(0xF);                                               \
         for (int64_t i = 0; i < n / KV_QK_K; i++) {                                             \
+            UNROLL for (int r = 0; r < RT; r++) { /* the next row tile's super-block */         \
+                const char *nx = (const char *)((const WBLK *)(w + (r + RT) * rb) + i);         \
+                _mm_prefetch(nx, _MM_HINT_T0);                                                  \
+                _mm_prefetch(nx + 64, _MM_HINT_T0);                                             \
+                _mm_prefetch(nx + sizeof(WBLK) - 1, _MM_HINT_T0);                               \
+            }                                                                                   \
             __m256i isum[4][4];                                                                 \
             __m256i s16[4], mdup[4];                                                            \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
@@ -429,6 +474,15 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
 /* ================================================================== */
 /* vec_dot and mat entry points                                         */
 
+#define ENTRY_EVEN(T, TILE, RT, TT, RT1)                                                        \
+    static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
+        TILE(1, 1, n, (const uint8_t *)w, 0, (const uint8_t *)a, 0, s);                         \
+    }                                                                                           \
+    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,     \
+                        const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
+        _Static_assert((RT) <= 4 && (TT) <= 4 && (RT1) <= 4, "tile too big");                   \
+        KV_MAT_DRIVER_EVEN(T##_F, RT, TT, RT1);                                                 \
+    }
 #define ENTRY(T, TILE, RT, TT, RT1)                                                             \
     static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
         TILE(1, 1, n, (const uint8_t *)w, 0, (const uint8_t *)a, 0, s);                         \
@@ -454,9 +508,9 @@ ENTRY(f16, f16_tile, 3, 4, 4)
 ENTRY(bf16, bf16_tile, 3, 4, 4)
 ENTRY(q8_0, q8_0_tile, 2, 3, 1)
 ENTRY(q4_0, q4_0_tile, 2, 3, 1)
-ENTRY(q4_K, q4_K_tile, 2, 3, 1)
-ENTRY(q5_K, q5_K_tile, 2, 3, 1)
-ENTRY(q6_K, q6_K_tile, 2, 3, 1)
+ENTRY_EVEN(q4_K, q4_K_tile, 2, 3, 1)
+ENTRY_EVEN(q5_K, q5_K_tile, 2, 3, 1)
+ENTRY_EVEN(q6_K, q6_K_tile, 2, 3, 1)
 
 /* ================================================================== */
 /* attention weighted sum: o[i] = fma chain over p (quant/vec.h)        */
