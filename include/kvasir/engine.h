@@ -124,6 +124,9 @@ typedef struct kv_engine_stats {
     kv_state_mem mem;            /* KV blocks and recurrent state now */
 } kv_engine_stats;
 void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out);
+/* Per-stage timers of the engine's forward passes into p (kv_state_set_profile);
+ * NULL stops. */
+void kv_engine_set_profile(kv_engine *e, kv_profile *p);
 
 /* ---- sessions ---------------------------------------------------------- */
 

@@ -183,6 +183,33 @@ typedef struct kv_state_mem {
 } kv_state_mem;
 void kv_state_get_mem(const kv_state *s, kv_state_mem *out);
 
+/* Per-stage wall time of the forward passes (kvasir bench --profile): each
+ * stage is timed on the calling thread around its whole parallel section,
+ * so the stages add up to the forward passes' wall time. */
+enum {
+    KV_PROF_EMBED,      /* token embeddings (rows dequantized) */
+    KV_PROF_NORM,       /* RMSNorms, Q/K norms, RoPE, residual adds, NaN checks */
+    KV_PROF_ATTN_PROJ,  /* attention Q/K/V/output projections */
+    KV_PROF_ATTN,       /* KV cache writes, scores, softmax, weighted sums */
+    KV_PROF_DELTA_PROJ, /* qwen35moe linear attention: QKV/gate/beta/alpha/output projections */
+    KV_PROF_DELTA,      /* qwen35moe: causal conv, gates, the delta rule, gated norm */
+    KV_PROF_ROUTER,     /* router matmul, softmax, top-k */
+    KV_PROF_EXPERTS,    /* routed experts (in process or over the wire) and their weighted sum */
+    KV_PROF_SHARED,     /* qwen35moe shared expert and its gate */
+    KV_PROF_HEAD,       /* final norm and LM head */
+    KV_PROF_COUNT
+};
+typedef struct kv_profile {
+    uint64_t ns[KV_PROF_COUNT];
+    uint64_t chunks;    /* forward calls timed */
+    uint64_t tokens;    /* tokens they carried */
+} kv_profile;
+/* The stage's name ("embed", "norm", ...; NULL out of range). */
+const char *kv_profile_stage_name(int stage);
+/* Accumulate into p from now on (NULL stops); p must outlive the state or
+ * the next call. Off by default: no clock is read. */
+void kv_state_set_profile(kv_state *s, kv_profile *p);
+
 /* Appends n tokens to sequence 0 at its current position and runs them
  * through the model in chunks of n_batch. If logits is not NULL, writes the
  * n_vocab logits of the last token. Errors: KV_ECTXFULL when pos + n > n_ctx

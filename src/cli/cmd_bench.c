@@ -44,6 +44,9 @@ static const char *kv_bench_help =
     "  --skip-hashes with a sliced model: check sizes and identity, not every SHA-256\n"
     "  --allow-sparse with a sliced skeleton (gen-model --skeleton, then slice): run it,\n"
     "                its holes reading as zeros (figures of the real shape, not of real weights)\n"
+    "  --profile     per-stage wall time of the timed prefill and decode (embed, norms, attention\n"
+    "                projections, attention, delta-net projections and rule, router, experts,\n"
+    "                shared expert, LM head), summed over the reps, and each stage's share\n"
     "  --json        one JSON object: {\"prefill_tok_s\":X,\"decode_tok_s\":Y,...}\n";
 
 static double kv_now(void) {
@@ -79,7 +82,9 @@ static long kv_bench_peak_rss_kb(void) {
 int kv_cmd_bench(int argc, char **argv) {
     const char *model = NULL;
     long n_prompt = 128, n_gen = 64, threads = 0, reps = 3, n_batch = 0, n_par = 1;
-    bool json = false, skip_hashes = false, allow_sparse = false;
+    bool json = false, skip_hashes = false, allow_sparse = false, profile = false;
+    kv_profile prof[2]; /* [0] prefill, [1] decode */
+    memset(prof, 0, sizeof prof);
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL;
@@ -96,6 +101,8 @@ int kv_cmd_bench(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--json")) {
             json = true;
+        } else if (!strcmp(a, "--profile")) {
+            profile = true;
         } else if (!strcmp(a, "--skip-hashes")) {
             skip_hashes = true;
         } else if (!strcmp(a, "--allow-sparse")) {
@@ -195,7 +202,7 @@ int kv_cmd_bench(int argc, char **argv) {
         kv_bench_until(eng, ss[0], KV_SESSION_DECODE, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
     kv_session_free(ss[0]);
     ss[0] = NULL;
-    double best_pp = 0, best_tg = 0, sum_pp = 0, sum_tg = 0;
+    double best_pp = 0, best_tg = 0, sum_pp = 0, sum_tg = 0, prof_wall[2] = {0, 0};
     kv_engine_stats es = {0};
     for (long r = 0; r < reps; r++) {
         for (long q = 0; q < n_par; q++) {
@@ -206,9 +213,11 @@ int kv_cmd_bench(int argc, char **argv) {
             kv_session_pause(ss[q], q > 0);
         }
         /* prefill: session 0 alone is timed; the others get the same prompt, untimed */
+        if (profile) kv_engine_set_profile(eng, &prof[0]);
         double t0 = kv_now();
         if (kv_bench_until(eng, ss[0], KV_SESSION_DECODE, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
         double t1 = kv_now();
+        kv_engine_set_profile(eng, NULL);
         kv_session_pause(ss[0], true);
         for (long q = 1; q < n_par; q++) {
             kv_session_pause(ss[q], false);
@@ -218,6 +227,7 @@ int kv_cmd_bench(int argc, char **argv) {
         for (long q = 0; q < n_par; q++) kv_session_pause(ss[q], false);
         if (remote) kv_remote_reset_stats(remote); /* dispatch figures of the decode phase */
         /* decode: every session feeds one token per step, all in one forward pass */
+        if (profile) kv_engine_set_profile(eng, &prof[1]);
         double t1b = kv_now();
         for (long i = 0; i < n_gen; i++) {
             int k = kv_engine_step(eng, &d);
@@ -230,6 +240,11 @@ int kv_cmd_bench(int argc, char **argv) {
                 }
         }
         double t2 = kv_now();
+        kv_engine_set_profile(eng, NULL);
+        if (profile) {
+            prof_wall[0] += t1 - t0;
+            prof_wall[1] += t2 - t1b;
+        }
         if (remote) kv_remote_get_stats(remote, &rs); /* kept from the last rep */
         kv_engine_get_stats(eng, &es);                 /* memory with every session full */
         for (long q = 0; q < n_par; q++) {
@@ -263,6 +278,19 @@ int kv_cmd_bench(int argc, char **argv) {
                    (unsigned long long)rs.retried_pairs,
                    n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / (double)n_gen : 0.0,
                    n_gen ? (double)rs.rounds / (double)n_gen : 0.0);
+        if (profile) {
+            static const char *const phase[2] = {"prefill", "decode"};
+            printf(",\"profile\":{");
+            for (int ph = 0; ph < 2; ph++) {
+                printf("%s\"%s\":{\"wall_ms\":%.3f,\"forward_calls\":%llu,\"tokens\":%llu,\"stages_ms\":{", ph ? "," : "",
+                       phase[ph], prof_wall[ph] * 1e3, (unsigned long long)prof[ph].chunks,
+                       (unsigned long long)prof[ph].tokens);
+                for (int st = 0; st < KV_PROF_COUNT; st++)
+                    printf("%s\"%s\":%.3f", st ? "," : "", kv_profile_stage_name(st), (double)prof[ph].ns[st] / 1e6);
+                printf("}}");
+            }
+            printf("}");
+        }
         printf("}\n");
     } else {
         printf("model %s: %u layers, embd %u, %u/%u experts, %d threads, kernels %s\n", model, hp->n_layer,
@@ -280,6 +308,26 @@ int kv_cmd_bench(int argc, char **argv) {
                    rs.rtt_p50_us / (double)n_par, n_gen ? (double)rs.rounds / (double)n_gen : 0.0,
                    n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / 1e3 / (double)n_gen : 0.0,
                    (unsigned long long)rs.retried_pairs);
+    }
+    if (profile && !json) {
+        static const char *const phase[2] = {"prefill", "decode"};
+        printf("profile (wall time summed over %ld reps; the rest of each phase is scheduling and sampling):\n", reps);
+        printf("  %-14s %12s %7s %12s %7s\n", "stage", "prefill ms", "share", "decode ms", "share");
+        uint64_t tot[2] = {0, 0};
+        for (int ph = 0; ph < 2; ph++)
+            for (int st = 0; st < KV_PROF_COUNT; st++) tot[ph] += prof[ph].ns[st];
+        for (int st = 0; st < KV_PROF_COUNT; st++) {
+            if (!prof[0].ns[st] && !prof[1].ns[st]) continue;
+            printf("  %-14s", kv_profile_stage_name(st));
+            for (int ph = 0; ph < 2; ph++)
+                printf(" %12.2f %6.1f%%", (double)prof[ph].ns[st] / 1e6,
+                       prof_wall[ph] > 0 ? 100.0 * (double)prof[ph].ns[st] / 1e9 / prof_wall[ph] : 0.0);
+            printf("\n");
+        }
+        for (int ph = 0; ph < 2; ph++)
+            printf("  %s: stages %.2f ms of %.2f ms wall (%llu forward calls, %llu tokens)\n", phase[ph],
+                   (double)tot[ph] / 1e6, prof_wall[ph] * 1e3, (unsigned long long)prof[ph].chunks,
+                   (unsigned long long)prof[ph].tokens);
     }
     rc = 0;
 done:

@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kvasir/quant.h"
 #include "model/model_internal.h"
@@ -196,6 +197,21 @@ void kv_state_free(kv_state *s) {
 }
 
 uint32_t kv_state_n_ctx(const kv_state *s) { return s->n_ctx; }
+
+uint64_t kv_prof_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static const char *const kv_prof_names[KV_PROF_COUNT] = {
+    "embed", "norm", "attn_proj", "attention", "delta_proj", "delta_rule", "router", "experts", "shared_expert", "head"};
+
+const char *kv_profile_stage_name(int stage) {
+    return stage >= 0 && stage < KV_PROF_COUNT ? kv_prof_names[stage] : NULL;
+}
+
+void kv_state_set_profile(kv_state *s, kv_profile *p) { s->prof = p; }
 uint32_t kv_state_n_seq(const kv_state *s) { return s->n_seq; }
 uint32_t kv_state_max_tokens(const kv_state *s) { return s->max_tok; }
 uint32_t kv_state_pos(const kv_state *s) { return s->pos[0]; }
@@ -430,6 +446,7 @@ static void kv_topk(const float *p, int n, int k, int32_t *ids) {
 int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_diag *d) {
     const kv_hparams *hp = &s->m->hp;
     const int64_t E = hp->n_embd, K = hp->n_expert_used, NE = hp->n_expert;
+    uint64_t pt = kv_prof_start(s);
     kv_matmul(s->pool, &L->gate_inp, NULL, s->xb, T, s->router, s->scratch);
     for (uint32_t t = 0; t < T; t++) {
         float *p = s->router + (size_t)t * NE;
@@ -448,10 +465,14 @@ int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_di
         if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
             for (int64_t r = 0; r < K; r++) w[r] *= hp->expert_weights_scale;
     }
+    pt = kv_prof_mark(s, KV_PROF_ROUTER, pt);
     /* routed experts, wherever they are computed */
     kv_expert_req req = {il, T, (uint32_t)E, (uint32_t)K, s->xb, s->ids};
     int rc = s->experts->compute(s->experts->impl, &req, s->eo, d);
-    if (rc) return kv_diag_prefix(d, rc, "layer %u experts", il);
+    if (rc) {
+        kv_prof_mark(s, KV_PROF_EXPERTS, pt);
+        return kv_diag_prefix(d, rc, "layer %u experts", il);
+    }
     /* weighted sum in rank order */
     for (uint32_t t = 0; t < T; t++) {
         float *acc = s->tmp + (size_t)t * E;
@@ -461,6 +482,7 @@ int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_di
         for (int64_t r = 1; r < K; r++)
             for (int64_t i = 0; i < E; i++) acc[i] = acc[i] + eo[(size_t)r * E + i] * w[r];
     }
+    kv_prof_mark(s, KV_PROF_EXPERTS, pt);
     return 0;
 }
 
@@ -488,14 +510,17 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
 
     for (uint32_t il = m->il_first; il <= m->il_last; il++) { /* the window: every block unless a ring node */
         const kv_layer *L = &m->layers[il];
+        uint64_t pt = kv_prof_start(s);
         /* attention rmsnorm */
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
+        pt = kv_prof_mark(s, KV_PROF_NORM, pt);
         /* Q, K, V projections */
         kv_matmul(s->pool, &L->wq, NULL, s->xb, T, s->q, s->scratch);
         kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, s->scratch);
         kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, s->scratch);
+        pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
         /* per-head Q/K norm, RoPE, then K and V into the cache */
         for (uint32_t t = 0; t < T; t++) {
             const int32_t pos = (int32_t)s->tok_pos[t];
@@ -510,20 +535,26 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
                 kv_rope_neox(kh, HD, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
             }
         }
+        pt = kv_prof_mark(s, KV_PROF_NORM, pt);
         kv_cache_put(s, il, T);
         /* causal attention */
         kv_attn_run(s, il, T);
         /* output projection + residual */
         kv_check_rows(s, s->att, (size_t)QD, T, QD);
+        pt = kv_prof_mark(s, KV_PROF_ATTN, pt);
         kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, s->scratch);
+        pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
         /* FFN rmsnorm, routed experts, residual */
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->ffn_norm.data, E, hp->rms_eps);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
+        kv_prof_mark(s, KV_PROF_NORM, pt);
         int rc = kv_moe_routed(s, L, il, T, d);
         if (rc) return rc;
+        pt = kv_prof_start(s);
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
+        kv_prof_mark(s, KV_PROF_NORM, pt);
     }
     return 0;
 }
@@ -537,6 +568,11 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd;
     memset(s->bad, 0, T);
+    if (s->prof) {
+        s->prof->chunks++;
+        s->prof->tokens += T;
+    }
+    uint64_t pt = kv_prof_start(s);
     if (x_in) { /* a ring node: the hidden states of the window before */
         memcpy(s->x, x_in, (size_t)T * (size_t)E * sizeof(float));
         kv_check_rows(s, s->x, (size_t)E, T, E);
@@ -546,9 +582,11 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
             et->to_float((const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
                          s->x + (size_t)t * (size_t)E, E);
     }
+    kv_prof_mark(s, KV_PROF_EMBED, pt);
     /* the architecture's own blocks, from its table (src/arch/) */
     int rc = kv_arch_get(hp->arch)->blocks(s, T, d);
     if (rc) return rc;
+    pt = kv_prof_start(s);
     if (x_out) memcpy(x_out, s->x, (size_t)T * (size_t)E * sizeof(float));
     if (logits && n_out) {
         for (uint32_t i = 0; i < n_out; i++) {
@@ -560,6 +598,7 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
         }
         kv_matmul(s->pool, &m->output, NULL, s->hout, n_out, logits, s->scratch);
     }
+    kv_prof_mark(s, KV_PROF_HEAD, pt);
     /* the call succeeded: a sequence that met a NaN/Inf stays marked until its reset */
     for (uint32_t t = 0; t < T; t++)
         if (s->bad[t]) s->tainted[s->tok_seq[t]] = 1;

@@ -79,7 +79,19 @@ struct kv_state {
     float *hout;           /* [max_tok][n_embd] final-normed rows whose logits are wanted */
     void *scratch;         /* matmul activation scratch */
     struct kv_q35_state *q35; /* qwen35moe: recurrent state and buffers (qwen35.c), else NULL */
+    kv_profile *prof;      /* per-stage timers (kvasir bench --profile), NULL: off */
 };
+
+/* Stage timers: t = kv_prof_start(s) once, then after each stage
+ * t = kv_prof_mark(s, KV_PROF_..., t) adds the time since t to the stage. */
+uint64_t kv_prof_clock(void);
+static inline uint64_t kv_prof_start(const kv_state *s) { return s->prof ? kv_prof_clock() : 0; }
+static inline uint64_t kv_prof_mark(kv_state *s, int stage, uint64_t t) {
+    if (!s->prof) return 0;
+    const uint64_t now = kv_prof_clock();
+    s->prof->ns[stage] += now - t;
+    return now;
+}
 
 /* ---- shared by the forward passes (src/model/forward.c) ---- */
 

@@ -274,10 +274,12 @@ static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t 
     const int64_t SV = hp->ssm_d_state, NV = hp->ssm_dt_rank, NK = hp->ssm_n_group;
     const int64_t KD = SV * NK, VD = hp->ssm_d_inner, C = 2 * KD + VD, KC = hp->ssm_d_conv;
     /* projections */
+    uint64_t pt = kv_prof_start(s);
     kv_matmul(s->pool, &L->wqkv, NULL, s->xb, T, q->qkv, q->scratch);
     kv_matmul(s->pool, &L->wqkv_gate, NULL, s->xb, T, q->z, q->scratch);
     kv_matmul(s->pool, &L->ssm_beta, NULL, s->xb, T, q->beta, q->scratch);
     kv_matmul(s->pool, &L->ssm_alpha, NULL, s->xb, T, q->g, q->scratch);
+    pt = kv_prof_mark(s, KV_PROF_DELTA_PROJ, pt);
     const float *dt = L->ssm_dt.data, *a = L->ssm_a.data;
     for (uint32_t t = 0; t < T; t++)
         for (int64_t h = 0; h < NV; h++) {
@@ -324,7 +326,9 @@ static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t 
             for (int64_t i = 0; i < SV; i++) o[i] = o[i] * kv_silu(z[i]);
         }
     kv_check_rows(s, q->o, (size_t)VD, T, VD);
+    pt = kv_prof_mark(s, KV_PROF_DELTA, pt);
     kv_matmul(s->pool, &L->ssm_out, NULL, q->o, T, s->tmp, q->scratch);
+    kv_prof_mark(s, KV_PROF_DELTA_PROJ, pt);
 }
 
 /* Gated full-attention block il on s->xb; output in s->tmp. */
@@ -332,9 +336,11 @@ static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32
     kv_q35_state *q = s->q35;
     const kv_hparams *hp = &s->m->hp;
     const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
+    uint64_t pt = kv_prof_start(s);
     kv_matmul(s->pool, &L->wq, NULL, s->xb, T, q->qg, q->scratch);
     kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, q->scratch);
     kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, q->scratch);
+    pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
     for (uint32_t t = 0; t < T; t++) {
         const int32_t p = (int32_t)s->tok_pos[t];
         const int32_t pos[4] = {p, p, p, 0}; /* text: t = h = w = position, e = 0 */
@@ -349,6 +355,7 @@ static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32
             kv_rope_imrope(kh, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
         }
     }
+    pt = kv_prof_mark(s, KV_PROF_NORM, pt);
     kv_cache_put(s, il, T);
     kv_attn_run(s, il, T);
     for (uint32_t t = 0; t < T; t++)
@@ -358,7 +365,9 @@ static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32
             for (int64_t i = 0; i < HD; i++) o[i] = o[i] * kv_sigmoid(gate[i]);
         }
     kv_check_rows(s, s->att, (size_t)QD, T, QD);
+    pt = kv_prof_mark(s, KV_PROF_ATTN, pt);
     kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, q->scratch);
+    kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
 }
 
 /* Routed experts plus the gated shared expert on s->xb; output in s->tmp. */
@@ -368,6 +377,7 @@ static int kv_q35_ffn(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, k
     const int64_t E = hp->n_embd, S = hp->n_ff_shexp;
     int rc = kv_moe_routed(s, L, il, T, d);
     if (rc) return rc;
+    uint64_t pt = kv_prof_start(s);
     kv_matmul(s->pool, &L->gate_shexp, NULL, s->xb, T, q->sh_g, q->scratch);
     kv_matmul(s->pool, &L->up_shexp, NULL, s->xb, T, q->sh_u, q->scratch);
     kv_swiglu(q->sh_g, q->sh_g, q->sh_u, (int64_t)T * S);
@@ -379,6 +389,7 @@ static int kv_q35_ffn(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, k
         const float *sh = q->sh_out + (size_t)t * E;
         for (int64_t i = 0; i < E; i++) acc[i] = acc[i] + sh[i] * gt;
     }
+    kv_prof_mark(s, KV_PROF_SHARED, pt);
     return 0;
 }
 
@@ -390,21 +401,27 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
 
     for (uint32_t il = m->il_first; il <= m->il_last; il++) { /* the window: every block unless a ring node */
         const kv_layer *L = &m->layers[il];
+        uint64_t pt = kv_prof_start(s);
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
+        kv_prof_mark(s, KV_PROF_NORM, pt);
         if (L->recurrent)
             kv_q35_linear(s, L, (uint32_t)q->lin_of[il], T);
         else
             kv_q35_attention(s, L, il, T);
+        pt = kv_prof_start(s);
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
         /* post-attention norm, MoE with shared expert, residual */
         for (uint32_t t = 0; t < T; t++)
             kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->post_norm.data, E, hp->rms_eps);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
+        kv_prof_mark(s, KV_PROF_NORM, pt);
         int rc = kv_q35_ffn(s, L, il, T, d);
         if (rc) return rc; /* the committed recurrent slots are untouched */
+        pt = kv_prof_start(s);
         for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
+        kv_prof_mark(s, KV_PROF_NORM, pt);
     }
     /* commit: each sequence of the chunk now reads the slot just written */
     for (uint32_t t = 0; t < T; t++)
