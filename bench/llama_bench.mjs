@@ -224,6 +224,36 @@ export function report(outDir, threads, types) {
   console.log("decode bound = read bandwidth / bytes of weights per token; TTFT: a " + (rows.find((r) => r.ttft)?.ttft.n_prompt ?? "-") + "-token prompt evaluated and the first token picked, one round; TTFT ratio = llama.cpp / kvasir");
   console.log(line(head));
   for (const x of lines) console.log(line(x));
+  // the 122B skeleton: decode against its bound, its profile, its cold start
+  const s122 = [];
+  for (const th of String(threads).split(/\s+/).filter(Boolean)) {
+    const f = path.join(outDir, `s122.t${th}.json`);
+    if (!fs.existsSync(f)) continue;
+    const k = JSON.parse(fs.readFileSync(f, "utf8")), bw = bws[th];
+    const bound = (bw.read_gb_s * 1e9) / k.bytes_per_token;
+    const dec = k.profile?.decode, tot = dec ? Object.values(dec.stages_ms).reduce((a, b) => a + b, 0) : 0;
+    s122.push({ threads: Number(th), prefill_tok_s: k.prefill_tok_s, decode_tok_s: k.decode_tok_s, bytes_per_token: k.bytes_per_token,
+      read_gb_s: bw.read_gb_s, decode_bound_tok_s: bound, of_bound: k.decode_tok_s / bound, peak_rss_kb: k.peak_rss_kb,
+      decode_profile_ms: dec?.stages_ms, decode_wall_ms: dec?.wall_ms, decode_stages_ms: tot });
+  }
+  const coldF = path.join(outDir, "s122.cold.json");
+  const cold = fs.existsSync(coldF) ? fs.readFileSync(coldF, "utf8").split("\n").filter((l) => l.trim()).map((l) => JSON.parse(l)) : [];
+  res.skeleton_122b = { rows: s122, cold };
+  fs.writeFileSync(resultsFile, JSON.stringify(res, null, 1));
+  if (s122.length) {
+    console.log("\nQwen3.5-122B-A10B skeleton (Q4_K/Q6_K, holes read as zeros; llama.cpp cannot load it here), warm, -p 16 -n 24:");
+    for (const r of s122) {
+      const top = Object.entries(r.decode_profile_ms || {}).sort((a, b) => b[1] - a[1]).slice(0, 4)
+        .map(([n, ms]) => `${n} ${(100 * ms / r.decode_wall_ms).toFixed(0)}%`).join(", ");
+      console.log(`  threads ${r.threads}: decode ${f2(r.decode_tok_s)} tok/s, bound ${f2(r.decode_bound_tok_s)} (${r.read_gb_s} GB/s / ${f1(r.bytes_per_token / 1e6)} MB per token) = ${(100 * r.of_bound).toFixed(0)}% of bound; prefill ${f2(r.prefill_tok_s)} tok/s; peak RSS ${f1(r.peak_rss_kb / 1048576)} GB; decode stages: ${top}`);
+    }
+  }
+  if (cold.length) {
+    const by = (m) => cold.filter((c) => c.mode === m);
+    const best = (rs, k) => Math.min(...rs.map((c) => c[k]));
+    console.log("  cold start (page cache dropped), kvasir run -n 1: " + ["prefault", "no-prefault"].filter((m) => by(m).length)
+      .map((m) => `${m}: process ${f2(best(by(m), "wall_s"))} s, prompt ${f2(best(by(m), "prefill_s"))} s (best of ${by(m).length})`).join("; "));
+  }
   console.log(`bench: wrote ${resultsFile}`);
   return res;
 }

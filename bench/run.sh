@@ -39,7 +39,8 @@
 #      KV_BENCH_TYPES ("q8_0 q4_k q4_k_m"; both families), KV_BENCH_REGEN=1 rewrites the models,
 #      KV_BENCH_SHAPE="--preset small" other gen-model shape flags (smoke test),
 #      KV_BENCH_Q35_SHAPE="..." the same for qwen35moe,
-#      KV_BENCH_RESULTS (results.json) the summary's file name in bench/out.
+#      KV_BENCH_RESULTS (results.json) the summary's file name in bench/out,
+#      KV_BENCH_122B (1; 0 skips the 122B skeleton rows), KV_BENCH_COLD_REPS (2).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${1:-$SRC/build/kvasir}
@@ -188,5 +189,37 @@ for m in "${models[@]}"; do
     fi
   done
 done
+
+# --- the real 122B shape: Qwen3.5-122B-A10B skeleton (no peer: llama.cpp
+# asks for 56 GB to load it on this 24 GB machine) ---------------------------
+# Warm decode against the read-bandwidth bound, with the per-stage profile,
+# at each thread count; then the cold start (page cache dropped, needs root)
+# of `kvasir run -n 1`, with and without the backbone prefault, alternating.
+rm -f "$OUT"/s122.*.json
+if [ "${KV_BENCH_122B:-1}" = 1 ]; then
+  S122=$OUT/qwen35-122b-a10b-skeleton.gguf
+  [ -f "$S122" ] || "$BIN" gen-model --preset qwen35-122b-a10b --skeleton --out "$S122"
+  for th in $THREADS; do
+    echo "bench: 122B skeleton: kvasir bench -p 16 -n 24 --threads $th --profile (warm)"
+    env "${KVENV[@]}" "$BIN" bench -m "$S122" -p 16 -n 24 --threads "$th" --reps 1 --profile --json > "$OUT/s122.t$th.json"
+  done
+  if ( echo 1 > /proc/sys/vm/drop_caches ) 2>/dev/null; then
+    for r in $(seq "${KV_BENCH_COLD_REPS:-2}"); do
+      for pf in prefault no-prefault; do
+        flag=(); [ $pf = no-prefault ] && flag=(--no-prefault)
+        sync; echo 3 > /proc/sys/vm/drop_caches
+        echo "bench: 122B skeleton: cold kvasir run -n 1 ($pf, round $r)"
+        t0=$(date +%s.%N)
+        env "${KVENV[@]}" "$BIN" run -m "$S122" -p "The capital of France is" -n 1 --threads "$NPROC" --json "${flag[@]}" > "$OUT/s122.cold.tmp"
+        t1=$(date +%s.%N)
+        jq -c --arg pf $pf --argjson wall "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')" '{mode: $pf, wall_s: $wall, prefill_s: .engine.prefill_s, prompt_tokens: (.prompt_tokens | length)}' \
+          "$OUT/s122.cold.tmp" >> "$OUT/s122.cold.json"
+      done
+    done
+    rm -f "$OUT/s122.cold.tmp"
+  else
+    echo "bench: 122B cold start skipped: cannot drop the page cache (not root)"
+  fi
+fi
 
 KV_BENCH_ISA=$ISA KV_BENCH_RESULTS=${KV_BENCH_RESULTS:-results.json} node "$SRC/bench/llama_bench.mjs" report "$OUT" "$THREADS" "${keys[@]}"

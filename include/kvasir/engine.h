@@ -79,6 +79,8 @@ typedef struct kv_engine_opts {
     double recompute_rate;       /* fraction of answers also recomputed from the local slab */
     void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
     void *caught_arg;
+    bool prefault;               /* fault the backbone in on a background thread at open
+                                    (kv_model_prefault): a shorter cold start */
 } kv_engine_opts;
 
 /* Opens path: a GGUF file (experts in-process from it), or a sliced model

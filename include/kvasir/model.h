@@ -96,6 +96,17 @@ void kv_model_window(const kv_model *m, uint32_t *first, uint32_t *last);
  * what a window's node must hold. */
 uint64_t kv_model_weight_bytes(const kv_model *m);
 void kv_model_free(kv_model *m);
+/* Cold start: a background thread faults in the backbone (every loaded
+ * tensor but the routed experts and the token embedding, whose rows are
+ * read one by one), block by block in the order a forward pass reads it:
+ * madvise(MADV_WILLNEED) on each tensor's pages, then one read per page so
+ * the compute threads take no page faults there. It overlaps tokenization
+ * and the first layers; it never changes a result. Call at most once;
+ * kv_model_free stops and joins it. Returns 0, or KV_ENOMEM / KV_EIO if no
+ * thread could start (the model still works, only colder). */
+int kv_model_prefault(const kv_model *m, kv_diag *d);
+/* Bytes the prefault thread has made resident so far, and whether it ended. */
+uint64_t kv_model_prefault_done(const kv_model *m, bool *finished);
 
 const kv_hparams *kv_model_hparams(const kv_model *m);
 const kv_tok *kv_model_tok(const kv_model *m);

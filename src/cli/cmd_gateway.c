@@ -287,7 +287,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
                                .worker_keys = (const uint8_t(*)[32])auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
-                               .on_caught = kv_gw_on_caught, .caught_arg = &caught};
+                               .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

@@ -27,6 +27,8 @@ static const char *kv_run_help =
     "                       files on demand (LRU); default: map the slabs\n"
     "  --skip-hashes        sliced model: check sizes, headers and model identity but do not\n"
     "                       hash every piece at start (default: verify every SHA-256)\n"
+    "  --no-prefault        do not fault the backbone in on a background thread at start (it\n"
+    "                       overlaps tokenization and the first layers: a shorter cold start)\n"
     "  --allow-sparse       sliced model: run a sliced skeleton (pieces without hashes: sizes,\n"
     "                       headers and identity are checked); refused without this flag\n"
     "  --worker HOST:PORT   sliced model: compute experts on this worker (kvasir worker); repeat\n"
@@ -326,7 +328,7 @@ static int kv_run_ring(const char *addr, const char *key_path, const char *promp
 int kv_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *pfile = NULL, *logits_path = NULL;
     long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
-    bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false;
+    bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false, prefault = true;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL, *ring = NULL;
@@ -355,6 +357,8 @@ int kv_cmd_run(int argc, char **argv) {
             verify = true;
         } else if (!strcmp(a, "--skip-hashes")) {
             skip_hashes = true;
+        } else if (!strcmp(a, "--no-prefault")) {
+            prefault = false;
         } else if (!strcmp(a, "--allow-sparse")) { /* run a sliced skeleton (pieces without hashes) */
             allow_sparse = true;
         } else if (!strcmp(a, "--verbose")) {
@@ -488,7 +492,7 @@ int kv_cmd_run(int argc, char **argv) {
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = 1, .kv_type = (uint32_t)kv_type,
                                .expert_cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0,
-                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .workers = workers, .n_workers = n_workers,
+                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .prefault = prefault, .workers = workers, .n_workers = n_workers,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .log = verbose ? stderr : NULL, .key_sk = auth.key.sk,
                                .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,

@@ -202,6 +202,10 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
         if ((rc = kv_model_load(&e->own_model, path, d))) goto fail;
         e->m = e->own_model;
     }
+    if (e->o.prefault) {
+        kv_diag pd = {0};
+        (void)kv_model_prefault(e->m, &pd); /* only colder without it */
+    }
     if ((rc = kv_engine_setup(e, d))) goto fail;
     free(manifest);
     *out = e;

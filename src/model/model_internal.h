@@ -17,6 +17,7 @@ struct kv_model {
     uint32_t il_first, il_last; /* blocks loaded and run: [0, n_layer-1] unless a window */
     bool has_embd;       /* tok_embd loaded (a window from block 0, or a tied head) */
     bool has_head;       /* output_norm and output loaded (a window to the last block) */
+    struct kv_prefault *prefault; /* the backbone prefetch thread (kv_model_prefault), NULL: none */
 };
 
 /* Whether block il is in the model's window (and so has weights and state). */

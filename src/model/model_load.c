@@ -3,9 +3,13 @@
  * type we can compute before anything runs. What to read comes from the
  * architecture's table (arch.h): its keys, and for every block the tensors
  * the block's kind carries, with their shapes in hyper-parameters. */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "kvasir/arch.h"
 #include "kvasir/model.h"
@@ -192,8 +196,84 @@ fail:
     return rc;
 }
 
+/* ---- backbone prefault ------------------------------------------------ */
+
+struct kv_prefault {
+    pthread_t th;
+    const kv_model *m;
+    atomic_bool stop, finished;
+    _Atomic uint64_t bytes;
+};
+
+static void kv_prefault_range(struct kv_prefault *p, const void *data, uint64_t n) {
+    if (!data || !n) return;
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)data & ~(pg - 1);
+    const uintptr_t end = (uintptr_t)data + n;
+    /* in 4 MiB steps: the kernel reads ahead in large requests, then the
+     * touches map the pages (the mapping is read-only: loads only) */
+    for (uintptr_t c = a; c < end && !atomic_load(&p->stop); c += (uintptr_t)4 << 20) {
+        const uintptr_t ce = c + ((uintptr_t)4 << 20) < end ? c + ((uintptr_t)4 << 20) : end;
+        (void)madvise((void *)c, ce - c, MADV_WILLNEED);
+        uint8_t sink = 0;
+        for (uintptr_t q = c; q < ce; q += pg) sink ^= *(volatile const uint8_t *)q;
+        (void)sink;
+        atomic_fetch_add(&p->bytes, (uint64_t)(ce - c));
+    }
+}
+
+static void kv_prefault_w(struct kv_prefault *p, const kv_weight *w) {
+    if (w->data) kv_prefault_range(p, w->data, (uint64_t)w->nb2 * (uint64_t)w->ne[2]);
+}
+
+static void *kv_prefault_main(void *arg) {
+    struct kv_prefault *p = arg;
+    const kv_model *m = p->m;
+    for (uint32_t il = m->il_first; il <= m->il_last && il < m->hp.n_layer; il++) {
+        const kv_layer *L = &m->layers[il];
+        /* every backbone kv_weight of a block in the order a pass reads them */
+        const kv_weight *all[] = {&L->attn_norm, &L->wqkv, &L->wqkv_gate, &L->ssm_beta, &L->ssm_alpha,
+                                  &L->ssm_conv1d, &L->ssm_dt, &L->ssm_a, &L->ssm_norm, &L->ssm_out,
+                                  &L->wq, &L->wk, &L->wv, &L->q_norm, &L->k_norm, &L->wo,
+                                  &L->ffn_norm, &L->post_norm, &L->gate_inp, &L->gate_inp_shexp,
+                                  &L->gate_shexp, &L->up_shexp, &L->down_shexp};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) kv_prefault_w(p, all[i]);
+    }
+    kv_prefault_w(p, &m->output_norm);
+    kv_prefault_w(p, &m->output);
+    atomic_store(&p->finished, true);
+    return NULL;
+}
+
+int kv_model_prefault(const kv_model *cm, kv_diag *d) {
+    kv_model *m = (kv_model *)cm; /* the thread handle is bookkeeping, not model data */
+    if (m->prefault) return 0;
+    struct kv_prefault *p = calloc(1, sizeof *p);
+    if (!p) return kv_fail(d, KV_ENOMEM, "prefault: out of memory");
+    p->m = m;
+    atomic_init(&p->stop, false);
+    atomic_init(&p->finished, false);
+    atomic_init(&p->bytes, 0);
+    if (pthread_create(&p->th, NULL, kv_prefault_main, p)) {
+        free(p);
+        return kv_fail(d, KV_EIO, "prefault: cannot start a thread");
+    }
+    m->prefault = p;
+    return 0;
+}
+
+uint64_t kv_model_prefault_done(const kv_model *m, bool *finished) {
+    if (finished) *finished = m->prefault ? atomic_load(&m->prefault->finished) : false;
+    return m->prefault ? atomic_load(&m->prefault->bytes) : 0;
+}
+
 void kv_model_free(kv_model *m) {
     if (!m) return;
+    if (m->prefault) {
+        atomic_store(&m->prefault->stop, true);
+        pthread_join(m->prefault->th, NULL);
+        free(m->prefault);
+    }
     free(m->layers);
     kv_tok_free(m->tok);
     kv_gguf_close(m->gguf);
