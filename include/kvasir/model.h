@@ -105,6 +105,9 @@ void kv_model_free(kv_model *m);
  * kv_model_free stops and joins it. Returns 0, or KV_ENOMEM / KV_EIO if no
  * thread could start (the model still works, only colder). */
 int kv_model_prefault(const kv_model *m, kv_diag *d);
+/* Every loaded tensor's pages, the routed experts and embedding included,
+ * faulted in now on the calling thread (benchmark warm-up); the bytes. */
+uint64_t kv_model_fault_in(const kv_model *m);
 /* Bytes the prefault thread has made resident so far, and whether it ended. */
 uint64_t kv_model_prefault_done(const kv_model *m, bool *finished);
 

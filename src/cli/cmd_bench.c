@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "cli/cli.h"
@@ -196,7 +197,12 @@ int kv_cmd_bench(int argc, char **argv) {
     kv_session_opts so = {.sample = kv_sample_defaults(), .max_tokens = (uint32_t)n_gen + 1, .ignore_eog = true};
     so.sample.temp = 0;
     so.sample.repeat_penalty = 1.0f;
-    /* warm-up: touch every weight page once */
+    /* warm-up: every weight page faulted in once when the weights fit in
+     * half the RAM (a skeleton of a model larger than memory keeps only what
+     * its tokens touch), then a short prompt and one decoded token */
+    const long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && psz > 0 && kv_model_weight_bytes(mc) < (uint64_t)pages * (uint64_t)psz / 2)
+        (void)kv_model_fault_in(mc);
     if (kv_session_new(&ss[0], eng, &so, &d) ||
         kv_session_prompt(ss[0], toks, (uint32_t)(n_prompt < 16 ? n_prompt : 16), &d) ||
         kv_bench_until(eng, ss[0], KV_SESSION_DECODE, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }

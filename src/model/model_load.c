@@ -203,6 +203,7 @@ struct kv_prefault {
     const kv_model *m;
     atomic_bool stop, finished;
     _Atomic uint64_t bytes;
+    bool experts; /* kv_model_fault_in: the routed experts and embedding too */
 };
 
 static void kv_prefault_range(struct kv_prefault *p, const void *data, uint64_t n) {
@@ -238,7 +239,13 @@ static void *kv_prefault_main(void *arg) {
                                   &L->ffn_norm, &L->post_norm, &L->gate_inp, &L->gate_inp_shexp,
                                   &L->gate_shexp, &L->up_shexp, &L->down_shexp};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) kv_prefault_w(p, all[i]);
+        if (p->experts) {
+            kv_prefault_w(p, &L->gate_exps);
+            kv_prefault_w(p, &L->up_exps);
+            kv_prefault_w(p, &L->down_exps);
+        }
     }
+    if (p->experts) kv_prefault_w(p, &m->tok_embd);
     kv_prefault_w(p, &m->output_norm);
     kv_prefault_w(p, &m->output);
     atomic_store(&p->finished, true);
@@ -260,6 +267,15 @@ int kv_model_prefault(const kv_model *cm, kv_diag *d) {
     }
     m->prefault = p;
     return 0;
+}
+
+uint64_t kv_model_fault_in(const kv_model *m) {
+    struct kv_prefault p = {.m = m, .experts = true};
+    atomic_init(&p.stop, false);
+    atomic_init(&p.finished, false);
+    atomic_init(&p.bytes, 0);
+    kv_prefault_main(&p);
+    return atomic_load(&p.bytes);
 }
 
 uint64_t kv_model_prefault_done(const kv_model *m, bool *finished) {
