@@ -70,10 +70,23 @@ typedef struct kv_gateway_opts {
     uint32_t hub_refresh_ms;    /* how often; 0 = 2000 (and at once after a failed step) */
     uint32_t step_retry_ms;     /* a failed step (an expert whose holders are all gone) is retried,
                                    its sessions kept, for this long before they fail; 0 = 30000 */
+    /* a ring (kvasir ring, docs/PROTOCOL.md "Ring protocol"): no engine here
+       (kv_gateway_start takes e = NULL); every request is submitted to an
+       entry node, which tokenizes it (the same template) and streams the
+       tokens back; concurrent requests are concurrent ring sequences */
+    const char *const *ring_addrs; /* [n_ring] entry nodes "HOST:PORT" (copied), tried in turn */
+    uint32_t n_ring;            /* at most KV_GATEWAY_MAX_RING; 0 = no ring */
+    const uint8_t *ring_key_sk; /* [64] the client key proved to the nodes (copied); NULL = a random one */
+    uint32_t ring_timeout_ms;   /* longest wait for one frame from the ring; 0 = 60000 */
+    uint32_t ring_status_ms;    /* /health asks every entry node this often; 0 = 1000 */
 } kv_gateway_opts;
 
+#define KV_GATEWAY_MAX_RING 8u
+
 /* Starts serving engine e (borrowed: the gateway's scheduler thread drives
- * it from now on and no other thread may touch it until kv_gateway_free).
+ * it from now on and no other thread may touch it until kv_gateway_free),
+ * or, with opts.n_ring, the ring at opts.ring_addrs (e must be NULL then;
+ * a ledger is refused: KV_EUNSUPPORTED).
  * Errors: KV_EINVAL (bad options), KV_EIO (cannot bind), KV_ENOMEM; *out is
  * NULL then. */
 int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts, kv_diag *d);
