@@ -18,7 +18,9 @@
  * re-reads the hub's placement map and the scheduler adds its new nodes to
  * the engine's workers between steps; a step that fails for want of a
  * holder keeps its sessions and is retried (step_retry_ms), so nothing is
- * answered partially. docs/GATEWAY.md.
+ * answered partially. A ring (opts.ring_addrs): no engine; each request is
+ * a sequence of the ring, submitted to an entry node (docs/GATEWAY.md "A
+ * ring"). docs/GATEWAY.md.
  *
  * Errors are answered in the shape of the API asked (OpenAI
  * {"error":{...}}, Anthropic {"type":"error",...}, Ollama {"error":"..."})

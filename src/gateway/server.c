@@ -14,6 +14,11 @@
  * before every wait) or a stop string marks the request cancelled, and the
  * scheduler frees its session before the next step.
  *
+ * With ring entry nodes (opts.n_ring) there is no engine: the scheduler
+ * gives each admitted request a thread that submits it to a ring node and
+ * publishes the tokens (and their text) the home streams back, the same
+ * way (section "a ring" below).
+ *
  * Locking: one mutex (g->mu) guards every queue, list, counter and the
  * mutable fields of every request; work_cv wakes the scheduler, out_cv the
  * connection threads. A request is freed when its last reference (the
