@@ -336,7 +336,7 @@ static void test_auth(void) {
     ASSERT_TRUE(sodium_init() >= 0);
     crypto_sign_keypair(pk, sk);
     crypto_sign_keypair(pk2, sk2);
-    kv_ring_auth a;
+    kv_ring_auth a = {0};
     memcpy(a.key, pk, 32);
     for (int i = 0; i < 32; i++) a.nonce[i] = (uint8_t)(i * 7 + 1);
     uint8_t ch[32];
@@ -375,6 +375,21 @@ static void test_auth(void) {
     ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &a, &n, NULL), 0);
     ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER, a.sig, 64));
     ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_PROBE, &a, &n, NULL), KV_EINVAL);
+    /* AUTH with a hub voucher: 200 bytes, expiry at 128, the hub's signature at 136 */
+    a.voucher_expires_ms = 0x0102030405060708ull;
+    for (int i = 0; i < 64; i++) a.voucher_sig[i] = (uint8_t)(i ^ 0x5a);
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 200);
+    ASSERT_EQ(rd64(buf + KV_RING_HEADER + 128), 0x0102030405060708ull);
+    ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER + 136, a.voucher_sig, 64));
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.auth.voucher_expires_ms, a.voucher_expires_ms);
+    ASSERT_TRUE(!memcmp(m.u.auth.voucher_sig, a.voucher_sig, 64));
+    check_truncations(buf, n);
+    memset(buf + KV_RING_HEADER + 128, 0, 8); /* a voucher expiring at 0 is not canonical (no voucher is 128 bytes) */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    wr32(buf + 8, 164); /* neither 128 nor 200 */
+    ASSERT_EQ(kv_ring_decode(buf, KV_RING_HEADER + 164, &m, &d), KV_EPROTO);
 }
 
 /* ---- the layer-window forward pass ---------------------------------------------- */

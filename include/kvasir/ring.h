@@ -190,6 +190,8 @@ typedef struct kv_ring_auth {
     uint8_t key[32];         /* Ed25519 public key (AUTH_CHALLENGE: the acceptor's; AUTH: the connector's) */
     uint8_t nonce[32];       /* AUTH_CHALLENGE: the challenge; AUTH: the connector's nonce */
     uint8_t sig[64];         /* AUTH and AUTH_OK: over kv_ring_auth_digest */
+    uint64_t voucher_expires_ms; /* AUTH: a hub voucher for key, Unix ms; 0 = none (the frame is 128 bytes) */
+    uint8_t voucher_sig[64];     /* AUTH with a voucher: the hub's signature over kv_voucher_digest */
 } kv_ring_auth;
 
 typedef struct kv_ring_msg {
@@ -262,7 +264,8 @@ const char *kv_ring_chat_role_name(uint32_t role);
 int kv_ring_status_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_status *st, size_t *n, kv_diag *d);
 
 /* type: KV_RING_AUTH_CHALLENGE (key, nonce: 64 bytes), KV_RING_AUTH (key,
- * nonce, sig: 128) or KV_RING_AUTH_OK (sig: 64). */
+ * nonce, sig: 128; 200 with a voucher: voucher_expires_ms != 0) or
+ * KV_RING_AUTH_OK (sig: 64). */
 int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d);
 
 /* The transcript both ends of a connection sign (the dispatch plane's
@@ -305,6 +308,9 @@ typedef struct kv_ring_node_opts {
     const uint8_t (*allow_keys)[32]; /* [n_allow] keys admitted (nodes and clients alike) */
     size_t n_allow;
     bool allow_any;             /* admit every key that proves itself (an open ring) */
+    const uint8_t *hub_key;     /* [32] also admit a key that brings a voucher of this hub (docs/HUB.md
+                                   "Vouching": for this model, not expired by this node's clock);
+                                   NULL = none */
     const char *const *workers; /* [n_workers] sliced model: the window's routed experts are
                                    computed by these expert workers (kvasir worker, the dispatch
                                    protocol; this node proves its own key to them) */
@@ -382,6 +388,8 @@ void kv_ring_hub_stop(kv_ring_hub *h);
 
 /* ---- the client ----------------------------------------------------------- */
 
+struct kv_voucher; /* kvasir/dispatch.h */
+
 /* Called for every token streamed back (logits NULL unless asked for;
  * n_vocab floats). Return non-zero to stop reading (the request is then
  * abandoned). */
@@ -426,6 +434,7 @@ typedef struct kv_ring_req {
     kv_ring_params p;
     const uint8_t *key_sk;       /* [64] the key proved to the node; NULL = a fresh random one */
     int timeout_ms;              /* longest wait for one frame; 0 = 60000 */
+    const struct kv_voucher *voucher; /* a hub voucher for key_sk's key, sent in AUTH; NULL = none */
     kv_ring_accept_fn on_accept; /* may be NULL */
     kv_ring_token_fn on_token;   /* may be NULL */
     bool (*cancelled)(void *data); /* polled every 100 ms while waiting; true: the request is abandoned
@@ -448,5 +457,8 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
  * connection's, the handshake's (KV_EAUTH), KV_ETIMEOUT after timeout_ms
  * (0 = 5000) per frame. */
 int kv_ring_status_get(const char *addr, const uint8_t *key_sk, int timeout_ms, kv_ring_status *out, kv_diag *d);
+/* The same, with a hub voucher for the key (NULL = none). */
+int kv_ring_status_get_v(const char *addr, const uint8_t *key_sk, const struct kv_voucher *voucher, int timeout_ms,
+                         kv_ring_status *out, kv_diag *d);
 
 #endif

@@ -94,11 +94,11 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
 /* Connects to addr and runs the client handshake (HELLO as a client, then
  * AUTH proving key_sk, and the node's AUTH_OK checked). On success c is
  * open and *n_vocab is the node's. */
-static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, size_t cap, uint32_t *n_vocab,
-                       kv_diag *d) {
-    int rc = kv_proto_connect(addr, c->timeout_ms, &c->fd, d);
+static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const kv_voucher *voucher, size_t cap,
+                       uint32_t *n_vocab, kv_diag *d) {
+    int rc = kv_proto_connect(addr, c->timeout_ms < 5000 ? c->timeout_ms : 5000, &c->fd, d);
     if (rc) return kv_diag_prefix(d, rc, "ring: node %s", addr);
-    c->cap = cap < KV_RING_HEADER + 128 ? KV_RING_HEADER + 128 : cap; /* HELLO (88), AUTH (128) */
+    c->cap = cap < KV_RING_HEADER + 200 ? KV_RING_HEADER + 200 : cap; /* HELLO (88), AUTH (128 or 200) */
     if (!(c->buf = malloc(c->cap))) return kv_fail(d, KV_ENOMEM, "ring: out of memory");
     size_t n;
     const kv_ring_hello me = {.role = KV_RING_ROLE_CLIENT};
@@ -135,9 +135,13 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, size_
             memcpy(node_key, m.u.auth.key, 32);
             memcpy(challenge, m.u.auth.nonce, 32);
             randombytes_buf(nonce, sizeof nonce);
-            kv_ring_auth a;
+            kv_ring_auth a = {0};
             memcpy(a.key, sk + 32, 32);
             memcpy(a.nonce, nonce, 32);
+            if (voucher) {
+                a.voucher_expires_ms = voucher->expires_ms;
+                memcpy(a.voucher_sig, voucher->sig, 64);
+            }
             uint8_t dg[32];
             kv_ring_auth_digest('C', model_id, node_key, challenge, a.key, nonce, dg);
             kv_dispatch_sign(sk, dg, a.sig);
@@ -182,7 +186,7 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
                 .data = q->data};
     float *lg = NULL;
     uint32_t n_vocab = 0;
-    int rc = kv_rcl_open(&c, addr, q->key_sk, KV_RING_HEADER + 64 + body, &n_vocab, d);
+    int rc = kv_rcl_open(&c, addr, q->key_sk, q->voucher, KV_RING_HEADER + 64 + body, &n_vocab, d);
     if (rc) goto done;
     size_t n;
     if (chat) {
@@ -249,10 +253,15 @@ done:
 }
 
 int kv_ring_status_get(const char *addr, const uint8_t *key_sk, int timeout_ms, kv_ring_status *out, kv_diag *d) {
+    return kv_ring_status_get_v(addr, key_sk, NULL, timeout_ms, out, d);
+}
+
+int kv_ring_status_get_v(const char *addr, const uint8_t *key_sk, const kv_voucher *voucher, int timeout_ms,
+                         kv_ring_status *out, kv_diag *d) {
     memset(out, 0, sizeof *out);
     kv_rcl c = {.fd = -1, .timeout_ms = timeout_ms > 0 ? timeout_ms : 5000};
     uint32_t n_vocab = 0;
-    int rc = kv_rcl_open(&c, addr, key_sk, 0, &n_vocab, d);
+    int rc = kv_rcl_open(&c, addr, key_sk, voucher, 0, &n_vocab, d);
     size_t n;
     kv_ring_msg m;
     if (!rc && !(rc = kv_ring_status_encode(c.buf, c.cap, KV_RING_STATUS, NULL, &n, d)) &&

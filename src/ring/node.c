@@ -109,6 +109,8 @@ struct kv_ring_node {
     char model_id[KV_RING_MODEL_ID_LEN + 1];
     uint8_t sk[64];           /* this node's Ed25519 key (seed || pk) */
     uint8_t (*allow)[32];     /* [n_allow] keys admitted (a copy) */
+    uint8_t hub_key[32];      /* vouchers by this hub admit a key too */
+    bool has_hub_key;
     char next_addr[256];
     kv_net_loop *loop;
     int lfd;
@@ -936,6 +938,26 @@ static bool kv_rn_allowed(const kv_ring_node *n, const uint8_t key[32]) {
     return false;
 }
 
+/* A connector's hub voucher (docs/HUB.md "Vouching"): the hub this node
+ * trusts signed (model, key, expiry) and the expiry is ahead of this node's
+ * clock. false with why[] saying what was wrong ("" when no voucher came). */
+static bool kv_rn_vouched(const kv_ring_node *n, const kv_ring_auth *a, char *why, size_t cap) {
+    why[0] = 0;
+    if (!a->voucher_expires_ms) return false;
+    if (!n->has_hub_key) return snprintf(why, cap, "a voucher, but this node trusts no hub; "), false;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    const uint64_t now_ms = (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+    if (a->voucher_expires_ms <= now_ms)
+        return snprintf(why, cap, "its voucher expired %llu ms ago; ",
+                        (unsigned long long)(now_ms - a->voucher_expires_ms)), false;
+    uint8_t dg[32];
+    kv_voucher_digest(n->model_id, a->key, a->voucher_expires_ms, dg);
+    if (kv_dispatch_verify(n->hub_key, dg, a->voucher_sig))
+        return snprintf(why, cap, "its voucher is not the trusted hub's for this model and key; "), false;
+    return true;
+}
+
 static int kv_rn_check_peer(kv_ring_node *n, const kv_ring_hello *h, uint32_t want_first, bool check_last,
                             char *msg, size_t cap) {
     if (h->role != KV_RING_ROLE_LINK) return snprintf(msg, cap, "ring: expected a ring node, got a client"), KV_EPROTO;
@@ -997,8 +1019,9 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         kv_hex(m.u.auth.key, 32, hex);
         uint8_t dg[32];
         kv_ring_auth_digest('C', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
-        if (!kv_rn_allowed(n, m.u.auth.key))
-            snprintf(msg, sizeof msg, "ring: key %.16s... is not allowed on this node (--allow-key)", hex);
+        if (!kv_rn_allowed(n, m.u.auth.key) && !kv_rn_vouched(n, &m.u.auth, msg, sizeof msg))
+            snprintf(msg + strlen(msg), sizeof msg - strlen(msg), "ring: key %.16s... is not allowed on this node (--allow-key%s)",
+                     hex, n->has_hub_key ? ", or a voucher of the hub" : "");
         else if (kv_dispatch_verify(m.u.auth.key, dg, m.u.auth.sig))
             snprintf(msg, sizeof msg, "ring: the signature of key %.16s... does not verify", hex);
         else
@@ -1059,7 +1082,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
                 }
                 memcpy(c->peer_key, m.u.auth.key, 32);
                 memcpy(c->challenge, m.u.auth.nonce, 32);
-                kv_ring_auth a;
+                kv_ring_auth a = {0}; /* a link proves its key alone (no voucher) */
                 memcpy(a.key, n->sk + 32, 32);
                 randombytes_buf(c->nonce, 32);
                 memcpy(a.nonce, c->nonce, 32);
@@ -1327,8 +1350,13 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         }
         memcpy(n->allow, n->o.allow_keys, n->o.n_allow * sizeof *n->allow);
     }
+    if (n->o.hub_key) {
+        memcpy(n->hub_key, n->o.hub_key, 32);
+        n->has_hub_key = true;
+    }
     n->o.key_sk = NULL;
     n->o.allow_keys = NULL;
+    n->o.hub_key = NULL;
     pthread_mutex_init(&n->next_mu, NULL);
     if (n->o.next && (rc = kv_rn_resolve_next(n, n->o.next, d))) goto fail; /* else set later (a hub) */
     if ((rc = kv_pool_new(&n->pool, n->o.n_threads, d))) goto fail;

@@ -377,10 +377,15 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         memcpy(m->u.auth.nonce, p + 32, 32);
         return 0;
     case KV_RING_AUTH:
-        EXACT(128, "AUTH");
+        if (len != 128) EXACT(200, "AUTH"); /* 128, or 200 with a hub voucher */
         memcpy(m->u.auth.key, p, 32);
         memcpy(m->u.auth.nonce, p + 32, 32);
         memcpy(m->u.auth.sig, p + 64, 64);
+        if (len == 200) {
+            m->u.auth.voucher_expires_ms = kv_rg64(p + 128);
+            memcpy(m->u.auth.voucher_sig, p + 136, 64);
+            if (!m->u.auth.voucher_expires_ms) return kv_fail(d, KV_EPROTO, "ring: AUTH with a voucher that expires at 0");
+        }
         return 0;
     case KV_RING_AUTH_OK:
         EXACT(64, "AUTH_OK");
@@ -596,7 +601,8 @@ int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *q, size_
 }
 
 int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d) {
-    const size_t len = type == KV_RING_AUTH ? 128 : type == KV_RING_AUTH_CHALLENGE || type == KV_RING_AUTH_OK ? 64 : 0;
+    const size_t len = type == KV_RING_AUTH ? (a->voucher_expires_ms ? 200 : 128)
+                       : type == KV_RING_AUTH_CHALLENGE || type == KV_RING_AUTH_OK ? 64 : 0;
     if (!len) return kv_fail(d, KV_EINVAL, "ring: AUTH frame of type %u", type);
     int rc = kv_hdr_put(out, cap, type, len, n, d);
     if (rc) return rc;
@@ -608,6 +614,10 @@ int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_a
     memcpy(p, a->key, 32);
     memcpy(p + 32, a->nonce, 32);
     if (type == KV_RING_AUTH) memcpy(p + 64, a->sig, 64);
+    if (len == 200) {
+        kv_wg64(p + 128, a->voucher_expires_ms);
+        memcpy(p + 136, a->voucher_sig, 64);
+    }
     return 0;
 }
 
