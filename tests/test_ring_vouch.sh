@@ -14,6 +14,8 @@
 #     from its store, Ed25519 by the `cryptography` package): valid -> the
 #     node answers STATUS; expired, for another model, another key, or by
 #     another hub -> ERROR EAUTH naming why, before anything is served.
+#  5. `kvasir gateway --ring A --hub URL` shows the voucher and serves the
+#     one-process text; the same gateway without --hub gets 502 (and /health 503).
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -131,6 +133,29 @@ why = attempt(T + 1, lambda mid: voucher(hub, mid, raw(c), T), c)  # an expiry m
 assert "not the trusted hub's" in why, why
 print("ok: hand-made vouchers: a valid one admitted; expired, another model, another key, another hub refused (EAUTH)")
 PY
+# ---- 5. the gateway as a vouched client: --ring with --hub; without the voucher it is refused (502)
+start_gw() { # start_gw NAME ARGS...: a gateway, its address in GWA
+  local nm=$1
+  shift
+  "$KV" gateway --ring "$A0" --key "$dir/client.key" --listen 127.0.0.1:0 --name m "$@" >"$dir/$nm.out" 2>"$dir/$nm.err" &
+  RING_ALL+=($!)
+  GWA=
+  for _ in $(seq 200); do
+    GWA=$(sed -n 's/^listening on //p' "$dir/$nm.out" 2>/dev/null)
+    [ -n "$GWA" ] && return 0
+    sleep 0.05
+  done
+  fail "gateway $nm did not start: $(cat "$dir/$nm.err")"
+}
+start_gw gwv --hub "$url"
+[ "$(curl -s -o /dev/null -w '%{http_code}' "http://$GWA/health")" = 200 ] || fail "vouched gateway: /health: $(curl -s "http://$GWA/health")"
+t=$(curl -s "http://$GWA/v1/completions" -d "{\"prompt\":\"$P\",\"max_tokens\":12,\"temperature\":0}" | jq -r '.choices[0].text')
+[ "$t" = "$(jq -r .text "$dir/local.json")" ] || fail "vouched gateway: text '$t'"
+start_gw gwn
+code=$(curl -s -o "$dir/gwn.json" -w '%{http_code}' "http://$GWA/v1/completions" -d "{\"prompt\":\"$P\",\"max_tokens\":4}")
+[ "$code" = 502 ] && grep -q "not allowed on this node" "$dir/gwn.json" || fail "unvouched gateway: $code $(cat "$dir/gwn.json")"
+[ "$(curl -s -o /dev/null -w '%{http_code}' "http://$GWA/health")" = 503 ] || fail "unvouched gateway: /health is not 503"
+echo "ok: gateway --ring --hub shows the voucher and serves the local text; without it: 502 $(jq -c .error.message "$dir/gwn.json" | cut -c1-90)"
 # the ring serves on
 "$KV" run --ring "$A0" --hub "$url" --key "$dir/client.key" -p "$P" -n 12 --temp 0 --json >"$dir/r2.json" ||
   fail "the ring stopped serving"

@@ -41,6 +41,7 @@
 #include "kvasir/err.h"
 
 typedef struct kv_gateway kv_gateway;
+struct kv_voucher; /* kvasir/dispatch.h */
 
 #define KV_GATEWAY_MAX_KEYS 1024u
 #define KV_GATEWAY_MAX_KEY_LEN 256u
@@ -79,6 +80,8 @@ typedef struct kv_gateway_opts {
     const char *const *ring_addrs; /* [n_ring] entry nodes "HOST:PORT" (copied), tried in turn */
     uint32_t n_ring;            /* at most KV_GATEWAY_MAX_RING; 0 = no ring */
     const uint8_t *ring_key_sk; /* [64] the client key proved to the nodes (copied); NULL = a random one */
+    const struct kv_voucher *ring_voucher; /* a hub voucher for that key, shown to the nodes (copied);
+                                   NULL = none */
     uint32_t ring_timeout_ms;   /* longest wait for one frame from the ring; 0 = 60000 */
     uint32_t ring_status_ms;    /* /health asks every entry node this often; 0 = 1000 */
 } kv_gateway_opts;

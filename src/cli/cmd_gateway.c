@@ -44,7 +44,8 @@ static const char *kv_gateway_help =
     "                       concurrent requests are concurrent ring sequences (at most --parallel);\n"
     "                       repeat for more entry nodes (tried in turn, those that see the ring whole\n"
     "                       first); /health asks each whether the ring is whole every second. The\n"
-    "                       client key is --key; no -m, --hub, --worker, --ledger or --verify with it\n"
+    "                       client key is --key (with --hub URL: and that hub's voucher for it, for\n"
+    "                       nodes started with --hub-key); no -m, --worker, --ledger or --verify\n"
     "  --ring-timeout-ms N  with --ring: longest wait for one frame from the ring (default 60000)\n"
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
@@ -210,8 +211,8 @@ int kv_cmd_gateway(int argc, char **argv) {
         }
     }
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
-    if (n_rings && (model || hub || n_workers || verify))
-        return kv_cli_err(CMD, 1, "--ring replaces -m, --hub, --worker and --verify: the ring holds the model");
+    if (n_rings && (model || n_workers || verify))
+        return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
     if (n_rings && ledger)
         return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
                           "must hold a payment before compute, and only the ring knows the prompt's token count");
@@ -286,12 +287,19 @@ int kv_cmd_gateway(int argc, char **argv) {
             rc = 1;
             goto done;
         }
+        kv_voucher rv; /* --hub with --ring: the hub's voucher for the key, for nodes that trust it */
+        if (hub && kv_node_fetch_auth(hub, &ring_key, NULL, 0, NULL, &rv, &d)) {
+            sodium_memzero(&ring_key, sizeof ring_key);
+            rc = kv_cli_diag(CMD, &d);
+            goto done;
+        }
         const kv_gateway_opts ro = {.host = host, .port = (uint16_t)port, .model_name = mname, .api_keys = keys,
                                     .n_api_keys = n_keys, .max_active = (uint32_t)parallel,
                                     .queue_max = (uint32_t)queue, .max_conns = (uint32_t)max_conns,
                                     .per_ip_conns = (uint32_t)per_ip, .timeout_s = (uint32_t)timeout,
                                     .body_max = (size_t)body_max, .max_tokens_default = (uint32_t)max_tokens,
                                     .ring_addrs = rings, .n_ring = n_rings, .ring_key_sk = ring_key.sk,
+                                    .ring_voucher = hub ? &rv : NULL,
                                     .ring_timeout_ms = (uint32_t)ring_timeout};
         rc = kv_gateway_start(&g, NULL, &ro, &d);
         sodium_memzero(&ring_key, sizeof ring_key);

@@ -146,6 +146,8 @@ struct kv_gateway {
     char *ring[KV_GATEWAY_MAX_RING];
     uint32_t n_ring;
     uint8_t ring_sk[64];        /* the client key proved to the nodes */
+    kv_voucher ring_voucher;    /* the hub's voucher for it */
+    bool has_ring_voucher;
     pthread_t ring_watch;
     bool ring_watch_up;
     pthread_cond_t ring_cv;     /* wakes the watcher to stop */
@@ -554,7 +556,8 @@ static void *kv_ring_thread(void *arg) {
     kv_gw_req *r = arg;
     kv_gateway *g = r->g;
     const kv_ring_req q = {.text = r->rtext, .text_len = r->rtext_len, .msgs = r->rmsgs, .n_msgs = r->n_rmsgs,
-                           .p = r->rp, .key_sk = g->ring_sk, .timeout_ms = (int)g->o.ring_timeout_ms,
+                           .p = r->rp, .key_sk = g->ring_sk, .voucher = g->has_ring_voucher ? &g->ring_voucher : NULL,
+                           .timeout_ms = (int)g->o.ring_timeout_ms,
                            .on_accept = kv_ring_on_accept, .on_token = kv_ring_on_token,
                            .cancelled = kv_ring_cancelled, .data = r};
     /* the entries whole at the last look first (round robin), then the rest */
@@ -681,7 +684,8 @@ static void kv_ring_poll(kv_gateway *g) {
     for (uint32_t i = 0; i < g->n_ring; i++) {
         kv_ring_status st;
         kv_diag d = {0};
-        const int rc = kv_ring_status_get(g->ring[i], g->ring_sk, 2000, &st, &d);
+        const int rc = kv_ring_status_get_v(g->ring[i], g->ring_sk, g->has_ring_voucher ? &g->ring_voucher : NULL, 2000,
+                                            &st, &d);
         pthread_mutex_lock(&g->mu);
         g->ring_st[i].up = rc == 0;
         if (!rc) g->ring_st[i].st = st;
@@ -1566,8 +1570,13 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
         uint8_t pk[32];
         crypto_sign_keypair(pk, g->ring_sk);
     }
+    if (o.ring_voucher) {
+        g->ring_voucher = *o.ring_voucher;
+        g->has_ring_voucher = true;
+    }
     o.ring_addrs = NULL;
     o.ring_key_sk = NULL;
+    o.ring_voucher = NULL;
     int rc = 0;
     if (o.n_api_keys) {
         if (!(g->keys = calloc(o.n_api_keys, sizeof *g->keys))) { rc = kv_fail(d, KV_ENOMEM, "gateway: out of memory"); goto fail; }
