@@ -32,6 +32,34 @@ static void reencode(const uint8_t *f, size_t n, const kv_ring_msg *m) {
         CHECK(m->u.submit.text_len >= 1 && m->u.submit.text_len <= KV_RING_MAX_TEXT);
         rc = kv_ring_submit_encode(out, sizeof out, &m->u.submit, &k, &d);
         break;
+    case KV_RING_SUBMIT_CHAT: {
+        const kv_ring_submit_chat *c = &m->u.chat;
+        CHECK(c->n_msgs >= 1 && c->n_msgs <= KV_RING_MAX_MSGS && c->text_bytes <= KV_RING_MAX_TEXT);
+        kv_chat_msg *cm = malloc(c->n_msgs * sizeof *cm);
+        CHECK(cm);
+        const uint8_t *at = c->msgs;
+        uint64_t total = 0;
+        for (uint32_t i = 0; i < c->n_msgs; i++) {
+            uint32_t role, ml;
+            const char *content;
+            at = kv_ring_chat_next(at, &role, &content, &ml);
+            CHECK(at <= f + n && content >= (const char *)c->msgs && content + ml <= (const char *)f + n);
+            cm[i] = (kv_chat_msg){kv_ring_chat_role_name(role), content, ml};
+            CHECK(cm[i].role);
+            total += ml;
+        }
+        CHECK(at == f + n && total == c->text_bytes);
+        rc = kv_ring_submit_chat_encode(out, sizeof out, &c->p, cm, c->n_msgs, &k, &d);
+        free(cm);
+        break;
+    }
+    case KV_RING_STATUS:
+    case KV_RING_STATUS_ACK:
+        if (m->h.type == KV_RING_STATUS_ACK)
+            CHECK(m->u.status.first <= m->u.status.last && m->u.status.last < m->u.status.n_layer &&
+                  strlen(m->u.status.msg) <= KV_RING_MAX_MSG);
+        rc = kv_ring_status_encode(out, sizeof out, m->h.type, &m->u.status, &k, &d);
+        break;
     case KV_RING_ACCEPT:
     case KV_RING_START: {
         const uint32_t nt = m->h.type == KV_RING_START ? m->u.start.n_tokens : m->u.accept.n_tokens;

@@ -5,6 +5,8 @@
 #     hook ends it abruptly at a known point); a replacement takes its window
 #     on the same address; the ring re-forms and both requests, replayed from
 #     their tokens, complete with the local run's tokens and logits byte for byte.
+#     The same with temperature 0.8 and a seed: the sampler's draw is a function
+#     of (seed, position), so the replayed tail is the unbroken run's too.
 #  2. a node dies and nothing replaces it: the waiting request fails within
 #     its replay deadline with one clear "ring broken" line (exit 2), and every
 #     logit row it streamed before is the local run's (never a wrong token).
@@ -67,6 +69,35 @@ grep -q "ring broken" "$dir/ring0.err" || fail "node 0 did not see the break"
 grep -q "replaying request" "$dir/ring0.err" "$dir/ring2.err" || fail "no home replayed a request"
 echo "ok: a middle node died after 30 frames, a replacement took layers 2-2, both requests replayed from" \
   "their tokens and equal the local run ($N tokens, logits identical)"
+
+# ---- 1b. the same with temperature > 0: one request, the middle node dies after 20 frames
+ring_stop
+T=(--temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --seed 4242)
+"$KV" run -m "$m" -p "$P1" -n $N "${T[@]}" --json --threads 1 --logits-out "$dir/localt.bin" >"$dir/localt.json"
+read -r -a ports <<<"$(free_ports 3)"
+A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
+ring_node 0 "$m" 0-1 "$A0" "$A1"
+ring_node 1 "$m" 2-2 "$A1" "$A2" --die-after-frames 20
+ring_node 2 "$m" 3-3 "$A2" "$A0"
+ring_wait_whole
+"$KV" run --ring "$A2" "${RK[@]}" -p "$P1" -n $N "${T[@]}" --json --logits-out "$dir/rt.bin" >"$dir/rt.json" 2>"$dir/rt.err" &
+ct=$!
+for _ in $(seq 200); do kill -0 "${RING_PID[1]}" 2>/dev/null || break; sleep 0.05; done
+kill -0 "${RING_PID[1]}" 2>/dev/null && fail "temp 0.8: the middle node did not die"
+wait "${RING_PID[1]}" 2>/dev/null || true
+kill -0 $ct 2>/dev/null || fail "temp 0.8: the request ended before a replacement came: $(cat "$dir/rt.err")"
+mv "$dir/ring1.err" "$dir/ring1.deadt.err"
+ring_node 1 "$m" 2-2 "$A1" "$A2"
+wait $ct || fail "temp 0.8: the request failed after the replacement: $(cat "$dir/rt.err")"
+grep -q "replaying request .* from its [0-9]* + [1-9][0-9]* tokens" "$dir/ring2.err" ||
+  fail "temp 0.8: the home did not replay the request with streamed tokens: $(cat "$dir/ring2.err")"
+[ "$(jq -c .tokens "$dir/rt.json")" = "$(jq -c .tokens "$dir/localt.json")" ] ||
+  fail "temp 0.8: tokens differ after the replay: $(jq -c .tokens "$dir/rt.json") vs $(jq -c .tokens "$dir/localt.json")"
+cmp -s "$dir/rt.bin" "$dir/localt.bin" || fail "temp 0.8: logits differ after the replay"
+[ "$(jq -c .tokens "$dir/localt.json")" != "$(jq -c .tokens "$dir/local1.json")" ] ||
+  fail "temp 0.8 sampled the greedy tokens: the case tests nothing"
+echo "ok: temperature 0.8, seed 4242: the middle node died after 20 frames, the request replayed from" \
+  "$(sed -n 's/.*from its \([0-9]* + [0-9]*\) tokens.*/\1/p' "$dir/ring2.err" | head -1) tokens equals the local run ($N tokens, logits identical)"
 
 # ---- 2. die, no replacement: a clear error, a true prefix ---------------------------
 ring_stop

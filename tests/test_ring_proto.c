@@ -234,6 +234,100 @@ static void test_start_submit_token(void) {
     check_truncations(buf, n);
 }
 
+/* SUBMIT_CHAT and STATUS / STATUS_ACK at the offsets docs/PROTOCOL.md gives;
+ * a bad role, a message running past the frame, trailing bytes, too many
+ * messages or bytes, unknown flags and a window out of range are refused. */
+static void test_chat_status(void) {
+    kv_ring_params p = {KV_RING_SUBMIT_IGNORE_EOG, 30, kv_sample_defaults()};
+    const kv_chat_msg msgs[3] = {{"system", "be brief", 8}, {"user", "", 0}, {"assistant", "ok", 2}};
+    size_t n;
+    ASSERT_EQ(kv_ring_submit_chat_encode(buf, sizeof buf, &p, msgs, 3, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 44 + (8 + 8) + 8 + (8 + 2));
+    ASSERT_EQ(buf[6] | buf[7] << 8, 14);
+    const uint8_t *q = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd32(q), KV_RING_SUBMIT_IGNORE_EOG);
+    ASSERT_EQ(rd32(q + 4), 30);
+    ASSERT_EQ(rd32(q + 40), 3);
+    ASSERT_EQ(rd32(q + 44), 1);
+    ASSERT_EQ(rd32(q + 48), 8);
+    ASSERT_TRUE(!memcmp(q + 52, "be brief", 8));
+    ASSERT_EQ(rd32(q + 60), 2);
+    ASSERT_EQ(rd32(q + 64), 0);
+    ASSERT_EQ(rd32(q + 68), 3);
+    ASSERT_EQ(rd32(q + 72), 2);
+    ASSERT_TRUE(!memcmp(q + 76, "ok", 2));
+    kv_ring_msg m;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.chat.n_msgs, 3);
+    ASSERT_EQ(m.u.chat.text_bytes, 10);
+    ASSERT_EQ(m.u.chat.p.flags, KV_RING_SUBMIT_IGNORE_EOG);
+    const uint8_t *at = m.u.chat.msgs;
+    for (int i = 0; i < 3; i++) {
+        uint32_t role, len;
+        const char *content;
+        at = kv_ring_chat_next(at, &role, &content, &len);
+        ASSERT_STREQ(kv_ring_chat_role_name(role), msgs[i].role);
+        ASSERT_EQ(len, msgs[i].len);
+        ASSERT_TRUE(!memcmp(content, msgs[i].content, len));
+    }
+    ASSERT_TRUE(at == buf + n);
+    check_truncations(buf, n);
+    uint8_t f[256];
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 68, 4); /* role 4 */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 72, 3); /* runs past the frame */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 40, 2); /* two messages, then 10 stray bytes */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 40, KV_RING_MAX_MSGS + 1);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 48, KV_RING_MAX_TEXT + 1);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER, 4); /* unknown request flag */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    const kv_chat_msg bad = {"tool", "x", 1};
+    ASSERT_EQ(kv_ring_submit_chat_encode(buf, sizeof buf, &p, &bad, 1, &n, NULL), KV_EINVAL);
+    ASSERT_EQ(kv_ring_submit_chat_encode(buf, sizeof buf, &p, msgs, 0, &n, NULL), KV_ERANGE);
+    /* STATUS: no payload; STATUS_ACK */
+    ASSERT_EQ(kv_ring_status_encode(buf, sizeof buf, KV_RING_STATUS, NULL, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER);
+    ASSERT_EQ(buf[6] | buf[7] << 8, 15);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    kv_ring_status st = {KV_RING_STATUS_WHOLE, 4, 2, 3, 512, 16, 5, "not whole: x"};
+    ASSERT_EQ(kv_ring_status_encode(buf, sizeof buf, KV_RING_STATUS_ACK, &st, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 32 + 12);
+    ASSERT_EQ(buf[6] | buf[7] << 8, 16);
+    q = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd32(q), 1);
+    ASSERT_EQ(rd32(q + 4), 4);
+    ASSERT_EQ(rd32(q + 8), 2);
+    ASSERT_EQ(rd32(q + 12), 3);
+    ASSERT_EQ(rd32(q + 16), 512);
+    ASSERT_EQ(rd32(q + 20), 16);
+    ASSERT_EQ(rd32(q + 24), 5);
+    ASSERT_EQ(rd32(q + 28), 12);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_STREQ(m.u.status.msg, "not whole: x");
+    ASSERT_EQ(m.u.status.n_seqs, 5);
+    check_truncations(buf, n);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 12, 4); /* last = n_layer */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 24, 17); /* more sequences than it may hold */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER, 2);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+}
+
 /* AUTH frames at their documented offsets; the transcript binds role, model,
  * both keys, challenge and nonce (an independent SHA-256 over the same
  * bytes), and a signature verifies only over its own transcript. */
@@ -242,7 +336,7 @@ static void test_auth(void) {
     ASSERT_TRUE(sodium_init() >= 0);
     crypto_sign_keypair(pk, sk);
     crypto_sign_keypair(pk2, sk2);
-    kv_ring_auth a;
+    kv_ring_auth a = {0};
     memcpy(a.key, pk, 32);
     for (int i = 0; i < 32; i++) a.nonce[i] = (uint8_t)(i * 7 + 1);
     uint8_t ch[32];
@@ -281,6 +375,21 @@ static void test_auth(void) {
     ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &a, &n, NULL), 0);
     ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER, a.sig, 64));
     ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_PROBE, &a, &n, NULL), KV_EINVAL);
+    /* AUTH with a hub voucher: 200 bytes, expiry at 128, the hub's signature at 136 */
+    a.voucher_expires_ms = 0x0102030405060708ull;
+    for (int i = 0; i < 64; i++) a.voucher_sig[i] = (uint8_t)(i ^ 0x5a);
+    ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &n, NULL), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 200);
+    ASSERT_EQ(rd64(buf + KV_RING_HEADER + 128), 0x0102030405060708ull);
+    ASSERT_TRUE(!memcmp(buf + KV_RING_HEADER + 136, a.voucher_sig, 64));
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.auth.voucher_expires_ms, a.voucher_expires_ms);
+    ASSERT_TRUE(!memcmp(m.u.auth.voucher_sig, a.voucher_sig, 64));
+    check_truncations(buf, n);
+    memset(buf + KV_RING_HEADER + 128, 0, 8); /* a voucher expiring at 0 is not canonical (no voucher is 128 bytes) */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    wr32(buf + 8, 164); /* neither 128 nor 200 */
+    ASSERT_EQ(kv_ring_decode(buf, KV_RING_HEADER + 164, &m, &d), KV_EPROTO);
 }
 
 /* ---- the layer-window forward pass ---------------------------------------------- */
@@ -385,7 +494,7 @@ static void test_window_qwen35moe(void) { window_case("qwen35moe"); }
 
 static const kvt_case cases[] = {
     KVT_CASE(test_header_layout), KVT_CASE(test_hello), KVT_CASE(test_hidden), KVT_CASE(test_start_submit_token),
-    KVT_CASE(test_auth),
+    KVT_CASE(test_auth), KVT_CASE(test_chat_status),
     KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
 };
 

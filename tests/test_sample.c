@@ -204,6 +204,57 @@ static void test_nonfinite(void) {
     }
 }
 
+/* The draw depends on the position, not on the draws before it: a sampler
+ * fed a sequence's prompt and its first k sampled tokens afresh (a replay
+ * after a break) samples the rest exactly as the unbroken one did, with
+ * temperature > 0 and a penalty; and a different position draws anew. */
+static void test_replay_same_draws(void) {
+    float l[NV];
+    kv_diag d = {0};
+    kv_sample_params p = kv_sample_defaults();
+    p.temp = 0.9f; p.top_k = 0; p.top_p = 0.98f; p.min_p = 0.0f; p.repeat_penalty = 1.1f; p.seed = 1234;
+    enum { NP = 7, NG = 40, CUT = 17 };
+    int32_t seq[NP + NG];
+    for (int i = 0; i < NP; i++) seq[i] = (i * 37) % NV;
+    kv_sampler *a = NULL;
+    ASSERT_EQ(kv_sampler_new(&a, NV, &p, &d), 0);
+    for (int i = 0; i < NP; i++) kv_sampler_accept(a, seq[i]);
+    for (int i = 0; i < NG; i++) {
+        fill_logits(l, 900 + (uint64_t)i);
+        seq[NP + i] = kv_sampler_sample(a, l);
+        ASSERT_TRUE(seq[NP + i] >= 0);
+        kv_sampler_accept(a, seq[NP + i]);
+    }
+    kv_sampler *b = NULL;
+    ASSERT_EQ(kv_sampler_new(&b, NV, &p, &d), 0);
+    for (int i = 0; i < NP + CUT; i++) kv_sampler_accept(b, seq[i]);
+    int same = 1, distinct = 0;
+    for (int i = CUT; i < NG; i++) {
+        fill_logits(l, 900 + (uint64_t)i);
+        const int32_t t = kv_sampler_sample(b, l);
+        same &= t == seq[NP + i];
+        distinct += t != seq[NP + i - 1];
+        kv_sampler_accept(b, t);
+    }
+    ASSERT_TRUE(same);
+    ASSERT_TRUE(distinct > 0); /* the draws are not constant */
+    /* one position later the same logits draw differently at least once */
+    fill_logits(l, 4242);
+    int moved = 0;
+    for (int i = 0; i < 32; i++) {
+        kv_sampler *e = NULL;
+        ASSERT_EQ(kv_sampler_new(&e, NV, &p, &d), 0);
+        for (int k = 0; k < i; k++) kv_sampler_accept(e, 0);
+        const int32_t t0 = kv_sampler_sample(e, l);
+        kv_sampler_accept(e, 0);
+        moved += kv_sampler_sample(e, l) != t0;
+        kv_sampler_free(e);
+    }
+    ASSERT_TRUE(moved > 0);
+    kv_sampler_free(a);
+    kv_sampler_free(b);
+}
+
 /* A sampler on lent scratch draws exactly what one with its own buffer
  * draws, and one without any refuses to sample. */
 static void test_shared_scratch(void) {
@@ -231,7 +282,7 @@ static void test_shared_scratch(void) {
 }
 
 static const kvt_case cases[] = {
-    KVT_CASE(test_greedy), KVT_CASE(test_seed), KVT_CASE(test_filters), KVT_CASE(test_repeat_penalty),
+    KVT_CASE(test_greedy), KVT_CASE(test_seed), KVT_CASE(test_replay_same_draws), KVT_CASE(test_filters), KVT_CASE(test_repeat_penalty),
     KVT_CASE(test_bad_params), KVT_CASE(test_nonfinite), KVT_CASE(test_shared_scratch),
 };
 

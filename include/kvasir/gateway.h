@@ -18,7 +18,9 @@
  * re-reads the hub's placement map and the scheduler adds its new nodes to
  * the engine's workers between steps; a step that fails for want of a
  * holder keeps its sessions and is retried (step_retry_ms), so nothing is
- * answered partially. docs/GATEWAY.md.
+ * answered partially. A ring (opts.ring_addrs): no engine; each request is
+ * a sequence of the ring, submitted to an entry node (docs/GATEWAY.md "A
+ * ring"). docs/GATEWAY.md.
  *
  * Errors are answered in the shape of the API asked (OpenAI
  * {"error":{...}}, Anthropic {"type":"error",...}, Ollama {"error":"..."})
@@ -39,6 +41,7 @@
 #include "kvasir/err.h"
 
 typedef struct kv_gateway kv_gateway;
+struct kv_voucher; /* kvasir/dispatch.h */
 
 #define KV_GATEWAY_MAX_KEYS 1024u
 #define KV_GATEWAY_MAX_KEY_LEN 256u
@@ -70,10 +73,25 @@ typedef struct kv_gateway_opts {
     uint32_t hub_refresh_ms;    /* how often; 0 = 2000 (and at once after a failed step) */
     uint32_t step_retry_ms;     /* a failed step (an expert whose holders are all gone) is retried,
                                    its sessions kept, for this long before they fail; 0 = 30000 */
+    /* a ring (kvasir ring, docs/PROTOCOL.md "Ring protocol"): no engine here
+       (kv_gateway_start takes e = NULL); every request is submitted to an
+       entry node, which tokenizes it (the same template) and streams the
+       tokens back; concurrent requests are concurrent ring sequences */
+    const char *const *ring_addrs; /* [n_ring] entry nodes "HOST:PORT" (copied), tried in turn */
+    uint32_t n_ring;            /* at most KV_GATEWAY_MAX_RING; 0 = no ring */
+    const uint8_t *ring_key_sk; /* [64] the client key proved to the nodes (copied); NULL = a random one */
+    const struct kv_voucher *ring_voucher; /* a hub voucher for that key, shown to the nodes (copied);
+                                   NULL = none */
+    uint32_t ring_timeout_ms;   /* longest wait for one frame from the ring; 0 = 60000 */
+    uint32_t ring_status_ms;    /* /health asks every entry node this often; 0 = 1000 */
 } kv_gateway_opts;
 
+#define KV_GATEWAY_MAX_RING 8u
+
 /* Starts serving engine e (borrowed: the gateway's scheduler thread drives
- * it from now on and no other thread may touch it until kv_gateway_free).
+ * it from now on and no other thread may touch it until kv_gateway_free),
+ * or, with opts.n_ring, the ring at opts.ring_addrs (e must be NULL then;
+ * a ledger is refused: KV_EUNSUPPORTED).
  * Errors: KV_EINVAL (bad options), KV_EIO (cannot bind), KV_ENOMEM; *out is
  * NULL then. */
 int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts, kv_diag *d);

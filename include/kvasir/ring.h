@@ -42,6 +42,7 @@
 
 #include "kvasir/err.h"
 #include "kvasir/sample.h"
+#include "kvasir/tok.h" /* kv_chat_msg */
 
 /* ---- wire format -------------------------------------------------------- */
 
@@ -58,6 +59,7 @@
 #define KV_RING_MAX_HIDDEN_BYTES (64u << 20) /* x of one HIDDEN frame */
 #define KV_RING_MAX_PAYLOAD ((64u << 20) + 64u) /* the largest payload of any frame */
 #define KV_RING_MODEL_ID_LEN 64u       /* model identity: 64 lowercase hex digits */
+#define KV_RING_MAX_MSGS 512u          /* messages in one SUBMIT_CHAT */
 
 enum kv_ring_type {
     KV_RING_HELLO = 1,   /* first frame on every connection: role, model, window */
@@ -73,12 +75,20 @@ enum kv_ring_type {
     KV_RING_AUTH_CHALLENGE, /* acceptor -> connector after HELLO_ACK: its key, a fresh challenge */
     KV_RING_AUTH,        /* connector -> acceptor: its key, a nonce, a signature of the transcript */
     KV_RING_AUTH_OK,     /* acceptor -> connector: its signature of the same transcript */
+    KV_RING_SUBMIT_CHAT, /* client -> home: chat messages (the home applies the chat template) */
+    KV_RING_STATUS,      /* client -> node: is the ring whole? (no payload) */
+    KV_RING_STATUS_ACK,  /* node -> client: the answer, its window and limits */
     KV_RING_TYPE_COUNT
 };
 
 enum kv_ring_role { KV_RING_ROLE_LINK = 1, KV_RING_ROLE_CLIENT = 2 };
 
 #define KV_RING_SUBMIT_LOGITS 1u /* SUBMIT flags: TOKEN frames to the client carry the logits */
+#define KV_RING_SUBMIT_IGNORE_EOG 2u /* SUBMIT flags: an end-of-generation token does not stop it */
+#define KV_RING_STATUS_WHOLE 1u  /* STATUS_ACK flags: the ring is whole (a probe went round) */
+
+/* Roles of SUBMIT_CHAT messages on the wire. */
+enum kv_ring_chat_role { KV_RING_CHAT_SYSTEM = 1, KV_RING_CHAT_USER, KV_RING_CHAT_ASSISTANT };
 #define KV_RING_START_BEGUN 1u   /* START flags: the head has begun the sequence */
 #define KV_RING_HIDDEN_LOGITS 1u /* HIDDEN flags: the tail samples after the last token */
 
@@ -106,6 +116,22 @@ typedef struct kv_ring_submit {
     const char *text;        /* [text_len] UTF-8, not NUL-terminated (view) */
     uint32_t text_len;
 } kv_ring_submit;
+
+typedef struct kv_ring_submit_chat {
+    kv_ring_params p;
+    uint32_t n_msgs;         /* 1..KV_RING_MAX_MSGS */
+    uint32_t text_bytes;     /* the contents' bytes, at most KV_RING_MAX_TEXT */
+    const uint8_t *msgs;     /* n_msgs x {u32 role, u32 len, u8 content[len]} (view; kv_ring_chat_next) */
+} kv_ring_submit_chat;
+
+typedef struct kv_ring_status {
+    uint32_t flags;          /* KV_RING_STATUS_* */
+    uint32_t n_layer, first, last; /* the answering node's window */
+    uint32_t n_ctx;          /* positions per sequence */
+    uint32_t max_seqs;       /* sequences in flight at once */
+    uint32_t n_seqs;         /* sequences it holds now */
+    char msg[KV_RING_MAX_MSG + 1]; /* why it is not whole ("" when whole) */
+} kv_ring_status;
 
 typedef struct kv_ring_start {
     uint64_t seq;            /* ring-wide sequence id (the home chooses it) */
@@ -164,6 +190,8 @@ typedef struct kv_ring_auth {
     uint8_t key[32];         /* Ed25519 public key (AUTH_CHALLENGE: the acceptor's; AUTH: the connector's) */
     uint8_t nonce[32];       /* AUTH_CHALLENGE: the challenge; AUTH: the connector's nonce */
     uint8_t sig[64];         /* AUTH and AUTH_OK: over kv_ring_auth_digest */
+    uint64_t voucher_expires_ms; /* AUTH: a hub voucher for key, Unix ms; 0 = none (the frame is 128 bytes) */
+    uint8_t voucher_sig[64];     /* AUTH with a voucher: the hub's signature over kv_voucher_digest */
 } kv_ring_auth;
 
 typedef struct kv_ring_msg {
@@ -179,6 +207,8 @@ typedef struct kv_ring_msg {
         kv_ring_broken broken;
         kv_ring_probe probe;
         kv_ring_auth auth;      /* AUTH_CHALLENGE (key, nonce), AUTH (all), AUTH_OK (sig) */
+        kv_ring_submit_chat chat;
+        kv_ring_status status;  /* STATUS_ACK (STATUS has no payload) */
     } u;
 } kv_ring_msg;
 
@@ -217,8 +247,25 @@ int kv_ring_error_encode(uint8_t *out, size_t cap, uint64_t seq, int32_t code, u
 int kv_ring_broken_encode(uint8_t *out, size_t cap, uint32_t origin, const char *msg, size_t *n, kv_diag *d);
 int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *p, size_t *n, kv_diag *d);
 
+/* msgs[n_msgs]: roles "system", "user" or "assistant" (KV_EINVAL otherwise),
+ * contents of len bytes; at most KV_RING_MAX_MSGS messages and
+ * KV_RING_MAX_TEXT bytes in all (KV_ERANGE). */
+int kv_ring_submit_chat_encode(uint8_t *out, size_t cap, const kv_ring_params *p, const kv_chat_msg *msgs,
+                               uint32_t n_msgs, size_t *n, kv_diag *d);
+/* Walks the messages of a decoded SUBMIT_CHAT: at points at a message
+ * (c->msgs first); returns the next one's start, with its role (a
+ * kv_ring_chat_role), content view and length. Only for frames
+ * kv_ring_decode accepted (it checked every length). */
+const uint8_t *kv_ring_chat_next(const uint8_t *at, uint32_t *role, const char **content, uint32_t *len);
+/* "system", "user", "assistant" for a kv_ring_chat_role, NULL otherwise. */
+const char *kv_ring_chat_role_name(uint32_t role);
+/* type KV_RING_STATUS (no payload; st unused, may be NULL) or
+ * KV_RING_STATUS_ACK (32 + msg bytes). */
+int kv_ring_status_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_status *st, size_t *n, kv_diag *d);
+
 /* type: KV_RING_AUTH_CHALLENGE (key, nonce: 64 bytes), KV_RING_AUTH (key,
- * nonce, sig: 128) or KV_RING_AUTH_OK (sig: 64). */
+ * nonce, sig: 128; 200 with a voucher: voucher_expires_ms != 0) or
+ * KV_RING_AUTH_OK (sig: 64). */
 int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d);
 
 /* The transcript both ends of a connection sign (the dispatch plane's
@@ -261,6 +308,9 @@ typedef struct kv_ring_node_opts {
     const uint8_t (*allow_keys)[32]; /* [n_allow] keys admitted (nodes and clients alike) */
     size_t n_allow;
     bool allow_any;             /* admit every key that proves itself (an open ring) */
+    const uint8_t *hub_key;     /* [32] also admit a key that brings a voucher of this hub (docs/HUB.md
+                                   "Vouching": for this model, not expired by this node's clock);
+                                   NULL = none */
     const char *const *workers; /* [n_workers] sliced model: the window's routed experts are
                                    computed by these expert workers (kvasir worker, the dispatch
                                    protocol; this node proves its own key to them) */
@@ -338,6 +388,8 @@ void kv_ring_hub_stop(kv_ring_hub *h);
 
 /* ---- the client ----------------------------------------------------------- */
 
+struct kv_voucher; /* kvasir/dispatch.h */
+
 /* Called for every token streamed back (logits NULL unless asked for;
  * n_vocab floats). Return non-zero to stop reading (the request is then
  * abandoned). */
@@ -345,6 +397,8 @@ typedef int (*kv_ring_token_fn)(void *data, int32_t token, const char *piece, si
                                 const float *logits, uint32_t n_vocab);
 
 typedef struct kv_ring_result {
+    bool submitted;          /* the handshake passed and the request was sent */
+    bool accepted;           /* ACCEPT came: the home took the request */
     int32_t *prompt;         /* [n_prompt] the prompt's tokens (malloc'd; kv_ring_result_free) */
     uint32_t n_prompt;
     uint32_t n_tokens;       /* tokens streamed */
@@ -364,5 +418,47 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
                         const kv_ring_params *p, int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res,
                         kv_diag *d);
 void kv_ring_result_free(kv_ring_result *r);
+
+/* Called once with the prompt's tokens when the home accepted the request;
+ * non-zero abandons it. */
+typedef int (*kv_ring_accept_fn)(void *data, const int32_t *prompt, uint32_t n_prompt);
+
+/* A request, in full. */
+typedef struct kv_ring_req {
+    const char *text;            /* SUBMIT: the prompt as `kvasir run -p` takes it (special token texts
+                                    parsed), text_len bytes; or */
+    size_t text_len;
+    const kv_chat_msg *msgs;     /* SUBMIT_CHAT when n_msgs > 0: the home applies the chat template
+                                    (every content plain text), as the gateway does */
+    uint32_t n_msgs;
+    kv_ring_params p;
+    const uint8_t *key_sk;       /* [64] the key proved to the node; NULL = a fresh random one */
+    int timeout_ms;              /* longest wait for one frame; 0 = 60000 */
+    const struct kv_voucher *voucher; /* a hub voucher for key_sk's key, sent in AUTH; NULL = none */
+    kv_ring_accept_fn on_accept; /* may be NULL */
+    kv_ring_token_fn on_token;   /* may be NULL */
+    bool (*cancelled)(void *data); /* polled every 100 ms while waiting; true: the request is abandoned
+                                      (KV_EIO; the node frees it round the ring). NULL = never */
+    void *data;                  /* for the callbacks */
+} kv_ring_req;
+
+/* Submits q to the node at addr and streams its tokens until it stops.
+ * Returns 0 when the last token came (or a callback abandoned it); the
+ * connection's error, or the request's ERROR as the ring gave it (code and
+ * message: "ring broken: ...", KV_ECTXFULL for a prompt too long, ...).
+ * res->submitted says whether the node was reached and the request sent
+ * (a failure before it may be retried at another node), res->accepted
+ * whether the home took it. Free res with kv_ring_result_free. Thread-safe
+ * (one connection per call). */
+int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *res, kv_diag *d);
+
+/* Asks the node at addr (proving key_sk, as a client) whether the ring is
+ * whole as it sees it: *out holds its answer (STATUS_ACK). Errors: the
+ * connection's, the handshake's (KV_EAUTH), KV_ETIMEOUT after timeout_ms
+ * (0 = 5000) per frame. */
+int kv_ring_status_get(const char *addr, const uint8_t *key_sk, int timeout_ms, kv_ring_status *out, kv_diag *d);
+/* The same, with a hub voucher for the key (NULL = none). */
+int kv_ring_status_get_v(const char *addr, const uint8_t *key_sk, const struct kv_voucher *voucher, int timeout_ms,
+                         kv_ring_status *out, kv_diag *d);
 
 #endif

@@ -1,8 +1,11 @@
 /* Sampling the next token from logits: repetition penalty, top-k, top-p,
- * min-p, temperature, then a draw from a seeded generator (or greedy argmax
- * when temp <= 0). The order follows llama.cpp's default sampler chain
- * (penalties, top-k, top-p, min-p, temperature, distribution). The same
- * seed, logits and history always give the same token. */
+ * min-p, temperature, then one uniform draw (or greedy argmax when temp <=
+ * 0). The order follows llama.cpp's default sampler chain (penalties,
+ * top-k, top-p, min-p, temperature, distribution). The draw is a function of
+ * the seed and the position of the token sampled (the number of tokens
+ * kv_sampler_accept took before it) alone, not of the draws before: the
+ * same seed, logits and history always give the same token, and a sampler
+ * fed a sequence's tokens afresh (a replay) draws what the first one drew. */
 #ifndef KVASIR_SAMPLE_H
 #define KVASIR_SAMPLE_H
 
@@ -49,7 +52,10 @@ size_t kv_sampler_scratch_bytes(int32_t n_vocab);
  * sampler's own; KV_EINVAL if it has none). The result does not depend on
  * whose buffer is used. */
 int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch);
-/* Adds a token to the penalty history (prompt and generated tokens). */
+/* Adds a token to the penalty history (prompt and generated tokens) and
+ * moves the draw to the next position. Drawing twice without an accept
+ * between gives two independent draws (the second is the first's successor
+ * at the same position). */
 void kv_sampler_accept(kv_sampler *s, int32_t token);
 
 #endif

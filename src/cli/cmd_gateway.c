@@ -29,21 +29,29 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
-                                             "--gateway-id", "--prices", "--verify-recompute", NULL};
+                                             "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms", NULL};
 
 static const char *kv_gateway_help =
-    "usage: kvasir gateway (-m MODEL | --hub URL) [--listen HOST:PORT] [options]\n"
+    "usage: kvasir gateway (-m MODEL | --hub URL | --ring HOST:PORT) [--listen HOST:PORT] [options]\n"
     "  -m, --model F        GGUF file, or DIR/manifest.json (or DIR) of a sliced model\n"
     "  --worker HOST:PORT   sliced model: experts on this worker (repeat for more)\n"
     "  --hub URL            take the model from a hub: manifest and backbone fetched into --data,\n"
     "                       experts on the live nodes of its placement map, read again every\n"
     "                       --hub-refresh-ms (default 2000) and after a failed step\n"
     "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
+    "  --ring HOST:PORT     serve a ring (kvasir ring): every request is submitted to this node, which\n"
+    "                       tokenizes it (the same chat template) and streams the tokens back;\n"
+    "                       concurrent requests are concurrent ring sequences (at most --parallel);\n"
+    "                       repeat for more entry nodes (tried in turn, those that see the ring whole\n"
+    "                       first); /health asks each whether the ring is whole every second. The\n"
+    "                       client key is --key (with --hub URL: and that hub's voucher for it, for\n"
+    "                       nodes started with --hub-key); no -m, --worker, --ledger or --verify\n"
+    "  --ring-timeout-ms N  with --ring: longest wait for one frame from the ring (default 60000)\n"
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
-    "  --key FILE           the coordinator key proved to workers (default DATA/coordinator.key with\n"
-    "                       --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
+    "  --key FILE           the coordinator key proved to workers, or to ring nodes (default\n"
+    "                       DATA/coordinator.key with --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -92,6 +100,9 @@ int kv_cmd_gateway(int argc, char **argv) {
     const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL, *coord_key = NULL;
     kv_cli_auth auth = {0};
     const char *workers[KV_REMOTE_MAX_WORKERS];
+    const char *rings[KV_GATEWAY_MAX_RING];
+    uint32_t n_rings = 0;
+    long ring_timeout = 60000;
     const char *keys[KV_GATEWAY_MAX_KEYS];
     uint32_t n_workers = 0, n_keys = 0;
     long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 64;
@@ -120,6 +131,12 @@ int kv_cmd_gateway(int argc, char **argv) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--ring")) {
+            if (n_rings == KV_GATEWAY_MAX_RING)
+                return kv_cli_err(CMD, 1, "--ring: at most %u entry nodes", KV_GATEWAY_MAX_RING);
+            rings[n_rings++] = v;
+        } else if (!strcmp(a, "--ring-timeout-ms")) {
+            if (kv_arg_long(CMD, a, v, 1, 3600000, &ring_timeout)) return 1;
         } else if (!strcmp(a, "--verify-recompute")) {
             float f;
             if (kv_arg_float(CMD, a, v, 0, 1, &f)) return 1;
@@ -194,7 +211,13 @@ int kv_cmd_gateway(int argc, char **argv) {
         }
     }
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
-    if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir gateway --help)");
+    if (n_rings && (model || n_workers || verify))
+        return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
+    if (n_rings && ledger)
+        return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
+                          "must hold a payment before compute, and only the ring knows the prompt's token count");
+    if (!model && !hub && !n_rings)
+        return kv_cli_err(CMD, 1, "missing -m MODEL, --hub URL or --ring HOST:PORT (see kvasir gateway --help)");
     if (!ledger && (gw_key || gw_id))
         return kv_cli_err(CMD, 1, "--gateway-key and --gateway-id need --ledger FILE");
     char def_key[4200];
@@ -245,7 +268,7 @@ int kv_cmd_gateway(int argc, char **argv) {
     char mname[256];
     if (name) {
         snprintf(mname, sizeof mname, "%s", name);
-    } else if (!model) { /* --hub */
+    } else if (!model) { /* --hub, --ring */
         snprintf(mname, sizeof mname, "kvasir");
     } else {
         const char *b = strrchr(model, '/');
@@ -258,6 +281,34 @@ int kv_cmd_gateway(int argc, char **argv) {
     kv_engine *e = NULL;
     kv_gateway *g = NULL;
     int rc = 0;
+    kv_node_key ring_key;
+    if (n_rings) { /* no engine: the ring computes; the gateway proves its key to the entry nodes */
+        if (kv_cli_key(CMD, coord_key, NULL, &ring_key)) {
+            rc = 1;
+            goto done;
+        }
+        kv_voucher rv; /* --hub with --ring: the hub's voucher for the key, for nodes that trust it */
+        if (hub && kv_node_fetch_auth(hub, &ring_key, NULL, 0, NULL, &rv, &d)) {
+            sodium_memzero(&ring_key, sizeof ring_key);
+            rc = kv_cli_diag(CMD, &d);
+            goto done;
+        }
+        const kv_gateway_opts ro = {.host = host, .port = (uint16_t)port, .model_name = mname, .api_keys = keys,
+                                    .n_api_keys = n_keys, .max_active = (uint32_t)parallel,
+                                    .queue_max = (uint32_t)queue, .max_conns = (uint32_t)max_conns,
+                                    .per_ip_conns = (uint32_t)per_ip, .timeout_s = (uint32_t)timeout,
+                                    .body_max = (size_t)body_max, .max_tokens_default = (uint32_t)max_tokens,
+                                    .ring_addrs = rings, .n_ring = n_rings, .ring_key_sk = ring_key.sk,
+                                    .ring_voucher = hub ? &rv : NULL,
+                                    .ring_timeout_ms = (uint32_t)ring_timeout};
+        rc = kv_gateway_start(&g, NULL, &ro, &d);
+        sodium_memzero(&ring_key, sizeof ring_key);
+        if (rc) {
+            rc = kv_cli_diag(CMD, &d);
+            goto done;
+        }
+        goto serve;
+    }
     if (hub) {
         /* the coordinator folder from the hub; the workers from its placement
            map now, and later ones as they come (so none yet is fine) */
@@ -305,6 +356,7 @@ int kv_cmd_gateway(int argc, char **argv) {
         goto done;
     }
     atomic_store(&caught.g, g);
+serve:
     signal(SIGINT, kv_gw_on_signal);
     signal(SIGTERM, kv_gw_on_signal);
     signal(SIGPIPE, SIG_IGN);

@@ -8,6 +8,7 @@
 #include "cli/cli.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
+#include "kvasir/ledger.h" /* kv_unhex32 */
 #include "kvasir/node.h"
 #include "kvasir/pool.h"
 #include "kvasir/ring.h"
@@ -15,7 +16,7 @@
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -47,6 +48,9 @@ static const char *kv_ring_help =
     "                      nodes of the ring and the clients; repeatable. Every connection proves\n"
     "                      its key (challenge and signature); a node links only to a next it admits\n"
     "  --open              admit every key that proves itself (instead of --allow-key)\n"
+    "  --hub-key K         also admit a client whose key brings a voucher of the hub with key K\n"
+    "                      (64 hex digits; docs/HUB.md \"Vouching\"); with --hub, that hub's key is\n"
+    "                      trusted on its own. The ring's nodes still admit each other by --allow-key\n"
     "  --quiet             no log lines (links, breaks, replays) on stderr\n"
     "  --link-delay-ms N   hold every frame to the next node N ms (emulated latency, for benchmarks\n"
     "                      where tc netem is not available)\n"
@@ -81,6 +85,8 @@ int kv_cmd_ring(int argc, char **argv) {
     kv_diag d = {0};
     const char *hub = NULL, *data_dir = "kvasir-data";
     uint64_t budget = 0;
+    uint8_t hub_key[32];
+    bool has_hub_key = false;
     const char *workers[64];
     uint32_t n_workers = 0;
     long lv;
@@ -103,6 +109,12 @@ int kv_cmd_ring(int argc, char **argv) {
             key_path = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--hub-key")) {
+            if (kv_unhex32(v, hub_key, &d)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--hub-key: %s", d.msg);
+            }
+            has_hub_key = true;
         } else if (!strcmp(a, "--worker")) {
             if (n_workers == 64) {
                 free(allow);
@@ -166,7 +178,15 @@ int kv_cmd_ring(int argc, char **argv) {
         }
         o.model = manifest;
         layers = true;
+        if (!has_hub_key) { /* the hub it joined vouches for clients */
+            if (kv_node_fetch_hub_key(hub, hub_key, &d)) {
+                free(allow);
+                return kv_cli_diag(CMD, &d);
+            }
+            has_hub_key = true;
+        }
     }
+    o.hub_key = has_hub_key ? hub_key : NULL;
     if (!o.model || !layers || !o.listen || (!o.next && !hub)) {
         free(allow);
         return kv_cli_err(CMD, 1, "needs --model, --layers, --listen and --next (see kvasir ring --help)");

@@ -42,7 +42,9 @@ static const char *kv_run_help =
     "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
     "  --ring HOST:PORT     submit to a ring node (kvasir ring) instead of -m: the ring tokenizes,\n"
     "                       computes and streams the tokens back (--ring-timeout-ms N: longest wait\n"
-    "                       for one token, default 60000); it proves --key (below) to the node\n"
+    "                       for one token, default 60000); it proves --key (below) to the node;\n"
+    "                       with --chat the home applies the chat template; with --hub URL the key's\n"
+    "                       voucher from that hub is shown too (nodes that trust the hub admit it)\n"
     "  --verify             check every worker answer (Freivalds, docs/VERIFY.md) against the slabs\n"
     "                       present in the manifest's folder; a worker caught lying is dropped for good\n"
     "  --verify-recompute R also recompute a fraction R of the answers in full (with --verify)\n"
@@ -279,7 +281,8 @@ static int kv_run_ring_tok(void *data, int32_t token, const char *piece, size_t 
     return 0;
 }
 
-static int kv_run_ring(const char *addr, const char *key_path, const char *prompt, long n_predict,
+static int kv_run_ring(const char *addr, const char *hub, const char *key_path, const char *prompt, bool chat,
+                       long n_predict,
                        const kv_sample_params *sp, bool json, const char *logits_path, long timeout_ms) {
     kv_run_ring_out o = {.json = json};
     kv_ring_result res = {0};
@@ -288,10 +291,21 @@ static int kv_run_ring(const char *addr, const char *key_path, const char *promp
     const double t0 = kv_wall_s();
     kv_node_key key;
     if ((rc = kv_cli_key(CMD, key_path, NULL, &key))) return rc;
+    kv_voucher v; /* --hub: the hub's voucher for the key, which nodes trusting that hub admit */
+    if (hub && kv_node_fetch_auth(hub, &key, NULL, 0, NULL, &v, &d)) {
+        memset(&key, 0, sizeof key);
+        return kv_cli_diag(CMD, &d);
+    }
     if (logits_path && !(o.lf = fopen(logits_path, "wb"))) return kv_cli_err(CMD, 2, "cannot write '%s'", logits_path);
     const kv_ring_params p = {.flags = logits_path ? KV_RING_SUBMIT_LOGITS : 0,
                               .n_predict = n_predict > 0 ? (uint32_t)n_predict : 1, .sample = *sp};
-    rc = kv_ring_request_key(addr, key.sk, prompt, strlen(prompt), &p, (int)timeout_ms, kv_run_ring_tok, &o, &res, &d);
+    /* --chat: one user message, templated by the home (SUBMIT_CHAT) */
+    const kv_chat_msg um = {"user", prompt, strlen(prompt)};
+    const kv_ring_req q = {.text = prompt, .text_len = strlen(prompt), .msgs = chat ? &um : NULL, .n_msgs = chat,
+                           .p = p, .key_sk = key.sk, .voucher = hub ? &v : NULL, .timeout_ms = (int)timeout_ms,
+                           .on_token = kv_run_ring_tok,
+                           .data = &o};
+    rc = kv_ring_request_ex(addr, &q, &res, &d);
     memset(&key, 0, sizeof key);
     if (o.lf && fclose(o.lf)) o.werr = true;
     if (rc) {
@@ -430,12 +444,12 @@ int kv_cmd_run(int argc, char **argv) {
         }
     }
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
-    if (ring && (model || hub || n_workers || chat || pfile))
-        return kv_cli_err(CMD, 1, "--ring replaces -m, --hub and --worker, and takes -p TEXT (no --chat, no -f)");
+    if (ring && (model || n_workers || pfile))
+        return kv_cli_err(CMD, 1, "--ring replaces -m and --worker, and takes -p TEXT (no -f)");
     if (ring && !prompt) return kv_cli_err(CMD, 1, "missing -p PROMPT");
     if (ring) {
         if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
-        return kv_run_ring(ring, key_path, prompt, n_predict, &sp, json, logits_path, ring_timeout);
+        return kv_run_ring(ring, hub, key_path, prompt, chat, n_predict, &sp, json, logits_path, ring_timeout);
     }
     if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir run --help)");
     if (!prompt && !pfile) return kv_cli_err(CMD, 1, "missing -p PROMPT or -f FILE");

@@ -14,6 +14,11 @@
  * before every wait) or a stop string marks the request cancelled, and the
  * scheduler frees its session before the next step.
  *
+ * With ring entry nodes (opts.n_ring) there is no engine: the scheduler
+ * gives each admitted request a thread that submits it to a ring node and
+ * publishes the tokens (and their text) the home streams back, the same
+ * way (section "a ring" below).
+ *
  * Locking: one mutex (g->mu) guards every queue, list, counter and the
  * mutable fields of every request; work_cv wakes the scheduler, out_cv the
  * connection threads. A request is freed when its last reference (the
@@ -38,6 +43,9 @@
 #include "kvasir/gateway.h"
 #include "kvasir/ledger.h"
 #include "kvasir/node.h"
+#include "kvasir/ring.h"
+
+#include <sodium.h>
 
 enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
 
@@ -66,10 +74,23 @@ typedef struct kv_gw_req {
     kv_receipt *rcpts;          /* [n_work] their receipts (work[i].receipt points here) */
     uint32_t n_work;
     uint8_t pay_consumer[32], pay_nonce[16]; /* the authorization it is paid by */
+    /* a ring request (g->n_ring): its prompt, copied (the connection may go
+       first), and the pieces the home sent with each token */
+    struct kv_gateway *g;
+    kv_ring_params rp;
+    char *rtext;                /* [rtext_len] the raw prompt, or every message's content */
+    size_t rtext_len;
+    kv_chat_msg *rmsgs;         /* [n_rmsgs] views into rtext (chat APIs) */
+    uint32_t n_rmsgs;
+    bool accepted;              /* (g->mu) the home took it: n_prompt is its token count */
+    uint32_t *poff;             /* [cap + 1] piece of token i: pbuf[poff[i], poff[i + 1]); entries
+                                   up to n_toks never change */
+    char *pbuf;                 /* (g->mu; may move) the pieces, concatenated */
+    size_t pcap;
 } kv_gw_req;
 
-#define KV_GW_N_CODES 9
-static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 402, 404, 405, 413, 500, 503};
+#define KV_GW_N_CODES 10
+static const unsigned kv_gw_codes[KV_GW_N_CODES] = {200, 400, 401, 402, 404, 405, 413, 500, 503, 502};
 #define KV_GW_MISSING_MAX 16 /* uncovered shards named by /health */
 #define KV_GW_N_BUCKETS 12
 static const double kv_gw_buckets[KV_GW_N_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -121,6 +142,23 @@ struct kv_gateway {
     pthread_mutex_t caught_mu;
     uint8_t caught[KV_REMOTE_MAX_WORKERS][32];
     uint32_t n_caught;
+    /* a ring (o.n_ring): entry nodes and what /health last heard from each */
+    char *ring[KV_GATEWAY_MAX_RING];
+    uint32_t n_ring;
+    uint8_t ring_sk[64];        /* the client key proved to the nodes */
+    kv_voucher ring_voucher;    /* the hub's voucher for it */
+    bool has_ring_voucher;
+    pthread_t ring_watch;
+    bool ring_watch_up;
+    pthread_cond_t ring_cv;     /* wakes the watcher to stop */
+    /* guarded by mu */
+    struct {
+        bool up;                /* it answered STATUS */
+        kv_ring_status st;      /* its answer */
+        char err[256];          /* why it did not */
+    } ring_st[KV_GATEWAY_MAX_RING];
+    uint32_t ring_rr;           /* next entry to try first */
+    uint32_t n_ring_threads;    /* request threads alive */
 };
 
 static bool kv_gw_is_caught(kv_gateway *g, const uint8_t key[32]) {
@@ -135,6 +173,10 @@ static bool kv_gw_is_caught(kv_gateway *g, const uint8_t key[32]) {
 
 static void kv_req_unref_locked(kv_gw_req *r) {
     if (--r->refs > 0) return;
+    free(r->rtext);
+    free(r->rmsgs);
+    free(r->poff);
+    free(r->pbuf);
     free(r->work);
     free(r->rcpts);
     free(r->prompt);
@@ -227,6 +269,7 @@ static void kv_deadline(struct timespec *ts, long ms) {
  * MoE layer) must have each of its experts served by a worker that is up
  * (handshaken, its slabs' hashes checked) or by a local slab. */
 static void kv_sched_health_locked(kv_gateway *g) {
+    if (g->n_ring) return; /* the ring's watcher keeps it */
     kv_remote *rm = kv_engine_remote(g->e);
     g->healthy = true;
     g->health_msg[0] = 0;
@@ -294,8 +337,11 @@ static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
     g->n_active++;
 }
 
+static void *kv_sched_ring(kv_gateway *g);
+
 static void *kv_sched_main(void *arg) {
     kv_gateway *g = arg;
+    if (g->n_ring) return kv_sched_ring(g);
     pthread_mutex_lock(&g->mu);
     kv_sched_health_locked(g);
     while (!g->quit) {
@@ -437,6 +483,259 @@ static void *kv_sched_main(void *arg) {
     pthread_cond_broadcast(&g->out_cv);
     pthread_mutex_unlock(&g->mu);
     return NULL;
+}
+
+/* ---- a ring -------------------------------------------------------------
+ * With entry nodes (o.n_ring) there is no engine: the scheduler admits
+ * queued requests (at most max_active at once) and gives each a thread that
+ * submits it to an entry node (kv_ring_request_ex: connect, prove the key,
+ * SUBMIT or SUBMIT_CHAT) and publishes what comes back exactly as the local
+ * scheduler publishes a session's tokens: the prompt's token count from
+ * ACCEPT, then each token with the text the home decoded for it. The ring
+ * computes the concurrent requests as concurrent sequences (pipelined). A
+ * request whose node could not be reached is tried at the next entry; once
+ * sent it is the ring's (its home replays it across a break or fails it
+ * with a clear error), never retried here, so no token comes twice. */
+
+static int kv_ring_on_accept(void *data, const int32_t *prompt, uint32_t n_prompt) {
+    (void)prompt;
+    kv_gw_req *r = data;
+    kv_gateway *g = r->g;
+    pthread_mutex_lock(&g->mu);
+    r->n_prompt = n_prompt;
+    r->accepted = true;
+    g->tokens_prompt += n_prompt;
+    const bool stop = r->cancel;
+    pthread_cond_broadcast(&g->out_cv);
+    pthread_mutex_unlock(&g->mu);
+    return stop;
+}
+
+static int kv_ring_on_token(void *data, int32_t token, const char *piece, size_t pn, const float *logits,
+                            uint32_t n_vocab) {
+    (void)logits;
+    (void)n_vocab;
+    kv_gw_req *r = data;
+    kv_gateway *g = r->g;
+    pthread_mutex_lock(&g->mu);
+    int stop = r->cancel || r->n_toks >= r->cap;
+    const size_t at = r->poff[r->n_toks];
+    if (!stop && at + pn > r->pcap) {
+        const size_t nc = 2 * r->pcap + pn + 256;
+        char *nb = realloc(r->pbuf, nc);
+        if (nb) {
+            r->pbuf = nb;
+            r->pcap = nc;
+        } else {
+            r->err = KV_ENOMEM;
+            snprintf(r->errmsg, sizeof r->errmsg, "out of memory for the text");
+            stop = 1;
+        }
+    }
+    if (!stop) {
+        if (pn) memcpy(r->pbuf + at, piece, pn);
+        r->poff[r->n_toks + 1] = (uint32_t)(at + pn);
+        r->toks[r->n_toks++] = token;
+        r->sst = KV_SESSION_DECODE;
+        g->tokens_generated++;
+    }
+    pthread_cond_broadcast(&g->out_cv);
+    pthread_mutex_unlock(&g->mu);
+    return stop;
+}
+
+static bool kv_ring_cancelled(void *data) {
+    kv_gw_req *r = data;
+    pthread_mutex_lock(&r->g->mu);
+    const bool c = r->cancel || r->g->quit;
+    pthread_mutex_unlock(&r->g->mu);
+    return c;
+}
+
+static void *kv_ring_thread(void *arg) {
+    kv_gw_req *r = arg;
+    kv_gateway *g = r->g;
+    const kv_ring_req q = {.text = r->rtext, .text_len = r->rtext_len, .msgs = r->rmsgs, .n_msgs = r->n_rmsgs,
+                           .p = r->rp, .key_sk = g->ring_sk, .voucher = g->has_ring_voucher ? &g->ring_voucher : NULL,
+                           .timeout_ms = (int)g->o.ring_timeout_ms,
+                           .on_accept = kv_ring_on_accept, .on_token = kv_ring_on_token,
+                           .cancelled = kv_ring_cancelled, .data = r};
+    /* the entries whole at the last look first (round robin), then the rest */
+    uint32_t order[KV_GATEWAY_MAX_RING], n = 0;
+    pthread_mutex_lock(&g->mu);
+    const uint32_t first = g->ring_rr++ % g->n_ring;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t k = 0; k < g->n_ring; k++) {
+            const uint32_t i = (first + k) % g->n_ring;
+            const bool whole = g->ring_st[i].up && (g->ring_st[i].st.flags & KV_RING_STATUS_WHOLE);
+            if (whole == (pass == 0)) order[n++] = i;
+        }
+    pthread_mutex_unlock(&g->mu);
+    kv_diag d = {0};
+    kv_ring_result res = {0};
+    int rc = KV_EIO;
+    for (uint32_t k = 0; k < n; k++) {
+        kv_ring_result_free(&res);
+        d = (kv_diag){0};
+        rc = kv_ring_request_ex(g->ring[order[k]], &q, &res, &d);
+        if (rc == 0 || res.submitted || kv_ring_cancelled(r)) break;
+        fprintf(stderr, "kvasir gateway: ring node %s: %s\n", g->ring[order[k]], d.msg);
+    }
+    const uint32_t stop = res.stop;
+    kv_ring_result_free(&res);
+    pthread_mutex_lock(&g->mu);
+    for (kv_gw_req **pp = &g->active; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    g->n_active--;
+    r->stop = (enum kv_stop)stop;
+    if (r->cancel) {
+        g->cancelled++;
+    } else if (rc && !r->err) {
+        r->err = rc;
+        snprintf(r->errmsg, sizeof r->errmsg, "%.250s", d.msg);
+    } else if (!rc && !r->err) {
+        g->completed++;
+    }
+    r->state = KV_REQ_DONE;
+    g->n_ring_threads--;
+    pthread_cond_broadcast(&g->out_cv);
+    pthread_cond_signal(&g->work_cv);
+    kv_req_unref_locked(r);
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+static void *kv_sched_ring(kv_gateway *g) {
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_mutex_lock(&g->mu);
+    while (!g->quit) {
+        for (kv_gw_req **pp = &g->queue, *prev = NULL; *pp;) { /* queued requests whose client left */
+            kv_gw_req *r = *pp;
+            if (!r->cancel) {
+                prev = r;
+                pp = &r->next;
+                continue;
+            }
+            *pp = r->next;
+            if (g->queue_tail == r) g->queue_tail = prev;
+            g->n_queued--;
+            g->cancelled++;
+            r->state = KV_REQ_DONE;
+            kv_req_unref_locked(r);
+        }
+        while (!g->hold && g->queue && g->n_active < g->o.max_active) {
+            kv_gw_req *r = g->queue;
+            g->queue = r->next;
+            if (!g->queue) g->queue_tail = NULL;
+            g->n_queued--;
+            r->state = KV_REQ_ACTIVE;
+            r->sst = KV_SESSION_PREFILL;
+            r->next = g->active;
+            g->active = r;
+            g->n_active++;
+            if (g->n_active > g->max_batch) g->max_batch = g->n_active;
+            pthread_t t;
+            g->n_ring_threads++; /* the queue's reference passes to the thread */
+            if (pthread_create(&t, &at, kv_ring_thread, r)) {
+                g->n_ring_threads--;
+                g->active = r->next;
+                g->n_active--;
+                kv_req_finish_locked(g, r, KV_ENOMEM, "cannot start a thread for the request");
+            }
+        }
+        pthread_cond_broadcast(&g->out_cv);
+        struct timespec ts;
+        kv_deadline(&ts, 1000);
+        pthread_cond_timedwait(&g->work_cv, &g->mu, &ts);
+    }
+    while (g->queue) { /* stopping: queued requests fail, running ones see quit within 100 ms */
+        kv_gw_req *r = g->queue;
+        g->queue = r->next;
+        r->err = KV_EIO;
+        snprintf(r->errmsg, sizeof r->errmsg, "the gateway is shutting down");
+        r->state = KV_REQ_DONE;
+        kv_req_unref_locked(r);
+    }
+    g->queue_tail = NULL;
+    g->n_queued = 0;
+    while (g->n_ring_threads) {
+        for (kv_gw_req *r = g->active; r; r = r->next) {
+            r->err = KV_EIO;
+            snprintf(r->errmsg, sizeof r->errmsg, "the gateway is shutting down");
+        }
+        struct timespec ts;
+        kv_deadline(&ts, 100);
+        pthread_cond_timedwait(&g->work_cv, &g->mu, &ts);
+    }
+    pthread_cond_broadcast(&g->out_cv);
+    pthread_mutex_unlock(&g->mu);
+    pthread_attr_destroy(&at);
+    return NULL;
+}
+
+/* /health for a ring: every entry node asked STATUS; healthy when one
+ * answers that the ring is whole. */
+static void kv_ring_poll(kv_gateway *g) {
+    for (uint32_t i = 0; i < g->n_ring; i++) {
+        kv_ring_status st;
+        kv_diag d = {0};
+        const int rc = kv_ring_status_get_v(g->ring[i], g->ring_sk, g->has_ring_voucher ? &g->ring_voucher : NULL, 2000,
+                                            &st, &d);
+        pthread_mutex_lock(&g->mu);
+        g->ring_st[i].up = rc == 0;
+        if (!rc) g->ring_st[i].st = st;
+        snprintf(g->ring_st[i].err, sizeof g->ring_st[i].err, "%.250s", rc ? d.msg : "");
+        pthread_mutex_unlock(&g->mu);
+    }
+    pthread_mutex_lock(&g->mu);
+    g->healthy = false;
+    const char *why = NULL;
+    for (uint32_t i = 0; i < g->n_ring && !g->healthy; i++) {
+        g->healthy = g->ring_st[i].up && (g->ring_st[i].st.flags & KV_RING_STATUS_WHOLE);
+        if (!why) why = g->ring_st[i].up ? g->ring_st[i].st.msg : g->ring_st[i].err;
+    }
+    if (g->healthy) g->health_msg[0] = 0;
+    else snprintf(g->health_msg, sizeof g->health_msg, "the ring is not whole: %s: %.200s", g->ring[0], why ? why : "");
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void *kv_ring_watch_main(void *arg) {
+    kv_gateway *g = arg;
+    pthread_mutex_lock(&g->mu);
+    while (!g->quit) {
+        struct timespec ts;
+        kv_deadline(&ts, g->o.ring_status_ms);
+        pthread_cond_timedwait(&g->ring_cv, &g->mu, &ts);
+        if (g->quit) break;
+        pthread_mutex_unlock(&g->mu);
+        kv_ring_poll(g);
+        pthread_mutex_lock(&g->mu);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+/* The HTTP status of a ring request that failed: the prompt's fault (400),
+ * the ring's refusal of this gateway or a bad answer (502), the ring broken,
+ * busy or out of reach (503), anything else 500. */
+static unsigned kv_ring_http_status(int err) {
+    switch (err) {
+    case KV_ECTXFULL:
+    case KV_EINVAL:
+    case KV_ERANGE:
+    case KV_EUNSUPPORTED: return 400;
+    case KV_EAUTH:
+    case KV_EPROTO: return 502;
+    case KV_EIO:
+    case KV_ETIMEOUT:
+    case KV_ENOMEM: return 503;
+    default: return 500;
+    }
 }
 
 /* ---- connections ------------------------------------------------------ */
@@ -590,19 +889,39 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     const int err = r->err;
     char errmsg[256];
     memcpy(errmsg, r->errmsg, sizeof errmsg);
+    /* a ring's tokens come with their text (the home decoded them, an
+       end-of-generation token as nothing, as below): copied while held */
+    char *rp = NULL;
+    const uint32_t from = c->consumed;
+    if (g->n_ring && n > from && !(rp = malloc(r->poff[n] - r->poff[from] + 1))) {
+        pthread_mutex_unlock(&g->mu);
+        return -1;
+    }
+    if (rp) memcpy(rp, r->pbuf + r->poff[from], r->poff[n] - r->poff[from]);
     pthread_mutex_unlock(&g->mu);
 
     bool stopped = false;
     char pb[KV_TOK_MAX_TOKEN_BYTES];
     while (c->consumed < n && !stopped) {
-        const int32_t t = r->toks[c->consumed++];
+        const uint32_t i = c->consumed++;
+        const int32_t t = r->toks[i];
         c->res.completion_tokens++;
+        if (g->n_ring) {
+            const uint32_t pn = r->poff[i + 1] - r->poff[i];
+            if (pn && kv_gw_text_push(&c->text, rp + (r->poff[i] - r->poff[from]), pn)) {
+                free(rp);
+                return -1;
+            }
+            stopped = c->text.stopped;
+            continue;
+        }
         if (kv_tok_is_eog(g->tok, t)) continue;
         int pn = kv_tok_piece(g->tok, t, false, pb, sizeof pb);
         if (pn > (int)sizeof pb) pn = (int)sizeof pb;
         if (pn > 0 && kv_gw_text_push(&c->text, pb, (size_t)pn)) return -1;
         stopped = c->text.stopped;
     }
+    free(rp);
     if (stopped) {
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
@@ -674,51 +993,42 @@ static bool kv_key_ok(kv_gateway *g, struct MHD_Connection *c) {
     return ok;
 }
 
-static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
+/* A local request: the prompt tokenized here (the chat template for the
+ * chat APIs), paid for when the gateway charges. NULL with *status and d
+ * on refusal. */
+static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, const kv_gw_params *p, size_t *n_out,
+                                   unsigned *status, kv_diag *d) {
     kv_gateway *g = cn->g;
-    kv_diag d = {0};
-    cn->p = calloc(1, sizeof *cn->p);
-    if (!cn->p) return kv_reply_err(cn, c, 500, "out of memory");
-    if (kv_gw_parse(cn->p, cn->api, cn->body ? cn->body : "", cn->n, &d)) return kv_reply_err(cn, c, 400, "%s", d.msg);
-    kv_gw_params *p = cn->p;
-    if (p->model && strcmp(p->model, g->model))
-        return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
-                            g->model);
-    /* prompt tokens */
     size_t bytes = p->prompt_len + 16;
     for (size_t i = 0; i < p->n_msgs; i++) bytes += p->msgs[i].len + 16;
     const size_t cap = 3 * bytes + 8;
     int32_t *ids = malloc(cap * sizeof *ids);
-    if (!ids) return kv_reply_err(cn, c, 500, "out of memory");
+    *status = 500;
+    if (!ids) return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
     size_t off = 0, n = 0;
     if (kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
     int rc = cn->api == KV_GW_OPENAI_TEXT
-                 ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, &d)
-                 : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, true, ids + off, cap - off, &n, &d);
+                 ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
+                 : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, true, ids + off, cap - off, &n, d);
     n += off;
+    *status = rc == KV_ENOMEM ? 500 : 400;
+    if (!rc && n == 0) rc = kv_fail(d, KV_EINVAL, "the prompt is empty");
+    if (!rc && n >= g->n_ctx)
+        rc = kv_fail(d, KV_ECTXFULL, "the prompt has %zu tokens, more than the context of %u tokens leaves room for "
+                     "(at least one must be generated)", n, g->n_ctx);
     if (rc) {
         free(ids);
-        return kv_reply_err(cn, c, rc == KV_ENOMEM ? 500 : 400, "%s", d.msg);
-    }
-    if (n == 0) {
-        free(ids);
-        return kv_reply_err(cn, c, 400, "the prompt is empty");
-    }
-    if (n >= g->n_ctx) {
-        free(ids);
-        return kv_reply_err(cn, c, 400,
-                            "the prompt has %zu tokens, more than the context of %u tokens leaves room for "
-                            "(at least one must be generated)", n, g->n_ctx);
+        return NULL;
     }
     uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
     if (g->pay) {
         /* paid before any compute: the hold covers the prompt and at least
            one token, and the completion stops at what the max pays for */
-        unsigned status = 402;
+        *status = 402;
         const char *hdr = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-KVR-Payment");
-        if (kv_gw_pay_hold(g->pay, hdr, n, &max_tokens, &cn->charge, &status, &d)) {
+        if (kv_gw_pay_hold(g->pay, hdr, n, &max_tokens, &cn->charge, status, d)) {
             free(ids);
-            return kv_reply_err(cn, c, status, "%s", d.msg);
+            return NULL;
         }
     }
     kv_gw_req *r = calloc(1, sizeof *r);
@@ -732,13 +1042,13 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     }
     if (!r || !r->toks) {
         free(ids);
-        if (r) {
-            free(r->toks);
-            free(r);
-        }
+        if (r) free(r->toks);
+        free(r);
         kv_pay_end(cn, true);
-        return kv_reply_err(cn, c, 500, "out of memory");
+        *status = 500;
+        return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
     }
+    r->g = g;
     r->api = cn->api;
     r->prompt = ids;
     r->n_prompt = (uint32_t)n;
@@ -747,14 +1057,84 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (!p->has_seed) r->so.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
     r->so.max_tokens = max_tokens;
     r->so.ignore_eog = p->ignore_eos;
+    *n_out = n;
+    return r;
+}
+
+/* A ring request: the prompt copied (the raw text, or every message's role
+ * and content) for the home to tokenize. NULL on no memory. */
+static kv_gw_req *kv_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p) {
+    const uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
+    kv_gw_req *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->g = g;
+    r->api = api;
+    r->max_tokens = max_tokens;
+    r->cap = max_tokens + 1;
+    size_t bytes = api == KV_GW_OPENAI_TEXT ? p->prompt_len : 0;
+    for (size_t i = 0; api != KV_GW_OPENAI_TEXT && i < p->n_msgs; i++) bytes += p->msgs[i].len;
+    r->toks = malloc((size_t)r->cap * sizeof *r->toks);
+    r->poff = calloc((size_t)r->cap + 1, sizeof *r->poff);
+    r->rtext = malloc(bytes + 1);
+    if (api != KV_GW_OPENAI_TEXT && p->n_msgs) r->rmsgs = malloc(p->n_msgs * sizeof *r->rmsgs);
+    if (!r->toks || !r->poff || !r->rtext || (api != KV_GW_OPENAI_TEXT && p->n_msgs && !r->rmsgs)) {
+        free(r->toks);
+        free(r->poff);
+        free(r->rtext);
+        free(r->rmsgs);
+        free(r);
+        return NULL;
+    }
+    if (api == KV_GW_OPENAI_TEXT) {
+        memcpy(r->rtext, p->prompt, p->prompt_len);
+        r->rtext_len = p->prompt_len;
+    } else {
+        static const char *const roles[] = {"system", "user", "assistant"};
+        size_t at = 0;
+        for (size_t i = 0; i < p->n_msgs; i++) {
+            const char *role = NULL; /* parse checked it is one of the three (a static copy: the body may go) */
+            for (int k = 0; k < 3; k++)
+                if (p->msgs[i].role && !strcmp(p->msgs[i].role, roles[k])) role = roles[k];
+            memcpy(r->rtext + at, p->msgs[i].content, p->msgs[i].len);
+            r->rmsgs[i] = (kv_chat_msg){role, r->rtext + at, p->msgs[i].len};
+            at += p->msgs[i].len;
+        }
+        r->n_rmsgs = (uint32_t)p->n_msgs;
+        r->rtext_len = at;
+    }
+    r->rp.flags = p->ignore_eos ? KV_RING_SUBMIT_IGNORE_EOG : 0;
+    r->rp.n_predict = max_tokens;
+    r->rp.sample = p->sp;
+    if (!p->has_seed) r->rp.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
+    return r;
+}
+
+static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
+    kv_gateway *g = cn->g;
+    kv_diag d = {0};
+    cn->p = calloc(1, sizeof *cn->p);
+    if (!cn->p) return kv_reply_err(cn, c, 500, "out of memory");
+    if (kv_gw_parse(cn->p, cn->api, cn->body ? cn->body : "", cn->n, &d)) return kv_reply_err(cn, c, 400, "%s", d.msg);
+    kv_gw_params *p = cn->p;
+    if (p->model && strcmp(p->model, g->model))
+        return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
+                            g->model);
+    kv_gw_req *r = NULL;
+    size_t n = 0;
+    if (g->n_ring) {
+        if (!(r = kv_ring_req_new(g, cn->api, p))) return kv_reply_err(cn, c, 500, "out of memory");
+    } else {
+        unsigned status = 0;
+        if (!(r = kv_local_req_new(cn, c, p, &n, &status, &d)))
+            return kv_reply_err(cn, c, status, "%s", d.msg);
+    }
     r->refs = 2;
     pthread_mutex_lock(&g->mu);
     if (g->quit || g->n_queued >= g->o.queue_max) {
         g->rejected_full++;
+        r->refs = 1;
+        kv_req_unref_locked(r);
         pthread_mutex_unlock(&g->mu);
-        free(r->toks);
-        free(r->prompt);
-        free(r);
         kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 503, "the queue is full (%u requests waiting); retry later", g->o.queue_max);
     }
@@ -767,6 +1147,30 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     g->tokens_prompt += n;
     pthread_cond_signal(&g->work_cv);
     pthread_mutex_unlock(&g->mu);
+    if (g->n_ring) { /* the ring tokenizes: wait for its ACCEPT (or its refusal) before the status line */
+        pthread_mutex_lock(&g->mu);
+        while (!r->accepted && r->state != KV_REQ_DONE) {
+            if (kv_hung_up(cn->fd)) {
+                r->cancel = true;
+                pthread_cond_signal(&g->work_cv);
+                pthread_mutex_unlock(&g->mu);
+                cn->r = r; /* kv_done drops the reference */
+                return MHD_NO;
+            }
+            struct timespec ts;
+            kv_deadline(&ts, 250);
+            pthread_cond_timedwait(&g->out_cv, &g->mu, &ts);
+        }
+        const bool ok = r->accepted;
+        const int err = r->err;
+        char msg[256];
+        memcpy(msg, r->errmsg, sizeof msg);
+        n = r->n_prompt;
+        pthread_mutex_unlock(&g->mu);
+        cn->r = r;
+        if (!ok)
+            return kv_reply_err(cn, c, kv_ring_http_status(err), "%s", msg[0] ? msg : kv_err_str(err ? err : KV_EIO));
+    }
     cn->r = r;
 
     static const char *const prefix[KV_GW_API_COUNT] = {"chatcmpl-", "cmpl-", "msg_", "ollama-"};
@@ -794,8 +1198,11 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             pthread_mutex_lock(&g->mu);
             char msg[256];
             memcpy(msg, r->errmsg, sizeof msg);
+            const int err = r->err;
             pthread_mutex_unlock(&g->mu);
-            return kv_reply_err(cn, c, 500, "generation failed: %s", msg);
+            /* a ring that broke or went out of reach is a 503 (retry later), not a fault here */
+            return kv_reply_err(cn, c, g->n_ring ? kv_ring_http_status(err) == 400 ? 500 : kv_ring_http_status(err) : 500,
+                                "generation failed: %s", msg);
         }
     if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
     return kv_reply(cn, c, 200, "application/json",
@@ -867,6 +1274,19 @@ static char *kv_metrics_text(kv_gateway *g) {
         KV_M("kvasir_gateway_kvr_micro_total{to=\"nodes\"} %llu\n", (unsigned long long)ps.to_nodes);
         KV_M("kvasir_gateway_kvr_micro_total{to=\"treasury\"} %llu\n", (unsigned long long)ps.fees);
     }
+    if (g->n_ring) {
+        uint32_t up = 0, whole = 0;
+        for (uint32_t i = 0; i < g->n_ring; i++) {
+            up += g->ring_st[i].up;
+            whole += g->ring_st[i].up && (g->ring_st[i].st.flags & KV_RING_STATUS_WHOLE);
+        }
+        KV_M("# HELP kvasir_gateway_ring_nodes_reachable Ring entry nodes that answered the last STATUS.\n");
+        KV_M("# TYPE kvasir_gateway_ring_nodes_reachable gauge\n");
+        KV_M("kvasir_gateway_ring_nodes_reachable %u\n", up);
+        KV_M("# HELP kvasir_gateway_ring_nodes_whole Ring entry nodes that see the ring whole.\n");
+        KV_M("# TYPE kvasir_gateway_ring_nodes_whole gauge\n");
+        KV_M("kvasir_gateway_ring_nodes_whole %u\n", whole);
+    }
     if (g->man) {
         KV_M("# HELP kvasir_gateway_steps_retried_total Failed steps whose sessions were kept for a retry.\n");
         KV_M("# TYPE kvasir_gateway_steps_retried_total counter\n");
@@ -925,6 +1345,26 @@ static enum MHD_Result kv_health(kv_gw_conn *cn, struct MHD_Connection *c) {
     json_t *j = ok ? json_pack("{s:s,s:s}", "status", "ok", "model", g->model)
                    : json_pack("{s:s,s:s,s:s}", "status", "unavailable", "model", g->model, "reason",
                                msg[0] ? msg : "stopping");
+    if (j && g->n_ring) { /* what each entry node said last */
+        json_t *nodes = json_array();
+        for (uint32_t i = 0; i < g->n_ring; i++) {
+            const kv_ring_status *st = &g->ring_st[i].st;
+            json_t *e = g->ring_st[i].up
+                            ? json_pack("{s:s,s:b,s:b,s:I,s:I,s:I,s:I,s:I}", "addr", g->ring[i], "reachable", 1, "whole",
+                                        (st->flags & KV_RING_STATUS_WHOLE) != 0, "first", (json_int_t)st->first,
+                                        "last", (json_int_t)st->last, "n_layer", (json_int_t)st->n_layer, "n_ctx",
+                                        (json_int_t)st->n_ctx, "sequences", (json_int_t)st->n_seqs)
+                            : json_pack("{s:s,s:b,s:b}", "addr", g->ring[i], "reachable", 0, "whole", 0);
+            const char *why = g->ring_st[i].up ? st->msg : g->ring_st[i].err;
+            if (e && why[0]) {
+                char clean[3 * sizeof g->ring_st[i].err + 3 * KV_RING_MAX_MSG + 1];
+                clean[kv_gw_utf8_clean(why, strlen(why), clean)] = 0;
+                json_object_set_new(e, "reason", json_string(clean));
+            }
+            json_array_append_new(nodes, e);
+        }
+        json_object_set_new(j, "ring", nodes);
+    }
     if (j && g->man) {
         json_t *miss = json_array();
         for (uint32_t i = 0; i < g->cov_n_missing; i++) {
@@ -1069,6 +1509,22 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if (!o.body_max) o.body_max = 1u << 20;
     if (!o.max_tokens_default) o.max_tokens_default = 512;
     if (!o.step_retry_ms) o.step_retry_ms = 30000;
+    if (!o.ring_timeout_ms) o.ring_timeout_ms = 60000;
+    if (!o.ring_status_ms) o.ring_status_ms = 1000;
+    if (o.n_ring) {
+        if (e) return kv_fail(d, KV_EINVAL, "gateway: a ring gateway has no engine of its own");
+        if (o.n_ring > KV_GATEWAY_MAX_RING)
+            return kv_fail(d, KV_EINVAL, "gateway: %u ring entry nodes, at most %u", o.n_ring, KV_GATEWAY_MAX_RING);
+        if (o.hub_url) return kv_fail(d, KV_EINVAL, "gateway: a ring and a hub's placement map are two ways to serve: give one");
+        if (o.ledger_path)
+            return kv_fail(d, KV_EUNSUPPORTED, "gateway: charging (a ledger) is not supported with a ring yet: the hold "
+                           "needs the prompt's token count before the request is sent, and ring nodes sign no receipts");
+        for (uint32_t i = 0; i < o.n_ring; i++)
+            if (!o.ring_addrs[i] || !*o.ring_addrs[i] || strlen(o.ring_addrs[i]) > 255)
+                return kv_fail(d, KV_EINVAL, "gateway: ring entry %u is empty or too long", i);
+    } else if (!e) {
+        return kv_fail(d, KV_EINVAL, "gateway: an engine or a ring is needed");
+    }
     if (o.hub_url && !kv_engine_remote(e))
         return kv_fail(d, KV_EINVAL, "gateway: a hub URL needs an engine whose experts are on workers");
     if (o.body_max > KV_GATEWAY_MAX_BODY) return kv_fail(d, KV_EINVAL, "gateway: body limit %zu is over %u", o.body_max, KV_GATEWAY_MAX_BODY);
@@ -1089,15 +1545,38 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     kv_gateway *g = calloc(1, sizeof *g);
     if (!g) return kv_fail(d, KV_ENOMEM, "gateway: out of memory");
     g->e = e;
-    g->tok = kv_model_tok(kv_engine_model(e));
-    g->n_ctx = kv_engine_n_ctx(e);
+    g->tok = e ? kv_model_tok(kv_engine_model(e)) : NULL;
+    g->n_ctx = e ? kv_engine_n_ctx(e) : 0;
     snprintf(g->model, sizeof g->model, "%s", o.model_name);
     g->started = (long long)time(NULL);
     pthread_mutex_init(&g->mu, NULL);
     pthread_mutex_init(&g->caught_mu, NULL);
     pthread_cond_init(&g->work_cv, NULL);
     pthread_cond_init(&g->out_cv, NULL);
+    pthread_cond_init(&g->ring_cv, NULL);
     g->hold = o.hold;
+    for (uint32_t i = 0; i < o.n_ring; i++)
+        if (!(g->ring[g->n_ring++] = strdup(o.ring_addrs[i]))) {
+            kv_gateway_free(g);
+            return kv_fail(d, KV_ENOMEM, "gateway: out of memory");
+        }
+    if (o.n_ring && sodium_init() < 0) {
+        kv_gateway_free(g);
+        return kv_fail(d, KV_EINTERNAL, "gateway: libsodium did not initialize");
+    }
+    if (o.ring_key_sk) {
+        memcpy(g->ring_sk, o.ring_key_sk, 64);
+    } else if (o.n_ring) {
+        uint8_t pk[32];
+        crypto_sign_keypair(pk, g->ring_sk);
+    }
+    if (o.ring_voucher) {
+        g->ring_voucher = *o.ring_voucher;
+        g->has_ring_voucher = true;
+    }
+    o.ring_addrs = NULL;
+    o.ring_key_sk = NULL;
+    o.ring_voucher = NULL;
     int rc = 0;
     if (o.n_api_keys) {
         if (!(g->keys = calloc(o.n_api_keys, sizeof *g->keys))) { rc = kv_fail(d, KV_ENOMEM, "gateway: out of memory"); goto fail; }
@@ -1111,7 +1590,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     o.api_keys = NULL;
     o.model_name = g->model;
     o.host = NULL;
-    if (kv_engine_remote(e)) g->man = kv_remote_manifest(kv_engine_remote(e));
+    if (e && kv_engine_remote(e)) g->man = kv_remote_manifest(kv_engine_remote(e));
     if (o.hub_url && (rc = kv_gw_watch_start(&g->watch, o.hub_url, o.hub_refresh_ms, d))) goto fail;
     o.hub_url = NULL;
     g->o = o;
@@ -1127,8 +1606,13 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     }
     g->o.ledger_path = g->o.gateway_key_path = g->o.gateway_id = NULL; /* the caller's strings */
     kv_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
+    if (g->n_ring) kv_ring_poll(g); /* the same for a ring: the entry nodes asked once now */
     if (pthread_create(&g->sched, NULL, kv_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
     g->sched_up = true;
+    if (g->n_ring) {
+        if (pthread_create(&g->ring_watch, NULL, kv_ring_watch_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the ring watcher"); goto fail; }
+        g->ring_watch_up = true;
+    }
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD;
     if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
     g->mhd = MHD_start_daemon(flags, 0, NULL, NULL, kv_handle, g, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
@@ -1187,9 +1671,19 @@ void kv_gateway_free(kv_gateway *g) {
         pthread_mutex_lock(&g->mu);
         g->quit = true;
         pthread_cond_signal(&g->work_cv);
+        pthread_cond_signal(&g->ring_cv);
         pthread_mutex_unlock(&g->mu);
         pthread_join(g->sched, NULL);
     }
+    if (g->ring_watch_up) {
+        pthread_mutex_lock(&g->mu);
+        g->quit = true;
+        pthread_cond_signal(&g->ring_cv);
+        pthread_mutex_unlock(&g->mu);
+        pthread_join(g->ring_watch, NULL);
+    }
+    for (uint32_t i = 0; i < g->n_ring; i++) free(g->ring[i]);
+    sodium_memzero(g->ring_sk, sizeof g->ring_sk);
     if (g->mhd) MHD_stop_daemon(g->mhd); /* every connection ends: their payments are settled or released */
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
@@ -1197,6 +1691,7 @@ void kv_gateway_free(kv_gateway *g) {
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);
     pthread_cond_destroy(&g->out_cv);
+    pthread_cond_destroy(&g->ring_cv);
     pthread_mutex_destroy(&g->mu);
     pthread_mutex_destroy(&g->caught_mu);
     free(g);

@@ -22,14 +22,24 @@ typedef struct kv_rcl {
     uint8_t *buf;
     size_t cap;
     int timeout_ms;
+    bool (*cancelled)(void *data); /* polled every KV_RCL_POLL_MS while waiting; NULL = never */
+    void *data;
 } kv_rcl;
 
+#define KV_RCL_POLL_MS 100
+
 static int kv_rcl_read(kv_rcl *c, size_t at, size_t n, kv_diag *d) {
+    int waited = 0;
     while (n) {
         struct pollfd pf = {.fd = c->fd, .events = POLLIN};
-        int pr = poll(&pf, 1, c->timeout_ms);
+        const int slice = c->cancelled && c->timeout_ms > KV_RCL_POLL_MS ? KV_RCL_POLL_MS : c->timeout_ms;
+        int pr = poll(&pf, 1, slice);
         if (pr < 0 && errno == EINTR) continue;
+        if (pr == 0 && c->cancelled && c->cancelled(c->data))
+            return kv_fail(d, KV_EIO, "ring: the request was cancelled");
+        if (pr == 0 && (waited += slice) < c->timeout_ms) continue;
         if (pr == 0) return kv_fail(d, KV_ETIMEOUT, "ring: no frame from the node within %d ms", c->timeout_ms);
+        waited = 0;
         ssize_t r = read(c->fd, c->buf + at, n);
         if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
         if (r <= 0) return kv_fail(d, KV_EIO, "ring: the node closed the connection%s%s", r < 0 ? ": " : "",
@@ -76,26 +86,25 @@ int kv_ring_request(const char *addr, const char *text, size_t text_len, const k
 int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *text, size_t text_len,
                         const kv_ring_params *p, int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res,
                         kv_diag *d) {
-    memset(res, 0, sizeof *res);
-    if (text_len < 1 || text_len > KV_RING_MAX_TEXT)
-        return kv_fail(d, KV_EINVAL, "ring: prompt of %zu bytes out of range [1, %u]", text_len, KV_RING_MAX_TEXT);
-    kv_rcl c = {.fd = -1, .timeout_ms = timeout_ms > 0 ? timeout_ms : 60000};
-    float *lg = NULL;
-    int rc = kv_proto_connect(addr, c.timeout_ms, &c.fd, d);
+    const kv_ring_req q = {.text = text, .text_len = text_len, .p = *p, .key_sk = key_sk, .timeout_ms = timeout_ms,
+                           .on_token = fn, .data = data};
+    return kv_ring_request_ex(addr, &q, res, d);
+}
+
+/* Connects to addr and runs the client handshake (HELLO as a client, then
+ * AUTH proving key_sk, and the node's AUTH_OK checked). On success c is
+ * open and *n_vocab is the node's. */
+static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const kv_voucher *voucher, size_t cap,
+                       uint32_t *n_vocab, kv_diag *d) {
+    int rc = kv_proto_connect(addr, c->timeout_ms < 5000 ? c->timeout_ms : 5000, &c->fd, d);
     if (rc) return kv_diag_prefix(d, rc, "ring: node %s", addr);
-    c.cap = KV_RING_HEADER + 128 + text_len; /* HELLO (88) or SUBMIT (44 + text) */
-    if (!(c.buf = malloc(c.cap))) {
-        rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
-        goto done;
-    }
+    c->cap = cap < KV_RING_HEADER + 200 ? KV_RING_HEADER + 200 : cap; /* HELLO (88), AUTH (128 or 200) */
+    if (!(c->buf = malloc(c->cap))) return kv_fail(d, KV_ENOMEM, "ring: out of memory");
     size_t n;
     const kv_ring_hello me = {.role = KV_RING_ROLE_CLIENT};
-    if ((rc = kv_ring_hello_encode(c.buf, c.cap, KV_RING_HELLO, &me, &n, d)) || (rc = kv_rcl_send(c.fd, c.buf, n, d)))
-        goto done;
-    if (sodium_init() < 0) {
-        rc = kv_fail(d, KV_EINTERNAL, "ring: libsodium did not initialize");
-        goto done;
-    }
+    if ((rc = kv_ring_hello_encode(c->buf, c->cap, KV_RING_HELLO, &me, &n, d)) || (rc = kv_rcl_send(c->fd, c->buf, n, d)))
+        return rc;
+    if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "ring: libsodium did not initialize");
     uint8_t sk[64], node_key[32], challenge[32], nonce[32];
     if (key_sk) {
         memcpy(sk, key_sk, 64);
@@ -104,53 +113,94 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
         crypto_sign_keypair(pk, sk);
     }
     kv_ring_msg m;
-    uint32_t n_vocab = 0;
     char model_id[KV_RING_MODEL_ID_LEN + 1] = "";
-    int stage = 0; /* 0 HELLO_ACK, 1 AUTH_CHALLENGE, 2 AUTH_OK, 3 the request */
-    for (;;) {
-        if ((rc = kv_rcl_frame(&c, &m, d))) goto done;
-        if (stage < 3 && m.h.type != KV_RING_ERROR &&
-            m.h.type != (stage == 0 ? KV_RING_HELLO_ACK : stage == 1 ? KV_RING_AUTH_CHALLENGE : KV_RING_AUTH_OK)) {
-            rc = kv_fail(d, KV_EPROTO, "ring: frame type %u from the node during the handshake", m.h.type);
-            goto done;
+    for (int stage = 0; stage < 3 && !rc;) { /* 0 HELLO_ACK, 1 AUTH_CHALLENGE, 2 AUTH_OK */
+        if ((rc = kv_rcl_frame(c, &m, d))) break;
+        if (m.h.type == KV_RING_ERROR) {
+            rc = kv_fail(d, m.u.error.code, "%s", m.u.error.msg);
+            break;
         }
-        switch (m.h.type) {
-        case KV_RING_HELLO_ACK:
+        if (m.h.type != (stage == 0 ? KV_RING_HELLO_ACK : stage == 1 ? KV_RING_AUTH_CHALLENGE : KV_RING_AUTH_OK)) {
+            rc = kv_fail(d, KV_EPROTO, "ring: frame type %u from the node during the handshake", m.h.type);
+            break;
+        }
+        if (stage == 0) {
             if (m.u.hello.role != KV_RING_ROLE_LINK) {
                 rc = kv_fail(d, KV_EPROTO, "ring: the peer at %s is not a ring node", addr);
-                goto done;
+                break;
             }
-            n_vocab = m.u.hello.n_vocab;
+            *n_vocab = m.u.hello.n_vocab;
             memcpy(model_id, m.u.hello.model_id, sizeof model_id);
-            stage = 1;
-            break;
-        case KV_RING_AUTH_CHALLENGE: {
+        } else if (stage == 1) {
             memcpy(node_key, m.u.auth.key, 32);
             memcpy(challenge, m.u.auth.nonce, 32);
             randombytes_buf(nonce, sizeof nonce);
-            kv_ring_auth a;
+            kv_ring_auth a = {0};
             memcpy(a.key, sk + 32, 32);
             memcpy(a.nonce, nonce, 32);
+            if (voucher) {
+                a.voucher_expires_ms = voucher->expires_ms;
+                memcpy(a.voucher_sig, voucher->sig, 64);
+            }
             uint8_t dg[32];
             kv_ring_auth_digest('C', model_id, node_key, challenge, a.key, nonce, dg);
             kv_dispatch_sign(sk, dg, a.sig);
-            if ((rc = kv_ring_auth_encode(c.buf, c.cap, KV_RING_AUTH, &a, &n, d)) || (rc = kv_rcl_send(c.fd, c.buf, n, d)))
-                goto done;
-            stage = 2;
-            break;
-        }
-        case KV_RING_AUTH_OK: {
+            if ((rc = kv_ring_auth_encode(c->buf, c->cap, KV_RING_AUTH, &a, &n, d)) ||
+                (rc = kv_rcl_send(c->fd, c->buf, n, d)))
+                break;
+        } else {
             uint8_t dg[32];
             kv_ring_auth_digest('A', model_id, node_key, challenge, sk + 32, nonce, dg);
-            if (kv_dispatch_verify(node_key, dg, m.u.auth.sig)) {
+            if (kv_dispatch_verify(node_key, dg, m.u.auth.sig))
                 rc = kv_fail(d, KV_EAUTH, "ring: the node at %s did not prove its key", addr);
-                goto done;
-            }
-            const kv_ring_submit sb = {*p, text, (uint32_t)text_len};
-            if ((rc = kv_ring_submit_encode(c.buf, c.cap, &sb, &n, d)) || (rc = kv_rcl_send(c.fd, c.buf, n, d))) goto done;
-            stage = 3;
-            break;
         }
+        stage++;
+    }
+    sodium_memzero(sk, sizeof sk);
+    return rc;
+}
+
+static void kv_rcl_close(kv_rcl *c) {
+    free(c->buf);
+    c->buf = NULL;
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+}
+
+int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *res, kv_diag *d) {
+    memset(res, 0, sizeof *res);
+    const bool chat = q->n_msgs > 0;
+    size_t body = 0;
+    if (chat) {
+        if (q->n_msgs > KV_RING_MAX_MSGS)
+            return kv_fail(d, KV_EINVAL, "ring: %u chat messages, at most %u", q->n_msgs, KV_RING_MAX_MSGS);
+        for (uint32_t i = 0; i < q->n_msgs; i++) body += 8 + q->msgs[i].len;
+        if (body > KV_RING_MAX_TEXT + 8u * KV_RING_MAX_MSGS)
+            return kv_fail(d, KV_EINVAL, "ring: chat messages of more than %u bytes", KV_RING_MAX_TEXT);
+    } else if (q->text_len < 1 || q->text_len > KV_RING_MAX_TEXT) {
+        return kv_fail(d, KV_EINVAL, "ring: prompt of %zu bytes out of range [1, %u]", q->text_len, KV_RING_MAX_TEXT);
+    } else {
+        body = q->text_len;
+    }
+    kv_rcl c = {.fd = -1, .timeout_ms = q->timeout_ms > 0 ? q->timeout_ms : 60000, .cancelled = q->cancelled,
+                .data = q->data};
+    float *lg = NULL;
+    uint32_t n_vocab = 0;
+    int rc = kv_rcl_open(&c, addr, q->key_sk, q->voucher, KV_RING_HEADER + 64 + body, &n_vocab, d);
+    if (rc) goto done;
+    size_t n;
+    if (chat) {
+        rc = kv_ring_submit_chat_encode(c.buf, c.cap, &q->p, q->msgs, q->n_msgs, &n, d);
+    } else {
+        const kv_ring_submit sb = {q->p, q->text, (uint32_t)q->text_len};
+        rc = kv_ring_submit_encode(c.buf, c.cap, &sb, &n, d);
+    }
+    if (rc || (rc = kv_rcl_send(c.fd, c.buf, n, d))) goto done;
+    res->submitted = true;
+    kv_ring_msg m;
+    for (;;) {
+        if ((rc = kv_rcl_frame(&c, &m, d))) goto done;
+        switch (m.h.type) {
         case KV_RING_ACCEPT:
             free(res->prompt);
             if (!(res->prompt = malloc(m.u.accept.n_tokens * sizeof *res->prompt))) {
@@ -159,11 +209,21 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
             }
             for (uint32_t i = 0; i < m.u.accept.n_tokens; i++) res->prompt[i] = kv_ring_tokens_get(m.u.accept.tokens, i);
             res->n_prompt = m.u.accept.n_tokens;
+            res->accepted = true;
+            if (q->on_accept && q->on_accept(q->data, res->prompt, res->n_prompt)) goto done;
             break;
         case KV_RING_TOKEN: {
             const kv_ring_token *t = &m.u.token;
+            if (!res->accepted) {
+                rc = kv_fail(d, KV_EPROTO, "ring: a token before the request was accepted");
+                goto done;
+            }
             if (t->n_logits && t->n_logits != n_vocab) {
                 rc = kv_fail(d, KV_EPROTO, "ring: a token with %u logits, the model has %u", t->n_logits, n_vocab);
+                goto done;
+            }
+            if ((uint32_t)t->token >= n_vocab) {
+                rc = kv_fail(d, KV_EPROTO, "ring: token %d outside the vocabulary of %u", t->token, n_vocab);
                 goto done;
             }
             if (t->n_logits && !lg && !(lg = malloc((size_t)n_vocab * sizeof *lg))) {
@@ -173,7 +233,8 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
             if (t->n_logits) kv_ring_floats_get(t->logits, t->n_logits, lg);
             res->n_tokens++;
             res->stop = t->stop;
-            if (fn && fn(data, t->token, t->piece, t->piece_len, t->n_logits ? lg : NULL, t->n_logits)) goto done;
+            if (q->on_token && q->on_token(q->data, t->token, t->piece, t->piece_len, t->n_logits ? lg : NULL, t->n_logits))
+                goto done;
             if (t->stop) goto done;
             break;
         }
@@ -186,10 +247,30 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
         }
     }
 done:
-    sodium_memzero(sk, sizeof sk);
     free(lg);
-    free(c.buf);
-    if (c.fd >= 0) close(c.fd);
+    kv_rcl_close(&c);
+    return rc;
+}
+
+int kv_ring_status_get(const char *addr, const uint8_t *key_sk, int timeout_ms, kv_ring_status *out, kv_diag *d) {
+    return kv_ring_status_get_v(addr, key_sk, NULL, timeout_ms, out, d);
+}
+
+int kv_ring_status_get_v(const char *addr, const uint8_t *key_sk, const kv_voucher *voucher, int timeout_ms,
+                         kv_ring_status *out, kv_diag *d) {
+    memset(out, 0, sizeof *out);
+    kv_rcl c = {.fd = -1, .timeout_ms = timeout_ms > 0 ? timeout_ms : 5000};
+    uint32_t n_vocab = 0;
+    int rc = kv_rcl_open(&c, addr, key_sk, voucher, 0, &n_vocab, d);
+    size_t n;
+    kv_ring_msg m;
+    if (!rc && !(rc = kv_ring_status_encode(c.buf, c.cap, KV_RING_STATUS, NULL, &n, d)) &&
+        !(rc = kv_rcl_send(c.fd, c.buf, n, d)) && !(rc = kv_rcl_frame(&c, &m, d))) {
+        if (m.h.type == KV_RING_STATUS_ACK) *out = m.u.status;
+        else if (m.h.type == KV_RING_ERROR) rc = kv_fail(d, m.u.error.code, "%s", m.u.error.msg);
+        else rc = kv_fail(d, KV_EPROTO, "ring: frame type %u in answer to STATUS", m.h.type);
+    }
+    kv_rcl_close(&c);
     return rc;
 }
 

@@ -109,6 +109,8 @@ struct kv_ring_node {
     char model_id[KV_RING_MODEL_ID_LEN + 1];
     uint8_t sk[64];           /* this node's Ed25519 key (seed || pk) */
     uint8_t (*allow)[32];     /* [n_allow] keys admitted (a copy) */
+    uint8_t hub_key[32];      /* vouchers by this hub admit a key too */
+    bool has_hub_key;
     char next_addr[256];
     kv_net_loop *loop;
     int lfd;
@@ -586,7 +588,7 @@ static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
     s->n_gen++;
     n->stats.tokens_sampled++;
     uint32_t stop = KV_STOP_NONE;
-    if (kv_tok_is_eog(kv_model_tok(n->m), tok)) stop = KV_STOP_EOG;
+    if (!(s->p.flags & KV_RING_SUBMIT_IGNORE_EOG) && kv_tok_is_eog(kv_model_tok(n->m), tok)) stop = KV_STOP_EOG;
     else if (s->n_gen >= s->p.n_predict) stop = KV_STOP_MAX_TOKENS;
     else if (held >= n->n_ctx) stop = KV_STOP_CTX_FULL;
     kv_ring_token t = {.seq = seq, .pos = held, .token = tok, .stop = stop, .n_logits = 0};
@@ -728,36 +730,62 @@ static void kv_rn_on_error_frame(kv_ring_node *n, const kv_ring_error *e, const 
 
 /* ---- clients ------------------------------------------------------------------------- */
 
-static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_submit *sb) {
+/* A client's request: its prompt tokenized here (SUBMIT: the text as
+ * `kvasir run -p` takes it; SUBMIT_CHAT: the chat template over the
+ * messages, each content plain text, as the gateway builds it), BOS first
+ * when the model adds one; ACCEPT back, and into the ring (or held until it
+ * is whole). n_predict is cut to what the context can hold (the tail stops
+ * at a full context first). */
+static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_params *prm, const char *text,
+                            uint32_t text_len, const kv_ring_submit_chat *chat) {
     kv_diag d = {0};
     if (c->req) {
         kv_rn_send_error(c, 0, KV_EINVAL, n->o.first, "ring: one request at a time per connection");
         return;
     }
     const kv_tok *tok = kv_model_tok(n->m);
-    const size_t cap = 3 * (size_t)sb->text_len + 2;
+    const size_t bytes = chat ? (size_t)chat->text_bytes + 16u * ((size_t)chat->n_msgs + 1) : text_len;
+    const size_t cap = 3 * bytes + 8;
     int32_t *ids = malloc(cap * sizeof *ids);
-    if (!ids) {
+    kv_chat_msg *cm = chat ? malloc(chat->n_msgs * sizeof *cm) : NULL;
+    if (!ids || (chat && !cm)) {
+        free(ids);
+        free(cm);
         kv_rn_send_error(c, 0, KV_ENOMEM, n->o.first, "ring: out of memory");
         return;
     }
     size_t off = 0, n_ids = 0;
     if (kv_tok_add_bos(tok) && kv_tok_bos(tok) >= 0) ids[off++] = kv_tok_bos(tok);
-    int rc = kv_tok_encode(tok, sb->text, sb->text_len, true, ids + off, cap - off, &n_ids, &d);
+    int rc;
+    if (chat) {
+        const uint8_t *at = chat->msgs;
+        for (uint32_t i = 0; i < chat->n_msgs; i++) {
+            uint32_t role, ml;
+            const char *content;
+            at = kv_ring_chat_next(at, &role, &content, &ml);
+            cm[i] = (kv_chat_msg){kv_ring_chat_role_name(role), content, ml};
+        }
+        rc = kv_tok_encode_chatml(tok, cm, chat->n_msgs, true, ids + off, cap - off, &n_ids, &d);
+    } else {
+        rc = kv_tok_encode(tok, text, text_len, true, ids + off, cap - off, &n_ids, &d);
+    }
+    free(cm);
     n_ids += off;
     char msg[KV_RING_MAX_MSG];
+    kv_ring_params p = *prm;
     if (!rc && n_ids == 0) rc = kv_fail(&d, KV_EINVAL, "the prompt is empty");
     if (!rc && (n_ids > n->n_ctx || n_ids > KV_RING_MAX_PROMPT))
         rc = kv_fail(&d, KV_ECTXFULL, "prompt has %zu tokens, longer than the context (%u)", n_ids, n->n_ctx);
-    if (!rc && n_ids + sb->p.n_predict > KV_RING_MAX_PROMPT + 1u)
+    if (!rc && p.n_predict > n->n_ctx + 2 - n_ids) p.n_predict = n->n_ctx + 2 - (uint32_t)n_ids;
+    if (!rc && n_ids + p.n_predict > KV_RING_MAX_PROMPT + 1u)
         rc = kv_fail(&d, KV_ERANGE, "prompt + n_predict exceed %u tokens", KV_RING_MAX_PROMPT);
     kv_rreq *r = NULL;
     if (!rc) {
         kv_sampler *probe = NULL; /* the parameters are checked where they are used: check them here first */
-        rc = kv_sampler_new(&probe, (int32_t)n->n_vocab, &sb->p.sample, &d);
+        rc = kv_sampler_new(&probe, (int32_t)n->n_vocab, &p.sample, &d);
         kv_sampler_free(probe);
     }
-    if (!rc && (!(r = calloc(1, sizeof *r)) || !(r->toks = malloc(((size_t)n_ids + sb->p.n_predict) * sizeof *r->toks))))
+    if (!rc && (!(r = calloc(1, sizeof *r)) || !(r->toks = malloc(((size_t)n_ids + p.n_predict) * sizeof *r->toks))))
         rc = kv_fail(&d, KV_ENOMEM, "out of memory");
     if (rc) {
         snprintf(msg, sizeof msg, "ring: %.480s", d.msg);
@@ -770,8 +798,8 @@ static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_submit *
     memcpy(r->toks, ids, n_ids * sizeof *ids);
     free(ids);
     r->n_prompt = (uint32_t)n_ids;
-    r->cap = (uint32_t)n_ids + sb->p.n_predict;
-    r->p = sb->p;
+    r->cap = (uint32_t)n_ids + p.n_predict;
+    r->p = p;
     r->client = c;
     r->id = kv_rn_new_id(n);
     c->req = r;
@@ -788,6 +816,17 @@ static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_submit *
         r->held = true;
         r->deadline_ms = kv_net_now_ms() + n->o.replay_timeout_ms;
     }
+}
+
+/* STATUS: whether the ring is whole as this node sees it, its window and limits. */
+static void kv_rn_on_status(kv_ring_node *n, kv_rconn *c) {
+    kv_ring_status st = {.flags = n->ring_up ? KV_RING_STATUS_WHOLE : 0, .n_layer = n->n_layer, .first = n->o.first,
+                         .last = n->o.last, .n_ctx = n->n_ctx, .max_seqs = n->max_seqs};
+    for (uint32_t i = 0; i < n->max_seqs; i++) st.n_seqs += n->seqs[i].seq != 0;
+    if (!n->ring_up) snprintf(st.msg, sizeof st.msg, "%s", n->why[0] ? n->why : "the ring has not formed yet");
+    uint8_t buf[KV_RING_HEADER + 32 + KV_RING_MAX_MSG];
+    size_t len;
+    if (!kv_ring_status_encode(buf, sizeof buf, KV_RING_STATUS_ACK, &st, &len, NULL)) kv_rn_send_raw(c, buf, len);
 }
 
 /* Held requests past their deadline fail with the break's reason. */
@@ -877,7 +916,17 @@ static void kv_rc_on_close(kv_net_conn *nc, int code, const char *why) {
             if (!kv_ring_broken_encode(buf, sizeof buf, n->o.first, msg, &len, NULL)) kv_rn_send_raw(n->next, buf, len);
         }
     } else if (c->role == KV_RC_CLIENT && c->req) {
-        c->req->client = NULL; /* its tokens are dropped; it still runs to its end */
+        /* the client left (a stop string matched, it hung up): its sequence
+           is freed round the ring (an ERROR from here), a held one forgotten */
+        kv_rreq *r = c->req;
+        r->client = NULL;
+        c->req = NULL;
+        if (r->seq && !r->held) {
+            kv_rn_flush(n); /* nothing queued may name its slot once freed */
+            kv_rn_fail_seq(n, r->seq, KV_EIO, "ring: the client left");
+        } else {
+            kv_rn_req_free(n, r);
+        }
     }
     kv_rc_free(c);
 }
@@ -887,6 +936,26 @@ static bool kv_rn_allowed(const kv_ring_node *n, const uint8_t key[32]) {
     for (size_t i = 0; i < n->o.n_allow; i++)
         if (!memcmp(n->allow[i], key, 32)) return true;
     return false;
+}
+
+/* A connector's hub voucher (docs/HUB.md "Vouching"): the hub this node
+ * trusts signed (model, key, expiry) and the expiry is ahead of this node's
+ * clock. false with why[] saying what was wrong ("" when no voucher came). */
+static bool kv_rn_vouched(const kv_ring_node *n, const kv_ring_auth *a, char *why, size_t cap) {
+    why[0] = 0;
+    if (!a->voucher_expires_ms) return false;
+    if (!n->has_hub_key) return snprintf(why, cap, "a voucher, but this node trusts no hub; "), false;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    const uint64_t now_ms = (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+    if (a->voucher_expires_ms <= now_ms)
+        return snprintf(why, cap, "its voucher expired %llu ms ago; ",
+                        (unsigned long long)(now_ms - a->voucher_expires_ms)), false;
+    uint8_t dg[32];
+    kv_voucher_digest(n->model_id, a->key, a->voucher_expires_ms, dg);
+    if (kv_dispatch_verify(n->hub_key, dg, a->voucher_sig))
+        return snprintf(why, cap, "its voucher is not the trusted hub's for this model and key; "), false;
+    return true;
 }
 
 static int kv_rn_check_peer(kv_ring_node *n, const kv_ring_hello *h, uint32_t want_first, bool check_last,
@@ -950,8 +1019,9 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         kv_hex(m.u.auth.key, 32, hex);
         uint8_t dg[32];
         kv_ring_auth_digest('C', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
-        if (!kv_rn_allowed(n, m.u.auth.key))
-            snprintf(msg, sizeof msg, "ring: key %.16s... is not allowed on this node (--allow-key)", hex);
+        if (!kv_rn_allowed(n, m.u.auth.key) && !kv_rn_vouched(n, &m.u.auth, msg, sizeof msg))
+            snprintf(msg + strlen(msg), sizeof msg - strlen(msg), "ring: key %.16s... is not allowed on this node (--allow-key%s)",
+                     hex, n->has_hub_key ? ", or a voucher of the hub" : "");
         else if (kv_dispatch_verify(m.u.auth.key, dg, m.u.auth.sig))
             snprintf(msg, sizeof msg, "ring: the signature of key %.16s... does not verify", hex);
         else
@@ -1012,7 +1082,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
                 }
                 memcpy(c->peer_key, m.u.auth.key, 32);
                 memcpy(c->challenge, m.u.auth.nonce, 32);
-                kv_ring_auth a;
+                kv_ring_auth a = {0}; /* a link proves its key alone (no voucher) */
                 memcpy(a.key, n->sk + 32, 32);
                 randombytes_buf(c->nonce, 32);
                 memcpy(a.nonce, c->nonce, 32);
@@ -1051,12 +1121,17 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         return 0; /* nothing else comes back on our own link */
     }
     if (c->role == KV_RC_CLIENT) {
-        if (ty != KV_RING_SUBMIT) {
-            kv_rn_send_error(c, 0, KV_EPROTO, n->o.first, "ring: a client sends SUBMIT frames only");
+        if (ty == KV_RING_STATUS) {
+            kv_rn_on_status(n, c);
+            return 0;
+        }
+        if (ty != KV_RING_SUBMIT && ty != KV_RING_SUBMIT_CHAT) {
+            kv_rn_send_error(c, 0, KV_EPROTO, n->o.first, "ring: a client sends SUBMIT, SUBMIT_CHAT and STATUS frames only");
             kv_net_conn_close(nc, KV_EPROTO, "client frame");
             return KV_EPROTO;
         }
-        kv_rn_on_submit(n, c, &m.u.submit);
+        if (ty == KV_RING_SUBMIT) kv_rn_on_submit(n, c, &m.u.submit.p, m.u.submit.text, m.u.submit.text_len, NULL);
+        else kv_rn_on_submit(n, c, &m.u.chat.p, NULL, 0, &m.u.chat);
         return 0;
     }
     /* the link from the node before; what changes which sequences exist runs after the queue */
@@ -1275,8 +1350,13 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         }
         memcpy(n->allow, n->o.allow_keys, n->o.n_allow * sizeof *n->allow);
     }
+    if (n->o.hub_key) {
+        memcpy(n->hub_key, n->o.hub_key, 32);
+        n->has_hub_key = true;
+    }
     n->o.key_sk = NULL;
     n->o.allow_keys = NULL;
+    n->o.hub_key = NULL;
     pthread_mutex_init(&n->next_mu, NULL);
     if (n->o.next && (rc = kv_rn_resolve_next(n, n->o.next, d))) goto fail; /* else set later (a hub) */
     if ((rc = kv_pool_new(&n->pool, n->o.n_threads, d))) goto fail;

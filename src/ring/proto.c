@@ -133,7 +133,7 @@ static int kv_params_get(const uint8_t *p, kv_ring_params *o, kv_diag *d) {
     o->sample.repeat_penalty = kv_bits_f(fb[3]);
     o->sample.repeat_last_n = (int32_t)kv_rg32(p + 28);
     o->sample.seed = kv_rg64(p + 32);
-    if (o->flags & ~KV_RING_SUBMIT_LOGITS) return kv_fail(d, KV_EPROTO, "ring: unknown request flags 0x%x", o->flags);
+    if (o->flags & ~(KV_RING_SUBMIT_LOGITS | KV_RING_SUBMIT_IGNORE_EOG)) return kv_fail(d, KV_EPROTO, "ring: unknown request flags 0x%x", o->flags);
     if (o->n_predict < 1 || o->n_predict > (1u << 20))
         return kv_fail(d, KV_ERANGE, "ring: n_predict %u out of range [1, %u]", o->n_predict, 1u << 20);
     const kv_sample_params *s = &o->sample;
@@ -155,6 +155,8 @@ static void kv_params_put(uint8_t *p, const kv_ring_params *o) {
     kv_wg32(p + 28, (uint32_t)o->sample.repeat_last_n);
     kv_wg64(p + 32, o->sample.seed);
 }
+
+static size_t kv_msg_len(const char *msg);
 
 /* A message of len bytes at p: no NUL inside (so it reads back the same). */
 static int kv_msg_get(const uint8_t *p, uint32_t len, char *out, kv_diag *d) {
@@ -224,6 +226,50 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         EXACT(KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len, "SUBMIT");
         s->text = (const char *)p + KV_RING_PARAMS_SIZE + 4;
         return 0;
+    }
+    case KV_RING_SUBMIT_CHAT: {
+        NEED(KV_RING_PARAMS_SIZE + 4, "SUBMIT_CHAT");
+        kv_ring_submit_chat *c = &m->u.chat;
+        if ((rc = kv_params_get(p, &c->p, d))) return rc;
+        c->n_msgs = kv_rg32(p + KV_RING_PARAMS_SIZE);
+        if (c->n_msgs < 1 || c->n_msgs > KV_RING_MAX_MSGS)
+            return kv_fail(d, KV_ERANGE, "ring: %u chat messages out of range [1, %u]", c->n_msgs, KV_RING_MAX_MSGS);
+        size_t at = KV_RING_PARAMS_SIZE + 4;
+        uint64_t text = 0;
+        for (uint32_t i = 0; i < c->n_msgs; i++) {
+            if (len - at < 8) return kv_fail(d, KV_EPROTO, "ring: SUBMIT_CHAT ends inside message %u", i);
+            const uint32_t role = kv_rg32(p + at), ml = kv_rg32(p + at + 4);
+            if (!kv_ring_chat_role_name(role)) return kv_fail(d, KV_EPROTO, "ring: chat message %u has role %u", i, role);
+            if (ml > KV_RING_MAX_TEXT || (text += ml) > KV_RING_MAX_TEXT)
+                return kv_fail(d, KV_ERANGE, "ring: chat messages hold more than %u bytes", KV_RING_MAX_TEXT);
+            if (len - at - 8 < ml) return kv_fail(d, KV_EPROTO, "ring: chat message %u runs past the frame", i);
+            at += 8 + (size_t)ml;
+        }
+        EXACT(at, "SUBMIT_CHAT");
+        c->text_bytes = (uint32_t)text;
+        c->msgs = p + KV_RING_PARAMS_SIZE + 4;
+        return 0;
+    }
+    case KV_RING_STATUS: EXACT(0, "STATUS"); return 0;
+    case KV_RING_STATUS_ACK: {
+        NEED(32, "STATUS_ACK");
+        kv_ring_status *st = &m->u.status;
+        st->flags = kv_rg32(p);
+        st->n_layer = kv_rg32(p + 4);
+        st->first = kv_rg32(p + 8);
+        st->last = kv_rg32(p + 12);
+        st->n_ctx = kv_rg32(p + 16);
+        st->max_seqs = kv_rg32(p + 20);
+        st->n_seqs = kv_rg32(p + 24);
+        const uint32_t ml = kv_rg32(p + 28);
+        if (st->flags & ~KV_RING_STATUS_WHOLE) return kv_fail(d, KV_EPROTO, "ring: unknown STATUS_ACK flags 0x%x", st->flags);
+        if (st->n_layer < 1 || st->n_layer > KV_RING_MAX_LAYERS || st->first > st->last || st->last >= st->n_layer)
+            return kv_fail(d, KV_ERANGE, "ring: STATUS_ACK window %u-%u of %u layers", st->first, st->last, st->n_layer);
+        if (st->n_ctx > (1u << 20) || st->max_seqs > 4096 || st->n_seqs > st->max_seqs)
+            return kv_fail(d, KV_ERANGE, "ring: STATUS_ACK limits out of range");
+        if (ml > KV_RING_MAX_MSG) return kv_fail(d, KV_ERANGE, "ring: message of %u bytes exceeds max %u", ml, KV_RING_MAX_MSG);
+        EXACT(32 + (size_t)ml, "STATUS_ACK");
+        return kv_msg_get(p + 32, ml, st->msg, d);
     }
     case KV_RING_ACCEPT: {
         NEED(12, "ACCEPT");
@@ -331,10 +377,15 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         memcpy(m->u.auth.nonce, p + 32, 32);
         return 0;
     case KV_RING_AUTH:
-        EXACT(128, "AUTH");
+        if (len != 128) EXACT(200, "AUTH"); /* 128, or 200 with a hub voucher */
         memcpy(m->u.auth.key, p, 32);
         memcpy(m->u.auth.nonce, p + 32, 32);
         memcpy(m->u.auth.sig, p + 64, 64);
+        if (len == 200) {
+            m->u.auth.voucher_expires_ms = kv_rg64(p + 128);
+            memcpy(m->u.auth.voucher_sig, p + 136, 64);
+            if (!m->u.auth.voucher_expires_ms) return kv_fail(d, KV_EPROTO, "ring: AUTH with a voucher that expires at 0");
+        }
         return 0;
     case KV_RING_AUTH_OK:
         EXACT(64, "AUTH_OK");
@@ -385,6 +436,61 @@ int kv_ring_submit_encode(uint8_t *out, size_t cap, const kv_ring_submit *s, siz
     kv_params_put(p, &s->p);
     kv_wg32(p + KV_RING_PARAMS_SIZE, s->text_len);
     memcpy(p + KV_RING_PARAMS_SIZE + 4, s->text, s->text_len);
+    return 0;
+}
+
+const char *kv_ring_chat_role_name(uint32_t role) {
+    static const char *const names[] = {NULL, "system", "user", "assistant"};
+    return role >= KV_RING_CHAT_SYSTEM && role <= KV_RING_CHAT_ASSISTANT ? names[role] : NULL;
+}
+
+const uint8_t *kv_ring_chat_next(const uint8_t *at, uint32_t *role, const char **content, uint32_t *len) {
+    *role = kv_rg32(at);
+    *len = kv_rg32(at + 4);
+    *content = (const char *)at + 8;
+    return at + 8 + *len;
+}
+
+int kv_ring_submit_chat_encode(uint8_t *out, size_t cap, const kv_ring_params *prm, const kv_chat_msg *msgs,
+                               uint32_t n_msgs, size_t *n, kv_diag *d) {
+    if (n_msgs < 1 || n_msgs > KV_RING_MAX_MSGS)
+        return kv_fail(d, KV_ERANGE, "ring: %u chat messages out of range [1, %u]", n_msgs, KV_RING_MAX_MSGS);
+    size_t len = KV_RING_PARAMS_SIZE + 4, text = 0;
+    uint32_t roles[KV_RING_MAX_MSGS];
+    for (uint32_t i = 0; i < n_msgs; i++) {
+        roles[i] = 0;
+        for (uint32_t r = KV_RING_CHAT_SYSTEM; r <= KV_RING_CHAT_ASSISTANT && msgs[i].role; r++)
+            if (!strcmp(msgs[i].role, kv_ring_chat_role_name(r))) roles[i] = r;
+        if (!roles[i]) return kv_fail(d, KV_EINVAL, "ring: chat message %u has role '%.32s'", i, msgs[i].role ? msgs[i].role : "");
+        if (msgs[i].len > KV_RING_MAX_TEXT || (text += msgs[i].len) > KV_RING_MAX_TEXT)
+            return kv_fail(d, KV_ERANGE, "ring: chat messages hold more than %u bytes", KV_RING_MAX_TEXT);
+        len += 8 + msgs[i].len;
+    }
+    int rc = kv_hdr_put(out, cap, KV_RING_SUBMIT_CHAT, len, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_params_put(p, prm);
+    kv_wg32(p + KV_RING_PARAMS_SIZE, n_msgs);
+    size_t at = KV_RING_PARAMS_SIZE + 4;
+    for (uint32_t i = 0; i < n_msgs; i++) {
+        kv_wg32(p + at, roles[i]);
+        kv_wg32(p + at + 4, (uint32_t)msgs[i].len);
+        if (msgs[i].len) memcpy(p + at + 8, msgs[i].content, msgs[i].len);
+        at += 8 + msgs[i].len;
+    }
+    return 0;
+}
+
+int kv_ring_status_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_status *st, size_t *n, kv_diag *d) {
+    if (type == KV_RING_STATUS) return kv_hdr_put(out, cap, KV_RING_STATUS, 0, n, d);
+    if (type != KV_RING_STATUS_ACK) return kv_fail(d, KV_EINVAL, "ring: STATUS frame of type %u", type);
+    const size_t ml = kv_msg_len(st->msg);
+    int rc = kv_hdr_put(out, cap, KV_RING_STATUS_ACK, 32 + ml, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    const uint32_t v[8] = {st->flags, st->n_layer, st->first, st->last, st->n_ctx, st->max_seqs, st->n_seqs, (uint32_t)ml};
+    for (int i = 0; i < 8; i++) kv_wg32(p + 4 * i, v[i]);
+    if (ml) memcpy(p + 32, st->msg, ml);
     return 0;
 }
 
@@ -495,7 +601,8 @@ int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *q, size_
 }
 
 int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_auth *a, size_t *n, kv_diag *d) {
-    const size_t len = type == KV_RING_AUTH ? 128 : type == KV_RING_AUTH_CHALLENGE || type == KV_RING_AUTH_OK ? 64 : 0;
+    const size_t len = type == KV_RING_AUTH ? (a->voucher_expires_ms ? 200 : 128)
+                       : type == KV_RING_AUTH_CHALLENGE || type == KV_RING_AUTH_OK ? 64 : 0;
     if (!len) return kv_fail(d, KV_EINVAL, "ring: AUTH frame of type %u", type);
     int rc = kv_hdr_put(out, cap, type, len, n, d);
     if (rc) return rc;
@@ -507,6 +614,10 @@ int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_a
     memcpy(p, a->key, 32);
     memcpy(p + 32, a->nonce, 32);
     if (type == KV_RING_AUTH) memcpy(p + 64, a->sig, 64);
+    if (len == 200) {
+        kv_wg64(p + 128, a->voucher_expires_ms);
+        memcpy(p + 136, a->voucher_sig, 64);
+    }
     return 0;
 }
 

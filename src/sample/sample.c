@@ -1,6 +1,11 @@
 /* Token sampling: a candidate list filtered by the llama.cpp-ordered chain,
- * drawn with xoshiro256** seeded through splitmix64. Buffers are allocated
- * once per sampler. */
+ * then one uniform draw. The draw is counter-based: a hash (splitmix64's
+ * finalizer) of the seed, the position of the token being sampled (the
+ * tokens accepted so far: prompt and generated) and the draws made at that
+ * position, so it depends on where the sequence is and not on how it got
+ * there: a sequence rebuilt from its tokens (a ring request replayed after a
+ * break, a session re-prompted with its history) draws what the unbroken one
+ * would. Buffers are allocated once per sampler. */
 #include "kvasir/sample.h"
 
 #include <math.h>
@@ -20,7 +25,9 @@ struct kv_sampler {
     kv_cand *cand;     /* [n_vocab], NULL when the caller lends scratch */
     int32_t *hist;     /* ring of the last repeat_last_n tokens */
     int32_t n_hist, hist_at;
-    uint64_t rng[4];   /* xoshiro256** state */
+    uint64_t key;      /* the seed, mixed */
+    uint64_t pos;      /* tokens accepted: the position of the token sampled next */
+    uint64_t n_draw;   /* draws made at pos (0 for every first draw) */
 };
 
 kv_sample_params kv_sample_defaults(void) {
@@ -34,17 +41,17 @@ static uint64_t kv_splitmix(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-static uint64_t kv_rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static uint64_t kv_fmix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
 
-static double kv_uniform(uint64_t *s) {
-    const uint64_t r = kv_rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = kv_rotl(s[3], 45);
-    return (double)(r >> 11) * (1.0 / 9007199254740992.0);
+/* The uniform in [0, 1) of the n_draw-th draw at position pos: a pure
+ * function of (key, pos, n_draw), 53 bits. */
+static double kv_uniform_at(uint64_t key, uint64_t pos, uint64_t n_draw) {
+    const uint64_t h = kv_fmix(kv_fmix(key ^ (pos * 0x9e3779b97f4a7c15ull)) + n_draw * 0xd1b54a32d192ed03ull);
+    return (double)(h >> 11) * (1.0 / 9007199254740992.0);
 }
 
 int kv_sampler_new(kv_sampler **out, int32_t n_vocab, const kv_sample_params *p, kv_diag *d) {
@@ -75,7 +82,7 @@ int kv_sampler_new_ex(kv_sampler **out, int32_t n_vocab, const kv_sample_params 
         return kv_fail(d, KV_ENOMEM, "sampler: out of memory");
     }
     uint64_t x = p->seed;
-    for (int i = 0; i < 4; i++) s->rng[i] = kv_splitmix(&x);
+    s->key = kv_splitmix(&x);
     *out = s;
     return 0;
 }
@@ -88,6 +95,8 @@ void kv_sampler_free(kv_sampler *s) {
 }
 
 void kv_sampler_accept(kv_sampler *s, int32_t token) {
+    s->pos++;
+    s->n_draw = 0;
     if (s->p.repeat_last_n == 0) return;
     s->hist[s->hist_at] = token;
     s->hist_at = (s->hist_at + 1) % s->p.repeat_last_n;
@@ -193,7 +202,7 @@ int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch) 
     }
     for (int32_t i = 0; i < n; i++) c[i].logit /= p->temp;
     kv_cand_softmax(c, n);
-    const double r = kv_uniform(s->rng);
+    const double r = kv_uniform_at(s->key, s->pos, s->n_draw++);
     double cum = 0.0;
     for (int32_t i = 0; i < n; i++) {
         cum += c[i].p;
