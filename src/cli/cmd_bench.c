@@ -206,6 +206,8 @@ int kv_cmd_bench(int argc, char **argv) {
     if (kv_session_new(&ss[0], eng, &so, &d) ||
         kv_session_prompt(ss[0], toks, (uint32_t)(n_prompt < 16 ? n_prompt : 16), &d) ||
         kv_bench_until(eng, ss[0], KV_SESSION_DECODE, &d)) { rc = kv_cli_diag(CMD, &d); goto done; }
+    for (int i = 0; i < 3 && kv_session_status(ss[0]) == KV_SESSION_DECODE; i++) /* and a few decode steps */
+        if (kv_engine_step(eng, &d) < 0) { rc = kv_cli_diag(CMD, &d); goto done; }
     kv_session_free(ss[0]);
     ss[0] = NULL;
     double best_pp = 0, best_tg = 0, sum_pp = 0, sum_tg = 0, prof_wall[2] = {0, 0};

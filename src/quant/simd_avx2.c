@@ -360,7 +360,10 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
                 mdup[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));                      \
                 UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm256_setzero_si256();        \
             }                                                                                   \
-            for (int c = 0; c < 4; c++) {                                                       \
+            /* one token: the quarters unrolled (constant shuffles); more: rolled, which\
+             * keeps the tile's registers (measured: +15% decode, -7% prefill unrolled) */\
+            if (RT * TT <= 2) {                                                                 \
+                UNROLL for (int c = 0; c < 4; c++) {                                            \
                 __m256i ylo[4], yhi[4];                                                         \
                 UNROLL for (int t = 0; t < TT; t++) {                                           \
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
@@ -390,6 +393,40 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
                         __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
                         isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(p0, p1));    \
                     }                                                                           \
+                }                                                                               \
+                }                                                                               \
+            } else {                                                                            \
+                for (int c = 0; c < 4; c++) {                                                   \
+                __m256i ylo[4], yhi[4];                                                         \
+                UNROLL for (int t = 0; t < TT; t++) {                                           \
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
+                    ylo[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c));             \
+                    yhi[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c + 32));        \
+                }                                                                               \
+                /* int16 words 2c / 2c+1 of s16 broadcast to every lane */                      \
+                const __m256i pick0 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c)); \
+                const __m256i pick1 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2)); \
+                UNROLL for (int r = 0; r < RT; r++) {                                           \
+                    const WBLK *x = (const WBLK *)(w + r * rb) + i;                             \
+                    __m256i qv = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * c));         \
+                    __m256i lo = _mm256_and_si256(qv, m4);                                      \
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                \
+                    if (Q5) {                                                                   \
+                        __m256i qh = _mm256_loadu_si256((const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh); \
+                        const __m256i one = _mm256_set1_epi8(1);                                \
+                        __m256i hl = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one); \
+                        __m256i hh = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one); \
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));                     \
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));                     \
+                    }                                                                           \
+                    const __m256i s0 = _mm256_shuffle_epi8(s16[r], pick0);                      \
+                    const __m256i s1 = _mm256_shuffle_epi8(s16[r], pick1);                      \
+                    UNROLL for (int t = 0; t < TT; t++) {                                       \
+                        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo[t]), s0);   \
+                        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
+                        isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(p0, p1));    \
+                    }                                                                           \
+                }                                                                               \
                 }                                                                               \
             }                                                                                   \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
@@ -425,13 +462,13 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
             sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
             UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm256_setzero_si256();
         }
-        for (int h = 0; h < 2; h++) {
+        UNROLL for (int h = 0; h < 2; h++) { /* unrolled: the shuffles and shifts below are constants */
             /* s16 of quarter k: scale 8h+2k in the low 128 bits, 8h+2k+1 in the high */
             __m256i sh[4];
             UNROLL for (int r = 0; r < RT; r++)
                 sh[r] = h ? _mm256_permute2x128_si256(sc16[r], sc16[r], 0x11)
                           : _mm256_permute2x128_si256(sc16[r], sc16[r], 0x00);
-            for (int k = 0; k < 4; k++) {
+            UNROLL for (int k = 0; k < 4; k++) {
                 __m256i yv[4];
                 UNROLL for (int t = 0; t < TT; t++) {
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;
