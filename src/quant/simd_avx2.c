@@ -15,6 +15,9 @@
 #include "quant/quant_internal.h"
 
 #define AI static inline __attribute__((always_inline))
+#ifndef KV_KPF_TILES
+#define KV_KPF_TILES 8 /* K-quant tiles: prefetch the row tile this many tiles ahead */
+#endif
 #define UNROLL _Pragma("GCC unroll 8")
 
 AI float h2f(uint16_t h) { return _cvtsh_ss(h); }
@@ -182,6 +185,9 @@ AI __m256i q4_0_bytes(const kv_block_q4_0 *b) {
         const int64_t nb = n / 32;                                                              \
         for (int64_t b = 0; b < nb; b++) {                                                      \
             const int odd = (int)(b & 1);                                                       \
+            if (odd) /* the row tile KV_KPF_TILES ahead, a line per two blocks */               \
+                UNROLL for (int r = 0; r < RT; r++)                                             \
+                    _mm_prefetch((const char *)((const WBLK *)(w + (r + KV_KPF_TILES * RT) * rb) + b), _MM_HINT_T0); \
             __m256i yv[4];                                                                      \
             float da[4];                                                                        \
             UNROLL for (int t = 0; t < TT; t++) {                                               \
@@ -341,8 +347,8 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
         }                                                                                       \
         const __m256i m4 = _mm256_set1_epi8(0xF);                                               \
         for (int64_t i = 0; i < n / KV_QK_K; i++) {                                             \
-            UNROLL for (int r = 0; r < RT; r++) { /* the next row tile's super-block */         \
-                const char *nx = (const char *)((const WBLK *)(w + (r + RT) * rb) + i);         \
+            UNROLL for (int r = 0; r < RT; r++) { /* the row tile KV_KPF_TILES ahead */         \
+                const char *nx = (const char *)((const WBLK *)(w + (r + KV_KPF_TILES * RT) * rb) + i);         \
                 _mm_prefetch(nx, _MM_HINT_T0);                                                  \
                 _mm_prefetch(nx + 64, _MM_HINT_T0);                                             \
                 _mm_prefetch(nx + sizeof(WBLK) - 1, _MM_HINT_T0);                               \
@@ -456,6 +462,13 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
     for (int64_t i = 0; i < n / KV_QK_K; i++) {
+        UNROLL for (int r = 0; r < RT; r++) { /* the row tile KV_KPF_TILES ahead */
+            const char *nx = (const char *)((const kv_block_q6_K *)(w + (r + KV_KPF_TILES * RT) * rb) + i);
+            _mm_prefetch(nx, _MM_HINT_T0);
+            _mm_prefetch(nx + 64, _MM_HINT_T0);
+            _mm_prefetch(nx + 128, _MM_HINT_T0);
+            _mm_prefetch(nx + sizeof(kv_block_q6_K) - 1, _MM_HINT_T0);
+        }
         __m256i isum[4][4], sc16[4];
         UNROLL for (int r = 0; r < RT; r++) {
             const kv_block_q6_K *x = (const kv_block_q6_K *)(w + r * rb) + i;
