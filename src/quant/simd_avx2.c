@@ -337,6 +337,41 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
 }
 
 /* q4_K/q5_K: int32 lane sums per super-block, then the canonical float lanes. */
+/* Quarter c (64 values) of super-block i of a K4 tile: the int32 lane sums. */
+#define K4_QUARTER(WBLK, Q5, c)                                                                 \
+    do {                                                                                        \
+                __m256i ylo[4], yhi[4];                                                         \
+                UNROLL for (int t = 0; t < TT; t++) {                                           \
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
+                    ylo[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c));             \
+                    yhi[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c + 32));        \
+                }                                                                               \
+                /* int16 words 2c / 2c+1 of s16 broadcast to every lane */                      \
+                const __m256i pick0 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c)); \
+                const __m256i pick1 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2)); \
+                UNROLL for (int r = 0; r < RT; r++) {                                           \
+                    const WBLK *x = (const WBLK *)(w + r * rb) + i;                             \
+                    __m256i qv = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * c));         \
+                    __m256i lo = _mm256_and_si256(qv, m4);                                      \
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                \
+                    if (Q5) {                                                                   \
+                        __m256i qh = _mm256_loadu_si256((const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh); \
+                        const __m256i one = _mm256_set1_epi8(1);                                \
+                        __m256i hl = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one); \
+                        __m256i hh = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one); \
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));                     \
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));                     \
+                    }                                                                           \
+                    const __m256i s0 = _mm256_shuffle_epi8(s16[r], pick0);                      \
+                    const __m256i s1 = _mm256_shuffle_epi8(s16[r], pick1);                      \
+                    UNROLL for (int t = 0; t < TT; t++) {                                       \
+                        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo[t]), s0);   \
+                        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
+                        isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(p0, p1));    \
+                    }                                                                           \
+                }                                                                               \
+    } while (0)
+
 #define K4_TILE(NAME, WBLK, Q5)                                                                 \
     AI void NAME(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,      \
                  size_t ab, float *out) {                                                       \
@@ -369,71 +404,9 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
             /* one token: the quarters unrolled (constant shuffles); more: rolled, which\
              * keeps the tile's registers (measured: +15% decode, -7% prefill unrolled) */\
             if (RT * TT <= 2) {                                                                 \
-                UNROLL for (int c = 0; c < 4; c++) {                                            \
-                __m256i ylo[4], yhi[4];                                                         \
-                UNROLL for (int t = 0; t < TT; t++) {                                           \
-                    const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
-                    ylo[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c));             \
-                    yhi[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c + 32));        \
-                }                                                                               \
-                /* int16 words 2c / 2c+1 of s16 broadcast to every lane */                      \
-                const __m256i pick0 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c)); \
-                const __m256i pick1 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2)); \
-                UNROLL for (int r = 0; r < RT; r++) {                                           \
-                    const WBLK *x = (const WBLK *)(w + r * rb) + i;                             \
-                    __m256i qv = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * c));         \
-                    __m256i lo = _mm256_and_si256(qv, m4);                                      \
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                \
-                    if (Q5) {                                                                   \
-                        __m256i qh = _mm256_loadu_si256((const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh); \
-                        const __m256i one = _mm256_set1_epi8(1);                                \
-                        __m256i hl = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one); \
-                        __m256i hh = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one); \
-                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));                     \
-                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));                     \
-                    }                                                                           \
-                    const __m256i s0 = _mm256_shuffle_epi8(s16[r], pick0);                      \
-                    const __m256i s1 = _mm256_shuffle_epi8(s16[r], pick1);                      \
-                    UNROLL for (int t = 0; t < TT; t++) {                                       \
-                        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo[t]), s0);   \
-                        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
-                        isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(p0, p1));    \
-                    }                                                                           \
-                }                                                                               \
-                }                                                                               \
+                UNROLL for (int c = 0; c < 4; c++) K4_QUARTER(WBLK, Q5, c);                      \
             } else {                                                                            \
-                for (int c = 0; c < 4; c++) {                                                   \
-                __m256i ylo[4], yhi[4];                                                         \
-                UNROLL for (int t = 0; t < TT; t++) {                                           \
-                    const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
-                    ylo[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c));             \
-                    yhi[t] = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * c + 32));        \
-                }                                                                               \
-                /* int16 words 2c / 2c+1 of s16 broadcast to every lane */                      \
-                const __m256i pick0 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c)); \
-                const __m256i pick1 = _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2)); \
-                UNROLL for (int r = 0; r < RT; r++) {                                           \
-                    const WBLK *x = (const WBLK *)(w + r * rb) + i;                             \
-                    __m256i qv = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * c));         \
-                    __m256i lo = _mm256_and_si256(qv, m4);                                      \
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                \
-                    if (Q5) {                                                                   \
-                        __m256i qh = _mm256_loadu_si256((const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh); \
-                        const __m256i one = _mm256_set1_epi8(1);                                \
-                        __m256i hl = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one); \
-                        __m256i hh = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one); \
-                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));                     \
-                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));                     \
-                    }                                                                           \
-                    const __m256i s0 = _mm256_shuffle_epi8(s16[r], pick0);                      \
-                    const __m256i s1 = _mm256_shuffle_epi8(s16[r], pick1);                      \
-                    UNROLL for (int t = 0; t < TT; t++) {                                       \
-                        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo[t]), s0);   \
-                        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
-                        isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(p0, p1));    \
-                    }                                                                           \
-                }                                                                               \
-                }                                                                               \
+                for (int c = 0; c < 4; c++) K4_QUARTER(WBLK, Q5, c);                             \
             }                                                                                   \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
