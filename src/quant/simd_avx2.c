@@ -495,6 +495,168 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
 }
 
 /* ================================================================== */
+/* K-quants, several tokens: one row x up to 8 tokens                  */
+/*
+ * The RT x TT tiles above spend most of their instructions outside the
+ * multiplies (unpacking, scale shuffles, the per-super-block float steps,
+ * register spills of a 2 x 3 tile), so several tokens ran at ~60% of the
+ * two multiply pipes. Here one weight row meets up to 8 tokens: each
+ * 32-value sub-block is unpacked and its scale broadcast once, then every
+ * token is a maddubs with the activations as a memory operand, a madd with
+ * the scale and an add (8 int32 accumulators in registers). Same int32
+ * lane sums per super-block as the tiles (integer adds in another order)
+ * and the same float steps, so the same bits. Tokens are split into the
+ * fewest tiles of at most 8, as even as possible; the token tiles are the
+ * outer loop, so a tile's activations stay in L1 while the rows stream.
+ */
+#define KM_TT 8
+/* keeps the compiler from adding the low and high halves' products first
+ * (it would, needing 8 more registers, and spill) */
+#define KM_KEEP(v) __asm__("" : "+x"(v))
+/* most super-blocks per row for KM_MAT (n <= 16384); longer rows use the tiles */
+#define KM_MAX_SB 64
+
+#define K4M_TILE(NAME, WBLK, Q5)                                                                \
+    AI void NAME(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const uint8_t *a,      \
+                 size_t ab, const float *yd, float *out) {                                      \
+        __m256 acc[KM_TT], accm[KM_TT];                                                         \
+        UNROLL for (int t = 0; t < TT; t++) acc[t] = accm[t] = _mm256_setzero_ps();             \
+        const __m256i m4 = _mm256_set1_epi8(0xF);                                               \
+        for (int64_t i = 0; i < nsb; i++) {                                                     \
+            const WBLK *x = (const WBLK *)(const void *)w + i;                                  \
+            _mm_prefetch((const char *)(x) + rb, _MM_HINT_T0); /* the next row */               \
+            _mm_prefetch((const char *)(x) + rb + 64, _MM_HINT_T0);                             \
+            _mm_prefetch((const char *)(x) + rb + sizeof(WBLK) - 1, _MM_HINT_T0);               \
+            uint32_t sc[2], mn[2];                                                              \
+            k4_scales(x->scales, sc, mn);                                                       \
+            const __m256i s16 = _mm256_broadcastsi128_si256(                                    \
+                _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));                \
+            __m256i isum[KM_TT];                                                                \
+            UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();               \
+            for (int c = 0; c < 4; c++) {                                                       \
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 32 * c)); \
+                __m256i lo = _mm256_and_si256(qv, m4);                                          \
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                    \
+                if (Q5) {                                                                       \
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)((const kv_block_q5_K *)(const void *)x)->qh); \
+                    const __m256i one = _mm256_set1_epi8(1);                                    \
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one), 4)); \
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one), 4)); \
+                }                                                                               \
+                const __m256i s0 = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c))); \
+                UNROLL for (int t = 0; t < TT; t++) {                                           \
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i; \
+                    const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 64 * c)); \
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, yv), s0)); \
+                    KM_KEEP(isum[t]);                                                           \
+                }                                                                               \
+                const __m256i s1 = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2))); \
+                UNROLL for (int t = 0; t < TT; t++) {                                           \
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i; \
+                    const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 64 * c + 32)); \
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yv), s1)); \
+                }                                                                               \
+            }                                                                                   \
+            const __m256i mdup = _mm256_cvtepu8_epi16(                                          \
+                _mm_unpacklo_epi8(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]), _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]))); \
+            _Alignas(32) float dd[2 * KM_TT]; /* y->d * d and y->d * dmin of the 8 tokens */    \
+            const __m256 ydv = _mm256_load_ps(yd + KM_TT * i);                                   \
+            _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(h2f(x->d)), ydv));                  \
+            _mm256_store_ps(dd + KM_TT, _mm256_mul_ps(_mm256_set1_ps(h2f(x->dmin)), ydv));       \
+            UNROLL for (int t = 0; t < TT; t++) {                                               \
+                const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i; \
+                const __m256i mp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)y->bsums), mdup); \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_broadcast_ss(dd + t), acc[t]); \
+                accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mp), _mm256_broadcast_ss(dd + KM_TT + t), accm[t]); \
+            }                                                                                   \
+        }                                                                                       \
+        UNROLL for (int t = 0; t < TT; t++) out[t] = hsum_ps(_mm256_sub_ps(acc[t], accm[t]));   \
+    }
+
+K4M_TILE(q4_K_mtile, kv_block_q4_K, 0)
+K4M_TILE(q5_K_mtile, kv_block_q5_K, 1)
+
+AI void q6_K_mtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
+                   const float *yd, float *out) {
+    __m256 acc[KM_TT];
+    UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < nsb; i++) {
+        const kv_block_q6_K *x = (const kv_block_q6_K *)(const void *)w + i;
+        _mm_prefetch((const char *)x + rb, _MM_HINT_T0); /* the next row */
+        _mm_prefetch((const char *)x + rb + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)x + rb + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)x + rb + sizeof(kv_block_q6_K) - 1, _MM_HINT_T0);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)x->scales));
+        __m256i isum[KM_TT];
+        UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();
+        UNROLL for (int h = 0; h < 2; h++) {
+            const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(x->qh + 32 * h));
+            UNROLL for (int k = 0; k < 4; k++) {
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)(const void *)(x->ql + 64 * h + 32 * (k & 1)));
+                const __m256i lo = (k & 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
+                const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m3), 4));
+                const __m256i pick = _mm256_setr_epi8(4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
+                                                      4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
+                                                      4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3,
+                                                      4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3);
+                const __m256i s16 = _mm256_shuffle_epi8(sh, pick);
+                UNROLL for (int t = 0; t < TT; t++) {
+                    const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
+                    const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 128 * h + 32 * k));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), s16));
+                }
+            }
+        }
+        _Alignas(32) float dd[KM_TT]; /* y->d * d of the 8 tokens */
+        _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(h2f(x->d)), _mm256_load_ps(yd + KM_TT * i)));
+        UNROLL for (int t = 0; t < TT; t++) {
+            const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
+            const __m256i mp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)y->bsums), sc16);
+            const __m256i is = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(mp, 5));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_broadcast_ss(dd + t), acc[t]);
+        }
+    }
+    UNROLL for (int t = 0; t < TT; t++) out[t] = hsum_ps(acc[t]);
+}
+
+/* Rows [r0,r1) x tokens, n_tok >= 2: token tiles of at most KM_TT, split as
+ * evenly as possible, outer; the rows inner. */
+#define KM_CASE(TILE, c)                                                                        \
+    case c:                                                                                     \
+        for (int64_t r = r0; r < r1; r++) {                                                     \
+            TILE(c, nsb, wb + (size_t)r * row_bytes, row_bytes, ab + (size_t)t * a_stride, a_stride, yd, o); \
+            for (int j = 0; j < (c); j++) Y[(size_t)(t + j) * y_stride + r] = o[j];             \
+        }                                                                                       \
+        break
+#define KM_MAT(NAME, TILE)                                                                      \
+    static void NAME(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A, \
+                     size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {               \
+        const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;                       \
+        const int64_t nsb = n / KV_QK_K, nj = (n_tok + KM_TT - 1) / KM_TT;                      \
+        float o[KM_TT];                                                                         \
+        _Alignas(32) float yd[KM_TT * KM_MAX_SB]; /* block-major scales of the tile's tokens */ \
+        int64_t t = 0;                                                                          \
+        for (int64_t j_ = 0; j_ < nj; j_++) {                                                   \
+            const int64_t left = nj - j_, tt = (n_tok - t + left - 1) / left;                  \
+            for (int64_t i = 0; i < nsb; i++)                                                   \
+                for (int64_t k = 0; k < KM_TT; k++)                                             \
+                    yd[KM_TT * i + k] = k < tt ? ((const kv_block_q8_K *)(const void *)(ab + (size_t)(t + k) * a_stride))[i].d : 0.0f; \
+            switch (tt) {                                                                       \
+                KM_CASE(TILE, 1); KM_CASE(TILE, 2); KM_CASE(TILE, 3); KM_CASE(TILE, 4);         \
+                KM_CASE(TILE, 5); KM_CASE(TILE, 6); KM_CASE(TILE, 7); KM_CASE(TILE, 8);         \
+            default: break;                                                                     \
+            }                                                                                   \
+            t += tt;                                                                            \
+        }                                                                                       \
+    }
+
+KM_MAT(q4_K_mmat, q4_K_mtile)
+KM_MAT(q5_K_mmat, q5_K_mtile)
+KM_MAT(q6_K_mmat, q6_K_mtile)
+
+/* ================================================================== */
 /* vec_dot and mat entry points                                         */
 
 #define ENTRY_EVEN(T, TILE, RT, TT, RT1)                                                        \
@@ -534,6 +696,16 @@ ENTRY(q4_0, q4_0_tile, 2, 3, 1)
 ENTRY_EVEN(q4_K, q4_K_tile, 2, 3, 1)
 ENTRY_EVEN(q5_K, q5_K_tile, 2, 3, 1)
 ENTRY_EVEN(q6_K, q6_K_tile, 2, 3, 1)
+
+/* one token: the RT x TT driver's one-row tiles (they stream best from memory); several: KM_MAT */
+#define KM_PICK(T)                                                                              \
+    static void T##_matx(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A, \
+                         size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {           \
+        (n_tok < 2 || n / KV_QK_K > KM_MAX_SB ? T##_mat : T##_mmat)(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride); \
+    }
+KM_PICK(q4_K)
+KM_PICK(q5_K)
+KM_PICK(q6_K)
 
 /* ================================================================== */
 /* attention weighted sum: o[i] = fma chain over p (quant/vec.h)        */
@@ -752,9 +924,9 @@ void kv_quant_fill_avx2(kv_kernels *k) {
     k[KV_TYPE_BF16].vec_dot = bf16_dot;   k[KV_TYPE_BF16].mat = bf16_mat;
     k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8a_mat;
     k[KV_TYPE_Q4_0].vec_dot = q4_0_dot;   k[KV_TYPE_Q4_0].mat = q4_0_mat;
-    k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_mat;
-    k[KV_TYPE_Q5_K].vec_dot = q5_K_dot;   k[KV_TYPE_Q5_K].mat = q5_K_mat;
-    k[KV_TYPE_Q6_K].vec_dot = q6_K_dot;   k[KV_TYPE_Q6_K].mat = q6_K_mat;
+    k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_matx;
+    k[KV_TYPE_Q5_K].vec_dot = q5_K_dot;   k[KV_TYPE_Q5_K].mat = q5_K_matx;
+    k[KV_TYPE_Q6_K].vec_dot = q6_K_dot;   k[KV_TYPE_Q6_K].mat = q6_K_matx;
     k[KV_TYPE_Q8_0].from_float = q8_0_from_float;
     k[KV_TYPE_Q8_K].from_float = q8_K_from_float;
     k[KV_TYPE_F16].from_float = f16_from_float;
