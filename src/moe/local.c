@@ -49,16 +49,36 @@ typedef struct kv_local_job {
 
 enum { KV_MAT_GATE, KV_MAT_UP, KV_MAT_DOWN };
 
+/* The first of the concatenated row blocks whose cost starts at or after c,
+ * a block of active expert i costing its token count + 1 (the one for
+ * streaming the block's weights). */
+static long kv_local_block_at(const kv_local *l, int n_active, long blocks_per, long c) {
+    long cum = 0;
+    for (int i = 0; i < n_active; i++) {
+        const int32_t e = l->active[i];
+        const long w = (long)(l->exp_first[e + 1] - l->exp_first[e]) + 1, span = w * blocks_per;
+        if (cum + span > c) return (long)i * blocks_per + (c - cum + w - 1) / w;
+        cum += span;
+    }
+    return (long)n_active * blocks_per;
+}
+
 /* Runs kv_mat_rows over this thread's share of the concatenated rows of one
- * matrix kind of all active experts, for their gathered slot inputs. */
+ * matrix kind of all active experts, for their gathered slot inputs. The
+ * shares are even in cost, not in rows: in a prefill the experts' token
+ * counts differ several-fold, and an even row split left one thread waiting. */
 static void kv_local_rows(kv_local_job *j, int which, const uint8_t *A, size_t a_stride, float *Y,
                           int ith, int nth) {
     kv_local *l = j->l;
     const int64_t n_in = which == KV_MAT_DOWN ? l->src.n_ff_exp : l->src.n_embd;
     const long rows = which == KV_MAT_DOWN ? (long)l->src.n_embd : (long)l->src.n_ff_exp;
-    const long blocks_per = (rows + 15) / 16, total = blocks_per * j->n_active;
-    long lo, hi;
-    kv_pool_split(total, ith, nth, &lo, &hi);
+    const long blocks_per = (rows + 15) / 16;
+    long total = 0;
+    for (int i = 0; i < j->n_active; i++)
+        total += blocks_per * ((long)(l->exp_first[l->active[i] + 1] - l->exp_first[l->active[i]]) + 1);
+    const long lo = kv_local_block_at(l, j->n_active, blocks_per, (long)((double)total * ith / nth)),
+               hi = ith == nth - 1 ? (long)j->n_active * blocks_per
+                                   : kv_local_block_at(l, j->n_active, blocks_per, (long)((double)total * (ith + 1) / nth));
     for (long b = lo; b < hi;) {
         const long ai = b / blocks_per;
         const long bend = (ai + 1) * blocks_per < hi ? (ai + 1) * blocks_per : hi;
