@@ -144,6 +144,12 @@ void kv_softmax(float *x, int64_t n);
 /* NeoX RoPE on one head of head_dim floats at position pos. */
 void kv_rope_neox(float *x, int64_t head_dim, int64_t n_rot, int32_t pos, float freq_base,
                   float freq_scale);
+/* The same in two steps, so that the heads of one token share the angles:
+ * the cos/sin of its n_rot/2 pairs (as kv_rope_neox computes them), then the
+ * rotation of one head with them (the same bits as kv_rope_neox). */
+#define KV_ROPE_MAX_HALF 512 /* tables on the stack up to n_rot 1024; longer: kv_rope_neox */
+void kv_rope_neox_table(float *cs, float *sn, int64_t n_rot, int32_t pos, float freq_base, float freq_scale);
+void kv_rope_apply(float *x, int64_t n_rot, const float *cs, const float *sn);
 
 /* Y[t][r] = W·x[t] for all rows of a 2-D weight (or one expert matrix at
  * mat), parallel over rows on pool. scratch from kv_matmul_scratch. */

@@ -45,8 +45,34 @@ void kv_softmax(float *x, int64_t n) {
     for (i = 0; i < n; i++) x[i] *= inv;
 }
 
+void kv_rope_neox_table(float *cs, float *sn, int64_t n_rot, int32_t pos, float freq_base, float freq_scale) {
+    const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
+    float theta = (float)pos;
+    for (int64_t i = 0; i < n_rot / 2; i++) {
+        const float t = freq_scale * theta;
+        cs[i] = cosf(t);
+        sn[i] = sinf(t);
+        theta *= theta_scale;
+    }
+}
+
+void kv_rope_apply(float *x, int64_t n_rot, const float *cs, const float *sn) {
+    const int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float x0 = x[i], x1 = x[i + half];
+        x[i] = x0 * cs[i] - x1 * sn[i];
+        x[i + half] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
 void kv_rope_neox(float *x, int64_t head_dim, int64_t n_rot, int32_t pos, float freq_base,
                   float freq_scale) {
+    float cs[KV_ROPE_MAX_HALF], sn[KV_ROPE_MAX_HALF];
+    if (n_rot / 2 <= KV_ROPE_MAX_HALF) {
+        kv_rope_neox_table(cs, sn, n_rot, pos, freq_base, freq_scale);
+        kv_rope_apply(x, n_rot, cs, sn);
+        return;
+    }
     const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
     const int64_t half = n_rot / 2;
     float theta = (float)pos;

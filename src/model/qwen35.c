@@ -65,6 +65,7 @@ struct kv_q35_state {
     float *sh_g, *sh_u;  /* [max_tok][n_ff_shexp] shared expert */
     float *sh_out;       /* [max_tok][n_embd] */
     float *sh_gate;      /* [max_tok] */
+    float *rope_cs;      /* [n_rot] cos then sin of one token's RoPE angles */
     void *scratch;       /* matmul scratch for the widest input */
 };
 
@@ -115,10 +116,11 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->sh_u = malloc(B * hp->n_ff_shexp * sizeof(float));
     q->sh_out = malloc(B * E * sizeof(float));
     q->sh_gate = malloc(B * sizeof(float));
+    q->rope_cs = malloc(((size_t)hp->n_rot + 2) * sizeof(float));
     size_t kmax = kv_zmax(kv_zmax(E, VD), kv_zmax(hp->n_ff_shexp, (size_t)hp->n_head * hp->head_dim));
     q->scratch = malloc(kv_matmul_scratch((int64_t)kmax, (int64_t)B));
     if (!q->rec || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
-        !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->scratch)
+        !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->rope_cs || !q->scratch)
         return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
     return 0;
 }
@@ -142,6 +144,7 @@ void kv_q35_state_free(kv_state *s) {
     free(q->sh_u);
     free(q->sh_out);
     free(q->sh_gate);
+    free(q->rope_cs);
     free(q->scratch);
     free(q);
     s->q35 = NULL;
@@ -204,8 +207,8 @@ static void kv_l2norm(float *x, int64_t n, float eps) {
  * on the first n_rot dims of one head (NeoX pairing i, i + n_rot/2). Pair i
  * belongs to sector i % sum(sections); sectors cycle t, h, w (each within
  * 3 * its section count), the rest take e. pos[4] = (t, h, w, e). */
-static void kv_rope_imrope(float *x, int64_t n_rot, const int32_t pos[4], const int32_t sec[4],
-                           float freq_base, float freq_scale) {
+static void kv_rope_imrope_table(float *cs, float *sn, int64_t n_rot, const int32_t pos[4], const int32_t sec[4],
+                                 float freq_base, float freq_scale) {
     const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
     const int sect_dims = sec[0] + sec[1] + sec[2] + sec[3];
     const int64_t half = n_rot / 2;
@@ -217,10 +220,8 @@ static void kv_rope_imrope(float *x, int64_t n_rot, const int32_t pos[4], const 
         else if (sector % 3 == 2 && sector < 3 * sec[2]) c = 2;
         else if (sector % 3 == 0 && sector < 3 * sec[0]) c = 0;
         const float t = freq_scale * th[c];
-        const float cs = cosf(t), sn = sinf(t);
-        const float x0 = x[i], x1 = x[i + half];
-        x[i] = x0 * cs - x1 * sn;
-        x[i + half] = x0 * sn + x1 * cs;
+        cs[i] = cosf(t);
+        sn[i] = sinf(t);
         for (int k = 0; k < 4; k++) th[k] *= theta_scale;
     }
 }
@@ -341,18 +342,20 @@ static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32
     kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, q->scratch);
     kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, q->scratch);
     pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
+    float *cs = q->rope_cs, *sn = q->rope_cs + hp->n_rot / 2; /* a token's angles, shared by its heads */
     for (uint32_t t = 0; t < T; t++) {
         const int32_t p = (int32_t)s->tok_pos[t];
         const int32_t pos[4] = {p, p, p, 0}; /* text: t = h = w = position, e = 0 */
+        kv_rope_imrope_table(cs, sn, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
         for (int64_t h = 0; h < H; h++) {
             float *qh = s->q + (size_t)t * QD + (size_t)h * HD;
             kv_rmsnorm(qh, q->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD, L->q_norm.data, HD, hp->rms_eps);
-            kv_rope_imrope(qh, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
+            kv_rope_apply(qh, hp->n_rot, cs, sn);
         }
         for (int64_t h = 0; h < HKV; h++) {
             float *kh = s->k + (size_t)t * KVD + (size_t)h * HD;
             kv_rmsnorm(kh, kh, L->k_norm.data, HD, hp->rms_eps);
-            kv_rope_imrope(kh, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
+            kv_rope_apply(kh, hp->n_rot, cs, sn);
         }
     }
     pt = kv_prof_mark(s, KV_PROF_NORM, pt);
