@@ -268,12 +268,66 @@ static void kv_q35_dn_worker(void *arg, int ith, int nth) {
     }
 }
 
-/* Linear-attention block il (recurrent index li) on s->xb; output in s->tmp. */
-static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t T) {
+typedef struct kv_q35_cv_job {
+    kv_state *s;
+    const kv_layer *L;
+    uint32_t li, T;
+    int phase; /* 0: conv1d + silu + q/k l2 norms; 1: gated RMSNorm of the output */
+} kv_q35_cv_job;
+
+/* Phase 0: channels split over threads in whole heads (SV channels), each
+ * channel running its tokens in order through its conv state, then the l2
+ * norm of each query/key head the thread holds. Phase 1: the (token, value
+ * head) pairs split over threads. The same arithmetic per element as one
+ * thread, so the same bits. */
+static void kv_q35_cv_worker(void *arg, int ith, int nth) {
+    const kv_q35_cv_job *j = arg;
+    kv_state *s = j->s;
     kv_q35_state *q = s->q35;
     const kv_hparams *hp = &s->m->hp;
     const int64_t SV = hp->ssm_d_state, NV = hp->ssm_dt_rank, NK = hp->ssm_n_group;
     const int64_t KD = SV * NK, VD = hp->ssm_d_inner, C = 2 * KD + VD, KC = hp->ssm_d_conv;
+    long lo, hi;
+    if (j->phase == 0) {
+        const float *w = j->L->ssm_conv1d.data; /* [C][KC] */
+        kv_pool_split((long)(C / SV), ith, nth, &lo, &hi);
+        const int64_t c0 = (int64_t)lo * SV, c1 = ith == nth - 1 ? C : (int64_t)hi * SV;
+        for (uint32_t t = 0; t < j->T; t++) {
+            const uint32_t seq = s->tok_seq[t];
+            float *st = kv_q35_conv_at(s, seq, q->cur[seq] ^ 1u, j->li);
+            const float *x = q->qkv + (size_t)t * C;
+            float *y = q->cv + (size_t)t * C;
+            for (int64_t c = c0; c < c1; c++) {
+                float *sc = st + c * (KC - 1);
+                const float *wc = w + c * KC;
+                float sum = 0.0f;
+                for (int64_t i = 0; i < KC - 1; i++) sum += sc[i] * wc[i];
+                sum += x[c] * wc[KC - 1];
+                y[c] = kv_silu(sum);
+                for (int64_t i = 0; i + 1 < KC - 1; i++) sc[i] = sc[i + 1];
+                sc[KC - 2] = x[c];
+            }
+            /* l2-normalized query and key heads */
+            for (int64_t h = c0 / SV; h < 2 * NK && (h + 1) * SV <= c1; h++) kv_l2norm(y + h * SV, SV, hp->rms_eps);
+        }
+    } else {
+        kv_pool_split((long)j->T * (long)NV, ith, nth, &lo, &hi);
+        for (long i = lo; i < hi; i++) {
+            const int64_t t = i / NV, h = i % NV;
+            float *o = q->o + (size_t)t * VD + (size_t)h * SV;
+            const float *z = q->z + (size_t)t * VD + (size_t)h * SV;
+            kv_rmsnorm(o, o, j->L->ssm_norm.data, SV, hp->rms_eps);
+            for (int64_t k = 0; k < SV; k++) o[k] = o[k] * kv_silu(z[k]);
+        }
+    }
+}
+
+/* Linear-attention block il (recurrent index li) on s->xb; output in s->tmp. */
+static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t T) {
+    kv_q35_state *q = s->q35;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t NV = hp->ssm_dt_rank;
+    const int64_t VD = hp->ssm_d_inner;
     /* projections */
     uint64_t pt = kv_prof_start(s);
     kv_matmul(s->pool, &L->wqkv, NULL, s->xb, T, q->qkv, q->scratch);
@@ -288,44 +342,26 @@ static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t 
             *bt = kv_sigmoid(*bt);
             *gt = kv_softplus(*gt + dt[h]) * a[h];
         }
-    /* causal conv1d over [state | tokens], then silu; the state keeps the
-     * last d_conv - 1 inputs of each channel */
-    const float *w = L->ssm_conv1d.data; /* [C][KC] */
-    for (uint32_t t = 0; t < T; t++) {
-        const uint32_t seq = s->tok_seq[t], rd = q->cur[seq];
-        float *st = kv_q35_conv_at(s, seq, rd ^ 1u, li);
+    /* causal conv1d over [state | tokens], then silu (kv_q35_cv_worker); a
+     * sequence's first token of the chunk starts the written slot from the
+     * committed one (or zeros at position 0) */
+    for (uint32_t t = 0; t < T; t++)
         if (kv_q35_first(s, t)) {
+            const uint32_t seq = s->tok_seq[t], rd = q->cur[seq];
+            float *st = kv_q35_conv_at(s, seq, rd ^ 1u, li);
             if (s->tok_pos[t] == 0)
                 memset(st, 0, q->conv_n * sizeof(float));
             else
                 memcpy(st, kv_q35_conv_at(s, seq, rd, li), q->conv_n * sizeof(float));
         }
-        const float *x = q->qkv + (size_t)t * C;
-        float *y = q->cv + (size_t)t * C;
-        for (int64_t c = 0; c < C; c++) {
-            float *sc = st + c * (KC - 1);
-            const float *wc = w + c * KC;
-            float sum = 0.0f;
-            for (int64_t i = 0; i < KC - 1; i++) sum += sc[i] * wc[i];
-            sum += x[c] * wc[KC - 1];
-            y[c] = kv_silu(sum);
-            for (int64_t i = 0; i + 1 < KC - 1; i++) sc[i] = sc[i + 1];
-            sc[KC - 2] = x[c];
-        }
-        /* l2-normalized query and key heads */
-        for (int64_t h = 0; h < 2 * NK; h++) kv_l2norm(y + h * SV, SV, hp->rms_eps);
-    }
+    kv_q35_cv_job cj = {s, L, li, T, 0};
+    kv_pool_run(s->pool, kv_q35_cv_worker, &cj);
     /* the delta rule, per value head */
     kv_q35_dn_job job = {s, li, T};
     kv_pool_run(s->pool, kv_q35_dn_worker, &job);
-    /* gated RMSNorm per head, output projection */
-    for (uint32_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < NV; h++) {
-            float *o = q->o + (size_t)t * VD + (size_t)h * SV;
-            const float *z = q->z + (size_t)t * VD + (size_t)h * SV;
-            kv_rmsnorm(o, o, L->ssm_norm.data, SV, hp->rms_eps);
-            for (int64_t i = 0; i < SV; i++) o[i] = o[i] * kv_silu(z[i]);
-        }
+    /* gated RMSNorm per head (kv_q35_cv_worker), output projection */
+    cj.phase = 1;
+    kv_pool_run(s->pool, kv_q35_cv_worker, &cj);
     kv_check_rows(s, q->o, (size_t)VD, T, VD);
     pt = kv_prof_mark(s, KV_PROF_DELTA, pt);
     kv_matmul(s->pool, &L->ssm_out, NULL, q->o, T, s->tmp, q->scratch);
