@@ -69,6 +69,25 @@ static void test_greedy(void) {
     ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
     ASSERT_EQ(kv_sampler_sample(s, l), best);
     kv_sampler_free(s);
+    /* without a penalty greedy takes its own pass (no candidate array): the
+     * same argmax, the lowest id among equal maxima, -Inf leading, NaN and
+     * +Inf refused wherever they are */
+    p.repeat_penalty = 1.0f;
+    ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+    ASSERT_EQ(kv_sampler_sample(s, l), best);
+    for (int i = 0; i < NV; i++) l[i] = (float)(i % 7);
+    ASSERT_EQ(kv_sampler_sample(s, l), 6);
+    l[0] = -INFINITY; l[1] = -INFINITY;
+    ASSERT_EQ(kv_sampler_sample(s, l), 6);
+    l[NV - 1] = 9.0f; l[NV - 2] = 9.0f;
+    ASSERT_EQ(kv_sampler_sample(s, l), NV - 2);
+    l[NV - 1] = NAN;
+    ASSERT_EQ(kv_sampler_sample(s, l), KV_ERANGE);
+    l[NV - 1] = INFINITY;
+    ASSERT_EQ(kv_sampler_sample(s, l), KV_ERANGE);
+    for (int i = 0; i < NV; i++) l[i] = -INFINITY;
+    ASSERT_EQ(kv_sampler_sample(s, l), KV_ERANGE);
+    kv_sampler_free(s);
 }
 
 /* same seed, same draws; different seed, different sequence */

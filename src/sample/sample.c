@@ -153,6 +153,23 @@ int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch) 
     if (!c) return KV_EINVAL;
     int32_t n = s->n_vocab;
     bool any_finite = false;
+    if (p->temp <= 0.0f && p->repeat_penalty == 1.0f) {
+        /* greedy, nothing to penalize: the argmax (lowest id on ties) in the
+         * checking pass, without filling the candidate array (that copy was
+         * 7% of a decode step over a 152k vocabulary) */
+        int32_t best = 0;
+        float bv = logits[0]; /* the best value in a register: no load in the chain */
+        for (int32_t i = 0; i < n; i++) {
+            const float l = logits[i];
+            if (isnan(l) || l == INFINITY) return KV_ERANGE;
+            any_finite |= l != -INFINITY;
+            if (l > bv) {
+                bv = l;
+                best = i;
+            }
+        }
+        return any_finite ? best : KV_ERANGE;
+    }
     for (int32_t i = 0; i < n; i++) {
         const float l = logits[i];
         if (isnan(l) || l == INFINITY) return KV_ERANGE; /* a lie, not a value */
