@@ -267,6 +267,84 @@ AI void q8a_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const 
     }
 }
 
+/* One row x up to 8 tokens (from KV_Q8R_MIN tokens): 8 accumulators of
+ * one row instead of a 2-row tile's 2 x 4, so an expert's 5-8 tokens are
+ * one tile, not two of 2-4 tokens (fewer accumulators ran slower:
+ * 2 x 3 ~25% below 2 x 4). The tile's activation blocks are copied once,
+ * block-major ([block][token] 32 bytes), so every load is one pointer plus
+ * a constant; the canonical lanes and scale products as q8a_tile. */
+#ifndef KV_Q8R_MIN
+#define KV_Q8R_MIN 5
+#endif
+#define KV_Q8R_MAX_NB 256 /* rows up to 8192 values */
+AI void q8r_tile(int TT, int64_t nb, const uint8_t *w, size_t rb, const int8_t *aq, const float *da,
+                 float *out) {
+    __m256 keep[8];
+    const __m256i ones = _mm256_set1_epi16(1);
+    UNROLL for (int par = 0; par < 2; par++) {
+        __m256 acc[8];
+        UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = par; b < nb; b += 2) {
+            const kv_block_q8_0 *x = (const kv_block_q8_0 *)(const void *)w + b;
+            if (par == 0) _mm_prefetch((const char *)x + KV_Q8A_PF * rb, _MM_HINT_T0);
+            _Alignas(32) float d8[8];
+            _mm256_store_ps(d8, _mm256_mul_ps(_mm256_set1_ps(h2f(x->d)), _mm256_load_ps(da + 8 * b)));
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x->qs);
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            const int8_t *yb = aq + (size_t)b * 256;
+            UNROLL for (int t = 0; t < TT; t++) {
+                const __m256i yv = _mm256_load_si256((const __m256i *)(const void *)(yb + 32 * t));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(yv, xv)), ones);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d8 + t), acc[t]);
+            }
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            if (par == 0) keep[t] = acc[t];
+            else out[t] = hsum_ps(_mm256_add_ps(keep[t], acc[t]));
+        }
+    }
+}
+#define Q8R_CASE(c)                                                                             \
+    case c:                                                                                     \
+        for (int64_t r = rc; r < rc_end; r++) {                                                 \
+            q8r_tile(c, nb, wb + (size_t)r * row_bytes, row_bytes, aq, da, o);                  \
+            for (int j = 0; j < (c); j++) Y[(size_t)(t + j) * y_stride + r] = o[j];             \
+        }                                                                                       \
+        break
+/* Rows in chunks of about 512 KiB of weights (read from memory once, then
+ * from L2 by every token tile); per chunk, tokens in the fewest tiles of
+ * at most 8, as even as possible; the rows inner. */
+static void q8r_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+                    size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
+    const int64_t nb = n / 32, nj = (n_tok + 7) / 8;
+    const int64_t rows_chunk = (int64_t)((512u << 10) / row_bytes) + 1;
+    _Alignas(32) int8_t aq[KV_Q8R_MAX_NB * 8 * 32];
+    _Alignas(32) float da[KV_Q8R_MAX_NB * 8];
+    const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
+    float o[8];
+    for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
+        const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
+        int64_t t = 0;
+        for (int64_t j_ = 0; j_ < nj; j_++) {
+            const int64_t left = nj - j_, tt = (n_tok - t + left - 1) / left;
+            for (int64_t k = 0; k < 8; k++) {
+                const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(ab + (size_t)(t + (k < tt ? k : 0)) * a_stride);
+                for (int64_t b = 0; b < nb; b++) {
+                    da[8 * b + k] = k < tt ? h2f(y[b].d) : 0.0f;
+                    _mm256_store_si256((__m256i *)(void *)(aq + (size_t)(8 * b + k) * 32),
+                                       _mm256_loadu_si256((const __m256i *)(const void *)y[b].qs));
+                }
+            }
+            switch (tt) {
+                Q8R_CASE(1); Q8R_CASE(2); Q8R_CASE(3); Q8R_CASE(4);
+                Q8R_CASE(5); Q8R_CASE(6); Q8R_CASE(7); Q8R_CASE(8);
+            default: break;
+            }
+            t += tt;
+        }
+    }
+}
+
 /* Block-major activation scales for a chunk of tokens, 4 floats of padding. */
 #define KV_Q8A_PRE_FLOATS 8192
 
@@ -300,6 +378,10 @@ static void q8a_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int6
     const int64_t nb = n / 32;
     if (n_tok < 2 || (nb + 1) * 5 > KV_Q8A_PRE_FLOATS) {
         q8_0_mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
+        return;
+    }
+    if (n_tok >= KV_Q8R_MIN && nb <= KV_Q8R_MAX_NB) {
+        q8r_mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
         return;
     }
     _Alignas(32) float da[KV_Q8A_PRE_FLOATS];
@@ -621,11 +703,13 @@ AI void q6_K_mtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
     UNROLL for (int t = 0; t < TT; t++) out[t] = hsum_ps(acc[t]);
 }
 
-/* Rows [r0,r1) x tokens, n_tok >= 2: token tiles of at most KM_TT, split as
- * evenly as possible, outer; the rows inner. */
+/* Rows [r0,r1) x tokens, n_tok >= 2: rows in chunks of about 512 KiB of
+ * weights (read from memory once, then from L2 by every token tile); per
+ * chunk, token tiles of at most KM_TT, split as evenly as possible, outer;
+ * the rows inner. */
 #define KM_CASE(TILE, c)                                                                        \
     case c:                                                                                     \
-        for (int64_t r = r0; r < r1; r++) {                                                     \
+        for (int64_t r = rc; r < rc_end; r++) {                                                 \
             TILE(c, nsb, wb + (size_t)r * row_bytes, row_bytes, ab + (size_t)t * a_stride, a_stride, yd, o); \
             for (int j = 0; j < (c); j++) Y[(size_t)(t + j) * y_stride + r] = o[j];             \
         }                                                                                       \
@@ -635,20 +719,24 @@ AI void q6_K_mtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                      size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {               \
         const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;                       \
         const int64_t nsb = n / KV_QK_K, nj = (n_tok + KM_TT - 1) / KM_TT;                      \
+        const int64_t rows_chunk = (int64_t)((512u << 10) / row_bytes) + 1;                     \
         float o[KM_TT];                                                                         \
         _Alignas(32) float yd[KM_TT * KM_MAX_SB]; /* block-major scales of the tile's tokens */ \
-        int64_t t = 0;                                                                          \
-        for (int64_t j_ = 0; j_ < nj; j_++) {                                                   \
-            const int64_t left = nj - j_, tt = (n_tok - t + left - 1) / left;                  \
-            for (int64_t i = 0; i < nsb; i++)                                                   \
-                for (int64_t k = 0; k < KM_TT; k++)                                             \
-                    yd[KM_TT * i + k] = k < tt ? ((const kv_block_q8_K *)(const void *)(ab + (size_t)(t + k) * a_stride))[i].d : 0.0f; \
-            switch (tt) {                                                                       \
-                KM_CASE(TILE, 1); KM_CASE(TILE, 2); KM_CASE(TILE, 3); KM_CASE(TILE, 4);         \
-                KM_CASE(TILE, 5); KM_CASE(TILE, 6); KM_CASE(TILE, 7); KM_CASE(TILE, 8);         \
-            default: break;                                                                     \
+        for (int64_t rc = r0; rc < r1; rc += rows_chunk) {                                      \
+            const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;                 \
+            int64_t t = 0;                                                                      \
+            for (int64_t j_ = 0; j_ < nj; j_++) {                                               \
+                const int64_t left = nj - j_, tt = (n_tok - t + left - 1) / left;              \
+                for (int64_t i = 0; i < nsb; i++)                                               \
+                    for (int64_t k = 0; k < KM_TT; k++)                                         \
+                        yd[KM_TT * i + k] = k < tt ? ((const kv_block_q8_K *)(const void *)(ab + (size_t)(t + k) * a_stride))[i].d : 0.0f; \
+                switch (tt) {                                                                   \
+                    KM_CASE(TILE, 1); KM_CASE(TILE, 2); KM_CASE(TILE, 3); KM_CASE(TILE, 4);     \
+                    KM_CASE(TILE, 5); KM_CASE(TILE, 6); KM_CASE(TILE, 7); KM_CASE(TILE, 8);     \
+                default: break;                                                                 \
+                }                                                                               \
+                t += tt;                                                                        \
             }                                                                                   \
-            t += tt;                                                                            \
         }                                                                                       \
     }
 
