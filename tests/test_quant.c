@@ -667,7 +667,7 @@ static void test_delta_rows(void) {
     const int dims[] = {1, 7, 8, 16, 24, 100, 128, 136};
     const int rows[] = {1, 3, 4, 5, 9, 128};
     const int nmax = 136, rmax = 128;
-    float *S = malloc(sizeof(float) * nmax * rmax), *D = malloc(sizeof(float) * nmax * rmax);
+    float *S = malloc(sizeof(float) * nmax * rmax), *D = aligned_alloc(64, sizeof(float) * nmax * rmax);
     float *W = malloc(sizeof(float) * nmax * rmax), *k = malloc(sizeof(float) * nmax);
     float *q = malloc(sizeof(float) * nmax), *v = malloc(sizeof(float) * (rmax + 4));
     float *o = malloc(sizeof(float) * (rmax + 4)), *wo = malloc(sizeof(float) * rmax);
@@ -694,14 +694,19 @@ static void test_delta_rows(void) {
                     }
                     wo[j] = (((lq[0] + lq[4]) + (lq[2] + lq[6])) + ((lq[1] + lq[5]) + (lq[3] + lq[7]))) * scale;
                 }
-                for (int pass = 0; pass < 2; pass++) { /* out of place, then in place */
+                /* out of place, then in place; then the same with kv_f32_delta_rows_stream
+                 * (streaming stores out of place into the 64-byte aligned D, the plain
+                 * kernel in place) */
+                for (int pass = 0; pass < 4; pass++) {
                     const size_t cnt = (size_t)n * nr;
-                    if (pass) memcpy(D, S, cnt * sizeof(float));
+                    const int inplace = pass & 1;
+                    if (inplace) memcpy(D, S, cnt * sizeof(float));
                     else for (size_t i = 0; i < (size_t)nmax * rmax; i++) D[i] = -7.f;
                     for (int j = 0; j < nr + 4; j++) o[j] = -7.f;
-                    kv_f32_delta_rows(pass ? D : S, D, nr, n, k, q, v, decay, beta, scale, o);
+                    if (pass < 2) kv_f32_delta_rows(inplace ? D : S, D, nr, n, k, q, v, decay, beta, scale, o);
+                    else kv_f32_delta_rows_stream(inplace ? D : S, D, nr, n, k, q, v, decay, beta, scale, o);
                     for (size_t i = 0; i < cnt; i++) bad += f2u(D[i]) != f2u(W[i]);
-                    for (size_t i = cnt; i < cnt + 4 && i < (size_t)nmax * rmax; i++) bad += D[i] != -7.f && !pass;
+                    for (size_t i = cnt; i < cnt + 4 && i < (size_t)nmax * rmax; i++) bad += D[i] != -7.f && !inplace;
                     for (int j = 0; j < nr; j++) bad += f2u(o[j]) != f2u(wo[j]);
                     for (int j = nr; j < nr + 4; j++) bad += o[j] != -7.f;
                 }

@@ -155,8 +155,11 @@ static size_t kv_q35_seq_floats(const kv_q35_state *q) { return 2 * (size_t)q->n
 int kv_q35_seq_alloc(kv_state *s, uint32_t seq, kv_diag *d) {
     kv_q35_state *q = s->q35;
     if (!q || q->rec[seq] || !q->n_lin) return 0;
-    if (!(q->rec[seq] = calloc(kv_q35_seq_floats(q), sizeof(float))))
+    /* 64-byte aligned (the delta rule's streaming stores need 32), zeroed */
+    const size_t bytes = (kv_q35_seq_floats(q) * sizeof(float) + 63) & ~(size_t)63;
+    if (!(q->rec[seq] = aligned_alloc(64, bytes)))
         return kv_fail(d, KV_ENOMEM, "state: out of memory for the recurrent state of sequence %u", seq);
+    memset(q->rec[seq], 0, bytes);
     q->cur[seq] = 0;
     q->n_rec++;
     return 0;
@@ -231,7 +234,13 @@ static void kv_rope_imrope_table(float *cs, float *sn, int64_t n_rot, const int3
 typedef struct kv_q35_dn_job {
     kv_state *s;
     uint32_t li, T;
+    bool stream; /* a sequence's delta states exceed KV_Q35_STREAM_BYTES */
 } kv_q35_dn_job;
+
+/* Above this much delta-net state per sequence (all recurrent blocks), a
+ * token's new state is written with streaming stores: it cannot stay in
+ * any cache until the next token (the 122B shape: 151 MB). */
+#define KV_Q35_STREAM_BYTES ((size_t)64 << 20)
 
 /* Value heads split over threads; each head runs its tokens in order. A
  * sequence's first token of the chunk reads the committed slot and writes
@@ -263,7 +272,12 @@ static void kv_q35_dn_worker(void *arg, int ith, int nth) {
             const float beta = q->beta[(size_t)t * NV + h];
             const float decay = expf(q->g[(size_t)t * NV + h]);
             float *o = q->o + (size_t)t * (size_t)VD + (size_t)h * (size_t)SV;
-            kv_f32_delta_rows(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
+            /* a state far past the caches, written to the other slot and read again
+             * only at the sequence's next token: streamed past the caches */
+            if (j->stream && src != M && (t + 1 == j->T || s->tok_seq[t + 1] != seq))
+                kv_f32_delta_rows_stream(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
+            else
+                kv_f32_delta_rows(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
         }
     }
 }
@@ -357,7 +371,7 @@ static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t 
     kv_q35_cv_job cj = {s, L, li, T, 0};
     kv_pool_run(s->pool, kv_q35_cv_worker, &cj);
     /* the delta rule, per value head */
-    kv_q35_dn_job job = {s, li, T};
+    kv_q35_dn_job job = {s, li, T, (size_t)q->n_lin * q->ssm_n * sizeof(float) > KV_Q35_STREAM_BYTES};
     kv_pool_run(s->pool, kv_q35_dn_worker, &job);
     /* gated RMSNorm per head (kv_q35_cv_worker), output projection */
     cj.phase = 1;

@@ -194,6 +194,8 @@ void kv_f32_delta_ref(const float *S, float *D, int64_t n_rows, int64_t n, const
                       const float *q, const float *v, float decay, float beta, float scale, float *o);
 void kv_f32_delta_avx2(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
                        const float *q, const float *v, float decay, float beta, float scale, float *o);
+void kv_f32_delta_stream_avx2(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                              const float *q, const float *v, float decay, float beta, float scale, float *o);
 
 /* Generic mat kernel: calls vec_dot per (row, token) pair. */
 void kv_mat_generic(kv_vec_dot_fn dot, const void *W, size_t row_bytes, int64_t n, int64_t r0,

@@ -863,7 +863,8 @@ void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_
  * the kv_hsum8 tree), exactly the reference order. The decayed state is
  * recomputed in the second pass (same rounded multiply) instead of stored. */
 
-#define KV_DN_ROWS(R)                                                                              \
+#define KV_DN_ROWS(R) KV_DN_ROWS_ST(R, _mm256_storeu_ps)
+#define KV_DN_ROWS_ST(R, STORE)                                                                    \
     do {                                                                                           \
         __m256 acc[R];                                                                             \
         UNROLL for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                           \
@@ -881,7 +882,7 @@ void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_
             const __m256 kk = _mm256_loadu_ps(k + i), qq = _mm256_loadu_ps(q + i);                 \
             UNROLL for (int r = 0; r < R; r++) {                                                   \
                 const __m256 m = _mm256_fmadd_ps(kk, dd[r], _mm256_mul_ps(_mm256_loadu_ps(s + r * n + i), dec)); \
-                _mm256_storeu_ps(d + r * n + i, m);                                                \
+                STORE(d + r * n + i, m);                                                           \
                 acc[r] = _mm256_fmadd_ps(m, qq, acc[r]);                                           \
             }                                                                                      \
         }                                                                                          \
@@ -906,6 +907,32 @@ void kv_f32_delta_avx2(const float *S, float *D, int64_t n_rows, int64_t n, cons
         float *d = D + (size_t)j * (size_t)n;
         KV_DN_ROWS(1);
     }
+}
+
+/* The same step with D written by streaming (non-temporal) stores, for a
+ * state larger than the caches that is read again only at the next token:
+ * no read-for-ownership of D's lines, a third less memory traffic. D must
+ * not be S and must be 32-byte aligned with n % 8 == 0 (else the plain
+ * kernel); same arithmetic, same bits. */
+void kv_f32_delta_stream_avx2(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                              const float *q, const float *v, float decay, float beta, float scale, float *o) {
+    if (n % 8 || S == D || ((uintptr_t)D & 31)) {
+        kv_f32_delta_avx2(S, D, n_rows, n, k, q, v, decay, beta, scale, o);
+        return;
+    }
+    const __m256 dec = _mm256_set1_ps(decay);
+    int64_t j = 0;
+    for (; j + 4 <= n_rows; j += 4) {
+        const float *s = S + (size_t)j * (size_t)n;
+        float *d = D + (size_t)j * (size_t)n;
+        KV_DN_ROWS_ST(4, _mm256_stream_ps);
+    }
+    for (; j < n_rows; j++) {
+        const float *s = S + (size_t)j * (size_t)n;
+        float *d = D + (size_t)j * (size_t)n;
+        KV_DN_ROWS_ST(1, _mm256_stream_ps);
+    }
+    _mm_sfence(); /* the streamed rows ordered before whatever hands them on */
 }
 
 /* ================================================================== */

@@ -69,7 +69,7 @@ static kv_mat_fn kv_mats[KV_BE_COUNT][KV_TYPE_COUNT];
 static bool kv_be_ok[KV_BE_COUNT];
 static int kv_be_cur;
 static kv_wsum_fn kv_wsums[KV_BE_COUNT];
-static kv_delta_fn kv_deltas[KV_BE_COUNT];
+static kv_delta_fn kv_deltas[KV_BE_COUNT], kv_deltas_stream[KV_BE_COUNT];
 static kv_wsum_multi_fn kv_wsum_multis[KV_BE_COUNT]; /* NULL: one query at a time */
 static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
 #if defined(__aarch64__)
@@ -125,6 +125,7 @@ static void kv_init(void) {
     kv_be_ok[KV_BE_SCALAR] = true;
     kv_wsums[KV_BE_SCALAR] = kv_f32_wsum_ref;
     kv_deltas[KV_BE_SCALAR] = kv_f32_delta_ref;
+    kv_deltas_stream[KV_BE_SCALAR] = kv_f32_delta_ref;
 #ifdef KV_X86
     bool avx2, avx512;
     kv_detect(&avx2, &avx512);
@@ -135,6 +136,7 @@ static void kv_init(void) {
         kv_wsums[KV_BE_AVX2] = kv_f32_wsum_avx2;
         kv_wsum_multis[KV_BE_AVX2] = kv_f32_wsum_multi_avx2;
         kv_deltas[KV_BE_AVX2] = kv_f32_delta_avx2;
+        kv_deltas_stream[KV_BE_AVX2] = kv_f32_delta_stream_avx2;
         kv_be_cur = KV_BE_AVX2;
     }
     if (avx512) {
@@ -144,6 +146,7 @@ static void kv_init(void) {
         kv_wsums[KV_BE_AVX512] = kv_f32_wsum_avx512;
         kv_wsum_multis[KV_BE_AVX512] = kv_f32_wsum_multi_avx512;
         kv_deltas[KV_BE_AVX512] = kv_f32_delta_avx2; /* ymm: the 8-lane order */
+        kv_deltas_stream[KV_BE_AVX512] = kv_f32_delta_stream_avx2;
         kv_be_cur = KV_BE_AVX512;
     }
 #endif
@@ -171,6 +174,7 @@ static void kv_init_neon(void) {
     kv_be_ok[KV_BE_NEON] = true;
     kv_wsums[KV_BE_NEON] = kv_f32_wsum_neon;
     kv_deltas[KV_BE_NEON] = kv_f32_delta_ref;
+    kv_deltas_stream[KV_BE_NEON] = kv_f32_delta_ref;
     kv_be_cur = KV_BE_NEON;
     if (!(hw & HWCAP_ASIMDDP)) return;
     kv_quant_fill_neondot(k);
@@ -178,6 +182,7 @@ static void kv_init_neon(void) {
     kv_be_ok[KV_BE_NEONDOT] = true;
     kv_wsums[KV_BE_NEONDOT] = kv_f32_wsum_neon;
     kv_deltas[KV_BE_NEONDOT] = kv_f32_delta_ref;
+    kv_deltas_stream[KV_BE_NEONDOT] = kv_f32_delta_ref;
     kv_be_cur = KV_BE_NEONDOT;
 }
 #endif
@@ -285,4 +290,11 @@ void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, cons
                        float *o) {
     kv_ensure();
     kv_deltas[kv_be_cur](S, D, n_rows, n, k, q, v, decay, beta, scale, o);
+}
+
+void kv_f32_delta_rows_stream(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                              const float *q, const float *v, float decay, float beta, float scale,
+                              float *o) {
+    kv_ensure();
+    kv_deltas_stream[kv_be_cur](S, D, n_rows, n, k, q, v, decay, beta, scale, o);
 }

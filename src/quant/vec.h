@@ -42,5 +42,11 @@ void kv_f32_wsum_rows_multi(float *o, size_t o_stride, const float *w, size_t w_
 void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
                        const float *q, const float *v, float decay, float beta, float scale,
                        float *o);
+/* The same step (same bits) with D written past the caches where the backend
+ * can (x86: streaming stores when D != S and D is 32-byte aligned): for a
+ * state far larger than the caches that is read again only at the next token. */
+void kv_f32_delta_rows_stream(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
+                              const float *q, const float *v, float decay, float beta, float scale,
+                              float *o);
 
 #endif
