@@ -688,6 +688,7 @@ AI void q6_K_mtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
                     const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 128 * h + 32 * k));
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), s16));
+                    KM_KEEP(isum[t]);
                 }
             }
         }
