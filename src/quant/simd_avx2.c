@@ -615,7 +615,7 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                 _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));                \
             __m256i isum[KM_TT];                                                                \
             UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();               \
-            for (int c = 0; c < 4; c++) {                                                       \
+            UNROLL for (int c = 0; c < 4; c++) {                                                \
                 const __m256i qv = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 32 * c)); \
                 __m256i lo = _mm256_and_si256(qv, m4);                                          \
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                    \
@@ -637,6 +637,7 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i; \
                     const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 64 * c + 32)); \
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yv), s1)); \
+                    KM_KEEP(isum[t]);                                                           \
                 }                                                                               \
             }                                                                                   \
             const __m256i mdup = _mm256_cvtepu8_epi16(                                          \
