@@ -19,6 +19,10 @@
 #define KV_KPF_TILES 8 /* K-quant tiles: prefetch the row tile this many tiles ahead */
 #endif
 #define UNROLL _Pragma("GCC unroll 8")
+/* An int32 accumulator materialized here: keeps gcc from reassociating a
+ * run of integer adds across unrolled steps (it would, holding every
+ * partial product in a register, and spill). No instruction. */
+#define KM_KEEP(v) __asm__("" : "+x"(v))
 
 AI float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -450,6 +454,7 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
                         __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo[t]), s0);   \
                         __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi[t]), s1);   \
                         isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(p0, p1));    \
+                        KM_KEEP(isum[r][t]);                                                    \
                     }                                                                           \
                 }                                                                               \
     } while (0)
@@ -592,9 +597,6 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
  * outer loop, so a tile's activations stay in L1 while the rows stream.
  */
 #define KM_TT 8
-/* keeps the compiler from adding the low and high halves' products first
- * (it would, needing 8 more registers, and spill) */
-#define KM_KEEP(v) __asm__("" : "+x"(v))
 /* most super-blocks per row for KM_MAT (n <= 16384); longer rows use the tiles */
 #define KM_MAX_SB 64
 
