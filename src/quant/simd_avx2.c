@@ -562,6 +562,7 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                     UNROLL for (int t = 0; t < TT; t++) {
                         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv[t]), s16);
                         isum[r][t] = _mm256_add_epi32(isum[r][t], p);
+                        KM_KEEP(isum[r][t]);
                     }
                 }
             }
