@@ -868,7 +868,6 @@ void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_
  * the kv_hsum8 tree), exactly the reference order. The decayed state is
  * recomputed in the second pass (same rounded multiply) instead of stored. */
 
-#define KV_DN_ROWS(R) KV_DN_ROWS_ST(R, _mm256_storeu_ps)
 #define KV_DN_ROWS_ST(R, STORE)                                                                    \
     do {                                                                                           \
         __m256 acc[R];                                                                             \
@@ -894,24 +893,30 @@ void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_
         UNROLL for (int r = 0; r < R; r++) o[j + r] = hsum_ps(acc[r]) * scale;                     \
     } while (0)
 
+/* Every row of a delta step, four at a time, then the rest; STORE writes D. */
+#define KV_DN_ALL(STORE)                                                                           \
+    do {                                                                                           \
+        const __m256 dec = _mm256_set1_ps(decay);                                                  \
+        int64_t j = 0;                                                                             \
+        for (; j + 4 <= n_rows; j += 4) {                                                          \
+            const float *s = S + (size_t)j * (size_t)n;                                            \
+            float *d = D + (size_t)j * (size_t)n;                                                  \
+            KV_DN_ROWS_ST(4, STORE);                                                               \
+        }                                                                                          \
+        for (; j < n_rows; j++) {                                                                  \
+            const float *s = S + (size_t)j * (size_t)n;                                            \
+            float *d = D + (size_t)j * (size_t)n;                                                  \
+            KV_DN_ROWS_ST(1, STORE);                                                               \
+        }                                                                                          \
+    } while (0)
+
 void kv_f32_delta_avx2(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
                        const float *q, const float *v, float decay, float beta, float scale, float *o) {
     if (n % 8) {
         kv_f32_delta_ref(S, D, n_rows, n, k, q, v, decay, beta, scale, o);
         return;
     }
-    const __m256 dec = _mm256_set1_ps(decay);
-    int64_t j = 0;
-    for (; j + 4 <= n_rows; j += 4) {
-        const float *s = S + (size_t)j * (size_t)n;
-        float *d = D + (size_t)j * (size_t)n;
-        KV_DN_ROWS(4);
-    }
-    for (; j < n_rows; j++) {
-        const float *s = S + (size_t)j * (size_t)n;
-        float *d = D + (size_t)j * (size_t)n;
-        KV_DN_ROWS(1);
-    }
+    KV_DN_ALL(_mm256_storeu_ps);
 }
 
 /* The same step with D written by streaming (non-temporal) stores, for a
@@ -925,18 +930,7 @@ void kv_f32_delta_stream_avx2(const float *S, float *D, int64_t n_rows, int64_t 
         kv_f32_delta_avx2(S, D, n_rows, n, k, q, v, decay, beta, scale, o);
         return;
     }
-    const __m256 dec = _mm256_set1_ps(decay);
-    int64_t j = 0;
-    for (; j + 4 <= n_rows; j += 4) {
-        const float *s = S + (size_t)j * (size_t)n;
-        float *d = D + (size_t)j * (size_t)n;
-        KV_DN_ROWS_ST(4, _mm256_stream_ps);
-    }
-    for (; j < n_rows; j++) {
-        const float *s = S + (size_t)j * (size_t)n;
-        float *d = D + (size_t)j * (size_t)n;
-        KV_DN_ROWS_ST(1, _mm256_stream_ps);
-    }
+    KV_DN_ALL(_mm256_stream_ps);
     _mm_sfence(); /* the streamed rows ordered before whatever hands them on */
 }
 
