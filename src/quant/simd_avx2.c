@@ -752,24 +752,18 @@ KM_MAT(q6_K_mmat, q6_K_mtile)
 /* ================================================================== */
 /* vec_dot and mat entry points                                         */
 
-#define ENTRY_EVEN(T, TILE, RT, TT, RT1)                                                        \
+/* T##_dot (the 1x1 tile) and T##_mat (DRIVER over RT x TT tiles) of a type */
+#define ENTRY_WITH(DRIVER, T, TILE, RT, TT, RT1)                                                \
     static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
         TILE(1, 1, n, (const uint8_t *)w, 0, (const uint8_t *)a, 0, s);                         \
     }                                                                                           \
     static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,     \
                         const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
         _Static_assert((RT) <= 4 && (TT) <= 4 && (RT1) <= 4, "tile too big");                   \
-        KV_MAT_DRIVER_EVEN(T##_F, RT, TT, RT1);                                                 \
+        DRIVER(T##_F, RT, TT, RT1);                                                             \
     }
-#define ENTRY(T, TILE, RT, TT, RT1)                                                             \
-    static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
-        TILE(1, 1, n, (const uint8_t *)w, 0, (const uint8_t *)a, 0, s);                         \
-    }                                                                                           \
-    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,     \
-                        const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
-        _Static_assert((RT) <= 4 && (TT) <= 4 && (RT1) <= 4, "tile too big");                   \
-        KV_MAT_DRIVER(T##_F, RT, TT, RT1);                                                      \
-    }
+#define ENTRY_EVEN(T, TILE, RT, TT, RT1) ENTRY_WITH(KV_MAT_DRIVER_EVEN, T, TILE, RT, TT, RT1)
+#define ENTRY(T, TILE, RT, TT, RT1) ENTRY_WITH(KV_MAT_DRIVER, T, TILE, RT, TT, RT1)
 
 /* The tile F(rt, tt, w, a, o) call used by KV_MAT_DRIVER, per type. */
 #define f32_F(rt, tt, w, a, o) f32_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
