@@ -524,14 +524,14 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         /* per-head Q/K norm, RoPE, then K and V into the cache */
         for (uint32_t t = 0; t < T; t++) {
             const int32_t pos = (int32_t)s->tok_pos[t];
-            float cs[KV_ROPE_MAX_HALF], sn[KV_ROPE_MAX_HALF]; /* the angles, once per token */
-            const int tab = hp->n_rot / 2 <= KV_ROPE_MAX_HALF;
-            if (tab) kv_rope_neox_table(cs, sn, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
+            /* the angles once per token, in s->att (n_rot <= head_dim floats; att
+             * is free until this layer's attention writes it) */
+            float *cs = s->att, *sn = s->att + hp->n_rot / 2;
+            kv_rope_neox_table(cs, sn, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
             for (int64_t h = 0; h < H + HKV; h++) {
                 float *xh = h < H ? s->q + (size_t)t * QD + (size_t)h * HD : s->k + (size_t)t * KVD + (size_t)(h - H) * HD;
                 kv_rmsnorm(xh, xh, (h < H ? L->q_norm : L->k_norm).data, HD, hp->rms_eps);
-                if (tab) kv_rope_apply(xh, hp->n_rot, cs, sn);
-                else kv_rope_neox(xh, HD, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
+                kv_rope_apply(xh, hp->n_rot, cs, sn);
             }
         }
         pt = kv_prof_mark(s, KV_PROF_NORM, pt);

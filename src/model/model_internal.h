@@ -141,13 +141,10 @@ void kv_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps);
 /* In-place softmax as ggml: max, exp(x-max) summed in double (8 lanes, i % 8,
  * then a fixed tree: ops.c), times 1/sum. */
 void kv_softmax(float *x, int64_t n);
-/* NeoX RoPE on one head of head_dim floats at position pos. */
-void kv_rope_neox(float *x, int64_t head_dim, int64_t n_rot, int32_t pos, float freq_base,
-                  float freq_scale);
-/* The same in two steps, so that the heads of one token share the angles:
- * the cos/sin of its n_rot/2 pairs (as kv_rope_neox computes them), then the
- * rotation of one head with them (the same bits as kv_rope_neox). */
-#define KV_ROPE_MAX_HALF 512 /* tables on the stack up to n_rot 1024; longer: kv_rope_neox */
+/* NeoX RoPE in two steps, so that the heads of one token share the angles:
+ * the cos/sin of its n_rot/2 pairs (theta = pos * base^(-2i/n_rot), times
+ * freq_scale), then the rotation of one head's first n_rot dims with them
+ * (dims past n_rot pass through). */
 void kv_rope_neox_table(float *cs, float *sn, int64_t n_rot, int32_t pos, float freq_base, float freq_scale);
 void kv_rope_apply(float *x, int64_t n_rot, const float *cs, const float *sn);
 

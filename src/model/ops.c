@@ -65,28 +65,6 @@ void kv_rope_apply(float *x, int64_t n_rot, const float *cs, const float *sn) {
     }
 }
 
-void kv_rope_neox(float *x, int64_t head_dim, int64_t n_rot, int32_t pos, float freq_base,
-                  float freq_scale) {
-    float cs[KV_ROPE_MAX_HALF], sn[KV_ROPE_MAX_HALF];
-    if (n_rot / 2 <= KV_ROPE_MAX_HALF) {
-        kv_rope_neox_table(cs, sn, n_rot, pos, freq_base, freq_scale);
-        kv_rope_apply(x, n_rot, cs, sn);
-        return;
-    }
-    const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
-    const int64_t half = n_rot / 2;
-    float theta = (float)pos;
-    for (int64_t i = 0; i < half; i++) {
-        const float t = freq_scale * theta;
-        const float c = cosf(t), s = sinf(t);
-        const float x0 = x[i], x1 = x[i + half];
-        x[i] = x0 * c - x1 * s;
-        x[i + half] = x0 * s + x1 * c;
-        theta *= theta_scale;
-    }
-    (void)head_dim; /* dims past n_rot pass through unchanged */
-}
-
 void kv_swiglu(float *y, const float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
 }
