@@ -516,11 +516,20 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
 K4_TILE(q4_K_tile, kv_block_q4_K, 0)
 K4_TILE(q5_K_tile, kv_block_q5_K, 1)
 
+/* Bits 2k, 2k+1 of every byte of qh at bits 4, 5 (the high two bits of a
+ * 6-bit q6_K value): one shift (none for k = 2) and one mask. The 16-bit
+ * shifts move bits across bytes only into bits the mask clears. */
+AI __m256i q6_hi(__m256i qh, int k) {
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    return _mm256_and_si256(k == 0 ? _mm256_slli_epi16(qh, 4) : k == 1 ? _mm256_slli_epi16(qh, 2)
+                            : k == 2 ? qh : _mm256_srli_epi16(qh, 2), m30);
+}
+
 AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a,
                   size_t ab, float *out) {
     __m256 acc[4][4];
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int64_t i = 0; i < n / KV_QK_K; i++) {
         UNROLL for (int r = 0; r < RT; r++) { /* the row tile KV_KPF_TILES ahead */
             const char *nx = (const char *)((const kv_block_q6_K *)(w + (r + KV_KPF_TILES * RT) * rb) + i);
@@ -556,8 +565,7 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                     __m256i ql = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32 * (k & 1)));
                     __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
                     __m256i lo = (k & 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
-                    __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m3);
-                    __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+                    __m256i q = _mm256_or_si256(lo, q6_hi(qh, k));
                     __m256i s16 = _mm256_shuffle_epi8(sh[r], pick);
                     UNROLL for (int t = 0; t < TT; t++) {
                         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv[t]), s16);
@@ -666,7 +674,7 @@ AI void q6_K_mtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                    const float *yd, float *out) {
     __m256 acc[KM_TT];
     UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int64_t i = 0; i < nsb; i++) {
         const kv_block_q6_K *x = (const kv_block_q6_K *)(const void *)w + i;
         _mm_prefetch((const char *)x + rb, _MM_HINT_T0); /* the next row */
@@ -682,7 +690,7 @@ AI void q6_K_mtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
             UNROLL for (int k = 0; k < 4; k++) {
                 const __m256i ql = _mm256_loadu_si256((const __m256i *)(const void *)(x->ql + 64 * h + 32 * (k & 1)));
                 const __m256i lo = (k & 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
-                const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m3), 4));
+                const __m256i q = _mm256_or_si256(lo, q6_hi(qh, k));
                 const __m256i pick = _mm256_setr_epi8(4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
                                                       4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
                                                       4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3,
