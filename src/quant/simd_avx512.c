@@ -534,7 +534,7 @@ AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, siz
         acc[r][t] = _mm256_setzero_ps();
         if (t < TP) acc2[r][t] = _mm512_setzero_ps();
     }
-    const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(3);
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
     for (int64_t i = 0; i < nsb; i++) {
         if (pf) {
             const char *nx = (const char *)w + KV_PF_TILES * RT * rb + i * (int64_t)(RT * sizeof(kv_block_q6_K));
@@ -562,10 +562,11 @@ AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, siz
                     __m512i ql = _mm512_loadu_si512((const void *)(x->ql + 64 * h));
                     __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
                     __m512i lo = kp ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4) : _mm512_and_si512(ql, m4);
-                    __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4 * kp)),
-                                                    _mm256_srli_epi16(qh, 4 * kp + 2), 1);
-                    hb = _mm512_and_si512(hb, m3);
-                    __m512i q = _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4));
+                    /* the two high bits of each value shifted to bits 4-5 (16-bit shifts
+                     * move bits across bytes only outside 4-5), then lo | (hs & 0x30) */
+                    __m512i hs = _mm512_inserti64x4(_mm512_castsi256_si512(kp ? qh : _mm256_slli_epi16(qh, 4)),
+                                                    kp ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2), 1);
+                    __m512i q = _mm512_ternarylogic_epi32(lo, hs, m30, 0xF8);
                     __m512i sc = _mm512_permutexvar_epi16(idx, sc16[r]);
                     UNROLL for (int t = 0; t < TT; t++) {
                         if (RT * TT <= 2 && kp)
