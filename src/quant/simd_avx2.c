@@ -410,16 +410,20 @@ static void q8a_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int6
 /* K-quants against Q8_K                                                */
 
 /* q4_K/q5_K: per super-block int sums, then the scalar float steps. */
-/* 8 scales and 8 mins of a q4_K/q5_K block as bytes, branch-free. */
-AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
+/* The 8 scales and 8 mins of a q4_K/q5_K block, branch-free: s16 = the
+ * scales as int16 in both 128-bit lanes, mdup = each min as int16 twice
+ * (one per bsums pair). Bytes are packed in general registers, so the
+ * vector side is one move and two widenings each. */
+AI void k4_scale_vecs(const uint8_t *q, __m256i *s16, __m256i *mdup) {
     uint32_t w0, w1, w2;
     memcpy(&w0, q, 4);
     memcpy(&w1, q + 4, 4);
     memcpy(&w2, q + 8, 4);
-    sc[0] = w0 & 0x3f3f3f3fu;
-    mn[0] = w1 & 0x3f3f3f3fu;
-    sc[1] = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-    mn[1] = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+    const uint64_t sc = (w0 & 0x3f3f3f3fu) | (uint64_t)((w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4)) << 32;
+    const uint64_t mn = (w1 & 0x3f3f3f3fu) | (uint64_t)(((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4)) << 32;
+    const __m128i s8 = _mm_cvtsi64_si128((long long)sc), m8 = _mm_cvtsi64_si128((long long)mn);
+    *s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(s8, s8));
+    *mdup = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
 }
 
 /* q4_K/q5_K: int32 lane sums per super-block, then the canonical float lanes. */
@@ -479,13 +483,7 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
             __m256i s16[4], mdup[4];                                                            \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
-                uint32_t sc[2], mn[2];                                                          \
-                k4_scales(x->scales, sc, mn);                                                   \
-                __m128i s8 = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]);                       \
-                __m128i m8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);                       \
-                /* s16: 8 scales as int16 in both 128-bit lanes */                              \
-                s16[r] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(s8));                    \
-                mdup[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));                      \
+                k4_scale_vecs(x->scales, &s16[r], &mdup[r]);                                    \
                 UNROLL for (int t = 0; t < TT; t++) isum[r][t] = _mm256_setzero_si256();        \
             }                                                                                   \
             /* one token: the quarters unrolled (constant shuffles); more: rolled, which\
@@ -497,15 +495,19 @@ AI void k4_scales(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
             }                                                                                   \
             UNROLL for (int r = 0; r < RT; r++) {                                               \
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
-                float d = h2f(x->d), dmin = h2f(x->dmin);                                       \
+                uint32_t dpair; /* d and dmin, adjacent fp16: one conversion */                 \
+                memcpy(&dpair, &x->d, 4);                                                       \
+                const __m128 ddm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dpair));                 \
                 UNROLL for (int t = 0; t < TT; t++) {                                           \
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(a + t * ab) + i;           \
                     __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);                 \
                     __m256i mp = _mm256_madd_epi16(bs, mdup[r]);                                \
+                    /* [y->d * d, y->d * dmin]: the same rounded products as two scalars */     \
+                    const __m256 p = _mm256_castps128_ps256(_mm_mul_ps(ddm, _mm_set1_ps(y->d))); \
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]),                 \
-                                                _mm256_set1_ps(y->d * d), acc[r][t]);           \
+                                                _mm256_broadcastss_ps(_mm256_castps256_ps128(p)), acc[r][t]); \
                     accm[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mp),                        \
-                                                 _mm256_set1_ps(y->d * dmin), accm[r][t]);      \
+                                                 _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(1)), accm[r][t]); \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
@@ -620,10 +622,8 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
             _mm_prefetch((const char *)(x) + rb, _MM_HINT_T0); /* the next row */               \
             _mm_prefetch((const char *)(x) + rb + 64, _MM_HINT_T0);                             \
             _mm_prefetch((const char *)(x) + rb + sizeof(WBLK) - 1, _MM_HINT_T0);               \
-            uint32_t sc[2], mn[2];                                                              \
-            k4_scales(x->scales, sc, mn);                                                       \
-            const __m256i s16 = _mm256_broadcastsi128_si256(                                    \
-                _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));                \
+            __m256i s16, mdup;                                                                  \
+            k4_scale_vecs(x->scales, &s16, &mdup);                                              \
             __m256i isum[KM_TT];                                                                \
             UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();               \
             UNROLL for (int c = 0; c < 4; c++) {                                                \
@@ -651,8 +651,6 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                     KM_KEEP(isum[t]);                                                           \
                 }                                                                               \
             }                                                                                   \
-            const __m256i mdup = _mm256_cvtepu8_epi16(                                          \
-                _mm_unpacklo_epi8(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]), _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]))); \
             _Alignas(32) float dd[2 * KM_TT]; /* y->d * d and y->d * dmin of the 8 tokens */    \
             const __m256 ydv = _mm256_load_ps(yd + KM_TT * i);                                   \
             _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(h2f(x->d)), ydv));                  \
