@@ -426,6 +426,14 @@ AI void k4_scale_vecs(const uint8_t *q, __m256i *s16, __m256i *mdup) {
     *mdup = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
 }
 
+/* Bit j (0..7) of every byte of qh at bit 4 (the 5th bit of a q5_K value):
+ * one 16-bit shift (none for j = 4) and one mask; bits a shift moves across
+ * bytes land outside bit 4. */
+AI __m256i q5_hi(__m256i qh, int j) {
+    const __m256i m10 = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(j < 4 ? _mm256_slli_epi16(qh, 4 - j) : j > 4 ? _mm256_srli_epi16(qh, j - 4) : qh, m10);
+}
+
 /* q4_K/q5_K: int32 lane sums per super-block, then the canonical float lanes. */
 /* Quarter c (64 values) of super-block i of a K4 tile: the int32 lane sums. */
 #define K4_QUARTER(WBLK, Q5, c)                                                                 \
@@ -446,11 +454,8 @@ AI void k4_scale_vecs(const uint8_t *q, __m256i *s16, __m256i *mdup) {
                     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                \
                     if (Q5) {                                                                   \
                         __m256i qh = _mm256_loadu_si256((const __m256i *)((const kv_block_q5_K *)(const void *)x)->qh); \
-                        const __m256i one = _mm256_set1_epi8(1);                                \
-                        __m256i hl = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one); \
-                        __m256i hh = _mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one); \
-                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));                     \
-                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));                     \
+                        lo = _mm256_or_si256(lo, q5_hi(qh, 2 * c));                             \
+                        hi = _mm256_or_si256(hi, q5_hi(qh, 2 * c + 1));                         \
                     }                                                                           \
                     const __m256i s0 = _mm256_shuffle_epi8(s16[r], pick0);                      \
                     const __m256i s1 = _mm256_shuffle_epi8(s16[r], pick1);                      \
@@ -632,9 +637,8 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);                    \
                 if (Q5) {                                                                       \
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)((const kv_block_q5_K *)(const void *)x)->qh); \
-                    const __m256i one = _mm256_set1_epi8(1);                                    \
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c)), one), 4)); \
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(qh, _mm256_set1_epi64x(2 * c + 1)), one), 4)); \
+                    lo = _mm256_or_si256(lo, q5_hi(qh, 2 * c));                                 \
+                    hi = _mm256_or_si256(hi, q5_hi(qh, 2 * c + 1));                             \
                 }                                                                               \
                 const __m256i s0 = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 * (4 * c + 1) + 4 * c))); \
                 UNROLL for (int t = 0; t < TT; t++) {                                           \
