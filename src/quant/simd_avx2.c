@@ -138,6 +138,11 @@ AI float hsum_ps(__m256 v) {
                 UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, av[t], acc[r][t]); \
             }                                                                                  \
         }                                                                                      \
+        if (i == n) { /* no tail (head_dim, n_embd): the lanes folded in registers */          \
+            UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)            \
+                out[r * TT + t] = hsum_ps(acc[r][t]);                                          \
+            return;                                                                            \
+        }                                                                                      \
         for (int r = 0; r < RT; r++)                                                           \
             for (int t = 0; t < TT; t++) {                                                     \
                 float l[8];                                                                    \
