@@ -575,6 +575,65 @@ static void test_mat_rows(void) {
 }
 
 /* ------------------------------------------------------------------ */
+/* softmax (quant/vec.h): the scalar reference within a few float ulps of
+ * an f64 softmax of the same scaled inputs, every backend bit-identical to
+ * it; ties, -inf entries, values far below the max (exp flushed to 0 under
+ * -87) and every tail length. */
+
+static void test_softmax(void) {
+    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const int ns[] = {1, 2, 7, 8, 9, 15, 16, 17, 100, 1031};
+    const float scales[] = {1.0f, 0.088388347f};
+    float *in = malloc(sizeof(float) * 1031), *ref = malloc(sizeof(float) * 1031), *x = malloc(sizeof(float) * 1031);
+    int bad_acc = 0, bad_id = 0, checked = 0;
+    double worst = 0.0;
+    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+        for (int kind = 0; kind < 3; kind++)
+            for (size_t si = 0; si < 2; si++) {
+                const int n = ns[ni];
+                const float sc = scales[si];
+                fill_gauss(in, n, kind == 0 ? 3.0f : kind == 1 ? 40.0f : 1.0f);
+                if (kind == 2) /* ties, a -inf (a masked key) and one far below the max */
+                    for (int i = 0; i < n; i++) in[i] = i % 5 == 3 ? -INFINITY : i % 7 == 1 ? -150.0f : in[i] > 0 ? 1.0f : in[i];
+                if (kind == 2 && n > 1) in[n - 1] = 2.0f; /* a finite max whatever the pattern */
+                /* the reference: the scalar backend, against f64 */
+                kv_quant_set_backend("scalar");
+                memcpy(ref, in, sizeof(float) * (size_t)n);
+                kv_f32_softmax(ref, n, sc);
+                double mx = -INFINITY, sum = 0.0;
+                for (int i = 0; i < n; i++) mx = fmax(mx, (double)(in[i] * sc));
+                for (int i = 0; i < n; i++) sum += exp((double)(in[i] * sc) - mx);
+                for (int i = 0; i < n; i++) {
+                    const double want = exp((double)(in[i] * sc) - mx) / sum;
+                    const double err = fabs((double)ref[i] - want);
+                    /* relative to the value: a few ulps, plus the float rounding of
+                     * y = x - max itself (|y| * 2^-24, which any float softmax has);
+                     * absolute where exp is flushed (e^-87 below the max) */
+                    const double y = (double)(in[i] * sc) - mx, rel = 4e-7 + fabs(y) * 6e-8;
+                    if (want > 1e-36) {
+                        if (!(err <= rel * want)) bad_acc++;
+                        if (err / want / rel > worst) worst = err / want / rel;
+                    } else if (!(err <= 1e-36)) {
+                        bad_acc++;
+                    }
+                }
+                for (size_t b = 1; b < sizeof bes / sizeof bes[0]; b++) {
+                    if (kv_quant_set_backend(bes[b]) != 0) continue;
+                    memcpy(x, in, sizeof(float) * (size_t)n);
+                    kv_f32_softmax(x, n, sc);
+                    for (int i = 0; i < n; i++) bad_id += f2u(x[i]) != f2u(ref[i]);
+                    checked++;
+                }
+            }
+    kv_quant_set_backend("scalar");
+    printf("  softmax: worst error %.2f of its bound against f64; %d backend runs compared\n", worst, checked);
+    if (bad_acc) KVT_FAIL("softmax: %d elements outside the bound against f64", bad_acc);
+    if (bad_id) KVT_FAIL("softmax: %d elements differ from the scalar reference", bad_id);
+    kvt_checks++;
+    free(in); free(ref); free(x);
+}
+
+/* ------------------------------------------------------------------ */
 /* attention helpers (quant/vec.h): every backend bit-identical to the
  * scalar reference and to the documented per-element order. */
 
@@ -775,7 +834,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_sizes_and_names), KVT_CASE(test_fp16),          KVT_CASE(test_bf16),
     KVT_CASE(test_dequant_handmade), KVT_CASE(test_activation_rounding),
     KVT_CASE(test_roundtrip_error), KVT_CASE(test_vec_dot_ref),  KVT_CASE(test_backends_identical),
-    KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_delta_rows),
+    KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_softmax),     KVT_CASE(test_delta_rows),
     KVT_CASE(test_backend_env),
 };
 

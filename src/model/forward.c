@@ -106,12 +106,12 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->ids = malloc(B * K * sizeof(int32_t));
     s->wts = malloc(B * K * sizeof(float));
     s->eo = malloc(B * K * E * sizeof(float));
-    /* attention units: the query heads of one KV head (and up to 16 query
-     * rows of consecutive tokens) share each K/V row load; the score rows
+    /* attention units: the query heads of one KV head (and up to 64 query
+     * rows of consecutive tokens) share each K/V block load; the score rows
      * of a unit are bounded to 16 MiB per thread */
     const uint32_t gqa = hp->n_head_kv ? hp->n_head / hp->n_head_kv : 1;
     s->att_heads = gqa;
-    s->att_tok = gqa < 16 ? 16 / gqa : 1;
+    s->att_tok = gqa < 64 ? 64 / gqa : 1;
     while (s->att_tok > 1 && (uint64_t)s->att_tok * s->att_heads * o.n_ctx * 4 > ((uint64_t)16 << 20)) s->att_tok /= 2;
     while (s->att_heads > 1 && s->att_heads % 2 == 0 && (uint64_t)s->att_heads * o.n_ctx * 4 > ((uint64_t)16 << 20))
         s->att_heads /= 2;
@@ -302,7 +302,10 @@ void kv_state_get_mem(const kv_state *s, kv_state_mem *out) {
 }
 
 /* Start of the K (v = 0) or V (v = 1) row of position p of sequence seq in
- * attending layer ai. The block must be reserved. */
+ * attending layer ai. The block must be reserved. V is stored by position
+ * ([p % KV_BLOCK][n_head_kv * head_dim]); K by dimension within its block
+ * ([n_head_kv * head_dim][KV_BLOCK], see kv_cache_put): the K region of a
+ * block is kv_cache_at(.., 0, p - p % KV_BLOCK) and has the same size. */
 static uint8_t *kv_cache_at(const kv_state *s, uint32_t seq, uint32_t ai, int v, uint32_t p) {
     const uint32_t b = s->seq_blk[seq][p / KV_BLOCK];
     uint8_t *blk = s->arena[b / KV_ARENA] + (size_t)(b % KV_ARENA) * s->blk_bytes;
@@ -319,11 +322,17 @@ void kv_cache_put(kv_state *s, uint32_t il, uint32_t T) {
         uint8_t *kd = kv_cache_at(s, s->tok_seq[t], ai, 0, s->tok_pos[t]);
         uint8_t *vd = kv_cache_at(s, s->tok_seq[t], ai, 1, s->tok_pos[t]);
         const float *ks = s->k + (size_t)t * KVD, *vs = s->v + (size_t)t * KVD;
+        /* K transposed within the block: element c of position p at
+         * [c][p % KV_BLOCK], so the scores of a block's keys are one
+         * weighted sum over the dimensions (kv_attn_unit) */
+        const uint32_t j = s->tok_pos[t] % KV_BLOCK;
+        uint8_t *kb = kd - (size_t)j * s->kv_row;
         if (f16) {
-            f16->from_float(ks, kd, KVD);
+            for (int64_t c = 0; c < KVD; c++) f16->from_float(ks + c, kb + ((size_t)c * KV_BLOCK + j) * 2, 1);
             f16->from_float(vs, vd, KVD);
         } else {
-            memcpy(kd, ks, (size_t)KVD * sizeof(float));
+            float *kf = (float *)(void *)kb;
+            for (int64_t c = 0; c < KVD; c++) kf[(size_t)c * KV_BLOCK + j] = ks[c];
             memcpy(vd, vs, (size_t)KVD * sizeof(float));
         }
     }
@@ -336,14 +345,23 @@ typedef struct kv_attn_job {
     uint32_t il, n_grp;
 } kv_attn_job;
 
-/* Rows [p0, p0+n) of K (v = 0) or V (v = 1) for KV head kvh of sequence
- * seq, as F32 rows at *stride floats apart: the cache itself (F32) or
- * widened (exactly) into buf (F16). */
+/* For KV head kvh of sequence seq, the block starting at p0 (a multiple
+ * of KV_BLOCK) holding n positions: V (v = 1) as n F32 rows of head_dim at
+ * *stride floats apart, or K (v = 0) as head_dim F32 rows of KV_BLOCK (one
+ * per dimension, *stride = KV_BLOCK); the cache itself (F32) or widened
+ * (exactly) into buf (F16). */
 static const float *kv_attn_rows(const kv_state *s, uint32_t seq, uint32_t ai, int v, int64_t p0, int64_t n,
                                  int64_t kvh, float *buf, size_t *stride) {
     const kv_hparams *hp = &s->m->hp;
     const int64_t HD = hp->head_dim;
     const size_t esz = s->kv_type == KV_TYPE_F16 ? 2 : 4;
+    if (!v) {
+        const uint8_t *b = kv_cache_at(s, seq, ai, 0, (uint32_t)p0) + (size_t)kvh * (size_t)HD * KV_BLOCK * esz;
+        *stride = KV_BLOCK;
+        if (s->kv_type != KV_TYPE_F16) return (const float *)(const void *)b;
+        kv_type_get(KV_TYPE_F16)->to_float(b, buf, HD * KV_BLOCK);
+        return buf;
+    }
     const uint8_t *b = kv_cache_at(s, seq, ai, v, (uint32_t)p0) + (size_t)kvh * (size_t)HD * esz;
     if (s->kv_type != KV_TYPE_F16) {
         *stride = (size_t)hp->n_head_kv * (size_t)HD;
@@ -358,8 +376,11 @@ static const float *kv_attn_rows(const kv_state *s, uint32_t seq, uint32_t ai, i
 /* One unit: the att_heads query heads h0.. (sharing KV head kvh) of the
  * group's tokens (consecutive positions of one sequence). Per query the
  * same arithmetic as one (token, head) alone: scores block by block, each
- * a whole F32 dot (kv_mat_rows, keys as rows and the unit's queries as its
- * tokens), then the rounded multiply by the scale; softmax over the
+ * score one fma chain over the dimensions in increasing order (the block's
+ * K is stored by dimension, so a block's scores are a weighted sum of its
+ * dimension rows with the query as the weights: kv_f32_wsum_rows_multi,
+ * vectorized across keys, no horizontal sums), then the rounded multiply
+ * by the scale; softmax over the
  * token's own keys 0..pos; the weighted sum of V rows continued block to
  * block in increasing position (kv_f32_wsum_rows_multi: each output
  * element's fma chain is that query's alone). So the bits do not depend on
@@ -384,16 +405,13 @@ static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int
         const uint32_t ulo = p0 > pos0 ? (uint32_t)(p0 - pos0) : 0; /* tokens with a key in this block */
         size_t ks;
         const float *K = kv_attn_rows(s, seq, ai, 0, p0, n, kvh, wide, &ks);
-        kv_mat_rows(KV_TYPE_F32, K, ks * sizeof(float), HD, 0, n, qb + (size_t)ulo * NH * HD,
-                    (size_t)HD * sizeof(float), (int64_t)(nt - ulo) * NH, sc + (size_t)ulo * NH * SCS + p0,
-                    SCS);
+        kv_f32_wsum_rows_multi(sc + (size_t)ulo * NH * SCS + p0, SCS, qb + (size_t)ulo * NH * HD, (size_t)HD,
+                               (int64_t)(nt - ulo) * NH, K, ks, HD, n, 0);
     }
     for (uint32_t u = 0; u < nt; u++) {
         const int64_t n_kv = pos0 + u + 1;
         for (int64_t j = 0; j < NH; j++) {
-            float *row = sc + ((size_t)u * NH + (size_t)j) * SCS;
-            for (int64_t p = 0; p < n_kv; p++) row[p] *= scale;
-            kv_softmax(row, n_kv);
+            kv_f32_softmax(sc + ((size_t)u * NH + (size_t)j) * SCS, n_kv, scale);
         }
     }
     for (int64_t p0 = 0; p0 < maxkv; p0 += KV_BLOCK) {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kvasir/quant.h"
+#include "quant/vec.h"
 #include "model/model_internal.h"
 
 void kv_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
@@ -18,31 +19,10 @@ void kv_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) 
 }
 
 void kv_softmax(float *x, int64_t n) {
-    /* the max is the same whatever the order; the sum of exp(x - max) runs
-     * in 8 double lanes (element i in lane i % 8, increasing i) joined by a
-     * fixed tree, so it is one fixed order that has no serial add chain */
-    float m8[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) m8[l] = x[i + l] > m8[l] ? x[i + l] : m8[l];
-    for (; i < n; i++) m8[i & 7] = x[i] > m8[i & 7] ? x[i] : m8[i & 7];
-    float max = -INFINITY;
-    for (int l = 0; l < 8; l++) max = m8[l] > max ? m8[l] : max;
-    double l8[8] = {0};
-    for (i = 0; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) {
-            const float e = expf(x[i + l] - max);
-            x[i + l] = e;
-            l8[l] += (double)e;
-        }
-    for (; i < n; i++) {
-        const float e = expf(x[i] - max);
-        x[i] = e;
-        l8[i & 7] += (double)e;
-    }
-    const double sum = ((l8[0] + l8[4]) + (l8[2] + l8[6])) + ((l8[1] + l8[5]) + (l8[3] + l8[7]));
-    const float inv = (float)(1.0 / sum);
-    for (i = 0; i < n; i++) x[i] *= inv;
+    /* quant/vec.h: one fixed order (the max, the documented exp, a double
+     * sum in 8 lanes and a fixed tree), vectorized, the same bits on every
+     * backend */
+    kv_f32_softmax(x, n, 1.0f);
 }
 
 void kv_rope_neox_table(float *cs, float *sn, int64_t n_rot, int32_t pos, float freq_base, float freq_scale) {

@@ -186,6 +186,48 @@ void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_
 void kv_f32_wsum_multi_avx512(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
                               const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc);
 
+/* kv_f32_softmax per backend (quant/vec.h), and its constants. */
+typedef void (*kv_softmax_fn)(float *x, int64_t n, float scale);
+void kv_f32_softmax_ref(float *x, int64_t n, float scale);
+void kv_f32_softmax_avx2(float *x, int64_t n, float scale);
+#define KV_EXP_L2E 0x1.715476p+0f     /* log2(e) */
+#define KV_EXP_MAGIC 0x1.8p+23f       /* 1.5 * 2^23: adding it rounds to an integer */
+#define KV_EXP_LN2_HI 0x1.62e4p-1f    /* ln 2, high bits (trailing zeros: f * hi exact) */
+#define KV_EXP_LN2_LO 0x1.7f7d1cp-20f /* ln 2 - hi */
+#define KV_EXP_MIN (-87.0f)           /* below: 0 */
+/* 1/k! for k = 7 .. 0 */
+#define KV_EXP_C7 0x1.a01a02p-13f
+#define KV_EXP_C6 0x1.6c16c2p-10f
+#define KV_EXP_C5 0x1.111112p-7f
+#define KV_EXP_C4 0x1.555556p-5f
+#define KV_EXP_C3 0x1.555556p-3f
+#define KV_EXP_C2 0x1p-1f
+#define KV_EXP_C1 0x1p+0f
+#define KV_EXP_C0 0x1p+0f
+
+/* kv_exp (quant/vec.h) of one float; the vector backends run the same
+ * operations lane by lane and use this for their tails. */
+static inline float kv_exp_ref(float y) {
+    const float t = fmaf(y, KV_EXP_L2E, KV_EXP_MAGIC), f = t - KV_EXP_MAGIC;
+    float r = fmaf(f, -KV_EXP_LN2_HI, y);
+    r = fmaf(f, -KV_EXP_LN2_LO, r);
+    float p = KV_EXP_C7;
+    p = fmaf(p, r, KV_EXP_C6);
+    p = fmaf(p, r, KV_EXP_C5);
+    p = fmaf(p, r, KV_EXP_C4);
+    p = fmaf(p, r, KV_EXP_C3);
+    p = fmaf(p, r, KV_EXP_C2);
+    p = fmaf(p, r, KV_EXP_C1);
+    p = fmaf(p, r, KV_EXP_C0);
+    uint32_t tb, sb;
+    memcpy(&tb, &t, 4);
+    sb = (tb - 0x4B400000u + 127u) << 23; /* 0x4B400000: the bits of KV_EXP_MAGIC */
+    float sc;
+    memcpy(&sc, &sb, 4);
+    const float e = p * sc;
+    return y < KV_EXP_MIN ? 0.0f : e;
+}
+
 /* kv_f32_delta_rows per backend (quant/vec.h). */
 typedef void (*kv_delta_fn)(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
                             const float *q, const float *v, float decay, float beta, float scale,

@@ -348,6 +348,25 @@ void kv_f32_wsum_ref(float *o, const float *w, const float *V, size_t v_stride, 
     }
 }
 
+void kv_f32_softmax_ref(float *x, int64_t n, float scale) {
+    float m8[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int64_t i = 0; i < n; i++) {
+        x[i] *= scale;
+        m8[i & 7] = x[i] > m8[i & 7] ? x[i] : m8[i & 7];
+    }
+    float max = -INFINITY;
+    for (int l = 0; l < 8; l++) max = m8[l] > max ? m8[l] : max;
+    double l8[8] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        const float e = kv_exp_ref(x[i] - max);
+        x[i] = e;
+        l8[i & 7] += (double)e;
+    }
+    const double sum = ((l8[0] + l8[4]) + (l8[2] + l8[6])) + ((l8[1] + l8[5]) + (l8[3] + l8[7]));
+    const float inv = (float)(1.0 / sum);
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
 void kv_f32_delta_ref(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
                       const float *q, const float *v, float decay, float beta, float scale, float *o) {
     for (int64_t j = 0; j < n_rows; j++) {

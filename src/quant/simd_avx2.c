@@ -841,9 +841,49 @@ void kv_f32_wsum_avx2(float *o, const float *w, const float *V, size_t v_stride,
 /* Several queries' weighted sums over the same V rows (quant/vec.h): the
  * fma chain of kv_f32_wsum_avx2 per element, each V load shared by up to
  * 4 queries (16 columns x 4 queries = 8 ymm accumulators). */
+/* Fewer than 16 columns (the last, partial block of attention scores):
+ * the same 2 x ymm per query under lane masks, QT (4 or 1) queries per
+ * pass. */
+AI void wsum_narrow(float *o, size_t o_stride, const float *w, size_t w_stride, int QT, const float *V,
+                    size_t v_stride, int64_t n_rows, __m256i m0, __m256i m1, int acc0) {
+    __m256 acc[4][2];
+    UNROLL for (int j = 0; j < 4; j++)
+        if (j < QT) {
+            acc[j][0] = acc0 ? _mm256_maskload_ps(o + (size_t)j * o_stride, m0) : _mm256_setzero_ps();
+            acc[j][1] = acc0 ? _mm256_maskload_ps(o + (size_t)j * o_stride + 8, m1) : _mm256_setzero_ps();
+        }
+    for (int64_t p = 0; p < n_rows; p++) {
+        const float *v = V + (size_t)p * v_stride;
+        const __m256 v0 = _mm256_maskload_ps(v, m0), v1 = _mm256_maskload_ps(v + 8, m1);
+        UNROLL for (int j = 0; j < 4; j++)
+            if (j < QT) {
+                const __m256 wp = _mm256_broadcast_ss(w + (size_t)j * w_stride + p);
+                acc[j][0] = _mm256_fmadd_ps(wp, v0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(wp, v1, acc[j][1]);
+            }
+    }
+    UNROLL for (int j = 0; j < 4; j++)
+        if (j < QT) {
+            _mm256_maskstore_ps(o + (size_t)j * o_stride, m0, acc[j][0]);
+            _mm256_maskstore_ps(o + (size_t)j * o_stride + 8, m1, acc[j][1]);
+        }
+}
+
 void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
                             const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc0) {
     int64_t q0 = 0;
+    if (n < 16) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane),
+                      m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n - 8), lane);
+        for (; q0 + 4 <= n_q; q0 += 4)
+            wsum_narrow(o + (size_t)q0 * o_stride, o_stride, w + (size_t)q0 * w_stride, w_stride, 4, V, v_stride,
+                        n_rows, m0, m1, acc0);
+        for (; q0 < n_q; q0++)
+            wsum_narrow(o + (size_t)q0 * o_stride, o_stride, w + (size_t)q0 * w_stride, w_stride, 1, V, v_stride,
+                        n_rows, m0, m1, acc0);
+        return;
+    }
     for (; q0 + 4 <= n_q && n >= 16; q0 += 4) {
         int64_t i = 0;
         for (; i + 16 <= n; i += 16) {
@@ -869,6 +909,67 @@ void kv_f32_wsum_multi_avx2(float *o, size_t o_stride, const float *w, size_t w_
     }
     for (; q0 < n_q; q0++)
         kv_f32_wsum_avx2(o + (size_t)q0 * o_stride, w + (size_t)q0 * w_stride, V, v_stride, n_rows, n, acc0);
+}
+
+/* ================================================================== */
+/* softmax (quant/vec.h): kv_exp_ref's operations on 8 lanes            */
+
+AI __m256 exp8(__m256 y) {
+    const __m256 magic = _mm256_set1_ps(KV_EXP_MAGIC);
+    const __m256 t = _mm256_fmadd_ps(y, _mm256_set1_ps(KV_EXP_L2E), magic), f = _mm256_sub_ps(t, magic);
+    __m256 r = _mm256_fmadd_ps(f, _mm256_set1_ps(-KV_EXP_LN2_HI), y);
+    r = _mm256_fmadd_ps(f, _mm256_set1_ps(-KV_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(KV_EXP_C7);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(KV_EXP_C6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(KV_EXP_C5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(KV_EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(KV_EXP_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(KV_EXP_C2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(KV_EXP_C1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(KV_EXP_C0));
+    const __m256i sb = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B400000)), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(sb));
+    return _mm256_andnot_ps(_mm256_cmp_ps(y, _mm256_set1_ps(KV_EXP_MIN), _CMP_LT_OQ), e);
+}
+
+void kv_f32_softmax_avx2(float *x, int64_t n, float scale) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), sc);
+        _mm256_storeu_ps(x + i, v);
+        m = _mm256_max_ps(v, m); /* v > m ? v : m, lane by lane */
+    }
+    _Alignas(32) float m8[8];
+    _mm256_store_ps(m8, m);
+    for (; i < n; i++) {
+        x[i] *= scale;
+        m8[i & 7] = x[i] > m8[i & 7] ? x[i] : m8[i & 7];
+    }
+    float max = -INFINITY;
+    for (int l = 0; l < 8; l++) max = m8[l] > max ? m8[l] : max;
+    const __m256 mx = _mm256_set1_ps(max);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
+        _mm256_storeu_ps(x + i, e);
+        s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    _Alignas(32) double l8[8];
+    _mm256_store_pd(l8, s0);
+    _mm256_store_pd(l8 + 4, s1);
+    for (; i < n; i++) {
+        const float e = kv_exp_ref(x[i] - max);
+        x[i] = e;
+        l8[i & 7] += (double)e;
+    }
+    const double sum = ((l8[0] + l8[4]) + (l8[2] + l8[6])) + ((l8[1] + l8[5]) + (l8[3] + l8[7]));
+    const __m256 inv = _mm256_set1_ps((float)(1.0 / sum));
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (; i < n; i++) x[i] *= _mm256_cvtss_f32(inv);
 }
 
 /* ================================================================== */

@@ -951,9 +951,36 @@ static void f32z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int
 /* Several queries' weighted sums over the same V rows (quant/vec.h): per
  * output element the same fma chain as kv_f32_wsum_avx512, with each V
  * load shared by up to 4 queries (64 columns x 4 queries = 16 zmm). */
+/* Up to 16 columns (attention scores: a block's keys; the last block's
+ * fewer under a mask): one zmm per query, 8 queries per pass sharing each
+ * V load, the weights broadcast from memory. */
+AI void wsum_narrow(float *o, size_t o_stride, const float *w, size_t w_stride, int QT, const float *V,
+                    size_t v_stride, int64_t n_rows, __mmask16 m, int acc0) {
+    __m512 acc[8];
+    UNROLL for (int j = 0; j < 8; j++)
+        if (j < QT) acc[j] = acc0 ? _mm512_maskz_loadu_ps(m, o + (size_t)j * o_stride) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < n_rows; p++) {
+        const __m512 v = _mm512_maskz_loadu_ps(m, V + (size_t)p * v_stride);
+        UNROLL for (int j = 0; j < 8; j++)
+            if (j < QT) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[(size_t)j * w_stride + p]), v, acc[j]);
+    }
+    UNROLL for (int j = 0; j < 8; j++)
+        if (j < QT) _mm512_mask_storeu_ps(o + (size_t)j * o_stride, m, acc[j]);
+}
+
 void kv_f32_wsum_multi_avx512(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
                               const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc0) {
     int64_t q0 = 0;
+    if (n <= 16) {
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        for (; q0 + 8 <= n_q; q0 += 8)
+            wsum_narrow(o + (size_t)q0 * o_stride, o_stride, w + (size_t)q0 * w_stride, w_stride, 8, V, v_stride,
+                        n_rows, m, acc0);
+        for (; q0 < n_q; q0++)
+            wsum_narrow(o + (size_t)q0 * o_stride, o_stride, w + (size_t)q0 * w_stride, w_stride, 1, V, v_stride,
+                        n_rows, m, acc0);
+        return;
+    }
     for (; q0 + 4 <= n_q && n >= 64; q0 += 4) {
         int64_t i = 0;
         for (; i + 64 <= n; i += 64) {

@@ -12,7 +12,17 @@
  *    m[i] = S_j[i] * decay (one rounded multiply); a = dot(m, k) in F32
  *    vec_dot's order; d = (v[j] - a) * beta (rounded subtract, then
  *    multiply); D_j[i] = fma(k[i], d, m[i]); o[j] = dot(D_j, q) in vec_dot's
- *    order, then one rounded multiply by scale. */
+ *    order, then one rounded multiply by scale.
+ *  - kv_f32_softmax: x[i] = x[i] * scale (rounded); m = max x[i]; e[i] =
+ *    kv_exp of x[i] - m (rounded subtract) as below; sum = the e[i] as
+ *    doubles in 8 lanes (element i in lane i % 8, increasing i), folded
+ *    ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)); x[i] = e[i] *
+ *    (float)(1 / sum). kv_exp(y), for y <= 88: t = fma(y, log2 e, 1.5 * 2^23)
+ *    (n = the nearest integer, in t's low bits), f = t - 1.5 * 2^23,
+ *    r = fma(f, -ln2_hi, y), r = fma(f, -ln2_lo, r), p = the Taylor
+ *    polynomial of degree 7 by Horner (p = 1/7!, then p = fma(p, r, c_k) for
+ *    c_k = 1/6!, ..., 1/1!, 1/0!), e = p * 2^n (2^n built from n's bits);
+ *    0 when y < -87. All constants are the floats named in ref.c. */
 #ifndef KV_QUANT_VEC_H
 #define KV_QUANT_VEC_H
 
@@ -48,5 +58,9 @@ void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, cons
 void kv_f32_delta_rows_stream(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,
                               const float *q, const float *v, float decay, float beta, float scale,
                               float *o);
+
+/* Softmax of n floats in place after scaling each by scale (1: none),
+ * the order above; n >= 1. */
+void kv_f32_softmax(float *x, int64_t n, float scale);
 
 #endif
