@@ -677,11 +677,12 @@ static void test_attn_vec(void) {
                     if (f2u(d * 0.125f) != f2u(o[p])) bad++;
                 }
                 for (int p = nr; p < nr + 4; p++) bad += o[p] != -7.f;
-                /* several queries at once (attention units): the F32 mat
-                 * kernel with up to 9 query rows (every zmm pair and an odd
-                 * last one), each score the documented dot; and the shared-V
-                 * weighted sums, fresh and continued, each element its own
-                 * query's fma chain */
+                /* several queries at once: the F32 mat kernel with up to 9
+                 * query rows (every zmm pair and an odd last one), each
+                 * output the documented dot; and the shared-V weighted sums
+                 * (attention's scores over a block's keys and its weighted
+                 * sums), fresh and continued, each element its own query's
+                 * fma chain, for n of 1-16 (the narrow, masked paths) too */
                 for (int nq = 1; nq <= 9; nq++) {
                     const size_t ys = 40;
                     for (size_t i = 0; i < (size_t)nq * ys; i++) Y[i] = -7.f;
