@@ -978,12 +978,18 @@ void kv_f32_softmax_avx2(float *x, int64_t n, float scale) {
  * the kv_hsum8 tree), exactly the reference order. The decayed state is
  * recomputed in the second pass (same rounded multiply) instead of stored. */
 
+#ifndef KV_DN_PF
+#define KV_DN_PF 16 /* rows ahead to prefetch (8 KiB of a 128-wide state) */
+#endif
 #define KV_DN_ROWS_ST(R, STORE)                                                                    \
     do {                                                                                           \
         __m256 acc[R];                                                                             \
         UNROLL for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                           \
         for (int64_t i = 0; i < n; i += 8) {                                                       \
             const __m256 kk = _mm256_loadu_ps(k + i);                                              \
+            if (!(i & 15)) /* the rows KV_DN_PF ahead (past the state's end: a harmless hint) */    \
+                UNROLL for (int r = 0; r < R; r++)                                                 \
+                    _mm_prefetch((const char *)(s + (r + KV_DN_PF) * n + i), _MM_HINT_T0);          \
             UNROLL for (int r = 0; r < R; r++)                                                     \
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + r * n + i), dec), kk, acc[r]); \
         }                                                                                          \
