@@ -131,6 +131,9 @@ AI float hsum_ps(__m256 v) {
             _mm256_setzero_ps();                                                               \
         int64_t i = 0;                                                                         \
         for (; i + 8 <= n; i += 8) {                                                           \
+            if (TT == 1 && !(i & 15)) /* one token (decode): the next tile's rows */           \
+                UNROLL for (int r = 0; r < RT; r++)                                            \
+                    _mm_prefetch((const char *)(w + (size_t)(r + RT) * rb) + sizeof(ELT) * i, _MM_HINT_T0); \
             __m256 av[4];                                                                      \
             UNROLL for (int t = 0; t < TT; t++) av[t] = LOAD((const ELT *)(a + t * ab) + i);   \
             UNROLL for (int r = 0; r < RT; r++) {                                              \

@@ -898,6 +898,8 @@ AI void f32z_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) acc[r][u] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
+        if (TT == 1 && !(i & 15)) /* one token (decode): the next tile's rows, a line at a time */
+            UNROLL for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(w + (size_t)(r + RT) * rb) + 4 * i, _MM_HINT_T0);
         __m512 av[4];
         UNROLL for (int u = 0; u < TP; u++) {
             const float *a0 = (const float *)(const void *)(a + (size_t)(2 * u) * ab) + i;
@@ -948,9 +950,6 @@ static void f32z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int
     _Pragma("GCC diagnostic pop")
 }
 
-/* Several queries' weighted sums over the same V rows (quant/vec.h): per
- * output element the same fma chain as kv_f32_wsum_avx512, with each V
- * load shared by up to 4 queries (64 columns x 4 queries = 16 zmm). */
 /* Up to 16 columns (attention scores: a block's keys; the last block's
  * fewer under a mask): one zmm per query, 8 queries per pass sharing each
  * V load, the weights broadcast from memory. */
@@ -968,6 +967,9 @@ AI void wsum_narrow(float *o, size_t o_stride, const float *w, size_t w_stride, 
         if (j < QT) _mm512_mask_storeu_ps(o + (size_t)j * o_stride, m, acc[j]);
 }
 
+/* Several queries' weighted sums over the same V rows (quant/vec.h): per
+ * output element the same fma chain as kv_f32_wsum_avx512, with each V
+ * load shared by up to 4 queries (64 columns x 4 queries = 16 zmm). */
 void kv_f32_wsum_multi_avx512(float *o, size_t o_stride, const float *w, size_t w_stride, int64_t n_q,
                               const float *V, size_t v_stride, int64_t n_rows, int64_t n, int acc0) {
     int64_t q0 = 0;
