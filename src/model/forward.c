@@ -398,8 +398,8 @@ static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int
     for (uint32_t u = 0; u < nt; u++)
         memcpy(qb + (size_t)u * NH * HD, s->q + (size_t)(t0 + u) * (size_t)(H * HD) + (size_t)h0 * (size_t)HD,
                (size_t)(NH * HD) * sizeof(float));
-    /* scores: token u attends keys 0..pos0+u; a block's rows past that are
-     * computed for the rows' sake and never read */
+    /* scores: token u attends keys 0..pos0+u; the unit's keys past that (up
+     * to maxkv, all written) are computed with the others and never read */
     for (int64_t p0 = 0; p0 < maxkv; p0 += KV_BLOCK) {
         const int64_t n = maxkv - p0 < KV_BLOCK ? maxkv - p0 : KV_BLOCK;
         const uint32_t ulo = p0 > pos0 ? (uint32_t)(p0 - pos0) : 0; /* tokens with a key in this block */
