@@ -338,6 +338,56 @@ void kv_cache_put(kv_state *s, uint32_t il, uint32_t T) {
     }
 }
 
+/* ---- per-token work ------------------------------------------------------ */
+
+/* Fewer tokens than this run on the calling thread (a pool wake-up costs
+ * more than their norms). */
+#define KV_TOK_POOL_MIN 8
+
+typedef struct kv_tok_job {
+    kv_state *s;
+    kv_tok_fn fn;
+    const void *ctx;
+    uint32_t T;
+} kv_tok_job;
+
+static void kv_tok_worker(void *arg, int ith, int nth) {
+    const kv_tok_job *j = arg;
+    long lo, hi;
+    kv_pool_split((long)j->T, ith, nth, &lo, &hi);
+    for (long t = lo; t < hi; t++) j->fn(j->s, j->ctx, (uint32_t)t);
+}
+
+void kv_per_token(kv_state *s, uint32_t T, kv_tok_fn fn, const void *ctx) {
+    if (T < KV_TOK_POOL_MIN || kv_pool_size(s->pool) < 2) {
+        for (uint32_t t = 0; t < T; t++) fn(s, ctx, t);
+        return;
+    }
+    kv_tok_job j = {s, fn, ctx, T};
+    kv_pool_run(s->pool, kv_tok_worker, &j);
+}
+
+typedef struct kv_resid_norm_ctx {
+    const float *w;
+    int add;
+} kv_resid_norm_ctx;
+
+static void kv_resid_norm_tok(kv_state *s, const void *ctx, uint32_t t) {
+    const kv_resid_norm_ctx *c = ctx;
+    const int64_t E = s->m->hp.n_embd;
+    float *x = s->x + (size_t)t * (size_t)E;
+    if (c->add) {
+        const float *r = s->tmp + (size_t)t * (size_t)E;
+        for (int64_t i = 0; i < E; i++) x[i] = r[i] + x[i];
+    }
+    if (c->w) kv_rmsnorm(s->xb + (size_t)t * (size_t)E, x, c->w, E, s->m->hp.rms_eps);
+}
+
+void kv_resid_norm(kv_state *s, uint32_t T, int add, const float *w) {
+    const kv_resid_norm_ctx c = {w, add};
+    kv_per_token(s, T, kv_resid_norm_tok, &c);
+}
+
 /* ---- attention ---------------------------------------------------------- */
 
 typedef struct kv_attn_job {
@@ -518,20 +568,34 @@ void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok) {
     kv_pool_run(s->pool, kv_attn_worker, &aj);
 }
 
+/* Token t's per-head Q/K RMSNorm and RoPE (L: its layer). The angles are
+ * computed once for the token, into its own row of s->att (n_rot <= head_dim
+ * floats; att is free until this layer's attention writes it). */
+static void kv_q3_qk_tok(kv_state *s, const void *ctx, uint32_t t) {
+    const kv_layer *L = ctx;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
+    float *cs = s->att + (size_t)t * (size_t)QD, *sn = cs + hp->n_rot / 2;
+    kv_rope_neox_table(cs, sn, hp->n_rot, (int32_t)s->tok_pos[t], hp->rope_freq_base, hp->rope_freq_scale);
+    for (int64_t h = 0; h < H + HKV; h++) {
+        float *xh = h < H ? s->q + (size_t)t * QD + (size_t)h * HD : s->k + (size_t)t * KVD + (size_t)(h - H) * HD;
+        kv_rmsnorm(xh, xh, (h < H ? L->q_norm : L->k_norm).data, HD, hp->rms_eps);
+        kv_rope_apply(xh, hp->n_rot, cs, sn);
+    }
+}
+
 /* The qwen3moe blocks over the T embedded tokens in s->x (sequence
  * s->tok_seq[t], position s->tok_pos[t]). */
 int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
-    const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
-    const int64_t QD = H * HD, KVD = HKV * HD;
+    const int64_t E = hp->n_embd, QD = hp->n_head * hp->head_dim;
 
     for (uint32_t il = m->il_first; il <= m->il_last; il++) { /* the window: every block unless a ring node */
         const kv_layer *L = &m->layers[il];
         uint64_t pt = kv_prof_start(s);
         /* attention rmsnorm */
-        for (uint32_t t = 0; t < T; t++)
-            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
+        kv_resid_norm(s, T, 0, L->attn_norm.data);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         pt = kv_prof_mark(s, KV_PROF_NORM, pt);
         /* Q, K, V projections */
@@ -540,18 +604,7 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, s->scratch);
         pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
         /* per-head Q/K norm, RoPE, then K and V into the cache */
-        for (uint32_t t = 0; t < T; t++) {
-            const int32_t pos = (int32_t)s->tok_pos[t];
-            /* the angles once per token, in s->att (n_rot <= head_dim floats; att
-             * is free until this layer's attention writes it) */
-            float *cs = s->att, *sn = s->att + hp->n_rot / 2;
-            kv_rope_neox_table(cs, sn, hp->n_rot, pos, hp->rope_freq_base, hp->rope_freq_scale);
-            for (int64_t h = 0; h < H + HKV; h++) {
-                float *xh = h < H ? s->q + (size_t)t * QD + (size_t)h * HD : s->k + (size_t)t * KVD + (size_t)(h - H) * HD;
-                kv_rmsnorm(xh, xh, (h < H ? L->q_norm : L->k_norm).data, HD, hp->rms_eps);
-                kv_rope_apply(xh, hp->n_rot, cs, sn);
-            }
-        }
+        kv_per_token(s, T, kv_q3_qk_tok, L);
         pt = kv_prof_mark(s, KV_PROF_NORM, pt);
         kv_cache_put(s, il, T);
         /* causal attention */
@@ -561,16 +614,14 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         pt = kv_prof_mark(s, KV_PROF_ATTN, pt);
         kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, s->scratch);
         pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
-        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
-        /* FFN rmsnorm, routed experts, residual */
-        for (uint32_t t = 0; t < T; t++)
-            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->ffn_norm.data, E, hp->rms_eps);
+        /* residual, FFN rmsnorm, routed experts, residual */
+        kv_resid_norm(s, T, 1, L->ffn_norm.data);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         kv_prof_mark(s, KV_PROF_NORM, pt);
         int rc = kv_moe_routed(s, L, il, T, d);
         if (rc) return rc;
         pt = kv_prof_start(s);
-        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
+        kv_resid_norm(s, T, 1, NULL);
         kv_prof_mark(s, KV_PROF_NORM, pt);
     }
     return 0;

@@ -107,6 +107,14 @@ void kv_cache_put(kv_state *s, uint32_t il, uint32_t n_tok);
  * attention and delta-net outputs) and on the final-normed rows: a
  * quantized matmul would turn a NaN into finite garbage. */
 void kv_check_rows(kv_state *s, const float *x, size_t stride, uint32_t n_tok, int64_t n);
+/* fn(s, ctx, t) for every token t < T, the tokens split over the pool's
+ * threads when there are enough of them to pay for waking it (a decode
+ * step runs inline). fn must touch only token t's rows, so the bits are
+ * those of one thread. Not from inside a pool job. */
+typedef void (*kv_tok_fn)(kv_state *s, const void *ctx, uint32_t t);
+void kv_per_token(kv_state *s, uint32_t T, kv_tok_fn fn, const void *ctx);
+/* Per token: x += tmp (add), then xb = rmsnorm(x) * w (w not NULL). */
+void kv_resid_norm(kv_state *s, uint32_t T, int add, const float *w);
 /* Routed MoE of layer il on the normed rows s->xb: router softmax, top-k,
  * renormalized weights, experts through the provider, weighted sum in rank
  * order into s->tmp. Errors: what the provider returns. */

@@ -65,7 +65,6 @@ struct kv_q35_state {
     float *sh_g, *sh_u;  /* [max_tok][n_ff_shexp] shared expert */
     float *sh_out;       /* [max_tok][n_embd] */
     float *sh_gate;      /* [max_tok] */
-    float *rope_cs;      /* [n_rot] cos then sin of one token's RoPE angles */
     void *scratch;       /* matmul scratch for the widest input */
 };
 
@@ -116,11 +115,10 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->sh_u = malloc(B * hp->n_ff_shexp * sizeof(float));
     q->sh_out = malloc(B * E * sizeof(float));
     q->sh_gate = malloc(B * sizeof(float));
-    q->rope_cs = malloc(((size_t)hp->n_rot + 2) * sizeof(float));
     size_t kmax = kv_zmax(kv_zmax(E, VD), kv_zmax(hp->n_ff_shexp, (size_t)hp->n_head * hp->head_dim));
     q->scratch = malloc(kv_matmul_scratch((int64_t)kmax, (int64_t)B));
     if (!q->rec || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
-        !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->rope_cs || !q->scratch)
+        !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->scratch)
         return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
     return 0;
 }
@@ -144,7 +142,6 @@ void kv_q35_state_free(kv_state *s) {
     free(q->sh_u);
     free(q->sh_out);
     free(q->sh_gate);
-    free(q->rope_cs);
     free(q->scratch);
     free(q);
     s->q35 = NULL;
@@ -382,41 +379,57 @@ static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t 
     kv_prof_mark(s, KV_PROF_DELTA_PROJ, pt);
 }
 
+/* Token t's per-head Q/K RMSNorm and imrope (L: its layer; the queries
+ * from the interleaved query/gate projection). The angles are computed once
+ * for the token, into its own row of s->att (free until the attention writes
+ * it; n_rot <= head_dim floats). */
+static void kv_q35_qk_tok(kv_state *s, const void *ctx, uint32_t t) {
+    const kv_layer *L = ctx;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
+    float *cs = s->att + (size_t)t * (size_t)QD, *sn = cs + hp->n_rot / 2;
+    const int32_t p = (int32_t)s->tok_pos[t];
+    const int32_t pos[4] = {p, p, p, 0}; /* text: t = h = w = position, e = 0 */
+    kv_rope_imrope_table(cs, sn, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
+    for (int64_t h = 0; h < H; h++) {
+        float *qh = s->q + (size_t)t * QD + (size_t)h * HD;
+        kv_rmsnorm(qh, s->q35->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD, L->q_norm.data, HD, hp->rms_eps);
+        kv_rope_apply(qh, hp->n_rot, cs, sn);
+    }
+    for (int64_t h = 0; h < HKV; h++) {
+        float *kh = s->k + (size_t)t * KVD + (size_t)h * HD;
+        kv_rmsnorm(kh, kh, L->k_norm.data, HD, hp->rms_eps);
+        kv_rope_apply(kh, hp->n_rot, cs, sn);
+    }
+}
+
+/* Token t's attention output times the sigmoid of its gate. */
+static void kv_q35_gate_tok(kv_state *s, const void *ctx, uint32_t t) {
+    (void)ctx;
+    const kv_hparams *hp = &s->m->hp;
+    const int64_t HD = hp->head_dim, H = hp->n_head, QD = H * HD;
+    for (int64_t h = 0; h < H; h++) {
+        float *o = s->att + (size_t)t * QD + (size_t)h * HD;
+        const float *gate = s->q35->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD + HD;
+        for (int64_t i = 0; i < HD; i++) o[i] = o[i] * kv_sigmoid(gate[i]);
+    }
+}
+
 /* Gated full-attention block il on s->xb; output in s->tmp. */
 static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T) {
     kv_q35_state *q = s->q35;
     const kv_hparams *hp = &s->m->hp;
-    const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
+    const int64_t QD = hp->n_head * hp->head_dim;
     uint64_t pt = kv_prof_start(s);
     kv_matmul(s->pool, &L->wq, NULL, s->xb, T, q->qg, q->scratch);
     kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, q->scratch);
     kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, q->scratch);
     pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
-    float *cs = q->rope_cs, *sn = q->rope_cs + hp->n_rot / 2; /* a token's angles, shared by its heads */
-    for (uint32_t t = 0; t < T; t++) {
-        const int32_t p = (int32_t)s->tok_pos[t];
-        const int32_t pos[4] = {p, p, p, 0}; /* text: t = h = w = position, e = 0 */
-        kv_rope_imrope_table(cs, sn, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
-        for (int64_t h = 0; h < H; h++) {
-            float *qh = s->q + (size_t)t * QD + (size_t)h * HD;
-            kv_rmsnorm(qh, q->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD, L->q_norm.data, HD, hp->rms_eps);
-            kv_rope_apply(qh, hp->n_rot, cs, sn);
-        }
-        for (int64_t h = 0; h < HKV; h++) {
-            float *kh = s->k + (size_t)t * KVD + (size_t)h * HD;
-            kv_rmsnorm(kh, kh, L->k_norm.data, HD, hp->rms_eps);
-            kv_rope_apply(kh, hp->n_rot, cs, sn);
-        }
-    }
+    kv_per_token(s, T, kv_q35_qk_tok, L);
     pt = kv_prof_mark(s, KV_PROF_NORM, pt);
     kv_cache_put(s, il, T);
     kv_attn_run(s, il, T);
-    for (uint32_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) {
-            float *o = s->att + (size_t)t * QD + (size_t)h * HD;
-            const float *gate = q->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD + HD;
-            for (int64_t i = 0; i < HD; i++) o[i] = o[i] * kv_sigmoid(gate[i]);
-        }
+    kv_per_token(s, T, kv_q35_gate_tok, NULL);
     kv_check_rows(s, s->att, (size_t)QD, T, QD);
     pt = kv_prof_mark(s, KV_PROF_ATTN, pt);
     kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, q->scratch);
@@ -455,8 +468,7 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     for (uint32_t il = m->il_first; il <= m->il_last; il++) { /* the window: every block unless a ring node */
         const kv_layer *L = &m->layers[il];
         uint64_t pt = kv_prof_start(s);
-        for (uint32_t t = 0; t < T; t++)
-            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->attn_norm.data, E, hp->rms_eps);
+        kv_resid_norm(s, T, 0, L->attn_norm.data);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         kv_prof_mark(s, KV_PROF_NORM, pt);
         if (L->recurrent)
@@ -464,16 +476,14 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         else
             kv_q35_attention(s, L, il, T);
         pt = kv_prof_start(s);
-        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
-        /* post-attention norm, MoE with shared expert, residual */
-        for (uint32_t t = 0; t < T; t++)
-            kv_rmsnorm(s->xb + (size_t)t * E, s->x + (size_t)t * E, L->post_norm.data, E, hp->rms_eps);
+        /* residual, post-attention norm, MoE with shared expert, residual */
+        kv_resid_norm(s, T, 1, L->post_norm.data);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         kv_prof_mark(s, KV_PROF_NORM, pt);
         int rc = kv_q35_ffn(s, L, il, T, d);
         if (rc) return rc; /* the committed recurrent slots are untouched */
         pt = kv_prof_start(s);
-        for (size_t i = 0; i < (size_t)T * E; i++) s->x[i] = s->tmp[i] + s->x[i];
+        kv_resid_norm(s, T, 1, NULL);
         kv_prof_mark(s, KV_PROF_NORM, pt);
     }
     /* commit: each sequence of the chunk now reads the slot just written */
