@@ -393,9 +393,17 @@ AI __m512i k5_bits(int p) {
                 const WBLK *x = (const WBLK *)(w + r * rb) + i;                                 \
                 const __m128i sm = k4_scales_v(x->scales);                                      \
                 s16[r] = _mm512_broadcast_i32x4(sm);                                            \
-                dr[r] = _mm256_set1_ps(h2f(x->d));                                              \
-                dmr[r] = _mm256_set1_ps(h2f(x->dmin));                                          \
-                if (P) {                                                                        \
+                uint32_t dp_; /* d and dmin, adjacent fp16: one conversion */                   \
+                memcpy(&dp_, &x->d, 4);                                                         \
+                const __m256 ddm_ = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dp_))); \
+                dr[r] = _mm256_broadcastss_ps(_mm256_castps256_ps128(ddm_));                    \
+                dmr[r] = _mm256_permutexvar_ps(_mm256_set1_epi32(1), ddm_);                     \
+                if (P && TT == 1) { /* [d * da, dmin * da] broadcast: no trip through memory */ \
+                    const __m256 p_ = _mm256_mul_ps(ddm_, _mm256_broadcast_ss(P->d + (size_t)i * P->ss / 4)); \
+                    pdz[r] = _mm512_castps256_ps512(_mm256_broadcastss_ps(_mm256_castps256_ps128(p_))); \
+                    pmz[r] = _mm512_castps256_ps512(_mm256_permutexvar_ps(_mm256_set1_epi32(1), p_)); \
+                    mf[r] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));    \
+                } else if (P) {                                                                 \
                     const __m256 dav = _mm256_loadu_ps(P->d + (size_t)i * P->ss / 4);           \
                     const __m256 pdv = _mm256_mul_ps(dr[r], dav), pmv = _mm256_mul_ps(dmr[r], dav); \
                     _mm256_storeu_ps(pd[r], pdv);                                               \
@@ -496,7 +504,11 @@ AI __m512i k5_bits(int p) {
                         is = _mm512_add_epi32(is, _mm512_add_epi32(isum[2][r][t], isum[3][r][t])); \
                     const __m256 lf = _mm256_cvtepi32_ps(fold_i32(is));                         \
                     /* (float)M exactly: m * pair sum (both small integers) */                  \
-                    if (P) {                                                                    \
+                    if (P && TT == 1) {                                                         \
+                        acc[r][t] = _mm256_fmadd_ps(lf, _mm512_castps512_ps256(pdz[r]), acc[r][t]); \
+                        accm[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(mf[r], bp),                  \
+                                                     _mm512_castps512_ps256(pmz[r]), accm[r][t]); \
+                    } else if (P) {                                                             \
                         acc[r][t] = _mm256_fmadd_ps(lf, _mm256_broadcast_ss(&pd[r][t]), acc[r][t]); \
                         accm[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(mf[r], bp),                  \
                                                      _mm256_broadcast_ss(&pm[r][t]), accm[r][t]); \
