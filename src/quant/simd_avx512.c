@@ -900,7 +900,10 @@ static void q8z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int6
  * high) and each row's 8 values are broadcast to both halves, so per lane
  * it is the ymm tile's fma chain and the bits are the same. An odd last
  * token fills both halves (the high one is dropped). Tiles of up to 4 rows
- * x 8 tokens (16 accumulators). Attention's scores are this kernel: keys as
+ * x 8 tokens (16 accumulators); one token: 2 rows (two fma chains), the
+ * next 2 rows prefetched as one sequential sweep; 4 rows read side by side
+ * streamed 20-25% below one sequential read on Zen 5, 2 rows with the
+ * sweep at its speed. Attention's scores are this kernel: keys as
  * rows, the query heads sharing a KV head (and neighbouring tokens) as
  * tokens. */
 AI void f32z_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
@@ -910,8 +913,12 @@ AI void f32z_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
     UNROLL for (int r = 0; r < RT; r++) UNROLL for (int u = 0; u < TP; u++) acc[r][u] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        if (TT == 1 && !(i & 15)) /* one token (decode): the next tile's rows, a line at a time */
-            UNROLL for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(w + (size_t)(r + RT) * rb) + 4 * i, _MM_HINT_T0);
+        if (TT == 1) { /* one token (decode): the next tile's rows in one sequential sweep */
+            const size_t off_ = (size_t)i * RT * sizeof(float);
+            if ((off_ & 63) < (size_t)RT * 32)
+                UNROLL for (int l_ = 0; l_ < (RT * 32 + 63) / 64; l_++)
+                    _mm_prefetch((const char *)(w + (size_t)RT * rb + (off_ & ~(size_t)63)) + 64 * l_, _MM_HINT_T0);
+        }
         __m512 av[4];
         UNROLL for (int u = 0; u < TP; u++) {
             const float *a0 = (const float *)(const void *)(a + (size_t)(2 * u) * ab) + i;
@@ -958,7 +965,7 @@ static void f32z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int
     const int64_t nt = n_tok;
     const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
     _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")
-    K_TILE_LOOP(f32z_TF, 4, 8, 4);
+    K_TILE_LOOP(f32z_TF, 4, 8, 2);
     _Pragma("GCC diagnostic pop")
 }
 
