@@ -193,6 +193,11 @@ export function report(outDir, threads, types) {
     const kvasir = { ...summarize(kvRuns), backend: kvRuns[0]?.backend, bytes_per_token_reported: kvRuns[0]?.bytes_per_token };
     const llama = { ...summarize(llRuns), settings: llRuns[0]?.settings };
     const boundTokS = (bw.read_gb_s * 1e9) / bytes.bytes_per_token;
+    // each round's own probe (bench/run.sh reads it before the round): decode
+    // against the bound of the minute it ran in, best over rounds
+    const roundBw = ex(`${key}.membw.jsonl`) ? rdl(`${key}.membw.jsonl`).map((b) => b.read_gb_s) : [];
+    const ofRound = (runs) => roundBw.length === runs.length && runs.length
+      ? Math.max(...runs.map((r, i) => (r.decode_tok_s * bytes.bytes_per_token) / (roundBw[i] * 1e9))) : null;
     rows.push({
       type: t, threads: th, ttft, read_gb_s: bw.read_gb_s, arch: bytes.arch, quant: t.replace(/^.*-/, ""), model: bytes, kvasir, llama,
       prefill_ratio: kvasir.prefill_tok_s / llama.prefill_tok_s,
@@ -200,6 +205,9 @@ export function report(outDir, threads, types) {
       decode_bound_tok_s: boundTokS,
       kvasir_decode_of_bound: kvasir.decode_tok_s / boundTokS,
       llama_decode_of_bound: llama.decode_tok_s / boundTokS,
+      round_read_gb_s: roundBw,
+      kvasir_decode_of_round_bound: ofRound(kvRuns),
+      llama_decode_of_round_bound: ofRound(llRuns),
     });
   }
   const res = {
@@ -210,12 +218,13 @@ export function report(outDir, threads, types) {
   const resultsFile = path.join(outDir, process.env.KV_BENCH_RESULTS || "results.json");
   fs.writeFileSync(resultsFile, JSON.stringify(res, null, 1));
   const f1 = (x) => x.toFixed(1), f2 = (x) => x.toFixed(2);
-  const head = ["model", "threads", "backend", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "mean ratio p/d", "TTFT kvasir s", "TTFT llama s", "TTFT ratio"];
+  const head = ["model", "threads", "backend", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "kvasir/round bound", "mean ratio p/d", "TTFT kvasir s", "TTFT llama s", "TTFT ratio"];
   const lines = rows.map((r) => [
     r.type, String(r.threads), String(r.kvasir.backend), String(r.model.n_layer), f2(r.model.file_bytes / 1e9), f1(r.model.bytes_per_token / 1e6),
     f1(r.kvasir.prefill_tok_s), f1(r.llama.prefill_tok_s), f2(r.prefill_ratio),
     f1(r.kvasir.decode_tok_s), f1(r.llama.decode_tok_s), f2(r.decode_ratio),
     f1(r.decode_bound_tok_s), (100 * r.kvasir_decode_of_bound).toFixed(0) + "%", (100 * r.llama_decode_of_bound).toFixed(0) + "%",
+    r.kvasir_decode_of_round_bound == null ? "-" : (100 * r.kvasir_decode_of_round_bound).toFixed(0) + "%",
     `${f2(r.kvasir.prefill_tok_s_mean / r.llama.prefill_tok_s_mean)}/${f2(r.kvasir.decode_tok_s_mean / r.llama.decode_tok_s_mean)}`,
     r.ttft ? f2(r.ttft.kvasir_s) : "-", r.ttft ? f2(r.ttft.llama_s) : "-", r.ttft ? f2(r.ttft.ratio) : "-",
   ]);
@@ -224,7 +233,7 @@ export function report(outDir, threads, types) {
   const bwTxt = Object.values(bws).map((b) => `${b.read_gb_s} GB/s (${b.threads} threads)`).join(", ");
   console.log(`\n${cpu}, ${res.nproc} cpus, load ${res.loadavg.map((x) => x.toFixed(2)).join(" ")}; threads ${threads}; llama.cpp ISA ${res.isa}; read bandwidth ${bwTxt}`);
   console.log(`tokens/s (best of ${rows[0]?.kvasir.rounds.length ?? "?"} alternating rounds), prefill ${res.n_prompt} tokens, decode ${res.n_gen}; ratio = kvasir / llama.cpp (best; last column: of the means);`);
-  console.log("decode bound = read bandwidth / bytes of weights per token; TTFT: a " + (rows.find((r) => r.ttft)?.ttft.n_prompt ?? "-") + "-token prompt evaluated and the first token picked, one round; TTFT ratio = llama.cpp / kvasir");
+  console.log("decode bound = read bandwidth / bytes of weights per token; kvasir/round bound = each round's decode against the probe read just before that round, best round; TTFT: a " + (rows.find((r) => r.ttft)?.ttft.n_prompt ?? "-") + "-token prompt evaluated and the first token picked, one round; TTFT ratio = llama.cpp / kvasir");
   console.log(line(head));
   for (const x of lines) console.log(line(x));
   // the 122B skeleton: decode against its bound, its profile, its cold start
@@ -234,9 +243,12 @@ export function report(outDir, threads, types) {
     if (!fs.existsSync(f)) continue;
     const k = JSON.parse(fs.readFileSync(f, "utf8")), bw = bws[th];
     const bound = (bw.read_gb_s * 1e9) / k.bytes_per_token;
+    const fr = path.join(outDir, `s122.t${th}.membw.json`);
+    const rbw = fs.existsSync(fr) ? JSON.parse(fs.readFileSync(fr, "utf8")).read_gb_s : null;
     const dec = k.profile?.decode, tot = dec ? Object.values(dec.stages_ms).reduce((a, b) => a + b, 0) : 0;
     s122.push({ threads: Number(th), prefill_tok_s: k.prefill_tok_s, decode_tok_s: k.decode_tok_s, bytes_per_token: k.bytes_per_token,
       read_gb_s: bw.read_gb_s, decode_bound_tok_s: bound, of_bound: k.decode_tok_s / bound, peak_rss_kb: k.peak_rss_kb,
+      round_read_gb_s: rbw, of_round_bound: rbw ? (k.decode_tok_s * k.bytes_per_token) / (rbw * 1e9) : null,
       decode_profile_ms: dec?.stages_ms, decode_wall_ms: dec?.wall_ms, decode_stages_ms: tot });
   }
   const coldF = path.join(outDir, "s122.cold.json");
@@ -248,7 +260,7 @@ export function report(outDir, threads, types) {
     for (const r of s122) {
       const top = Object.entries(r.decode_profile_ms || {}).sort((a, b) => b[1] - a[1]).slice(0, 4)
         .map(([n, ms]) => `${n} ${(100 * ms / r.decode_wall_ms).toFixed(0)}%`).join(", ");
-      console.log(`  threads ${r.threads}: decode ${f2(r.decode_tok_s)} tok/s, bound ${f2(r.decode_bound_tok_s)} (${r.read_gb_s} GB/s / ${f1(r.bytes_per_token / 1e6)} MB per token) = ${(100 * r.of_bound).toFixed(0)}% of bound; prefill ${f2(r.prefill_tok_s)} tok/s; peak RSS ${f1(r.peak_rss_kb / 1048576)} GB; decode stages: ${top}`);
+      console.log(`  threads ${r.threads}: decode ${f2(r.decode_tok_s)} tok/s, bound ${f2(r.decode_bound_tok_s)} (${r.read_gb_s} GB/s / ${f1(r.bytes_per_token / 1e6)} MB per token) = ${(100 * r.of_bound).toFixed(0)}% of bound${r.round_read_gb_s ? ` (${(100 * r.of_round_bound).toFixed(0)}% of its own probe, ${r.round_read_gb_s} GB/s just before)` : ""}; prefill ${f2(r.prefill_tok_s)} tok/s; peak RSS ${f1(r.peak_rss_kb / 1048576)} GB; decode stages: ${top}`);
     }
   }
   if (cold.length) {

@@ -185,7 +185,12 @@ for m in "${models[@]}"; do
     # with its own untimed warm-up.
     : > "$OUT/$k.kvasir.jsonl"
     : > "$OUT/$k.llama.jsonl"
+    : > "$OUT/$k.membw.jsonl"
     for r in $(seq "$REPS"); do
+      # this VM's read bandwidth drifts from minute to minute: each round
+      # reads the probe again, and the report also gives decode against the
+      # bound of its own round
+      "$OUT/membw" "$th" >> "$OUT/$k.membw.jsonl"
       echo "bench: $k: round $r/$REPS: kvasir bench -p $P -n $N --threads $th; llama.cpp the same ($ISA)"
       env "${KVENV[@]}" "$BIN" bench -m "$f" -p "$P" -n "$N" --threads "$th" --reps 1 --json >> "$OUT/$k.kvasir.jsonl"
       echo >> "$OUT/$k.kvasir.jsonl"
@@ -213,6 +218,7 @@ if [ "${KV_BENCH_122B:-1}" = 1 ]; then
   [ -f "$S122" ] || "$BIN" gen-model --preset qwen35-122b-a10b --skeleton --out "$S122"
   for th in $THREADS; do
     echo "bench: 122B skeleton: kvasir bench -p 16 -n 24 --threads $th --profile (warm)"
+    "$OUT/membw" "$th" > "$OUT/s122.t$th.membw.json"
     env "${KVENV[@]}" "$BIN" bench -m "$S122" -p 16 -n 24 --threads "$th" --reps 1 --profile --json > "$OUT/s122.t$th.json"
   done
   if ( echo 1 > /proc/sys/vm/drop_caches ) 2>/dev/null; then
