@@ -521,9 +521,11 @@ static void test_mat_rows(void) {
     /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5);
      * for the 32-value block types also an odd block count (544: the zmm
      * Q8_0 kernel's half pair) and rows long enough (8224) that 17 tokens
-     * need more than one chunk of prepared activations */
+     * need more than one chunk of prepared activations; for the K-quants 2
+     * and 3 super-blocks (the AVX-512 one-token q4_K loop takes them in
+     * pairs, an odd last one alone) */
     const int toks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
-    const int n_rows = 37, nmax = 8224, ns[] = {512, 544, 8224};
+    const int n_rows = 37, nmax = 8224, ns[] = {512, 544, 768, 8224};
     float *x = malloc(sizeof(float) * nmax * 40);
     uint8_t *W = malloc((size_t)nmax * 4 * n_rows), *A = malloc(((size_t)nmax * 4 + 8) * 17);
     float *Y = malloc(sizeof(float) * 64 * 17);
@@ -536,7 +538,7 @@ static void test_mat_rows(void) {
             const int n = ns[ni];
             const kv_type_info *t = kv_type_get(type), *ta = kv_type_get(t->vec_dot_type);
             const kv_type_info *tr = kv_type_get_ref(type);
-            if (n % t->blck || (n != 512 && t->blck != 32)) continue;
+            if (n % t->blck || (t->blck != 32 && n != 512 && n != 768)) continue;
             size_t rb = kv_type_row_size(type, n), ab = kv_type_row_size(t->vec_dot_type, n) + 8;
             fill_gauss(x, (int64_t)n * n_rows, 0.05f);
             for (int r = 0; r < n_rows; r++) t->from_float(x + (size_t)r * n, W + r * rb, n);

@@ -358,6 +358,98 @@ AI __m512i k5_bits(int p) {
  * products get more so the vpdpwssd latency stays hidden. */
 #define K_NCH(RT, TT) ((RT) * (TT) == 1 ? 4 : (RT) * (TT) == 2 ? 2 : 1)
 
+/* One q4_K super-block of one row against one prepared token: its int32
+ * lane sums (16 lanes, not yet folded), from the scale bytes s16
+ * broadcast to every 128-bit lane. The tile's vpdpbusd path, its two
+ * vpdpwssd in one chain (integer sums: any order gives the same). */
+AI __m512i k4_one_sums(const kv_block_q4_K *x, const uint8_t *yq, __m512i s16) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    __m512i is = _mm512_setzero_si512();
+    UNROLL for (int k = 0; k < 2; k++) {
+        const __m512i qv = _mm512_loadu_si512((const void *)(x->qs + 64 * k));
+        const __m512i y0 = _mm512_load_si512((const void *)(yq + 128 * k));
+        const __m512i y1 = _mm512_load_si512((const void *)(yq + 128 * k + 64));
+        const __m512i xl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(qv, m4), y0);
+        const __m512i xh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(qv, 4), m4), y1);
+        const __m512i c2 = _mm512_mask_blend_epi16(0xAAAAAAAAu, xl, _mm512_slli_epi32(xh, 16));
+        is = _mm512_dpwssd_epi32(is, c2, _mm512_shuffle_epi8(s16, k4_pair_pick(k)));
+    }
+    return is;
+}
+
+/* q4_K, one row x one prepared token (decode): two super-blocks per step,
+ * so the scale/min decode, the folds, the conversions and the scale
+ * products run once for both in 256- or 512-bit registers (~36 vector ops
+ * a super-block instead of ~46); the float steps are the tile's, super-block
+ * by super-block in order (fma into acc / accm, i then i + 1), so the same
+ * bits. An odd last super-block takes the same steps alone. */
+AI void q4_K_one(int64_t nsb, const uint8_t *w, size_t rb, const k4_pre *P, int pf, float *out) {
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    const size_t fs = P->ss / 4; /* floats per prepared super-block */
+    const __m512i pdi = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i pmi = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    int64_t i = 0;
+    for (; i + 2 <= nsb; i += 2) {
+        if (pf) { /* the next row (the next tile), spread over the super-blocks */
+            const char *nx = (const char *)w + KV_PF_TILES * rb + i * (int64_t)sizeof(kv_block_q4_K);
+            UNROLL for (int l = 0; l < (int)(2 * sizeof(kv_block_q4_K) + 63) / 64; l++) _mm_prefetch(nx + 64 * l, _MM_HINT_T0);
+        }
+        const kv_block_q4_K *x0 = (const kv_block_q4_K *)(const void *)w + i, *x1 = x0 + 1;
+        /* k4_scales_v of both blocks in one ymm (block i low, i + 1 high) */
+        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)x0->scales)),
+                                                  _mm_loadu_si128((const __m128i *)x1->scales), 1);
+        const __m256i pv = _mm256_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), hv = _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(pv, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
+                                            _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                                                              0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(hv, 2), _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030,
+                                                                                         0, 0x30303030, 0, 0x30303030));
+        const __m256i sm = _mm256_or_si256(lo, hi);
+        const __m512i smz = _mm512_castsi256_si512(sm);
+        const uint8_t *yq = P->q + (size_t)i * P->ss;
+        const __m512i is0 = k4_one_sums(x0, yq, _mm512_shuffle_i32x4(smz, smz, 0x00));
+        const __m512i is1 = k4_one_sums(x1, yq + P->ss, _mm512_shuffle_i32x4(smz, smz, 0x55));
+        /* fold_i32 of both (lane j + lane j+8), one convert */
+        const __m512 lf = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_shuffle_i64x2(is0, is1, 0x44),
+                                                              _mm512_shuffle_i64x2(is0, is1, 0xEE)));
+        /* [d0, dmin0, d1, dmin1] * [da0, da0, da1, da1]: the tile's rounded products */
+        uint32_t d0, d1;
+        memcpy(&d0, &x0->d, 4);
+        memcpy(&d1, &x1->d, 4);
+        const float da0 = P->d[(size_t)i * fs], da1 = P->d[(size_t)(i + 1) * fs];
+        const __m128 p4 = _mm_mul_ps(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)d0), (int)d1, 1)),
+                                     _mm_setr_ps(da0, da0, da1, da1));
+        const __m512 p4z = _mm512_castps128_ps512(p4);
+        const __m512 pd = _mm512_permutexvar_ps(pdi, p4z), pm = _mm512_permutexvar_ps(pmi, p4z);
+        /* (float)M exactly: m * pair sum, both blocks at once */
+        const __m512 mf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(_mm256_permute4x64_epi64(sm, 0xD))));
+        const __m512 bp = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P->b + (size_t)i * fs)),
+                                             _mm256_loadu_ps(P->b + (size_t)(i + 1) * fs), 1);
+        const __m512 mm = _mm512_mul_ps(mf, bp);
+        acc = _mm256_fmadd_ps(_mm512_castps512_ps256(lf), _mm512_castps512_ps256(pd), acc);
+        accm = _mm256_fmadd_ps(_mm512_castps512_ps256(mm), _mm512_castps512_ps256(pm), accm);
+        acc = _mm256_fmadd_ps(_mm512_extractf32x8_ps(lf, 1), _mm512_extractf32x8_ps(pd, 1), acc);
+        accm = _mm256_fmadd_ps(_mm512_extractf32x8_ps(mm, 1), _mm512_extractf32x8_ps(pm, 1), accm);
+    }
+    if (i < nsb) {
+        if (pf) {
+            const char *nx = (const char *)w + KV_PF_TILES * rb + i * (int64_t)sizeof(kv_block_q4_K);
+            UNROLL for (int l = 0; l < (int)(sizeof(kv_block_q4_K) + 63) / 64; l++) _mm_prefetch(nx + 64 * l, _MM_HINT_T0);
+        }
+        const kv_block_q4_K *x = (const kv_block_q4_K *)(const void *)w + i;
+        const __m128i sm = k4_scales_v(x->scales);
+        const __m512i is = k4_one_sums(x, P->q + (size_t)i * P->ss, _mm512_broadcast_i32x4(sm));
+        uint32_t dp;
+        memcpy(&dp, &x->d, 4);
+        const __m128 p = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dp)), _mm_set1_ps(P->d[(size_t)i * fs]));
+        const __m256 pd = _mm256_broadcastss_ps(p), pm = _mm256_permutexvar_ps(_mm256_set1_epi32(1), _mm256_castps128_ps256(p));
+        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_i32(is)), pd, acc);
+        accm = _mm256_fmadd_ps(_mm256_mul_ps(mf, _mm256_loadu_ps(P->b + (size_t)i * fs)), pm, accm);
+    }
+    *out = hsum_ps8(_mm256_sub_ps(acc, accm));
+}
+
 /* RT rows x TT tokens over nsb super-blocks. P: the first token's
  * prepared activations, or NULL (the block at a). pf: prefetch the next RT rows (the next
  * tile) as one sequential run, spread over the super-blocks. */
@@ -365,6 +457,10 @@ AI __m512i k5_bits(int p) {
     AI void NAME(const int RT, const int TT, int64_t nsb, const uint8_t *w, size_t rb,          \
                  const uint8_t *a, size_t ab, const k4_pre *P, int pf, float *out) {            \
         /* callers pass P as a constant NULL or a local's address: both specialize */           \
+        if (RT == 1 && TT == 1 && P && !(Q5)) { /* decode: the two-super-block loop */          \
+            q4_K_one(nsb, w, rb, P, pf, out);                                                   \
+            return;                                                                             \
+        }                                                                                       \
         /* with P, tokens 2u and 2u+1 share a zmm (acc2, accm2: the first one's 8 \
          * lanes low, the second one's high); an odd last token and the lone   \
          * vec_dot use the ymm accumulators */                                  \
