@@ -635,6 +635,51 @@ static void test_softmax(void) {
     free(in); free(ref); free(x);
 }
 
+/* kv_f32_silu (the qwen35 conv and output gate): every backend the scalar
+ * reference's bits, and the reference within a few ulps of f64 silu, over
+ * tails, both signs, the clamp, zeros, infinities and a NaN. */
+static void test_silu(void) {
+    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const int n = 1031;
+    float *in = malloc(sizeof(float) * n), *ref = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n);
+    int bad_acc = 0, bad_id = 0, checked = 0;
+    double worst = 0.0;
+    for (int kind = 0; kind < 3; kind++) {
+        fill_gauss(in, n, kind == 0 ? 2.0f : kind == 1 ? 30.0f : 100.0f);
+        in[0] = 0.0f; in[1] = -0.0f; in[2] = INFINITY; in[3] = -INFINITY; in[4] = NAN;
+        in[5] = -88.5f; in[6] = 88.5f; in[7] = -87.5f; in[8] = 1e-30f; in[9] = -1e-30f;
+        kv_quant_set_backend("scalar");
+        kv_f32_silu(ref, in, n);
+        for (int i = 0; i < n; i++) {
+            const double x = (double)in[i];
+            if (isnan(x)) { bad_acc += !isnan(ref[i]); continue; }
+            if (isinf(x)) { bad_acc += x > 0 ? ref[i] != in[i] : !isnan(ref[i]); continue; } /* inf / 1, -inf * 0 */
+            const double want = x / (1.0 + exp(-x));
+            const double err = fabs((double)ref[i] - want);
+            /* a few ulps of the result; below -88 (-0 there) the true value is under 1e-36 */
+            const double bound = 6e-7 * fabs(want) + 1e-36;
+            if (!(err <= bound)) bad_acc++;
+            else if (err / bound > worst) worst = err / bound;
+        }
+        for (size_t b = 1; b < sizeof bes / sizeof bes[0]; b++) {
+            if (kv_quant_set_backend(bes[b]) != 0) continue;
+            for (int len = 1; len <= n; len = len < 20 ? len + 1 : len * 3) {
+                memcpy(y, in, sizeof(float) * (size_t)n);
+                kv_f32_silu(y, y, len); /* in place, as qwen35 calls it */
+                for (int i = 0; i < len; i++) bad_id += f2u(y[i]) != f2u(ref[i]);
+                for (int i = len; i < n; i++) bad_id += f2u(y[i]) != f2u(in[i]);
+                checked++;
+            }
+        }
+    }
+    kv_quant_set_backend("scalar");
+    printf("  silu: worst error %.2f of its bound against f64; %d backend runs compared\n", worst, checked);
+    if (bad_acc) KVT_FAIL("silu: %d elements outside the bound against f64", bad_acc);
+    if (bad_id) KVT_FAIL("silu: %d elements differ from the scalar reference", bad_id);
+    kvt_checks++;
+    free(in); free(ref); free(y);
+}
+
 /* ------------------------------------------------------------------ */
 /* attention helpers (quant/vec.h): every backend bit-identical to the
  * scalar reference and to the documented per-element order. */
@@ -837,7 +882,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_sizes_and_names), KVT_CASE(test_fp16),          KVT_CASE(test_bf16),
     KVT_CASE(test_dequant_handmade), KVT_CASE(test_activation_rounding),
     KVT_CASE(test_roundtrip_error), KVT_CASE(test_vec_dot_ref),  KVT_CASE(test_backends_identical),
-    KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_softmax),     KVT_CASE(test_delta_rows),
+    KVT_CASE(test_mat_rows),         KVT_CASE(test_attn_vec),     KVT_CASE(test_softmax), KVT_CASE(test_silu),     KVT_CASE(test_delta_rows),
     KVT_CASE(test_backend_env),
 };
 

@@ -192,7 +192,6 @@ static bool kv_q35_first(const kv_state *s, uint32_t t) { return s->tok_pos[t] =
 /* ---- ops ------------------------------------------------------------------ */
 
 static float kv_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-static float kv_silu(float x) { return x / (1.0f + expf(-x)); }
 static float kv_softplus(float x) { return x > 20.0f ? x : logf(1.0f + expf(x)); }
 
 /* x /= max(||x||, eps), the norm's square summed in double (ggml_l2_norm). */
@@ -314,10 +313,11 @@ static void kv_q35_cv_worker(void *arg, int ith, int nth) {
                 float sum = 0.0f;
                 for (int64_t i = 0; i < KC - 1; i++) sum += sc[i] * wc[i];
                 sum += x[c] * wc[KC - 1];
-                y[c] = kv_silu(sum);
+                y[c] = sum;
                 for (int64_t i = 0; i + 1 < KC - 1; i++) sc[i] = sc[i + 1];
                 sc[KC - 2] = x[c];
             }
+            kv_f32_silu(y + c0, y + c0, c1 - c0); /* the vectorized documented exp (quant/vec.h) */
             /* l2-normalized query and key heads */
             for (int64_t h = c0 / SV; h < 2 * NK && (h + 1) * SV <= c1; h++) kv_l2norm(y + h * SV, SV, hp->rms_eps);
         }
@@ -328,7 +328,12 @@ static void kv_q35_cv_worker(void *arg, int ith, int nth) {
             float *o = q->o + (size_t)t * VD + (size_t)h * SV;
             const float *z = q->z + (size_t)t * VD + (size_t)h * SV;
             kv_rmsnorm(o, o, j->L->ssm_norm.data, SV, hp->rms_eps);
-            for (int64_t k = 0; k < SV; k++) o[k] = o[k] * kv_silu(z[k]);
+            float zs[128];
+            for (int64_t k0 = 0; k0 < SV; k0 += 128) {
+                const int64_t m = SV - k0 < 128 ? SV - k0 : 128;
+                kv_f32_silu(zs, z + k0, m);
+                for (int64_t k = 0; k < m; k++) o[k0 + k] = o[k0 + k] * zs[k];
+            }
         }
     }
 }

@@ -190,11 +190,16 @@ void kv_f32_wsum_multi_avx512(float *o, size_t o_stride, const float *w, size_t 
 typedef void (*kv_softmax_fn)(float *x, int64_t n, float scale);
 void kv_f32_softmax_ref(float *x, int64_t n, float scale);
 void kv_f32_softmax_avx2(float *x, int64_t n, float scale);
+/* kv_f32_silu per backend (quant/vec.h). */
+typedef void (*kv_silu_fn)(float *y, const float *x, int64_t n);
+void kv_f32_silu_ref(float *y, const float *x, int64_t n);
+void kv_f32_silu_avx2(float *y, const float *x, int64_t n);
 #define KV_EXP_L2E 0x1.715476p+0f     /* log2(e) */
 #define KV_EXP_MAGIC 0x1.8p+23f       /* 1.5 * 2^23: adding it rounds to an integer */
 #define KV_EXP_LN2_HI 0x1.62e4p-1f    /* ln 2, high bits (trailing zeros: f * hi exact) */
 #define KV_EXP_LN2_LO 0x1.7f7d1cp-20f /* ln 2 - hi */
 #define KV_EXP_MIN (-87.0f)           /* below: 0 */
+#define KV_EXP_MAX 88.0f              /* kv_f32_silu: -x above it gives x * 0 (e^-x past float) */
 /* 1/k! for k = 7 .. 0 */
 #define KV_EXP_C7 0x1.a01a02p-13f
 #define KV_EXP_C6 0x1.6c16c2p-10f

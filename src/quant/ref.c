@@ -348,6 +348,13 @@ void kv_f32_wsum_ref(float *o, const float *w, const float *V, size_t v_stride, 
     }
 }
 
+void kv_f32_silu_ref(float *y, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float nx = -x[i];
+        y[i] = nx > KV_EXP_MAX ? x[i] * 0.0f : x[i] / (1.0f + kv_exp_ref(nx));
+    }
+}
+
 void kv_f32_softmax_ref(float *x, int64_t n, float scale) {
     float m8[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (int64_t i = 0; i < n; i++) {

@@ -944,6 +944,23 @@ AI __m256 exp8(__m256 y) {
     return _mm256_andnot_ps(_mm256_cmp_ps(y, _mm256_set1_ps(KV_EXP_MIN), _CMP_LT_OQ), e);
 }
 
+/* silu as the reference: -x (the sign flipped); past KV_EXP_MAX x * 0,
+ * else the same exp, one add, one correctly rounded divide (the exp's input
+ * clamped so those lanes compute something finite; vminps keeps a NaN's
+ * lane on the divide, whose NaN is x's, as in the reference). */
+void kv_f32_silu_avx2(float *y, const float *x, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), mx = _mm256_set1_ps(KV_EXP_MAX), sg = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i), nv = _mm256_xor_ps(v, sg);
+        const __m256 e = exp8(_mm256_min_ps(nv, mx));
+        const __m256 r = _mm256_div_ps(v, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(y + i, _mm256_blendv_ps(r, _mm256_mul_ps(v, _mm256_setzero_ps()),
+                                                 _mm256_cmp_ps(nv, mx, _CMP_GT_OQ)));
+    }
+    if (i < n) kv_f32_silu_ref(y + i, x + i, n - i);
+}
+
 void kv_f32_softmax_avx2(float *x, int64_t n, float scale) {
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 m = _mm256_set1_ps(-INFINITY);

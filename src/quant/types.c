@@ -72,6 +72,7 @@ static kv_wsum_fn kv_wsums[KV_BE_COUNT];
 static kv_delta_fn kv_deltas[KV_BE_COUNT], kv_deltas_stream[KV_BE_COUNT];
 static kv_wsum_multi_fn kv_wsum_multis[KV_BE_COUNT]; /* NULL: one query at a time */
 static kv_softmax_fn kv_softmaxes[KV_BE_COUNT];
+static kv_silu_fn kv_silus[KV_BE_COUNT];
 static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
 #if defined(__aarch64__)
 static void kv_init_neon(void);
@@ -126,6 +127,7 @@ static void kv_init(void) {
     kv_be_ok[KV_BE_SCALAR] = true;
     kv_wsums[KV_BE_SCALAR] = kv_f32_wsum_ref;
     kv_softmaxes[KV_BE_SCALAR] = kv_f32_softmax_ref;
+    kv_silus[KV_BE_SCALAR] = kv_f32_silu_ref;
     kv_deltas[KV_BE_SCALAR] = kv_f32_delta_ref;
     kv_deltas_stream[KV_BE_SCALAR] = kv_f32_delta_ref;
 #ifdef KV_X86
@@ -138,6 +140,7 @@ static void kv_init(void) {
         kv_wsums[KV_BE_AVX2] = kv_f32_wsum_avx2;
         kv_wsum_multis[KV_BE_AVX2] = kv_f32_wsum_multi_avx2;
         kv_softmaxes[KV_BE_AVX2] = kv_f32_softmax_avx2;
+        kv_silus[KV_BE_AVX2] = kv_f32_silu_avx2;
         kv_deltas[KV_BE_AVX2] = kv_f32_delta_avx2;
         kv_deltas_stream[KV_BE_AVX2] = kv_f32_delta_stream_avx2;
         kv_be_cur = KV_BE_AVX2;
@@ -149,6 +152,7 @@ static void kv_init(void) {
         kv_wsums[KV_BE_AVX512] = kv_f32_wsum_avx512;
         kv_wsum_multis[KV_BE_AVX512] = kv_f32_wsum_multi_avx512;
         kv_softmaxes[KV_BE_AVX512] = kv_f32_softmax_avx2; /* ymm: the same bits */
+        kv_silus[KV_BE_AVX512] = kv_f32_silu_avx2;
         kv_deltas[KV_BE_AVX512] = kv_f32_delta_avx2; /* ymm: the 8-lane order */
         kv_deltas_stream[KV_BE_AVX512] = kv_f32_delta_stream_avx2;
         kv_be_cur = KV_BE_AVX512;
@@ -178,6 +182,7 @@ static void kv_init_neon(void) {
     kv_be_ok[KV_BE_NEON] = true;
     kv_wsums[KV_BE_NEON] = kv_f32_wsum_neon;
     kv_softmaxes[KV_BE_NEON] = kv_f32_softmax_ref;
+    kv_silus[KV_BE_NEON] = kv_f32_silu_ref;
     kv_deltas[KV_BE_NEON] = kv_f32_delta_ref;
     kv_deltas_stream[KV_BE_NEON] = kv_f32_delta_ref;
     kv_be_cur = KV_BE_NEON;
@@ -187,6 +192,7 @@ static void kv_init_neon(void) {
     kv_be_ok[KV_BE_NEONDOT] = true;
     kv_wsums[KV_BE_NEONDOT] = kv_f32_wsum_neon;
     kv_softmaxes[KV_BE_NEONDOT] = kv_f32_softmax_ref;
+    kv_silus[KV_BE_NEONDOT] = kv_f32_silu_ref;
     kv_deltas[KV_BE_NEONDOT] = kv_f32_delta_ref;
     kv_deltas_stream[KV_BE_NEONDOT] = kv_f32_delta_ref;
     kv_be_cur = KV_BE_NEONDOT;
@@ -294,6 +300,12 @@ void kv_f32_wsum_rows_multi(float *o, size_t o_stride, const float *w, size_t w_
 void kv_f32_softmax(float *x, int64_t n, float scale) {
     kv_ensure();
     (kv_softmaxes[kv_be_cur] ? kv_softmaxes[kv_be_cur] : kv_f32_softmax_ref)(x, n, scale);
+}
+
+void kv_f32_silu(float *y, const float *x, int64_t n) {
+    kv_ensure();
+    if (n <= 0) return;
+    (kv_silus[kv_be_cur] ? kv_silus[kv_be_cur] : kv_f32_silu_ref)(y, x, n);
 }
 
 void kv_f32_delta_rows(const float *S, float *D, int64_t n_rows, int64_t n, const float *k,

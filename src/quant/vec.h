@@ -22,7 +22,10 @@
  *    r = fma(f, -ln2_hi, y), r = fma(f, -ln2_lo, r), p = the Taylor
  *    polynomial of degree 7 by Horner (p = 1/7!, then p = fma(p, r, c_k) for
  *    c_k = 1/6!, ..., 1/1!, 1/0!), e = p * 2^n (2^n built from n's bits);
- *    0 when y < -87. All constants are the floats named in ref.c. */
+ *    0 when y < -87. All constants are the floats named in ref.c.
+ *  - kv_f32_silu: y[i] = x[i] / (1 + kv_exp(-x[i])) (one rounded add, one
+ *    rounded divide) for -x[i] <= 88, else x[i] * 0 (-0; NaN for -inf, as
+ *    x / (1 + e^inf) in libm floats); a NaN x gives x's NaN. */
 #ifndef KV_QUANT_VEC_H
 #define KV_QUANT_VEC_H
 
@@ -62,5 +65,7 @@ void kv_f32_delta_rows_stream(const float *S, float *D, int64_t n_rows, int64_t 
 /* Softmax of n floats in place after scaling each by scale (1: none),
  * the order above; n >= 1. */
 void kv_f32_softmax(float *x, int64_t n, float scale);
+/* y = silu(x) = x / (1 + e^-x) by the documented exp; y may be x. */
+void kv_f32_silu(float *y, const float *x, int64_t n);
 
 #endif
