@@ -284,13 +284,15 @@ AI void q8a_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const 
 
 /* One row x up to 8 tokens (from KV_Q8R_MIN tokens): 8 accumulators of
  * one row instead of a 2-row tile's 2 x 4, so an expert's 5-8 tokens are
- * one tile, not two of 2-4 tokens. From 3 tokens: 3 and 4 tokens ran 9%
+ * one tile, not two of 2-4 tokens. From 2 tokens: 3 and 4 tokens ran 9%
  * faster here than in 2 x 4 tiles (L2-resident rows, best of 3: 56 vs 51,
- * 60 vs 55 GMAC/s); 2 tokens the same. The tile's activation blocks are copied once,
+ * 60 vs 55 GMAC/s); 2 tokens the same in L2, but from memory (random
+ * 768 x 2048 expert matrices) 27-28 -> 45-46 GMAC/s, and 2048 x 768 39 ->
+ * 46-48: the 2 x 2 tile streamed 14 GB/s. The tile's activation blocks are copied once,
  * block-major ([block][token] 32 bytes), so every load is one pointer plus
  * a constant; the canonical lanes and scale products as q8a_tile. */
 #ifndef KV_Q8R_MIN
-#define KV_Q8R_MIN 3
+#define KV_Q8R_MIN 2
 #endif
 #define KV_Q8R_MAX_NB 256 /* rows up to 8192 values */
 AI void q8r_tile(int TT, int64_t nb, const uint8_t *w, size_t rb, const int8_t *aq, const float *da,
