@@ -295,6 +295,14 @@ AI void q8a_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const 
 #define KV_Q8R_MIN 2
 #endif
 #define KV_Q8R_MAX_NB 256 /* rows up to 8192 values */
+/* A block's d broadcast: d and the next two bytes in one 32-bit load, lane
+ * 0 of their conversion is d (3 instructions instead of h2f's zeroing,
+ * insert, conversion and broadcast; L2-resident 8-token tiles +1-3%). */
+AI __m256 q8_dw(const kv_block_q8_0 *x) {
+    int v;
+    memcpy(&v, &x->d, 4);
+    return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
+}
 AI void q8r_tile(int TT, int64_t nb, const uint8_t *w, size_t rb, const int8_t *aq, const float *da,
                  float *out) {
     __m256 keep[8];
@@ -306,7 +314,7 @@ AI void q8r_tile(int TT, int64_t nb, const uint8_t *w, size_t rb, const int8_t *
             const kv_block_q8_0 *x = (const kv_block_q8_0 *)(const void *)w + b;
             if (par == 0) _mm_prefetch((const char *)x + KV_Q8A_PF * rb, _MM_HINT_T0);
             _Alignas(32) float d8[8];
-            _mm256_store_ps(d8, _mm256_mul_ps(_mm256_set1_ps(h2f(x->d)), _mm256_load_ps(da + 8 * b)));
+            _mm256_store_ps(d8, _mm256_mul_ps(q8_dw(x), _mm256_load_ps(da + 8 * b)));
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x->qs);
             const __m256i ax = _mm256_sign_epi8(xv, xv);
             const int8_t *yb = aq + (size_t)b * 256;
