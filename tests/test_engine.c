@@ -752,9 +752,9 @@ static void test_wsum_blocks(void) {
         V[i] = (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
     }
     for (int p = 0; p < R; p++) w[p] = (float)(p % 7 + 1) / 28.0f;
-    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512"};
     const char *was = kv_quant_backend();
-    for (int b = 0; b < 3; b++) {
+    for (int b = 0; b < 4; b++) {
         if (kv_quant_set_backend(bes[b]) != 0) {
             kvt_skip_backend(bes[b], "not on this CPU");
             continue;

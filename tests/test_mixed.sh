@@ -69,7 +69,7 @@ start_worker() {
 
 # 8 slabs over the backends that run here, round robin
 declare -a bes emus
-for b in scalar avx2 avx512 opencl; do
+for b in scalar avx2 avxvnni avx512 opencl; do
   if "$KV" worker --backend "$b" --help >/dev/null 2>&1 && { [ "$b" != opencl ] || clinfo -l 2>/dev/null | grep -q "Device #"; }; then
     bes+=("$b"); emus+=("")
   elif required "$b"; then

@@ -448,7 +448,7 @@ static void test_vec_dot_ref(void) {
 /* ------------------------------------------------------------------ */
 /* SIMD backends: bit-identical to the scalar reference. */
 
-static const char *const backends[] = {"avx2", "avx512", "neon", "neondot"};
+static const char *const backends[] = {"avx2", "avxvnni", "avx512", "neon", "neondot"};
 
 static void test_backends_identical(void) {
     const int64_t nq[] = {256, 512, 768, 2048, 256 * 13, 256 * 17};
@@ -517,7 +517,7 @@ static void test_backends_identical(void) {
 /* kv_mat_rows: each output equals a lone vec_dot of the same backend. */
 
 static void test_mat_rows(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5);
      * for the 32-value block types also an odd block count (544: the zmm
      * Q8_0 kernel's half pair) and rows long enough (8224) that 17 tokens
@@ -583,7 +583,7 @@ static void test_mat_rows(void) {
  * -87) and every tail length. */
 
 static void test_softmax(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     const int ns[] = {1, 2, 7, 8, 9, 15, 16, 17, 100, 1031};
     const float scales[] = {1.0f, 0.088388347f};
     float *in = malloc(sizeof(float) * 1031), *ref = malloc(sizeof(float) * 1031), *x = malloc(sizeof(float) * 1031);
@@ -639,7 +639,7 @@ static void test_softmax(void) {
  * reference's bits, and the reference within a few ulps of f64 silu, over
  * tails, both signs, the clamp, zeros, infinities and a NaN. */
 static void test_silu(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     const int n = 1031;
     float *in = malloc(sizeof(float) * n), *ref = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n);
     int bad_acc = 0, bad_id = 0, checked = 0;
@@ -685,7 +685,7 @@ static void test_silu(void) {
  * scalar reference and to the documented per-element order. */
 
 static void test_attn_vec(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     const int dims[] = {1, 7, 8, 15, 16, 24, 64, 100, 128, 136, 256};
     const int rows[] = {1, 2, 5, 33};
     const size_t stride = 300;
@@ -770,7 +770,7 @@ static void test_attn_vec(void) {
 /* delta-rule step (quant/vec.h): every backend bit-identical to the
  * documented per-row order, in place and out of place. */
 static void test_delta_rows(void) {
-    const char *bes[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     const int dims[] = {1, 7, 8, 16, 24, 100, 128, 136};
     const int rows[] = {1, 3, 4, 5, 9, 128};
     const int nmax = 136, rmax = 128;
@@ -855,12 +855,13 @@ static int backend_with_env(const char *val, char *out, size_t cap) {
 static void test_backend_env(void) {
     char def[32], got[32];
     const char *was = kv_quant_backend();
-    const int has_avx2 = kv_quant_set_backend("avx2") == 0, has_512 = kv_quant_set_backend("avx512") == 0;
+    const int has_avx2 = kv_quant_set_backend("avx2") == 0, has_vnni = kv_quant_set_backend("avxvnni") == 0,
+              has_512 = kv_quant_set_backend("avx512") == 0;
     kv_quant_set_backend(was);
     ASSERT_EQ(backend_with_env(NULL, def, sizeof def), 0);
     /* same CPU, same detection: the best level this process can set (other
        cases leave another one chosen here) */
-    const char *best[] = {"neondot", "neon", "avx512", "avx2", "scalar"}, *want = "scalar";
+    const char *best[] = {"neondot", "neon", "avx512", "avxvnni", "avx2", "scalar"}, *want = "scalar";
     for (size_t i = 0; i < sizeof best / sizeof best[0]; i++)
         if (kv_quant_set_backend(best[i]) == 0) {
             want = best[i];
@@ -874,6 +875,8 @@ static void test_backend_env(void) {
     ASSERT_STREQ(got, def);
     ASSERT_EQ(backend_with_env("avx2", got, sizeof got), 0);
     ASSERT_STREQ(got, has_avx2 ? "avx2" : def);
+    ASSERT_EQ(backend_with_env("avxvnni", got, sizeof got), 0);
+    ASSERT_STREQ(got, has_vnni ? "avxvnni" : def);
     ASSERT_EQ(backend_with_env("avx512", got, sizeof got), 0);
     ASSERT_STREQ(got, has_512 ? "avx512" : def);
 }

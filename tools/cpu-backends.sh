@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prints the kernel backends this CPU runs, comma-separated ("avx2,avx512";
+# Prints the kernel backends this CPU runs, comma-separated ("avx2,avxvnni,avx512";
 # "neon,neondot" on aarch64),
 # from /proc/cpuinfo, with the same feature sets the run-time detection in
 # src/quant/types.c requires. `make test` exports it as KV_REQUIRE_BACKENDS,
@@ -9,6 +9,7 @@ has() { for x in "$@"; do case "$flags" in *" $x "*) ;; *) return 1;; esac; done
 out=
 if has avx2 fma f16c bmi2; then
   out=avx2
+  if has avx_vnni; then out=$out,avxvnni; fi
   if has avx512f avx512dq avx512bw avx512vl avx512_vnni; then out=$out,avx512; fi
 fi
 # aarch64: the Features line ("asimd", "asimddp" for the int8 dot product)

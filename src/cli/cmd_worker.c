@@ -35,8 +35,8 @@ static const char *kv_worker_help =
     "  --write-timeout MS a peer that reads nothing for MS is closed (default 30000)\n"
     "  --mem-budget-mb N  memory all connections may buffer together (default 1024)\n"
     "  --max-request-cost N  multiply-adds one COMPUTE may ask for (default 2^36)\n"
-    "  --backend NAME     expert kernels: scalar, avx2, avx512, neon, neondot (what this CPU\n"
-    "                     runs; default the fastest) or opencl (the first OpenCL device)\n"
+    "  --backend NAME     expert kernels: scalar, avx2, avxvnni, avx512, neon, neondot (what\n"
+    "                     this CPU runs; default the fastest) or opencl (the first OpenCL device)\n"
     "  --quiet            no per-connection log lines\n"
     "  --allow-sparse     slabs with holes (a sliced skeleton) are served unhashed; only a\n"
     "                     coordinator run with --allow-sparse on a hashless manifest accepts them\n"
@@ -100,8 +100,8 @@ int kv_cmd_worker(int argc, char **argv) {
             if (!strcmp(v, "opencl")) {
                 o.opencl = true;
             } else if (kv_quant_set_backend(v)) {
-                return kv_cli_err(CMD, 1, "--backend %s: not a backend this CPU runs (scalar, avx2, avx512, "
-                                  "neon, neondot, opencl)", v);
+                return kv_cli_err(CMD, 1, "--backend %s: not a backend this CPU runs (scalar, avx2, avxvnni, "
+                                  "avx512, neon, neondot, opencl)", v);
             }
         } else if (!strcmp(a, "--slabs")) {
             o.slabs = v;

@@ -1,7 +1,7 @@
 /* kvasir xcheck: the backend matrix of one model. Samples experts of a
  * GGUF file (full model or slab), computes their FFNs for the same
  * deterministic hidden states on every backend this machine runs (the CPU
- * kernels: scalar, avx2, avx512, neon, neondot; OpenCL; and, with --arm,
+ * kernels: scalar, avx2, avxvnni, avx512, neon, neondot; OpenCL; and, with --arm,
  * the aarch64 build under qemu-user, whose outputs come back through files
  * of exactly the expected size), and prints cosine similarity and max
  * relative error (max |a-b| / max |a|) for every pair. Exit 3 when a pair
@@ -175,7 +175,7 @@ int kv_cmd_xcheck(int argc, char **argv) {
     }
     kv_expert_source src = {g, kv_xc_acquire, NULL, n_layer, n_expert, E, F, 1};
     /* the CPU backends this machine runs */
-    const char *cpu[] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+    const char *cpu[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     const char *prev = kv_quant_backend();
     for (size_t k = 0; k < sizeof cpu / sizeof cpu[0]; k++) {
         if (kv_quant_set_backend(cpu[k])) continue;

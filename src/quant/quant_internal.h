@@ -161,6 +161,7 @@ typedef struct {
 /* Filled by each backend file; index = type id. */
 void kv_quant_fill_ref(kv_kernels *k);
 void kv_quant_fill_avx2(kv_kernels *k);
+void kv_quant_fill_avxvnni(kv_kernels *k); /* AVX2 + AVX-VNNI: the AVX2 kernels, integer steps by vpdpbusd */
 void kv_quant_fill_avx512(kv_kernels *k);
 void kv_quant_fill_neon(kv_kernels *k);    /* aarch64 only */
 void kv_quant_fill_neondot(kv_kernels *k); /* aarch64 with DotProd only */

@@ -24,6 +24,20 @@
  * partial product in a register, and spill). No instruction. */
 #define KM_KEEP(v) __asm__("" : "+x"(v))
 
+/* The integer steps, AVX2 or AVX-VNNI (this file compiled again as
+ * simd_avxvnni.c): I8DOT(u, s) = the 8 int32 sums of 4 u8 x s8 products
+ * (vpmaddubsw's int16 pair sums cannot saturate here: u <= 128 and
+ * -128 <= s <= 127, so every pair sum is in [-32768, 32512], and the two
+ * forms give the same integers); I16DOT(acc, a, b) = acc + the int32 sums
+ * of int16 pairs (vpdpwssd wraps like vpaddd). */
+#ifdef KV_AVX2_VNNI
+#define I8DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (s))
+#define I16DOT(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#else
+#define I8DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#define I16DOT(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+
 AI float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
 AI int32_t hsum_i32(__m256i v) {
@@ -178,7 +192,7 @@ FLOAT_TILE(bf16_tile, uint16_t, ld_bf16, sc_bf16)
 
 /* Signed x signed 32-byte dot in 4-element groups -> 8 int32. */
 AI __m256i dot_i8_groups(__m256i ax, __m256i sy) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+    return I8DOT(ax, sy);
 }
 
 /* Q4_0 block -> 32 signed bytes (q - 8) in element order. */
@@ -246,7 +260,6 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
 AI void q8a_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
                  const float *da, size_t ds, int pf, float *out) {
     __m256 keep[2][4];
-    const __m256i ones = _mm256_set1_epi16(1);
     UNROLL for (int par = 0; par < 2; par++) {
         __m256 acc[2][4];
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
@@ -270,7 +283,7 @@ AI void q8a_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const 
                 const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(a + (size_t)t * ab) + b;
                 const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)y->qs);
                 UNROLL for (int r = 0; r < RT; r++) {
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(yv, xv[r])), ones);
+                    const __m256i p = I8DOT(ax[r], _mm256_sign_epi8(yv, xv[r]));
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d8 + 4 * r + t), acc[r][t]);
                 }
             }
@@ -306,7 +319,6 @@ AI __m256 q8_dw(const kv_block_q8_0 *x) {
 AI void q8r_tile(int TT, int64_t nb, const uint8_t *w, size_t rb, const int8_t *aq, const float *da,
                  float *out) {
     __m256 keep[8];
-    const __m256i ones = _mm256_set1_epi16(1);
     UNROLL for (int par = 0; par < 2; par++) {
         __m256 acc[8];
         UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
@@ -316,11 +328,11 @@ AI void q8r_tile(int TT, int64_t nb, const uint8_t *w, size_t rb, const int8_t *
             _Alignas(32) float d8[8];
             _mm256_store_ps(d8, _mm256_mul_ps(q8_dw(x), _mm256_load_ps(da + 8 * b)));
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x->qs);
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
             const int8_t *yb = aq + (size_t)b * 256;
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
             UNROLL for (int t = 0; t < TT; t++) {
                 const __m256i yv = _mm256_load_si256((const __m256i *)(const void *)(yb + 32 * t));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(yv, xv)), ones);
+                const __m256i p = I8DOT(ax, _mm256_sign_epi8(yv, xv));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d8 + t), acc[t]);
             }
         }
@@ -666,14 +678,14 @@ AI void q6_K_tile(int RT, int TT, int64_t n, const uint8_t *w, size_t rb, const 
                 UNROLL for (int t = 0; t < TT; t++) {                                           \
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i; \
                     const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 64 * c)); \
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, yv), s0)); \
+                    isum[t] = I16DOT(isum[t], _mm256_maddubs_epi16(lo, yv), s0); \
                     KM_KEEP(isum[t]);                                                           \
                 }                                                                               \
                 const __m256i s1 = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 * (4 * c + 3) + 4 * c + 2))); \
                 UNROLL for (int t = 0; t < TT; t++) {                                           \
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i; \
                     const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 64 * c + 32)); \
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yv), s1)); \
+                    isum[t] = I16DOT(isum[t], _mm256_maddubs_epi16(hi, yv), s1); \
                     KM_KEEP(isum[t]);                                                           \
                 }                                                                               \
             }                                                                                   \
@@ -723,7 +735,7 @@ AI void q6_K_mtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                 UNROLL for (int t = 0; t < TT; t++) {
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
                     const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 128 * h + 32 * k));
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), s16));
+                    isum[t] = I16DOT(isum[t], _mm256_maddubs_epi16(q, yv), s16);
                     KM_KEEP(isum[t]);
                 }
             }
@@ -830,6 +842,7 @@ KM_PICK(q4_K)
 KM_PICK(q5_K)
 KM_PICK(q6_K)
 
+#ifndef KV_AVX2_VNNI /* the float kernels: once, in the AVX2 file */
 /* ================================================================== */
 /* attention weighted sum: o[i] = fma chain over p (quant/vec.h)        */
 
@@ -1088,6 +1101,8 @@ void kv_f32_delta_stream_avx2(const float *S, float *D, int64_t n_rows, int64_t 
     _mm_sfence(); /* the streamed rows ordered before whatever hands them on */
 }
 
+#endif /* KV_AVX2_VNNI */
+
 /* ================================================================== */
 /* activation quantizers                                                */
 
@@ -1186,7 +1201,11 @@ static void q8_0_to_float(const void *src, float *dst, int64_t n) {
     }
 }
 
+#ifdef KV_AVX2_VNNI
+void kv_quant_fill_avxvnni(kv_kernels *k) {
+#else
 void kv_quant_fill_avx2(kv_kernels *k) {
+#endif
     k[KV_TYPE_F32].vec_dot = f32_dot;     k[KV_TYPE_F32].mat = f32_mat;
     k[KV_TYPE_F16].vec_dot = f16_dot;     k[KV_TYPE_F16].mat = f16_mat;
     k[KV_TYPE_BF16].vec_dot = bf16_dot;   k[KV_TYPE_BF16].mat = bf16_mat;

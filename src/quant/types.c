@@ -61,8 +61,8 @@ static uint32_t kv_vec_dot_type(uint32_t t) {
     }
 }
 
-enum { KV_BE_SCALAR, KV_BE_AVX2, KV_BE_AVX512, KV_BE_NEON, KV_BE_NEONDOT, KV_BE_COUNT };
-static const char *const kv_be_names[KV_BE_COUNT] = {"scalar", "avx2", "avx512", "neon", "neondot"};
+enum { KV_BE_SCALAR, KV_BE_AVX2, KV_BE_AVXVNNI, KV_BE_AVX512, KV_BE_NEON, KV_BE_NEONDOT, KV_BE_COUNT };
+static const char *const kv_be_names[KV_BE_COUNT] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
 
 static kv_type_info kv_tabs[KV_BE_COUNT][KV_TYPE_COUNT];
 static kv_mat_fn kv_mats[KV_BE_COUNT][KV_TYPE_COUNT];
@@ -87,8 +87,8 @@ static uint64_t kv_xgetbv0(void) {
 #endif
 
 /* Which SIMD levels this CPU and OS support. */
-__attribute__((unused)) static void kv_detect(bool *avx2, bool *avx512) {
-    *avx2 = *avx512 = false;
+__attribute__((unused)) static void kv_detect(bool *avx2, bool *avxvnni, bool *avx512) {
+    *avx2 = *avxvnni = *avx512 = false;
 #ifdef KV_X86
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return;
@@ -102,6 +102,8 @@ __attribute__((unused)) static void kv_detect(bool *avx2, bool *avx512) {
     bool vnni = c & (1u << 11);
     *avx2 = ymm_os && has_avx2 && fma && f16c && bmi2;
     *avx512 = *avx2 && zmm_os && f512 && dq && bw && vl && vnni;
+    /* AVX-VNNI (the VEX forms of vpdpbusd / vpdpwssd): CPUID.(7,1):EAX bit 4 */
+    if (*avx2 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) *avxvnni = a & (1u << 4);
 #endif
 }
 
@@ -131,8 +133,8 @@ static void kv_init(void) {
     kv_deltas[KV_BE_SCALAR] = kv_f32_delta_ref;
     kv_deltas_stream[KV_BE_SCALAR] = kv_f32_delta_ref;
 #ifdef KV_X86
-    bool avx2, avx512;
-    kv_detect(&avx2, &avx512);
+    bool avx2, avxvnni, avx512;
+    kv_detect(&avx2, &avxvnni, &avx512);
     if (avx2) {
         kv_quant_fill_avx2(k);
         kv_build(KV_BE_AVX2, k);
@@ -144,6 +146,18 @@ static void kv_init(void) {
         kv_deltas[KV_BE_AVX2] = kv_f32_delta_avx2;
         kv_deltas_stream[KV_BE_AVX2] = kv_f32_delta_stream_avx2;
         kv_be_cur = KV_BE_AVX2;
+    }
+    if (avxvnni) { /* the AVX2 table with the VNNI integer steps; AVX-512 overlays it */
+        kv_quant_fill_avxvnni(k);
+        kv_build(KV_BE_AVXVNNI, k);
+        kv_be_ok[KV_BE_AVXVNNI] = true;
+        kv_wsums[KV_BE_AVXVNNI] = kv_f32_wsum_avx2;
+        kv_wsum_multis[KV_BE_AVXVNNI] = kv_f32_wsum_multi_avx2;
+        kv_softmaxes[KV_BE_AVXVNNI] = kv_f32_softmax_avx2;
+        kv_silus[KV_BE_AVXVNNI] = kv_f32_silu_avx2;
+        kv_deltas[KV_BE_AVXVNNI] = kv_f32_delta_avx2;
+        kv_deltas_stream[KV_BE_AVXVNNI] = kv_f32_delta_stream_avx2;
+        kv_be_cur = KV_BE_AVXVNNI;
     }
     if (avx512) {
         kv_quant_fill_avx512(k);
@@ -161,7 +175,7 @@ static void kv_init(void) {
 #if defined(__aarch64__)
     kv_init_neon();
 #endif
-    /* KV_QUANT_BACKEND=scalar|avx2|avx512|neon|neondot caps the choice (benchmarks of a
+    /* KV_QUANT_BACKEND=scalar|avx2|avxvnni|avx512|neon|neondot caps the choice (benchmarks of a
      * lower path on a CPU that has a higher one); a level the CPU lacks or
      * an unknown name leaves the detected one. */
     const char *want = getenv("KV_QUANT_BACKEND");
