@@ -85,8 +85,9 @@ int kv_type_from_name(const char *name);
 /* Bytes for n elements of type, or 0 if unknown type or n % blck != 0. */
 uint64_t kv_type_row_size(uint32_t type, uint64_t n);
 
-/* Which SIMD level the dispatched table uses: "scalar", "avx2", "avx512",
- * "neon" (aarch64 ASIMD) or "neondot" (ASIMD + the int8 dot product). */
+/* Which SIMD level the dispatched table uses: "scalar", "avx2", "avxvnni"
+ * (AVX2 + AVX-VNNI), "avx512", "neon" (aarch64 ASIMD) or "neondot" (ASIMD +
+ * the int8 dot product). */
 const char *kv_quant_backend(void);
 /* Force a backend for tests/benchmarks (a name above); returns
  * 0, or -1 if the CPU lacks it. Not thread-safe: call before computing. */
