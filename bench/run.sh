@@ -29,7 +29,9 @@
 # alternating round per model and thread count; 0 skips it).
 # KV_BENCH_ISA=avx2 benchmarks the AVX2 paths on a CPU that has more:
 # Kvasir with KV_QUANT_BACKEND=avx2, llama.cpp with its variants above
-# "haswell" hidden (bench/llama_isa.sh; needs root for a mount namespace).
+# "haswell" hidden (bench/llama_isa.sh; needs root for a mount namespace);
+# KV_BENCH_ISA=avxvnni the same for AVX2 + AVX-VNNI (Intel client CPUs):
+# Kvasir's avxvnni backend against llama.cpp's "alderlake" variant.
 # q4_k_m: Q4_K with ffn_down*, attn_v and output in Q6_K (llama.cpp's mix).
 #
 # Env: KV_BENCH_THREADS ("1 2"), KV_BENCH_REPS (5), KV_BENCH_TTFT (2048), KV_BENCH_ISA (native),
@@ -50,7 +52,12 @@ NPROC=$(nproc 2>/dev/null || echo 2)
 THREADS=${KV_BENCH_THREADS:-$([ "$NPROC" -ge 2 ] && echo "1 2" || echo 1)}
 TTFT=${KV_BENCH_TTFT:-2048}
 ISA=${KV_BENCH_ISA:-native}
-case $ISA in native) KVENV=() ;; avx2) KVENV=(KV_QUANT_BACKEND=avx2) ;; *) echo "bench: KV_BENCH_ISA: native or avx2" >&2; exit 1 ;; esac
+case $ISA in
+  native) KVENV=() ;;
+  avx2) KVENV=(KV_QUANT_BACKEND=avx2) ;;
+  avxvnni) KVENV=(KV_QUANT_BACKEND=avxvnni) ;;
+  *) echo "bench: KV_BENCH_ISA: native, avx2 or avxvnni" >&2; exit 1 ;;
+esac
 REPS=${KV_BENCH_REPS:-5}
 TYPES=${KV_BENCH_TYPES:-q8_0 q4_k q4_k_m}
 P=128
