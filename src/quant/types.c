@@ -122,6 +122,25 @@ static void kv_build(int be, const kv_kernels *k) {
     }
 }
 
+#ifdef KV_X86
+/* One x86 level: its kernels overlaid on the cumulative table k, and the
+ * float kernels of the AVX2 file (the AVX-512 level swaps its own weighted
+ * sums in after; its softmax, silu and delta rule are the ymm ones: the
+ * same bits). */
+static void kv_level_x86(int be, void (*fill)(kv_kernels *), kv_kernels *k) {
+    fill(k);
+    kv_build(be, k);
+    kv_be_ok[be] = true;
+    kv_wsums[be] = kv_f32_wsum_avx2;
+    kv_wsum_multis[be] = kv_f32_wsum_multi_avx2;
+    kv_softmaxes[be] = kv_f32_softmax_avx2;
+    kv_silus[be] = kv_f32_silu_avx2;
+    kv_deltas[be] = kv_f32_delta_avx2;
+    kv_deltas_stream[be] = kv_f32_delta_stream_avx2;
+    kv_be_cur = be;
+}
+#endif
+
 static void kv_init(void) {
     static kv_kernels k[KV_TYPE_COUNT]; /* cumulative: each level overlays the last */
     kv_quant_fill_ref(k);
@@ -135,41 +154,12 @@ static void kv_init(void) {
 #ifdef KV_X86
     bool avx2, avxvnni, avx512;
     kv_detect(&avx2, &avxvnni, &avx512);
-    if (avx2) {
-        kv_quant_fill_avx2(k);
-        kv_build(KV_BE_AVX2, k);
-        kv_be_ok[KV_BE_AVX2] = true;
-        kv_wsums[KV_BE_AVX2] = kv_f32_wsum_avx2;
-        kv_wsum_multis[KV_BE_AVX2] = kv_f32_wsum_multi_avx2;
-        kv_softmaxes[KV_BE_AVX2] = kv_f32_softmax_avx2;
-        kv_silus[KV_BE_AVX2] = kv_f32_silu_avx2;
-        kv_deltas[KV_BE_AVX2] = kv_f32_delta_avx2;
-        kv_deltas_stream[KV_BE_AVX2] = kv_f32_delta_stream_avx2;
-        kv_be_cur = KV_BE_AVX2;
-    }
-    if (avxvnni) { /* the AVX2 table with the VNNI integer steps; AVX-512 overlays it */
-        kv_quant_fill_avxvnni(k);
-        kv_build(KV_BE_AVXVNNI, k);
-        kv_be_ok[KV_BE_AVXVNNI] = true;
-        kv_wsums[KV_BE_AVXVNNI] = kv_f32_wsum_avx2;
-        kv_wsum_multis[KV_BE_AVXVNNI] = kv_f32_wsum_multi_avx2;
-        kv_softmaxes[KV_BE_AVXVNNI] = kv_f32_softmax_avx2;
-        kv_silus[KV_BE_AVXVNNI] = kv_f32_silu_avx2;
-        kv_deltas[KV_BE_AVXVNNI] = kv_f32_delta_avx2;
-        kv_deltas_stream[KV_BE_AVXVNNI] = kv_f32_delta_stream_avx2;
-        kv_be_cur = KV_BE_AVXVNNI;
-    }
+    if (avx2) kv_level_x86(KV_BE_AVX2, kv_quant_fill_avx2, k);
+    if (avxvnni) kv_level_x86(KV_BE_AVXVNNI, kv_quant_fill_avxvnni, k); /* AVX-512 overlays it */
     if (avx512) {
-        kv_quant_fill_avx512(k);
-        kv_build(KV_BE_AVX512, k);
-        kv_be_ok[KV_BE_AVX512] = true;
+        kv_level_x86(KV_BE_AVX512, kv_quant_fill_avx512, k);
         kv_wsums[KV_BE_AVX512] = kv_f32_wsum_avx512;
         kv_wsum_multis[KV_BE_AVX512] = kv_f32_wsum_multi_avx512;
-        kv_softmaxes[KV_BE_AVX512] = kv_f32_softmax_avx2; /* ymm: the same bits */
-        kv_silus[KV_BE_AVX512] = kv_f32_silu_avx2;
-        kv_deltas[KV_BE_AVX512] = kv_f32_delta_avx2; /* ymm: the 8-lane order */
-        kv_deltas_stream[KV_BE_AVX512] = kv_f32_delta_stream_avx2;
-        kv_be_cur = KV_BE_AVX512;
     }
 #endif
 #if defined(__aarch64__)
