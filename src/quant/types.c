@@ -122,44 +122,55 @@ static void kv_build(int be, const kv_kernels *k) {
     }
 }
 
-#ifdef KV_X86
-/* One x86 level: its kernels overlaid on the cumulative table k, and the
- * float kernels of the AVX2 file (the AVX-512 level swaps its own weighted
- * sums in after; its softmax, silu and delta rule are the ymm ones: the
- * same bits). */
-static void kv_level_x86(int be, void (*fill)(kv_kernels *), kv_kernels *k) {
-    fill(k);
+/* A level's float kernels (weighted sums, softmax, silu, delta rule). */
+typedef struct {
+    kv_wsum_fn wsum;
+    kv_wsum_multi_fn wsum_multi; /* NULL: one query at a time */
+    kv_softmax_fn softmax;
+    kv_silu_fn silu;
+    kv_delta_fn delta, delta_stream;
+} kv_floats;
+
+/* Level be: the cumulative kernel table k as it stands and these float
+ * kernels; the best level set so far is the one dispatched. */
+static void kv_level(int be, const kv_kernels *k, const kv_floats *f) {
     kv_build(be, k);
     kv_be_ok[be] = true;
-    kv_wsums[be] = kv_f32_wsum_avx2;
-    kv_wsum_multis[be] = kv_f32_wsum_multi_avx2;
-    kv_softmaxes[be] = kv_f32_softmax_avx2;
-    kv_silus[be] = kv_f32_silu_avx2;
-    kv_deltas[be] = kv_f32_delta_avx2;
-    kv_deltas_stream[be] = kv_f32_delta_stream_avx2;
+    kv_wsums[be] = f->wsum;
+    kv_wsum_multis[be] = f->wsum_multi;
+    kv_softmaxes[be] = f->softmax;
+    kv_silus[be] = f->silu;
+    kv_deltas[be] = f->delta;
+    kv_deltas_stream[be] = f->delta_stream;
     kv_be_cur = be;
 }
-#endif
 
 static void kv_init(void) {
     static kv_kernels k[KV_TYPE_COUNT]; /* cumulative: each level overlays the last */
     kv_quant_fill_ref(k);
-    kv_build(KV_BE_SCALAR, k);
-    kv_be_ok[KV_BE_SCALAR] = true;
-    kv_wsums[KV_BE_SCALAR] = kv_f32_wsum_ref;
-    kv_softmaxes[KV_BE_SCALAR] = kv_f32_softmax_ref;
-    kv_silus[KV_BE_SCALAR] = kv_f32_silu_ref;
-    kv_deltas[KV_BE_SCALAR] = kv_f32_delta_ref;
-    kv_deltas_stream[KV_BE_SCALAR] = kv_f32_delta_ref;
+    kv_level(KV_BE_SCALAR, k,
+             &(kv_floats){kv_f32_wsum_ref, NULL, kv_f32_softmax_ref, kv_f32_silu_ref, kv_f32_delta_ref, kv_f32_delta_ref});
 #ifdef KV_X86
     bool avx2, avxvnni, avx512;
     kv_detect(&avx2, &avxvnni, &avx512);
-    if (avx2) kv_level_x86(KV_BE_AVX2, kv_quant_fill_avx2, k);
-    if (avxvnni) kv_level_x86(KV_BE_AVXVNNI, kv_quant_fill_avxvnni, k); /* AVX-512 overlays it */
+    /* AVX2 and AVX-VNNI share the AVX2 file's float kernels; AVX-512 has its
+     * own weighted sums, and the ymm softmax, silu and delta rule (the same
+     * bits) */
+    const kv_floats f2 = {kv_f32_wsum_avx2,    kv_f32_wsum_multi_avx2, kv_f32_softmax_avx2,
+                          kv_f32_silu_avx2,    kv_f32_delta_avx2,      kv_f32_delta_stream_avx2};
+    const kv_floats f512 = {kv_f32_wsum_avx512, kv_f32_wsum_multi_avx512, kv_f32_softmax_avx2,
+                            kv_f32_silu_avx2,   kv_f32_delta_avx2,        kv_f32_delta_stream_avx2};
+    if (avx2) {
+        kv_quant_fill_avx2(k);
+        kv_level(KV_BE_AVX2, k, &f2);
+    }
+    if (avxvnni) { /* the AVX2 table with the VNNI integer steps; AVX-512 overlays it */
+        kv_quant_fill_avxvnni(k);
+        kv_level(KV_BE_AVXVNNI, k, &f2);
+    }
     if (avx512) {
-        kv_level_x86(KV_BE_AVX512, kv_quant_fill_avx512, k);
-        kv_wsums[KV_BE_AVX512] = kv_f32_wsum_avx512;
-        kv_wsum_multis[KV_BE_AVX512] = kv_f32_wsum_multi_avx512;
+        kv_quant_fill_avx512(k);
+        kv_level(KV_BE_AVX512, k, &f512);
     }
 #endif
 #if defined(__aarch64__)
@@ -180,26 +191,13 @@ static void kv_init_neon(void) {
     const unsigned long hw = getauxval(AT_HWCAP);
     if (!(hw & HWCAP_ASIMD)) return;
     static kv_kernels k[KV_TYPE_COUNT];
+    const kv_floats f = {kv_f32_wsum_neon, NULL, kv_f32_softmax_ref, kv_f32_silu_ref, kv_f32_delta_ref, kv_f32_delta_ref};
     kv_quant_fill_ref(k);
     kv_quant_fill_neon(k);
-    kv_build(KV_BE_NEON, k);
-    kv_be_ok[KV_BE_NEON] = true;
-    kv_wsums[KV_BE_NEON] = kv_f32_wsum_neon;
-    kv_softmaxes[KV_BE_NEON] = kv_f32_softmax_ref;
-    kv_silus[KV_BE_NEON] = kv_f32_silu_ref;
-    kv_deltas[KV_BE_NEON] = kv_f32_delta_ref;
-    kv_deltas_stream[KV_BE_NEON] = kv_f32_delta_ref;
-    kv_be_cur = KV_BE_NEON;
+    kv_level(KV_BE_NEON, k, &f);
     if (!(hw & HWCAP_ASIMDDP)) return;
     kv_quant_fill_neondot(k);
-    kv_build(KV_BE_NEONDOT, k);
-    kv_be_ok[KV_BE_NEONDOT] = true;
-    kv_wsums[KV_BE_NEONDOT] = kv_f32_wsum_neon;
-    kv_softmaxes[KV_BE_NEONDOT] = kv_f32_softmax_ref;
-    kv_silus[KV_BE_NEONDOT] = kv_f32_silu_ref;
-    kv_deltas[KV_BE_NEONDOT] = kv_f32_delta_ref;
-    kv_deltas_stream[KV_BE_NEONDOT] = kv_f32_delta_ref;
-    kv_be_cur = KV_BE_NEONDOT;
+    kv_level(KV_BE_NEONDOT, k, &f);
 }
 #endif
 
