@@ -42,7 +42,8 @@
 #      KV_BENCH_SHAPE="--preset small" other gen-model shape flags (smoke test),
 #      KV_BENCH_Q35_SHAPE="..." the same for qwen35moe,
 #      KV_BENCH_RESULTS (results.json) the summary's file name in bench/out,
-#      KV_BENCH_122B (1; 0 skips the 122B skeleton rows), KV_BENCH_COLD_REPS (2).
+#      KV_BENCH_122B (1; 0 skips the 122B skeleton rows), KV_BENCH_122B_REPS (3 warm rounds),
+#      KV_BENCH_COLD_REPS (2).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${1:-$SRC/build/kvasir}
@@ -219,14 +220,22 @@ done
 # Warm decode against the read-bandwidth bound, with the per-stage profile,
 # at each thread count; then the cold start (page cache dropped, needs root)
 # of `kvasir run -n 1`, with and without the backbone prefault, alternating.
-rm -f "$OUT"/s122.*.json
+rm -f "$OUT"/s122.*.json "$OUT"/s122.*.jsonl
 if [ "${KV_BENCH_122B:-1}" = 1 ]; then
   S122=$OUT/qwen35-122b-a10b-skeleton.gguf
   [ -f "$S122" ] || "$BIN" gen-model --preset qwen35-122b-a10b --skeleton --out "$S122"
+  R122=${KV_BENCH_122B_REPS:-3}
   for th in $THREADS; do
-    echo "bench: 122B skeleton: kvasir bench -p 16 -n 24 --threads $th --profile (warm)"
-    "$OUT/membw" "$th" > "$OUT/s122.t$th.membw.json"
-    env "${KVENV[@]}" "$BIN" bench -m "$S122" -p 16 -n 24 --threads "$th" --reps 1 --profile --json > "$OUT/s122.t$th.json"
+    # rounds as for the models above: the probe read again before each one
+    # process, so each round is against the bandwidth of its own minute
+    : > "$OUT/s122.t$th.membw.jsonl"
+    : > "$OUT/s122.t$th.jsonl"
+    for r in $(seq "$R122"); do
+      echo "bench: 122B skeleton: kvasir bench -p 16 -n 24 --threads $th --profile (warm, round $r/$R122)"
+      "$OUT/membw" "$th" >> "$OUT/s122.t$th.membw.jsonl"
+      env "${KVENV[@]}" "$BIN" bench -m "$S122" -p 16 -n 24 --threads "$th" --reps 1 --profile --json >> "$OUT/s122.t$th.jsonl"
+      echo >> "$OUT/s122.t$th.jsonl"
+    done
   done
   if ( echo 1 > /proc/sys/vm/drop_caches ) 2>/dev/null; then
     for r in $(seq "${KV_BENCH_COLD_REPS:-2}"); do
