@@ -254,6 +254,10 @@ export function report(outDir, threads, types) {
       return { threads: Number(th), prefill_tok_s: k.prefill_tok_s, decode_tok_s: k.decode_tok_s, bytes_per_token: k.bytes_per_token,
         read_gb_s: bw.read_gb_s, decode_bound_tok_s: bound, of_bound: k.decode_tok_s / bound, peak_rss_kb: k.peak_rss_kb,
         round_read_gb_s: rbw, of_round_bound: rbw ? (k.decode_tok_s * k.bytes_per_token) / (rbw * 1e9) : null,
+        // the delta-net state is read and written back every token as well
+        // (recurrent_bytes each way): the bound with those bytes counted
+        recurrent_bytes: k.recurrent_bytes ?? 0,
+        of_round_bound_with_state: rbw ? (k.decode_tok_s * (k.bytes_per_token + 2 * (k.recurrent_bytes ?? 0))) / (rbw * 1e9) : null,
         decode_profile_ms: dec?.stages_ms, decode_wall_ms: dec?.wall_ms, decode_stages_ms: tot };
     });
     const key = (r) => r.of_round_bound ?? r.of_bound;
@@ -269,7 +273,7 @@ export function report(outDir, threads, types) {
     for (const r of s122) {
       const top = Object.entries(r.decode_profile_ms || {}).sort((a, b) => b[1] - a[1]).slice(0, 4)
         .map(([n, ms]) => `${n} ${(100 * ms / r.decode_wall_ms).toFixed(0)}%`).join(", ");
-      console.log(`  threads ${r.threads}, best of ${r.rounds.length} rounds (of own probe: ${r.rounds.map((x) => x.of_round_bound == null ? "-" : (100 * x.of_round_bound).toFixed(0) + "%").join(", ")}): decode ${f2(r.decode_tok_s)} tok/s, bound ${f2(r.decode_bound_tok_s)} (${r.read_gb_s} GB/s / ${f1(r.bytes_per_token / 1e6)} MB per token) = ${(100 * r.of_bound).toFixed(0)}% of bound${r.round_read_gb_s ? ` (${(100 * r.of_round_bound).toFixed(0)}% of its own probe, ${r.round_read_gb_s} GB/s just before)` : ""}; prefill ${f2(r.prefill_tok_s)} tok/s; peak RSS ${f1(r.peak_rss_kb / 1048576)} GB; decode stages: ${top}`);
+      console.log(`  threads ${r.threads}, best of ${r.rounds.length} rounds (of own probe: ${r.rounds.map((x) => x.of_round_bound == null ? "-" : (100 * x.of_round_bound).toFixed(0) + "%").join(", ")}): decode ${f2(r.decode_tok_s)} tok/s, bound ${f2(r.decode_bound_tok_s)} (${r.read_gb_s} GB/s / ${f1(r.bytes_per_token / 1e6)} MB per token) = ${(100 * r.of_bound).toFixed(0)}% of bound${r.round_read_gb_s ? ` (${(100 * r.of_round_bound).toFixed(0)}% of its own probe, ${r.round_read_gb_s} GB/s just before; ${(100 * r.of_round_bound_with_state).toFixed(0)}% counting the ${f1(r.recurrent_bytes / 1e6)} MB delta-net state read and written)` : ""}; prefill ${f2(r.prefill_tok_s)} tok/s; peak RSS ${f1(r.peak_rss_kb / 1048576)} GB; decode stages: ${top}`);
     }
   }
   if (cold.length) {
