@@ -9,13 +9,20 @@
  *  - F32, F16, BF16: element i goes to lane i % 8; each lane accumulates
  *    with a fused multiply-add in increasing i (f16/bf16 widened to f32
  *    exactly first); the 8 lanes are then summed by kv_hsum8's fixed tree.
- *  - Q8_0.Q8_0, Q4_0.Q8_0: 16 lanes. For block b (32 values) and group g
+ *  - Q8_0.Q8_0: 4 lanes. For block b (32 values) and lane l, the integer
+ *    sum p = sum w*a over the 8 values j with (j % 16) / 4 == l (values
+ *    4l..4l+3 and 16+4l..16+4l+3) is exact; lane l accumulates
+ *    fma((float)p, dw_b*da_b, lane) in block order, one chain; then
+ *    kv_hsum4 ((l0+l1) + (l2+l3)). What two maddubs+madd (or dpbusd) steps
+ *    leave in one 128-bit half when a block's two 16-byte halves are the two
+ *    operands, so a ymm carries two (row, token) outputs and a zmm four;
+ *    NEON's sdot on the two halves gives exactly these lanes.
+ *  - Q4_0.Q8_0: 16 lanes. For block b (32 values) and group g
  *    (values 4g..4g+3) the integer sum p = sum w*a is exact; lane
  *    8*(b&1) + g accumulates fma((float)p, dw_b*da_b, lane) in block order;
  *    then kv_fold16 (lane l + lane l+8, then kv_hsum8). This is what one
  *    maddubs+madd (AVX2) or dpbusd (VNNI) step yields per block in a ymm;
- *    even and odd blocks go to two accumulators, so a single row has two
- *    independent fma chains (one row at a time streams best from DRAM).
+ *    even and odd blocks go to two accumulators.
  *  - K-quants . Q8_K: 8 lanes, no horizontal sum until the end of the row.
  *    Lane j of a super-block takes the values p with (p / 4) % 8 == j (what
  *    one maddubs + madd/dpwssd step leaves in int32 lane j of a ymm, or in
@@ -105,6 +112,9 @@ static inline float kv_hsum8(const float l[8]) {
     float b0 = a0 + a2, b1 = a1 + a3;
     return b0 + b1;
 }
+
+/* 4 lanes: (l0+l1) + (l2+l3), what two horizontal adds give. */
+static inline float kv_hsum4(const float l[4]) { return (l[0] + l[1]) + (l[2] + l[3]); }
 
 /* 16 lanes -> 8 (l + l+8) -> kv_hsum8. */
 static inline float kv_fold16(const float l[16]) {

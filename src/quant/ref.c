@@ -120,21 +120,20 @@ static void q8_0_from_float(const float *src, void *dst, int64_t n) {
     }
 }
 
-/* Canonical order (quant_internal.h): 16 lanes, lane 8*(b&1) + g holds the
- * 4-element group g of block b. */
+/* Canonical order (quant_internal.h): 4 lanes, lane l holds the values j
+ * of each block with (j % 16) / 4 == l, one fma chain over the blocks. */
 static void q8_0_dot(int64_t n, float *s, const void *w, const void *a) {
     const kv_block_q8_0 *x = w, *y = a;
-    float l[16] = {0};
+    float l[4] = {0};
     for (int64_t b = 0; b < n / KV_QK8_0; b++) {
         float d = kv_fp16_to_fp32(x[b].d) * kv_fp16_to_fp32(y[b].d);
-        for (int g = 0; g < 8; g++) {
+        for (int g = 0; g < 4; g++) {
             int32_t p = 0;
-            for (int i = 4 * g; i < 4 * g + 4; i++) p += x[b].qs[i] * y[b].qs[i];
-            float *lane = &l[8 * (b & 1) + g];
-            *lane = fmaf((float)p, d, *lane);
+            for (int i = 4 * g; i < 4 * g + 4; i++) p += x[b].qs[i] * y[b].qs[i] + x[b].qs[16 + i] * y[b].qs[16 + i];
+            l[g] = fmaf((float)p, d, l[g]);
         }
     }
-    *s = kv_fold16(l);
+    *s = kv_hsum4(l);
 }
 
 /* ------------------------------------------------------------------ */

@@ -188,7 +188,7 @@ FLOAT_TILE(f16_tile, uint16_t, ld_f16, sc_f16)
 FLOAT_TILE(bf16_tile, uint16_t, ld_bf16, sc_bf16)
 
 /* ================================================================== */
-/* Q8_0 / Q4_0 against Q8_0: 16 lanes (even / odd block accumulators)   */
+/* Q4_0 against Q8_0: 16 lanes (even / odd block accumulators)          */
 
 /* Signed x signed 32-byte dot in 4-element groups -> 8 int32. */
 AI __m256i dot_i8_groups(__m256i ax, __m256i sy) {
@@ -241,202 +241,209 @@ AI __m256i q4_0_bytes(const kv_block_q4_0 *b) {
             out[r * TT + t] = hsum_ps(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));               \
     }
 
-AI __m256i q8_0_bytes(const kv_block_q8_0 *b) { return _mm256_loadu_si256((const __m256i *)b->qs); }
-
-Q80_TILE(q8_0_tile, kv_block_q8_0, q8_0_bytes)
 Q80_TILE(q4_0_tile, kv_block_q4_0, q4_0_bytes)
 
-/* Q8_0 . Q8_0 for several tokens: the same 16 canonical lanes, but the
- * even-block chain and the odd-block chain of each (row, token) run one
- * after the other (they are independent), so a 2-row x 4-token tile keeps
- * only 8 accumulators live. The 8 scale products dw_r * da_t of a block are
- * one vector multiply (the same rounded float products), each then
- * broadcast from the stack: per (row, token, block) the multiply pipes see
- * maddubs, madd and the fma only. Activation scales are converted once per
- * call (q8a_mat), block-major, so a tile's 4 tokens are one load. */
-#ifndef KV_Q8A_PF
-#define KV_Q8A_PF 8 /* rows ahead to prefetch */
-#endif
-AI void q8a_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
-                 const float *da, size_t ds, int pf, float *out) {
-    __m256 keep[2][4];
-    UNROLL for (int par = 0; par < 2; par++) {
-        __m256 acc[2][4];
-        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
-        for (int64_t b = par; b < nb; b += 2) {
-            const kv_block_q8_0 *x0 = (const kv_block_q8_0 *)(const void *)w + b;
-            const kv_block_q8_0 *x1 = (const kv_block_q8_0 *)(const void *)(w + (RT > 1 ? rb : 0)) + b;
-            if (pf && par == 0) { /* the next row pair, while this one computes */
-                _mm_prefetch((const char *)(x0 + 0) + KV_Q8A_PF * rb, _MM_HINT_T0);
-                _mm_prefetch((const char *)(x0 + 0) + (KV_Q8A_PF + 1) * rb, _MM_HINT_T0);
-            }
-            _Alignas(32) float d8[8];
-            const __m256 dal = _mm256_broadcast_ps((const __m128 *)(const void *)(da + (size_t)b * ds));
-            const __m256 dwl = _mm256_set_m128(_mm_set1_ps(h2f(x1->d)), _mm_set1_ps(h2f(x0->d)));
-            _mm256_store_ps(d8, _mm256_mul_ps(dwl, dal));
-            __m256i xv[2], ax[2];
-            UNROLL for (int r = 0; r < RT; r++) {
-                xv[r] = _mm256_loadu_si256((const __m256i *)(const void *)(r ? x1 : x0)->qs);
-                ax[r] = _mm256_sign_epi8(xv[r], xv[r]);
-            }
-            UNROLL for (int t = 0; t < TT; t++) {
-                const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(a + (size_t)t * ab) + b;
-                const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)y->qs);
-                UNROLL for (int r = 0; r < RT; r++) {
-                    const __m256i p = I8DOT(ax[r], _mm256_sign_epi8(yv, xv[r]));
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d8 + 4 * r + t), acc[r][t]);
-                }
-            }
-        }
-        UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {
-            if (par == 0) keep[r][t] = acc[r][t];
-            else out[r * TT + t] = hsum_ps(_mm256_add_ps(keep[r][t], acc[r][t]));
-        }
-    }
-}
+/* ================================================================== */
+/* Q8_0 against Q8_0: 4 canonical lanes, one fma chain (quant_internal.h) */
 
-/* One row x up to 8 tokens (from KV_Q8R_MIN tokens): 8 accumulators of
- * one row instead of a 2-row tile's 2 x 4, so an expert's 5-8 tokens are
- * one tile, not two of 2-4 tokens. From 2 tokens: 3 and 4 tokens ran 9%
- * faster here than in 2 x 4 tiles (L2-resident rows, best of 3: 56 vs 51,
- * 60 vs 55 GMAC/s); 2 tokens the same in L2, but from memory (random
- * 768 x 2048 expert matrices) 27-28 -> 45-46 GMAC/s, and 2048 x 768 39 ->
- * 46-48: the 2 x 2 tile streamed 14 GB/s. The tile's activation blocks are copied once,
- * block-major ([block][token] 32 bytes), so every load is one pointer plus
- * a constant; the canonical lanes and scale products as q8a_tile. */
-#ifndef KV_Q8R_MIN
-#define KV_Q8R_MIN 2
+/* The 8 int32 sums of 4 products of u = |x| (unsigned) and s = y with x's
+ * sign, two such steps added: lane l of a 128-bit half sums the values
+ * 4l..4l+3 of the first pair and of the second. With the block's two
+ * 16-byte halves as the two pairs, a half is one output's 4 canonical lanes. */
+#ifdef KV_AVX2_VNNI
+#define I8DOT2(u0, s0, u1, s1) _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u0), (s0)), (u1), (s1))
+#else
+#define I8DOT2(u0, s0, u1, s1) _mm256_add_epi32(I8DOT((u0), (s0)), I8DOT((u1), (s1)))
 #endif
-#define KV_Q8R_MAX_NB 256 /* rows up to 8192 values */
+
 /* A block's d broadcast: d and the next two bytes in one 32-bit load, lane
  * 0 of their conversion is d (3 instructions instead of h2f's zeroing,
- * insert, conversion and broadcast; L2-resident 8-token tiles +1-3%). */
+ * insert, conversion and broadcast). */
 AI __m256 q8_dw(const kv_block_q8_0 *x) {
     int v;
     memcpy(&v, &x->d, 4);
     return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
 }
-AI void q8r_tile(int TT, int64_t nb, const uint8_t *w, size_t rb, const int8_t *aq, const float *da,
-                 float *out) {
-    __m256 keep[8];
-    UNROLL for (int par = 0; par < 2; par++) {
-        __m256 acc[8];
-        UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = par; b < nb; b += 2) {
-            const kv_block_q8_0 *x = (const kv_block_q8_0 *)(const void *)w + b;
-            if (par == 0) _mm_prefetch((const char *)x + KV_Q8A_PF * rb, _MM_HINT_T0);
-            _Alignas(32) float d8[8];
-            _mm256_store_ps(d8, _mm256_mul_ps(q8_dw(x), _mm256_load_ps(da + 8 * b)));
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x->qs);
-            const int8_t *yb = aq + (size_t)b * 256;
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
-            UNROLL for (int t = 0; t < TT; t++) {
-                const __m256i yv = _mm256_load_si256((const __m256i *)(const void *)(yb + 32 * t));
-                const __m256i p = I8DOT(ax, _mm256_sign_epi8(yv, xv));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d8 + t), acc[t]);
-            }
+/* Two blocks' d: the first in lanes 0-3, the second in lanes 4-7. */
+AI __m256 q8_dw2(const kv_block_q8_0 *x0, const kv_block_q8_0 *x1) {
+    const __m128i h = _mm_cvtsi32_si128((int)((uint32_t)x0->d | (uint32_t)x1->d << 16));
+    return _mm256_cvtph_ps(_mm_shuffle_epi8(h, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3)));
+}
+/* (l0+l1) + (l2+l3) of each half: out[0] from the low half, out[1] the high. */
+AI void q8_hsum4x2(__m256 v, float *o0, float *o1) {
+    __m128 s = _mm_hadd_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l0+l1, l2+l3, h0+h1, h2+h3 */
+    s = _mm_hadd_ps(s, s);
+    *o0 = _mm_cvtss_f32(s);
+    *o1 = _mm_cvtss_f32(_mm_movehdup_ps(s));
+}
+
+/* One row, one token, the blocks in order: the lone dot. */
+static void q8_0_dot(int64_t n, float *s, const void *w, const void *a) {
+    const kv_block_q8_0 *x = (const kv_block_q8_0 *)w, *y = (const kv_block_q8_0 *)a;
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x[b].qs);
+        const __m256i m = I8DOT(_mm256_sign_epi8(xv, xv),
+                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(const void *)y[b].qs), xv));
+        const __m128i p = _mm_add_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(h2f(x[b].d) * h2f(y[b].d)), acc);
+    }
+    __m128 t = _mm_hadd_ps(acc, acc);
+    *s = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* One token, two rows: row w0's lanes in the low half of the vector, row
+ * w1's in the high half (the block's 8 group sums of each row, halves
+ * swapped in and added). The two rows are far apart (the first and second
+ * half of the rows), so each is a sequential stream; every other block a
+ * line of each stream KV_Q8D_PF rows ahead is prefetched. */
+#ifndef KV_Q8D_PF
+#define KV_Q8D_PF 4 /* rows ahead (4: 35 GB/s, none 32, 8 30 from memory on Zen 5) */
+#endif
+AI void q8d_tile(int64_t nb, const uint8_t *w0, const uint8_t *w1, size_t rb, const kv_block_q8_0 *y, float *out) {
+    __m256 acc = _mm256_setzero_ps();
+    const kv_block_q8_0 *x0 = (const kv_block_q8_0 *)(const void *)w0, *x1 = (const kv_block_q8_0 *)(const void *)w1;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)y[b].qs);
+        const __m256 da = _mm256_set1_ps(h2f(y[b].d));
+        if (KV_Q8D_PF && (b & 1)) {
+            _mm_prefetch((const char *)(x0 + b) + KV_Q8D_PF * rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)(x1 + b) + KV_Q8D_PF * rb, _MM_HINT_T0);
         }
-        UNROLL for (int t = 0; t < TT; t++) {
-            if (par == 0) keep[t] = acc[t];
-            else out[t] = hsum_ps(_mm256_add_ps(keep[t], acc[t]));
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(const void *)x0[b].qs);
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(const void *)x1[b].qs);
+        const __m256i m0 = I8DOT(_mm256_sign_epi8(v0, v0), _mm256_sign_epi8(yv, v0));
+        const __m256i m1 = I8DOT(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(yv, v1));
+        const __m256i q = _mm256_add_epi32(_mm256_permute2x128_si256(m0, m1, 0x20), _mm256_permute2x128_si256(m0, m1, 0x31));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(q8_dw2(x0 + b, x1 + b), da), acc);
+    }
+    q8_hsum4x2(acc, out, out + 1);
+}
+
+/* Several tokens: one row x up to KV_Q8P_TT tokens. The tokens go in pairs,
+ * token 2k's lanes in the low half of pair k's vector, 2k+1's in the high
+ * half; the activations are laid out once per call chunk (q8p_prep): per
+ * block and pair the low 16-byte halves of both tokens, then the high
+ * halves, then each token's scale four times. The row's block halves are
+ * each broadcast to both halves of a ymm, so per pair and block it is two
+ * sign + maddubs + madd steps (or two dpbusd), one add, one convert, one
+ * scale product and one fma for 64 products. */
+#ifndef KV_Q8P_TT
+#define KV_Q8P_TT 16 /* tokens per tile (8 pairs: 8 accumulators) */
+#endif
+#ifndef KV_Q8P_CHUNK
+#define KV_Q8P_CHUNK (512u << 10) /* bytes of weight rows per row chunk */
+#endif
+#define KV_Q8P_BUF (192 * 1024) /* prepared activations per chunk of tokens */
+#define KV_Q8P_PAIR 96          /* bytes per block and token pair */
+#ifndef KV_Q8P_PF
+#define KV_Q8P_PF 8 /* rows ahead to prefetch */
+#endif
+AI void q8p_tile(int NP, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *pre, size_t pb, float *out) {
+    __m256 acc[KV_Q8P_TT / 2];
+    UNROLL for (int k = 0; k < NP; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const kv_block_q8_0 *x = (const kv_block_q8_0 *)(const void *)w + b;
+        if (b & 1) _mm_prefetch((const char *)x + KV_Q8P_PF * rb, _MM_HINT_T0);
+        const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)x->qs));
+        const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(x->qs + 16)));
+        const __m256i al = _mm256_sign_epi8(xl, xl), ah = _mm256_sign_epi8(xh, xh);
+        const __m256 dw = q8_dw(x);
+        const uint8_t *pk = pre + (size_t)b * pb;
+        UNROLL for (int k = 0; k < NP; k++) {
+            const __m256i yl = _mm256_load_si256((const __m256i *)(const void *)(pk + KV_Q8P_PAIR * k));
+            const __m256i yh = _mm256_load_si256((const __m256i *)(const void *)(pk + KV_Q8P_PAIR * k + 32));
+            const __m256i q = I8DOT2(al, _mm256_sign_epi8(yl, xl), ah, _mm256_sign_epi8(yh, xh));
+            const __m256 d = _mm256_mul_ps(dw, _mm256_load_ps((const float *)(const void *)(pk + KV_Q8P_PAIR * k + 64)));
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, acc[k]);
+        }
+    }
+    UNROLL for (int k = 0; k < NP; k++) q8_hsum4x2(acc[k], out + 2 * k, out + 2 * k + 1);
+}
+
+/* Tokens [0, nt) at a (stride ab) into pre: block-major, pb bytes per
+ * block (np pairs); an odd last token is paired with itself. */
+static void q8p_prep(const uint8_t *a, size_t ab, int64_t nt, int64_t nb, uint8_t *pre, size_t pb) {
+    for (int64_t k = 0; 2 * k < nt; k++) {
+        const kv_block_q8_0 *y0 = (const kv_block_q8_0 *)(const void *)(a + (size_t)(2 * k) * ab);
+        const kv_block_q8_0 *y1 = 2 * k + 1 < nt ? (const kv_block_q8_0 *)(const void *)(a + (size_t)(2 * k + 1) * ab) : y0;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = pre + (size_t)b * pb + KV_Q8P_PAIR * (size_t)k;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(const void *)y0[b].qs);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(const void *)y1[b].qs);
+            _mm256_store_si256((__m256i *)(void *)o, _mm256_permute2x128_si256(v0, v1, 0x20));
+            _mm256_store_si256((__m256i *)(void *)(o + 32), _mm256_permute2x128_si256(v0, v1, 0x31));
+            _mm256_store_ps((float *)(void *)(o + 64), _mm256_set_m128(_mm_set1_ps(h2f(y1[b].d)), _mm_set1_ps(h2f(y0[b].d))));
         }
     }
 }
-#define Q8R_CASE(c)                                                                             \
+
+#define Q8P_CASE(c)                                                                             \
     case c:                                                                                     \
         for (int64_t r = rc; r < rc_end; r++) {                                                 \
-            q8r_tile(c, nb, wb + (size_t)r * row_bytes, row_bytes, aq, da, o);                  \
-            for (int j = 0; j < (c); j++) Y[(size_t)(t + j) * y_stride + r] = o[j];             \
+            q8p_tile(c, nb, wb + (size_t)r * row_bytes, row_bytes, pre + (size_t)k0 * nb * KV_Q8P_PAIR, \
+                     (size_t)(c) * KV_Q8P_PAIR, o);                                             \
+            for (int64_t j = 0; j < 2 * (c) && 2 * k0 + j < nt; j++) Y[(size_t)(2 * k0 + j) * y_stride + r] = o[j]; \
         }                                                                                       \
         break
-/* Rows in chunks of about 512 KiB of weights (read from memory once, then
- * from L2 by every token tile); per chunk, tokens in the fewest tiles of
- * at most 8, as even as possible; the rows inner. */
-static void q8r_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
-                    size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
-    const int64_t nb = n / 32, nj = (n_tok + 7) / 8;
-    const int64_t rows_chunk = (int64_t)((512u << 10) / row_bytes) + 1;
-    _Alignas(32) int8_t aq[KV_Q8R_MAX_NB * 8 * 32];
-    _Alignas(32) float da[KV_Q8R_MAX_NB * 8];
-    const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
-    float o[8];
-    for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
-        const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
-        int64_t t = 0;
-        for (int64_t j_ = 0; j_ < nj; j_++) {
-            const int64_t left = nj - j_, tt = (n_tok - t + left - 1) / left;
-            for (int64_t k = 0; k < 8; k++) {
-                const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(ab + (size_t)(t + (k < tt ? k : 0)) * a_stride);
-                for (int64_t b = 0; b < nb; b++) {
-                    da[8 * b + k] = k < tt ? h2f(y[b].d) : 0.0f;
-                    _mm256_store_si256((__m256i *)(void *)(aq + (size_t)(8 * b + k) * 32),
-                                       _mm256_loadu_si256((const __m256i *)(const void *)y[b].qs));
-                }
-            }
-            switch (tt) {
-                Q8R_CASE(1); Q8R_CASE(2); Q8R_CASE(3); Q8R_CASE(4);
-                Q8R_CASE(5); Q8R_CASE(6); Q8R_CASE(7); Q8R_CASE(8);
-            default: break;
-            }
-            t += tt;
-        }
-    }
-}
 
-/* Block-major activation scales for a chunk of tokens, 4 floats of padding. */
-#define KV_Q8A_PRE_FLOATS 8192
-
-#define Q8A_CASE(RT_, c)                                                                        \
-    case c:                                                                                     \
-        q8a_tile(RT_, c, nb, wb + (size_t)r * row_bytes, row_bytes, ab + (size_t)(t0 + t) * a_stride, \
-                 a_stride, da + t, (size_t)nt, j_ == 0, o);                                     \
-        for (int i_ = 0; i_ < (RT_); i_++)                                                      \
-            for (int j_ = 0; j_ < (c); j_++) Y[(t0 + t + j_) * y_stride + r + i_] = o[i_ * (c) + j_]; \
-        break
-#define Q8A_TOKENS(RT_)                                                                         \
-    do {                                                                                        \
-        const int64_t nj_ = (nt + 3) / 4;                                                       \
-        int64_t t = 0;                                                                          \
-        for (int64_t j_ = 0; j_ < nj_; j_++) {                                                  \
-            const int64_t left_ = nj_ - j_, tt_ = (nt - t + left_ - 1) / left_;                 \
-            switch (tt_) { Q8A_CASE(RT_, 1); Q8A_CASE(RT_, 2); Q8A_CASE(RT_, 3); Q8A_CASE(RT_, 4); default: break; } \
-            t += tt_;                                                                           \
-        }                                                                                       \
-    } while (0)
-
+/* One token: row pairs (q8d_tile). Several: per chunk of tokens the
+ * prepared pairs, then rows in chunks of about 512 KiB of weights (read
+ * from memory once, then from L2 by every token tile), per chunk the pairs
+ * in the fewest tiles of at most KV_Q8P_TT tokens, as even as possible,
+ * the rows inner. Every output is one whole dot product either way. */
 static void q8_0_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
-                     size_t a_stride, int64_t n_tok, float *Y, size_t y_stride);
-
-/* Several tokens: rows in pairs, each pair's tokens split into the fewest
- * tiles of at most 4, as even as possible; one token: the one-row tiles
- * (q8_0_mat), which stream best from memory. Every output is one whole
- * dot product either way. */
-static void q8a_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
-                    size_t a_stride, int64_t n_tok, float *Y0, size_t y_stride) {
+                     size_t a_stride, int64_t n_tok, float *Y0, size_t y_stride) {
     const int64_t nb = n / 32;
-    if (n_tok < 2 || (nb + 1) * 5 > KV_Q8A_PRE_FLOATS) {
-        q8_0_mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
-        return;
-    }
-    if (n_tok >= KV_Q8R_MIN && nb <= KV_Q8R_MAX_NB) {
-        q8r_mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
-        return;
-    }
-    _Alignas(32) float da[KV_Q8A_PRE_FLOATS];
-    const int64_t tc = KV_Q8A_PRE_FLOATS / (nb + 1) - 4; /* tokens per chunk, >= 1 */
     const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
-    float o[8];
-    for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {
-        const int64_t nt = n_tok - t0 < tc ? n_tok - t0 : tc;
-        float *Y = Y0;
-        for (int64_t t = 0; t < nt; t++) {
-            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(ab + (size_t)(t0 + t) * a_stride);
-            for (int64_t b = 0; b < nb; b++) da[b * nt + t] = h2f(y[b].d);
+    float o[KV_Q8P_TT];
+    const size_t tc_max = KV_Q8P_BUF / ((size_t)nb * KV_Q8P_PAIR) * 2; /* tokens per chunk */
+    if (n_tok == 1 || tc_max < 2) {
+        for (int64_t t = 0; t < n_tok; t++) {
+            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(ab + (size_t)t * a_stride);
+            float *Y = Y0 + (size_t)t * y_stride;
+            const int64_t h = (r1 - r0) / 2;
+            for (int64_t i = 0; i < h; i++) {
+                q8d_tile(nb, wb + (size_t)(r0 + i) * row_bytes, wb + (size_t)(r0 + h + i) * row_bytes, row_bytes, y, o);
+                Y[r0 + i] = o[0];
+                Y[r0 + h + i] = o[1];
+            }
+            const int64_t r = r0 + 2 * h;
+            if (r < r1) q8_0_dot(n, Y + r, wb + (size_t)r * row_bytes, y);
         }
-        for (int64_t i = nb * nt; i < nb * nt + 4; i++) da[i] = 0.0f;
-        int64_t r = r0;
-        for (; r + 2 <= r1; r += 2) Q8A_TOKENS(2);
-        for (; r < r1; r++) Q8A_TOKENS(1);
+        return;
+    }
+    _Alignas(32) uint8_t pre[KV_Q8P_BUF];
+    const int64_t rows_chunk = (int64_t)((KV_Q8P_CHUNK) / row_bytes) + 1;
+    for (int64_t t0 = 0; t0 < n_tok; t0 += (int64_t)tc_max) {
+        const int64_t nt = n_tok - t0 < (int64_t)tc_max ? n_tok - t0 : (int64_t)tc_max, np = (nt + 1) / 2;
+        float *Y = Y0 + (size_t)t0 * y_stride;
+        /* each tile's pairs block-major in a region of their own (one
+         * region for all: a tile would read kk of np pairs per block, at a
+         * stride that can crowd a few L1 sets) */
+        const int64_t nj = (np + KV_Q8P_TT / 2 - 1) / (KV_Q8P_TT / 2);
+        for (int64_t j = 0, k0 = 0; j < nj; j++) {
+            const int64_t left = nj - j, kk = (np - k0 + left - 1) / left;
+            const int64_t t_ = 2 * kk < nt - 2 * k0 ? 2 * kk : nt - 2 * k0;
+            q8p_prep(ab + (size_t)(t0 + 2 * k0) * a_stride, a_stride, t_, nb, pre + (size_t)k0 * nb * KV_Q8P_PAIR,
+                     (size_t)kk * KV_Q8P_PAIR);
+            k0 += kk;
+        }
+        for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
+            const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
+            int64_t k0 = 0;
+            for (int64_t j = 0; j < nj; j++) {
+                const int64_t left = nj - j, kk = (np - k0 + left - 1) / left;
+                switch (kk) {
+                    Q8P_CASE(1); Q8P_CASE(2); Q8P_CASE(3); Q8P_CASE(4);
+#if KV_Q8P_TT > 8
+                    Q8P_CASE(5); Q8P_CASE(6); Q8P_CASE(7); Q8P_CASE(8);
+#endif
+                default: break;
+                }
+                k0 += kk;
+            }
+        }
     }
 }
 
@@ -813,7 +820,6 @@ KM_MAT(q6_K_mmat, q6_K_mtile)
 #define f32_F(rt, tt, w, a, o) f32_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define f16_F(rt, tt, w, a, o) f16_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define bf16_F(rt, tt, w, a, o) bf16_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
-#define q8_0_F(rt, tt, w, a, o) q8_0_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define q4_0_F(rt, tt, w, a, o) q4_0_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define q4_K_F(rt, tt, w, a, o) q4_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
 #define q5_K_F(rt, tt, w, a, o) q5_K_tile(rt, tt, n, w, row_bytes, a, a_stride, o)
@@ -826,7 +832,6 @@ KM_MAT(q6_K_mmat, q6_K_mtile)
 ENTRY(f32, f32_tile, 3, 4, 2)
 ENTRY(f16, f16_tile, 3, 4, 4)
 ENTRY(bf16, bf16_tile, 3, 4, 4)
-ENTRY(q8_0, q8_0_tile, 2, 3, 1)
 ENTRY(q4_0, q4_0_tile, 2, 3, 1)
 ENTRY_EVEN(q4_K, q4_K_tile, 2, 3, 1)
 ENTRY_EVEN(q5_K, q5_K_tile, 2, 3, 1)
@@ -1209,7 +1214,7 @@ void kv_quant_fill_avx2(kv_kernels *k) {
     k[KV_TYPE_F32].vec_dot = f32_dot;     k[KV_TYPE_F32].mat = f32_mat;
     k[KV_TYPE_F16].vec_dot = f16_dot;     k[KV_TYPE_F16].mat = f16_mat;
     k[KV_TYPE_BF16].vec_dot = bf16_dot;   k[KV_TYPE_BF16].mat = bf16_mat;
-    k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8a_mat;
+    k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;   k[KV_TYPE_Q8_0].mat = q8_0_mat;
     k[KV_TYPE_Q4_0].vec_dot = q4_0_dot;   k[KV_TYPE_Q4_0].mat = q4_0_mat;
     k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_matx;
     k[KV_TYPE_Q5_K].vec_dot = q5_K_dot;   k[KV_TYPE_Q5_K].mat = q5_K_matx;
