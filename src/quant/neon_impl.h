@@ -10,11 +10,12 @@
  *  - float types: lanes 0-3 and 4-7 of the 8 canonical lanes are two
  *    float32x4 accumulators updated with vfmaq_f32 (a fused multiply-add,
  *    as fmaf) in element order; the tail and kv_hsum8 are the scalar code.
- *  - Q8_0/Q4_0 and the K-quants: the int32 sum of each 4-element group is
+ *  - Q8_0, Q4_0 and the K-quants: the int32 sum of each 4-element group is
  *    exact, however it is formed (vdotq_s32 sums 4 consecutive bytes per
  *    lane: the canonical group; without it vmull_s8 + two pairwise adds give
  *    the same sum); the float steps are one fused vfmaq per lane group in
- *    block order, as the reference.
+ *    block order, as the reference. Q8_0 adds the groups of a block's two
+ *    16-byte halves lane by lane (4 lanes); Q4_0 keeps them apart (16).
  * Activation blocks hold values in [-127, 127], so a product of an int8 and
  * a weight quant (|q| <= 63 for the unsigned K-quant values, <= 128 for
  * Q8_0) fits int16 in the non-dot path. */
@@ -101,7 +102,35 @@ static void bf16_dot(int64_t n, float *s, const void *w, const void *a) {
 }
 
 /* ================================================================== */
-/* Q8_0 / Q4_0 . Q8_0: 16 lanes, lane 8*(b&1) + g                       */
+/* Q8_0 . Q8_0: 4 lanes, lane l = values j with (j % 16) / 4 == l        */
+
+/* Lane l: sum of x*y over bytes 4l..4l+3 of both 16-byte halves (values
+ * 4l..4l+3 and 16+4l..16+4l+3), exact in int32. */
+AI int32x4_t q8_lanes(const int8_t *x, const int8_t *y) {
+    const int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
+    const int8x16_t y0 = vld1q_s8(y), y1 = vld1q_s8(y + 16);
+#ifdef KV_NEON_DOT
+    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), x0, y0), x1, y1);
+#else
+    return vaddq_s32(grp4(x0, y0), grp4(x1, y1));
+#endif
+}
+
+/* One fma chain per lane in block order, then kv_hsum4. */
+static void q8_0_dot(int64_t n, float *s, const void *w, const void *a) {
+    const kv_block_q8_0 *x = w, *y = a;
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t b = 0; b < n / KV_QK8_0; b++) {
+        const float d = h2f(x[b].d) * h2f(y[b].d);
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(q8_lanes(x[b].qs, y[b].qs)), d);
+    }
+    float l[4];
+    vst1q_f32(l, acc);
+    *s = kv_hsum4(l);
+}
+
+/* ================================================================== */
+/* Q4_0 . Q8_0: 16 lanes, lane 8*(b&1) + g                              */
 
 /* acc[0..1]: even block lanes 0-3 / 4-7; acc[2..3]: odd block. */
 AI void q80_step(float32x4_t acc[4], int64_t b, int8x16_t x0, int8x16_t x1, const kv_block_q8_0 *y,
@@ -117,14 +146,6 @@ AI float q80_result(const float32x4_t acc[4]) {
     float l[16];
     for (int k = 0; k < 4; k++) vst1q_f32(l + 4 * k, acc[k]);
     return kv_fold16(l);
-}
-
-static void q8_0_dot(int64_t n, float *s, const void *w, const void *a) {
-    const kv_block_q8_0 *x = w, *y = a;
-    float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
-    for (int64_t b = 0; b < n / KV_QK8_0; b++)
-        q80_step(acc, b, vld1q_s8(x[b].qs), vld1q_s8(x[b].qs + 16), &y[b], h2f(x[b].d));
-    *s = q80_result(acc);
 }
 
 static void q4_0_dot(int64_t n, float *s, const void *w, const void *a) {

@@ -264,61 +264,7 @@ AI __m256 q8_dw(const kv_block_q8_0 *x) {
     memcpy(&v, &x->d, 4);
     return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
 }
-/* Two blocks' d: the first in lanes 0-3, the second in lanes 4-7. */
-AI __m256 q8_dw2(const kv_block_q8_0 *x0, const kv_block_q8_0 *x1) {
-    const __m128i h = _mm_cvtsi32_si128((int)((uint32_t)x0->d | (uint32_t)x1->d << 16));
-    return _mm256_cvtph_ps(_mm_shuffle_epi8(h, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3)));
-}
-/* (l0+l1) + (l2+l3) of each half: out[0] from the low half, out[1] the high. */
-AI void q8_hsum4x2(__m256 v, float *o0, float *o1) {
-    __m128 s = _mm_hadd_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l0+l1, l2+l3, h0+h1, h2+h3 */
-    s = _mm_hadd_ps(s, s);
-    *o0 = _mm_cvtss_f32(s);
-    *o1 = _mm_cvtss_f32(_mm_movehdup_ps(s));
-}
-
-/* One row, one token, the blocks in order: the lone dot. */
-static void q8_0_dot(int64_t n, float *s, const void *w, const void *a) {
-    const kv_block_q8_0 *x = (const kv_block_q8_0 *)w, *y = (const kv_block_q8_0 *)a;
-    __m128 acc = _mm_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x[b].qs);
-        const __m256i m = I8DOT(_mm256_sign_epi8(xv, xv),
-                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(const void *)y[b].qs), xv));
-        const __m128i p = _mm_add_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(h2f(x[b].d) * h2f(y[b].d)), acc);
-    }
-    __m128 t = _mm_hadd_ps(acc, acc);
-    *s = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-/* One token, two rows: row w0's lanes in the low half of the vector, row
- * w1's in the high half (the block's 8 group sums of each row, halves
- * swapped in and added). The two rows are far apart (the first and second
- * half of the rows), so each is a sequential stream; every other block a
- * line of each stream KV_Q8D_PF rows ahead is prefetched. */
-#ifndef KV_Q8D_PF
-#define KV_Q8D_PF 4 /* rows ahead (4: 35 GB/s, none 32, 8 30 from memory on Zen 5) */
-#endif
-AI void q8d_tile(int64_t nb, const uint8_t *w0, const uint8_t *w1, size_t rb, const kv_block_q8_0 *y, float *out) {
-    __m256 acc = _mm256_setzero_ps();
-    const kv_block_q8_0 *x0 = (const kv_block_q8_0 *)(const void *)w0, *x1 = (const kv_block_q8_0 *)(const void *)w1;
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)y[b].qs);
-        const __m256 da = _mm256_set1_ps(h2f(y[b].d));
-        if (KV_Q8D_PF && (b & 1)) {
-            _mm_prefetch((const char *)(x0 + b) + KV_Q8D_PF * rb, _MM_HINT_T0);
-            _mm_prefetch((const char *)(x1 + b) + KV_Q8D_PF * rb, _MM_HINT_T0);
-        }
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(const void *)x0[b].qs);
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(const void *)x1[b].qs);
-        const __m256i m0 = I8DOT(_mm256_sign_epi8(v0, v0), _mm256_sign_epi8(yv, v0));
-        const __m256i m1 = I8DOT(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(yv, v1));
-        const __m256i q = _mm256_add_epi32(_mm256_permute2x128_si256(m0, m1, 0x20), _mm256_permute2x128_si256(m0, m1, 0x31));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(q8_dw2(x0 + b, x1 + b), da), acc);
-    }
-    q8_hsum4x2(acc, out, out + 1);
-}
+#include "quant/q8_0_ymm.h"
 
 /* Several tokens: one row x up to KV_Q8P_TT tokens. The tokens go in pairs,
  * token 2k's lanes in the low half of pair k's vector, 2k+1's in the high
@@ -399,18 +345,7 @@ static void q8_0_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int
     float o[KV_Q8P_TT];
     const size_t tc_max = KV_Q8P_BUF / ((size_t)nb * KV_Q8P_PAIR) * 2; /* tokens per chunk */
     if (n_tok == 1 || tc_max < 2) {
-        for (int64_t t = 0; t < n_tok; t++) {
-            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(ab + (size_t)t * a_stride);
-            float *Y = Y0 + (size_t)t * y_stride;
-            const int64_t h = (r1 - r0) / 2;
-            for (int64_t i = 0; i < h; i++) {
-                q8d_tile(nb, wb + (size_t)(r0 + i) * row_bytes, wb + (size_t)(r0 + h + i) * row_bytes, row_bytes, y, o);
-                Y[r0 + i] = o[0];
-                Y[r0 + h + i] = o[1];
-            }
-            const int64_t r = r0 + 2 * h;
-            if (r < r1) q8_0_dot(n, Y + r, wb + (size_t)r * row_bytes, y);
-        }
+        q8_0_mat1(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
         return;
     }
     _Alignas(32) uint8_t pre[KV_Q8P_BUF];

@@ -3,11 +3,12 @@
  * results are bit-identical to it and to AVX2. Types not here (F16, BF16
  * types) inherit the AVX2 kernels.
  *
- * Q8_0 / Q4_0: one zmm holds two blocks, i.e. exactly the 16 canonical
- * lanes; vpdpbusd (u8 x s8, groups of 4) does the integer part: weights are
- * made unsigned (q8: w ^ 0x80 = w + 128; q4: nibbles 0..15) and the offset
- * is removed by starting the accumulation from -K * (sum of 4 activations),
- * computed once per token and reused across rows.
+ * Q8_0: four outputs' 4 canonical lanes per zmm (four tokens, or four
+ * rows for one token). Q4_0: one block per ymm (its 8 canonical lanes per
+ * block parity). vpdpbusd (u8 x s8, groups of 4) does the integer part:
+ * weights are made unsigned (q8: w ^ 0x80 = w + 128; q4: nibbles 0..15)
+ * and the offset is removed by starting the accumulation from -K * (the
+ * activations' sum), computed once per token and reused across rows.
  * K-quants: vpmaddubsw then vpdpwssd with the sub-block scales, 64 values per
  * instruction; integer super-block sums as in the reference. */
 #include <immintrin.h>
@@ -15,9 +16,6 @@
 #include "quant/quant_internal.h"
 
 #define AI static inline __attribute__((always_inline))
-#ifndef KV_Q8Z_PF_TILES
-#define KV_Q8Z_PF_TILES 8 /* Q8_0 zmm tiles: the same for Q8_0 (1 -> 8: decode +10%) */
-#endif
 #ifndef KV_PF_TILES
 #define KV_PF_TILES 8 /* K-quant tiles: prefetch the row tile this many tiles ahead (1 -> 8: decode +10-25%) */
 #endif
@@ -33,9 +31,10 @@ AI float hsum_ps8(__m256 v) {
 }
 
 
-/* Q8_0 / Q4_0 against Q8_0, one 32-value block per ymm (8 canonical lanes,
- * one 4-value group each). vpdpbusd needs unsigned weights: q8 weights are
- * flipped to w + 128 (xor 0x80), q4 nibbles are already 0..15 (= w + 8); the
+/* Q4_0 against Q8_0, one 32-value block per ymm (8 canonical lanes, one
+ * 4-value group each). vpdpbusd needs unsigned weights: the q4 nibbles are
+ * already 0..15 (= w + 8; the macros also take q8 weights flipped to w + 128
+ * by xor 0x80, as the Q8_0 kernels below do); the
  * offset K * (sum of each 4 activations) is subtracted by starting the
  * integer accumulation from -K * groupsum. That start vector and the
  * activation scale as a float are per token and block: kv_mat_rows computes
@@ -134,7 +133,6 @@ AI __m256i q4_0_u8(const kv_block_q4_0 *b) {
             out[r * TT + t] = hsum_ps8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));              \
     }
 
-Q80_TILE(q8_0_tile, kv_block_q8_0, 0)
 Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
 
 /* Rows [r0,r1) x tokens [0,nt) with F(rt, tt, r, t, out) computing an
@@ -208,9 +206,6 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
         }                                                                                       \
     }
 
-#define q8_0_TF(rt, tt, r, t, o)                                                                \
-    q8_0_tile(rt, tt, nb, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride, \
-              a_stride, pre + (size_t)(t) * ps, ps, o)
 #define q4_0_TF(rt, tt, r, t, o)                                                                \
     q4_0_tile(rt, tt, nb, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride, \
               a_stride, pre + (size_t)(t) * ps, ps, o)
@@ -224,7 +219,6 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
 #ifndef KV_Q80_RTD
 #define KV_Q80_RTD 1
 #endif
-Q80_ENTRY(q8_0, 0, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
 Q80_ENTRY(q4_0, 1, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
 
 /* 16 int32 lanes -> 8: lane j + lane j+8 (the canonical K-quant lanes). */
@@ -848,146 +842,146 @@ K4_ENTRY(q5_K, KV_K4_RT, KV_K4_TT, KV_K4_RTD)
 K6_ENTRY(q6_K, KV_K6_RT, KV_K6_TT, KV_K6_RTD)
 
 
-/* Q8_0 . Q8_0 with whole zmms: the 16 canonical lanes are one zmm, its low
- * half block 2j (lanes 0-7), its high half block 2j+1 (lanes 8-15), so one
- * vpdpbusd, convert, scale product and fma per (row, token) cover 64
- * values, and one fma chain per (row, token) runs in block-pair order,
- * which is the canonical per-lane order. An odd last block updates lanes
- * 0-7 only (masked). The result is kv_fold16 of the lanes: bit-identical
- * to the reference and to the ymm kernels.
- *
- * Per token and call (q8z_prep): for each block pair the start vector
- * -128 * (sum of each 4 activations) as one zmm, and the activation scales
- * as floats; the activations themselves are read from their rows. */
-AI size_t q8z_pre_stride(int64_t nb) {
-    const size_t np = (size_t)(nb + 1) / 2;
-    return (np * 64 + np * 8 + 63) & ~(size_t)63;
-}
-AI __m512i q8z_qs(const kv_block_q8_0 *b, int two) {
-    const __m256i lo = _mm256_loadu_si256((const __m256i *)b[0].qs);
-    return two ? _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_loadu_si256((const __m256i *)b[1].qs), 1)
-               : _mm512_zextsi256_si512(lo);
-}
-AI void q8z_prep(const kv_block_q8_0 *y, int64_t nb, uint8_t *pre) {
-    const int64_t np = (nb + 1) / 2;
-    __m512i *ng = (__m512i *)(void *)pre;
-    float *da = (float *)(void *)(pre + (size_t)np * 64);
-    const __m512i kk = _mm512_set1_epi8((char)0x80);
-    for (int64_t j = 0; j < np; j++) {
-        const int two = 2 * j + 1 < nb;
-        const __m512i yv = q8z_qs(y + 2 * j, two);
-        _mm512_store_si512(ng + j, _mm512_sub_epi32(_mm512_setzero_si512(),
-                                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), kk, yv)));
-        da[2 * j] = h2f(y[2 * j].d);
-        da[2 * j + 1] = two ? h2f(y[2 * j + 1].d) : 0.0f;
-    }
+/* Q8_0 . Q8_0, the 4 canonical lanes of an output in a 128-bit quarter
+ * of a zmm (quant_internal.h): vpdpbusd on a block's two 16-byte halves
+ * leaves lane l of a quarter the sum over the values j with (j % 16) / 4
+ * == l. Weights are made unsigned (w ^ 0x80 = w + 128) and the offset is
+ * removed by starting from -128 * (the activations' sum over the lane). */
+
+/* (l0+l1) + (l2+l3) of each quarter of v, quarter i to out[i]. */
+AI void q8q_hsum4x4(__m512 v, float *out) {
+    const __m512 t = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)); /* l0+l1, l1+l0, l2+l3, l3+l2 */
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E)); /* lane 0: (l0+l1) + (l2+l3) */
+    _Alignas(64) float f[16];
+    _mm512_store_ps(f, u);
+    for (int i = 0; i < 4; i++) out[i] = f[4 * i];
 }
 
-/* One block pair j (TWO: both blocks, else block 2j alone) of an RT x TT
- * tile. */
-#define Q8Z_STEP(j, TWO)                                                                        \
-    do {                                                                                        \
-        __m512i yv[8], ng[8];                                                                   \
-        __m512 da[8];                                                                           \
-        UNROLL for (int t = 0; t < TT; t++) {                                                   \
-            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + t * ab) + 2 * (j);             \
-            const uint8_t *p_ = pre + t * ps;                                                   \
-            yv[t] = q8z_qs(y, TWO);                                                             \
-            ng[t] = _mm512_load_si512((const void *)(p_ + (size_t)(j) * 64));                   \
-            da[t] = _mm512_permutexvar_ps(pick2, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd( \
-                        (const double *)(const void *)(p_ + np * 64 + (size_t)(j) * 8)))));     \
-        }                                                                                       \
-        if (RT > 1) {                                                                           \
-            const char *nx_ = (const char *)w + KV_Q8Z_PF_TILES * RT * rb + (j) * (RT * 2 * sizeof(kv_block_q8_0)); \
-            UNROLL for (int l_ = 0; l_ < (int)(RT * 2 * sizeof(kv_block_q8_0) + 63) / 64; l_++) \
-                _mm_prefetch(nx_ + 64 * l_, _MM_HINT_T0);                                       \
-        }                                                                                       \
-        UNROLL for (int r = 0; r < RT; r++) {                                                   \
-            const kv_block_q8_0 *x = (const kv_block_q8_0 *)(w + r * rb) + 2 * (j);             \
-            const __m512i wu = _mm512_xor_si512(q8z_qs(x, TWO), k80);                           \
-            __m256i d16;                                                                        \
-            if (TWO) /* fp16 scales of blocks 2j and 2j+1: words 0 and 17 from x */             \
-                d16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pickd, _mm512_loadu_si512((const void *)x))); \
-            else                                                                                \
-                d16 = _mm256_set1_epi16((short)x->d);                                           \
-            const __m512 dw = _mm512_cvtph_ps(d16);                                             \
-            UNROLL for (int t = 0; t < TT; t++) {                                               \
-                const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(ng[t], wu, yv[t]));    \
-                if (TWO)                                                                        \
-                    acc[r][t] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, da[t]), acc[r][t]);       \
-                else                                                                            \
-                    acc[r][t] = _mm512_mask3_fmadd_ps(p, _mm512_mul_ps(dw, da[t]), acc[r][t],  \
-                                                      (__mmask16)0x00ff);                       \
-            }                                                                                   \
-        }                                                                                       \
-    } while (0)
+/* The lone dot and one token (two row streams): the ymm kernels, with
+ * vpdpbusd for the integer step. */
+#define I8DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#include "quant/q8_0_ymm.h"
 
-AI void q8z_tile(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
-                 const uint8_t *pre, size_t ps, float *out) {
-    __m512 acc[8][8];
-    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+/* Several tokens: one row x up to 4 * KV_Q8Q_NQ tokens, four tokens (a
+ * quad) per zmm. Per block and quad the activations are laid out once per
+ * call chunk (q8q_prep): the four tokens' low 16-byte halves, their high
+ * halves, the offset start vector, each token's scale four times (256
+ * bytes); the row's block halves are broadcast to the four quarters. Per
+ * (row, quad, block): two vpdpbusd, a convert, a scale product and an fma
+ * for 128 products. Each tile's quads have a region of their own. */
+#ifndef KV_Q8Q_NQ
+#define KV_Q8Q_NQ 2 /* quads per tile (3 or 4: 64 KiB of prepared activations at 2048 values, past L1; 16 tokens 155 -> 55 GMAC/s) */
+#endif
+#define KV_Q8Q_QUAD 256 /* bytes per block and quad */
+#define KV_Q8Q_BUF (192 * 1024)
+#ifndef KV_Q8Q_CHUNK
+#define KV_Q8Q_CHUNK (512u << 10) /* bytes of weight rows per row chunk */
+#endif
+#ifndef KV_Q8Q_PF
+#define KV_Q8Q_PF 8 /* rows ahead */
+#endif
+AI void q8q_tile(int NQ, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *pre, float *out) {
+    __m512 acc[KV_Q8Q_NQ];
+    UNROLL for (int k = 0; k < NQ; k++) acc[k] = _mm512_setzero_ps();
     const __m512i k80 = _mm512_set1_epi8((char)0x80);
-    const __m512i pick2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i pickd = _mm512_setr_epi32(0, 0, 0, 0, 17 | 17 << 16, 17 | 17 << 16, 17 | 17 << 16,
-                                            17 | 17 << 16, 0, 0, 0, 0, 0, 0, 0, 0);
-    const int64_t np = (nb + 1) / 2, nfull = nb / 2;
-    for (int64_t j = 0; j < nfull; j++) Q8Z_STEP(j, 1);
-    if (nfull < np) Q8Z_STEP(nfull, 0);
-    UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++) {
-        const __m512 v = acc[r][t];
-        out[r * TT + t] = hsum_ps8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+    const size_t pb = (size_t)NQ * KV_Q8Q_QUAD;
+    for (int64_t b = 0; b < nb; b++) {
+        const kv_block_q8_0 *x = (const kv_block_q8_0 *)(const void *)w + b;
+        if (b & 1) _mm_prefetch((const char *)x + KV_Q8Q_PF * rb, _MM_HINT_T0);
+        const __m512i wl = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)x->qs)), k80);
+        const __m512i wh = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)(x->qs + 16))), k80);
+        const __m512 dw = _mm512_set1_ps(h2f(x->d));
+        const uint8_t *pk = pre + (size_t)b * pb;
+        UNROLL for (int k = 0; k < NQ; k++) {
+            const uint8_t *p = pk + (size_t)k * KV_Q8Q_QUAD;
+            const __m512i q = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512((const void *)(p + 128)), wl,
+                                                                      _mm512_load_si512((const void *)p)),
+                                                  wh, _mm512_load_si512((const void *)(p + 64)));
+            acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(dw, _mm512_load_ps((const void *)(p + 192))), acc[k]);
+        }
+    }
+    UNROLL for (int k = 0; k < NQ; k++) q8q_hsum4x4(acc[k], out + 4 * k);
+}
+
+/* Tokens [0, nt) at a (stride ab) as quads into pre (NQ quads per block);
+ * a short last quad repeats its last token. */
+static void q8q_prep(const uint8_t *a, size_t ab, int64_t nt, int64_t nb, int NQ, uint8_t *pre) {
+    const __m512i k80 = _mm512_set1_epi8((char)0x80);
+    const __m512i lo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), hi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
+    for (int k = 0; 4 * k < nt; k++) {
+        const kv_block_q8_0 *y[4];
+        for (int i = 0; i < 4; i++) {
+            const int64_t t = 4 * k + i < nt ? 4 * k + i : nt - 1;
+            y[i] = (const kv_block_q8_0 *)(const void *)(a + (size_t)t * ab);
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = pre + ((size_t)b * NQ + (size_t)k) * KV_Q8Q_QUAD;
+            const __m512i v01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(const void *)y[0][b].qs)),
+                                                   _mm256_loadu_si256((const __m256i *)(const void *)y[1][b].qs), 1);
+            const __m512i v23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(const void *)y[2][b].qs)),
+                                                   _mm256_loadu_si256((const __m256i *)(const void *)y[3][b].qs), 1);
+            const __m512i yl = _mm512_permutex2var_epi64(v01, lo, v23), yh = _mm512_permutex2var_epi64(v01, hi, v23);
+            _mm512_store_si512((void *)o, yl);
+            _mm512_store_si512((void *)(o + 64), yh);
+            _mm512_store_si512((void *)(o + 128), _mm512_sub_epi32(_mm512_setzero_si512(),
+                               _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, yl), k80, yh)));
+            _mm512_store_ps((void *)(o + 192), _mm512_setr_ps(h2f(y[0][b].d), h2f(y[0][b].d), h2f(y[0][b].d), h2f(y[0][b].d),
+                                                              h2f(y[1][b].d), h2f(y[1][b].d), h2f(y[1][b].d), h2f(y[1][b].d),
+                                                              h2f(y[2][b].d), h2f(y[2][b].d), h2f(y[2][b].d), h2f(y[2][b].d),
+                                                              h2f(y[3][b].d), h2f(y[3][b].d), h2f(y[3][b].d), h2f(y[3][b].d)));
+        }
     }
 }
 
-#ifndef KV_Q8Z_RT
-#define KV_Q8Z_RT 4
-#endif
-#ifndef KV_Q8Z_TT
-#define KV_Q8Z_TT 4
-#endif
-#ifndef KV_Q8Z_RTD
-#define KV_Q8Z_RTD 2
-#endif
-/* Prepared activations for up to this many bytes per call: about 56
- * tokens of 2048 values (the pool threads have the default 8 MiB stacks). */
-#define KV_Q8Z_PRE_BYTES (128 * 1024)
+#define Q8Q_CASE(c)                                                                             \
+    case c:                                                                                     \
+        for (int64_t r = rc; r < rc_end; r++) {                                                 \
+            q8q_tile(c, nb, wb + (size_t)r * row_bytes, row_bytes, pre + (size_t)k0 * nb * KV_Q8Q_QUAD, o); \
+            for (int64_t j = 0; j < 4 * (c) && 4 * k0 + j < nt; j++) Y[(size_t)(4 * k0 + j) * y_stride + r] = o[j]; \
+        }                                                                                       \
+        break
 
-static void q8z_dot(int64_t n, float *s, const void *w, const void *a) {
-    const int64_t nb = n / 32;
-    if (q8z_pre_stride(nb) > KV_Q8Z_PRE_BYTES) { /* no buffer: the ymm kernel, same bits */
-        q8_0_dot(n, s, w, a);
-        return;
-    }
-    _Alignas(64) uint8_t pre[KV_Q8Z_PRE_BYTES];
-    q8z_prep((const kv_block_q8_0 *)a, nb, pre);
-    q8z_tile(1, 1, nb, (const uint8_t *)w, 0, (const uint8_t *)a, 0, pre, 0, s);
-}
-
-#define q8z_TF(rt, tt, r, t, pf, o)                                                                 \
-    q8z_tile(rt, tt, nb, wb + (size_t)(r) * row_bytes, row_bytes, ab + (size_t)(t) * a_stride,  \
-             a_stride, pre + (size_t)(t) * ps, ps, o)
-
-static void q8z_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+/* One token: two row streams (q8_0_mat1). Several: per chunk of tokens the
+ * prepared quads, then rows in chunks of about 512 KiB of weights (from
+ * memory once, then from L2 by every token tile), the quads in the fewest
+ * tiles of at most KV_Q8Q_NQ, as even as possible, the rows inner. */
+static void q8q_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
                     size_t a_stride, int64_t n_tok, float *Y0, size_t y_stride) {
-    _Static_assert(KV_Q8Z_RT <= 8 && KV_Q8Z_TT <= 8 && KV_Q8Z_RTD <= 8 && KV_Q8Z_RT * KV_Q8Z_TT <= 64, "tile");
     const int64_t nb = n / 32;
-    const size_t ps = q8z_pre_stride(nb);
-    const int64_t tc = (int64_t)(KV_Q8Z_PRE_BYTES / ps);
-    if (tc == 0) {
-        q8_0_mat(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
+    const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
+    float o[4 * KV_Q8Q_NQ];
+    const int64_t tc_max = (int64_t)(KV_Q8Q_BUF / ((size_t)nb * KV_Q8Q_QUAD)) * 4; /* tokens per chunk */
+    if (n_tok == 1 || tc_max < 4) {
+        q8_0_mat1(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
         return;
     }
-    _Alignas(64) uint8_t pre[KV_Q8Z_PRE_BYTES];
-    const uint8_t *wb = (const uint8_t *)W;
-    for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {
-        const int64_t nt = n_tok - t0 < tc ? n_tok - t0 : tc;
-        const uint8_t *ab = (const uint8_t *)A + (size_t)t0 * a_stride;
+    _Alignas(64) uint8_t pre[KV_Q8Q_BUF];
+    const int64_t rows_chunk = (int64_t)(KV_Q8Q_CHUNK / row_bytes) + 1;
+    for (int64_t t0 = 0; t0 < n_tok; t0 += tc_max) {
+        const int64_t nt = n_tok - t0 < tc_max ? n_tok - t0 : tc_max, nq = (nt + 3) / 4;
         float *Y = Y0 + (size_t)t0 * y_stride;
-        for (int64_t t = 0; t < nt; t++)
-            q8z_prep((const kv_block_q8_0 *)(const void *)(ab + (size_t)t * a_stride), nb, pre + (size_t)t * ps);
-        _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")
-        K_TILE_LOOP(q8z_TF, KV_Q8Z_RT, KV_Q8Z_TT, KV_Q8Z_RTD);
-        _Pragma("GCC diagnostic pop")
+        const int64_t nj = (nq + KV_Q8Q_NQ - 1) / KV_Q8Q_NQ;
+        for (int64_t j = 0, k0 = 0; j < nj; j++) {
+            const int64_t left = nj - j, kk = (nq - k0 + left - 1) / left;
+            const int64_t t_ = 4 * kk < nt - 4 * k0 ? 4 * kk : nt - 4 * k0;
+            q8q_prep(ab + (size_t)(t0 + 4 * k0) * a_stride, a_stride, t_, nb, (int)kk, pre + (size_t)k0 * nb * KV_Q8Q_QUAD);
+            k0 += kk;
+        }
+        for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
+            const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
+            int64_t k0 = 0;
+            for (int64_t j = 0; j < nj; j++) {
+                const int64_t left = nj - j, kk = (nq - k0 + left - 1) / left;
+                switch (kk) {
+                    Q8Q_CASE(1); Q8Q_CASE(2);
+#if KV_Q8Q_NQ > 2
+                    Q8Q_CASE(3); Q8Q_CASE(4);
+#endif
+                default: break;
+                }
+                k0 += kk;
+            }
+        }
     }
 }
 
@@ -1153,7 +1147,7 @@ void kv_f32_wsum_avx512(float *o, const float *w, const float *V, size_t v_strid
 
 void kv_quant_fill_avx512(kv_kernels *k) {
     k[KV_TYPE_F32].vec_dot = f32z_dot;    k[KV_TYPE_F32].mat = f32z_mat;
-    k[KV_TYPE_Q8_0].vec_dot = q8z_dot;    k[KV_TYPE_Q8_0].mat = q8z_mat;
+    k[KV_TYPE_Q8_0].vec_dot = q8_0_dot;    k[KV_TYPE_Q8_0].mat = q8q_mat;
     k[KV_TYPE_Q4_0].vec_dot = q4_0_dot;   k[KV_TYPE_Q4_0].mat = q4_0_mat;
     k[KV_TYPE_Q4_K].vec_dot = q4_K_dot;   k[KV_TYPE_Q4_K].mat = q4_K_mat;
     k[KV_TYPE_Q5_K].vec_dot = q5_K_dot;   k[KV_TYPE_Q5_K].mat = q5_K_mat;
