@@ -62,6 +62,19 @@ AI void q8d_tile(int64_t nb, const uint8_t *w0, const uint8_t *w1, size_t rb, co
     q8_hsum4x2(acc, out, out + 1);
 }
 
+/* ng token groups (pairs or quads) in the fewest tiles of at most per
+ * groups, as even as possible: the sizes to kk[], the count returned
+ * (at most KV_Q8_MAX_TILES: callers cap their token chunks to it). */
+#define KV_Q8_MAX_TILES 512
+static int64_t q8_tile_split(int64_t ng, int64_t per, int64_t kk[KV_Q8_MAX_TILES]) {
+    const int64_t nj = (ng + per - 1) / per;
+    for (int64_t j = 0, k0 = 0; j < nj; j++) {
+        kk[j] = (ng - k0 + nj - j - 1) / (nj - j);
+        k0 += kk[j];
+    }
+    return nj;
+}
+
 /* One token at a time: rows in two streams (q8d_tile), an odd last row
  * alone. */
 static void q8_0_mat1(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,

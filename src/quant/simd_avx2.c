@@ -343,7 +343,8 @@ static void q8_0_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int
     const int64_t nb = n / 32;
     const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
     float o[KV_Q8P_TT];
-    const size_t tc_max = KV_Q8P_BUF / ((size_t)nb * KV_Q8P_PAIR) * 2; /* tokens per chunk */
+    size_t tc_max = KV_Q8P_BUF / ((size_t)nb * KV_Q8P_PAIR) * 2; /* tokens per chunk */
+    if (tc_max > (size_t)KV_Q8_MAX_TILES * KV_Q8P_TT) tc_max = (size_t)KV_Q8_MAX_TILES * KV_Q8P_TT;
     if (n_tok == 1 || tc_max < 2) {
         q8_0_mat1(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
         return;
@@ -356,27 +357,21 @@ static void q8_0_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int
         /* each tile's pairs block-major in a region of their own (one
          * region for all: a tile would read kk of np pairs per block, at a
          * stride that can crowd a few L1 sets) */
-        const int64_t nj = (np + KV_Q8P_TT / 2 - 1) / (KV_Q8P_TT / 2);
-        for (int64_t j = 0, k0 = 0; j < nj; j++) {
-            const int64_t left = nj - j, kk = (np - k0 + left - 1) / left;
-            const int64_t t_ = 2 * kk < nt - 2 * k0 ? 2 * kk : nt - 2 * k0;
-            q8p_prep(ab + (size_t)(t0 + 2 * k0) * a_stride, a_stride, t_, nb, pre + (size_t)k0 * nb * KV_Q8P_PAIR,
-                     (size_t)kk * KV_Q8P_PAIR);
-            k0 += kk;
-        }
+        int64_t kks[KV_Q8_MAX_TILES];
+        const int64_t nj = q8_tile_split(np, KV_Q8P_TT / 2, kks);
+        for (int64_t j = 0, k0 = 0; j < nj; k0 += kks[j++])
+            q8p_prep(ab + (size_t)(t0 + 2 * k0) * a_stride, a_stride, 2 * kks[j] < nt - 2 * k0 ? 2 * kks[j] : nt - 2 * k0,
+                     nb, pre + (size_t)k0 * nb * KV_Q8P_PAIR, (size_t)kks[j] * KV_Q8P_PAIR);
         for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
             const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
-            int64_t k0 = 0;
-            for (int64_t j = 0; j < nj; j++) {
-                const int64_t left = nj - j, kk = (np - k0 + left - 1) / left;
-                switch (kk) {
+            for (int64_t j = 0, k0 = 0; j < nj; k0 += kks[j++]) {
+                switch (kks[j]) {
                     Q8P_CASE(1); Q8P_CASE(2); Q8P_CASE(3); Q8P_CASE(4);
 #if KV_Q8P_TT > 8
                     Q8P_CASE(5); Q8P_CASE(6); Q8P_CASE(7); Q8P_CASE(8);
 #endif
                 default: break;
                 }
-                k0 += kk;
             }
         }
     }

@@ -950,7 +950,8 @@ static void q8q_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int6
     const int64_t nb = n / 32;
     const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;
     float o[4 * KV_Q8Q_NQ];
-    const int64_t tc_max = (int64_t)(KV_Q8Q_BUF / ((size_t)nb * KV_Q8Q_QUAD)) * 4; /* tokens per chunk */
+    int64_t tc_max = (int64_t)(KV_Q8Q_BUF / ((size_t)nb * KV_Q8Q_QUAD)) * 4; /* tokens per chunk */
+    if (tc_max > KV_Q8_MAX_TILES * 4 * KV_Q8Q_NQ) tc_max = KV_Q8_MAX_TILES * 4 * KV_Q8Q_NQ;
     if (n_tok == 1 || tc_max < 4) {
         q8_0_mat1(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y0, y_stride);
         return;
@@ -960,26 +961,21 @@ static void q8q_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int6
     for (int64_t t0 = 0; t0 < n_tok; t0 += tc_max) {
         const int64_t nt = n_tok - t0 < tc_max ? n_tok - t0 : tc_max, nq = (nt + 3) / 4;
         float *Y = Y0 + (size_t)t0 * y_stride;
-        const int64_t nj = (nq + KV_Q8Q_NQ - 1) / KV_Q8Q_NQ;
-        for (int64_t j = 0, k0 = 0; j < nj; j++) {
-            const int64_t left = nj - j, kk = (nq - k0 + left - 1) / left;
-            const int64_t t_ = 4 * kk < nt - 4 * k0 ? 4 * kk : nt - 4 * k0;
-            q8q_prep(ab + (size_t)(t0 + 4 * k0) * a_stride, a_stride, t_, nb, (int)kk, pre + (size_t)k0 * nb * KV_Q8Q_QUAD);
-            k0 += kk;
-        }
+        int64_t kks[KV_Q8_MAX_TILES];
+        const int64_t nj = q8_tile_split(nq, KV_Q8Q_NQ, kks);
+        for (int64_t j = 0, k0 = 0; j < nj; k0 += kks[j++])
+            q8q_prep(ab + (size_t)(t0 + 4 * k0) * a_stride, a_stride, 4 * kks[j] < nt - 4 * k0 ? 4 * kks[j] : nt - 4 * k0,
+                     nb, (int)kks[j], pre + (size_t)k0 * nb * KV_Q8Q_QUAD);
         for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
             const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
-            int64_t k0 = 0;
-            for (int64_t j = 0; j < nj; j++) {
-                const int64_t left = nj - j, kk = (nq - k0 + left - 1) / left;
-                switch (kk) {
+            for (int64_t j = 0, k0 = 0; j < nj; k0 += kks[j++]) {
+                switch (kks[j]) {
                     Q8Q_CASE(1); Q8Q_CASE(2);
 #if KV_Q8Q_NQ > 2
                     Q8Q_CASE(3); Q8Q_CASE(4);
 #endif
                 default: break;
                 }
-                k0 += kk;
             }
         }
     }
