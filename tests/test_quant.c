@@ -519,9 +519,10 @@ static void test_backends_identical(void) {
 static void test_mat_rows(void) {
     const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     /* every tile width 1..8 and uneven token splits (9: 5 + 4, 17: 6 + 6 + 5);
-     * for the 32-value block types also an odd block count (544: the zmm
-     * Q8_0 kernel's half pair) and rows long enough (8224) that 17 tokens
-     * need more than one chunk of prepared activations; for the K-quants 2
+     * for the 32-value block types also an odd block count (544: Q4_0's
+     * odd last block) and rows long enough (8224) that 17 tokens need more
+     * than one chunk of prepared activations (Q8_0: 14 tokens a chunk on
+     * AVX2, 8 on AVX-512); for the K-quants 2
      * and 3 super-blocks (the AVX-512 one-token q4_K loop takes them in
      * pairs, an odd last one alone) */
     const int toks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17};
