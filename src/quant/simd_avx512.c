@@ -33,8 +33,7 @@ AI float hsum_ps8(__m256 v) {
 
 /* Q4_0 against Q8_0, one 32-value block per ymm (8 canonical lanes, one
  * 4-value group each). vpdpbusd needs unsigned weights: the q4 nibbles are
- * already 0..15 (= w + 8; the macros also take q8 weights flipped to w + 128
- * by xor 0x80, as the Q8_0 kernels below do); the
+ * already 0..15 (= w + 8); the
  * offset K * (sum of each 4 activations) is subtracted by starting the
  * integer accumulation from -K * groupsum. That start vector and the
  * activation scale as a float are per token and block: kv_mat_rows computes
@@ -71,7 +70,7 @@ AI __m256i q4_0_u8(const kv_block_q4_0 *b) {
 }
 
 /* One block b of an RT x TT tile into accumulator set E (b & 1). */
-#define Q80_STEP(WBLK, WQ4, b, E)                                                               \
+#define Q80_STEP(WBLK, b, E)                                                               \
     do {                                                                                        \
         __m256i yv[8], ng[8];                                                                   \
         __m256 da[8];                                                                           \
@@ -96,12 +95,7 @@ AI __m256i q4_0_u8(const kv_block_q4_0 *b) {
         }                                                                                       \
         UNROLL for (int r = 0; r < RT; r++) {                                                   \
             const WBLK *x = (const WBLK *)(w + r * rb) + (b);                                   \
-            __m256i wu;                                                                         \
-            if (WQ4)                                                                            \
-                wu = q4_0_u8((const kv_block_q4_0 *)(const void *)x);                           \
-            else                                                                                \
-                wu = _mm256_xor_si256(                                                          \
-                    _mm256_loadu_si256((const __m256i *)((const kv_block_q8_0 *)(const void *)x)->qs), k80); \
+            const __m256i wu = q4_0_u8((const kv_block_q4_0 *)(const void *)x);                 \
             const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi16((short)x->d));                     \
             UNROLL for (int t = 0; t < TT; t++) {                                               \
                 __m256i p = _mm256_dpbusd_epi32(ng[t], wu, yv[t]);                              \
@@ -111,8 +105,8 @@ AI __m256i q4_0_u8(const kv_block_q4_0 *b) {
     } while (0)
 
 /* RT rows x TT tokens over nb blocks. pre: per-token data (stride ps) of
- * the TT tokens, or NULL to compute it inline. WQ4: weights are q4_0. */
-#define Q80_TILE(NAME, WBLK, WQ4)                                                               \
+ * the TT tokens, or NULL to compute it inline. */
+#define Q80_TILE(NAME, WBLK)                                                               \
     AI void NAME(int RT, int TT, int64_t nb, const uint8_t *w, size_t rb, const uint8_t *a,     \
                  size_t ab, const uint8_t *pre, size_t ps, float *out) {                        \
         __m256 acc[8][8][2];                                                                    \
@@ -120,20 +114,19 @@ AI __m256i q4_0_u8(const kv_block_q4_0 *b) {
             acc[r][t][0] = _mm256_setzero_ps();                                                 \
             acc[r][t][1] = _mm256_setzero_ps();                                                 \
         }                                                                                       \
-        const __m256i k80 = _mm256_set1_epi8((char)0x80);                                       \
-        const __m256i kk = _mm256_set1_epi8(WQ4 ? 8 : (char)0x80);                              \
-        (void)k80; (void)kk;                                                                    \
+        const __m256i kk = _mm256_set1_epi8(8);                                                 \
+        (void)kk;                                                                               \
         int64_t b = 0;                                                                          \
         for (; b + 1 < nb; b += 2) {                                                            \
-            Q80_STEP(WBLK, WQ4, b, 0);                                                          \
-            Q80_STEP(WBLK, WQ4, b + 1, 1);                                                      \
+            Q80_STEP(WBLK, b, 0);                                                          \
+            Q80_STEP(WBLK, b + 1, 1);                                                      \
         }                                                                                       \
-        if (b < nb) Q80_STEP(WBLK, WQ4, b, 0);                                                  \
+        if (b < nb) Q80_STEP(WBLK, b, 0);                                                  \
         UNROLL for (int r = 0; r < RT; r++) UNROLL for (int t = 0; t < TT; t++)                 \
             out[r * TT + t] = hsum_ps8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));              \
     }
 
-Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
+Q80_TILE(q4_0_tile, kv_block_q4_0)
 
 /* Rows [r0,r1) x tokens [0,nt) with F(rt, tt, r, t, out) computing an
  * rt x tt tile at row r, token t: RT x TT tiles (RTD x 1 when there is a
@@ -177,7 +170,7 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
         }                                                                                     \
     } while (0)
 
-#define Q80_ENTRY(T, WQ4, RT, TT, RTD)                                                          \
+#define Q80_ENTRY(T, RT, TT, RTD)                                                          \
     static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                    \
         T##_tile(1, 1, n / 32, (const uint8_t *)w, 0, (const uint8_t *)a, 0, NULL, 0, s);       \
     }                                                                                           \
@@ -199,7 +192,7 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
             float *Y = Y0 + (size_t)t0 * y_stride;                                              \
             for (int64_t t = 0; t < nt; t++)                                                    \
                 q80_prep((const kv_block_q8_0 *)(const void *)(ab + (size_t)t * a_stride), nb,  \
-                         WQ4 ? 8 : (char)0x80, pre + (size_t)t * ps);                           \
+                         8, pre + (size_t)t * ps);                                              \
             _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"") \
             KV_TILE_LOOP(T##_TF, RT, TT, RTD);                                                  \
             _Pragma("GCC diagnostic pop")                                                       \
@@ -219,7 +212,7 @@ Q80_TILE(q4_0_tile, kv_block_q4_0, 1)
 #ifndef KV_Q80_RTD
 #define KV_Q80_RTD 1
 #endif
-Q80_ENTRY(q4_0, 1, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
+Q80_ENTRY(q4_0, KV_Q80_RT, KV_Q80_TT, KV_Q80_RTD)
 
 /* 16 int32 lanes -> 8: lane j + lane j+8 (the canonical K-quant lanes). */
 AI __m256i fold_i32(__m512i v) {
