@@ -14,7 +14,7 @@ KV_DEMO_DIR="$dir/d" bash "$SRC/tools/demo.sh" "$KV" >"$dir/out" 2>&1 || fail "d
 grep -q "equals the single-process answer (kvasir run --chat, same parameters): yes" "$dir/out" || fail "no equality line"
 [ "$(grep -cE '^   node[123] \(127\.0\.0\.1:[0-9]+, [0-9]+ shards\): [0-9]+ expert computations \(hub: [0-9]+\)$' "$dir/out")" = 3 ] ||
   fail "no per-node expert counts"
-grep -qE "^   total [0-9]+ = [0-9]+ tokens through the model .*: yes$" "$dir/out" || fail "the counts do not add up"
+grep -qE "^   total [0-9]+ = \([0-9]+ tokens through the model .*: yes$" "$dir/out" || fail "the counts do not add up"
 grep -qE "^   books balance: consumers paid [1-9][0-9]* = nodes earned [0-9]+ \+ fees [0-9]+$" "$dir/out" || fail "no payment lines"
 grep -qE "^   ledger ok: " "$dir/out" || fail "the ledger check did not pass"
 # what each node was paid for is what its worker counted

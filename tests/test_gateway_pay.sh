@@ -128,8 +128,9 @@ ct=$(jq .usage.completion_tokens "$D/c1.json")
 [ "$ct" -gt 0 ] || fail "the sliced gateway's completion: $(cat "$D/c1.json")"
 [ $((b0 - $(bal "$C4"))) = $((pt * 5 + ct * 11)) ] || fail "sliced: paid $((b0 - $(bal "$C4"))), want $((pt * 5 + ct * 11))"
 # each worker signed a receipt for what it computed; the two together count every token
-# evaluated (the last one emitted is never fed back) x layers x experts used
-want=$(((pt + ct - 1) * N_LAYER * N_USED))
+# evaluated (the last one emitted is never fed back) x layers x experts used, less the
+# prompt's tokens but its last in the last layer (no logits there: no experts)
+want=$((((pt + ct - 1) * N_LAYER - (pt - 1)) * N_USED))
 SUM=$(KV ledger summary --db "$D/l.db" --json)
 node_f() { jq --arg n "node:$(KV wallet show --key "$1")" ".nodes[] | select(.account == \$n) | .$2" <<<"$SUM"; }
 p0=$(node_f "$D/w0.key" products)

@@ -6,6 +6,9 @@
  *    by token (results do not depend on batch composition);
  *  - bit-identical when experts come through a different provider (one that
  *    forwards every token separately, in reverse order);
+ *  - bit-identical whether the last block runs every token or only those
+ *    whose logits are wanted (any order, repeated), and the cache it leaves
+ *    decodes the same (check_dropped);
  *  - the context limit is enforced without changing the state.
  * Models are written by `kvasir gen-model` ($KV_BIN) into a temp dir. */
 #include <stdbool.h>
@@ -195,10 +198,61 @@ static int per_token_compute(void *impl, const kv_expert_req *r, float *out, kv_
         one.n_tokens = 1;
         one.x = r->x + (size_t)t * r->n_embd;
         one.ids = r->ids + (size_t)t * r->n_used;
+        one.tok = r->tok ? r->tok + t : NULL;
         int rc = p->inner.compute(p->inner.impl, &one, out + (size_t)t * r->n_used * r->n_embd, d);
         if (rc) return rc;
     }
     return 0;
+}
+
+/* The prompt in one call, once with every token's logits (no row dropped)
+ * in sequence 0, once with the logits of tokens n-1, 2, 2 (the others leave
+ * the last block after its K/V) in sequence 1: the wanted rows are the
+ * same bits, the last one those of base (the lone run), and a decode step
+ * on both caches gives the same logits. */
+static void check_dropped(const kv_model *m, const int32_t *p, uint32_t np, const float *base) {
+    const uint32_t V = kv_model_hparams(m)->n_vocab;
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    kv_state *s = NULL;
+    kv_pool_new(&pool, 2, &d);
+    kv_state_opts o = {.n_ctx = 64, .n_batch = 16, .n_seq = 2};
+    if (np > 16 || np < 3 || kv_state_new(&s, m, pool, &o, &d)) {
+        KVT_FAIL("dropped rows: state: %s", d.msg);
+        kv_pool_free(pool);
+        return;
+    }
+    uint32_t all[16], seq0[16], seq1[16];
+    for (uint32_t i = 0; i < np; i++) all[i] = i, seq0[i] = 0, seq1[i] = 1;
+    float *full = calloc((size_t)np * V, sizeof *full), *part = calloc((size_t)3 * V, sizeof *part);
+    float *step = calloc((size_t)2 * V, sizeof *step);
+    ASSERT_EQ(kv_state_batch(s, p, seq0, np, all, np, full, &d), 0);
+    ASSERT_TRUE(!kv_state_dropped_rows(s));
+    const uint32_t some[3] = {np - 1, 2, 2};
+    ASSERT_EQ(kv_state_batch(s, p, seq1, np, some, 3, part, &d), 0);
+    ASSERT_TRUE(kv_state_dropped_rows(s));
+    ASSERT_TRUE(memcmp(full + (size_t)(np - 1) * V, base, V * sizeof(float)) == 0);
+    ASSERT_TRUE(memcmp(part, base, V * sizeof(float)) == 0);
+    ASSERT_TRUE(memcmp(part + V, full + (size_t)2 * V, V * sizeof(float)) == 0);
+    ASSERT_TRUE(memcmp(part + 2 * V, full + (size_t)2 * V, V * sizeof(float)) == 0);
+    const int32_t tok[2] = {42, 42};
+    const uint32_t seqs[2] = {0, 1};
+    ASSERT_EQ(kv_state_decode(s, tok, seqs, 2, step, &d), 0);
+    ASSERT_TRUE(!kv_state_dropped_rows(s));
+    ASSERT_TRUE(memcmp(step, step + V, V * sizeof(float)) == 0);
+    /* no logits at all: only the K/V of the last block; then the same decode */
+    kv_state_reset_seq(s, 1);
+    ASSERT_EQ(kv_state_batch(s, p, seq1, np, NULL, 0, NULL, &d), 0);
+    ASSERT_TRUE(kv_state_dropped_rows(s));
+    const int32_t t1 = 42;
+    const uint32_t s1 = 1;
+    ASSERT_EQ(kv_state_decode(s, &t1, &s1, 1, part, &d), 0);
+    ASSERT_TRUE(memcmp(part, step + V, V * sizeof(float)) == 0);
+    free(full);
+    free(part);
+    free(step);
+    kv_state_free(s);
+    kv_pool_free(pool);
 }
 
 static const struct { const char *name, *args; } models[] = {
@@ -233,6 +287,7 @@ static void check_model(size_t mi) {
     ASSERT_TRUE(memcmp(base, single, bytes) == 0);
     free(chunk);
     free(single);
+    check_dropped(m, prompt, n, base);
     /* a different provider: same bits */
     kv_pool *pool = NULL;
     kv_pool_new(&pool, 2, &d);

@@ -120,7 +120,7 @@ static void test_types_vs_scalar(void) {
                 for (uint32_t i = 0; i < nt * N_EMBD; i++) x[i] = gauss();
                 for (uint32_t t = 0; t < nt; t++)
                     for (int u = 0; u < N_USED; u++) ids[t * N_USED + u] = (int32_t)((t * 2 + (uint32_t)u * 3 + (uint32_t)layer) % N_EXPERT);
-                kv_expert_req rq = {(uint32_t)layer, nt, N_EMBD, N_USED, x, ids};
+                kv_expert_req rq = {(uint32_t)layer, nt, N_EMBD, N_USED, x, ids, NULL};
                 ASSERT_EQ(ref.compute(ref.impl, &rq, o1, &d), 0);
                 rc = cl.compute(cl.impl, &rq, o2, &d);
                 if (rc) {
@@ -147,11 +147,11 @@ static void test_types_vs_scalar(void) {
         kvt_checks++;
         /* malformed requests: refused, nothing computed */
         int32_t bad_ids[N_USED] = {0, N_EXPERT, 1};
-        kv_expert_req bad = {0, 1, N_EMBD, N_USED, x, bad_ids};
+        kv_expert_req bad = {0, 1, N_EMBD, N_USED, x, bad_ids, NULL};
         ASSERT_EQ(cl.compute(cl.impl, &bad, o2, &d), KV_ERANGE);
-        kv_expert_req bad_layer = {N_LAYER, 1, N_EMBD, N_USED, x, ids};
+        kv_expert_req bad_layer = {N_LAYER, 1, N_EMBD, N_USED, x, ids, NULL};
         ASSERT_EQ(cl.compute(cl.impl, &bad_layer, o2, &d), KV_ERANGE);
-        kv_expert_req too_many = {0, 6, N_EMBD, N_USED, x, ids};
+        kv_expert_req too_many = {0, 6, N_EMBD, N_USED, x, ids, NULL};
         ASSERT_EQ(cl.compute(cl.impl, &too_many, o2, &d), KV_EINVAL);
         cl.free(cl.impl);
         ref.free(ref.impl);

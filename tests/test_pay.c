@@ -10,7 +10,8 @@
  * token's routing, which does not depend on what else shares the batch.
  *   - test_tally_alone_equals_batched: two sessions stepped together get,
  *     worker by worker, the counts each gets alone; every session's products
- *     are (tokens evaluated) x n_layer x n_used and all were answered by
+ *     are ((tokens evaluated) x n_layer - (prompt tokens but the last, which
+ *     skip the last block's experts)) x n_used and all were answered by
  *     workers; the sums over sessions are the workers' own pair counters;
  *   - test_settle_nodes: a settlement with keyed nodes, receipts and keyless
  *     work pays each node its exact share (kv_ledger_split of cost - fee),
@@ -181,7 +182,7 @@ static void test_tally_alone_equals_batched(void) {
     for (uint32_t w = 0; w < 2; w++) kv_remote_worker_info(kv_engine_remote(e), w, &wi[w]);
     for (int i = 0; i < 2; i++) {
         ASSERT_EQ(both[i].n_eval, np[i] + ng[i] - 1);
-        ASSERT_EQ(both[i].products, (uint64_t)both[i].n_eval * N_LAYER * N_USED);
+        ASSERT_EQ(both[i].products, ((uint64_t)both[i].n_eval * N_LAYER - (np[i] - 1)) * N_USED);
         ASSERT_EQ(both[i].answered[0] + both[i].answered[1], both[i].products); /* no local slabs */
         ASSERT_EQ(both[i].products, alone[i].products);
         for (int w = 0; w < 2; w++) ASSERT_EQ(both[i].answered[w], alone[i].answered[w]);

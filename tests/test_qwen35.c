@@ -2,7 +2,10 @@
  * of the whole model (gated delta rule with its conv, gated full attention
  * with IMROPE sections, routed + shared experts) on a generated F32 model,
  * and bit-identity of our f32 logits across thread counts, prefill chunking
- * vs token-by-token decode, and several sequences decoded together. */
+ * vs token-by-token decode, and several sequences decoded together; and
+ * with the last block a full-attention or a delta-net one, the same bits
+ * whether it runs every token or only those whose logits are wanted
+ * (test_dropped_rows). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -380,7 +383,79 @@ static void test_multi_seq(void) {
     kv_pool_free(pool);
 }
 
+/* The prompt with every token's logits (nothing dropped) against the logits
+ * of tokens N-1, 2, 2 (the other tokens leave the last block after its
+ * cache writes), and with none: the wanted rows and a decode step after
+ * them are the same bits. */
+static void dropped_on(const kv_model *m, const char *what) {
+    const uint32_t Vm = kv_model_hparams(m)->n_vocab;
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    kv_state *s = NULL;
+    kv_state_opts o = {.n_ctx = 64, .n_seq = 3};
+    if (kv_pool_new(&pool, 2, &d) || kv_state_new(&s, m, pool, &o, &d)) {
+        KVT_FAIL("%s: state: %s", what, d.msg);
+        kv_pool_free(pool);
+        return;
+    }
+    uint32_t all[N], sq[3][N];
+    for (uint32_t i = 0; i < N; i++) all[i] = i, sq[0][i] = 0, sq[1][i] = 1, sq[2][i] = 2;
+    float *full = calloc((size_t)N * Vm, sizeof *full), *part = calloc((size_t)3 * Vm, sizeof *part);
+    float *step = calloc((size_t)3 * Vm, sizeof *step);
+    const uint32_t some[3] = {N - 1, 2, 2};
+    ASSERT_EQ(kv_state_batch(s, toks, sq[0], N, all, N, full, &d), 0);
+    ASSERT_TRUE(!kv_state_dropped_rows(s));
+    ASSERT_EQ(kv_state_batch(s, toks, sq[1], N, some, 3, part, &d), 0);
+    ASSERT_TRUE(kv_state_dropped_rows(s));
+    ASSERT_EQ(kv_state_batch(s, toks, sq[2], N, NULL, 0, NULL, &d), 0);
+    ASSERT_TRUE(kv_state_dropped_rows(s));
+    const size_t b = Vm * sizeof(float);
+    ASSERT_TRUE(!memcmp(part, full + (size_t)(N - 1) * Vm, b));
+    ASSERT_TRUE(!memcmp(part + Vm, full + (size_t)2 * Vm, b) && !memcmp(part + 2 * Vm, full + (size_t)2 * Vm, b));
+    const int32_t tk[3] = {42, 42, 42};
+    const uint32_t seqs[3] = {0, 1, 2};
+    ASSERT_EQ(kv_state_decode(s, tk, seqs, 3, step, &d), 0);
+    ASSERT_TRUE(!memcmp(step, step + Vm, b) && !memcmp(step, step + 2 * Vm, b));
+    printf("%s: the last block on the wanted rows only: same bits\n", what);
+    free(full);
+    free(part);
+    free(step);
+    kv_state_free(s);
+    kv_pool_free(pool);
+}
+
+static void test_dropped_rows(void) {
+    ASSERT_TRUE(!kv_model_layer(g_m, 3)->recurrent);
+    dropped_on(g_m, "last block full attention");
+    /* 3 blocks: the last (2) a delta-net block */
+    char path[160];
+    snprintf(path, sizeof path, "%s/m3.gguf", g_dir);
+    kv_gen_config c = {.arch = "qwen35moe", .n_layer = 3, .n_embd = 128, .n_ff_exp = 64, .n_expert = 8,
+                       .n_expert_used = 2, .n_head = 4, .n_head_kv = 2, .head_dim = 32, .n_vocab = 600,
+                       .n_ctx = 256, .type = 0 /* KV_TYPE_F32 */, .seed = 6, .full_attn_interval = 2,
+                       .ssm_d_state = 16, .ssm_n_group = 2, .ssm_dt_rank = 6, .n_rot = 12,
+                       .rope_sections = {2, 1, 2, 1}, .n_ff_shexp = 48, .n_threads = 1};
+    kv_gen_fill_defaults(&c);
+    kv_diag d = {0};
+    kv_model *m3 = NULL;
+    if (kv_gen_model(&c, path, &d) || kv_model_load(&m3, path, &d)) {
+        KVT_FAIL("3-block model: %s", d.msg);
+        unlink(path);
+        return;
+    }
+    ASSERT_TRUE(kv_model_layer(m3, 2)->recurrent);
+    dropped_on(m3, "last block delta net");
+    /* chunked prefill (rows dropped) against token by token (none) */
+    float *a = ours(m3, toks, N, 1, 0), *cb = ours(m3, toks, N, 2, 4);
+    ASSERT_TRUE(!memcmp(a, cb, (size_t)N * kv_model_hparams(m3)->n_vocab * sizeof *a));
+    free(a);
+    free(cb);
+    kv_model_free(m3);
+    unlink(path);
+}
+
 static const kvt_case cases[] = {KVT_CASE(test_loaded), KVT_CASE(test_f64_reference),
-                                 KVT_CASE(test_bit_identity), KVT_CASE(test_multi_seq)};
+                                 KVT_CASE(test_bit_identity), KVT_CASE(test_multi_seq),
+                                 KVT_CASE(test_dropped_rows)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

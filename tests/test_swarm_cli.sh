@@ -8,7 +8,8 @@
 #   - a chat completion through the gateway (curl) equals `kvasir run --chat`
 #     in one process, greedy and sampled; the nodes' worker counters (STATS)
 #     add up to exactly the expert computations those requests need
-#     ((prompt + completion - 1) tokens x MoE layers x top-k);
+#     (((prompt + completion - 1) tokens x MoE layers - the prompt's tokens
+#     but its last, which skip the last block's experts) x top-k);
 #   - plan's round trips equal bench --hub's request rounds per step, and
 #     its bytes per token bound (and, when the bound is tight, equal) the
 #     bytes bench measures on the wire;
@@ -119,7 +120,7 @@ chat() { # PROMPT N TEMP TOPK TOPP MINP SEED
   b=$(jq -r .text "$dir/ref.json")
   [ -n "$b" ] && [ "$a" = "$b" ] || fail "gateway '$a' != run --chat '$b'"
   [ "$(jq .usage.completion_tokens "$dir/chat.json")" = "$(jq '.tokens | length' "$dir/ref.json")" ] || fail "usage"
-  pairs=$((pairs + ($(jq '.usage.prompt_tokens + .usage.completion_tokens - 1' "$dir/chat.json")) * 2 * 2))
+  pairs=$((pairs + ($(jq '(.usage.prompt_tokens + .usage.completion_tokens - 1) * 2 - (.usage.prompt_tokens - 1)' "$dir/chat.json")) * 2))
 }
 chat "Hello there" 16 0 40 0.95 0.05 1
 chat "Why is the sky blue?" 12 0.9 20 0.9 0.0 77

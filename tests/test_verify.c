@@ -60,7 +60,7 @@ static void compute(int k, answers *a, kv_expert_provider *p) {
         for (int i = 0; i < N_EMBD; i++) a->x[t][i] = frand();
         a->ids[t] = t % N_EXPERT;
     }
-    const kv_expert_req req = {0, N_TOK, N_EMBD, 1, &a->x[0][0], a->ids};
+    const kv_expert_req req = {0, N_TOK, N_EMBD, 1, &a->x[0][0], a->ids, NULL};
     ASSERT_EQ(kv_expert_local_compute_pre(p, &req, &a->y[0][0], &a->g[0][0], &a->u[0][0], &d), 0);
     /* the same bits as the engine's one-expert path */
     int bad = 0;
@@ -191,7 +191,7 @@ static void test_types(void) {
                 kv_verify_check(v, 0, (uint32_t)A.ids[t], A.x[t], A.g[t], A.u[t], A.y[t], NULL, &d);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         for (int rep = 0; rep < 4; rep++) {
-            const kv_expert_req req = {0, N_TOK, N_EMBD, 1, &A.x[0][0], A.ids};
+            const kv_expert_req req = {0, N_TOK, N_EMBD, 1, &A.x[0][0], A.ids, NULL};
             p.compute(p.impl, &req, &A.y[0][0], &d);
         }
         clock_gettime(CLOCK_MONOTONIC, &t2);

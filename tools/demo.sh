@@ -86,11 +86,13 @@ jq -r '.nodes[] | "   \(.name) (\(.addr), \(.shards | length) shards): \(.expert
   " (hub: \(.served_pairs // "?"))"' "$dir/status.json"
 "$KV" plan --hub "$HUB" --json >"$dir/plan.json"
 toks=$(jq '.usage.prompt_tokens + .usage.completion_tokens - 1' "$dir/chat.json")
+pt=$(jq .usage.prompt_tokens "$dir/chat.json")
 L=$(jq .n_moe_layers "$dir/plan.json")
 k=$(jq .n_expert_used "$dir/plan.json")
 got=$(jq .experts_computed "$dir/status.json")
-echo "   total $got = $toks tokens through the model (prompt + answer - 1) x $L MoE layers x top-$k:" \
-  "$([ "$got" = $((toks * L * k)) ] && echo yes || echo NO)"
+echo "   total $got = ($toks tokens through the model (prompt + answer - 1) x $L MoE layers" \
+  "- $((pt - 1)) prompt tokens without logits, which skip the last layer's experts) x top-$k:" \
+  "$([ "$got" = $(((toks * L - (pt - 1)) * k)) ] && echo yes || echo NO)"
 echo "== kvasir swarm status"
 "$KV" swarm status --dir "$SW" | sed 's/^/   /'
 echo "== kvasir plan --hub $HUB"

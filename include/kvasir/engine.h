@@ -114,6 +114,8 @@ bool kv_engine_busy(const kv_engine *e);
 typedef struct kv_engine_stats {
     uint64_t steps;              /* forward passes run */
     uint64_t steps_failed;       /* steps that returned an error */
+    uint64_t steps_headless;     /* steps that wanted no logits (prompt chunks but no prompt's last
+                                    token): their last block ran no attention output, no experts */
     uint64_t tokens_prefill;     /* prompt tokens evaluated */
     uint64_t tokens_decode;      /* generated tokens fed back and evaluated */
     uint64_t tokens_sampled;     /* tokens handed to sessions */

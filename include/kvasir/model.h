@@ -251,9 +251,20 @@ int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, ui
  * n_out (logits may be NULL). Each token's results are bit-identical to
  * running its sequence alone. Errors as kv_state_decode, plus KV_ENOMEM
  * from kv_state_reserve (reserve first to fail one sequence alone); on
- * error no sequence advances. */
+ * error no sequence advances.
+ *
+ * The last block's hidden states feed only the logits, so when some tokens
+ * want none (a prompt's tokens but its last), those tokens run that block
+ * only as far as its cache writes (K and V, the recurrent state): its
+ * attention output and its experts are computed for the out_idx tokens
+ * alone (for none when logits is NULL), with the same bits.
+ * kv_state_dropped_rows says whether the last call did. */
 int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
                    const uint32_t *out_idx, uint32_t n_out, float *logits, kv_diag *d);
+/* Whether the last successful call left the tokens without logits out of
+ * its last block's attention output and experts (kv_state_batch): true
+ * when such tokens were in the call and no x_out was asked for. */
+bool kv_state_dropped_rows(const kv_state *s);
 /* kv_state_batch over the model's layer window (kv_model_opts.window):
  * when x_in is not NULL, the n_embd floats of each token's hidden state
  * entering the window's first block are taken from x_in[n][n_embd]

@@ -22,6 +22,8 @@ typedef struct kv_expert_req {
     uint32_t n_used;     /* experts per token */
     const float *x;      /* [n_tokens][n_embd] input to the experts (after ffn_norm) */
     const int32_t *ids;  /* [n_tokens][n_used] expert ids, top-k rank order */
+    const uint32_t *tok; /* [n_tokens] the step's token each row is (a step's last block carries
+                            only the tokens whose logits are wanted), NULL: row t is token t */
 } kv_expert_req;
 
 typedef struct kv_expert_provider {

@@ -80,7 +80,7 @@ static int kv_xc_run(kv_expert_provider *p, const uint32_t (*samp)[2], uint32_t 
     int32_t ids[64];
     for (uint32_t s = 0; s < ns; s++) {
         for (uint32_t t = 0; t < T; t++) ids[t] = (int32_t)samp[s][1];
-        kv_expert_req rq = {samp[s][0], T, E, 1, x + (size_t)s * T * E, ids};
+        kv_expert_req rq = {samp[s][0], T, E, 1, x + (size_t)s * T * E, ids, NULL};
         int rc = p->compute(p->impl, &rq, y + (size_t)s * T * E, d);
         if (rc) return rc;
     }

@@ -201,6 +201,7 @@ struct kv_remote {
     uint64_t *ts_sent, *ts_ans;   /* this step */
     const uint32_t *tags;         /* [tag_n] tag of each token of the step's calls, NULL none */
     uint32_t tag_n;
+    const uint32_t *tag_rows;     /* this call's row -> the step's token (kv_expert_req.tok), NULL: the same */
     bool tag_on;                  /* the current compute call is counted */
 };
 
@@ -408,7 +409,7 @@ static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const 
         if (r->o.recompute_rate > 0 && (double)(r->rng >> 11) * (1.0 / 9007199254740992.0) < r->o.recompute_rate) {
             memcpy(r->lx, x, (size_t)E * sizeof(float));
             r->lids[0] = (int32_t)e;
-            const kv_expert_req lr = {req->layer, 1, E, 1, r->lx, r->lids};
+            const kv_expert_req lr = {req->layer, 1, E, 1, r->lx, r->lids, NULL};
             if ((rc = r->local.compute(r->local.impl, &lr, r->vy, d))) return kv_diag_prefix(d, rc, "remote: recompute");
             const bool same = !strcmp(w->backend, kv_quant_backend());
             float mx = 0;
@@ -700,6 +701,9 @@ static int kv_remote_open_local(kv_remote *r, kv_pieces *pc, kv_diag *d) {
 /* ---- the provider ------------------------------------------------------ */
 
 /* Builds and queues w's COMPUTE for the slots it owns this round. */
+/* The session tag of the current call's row t. */
+static uint32_t kv_remote_tag(const kv_remote *r, uint32_t t) { return r->tags[r->tag_rows ? r->tag_rows[t] : t]; }
+
 static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *req, uint32_t t0, uint32_t n_tok,
                        kv_diag *d) {
     const uint32_t nu = req->n_used, E = r->n_embd;
@@ -715,7 +719,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
         }
         w->pairs[np] = (kv_proto_pair){(uint32_t)r->tok_local[t], (uint32_t)req->ids[(size_t)t0 * nu + s]};
         w->pair_slot[np++] = (int32_t)s;
-        if (r->tag_on && (uint32_t)wi < r->t_stride) r->ts_sent[(size_t)r->tags[t0 + t] * r->t_stride + (uint32_t)wi]++;
+        if (r->tag_on && (uint32_t)wi < r->t_stride) r->ts_sent[(size_t)kv_remote_tag(r, t0 + t) * r->t_stride + (uint32_t)wi]++;
     }
     if (!identity) /* gather the rows of the tokens it needs */
         for (uint32_t t = 0; t < n_tok; t++)
@@ -859,7 +863,7 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                 r->lids[n] = ids[s];
                 r->lslot[n++] = (int32_t)s;
             }
-            const kv_expert_req lr = {req->layer, n, E, 1, r->lx, r->lids};
+            const kv_expert_req lr = {req->layer, n, E, 1, r->lx, r->lids, NULL};
             int rc = r->local.compute(r->local.impl, &lr, r->lout, d);
             if (rc) return kv_diag_prefix(d, rc, "remote: local fallback");
             for (uint32_t j = 0; j < n; j++) {
@@ -897,7 +901,7 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
                 pending--;
                 r->n_pairs_remote++;
                 if (r->tag_on && (uint32_t)wi < r->t_stride)
-                    r->ts_ans[(size_t)r->tags[t0 + s / nu] * r->t_stride + (uint32_t)wi]++;
+                    r->ts_ans[(size_t)kv_remote_tag(r, t0 + s / nu) * r->t_stride + (uint32_t)wi]++;
             } else {
                 r->slot_owner[s] = KV_OWN_NONE;
             }
@@ -915,7 +919,9 @@ static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, k
                        "(%u tokens x %u, embd %u)", req->n_tokens, req->n_used, req->n_embd, r->max_tokens, r->n_used,
                        r->n_embd);
     r->n_calls++;
-    r->tag_on = r->tags && req->n_tokens == r->tag_n;
+    r->tag_rows = req->tok; /* the rows' tokens when the step's last block carries only some */
+    r->tag_on = r->tags && (req->tok ? true : req->n_tokens == r->tag_n);
+    for (uint32_t t = 0; r->tag_on && req->tok && t < req->n_tokens; t++) r->tag_on = req->tok[t] < r->tag_n;
     kv_remote_poll(r, 0, out); /* notice closed peers, progress reconnects */
     for (uint32_t t0 = 0; t0 < req->n_tokens; t0 += r->chunk_tokens) {
         const uint32_t n = req->n_tokens - t0 < r->chunk_tokens ? req->n_tokens - t0 : r->chunk_tokens;

@@ -1165,7 +1165,7 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
         c = c->jnext;
     } while (c != first);
     if (w->opts.test_lie) kv_worker_lie_inputs(w, L, n);
-    const kv_expert_req req = {L, n, E, 1, w->xs, w->ids};
+    const kv_expert_req req = {L, n, E, 1, w->xs, w->ids, NULL};
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
     int rc = want_pre ? kv_expert_local_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d)

@@ -510,12 +510,16 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     e->stats.t_decode_s += dt * (double)n_dec / (double)n;
     /* every block of every supported architecture routes each token to
        n_expert_used experts (kv_moe_routed), so a token is n_layer x n_used
-       (token, expert) products, wherever they were computed */
+       (token, expert) products, wherever they were computed; but when the
+       step dropped rows, a token without logits (a prompt's but its last)
+       skipped the last block's experts (kv_state_batch) */
     const kv_hparams *hp = kv_model_hparams(e->m);
-    const uint64_t per_tok = (uint64_t)hp->n_layer * hp->n_expert_used;
+    const bool dropped = kv_state_dropped_rows(e->st);
+    if (n_out == 0) e->stats.steps_headless++;
     for (kv_session *s = e->head; s; s = s->next) {
         if (!s->in_step) continue;
-        s->products += per_tok * (s->chunk ? s->chunk : 1);
+        const uint64_t t = s->chunk ? s->chunk : 1, wanted = !s->chunk || s->prompt_at + s->chunk == s->n_prompt;
+        s->products += (uint64_t)hp->n_expert_used * ((uint64_t)hp->n_layer * t - (dropped ? t - wanted : 0));
         s->st.steps++;
         if (s->chunk) {
             s->prompt_at += s->chunk;

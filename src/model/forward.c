@@ -124,10 +124,16 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->tok_pos = malloc(B * sizeof *s->tok_pos);
     s->hout = malloc(B * E * sizeof(float));
     s->out_all = malloc(B * sizeof *s->out_all);
+    s->keep = malloc(B * sizeof *s->keep);
+    s->keep_row = malloc(B * sizeof *s->keep_row);
+    s->full_seq = malloc(B * sizeof *s->full_seq);
+    s->full_pos = malloc(B * sizeof *s->full_pos);
+    s->full_bad = malloc(B);
     s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
     if (!s->bad || !s->tainted || !s->arena || !s->seq_blk || !s->seq_nblk || !s->seq_cap || !s->kv_wide || !s->x || !s->xb || !s->q ||
         !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->att_qbuf || !s->att_grp ||
-        !s->scratch || !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all) {
+        !s->scratch || !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all ||
+        !s->keep || !s->keep_row || !s->full_seq || !s->full_pos || !s->full_bad) {
         kv_state_free(s);
         return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
     }
@@ -193,6 +199,11 @@ void kv_state_free(kv_state *s) {
     free(s->tok_pos);
     free(s->hout);
     free(s->out_all);
+    free(s->keep);
+    free(s->keep_row);
+    free(s->full_seq);
+    free(s->full_pos);
+    free(s->full_bad);
     free(s);
 }
 
@@ -215,6 +226,7 @@ void kv_state_set_profile(kv_state *s, kv_profile *p) { s->prof = p; }
 uint32_t kv_state_n_seq(const kv_state *s) { return s->n_seq; }
 uint32_t kv_state_max_tokens(const kv_state *s) { return s->max_tok; }
 uint32_t kv_state_pos(const kv_state *s) { return s->pos[0]; }
+bool kv_state_dropped_rows(const kv_state *s) { return s->x_kept; }
 bool kv_state_seq_finite(const kv_state *s, uint32_t seq) { return seq < s->n_seq && !s->tainted[seq]; }
 
 void kv_check_rows(kv_state *s, const float *x, size_t stride, uint32_t T, int64_t n) {
@@ -225,6 +237,35 @@ void kv_check_rows(kv_state *s, const float *x, size_t stride, uint32_t T, int64
         if (acc != acc) s->bad[t] = 1;
     }
 }
+uint32_t kv_trim_rows(kv_state *s, uint32_t T, bool with_tmp) {
+    const size_t E = s->m->hp.n_embd;
+    memcpy(s->full_seq, s->tok_seq, T * sizeof *s->tok_seq);
+    memcpy(s->full_pos, s->tok_pos, T * sizeof *s->tok_pos);
+    memcpy(s->full_bad, s->bad, T);
+    for (uint32_t i = 0; i < s->n_keep; i++) { /* keep[i] >= i: front to back, in place */
+        const uint32_t t = s->keep[i];
+        s->tok_seq[i] = s->full_seq[t];
+        s->tok_pos[i] = s->full_pos[t];
+        s->bad[i] = s->full_bad[t];
+        if (t == i) continue;
+        memcpy(s->x + i * E, s->x + t * E, E * sizeof(float));
+        memcpy(s->xb + i * E, s->xb + t * E, E * sizeof(float));
+        if (with_tmp) memcpy(s->tmp + i * E, s->tmp + t * E, E * sizeof(float));
+    }
+    s->trim_T = T;
+    s->x_kept = true;
+    return s->n_keep;
+}
+
+void kv_trim_restore(kv_state *s) {
+    if (!s->trim_T) return;
+    for (uint32_t i = 0; i < s->n_keep; i++) s->full_bad[s->keep[i]] |= s->bad[i];
+    memcpy(s->tok_seq, s->full_seq, s->trim_T * sizeof *s->tok_seq);
+    memcpy(s->tok_pos, s->full_pos, s->trim_T * sizeof *s->tok_pos);
+    memcpy(s->bad, s->full_bad, s->trim_T);
+    s->trim_T = 0;
+}
+
 uint32_t kv_state_pos_seq(const kv_state *s, uint32_t seq) { return seq < s->n_seq ? s->pos[seq] : 0; }
 
 void kv_state_reset_seq(kv_state *s, uint32_t seq) {
@@ -535,7 +576,7 @@ int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_di
     }
     pt = kv_prof_mark(s, KV_PROF_ROUTER, pt);
     /* routed experts, wherever they are computed */
-    kv_expert_req req = {il, T, (uint32_t)E, (uint32_t)K, s->xb, s->ids};
+    kv_expert_req req = {il, T, (uint32_t)E, (uint32_t)K, s->xb, s->ids, s->trim_T ? s->keep : NULL};
     int rc = s->experts->compute(s->experts->impl, &req, s->eo, d);
     if (rc) {
         kv_prof_mark(s, KV_PROF_EXPERTS, pt);
@@ -568,16 +609,18 @@ void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok) {
     kv_pool_run(s->pool, kv_attn_worker, &aj);
 }
 
-/* Token t's per-head Q/K RMSNorm and RoPE (L: its layer). The angles are
- * computed once for the token, into its own row of s->att (n_rot <= head_dim
- * floats; att is free until this layer's attention writes it). */
+/* Token t's per-head Q/K RMSNorm and RoPE (of layer L, the Q heads, the K
+ * heads or both). The angles are computed once for the token, into its own
+ * row of s->att (n_rot <= head_dim floats; att is free until this layer's
+ * attention writes it). */
 static void kv_q3_qk_tok(kv_state *s, const void *ctx, uint32_t t) {
-    const kv_layer *L = ctx;
+    const kv_qk_ctx *c = ctx;
+    const kv_layer *L = c->L;
     const kv_hparams *hp = &s->m->hp;
     const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
     float *cs = s->att + (size_t)t * (size_t)QD, *sn = cs + hp->n_rot / 2;
     kv_rope_neox_table(cs, sn, hp->n_rot, (int32_t)s->tok_pos[t], hp->rope_freq_base, hp->rope_freq_scale);
-    for (int64_t h = 0; h < H + HKV; h++) {
+    for (int64_t h = c->q ? 0 : H; h < (c->k ? H + HKV : H); h++) {
         float *xh = h < H ? s->q + (size_t)t * QD + (size_t)h * HD : s->k + (size_t)t * KVD + (size_t)(h - H) * HD;
         kv_rmsnorm(xh, xh, (h < H ? L->q_norm : L->k_norm).data, HD, hp->rms_eps);
         kv_rope_apply(xh, hp->n_rot, cs, sn);
@@ -598,15 +641,24 @@ int kv_q3_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         kv_resid_norm(s, T, 0, L->attn_norm.data);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         pt = kv_prof_mark(s, KV_PROF_NORM, pt);
-        /* Q, K, V projections */
-        kv_matmul(s->pool, &L->wq, NULL, s->xb, T, s->q, s->scratch);
+        /* Q, K, V projections (Q after trimming, in a chunk's last block) */
+        const bool trim = kv_trim_here(s, il);
+        if (!trim) kv_matmul(s->pool, &L->wq, NULL, s->xb, T, s->q, s->scratch);
         kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, s->scratch);
         kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, s->scratch);
         pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
         /* per-head Q/K norm, RoPE, then K and V into the cache */
-        kv_per_token(s, T, kv_q3_qk_tok, L);
+        kv_per_token(s, T, kv_q3_qk_tok, &(kv_qk_ctx){L, !trim, true});
         pt = kv_prof_mark(s, KV_PROF_NORM, pt);
         kv_cache_put(s, il, T);
+        if (trim) { /* every token's K and V are in the cache: the rest only for the kept ones */
+            if (!(T = kv_trim_rows(s, T, false))) break;
+            pt = kv_prof_mark(s, KV_PROF_NORM, pt);
+            kv_matmul(s->pool, &L->wq, NULL, s->xb, T, s->q, s->scratch);
+            pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
+            kv_per_token(s, T, kv_q3_qk_tok, &(kv_qk_ctx){L, true, false});
+            pt = kv_prof_mark(s, KV_PROF_NORM, pt);
+        }
         /* causal attention */
         kv_attn_run(s, il, T);
         /* output projection + residual */
@@ -636,6 +688,23 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd;
     memset(s->bad, 0, T);
+    /* rows to keep in the last block: the tokens whose logits are wanted,
+     * when nothing else reads the hidden states */
+    const uint32_t n_want = logits ? n_out : 0;
+    s->x_kept = false;
+    s->trim_T = 0;
+    s->trim = !x_out && m->has_head && n_want < T;
+    if (s->trim) {
+        for (uint32_t t = 0; t < T; t++) s->keep_row[t] = UINT32_MAX;
+        for (uint32_t i = 0; i < n_want; i++) s->keep_row[out_idx[i]] = 0;
+        s->n_keep = 0;
+        for (uint32_t t = 0; t < T; t++)
+            if (s->keep_row[t] == 0) {
+                s->keep_row[t] = s->n_keep;
+                s->keep[s->n_keep++] = t;
+            }
+        s->trim = s->n_keep < T;
+    }
     if (s->prof) {
         s->prof->chunks++;
         s->prof->tokens += T;
@@ -653,13 +722,15 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
     kv_prof_mark(s, KV_PROF_EMBED, pt);
     /* the architecture's own blocks, from its table (src/arch/) */
     int rc = kv_arch_get(hp->arch)->blocks(s, T, d);
+    kv_trim_restore(s);
     if (rc) return rc;
     pt = kv_prof_start(s);
     if (x_out) memcpy(x_out, s->x, (size_t)T * (size_t)E * sizeof(float));
     if (logits && n_out) {
         for (uint32_t i = 0; i < n_out; i++) {
             float *h = s->hout + (size_t)i * E;
-            kv_rmsnorm(h, s->x + (size_t)out_idx[i] * E, m->output_norm.data, E, hp->rms_eps);
+            const uint32_t row = s->x_kept ? s->keep_row[out_idx[i]] : out_idx[i];
+            kv_rmsnorm(h, s->x + (size_t)row * E, m->output_norm.data, E, hp->rms_eps);
             float acc = 0.0f;
             for (int64_t k = 0; k < E; k++) acc += h[k] * 0.0f;
             if (acc != acc) s->bad[out_idx[i]] = 1;

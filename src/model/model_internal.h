@@ -79,6 +79,18 @@ struct kv_state {
     uint32_t att_heads;    /* query heads per attention unit (of the n_head/n_head_kv sharing a KV head) */
     float *hout;           /* [max_tok][n_embd] final-normed rows whose logits are wanted */
     void *scratch;         /* matmul activation scratch */
+    /* The chunk's last block when nothing reads its hidden states but the LM
+     * head's rows (no x_out, the window ends at the head): every token
+     * writes its K/V (and recurrent state), and only the tokens whose
+     * logits are wanted run the rest (kv_trim_rows) */
+    bool trim;             /* this chunk may drop rows in block il_last */
+    bool x_kept;           /* x holds the kept rows: token keep[i] at row i */
+    uint32_t n_keep;       /* tokens kept: the out_idx tokens, increasing, no repeats (0: no logits) */
+    uint32_t *keep;        /* [max_tok] the kept tokens */
+    uint32_t *keep_row;    /* [max_tok] token -> its row once trimmed */
+    uint32_t trim_T;       /* the chunk's tokens while trimmed, 0: rows are tokens */
+    uint32_t *full_seq, *full_pos; /* [max_tok] the chunk's tok_seq and tok_pos while trimmed */
+    uint8_t *full_bad;     /* [max_tok] the chunk's bad flags while trimmed */
     struct kv_q35_state *q35; /* qwen35moe: recurrent state and buffers (qwen35.c), else NULL */
     kv_profile *prof;      /* per-stage timers (kvasir bench --profile), NULL: off */
 };
@@ -113,6 +125,24 @@ void kv_check_rows(kv_state *s, const float *x, size_t stride, uint32_t n_tok, i
  * those of one thread. Not from inside a pool job. */
 typedef void (*kv_tok_fn)(kv_state *s, const void *ctx, uint32_t t);
 void kv_per_token(kv_state *s, uint32_t T, kv_tok_fn fn, const void *ctx);
+/* Whether block il is where the chunk drops rows (kv_trim_rows). */
+static inline bool kv_trim_here(const kv_state *s, uint32_t il) { return s->trim && il == s->m->il_last; }
+/* Keeps only the rows of the s->n_keep kept tokens in x, xb (and tmp when
+ * with_tmp): row i becomes token keep[i], and tok_seq, tok_pos and bad
+ * follow (the chunk's own are saved). Returns the new token count
+ * (n_keep; 0: the rest of the block has nothing to compute). Each kept
+ * row's arithmetic is what it would be among all of them: every kernel
+ * computes a token's row alone. */
+uint32_t kv_trim_rows(kv_state *s, uint32_t T, bool with_tmp);
+/* Gives tok_seq, tok_pos and bad back their per-token meaning (a kept
+ * row's bad flag merged into its token's). Does nothing when not trimmed. */
+void kv_trim_restore(kv_state *s);
+/* The per-token Q/K norm and RoPE passes' argument: layer L, the Q heads
+ * (q), the K heads (k) or both. */
+typedef struct kv_qk_ctx {
+    const kv_layer *L;
+    bool q, k;
+} kv_qk_ctx;
 /* Per token: x += tmp (add), then xb = rmsnorm(x) * w (w not NULL). */
 void kv_resid_norm(kv_state *s, uint32_t T, int add, const float *w);
 /* Routed MoE of layer il on the normed rows s->xb: router softmax, top-k,

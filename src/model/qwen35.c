@@ -389,19 +389,20 @@ static void kv_q35_linear(kv_state *s, const kv_layer *L, uint32_t li, uint32_t 
  * for the token, into its own row of s->att (free until the attention writes
  * it; n_rot <= head_dim floats). */
 static void kv_q35_qk_tok(kv_state *s, const void *ctx, uint32_t t) {
-    const kv_layer *L = ctx;
+    const kv_qk_ctx *c = ctx;
+    const kv_layer *L = c->L;
     const kv_hparams *hp = &s->m->hp;
     const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
     float *cs = s->att + (size_t)t * (size_t)QD, *sn = cs + hp->n_rot / 2;
     const int32_t p = (int32_t)s->tok_pos[t];
     const int32_t pos[4] = {p, p, p, 0}; /* text: t = h = w = position, e = 0 */
     kv_rope_imrope_table(cs, sn, hp->n_rot, pos, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = 0; h < (c->q ? H : 0); h++) {
         float *qh = s->q + (size_t)t * QD + (size_t)h * HD;
         kv_rmsnorm(qh, s->q35->qg + (size_t)t * 2 * QD + (size_t)h * 2 * HD, L->q_norm.data, HD, hp->rms_eps);
         kv_rope_apply(qh, hp->n_rot, cs, sn);
     }
-    for (int64_t h = 0; h < HKV; h++) {
+    for (int64_t h = 0; h < (c->k ? HKV : 0); h++) {
         float *kh = s->k + (size_t)t * KVD + (size_t)h * HD;
         kv_rmsnorm(kh, kh, L->k_norm.data, HD, hp->rms_eps);
         kv_rope_apply(kh, hp->n_rot, cs, sn);
@@ -420,25 +421,37 @@ static void kv_q35_gate_tok(kv_state *s, const void *ctx, uint32_t t) {
     }
 }
 
-/* Gated full-attention block il on s->xb; output in s->tmp. */
-static void kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T) {
+/* Gated full-attention block il on s->xb; output in s->tmp. In the block
+ * where the chunk drops rows, every token's K and V go to the cache and the
+ * rest is for the kept tokens. Returns the tokens it ran (0: none left). */
+static uint32_t kv_q35_attention(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T) {
     kv_q35_state *q = s->q35;
     const kv_hparams *hp = &s->m->hp;
     const int64_t QD = hp->n_head * hp->head_dim;
+    const bool trim = kv_trim_here(s, il);
     uint64_t pt = kv_prof_start(s);
-    kv_matmul(s->pool, &L->wq, NULL, s->xb, T, q->qg, q->scratch);
+    if (!trim) kv_matmul(s->pool, &L->wq, NULL, s->xb, T, q->qg, q->scratch);
     kv_matmul(s->pool, &L->wk, NULL, s->xb, T, s->k, q->scratch);
     kv_matmul(s->pool, &L->wv, NULL, s->xb, T, s->v, q->scratch);
     pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
-    kv_per_token(s, T, kv_q35_qk_tok, L);
+    kv_per_token(s, T, kv_q35_qk_tok, &(kv_qk_ctx){L, !trim, true});
     pt = kv_prof_mark(s, KV_PROF_NORM, pt);
     kv_cache_put(s, il, T);
+    if (trim) {
+        if (!(T = kv_trim_rows(s, T, false))) return 0;
+        pt = kv_prof_mark(s, KV_PROF_NORM, pt);
+        kv_matmul(s->pool, &L->wq, NULL, s->xb, T, q->qg, q->scratch);
+        pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
+        kv_per_token(s, T, kv_q35_qk_tok, &(kv_qk_ctx){L, true, false});
+        pt = kv_prof_mark(s, KV_PROF_NORM, pt);
+    }
     kv_attn_run(s, il, T);
     kv_per_token(s, T, kv_q35_gate_tok, NULL);
     kv_check_rows(s, s->att, (size_t)QD, T, QD);
     pt = kv_prof_mark(s, KV_PROF_ATTN, pt);
     kv_matmul(s->pool, &L->wo, NULL, s->att, T, s->tmp, q->scratch);
     kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
+    return T;
 }
 
 /* Routed experts plus the gated shared expert on s->xb; output in s->tmp. */
@@ -469,6 +482,7 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     const kv_hparams *hp = &m->hp;
     kv_q35_state *q = s->q35;
     const int64_t E = hp->n_embd;
+    const uint32_t T_all = T;
 
     for (uint32_t il = m->il_first; il <= m->il_last; il++) { /* the window: every block unless a ring node */
         const kv_layer *L = &m->layers[il];
@@ -476,10 +490,12 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         kv_resid_norm(s, T, 0, L->attn_norm.data);
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         kv_prof_mark(s, KV_PROF_NORM, pt);
-        if (L->recurrent)
-            kv_q35_linear(s, L, (uint32_t)q->lin_of[il], T);
-        else
-            kv_q35_attention(s, L, il, T);
+        if (!L->recurrent) {
+            if (!(T = kv_q35_attention(s, L, il, T))) break;
+        } else {
+            kv_q35_linear(s, L, (uint32_t)q->lin_of[il], T); /* every token: the recurrent state */
+            if (kv_trim_here(s, il) && !(T = kv_trim_rows(s, T, true))) break;
+        }
         pt = kv_prof_start(s);
         /* residual, post-attention norm, MoE with shared expert, residual */
         kv_resid_norm(s, T, 1, L->post_norm.data);
@@ -492,7 +508,8 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         kv_prof_mark(s, KV_PROF_NORM, pt);
     }
     /* commit: each sequence of the chunk now reads the slot just written */
-    for (uint32_t t = 0; t < T; t++)
+    kv_trim_restore(s);
+    for (uint32_t t = 0; t < T_all; t++)
         if (kv_q35_first(s, t)) q->cur[s->tok_seq[t]] ^= 1u;
     return 0;
 }

@@ -317,7 +317,7 @@ static int kv_wave_compute(void *impl, const kv_expert_req *req, float *out, kv_
             v->ids[n] = req->ids[i];
             v->from[n++] = (int32_t)i;
         }
-        const kv_expert_req sub = {req->layer, n, req->n_embd, 1, v->xs, v->ids};
+        const kv_expert_req sub = {req->layer, n, req->n_embd, 1, v->xs, v->ids, NULL};
         int rc = v->inner.compute(v->inner.impl, &sub, v->ys, d);
         if (rc) return rc;
         for (uint32_t j = 0; j < n; j++) memcpy(out + (size_t)v->from[j] * E, v->ys + (size_t)j * E, E * sizeof(float));
@@ -439,7 +439,7 @@ int kv_expert_compute_one(const kv_expert_weights *w, uint32_t n_embd, uint32_t 
     int32_t ids[CHUNK] = {0};
     for (uint32_t t = 0; t < n_tokens && !rc; t += CHUNK) {
         const uint32_t n = n_tokens - t < CHUNK ? n_tokens - t : CHUNK;
-        const kv_expert_req req = {0, n, n_embd, 1, x + (size_t)t * n_embd, ids};
+        const kv_expert_req req = {0, n, n_embd, 1, x + (size_t)t * n_embd, ids, NULL};
         rc = p.compute(p.impl, &req, y + (size_t)t * n_embd, d);
     }
     p.free(p.impl);
