@@ -179,7 +179,9 @@ export function report(outDir, threads, types) {
       decode_tok_s: Math.max(...runs.map((r) => r.decode_tok_s)),
       prefill_tok_s_mean: runs.reduce((a, r) => a + r.prefill_tok_s, 0) / runs.length,
       decode_tok_s_mean: runs.reduce((a, r) => a + r.decode_tok_s, 0) / runs.length,
-      rounds: runs.map((r) => ({ prefill_tok_s: r.prefill_tok_s, decode_tok_s: r.decode_tok_s })),
+      // kvasir bench --all-rows: the prefill with every row through the last block
+      prefill_all_rows_tok_s: runs.every((r) => r.prefill_all_rows_tok_s) ? Math.max(...runs.map((r) => r.prefill_all_rows_tok_s)) : null,
+      rounds: runs.map((r) => ({ prefill_tok_s: r.prefill_tok_s, decode_tok_s: r.decode_tok_s, prefill_all_rows_tok_s: r.prefill_all_rows_tok_s })),
     });
     const kvRuns = rdl(`${key}.kvasir.jsonl`), llRuns = rdl(`${key}.llama.jsonl`);
     const ex = (f) => fs.existsSync(path.join(outDir, f));
@@ -201,6 +203,7 @@ export function report(outDir, threads, types) {
     rows.push({
       type: t, threads: th, ttft, read_gb_s: bw.read_gb_s, arch: bytes.arch, quant: t.replace(/^.*-/, ""), model: bytes, kvasir, llama,
       prefill_ratio: kvasir.prefill_tok_s / llama.prefill_tok_s,
+      prefill_all_rows_ratio: kvasir.prefill_all_rows_tok_s ? kvasir.prefill_all_rows_tok_s / llama.prefill_tok_s : null,
       decode_ratio: kvasir.decode_tok_s / llama.decode_tok_s,
       decode_bound_tok_s: boundTokS,
       kvasir_decode_of_bound: kvasir.decode_tok_s / boundTokS,
@@ -218,10 +221,11 @@ export function report(outDir, threads, types) {
   const resultsFile = path.join(outDir, process.env.KV_BENCH_RESULTS || "results.json");
   fs.writeFileSync(resultsFile, JSON.stringify(res, null, 1));
   const f1 = (x) => x.toFixed(1), f2 = (x) => x.toFixed(2);
-  const head = ["model", "threads", "backend", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "kvasir/round bound", "mean ratio p/d", "TTFT kvasir s", "TTFT llama s", "TTFT ratio"];
+  const head = ["model", "threads", "backend", "layers", "file GB", "MB/token", "prefill kvasir", "prefill llama", "ratio", "every-row ratio", "decode kvasir", "decode llama", "ratio", "decode bound", "kvasir/bound", "llama/bound", "kvasir/round bound", "mean ratio p/d", "TTFT kvasir s", "TTFT llama s", "TTFT ratio"];
   const lines = rows.map((r) => [
     r.type, String(r.threads), String(r.kvasir.backend), String(r.model.n_layer), f2(r.model.file_bytes / 1e9), f1(r.model.bytes_per_token / 1e6),
     f1(r.kvasir.prefill_tok_s), f1(r.llama.prefill_tok_s), f2(r.prefill_ratio),
+    r.prefill_all_rows_ratio == null ? "-" : f2(r.prefill_all_rows_ratio),
     f1(r.kvasir.decode_tok_s), f1(r.llama.decode_tok_s), f2(r.decode_ratio),
     f1(r.decode_bound_tok_s), (100 * r.kvasir_decode_of_bound).toFixed(0) + "%", (100 * r.llama_decode_of_bound).toFixed(0) + "%",
     r.kvasir_decode_of_round_bound == null ? "-" : (100 * r.kvasir_decode_of_round_bound).toFixed(0) + "%",
@@ -233,6 +237,7 @@ export function report(outDir, threads, types) {
   const bwTxt = Object.values(bws).map((b) => `${b.read_gb_s} GB/s (${b.threads} threads)`).join(", ");
   console.log(`\n${cpu}, ${res.nproc} cpus, load ${res.loadavg.map((x) => x.toFixed(2)).join(" ")}; threads ${threads}; llama.cpp ISA ${res.isa}; read bandwidth ${bwTxt}`);
   console.log(`tokens/s (best of ${rows[0]?.kvasir.rounds.length ?? "?"} alternating rounds), prefill ${res.n_prompt} tokens, decode ${res.n_gen}; ratio = kvasir / llama.cpp (best; last column: of the means);`);
+  console.log("every-row ratio = Kvasir's prefill with every prompt token through its whole last block (kvasir bench --all-rows) / llama.cpp's prefill (which for qwen3moe skips the last block's experts for those tokens, for qwen35moe does not);");
   console.log("decode bound = read bandwidth / bytes of weights per token; kvasir/round bound = each round's decode against the probe read just before that round, best round; TTFT: a " + (rows.find((r) => r.ttft)?.ttft.n_prompt ?? "-") + "-token prompt evaluated and the first token picked, one round; TTFT ratio = llama.cpp / kvasir");
   console.log(line(head));
   for (const x of lines) console.log(line(x));

@@ -24,7 +24,12 @@
 #
 # Every thread count of KV_BENCH_THREADS ("1 2" by default, or nproc if
 # that is 1) runs in the same invocation, and one table lists them all:
-# model, threads, prefill and decode ratio against llama.cpp, decode bound,
+# model, threads, prefill and decode ratio against llama.cpp, the prefill
+# ratio again with every prompt token through Kvasir's whole last block
+# (`kvasir bench --all-rows`: what the blocks cost per token, without the
+# saving of running the last block's attention output and experts only for
+# the token with logits, which on these 2-4 layer models is a quarter to a
+# half of the work and on a 48-layer one about 2%), decode bound,
 # and the time to first token of a KV_BENCH_TTFT-token prompt (2048; one
 # alternating round per model and thread count; 0 skips it).
 # KV_BENCH_ISA=avx2 benchmarks the AVX2 paths on a CPU that has more:
@@ -200,7 +205,7 @@ for m in "${models[@]}"; do
       # bound of its own round
       "$OUT/membw" "$th" >> "$OUT/$k.membw.jsonl"
       echo "bench: $k: round $r/$REPS: kvasir bench -p $P -n $N --threads $th; llama.cpp the same ($ISA)"
-      env "${KVENV[@]}" "$BIN" bench -m "$f" -p "$P" -n "$N" --threads "$th" --reps 1 --json >> "$OUT/$k.kvasir.jsonl"
+      env "${KVENV[@]}" "$BIN" bench -m "$f" -p "$P" -n "$N" --threads "$th" --reps 1 --all-rows --json >> "$OUT/$k.kvasir.jsonl"
       echo >> "$OUT/$k.kvasir.jsonl"
       "${LL[@]}" speed "$f" --threads "$th" -p "$P" -n "$N" --reps 1 >> "$OUT/$k.llama.jsonl"
     done

@@ -41,4 +41,10 @@ for st in embed attention delta_rule experts shared_expert head; do
   grep -q "^  $st " "$dir/text.out" || fail "text profile lacks $st: $(cat "$dir/text.out")"
 done
 grep -q "prefill: stages" "$dir/text.out" || fail "text profile lacks the totals"
-echo "ok: bench --profile (qwen3moe, qwen35moe)"
+# --all-rows: a second prefill per rep with every row through the last block,
+# reported beside the first, outside the profile (its tokens are the -p of each rep)
+"$KV" bench -m "$dir/q3.gguf" -p $P -n 2 --reps $R --threads 1 --all-rows --profile --json >"$dir/ar.json" 2>"$dir/ar.err" ||
+  fail "bench --all-rows: $(cat "$dir/ar.err")"
+jq -e --argjson p $P --argjson r $R '.prefill_all_rows_tok_s > 0 and .prefill_all_rows_tok_s_best >= .prefill_all_rows_tok_s and
+  .profile.prefill.tokens == $p * $r' "$dir/ar.json" >/dev/null || fail "bench --all-rows: $(cat "$dir/ar.json")"
+echo "ok: bench --profile (qwen3moe, qwen35moe), --all-rows"

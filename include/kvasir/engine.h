@@ -131,6 +131,9 @@ void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out);
 /* Per-stage timers of the engine's forward passes into p (kv_state_set_profile);
  * NULL stops. */
 void kv_engine_set_profile(kv_engine *e, kv_profile *p);
+/* Every prompt token through the whole last block from the next step on
+ * (kv_state_set_all_rows): the same results, for kvasir bench --all-rows. */
+void kv_engine_set_all_rows(kv_engine *e, bool on);
 
 /* ---- sessions ---------------------------------------------------------- */
 

@@ -265,6 +265,10 @@ int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uin
  * its last block's attention output and experts (kv_state_batch): true
  * when such tokens were in the call and no x_out was asked for. */
 bool kv_state_dropped_rows(const kv_state *s);
+/* on: every token runs the whole last block, as if each wanted logits (the
+ * same logits, more work: for measuring what a block costs per token,
+ * kvasir bench --all-rows). Off by default. */
+void kv_state_set_all_rows(kv_state *s, bool on);
 /* kv_state_batch over the model's layer window (kv_model_opts.window):
  * when x_in is not NULL, the n_embd floats of each token's hidden state
  * entering the window's first block are taken from x_in[n][n_embd]

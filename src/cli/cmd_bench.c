@@ -48,6 +48,10 @@ static const char *kv_bench_help =
     "  --profile     per-stage wall time of the timed prefill and decode (embed, norms, attention\n"
     "                projections, attention, delta-net projections and rule, router, experts,\n"
     "                shared expert, LM head), summed over the reps, and each stage's share\n"
+    "  --all-rows    also time each rep's prefill with every prompt token through the whole last\n"
+    "                block (by default only the token whose logits are wanted runs its attention\n"
+    "                output and experts, the others only its K/V: the same logits); what a block\n"
+    "                costs per token, for comparisons that should not count that saving\n"
     "  --json        one JSON object: {\"prefill_tok_s\":X,\"decode_tok_s\":Y,...}\n";
 
 static double kv_now(void) {
@@ -83,7 +87,7 @@ static long kv_bench_peak_rss_kb(void) {
 int kv_cmd_bench(int argc, char **argv) {
     const char *model = NULL;
     long n_prompt = 128, n_gen = 64, threads = 0, reps = 3, n_batch = 0, n_par = 1;
-    bool json = false, skip_hashes = false, allow_sparse = false, profile = false;
+    bool json = false, skip_hashes = false, allow_sparse = false, profile = false, all_rows = false;
     kv_profile prof[2]; /* [0] prefill, [1] decode */
     memset(prof, 0, sizeof prof);
     const char *workers[KV_REMOTE_MAX_WORKERS];
@@ -104,6 +108,8 @@ int kv_cmd_bench(int argc, char **argv) {
             json = true;
         } else if (!strcmp(a, "--profile")) {
             profile = true;
+        } else if (!strcmp(a, "--all-rows")) {
+            all_rows = true;
         } else if (!strcmp(a, "--skip-hashes")) {
             skip_hashes = true;
         } else if (!strcmp(a, "--allow-sparse")) {
@@ -210,9 +216,25 @@ int kv_cmd_bench(int argc, char **argv) {
         if (kv_engine_step(eng, &d) < 0) { rc = kv_cli_diag(CMD, &d); goto done; }
     kv_session_free(ss[0]);
     ss[0] = NULL;
-    double best_pp = 0, best_tg = 0, sum_pp = 0, sum_tg = 0, prof_wall[2] = {0, 0};
+    double best_pp = 0, best_tg = 0, sum_pp = 0, sum_tg = 0, prof_wall[2] = {0, 0}, best_ar = 0, sum_ar = 0;
     kv_engine_stats es = {0};
     for (long r = 0; r < reps; r++) {
+        if (all_rows) { /* the same prompt with every row through the last block, in a session of its own */
+            kv_engine_set_all_rows(eng, true);
+            const double ta = kv_now();
+            if (kv_session_new(&ss[0], eng, &so, &d) || kv_session_prompt(ss[0], toks, (uint32_t)n_prompt, &d) ||
+                kv_bench_until(eng, ss[0], KV_SESSION_DECODE, &d)) {
+                rc = kv_cli_diag(CMD, &d);
+                goto done;
+            }
+            const double ar = (double)n_prompt / (kv_now() - ta);
+            kv_engine_set_all_rows(eng, false);
+            kv_session_free(ss[0]);
+            ss[0] = NULL;
+            sum_ar += ar;
+            if (ar > best_ar) best_ar = ar;
+            if (!json) fprintf(stderr, "kvasir bench: rep %ld: prefill with every row %.2f tok/s\n", r + 1, ar);
+        }
         for (long q = 0; q < n_par; q++) {
             if (kv_session_new(&ss[q], eng, &so, &d) || kv_session_prompt(ss[q], toks, (uint32_t)n_prompt, &d)) {
                 rc = kv_cli_diag(CMD, &d);
@@ -276,6 +298,8 @@ int kv_cmd_bench(int argc, char **argv) {
                sum_pp / (double)reps, sum_tg / (double)reps, best_pp, best_tg, n_prompt, n_gen,
                kv_engine_n_threads(eng), reps, kv_quant_backend(), (unsigned long long)bpt, hp->n_layer,
                hp->n_embd, hp->n_expert, hp->n_expert_used, n_par);
+        if (all_rows)
+            printf(",\"prefill_all_rows_tok_s\":%.3f,\"prefill_all_rows_tok_s_best\":%.3f", sum_ar / (double)reps, best_ar);
         printf(",\"kv_type\":\"%s\",\"kv_bytes\":%llu,\"kv_blocks_held\":%u,\"recurrent_bytes\":%llu,\"peak_rss_kb\":%ld",
                kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes, es.mem.blocks_held,
                (unsigned long long)es.mem.recurrent_bytes, rss_kb);
@@ -304,6 +328,8 @@ int kv_cmd_bench(int argc, char **argv) {
         printf("model %s: %u layers, embd %u, %u/%u experts, %d threads, kernels %s\n", model, hp->n_layer,
                hp->n_embd, hp->n_expert_used, hp->n_expert, kv_engine_n_threads(eng), kv_quant_backend());
         printf("prefill (%ld tokens): %.2f tok/s (best %.2f)\n", n_prompt, sum_pp / (double)reps, best_pp);
+        if (all_rows)
+            printf("prefill, every row through the last block: %.2f tok/s (best %.2f)\n", sum_ar / (double)reps, best_ar);
         printf("decode  (%ld tokens x %ld sequences): %.2f tok/s (best %.2f), %.1f MB of weights per token\n", n_gen, n_par,
                sum_tg / (double)reps, best_tg, (double)bpt / 1e6);
         printf("memory: KV cache %.2f MiB (%s, %u blocks held), recurrent state %.2f MiB, peak RSS %.1f MiB\n",

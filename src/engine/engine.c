@@ -242,6 +242,7 @@ int kv_engine_n_threads(const kv_engine *e) { return kv_pool_size(e->pool); }
 uint32_t kv_engine_n_ctx(const kv_engine *e) { return e->n_ctx; }
 
 void kv_engine_set_profile(kv_engine *e, kv_profile *p) { kv_state_set_profile(e->st, p); }
+void kv_engine_set_all_rows(kv_engine *e, bool on) { kv_state_set_all_rows(e->st, on); }
 
 void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out) {
     *out = e->stats;

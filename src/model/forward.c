@@ -227,6 +227,7 @@ uint32_t kv_state_n_seq(const kv_state *s) { return s->n_seq; }
 uint32_t kv_state_max_tokens(const kv_state *s) { return s->max_tok; }
 uint32_t kv_state_pos(const kv_state *s) { return s->pos[0]; }
 bool kv_state_dropped_rows(const kv_state *s) { return s->x_kept; }
+void kv_state_set_all_rows(kv_state *s, bool on) { s->all_rows = on; }
 bool kv_state_seq_finite(const kv_state *s, uint32_t seq) { return seq < s->n_seq && !s->tainted[seq]; }
 
 void kv_check_rows(kv_state *s, const float *x, size_t stride, uint32_t T, int64_t n) {
@@ -693,7 +694,7 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
     const uint32_t n_want = logits ? n_out : 0;
     s->x_kept = false;
     s->trim_T = 0;
-    s->trim = !x_out && m->has_head && n_want < T;
+    s->trim = !s->all_rows && !x_out && m->has_head && n_want < T;
     if (s->trim) {
         for (uint32_t t = 0; t < T; t++) s->keep_row[t] = UINT32_MAX;
         for (uint32_t i = 0; i < n_want; i++) s->keep_row[out_idx[i]] = 0;

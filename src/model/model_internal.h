@@ -84,6 +84,7 @@ struct kv_state {
      * writes its K/V (and recurrent state), and only the tokens whose
      * logits are wanted run the rest (kv_trim_rows) */
     bool trim;             /* this chunk may drop rows in block il_last */
+    bool all_rows;         /* never drop rows (kv_state_set_all_rows) */
     bool x_kept;           /* x holds the kept rows: token keep[i] at row i */
     uint32_t n_keep;       /* tokens kept: the out_idx tokens, increasing, no repeats (0: no logits) */
     uint32_t *keep;        /* [max_tok] the kept tokens */
