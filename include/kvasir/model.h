@@ -261,9 +261,9 @@ int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, ui
  * kv_state_dropped_rows says whether the last call did. */
 int kv_state_batch(kv_state *s, const int32_t *tokens, const uint32_t *seqs, uint32_t n,
                    const uint32_t *out_idx, uint32_t n_out, float *logits, kv_diag *d);
-/* Whether the last successful call left the tokens without logits out of
- * its last block's attention output and experts (kv_state_batch): true
- * when such tokens were in the call and no x_out was asked for. */
+/* Whether the last call left the tokens without logits out of its last
+ * block's attention output and experts (kv_state_batch): true when such
+ * tokens were in the call, no x_out was asked for and all_rows is off. */
 bool kv_state_dropped_rows(const kv_state *s);
 /* on: every token runs the whole last block, as if each wanted logits (the
  * same logits, more work: for measuring what a block costs per token,
