@@ -503,6 +503,66 @@ static void test_attack_receipts(void) {
     kv_ledger_free(l);
 }
 
+/* ---- recover while the dead run's last settle lands ------------------------------------------ */
+/* kv_ledger_recover lists the held authorizations, then releases each. A
+ * settle by another handle can commit between the two (PostgreSQL finishes a
+ * COMMIT whose client was killed): the wrapped auth_held below lands one
+ * right after the list is read. */
+static kv_ledger *lr_other;     /* the dead run's connection */
+static lt_settle *lr_late;      /* its settle that commits late */
+static const kv_store_ops *lr_real;
+static int lr_auth_held(kv_store *s, const char *gateway, kv_store_auth *out, size_t cap, size_t *n, kv_diag *d) {
+    int rc = lr_real->auth_held(s, gateway, out, cap, n, d);
+    if (rc == 0 && lr_late) {
+        ASSERT_EQ(kv_ledger_settle(lr_other, &lr_late->req, NULL, NULL), 0);
+        lr_late = NULL;
+    }
+    return rc;
+}
+static void test_recover_late_settle(void) {
+    char path[256];
+    kv_ledger *l = lt_new(path);
+    kv_wallet c, nodes[2];
+    kv_wallet_generate(&c, NULL);
+    for (int i = 0; i < 2; i++) kv_wallet_generate(&nodes[i], NULL);
+    ASSERT_EQ(lt_issue(l, c.pk, 1000000), 0);
+    uint64_t now = (uint64_t)time(NULL);
+    kv_auth a[3];
+    for (int i = 0; i < 3; i++) {
+        a[i] = lt_auth(&c, LT_GW, 20000);
+        ASSERT_EQ(kv_ledger_escrow(l, &a[i], LT_GW, now, NULL), 0);
+    }
+    lt_settle s;
+    uint64_t counts[2] = {7, 3};
+    lt_mk_settle(&s, &a[1], nodes, counts, 2, 3, 10, 10, 1000, 1000);
+    lt_expect e = lt_expect_of(&s);
+    ASSERT_EQ(kv_ledger_open(&lr_other, path, NULL), 0);
+    kv_store_ops wrapped = *kv_ledger_ops(l);
+    lr_real = kv_ledger_ops(l);
+    wrapped.auth_held = lr_auth_held;
+    lr_late = &s;
+    kv_ledger_set_ops(l, &wrapped);
+    uint64_t n = 0;
+    kv_diag d = {0};
+    int rc = kv_ledger_recover(l, LT_GW, &n, &d);
+    kv_ledger_set_ops(l, lr_real);
+    ASSERT_EQ(rc, 0);
+    if (rc) fprintf(stderr, "recover: %s\n", d.msg);
+    ASSERT_TRUE(lr_late == NULL); /* the settle did land inside the call */
+    ASSERT_EQ(n, 2);              /* a[0] and a[2]; a[1] stays settled */
+    ASSERT_EQ(kv_ledger_release(l, a[1].consumer, a[1].nonce, NULL), KV_LEDGER_RSTATE);
+    ASSERT_EQ(kv_ledger_release(l, a[0].consumer, a[0].nonce, NULL), KV_LEDGER_EXISTS);
+    ASSERT_EQ(lt_bal(l, "escrow"), 0);
+    ASSERT_EQ(lt_bal_c(l, c.pk), 1000000 - e.charged);
+    ASSERT_TRUE(e.node[0] > 0 && e.node[1] > 0);
+    ASSERT_EQ(lt_bal_n(l, nodes[0].pk), e.node[0]);
+    ASSERT_EQ(lt_bal_n(l, nodes[1].pk), e.node[1]);
+    lt_check(l);
+    kv_ledger_free(lr_other);
+    lr_other = NULL;
+    kv_ledger_free(l);
+}
+
 /* ---- 4c. concurrent spends from one balance, across threads ------------------------------- */
 #define LT_THREADS 8
 typedef struct {
@@ -739,6 +799,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_split_reference),
     KVT_CASE(test_attack_replay),
     KVT_CASE(test_attack_receipts),
+    KVT_CASE(test_recover_late_settle),
     KVT_CASE(test_attack_concurrent_threads),
     KVT_CASE(test_load_concurrent),
     KVT_CASE(test_store_rows_checked),

@@ -232,7 +232,9 @@ int kv_ledger_settle(kv_ledger *l, const kv_settle_req *r, kv_settle_result *res
 int kv_ledger_release(kv_ledger *l, const uint8_t consumer[32], const uint8_t nonce[16],
                       kv_diag *d);
 /* Releases every hold of gateway_id (the previous run's interrupted
- * completions). *n_released (may be NULL) counts them. */
+ * completions). *n_released (may be NULL) counts them. A hold that another
+ * handle settles while this runs (the dead run's last commit landing late)
+ * stays settled and is not counted. */
 int kv_ledger_recover(kv_ledger *l, const char *gateway_id, uint64_t *n_released, kv_diag *d);
 
 /* Splits pool among n counts in proportion, exactly: floor shares, then one

@@ -25,5 +25,8 @@ int kv_ledger_xfer(kv_ledger *l, const uint8_t id[16], const char *dr, const cha
 /* The store and its ops, for tests that need a transaction around xfer. */
 kv_store *kv_ledger_store(kv_ledger *l);
 const kv_store_ops *kv_ledger_ops(kv_ledger *l);
+/* Replaces the ops over the same store: tests wrap one op to land another
+ * process's write between two steps of a call. ops must outlive l. */
+void kv_ledger_set_ops(kv_ledger *l, const kv_store_ops *ops);
 
 #endif
