@@ -18,6 +18,12 @@
 #ifndef KV_KPF_TILES
 #define KV_KPF_TILES 8 /* K-quant tiles: prefetch the row tile this many tiles ahead */
 #endif
+/* One-token K-quant rows from this many far-apart parts of the row range
+ * in turn, as in the AVX-512 file (memory sees that many sequential
+ * streams; each row is still one whole dot product). */
+#ifndef KV_K_STREAMS
+#define KV_K_STREAMS 2
+#endif
 #define UNROLL _Pragma("GCC unroll 8")
 /* An int32 accumulator materialized here: keeps gcc from reassociating a
  * run of integer adds across unrolled steps (it would, holding every
@@ -125,6 +131,16 @@ AI float hsum_ps(__m256 v) {
         const uint8_t *wb = (const uint8_t *)W, *ab = (const uint8_t *)A;                     \
         float o[(RT1) > (RT) * (TT) ? (RT1) : (RT) * (TT)];                                   \
         int64_t r = r0;                                                                       \
+        if (n_tok == 1 && (RT1) == 1) { /* one row at a time from KV_K_STREAMS far-apart streams */ \
+            const int64_t h_ = (r1 - r0) / KV_K_STREAMS;                                      \
+            for (int64_t i_ = 0; i_ < h_; i_++)                                               \
+                for (int s_ = 0; s_ < KV_K_STREAMS; s_++) {                                   \
+                    r = r0 + s_ * h_ + i_;                                                    \
+                    F(1, 1, wb + r * row_bytes, ab, o);                                       \
+                    Y[r] = o[0];                                                              \
+                }                                                                             \
+            r = r0 + KV_K_STREAMS * h_;                                                       \
+        }                                                                                     \
         if (n_tok == 1)                                                                       \
             for (; r + (RT1) <= r1; r += (RT1)) {                                             \
                 F(RT1, 1, wb + r * row_bytes, ab, o);                                         \
