@@ -5,7 +5,9 @@
  * prefill) calls of kv_mat_rows, single-threaded. Prints GB/s of weights
  * read and G multiply-adds/s. Times are the process's CPU time, so that a
  * machine shared with other work disturbs them less than wall time would.
- * Usage: bench_quant [type ...]; KV_BENCH_NO_SCALAR=1 skips the scalar rows. */
+ * Usage: bench_quant [type ...]; KV_BENCH_NO_SCALAR=1 skips the scalar rows;
+ * KV_BENCH_BACKENDS=avx2,avx512 names the backends (default: every x86 one
+ * this CPU runs). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,7 +24,8 @@ static double now(void) {
 
 int main(int argc, char **argv) {
     const char *types[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K"};
-    const char *bes[] = {"scalar", "avx2", "avx512"};
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512"};
+    const char *only = getenv("KV_BENCH_BACKENDS");
     const int64_t n = 2048, rows_dec = 8192, rows_pf = 768, ntok = 64;
     int nt = argc > 1 ? argc - 1 : 8;
     float *x = malloc(sizeof(float) * n * ntok);
@@ -32,8 +35,9 @@ int main(int argc, char **argv) {
     for (int ti = 0; ti < nt; ti++) {
         int type = kv_type_from_name(argc > 1 ? argv[1 + ti] : types[ti]);
         if (type < 0) continue;
-        for (int b = 0; b < 3; b++) {
+        for (int b = 0; b < 4; b++) {
             if (b == 0 && getenv("KV_BENCH_NO_SCALAR")) continue; /* the slow one */
+            if (only && !strstr(only, bes[b])) continue;
             if (kv_quant_set_backend(bes[b])) continue;
             const kv_type_info *t = kv_type_get((uint32_t)type), *ta = kv_type_get(t->vec_dot_type);
             size_t rb = kv_type_row_size((uint32_t)type, n), ab = kv_type_row_size(t->vec_dot_type, n);
