@@ -731,10 +731,11 @@ AI void q6_K_tile(const int RT, const int TT, int64_t nsb, const uint8_t *w, siz
 
 /* K-quant tiling: rows [r0,r1) x tokens [0,nt) with F(rt, tt, r, t, pf, o)
  * computing an rt x tt tile at row r, token t (pf: also prefetch the next
- * rt rows). RT-row tiles (RTD-row tiles for a single token), the tokens of
- * each row tile split into the fewest tiles of at most TT, as even as
- * possible (9 tokens: 5 + 4, not 8 + 1); leftover rows one by one. Every
- * output is one whole dot product whatever tile computes it. */
+ * rt rows). RT-row tiles (RTD-row tiles for a single token; with RTD 1,
+ * rows from KV_K_STREAMS parts of the range in turn), the tokens of each
+ * row tile split into the fewest tiles of at most TT, as even as possible
+ * (9 tokens: 5 + 4, not 8 + 1); leftover rows one by one. Every output is
+ * one whole dot product whatever tile computes it. */
 #define K_CASE(F, RT_, TT, c)                                                                 \
     case c:                                                                                   \
         if ((c) <= (TT)) {                                                                    \
