@@ -19,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/gguf.h"
 #include "kvasir/quant.h"
 
@@ -120,16 +121,16 @@ int main(int argc, char **argv) {
     if (experts) {
         for (int il = 0; il < 256; il++)
             for (int k = 0; k < 3; k++) {
-                static const char *kind[3] = {"gate", "up", "down"};
+                static const char *stem[3] = {KV_EXPERT_STEM_GATE, KV_EXPERT_STEM_UP, KV_EXPERT_STEM_DOWN};
                 char name[64];
-                snprintf(name, sizeof name, "blk.%d.ffn_%s_exps.weight", il, kind[k]);
+                snprintf(name, sizeof name, "blk.%d.%s.weight", il, stem[k]);
                 if (bs_add(m, g, name, &nm)) return 1;
             }
     } else if (bs_add(m, g, argv[2], &nm)) {
         return 1;
     }
     if (nm == 0) {
-        fprintf(stderr, "bench_stream: %s: no such tensor in %s\n", experts ? "ffn_*_exps" : argv[2], argv[1]);
+        fprintf(stderr, "bench_stream: %s: no such tensor in %s\n", experts ? "routed-expert tensors" : argv[2], argv[1]);
         return 1;
     }
     size_t total = 0, n_max = 0, rows_max = 0;
