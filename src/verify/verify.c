@@ -1,14 +1,22 @@
-/* Freivalds checks of expert outputs (include/kvasir/verify.h; the error
- * analysis is docs/VERIFY.md).
+/* Freivalds checks of expert outputs with Gaussian vectors
+ * (include/kvasir/verify.h; the bound and the error analysis are
+ * docs/VERIFY.md).
  *
- * Per prepared expert and per matrix (gate, up, down) we keep: n_proj sign
- * vectors r (bits, out long), s = W^T r (f32, in long, accumulated in f64
- * from the dequantized weights) and a = |W|^T 1 (f32, in long: the scale of
- * the rounding error). The sign vectors come from a secret seed (the OS's
- * RNG unless a test fixes one) through libsodium's deterministic stream, so
- * they are the verifier's alone. Everything a check needs besides the
- * projections is scratch allocated in kv_verify_new: a check never
- * allocates. */
+ * Per prepared expert and per matrix (gate, up, down) we keep: n_proj
+ * Gaussian vectors r (f32, out long), s = W^T r (f64, in long, accumulated
+ * in f64 from the dequantized weights and the f32 r, so s belongs to exactly
+ * the r that is stored), and the column statistics a = |W|^T 1 and
+ * b = (W o W)^T 1 (f32, in long: the scale of the rounding error, the same
+ * for every r). Both r and s are stored interleaved, [row][n_proj], so one
+ * pass over a vector feeds every projection.
+ *
+ * The vectors of generation t of matrix k of expert (layer, e) are ChaCha20
+ * output (libsodium's randombytes_buf_deterministic) under the key
+ * BLAKE2b(secret seed; layer, e, k, t), turned into normals by Box-Muller in
+ * f64: the worker cannot predict them, and nothing it sees depends on them
+ * except whether it was caught. Every rotate_every checks of an expert the
+ * next generation replaces them in place (one pass over the weights the
+ * verifier was given, which stay mapped): a check never allocates. */
 #include <math.h>
 #include <sodium.h>
 #include <stdlib.h>
@@ -16,20 +24,27 @@
 
 #include "kvasir/ops.h"
 #include "kvasir/quant.h"
-#include "kvasir/verify.h"
+#include "verify/verify_internal.h"
 
 #define KV_U32 (1.0 / 16777216.0) /* unit roundoff of f32, 2^-24 */
+#define KV_U64 (1.0 / 9007199254740992.0) /* unit roundoff of f64, 2^-53 */
+#define KV_PI 3.14159265358979323846
 
 typedef struct kv_vmat {
     uint32_t type, vdt;  /* weight type and its activation (vec_dot) type */
     uint32_t in, out;    /* columns and rows */
-    uint8_t *r;          /* [n_proj][(out + 7) / 8] sign bits (1 = -1) */
-    float *s;            /* [n_proj][in] W^T r */
+    const void *W;       /* the weights (a view the caller keeps mapped) */
+    float *r;            /* [out][n_proj] Gaussian vectors, interleaved */
+    double *s;           /* [in][n_proj] W^T r, interleaved */
     float *a;            /* [in] column sums of |W| */
+    float *b;            /* [in] column sums of W^2: E[s_j^2] for a Gaussian r */
+    double rmax[KV_VERIFY_MAX_PROJ]; /* max_i |r_i| per vector (the worst-case bound) */
 } kv_vmat;
 
 typedef struct kv_vexp {
     kv_vmat m[3];        /* gate, up, down */
+    uint64_t gen;        /* generation of the vectors in m */
+    uint32_t checks;     /* checks made with this generation */
 } kv_vexp;
 
 struct kv_verify {
@@ -39,16 +54,24 @@ struct kv_verify {
     kv_vexp **tab;       /* [n_layer * n_expert], NULL until prepared */
     size_t bytes;        /* projections held */
     /* scratch */
-    double *acc;         /* [n_proj + 1][max(n_embd, n_ff)] */
-    float *row;          /* [max] a dequantized row / a dequantized activation */
+    double *acc;         /* [2][max(n_embd, n_ff)] column statistics in f64 */
+    uint64_t *rnd;       /* [max * n_proj] the key stream of one matrix's vectors */
+    float *row;          /* [max] a dequantized row */
     float *xin, *hin, *h; /* [n_embd], [n_ff], [n_ff] */
     uint8_t *qbuf;       /* one quantized activation row */
 };
 
 size_t kv_verify_expert_bytes(uint32_t n_embd, uint32_t n_ff, uint32_t n_proj) {
-    const size_t gu = (size_t)n_proj * n_embd * 4 + (size_t)n_embd * 4 + (size_t)n_proj * ((n_ff + 7) / 8);
-    const size_t dn = (size_t)n_proj * n_ff * 4 + (size_t)n_ff * 4 + (size_t)n_proj * ((n_embd + 7) / 8);
+    /* per matrix: r (f32) over the rows, s (f64) over the columns, a and b (f32) over the columns */
+    const size_t gu = (size_t)n_proj * n_ff * 4 + (size_t)n_proj * n_embd * 8 + (size_t)n_embd * 8;
+    const size_t dn = (size_t)n_proj * n_embd * 4 + (size_t)n_proj * n_ff * 8 + (size_t)n_ff * 8;
     return 2 * gu + dn + sizeof(kv_vexp);
+}
+
+double kv_verify_miss_bound(uint32_t n_proj, double ratio, uint32_t out) {
+    if (!(ratio > 0)) return 1.0;
+    const double one = sqrt(2.0 / KV_PI) * (1.0 / ratio + sqrt((double)out) / 8388608.0);
+    return one >= 1.0 ? 1.0 : pow(one, (double)n_proj);
 }
 
 int kv_verify_new(kv_verify **out, uint32_t n_layer, uint32_t n_expert, uint32_t n_embd, uint32_t n_ff,
@@ -62,8 +85,9 @@ int kv_verify_new(kv_verify **out, uint32_t n_layer, uint32_t n_expert, uint32_t
     kv_verify *v = calloc(1, sizeof *v);
     if (!v) return kv_fail(d, KV_ENOMEM, "verify: out of memory");
     if (opts) v->o = *opts;
-    if (!v->o.n_proj) v->o.n_proj = 2;
+    if (!v->o.n_proj) v->o.n_proj = KV_VERIFY_DEFAULT_PROJ;
     if (v->o.kappa <= 0) v->o.kappa = KV_VERIFY_KAPPA;
+    if (!v->o.rotate_every) v->o.rotate_every = KV_VERIFY_ROTATE;
     if (v->o.n_proj > KV_VERIFY_MAX_PROJ) {
         free(v);
         return kv_fail(d, KV_EINVAL, "verify: at most %u projections per matrix", KV_VERIFY_MAX_PROJ);
@@ -77,13 +101,14 @@ int kv_verify_new(kv_verify **out, uint32_t n_layer, uint32_t n_expert, uint32_t
     v->n_layer = n_layer, v->n_expert = n_expert, v->n_embd = n_embd, v->n_ff = n_ff;
     const size_t mx = n_embd > n_ff ? n_embd : n_ff;
     v->tab = calloc((size_t)n_layer * n_expert, sizeof *v->tab);
-    v->acc = malloc((v->o.n_proj + 1) * mx * sizeof(double));
+    v->acc = malloc(2 * mx * sizeof(double));
+    v->rnd = malloc((mx * v->o.n_proj + 1) * sizeof(uint64_t)); /* + 1: normals come in pairs */
     v->row = malloc(mx * sizeof(float));
     v->xin = malloc(n_embd * sizeof(float));
     v->hin = malloc(n_ff * sizeof(float));
     v->h = malloc(n_ff * sizeof(float));
     v->qbuf = malloc(kv_matmul_scratch(mx, 1));
-    if (!v->tab || !v->acc || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf) {
+    if (!v->tab || !v->acc || !v->rnd || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf) {
         kv_verify_free(v);
         return kv_fail(d, KV_ENOMEM, "verify: out of memory");
     }
@@ -97,6 +122,7 @@ static void kv_vexp_free(kv_vexp *x) {
         free(x->m[k].r);
         free(x->m[k].s);
         free(x->m[k].a);
+        free(x->m[k].b);
     }
     free(x);
 }
@@ -107,6 +133,8 @@ void kv_verify_free(kv_verify *v) {
         for (size_t i = 0; i < (size_t)v->n_layer * v->n_expert; i++) kv_vexp_free(v->tab[i]);
     free(v->tab);
     free(v->acc);
+    if (v->rnd) sodium_memzero(v->rnd, ((size_t)(v->n_embd > v->n_ff ? v->n_embd : v->n_ff) * v->o.n_proj + 1) * 8);
+    free(v->rnd);
     free(v->row);
     free(v->xin);
     free(v->hin);
@@ -122,39 +150,88 @@ bool kv_verify_ready(const kv_verify *v, uint32_t layer, uint32_t e) {
     return layer < v->n_layer && e < v->n_expert && v->tab[(size_t)layer * v->n_expert + e] != NULL;
 }
 
-/* Projections of one matrix (out rows of `in` elements of type). */
+/* The vectors of generation gen of matrix k of expert (layer, e): n normals
+ * from the ChaCha20 stream keyed by BLAKE2b(seed; layer, e, k, gen). */
+static void kv_verify_normals(kv_verify *v, uint32_t layer, uint32_t e, uint32_t k, uint64_t gen, float *r,
+                              size_t n) {
+    uint8_t key[32], tag[20];
+    for (int i = 0; i < 4; i++) {
+        tag[i] = (uint8_t)(layer >> (8 * i));
+        tag[4 + i] = (uint8_t)(e >> (8 * i));
+        tag[8 + i] = (uint8_t)(k >> (8 * i));
+    }
+    for (int i = 0; i < 8; i++) tag[12 + i] = (uint8_t)(gen >> (8 * i));
+    crypto_generichash(key, sizeof key, tag, sizeof tag, v->seed, sizeof v->seed);
+    const size_t n2 = (n + 1) & ~(size_t)1; /* Box-Muller makes pairs */
+    randombytes_buf_deterministic(v->rnd, n2 * sizeof(uint64_t), key);
+    sodium_memzero(key, sizeof key);
+    for (size_t i = 0; i < n2; i += 2) {
+        /* u1 in (0, 1], u2 in [0, 1), 53 bits each (the stream's words read little-endian or
+         * not: the same secret bits either way) */
+        const double u1 = ((double)(v->rnd[i] >> 11) + 1.0) * KV_U64;
+        const double u2 = (double)(v->rnd[i + 1] >> 11) * KV_U64;
+        const double rho = sqrt(-2.0 * log(u1));
+        r[i] = (float)(rho * cos(2.0 * KV_PI * u2));
+        if (i + 1 < n) r[i + 1] = (float)(rho * sin(2.0 * KV_PI * u2));
+    }
+}
+
+/* Generation gen of matrix k's vectors and their s = W^T r (one pass over W);
+ * with stats, also the column statistics a and b (the first time only). */
+static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, uint32_t k, uint64_t gen,
+                         bool stats) {
+    const kv_type_info *ti = kv_type_get(m->type);
+    const uint64_t rb = kv_type_row_size(m->type, m->in);
+    const uint32_t P = v->o.n_proj;
+    kv_verify_normals(v, layer, e, k, gen, m->r, (size_t)m->out * P);
+    for (uint32_t p = 0; p < P; p++) m->rmax[p] = 0;
+    for (size_t i = 0; i < (size_t)m->out * P; i++)
+        if (fabs((double)m->r[i]) > m->rmax[i % P]) m->rmax[i % P] = fabs((double)m->r[i]);
+    memset(m->s, 0, (size_t)m->in * P * sizeof(double));
+    double *ap = v->acc, *bp = v->acc + m->in;
+    if (stats) memset(v->acc, 0, 2 * (size_t)m->in * sizeof(double));
+    for (uint32_t i = 0; i < m->out; i++) {
+        ti->to_float((const uint8_t *)m->W + (size_t)i * rb, v->row, m->in);
+        const float *ri = m->r + (size_t)i * P;
+        double rp[KV_VERIFY_MAX_PROJ];
+        for (uint32_t p = 0; p < P; p++) rp[p] = ri[p];
+        for (uint32_t j = 0; j < m->in; j++) {
+            const double w = v->row[j];
+            double *sj = m->s + (size_t)j * P;
+            for (uint32_t p = 0; p < P; p++) sj[p] += rp[p] * w;
+        }
+        if (stats)
+            for (uint32_t j = 0; j < m->in; j++) {
+                const double w = v->row[j];
+                ap[j] += fabs(w);
+                bp[j] += w * w;
+            }
+    }
+    if (stats)
+        for (uint32_t j = 0; j < m->in; j++) {
+            m->a[j] = (float)ap[j];
+            m->b[j] = (float)bp[j];
+        }
+}
+
+/* Room and statistics for one matrix (out rows of `in` elements of type). */
 static int kv_vmat_prepare(kv_verify *v, kv_vmat *m, const void *W, uint32_t type, uint32_t in, uint32_t out,
-                           const uint8_t seed[32], kv_diag *d) {
+                           uint32_t layer, uint32_t e, uint32_t k, kv_diag *d) {
     const kv_type_info *ti = kv_type_get(type);
     const uint64_t rb = kv_type_row_size(type, in);
     if (!ti || !ti->to_float || !rb) return kv_fail(d, KV_EUNSUPPORTED, "verify: weight type %u cannot be read", type);
-    const uint32_t P = v->o.n_proj, nb = (out + 7) / 8;
+    const uint32_t P = v->o.n_proj;
     m->type = type;
     m->vdt = ti->vec_dot_type;
     m->in = in;
     m->out = out;
-    m->r = malloc((size_t)P * nb);
-    m->s = malloc((size_t)P * in * sizeof(float));
+    m->W = W;
+    m->r = malloc((size_t)P * out * sizeof(float));
+    m->s = malloc((size_t)P * in * sizeof(double));
     m->a = malloc((size_t)in * sizeof(float));
-    if (!m->r || !m->s || !m->a) return kv_fail(d, KV_ENOMEM, "verify: out of memory");
-    randombytes_buf_deterministic(m->r, (size_t)P * nb, seed);
-    double *acc = v->acc; /* [P][in] then a at [P*in] */
-    memset(acc, 0, (size_t)(P + 1) * in * sizeof(double));
-    for (uint32_t i = 0; i < out; i++) {
-        ti->to_float((const uint8_t *)W + (size_t)i * rb, v->row, in);
-        for (uint32_t p = 0; p < P; p++) {
-            const bool neg = (m->r[(size_t)p * nb + i / 8] >> (i % 8)) & 1;
-            double *sp = acc + (size_t)p * in;
-            if (neg)
-                for (uint32_t j = 0; j < in; j++) sp[j] -= v->row[j];
-            else
-                for (uint32_t j = 0; j < in; j++) sp[j] += v->row[j];
-        }
-        double *ap = acc + (size_t)P * in;
-        for (uint32_t j = 0; j < in; j++) ap[j] += fabs((double)v->row[j]);
-    }
-    for (size_t j = 0; j < (size_t)P * in; j++) m->s[j] = (float)acc[j];
-    for (uint32_t j = 0; j < in; j++) m->a[j] = (float)acc[(size_t)P * in + j];
+    m->b = malloc((size_t)in * sizeof(float));
+    if (!m->r || !m->s || !m->a || !m->b) return kv_fail(d, KV_ENOMEM, "verify: out of memory");
+    kv_vmat_fill(v, m, layer, e, k, 0, true);
     return 0;
 }
 
@@ -165,22 +242,12 @@ int kv_verify_prepare(kv_verify *v, uint32_t layer, uint32_t e, const kv_expert_
     if (*slot) return 0;
     kv_vexp *x = calloc(1, sizeof *x);
     if (!x) return kv_fail(d, KV_ENOMEM, "verify: out of memory");
-    /* one secret stream per (expert, matrix) */
     const void *mats[3] = {w->gate, w->up, w->down};
     const uint32_t types[3] = {w->gate_type, w->up_type, w->down_type};
     int rc = 0;
-    for (int k = 0; k < 3 && !rc; k++) {
-        uint8_t ms[32], tag[12];
-        for (int i = 0; i < 4; i++) {
-            tag[i] = (uint8_t)(layer >> (8 * i));
-            tag[4 + i] = (uint8_t)(e >> (8 * i));
-            tag[8 + i] = (uint8_t)((uint32_t)k >> (8 * i));
-        }
-        crypto_generichash(ms, 32, tag, sizeof tag, v->seed, 32);
-        rc = k < 2 ? kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_embd, v->n_ff, ms, d)
-                   : kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_ff, v->n_embd, ms, d);
-        sodium_memzero(ms, sizeof ms);
-    }
+    for (uint32_t k = 0; k < 3 && !rc; k++)
+        rc = k < 2 ? kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_embd, v->n_ff, layer, e, k, d)
+                   : kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_ff, v->n_embd, layer, e, k, d);
     if (!rc && x->m[0].vdt != x->m[1].vdt) rc = kv_fail(d, KV_EUNSUPPORTED, "verify: gate and up activations differ");
     if (rc) {
         kv_vexp_free(x);
@@ -188,6 +255,16 @@ int kv_verify_prepare(kv_verify *v, uint32_t layer, uint32_t e, const kv_expert_
     }
     *slot = x;
     v->bytes += kv_verify_expert_bytes(v->n_embd, v->n_ff, v->o.n_proj);
+    return 0;
+}
+
+int kv_verify_peek(const kv_verify *v, uint32_t layer, uint32_t e, int stage, uint32_t p, float *r, uint64_t *gen) {
+    if (!kv_verify_ready(v, layer, e)) return KV_ENOTFOUND;
+    if (stage < 0 || stage > 2 || p >= v->o.n_proj) return KV_ERANGE;
+    const kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
+    const kv_vmat *m = &X->m[stage];
+    for (uint32_t i = 0; i < m->out; i++) r[i] = m->r[(size_t)i * v->o.n_proj + p];
+    *gen = X->gen;
     return 0;
 }
 
@@ -201,48 +278,70 @@ static void kv_verify_activation(kv_verify *v, uint32_t vdt, const float *x, uin
     kv_type_get(vdt)->to_float(v->qbuf, out, n);
 }
 
-/* Compares r . outv with s . in for every projection of m. */
+/* Compares r . outv with s . in for every vector r of m. */
 static int kv_verify_mat(kv_verify *v, const kv_vmat *m, int stage, const float *in, const float *outv,
                          kv_verify_report *rep, kv_diag *d) {
-    const uint32_t nb = (m->out + 7) / 8;
-    double scale = 0;
-    for (uint32_t j = 0; j < m->in; j++) scale += (double)m->a[j] * fabs((double)in[j]);
-    for (uint32_t p = 0; p < v->o.n_proj; p++) {
-        const uint8_t *r = m->r + (size_t)p * nb;
-        const float *s = m->s + (size_t)p * m->in;
-        double lhs = 0, rhs = 0, ss = 0, sabs = 0;
-        for (uint32_t i = 0; i < m->out; i++) lhs += ((r[i / 8] >> (i % 8)) & 1) ? -(double)outv[i] : (double)outv[i];
-        for (uint32_t j = 0; j < m->in; j++) {
-            const double t = (double)s[j] * (double)in[j];
-            rhs += t;
-            ss += t * t;
-            sabs += fabs(t);
-        }
-        double tol;
+    const uint32_t P = v->o.n_proj;
+    double lhs[KV_VERIFY_MAX_PROJ] = {0}, rhs[KV_VERIFY_MAX_PROJ] = {0};
+    for (uint32_t i = 0; i < m->out; i++) {
+        const double o = outv[i];
+        const float *ri = m->r + (size_t)i * P;
+        for (uint32_t p = 0; p < P; p++) lhs[p] += (double)ri[p] * o;
+    }
+    double S = 0, B = 0; /* sum_j a_j |in_j|, sum_j b_j in_j^2: the same for every r */
+    for (uint32_t j = 0; j < m->in; j++) {
+        const double x = in[j];
+        const double *sj = m->s + (size_t)j * P;
+        for (uint32_t p = 0; p < P; p++) rhs[p] += sj[p] * x;
+        S += (double)m->a[j] * fabs(x);
+        B += (double)m->b[j] * x * x;
+    }
+    const double T = v->o.kappa * KV_U32 * (S / sqrt((double)m->in * m->out) + sqrt(B)) + 1e-30;
+    double gab[KV_VERIFY_MAX_PROJ] = {0}, sab[KV_VERIFY_MAX_PROJ] = {0};
+    if (v->o.worst_case) { /* the f64 sums' own rounding, rigorously: n u64 sum |terms| */
+        for (uint32_t i = 0; i < m->out; i++)
+            for (uint32_t p = 0; p < P; p++) gab[p] += fabs((double)m->r[(size_t)i * P + p] * outv[i]);
+        for (uint32_t j = 0; j < m->in; j++)
+            for (uint32_t p = 0; p < P; p++) sab[p] += fabs(m->s[(size_t)j * P + p] * in[j]);
+    }
+    int first = -1;
+    uint32_t over = 0;
+    double ftol = 0;
+    for (uint32_t p = 0; p < P; p++) {
+        double tol = T;
         if (v->o.worst_case) {
-            /* every dot: |error| <= n u / (1 - n u) sum |w x|; s rounded to f32: u sum |s x| */
+            /* every dot: |error| <= n u / (1 - n u) sum |w x|, weighted by |r_i| <= rmax; then
+             * the f64 sums (out and in terms) and s itself (out terms per column) */
             const double g = m->in * KV_U32 / (1 - m->in * KV_U32);
-            tol = g * scale + 2 * KV_U32 * sabs;
-        } else {
-            tol = v->o.kappa * KV_U32 * (scale / sqrt((double)m->in * m->out) + sqrt(ss));
+            const double g64 = 2.0 * (m->in + m->out) * KV_U64;
+            tol = (g + 2.0 * m->out * KV_U64) * m->rmax[p] * S + g64 * (gab[p] + sab[p]) + 1e-30;
         }
-        tol += 1e-30; /* an all-zero input has a zero tolerance otherwise */
-        const double ratio = fabs(lhs - rhs) / tol;
+        const double ratio = fabs(lhs[p] - rhs[p]) / tol;
         if (rep && ratio > rep->worst_ratio) rep->worst_ratio = ratio;
         if (!(ratio <= 1.0)) {
-            static const char *const names[3] = {"gate", "up", "down"};
-            if (rep) {
-                rep->stage = stage;
-                rep->proj = p;
-                rep->lhs = lhs;
-                rep->rhs = rhs;
-                rep->tol = tol;
-            }
-            return kv_fail(d, KV_EPROTO, "caught: %s product differs from its projection by %.3g (tolerance %.3g)",
-                           names[stage], fabs(lhs - rhs), tol);
+            over++;
+            if (first < 0) first = (int)p, ftol = tol;
         }
     }
-    return 0;
+    if (first < 0) return 0;
+    static const char *const names[3] = {"gate", "up", "down"};
+    if (rep) {
+        rep->stage = stage;
+        rep->proj = (uint32_t)first;
+        rep->n_over = over;
+        rep->lhs = lhs[first];
+        rep->rhs = rhs[first];
+        rep->tol = ftol;
+    }
+    return kv_fail(d, KV_EPROTO, "caught: %s product differs from %u of %u projections (first by %.3g, tolerance %.3g)",
+                   names[stage], over, P, fabs(lhs[first] - rhs[first]), ftol);
+}
+
+/* The next generation of an expert's vectors, in place. */
+static void kv_verify_rotate(kv_verify *v, uint32_t layer, uint32_t e, kv_vexp *X) {
+    X->gen++;
+    X->checks = 0;
+    for (uint32_t k = 0; k < 3; k++) kv_vmat_fill(v, &X->m[k], layer, e, k, X->gen, false);
 }
 
 int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, const float *gate, const float *up,
@@ -253,7 +352,10 @@ int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, co
     }
     if (!kv_verify_ready(v, layer, e))
         return kv_fail(d, KV_ENOTFOUND, "verify: layer %u expert %u has no projections", layer, e);
-    const kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
+    kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
+    if (v->o.rotate_every != UINT32_MAX && X->checks >= v->o.rotate_every) kv_verify_rotate(v, layer, e, X);
+    X->checks++;
+    if (rep) rep->generation = X->gen;
     for (uint32_t i = 0; i < v->n_ff; i++)
         if (!isfinite(gate[i]) || !isfinite(up[i]))
             return kv_fail(d, KV_EPROTO, "caught: a pre-activation is not finite");
