@@ -1,4 +1,4 @@
-/* kv-test-labels: unit
+/* kv-test-labels: unit attack
  * Freivalds checks (include/kvasir/verify.h) against the engine's own
  * expert kernels on generated F32, Q8_0 and Q4_K models. The reference for
  * the projections is f64 over the dequantized weights; the answers checked
@@ -11,7 +11,19 @@
  *   another expert's answer, a stale answer (another token's), a NaN: caught;
  *   the worst-case bound passes honest answers and is far blinder;
  *   cost of a check against the compute it checks, and the smallest
- *     detectable change of one output element, by type (docs/BENCHMARKS.md). */
+ *     detectable change of one output element, by type (docs/BENCHMARKS.md);
+ *   structured lies (test_attack): pairs +a/-a (the lie the sign vectors let
+ *     through 1 time in 4), one element, sign patterns, scaled and borrowed
+ *     answers, each from just above theta x the tolerance to 5 max|y|, on
+ *     every stage: none passes, and each vector alone passes about as often
+ *     as the Gaussian bound says; an attacker who learned a generation's
+ *     vectors aims lies at their blind spot (orthogonal to all of them, or
+ *     on the rows they weigh least): they pass that generation, and the
+ *     next one catches every one. KV_ATTACK_FULL=1: 25x more lies;
+ *   honest answers from every backend this CPU has, checked under every
+ *     backend (our kernels give the same bits; the test keeps that honest),
+ *     and honest answers summed in other orders (f32 front to back, f64),
+ *     as another engine or a GPU would: all pass. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,10 +33,13 @@
 
 #include "kvasir/gguf.h"
 #include "kvasir/model.h"
+#include "kvasir/ops.h"
 #include "kvasir/pool.h"
 #include "kvasir/slice.h"
+#include "kvasir/quant.h"
 #include "kvasir/verify.h"
 #include "kvtest.h"
+#include "verify/verify_internal.h"
 
 #define N_EMBD 256
 #define N_FF 512
@@ -214,6 +229,356 @@ static void test_types(void) {
     }
 }
 
+
+/* ---- structured lies ------------------------------------------------------------------- */
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd64(void) {
+    g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+    return g_rng;
+}
+static double runif(void) { return (double)(rnd64() >> 11) * (1.0 / 9007199254740992.0); }
+static double rnorm(void) { return sqrt(-2.0 * log(1.0 - runif())) * cos(6.283185307179586 * runif()); }
+
+enum { LIE_PAIR, LIE_PAIR_ADJ, LIE_ONE, LIE_SIGNS, LIE_ALTERNATE, LIE_HALVES, LIE_SCALE, LIE_BORROW, LIE_RANDOM,
+       LIE_COUNT };
+static const char *const lie_names[LIE_COUNT] = {"pair +a/-a", "adjacent pair", "one element", "signs on k rows",
+                                                 "alternating signs", "+a/-a halves", "scaled answer",
+                                                 "another token's answer", "random direction"};
+
+/* A lie of class c on a stage's output o [L] (t: the token; A: every answer), as a
+ * direction e [L] of any norm. */
+static void lie_shape(int c, const answers *A, int t, int stage, const float *o, int L, double *e) {
+    memset(e, 0, (size_t)L * sizeof *e);
+    const int i = (int)(rnd64() % (uint64_t)L), j = (i + 1 + (int)(rnd64() % (uint64_t)(L - 1))) % L;
+    switch (c) {
+    case LIE_PAIR: e[i] = 1, e[j] = -1; break;
+    case LIE_PAIR_ADJ: e[i] = 1, e[(i + 1) % L] = -1; break;
+    case LIE_ONE: e[i] = rnd64() & 1 ? 1 : -1; break;
+    case LIE_SIGNS: {
+        const int k = 2 + (int)(rnd64() % (uint64_t)(L - 1));
+        for (int n = 0; n < k; n++) e[rnd64() % (uint64_t)L] = rnd64() & 1 ? 1 : -1;
+        break;
+    }
+    case LIE_ALTERNATE:
+        for (int n = 0; n < L; n++) e[n] = n & 1 ? -1 : 1;
+        break;
+    case LIE_HALVES:
+        for (int n = 0; n < L; n++) e[n] = n < L / 2 ? 1 : -1;
+        break;
+    case LIE_SCALE:
+        for (int n = 0; n < L; n++) e[n] = o[n];
+        break;
+    case LIE_BORROW: { /* the answer of another token for the same expert */
+        const int t2 = (t + N_EXPERT * (1 + (int)(rnd64() % (N_TOK / N_EXPERT - 1)))) % N_TOK;
+        const float *o2 = stage == 0 ? A->g[t2] : stage == 1 ? A->u[t2] : A->y[t2];
+        for (int n = 0; n < L; n++) e[n] = (double)o2[n] - o[n];
+        break;
+    }
+    default:
+        for (int n = 0; n < L; n++) e[n] = rnorm();
+    }
+}
+
+/* Checks answer t with e (scaled to norm nrm) added to stage's output. */
+static int check_lie(kv_verify *v, const answers *A, int t, int stage, const double *e, double nrm,
+                     kv_verify_report *rep) {
+    static float g[N_FF], u[N_FF], y[N_EMBD];
+    memcpy(g, A->g[t], sizeof g);
+    memcpy(u, A->u[t], sizeof u);
+    memcpy(y, A->y[t], sizeof y);
+    float *o = stage == 0 ? g : stage == 1 ? u : y;
+    const int L = stage == 2 ? N_EMBD : N_FF;
+    double n2 = 0;
+    for (int i = 0; i < L; i++) n2 += e[i] * e[i];
+    const double f = nrm / sqrt(n2);
+    for (int i = 0; i < L; i++) o[i] = (float)((double)o[i] + f * e[i]);
+    kv_diag d = {0};
+    return kv_verify_check(v, 0, (uint32_t)A->ids[t], A->x[t], g, u, y, rep, &d);
+}
+
+/* An attacker who knows generation G's vectors of (expert, stage): a lie in their blind
+ * spot. blind = 0: orthogonal to all of them (a random direction, Gram-Schmidt);
+ * blind = 1: on the n_proj + 1 rows they weigh least (sum_p r_p,i^2), in the null
+ * space of those columns, so it passes G exactly. */
+static void blind_lie(kv_verify *v, uint32_t e_id, int stage, int blind, double *e, uint64_t *gen) {
+    const uint32_t P = KV_VERIFY_DEFAULT_PROJ;
+    const int L = stage == 2 ? N_EMBD : N_FF;
+    static float R[KV_VERIFY_MAX_PROJ][N_FF > N_EMBD ? N_FF : N_EMBD];
+    for (uint32_t p = 0; p < P; p++) ASSERT_EQ(kv_verify_peek(v, 0, e_id, stage, p, R[p], gen), 0);
+    if (blind == 0) {
+        for (int i = 0; i < L; i++) e[i] = rnorm();
+        static double Q[KV_VERIFY_MAX_PROJ][N_FF > N_EMBD ? N_FF : N_EMBD];
+        for (uint32_t p = 0; p < P; p++) { /* an orthonormal basis of the span, then project it out */
+            for (int i = 0; i < L; i++) Q[p][i] = R[p][i];
+            for (uint32_t q = 0; q < p; q++) {
+                double dq = 0;
+                for (int i = 0; i < L; i++) dq += Q[q][i] * Q[p][i];
+                for (int i = 0; i < L; i++) Q[p][i] -= dq * Q[q][i];
+            }
+            double n2 = 0;
+            for (int i = 0; i < L; i++) n2 += Q[p][i] * Q[p][i];
+            for (int i = 0; i < L; i++) Q[p][i] /= sqrt(n2);
+        }
+        for (int pass = 0; pass < 2; pass++)
+            for (uint32_t p = 0; p < P; p++) {
+                double dq = 0;
+                for (int i = 0; i < L; i++) dq += Q[p][i] * e[i];
+                for (int i = 0; i < L; i++) e[i] -= dq * Q[p][i];
+            }
+        return;
+    }
+    /* the P + 1 least weighted rows */
+    int rows[KV_VERIFY_MAX_PROJ + 1];
+    double wt[KV_VERIFY_MAX_PROJ + 1];
+    const int K = (int)P + 1;
+    for (int k = 0; k < K; k++) wt[k] = INFINITY, rows[k] = -1;
+    for (int i = 0; i < L; i++) {
+        double w = 0;
+        for (uint32_t p = 0; p < P; p++) w += (double)R[p][i] * R[p][i];
+        for (int k = 0; k < K; k++)
+            if (w < wt[k]) {
+                for (int m = K - 1; m > k; m--) wt[m] = wt[m - 1], rows[m] = rows[m - 1];
+                wt[k] = w, rows[k] = i;
+                break;
+            }
+    }
+    /* null vector of the P x (P + 1) matrix M[p][k] = R[p][rows[k]]: Gaussian elimination */
+    double M[KV_VERIFY_MAX_PROJ][KV_VERIFY_MAX_PROJ + 1];
+    for (uint32_t p = 0; p < P; p++)
+        for (int k = 0; k < K; k++) M[p][k] = R[p][rows[k]];
+    for (int c = 0; c < (int)P; c++) {
+        int piv = c;
+        for (int r = c + 1; r < (int)P; r++)
+            if (fabs(M[r][c]) > fabs(M[piv][c])) piv = r;
+        for (int k = 0; k < K; k++) {
+            const double tmp = M[c][k];
+            M[c][k] = M[piv][k], M[piv][k] = tmp;
+        }
+        for (int r = 0; r < (int)P; r++) {
+            if (r == c) continue;
+            const double f = M[r][c] / M[c][c];
+            for (int k = 0; k < K; k++) M[r][k] -= f * M[c][k];
+        }
+    }
+    memset(e, 0, (size_t)L * sizeof *e);
+    e[rows[P]] = 1; /* the free variable; x_c = -M[c][P] / M[c][c] */
+    for (int c = 0; c < (int)P; c++) e[rows[c]] = -M[c][P] / M[c][c];
+}
+
+static void test_attack(void) {
+    const bool full = getenv("KV_ATTACK_FULL") && strcmp(getenv("KV_ATTACK_FULL"), "0");
+    const int n_lies = full ? 25000 : 1000, n_blind = full ? 500 : 40; /* per type */
+    static const double scales[] = {1.02, 1.2, 2.0, 10.0, 1e3, 0}; /* x theta x tolerance; 0: 5 max|y| */
+    const int n_scales = (int)(sizeof scales / sizeof scales[0]);
+    static answers A;
+    static double e[N_FF > N_EMBD ? N_FF : N_EMBD];
+    long passed = 0, tried = 0, blind_before = 0, blind_after = 0, blind_tried = 0;
+    long thr_proj = 0, thr_proj_pass = 0, by_class[LIE_COUNT] = {0};
+    double bound = 0;
+    for (int k = 0; k < 3; k++) {
+        kv_diag d = {0};
+        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
+        kv_expert_provider p;
+        ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
+        compute(k, &A, &p);
+        /* one fixed generation: everything the worker does not know is caught */
+        const kv_verify_opts o = {.seed = 77 + (uint64_t)k, .rotate_every = UINT32_MAX};
+        kv_verify *v = prepared(k, &o);
+        for (int q = 0; q < n_lies && v; q++) {
+            const int t = (int)(rnd64() % N_TOK), stage = q % 3, c = (q / 3) % LIE_COUNT;
+            const double sc = scales[(q / (3 * LIE_COUNT)) % n_scales];
+            const int L = stage == 2 ? N_EMBD : N_FF;
+            const float *o2 = stage == 0 ? A.g[t] : stage == 1 ? A.u[t] : A.y[t];
+            lie_shape(c, &A, t, stage, o2, L, e);
+            double nrm;
+            if (sc > 0) {
+                nrm = sc * KV_VERIFY_THETA * tol_of(v, &A, t, stage);
+            } else {
+                double mx = 0;
+                for (int i = 0; i < L; i++) mx = fmax(mx, fabs(o2[i]));
+                nrm = 5 * mx; /* the lie of the report, whatever its shape */
+            }
+            kv_verify_report rep;
+            const int rc = check_lie(v, &A, t, stage, e, nrm, &rep);
+            tried++;
+            if (rc != KV_EPROTO || rep.stage != stage) {
+                passed++;
+                by_class[c]++;
+                printf("  PASSED: %s lie on stage %d, %.3g x theta x tolerance (%s)\n", lie_names[c], stage, sc,
+                       g_types[k]);
+            } else if (sc == scales[0]) { /* each vector alone, just above the threshold */
+                thr_proj += KV_VERIFY_DEFAULT_PROJ;
+                thr_proj_pass += KV_VERIFY_DEFAULT_PROJ - rep.n_over;
+            }
+        }
+        /* an attacker who learned generation G: blind spots of G pass G, G + 1 catches them */
+        const kv_verify_opts orot = {.seed = 991 + (uint64_t)k, .rotate_every = 6};
+        kv_verify *vr = prepared(k, &orot);
+        for (int q = 0; q < n_blind && vr; q++) {
+            const int t = (int)(rnd64() % N_TOK), stage = q % 3, blind = (q / 3) % 2;
+            const uint32_t eid = (uint32_t)A.ids[t];
+            /* line up with a rotation, so that the lie meets the generation it was aimed at */
+            const double nrm = (q % 2 ? 10.0 : 1e3) * KV_VERIFY_THETA * tol_of(vr, &A, t, stage);
+            kv_verify_report rep;
+            uint64_t gen = 0, gen2;
+            ASSERT_EQ(kv_verify_check(vr, 0, eid, A.x[t], A.g[t], A.u[t], A.y[t], &rep, &d), 0);
+            for (uint64_t g0 = rep.generation, n = 0; rep.generation == g0 && n < 8; n++)
+                ASSERT_EQ(kv_verify_check(vr, 0, eid, A.x[t], A.g[t], A.u[t], A.y[t], &rep, &d), 0);
+            blind_lie(vr, eid, stage, blind, e, &gen);
+            const int rc0 = check_lie(vr, &A, t, stage, e, nrm, &rep);
+            /* aimed right: G's vectors of that stage let it through (a gate or up lie is still
+             * caught by the down check, whose input it changes) */
+            if ((rc0 == 0 || rep.stage > stage) && rep.generation == gen) blind_before++;
+            /* honest work until the expert's vectors rotate */
+            gen2 = rep.generation;
+            for (int n = 0; n < 8 && gen2 == gen; n++) {
+                ASSERT_EQ(kv_verify_check(vr, 0, eid, A.x[t], A.g[t], A.u[t], A.y[t], &rep, &d), 0);
+                gen2 = rep.generation;
+            }
+            ASSERT_TRUE(gen2 > gen);
+            const int rc1 = check_lie(vr, &A, t, stage, e, nrm, &rep);
+            blind_tried++;
+            if (rc1 != KV_EPROTO || rep.stage != stage) { /* caught by the stage it lies in */
+                blind_after++;
+                printf("  PASSED after rotation: blind-spot lie %d on stage %d (%s)\n", blind, stage, g_types[k]);
+            }
+        }
+        bound = kv_verify_miss_bound(KV_VERIFY_DEFAULT_PROJ, KV_VERIFY_THETA, N_FF);
+        kv_verify_free(vr);
+        kv_verify_free(v);
+        p.free(p.impl);
+    }
+    /* the stated bound: below 2^-20 for the default count at theta, even at the 122B's rows */
+    ASSERT_TRUE(bound < pow(2, -20));
+    ASSERT_TRUE(kv_verify_miss_bound(KV_VERIFY_DEFAULT_PROJ, KV_VERIFY_THETA, 3072) < pow(2, -20));
+    ASSERT_TRUE(kv_verify_miss_bound(KV_VERIFY_DEFAULT_PROJ, KV_VERIFY_THETA, 16384) < pow(2, -20));
+    ASSERT_EQ(passed, 0);
+    for (int c = 0; c < LIE_COUNT; c++) ASSERT_EQ(by_class[c], 0);
+    ASSERT_EQ(blind_after, 0);
+    ASSERT_EQ(blind_before, blind_tried); /* the blind spots were real: without rotation they pass for good */
+    /* each vector alone passes a threshold lie at most as often as the bound says (plus 4 sigma) */
+    const double one = kv_verify_miss_bound(1, KV_VERIFY_THETA * scales[0], N_FF);
+    const double rate = thr_proj ? (double)thr_proj_pass / thr_proj : 1;
+    ASSERT_TRUE(thr_proj > 0 && rate <= one + 4 * sqrt(one * (1 - one) / thr_proj));
+    printf("  %ld structured lies on 3 types (%d shapes, %.3g to 1e3 x theta x tolerance and 5 max|y|): %ld passed; "
+           "each vector alone let %.1f%% of the threshold lies through (bound %.1f%%), all %u together < %.2g\n",
+           tried, LIE_COUNT, scales[0], passed, 100 * rate, 100 * one, KV_VERIFY_DEFAULT_PROJ,
+           kv_verify_miss_bound(KV_VERIFY_DEFAULT_PROJ, KV_VERIFY_THETA * scales[0], N_FF));
+    printf("  %ld blind-spot lies aimed at a learned generation: %ld passed it, %ld passed the next\n", blind_tried,
+           blind_before, blind_after);
+}
+
+/* Honest answers computed on every backend this CPU has pass checks made on every one. */
+static void test_backends(void) {
+    static const char *const bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
+    const int n_be = (int)(sizeof bes / sizeof bes[0]);
+    char was[32];
+    snprintf(was, sizeof was, "%s", kv_quant_backend());
+    static answers A[6];
+    for (int k = 0; k < 3; k++) {
+        kv_diag d = {0};
+        int have[6] = {0}, n_have = 0, differ = 0;
+        for (int b = 0; b < n_be; b++) {
+            if (kv_quant_set_backend(bes[b])) continue;
+            have[b] = 1, n_have++;
+            kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
+            kv_expert_provider p;
+            ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
+            g_seed = 4242; /* the same inputs on every backend */
+            compute(k, &A[b], &p);
+            p.free(p.impl);
+            if (b && memcmp(A[b].y, A[0].y, sizeof A[b].y)) differ++;
+        }
+        double worst = 0;
+        int fails = 0;
+        for (int cb = 0; cb < n_be; cb++) { /* the checker's backend */
+            if (!have[cb]) continue;
+            ASSERT_EQ(kv_quant_set_backend(bes[cb]), 0);
+            const kv_verify_opts o = {.seed = 555};
+            kv_verify *v = prepared(k, &o);
+            for (int b = 0; b < n_be && v; b++) {
+                if (!have[b]) continue;
+                for (int t = 0; t < N_TOK; t++) {
+                    kv_verify_report rep;
+                    fails += kv_verify_check(v, 0, (uint32_t)A[b].ids[t], A[b].x[t], A[b].g[t], A[b].u[t], A[b].y[t],
+                                             &rep, &d) != 0;
+                    worst = fmax(worst, rep.worst_ratio);
+                }
+            }
+            kv_verify_free(v);
+        }
+        ASSERT_EQ(fails, 0);
+        printf("  %-5s honest answers of %d backends (%d differ from scalar's bits), checked on each: 0 of %d caught, "
+               "worst residual/tolerance %.3f\n",
+               g_types[k], n_have, differ, n_have * n_have * N_TOK, worst);
+    }
+    ASSERT_EQ(kv_quant_set_backend(was), 0);
+}
+
+/* One matrix-vector product of an honest worker with another reduction order:
+ * dequantized rows against q(in), summed in f32 front to back (order 0: the
+ * worst ordinary order) or in f64 (order 1: nearly exact). */
+static void matvec_order(const void *W, uint32_t type, const float *in, uint32_t n, uint32_t m, float *out, int order) {
+    const kv_type_info *ti = kv_type_get(type);
+    const uint32_t vdt = ti->vec_dot_type;
+    static float row[N_FF > N_EMBD ? N_FF : N_EMBD], qin[N_FF > N_EMBD ? N_FF : N_EMBD];
+    static uint8_t qb[(N_FF > N_EMBD ? N_FF : N_EMBD) * 4 + 64];
+    if (vdt == KV_TYPE_F32) {
+        memcpy(qin, in, n * sizeof(float));
+    } else {
+        kv_quantize_rows(vdt, in, n, n, 1, qb, (size_t)kv_type_row_size(vdt, n));
+        kv_type_get(vdt)->to_float(qb, qin, n);
+    }
+    for (uint32_t i = 0; i < m; i++) {
+        ti->to_float((const uint8_t *)W + (size_t)i * kv_type_row_size(type, n), row, n);
+        float f = 0;
+        double g = 0;
+        for (uint32_t j = 0; j < n; j++) {
+            f += row[j] * qin[j];
+            g += (double)row[j] * qin[j];
+        }
+        out[i] = order ? (float)g : f;
+    }
+}
+
+/* Honest workers that sum in another order than ours (a GPU, another engine) pass. */
+static void test_orders(void) {
+    static answers A;
+    for (int k = 0; k < 3; k++) {
+        kv_diag d = {0};
+        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
+        kv_expert_provider p;
+        ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
+        compute(k, &A, &p);
+        p.free(p.impl);
+        const kv_verify_opts o = {.seed = 31337};
+        kv_verify *v = prepared(k, &o);
+        double worst[2] = {0, 0};
+        int fails = 0, differ = 0;
+        for (int order = 0; order < 2 && v; order++)
+            for (int t = 0; t < N_TOK; t++) {
+                kv_expert_weights w;
+                ASSERT_EQ(acquire(g_g[k], 0, (uint32_t)A.ids[t], &w, &d), 0);
+                float g[N_FF], u[N_FF], h[N_FF], y[N_EMBD];
+                matvec_order(w.gate, w.gate_type, A.x[t], N_EMBD, N_FF, g, order);
+                matvec_order(w.up, w.up_type, A.x[t], N_EMBD, N_FF, u, order);
+                kv_swiglu(h, g, u, N_FF);
+                matvec_order(w.down, w.down_type, h, N_FF, N_EMBD, y, order);
+                differ += memcmp(y, A.y[t], sizeof y) != 0;
+                kv_verify_report rep;
+                fails += kv_verify_check(v, 0, (uint32_t)A.ids[t], A.x[t], g, u, y, &rep, &d) != 0;
+                worst[order] = fmax(worst[order], rep.worst_ratio);
+            }
+        ASSERT_EQ(fails, 0);
+        ASSERT_TRUE(differ > 0); /* they are other bits, not ours again */
+        printf("  %-5s honest answers summed in f32 row order / in f64 (%d of %d differ from the kernel's bits): 0 "
+               "caught, worst residual/tolerance %.3f / %.3f\n",
+               g_types[k], differ, 2 * N_TOK, worst[0], worst[1]);
+        kv_verify_free(v);
+    }
+}
+
 static void test_bad_args(void) {
     kv_verify *v = NULL;
     kv_diag d = {0};
@@ -225,9 +590,10 @@ static void test_bad_args(void) {
     kv_expert_weights w = {0};
     ASSERT_EQ(kv_verify_prepare(v, 3, 0, &w, &d), KV_ERANGE);
     ASSERT_TRUE(!kv_verify_ready(v, 0, 0) && kv_verify_bytes(v) == 0);
-    /* 122B scale: 12,544 experts of 3072 x 1024 (printed for docs/BENCHMARKS.md) */
-    printf("  projections at 122B scale (12544 experts, embd 3072, ff 1024): %.2f GB with 2 vectors, %.2f GB with 1\n",
-           12544.0 * kv_verify_expert_bytes(3072, 1024, 2) / 1e9, 12544.0 * kv_verify_expert_bytes(3072, 1024, 1) / 1e9);
+    /* 122B scale: 12,544 experts of 3072 x 1024 (printed for docs/VERIFY.md) */
+    printf("  projections at 122B scale (12544 experts, embd 3072, ff 1024): %.2f GB with %u vectors, %.2f GB with 4\n",
+           12544.0 * kv_verify_expert_bytes(3072, 1024, KV_VERIFY_DEFAULT_PROJ) / 1e9, KV_VERIFY_DEFAULT_PROJ,
+           12544.0 * kv_verify_expert_bytes(3072, 1024, 4) / 1e9);
     kv_verify_free(v);
     kv_verify_free(NULL);
 }
@@ -261,6 +627,7 @@ static void teardown(void) {
     }
 }
 
-static const kvt_case cases[] = {KVT_CASE(test_types), KVT_CASE(test_bad_args)};
+static const kvt_case cases[] = {KVT_CASE(test_types), KVT_CASE(test_attack), KVT_CASE(test_backends), KVT_CASE(test_orders),
+                                 KVT_CASE(test_bad_args)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
