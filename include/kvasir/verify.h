@@ -43,7 +43,7 @@
 #define KV_VERIFY_DEFAULT_PROJ 8u /* per matrix by default: kv_verify_miss_bound(8, 5) < 2^-21 */
 #define KV_VERIFY_KAPPA 64.0      /* default tolerance factor (docs/VERIFY.md) */
 #define KV_VERIFY_THETA 5.0       /* |error| / tolerance from which a lie is caught w.p. > 1 - 2^-20 */
-#define KV_VERIFY_ROTATE 4096u    /* checks of one expert per generation of its vectors, by default */
+#define KV_VERIFY_ROTATE 65536u   /* checks of one expert per generation of its vectors, by default */
 
 typedef struct kv_verify kv_verify;
 

@@ -278,24 +278,35 @@ static void kv_verify_activation(kv_verify *v, uint32_t vdt, const float *x, uin
     kv_type_get(vdt)->to_float(v->qbuf, out, n);
 }
 
-/* Compares r . outv with s . in for every vector r of m. */
-static int kv_verify_mat(kv_verify *v, const kv_vmat *m, int stage, const float *in, const float *outv,
-                         kv_verify_report *rep, kv_diag *d) {
-    const uint32_t P = v->o.n_proj;
-    double lhs[KV_VERIFY_MAX_PROJ] = {0}, rhs[KV_VERIFY_MAX_PROJ] = {0};
+/* r . outv and s . in for every vector, and the tolerance's two sums. */
+static inline void kv_verify_dots(const kv_vmat *m, uint32_t P, const float *in, const float *outv, double *lhs,
+                                  double *rhs, double *S, double *B) {
     for (uint32_t i = 0; i < m->out; i++) {
         const double o = outv[i];
         const float *ri = m->r + (size_t)i * P;
         for (uint32_t p = 0; p < P; p++) lhs[p] += (double)ri[p] * o;
     }
-    double S = 0, B = 0; /* sum_j a_j |in_j|, sum_j b_j in_j^2: the same for every r */
+    double s_ = 0, b_ = 0;
     for (uint32_t j = 0; j < m->in; j++) {
         const double x = in[j];
         const double *sj = m->s + (size_t)j * P;
         for (uint32_t p = 0; p < P; p++) rhs[p] += sj[p] * x;
-        S += (double)m->a[j] * fabs(x);
-        B += (double)m->b[j] * x * x;
+        s_ += (double)m->a[j] * fabs(x);
+        b_ += (double)m->b[j] * x * x;
     }
+    *S = s_, *B = b_;
+}
+
+/* Compares r . outv with s . in for every vector r of m. */
+static int kv_verify_mat(kv_verify *v, const kv_vmat *m, int stage, const float *in, const float *outv,
+                         kv_verify_report *rep, kv_diag *d) {
+    const uint32_t P = v->o.n_proj;
+    double lhs[KV_VERIFY_MAX_PROJ] = {0}, rhs[KV_VERIFY_MAX_PROJ] = {0};
+    double S = 0, B = 0; /* sum_j a_j |in_j|, sum_j b_j in_j^2: the same for every r */
+    if (P == KV_VERIFY_DEFAULT_PROJ) /* a constant count: the compiler unrolls and vectorizes */
+        kv_verify_dots(m, KV_VERIFY_DEFAULT_PROJ, in, outv, lhs, rhs, &S, &B);
+    else
+        kv_verify_dots(m, P, in, outv, lhs, rhs, &S, &B);
     const double T = v->o.kappa * KV_U32 * (S / sqrt((double)m->in * m->out) + sqrt(B)) + 1e-30;
     double gab[KV_VERIFY_MAX_PROJ] = {0}, sab[KV_VERIFY_MAX_PROJ] = {0};
     if (v->o.worst_case) { /* the f64 sums' own rounding, rigorously: n u64 sum |terms| */
