@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <math.h>
+#include <pthread.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -47,13 +48,18 @@ static int run_cmd(const char *cmd) {
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+/* Cases of the registry and market alone register addresses where no
+ * worker listens: their hubs list what is announced (--trust-announced);
+ * the proof-of-service cases clear this and run real workers. */
+static bool g_trust = true;
+
 /* Starts `kvasir hub` with extra args; waits for "listening on". */
 static int hub_start(hub_proc *p, const char *db, const char *extra) {
     int fds[2];
     if (pipe(fds)) return -1;
     char cmd[2048];
-    snprintf(cmd, sizeof cmd, "exec '%s' hub --model '%s' --db '%s' --listen 127.0.0.1:0 --quiet %s", getenv("KV_BIN"),
-             g_manifest, db, extra ? extra : "");
+    snprintf(cmd, sizeof cmd, "exec '%s' hub --model '%s' --db '%s' --listen 127.0.0.1:0 --quiet %s %s 2>/dev/null",
+             getenv("KV_BIN"), g_manifest, db, g_trust ? "--trust-announced" : "", extra ? extra : "");
     pid_t pid = fork();
     if (pid == 0) {
         dup2(fds[1], 1);
@@ -1570,6 +1576,258 @@ static void test_ledger_earnings(void) {
     kv_ledger_free(l);
 }
 
+/* ---- proof of service ----------------------------------------------------- */
+
+/* A real worker in this process over the test's slices, with key i. */
+typedef struct test_worker {
+    kv_worker *w;
+    pthread_t t;
+    kv_node_key key;
+} test_worker;
+
+static void *worker_main(void *a) {
+    kv_diag d = {0};
+    kv_worker_serve(a, &d);
+    return NULL;
+}
+
+static int worker_up(test_worker *tw, int key_i, const uint8_t hub_key[32], int lie) {
+    char slabs[600];
+    snprintf(slabs, sizeof slabs, "%s/sl", g_dir);
+    test_key(&tw->key, key_i);
+    kv_worker_opts o = {.slabs = slabs, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true,
+                        .key_sk = tw->key.sk, .hub_key = hub_key, .test_lie = lie};
+    kv_diag d = {0};
+    if (kv_worker_open(&tw->w, &o, &d)) {
+        fprintf(stderr, "worker: %s\n", d.msg);
+        return -1;
+    }
+    return pthread_create(&tw->t, NULL, worker_main, tw->w);
+}
+
+static void worker_down(test_worker *tw) {
+    if (!tw->w) return;
+    kv_worker_stop(tw->w);
+    pthread_join(tw->t, NULL);
+    kv_worker_free(tw->w);
+    tw->w = NULL;
+}
+
+/* Whether placement lists key k for slab i. */
+static bool placed(const hub_proc *p, const kv_node_key *k, size_t i) {
+    char hex[65];
+    kv_hex(k->pk, 32, hex);
+    resp r = get(p, "/v1/placement");
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *nodes = json_object_get(json_array_get(json_object_get(j, "shards"), i), "nodes");
+    bool hit = false;
+    for (size_t n = 0; n < json_array_size(nodes) && !hit; n++)
+        hit = !strcmp(json_string_value(json_object_get(json_array_get(nodes, n), "key")) ?: "", hex);
+    json_decref(j);
+    resp_free(&r);
+    return hit;
+}
+
+/* Polls until placed(p, k, i) == want, at most ms; returns the last value. */
+static bool wait_placed(const hub_proc *p, const kv_node_key *k, size_t i, bool want, int ms) {
+    bool v = placed(p, k, i);
+    for (int t = 0; t < ms && v != want; t += 50) {
+        usleep(50000);
+        v = placed(p, k, i);
+    }
+    return v;
+}
+
+/* Node k's field of GET /v1/nodes, as a new reference (NULL if absent). */
+static json_t *node_field(const hub_proc *p, const kv_node_key *k, const char *field) {
+    char hex[65];
+    kv_hex(k->pk, 32, hex);
+    resp r = get(p, "/v1/nodes");
+    json_t *j = json_loads(r.body, 0, NULL), *out = NULL;
+    json_t *nodes = json_object_get(j, "nodes");
+    for (size_t n = 0; n < json_array_size(nodes) && !out; n++) {
+        json_t *nd = json_array_get(nodes, n);
+        if (!strcmp(json_string_value(json_object_get(nd, "key")) ?: "", hex)) out = json_incref(json_object_get(nd, field));
+    }
+    json_decref(j);
+    resp_free(&r);
+    return out;
+}
+
+static bool prove_error_has(const hub_proc *p, const kv_node_key *k, const char *what) {
+    json_t *e = node_field(p, k, "prove_error");
+    bool hit = e && strstr(json_string_value(e) ?: "", what);
+    if (!hit) fprintf(stderr, "prove_error: '%s', wanted '%s'\n", e ? json_string_value(e) : "(none)", what);
+    json_decref(e);
+    return hit;
+}
+
+/* The placement's "nodes" of every shard, without last_seen_ms (which
+ * heartbeats move): what a coordinator would dial. */
+static char *placement_nodes(const hub_proc *p) {
+    resp r = get(p, "/v1/placement");
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *sh = json_object_get(j, "shards");
+    for (size_t i = 0; i < json_array_size(sh); i++) {
+        json_t *nodes = json_object_get(json_array_get(sh, i), "nodes");
+        for (size_t n = 0; n < json_array_size(nodes); n++) json_object_del(json_array_get(nodes, n), "last_seen_ms");
+    }
+    char *out = json_dumps(sh, JSON_COMPACT);
+    json_decref(j);
+    resp_free(&r);
+    return out;
+}
+
+/* A hub lists a node only once the worker at its address proved the
+ * node's key and answered compute challenges for its slabs: an honest
+ * worker is listed; a stranger's key at the honest worker's address (the
+ * map one registration used to freeze), an address where nothing listens
+ * and a worker that answers with another expert's output never are, and
+ * the coordinator's view of the map keeps the honest worker under its own
+ * key. A listed worker that stops answering is unlisted. Then strangers
+ * register keys by the dozen (KV_ATTACK_FULL=1: a thousand) at the honest
+ * address and at addresses of their own, claiming the honest node's slabs:
+ * the placement and the market stay what they were, and the per-address
+ * limit refuses the rest. */
+static void test_prove(void) {
+    char db[512];
+    db_path(db, sizeof db, "prove");
+    hub_proc p;
+    g_trust = false;
+    int hs = hub_start(&p, db, "--prove-every-ms 300 --deadline-ms 600000 --max-per-host 8");
+    g_trust = true;
+    if (hs) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    uint8_t hk[32];
+    kv_diag d = {0};
+    ASSERT_EQ(kv_node_fetch_hub_key(p.url, hk, &d), 0);
+    test_worker a = {0}, liar = {0};
+    ASSERT_EQ(worker_up(&a, 800, hk, 0), 0);
+    ASSERT_EQ(worker_up(&liar, 803, hk, KV_WORKER_LIE_SWAP), 0);
+    const int sl[] = {0, 1}, sl2[] = {2, 3};
+    ASSERT_EQ(do_register(&p, &a.key, kv_worker_addr(a.w), sl, 2, NULL), 200);
+    ASSERT_TRUE(wait_placed(&p, &a.key, 0, true, 10000));
+    ASSERT_TRUE(wait_placed(&p, &a.key, 1, true, 10000));
+    json_t *ps = node_field(&p, &a.key, "proven_shards");
+    ASSERT_EQ(json_integer_value(ps), 2);
+    json_decref(ps);
+    char *before = placement_nodes(&p);
+    resp m0 = get(&p, "/v1/market");
+
+    kv_node_key f1, f2;
+    test_key(&f1, 801);
+    test_key(&f2, 802);
+    ASSERT_EQ(do_register(&p, &f1, kv_worker_addr(a.w), sl, 2, NULL), 200); /* a claim, not a listing */
+    ASSERT_EQ(do_register(&p, &f2, "127.0.0.1:1", sl, 2, NULL), 200);
+    ASSERT_EQ(do_register(&p, &liar.key, kv_worker_addr(liar.w), sl2, 2, NULL), 200);
+    usleep(1500000);
+    ASSERT_TRUE(!placed(&p, &f1, 0) && !placed(&p, &f1, 1));
+    ASSERT_TRUE(!placed(&p, &f2, 0));
+    ASSERT_TRUE(!placed(&p, &liar.key, 2) && !placed(&p, &liar.key, 3));
+    ASSERT_TRUE(prove_error_has(&p, &f1, "another key"));
+    ASSERT_TRUE(prove_error_has(&p, &f2, "key proof"));
+    ASSERT_TRUE(prove_error_has(&p, &liar.key, "wrong answer"));
+    ASSERT_TRUE(placed(&p, &a.key, 0) && placed(&p, &a.key, 1));
+    /* a coordinator reads the map whole, the honest address under its own key */
+    resp r = get(&p, "/v1/placement");
+    char **w = NULL;
+    uint32_t nw = 0;
+    ASSERT_EQ(kv_node_parse_placement(r.body, r.n, &w, &nw, &d), 0);
+    ASSERT_EQ(nw, 1);
+    uint8_t keys[1][32];
+    if (nw == 1) {
+        ASSERT_EQ(kv_node_parse_placement_keys(r.body, r.n, w, nw, keys, &d), 0);
+        ASSERT_TRUE(!memcmp(keys[0], a.key.pk, 32));
+    }
+    kv_node_workers_free(w, nw);
+    resp_free(&r);
+    /* challenged again and again at random times, and passing */
+    usleep(1200000);
+    json_t *cp = node_field(&p, &a.key, "challenges_passed");
+    ASSERT_TRUE(json_integer_value(cp) > 2);
+    json_decref(cp);
+
+    /* strangers by the dozen: nothing a coordinator or a node reads moves */
+    const char *full = getenv("KV_ATTACK_FULL");
+    const int n_fake = full && *full == '1' ? 1000 : 40;
+    int refused = 0, accepted = 0;
+    for (int i = 0; i < n_fake; i++) {
+        kv_node_key f;
+        test_key(&f, 2000 + i);
+        char addr[64];
+        if (i % 2) snprintf(addr, sizeof addr, "%s", kv_worker_addr(a.w));
+        else snprintf(addr, sizeof addr, "127.0.%d.%d:9", 1 + i / 250, 2 + i % 250);
+        long st = do_register(&p, &f, addr, sl, 2, NULL);
+        accepted += st == 200;
+        refused += st == 429;
+    }
+    ASSERT_EQ(accepted + refused, n_fake);
+    ASSERT_TRUE(refused > 0); /* the honest address holds at most 8 keys */
+    usleep(1500000);
+    char *after = placement_nodes(&p);
+    ASSERT_STREQ(after, before);
+    resp m1 = get(&p, "/v1/market");
+    /* the shards as nodes read them (the registry's totals grew) */
+    ASSERT_STREQ(strstr(m1.body, "\"shards\""), strstr(m0.body, "\"shards\""));
+    resp_free(&m0);
+    resp_free(&m1);
+    free(before);
+    free(after);
+
+    /* a listed worker that stops answering is unlisted */
+    worker_down(&a);
+    ASSERT_TRUE(!wait_placed(&p, &a.key, 0, false, 5000));
+    worker_down(&liar);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
+/* Registrations per address and per subnet are bounded (keys are free,
+ * addresses are not), loopback hosts are each their own subnet, a name is
+ * refused (the hub resolves none), and the market counts at most half the
+ * wanted replicas of a shard from one subnet. The addresses are never
+ * dialed: this hub lists what is announced. */
+static void test_register_limits(void) {
+    char db[512];
+    db_path(db, sizeof db, "limits");
+    hub_proc p;
+    if (hub_start(&p, db, "--max-per-host 2 --max-per-subnet 3 --wanted 2")) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    const int s0[] = {0}, s1[] = {1};
+    kv_node_key k;
+    int ki = 900;
+    const struct { const char *addr; const int *sl; long want; } regs[] = {
+        {"127.0.0.5:1000", s1, 200}, {"127.0.0.5:1001", s1, 200}, {"127.0.0.5:1002", s1, 429},
+        {"127.0.0.6:1000", s1, 200}, {"10.77.0.1:4000", s0, 200}, {"10.77.0.2:4000", s0, 200},
+        {"10.77.0.3:4000", s0, 200}, {"10.77.0.4:4000", s0, 429}, {"10.78.0.1:4000", s0, 200},
+        {"hub.example:4000", s0, 422},
+    };
+    for (size_t i = 0; i < KVT_N(regs); i++) {
+        test_key(&k, ki++);
+        char *reply = NULL;
+        long st = do_register(&p, &k, regs[i].addr, regs[i].sl, 1, &reply);
+        if (st != regs[i].want) fprintf(stderr, "%s: %ld %s\n", regs[i].addr, st, reply);
+        ASSERT_EQ(st, regs[i].want);
+        free(reply);
+    }
+    kv_hub_market mk;
+    resp r = get(&p, "/v1/market");
+    kv_diag d = {0};
+    ASSERT_EQ(kv_hub_parse_market(&mk, r.body, r.n, &d), 0);
+    for (size_t i = 0; i < mk.n_shards; i++) {
+        if (mk.shards[i].layer == g_m->slabs[0].layer && mk.shards[i].first == g_m->slabs[0].first)
+            ASSERT_EQ(mk.shards[i].live, 2); /* one of 10.77.0.0/24's three, and 10.78.0.1 */
+        if (mk.shards[i].layer == g_m->slabs[1].layer && mk.shards[i].first == g_m->slabs[1].first)
+            ASSERT_EQ(mk.shards[i].live, 3); /* loopback hosts count each */
+    }
+    kv_hub_market_free(&mk);
+    resp_free(&r);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_range_parse),   KVT_CASE(test_key_file),  KVT_CASE(test_pieces_range),
     KVT_CASE(test_register_market_placement), KVT_CASE(test_deadline), KVT_CASE(test_restart),
@@ -1577,7 +1835,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
     KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
     KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher), KVT_CASE(test_report),
-    KVT_CASE(test_ledger_earnings),
+    KVT_CASE(test_ledger_earnings), KVT_CASE(test_prove), KVT_CASE(test_register_limits),
 };
 
 int main(int argc, char **argv) {

@@ -80,6 +80,16 @@ typedef struct kv_hub_opts {
     /* the layer market of the ring (GET /v1/ring, docs/HUB.md): "A-B,C-D,..."
        consecutive windows covering the trunk layers; NULL = none */
     const char *ring_windows;
+    /* proof of service (docs/HUB.md "Proof of service"): a node is listed,
+       and its replicas counted, only once the worker at its address proved
+       its key and answered compute challenges for its slabs */
+    bool trust_announced;       /* list what nodes announce, unproven (tests of the market alone) */
+    uint32_t prove_threads;     /* nodes probed at once; 0 = 2 (at most 16) */
+    uint32_t prove_connect_ms;  /* connect and handshake deadline of a probe; 0 = 2000 */
+    uint32_t prove_deadline_ms; /* compute answers, after the handshake; 0 = 1500 */
+    uint32_t prove_every_ms;    /* mean time between challenges of a proven node; 0 = 60000 */
+    uint32_t max_per_host;      /* live nodes registered at one IP; 0 = 32 */
+    uint32_t max_per_subnet;    /* live nodes in one IPv4 /24 or IPv6 /48 (loopback exempt); 0 = 128 */
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256

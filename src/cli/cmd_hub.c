@@ -18,7 +18,9 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
                                              "--timeout", "--threads", "--challenge-every",
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
-                                             "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger", NULL};
+                                             "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger",
+                                             "--prove-deadline-ms", "--prove-every-ms", "--prove-threads",
+                                             "--max-per-host", "--max-per-subnet", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -42,6 +44,15 @@ static const char *kv_hub_help =
     "  --challenge-every N storage challenge every N heartbeats of a node (default 12)\n"
     "  --challenge-ttl-ms MS  an unanswered challenge fails after MS (default 60000)\n"
     "  --no-verify         check piece sizes at start, not their SHA-256 (default: hash every piece)\n"
+    "  proof of service: a node is listed only once the worker at its address proved its key\n"
+    "  and answered a compute challenge for each slab it claims (docs/HUB.md)\n"
+    "  --prove-deadline-ms MS  compute answers due within MS of the handshake (default 1500)\n"
+    "  --prove-every-ms MS mean time between challenges of a listed node (default 60000)\n"
+    "  --prove-threads N   nodes probed at once (default 2, at most 16)\n"
+    "  --max-per-host N    live nodes registered at one IP address (default 32)\n"
+    "  --max-per-subnet N  live nodes in one IPv4 /24 or IPv6 /48, loopback exempt (default 128)\n"
+    "  --trust-announced   list nodes as they announce themselves, unproven: tests of the market\n"
+    "                      alone, never a swarm of strangers (prints a warning)\n"
     "  --beacon [PORT]     announce the hub by UDP broadcast on PORT (default 47474) so that\n"
     "                      `kvasir node` without --hub finds it (include/kvasir/beacon.h)\n"
     "  --beacon-to ADDR    broadcast address (default 127.255.255.255 for a loopback hub,\n"
@@ -103,6 +114,8 @@ int kv_cmd_hub(int argc, char **argv) {
             }
         } else if (!strcmp(a, "--vouch-open")) {
             o.vouch_open = true;
+        } else if (!strcmp(a, "--trust-announced")) {
+            o.trust_announced = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--ring-windows")) {
@@ -161,6 +174,21 @@ int kv_cmd_hub(int argc, char **argv) {
             beacon_to = s;
         } else if (!strcmp(a, "--beacon-interval-ms")) {
             if (kv_arg_long(CMD, a, s, 10, 3600000, &beacon_interval)) return 1;
+        } else if (!strcmp(a, "--prove-deadline-ms")) {
+            if (kv_arg_long(CMD, a, s, 10, 600000, &v)) return 1;
+            o.prove_deadline_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--prove-every-ms")) {
+            if (kv_arg_long(CMD, a, s, 100, 86400000, &v)) return 1;
+            o.prove_every_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--prove-threads")) {
+            if (kv_arg_long(CMD, a, s, 1, 16, &v)) return 1;
+            o.prove_threads = (uint32_t)v;
+        } else if (!strcmp(a, "--max-per-host")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.max_per_host = (uint32_t)v;
+        } else if (!strcmp(a, "--max-per-subnet")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.max_per_subnet = (uint32_t)v;
         } else if (!strcmp(a, "--challenge-ttl-ms")) {
             if (kv_arg_long(CMD, a, s, 100, 86400000, &v)) return 1;
             o.challenge_ttl_ms = (uint32_t)v;
@@ -187,6 +215,9 @@ int kv_cmd_hub(int argc, char **argv) {
         kv_ledger_reader_free(lr);
         return kv_cli_diag(CMD, &d);
     }
+    if (o.trust_announced)
+        fprintf(stderr, "hub: WARNING: --trust-announced: nodes are listed as they announce themselves, without "
+                        "proof of their address or slabs; never use it with strangers\n");
     if (!o.quiet) {
         char hk[65];
         kv_hex(kv_hub_key(h), 32, hk);

@@ -145,6 +145,7 @@ struct kv_wconn {
     char ip[INET6_ADDRSTRLEN];       /* its address, for the per-address cap */
     bool hello;                      /* HELLO answered (HELLO_ACK and AUTH_CHALLENGE sent) */
     bool authed;                     /* AUTH verified: the handshake is done */
+    bool hub;                        /* the peer is the hub itself: its compute challenges are not served work */
     uint8_t challenge[32];           /* sent in AUTH_CHALLENGE */
     uint8_t peer_key[32];            /* the coordinator key proved in AUTH */
     kv_receipt_budget budget;        /* pairs answered here, and those signed for in receipts */
@@ -879,6 +880,9 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
     if (kv_msg_auth_ok_encode(buf, sizeof buf, rid, sig, &n, NULL) == 0) kv_wc_queue(c, buf, n);
     c->authed = true;
     memcpy(c->peer_key, a->key, 32);
+    pthread_mutex_lock(&w->auth_mu);
+    c->hub = w->have_hub && !sodium_memcmp(a->key, w->hub_key, 32);
+    pthread_mutex_unlock(&w->auth_mu);
     c->last_work_ms = kv_now_ms();
     kv_net_timer_stop(w->loop, &c->hs_t);
     char hex[17];
@@ -1035,10 +1039,12 @@ static bool kv_job_ready(const kv_wconn *c) {
 
 /* Finishes c's job: the frame is released and the next one may be read. */
 static void kv_job_done(kv_worker *w, kv_wconn *c) {
-    atomic_fetch_add(&w->n_compute, 1);
-    atomic_fetch_add(&w->n_pairs, c->job.n_pairs);
+    if (!c->hub) { /* the hub's challenges prove the worker; they serve no one */
+        atomic_fetch_add(&w->n_compute, 1);
+        atomic_fetch_add(&w->n_pairs, c->job.n_pairs);
+        atomic_fetch_add(&w->n_tokens, c->job.n_tokens);
+    }
     c->budget.computed += c->job.n_pairs; /* what receipts on this connection may cover */
-    atomic_fetch_add(&w->n_tokens, c->job.n_tokens);
     kv_job_remove(w, c);
     kv_net_conn_release(c->nc);
 }

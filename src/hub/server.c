@@ -53,12 +53,15 @@
 #include <unistd.h>
 
 #include "hub/hub_internal.h"
+#include "hub/prove.h"
 #include "hub/store.h"
+#include "kvasir/probe.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/node.h"
 #include "kvasir/slice.h"
 
 #define KV_HUB_MAX_NODES (1u << 20)          /* registered nodes */
+#define KV_HUB_MAX_PROVERS 16u               /* prover threads */
 
 /* the status page (src/hub/status.html, embedded at build time) */
 extern const unsigned char kv_status_page_data[];
@@ -83,6 +86,17 @@ typedef struct kv_hub_node {
     int64_t served_ms;                    /* when; 0 = never reported */
     double pairs_per_s, tokens_per_s;     /* between its last two reports */
     bool reported;                        /* a vouched coordinator caught it lying: unlisted */
+    /* proof of service (prove.c): nothing is listed until proven */
+    uint8_t *proven;                      /* [n_slabs] 1: that slab answered a compute challenge */
+    char host[48], subnet[48];            /* of addr: canonical IP and its /24 or /48 */
+    uint32_t gen;                         /* bumped when addr or holdings change */
+    int64_t proven_ms;                    /* first proof of the key at addr (Unix ms); 0 = never */
+    uint32_t passes;                      /* compute challenges passed at addr */
+    uint32_t fails;                       /* probes failed in a row (backoff) */
+    int64_t probe_due_ms;                 /* next probe (Unix ms) */
+    bool probing;                         /* a prover thread is probing it */
+    bool probe_all;                       /* the next probe challenges every slab (a report) */
+    char prove_err[160];                  /* why its last probe failed, "" if it passed */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -131,6 +145,13 @@ struct kv_hub {
     uint8_t hub_pk[32], hub_sk[64]; /* signs vouchers */
     uint8_t (*vouch)[32];       /* [n_vouch] operator-approved coordinator keys, sorted */
     size_t n_vouch;
+    /* proof of service: prover threads dial nodes and check their answers */
+    pthread_t provers[KV_HUB_MAX_PROVERS];
+    uint32_t n_provers;
+    pthread_cond_t prove_cv;    /* (with mu) wakes provers: a registration, or stop */
+    bool prove_stop;            /* under mu */
+    kv_voucher self_voucher;    /* the hub vouches for itself to the workers it probes (under mu) */
+    uint64_t probes_ok, probes_failed; /* under mu */
 };
 
 static int64_t kv_now_ms(void) {
@@ -231,6 +252,48 @@ static kv_hub_node *kv_node_add(kv_hub *h, const uint8_t pk[32]) {
 
 static bool kv_node_live(const kv_hub *h, const kv_hub_node *n, int64_t now) {
     return n->n_slabs && now - n->last_seen_ms <= (int64_t)h->o.deadline_ms;
+}
+
+/* Replaces n's holdings by sl[ns] (sorted manifest indices; n takes them,
+ * NULL with 0 for none). A slab it held before keeps its proof when the
+ * address is unchanged; the generation moves on so that a probe started
+ * before does not judge the new holdings. Caller holds mu. KV_ENOMEM (then
+ * nothing changed and sl is still the caller's). */
+static int kv_node_take_slabs(kv_hub_node *n, uint32_t *sl, size_t ns, bool same_addr) {
+    uint8_t *pv = NULL;
+    if (ns && !(pv = calloc(ns, 1))) return KV_ENOMEM;
+    if (same_addr && n->proven)
+        for (size_t i = 0, j = 0; i < ns; i++) {
+            while (j < n->n_slabs && n->slabs[j] < sl[i]) j++;
+            if (j < n->n_slabs && n->slabs[j] == sl[i]) pv[i] = n->proven[j];
+        }
+    free(n->slabs);
+    free(n->proven);
+    n->slabs = sl;
+    n->proven = pv;
+    n->n_slabs = ns;
+    n->gen++;
+    return 0;
+}
+
+/* Sets n's address (already checked) with its host and subnet; a new
+ * address starts unproven. Caller holds mu. */
+static void kv_node_set_addr(kv_hub_node *n, const char *addr) {
+    if (!strcmp(n->addr, addr) && n->host[0]) return;
+    snprintf(n->addr, sizeof n->addr, "%s", addr);
+    if (kv_hub_addr_subnet(addr, n->host, sizeof n->host, n->subnet, sizeof n->subnet, NULL)) {
+        snprintf(n->host, sizeof n->host, "%.47s", addr); /* a record from an older hub: never proven */
+        snprintf(n->subnet, sizeof n->subnet, "%.47s", addr);
+    }
+    if (n->proven) memset(n->proven, 0, n->n_slabs);
+    n->proven_ms = 0;
+    n->passes = n->fails = 0;
+    n->gen++;
+}
+
+/* Whether slab i of n counts: proven, or the hub lists what is announced. */
+static bool kv_node_slab_ok(const kv_hub *h, const kv_hub_node *n, size_t i) {
+    return h->o.trust_announced || (n->proven && n->proven[i]);
 }
 
 /* Slab index of (layer, first, last) in the manifest, or -1. */
@@ -364,14 +427,69 @@ static uint64_t kv_mkt_reward(uint64_t base, uint32_t wanted, uint32_t live) {
  * counted as an expert worker nor placed. */
 static bool kv_node_is_ring(const kv_hub_node *n) { return !strcmp(n->backend, "ring"); }
 
-/* live[i] for every slab; caller holds mu. */
+/* One proven replica, for the market's count. */
+typedef struct kv_mkt_rep {
+    uint32_t slab;
+    uint64_t net; /* its subnet (loopback: the node itself) */
+} kv_mkt_rep;
+
+static int kv_mkt_rep_cmp(const void *a, const void *b) {
+    const kv_mkt_rep *x = a, *y = b;
+    if (x->slab != y->slab) return x->slab < y->slab ? -1 : 1;
+    return x->net < y->net ? -1 : x->net > y->net;
+}
+
+static uint64_t kv_mkt_net(const kv_hub_node *n) {
+    uint64_t x = 1469598103934665603ull; /* FNV-1a */
+    if (kv_hub_addr_loopback(n->host)) {
+        for (int i = 0; i < 32; i++) x = (x ^ n->pk[i]) * 1099511628211ull;
+    } else {
+        for (const char *p = n->subnet; *p; p++) x = (x ^ (uint8_t)*p) * 1099511628211ull;
+    }
+    return x;
+}
+
+/* live[i] for every slab, as the market counts it; caller holds mu. Only
+ * proven replicas count, and of one subnet at most half the wanted
+ * replicas (rounded up; loopback nodes are each their own): keys are free,
+ * so a stranger with one address block cannot make an honest holder's shard
+ * look over-covered and send budget-limited honest nodes elsewhere. */
 static void kv_mkt_live(kv_hub *h, int64_t now, uint32_t *live) {
     memset(live, 0, h->m->n_slabs * sizeof *live);
+    size_t nr = 0;
     for (size_t k = 0; k < h->n_nodes; k++) {
         const kv_hub_node *n = &h->nodes[k];
         if (!kv_node_live(h, n, now) || kv_node_is_ring(n)) continue;
-        for (size_t i = 0; i < n->n_slabs; i++) live[n->slabs[i]]++;
+        for (size_t i = 0; i < n->n_slabs; i++)
+            if (kv_node_slab_ok(h, n, i)) nr++;
     }
+    kv_mkt_rep *r = malloc((nr ? nr : 1) * sizeof *r);
+    if (!r) { /* no memory for the rule: plain counts */
+        for (size_t k = 0; k < h->n_nodes; k++) {
+            const kv_hub_node *n = &h->nodes[k];
+            if (!kv_node_live(h, n, now) || kv_node_is_ring(n)) continue;
+            for (size_t i = 0; i < n->n_slabs; i++)
+                if (kv_node_slab_ok(h, n, i)) live[n->slabs[i]]++;
+        }
+        return;
+    }
+    size_t j = 0;
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *n = &h->nodes[k];
+        if (!kv_node_live(h, n, now) || kv_node_is_ring(n)) continue;
+        const uint64_t net = kv_mkt_net(n);
+        for (size_t i = 0; i < n->n_slabs; i++)
+            if (kv_node_slab_ok(h, n, i)) r[j++] = (kv_mkt_rep){n->slabs[i], net};
+    }
+    qsort(r, nr, sizeof *r, kv_mkt_rep_cmp);
+    for (size_t a = 0; a < nr;) {
+        const uint32_t sl = r[a].slab, w = h->wanted[sl], cap = w > 1 ? (w + 1) / 2 : 1;
+        size_t b = a;
+        while (b < nr && r[b].slab == sl && r[b].net == r[a].net) b++;
+        live[sl] += (uint32_t)(b - a < cap ? b - a : cap);
+        a = b;
+    }
+    free(r);
 }
 
 /* GET /v1/ring: the layer windows as shards of the market, in layer order:
@@ -516,7 +634,8 @@ static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, 
     if (cnt) {
         for (size_t k = 0; k < h->n_nodes; k++)
             if (kv_node_live(h, &h->nodes[k], now) && !kv_node_is_ring(&h->nodes[k]))
-                for (size_t i = 0; i < h->nodes[k].n_slabs; i++) cnt[h->nodes[k].slabs[i] + 1]++;
+                for (size_t i = 0; i < h->nodes[k].n_slabs; i++)
+                    if (kv_node_slab_ok(h, &h->nodes[k], i)) cnt[h->nodes[k].slabs[i] + 1]++;
         for (size_t i = 0; i < ns; i++) cnt[i + 1] += cnt[i];
         total = cnt[ns];
         who = malloc((total ? total : 1) * sizeof *who);
@@ -537,6 +656,7 @@ static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, 
         for (size_t k = 0; k < h->n_nodes; k++)
             if (kv_node_live(h, &h->nodes[k], now) && !kv_node_is_ring(&h->nodes[k]))
                 for (size_t i = 0; i < h->nodes[k].n_slabs; i++) {
+                    if (!kv_node_slab_ok(h, &h->nodes[k], i)) continue;
                     uint32_t s = h->nodes[k].slabs[i];
                     who[cnt[s] + fill[s]++] = (uint32_t)k;
                 }
@@ -593,10 +713,16 @@ int kv_hub_inject_node(kv_hub *h, const uint8_t pk[32], const char *addr, const 
         free(sl);
         return kv_fail(d, KV_ENOMEM, "inject: out of memory");
     }
-    free(nd->slabs);
-    nd->slabs = sl;
-    nd->n_slabs = n;
-    snprintf(nd->addr, sizeof nd->addr, "%s", addr);
+    if (kv_node_take_slabs(nd, sl, n, false)) {
+        pthread_mutex_unlock(&h->mu);
+        free(sl);
+        return kv_fail(d, KV_ENOMEM, "inject: out of memory");
+    }
+    kv_node_set_addr(nd, addr);
+    if (n) memset(nd->proven, 1, n); /* injected nodes are the benchmark's own: taken as proven */
+    nd->proven_ms = 1;
+    nd->passes = 2;
+    nd->probe_due_ms = INT64_MAX; /* and never dialed */
     snprintf(nd->backend, sizeof nd->backend, "bench");
     nd->last_seen_ms = last_seen_ms;
     pthread_mutex_unlock(&h->mu);
@@ -807,9 +933,7 @@ static void kv_challenge_json(const kv_hub *h, const kv_hub_node *n, json_t *out
 static int kv_node_drop(kv_hub *h, kv_hub_node *n, uint64_t counter, int64_t last_seen_ms, kv_diag *d) {
     int rc = h->store.ops->node_drop_shards(h->store.impl, n->pk, counter, last_seen_ms, d);
     if (rc) return rc;
-    free(n->slabs);
-    n->slabs = NULL;
-    n->n_slabs = 0;
+    kv_node_take_slabs(n, NULL, 0, false); /* never fails for none */
     n->counter = counter;
     if (last_seen_ms >= 0) n->last_seen_ms = last_seen_ms;
     n->ch_pending = false;
@@ -831,6 +955,30 @@ static kv_hub_node *kv_node_fetch(kv_hub *h, const uint8_t pk[32], int *rc, kv_d
     return *rc ? NULL : kv_node_find(h, pk);
 }
 
+/* Registrations per address and per subnet: other keys that hold shards
+ * at the same host (at most max_per_host) or in the same subnet (at most
+ * max_per_subnet, loopback exempt: one machine is one host), not counting
+ * nodes whose heartbeats stopped. Keys are free; addresses are not. 0, or
+ * KV_ERANGE with d saying which limit. Caller holds mu. */
+static int kv_register_limits(const kv_hub *h, const kv_hub_node *self, const char *host, const char *subnet,
+                              int64_t now, kv_diag *d) {
+    uint32_t at_host = 0, in_subnet = 0;
+    const bool lo = kv_hub_addr_loopback(host);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *o = &h->nodes[k];
+        if (o == self || !kv_node_live(h, o, now)) continue;
+        at_host += !strcmp(o->host, host);
+        in_subnet += !lo && !strcmp(o->subnet, subnet);
+    }
+    if (at_host >= h->o.max_per_host)
+        return kv_fail(d, KV_ERANGE, "address %s already has %u live nodes (at most %u per address)", host, at_host,
+                       h->o.max_per_host);
+    if (in_subnet >= h->o.max_per_subnet)
+        return kv_fail(d, KV_ERANGE, "subnet %s already has %u live nodes (at most %u per subnet)", subnet,
+                       in_subnet, h->o.max_per_subnet);
+    return 0;
+}
+
 static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     kv_diag d = {0};
     kv_hub_announce a;
@@ -840,6 +988,11 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     if (!sl) {
         kv_hub_announce_free(&a);
         return kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
+    }
+    char host[48], subnet[48];
+    if (kv_hub_addr_subnet(a.addr, host, sizeof host, subnet, sizeof subnet, &d)) {
+        ret = kv_reply_diag(c, MHD_HTTP_UNPROCESSABLE_CONTENT, &d);
+        goto out;
     }
     if (!a.n_shards) {
         /* a node that holds nothing has nothing to register for, and an empty
@@ -901,6 +1054,11 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
         ret = kv_reply_errf(c, MHD_HTTP_SERVICE_UNAVAILABLE, KV_ERANGE, "hub is full (%u nodes)", KV_HUB_MAX_NODES);
         goto out;
     }
+    if (kv_register_limits(h, n, host, subnet, now, &d)) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_diag(c, 429, &d);
+        goto out;
+    }
     kv_hub_node tmp = {0};
     memcpy(tmp.pk, s->pk, 32);
     memcpy(tmp.addr, a.addr, sizeof tmp.addr);
@@ -925,11 +1083,25 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
         goto out;
     }
     if (!h->shared) nc->live = false;
-    free(n->slabs);
-    tmp.slabs = sl;
-    tmp.n_slabs = a.n_shards;
-    *n = tmp;
+    /* the proof of what is kept (same address, same slab) stays */
+    const bool same = !strcmp(n->addr, tmp.addr);
+    if (kv_node_take_slabs(n, sl, a.n_shards, same)) {
+        pthread_mutex_unlock(&h->mu);
+        ret = kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
+        goto out;
+    }
     sl = NULL;
+    kv_node_set_addr(n, tmp.addr);
+    memcpy(n->backend, tmp.backend, sizeof n->backend);
+    n->memory = tmp.memory;
+    n->counter = tmp.counter;
+    n->last_seen_ms = tmp.last_seen_ms;
+    n->registered_ms = tmp.registered_ms;
+    n->ch_pending = false;
+    n->beats = 0;
+    n->probe_due_ms = now; /* prove what is new at once */
+    n->fails = 0;
+    pthread_cond_broadcast(&h->prove_cv);
     kv_challenge_issue(n, now);
     json_t *j = json_object();
     json_object_set_new(j, "ok", json_true());
@@ -1219,6 +1391,10 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
                      PRIu64 ",\"served_tokens\":%" PRIu64 ",\"pairs_per_s\":%.3f,\"tokens_per_s\":%.3f",
                      k ? "," : "", hex, n->addr, n->backend, n->memory, live ? "true" : "false", n->last_seen_ms,
                      n->registered_ms, n->served_pairs, n->served_tokens, ps, ts);
+        size_t np = 0;
+        for (size_t i = 0; i < n->n_slabs; i++) np += kv_node_slab_ok(h, n, i);
+        kv_sb_printf(&b, ",\"proven_shards\":%zu,\"challenges_passed\":%u,\"prove_error\":\"%s\"", np, n->passes,
+                     n->prove_err);
         if (k < n_earn && has[k] && !memcmp(pks[k], n->pk, 32))
             kv_sb_printf(&b, ",\"earned_micro_kvr\":%" PRIu64, earn[k]);
         kv_sb_printf(&b, ",\"shards\":[");
@@ -1296,6 +1472,189 @@ static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const k
     json_object_set_new(j, "ok", json_true());
     json_object_set_new(j, "unlisted", json_string(hex));
     return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
+/* ---- proof of service: the prover threads ------------------------------------ */
+
+/* The voucher the hub shows the workers it probes (it vouches for its own
+ * key), renewed when less than half its life is left. Caller holds mu. */
+static const kv_voucher *kv_self_voucher(kv_hub *h, int64_t now) {
+    kv_voucher *v = &h->self_voucher;
+    if (v->expires_ms < (uint64_t)now + h->o.voucher_ttl_ms / 2) {
+        memcpy(v->key, h->hub_pk, 32);
+        v->expires_ms = (uint64_t)now + h->o.voucher_ttl_ms;
+        uint8_t dg[32];
+        kv_voucher_digest(h->m->model_id, h->hub_pk, v->expires_ms, dg);
+        kv_dispatch_sign(h->hub_sk, dg, v->sig);
+    }
+    return v;
+}
+
+/* What one probe asks: up to KV_HUB_PROVE_TASKS slabs, unproven ones first
+ * (every one after a report), else one held slab at random. */
+typedef struct kv_probe_job {
+    uint8_t pk[32];
+    char addr[KV_HUB_MAX_ADDR + 1];
+    uint32_t gen;
+    uint32_t n;
+    uint32_t slab[KV_HUB_PROVE_TASKS];
+    kv_probe_task task[KV_HUB_PROVE_TASKS];
+} kv_probe_job;
+
+/* The node due first, marked probing with its job filled; NULL when none is
+ * due (*next_ms: when the next one is). Caller holds mu. */
+static kv_hub_node *kv_probe_pick(kv_hub *h, int64_t now, kv_probe_job *job, int64_t *next_ms) {
+    kv_hub_node *pick = NULL;
+    *next_ms = now + 1000;
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        kv_hub_node *n = &h->nodes[k];
+        if (n->probing || !n->n_slabs || n->reported || kv_node_is_ring(n) || !kv_node_live(h, n, now)) continue;
+        if (n->probe_due_ms > now) {
+            if (n->probe_due_ms < *next_ms) *next_ms = n->probe_due_ms;
+        } else if (!pick || n->probe_due_ms < pick->probe_due_ms) {
+            pick = n;
+        }
+    }
+    if (!pick) return NULL;
+    memcpy(job->pk, pick->pk, 32);
+    memcpy(job->addr, pick->addr, sizeof job->addr);
+    job->gen = pick->gen;
+    job->n = 0;
+    const uint32_t off = randombytes_uniform((uint32_t)pick->n_slabs);
+    for (size_t t = 0; t < pick->n_slabs && job->n < KV_HUB_PROVE_TASKS; t++) {
+        const size_t i = (off + t) % pick->n_slabs;
+        if (!pick->proven[i] || pick->probe_all) job->slab[job->n++] = pick->slabs[i];
+    }
+    if (!job->n) job->slab[job->n++] = pick->slabs[off];
+    for (uint32_t t = 0; t < job->n; t++) {
+        const kv_manifest_slab *sl = &h->m->slabs[job->slab[t]];
+        job->task[t] = (kv_probe_task){sl->layer, sl->first + randombytes_uniform(sl->last - sl->first + 1)};
+    }
+    pick->probing = true;
+    return pick;
+}
+
+/* Records a probe's outcome on node pk if its holdings are still those the
+ * job was made from: verdict 1 passed, 0 failed (why), -1 the hub could not
+ * make its own answer (nothing is judged; tried again later). Caller holds
+ * mu. */
+static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, const char *why, int64_t now) {
+    kv_hub_node *n = kv_node_find(h, job->pk);
+    if (!n) return;
+    n->probing = false;
+    if (n->gen != job->gen) { /* re-registered meanwhile: probe what it holds now */
+        n->probe_due_ms = now;
+        return;
+    }
+    if (verdict < 0) {
+        if (!h->o.quiet) fprintf(stderr, "hub: %s\n", why);
+        n->probe_due_ms = now + 60000;
+        return;
+    }
+    const bool ok = verdict > 0;
+    if (ok) {
+        for (uint32_t t = 0; t < job->n; t++)
+            for (size_t i = 0; i < n->n_slabs; i++)
+                if (n->slabs[i] == job->slab[t]) n->proven[i] = 1;
+        if (!n->proven_ms) n->proven_ms = now;
+        n->passes += job->n;
+        n->fails = 0;
+        n->probe_all = false;
+        n->prove_err[0] = 0;
+        bool rest = false;
+        for (size_t i = 0; i < n->n_slabs && !rest; i++) rest = !n->proven[i];
+        /* the next challenge comes at a random time the node cannot plan for */
+        const uint32_t every = h->o.prove_every_ms;
+        n->probe_due_ms = rest ? now : now + every / 2 + randombytes_uniform(every ? every : 1);
+        h->probes_ok++;
+        return;
+    }
+    /* one wrong or late answer unlists every replica of the node until it
+     * proves them again */
+    if (n->proven) memset(n->proven, 0, n->n_slabs);
+    n->proven_ms = 0;
+    n->passes = 0;
+    const uint32_t f = n->fails < 6 ? n->fails : 6;
+    n->fails++;
+    n->probe_due_ms = now + ((int64_t)1000 << f);
+    if (!h->o.quiet && strcmp(n->prove_err, why)) {
+        char hex[65];
+        kv_hex(n->pk, 32, hex);
+        fprintf(stderr, "hub: node %.16s... at %s not listed: %s\n", hex, n->addr, why);
+    }
+    snprintf(n->prove_err, sizeof n->prove_err, "%s", why);
+    for (char *c = n->prove_err; *c; c++) /* served in JSON as it is */
+        if (*c < 0x20 || *c >= 0x7f || *c == '"' || *c == '\\') *c = '?';
+    h->probes_failed++;
+}
+
+static void *kv_hub_prover(void *arg) {
+    kv_hub *h = arg;
+    const uint32_t ne = h->m->n_embd;
+    float *x = malloc((size_t)KV_HUB_PROVE_TASKS * ne * sizeof *x);
+    float *want = malloc((size_t)KV_HUB_PROVE_TASKS * ne * sizeof *want);
+    float *got = malloc((size_t)KV_HUB_PROVE_TASKS * ne * sizeof *got);
+    kv_probe_job *job = malloc(sizeof *job);
+    pthread_mutex_lock(&h->mu);
+    while (!h->prove_stop) {
+        const int64_t now = kv_now_ms();
+        int64_t next = now;
+        if (!x || !want || !got || !job || !kv_probe_pick(h, now, job, &next)) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            const int64_t wait = next > now ? next - now : 1000;
+            const uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)wait * 1000000u;
+            ts.tv_sec += (time_t)(ns / 1000000000u);
+            ts.tv_nsec = (long)(ns % 1000000000u);
+            pthread_cond_timedwait(&h->prove_cv, &h->mu, &ts);
+            continue;
+        }
+        const kv_voucher v = *kv_self_voucher(h, now);
+        pthread_mutex_unlock(&h->mu);
+        kv_diag d = {0};
+        int rc = 0;
+        /* the hub's own answers first: the deadline is the node's alone */
+        for (uint32_t t = 0; t < job->n && !rc; t++) {
+            kv_hub_prove_input(x + (size_t)t * ne, ne);
+            rc = kv_hub_prove_expect(h->dir_fd, h->m, job->slab[t], job->task[t].expert, x + (size_t)t * ne,
+                                     want + (size_t)t * ne, &d);
+        }
+        bool ok = false;
+        int verdict = -1;
+        char why[160];
+        if (rc) { /* our own copy failed: nothing to judge the node by; try later */
+            snprintf(why, sizeof why, "the hub cannot compute its challenge: %.120s", d.msg);
+        } else {
+            kv_probe_opts po = {.addr = job->addr, .model_id = h->m->model_id, .worker_key = job->pk,
+                                .sk = h->hub_sk, .voucher = &v, .n_embd = ne,
+                                .connect_ms = (int)h->o.prove_connect_ms, .answer_ms = (int)h->o.prove_deadline_ms};
+            kv_probe_result pr;
+            verdict = 0;
+            rc = kv_probe_worker(&po, job->task, job->n, x, got, &pr, &d);
+            if (rc) {
+                snprintf(why, sizeof why, "%s: %.130s", pr.key_proven ? "compute challenge" : "key proof", d.msg);
+            } else {
+                ok = true;
+                for (uint32_t t = 0; t < job->n && ok; t++) {
+                    double err = 0;
+                    if (!kv_hub_prove_judge(want + (size_t)t * ne, got + (size_t)t * ne, ne, &err)) {
+                        ok = false;
+                        snprintf(why, sizeof why, "wrong answer for layer %u expert %u (relative error %.3g)",
+                                 job->task[t].layer, job->task[t].expert, err);
+                    }
+                }
+            }
+        }
+        if (verdict == 0 && ok) verdict = 1;
+        pthread_mutex_lock(&h->mu);
+        kv_probe_apply(h, job, verdict, ok ? "" : why, kv_now_ms());
+    }
+    pthread_mutex_unlock(&h->mu);
+    free(x);
+    free(want);
+    free(got);
+    free(job);
+    return NULL;
 }
 
 /* ---- dispatch --------------------------------------------------------------- */
@@ -1448,15 +1807,21 @@ static int kv_node_reload(void *arg, const kv_hub_node_rec *r) {
         if (x >= 0 && h->m->slabs[x].file.has_sha256 && !memcmp(h->m->slabs[x].file.sha256, r->shards[i].sha256, 32))
             sl[k++] = (uint32_t)x;
     }
-    free(n->slabs);
-    memcpy(n->addr, r->addr, sizeof n->addr);
+    char addr[KV_HUB_MAX_ADDR + 1];
+    memcpy(addr, r->addr, sizeof addr);
+    addr[KV_HUB_MAX_ADDR] = 0;
+    const bool same = !strcmp(n->addr, addr);
+    if (kv_node_take_slabs(n, sl, k, same)) {
+        free(sl);
+        return KV_ENOMEM;
+    }
+    kv_node_set_addr(n, addr);
     memcpy(n->backend, r->backend, sizeof n->backend);
     n->memory = r->memory;
     n->counter = r->counter;
     n->last_seen_ms = r->last_seen_ms;
     n->registered_ms = r->registered_ms;
-    n->slabs = sl;
-    n->n_slabs = k;
+    if (!same) n->probe_due_ms = 0; /* prove the new address at once */
     return 0;
 }
 
@@ -1570,6 +1935,14 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.challenge_every) h->o.challenge_every = 12;
     if (!h->o.challenge_ttl_ms) h->o.challenge_ttl_ms = 60000;
     if (!h->o.refresh_ms) h->o.refresh_ms = 250;
+    if (!h->o.max_per_host) h->o.max_per_host = 32;
+    if (!h->o.max_per_subnet) h->o.max_per_subnet = 128;
+    if (!h->o.prove_threads) h->o.prove_threads = 2;
+    if (h->o.prove_threads > KV_HUB_MAX_PROVERS) h->o.prove_threads = KV_HUB_MAX_PROVERS;
+    if (!h->o.prove_connect_ms) h->o.prove_connect_ms = 2000;
+    if (!h->o.prove_deadline_ms) h->o.prove_deadline_ms = 1500;
+    if (!h->o.prove_every_ms) h->o.prove_every_ms = 60000;
+    pthread_cond_init(&h->prove_cv, NULL);
     int rc;
     /* the bytes served and the manifest parsed are read from the same path
      * (the parse through the slices module's own loader, so the format keeps
@@ -1693,6 +2066,12 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     else
         inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, host, sizeof host);
     snprintf(h->addr, sizeof h->addr, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, port);
+    if (!h->o.trust_announced)
+        for (; h->n_provers < h->o.prove_threads; h->n_provers++)
+            if (pthread_create(&h->provers[h->n_provers], NULL, kv_hub_prover, h)) {
+                rc = kv_fail(d, KV_EINTERNAL, "hub: cannot start a prover thread");
+                goto fail;
+            }
     *out = h;
     return 0;
 fail:
@@ -1721,6 +2100,13 @@ void kv_hub_stop(kv_hub *h) {
 void kv_hub_free(kv_hub *h) {
     if (!h) return;
     if (h->mhd) MHD_stop_daemon(h->mhd);
+    if (h->n_provers) {
+        pthread_mutex_lock(&h->mu);
+        h->prove_stop = true;
+        pthread_cond_broadcast(&h->prove_cv);
+        pthread_mutex_unlock(&h->mu);
+        for (uint32_t i = 0; i < h->n_provers; i++) pthread_join(h->provers[i], NULL);
+    }
     if (h->refresher_on) {
         pthread_mutex_lock(&h->refresh_mu);
         h->refresh_stop = true;
@@ -1730,7 +2116,10 @@ void kv_hub_free(kv_hub *h) {
     }
     kv_hub_store_close(&h->store);
     kv_hub_store_close(&h->rstore);
-    for (size_t k = 0; k < h->n_nodes; k++) free(h->nodes[k].slabs);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        free(h->nodes[k].slabs);
+        free(h->nodes[k].proven);
+    }
     free(h->nodes);
     free(h->tab);
     free(h->nonces);
@@ -1745,6 +2134,7 @@ void kv_hub_free(kv_hub *h) {
     pthread_mutex_destroy(&h->mu);
     pthread_mutex_destroy(&h->refresh_mu);
     pthread_cond_destroy(&h->refresh_cv);
+    pthread_cond_destroy(&h->prove_cv);
     free(h->vouch);
     sodium_memzero(h->hub_sk, sizeof h->hub_sk);
     free(h);
