@@ -15,6 +15,9 @@
 #                 nodes in a loopback swarm (tests/test_arm.sh, full version)
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
+#   make attack   the attack set (tests labelled attack) in its long version
+#                 (KV_ATTACK_FULL=1): each fails if one attack succeeds; make test
+#                 runs the short version of each
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
@@ -28,7 +31,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
+.PHONY: attack all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -49,6 +52,10 @@ test: deps oracle deps-arm
 	@cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzzers -- --no-print-directory
 	@cd $(BUILD) && KV_FUZZ_BUILD=$(abspath $(FUZZ_BUILD)) KV_ARM_BIN=$(abspath $(ARM_BUILD))/kvasir \
 	  KV_REQUIRE_ARM=1 ctest --output-on-failure -j$(JOBS)
+
+attack: deps oracle
+	@$(MAKE) --no-print-directory build
+	@cd $(BUILD) && KV_ATTACK_FULL=1 ctest --output-on-failure -j$(JOBS) -L attack
 
 # aarch64: Debian's cross compiler and arm64 libraries (cmake/aarch64.cmake);
 # the unit tests run under qemu-user (CMAKE_CROSSCOMPILING_EMULATOR). No

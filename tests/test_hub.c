@@ -1,6 +1,6 @@
 /* Hub tests: the real `kvasir hub` process on 127.0.0.1 port 0, driven
  * with libcurl and the client library (key files, signing, challenges).
- * kv-test-labels: net
+ * kv-test-labels: net attack
  *
  * References are independent of the hub: pieces and ranges are compared
  * with the files read directly, the market with one recomputed naively
