@@ -14,10 +14,9 @@
  *
  * Answers are compared with a tolerance, not bit for bit: the node may run
  * other kernels (AVX2, AVX-512, NEON, OpenCL), which differ from ours in the
- * last bits of each dot product (docs/NUMERICS.md). A relative error of
- * 1e-3 of the row's largest magnitude is some hundred times what backends
- * differ by, and far below what a node that does not compute the expert can
- * guess.
+ * last bits (docs/NUMERICS.md). A relative error of 1e-4 of the row's
+ * largest magnitude is far above what summation orders differ by, and far
+ * below what a node that does not compute the expert can guess.
  *
  * Addresses and subnets: announced hosts must be numeric IPs, so that limits
  * per address and per subnet (an IPv4 /24, an IPv6 /48) mean something and

@@ -11,7 +11,7 @@
 #include "kvasir/err.h"
 #include "kvasir/slice.h"
 
-#define KV_HUB_PROVE_TOL 1e-3     /* max |got - want| / max |want| an answer may be off */
+#define KV_HUB_PROVE_TOL 1e-4     /* max |got - want| / max |want| an answer may be off */
 #define KV_HUB_PROVE_TASKS 16u    /* slabs proven on one connection */
 
 /* Splits a node's announced "IP:PORT" into its host (canonical text) and its
