@@ -10,7 +10,7 @@
 #   make bench-122b  the Qwen3.5-122B-A10B shape over 3 loopback workers vs one process
 #   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
 #   make bench-gateway  tokens/s of 1, 4, 16 clients through the gateway vs llama.cpp sequences
-#   make arm      cross-build build-aarch64/kvasir (runs under qemu-aarch64)
+#   make arm      cross-build build-aarch64/kvasir (runs under `qemu-aarch64 -L /`)
 #   make test-arm the unit tests of the aarch64 build under qemu, and ARM
 #                 nodes in a loopback swarm (tests/test_arm.sh, full version)
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
