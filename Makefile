@@ -10,9 +10,10 @@
 #   make bench-122b  the Qwen3.5-122B-A10B shape over 3 loopback workers vs one process
 #   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
 #   make bench-gateway  tokens/s of 1, 4, 16 clients through the gateway vs llama.cpp sequences
-#   make arm      cross-build build-aarch64/kvasir (runs under qemu-aarch64)
-#   make test-arm the unit tests of the aarch64 build under qemu, and ARM
-#                 nodes in a loopback swarm (tests/test_arm.sh, full version)
+#   make arm      cross-build build-aarch64/kvasir (runs under `qemu-aarch64 -L /`)
+#   make test-arm the unit tests of the aarch64 build under qemu, ARM nodes
+#                 in a loopback swarm (tests/test_arm.sh) and ARM run, bench and
+#                 gateway (tests/test_arm_run.sh), full versions
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make attack   the attack set (tests labelled attack) in its long version
@@ -74,7 +75,7 @@ test-arm: arm
 	@$(MAKE) --no-print-directory build
 	@cd $(ARM_BUILD) && KV_REQUIRE_BACKENDS=neon,neondot ctest --output-on-failure -j$(JOBS) -E '^test_(fuzz|worker)$$'
 	@cd $(BUILD) && KV_ARM_BIN=$(abspath $(ARM_BUILD))/kvasir KV_REQUIRE_ARM=1 KV_ARM_FULL=1 \
-	  ctest --output-on-failure -R '^test_(arm|arm_budget|xcheck|mixed|opencl)$$'
+	  ctest --output-on-failure -R '^test_(arm|arm_run|arm_budget|xcheck|mixed|opencl)$$'
 
 # a 256 MiB ARM node (emulated) in a swarm of a 428 MB model: slabs held,
 # peak resident memory, a byte-identical decode (docs/BENCHMARKS.md)

@@ -16,8 +16,15 @@ set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE BOTH)
 # pkg-config must see the arm64 .pc files only, never the host's
 set(ENV{PKG_CONFIG_LIBDIR} "/usr/lib/aarch64-linux-gnu/pkgconfig:/usr/share/pkgconfig")
 set(ENV{PKG_CONFIG_PATH} "")
-# No -L: the arm64 -dev packages pull in libc6:arm64, whose loader
-# (/lib/ld-linux-aarch64.so.1) finds the multiarch arm64 libraries. With
-# `-L /usr/aarch64-linux-gnu` qemu-user 7.2 hangs in the first
-# pthread_create (seen on Debian 12), so the prefix is not used.
-set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64)
+# The emulator runs with `-L /`: the multiarch loader of libc6:arm64
+# (/lib/ld-linux-aarch64.so.1) must load its own libc.so.6, and `-L /`
+# turns off every other prefix qemu would take (QEMU_LD_PREFIX, Debian's
+# default /etc/qemu-binfmt/aarch64). With a prefix of
+# /usr/aarch64-linux-gnu (the usual cross recipe) qemu loads that tree's
+# ld.so (libc6-arm64-cross) but libc.so.6 from the multiarch directory
+# (libc6:arm64), two builds of glibc that share private loader state:
+# pthread_create then walks the loader's stack-cache list forever (100%
+# CPU, no system call), so every run with a second thread hangs while
+# `--threads 1 --no-prefault` finishes. A five-line pthread program hangs
+# the same way; real ARM systems load one glibc and are not affected.
+set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64 -L /)

@@ -19,9 +19,10 @@ set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
 SRC=${KV_SRC:-.}
 ARM=${KV_ARM_BIN:-$SRC/build-aarch64/kvasir}
-# no -L prefix: libc6:arm64 (multiarch) provides the loader, and qemu 7.2
-# with -L hangs in pthread_create
-QEMU=(qemu-aarch64)
+# -L /: libc6:arm64 (multiarch) provides the loader and its own libc, and
+# no prefix from the environment may pair it with another glibc build
+# (that pair hangs in pthread_create; cmake/aarch64.cmake says why)
+QEMU=(qemu-aarch64 -L /)
 if [ ! -x "$ARM" ] || ! command -v qemu-aarch64 >/dev/null; then
   if [ "${KV_REQUIRE_ARM:-0}" = 1 ]; then
     echo "FAIL: KV_REQUIRE_ARM=1 but no aarch64 binary at $ARM or no qemu-aarch64 (make arm)" >&2

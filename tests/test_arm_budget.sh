@@ -70,7 +70,7 @@ for _ in $(seq 300); do
   sleep 0.05
 done
 [ -n "$url" ] || fail "hub did not start"
-qemu-aarch64 "$ARM" node --hub "$url" --budget "$B" --data "$dir/arm" --interval-ms 500 --threads 1 \
+qemu-aarch64 -L / "$ARM" node --hub "$url" --budget "$B" --data "$dir/arm" --interval-ms 500 --threads 1 \
   >"$dir/arm.out" 2>"$dir/arm.err" &
 armpid=$!
 pids+=($armpid)

@@ -50,7 +50,7 @@ RUN=(-m "$dir/sl/manifest.json" -p "Every backend computes the same experts" -n 
 start_worker() {
   local name=$1 be=$2 sl=$3 emu=${4:-}
   if [ -n "$emu" ]; then
-    qemu-aarch64 -cpu "$emu" "$ARM" worker --slabs "$sl" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" \
+    qemu-aarch64 -L / -cpu "$emu" "$ARM" worker --slabs "$sl" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" \
       --backend "$be" >"$dir/$name.out" 2>"$dir/$name.err" &
   else
     "$KV" worker --slabs "$sl" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" --backend "$be" \

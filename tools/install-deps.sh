@@ -60,8 +60,11 @@ fi
 # The aarch64 build and its emulation (make arm, make test-arm, and the short
 # ARM scenario of make test): Debian's cross compiler, the arm64 -dev
 # packages of every library (multiarch: they co-install with the amd64 ones)
-# (libc6:arm64 among them: its loader lets plain `qemu-aarch64 BINARY` run
-# the binary; no binfmt registration needed) and qemu-user.
+# (libc6:arm64 among them: its loader lets `qemu-aarch64 -L / BINARY` run
+# the binary; no binfmt registration needed) and qemu-user. Never with
+# `-L /usr/aarch64-linux-gnu`: that loader is another glibc build than
+# libc6:arm64's libc.so.6, and the pair hangs in pthread_create
+# (cmake/aarch64.cmake).
 arm_deps() {
   local arm=()
   have aarch64-linux-gnu-gcc || arm+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)

@@ -3,6 +3,7 @@
  * engine from the same model sources `kvasir run` takes, and serves until
  * SIGINT/SIGTERM. */
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sodium.h>
 #include <stdatomic.h>
@@ -90,10 +91,18 @@ static void kv_gw_on_caught(void *arg, uint32_t worker, const char *addr, const 
     kv_gateway_caught(atomic_load(&c->g), key);
 }
 
-static volatile sig_atomic_t kv_gw_stop_flag;
+/* SIGINT/SIGTERM write a byte that the main thread's read() waits for.
+ * Not a flag and pause(): the handler may run on any of the gateway's
+ * threads (HTTP, scheduler, pool), and a signal taken between testing a
+ * flag and pause() would leave the main thread asleep; a byte in a pipe
+ * is never lost. */
+static int kv_gw_stop_pipe[2] = {-1, -1};
 static void kv_gw_on_signal(int sig) {
     (void)sig;
-    kv_gw_stop_flag = 1;
+    const int e = errno;
+    const ssize_t r = write(kv_gw_stop_pipe[1], "x", 1);
+    (void)r;
+    errno = e;
 }
 
 int kv_cmd_gateway(int argc, char **argv) {
@@ -357,12 +366,18 @@ int kv_cmd_gateway(int argc, char **argv) {
     }
     atomic_store(&caught.g, g);
 serve:
+    if (kv_gw_stop_pipe[0] < 0 && pipe2(kv_gw_stop_pipe, O_CLOEXEC)) {
+        rc = kv_cli_err(CMD, 1, "cannot make a pipe: %s", strerror(errno));
+        goto done;
+    }
     signal(SIGINT, kv_gw_on_signal);
     signal(SIGTERM, kv_gw_on_signal);
     signal(SIGPIPE, SIG_IGN);
     printf(strchr(host, ':') ? "listening on [%s]:%u\n" : "listening on %s:%u\n", host, kv_gateway_port(g));
     fflush(stdout);
-    while (!kv_gw_stop_flag) pause();
+    char stop_byte;
+    while (read(kv_gw_stop_pipe[0], &stop_byte, 1) < 0 && errno == EINTR) {
+    }
 done:
     atomic_store(&caught.g, NULL);
     kv_gateway_free(g);

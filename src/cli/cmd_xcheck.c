@@ -253,8 +253,10 @@ int kv_cmd_xcheck(int argc, char **argv) {
         snprintf(ss, sizeof ss, "%ld", seed);
         pid_t pid = fork();
         if (pid == 0) {
-            char *args[] = {"qemu-aarch64", (char *)arm, "xcheck", "-m", (char *)model, "--experts", se, "--layers",
-                            sl, "--tokens", st, "--seed", ss, "--dump", prefix, NULL};
+            /* -L /: the multiarch loader and its own libc, whatever prefix the
+             * environment names (cmake/aarch64.cmake says why) */
+            char *args[] = {"qemu-aarch64", "-L", "/", (char *)arm, "xcheck", "-m", (char *)model, "--experts", se,
+                            "--layers", sl, "--tokens", st, "--seed", ss, "--dump", prefix, NULL};
             execvp(args[0], args);
             _exit(127);
         }

@@ -45,6 +45,7 @@
 #include <pthread.h>
 #include <sodium.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,7 +131,7 @@ struct kv_hub {
     pthread_cond_t refresh_cv;  /* wakes the refresher to stop */
     pthread_t refresher;        /* reloads the view every refresh_ms */
     bool refresher_on, refresh_stop;
-    int64_t refreshed_ms;       /* wall clock of the last successful reload (atomic) */
+    _Atomic int64_t refreshed_ms; /* wall clock of the last successful reload (the refresher stores) */
     kv_diag refresh_diag;       /* why the last reload failed, if it did (under mu) */
     pthread_mutex_t mu;         /* guards everything below and the store */
     kv_hub_node *nodes;         /* [n_nodes] */
@@ -366,7 +367,7 @@ static void *kv_hub_refresher(void *arg) {
         int rc = h->rstore.ops->node_each(h->rstore.impl, kv_node_merge, h, &d);
         if (rc == KV_ENOMEM) kv_fail(&d, rc, "hub: out of memory reloading nodes");
         if (!rc) {
-            __atomic_store_n(&h->refreshed_ms, kv_now_ms(), __ATOMIC_RELEASE);
+            atomic_store_explicit(&h->refreshed_ms, kv_now_ms(), memory_order_release);
         } else {
             pthread_mutex_lock(&h->mu);
             h->refresh_diag = d;
@@ -387,7 +388,7 @@ static void *kv_hub_refresher(void *arg) {
  * view older than four refresh periods plus a second is not served). */
 static int kv_hub_refresh(kv_hub *h, kv_diag *d) {
     if (!h->shared) return 0;
-    int64_t age = kv_now_ms() - __atomic_load_n(&h->refreshed_ms, __ATOMIC_ACQUIRE);
+    int64_t age = kv_now_ms() - atomic_load_explicit(&h->refreshed_ms, memory_order_acquire);
     if (age <= 4 * (int64_t)h->o.refresh_ms + 1000) return 0;
     pthread_mutex_lock(&h->mu);
     int rc = kv_fail(d, KV_EIO, "hub: the view of the shared store is %lld ms old: %s", (long long)age,
@@ -2027,7 +2028,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
         goto fail;
     }
-    h->refreshed_ms = kv_now_ms();
+    atomic_init(&h->refreshed_ms, kv_now_ms()); /* before the refresher starts */
     if (h->shared) {
         if (pthread_create(&h->refresher, NULL, kv_hub_refresher, h)) {
             rc = kv_fail(d, KV_EINTERNAL, "hub: cannot start the refresher thread");

@@ -1,6 +1,15 @@
 /* Persistent thread pool: workers spin briefly on a generation counter and
  * then sleep on a condition variable, so short steps (one per matmul in a
- * decode) cost little and idle pools cost nothing. The caller is thread 0. */
+ * decode) cost little and idle pools cost nothing. The caller is thread 0.
+ *
+ * Every cross-thread wait here reads a C11 atomic, never a plain variable
+ * (a plain one may be hoisted out of the loop, and ARM's weak order need
+ * not show the store): a step's fn and arg are published by the release
+ * increment of gen, which the workers read with acquire; each worker's
+ * results are published by its release increment of done, which the
+ * caller reads with acquire before it returns. A worker that sleeps tests
+ * gen again under mu, which the caller holds while it bumps gen and
+ * broadcasts, so no wake-up is lost. */
 #include "kvasir/pool.h"
 
 #include <pthread.h>
@@ -11,6 +20,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KV_PAUSE() _mm_pause()
+#elif defined(__aarch64__) || defined(__arm__)
+#define KV_PAUSE() __asm__ __volatile__("yield" ::: "memory") /* the spin-wait hint */
 #else
 #define KV_PAUSE() ((void)0)
 #endif
@@ -47,11 +58,12 @@ static void *kv_pool_main(void *p_) {
                 continue;
             }
             pthread_mutex_lock(&p->mu);
-            while (atomic_load(&p->gen) == seen) pthread_cond_wait(&p->cv, &p->mu);
+            while (atomic_load_explicit(&p->gen, memory_order_acquire) == seen) pthread_cond_wait(&p->cv, &p->mu);
             pthread_mutex_unlock(&p->mu);
         }
+        /* one step at a time: the caller bumps gen again only after every done */
         seen = atomic_load_explicit(&p->gen, memory_order_acquire);
-        if (atomic_load(&p->stop)) break;
+        if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
         p->fn(p->arg, w->ith, p->n);
         atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
     }
@@ -96,8 +108,8 @@ void kv_pool_free(kv_pool *p) {
     if (!p) return;
     if (p->threads) {
         pthread_mutex_lock(&p->mu);
-        atomic_store(&p->stop, 1);
-        atomic_fetch_add(&p->gen, 1);
+        atomic_store_explicit(&p->stop, 1, memory_order_release);
+        atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
         for (int i = 1; i < p->n; i++) pthread_join(p->threads[i - 1], NULL);
@@ -116,9 +128,9 @@ void kv_pool_run(kv_pool *p, kv_pool_fn fn, void *arg) {
         fn(arg, 0, 1);
         return;
     }
-    p->fn = fn;
+    p->fn = fn; /* plain: published to the workers by the release bump of gen */
     p->arg = arg;
-    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed); /* ordered before the bump too */
     pthread_mutex_lock(&p->mu);
     atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
     pthread_cond_broadcast(&p->cv);
