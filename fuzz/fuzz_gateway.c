@@ -82,6 +82,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         const size_t wn = kv_gw_utf8_clean(tx.buf ? tx.buf : "", tx.len, whole);
         CHECK(wn == gn && !memcmp(whole, got, gn));
         free(whole);
+        /* and a prefix of all the bytes cleaned at once (stop strings are
+           matched on that text), all of it when no stop string matched */
+        char *all = malloc((size - 1) * 3 + 1);
+        const size_t an = kv_gw_utf8_clean(body, size - 1, all);
+        CHECK(gn <= an && !memcmp(all, got, gn));
+        if (!tx.stopped) CHECK(gn == an);
+        free(all);
         if (tx.stopped) CHECK(tx.stop_index >= 0 && (uint32_t)tx.stop_index < p->n_stop);
         free(got);
         kv_gw_text_free(&tx);

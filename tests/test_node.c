@@ -6,6 +6,9 @@
  * keeps every last live replica, then repeatedly scans all shards for the
  * best one still open (smallest class, held, larger deficit, smaller tie,
  * smaller index) and takes it if it fits, O(n^2), no sorting. */
+#include <stdarg.h>
+
+#include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvtest.h"
 
@@ -200,6 +203,175 @@ static void test_parse_placement(void) {
     }
 }
 
-static const kvt_case cases[] = {KVT_CASE(test_parse_placement), KVT_CASE(test_choose_vs_naive), KVT_CASE(test_choose_cases),
+/* A growable string for building maps. */
+typedef struct sbuf {
+    char *p;
+    size_t n, cap;
+} sbuf;
+static void sb_add(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_add(sbuf *b, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        const int k = vsnprintf(b->p ? b->p + b->n : NULL, b->p ? b->cap - b->n : 0, fmt, ap);
+        va_end(ap);
+        if (b->p && (size_t)k < b->cap - b->n) {
+            b->n += (size_t)k;
+            return;
+        }
+        b->cap = 2 * (b->cap + (size_t)k + 64);
+        b->p = realloc(b->p, b->cap);
+    }
+}
+
+static void key_hex(uint32_t id, char out[65]) { /* a distinct key per id */
+    snprintf(out, 65, "%08x", id + 1); /* the first 8 digits name the id */
+    memset(out + 8, 'a', 56);
+    out[64] = 0;
+}
+
+/* One entry can only be skipped, never break the map: an address listed
+ * with two keys is dropped (under both), an invalid address or key is
+ * skipped, and every other worker is kept with its key. Before, each of
+ * these made kv_node_parse_placement(_keys) refuse the whole map. */
+static void test_placement_one_bad_entry(void) {
+    char k1[65], k2[65], k3[65], kx[65];
+    key_hex(1, k1), key_hex(2, k2), key_hex(3, k3), key_hex(99, kx);
+    char map[2048];
+    snprintf(map, sizeof map,
+             "{\"shards\":[{\"layer\":0,\"first\":0,\"last\":3,\"nodes\":[{\"key\":\"%s\",\"addr\":\"10.0.0.1:7001\"},"
+             "{\"key\":\"%s\",\"addr\":\"10.0.0.2:7002\"},{\"key\":\"%s\",\"addr\":\"bad addr:1\"},"
+             "{\"key\":\"%s\",\"addr\":\"10.0.0.9:0\"},{\"key\":\"%s\",\"addr\":\"noport\"}]},"
+             "{\"layer\":0,\"first\":4,\"last\":7,\"nodes\":[{\"key\":\"%s\",\"addr\":\"10.0.0.3:7003\"},"
+             "{\"key\":\"%s\",\"addr\":\"10.0.0.2:7002\"},{\"addr\":7}]},{\"layer\":1,\"nodes\":{}}]}",
+             k1, k2, kx, kx, kx, k3, kx); /* kx claims 10.0.0.2:7002, which k2 holds */
+    kv_diag d = {0};
+    char **w = NULL;
+    uint32_t n = 0;
+    ASSERT_EQ(kv_node_parse_placement(map, strlen(map), &w, &n, &d), 0);
+    ASSERT_EQ(n, 2);
+    if (n == 2) {
+        ASSERT_STREQ(w[0], "10.0.0.1:7001");
+        ASSERT_STREQ(w[1], "10.0.0.3:7003");
+    }
+    char *ask[3] = {"10.0.0.1:7001", "10.0.0.2:7002", "10.0.0.3:7003"};
+    uint8_t keys[3][32];
+    ASSERT_EQ(kv_node_parse_placement_keys(map, strlen(map), ask, 3, keys, &d), 0);
+    ASSERT_EQ(keys[0][3], 2); /* key_hex(1) starts 00000002 */
+    static const uint8_t zero[32];
+    ASSERT_TRUE(!memcmp(keys[1], zero, 32)); /* dropped: no key to prove */
+    ASSERT_EQ(keys[2][3], 4);
+    kv_placement pl;
+    ASSERT_EQ(kv_node_placement_parse(map, strlen(map), &pl, &d), 0);
+    ASSERT_EQ(pl.n_conflicts, 1);
+    ASSERT_EQ(pl.n_skipped, 5); /* three bad addresses, a non-string one, a shard without nodes */
+    ASSERT_TRUE(strstr(pl.note, "shards[0].nodes[2]") != NULL);
+    ASSERT_EQ(pl.n_entry, 2);
+    kv_node_placement_free(&pl);
+    kv_node_workers_free(w, n);
+    /* only the conflicting address: nothing usable is an error, named */
+    snprintf(map, sizeof map, "{\"shards\":[{\"nodes\":[{\"key\":\"%s\",\"addr\":\"h:1\"},{\"key\":\"%s\",\"addr\":\"h:1\"}]}]}",
+             k1, k2);
+    w = (char **)1;
+    ASSERT_TRUE(kv_node_parse_placement(map, strlen(map), &w, &n, &d) < 0);
+    ASSERT_TRUE(w == NULL && n == 0 && strstr(d.msg, "two keys"));
+}
+
+/* The map scales and strangers cannot fill it: 12,544 shards (the 122B's),
+ * honest nodes listed first on each shard (the hub lists a shard's holders
+ * in registration order) and fakes after them: 1,030 fake addresses that
+ * claim shards, all of them also on shard 0, and one fake key at an honest
+ * node's address. 5,000 addresses in all (KV_ATTACK_FULL=1: 20,000 with
+ * 10,000 fakes). Every honest holder is kept with its key (but the one whose
+ * address a fake claimed), every shard keeps an honest holder, no shard more
+ * than KV_PLACEMENT_MAX_REPLICAS. Before, the map was refused whole (more
+ * than 1024 workers, or an address with two keys). */
+static void test_placement_strangers(void) {
+    const bool full = getenv("KV_ATTACK_FULL") != NULL;
+    const uint32_t n_shard = 12544, n_fake = full ? 10000 : 1030, n_honest = (full ? 20000 : 5000) - n_fake;
+    sbuf b = {0};
+    sb_add(&b, "{\"model_id\":\"x\",\"shards\":[");
+    char key[65];
+    for (uint32_t s = 0; s < n_shard; s++) {
+        sb_add(&b, "%s{\"layer\":%u,\"first\":%u,\"last\":%u,\"nodes\":[", s ? "," : "", s / 256, s % 256, s % 256);
+        /* two honest holders: node s mod H and (s + H/2) mod H */
+        const uint32_t h[2] = {s % n_honest, (s + n_honest / 2) % n_honest};
+        for (int r = 0; r < 2; r++) {
+            key_hex(h[r], key);
+            sb_add(&b, "%s{\"key\":\"%s\",\"addr\":\"10.%u.%u.%u:7000\"}", r ? "," : "", key, h[r] >> 16, h[r] >> 8 & 255,
+                   h[r] & 255);
+        }
+        /* fakes: each claims shards f, f + F, ...; every fake claims shard 0 */
+        for (uint32_t f = s % n_fake; f < n_fake; f += n_fake) {
+            key_hex(1000000 + f, key);
+            sb_add(&b, ",{\"key\":\"%s\",\"addr\":\"192.168.%u.%u:9000\"}", key, f >> 8, f & 255);
+        }
+        if (s == 0)
+            for (uint32_t f = 1; f < n_fake; f++) {
+                key_hex(1000000 + f, key);
+                sb_add(&b, ",{\"key\":\"%s\",\"addr\":\"192.168.%u.%u:9000\"}", key, f >> 8, f & 255);
+            }
+        if (s == 7) { /* a fake key at honest node 7's address */
+            key_hex(2000000, key);
+            sb_add(&b, ",{\"key\":\"%s\",\"addr\":\"10.0.0.7:7000\"}", key);
+        }
+        sb_add(&b, "]}");
+    }
+    sb_add(&b, "]}");
+    kv_diag d = {0};
+    kv_placement pl;
+    const int rc = kv_node_placement_parse(b.p, b.n, &pl, &d);
+    ASSERT_EQ(rc, 0);
+    if (rc) {
+        fprintf(stderr, "%s\n", d.msg);
+        free(b.p);
+        return;
+    }
+    /* the reference: which honest addresses must be there, with which key */
+    uint32_t honest_found = 0, fakes_found = 0, bad_key = 0;
+    uint8_t *seen = calloc(n_honest, 1);
+    for (uint32_t i = 0; i < pl.n_addr; i++) {
+        unsigned a, bb, c, port;
+        if (sscanf(pl.addr[i], "10.%u.%u.%u:%u", &a, &bb, &c, &port) == 4) {
+            const uint32_t id = a << 16 | bb << 8 | c;
+            ASSERT_TRUE(id < n_honest && !seen[id]);
+            if (id >= n_honest || seen[id]) continue;
+            seen[id] = 1;
+            honest_found++;
+            key_hex(id, key);
+            char hex[65];
+            kv_hex(pl.key[i], 32, hex);
+            bad_key += strcmp(hex, key) != 0;
+        } else {
+            fakes_found++;
+        }
+    }
+    ASSERT_EQ(honest_found, n_honest - 1);
+    ASSERT_EQ(seen[7], 0);
+    ASSERT_EQ(bad_key, 0);
+    ASSERT_TRUE(fakes_found <= n_fake);
+    ASSERT_EQ(pl.n_conflicts, 1);
+    /* per shard: at most the cap, and an honest holder first */
+    uint32_t *per = calloc(n_shard, sizeof *per);
+    uint8_t *honest_at = calloc(n_shard, 1);
+    for (size_t e = 0; e < pl.n_entry; e++) {
+        per[pl.entry[e].shard]++;
+        honest_at[pl.entry[e].shard] |= !strncmp(pl.addr[pl.entry[e].addr], "10.", 3);
+    }
+    uint32_t over = 0, uncovered = 0;
+    for (uint32_t s = 0; s < n_shard; s++) over += per[s] > KV_PLACEMENT_MAX_REPLICAS, uncovered += !honest_at[s];
+    ASSERT_EQ(over, 0);
+    ASSERT_EQ(uncovered, 0);
+    ASSERT_EQ(per[0], KV_PLACEMENT_MAX_REPLICAS);
+    ASSERT_TRUE(pl.n_over >= n_fake - KV_PLACEMENT_MAX_REPLICAS);
+    ASSERT_TRUE(pl.n_addr <= KV_PLACEMENT_MAX_REPLICAS * n_shard);
+    free(per);
+    free(honest_at);
+    free(seen);
+    kv_node_placement_free(&pl);
+    free(b.p);
+}
+
+static const kvt_case cases[] = {KVT_CASE(test_parse_placement), KVT_CASE(test_placement_one_bad_entry), KVT_CASE(test_placement_strangers), KVT_CASE(test_choose_vs_naive), KVT_CASE(test_choose_cases),
                                  KVT_CASE(test_parse_size), KVT_CASE(test_piece_path)};
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

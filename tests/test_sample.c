@@ -3,6 +3,7 @@
  * top-k / top-p / min-p admits; draw frequencies follow the tempered
  * probabilities; the repetition penalty changes exactly the penalized
  * tokens; non-finite logits are an error, never a crash or a silent token. */
+#include <float.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -88,6 +89,49 @@ static void test_greedy(void) {
     for (int i = 0; i < NV; i++) l[i] = -INFINITY;
     ASSERT_EQ(kv_sampler_sample(s, l), KV_ERANGE);
     kv_sampler_free(s);
+}
+
+/* A tiny temperature is greedy in the limit: 1e-38, the smallest normal,
+ * denormals down to the smallest (1e-45) and 0 all give the argmax of an
+ * independent scan, over logits of either sign and of large magnitude, with
+ * and without top-k / top-p / min-p and a penalty. Before, logit / temp
+ * overflowed to +-Inf, the softmax turned every probability into NaN and
+ * the draw fell through to the least likely kept token. */
+static void test_tiny_temp(void) {
+    float l[NV];
+    kv_diag d = {0};
+    const float temps[] = {1e-30f, 1e-37f, 1e-38f, FLT_MIN, FLT_MIN / 2, 1e-40f, 1e-44f, 1e-45f, 0.0f};
+    const struct { int k; float tp, mp, rp; } cfg[] = {
+        {0, 1.0f, 0.0f, 1.0f}, {40, 0.95f, 0.05f, 1.0f}, {0, 1.0f, 0.0f, 1.1f}, {5, 1.0f, 0.0f, 1.0f},
+    };
+    const float scales[] = {1.0f, 25.0f, 1e4f};
+    const float shifts[] = {0.0f, -50.0f, 30.0f};
+    int checked = 0;
+    for (size_t ti = 0; ti < sizeof temps / sizeof temps[0]; ti++)
+        for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+            for (size_t si = 0; si < 3; si++)
+                for (size_t hi = 0; hi < 3; hi++) {
+                    kv_sample_params p = kv_sample_defaults();
+                    p.temp = temps[ti]; p.top_k = cfg[ci].k; p.top_p = cfg[ci].tp; p.min_p = cfg[ci].mp;
+                    p.repeat_penalty = cfg[ci].rp; p.seed = 11 + ti;
+                    kv_sampler *s = NULL;
+                    ASSERT_EQ(kv_sampler_new(&s, NV, &p, &d), 0);
+                    for (int round = 0; round < 8; round++) {
+                        fill_logits(l, 3000 + 97 * ti + 13 * ci + 5 * si + hi + (uint64_t)round * 7919);
+                        for (int i = 0; i < NV; i++) l[i] = l[i] * scales[si] + shifts[hi];
+                        /* the reference: penalty (no history yet: none), then a plain scan */
+                        int best = 0;
+                        for (int i = 1; i < NV; i++) if (l[i] > l[best]) best = i;
+                        const int32_t t = kv_sampler_sample(s, l);
+                        if (t != best)
+                            KVT_FAIL("temp %g cfg %zu scale %g shift %g: drew %d (logit %g), argmax %d (logit %g)",
+                                     (double)temps[ti], ci, (double)scales[si], (double)shifts[hi], (int)t,
+                                     t >= 0 ? (double)l[t] : 0.0, best, (double)l[best]);
+                        checked++;
+                    }
+                    kv_sampler_free(s);
+                }
+    ASSERT_EQ(checked, 9 * 4 * 3 * 3 * 8);
 }
 
 /* same seed, same draws; different seed, different sequence */
@@ -301,7 +345,7 @@ static void test_shared_scratch(void) {
 }
 
 static const kvt_case cases[] = {
-    KVT_CASE(test_greedy), KVT_CASE(test_seed), KVT_CASE(test_replay_same_draws), KVT_CASE(test_filters), KVT_CASE(test_repeat_penalty),
+    KVT_CASE(test_greedy), KVT_CASE(test_tiny_temp), KVT_CASE(test_seed), KVT_CASE(test_replay_same_draws), KVT_CASE(test_filters), KVT_CASE(test_repeat_penalty),
     KVT_CASE(test_bad_params), KVT_CASE(test_nonfinite), KVT_CASE(test_shared_scratch),
 };
 

@@ -568,7 +568,11 @@ void kv_worker_mem(const kv_worker *w, size_t *now, size_t *peak);
 #include "kvasir/model.h"
 #include "kvasir/slice.h"
 
+/* Workers one remote provider may know: KV_PLACEMENT_MAX_REPLICAS per
+ * slab of its manifest (what a coordinator keeps of a hub's placement map,
+ * include/kvasir/node.h), and never fewer than KV_REMOTE_MAX_WORKERS. */
 #define KV_REMOTE_MAX_WORKERS 1024u
+uint32_t kv_remote_workers_bound(const kv_manifest *m);
 
 typedef struct kv_remote kv_remote;
 
@@ -591,7 +595,7 @@ typedef struct kv_remote_opts {
                                    authentication, e.g. from the hub's placement); NULL or an
                                    all-zero entry: any key that signs the transcript */
     uint32_t max_workers;       /* room for workers added later (kv_remote_add_worker), at most
-                                   KV_REMOTE_MAX_WORKERS; 0 = n_workers (none can be added) */
+                                   kv_remote_workers_bound; 0 = n_workers (none can be added) */
     bool allow_uncovered;       /* open even when some expert has no holder up (compute fails with
                                    KV_ENOTFOUND for it until a holder comes; kv_remote_coverage) */
     /* verified compute (docs/VERIFY.md) */

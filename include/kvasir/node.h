@@ -99,11 +99,73 @@ int kv_node_piece_path(const char *dir, const char *rel, char *out, size_t cap, 
 int kv_node_fetch_coordinator(const char *hub_url, const char *dir, char *manifest_path, size_t cap, char ***workers,
                               uint32_t *n_workers, kv_node_progress_fn progress, void *parg, kv_diag *d);
 void kv_node_workers_free(char **workers, uint32_t n);
-/* Parses GET /v1/placement (len bytes, untrusted; fuzzed:
- * fuzz/fuzz_node_placement.c) into the distinct node addresses, first seen
- * first: each 1..KV_HUB_MAX_ADDR bytes of [A-Za-z0-9.-:[]], at most
- * KV_REMOTE_MAX_WORKERS. On error *workers is NULL and *n 0. */
+
+/* ---- the placement map (GET /v1/placement), as a coordinator keeps it ----
+ * The map is untrusted (any key can register, and fuzzed:
+ * fuzz/fuzz_node_placement.c), so no entry can do more than be skipped:
+ *   - an entry is used when its "addr" is 1..KV_HUB_MAX_ADDR bytes of
+ *     [A-Za-z0-9.-:[]] that parse as HOST:PORT (port 1..65535); other
+ *     entries, and shards without a "nodes" array, are skipped and counted.
+ *     Its "key" is 64 lowercase hex digits, else it gives none (the worker
+ *     is then asked to prove no particular key);
+ *   - an address listed with two keys is dropped entirely (under either
+ *     key), counted: the coordinator cannot tell which node owns it;
+ *   - of each shard's holders the first KV_PLACEMENT_MAX_REPLICAS usable
+ *     ones in the hub's order are kept, the rest counted. So the addresses
+ *     kept are at most KV_PLACEMENT_MAX_REPLICAS per shard of the map, and
+ *     no fixed ceiling that strangers could fill stands between a swarm's
+ *     size and its coordinators (the 122B's 12,544 shards and thousands of
+ *     nodes parse).
+ * Only a document that is not JSON or has no "shards" array, or a map whose
+ * entries were all unusable, is an error as a whole. */
+#define KV_PLACEMENT_MAX_REPLICAS 16u  /* holders of one shard a coordinator keeps */
+
+typedef struct kv_placement_entry {
+    uint32_t shard, node;  /* shards[shard].nodes[node] of the map */
+    uint32_t addr;         /* index into kv_placement.addr */
+} kv_placement_entry;
+
+typedef struct kv_placement {
+    char **addr;           /* [n_addr] the addresses kept, first seen first (owned) */
+    uint8_t (*key)[32];    /* [n_addr] the key each is listed with (zero: none) */
+    uint32_t n_addr;
+    kv_placement_entry *entry; /* [n_entry] the holder entries kept, in map order */
+    size_t n_entry;
+    uint32_t n_skipped;    /* entries (or shards) skipped as invalid */
+    uint32_t n_conflicts;  /* addresses dropped for being listed with two keys */
+    uint32_t n_over;       /* holders beyond KV_PLACEMENT_MAX_REPLICAS in their shard */
+    char note[256];        /* the first skip or drop, "" if none: for a warning line */
+} kv_placement;
+
+/* Parses the map as above into *p (free with kv_node_placement_free, also
+ * after an error). KV_EFORMAT (not JSON, no shards array, nothing usable:
+ * named in d), KV_ENOMEM; *p is empty then. */
+int kv_node_placement_parse(const char *json, size_t len, kv_placement *p, kv_diag *d);
+void kv_node_placement_free(kv_placement *p);
+/* The addresses kept (kv_placement.addr, first seen first) in *workers
+ * (free with kv_node_workers_free). On error *workers is NULL and *n 0. */
 int kv_node_parse_placement(const char *json, size_t len, char ***workers, uint32_t *n, kv_diag *d);
+
+/* ---- a coordinator that follows the map ----------------------------------
+ * Nodes trade shards all the time (a market), so a coordinator that finds
+ * no holder of some expert reads the map again instead of giving up. */
+struct kv_remote;
+/* GET hub_url/v1/placement parsed into *p (kv_node_placement_parse). */
+int kv_node_fetch_placement(const char *hub_url, kv_placement *p, kv_diag *d);
+/* Reads the map now and adds every address it keeps to r
+ * (kv_remote_add_worker; with require_keys each must prove the key the map
+ * lists it with). Same thread as r's compute, never during it. Returns how
+ * many were new, or the first error (the read's, or an address that could
+ * not be added: the others are added still). */
+int kv_node_placement_follow(const char *hub_url, struct kv_remote *r, bool require_keys, kv_diag *d);
+/* Returns 0 once every expert the forward pass needs is served by a worker
+ * up or a local slab (kv_remote_get_coverage); until then reads the map
+ * again (kv_node_placement_follow) with backoff, 100 ms doubled up to 2 s,
+ * progressing handshakes in between, for at most wait_ms: then
+ * KV_ENOTFOUND naming the first slab still missing. log: a line per retry
+ * (NULL = silent). */
+int kv_node_await_coverage(const char *hub_url, struct kv_remote *r, bool require_keys, uint32_t wait_ms, FILE *log,
+                           kv_diag *d);
 
 /* ---- authenticated dispatch (docs/HUB.md, docs/PROTOCOL.md v3) ---------- */
 
@@ -119,8 +181,10 @@ int kv_node_parse_hub_key(const char *json, size_t len, uint8_t out[32], kv_diag
 int kv_node_fetch_auth(const char *hub_url, kv_node_key *key, char *const *workers, uint32_t n, uint8_t (*keys)[32],
                        struct kv_voucher *v, kv_diag *d);
 int kv_node_parse_voucher(const char *json, size_t len, struct kv_voucher *v, uint8_t hub_key[32], kv_diag *d);
-/* keys[i] = the key placement lists for address workers[i] (zero if none);
- * an address listed with two keys is KV_EFORMAT. */
+/* keys[i] = the key placement lists for address workers[i]: zero if none,
+ * and for an address the map does not keep (one listed with two keys
+ * among them: kv_node_parse_placement never returns it). Errors only as
+ * kv_node_placement_parse's. */
 int kv_node_parse_placement_keys(const char *json, size_t len, char *const *workers, uint32_t n, uint8_t (*keys)[32],
                                  kv_diag *d);
 

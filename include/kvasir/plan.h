@@ -33,15 +33,18 @@
 #define KV_PLAN_ENUM 4000000u    /* n_expert^k steps of the enumeration per layer, at most */
 #define KV_PLAN_SAMPLES 100000u  /* draws per layer otherwise */
 #define KV_PLAN_MAX_K 64u        /* top-k the simulation handles */
+#define KV_PLAN_MAX_HOLDERS 64u  /* holders of one (layer, expert) the plan indexes */
 
 typedef struct kv_plan kv_plan;
 
 /* Builds the plan of manifest m (borrowed; must outlive the plan) from a
  * GET /v1/placement answer (len bytes, untrusted; fuzzed:
- * fuzz/fuzz_plan.c): node addresses as kv_node_parse_placement reads them,
- * every shard's layer and expert range inside the model, keys of 64 hex
- * digits or ignored. KV_EFORMAT / KV_ERANGE name the first bad field;
- * *out is NULL then. Free with kv_plan_free (accepts NULL). */
+ * fuzz/fuzz_plan.c): the nodes and holders a coordinator keeps of it
+ * (kv_node_placement_parse), keys of 64 hex digits or ignored; a shard
+ * whose layer or expert range is not inside the model is skipped, and a
+ * (layer, expert) counts at most KV_PLAN_MAX_HOLDERS holders. KV_EFORMAT /
+ * KV_ERANGE when nothing usable is left, naming the first bad field; *out
+ * is NULL then. Free with kv_plan_free (accepts NULL). */
 int kv_plan_open(kv_plan **out, const kv_manifest *m, const char *placement, size_t len, kv_diag *d);
 void kv_plan_free(kv_plan *p);
 

@@ -19,7 +19,7 @@
 #include "kvasir/node.h"
 #include "kvasir/quant.h"
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", "--hub", "--data", "--key", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", "--hub", "--data", "--key", "--hub-wait-ms", NULL};
 
 #define CMD "bench"
 
@@ -36,6 +36,8 @@ static const char *kv_bench_help =
     "                carries all S tokens); decode tok/s counts all sequences (default 1)\n"
     "  --hub URL     instead of -m: fetch the manifest and backbone from a hub into --data DIR\n"
     "                (default kvasir-data; resumable, hash checked) and use its live nodes\n"
+    "  --hub-wait-ms N  with --hub: while some expert is served by no worker (nodes trading\n"
+    "                shards), read the placement map again for up to N ms (default 30000)\n"
     "  --key FILE    the key proved to workers (default DATA/coordinator.key with --hub, else\n"
     "                ~/.kvasir/coordinator.key; created if absent)\n"
     "  --worker H:P  with -m DIR/manifest.json: compute experts on this worker (repeat for\n"
@@ -97,7 +99,7 @@ int kv_cmd_bench(int argc, char **argv) {
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
-    long worker_timeout = 10000;
+    long worker_timeout = 10000, hub_wait = 30000;
     int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -149,6 +151,8 @@ int kv_cmd_bench(int argc, char **argv) {
             else return kv_cli_err(CMD, 1, "--kv-type: '%s' is not one of f32, f16", v);
         } else if (!strcmp(a, "--batch")) {
             if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
+        } else if (!strcmp(a, "--hub-wait-ms")) {
+            if (kv_arg_long(CMD, a, v, 0, 86400000, &hub_wait)) return 1;
         } else {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir bench --help)", a);
         }
@@ -159,8 +163,7 @@ int kv_cmd_bench(int argc, char **argv) {
         if (kv_node_fetch_coordinator(hub, data_dir, hub_manifest, sizeof hub_manifest, &hub_workers, &n_hub_workers,
                                       NULL, NULL, &hd))
             return kv_cli_diag(CMD, &hd);
-        for (uint32_t k = 0; k < n_hub_workers; k++) workers[k] = hub_workers[k];
-        n_workers = n_hub_workers;
+        n_workers = n_hub_workers; /* as many as the map keeps: the list is hub_workers */
         model = hub_manifest;
     }
     if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir bench --help)");
@@ -178,7 +181,11 @@ int kv_cmd_bench(int argc, char **argv) {
     /* the model source (file, slices, slices + workers) is the engine's business */
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)(n_prompt + n_gen + 1),
                                .n_batch = (uint32_t)n_batch, .max_sessions = (uint32_t)n_par,
-                               .kv_type = (uint32_t)kv_type, .workers = workers, .n_workers = n_workers,
+                               .kv_type = (uint32_t)kv_type,
+                               .workers = hub ? (const char *const *)hub_workers : workers, .n_workers = n_workers,
+                               /* from a hub: open even when some expert has no holder up yet, and
+                                  take the holders the map names later (kv_node_await_coverage) */
+                               .allow_uncovered = hub != NULL, .max_workers = hub ? UINT32_MAX : 0,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .key_sk = auth.key.sk,
                                .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys};
@@ -189,6 +196,10 @@ int kv_cmd_bench(int argc, char **argv) {
     }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);
+    if (hub && remote && kv_node_await_coverage(hub, remote, auth.has_voucher, (uint32_t)hub_wait, stderr, &d)) {
+        rc = kv_cli_diag(CMD, &d);
+        goto done;
+    }
     const kv_hparams *hp = kv_model_hparams(mc);
     if ((uint64_t)n_prompt + (uint64_t)n_gen > hp->n_ctx_train) {
         rc = kv_cli_err(CMD, 1, "-p %ld + -n %ld exceeds the model's context (%u)", n_prompt, n_gen, hp->n_ctx_train);

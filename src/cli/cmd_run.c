@@ -15,7 +15,7 @@
 #include "kvasir/verify.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", NULL};
 
 #define CMD "run"
 
@@ -40,6 +40,9 @@ static const char *kv_run_help =
     "                       --data DIR (resumable, hash checked) and its experts computed by the\n"
     "                       live nodes of the hub's placement map (instead of -m)\n"
     "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
+    "  --hub-wait-ms N      with --hub: while some expert is served by no worker (nodes trading\n"
+    "                       shards), read the placement map again for up to N ms before giving up,\n"
+    "                       at start and when a step fails (default 30000)\n"
     "  --ring HOST:PORT     submit to a ring node (kvasir ring) instead of -m: the ring tokenizes,\n"
     "                       computes and streams the tokens back (--ring-timeout-ms N: longest wait\n"
     "                       for one token, default 60000); it proves --key (below) to the node;\n"
@@ -339,6 +342,12 @@ static int kv_run_ring(const char *addr, const char *hub, const char *key_path, 
     return rc;
 }
 
+static double kv_run_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 int kv_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *pfile = NULL, *logits_path = NULL;
     long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
@@ -354,7 +363,7 @@ int kv_cmd_run(int argc, char **argv) {
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
-    long worker_timeout = 10000;
+    long worker_timeout = 10000, hub_wait = 30000;
     int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
     kv_sample_params sp = kv_sample_defaults();
     for (int i = 1; i < argc; i++) {
@@ -414,6 +423,8 @@ int kv_cmd_run(int argc, char **argv) {
             workers[n_workers++] = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--hub-wait-ms")) {
+            if (kv_arg_long(CMD, a, v, 0, 86400000, &hub_wait)) return 1;
         } else if (!strcmp(a, "--verify-recompute")) {
             float f;
             if (kv_arg_float(CMD, a, v, 0, 1, &f)) return 1;
@@ -459,8 +470,7 @@ int kv_cmd_run(int argc, char **argv) {
         if (kv_node_fetch_coordinator(hub, data_dir, hub_manifest, sizeof hub_manifest, &hub_workers, &n_hub_workers,
                                       NULL, NULL, &hd))
             return kv_cli_diag(CMD, &hd);
-        for (uint32_t k = 0; k < n_hub_workers; k++) workers[k] = hub_workers[k];
-        n_workers = n_hub_workers;
+        n_workers = n_hub_workers; /* as many as the map keeps: the list is hub_workers */
         model = hub_manifest;
     }
     if (n_workers && kv_cli_auth_setup(CMD, key_path, hub, data_dir, hub_workers, n_hub_workers, &auth)) {
@@ -506,7 +516,11 @@ int kv_cmd_run(int argc, char **argv) {
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
                                .max_sessions = 1, .kv_type = (uint32_t)kv_type,
                                .expert_cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0,
-                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .prefault = prefault, .workers = workers, .n_workers = n_workers,
+                               .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .prefault = prefault,
+                               .workers = hub ? (const char *const *)hub_workers : workers, .n_workers = n_workers,
+                               /* from a hub: open even when some expert has no holder up yet, and
+                                  take the holders the map names later (kv_node_await_coverage) */
+                               .allow_uncovered = hub != NULL, .max_workers = hub ? UINT32_MAX : 0,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .log = verbose ? stderr : NULL, .key_sk = auth.key.sk,
                                .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
@@ -515,6 +529,10 @@ int kv_cmd_run(int argc, char **argv) {
     if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);
+    if (hub && remote && (rc = kv_node_await_coverage(hub, remote, auth.has_voucher, (uint32_t)hub_wait, stderr, &d))) {
+        rc = kv_cli_diag(CMD, &d);
+        goto done;
+    }
     kv_slices *slices = kv_engine_slices(eng);
     const kv_hparams *hp = kv_model_hparams(mc);
     const kv_tok *tok = kv_model_tok(mc);
@@ -553,8 +571,30 @@ int kv_cmd_run(int argc, char **argv) {
         if (steplog.prev) kv_run_steplog_take(&steplog, remote); /* the totals before the first step */
         steplog.n = 0;
     }
+    double fail_since = 0;
     while (kv_engine_busy(eng)) {
-        if ((rc = kv_engine_step(eng, &d)) < 0) { rc = kv_cli_diag(CMD, &d); goto done; }
+        if ((rc = kv_engine_step(eng, &d)) < 0) {
+            /* a step fails as a whole (no token from partial results): from a
+               hub, its experts' holders may have moved; read the map again and
+               retry the step while --hub-wait-ms lasts */
+            const double now = kv_run_now();
+            if (!fail_since) fail_since = now;
+            if (hub && remote && now - fail_since < hub_wait / 1000.0) {
+                fprintf(stderr, "kvasir %s: %s: reading the placement map again\n", CMD, d.msg);
+                kv_diag cd = {0};
+                const double left_ms = hub_wait - (now - fail_since) * 1000.0;
+                if (kv_node_await_coverage(hub, remote, auth.has_voucher, left_ms > 0 ? (uint32_t)left_ms : 0, stderr, &cd))
+                    fprintf(stderr, "kvasir %s: %s\n", CMD, cd.msg);
+                kv_diag fd = {0}; /* covered or not: the step's workers may be others now */
+                kv_node_placement_follow(hub, remote, auth.has_voucher, &fd);
+                kv_remote_tend(remote, 200);
+                d = (kv_diag){0};
+                continue;
+            }
+            rc = kv_cli_diag(CMD, &d);
+            goto done;
+        }
+        fail_since = 0;
         if (json && remote) kv_run_steplog_take(&steplog, remote);
         if (kv_session_status(ses) == KV_SESSION_FAILED) {
             kv_session_error(ses, &d);

@@ -1,87 +1,117 @@
 /* The plan (include/kvasir/plan.h): the placement map as the coordinator
  * reads it, and a simulation of the coordinator's expert assignment
  * (src/dispatch/remote.c kv_remote_pick) over the routings of one token.
- * The placement is untrusted: every layer, expert range, address and key is
- * checked before it is stored; the simulation visits only each expert's
- * holders, so its cost does not grow with the number of nodes. */
+ * The placement is untrusted: its addresses and keys are what a coordinator
+ * keeps of it (kv_node_placement_parse: invalid or conflicting entries
+ * skipped, at most KV_PLACEMENT_MAX_REPLICAS holders per shard), and a shard
+ * whose layer or expert range lies outside the model is skipped; the
+ * simulation visits only each expert's holders, so its cost does not grow
+ * with the number of nodes. */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvasir/plan.h"
 
 struct kv_plan {
     const kv_manifest *m;
-    uint32_t n_w;        /* workers, in placement order */
+    uint32_t n_w;        /* workers, in placement order (the addresses a coordinator keeps) */
     char **addr;         /* [n_w] */
     char (*key)[65];     /* [n_w] hex public key ("" if the hub gave none) */
-    uint8_t *holds;      /* [n_w][n_layer][n_expert] */
     uint32_t *hoff;      /* [n_layer * n_expert + 1]: holders of (L, e) are hw[hoff[i] .. hoff[i+1]) */
     uint32_t *hw;        /* worker indices, ascending per (L, e) */
 };
 
-static inline uint8_t *kv_plan_at(const kv_plan *p, uint32_t w, uint32_t L, uint32_t e) {
-    return &p->holds[((size_t)w * p->m->n_layer + L) * p->m->n_expert + e];
+typedef struct kv_plan_pair {
+    uint32_t cell, w;    /* (L * n_expert + e, worker) */
+} kv_plan_pair;
+
+static int kv_plan_pair_cmp(const void *a, const void *b) {
+    const kv_plan_pair *x = a, *y = b;
+    if (x->cell != y->cell) return x->cell < y->cell ? -1 : 1;
+    return (x->w > y->w) - (x->w < y->w);
 }
 
-/* Reads the holdings of every worker from the placement JSON. */
-static int kv_plan_parse(kv_plan *p, const char *body, size_t len, kv_diag *d) {
+/* Whether shard s has integer layer, first, last inside the model (into
+ * *L, *F, *T when given). */
+static bool kv_plan_shard(json_t *s, const kv_manifest *m, uint32_t *L, uint32_t *F, uint32_t *T) {
+    json_t *jl = json_object_get(s, "layer"), *jf = json_object_get(s, "first"), *jt = json_object_get(s, "last");
+    if (!json_is_integer(jl) || !json_is_integer(jf) || !json_is_integer(jt)) return false;
+    const json_int_t l = json_integer_value(jl), f = json_integer_value(jf), t = json_integer_value(jt);
+    if (l < 0 || l >= m->n_layer || f < 0 || f > t || t >= m->n_expert) return false;
+    if (L) *L = (uint32_t)l, *F = (uint32_t)f, *T = (uint32_t)t;
+    return true;
+}
+
+/* Holders of every (layer, expert) from the entries the coordinator keeps
+ * (kv_node_placement_parse); a shard outside the model is skipped like any
+ * other invalid entry. A cell takes at most KV_PLAN_MAX_HOLDERS holders
+ * (shards of the map may overlap; the hub's do not), so the index is
+ * bounded by the model, not by the map. */
+static int kv_plan_parse(kv_plan *p, const kv_placement *pl, const char *body, size_t len, kv_diag *d) {
+    const kv_manifest *m = p->m;
+    const size_t cells = (size_t)m->n_layer * m->n_expert;
     json_error_t je;
     json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) return kv_fail(d, KV_EFORMAT, "placement: bad JSON at line %d: %s", je.line, je.text);
-    int rc = 0;
     json_t *sh = json_object_get(root, "shards");
-    for (size_t i = 0; i < json_array_size(sh); i++) {
-        json_t *s = json_array_get(sh, i);
-        json_t *jl = json_object_get(s, "layer"), *jf = json_object_get(s, "first"), *jt = json_object_get(s, "last");
-        if (!json_is_integer(jl) || !json_is_integer(jf) || !json_is_integer(jt)) {
-            rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu] needs integer layer, first, last", i);
-            break;
-        }
-        const json_int_t L = json_integer_value(jl), F = json_integer_value(jf), T = json_integer_value(jt);
-        if (L < 0 || L >= p->m->n_layer || F < 0 || F > T || T >= p->m->n_expert) {
-            rc = kv_fail(d, KV_ERANGE, "placement: shards[%zu]: layer %" JSON_INTEGER_FORMAT " experts %" JSON_INTEGER_FORMAT
-                         "-%" JSON_INTEGER_FORMAT " outside the model (%u layers, %u experts)", i, L, F, T,
-                         p->m->n_layer, p->m->n_expert);
-            break;
-        }
-        json_t *nodes = json_object_get(s, "nodes");
-        for (size_t j = 0; j < json_array_size(nodes); j++) {
-            json_t *nd = json_array_get(nodes, j);
-            const char *a = json_string_value(json_object_get(nd, "addr"));
-            const char *k = json_string_value(json_object_get(nd, "key"));
-            uint32_t w = 0;
-            while (w < p->n_w && (!a || strcmp(p->addr[w], a))) w++;
-            if (w == p->n_w) { /* the placement parser accepted every address: cannot happen */
-                rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes[%zu]: unknown address", i, j);
-                break;
+    int rc = 0;
+    uint32_t *cnt = calloc(cells ? cells : 1, sizeof *cnt);
+    kv_plan_pair *pr = NULL;
+    size_t n_pr = 0, cap_pr = 0;
+    if (!cnt) rc = kv_fail(d, KV_ENOMEM, "plan: out of memory");
+    /* the shards outside the model: skipped, the first named */
+    size_t n_bad = 0;
+    char bad[200] = "";
+    for (size_t i = 0; i < json_array_size(sh) && !rc; i++) {
+        if (kv_plan_shard(json_array_get(sh, i), m, NULL, NULL, NULL)) continue;
+        if (!n_bad++) snprintf(bad, sizeof bad, "shards[%zu] needs integer layer, first, last inside the model (%u "
+                               "layers, %u experts)", i, m->n_layer, m->n_expert);
+    }
+    for (size_t x = 0; x < pl->n_entry && !rc; x++) {
+        const kv_placement_entry *en = &pl->entry[x];
+        uint32_t L, F, T;
+        if (!kv_plan_shard(json_array_get(sh, en->shard), m, &L, &F, &T)) continue;
+        for (uint32_t e = F; e <= T; e++) {
+            const size_t c = (size_t)L * m->n_expert + e;
+            if (cnt[c] == KV_PLAN_MAX_HOLDERS) continue;
+            cnt[c]++;
+            if (n_pr == cap_pr) {
+                const size_t nc = cap_pr ? 2 * cap_pr : 1024;
+                kv_plan_pair *np = realloc(pr, nc * sizeof *np);
+                if (!np) {
+                    rc = kv_fail(d, KV_ENOMEM, "plan: out of memory");
+                    break;
+                }
+                pr = np;
+                cap_pr = nc;
             }
-            if (k && strlen(k) == 64 && strspn(k, "0123456789abcdef") == 64) memcpy(p->key[w], k, 65);
-            for (json_int_t e = F; e <= T; e++) *kv_plan_at(p, w, (uint32_t)L, (uint32_t)e) = 1;
+            pr[n_pr++] = (kv_plan_pair){(uint32_t)c, en->addr};
         }
-        if (rc) break;
     }
     json_decref(root);
-    return rc;
-}
-
-/* Holder lists from the bitmap (the simulation visits only holders). */
-static int kv_plan_index(kv_plan *p) {
-    const size_t n = (size_t)p->m->n_layer * p->m->n_expert;
-    size_t total = 0;
-    if (!(p->hoff = calloc(n + 1, sizeof *p->hoff))) return KV_ENOMEM;
-    for (size_t i = 0; i < n; i++) {
-        p->hoff[i] = (uint32_t)total;
-        for (uint32_t w = 0; w < p->n_w; w++) total += p->holds[(size_t)w * n + i];
+    free(cnt);
+    if (!rc && n_bad && !n_pr) rc = kv_fail(d, KV_ERANGE, "placement: no usable shard: %s", bad);
+    if (!rc) {
+        qsort(pr, n_pr, sizeof *pr, kv_plan_pair_cmp);
+        p->hoff = calloc(cells + 1, sizeof *p->hoff);
+        p->hw = malloc((n_pr ? n_pr : 1) * sizeof *p->hw);
+        if (!p->hoff || !p->hw) rc = kv_fail(d, KV_ENOMEM, "plan: out of memory");
     }
-    p->hoff[n] = (uint32_t)total;
-    if (!(p->hw = calloc(total ? total : 1, sizeof *p->hw))) return KV_ENOMEM;
-    for (size_t i = 0, o = 0; i < n; i++)
-        for (uint32_t w = 0; w < p->n_w; w++)
-            if (p->holds[(size_t)w * n + i]) p->hw[o++] = w;
-    return 0;
+    if (!rc) {
+        size_t o = 0, x = 0;
+        for (size_t c = 0; c < cells; c++) {
+            p->hoff[c] = (uint32_t)o;
+            for (; x < n_pr && pr[x].cell == c; x++)
+                if (o == p->hoff[c] || p->hw[o - 1] != pr[x].w) p->hw[o++] = pr[x].w; /* each holder once */
+        }
+        p->hoff[cells] = (uint32_t)o;
+    }
+    free(pr);
+    return rc;
 }
 
 /* Messages for one token whose experts are ids[0..k) in rank order: the
@@ -184,7 +214,6 @@ void kv_plan_free(kv_plan *p) {
     if (!p) return;
     kv_node_workers_free(p->addr, p->n_w);
     free(p->key);
-    free(p->holds);
     free(p->hoff);
     free(p->hw);
     free(p);
@@ -195,23 +224,27 @@ int kv_plan_open(kv_plan **out, const kv_manifest *m, const char *placement, siz
     kv_plan *p = calloc(1, sizeof *p);
     if (!p) return kv_fail(d, KV_ENOMEM, "plan: out of memory");
     p->m = m;
-    int rc = kv_node_parse_placement(placement, len, &p->addr, &p->n_w, d);
+    kv_placement pl;
+    int rc = kv_node_placement_parse(placement, len, &pl, d);
     if (rc) goto fail;
-    const size_t cells = (size_t)m->n_layer * m->n_expert;
-    p->key = calloc(p->n_w ? p->n_w : 1, sizeof *p->key);
-    p->holds = calloc((size_t)(p->n_w ? p->n_w : 1) * cells, 1);
-    if (!p->key || !p->holds) {
+    p->key = calloc(pl.n_addr ? pl.n_addr : 1, sizeof *p->key);
+    if (!p->key) {
         rc = kv_fail(d, KV_ENOMEM, "plan: out of memory");
         goto fail;
     }
-    if ((rc = kv_plan_parse(p, placement, len, d))) goto fail;
-    if ((rc = kv_plan_index(p))) {
-        rc = kv_fail(d, KV_ENOMEM, "plan: out of memory");
-        goto fail;
-    }
+    static const uint8_t zero[32];
+    for (uint32_t i = 0; i < pl.n_addr; i++)
+        if (memcmp(pl.key[i], zero, 32)) kv_hex(pl.key[i], 32, p->key[i]);
+    if ((rc = kv_plan_parse(p, &pl, placement, len, d))) goto fail;
+    p->addr = pl.addr; /* the coordinator's workers, in its order */
+    p->n_w = pl.n_addr;
+    pl.addr = NULL;
+    pl.n_addr = 0;
+    kv_node_placement_free(&pl);
     *out = p;
     return 0;
 fail:
+    kv_node_placement_free(&pl);
     kv_plan_free(p);
     return rc;
 }
@@ -220,7 +253,16 @@ uint32_t kv_plan_n_nodes(const kv_plan *p) { return p->n_w; }
 const char *kv_plan_node_addr(const kv_plan *p, uint32_t i) { return i < p->n_w ? p->addr[i] : ""; }
 const char *kv_plan_node_key(const kv_plan *p, uint32_t i) { return i < p->n_w ? p->key[i] : ""; }
 bool kv_plan_holds(const kv_plan *p, uint32_t i, uint32_t L, uint32_t e) {
-    return i < p->n_w && L < p->m->n_layer && e < p->m->n_expert && *kv_plan_at(p, i, L, e);
+    if (i >= p->n_w || L >= p->m->n_layer || e >= p->m->n_expert) return false;
+    const size_t c = (size_t)L * p->m->n_expert + e;
+    uint32_t lo = p->hoff[c], hi = p->hoff[c + 1]; /* ascending: a binary search */
+    while (lo < hi) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (p->hw[mid] == i) return true;
+        if (p->hw[mid] < i) lo = mid + 1;
+        else hi = mid;
+    }
+    return false;
 }
 
 int kv_plan_figures_get(const kv_plan *p, uint32_t enc, kv_plan_figures *f, kv_diag *d) {

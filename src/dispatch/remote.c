@@ -85,6 +85,7 @@
 #include <unistd.h>
 
 #include "kvasir/dispatch.h"
+#include "kvasir/node.h"
 #include "kvasir/ledger.h"
 #include "kvasir/net.h"
 #include "kvasir/pieces.h"
@@ -1020,12 +1021,16 @@ static int kv_remote_load_backbone(kv_remote *r, const char *path, kv_diag *d) {
     return kv_pieces_check_model(r->m, r->model, "remote", d);
 }
 
+uint32_t kv_remote_workers_bound(const kv_manifest *m) {
+    const uint64_t b = (uint64_t)KV_PLACEMENT_MAX_REPLICAS * m->n_slabs;
+    return b < KV_REMOTE_MAX_WORKERS ? KV_REMOTE_MAX_WORKERS : b > UINT32_MAX ? UINT32_MAX : (uint32_t)b;
+}
+
 int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, const kv_remote_opts *opts,
                    kv_diag *d) {
     *out = NULL;
-    if (!opts || opts->enc >= KV_ENC_COUNT || opts->n_workers > KV_REMOTE_MAX_WORKERS ||
-        (opts->n_workers && !opts->workers))
-        return kv_fail(d, KV_EINVAL, "remote: bad options (encoding, or more than %u workers)", KV_REMOTE_MAX_WORKERS);
+    if (!opts || opts->enc >= KV_ENC_COUNT || (opts->n_workers && !opts->workers))
+        return kv_fail(d, KV_EINVAL, "remote: bad options (encoding, or no worker list)");
     if (!opts->key_sk)
         return kv_fail(d, KV_EINVAL, "remote: a coordinator key is required (workers serve only coordinators "
                                      "that prove a key they allow)");
@@ -1084,8 +1089,16 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->slot_owner = malloc(S * sizeof *r->slot_owner);
     r->exp_owner = malloc(r->n_expert * sizeof *r->exp_owner);
     r->n_w = r->o.n_workers;
-    r->cap_w = r->o.max_workers > r->n_w ? r->o.max_workers : r->n_w;
-    if (r->cap_w > KV_REMOTE_MAX_WORKERS) r->cap_w = KV_REMOTE_MAX_WORKERS;
+    {   /* as many workers as a placement map of this model can name */
+        const uint32_t bound = kv_remote_workers_bound(m);
+        if (r->n_w > bound) {
+            rc = kv_fail(d, KV_EINVAL, "remote: %u workers, more than this model's %u (%u per shard)", r->n_w, bound,
+                         KV_PLACEMENT_MAX_REPLICAS);
+            goto fail;
+        }
+        r->cap_w = r->o.max_workers > r->n_w ? r->o.max_workers : r->n_w;
+        if (r->cap_w > bound) r->cap_w = bound;
+    }
     r->load = calloc(r->cap_w ? r->cap_w : 1, sizeof *r->load);
     r->tok_local = malloc(r->chunk_tokens * sizeof *r->tok_local);
     r->xg = malloc((size_t)r->chunk_tokens * E * sizeof *r->xg);

@@ -937,6 +937,10 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     char *chunk = NULL;
     size_t cn = 0;
     if (kv_gw_text_take(&c->text, final, &chunk, &cn)) return -1;
+    if (final && !stopped && c->text.stopped) { /* a stop string that ends in the last, incomplete character */
+        c->res.finish = KV_GW_FINISH_STOP;
+        c->res.stop_seq = c->text.stop[c->text.stop_index];
+    }
     if (chunk) {
         if (stream) kv_gw_stream_delta(c->api, &c->res, chunk, cn, &c->out);
         else kv_gw_buf_add(&c->full, chunk, cn);

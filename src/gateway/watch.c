@@ -4,9 +4,10 @@
  * live node addresses for the scheduler to take between steps.
  *
  * Invariants: an answer is bounded (KV_NODE_MAX_MARKET bytes) and parsed by
- * the fuzzed placement parsers (kv_node_parse_placement and _keys: each
- * address with the node key it must prove); a failed read keeps
- * the last good list and records why. The thread never touches the engine:
+ * the fuzzed placement parser (kv_node_placement_parse: each address with
+ * the node key it must prove; an invalid or conflicting entry is skipped,
+ * said once on stderr, never the whole map); a failed read keeps the last
+ * good list and records why. The thread never touches the engine:
  * only the scheduler (the engine's owner) applies a list. */
 #include <pthread.h>
 #include <stdio.h>
@@ -32,6 +33,8 @@ struct kv_gw_watch {
     uint32_t n_addrs;
     uint64_t reads, failures;
     char err[256];           /* why the last read failed, "" after a good one */
+    /* the watch thread's own */
+    char note[256];          /* the last map's first skipped entry (kv_placement.note) */
 };
 
 static void kv_watch_deadline(struct timespec *ts, long ms) {
@@ -58,16 +61,22 @@ static void *kv_watch_main(void *arg) {
         uint32_t n = 0;
         int rc = kv_hub_http_get(w->url, KV_NODE_MAX_MARKET, 5000, &body, &len, &st, &d);
         if (!rc && st != 200) rc = kv_fail(&d, KV_EIO, "%s: status %ld", w->url, st);
-        if (!rc) rc = kv_node_parse_placement(body, len, &addrs, &n, &d);
-        if (!rc && !(keys = calloc(n ? n : 1, sizeof *keys))) rc = kv_fail(&d, KV_ENOMEM, "placement: out of memory");
-        if (!rc) rc = kv_node_parse_placement_keys(body, len, addrs, n, keys, &d);
-        if (rc) {
-            kv_node_workers_free(addrs, n);
-            free(keys);
-            addrs = NULL;
-            keys = NULL;
-            n = 0;
+        kv_placement pl = {0};
+        if (!rc) rc = kv_node_placement_parse(body, len, &pl, &d);
+        if (!rc) { /* the addresses and their keys, taken from pl */
+            addrs = pl.addr;
+            keys = pl.key;
+            n = pl.n_addr;
+            pl.addr = NULL;
+            pl.key = NULL;
+            pl.n_addr = 0;
+            if (pl.note[0] && strcmp(pl.note, w->note)) /* a new kind of bad entry: said once */
+                fprintf(stderr, "kvasir gateway: placement: %u entries skipped, %u addresses listed with two keys "
+                        "dropped, %u holders over %u per shard (first: %s)\n", pl.n_skipped, pl.n_conflicts, pl.n_over,
+                        KV_PLACEMENT_MAX_REPLICAS, pl.note);
+            snprintf(w->note, sizeof w->note, "%s", pl.note);
         }
+        kv_node_placement_free(&pl);
         free(body);
         pthread_mutex_lock(&w->mu);
         w->reads++;

@@ -415,60 +415,231 @@ void kv_node_workers_free(char **workers, uint32_t n) {
     free(workers);
 }
 
-int kv_node_parse_placement(const char *json, size_t len, char ***out, uint32_t *n_out, kv_diag *d) {
-    *out = NULL;
-    *n_out = 0;
+/* ---- the placement map, as a coordinator keeps it ----
+ * Read in two passes over the parsed document. The first checks every
+ * entry (an address of the allowed characters that parses as HOST:PORT with
+ * a port 1..65535; a key of 64 lowercase hex digits, or none) and gathers
+ * the distinct addresses in a hash table, marking one listed with two keys;
+ * the second keeps, per shard and in the hub's order, the first
+ * KV_PLACEMENT_MAX_REPLICAS holders whose address is not marked. So no
+ * entry can do more than be skipped, and the addresses kept number at most
+ * KV_PLACEMENT_MAX_REPLICAS per shard, whatever the map's size. */
+
+static int kv_json_hex(json_t *o, const char *name, uint8_t *out, size_t n);
+
+typedef struct kv_pl_addr {
+    const char *s;        /* in the JSON document */
+    uint8_t key[32];
+    bool has_key;
+    bool conflict;        /* listed with two keys */
+    int64_t kept;         /* index among the kept addresses, -1 if none */
+} kv_pl_addr;
+
+typedef struct kv_pl_reader {
+    kv_pl_addr *a;        /* [n_a] distinct addresses, first seen first */
+    size_t n_a, cap_a;
+    uint32_t *slot;       /* [n_slot] open addressing: index + 1 into a, 0 = empty */
+    size_t n_slot;
+} kv_pl_reader;
+
+static uint64_t kv_pl_hash(const char *s) { /* FNV-1a */
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
+    return h;
+}
+
+/* The index of address s, added if new (-1: out of memory). */
+static int64_t kv_pl_find(kv_pl_reader *r, const char *s, bool add) {
+    if (add && 2 * (r->n_a + 1) > r->n_slot) { /* at most half full */
+        const size_t ns = r->n_slot ? 2 * r->n_slot : 1024;
+        uint32_t *sl = calloc(ns, sizeof *sl);
+        if (!sl) return -1;
+        for (size_t i = 0; i < r->n_a; i++) {
+            size_t h = (size_t)kv_pl_hash(r->a[i].s) & (ns - 1);
+            while (sl[h]) h = (h + 1) & (ns - 1);
+            sl[h] = (uint32_t)i + 1;
+        }
+        free(r->slot);
+        r->slot = sl;
+        r->n_slot = ns;
+    }
+    if (!r->n_slot) return -2;
+    size_t h = (size_t)kv_pl_hash(s) & (r->n_slot - 1);
+    for (; r->slot[h]; h = (h + 1) & (r->n_slot - 1))
+        if (!strcmp(r->a[r->slot[h] - 1].s, s)) return r->slot[h] - 1;
+    if (!add) return -2;
+    if (r->n_a == r->cap_a) {
+        const size_t nc = r->cap_a ? 2 * r->cap_a : 256;
+        kv_pl_addr *na = realloc(r->a, nc * sizeof *na);
+        if (!na) return -1;
+        r->a = na;
+        r->cap_a = nc;
+    }
+    r->a[r->n_a] = (kv_pl_addr){.s = s, .kept = -1};
+    r->slot[h] = (uint32_t)++r->n_a;
+    return (int64_t)r->n_a - 1;
+}
+
+/* Entry nd of the map: its address (NULL when the entry is invalid, why
+ * says what) and its key (*has_key false when it gives none). */
+static const char *kv_pl_entry(json_t *nd, uint8_t key[32], bool *has_key, const char **why) {
+    json_t *a = json_object_get(nd, "addr");
+    const char *s = json_is_string(a) ? json_string_value(a) : NULL;
+    const size_t l = s ? json_string_length(a) : 0;
+    char host[KV_HUB_MAX_ADDR + 1];
+    uint16_t port = 0;
+    kv_diag d = {0};
+    if (!s || !l || l > KV_HUB_MAX_ADDR || strspn(s, KV_ADDR_OK) != l ||
+        kv_proto_parse_addr(s, host, sizeof host, &port, &d) || !port) {
+        *why = "addr must be HOST:PORT";
+        return NULL;
+    }
+    /* a key that is not 64 hex digits is no key: the worker is then asked
+       for none, as for an entry without one (a hub always gives one) */
+    *has_key = !kv_json_hex(nd, "key", key, 32);
+    return s;
+}
+
+static void kv_pl_note(kv_placement *p, const char *fmt, ...) {
+    if (p->note[0]) return; /* the first reason only */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->note, sizeof p->note, fmt, ap);
+    va_end(ap);
+}
+
+void kv_node_placement_free(kv_placement *p) {
+    if (!p) return;
+    kv_node_workers_free(p->addr, p->n_addr);
+    free(p->key);
+    free(p->entry);
+    memset(p, 0, sizeof *p);
+}
+
+int kv_node_placement_parse(const char *json, size_t len, kv_placement *p, kv_diag *d) {
+    memset(p, 0, sizeof *p);
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) return kv_fail(d, KV_EFORMAT, "placement: bad JSON at line %d: %s", je.line, je.text);
-    int rc = 0;
-    char **w = calloc(KV_REMOTE_MAX_WORKERS, sizeof *w);
-    uint32_t n = 0;
     json_t *sh = json_object_get(root, "shards");
-    if (!w) {
-        rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
-        goto out;
-    }
     if (!json_is_object(root) || !json_is_array(sh)) {
-        rc = kv_fail(d, KV_EFORMAT, "placement: needs {\"shards\": [...]}");
-        goto out;
+        json_decref(root);
+        return kv_fail(d, KV_EFORMAT, "placement: needs {\"shards\": [...]}");
     }
-    for (size_t i = 0; i < json_array_size(sh); i++) {
+    int rc = 0;
+    kv_pl_reader r = {0};
+    size_t n_entries = 0, cap_e = 0, cap_a = 0;
+    static const uint8_t zero[32];
+    /* 1. every entry checked, the addresses gathered, two keys marked */
+    for (size_t i = 0; i < json_array_size(sh) && !rc; i++) {
         json_t *nodes = json_object_get(json_array_get(sh, i), "nodes");
         if (!json_is_array(nodes)) {
-            rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes must be an array", i);
-            goto out;
+            p->n_skipped++;
+            kv_pl_note(p, "shards[%zu].nodes must be an array", i);
+            continue;
         }
         for (size_t j = 0; j < json_array_size(nodes); j++) {
-            json_t *a = json_object_get(json_array_get(nodes, j), "addr");
-            const char *s = json_is_string(a) ? json_string_value(a) : NULL;
-            size_t l = s ? json_string_length(a) : 0;
-            if (!s || !l || l > KV_HUB_MAX_ADDR || strspn(s, KV_ADDR_OK) != l) {
-                rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes[%zu].addr must be HOST:PORT", i, j);
-                goto out;
+            uint8_t k[32];
+            bool has_key = false;
+            const char *why = NULL;
+            const char *s = kv_pl_entry(json_array_get(nodes, j), k, &has_key, &why);
+            if (!s) {
+                p->n_skipped++;
+                kv_pl_note(p, "shards[%zu].nodes[%zu].%s", i, j, why);
+                continue;
             }
-            bool seen = false;
-            for (uint32_t k = 0; k < n && !seen; k++) seen = !strcmp(w[k], s);
-            if (seen) continue;
-            if (n == KV_REMOTE_MAX_WORKERS) {
-                rc = kv_fail(d, KV_ERANGE, "placement: more than %u workers", KV_REMOTE_MAX_WORKERS);
-                goto out;
-            }
-            if (!(w[n] = strdup(s))) {
+            const int64_t ai = kv_pl_find(&r, s, true);
+            if (ai < 0) {
                 rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
-                goto out;
+                break;
             }
-            n++;
+            kv_pl_addr *x = &r.a[ai];
+            if (!has_key || !memcmp(k, zero, 32)) continue;
+            if (!x->has_key) {
+                memcpy(x->key, k, 32);
+                x->has_key = true;
+            } else if (memcmp(x->key, k, 32) && !x->conflict) {
+                x->conflict = true;
+                p->n_conflicts++;
+                kv_pl_note(p, "address %.200s is listed with two keys (dropped)", s);
+            }
         }
     }
-out:
-    json_decref(root);
-    if (rc) {
-        kv_node_workers_free(w, n);
-        return rc;
+    /* 2. per shard, the first holders in the hub's order */
+    for (size_t i = 0; i < json_array_size(sh) && !rc; i++) {
+        json_t *nodes = json_object_get(json_array_get(sh, i), "nodes");
+        uint32_t taken = 0;
+        for (size_t j = 0; j < json_array_size(nodes) && !rc; j++) {
+            uint8_t k[32];
+            bool has_key = false;
+            const char *why = NULL;
+            const char *s = kv_pl_entry(json_array_get(nodes, j), k, &has_key, &why);
+            if (!s) continue;
+            kv_pl_addr *x = &r.a[kv_pl_find(&r, s, false)];
+            if (x->conflict) continue;
+            bool again = false; /* one address twice in a shard counts once */
+            for (size_t e = n_entries; e-- > 0 && p->entry[e].shard == i && !again;)
+                again = p->entry[e].addr == (uint32_t)x->kept && x->kept >= 0;
+            if (again) continue;
+            if (taken == KV_PLACEMENT_MAX_REPLICAS) {
+                p->n_over++;
+                continue;
+            }
+            if (x->kept < 0) {
+                if (p->n_addr == cap_a) {
+                    const size_t nc = cap_a ? 2 * cap_a : 64;
+                    char **na = realloc(p->addr, nc * sizeof *na);
+                    if (na) p->addr = na;
+                    uint8_t (*nk)[32] = realloc(p->key, nc * sizeof *nk);
+                    if (nk) p->key = nk;
+                    if (!na || !nk) {
+                        rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
+                        break;
+                    }
+                    cap_a = nc;
+                }
+                if (!(p->addr[p->n_addr] = strdup(s))) {
+                    rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
+                    break;
+                }
+                memcpy(p->key[p->n_addr], x->has_key ? x->key : zero, 32);
+                x->kept = p->n_addr++;
+            }
+            if (n_entries == cap_e) {
+                const size_t nc = cap_e ? 2 * cap_e : 256;
+                kv_placement_entry *ne = realloc(p->entry, nc * sizeof *ne);
+                if (!ne) {
+                    rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
+                    break;
+                }
+                p->entry = ne;
+                cap_e = nc;
+            }
+            p->entry[n_entries++] = (kv_placement_entry){(uint32_t)i, (uint32_t)j, (uint32_t)x->kept};
+            taken++;
+        }
     }
-    *out = w;
-    *n_out = n;
+    p->n_entry = n_entries;
+    if (!rc && !p->n_addr && (p->n_skipped || p->n_conflicts))
+        rc = kv_fail(d, KV_EFORMAT, "placement: no usable entry: %s", p->note);
+    free(r.a);
+    free(r.slot);
+    json_decref(root);
+    if (rc) kv_node_placement_free(p);
+    return rc;
+}
+
+int kv_node_parse_placement(const char *json, size_t len, char ***out, uint32_t *n_out, kv_diag *d) {
+    *out = NULL;
+    *n_out = 0;
+    kv_placement p;
+    const int rc = kv_node_placement_parse(json, len, &p, d);
+    if (rc) return rc;
+    *out = p.addr;
+    *n_out = p.n_addr;
+    p.addr = NULL;
+    p.n_addr = 0;
+    kv_node_placement_free(&p);
     return 0;
 }
 
@@ -494,6 +665,73 @@ int kv_node_fetch_coordinator(const char *hub_url, const char *dir, char *manife
         rc = kv_fail(d, KV_ENOTFOUND, "hub %s lists no live node", hub_url);
     }
     return rc;
+}
+
+/* ---- a coordinator that follows the map ---------------------------------------- */
+
+static int64_t kv_mono_ms(void);
+
+int kv_node_fetch_placement(const char *hub_url, kv_placement *p, kv_diag *d) {
+    memset(p, 0, sizeof *p);
+    char *body = NULL;
+    size_t len = 0;
+    int rc = kv_node_get(hub_url, "/v1/placement", KV_NODE_MAX_MARKET, &body, &len, d);
+    if (!rc) rc = kv_node_placement_parse(body, len, p, d);
+    free(body);
+    return rc;
+}
+
+int kv_node_placement_follow(const char *hub_url, kv_remote *r, bool require_keys, kv_diag *d) {
+    kv_placement p;
+    int rc = kv_node_fetch_placement(hub_url, &p, d);
+    if (rc) return rc;
+    static const uint8_t zero[32];
+    int added = 0;
+    for (uint32_t i = 0; i < p.n_addr; i++) {
+        kv_diag wd = {0};
+        /* the node must prove the key the map lists it with */
+        const int a = kv_remote_add_worker(r, p.addr[i], require_keys && memcmp(p.key[i], zero, 32) ? p.key[i] : NULL,
+                                           &wd);
+        if (a > 0) added++;
+        else if (a < 0 && !rc) rc = kv_fail(d, a, "%s", wd.msg); /* the first; the others are still added */
+    }
+    kv_node_placement_free(&p);
+    return rc ? rc : added;
+}
+
+int kv_node_await_coverage(const char *hub_url, kv_remote *r, bool require_keys, uint32_t wait_ms, FILE *log,
+                           kv_diag *d) {
+    const int64_t t0 = kv_mono_ms();
+    uint32_t backoff = 100;
+    for (;;) {
+        kv_remote_coverage cov;
+        uint32_t miss = 0;
+        kv_remote_get_coverage(r, &cov, &miss, 1);
+        if (cov.covered == cov.total) return 0;
+        const kv_manifest_slab *sl = &kv_remote_manifest(r)->slabs[miss];
+        const int64_t spent = kv_mono_ms() - t0;
+        if (spent >= (int64_t)wait_ms)
+            return kv_fail(d, KV_ENOTFOUND, "remote: layer %u experts %u-%u are served by no worker (%u up; %u of %u "
+                           "slabs covered) after reading the placement map again for %" PRId64 " ms", sl->layer,
+                           sl->first, sl->last, cov.workers_up, cov.covered, cov.total, spent);
+        if (log)
+            fprintf(log, "kvasir: layer %u experts %u-%u are served by no worker yet (%u of %u slabs covered): reading "
+                    "the placement map again in %u ms\n", sl->layer, sl->first, sl->last, cov.covered, cov.total, backoff);
+        /* wait (progressing connections: handshakes of workers added), then read again */
+        const int64_t until = kv_mono_ms() + backoff;
+        for (int64_t now = kv_mono_ms(); now < until; now = kv_mono_ms()) kv_remote_tend(r, (int)(until - now));
+        kv_diag fd = {0};
+        const int rc = kv_node_placement_follow(hub_url, r, require_keys, &fd);
+        if (rc < 0 && log) fprintf(log, "kvasir: placement: %s\n", fd.msg); /* the hub may be back next time */
+        /* the handshakes of those added, within one backoff */
+        const int64_t hs = kv_mono_ms() + backoff;
+        for (int64_t now = kv_mono_ms(); now < hs; now = kv_mono_ms()) {
+            kv_remote_tend(r, (int)(hs - now) < 50 ? (int)(hs - now) : 50);
+            kv_remote_get_coverage(r, &cov, &miss, 1);
+            if (cov.covered == cov.total) return 0;
+        }
+        backoff = backoff * 2 > 2000 ? 2000 : backoff * 2;
+    }
 }
 
 /* ---- authenticated dispatch: the hub's key, vouchers, worker keys ----------------- */
@@ -545,45 +783,45 @@ int kv_node_parse_voucher(const char *json, size_t len, kv_voucher *v, uint8_t h
     return rc;
 }
 
+typedef struct kv_pl_name {
+    const char *s;
+    uint32_t i;
+} kv_pl_name;
+
+static int kv_pl_cmp_name(const void *a, const void *b) {
+    return strcmp(((const kv_pl_name *)a)->s, ((const kv_pl_name *)b)->s);
+}
+
 int kv_node_parse_placement_keys(const char *json, size_t len, char *const *workers, uint32_t n, uint8_t (*keys)[32],
                                  kv_diag *d) {
     memset(keys, 0, (size_t)n * 32);
-    json_error_t je;
-    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
-    if (!root) return kv_fail(d, KV_EFORMAT, "placement: bad JSON at line %d: %s", je.line, je.text);
-    int rc = 0;
-    json_t *sh = json_object_get(root, "shards");
-    if (!json_is_object(root) || !json_is_array(sh)) {
-        rc = kv_fail(d, KV_EFORMAT, "placement: needs {\"shards\": [...]}");
-        goto out;
+    kv_placement p;
+    const int rc = kv_node_placement_parse(json, len, &p, d);
+    if (rc) return rc;
+    /* the kept addresses by name: sorted, then one binary search each */
+    kv_pl_name *ord = malloc((p.n_addr ? p.n_addr : 1) * sizeof *ord);
+    if (!ord) {
+        kv_node_placement_free(&p);
+        return kv_fail(d, KV_ENOMEM, "placement: out of memory");
     }
-    for (size_t i = 0; i < json_array_size(sh) && !rc; i++) {
-        json_t *nodes = json_object_get(json_array_get(sh, i), "nodes");
-        if (!json_is_array(nodes)) {
-            rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes must be an array", i);
-            break;
-        }
-        for (size_t j = 0; j < json_array_size(nodes) && !rc; j++) {
-            json_t *nd = json_array_get(nodes, j);
-            json_t *a = json_object_get(nd, "addr");
-            if (!json_is_string(a)) continue;
-            uint8_t k[32];
-            if (kv_json_hex(nd, "key", k, 32)) {
-                rc = kv_fail(d, KV_EFORMAT, "placement: shards[%zu].nodes[%zu].key must be 64 lowercase hex digits", i, j);
+    for (uint32_t i = 0; i < p.n_addr; i++) ord[i] = (kv_pl_name){p.addr[i], i};
+    qsort(ord, p.n_addr, sizeof *ord, kv_pl_cmp_name);
+    for (uint32_t w = 0; w < n; w++) {
+        uint32_t lo = 0, hi = p.n_addr;
+        while (lo < hi) {
+            const uint32_t mid = lo + (hi - lo) / 2;
+            const int c = strcmp(ord[mid].s, workers[w]);
+            if (!c) {
+                memcpy(keys[w], p.key[ord[mid].i], 32);
                 break;
             }
-            for (uint32_t w = 0; w < n; w++) {
-                if (strcmp(workers[w], json_string_value(a))) continue;
-                static const uint8_t zero[32];
-                if (!memcmp(keys[w], zero, 32)) memcpy(keys[w], k, 32);
-                else if (memcmp(keys[w], k, 32))
-                    rc = kv_fail(d, KV_EFORMAT, "placement: address %.200s is listed with two keys", workers[w]);
-            }
+            if (c < 0) lo = mid + 1;
+            else hi = mid;
         }
     }
-out:
-    json_decref(root);
-    return rc;
+    free(ord);
+    kv_node_placement_free(&p);
+    return 0;
 }
 
 int kv_node_fetch_hub_key(const char *hub_url, uint8_t out[32], kv_diag *d) {

@@ -217,7 +217,19 @@ int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch) 
         while (keep < n && c[keep].p >= thr) keep++;
         n = keep;
     }
-    for (int32_t i = 0; i < n; i++) c[i].logit /= p->temp;
+    /* Tempering. A tiny temperature (below about 1e-37, or a denormal)
+     * overflows the best logit to +-Inf, and the softmax's Inf - Inf would
+     * make every probability NaN, the draw then falling through to the least
+     * likely kept token. Shifted by the best logit first, every tempered
+     * value is <= 0 and the best exactly 0: the limit is the argmax, as it
+     * should be. The plain division stays where it is finite, so every
+     * ordinary temperature draws the bits it always drew. */
+    if (isfinite(c[0].logit / p->temp)) {
+        for (int32_t i = 0; i < n; i++) c[i].logit /= p->temp;
+    } else {
+        const float top = c[0].logit;
+        for (int32_t i = 0; i < n; i++) c[i].logit = (c[i].logit - top) / p->temp;
+    }
     kv_cand_softmax(c, n);
     const double r = kv_uniform_at(s->key, s->pos, s->n_draw++);
     double cum = 0.0;
