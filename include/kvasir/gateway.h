@@ -28,8 +28,18 @@
  * the context (both counts named), 401 without a valid key when keys are
  * configured, 402 when the gateway charges (ledger_path) and the request's
  * X-KVR-Payment authorization is missing or refused (nothing is charged
- * then), 404 unknown model or path, 413 body too large, 503 with
- * Retry-After when the queue is full. */
+ * then), 404 unknown model or path, 413 body too large (or its JSON needs
+ * more than parse_max bytes of memory), 503 with Retry-After when the queue
+ * is full.
+ *
+ * Fair shares: a client is its API key (its address when there are no
+ * keys). The scheduler admits next the queued request of the client with the
+ * fewest sessions running (ties: the one waiting longest); when the queue is
+ * full a newcomer displaces the newest queued request of the client that
+ * holds the most places (at least two more than the newcomer's client: that
+ * request ends 503), so no client can hold the queue while others wait.
+ * Connections are guarded as src/http/http_guard.h says (a deadline for a
+ * whole request, per-address limits, the fullest address yields). */
 #ifndef KVASIR_GATEWAY_H
 #define KVASIR_GATEWAY_H
 
@@ -56,9 +66,15 @@ typedef struct kv_gateway_opts {
     uint32_t max_active;        /* sessions stepping at once; 0 = 16 (at most the engine's) */
     uint32_t queue_max;         /* requests waiting for a slot; 0 = 64 */
     uint32_t max_conns;         /* open connections; 0 = 256 */
-    uint32_t per_ip_conns;      /* open connections per client IP; 0 = 64 */
+    uint32_t per_ip_conns;      /* open connections per client IP (IPv6: per /64); 0 = 16 */
     uint32_t timeout_s;         /* idle connection timeout; 0 = 120 */
+    uint32_t request_s;         /* a request's headers and body arrive within this (a kept-alive
+                                   connection's wait for its next request included); 0 = 30 */
     size_t body_max;            /* request body bytes; 0 = 1 MiB, at most KV_GATEWAY_MAX_BODY */
+    size_t parse_max;           /* memory one request's parsed JSON may hold (413 beyond);
+                                   0 = 4 * body_max + 1 MiB */
+    size_t parse_total;         /* memory all requests' parsed JSON may hold together (503 beyond);
+                                   0 = the larger of 256 MiB and 4 * parse_max */
     uint32_t max_tokens_default;/* when a request names none; 0 = 512 */
     bool hold;                  /* start with admission held (kv_gateway_hold) */
     /* charging in KVR (docs/LEDGER.md "The gateway"); all unset = free */
@@ -116,7 +132,14 @@ typedef struct kv_gateway_stats {
     uint64_t requests;          /* requests answered (every status) */
     uint64_t completed;         /* generations that ran to their end */
     uint64_t cancelled;         /* sessions freed because the client went away */
-    uint64_t rejected_full;     /* 503: queue full */
+    uint64_t rejected_full;     /* 503: queue full (displaced requests included) */
+    uint64_t displaced;         /* queued requests displaced by another client's (503) */
+    uint64_t parse_refused;     /* 413/503: a body whose JSON needed more than its budget */
+    size_t parse_live;          /* bytes parsed JSON holds now (reserved during a parse) */
+    uint64_t conns_evicted;     /* incomplete connections closed to let another address in */
+    uint64_t conns_expired;     /* connections closed at the whole-request deadline */
+    uint64_t conns_refused;     /* newcomers refused (address at its limit, or full) */
+    uint32_t conns_open;        /* connections open now */
     uint64_t tokens_prompt, tokens_completion;
     uint32_t queued, active;    /* now */
 } kv_gateway_stats;

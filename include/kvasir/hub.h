@@ -59,8 +59,9 @@ typedef struct kv_hub_opts {
     uint64_t reward_base;      /* micro-KVR per hour for a shard with wanted replicas; 0 = 1000000 */
     uint32_t max_body;         /* request body bound, bytes; 0 = KV_HUB_MAX_BODY */
     uint32_t max_conns;        /* concurrent connections; 0 = 1024 */
-    uint32_t per_ip_conns;     /* concurrent connections per client IP; 0 = 64 */
+    uint32_t per_ip_conns;     /* concurrent connections per client IP (IPv6: per /64); 0 = 16 */
     uint32_t conn_timeout_s;   /* idle connection timeout; 0 = 30 */
+    uint32_t request_s;        /* a request's headers and body arrive within this; 0 = 15 */
     uint32_t threads;          /* server threads; 0 = 4 */
     uint32_t challenge_every;  /* heartbeats between storage challenges; 0 = 12 */
     uint32_t challenge_ttl_ms; /* a challenge unanswered this long fails; 0 = 60000 */

@@ -27,7 +27,7 @@
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--worker", "--api-key", "--api-keys",
                                              "--name", "--ctx", "-c", "--threads", "-t", "--batch", "-b",
-                                             "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout",
+                                             "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout", "--request-timeout", "--parse-max",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
                                              "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms", NULL};
@@ -61,8 +61,14 @@ static const char *kv_gateway_help =
     "  --ctx N              positions per session (default: the model's)\n"
     "  --parallel N         sessions in the running batch (default 16)\n"
     "  --queue N            requests waiting for a slot before 503 (default 64)\n"
-    "  --max-conns N        open connections (default 256); --per-ip N per client IP (default 64)\n"
+    "  --max-conns N        open connections (default 256); --per-ip N per client IP, an IPv6 /64\n"
+    "                       counted as one (default 16). When full, the address holding the most\n"
+    "                       incomplete requests yields one connection to a newcomer\n"
     "  --timeout S          idle connection timeout in seconds (default 120)\n"
+    "  --request-timeout S  a request's headers and body must arrive within S seconds, however slowly\n"
+    "                       they trickle in (default 30)\n"
+    "  --parse-max BYTES    memory one request's parsed JSON may hold, 413 beyond (default 4 x the body\n"
+    "                       limit + 1 MiB); all requests' together at most 4x that or 256 MiB\n"
     "  --body-max BYTES     request body limit (default 1048576)\n"
     "  --max-tokens N       tokens per request when it names none (default 512)\n"
     "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n"
@@ -114,7 +120,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     long ring_timeout = 60000;
     const char *keys[KV_GATEWAY_MAX_KEYS];
     uint32_t n_workers = 0, n_keys = 0;
-    long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 64;
+    long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 16;
+    long request_s = 30, parse_max = 0;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
     const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
     uint64_t price_p = 1, price_c = 2;
@@ -209,6 +216,10 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 1, 1 << 16, &per_ip)) return 1;
         } else if (!strcmp(a, "--timeout")) {
             if (kv_arg_long(CMD, a, v, 1, 86400, &timeout)) return 1;
+        } else if (!strcmp(a, "--request-timeout")) {
+            if (kv_arg_long(CMD, a, v, 1, 86400, &request_s)) return 1;
+        } else if (!strcmp(a, "--parse-max")) {
+            if (kv_arg_long(CMD, a, v, 64L << 10, 1L << 32, &parse_max)) return 1;
         } else if (!strcmp(a, "--body-max")) {
             if (kv_arg_long(CMD, a, v, 1024, KV_GATEWAY_MAX_BODY, &body_max)) return 1;
         } else if (!strcmp(a, "--max-tokens")) {
@@ -306,6 +317,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .n_api_keys = n_keys, .max_active = (uint32_t)parallel,
                                     .queue_max = (uint32_t)queue, .max_conns = (uint32_t)max_conns,
                                     .per_ip_conns = (uint32_t)per_ip, .timeout_s = (uint32_t)timeout,
+                                    .request_s = (uint32_t)request_s, .parse_max = (size_t)parse_max,
                                     .body_max = (size_t)body_max, .max_tokens_default = (uint32_t)max_tokens,
                                     .ring_addrs = rings, .n_ring = n_rings, .ring_key_sk = ring_key.sk,
                                     .ring_voucher = hub ? &rv : NULL,
@@ -356,6 +368,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .n_api_keys = n_keys, .max_active = (uint32_t)parallel, .queue_max = (uint32_t)queue,
                                 .max_conns = (uint32_t)max_conns, .per_ip_conns = (uint32_t)per_ip,
                                 .timeout_s = (uint32_t)timeout, .body_max = (size_t)body_max,
+                                .request_s = (uint32_t)request_s, .parse_max = (size_t)parse_max,
                                 .max_tokens_default = (uint32_t)max_tokens, .hub_url = hub,
                                 .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry,
                                 .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,

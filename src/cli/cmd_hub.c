@@ -16,7 +16,7 @@
 
 static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--wanted", "--deadline-ms",
                                              "--reward", "--max-body", "--max-conns", "--per-ip-conns",
-                                             "--timeout", "--threads", "--challenge-every",
+                                             "--timeout", "--request-timeout", "--threads", "--challenge-every",
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
                                              "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger",
                                              "--prove-deadline-ms", "--prove-every-ms", "--prove-threads",
@@ -38,8 +38,10 @@ static const char *kv_hub_help =
     "  --reward MICRO      micro-KVR per hour offered for a shard at its wanted count (default 1000000)\n"
     "  --max-body BYTES    request body bound (default 1048576)\n"
     "  --max-conns N       concurrent connections (default 1024)\n"
-    "  --per-ip-conns N    concurrent connections per client IP (default 64)\n"
+    "  --per-ip-conns N    concurrent connections per client IP, an IPv6 /64 counted as one (default 16)\n"
     "  --timeout S         idle connection timeout, seconds (default 30)\n"
+    "  --request-timeout S a request's headers and body must arrive within S seconds, however\n"
+    "                      slowly they trickle in (default 15)\n"
     "  --threads N         server threads (default 4)\n"
     "  --challenge-every N storage challenge every N heartbeats of a node (default 12)\n"
     "  --challenge-ttl-ms MS  an unanswered challenge fails after MS (default 60000)\n"
@@ -164,6 +166,9 @@ int kv_cmd_hub(int argc, char **argv) {
         } else if (!strcmp(a, "--timeout")) {
             if (kv_arg_long(CMD, a, s, 1, 3600, &v)) return 1;
             o.conn_timeout_s = (uint32_t)v;
+        } else if (!strcmp(a, "--request-timeout")) {
+            if (kv_arg_long(CMD, a, s, 1, 3600, &v)) return 1;
+            o.request_s = (uint32_t)v;
         } else if (!strcmp(a, "--threads")) {
             if (kv_arg_long(CMD, a, s, 1, 256, &v)) return 1;
             o.threads = (uint32_t)v;

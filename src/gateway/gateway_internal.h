@@ -56,6 +56,12 @@ typedef struct kv_gw_params {
  * KV_EINVAL with d naming the field; p then holds nothing to free beyond
  * kv_gw_params_free (which is always safe after the call). */
 int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d);
+/* kv_gw_parse within a memory budget: the parsed JSON may hold at most
+ * budget bytes (counted per thread, http/http_guard.h), or the parse fails
+ * with *over set, KV_ERANGE and d saying so (413). *held: the bytes the
+ * parsed body holds on return (what the request keeps until it is freed). */
+int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,
+                       kv_diag *d);
 void kv_gw_params_free(kv_gw_params *p);
 
 /* ---- incremental text -------------------------------------------------

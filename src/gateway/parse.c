@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "gateway/gateway_internal.h"
+#include "http/http_guard.h"
 
 int kv_gw_parse_openai(kv_gw_params *p, json_t *o, bool chat, kv_diag *d);
 int kv_gw_parse_anthropic(kv_gw_params *p, json_t *o, kv_diag *d);
@@ -192,6 +193,21 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
     case KV_GW_OLLAMA: return kv_gw_parse_ollama(p, p->json, d);
     default: return kv_fail(d, KV_EINVAL, "unknown API %d", api);
     }
+}
+
+int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,
+                       kv_diag *d) {
+    kv_json_budget_install();
+    kv_json_budget_begin(budget);
+    int rc = kv_gw_parse(p, api, body, n, d);
+    *held = kv_json_budget_end(over);
+    if (*over) {
+        /* what failed was an allocation past the budget, whatever jansson said */
+        if (d) *d = (kv_diag){0};
+        rc = kv_fail(d, KV_ERANGE, "the JSON body needs more than %zu bytes of memory to parse (too many values or "
+                     "nesting for its size); at most %zu", budget, budget);
+    }
+    return rc;
 }
 
 void kv_gw_params_free(kv_gw_params *p) {

@@ -39,6 +39,7 @@
 
 #include "gateway/gateway_internal.h"
 #include "gateway/pay.h"
+#include "http/http_guard.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/gateway.h"
 #include "kvasir/ledger.h"
@@ -52,6 +53,7 @@ enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
 typedef struct kv_gw_req {
     struct kv_gw_req *next;     /* queue or active list (g->mu) */
     uint64_t id;                /* 1, 2, ... */
+    uint64_t client;            /* who asked (its API key, or its address when no keys): keyed hash */
     int api;
     kv_session_opts so;
     int32_t *prompt;            /* [n_prompt], freed once prompted */
@@ -61,6 +63,7 @@ typedef struct kv_gw_req {
     int refs;
     int state;                  /* KV_REQ_* */
     bool cancel;                /* client gone or a stop string matched */
+    bool displaced;             /* dropped from a full queue for another client's request (503) */
     int32_t *toks;              /* [cap] tokens published; entries below n_toks never change */
     uint32_t n_toks, cap;
     enum kv_stop stop;
@@ -125,6 +128,10 @@ struct kv_gateway {
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
     uint32_t max_batch;         /* most sessions one step carried */
     kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
+    kv_http_guard *guard;       /* connection limits and request deadlines (http_guard.h) */
+    uint8_t client_salt[16];    /* keys the hash that names a client (kv_gw_req.client) */
+    size_t parse_live;          /* (mu) bytes parsed JSON holds, or is reserved for a parse */
+    uint64_t parse_refused, displaced;
     uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
     double step_sum;
     /* a swarm: the engine's experts on workers */
@@ -315,6 +322,71 @@ static void kv_sched_placement_locked(kv_gateway *g) {
     g->workers_added += added;
 }
 
+/* Unlinks and returns the queued request to admit next: of the clients with
+ * a request waiting, the one with the fewest sessions running; among its
+ * requests, and between clients tied, the one waiting longest. So a client
+ * that holds every slot gets the next one only when nobody else waits. */
+static kv_gw_req *kv_queue_pick_locked(kv_gateway *g) {
+    kv_gw_req *best = NULL, *best_prev = NULL;
+    uint32_t best_active = UINT32_MAX;
+    for (kv_gw_req *r = g->queue, *prev = NULL; r && best_active; prev = r, r = r->next) {
+        uint32_t act = 0;
+        for (kv_gw_req *a = g->active; a; a = a->next) act += a->client == r->client;
+        if (act < best_active) {
+            best = r;
+            best_prev = prev;
+            best_active = act;
+        }
+    }
+    if (!best) return NULL;
+    if (best_prev) best_prev->next = best->next;
+    else g->queue = best->next;
+    if (g->queue_tail == best) g->queue_tail = best_prev;
+    best->next = NULL;
+    g->n_queued--;
+    return best;
+}
+
+/* The queue is full and r's client wants a place: the newest queued request
+ * of the client holding the most places yields it (ends 503) when that
+ * client holds at least two more than r's; otherwise r is refused. Returns
+ * whether a place was made. */
+static bool kv_queue_displace_locked(kv_gateway *g, const kv_gw_req *r) {
+    uint32_t mine = 0, most = 0;
+    kv_gw_req *victim = NULL;
+    for (kv_gw_req *q = g->queue; q; q = q->next) {
+        mine += q->client == r->client;
+        uint32_t same = 0;
+        kv_gw_req *newest = NULL;
+        for (kv_gw_req *x = q; x; x = x->next) /* counted from its first request on */
+            if (x->client == q->client) {
+                same++;
+                newest = x;
+            }
+        if (same > most) {
+            most = same;
+            victim = newest;
+        }
+    }
+    if (!victim || most < mine + 2) return false;
+    kv_gw_req *prev = NULL;
+    for (kv_gw_req *q = g->queue; q != victim; q = q->next) prev = q;
+    if (prev) prev->next = victim->next;
+    else g->queue = victim->next;
+    if (g->queue_tail == victim) g->queue_tail = prev;
+    g->n_queued--;
+    g->displaced++;
+    g->rejected_full++;
+    victim->displaced = true;
+    victim->err = KV_EIO;
+    snprintf(victim->errmsg, sizeof victim->errmsg,
+             "the queue is full and this client held more of it than others (%u places); retry later", most);
+    victim->state = KV_REQ_DONE;
+    kv_req_unref_locked(victim);
+    pthread_cond_broadcast(&g->out_cv);
+    return true;
+}
+
 static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
     kv_diag d = {0};
     kv_session *s = NULL;
@@ -373,13 +445,7 @@ static void *kv_sched_main(void *arg) {
             g->completed--; /* it did not run to its end */
         }
         /* join: queued requests, oldest first, while there is room */
-        while (!g->hold && g->queue && g->n_active < g->o.max_active) {
-            kv_gw_req *r = g->queue;
-            g->queue = r->next;
-            if (!g->queue) g->queue_tail = NULL;
-            g->n_queued--;
-            kv_sched_admit_locked(g, r);
-        }
+        while (!g->hold && g->queue && g->n_active < g->o.max_active) kv_sched_admit_locked(g, kv_queue_pick_locked(g));
         pthread_cond_broadcast(&g->out_cv);
         kv_sched_placement_locked(g);
         if (!g->active) {
@@ -629,10 +695,7 @@ static void *kv_sched_ring(kv_gateway *g) {
             kv_req_unref_locked(r);
         }
         while (!g->hold && g->queue && g->n_active < g->o.max_active) {
-            kv_gw_req *r = g->queue;
-            g->queue = r->next;
-            if (!g->queue) g->queue_tail = NULL;
-            g->n_queued--;
+            kv_gw_req *r = kv_queue_pick_locked(g);
             r->state = KV_REQ_ACTIVE;
             r->sst = KV_SESSION_PREFILL;
             r->next = g->active;
@@ -752,6 +815,8 @@ typedef struct kv_gw_conn {
     char *body;                 /* [n] received, at most body_max */
     size_t n, cap;
     bool too_big;
+    bool answered;              /* refused before its body (the body is not read) */
+    size_t parse_charge;        /* bytes of g->parse_live this request's parsed JSON holds */
     int fd;                     /* the client socket, to see it hang up */
     kv_gw_req *r;               /* our reference, or NULL */
     kv_gw_params *p;
@@ -997,6 +1062,39 @@ static bool kv_key_ok(kv_gateway *g, struct MHD_Connection *c) {
     return ok;
 }
 
+/* Who asks: the API key presented (keys are configured and it passed
+ * kv_key_ok), or else the client's address (IPv6: its /64), as a keyed hash. */
+static uint64_t kv_client_of(kv_gateway *g, struct MHD_Connection *c) {
+    uint8_t id[KV_GATEWAY_MAX_KEY_LEN + 2] = {0};
+    size_t n = 0;
+    if (g->n_keys) {
+        const char *k = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "x-api-key");
+        const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+        if (a && !strncasecmp(a, "Bearer ", 7)) k = a + 7;
+        if (k) {
+            id[0] = 'k';
+            n = strlen(k) < sizeof id - 1 ? strlen(k) : sizeof id - 1; /* keys are at most KV_GATEWAY_MAX_KEY_LEN */
+            memcpy(id + 1, k, n);
+            n++;
+        }
+    }
+    const union MHD_ConnectionInfo *ci = n ? NULL : MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    if (ci && ci->client_addr && ci->client_addr->sa_family == AF_INET) {
+        id[0] = '4';
+        memcpy(id + 1, &((const struct sockaddr_in *)ci->client_addr)->sin_addr, 4);
+        n = 5;
+    } else if (ci && ci->client_addr && ci->client_addr->sa_family == AF_INET6) {
+        id[0] = '6';
+        memcpy(id + 1, ((const struct sockaddr_in6 *)ci->client_addr)->sin6_addr.s6_addr, 8);
+        n = 9;
+    }
+    uint8_t h[crypto_shorthash_BYTES];
+    crypto_shorthash(h, id, n, g->client_salt);
+    uint64_t v = 0;
+    memcpy(&v, h, sizeof v);
+    return v;
+}
+
 /* A local request: the prompt tokenized here (the chat template for the
  * chat APIs), paid for when the gateway charges. NULL with *status and d
  * on refusal. */
@@ -1118,7 +1216,27 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     kv_diag d = {0};
     cn->p = calloc(1, sizeof *cn->p);
     if (!cn->p) return kv_reply_err(cn, c, 500, "out of memory");
-    if (kv_gw_parse(cn->p, cn->api, cn->body ? cn->body : "", cn->n, &d)) return kv_reply_err(cn, c, 400, "%s", d.msg);
+    /* the parse's memory: reserved whole from the gateway's total first, the
+       unused part given back after; what the parsed body holds stays charged
+       until the request ends (kv_done) */
+    pthread_mutex_lock(&g->mu);
+    const bool room = g->parse_live + g->o.parse_max <= g->o.parse_total;
+    if (room) g->parse_live += g->o.parse_max;
+    else g->parse_refused++;
+    pthread_mutex_unlock(&g->mu);
+    if (!room)
+        return kv_reply_err(cn, c, 503, "the gateway is parsing as many request bodies as its memory allows (%zu bytes); "
+                            "retry later", g->o.parse_total);
+    bool over = false;
+    size_t held = 0;
+    const int prc = kv_gw_parse_budget(cn->p, cn->api, cn->body ? cn->body : "", cn->n, g->o.parse_max, &held, &over, &d);
+    pthread_mutex_lock(&g->mu);
+    g->parse_live -= g->o.parse_max - held;
+    cn->parse_charge = held;
+    if (over) g->parse_refused++;
+    pthread_mutex_unlock(&g->mu);
+    if (over) return kv_reply_err(cn, c, 413, "%s", d.msg);
+    if (prc) return kv_reply_err(cn, c, 400, "%s", d.msg);
     kv_gw_params *p = cn->p;
     if (p->model && strcmp(p->model, g->model))
         return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
@@ -1133,8 +1251,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             return kv_reply_err(cn, c, status, "%s", d.msg);
     }
     r->refs = 2;
+    r->client = kv_client_of(g, c);
     pthread_mutex_lock(&g->mu);
-    if (g->quit || g->n_queued >= g->o.queue_max) {
+    if (g->quit || (g->n_queued >= g->o.queue_max && !kv_queue_displace_locked(g, r))) {
         g->rejected_full++;
         r->refs = 1;
         kv_req_unref_locked(r);
@@ -1203,7 +1322,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             char msg[256];
             memcpy(msg, r->errmsg, sizeof msg);
             const int err = r->err;
+            const bool displaced = r->displaced;
             pthread_mutex_unlock(&g->mu);
+            if (displaced) return kv_reply_err(cn, c, 503, "%s", msg);
             /* a ring that broke or went out of reach is a 503 (retry later), not a fault here */
             return kv_reply_err(cn, c, g->n_ring ? kv_ring_http_status(err) == 400 ? 500 : kv_ring_http_status(err) : 500,
                                 "generation failed: %s", msg);
@@ -1424,6 +1545,15 @@ static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char
         if (ci) cn->fd = ci->connect_fd;
         kv_route_of(cn, method, url);
         *con_cls = cn;
+        char why[96];
+        if (!kv_http_lengths_ok(c, why, sizeof why)) { /* answered now: the body is not read */
+            cn->answered = true;
+            return kv_reply_err(cn, c, 400, "the request has %s", why);
+        }
+        return MHD_YES;
+    }
+    if (cn->answered) {
+        *upload_size = 0;
         return MHD_YES;
     }
     if (*upload_size) {
@@ -1443,6 +1573,7 @@ static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char
         *upload_size = 0;
         return MHD_YES;
     }
+    kv_http_guard_busy(g->guard, c); /* whole: no deadline while it is answered */
     if (cn->route == KV_R_NOTFOUND) return kv_reply_err(cn, c, 404, "no route %.8s %.200s", method, url);
     if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
     if (cn->too_big)
@@ -1474,6 +1605,7 @@ static enum MHD_Result kv_handle(void *cls, struct MHD_Connection *c, const char
 static void kv_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
     kv_gateway *g = cls;
     kv_gw_conn *cn = *con_cls;
+    kv_http_guard_idle(g->guard, c); /* a kept-alive connection's next request: its deadline starts */
     if (!cn) return;
     if (cn->r) {
         pthread_mutex_lock(&g->mu);
@@ -1494,8 +1626,15 @@ static void kv_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MH
     free(cn->out.p);
     free(cn->full.p);
     free(cn->body);
+    const size_t freed = cn->parse_charge + cn->cap;
+    if (cn->parse_charge) {
+        pthread_mutex_lock(&g->mu);
+        g->parse_live -= cn->parse_charge;
+        pthread_mutex_unlock(&g->mu);
+    }
     free(cn);
     *con_cls = NULL;
+    kv_http_release_memory(freed >= (1u << 20)); /* after a burst of big bodies RSS falls again */
 }
 
 /* ---- life ------------------------------------------------------------- */
@@ -1508,9 +1647,12 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if (!o.max_active) o.max_active = 16;
     if (!o.queue_max) o.queue_max = 64;
     if (!o.max_conns) o.max_conns = 256;
-    if (!o.per_ip_conns) o.per_ip_conns = 64;
+    if (!o.per_ip_conns) o.per_ip_conns = 16;
     if (!o.timeout_s) o.timeout_s = 120;
+    if (!o.request_s) o.request_s = 30;
     if (!o.body_max) o.body_max = 1u << 20;
+    if (!o.parse_max) o.parse_max = 4 * o.body_max + (1u << 20);
+    if (!o.parse_total) o.parse_total = o.parse_max * 4 > (256u << 20) ? o.parse_max * 4 : (256u << 20);
     if (!o.max_tokens_default) o.max_tokens_default = 512;
     if (!o.step_retry_ms) o.step_retry_ms = 30000;
     if (!o.ring_timeout_ms) o.ring_timeout_ms = 60000;
@@ -1532,6 +1674,9 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if (o.hub_url && !kv_engine_remote(e))
         return kv_fail(d, KV_EINVAL, "gateway: a hub URL needs an engine whose experts are on workers");
     if (o.body_max > KV_GATEWAY_MAX_BODY) return kv_fail(d, KV_EINVAL, "gateway: body limit %zu is over %u", o.body_max, KV_GATEWAY_MAX_BODY);
+    if (o.parse_max > o.parse_total)
+        return kv_fail(d, KV_EINVAL, "gateway: parse memory per request (%zu) is over the total (%zu)", o.parse_max, o.parse_total);
+    if (o.request_s > 86400) return kv_fail(d, KV_EINVAL, "gateway: request deadline %u s is over a day", o.request_s);
     if (o.n_api_keys > KV_GATEWAY_MAX_KEYS) return kv_fail(d, KV_EINVAL, "gateway: %u keys, at most %u", o.n_api_keys, KV_GATEWAY_MAX_KEYS);
     if (strlen(o.model_name) > KV_GW_MAX_MODEL_LEN) return kv_fail(d, KV_EINVAL, "gateway: model name too long");
     struct sockaddr_storage ss = {0};
@@ -1564,10 +1709,12 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
             kv_gateway_free(g);
             return kv_fail(d, KV_ENOMEM, "gateway: out of memory");
         }
-    if (o.n_ring && sodium_init() < 0) {
+    if (sodium_init() < 0) {
         kv_gateway_free(g);
         return kv_fail(d, KV_EINTERNAL, "gateway: libsodium did not initialize");
     }
+    randombytes_buf(g->client_salt, sizeof g->client_salt);
+    kv_json_budget_install();
     if (o.ring_key_sk) {
         memcpy(g->ring_sk, o.ring_key_sk, 64);
     } else if (o.n_ring) {
@@ -1617,14 +1764,18 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
         if (pthread_create(&g->ring_watch, NULL, kv_ring_watch_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the ring watcher"); goto fail; }
         g->ring_watch_up = true;
     }
+    const kv_http_guard_opts go = {.max_conns = o.max_conns, .per_ip = o.per_ip_conns, .request_ms = o.request_s * 1000};
+    if ((rc = kv_http_guard_open(&g->guard, &go, d))) goto fail;
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD;
     if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
-    g->mhd = MHD_start_daemon(flags, 0, NULL, NULL, kv_handle, g, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)o.max_conns,
-                              MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)o.per_ip_conns,
+    /* per-address limits are the guard's (it counts an IPv6 /64 as one client) */
+    g->mhd = MHD_start_daemon(flags, 0, kv_http_guard_accept, g->guard, kv_handle, g,
+                              MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+                              MHD_OPTION_CONNECTION_LIMIT, kv_http_guard_mhd_limit(g->guard),
                               MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)o.timeout_s,
                               MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024),
-                              MHD_OPTION_NOTIFY_COMPLETED, kv_done, g, MHD_OPTION_END);
+                              MHD_OPTION_NOTIFY_COMPLETED, kv_done, g,
+                              MHD_OPTION_NOTIFY_CONNECTION, kv_http_guard_notify, g->guard, MHD_OPTION_END);
     if (!g->mhd) { rc = kv_fail(d, KV_EIO, "gateway: cannot listen on %.100s port %u (in use, or not a local address?)", opts && opts->host ? opts->host : "127.0.0.1", o.port); goto fail; }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(g->mhd, MHD_DAEMON_INFO_BIND_PORT);
     g->port = di ? di->port : o.port;
@@ -1666,7 +1817,18 @@ void kv_gateway_get_stats(kv_gateway *g, kv_gateway_stats *out) {
     out->tokens_completion = g->tokens_completion;
     out->queued = g->n_queued;
     out->active = g->n_active;
+    out->displaced = g->displaced;
+    out->parse_refused = g->parse_refused;
+    out->parse_live = g->parse_live;
     pthread_mutex_unlock(&g->mu);
+    if (g->guard) {
+        kv_http_guard_stats gs;
+        kv_http_guard_get_stats(g->guard, &gs);
+        out->conns_evicted = gs.evicted;
+        out->conns_expired = gs.expired;
+        out->conns_refused = gs.refused_ip + gs.refused_full;
+        out->conns_open = gs.open;
+    }
 }
 
 void kv_gateway_free(kv_gateway *g) {
@@ -1689,6 +1851,7 @@ void kv_gateway_free(kv_gateway *g) {
     for (uint32_t i = 0; i < g->n_ring; i++) free(g->ring[i]);
     sodium_memzero(g->ring_sk, sizeof g->ring_sk);
     if (g->mhd) MHD_stop_daemon(g->mhd); /* every connection ends: their payments are settled or released */
+    kv_http_guard_free(g->guard);
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);

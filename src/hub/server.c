@@ -32,7 +32,11 @@
  * path can name another file.
  *
  * Resources. Connections are bounded in total and per client IP, idle ones
- * time out, per-connection memory is bounded, and so are outstanding
+ * time out, a request must arrive whole within request_s, and when full the
+ * address holding the most incomplete connections yields one to a newcomer
+ * (src/http/http_guard.h); conflicting Content-Length headers are refused;
+ * parsing a body may hold at most KV_HUB_PARSE_FACTOR x max_body + 1 MiB
+ * (413 beyond); per-connection memory is bounded, and so are outstanding
  * registration nonces (a ring: the oldest is forgotten) and registered
  * nodes (KV_HUB_MAX_NODES). */
 #include <arpa/inet.h>
@@ -56,6 +60,7 @@
 #include "hub/hub_internal.h"
 #include "hub/prove.h"
 #include "hub/store.h"
+#include "http/http_guard.h"
 #include "kvasir/probe.h"
 #include "kvasir/dispatch.h"
 #include "kvasir/node.h"
@@ -141,6 +146,7 @@ struct kv_hub {
     kv_hub_nonce *nonces;       /* [KV_HUB_MAX_NONCES] ring */
     uint32_t nonce_next;
     struct MHD_Daemon *mhd;
+    kv_http_guard *guard;       /* connection limits and request deadlines */
     char addr[128];
     int stop_pipe[2];
     uint8_t hub_pk[32], hub_sk[64]; /* signs vouchers */
@@ -739,6 +745,24 @@ typedef struct kv_req {
     bool answered;  /* the refusal is queued */
     size_t discarded; /* bytes dropped since too_big */
 } kv_req;
+
+/* A body's parse may hold at most this many times max_body, plus 1 MiB: an
+ * honest body costs about 3x its size while parsed; 1 MiB of "{}" would cost
+ * tens of megabytes. */
+#define KV_HUB_PARSE_FACTOR 4u
+
+static size_t kv_parse_budget(const kv_hub *h) { return (size_t)KV_HUB_PARSE_FACTOR * h->o.max_body + (1u << 20); }
+
+/* Whether body[n]'s JSON parses within the budget (a malformed body passes
+ * here: its handler names what is wrong). */
+static bool kv_parse_fits(const kv_hub *h, const char *body, size_t n) {
+    kv_json_budget_begin(kv_parse_budget(h));
+    json_t *j = json_loadb(body, n, 0, NULL);
+    bool over = false;
+    json_decref(j);
+    kv_json_budget_end(&over);
+    return !over;
+}
 
 static enum MHD_Result kv_reply(struct MHD_Connection *c, unsigned status, const char *type, char *body,
                                 size_t n) {
@@ -1669,6 +1693,11 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         q = calloc(1, sizeof *q);
         if (!q) return MHD_NO;
         *con_cls = q;
+        char why[96];
+        if (!kv_http_lengths_ok(c, why, sizeof why)) { /* answered now: the body is not read */
+            q->too_big = q->answered = true;
+            return kv_reply_errf(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL, "the request has %s", why);
+        }
         if (post) {
             const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
             if (cl && (strlen(cl) > 12 || strtoull(cl, NULL, 10) > h->o.max_body)) {
@@ -1704,6 +1733,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         return MHD_YES;
     }
     if (q->too_big && q->answered) return MHD_YES;
+    kv_http_guard_busy(h->guard, c); /* whole: no deadline while it is answered */
     if (q->too_big) {
         q->answered = true;
         if (!post) return kv_reply_errf(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL, "a %.16s request takes no body", method);
@@ -1774,23 +1804,37 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
     int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3
                 : !strcmp(url, "/v1/voucher") ? 4 : !strcmp(url, "/v1/report") ? 5 : 0;
     if (!which) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
+    /* a body that would cost more memory to parse than its budget is refused
+       before any handler parses it; the handlers then run under the budget */
+    if (q->n > 4096 && !kv_parse_fits(h, q->body, q->n))
+        return kv_reply_errf(c, MHD_HTTP_CONTENT_TOO_LARGE, KV_ERANGE,
+                             "the JSON body needs more than %zu bytes of memory to parse (too many values or nesting "
+                             "for its size)", kv_parse_budget(h));
     kv_diag d = {0};
     kv_signed s;
     if (kv_check_sig(c, method, url, q, &s, &d)) return kv_reply_diag(c, MHD_HTTP_UNAUTHORIZED, &d);
-    if (which == 1) return kv_do_register(h, c, &s, q);
-    if (which == 2) return kv_do_heartbeat(h, c, &s, q);
-    if (which == 4) return kv_do_voucher(h, c, &s);
-    if (which == 5) return kv_do_report(h, c, &s, q);
-    return kv_do_answer(h, c, &s, q);
+    kv_json_budget_begin(kv_parse_budget(h));
+    enum MHD_Result ret;
+    if (which == 1) ret = kv_do_register(h, c, &s, q);
+    else if (which == 2) ret = kv_do_heartbeat(h, c, &s, q);
+    else if (which == 4) ret = kv_do_voucher(h, c, &s);
+    else if (which == 5) ret = kv_do_report(h, c, &s, q);
+    else ret = kv_do_answer(h, c, &s, q);
+    kv_json_budget_end(NULL);
+    return ret;
 }
 
 static void kv_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    kv_hub *h = cls;
     kv_req *q = *con_cls;
+    kv_http_guard_idle(h->guard, c); /* a kept-alive connection's next request: its deadline starts */
+    const size_t freed = q ? q->cap : 0;
     if (q) {
         free(q->body);
         free(q);
     }
     *con_cls = NULL;
+    kv_http_release_memory(freed >= (256u << 10)); /* after a burst of big bodies RSS falls again */
 }
 
 /* ---- open / serve / free ------------------------------------------------------ */
@@ -1930,8 +1974,9 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.reward_base) h->o.reward_base = 1000000;
     if (!h->o.max_body) h->o.max_body = KV_HUB_MAX_BODY;
     if (!h->o.max_conns) h->o.max_conns = 1024;
-    if (!h->o.per_ip_conns) h->o.per_ip_conns = 64;
+    if (!h->o.per_ip_conns) h->o.per_ip_conns = 16;
     if (!h->o.conn_timeout_s) h->o.conn_timeout_s = 30;
+    if (!h->o.request_s) h->o.request_s = 15;
     if (!h->o.threads) h->o.threads = 4;
     if (!h->o.challenge_every) h->o.challenge_every = 12;
     if (!h->o.challenge_ttl_ms) h->o.challenge_ttl_ms = 60000;
@@ -2046,14 +2091,19 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL;
     if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
     if (!h->o.quiet) flags |= MHD_USE_ERROR_LOG;
-    h->mhd = MHD_start_daemon(flags, 0, NULL, NULL, kv_route, h,
+    const kv_http_guard_opts go = {.max_conns = h->o.max_conns, .per_ip = h->o.per_ip_conns,
+                                   .request_ms = h->o.request_s * 1000};
+    if ((rc = kv_http_guard_open(&h->guard, &go, d))) goto fail;
+    kv_json_budget_install();
+    /* per-address limits are the guard's (it counts an IPv6 /64 as one client) */
+    h->mhd = MHD_start_daemon(flags, 0, kv_http_guard_accept, h->guard, kv_route, h,
                               MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
                               MHD_OPTION_THREAD_POOL_SIZE, (unsigned)h->o.threads,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)h->o.max_conns,
-                              MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)h->o.per_ip_conns,
+                              MHD_OPTION_CONNECTION_LIMIT, kv_http_guard_mhd_limit(h->guard),
                               MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)h->o.conn_timeout_s,
                               MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024),
                               MHD_OPTION_NOTIFY_COMPLETED, kv_done, h,
+                              MHD_OPTION_NOTIFY_CONNECTION, kv_http_guard_notify, h->guard,
                               MHD_OPTION_END);
     if (!h->mhd) {
         rc = kv_fail(d, KV_EIO, "hub: cannot listen on %s (address in use or not local?)", h->o.listen);
@@ -2101,6 +2151,7 @@ void kv_hub_stop(kv_hub *h) {
 void kv_hub_free(kv_hub *h) {
     if (!h) return;
     if (h->mhd) MHD_stop_daemon(h->mhd);
+    kv_http_guard_free(h->guard);
     if (h->n_provers) {
         pthread_mutex_lock(&h->mu);
         h->prove_stop = true;
