@@ -6,7 +6,8 @@
  *
  *   content_length  two different Content-Length headers: 400 naming them
  *   json_bomb       bodies of 1 MiB of "{}" in an ignored field, in parallel:
- *                   each refused (413), peak RSS growth at most
+ *                   each refused (413, or 503 while the parse memory is all
+ *                   reserved), peak RSS growth at most
  *                   n x (2 x body limit + parse budget) + 48 MiB, and RSS back
  *                   within 48 MiB of where it was once they closed
  *   slowloris       sockets from many source addresses (127.0.0.x) sending a
@@ -345,7 +346,8 @@ static void bomb_run(server *s, const char *path, const char *head, bool sign, i
         pthread_join(th[i], NULL);
         const size_t r = proc_mem(s->pid, "VmRSS");
         if (r > peak) peak = r;
-        if (b[i].status != 413) KVT_FAIL("bomb %d: status %d (want 413)", i, b[i].status);
+        /* 413, or 503 when the bombs parsing at once had reserved all the gateway's parse memory */
+        if (b[i].status != 413 && b[i].status != 503) KVT_FAIL("bomb %d: status %d (want 413 or 503)", i, b[i].status);
         kvt_checks++;
     }
     const size_t hwm = proc_mem(s->pid, "VmHWM");

@@ -1381,6 +1381,28 @@ static char *kv_metrics_text(kv_gateway *g) {
     KV_M("kvasir_gateway_step_seconds_bucket{le=\"+Inf\"} %llu\n", (unsigned long long)cum);
     KV_M("kvasir_gateway_step_seconds_sum %.6f\n", g->step_sum);
     KV_M("kvasir_gateway_step_seconds_count %llu\n", (unsigned long long)g->steps);
+    KV_M("# HELP kvasir_gateway_displaced_total Queued requests displaced (503) by another client's, the queue full.\n");
+    KV_M("# TYPE kvasir_gateway_displaced_total counter\n");
+    KV_M("kvasir_gateway_displaced_total %llu\n", (unsigned long long)g->displaced);
+    KV_M("# HELP kvasir_gateway_parse_refused_total Bodies refused for the memory their JSON needed (413, or 503 when all was reserved).\n");
+    KV_M("# TYPE kvasir_gateway_parse_refused_total counter\n");
+    KV_M("kvasir_gateway_parse_refused_total %llu\n", (unsigned long long)g->parse_refused);
+    KV_M("# HELP kvasir_gateway_parse_bytes Memory parsed request bodies hold (or is reserved for parses).\n");
+    KV_M("# TYPE kvasir_gateway_parse_bytes gauge\n");
+    KV_M("kvasir_gateway_parse_bytes %zu\n", g->parse_live);
+    if (g->guard) {
+        kv_http_guard_stats gs;
+        kv_http_guard_get_stats(g->guard, &gs);
+        KV_M("# HELP kvasir_gateway_connections_closed_total Connections the guard closed or refused, by reason.\n");
+        KV_M("# TYPE kvasir_gateway_connections_closed_total counter\n");
+        KV_M("kvasir_gateway_connections_closed_total{reason=\"deadline\"} %llu\n", (unsigned long long)gs.expired);
+        KV_M("kvasir_gateway_connections_closed_total{reason=\"evicted\"} %llu\n", (unsigned long long)gs.evicted);
+        KV_M("kvasir_gateway_connections_closed_total{reason=\"per_ip\"} %llu\n", (unsigned long long)gs.refused_ip);
+        KV_M("kvasir_gateway_connections_closed_total{reason=\"full\"} %llu\n", (unsigned long long)gs.refused_full);
+        KV_M("# HELP kvasir_gateway_connections_open Connections open now.\n");
+        KV_M("# TYPE kvasir_gateway_connections_open gauge\n");
+        KV_M("kvasir_gateway_connections_open %u\n", gs.open);
+    }
     KV_M("# HELP kvasir_gateway_steps_failed_total Engine steps that failed as a whole.\n");
     KV_M("# TYPE kvasir_gateway_steps_failed_total counter\n");
     KV_M("kvasir_gateway_steps_failed_total %llu\n", (unsigned long long)g->steps_failed);
