@@ -1,4 +1,4 @@
-/* kv-test-labels: net */
+/* kv-test-labels: net attack */
 /* The gateway over a generated model, on 127.0.0.1 (port 0), driven with
  * libcurl. The reference for every generated text is the engine run alone
  * in this process (a second engine on the same file, one session, the same

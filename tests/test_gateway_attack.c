@@ -1,4 +1,4 @@
-/* kv-test-labels: net */
+/* kv-test-labels: net attack */
 /* Attacks on the two HTTP servers (a `kvasir gateway` and a `kvasir hub`,
  * each its own process on loopback), and what must hold under each: other
  * clients keep being served, and the server's resident memory (VmRSS and

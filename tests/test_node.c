@@ -1,6 +1,6 @@
 /* Node unit tests: the shard choice against a naive reference and against
  * the properties it promises, and the budget size parser.
- * kv-test-labels: unit
+ * kv-test-labels: unit attack
  *
  * The reference is written from the rule in node.h, not from the code: it
  * keeps every last live replica, then repeatedly scans all shards for the
