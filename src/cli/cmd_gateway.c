@@ -345,15 +345,15 @@ int kv_cmd_gateway(int argc, char **argv) {
             rc = kv_cli_diag(CMD, &d);
             goto done;
         }
-        for (uint32_t k = 0; k < n_hub_workers; k++) workers[k] = hub_workers[k];
-        n_workers = n_hub_workers;
+        n_workers = n_hub_workers; /* as many as the map keeps: the list is hub_workers */
         model = hub_manifest;
     }
     if ((n_workers || hub) &&
         (rc = kv_cli_auth_setup(CMD, coord_key, hub, data_dir, hub_workers, n_hub_workers, &auth)))
         goto done;
     const kv_engine_opts eo = {.n_threads = (int)threads, .n_ctx = (uint32_t)n_ctx, .n_batch = (uint32_t)n_batch,
-                               .max_sessions = (uint32_t)parallel, .workers = workers, .n_workers = n_workers,
+                               .max_sessions = (uint32_t)parallel, .n_workers = n_workers,
+                               .workers = hub ? (const char *const *)hub_workers : workers, /* hub: all the map keeps */
                                .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
                                .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL,
                                .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
