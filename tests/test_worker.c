@@ -10,6 +10,8 @@
  * expert computations. Everything on 127.0.0.1, ports chosen by the kernel. */
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -926,6 +928,164 @@ static void test_ping_holders(void) {
     ASSERT_EQ(worker_stop(&p), 0);
 }
 
+/* ---- the slot flood: silent sockets from several addresses, reopened as they close */
+
+#define FLOOD_MAX 256
+
+typedef struct flood {
+    uint16_t port;          /* the worker's, on 127.0.0.1 */
+    int first, n_addr;      /* source addresses 127.0.0.first .. first + n_addr - 1 */
+    int per_addr;           /* sockets held from each */
+    atomic_int stop;
+    atomic_long opened;     /* connections made */
+    pthread_t th;
+} flood;
+
+/* A nonblocking connect from 127.0.0.src to the worker, or -1. */
+static int flood_dial(uint16_t port, int src) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+#ifdef IP_BIND_ADDRESS_NO_PORT
+    int one = 1; /* the port is chosen at connect: the 4-tuple stays unique under churn */
+    setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof one);
+#endif
+    struct sockaddr_in a = {0}, b = {0};
+    a.sin_family = b.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(0x7f000000u | (uint32_t)src);
+    b.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    b.sin_port = htons(port);
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) || (connect(fd, (struct sockaddr *)&b, sizeof b) && errno != EINPROGRESS)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* One thread holds n_addr x per_addr sockets that never send a byte, and
+ * opens a new one as soon as the worker closes one (one process, as a
+ * stranger would). */
+static void *flood_main(void *arg) {
+    flood *f = arg;
+    struct pollfd pf[FLOOD_MAX];
+    int src[FLOOD_MAX];
+    const int n = f->n_addr * f->per_addr;
+    for (int i = 0; i < n; i++) {
+        src[i] = f->first + i / f->per_addr;
+        pf[i].fd = flood_dial(f->port, src[i]);
+        pf[i].events = POLLIN;
+        if (pf[i].fd >= 0) atomic_fetch_add(&f->opened, 1);
+    }
+    while (!atomic_load(&f->stop)) {
+        (void)poll(pf, (nfds_t)n, 10);
+        for (int i = 0; i < n; i++) {
+            bool gone = pf[i].fd < 0;
+            if (!gone && (pf[i].revents & (POLLIN | POLLHUP | POLLERR))) {
+                uint8_t sink[4096];
+                for (;;) {
+                    const ssize_t k = read(pf[i].fd, sink, sizeof sink);
+                    if (k > 0) continue;
+                    gone = k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+                    break;
+                }
+            }
+            pf[i].revents = 0;
+            if (!gone) continue;
+            if (pf[i].fd >= 0) close(pf[i].fd);
+            pf[i].fd = flood_dial(f->port, src[i]);
+            if (pf[i].fd >= 0) atomic_fetch_add(&f->opened, 1);
+        }
+    }
+    for (int i = 0; i < n; i++)
+        if (pf[i].fd >= 0) close(pf[i].fd);
+    return NULL;
+}
+
+static bool flood_start(flood *f, const char *worker_addr, int first, int n_addr, int per_addr) {
+    const char *colon = strrchr(worker_addr, ':');
+    memset(f, 0, sizeof *f);
+    f->port = colon ? (uint16_t)atoi(colon + 1) : 0;
+    f->first = first;
+    f->n_addr = n_addr;
+    f->per_addr = per_addr;
+    return f->port && n_addr * per_addr <= FLOOD_MAX && !pthread_create(&f->th, NULL, flood_main, f);
+}
+
+static void flood_stop(flood *f) {
+    atomic_store(&f->stop, 1);
+    pthread_join(f->th, NULL);
+}
+
+/* n fresh connections from 127.0.0.1, each a handshake and one checked
+ * COMPUTE; returns how many succeeded (the slowest in *worst_ms). */
+static int legit_rounds(const char *addr, int n, int64_t *worst_ms) {
+    int ok = 0;
+    *worst_ms = 0;
+    for (int i = 0; i < n; i++) {
+        const int64_t t0 = now_ms();
+        client g;
+        bool served = false;
+        if (!client_open(&g, addr) && hello_rt(&g, g_model_id)) {
+            const kv_proto_pair pairs[2] = {{0, 1}, {1, 2}};
+            served = compute_and_check(&g, 1, 2, pairs, 2, KV_ENC_F32) == 0;
+        }
+        client_close(&g);
+        ok += served;
+        if (now_ms() - t0 > *worst_ms) *worst_ms = now_ms() - t0;
+    }
+    return ok;
+}
+
+/* 8 source addresses x 8 silent sockets, reopened as they close, hold
+ * every place a stranger can get; an honest coordinator still completes
+ * each of its handshakes at once (the flood's addresses hold more pending
+ * handshakes than its own, so one of theirs yields), and an authenticated
+ * connection that sits idle through the flood keeps its place (strangers
+ * never displace it). Then the flood comes from the coordinator's own
+ * address (a shared NAT): the stranger that has made the least progress
+ * yields to each newcomer, so the coordinator, which sends HELLO at once,
+ * still gets through. KV_ATTACK_FULL=1: ten times the handshakes. */
+static void test_slot_flood(void) {
+    const int n_legit = getenv("KV_ATTACK_FULL") ? 300 : 30;
+    proc p;
+    char args[512];
+    snprintf(args, sizeof args, "--slabs %s/sl --threads 1 --quiet --evict-idle 300", g_dir);
+    if (worker_start(&p, "slots", args)) {
+        KVT_FAIL("worker did not start");
+        return;
+    }
+    client a;
+    ASSERT_EQ(client_open(&a, p.addr), 0);
+    ASSERT_TRUE(hello_rt(&a, g_model_id));
+    good_step(&a, "before the flood");
+    flood f;
+    ASSERT_TRUE(flood_start(&f, p.addr, 2, 8, 8));
+    for (int t = 0; t < 100 && atomic_load(&f.opened) < 64; t++) usleep(10000);
+    usleep(400000); /* a is idle past --evict-idle; every place a stranger can get is taken */
+    int64_t worst = 0;
+    const int ok = legit_rounds(p.addr, n_legit, &worst);
+    const long opened = atomic_load(&f.opened);
+    /* the idle authenticated connection kept its place through the flood */
+    good_step(&a, "after sitting idle through the flood");
+    flood_stop(&f);
+    printf("  8 addresses x 8 silent sockets (%ld opened): %d of %d handshakes succeeded, the slowest in %lld ms; "
+           "an idle authenticated connection kept its place\n", opened, ok, n_legit, (long long)worst);
+    ASSERT_EQ(ok, n_legit);
+    ASSERT_TRUE(opened >= 64);
+    /* the flood from the coordinator's own address */
+    ASSERT_TRUE(flood_start(&f, p.addr, 1, 1, 8));
+    for (int t = 0; t < 100 && atomic_load(&f.opened) < 8; t++) usleep(10000);
+    usleep(100000);
+    const int ok2 = legit_rounds(p.addr, n_legit, &worst);
+    const long opened2 = atomic_load(&f.opened);
+    flood_stop(&f);
+    printf("  8 silent sockets from the coordinator's own address (%ld opened): %d of %d handshakes succeeded, "
+           "the slowest in %lld ms\n", opened2, ok2, n_legit, (long long)worst);
+    ASSERT_EQ(ok2, n_legit);
+    good_step(&a, "after both floods");
+    client_close(&a);
+    ASSERT_EQ(worker_stop(&p), 0);
+}
+
 /* A maximum-size COMPUTE (1 token, 65535 pairs, 0.5 MB; its RESULT is 64
  * MiB) on 4 connections that never read: the worker streams results and
  * stops at the send queue's high-water mark, so its memory stays small,
@@ -1435,6 +1595,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_many_coordinators),
     KVT_CASE(test_silent_flood),
     KVT_CASE(test_ping_holders),
+    KVT_CASE(test_slot_flood),
     KVT_CASE(test_memory_budget),
     KVT_CASE(test_fairness_and_cost_cap),
     KVT_CASE(test_leaks_and_versions),
