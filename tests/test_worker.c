@@ -10,8 +10,6 @@
  * expert computations. Everything on 127.0.0.1, ports chosen by the kernel. */
 #include <errno.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -31,6 +29,7 @@
 #include "kvasir/slice.h"
 #include "kvtest.h"
 #include "test_auth_support.h"
+#include "test_flood_support.h"
 
 #define N_LAYER 3
 #define N_EMBD 256
@@ -929,91 +928,6 @@ static void test_ping_holders(void) {
 }
 
 /* ---- the slot flood: silent sockets from several addresses, reopened as they close */
-
-#define FLOOD_MAX 256
-
-typedef struct flood {
-    uint16_t port;          /* the worker's, on 127.0.0.1 */
-    int first, n_addr;      /* source addresses 127.0.0.first .. first + n_addr - 1 */
-    int per_addr;           /* sockets held from each */
-    atomic_int stop;
-    atomic_long opened;     /* connections made */
-    pthread_t th;
-} flood;
-
-/* A nonblocking connect from 127.0.0.src to the worker, or -1. */
-static int flood_dial(uint16_t port, int src) {
-    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -1;
-#ifdef IP_BIND_ADDRESS_NO_PORT
-    int one = 1; /* the port is chosen at connect: the 4-tuple stays unique under churn */
-    setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof one);
-#endif
-    struct sockaddr_in a = {0}, b = {0};
-    a.sin_family = b.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(0x7f000000u | (uint32_t)src);
-    b.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    b.sin_port = htons(port);
-    if (bind(fd, (struct sockaddr *)&a, sizeof a) || (connect(fd, (struct sockaddr *)&b, sizeof b) && errno != EINPROGRESS)) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
-/* One thread holds n_addr x per_addr sockets that never send a byte, and
- * opens a new one as soon as the worker closes one (one process, as a
- * stranger would). */
-static void *flood_main(void *arg) {
-    flood *f = arg;
-    struct pollfd pf[FLOOD_MAX];
-    int src[FLOOD_MAX];
-    const int n = f->n_addr * f->per_addr;
-    for (int i = 0; i < n; i++) {
-        src[i] = f->first + i / f->per_addr;
-        pf[i].fd = flood_dial(f->port, src[i]);
-        pf[i].events = POLLIN;
-        if (pf[i].fd >= 0) atomic_fetch_add(&f->opened, 1);
-    }
-    while (!atomic_load(&f->stop)) {
-        (void)poll(pf, (nfds_t)n, 10);
-        for (int i = 0; i < n; i++) {
-            bool gone = pf[i].fd < 0;
-            if (!gone && (pf[i].revents & (POLLIN | POLLHUP | POLLERR))) {
-                uint8_t sink[4096];
-                for (;;) {
-                    const ssize_t k = read(pf[i].fd, sink, sizeof sink);
-                    if (k > 0) continue;
-                    gone = k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-                    break;
-                }
-            }
-            pf[i].revents = 0;
-            if (!gone) continue;
-            if (pf[i].fd >= 0) close(pf[i].fd);
-            pf[i].fd = flood_dial(f->port, src[i]);
-            if (pf[i].fd >= 0) atomic_fetch_add(&f->opened, 1);
-        }
-    }
-    for (int i = 0; i < n; i++)
-        if (pf[i].fd >= 0) close(pf[i].fd);
-    return NULL;
-}
-
-static bool flood_start(flood *f, const char *worker_addr, int first, int n_addr, int per_addr) {
-    const char *colon = strrchr(worker_addr, ':');
-    memset(f, 0, sizeof *f);
-    f->port = colon ? (uint16_t)atoi(colon + 1) : 0;
-    f->first = first;
-    f->n_addr = n_addr;
-    f->per_addr = per_addr;
-    return f->port && n_addr * per_addr <= FLOOD_MAX && !pthread_create(&f->th, NULL, flood_main, f);
-}
-
-static void flood_stop(flood *f) {
-    atomic_store(&f->stop, 1);
-    pthread_join(f->th, NULL);
-}
 
 /* n fresh connections from 127.0.0.1, each a handshake and one checked
  * COMPUTE; returns how many succeeded (the slowest in *worst_ms). */

@@ -660,6 +660,9 @@ typedef struct kv_remote_worker {
     const uint8_t *key;         /* [32] the key it proved at its last handshake (zeros before) */
     bool caught;                /* caught lying: dropped for good */
     uint64_t verified;          /* its pairs that passed the checks */
+    double latency_ms;          /* estimated answer time (moving average), 0 = not measured */
+    bool demoted;               /* slower than a replica: not given work, only probed */
+    uint64_t probes;            /* probes sent while demoted (answers timed, never used) */
 } kv_remote_worker;
 uint32_t kv_remote_n_workers(const kv_remote *r);
 void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out);
