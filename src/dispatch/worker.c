@@ -38,8 +38,9 @@
  * address, or an IPv6 /64), at most max_pending in all. A stranger never
  * takes the place of an authenticated connection; among pending ones:
  *   - the newcomer's address at its cap: the pending connection of that
- *     address that has made the least progress (no HELLO yet before one
- *     with HELLO), oldest first, yields its place to it;
+ *     address that has made the least progress (one closing already, then
+ *     one that has sent nothing, then one past HELLO), oldest first, yields
+ *     its place to it;
  *   - every place taken: a pending connection of an address that holds at
  *     least two more than the newcomer's yields (least progress, then the
  *     address holding most, then oldest), so shares move towards equal and
@@ -891,9 +892,14 @@ static void kv_wc_displace(kv_worker *w, kv_wconn *v, int code, const char *what
     kv_wc_unslot(w, v);
 }
 
-/* True if a yields before b: less progress (no HELLO yet), then older. */
+/* How far a pending connection got: 0 closing already (its deadline or an
+ * error), 1 nothing yet, 2 HELLO answered. */
+static int kv_wc_progress(const kv_wconn *c) { return kv_net_conn_closing(c->nc) ? 0 : c->hello ? 2 : 1; }
+
+/* True if a yields before b: less progress, then older. */
 static bool kv_yields_first(const kv_wconn *a, const kv_wconn *b) {
-    if (a->hello != b->hello) return !a->hello;
+    const int pa = kv_wc_progress(a), pb = kv_wc_progress(b);
+    if (pa != pb) return pa < pb;
     return a->opened_ms < b->opened_ms;
 }
 
@@ -1424,8 +1430,8 @@ static bool kv_worker_pending_room(kv_worker *w, const uint8_t k[16], const char
             if (!c || c->authed) continue;
             const int n = kv_worker_pending_of(w, c->ipk);
             if (n < mine + 2) continue;
-            if (!victim || c->hello < victim->hello ||
-                (c->hello == victim->hello && (n > vn || (n == vn && c->opened_ms < victim->opened_ms)))) {
+            const int pc = kv_wc_progress(c), pv = victim ? kv_wc_progress(victim) : 0;
+            if (!victim || pc < pv || (pc == pv && (n > vn || (n == vn && c->opened_ms < victim->opened_ms)))) {
                 victim = c;
                 vn = n;
             }
