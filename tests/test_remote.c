@@ -41,6 +41,7 @@
 #include "kvasir/quant.h"
 #include "kvtest.h"
 #include "test_auth_support.h"
+#include "test_flood_support.h"
 #include "kvasir/verify.h"
 
 #define N_GEN 14
@@ -75,7 +76,7 @@ typedef struct proc {
     uint16_t port;
     char addr[32];
     char slabs[3200];
-    char lie[32];       /* "--test-lie=MODE" or "" */
+    char extra[96];     /* more arguments, separated by spaces ("--test-lie=MODE"), or "" */
 } proc;
 
 static uint16_t free_port(void) {
@@ -110,12 +111,12 @@ static bool start_worker(proc *p) {
         FILE *g = freopen("/dev/null", "w", stdout);
         (void)f;
         (void)g;
-        if (p->lie[0])
-            execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", "--allow-key",
-                  kvt_coord_hex(), p->lie, (char *)NULL);
-        else
-            execl(g_bin, g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1", "--allow-key",
-                  kvt_coord_hex(), (char *)NULL);
+        char *argv[24] = {(char *)g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1",
+                          "--allow-key", (char *)kvt_coord_hex()};
+        int n = 10;
+        for (char *t = strtok(p->extra, " "); t && n < 23; t = strtok(NULL, " ")) argv[n++] = t;
+        argv[n] = NULL;
+        execv(g_bin, argv);
         _exit(127);
     }
     p->pid = pid;
@@ -677,6 +678,201 @@ static void test_stall_backoff(void) {
     for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
 }
 
+/* ---- places and slow replicas ------------------------------------------------ */
+
+/* A worker holding every group, started with extra arguments. */
+static bool new_worker_all(proc *p, const char *extra) {
+    memset(p, 0, sizeof *p);
+    p->port = free_port();
+    snprintf(p->addr, sizeof p->addr, "127.0.0.1:%u", p->port);
+    snprintf(p->slabs, sizeof p->slabs, "%s,%s,%s", g_group[0], g_group[1], g_group[2]);
+    snprintf(p->extra, sizeof p->extra, "%s", extra);
+    return p->port && start_worker(p);
+}
+
+typedef struct slow_ctx {
+    const proc *slow;
+    const char *model_id;
+    kv_remote *r;
+    bool got;              /* the snapshot was taken */
+    uint64_t n_compute;    /* the slow worker's own count of COMPUTEs at step 3 */
+    uint64_t requests;     /* the coordinator's count of COMPUTEs sent to it at step 3 */
+} slow_ctx;
+
+static void slow_snapshot_hook(int step, void *arg) {
+    slow_ctx *c = arg;
+    if (step != 3) return;
+    kv_msg_stats ws = {0};
+    kv_remote_worker wi;
+    c->got = worker_stats(c->slow, c->model_id, &ws);
+    c->n_compute = ws.n_compute;
+    kv_remote_worker_info(c->r, 1, &wi);
+    c->requests = wi.requests;
+}
+
+/* One replica answers every COMPUTE 0.9 s late, inside a 1 s deadline,
+ * beside a fast one holding the same experts: after its first late answer
+ * it is demoted, and from step 3 on it gets no request at all (its own
+ * counter says so), so the decode keeps the fast replica's pace with the
+ * same bits. Restarted without the delay, it is probed and used again. */
+static void test_slow_replica(void) {
+    proc w[2];
+    ASSERT_TRUE(new_worker_all(&w[0], ""));
+    ASSERT_TRUE(new_worker_all(&w[1], "--test-delay=900"));
+    const char *addrs[2] = {w[0].addr, w[1].addr};
+    kv_diag d = {0};
+    kv_remote *r = open_remote_t(addrs, 2, KV_ENC_F32, NULL, 1000, RECONNECT_MS, &d);
+    if (!r) KVT_FAIL("open: %s", d.msg);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        slow_ctx c = {&w[1], kv_remote_manifest(r)->model_id, r, false, 0, 0};
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        check_exact(r, slow_snapshot_hook, &c, "a replica answering in 0.9 s beside a fast one");
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        const double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) * 1e-9;
+        kv_remote_worker fast, slow;
+        kv_remote_worker_info(r, 0, &fast);
+        kv_remote_worker_info(r, 1, &slow);
+        kv_msg_stats ws = {0};
+        ASSERT_TRUE(worker_stats(&w[1], kv_remote_manifest(r)->model_id, &ws));
+        printf("  prefill + %d tokens in %.2f s; the slow replica (%.0f ms) got %llu requests (%llu by step 3, its own "
+               "count %llu then, %llu at the end), the fast one (%.1f ms) %llu\n", N_GEN, secs, slow.latency_ms,
+               (unsigned long long)slow.requests, (unsigned long long)c.requests, (unsigned long long)c.n_compute,
+               (unsigned long long)ws.n_compute, fast.latency_ms, (unsigned long long)fast.requests);
+        ASSERT_TRUE(c.got);
+        ASSERT_TRUE(slow.requests >= 1);           /* it was tried ... */
+        ASSERT_EQ(slow.requests, c.requests);      /* ... and after step 3 never again */
+        ASSERT_EQ(ws.n_compute, c.n_compute);      /* by its own count too */
+        ASSERT_TRUE(slow.demoted && !fast.demoted);
+        ASSERT_EQ(slow.drops, 0);                  /* late, not past the deadline */
+        ASSERT_TRUE(fast.pairs > 10 * slow.pairs);
+        /* restarted without the delay: probed once its wait is over, then used */
+        kill_worker(&w[1], SIGKILL);
+        w[1].extra[0] = 0;
+        ASSERT_TRUE(start_worker(&w[1]));
+        sleep_ms(1300); /* past the first probe's wait */
+        for (int k = 0; k < 20; k++) { /* noticed closed, dialed again after its backoff, probed, used */
+            check_exact(r, NULL, NULL, "the slow replica restarted fast");
+            kv_remote_worker_info(r, 1, &slow);
+            if (slow.connects >= 2 && slow.pairs_since_connect > 0) break;
+            sleep_ms(50);
+        }
+        printf("  restarted fast: %llu probes, %.1f ms, %llu pairs since\n", (unsigned long long)slow.probes,
+               slow.latency_ms, (unsigned long long)slow.pairs_since_connect);
+        print_workers(r, "slow replica");
+        ASSERT_TRUE(slow.probes >= 1);
+        ASSERT_EQ(slow.connects, 2);
+        ASSERT_TRUE(slow.pairs_since_connect > 0);
+        ASSERT_TRUE(!slow.demoted);
+    }
+    kv_remote_free(r);
+    for (int i = 0; i < 2; i++) kill_worker(&w[i], SIGKILL);
+}
+
+/* A fresh connection to p that proves the test coordinator's key and
+ * stays open (holding a place); the fd, or -1. */
+static int hold_place(const proc *p, const char *model_id) {
+    int fd = -1;
+    if (kv_proto_connect(p->addr, 1000, &fd, NULL)) return -1;
+    static uint8_t buf[1 << 16];
+    size_t n;
+    kv_msg_hello h = {KV_PROTO_VERSION_MIN, KV_PROTO_VERSION, {0}, 1u};
+    memcpy(h.model_id, model_id, 65);
+    kv_frame_rx rx;
+    kv_frame_rx_init(&rx, buf, sizeof buf);
+    kv_msg m;
+    const bool ok = !kv_msg_hello_encode(buf, sizeof buf, 1, &h, &n, NULL) && !kv_proto_write_all(fd, buf, n, 1000, NULL) &&
+                    !kv_proto_read_msg(&rx, fd, 1000, NULL, &m, NULL) && m.h.type == KV_MSG_HELLO_ACK &&
+                    !kvt_auth(fd, &rx, buf, sizeof buf, model_id, m.u.ack.version, NULL);
+    if (!ok) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+typedef struct closer {
+    int fd, ms;
+} closer;
+
+static void *close_later(void *arg) {
+    closer *c = arg;
+    sleep_ms(c->ms);
+    close(c->fd);
+    return NULL;
+}
+
+/* A worker whose only place is held by an authenticated peer (not idle
+ * long enough to be displaced) answers the coordinator's handshake with
+ * ERANGE; the coordinator dials again with backoff within its deadline and
+ * is served once the place frees, 300 ms later. */
+static void test_busy_retry(void) {
+    proc w;
+    ASSERT_TRUE(new_worker_all(&w, "--max-conns 1 --evict-idle 600000"));
+    kv_manifest *m = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_manifest_load(&m, g_manifest, &d), 0);
+    int fd = -1; /* (start_worker's probe of the port may still hold the place a moment) */
+    for (int t = 0; t < 40 && m && fd < 0; t++)
+        if ((fd = hold_place(&w, m->model_id)) < 0) sleep_ms(25);
+    ASSERT_TRUE(fd >= 0);
+    closer c = {fd, 300};
+    pthread_t th;
+    ASSERT_EQ(pthread_create(&th, NULL, close_later, &c), 0);
+    const char *addrs[1] = {w.addr};
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    kv_remote *r = open_remote_t(addrs, 1, KV_ENC_F32, NULL, 3000, RECONNECT_MS, &d);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    pthread_join(th, NULL);
+    const long ms = (long)((b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000);
+    if (!r) KVT_FAIL("open: %s", d.msg);
+    ASSERT_TRUE(r != NULL);
+    if (r) {
+        printf("  a worker with no room: the coordinator got in after %ld ms of retries\n", ms);
+        ASSERT_TRUE(ms >= 250); /* it was refused first, and waited */
+        check_exact(r, NULL, NULL, "after retrying a full worker");
+        kv_remote_worker wi;
+        kv_remote_worker_info(r, 0, &wi);
+        ASSERT_EQ(wi.connects, 1);
+    }
+    kv_remote_free(r);
+    kv_manifest_free(m);
+    kill_worker(&w, SIGKILL);
+}
+
+/* 8 silent sockets from the coordinator's own address (127.0.0.1, a shared
+ * NAT), reopened as they close: the coordinator still opens and decodes
+ * exactly, each time (KV_ATTACK_FULL=1: 30 times). */
+static void test_flood_own_address(void) {
+    const int n = getenv("KV_ATTACK_FULL") ? 30 : 5;
+    proc w;
+    ASSERT_TRUE(new_worker_all(&w, "--quiet"));
+    flood f;
+    ASSERT_TRUE(flood_start(&f, w.addr, 1, 1, 8));
+    for (int t = 0; t < 100 && atomic_load(&f.opened) < 8; t++) sleep_ms(10);
+    sleep_ms(100);
+    const char *addrs[1] = {w.addr};
+    int ok = 0;
+    for (int i = 0; i < n; i++) {
+        kv_diag d = {0};
+        kv_remote *r = open_remote_t(addrs, 1, KV_ENC_F32, NULL, 3000, RECONNECT_MS, &d);
+        if (!r) KVT_FAIL("open %d under the flood: %s", i, d.msg);
+        if (r) {
+            check_exact(r, NULL, NULL, "under a flood from the coordinator's own address");
+            ok++;
+        }
+        kv_remote_free(r);
+    }
+    const long opened = atomic_load(&f.opened);
+    flood_stop(&f);
+    printf("  8 silent sockets from 127.0.0.1 (%ld opened): the coordinator opened and decoded %d of %d times\n",
+           opened, ok, n);
+    ASSERT_EQ(ok, n);
+    kill_worker(&w, SIGKILL);
+}
+
 /* Two models that differ only in their weights (another --seed: the same
  * header): their identities differ (identity covers the weights), so a
  * worker serving the other model's slabs is refused at the handshake. And a
@@ -900,7 +1096,7 @@ static void test_verified(void) {
             w[i].port = free_port();
             snprintf(w[i].addr, sizeof w[i].addr, "127.0.0.1:%u", w[i].port);
             memcpy(w[i].slabs, s[i], sizeof w[i].slabs);
-            if (i == 1 && modes[mi]) snprintf(w[i].lie, sizeof w[i].lie, "--test-lie=%s", modes[mi]);
+            if (i == 1 && modes[mi]) snprintf(w[i].extra, sizeof w[i].extra, "--test-lie=%s", modes[mi]);
             ASSERT_TRUE(start_worker(&w[i]));
         }
         const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
@@ -1064,6 +1260,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_no_replica_back), KVT_CASE(test_liar),          KVT_CASE(test_liar_nonfinite),
     KVT_CASE(test_stall_backoff),  KVT_CASE(test_other_weights),  KVT_CASE(test_coverage_and_local),
     KVT_CASE(test_wire),           KVT_CASE(test_mutual_keys),    KVT_CASE(test_verified),
+    KVT_CASE(test_slow_replica),   KVT_CASE(test_busy_retry),     KVT_CASE(test_flood_own_address),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

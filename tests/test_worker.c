@@ -29,6 +29,7 @@
 #include "kvasir/slice.h"
 #include "kvtest.h"
 #include "test_auth_support.h"
+#include "test_flood_support.h"
 
 #define N_LAYER 3
 #define N_EMBD 256
@@ -926,6 +927,79 @@ static void test_ping_holders(void) {
     ASSERT_EQ(worker_stop(&p), 0);
 }
 
+/* ---- the slot flood: silent sockets from several addresses, reopened as they close */
+
+/* n fresh connections from 127.0.0.1, each a handshake and one checked
+ * COMPUTE; returns how many succeeded (the slowest in *worst_ms). */
+static int legit_rounds(const char *addr, int n, int64_t *worst_ms) {
+    int ok = 0;
+    *worst_ms = 0;
+    for (int i = 0; i < n; i++) {
+        const int64_t t0 = now_ms();
+        client g;
+        bool served = false;
+        if (!client_open(&g, addr) && hello_rt(&g, g_model_id)) {
+            const kv_proto_pair pairs[2] = {{0, 1}, {1, 2}};
+            served = compute_and_check(&g, 1, 2, pairs, 2, KV_ENC_F32) == 0;
+        }
+        client_close(&g);
+        ok += served;
+        if (now_ms() - t0 > *worst_ms) *worst_ms = now_ms() - t0;
+    }
+    return ok;
+}
+
+/* 8 source addresses x 8 silent sockets, reopened as they close, hold
+ * every place a stranger can get; an honest coordinator still completes
+ * each of its handshakes at once (the flood's addresses hold more pending
+ * handshakes than its own, so one of theirs yields), and an authenticated
+ * connection that sits idle through the flood keeps its place (strangers
+ * never displace it). Then the flood comes from the coordinator's own
+ * address (a shared NAT): the stranger that has made the least progress
+ * yields to each newcomer, so the coordinator, which sends HELLO at once,
+ * still gets through. KV_ATTACK_FULL=1: ten times the handshakes. */
+static void test_slot_flood(void) {
+    const int n_legit = getenv("KV_ATTACK_FULL") ? 300 : 30;
+    proc p;
+    char args[512];
+    snprintf(args, sizeof args, "--slabs %s/sl --threads 1 --quiet --evict-idle 300", g_dir);
+    if (worker_start(&p, "slots", args)) {
+        KVT_FAIL("worker did not start");
+        return;
+    }
+    client a;
+    ASSERT_EQ(client_open(&a, p.addr), 0);
+    ASSERT_TRUE(hello_rt(&a, g_model_id));
+    good_step(&a, "before the flood");
+    flood f;
+    ASSERT_TRUE(flood_start(&f, p.addr, 2, 8, 8));
+    for (int t = 0; t < 100 && atomic_load(&f.opened) < 64; t++) usleep(10000);
+    usleep(400000); /* a is idle past --evict-idle; every place a stranger can get is taken */
+    int64_t worst = 0;
+    const int ok = legit_rounds(p.addr, n_legit, &worst);
+    const long opened = atomic_load(&f.opened);
+    /* the idle authenticated connection kept its place through the flood */
+    good_step(&a, "after sitting idle through the flood");
+    flood_stop(&f);
+    printf("  8 addresses x 8 silent sockets (%ld opened): %d of %d handshakes succeeded, the slowest in %lld ms; "
+           "an idle authenticated connection kept its place\n", opened, ok, n_legit, (long long)worst);
+    ASSERT_EQ(ok, n_legit);
+    ASSERT_TRUE(opened >= 64);
+    /* the flood from the coordinator's own address */
+    ASSERT_TRUE(flood_start(&f, p.addr, 1, 1, 8));
+    for (int t = 0; t < 100 && atomic_load(&f.opened) < 8; t++) usleep(10000);
+    usleep(100000);
+    const int ok2 = legit_rounds(p.addr, n_legit, &worst);
+    const long opened2 = atomic_load(&f.opened);
+    flood_stop(&f);
+    printf("  8 silent sockets from the coordinator's own address (%ld opened): %d of %d handshakes succeeded, "
+           "the slowest in %lld ms\n", opened2, ok2, n_legit, (long long)worst);
+    ASSERT_EQ(ok2, n_legit);
+    good_step(&a, "after both floods");
+    client_close(&a);
+    ASSERT_EQ(worker_stop(&p), 0);
+}
+
 /* A maximum-size COMPUTE (1 token, 65535 pairs, 0.5 MB; its RESULT is 64
  * MiB) on 4 connections that never read: the worker streams results and
  * stops at the send queue's high-water mark, so its memory stays small,
@@ -1435,6 +1509,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_many_coordinators),
     KVT_CASE(test_silent_flood),
     KVT_CASE(test_ping_holders),
+    KVT_CASE(test_slot_flood),
     KVT_CASE(test_memory_budget),
     KVT_CASE(test_fairness_and_cost_cap),
     KVT_CASE(test_leaks_and_versions),

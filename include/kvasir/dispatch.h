@@ -485,14 +485,21 @@ typedef struct kv_worker_opts {
                               or a comma-separated list of slab files */
     const char *listen;    /* "HOST:PORT"; port 0 picks a free one */
     int n_threads;         /* compute pool; 0 = all CPUs */
-    int max_conns;         /* concurrent connections; 0 = 64 */
+    int max_conns;         /* concurrent connections; 0 = 64 (newcomers wait for their
+                              handshake beyond it only while idle authenticated ones exist,
+                              which a successful AUTH then displaces) */
     int read_timeout_ms;   /* a frame started must complete within this; 0 = 10000 */
     int idle_timeout_ms;   /* a connection with no frame for this long is closed; 0 = none */
     bool quiet;            /* no per-connection log lines */
     int handshake_timeout_ms; /* HELLO must complete within this after accept; 0 = 5000 */
-    int max_pending_per_addr; /* connections of one address awaiting their handshake; 0 = 8 */
-    int evict_idle_ms;     /* when full, a connection without COMPUTE for this long yields
-                              its slot to a newcomer; 0 = 10000 */
+    int max_pending_per_addr; /* connections of one address (IPv4, or IPv6 /64) awaiting
+                              their handshake; 0 = 8 (then the least advanced yields) */
+    int max_pending;       /* connections awaiting their handshake, all addresses; 0 = 64
+                              (when full, one of an address holding more yields, else the
+                              newcomer is refused) */
+    int evict_idle_ms;     /* when full, an authenticated connection without COMPUTE for this
+                              long yields its place to a newly authenticated peer (never to
+                              a stranger); 0 = 10000 */
     int write_timeout_ms;  /* queued output must make progress within this; 0 = 30000 */
     size_t mem_budget;     /* bytes all connections may buffer together; 0 = 1 GiB */
     uint64_t max_request_cost; /* multiply-adds one COMPUTE may ask for (3 n_embd n_ff per
@@ -514,6 +521,8 @@ typedef struct kv_worker_opts {
                                        coordinator's checks can be tested; 0 = honest */
     bool opencl;           /* compute experts with the OpenCL backend (kvasir/opencl.h) and
                               announce "opencl"; off: the CPU kernels kv_quant_backend() names */
+    int test_delay_ms;     /* TEST ONLY (kvasir worker --test-delay=MS): every COMPUTE waits
+                              this long before it is computed (a slow worker); 0 = none */
 } kv_worker_opts;
 
 /* Lies a test worker tells (docs/VERIFY.md); never use outside tests. */
@@ -655,6 +664,9 @@ typedef struct kv_remote_worker {
     const uint8_t *key;         /* [32] the key it proved at its last handshake (zeros before) */
     bool caught;                /* caught lying: dropped for good */
     uint64_t verified;          /* its pairs that passed the checks */
+    double latency_ms;          /* estimated answer time (moving average), 0 = not measured */
+    bool demoted;               /* slower than a replica: not given work, only probed */
+    uint64_t probes;            /* probes sent while demoted (answers timed, never used) */
 } kv_remote_worker;
 uint32_t kv_remote_n_workers(const kv_remote *r);
 void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out);

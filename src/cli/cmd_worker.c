@@ -15,7 +15,7 @@
 
 static const char *const kv_value_flags[] = {"--slabs", "--listen", "--threads", "-t", "--max-conns",
                                              "--read-timeout", "--idle-timeout", "--handshake-timeout",
-                                             "--max-pending-per-addr", "--evict-idle", "--write-timeout",
+                                             "--max-pending-per-addr", "--max-pending", "--evict-idle", "--write-timeout",
                                              "--mem-budget-mb", "--max-request-cost", "--allow-key",
                                              "--hub-key", "--key", "--backend", NULL};
 
@@ -25,13 +25,18 @@ static const char *kv_worker_help =
     "                     comma-separated list of slab or full model files, all of one model\n"
     "  --listen HOST:PORT address to serve on; port 0 picks a free one (printed)\n"
     "  --threads N        compute threads (default: all CPUs; same bits for any N)\n"
-    "  --max-conns N      concurrent connections (default 64; a newcomer then takes the slot of\n"
-    "                     one without work for --evict-idle MS, else it is refused)\n"
+    "  --max-conns N      concurrent connections (default 64; a newly authenticated peer then\n"
+    "                     takes the place of one without work for --evict-idle MS, else it is\n"
+    "                     refused; a peer still in its handshake never displaces them)\n"
     "  --read-timeout MS  a frame started must arrive whole within MS (default 10000)\n"
     "  --idle-timeout MS  close connections silent for MS (default: never)\n"
     "  --handshake-timeout MS  HELLO must complete within MS of connecting (default 5000)\n"
-    "  --max-pending-per-addr N  connections of one address awaiting their handshake (default 8)\n"
-    "  --evict-idle MS    when full, a connection without COMPUTE for MS yields its slot (default 10000)\n"
+    "  --max-pending-per-addr N  connections of one address awaiting their handshake (default 8;\n"
+    "                     then its least advanced one yields to the newcomer)\n"
+    "  --max-pending N    connections awaiting their handshake in all (default 64; then one of\n"
+    "                     an address holding more yields, else the newcomer is refused)\n"
+    "  --evict-idle MS    when full, a connection without COMPUTE for MS yields its place to a\n"
+    "                     newly authenticated one (default 10000)\n"
     "  --write-timeout MS a peer that reads nothing for MS is closed (default 30000)\n"
     "  --mem-budget-mb N  memory all connections may buffer together (default 1024)\n"
     "  --max-request-cost N  multiply-adds one COMPUTE may ask for (default 2^36)\n"
@@ -77,6 +82,13 @@ int kv_cmd_worker(int argc, char **argv) {
             if (m < 0) return kv_cli_err(CMD, 1, "--test-lie: '%s' is not noise, swap, stale or later", a + 11);
             o.test_lie = m;
             fprintf(stderr, "worker: TEST MODE: this worker lies (%s)\n", a + 11);
+        } else if (!strncmp(a, "--test-delay=", 13)) {
+            /* TEST ONLY, deliberately absent from --help: answer every COMPUTE late */
+            char *end = NULL;
+            const long ms = strtol(a + 13, &end, 10);
+            if (!a[13] || *end || ms < 0 || ms > 3600000) return kv_cli_err(CMD, 1, "--test-delay: '%s' is not MS", a + 13);
+            o.test_delay_ms = (int)ms;
+            fprintf(stderr, "worker: TEST MODE: every COMPUTE waits %ld ms\n", ms);
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--allow-key")) {
@@ -125,6 +137,9 @@ int kv_cmd_worker(int argc, char **argv) {
         } else if (!strcmp(a, "--max-pending-per-addr")) {
             if (kv_arg_long(CMD, a, v, 1, 65536, &v_l)) return 1;
             o.max_pending_per_addr = (int)v_l;
+        } else if (!strcmp(a, "--max-pending")) {
+            if (kv_arg_long(CMD, a, v, 1, 65536, &v_l)) return 1;
+            o.max_pending = (int)v_l;
         } else if (!strcmp(a, "--evict-idle")) {
             if (kv_arg_long(CMD, a, v, 1, 86400000, &v_l)) return 1;
             o.evict_idle_ms = (int)v_l;

@@ -38,6 +38,25 @@
  * pass, which sums in rank order, gets the local run's bits. A request that
  * fails leaves no partial output to be used: the forward pass stops.
  *
+ * Slow replicas are demoted: every worker keeps an estimate of its answer
+ * time (a moving average of its RESULTs' round trips; a drop for a missed
+ * deadline is handled by the backoff below, not measured). A holder whose
+ * estimate exceeds KV_REMOTE_SLOW_FACTOR times the fastest holder's plus
+ * KV_REMOTE_SLOW_MARGIN_S gets no slots while that faster holder is up:
+ * one answer 0.9 s late beside a replica answering in a millisecond is
+ * enough. A demoted worker is probed after KV_REMOTE_PROBE_S (doubled per
+ * probe that was still slow, up to KV_REMOTE_PROBE_MAX_S): it is sent the
+ * slots of one expert that another worker also computes this round; the
+ * probe is not waited for, its answer is timed and never used, and one
+ * fast answer makes its estimate fast again. Which replica answers a slot
+ * never changes the bits (see above).
+ *
+ * A worker that answers the handshake with ERANGE has no room now (its
+ * places are working, or strangers hold its handshake places): that is not
+ * a fault, so it is dialed again after a short randomized wait (20 ms,
+ * doubling, at most 1 s) until the handshake's deadline, and only then
+ * counted as unavailable.
+ *
  * Dropped workers are reconnected asynchronously: once their backoff has
  * passed, a nonblocking dial and HELLO are started at the next compute
  * call and progressed by the same loop; the worker is used again from
@@ -95,6 +114,14 @@
 #define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
 #define KV_REMOTE_WHY 256u
 #define KV_REMOTE_MAX_BACKOFF_S 60.0     /* longest wait between dials of one worker */
+#define KV_REMOTE_BUSY_FIRST_S 0.02     /* first redial after a worker had no room for us */
+#define KV_REMOTE_BUSY_MAX_S 1.0        /* longest wait between such redials */
+#define KV_REMOTE_SLOW_FACTOR 4.0       /* a replica answering this much slower than the best */
+#define KV_REMOTE_SLOW_MARGIN_S 0.1     /*   ... plus this, is demoted */
+#define KV_REMOTE_LAT_ALPHA 0.25        /* weight of a new answer time in the estimate */
+#define KV_REMOTE_PROBE_S 1.0           /* a demoted worker is probed this long after, doubled
+                                           per probe that was still slow ... */
+#define KV_REMOTE_PROBE_MAX_S 60.0      /*   ... up to this */
 #define KV_REMOTE_PROTO_MIN KV_PROTO_AUTH_VERSION /* v1 workers cannot prove their slabs' bytes,
                                                     v2 workers cannot authenticate */
 
@@ -105,6 +132,8 @@ enum kv_rw_state {
     KV_RW_CHALLENGE,  /* HELLO_ACK accepted; waiting for AUTH_CHALLENGE */
     KV_RW_AUTH,       /* AUTH sent; waiting for AUTH_OK (the worker's proof) */
     KV_RW_UP,         /* handshaken; idle or busy with one COMPUTE */
+    KV_RW_RETRY,      /* it had no room for us (ERANGE at the handshake): dialed again at
+                         retry_at, until hs_deadline */
 };
 
 typedef struct kv_rw {
@@ -114,7 +143,8 @@ typedef struct kv_rw {
     kv_net_conn *nc;              /* NULL when DOWN */
     enum kv_rw_state state;
     double retry_at;              /* DOWN: monotonic seconds of the next connect attempt */
-    double hs_deadline;           /* CONNECTING/HELLO: give up at */
+    double hs_deadline;           /* CONNECTING..AUTH, RETRY: give up at */
+    uint32_t busy_tries;          /* ERANGE answers to handshakes since the last one that passed */
     uint32_t enc;                 /* encoding used with this worker (negotiated) */
     char backend[KV_PROTO_MAX_NAME + 1];
     uint8_t *holds;               /* [n_layer*n_expert] 1 if this worker serves the expert */
@@ -148,6 +178,16 @@ typedef struct kv_rw {
     bool pre;                     /* it returns pre-activations (verified compute) */
     bool caught;                  /* caught lying: never used again */
     uint64_t n_verified;          /* its pairs that passed the checks */
+    /* answer time: slow replicas are demoted (kv_remote_pick) */
+    double sent_at;               /* the COMPUTE in flight was queued at (monotonic s) */
+    double lat_s;                 /* estimated answer time (EWMA of RESULT round trips); 0 = none yet */
+    bool probing;                 /* a probe is in flight: its answer is timed, never used */
+    uint32_t probe_id, probe_pairs; /* its request id and pair count */
+    double probe_sent;            /* queued at */
+    double probe_at;              /* demoted: next probe due at; 0 = not demoted */
+    uint32_t slow_probes;         /* probes since it was last used that were still slow */
+    uint32_t probe_e1;            /* this round: 1 + an expert to probe it with; 0 = none */
+    uint64_t n_probes;
 } kv_rw;
 
 struct kv_remote {
@@ -232,7 +272,7 @@ static void kv_rlog(const kv_remote *r, const char *fmt, ...) {
 
 static bool kv_rw_handshaking(const kv_rw *w) {
     return w->state == KV_RW_CONNECTING || w->state == KV_RW_HELLO || w->state == KV_RW_CHALLENGE ||
-           w->state == KV_RW_AUTH;
+           w->state == KV_RW_AUTH || w->state == KV_RW_RETRY;
 }
 
 /* Seconds to wait before dialing w again: reconnect_ms doubled per failure
@@ -263,6 +303,8 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
     const bool was_up = w->state == KV_RW_UP;
     w->state = KV_RW_DOWN;
     w->busy = false;
+    w->probing = false;
+    w->busy_tries = 0;
     w->fails++;
     w->retry_at = kv_mono() + kv_rw_backoff(r, w);
     if (was_up) w->n_drops++;
@@ -275,6 +317,7 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
 static const kv_net_conn_cbs kv_rw_cbs;
 
 static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
+    const bool redial = w->state == KV_RW_RETRY; /* within the first dial's deadline */
     w->retry_at = now + kv_rw_backoff(r, w);
     const kv_net_conn_opts o = {
         .header = KV_PROTO_HEADER,
@@ -303,8 +346,30 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
     r->bytes_sent += n;
     w->nc = c;
     w->state = KV_RW_CONNECTING;
-    w->hs_deadline = now + r->timeout_s;
+    if (!redial) w->hs_deadline = now + r->timeout_s;
     w->busy = false;
+}
+
+/* w answered our handshake with ERANGE: it has no room now (its places
+ * are doing work, or strangers fill its handshake places). Not a fault:
+ * dialed again after a short randomized wait, doubling per refusal, until
+ * the handshake's deadline. */
+static void kv_rw_busy(kv_remote *r, kv_rw *w, const char *msg) {
+    snprintf(w->why, sizeof w->why, "no room: %.200s", msg);
+    if (w->nc) {
+        kv_net_conn *c = w->nc;
+        w->nc = NULL;
+        kv_net_conn_close(c, 0, NULL);
+    }
+    double s = KV_REMOTE_BUSY_FIRST_S;
+    for (uint32_t i = 0; i < w->busy_tries && s < KV_REMOTE_BUSY_MAX_S; i++) s *= 2;
+    if (s > KV_REMOTE_BUSY_MAX_S) s = KV_REMOTE_BUSY_MAX_S;
+    s *= 0.5 + (double)randombytes_uniform(1000) / 1000.0; /* coordinators behind one address spread out */
+    w->busy_tries++;
+    w->state = KV_RW_RETRY;
+    w->busy = w->probing = false;
+    w->retry_at = kv_mono() + s;
+    if (w->busy_tries == 1) kv_rlog(r, "worker %s has no room now, dialing again: %s", w->addr, msg);
 }
 
 /* Checks a HELLO_ACK against the manifest and records what w holds. */
@@ -469,6 +534,24 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
     return 0;
 }
 
+/* A probe of demoted w was answered after t seconds: the estimate becomes
+ * t (one fast answer brings it back), and the next probe, if it is still
+ * slow, waits twice as long. */
+static void kv_rw_probed(kv_remote *r, kv_rw *w, double t) {
+    w->probing = false;
+    w->lat_s = t > 0 ? t : 1e-6;
+    w->slow_probes++;
+    w->probe_at = 0; /* set again, later, if it is still the slow one */
+    kv_rlog(r, "worker %s answered a probe in %.0f ms", w->addr, t * 1e3);
+}
+
+/* Seconds a demoted w waits for its next probe. */
+static double kv_rw_probe_wait(const kv_rw *w) {
+    double s = KV_REMOTE_PROBE_S;
+    for (uint32_t i = 0; i < w->slow_probes && s < KV_REMOTE_PROBE_MAX_S; i++) s *= 2;
+    return s < KV_REMOTE_PROBE_MAX_S ? s : KV_REMOTE_PROBE_MAX_S;
+}
+
 /* Handles one whole frame received from w. Returns 1 if it completed w's
  * request, 0 otherwise; drops w on anything unexpected. */
 static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float *out) {
@@ -481,7 +564,10 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         return 0;
     }
     if (msg.h.type == KV_MSG_ERROR) {
-        kv_rw_drop(r, w, "error %s: %s", kv_err_name(msg.u.error.code), msg.u.error.msg);
+        if (kv_rw_handshaking(w) && msg.u.error.code == KV_ERANGE && kv_mono() < w->hs_deadline)
+            kv_rw_busy(r, w, msg.u.error.msg);
+        else
+            kv_rw_drop(r, w, "error %s: %s", kv_err_name(msg.u.error.code), msg.u.error.msg);
         return 0;
     }
     if (w->state == KV_RW_HELLO) {
@@ -549,6 +635,7 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
             return 0;
         }
         w->state = KV_RW_UP;
+        w->busy_tries = 0;
         w->n_connects++;
         w->n_pairs_since = 0;
         w->why[0] = 0;
@@ -580,6 +667,15 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         w->rcpt = rc;
         return 0;
     }
+    if (w->probing && msg.h.request_id == w->probe_id) { /* timed, never used */
+        if (msg.h.type != (r->ver ? KV_MSG_RESULT_PRE : KV_MSG_RESULT) || msg.u.result.n_pairs != w->probe_pairs ||
+            msg.u.result.n_embd != r->n_embd) {
+            kv_rw_drop(r, w, "answered a probe with a frame of type %u", msg.h.type);
+            return 0;
+        }
+        kv_rw_probed(r, w, kv_mono() - w->probe_sent);
+        return 0;
+    }
     if (!w->busy || !out) {
         kv_rw_drop(r, w, "sent a frame of type %u while idle", msg.h.type);
         return 0;
@@ -595,6 +691,8 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
     }
     w->busy = false;
     w->answered = true;
+    const double t = kv_mono() - w->sent_at;
+    w->lat_s = w->lat_s > 0 ? w->lat_s + KV_REMOTE_LAT_ALPHA * (t - w->lat_s) : t;
     w->n_pairs_done += w->n_pairs;
     w->n_pairs_since += w->n_pairs;
     return 1;
@@ -645,16 +743,40 @@ static const kv_net_conn_cbs kv_rw_cbs = {
 static int kv_remote_poll(kv_remote *r, int timeout_ms, float *out) {
     const double now = kv_mono();
     bool any = false;
+    double next_dial = INFINITY; /* the earliest redial of a worker that had no room */
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
-        if (w->state == KV_RW_DOWN && now >= w->retry_at) kv_rw_connect(r, w, now);
+        if ((w->state == KV_RW_DOWN || w->state == KV_RW_RETRY) && now >= w->retry_at) {
+            if (w->state == KV_RW_RETRY && now > w->hs_deadline) {
+                char why[KV_REMOTE_WHY];
+                memcpy(why, w->why, sizeof why);
+                kv_rw_drop(r, w, "no handshake within %u ms (%.200s)", r->o.timeout_ms, why);
+                continue;
+            }
+            kv_rw_connect(r, w, now);
+        }
         if (kv_rw_handshaking(w) && now > w->hs_deadline) {
             kv_rw_drop(r, w, "no handshake within %u ms", r->o.timeout_ms);
             continue;
         }
+        if (w->probing && now > w->probe_sent + r->timeout_s) {
+            kv_rw_drop(r, w, "no answer to a probe within %u ms", r->o.timeout_ms);
+            continue;
+        }
+        if (w->state == KV_RW_RETRY && w->retry_at < next_dial) next_dial = w->retry_at;
         any |= w->nc != NULL;
     }
-    if (!any) return 0;
+    if (next_dial < INFINITY) { /* wake for it */
+        const double left_ms = ceil((next_dial - now) * 1000.0);
+        if (timeout_ms < 0 || left_ms < timeout_ms) timeout_ms = left_ms > 0 ? (int)left_ms : 0;
+    }
+    if (!any) {
+        if (next_dial < INFINITY && timeout_ms > 0) {
+            struct timespec ts = {timeout_ms / 1000, (long)(timeout_ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+        }
+        return 0;
+    }
     r->cur_out = out;
     r->n_done = 0;
     (void)kv_net_loop_run_once(r->loop, timeout_ms, NULL);
@@ -705,14 +827,17 @@ static int kv_remote_open_local(kv_remote *r, kv_pieces *pc, kv_diag *d) {
 /* The session tag of the current call's row t. */
 static uint32_t kv_remote_tag(const kv_remote *r, uint32_t t) { return r->tags[r->tag_rows ? r->tag_rows[t] : t]; }
 
+/* probe_e >= 0: a probe of demoted w instead, with the slots of expert
+ * probe_e (whoever owns them): its answer is timed and discarded. */
 static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *req, uint32_t t0, uint32_t n_tok,
-                       kv_diag *d) {
+                       int32_t probe_e, kv_diag *d) {
     const uint32_t nu = req->n_used, E = r->n_embd;
+    const bool probe = probe_e >= 0;
     for (uint32_t t = 0; t < n_tok; t++) r->tok_local[t] = -1;
     uint32_t nt = 0, np = 0;
     bool identity = true; /* the frame's tokens are exactly the chunk's, in order */
     for (uint32_t s = 0; s < n_tok * nu; s++) {
-        if (r->slot_owner[s] != wi) continue;
+        if (probe ? req->ids[(size_t)t0 * nu + s] != probe_e : r->slot_owner[s] != wi) continue;
         const uint32_t t = s / nu;
         if (r->tok_local[t] < 0) {
             identity &= t == nt;
@@ -720,7 +845,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
         }
         w->pairs[np] = (kv_proto_pair){(uint32_t)r->tok_local[t], (uint32_t)req->ids[(size_t)t0 * nu + s]};
         w->pair_slot[np++] = (int32_t)s;
-        if (r->tag_on && (uint32_t)wi < r->t_stride) r->ts_sent[(size_t)kv_remote_tag(r, t0 + t) * r->t_stride + (uint32_t)wi]++;
+        if (!probe && r->tag_on && (uint32_t)wi < r->t_stride) r->ts_sent[(size_t)kv_remote_tag(r, t0 + t) * r->t_stride + (uint32_t)wi]++;
     }
     if (!identity) /* gather the rows of the tokens it needs */
         for (uint32_t t = 0; t < n_tok; t++)
@@ -735,22 +860,54 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
     if (rc) return kv_diag_prefix(d, rc, "remote: encoding COMPUTE for %s", w->addr);
     kv_net_conn_commit(w->nc, len);
     r->bytes_sent += len;
+    if (probe) {
+        w->probing = true;
+        w->probe_id = w->req_id;
+        w->probe_pairs = np;
+        w->probe_sent = kv_mono();
+        w->n_probes++;
+        return 0;
+    }
     w->n_pairs = np;
     w->busy = true;
     w->answered = false;
+    w->sent_at = kv_mono();
+    w->probe_at = 0; /* in use: measured by its answers */
+    w->slow_probes = 0;
     w->n_req++;
     return 0;
 }
 
-/* Chooses the worker for expert e of layer L: a holder that is up, with
- * the fewest pairs this round, ties broken by a rotation keyed on e. */
-static int32_t kv_remote_pick(const kv_remote *r, uint32_t L, uint32_t e) {
+/* Chooses the worker for expert e of layer L: a holder that is up and not
+ * demoted, with the fewest pairs this round, ties broken by a rotation
+ * keyed on e. A holder is demoted while its estimated answer time exceeds
+ * KV_REMOTE_SLOW_FACTOR times the fastest holder's plus
+ * KV_REMOTE_SLOW_MARGIN_S (an unmeasured one counts as fast, so it gets
+ * measured); the fastest is never demoted, so an expert with any holder up
+ * gets one. A demoted holder gets a probe once its wait is over
+ * (probe_e1, sent by kv_remote_chunk). */
+static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) {
     const size_t k = (size_t)L * r->n_expert + e;
+    double fastest = INFINITY;
+    for (uint32_t i = 0; i < r->n_w; i++)
+        if (r->w[i].state == KV_RW_UP && r->w[i].holds[k] && r->w[i].lat_s < fastest) fastest = r->w[i].lat_s;
+    const double slow = KV_REMOTE_SLOW_FACTOR * fastest + KV_REMOTE_SLOW_MARGIN_S;
     int32_t best = -1;
     for (uint32_t j = 0; j < r->n_w; j++) {
         const uint32_t i = (uint32_t)((k + j) % r->n_w);
-        const kv_rw *w = &r->w[i];
+        kv_rw *w = &r->w[i];
         if (w->state != KV_RW_UP || !w->holds[k]) continue;
+        if (w->lat_s > slow) {
+            if (w->probe_at == 0) {
+                w->probe_at = now + kv_rw_probe_wait(w);
+                if (!w->slow_probes)
+                    kv_rlog(r, "worker %s demoted: answers in %.0f ms, a replica in %.0f ms", w->addr, w->lat_s * 1e3,
+                            fastest * 1e3);
+            } else if (now >= w->probe_at && !w->probing && !w->probe_e1) {
+                w->probe_e1 = e + 1;
+            }
+            continue;
+        }
         if (best < 0 || r->load[i] < r->load[best]) best = (int32_t)i;
     }
     return best;
@@ -814,6 +971,8 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
         /* 1. assign every pending slot */
     assign:
         for (uint32_t e = 0; e < r->n_expert; e++) r->exp_owner[e] = -1;
+        for (uint32_t i = 0; i < r->n_w; i++) r->w[i].probe_e1 = 0;
+        const double t_pick = kv_mono();
         memset(r->load, 0, r->n_w * sizeof *r->load);
         uint32_t n_local = 0;
         for (uint32_t s = 0; s < n_slots; s++) {
@@ -822,7 +981,7 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
             if (e < 0 || (uint32_t)e >= r->n_expert)
                 return kv_fail(d, KV_ERANGE, "remote: expert id %d out of range (%u experts)", e, r->n_expert);
             if (r->exp_owner[e] == -1) {
-                int32_t wi = kv_remote_pick(r, req->layer, (uint32_t)e);
+                int32_t wi = kv_remote_pick(r, req->layer, (uint32_t)e, t_pick);
                 if (wi < 0 && r->lhas[(size_t)req->layer * r->n_expert + (uint32_t)e]) wi = KV_OWN_LOCAL;
                 if (wi == -1 && !revived) {
                     /* its holders may be back (restarted, or closed an idle
@@ -850,9 +1009,15 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
         for (uint32_t i = 0; i < r->n_w; i++) r->w[i].answered = false;
         for (uint32_t i = 0; i < r->n_w; i++) {
             if (!r->load[i]) continue;
-            int rc = kv_rw_queue(r, &r->w[i], (int32_t)i, req, t0, n_tok, d);
+            int rc = kv_rw_queue(r, &r->w[i], (int32_t)i, req, t0, n_tok, -1, d);
             if (rc) return rc;
             n_busy++;
+        }
+        for (uint32_t i = 0; i < r->n_w; i++) { /* probes: answers timed, not waited for, not used */
+            kv_rw *w = &r->w[i];
+            if (!w->probe_e1 || r->load[i] || w->busy || w->probing || w->state != KV_RW_UP) continue;
+            int rc = kv_rw_queue(r, w, (int32_t)i, req, t0, n_tok, (int32_t)w->probe_e1 - 1, d);
+            if (rc) return rc;
         }
         if (n_busy) kv_remote_poll(r, 0, out); /* gets the frames going before local work */
         /* slots nobody serves: from local slabs, gathered one row per slot */
@@ -1244,6 +1409,9 @@ void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out
     out->key = w->key;
     out->caught = w->caught;
     out->verified = w->n_verified;
+    out->latency_ms = w->lat_s * 1e3;
+    out->demoted = w->probe_at > 0;
+    out->probes = w->n_probes;
 }
 
 static int kv_cmp_float(const void *a, const void *b) {

@@ -32,12 +32,31 @@
  * (kv_worker_set_auth, under auth_mu).
  *
  * Slots and deadlines (what no peer may hold without doing real work):
- * a connection must complete HELLO and AUTH within the handshake timeout; at most
- * max_pending_per_addr connections from one address may be waiting for
- * their handshake; when every slot is taken, a newcomer evicts the
- * handshaken connection that has gone longest without a COMPUTE (if that
- * is at least evict_idle_ms ago; PING does not count as work), else it is
- * refused. A frame started must complete within the read timeout.
+ * max_conns places in all. A connection still in its handshake is
+ * pending: it must complete HELLO and AUTH within the handshake timeout,
+ * and at most max_pending_per_addr of them come from one address (an IPv4
+ * address, or an IPv6 /64), at most max_pending in all. A stranger never
+ * takes the place of an authenticated connection; among pending ones:
+ *   - the newcomer's address at its cap: the pending connection of that
+ *     address that has made the least progress (one closing already, then
+ *     one that has sent nothing, then one past HELLO), oldest first, yields
+ *     its place to it;
+ *   - every place taken: a pending connection of an address that holds at
+ *     least two more than the newcomer's yields (least progress, then the
+ *     address holding most, then oldest), so shares move towards equal and
+ *     a yielded peer that comes straight back finds no one to displace;
+ *     when every address holds about as many as the newcomer's, it is
+ *     refused (ERANGE: "no room now", which a coordinator retries).
+ * An authenticated connection that has gone at least evict_idle_ms without
+ * a COMPUTE (and is not being computed for; PING does not count as work)
+ * may lose its place, but only to a peer that proves an allowed key: a
+ * newcomer may wait for its handshake beyond max_conns while such idle
+ * connections exist (at most one newcomer per idle one); when its AUTH
+ * succeeds, a pending stranger beyond max_conns yields first, and only
+ * when every place is authenticated is the idle one longest without work
+ * closed. A newly authenticated peer that finds every place authenticated
+ * and doing work is refused (ERANGE) and retries later. A frame started
+ * must complete within the read timeout.
  *
  * Memory: every connection's buffers are charged to one budget; a receive
  * buffer grows with the bytes that actually arrived, up to the largest
@@ -118,8 +137,9 @@ struct kv_worker {
     kv_net_watch lwatch;             /* the listening socket */
     bool listening;                  /* lwatch registered */
     kv_net_timer accept_t;           /* re-arms accepting after EMFILE and the like */
-    kv_wconn **conns;                /* [max_conns] slots, NULL = free */
-    int n_active;
+    kv_wconn **conns;                /* [n_slots] every connection, NULL = free */
+    int n_slots;                     /* max_conns + max_pending */
+    int n_authed, n_pending;         /* connections past / in their handshake */
     kv_wconn *jobs;                  /* ring of connections with a job; the next to serve */
     int lfd;                         /* listening socket */
     atomic_int stop;
@@ -142,7 +162,9 @@ struct kv_wconn {
     int slot;                        /* index in w->conns, -1 once evicted */
     uint64_t id;                     /* connection number, for logs */
     char peer[96];                   /* "HOST:PORT" of the client */
-    char ip[INET6_ADDRSTRLEN];       /* its address, for the per-address cap */
+    char ip[INET6_ADDRSTRLEN];       /* its address, for messages */
+    uint8_t ipk[16];                 /* the per-address key: IPv4 (mapped) or an IPv6 /64 */
+    int64_t opened_ms;               /* accepted at (monotonic) */
     bool hello;                      /* HELLO answered (HELLO_ACK and AUTH_CHALLENGE sent) */
     bool authed;                     /* AUTH verified: the handshake is done */
     bool hub;                        /* the peer is the hub itself: its compute challenges are not served work */
@@ -154,6 +176,8 @@ struct kv_wconn {
     int64_t last_work_ms;            /* handshake or last COMPUTE */
     kv_net_timer hs_t;               /* handshake deadline */
     kv_net_timer idle_t;             /* idle timeout (when configured) */
+    kv_net_timer delay_t;            /* test delay: wakes the loop when the job may start */
+    int64_t ready_ms;                /* test delay: the job is not started before this */
     /* the job: a COMPUTE held in the receive buffer */
     bool busy;
     uint32_t rid;                    /* its request id */
@@ -549,6 +573,8 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
     if (w->opts.read_timeout_ms <= 0) w->opts.read_timeout_ms = 10000;
     if (w->opts.handshake_timeout_ms <= 0) w->opts.handshake_timeout_ms = 5000;
     if (w->opts.max_pending_per_addr <= 0) w->opts.max_pending_per_addr = 8;
+    if (w->opts.max_pending <= 0) w->opts.max_pending = 64;
+    if (w->opts.test_delay_ms < 0) w->opts.test_delay_ms = 0;
     if (w->opts.evict_idle_ms <= 0) w->opts.evict_idle_ms = 10000;
     if (w->opts.write_timeout_ms <= 0) w->opts.write_timeout_ms = 30000;
     if (!w->opts.mem_budget) w->opts.mem_budget = (size_t)1 << 30;
@@ -593,7 +619,8 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
         w->us = malloc(sizeof *w->us * KV_WORKER_CHUNK * w->n_ff);
         w->xprev = malloc(sizeof *w->xprev * KV_WORKER_CHUNK * w->n_embd);
         w->ids = malloc(sizeof *w->ids * KV_WORKER_CHUNK);
-        w->conns = calloc((size_t)w->opts.max_conns, sizeof *w->conns);
+        w->n_slots = w->opts.max_conns + w->opts.max_pending;
+        w->conns = calloc((size_t)w->n_slots, sizeof *w->conns);
         if (!w->keys || !w->rconn || !w->rpair || !w->xs || !w->ys || !w->ids || !w->conns || !w->gs || !w->us ||
             !w->xprev)
             rc = kv_fail(d, KV_ENOMEM, "worker: out of memory");
@@ -623,7 +650,7 @@ void kv_worker_free(kv_worker *w) {
     if (!w) return;
     kv_net_loop_free(w->loop); /* closes connections still open */
     if (w->conns)
-        for (int i = 0; i < w->opts.max_conns; i++) free(w->conns[i]);
+        for (int i = 0; i < w->n_slots; i++) free(w->conns[i]);
     if (w->lfd >= 0) close(w->lfd);
     if (w->have_prov) w->prov.free(w->prov.impl);
     kv_pool_free(w->pool);
@@ -789,6 +816,12 @@ static void kv_wc_idle_timeout(kv_net_loop *l, kv_net_timer *t) {
     kv_wc_fatal(c, 0, KV_ETIMEOUT, "idle", msg);
 }
 
+/* Test delay over: nothing to do, the tick that follows starts the job. */
+static void kv_wc_delay_over(kv_net_loop *l, kv_net_timer *t) {
+    (void)l;
+    (void)t;
+}
+
 static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     kv_worker *w = c->w;
     kv_diag d = {0};
@@ -842,6 +875,84 @@ static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     return 0;
 }
 
+/* ---- slots: the pending and the authenticated pool ------------------------------ */
+
+/* Frees c's place (a yield, an eviction or a close); idempotent. */
+static void kv_wc_unslot(kv_worker *w, kv_wconn *c) {
+    if (c->slot < 0) return;
+    KV_ASSERT(w->conns[c->slot] == c);
+    w->conns[c->slot] = NULL;
+    if (c->authed) w->n_authed--;
+    else w->n_pending--;
+    c->slot = -1;
+}
+
+/* Closes v with ERROR code and msg, and frees its place now. */
+static void kv_wc_displace(kv_worker *w, kv_wconn *v, int code, const char *what, const char *msg) {
+    kv_wc_fatal(v, 0, code, what, msg);
+    kv_wc_unslot(w, v);
+}
+
+/* How far a pending connection got: 0 closing already (its deadline or an
+ * error), 1 nothing yet, 2 HELLO answered. */
+static int kv_wc_progress(const kv_wconn *c) { return kv_net_conn_closing(c->nc) ? 0 : c->hello ? 2 : 1; }
+
+/* True if a yields before b: less progress, then older. */
+static bool kv_yields_first(const kv_wconn *a, const kv_wconn *b) {
+    const int pa = kv_wc_progress(a), pb = kv_wc_progress(b);
+    if (pa != pb) return pa < pb;
+    return a->opened_ms < b->opened_ms;
+}
+
+/* Room among the authenticated for c, which has just proved an allowed
+ * key. With every place authenticated, the authenticated connection
+ * longest without work (idle at least evict_idle_ms, nothing being
+ * computed) gives up its place, else false: all are doing work. Over
+ * max_conns (newcomers waited beyond it while idle ones existed), a
+ * pending stranger yields first: an idle authenticated connection loses
+ * its place only when nothing but authenticated peers is left to yield. */
+static bool kv_worker_authed_room(kv_worker *w, const kv_wconn *c) {
+    const int64_t now = kv_now_ms();
+    kv_wconn *victim = NULL;
+    if (w->n_authed >= w->opts.max_conns) {
+        for (int i = 0; i < w->n_slots; i++) {
+            kv_wconn *o = w->conns[i];
+            if (!o || !o->authed || o->busy || kv_net_conn_closing(o->nc)) continue;
+            if (now - o->last_work_ms < w->opts.evict_idle_ms) continue;
+            if (!victim || o->last_work_ms < victim->last_work_ms) victim = o;
+        }
+        if (!victim) return false;
+        char msg[128];
+        snprintf(msg, sizeof msg, "slot taken back: no COMPUTE for %lld ms while another peer waits",
+                 (long long)(now - victim->last_work_ms));
+        kv_wc_displace(w, victim, KV_ETIMEOUT, "evicted", msg);
+    } else if (w->n_authed + w->n_pending > w->opts.max_conns) {
+        for (int i = 0; i < w->n_slots; i++) {
+            kv_wconn *o = w->conns[i];
+            if (o && o != c && !o->authed && (!victim || kv_yields_first(o, victim))) victim = o;
+        }
+        if (victim) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "handshake not complete after %lld ms: its place went to an authenticated peer",
+                     (long long)(now - victim->opened_ms));
+            kv_wc_displace(w, victim, KV_ERANGE, "yielded", msg);
+        }
+    }
+    return true;
+}
+
+/* Authenticated connections that a newly authenticated peer could
+ * displace now (idle at least evict_idle_ms, nothing being computed). */
+static int kv_worker_n_evictable(const kv_worker *w) {
+    const int64_t now = kv_now_ms();
+    int n = 0;
+    for (int i = 0; i < w->n_slots; i++) {
+        const kv_wconn *c = w->conns[i];
+        n += c && c->authed && !c->busy && !kv_net_conn_closing(c->nc) && now - c->last_work_ms >= w->opts.evict_idle_ms;
+    }
+    return n;
+}
+
 /* True if key may be served: listed, or vouched for by the hub until a time
  * still to come. Takes auth_mu. */
 static bool kv_worker_allowed(kv_worker *w, const kv_msg_auth *a, char *why, size_t cap) {
@@ -873,11 +984,17 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
                            "AUTH signature does not verify over this connection's challenge");
     char why[160];
     if (!kv_worker_allowed(w, a, why, sizeof why)) return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused", why);
+    if (c->slot < 0) return 0; /* yielded its place meanwhile: already closing */
+    if (!kv_worker_authed_room(w, c))
+        return kv_wc_fatal(c, rid, KV_ERANGE, "refused",
+                           "too many connections: every authenticated slot is doing work (retry later)");
     uint8_t sig[64], buf[KV_PROTO_HEADER + KV_PROTO_AUTH_OK_SIZE];
     size_t n;
     kv_dispatch_digest('W', w->model_id, c->version, w->pk, c->challenge, a->key, a->nonce, dg);
     kv_dispatch_sign(w->sk, dg, sig);
     if (kv_msg_auth_ok_encode(buf, sizeof buf, rid, sig, &n, NULL) == 0) kv_wc_queue(c, buf, n);
+    w->n_pending--; /* from the pending pool to the authenticated one */
+    w->n_authed++;
     c->authed = true;
     memcpy(c->peer_key, a->key, 32);
     pthread_mutex_lock(&w->auth_mu);
@@ -940,6 +1057,10 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
     c->next = 0;
     c->busy = true;
     c->last_work_ms = kv_now_ms();
+    if (w->opts.test_delay_ms > 0) { /* TEST ONLY: a slow worker */
+        c->ready_ms = c->last_work_ms + w->opts.test_delay_ms;
+        kv_net_timer_start(w->loop, &c->delay_t, w->opts.test_delay_ms);
+    }
     kv_job_add(w, c);
     return KV_NET_HOLD;
 }
@@ -1010,12 +1131,10 @@ static void kv_wc_on_close(kv_net_conn *nc, int code, const char *why) {
     kv_job_remove(w, c);
     kv_net_timer_stop(w->loop, &c->hs_t);
     kv_net_timer_stop(w->loop, &c->idle_t);
+    kv_net_timer_stop(w->loop, &c->delay_t);
     kv_wlog(w, "conn %llu %s: closed (%s)", (unsigned long long)c->id, c->peer,
             why && why[0] ? why : code ? kv_err_str(code) : "closed");
-    if (c->slot >= 0) {
-        w->conns[c->slot] = NULL;
-        w->n_active--;
-    }
+    kv_wc_unslot(w, c);
     free(c);
 }
 
@@ -1034,7 +1153,8 @@ static int kv_cmp_u64(const void *a, const void *b) {
 }
 
 static bool kv_job_ready(const kv_wconn *c) {
-    return !kv_net_conn_closing(c->nc) && kv_net_conn_pending(c->nc) < KV_WORKER_TX_HWM;
+    return !kv_net_conn_closing(c->nc) && kv_net_conn_pending(c->nc) < KV_WORKER_TX_HWM &&
+           (!c->ready_ms || kv_now_ms() >= c->ready_ms);
 }
 
 /* Finishes c's job: the frame is released and the next one may be read. */
@@ -1268,29 +1388,81 @@ static void kv_worker_refuse(kv_worker *w, int fd, uint64_t id, const char *peer
     close(fd);
 }
 
-/* A slot for a newcomer: a free one, or the one of the handshaken
- * connection longest without work, if idle for evict_idle_ms. -1 if none. */
-static int kv_worker_slot(kv_worker *w) {
-    for (int i = 0; i < w->opts.max_conns; i++)
-        if (!w->conns[i]) return i;
-    const int64_t now = kv_now_ms();
-    int victim = -1;
-    for (int i = 0; i < w->opts.max_conns; i++) {
-        kv_wconn *c = w->conns[i];
-        if (!c->authed || c->busy || kv_net_conn_closing(c->nc)) continue;
-        if (now - c->last_work_ms < w->opts.evict_idle_ms) continue;
-        if (victim < 0 || c->last_work_ms < w->conns[victim]->last_work_ms) victim = i;
+/* The per-address key of a peer: an IPv4 address (as ::ffff:a.b.c.d, so a
+ * v4-mapped IPv6 peer is the same address), or the /64 of an IPv6 one (a
+ * single host is usually given a whole /64). */
+static void kv_addr_key(const struct sockaddr_storage *ss, uint8_t out[16]) {
+    memset(out, 0, 16);
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+        out[10] = out[11] = 0xff;
+        memcpy(out + 12, &a->sin_addr, 4);
+    } else if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+        static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        if (!memcmp(a->sin6_addr.s6_addr, mapped, 12)) memcpy(out, a->sin6_addr.s6_addr, 16);
+        else memcpy(out, a->sin6_addr.s6_addr, 8);
     }
-    if (victim < 0) return -1;
-    kv_wconn *v = w->conns[victim];
-    char msg[128];
-    snprintf(msg, sizeof msg, "slot taken back: no COMPUTE for %lld ms while another peer waits",
-             (long long)(now - v->last_work_ms));
-    kv_wc_fatal(v, 0, KV_ETIMEOUT, "evicted", msg);
-    v->slot = -1;
-    w->conns[victim] = NULL;
-    w->n_active--;
-    return victim;
+}
+
+/* Pending connections whose address key is k. */
+static int kv_worker_pending_of(const kv_worker *w, const uint8_t k[16]) {
+    int n = 0;
+    for (int i = 0; i < w->n_slots; i++) {
+        const kv_wconn *c = w->conns[i];
+        n += c && !c->authed && !memcmp(c->ipk, k, 16);
+    }
+    return n;
+}
+
+/* Makes room in the pending pool for a newcomer from address key k (the
+ * rules of the opening comment): true if there is room now (a pending
+ * connection may have yielded its place), false with msg filled if the
+ * newcomer is to be refused. */
+static bool kv_worker_pending_room(kv_worker *w, const uint8_t k[16], const char *ip, char *msg, size_t cap) {
+    const int mine = kv_worker_pending_of(w, k), total = w->n_authed + w->n_pending;
+    kv_wconn *victim = NULL;
+    if (mine >= w->opts.max_pending_per_addr) { /* its own address at its cap: one of them yields */
+        for (int i = 0; i < w->n_slots; i++) {
+            kv_wconn *c = w->conns[i];
+            if (c && !c->authed && !memcmp(c->ipk, k, 16) && (!victim || kv_yields_first(c, victim))) victim = c;
+        }
+    } else if (w->n_pending >= w->opts.max_pending ||
+               (total >= w->opts.max_conns && total - w->opts.max_conns >= kv_worker_n_evictable(w))) {
+        /* full: a pending connection of an address holding more yields */
+        int vn = 0;
+        for (int i = 0; i < w->n_slots; i++) {
+            kv_wconn *c = w->conns[i];
+            if (!c || c->authed) continue;
+            const int n = kv_worker_pending_of(w, c->ipk);
+            if (n < mine + 2) continue;
+            const int pc = kv_wc_progress(c), pv = victim ? kv_wc_progress(victim) : 0;
+            if (!victim || pc < pv || (pc == pv && (n > vn || (n == vn && c->opened_ms < victim->opened_ms)))) {
+                victim = c;
+                vn = n;
+            }
+        }
+        if (!victim) {
+            snprintf(msg, cap, "too many connections (%d, %d of them waiting for their handshake, %d from %s): "
+                     "retry later", total, w->n_pending, mine, ip);
+            return false;
+        }
+    } else {
+        return true;
+    }
+    KV_ASSERT(victim != NULL);
+    char why[160];
+    snprintf(why, sizeof why, "handshake not complete after %lld ms: its place went to a newer connection",
+             (long long)(kv_now_ms() - victim->opened_ms));
+    kv_wc_displace(w, victim, KV_ERANGE, "yielded", why);
+    return true;
+}
+
+/* A free place in w->conns; the pools' limits guarantee one. */
+static int kv_worker_free_slot(const kv_worker *w) {
+    for (int i = 0; i < w->n_slots; i++)
+        if (!w->conns[i]) return i;
+    return -1;
 }
 
 static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev);
@@ -1325,20 +1497,15 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
         getnameinfo((struct sockaddr *)&ss, sl, hb, sizeof hb, pb, sizeof pb, NI_NUMERICHOST | NI_NUMERICSERV);
         snprintf(peer, sizeof peer, "%s:%s", hb, pb);
         uint64_t id = atomic_fetch_add(&w->n_conns, 1) + 1;
-        int pending = 0;
-        for (int i = 0; i < w->opts.max_conns; i++)
-            pending += w->conns[i] && !w->conns[i]->authed && !strcmp(w->conns[i]->ip, hb);
-        if (pending >= w->opts.max_pending_per_addr) {
-            char msg[160];
-            snprintf(msg, sizeof msg, "too many connections from %s waiting for their handshake (%d)", hb, pending);
+        uint8_t ipk[16];
+        kv_addr_key(&ss, ipk);
+        char msg[200];
+        if (!kv_worker_pending_room(w, ipk, hb, msg, sizeof msg)) {
             kv_worker_refuse(w, fd, id, peer, KV_ERANGE, msg);
             continue;
         }
-        int slot = kv_worker_slot(w);
-        if (slot < 0) {
-            kv_worker_refuse(w, fd, id, peer, KV_ERANGE, "too many connections");
-            continue;
-        }
+        const int slot = kv_worker_free_slot(w);
+        KV_ASSERT(slot >= 0 && w->n_pending < w->opts.max_pending);
         kv_wconn *c = calloc(1, sizeof *c);
         if (!c) {
             kv_worker_refuse(w, fd, id, peer, KV_ENOMEM, "out of memory");
@@ -1349,9 +1516,11 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
         c->id = id;
         snprintf(c->peer, sizeof c->peer, "%s", peer);
         snprintf(c->ip, sizeof c->ip, "%s", hb);
-        c->last_work_ms = kv_now_ms();
+        memcpy(c->ipk, ipk, 16);
+        c->last_work_ms = c->opened_ms = kv_now_ms();
         kv_net_timer_init(&c->hs_t, kv_wc_handshake_timeout, c);
         kv_net_timer_init(&c->idle_t, kv_wc_idle_timeout, c);
+        kv_net_timer_init(&c->delay_t, kv_wc_delay_over, c);
         const size_t rb_max = (size_t)KV_WORKER_CHUNK * ((size_t)w->n_embd + 2 * (size_t)w->n_ff) * 4 +
                               KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED; /* one round of RESULT_PRE rows */
         const kv_net_conn_opts o = {
@@ -1372,7 +1541,7 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
             continue;
         }
         w->conns[slot] = c;
-        w->n_active++;
+        w->n_pending++;
         kv_net_timer_start(l, &c->hs_t, w->opts.handshake_timeout_ms);
         if (w->opts.idle_timeout_ms > 0) kv_net_timer_start(l, &c->idle_t, w->opts.idle_timeout_ms);
         kv_wlog(w, "conn %llu %s: opened", (unsigned long long)id, peer);
