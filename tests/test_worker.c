@@ -1,4 +1,4 @@
-/* kv-test-labels: net */
+/* kv-test-labels: net attack */
 /* kvasir worker over loopback: a real worker process serves COMPUTE with
  * results bit-identical to the in-process expert computation on the full
  * model; every kind of bad input (garbage, oversized length, unknown type,
