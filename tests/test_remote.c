@@ -1,4 +1,4 @@
-/* kv-test-labels: net */
+/* kv-test-labels: net attack */
 /* The remote expert provider against real worker processes on loopback,
  * and against an in-process liar: a greedy decode through workers must give
  * the logits of the in-process run byte for byte, whatever happens to the

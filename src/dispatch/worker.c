@@ -39,7 +39,7 @@
  * takes the place of an authenticated connection; among pending ones:
  *   - the newcomer's address at its cap: the pending connection of that
  *     address that has made the least progress (one closing already, then
- *     one that has sent nothing, then one past HELLO), oldest first, yields
+ *     one that has sent nothing, then one that has), oldest first, yields
  *     its place to it;
  *   - every place taken: a pending connection of an address that holds at
  *     least two more than the newcomer's yields (least progress, then the
@@ -77,6 +77,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -894,8 +895,15 @@ static void kv_wc_displace(kv_worker *w, kv_wconn *v, int code, const char *what
 }
 
 /* How far a pending connection got: 0 closing already (its deadline or an
- * error), 1 nothing yet, 2 HELLO answered. */
-static int kv_wc_progress(const kv_wconn *c) { return kv_net_conn_closing(c->nc) ? 0 : c->hello ? 2 : 1; }
+ * error), 1 nothing sent yet, 2 bytes sent (a HELLO read, or waiting in the
+ * socket: a coordinator sends HELLO at once, and one accepted in the same
+ * round as strangers must not lose its place before it is read). */
+static int kv_wc_progress(const kv_wconn *c) {
+    if (kv_net_conn_closing(c->nc)) return 0;
+    if (c->hello) return 2;
+    int unread = 0;
+    return ioctl(kv_net_conn_fd(c->nc), FIONREAD, &unread) == 0 && unread > 0 ? 2 : 1;
+}
 
 /* True if a yields before b: less progress, then older. */
 static bool kv_yields_first(const kv_wconn *a, const kv_wconn *b) {
