@@ -1783,6 +1783,72 @@ static void test_prove(void) {
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
+/* The market's live count of manifest slab i, from GET /v1/market. */
+static int market_live(const hub_proc *p, size_t i) {
+    kv_hub_market mk;
+    resp r = get(p, "/v1/market");
+    kv_diag d = {0};
+    int live = -1;
+    if (!kv_hub_parse_market(&mk, r.body, r.n, &d)) {
+        for (size_t k = 0; k < mk.n_shards; k++)
+            if (mk.shards[k].layer == g_m->slabs[i].layer && mk.shards[k].first == g_m->slabs[i].first)
+                live = (int)mk.shards[k].live;
+        kv_hub_market_free(&mk);
+    }
+    resp_free(&r);
+    return live;
+}
+
+/* Newcomers weigh little until they are established: two honest nodes
+ * hold slab 0 and are established (--trust-ms); two strangers who really
+ * serve it (real workers, proven) register for it too, and the market
+ * still counts 2 of 2, so the honest holders see no over-coverage and stay;
+ * once the strangers have been proven for trust_ms themselves they count.
+ * On a shard nobody established holds, newcomers count in full: three of
+ * them on slab 1 show its over-coverage (3 of 2), so a young swarm still
+ * rebalances. */
+static void test_trust(void) {
+    char db[512];
+    db_path(db, sizeof db, "trust");
+    hub_proc p;
+    g_trust = false;
+    int hs = hub_start(&p, db, "--prove-every-ms 300 --trust-ms 2500 --deadline-ms 600000 --wanted 2");
+    g_trust = true;
+    if (hs) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    uint8_t hk[32];
+    kv_diag d = {0};
+    ASSERT_EQ(kv_node_fetch_hub_key(p.url, hk, &d), 0);
+    test_worker w[5] = {{0}};
+    for (int i = 0; i < 5; i++) ASSERT_EQ(worker_up(&w[i], 850 + i, hk, 0), 0);
+    const int s0[] = {0}, s1[] = {1};
+    ASSERT_EQ(do_register(&p, &w[0].key, kv_worker_addr(w[0].w), s0, 1, NULL), 200);
+    ASSERT_EQ(do_register(&p, &w[1].key, kv_worker_addr(w[1].w), s0, 1, NULL), 200);
+    ASSERT_TRUE(wait_placed(&p, &w[0].key, 0, true, 10000) && wait_placed(&p, &w[1].key, 0, true, 10000));
+    ASSERT_EQ(market_live(&p, 0), 2);
+    usleep(3000000); /* both established */
+    ASSERT_EQ(do_register(&p, &w[2].key, kv_worker_addr(w[2].w), s0, 1, NULL), 200);
+    ASSERT_EQ(do_register(&p, &w[3].key, kv_worker_addr(w[3].w), s0, 1, NULL), 200);
+    ASSERT_TRUE(wait_placed(&p, &w[2].key, 0, true, 10000) && wait_placed(&p, &w[3].key, 0, true, 10000));
+    ASSERT_EQ(market_live(&p, 0), 2); /* proven and serving, not yet weighing */
+    /* three newcomers alone on slab 1: counted in full */
+    for (int i = 2; i < 5; i++) {
+        const int both[] = {0, 1};
+        ASSERT_EQ(do_register(&p, &w[i].key, kv_worker_addr(w[i].w), i < 4 ? both : s1, i < 4 ? 2 : 1, NULL), 200);
+    }
+    for (int i = 2; i < 5; i++) ASSERT_TRUE(wait_placed(&p, &w[i].key, 1, true, 10000));
+    ASSERT_EQ(market_live(&p, 1), 3);
+    ASSERT_EQ(market_live(&p, 0), 2);
+    /* established in their turn, the strangers on slab 0 count */
+    int live = 0;
+    for (int t = 0; t < 100 && (live = market_live(&p, 0)) != 4; t++) usleep(100000);
+    ASSERT_EQ(live, 4);
+    for (int i = 0; i < 5; i++) worker_down(&w[i]);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
 /* Registrations per address and per subnet are bounded (keys are free,
  * addresses are not), loopback hosts are each their own subnet, a name is
  * refused (the hub resolves none), and the market counts at most half the
@@ -1835,7 +1901,8 @@ static const kvt_case cases[] = {
     KVT_CASE(test_bad_requests),  KVT_CASE(test_challenge), KVT_CASE(test_connection_limits),
     KVT_CASE(test_store_of_other_model), KVT_CASE(test_market_cli_errors),
     KVT_CASE(test_challenge_schedule), KVT_CASE(test_corrupt_piece), KVT_CASE(test_voucher), KVT_CASE(test_report),
-    KVT_CASE(test_ledger_earnings), KVT_CASE(test_prove), KVT_CASE(test_register_limits),
+    KVT_CASE(test_ledger_earnings), KVT_CASE(test_prove), KVT_CASE(test_trust),
+    KVT_CASE(test_register_limits),
 };
 
 int main(int argc, char **argv) {

@@ -89,6 +89,9 @@ typedef struct kv_hub_opts {
     uint32_t prove_connect_ms;  /* connect and handshake deadline of a probe; 0 = 2000 */
     uint32_t prove_deadline_ms; /* compute answers, after the handshake; 0 = 1500 */
     uint32_t prove_every_ms;    /* mean time between challenges of a proven node; 0 = 60000 */
+    uint32_t trust_ms;          /* a node proven this long (two challenges passed) is established:
+                                   where established nodes hold a shard, newcomers' replicas only
+                                   fill what they leave short of wanted; 0 = 600000 */
     uint32_t max_per_host;      /* live nodes registered at one IP; 0 = 32 */
     uint32_t max_per_subnet;    /* live nodes in one IPv4 /24 or IPv6 /48 (loopback exempt); 0 = 128 */
 } kv_hub_opts;

@@ -19,7 +19,7 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--timeout", "--request-timeout", "--threads", "--challenge-every",
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
                                              "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger",
-                                             "--prove-deadline-ms", "--prove-every-ms", "--prove-threads",
+                                             "--prove-deadline-ms", "--prove-every-ms", "--prove-threads", "--trust-ms",
                                              "--max-per-host", "--max-per-subnet", NULL};
 
 static const char *kv_hub_help =
@@ -51,6 +51,8 @@ static const char *kv_hub_help =
     "  --prove-deadline-ms MS  compute answers due within MS of the handshake (default 1500)\n"
     "  --prove-every-ms MS mean time between challenges of a listed node (default 60000)\n"
     "  --prove-threads N   nodes probed at once (default 2, at most 16)\n"
+    "  --trust-ms MS       a node proven this long is established; where established nodes hold a\n"
+    "                      shard, newcomers' replicas only fill what they leave short (default 600000)\n"
     "  --max-per-host N    live nodes registered at one IP address (default 32)\n"
     "  --max-per-subnet N  live nodes in one IPv4 /24 or IPv6 /48, loopback exempt (default 128)\n"
     "  --trust-announced   list nodes as they announce themselves, unproven: tests of the market\n"
@@ -188,6 +190,9 @@ int kv_cmd_hub(int argc, char **argv) {
         } else if (!strcmp(a, "--prove-threads")) {
             if (kv_arg_long(CMD, a, s, 1, 16, &v)) return 1;
             o.prove_threads = (uint32_t)v;
+        } else if (!strcmp(a, "--trust-ms")) {
+            if (kv_arg_long(CMD, a, s, 1, 30L * 86400000, &v)) return 1;
+            o.trust_ms = (uint32_t)v;
         } else if (!strcmp(a, "--max-per-host")) {
             if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
             o.max_per_host = (uint32_t)v;

@@ -437,13 +437,16 @@ static bool kv_node_is_ring(const kv_hub_node *n) { return !strcmp(n->backend, "
 /* One proven replica, for the market's count. */
 typedef struct kv_mkt_rep {
     uint32_t slab;
+    uint32_t est; /* 1: its node is established (proven for trust_ms, two challenges passed) */
     uint64_t net; /* its subnet (loopback: the node itself) */
 } kv_mkt_rep;
 
+/* By slab, then subnet, established replicas first within a subnet. */
 static int kv_mkt_rep_cmp(const void *a, const void *b) {
     const kv_mkt_rep *x = a, *y = b;
     if (x->slab != y->slab) return x->slab < y->slab ? -1 : 1;
-    return x->net < y->net ? -1 : x->net > y->net;
+    if (x->net != y->net) return x->net < y->net ? -1 : 1;
+    return x->est > y->est ? -1 : x->est < y->est;
 }
 
 static uint64_t kv_mkt_net(const kv_hub_node *n) {
@@ -456,11 +459,22 @@ static uint64_t kv_mkt_net(const kv_hub_node *n) {
     return x;
 }
 
-/* live[i] for every slab, as the market counts it; caller holds mu. Only
- * proven replicas count, and of one subnet at most half the wanted
- * replicas (rounded up; loopback nodes are each their own): keys are free,
- * so a stranger with one address block cannot make an honest holder's shard
- * look over-covered and send budget-limited honest nodes elsewhere. */
+/* A node is established once it has been proven at its address for
+ * trust_ms and passed two challenges; a failed probe starts it over. */
+static bool kv_node_established(const kv_hub *h, const kv_hub_node *n, int64_t now) {
+    return n->proven_ms && now - n->proven_ms >= (int64_t)h->o.trust_ms && n->passes >= 2;
+}
+
+/* live[i] for every slab, as the market counts it; caller holds mu.
+ * Only proven replicas count, and two rules keep strangers, whose keys are
+ * free, from making an honest holder's shard look over-covered (which sends
+ * budget-limited honest nodes elsewhere):
+ *  - of one subnet at most half the wanted replicas count (rounded up;
+ *    loopback nodes are each their own subnet);
+ *  - where established replicas hold a shard, replicas of nodes not yet
+ *    established only fill what they leave short of wanted. A shard with
+ *    none established counts every replica, so a swarm of newcomers still
+ *    sees its over-coverage and rebalances. */
 static void kv_mkt_live(kv_hub *h, int64_t now, uint32_t *live) {
     memset(live, 0, h->m->n_slabs * sizeof *live);
     size_t nr = 0;
@@ -471,7 +485,7 @@ static void kv_mkt_live(kv_hub *h, int64_t now, uint32_t *live) {
             if (kv_node_slab_ok(h, n, i)) nr++;
     }
     kv_mkt_rep *r = malloc((nr ? nr : 1) * sizeof *r);
-    if (!r) { /* no memory for the rule: plain counts */
+    if (!r) { /* no memory for the rules: plain counts */
         for (size_t k = 0; k < h->n_nodes; k++) {
             const kv_hub_node *n = &h->nodes[k];
             if (!kv_node_live(h, n, now) || kv_node_is_ring(n)) continue;
@@ -485,16 +499,27 @@ static void kv_mkt_live(kv_hub *h, int64_t now, uint32_t *live) {
         const kv_hub_node *n = &h->nodes[k];
         if (!kv_node_live(h, n, now) || kv_node_is_ring(n)) continue;
         const uint64_t net = kv_mkt_net(n);
+        const uint32_t est = !h->o.trust_announced && kv_node_established(h, n, now);
         for (size_t i = 0; i < n->n_slabs; i++)
-            if (kv_node_slab_ok(h, n, i)) r[j++] = (kv_mkt_rep){n->slabs[i], net};
+            if (kv_node_slab_ok(h, n, i)) r[j++] = (kv_mkt_rep){n->slabs[i], est, net};
     }
     qsort(r, nr, sizeof *r, kv_mkt_rep_cmp);
     for (size_t a = 0; a < nr;) {
         const uint32_t sl = r[a].slab, w = h->wanted[sl], cap = w > 1 ? (w + 1) / 2 : 1;
-        size_t b = a;
-        while (b < nr && r[b].slab == sl && r[b].net == r[a].net) b++;
-        live[sl] += (uint32_t)(b - a < cap ? b - a : cap);
-        a = b;
+        uint32_t est = 0, fresh = 0;
+        while (a < nr && r[a].slab == sl) {
+            size_t b = a;
+            uint32_t took = 0;
+            for (; b < nr && r[b].slab == sl && r[b].net == r[a].net; b++)
+                if (took < cap) {
+                    took++;
+                    est += r[b].est;
+                    fresh += !r[b].est;
+                }
+            a = b;
+        }
+        const uint32_t room = w > est ? w - est : 0;
+        live[sl] = est + (est && fresh > room ? room : fresh);
     }
     free(r);
 }
@@ -1988,6 +2013,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.prove_connect_ms) h->o.prove_connect_ms = 2000;
     if (!h->o.prove_deadline_ms) h->o.prove_deadline_ms = 1500;
     if (!h->o.prove_every_ms) h->o.prove_every_ms = 60000;
+    if (!h->o.trust_ms) h->o.trust_ms = 600000;
     pthread_cond_init(&h->prove_cv, NULL);
     int rc;
     /* the bytes served and the manifest parsed are read from the same path
