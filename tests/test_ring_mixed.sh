@@ -5,7 +5,9 @@
 # the backbone and the manifest, whose routed experts are computed by two
 # `kvasir worker` expert workers (the dispatch protocol, authenticated: the
 # workers admit the ring node's key). Tokens and logits must equal
-# `kvasir run -m F.gguf`'s byte for byte, for qwen3moe and qwen35moe.
+# `kvasir run -m F.gguf`'s byte for byte, for qwen3moe and qwen35moe. For
+# qwen35moe the second worker starts 1.5 s after the ring node: the node
+# waits for it (--worker-wait-ms) instead of failing at open.
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -55,12 +57,23 @@ for arch in qwen3moe qwen35moe; do
   cp "$sl/backbone.gguf" "$sl/manifest.json" "$w1/"
   worker "$arch-a" "$sl/experts/blk.2.0000-0003.gguf,$sl/experts/blk.3.0000-0003.gguf"
   wa=$waddr
-  worker "$arch-b" "$sl/experts/blk.2.0004-0007.gguf,$sl/experts/blk.3.0004-0007.gguf"
-  wb=$waddr
-  read -r -a ports <<<"$(free_ports 2)"
+  read -r -a ports <<<"$(free_ports 3)"
   A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]}
+  if [ $arch = qwen3moe ]; then
+    worker "$arch-b" "$sl/experts/blk.2.0004-0007.gguf,$sl/experts/blk.3.0004-0007.gguf"
+    wb=$waddr
+  else
+    wb=127.0.0.1:${ports[2]} # not up yet when the ring node opens
+  fi
   ring_node 0 "$w0/manifest.json" 0-1 "$A0" "$A1"
-  ring_node 1 "$w1/manifest.json" 2-3 "$A1" "$A0" --worker "$wa" --worker "$wb"
+  ring_node 1 "$w1/manifest.json" 2-3 "$A1" "$A0" --worker "$wa" --worker "$wb" --worker-wait-ms 20000
+  if [ $arch = qwen35moe ]; then
+    sleep 1.5
+    kill -0 "${RING_PID[1]}" 2>/dev/null || fail "$arch: the ring node gave up before its worker came: $(cat "$dir/ring1.err")"
+    "$KV" worker --slabs "$sl/experts/blk.2.0004-0007.gguf,$sl/experts/blk.3.0004-0007.gguf" --listen "$wb" \
+      --threads 1 --quiet --allow-key "$dir/allow" >"$dir/$arch-b.out" 2>"$dir/$arch-b.err" &
+    RING_ALL+=($!)
+  fi
   ring_wait_whole
   for via in "$A0" "$A1"; do
     "$KV" run --ring "$via" "${RK[@]}" -p "$P" -n $N --temp 0 --json --logits-out "$dir/r.bin" >"$dir/r.json" ||

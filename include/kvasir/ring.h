@@ -315,6 +315,9 @@ typedef struct kv_ring_node_opts {
                                    computed by these expert workers (kvasir worker, the dispatch
                                    protocol; this node proves its own key to them) */
     uint32_t n_workers;
+    uint32_t worker_wait_ms;    /* with workers: how long opening waits for every expert of the window
+                                   to have a worker up (workers still starting, a handshake refused
+                                   for capacity and retried) before it fails; 0 = 30000 */
     uint32_t link_delay_ms;     /* frames to the next node wait this long first (an emulated
                                    link latency, for benchmarks where netem is missing); 0 = none */
     uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after

@@ -16,7 +16,7 @@
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", "--worker-wait-ms", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -42,6 +42,8 @@ static const char *kv_ring_help =
     "  --worker HOST:PORT  sliced model: compute this window's routed experts on expert workers\n"
     "                      (kvasir worker; repeat for more; they must admit this node's --key):\n"
     "                      only the backbone and the manifest need be here\n"
+    "  --worker-wait-ms MS with --worker: wait this long at start for a worker up for every expert of\n"
+    "                      the window (workers still starting, or refusing for room) (default 30000)\n"
     "  --key FILE          this node's Ed25519 key (created if absent, 0600; kvasir key prints its\n"
     "                      public half); default: a fresh key for this process\n"
     "  --allow-key K       admit key K (64 hex digits, or a file of keys, one a line): the other\n"
@@ -88,7 +90,7 @@ int kv_cmd_ring(int argc, char **argv) {
     uint8_t hub_key[32];
     bool has_hub_key = false;
     const char *workers[64];
-    uint32_t n_workers = 0;
+    uint32_t n_workers = 0, worker_wait_ms = 0;
     long lv;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -115,6 +117,13 @@ int kv_cmd_ring(int argc, char **argv) {
                 return kv_cli_err(CMD, 1, "--hub-key: %s", d.msg);
             }
             has_hub_key = true;
+        } else if (!strcmp(a, "--worker-wait-ms")) {
+            long w;
+            if (kv_arg_long(CMD, a, v, 0, 3600000, &w)) {
+                free(allow);
+                return 1;
+            }
+            worker_wait_ms = (uint32_t)w;
         } else if (!strcmp(a, "--worker")) {
             if (n_workers == 64) {
                 free(allow);
@@ -201,6 +210,7 @@ int kv_cmd_ring(int argc, char **argv) {
     }
     o.workers = workers;
     o.n_workers = n_workers;
+    o.worker_wait_ms = worker_wait_ms;
     o.allow_keys = (const uint8_t(*)[32])allow;
     o.n_allow = n_allow;
     kv_ring_node *n = NULL;

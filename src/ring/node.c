@@ -1385,15 +1385,25 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
                                        .allow_uncovered = true};
             if ((rc = kv_remote_open(&n->remote, man, n->pool, &ro, d))) goto fail;
             experts = kv_remote_provider(n->remote);
-            kv_remote_coverage cov;
-            uint32_t miss[256];
-            kv_remote_get_coverage(n->remote, &cov, miss, 256);
-            for (uint32_t k = 0; k < cov.n_missing; k++) {
-                const kv_manifest_slab *sl = &mf->slabs[miss[k]];
-                if (sl->layer < n->o.first || sl->layer > n->o.last) continue;
-                rc = kv_fail(d, KV_ENOTFOUND, "ring: layer %u experts %u-%u are served by no worker up and their slab "
-                             "is not here", sl->layer, sl->first, sl->last);
-                goto fail;
+            /* a worker still starting, or one that refused us for room and is
+             * dialed again, comes up within the wait: keep looking until then */
+            const uint32_t wait_ms = n->o.worker_wait_ms ? n->o.worker_wait_ms : 30000;
+            for (uint32_t waited = 0;; waited += 100) {
+                kv_remote_coverage cov;
+                uint32_t miss[256];
+                kv_remote_get_coverage(n->remote, &cov, miss, 256);
+                const kv_manifest_slab *gap = NULL;
+                for (uint32_t k = 0; k < cov.n_missing && !gap; k++) {
+                    const kv_manifest_slab *sl = &mf->slabs[miss[k]];
+                    if (sl->layer >= n->o.first && sl->layer <= n->o.last) gap = sl;
+                }
+                if (!gap) break;
+                if (waited >= wait_ms) {
+                    rc = kv_fail(d, KV_ENOTFOUND, "ring: layer %u experts %u-%u are served by no worker up after %u ms "
+                                 "and their slab is not here", gap->layer, gap->first, gap->last, wait_ms);
+                    goto fail;
+                }
+                kv_remote_tend(n->remote, 100);
             }
         }
         for (uint32_t il = n->o.first; il <= n->o.last && !n->remote; il++)
