@@ -1629,8 +1629,8 @@ static bool placed(const hub_proc *p, const kv_node_key *k, size_t i);
  * as coordinator c with voucher v: nt token rows x, np pairs. Returns the
  * RESULT frame (malloc'd, *m decoded into it) or NULL. */
 static uint8_t *signed_compute(const char *addr, const uint8_t wpk[32], const kv_node_key *c, const kv_voucher *v,
-                               uint32_t layer, const float *x, uint32_t nt, const kv_proto_pair *pairs, uint32_t np,
-                               kv_msg *m) {
+                               uint16_t max_version, uint32_t layer, const float *x, uint32_t nt,
+                               const kv_proto_pair *pairs, uint32_t np, kv_msg *m) {
     kv_diag d = {0};
     const uint32_t E = g_m->n_embd;
     const size_t cap = 1u << 20;
@@ -1640,12 +1640,12 @@ static uint8_t *signed_compute(const char *addr, const uint8_t wpk[32], const kv
     kv_frame_rx_init(&rx, rb, cap);
     size_t n = 0;
     int rc = kv_proto_connect(addr, 2000, &fd, &d);
-    kv_msg_hello h = {KV_PROTO_AUTH_VERSION, KV_PROTO_VERSION, {0}, 1u << KV_ENC_F32};
+    kv_msg_hello h = {KV_PROTO_AUTH_VERSION, max_version, {0}, 1u << KV_ENC_F32};
     memcpy(h.model_id, g_m->model_id, KV_PROTO_MODEL_ID_LEN);
     if (!rc) rc = kv_msg_hello_encode(ob, cap, 1, &h, &n, &d) || kv_proto_write_all(fd, ob, n, 2000, &d) ||
                   kv_proto_read_msg(&rx, fd, 2000, NULL, m, &d) || m->h.type != KV_MSG_HELLO_ACK;
     const uint16_t ver = rc ? 0 : m->u.ack.version;
-    ASSERT_EQ(ver, KV_PROTO_SIG_VERSION);
+    ASSERT_EQ(ver, max_version);
     kv_frame_rx_reset(&rx);
     if (!rc) rc = kv_proto_read_msg(&rx, fd, 2000, NULL, m, &d) || m->h.type != KV_MSG_AUTH_CHALLENGE ||
                   memcmp(m->u.challenge.worker_key, wpk, 32);
@@ -1670,7 +1670,8 @@ static uint8_t *signed_compute(const char *addr, const uint8_t wpk[32], const kv
         kv_frame_set_version(ob, ver);
         kv_frame_rx_reset(&rx);
         rc = rc || kv_proto_write_all(fd, ob, n, 2000, &d) || kv_proto_read_msg(&rx, fd, 5000, NULL, m, &d) ||
-             m->h.type != KV_MSG_RESULT || m->u.result.n_pairs != np || !m->u.result.sig;
+             m->h.type != KV_MSG_RESULT || m->u.result.n_pairs != np ||
+             !m->u.result.sig != (ver < KV_PROTO_SIG_VERSION);
     }
     if (fd >= 0) close(fd);
     free(ob);
@@ -1732,9 +1733,14 @@ static void report_with_evidence(const hub_proc *p, kv_node_key *c, kv_node_key 
     const kv_proto_pair pairs[5] = {{0, s0->first}, {1, s0->first + 1 % span}, {2, s0->first},
                                     {1, s0->first + 2 % span}, {0, s0->first + 3 % span}};
     kv_msg ma, ml;
-    uint8_t *fa = signed_compute(kv_worker_addr(a.w), a.key.pk, c, &v, s0->layer, x, NT, pairs, NP, &ma);
-    uint8_t *fl = signed_compute(kv_worker_addr(liar.w), liar.key.pk, c, &v, s0->layer, x, NT, pairs, NP, &ml);
+    uint8_t *fa = signed_compute(kv_worker_addr(a.w), a.key.pk, c, &v, 4, s0->layer, x, NT, pairs, NP, &ma);
+    uint8_t *fl = signed_compute(kv_worker_addr(liar.w), liar.key.pk, c, &v, 4, s0->layer, x, NT, pairs, NP, &ml);
     ASSERT_TRUE(fa && fl);
+    /* a v3 coordinator is still served, unsigned, the same bytes */
+    kv_msg m3;
+    uint8_t *f3 = signed_compute(kv_worker_addr(a.w), a.key.pk, c, &v, 3, s0->layer, x, NT, pairs, NP, &m3);
+    ASSERT_TRUE(f3 && fa && !m3.u.result.sig && !memcmp(m3.u.result.y_wire, ma.u.result.y_wire, (size_t)NP * E * 4));
+    free(f3);
     if (fa && fl) {
         kv_evidence ev;
         bool unlisted = true;

@@ -80,6 +80,13 @@
  * must be finite and within KV_PROTO_MAX_ABS_OUTPUT; otherwise the whole
  * answer is a lie: the worker is dropped and its slots are redone.
  *
+ * Signed results (v4, docs/PROTOCOL.md): every answer's signature is
+ * checked against the leaves rebuilt from what we sent (each token's row
+ * re-encoded and hashed once) and what came back; one that does not verify
+ * is a lie like any other. When a check catches a lie on pair p, the
+ * leaves still at hand give p's Merkle proof, and on_caught gets the
+ * evidence (rows copied into r's scratch) for the hub.
+ *
  * Hot path: every buffer (frames in and out, gathered hidden states, pair
  * lists, local fallback scratch, round-trip samples) is allocated in
  * kv_remote_open for max_tokens tokens per call; compute never allocates.
