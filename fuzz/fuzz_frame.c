@@ -84,7 +84,9 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
     }
     case KV_MSG_RESULT: {
         const kv_msg_result *r = &m->u.result;
-        CHECK(kv_msg_result_size(r->enc, r->n_pairs, r->n_embd) == n);
+        CHECK(kv_msg_result_size_v(m->h.version, r->enc, r->n_pairs, r->n_embd) == n);
+        CHECK((r->sig != NULL) == (m->h.version >= KV_PROTO_SIG_VERSION));
+        if (r->sig) CHECK(r->sig == f + n - KV_PROTO_RESULT_SIG);
         float *y = malloc(sizeof(float) * r->n_pairs * r->n_embd);
         CHECK(y);
         kv_msg_result_y(r, y);
@@ -113,7 +115,8 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
     case KV_MSG_RESULT_PRE: {
         const kv_msg_result *r = &m->u.result;
         const size_t nf = (size_t)r->n_pairs * ((size_t)r->n_embd + 2 * (size_t)r->n_ff);
-        CHECK(r->n_ff > 0 && r->enc == KV_ENC_F32 && 16 + 16 + nf * 4 == n);
+        CHECK((r->sig != NULL) == (m->h.version >= KV_PROTO_SIG_VERSION));
+        CHECK(r->n_ff > 0 && r->enc == KV_ENC_F32 && 16 + 16 + nf * 4 + (r->sig ? KV_PROTO_RESULT_SIG : 0) == n);
         float *rows = malloc(sizeof(float) * nf), g[4], u[4];
         CHECK(rows);
         for (uint32_t p = 0; p < r->n_pairs; p++) {
@@ -122,7 +125,8 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         }
         /* y rows only were read back; re-encode from the raw wire rows */
         memcpy(rows, f + 32, nf * 4);
-        rc = kv_msg_result_pre_encode(out, sizeof out, m->h.request_id, r->n_pairs, r->n_embd, r->n_ff, rows, &k, &d);
+        rc = kv_msg_result_pre_encode(out, sizeof out, m->h.request_id, r->n_pairs, r->n_embd, r->n_ff, rows, r->sig, &k,
+                                      &d);
         free(rows);
         break;
     }

@@ -40,15 +40,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     rc = kv_node_parse_placement_keys(buf, size, workers, 2, keys, &d);
     CHECK(rc == 0 || (rc < 0 && d.msg[0]));
     /* a report body (the hub's side): the reason printable and bounded */
-    char reason[KV_HUB_MAX_REASON + 1];
+    kv_hub_report rp;
     d = (kv_diag){0};
-    rc = kv_hub_parse_report(buf, size, hk, reason, sizeof reason, &d);
+    rc = kv_hub_parse_report(buf, size, &rp, &d);
+    const char *reason = rp.reason;
     if (!rc) {
         CHECK(strlen(reason) <= KV_HUB_MAX_REASON);
         for (size_t i = 0; reason[i]; i++) CHECK(reason[i] >= 0x20 && reason[i] < 0x7f && reason[i] != '"');
+        /* evidence: bounded, and its check reads only what it holds (a forged one never verifies) */
+        CHECK(rp.has_evidence == (rp.ev != NULL));
+        if (rp.has_evidence) {
+            CHECK(rp.ev->n_proof <= KV_EVIDENCE_MAX_PROOF && !memcmp(rp.ev->worker_key, rp.key, 32));
+            CHECK(kv_evidence_x_bytes(rp.ev) > 0 && kv_evidence_y_bytes(rp.ev) > 0);
+            char mid[KV_PROTO_MODEL_ID_LEN];
+            memset(mid, 'a', sizeof mid);
+            CHECK(kv_evidence_check(rp.ev, mid, NULL) != 0);
+        }
     } else {
-        CHECK(rc < 0 && d.msg[0] && reason[0] == 0);
+        CHECK(rc < 0 && d.msg[0] && reason[0] == 0 && !rp.has_evidence);
     }
+    kv_hub_report_free(&rp);
     free(buf);
     return 0;
 }

@@ -1442,17 +1442,24 @@ static void test_voucher(void) {
 /* Reports: a node registered, then reported by a vouched coordinator, is
  * no longer placed and may not register again; an unvouched reporter is
  * 403 and changes nothing; a malformed body is 400; an unknown node 404. */
+static void report_with_evidence(const hub_proc *p, kv_node_key *c, kv_node_key *c2);
+
+/* POST /v1/report: only vouched coordinators may report, a malformed or
+ * unknown one is refused, and a report acts only on evidence: a bare one
+ * changes nothing (422); then report_with_evidence. */
 static void test_report(void) {
     char db[512];
     db_path(db, sizeof db, "report");
-    kv_node_key c, x, n1;
+    kv_node_key c, x, n1, c2;
     test_key(&c, 710);
     test_key(&x, 711);
     test_key(&n1, 712);
-    char hex[65], extra[128], nhex[65];
+    test_key(&c2, 713);
+    char hex[65], extra[256], nhex[65], hex2[65];
     kv_hex(c.pk, 32, hex);
     kv_hex(n1.pk, 32, nhex);
-    snprintf(extra, sizeof extra, "--vouch-key %s", hex);
+    kv_hex(c2.pk, 32, hex2);
+    snprintf(extra, sizeof extra, "--vouch-key %s --vouch-key %s", hex, hex2);
     hub_proc p;
     if (hub_start(&p, db, extra)) {
         ASSERT_TRUE(0);
@@ -1479,13 +1486,16 @@ static void test_report(void) {
     r = post_signed(&p, &c, "/v1/report", other, kv_node_next_counter(&c));
     ASSERT_EQ(r.status, 404);
     resp_free(&r);
+    /* a vouched coordinator's word alone: refused, nothing changes */
     r = post_signed(&p, &c, "/v1/report", body, kv_node_next_counter(&c));
-    ASSERT_EQ(r.status, 200);
+    ASSERT_EQ(r.status, 422);
+    ASSERT_TRUE(is_json_error(&r) && strstr(r.body, "evidence") && strstr(r.body, "\"action\":\"none\""));
     resp_free(&r);
     r = get(&p, "/v1/placement");
-    ASSERT_TRUE(strstr(r.body, nhex) == NULL);
+    ASSERT_TRUE(strstr(r.body, nhex) != NULL);
     resp_free(&r);
-    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 403);
+    ASSERT_EQ(do_register(&p, &n1, "127.0.0.1:9712", sl, 2, NULL), 200);
+    report_with_evidence(&p, &c, &c2);
     ASSERT_EQ(hub_stop(&p), 0);
 }
 
@@ -1611,6 +1621,171 @@ static void worker_down(test_worker *tw) {
     pthread_join(tw->t, NULL);
     kv_worker_free(tw->w);
     tw->w = NULL;
+}
+
+static bool placed(const hub_proc *p, const kv_node_key *k, size_t i);
+
+/* One authenticated COMPUTE to the worker at addr (which must prove wpk),
+ * as coordinator c with voucher v: nt token rows x, np pairs. Returns the
+ * RESULT frame (malloc'd, *m decoded into it) or NULL. */
+static uint8_t *signed_compute(const char *addr, const uint8_t wpk[32], const kv_node_key *c, const kv_voucher *v,
+                               uint16_t max_version, uint32_t layer, const float *x, uint32_t nt,
+                               const kv_proto_pair *pairs, uint32_t np, kv_msg *m) {
+    kv_diag d = {0};
+    const uint32_t E = g_m->n_embd;
+    const size_t cap = 1u << 20;
+    uint8_t *rb = malloc(cap), *ob = malloc(cap);
+    int fd = -1;
+    kv_frame_rx rx;
+    kv_frame_rx_init(&rx, rb, cap);
+    size_t n = 0;
+    int rc = kv_proto_connect(addr, 2000, &fd, &d);
+    kv_msg_hello h = {KV_PROTO_AUTH_VERSION, max_version, {0}, 1u << KV_ENC_F32};
+    memcpy(h.model_id, g_m->model_id, KV_PROTO_MODEL_ID_LEN);
+    if (!rc) rc = kv_msg_hello_encode(ob, cap, 1, &h, &n, &d) || kv_proto_write_all(fd, ob, n, 2000, &d) ||
+                  kv_proto_read_msg(&rx, fd, 2000, NULL, m, &d) || m->h.type != KV_MSG_HELLO_ACK;
+    const uint16_t ver = rc ? 0 : m->u.ack.version;
+    ASSERT_EQ(ver, max_version);
+    kv_frame_rx_reset(&rx);
+    if (!rc) rc = kv_proto_read_msg(&rx, fd, 2000, NULL, m, &d) || m->h.type != KV_MSG_AUTH_CHALLENGE ||
+                  memcmp(m->u.challenge.worker_key, wpk, 32);
+    kv_msg_auth a = {.flags = KV_PROTO_AUTH_VOUCHER, .voucher_expires_ms = v->expires_ms};
+    uint8_t dg[32];
+    if (!rc) {
+        memcpy(a.key, c->pk, 32);
+        memcpy(a.voucher_sig, v->sig, 64);
+        randombytes_buf(a.nonce, 32);
+        kv_dispatch_digest('C', g_m->model_id, ver, wpk, m->u.challenge.challenge, a.key, a.nonce, dg);
+        kv_dispatch_sign(c->sk, dg, a.sig);
+        rc = kv_msg_auth_encode(ob, cap, 2, &a, &n, &d);
+        kv_frame_set_version(ob, ver);
+        kv_frame_rx_reset(&rx);
+        rc = rc || kv_proto_write_all(fd, ob, n, 2000, &d) || kv_proto_read_msg(&rx, fd, 2000, NULL, m, &d) ||
+             m->h.type != KV_MSG_AUTH_OK;
+    }
+    const kv_msg_compute cm = {.layer = layer, .enc = KV_ENC_F32, .out_enc = KV_ENC_F32, .n_tokens = nt, .n_embd = E,
+                               .n_pairs = np, .x = x, .pairs = pairs};
+    if (!rc) {
+        rc = kv_msg_compute_encode(ob, cap, 3, &cm, &n, &d);
+        kv_frame_set_version(ob, ver);
+        kv_frame_rx_reset(&rx);
+        rc = rc || kv_proto_write_all(fd, ob, n, 2000, &d) || kv_proto_read_msg(&rx, fd, 5000, NULL, m, &d) ||
+             m->h.type != KV_MSG_RESULT || m->u.result.n_pairs != np ||
+             !m->u.result.sig != (ver < KV_PROTO_SIG_VERSION);
+    }
+    if (fd >= 0) close(fd);
+    free(ob);
+    if (rc) {
+        fprintf(stderr, "signed_compute %s: %s (type %u)\n", addr, d.msg, m->h.type);
+        free(rb);
+        return NULL;
+    }
+    return rb;
+}
+
+/* The evidence of pair p of a signed RESULT for the COMPUTE above: its
+ * rows, proof and signature, as a coordinator would keep them. */
+static void make_evidence(kv_evidence *ev, const uint8_t wpk[32], const uint8_t cpk[32], uint32_t layer,
+                          const uint8_t *xw, uint32_t nt, const kv_proto_pair *pairs, uint32_t np,
+                          const kv_msg_result *res, uint32_t p) {
+    const size_t rb = (size_t)g_m->n_embd * 4;
+    uint8_t(*xh)[32] = malloc((size_t)nt * 32), (*lv)[32] = malloc((size_t)np * 32);
+    for (uint32_t t = 0; t < nt; t++) kv_result_xhash(xw + t * rb, rb, xh[t]);
+    for (uint32_t i = 0; i < np; i++) kv_result_leaf(xh[pairs[i].token], pairs[i].expert, res->y_wire + i * rb, rb, lv[i]);
+    *ev = (kv_evidence){.layer = layer, .enc = KV_ENC_F32, .out_enc = KV_ENC_F32, .n_pairs = np, .pair = p,
+                        .expert = pairs[p].expert, .n_embd = g_m->n_embd, .x = xw + pairs[p].token * rb,
+                        .y = res->y_wire + p * rb};
+    memcpy(ev->worker_key, wpk, 32);
+    memcpy(ev->coord_key, cpk, 32);
+    memcpy(ev->sig, res->sig, 64);
+    ev->n_proof = kv_result_proof((const uint8_t(*)[32])lv, np, p, ev->proof);
+    free(xh);
+    free(lv);
+}
+
+/* Reports with evidence, against two real workers in this process (a v4
+ * dispatch handshake and COMPUTE each, as coordinator c): the honest one
+ * reported with its own signed, right answer: nothing changes; with a y it
+ * never signed: 422, nothing changes. The liar (it computes another expert
+ * than asked) reported with its signed answer by a vouched coordinator it
+ * did not answer: 422; by the one it answered: unlisted, and it may not
+ * register again. */
+static void report_with_evidence(const hub_proc *p, kv_node_key *c, kv_node_key *c2) {
+    kv_diag d = {0};
+    uint8_t hk[32];
+    kv_voucher v;
+    ASSERT_EQ(kv_node_fetch_hub_key(p->url, hk, &d), 0);
+    ASSERT_EQ(kv_node_fetch_auth(p->url, c, NULL, 0, NULL, &v, &d), 0);
+    test_worker a = {0}, liar = {0};
+    ASSERT_EQ(worker_up(&a, 720, hk, 0), 0);
+    ASSERT_EQ(worker_up(&liar, 721, hk, KV_WORKER_LIE_SWAP), 0);
+    const int sl[] = {0, 1};
+    ASSERT_EQ(do_register(p, &a.key, kv_worker_addr(a.w), sl, 2, NULL), 200);
+    ASSERT_EQ(do_register(p, &liar.key, kv_worker_addr(liar.w), sl, 2, NULL), 200);
+    ASSERT_TRUE(placed(p, &a.key, 0) && placed(p, &liar.key, 0));
+    /* 3 tokens, 5 pairs through slab 0's experts */
+    const kv_manifest_slab *s0 = &g_m->slabs[0];
+    const uint32_t E = g_m->n_embd, NT = 3, NP = 5, span = s0->last - s0->first + 1;
+    float *x = malloc(sizeof(float) * E * NT);
+    for (uint32_t i = 0; i < E * NT; i++) x[i] = sinf(0.37f * (float)i + 1.0f);
+    uint8_t *xw = malloc((size_t)E * NT * 4);
+    kv_msg_rows_put(xw, KV_ENC_F32, x, (size_t)E * NT);
+    const kv_proto_pair pairs[5] = {{0, s0->first}, {1, s0->first + 1 % span}, {2, s0->first},
+                                    {1, s0->first + 2 % span}, {0, s0->first + 3 % span}};
+    kv_msg ma, ml;
+    uint8_t *fa = signed_compute(kv_worker_addr(a.w), a.key.pk, c, &v, 4, s0->layer, x, NT, pairs, NP, &ma);
+    uint8_t *fl = signed_compute(kv_worker_addr(liar.w), liar.key.pk, c, &v, 4, s0->layer, x, NT, pairs, NP, &ml);
+    ASSERT_TRUE(fa && fl);
+    /* a v3 coordinator is still served, unsigned, the same bytes */
+    kv_msg m3;
+    uint8_t *f3 = signed_compute(kv_worker_addr(a.w), a.key.pk, c, &v, 3, s0->layer, x, NT, pairs, NP, &m3);
+    ASSERT_TRUE(f3 && fa && !m3.u.result.sig && !memcmp(m3.u.result.y_wire, ma.u.result.y_wire, (size_t)NP * E * 4));
+    free(f3);
+    if (fa && fl) {
+        kv_evidence ev;
+        bool unlisted = true;
+        /* the honest worker, reported with the truth it signed */
+        make_evidence(&ev, a.key.pk, c->pk, s0->layer, xw, NT, pairs, NP, &ma.u.result, 3);
+        ASSERT_EQ(kv_evidence_check(&ev, g_m->model_id, &d), 0);
+        ASSERT_EQ(kv_node_report(p->url, c, a.key.pk, "false report: a right answer", &ev, &unlisted, &d), 0);
+        ASSERT_TRUE(!unlisted);
+        ASSERT_TRUE(placed(p, &a.key, 0) && placed(p, &a.key, 1));
+        /* ... and with a y it never signed (its y, one value moved) */
+        uint8_t *y2 = malloc((size_t)E * 4);
+        memcpy(y2, ev.y, (size_t)E * 4);
+        float f;
+        memcpy(&f, y2, 4);
+        f = f * 2 + 1;
+        memcpy(y2, &f, 4);
+        ev.y = y2;
+        ASSERT_EQ(kv_node_report(p->url, c, a.key.pk, "false report: a forged y", &ev, &unlisted, &d), KV_EINVAL);
+        ASSERT_TRUE(strstr(d.msg, "422") && strstr(d.msg, "signature"));
+        ASSERT_TRUE(placed(p, &a.key, 0) && placed(p, &a.key, 1));
+        free(y2);
+        /* the liar: its answer differs from the honest one's, signed */
+        float *ya = malloc(sizeof(float) * E * 2), *yl = ya + E;
+        kv_msg_result_row(&ma.u.result, 3, ya);
+        kv_msg_result_row(&ml.u.result, 3, yl);
+        ASSERT_TRUE(memcmp(ya, yl, E * sizeof(float)) != 0);
+        free(ya);
+        make_evidence(&ev, liar.key.pk, c->pk, s0->layer, xw, NT, pairs, NP, &ml.u.result, 3);
+        ASSERT_EQ(kv_evidence_check(&ev, g_m->model_id, &d), 0);
+        /* shown by another vouched coordinator: the answer was not signed for it */
+        ASSERT_EQ(kv_node_report(p->url, c2, liar.key.pk, "someone else's evidence", &ev, &unlisted, &d), KV_EINVAL);
+        ASSERT_TRUE(placed(p, &liar.key, 0));
+        /* by the coordinator it answered: a confirmed lie */
+        ASSERT_EQ(kv_node_report(p->url, c, liar.key.pk, "caught: another expert's answer", &ev, &unlisted, &d), 0);
+        ASSERT_TRUE(unlisted);
+        ASSERT_TRUE(!placed(p, &liar.key, 0) && !placed(p, &liar.key, 1));
+        ASSERT_TRUE(placed(p, &a.key, 0));
+        ASSERT_EQ(do_register(p, &liar.key, kv_worker_addr(liar.w), sl, 2, NULL), 403);
+    }
+    free(fa);
+    free(fl);
+    free(x);
+    free(xw);
+    worker_down(&a);
+    worker_down(&liar);
 }
 
 /* Whether placement lists key k for slab i. */

@@ -14,6 +14,7 @@
 
 #include "kvasir/dispatch.h"
 #include "kvasir/quant.h"
+#include "kvasir/slice.h"
 #include "kvtest.h"
 
 #define ID_A "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
@@ -324,7 +325,7 @@ static void test_compute_result(void) {
 
         /* RESULT: encode, and begin/put_row in any order, give the same bytes */
         for (int i = 0; i < P * E; i++) y[i] = frand(&s);
-        kv_msg_result res = {P, E, enc, y, NULL, 0};
+        kv_msg_result res = {P, E, enc, y, NULL, 0, NULL};
         ASSERT_EQ(kv_msg_result_encode(buf, sizeof buf, 77, &res, &n, &d), 0);
         ASSERT_EQ(n, kv_msg_result_size(enc, P, E));
         size_t n2;
@@ -565,7 +566,7 @@ static void test_result_pre(void) {
     kv_msg m;
     float rows[2 * (3 + 2 * 2)];
     for (int i = 0; i < 14; i++) rows[i] = (float)i + 0.5f;
-    ASSERT_EQ(kv_msg_result_pre_encode(buf, sizeof buf, 8, 2, 3, 2, rows, &n, &d), 0);
+    ASSERT_EQ(kv_msg_result_pre_encode(buf, sizeof buf, 8, 2, 3, 2, rows, NULL, &n, &d), 0);
     ASSERT_EQ(n, KV_PROTO_HEADER + 16 + 14 * 4);
     const uint8_t *p = buf + KV_PROTO_HEADER;
     ASSERT_TRUE(buf[6] == KV_MSG_RESULT_PRE && buf[4] == 3 && p[0] == 2 && p[4] == 3 && p[8] == 2 && p[12] == 0);
@@ -699,7 +700,7 @@ static void test_stream(void) {
 #define U32(v) (uint8_t)(v), (uint8_t)((v) >> 8), (uint8_t)((v) >> 16), (uint8_t)((v) >> 24)
 #define U64(v) U32(v), 0, 0, 0, 0
 
-static const uint8_t g_hello[] = {HDR(3, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
+static const uint8_t g_hello[] = {HDR(4, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
 static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 U32(2), U32(64), U32(32), U32(8), U32(2), U32(1), U32(1) /* n_ranges */,
                                 U32(1) /* n_slabs */, U32(512) /* max_pairs */, 'a', 'v', 'x', '2',
@@ -708,14 +709,18 @@ static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0x01};
-static const uint8_t g_compute[] = {HDR(3, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
+static const uint8_t g_compute[] = {HDR(4, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
                                     U32(1), U32(2), U32(2), 0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0,
                                     U32(0), U32(3), U32(0), U32(5)};
 static const uint8_t g_result[] = {HDR(3, 4, 9, 20), U32(2), U32(2), U32(1),
                                    0x00, 0x3C, 0x00, 0x38, 0x00, 0xC0, 0xFF, 0x7B};
-static const uint8_t g_error[] = {HDR(3, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
-static const uint8_t g_ping[] = {HDR(3, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
-static const uint8_t g_stats_ack[] = {HDR(3, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
+/* v4: the same answer signed (the signature's bytes are arbitrary here) */
+#define SIG16 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0xa5
+static const uint8_t g_result_v4[] = {HDR(4, 4, 9, 84), U32(2), U32(2), U32(1),
+                                      0x00, 0x3C, 0x00, 0x38, 0x00, 0xC0, 0xFF, 0x7B, SIG16, SIG16, SIG16, SIG16};
+static const uint8_t g_error[] = {HDR(4, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
+static const uint8_t g_ping[] = {HDR(4, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
+static const uint8_t g_stats_ack[] = {HDR(4, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
                                       U64(7), U64(8), U64(9)};
 static const uint8_t g_stats_ack_v1[] = {HDR(1, 9, 5, 48), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6)};
 
@@ -734,7 +739,7 @@ static void test_golden(void) {
     size_t n;
     /* HELLO */
     ASSERT_EQ(kv_msg_decode(g_hello, sizeof g_hello, NULL, &m, &d), 0);
-    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 3 && m.h.request_id == 7);
+    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 4 && m.h.request_id == 7);
     ASSERT_TRUE(m.u.hello.min_version == 2 && m.u.hello.max_version == 2 && m.u.hello.enc_mask == 3);
     ASSERT_STREQ(m.u.hello.model_id, ID_A);
     ASSERT_EQ(kv_msg_hello_encode(buf, sizeof buf, 7, &m.u.hello, &n, &d), 0);
@@ -784,6 +789,24 @@ static void test_golden(void) {
     ASSERT_EQ(kv_msg_result_head(buf, 3, 9, KV_ENC_F16, 2, 2), sizeof g_result);
     kv_msg_rows_put(buf + KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED, KV_ENC_F16, y, 4);
     check_bytes(buf, sizeof g_result, g_result, sizeof g_result, "streamed RESULT");
+    /* v4: the signature after the rows; a v3 frame of the v4 length and the reverse are refused */
+    ASSERT_EQ(kv_msg_decode(g_result_v4, sizeof g_result_v4, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.u.result.sig == g_result_v4 + sizeof g_result_v4 - 64 && m.u.result.sig[63] == 0xa5);
+    kv_msg_result_y(&m.u.result, y);
+    ASSERT_TRUE(y[0] == 1.0f && y[3] == 65504.0f);
+    re = m.u.result;
+    re.y = y;
+    ASSERT_EQ(kv_msg_result_encode(buf, sizeof buf, 9, &re, &n, &d), 0);
+    check_bytes(buf, n, g_result_v4, sizeof g_result_v4, "RESULT v4");
+    ASSERT_EQ(kv_msg_result_head(buf, 4, 9, KV_ENC_F16, 2, 2), sizeof g_result_v4);
+    ASSERT_EQ(kv_msg_result_size_v(4, KV_ENC_F16, 2, 2), sizeof g_result_v4);
+    memcpy(buf, g_result_v4, sizeof g_result_v4);
+    buf[4] = 3;
+    ASSERT_EQ(dec(buf, sizeof g_result_v4, NULL), KV_EPROTO);
+    memcpy(buf, g_result, sizeof g_result);
+    buf[4] = 4;
+    ASSERT_EQ(dec(buf, sizeof g_result, NULL), KV_EPROTO);
+    check_truncations(g_result_v4, sizeof g_result_v4, NULL, "RESULT v4");
     /* ERROR ENOTFOUND "abc" */
     ASSERT_EQ(kv_msg_decode(g_error, sizeof g_error, NULL, &m, &d), 0);
     ASSERT_TRUE(m.u.error.code == KV_ENOTFOUND);
@@ -802,7 +825,7 @@ static void test_golden(void) {
     ASSERT_TRUE(st->uptime_ms == 6 && st->n_batches == 7 && st->n_merged == 8 && st->compute_us == 9);
     kv_msg_stats s2 = *st;
     ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 5, &s2, &n, &d), 0);
-    check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2 layout (v3 header)");
+    check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2 layout (v4 header)");
     ASSERT_EQ(kv_msg_decode(g_stats_ack_v1, sizeof g_stats_ack_v1, NULL, &m, &d), 0);
     ASSERT_TRUE(m.u.stats.uptime_ms == 6 && m.u.stats.n_batches == 0);
     ASSERT_EQ(kv_msg_stats_ack_encode_v(buf, sizeof buf, 5, 1, &m.u.stats, &n, &d), 0);
@@ -816,7 +839,7 @@ static void test_golden(void) {
     ASSERT_EQ(dec(buf, sizeof g_stats_ack_v1, NULL), KV_EPROTO);
     /* an unknown ack version */
     memcpy(buf, g_ack, sizeof g_ack);
-    buf[4] = 4, buf[16] = 4;
+    buf[4] = 5, buf[16] = 5;
     ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_EUNSUPPORTED);
     /* v2 fields bounded: max_pairs 0, a slab outside the ranges */
     memcpy(buf, g_ack, sizeof g_ack);
@@ -831,10 +854,155 @@ static void test_golden(void) {
     check_truncations(g_ack, sizeof g_ack, NULL, "HELLO_ACK v2");
 }
 
+/* ---- signed results (v4) ---- */
+
+/* The reference tree, as docs/PROTOCOL.md states it: level by level, pairs
+ * left to right, an odd last node carried up unchanged. */
+static void ref_node(const uint8_t l[32], const uint8_t r[32], uint8_t out[32]) {
+    kv_sha256 s;
+    kv_sha256_init(&s);
+    kv_sha256_update(&s, "kvasir-node-v4", 14);
+    kv_sha256_update(&s, l, 32);
+    kv_sha256_update(&s, r, 32);
+    kv_sha256_final(&s, out);
+}
+static void ref_root(const uint8_t (*leaves)[32], uint32_t n, uint8_t out[32]) {
+    uint8_t(*lv)[32] = malloc((size_t)n * 32);
+    memcpy(lv, leaves, (size_t)n * 32);
+    while (n > 1) {
+        uint32_t m = 0;
+        for (uint32_t i = 0; i < n; i += 2, m++) {
+            if (i + 1 < n) ref_node(lv[i], lv[i + 1], lv[m]);
+            else memcpy(lv[m], lv[i], 32);
+        }
+        n = m;
+    }
+    memcpy(out, lv[0], 32);
+    free(lv);
+}
+
+/* The Merkle root three ways (level by level here, recursive, streamed)
+ * agrees for every size up to 300 and a few large ones; every proof leads
+ * to the root and a proof with one bit, one hash or one position changed
+ * does not; a leaf is SHA-256 over its documented bytes. */
+static void test_result_tree(void) {
+    enum { N = 1100 };
+    static uint8_t leaves[N][32];
+    randombytes_buf(leaves, sizeof leaves);
+    const uint32_t sizes_big[] = {511, 512, 513, 1023, 1024, 1025, 1100};
+    for (uint32_t k = 0; k < 300 + KVT_N(sizes_big); k++) {
+        const uint32_t n = k < 300 ? k + 1 : sizes_big[k - 300];
+        uint8_t want[32], got[32], streamed[32];
+        ref_root((const uint8_t(*)[32])leaves, n, want);
+        kv_result_root((const uint8_t(*)[32])leaves, n, got);
+        kv_result_tree t;
+        kv_result_tree_init(&t);
+        for (uint32_t i = 0; i < n; i++) kv_result_tree_push(&t, leaves[i]);
+        kv_result_tree_root(&t, streamed);
+        ASSERT_TRUE(!memcmp(want, got, 32) && !memcmp(want, streamed, 32));
+        if (n > 40 && n < 300 && n % 17) continue;
+        for (uint32_t p = 0; p < n; p++) {
+            uint8_t pr[KV_EVIDENCE_MAX_PROOF][32], r2[32];
+            const uint32_t np = kv_result_proof((const uint8_t(*)[32])leaves, n, p, pr);
+            ASSERT_TRUE(np <= 11 && (n > 1 || np == 0));
+            ASSERT_EQ(kv_result_root_from_proof(leaves[p], p, n, (const uint8_t(*)[32])pr, np, r2), 0);
+            ASSERT_TRUE(!memcmp(r2, want, 32));
+            if (n == 1) continue;
+            ASSERT_EQ(kv_result_root_from_proof(leaves[p], p, n, (const uint8_t(*)[32])pr, np - 1, r2), KV_EINVAL);
+            if (np < KV_EVIDENCE_MAX_PROOF)
+                ASSERT_EQ(kv_result_root_from_proof(leaves[p], p, n, (const uint8_t(*)[32])pr, np + 1, r2), KV_EINVAL);
+            pr[p % np][p % 32] ^= 1;
+            ASSERT_TRUE(kv_result_root_from_proof(leaves[p], p, n, (const uint8_t(*)[32])pr, np, r2) != 0 ||
+                        memcmp(r2, want, 32));
+            pr[p % np][p % 32] ^= 1;
+            const uint32_t q = (p + 1) % n; /* another position: the same leaf is not there */
+            ASSERT_TRUE(kv_result_root_from_proof(leaves[p], q, n, (const uint8_t(*)[32])pr, np, r2) != 0 ||
+                        memcmp(r2, want, 32));
+        }
+    }
+    /* a leaf: SHA-256("kvasir-leaf-v4" || xhash || u32 expert || y) */
+    const uint8_t xh[32] = {1, 2, 3}, y[6] = {9, 8, 7, 6, 5, 4};
+    uint8_t pre[14 + 32 + 4 + 6], want[32], got[32];
+    memcpy(pre, "kvasir-leaf-v4", 14);
+    memcpy(pre + 14, xh, 32);
+    memcpy(pre + 46, (const uint8_t[4]){0x07, 0x01, 0, 0}, 4);
+    memcpy(pre + 50, y, 6);
+    kv_sha256 s;
+    kv_sha256_init(&s);
+    kv_sha256_update(&s, pre, sizeof pre);
+    kv_sha256_final(&s, want);
+    kv_result_leaf(xh, 0x107, y, sizeof y, got);
+    ASSERT_TRUE(!memcmp(want, got, 32));
+}
+
+/* Evidence: a worker's signature over a 5-pair answer checks for every pair
+ * with its proof, and not with a y, x, expert, pair, layer, reporter or
+ * signature changed, nor in another model. */
+static void test_evidence(void) {
+    uint8_t wpk[32], wsk[64], cpk[32], csk[64];
+    crypto_sign_keypair(wpk, wsk);
+    crypto_sign_keypair(cpk, csk);
+    const char *mid = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    enum { P = 5, E = 4, T = 2 };
+    float x[T][E], y[P][E];
+    for (int i = 0; i < T * E; i++) x[i / E][i % E] = (float)i - 3.5f;
+    for (int i = 0; i < P * E; i++) y[i / E][i % E] = 0.25f * (float)i;
+    const uint32_t tok[P] = {0, 1, 1, 0, 1}, ex[P] = {3, 3, 5, 6, 0};
+    uint8_t xw[T][E * 2], yw[P][E * 2], xh[T][32], leaves[P][32], root[32], dg[32], sig[64];
+    for (int t = 0; t < T; t++) {
+        kv_msg_rows_put(xw[t], KV_ENC_F16, x[t], E);
+        kv_result_xhash(xw[t], sizeof xw[t], xh[t]);
+    }
+    for (int p = 0; p < P; p++) {
+        kv_msg_rows_put(yw[p], KV_ENC_BF16, y[p], E);
+        kv_result_leaf(xh[tok[p]], ex[p], yw[p], sizeof yw[p], leaves[p]);
+    }
+    kv_result_root((const uint8_t(*)[32])leaves, P, root);
+    kv_result_digest(mid, wpk, cpk, 7, KV_ENC_F16, KV_ENC_BF16, P, root, dg);
+    kv_dispatch_sign(wsk, dg, sig);
+    kv_diag d = {0};
+    for (uint32_t p = 0; p < P; p++) {
+        kv_evidence ev = {.layer = 7, .enc = KV_ENC_F16, .out_enc = KV_ENC_BF16, .n_pairs = P, .pair = p,
+                          .expert = ex[p], .n_embd = E, .x = xw[tok[p]], .y = yw[p]};
+        memcpy(ev.worker_key, wpk, 32);
+        memcpy(ev.coord_key, cpk, 32);
+        memcpy(ev.sig, sig, 64);
+        ev.n_proof = kv_result_proof((const uint8_t(*)[32])leaves, P, p, ev.proof);
+        ASSERT_EQ(kv_evidence_check(&ev, mid, &d), 0);
+        kv_evidence b = ev;
+        uint8_t yb[E * 2];
+        memcpy(yb, yw[p], sizeof yb);
+        yb[1] ^= 0x40;
+        b.y = yb;
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EAUTH);
+        b = ev, b.x = xw[1 - tok[p]];
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EAUTH);
+        b = ev, b.expert ^= 1;
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EAUTH);
+        b = ev, b.layer = 8;
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EAUTH);
+        b = ev, b.pair = (p + 1) % P;
+        ASSERT_TRUE(kv_evidence_check(&b, mid, &d) != 0);
+        b = ev, b.coord_key[0] ^= 1; /* another reporter than the one it answered */
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EAUTH);
+        b = ev, b.sig[5] ^= 1;
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EAUTH);
+        b = ev, b.out_enc = KV_ENC_F16;
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EAUTH);
+        b = ev, b.pair = P;
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EINVAL);
+        b = ev, b.enc = 9;
+        ASSERT_EQ(kv_evidence_check(&b, mid, &d), KV_EINVAL);
+        ASSERT_EQ(kv_evidence_check(&ev, "1123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", &d),
+                  KV_EAUTH);
+    }
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_header),           KVT_CASE(test_hello),     KVT_CASE(test_hello_ack),
     KVT_CASE(test_compute_result),   KVT_CASE(test_error_ping_stats), KVT_CASE(test_enc_names),
     KVT_CASE(test_stream),           KVT_CASE(test_golden),    KVT_CASE(test_auth_frames), KVT_CASE(test_result_pre),
+    KVT_CASE(test_result_tree),      KVT_CASE(test_evidence),
 };
 
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

@@ -190,7 +190,7 @@ static void liar_lie(liar *L, int fd, int mode, const kv_msg *m) {
     size_t n = 0;
     const uint32_t np = m->u.compute.n_pairs, id = m->h.request_id;
     static float zero[1 << 16];
-    const kv_msg_result res = {np - (mode == 1), L->n_embd, m->u.compute.out_enc, zero, NULL, 0};
+    const kv_msg_result res = {np - (mode == 1), L->n_embd, m->u.compute.out_enc, zero, NULL, 0, NULL};
     switch (mode) {
     case 0: /* a well-formed RESULT for another request */
         kv_msg_result_encode(out, sizeof out, id + 7, &res, &n, NULL);
@@ -215,7 +215,7 @@ static void liar_lie(liar *L, int fd, int mode, const kv_msg *m) {
         static float bad[1 << 16];
         const float v = mode == 6 ? NAN : mode == 7 ? INFINITY : 3e38f;
         for (uint32_t i = 0; i < np * L->n_embd && i < (1u << 16); i++) bad[i] = (i % 5 == 3) ? v : 0.25f;
-        const kv_msg_result rb = {np, L->n_embd, m->u.compute.out_enc, bad, NULL, 0};
+        const kv_msg_result rb = {np, L->n_embd, m->u.compute.out_enc, bad, NULL, 0, NULL};
         kv_msg_result_encode(out, sizeof out, id, &rb, &n, NULL);
         break;
     }
@@ -1066,11 +1066,16 @@ typedef struct caught_log {
     uint32_t worker;
     uint8_t key[32];
     char why[256];
+    const char *model_id;   /* set before open: evidence is checked against it */
+    bool had_ev, ev_ok;     /* the hook got evidence; it verifies under the worker's key */
 } caught_log;
 
-static void on_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why) {
+static void on_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why,
+                      const kv_evidence *ev) {
     caught_log *c = arg;
     (void)addr;
+    c->had_ev = ev != NULL;
+    c->ev_ok = ev && c->model_id && !memcmp(ev->worker_key, key, 32) && kv_evidence_check(ev, c->model_id, NULL) == 0;
     c->n++;
     c->worker = worker;
     memcpy(c->key, key, 32);
@@ -1101,6 +1106,8 @@ static void test_verified(void) {
         }
         const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
         caught_log cl = {0};
+        char mid[KV_PROTO_MODEL_ID_LEN + 1];
+        cl.model_id = mid;
         kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
                             NULL, 0, false, &vo, 0.05, on_caught, &cl};
         kv_diag d = {0};
@@ -1111,6 +1118,7 @@ static void test_verified(void) {
             for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
             continue;
         }
+        snprintf(mid, sizeof mid, "%s", kv_remote_manifest(r)->model_id);
         char what[64];
         snprintf(what, sizeof what, "verified, liar %s", modes[mi] ? modes[mi] : "none");
         check_exact(r, NULL, NULL, what);
@@ -1130,6 +1138,8 @@ static void test_verified(void) {
             ASSERT_EQ(st.caught, 1);
             ASSERT_TRUE(cl.worker == 1 && wi.caught && !wi.up && !memcmp(cl.key, wi.key, 32));
             ASSERT_TRUE(strstr(cl.why, "caught lying") != NULL);
+            /* v4 workers sign their answers: the hook gets evidence that verifies under the liar's key */
+            ASSERT_TRUE(cl.had_ev && cl.ev_ok);
             /* the pairs it answered before it lied were verified, none after */
             printf("  liar %-5s caught after %llu verified pairs: %s\n", modes[mi], (unsigned long long)wi.verified,
                    cl.why);

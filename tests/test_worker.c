@@ -665,7 +665,7 @@ static void test_serving(void) {
     hello(&b, g_model_id, &ack);
     {
         float y[N_EMBD] = {0};
-        kv_msg_result r = {1, N_EMBD, KV_ENC_F32, y, NULL, 0};
+        kv_msg_result r = {1, N_EMBD, KV_ENC_F32, y, NULL, 0, NULL};
         ASSERT_EQ(kv_msg_result_encode(b.tx, 1 << 20, 3, &r, &n, &d), 0);
         ASSERT_EQ(client_send(&b, b.tx, n), 0);
         expect_error(&b, KV_EPROTO, true, "RESULT to a worker");
@@ -1350,6 +1350,7 @@ static void test_auth(void) {
     client_close(&c2);
     /* ... and on its own connection it is good: AUTH_OK, then compute */
     ASSERT_EQ(kv_msg_auth_encode(c.tx, 1 << 20, 2, &a, &n, &d), 0);
+    kv_frame_set_version(c.tx, KV_PROTO_VERSION); /* the version negotiated */
     ASSERT_EQ(client_send(&c, c.tx, n), 0);
     ASSERT_EQ(client_recv(&c, &m, &d), 0);
     ASSERT_EQ(m.h.type, KV_MSG_AUTH_OK);

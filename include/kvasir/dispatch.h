@@ -33,10 +33,12 @@
 #include "kvasir/pool.h"
 
 #define KV_PROTO_MAGIC 0x3144564Bu /* "KVD1" little-endian */
-#define KV_PROTO_VERSION 3u        /* the newest version this build speaks */
+#define KV_PROTO_VERSION 4u        /* the newest version this build speaks */
 #define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build decodes */
 #define KV_PROTO_AUTH_VERSION 3u   /* the first version with authenticated dispatch: workers
                                       and coordinators of this build require it */
+#define KV_PROTO_SIG_VERSION 4u    /* the first version whose RESULT and RESULT_PRE end with the
+                                      worker's signature (KV_PROTO_RESULT_SIG bytes) */
 #define KV_PROTO_HEADER 16u
 #define KV_PROTO_MAX_PAYLOAD (256u << 20) /* bytes in one frame's payload */
 #define KV_PROTO_MAX_FRAME (KV_PROTO_HEADER + KV_PROTO_MAX_PAYLOAD)
@@ -66,6 +68,7 @@
 #define KV_PROTO_AUTH_SIZE 204u          /* v3: key, nonce, sig, u32 flags, u64 expiry, voucher sig */
 #define KV_PROTO_AUTH_OK_SIZE 64u        /* v3: the worker's signature */
 #define KV_PROTO_RESULT_PRE_FIXED 16u    /* v3 RESULT_PRE: n_pairs, n_embd, n_ff, enc */
+#define KV_PROTO_RESULT_SIG 64u          /* v4: the Ed25519 signature after RESULT(_PRE)'s rows */
 /* v3 verified compute (docs/VERIFY.md): in HELLO's enc_mask, "this
  * coordinator may ask for pre-activations"; in HELLO_ACK's, "this worker
  * returns them". Not an encoding. */
@@ -191,6 +194,8 @@ typedef struct kv_msg_result {
     const uint8_t *y_wire;       /* decode: [n_pairs][n_embd] in enc, in the frame (RESULT_PRE:
                                     [n_pairs][n_embd + 2 n_ff] f32: y, gate, up) */
     uint32_t n_ff;               /* RESULT_PRE: gate and up per pair follow y; 0 in RESULT */
+    const uint8_t *sig;          /* v4: [64] the worker's signature over kv_result_digest (decode:
+                                    in the frame; encode: NULL writes the v3 layout, stamped 3) */
 } kv_msg_result;
 
 typedef struct kv_msg_error {
@@ -297,6 +302,8 @@ void kv_frame_header_encode(uint8_t out[KV_PROTO_HEADER], uint16_t type, uint32_
  * them to size buffers before encoding. */
 size_t kv_msg_compute_size(uint32_t enc, uint32_t n_tokens, uint32_t n_embd, uint32_t n_pairs);
 size_t kv_msg_result_size(uint32_t enc, uint32_t n_pairs, uint32_t n_embd);
+/* The same in version v's layout (v >= KV_PROTO_SIG_VERSION: the signature too). */
+size_t kv_msg_result_size_v(uint16_t version, uint32_t enc, uint32_t n_pairs, uint32_t n_embd);
 /* v1 layout (n_slabs 0); _v: the layout of version v (1 or 2). */
 size_t kv_msg_hello_ack_size(size_t backend_len, uint32_t n_ranges);
 size_t kv_msg_hello_ack_size_v(uint16_t version, size_t backend_len, uint32_t n_ranges, uint32_t n_slabs);
@@ -329,7 +336,9 @@ void kv_msg_result_put_row(uint8_t *buf, uint32_t enc, uint32_t n_embd, uint32_t
 /* RESULT streamed: _head writes the first KV_PROTO_HEADER +
  * KV_PROTO_RESULT_FIXED bytes (header version `version`) into out and
  * returns the whole frame size, or 0 if the counts are out of bounds; the
- * rows then follow in order, each written by kv_msg_rows_put. */
+ * rows then follow in order, each written by kv_msg_rows_put, and from
+ * version KV_PROTO_SIG_VERSION on the KV_PROTO_RESULT_SIG bytes of the
+ * signature after them (the size returned counts them). */
 size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], uint16_t version,
                           uint32_t request_id, uint32_t enc, uint32_t n_pairs, uint32_t n_embd);
 /* RESULT_PRE streamed: the first KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED
@@ -337,9 +346,10 @@ size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], 
  * order, each n_embd + 2 n_ff f32: y, then gate, then up. */
 size_t kv_msg_result_pre_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED], uint16_t version,
                               uint32_t request_id, uint32_t n_pairs, uint32_t n_embd, uint32_t n_ff);
-/* The whole frame from rows[n_pairs][n_embd + 2 n_ff]. */
+/* The whole frame from rows[n_pairs][n_embd + 2 n_ff]: with sig (64
+ * bytes) the v4 layout stamped 4, without (NULL) the v3 one stamped 3. */
 int kv_msg_result_pre_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t n_pairs, uint32_t n_embd,
-                             uint32_t n_ff, const float *rows, size_t *n, kv_diag *d);
+                             uint32_t n_ff, const float *rows, const uint8_t *sig, size_t *n, kv_diag *d);
 /* n floats to the wire in enc at dst (n * kv_enc_size(enc) bytes). */
 void kv_msg_rows_put(uint8_t *dst, uint32_t enc, const float *src, size_t n);
 /* Rewrites the version field of an encoded frame's header (a peer that
@@ -397,6 +407,77 @@ int kv_key_from_hex(const char *hex, uint8_t out[32], kv_diag *d);
  * Appends to *keys (realloc'd; caller frees) and *n. KV_EINVAL / KV_EIO. */
 #define KV_PROTO_MAX_KEYS 65536u
 int kv_key_list_add(const char *value, uint8_t (**keys)[32], size_t *n, kv_diag *d);
+
+/* ---- signed results (v4; src/dispatch/evidence.c) -------------------------
+ * A v4 worker signs every RESULT and RESULT_PRE it sends, so that a
+ * coordinator that catches it lying can show a third party (the hub) what
+ * it said, and nobody can show what it did not say. Per pair p of the
+ * COMPUTE:
+ *   leaf_p = SHA-256("kvasir-leaf-v4" || SHA-256(x row of p's token, wire
+ *            bytes) || u32 expert || y row of p, wire bytes as sent)
+ * (RESULT_PRE: only the y part of the row, n_embd f32). The leaves form a
+ * binary Merkle tree, node = SHA-256("kvasir-node-v4" || left || right),
+ * pairs taken left to right on each level and an odd last node carried up
+ * unchanged (the same tree as RFC 6962's split at the largest power of two
+ * below n). The signed digest binds the tree to the connection's parties
+ * and the request's shape (kv_result_digest); the signature is Ed25519 by
+ * the worker's key. A proof of leaf p is the sibling hashes from the leaf
+ * up (at most KV_EVIDENCE_MAX_PROOF; a carried level adds none). */
+#define KV_EVIDENCE_MAX_PROOF 32u
+
+/* SHA-256 of one x row's wire bytes (hashed once per token of a COMPUTE). */
+void kv_result_xhash(const uint8_t *x_row, size_t n, uint8_t out[32]);
+void kv_result_leaf(const uint8_t xhash[32], uint32_t expert, const uint8_t *y_row, size_t y_len, uint8_t out[32]);
+/* SHA-256 over "kvasir-result-v4", model_id (64 hex), the worker key, the
+ * coordinator key, u32 layer, enc, out_enc (as in the COMPUTE, with
+ * KV_OUT_PREACT), n_pairs (LE) and the Merkle root. Pure. */
+void kv_result_digest(const char model_id[KV_PROTO_MODEL_ID_LEN], const uint8_t worker_key[32],
+                      const uint8_t coord_key[32], uint32_t layer, uint32_t enc, uint32_t out_enc, uint32_t n_pairs,
+                      const uint8_t root[32], uint8_t out[32]);
+/* The root of leaves[n] (n >= 1), and the proof of leaf p (< n): writes
+ * the sibling hashes, deepest first, and returns how many. Allocate nothing. */
+void kv_result_root(const uint8_t (*leaves)[32], uint32_t n, uint8_t out[32]);
+uint32_t kv_result_proof(const uint8_t (*leaves)[32], uint32_t n, uint32_t p, uint8_t proof[KV_EVIDENCE_MAX_PROOF][32]);
+/* The root from leaf p of n and its proof[n_proof]; KV_EINVAL when the
+ * proof has not exactly the length the tree's shape implies. */
+int kv_result_root_from_proof(const uint8_t leaf[32], uint32_t p, uint32_t n, const uint8_t (*proof)[32],
+                              uint32_t n_proof, uint8_t out[32]);
+/* The root built as leaves arrive, in order (a worker streams its rows):
+ * the stack of full subtrees, folded right to left at the end. */
+typedef struct kv_result_tree {
+    uint8_t h[KV_EVIDENCE_MAX_PROOF + 1][32]; /* subtree roots, largest first */
+    uint8_t lv[KV_EVIDENCE_MAX_PROOF + 1];    /* their heights */
+    uint32_t n_stack, n;                      /* subtrees; leaves pushed */
+} kv_result_tree;
+void kv_result_tree_init(kv_result_tree *t);
+void kv_result_tree_push(kv_result_tree *t, const uint8_t leaf[32]);
+/* n >= 1 leaves pushed. */
+void kv_result_tree_root(const kv_result_tree *t, uint8_t out[32]);
+
+/* What a coordinator shows the hub about one pair a worker answered: the
+ * signed request shape, the pair's x and y rows as they crossed the wire,
+ * the Merkle proof of its leaf and the signature. Anyone can check that the
+ * worker signed exactly this y for this x and expert (kv_evidence_check). */
+typedef struct kv_evidence {
+    uint8_t worker_key[32];     /* who signed */
+    uint8_t coord_key[32];      /* who asked (the reporter must be this key) */
+    uint8_t sig[64];            /* the worker's, over kv_result_digest */
+    uint32_t layer, enc, out_enc; /* as in the COMPUTE (out_enc with KV_OUT_PREACT for RESULT_PRE) */
+    uint32_t n_pairs, pair;     /* pairs of the COMPUTE; the one shown (< n_pairs) */
+    uint32_t expert;            /* the pair's expert */
+    uint32_t n_embd;
+    const uint8_t *x;           /* [n_embd] in enc: the token's row as sent */
+    const uint8_t *y;           /* [n_embd] in out_enc (f32 with KV_OUT_PREACT): as answered */
+    uint32_t n_proof;
+    uint8_t proof[KV_EVIDENCE_MAX_PROOF][32];
+} kv_evidence;
+/* Bytes of ev's x and y rows (0 when an encoding or n_embd is out of bounds). */
+size_t kv_evidence_x_bytes(const kv_evidence *ev);
+size_t kv_evidence_y_bytes(const kv_evidence *ev);
+/* Checks that ev's worker key signed ev (model_id: 64 hex): bounds, leaf,
+ * proof, digest, signature. 0, KV_EINVAL (malformed: d says which field)
+ * or KV_EAUTH (the signature does not cover it). Pure. */
+int kv_evidence_check(const kv_evidence *ev, const char model_id[KV_PROTO_MODEL_ID_LEN], kv_diag *d);
 
 /* ---- decoder ------------------------------------------------------------ */
 
@@ -615,8 +696,12 @@ typedef struct kv_remote_opts {
                                    local slab and compared (bit for bit on the same backend) */
     /* Called once when worker i is caught lying (its answer is discarded and
      * redone, it is never dialed again): the hook for reporting it and
-     * forfeiting what it is owed. key: the key it proved. May be NULL. */
-    void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
+     * forfeiting what it is owed. key: the key it proved. ev: what it signed
+     * for the pair it was caught on (valid during the call only), NULL when
+     * there is none to show (a v3 worker, a bad signature, a lie in the
+     * pre-activations rather than y). May be NULL. */
+    void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why,
+                      const struct kv_evidence *ev);
     void *caught_arg;
 } kv_remote_opts;
 

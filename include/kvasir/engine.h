@@ -42,6 +42,7 @@ typedef struct kv_session kv_session;
 struct kv_remote;
 struct kv_slices;
 struct kv_voucher;
+struct kv_evidence;
 struct kv_verify_opts;
 
 #define KV_ENGINE_MAX_SESSIONS 4096u
@@ -77,7 +78,8 @@ typedef struct kv_engine_opts {
     /* verified compute (docs/VERIFY.md; see kv_remote_opts) */
     const struct kv_verify_opts *verify; /* NULL = no checks */
     double recompute_rate;       /* fraction of answers also recomputed from the local slab */
-    void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
+    void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why,
+                      const struct kv_evidence *ev); /* ev: what it signed, or NULL (kv_remote_opts) */
     void *caught_arg;
     bool prefault;               /* fault the backbone in on a background thread at open
                                     (kv_model_prefault): a shorter cold start */

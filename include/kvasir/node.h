@@ -189,14 +189,32 @@ int kv_node_parse_placement_keys(const char *json, size_t len, char *const *work
                                  kv_diag *d);
 
 /* A coordinator reports a worker it caught lying: POST /v1/report signed by
- * key, body {"key": HEX64 of the worker's key, "reason": TEXT}. The hub
- * accepts reports only from coordinators it vouches for (docs/HUB.md). */
+ * key, body {"key": HEX64 of the worker's key, "reason": TEXT, "evidence":
+ * {...}} (docs/HUB.md). The hub accepts reports only from coordinators it
+ * vouches for, and acts only on evidence: the worker's signed answer, which
+ * it recomputes (ev NULL: a report the hub refuses with 422, changing
+ * nothing). Returns 0 when the hub judged it (*unlisted, when not NULL: the
+ * answer was wrong and the worker is unlisted), else KV_EAUTH (403),
+ * KV_EINVAL (422: no or bad evidence) or KV_EPROTO / KV_EIO. */
+struct kv_evidence;
 int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_key[32], const char *reason,
-                   kv_diag *d);
-/* Parses a report body (the hub's side; fuzzed): the key, and the reason cut
- * to reason_cap - 1 printable bytes. */
+                   const struct kv_evidence *ev, bool *unlisted, kv_diag *d);
+/* A parsed report body (the hub's side; fuzzed). */
 #define KV_HUB_MAX_REASON 300u
-int kv_hub_parse_report(const char *json, size_t len, uint8_t key[32], char *reason, size_t reason_cap, kv_diag *d);
+typedef struct kv_hub_report {
+    uint8_t key[32];                    /* the worker reported */
+    char reason[KV_HUB_MAX_REASON + 1]; /* printable ASCII, cut */
+    bool has_evidence;
+    struct kv_evidence *ev;             /* owned, with its rows, when has_evidence: worker_key is key,
+                                           coord_key zero (the hub sets the signer's) */
+} kv_hub_report;
+/* Parses body json[len] into out: the key, the reason cut to
+ * KV_HUB_MAX_REASON printable bytes, and the evidence when present (bounded:
+ * one x and one y row of at most KV_PROTO_MAX_EMBD values, at most
+ * KV_EVIDENCE_MAX_PROOF hashes). KV_EFORMAT / KV_ENOMEM; out is then empty.
+ * Free with kv_hub_report_free (accepts a zeroed one). */
+int kv_hub_parse_report(const char *json, size_t len, kv_hub_report *out, kv_diag *d);
+void kv_hub_report_free(kv_hub_report *r);
 
 /* ---- the node ------------------------------------------------------------ */
 

@@ -52,8 +52,10 @@ typedef struct kv_cli_auth {
     const char *hub;            /* where caught workers are reported, or NULL */
 } kv_cli_auth;
 /* kv_engine_opts.on_caught for the CLI (arg: a kv_cli_auth): one line on
- * stderr, and with a hub a signed report (POST /v1/report). */
-void kv_cli_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why);
+ * stderr, and with a hub a signed report (POST /v1/report) carrying the
+ * worker's signed evidence when there is some. */
+void kv_cli_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why,
+                   const struct kv_evidence *ev);
 int kv_cli_auth_setup(const char *cmd, const char *key_path, const char *hub, const char *data_dir,
                       char *const *workers, uint32_t n, kv_cli_auth *a);
 void kv_cli_auth_free(kv_cli_auth *a);

@@ -91,9 +91,10 @@ typedef struct kv_gw_caught_ctx {
     kv_cli_auth *auth;
     _Atomic(kv_gateway *) g;
 } kv_gw_caught_ctx;
-static void kv_gw_on_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why) {
+static void kv_gw_on_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why,
+                            const struct kv_evidence *ev) {
     kv_gw_caught_ctx *c = arg;
-    kv_cli_caught(c->auth, worker, addr, key, why);
+    kv_cli_caught(c->auth, worker, addr, key, why, ev);
     kv_gateway_caught(atomic_load(&c->g), key);
 }
 

@@ -77,12 +77,17 @@ void kv_cli_auth_free(kv_cli_auth *a) {
     a->worker_keys = NULL;
 }
 
-void kv_cli_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why) {
+void kv_cli_caught(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why,
+                   const struct kv_evidence *ev) {
     kv_cli_auth *a = arg;
     (void)worker;
     fprintf(stderr, "kvasir: worker %s caught lying, dropped and its part redone: %s\n", addr, why);
     if (!a || !a->hub) return;
     kv_diag d = {0};
-    if (kv_node_report(a->hub, &a->key, key, why, &d)) fprintf(stderr, "kvasir: reporting it to the hub: %s\n", d.msg);
-    else fprintf(stderr, "kvasir: reported it to the hub\n");
+    bool unlisted = false;
+    if (kv_node_report(a->hub, &a->key, key, why, ev, &unlisted, &d))
+        fprintf(stderr, "kvasir: reporting it to the hub: %s\n", d.msg);
+    else
+        fprintf(stderr, "kvasir: reported it to the hub%s\n",
+                unlisted ? ": unlisted" : ": the hub found its signed answer right and changed nothing");
 }

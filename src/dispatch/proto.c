@@ -219,24 +219,25 @@ static size_t kv_compute_payload(uint32_t enc, uint32_t n_tokens, uint32_t n_emb
     return t <= KV_PROTO_MAX_PAYLOAD ? t : 0;
 }
 
-static size_t kv_result_payload(uint32_t enc, uint32_t n_pairs, uint32_t n_embd) {
+/* sig: the v4 layout, the signature after the rows. */
+static size_t kv_result_payload(uint32_t enc, uint32_t n_pairs, uint32_t n_embd, bool sig) {
     size_t es = kv_enc_size(enc), ys, t;
     if (!es || n_pairs == 0 || n_pairs > KV_PROTO_MAX_PAIRS || n_embd == 0 ||
         n_embd > KV_PROTO_MAX_EMBD)
         return 0;
     if (!kv_mul_ok((size_t)n_pairs * es, n_embd, &ys) ||
-        !kv_add_ok(ys, KV_PROTO_RESULT_FIXED, &t))
+        !kv_add_ok(ys, KV_PROTO_RESULT_FIXED + (sig ? KV_PROTO_RESULT_SIG : 0), &t))
         return 0;
     return t <= KV_PROTO_MAX_PAYLOAD ? t : 0;
 }
 
-static size_t kv_result_pre_payload(uint32_t n_pairs, uint32_t n_embd, uint32_t n_ff) {
+static size_t kv_result_pre_payload(uint32_t n_pairs, uint32_t n_embd, uint32_t n_ff, bool sig) {
     size_t rw, t;
     if (n_pairs == 0 || n_pairs > KV_PROTO_MAX_PAIRS || n_embd == 0 || n_embd > KV_PROTO_MAX_EMBD || n_ff == 0 ||
         n_ff > KV_PROTO_MAX_FF)
         return 0;
     if (!kv_mul_ok((size_t)n_embd + 2 * (size_t)n_ff, 4 * (size_t)n_pairs, &rw) ||
-        !kv_add_ok(rw, KV_PROTO_RESULT_PRE_FIXED, &t))
+        !kv_add_ok(rw, KV_PROTO_RESULT_PRE_FIXED + (sig ? KV_PROTO_RESULT_SIG : 0), &t))
         return 0;
     return t <= KV_PROTO_MAX_PAYLOAD ? t : 0;
 }
@@ -247,7 +248,12 @@ size_t kv_msg_compute_size(uint32_t enc, uint32_t n_tokens, uint32_t n_embd, uin
 }
 
 size_t kv_msg_result_size(uint32_t enc, uint32_t n_pairs, uint32_t n_embd) {
-    size_t p = kv_result_payload(enc, n_pairs, n_embd);
+    size_t p = kv_result_payload(enc, n_pairs, n_embd, false);
+    return p ? p + KV_PROTO_HEADER : 0;
+}
+
+size_t kv_msg_result_size_v(uint16_t version, uint32_t enc, uint32_t n_pairs, uint32_t n_embd) {
+    size_t p = kv_result_payload(enc, n_pairs, n_embd, version >= KV_PROTO_SIG_VERSION);
     return p ? p + KV_PROTO_HEADER : 0;
 }
 
@@ -455,7 +461,7 @@ int kv_msg_compute_encode(uint8_t *buf, size_t cap, uint32_t request_id, const k
                        m->enc, m->n_tokens, m->n_embd, m->n_pairs);
     if ((m->out_enc & KV_OUT_PREACT) && (m->out_enc & ~KV_OUT_PREACT) != KV_ENC_F32)
         return kv_fail(d, KV_EINVAL, "COMPUTE: pre-activations are answered in f32 only");
-    if (!kv_result_payload(m->out_enc & ~KV_OUT_PREACT, m->n_pairs, m->n_embd))
+    if (!kv_result_payload(m->out_enc & ~KV_OUT_PREACT, m->n_pairs, m->n_embd, true))
         return kv_fail(d, KV_EINVAL, "COMPUTE: result of %u pairs x %u in enc %u out of bounds",
                        m->n_pairs, m->n_embd, m->out_enc);
     int rc = kv_enc_begin(buf, cap, pl, "COMPUTE", d);
@@ -487,7 +493,7 @@ int kv_msg_compute_encode(uint8_t *buf, size_t cap, uint32_t request_id, const k
 
 int kv_msg_result_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_result *m,
                          size_t *n, kv_diag *d) {
-    size_t pl = kv_result_payload(m->enc, m->n_pairs, m->n_embd);
+    size_t pl = kv_result_payload(m->enc, m->n_pairs, m->n_embd, m->sig != NULL);
     if (!pl)
         return kv_fail(d, KV_EINVAL, "RESULT: enc %u, %u pairs x %u out of bounds", m->enc,
                        m->n_pairs, m->n_embd);
@@ -496,17 +502,19 @@ int kv_msg_result_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv
     if (!m->y) return kv_fail(d, KV_EINVAL, "RESULT: y missing");
     uint8_t *p = buf + KV_PROTO_HEADER;
     kv_frame_header_encode(buf, KV_MSG_RESULT, request_id, (uint32_t)pl);
+    kv_frame_set_version(buf, m->sig ? KV_PROTO_SIG_VERSION : KV_PROTO_AUTH_VERSION);
     kv_wr32(p, m->n_pairs);
     kv_wr32(p + 4, m->n_embd);
     kv_wr32(p + 8, m->enc);
     kv_enc_write(p + KV_PROTO_RESULT_FIXED, m->y, (size_t)m->n_pairs * m->n_embd, m->enc);
+    if (m->sig) memcpy(buf + KV_PROTO_HEADER + pl - KV_PROTO_RESULT_SIG, m->sig, KV_PROTO_RESULT_SIG);
     *n = KV_PROTO_HEADER + pl;
     return 0;
 }
 
 int kv_msg_result_begin(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t enc,
                         uint32_t n_pairs, uint32_t n_embd, size_t *n, kv_diag *d) {
-    size_t pl = kv_result_payload(enc, n_pairs, n_embd);
+    size_t pl = kv_result_payload(enc, n_pairs, n_embd, false);
     if (!pl)
         return kv_fail(d, KV_EINVAL, "RESULT: enc %u, %u pairs x %u out of bounds", enc, n_pairs,
                        n_embd);
@@ -514,6 +522,7 @@ int kv_msg_result_begin(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t 
     if (rc) return rc;
     uint8_t *p = buf + KV_PROTO_HEADER;
     kv_frame_header_encode(buf, KV_MSG_RESULT, request_id, (uint32_t)pl);
+    kv_frame_set_version(buf, KV_PROTO_AUTH_VERSION);
     kv_wr32(p, n_pairs);
     kv_wr32(p + 4, n_embd);
     kv_wr32(p + 8, enc);
@@ -523,7 +532,7 @@ int kv_msg_result_begin(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t 
 
 size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], uint16_t version,
                           uint32_t request_id, uint32_t enc, uint32_t n_pairs, uint32_t n_embd) {
-    size_t pl = kv_result_payload(enc, n_pairs, n_embd);
+    size_t pl = kv_result_payload(enc, n_pairs, n_embd, version >= KV_PROTO_SIG_VERSION);
     if (!pl) return 0;
     kv_frame_header_encode(out, KV_MSG_RESULT, request_id, (uint32_t)pl);
     kv_frame_set_version(out, version);
@@ -535,7 +544,7 @@ size_t kv_msg_result_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_FIXED], 
 
 size_t kv_msg_result_pre_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED], uint16_t version,
                               uint32_t request_id, uint32_t n_pairs, uint32_t n_embd, uint32_t n_ff) {
-    const size_t pl = kv_result_pre_payload(n_pairs, n_embd, n_ff);
+    const size_t pl = kv_result_pre_payload(n_pairs, n_embd, n_ff, version >= KV_PROTO_SIG_VERSION);
     if (!pl) return 0;
     kv_frame_header_encode(out, KV_MSG_RESULT_PRE, request_id, (uint32_t)pl);
     kv_frame_set_version(out, version);
@@ -547,14 +556,15 @@ size_t kv_msg_result_pre_head(uint8_t out[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_
 }
 
 int kv_msg_result_pre_encode(uint8_t *buf, size_t cap, uint32_t request_id, uint32_t n_pairs, uint32_t n_embd,
-                             uint32_t n_ff, const float *rows, size_t *n, kv_diag *d) {
-    const size_t pl = kv_result_pre_payload(n_pairs, n_embd, n_ff);
+                             uint32_t n_ff, const float *rows, const uint8_t *sig, size_t *n, kv_diag *d) {
+    const size_t pl = kv_result_pre_payload(n_pairs, n_embd, n_ff, sig != NULL);
     if (!pl) return kv_fail(d, KV_EINVAL, "RESULT_PRE: %u pairs x (%u + 2 x %u) out of bounds", n_pairs, n_embd, n_ff);
     int rc = kv_enc_begin(buf, cap, pl, "RESULT_PRE", d);
     if (rc) return rc;
-    kv_msg_result_pre_head(buf, KV_PROTO_AUTH_VERSION, request_id, n_pairs, n_embd, n_ff);
+    kv_msg_result_pre_head(buf, sig ? KV_PROTO_SIG_VERSION : KV_PROTO_AUTH_VERSION, request_id, n_pairs, n_embd, n_ff);
     kv_msg_rows_put(buf + KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED, KV_ENC_F32, rows,
                     (size_t)n_pairs * ((size_t)n_embd + 2 * (size_t)n_ff));
+    if (sig) memcpy(buf + KV_PROTO_HEADER + pl - KV_PROTO_RESULT_SIG, sig, KV_PROTO_RESULT_SIG);
     *n = KV_PROTO_HEADER + pl;
     return 0;
 }
@@ -833,7 +843,7 @@ static int kv_dec_compute(kv_rd *r, const kv_proto_limits *lim, kv_msg_compute *
     if (!want)
         return kv_fail(d, KV_ERANGE, "COMPUTE: %u tokens x %u in %s exceed the payload maximum",
                        m->n_tokens, m->n_embd, kv_enc_name(m->enc));
-    if (!kv_result_payload(m->out_enc & ~KV_OUT_PREACT, m->n_pairs, m->n_embd))
+    if (!kv_result_payload(m->out_enc & ~KV_OUT_PREACT, m->n_pairs, m->n_embd, true))
         return kv_fail(d, KV_ERANGE, "COMPUTE: the result (%u pairs x %u in %s) would exceed "
                                      "the payload maximum", m->n_pairs, m->n_embd,
                        kv_enc_name(m->out_enc));
@@ -854,7 +864,8 @@ static int kv_dec_compute(kv_rd *r, const kv_proto_limits *lim, kv_msg_compute *
     return 0;
 }
 
-static int kv_dec_result(kv_rd *r, const kv_proto_limits *lim, kv_msg_result *m, kv_diag *d) {
+static int kv_dec_result(kv_rd *r, uint16_t hversion, const kv_proto_limits *lim, kv_msg_result *m, kv_diag *d) {
+    const bool sig = hversion >= KV_PROTO_SIG_VERSION;
     if (r->left < KV_PROTO_RESULT_FIXED)
         return kv_fail(d, KV_EPROTO, "RESULT: payload is %zu bytes, fixed part needs %u", r->left,
                        KV_PROTO_RESULT_FIXED);
@@ -863,6 +874,7 @@ static int kv_dec_result(kv_rd *r, const kv_proto_limits *lim, kv_msg_result *m,
     kv_rd_u32(r, &m->n_embd);
     kv_rd_u32(r, &m->enc);
     m->y = NULL;
+    m->sig = NULL;
     m->n_ff = 0;
     if (!kv_enc_size(m->enc))
         return kv_fail(d, KV_EUNSUPPORTED, "RESULT: unknown encoding %u", m->enc);
@@ -874,13 +886,14 @@ static int kv_dec_result(kv_rd *r, const kv_proto_limits *lim, kv_msg_result *m,
                        KV_PROTO_MAX_EMBD);
     if (lim && lim->n_embd && m->n_embd != lim->n_embd)
         return kv_fail(d, KV_ERANGE, "RESULT: n_embd %u, expected %u", m->n_embd, lim->n_embd);
-    size_t want = kv_result_payload(m->enc, m->n_pairs, m->n_embd);
+    size_t want = kv_result_payload(m->enc, m->n_pairs, m->n_embd, sig);
     if (!want)
         return kv_fail(d, KV_ERANGE, "RESULT: %u pairs x %u exceed the payload maximum",
                        m->n_pairs, m->n_embd);
     int rc = kv_exact("RESULT", len, want, d);
     if (rc) return rc;
-    kv_rd_take(r, want - KV_PROTO_RESULT_FIXED, &m->y_wire);
+    kv_rd_take(r, want - KV_PROTO_RESULT_FIXED - (sig ? KV_PROTO_RESULT_SIG : 0), &m->y_wire);
+    if (sig) kv_rd_take(r, KV_PROTO_RESULT_SIG, &m->sig);
     return 0;
 }
 
@@ -897,6 +910,8 @@ static int kv_dec_result_pre(kv_rd *r, uint16_t hversion, const kv_proto_limits 
     kv_rd_u32(r, &m->n_ff);
     kv_rd_u32(r, &m->enc);
     m->y = NULL;
+    m->sig = NULL;
+    const bool sig = hversion >= KV_PROTO_SIG_VERSION;
     if (m->enc != KV_ENC_F32) return kv_fail(d, KV_EPROTO, "RESULT_PRE: encoding %u, must be f32", m->enc);
     if (m->n_pairs == 0 || m->n_pairs > KV_PROTO_MAX_PAIRS)
         return kv_fail(d, KV_ERANGE, "RESULT_PRE: n_pairs %u out of [1, %u]", m->n_pairs, KV_PROTO_MAX_PAIRS);
@@ -906,11 +921,12 @@ static int kv_dec_result_pre(kv_rd *r, uint16_t hversion, const kv_proto_limits 
         return kv_fail(d, KV_ERANGE, "RESULT_PRE: n_embd %u, expected %u", m->n_embd, lim->n_embd);
     if (lim && lim->n_ff && m->n_ff != lim->n_ff)
         return kv_fail(d, KV_ERANGE, "RESULT_PRE: n_ff %u, expected %u", m->n_ff, lim->n_ff);
-    const size_t want = kv_result_pre_payload(m->n_pairs, m->n_embd, m->n_ff);
+    const size_t want = kv_result_pre_payload(m->n_pairs, m->n_embd, m->n_ff, sig);
     if (!want) return kv_fail(d, KV_ERANGE, "RESULT_PRE: exceeds the payload maximum");
     int rc = kv_exact("RESULT_PRE", len, want, d);
     if (rc) return rc;
-    kv_rd_take(r, want - KV_PROTO_RESULT_PRE_FIXED, &m->y_wire);
+    kv_rd_take(r, want - KV_PROTO_RESULT_PRE_FIXED - (sig ? KV_PROTO_RESULT_SIG : 0), &m->y_wire);
+    if (sig) kv_rd_take(r, KV_PROTO_RESULT_SIG, &m->sig);
     return 0;
 }
 
@@ -951,7 +967,7 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
     case KV_MSG_HELLO: return kv_dec_hello(&r, &out->u.hello, d);
     case KV_MSG_HELLO_ACK: return kv_dec_ack(&r, out->h.version, &out->u.ack, d);
     case KV_MSG_COMPUTE: return kv_dec_compute(&r, lim, &out->u.compute, d);
-    case KV_MSG_RESULT: return kv_dec_result(&r, lim, &out->u.result, d);
+    case KV_MSG_RESULT: return kv_dec_result(&r, out->h.version, lim, &out->u.result, d);
     case KV_MSG_RESULT_PRE: return kv_dec_result_pre(&r, out->h.version, lim, &out->u.result, d);
     case KV_MSG_ERROR: return kv_dec_error(&r, &out->u.error, d);
     case KV_MSG_PING:

@@ -80,6 +80,13 @@
  * must be finite and within KV_PROTO_MAX_ABS_OUTPUT; otherwise the whole
  * answer is a lie: the worker is dropped and its slots are redone.
  *
+ * Signed results (v4, docs/PROTOCOL.md): every answer's signature is
+ * checked against the leaves rebuilt from what we sent (each token's row
+ * re-encoded and hashed once) and what came back; one that does not verify
+ * is a lie like any other. When a check catches a lie on pair p, the
+ * leaves still at hand give p's Merkle proof, and on_caught gets the
+ * evidence (rows copied into r's scratch) for the hub.
+ *
  * Hot path: every buffer (frames in and out, gathered hidden states, pair
  * lists, local fallback scratch, round-trip samples) is allocated in
  * kv_remote_open for max_tokens tokens per call; compute never allocates.
@@ -198,6 +205,13 @@ struct kv_remote {
     kv_manifest *m;
     kv_verify *ver;               /* NULL without verify */
     float *vg, *vu, *vy;          /* [n_ff], [n_ff], [n_embd] one answer being checked */
+    /* v4 signed results: checked on every answer, kept for evidence */
+    uint8_t (*xh)[32];            /* [chunk_tokens] hash of each token row of the answer being checked */
+    uint8_t *xh_ok;               /* [chunk_tokens] 1 once xh[t] is computed for that answer */
+    uint8_t (*leaves)[32];        /* [max_slots] its leaves */
+    uint8_t *xrow, *yrow;         /* [n_embd * 4] one x row re-encoded as sent, one y row as answered */
+    kv_evidence ev;               /* what the worker caught last signed for the pair (rows in xrow, yrow) */
+    bool has_ev;                  /* ev is for the catch being handled */
     const kv_expert_req *cur_req; /* the request of the chunk in progress */
     uint32_t cur_t0;              /* its first token */
     uint64_t rng;                 /* sampled recompute */
@@ -444,6 +458,79 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
     return 0;
 }
 
+/* The wire bytes of w's answer row p and their length: y only (RESULT_PRE
+ * rows carry gate and up after it, which the signature does not cover). */
+static const uint8_t *kv_rw_yrow(const kv_remote *r, const kv_rw *w, const kv_msg_result *res, uint32_t p, size_t *yb) {
+    if (res->n_ff) {
+        *yb = (size_t)r->n_embd * 4;
+        return res->y_wire + (size_t)p * ((size_t)r->n_embd + 2 * (size_t)res->n_ff) * 4;
+    }
+    *yb = (size_t)r->n_embd * kv_enc_size(w->enc);
+    return res->y_wire + (size_t)p * *yb;
+}
+
+/* The hash of the x row of w's pair p as it was sent (the request's f32
+ * row re-encoded in w's encoding, into r->xrow), computed once per token. */
+static const uint8_t *kv_rw_xhash(kv_remote *r, const kv_rw *w, uint32_t p) {
+    const uint32_t tl = w->pairs[p].token, t = r->cur_t0 + (uint32_t)w->pair_slot[p] / r->cur_req->n_used;
+    if (!r->xh_ok[tl]) {
+        kv_msg_rows_put(r->xrow, w->enc, r->cur_req->x + (size_t)t * r->n_embd, r->n_embd);
+        kv_result_xhash(r->xrow, (size_t)r->n_embd * kv_enc_size(w->enc), r->xh[tl]);
+        r->xh_ok[tl] = 1;
+    }
+    return r->xh[tl];
+}
+
+/* v4: checks the signature of w's whole answer (the leaves stay in
+ * r->leaves for evidence). A bad one is a lie (w caught, KV_EPROTO). */
+static int kv_rw_check_sig(kv_remote *r, kv_rw *w, const kv_msg_result *res, kv_diag *d) {
+    if (w->version < KV_PROTO_SIG_VERSION) return 0;
+    if (!res->sig) return kv_fail(d, KV_EPROTO, "an unsigned answer on a v%u connection", w->version);
+    uint32_t nt = 0;
+    for (uint32_t p = 0; p < w->n_pairs; p++) nt = w->pairs[p].token + 1 > nt ? w->pairs[p].token + 1 : nt;
+    memset(r->xh_ok, 0, nt);
+    for (uint32_t p = 0; p < w->n_pairs; p++) {
+        size_t yb;
+        const uint8_t *y = kv_rw_yrow(r, w, res, p, &yb);
+        kv_result_leaf(kv_rw_xhash(r, w, p), w->pairs[p].expert, y, yb, r->leaves[p]);
+    }
+    uint8_t root[32], dg[32];
+    kv_result_root((const uint8_t(*)[32])r->leaves, w->n_pairs, root);
+    kv_result_digest(r->m->model_id, w->key, r->pk, r->cur_req->layer, w->enc, w->enc | (r->ver ? KV_OUT_PREACT : 0),
+                     w->n_pairs, root, dg);
+    if (kv_dispatch_verify(w->key, dg, res->sig)) {
+        w->caught = true;
+        return kv_fail(d, KV_EPROTO, "caught lying: the signature of its answer does not verify");
+    }
+    return 0;
+}
+
+/* After w was caught on pair p: what it signed for that pair, in r->ev
+ * (its rows copied, so that they outlive the frame). */
+static void kv_rw_evidence(kv_remote *r, kv_rw *w, const kv_msg_result *res, uint32_t p) {
+    if (w->version < KV_PROTO_SIG_VERSION || !res->sig) return;
+    kv_evidence *ev = &r->ev;
+    memcpy(ev->worker_key, w->key, 32);
+    memcpy(ev->coord_key, r->pk, 32);
+    memcpy(ev->sig, res->sig, 64);
+    ev->layer = r->cur_req->layer;
+    ev->enc = w->enc;
+    ev->out_enc = w->enc | (r->ver ? KV_OUT_PREACT : 0);
+    ev->n_pairs = w->n_pairs;
+    ev->pair = p;
+    ev->expert = w->pairs[p].expert;
+    ev->n_embd = r->n_embd;
+    size_t yb;
+    const uint8_t *y = kv_rw_yrow(r, w, res, p, &yb);
+    memcpy(r->yrow, y, yb);
+    r->xh_ok[w->pairs[p].token] = 0; /* re-encode its row into xrow */
+    kv_rw_xhash(r, w, p);
+    ev->x = r->xrow;
+    ev->y = r->yrow;
+    ev->n_proof = kv_result_proof((const uint8_t(*)[32])r->leaves, w->n_pairs, p, ev->proof);
+    r->has_ev = true;
+}
+
 /* Checks every pair of a RESULT_PRE (already copied to its slots in out)
  * against the secret projections of its expert, prepared on first use from
  * the local slab; a sample is also recomputed in full. Any failure marks w
@@ -467,6 +554,7 @@ static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const 
         kv_verify_report rep;
         if (kv_verify_check(r->ver, req->layer, e, x, r->vg, r->vu, y, &rep, d)) {
             w->caught = true;
+            kv_rw_evidence(r, w, res, p);
             return kv_diag_prefix(d, KV_EPROTO, "caught lying: layer %u expert %u (pair %u)", req->layer, e, p);
         }
         n_ok++;
@@ -484,6 +572,7 @@ static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const 
                 const bool ok = same ? memcmp(&r->vy[i], &y[i], 4) == 0 : fabsf(r->vy[i] - y[i]) <= 1e-4f * mx;
                 if (!ok) {
                     w->caught = true;
+                    kv_rw_evidence(r, w, res, p);
                     return kv_fail(d, KV_EPROTO, "caught lying: layer %u expert %u: a full recompute differs at element "
                                    "%u (%g, it said %g)", req->layer, e, i, (double)r->vy[i], (double)y[i]);
                 }
@@ -498,14 +587,14 @@ static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const 
 }
 
 /* Marks w caught: dropped for good, counted, reported through the hook. */
-static void kv_rw_caught(kv_remote *r, kv_rw *w, const char *why) {
+static void kv_rw_caught(kv_remote *r, kv_rw *w, const char *why, const kv_evidence *ev) {
     kv_rw_drop(r, w, "%s", why);
     w->caught = true;
     w->retry_at = INFINITY;
     w->fails = 1000000;
     r->n_caught++;
     kv_rlog(r, "worker %s caught lying and dropped for good: %s", w->addr, why);
-    if (r->o.on_caught) r->o.on_caught(r->o.caught_arg, (uint32_t)(w - r->w), w->addr, w->key, why);
+    if (r->o.on_caught) r->o.on_caught(r->o.caught_arg, (uint32_t)(w - r->w), w->addr, w->key, why, ev);
 }
 
 /* Places the vectors of a RESULT that answers w's request at their slots. */
@@ -516,6 +605,9 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
     if (res->n_pairs != w->n_pairs || res->n_embd != r->n_embd || res->enc != w->enc)
         return kv_fail(d, KV_EPROTO, "answered %u vectors of %u in %s, we asked %u of %u in %s", res->n_pairs,
                        res->n_embd, kv_enc_name(res->enc), w->n_pairs, r->n_embd, kv_enc_name(w->enc));
+    r->has_ev = false;
+    int src = kv_rw_check_sig(r, w, res, d);
+    if (src) return src;
     /* non-finite or absurd values are a lie: nothing of this answer is used
      * (the slots stay pending and are overwritten by the redo) */
     for (uint32_t p = 0; p < w->n_pairs; p++) {
@@ -685,7 +777,7 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         return 0;
     }
     if (kv_rw_take_result(r, w, &msg, out, &d)) {
-        if (w->caught) kv_rw_caught(r, w, d.msg);
+        if (w->caught) kv_rw_caught(r, w, d.msg, r->has_ev ? &r->ev : NULL);
         else kv_rw_drop(r, w, "%s", d.msg);
         return 0;
     }
@@ -1154,6 +1246,11 @@ void kv_remote_free(kv_remote *r) {
     free(r->load);
     free(r->tok_local);
     free(r->xg);
+    free(r->xh);
+    free(r->xh_ok);
+    free(r->leaves);
+    free(r->xrow);
+    free(r->yrow);
     if (r->local.free) r->local.free(r->local.impl);
     for (size_t i = 0; r->lg && i < r->m->n_slabs; i++) kv_gguf_close(r->lg[i]);
     free(r->lg);
@@ -1267,6 +1364,11 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->load = calloc(r->cap_w ? r->cap_w : 1, sizeof *r->load);
     r->tok_local = malloc(r->chunk_tokens * sizeof *r->tok_local);
     r->xg = malloc((size_t)r->chunk_tokens * E * sizeof *r->xg);
+    r->xh = malloc((size_t)r->chunk_tokens * sizeof *r->xh);
+    r->xh_ok = malloc(r->chunk_tokens);
+    r->leaves = malloc(S * sizeof *r->leaves);
+    r->xrow = malloc(E * 4);
+    r->yrow = malloc(E * 4);
     r->lg = calloc(m->n_slabs ? m->n_slabs : 1, sizeof *r->lg);
     r->lw = calloc(n_keys, sizeof *r->lw);
     r->lhas = calloc(n_keys, 1);
@@ -1277,7 +1379,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         goto fail;
     }
     if (!r->slot_owner || !r->exp_owner || !r->load || !r->tok_local || !r->xg || !r->lg || !r->lw ||
-        !r->lhas || !r->rtt_us || !r->w) {
+        !r->lhas || !r->rtt_us || !r->w || !r->xh || !r->xh_ok || !r->leaves || !r->xrow || !r->yrow) {
         rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
         goto fail;
     }
@@ -1299,7 +1401,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     }
     /* workers: buffers for the largest frames either way */
     const size_t s_max = kv_msg_compute_size(KV_ENC_F32, r->chunk_tokens, r->n_embd, r->max_slots);
-    size_t r_max = kv_msg_result_size(KV_ENC_F32, r->max_slots, r->n_embd);
+    size_t r_max = kv_msg_result_size_v(KV_PROTO_VERSION, KV_ENC_F32, r->max_slots, r->n_embd);
     if (opts->verify) { /* answers carry gate and up beside y */
         uint8_t hb[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED];
         const size_t pre = kv_msg_result_pre_head(hb, KV_PROTO_VERSION, 0, r->max_slots, r->n_embd, r->n_ff);

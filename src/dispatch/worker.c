@@ -189,6 +189,10 @@ struct kv_wconn {
     uint32_t oenc;                   /* its output encoding (out_enc without KV_OUT_PREACT) */
     uint8_t *wbase;                  /* this round's reserved rows in the send queue */
     uint32_t wq;                     /* rows in this round */
+    /* v4: the job's signature (docs/PROTOCOL.md "Signed results") */
+    uint8_t (*xh)[32];               /* [xh_cap] SHA-256 of each token's x row (grows, kept) */
+    uint32_t xh_cap;
+    kv_result_tree tree;             /* leaves of the rows sent so far */
     kv_wconn *jprev, *jnext;         /* in w->jobs */
 };
 
@@ -1049,9 +1053,14 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
         }
     }
     uint8_t hb[KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED];
-    if (!code && (pre ? !kv_msg_result_pre_head(hb, 3, 0, cm->n_pairs, cm->n_embd, w->n_ff)
-                      : !kv_msg_result_size(oenc, cm->n_pairs, cm->n_embd)))
+    if (!code && (pre ? !kv_msg_result_pre_head(hb, c->version, 0, cm->n_pairs, cm->n_embd, w->n_ff)
+                      : !kv_msg_result_size_v(c->version, oenc, cm->n_pairs, cm->n_embd)))
         code = kv_fail(&d, KV_ERANGE, "the RESULT of %u pairs would exceed the payload maximum", cm->n_pairs);
+    if (!code && c->version >= KV_PROTO_SIG_VERSION && cm->n_tokens > c->xh_cap) {
+        uint8_t (*nx)[32] = realloc(c->xh, (size_t)cm->n_tokens * sizeof *nx);
+        if (!nx) code = kv_fail(&d, KV_ENOMEM, "out of memory for the hashes of %u tokens", cm->n_tokens);
+        else c->xh = nx, c->xh_cap = cm->n_tokens;
+    }
     if (code) {
         kv_wc_error(c, rid, code, d.msg);
         kv_wlog(w, "conn %llu %s: request %u refused: %s", (unsigned long long)c->id, c->peer, rid, d.msg);
@@ -1059,6 +1068,11 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
     }
     c->job = *cm;
     c->rid = rid;
+    if (c->version >= KV_PROTO_SIG_VERSION) { /* each token's row hashed once, as it came */
+        const size_t xr = (size_t)cm->n_embd * kv_enc_size(cm->enc);
+        for (uint32_t t = 0; t < cm->n_tokens; t++) kv_result_xhash(cm->x_wire + (size_t)t * xr, xr, c->xh[t]);
+        kv_result_tree_init(&c->tree);
+    }
     c->xin = kv_msg_compute_x_inplace(cm);
     c->pre = pre;
     c->oenc = oenc;
@@ -1143,6 +1157,7 @@ static void kv_wc_on_close(kv_net_conn *nc, int code, const char *why) {
     kv_wlog(w, "conn %llu %s: closed (%s)", (unsigned long long)c->id, c->peer,
             why && why[0] ? why : code ? kv_err_str(code) : "closed");
     kv_wc_unslot(w, c);
+    free(c->xh);
     free(c);
 }
 
@@ -1183,6 +1198,29 @@ static size_t kv_wc_row_bytes(const kv_wconn *c) {
 }
 static size_t kv_wc_head_bytes(const kv_wconn *c) {
     return KV_PROTO_HEADER + (c->pre ? KV_PROTO_RESULT_PRE_FIXED : KV_PROTO_RESULT_FIXED);
+}
+/* Bytes after the rows of a round: the signature when it ends a v4 job. */
+static size_t kv_wc_tail_bytes(const kv_wconn *c) {
+    return c->version >= KV_PROTO_SIG_VERSION && c->next + c->wq == c->job.n_pairs ? KV_PROTO_RESULT_SIG : 0;
+}
+
+/* v4: the leaves of this round's rows (as written at c->wbase), and after
+ * the job's last row its signature over the whole RESULT. */
+static void kv_wc_sign_round(kv_worker *w, kv_wconn *c) {
+    if (c->version < KV_PROTO_SIG_VERSION) return;
+    const size_t rb = kv_wc_row_bytes(c), yb = (size_t)w->n_embd * (c->pre ? 4 : kv_enc_size(c->oenc));
+    for (uint32_t i = 0; i < c->wq; i++) {
+        const kv_proto_pair p = kv_msg_compute_pair(&c->job, c->next + i);
+        uint8_t leaf[32];
+        kv_result_leaf(c->xh[p.token], p.expert, c->wbase + (size_t)i * rb, yb, leaf);
+        kv_result_tree_push(&c->tree, leaf);
+    }
+    if (!kv_wc_tail_bytes(c)) return;
+    uint8_t root[32], dg[32];
+    kv_result_tree_root(&c->tree, root);
+    kv_result_digest(w->model_id, w->pk, c->peer_key, c->job.layer, c->job.enc, c->job.out_enc, c->job.n_pairs, root,
+                     dg);
+    kv_dispatch_sign(w->sk, dg, c->wbase + (size_t)c->wq * rb);
 }
 
 /* ---- test-only lies (docs/VERIFY.md): the checks' adversary ---------------------------- */
@@ -1316,7 +1354,7 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
         if (c->wq) {
             const size_t rb = kv_wc_row_bytes(c);
             const size_t head = c->next == 0 ? kv_wc_head_bytes(c) : 0;
-            c->wbase = rc ? NULL : kv_net_conn_reserve(c->nc, head + (size_t)c->wq * rb);
+            c->wbase = rc ? NULL : kv_net_conn_reserve(c->nc, head + (size_t)c->wq * rb + kv_wc_tail_bytes(c));
             if (c->wbase && head) {
                 if (c->pre) kv_msg_result_pre_head(c->wbase, c->version, c->rid, c->job.n_pairs, E, w->n_ff);
                 else kv_msg_result_head(c->wbase, c->version, c->rid, c->oenc, c->job.n_pairs, E);
@@ -1353,7 +1391,8 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
                 done[n_done++] = c;
             } else if (c->wbase) {
                 const size_t rb = kv_wc_row_bytes(c);
-                kv_net_conn_commit(c->nc, (c->next == 0 ? kv_wc_head_bytes(c) : 0) + c->wq * rb);
+                kv_wc_sign_round(w, c);
+                kv_net_conn_commit(c->nc, (c->next == 0 ? kv_wc_head_bytes(c) : 0) + c->wq * rb + kv_wc_tail_bytes(c));
                 c->next += c->wq;
                 if (c->next == c->job.n_pairs) done[n_done++] = c;
             }
@@ -1530,7 +1569,8 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
         kv_net_timer_init(&c->idle_t, kv_wc_idle_timeout, c);
         kv_net_timer_init(&c->delay_t, kv_wc_delay_over, c);
         const size_t rb_max = (size_t)KV_WORKER_CHUNK * ((size_t)w->n_embd + 2 * (size_t)w->n_ff) * 4 +
-                              KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED; /* one round of RESULT_PRE rows */
+                              KV_PROTO_HEADER + KV_PROTO_RESULT_PRE_FIXED +
+                              KV_PROTO_RESULT_SIG; /* one round of RESULT_PRE rows, and the signature */
         const kv_net_conn_opts o = {
             .header = KV_PROTO_HEADER,
             .max_frame = KV_PROTO_HEADER + w->max_payload,

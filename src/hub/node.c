@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <sodium.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -852,30 +853,137 @@ int kv_node_fetch_auth(const char *hub_url, kv_node_key *key, char *const *worke
     return rc;
 }
 
-int kv_hub_parse_report(const char *json, size_t len, uint8_t key[32], char *reason, size_t reason_cap, kv_diag *d) {
-    if (reason_cap) reason[0] = 0;
+/* A u32 field of o; false when absent, not an integer or out of range. */
+static bool kv_json_u32(json_t *o, const char *name, uint32_t *out) {
+    json_t *v = json_object_get(o, name);
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > (json_int_t)UINT32_MAX) return false;
+    *out = (uint32_t)json_integer_value(v);
+    return true;
+}
+
+/* Base64 field name of o into out[cap]: its length in *n; false when absent or malformed. */
+static bool kv_json_b64(json_t *o, const char *name, uint8_t *out, size_t cap, size_t *n) {
+    json_t *v = json_object_get(o, name);
+    if (!json_is_string(v)) return false;
+    const char *s = json_string_value(v), *end = NULL;
+    const size_t sl = json_string_length(v);
+    return sodium_base642bin(out, cap, s, sl, NULL, n, &end, sodium_base64_VARIANT_ORIGINAL) == 0 && end == s + sl;
+}
+
+/* The "evidence" object of a report: bounds first, rows into one block. */
+static int kv_parse_evidence(json_t *e, const uint8_t key[32], kv_evidence **out, kv_diag *d) {
+    const size_t row_max = (size_t)KV_PROTO_MAX_EMBD * 4;
+    kv_evidence *ev = calloc(1, sizeof *ev + 2 * row_max);
+    if (!ev) return kv_fail(d, KV_ENOMEM, "report: out of memory");
+    uint8_t *x = (uint8_t *)(ev + 1), *y = x + row_max;
+    size_t xn = 0, yn = 0;
+    json_t *pr = json_object_get(e, "proof");
+    int rc = 0;
+    if (!json_is_object(e) || !kv_json_u32(e, "layer", &ev->layer) || !kv_json_u32(e, "enc", &ev->enc) ||
+        !kv_json_u32(e, "out_enc", &ev->out_enc) || !kv_json_u32(e, "n_pairs", &ev->n_pairs) ||
+        !kv_json_u32(e, "pair", &ev->pair) || !kv_json_u32(e, "expert", &ev->expert) ||
+        kv_json_hex(e, "sig", ev->sig, 64) || !json_is_array(pr) || json_array_size(pr) > KV_EVIDENCE_MAX_PROOF ||
+        !kv_json_b64(e, "x", x, row_max, &xn) || !kv_json_b64(e, "y", y, row_max, &yn)) {
+        rc = kv_fail(d, KV_EFORMAT, "report: evidence needs layer, enc, out_enc, n_pairs, pair, expert (integers), "
+                                    "x and y (base64 rows), proof (at most %u hashes of 64 hex digits), sig (128 hex "
+                                    "digits)", KV_EVIDENCE_MAX_PROOF);
+        goto fail;
+    }
+    ev->n_proof = (uint32_t)json_array_size(pr);
+    for (uint32_t i = 0; i < ev->n_proof; i++) {
+        const char *h = json_string_value(json_array_get(pr, i));
+        if (!h || kv_key_from_hex(h, ev->proof[i], NULL)) {
+            rc = kv_fail(d, KV_EFORMAT, "report: evidence proof hash %u is not 64 hex digits", i);
+            goto fail;
+        }
+    }
+    const size_t es = kv_enc_size(ev->enc);
+    if (!es || !xn || xn % es) {
+        rc = kv_fail(d, KV_EFORMAT, "report: evidence x of %zu bytes in encoding %u", xn, ev->enc);
+        goto fail;
+    }
+    ev->n_embd = (uint32_t)(xn / es);
+    if (kv_evidence_y_bytes(ev) != yn) {
+        rc = kv_fail(d, KV_EFORMAT, "report: evidence y of %zu bytes, %u values in encoding %u take %zu", yn,
+                     ev->n_embd, ev->out_enc, kv_evidence_y_bytes(ev));
+        goto fail;
+    }
+    memcpy(ev->worker_key, key, 32);
+    ev->x = x;
+    ev->y = y;
+    *out = ev;
+    return 0;
+fail:
+    free(ev);
+    return rc;
+}
+
+void kv_hub_report_free(kv_hub_report *r) {
+    if (!r) return;
+    free(r->ev);
+    r->ev = NULL;
+    r->has_evidence = false;
+}
+
+int kv_hub_parse_report(const char *json, size_t len, kv_hub_report *out, kv_diag *d) {
+    memset(out, 0, sizeof *out);
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) return kv_fail(d, KV_EFORMAT, "report: bad JSON at line %d: %s", je.line, je.text);
     int rc = 0;
-    json_t *r = json_object_get(root, "reason");
-    if (!json_is_object(root) || kv_json_hex(root, "key", key, 32) || !json_is_string(r) ||
+    json_t *r = json_object_get(root, "reason"), *e = json_object_get(root, "evidence");
+    if (!json_is_object(root) || kv_json_hex(root, "key", out->key, 32) || !json_is_string(r) ||
         json_string_length(r) > KV_HUB_MAX_REASON) {
         rc = kv_fail(d, KV_EFORMAT, "report: needs {\"key\": 64 hex digits, \"reason\": text of at most %u bytes}",
                      KV_HUB_MAX_REASON);
-    } else if (reason_cap) {
+    } else {
         const char *t = json_string_value(r);
         size_t n = 0;
-        for (size_t i = 0; t[i] && n + 1 < reason_cap; i++) /* printable ASCII only: it is logged and served */
-            reason[n++] = (t[i] >= 0x20 && t[i] < 0x7f && t[i] != '"' && t[i] != '\\') ? t[i] : '?';
-        reason[n] = 0;
+        for (size_t i = 0; t[i] && n < KV_HUB_MAX_REASON; i++) /* printable ASCII only: it is logged and served */
+            out->reason[n++] = (t[i] >= 0x20 && t[i] < 0x7f && t[i] != '"' && t[i] != '\\') ? t[i] : '?';
+        out->reason[n] = 0;
+        if (e && !(rc = kv_parse_evidence(e, out->key, &out->ev, d))) out->has_evidence = true;
     }
     json_decref(root);
+    if (rc) memset(out, 0, sizeof *out);
     return rc;
 }
 
+/* The "evidence" object of a report body. NULL when out of memory. */
+static json_t *kv_evidence_json(const kv_evidence *ev) {
+    const size_t xb = kv_evidence_x_bytes(ev), yb = kv_evidence_y_bytes(ev);
+    if (!xb || !yb) return NULL;
+    const size_t cap = sodium_base64_ENCODED_LEN(xb > yb ? xb : yb, sodium_base64_VARIANT_ORIGINAL);
+    char *b = malloc(cap), sig[129], h[65];
+    json_t *e = json_object(), *pr = json_array();
+    if (!b || !e || !pr) {
+        free(b);
+        json_decref(e);
+        json_decref(pr);
+        return NULL;
+    }
+    json_object_set_new(e, "layer", json_integer(ev->layer));
+    json_object_set_new(e, "enc", json_integer(ev->enc));
+    json_object_set_new(e, "out_enc", json_integer(ev->out_enc));
+    json_object_set_new(e, "n_pairs", json_integer(ev->n_pairs));
+    json_object_set_new(e, "pair", json_integer(ev->pair));
+    json_object_set_new(e, "expert", json_integer(ev->expert));
+    json_object_set_new(e, "x", json_string(sodium_bin2base64(b, cap, ev->x, xb, sodium_base64_VARIANT_ORIGINAL)));
+    json_object_set_new(e, "y", json_string(sodium_bin2base64(b, cap, ev->y, yb, sodium_base64_VARIANT_ORIGINAL)));
+    for (uint32_t i = 0; i < ev->n_proof && i < KV_EVIDENCE_MAX_PROOF; i++) {
+        kv_hex(ev->proof[i], 32, h);
+        json_array_append_new(pr, json_string(h));
+    }
+    json_object_set_new(e, "proof", pr);
+    kv_hex(ev->sig, 64, sig);
+    json_object_set_new(e, "sig", json_string(sig));
+    free(b);
+    return e;
+}
+
 int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_key[32], const char *reason,
-                   kv_diag *d) {
+                   const kv_evidence *ev, bool *unlisted, kv_diag *d) {
+    if (unlisted) *unlisted = false;
     json_t *j = json_object();
     char hex[65];
     kv_hex(worker_key, 32, hex);
@@ -883,6 +991,14 @@ int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_k
     snprintf(rs, sizeof rs, "%s", reason ? reason : "");
     json_object_set_new(j, "key", json_string(hex));
     json_object_set_new(j, "reason", json_string(rs));
+    if (ev) {
+        json_t *e = kv_evidence_json(ev);
+        if (!e) {
+            json_decref(j);
+            return kv_fail(d, KV_ENOMEM, "report: out of memory");
+        }
+        json_object_set_new(j, "evidence", e);
+    }
     char *body = json_dumps(j, JSON_COMPACT);
     json_decref(j);
     if (!body) return kv_fail(d, KV_ENOMEM, "report: out of memory");
@@ -890,7 +1006,15 @@ int kv_node_report(const char *hub_url, kv_node_key *key, const uint8_t worker_k
     long st = 0;
     int rc = kv_node_post(hub_url, key, "/v1/report", body, &reply, &st, d);
     free(body);
-    if (!rc && st != 200) rc = kv_fail(d, st == 403 ? KV_EAUTH : KV_EPROTO, "report refused (%ld): %.300s", st, reply);
+    if (!rc && st != 200)
+        rc = kv_fail(d, st == 403 ? KV_EAUTH : st == 422 ? KV_EINVAL : KV_EPROTO, "report refused (%ld): %.300s", st,
+                     reply);
+    if (!rc && unlisted) {
+        json_t *a = json_loads(reply ? reply : "", 0, NULL);
+        const char *act = json_string_value(json_object_get(a, "action"));
+        *unlisted = act && !strcmp(act, "unlisted");
+        json_decref(a);
+    }
     free(reply);
     return rc;
 }

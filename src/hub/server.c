@@ -1474,17 +1474,111 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
 
 int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d) { return kv_hub_nodes_render(h, out, len, d); }
 
-/* POST /v1/report, signed by a coordinator the hub vouches for: the node
- * with that key loses its holdings (stored) and may not register again
- * while this hub runs, so the placement map stops listing it. */
+/* Judges a report's evidence (its signature already checked): recomputes
+ * the expert from the hub's own slab on the signed x and compares with the
+ * signed y. Returns 1 when y is wrong beyond the tolerance (a lie), 0 when
+ * it is right, or a negative code (d says why: no such expert, the slab
+ * cannot be read). A y sent in f16/bf16 is compared with the hub's answer
+ * rounded the same way, with one unit in the last place of that encoding
+ * added to the tolerance (two honest answers may round apart). */
+static int kv_report_judge(kv_hub *h, const kv_evidence *ev, double *err, kv_diag *d) {
+    const kv_manifest *m = h->m;
+    if (ev->n_embd != m->n_embd)
+        return kv_fail(d, KV_EINVAL, "evidence rows of %u values, this model's n_embd is %u", ev->n_embd, m->n_embd);
+    uint32_t slab = UINT32_MAX;
+    for (uint32_t i = 0; i < m->n_slabs && slab == UINT32_MAX; i++)
+        if (m->slabs[i].layer == ev->layer && ev->expert >= m->slabs[i].first && ev->expert <= m->slabs[i].last) slab = i;
+    if (slab == UINT32_MAX)
+        return kv_fail(d, KV_EINVAL, "evidence names layer %u expert %u, which no slab of this model holds", ev->layer,
+                       ev->expert);
+    const uint32_t E = ev->n_embd, yenc = (ev->out_enc & KV_OUT_PREACT) ? KV_ENC_F32 : ev->out_enc;
+    float *x = malloc(sizeof(float) * E * 3), *want = x + E, *got = want + E;
+    if (!x) return kv_fail(d, KV_ENOMEM, "report: out of memory");
+    const kv_msg_compute cm = {.enc = ev->enc, .n_tokens = 1, .n_embd = E, .n_pairs = 1, .x_wire = ev->x};
+    kv_msg_compute_row(&cm, 0, x);
+    const kv_msg_result yr = {.n_pairs = 1, .n_embd = E, .enc = yenc, .y_wire = ev->y};
+    kv_msg_result_row(&yr, 0, got);
+    int rc = kv_hub_prove_expect(h->dir_fd, m, slab, ev->expert, x, want, d);
+    double tol = KV_HUB_PROVE_TOL;
+    if (!rc && yenc != KV_ENC_F32) { /* as the worker would have sent it */
+        uint8_t *t = malloc((size_t)E * 4);
+        if (!t) rc = kv_fail(d, KV_ENOMEM, "report: out of memory");
+        else {
+            kv_msg_rows_put(t, yenc, want, E);
+            const kv_msg_result wr = {.n_pairs = 1, .n_embd = E, .enc = yenc, .y_wire = t};
+            kv_msg_result_row(&wr, 0, want);
+            free(t);
+            tol += yenc == KV_ENC_F16 ? 1.0 / 1024 : 1.0 / 128;
+        }
+    }
+    if (!rc) {
+        kv_hub_prove_judge(want, got, E, err);
+        rc = !(*err <= tol);
+    }
+    free(x);
+    return rc;
+}
+
+/* POST /v1/report, signed by a coordinator the hub vouches for, carrying
+ * the worker's signed answer for one pair (docs/HUB.md "Reports"). The hub
+ * checks that the worker signed it for this very reporter, recomputes the
+ * expert, and only when the signed answer is wrong does the node with that
+ * key lose its holdings (stored) and may not register again while this hub
+ * runs, so the placement map stops listing it. A report without evidence,
+ * with evidence that does not verify, or about a right answer changes
+ * nothing. */
 static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     kv_diag d = {0};
-    uint8_t key[32];
-    char reason[KV_HUB_MAX_REASON + 1];
-    if (kv_hub_parse_report(q->body ? q->body : "", q->n, key, reason, sizeof reason, &d))
-        return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
-    if (!h->o.vouch_open && !(h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp)))
+    kv_hub_report rp;
+    if (kv_hub_parse_report(q->body ? q->body : "", q->n, &rp, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    const uint8_t *key = rp.key;
+    const char *reason = rp.reason;
+    char hex[65], by[65];
+    kv_hex(key, 32, hex);
+    kv_hex(s->pk, 32, by);
+    if (!h->o.vouch_open && !(h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp))) {
+        kv_hub_report_free(&rp);
         return kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "only coordinators this hub vouches for may report nodes");
+    }
+    pthread_mutex_lock(&h->mu);
+    const bool known = kv_node_find(h, key) != NULL;
+    pthread_mutex_unlock(&h->mu);
+    if (!known) {
+        kv_hub_report_free(&rp);
+        return kv_reply_err(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no node with this key");
+    }
+    /* evidence: signed by that worker, for this reporter, and wrong */
+    int vrc = 0;
+    double err = 0;
+    if (!rp.has_evidence) {
+        vrc = kv_fail(&d, KV_EINVAL, "a report changes nothing without evidence: the worker's signed answer "
+                                     "(dispatch v4) for the pair it was caught on");
+    } else {
+        memcpy(rp.ev->coord_key, s->pk, 32); /* signed for the reporter, or for nobody here */
+        if (!(vrc = kv_evidence_check(rp.ev, h->m->model_id, &d))) vrc = kv_report_judge(h, rp.ev, &err, &d);
+    }
+    if (vrc <= 0) {
+        kv_hub_report_free(&rp);
+        if (!h->o.quiet)
+            fprintf(stderr, "hub: report on node %.16s... by coordinator %.16s...: %s: nothing done\n", hex, by,
+                    vrc ? d.msg : "its signed answer is right");
+        if (vrc == KV_ENOMEM || vrc == KV_EIO || vrc == KV_EFORMAT || vrc == KV_EINTERNAL)
+            return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+        if (vrc) {
+            json_t *j = json_object();
+            json_object_set_new(j, "error", json_string(d.msg));
+            json_object_set_new(j, "code", json_string(kv_err_name(vrc)));
+            json_object_set_new(j, "action", json_string("none"));
+            return kv_reply_json(c, MHD_HTTP_UNPROCESSABLE_CONTENT, j);
+        }
+        json_t *j = json_object();
+        json_object_set_new(j, "ok", json_true());
+        json_object_set_new(j, "action", json_string("none"));
+        json_object_set_new(j, "error_rel", json_real(err));
+        json_object_set_new(j, "why", json_string("the signed answer is right within the tolerance"));
+        return kv_reply_json(c, MHD_HTTP_OK, j);
+    }
+    kv_hub_report_free(&rp);
     pthread_mutex_lock(&h->mu);
     kv_hub_node *n = kv_node_find(h, key);
     if (!n) {
@@ -1513,14 +1607,15 @@ static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const k
         return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
     }
     n->reported = true;
-    char hex[65], by[65];
-    kv_hex(key, 32, hex);
-    kv_hex(s->pk, 32, by);
     pthread_mutex_unlock(&h->mu);
-    if (!h->o.quiet) fprintf(stderr, "hub: node %.16s... reported by coordinator %.16s...: %s: unlisted\n", hex, by, reason);
+    if (!h->o.quiet)
+        fprintf(stderr, "hub: node %.16s... reported by coordinator %.16s...: %s: its signed answer is off by %.3g: "
+                "unlisted\n", hex, by, reason, err);
     json_t *j = json_object();
     json_object_set_new(j, "ok", json_true());
+    json_object_set_new(j, "action", json_string("unlisted"));
     json_object_set_new(j, "unlisted", json_string(hex));
+    json_object_set_new(j, "error_rel", json_real(err));
     return kv_reply_json(c, MHD_HTTP_OK, j);
 }
 
