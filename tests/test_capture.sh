@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # kv-test-labels: net attack
 # The market capture of a stranger with free keys, on loopback: a hub and
-# four `kvasir node` processes whose budgets hold exactly the 16 replicas
-# wanted (8 slabs, 2 each) reach full coverage; then a stranger
+# four budget-limited `kvasir node` processes (5 of 8 slabs each, 2 replicas
+# wanted) reach full coverage and settle; then a stranger
 # (tests/attack_register.py, its own Ed25519 client) registers fake keys
 # claiming every shard: two at honest nodes' own addresses and at addresses
 # of its own, and 100 more over many hosts (KV_ATTACK_FULL=1: 1,000). The
@@ -38,7 +38,7 @@ n_fake=100 watch=8
 "$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab 2 >/dev/null 2>&1
 [ "$(jq '.slabs | length' "$dir/sl/manifest.json")" = 8 ] || fail "want 8 slabs"
 slab=$(stat -c %s "$dir/sl/experts/blk.0.0000-0001.gguf")
-budget=$((4 * slab + slab / 2)) # four slabs fit, five do not: 16 replicas in all
+budget=$((5 * slab + slab / 2)) # five slabs fit, six do not
 RUN=(-p "Strangers cannot take the market" -n 6 --temp 0 --json --threads 1)
 "$KV" run -m "$dir/m.gguf" "${RUN[@]}" --logits-out "$dir/local.bin" >"$dir/local.json"
 mkdir -p "$dir/coord"
@@ -66,10 +66,17 @@ full16 || fail "no full coverage before the attack: $(market)"
 # what honest nodes hold, and what coordinators read (without heartbeat times)
 holdings() { curl -sf "$url/v1/nodes" | jq -c '[.nodes[] | select(.proven_shards > 0) | {key, shards}] | sort_by(.key)'; }
 mapnodes() { curl -sf "$url/v1/placement" | jq -c '[.shards[] | [.nodes[] | {key, addr}] | sort_by(.key)]'; }
-sleep 1 # a settled swarm: the last trades done
+# a settled swarm: the same holdings and map two seconds apart (bounded)
 H0=$(holdings) M0=$(mapnodes)
+for _ in $(seq 15); do
+  sleep 2
+  H=$(holdings) M=$(mapnodes)
+  [ "$H" = "$H0" ] && [ "$M" = "$M0" ] && break
+  H0=$H M0=$M
+done
+[ "$H" = "$H0" ] && [ "$M" = "$M0" ] || fail "the honest swarm did not settle in 30 s"
 [ "$(echo "$H0" | jq length)" = 4 ] || fail "want 4 listed nodes, got $H0"
-echo "ok: four honest nodes hold the 16 replicas"
+echo "ok: four honest nodes cover the 16 replicas wanted and settled"
 
 a1=$(curl -sf "$url/v1/nodes" | jq -r '.nodes[0].addr')
 a2=$(curl -sf "$url/v1/nodes" | jq -r '.nodes[1].addr')

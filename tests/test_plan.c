@@ -138,11 +138,12 @@ static void test_by_hand(void) {
     ASSERT_NEAR(f.messages_expected, 2.0 * 88.0 / 56.0, 1e-12);
     ASSERT_TRUE(f.exact);
     ASSERT_EQ(f.routings, 2 * 56); /* ordered pairs of distinct experts, per layer */
-    ASSERT_EQ(f.bytes_per_message, 16 + 20 + 256 * 4 + 16 + 12);
+    /* COMPUTE (header, fixed, one row) + RESULT (header, fixed, a v4 signature) */
+    ASSERT_EQ(f.bytes_per_message, 16 + 20 + 256 * 4 + 16 + 12 + 64);
     ASSERT_EQ(f.bytes_per_pair, 8 + 256 * 4);
-    ASSERT_EQ(f.bytes_min, 2 * 1088 + 4 * 1032);
-    ASSERT_EQ(f.bytes_max, 4 * 1088 + 4 * 1032);
-    ASSERT_NEAR(f.bytes_expected, 2.0 * 88.0 / 56.0 * 1088 + 4 * 1032, 1e-9);
+    ASSERT_EQ(f.bytes_min, 2 * 1152 + 4 * 1032);
+    ASSERT_EQ(f.bytes_max, 4 * 1152 + 4 * 1032);
+    ASSERT_NEAR(f.bytes_expected, 2.0 * 88.0 / 56.0 * 1152 + 4 * 1032, 1e-9);
     /* two full replicas: the balancing sends a token's two experts to both */
     memset(h, 1, sizeof h);
     kvt_figures(m, 2, h, &f, 0);
@@ -152,7 +153,7 @@ static void test_by_hand(void) {
     kvt_figures(m, 1, h, &f, 0);
     ASSERT_EQ(f.messages_min, 2);
     ASSERT_EQ(f.messages_max, 2);
-    ASSERT_EQ(f.bytes_min, 2 * 1088 + 4 * 1032);
+    ASSERT_EQ(f.bytes_min, 2 * 1152 + 4 * 1032);
     /* half of each layer held by nobody */
     memset(h, 0, sizeof h);
     for (int L = 0; L < NL; L++)

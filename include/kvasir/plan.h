@@ -8,9 +8,9 @@
  *     round trip per MoE layer, whatever the number of workers;
  *   - k expert computations (pairs);
  *   - one COMPUTE (16 + 20 + n_embd s + 8 per pair bytes) and one RESULT
- *     (16 + 12 + n_embd s per pair) per worker contacted, s the bytes per
+ *     (16 + 12 + n_embd s per pair + a 64-byte v4 signature) per worker contacted, s the bytes per
  *     value of the wire encoding. So a token costs
- *       messages x (64 + n_embd s) + pairs x (8 + n_embd s)
+ *       messages x (128 + n_embd s) + pairs x (8 + n_embd s)
  *     bytes, and only the number of messages depends on the routing.
  * Which worker gets an expert is the coordinator's rule: the live holder
  * with the fewest pairs so far in the round, ties broken by a rotation
@@ -67,7 +67,7 @@ typedef struct kv_plan_figures {
     double messages_expected;       /* mean under uniform routing */
     bool exact;                     /* every routing enumerated (else sampled) */
     uint64_t routings;              /* routings looked at, over all layers */
-    uint64_t bytes_per_message;     /* 64 + n_embd s */
+    uint64_t bytes_per_message;     /* 128 + n_embd s (a v4 RESULT carries a 64-byte signature) */
     uint64_t bytes_per_pair;        /* 8 + n_embd s */
     uint64_t bytes_min, bytes_max;  /* messages x per message + pairs x per pair */
     double bytes_expected;

@@ -286,7 +286,8 @@ int kv_plan_figures_get(const kv_plan *p, uint32_t enc, kv_plan_figures *f, kv_d
     const uint64_t E = m->n_embd;
     f->round_trips = f->n_moe_layers;
     f->expert_pairs = (uint64_t)f->n_moe_layers * k;
-    f->bytes_per_message = 2 * KV_PROTO_HEADER + 20 + 12 + E * s; /* COMPUTE + RESULT, one token */
+    /* COMPUTE + RESULT for one token; a v4 RESULT ends with the worker's signature */
+    f->bytes_per_message = 2 * KV_PROTO_HEADER + KV_PROTO_COMPUTE_FIXED + KV_PROTO_RESULT_FIXED + KV_PROTO_RESULT_SIG + E * s;
     f->bytes_per_pair = 8 + E * s;
     if (f->experts_missing) return 0;
     uint32_t *ids = calloc(k, sizeof *ids), *load = calloc(p->n_w ? p->n_w : 1, sizeof *load);
