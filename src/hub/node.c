@@ -501,7 +501,7 @@ static const char *kv_pl_entry(json_t *nd, uint8_t key[32], bool *has_key, const
     return s;
 }
 
-static void kv_pl_note(kv_placement *p, const char *fmt, ...) {
+__attribute__((format(printf, 2, 3))) static void kv_pl_note(kv_placement *p, const char *fmt, ...) {
     if (p->note[0]) return; /* the first reason only */
     va_list ap;
     va_start(ap, fmt);
