@@ -24,6 +24,7 @@
 
 #include "kvasir/ops.h"
 #include "kvasir/quant.h"
+#include "quant/vdot.h"
 #include "verify/verify_internal.h"
 
 #define KV_U32 (1.0 / 16777216.0) /* unit roundoff of f32, 2^-24 */
@@ -269,44 +270,26 @@ int kv_verify_peek(const kv_verify *v, uint32_t layer, uint32_t e, int stage, ui
 }
 
 /* The activation as the worker's kernel sees it: converted to vdt and back. */
-static void kv_verify_activation(kv_verify *v, uint32_t vdt, const float *x, uint32_t n, float *out) {
+static void kv_verify_activation(kv_verify *v, const kv_vkernels *K, uint32_t vdt, const float *x, uint32_t n,
+                                 float *out) {
     if (vdt == KV_TYPE_F32) {
         memcpy(out, x, n * sizeof(float));
         return;
     }
     kv_quantize_rows(vdt, x, n, n, 1, v->qbuf, (size_t)kv_type_row_size(vdt, n));
-    kv_type_get(vdt)->to_float(v->qbuf, out, n);
-}
-
-/* r . outv and s . in for every vector, and the tolerance's two sums. */
-static inline void kv_verify_dots(const kv_vmat *m, uint32_t P, const float *in, const float *outv, double *lhs,
-                                  double *rhs, double *S, double *B) {
-    for (uint32_t i = 0; i < m->out; i++) {
-        const double o = outv[i];
-        const float *ri = m->r + (size_t)i * P;
-        for (uint32_t p = 0; p < P; p++) lhs[p] += (double)ri[p] * o;
-    }
-    double s_ = 0, b_ = 0;
-    for (uint32_t j = 0; j < m->in; j++) {
-        const double x = in[j];
-        const double *sj = m->s + (size_t)j * P;
-        for (uint32_t p = 0; p < P; p++) rhs[p] += sj[p] * x;
-        s_ += (double)m->a[j] * fabs(x);
-        b_ += (double)m->b[j] * x * x;
-    }
-    *S = s_, *B = b_;
+    if (vdt == KV_TYPE_Q8_0 || vdt == KV_TYPE_Q8_K)
+        K->deq(vdt, v->qbuf, out, n); /* the bits of to_float, vectorized */
+    else
+        kv_type_get(vdt)->to_float(v->qbuf, out, n);
 }
 
 /* Compares r . outv with s . in for every vector r of m. */
-static int kv_verify_mat(kv_verify *v, const kv_vmat *m, int stage, const float *in, const float *outv,
-                         kv_verify_report *rep, kv_diag *d) {
+static int kv_verify_mat(kv_verify *v, const kv_vkernels *K, const kv_vmat *m, int stage, const float *in,
+                         const float *outv, kv_verify_report *rep, kv_diag *d) {
     const uint32_t P = v->o.n_proj;
-    double lhs[KV_VERIFY_MAX_PROJ] = {0}, rhs[KV_VERIFY_MAX_PROJ] = {0};
-    double S = 0, B = 0; /* sum_j a_j |in_j|, sum_j b_j in_j^2: the same for every r */
-    if (P == KV_VERIFY_DEFAULT_PROJ) /* a constant count: the compiler unrolls and vectorizes */
-        kv_verify_dots(m, KV_VERIFY_DEFAULT_PROJ, in, outv, lhs, rhs, &S, &B);
-    else
-        kv_verify_dots(m, P, in, outv, lhs, rhs, &S, &B);
+    double lhs[KV_VERIFY_MAX_PROJ], rhs[KV_VERIFY_MAX_PROJ];
+    double S, B; /* sum_j a_j |in_j|, sum_j b_j in_j^2: the same for every r */
+    K->dots(P, m->r, outv, m->out, m->s, m->a, m->b, in, m->in, lhs, rhs, &S, &B);
     const double T = v->o.kappa * KV_U32 * (S / sqrt((double)m->in * m->out) + sqrt(B)) + 1e-30;
     double gab[KV_VERIFY_MAX_PROJ] = {0}, sab[KV_VERIFY_MAX_PROJ] = {0};
     if (v->o.worst_case) { /* the f64 sums' own rounding, rigorously: n u64 sum |terms| */
@@ -367,19 +350,18 @@ int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, co
     if (v->o.rotate_every != UINT32_MAX && X->checks >= v->o.rotate_every) kv_verify_rotate(v, layer, e, X);
     X->checks++;
     if (rep) rep->generation = X->gen;
-    for (uint32_t i = 0; i < v->n_ff; i++)
-        if (!isfinite(gate[i]) || !isfinite(up[i]))
-            return kv_fail(d, KV_EPROTO, "caught: a pre-activation is not finite");
-    for (uint32_t i = 0; i < v->n_embd; i++)
-        if (!isfinite(y[i])) return kv_fail(d, KV_EPROTO, "caught: an output is not finite");
-    kv_verify_activation(v, X->m[0].vdt, x, v->n_embd, v->xin);
-    int rc = kv_verify_mat(v, &X->m[0], 0, v->xin, gate, rep, d);
-    if (!rc) rc = kv_verify_mat(v, &X->m[1], 1, v->xin, up, rep, d);
+    const kv_vkernels *K = kv_vkernels_get();
+    if (!K->finite(gate, v->n_ff) || !K->finite(up, v->n_ff))
+        return kv_fail(d, KV_EPROTO, "caught: a pre-activation is not finite");
+    if (!K->finite(y, v->n_embd)) return kv_fail(d, KV_EPROTO, "caught: an output is not finite");
+    kv_verify_activation(v, K, X->m[0].vdt, x, v->n_embd, v->xin);
+    int rc = kv_verify_mat(v, K, &X->m[0], 0, v->xin, gate, rep, d);
+    if (!rc) rc = kv_verify_mat(v, K, &X->m[1], 1, v->xin, up, rep, d);
     if (rc) return rc;
     /* the down input, recomputed from the checked gate and up as the worker does */
     kv_swiglu(v->h, gate, up, v->n_ff);
-    for (uint32_t i = 0; i < v->n_ff; i++)
-        if (!isfinite(v->h[i])) return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
-    kv_verify_activation(v, X->m[2].vdt, v->h, v->n_ff, v->hin);
-    return kv_verify_mat(v, &X->m[2], 2, v->hin, y, rep, d);
+    if (!K->finite(v->h, v->n_ff))
+        return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
+    kv_verify_activation(v, K, X->m[2].vdt, v->h, v->n_ff, v->hin);
+    return kv_verify_mat(v, K, &X->m[2], 2, v->hin, y, rep, d);
 }

@@ -1,0 +1,81 @@
+/* The verifier's kernels (quant/vdot.h): the scalar reference, the
+ * finiteness test, and the run-time choice of a backend, which follows the
+ * quant kernels' level (a level is only ever chosen on a CPU that runs it,
+ * quant/types.c), so no SIMD code runs on a CPU without it. */
+#include <math.h>
+#include <string.h>
+
+#include "kvasir/quant.h"
+#include "quant/quant_internal.h"
+#include "quant/vdot.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define KV_VX86 1
+#endif
+
+/* The reference: every sum in f64 in increasing index (one chain per p).
+ * A constant P lets the compiler keep the P chains in registers. */
+static inline void kv_vdots_p(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s,
+                              const float *a, const float *b, const float *x, uint32_t n_in, double *lhs,
+                              double *rhs, double *S, double *B) {
+    for (uint32_t p = 0; p < P; p++) lhs[p] = rhs[p] = 0;
+    for (uint32_t i = 0; i < n_out; i++) {
+        const double oi = o[i];
+        const float *ri = r + (size_t)i * P;
+        for (uint32_t p = 0; p < P; p++) lhs[p] += (double)ri[p] * oi;
+    }
+    double s_ = 0, b_ = 0;
+    for (uint32_t j = 0; j < n_in; j++) {
+        const double xj = x[j];
+        const double *sj = s + (size_t)j * P;
+        for (uint32_t p = 0; p < P; p++) rhs[p] += sj[p] * xj;
+        s_ += (double)a[j] * fabs(xj);
+        b_ += (double)b[j] * xj * xj;
+    }
+    *S = s_, *B = b_;
+}
+
+void kv_vdots_ref(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
+                  const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B) {
+    if (P == 8)
+        kv_vdots_p(8, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B);
+    else
+        kv_vdots_p(P, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B);
+}
+
+void kv_vdeq_ref(uint32_t vdt, const void *q, float *out, uint32_t n) { kv_type_get_ref(vdt)->to_float(q, out, n); }
+
+/* by the exponent bits, as the SIMD versions do */
+bool kv_vfinite_ref(const float *x, uint32_t n) {
+    uint32_t bad = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        bad |= (u & 0x7f800000u) == 0x7f800000u; /* exponent all ones: inf or NaN */
+    }
+    return !bad;
+}
+
+static const kv_vkernels kv_vk_ref = {"scalar", kv_vdots_ref, kv_vdeq_ref, kv_vfinite_ref};
+#ifdef KV_VX86
+static const kv_vkernels kv_vk_avx2 = {"avx2", kv_vdots_avx2, kv_vdeq_avx2, kv_vfinite_avx2};
+static const kv_vkernels kv_vk_avx512 = {"avx512", kv_vdots_avx512, kv_vdeq_avx2, kv_vfinite_avx2};
+#endif
+#if defined(__aarch64__)
+static const kv_vkernels kv_vk_neon = {"neon", kv_vdots_neon, kv_vdeq_neon, kv_vfinite_ref};
+#endif
+
+const kv_vkernels *kv_vkernels_ref(void) { return &kv_vk_ref; }
+
+const kv_vkernels *kv_vkernels_get(void) {
+    const char *be = kv_quant_backend();
+#ifdef KV_VX86
+    if (!strcmp(be, "avx512")) return &kv_vk_avx512;
+    if (!strcmp(be, "avx2") || !strcmp(be, "avxvnni")) return &kv_vk_avx2;
+#endif
+#if defined(__aarch64__)
+    if (!strncmp(be, "neon", 4)) return &kv_vk_neon;
+#endif
+    (void)be;
+    return &kv_vk_ref;
+}
