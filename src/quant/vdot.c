@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kvasir/ops.h"
 #include "kvasir/quant.h"
 #include "quant/quant_internal.h"
 #include "quant/vdot.h"
@@ -56,13 +57,15 @@ bool kv_vfinite_ref(const float *x, uint32_t n) {
     return !bad;
 }
 
-static const kv_vkernels kv_vk_ref = {"scalar", kv_vdots_ref, kv_vdeq_ref, kv_vfinite_ref};
+void kv_vswiglu_ref(float *h, const float *g, const float *u, uint32_t n) { kv_swiglu(h, g, u, n); }
+
+static const kv_vkernels kv_vk_ref = {"scalar", kv_vdots_ref, kv_vdeq_ref, kv_vfinite_ref, kv_vswiglu_ref};
 #ifdef KV_VX86
-static const kv_vkernels kv_vk_avx2 = {"avx2", kv_vdots_avx2, kv_vdeq_avx2, kv_vfinite_avx2};
-static const kv_vkernels kv_vk_avx512 = {"avx512", kv_vdots_avx512, kv_vdeq_avx2, kv_vfinite_avx2};
+static const kv_vkernels kv_vk_avx2 = {"avx2", kv_vdots_avx2, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2};
+static const kv_vkernels kv_vk_avx512 = {"avx512", kv_vdots_avx512, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2};
 #endif
 #if defined(__aarch64__)
-static const kv_vkernels kv_vk_neon = {"neon", kv_vdots_neon, kv_vdeq_neon, kv_vfinite_ref};
+static const kv_vkernels kv_vk_neon = {"neon", kv_vdots_neon, kv_vdeq_neon, kv_vfinite_ref, kv_vswiglu_ref};
 #endif
 
 const kv_vkernels *kv_vkernels_ref(void) { return &kv_vk_ref; }

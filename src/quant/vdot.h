@@ -32,6 +32,9 @@ typedef struct kv_vkernels {
     kv_vdot_fn dots;
     kv_vdeq_fn deq;
     bool (*finite)(const float *x, uint32_t n); /* none of x[0..n) is an infinity or a NaN */
+    /* h = kv_swiglu(g, u) bit for bit (h must not overlap g or u): the same
+     * libm expf per value, the divide, add and multiply in vector lanes */
+    void (*swiglu)(float *h, const float *g, const float *u, uint32_t n);
 } kv_vkernels;
 
 /* The kernels of the quant level in use now (kv_quant_backend(); a level's
@@ -48,6 +51,8 @@ void kv_vdots_ref(uint32_t P, const float *r, const float *o, uint32_t n_out, co
 void kv_vdeq_ref(uint32_t vdt, const void *q, float *out, uint32_t n);
 bool kv_vfinite_ref(const float *x, uint32_t n);
 bool kv_vfinite_avx2(const float *x, uint32_t n);
+void kv_vswiglu_ref(float *h, const float *g, const float *u, uint32_t n);
+void kv_vswiglu_avx2(float *h, const float *g, const float *u, uint32_t n);
 void kv_vdots_avx2(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
                    const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B);
 void kv_vdeq_avx2(uint32_t vdt, const void *q, float *out, uint32_t n);

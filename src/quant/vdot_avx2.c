@@ -5,6 +5,7 @@
  * are added at the end. The same terms as the reference in another order
  * (quant/vdot.h states the bound). P not a multiple of 4: the reference. */
 #include <immintrin.h>
+#include <math.h>
 
 #include "quant/quant_internal.h"
 #include "quant/vdot.h"
@@ -134,4 +135,17 @@ bool kv_vfinite_avx2(const float *x, uint32_t n) {
     for (; i + 8 <= n; i += 8)
         bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), e), e));
     return _mm256_testz_si256(bad, bad) && kv_vfinite_ref(x + i, n - i);
+}
+
+/* kv_swiglu (model/ops.c): h = (g / (1 + expf(-g))) * u, each operation
+ * rounded once in f32 (no contraction), so lanes give its bits. */
+void kv_vswiglu_avx2(float *h, const float *g, const float *u, uint32_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (uint32_t i = 0; i < n; i++) h[i] = expf(-g[i]); /* h first holds e^-g */
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 q = _mm256_div_ps(_mm256_loadu_ps(g + i), _mm256_add_ps(one, _mm256_loadu_ps(h + i)));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(q, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) h[i] = (g[i] / (1.0f + h[i])) * u[i];
 }

@@ -359,7 +359,7 @@ int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, co
     if (!rc) rc = kv_verify_mat(v, K, &X->m[1], 1, v->xin, up, rep, d);
     if (rc) return rc;
     /* the down input, recomputed from the checked gate and up as the worker does */
-    kv_swiglu(v->h, gate, up, v->n_ff);
+    K->swiglu(v->h, gate, up, v->n_ff); /* kv_swiglu's bits */
     if (!K->finite(v->h, v->n_ff))
         return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
     kv_verify_activation(v, K, X->m[2].vdt, v->h, v->n_ff, v->hin);
