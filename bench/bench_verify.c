@@ -2,14 +2,17 @@
  * compute it checks (not a test). One expert of the given shape and weight
  * type (random weights), n_tok tokens through the in-process provider on one
  * thread (the worker's kernels, pool NULL), then kv_verify_check on every
- * (token, expert) answer. For each quant backend this CPU runs (the verify
+ * (token, expert) answer, one call per answer (kv_verify_check) and all
+ * answers in one call (kv_verify_check_batch). For each quant backend this CPU runs (the verify
  * kernels follow the same choice) it prints the median over `runs` runs of
- * the per-token time of each, and their ratio. Times are the process's CPU
+ * the per-token time of each, and the ratios check / expert (the medians of
+ * the runs' ratios). Times are the process's CPU
  * time, so a machine shared with other work disturbs them less.
  * Usage: bench_verify [n_embd n_ff type n_tok runs]; defaults: the 122B's
  * expert shape, 3072 1024 q4_K 64 7. KV_BENCH_BACKENDS=avx2,avx512 names the
  * backends (default: scalar, avx2, avx512 where the CPU runs them);
- * KV_BENCH_PROFILE=1 first runs 20,000 checks alone (for perf). */
+ * KV_BENCH_PROFILE=1 (one at a time) or 2 (batched) first runs 20,000
+ * checks alone (for perf). */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdio.h>
@@ -86,7 +89,8 @@ int main(int argc, char **argv) {
     const char *only = getenv("KV_BENCH_BACKENDS");
     printf("verify cost: expert %u x %u %s, %u tokens, one thread, median of %d runs (CPU time)\n", E, F,
            kv_type_get((uint32_t)type)->name, T, runs);
-    printf("%-8s %14s %14s %8s %10s\n", "backend", "expert us/tok", "check us/tok", "ratio", "worst res");
+    printf("%-8s %14s %14s %8s %14s %8s %10s\n", "backend", "expert us/tok", "check us/tok", "ratio", "batch us/tok",
+           "ratio", "worst res");
     for (int b = 0; b < 4; b++) {
         if (only && !strstr(only, bes[b])) continue;
         if (kv_quant_set_backend(bes[b])) continue;
@@ -105,11 +109,20 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_verify: %s\n", d.msg);
             return 1;
         }
-        if (getenv("KV_BENCH_PROFILE")) /* checks alone, for a profiler */
-            for (int k = 0; k < 20000; k++)
-                kv_verify_check(v, 0, 0, x + (size_t)(k % T) * E, g + (size_t)(k % T) * F, u + (size_t)(k % T) * F,
-                                y + (size_t)(k % T) * E, NULL, &d);
-        double tx[99], tc[99], worst = 0;
+        const float **xp = malloc(T * sizeof *xp), **gp = malloc(T * sizeof *gp), **up_ = malloc(T * sizeof *up_),
+                    **yp = malloc(T * sizeof *yp);
+        for (uint32_t t = 0; t < T; t++)
+            xp[t] = x + (size_t)t * E, gp[t] = g + (size_t)t * F, up_[t] = u + (size_t)t * F, yp[t] = y + (size_t)t * E;
+        if (getenv("KV_BENCH_PROFILE")) /* checks alone, for a profiler: =1 one at a time, =2 batched */
+            for (int k = 0; k < 20000; k++) {
+                const uint32_t t = k % T;
+                if (atoi(getenv("KV_BENCH_PROFILE")) == 2) {
+                    kv_verify_check_batch(v, 0, 0, T, xp, gp, up_, yp, NULL, NULL, &d);
+                    k += T - 1;
+                } else
+                    kv_verify_check(v, 0, 0, xp[t], gp[t], up_[t], yp[t], NULL, &d);
+            }
+        double tx[99], tc[99], tb[99], worst = 0;
         int fails = 0;
         for (int r = 0; r < runs; r++) {
             double t0 = now();
@@ -124,23 +137,43 @@ int main(int argc, char **argv) {
                     if (rep.worst_ratio > worst) worst = rep.worst_ratio;
                 }
             double t2 = now();
+            for (int k = 0; k < reps; k++) { /* the whole batch at once: kv_verify_check_batch */
+                kv_verify_report rep;
+                fails += kv_verify_check_batch(v, 0, 0, T, xp, gp, up_, yp, NULL, &rep, &d) != 0;
+                if (rep.worst_ratio > worst) worst = rep.worst_ratio;
+            }
+            double t3 = now();
             tx[r] = (t1 - t0) / T * 1e6;
             tc[r] = (t2 - t1) / (reps * T) * 1e6;
+            tb[r] = (t3 - t2) / (reps * T) * 1e6;
         }
         if (fails) {
             fprintf(stderr, "bench_verify: %d honest answers failed (%s)\n", fails, d.msg);
             return 1;
         }
-        double ratio[99];
-        for (int r = 0; r < runs; r++) ratio[r] = tc[r] / tx[r];
+        double ratio[99], ratiob[99];
+        for (int r = 0; r < runs; r++) ratio[r] = tc[r] / tx[r], ratiob[r] = tb[r] / tx[r];
         qsort(tx, runs, sizeof *tx, cmp);
         qsort(tc, runs, sizeof *tc, cmp);
+        qsort(tb, runs, sizeof *tb, cmp);
         qsort(ratio, runs, sizeof *ratio, cmp);
-        printf("%-8s %14.2f %14.2f %7.1f%% %10.3f\n", bes[b], tx[runs / 2], tc[runs / 2], 100 * ratio[runs / 2], worst);
+        qsort(ratiob, runs, sizeof *ratiob, cmp);
+        printf("%-8s %14.2f %14.2f %7.1f%% %14.2f %7.1f%% %10.3f\n", bes[b], tx[runs / 2], tc[runs / 2],
+               100 * ratio[runs / 2], tb[runs / 2], 100 * ratiob[runs / 2], worst);
+        free(xp);
+        free(gp);
+        free(up_);
+        free(yp);
         kv_verify_free(v);
         p.free(p.impl);
     }
-    free(x), free(y), free(g), free(u), free(ids);
-    free((void *)g_w.gate), free((void *)g_w.up), free((void *)g_w.down);
+    free(x);
+    free(y);
+    free(g);
+    free(u);
+    free(ids);
+    free((void *)g_w.gate);
+    free((void *)g_w.up);
+    free((void *)g_w.down);
     return 0;
 }

@@ -36,12 +36,13 @@ static inline void kv_vdots_p(uint32_t P, const float *r, const float *o, uint32
     *S = s_, *B = b_;
 }
 
-void kv_vdots_ref(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
-                  const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B) {
-    if (P == 8)
-        kv_vdots_p(8, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B);
-    else
-        kv_vdots_p(P, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B);
+void kv_vdots_ref(KV_VDOT_ARGS) {
+    for (uint32_t t = 0; t < nt; t++) {
+        if (P == 8)
+            kv_vdots_p(8, r, o[t], n_out, s, a, b, x[t], n_in, lhs + t * P, rhs + t * P, S + t, B + t);
+        else
+            kv_vdots_p(P, r, o[t], n_out, s, a, b, x[t], n_in, lhs + t * P, rhs + t * P, S + t, B + t);
+    }
 }
 
 void kv_vdeq_ref(uint32_t vdt, const void *q, float *out, uint32_t n) { kv_type_get_ref(vdt)->to_float(q, out, n); }

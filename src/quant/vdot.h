@@ -15,14 +15,17 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* One stage of a check, for n_proj = P vectors stored interleaved:
- *   lhs[p] = sum_{i < n_out} r[i P + p] * o[i]        (r f32, o f32)
- *   rhs[p] = sum_{j < n_in}  s[j P + p] * x[j]        (s f64, x f32)
- *   *S = sum_j a[j] |x[j]|,  *B = sum_j b[j] x[j]^2   (the tolerance's sums)
- * lhs and rhs are written (not accumulated); P in 1..16. */
-typedef void (*kv_vdot_fn)(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s,
-                           const float *a, const float *b, const float *x, uint32_t n_in, double *lhs,
-                           double *rhs, double *S, double *B);
+/* One stage of a check for nt answers (1..KV_VDOT_MAX_NT) of the same
+ * matrix, n_proj = P vectors stored interleaved; for each answer t:
+ *   lhs[t P + p] = sum_{i < n_out} r[i P + p] * o[t][i]     (r f32, o f32)
+ *   rhs[t P + p] = sum_{j < n_in}  s[j P + p] * x[t][j]     (s f64, x f32)
+ *   S[t] = sum_j a[j] |x[t][j]|,  B[t] = sum_j b[j] x[t][j]^2 (the tolerance's sums)
+ * written, not accumulated; P in 1..16. Several answers share each load of r
+ * and s, which is what bounds a check's time (docs/VERIFY.md, "Cost"). */
+#define KV_VDOT_MAX_NT 4
+typedef void (*kv_vdot_fn)(uint32_t P, uint32_t nt, const float *r, const float *const *o, uint32_t n_out,
+                           const double *s, const float *a, const float *b, const float *const *x, uint32_t n_in,
+                           double *lhs, double *rhs, double *S, double *B);
 /* out[j] = d * q[j] for the activation blocks of type vdt (Q8_0 or Q8_K):
  * bit for bit the type's to_float (one rounded multiply per value). */
 typedef void (*kv_vdeq_fn)(uint32_t vdt, const void *q, float *out, uint32_t n);
@@ -46,20 +49,19 @@ const kv_vkernels *kv_vkernels_ref(void);
 
 /* Per-ISA entry points (vdot_avx2.c, vdot_avx512.c, vdot_neon.c): only
  * called on a CPU that runs them. */
-void kv_vdots_ref(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
-                  const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B);
+#define KV_VDOT_ARGS                                                                                            \
+    uint32_t P, uint32_t nt, const float *r, const float *const *o, uint32_t n_out, const double *s, const float *a, \
+        const float *b, const float *const *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B
+void kv_vdots_ref(KV_VDOT_ARGS);
 void kv_vdeq_ref(uint32_t vdt, const void *q, float *out, uint32_t n);
 bool kv_vfinite_ref(const float *x, uint32_t n);
 bool kv_vfinite_avx2(const float *x, uint32_t n);
 void kv_vswiglu_ref(float *h, const float *g, const float *u, uint32_t n);
 void kv_vswiglu_avx2(float *h, const float *g, const float *u, uint32_t n);
-void kv_vdots_avx2(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
-                   const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B);
+void kv_vdots_avx2(KV_VDOT_ARGS);
 void kv_vdeq_avx2(uint32_t vdt, const void *q, float *out, uint32_t n);
-void kv_vdots_avx512(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
-                     const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B);
-void kv_vdots_neon(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
-                   const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B);
+void kv_vdots_avx512(KV_VDOT_ARGS);
+void kv_vdots_neon(KV_VDOT_ARGS);
 void kv_vdeq_neon(uint32_t vdt, const void *q, float *out, uint32_t n);
 
 #endif

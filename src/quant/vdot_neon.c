@@ -89,13 +89,16 @@ AI void dots2(const uint32_t NP, const uint32_t U, const float *r, const float *
     *S = s_, *B = b_;
 }
 
-void kv_vdots_neon(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
-                   const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B) {
-    switch (P) {
-    case 4: dots2(2, 4, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); return;
-    case 8: dots2(4, 2, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); return;
-    case 16: dots2(8, 2, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); return;
-    default: kv_vdots_ref(P, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B);
+/* one answer at a time (no shared loads across answers here yet) */
+void kv_vdots_neon(KV_VDOT_ARGS) {
+    for (uint32_t t = 0; t < nt; t++) {
+        double *lt = lhs + t * P, *rt = rhs + t * P;
+        switch (P) {
+        case 4: dots2(2, 4, r, o[t], n_out, s, a, b, x[t], n_in, lt, rt, S + t, B + t); break;
+        case 8: dots2(4, 2, r, o[t], n_out, s, a, b, x[t], n_in, lt, rt, S + t, B + t); break;
+        case 16: dots2(8, 2, r, o[t], n_out, s, a, b, x[t], n_in, lt, rt, S + t, B + t); break;
+        default: kv_vdots_ref(P, 1, r, o + t, n_out, s, a, b, x + t, n_in, lt, rt, S + t, B + t);
+        }
     }
 }
 

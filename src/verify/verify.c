@@ -58,7 +58,7 @@ struct kv_verify {
     double *acc;         /* [2][max(n_embd, n_ff)] column statistics in f64 */
     uint64_t *rnd;       /* [max * n_proj] the key stream of one matrix's vectors */
     float *row;          /* [max] a dequantized row */
-    float *xin, *hin, *h; /* [n_embd], [n_ff], [n_ff] */
+    float *xin, *hin, *h; /* [KV_VDOT_MAX_NT][n_embd], [.][n_ff], [.][n_ff]: a group's activations */
     uint8_t *qbuf;       /* one quantized activation row */
 };
 
@@ -105,9 +105,9 @@ int kv_verify_new(kv_verify **out, uint32_t n_layer, uint32_t n_expert, uint32_t
     v->acc = malloc(2 * mx * sizeof(double));
     v->rnd = malloc((mx * v->o.n_proj + 1) * sizeof(uint64_t)); /* + 1: normals come in pairs */
     v->row = malloc(mx * sizeof(float));
-    v->xin = malloc(n_embd * sizeof(float));
-    v->hin = malloc(n_ff * sizeof(float));
-    v->h = malloc(n_ff * sizeof(float));
+    v->xin = malloc((size_t)KV_VDOT_MAX_NT * n_embd * sizeof(float));
+    v->hin = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
+    v->h = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
     v->qbuf = malloc(kv_matmul_scratch(mx, 1));
     if (!v->tab || !v->acc || !v->rnd || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf) {
         kv_verify_free(v);
@@ -283,13 +283,19 @@ static void kv_verify_activation(kv_verify *v, const kv_vkernels *K, uint32_t vd
         kv_type_get(vdt)->to_float(v->qbuf, out, n);
 }
 
-/* Compares r . outv with s . in for every vector r of m. */
-static int kv_verify_mat(kv_verify *v, const kv_vkernels *K, const kv_vmat *m, int stage, const float *in,
-                         const float *outv, kv_verify_report *rep, kv_diag *d) {
+/* The outcome of one stage of one answer. */
+typedef struct kv_vres {
+    int first;           /* the first vector beyond its tolerance, -1 if none */
+    uint32_t over;       /* how many are */
+    double lhs, rhs, tol; /* of the first */
+    double worst;        /* max |lhs - rhs| / tol */
+} kv_vres;
+
+/* Compares r . outv (lhs) with s . in (rhs) for every vector r of m, given
+ * the tolerance's sums S and B of in. */
+static kv_vres kv_verify_cmp(const kv_verify *v, const kv_vmat *m, const double *lhs, const double *rhs, double S,
+                             double B, const float *in, const float *outv) {
     const uint32_t P = v->o.n_proj;
-    double lhs[KV_VERIFY_MAX_PROJ], rhs[KV_VERIFY_MAX_PROJ];
-    double S, B; /* sum_j a_j |in_j|, sum_j b_j in_j^2: the same for every r */
-    K->dots(P, m->r, outv, m->out, m->s, m->a, m->b, in, m->in, lhs, rhs, &S, &B);
     const double T = v->o.kappa * KV_U32 * (S / sqrt((double)m->in * m->out) + sqrt(B)) + 1e-30;
     double gab[KV_VERIFY_MAX_PROJ] = {0}, sab[KV_VERIFY_MAX_PROJ] = {0};
     if (v->o.worst_case) { /* the f64 sums' own rounding, rigorously: n u64 sum |terms| */
@@ -298,9 +304,7 @@ static int kv_verify_mat(kv_verify *v, const kv_vkernels *K, const kv_vmat *m, i
         for (uint32_t j = 0; j < m->in; j++)
             for (uint32_t p = 0; p < P; p++) sab[p] += fabs(m->s[(size_t)j * P + p] * in[j]);
     }
-    int first = -1;
-    uint32_t over = 0;
-    double ftol = 0;
+    kv_vres res = {-1, 0, 0, 0, 0, 0};
     for (uint32_t p = 0; p < P; p++) {
         double tol = T;
         if (v->o.worst_case) {
@@ -311,24 +315,28 @@ static int kv_verify_mat(kv_verify *v, const kv_vkernels *K, const kv_vmat *m, i
             tol = (g + 2.0 * m->out * KV_U64) * m->rmax[p] * S + g64 * (gab[p] + sab[p]) + 1e-30;
         }
         const double ratio = fabs(lhs[p] - rhs[p]) / tol;
-        if (rep && ratio > rep->worst_ratio) rep->worst_ratio = ratio;
+        if (ratio > res.worst) res.worst = ratio;
         if (!(ratio <= 1.0)) {
-            over++;
-            if (first < 0) first = (int)p, ftol = tol;
+            res.over++;
+            if (res.first < 0) res.first = (int)p, res.lhs = lhs[p], res.rhs = rhs[p], res.tol = tol;
         }
     }
-    if (first < 0) return 0;
+    return res;
+}
+
+/* The report and message of a failed stage. */
+static int kv_verify_caught(const kv_verify *v, int stage, const kv_vres *res, kv_verify_report *rep, kv_diag *d) {
     static const char *const names[3] = {"gate", "up", "down"};
     if (rep) {
         rep->stage = stage;
-        rep->proj = (uint32_t)first;
-        rep->n_over = over;
-        rep->lhs = lhs[first];
-        rep->rhs = rhs[first];
-        rep->tol = ftol;
+        rep->proj = (uint32_t)res->first;
+        rep->n_over = res->over;
+        rep->lhs = res->lhs;
+        rep->rhs = res->rhs;
+        rep->tol = res->tol;
     }
     return kv_fail(d, KV_EPROTO, "caught: %s product differs from %u of %u projections (first by %.3g, tolerance %.3g)",
-                   names[stage], over, P, fabs(lhs[first] - rhs[first]), ftol);
+                   names[stage], res->over, v->o.n_proj, fabs(res->lhs - res->rhs), res->tol);
 }
 
 /* The next generation of an expert's vectors, in place. */
@@ -338,30 +346,116 @@ static void kv_verify_rotate(kv_verify *v, uint32_t layer, uint32_t e, kv_vexp *
     for (uint32_t k = 0; k < 3; k++) kv_vmat_fill(v, &X->m[k], layer, e, k, X->gen, false);
 }
 
-int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, const float *gate, const float *up,
-                    const float *y, kv_verify_report *rep, kv_diag *d) {
+/* Answers k0 .. k0 + nt - 1 of a batch (finite, one generation), each
+ * checked as kv_verify_check would, the loads of r and s shared. Returns
+ * 0, or the first failing answer's error with its index in *bad. */
+static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *const *x, const float *const *gate,
+                           const float *const *up, const float *const *y, uint32_t *bad, kv_verify_report *rep,
+                           kv_diag *d) {
+    const kv_vkernels *K = kv_vkernels_get();
+    const uint32_t P = v->o.n_proj, E = v->n_embd, F = v->n_ff;
+    double lg[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], rg[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
+    double lu[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], ru[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
+    double Sg[KV_VDOT_MAX_NT], Bg[KV_VDOT_MAX_NT], Su[KV_VDOT_MAX_NT], Bu[KV_VDOT_MAX_NT];
+    const float *xin[KV_VDOT_MAX_NT], *hin[KV_VDOT_MAX_NT];
+    for (uint32_t t = 0; t < nt; t++) {
+        kv_verify_activation(v, K, X->m[0].vdt, x[t], E, v->xin + (size_t)t * E);
+        xin[t] = v->xin + (size_t)t * E;
+    }
+    K->dots(P, nt, X->m[0].r, gate, F, X->m[0].s, X->m[0].a, X->m[0].b, xin, E, lg, rg, Sg, Bg);
+    K->dots(P, nt, X->m[1].r, up, F, X->m[1].s, X->m[1].a, X->m[1].b, xin, E, lu, ru, Su, Bu);
+    /* gate and up of each answer in order; the first failure ends the group there */
+    kv_vres fail = {-1, 0, 0, 0, 0, 0};
+    int fstage = -1;
+    uint32_t nd = nt; /* answers whose down product is checked */
+    double worst[KV_VDOT_MAX_NT] = {0};
+    for (uint32_t t = 0; t < nt && fstage < 0; t++) {
+        const kv_vres rgt = kv_verify_cmp(v, &X->m[0], lg + t * P, rg + t * P, Sg[t], Bg[t], xin[t], gate[t]);
+        worst[t] = rgt.worst;
+        if (rgt.first >= 0) {
+            fail = rgt, fstage = 0, nd = t;
+            break;
+        }
+        const kv_vres rut = kv_verify_cmp(v, &X->m[1], lu + t * P, ru + t * P, Su[t], Bu[t], xin[t], up[t]);
+        worst[t] = fmax(worst[t], rut.worst);
+        if (rut.first >= 0) fail = rut, fstage = 1, nd = t;
+        /* the down input, recomputed from the checked gate and up as the worker does */
+        if (fstage < 0) {
+            float *h = v->h + (size_t)t * F;
+            K->swiglu(h, gate[t], up[t], F); /* kv_swiglu's bits */
+            if (!K->finite(h, F)) fstage = 3, nd = t;
+            else kv_verify_activation(v, K, X->m[2].vdt, h, F, v->hin + (size_t)t * F);
+        }
+        hin[t] = v->hin + (size_t)t * F;
+    }
+    /* the down products of the answers before the first failure */
+    uint32_t t_bad = nd;
+    if (nd) {
+        double ld[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], rd[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
+        double Sd[KV_VDOT_MAX_NT], Bd[KV_VDOT_MAX_NT];
+        K->dots(P, nd, X->m[2].r, y, E, X->m[2].s, X->m[2].a, X->m[2].b, hin, F, ld, rd, Sd, Bd);
+        for (uint32_t t = 0; t < nd; t++) {
+            const kv_vres rdt = kv_verify_cmp(v, &X->m[2], ld + t * P, rd + t * P, Sd[t], Bd[t], hin[t], y[t]);
+            worst[t] = fmax(worst[t], rdt.worst);
+            if (rdt.first >= 0) {
+                fail = rdt, fstage = 2, t_bad = t;
+                break;
+            }
+        }
+    }
+    /* what the checks of answers 0 .. t_bad (all, if none failed) made */
+    const uint32_t n_seen = fstage < 0 ? nt : t_bad + 1;
+    for (uint32_t t = 0; t < n_seen; t++)
+        if (rep && worst[t] > rep->worst_ratio) rep->worst_ratio = worst[t];
+    X->checks += n_seen;
+    if (fstage < 0) return 0;
+    if (bad) *bad = t_bad;
+    if (fstage == 3) return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
+    return kv_verify_caught(v, fstage, &fail, rep, d);
+}
+
+int kv_verify_check_batch(kv_verify *v, uint32_t layer, uint32_t e, uint32_t n, const float *const *x,
+                          const float *const *gate, const float *const *up, const float *const *y, uint32_t *bad,
+                          kv_verify_report *rep, kv_diag *d) {
     if (rep) {
         memset(rep, 0, sizeof *rep);
         rep->stage = -1;
     }
+    if (bad) *bad = 0;
     if (!kv_verify_ready(v, layer, e))
         return kv_fail(d, KV_ENOTFOUND, "verify: layer %u expert %u has no projections", layer, e);
     kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
-    if (v->o.rotate_every != UINT32_MAX && X->checks >= v->o.rotate_every) kv_verify_rotate(v, layer, e, X);
-    X->checks++;
-    if (rep) rep->generation = X->gen;
     const kv_vkernels *K = kv_vkernels_get();
-    if (!K->finite(gate, v->n_ff) || !K->finite(up, v->n_ff))
-        return kv_fail(d, KV_EPROTO, "caught: a pre-activation is not finite");
-    if (!K->finite(y, v->n_embd)) return kv_fail(d, KV_EPROTO, "caught: an output is not finite");
-    kv_verify_activation(v, K, X->m[0].vdt, x, v->n_embd, v->xin);
-    int rc = kv_verify_mat(v, K, &X->m[0], 0, v->xin, gate, rep, d);
-    if (!rc) rc = kv_verify_mat(v, K, &X->m[1], 1, v->xin, up, rep, d);
-    if (rc) return rc;
-    /* the down input, recomputed from the checked gate and up as the worker does */
-    K->swiglu(v->h, gate, up, v->n_ff); /* kv_swiglu's bits */
-    if (!K->finite(v->h, v->n_ff))
-        return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
-    kv_verify_activation(v, K, X->m[2].vdt, v->h, v->n_ff, v->hin);
-    return kv_verify_mat(v, K, &X->m[2], 2, v->hin, y, rep, d);
+    for (uint32_t k = 0; k < n;) {
+        if (v->o.rotate_every != UINT32_MAX && X->checks >= v->o.rotate_every) kv_verify_rotate(v, layer, e, X);
+        if (rep) rep->generation = X->gen;
+        /* a group: up to KV_VDOT_MAX_NT finite answers of one generation */
+        uint32_t nt = 0;
+        const uint32_t room = v->o.rotate_every == UINT32_MAX ? KV_VDOT_MAX_NT : v->o.rotate_every - X->checks;
+        while (nt < KV_VDOT_MAX_NT && nt < room && k + nt < n) {
+            const uint32_t i = k + nt;
+            const bool gu = K->finite(gate[i], v->n_ff) && K->finite(up[i], v->n_ff);
+            if (!gu || !K->finite(y[i], v->n_embd)) {
+                if (nt) break; /* check the answers before it first */
+                X->checks++;
+                if (bad) *bad = i;
+                return kv_fail(d, KV_EPROTO, gu ? "caught: an output is not finite"
+                                                : "caught: a pre-activation is not finite");
+            }
+            nt++;
+        }
+        uint32_t b = 0;
+        const int rc = kv_verify_group(v, X, nt, x + k, gate + k, up + k, y + k, &b, rep, d);
+        if (rc) {
+            if (bad) *bad = k + b;
+            return rc;
+        }
+        k += nt;
+    }
+    return 0;
+}
+
+int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, const float *gate, const float *up,
+                    const float *y, kv_verify_report *rep, kv_diag *d) {
+    return kv_verify_check_batch(v, layer, e, 1, &x, &gate, &up, &y, NULL, rep, d);
 }
