@@ -14,34 +14,24 @@
 #define KV_VX86 1
 #endif
 
-/* The reference: every sum in f64 in increasing index (one chain per p).
- * A constant P lets the compiler keep the P chains in registers. */
-static inline void kv_vdots_p(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s,
-                              const float *a, const float *b, const float *x, uint32_t n_in, double *lhs,
-                              double *rhs, double *S, double *B) {
-    for (uint32_t p = 0; p < P; p++) lhs[p] = rhs[p] = 0;
-    for (uint32_t i = 0; i < n_out; i++) {
-        const double oi = o[i];
-        const float *ri = r + (size_t)i * P;
-        for (uint32_t p = 0; p < P; p++) lhs[p] += (double)ri[p] * oi;
-    }
-    double s_ = 0, b_ = 0;
-    for (uint32_t j = 0; j < n_in; j++) {
-        const double xj = x[j];
-        const double *sj = s + (size_t)j * P;
-        for (uint32_t p = 0; p < P; p++) rhs[p] += sj[p] * xj;
-        s_ += (double)a[j] * fabs(xj);
-        b_ += (double)b[j] * xj * xj;
-    }
-    *S = s_, *B = b_;
-}
-
+/* The reference: every sum in f64 in increasing index, one chain each. */
 void kv_vdots_ref(KV_VDOT_ARGS) {
     for (uint32_t t = 0; t < nt; t++) {
-        if (P == 8)
-            kv_vdots_p(8, r, o[t], n_out, s, a, b, x[t], n_in, lhs + t * P, rhs + t * P, S + t, B + t);
-        else
-            kv_vdots_p(P, r, o[t], n_out, s, a, b, x[t], n_in, lhs + t * P, rhs + t * P, S + t, B + t);
+        for (uint32_t p = 0; p < P; p++) {
+            const float *rp = r + (size_t)p * n_out;
+            const double *sp = s + (size_t)p * n_in;
+            double l = 0, h = 0;
+            for (uint32_t i = 0; i < n_out; i++) l += (double)rp[i] * (double)o[t][i];
+            for (uint32_t j = 0; j < n_in; j++) h += sp[j] * (double)x[t][j];
+            lhs[t * P + p] = l, rhs[t * P + p] = h;
+        }
+        double s_ = 0, b_ = 0;
+        for (uint32_t j = 0; j < n_in; j++) {
+            const double xj = x[t][j];
+            s_ += (double)a[j] * fabs(xj);
+            b_ += (double)b[j] * xj * xj;
+        }
+        S[t] = s_, B[t] = b_;
     }
 }
 

@@ -16,9 +16,10 @@
 #include <stdint.h>
 
 /* One stage of a check for nt answers (1..KV_VDOT_MAX_NT) of the same
- * matrix, n_proj = P vectors stored interleaved; for each answer t:
- *   lhs[t P + p] = sum_{i < n_out} r[i P + p] * o[t][i]     (r f32, o f32)
- *   rhs[t P + p] = sum_{j < n_in}  s[j P + p] * x[t][j]     (s f64, x f32)
+ * matrix, with n_proj = P vectors stored one after the other (r: P rows of
+ * n_out, s: P rows of n_in); for each answer t:
+ *   lhs[t P + p] = sum_{i < n_out} r[p n_out + i] * o[t][i]   (r f32, o f32)
+ *   rhs[t P + p] = sum_{j < n_in}  s[p n_in + j] * x[t][j]    (s f64, x f32)
  *   S[t] = sum_j a[j] |x[t][j]|,  B[t] = sum_j b[j] x[t][j]^2 (the tolerance's sums)
  * written, not accumulated; P in 1..16. Several answers share each load of r
  * and s, which is what bounds a check's time (docs/VERIFY.md, "Cost"). */

@@ -1,10 +1,12 @@
 /* AVX2 kernels of the verifier (quant/vdot.h); only called after run-time
- * detection. f64 in 4-lane ymm registers: a row of P interleaved projections
- * is P/4 registers, and each stage keeps 8 independent accumulator chains
- * (rows i, i + 1, ... in turn) so that the FMA latency is hidden; the chains
- * are added at the end. Two to four answers of P = 4 or 8 (dotsT) share
- * each load of r and s. The same terms as the reference in another order
- * (quant/vdot.h states the bound). P not a multiple of 4: the reference. */
+ * detection. f64 in 4-lane ymm registers, 4 columns at a time: a chunk of
+ * PC projection rows (of r, f32 widened, or s, f64) against NT answers,
+ * PC * NT <= 8 accumulators, each input vector widened once per chunk and
+ * each row loaded once for all answers; no broadcasts. Lane l of a chain
+ * holds the columns j = l mod 4 in increasing j; the lanes are added at the
+ * end. The same terms as the reference in another order (quant/vdot.h
+ * states the bound). Also the Q8 dequantization, the finiteness test and
+ * SwiGLU of the check (bit for bit the engine's), which AVX-512 shares. */
 #include <immintrin.h>
 #include <math.h>
 
@@ -12,87 +14,38 @@
 #include "quant/vdot.h"
 
 #define AI static inline __attribute__((always_inline))
-#define UNROLL _Pragma("GCC unroll 16") /* the chains must stay in registers */
+#define UNROLL _Pragma("GCC unroll 32") /* the chains must stay in registers */
 
 AI double hsum4d(__m256d v) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
 }
+AI __m256d ld4(const float *p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+AI __m256d ld4d(const double *p) { return _mm256_loadu_pd(p); }
 
-/* NP = P / 4 registers per row, U rows in flight (NP * U = 8 chains) */
-AI void dots4(const uint32_t NP, const uint32_t U, const float *r, const float *o, uint32_t n_out,
-              const double *s, const float *a, const float *b, const float *x, uint32_t n_in, double *lhs,
-              double *rhs, double *S, double *B) {
-    const uint32_t P = 4 * NP;
-    __m256d acc[8];
-    UNROLL
-    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_pd();
-    uint32_t i = 0;
-    for (; i + U <= n_out; i += U)
-        UNROLL
-        for (uint32_t u = 0; u < U; u++) {
-            const __m256d ou = _mm256_set1_pd((double)o[i + u]);
-            UNROLL
-            for (uint32_t c = 0; c < NP; c++)
-                acc[u * NP + c] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + (size_t)(i + u) * P + 4 * c)),
-                                                  ou, acc[u * NP + c]);
-        }
-    for (; i < n_out; i++) {
-        const __m256d ou = _mm256_set1_pd((double)o[i]);
-        UNROLL
-        for (uint32_t c = 0; c < NP; c++)
-            acc[c] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + (size_t)i * P + 4 * c)), ou, acc[c]);
+/* out[t P + p] for p in p0 .. p0 + PC - 1: rows m + p n against v[t] */
+#define KV_PROJ(NAME, MT, LOAD)                                                                                      \
+    AI void NAME(const int PC, const int NT, const MT *m, uint32_t n, uint32_t p0, uint32_t P,                       \
+                 const float *const *v, double *out) {                                                            \
+        __m256d acc[8];                                                                                            \
+        UNROLL for (int k = 0; k < PC * NT; k++) acc[k] = _mm256_setzero_pd();                                     \
+        uint32_t j = 0;                                                                                            \
+        for (; j + 4 <= n; j += 4) {                                                                               \
+            __m256d vt[4];                                                                                         \
+            UNROLL for (int t = 0; t < NT; t++) vt[t] = ld4(v[t] + j);                                             \
+            UNROLL for (int c = 0; c < PC; c++) {                                                                  \
+                const __m256d mv = LOAD(m + (size_t)(p0 + c) * n + j);                                             \
+                UNROLL for (int t = 0; t < NT; t++) acc[c * NT + t] = _mm256_fmadd_pd(mv, vt[t], acc[c * NT + t]); \
+            }                                                                                                      \
+        }                                                                                                          \
+        UNROLL for (int c = 0; c < PC; c++) UNROLL for (int t = 0; t < NT; t++) {                                  \
+            double q = hsum4d(acc[c * NT + t]);                                                                    \
+            for (uint32_t jj = j; jj < n; jj++) q += (double)m[(size_t)(p0 + c) * n + jj] * (double)v[t][jj];     \
+            out[t * P + p0 + c] = q;                                                                               \
+        }                                                                                                          \
     }
-    UNROLL
-    for (uint32_t c = 0; c < NP; c++) {
-        __m256d t = acc[c];
-        UNROLL
-        for (uint32_t u = 1; u < U; u++) t = _mm256_add_pd(t, acc[u * NP + c]);
-        _mm256_storeu_pd(lhs + 4 * c, t);
-    }
-    UNROLL
-    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_pd();
-    __m256d sa = _mm256_setzero_pd(), sb = _mm256_setzero_pd();
-    const __m256d nosign = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll));
-    double xd[8] __attribute__((aligned(32)));
-    uint32_t j = 0;
-    for (; j + 8 <= n_in; j += 8) {
-        UNROLL
-        for (int h = 0; h < 2; h++) {
-            const __m256d xv = _mm256_cvtps_pd(_mm_loadu_ps(x + j + 4 * h));
-            sa = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + j + 4 * h)), _mm256_and_pd(xv, nosign), sa);
-            sb = _mm256_fmadd_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(b + j + 4 * h)), xv), xv, sb);
-            _mm256_store_pd(xd + 4 * h, xv);
-        }
-        UNROLL
-        for (uint32_t k = 0; k < 8; k++) {
-            const __m256d xk = _mm256_broadcast_sd(xd + k);
-            const double *sj = s + (size_t)(j + k) * P;
-            const uint32_t u = k % U;
-            UNROLL
-            for (uint32_t c = 0; c < NP; c++)
-                acc[u * NP + c] = _mm256_fmadd_pd(_mm256_loadu_pd(sj + 4 * c), xk, acc[u * NP + c]);
-        }
-    }
-    double s_ = hsum4d(sa), b_ = hsum4d(sb);
-    for (; j < n_in; j++) {
-        const double xj = x[j];
-        const __m256d xk = _mm256_set1_pd(xj);
-        UNROLL
-        for (uint32_t c = 0; c < NP; c++)
-            acc[c] = _mm256_fmadd_pd(_mm256_loadu_pd(s + (size_t)j * P + 4 * c), xk, acc[c]);
-        s_ += (double)a[j] * (xj < 0 ? -xj : xj);
-        b_ += (double)b[j] * xj * xj;
-    }
-    UNROLL
-    for (uint32_t c = 0; c < NP; c++) {
-        __m256d t = acc[c];
-        UNROLL
-        for (uint32_t u = 1; u < U; u++) t = _mm256_add_pd(t, acc[u * NP + c]);
-        _mm256_storeu_pd(rhs + 4 * c, t);
-    }
-    *S = s_, *B = b_;
-}
+KV_PROJ(proj_r, float, ld4)
+KV_PROJ(proj_s, double, ld4d)
 
 /* S and B of one answer, 4 columns per register */
 AI void sums4(const float *a, const float *b, const float *x, uint32_t n_in, double *S, double *B) {
@@ -100,9 +53,9 @@ AI void sums4(const float *a, const float *b, const float *x, uint32_t n_in, dou
     __m256d sa = _mm256_setzero_pd(), sb = _mm256_setzero_pd();
     uint32_t j = 0;
     for (; j + 4 <= n_in; j += 4) {
-        const __m256d xv = _mm256_cvtps_pd(_mm_loadu_ps(x + j));
-        sa = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + j)), _mm256_and_pd(xv, nosign), sa);
-        sb = _mm256_fmadd_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(b + j)), xv), xv, sb);
+        const __m256d xv = ld4(x + j);
+        sa = _mm256_fmadd_pd(ld4(a + j), _mm256_and_pd(xv, nosign), sa);
+        sb = _mm256_fmadd_pd(_mm256_mul_pd(ld4(b + j), xv), xv, sb);
     }
     double s_ = hsum4d(sa), b_ = hsum4d(sb);
     for (; j < n_in; j++) {
@@ -113,113 +66,28 @@ AI void sums4(const float *a, const float *b, const float *x, uint32_t n_in, dou
     *S = s_, *B = b_;
 }
 
-/* NT answers at once: each row of r and of s is loaded once for all of
- * them; NP registers per row, U rows in flight, NT * U * NP <= 8 chains */
-AI void dotsT(const uint32_t NP, const uint32_t U, const uint32_t NT, const float *r, const float *const *o,
-              uint32_t n_out, const double *s, const float *const *x, uint32_t n_in, double *lhs, double *rhs) {
-    const uint32_t P = 4 * NP;
-    __m256d acc[8];
-    UNROLL
-    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_pd();
-    uint32_t i = 0;
-    for (; i + U <= n_out; i += U)
-        UNROLL
-        for (uint32_t u = 0; u < U; u++) {
-            __m256d rv[2];
-            UNROLL
-            for (uint32_t c = 0; c < NP; c++) rv[c] = _mm256_cvtps_pd(_mm_loadu_ps(r + (size_t)(i + u) * P + 4 * c));
-            UNROLL
-            for (uint32_t t = 0; t < NT; t++) {
-                const __m256d ot = _mm256_set1_pd((double)o[t][i + u]);
-                UNROLL
-                for (uint32_t c = 0; c < NP; c++)
-                    acc[(t * U + u) * NP + c] = _mm256_fmadd_pd(rv[c], ot, acc[(t * U + u) * NP + c]);
-            }
-        }
-    for (; i < n_out; i++)
-        UNROLL
-        for (uint32_t c = 0; c < NP; c++) {
-            const __m256d rv = _mm256_cvtps_pd(_mm_loadu_ps(r + (size_t)i * P + 4 * c));
-            UNROLL
-            for (uint32_t t = 0; t < NT; t++)
-                acc[t * U * NP + c] = _mm256_fmadd_pd(rv, _mm256_set1_pd((double)o[t][i]), acc[t * U * NP + c]);
-        }
-    UNROLL
-    for (uint32_t t = 0; t < NT; t++)
-        UNROLL
-        for (uint32_t c = 0; c < NP; c++) {
-            __m256d v = acc[t * U * NP + c];
-            UNROLL
-            for (uint32_t u = 1; u < U; u++) v = _mm256_add_pd(v, acc[(t * U + u) * NP + c]);
-            _mm256_storeu_pd(lhs + t * P + 4 * c, v);
-        }
-    UNROLL
-    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_pd();
-    double xd[4][8] __attribute__((aligned(32)));
-    uint32_t j = 0;
-    for (; j + 8 <= n_in; j += 8) {
-        UNROLL
-        for (uint32_t t = 0; t < NT; t++) {
-            _mm256_store_pd(xd[t], _mm256_cvtps_pd(_mm_loadu_ps(x[t] + j)));
-            _mm256_store_pd(xd[t] + 4, _mm256_cvtps_pd(_mm_loadu_ps(x[t] + j + 4)));
-        }
-        UNROLL
-        for (uint32_t k = 0; k < 8; k++) {
-            const uint32_t u = k % U;
-            UNROLL
-            for (uint32_t c = 0; c < NP; c++) {
-                const __m256d sv = _mm256_loadu_pd(s + (size_t)(j + k) * P + 4 * c);
-                UNROLL
-                for (uint32_t t = 0; t < NT; t++)
-                    acc[(t * U + u) * NP + c] = _mm256_fmadd_pd(sv, _mm256_broadcast_sd(&xd[t][k]), acc[(t * U + u) * NP + c]);
-            }
-        }
+AI void dotsT(const int PC, const int NT, uint32_t P, const float *r, const float *const *o, uint32_t n_out,
+              const double *s, const float *const *x, uint32_t n_in, double *lhs, double *rhs) {
+    uint32_t p = 0;
+    for (; p + PC <= P; p += PC) {
+        proj_r(PC, NT, r, n_out, p, P, o, lhs);
+        proj_s(PC, NT, s, n_in, p, P, x, rhs);
     }
-    for (; j < n_in; j++)
-        UNROLL
-        for (uint32_t c = 0; c < NP; c++) {
-            const __m256d sv = _mm256_loadu_pd(s + (size_t)j * P + 4 * c);
-            UNROLL
-            for (uint32_t t = 0; t < NT; t++)
-                acc[t * U * NP + c] = _mm256_fmadd_pd(sv, _mm256_set1_pd((double)x[t][j]), acc[t * U * NP + c]);
-        }
-    UNROLL
-    for (uint32_t t = 0; t < NT; t++)
-        UNROLL
-        for (uint32_t c = 0; c < NP; c++) {
-            __m256d v = acc[t * U * NP + c];
-            UNROLL
-            for (uint32_t u = 1; u < U; u++) v = _mm256_add_pd(v, acc[(t * U + u) * NP + c]);
-            _mm256_storeu_pd(rhs + t * P + 4 * c, v);
-        }
-}
-
-/* one answer at a time, as dots4 does it */
-static void one4(uint32_t P, const float *r, const float *o, uint32_t n_out, const double *s, const float *a,
-                 const float *b, const float *x, uint32_t n_in, double *lhs, double *rhs, double *S, double *B) {
-    switch (P) {
-    case 4: dots4(1, 8, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); return;
-    case 8: dots4(2, 4, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); return;
-    case 12: dots4(3, 2, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); return;
-    case 16: dots4(4, 2, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); return;
-    default: kv_vdots_ref(P, 1, r, &o, n_out, s, a, b, &x, n_in, lhs, rhs, S, B);
+    for (; p < P; p++) {
+        proj_r(1, NT, r, n_out, p, P, o, lhs);
+        proj_s(1, NT, s, n_in, p, P, x, rhs);
     }
 }
 
 void kv_vdots_avx2(KV_VDOT_ARGS) {
-    if (nt >= 2 && nt <= 4 && (P == 4 || P == 8)) {
-        for (uint32_t t = 0; t < nt; t++) sums4(a, b, x[t], n_in, S + t, B + t);
-        switch (nt * 100 + P) {
-        case 204: dotsT(1, 4, 2, r, o, n_out, s, x, n_in, lhs, rhs); return;
-        case 304: dotsT(1, 2, 3, r, o, n_out, s, x, n_in, lhs, rhs); return;
-        case 404: dotsT(1, 2, 4, r, o, n_out, s, x, n_in, lhs, rhs); return;
-        case 208: dotsT(2, 2, 2, r, o, n_out, s, x, n_in, lhs, rhs); return;
-        case 308: dotsT(2, 1, 3, r, o, n_out, s, x, n_in, lhs, rhs); return;
-        default: dotsT(2, 1, 4, r, o, n_out, s, x, n_in, lhs, rhs); return;
-        }
+    for (uint32_t t = 0; t < nt; t++) sums4(a, b, x[t], n_in, S + t, B + t);
+    switch (nt) {
+    case 1: dotsT(8, 1, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    case 2: dotsT(4, 2, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    case 3: dotsT(2, 3, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    case 4: dotsT(2, 4, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    default: kv_vdots_ref(P, nt, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); /* nt > KV_VDOT_MAX_NT */
     }
-    for (uint32_t t = 0; t < nt; t++) /* wider rows (P = 12, 16) keep 8 chains per answer */
-        one4(P, r, o[t], n_out, s, a, b, x[t], n_in, lhs + t * P, rhs + t * P, S + t, B + t);
 }
 
 /* d * (float)q, one rounded multiply per value: the bits of to_float */

@@ -1,9 +1,11 @@
 /* NEON kernels of the verifier (quant/vdot.h) for aarch64 (base ASIMD,
- * which every aarch64 CPU has). f64 in 2-lane registers: a row of P
- * interleaved projections (P a multiple of 4) is P/2 registers, 8 or more
- * independent accumulator chains, added at the end. The same terms as the
- * reference in another order (quant/vdot.h states the bound). Other P: the
- * reference. On other architectures this file compiles to nothing. */
+ * which every aarch64 CPU has). f64 in 2-lane registers, 4 columns at a
+ * time: a chunk of PC projection rows (of r, f32 widened, or s, f64) against
+ * NT answers, 2 PC NT accumulators, each row loaded once for all answers.
+ * Lane l of chain h holds the columns j = 2h + l mod 4 in increasing j;
+ * the chains are added at the end. The same terms as the reference in
+ * another order (quant/vdot.h states the bound). On other architectures
+ * this file compiles to nothing. */
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
@@ -11,94 +13,89 @@
 #include "quant/vdot.h"
 
 #define AI static inline __attribute__((always_inline))
-#define UNROLL _Pragma("GCC unroll 16") /* the chains must stay in registers */
+#define UNROLL _Pragma("GCC unroll 32") /* the chains must stay in registers */
 
-/* NP = P / 2 registers per row, U rows in flight */
-AI void dots2(const uint32_t NP, const uint32_t U, const float *r, const float *o, uint32_t n_out,
-              const double *s, const float *a, const float *b, const float *x, uint32_t n_in, double *lhs,
-              double *rhs, double *S, double *B) {
-    const uint32_t P = 2 * NP;
-    float64x2_t acc[16];
-    UNROLL
-    for (int k = 0; k < 16; k++) acc[k] = vdupq_n_f64(0);
-    uint32_t i = 0;
-    for (; i + U <= n_out; i += U)
-        UNROLL
-        for (uint32_t u = 0; u < U; u++) {
-            const double ou = (double)o[i + u];
-            const float *ri = r + (size_t)(i + u) * P;
-            UNROLL
-            for (uint32_t c = 0; c < NP; c += 2) {
-                const float32x4_t rv = vld1q_f32(ri + 2 * c);
-                acc[u * NP + c] = vfmaq_n_f64(acc[u * NP + c], vcvt_f64_f32(vget_low_f32(rv)), ou);
-                acc[u * NP + c + 1] = vfmaq_n_f64(acc[u * NP + c + 1], vcvt_high_f64_f32(rv), ou);
-            }
-        }
-    for (; i < n_out; i++) {
-        const double ou = (double)o[i];
-        UNROLL
-        for (uint32_t c = 0; c < NP; c += 2) {
-            const float32x4_t rv = vld1q_f32(r + (size_t)i * P + 2 * c);
-            acc[c] = vfmaq_n_f64(acc[c], vcvt_f64_f32(vget_low_f32(rv)), ou);
-            acc[c + 1] = vfmaq_n_f64(acc[c + 1], vcvt_high_f64_f32(rv), ou);
-        }
+/* 4 columns as two f64 pairs */
+AI void ld4(const float *p, float64x2_t *lo, float64x2_t *hi) {
+    const float32x4_t v = vld1q_f32(p);
+    *lo = vcvt_f64_f32(vget_low_f32(v));
+    *hi = vcvt_high_f64_f32(v);
+}
+AI void ld4d(const double *p, float64x2_t *lo, float64x2_t *hi) {
+    *lo = vld1q_f64(p);
+    *hi = vld1q_f64(p + 2);
+}
+
+#define KV_PROJ(NAME, MT, LOAD)                                                                                      \
+    AI void NAME(const int PC, const int NT, const MT *m, uint32_t n, uint32_t p0, uint32_t P,                       \
+                 const float *const *v, double *out) {                                                            \
+        float64x2_t acc[16][2];                                                                                    \
+        UNROLL for (int k = 0; k < PC * NT; k++) acc[k][0] = acc[k][1] = vdupq_n_f64(0);                           \
+        uint32_t j = 0;                                                                                            \
+        for (; j + 4 <= n; j += 4) {                                                                               \
+            float64x2_t vl[4], vh[4];                                                                              \
+            UNROLL for (int t = 0; t < NT; t++) ld4(v[t] + j, &vl[t], &vh[t]);                                     \
+            UNROLL for (int c = 0; c < PC; c++) {                                                                  \
+                float64x2_t ml, mh;                                                                                \
+                LOAD(m + (size_t)(p0 + c) * n + j, &ml, &mh);                                                      \
+                UNROLL for (int t = 0; t < NT; t++) {                                                              \
+                    acc[c * NT + t][0] = vfmaq_f64(acc[c * NT + t][0], ml, vl[t]);                                 \
+                    acc[c * NT + t][1] = vfmaq_f64(acc[c * NT + t][1], mh, vh[t]);                                 \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        UNROLL for (int c = 0; c < PC; c++) UNROLL for (int t = 0; t < NT; t++) {                                  \
+            double q = vaddvq_f64(vaddq_f64(acc[c * NT + t][0], acc[c * NT + t][1]));                               \
+            for (uint32_t jj = j; jj < n; jj++) q += (double)m[(size_t)(p0 + c) * n + jj] * (double)v[t][jj];     \
+            out[t * P + p0 + c] = q;                                                                               \
+        }                                                                                                          \
     }
-    UNROLL
-    for (uint32_t c = 0; c < NP; c++) {
-        float64x2_t t = acc[c];
-        UNROLL
-        for (uint32_t u = 1; u < U; u++) t = vaddq_f64(t, acc[u * NP + c]);
-        vst1q_f64(lhs + 2 * c, t);
-    }
-    UNROLL
-    for (int k = 0; k < 16; k++) acc[k] = vdupq_n_f64(0);
+KV_PROJ(proj_r, float, ld4)
+KV_PROJ(proj_s, double, ld4d)
+
+AI void sums2(const float *a, const float *b, const float *x, uint32_t n_in, double *S, double *B) {
     float64x2_t sa = vdupq_n_f64(0), sb = vdupq_n_f64(0);
     uint32_t j = 0;
     for (; j + 4 <= n_in; j += 4) {
-        const float32x4_t xf = vld1q_f32(x + j), af = vld1q_f32(a + j), bf = vld1q_f32(b + j);
-        const float64x2_t x0 = vcvt_f64_f32(vget_low_f32(xf)), x1 = vcvt_high_f64_f32(xf);
-        sa = vfmaq_f64(sa, vcvt_f64_f32(vget_low_f32(af)), vabsq_f64(x0));
-        sa = vfmaq_f64(sa, vcvt_high_f64_f32(af), vabsq_f64(x1));
-        sb = vfmaq_f64(sb, vmulq_f64(vcvt_f64_f32(vget_low_f32(bf)), x0), x0);
-        sb = vfmaq_f64(sb, vmulq_f64(vcvt_high_f64_f32(bf), x1), x1);
-        const double xd[4] = {vgetq_lane_f64(x0, 0), vgetq_lane_f64(x0, 1), vgetq_lane_f64(x1, 0),
-                              vgetq_lane_f64(x1, 1)};
-        UNROLL
-        for (uint32_t k = 0; k < 4; k++) {
-            const double *sj = s + (size_t)(j + k) * P;
-            const uint32_t u = k % U;
-            UNROLL
-            for (uint32_t c = 0; c < NP; c++) acc[u * NP + c] = vfmaq_n_f64(acc[u * NP + c], vld1q_f64(sj + 2 * c), xd[k]);
-        }
+        float64x2_t x0, x1, a0, a1, b0, b1;
+        ld4(x + j, &x0, &x1);
+        ld4(a + j, &a0, &a1);
+        ld4(b + j, &b0, &b1);
+        sa = vfmaq_f64(sa, a0, vabsq_f64(x0));
+        sa = vfmaq_f64(sa, a1, vabsq_f64(x1));
+        sb = vfmaq_f64(sb, vmulq_f64(b0, x0), x0);
+        sb = vfmaq_f64(sb, vmulq_f64(b1, x1), x1);
     }
     double s_ = vaddvq_f64(sa), b_ = vaddvq_f64(sb);
     for (; j < n_in; j++) {
         const double xj = x[j];
-        UNROLL
-        for (uint32_t c = 0; c < NP; c++) acc[c] = vfmaq_n_f64(acc[c], vld1q_f64(s + (size_t)j * P + 2 * c), xj);
         s_ += (double)a[j] * (xj < 0 ? -xj : xj);
         b_ += (double)b[j] * xj * xj;
-    }
-    UNROLL
-    for (uint32_t c = 0; c < NP; c++) {
-        float64x2_t t = acc[c];
-        UNROLL
-        for (uint32_t u = 1; u < U; u++) t = vaddq_f64(t, acc[u * NP + c]);
-        vst1q_f64(rhs + 2 * c, t);
     }
     *S = s_, *B = b_;
 }
 
-/* one answer at a time (no shared loads across answers here yet) */
+AI void dotsT(const int PC, const int NT, uint32_t P, const float *r, const float *const *o, uint32_t n_out,
+              const double *s, const float *const *x, uint32_t n_in, double *lhs, double *rhs) {
+    uint32_t p = 0;
+    for (; p + PC <= P; p += PC) {
+        proj_r(PC, NT, r, n_out, p, P, o, lhs);
+        proj_s(PC, NT, s, n_in, p, P, x, rhs);
+    }
+    for (; p < P; p++) {
+        proj_r(1, NT, r, n_out, p, P, o, lhs);
+        proj_s(1, NT, s, n_in, p, P, x, rhs);
+    }
+}
+
 void kv_vdots_neon(KV_VDOT_ARGS) {
-    for (uint32_t t = 0; t < nt; t++) {
-        double *lt = lhs + t * P, *rt = rhs + t * P;
-        switch (P) {
-        case 4: dots2(2, 4, r, o[t], n_out, s, a, b, x[t], n_in, lt, rt, S + t, B + t); break;
-        case 8: dots2(4, 2, r, o[t], n_out, s, a, b, x[t], n_in, lt, rt, S + t, B + t); break;
-        case 16: dots2(8, 2, r, o[t], n_out, s, a, b, x[t], n_in, lt, rt, S + t, B + t); break;
-        default: kv_vdots_ref(P, 1, r, o + t, n_out, s, a, b, x + t, n_in, lt, rt, S + t, B + t);
-        }
+    for (uint32_t t = 0; t < nt; t++) sums2(a, b, x[t], n_in, S + t, B + t);
+    switch (nt) {
+    case 1: dotsT(4, 1, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    case 2: dotsT(4, 2, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    case 3: dotsT(2, 3, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    case 4: dotsT(2, 4, P, r, o, n_out, s, x, n_in, lhs, rhs); return;
+    default: kv_vdots_ref(P, nt, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); /* nt > KV_VDOT_MAX_NT */
     }
 }
 

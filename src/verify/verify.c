@@ -7,8 +7,11 @@
  * in f64 from the dequantized weights and the f32 r, so s belongs to exactly
  * the r that is stored), and the column statistics a = |W|^T 1 and
  * b = (W o W)^T 1 (f32, in long: the scale of the rounding error, the same
- * for every r). Both r and s are stored interleaved, [row][n_proj], so one
- * pass over a vector feeds every projection.
+ * for every r). Both r and s are stored vector after vector ([n_proj][n]),
+ * so the check's kernels (quant/vdot.h: scalar reference, AVX2, AVX-512,
+ * NEON, chosen with the quant level) run down contiguous rows, 4 or 8
+ * columns per register, and up to four answers of one expert
+ * (kv_verify_check_batch) share every load of r and s.
  *
  * The vectors of generation t of matrix k of expert (layer, e) are ChaCha20
  * output (libsodium's randombytes_buf_deterministic) under the key
@@ -35,8 +38,8 @@ typedef struct kv_vmat {
     uint32_t type, vdt;  /* weight type and its activation (vec_dot) type */
     uint32_t in, out;    /* columns and rows */
     const void *W;       /* the weights (a view the caller keeps mapped) */
-    float *r;            /* [out][n_proj] Gaussian vectors, interleaved */
-    double *s;           /* [in][n_proj] W^T r, interleaved */
+    float *r;            /* [n_proj][out] Gaussian vectors, one after the other */
+    double *s;           /* [n_proj][in] W^T r, likewise */
     float *a;            /* [in] column sums of |W| */
     float *b;            /* [in] column sums of W^2: E[s_j^2] for a Gaussian r */
     double rmax[KV_VERIFY_MAX_PROJ]; /* max_i |r_i| per vector (the worst-case bound) */
@@ -187,19 +190,16 @@ static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, u
     kv_verify_normals(v, layer, e, k, gen, m->r, (size_t)m->out * P);
     for (uint32_t p = 0; p < P; p++) m->rmax[p] = 0;
     for (size_t i = 0; i < (size_t)m->out * P; i++)
-        if (fabs((double)m->r[i]) > m->rmax[i % P]) m->rmax[i % P] = fabs((double)m->r[i]);
+        if (fabs((double)m->r[i]) > m->rmax[i / m->out]) m->rmax[i / m->out] = fabs((double)m->r[i]);
     memset(m->s, 0, (size_t)m->in * P * sizeof(double));
     double *ap = v->acc, *bp = v->acc + m->in;
     if (stats) memset(v->acc, 0, 2 * (size_t)m->in * sizeof(double));
     for (uint32_t i = 0; i < m->out; i++) {
         ti->to_float((const uint8_t *)m->W + (size_t)i * rb, v->row, m->in);
-        const float *ri = m->r + (size_t)i * P;
-        double rp[KV_VERIFY_MAX_PROJ];
-        for (uint32_t p = 0; p < P; p++) rp[p] = ri[p];
-        for (uint32_t j = 0; j < m->in; j++) {
-            const double w = v->row[j];
-            double *sj = m->s + (size_t)j * P;
-            for (uint32_t p = 0; p < P; p++) sj[p] += rp[p] * w;
+        for (uint32_t p = 0; p < P; p++) {
+            const double rp = m->r[(size_t)p * m->out + i];
+            double *sp = m->s + (size_t)p * m->in;
+            for (uint32_t j = 0; j < m->in; j++) sp[j] += rp * (double)v->row[j];
         }
         if (stats)
             for (uint32_t j = 0; j < m->in; j++) {
@@ -264,7 +264,7 @@ int kv_verify_peek(const kv_verify *v, uint32_t layer, uint32_t e, int stage, ui
     if (stage < 0 || stage > 2 || p >= v->o.n_proj) return KV_ERANGE;
     const kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
     const kv_vmat *m = &X->m[stage];
-    for (uint32_t i = 0; i < m->out; i++) r[i] = m->r[(size_t)i * v->o.n_proj + p];
+    memcpy(r, m->r + (size_t)p * m->out, m->out * sizeof(float));
     *gen = X->gen;
     return 0;
 }
@@ -286,6 +286,7 @@ static void kv_verify_activation(kv_verify *v, const kv_vkernels *K, uint32_t vd
 /* The outcome of one stage of one answer. */
 typedef struct kv_vres {
     int first;           /* the first vector beyond its tolerance, -1 if none */
+    bool nonfinite;      /* r . out is not finite: out holds an infinity or a NaN */
     uint32_t over;       /* how many are */
     double lhs, rhs, tol; /* of the first */
     double worst;        /* max |lhs - rhs| / tol */
@@ -300,11 +301,19 @@ static kv_vres kv_verify_cmp(const kv_verify *v, const kv_vmat *m, const double 
     double gab[KV_VERIFY_MAX_PROJ] = {0}, sab[KV_VERIFY_MAX_PROJ] = {0};
     if (v->o.worst_case) { /* the f64 sums' own rounding, rigorously: n u64 sum |terms| */
         for (uint32_t i = 0; i < m->out; i++)
-            for (uint32_t p = 0; p < P; p++) gab[p] += fabs((double)m->r[(size_t)i * P + p] * outv[i]);
+            for (uint32_t p = 0; p < P; p++) gab[p] += fabs((double)m->r[(size_t)p * m->out + i] * outv[i]);
         for (uint32_t j = 0; j < m->in; j++)
-            for (uint32_t p = 0; p < P; p++) sab[p] += fabs(m->s[(size_t)j * P + p] * in[j]);
+            for (uint32_t p = 0; p < P; p++) sab[p] += fabs(m->s[(size_t)p * m->in + j] * in[j]);
     }
-    kv_vres res = {-1, 0, 0, 0, 0, 0};
+    kv_vres res = {-1, false, 0, 0, 0, 0, 0};
+    /* Non-finite values are lies. r . out is finite exactly when out is: an infinity or a
+     * NaN makes every term it enters infinite or NaN (0 x inf is NaN), and finite terms
+     * cannot overflow an f64 sum (|r_i out_i| < 2^131, n < 2^23). */
+    for (uint32_t p = 0; p < P; p++)
+        if (!isfinite(lhs[p])) {
+            res.first = 0, res.over = P, res.nonfinite = true;
+            return res;
+        }
     for (uint32_t p = 0; p < P; p++) {
         double tol = T;
         if (v->o.worst_case) {
@@ -346,7 +355,7 @@ static void kv_verify_rotate(kv_verify *v, uint32_t layer, uint32_t e, kv_vexp *
     for (uint32_t k = 0; k < 3; k++) kv_vmat_fill(v, &X->m[k], layer, e, k, X->gen, false);
 }
 
-/* Answers k0 .. k0 + nt - 1 of a batch (finite, one generation), each
+/* Answers k0 .. k0 + nt - 1 of a batch (one generation), each
  * checked as kv_verify_check would, the loads of r and s shared. Returns
  * 0, or the first failing answer's error with its index in *bad. */
 static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *const *x, const float *const *gate,
@@ -365,7 +374,7 @@ static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *c
     K->dots(P, nt, X->m[0].r, gate, F, X->m[0].s, X->m[0].a, X->m[0].b, xin, E, lg, rg, Sg, Bg);
     K->dots(P, nt, X->m[1].r, up, F, X->m[1].s, X->m[1].a, X->m[1].b, xin, E, lu, ru, Su, Bu);
     /* gate and up of each answer in order; the first failure ends the group there */
-    kv_vres fail = {-1, 0, 0, 0, 0, 0};
+    kv_vres fail = {-1, false, 0, 0, 0, 0, 0};
     int fstage = -1;
     uint32_t nd = nt; /* answers whose down product is checked */
     double worst[KV_VDOT_MAX_NT] = {0};
@@ -411,6 +420,9 @@ static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *c
     if (fstage < 0) return 0;
     if (bad) *bad = t_bad;
     if (fstage == 3) return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
+    if (fail.nonfinite)
+        return kv_fail(d, KV_EPROTO, fstage == 2 ? "caught: an output is not finite"
+                                                 : "caught: a pre-activation is not finite");
     return kv_verify_caught(v, fstage, &fail, rep, d);
 }
 
@@ -425,25 +437,13 @@ int kv_verify_check_batch(kv_verify *v, uint32_t layer, uint32_t e, uint32_t n, 
     if (!kv_verify_ready(v, layer, e))
         return kv_fail(d, KV_ENOTFOUND, "verify: layer %u expert %u has no projections", layer, e);
     kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
-    const kv_vkernels *K = kv_vkernels_get();
     for (uint32_t k = 0; k < n;) {
         if (v->o.rotate_every != UINT32_MAX && X->checks >= v->o.rotate_every) kv_verify_rotate(v, layer, e, X);
         if (rep) rep->generation = X->gen;
-        /* a group: up to KV_VDOT_MAX_NT finite answers of one generation */
-        uint32_t nt = 0;
+        /* a group: up to KV_VDOT_MAX_NT answers of one generation */
         const uint32_t room = v->o.rotate_every == UINT32_MAX ? KV_VDOT_MAX_NT : v->o.rotate_every - X->checks;
-        while (nt < KV_VDOT_MAX_NT && nt < room && k + nt < n) {
-            const uint32_t i = k + nt;
-            const bool gu = K->finite(gate[i], v->n_ff) && K->finite(up[i], v->n_ff);
-            if (!gu || !K->finite(y[i], v->n_embd)) {
-                if (nt) break; /* check the answers before it first */
-                X->checks++;
-                if (bad) *bad = i;
-                return kv_fail(d, KV_EPROTO, gu ? "caught: an output is not finite"
-                                                : "caught: a pre-activation is not finite");
-            }
-            nt++;
-        }
+        uint32_t nt = n - k < KV_VDOT_MAX_NT ? n - k : KV_VDOT_MAX_NT;
+        if (nt > room) nt = room;
         uint32_t b = 0;
         const int rc = kv_verify_group(v, X, nt, x + k, gate + k, up + k, y + k, &b, rep, d);
         if (rc) {
