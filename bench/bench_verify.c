@@ -6,13 +6,15 @@
  * answers in one call (kv_verify_check_batch). For each quant backend this CPU runs (the verify
  * kernels follow the same choice) it prints the median over `runs` runs of
  * the per-token time of each, and the ratios check / expert (the medians of
- * the runs' ratios). Times are the process's CPU
+ * the runs' ratios), and the time of one rotation (the next generation of
+ * the expert's vectors: a pass over its weights). Times are the process's CPU
  * time, so a machine shared with other work disturbs them less.
  * Usage: bench_verify [n_embd n_ff type n_tok runs]; defaults: the 122B's
  * expert shape, 3072 1024 q4_K 64 7. KV_BENCH_BACKENDS=avx2,avx512 names the
  * backends (default: scalar, avx2, avx512 where the CPU runs them);
+ * KV_BENCH_PROJ=16 sets the vectors per matrix (default 8);
  * KV_BENCH_PROFILE=1 (one at a time) or 2 (batched) first runs 20,000
- * checks alone (for perf). */
+ * checks alone, 3 runs 100 rotations (for perf). */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdio.h>
@@ -87,10 +89,10 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < (size_t)T * E; i++) x[i] = (float)rnorm();
     const char *bes[] = {"scalar", "avx2", "avx512", "neon"};
     const char *only = getenv("KV_BENCH_BACKENDS");
-    printf("verify cost: expert %u x %u %s, %u tokens, one thread, median of %d runs (CPU time)\n", E, F,
-           kv_type_get((uint32_t)type)->name, T, runs);
-    printf("%-8s %14s %14s %8s %14s %8s %10s\n", "backend", "expert us/tok", "check us/tok", "ratio", "batch us/tok",
-           "ratio", "worst res");
+    printf("verify cost: expert %u x %u %s, %u tokens, one thread, median of %d runs (CPU time), %s projections\n", E,
+           F, kv_type_get((uint32_t)type)->name, T, runs, getenv("KV_BENCH_PROJ") ? getenv("KV_BENCH_PROJ") : "8");
+    printf("%-8s %14s %14s %8s %14s %8s %10s %11s\n", "backend", "expert us/tok", "check us/tok", "ratio",
+           "batch us/tok", "ratio", "worst res", "rotation ms");
     for (int b = 0; b < 4; b++) {
         if (only && !strstr(only, bes[b])) continue;
         if (kv_quant_set_backend(bes[b])) continue;
@@ -98,7 +100,8 @@ int main(int argc, char **argv) {
         const kv_expert_source src = {NULL, acquire, NULL, 1, 1, E, F, 1};
         kv_expert_provider p;
         kv_verify *v = NULL;
-        const kv_verify_opts o = {.seed = 7, .rotate_every = UINT32_MAX};
+        const uint32_t np = getenv("KV_BENCH_PROJ") ? (uint32_t)atoi(getenv("KV_BENCH_PROJ")) : 0;
+        const kv_verify_opts o = {.n_proj = np, .seed = 7, .rotate_every = UINT32_MAX};
         if (kv_expert_local_new_src(&p, &src, NULL, T, &d) || kv_verify_new(&v, 1, 1, E, F, &o, &d) ||
             kv_verify_prepare(v, 0, 0, &g_w, &d)) {
             fprintf(stderr, "bench_verify: %s\n", d.msg);
@@ -158,8 +161,21 @@ int main(int argc, char **argv) {
         qsort(tb, runs, sizeof *tb, cmp);
         qsort(ratio, runs, sizeof *ratio, cmp);
         qsort(ratiob, runs, sizeof *ratiob, cmp);
-        printf("%-8s %14.2f %14.2f %7.1f%% %14.2f %7.1f%% %10.3f\n", bes[b], tx[runs / 2], tc[runs / 2],
-               100 * ratio[runs / 2], tb[runs / 2], 100 * ratiob[runs / 2], worst);
+        /* one rotation: a verifier that replaces its vectors at every second check */
+        kv_verify *vr = NULL;
+        const kv_verify_opts orot = {.n_proj = np, .seed = 7, .rotate_every = 1};
+        double trot = 0;
+        if (!kv_verify_new(&vr, 1, 1, E, F, &orot, &d) && !kv_verify_prepare(vr, 0, 0, &g_w, &d)) {
+            kv_verify_check(vr, 0, 0, xp[0], gp[0], up_[0], yp[0], NULL, &d);
+            for (int k = 0; getenv("KV_BENCH_PROFILE") && atoi(getenv("KV_BENCH_PROFILE")) == 3 && k < 100; k++)
+                kv_verify_check(vr, 0, 0, xp[0], gp[0], up_[0], yp[0], NULL, &d); /* rotations, for perf */
+            const double t0 = now();
+            kv_verify_check(vr, 0, 0, xp[0], gp[0], up_[0], yp[0], NULL, &d); /* rotates first */
+            trot = (now() - t0) * 1e3;
+        }
+        kv_verify_free(vr);
+        printf("%-8s %14.2f %14.2f %7.1f%% %14.2f %7.1f%% %10.3f %11.1f\n", bes[b], tx[runs / 2], tc[runs / 2],
+               100 * ratio[runs / 2], tb[runs / 2], 100 * ratiob[runs / 2], worst, trot);
         free(xp);
         free(gp);
         free(up_);

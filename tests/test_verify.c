@@ -26,8 +26,8 @@
  *     as another engine or a GPU would: all pass;
  *   the check's kernels (quant/vdot.h) of every backend this CPU has against
  *     the scalar reference: projections within the f64 rounding bound of
- *     any summation order, Q8 dequantization, finiteness and SwiGLU bit for
- *     bit (KV_REQUIRE_BACKENDS=avx2,avx512 or neon fails a skipped one);
+ *     any summation order, Q8 dequantization, finiteness, SwiGLU and the
+ *     rows of s bit for bit (KV_REQUIRE_BACKENDS=avx2,avx512 or neon fails a skipped one);
  *   kv_verify_check_batch against one kv_verify_check per answer: the same
  *     verdicts, failing index, stage, tolerance and generations. */
 #include <math.h>
@@ -683,8 +683,16 @@ static void test_kernels(void) {
         K->swiglu(h1, g, u, n);
         kv_swiglu(h0, g, u, n);
         ASSERT_EQ(memcmp(h1, h0, n * sizeof(float)), 0);
+        /* the rows of s = W^T r: the reference's bits (multiply, then add) */
+        static double s1[16 * 300], s0[16 * 300];
+        for (int i = 0; i < 16 * 300; i++) s1[i] = s0[i] = rnorm();
+        double rp[16];
+        for (int p = 0; p < 16; p++) rp[p] = rnorm();
+        K->axpy(13, rp, g + 20, 259, s1 + 7, 300);
+        R->axpy(13, rp, g + 20, 259, s0 + 7, 300);
+        ASSERT_EQ(memcmp(s1, s0, sizeof s1), 0);
         printf("  kernels %-6s (level %s): %d projection cases within the f64 bound of the reference; dequant, "
-               "finite, SwiGLU bit for bit\n",
+               "finite, SwiGLU, s rows bit for bit\n",
                K->name, bes[bi], cases);
     }
     ASSERT_TRUE(n_tested >= 1);

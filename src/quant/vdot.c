@@ -50,13 +50,20 @@ bool kv_vfinite_ref(const float *x, uint32_t n) {
 
 void kv_vswiglu_ref(float *h, const float *g, const float *u, uint32_t n) { kv_swiglu(h, g, u, n); }
 
-static const kv_vkernels kv_vk_ref = {"scalar", kv_vdots_ref, kv_vdeq_ref, kv_vfinite_ref, kv_vswiglu_ref};
+void kv_vaxpy_ref(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride) {
+    for (uint32_t p = 0; p < P; p++) {
+        double *sp = s + p * stride;
+        for (uint32_t j = 0; j < n; j++) sp[j] += rp[p] * (double)w[j];
+    }
+}
+
+static const kv_vkernels kv_vk_ref = {"scalar", kv_vdots_ref, kv_vdeq_ref, kv_vfinite_ref, kv_vswiglu_ref, kv_vaxpy_ref};
 #ifdef KV_VX86
-static const kv_vkernels kv_vk_avx2 = {"avx2", kv_vdots_avx2, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2};
-static const kv_vkernels kv_vk_avx512 = {"avx512", kv_vdots_avx512, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2};
+static const kv_vkernels kv_vk_avx2 = {"avx2", kv_vdots_avx2, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2, kv_vaxpy_avx2};
+static const kv_vkernels kv_vk_avx512 = {"avx512", kv_vdots_avx512, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2, kv_vaxpy_avx512};
 #endif
 #if defined(__aarch64__)
-static const kv_vkernels kv_vk_neon = {"neon", kv_vdots_neon, kv_vdeq_neon, kv_vfinite_ref, kv_vswiglu_ref};
+static const kv_vkernels kv_vk_neon = {"neon", kv_vdots_neon, kv_vdeq_neon, kv_vfinite_ref, kv_vswiglu_ref, kv_vaxpy_neon};
 #endif
 
 const kv_vkernels *kv_vkernels_ref(void) { return &kv_vk_ref; }

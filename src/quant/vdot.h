@@ -39,6 +39,10 @@ typedef struct kv_vkernels {
     /* h = kv_swiglu(g, u) bit for bit (h must not overlap g or u): the same
      * libm expf per value, the divide, add and multiply in vector lanes */
     void (*swiglu)(float *h, const float *g, const float *u, uint32_t n);
+    /* s[p stride + j] += rp[p] * w[j] for p < P, j < n, a rounded multiply then a rounded
+     * add (no fused multiply-add: the bits of the reference on every backend); the rows of
+     * the vectors' s = W^T r when their generation is made */
+    void (*axpy)(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
 } kv_vkernels;
 
 /* The kernels of the quant level in use now (kv_quant_backend(); a level's
@@ -58,6 +62,10 @@ void kv_vdeq_ref(uint32_t vdt, const void *q, float *out, uint32_t n);
 bool kv_vfinite_ref(const float *x, uint32_t n);
 bool kv_vfinite_avx2(const float *x, uint32_t n);
 void kv_vswiglu_ref(float *h, const float *g, const float *u, uint32_t n);
+void kv_vaxpy_ref(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
+void kv_vaxpy_avx2(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
+void kv_vaxpy_avx512(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
+void kv_vaxpy_neon(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
 void kv_vswiglu_avx2(float *h, const float *g, const float *u, uint32_t n);
 void kv_vdots_avx2(KV_VDOT_ARGS);
 void kv_vdeq_avx2(uint32_t vdt, const void *q, float *out, uint32_t n);

@@ -90,6 +90,19 @@ void kv_vdots_avx2(KV_VDOT_ARGS) {
     }
 }
 
+void kv_vaxpy_avx2(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride) {
+    uint32_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const __m256d wv = ld4(w + j);
+        for (uint32_t p = 0; p < P; p++) {
+            double *sp = s + p * stride + j;
+            _mm256_storeu_pd(sp, _mm256_add_pd(_mm256_loadu_pd(sp), _mm256_mul_pd(_mm256_set1_pd(rp[p]), wv)));
+        }
+    }
+    for (uint32_t p = 0; p < P; p++)
+        for (uint32_t jj = j; jj < n; jj++) s[p * stride + jj] += rp[p] * (double)w[jj];
+}
+
 /* d * (float)q, one rounded multiply per value: the bits of to_float */
 AI void deq32(const int8_t *q, float d, float *out) {
     const __m256 dv = _mm256_set1_ps(d);

@@ -84,3 +84,16 @@ void kv_vdots_avx512(KV_VDOT_ARGS) {
     default: kv_vdots_ref(P, nt, r, o, n_out, s, a, b, x, n_in, lhs, rhs, S, B); /* nt > KV_VDOT_MAX_NT */
     }
 }
+
+void kv_vaxpy_avx512(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride) {
+    uint32_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m512d wv = ld8(w + j);
+        for (uint32_t p = 0; p < P; p++) {
+            double *sp = s + p * stride + j;
+            _mm512_storeu_pd(sp, _mm512_add_pd(_mm512_loadu_pd(sp), _mm512_mul_pd(_mm512_set1_pd(rp[p]), wv)));
+        }
+    }
+    for (uint32_t p = 0; p < P; p++)
+        for (uint32_t jj = j; jj < n; jj++) s[p * stride + jj] += rp[p] * (double)w[jj];
+}

@@ -126,6 +126,20 @@ void kv_vdeq_neon(uint32_t vdt, const void *q, float *out, uint32_t n) {
         kv_vdeq_ref(vdt, q, out, n);
     }
 }
+void kv_vaxpy_neon(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride) {
+    uint32_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        float64x2_t w0, w1;
+        ld4(w + j, &w0, &w1);
+        for (uint32_t p = 0; p < P; p++) {
+            double *sp = s + p * stride + j;
+            vst1q_f64(sp, vaddq_f64(vld1q_f64(sp), vmulq_n_f64(w0, rp[p])));
+            vst1q_f64(sp + 2, vaddq_f64(vld1q_f64(sp + 2), vmulq_n_f64(w1, rp[p])));
+        }
+    }
+    for (uint32_t p = 0; p < P; p++)
+        for (uint32_t jj = j; jj < n; jj++) s[p * stride + jj] += rp[p] * (double)w[jj];
+}
 #else
 typedef int kv_vdot_neon_unused; /* ISO C wants a declaration in every file */
 #endif

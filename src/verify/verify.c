@@ -185,6 +185,7 @@ static void kv_verify_normals(kv_verify *v, uint32_t layer, uint32_t e, uint32_t
 static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, uint32_t k, uint64_t gen,
                          bool stats) {
     const kv_type_info *ti = kv_type_get(m->type);
+    const kv_vkernels *K = kv_vkernels_get();
     const uint64_t rb = kv_type_row_size(m->type, m->in);
     const uint32_t P = v->o.n_proj;
     kv_verify_normals(v, layer, e, k, gen, m->r, (size_t)m->out * P);
@@ -194,19 +195,24 @@ static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, u
     memset(m->s, 0, (size_t)m->in * P * sizeof(double));
     double *ap = v->acc, *bp = v->acc + m->in;
     if (stats) memset(v->acc, 0, 2 * (size_t)m->in * sizeof(double));
-    for (uint32_t i = 0; i < m->out; i++) {
-        ti->to_float((const uint8_t *)m->W + (size_t)i * rb, v->row, m->in);
-        for (uint32_t p = 0; p < P; p++) {
-            const double rp = m->r[(size_t)p * m->out + i];
-            double *sp = m->s + (size_t)p * m->in;
-            for (uint32_t j = 0; j < m->in; j++) sp[j] += rp * (double)v->row[j];
+    /* column tiles of about 256 weights, so that the tile of s every row adds to stays in
+     * the cache; each s_j is still summed over the rows in increasing i */
+    uint32_t tw = ti->blck >= 256 ? ti->blck : 256 / ti->blck * ti->blck;
+    if (m->in % tw) tw = m->in;
+    for (uint32_t j0 = 0; j0 < m->in; j0 += tw) {
+        const size_t off = (size_t)(j0 / ti->blck) * ti->size;
+        for (uint32_t i = 0; i < m->out; i++) {
+            ti->to_float((const uint8_t *)m->W + (size_t)i * rb + off, v->row, tw);
+            double rp[KV_VERIFY_MAX_PROJ];
+            for (uint32_t p = 0; p < P; p++) rp[p] = m->r[(size_t)p * m->out + i];
+            K->axpy(P, rp, v->row, tw, m->s + j0, m->in);
+            if (stats)
+                for (uint32_t j = 0; j < tw; j++) {
+                    const double w = v->row[j];
+                    ap[j0 + j] += fabs(w);
+                    bp[j0 + j] += w * w;
+                }
         }
-        if (stats)
-            for (uint32_t j = 0; j < m->in; j++) {
-                const double w = v->row[j];
-                ap[j] += fabs(w);
-                bp[j] += w * w;
-            }
     }
     if (stats)
         for (uint32_t j = 0; j < m->in; j++) {
