@@ -26,8 +26,8 @@
  *     as another engine or a GPU would: all pass;
  *   the check's kernels (quant/vdot.h) of every backend this CPU has against
  *     the scalar reference: projections within the f64 rounding bound of
- *     any summation order, Q8 dequantization, finiteness, SwiGLU and the
- *     rows of s bit for bit (KV_REQUIRE_BACKENDS=avx2,avx512 or neon fails a skipped one);
+ *     any summation order, Q8 quantization and dequantization, finiteness,
+ *     SwiGLU and the rows of s bit for bit (KV_REQUIRE_BACKENDS=avx2,avx512 or neon fails a skipped one);
  *   kv_verify_check_batch against one kv_verify_check per answer: the same
  *     verdicts, failing index, stage, tolerance and generations. */
 #include <math.h>
@@ -658,6 +658,19 @@ static void test_kernels(void) {
             K->deq(vdts[k], q, d1, nq);
             kv_type_get_ref(vdts[k])->to_float(q, d0, nq);
             ASSERT_EQ(memcmp(d1, d0, nq * sizeof(float)), 0);
+        }
+        /* Q8_K quantization where a backend has its own: from_float's bits, ties and
+         * repeated maxima included */
+        if (K->q8k) {
+            static uint8_t q1[NMAX * 2], q0[NMAX * 2];
+            for (uint32_t j = 0; j < nq; j++) src[j] = (float)(rnorm() * (j % 97 + 1));
+            src[5] = -400, src[77] = 400;                  /* the first of equal magnitudes sets the sign */
+            for (uint32_t j = 256; j < 512; j++) src[j] = 0; /* an all-zero block */
+            for (uint32_t j = 512; j < 768; j++) src[j] = (float)(j % 200) - 99.5f; /* halves: ties to even */
+            src[600] = 127; /* iscale -1 */
+            K->q8k(src, q1, nq);
+            kv_type_get_ref(KV_TYPE_Q8_K)->from_float(src, q0, nq);
+            ASSERT_EQ(memcmp(q1, q0, kv_type_row_size(KV_TYPE_Q8_K, nq)), 0);
         }
         /* finiteness: an infinity or a NaN anywhere, the tail included */
         int fbad = 0;

@@ -57,13 +57,13 @@ void kv_vaxpy_ref(uint32_t P, const double *rp, const float *w, uint32_t n, doub
     }
 }
 
-static const kv_vkernels kv_vk_ref = {"scalar", kv_vdots_ref, kv_vdeq_ref, kv_vfinite_ref, kv_vswiglu_ref, kv_vaxpy_ref};
+static const kv_vkernels kv_vk_ref = {"scalar", kv_vdots_ref, kv_vdeq_ref, kv_vfinite_ref, kv_vswiglu_ref, kv_vaxpy_ref, NULL};
 #ifdef KV_VX86
-static const kv_vkernels kv_vk_avx2 = {"avx2", kv_vdots_avx2, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2, kv_vaxpy_avx2};
-static const kv_vkernels kv_vk_avx512 = {"avx512", kv_vdots_avx512, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2, kv_vaxpy_avx512};
+static const kv_vkernels kv_vk_avx2 = {"avx2", kv_vdots_avx2, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2, kv_vaxpy_avx2, NULL};
+static const kv_vkernels kv_vk_avx512 = {"avx512", kv_vdots_avx512, kv_vdeq_avx2, kv_vfinite_avx2, kv_vswiglu_avx2, kv_vaxpy_avx512, kv_vq8k_avx512};
 #endif
 #if defined(__aarch64__)
-static const kv_vkernels kv_vk_neon = {"neon", kv_vdots_neon, kv_vdeq_neon, kv_vfinite_ref, kv_vswiglu_ref, kv_vaxpy_neon};
+static const kv_vkernels kv_vk_neon = {"neon", kv_vdots_neon, kv_vdeq_neon, kv_vfinite_ref, kv_vswiglu_ref, kv_vaxpy_neon, NULL};
 #endif
 
 const kv_vkernels *kv_vkernels_ref(void) { return &kv_vk_ref; }

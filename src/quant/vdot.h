@@ -43,6 +43,8 @@ typedef struct kv_vkernels {
      * add (no fused multiply-add: the bits of the reference on every backend); the rows of
      * the vectors' s = W^T r when their generation is made */
     void (*axpy)(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
+    /* x (n floats, finite) to Q8_K blocks: the bits of the type's from_float; NULL: use that */
+    void (*q8k)(const float *x, void *dst, uint32_t n);
 } kv_vkernels;
 
 /* The kernels of the quant level in use now (kv_quant_backend(); a level's
@@ -65,6 +67,7 @@ void kv_vswiglu_ref(float *h, const float *g, const float *u, uint32_t n);
 void kv_vaxpy_ref(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
 void kv_vaxpy_avx2(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
 void kv_vaxpy_avx512(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
+void kv_vq8k_avx512(const float *x, void *dst, uint32_t n);
 void kv_vaxpy_neon(uint32_t P, const double *rp, const float *w, uint32_t n, double *s, size_t stride);
 void kv_vswiglu_avx2(float *h, const float *g, const float *u, uint32_t n);
 void kv_vdots_avx2(KV_VDOT_ARGS);

@@ -7,6 +7,7 @@
  * added at the end. The same terms as the reference in another order
  * (quant/vdot.h states the bound). */
 #include <immintrin.h>
+#include <string.h>
 
 #include "quant/quant_internal.h"
 #include "quant/vdot.h"
@@ -96,4 +97,41 @@ void kv_vaxpy_avx512(uint32_t P, const double *rp, const float *w, uint32_t n, d
     }
     for (uint32_t p = 0; p < P; p++)
         for (uint32_t jj = j; jj < n; jj++) s[p * stride + jj] += rp[p] * (double)w[jj];
+}
+
+/* Q8_K as the reference quantize_row_q8_K (ref.c) for finite x: the first
+ * value of largest magnitude sets iscale = -127 / max, values rounded half to
+ * even (|iscale x| <= 127 (1 + 2^-23), so the result fits an int8). */
+void kv_vq8k_avx512(const float *x, void *dst, uint32_t n) {
+    kv_block_q8_K *bk = dst;
+    for (uint32_t i = 0; i < n / KV_QK_K; i++) {
+        const float *xb = x + (size_t)i * KV_QK_K;
+        __m512 mx = _mm512_setzero_ps();
+        for (int k = 0; k < 16; k++) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * k)));
+        const float amax = _mm512_reduce_max_ps(mx);
+        if (amax == 0) {
+            memset(&bk[i], 0, sizeof bk[i]);
+            continue;
+        }
+        float max = 0;
+        const __m512 am = _mm512_set1_ps(amax);
+        for (int k = 0; k < 16; k++) {
+            const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * k)), am, _CMP_EQ_OQ);
+            if (eq) {
+                max = xb[16 * k + __builtin_ctz((unsigned)eq)];
+                break;
+            }
+        }
+        const float iscale = -127.f / max;
+        const __m512 is = _mm512_set1_ps(iscale);
+        const __m512i lim = _mm512_set1_epi32(127);
+        for (int g = 0; g < 16; g++) {
+            __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), is),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_min_epi32(q, lim);
+            bk[i].bsums[g] = (int16_t)_mm512_reduce_add_epi32(q);
+            _mm_storeu_si128((__m128i *)(bk[i].qs + 16 * g), _mm512_cvtepi32_epi8(q));
+        }
+        bk[i].d = 1 / iscale;
+    }
 }

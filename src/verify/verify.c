@@ -282,7 +282,10 @@ static void kv_verify_activation(kv_verify *v, const kv_vkernels *K, uint32_t vd
         memcpy(out, x, n * sizeof(float));
         return;
     }
-    kv_quantize_rows(vdt, x, n, n, 1, v->qbuf, (size_t)kv_type_row_size(vdt, n));
+    if (vdt == KV_TYPE_Q8_K && K->q8k)
+        K->q8k(x, v->qbuf, n); /* from_float's bits */
+    else
+        kv_quantize_rows(vdt, x, n, n, 1, v->qbuf, (size_t)kv_type_row_size(vdt, n));
     if (vdt == KV_TYPE_Q8_0 || vdt == KV_TYPE_Q8_K)
         K->deq(vdt, v->qbuf, out, n); /* the bits of to_float, vectorized */
     else
