@@ -26,23 +26,35 @@ AI __m256d ld4d(const double *p) { return _mm256_loadu_pd(p); }
 /* out[t P + p] for p in p0 .. p0 + PC - 1: rows m + p n against v[t] */
 #define KV_PROJ(NAME, MT, LOAD)                                                                                      \
     AI void NAME(const int PC, const int NT, const MT *m, uint32_t n, uint32_t p0, uint32_t P,                       \
-                 const float *const *v, double *out) {                                                            \
-        __m256d acc[8];                                                                                            \
-        UNROLL for (int k = 0; k < PC * NT; k++) acc[k] = _mm256_setzero_pd();                                     \
-        uint32_t j = 0;                                                                                            \
-        for (; j + 4 <= n; j += 4) {                                                                               \
-            __m256d vt[4];                                                                                         \
-            UNROLL for (int t = 0; t < NT; t++) vt[t] = ld4(v[t] + j);                                             \
-            UNROLL for (int c = 0; c < PC; c++) {                                                                  \
-                const __m256d mv = LOAD(m + (size_t)(p0 + c) * n + j);                                             \
-                UNROLL for (int t = 0; t < NT; t++) acc[c * NT + t] = _mm256_fmadd_pd(mv, vt[t], acc[c * NT + t]); \
-            }                                                                                                      \
-        }                                                                                                          \
-        UNROLL for (int c = 0; c < PC; c++) UNROLL for (int t = 0; t < NT; t++) {                                  \
-            double q = hsum4d(acc[c * NT + t]);                                                                    \
-            for (uint32_t jj = j; jj < n; jj++) q += (double)m[(size_t)(p0 + c) * n + jj] * (double)v[t][jj];     \
-            out[t * P + p0 + c] = q;                                                                               \
-        }                                                                                                          \
+                 const float *const *v, double *out) {                                                               \
+        const int U = PC * NT >= 8 ? 1 : 8 / (PC * NT); /* column blocks in flight: >= 8 chains */                   \
+        __m256d acc[8];                                                                                              \
+        UNROLL for (int k = 0; k < PC * NT * U; k++) acc[k] = _mm256_setzero_pd();                                   \
+        uint32_t j = 0;                                                                                              \
+        for (; j + 4 * U <= n; j += 4 * U)                                                                           \
+            UNROLL for (int u = 0; u < U; u++) {                                                                     \
+                __m256d vt[4];                                                                                       \
+                UNROLL for (int t = 0; t < NT; t++) vt[t] = ld4(v[t] + j + 4 * u);                                   \
+                UNROLL for (int c = 0; c < PC; c++) {                                                                \
+                    const __m256d mv = LOAD(m + (size_t)(p0 + c) * n + j + 4 * u);                                   \
+                    UNROLL for (int t = 0; t < NT; t++)                                                              \
+                        acc[(c * NT + t) * U + u] = _mm256_fmadd_pd(mv, vt[t], acc[(c * NT + t) * U + u]);           \
+                }                                                                                                    \
+            }                                                                                                        \
+        for (; j + 4 <= n; j += 4) {                                                                                 \
+            UNROLL for (int c = 0; c < PC; c++) {                                                                    \
+                const __m256d mv = LOAD(m + (size_t)(p0 + c) * n + j);                                               \
+                UNROLL for (int t = 0; t < NT; t++)                                                                  \
+                    acc[(c * NT + t) * U] = _mm256_fmadd_pd(mv, ld4(v[t] + j), acc[(c * NT + t) * U]);               \
+            }                                                                                                        \
+        }                                                                                                            \
+        UNROLL for (int c = 0; c < PC; c++) UNROLL for (int t = 0; t < NT; t++) {                                    \
+            __m256d sum = acc[(c * NT + t) * U];                                                                     \
+            UNROLL for (int u = 1; u < U; u++) sum = _mm256_add_pd(sum, acc[(c * NT + t) * U + u]);                  \
+            double q = hsum4d(sum);                                                                                  \
+            for (uint32_t jj = j; jj < n; jj++) q += (double)m[(size_t)(p0 + c) * n + jj] * (double)v[t][jj];        \
+            out[t * P + p0 + c] = q;                                                                                 \
+        }                                                                                                            \
     }
 KV_PROJ(proj_r, float, ld4)
 KV_PROJ(proj_s, double, ld4d)
@@ -73,7 +85,18 @@ AI void dotsT(const int PC, const int NT, uint32_t P, const float *r, const floa
         proj_r(PC, NT, r, n_out, p, P, o, lhs);
         proj_s(PC, NT, s, n_in, p, P, x, rhs);
     }
-    for (; p < P; p++) {
+    /* the rows left over, in chunks of 4, 2, 1 (each with enough chains, below) */
+    if (PC > 4 && p + 4 <= P) {
+        proj_r(4, NT, r, n_out, p, P, o, lhs);
+        proj_s(4, NT, s, n_in, p, P, x, rhs);
+        p += 4;
+    }
+    if (PC > 2 && p + 2 <= P) {
+        proj_r(2, NT, r, n_out, p, P, o, lhs);
+        proj_s(2, NT, s, n_in, p, P, x, rhs);
+        p += 2;
+    }
+    if (p < P) {
         proj_r(1, NT, r, n_out, p, P, o, lhs);
         proj_s(1, NT, s, n_in, p, P, x, rhs);
     }

@@ -28,27 +28,45 @@ AI void ld4d(const double *p, float64x2_t *lo, float64x2_t *hi) {
 
 #define KV_PROJ(NAME, MT, LOAD)                                                                                      \
     AI void NAME(const int PC, const int NT, const MT *m, uint32_t n, uint32_t p0, uint32_t P,                       \
-                 const float *const *v, double *out) {                                                            \
-        float64x2_t acc[16][2];                                                                                    \
-        UNROLL for (int k = 0; k < PC * NT; k++) acc[k][0] = acc[k][1] = vdupq_n_f64(0);                           \
-        uint32_t j = 0;                                                                                            \
-        for (; j + 4 <= n; j += 4) {                                                                               \
-            float64x2_t vl[4], vh[4];                                                                              \
-            UNROLL for (int t = 0; t < NT; t++) ld4(v[t] + j, &vl[t], &vh[t]);                                     \
-            UNROLL for (int c = 0; c < PC; c++) {                                                                  \
-                float64x2_t ml, mh;                                                                                \
-                LOAD(m + (size_t)(p0 + c) * n + j, &ml, &mh);                                                      \
-                UNROLL for (int t = 0; t < NT; t++) {                                                              \
-                    acc[c * NT + t][0] = vfmaq_f64(acc[c * NT + t][0], ml, vl[t]);                                 \
-                    acc[c * NT + t][1] = vfmaq_f64(acc[c * NT + t][1], mh, vh[t]);                                 \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
-        UNROLL for (int c = 0; c < PC; c++) UNROLL for (int t = 0; t < NT; t++) {                                  \
-            double q = vaddvq_f64(vaddq_f64(acc[c * NT + t][0], acc[c * NT + t][1]));                               \
-            for (uint32_t jj = j; jj < n; jj++) q += (double)m[(size_t)(p0 + c) * n + jj] * (double)v[t][jj];     \
-            out[t * P + p0 + c] = q;                                                                               \
-        }                                                                                                          \
+                 const float *const *v, double *out) {                                                               \
+        const int U = PC * NT >= 4 ? 1 : 4 / (PC * NT); /* column blocks in flight: >= 8 chains */                   \
+        float64x2_t acc[16][2];                                                                                      \
+        UNROLL for (int k = 0; k < PC * NT * U; k++) acc[k][0] = acc[k][1] = vdupq_n_f64(0);                         \
+        uint32_t j = 0;                                                                                              \
+        for (; j + 4 * U <= n; j += 4 * U)                                                                           \
+            UNROLL for (int u = 0; u < U; u++) {                                                                     \
+                float64x2_t vl[4], vh[4];                                                                            \
+                UNROLL for (int t = 0; t < NT; t++) ld4(v[t] + j + 4 * u, &vl[t], &vh[t]);                           \
+                UNROLL for (int c = 0; c < PC; c++) {                                                                \
+                    float64x2_t ml, mh;                                                                              \
+                    LOAD(m + (size_t)(p0 + c) * n + j + 4 * u, &ml, &mh);                                            \
+                    UNROLL for (int t = 0; t < NT; t++) {                                                            \
+                        const int k = (c * NT + t) * U + u;                                                          \
+                        acc[k][0] = vfmaq_f64(acc[k][0], ml, vl[t]);                                                 \
+                        acc[k][1] = vfmaq_f64(acc[k][1], mh, vh[t]);                                                 \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+        for (; j + 4 <= n; j += 4)                                                                                   \
+            UNROLL for (int c = 0; c < PC; c++) {                                                                    \
+                float64x2_t ml, mh;                                                                                  \
+                LOAD(m + (size_t)(p0 + c) * n + j, &ml, &mh);                                                        \
+                UNROLL for (int t = 0; t < NT; t++) {                                                                \
+                    float64x2_t vl, vh;                                                                              \
+                    ld4(v[t] + j, &vl, &vh);                                                                         \
+                    const int k = (c * NT + t) * U;                                                                  \
+                    acc[k][0] = vfmaq_f64(acc[k][0], ml, vl);                                                        \
+                    acc[k][1] = vfmaq_f64(acc[k][1], mh, vh);                                                        \
+                }                                                                                                    \
+            }                                                                                                        \
+        UNROLL for (int c = 0; c < PC; c++) UNROLL for (int t = 0; t < NT; t++) {                                    \
+            float64x2_t sum = vaddq_f64(acc[(c * NT + t) * U][0], acc[(c * NT + t) * U][1]);                         \
+            UNROLL for (int u = 1; u < U; u++)                                                                       \
+                sum = vaddq_f64(sum, vaddq_f64(acc[(c * NT + t) * U + u][0], acc[(c * NT + t) * U + u][1]));         \
+            double q = vaddvq_f64(sum);                                                                              \
+            for (uint32_t jj = j; jj < n; jj++) q += (double)m[(size_t)(p0 + c) * n + jj] * (double)v[t][jj];        \
+            out[t * P + p0 + c] = q;                                                                                 \
+        }                                                                                                            \
     }
 KV_PROJ(proj_r, float, ld4)
 KV_PROJ(proj_s, double, ld4d)
@@ -82,7 +100,18 @@ AI void dotsT(const int PC, const int NT, uint32_t P, const float *r, const floa
         proj_r(PC, NT, r, n_out, p, P, o, lhs);
         proj_s(PC, NT, s, n_in, p, P, x, rhs);
     }
-    for (; p < P; p++) {
+    /* the rows left over, in chunks of 4, 2, 1 (each with enough chains, below) */
+    if (PC > 4 && p + 4 <= P) {
+        proj_r(4, NT, r, n_out, p, P, o, lhs);
+        proj_s(4, NT, s, n_in, p, P, x, rhs);
+        p += 4;
+    }
+    if (PC > 2 && p + 2 <= P) {
+        proj_r(2, NT, r, n_out, p, P, o, lhs);
+        proj_s(2, NT, s, n_in, p, P, x, rhs);
+        p += 2;
+    }
+    if (p < P) {
         proj_r(1, NT, r, n_out, p, P, o, lhs);
         proj_s(1, NT, s, n_in, p, P, x, rhs);
     }
