@@ -12,7 +12,11 @@
  *     r . y  ~  s_d . q(swiglu(g, u))
  * within a tolerance T that follows from f32 rounding in the worker's dot
  * products and does not depend on r: a few dot products of length in + out
- * per (token, expert) instead of three matrix-vector products.
+ * per (token, expert) instead of three matrix-vector products. They run in
+ * the SIMD kernels of src/quant/vdot.h (f64 lanes: their order of addition is
+ * within the rounding the bound already carries, docs/VERIFY.md), and
+ * kv_verify_check_batch shares each read of an expert's projections, which
+ * is what a check's time is bound by, among up to four answers.
  *
  * Why it cannot be fooled (docs/VERIFY.md derives it): an answer whose
  * error vector e (answer minus the exact product) has |e|_2 >= theta T
