@@ -705,8 +705,8 @@ static void test_kernels(void) {
         R->axpy(13, rp, g + 20, 259, s0 + 7, 300);
         ASSERT_EQ(memcmp(s1, s0, sizeof s1), 0);
         printf("  kernels %-6s (level %s): %d projection cases within the f64 bound of the reference; dequant, "
-               "finite, SwiGLU, s rows bit for bit\n",
-               K->name, bes[bi], cases);
+               "finite, SwiGLU, s rows%s bit for bit\n",
+               K->name, bes[bi], cases, K->q8k ? ", Q8_K quantization" : "");
     }
     ASSERT_TRUE(n_tested >= 1);
     ASSERT_EQ(kv_quant_set_backend(was), 0);
