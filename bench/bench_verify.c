@@ -12,6 +12,8 @@
  * Usage: bench_verify [n_embd n_ff type n_tok runs]; defaults: the 122B's
  * expert shape, 3072 1024 q4_K 64 7. KV_BENCH_BACKENDS=avx2,avx512 names the
  * backends (default: scalar, avx2, avx512 where the CPU runs them);
+ * KV_BENCH_COLD=N also times checks that go round N experts (their projections
+ * no longer in the caches: a coordinator verifying many experts);
  * KV_BENCH_PROJ=16 sets the vectors per matrix (default 8);
  * KV_BENCH_PROFILE=1 (one at a time) or 2 (batched) first runs 20,000
  * checks alone, 3 runs 100 rotations (for perf). */
@@ -176,6 +178,32 @@ int main(int argc, char **argv) {
         kv_verify_free(vr);
         printf("%-8s %14.2f %14.2f %7.1f%% %14.2f %7.1f%% %10.3f %11.1f\n", bes[b], tx[runs / 2], tc[runs / 2],
                100 * ratio[runs / 2], tb[runs / 2], 100 * ratiob[runs / 2], worst, trot);
+        /* cold: KV_BENCH_COLD=N experts' projections (N x 0.61 MB at the 122B shape), a
+         * different expert at every check, as in a coordinator that verifies many */
+        const int ncold = getenv("KV_BENCH_COLD") ? atoi(getenv("KV_BENCH_COLD")) : 0;
+        kv_verify *vc = NULL;
+        if (ncold > 0 && ncold <= 4096 && !kv_verify_new(&vc, 1, (uint32_t)ncold, E, F, &o, &d)) {
+            for (int e = 0; e < ncold; e++) kv_verify_prepare(vc, 0, (uint32_t)e, &g_w, &d);
+            double c1[99], c4[99];
+            for (int r = 0; r < runs; r++) {
+                double t0 = now();
+                for (uint32_t t = 0; t < 4; t++)
+                    for (int e = 0; e < ncold; e++)
+                        fails += kv_verify_check(vc, 0, (uint32_t)e, xp[t], gp[t], up_[t], yp[t], NULL, &d) != 0;
+                double t1 = now();
+                for (int e = 0; e < ncold; e++)
+                    fails += kv_verify_check_batch(vc, 0, (uint32_t)e, 4, xp, gp, up_, yp, NULL, NULL, &d) != 0;
+                double t2 = now();
+                c1[r] = (t1 - t0) / (4.0 * ncold) * 1e6, c4[r] = (t2 - t1) / (4.0 * ncold) * 1e6;
+            }
+            qsort(c1, runs, sizeof *c1, cmp);
+            qsort(c4, runs, sizeof *c4, cmp);
+            printf("%-8s cold (%d experts' projections, %.0f MB): check %.2f us alone, %.2f us per answer in "
+                   "batches of 4%s\n",
+                   bes[b], ncold, ncold * kv_verify_expert_bytes(E, F, np ? np : KV_VERIFY_DEFAULT_PROJ) / 1e6,
+                   c1[runs / 2], c4[runs / 2], fails ? " (FAILED)" : "");
+        }
+        kv_verify_free(vc);
         free(xp);
         free(gp);
         free(up_);
