@@ -8,6 +8,7 @@
 #   make bench    kvasir vs llama.cpp speed (docs/BENCHMARKS.md)
 #   make bench-hub  hub market view at 122B scale + load of 2,000 heartbeating nodes
 #   make bench-122b  the Qwen3.5-122B-A10B shape over 3 loopback workers vs one process
+#   make bench-verify  a verification check vs the expert it checks, 122B expert shape
 #   make bench-ledger  ledger completions/s (docs/BENCHMARKS.md)
 #   make bench-gateway  tokens/s of 1, 4, 16 clients through the gateway vs llama.cpp sequences
 #   make arm      cross-build build-aarch64/kvasir (runs under `qemu-aarch64 -L /`)
@@ -32,7 +33,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: attack all build deps oracle test asan demo fuzz bench bench-hub bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
+.PHONY: attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -108,6 +109,12 @@ bench: deps oracle
 bench-hub: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/hub.sh $(BUILD)
+
+# the cost of a verification check against the expert it checks, at the
+# 122B expert shape (docs/VERIFY.md "Cost", docs/BENCHMARKS.md)
+bench-verify: deps
+	@$(MAKE) --no-print-directory build
+	@$(BUILD)/bench_verify 3072 1024 q4_K 64 9
 
 bench-122b: deps
 	@$(MAKE) --no-print-directory build

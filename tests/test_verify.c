@@ -23,7 +23,13 @@
  *   honest answers from every backend this CPU has, checked under every
  *     backend (our kernels give the same bits; the test keeps that honest),
  *     and honest answers summed in other orders (f32 front to back, f64),
- *     as another engine or a GPU would: all pass. */
+ *     as another engine or a GPU would: all pass;
+ *   the check's kernels (quant/vdot.h) of every backend this CPU has against
+ *     the scalar reference: projections within the f64 rounding bound of
+ *     any summation order, Q8 quantization and dequantization, finiteness,
+ *     SwiGLU and the rows of s bit for bit (KV_REQUIRE_BACKENDS=avx2,avx512 or neon fails a skipped one);
+ *   kv_verify_check_batch against one kv_verify_check per answer: the same
+ *     verdicts, failing index, stage, tolerance and generations. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +45,7 @@
 #include "kvasir/quant.h"
 #include "kvasir/verify.h"
 #include "kvtest.h"
+#include "quant/vdot.h"
 #include "verify/verify_internal.h"
 
 #define N_EMBD 256
@@ -581,6 +588,215 @@ static void test_orders(void) {
     }
 }
 
+/* ---- the check's kernels against the scalar reference ------------------------------------ */
+
+static const char *vk_expected(const char *be) {
+    if (!strcmp(be, "avx512")) return "avx512";
+    if (!strcmp(be, "avx2") || !strcmp(be, "avxvnni")) return "avx2";
+    if (!strncmp(be, "neon", 4)) return "neon";
+    return "scalar";
+}
+
+static void test_kernels(void) {
+    static const char *const bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
+    char was[32];
+    snprintf(was, sizeof was, "%s", kv_quant_backend());
+    const kv_vkernels *R = kv_vkernels_ref();
+    enum { NMAX = 1100, NT = KV_VDOT_MAX_NT };
+    static float r[16 * NMAX], a[NMAX], b[NMAX], o[NT][NMAX], x[NT][NMAX];
+    static double s[16 * NMAX];
+    for (int i = 0; i < 16 * NMAX; i++) r[i] = (float)rnorm(), s[i] = rnorm() * 3.0;
+    for (int j = 0; j < NMAX; j++) a[j] = (float)fabs(rnorm()) * 4, b[j] = (float)(rnorm() * rnorm());
+    for (int t = 0; t < NT; t++)
+        for (int j = 0; j < NMAX; j++) o[t][j] = (float)(rnorm() * 100), x[t][j] = (float)(rnorm() * 0.01);
+    const float *op[NT] = {o[0], o[1], o[2], o[3]}, *xp[NT] = {x[0], x[1], x[2], x[3]};
+    int n_tested = 0;
+    for (int bi = 0; bi < 6; bi++) {
+        if (kv_quant_set_backend(bes[bi])) {
+            if (strcmp(bes[bi], "avxvnni") && strcmp(bes[bi], "neondot"))
+                kvt_skip_backend(vk_expected(bes[bi]), "this CPU does not run it");
+            continue;
+        }
+        const kv_vkernels *K = kv_vkernels_get();
+        ASSERT_STREQ(K->name, vk_expected(bes[bi]));
+        n_tested++;
+        /* projections: P 1..16 (the 4- and 8-wide chunks and the rows left over), 1..4 answers,
+         * lengths with and without a tail */
+        static const uint32_t Ps[] = {1, 3, 4, 5, 8, 12, 16}, ns[][2] = {{256, 512}, {259, 37}, {1, 8}, {1024, 1100}};
+        int bad = 0, cases = 0;
+        for (size_t pi = 0; pi < sizeof Ps / sizeof Ps[0]; pi++)
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+                for (uint32_t nt = 1; nt <= NT; nt++) {
+                    const uint32_t P = Ps[pi], n_out = ns[ni][0], n_in = ns[ni][1];
+                    double l1[NT * 16], h1[NT * 16], S1[NT], B1[NT], l0[NT * 16], h0[NT * 16], S0[NT], B0[NT];
+                    K->dots(P, nt, r, op, n_out, s, a, b, xp, n_in, l1, h1, S1, B1);
+                    R->dots(P, nt, r, op, n_out, s, a, b, xp, n_in, l0, h0, S0, B0);
+                    for (uint32_t t = 0; t < nt; t++) {
+                        double sa = 0, sb = 0;
+                        for (uint32_t j = 0; j < n_in; j++) sa += fabs(a[j] * x[t][j]), sb += fabs(b[j] * x[t][j] * x[t][j]);
+                        /* both orders are within (n + 1) u64 sum |terms| of the exact sum (2 rounded ops in B) */
+                        bad += fabs(S1[t] - S0[t]) > 2.0 * (n_in + 1) * 0x1p-53 * sa;
+                        bad += fabs(B1[t] - B0[t]) > 2.0 * (n_in + 2) * 0x1p-53 * sb;
+                        for (uint32_t p = 0; p < P; p++) {
+                            double gl = 0, gh = 0;
+                            for (uint32_t i = 0; i < n_out; i++) gl += fabs((double)r[p * n_out + i] * o[t][i]);
+                            for (uint32_t j = 0; j < n_in; j++) gh += fabs(s[p * n_in + j] * x[t][j]);
+                            bad += !(fabs(l1[t * P + p] - l0[t * P + p]) <= 2.0 * (n_out + 1) * 0x1p-53 * gl);
+                            bad += !(fabs(h1[t * P + p] - h0[t * P + p]) <= 2.0 * (n_in + 1) * 0x1p-53 * gh);
+                        }
+                    }
+                    cases++;
+                }
+        ASSERT_EQ(bad, 0);
+        /* the Q8 dequantization: to_float's bits */
+        static float src[NMAX], d1[NMAX], d0[NMAX];
+        static uint8_t q[NMAX * 2];
+        const uint32_t vdts[2] = {KV_TYPE_Q8_0, KV_TYPE_Q8_K}, nq = 1024;
+        for (int k = 0; k < 2; k++) {
+            for (uint32_t j = 0; j < nq; j++) src[j] = (float)(rnorm() * (j % 97 + 1));
+            kv_quantize_rows(vdts[k], src, nq, nq, 1, q, sizeof q);
+            K->deq(vdts[k], q, d1, nq);
+            kv_type_get_ref(vdts[k])->to_float(q, d0, nq);
+            ASSERT_EQ(memcmp(d1, d0, nq * sizeof(float)), 0);
+        }
+        /* Q8_K quantization where a backend has its own: from_float's bits, ties and
+         * repeated maxima included */
+        if (K->q8k) {
+            static uint8_t q1[NMAX * 2], q0[NMAX * 2];
+            for (uint32_t j = 0; j < nq; j++) src[j] = (float)(rnorm() * (j % 97 + 1));
+            src[5] = -400, src[77] = 400;                  /* the first of equal magnitudes sets the sign */
+            for (uint32_t j = 256; j < 512; j++) src[j] = 0; /* an all-zero block */
+            for (uint32_t j = 512; j < 768; j++) src[j] = (float)(j % 200) - 99.5f; /* halves: ties to even */
+            src[600] = 127; /* iscale -1 */
+            K->q8k(src, q1, nq);
+            kv_type_get_ref(KV_TYPE_Q8_K)->from_float(src, q0, nq);
+            ASSERT_EQ(memcmp(q1, q0, kv_type_row_size(KV_TYPE_Q8_K, nq)), 0);
+        }
+        /* finiteness: an infinity or a NaN anywhere, the tail included */
+        int fbad = 0;
+        const float specials[3] = {INFINITY, -INFINITY, NAN};
+        for (uint32_t n = 1; n <= 37; n += 9)
+            for (uint32_t at = 0; at < n; at++)
+                for (int sp = 0; sp < 3; sp++) {
+                    float v[40];
+                    for (uint32_t j = 0; j < n; j++) v[j] = (float)(rnorm() * 1e37);
+                    fbad += !K->finite(v, n) || !R->finite(v, n);
+                    v[at] = specials[sp];
+                    fbad += K->finite(v, n) || R->finite(v, n);
+                }
+        ASSERT_EQ(fbad, 0);
+        /* SwiGLU: kv_swiglu's bits, over ordinary, huge, tiny and special values */
+        static float g[NMAX], u[NMAX], h1[NMAX], h0[NMAX];
+        const uint32_t n = 1037;
+        for (uint32_t j = 0; j < n; j++) {
+            g[j] = (float)(rnorm() * (j % 5 == 0 ? 60 : 4));
+            u[j] = (float)(rnorm() * (j % 7 == 0 ? 1e30 : 3));
+        }
+        g[1] = INFINITY, g[2] = -INFINITY, g[3] = NAN, g[4] = -0.0f, g[6] = 1e-40f, g[7] = 89.0f, g[8] = -89.0f;
+        K->swiglu(h1, g, u, n);
+        kv_swiglu(h0, g, u, n);
+        ASSERT_EQ(memcmp(h1, h0, n * sizeof(float)), 0);
+        /* the rows of s = W^T r: the reference's bits (multiply, then add) */
+        static double s1[16 * 300], s0[16 * 300];
+        for (int i = 0; i < 16 * 300; i++) s1[i] = s0[i] = rnorm();
+        double rp[16];
+        for (int p = 0; p < 16; p++) rp[p] = rnorm();
+        K->axpy(13, rp, g + 20, 259, s1 + 7, 300);
+        R->axpy(13, rp, g + 20, 259, s0 + 7, 300);
+        ASSERT_EQ(memcmp(s1, s0, sizeof s1), 0);
+        printf("  kernels %-6s (level %s): %d projection cases within the f64 bound of the reference; dequant, "
+               "finite, SwiGLU, s rows%s bit for bit\n",
+               K->name, bes[bi], cases, K->q8k ? ", Q8_K quantization" : "");
+    }
+    ASSERT_TRUE(n_tested >= 1);
+    ASSERT_EQ(kv_quant_set_backend(was), 0);
+}
+
+/* ---- batched checks against one check per answer ----------------------------------------- */
+
+static void test_batch(void) {
+    static answers A;
+    const int k = 2; /* q4_K */
+    kv_diag d = {0};
+    kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
+    kv_expert_provider p;
+    ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
+    compute(k, &A, &p);
+    p.free(p.impl);
+    /* the answers of expert 1: tokens 1, 5, 9, ... (12 of them) */
+    enum { NB = N_TOK / N_EXPERT };
+    const uint32_t e = 1;
+    float g[NB][N_FF], u[NB][N_FF], y[NB][N_EMBD];
+    const float *xp[NB], *gp[NB], *up[NB], *yp[NB];
+    for (int i = 0; i < NB; i++) {
+        const int t = i * N_EXPERT + (int)e;
+        memcpy(g[i], A.g[t], sizeof g[i]);
+        memcpy(u[i], A.u[t], sizeof u[i]);
+        memcpy(y[i], A.y[t], sizeof y[i]);
+        xp[i] = A.x[t], gp[i] = g[i], up[i] = u[i], yp[i] = y[i];
+    }
+    /* rotate_every 5: groups of four meet the generation boundaries */
+    const kv_verify_opts o = {.seed = 99, .rotate_every = 5};
+    int mism = 0;
+    for (int round = 0; round < 8; round++) {
+        kv_verify *vb = prepared(k, &o), *vs = prepared(k, &o);
+        if (!vb || !vs) return;
+        /* a lie (or none, round 0) at answer `at`, on stage round % 3, or a NaN (round 7) */
+        const int at = round == 0 ? -1 : (round * 5) % NB;
+        float save = 0, *tgt = NULL;
+        if (at >= 0) {
+            tgt = round == 7 ? &y[at][3] : round % 3 == 0 ? &g[at][7] : round % 3 == 1 ? &u[at][7] : &y[at][7];
+            save = *tgt;
+            *tgt = round == 7 ? NAN : *tgt + 1.0f;
+        }
+        /* the batch after 3 single checks, so the groups straddle a rotation */
+        kv_verify_report rb, rs;
+        kv_diag db = {0}, ds = {0};
+        for (int i = 0; i < 3; i++) {
+            ASSERT_EQ(kv_verify_check(vb, 0, e, xp[i], gp[i], up[i], yp[i], NULL, &d), i == at ? KV_EPROTO : 0);
+            ASSERT_EQ(kv_verify_check(vs, 0, e, xp[i], gp[i], up[i], yp[i], NULL, &d), i == at ? KV_EPROTO : 0);
+        }
+        const int first = at >= 3 ? at : -1;
+        uint32_t bad = 12345;
+        const int rcb = kv_verify_check_batch(vb, 0, e, NB - 3, xp + 3, gp + 3, up + 3, yp + 3, &bad, &rb, &db);
+        int rcs = 0, is = 3;
+        double worst = 0;
+        for (; is < NB; is++) {
+            rcs = kv_verify_check(vs, 0, e, xp[is], gp[is], up[is], yp[is], &rs, &ds);
+            worst = fmax(worst, rs.worst_ratio);
+            if (rcs) break;
+        }
+        ASSERT_EQ(rcb, rcs);
+        ASSERT_EQ(rcb, first >= 0 ? KV_EPROTO : 0);
+        if (rcb) {
+            ASSERT_EQ((int)bad + 3, is);
+            ASSERT_EQ(is, first);
+            ASSERT_STREQ(db.msg, ds.msg);
+            ASSERT_EQ(rb.stage, rs.stage);
+            ASSERT_EQ(rb.proj, rs.proj);
+            ASSERT_EQ(rb.n_over, rs.n_over);
+            if (rs.stage >= 0) ASSERT_NEAR(rb.tol, rs.tol, 1e-12 * rs.tol);
+        }
+        ASSERT_EQ(rb.generation, rs.generation);
+        mism += fabs(rb.worst_ratio - worst) > 1e-9 * (1 + worst);
+        /* afterwards both are at the same point of the same generation: the next answers
+         * give the same projections */
+        kv_verify_report nb, ns;
+        for (int i = 0; i < 6; i++) {
+            ASSERT_EQ(kv_verify_check(vb, 0, e, xp[0], A.g[e], A.u[e], A.y[e], &nb, &d), 0);
+            ASSERT_EQ(kv_verify_check(vs, 0, e, xp[0], A.g[e], A.u[e], A.y[e], &ns, &d), 0);
+            ASSERT_EQ(nb.generation, ns.generation);
+            mism += fabs(nb.worst_ratio - ns.worst_ratio) > 1e-9;
+        }
+        if (tgt) *tgt = save;
+        kv_verify_free(vb);
+        kv_verify_free(vs);
+    }
+    ASSERT_EQ(mism, 0);
+    printf("  batched checks: the verdicts, first failing answer, stage, tolerance and generations of one check "
+           "per answer (8 rounds, rotation every 5)\n");
+}
+
 static void test_bad_args(void) {
     kv_verify *v = NULL;
     kv_diag d = {0};
@@ -630,6 +846,6 @@ static void teardown(void) {
 }
 
 static const kvt_case cases[] = {KVT_CASE(test_types), KVT_CASE(test_attack), KVT_CASE(test_backends), KVT_CASE(test_orders),
-                                 KVT_CASE(test_bad_args)};
+                                 KVT_CASE(test_kernels), KVT_CASE(test_batch), KVT_CASE(test_bad_args)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

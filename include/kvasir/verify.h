@@ -12,7 +12,11 @@
  *     r . y  ~  s_d . q(swiglu(g, u))
  * within a tolerance T that follows from f32 rounding in the worker's dot
  * products and does not depend on r: a few dot products of length in + out
- * per (token, expert) instead of three matrix-vector products.
+ * per (token, expert) instead of three matrix-vector products. They run in
+ * the SIMD kernels of src/quant/vdot.h (f64 lanes: their order of addition is
+ * within the rounding the bound already carries, docs/VERIFY.md), and
+ * kv_verify_check_batch shares each read of an expert's projections, which
+ * is what a check's time is bound by, among up to four answers.
  *
  * Why it cannot be fooled (docs/VERIFY.md derives it): an answer whose
  * error vector e (answer minus the exact product) has |e|_2 >= theta T
@@ -93,6 +97,17 @@ bool kv_verify_ready(const kv_verify *v, uint32_t layer, uint32_t e);
  * weights). */
 int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, const float *gate, const float *up,
                     const float *y, kv_verify_report *rep, kv_diag *d);
+
+/* n answers of expert (layer, e) at once: answer k is x[k], gate[k], up[k],
+ * y[k]. The same outcome as kv_verify_check on each in turn, stopping at the
+ * first that fails (its index in *bad, may be NULL; rep as that call would
+ * fill it, worst_ratio over every answer checked), but each load of the
+ * projections serves up to four answers: what a check's time is bound by
+ * (docs/VERIFY.md, "Cost"). Answers of one expert in one message should be
+ * checked this way. */
+int kv_verify_check_batch(kv_verify *v, uint32_t layer, uint32_t e, uint32_t n, const float *const *x,
+                          const float *const *gate, const float *const *up, const float *const *y, uint32_t *bad,
+                          kv_verify_report *rep, kv_diag *d);
 
 /* The probability bound of docs/VERIFY.md: an answer of a matrix with out
  * rows whose error has norm ratio x the tolerance passes n_proj independent

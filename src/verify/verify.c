@@ -7,8 +7,11 @@
  * in f64 from the dequantized weights and the f32 r, so s belongs to exactly
  * the r that is stored), and the column statistics a = |W|^T 1 and
  * b = (W o W)^T 1 (f32, in long: the scale of the rounding error, the same
- * for every r). Both r and s are stored interleaved, [row][n_proj], so one
- * pass over a vector feeds every projection.
+ * for every r). Both r and s are stored vector after vector ([n_proj][n]),
+ * so the check's kernels (quant/vdot.h: scalar reference, AVX2, AVX-512,
+ * NEON, chosen with the quant level) run down contiguous rows, 4 or 8
+ * columns per register, and up to four answers of one expert
+ * (kv_verify_check_batch) share every load of r and s.
  *
  * The vectors of generation t of matrix k of expert (layer, e) are ChaCha20
  * output (libsodium's randombytes_buf_deterministic) under the key
@@ -24,6 +27,7 @@
 
 #include "kvasir/ops.h"
 #include "kvasir/quant.h"
+#include "quant/vdot.h"
 #include "verify/verify_internal.h"
 
 #define KV_U32 (1.0 / 16777216.0) /* unit roundoff of f32, 2^-24 */
@@ -34,8 +38,8 @@ typedef struct kv_vmat {
     uint32_t type, vdt;  /* weight type and its activation (vec_dot) type */
     uint32_t in, out;    /* columns and rows */
     const void *W;       /* the weights (a view the caller keeps mapped) */
-    float *r;            /* [out][n_proj] Gaussian vectors, interleaved */
-    double *s;           /* [in][n_proj] W^T r, interleaved */
+    float *r;            /* [n_proj][out] Gaussian vectors, one after the other */
+    double *s;           /* [n_proj][in] W^T r, likewise */
     float *a;            /* [in] column sums of |W| */
     float *b;            /* [in] column sums of W^2: E[s_j^2] for a Gaussian r */
     double rmax[KV_VERIFY_MAX_PROJ]; /* max_i |r_i| per vector (the worst-case bound) */
@@ -57,7 +61,7 @@ struct kv_verify {
     double *acc;         /* [2][max(n_embd, n_ff)] column statistics in f64 */
     uint64_t *rnd;       /* [max * n_proj] the key stream of one matrix's vectors */
     float *row;          /* [max] a dequantized row */
-    float *xin, *hin, *h; /* [n_embd], [n_ff], [n_ff] */
+    float *xin, *hin, *h; /* [KV_VDOT_MAX_NT][n_embd], [.][n_ff], [.][n_ff]: a group's activations */
     uint8_t *qbuf;       /* one quantized activation row */
 };
 
@@ -104,9 +108,9 @@ int kv_verify_new(kv_verify **out, uint32_t n_layer, uint32_t n_expert, uint32_t
     v->acc = malloc(2 * mx * sizeof(double));
     v->rnd = malloc((mx * v->o.n_proj + 1) * sizeof(uint64_t)); /* + 1: normals come in pairs */
     v->row = malloc(mx * sizeof(float));
-    v->xin = malloc(n_embd * sizeof(float));
-    v->hin = malloc(n_ff * sizeof(float));
-    v->h = malloc(n_ff * sizeof(float));
+    v->xin = malloc((size_t)KV_VDOT_MAX_NT * n_embd * sizeof(float));
+    v->hin = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
+    v->h = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
     v->qbuf = malloc(kv_matmul_scratch(mx, 1));
     if (!v->tab || !v->acc || !v->rnd || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf) {
         kv_verify_free(v);
@@ -181,31 +185,34 @@ static void kv_verify_normals(kv_verify *v, uint32_t layer, uint32_t e, uint32_t
 static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, uint32_t k, uint64_t gen,
                          bool stats) {
     const kv_type_info *ti = kv_type_get(m->type);
+    const kv_vkernels *K = kv_vkernels_get();
     const uint64_t rb = kv_type_row_size(m->type, m->in);
     const uint32_t P = v->o.n_proj;
     kv_verify_normals(v, layer, e, k, gen, m->r, (size_t)m->out * P);
     for (uint32_t p = 0; p < P; p++) m->rmax[p] = 0;
     for (size_t i = 0; i < (size_t)m->out * P; i++)
-        if (fabs((double)m->r[i]) > m->rmax[i % P]) m->rmax[i % P] = fabs((double)m->r[i]);
+        if (fabs((double)m->r[i]) > m->rmax[i / m->out]) m->rmax[i / m->out] = fabs((double)m->r[i]);
     memset(m->s, 0, (size_t)m->in * P * sizeof(double));
     double *ap = v->acc, *bp = v->acc + m->in;
     if (stats) memset(v->acc, 0, 2 * (size_t)m->in * sizeof(double));
-    for (uint32_t i = 0; i < m->out; i++) {
-        ti->to_float((const uint8_t *)m->W + (size_t)i * rb, v->row, m->in);
-        const float *ri = m->r + (size_t)i * P;
-        double rp[KV_VERIFY_MAX_PROJ];
-        for (uint32_t p = 0; p < P; p++) rp[p] = ri[p];
-        for (uint32_t j = 0; j < m->in; j++) {
-            const double w = v->row[j];
-            double *sj = m->s + (size_t)j * P;
-            for (uint32_t p = 0; p < P; p++) sj[p] += rp[p] * w;
+    /* column tiles of about 256 weights, so that the tile of s every row adds to stays in
+     * the cache; each s_j is still summed over the rows in increasing i */
+    uint32_t tw = ti->blck >= 256 ? ti->blck : 256 / ti->blck * ti->blck;
+    if (m->in % tw) tw = m->in;
+    for (uint32_t j0 = 0; j0 < m->in; j0 += tw) {
+        const size_t off = (size_t)(j0 / ti->blck) * ti->size;
+        for (uint32_t i = 0; i < m->out; i++) {
+            ti->to_float((const uint8_t *)m->W + (size_t)i * rb + off, v->row, tw);
+            double rp[KV_VERIFY_MAX_PROJ];
+            for (uint32_t p = 0; p < P; p++) rp[p] = m->r[(size_t)p * m->out + i];
+            K->axpy(P, rp, v->row, tw, m->s + j0, m->in);
+            if (stats)
+                for (uint32_t j = 0; j < tw; j++) {
+                    const double w = v->row[j];
+                    ap[j0 + j] += fabs(w);
+                    bp[j0 + j] += w * w;
+                }
         }
-        if (stats)
-            for (uint32_t j = 0; j < m->in; j++) {
-                const double w = v->row[j];
-                ap[j] += fabs(w);
-                bp[j] += w * w;
-            }
     }
     if (stats)
         for (uint32_t j = 0; j < m->in; j++) {
@@ -263,61 +270,59 @@ int kv_verify_peek(const kv_verify *v, uint32_t layer, uint32_t e, int stage, ui
     if (stage < 0 || stage > 2 || p >= v->o.n_proj) return KV_ERANGE;
     const kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
     const kv_vmat *m = &X->m[stage];
-    for (uint32_t i = 0; i < m->out; i++) r[i] = m->r[(size_t)i * v->o.n_proj + p];
+    memcpy(r, m->r + (size_t)p * m->out, m->out * sizeof(float));
     *gen = X->gen;
     return 0;
 }
 
 /* The activation as the worker's kernel sees it: converted to vdt and back. */
-static void kv_verify_activation(kv_verify *v, uint32_t vdt, const float *x, uint32_t n, float *out) {
+static void kv_verify_activation(kv_verify *v, const kv_vkernels *K, uint32_t vdt, const float *x, uint32_t n,
+                                 float *out) {
     if (vdt == KV_TYPE_F32) {
         memcpy(out, x, n * sizeof(float));
         return;
     }
-    kv_quantize_rows(vdt, x, n, n, 1, v->qbuf, (size_t)kv_type_row_size(vdt, n));
-    kv_type_get(vdt)->to_float(v->qbuf, out, n);
-}
-
-/* r . outv and s . in for every vector, and the tolerance's two sums. */
-static inline void kv_verify_dots(const kv_vmat *m, uint32_t P, const float *in, const float *outv, double *lhs,
-                                  double *rhs, double *S, double *B) {
-    for (uint32_t i = 0; i < m->out; i++) {
-        const double o = outv[i];
-        const float *ri = m->r + (size_t)i * P;
-        for (uint32_t p = 0; p < P; p++) lhs[p] += (double)ri[p] * o;
-    }
-    double s_ = 0, b_ = 0;
-    for (uint32_t j = 0; j < m->in; j++) {
-        const double x = in[j];
-        const double *sj = m->s + (size_t)j * P;
-        for (uint32_t p = 0; p < P; p++) rhs[p] += sj[p] * x;
-        s_ += (double)m->a[j] * fabs(x);
-        b_ += (double)m->b[j] * x * x;
-    }
-    *S = s_, *B = b_;
-}
-
-/* Compares r . outv with s . in for every vector r of m. */
-static int kv_verify_mat(kv_verify *v, const kv_vmat *m, int stage, const float *in, const float *outv,
-                         kv_verify_report *rep, kv_diag *d) {
-    const uint32_t P = v->o.n_proj;
-    double lhs[KV_VERIFY_MAX_PROJ] = {0}, rhs[KV_VERIFY_MAX_PROJ] = {0};
-    double S = 0, B = 0; /* sum_j a_j |in_j|, sum_j b_j in_j^2: the same for every r */
-    if (P == KV_VERIFY_DEFAULT_PROJ) /* a constant count: the compiler unrolls and vectorizes */
-        kv_verify_dots(m, KV_VERIFY_DEFAULT_PROJ, in, outv, lhs, rhs, &S, &B);
+    if (vdt == KV_TYPE_Q8_K && K->q8k)
+        K->q8k(x, v->qbuf, n); /* from_float's bits */
     else
-        kv_verify_dots(m, P, in, outv, lhs, rhs, &S, &B);
+        kv_quantize_rows(vdt, x, n, n, 1, v->qbuf, (size_t)kv_type_row_size(vdt, n));
+    if (vdt == KV_TYPE_Q8_0 || vdt == KV_TYPE_Q8_K)
+        K->deq(vdt, v->qbuf, out, n); /* the bits of to_float, vectorized */
+    else
+        kv_type_get(vdt)->to_float(v->qbuf, out, n);
+}
+
+/* The outcome of one stage of one answer. */
+typedef struct kv_vres {
+    int first;           /* the first vector beyond its tolerance, -1 if none */
+    bool nonfinite;      /* r . out is not finite: out holds an infinity or a NaN */
+    uint32_t over;       /* how many are */
+    double lhs, rhs, tol; /* of the first */
+    double worst;        /* max |lhs - rhs| / tol */
+} kv_vres;
+
+/* Compares r . outv (lhs) with s . in (rhs) for every vector r of m, given
+ * the tolerance's sums S and B of in. */
+static kv_vres kv_verify_cmp(const kv_verify *v, const kv_vmat *m, const double *lhs, const double *rhs, double S,
+                             double B, const float *in, const float *outv) {
+    const uint32_t P = v->o.n_proj;
     const double T = v->o.kappa * KV_U32 * (S / sqrt((double)m->in * m->out) + sqrt(B)) + 1e-30;
     double gab[KV_VERIFY_MAX_PROJ] = {0}, sab[KV_VERIFY_MAX_PROJ] = {0};
     if (v->o.worst_case) { /* the f64 sums' own rounding, rigorously: n u64 sum |terms| */
         for (uint32_t i = 0; i < m->out; i++)
-            for (uint32_t p = 0; p < P; p++) gab[p] += fabs((double)m->r[(size_t)i * P + p] * outv[i]);
+            for (uint32_t p = 0; p < P; p++) gab[p] += fabs((double)m->r[(size_t)p * m->out + i] * outv[i]);
         for (uint32_t j = 0; j < m->in; j++)
-            for (uint32_t p = 0; p < P; p++) sab[p] += fabs(m->s[(size_t)j * P + p] * in[j]);
+            for (uint32_t p = 0; p < P; p++) sab[p] += fabs(m->s[(size_t)p * m->in + j] * in[j]);
     }
-    int first = -1;
-    uint32_t over = 0;
-    double ftol = 0;
+    kv_vres res = {-1, false, 0, 0, 0, 0, 0};
+    /* Non-finite values are lies. r . out is finite exactly when out is: an infinity or a
+     * NaN makes every term it enters infinite or NaN (0 x inf is NaN), and finite terms
+     * cannot overflow an f64 sum (|r_i out_i| < 2^131, n < 2^23). */
+    for (uint32_t p = 0; p < P; p++)
+        if (!isfinite(lhs[p])) {
+            res.first = 0, res.over = P, res.nonfinite = true;
+            return res;
+        }
     for (uint32_t p = 0; p < P; p++) {
         double tol = T;
         if (v->o.worst_case) {
@@ -328,24 +333,28 @@ static int kv_verify_mat(kv_verify *v, const kv_vmat *m, int stage, const float 
             tol = (g + 2.0 * m->out * KV_U64) * m->rmax[p] * S + g64 * (gab[p] + sab[p]) + 1e-30;
         }
         const double ratio = fabs(lhs[p] - rhs[p]) / tol;
-        if (rep && ratio > rep->worst_ratio) rep->worst_ratio = ratio;
+        if (ratio > res.worst) res.worst = ratio;
         if (!(ratio <= 1.0)) {
-            over++;
-            if (first < 0) first = (int)p, ftol = tol;
+            res.over++;
+            if (res.first < 0) res.first = (int)p, res.lhs = lhs[p], res.rhs = rhs[p], res.tol = tol;
         }
     }
-    if (first < 0) return 0;
+    return res;
+}
+
+/* The report and message of a failed stage. */
+static int kv_verify_caught(const kv_verify *v, int stage, const kv_vres *res, kv_verify_report *rep, kv_diag *d) {
     static const char *const names[3] = {"gate", "up", "down"};
     if (rep) {
         rep->stage = stage;
-        rep->proj = (uint32_t)first;
-        rep->n_over = over;
-        rep->lhs = lhs[first];
-        rep->rhs = rhs[first];
-        rep->tol = ftol;
+        rep->proj = (uint32_t)res->first;
+        rep->n_over = res->over;
+        rep->lhs = res->lhs;
+        rep->rhs = res->rhs;
+        rep->tol = res->tol;
     }
     return kv_fail(d, KV_EPROTO, "caught: %s product differs from %u of %u projections (first by %.3g, tolerance %.3g)",
-                   names[stage], over, P, fabs(lhs[first] - rhs[first]), ftol);
+                   names[stage], res->over, v->o.n_proj, fabs(res->lhs - res->rhs), res->tol);
 }
 
 /* The next generation of an expert's vectors, in place. */
@@ -355,31 +364,107 @@ static void kv_verify_rotate(kv_verify *v, uint32_t layer, uint32_t e, kv_vexp *
     for (uint32_t k = 0; k < 3; k++) kv_vmat_fill(v, &X->m[k], layer, e, k, X->gen, false);
 }
 
-int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, const float *gate, const float *up,
-                    const float *y, kv_verify_report *rep, kv_diag *d) {
+/* Answers k0 .. k0 + nt - 1 of a batch (one generation), each
+ * checked as kv_verify_check would, the loads of r and s shared. Returns
+ * 0, or the first failing answer's error with its index in *bad. */
+static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *const *x, const float *const *gate,
+                           const float *const *up, const float *const *y, uint32_t *bad, kv_verify_report *rep,
+                           kv_diag *d) {
+    const kv_vkernels *K = kv_vkernels_get();
+    const uint32_t P = v->o.n_proj, E = v->n_embd, F = v->n_ff;
+    double lg[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], rg[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
+    double lu[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], ru[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
+    double Sg[KV_VDOT_MAX_NT], Bg[KV_VDOT_MAX_NT], Su[KV_VDOT_MAX_NT], Bu[KV_VDOT_MAX_NT];
+    const float *xin[KV_VDOT_MAX_NT], *hin[KV_VDOT_MAX_NT];
+    for (uint32_t t = 0; t < nt; t++) {
+        kv_verify_activation(v, K, X->m[0].vdt, x[t], E, v->xin + (size_t)t * E);
+        xin[t] = v->xin + (size_t)t * E;
+    }
+    K->dots(P, nt, X->m[0].r, gate, F, X->m[0].s, X->m[0].a, X->m[0].b, xin, E, lg, rg, Sg, Bg);
+    K->dots(P, nt, X->m[1].r, up, F, X->m[1].s, X->m[1].a, X->m[1].b, xin, E, lu, ru, Su, Bu);
+    /* gate and up of each answer in order; the first failure ends the group there */
+    kv_vres fail = {-1, false, 0, 0, 0, 0, 0};
+    int fstage = -1;
+    uint32_t nd = nt; /* answers whose down product is checked */
+    double worst[KV_VDOT_MAX_NT] = {0};
+    for (uint32_t t = 0; t < nt && fstage < 0; t++) {
+        const kv_vres rgt = kv_verify_cmp(v, &X->m[0], lg + t * P, rg + t * P, Sg[t], Bg[t], xin[t], gate[t]);
+        worst[t] = rgt.worst;
+        if (rgt.first >= 0) {
+            fail = rgt, fstage = 0, nd = t;
+            break;
+        }
+        const kv_vres rut = kv_verify_cmp(v, &X->m[1], lu + t * P, ru + t * P, Su[t], Bu[t], xin[t], up[t]);
+        worst[t] = fmax(worst[t], rut.worst);
+        if (rut.first >= 0) fail = rut, fstage = 1, nd = t;
+        /* the down input, recomputed from the checked gate and up as the worker does */
+        if (fstage < 0) {
+            float *h = v->h + (size_t)t * F;
+            K->swiglu(h, gate[t], up[t], F); /* kv_swiglu's bits */
+            if (!K->finite(h, F)) fstage = 3, nd = t;
+            else kv_verify_activation(v, K, X->m[2].vdt, h, F, v->hin + (size_t)t * F);
+        }
+        hin[t] = v->hin + (size_t)t * F;
+    }
+    /* the down products of the answers before the first failure */
+    uint32_t t_bad = nd;
+    if (nd) {
+        double ld[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], rd[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
+        double Sd[KV_VDOT_MAX_NT], Bd[KV_VDOT_MAX_NT];
+        K->dots(P, nd, X->m[2].r, y, E, X->m[2].s, X->m[2].a, X->m[2].b, hin, F, ld, rd, Sd, Bd);
+        for (uint32_t t = 0; t < nd; t++) {
+            const kv_vres rdt = kv_verify_cmp(v, &X->m[2], ld + t * P, rd + t * P, Sd[t], Bd[t], hin[t], y[t]);
+            worst[t] = fmax(worst[t], rdt.worst);
+            if (rdt.first >= 0) {
+                fail = rdt, fstage = 2, t_bad = t;
+                break;
+            }
+        }
+    }
+    /* what the checks of answers 0 .. t_bad (all, if none failed) made */
+    const uint32_t n_seen = fstage < 0 ? nt : t_bad + 1;
+    for (uint32_t t = 0; t < n_seen; t++)
+        if (rep && worst[t] > rep->worst_ratio) rep->worst_ratio = worst[t];
+    X->checks += n_seen;
+    if (fstage < 0) return 0;
+    if (bad) *bad = t_bad;
+    if (fstage == 3) return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
+    if (fail.nonfinite)
+        return kv_fail(d, KV_EPROTO, fstage == 2 ? "caught: an output is not finite"
+                                                 : "caught: a pre-activation is not finite");
+    return kv_verify_caught(v, fstage, &fail, rep, d);
+}
+
+int kv_verify_check_batch(kv_verify *v, uint32_t layer, uint32_t e, uint32_t n, const float *const *x,
+                          const float *const *gate, const float *const *up, const float *const *y, uint32_t *bad,
+                          kv_verify_report *rep, kv_diag *d) {
     if (rep) {
         memset(rep, 0, sizeof *rep);
         rep->stage = -1;
     }
+    if (bad) *bad = 0;
     if (!kv_verify_ready(v, layer, e))
         return kv_fail(d, KV_ENOTFOUND, "verify: layer %u expert %u has no projections", layer, e);
     kv_vexp *X = v->tab[(size_t)layer * v->n_expert + e];
-    if (v->o.rotate_every != UINT32_MAX && X->checks >= v->o.rotate_every) kv_verify_rotate(v, layer, e, X);
-    X->checks++;
-    if (rep) rep->generation = X->gen;
-    for (uint32_t i = 0; i < v->n_ff; i++)
-        if (!isfinite(gate[i]) || !isfinite(up[i]))
-            return kv_fail(d, KV_EPROTO, "caught: a pre-activation is not finite");
-    for (uint32_t i = 0; i < v->n_embd; i++)
-        if (!isfinite(y[i])) return kv_fail(d, KV_EPROTO, "caught: an output is not finite");
-    kv_verify_activation(v, X->m[0].vdt, x, v->n_embd, v->xin);
-    int rc = kv_verify_mat(v, &X->m[0], 0, v->xin, gate, rep, d);
-    if (!rc) rc = kv_verify_mat(v, &X->m[1], 1, v->xin, up, rep, d);
-    if (rc) return rc;
-    /* the down input, recomputed from the checked gate and up as the worker does */
-    kv_swiglu(v->h, gate, up, v->n_ff);
-    for (uint32_t i = 0; i < v->n_ff; i++)
-        if (!isfinite(v->h[i])) return kv_fail(d, KV_EPROTO, "caught: SwiGLU of the pre-activations is not finite");
-    kv_verify_activation(v, X->m[2].vdt, v->h, v->n_ff, v->hin);
-    return kv_verify_mat(v, &X->m[2], 2, v->hin, y, rep, d);
+    for (uint32_t k = 0; k < n;) {
+        if (v->o.rotate_every != UINT32_MAX && X->checks >= v->o.rotate_every) kv_verify_rotate(v, layer, e, X);
+        if (rep) rep->generation = X->gen;
+        /* a group: up to KV_VDOT_MAX_NT answers of one generation */
+        const uint32_t room = v->o.rotate_every == UINT32_MAX ? KV_VDOT_MAX_NT : v->o.rotate_every - X->checks;
+        uint32_t nt = n - k < KV_VDOT_MAX_NT ? n - k : KV_VDOT_MAX_NT;
+        if (nt > room) nt = room;
+        uint32_t b = 0;
+        const int rc = kv_verify_group(v, X, nt, x + k, gate + k, up + k, y + k, &b, rep, d);
+        if (rc) {
+            if (bad) *bad = k + b;
+            return rc;
+        }
+        k += nt;
+    }
+    return 0;
+}
+
+int kv_verify_check(kv_verify *v, uint32_t layer, uint32_t e, const float *x, const float *gate, const float *up,
+                    const float *y, kv_verify_report *rep, kv_diag *d) {
+    return kv_verify_check_batch(v, layer, e, 1, &x, &gate, &up, &y, NULL, rep, d);
 }
