@@ -204,7 +204,9 @@ struct kv_remote {
     bool has_voucher;
     kv_manifest *m;
     kv_verify *ver;               /* NULL without verify */
-    float *vg, *vu, *vy;          /* [n_ff], [n_ff], [n_embd] one answer being checked */
+    float *vg, *vu, *vy;          /* [4][n_ff], [4][n_ff], [n_embd] up to four answers of one expert being
+                                     checked together (kv_verify_check_batch) */
+    uint8_t *vdone;               /* [max_slots] pairs of the answer being checked already grouped */
     /* v4 signed results: checked on every answer, kept for evidence */
     uint8_t (*xh)[32];            /* [chunk_tokens] hash of each token row of the answer being checked */
     uint8_t *xh_ok;               /* [chunk_tokens] 1 once xh[t] is computed for that answer */
@@ -535,13 +537,27 @@ static void kv_rw_evidence(kv_remote *r, kv_rw *w, const kv_msg_result *res, uin
  * against the secret projections of its expert, prepared on first use from
  * the local slab; a sample is also recomputed in full. Any failure marks w
  * caught (KV_EPROTO "caught lying"). */
+/* Pair p's token row and expert. */
+static void kv_rw_pair(const kv_remote *r, const kv_rw *w, uint32_t p, uint32_t *t, uint32_t *e) {
+    const kv_expert_req *req = r->cur_req;
+    const uint32_t s = (uint32_t)w->pair_slot[p];
+    *t = r->cur_t0 + s / req->n_used;
+    *e = (uint32_t)req->ids[(size_t)r->cur_t0 * req->n_used + s];
+}
+
+/* Checks every answer of w's RESULT_PRE that has trusted weights: the
+ * answers of one expert in groups of up to four (each read of its
+ * projections serves the group), then a sampled full recompute of each. */
 static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const float *out, kv_diag *d) {
     const kv_expert_req *req = r->cur_req;
-    const uint32_t nu = req->n_used, E = r->n_embd;
+    const uint32_t E = r->n_embd, F = r->n_ff;
     uint64_t n_ok = 0, n_rec = 0; /* counted once the whole answer passed */
+    uint8_t *done = r->vdone;
+    memset(done, 0, w->n_pairs);
     for (uint32_t p = 0; p < w->n_pairs; p++) {
-        const uint32_t s = (uint32_t)w->pair_slot[p], t = r->cur_t0 + s / nu;
-        const uint32_t e = (uint32_t)req->ids[(size_t)r->cur_t0 * nu + s];
+        if (done[p]) continue;
+        uint32_t t, e;
+        kv_rw_pair(r, w, p, &t, &e);
         const size_t k = (size_t)req->layer * r->n_expert + e;
         if (!r->lhas[k]) { /* no trusted weights to check against */
             r->n_unverified++;
@@ -549,18 +565,38 @@ static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const 
         }
         int rc = kv_verify_prepare(r->ver, req->layer, e, &r->lw[k], d);
         if (rc) return kv_diag_prefix(d, KV_EINTERNAL, "remote: verify");
-        const float *x = req->x + (size_t)t * E, *y = out + (size_t)s * E;
-        kv_msg_result_pre_row(res, p, r->vg, r->vu);
-        kv_verify_report rep;
-        if (kv_verify_check(r->ver, req->layer, e, x, r->vg, r->vu, y, &rep, d)) {
-            w->caught = true;
-            kv_rw_evidence(r, w, res, p);
-            return kv_diag_prefix(d, KV_EPROTO, "caught lying: layer %u expert %u (pair %u)", req->layer, e, p);
+        /* this pair and up to three later ones of the same expert */
+        uint32_t grp[4], n = 0;
+        const float *xs[4], *gs[4], *us[4], *ys[4];
+        for (uint32_t q = p; q < w->n_pairs && n < 4; q++) {
+            uint32_t tq, eq;
+            kv_rw_pair(r, w, q, &tq, &eq);
+            if (done[q] || eq != e) continue;
+            done[q] = 1;
+            grp[n] = q;
+            xs[n] = req->x + (size_t)tq * E;
+            ys[n] = out + (size_t)w->pair_slot[q] * E;
+            gs[n] = r->vg + (size_t)n * F;
+            us[n] = r->vu + (size_t)n * F;
+            kv_msg_result_pre_row(res, q, r->vg + (size_t)n * F, r->vu + (size_t)n * F);
+            n++;
         }
-        n_ok++;
+        kv_verify_report rep;
+        uint32_t bad = 0;
+        if (kv_verify_check_batch(r->ver, req->layer, e, n, xs, gs, us, ys, &bad, &rep, d)) {
+            w->caught = true;
+            kv_rw_evidence(r, w, res, grp[bad < n ? bad : 0]);
+            return kv_diag_prefix(d, KV_EPROTO, "caught lying: layer %u expert %u (pair %u)", req->layer, e,
+                                  grp[bad < n ? bad : 0]);
+        }
+        n_ok += n;
         /* sampled full recompute from the slab */
-        r->rng ^= r->rng << 13, r->rng ^= r->rng >> 7, r->rng ^= r->rng << 17;
-        if (r->o.recompute_rate > 0 && (double)(r->rng >> 11) * (1.0 / 9007199254740992.0) < r->o.recompute_rate) {
+        for (uint32_t j = 0; j < n; j++) {
+            r->rng ^= r->rng << 13, r->rng ^= r->rng >> 7, r->rng ^= r->rng << 17;
+            if (!(r->o.recompute_rate > 0 &&
+                  (double)(r->rng >> 11) * (1.0 / 9007199254740992.0) < r->o.recompute_rate))
+                continue;
+            const float *x = xs[j], *y = ys[j];
             memcpy(r->lx, x, (size_t)E * sizeof(float));
             r->lids[0] = (int32_t)e;
             const kv_expert_req lr = {req->layer, 1, E, 1, r->lx, r->lids, NULL};
@@ -572,7 +608,7 @@ static int kv_rw_verify(kv_remote *r, kv_rw *w, const kv_msg_result *res, const 
                 const bool ok = same ? memcmp(&r->vy[i], &y[i], 4) == 0 : fabsf(r->vy[i] - y[i]) <= 1e-4f * mx;
                 if (!ok) {
                     w->caught = true;
-                    kv_rw_evidence(r, w, res, p);
+                    kv_rw_evidence(r, w, res, grp[j]);
                     return kv_fail(d, KV_EPROTO, "caught lying: layer %u expert %u: a full recompute differs at element "
                                    "%u (%g, it said %g)", req->layer, e, i, (double)r->vy[i], (double)y[i]);
                 }
@@ -1269,6 +1305,7 @@ void kv_remote_free(kv_remote *r) {
     kv_manifest_free(r->m);
     kv_verify_free(r->ver);
     free(r->vg);
+    free(r->vdone);
     free(r->vu);
     free(r->vy);
     sodium_memzero(r->sk, sizeof r->sk);
@@ -1411,10 +1448,11 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         }
         if (pre > r_max) r_max = pre;
         if ((rc = kv_verify_new(&r->ver, r->n_layer, r->n_expert, r->n_embd, r->n_ff, opts->verify, d))) goto fail;
-        r->vg = malloc(r->n_ff * sizeof *r->vg);
-        r->vu = malloc(r->n_ff * sizeof *r->vu);
+        r->vdone = malloc(S ? S : 1);
+        r->vg = malloc(4 * (size_t)r->n_ff * sizeof *r->vg);
+        r->vu = malloc(4 * (size_t)r->n_ff * sizeof *r->vu);
         r->vy = malloc(r->n_embd * sizeof *r->vy);
-        if (!r->vg || !r->vu || !r->vy) {
+        if (!r->vdone || !r->vg || !r->vu || !r->vy) {
             rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
             goto fail;
         }
