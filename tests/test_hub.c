@@ -1951,8 +1951,18 @@ static void test_prove(void) {
     free(before);
     free(after);
 
-    /* a listed worker that stops answering is unlisted */
+    /* a node that trades shards serves them from a new worker, a new port on
+     * its host: its key signed the move and its replicas stay listed while
+     * the hub proves the new address */
+    test_worker a2 = {0};
+    ASSERT_EQ(worker_up(&a2, 800, hk, 0), 0);
+    ASSERT_EQ(do_register(&p, &a.key, kv_worker_addr(a2.w), sl, 2, NULL), 200);
+    ASSERT_TRUE(placed(&p, &a.key, 0) && placed(&p, &a.key, 1));
     worker_down(&a);
+    usleep(1200000);
+    ASSERT_TRUE(placed(&p, &a.key, 0) && placed(&p, &a.key, 1));
+    /* a listed worker that stops answering is unlisted */
+    worker_down(&a2);
     ASSERT_TRUE(!wait_placed(&p, &a.key, 0, false, 5000));
     worker_down(&liar);
     ASSERT_EQ(hub_stop(&p), 0);

@@ -52,6 +52,13 @@ int kv_hub_addr_subnet(const char *addr, char *host, size_t hcap, char *subnet, 
     return kv_fail(d, KV_EINVAL, "address '%.80s' must be a numeric IP and a port (the hub resolves no names)", addr);
 }
 
+bool kv_hub_same_host(const char *a, const char *b) { return a[0] && !strcmp(a, b); }
+
+bool kv_hub_same_host_addr(const char *host, const char *addr) {
+    char h[48], sn[48];
+    return !kv_hub_addr_subnet(addr, h, sizeof h, sn, sizeof sn, NULL) && kv_hub_same_host(host, h);
+}
+
 bool kv_hub_addr_loopback(const char *host) { return !strncmp(host, "127.", 4) || !strcmp(host, "::1"); }
 
 void kv_hub_prove_input(float *x, uint32_t n) {

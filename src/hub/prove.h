@@ -18,6 +18,10 @@
  * subnet (IPv4 /24 "a.b.c.0/24", IPv6 /48). A name instead of a numeric IP
  * is KV_EINVAL: the hub never resolves a stranger's names. */
 int kv_hub_addr_subnet(const char *addr, char *host, size_t hcap, char *subnet, size_t scap, kv_diag *d);
+/* Two hosts as kv_hub_addr_subnet writes them are the same (never an
+ * empty one); the second form takes an "IP:PORT" (false if it is not one). */
+bool kv_hub_same_host(const char *a, const char *b);
+bool kv_hub_same_host_addr(const char *host, const char *addr);
 /* 127.0.0.0/8 or ::1 (host as kv_hub_addr_subnet writes it). */
 bool kv_hub_addr_loopback(const char *host);
 /* n standard normal values from the CSPRNG. */

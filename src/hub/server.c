@@ -283,19 +283,27 @@ static int kv_node_take_slabs(kv_hub_node *n, uint32_t *sl, size_t ns, bool same
     return 0;
 }
 
-/* Sets n's address (already checked) with its host and subnet; a new
- * address starts unproven. Caller holds mu. */
+/* Sets n's address (already checked) with its host and subnet. A new host
+ * starts unproven. A new port on the same host keeps the proof of the slabs
+ * it keeps: a node that trades shards serves them from a new worker (a new
+ * port), and its key signed the move; the caller has the new address
+ * challenged at once, and coordinators check the key there themselves, so
+ * the map does not lose a node's replicas for each trade. Caller holds mu. */
 static void kv_node_set_addr(kv_hub_node *n, const char *addr) {
     if (!strcmp(n->addr, addr) && n->host[0]) return;
-    snprintf(n->addr, sizeof n->addr, "%s", addr);
-    if (kv_hub_addr_subnet(addr, n->host, sizeof n->host, n->subnet, sizeof n->subnet, NULL)) {
-        snprintf(n->host, sizeof n->host, "%.47s", addr); /* a record from an older hub: never proven */
-        snprintf(n->subnet, sizeof n->subnet, "%.47s", addr);
+    char host[sizeof n->host], subnet[sizeof n->subnet];
+    if (kv_hub_addr_subnet(addr, host, sizeof host, subnet, sizeof subnet, NULL)) {
+        snprintf(host, sizeof host, "%.47s", addr); /* a record from an older hub: never proven */
+        snprintf(subnet, sizeof subnet, "%.47s", addr);
     }
+    snprintf(n->addr, sizeof n->addr, "%s", addr);
+    n->gen++;
+    if (kv_hub_same_host(n->host, host)) return; /* the caller has it proven again at once */
+    memcpy(n->host, host, sizeof host);
+    memcpy(n->subnet, subnet, sizeof subnet);
     if (n->proven) memset(n->proven, 0, n->n_slabs);
     n->proven_ms = 0;
     n->passes = n->fails = 0;
-    n->gen++;
 }
 
 /* Whether slab i of n counts: proven, or the hub lists what is announced. */
@@ -1134,7 +1142,7 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     }
     if (!h->shared) nc->live = false;
     /* the proof of what is kept (same address, same slab) stays */
-    const bool same = !strcmp(n->addr, tmp.addr);
+    const bool same = n->host[0] && kv_hub_same_host_addr(n->host, tmp.addr);
     if (kv_node_take_slabs(n, sl, a.n_shards, same)) {
         pthread_mutex_unlock(&h->mu);
         ret = kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
@@ -1975,7 +1983,7 @@ static int kv_node_reload(void *arg, const kv_hub_node_rec *r) {
     char addr[KV_HUB_MAX_ADDR + 1];
     memcpy(addr, r->addr, sizeof addr);
     addr[KV_HUB_MAX_ADDR] = 0;
-    const bool same = !strcmp(n->addr, addr);
+    const bool same = n->host[0] && kv_hub_same_host_addr(n->host, addr), moved = strcmp(n->addr, addr) != 0;
     if (kv_node_take_slabs(n, sl, k, same)) {
         free(sl);
         return KV_ENOMEM;
@@ -1986,7 +1994,7 @@ static int kv_node_reload(void *arg, const kv_hub_node_rec *r) {
     n->counter = r->counter;
     n->last_seen_ms = r->last_seen_ms;
     n->registered_ms = r->registered_ms;
-    if (!same) n->probe_due_ms = 0; /* prove the new address at once */
+    if (moved) n->probe_due_ms = 0; /* prove the new address at once */
     return 0;
 }
 
