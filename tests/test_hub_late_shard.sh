@@ -100,7 +100,9 @@ for what in run bench; do
     kill -TERM "$last_node"
     wait "$last_node" 2>/dev/null || true
     wait_until 30 live_below 8 || fail "node 2's shards still live: $(market)"
-    (sleep 2; "$KV" node --hub "$url" --budget "$budget" --data "$dir/n2" --interval-ms 300 --threads 1 \
+    # exec: the node takes the subshell's pid, so the cleanup stops it
+    # (before, it stopped the subshell and the node lived on after the test)
+    (sleep 2; exec "$KV" node --hub "$url" --budget "$budget" --data "$dir/n2" --interval-ms 300 --threads 1 \
       >"$dir/n2b.out" 2>"$dir/n2b.err") &
     pids+=($!)
   fi

@@ -112,9 +112,16 @@ wait_until() {
   done
   return 1
 }
-full() { [ "$(market | jq .covered)" = true ] && [ "$(filled)" = "$1" ]; }
+# full N: covered, and N replicas count, both in one reading of the market
+# (kept in $dir/market.json: nodes trade meanwhile, and two readings can
+# see two markets)
+full() {
+  market >"$dir/market.json" || return 1
+  [ "$(jq .covered "$dir/market.json")" = true ] &&
+    [ "$(jq '[.shards[] | [.live, .wanted] | min] | add' "$dir/market.json")" = "$1" ]
+}
 wait_until 30 full 16 || fail "no full coverage: $(market)"
-echo "ok: four nodes reached full coverage: $(market | jq -c '[.shards[].live]')"
+echo "ok: four nodes reached full coverage: $(jq -c '[.shards[].live]' "$dir/market.json")"
 
 # every piece a node holds is the slicer's bytes
 for i in 1 2 3 4; do
@@ -170,8 +177,11 @@ gone() { ! curl -sf "$url/v1/placement" | jq -e --arg a "$victim" '[.shards[].no
 wait_until 30 gone || fail "the killed node is still placed"
 # three budgets hold 15 of the 16 wanted replicas: one shard stays scarce
 wait_until 30 full 15 || fail "the killed node's shards were not taken: $(market)"
-[ "$(market | jq '[.shards[] | select(.scarcity > 0)] | length')" = 1 ] || fail "scarcity: $(market)"
-echo "ok: after the kill the others took its shards: $(market | jq -c '[.shards[].live]')"
+# the market that showed 15: its one shard short is the one scarce shard
+[ "$(jq '[.shards[] | select(.scarcity > 0)] | length' "$dir/market.json")" = 1 ] &&
+  [ "$(jq -c '[.shards[] | select(.scarcity > 0) | .live < .wanted]' "$dir/market.json")" = '[true]' ] ||
+  fail "scarcity: $(cat "$dir/market.json")"
+echo "ok: after the kill the others took its shards: $(jq -c '[.shards[].live]' "$dir/market.json")"
 
 "$KV" run --hub "$url" --data "$dir/coord" "${RUN[@]}" --logits-out "$dir/hub3.bin" >"$dir/hub3.json" 2>"$dir/hub3.err" ||
   fail "run --hub after the change failed"

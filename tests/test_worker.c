@@ -930,20 +930,22 @@ static void test_ping_holders(void) {
 /* ---- the slot flood: silent sockets from several addresses, reopened as they close */
 
 /* n fresh connections from 127.0.0.1, each a handshake and one checked
- * COMPUTE, each tried up to `tries` times (20 ms, then twice as long
- * between tries, as a coordinator does when a worker has no room);
+ * COMPUTE. deadline_ms 0: one try each. Else tried again while deadline_ms
+ * have not passed since the first try, as a coordinator does when a worker
+ * answers its handshake with ERANGE (src/dispatch/remote.c kv_rw_busy:
+ * 20 ms, then twice as long, at most 1 s, until the handshake's deadline);
  * returns how many succeeded (the slowest in *worst_ms, the tries beyond
  * the first in *retries). */
-static int legit_rounds(const char *addr, int n, int tries, int64_t *worst_ms, int *retries) {
+static int legit_rounds(const char *addr, int n, int deadline_ms, int64_t *worst_ms, int *retries) {
     int ok = 0;
     *worst_ms = 0;
     *retries = 0;
     for (int i = 0; i < n; i++) {
         const int64_t t0 = now_ms();
         bool served = false;
-        for (int t = 0; t < tries && !served; t++) {
+        for (int t = 0; !served && (t == 0 || now_ms() - t0 < deadline_ms); t++) {
             if (t) {
-                usleep((useconds_t)(20000 << (t - 1)));
+                usleep((useconds_t)(t < 7 ? 20000 << (t - 1) : 1000000));
                 (*retries)++;
             }
             client g;
@@ -989,7 +991,7 @@ static void test_slot_flood(void) {
     usleep(400000); /* a is idle past --evict-idle; every place a stranger can get is taken */
     int64_t worst = 0;
     int retries = 0;
-    const int ok = legit_rounds(p.addr, n_legit, 1, &worst, &retries); /* each at the first try */
+    const int ok = legit_rounds(p.addr, n_legit, 0, &worst, &retries); /* each at the first try */
     const long opened = atomic_load(&f.opened);
     /* the idle authenticated connection kept its place through the flood */
     good_step(&a, "after sitting idle through the flood");
@@ -1002,7 +1004,12 @@ static void test_slot_flood(void) {
     ASSERT_TRUE(flood_start(&f, p.addr, 1, 1, 8));
     for (int t = 0; t < 100 && atomic_load(&f.opened) < 8; t++) usleep(10000);
     usleep(100000);
-    const int ok2 = legit_rounds(p.addr, n_legit, 4, &worst, &retries);
+    /* a coordinator that connects and is descheduled before its HELLO is
+     * sent (a loaded machine; under make asan -j2, 2 to 8 ms) is the oldest
+     * connection without a byte once 8 strangers have reconnected, and
+     * yields (ERANGE): it dials again, as remote.c does, within 5 s (4 tries,
+     * 140 ms, lost 1 to 3 of 30 there) */
+    const int ok2 = legit_rounds(p.addr, n_legit, 5000, &worst, &retries);
     const long opened2 = atomic_load(&f.opened);
     flood_stop(&f);
     printf("  8 silent sockets from the coordinator's own address (%ld opened): %d of %d handshakes succeeded "
