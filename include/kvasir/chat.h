@@ -13,8 +13,8 @@
  *
  * Known differences from the reference, none used by the shipped templates:
  * upper/lower/title change ASCII letters only; tojson(sort_keys=true)
- * orders keys by bytes, not by locale; `{% call %}` blocks and the
- * transformers-only `{% generation %}` tag are refused at parse time.
+ * orders keys by bytes, not by locale; `{% call %}` blocks are refused at
+ * parse time.
  *
  * Bounded: the template size, the nesting depth of the source and of the
  * evaluation (macro recursion), the loop iterations of one render (every

@@ -53,16 +53,46 @@ static jstr preprocess(jj_ctx *c, const char *src, size_t len) {
         }
     }
     b[m] = 0;
-    /* the transformers-only {% generation %} tag is not supported */
-    for (size_t i = 0; i + 1 < m; i++) {
-        if (b[i] != '{' || b[i + 1] != '%') continue;
-        size_t j = i + 2;
-        if (j < m && b[j] == '-') j++;
-        while (j < m && (b[j] == ' ' || b[j] == '\t' || b[j] == '\n' || b[j] == '\r')) j++;
-        if (j + 3 <= m && !memcmp(b + j, "end", 3)) j += 3;
-        if (j + 10 <= m && !memcmp(b + j, "generation", 10))
-            jj_fail(c, KV_EUNSUPPORTED, "chat template: the {%% generation %%} tag is not supported");
+    /* the transformers-only {% generation %} tag: removed, honouring its
+     * whitespace control (/(\s*){%(-?)\s*(?:end)?generation\s*(-?)%}(\s*)/gs) */
+    char *g = jj_alloc(c, m + 1);
+    size_t k = 0, last = 0;
+    for (size_t i = 0; i < m;) {
+        size_t j = i, l;
+        bool lstrip = false, rstrip = false, hit = false;
+        if (j + 1 < m && b[j] == '{' && b[j + 1] == '%') {
+            j += 2;
+            if (j < m && b[j] == '-') { lstrip = true; j++; }
+            while (j < m && jj_js_space(jj_utf8_dec(b + j, m - j, &l))) j += l;
+            if (j + 3 <= m && !memcmp(b + j, "end", 3) && j + 13 <= m && !memcmp(b + j + 3, "generation", 10)) j += 3;
+            if (j + 10 <= m && !memcmp(b + j, "generation", 10)) {
+                j += 10;
+                while (j < m && jj_js_space(jj_utf8_dec(b + j, m - j, &l))) j += l;
+                if (j < m && b[j] == '-') { rstrip = true; j++; }
+                hit = j + 1 < m + 0 && b[j] == '%' && b[j + 1] == '}';
+            }
+        }
+        if (!hit) {
+            g[k++] = b[i++];
+            continue;
+        }
+        j += 2;
+        if (lstrip) /* drop the whitespace just before, back to the last match */
+            while (k > last) {
+                size_t q = k - 1;
+                while (q > last && ((unsigned char)g[q] & 0xC0) == 0x80) q--;
+                if (!jj_js_space(jj_utf8_dec(g + q, k - q, &l)) || q + l != k) break;
+                k = q;
+            }
+        size_t a = j;
+        while (j < m && jj_js_space(jj_utf8_dec(b + j, m - j, &l))) j += l;
+        if (!rstrip) { memcpy(g + k, b + a, j - a); k += j - a; }
+        last = k;
+        i = j;
     }
+    g[k] = 0;
+    b = g;
+    m = k;
     return (jstr){b, m};
 }
 
