@@ -1345,6 +1345,9 @@ static int exec_for(jj_ctx *c, const jj_node *n, env *e, jj_sb *out) {
         jj_step(c, 1);
         jv loop = jv_obj_new(c, JV_OBJ);
         jj_obj *lo = loop.u.o;
+        lo->cap = 9; /* the nine fields below, in one allocation each */
+        lo->k = jj_alloc(c, 9 * sizeof *lo->k);
+        lo->v = jj_alloc(c, 9 * sizeof *lo->v);
         jj_obj_set(c, lo, (jstr){"index", 5}, jv_int((double)i + 1));
         jj_obj_set(c, lo, (jstr){"index0", 6}, jv_int((double)i));
         jj_obj_set(c, lo, (jstr){"revindex", 8}, jv_int((double)(ni - i)));
