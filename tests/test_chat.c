@@ -322,7 +322,7 @@ static void test_attack(void) {
             case 3: {                                                             /* duplicate a span */
                 size_t q = n ? rnd() % n : 0, l = rnd() % 40;
                 if (q + l > n) l = n - q;
-                if (n + l < 4 * slen) { memmove(buf + p + l, buf + p, n - p); memcpy(buf + p, buf + q + (q >= p ? l : 0), l); n += l; }
+                if (n + l < 4 * slen) { memmove(buf + p + l, buf + p, n - p); memmove(buf + p, buf + q + (q >= p ? l : 0), l); n += l; }
                 break;
             }
             default: {                                                            /* insert a token */
