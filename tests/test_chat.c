@@ -1,4 +1,6 @@
-/* Chat-template interpreter (src/chat/) unit semantics. What each part
+/* kv-test-labels: unit attack
+ *
+ * Chat-template interpreter (src/chat/) unit semantics. What each part
  * checks, and against what:
  *
  *  semantics   small templates whose output is worked out by hand from the

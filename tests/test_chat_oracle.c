@@ -1,4 +1,4 @@
-/* kv-test-labels: oracle
+/* kv-test-labels: oracle attack
  *
  * Chat templates rendered by src/chat/ against the reference Jinja
  * implementation of the Hugging Face ecosystem (@huggingface/jinja, pinned in
