@@ -430,7 +430,7 @@ static int kv_sw_expect(kv_frame_rx *rx, int fd, uint16_t type, const char *addr
  * the hub's voucher), then STATS, which a worker answers only then. */
 static int kv_sw_worker_stats(const char *addr, const char *model_id, const uint8_t worker_key[32],
                               const kv_sw_auth *au, kv_msg_stats *out, kv_diag *d) {
-    int fd = -1, rc = kv_proto_connect(addr, 2000, &fd, d);
+    int fd = -1, rc = kv_link_connect(addr, 2000, &fd, d);
     if (rc) return rc;
     enum { CAP = 1u << 20 };
     uint8_t *buf = malloc(CAP), ob[KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE + KV_PROTO_HELLO_SIZE];
@@ -459,7 +459,7 @@ static int kv_sw_worker_stats(const char *addr, const char *model_id, const uint
     memcpy(a.key, au->key.pk, 32);
     randombytes_buf(a.nonce, sizeof a.nonce);
     kv_dispatch_digest('C', model_id, ver, worker_key, challenge, au->key.pk, a.nonce, dg);
-    kv_dispatch_sign(au->key.sk, dg, a.sig);
+    kv_link_sign(au->key.sk, dg, a.sig);
     if (au->has_voucher) {
         a.flags = KV_PROTO_AUTH_VOUCHER;
         a.voucher_expires_ms = au->voucher.expires_ms;
@@ -470,7 +470,7 @@ static int kv_sw_worker_stats(const char *addr, const char *model_id, const uint
     if ((rc = kv_proto_write_all(fd, ob, n, 2000, d)) || (rc = kv_sw_expect(&rx, fd, KV_MSG_AUTH_OK, addr, &m, d)))
         goto done;
     kv_dispatch_digest('W', model_id, ver, worker_key, challenge, au->key.pk, a.nonce, dg);
-    if (kv_dispatch_verify(worker_key, dg, m.u.auth_ok)) {
+    if (kv_link_verify(worker_key, dg, m.u.auth_ok)) {
         rc = kv_fail(d, KV_EAUTH, "%s: its AUTH_OK does not verify", addr);
         goto done;
     }

@@ -51,7 +51,7 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
     const int answer_ms = o->answer_ms > 0 ? o->answer_ms : 1500;
     const double t0 = kv_probe_now_ms();
     double deadline = t0 + connect_ms;
-    int fd = -1, rc = kv_proto_connect(o->addr, connect_ms, &fd, d);
+    int fd = -1, rc = kv_link_connect(o->addr, connect_ms, &fd, d);
     if (rc) return rc;
     res->connected = true;
     /* the largest frame read is a RESULT of one pair, or a HELLO_ACK */
@@ -94,7 +94,7 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
     memcpy(a.key, o->sk + 32, 32);
     randombytes_buf(a.nonce, sizeof a.nonce);
     kv_dispatch_digest('C', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
-    kv_dispatch_sign(o->sk, dg, a.sig);
+    kv_link_sign(o->sk, dg, a.sig);
     if (o->voucher) {
         a.flags = KV_PROTO_AUTH_VOUCHER;
         a.voucher_expires_ms = o->voucher->expires_ms;
@@ -106,7 +106,7 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
         (rc = kv_probe_expect(&rx, fd, deadline, NULL, KV_MSG_AUTH_OK, o->addr, &m, d)))
         goto done;
     kv_dispatch_digest('W', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
-    if (kv_dispatch_verify(o->worker_key, dg, m.u.auth_ok)) {
+    if (kv_link_verify(o->worker_key, dg, m.u.auth_ok)) {
         rc = kv_fail(d, KV_EAUTH, "%s: its AUTH_OK does not verify", o->addr);
         goto done;
     }
