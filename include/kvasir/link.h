@@ -13,6 +13,11 @@
  *     one model until a time (docs/HUB.md, POST /v1/voucher), honoured by
  *     workers and ring nodes that trust that hub.
  *   - Addresses: "HOST:PORT" / "[v6]:PORT", and a blocking TCP dial.
+ *   - The coordinator's side of the dispatch key handshake (docs/PROTOCOL.md,
+ *     v3 and later) as one blocking call: HELLO, HELLO_ACK, AUTH_CHALLENGE
+ *     (the worker's key must be the one expected), AUTH (the caller's key
+ *     over the transcript, with a voucher when given), AUTH_OK (the worker's
+ *     signature over the same transcript, verified).
  *
  * Everything here is thread-safe and keeps no state; every wait is bounded. */
 #ifndef KVASIR_LINK_H
@@ -25,6 +30,7 @@
 #include "kvasir/err.h"
 
 #define KV_LINK_MODEL_ID_LEN 64u /* a model identity: 64 lowercase hex digits */
+#define KV_LINK_MAX_NAME 64u     /* bytes of a worker's backend name (HELLO_ACK) */
 
 /* ---- hex (src/link/identity.c) -------------------------------------------- */
 
@@ -93,5 +99,38 @@ int kv_link_parse_addr(const char *host_port, char *host, size_t hcap, uint16_t 
  * the fd (blocking; the caller closes it), or KV_EIO / KV_ETIMEOUT /
  * KV_EINVAL (bad address). */
 int kv_link_connect(const char *host_port, int timeout_ms, int *fd, kv_diag *d);
+
+/* ---- the dispatch handshake, coordinator side (src/link/dial.c) ----------- */
+
+typedef struct kv_link_dispatch_opts {
+    const char *addr;          /* "HOST:PORT" of the worker */
+    const char *model_id;      /* 64 hex digits: the HELLO names it, the HELLO_ACK must echo it */
+    const uint8_t *worker_key; /* [32] the key the worker must prove */
+    const uint8_t *sk;         /* [64] the caller's secret key (seed || pk) */
+    const kv_voucher *voucher; /* a hub voucher for the caller's key; NULL = none */
+    uint32_t n_embd;           /* the width the worker must serve; 0 = not checked */
+    int timeout_ms;            /* connect, and the whole handshake after it; 0 = 2000 */
+} kv_link_dispatch_opts;
+
+/* An authenticated dispatch connection, filled as far as the dial got. */
+typedef struct kv_link_dispatch {
+    int fd;                            /* the socket (blocking); -1 unless the handshake passed */
+    bool connected;                    /* TCP connected */
+    uint16_t version;                  /* the version the worker chose (HELLO_ACK); frames use it */
+    uint32_t n_embd;                   /* the worker's model width (HELLO_ACK) */
+    char backend[KV_LINK_MAX_NAME + 1]; /* the worker's backend name (HELLO_ACK) */
+} kv_link_dispatch;
+
+/* Dials o->addr and runs the coordinator's side of the dispatch handshake.
+ * Returns 0 with out->fd open and authenticated both ways (the caller
+ * closes it, and writes its frames at out->version); otherwise out->fd is
+ * -1 and: KV_EAUTH when the worker speaks no authenticated version, proves
+ * another key than o->worker_key or signs an AUTH_OK that does not verify;
+ * the worker's own code when it answered an ERROR (KV_EAUTH for a key or
+ * voucher it refuses); KV_EPROTO for another model or an unexpected frame;
+ * KV_ETIMEOUT past the deadline; KV_EIO when unreachable or closed; KV_EINVAL
+ * for bad arguments. Every frame is decoded by the dispatch codec; the
+ * receive buffer is bounded by the largest HELLO_ACK. */
+int kv_link_dial_dispatch(const kv_link_dispatch_opts *o, kv_link_dispatch *out, kv_diag *d);
 
 #endif
