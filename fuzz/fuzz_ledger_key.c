@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kvasir/ledger.h"
+#include "kvasir/link.h"
 
 #define CHECK(x)                    \
     do {                            \
@@ -24,7 +25,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int rc = kv_wallet_parse(&w, b, size, &d);
     if (rc == 0) {
         char hex[65], line[128];
-        kv_hex32(w.sk, hex);
+        kv_hex(w.sk, 32, hex);
         int n = snprintf(line, sizeof line, "kvasir-ed25519-v1 %s\n", hex);
         CHECK((size == (size_t)n || size == (size_t)n - 1) && !memcmp(w.sk + 32, w.pk, 32));
         for (size_t i = 0; i < size; i++) {
@@ -39,7 +40,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     rc = kv_wallet_parse_node_key(&w, b, size, &d);
     if (rc == 0) {
         char hex[65];
-        kv_hex32(w.sk, hex);
+        kv_hex(w.sk, 32, hex);
         CHECK(size == 65 && !memcmp(b, hex, 64) && b[64] == '\n' && !memcmp(w.sk + 32, w.pk, 32));
     } else {
         CHECK(rc < 0 && d.msg[0] && !strchr(d.msg, '\n'));

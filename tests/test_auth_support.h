@@ -94,7 +94,7 @@ static KVT_UNUSED int kvt_auth_v(int fd, kv_frame_rx *rx, uint8_t *tx, size_t tx
     randombytes_buf(a.nonce, 32);
     uint8_t dg[32];
     kv_dispatch_digest('C', model_id, version, ch.worker_key, ch.challenge, a.key, a.nonce, dg);
-    kv_dispatch_sign(sk, dg, a.sig);
+    kv_link_sign(sk, dg, a.sig);
     if (v) {
         a.flags = KV_PROTO_AUTH_VOUCHER;
         a.voucher_expires_ms = v->expires_ms;
@@ -113,7 +113,7 @@ static KVT_UNUSED int kvt_auth_v(int fd, kv_frame_rx *rx, uint8_t *tx, size_t tx
     }
     if (m.h.type != KV_MSG_AUTH_OK) return kv_fail(d, KV_EPROTO, "expected AUTH_OK, got %u", m.h.type);
     kv_dispatch_digest('W', model_id, version, ch.worker_key, ch.challenge, a.key, a.nonce, dg);
-    if (kv_dispatch_verify(ch.worker_key, dg, m.u.auth_ok)) return kv_fail(d, KV_EAUTH, "AUTH_OK does not verify");
+    if (kv_link_verify(ch.worker_key, dg, m.u.auth_ok)) return kv_fail(d, KV_EAUTH, "AUTH_OK does not verify");
     return 0;
 }
 
@@ -139,9 +139,9 @@ static KVT_UNUSED int kvt_worker_auth(int fd, kv_frame_rx *rx, const char *model
     if (rc) return rc;
     uint8_t dg[32], sig[64];
     kv_dispatch_digest('C', model_id, version, ch.worker_key, ch.challenge, m.u.auth.key, m.u.auth.nonce, dg);
-    if (kv_dispatch_verify(m.u.auth.key, dg, m.u.auth.sig)) return kv_fail(d, KV_EAUTH, "AUTH does not verify");
+    if (kv_link_verify(m.u.auth.key, dg, m.u.auth.sig)) return kv_fail(d, KV_EAUTH, "AUTH does not verify");
     kv_dispatch_digest('W', model_id, version, ch.worker_key, ch.challenge, m.u.auth.key, m.u.auth.nonce, dg);
-    kv_dispatch_sign(sk, dg, sig);
+    kv_link_sign(sk, dg, sig);
     kv_frame_rx_reset(rx);
     if ((rc = kv_msg_auth_ok_encode(buf, sizeof buf, m.h.request_id, sig, &n, d))) return rc;
     kv_frame_set_version(buf, version);

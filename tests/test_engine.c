@@ -155,7 +155,7 @@ static bool worker_start(proc *p, const char *slabs) {
     p->pid = pid;
     for (int i = 0; i < 250; i++) {
         int fd = -1;
-        if (!kv_proto_connect(p->addr, 200, &fd, NULL)) {
+        if (!kv_link_connect(p->addr, 200, &fd, NULL)) {
             close(fd);
             return true;
         }

@@ -1148,7 +1148,7 @@ static void test_worker_batched(void) {
     bool up = false;
     for (int i = 0; i < 500 && !up; i++) {
         int fd = -1;
-        if (!kv_proto_connect(addr, 200, &fd, NULL)) {
+        if (!kv_link_connect(addr, 200, &fd, NULL)) {
             close(fd);
             up = true;
         } else {

@@ -1639,7 +1639,7 @@ static uint8_t *signed_compute(const char *addr, const uint8_t wpk[32], const kv
     kv_frame_rx rx;
     kv_frame_rx_init(&rx, rb, cap);
     size_t n = 0;
-    int rc = kv_proto_connect(addr, 2000, &fd, &d);
+    int rc = kv_link_connect(addr, 2000, &fd, &d);
     kv_msg_hello h = {KV_PROTO_AUTH_VERSION, max_version, {0}, 1u << KV_ENC_F32};
     memcpy(h.model_id, g_m->model_id, KV_PROTO_MODEL_ID_LEN);
     if (!rc) rc = kv_msg_hello_encode(ob, cap, 1, &h, &n, &d) || kv_proto_write_all(fd, ob, n, 2000, &d) ||
@@ -1656,7 +1656,7 @@ static uint8_t *signed_compute(const char *addr, const uint8_t wpk[32], const kv
         memcpy(a.voucher_sig, v->sig, 64);
         randombytes_buf(a.nonce, 32);
         kv_dispatch_digest('C', g_m->model_id, ver, wpk, m->u.challenge.challenge, a.key, a.nonce, dg);
-        kv_dispatch_sign(c->sk, dg, a.sig);
+        kv_link_sign(c->sk, dg, a.sig);
         rc = kv_msg_auth_encode(ob, cap, 2, &a, &n, &d);
         kv_frame_set_version(ob, ver);
         kv_frame_rx_reset(&rx);

@@ -41,6 +41,7 @@
 #include "kvasir/engine.h"
 #include "kvasir/gen.h"
 #include "kvasir/ledger.h"
+#include "kvasir/link.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
 
@@ -83,7 +84,7 @@ static bool start_worker(proc *p, const char *slabs) {
         FILE *f = freopen("/dev/null", "w", stdout);
         (void)f;
         char allow[65];
-        kv_hex32(g_coord.pk, allow);
+        kv_hex(g_coord.pk, 32, allow);
         execl(g_bin, g_bin, "worker", "--slabs", slabs, "--listen", p->addr, "--threads", "1", "--quiet",
               "--allow-key", allow, (char *)NULL);
         _exit(127);
@@ -91,7 +92,7 @@ static bool start_worker(proc *p, const char *slabs) {
     p->pid = pid;
     for (int i = 0; i < 250; i++) {
         int fd = -1;
-        if (!kv_proto_connect(p->addr, 200, &fd, NULL)) {
+        if (!kv_link_connect(p->addr, 200, &fd, NULL)) {
             close(fd);
             return true;
         }

@@ -532,11 +532,11 @@ static void test_auth_frames(void) {
     /* sign / verify, against libsodium directly */
     uint8_t pk[32], sk[64], s2[64];
     crypto_sign_keypair(pk, sk);
-    kv_dispatch_sign(sk, base, s2);
+    kv_link_sign(sk, base, s2);
     ASSERT_EQ(crypto_sign_verify_detached(s2, base, 32, pk), 0);
-    ASSERT_EQ(kv_dispatch_verify(pk, base, s2), 0);
+    ASSERT_EQ(kv_link_verify(pk, base, s2), 0);
     s2[0] ^= 1;
-    ASSERT_EQ(kv_dispatch_verify(pk, base, s2), KV_EAUTH);
+    ASSERT_EQ(kv_link_verify(pk, base, s2), KV_EAUTH);
     /* voucher digest: key and expiry bound */
     uint8_t v1[32], v2[32];
     kv_voucher_digest(mid, f[0], 1000, v1);
@@ -673,14 +673,14 @@ static void test_stream(void) {
     /* addresses */
     char host[64];
     uint16_t port;
-    ASSERT_EQ(kv_proto_parse_addr("127.0.0.1:8080", host, sizeof host, &port, &d), 0);
+    ASSERT_EQ(kv_link_parse_addr("127.0.0.1:8080", host, sizeof host, &port, &d), 0);
     ASSERT_TRUE(!strcmp(host, "127.0.0.1") && port == 8080);
-    ASSERT_EQ(kv_proto_parse_addr("[::1]:0", host, sizeof host, &port, &d), 0);
+    ASSERT_EQ(kv_link_parse_addr("[::1]:0", host, sizeof host, &port, &d), 0);
     ASSERT_TRUE(!strcmp(host, "::1") && port == 0);
-    ASSERT_EQ(kv_proto_parse_addr("127.0.0.1", host, sizeof host, &port, &d), KV_EINVAL);
-    ASSERT_EQ(kv_proto_parse_addr("h:70000", host, sizeof host, &port, &d), KV_EINVAL);
-    ASSERT_EQ(kv_proto_parse_addr("h:12a", host, sizeof host, &port, &d), KV_EINVAL);
-    ASSERT_EQ(kv_proto_parse_addr(":80", host, sizeof host, &port, &d), KV_EINVAL);
+    ASSERT_EQ(kv_link_parse_addr("127.0.0.1", host, sizeof host, &port, &d), KV_EINVAL);
+    ASSERT_EQ(kv_link_parse_addr("h:70000", host, sizeof host, &port, &d), KV_EINVAL);
+    ASSERT_EQ(kv_link_parse_addr("h:12a", host, sizeof host, &port, &d), KV_EINVAL);
+    ASSERT_EQ(kv_link_parse_addr(":80", host, sizeof host, &port, &d), KV_EINVAL);
 }
 
 /* ---- golden frames ----------------------------------------------------------------
@@ -959,7 +959,7 @@ static void test_evidence(void) {
     }
     kv_result_root((const uint8_t(*)[32])leaves, P, root);
     kv_result_digest(mid, wpk, cpk, 7, KV_ENC_F16, KV_ENC_BF16, P, root, dg);
-    kv_dispatch_sign(wsk, dg, sig);
+    kv_link_sign(wsk, dg, sig);
     kv_diag d = {0};
     for (uint32_t p = 0; p < P; p++) {
         kv_evidence ev = {.layer = 7, .enc = KV_ENC_F16, .out_enc = KV_ENC_BF16, .n_pairs = P, .pair = p,

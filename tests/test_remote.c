@@ -94,7 +94,7 @@ static bool port_open(uint16_t port) {
     int fd = -1;
     char addr[32];
     snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
-    if (kv_proto_connect(addr, 200, &fd, NULL)) return false;
+    if (kv_link_connect(addr, 200, &fd, NULL)) return false;
     close(fd);
     return true;
 }
@@ -150,7 +150,7 @@ static void kill_worker(proc *p, int sig) {
 /* The worker's own counters, over a fresh connection (HELLO, STATS). */
 static bool worker_stats(const proc *p, const char *model_id, kv_msg_stats *out) {
     int fd = -1;
-    if (kv_proto_connect(p->addr, 1000, &fd, NULL)) return false;
+    if (kv_link_connect(p->addr, 1000, &fd, NULL)) return false;
     uint8_t buf[1 << 16];
     size_t n;
     kv_msg_hello h = {KV_PROTO_VERSION_MIN, KV_PROTO_VERSION, {0}, 1u};
@@ -774,7 +774,7 @@ static void test_slow_replica(void) {
  * stays open (holding a place); the fd, or -1. */
 static int hold_place(const proc *p, const char *model_id) {
     int fd = -1;
-    if (kv_proto_connect(p->addr, 1000, &fd, NULL)) return -1;
+    if (kv_link_connect(p->addr, 1000, &fd, NULL)) return -1;
     static uint8_t buf[1 << 16];
     size_t n;
     kv_msg_hello h = {KV_PROTO_VERSION_MIN, KV_PROTO_VERSION, {0}, 1u};

@@ -355,10 +355,10 @@ static void test_auth(void) {
     ASSERT_TRUE(!memcmp(dg, ref, 32));
     kv_ring_auth_digest('A', ID, pk2, ch, pk, a.nonce, ref);
     ASSERT_TRUE(memcmp(dg, ref, 32)); /* the roles sign different texts */
-    kv_dispatch_sign(sk, dg, a.sig);
-    ASSERT_EQ(kv_dispatch_verify(pk, dg, a.sig), 0);
-    ASSERT_EQ(kv_dispatch_verify(pk2, dg, a.sig), KV_EAUTH);
-    ASSERT_EQ(kv_dispatch_verify(pk, ref, a.sig), KV_EAUTH);
+    kv_link_sign(sk, dg, a.sig);
+    ASSERT_EQ(kv_link_verify(pk, dg, a.sig), 0);
+    ASSERT_EQ(kv_link_verify(pk2, dg, a.sig), KV_EAUTH);
+    ASSERT_EQ(kv_link_verify(pk, ref, a.sig), KV_EAUTH);
     size_t n;
     ASSERT_EQ(kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &n, NULL), 0);
     ASSERT_EQ(n, KV_RING_HEADER + 128);

@@ -139,7 +139,7 @@ static int client_open(client *c, const char *addr) {
     c->ackbuf = malloc(1u << 20);
     kv_frame_rx_init(&c->rx, c->buf, 8u << 20);
     c->next_id = 1;
-    int rc = kv_proto_connect(addr, 2000, &c->fd, &d);
+    int rc = kv_link_connect(addr, 2000, &c->fd, &d);
     if (rc) fprintf(stderr, "connect: %s\n", d.msg);
     return rc;
 }
@@ -839,7 +839,7 @@ static void test_silent_flood(void) {
     int fds[64], n_open = 0;
     for (int i = 0; i < 64; i++) {
         fds[i] = -1;
-        if (!kv_proto_connect(p.addr, 1000, &fds[i], NULL)) n_open++;
+        if (!kv_link_connect(p.addr, 1000, &fds[i], NULL)) n_open++;
     }
     ASSERT_EQ(n_open, 64);
     const int64_t t0 = now_ms();
@@ -1286,7 +1286,7 @@ static kv_msg_auth make_auth(const kv_msg_auth_challenge *ch, const uint8_t sk[6
     randombytes_buf(a.nonce, 32);
     uint8_t dg[32];
     kv_dispatch_digest('C', g_model_id, KV_PROTO_VERSION, ch->worker_key, ch->challenge, a.key, a.nonce, dg);
-    kv_dispatch_sign(sk, dg, a.sig);
+    kv_link_sign(sk, dg, a.sig);
     return a;
 }
 
@@ -1364,10 +1364,10 @@ static void test_auth(void) {
     if (m.h.type == KV_MSG_AUTH_OK) {
         uint8_t dg[32];
         kv_dispatch_digest('W', g_model_id, KV_PROTO_VERSION, ch.worker_key, ch.challenge, a.key, a.nonce, dg);
-        ASSERT_EQ(kv_dispatch_verify(ch.worker_key, dg, m.u.auth_ok), 0);
+        ASSERT_EQ(kv_link_verify(ch.worker_key, dg, m.u.auth_ok), 0);
         /* the worker's signature does not pass for the coordinator's role */
         kv_dispatch_digest('C', g_model_id, KV_PROTO_VERSION, ch.worker_key, ch.challenge, a.key, a.nonce, dg);
-        ASSERT_EQ(kv_dispatch_verify(ch.worker_key, dg, m.u.auth_ok), KV_EAUTH);
+        ASSERT_EQ(kv_link_verify(ch.worker_key, dg, m.u.auth_ok), KV_EAUTH);
     }
     good_step(&c, "after AUTH");
     /* a second AUTH on an authenticated connection is a protocol error */
@@ -1394,7 +1394,7 @@ static void test_auth(void) {
         memcpy(v.key, vc[i].for_key, 32);
         uint8_t dg[32];
         kv_voucher_digest(g_model_id, v.key, v.expires_ms, dg);
-        kv_dispatch_sign(vc[i].signer, dg, v.sig);
+        kv_link_sign(vc[i].signer, dg, v.sig);
         hello_only(&c, &p, &ack);
         int code = 0;
         const int rc = kvt_auth_v(c.fd, &c.rx, c.tx, 1 << 20, g_model_id, KV_PROTO_VERSION, other_sk, &v, NULL, &code, &d);

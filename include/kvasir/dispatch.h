@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #include "kvasir/err.h"
+#include "kvasir/link.h"
 #include "kvasir/moe.h"
 #include "kvasir/pool.h"
 
@@ -233,14 +234,6 @@ typedef struct kv_msg_auth {
     uint8_t voucher_sig[64];     /* hub's signature over kv_voucher_digest; zeros without */
 } kv_msg_auth;
 
-/* A hub voucher: the hub's statement that it vouches for a coordinator key
- * for one model until a time (see docs/HUB.md, POST /v1/voucher). */
-typedef struct kv_voucher {
-    uint8_t key[32];     /* the coordinator key vouched for */
-    uint64_t expires_ms; /* Unix ms */
-    uint8_t sig[64];     /* by the hub's key over kv_voucher_digest(model, key, expires) */
-} kv_voucher;
-
 /* Limits a decoder checks besides the protocol maxima: the receiver's model
  * dims (0 = unknown, not checked). */
 typedef struct kv_proto_limits {
@@ -392,16 +385,8 @@ int kv_msg_auth_ok_encode(uint8_t *buf, size_t cap, uint32_t request_id, const u
 void kv_dispatch_digest(char role, const char model_id[KV_PROTO_MODEL_ID_LEN], uint16_t version,
                     const uint8_t worker_key[32], const uint8_t challenge[32], const uint8_t coord_key[32],
                     const uint8_t coord_nonce[32], uint8_t out[32]);
-/* The text a hub signs in a voucher: SHA-256 over "kvasir-voucher-v1\n",
- * the model id, the coordinator key and expires_ms (u64 LE). Pure. */
-void kv_voucher_digest(const char model_id[KV_PROTO_MODEL_ID_LEN], const uint8_t key[32], uint64_t expires_ms,
-                       uint8_t out[32]);
-/* Ed25519 over a 32-byte digest with a libsodium secret key (seed || pk);
- * verify: 0 or KV_EAUTH. Thread-safe. */
-void kv_dispatch_sign(const uint8_t sk[64], const uint8_t digest[32], uint8_t sig[64]);
-int kv_dispatch_verify(const uint8_t pk[32], const uint8_t digest[32], const uint8_t sig[64]);
-/* "64 lowercase hex digits" -> 32 bytes; KV_EINVAL otherwise. */
-int kv_key_from_hex(const char *hex, uint8_t out[32], kv_diag *d);
+/* Keys, hex, signatures and hub vouchers (kv_voucher, kv_link_sign,
+ * kv_link_verify, kv_voucher_digest, kv_key_from_hex): kvasir/link.h. */
 /* Keys from --allow-key VALUE: 64 hex digits, or a file with one key per
  * line ('#' comments and blank lines skipped; at most KV_PROTO_MAX_KEYS).
  * Appends to *keys (realloc'd; caller frees) and *n. KV_EINVAL / KV_EIO. */
@@ -548,14 +533,6 @@ int kv_proto_write_all(int fd, const void *buf, size_t n, int timeout_ms, kv_dia
  * decode error. An ERROR frame decodes successfully (out->h.type). */
 int kv_proto_read_msg(kv_frame_rx *rx, int fd, int timeout_ms, const kv_proto_limits *lim,
                       kv_msg *out, kv_diag *d);
-
-/* Connects a TCP socket to "HOST:PORT" (numeric IPv4/IPv6 or a name),
- * blocking, within timeout_ms; sets TCP_NODELAY and CLOEXEC. Returns 0 and
- * the fd, or KV_EIO / KV_ETIMEOUT / KV_EINVAL (bad address). */
-int kv_proto_connect(const char *host_port, int timeout_ms, int *fd, kv_diag *d);
-/* Splits "HOST:PORT" / "[v6]:PORT" into host[hcap] and port; KV_EINVAL. */
-int kv_proto_parse_addr(const char *host_port, char *host, size_t hcap, uint16_t *port,
-                        kv_diag *d);
 
 /* ---- worker ------------------------------------------------------------- */
 

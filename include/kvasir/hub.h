@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include "kvasir/err.h"
+#include "kvasir/link.h" /* kv_node_key, kv_hex */
 
 #define KV_HUB_SIG_DOMAIN "kvasir-hub-v1"
 #define KV_HUB_MAX_BODY (1u << 20)        /* default bound on a request body */
@@ -134,23 +135,13 @@ int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
 
 /* ---- node identity (client side) --------------------------------------- */
 
-typedef struct kv_node_key {
-    uint8_t pk[32];        /* Ed25519 public key */
-    uint8_t sk[64];        /* secret key (libsodium layout: seed || pk) */
-    uint64_t last_counter; /* last counter handed out by kv_node_next_counter */
-} kv_node_key;
-
 /* Loads DIR/node.key, or, when it does not exist and create is true, makes
  * DIR (0700) and a new key file (0600, 64 hex digits of seed + newline,
  * written to a temporary name and renamed). A file of any other size or
  * content is KV_EFORMAT; it is never overwritten. */
 int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d);
-/* The same for a key file at any path (its folder made 0700 if missing):
- * a coordinator's --key FILE. */
-int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d);
-/* Deterministic key from a 32-byte seed (tests, load generator). */
-void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]);
-void kv_hex(const uint8_t *b, size_t n, char *out); /* 2n digits + NUL */
+/* A key file at any path (a coordinator's --key FILE), and keys from a
+ * seed: kv_key_file_load and kv_node_key_from_seed in kvasir/link.h. */
 /* Strictly increasing: max(last + 1, wall clock in microseconds), so a node
  * that restarts without state still outruns the counters it used before. */
 uint64_t kv_node_next_counter(kv_node_key *k);

@@ -94,9 +94,9 @@ int kv_wallet_load(kv_wallet *w, const char *path, kv_diag *d);
 int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d);
 /* The node key format (exactly 65 bytes). Returns 0 or KV_EFORMAT. */
 int kv_wallet_parse_node_key(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d);
-/* Lower-case hex of 32 bytes into out[65]. */
-void kv_hex32(const uint8_t b[32], char out[65]);
-/* Parses exactly 64 hex digits. Returns 0 or KV_EFORMAT. */
+/* A key in an account id or a wallet: exactly 64 hex digits of either case
+ * (kv_unhex of kvasir/link.h; ids are printed with kv_hex, lowercase).
+ * Returns 0 or KV_EFORMAT. */
 int kv_unhex32(const char *s, uint8_t out[32], kv_diag *d);
 
 /* ---- accounts ---------------------------------------------------------------

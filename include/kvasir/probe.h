@@ -1,5 +1,6 @@
 /* Probe: a short, blocking dispatch client that proves who serves an address
- * and that it computes what it claims (src/dispatch/probe.c).
+ * and that it computes what it claims, or reads its counters
+ * (src/dispatch/probe.c; the handshake is kv_link_dial_dispatch's).
  *
  * The hub dials every node it would list: the worker at the announced
  * address must prove the node's key in the v3 handshake (so a stranger's key
@@ -59,5 +60,11 @@ typedef struct kv_probe_result {
  * returned as they came (the caller judges them). */
 int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t n_tasks, const float *x, float *y,
                     kv_probe_result *res, kv_diag *d);
+
+/* A worker's counters: the same handshake, then STATS, which a worker
+ * answers only on an authenticated connection. o->n_embd may be 0 (not
+ * checked); o->answer_ms bounds the STATS answer (0 = 2000). Returns 0 and
+ * *out, or the handshake's errors, or the worker's ERROR code. */
+int kv_probe_stats(const kv_probe_opts *o, kv_msg_stats *out, kv_diag *d);
 
 #endif

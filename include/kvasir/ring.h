@@ -391,7 +391,7 @@ void kv_ring_hub_stop(kv_ring_hub *h);
 
 /* ---- the client ----------------------------------------------------------- */
 
-struct kv_voucher; /* kvasir/dispatch.h */
+struct kv_voucher; /* kvasir/link.h */
 
 /* Called for every token streamed back (logits NULL unless asked for;
  * n_vocab floats). Return non-zero to stop reading (the request is then

@@ -25,7 +25,6 @@
 #include <inttypes.h>
 #include <jansson.h>
 #include <signal.h>
-#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +38,7 @@
 #include "kvasir/dispatch.h"
 #include "kvasir/hub.h"
 #include "kvasir/node.h"
+#include "kvasir/probe.h"
 #include "kvasir/slice.h"
 
 #define CMD "swarm"
@@ -414,75 +414,14 @@ typedef struct kv_sw_auth {
     bool has_voucher;
 } kv_sw_auth;
 
-/* Reads one frame of an expected type; an ERROR frame becomes the error. */
-static int kv_sw_expect(kv_frame_rx *rx, int fd, uint16_t type, const char *addr, kv_msg *m, kv_diag *d) {
-    kv_frame_rx_reset(rx);
-    int rc = kv_proto_read_msg(rx, fd, 2000, NULL, m, d);
-    if (rc) return rc;
-    if (m->h.type == KV_MSG_ERROR) return kv_fail(d, m->u.error.code, "%s: %s", addr, m->u.error.msg);
-    if (m->h.type != type) return kv_fail(d, KV_EPROTO, "%s: frame type %u where %u was due", addr, m->h.type, type);
-    return 0;
-}
-
-/* A worker's counters over the dispatch protocol: HELLO (v3) with the
- * model id, the authentication (the worker must prove worker_key, the key
- * the node's own key file holds; we prove the swarm's coordinator key with
- * the hub's voucher), then STATS, which a worker answers only then. */
+/* A worker's counters (kv_probe_stats): the worker must prove worker_key,
+ * the key the node's own key file holds; we prove the swarm's coordinator
+ * key with the hub's voucher. */
 static int kv_sw_worker_stats(const char *addr, const char *model_id, const uint8_t worker_key[32],
                               const kv_sw_auth *au, kv_msg_stats *out, kv_diag *d) {
-    int fd = -1, rc = kv_proto_connect(addr, 2000, &fd, d);
-    if (rc) return rc;
-    enum { CAP = 1u << 20 };
-    uint8_t *buf = malloc(CAP), ob[KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE + KV_PROTO_HELLO_SIZE];
-    if (!buf) {
-        close(fd);
-        return kv_fail(d, KV_ENOMEM, "out of memory");
-    }
-    kv_msg_hello h = {KV_PROTO_AUTH_VERSION, KV_PROTO_VERSION, {0}, 1u << KV_ENC_F32};
-    snprintf(h.model_id, sizeof h.model_id, "%s", model_id);
-    size_t n = 0;
-    kv_frame_rx rx;
-    kv_frame_rx_init(&rx, buf, CAP);
-    kv_msg m;
-    if ((rc = kv_msg_hello_encode(ob, sizeof ob, 1, &h, &n, d)) || (rc = kv_proto_write_all(fd, ob, n, 2000, d)) ||
-        (rc = kv_sw_expect(&rx, fd, KV_MSG_HELLO_ACK, addr, &m, d)))
-        goto done;
-    const uint16_t ver = m.u.ack.version;
-    if ((rc = kv_sw_expect(&rx, fd, KV_MSG_AUTH_CHALLENGE, addr, &m, d))) goto done;
-    if (sodium_memcmp(m.u.challenge.worker_key, worker_key, 32)) {
-        rc = kv_fail(d, KV_EAUTH, "%s proves another key than its node's", addr);
-        goto done;
-    }
-    kv_msg_auth a = {0};
-    uint8_t challenge[32], dg[32];
-    memcpy(challenge, m.u.challenge.challenge, 32);
-    memcpy(a.key, au->key.pk, 32);
-    randombytes_buf(a.nonce, sizeof a.nonce);
-    kv_dispatch_digest('C', model_id, ver, worker_key, challenge, au->key.pk, a.nonce, dg);
-    kv_dispatch_sign(au->key.sk, dg, a.sig);
-    if (au->has_voucher) {
-        a.flags = KV_PROTO_AUTH_VOUCHER;
-        a.voucher_expires_ms = au->voucher.expires_ms;
-        memcpy(a.voucher_sig, au->voucher.sig, 64);
-    }
-    if ((rc = kv_msg_auth_encode(ob, sizeof ob, 0, &a, &n, d))) goto done;
-    kv_frame_set_version(ob, ver);
-    if ((rc = kv_proto_write_all(fd, ob, n, 2000, d)) || (rc = kv_sw_expect(&rx, fd, KV_MSG_AUTH_OK, addr, &m, d)))
-        goto done;
-    kv_dispatch_digest('W', model_id, ver, worker_key, challenge, au->key.pk, a.nonce, dg);
-    if (kv_dispatch_verify(worker_key, dg, m.u.auth_ok)) {
-        rc = kv_fail(d, KV_EAUTH, "%s: its AUTH_OK does not verify", addr);
-        goto done;
-    }
-    if ((rc = kv_msg_stats_encode(ob, sizeof ob, 2, &n, d))) goto done;
-    kv_frame_set_version(ob, ver);
-    if ((rc = kv_proto_write_all(fd, ob, n, 2000, d)) || (rc = kv_sw_expect(&rx, fd, KV_MSG_STATS_ACK, addr, &m, d)))
-        goto done;
-    *out = m.u.stats;
-done:
-    free(buf);
-    close(fd);
-    return rc;
+    const kv_probe_opts o = {.addr = addr, .model_id = model_id, .worker_key = worker_key, .sk = au->key.sk,
+                             .voucher = au->has_voucher ? &au->voucher : NULL, .connect_ms = 2000, .answer_ms = 2000};
+    return kv_probe_stats(&o, out, d);
 }
 
 /* ---- status ------------------------------------------------------------------ */

@@ -6,6 +6,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/ledger.h"
+#include "kvasir/link.h"
 
 #define CMD "wallet"
 
@@ -61,14 +62,14 @@ int kv_cmd_wallet(int argc, char **argv) {
     if (!strcmp(sub, "new")) {
         if (!out) return kv_cli_err(CMD, 1, "new needs --out KEYFILE");
         if (kv_wallet_generate(&w, &d) || kv_wallet_save(&w, out, &d)) return kv_cli_diag(CMD, &d);
-        kv_hex32(w.pk, hex);
+        kv_hex(w.pk, 32, hex);
         printf("%s\n", hex);
         return 0;
     }
     if (!key) return kv_cli_err(CMD, 1, "%s needs --key KEYFILE", sub);
     if (!strcmp(sub, "show")) {
         if (kv_wallet_load(&w, key, &d)) return kv_cli_diag(CMD, &d);
-        kv_hex32(w.pk, hex);
+        kv_hex(w.pk, 32, hex);
         if (json) printf("{\"public_key\":\"%s\",\"account\":\"consumer:%s\"}\n", hex, hex);
         else printf("%s\n", hex);
         return 0;
@@ -84,7 +85,7 @@ int kv_cmd_wallet(int argc, char **argv) {
         if (json) {
             char nonce[33];
             for (int i = 0; i < 16; i++) snprintf(nonce + 2 * i, 3, "%02x", a.nonce[i]);
-            kv_hex32(a.consumer, hex);
+            kv_hex(a.consumer, 32, hex);
             printf("{\"header\":\"%s\",\"consumer\":\"consumer:%s\",\"gateway\":\"%s\",\"max\":%llu,"
                    "\"expires\":%llu,\"nonce\":\"%s\"}\n", hdr, hex, a.gateway, (unsigned long long)a.max,
                    (unsigned long long)a.expires, nonce);

@@ -1,15 +1,14 @@
-/* Authenticated dispatch (protocol v3): the transcript both ends sign, hub
- * vouchers, and key lists.
+/* Authenticated dispatch (protocol v3): the transcript both ends sign, and
+ * key lists. Keys, signatures and hub vouchers are the link's
+ * (kvasir/link.h).
  *
  * A connection is authenticated once per handshake, never per frame: the
  * worker sends its key and a fresh 32-byte challenge, the coordinator signs
  * the transcript (model, version, both keys, the challenge and its own
- * nonce) with role 'C', the worker signs the same transcript with role 'W'.
- * Signatures are Ed25519 over a SHA-256 digest of fixed length, so the
- * signed text never depends on a length read from the wire. Everything here
- * is pure apart from kv_key_list_add, which reads a bounded file. */
+ * nonce) with role 'C', the worker signs the same transcript with role 'W'
+ * (kv_link_sign over the digest). Everything here is pure apart from
+ * kv_key_list_add, which reads a bounded file. */
 #include <errno.h>
-#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +17,6 @@
 #include "kvasir/slice.h"
 
 #define KV_DISPATCH_AUTH_DOMAIN "kvasir-dispatch-auth-v3\n"
-#define KV_VOUCHER_DOMAIN "kvasir-voucher-v1\n"
 #define KV_KEY_LIST_MAX_FILE (8u << 20) /* bytes of a key list file */
 
 void kv_dispatch_digest(char role, const char model_id[KV_PROTO_MODEL_ID_LEN], uint16_t version,
@@ -36,45 +34,6 @@ void kv_dispatch_digest(char role, const char model_id[KV_PROTO_MODEL_ID_LEN], u
     kv_sha256_update(&s, coord_key, 32);
     kv_sha256_update(&s, coord_nonce, 32);
     kv_sha256_final(&s, out);
-}
-
-void kv_voucher_digest(const char model_id[KV_PROTO_MODEL_ID_LEN], const uint8_t key[32], uint64_t expires_ms,
-                       uint8_t out[32]) {
-    uint8_t e[8];
-    for (int i = 0; i < 8; i++) e[i] = (uint8_t)(expires_ms >> (8 * i));
-    kv_sha256 s;
-    kv_sha256_init(&s);
-    kv_sha256_update(&s, KV_VOUCHER_DOMAIN, sizeof KV_VOUCHER_DOMAIN - 1);
-    kv_sha256_update(&s, model_id, KV_PROTO_MODEL_ID_LEN);
-    kv_sha256_update(&s, key, 32);
-    kv_sha256_update(&s, e, 8);
-    kv_sha256_final(&s, out);
-}
-
-void kv_dispatch_sign(const uint8_t sk[64], const uint8_t digest[32], uint8_t sig[64]) {
-    KV_ASSERT(sodium_init() >= 0);
-    crypto_sign_detached(sig, NULL, digest, 32, sk);
-}
-
-int kv_dispatch_verify(const uint8_t pk[32], const uint8_t digest[32], const uint8_t sig[64]) {
-    if (sodium_init() < 0) return KV_EINTERNAL;
-    return crypto_sign_verify_detached(sig, digest, 32, pk) == 0 ? 0 : KV_EAUTH;
-}
-
-static int kv_hexval(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-}
-
-int kv_key_from_hex(const char *hex, uint8_t out[32], kv_diag *d) {
-    if (!hex || strnlen(hex, 65) != 64) return kv_fail(d, KV_EINVAL, "a key is 64 lowercase hex digits");
-    for (int i = 0; i < 32; i++) {
-        const int a = kv_hexval(hex[2 * i]), b = kv_hexval(hex[2 * i + 1]);
-        if (a < 0 || b < 0) return kv_fail(d, KV_EINVAL, "a key is 64 lowercase hex digits");
-        out[i] = (uint8_t)(a << 4 | b);
-    }
-    return 0;
 }
 
 static int kv_keys_push(uint8_t (**keys)[32], size_t *n, const uint8_t k[32], kv_diag *d) {

@@ -192,7 +192,7 @@ int kv_evidence_check(const kv_evidence *ev, const char model_id[KV_PROTO_MODEL_
         return kv_fail(d, KV_EINVAL, "evidence: a proof of %u hashes does not fit pair %u of %u", ev->n_proof, ev->pair,
                        ev->n_pairs);
     kv_result_digest(model_id, ev->worker_key, ev->coord_key, ev->layer, ev->enc, ev->out_enc, ev->n_pairs, root, dg);
-    if (kv_dispatch_verify(ev->worker_key, dg, ev->sig))
+    if (kv_link_verify(ev->worker_key, dg, ev->sig))
         return kv_fail(d, KV_EAUTH, "evidence: the worker's signature does not cover this answer");
     return 0;
 }

@@ -1,11 +1,9 @@
 /* Probe: one blocking dispatch connection that proves a worker's key and
- * asks it a few compute challenges (include/kvasir/probe.h).
+ * asks it a few compute challenges, or its counters (include/kvasir/probe.h).
  *
- * The sequence is the coordinator's side of docs/PROTOCOL.md, v3: HELLO,
- * HELLO_ACK, AUTH_CHALLENGE (the worker's key must be the one expected),
- * AUTH (our key over the transcript, with a voucher when given), AUTH_OK
- * (the worker's signature over the transcript, verified), then one COMPUTE
- * per task and its RESULT. Frames are decoded with the model's dims, so a
+ * The handshake is the link's (kv_link_dial_dispatch: the worker must prove
+ * the key expected, we prove ours with a voucher when given); then one
+ * COMPUTE per task and its RESULT, or one STATS and its STATS_ACK. Frames are decoded with the model's dims, so a
  * RESULT of another width or pair count is refused before its rows are read.
  * The answer deadline covers all tasks together: what a challenger bounds is
  * the time from the first question to the last answer. */
@@ -47,17 +45,22 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
     if (!o->addr || !o->model_id || strlen(o->model_id) != KV_PROTO_MODEL_ID_LEN || !o->worker_key || !o->sk ||
         !o->n_embd || o->n_embd > KV_PROTO_MAX_EMBD || n_tasks > KV_PROBE_MAX_TASKS || (n_tasks && (!x || !y)))
         return kv_fail(d, KV_EINVAL, "probe: bad arguments");
-    const int connect_ms = o->connect_ms > 0 ? o->connect_ms : 2000;
     const int answer_ms = o->answer_ms > 0 ? o->answer_ms : 1500;
     const double t0 = kv_probe_now_ms();
-    double deadline = t0 + connect_ms;
-    int fd = -1, rc = kv_proto_connect(o->addr, connect_ms, &fd, d);
+    const kv_link_dispatch_opts lo = {.addr = o->addr, .model_id = o->model_id, .worker_key = o->worker_key,
+                                      .sk = o->sk, .voucher = o->voucher, .n_embd = o->n_embd,
+                                      .timeout_ms = o->connect_ms > 0 ? o->connect_ms : 2000};
+    kv_link_dispatch ln;
+    int rc = kv_link_dial_dispatch(&lo, &ln, d);
+    res->connected = ln.connected;
+    snprintf(res->backend, sizeof res->backend, "%s", ln.backend);
     if (rc) return rc;
-    res->connected = true;
-    /* the largest frame read is a RESULT of one pair, or a HELLO_ACK */
+    const int fd = ln.fd;
+    const uint16_t ver = ln.version;
+    /* the largest frame read is a RESULT of one pair (bounded as a HELLO_ACK is) */
     const size_t cap = KV_PROTO_HEADER + KV_PROTO_HELLO_ACK_FIXED_V2 + KV_PROTO_MAX_NAME +
                        (size_t)KV_PROTO_MAX_RANGES * (12 + KV_PROTO_SLAB_SIZE) + 64;
-    const size_t ocap = kv_msg_compute_size(KV_ENC_F32, 1, o->n_embd, 1) + KV_PROTO_AUTH_SIZE + KV_PROTO_HEADER;
+    const size_t ocap = kv_msg_compute_size(KV_ENC_F32, 1, o->n_embd, 1) + KV_PROTO_HEADER;
     uint8_t *buf = malloc(cap), *ob = malloc(ocap);
     if (!buf || !ob) {
         rc = kv_fail(d, KV_ENOMEM, "probe: out of memory");
@@ -67,53 +70,10 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
     kv_frame_rx_init(&rx, buf, cap);
     kv_msg m;
     size_t n = 0;
-    kv_msg_hello h = {KV_PROTO_AUTH_VERSION, KV_PROTO_VERSION, {0}, 1u << KV_ENC_F32};
-    memcpy(h.model_id, o->model_id, KV_PROTO_MODEL_ID_LEN);
-    if ((rc = kv_msg_hello_encode(ob, ocap, 1, &h, &n, d)) || (rc = kv_proto_write_all(fd, ob, n, connect_ms, d)) ||
-        (rc = kv_probe_expect(&rx, fd, deadline, NULL, KV_MSG_HELLO_ACK, o->addr, &m, d)))
-        goto done;
-    const uint16_t ver = m.u.ack.version;
-    snprintf(res->backend, sizeof res->backend, "%s", m.u.ack.backend);
-    if (ver < KV_PROTO_AUTH_VERSION) {
-        rc = kv_fail(d, KV_EAUTH, "%s speaks dispatch v%u, without authentication", o->addr, ver);
-        goto done;
-    }
-    if (strcmp(m.u.ack.model_id, o->model_id) || m.u.ack.n_embd != o->n_embd) {
-        rc = kv_fail(d, KV_EPROTO, "%s serves another model (%.16s, n_embd %u)", o->addr, m.u.ack.model_id,
-                     m.u.ack.n_embd);
-        goto done;
-    }
-    if ((rc = kv_probe_expect(&rx, fd, deadline, NULL, KV_MSG_AUTH_CHALLENGE, o->addr, &m, d))) goto done;
-    if (sodium_memcmp(m.u.challenge.worker_key, o->worker_key, 32)) {
-        rc = kv_fail(d, KV_EAUTH, "%s proves another key than the one registered for it", o->addr);
-        goto done;
-    }
-    uint8_t challenge[32], dg[32];
-    memcpy(challenge, m.u.challenge.challenge, 32);
-    kv_msg_auth a = {0};
-    memcpy(a.key, o->sk + 32, 32);
-    randombytes_buf(a.nonce, sizeof a.nonce);
-    kv_dispatch_digest('C', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
-    kv_dispatch_sign(o->sk, dg, a.sig);
-    if (o->voucher) {
-        a.flags = KV_PROTO_AUTH_VOUCHER;
-        a.voucher_expires_ms = o->voucher->expires_ms;
-        memcpy(a.voucher_sig, o->voucher->sig, 64);
-    }
-    if ((rc = kv_msg_auth_encode(ob, ocap, 0, &a, &n, d))) goto done;
-    kv_frame_set_version(ob, ver);
-    if ((rc = kv_proto_write_all(fd, ob, n, connect_ms, d)) ||
-        (rc = kv_probe_expect(&rx, fd, deadline, NULL, KV_MSG_AUTH_OK, o->addr, &m, d)))
-        goto done;
-    kv_dispatch_digest('W', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
-    if (kv_dispatch_verify(o->worker_key, dg, m.u.auth_ok)) {
-        rc = kv_fail(d, KV_EAUTH, "%s: its AUTH_OK does not verify", o->addr);
-        goto done;
-    }
     res->key_proven = true;
     const double t1 = kv_probe_now_ms();
     res->handshake_ms = t1 - t0;
-    deadline = t1 + answer_ms;
+    const double deadline = t1 + answer_ms;
     const kv_proto_limits lim = {.n_embd = o->n_embd};
     for (uint32_t t = 0; t < n_tasks; t++) {
         const kv_proto_pair pr = {0, tasks[t].expert};
@@ -139,5 +99,31 @@ done:
     free(buf);
     free(ob);
     close(fd);
+    return rc;
+}
+
+int kv_probe_stats(const kv_probe_opts *o, kv_msg_stats *out, kv_diag *d) {
+    memset(out, 0, sizeof *out);
+    if (!o->addr || !o->model_id || !o->worker_key || !o->sk) return kv_fail(d, KV_EINVAL, "probe: bad arguments");
+    const int wait_ms = o->answer_ms > 0 ? o->answer_ms : 2000;
+    const kv_link_dispatch_opts lo = {.addr = o->addr, .model_id = o->model_id, .worker_key = o->worker_key,
+                                      .sk = o->sk, .voucher = o->voucher, .n_embd = o->n_embd,
+                                      .timeout_ms = o->connect_ms > 0 ? o->connect_ms : 2000};
+    kv_link_dispatch ln;
+    int rc = kv_link_dial_dispatch(&lo, &ln, d);
+    if (rc) return rc;
+    /* a STATS_ACK of any version, or an ERROR with the longest text */
+    uint8_t ob[KV_PROTO_HEADER], buf[KV_PROTO_HEADER + KV_PROTO_ERROR_FIXED + KV_PROTO_MAX_TEXT + KV_PROTO_STATS_ACK_SIZE_V2];
+    kv_frame_rx rx;
+    kv_frame_rx_init(&rx, buf, sizeof buf);
+    kv_msg m;
+    size_t n = 0;
+    if (!(rc = kv_msg_stats_encode(ob, sizeof ob, 2, &n, d))) {
+        kv_frame_set_version(ob, ln.version);
+        if (!(rc = kv_proto_write_all(ln.fd, ob, n, wait_ms, d)) &&
+            !(rc = kv_probe_expect(&rx, ln.fd, kv_probe_now_ms() + wait_ms, NULL, KV_MSG_STATS_ACK, o->addr, &m, d)))
+            *out = m.u.stats;
+    }
+    close(ln.fd);
     return rc;
 }

@@ -500,7 +500,7 @@ static int kv_rw_check_sig(kv_remote *r, kv_rw *w, const kv_msg_result *res, kv_
     kv_result_root((const uint8_t(*)[32])r->leaves, w->n_pairs, root);
     kv_result_digest(r->m->model_id, w->key, r->pk, r->cur_req->layer, w->enc, w->enc | (r->ver ? KV_OUT_PREACT : 0),
                      w->n_pairs, root, dg);
-    if (kv_dispatch_verify(w->key, dg, res->sig)) {
+    if (kv_link_verify(w->key, dg, res->sig)) {
         w->caught = true;
         return kv_fail(d, KV_EPROTO, "caught lying: the signature of its answer does not verify");
     }
@@ -733,7 +733,7 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         memcpy(a.nonce, w->nonce, 32);
         uint8_t dg[32];
         kv_dispatch_digest('C', r->m->model_id, w->version, w->key, w->challenge, r->pk, w->nonce, dg);
-        kv_dispatch_sign(r->sk, dg, a.sig);
+        kv_link_sign(r->sk, dg, a.sig);
         if (r->has_voucher) {
             a.flags = KV_PROTO_AUTH_VOUCHER;
             a.voucher_expires_ms = r->voucher.expires_ms;
@@ -758,7 +758,7 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         }
         uint8_t dg[32];
         kv_dispatch_digest('W', r->m->model_id, w->version, w->key, w->challenge, r->pk, w->nonce, dg);
-        if (kv_dispatch_verify(w->key, dg, msg.u.auth_ok)) {
+        if (kv_link_verify(w->key, dg, msg.u.auth_ok)) {
             kv_rw_drop(r, w, "AUTH_OK signature does not verify: not the key it announced");
             return 0;
         }
@@ -1230,7 +1230,7 @@ static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, k
 static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
     char host[256];
     uint16_t port;
-    int rc = kv_proto_parse_addr(w->addr, host, sizeof host, &port, d);
+    int rc = kv_link_parse_addr(w->addr, host, sizeof host, &port, d);
     if (rc) return rc;
     char ps[8];
     snprintf(ps, sizeof ps, "%u", port);

@@ -975,9 +975,7 @@ static bool kv_worker_allowed(kv_worker *w, const kv_msg_auth *a, char *why, siz
     else if (!w->have_hub) snprintf(why, cap, "coordinator key is not allowed here, and this worker honors no hub's vouchers");
     else if ((int64_t)a->voucher_expires_ms <= kv_wall_ms()) snprintf(why, cap, "hub voucher expired");
     else {
-        uint8_t dg[32];
-        kv_voucher_digest(w->model_id, a->key, a->voucher_expires_ms, dg);
-        ok = kv_dispatch_verify(w->hub_key, dg, a->voucher_sig) == 0;
+        ok = kv_voucher_verify(w->hub_key, w->model_id, a->key, a->voucher_expires_ms, a->voucher_sig) == 0;
         if (!ok) snprintf(why, cap, "hub voucher is not signed by this worker's hub for this key and model");
     }
     pthread_mutex_unlock(&w->auth_mu);
@@ -991,7 +989,7 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
     if (c->authed) return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", "second AUTH");
     uint8_t dg[32];
     kv_dispatch_digest('C', w->model_id, c->version, w->pk, c->challenge, a->key, a->nonce, dg);
-    if (kv_dispatch_verify(a->key, dg, a->sig))
+    if (kv_link_verify(a->key, dg, a->sig))
         return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused",
                            "AUTH signature does not verify over this connection's challenge");
     char why[160];
@@ -1003,7 +1001,7 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
     uint8_t sig[64], buf[KV_PROTO_HEADER + KV_PROTO_AUTH_OK_SIZE];
     size_t n;
     kv_dispatch_digest('W', w->model_id, c->version, w->pk, c->challenge, a->key, a->nonce, dg);
-    kv_dispatch_sign(w->sk, dg, sig);
+    kv_link_sign(w->sk, dg, sig);
     if (kv_msg_auth_ok_encode(buf, sizeof buf, rid, sig, &n, NULL) == 0) kv_wc_queue(c, buf, n);
     w->n_pending--; /* from the pending pool to the authenticated one */
     w->n_authed++;
@@ -1220,7 +1218,7 @@ static void kv_wc_sign_round(kv_worker *w, kv_wconn *c) {
     kv_result_tree_root(&c->tree, root);
     kv_result_digest(w->model_id, w->pk, c->peer_key, c->job.layer, c->job.enc, c->job.out_enc, c->job.n_pairs, root,
                      dg);
-    kv_dispatch_sign(w->sk, dg, c->wbase + (size_t)c->wq * rb);
+    kv_link_sign(w->sk, dg, c->wbase + (size_t)c->wq * rb);
 }
 
 /* ---- test-only lies (docs/VERIFY.md): the checks' adversary ---------------------------- */

@@ -14,6 +14,7 @@
  * once by its connection; a gateway killed between hold and settle leaves
  * the hold, and kv_gw_pay_open (the next start) releases it. */
 #include "gateway/pay.h"
+#include "kvasir/link.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -63,7 +64,7 @@ int kv_gw_pay_open(kv_gw_pay **out, const char *ledger_path, const char *key_pat
         snprintf(p->id, sizeof p->id, "%s", id);
     } else {
         char h[65];
-        kv_hex32(p->key.pk, h);
+        kv_hex(p->key.pk, 32, h);
         snprintf(p->id, sizeof p->id, "gw-%.24s", h);
     }
     if ((rc = kv_ledger_open(&p->l, ledger_path, d))) goto fail;

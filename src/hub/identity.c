@@ -1,10 +1,8 @@
-/* Node identity, request signatures and storage challenges: the code both
- * sides of the hub protocol share (the hub verifies with it, nodes and
- * tests sign and answer with it).
+/* Request signatures and storage challenges: the code both sides of the
+ * hub protocol share (the hub verifies with it, nodes and tests sign and
+ * answer with it). Keys, key files and hex are the link's (kvasir/link.h).
  *
- * A key file holds the 32-byte Ed25519 seed as 64 hex digits and a newline,
- * nothing else; it is read with a bounded read and never overwritten. The
- * signed text binds method, path, counter and the body's SHA-256, so a
+ * The signed text binds method, path, counter and the body's SHA-256, so a
  * signature cannot be moved to another request, and the counter makes each
  * signature usable once. */
 #include <errno.h>
@@ -22,96 +20,12 @@
 #include "kvasir/hub.h"
 #include "kvasir/slice.h"
 
-void kv_hex(const uint8_t *b, size_t n, char *out) {
-    static const char dig[] = "0123456789abcdef";
-    for (size_t i = 0; i < n; i++) {
-        out[2 * i] = dig[b[i] >> 4];
-        out[2 * i + 1] = dig[b[i] & 15];
-    }
-    out[2 * n] = 0;
-}
-
-static int kv_unhex1(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-}
-
-/* Exactly 2n lowercase hex digits. */
-static int kv_unhex(const char *s, size_t slen, uint8_t *out, size_t n) {
-    if (slen != 2 * n) return -1;
-    for (size_t i = 0; i < n; i++) {
-        int a = kv_unhex1(s[2 * i]), b = kv_unhex1(s[2 * i + 1]);
-        if (a < 0 || b < 0) return -1;
-        out[i] = (uint8_t)(a << 4 | b);
-    }
-    return 0;
-}
-
-void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]) {
-    KV_ASSERT(sodium_init() >= 0);
-    crypto_sign_seed_keypair(k->pk, k->sk, seed);
-    k->last_counter = 0;
-}
-
 int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d) {
     char path[4096];
     memset(k, 0, sizeof *k);
     if (snprintf(path, sizeof path, "%s/%s", dir, KV_HUB_KEY_FILE) >= (int)sizeof path)
         return kv_fail(d, KV_EINVAL, "node key: folder path is too long");
     return kv_key_file_load(k, path, create, d);
-}
-
-int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d) {
-    memset(k, 0, sizeof *k);
-    if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "node key: libsodium failed to start");
-    if (strlen(path) > 4000) return kv_fail(d, KV_EINVAL, "node key: path is too long");
-    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0 && errno == ENOENT && create) {
-        char dir[4096];
-        snprintf(dir, sizeof dir, "%s", path);
-        char *slash = strrchr(dir, '/');
-        if (slash && slash != dir) {
-            *slash = 0;
-            if (mkdir(dir, 0700) && errno != EEXIST)
-                return kv_fail(d, KV_EIO, "node key: cannot create '%s': %s", dir, strerror(errno));
-        }
-        uint8_t seed[32];
-        randombytes_buf(seed, sizeof seed);
-        char line[66];
-        kv_hex(seed, 32, line);
-        line[64] = '\n';
-        char tmp[4200];
-        snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-        int w = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (w < 0) return kv_fail(d, KV_EIO, "node key: cannot create '%s': %s", tmp, strerror(errno));
-        int bad = write(w, line, 65) != 65 || fsync(w);
-        close(w);
-        /* link(2) refuses to replace: a key written meanwhile by another
-         * process wins and is loaded below */
-        if (bad || (link(tmp, path) && errno != EEXIST)) {
-            int rc = kv_fail(d, KV_EIO, "node key: cannot write '%s': %s", path, strerror(errno));
-            unlink(tmp);
-            sodium_memzero(seed, sizeof seed);
-            return rc;
-        }
-        unlink(tmp);
-        sodium_memzero(seed, sizeof seed);
-        sodium_memzero(line, sizeof line);
-        fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    }
-    if (fd < 0) return kv_fail(d, errno == ENOENT ? KV_ENOTFOUND : KV_EIO, "node key: cannot open '%s': %s",
-                               path, strerror(errno));
-    char buf[80];
-    ssize_t n = read(fd, buf, sizeof buf);
-    close(fd);
-    uint8_t seed[32];
-    if (n != 65 || buf[64] != '\n' || kv_unhex(buf, 64, seed, 32))
-        return kv_fail(d, KV_EFORMAT, "node key: '%s' is not 64 lowercase hex digits and a newline", path);
-    kv_node_key_from_seed(k, seed);
-    sodium_memzero(seed, sizeof seed);
-    sodium_memzero(buf, sizeof buf);
-    return 0;
 }
 
 uint64_t kv_node_next_counter(kv_node_key *k) {
@@ -169,9 +83,9 @@ int kv_hub_parse_auth(const char *key, const char *counter, const char *sig, uin
     if (!key || !counter || !sig)
         return kv_fail(d, KV_EPROTO, "unsigned request: needs X-Kvasir-Key, X-Kvasir-Counter and "
                                      "X-Kvasir-Signature");
-    if (kv_unhex(key, strnlen(key, 65), pk, 32))
+    if (kv_unhex(key, strnlen(key, 65), pk, 32, false))
         return kv_fail(d, KV_EPROTO, "X-Kvasir-Key must be 64 lowercase hex digits");
-    if (kv_unhex(sig, strnlen(sig, 129), sg, 64))
+    if (kv_unhex(sig, strnlen(sig, 129), sg, 64, false))
         return kv_fail(d, KV_EPROTO, "X-Kvasir-Signature must be 128 lowercase hex digits");
     size_t n = strnlen(counter, 21);
     if (n == 0 || n > 20 || (n > 1 && counter[0] == '0'))

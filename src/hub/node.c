@@ -491,7 +491,7 @@ static const char *kv_pl_entry(json_t *nd, uint8_t key[32], bool *has_key, const
     uint16_t port = 0;
     kv_diag d = {0};
     if (!s || !l || l > KV_HUB_MAX_ADDR || strspn(s, KV_ADDR_OK) != l ||
-        kv_proto_parse_addr(s, host, sizeof host, &port, &d) || !port) {
+        kv_link_parse_addr(s, host, sizeof host, &port, &d) || !port) {
         *why = "addr must be HOST:PORT";
         return NULL;
     }

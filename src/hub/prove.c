@@ -35,7 +35,7 @@
 int kv_hub_addr_subnet(const char *addr, char *host, size_t hcap, char *subnet, size_t scap, kv_diag *d) {
     char h[64];
     uint16_t port = 0;
-    if (kv_proto_parse_addr(addr, h, sizeof h, &port, d)) return KV_EINVAL;
+    if (kv_link_parse_addr(addr, h, sizeof h, &port, d)) return KV_EINVAL;
     unsigned char b[16];
     if (inet_pton(AF_INET, h, b) == 1) {
         snprintf(host, hcap, "%u.%u.%u.%u", b[0], b[1], b[2], b[3]);

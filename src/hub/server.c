@@ -1355,9 +1355,8 @@ static enum MHD_Result kv_do_voucher(kv_hub *h, struct MHD_Connection *c, const 
                              "this hub does not vouch for coordinator key %.16s... (its operator lists the keys it "
                              "vouches for with --vouch-key)", hex);
     const uint64_t exp = (uint64_t)kv_now_ms() + h->o.voucher_ttl_ms;
-    uint8_t dg[32], sig[64];
-    kv_voucher_digest(h->m->model_id, s->pk, exp, dg);
-    kv_dispatch_sign(h->hub_sk, dg, sig);
+    uint8_t sig[64];
+    kv_voucher_sign(h->hub_sk, h->m->model_id, s->pk, exp, sig);
     char sh[129], hk[65];
     kv_hex(sig, 64, sh);
     kv_hex(h->hub_pk, 32, hk);
@@ -1636,9 +1635,7 @@ static const kv_voucher *kv_self_voucher(kv_hub *h, int64_t now) {
     if (v->expires_ms < (uint64_t)now + h->o.voucher_ttl_ms / 2) {
         memcpy(v->key, h->hub_pk, 32);
         v->expires_ms = (uint64_t)now + h->o.voucher_ttl_ms;
-        uint8_t dg[32];
-        kv_voucher_digest(h->m->model_id, h->hub_pk, v->expires_ms, dg);
-        kv_dispatch_sign(h->hub_sk, dg, v->sig);
+        kv_voucher_sign(h->hub_sk, h->m->model_id, h->hub_pk, v->expires_ms, v->sig);
     }
     return v;
 }

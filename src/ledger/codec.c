@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "kvasir/ledger.h"
+#include "kvasir/link.h"
 #include "ledger/ledger_internal.h"
 
 #define KV_KEYFILE_TAG "kvasir-ed25519-v1 "
@@ -34,31 +35,8 @@ static uint64_t kv_get_u64(const uint8_t *p) {
     return v;
 }
 
-void kv_hex32(const uint8_t b[32], char out[65]) {
-    static const char h[] = "0123456789abcdef";
-    for (int i = 0; i < 32; i++) {
-        out[2 * i] = h[b[i] >> 4];
-        out[2 * i + 1] = h[b[i] & 15];
-    }
-    out[64] = 0;
-}
-
-static int kv_hexval(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-static int kv_unhex(const char *s, size_t n_bytes, uint8_t *out) {
-    for (size_t i = 0; i < n_bytes; i++) {
-        int a = kv_hexval(s[2 * i]), b = a < 0 ? -1 : kv_hexval(s[2 * i + 1]);
-        if (a < 0 || b < 0) return -1;
-        out[i] = (uint8_t)(a << 4 | b);
-    }
-    return 0;
-}
 int kv_unhex32(const char *s, uint8_t out[32], kv_diag *d) {
-    if (!s || strnlen(s, 65) != 64 || kv_unhex(s, 32, out))
+    if (!s || kv_unhex(s, strnlen(s, 65), out, 32, true))
         return kv_fail(d, KV_EFORMAT, "a key is 64 hex digits");
     return 0;
 }
@@ -109,7 +87,7 @@ int kv_wallet_generate(kv_wallet *w, kv_diag *d) {
 
 int kv_wallet_save(const kv_wallet *w, const char *path, kv_diag *d) {
     char buf[128], hex[65];
-    kv_hex32(w->sk, hex); /* the first 32 bytes of a libsodium secret key are the seed */
+    kv_hex(w->sk, 32, hex); /* the first 32 bytes of a libsodium secret key are the seed */
     int n = snprintf(buf, sizeof buf, "%s%s\n", KV_KEYFILE_TAG, hex);
     sodium_memzero(hex, sizeof hex);
     int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -134,7 +112,7 @@ int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d) {
     size_t tag = strlen(KV_KEYFILE_TAG), want = tag + 64;
     if (n == want + 1 && b[want] == '\n') n = want;
     uint8_t seed[32];
-    if (n != want || memcmp(b, KV_KEYFILE_TAG, tag) || kv_unhex((const char *)b + tag, 32, seed))
+    if (n != want || memcmp(b, KV_KEYFILE_TAG, tag) || kv_unhex((const char *)b + tag, 64, seed, 32, true))
         return kv_fail(d, KV_EFORMAT, "not a kvasir-ed25519-v1 key");
     crypto_sign_seed_keypair(w->pk, w->sk, seed);
     sodium_memzero(seed, sizeof seed);
@@ -144,9 +122,7 @@ int kv_wallet_parse(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d) {
 int kv_wallet_parse_node_key(kv_wallet *w, const uint8_t *b, size_t n, kv_diag *d) {
     if (kv_sodium_ready(d)) return KV_EINTERNAL;
     uint8_t seed[32];
-    for (size_t i = 0; i < 64 && n == 65; i++)
-        if (!((b[i] >= '0' && b[i] <= '9') || (b[i] >= 'a' && b[i] <= 'f'))) n = 0;
-    if (n != 65 || b[64] != '\n' || kv_unhex((const char *)b, 32, seed))
+    if (n != 65 || b[64] != '\n' || kv_unhex((const char *)b, 64, seed, 32, false))
         return kv_fail(d, KV_EFORMAT, "not a node key (64 lowercase hex digits and a newline)");
     crypto_sign_seed_keypair(w->pk, w->sk, seed);
     sodium_memzero(seed, sizeof seed);

@@ -23,6 +23,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvasir/link.h"
 #include "ledger/ledger_internal.h"
 #include "pg/pq.h"
 
@@ -54,12 +55,12 @@ const char *kv_ledger_code_name(int code) {
 
 void kv_ledger_account_consumer(const uint8_t pk[32], char out[KV_LEDGER_ACCOUNT_MAX]) {
     char h[65];
-    kv_hex32(pk, h);
+    kv_hex(pk, 32, h);
     snprintf(out, KV_LEDGER_ACCOUNT_MAX, "consumer:%s", h);
 }
 void kv_ledger_account_node(const uint8_t pk[32], char out[KV_LEDGER_ACCOUNT_MAX]) {
     char h[65];
-    kv_hex32(pk, h);
+    kv_hex(pk, 32, h);
     snprintf(out, KV_LEDGER_ACCOUNT_MAX, "node:%s", h);
 }
 

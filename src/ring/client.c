@@ -12,7 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h" /* kv_proto_connect */
+#include "kvasir/link.h"
 #include "kvasir/ring.h"
 
 #include <sodium.h>
@@ -96,7 +96,7 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
  * open and *n_vocab is the node's. */
 static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const kv_voucher *voucher, size_t cap,
                        uint32_t *n_vocab, kv_diag *d) {
-    int rc = kv_proto_connect(addr, c->timeout_ms < 5000 ? c->timeout_ms : 5000, &c->fd, d);
+    int rc = kv_link_connect(addr, c->timeout_ms < 5000 ? c->timeout_ms : 5000, &c->fd, d);
     if (rc) return kv_diag_prefix(d, rc, "ring: node %s", addr);
     c->cap = cap < KV_RING_HEADER + 200 ? KV_RING_HEADER + 200 : cap; /* HELLO (88), AUTH (128 or 200) */
     if (!(c->buf = malloc(c->cap))) return kv_fail(d, KV_ENOMEM, "ring: out of memory");
@@ -144,14 +144,14 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const
             }
             uint8_t dg[32];
             kv_ring_auth_digest('C', model_id, node_key, challenge, a.key, nonce, dg);
-            kv_dispatch_sign(sk, dg, a.sig);
+            kv_link_sign(sk, dg, a.sig);
             if ((rc = kv_ring_auth_encode(c->buf, c->cap, KV_RING_AUTH, &a, &n, d)) ||
                 (rc = kv_rcl_send(c->fd, c->buf, n, d)))
                 break;
         } else {
             uint8_t dg[32];
             kv_ring_auth_digest('A', model_id, node_key, challenge, sk + 32, nonce, dg);
-            if (kv_dispatch_verify(node_key, dg, m.u.auth.sig))
+            if (kv_link_verify(node_key, dg, m.u.auth.sig))
                 rc = kv_fail(d, KV_EAUTH, "ring: the node at %s did not prove its key", addr);
         }
         stage++;

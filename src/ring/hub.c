@@ -182,24 +182,14 @@ __attribute__((format(printf, 2, 3))) static void kv_rh_log(kv_ring_hub *h, cons
     va_end(ap);
 }
 
-static bool kv_hex32(const char *hex, size_t len, uint8_t out[32]) {
-    if (!hex || len != 64) return false;
-    for (int i = 0; i < 32; i++) {
-        unsigned v;
-        if (sscanf(hex + 2 * i, "%2x", &v) != 1) return false;
-        out[i] = (uint8_t)v;
-    }
-    return true;
-}
-
 /* Answers a storage challenge from our own copy of the named slab. */
 static void kv_rh_challenge(kv_ring_hub *h, json_t *ch) {
     if (!json_is_object(ch)) return;
     json_t *jn = json_object_get(ch, "nonce"), *jl = json_object_get(ch, "layer"), *jf = json_object_get(ch, "first"),
            *jt = json_object_get(ch, "last");
     uint8_t nonce[32];
-    if (!json_is_string(jn) || !kv_hex32(json_string_value(jn), json_string_length(jn), nonce) || !json_is_integer(jl) ||
-        !json_is_integer(jf) || !json_is_integer(jt) || json_integer_value(jl) < h->first ||
+    if (!json_is_string(jn) || kv_unhex(json_string_value(jn), json_string_length(jn), nonce, 32, true) ||
+        !json_is_integer(jl) || !json_is_integer(jf) || !json_is_integer(jt) || json_integer_value(jl) < h->first ||
         json_integer_value(jl) > h->last || json_integer_value(jf) < 0 || json_integer_value(jt) < 0 ||
         json_integer_value(jf) > UINT32_MAX || json_integer_value(jt) > UINT32_MAX) {
         kv_rh_log(h, "a malformed storage challenge, ignored");
@@ -233,7 +223,7 @@ static int kv_rh_register(kv_ring_hub *h, kv_diag *d) {
     free(body);
     kv_hub_announce a = {0};
     json_t *jn = j ? json_object_get(j, "nonce") : NULL;
-    const bool ok = json_is_string(jn) && kv_hex32(json_string_value(jn), json_string_length(jn), a.nonce);
+    const bool ok = json_is_string(jn) && !kv_unhex(json_string_value(jn), json_string_length(jn), a.nonce, 32, true);
     json_decref(j);
     if (!ok) return kv_fail(d, KV_EFORMAT, "hub: /v1/nonce answer is not {\"nonce\": HEX64}");
     snprintf(a.addr, sizeof a.addr, "%s", kv_ring_node_addr(h->node));

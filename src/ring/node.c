@@ -37,15 +37,15 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h" /* kv_proto_parse_addr */
+#include "kvasir/dispatch.h" /* kv_remote: a node's experts on remote workers */
 #include "kvasir/engine.h"   /* KV_STOP_* */
+#include "kvasir/link.h"
 #include "kvasir/model.h"
 #include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/ring.h"
 #include "kvasir/slice.h"
 #include "kvasir/pieces.h"
-#include "kvasir/hub.h" /* kv_hex */
 
 #include <sodium.h>
 
@@ -951,9 +951,7 @@ static bool kv_rn_vouched(const kv_ring_node *n, const kv_ring_auth *a, char *wh
     if (a->voucher_expires_ms <= now_ms)
         return snprintf(why, cap, "its voucher expired %llu ms ago; ",
                         (unsigned long long)(now_ms - a->voucher_expires_ms)), false;
-    uint8_t dg[32];
-    kv_voucher_digest(n->model_id, a->key, a->voucher_expires_ms, dg);
-    if (kv_dispatch_verify(n->hub_key, dg, a->voucher_sig))
+    if (kv_voucher_verify(n->hub_key, n->model_id, a->key, a->voucher_expires_ms, a->voucher_sig))
         return snprintf(why, cap, "its voucher is not the trusted hub's for this model and key; "), false;
     return true;
 }
@@ -1022,7 +1020,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         if (!kv_rn_allowed(n, m.u.auth.key) && !kv_rn_vouched(n, &m.u.auth, msg, sizeof msg))
             snprintf(msg + strlen(msg), sizeof msg - strlen(msg), "ring: key %.16s... is not allowed on this node (--allow-key%s)",
                      hex, n->has_hub_key ? ", or a voucher of the hub" : "");
-        else if (kv_dispatch_verify(m.u.auth.key, dg, m.u.auth.sig))
+        else if (kv_link_verify(m.u.auth.key, dg, m.u.auth.sig))
             snprintf(msg, sizeof msg, "ring: the signature of key %.16s... does not verify", hex);
         else
             msg[0] = 0;
@@ -1038,7 +1036,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         kv_net_timer_stop(n->loop, &c->hs_t);
         kv_ring_auth ok;
         kv_ring_auth_digest('A', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
-        kv_dispatch_sign(n->sk, dg, ok.sig);
+        kv_link_sign(n->sk, dg, ok.sig);
         uint8_t buf[KV_RING_HEADER + 64];
         size_t bl;
         if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &ok, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
@@ -1088,7 +1086,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
                 memcpy(a.nonce, c->nonce, 32);
                 uint8_t dg[32];
                 kv_ring_auth_digest('C', n->model_id, c->peer_key, c->challenge, a.key, a.nonce, dg);
-                kv_dispatch_sign(n->sk, dg, a.sig);
+                kv_link_sign(n->sk, dg, a.sig);
                 uint8_t buf[KV_RING_HEADER + 128];
                 size_t bl;
                 if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
@@ -1097,7 +1095,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
             uint8_t dg[32];
             if (ty == KV_RING_AUTH_OK)
                 kv_ring_auth_digest('A', n->model_id, c->peer_key, c->challenge, n->sk + 32, c->nonce, dg);
-            if (ty != KV_RING_AUTH_OK || kv_dispatch_verify(c->peer_key, dg, m.u.auth.sig)) {
+            if (ty != KV_RING_AUTH_OK || kv_link_verify(c->peer_key, dg, m.u.auth.sig)) {
                 snprintf(msg, sizeof msg, "ring: the next node's AUTH_OK is missing or does not verify");
                 kv_rn_log(n, "%s", msg);
                 kv_net_conn_close(nc, KV_EAUTH, msg);
@@ -1277,7 +1275,7 @@ static int kv_rn_pieces_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert
 static int kv_rn_resolve_next(kv_ring_node *n, const char *host_port, kv_diag *d) {
     char host[256];
     uint16_t port;
-    int rc = kv_proto_parse_addr(host_port, host, sizeof host, &port, d);
+    int rc = kv_link_parse_addr(host_port, host, sizeof host, &port, d);
     if (rc) return rc;
     char ps[8];
     snprintf(ps, sizeof ps, "%u", port);

@@ -1,0 +1,127 @@
+/* The coordinator's side of the dispatch key handshake, blocking
+ * (include/kvasir/link.h, kv_link_dial_dispatch).
+ *
+ * The sequence is docs/PROTOCOL.md's, v3 and later: HELLO (every version
+ * this build speaks), HELLO_ACK (an authenticated version, our model, the
+ * expected width), AUTH_CHALLENGE (the worker's key must be the one
+ * expected), AUTH (our key over the transcript, with a voucher when given),
+ * AUTH_OK (the worker's signature over the same transcript, verified). One
+ * deadline covers the connect and every frame, so a worker that stalls at
+ * any step costs at most timeout_ms. Frames are read whole into a buffer
+ * sized for the largest HELLO_ACK and decoded by the dispatch codec. */
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/dispatch.h"
+#include "kvasir/link.h"
+
+_Static_assert(KV_LINK_MAX_NAME == KV_PROTO_MAX_NAME, "a HELLO_ACK's backend name fits kv_link_dispatch");
+_Static_assert(KV_LINK_MODEL_ID_LEN == KV_PROTO_MODEL_ID_LEN, "one model id length");
+
+static double kv_dial_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* Reads one frame of `type` before deadline (ms on kv_dial_now_ms's clock);
+ * an ERROR frame becomes its code. */
+static int kv_dial_expect(kv_frame_rx *rx, int fd, double deadline, uint16_t type, const char *addr, kv_msg *m,
+                          kv_diag *d) {
+    const double left = deadline - kv_dial_now_ms();
+    if (left < 1) return kv_fail(d, KV_ETIMEOUT, "%s: no answer in time", addr);
+    kv_frame_rx_reset(rx);
+    int rc = kv_proto_read_msg(rx, fd, (int)left, NULL, m, d);
+    if (rc) return rc;
+    if (m->h.type == KV_MSG_ERROR) return kv_fail(d, m->u.error.code, "%s: %s", addr, m->u.error.msg);
+    if (m->h.type != type)
+        return kv_fail(d, KV_EPROTO, "%s: frame %s where %s was due", addr, kv_msg_type_name(m->h.type),
+                       kv_msg_type_name(type));
+    return 0;
+}
+
+/* Writes n bytes of ob before deadline. */
+static int kv_dial_send(int fd, const uint8_t *ob, size_t n, double deadline, const char *addr, kv_diag *d) {
+    const double left = deadline - kv_dial_now_ms();
+    if (left < 1) return kv_fail(d, KV_ETIMEOUT, "%s: no answer in time", addr);
+    return kv_proto_write_all(fd, ob, n, (int)left, d);
+}
+
+/* Everything after the connect; fd stays open whatever happens. */
+static int kv_dial_handshake(const kv_link_dispatch_opts *o, int fd, double deadline, kv_link_dispatch *out,
+                             uint8_t *buf, size_t cap, kv_diag *d) {
+    uint8_t ob[KV_PROTO_HEADER + KV_PROTO_AUTH_SIZE + KV_PROTO_HELLO_SIZE];
+    kv_frame_rx rx;
+    kv_frame_rx_init(&rx, buf, cap);
+    kv_msg m;
+    size_t n = 0;
+    kv_msg_hello h = {KV_PROTO_AUTH_VERSION, KV_PROTO_VERSION, {0}, 1u << KV_ENC_F32};
+    memcpy(h.model_id, o->model_id, KV_PROTO_MODEL_ID_LEN);
+    int rc;
+    if ((rc = kv_msg_hello_encode(ob, sizeof ob, 1, &h, &n, d)) || (rc = kv_dial_send(fd, ob, n, deadline, o->addr, d)) ||
+        (rc = kv_dial_expect(&rx, fd, deadline, KV_MSG_HELLO_ACK, o->addr, &m, d)))
+        return rc;
+    const uint16_t ver = m.u.ack.version;
+    out->version = ver;
+    out->n_embd = m.u.ack.n_embd;
+    snprintf(out->backend, sizeof out->backend, "%s", m.u.ack.backend);
+    if (ver < KV_PROTO_AUTH_VERSION)
+        return kv_fail(d, KV_EAUTH, "%s speaks dispatch v%u, without authentication", o->addr, ver);
+    if (strcmp(m.u.ack.model_id, o->model_id) || (o->n_embd && m.u.ack.n_embd != o->n_embd))
+        return kv_fail(d, KV_EPROTO, "%s serves another model (%.16s, n_embd %u)", o->addr, m.u.ack.model_id,
+                       m.u.ack.n_embd);
+    if ((rc = kv_dial_expect(&rx, fd, deadline, KV_MSG_AUTH_CHALLENGE, o->addr, &m, d))) return rc;
+    if (sodium_memcmp(m.u.challenge.worker_key, o->worker_key, 32))
+        return kv_fail(d, KV_EAUTH, "%s proves another key than the one registered for it", o->addr);
+    uint8_t challenge[32], dg[32];
+    memcpy(challenge, m.u.challenge.challenge, 32);
+    kv_msg_auth a = {0};
+    memcpy(a.key, o->sk + 32, 32);
+    randombytes_buf(a.nonce, sizeof a.nonce);
+    kv_dispatch_digest('C', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
+    kv_link_sign(o->sk, dg, a.sig);
+    if (o->voucher) {
+        a.flags = KV_PROTO_AUTH_VOUCHER;
+        a.voucher_expires_ms = o->voucher->expires_ms;
+        memcpy(a.voucher_sig, o->voucher->sig, 64);
+    }
+    if ((rc = kv_msg_auth_encode(ob, sizeof ob, 0, &a, &n, d))) return rc;
+    kv_frame_set_version(ob, ver);
+    if ((rc = kv_dial_send(fd, ob, n, deadline, o->addr, d)) ||
+        (rc = kv_dial_expect(&rx, fd, deadline, KV_MSG_AUTH_OK, o->addr, &m, d)))
+        return rc;
+    kv_dispatch_digest('W', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
+    if (kv_link_verify(o->worker_key, dg, m.u.auth_ok))
+        return kv_fail(d, KV_EAUTH, "%s: its AUTH_OK does not verify", o->addr);
+    return 0;
+}
+
+int kv_link_dial_dispatch(const kv_link_dispatch_opts *o, kv_link_dispatch *out, kv_diag *d) {
+    memset(out, 0, sizeof *out);
+    out->fd = -1;
+    if (!o || !o->addr || !o->model_id || strnlen(o->model_id, KV_PROTO_MODEL_ID_LEN + 1) != KV_PROTO_MODEL_ID_LEN ||
+        !o->worker_key || !o->sk || o->n_embd > KV_PROTO_MAX_EMBD)
+        return kv_fail(d, KV_EINVAL, "dial: bad arguments");
+    if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "dial: libsodium failed to start");
+    const int timeout_ms = o->timeout_ms > 0 ? o->timeout_ms : 2000;
+    const double deadline = kv_dial_now_ms() + timeout_ms;
+    int fd = -1, rc = kv_link_connect(o->addr, timeout_ms, &fd, d);
+    if (rc) return rc;
+    out->connected = true;
+    /* the largest frame of the handshake is a HELLO_ACK listing every range */
+    const size_t cap = KV_PROTO_HEADER + KV_PROTO_HELLO_ACK_FIXED_V2 + KV_PROTO_MAX_NAME +
+                       (size_t)KV_PROTO_MAX_RANGES * (12 + KV_PROTO_SLAB_SIZE) + 64;
+    uint8_t *buf = malloc(cap);
+    rc = buf ? kv_dial_handshake(o, fd, deadline, out, buf, cap, d) : kv_fail(d, KV_ENOMEM, "dial: out of memory");
+    free(buf);
+    if (rc) {
+        close(fd);
+        return rc;
+    }
+    out->fd = fd;
+    return 0;
+}
