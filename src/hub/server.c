@@ -1685,7 +1685,8 @@ static kv_hub_node *kv_probe_pick(kv_hub *h, int64_t now, kv_probe_job *job, int
 }
 
 /* Records a probe's outcome on node pk if its holdings are still those the
- * job was made from: verdict 1 passed, 0 failed (why), -1 the hub could not
+ * job was made from: verdict 1 passed, 0 failed (a wrong answer, another
+ * key, a bad frame: why), -2 late or unreachable (why), -1 the hub could not
  * make its own answer (nothing is judged; tried again later). Caller holds
  * mu. */
 static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, const char *why, int64_t now) {
@@ -1696,9 +1697,20 @@ static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, cons
         n->probe_due_ms = now;
         return;
     }
-    if (verdict < 0) {
+    if (verdict == -1) {
         if (!h->o.quiet) fprintf(stderr, "hub: %s\n", why);
         n->probe_due_ms = now + 60000;
+        return;
+    }
+    if (verdict == -2 && n->proven_ms && !n->fails) {
+        /* a listed node late or unreachable once (a loaded machine, a lost
+         * packet) is asked again half a second later; a second miss in a row
+         * unlists it, as a wrong answer does at once */
+        n->fails = 1;
+        n->probe_due_ms = now + 500;
+        snprintf(n->prove_err, sizeof n->prove_err, "%s", why);
+        for (char *c = n->prove_err; *c; c++)
+            if (*c < 0x20 || *c >= 0x7f || *c == '"' || *c == '\\') *c = '?';
         return;
     }
     const bool ok = verdict > 0;
@@ -1783,6 +1795,7 @@ static void *kv_hub_prover(void *arg) {
             rc = kv_probe_worker(&po, job->task, job->n, x, got, &pr, &d);
             if (rc) {
                 snprintf(why, sizeof why, "%s: %.130s", pr.key_proven ? "compute challenge" : "key proof", d.msg);
+                if (rc == KV_ETIMEOUT || rc == KV_EIO) verdict = -2;
             } else {
                 ok = true;
                 for (uint32_t t = 0; t < job->n && ok; t++) {
