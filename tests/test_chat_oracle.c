@@ -199,6 +199,7 @@ int main(void) {
     ASSERT_TRUE(n_same >= nn * nc / 2);
     json_decref(res);
     json_decref(req);
+    json_decref(cases); /* req took its own reference ("O") */
     json_decref(spec);
     snprintf(cmd, sizeof cmd, "rm -rf %s", tmp);
     if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmp);
