@@ -1853,6 +1853,23 @@ static char *placement_nodes(const hub_proc *p) {
     return out;
 }
 
+/* A hub that proves nodes (no --trust-announced) on the store `name`, and
+ * its key in hk: 0, or -1 when it did not start or answer. */
+static int proving_hub_start(hub_proc *p, const char *name, const char *extra, uint8_t hk[32]) {
+    char db[512];
+    db_path(db, sizeof db, name);
+    g_trust = false;
+    int hs = hub_start(p, db, extra);
+    g_trust = true;
+    if (hs) return -1;
+    kv_diag d = {0};
+    if (kv_node_fetch_hub_key(p->url, hk, &d)) {
+        hub_stop(p);
+        return -1;
+    }
+    return 0;
+}
+
 /* A hub lists a node only once the worker at its address proved the
  * node's key and answered compute challenges for its slabs: an honest
  * worker is listed; a stranger's key at the honest worker's address (the
@@ -1865,19 +1882,13 @@ static char *placement_nodes(const hub_proc *p) {
  * the placement and the market stay what they were, and the per-address
  * limit refuses the rest. */
 static void test_prove(void) {
-    char db[512];
-    db_path(db, sizeof db, "prove");
     hub_proc p;
-    g_trust = false;
-    int hs = hub_start(&p, db, "--prove-every-ms 300 --deadline-ms 600000 --max-per-host 8");
-    g_trust = true;
-    if (hs) {
+    uint8_t hk[32];
+    kv_diag d = {0};
+    if (proving_hub_start(&p, "prove", "--prove-every-ms 300 --deadline-ms 600000 --max-per-host 8", hk)) {
         ASSERT_TRUE(0);
         return;
     }
-    uint8_t hk[32];
-    kv_diag d = {0};
-    ASSERT_EQ(kv_node_fetch_hub_key(p.url, hk, &d), 0);
     test_worker a = {0}, liar = {0};
     ASSERT_EQ(worker_up(&a, 800, hk, 0), 0);
     ASSERT_EQ(worker_up(&liar, 803, hk, KV_WORKER_LIE_SWAP), 0);
@@ -1993,19 +2004,12 @@ static int market_live(const hub_proc *p, size_t i) {
  * them on slab 1 show its over-coverage (3 of 2), so a young swarm still
  * rebalances. */
 static void test_trust(void) {
-    char db[512];
-    db_path(db, sizeof db, "trust");
     hub_proc p;
-    g_trust = false;
-    int hs = hub_start(&p, db, "--prove-every-ms 300 --trust-ms 2500 --deadline-ms 600000 --wanted 2");
-    g_trust = true;
-    if (hs) {
+    uint8_t hk[32];
+    if (proving_hub_start(&p, "trust", "--prove-every-ms 300 --trust-ms 2500 --deadline-ms 600000 --wanted 2", hk)) {
         ASSERT_TRUE(0);
         return;
     }
-    uint8_t hk[32];
-    kv_diag d = {0};
-    ASSERT_EQ(kv_node_fetch_hub_key(p.url, hk, &d), 0);
     test_worker w[5] = {{0}};
     for (int i = 0; i < 5; i++) ASSERT_EQ(worker_up(&w[i], 850 + i, hk, 0), 0);
     const int s0[] = {0}, s1[] = {1};
