@@ -339,7 +339,7 @@ static void test_pluggable_io(void) {
     ASSERT_EQ(kv_net_loop_new(&l, &d), 0);
     int sv[2];
     ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
-    static const kv_net_io_ops ops = {xr, xw, xc};
+    static const kv_net_io_ops ops = {.read = xr, .write = xw, .close = xc};
     xor_io x = {0};
     peer p = {.echo = true};
     kv_net_conn_opts o = opts(1 << 16);

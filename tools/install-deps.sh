@@ -24,7 +24,8 @@ have ping || need+=(iputils-ping) # the reference RTT of tests/test_netdelay.sh
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
-[ -f /usr/include/openssl/evp.h ] || need+=(libssl-dev)
+# libcrypto (hashes) and libssl (TLS 1.3 of the link layer)
+[ -f /usr/include/openssl/evp.h ] && [ -f /usr/include/openssl/ssl.h ] || need+=(libssl-dev)
 [ -f /usr/include/microhttpd.h ] || need+=(libmicrohttpd-dev)
 [ -f /usr/include/sqlite3.h ] || need+=(libsqlite3-dev)
 [ -f /usr/include/x86_64-linux-gnu/curl/curl.h ] || [ -f /usr/include/curl/curl.h ] || need+=(libcurl4-openssl-dev)
@@ -73,7 +74,7 @@ arm_deps() {
   [ -f /usr/include/aarch64-linux-gnu/curl/curl.h ] || arm+=(libcurl4-openssl-dev:arm64)
   [ -f $lib/pkgconfig/libsodium.pc ] || arm+=(libsodium-dev:arm64)
   [ -f $lib/pkgconfig/jansson.pc ] || arm+=(libjansson-dev:arm64)
-  [ -f $lib/pkgconfig/libcrypto.pc ] || arm+=(libssl-dev:arm64)
+  [ -f $lib/pkgconfig/libcrypto.pc ] && [ -f $lib/pkgconfig/libssl.pc ] || arm+=(libssl-dev:arm64)
   [ -f $lib/pkgconfig/libmicrohttpd.pc ] || arm+=(libmicrohttpd-dev:arm64)
   [ -f $lib/pkgconfig/sqlite3.pc ] || arm+=(libsqlite3-dev:arm64)
   # not libpq-dev:arm64: it is not Multi-Arch "same" in Debian 12, and apt

@@ -129,16 +129,37 @@ void kv_net_budget_give(kv_net_budget *b, size_t n);
 /* Transport under the framing: plain TCP (NULL ops) or e.g. TLS. read and
  * write behave like read(2)/send(2) on a nonblocking socket: > 0 bytes,
  * 0 end of stream (read), -1 with errno (EAGAIN: try again on readiness).
- * close releases the transport's state (the loop closes the fd). */
+ * close releases the transport's state (the loop closes the fd).
+ *
+ * A transport with an exchange of its own before any data (a TLS handshake)
+ * sets handshake: the connection then stays in a handshake phase (after the
+ * TCP connect when dialed, from the start when accepted) in which the loop
+ * calls only handshake, on the readiness it last asked for, and neither
+ * reads nor flushes; queued output waits. handshake returns 0 when done,
+ * the readiness it waits for (KV_NET_READ and/or KV_NET_WRITE) while in
+ * progress, or a negative code that closes the connection (the reason from
+ * why). The phase is bounded by the connection's handshake_timeout_ms; on_open
+ * reports its end, for dialed and accepted connections alike.
+ *
+ * A transport that decodes input in units (TLS records) may hold bytes the
+ * caller's buffer had no room for, which no socket readiness will announce:
+ * pending returns how many, and the loop reads them on its next iteration.
+ * why, when set and non-empty, is the one-line reason for the last failure
+ * of read, write or handshake (used instead of strerror(errno)). */
 typedef struct kv_net_io_ops {
     ssize_t (*read)(void *ctx, int fd, void *buf, size_t n);
     ssize_t (*write)(void *ctx, int fd, const void *buf, size_t n);
     void (*close)(void *ctx);
+    int (*handshake)(void *ctx, int fd); /* optional */
+    size_t (*pending)(void *ctx);        /* optional */
+    const char *(*why)(void *ctx);       /* optional */
 } kv_net_io_ops;
 
 typedef struct kv_net_conn_cbs {
-    /* Dialed connections: the connect completed (or failed: code < 0, then
-     * on_close follows). May be NULL. */
+    /* Dialed connections: the connect completed (and the transport's
+     * handshake, if it has one); accepted connections whose transport has a
+     * handshake: that handshake completed. Or either failed: code < 0, then
+     * on_close follows. May be NULL. */
     void (*on_open)(kv_net_conn *c, int code);
     /* Whole frame size from its first `header` bytes, or a negative code
      * (the connection then closes with it: the frame is never buffered). */
@@ -170,11 +191,14 @@ typedef struct kv_net_conn_opts {
     int frame_timeout_ms;     /* a frame started must complete within this; 0 = none */
     int write_timeout_ms;     /* queued output must progress within this; 0 = none */
     int linger_ms;            /* after a close: drain input this long; 0 = 250 */
+    int handshake_timeout_ms; /* the transport's handshake must end within this;
+                                 0 = 10000 (never unbounded) */
     size_t keep;              /* an emptied buffer larger than this is freed; 0 = 4 MiB,
                                  SIZE_MAX = never (a hot path that must not reallocate) */
     kv_net_budget *budget;    /* charged for every buffered byte; NULL = none */
     const kv_net_io_ops *io;  /* NULL = plain TCP */
-    void *io_ctx;             /* passed to io */
+    void *io_ctx;             /* passed to io; the connection owns it from kv_net_conn_new /
+                                 _dial on (io->close releases it, also when they fail) */
 } kv_net_conn_opts;
 
 /* Takes ownership of a connected (or connecting, if dialing) socket fd,
@@ -209,7 +233,9 @@ size_t kv_net_conn_pending(const kv_net_conn *c);
 size_t kv_net_conn_mem(const kv_net_conn *c);
 
 /* Closes c as described above (code/why are passed to on_close). Safe to
- * call more than once and from the connection's own callbacks. */
+ * call more than once and from the connection's own callbacks. Before the
+ * connection is open (connecting, or in the transport's handshake) it ends
+ * at once and discards what was queued. */
 void kv_net_conn_close(kv_net_conn *c, int code, const char *why);
 bool kv_net_conn_closing(const kv_net_conn *c);
 

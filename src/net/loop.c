@@ -8,6 +8,12 @@
  * batch see state DEAD and are ignored. A connection's buffers are charged
  * to its budget before they grow and given back when they shrink or die.
  *
+ * A transport with a handshake (TLS) holds the connection in state
+ * HANDSHAKE, where only the transport's own readiness is watched, until it
+ * is done; a transport holding decoded input (TLS records larger than the
+ * room given to read) marks the connection io_ready, and such connections are
+ * read once more each iteration, with a zero wait, until they hold none.
+ *
  * Hot path: one read per readable connection per iteration (fairness
  * between connections), frames cut in place in the receive buffer, output
  * appended to one linear buffer and flushed on writability; no allocation
@@ -33,8 +39,9 @@
 #define KV_NET_RX_MIN 4096u         /* smallest receive buffer */
 #define KV_NET_KEEP (4u << 20)      /* buffers above this are freed when empty */
 #define KV_NET_LINGER_BYTES (1u << 20) /* input discarded at most while closing */
+#define KV_NET_HANDSHAKE_MS 10000   /* default bound of a transport handshake */
 
-enum kv_nc_state { KV_NC_CONNECTING, KV_NC_OPEN, KV_NC_FLUSH, KV_NC_LINGER, KV_NC_DEAD };
+enum kv_nc_state { KV_NC_CONNECTING, KV_NC_HANDSHAKE, KV_NC_OPEN, KV_NC_FLUSH, KV_NC_LINGER, KV_NC_DEAD };
 
 struct kv_net_loop {
     int ep;                       /* epoll fd */
@@ -48,6 +55,7 @@ struct kv_net_loop {
     bool busy;                    /* the tick had more work */
     kv_net_conn *conns;           /* every live connection (doubly linked) */
     kv_net_conn *dead;            /* closed this iteration, freed at its end */
+    size_t n_io_ready;            /* connections with io_ready set */
 };
 
 struct kv_net_conn {
@@ -64,6 +72,8 @@ struct kv_net_conn {
     size_t rx_need;               /* size of the current frame, 0 until its header is in */
     bool held;                    /* the current frame is held by the owner */
     bool reading;                 /* the owner wants input */
+    bool io_ready;                /* the transport holds input no readiness will announce */
+    unsigned hs_wants;            /* HANDSHAKE: the readiness the transport waits for */
     size_t discarded;             /* bytes dropped while lingering */
     /* output */
     uint8_t *tx;                  /* [tx_cap] queue: [tx_off, tx_len) unsent */
@@ -71,7 +81,7 @@ struct kv_net_conn {
     /* deadlines */
     kv_net_timer frame_t;         /* frame started, not complete */
     kv_net_timer write_t;         /* output queued, no progress */
-    kv_net_timer aux_t;           /* connect deadline, then linger */
+    kv_net_timer aux_t;           /* connect deadline, handshake deadline, then linger */
     /* closing */
     int code;
     char why[256];
@@ -211,6 +221,7 @@ int kv_net_loop_new(kv_net_loop **out, kv_diag *d) {
 }
 
 static void kv_conn_release_mem(kv_net_conn *c);
+static void kv_conn_run_io_ready(kv_net_loop *l);
 
 void kv_net_loop_free(kv_net_loop *l) {
     if (!l) return;
@@ -260,7 +271,7 @@ static void kv_reap(kv_net_loop *l) {
 
 int kv_net_loop_run_once(kv_net_loop *l, int timeout_ms, kv_diag *d) {
     int64_t now = kv_net_now_ms();
-    int wait = l->busy ? 0 : timeout_ms;
+    int wait = l->busy || l->n_io_ready ? 0 : timeout_ms;
     if (l->n_heap) {
         int64_t left = l->heap[0]->at_ms - now;
         if (left < 0) left = 0;
@@ -280,6 +291,7 @@ int kv_net_loop_run_once(kv_net_loop *l, int timeout_ms, kv_diag *d) {
         if (ev[i].events & (EPOLLERR | EPOLLHUP)) e |= KV_NET_ERROR | KV_NET_READ;
         w->fn(l, w, e);
     }
+    kv_conn_run_io_ready(l);
     now = kv_net_now_ms();
     while (l->n_heap && l->heap[0]->at_ms <= now) {
         kv_net_timer *t = l->heap[0];
@@ -353,15 +365,25 @@ static int kv_conn_resize(kv_net_conn *c, uint8_t **buf, size_t *cap, size_t nc)
     return 0;
 }
 
+/* Marks c io_ready when its transport holds input the owner wants. */
+static void kv_conn_check_pending(kv_net_conn *c) {
+    if (c->io_ready || c->state != KV_NC_OPEN || !c->reading || c->held) return;
+    if (!c->o.io || !c->o.io->pending || c->o.io->pending(c->o.io_ctx) == 0) return;
+    c->io_ready = true;
+    c->l->n_io_ready++;
+}
+
 static void kv_conn_update(kv_net_conn *c) {
     if (c->state == KV_NC_DEAD) return;
     unsigned ev = 0;
     if (c->state == KV_NC_CONNECTING) ev = KV_NET_WRITE;
+    else if (c->state == KV_NC_HANDSHAKE) ev = c->hs_wants;
     else {
         if (c->tx_len > c->tx_off) ev |= KV_NET_WRITE;
         if (c->state != KV_NC_OPEN || (c->reading && !c->held)) ev |= KV_NET_READ;
     }
     kv_watch_mod(c->l, &c->w, ev);
+    kv_conn_check_pending(c);
 }
 
 /* Ends c now: unregisters, closes the fd, frees buffers; on_close and the
@@ -372,6 +394,10 @@ static void kv_conn_finish(kv_net_conn *c, int code, const char *why) {
     if (c->code == 0 && code) c->code = code;
     if (why && (!c->why[0] || code)) snprintf(c->why, sizeof c->why, "%s", why);
     c->state = KV_NC_DEAD;
+    if (c->io_ready) {
+        c->io_ready = false;
+        l->n_io_ready--;
+    }
     kv_net_watch_del(l, &c->w);
     kv_net_timer_stop(l, &c->frame_t);
     kv_net_timer_stop(l, &c->write_t);
@@ -396,6 +422,14 @@ static ssize_t kv_conn_read(kv_net_conn *c, void *buf, size_t n) {
 static ssize_t kv_conn_write(kv_net_conn *c, const void *buf, size_t n) {
     if (c->o.io && c->o.io->write) return c->o.io->write(c->o.io_ctx, c->fd, buf, n);
     return send(c->fd, buf, n, MSG_NOSIGNAL);
+}
+
+/* The reason for a failed read/write: the transport's, or "op: strerror". */
+static const char *kv_conn_io_why(kv_net_conn *c, const char *op, int err, char *buf, size_t cap) {
+    const char *w = c->o.io && c->o.io->why ? c->o.io->why(c->o.io_ctx) : NULL;
+    if (w && *w) return w;
+    snprintf(buf, cap, "%s: %s", op, err ? strerror(err) : "nothing written");
+    return buf;
 }
 
 /* Half-closes and starts the linger (input discarded until EOF or the
@@ -424,8 +458,7 @@ static void kv_conn_flush(kv_net_conn *c) {
             break;
         } else {
             char why[160];
-            snprintf(why, sizeof why, "send: %s", k < 0 ? strerror(errno) : "nothing written");
-            kv_conn_finish(c, KV_EIO, why);
+            kv_conn_finish(c, KV_EIO, kv_conn_io_why(c, "send", k < 0 ? errno : 0, why, sizeof why));
             return;
         }
     }
@@ -531,8 +564,7 @@ static void kv_conn_on_read(kv_net_conn *c) {
     if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
         char why[160];
-        snprintf(why, sizeof why, "read: %s", strerror(errno));
-        kv_conn_finish(c, KV_EIO, why);
+        kv_conn_finish(c, KV_EIO, kv_conn_io_why(c, "read", errno, why, sizeof why));
         return;
     }
     if (k == 0) {
@@ -548,6 +580,56 @@ static void kv_conn_on_read(kv_net_conn *c) {
     c->rx_have += (size_t)k;
     if (start && c->o.frame_timeout_ms > 0) kv_net_timer_start(c->l, &c->frame_t, c->o.frame_timeout_ms);
     kv_conn_process(c);
+    kv_conn_check_pending(c);
+}
+
+/* Reads connections whose transport holds input (kv_conn_check_pending).
+ * A connection closed meanwhile is unlinked and ends the walk early; the
+ * ones left stay marked and are read on the next iteration. */
+static void kv_conn_run_io_ready(kv_net_loop *l) {
+    for (kv_net_conn *c = l->conns, *n; c && l->n_io_ready; c = n) {
+        n = c->next;
+        if (!c->io_ready) continue;
+        c->io_ready = false;
+        l->n_io_ready--;
+        kv_conn_on_read(c);
+    }
+}
+
+/* Drives the transport's handshake; at its end the connection opens:
+ * on_open, then what the owner queued meanwhile is flushed. */
+static void kv_conn_handshake(kv_net_conn *c) {
+    const int r = c->o.io->handshake(c->o.io_ctx, c->fd);
+    if (r < 0) {
+        char why[160];
+        const char *w = c->o.io->why ? c->o.io->why(c->o.io_ctx) : NULL;
+        snprintf(why, sizeof why, "%s", w && *w ? w : kv_err_str(r));
+        if (c->cbs.on_open) c->cbs.on_open(c, r);
+        kv_conn_finish(c, r, why);
+        return;
+    }
+    if (r > 0) {
+        c->hs_wants = (unsigned)r & (KV_NET_READ | KV_NET_WRITE);
+        if (!c->hs_wants) c->hs_wants = KV_NET_READ;
+        kv_conn_update(c);
+        return;
+    }
+    c->state = KV_NC_OPEN;
+    kv_net_timer_stop(c->l, &c->aux_t);
+    kv_conn_update(c);
+    if (c->cbs.on_open) c->cbs.on_open(c, 0);
+    if (c->state != KV_NC_OPEN || c->tx_len == c->tx_off) return;
+    if (c->o.write_timeout_ms > 0) kv_net_timer_start(c->l, &c->write_t, c->o.write_timeout_ms);
+    kv_conn_flush(c);
+}
+
+/* Enters the handshake phase (bounded by handshake_timeout_ms); the first
+ * call to the transport happens on the loop, on either readiness. */
+static void kv_conn_begin_handshake(kv_net_conn *c) {
+    c->state = KV_NC_HANDSHAKE;
+    c->hs_wants = KV_NET_READ | KV_NET_WRITE;
+    kv_net_timer_start(c->l, &c->aux_t, c->o.handshake_timeout_ms);
+    kv_conn_update(c);
 }
 
 static void kv_conn_io(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
@@ -565,11 +647,19 @@ static void kv_conn_io(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
             kv_conn_finish(c, KV_EIO, why);
             return;
         }
-        c->state = KV_NC_OPEN;
         kv_net_timer_stop(c->l, &c->aux_t);
+        if (c->o.io && c->o.io->handshake) {
+            kv_conn_begin_handshake(c);
+            return;
+        }
+        c->state = KV_NC_OPEN;
         kv_conn_update(c);
         if (c->cbs.on_open) c->cbs.on_open(c, 0);
         if (c->state == KV_NC_DEAD) return;
+    }
+    if (c->state == KV_NC_HANDSHAKE) {
+        kv_conn_handshake(c);
+        return;
     }
     if (ev & KV_NET_WRITE) kv_conn_flush(c);
     if (c->state == KV_NC_DEAD) return;
@@ -600,9 +690,19 @@ static void kv_aux_timeout(kv_net_loop *l, kv_net_timer *t) {
     if (c->state == KV_NC_CONNECTING) {
         if (c->cbs.on_open) c->cbs.on_open(c, KV_ETIMEOUT);
         kv_conn_finish(c, KV_ETIMEOUT, "connect timed out");
+    } else if (c->state == KV_NC_HANDSHAKE) {
+        char why[160];
+        snprintf(why, sizeof why, "handshake not complete within %d ms", c->o.handshake_timeout_ms);
+        if (c->cbs.on_open) c->cbs.on_open(c, KV_ETIMEOUT);
+        kv_conn_finish(c, KV_ETIMEOUT, why);
     } else {
         kv_conn_finish(c, 0, NULL); /* linger over */
     }
+}
+
+/* A connection that could not be made releases its transport's state. */
+static void kv_conn_drop_io(const kv_net_conn_opts *o) {
+    if (o && o->io && o->io->close) o->io->close(o->io_ctx);
 }
 
 static int kv_conn_setup(kv_net_conn **out, kv_net_loop *l, int fd, bool connecting, const kv_net_conn_opts *o,
@@ -610,11 +710,13 @@ static int kv_conn_setup(kv_net_conn **out, kv_net_loop *l, int fd, bool connect
     *out = NULL;
     if (!o || !cbs || !cbs->frame_len || !cbs->on_frame || o->header == 0 || o->max_frame < o->header) {
         close(fd);
+        kv_conn_drop_io(o);
         return kv_fail(d, KV_EINVAL, "net: bad connection options");
     }
     kv_net_conn *c = calloc(1, sizeof *c);
     if (!c) {
         close(fd);
+        kv_conn_drop_io(o);
         return kv_fail(d, KV_ENOMEM, "net: out of memory");
     }
     c->l = l;
@@ -622,6 +724,7 @@ static int kv_conn_setup(kv_net_conn **out, kv_net_loop *l, int fd, bool connect
     c->o = *o;
     if (c->o.linger_ms <= 0) c->o.linger_ms = 250;
     if (c->o.keep == 0) c->o.keep = KV_NET_KEEP;
+    if (c->o.handshake_timeout_ms <= 0) c->o.handshake_timeout_ms = KV_NET_HANDSHAKE_MS;
     c->cbs = *cbs;
     c->data = data;
     c->reading = true;
@@ -635,6 +738,7 @@ static int kv_conn_setup(kv_net_conn **out, kv_net_loop *l, int fd, bool connect
         close(fd);
         kv_conn_release_mem(c);
         free(c);
+        kv_conn_drop_io(o);
         return kv_fail(d, KV_ENOMEM, "net: cannot set up a connection (memory budget or fcntl)");
     }
     int rc = kv_net_watch_add(l, &c->w, fd, connecting ? KV_NET_WRITE : KV_NET_READ, kv_conn_io, c, d);
@@ -642,11 +746,13 @@ static int kv_conn_setup(kv_net_conn **out, kv_net_loop *l, int fd, bool connect
         close(fd);
         kv_conn_release_mem(c);
         free(c);
+        kv_conn_drop_io(o);
         return rc;
     }
     c->next = l->conns;
     if (l->conns) l->conns->prev = c;
     l->conns = c;
+    if (!connecting && c->o.io && c->o.io->handshake) kv_conn_begin_handshake(c);
     *out = c;
     return 0;
 }
@@ -661,12 +767,17 @@ int kv_net_conn_dial(kv_net_conn **out, kv_net_loop *l, const struct sockaddr *a
                      kv_diag *d) {
     *out = NULL;
     int fd = socket(addr->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, IPPROTO_TCP);
-    if (fd < 0) return kv_fail(d, KV_EIO, "net: socket: %s", strerror(errno));
+    if (fd < 0) {
+        int e = errno;
+        kv_conn_drop_io(o);
+        return kv_fail(d, KV_EIO, "net: socket: %s", strerror(e));
+    }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     if (connect(fd, addr, alen) && errno != EINPROGRESS) {
         int e = errno;
         close(fd);
+        kv_conn_drop_io(o);
         return kv_fail(d, KV_EIO, "net: connect: %s", strerror(e));
     }
     int rc = kv_conn_setup(out, l, fd, true, o, cbs, data, d);
@@ -676,7 +787,9 @@ int kv_net_conn_dial(kv_net_conn **out, kv_net_loop *l, const struct sockaddr *a
 
 void *kv_net_conn_data(const kv_net_conn *c) { return c->data; }
 int kv_net_conn_fd(const kv_net_conn *c) { return c->fd; }
-bool kv_net_conn_closing(const kv_net_conn *c) { return c->state != KV_NC_OPEN && c->state != KV_NC_CONNECTING; }
+bool kv_net_conn_closing(const kv_net_conn *c) {
+    return c->state != KV_NC_OPEN && c->state != KV_NC_CONNECTING && c->state != KV_NC_HANDSHAKE;
+}
 size_t kv_net_conn_pending(const kv_net_conn *c) { return c->tx_len - c->tx_off; }
 size_t kv_net_conn_mem(const kv_net_conn *c) { return c->rx_cap + c->tx_cap; }
 
@@ -690,14 +803,14 @@ void kv_net_conn_release(kv_net_conn *c) {
 }
 
 void kv_net_conn_set_reading(kv_net_conn *c, bool on) {
-    if (c->reading == on || c->state != KV_NC_OPEN) return;
+    if (c->reading == on || (c->state != KV_NC_OPEN && c->state != KV_NC_HANDSHAKE)) return;
     c->reading = on;
     kv_conn_update(c);
     if (on) kv_conn_process(c);
 }
 
 uint8_t *kv_net_conn_reserve(kv_net_conn *c, size_t n) {
-    if (c->state != KV_NC_OPEN && c->state != KV_NC_CONNECTING) return NULL;
+    if (c->state != KV_NC_OPEN && c->state != KV_NC_CONNECTING && c->state != KV_NC_HANDSHAKE) return NULL;
     const size_t queued = c->tx_len - c->tx_off;
     if (n > c->o.tx_max || queued > c->o.tx_max - n) {
         kv_conn_finish(c, KV_ENOMEM, "output queue over its limit");
@@ -724,7 +837,8 @@ void kv_net_conn_commit(kv_net_conn *c, size_t n) {
     if (c->state == KV_NC_DEAD) return;
     const bool was_empty = c->tx_len == c->tx_off;
     c->tx_len += n;
-    if (was_empty && c->o.write_timeout_ms > 0) kv_net_timer_start(c->l, &c->write_t, c->o.write_timeout_ms);
+    /* in the handshake, the write deadline starts when the connection opens */
+    if (was_empty && c->o.write_timeout_ms > 0 && c->state != KV_NC_HANDSHAKE) kv_net_timer_start(c->l, &c->write_t, c->o.write_timeout_ms);
     kv_conn_update(c);
 }
 
@@ -740,7 +854,7 @@ void kv_net_conn_close(kv_net_conn *c, int code, const char *why) {
     if (c->state == KV_NC_DEAD || c->state == KV_NC_FLUSH || c->state == KV_NC_LINGER) return;
     c->code = code;
     snprintf(c->why, sizeof c->why, "%s", why ? why : "");
-    if (c->state == KV_NC_CONNECTING) {
+    if (c->state == KV_NC_CONNECTING || c->state == KV_NC_HANDSHAKE) {
         kv_conn_finish(c, code, why);
         return;
     }
