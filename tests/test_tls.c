@@ -6,7 +6,8 @@
  * another one; a pinned key or fingerprint that the peer does not carry
  * fails the handshake; plaintext, a TLS 1.2-only client and a silent client
  * each close only their own connection, with a reason that says why, while
- * the server goes on serving. The independent references are the openssl
+ * the server goes on serving; a byte flipped on the way by a relay fails
+ * the record and delivers nothing. The independent references are the openssl
  * command-line tool (fingerprint of a PEM written out; the exporter as
  * `s_client -keymatexport` computes it; a `-tls1_2` client) and a byte
  * pattern each side derives on its own. */
@@ -15,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -644,9 +646,110 @@ static void test_blocking(void) {
     kv_net_loop_free(l);
 }
 
+/* ---- a man in the middle that flips one byte ---------------------------------------------------- */
+
+typedef struct flipper {
+    int lfd;                 /* listening (blocking) */
+    char addr[64];
+    const char *target;      /* the server */
+    size_t flip_at;          /* offset in the client-to-server stream whose byte is flipped */
+    size_t forwarded;        /* client-to-server bytes forwarded */
+} flipper;
+
+/* Accepts one client, connects to the target and forwards both ways until
+ * either side closes, flipping one bit of the byte at flip_at. */
+static void *flipper_thread(void *arg) {
+    flipper *f = arg;
+    int a = accept(f->lfd, NULL, NULL), b = -1;
+    if (a < 0 || kv_link_connect(f->target, 2000, &b, NULL)) goto out;
+    uint8_t buf[16384];
+    const int64_t t0 = kv_net_now_ms();
+    while (kv_net_now_ms() - t0 < 10000) {
+        struct pollfd pf[2] = {{.fd = a, .events = POLLIN}, {.fd = b, .events = POLLIN}};
+        if (poll(pf, 2, 100) <= 0) continue;
+        if (pf[0].revents) {
+            ssize_t k = recv(a, buf, sizeof buf, 0);
+            if (k <= 0) break;
+            if (f->flip_at >= f->forwarded && f->flip_at < f->forwarded + (size_t)k) buf[f->flip_at - f->forwarded] ^= 1;
+            f->forwarded += (size_t)k;
+            if (send(b, buf, (size_t)k, MSG_NOSIGNAL) != k) break;
+        }
+        if (pf[1].revents) {
+            ssize_t k = recv(b, buf, sizeof buf, 0);
+            if (k <= 0 || send(a, buf, (size_t)k, MSG_NOSIGNAL) != k) break;
+        }
+    }
+out:
+    if (a >= 0) close(a);
+    if (b >= 0) close(b);
+    return NULL;
+}
+
+/* One byte of application data altered on the way: the server's read fails
+ * its record authentication and closes that connection with a reason that
+ * says TLS, delivering no frame; nothing altered reaches the owner. And a
+ * blocking dial to a port that accepts TCP but never speaks TLS ends at its
+ * deadline. */
+static void test_tampered_and_silent_server(void) {
+    kv_net_loop *l = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_net_loop_new(&l, &d), 0);
+    server s;
+    server_start(&s, l, 5000);
+    flipper f = {.target = s.addr, .flip_at = 3000};
+    ASSERT_EQ(kv_net_listen("127.0.0.1:0", 4, &f.lfd, f.addr, sizeof f.addr, &d), 0);
+    int fl = fcntl(f.lfd, F_GETFL);
+    fcntl(f.lfd, F_SETFL, fl & ~O_NONBLOCK);
+    atomic_store(&g_stop, 0);
+    pthread_t th, fth;
+    ASSERT_EQ(pthread_create(&th, NULL, loop_thread, l), 0);
+    ASSERT_EQ(pthread_create(&fth, NULL, flipper_thread, &f), 0);
+
+    kv_tls_opts o = {.pin_key = g_srv_key.pk};
+    kv_tls *t = NULL;
+    int fd = -1;
+    ASSERT_EQ(kv_tls_dial(&t, &fd, g_cli, &o, f.addr, 3000, &d), 0);
+    const size_t n = 64u << 10;
+    uint8_t *out = malloc(4 + n);
+    make_frame(out, (uint32_t)n, 13);
+    ASSERT_EQ(kv_tls_write_full(t, out, 4 + n, 5000, &d), 0);
+    size_t got = 0;
+    ASSERT_TRUE(kv_tls_read_full(t, out, 4 + n, &got, 5000, &d) != 0); /* no echo: closed */
+    ASSERT_EQ(got, 0);
+    kv_tls_free(t);
+    close(fd);
+    pthread_join(fth, NULL);
+    ASSERT_TRUE(f.forwarded > f.flip_at); /* the flip happened, inside application data */
+
+    /* a listener that never accepts: TCP connects (backlog), TLS never answers */
+    int mute = -1;
+    char mute_addr[64];
+    ASSERT_EQ(kv_net_listen("127.0.0.1:0", 4, &mute, mute_addr, sizeof mute_addr, &d), 0);
+    const int64_t t0 = kv_net_now_ms();
+    ASSERT_EQ(kv_tls_dial(&t, &fd, g_cli, &o, mute_addr, 300, &d), KV_ETIMEOUT);
+    ASSERT_TRUE(strstr(d.msg, "TLS handshake not complete") != NULL);
+    ASSERT_TRUE(kv_net_now_ms() - t0 >= 290 && kv_net_now_ms() - t0 < 2000);
+    close(mute);
+
+    atomic_store(&g_stop, 1);
+    pthread_join(th, NULL);
+    ASSERT_EQ(s.n, 1);
+    ASSERT_TRUE(s.peers[0].closed);
+    ASSERT_EQ(s.peers[0].open_code, 0); /* the handshake itself was untouched */
+    ASSERT_EQ(s.peers[0].frames, 0);
+    ASSERT_EQ(s.peers[0].close_code, KV_EIO);
+    ASSERT_TRUE(strstr(s.peers[0].why, "TLS read") != NULL);
+    fprintf(stderr, "tampered: %s\n", s.peers[0].why);
+    free(out);
+    close(f.lfd);
+    server_stop(&s);
+    kv_net_loop_free(l);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_loop_roundtrip), KVT_CASE(test_pin_mismatch), KVT_CASE(test_plaintext_and_deadline),
     KVT_CASE(test_openssl_clients), KVT_CASE(test_fingerprint_cli), KVT_CASE(test_blocking),
+    KVT_CASE(test_tampered_and_silent_server),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
