@@ -572,6 +572,19 @@ static void test_fingerprint_cli(void) {
     ASSERT_EQ(kv_tls_ctx_load(&x, cmd, key, &d), KV_ENOTFOUND);
     ASSERT_EQ(kv_tls_fingerprint_pem_file(cmd, fp_file, &d), KV_ENOTFOUND);
     ASSERT_TRUE(x == NULL);
+    /* as a user writes it */
+    char up[80], parsed[65];
+    snprintf(up, sizeof up, "SHA256:%s", ref);
+    for (char *q = up + 7; *q; q++) *q = (char)toupper((unsigned char)*q);
+    ASSERT_EQ(kv_tls_fingerprint_parse(up, strlen(up), parsed, &d), 0);
+    ASSERT_STREQ(parsed, fp);
+    ASSERT_EQ(kv_tls_fingerprint_parse(ref, 64, parsed, &d), 0);
+    ASSERT_STREQ(parsed, fp);
+    ASSERT_EQ(kv_tls_fingerprint_parse(ref, 63, parsed, &d), KV_EINVAL);
+    ASSERT_TRUE(strstr(d.msg, "63 characters") != NULL);
+    up[20] = 'g';
+    ASSERT_EQ(kv_tls_fingerprint_parse(up, strlen(up), parsed, &d), KV_EINVAL);
+    ASSERT_EQ(kv_tls_fingerprint_parse("sha1:00", 7, parsed, &d), KV_EINVAL);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     ASSERT_EQ(system(cmd), 0);
 }

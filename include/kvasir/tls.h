@@ -77,6 +77,12 @@ int kv_tls_fingerprint_der(const uint8_t *der, size_t n, char out[KV_TLS_FP_HEX 
  * KV_TLS_MAX_PEM bytes). KV_ENOTFOUND / KV_EIO / KV_EFORMAT naming it. */
 int kv_tls_fingerprint_pem_file(const char *path, char out[KV_TLS_FP_HEX + 1], kv_diag *d);
 
+/* A fingerprint as a user writes it: "sha256:<64 hex>" or the 64 hex digits
+ * alone, either case, s[0, n) (the part after `#sha256=` in a URL, or the
+ * hub's `tls sha256:<hex>` line without "tls "). Writes the 64 lowercase
+ * digits into out[65]. 0, or KV_EINVAL naming what is wrong. */
+int kv_tls_fingerprint_parse(const char *s, size_t n, char out[KV_TLS_FP_HEX + 1], kv_diag *d);
+
 /* ---- sessions --------------------------------------------------------------------- */
 
 typedef struct kv_tls_opts {
@@ -131,7 +137,7 @@ int kv_tls_exporter(const kv_tls *t, uint8_t out[KV_TLS_EXPORTER_LEN]);
 int kv_tls_handshake_fd(kv_tls *t, int fd, int timeout_ms, kv_diag *d);
 /* kv_link_connect to host_port and a client handshake with o's pins, all
  * within timeout_ms (0 = 5000). Returns 0 with *out (kv_tls_free) and *fd
- * (the caller closes it); on failure both are NULL / -1 and the code is
+ * (nonblocking; the caller closes it); on failure both are NULL / -1 and the code is
  * kv_link_connect's or kv_tls_handshake_fd's. */
 int kv_tls_dial(kv_tls **out, int *fd, kv_tls_ctx *x, const kv_tls_opts *o, const char *host_port,
                 int timeout_ms, kv_diag *d);

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -189,6 +190,18 @@ int kv_tls_fingerprint_pem_file(const char *path, char out[KV_TLS_FP_HEX + 1], k
     rc = kv_tls_cert_fp(c, out);
     X509_free(c);
     return rc ? kv_fail(d, rc, "certificate '%s': no public key to fingerprint", path) : 0;
+}
+
+int kv_tls_fingerprint_parse(const char *s, size_t n, char out[KV_TLS_FP_HEX + 1], kv_diag *d) {
+    static const char pre[] = "sha256:";
+    if (!s) return kv_fail(d, KV_EINVAL, "fingerprint: none given");
+    if (n >= sizeof pre - 1 && !strncasecmp(s, pre, sizeof pre - 1)) s += sizeof pre - 1, n -= sizeof pre - 1;
+    uint8_t b[32];
+    if (n != KV_TLS_FP_HEX || kv_unhex(s, n, b, sizeof b, true))
+        return kv_fail(d, KV_EINVAL, "fingerprint: expected sha256:<64 hex digits>, got %zu characters%s", n,
+                       n == KV_TLS_FP_HEX ? " that are not all hex" : "");
+    kv_hex(b, sizeof b, out);
+    return 0;
 }
 
 /* ---- contexts ------------------------------------------------------------------------ */
