@@ -21,6 +21,7 @@ have chromium || need+=(chromium)
 have chromedriver || need+=(chromium-driver)
 have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 have ping || need+=(iputils-ping) # the reference RTT of tests/test_netdelay.sh
+have openssl || need+=(openssl) # the independent TLS reference of tests/test_tls.c (s_client, x509)
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)

@@ -11,6 +11,10 @@
  * line in kv_tls.why, with the cases a user meets (plaintext, an old
  * version, a wrong key) said plainly.
  *
+ * After the handshake a write never waits for input (TLS 1.3 has no
+ * renegotiation, and we send no KeyUpdate); a KeyUpdate the peer asks for
+ * is answered with our next write.
+ *
  * Hot path: SSL_read_ex / SSL_write_ex straight into the loop's buffers
  * (partial writes and a moving write buffer allowed, as the loop compacts
  * its queue); nothing here allocates after the handshake. */
