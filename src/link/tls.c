@@ -12,8 +12,10 @@
  * version, a wrong key) said plainly.
  *
  * After the handshake a write never waits for input (TLS 1.3 has no
- * renegotiation, and we send no KeyUpdate); a KeyUpdate the peer asks for
- * is answered with our next write.
+ * renegotiation, and we send no KeyUpdate). A read may write: the answer to
+ * a KeyUpdate the peer asks for, a few bytes that the socket takes unless
+ * the peer stops reading; then that read reports EAGAIN and only that
+ * peer's connection waits.
  *
  * Hot path: SSL_read_ex / SSL_write_ex straight into the loop's buffers
  * (partial writes and a moving write buffer allowed, as the loop compacts
