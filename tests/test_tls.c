@@ -726,7 +726,8 @@ static void *flipper_thread(void *arg) {
         if (pf[0].revents) {
             ssize_t k = recv(a, buf, sizeof buf, 0);
             if (k <= 0) break;
-            if (f->flip_at >= f->forwarded && f->flip_at < f->forwarded + (size_t)k) buf[f->flip_at - f->forwarded] ^= 1;
+            if (f->flip_at >= f->forwarded && f->flip_at < f->forwarded + (size_t)k)
+                buf[f->flip_at - f->forwarded] ^= 1;
             f->forwarded += (size_t)k;
             if (send(b, buf, (size_t)k, MSG_NOSIGNAL) != k) break;
         }
@@ -803,7 +804,8 @@ static void test_tampered_and_silent_server(void) {
 }
 
 static const kvt_case cases[] = {
-    KVT_CASE(test_loop_roundtrip), KVT_CASE(test_hold_with_pending), KVT_CASE(test_pin_mismatch), KVT_CASE(test_plaintext_and_deadline),
+    KVT_CASE(test_loop_roundtrip), KVT_CASE(test_hold_with_pending), KVT_CASE(test_pin_mismatch),
+    KVT_CASE(test_plaintext_and_deadline),
     KVT_CASE(test_openssl_clients), KVT_CASE(test_fingerprint_cli), KVT_CASE(test_blocking),
     KVT_CASE(test_tampered_and_silent_server),
 };

@@ -242,8 +242,9 @@ static int kv_tls_verify_cb(X509_STORE_CTX *sx, void *arg) {
             goto refuse;
         }
         if (strcmp(have, t->pin_fp)) {
-            snprintf(t->why, sizeof t->why, "TLS: the peer's certificate fingerprint sha256:%.16s... is not the pinned sha256:%.16s...",
-                     have, t->pin_fp);
+            snprintf(t->why, sizeof t->why,
+                     "TLS: the peer's certificate fingerprint sha256:%.16s... is not the pinned sha256:%.16s...", have,
+                     t->pin_fp);
             goto refuse;
         }
     }
@@ -590,8 +591,8 @@ static int kv_tls_wait(const kv_tls *t, unsigned wants, int64_t deadline) {
     for (;;) {
         int64_t left = deadline - kv_net_now_ms();
         if (left <= 0) return KV_ETIMEOUT;
-        struct pollfd pf = {.fd = t->fd,
-                            .events = (short)((wants & KV_NET_READ ? POLLIN : 0) | (wants & KV_NET_WRITE ? POLLOUT : 0))};
+        const short ev = (short)((wants & KV_NET_READ ? POLLIN : 0) | (wants & KV_NET_WRITE ? POLLOUT : 0));
+        struct pollfd pf = {.fd = t->fd, .events = ev};
         int pr = poll(&pf, 1, left > 1 << 30 ? 1 << 30 : (int)left);
         if (pr > 0) return 0;
         if (pr < 0 && errno != EINTR) return 0; /* the next I/O call reports it */

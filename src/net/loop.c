@@ -838,7 +838,8 @@ void kv_net_conn_commit(kv_net_conn *c, size_t n) {
     const bool was_empty = c->tx_len == c->tx_off;
     c->tx_len += n;
     /* in the handshake, the write deadline starts when the connection opens */
-    if (was_empty && c->o.write_timeout_ms > 0 && c->state != KV_NC_HANDSHAKE) kv_net_timer_start(c->l, &c->write_t, c->o.write_timeout_ms);
+    if (was_empty && c->o.write_timeout_ms > 0 && c->state != KV_NC_HANDSHAKE)
+        kv_net_timer_start(c->l, &c->write_t, c->o.write_timeout_ms);
     kv_conn_update(c);
 }
 
