@@ -616,7 +616,7 @@ static void test_fingerprint_cli(void) {
     ASSERT_EQ(kv_tls_fingerprint_pem_file(cmd, fp_file, &d), KV_ENOTFOUND);
     ASSERT_TRUE(x == NULL);
     /* as a user writes it */
-    char up[80], parsed[65];
+    char up[160], parsed[65];
     snprintf(up, sizeof up, "SHA256:%s", ref);
     for (char *q = up + 7; *q; q++) *q = (char)toupper((unsigned char)*q);
     ASSERT_EQ(kv_tls_fingerprint_parse(up, strlen(up), parsed, &d), 0);
