@@ -10,10 +10,6 @@
 #include "gateway/gateway_internal.h"
 #include "http/http_guard.h"
 
-int kv_gw_parse_openai(kv_gw_params *p, json_t *o, bool chat, kv_diag *d);
-int kv_gw_parse_anthropic(kv_gw_params *p, json_t *o, kv_diag *d);
-int kv_gw_parse_ollama(kv_gw_params *p, json_t *o, kv_diag *d);
-
 /* A number field in [lo, hi]; absent or null leaves *out. */
 int kv_gw_num(json_t *o, const char *key, double lo, double hi, double *out, bool *has, kv_diag *d) {
     json_t *v = json_object_get(o, key);
@@ -186,13 +182,8 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
     if (!p->json) return kv_fail(d, KV_EFORMAT, "malformed JSON body: %.200s (line %d, column %d)", je.text, je.line,
                                  je.column);
     if (!json_is_object(p->json)) return kv_fail(d, KV_EFORMAT, "the body must be a JSON object");
-    switch (api) {
-    case KV_GW_OPENAI_CHAT: return kv_gw_parse_openai(p, p->json, true, d);
-    case KV_GW_OPENAI_TEXT: return kv_gw_parse_openai(p, p->json, false, d);
-    case KV_GW_ANTHROPIC: return kv_gw_parse_anthropic(p, p->json, d);
-    case KV_GW_OLLAMA: return kv_gw_parse_ollama(p, p->json, d);
-    default: return kv_fail(d, KV_EINVAL, "unknown API %d", api);
-    }
+    if (api < 0 || api >= KV_GW_API_COUNT) return kv_fail(d, KV_EINVAL, "unknown API %d", api);
+    return kv_gw_api(api)->parse(p, p->json, d);
 }
 
 int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,
