@@ -49,6 +49,8 @@ typedef struct kv_gw_params {
     uint32_t n_stop;
     bool stream;
     bool include_usage;             /* OpenAI stream_options.include_usage */
+    bool add_generation_prompt;     /* the chat template ends with the assistant's turn opened (default) */
+    bool has_tool_role;             /* a message has role "tool" (only a chat template renders it) */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -156,6 +158,28 @@ const kv_gw_api_ops *kv_gw_api(int api);
 
 /* GET /api/tags: the one model served (Ollama's shape). */
 char *kv_gw_ollama_tags(const char *model, long long created, unsigned long long size);
+
+/* ---- the chat template (gateway/template.c) -------------------------------
+ * The model's own template rendered over a chat request (what it sees is
+ * described at the top of template.c). Immutable once open: any thread. */
+typedef struct kv_gw_tmpl kv_gw_tmpl;
+/* Parses src (len bytes; name says where it came from, in messages); the
+ * BOS and EOS texts from tok (NULL: both ""). Errors: kv_chat_tmpl_parse's,
+ * d prefixed with the name. */
+int kv_gw_tmpl_open(kv_gw_tmpl **out, const kv_tok *tok, const char *src, size_t len, const char *name, kv_diag *d);
+void kv_gw_tmpl_free(kv_gw_tmpl *m); /* accepts NULL */
+const char *kv_gw_tmpl_name(const kv_gw_tmpl *m);
+/* The template's variables for p (a new object, caller decrefs). */
+int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out, kv_diag *d);
+/* The rendered prompt (malloc'd, NUL-terminated, *n bytes). Errors as
+ * kv_chat_render's: KV_EINVAL for the template's raise_exception (d->msg
+ * its message), KV_ERANGE a render limit (named), KV_EFORMAT, KV_ENOMEM. */
+int kv_gw_tmpl_render(const kv_gw_tmpl *m, const kv_gw_params *p, char **out, size_t *n, kv_diag *d);
+/* Tokens of a rendering of p: special token texts as their ids, except
+ * inside the client's strings where they appear verbatim (they stay text).
+ * As kv_tok_encode: up to cap ids, *n_ids the full count. */
+int kv_gw_tmpl_encode(const kv_tok *tok, const kv_gw_params *p, const char *text, size_t n, int32_t *ids,
+                      size_t cap, size_t *n_ids, kv_diag *d);
 
 /* ---- the hub's placement map (gateway/watch.c) ---------------------------
  * A thread reads HUB/v1/placement every refresh_ms (0 = 2000), or at once

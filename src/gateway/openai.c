@@ -19,6 +19,7 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
     if (chat) {
         if ((rc = kv_gw_messages(p, o, true, d))) return rc;
+        if ((rc = kv_gw_bool(o, "add_generation_prompt", &p->add_generation_prompt, d))) return rc;
     } else {
         json_t *pr = json_object_get(o, "prompt");
         if (json_is_array(pr) && json_array_size(pr) == 1) pr = json_array_get(pr, 0);

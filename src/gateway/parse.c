@@ -147,12 +147,17 @@ int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d) {
             return kv_fail(d, KV_EFORMAT, "message %zu must be an object with a string 'role'", k);
         const char *role = json_string_value(r);
         if (!strcmp(role, "developer")) role = "system";
-        if (strcmp(role, "user") && strcmp(role, "assistant") && !(allow_system && !strcmp(role, "system")))
+        /* "tool" (OpenAI's, Ollama's): for a chat template to render; the
+           ChatML fallback refuses it as any other role (routes.c) */
+        const bool tool = allow_system && !strcmp(role, "tool");
+        p->has_tool_role |= tool;
+        if (!tool && strcmp(role, "user") && strcmp(role, "assistant") && !(allow_system && !strcmp(role, "system")))
             return kv_fail(d, KV_EINVAL, "message %zu has role '%.32s'; expected %s", k, role,
                            allow_system ? "system, user or assistant" : "user or assistant");
         const size_t i = p->n_msgs++;
         p->msgs[i].role = role;
         json_t *c = json_object_get(m, "content");
+        if (!c && json_is_array(json_object_get(m, "tool_calls"))) c = json_null(); /* a call and no text */
         if (!c) return kv_fail(d, KV_EFORMAT, "message %zu has no 'content'", k);
         int rc = kv_gw_content(p, c, i, d);
         if (rc) return rc;
@@ -176,6 +181,7 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
     memset(p, 0, sizeof *p);
     p->api = api;
     p->sp = kv_sample_defaults();
+    p->add_generation_prompt = true;
     json_error_t je;
     /* JSON_REJECT_DUPLICATES: one field, one meaning */
     p->json = json_loadb(body, n, JSON_REJECT_DUPLICATES, &je);

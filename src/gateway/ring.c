@@ -256,9 +256,10 @@ unsigned kv_gw_ring_http_status(int err) {
     }
 }
 
-/* A ring request: the prompt copied (the raw text, or every message's role
- * and content) for the home to tokenize. NULL on no memory. */
-kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p) {
+/* A ring request: the prompt copied (the raw text, a chat template's
+ * rendering when text is given, or every message's role and content) for
+ * the home to tokenize. NULL on no memory. */
+kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, const char *text, size_t text_len) {
     const uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
     kv_gw_req *r = calloc(1, sizeof *r);
     if (!r) return NULL;
@@ -266,13 +267,16 @@ kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p) {
     r->api = api;
     r->max_tokens = max_tokens;
     r->cap = max_tokens + 1;
-    size_t bytes = api == KV_GW_OPENAI_TEXT ? p->prompt_len : 0;
-    for (size_t i = 0; api != KV_GW_OPENAI_TEXT && i < p->n_msgs; i++) bytes += p->msgs[i].len;
+    const bool raw = text || api == KV_GW_OPENAI_TEXT; /* SUBMIT: a prompt, or a template's rendering */
+    const char *rt = text ? text : p->prompt;
+    const size_t rl = text ? text_len : p->prompt_len;
+    size_t bytes = raw ? rl : 0;
+    for (size_t i = 0; !raw && i < p->n_msgs; i++) bytes += p->msgs[i].len;
     r->toks = malloc((size_t)r->cap * sizeof *r->toks);
     r->poff = calloc((size_t)r->cap + 1, sizeof *r->poff);
     r->rtext = malloc(bytes + 1);
-    if (api != KV_GW_OPENAI_TEXT && p->n_msgs) r->rmsgs = malloc(p->n_msgs * sizeof *r->rmsgs);
-    if (!r->toks || !r->poff || !r->rtext || (api != KV_GW_OPENAI_TEXT && p->n_msgs && !r->rmsgs)) {
+    if (!raw && p->n_msgs) r->rmsgs = malloc(p->n_msgs * sizeof *r->rmsgs);
+    if (!r->toks || !r->poff || !r->rtext || (!raw && p->n_msgs && !r->rmsgs)) {
         free(r->toks);
         free(r->poff);
         free(r->rtext);
@@ -280,9 +284,9 @@ kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p) {
         free(r);
         return NULL;
     }
-    if (api == KV_GW_OPENAI_TEXT) {
-        memcpy(r->rtext, p->prompt, p->prompt_len);
-        r->rtext_len = p->prompt_len;
+    if (raw) {
+        memcpy(r->rtext, rt, rl);
+        r->rtext_len = rl;
     } else {
         static const char *const roles[] = {"system", "user", "assistant"};
         size_t at = 0;

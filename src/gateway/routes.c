@@ -22,7 +22,7 @@
 
 enum kv_route {
     KV_R_NONE = 0, KV_R_HEALTH, KV_R_METRICS, KV_R_MODELS, KV_R_SLOTS, KV_R_TAGS, KV_R_GEN, KV_R_NOTFOUND,
-    KV_R_METHOD, KV_R_PRICES
+    KV_R_METHOD, KV_R_PRICES, KV_R_TEMPLATE
 };
 
 typedef struct kv_gw_conn {
@@ -305,23 +305,62 @@ static uint64_t kv_client_of(kv_gateway *g, struct MHD_Connection *c) {
     return v;
 }
 
+/* The HTTP status of a chat template's failure to render: the request's
+ * fault (raise_exception, a limit, a value the template cannot take) 400,
+ * no memory 500. */
+static unsigned kv_template_status(int rc) { return rc == KV_ENOMEM ? 500 : 400; }
+
+/* Without a chat template (ChatML) a role:"tool" message is refused as it
+ * always was; true with d set then. */
+static bool kv_tool_role_refused(const kv_gw_params *p, kv_diag *d) {
+    if (!p->has_tool_role) return false;
+    for (size_t i = 0; i < p->n_msgs; i++)
+        if (!strcmp(p->msgs[i].role, "tool")) {
+            kv_fail(d, KV_EINVAL, "message %zu has role 'tool'; expected system, user or assistant", i);
+            return true;
+        }
+    return false;
+}
+
 /* A local request: the prompt tokenized here (the chat template for the
  * chat APIs), paid for when the gateway charges. NULL with *status and d
  * on refusal. */
 static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, const kv_gw_params *p, size_t *n_out,
                                    unsigned *status, kv_diag *d) {
     kv_gateway *g = cn->g;
-    size_t bytes = p->prompt_len + 16;
-    for (size_t i = 0; i < p->n_msgs; i++) bytes += p->msgs[i].len + 16;
-    const size_t cap = 3 * bytes + 8;
+    const bool chat = cn->api != KV_GW_OPENAI_TEXT;
+    char *text = NULL; /* the chat template's rendering */
+    size_t text_len = 0;
+    *status = 400;
+    if (chat && g->tmpl) {
+        const int rrc = kv_gw_tmpl_render(g->tmpl, p, &text, &text_len, d);
+        if (rrc) {
+            *status = kv_template_status(rrc);
+            return NULL;
+        }
+    } else if (chat && kv_tool_role_refused(p, d)) {
+        return NULL;
+    }
+    size_t bytes = text ? text_len + 16 : p->prompt_len + 16;
+    for (size_t i = 0; !text && i < p->n_msgs; i++) bytes += p->msgs[i].len + 16;
+    const size_t cap = text ? bytes : 3 * bytes + 8; /* a byte-level token holds at least one byte */
     int32_t *ids = malloc(cap * sizeof *ids);
     *status = 500;
-    if (!ids) return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
+    if (!ids) {
+        free(text);
+        return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
+    }
     size_t off = 0, n = 0;
     if (kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
-    int rc = cn->api == KV_GW_OPENAI_TEXT
-                 ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
-                 : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, true, ids + off, cap - off, &n, d);
+    int rc = !chat ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
+           : text  ? kv_gw_tmpl_encode(g->tok, p, text, text_len, ids + off, cap - off, &n, d)
+                   : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, p->add_generation_prompt, ids + off, cap - off,
+                                          &n, d);
+    free(text);
+    if (!rc && text && off && n && ids[off] == ids[0]) { /* the template wrote BOS itself: once is enough */
+        memmove(ids, ids + 1, n * sizeof *ids);
+        off = 0;
+    }
     n += off;
     *status = rc == KV_ENOMEM ? 500 : 400;
     if (!rc && n == 0) rc = kv_fail(d, KV_EINVAL, "the prompt is empty");
@@ -374,11 +413,13 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
 }
 
 
-static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
+/* Reads cn's body as a request of cn->api into cn->p, within the parse
+ * memory budget. Returns 0, or the HTTP status of the refusal (413, 503,
+ * 400, 500) with d saying why. */
+static unsigned kv_parse_body(kv_gw_conn *cn, kv_diag *d) {
     kv_gateway *g = cn->g;
-    kv_diag d = {0};
     cn->p = calloc(1, sizeof *cn->p);
-    if (!cn->p) return kv_reply_err(cn, c, 500, "out of memory");
+    if (!cn->p) return kv_fail(d, KV_ENOMEM, "out of memory"), 500;
     /* the parse's memory: reserved whole from the gateway's total first, the
        unused part given back after; what the parsed body holds stays charged
        until the request ends (kv_gw_done) */
@@ -388,18 +429,54 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     else g->parse_refused++;
     pthread_mutex_unlock(&g->mu);
     if (!room)
-        return kv_reply_err(cn, c, 503, "the gateway is parsing as many request bodies as its memory allows (%zu bytes); "
-                            "retry later", g->o.parse_total);
+        return kv_fail(d, KV_EIO, "the gateway is parsing as many request bodies as its memory allows (%zu bytes); "
+                       "retry later", g->o.parse_total), 503;
     bool over = false;
     size_t held = 0;
-    const int prc = kv_gw_parse_budget(cn->p, cn->api, cn->body ? cn->body : "", cn->n, g->o.parse_max, &held, &over, &d);
+    const int prc = kv_gw_parse_budget(cn->p, cn->api, cn->body ? cn->body : "", cn->n, g->o.parse_max, &held, &over, d);
     pthread_mutex_lock(&g->mu);
     g->parse_live -= g->o.parse_max - held;
     cn->parse_charge = held;
     if (over) g->parse_refused++;
     pthread_mutex_unlock(&g->mu);
-    if (over) return kv_reply_err(cn, c, 413, "%s", d.msg);
-    if (prc) return kv_reply_err(cn, c, 400, "%s", d.msg);
+    if (over) return 413;
+    if (prc) return 400;
+    return 0;
+}
+
+/* POST /apply-template (llama-server's): a chat completions body, answered
+ * {"prompt": TEXT}, the text the chat template renders for it (the prompt
+ * a completion with that body is given, before tokens). */
+static enum MHD_Result kv_apply_template(kv_gw_conn *cn, struct MHD_Connection *c) {
+    kv_gateway *g = cn->g;
+    kv_diag d = {0};
+    const unsigned st = kv_parse_body(cn, &d);
+    if (st) return kv_reply_err(cn, c, st, "%s", d.msg);
+    const kv_gw_params *p = cn->p;
+    char *text = NULL;
+    size_t n = 0;
+    if (g->tmpl) {
+        const int rc = kv_gw_tmpl_render(g->tmpl, p, &text, &n, &d);
+        if (rc) return kv_reply_err(cn, c, kv_template_status(rc), "%s", d.msg);
+    } else { /* ChatML, as the prompt is then built (here, or by a ring's home) */
+        if (kv_tool_role_refused(p, &d)) return kv_reply_err(cn, c, 400, "%s", d.msg);
+        if (!(text = kv_tok_chatml_msgs(p->msgs, p->n_msgs, p->add_generation_prompt)))
+            return kv_reply_err(cn, c, 500, "out of memory");
+        n = strlen(text);
+    }
+    json_t *j = json_pack("{s:s%}", "prompt", text, n);
+    free(text);
+    char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    if (!body) return kv_reply_err(cn, c, 500, "the rendered prompt is not valid UTF-8, or out of memory");
+    return kv_reply(cn, c, 200, "application/json", body);
+}
+
+static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
+    kv_gateway *g = cn->g;
+    kv_diag d = {0};
+    const unsigned st = kv_parse_body(cn, &d);
+    if (st) return kv_reply_err(cn, c, st, "%s", d.msg);
     kv_gw_params *p = cn->p;
     if (p->model && strcmp(p->model, g->model))
         return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
@@ -407,7 +484,19 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     kv_gw_req *r = NULL;
     size_t n = 0;
     if (g->n_ring) {
-        if (!(r = kv_gw_ring_req_new(g, cn->api, p))) return kv_reply_err(cn, c, 500, "out of memory");
+        /* the ring's home tokenizes: the rendering when a template is given
+           here, else the messages (the home applies ChatML) */
+        char *text = NULL;
+        size_t tl = 0;
+        if (cn->api != KV_GW_OPENAI_TEXT && g->tmpl) {
+            const int rc = kv_gw_tmpl_render(g->tmpl, p, &text, &tl, &d);
+            if (rc) return kv_reply_err(cn, c, kv_template_status(rc), "%s", d.msg);
+        } else if (cn->api != KV_GW_OPENAI_TEXT && kv_tool_role_refused(p, &d)) {
+            return kv_reply_err(cn, c, 400, "%s", d.msg);
+        }
+        r = kv_gw_ring_req_new(g, cn->api, p, text, tl);
+        free(text);
+        if (!r) return kv_reply_err(cn, c, 500, "out of memory");
     } else {
         unsigned status = 0;
         if (!(r = kv_local_req_new(cn, c, p, &n, &status, &d)))
@@ -508,6 +597,7 @@ static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
         {"POST", "/v1/completions", KV_R_GEN, KV_GW_OPENAI_TEXT},
         {"POST", "/v1/messages", KV_R_GEN, KV_GW_ANTHROPIC},
         {"POST", "/api/chat", KV_R_GEN, KV_GW_OLLAMA},
+        {"POST", "/apply-template", KV_R_TEMPLATE, KV_GW_OPENAI_CHAT},
     };
     cn->route = KV_R_NOTFOUND;
     cn->api = !strncmp(url, "/api/", 5) ? KV_GW_OLLAMA : !strcmp(url, "/v1/messages") ? KV_GW_ANTHROPIC
@@ -588,6 +678,7 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
     case KV_R_TAGS: {
         return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_tags(g->model, g->started, 0));
     }
+    case KV_R_TEMPLATE: return kv_apply_template(cn, c);
     default: return kv_generate(cn, c);
     }
 }

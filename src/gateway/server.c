@@ -16,6 +16,43 @@
 
 /* ---- life ------------------------------------------------------------- */
 
+/* The chat template: o's, or the model's own (tokenizer.chat_template);
+ * none, or one this interpreter cannot parse, is ChatML, said once here. A
+ * ring's home applies ChatML itself unless a template is given here. */
+static int kv_gw_template_start(kv_gateway *g, const kv_gateway_opts *o, kv_diag *d) {
+    if (o->chat_template) {
+        if (o->chat_template_len > KV_GATEWAY_MAX_TEMPLATE)
+            return kv_fail(d, KV_ERANGE, "gateway: the chat template %s has %zu bytes, at most %u",
+                           o->chat_template_name ? o->chat_template_name : "--chat-template", o->chat_template_len,
+                           KV_GATEWAY_MAX_TEMPLATE);
+        const int rc = kv_gw_tmpl_open(&g->tmpl, g->tok, o->chat_template, o->chat_template_len,
+                                       o->chat_template_name ? o->chat_template_name : "--chat-template", d);
+        if (rc) kv_diag_prefix(d, rc, "gateway");
+        return rc;
+    }
+    if (!g->e) return 0;
+    const kv_gguf *gg = kv_model_gguf(kv_engine_model(g->e));
+    kv_str src = {0};
+    kv_diag td = {0};
+    if (!gg || !kv_gguf_find_kv(gg, "tokenizer.chat_template") ||
+        kv_gguf_get_str(gg, "tokenizer.chat_template", &src, &td)) {
+        fprintf(stderr, "gateway: the model has no chat template (tokenizer.chat_template): prompts are ChatML "
+                "(--chat-template FILE gives one)\n");
+        return 0;
+    }
+    if (src.len > KV_GATEWAY_MAX_TEMPLATE) {
+        fprintf(stderr, "gateway: the model's chat template has %zu bytes, over %u: prompts are ChatML "
+                "(--chat-template FILE gives one)\n", src.len, KV_GATEWAY_MAX_TEMPLATE);
+        return 0;
+    }
+    if (kv_gw_tmpl_open(&g->tmpl, g->tok, src.ptr, src.len, "tokenizer.chat_template", &td)) {
+        if (td.code == KV_ENOMEM) return kv_fail(d, KV_ENOMEM, "gateway: out of memory");
+        fprintf(stderr, "gateway: the model's chat template cannot be used (%s): prompts are ChatML "
+                "(--chat-template FILE gives one)\n", td.msg);
+    }
+    return 0;
+}
+
 int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts, kv_diag *d) {
     *out = NULL;
     kv_gateway_opts o = opts ? *opts : (kv_gateway_opts){0};
@@ -133,6 +170,9 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
                            (unsigned long long)n_rec, kv_gw_pay_id(g->pay));
     }
     g->o.ledger_path = g->o.gateway_key_path = g->o.gateway_id = NULL; /* the caller's strings */
+    g->o.chat_template = g->o.chat_template_name = NULL;
+    g->o.chat_template_len = 0;
+    if ((rc = kv_gw_template_start(g, &o, d))) goto fail;
     kv_gw_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (g->n_ring) kv_gw_ring_poll(g); /* the same for a ring: the entry nodes asked once now */
     if (pthread_create(&g->sched, NULL, kv_gw_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
@@ -231,6 +271,7 @@ void kv_gateway_free(kv_gateway *g) {
     kv_http_guard_free(g->guard);
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
+    kv_gw_tmpl_free(g->tmpl);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);

@@ -125,6 +125,7 @@ struct kv_gateway {
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
     uint32_t max_batch;         /* most sessions one step carried */
     kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
+    kv_gw_tmpl *tmpl;           /* the chat template (immutable: any thread), NULL: ChatML */
     kv_http_guard *guard;       /* connection limits and request deadlines (http_guard.h) */
     uint8_t client_salt[16];    /* keys the hash that names a client (kv_gw_req.client) */
     size_t parse_live;          /* (mu) bytes parsed JSON holds, or is reserved for a parse */
@@ -182,7 +183,9 @@ void *kv_gw_sched_ring(kv_gateway *g); /* the scheduler of a ring gateway */
 void kv_gw_ring_poll(kv_gateway *g);
 void *kv_gw_ring_watch_main(void *arg);
 unsigned kv_gw_ring_http_status(int err);
-kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p);
+/* A ring request for p; text (text_len bytes) a chat template's rendering
+ * sent as the prompt, or NULL. NULL on no memory. */
+kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, const char *text, size_t text_len);
 
 /* ---- metrics.c ---- */
 int kv_gw_code_index(unsigned status);              /* into req_count's second index */
