@@ -163,6 +163,8 @@ char *kv_gw_ollama_tags(const char *model, long long created, unsigned long long
  * The model's own template rendered over a chat request (what it sees is
  * described at the top of template.c). Immutable once open: any thread. */
 typedef struct kv_gw_tmpl kv_gw_tmpl;
+#define KV_GW_TMPL_MAX_OUTPUT (4u << 20)  /* bytes of a rendering (and of any string it builds) */
+#define KV_GW_TMPL_MAX_MEMORY (64u << 20) /* bytes one render may allocate */
 /* Parses src (len bytes; name says where it came from, in messages); the
  * BOS and EOS texts from tok (NULL: both ""). Errors: kv_chat_tmpl_parse's,
  * d prefixed with the name. */

@@ -49,8 +49,12 @@ int kv_gw_tmpl_open(kv_gw_tmpl **out, const kv_tok *tok, const char *src, size_t
     kv_gw_tmpl *m = calloc(1, sizeof *m);
     if (!m) return kv_fail(d, KV_ENOMEM, "chat template: out of memory");
     snprintf(m->name, sizeof m->name, "%s", name ? name : "the chat template");
+    /* a rendering is a prompt (at most a context of tokens), and renders
+       run on every connection thread at once: tighter than the defaults */
     kv_chat_limits lim;
     kv_chat_limits_default(&lim);
+    lim.max_output_bytes = KV_GW_TMPL_MAX_OUTPUT;
+    lim.max_memory_bytes = KV_GW_TMPL_MAX_MEMORY;
     int rc = kv_chat_tmpl_parse(&m->t, src, len, &lim, d);
     if (rc) {
         kv_diag_prefix(d, rc, "chat template %s", m->name);
