@@ -4,8 +4,9 @@
  * The first input byte picks the API (OpenAI chat, completions, Anthropic,
  * Ollama); the rest is the body (an exact-size copy, so a read past the end
  * is an ASan error). Whatever parses must satisfy the promised bounds (counts
- * within KV_GW_MAX_*, roles among the three, sampler values in range), and
- * the rendered chat template must hold every message. The body bytes are
+ * within KV_GW_MAX_*, roles among the three or "tool", sampler values in
+ * range), and the ChatML prompt and a chat template's rendering must hold
+ * every message's role. The body bytes are
  * also fed, in pieces, to the incremental text with the parsed stop strings:
  * the chunks must be valid UTF-8 and together equal the kept text cleaned
  * as a whole (no boundary splits a character). */
@@ -28,6 +29,16 @@ static bool utf8_valid(const char *s, size_t n) {
     return ok;
 }
 
+/* A role-printing template (gen-model's ChatML, as Jinja), parsed once. */
+static kv_gw_tmpl *kv_fuzz_tmpl(void) {
+    static kv_gw_tmpl *t;
+    static const char src[] =
+        "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + "
+        "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+    if (!t) kv_gw_tmpl_open(&t, NULL, src, sizeof src - 1, "fuzz", NULL);
+    return t;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
     const int api = data[0] % KV_GW_API_COUNT;
@@ -43,10 +54,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (api == KV_GW_OPENAI_TEXT) CHECK(p->prompt != NULL);
         else CHECK(p->n_msgs >= 1);
         for (uint32_t i = 0; i < p->n_stop; i++) CHECK(p->stop_len[i] >= 1 && p->stop_len[i] <= KV_GW_MAX_STOP_LEN);
-        if (p->n_msgs) {
+        if (p->n_msgs && !p->has_tool_role) { /* "tool" is for a chat template; ChatML refuses it */
             char *t = kv_tok_chatml_msgs(p->msgs, p->n_msgs, true);
             CHECK(t != NULL);
             for (size_t i = 0; i < p->n_msgs; i++) CHECK(strstr(t, p->msgs[i].role) != NULL);
+            free(t);
+        }
+        if (p->n_msgs && kv_fuzz_tmpl()) { /* the chat template over the request's context */
+            char *t = NULL;
+            size_t tn = 0;
+            kv_diag td = {0};
+            const int rc = kv_gw_tmpl_render(kv_fuzz_tmpl(), p, &t, &tn, &td);
+            CHECK(rc == 0 || rc == KV_EFORMAT || rc == KV_ERANGE || rc == KV_ENOMEM);
+            if (!rc)
+                for (size_t i = 0; i < p->n_msgs; i++) CHECK(memmem(t, tn, p->msgs[i].role, strlen(p->msgs[i].role)));
             free(t);
         }
         /* incremental text over the body bytes, in pieces of 1..7 */

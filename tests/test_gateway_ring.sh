@@ -77,6 +77,32 @@ grep -q "failed: ring: the client left" "$dir/ring0.err" "$dir/ring1.err" || fai
 echo "ok: a stop string ends the completion ('$txt') and the home frees its sequence round the ring"
 
 # ---- 4. a node dies mid-request
+# a chat template given to a ring gateway: rendered there and sent as the
+# prompt. gen-model's own template (ChatML) must give what the home's ChatML
+# gives: the same prompt tokens and text
+cat >"$dir/chatml.jinja" <<'T'
+{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+T
+"$KV" gateway --ring "${RING_ADDR[0]}" --key "$dir/client.key" --listen 127.0.0.1:0 --api-key sk-ring --name tiny \
+  --chat-template "$dir/chatml.jinja" >"$dir/gwt.out" 2>"$dir/gwt.err" &
+GWT=$!
+RING_ALL+=($GWT)
+for _ in $(seq 1 300); do
+  grep -q "^listening on " "$dir/gwt.out" 2>/dev/null && break
+  kill -0 "$GWT" 2>/dev/null || fail "gateway with --chat-template exited: $(cat "$dir/gwt.err")"
+  sleep 0.05
+done
+ADDRT=$(sed -n 's/^listening on //p' "$dir/gwt.out")
+body='{"model":"tiny","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hello there, how are you?"}],"max_tokens":12,"temperature":0.7,"seed":9}'
+curl -s -H "Authorization: Bearer sk-ring" "http://$ADDR/v1/chat/completions" -d "$body" >"$dir/tm_a.json"
+curl -s -H "Authorization: Bearer sk-ring" "http://$ADDRT/v1/chat/completions" -d "$body" >"$dir/tm_b.json"
+[ "$(jq -c '[.choices[0].message.content, .usage]' "$dir/tm_a.json")" = "$(jq -c '[.choices[0].message.content, .usage]' "$dir/tm_b.json")" ] ||
+  fail "a template rendered at the gateway differs from the home's ChatML: $(cat "$dir/tm_a.json") vs $(cat "$dir/tm_b.json")"
+[ "$(jq -r '.usage.completion_tokens' "$dir/tm_b.json")" -gt 0 ] || fail "no tokens: $(cat "$dir/tm_b.json")"
+kill "$GWT" 2>/dev/null || true
+wait "$GWT" 2>/dev/null || true
+echo "ok: a ring gateway with --chat-template sends the rendering: the same tokens and text as the home's ChatML"
+
 kill "${RING_PID[1]}"
 wait "${RING_PID[1]}" 2>/dev/null || true
 mv "$dir/ring1.err" "$dir/ring1.a.err"

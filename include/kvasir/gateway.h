@@ -100,7 +100,15 @@ typedef struct kv_gateway_opts {
                                    NULL = none */
     uint32_t ring_timeout_ms;   /* longest wait for one frame from the ring; 0 = 60000 */
     uint32_t ring_status_ms;    /* /health asks every entry node this often; 0 = 1000 */
+    /* The chat template the chat APIs render the prompt with: the model's
+       own (tokenizer.chat_template in its GGUF) unless this replaces it; a
+       model with neither gets ChatML (said once on stderr at start) */
+    const char *chat_template;  /* a template's source (copied), chat_template_len bytes; NULL = the model's */
+    size_t chat_template_len;   /* at most KV_GATEWAY_MAX_TEMPLATE */
+    const char *chat_template_name; /* where it came from, in messages (a file name); NULL = "--chat-template" */
 } kv_gateway_opts;
+
+#define KV_GATEWAY_MAX_TEMPLATE (1u << 20) /* bytes of a chat template */
 
 #define KV_GATEWAY_MAX_RING 8u
 

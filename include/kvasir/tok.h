@@ -58,6 +58,21 @@ int32_t kv_tok_find(const kv_tok *t, const char *s);
 int kv_tok_encode(const kv_tok *t, const char *text, size_t len, bool parse_special,
                   int32_t *ids, size_t cap, size_t *n, kv_diag *d);
 
+/* A byte range of a text. */
+typedef struct kv_tok_span {
+    size_t off, len;
+} kv_tok_span;
+
+/* kv_tok_encode, except that a control or unknown token's text that
+ * overlaps one of the n_plain spans of text is not that token but plain
+ * text (as without parse_special): a chat template's rendering tokenized
+ * with its own special tokens while a client's content, where it appears,
+ * cannot inject one. plain may be NULL when n_plain is 0. */
+int kv_tok_encode_spans(const kv_tok *t, const char *text, size_t len, bool parse_special, const kv_tok_span *plain,
+                        size_t n_plain, int32_t *ids, size_t cap, size_t *n, kv_diag *d);
+/* Whether len bytes of text hold the text of a control or unknown token. */
+bool kv_tok_has_special(const kv_tok *t, const char *text, size_t len);
+
 /* Bytes of one token as generated text (byte-level decoded; control tokens
  * give their text only if `special`). Writes up to cap bytes; returns the
  * byte count, or -1 for an id out of range. If the result exceeds cap, the

@@ -30,7 +30,8 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout", "--request-timeout", "--parse-max",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
-                                             "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms", NULL};
+                                             "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms",
+                                             "--chat-template", NULL};
 
 static const char *kv_gateway_help =
     "usage: kvasir gateway (-m MODEL | --hub URL | --ring HOST:PORT) [--listen HOST:PORT] [options]\n"
@@ -77,6 +78,9 @@ static const char *kv_gateway_help =
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
     "  --gateway-id ID      the id authorizations name (default gw- and 24 hex of the key)\n"
     "  --prices P,C         micro-KVR per prompt token and per completion token (default 1,2)\n"
+    "  --chat-template FILE render chat prompts with this Jinja template (at most 1 MiB) instead of\n"
+    "                       the model's own (tokenizer.chat_template; a model without one gets ChatML);\n"
+    "                       with --ring it is rendered here and sent as the prompt\n"
     "  --verify             check every worker answer (Freivalds, docs/VERIFY.md) against the slabs\n"
     "                       in the manifest's folder; a worker caught lying is dropped for good, its\n"
     "                       part redone before any token goes out, reported to --hub, and (with\n"
@@ -112,6 +116,31 @@ static void kv_gw_on_signal(int sig) {
     errno = e;
 }
 
+/* --chat-template FILE: read whole, at most KV_GATEWAY_MAX_TEMPLATE bytes
+ * (the gateway parses it at start). 0, or 1 with the error printed. */
+static int kv_gw_read_template(const char *path, char **out, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return kv_cli_err(CMD, 1, "--chat-template: cannot open '%s': %s", path, strerror(errno));
+    char *b = malloc(KV_GATEWAY_MAX_TEMPLATE + 1);
+    size_t n = b ? fread(b, 1, KV_GATEWAY_MAX_TEMPLATE + 1, f) : 0;
+    const bool err = ferror(f);
+    fclose(f);
+    if (!b) return kv_cli_err(CMD, 1, "--chat-template: out of memory");
+    if (err || n > KV_GATEWAY_MAX_TEMPLATE) {
+        free(b);
+        if (err) return kv_cli_err(CMD, 1, "--chat-template: cannot read '%s'", path);
+        return kv_cli_err(CMD, 1, "--chat-template: '%s' is over %u bytes", path, KV_GATEWAY_MAX_TEMPLATE);
+    }
+    if (n == 0) {
+        free(b);
+        return kv_cli_err(CMD, 1, "--chat-template: '%s' is empty", path);
+    }
+    b[n] = 0;
+    *out = b;
+    *len = n;
+    return 0;
+}
+
 int kv_cmd_gateway(int argc, char **argv) {
     const char *model = NULL, *listen = "127.0.0.1:8080", *name = NULL, *keyfile = NULL, *coord_key = NULL;
     kv_cli_auth auth = {0};
@@ -119,6 +148,9 @@ int kv_cmd_gateway(int argc, char **argv) {
     const char *rings[KV_GATEWAY_MAX_RING];
     uint32_t n_rings = 0;
     long ring_timeout = 60000;
+    const char *tmpl_path = NULL;
+    char *tmpl = NULL;
+    size_t tmpl_len = 0;
     const char *keys[KV_GATEWAY_MAX_KEYS];
     uint32_t n_workers = 0, n_keys = 0;
     long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 16;
@@ -152,6 +184,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (n_rings == KV_GATEWAY_MAX_RING)
                 return kv_cli_err(CMD, 1, "--ring: at most %u entry nodes", KV_GATEWAY_MAX_RING);
             rings[n_rings++] = v;
+        } else if (!strcmp(a, "--chat-template")) {
+            tmpl_path = v;
         } else if (!strcmp(a, "--ring-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &ring_timeout)) return 1;
         } else if (!strcmp(a, "--verify-recompute")) {
@@ -302,6 +336,10 @@ int kv_cmd_gateway(int argc, char **argv) {
     kv_engine *e = NULL;
     kv_gateway *g = NULL;
     int rc = 0;
+    if (tmpl_path && kv_gw_read_template(tmpl_path, &tmpl, &tmpl_len)) {
+        kv_gateway_keys_free(fkeys, n_fkeys);
+        return 1;
+    }
     kv_node_key ring_key;
     if (n_rings) { /* no engine: the ring computes; the gateway proves its key to the entry nodes */
         if (kv_cli_key(CMD, coord_key, NULL, &ring_key)) {
@@ -322,7 +360,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .body_max = (size_t)body_max, .max_tokens_default = (uint32_t)max_tokens,
                                     .ring_addrs = rings, .n_ring = n_rings, .ring_key_sk = ring_key.sk,
                                     .ring_voucher = hub ? &rv : NULL,
-                                    .ring_timeout_ms = (uint32_t)ring_timeout};
+                                    .ring_timeout_ms = (uint32_t)ring_timeout, .chat_template = tmpl,
+                                    .chat_template_len = tmpl_len, .chat_template_name = tmpl_path};
         rc = kv_gateway_start(&g, NULL, &ro, &d);
         sodium_memzero(&ring_key, sizeof ring_key);
         if (rc) {
@@ -373,7 +412,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .max_tokens_default = (uint32_t)max_tokens, .hub_url = hub,
                                 .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry,
                                 .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,
-                                .price_prompt = price_p, .price_completion = price_c};
+                                .price_prompt = price_p, .price_completion = price_c, .chat_template = tmpl,
+                                .chat_template_len = tmpl_len, .chat_template_name = tmpl_path};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -399,5 +439,6 @@ done:
     kv_gateway_keys_free(fkeys, n_fkeys);
     kv_node_workers_free(hub_workers, n_hub_workers);
     kv_cli_auth_free(&auth);
+    free(tmpl);
     return rc;
 }

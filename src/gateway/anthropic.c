@@ -17,7 +17,7 @@ int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d);
 int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 int kv_gw_content(kv_gw_params *p, json_t *c, size_t i, kv_diag *d);
 
-int kv_gw_parse_anthropic(kv_gw_params *p, json_t *o, kv_diag *d) {
+static int kv_an_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     int rc;
     if ((rc = kv_gw_model(p, o, true, d))) return rc;
     json_t *sys = json_object_get(o, "system");
@@ -38,7 +38,7 @@ static const char *kv_an_stop(const kv_gw_result *r) {
     return r->stop_seq ? "stop_sequence" : r->finish == KV_GW_FINISH_LENGTH ? "max_tokens" : "end_turn";
 }
 
-char *kv_gw_anthropic_error(unsigned status, const char *msg) {
+static char *kv_an_error(unsigned status, const char *msg) {
     const char *type = status == 401 ? "authentication_error" : status == 402 ? "billing_error"
                      : status == 404 ? "not_found_error"
                      : status == 413 ? "request_too_large" : status == 503 ? "overloaded_error"
@@ -58,7 +58,7 @@ static json_t *kv_an_message(const kv_gw_result *r, json_t *content, bool done) 
     return m;
 }
 
-char *kv_gw_anthropic_full(const kv_gw_result *r, const char *text, size_t n) {
+static char *kv_an_full(const kv_gw_result *r, const char *text, size_t n) {
     json_t *j = kv_an_message(r, json_pack("[{s:s,s:s%}]", "type", "text", "text", text, n), true);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
@@ -71,7 +71,7 @@ static void kv_an_event(kv_gw_buf *b, const char *name, json_t *j) {
     kv_gw_buf_json(b, "\ndata: ", j, "\n\n");
 }
 
-void kv_gw_anthropic_begin(const kv_gw_result *r, kv_gw_buf *b) {
+static void kv_an_begin(const kv_gw_result *r, kv_gw_buf *b) {
     kv_an_event(b, "message_start", json_pack("{s:s,s:o}", "type", "message_start", "message",
                                               kv_an_message(r, json_array(), false)));
     kv_an_event(b, "content_block_start", json_pack("{s:s,s:i,s:{s:s,s:s}}", "type", "content_block_start", "index",
@@ -79,12 +79,12 @@ void kv_gw_anthropic_begin(const kv_gw_result *r, kv_gw_buf *b) {
     kv_an_event(b, "ping", json_pack("{s:s}", "type", "ping"));
 }
 
-void kv_gw_anthropic_delta(const char *text, size_t n, kv_gw_buf *b) {
+static void kv_an_delta(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
     kv_an_event(b, "content_block_delta", json_pack("{s:s,s:i,s:{s:s,s:s%}}", "type", "content_block_delta", "index",
                                                     0, "delta", "type", "text_delta", "text", text, n));
 }
 
-void kv_gw_anthropic_end(const kv_gw_result *r, kv_gw_buf *b) {
+static void kv_an_end(const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
     kv_an_event(b, "content_block_stop", json_pack("{s:s,s:i}", "type", "content_block_stop", "index", 0));
     kv_an_event(b, "message_delta",
                 json_pack("{s:s,s:{s:s,s:o},s:{s:I,s:I}}", "type", "message_delta", "delta", "stop_reason",
@@ -94,7 +94,13 @@ void kv_gw_anthropic_end(const kv_gw_result *r, kv_gw_buf *b) {
     kv_an_event(b, "message_stop", json_pack("{s:s}", "type", "message_stop"));
 }
 
-void kv_gw_anthropic_stream_error(const char *msg, kv_gw_buf *b) {
+static void kv_an_stream_error(const char *msg, kv_gw_buf *b) {
     kv_an_event(b, "error", json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "type", "api_error", "message",
                                       msg));
 }
+
+const kv_gw_api_ops kv_gw_anthropic_ops = {
+    .name = "anthropic", .id_prefix = "msg_", .stream_type = "text/event-stream", .auth_challenge = "x-api-key",
+    .parse = kv_an_parse, .error_body = kv_an_error, .full_body = kv_an_full, .stream_begin = kv_an_begin,
+    .stream_delta = kv_an_delta, .stream_end = kv_an_end, .stream_error = kv_an_stream_error,
+};

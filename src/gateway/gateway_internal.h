@@ -49,6 +49,8 @@ typedef struct kv_gw_params {
     uint32_t n_stop;
     bool stream;
     bool include_usage;             /* OpenAI stream_options.include_usage */
+    bool add_generation_prompt;     /* the chat template ends with the assistant's turn opened (default) */
+    bool has_tool_role;             /* a message has role "tool" (only a chat template renders it) */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -121,18 +123,65 @@ typedef struct kv_gw_buf {
 void kv_gw_buf_add(kv_gw_buf *b, const char *s, size_t n);
 void kv_gw_buf_json(kv_gw_buf *b, const char *prefix, json_t *j, const char *suffix); /* steals j */
 
-/* Error body in api's shape (malloc'd NUL-terminated, caller frees). */
-char *kv_gw_error_body(int api, unsigned status, const char *msg);
-/* Whole (non-streamed) response. */
-char *kv_gw_full_body(int api, const kv_gw_result *r, const char *text, size_t n);
-/* Streaming: content type, the events before the first text, one text
- * delta, and the end (usage when the API reports it there). */
-const char *kv_gw_stream_type(int api);
-void kv_gw_stream_begin(int api, const kv_gw_result *r, kv_gw_buf *b);
-void kv_gw_stream_delta(int api, const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b);
-void kv_gw_stream_end(int api, const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
-/* An error after the stream began (the status line is gone). */
-void kv_gw_stream_error(int api, const char *msg, kv_gw_buf *b);
+/* ---- each API's adapter --------------------------------------------------
+ * One table of handlers per API: its request parser and every shape of its
+ * answer. The server calls only these, never a switch on the API, so a new
+ * kind of output (a tool call, a reasoning delta) is one function per
+ * adapter and one field here. Strings returned are malloc'd and
+ * NUL-terminated (caller frees; NULL on no memory); writers append to b
+ * (b->oom set on no memory). */
+typedef struct kv_gw_api_ops {
+    const char *name;           /* its label in /metrics and /v1/slots */
+    const char *id_prefix;      /* of a response id: "chatcmpl-", "msg_", ... */
+    const char *stream_type;    /* Content-Type of a stream */
+    const char *auth_challenge; /* WWW-Authenticate of a 401 */
+    /* the body's fields into p (p->json is o); 0, or an error naming the field */
+    int (*parse)(kv_gw_params *p, json_t *o, kv_diag *d);
+    /* an error body for status */
+    char *(*error_body)(unsigned status, const char *msg);
+    /* a whole (non-streamed) response */
+    char *(*full_body)(const kv_gw_result *r, const char *text, size_t n);
+    /* a stream: the events before the first text, one text delta, the end
+       (usage where the API reports it there), an error after the status
+       line went out */
+    void (*stream_begin)(const kv_gw_result *r, kv_gw_buf *b);
+    void (*stream_delta)(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b);
+    void (*stream_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
+    void (*stream_error)(const char *msg, kv_gw_buf *b);
+} kv_gw_api_ops;
+
+extern const kv_gw_api_ops kv_gw_openai_chat_ops, kv_gw_openai_text_ops, kv_gw_anthropic_ops, kv_gw_ollama_ops;
+
+/* The adapter of api (enum kv_gw_api); any other value (a route that is no
+ * API's) gets OpenAI's shapes. Never NULL. */
+const kv_gw_api_ops *kv_gw_api(int api);
+
+/* GET /api/tags: the one model served (Ollama's shape). */
+char *kv_gw_ollama_tags(const char *model, long long created, unsigned long long size);
+
+/* ---- the chat template (gateway/template.c) -------------------------------
+ * The model's own template rendered over a chat request (what it sees is
+ * described at the top of template.c). Immutable once open: any thread. */
+typedef struct kv_gw_tmpl kv_gw_tmpl;
+#define KV_GW_TMPL_MAX_OUTPUT (4u << 20)  /* bytes of a rendering (and of any string it builds) */
+#define KV_GW_TMPL_MAX_MEMORY (64u << 20) /* bytes one render may allocate */
+/* Parses src (len bytes; name says where it came from, in messages); the
+ * BOS and EOS texts from tok (NULL: both ""). Errors: kv_chat_tmpl_parse's,
+ * d prefixed with the name. */
+int kv_gw_tmpl_open(kv_gw_tmpl **out, const kv_tok *tok, const char *src, size_t len, const char *name, kv_diag *d);
+void kv_gw_tmpl_free(kv_gw_tmpl *m); /* accepts NULL */
+const char *kv_gw_tmpl_name(const kv_gw_tmpl *m);
+/* The template's variables for p (a new object, caller decrefs). */
+int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out, kv_diag *d);
+/* The rendered prompt (malloc'd, NUL-terminated, *n bytes). Errors as
+ * kv_chat_render's: KV_EINVAL for the template's raise_exception (d->msg
+ * its message), KV_ERANGE a render limit (named), KV_EFORMAT, KV_ENOMEM. */
+int kv_gw_tmpl_render(const kv_gw_tmpl *m, const kv_gw_params *p, char **out, size_t *n, kv_diag *d);
+/* Tokens of a rendering of p: special token texts as their ids, except
+ * inside the client's strings where they appear verbatim (they stay text).
+ * As kv_tok_encode: up to cap ids, *n_ids the full count. */
+int kv_gw_tmpl_encode(const kv_tok *tok, const kv_gw_params *p, const char *text, size_t n, int32_t *ids,
+                      size_t cap, size_t *n_ids, kv_diag *d);
 
 /* ---- the hub's placement map (gateway/watch.c) ---------------------------
  * A thread reads HUB/v1/placement every refresh_ms (0 = 2000), or at once

@@ -15,7 +15,7 @@ int kv_gw_stops(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
 int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d);
 int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 
-int kv_gw_parse_ollama(kv_gw_params *p, json_t *o, kv_diag *d) {
+static int kv_ol_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     int rc;
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
     if ((rc = kv_gw_messages(p, o, true, d))) return rc;
@@ -30,7 +30,7 @@ int kv_gw_parse_ollama(kv_gw_params *p, json_t *o, kv_diag *d) {
     return 0;
 }
 
-char *kv_gw_ollama_error(unsigned status, const char *msg) {
+static char *kv_ol_error(unsigned status, const char *msg) {
     json_t *j = json_pack("{s:s}", "error", msg);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
@@ -57,24 +57,23 @@ static json_t *kv_ol_obj(const kv_gw_result *r, const char *text, size_t n, bool
     return j;
 }
 
-char *kv_gw_ollama_full(const kv_gw_result *r, const char *text, size_t n) {
+static char *kv_ol_full(const kv_gw_result *r, const char *text, size_t n) {
     json_t *j = kv_ol_obj(r, text, n, true);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
 }
 
-void kv_gw_ollama_delta(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
+static void kv_ol_delta(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
     kv_gw_buf_json(b, "", kv_ol_obj(r, text, n, false), "\n");
 }
 
-void kv_gw_ollama_end(const kv_gw_result *r, kv_gw_buf *b) { kv_gw_buf_json(b, "", kv_ol_obj(r, "", 0, true), "\n"); }
+static void kv_ol_end(const kv_gw_result *r, bool include_usage, kv_gw_buf *b) { kv_gw_buf_json(b, "", kv_ol_obj(r, "", 0, true), "\n"); }
 
-void kv_gw_ollama_stream_error(const char *msg, kv_gw_buf *b) {
+static void kv_ol_stream_error(const char *msg, kv_gw_buf *b) {
     kv_gw_buf_json(b, "", json_pack("{s:s}", "error", msg), "\n");
 }
 
-/* GET /api/tags: the one model served. */
 char *kv_gw_ollama_tags(const char *model, long long created, unsigned long long size) {
     char ts[32];
     kv_ol_time(created, ts, sizeof ts);
@@ -84,3 +83,12 @@ char *kv_gw_ollama_tags(const char *model, long long created, unsigned long long
     json_decref(j);
     return s;
 }
+
+/* NDJSON has nothing before the first chunk */
+static void kv_ol_begin(const kv_gw_result *r, kv_gw_buf *b) {}
+
+const kv_gw_api_ops kv_gw_ollama_ops = {
+    .name = "ollama", .id_prefix = "ollama-", .stream_type = "application/x-ndjson", .auth_challenge = "Bearer",
+    .parse = kv_ol_parse, .error_body = kv_ol_error, .full_body = kv_ol_full, .stream_begin = kv_ol_begin,
+    .stream_delta = kv_ol_delta, .stream_end = kv_ol_end, .stream_error = kv_ol_stream_error,
+};

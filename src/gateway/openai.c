@@ -14,11 +14,12 @@ int kv_gw_stops(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
 int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d);
 int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 
-int kv_gw_parse_openai(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
+static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     int rc;
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
     if (chat) {
         if ((rc = kv_gw_messages(p, o, true, d))) return rc;
+        if ((rc = kv_gw_bool(o, "add_generation_prompt", &p->add_generation_prompt, d))) return rc;
     } else {
         json_t *pr = json_object_get(o, "prompt");
         if (json_is_array(pr) && json_array_size(pr) == 1) pr = json_array_get(pr, 0);
@@ -49,7 +50,7 @@ static json_t *kv_oa_usage(const kv_gw_result *r) {
                      (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens);
 }
 
-char *kv_gw_openai_error(unsigned status, const char *msg) {
+static char *kv_oa_error(unsigned status, const char *msg) {
     const char *type = status == 401 ? "authentication_error" : status == 404 ? "not_found_error"
                      : status == 503 ? "server_overloaded" : status >= 500 ? "server_error" : "invalid_request_error";
     const char *code = status == 401 ? "invalid_api_key" : status == 404 ? "model_not_found"
@@ -62,7 +63,7 @@ char *kv_gw_openai_error(unsigned status, const char *msg) {
     return s;
 }
 
-char *kv_gw_openai_full(bool chat, const kv_gw_result *r, const char *text, size_t n) {
+static char *kv_oa_full(bool chat, const kv_gw_result *r, const char *text, size_t n) {
     json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s%},s:n,s:s}", "index", 0, "message", "role", "assistant",
                                       "content", text, n, "logprobs", "finish_reason", kv_oa_finish(r->finish))
                           : json_pack("{s:i,s:s%,s:n,s:s}", "index", 0, "text", text, n, "logprobs",
@@ -80,21 +81,21 @@ static json_t *kv_oa_chunk(bool chat, const kv_gw_result *r, json_t *choices) {
                      "created", (json_int_t)r->created, "model", r->model, "choices", choices);
 }
 
-void kv_gw_openai_begin(bool chat, const kv_gw_result *r, kv_gw_buf *b) {
+static void kv_oa_begin(bool chat, const kv_gw_result *r, kv_gw_buf *b) {
     if (!chat) return;
     json_t *c = json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", 0, "delta", "role", "assistant", "content", "",
                           "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
 
-void kv_gw_openai_delta(bool chat, const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
+static void kv_oa_delta(bool chat, const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
     json_t *c = chat ? json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", 0, "delta", "content", text, n, "logprobs",
                                  "finish_reason")
                      : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", 0, "text", text, n, "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
 
-void kv_gw_openai_end(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
+static void kv_oa_end(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
     json_t *c = chat ? json_pack("[{s:i,s:{},s:n,s:s}]", "index", 0, "delta", "logprobs", "finish_reason",
                                  kv_oa_finish(r->finish))
                      : json_pack("[{s:i,s:s,s:n,s:s}]", "index", 0, "text", "", "logprobs", "finish_reason",
@@ -110,8 +111,8 @@ void kv_gw_openai_end(bool chat, const kv_gw_result *r, bool include_usage, kv_g
     kv_gw_buf_add(b, "data: [DONE]\n\n", 14);
 }
 
-void kv_gw_openai_stream_error(const char *msg, kv_gw_buf *b) {
-    char *e = kv_gw_openai_error(500, msg);
+static void kv_oa_stream_error(const char *msg, kv_gw_buf *b) {
+    char *e = kv_oa_error(500, msg);
     if (!e) {
         b->oom = true;
         return;
@@ -121,3 +122,29 @@ void kv_gw_openai_stream_error(const char *msg, kv_gw_buf *b) {
     kv_gw_buf_add(b, "\n\ndata: [DONE]\n\n", 16);
     free(e);
 }
+
+/* chat completions and completions: one adapter each over the code above */
+static int kv_oa_chat_parse(kv_gw_params *p, json_t *o, kv_diag *d) { return kv_oa_parse(p, o, true, d); }
+static int kv_oa_text_parse(kv_gw_params *p, json_t *o, kv_diag *d) { return kv_oa_parse(p, o, false, d); }
+static char *kv_oa_chat_full(const kv_gw_result *r, const char *t, size_t n) { return kv_oa_full(true, r, t, n); }
+static char *kv_oa_text_full(const kv_gw_result *r, const char *t, size_t n) { return kv_oa_full(false, r, t, n); }
+static void kv_oa_chat_begin(const kv_gw_result *r, kv_gw_buf *b) { kv_oa_begin(true, r, b); }
+static void kv_oa_text_begin(const kv_gw_result *r, kv_gw_buf *b) { kv_oa_begin(false, r, b); }
+static void kv_oa_chat_delta(const kv_gw_result *r, const char *t, size_t n, kv_gw_buf *b) { kv_oa_delta(true, r, t, n, b); }
+static void kv_oa_text_delta(const kv_gw_result *r, const char *t, size_t n, kv_gw_buf *b) { kv_oa_delta(false, r, t, n, b); }
+static void kv_oa_chat_end(const kv_gw_result *r, bool u, kv_gw_buf *b) { kv_oa_end(true, r, u, b); }
+static void kv_oa_text_end(const kv_gw_result *r, bool u, kv_gw_buf *b) { kv_oa_end(false, r, u, b); }
+
+const kv_gw_api_ops kv_gw_openai_chat_ops = {
+    .name = "openai_chat", .id_prefix = "chatcmpl-", .stream_type = "text/event-stream", .auth_challenge = "Bearer",
+    .parse = kv_oa_chat_parse, .error_body = kv_oa_error, .full_body = kv_oa_chat_full,
+    .stream_begin = kv_oa_chat_begin, .stream_delta = kv_oa_chat_delta, .stream_end = kv_oa_chat_end,
+    .stream_error = kv_oa_stream_error,
+};
+
+const kv_gw_api_ops kv_gw_openai_text_ops = {
+    .name = "openai_completions", .id_prefix = "cmpl-", .stream_type = "text/event-stream", .auth_challenge = "Bearer",
+    .parse = kv_oa_text_parse, .error_body = kv_oa_error, .full_body = kv_oa_text_full,
+    .stream_begin = kv_oa_text_begin, .stream_delta = kv_oa_text_delta, .stream_end = kv_oa_text_end,
+    .stream_error = kv_oa_stream_error,
+};

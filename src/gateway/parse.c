@@ -10,10 +10,6 @@
 #include "gateway/gateway_internal.h"
 #include "http/http_guard.h"
 
-int kv_gw_parse_openai(kv_gw_params *p, json_t *o, bool chat, kv_diag *d);
-int kv_gw_parse_anthropic(kv_gw_params *p, json_t *o, kv_diag *d);
-int kv_gw_parse_ollama(kv_gw_params *p, json_t *o, kv_diag *d);
-
 /* A number field in [lo, hi]; absent or null leaves *out. */
 int kv_gw_num(json_t *o, const char *key, double lo, double hi, double *out, bool *has, kv_diag *d) {
     json_t *v = json_object_get(o, key);
@@ -151,12 +147,17 @@ int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d) {
             return kv_fail(d, KV_EFORMAT, "message %zu must be an object with a string 'role'", k);
         const char *role = json_string_value(r);
         if (!strcmp(role, "developer")) role = "system";
-        if (strcmp(role, "user") && strcmp(role, "assistant") && !(allow_system && !strcmp(role, "system")))
+        /* "tool" (OpenAI's, Ollama's): for a chat template to render; the
+           ChatML fallback refuses it as any other role (routes.c) */
+        const bool tool = allow_system && !strcmp(role, "tool");
+        p->has_tool_role |= tool;
+        if (!tool && strcmp(role, "user") && strcmp(role, "assistant") && !(allow_system && !strcmp(role, "system")))
             return kv_fail(d, KV_EINVAL, "message %zu has role '%.32s'; expected %s", k, role,
                            allow_system ? "system, user or assistant" : "user or assistant");
         const size_t i = p->n_msgs++;
         p->msgs[i].role = role;
         json_t *c = json_object_get(m, "content");
+        if (!c && json_is_array(json_object_get(m, "tool_calls"))) c = json_null(); /* a call and no text */
         if (!c) return kv_fail(d, KV_EFORMAT, "message %zu has no 'content'", k);
         int rc = kv_gw_content(p, c, i, d);
         if (rc) return rc;
@@ -180,19 +181,15 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
     memset(p, 0, sizeof *p);
     p->api = api;
     p->sp = kv_sample_defaults();
+    p->add_generation_prompt = true;
     json_error_t je;
     /* JSON_REJECT_DUPLICATES: one field, one meaning */
     p->json = json_loadb(body, n, JSON_REJECT_DUPLICATES, &je);
     if (!p->json) return kv_fail(d, KV_EFORMAT, "malformed JSON body: %.200s (line %d, column %d)", je.text, je.line,
                                  je.column);
     if (!json_is_object(p->json)) return kv_fail(d, KV_EFORMAT, "the body must be a JSON object");
-    switch (api) {
-    case KV_GW_OPENAI_CHAT: return kv_gw_parse_openai(p, p->json, true, d);
-    case KV_GW_OPENAI_TEXT: return kv_gw_parse_openai(p, p->json, false, d);
-    case KV_GW_ANTHROPIC: return kv_gw_parse_anthropic(p, p->json, d);
-    case KV_GW_OLLAMA: return kv_gw_parse_ollama(p, p->json, d);
-    default: return kv_fail(d, KV_EINVAL, "unknown API %d", api);
-    }
+    if (api < 0 || api >= KV_GW_API_COUNT) return kv_fail(d, KV_EINVAL, "unknown API %d", api);
+    return kv_gw_api(api)->parse(p, p->json, d);
 }
 
 int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,

@@ -199,9 +199,17 @@ done:
     return rc;
 }
 
-/* Splits the raw fragments of *fr by every occurrence of special token id. */
+static bool kv_in_plain(const kv_tok_span *plain, size_t n_plain, size_t off, size_t len) {
+    for (size_t i = 0; i < n_plain; i++)
+        if (off < plain[i].off + plain[i].len && plain[i].off < off + len) return true;
+    return false;
+}
+
+/* Splits the raw fragments of *fr by every occurrence of special token id,
+ * except occurrences that overlap one of the n_plain spans (they stay text;
+ * the search goes on from the next byte). */
 static int kv_partition(const kv_tok *t, int32_t id, const char *text, kv_frag **fr, size_t *nfr,
-                        size_t *cap_fr, kv_frag **tmp, size_t *cap_tmp) {
+                        size_t *cap_fr, kv_frag **tmp, size_t *cap_tmp, const kv_tok_span *plain, size_t n_plain) {
     size_t tl;
     const char *tt = kv_tok_text(t, id, &tl);
     size_t nout = 0;
@@ -212,18 +220,22 @@ static int kv_partition(const kv_tok *t, int32_t id, const char *text, kv_frag *
             (*tmp)[nout++] = f;
             continue;
         }
-        size_t at = f.off, end = f.off + f.len;
+        size_t at = f.off, end = f.off + f.len, from = at;
         for (;;) {
-            const char *m = end - at >= tl ? memmem(text + at, end - at, tt, tl) : NULL;
+            const char *m = end - from >= tl ? memmem(text + from, end - from, tt, tl) : NULL;
             if (kv_grow((void **)tmp, cap_tmp, nout + 2, sizeof **tmp)) return KV_ENOMEM;
             if (!m) {
                 if (end > at) (*tmp)[nout++] = (kv_frag){at, end - at, -1};
                 break;
             }
             size_t mo = (size_t)(m - text);
+            if (n_plain && kv_in_plain(plain, n_plain, mo, tl)) {
+                from = mo + 1;
+                continue;
+            }
             if (mo > at) (*tmp)[nout++] = (kv_frag){at, mo - at, -1};
             (*tmp)[nout++] = (kv_frag){mo, tl, id};
-            at = mo + tl;
+            at = from = mo + tl;
         }
     }
     kv_frag *sw = *fr;
@@ -238,6 +250,22 @@ static int kv_partition(const kv_tok *t, int32_t id, const char *text, kv_frag *
 
 int kv_tok_encode(const kv_tok *t, const char *text, size_t len, bool parse_special, int32_t *ids,
                   size_t cap, size_t *n, kv_diag *d) {
+    return kv_tok_encode_spans(t, text, len, parse_special, NULL, 0, ids, cap, n, d);
+}
+
+bool kv_tok_has_special(const kv_tok *t, const char *text, size_t len) {
+    for (size_t i = 0; i < t->n_special; i++) {
+        const int32_t id = t->special[i];
+        if (!(t->attr[id] & (KV_TA_CONTROL | KV_TA_UNKNOWN))) continue;
+        size_t tl;
+        const char *tt = kv_tok_text(t, id, &tl);
+        if (tl && tl <= len && memmem(text, len, tt, tl)) return true;
+    }
+    return false;
+}
+
+int kv_tok_encode_spans(const kv_tok *t, const char *text, size_t len, bool parse_special, const kv_tok_span *plain,
+                        size_t n_plain, int32_t *ids, size_t cap, size_t *n, kv_diag *d) {
     kv_ids o = {ids, ids ? cap : 0, 0};
     kv_scratch s = {0};
     kv_frag *fr = NULL, *tmp = NULL;
@@ -249,8 +277,9 @@ int kv_tok_encode(const kv_tok *t, const char *text, size_t len, bool parse_spec
     fr[nfr++] = (kv_frag){0, len, -1};
     for (size_t i = 0; i < t->n_special; i++) {
         int32_t id = t->special[i];
-        if (!parse_special && (t->attr[id] & (KV_TA_CONTROL | KV_TA_UNKNOWN))) continue;
-        if (kv_partition(t, id, text, &fr, &nfr, &cap_fr, &tmp, &cap_tmp)) goto oom;
+        const bool ctl = (t->attr[id] & (KV_TA_CONTROL | KV_TA_UNKNOWN)) != 0;
+        if (!parse_special && ctl) continue;
+        if (kv_partition(t, id, text, &fr, &nfr, &cap_fr, &tmp, &cap_tmp, plain, ctl ? n_plain : 0)) goto oom;
     }
     kv_bpe_ctx ctx = {t, &s, &o};
     for (size_t i = 0; i < nfr; i++) {

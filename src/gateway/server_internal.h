@@ -1,0 +1,202 @@
+/* The gateway server's own state, shared by its files:
+ *   server.c   start and stop (kv_gateway_start / _free), the keys file;
+ *   routes.c   HTTP: routing, the key check, replies, a request's life on its
+ *              connection thread (parse, tokenize, queue, text, stream);
+ *   sched.c    the scheduler: the queue (fair between clients), admission,
+ *              the engine's steps, health from the workers' coverage;
+ *   ring.c     the same over ring entry nodes: a thread per request, the
+ *              nodes' STATUS for /health;
+ *   metrics.c  /metrics, /v1/slots and /health's bodies.
+ * What each API's requests and answers look like is gateway_internal.h's
+ * (one table of handlers per API); this file is the server's plumbing.
+ *
+ * A request's life: its connection thread reads the body (at most
+ * body_max), checks the key, parses and tokenizes, then queues a kv_gw_req
+ * (at most queue_max waiting: beyond that 503 + Retry-After). The scheduler
+ * admits queued requests as sessions between steps (at most max_active at
+ * once), steps the engine, appends each session's new token to its
+ * request's token array (allocated once, never moved: readers take
+ * toks[0..n_toks) without the lock), and frees finished sessions. The
+ * connection thread turns tokens into text (gateway/text.c) and answers
+ * whole or as a stream. A client that goes away (its socket hung up, seen
+ * before every wait) or a stop string marks the request cancelled, and the
+ * scheduler frees its session before the next step.
+ *
+ * With ring entry nodes (opts.n_ring) there is no engine: the scheduler
+ * gives each admitted request a thread that submits it to a ring node and
+ * publishes the tokens (and their text) the home streams back, the same
+ * way (ring.c).
+ *
+ * Locking: one mutex (g->mu) guards every queue, list, counter and the
+ * mutable fields of every request; work_cv wakes the scheduler, out_cv the
+ * connection threads. A request is freed when its last reference (the
+ * connection's, the scheduler's) is dropped. Functions named *_locked are
+ * called with g->mu held. */
+#ifndef KVASIR_GATEWAY_SERVER_INTERNAL_H
+#define KVASIR_GATEWAY_SERVER_INTERNAL_H
+
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "gateway/gateway_internal.h"
+#include "gateway/pay.h"
+#include "http/http_guard.h"
+#include "kvasir/dispatch.h"
+#include "kvasir/gateway.h"
+#include "kvasir/ledger.h"
+#include "kvasir/node.h"
+#include "kvasir/ring.h"
+
+#define KV_GW_N_CODES 10     /* HTTP statuses counted apart (metrics.c) */
+#define KV_GW_N_BUCKETS 12   /* step-time histogram buckets (metrics.c) */
+#define KV_GW_MISSING_MAX 16 /* uncovered shards named by /health */
+
+enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
+
+typedef struct kv_gw_req {
+    struct kv_gw_req *next;     /* queue or active list (g->mu) */
+    uint64_t id;                /* 1, 2, ... */
+    uint64_t client;            /* who asked (its API key, or its address when no keys): keyed hash */
+    int api;
+    kv_session_opts so;
+    int32_t *prompt;            /* [n_prompt], freed once prompted */
+    uint32_t n_prompt;
+    uint32_t max_tokens;
+    /* guarded by g->mu */
+    int refs;
+    int state;                  /* KV_REQ_* */
+    bool cancel;                /* client gone or a stop string matched */
+    bool displaced;             /* dropped from a full queue for another client's request (503) */
+    int32_t *toks;              /* [cap] tokens published; entries below n_toks never change */
+    uint32_t n_toks, cap;
+    enum kv_stop stop;
+    int err;                    /* 0, or why it failed */
+    char errmsg[256];
+    kv_session *s;              /* the scheduler's */
+    enum kv_session_status sst; /* last seen, for /v1/slots */
+    bool paid;                  /* its work is recorded below when it finishes */
+    uint64_t products;          /* its session's (token, expert) products (kv_session_work), once DONE */
+    kv_gw_work_node *work;      /* [n_work] workers that answered some of them, once DONE */
+    kv_receipt *rcpts;          /* [n_work] their receipts (work[i].receipt points here) */
+    uint32_t n_work;
+    uint8_t pay_consumer[32], pay_nonce[16]; /* the authorization it is paid by */
+    /* a ring request (g->n_ring): its prompt, copied (the connection may go
+       first), and the pieces the home sent with each token */
+    struct kv_gateway *g;
+    kv_ring_params rp;
+    char *rtext;                /* [rtext_len] the raw prompt, or every message's content */
+    size_t rtext_len;
+    kv_chat_msg *rmsgs;         /* [n_rmsgs] views into rtext (chat APIs) */
+    uint32_t n_rmsgs;
+    bool accepted;              /* (g->mu) the home took it: n_prompt is its token count */
+    uint32_t *poff;             /* [cap + 1] piece of token i: pbuf[poff[i], poff[i + 1]); entries
+                                   up to n_toks never change */
+    char *pbuf;                 /* (g->mu; may move) the pieces, concatenated */
+    size_t pcap;
+} kv_gw_req;
+
+struct kv_gateway {
+    kv_engine *e;               /* the scheduler's alone */
+    const kv_tok *tok;          /* immutable: any thread */
+    uint32_t n_ctx;
+    kv_gateway_opts o;
+    char model[KV_GW_MAX_MODEL_LEN + 1];
+    char **keys;                /* [n_keys] copies */
+    uint32_t n_keys;
+    long long started;          /* unix seconds */
+    struct MHD_Daemon *mhd;
+    uint16_t port;
+    pthread_t sched;
+    bool sched_up;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, out_cv;
+    /* guarded by mu */
+    bool quit, hold, healthy;
+    char health_msg[256];
+    kv_gw_req *queue, *queue_tail, *active;
+    uint32_t n_queued, n_active;
+    uint64_t next_id;
+    uint64_t req_count[KV_GW_API_COUNT + 1][KV_GW_N_CODES];
+    uint64_t completed, cancelled, rejected_full, tokens_prompt, tokens_completion;
+    uint64_t steps, steps_failed;
+    uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
+    uint32_t max_batch;         /* most sessions one step carried */
+    kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
+    kv_gw_tmpl *tmpl;           /* the chat template (immutable: any thread), NULL: ChatML */
+    kv_http_guard *guard;       /* connection limits and request deadlines (http_guard.h) */
+    uint8_t client_salt[16];    /* keys the hash that names a client (kv_gw_req.client) */
+    size_t parse_live;          /* (mu) bytes parsed JSON holds, or is reserved for a parse */
+    uint64_t parse_refused, displaced;
+    uint64_t step_bucket[KV_GW_N_BUCKETS + 1];
+    double step_sum;
+    /* a swarm: the engine's experts on workers */
+    const kv_manifest *man;     /* the coordinator's manifest (immutable), NULL without workers */
+    kv_gw_watch *watch;         /* the hub's placement reader, or NULL */
+    double fail_since;          /* scheduler only: monotonic time steps began failing, 0 if not */
+    /* guarded by mu */
+    uint32_t cov_total, cov_covered, cov_up, cov_n_missing;
+    uint32_t cov_missing[KV_GW_MISSING_MAX]; /* manifest slab indices of uncovered shards */
+    uint64_t steps_retried;     /* failed steps kept for a retry */
+    uint64_t workers_added;     /* workers added from the hub's placement */
+    /* workers caught lying (kv_gateway_caught): never asked for a receipt,
+       never paid; guarded by caught_mu (taken from the engine's hook, inside
+       a step, and under mu when a session settles: never the other way) */
+    pthread_mutex_t caught_mu;
+    uint8_t caught[KV_REMOTE_MAX_WORKERS][32];
+    uint32_t n_caught;
+    /* a ring (o.n_ring): entry nodes and what /health last heard from each */
+    char *ring[KV_GATEWAY_MAX_RING];
+    uint32_t n_ring;
+    uint8_t ring_sk[64];        /* the client key proved to the nodes */
+    kv_voucher ring_voucher;    /* the hub's voucher for it */
+    bool has_ring_voucher;
+    pthread_t ring_watch;
+    bool ring_watch_up;
+    pthread_cond_t ring_cv;     /* wakes the watcher to stop */
+    /* guarded by mu */
+    struct {
+        bool up;                /* it answered STATUS */
+        kv_ring_status st;      /* its answer */
+        char err[256];          /* why it did not */
+    } ring_st[KV_GATEWAY_MAX_RING];
+    uint32_t ring_rr;           /* next entry to try first */
+    uint32_t n_ring_threads;    /* request threads alive */
+};
+
+/* ---- sched.c ---- */
+void kv_gw_req_unref_locked(kv_gw_req *r);
+/* Ends r (its session freed, its work recorded when paid) with err/msg or
+ * success, and drops the scheduler's reference. */
+void kv_gw_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg);
+/* *ts = now + ms on CLOCK_REALTIME, for pthread_cond_timedwait. */
+void kv_gw_deadline(struct timespec *ts, long ms);
+void kv_gw_sched_health_locked(kv_gateway *g);
+kv_gw_req *kv_gw_queue_pick_locked(kv_gateway *g);
+bool kv_gw_queue_displace_locked(kv_gateway *g, const kv_gw_req *r);
+void *kv_gw_sched_main(void *arg); /* the scheduler thread */
+
+/* ---- ring.c ---- */
+void *kv_gw_sched_ring(kv_gateway *g); /* the scheduler of a ring gateway */
+void kv_gw_ring_poll(kv_gateway *g);
+void *kv_gw_ring_watch_main(void *arg);
+unsigned kv_gw_ring_http_status(int err);
+/* A ring request for p; text (text_len bytes) a chat template's rendering
+ * sent as the prompt, or NULL. NULL on no memory. */
+kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, const char *text, size_t text_len);
+
+/* ---- metrics.c ---- */
+int kv_gw_code_index(unsigned status);              /* into req_count's second index */
+void kv_gw_metrics_step_locked(kv_gateway *g, double seconds); /* one engine step's time */
+char *kv_gw_metrics_text(kv_gateway *g);            /* GET /metrics (malloc'd; NULL on no memory) */
+char *kv_gw_slots_json(kv_gateway *g);              /* GET /v1/slots */
+char *kv_gw_health_json(kv_gateway *g, bool *ok);   /* GET /health: the body, *ok for 200 or 503 */
+
+/* ---- routes.c ---- */
+enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                             const char *version, const char *upload, size_t *upload_size, void **con_cls);
+void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe);
+
+#endif
