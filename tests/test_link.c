@@ -19,7 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/link.h"
 #include "kvasir/probe.h"
 #include "kvasir/slice.h"

@@ -62,6 +62,13 @@ void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]);
  * when absent and !create, KV_EIO, KV_EINVAL (path too long). */
 int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d);
 
+/* Keys from --allow-key VALUE: 64 hex digits, or a file with one key per
+ * line ('#' comments and blank lines skipped; at most KV_LINK_MAX_KEYS).
+ * Appends to *keys (realloc'd; caller frees) and *n. KV_EINVAL / KV_EIO /
+ * KV_ERANGE. */
+#define KV_LINK_MAX_KEYS 65536u
+int kv_key_list_add(const char *value, uint8_t (**keys)[32], size_t *n, kv_diag *d);
+
 /* ---- signatures ----------------------------------------------------------- */
 
 /* Ed25519 over a 32-byte digest with a libsodium secret key (seed || pk).

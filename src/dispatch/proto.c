@@ -17,7 +17,8 @@
 #include <unistd.h>
 #include <fcntl.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
 #include "kvasir/quant.h"
 
 /* ---- little-endian helpers ---------------------------------------------- */

@@ -110,7 +110,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/node.h"
 #include "kvasir/ledger.h"
 #include "kvasir/net.h"

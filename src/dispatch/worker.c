@@ -84,7 +84,10 @@
 #include <unistd.h>
 
 #include "kvasir/arch.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/opencl.h"
 #include "kvasir/ledger.h"
 #include "kvasir/gguf.h"

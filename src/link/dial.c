@@ -16,7 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/link.h"
 
 _Static_assert(KV_LINK_MAX_NAME == KV_PROTO_MAX_NAME, "a HELLO_ACK's backend name fits kv_link_dispatch");

@@ -37,7 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h" /* kv_remote: a node's experts on remote workers */
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"   /* KV_STOP_* */
 #include "kvasir/link.h"
 #include "kvasir/model.h"
