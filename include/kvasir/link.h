@@ -61,6 +61,11 @@ void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]);
  * other size or content is KV_EFORMAT; it is never overwritten. KV_ENOTFOUND
  * when absent and !create, KV_EIO, KV_EINVAL (path too long). */
 int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d);
+/* The key file of a node's (or ring node's) data folder: DIR/node.key,
+ * through kv_key_file_load (create makes DIR when missing). KV_EINVAL when
+ * the path is too long. */
+#define KV_LINK_KEY_FILE "node.key"
+int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d);
 
 /* Keys from --allow-key VALUE: 64 hex digits, or a file with one key per
  * line ('#' comments and blank lines skipped; at most KV_LINK_MAX_KEYS).

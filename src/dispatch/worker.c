@@ -1016,12 +1016,7 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
     c->last_work_ms = kv_now_ms();
     kv_net_timer_stop(w->loop, &c->hs_t);
     char hex[17];
-    static const char dig[] = "0123456789abcdef";
-    for (int i = 0; i < 8; i++) {
-        hex[2 * i] = dig[a->key[i] >> 4];
-        hex[2 * i + 1] = dig[a->key[i] & 15];
-    }
-    hex[16] = 0;
+    kv_hex(a->key, 8, hex);
     kv_wlog(w, "conn %llu %s: handshake ok (protocol v%u, coordinator %s...)", (unsigned long long)c->id, c->peer,
             c->version, hex);
     return 0;

@@ -162,6 +162,14 @@ int kv_voucher_verify(const uint8_t hub_pk[32], const char model_id[KV_LINK_MODE
     return kv_link_verify(hub_pk, dg, sig);
 }
 
+int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d) {
+    char path[4096];
+    memset(k, 0, sizeof *k);
+    if (snprintf(path, sizeof path, "%s/%s", dir, KV_LINK_KEY_FILE) >= (int)sizeof path)
+        return kv_fail(d, KV_EINVAL, "node key: folder path is too long");
+    return kv_key_file_load(k, path, create, d);
+}
+
 /* ---- key lists ------------------------------------------------------------- */
 
 static int kv_keys_push(uint8_t (**keys)[32], size_t *n, const uint8_t k[32], kv_diag *d) {

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "kvasir/engine.h" /* KV_STOP_* */
+#include "kvasir/link.h"
 #include "kvasir/ring.h"
 
 #include <sodium.h>
@@ -115,9 +116,8 @@ static int kv_hdr_put(uint8_t *out, size_t cap, uint16_t type, size_t len, size_
 /* ---- pieces ------------------------------------------------------------------ */
 
 static bool kv_hex_id(const uint8_t *p) {
-    for (uint32_t i = 0; i < KV_RING_MODEL_ID_LEN; i++)
-        if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f'))) return false;
-    return true;
+    uint8_t b[KV_RING_MODEL_ID_LEN / 2];
+    return kv_unhex((const char *)p, KV_RING_MODEL_ID_LEN, b, sizeof b, false) == 0;
 }
 
 static int kv_params_get(const uint8_t *p, kv_ring_params *o, kv_diag *d) {
