@@ -1,6 +1,7 @@
 /* kv-test-labels: net attack */
 /* The link layer: hex, key files, signatures and vouchers checked against
  * libsodium directly (its hex codec, SHA-256 and Ed25519 as the reference),
+ * the handshake transcript against its definition in docs/PROTOCOL.md,
  * and the coordinator's blocking dispatch handshake (kv_link_dial_dispatch)
  * against a real in-process kv_worker: the right key, a worker that proves
  * another key, a caller the worker does not serve, vouchers good, forged and
@@ -196,6 +197,121 @@ static void test_sign_verify(void) {
     uint8_t pk2[32], sk2[64];
     seed_key(10, pk2, sk2);
     ASSERT_EQ(kv_link_verify(pk2, dg, sig), KV_EAUTH);
+}
+
+/* ---- the handshake transcript --------------------------------------------------- */
+
+/* The transcript by docs/PROTOCOL.md's definition, with libsodium's SHA-256:
+ * domain, role byte, model id, (dispatch) u16 LE version, acceptor key,
+ * challenge, connector key, nonce, and the binding when there is one. */
+static void ref_transcript(int proto, char role, const char *model, uint16_t ver, const uint8_t ak[32],
+                           const uint8_t ch[32], const uint8_t ck[32], const uint8_t nonce[32], const uint8_t *bind,
+                           uint8_t out[32]) {
+    const char *dom = proto == KV_LINK_HS_DISPATCH ? "kvasir-dispatch-auth-v3\n" : "kvasir-ring-auth-v1\n";
+    const uint8_t r = (uint8_t)role, v[2] = {(uint8_t)ver, (uint8_t)(ver >> 8)};
+    crypto_hash_sha256_state s;
+    crypto_hash_sha256_init(&s);
+    crypto_hash_sha256_update(&s, (const uint8_t *)dom, strlen(dom));
+    crypto_hash_sha256_update(&s, &r, 1);
+    crypto_hash_sha256_update(&s, (const uint8_t *)model, 64);
+    if (proto == KV_LINK_HS_DISPATCH) crypto_hash_sha256_update(&s, v, 2);
+    crypto_hash_sha256_update(&s, ak, 32);
+    crypto_hash_sha256_update(&s, ch, 32);
+    crypto_hash_sha256_update(&s, ck, 32);
+    crypto_hash_sha256_update(&s, nonce, 32);
+    if (bind) crypto_hash_sha256_update(&s, bind, 32);
+    crypto_hash_sha256_final(&s, out);
+}
+
+/* One side's copy of everything a transcript covers (the other side builds
+ * its own from what crossed the wire). */
+typedef struct side {
+    char model[65];
+    uint16_t ver;
+    uint8_t ak[32], ch[32], ck[32], nonce[32], bind[32];
+    bool has_bind;
+} side;
+
+static kv_link_transcript side_t(const side *s, uint32_t proto) {
+    return (kv_link_transcript){.proto = proto, .model_id = s->model, .version = s->ver, .acceptor_key = s->ak,
+                                .challenge = s->ch, .connector_key = s->ck, .nonce = s->nonce,
+                                .binding = s->has_bind ? s->bind : NULL};
+}
+
+static void test_transcript(void) {
+    uint8_t apk[32], ask[64], cpk[32], csk[64];
+    seed_key(21, apk, ask);
+    seed_key(22, cpk, csk);
+    for (uint32_t proto = 0; proto < KV_LINK_HS_COUNT; proto++) {
+        for (int with_bind = 0; with_bind < 2; with_bind++) {
+            side a = {.ver = 4, .has_bind = with_bind};
+            randombytes_buf(a.ch, 32);
+            randombytes_buf(a.nonce, 32);
+            randombytes_buf(a.bind, 32);
+            uint8_t mid[32];
+            randombytes_buf(mid, 32);
+            kv_hex(mid, 32, a.model);
+            memcpy(a.ak, apk, 32);
+            memcpy(a.ck, cpk, 32);
+            side c = a; /* the connector's copy */
+            const char roles[2][2] = {{'C', 'W'}, {'C', 'A'}};
+            /* the digest is the protocol's definition, byte for byte, and the
+             * codecs' own names for it agree */
+            uint8_t dg[32], ref[32];
+            for (int role = 0; role < 2; role++) {
+                kv_link_transcript t = side_t(&a, proto);
+                kv_link_transcript_digest(&t, role, dg);
+                ref_transcript((int)proto, roles[proto][role], a.model, a.ver, a.ak, a.ch, a.ck, a.nonce,
+                               with_bind ? a.bind : NULL, ref);
+                ASSERT_EQ(memcmp(dg, ref, 32), 0);
+                if (!with_bind && proto == KV_LINK_HS_DISPATCH) {
+                    kv_dispatch_digest(roles[proto][role], a.model, a.ver, a.ak, a.ch, a.ck, a.nonce, ref);
+                    ASSERT_EQ(memcmp(dg, ref, 32), 0);
+                }
+            }
+            /* the connector signs, the acceptor verifies on its own copy, and back */
+            uint8_t csig[64], asig[64];
+            kv_link_transcript t = side_t(&c, proto);
+            kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, csk, csig);
+            t = side_t(&a, proto);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), 0);
+            kv_link_transcript_sign(&t, KV_LINK_ACCEPTOR, ask, asig);
+            t = side_t(&c, proto);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, apk, asig), 0);
+            /* a signature never passes for the other role, key or protocol */
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, apk, csig), KV_EAUTH);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, asig), KV_EAUTH);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, apk, csig), KV_EAUTH);
+            t.proto = 1 - proto;
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), KV_EAUTH);
+            /* a binding present on one side only fails */
+            side nb = a;
+            nb.has_bind = !with_bind;
+            t = side_t(&nb, proto);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), KV_EAUTH);
+            /* one flipped byte of any field fails; the version is covered by dispatch only */
+            for (int field = 0; field < 7; field++) {
+                if (field == 6 && !with_bind) continue;
+                for (int k = 0; k < 4; k++) {
+                    side x = a;
+                    const int at = (int)randombytes_uniform(32);
+                    switch (field) {
+                    case 0: x.model[2 * at] = x.model[2 * at] == '0' ? '1' : '0'; break;
+                    case 1: x.ver ^= (uint16_t)(1u << (k * 4)); break;
+                    case 2: x.ak[at] ^= 1; break;
+                    case 3: x.ch[at] ^= 0x80; break;
+                    case 4: x.ck[at] ^= 4; break;
+                    case 5: x.nonce[at] ^= 0x10; break;
+                    default: x.bind[at] ^= 2; break;
+                    }
+                    t = side_t(&x, proto);
+                    const int want = field == 1 && proto == KV_LINK_HS_RING ? 0 : KV_EAUTH;
+                    ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), want);
+                    ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, apk, asig), want);
+                }
+            }
+        }
+    }
 }
 
 /* The voucher digest by its definition, with libsodium's SHA-256. */
@@ -570,7 +686,7 @@ static void teardown(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_hex_round_trip), KVT_CASE(test_hex_rejects), KVT_CASE(test_key_file),
-    KVT_CASE(test_sign_verify),    KVT_CASE(test_voucher),     KVT_CASE(test_dial_worker),
+    KVT_CASE(test_sign_verify),    KVT_CASE(test_transcript),  KVT_CASE(test_voucher),     KVT_CASE(test_dial_worker),
     KVT_CASE(test_dial_bad_peers),
 };
 

@@ -2,8 +2,7 @@
  * signed results (kvasir/dispatch_evidence.h), the worker
  * (kvasir/dispatch_worker.h), the remote provider (kvasir/dispatch_remote.h)
  * and work receipts (kvasir/dispatch_receipt.h). Include the part you use;
- * this header is for code that drives all of them (the engine, the
- * gateway). */
+ * this header is for code that drives all of them (the gateway). */
 #ifndef KVASIR_DISPATCH_H
 #define KVASIR_DISPATCH_H
 

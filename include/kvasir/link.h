@@ -82,6 +82,53 @@ void kv_link_sign(const uint8_t sk[64], const uint8_t digest[32], uint8_t sig[64
 /* 0 when sig is pk's over digest; KV_EAUTH otherwise. */
 int kv_link_verify(const uint8_t pk[32], const uint8_t digest[32], const uint8_t sig[64]);
 
+/* ---- the key handshake's transcript (src/link/handshake.c) ---------------
+ * Every authenticated connection (dispatch v3 and later, ring links and ring
+ * clients) opens the same way: the accepting side sends its key and a fresh
+ * 32-byte challenge, the connecting side answers with its key, a fresh
+ * 32-byte nonce and its signature over the transcript, and the acceptor
+ * signs the same transcript back. The transcript is SHA-256 over, in order:
+ *   the protocol's domain line    "kvasir-dispatch-auth-v3\n" or
+ *                                 "kvasir-ring-auth-v1\n"
+ *   the signer's role (1 byte)    dispatch 'C' / 'W', ring 'C' / 'A'
+ *   the model id                  64 hex digits as on the wire
+ *   the version (u16 LE)          dispatch only: the one negotiated
+ *   the acceptor's key, its challenge, the connector's key, its nonce
+ *   the channel binding (32)      only when one is given
+ * (docs/PROTOCOL.md is normative, dispatch and ring sections). The challenge makes
+ * every connection's transcript different, so a signature cannot be
+ * replayed on another; the acceptor's key binds the connector's proof to
+ * the peer it meant, so that peer cannot relay it elsewhere; the role keeps
+ * the two signatures apart. A channel binding (a value both ends derive from
+ * their secure channel) ties the proof to that one channel; without one
+ * (NULL) nothing is hashed for it. Pure and thread-safe. */
+
+enum kv_link_hs_proto {
+    KV_LINK_HS_DISPATCH = 0, /* coordinator (connector) and worker (acceptor) */
+    KV_LINK_HS_RING = 1,     /* a ring node or client (connector) and a ring node (acceptor) */
+    KV_LINK_HS_COUNT
+};
+enum kv_link_hs_role { KV_LINK_CONNECTOR = 0, KV_LINK_ACCEPTOR = 1 };
+
+typedef struct kv_link_transcript {
+    uint32_t proto;               /* KV_LINK_HS_*: the domain, roles and fields hashed */
+    const char *model_id;         /* [64] hex digits: the model both ends serve */
+    uint16_t version;             /* dispatch: the negotiated protocol version; ring: not hashed */
+    const uint8_t *acceptor_key;  /* [32] */
+    const uint8_t *challenge;     /* [32] the acceptor's, fresh per connection */
+    const uint8_t *connector_key; /* [32] */
+    const uint8_t *nonce;         /* [32] the connector's, fresh per connection */
+    const uint8_t *binding;       /* [32] channel binding; NULL = none */
+} kv_link_transcript;
+
+/* The digest `role` (KV_LINK_CONNECTOR or KV_LINK_ACCEPTOR) signs over t.
+ * KV_ASSERTs a known proto and role and non-NULL fields (our own calls). */
+void kv_link_transcript_digest(const kv_link_transcript *t, int role, uint8_t out[32]);
+/* role's signature over t with sk (seed || pk). Never fails. */
+void kv_link_transcript_sign(const kv_link_transcript *t, int role, const uint8_t sk[64], uint8_t sig[64]);
+/* 0 when sig is pk's signature over t as role; KV_EAUTH otherwise. */
+int kv_link_transcript_verify(const kv_link_transcript *t, int role, const uint8_t pk[32], const uint8_t sig[64]);
+
 /* ---- vouchers ------------------------------------------------------------- */
 
 typedef struct kv_voucher {

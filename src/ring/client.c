@@ -114,6 +114,9 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const
     }
     kv_ring_msg m;
     char model_id[KV_RING_MODEL_ID_LEN + 1] = "";
+    /* the transcript's fields fill in as the frames come */
+    const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = model_id, .acceptor_key = node_key,
+                                  .challenge = challenge, .connector_key = sk + 32, .nonce = nonce};
     for (int stage = 0; stage < 3 && !rc;) { /* 0 HELLO_ACK, 1 AUTH_CHALLENGE, 2 AUTH_OK */
         if ((rc = kv_rcl_frame(c, &m, d))) break;
         if (m.h.type == KV_RING_ERROR) {
@@ -142,16 +145,12 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const
                 a.voucher_expires_ms = voucher->expires_ms;
                 memcpy(a.voucher_sig, voucher->sig, 64);
             }
-            uint8_t dg[32];
-            kv_ring_auth_digest('C', model_id, node_key, challenge, a.key, nonce, dg);
-            kv_link_sign(sk, dg, a.sig);
+            kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, sk, a.sig);
             if ((rc = kv_ring_auth_encode(c->buf, c->cap, KV_RING_AUTH, &a, &n, d)) ||
                 (rc = kv_rcl_send(c->fd, c->buf, n, d)))
                 break;
         } else {
-            uint8_t dg[32];
-            kv_ring_auth_digest('A', model_id, node_key, challenge, sk + 32, nonce, dg);
-            if (kv_link_verify(node_key, dg, m.u.auth.sig))
+            if (kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, node_key, m.u.auth.sig))
                 rc = kv_fail(d, KV_EAUTH, "ring: the node at %s did not prove its key", addr);
         }
         stage++;
