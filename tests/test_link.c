@@ -1,7 +1,9 @@
 /* kv-test-labels: net attack */
 /* The link layer: hex, key files, signatures and vouchers checked against
  * libsodium directly (its hex codec, SHA-256 and Ed25519 as the reference),
- * the handshake transcript against its definition in docs/PROTOCOL.md,
+ * the handshake transcript against its definition in docs/PROTOCOL.md, the
+ * blocking I/O helpers' limits (idle and total, cancellation, a peer that
+ * closes, a full socket buffer on a blocking fd) over socket pairs,
  * and the coordinator's blocking dispatch handshake (kv_link_dial_dispatch)
  * against a real in-process kv_worker: the right key, a worker that proves
  * another key, a caller the worker does not serve, vouchers good, forged and
@@ -312,6 +314,157 @@ static void test_transcript(void) {
             }
         }
     }
+}
+
+/* ---- blocking I/O ----------------------------------------------------------------- */
+
+/* A peer that writes pieces of a pattern with pauses between them. */
+typedef struct dribble {
+    int fd;
+    size_t piece, n_pieces;
+    int pause_ms;
+    bool close_after;
+} dribble;
+
+static uint8_t pattern_byte(size_t i) { return (uint8_t)(i * 131u + 7u); }
+
+static void *dribble_main(void *arg) {
+    dribble *b = arg;
+    uint8_t buf[4096];
+    size_t at = 0;
+    for (size_t k = 0; k < b->n_pieces; k++) {
+        struct timespec ts = {0, (long)b->pause_ms * 1000000L};
+        nanosleep(&ts, NULL);
+        for (size_t i = 0; i < b->piece; i++) buf[i] = pattern_byte(at + i);
+        if (write(b->fd, buf, b->piece) != (ssize_t)b->piece) break;
+        at += b->piece;
+    }
+    if (b->close_after) close(b->fd);
+    return NULL;
+}
+
+static int g_cancel_calls;
+static bool cancel_after_3(void *arg) {
+    (void)arg;
+    return ++g_cancel_calls >= 3;
+}
+
+/* A reader that drains a socket after a pause and counts what it got. */
+typedef struct drain {
+    int fd, pause_ms;
+    size_t got;
+    bool pattern_ok;
+} drain;
+
+static void *drain_main(void *arg) {
+    drain *r = arg;
+    struct timespec ts = {0, (long)r->pause_ms * 1000000L};
+    nanosleep(&ts, NULL);
+    uint8_t buf[65536];
+    r->pattern_ok = true;
+    ssize_t k;
+    while ((k = read(r->fd, buf, sizeof buf)) > 0) {
+        for (ssize_t i = 0; i < k; i++)
+            if (buf[i] != pattern_byte(r->got + (size_t)i)) r->pattern_ok = false;
+        r->got += (size_t)k;
+    }
+    return NULL;
+}
+
+static void test_io_read(void) {
+    int sv[2];
+    uint8_t buf[400];
+    kv_diag d = {0};
+    /* four pieces 60 ms apart: an idle limit of 200 ms holds over the
+     * 240 ms, a total one of 100 ms does not */
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    dribble b = {.fd = sv[0], .piece = 100, .n_pieces = 4, .pause_ms = 60};
+    pthread_t th;
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    kv_link_io io = {.timeout_ms = 200, .idle = true};
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, sizeof buf, &io, &d), 0);
+    ASSERT_EQ(io.got, sizeof buf);
+    for (size_t i = 0; i < sizeof buf; i++) ASSERT_EQ(buf[i], pattern_byte(i));
+    pthread_join(th, NULL);
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    io = (kv_link_io){.timeout_ms = 100, .peer = "the tester"};
+    double t0 = now_ms();
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, sizeof buf, &io, &d), KV_ETIMEOUT);
+    double took = now_ms() - t0;
+    ASSERT_TRUE(took >= 99 && took < 1000);
+    ASSERT_TRUE(io.got < sizeof buf && io.got % 100 == 0); /* what came is kept */
+    ASSERT_TRUE(strstr(d.msg, "the tester") != NULL);
+    pthread_join(th, NULL);
+    /* the rest completes the same buffer */
+    kv_link_io rest = {.timeout_ms = 1000};
+    ASSERT_EQ(kv_link_read_full(sv[1], buf + io.got, sizeof buf - io.got, &rest, &d), 0);
+    for (size_t i = 0; i < sizeof buf; i++) ASSERT_EQ(buf[i], pattern_byte(i));
+    /* an idle limit shorter than the pause fails on the first pause */
+    b.pause_ms = 150;
+    b.n_pieces = 2;
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    io = (kv_link_io){.timeout_ms = 60, .idle = true};
+    t0 = now_ms();
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 200, &io, &d), KV_ETIMEOUT);
+    took = now_ms() - t0;
+    ASSERT_TRUE(took >= 59 && took < 1000);
+    ASSERT_EQ(io.got, 0u);
+    pthread_join(th, NULL);
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 200, NULL, &d), 0); /* drain what came late */
+    /* cancelled: asked every KV_LINK_POLL_MS, the third answer ends it */
+    g_cancel_calls = 0;
+    io = (kv_link_io){.timeout_ms = 5000, .idle = true, .cancelled = cancel_after_3};
+    t0 = now_ms();
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 10, &io, &d), KV_EIO);
+    took = now_ms() - t0;
+    ASSERT_TRUE(io.was_cancelled && !io.closed && g_cancel_calls == 3);
+    ASSERT_TRUE(took >= 3 * KV_LINK_POLL_MS - 1 && took < 3 * KV_LINK_POLL_MS + 1000);
+    /* a peer that closes inside the read: what came, then closed */
+    b = (dribble){.fd = sv[0], .piece = 30, .n_pieces = 1, .pause_ms = 10, .close_after = true};
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    io = (kv_link_io){.timeout_ms = 2000};
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 100, &io, &d), KV_EIO);
+    ASSERT_TRUE(io.closed && io.got == 30);
+    ASSERT_TRUE(strstr(d.msg, "closed the connection") != NULL);
+    pthread_join(th, NULL);
+    close(sv[1]);
+}
+
+static void test_io_write(void) {
+    int sv[2];
+    kv_diag d = {0};
+    const size_t n = 8u << 20; /* far more than a socket buffers */
+    uint8_t *big = malloc(n);
+    ASSERT_TRUE(big != NULL);
+    for (size_t i = 0; i < n; i++) big[i] = pattern_byte(i);
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    /* nobody reads: the deadline holds on a blocking fd, with part sent */
+    kv_link_io io = {.timeout_ms = 100};
+    double t0 = now_ms();
+    ASSERT_EQ(kv_link_write_full(sv[0], big, n, &io, &d), KV_ETIMEOUT);
+    double took = now_ms() - t0;
+    ASSERT_TRUE(took >= 99 && took < 1000);
+    ASSERT_TRUE(io.got > 0 && io.got < n);
+    /* a reader that starts later: an idle limit longer than its pause sends all the rest */
+    drain r = {.fd = sv[1], .pause_ms = 50};
+    pthread_t th;
+    ASSERT_EQ(pthread_create(&th, NULL, drain_main, &r), 0);
+    const size_t first = io.got;
+    io = (kv_link_io){.timeout_ms = 2000, .idle = true};
+    ASSERT_EQ(kv_link_write_full(sv[0], big + first, n - first, &io, &d), 0);
+    ASSERT_EQ(io.got, n - first);
+    close(sv[0]);
+    pthread_join(th, NULL);
+    ASSERT_EQ(r.got, n);
+    ASSERT_TRUE(r.pattern_ok);
+    close(sv[1]);
+    /* a peer gone: KV_EIO, and no SIGPIPE (which would end this process) */
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    close(sv[1]);
+    io = (kv_link_io){.timeout_ms = 1000};
+    ASSERT_EQ(kv_link_write_full(sv[0], big, 1000, &io, &d), KV_EIO);
+    close(sv[0]);
+    free(big);
 }
 
 /* The voucher digest by its definition, with libsodium's SHA-256. */
@@ -686,7 +839,8 @@ static void teardown(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_hex_round_trip), KVT_CASE(test_hex_rejects), KVT_CASE(test_key_file),
-    KVT_CASE(test_sign_verify),    KVT_CASE(test_transcript),  KVT_CASE(test_voucher),     KVT_CASE(test_dial_worker),
+    KVT_CASE(test_sign_verify),    KVT_CASE(test_transcript),  KVT_CASE(test_io_read),
+    KVT_CASE(test_io_write),       KVT_CASE(test_voucher),     KVT_CASE(test_dial_worker),
     KVT_CASE(test_dial_bad_peers),
 };
 

@@ -451,13 +451,14 @@ void kv_frame_rx_reset(kv_frame_rx *rx);
  * KV_EPROTO / KV_ERANGE (bad header; the frame is never buffered). */
 int kv_frame_rx_read(kv_frame_rx *rx, int fd, kv_diag *d);
 
-/* Writes all n bytes to fd, waiting with poll() up to timeout_ms in total
- * (< 0: no limit) when fd is nonblocking. KV_EIO or KV_ETIMEOUT. Never
- * raises SIGPIPE (MSG_NOSIGNAL). */
+/* Writes all n bytes to the socket fd within timeout_ms in total (< 0: no
+ * limit), blocking or not (kv_link_write_full). KV_EIO or KV_ETIMEOUT.
+ * Never raises SIGPIPE. */
 int kv_proto_write_all(int fd, const void *buf, size_t n, int timeout_ms, kv_diag *d);
 
 /* Reads one whole frame from a blocking or nonblocking fd into rx within
- * timeout_ms (< 0: no limit), then decodes it into out (views into rx->buf;
+ * timeout_ms (< 0: no limit; kv_link_read_full, so a frame cut by the
+ * deadline is kept in rx and completed by the next call), then decodes it into out (views into rx->buf;
  * the caller resets rx afterwards). Returns 0, KV_ETIMEOUT, KV_EIO, or a
  * decode error. An ERROR frame decodes successfully (out->h.type). */
 int kv_proto_read_msg(kv_frame_rx *rx, int fd, int timeout_ms, const kv_proto_limits *lim,

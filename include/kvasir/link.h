@@ -12,14 +12,18 @@
  *   - Vouchers: a hub's statement that it vouches for a coordinator key for
  *     one model until a time (docs/HUB.md, POST /v1/voucher), honoured by
  *     workers and ring nodes that trust that hub.
- *   - Addresses: "HOST:PORT" / "[v6]:PORT", and a blocking TCP dial.
+ *   - The key handshake's transcript, one for every protocol that
+ *     authenticates a connection (dispatch, ring links and clients).
+ *   - Addresses: "HOST:PORT" / "[v6]:PORT", a blocking TCP dial, and the
+ *     blocking reads and writes of every blocking client, with limits.
  *   - The coordinator's side of the dispatch key handshake (docs/PROTOCOL.md,
  *     v3 and later) as one blocking call: HELLO, HELLO_ACK, AUTH_CHALLENGE
  *     (the worker's key must be the one expected), AUTH (the caller's key
  *     over the transcript, with a voucher when given), AUTH_OK (the worker's
  *     signature over the same transcript, verified).
  *
- * Everything here is thread-safe and keeps no state; every wait is bounded. */
+ * Everything here is thread-safe and keeps no state; every wait is bounded
+ * (blocking I/O: unless the caller asks for no limit). */
 #ifndef KVASIR_LINK_H
 #define KVASIR_LINK_H
 
@@ -158,6 +162,39 @@ int kv_link_parse_addr(const char *host_port, char *host, size_t hcap, uint16_t 
  * the fd (blocking; the caller closes it), or KV_EIO / KV_ETIMEOUT /
  * KV_EINVAL (bad address). */
 int kv_link_connect(const char *host_port, int timeout_ms, int *fd, kv_diag *d);
+
+/* ---- blocking I/O on a connected socket (src/link/tcp.c) -------------------
+ * The one place a blocking client reads and writes its socket (the dispatch
+ * dial and probe, the dispatch codec's blocking frame reader, the ring's
+ * client), so that a secure transport goes under all of them at once. Each
+ * call waits with poll() and never blocks past its limit, whether the fd is
+ * blocking or not; sends never raise SIGPIPE. */
+
+#define KV_LINK_POLL_MS 100 /* how often `cancelled` is asked while waiting */
+
+/* One blocking transfer: its limits (set by the caller) and what happened
+ * (set by the call, whatever it returns). */
+typedef struct kv_link_io {
+    int timeout_ms;               /* < 0: no limit */
+    bool idle;                    /* timeout_ms bounds each wait for the next bytes (a stream whose
+                                     frames come as they are made); false: the whole call */
+    bool (*cancelled)(void *arg); /* asked every KV_LINK_POLL_MS while waiting; true ends the call;
+                                     NULL = never */
+    void *arg;
+    const char *peer;             /* who is at the other end, for messages; NULL = "the peer" */
+    /* out */
+    size_t got;                   /* bytes moved before the call returned */
+    bool closed;                  /* read: the peer closed the connection (end of stream) */
+    bool was_cancelled;           /* `cancelled` said true */
+} kv_link_io;
+
+/* Reads exactly n bytes into buf. Returns 0; KV_ETIMEOUT past the limit;
+ * KV_EIO when the peer closed (io->closed), on a read error, or when
+ * cancelled (io->was_cancelled). io->got says how much of buf is filled. */
+int kv_link_read_full(int fd, void *buf, size_t n, kv_link_io *io, kv_diag *d);
+/* Writes all n bytes of buf. Returns 0; KV_ETIMEOUT past the limit; KV_EIO
+ * on a send error (the peer gone) or when cancelled. */
+int kv_link_write_full(int fd, const void *buf, size_t n, kv_link_io *io, kv_diag *d);
 
 /* ---- the dispatch handshake, coordinator side (src/link/dial.c) ----------- */
 
