@@ -11,7 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
 #include "kvasir/ledger.h"
 
 #define CHECK(x)                    \

@@ -7,7 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/node.h"
 
 #define CHECK(x)                    \

@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvasir/dispatch.h"
 #include "kvasir/node.h"
 
 #define CHECK(x)                    \

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/plan.h"
 
 #define CHECK(x)                    \

@@ -10,7 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_worker.h"
 
 #if defined(__GNUC__)
 #define KVT_UNUSED __attribute__((unused))

@@ -29,7 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"

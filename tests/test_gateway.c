@@ -27,7 +27,7 @@
 #include <unistd.h>
 
 #include "gateway/gateway_internal.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
 #include "kvasir/slice.h"
 #include "kvasir/gateway.h"

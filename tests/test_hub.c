@@ -25,7 +25,9 @@
 
 #include <sodium.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/hub.h"
 #include "kvasir/ledger.h"
 #include "kvasir/node.h"

@@ -1,6 +1,9 @@
 /* kv-test-labels: net attack */
 /* The link layer: hex, key files, signatures and vouchers checked against
  * libsodium directly (its hex codec, SHA-256 and Ed25519 as the reference),
+ * the handshake transcript against its definition in docs/PROTOCOL.md, the
+ * blocking I/O helpers' limits (idle and total, cancellation, a peer that
+ * closes, a full socket buffer on a blocking fd) over socket pairs,
  * and the coordinator's blocking dispatch handshake (kv_link_dial_dispatch)
  * against a real in-process kv_worker: the right key, a worker that proves
  * another key, a caller the worker does not serve, vouchers good, forged and
@@ -19,7 +22,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/link.h"
 #include "kvasir/probe.h"
 #include "kvasir/slice.h"
@@ -195,6 +199,272 @@ static void test_sign_verify(void) {
     uint8_t pk2[32], sk2[64];
     seed_key(10, pk2, sk2);
     ASSERT_EQ(kv_link_verify(pk2, dg, sig), KV_EAUTH);
+}
+
+/* ---- the handshake transcript --------------------------------------------------- */
+
+/* The transcript by docs/PROTOCOL.md's definition, with libsodium's SHA-256:
+ * domain, role byte, model id, (dispatch) u16 LE version, acceptor key,
+ * challenge, connector key, nonce, and the binding when there is one. */
+static void ref_transcript(int proto, char role, const char *model, uint16_t ver, const uint8_t ak[32],
+                           const uint8_t ch[32], const uint8_t ck[32], const uint8_t nonce[32], const uint8_t *bind,
+                           uint8_t out[32]) {
+    const char *dom = proto == KV_LINK_HS_DISPATCH ? "kvasir-dispatch-auth-v3\n" : "kvasir-ring-auth-v1\n";
+    const uint8_t r = (uint8_t)role, v[2] = {(uint8_t)ver, (uint8_t)(ver >> 8)};
+    crypto_hash_sha256_state s;
+    crypto_hash_sha256_init(&s);
+    crypto_hash_sha256_update(&s, (const uint8_t *)dom, strlen(dom));
+    crypto_hash_sha256_update(&s, &r, 1);
+    crypto_hash_sha256_update(&s, (const uint8_t *)model, 64);
+    if (proto == KV_LINK_HS_DISPATCH) crypto_hash_sha256_update(&s, v, 2);
+    crypto_hash_sha256_update(&s, ak, 32);
+    crypto_hash_sha256_update(&s, ch, 32);
+    crypto_hash_sha256_update(&s, ck, 32);
+    crypto_hash_sha256_update(&s, nonce, 32);
+    if (bind) crypto_hash_sha256_update(&s, bind, 32);
+    crypto_hash_sha256_final(&s, out);
+}
+
+/* One side's copy of everything a transcript covers (the other side builds
+ * its own from what crossed the wire). */
+typedef struct side {
+    char model[65];
+    uint16_t ver;
+    uint8_t ak[32], ch[32], ck[32], nonce[32], bind[32];
+    bool has_bind;
+} side;
+
+static kv_link_transcript side_t(const side *s, uint32_t proto) {
+    return (kv_link_transcript){.proto = proto, .model_id = s->model, .version = s->ver, .acceptor_key = s->ak,
+                                .challenge = s->ch, .connector_key = s->ck, .nonce = s->nonce,
+                                .binding = s->has_bind ? s->bind : NULL};
+}
+
+static void test_transcript(void) {
+    uint8_t apk[32], ask[64], cpk[32], csk[64];
+    seed_key(21, apk, ask);
+    seed_key(22, cpk, csk);
+    for (uint32_t proto = 0; proto < KV_LINK_HS_COUNT; proto++) {
+        for (int with_bind = 0; with_bind < 2; with_bind++) {
+            side a = {.ver = 4, .has_bind = with_bind};
+            randombytes_buf(a.ch, 32);
+            randombytes_buf(a.nonce, 32);
+            randombytes_buf(a.bind, 32);
+            uint8_t mid[32];
+            randombytes_buf(mid, 32);
+            kv_hex(mid, 32, a.model);
+            memcpy(a.ak, apk, 32);
+            memcpy(a.ck, cpk, 32);
+            side c = a; /* the connector's copy */
+            const char roles[2][2] = {{'C', 'W'}, {'C', 'A'}};
+            /* the digest is the protocol's definition, byte for byte, and the
+             * codecs' own names for it agree */
+            uint8_t dg[32], ref[32];
+            for (int role = 0; role < 2; role++) {
+                kv_link_transcript t = side_t(&a, proto);
+                kv_link_transcript_digest(&t, role, dg);
+                ref_transcript((int)proto, roles[proto][role], a.model, a.ver, a.ak, a.ch, a.ck, a.nonce,
+                               with_bind ? a.bind : NULL, ref);
+                ASSERT_EQ(memcmp(dg, ref, 32), 0);
+                if (!with_bind && proto == KV_LINK_HS_DISPATCH) {
+                    kv_dispatch_digest(roles[proto][role], a.model, a.ver, a.ak, a.ch, a.ck, a.nonce, ref);
+                    ASSERT_EQ(memcmp(dg, ref, 32), 0);
+                }
+            }
+            /* the connector signs, the acceptor verifies on its own copy, and back */
+            uint8_t csig[64], asig[64];
+            kv_link_transcript t = side_t(&c, proto);
+            kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, csk, csig);
+            t = side_t(&a, proto);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), 0);
+            kv_link_transcript_sign(&t, KV_LINK_ACCEPTOR, ask, asig);
+            t = side_t(&c, proto);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, apk, asig), 0);
+            /* a signature never passes for the other role, key or protocol */
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, apk, csig), KV_EAUTH);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, asig), KV_EAUTH);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, apk, csig), KV_EAUTH);
+            t.proto = 1 - proto;
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), KV_EAUTH);
+            /* a binding present on one side only fails */
+            side nb = a;
+            nb.has_bind = !with_bind;
+            t = side_t(&nb, proto);
+            ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), KV_EAUTH);
+            /* one flipped byte of any field fails; the version is covered by dispatch only */
+            for (int field = 0; field < 7; field++) {
+                if (field == 6 && !with_bind) continue;
+                for (int k = 0; k < 4; k++) {
+                    side x = a;
+                    const int at = (int)randombytes_uniform(32);
+                    switch (field) {
+                    case 0: x.model[2 * at] = x.model[2 * at] == '0' ? '1' : '0'; break;
+                    case 1: x.ver ^= (uint16_t)(1u << (k * 4)); break;
+                    case 2: x.ak[at] ^= 1; break;
+                    case 3: x.ch[at] ^= 0x80; break;
+                    case 4: x.ck[at] ^= 4; break;
+                    case 5: x.nonce[at] ^= 0x10; break;
+                    default: x.bind[at] ^= 2; break;
+                    }
+                    t = side_t(&x, proto);
+                    const int want = field == 1 && proto == KV_LINK_HS_RING ? 0 : KV_EAUTH;
+                    ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, cpk, csig), want);
+                    ASSERT_EQ(kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, apk, asig), want);
+                }
+            }
+        }
+    }
+}
+
+/* ---- blocking I/O ----------------------------------------------------------------- */
+
+/* A peer that writes pieces of a pattern with pauses between them. */
+typedef struct dribble {
+    int fd;
+    size_t piece, n_pieces;
+    int pause_ms;
+    bool close_after;
+} dribble;
+
+static uint8_t pattern_byte(size_t i) { return (uint8_t)(i * 131u + 7u); }
+
+static void *dribble_main(void *arg) {
+    dribble *b = arg;
+    uint8_t buf[4096];
+    size_t at = 0;
+    for (size_t k = 0; k < b->n_pieces; k++) {
+        struct timespec ts = {0, (long)b->pause_ms * 1000000L};
+        nanosleep(&ts, NULL);
+        for (size_t i = 0; i < b->piece; i++) buf[i] = pattern_byte(at + i);
+        if (write(b->fd, buf, b->piece) != (ssize_t)b->piece) break;
+        at += b->piece;
+    }
+    if (b->close_after) close(b->fd);
+    return NULL;
+}
+
+static int g_cancel_calls;
+static bool cancel_after_3(void *arg) {
+    (void)arg;
+    return ++g_cancel_calls >= 3;
+}
+
+/* A reader that drains a socket after a pause and counts what it got. */
+typedef struct drain {
+    int fd, pause_ms;
+    size_t got;
+    bool pattern_ok;
+} drain;
+
+static void *drain_main(void *arg) {
+    drain *r = arg;
+    struct timespec ts = {0, (long)r->pause_ms * 1000000L};
+    nanosleep(&ts, NULL);
+    uint8_t buf[65536];
+    r->pattern_ok = true;
+    ssize_t k;
+    while ((k = read(r->fd, buf, sizeof buf)) > 0) {
+        for (ssize_t i = 0; i < k; i++)
+            if (buf[i] != pattern_byte(r->got + (size_t)i)) r->pattern_ok = false;
+        r->got += (size_t)k;
+    }
+    return NULL;
+}
+
+static void test_io_read(void) {
+    int sv[2];
+    uint8_t buf[400];
+    kv_diag d = {0};
+    /* four pieces 60 ms apart: an idle limit of 200 ms holds over the
+     * 240 ms, a total one of 100 ms does not */
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    dribble b = {.fd = sv[0], .piece = 100, .n_pieces = 4, .pause_ms = 60};
+    pthread_t th;
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    kv_link_io io = {.timeout_ms = 200, .idle = true};
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, sizeof buf, &io, &d), 0);
+    ASSERT_EQ(io.got, sizeof buf);
+    for (size_t i = 0; i < sizeof buf; i++) ASSERT_EQ(buf[i], pattern_byte(i));
+    pthread_join(th, NULL);
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    io = (kv_link_io){.timeout_ms = 100, .peer = "the tester"};
+    double t0 = now_ms();
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, sizeof buf, &io, &d), KV_ETIMEOUT);
+    double took = now_ms() - t0;
+    ASSERT_TRUE(took >= 99 && took < 1000);
+    ASSERT_TRUE(io.got < sizeof buf && io.got % 100 == 0); /* what came is kept */
+    ASSERT_TRUE(strstr(d.msg, "the tester") != NULL);
+    pthread_join(th, NULL);
+    /* the rest completes the same buffer */
+    kv_link_io rest = {.timeout_ms = 1000};
+    ASSERT_EQ(kv_link_read_full(sv[1], buf + io.got, sizeof buf - io.got, &rest, &d), 0);
+    for (size_t i = 0; i < sizeof buf; i++) ASSERT_EQ(buf[i], pattern_byte(i));
+    /* an idle limit shorter than the pause fails on the first pause */
+    b.pause_ms = 150;
+    b.n_pieces = 2;
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    io = (kv_link_io){.timeout_ms = 60, .idle = true};
+    t0 = now_ms();
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 200, &io, &d), KV_ETIMEOUT);
+    took = now_ms() - t0;
+    ASSERT_TRUE(took >= 59 && took < 1000);
+    ASSERT_EQ(io.got, 0u);
+    pthread_join(th, NULL);
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 200, NULL, &d), 0); /* drain what came late */
+    /* cancelled: asked every KV_LINK_POLL_MS, the third answer ends it */
+    g_cancel_calls = 0;
+    io = (kv_link_io){.timeout_ms = 5000, .idle = true, .cancelled = cancel_after_3};
+    t0 = now_ms();
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 10, &io, &d), KV_EIO);
+    took = now_ms() - t0;
+    ASSERT_TRUE(io.was_cancelled && !io.closed && g_cancel_calls == 3);
+    ASSERT_TRUE(took >= 3 * KV_LINK_POLL_MS - 1 && took < 3 * KV_LINK_POLL_MS + 1000);
+    /* a peer that closes inside the read: what came, then closed */
+    b = (dribble){.fd = sv[0], .piece = 30, .n_pieces = 1, .pause_ms = 10, .close_after = true};
+    ASSERT_EQ(pthread_create(&th, NULL, dribble_main, &b), 0);
+    io = (kv_link_io){.timeout_ms = 2000};
+    ASSERT_EQ(kv_link_read_full(sv[1], buf, 100, &io, &d), KV_EIO);
+    ASSERT_TRUE(io.closed && io.got == 30);
+    ASSERT_TRUE(strstr(d.msg, "closed the connection") != NULL);
+    pthread_join(th, NULL);
+    close(sv[1]);
+}
+
+static void test_io_write(void) {
+    int sv[2];
+    kv_diag d = {0};
+    const size_t n = 8u << 20; /* far more than a socket buffers */
+    uint8_t *big = malloc(n);
+    ASSERT_TRUE(big != NULL);
+    for (size_t i = 0; i < n; i++) big[i] = pattern_byte(i);
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    /* nobody reads: the deadline holds on a blocking fd, with part sent */
+    kv_link_io io = {.timeout_ms = 100};
+    double t0 = now_ms();
+    ASSERT_EQ(kv_link_write_full(sv[0], big, n, &io, &d), KV_ETIMEOUT);
+    double took = now_ms() - t0;
+    ASSERT_TRUE(took >= 99 && took < 1000);
+    ASSERT_TRUE(io.got > 0 && io.got < n);
+    /* a reader that starts later: an idle limit longer than its pause sends all the rest */
+    drain r = {.fd = sv[1], .pause_ms = 50};
+    pthread_t th;
+    ASSERT_EQ(pthread_create(&th, NULL, drain_main, &r), 0);
+    const size_t first = io.got;
+    io = (kv_link_io){.timeout_ms = 2000, .idle = true};
+    ASSERT_EQ(kv_link_write_full(sv[0], big + first, n - first, &io, &d), 0);
+    ASSERT_EQ(io.got, n - first);
+    close(sv[0]);
+    pthread_join(th, NULL);
+    ASSERT_EQ(r.got, n);
+    ASSERT_TRUE(r.pattern_ok);
+    close(sv[1]);
+    /* a peer gone: KV_EIO, and no SIGPIPE (which would end this process) */
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    close(sv[1]);
+    io = (kv_link_io){.timeout_ms = 1000};
+    ASSERT_EQ(kv_link_write_full(sv[0], big, 1000, &io, &d), KV_EIO);
+    close(sv[0]);
+    free(big);
 }
 
 /* The voucher digest by its definition, with libsodium's SHA-256. */
@@ -569,7 +839,8 @@ static void teardown(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_hex_round_trip), KVT_CASE(test_hex_rejects), KVT_CASE(test_key_file),
-    KVT_CASE(test_sign_verify),    KVT_CASE(test_voucher),     KVT_CASE(test_dial_worker),
+    KVT_CASE(test_sign_verify),    KVT_CASE(test_transcript),  KVT_CASE(test_io_read),
+    KVT_CASE(test_io_write),       KVT_CASE(test_voucher),     KVT_CASE(test_dial_worker),
     KVT_CASE(test_dial_bad_peers),
 };
 

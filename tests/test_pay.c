@@ -37,7 +37,9 @@
 #include <unistd.h>
 
 #include "gateway/pay.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
 #include "kvasir/gen.h"
 #include "kvasir/ledger.h"

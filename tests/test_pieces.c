@@ -20,7 +20,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_remote.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/model.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"

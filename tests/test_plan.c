@@ -5,7 +5,8 @@
  * rotation start, take the first with the strictly fewest pairs), over
  * random placements; malformed placements refused with a message. The
  * real decode is compared with the plan in tests/test_swarm_cli.sh. */
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/plan.h"
 #include "kvtest.h"
 

@@ -36,7 +36,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"

@@ -13,8 +13,8 @@
 
 #include <sodium.h>
 
-#include "kvasir/dispatch.h"
 #include "kvasir/gen.h"
+#include "kvasir/link.h"
 #include "kvasir/model.h"
 #include "kvasir/pool.h"
 #include "kvasir/quant.h"

@@ -22,7 +22,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/gguf.h"
 #include "kvasir/hub.h"
 #include "kvasir/quant.h"

@@ -44,7 +44,7 @@
 #define KV_HUB_MAX_NONCES 65536u          /* outstanding registration nonces */
 #define KV_HUB_NONCE_TTL_MS 60000         /* a registration nonce lives this long */
 #define KV_HUB_CHALLENGE_MAX_LEN 65536u   /* bytes hashed by one storage challenge */
-#define KV_HUB_KEY_FILE "node.key"        /* in a node's data folder */
+#define KV_HUB_KEY_FILE KV_LINK_KEY_FILE  /* in a node's data folder */
 
 /* ---- server ----------------------------------------------------------- */
 
@@ -135,13 +135,9 @@ int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
 
 /* ---- node identity (client side) --------------------------------------- */
 
-/* Loads DIR/node.key, or, when it does not exist and create is true, makes
- * DIR (0700) and a new key file (0600, 64 hex digits of seed + newline,
- * written to a temporary name and renamed). A file of any other size or
- * content is KV_EFORMAT; it is never overwritten. */
-int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d);
-/* A key file at any path (a coordinator's --key FILE), and keys from a
- * seed: kv_key_file_load and kv_node_key_from_seed in kvasir/link.h. */
+/* A node's key in its data folder (kv_node_key_load), a key file at any
+ * path (a coordinator's --key FILE), and keys from a seed
+ * (kv_node_key_from_seed): kvasir/link.h. */
 /* Strictly increasing: max(last + 1, wall clock in microseconds), so a node
  * that restarts without state still outruns the counters it used before. */
 uint64_t kv_node_next_counter(kv_node_key *k);

@@ -12,14 +12,18 @@
  *   - Vouchers: a hub's statement that it vouches for a coordinator key for
  *     one model until a time (docs/HUB.md, POST /v1/voucher), honoured by
  *     workers and ring nodes that trust that hub.
- *   - Addresses: "HOST:PORT" / "[v6]:PORT", and a blocking TCP dial.
+ *   - The key handshake's transcript, one for every protocol that
+ *     authenticates a connection (dispatch, ring links and clients).
+ *   - Addresses: "HOST:PORT" / "[v6]:PORT", a blocking TCP dial, and the
+ *     blocking reads and writes of every blocking client, with limits.
  *   - The coordinator's side of the dispatch key handshake (docs/PROTOCOL.md,
  *     v3 and later) as one blocking call: HELLO, HELLO_ACK, AUTH_CHALLENGE
  *     (the worker's key must be the one expected), AUTH (the caller's key
  *     over the transcript, with a voucher when given), AUTH_OK (the worker's
  *     signature over the same transcript, verified).
  *
- * Everything here is thread-safe and keeps no state; every wait is bounded. */
+ * Everything here is thread-safe and keeps no state; every wait is bounded
+ * (blocking I/O: unless the caller asks for no limit). */
 #ifndef KVASIR_LINK_H
 #define KVASIR_LINK_H
 
@@ -61,6 +65,18 @@ void kv_node_key_from_seed(kv_node_key *k, const uint8_t seed[32]);
  * other size or content is KV_EFORMAT; it is never overwritten. KV_ENOTFOUND
  * when absent and !create, KV_EIO, KV_EINVAL (path too long). */
 int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d);
+/* The key file of a node's (or ring node's) data folder: DIR/node.key,
+ * through kv_key_file_load (create makes DIR when missing). KV_EINVAL when
+ * the path is too long. */
+#define KV_LINK_KEY_FILE "node.key"
+int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d);
+
+/* Keys from --allow-key VALUE: 64 hex digits, or a file with one key per
+ * line ('#' comments and blank lines skipped; at most KV_LINK_MAX_KEYS).
+ * Appends to *keys (realloc'd; caller frees) and *n. KV_EINVAL / KV_EIO /
+ * KV_ERANGE. */
+#define KV_LINK_MAX_KEYS 65536u
+int kv_key_list_add(const char *value, uint8_t (**keys)[32], size_t *n, kv_diag *d);
 
 /* ---- signatures ----------------------------------------------------------- */
 
@@ -69,6 +85,53 @@ int kv_key_file_load(kv_node_key *k, const char *path, bool create, kv_diag *d);
 void kv_link_sign(const uint8_t sk[64], const uint8_t digest[32], uint8_t sig[64]);
 /* 0 when sig is pk's over digest; KV_EAUTH otherwise. */
 int kv_link_verify(const uint8_t pk[32], const uint8_t digest[32], const uint8_t sig[64]);
+
+/* ---- the key handshake's transcript (src/link/handshake.c) ---------------
+ * Every authenticated connection (dispatch v3 and later, ring links and ring
+ * clients) opens the same way: the accepting side sends its key and a fresh
+ * 32-byte challenge, the connecting side answers with its key, a fresh
+ * 32-byte nonce and its signature over the transcript, and the acceptor
+ * signs the same transcript back. The transcript is SHA-256 over, in order:
+ *   the protocol's domain line    "kvasir-dispatch-auth-v3\n" or
+ *                                 "kvasir-ring-auth-v1\n"
+ *   the signer's role (1 byte)    dispatch 'C' / 'W', ring 'C' / 'A'
+ *   the model id                  64 hex digits as on the wire
+ *   the version (u16 LE)          dispatch only: the one negotiated
+ *   the acceptor's key, its challenge, the connector's key, its nonce
+ *   the channel binding (32)      only when one is given
+ * (docs/PROTOCOL.md is normative, dispatch and ring sections). The challenge makes
+ * every connection's transcript different, so a signature cannot be
+ * replayed on another; the acceptor's key binds the connector's proof to
+ * the peer it meant, so that peer cannot relay it elsewhere; the role keeps
+ * the two signatures apart. A channel binding (a value both ends derive from
+ * their secure channel) ties the proof to that one channel; without one
+ * (NULL) nothing is hashed for it. Pure and thread-safe. */
+
+enum kv_link_hs_proto {
+    KV_LINK_HS_DISPATCH = 0, /* coordinator (connector) and worker (acceptor) */
+    KV_LINK_HS_RING = 1,     /* a ring node or client (connector) and a ring node (acceptor) */
+    KV_LINK_HS_COUNT
+};
+enum kv_link_hs_role { KV_LINK_CONNECTOR = 0, KV_LINK_ACCEPTOR = 1 };
+
+typedef struct kv_link_transcript {
+    uint32_t proto;               /* KV_LINK_HS_*: the domain, roles and fields hashed */
+    const char *model_id;         /* [64] hex digits: the model both ends serve */
+    uint16_t version;             /* dispatch: the negotiated protocol version; ring: not hashed */
+    const uint8_t *acceptor_key;  /* [32] */
+    const uint8_t *challenge;     /* [32] the acceptor's, fresh per connection */
+    const uint8_t *connector_key; /* [32] */
+    const uint8_t *nonce;         /* [32] the connector's, fresh per connection */
+    const uint8_t *binding;       /* [32] channel binding; NULL = none */
+} kv_link_transcript;
+
+/* The digest `role` (KV_LINK_CONNECTOR or KV_LINK_ACCEPTOR) signs over t.
+ * KV_ASSERTs a known proto and role and non-NULL fields (our own calls). */
+void kv_link_transcript_digest(const kv_link_transcript *t, int role, uint8_t out[32]);
+/* role's signature over t with sk (seed || pk). Never fails. */
+void kv_link_transcript_sign(const kv_link_transcript *t, int role, const uint8_t sk[64], uint8_t sig[64]);
+/* 0 when sig is pk's signature over t as role; KV_EAUTH otherwise. */
+int kv_link_transcript_verify(const kv_link_transcript *t, int role, const uint8_t pk[32], const uint8_t sig[64]);
 
 /* ---- vouchers ------------------------------------------------------------- */
 
@@ -99,6 +162,39 @@ int kv_link_parse_addr(const char *host_port, char *host, size_t hcap, uint16_t 
  * the fd (blocking; the caller closes it), or KV_EIO / KV_ETIMEOUT /
  * KV_EINVAL (bad address). */
 int kv_link_connect(const char *host_port, int timeout_ms, int *fd, kv_diag *d);
+
+/* ---- blocking I/O on a connected socket (src/link/tcp.c) -------------------
+ * The one place a blocking client reads and writes its socket (the dispatch
+ * dial and probe, the dispatch codec's blocking frame reader, the ring's
+ * client), so that a secure transport goes under all of them at once. Each
+ * call waits with poll() and never blocks past its limit, whether the fd is
+ * blocking or not; sends never raise SIGPIPE. */
+
+#define KV_LINK_POLL_MS 100 /* how often `cancelled` is asked while waiting */
+
+/* One blocking transfer: its limits (set by the caller) and what happened
+ * (set by the call, whatever it returns). */
+typedef struct kv_link_io {
+    int timeout_ms;               /* < 0: no limit */
+    bool idle;                    /* timeout_ms bounds each wait for the next bytes (a stream whose
+                                     frames come as they are made); false: the whole call */
+    bool (*cancelled)(void *arg); /* asked every KV_LINK_POLL_MS while waiting; true ends the call;
+                                     NULL = never */
+    void *arg;
+    const char *peer;             /* who is at the other end, for messages; NULL = "the peer" */
+    /* out */
+    size_t got;                   /* bytes moved before the call returned */
+    bool closed;                  /* read: the peer closed the connection (end of stream) */
+    bool was_cancelled;           /* `cancelled` said true */
+} kv_link_io;
+
+/* Reads exactly n bytes into buf. Returns 0; KV_ETIMEOUT past the limit;
+ * KV_EIO when the peer closed (io->closed), on a read error, or when
+ * cancelled (io->was_cancelled). io->got says how much of buf is filled. */
+int kv_link_read_full(int fd, void *buf, size_t n, kv_link_io *io, kv_diag *d);
+/* Writes all n bytes of buf. Returns 0; KV_ETIMEOUT past the limit; KV_EIO
+ * on a send error (the peer gone) or when cancelled. */
+int kv_link_write_full(int fd, const void *buf, size_t n, kv_link_io *io, kv_diag *d);
 
 /* ---- the dispatch handshake, coordinator side (src/link/dial.c) ----------- */
 

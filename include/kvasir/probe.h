@@ -19,7 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/err.h"
 
 #define KV_PROBE_MAX_TASKS 256u /* compute challenges on one connection */

@@ -38,7 +38,7 @@ struct kv_node_key;
  * Returns 0, or prints one line and returns non-zero. */
 int kv_cli_key(const char *cmd, const char *path, const char *data_dir, struct kv_node_key *k);
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
 #include "kvasir/hub.h"
 /* What a coordinator command proves to workers: its key (kv_cli_key), and
  * with a hub, the hub's voucher for it and the key the placement lists for

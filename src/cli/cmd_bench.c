@@ -14,7 +14,8 @@
 #include <time.h>
 
 #include "cli/cli.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
 #include "kvasir/node.h"
 #include "kvasir/quant.h"

@@ -14,7 +14,8 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
 #include "kvasir/gateway.h"
 #include "kvasir/hub.h"

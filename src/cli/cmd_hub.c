@@ -7,7 +7,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/beacon.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/link.h"
 #include "kvasir/hub.h"
 #include "kvasir/slice.h"
 #include "kvasir/ledger.h"

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
 #include "kvasir/hub.h"
 #include "kvasir/node.h"
 

@@ -6,6 +6,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/ledger.h"
+#include "kvasir/link.h"
 
 #define CMD "ledger"
 
@@ -30,7 +31,7 @@ static const char *kv_ledger_help =
 static int kv_print_entry(void *ctx, const kv_ledger_entry *e) {
     int *json_first = ctx; /* [0] json, [1] first */
     char id[33];
-    for (int i = 0; i < 16; i++) snprintf(id + 2 * i, 3, "%02x", e->id[i]);
+    kv_hex(e->id, 16, id);
     if (json_first[0]) {
         printf("%s{\"seq\":%lld,\"id\":\"%s\",\"debit\":\"%s\",\"credit\":\"%s\",\"amount\":%llu,\"code\":\"%s\",\"ts\":%lld}",
                json_first[1] ? "" : ",", (long long)e->seq, id, e->debit, e->credit, (unsigned long long)e->amount,

@@ -10,7 +10,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/beacon.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/link.h"
 #include "kvasir/node.h"
 
 #define CMD "node"

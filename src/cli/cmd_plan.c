@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvasir/plan.h"

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/link.h"
 #include "kvasir/hub.h"
 #include "kvasir/ledger.h" /* kv_unhex32 */
 #include "kvasir/node.h"

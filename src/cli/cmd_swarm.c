@@ -35,7 +35,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/beacon.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvasir/probe.h"

@@ -84,7 +84,7 @@ int kv_cmd_wallet(int argc, char **argv) {
             return kv_cli_diag(CMD, &d);
         if (json) {
             char nonce[33];
-            for (int i = 0; i < 16; i++) snprintf(nonce + 2 * i, 3, "%02x", a.nonce[i]);
+            kv_hex(a.nonce, 16, nonce);
             kv_hex(a.consumer, 32, hex);
             printf("{\"header\":\"%s\",\"consumer\":\"consumer:%s\",\"gateway\":\"%s\",\"max\":%llu,"
                    "\"expires\":%llu,\"nonce\":\"%s\"}\n", hdr, hex, a.gateway, (unsigned long long)a.max,

@@ -7,8 +7,10 @@
 #include <string.h>
 
 #include "cli/cli.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/hub.h"
+#include "kvasir/pool.h"
 #include "kvasir/quant.h"
 
 #define CMD "worker"

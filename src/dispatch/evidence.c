@@ -15,7 +15,8 @@
 #include <sodium.h>
 #include <string.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/slice.h"
 
 static const char kv_leaf_tag[] = "kvasir-leaf-v4";

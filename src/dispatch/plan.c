@@ -11,7 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvasir/plan.h"

@@ -9,15 +9,13 @@
  * no struct is ever cast onto wire bytes. Hot path: kv_msg_compute_x /
  * kv_msg_result_y (a memcpy for f32 on little-endian hosts). */
 #include <errno.h>
-#include <poll.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
-#include <fcntl.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
 #include "kvasir/quant.h"
 
 /* ---- little-endian helpers ---------------------------------------------- */
@@ -1196,58 +1194,35 @@ int kv_frame_rx_read(kv_frame_rx *rx, int fd, kv_diag *d) {
 }
 
 int kv_proto_write_all(int fd, const void *buf, size_t n, int timeout_ms, kv_diag *d) {
-    const uint8_t *p = buf;
-    int64_t deadline = timeout_ms >= 0 ? kv_now_ms() + timeout_ms : -1;
-    while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k > 0) {
-            p += k;
-            n -= (size_t)k;
-            continue;
-        }
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int wait = -1;
-            if (deadline >= 0) {
-                int64_t left = deadline - kv_now_ms();
-                if (left <= 0) return kv_fail(d, KV_ETIMEOUT, "write: timed out");
-                wait = (int)left;
-            }
-            struct pollfd pf = {.fd = fd, .events = POLLOUT};
-            int pr = poll(&pf, 1, wait);
-            if (pr < 0 && errno != EINTR) return kv_fail(d, KV_EIO, "poll: %s", strerror(errno));
-            if (pr == 0) return kv_fail(d, KV_ETIMEOUT, "write: timed out");
-            continue;
-        }
-        return kv_fail(d, KV_EIO, "write: %s", k < 0 ? strerror(errno) : "no progress");
-    }
-    return 0;
+    kv_link_io io = {.timeout_ms = timeout_ms};
+    return kv_link_write_full(fd, buf, n, &io, d);
 }
 
 int kv_proto_read_msg(kv_frame_rx *rx, int fd, int timeout_ms, const kv_proto_limits *lim,
                       kv_msg *out, kv_diag *d) {
-    int64_t deadline = timeout_ms >= 0 ? kv_now_ms() + timeout_ms : -1;
-    for (;;) {
-        int wait = -1;
+    const int64_t deadline = timeout_ms >= 0 ? kv_now_ms() + timeout_ms : -1;
+    /* h.magic is set (reset zeroes it) once the header has been accepted */
+    while (!(rx->h.magic == KV_PROTO_MAGIC && rx->have == rx->need)) {
+        kv_link_io io = {.timeout_ms = -1};
         if (deadline >= 0) {
-            int64_t left = deadline - kv_now_ms();
-            if (left < 0) left = 0;
-            wait = (int)left;
+            const int64_t left = deadline - kv_now_ms();
+            io.timeout_ms = left < 0 ? 0 : (int)left;
         }
-        struct pollfd pf = {.fd = fd, .events = POLLIN};
-        int pr = poll(&pf, 1, wait);
-        if (pr < 0) {
-            if (errno == EINTR) continue;
-            return kv_fail(d, KV_EIO, "poll: %s", strerror(errno));
+        const int rc = kv_link_read_full(fd, rx->buf + rx->have, rx->need - rx->have, &io, d);
+        rx->have += io.got;
+        if (rc == KV_ETIMEOUT) return kv_fail(d, rc, "read: no whole frame within %d ms", timeout_ms);
+        if (rc && io.closed && rx->have == 0) return kv_fail(d, KV_EIO, "closed");
+        if (rc && io.closed)
+            return kv_fail(d, KV_EIO, "connection closed inside a frame (%zu of %zu bytes)", rx->have, rx->need);
+        if (rc) return rc;
+        if (rx->need == KV_PROTO_HEADER) {
+            const int hr = kv_frame_header_decode(rx->buf, KV_PROTO_HEADER, &rx->h, d);
+            if (hr) return hr;
+            if ((size_t)rx->h.len > rx->cap - KV_PROTO_HEADER)
+                return kv_fail(d, KV_ERANGE, "frame: payload length %u exceeds this buffer (%zu)", rx->h.len,
+                               rx->cap - KV_PROTO_HEADER);
+            rx->need = KV_PROTO_HEADER + (size_t)rx->h.len;
         }
-        if (pr == 0) return kv_fail(d, KV_ETIMEOUT, "read: no whole frame within %d ms", timeout_ms);
-        /* read without blocking so the deadline holds even on a blocking fd */
-        int fl = fcntl(fd, F_GETFL);
-        int was_blocking = fl >= 0 && !(fl & O_NONBLOCK);
-        if (was_blocking) fcntl(fd, F_SETFL, fl | O_NONBLOCK);
-        int rc = kv_frame_rx_read(rx, fd, d);
-        if (was_blocking) fcntl(fd, F_SETFL, fl);
-        if (rc < 0) return rc;
-        if (rc == 1) return kv_msg_decode(rx->buf, rx->need, lim, out, d);
     }
+    return kv_msg_decode(rx->buf, rx->need, lim, out, d);
 }

@@ -22,7 +22,8 @@
  * signature) before anything is used; they are fuzzed (fuzz_receipt_frame). */
 #include <string.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
 #include "kvasir/ledger.h"
 
 static void kv_put_u32(uint8_t *p, uint32_t v) {

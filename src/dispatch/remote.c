@@ -110,7 +110,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/node.h"
 #include "kvasir/ledger.h"
 #include "kvasir/net.h"
@@ -731,9 +734,10 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         kv_msg_auth a = {0};
         memcpy(a.key, r->pk, 32);
         memcpy(a.nonce, w->nonce, 32);
-        uint8_t dg[32];
-        kv_dispatch_digest('C', r->m->model_id, w->version, w->key, w->challenge, r->pk, w->nonce, dg);
-        kv_link_sign(r->sk, dg, a.sig);
+        const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = r->m->model_id,
+                                      .version = w->version, .acceptor_key = w->key, .challenge = w->challenge,
+                                      .connector_key = r->pk, .nonce = w->nonce};
+        kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, r->sk, a.sig);
         if (r->has_voucher) {
             a.flags = KV_PROTO_AUTH_VOUCHER;
             a.voucher_expires_ms = r->voucher.expires_ms;
@@ -756,9 +760,10 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
             kv_rw_drop(r, w, "sent %s where AUTH_OK was due", kv_msg_type_name(msg.h.type));
             return 0;
         }
-        uint8_t dg[32];
-        kv_dispatch_digest('W', r->m->model_id, w->version, w->key, w->challenge, r->pk, w->nonce, dg);
-        if (kv_link_verify(w->key, dg, msg.u.auth_ok)) {
+        const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = r->m->model_id,
+                                      .version = w->version, .acceptor_key = w->key, .challenge = w->challenge,
+                                      .connector_key = r->pk, .nonce = w->nonce};
+        if (kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, w->key, msg.u.auth_ok)) {
             kv_rw_drop(r, w, "AUTH_OK signature does not verify: not the key it announced");
             return 0;
         }

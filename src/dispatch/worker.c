@@ -84,7 +84,10 @@
 #include <unistd.h>
 
 #include "kvasir/arch.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_receipt.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/opencl.h"
 #include "kvasir/ledger.h"
 #include "kvasir/gguf.h"
@@ -987,9 +990,10 @@ static bool kv_worker_allowed(kv_worker *w, const kv_msg_auth *a, char *why, siz
 static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
     kv_worker *w = c->w;
     if (c->authed) return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", "second AUTH");
-    uint8_t dg[32];
-    kv_dispatch_digest('C', w->model_id, c->version, w->pk, c->challenge, a->key, a->nonce, dg);
-    if (kv_link_verify(a->key, dg, a->sig))
+    const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = w->model_id, .version = c->version,
+                                  .acceptor_key = w->pk, .challenge = c->challenge, .connector_key = a->key,
+                                  .nonce = a->nonce};
+    if (kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, a->key, a->sig))
         return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused",
                            "AUTH signature does not verify over this connection's challenge");
     char why[160];
@@ -1000,8 +1004,7 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
                            "too many connections: every authenticated slot is doing work (retry later)");
     uint8_t sig[64], buf[KV_PROTO_HEADER + KV_PROTO_AUTH_OK_SIZE];
     size_t n;
-    kv_dispatch_digest('W', w->model_id, c->version, w->pk, c->challenge, a->key, a->nonce, dg);
-    kv_link_sign(w->sk, dg, sig);
+    kv_link_transcript_sign(&t, KV_LINK_ACCEPTOR, w->sk, sig);
     if (kv_msg_auth_ok_encode(buf, sizeof buf, rid, sig, &n, NULL) == 0) kv_wc_queue(c, buf, n);
     w->n_pending--; /* from the pending pool to the authenticated one */
     w->n_authed++;
@@ -1013,12 +1016,7 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
     c->last_work_ms = kv_now_ms();
     kv_net_timer_stop(w->loop, &c->hs_t);
     char hex[17];
-    static const char dig[] = "0123456789abcdef";
-    for (int i = 0; i < 8; i++) {
-        hex[2 * i] = dig[a->key[i] >> 4];
-        hex[2 * i + 1] = dig[a->key[i] & 15];
-    }
-    hex[16] = 0;
+    kv_hex(a->key, 8, hex);
     kv_wlog(w, "conn %llu %s: handshake ok (protocol v%u, coordinator %s...)", (unsigned long long)c->id, c->peer,
             c->version, hex);
     return 0;

@@ -21,7 +21,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 

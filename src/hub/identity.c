@@ -20,14 +20,6 @@
 #include "kvasir/hub.h"
 #include "kvasir/slice.h"
 
-int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d) {
-    char path[4096];
-    memset(k, 0, sizeof *k);
-    if (snprintf(path, sizeof path, "%s/%s", dir, KV_HUB_KEY_FILE) >= (int)sizeof path)
-        return kv_fail(d, KV_EINVAL, "node key: folder path is too long");
-    return kv_key_file_load(k, path, create, d);
-}
-
 uint64_t kv_node_next_counter(kv_node_key *k) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);

@@ -27,7 +27,10 @@
 #include <unistd.h>
 
 #include "hub/curl_body.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_remote.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/node.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"

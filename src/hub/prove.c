@@ -30,6 +30,7 @@
 
 #include "hub/prove.h"
 #include "kvasir/gguf.h"
+#include "kvasir/link.h"
 #include "kvasir/slice.h"
 
 int kv_hub_addr_subnet(const char *addr, char *host, size_t hcap, char *subnet, size_t scap, kv_diag *d) {

@@ -7,7 +7,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvasir/dispatch.h"
 #include "kvasir/err.h"
 #include "kvasir/slice.h"
 

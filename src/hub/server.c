@@ -62,7 +62,8 @@
 #include "hub/store.h"
 #include "http/http_guard.h"
 #include "kvasir/probe.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_evidence.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/node.h"
 #include "kvasir/slice.h"
 

@@ -16,7 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
 #include "kvasir/link.h"
 
 _Static_assert(KV_LINK_MAX_NAME == KV_PROTO_MAX_NAME, "a HELLO_ACK's backend name fits kv_link_dispatch");
@@ -77,13 +77,15 @@ static int kv_dial_handshake(const kv_link_dispatch_opts *o, int fd, double dead
     if ((rc = kv_dial_expect(&rx, fd, deadline, KV_MSG_AUTH_CHALLENGE, o->addr, &m, d))) return rc;
     if (sodium_memcmp(m.u.challenge.worker_key, o->worker_key, 32))
         return kv_fail(d, KV_EAUTH, "%s proves another key than the one registered for it", o->addr);
-    uint8_t challenge[32], dg[32];
+    uint8_t challenge[32];
     memcpy(challenge, m.u.challenge.challenge, 32);
     kv_msg_auth a = {0};
     memcpy(a.key, o->sk + 32, 32);
     randombytes_buf(a.nonce, sizeof a.nonce);
-    kv_dispatch_digest('C', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
-    kv_link_sign(o->sk, dg, a.sig);
+    const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = o->model_id, .version = ver,
+                                  .acceptor_key = o->worker_key, .challenge = challenge, .connector_key = a.key,
+                                  .nonce = a.nonce};
+    kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, o->sk, a.sig);
     if (o->voucher) {
         a.flags = KV_PROTO_AUTH_VOUCHER;
         a.voucher_expires_ms = o->voucher->expires_ms;
@@ -94,8 +96,7 @@ static int kv_dial_handshake(const kv_link_dispatch_opts *o, int fd, double dead
     if ((rc = kv_dial_send(fd, ob, n, deadline, o->addr, d)) ||
         (rc = kv_dial_expect(&rx, fd, deadline, KV_MSG_AUTH_OK, o->addr, &m, d)))
         return rc;
-    kv_dispatch_digest('W', o->model_id, ver, o->worker_key, challenge, a.key, a.nonce, dg);
-    if (kv_link_verify(o->worker_key, dg, m.u.auth_ok))
+    if (kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, o->worker_key, m.u.auth_ok))
         return kv_fail(d, KV_EAUTH, "%s: its AUTH_OK does not verify", o->addr);
     return 0;
 }

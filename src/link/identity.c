@@ -5,11 +5,13 @@
  * a newline, nothing else; it is read with one bounded read and never
  * overwritten. Signatures are over a SHA-256 digest of fixed length, so no
  * signed text depends on a length read from the wire. Everything here is
- * pure apart from kv_key_file_load. */
+ * pure apart from kv_key_file_load and kv_key_list_add (bounded reads of
+ * files). */
 #include <errno.h>
 #include <fcntl.h>
 #include <sodium.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,6 +20,7 @@
 #include "kvasir/slice.h" /* kv_sha256 */
 
 #define KV_VOUCHER_DOMAIN "kvasir-voucher-v1\n"
+#define KV_KEY_LIST_MAX_FILE (8u << 20) /* bytes of a key list file */
 
 /* ---- hex ------------------------------------------------------------------- */
 
@@ -157,4 +160,60 @@ int kv_voucher_verify(const uint8_t hub_pk[32], const char model_id[KV_LINK_MODE
     uint8_t dg[32];
     kv_voucher_digest(model_id, key, expires_ms, dg);
     return kv_link_verify(hub_pk, dg, sig);
+}
+
+int kv_node_key_load(kv_node_key *k, const char *dir, bool create, kv_diag *d) {
+    char path[4096];
+    memset(k, 0, sizeof *k);
+    if (snprintf(path, sizeof path, "%s/%s", dir, KV_LINK_KEY_FILE) >= (int)sizeof path)
+        return kv_fail(d, KV_EINVAL, "node key: folder path is too long");
+    return kv_key_file_load(k, path, create, d);
+}
+
+/* ---- key lists ------------------------------------------------------------- */
+
+static int kv_keys_push(uint8_t (**keys)[32], size_t *n, const uint8_t k[32], kv_diag *d) {
+    if (*n >= KV_LINK_MAX_KEYS) return kv_fail(d, KV_ERANGE, "more than %u allowed keys", KV_LINK_MAX_KEYS);
+    uint8_t(*nk)[32] = realloc(*keys, (*n + 1) * sizeof **keys);
+    if (!nk) return kv_fail(d, KV_ENOMEM, "allowed keys: out of memory");
+    memcpy(nk[*n], k, 32);
+    *keys = nk;
+    (*n)++;
+    return 0;
+}
+
+int kv_key_list_add(const char *value, uint8_t (**keys)[32], size_t *n, kv_diag *d) {
+    uint8_t k[32];
+    if (value && strnlen(value, 65) == 64 && kv_key_from_hex(value, k, NULL) == 0) return kv_keys_push(keys, n, k, d);
+    FILE *f = value ? fopen(value, "rb") : NULL;
+    if (!f)
+        return kv_fail(d, value && errno == ENOENT ? KV_EINVAL : KV_EIO,
+                       "'%.200s' is neither a key (64 lowercase hex digits) nor a readable key file", value ? value : "");
+    char line[256];
+    size_t lineno = 0, total = 0;
+    int rc = 0;
+    while (!rc && fgets(line, sizeof line, f)) {
+        lineno++;
+        size_t len = strlen(line);
+        total += len;
+        if (total > KV_KEY_LIST_MAX_FILE) {
+            rc = kv_fail(d, KV_ERANGE, "%.200s: key file over %u bytes", value, KV_KEY_LIST_MAX_FILE);
+            break;
+        }
+        if (len && line[len - 1] != '\n' && !feof(f)) {
+            rc = kv_fail(d, KV_EINVAL, "%.200s:%zu: line too long", value, lineno);
+            break;
+        }
+        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r' || line[len - 1] == ' ')) line[--len] = 0;
+        const char *p = line;
+        while (*p == ' ' || *p == '\t') p++;
+        if (!*p || *p == '#') continue;
+        if (kv_key_from_hex(p, k, NULL)) {
+            rc = kv_fail(d, KV_EINVAL, "%.200s:%zu: not a key (64 lowercase hex digits)", value, lineno);
+            break;
+        }
+        rc = kv_keys_push(keys, n, k, d);
+    }
+    fclose(f);
+    return rc;
 }

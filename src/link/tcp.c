@@ -1,10 +1,15 @@
-/* TCP addresses and the blocking dial (include/kvasir/link.h).
+/* TCP addresses, the blocking dial and blocking I/O (include/kvasir/link.h).
  *
  * A dial is bounded by its timeout whatever the peer does: the connect is
  * nonblocking and waited on with poll(); the fd handed back is blocking,
  * CLOEXEC and TCP_NODELAY. Each address getaddrinfo yields is tried in
- * order; the error kept is the last one's. */
+ * order; the error kept is the last one's.
+ *
+ * Blocking reads and writes wait in poll() and move bytes only once the fd
+ * is ready (a read after POLLIN, a send with MSG_DONTWAIT), so no call
+ * outlives its limit even on a blocking fd; a send never raises SIGPIPE. */
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -12,6 +17,7 @@
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -102,4 +108,94 @@ int kv_link_connect(const char *host_port, int timeout_ms, int *fd_out, kv_diag 
     }
     freeaddrinfo(res);
     return rc;
+}
+
+/* ---- blocking I/O ------------------------------------------------------------ */
+
+static int64_t kv_io_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static const char *kv_io_peer(const kv_link_io *io) { return io->peer ? io->peer : "the peer"; }
+
+/* Waits until fd is ready for ev within io's limit: from start (the whole
+ * call) or from last (the last progress, when io->idle). 0 when ready. */
+static int kv_io_ready(int fd, short ev, kv_link_io *io, int64_t start, int64_t last, const char *verb, kv_diag *d) {
+    for (;;) {
+        int wait = -1;
+        int64_t end = 0;
+        if (io->timeout_ms >= 0) {
+            end = (io->idle ? last : start) + io->timeout_ms;
+            const int64_t left = end - kv_io_now_ms();
+            wait = left <= 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
+        }
+        if (io->cancelled && (wait < 0 || wait > KV_LINK_POLL_MS)) wait = KV_LINK_POLL_MS;
+        struct pollfd pf = {.fd = fd, .events = ev};
+        const int pr = poll(&pf, 1, wait);
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr < 0) return kv_fail(d, KV_EIO, "%s %s: poll: %s", verb, kv_io_peer(io), strerror(errno));
+        if (pr > 0) return 0;
+        if (io->cancelled && io->cancelled(io->arg)) {
+            io->was_cancelled = true;
+            return kv_fail(d, KV_EIO, "cancelled while waiting for %s", kv_io_peer(io));
+        }
+        if (io->timeout_ms >= 0 && kv_io_now_ms() >= end)
+            return kv_fail(d, KV_ETIMEOUT, "%s %s: %s %d ms", verb, kv_io_peer(io),
+                           io->idle ? "no progress for" : "not done within", io->timeout_ms);
+    }
+}
+
+int kv_link_read_full(int fd, void *buf, size_t n, kv_link_io *io, kv_diag *d) {
+    kv_link_io none = {.timeout_ms = -1};
+    if (!io) io = &none;
+    io->got = 0;
+    io->closed = io->was_cancelled = false;
+    const int64_t start = kv_io_now_ms();
+    int64_t last = start;
+    uint8_t *p = buf;
+    while (io->got < n) {
+        int rc = kv_io_ready(fd, POLLIN, io, start, last, "read from", d);
+        if (rc) return rc;
+        const ssize_t k = read(fd, p + io->got, n - io->got);
+        if (k > 0) {
+            io->got += (size_t)k;
+            if (io->idle) last = kv_io_now_ms();
+            continue;
+        }
+        if (k == 0) {
+            io->closed = true;
+            return kv_fail(d, KV_EIO, "%s closed the connection", kv_io_peer(io));
+        }
+        if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+        return kv_fail(d, KV_EIO, "%s closed the connection: %s", kv_io_peer(io), strerror(errno));
+    }
+    return 0;
+}
+
+int kv_link_write_full(int fd, const void *buf, size_t n, kv_link_io *io, kv_diag *d) {
+    kv_link_io none = {.timeout_ms = -1};
+    if (!io) io = &none;
+    io->got = 0;
+    io->closed = io->was_cancelled = false;
+    const int64_t start = kv_io_now_ms();
+    int64_t last = start;
+    const uint8_t *p = buf;
+    while (io->got < n) {
+        const ssize_t k = send(fd, p + io->got, n - io->got, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+            io->got += (size_t)k;
+            if (io->idle) last = kv_io_now_ms();
+            continue;
+        }
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            const int rc = kv_io_ready(fd, POLLOUT, io, start, last, "send to", d);
+            if (rc) return rc;
+            continue;
+        }
+        return kv_fail(d, KV_EIO, "send to %s: %s", kv_io_peer(io), k < 0 ? strerror(errno) : "no progress");
+    }
+    return 0;
 }

@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "kvasir/link.h" /* kv_unhex */
+
 static void kv_pq_quiet(void *arg, const char *msg) { (void)arg, (void)msg; }
 
 /* One line of a libpq message: its trailing newline(s) cut. */
@@ -170,13 +172,6 @@ int kv_pq_text(PGresult *r, int row, int col, char *out, size_t cap, kv_diag *d,
     return 0;
 }
 
-static int kv_hexval(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
 int kv_pq_bytea(PGresult *r, int row, int col, uint8_t *out, size_t want, size_t *got, kv_diag *d,
                 const char *who, const char *what) {
     if (PQgetisnull(r, row, col)) return kv_fail(d, KV_EFORMAT, "%s: %s is NULL", who, what);
@@ -188,11 +183,7 @@ int kv_pq_bytea(PGresult *r, int row, int col, uint8_t *out, size_t want, size_t
     size_t nb = (n - 2) / 2;
     if (got ? nb > want : nb != want)
         return kv_fail(d, KV_EFORMAT, "%s: %s has %zu bytes, want %s%zu", who, what, nb, got ? "at most " : "", want);
-    for (size_t i = 0; i < nb; i++) {
-        int hi = kv_hexval(s[2 + 2 * i]), lo = kv_hexval(s[3 + 2 * i]);
-        if (hi < 0 || lo < 0) return kv_fail(d, KV_EFORMAT, "%s: %s is not hex bytea", who, what);
-        out[i] = (uint8_t)(hi << 4 | lo);
-    }
+    if (kv_unhex(s + 2, n - 2, out, nb, true)) return kv_fail(d, KV_EFORMAT, "%s: %s is not hex bytea", who, what);
     if (got) *got = nb;
     return 0;
 }

@@ -3,14 +3,13 @@
  * the request stops or fails.
  *
  * Invariants: every frame is read whole (header first, then exactly the
- * announced length, bounded by KV_RING_MAX_PAYLOAD) within timeout_ms and
- * decoded by the same codec the nodes use; the buffer grows only with
- * bytes that arrived. */
-#include <errno.h>
-#include <poll.h>
+ * announced length, bounded by KV_RING_MAX_PAYLOAD), with no wait for the
+ * node's next bytes longer than timeout_ms, through the link's blocking I/O
+ * (kv_link_read_full / kv_link_write_full), and decoded by the same codec
+ * the nodes use; the buffer grows only with bytes that arrived. */
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+#include <unistd.h> /* close */
 
 #include "kvasir/link.h"
 #include "kvasir/ring.h"
@@ -22,32 +21,21 @@ typedef struct kv_rcl {
     uint8_t *buf;
     size_t cap;
     int timeout_ms;
-    bool (*cancelled)(void *data); /* polled every KV_RCL_POLL_MS while waiting; NULL = never */
+    bool (*cancelled)(void *data); /* asked every KV_LINK_POLL_MS while waiting; NULL = never */
     void *data;
 } kv_rcl;
 
-#define KV_RCL_POLL_MS 100
-
+/* Reads n bytes into c->buf + at: each wait for the node's next bytes is
+ * bounded by timeout_ms (tokens come as they are made), and the caller's
+ * cancellation is asked every KV_LINK_POLL_MS meanwhile. */
 static int kv_rcl_read(kv_rcl *c, size_t at, size_t n, kv_diag *d) {
-    int waited = 0;
-    while (n) {
-        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
-        const int slice = c->cancelled && c->timeout_ms > KV_RCL_POLL_MS ? KV_RCL_POLL_MS : c->timeout_ms;
-        int pr = poll(&pf, 1, slice);
-        if (pr < 0 && errno == EINTR) continue;
-        if (pr == 0 && c->cancelled && c->cancelled(c->data))
-            return kv_fail(d, KV_EIO, "ring: the request was cancelled");
-        if (pr == 0 && (waited += slice) < c->timeout_ms) continue;
-        if (pr == 0) return kv_fail(d, KV_ETIMEOUT, "ring: no frame from the node within %d ms", c->timeout_ms);
-        waited = 0;
-        ssize_t r = read(c->fd, c->buf + at, n);
-        if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (r <= 0) return kv_fail(d, KV_EIO, "ring: the node closed the connection%s%s", r < 0 ? ": " : "",
-                                   r < 0 ? strerror(errno) : "");
-        at += (size_t)r;
-        n -= (size_t)r;
-    }
-    return 0;
+    kv_link_io io = {.timeout_ms = c->timeout_ms, .idle = true, .cancelled = c->cancelled, .arg = c->data,
+                     .peer = "the node"};
+    const int rc = kv_link_read_full(c->fd, c->buf + at, n, &io, d);
+    if (!rc) return 0;
+    if (io.was_cancelled) return kv_fail(d, KV_EIO, "ring: the request was cancelled");
+    if (rc == KV_ETIMEOUT) return kv_fail(d, rc, "ring: no frame from the node within %d ms", c->timeout_ms);
+    return kv_diag_prefix(d, rc, "ring");
 }
 
 /* One whole frame into c->buf, decoded into m. */
@@ -67,15 +55,11 @@ static int kv_rcl_frame(kv_rcl *c, kv_ring_msg *m, kv_diag *d) {
     return kv_ring_decode(c->buf, total, m, d);
 }
 
-static int kv_rcl_send(int fd, const uint8_t *p, size_t n, kv_diag *d) {
-    while (n) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return kv_fail(d, KV_EIO, "ring: send: %s", strerror(errno));
-        p += w;
-        n -= (size_t)w;
-    }
-    return 0;
+/* Sends n bytes: the node must take them with no wait longer than timeout_ms. */
+static int kv_rcl_send(const kv_rcl *c, const uint8_t *p, size_t n, kv_diag *d) {
+    kv_link_io io = {.timeout_ms = c->timeout_ms, .idle = true, .peer = "the node"};
+    const int rc = kv_link_write_full(c->fd, p, n, &io, d);
+    return rc ? kv_diag_prefix(d, rc, "ring") : 0;
 }
 
 int kv_ring_request(const char *addr, const char *text, size_t text_len, const kv_ring_params *p, int timeout_ms,
@@ -102,7 +86,7 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const
     if (!(c->buf = malloc(c->cap))) return kv_fail(d, KV_ENOMEM, "ring: out of memory");
     size_t n;
     const kv_ring_hello me = {.role = KV_RING_ROLE_CLIENT};
-    if ((rc = kv_ring_hello_encode(c->buf, c->cap, KV_RING_HELLO, &me, &n, d)) || (rc = kv_rcl_send(c->fd, c->buf, n, d)))
+    if ((rc = kv_ring_hello_encode(c->buf, c->cap, KV_RING_HELLO, &me, &n, d)) || (rc = kv_rcl_send(c, c->buf, n, d)))
         return rc;
     if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "ring: libsodium did not initialize");
     uint8_t sk[64], node_key[32], challenge[32], nonce[32];
@@ -114,6 +98,9 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const
     }
     kv_ring_msg m;
     char model_id[KV_RING_MODEL_ID_LEN + 1] = "";
+    /* the transcript's fields fill in as the frames come */
+    const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = model_id, .acceptor_key = node_key,
+                                  .challenge = challenge, .connector_key = sk + 32, .nonce = nonce};
     for (int stage = 0; stage < 3 && !rc;) { /* 0 HELLO_ACK, 1 AUTH_CHALLENGE, 2 AUTH_OK */
         if ((rc = kv_rcl_frame(c, &m, d))) break;
         if (m.h.type == KV_RING_ERROR) {
@@ -142,16 +129,12 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const
                 a.voucher_expires_ms = voucher->expires_ms;
                 memcpy(a.voucher_sig, voucher->sig, 64);
             }
-            uint8_t dg[32];
-            kv_ring_auth_digest('C', model_id, node_key, challenge, a.key, nonce, dg);
-            kv_link_sign(sk, dg, a.sig);
+            kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, sk, a.sig);
             if ((rc = kv_ring_auth_encode(c->buf, c->cap, KV_RING_AUTH, &a, &n, d)) ||
-                (rc = kv_rcl_send(c->fd, c->buf, n, d)))
+                (rc = kv_rcl_send(c, c->buf, n, d)))
                 break;
         } else {
-            uint8_t dg[32];
-            kv_ring_auth_digest('A', model_id, node_key, challenge, sk + 32, nonce, dg);
-            if (kv_link_verify(node_key, dg, m.u.auth.sig))
+            if (kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, node_key, m.u.auth.sig))
                 rc = kv_fail(d, KV_EAUTH, "ring: the node at %s did not prove its key", addr);
         }
         stage++;
@@ -195,7 +178,7 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
         const kv_ring_submit sb = {q->p, q->text, (uint32_t)q->text_len};
         rc = kv_ring_submit_encode(c.buf, c.cap, &sb, &n, d);
     }
-    if (rc || (rc = kv_rcl_send(c.fd, c.buf, n, d))) goto done;
+    if (rc || (rc = kv_rcl_send(&c, c.buf, n, d))) goto done;
     res->submitted = true;
     kv_ring_msg m;
     for (;;) {
@@ -265,7 +248,7 @@ int kv_ring_status_get_v(const char *addr, const uint8_t *key_sk, const kv_vouch
     size_t n;
     kv_ring_msg m;
     if (!rc && !(rc = kv_ring_status_encode(c.buf, c.cap, KV_RING_STATUS, NULL, &n, d)) &&
-        !(rc = kv_rcl_send(c.fd, c.buf, n, d)) && !(rc = kv_rcl_frame(&c, &m, d))) {
+        !(rc = kv_rcl_send(&c, c.buf, n, d)) && !(rc = kv_rcl_frame(&c, &m, d))) {
         if (m.h.type == KV_RING_STATUS_ACK) *out = m.u.status;
         else if (m.h.type == KV_RING_ERROR) rc = kv_fail(d, m.u.error.code, "%s", m.u.error.msg);
         else rc = kv_fail(d, KV_EPROTO, "ring: frame type %u in answer to STATUS", m.h.type);

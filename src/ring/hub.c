@@ -21,7 +21,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "kvasir/hub.h"
+#include "kvasir/hub.h" /* the hub's client API: the market, announce, challenges */
+#include "kvasir/link.h" /* kv_hex, the node key */
 #include "kvasir/node.h"
 #include "kvasir/pieces.h"
 #include "kvasir/ring.h"

@@ -37,7 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h" /* kv_remote: a node's experts on remote workers */
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"   /* KV_STOP_* */
 #include "kvasir/link.h"
 #include "kvasir/model.h"
@@ -1015,12 +1015,12 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         }
         char hex[65];
         kv_hex(m.u.auth.key, 32, hex);
-        uint8_t dg[32];
-        kv_ring_auth_digest('C', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
+        const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = n->model_id, .acceptor_key = n->sk + 32,
+                                      .challenge = c->challenge, .connector_key = m.u.auth.key, .nonce = m.u.auth.nonce};
         if (!kv_rn_allowed(n, m.u.auth.key) && !kv_rn_vouched(n, &m.u.auth, msg, sizeof msg))
             snprintf(msg + strlen(msg), sizeof msg - strlen(msg), "ring: key %.16s... is not allowed on this node (--allow-key%s)",
                      hex, n->has_hub_key ? ", or a voucher of the hub" : "");
-        else if (kv_link_verify(m.u.auth.key, dg, m.u.auth.sig))
+        else if (kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, m.u.auth.key, m.u.auth.sig))
             snprintf(msg, sizeof msg, "ring: the signature of key %.16s... does not verify", hex);
         else
             msg[0] = 0;
@@ -1035,8 +1035,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         }
         kv_net_timer_stop(n->loop, &c->hs_t);
         kv_ring_auth ok;
-        kv_ring_auth_digest('A', n->model_id, n->sk + 32, c->challenge, m.u.auth.key, m.u.auth.nonce, dg);
-        kv_link_sign(n->sk, dg, ok.sig);
+        kv_link_transcript_sign(&t, KV_LINK_ACCEPTOR, n->sk, ok.sig);
         uint8_t buf[KV_RING_HEADER + 64];
         size_t bl;
         if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH_OK, &ok, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
@@ -1084,18 +1083,18 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
                 memcpy(a.key, n->sk + 32, 32);
                 randombytes_buf(c->nonce, 32);
                 memcpy(a.nonce, c->nonce, 32);
-                uint8_t dg[32];
-                kv_ring_auth_digest('C', n->model_id, c->peer_key, c->challenge, a.key, a.nonce, dg);
-                kv_link_sign(n->sk, dg, a.sig);
+                const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = n->model_id,
+                                              .acceptor_key = c->peer_key, .challenge = c->challenge,
+                                              .connector_key = a.key, .nonce = a.nonce};
+                kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, n->sk, a.sig);
                 uint8_t buf[KV_RING_HEADER + 128];
                 size_t bl;
                 if (!kv_ring_auth_encode(buf, sizeof buf, KV_RING_AUTH, &a, &bl, NULL)) kv_rn_send_raw(c, buf, bl);
                 return 0;
             }
-            uint8_t dg[32];
-            if (ty == KV_RING_AUTH_OK)
-                kv_ring_auth_digest('A', n->model_id, c->peer_key, c->challenge, n->sk + 32, c->nonce, dg);
-            if (ty != KV_RING_AUTH_OK || kv_link_verify(c->peer_key, dg, m.u.auth.sig)) {
+            const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = n->model_id, .acceptor_key = c->peer_key,
+                                          .challenge = c->challenge, .connector_key = n->sk + 32, .nonce = c->nonce};
+            if (ty != KV_RING_AUTH_OK || kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, c->peer_key, m.u.auth.sig)) {
                 snprintf(msg, sizeof msg, "ring: the next node's AUTH_OK is missing or does not verify");
                 kv_rn_log(n, "%s", msg);
                 kv_net_conn_close(nc, KV_EAUTH, msg);

@@ -14,9 +14,9 @@
 #include <string.h>
 
 #include "kvasir/engine.h" /* KV_STOP_* */
+#include "kvasir/link.h"
 #include "kvasir/ring.h"
 
-#include <sodium.h>
 
 static inline uint32_t kv_rg32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -115,9 +115,8 @@ static int kv_hdr_put(uint8_t *out, size_t cap, uint16_t type, size_t len, size_
 /* ---- pieces ------------------------------------------------------------------ */
 
 static bool kv_hex_id(const uint8_t *p) {
-    for (uint32_t i = 0; i < KV_RING_MODEL_ID_LEN; i++)
-        if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f'))) return false;
-    return true;
+    uint8_t b[KV_RING_MODEL_ID_LEN / 2];
+    return kv_unhex((const char *)p, KV_RING_MODEL_ID_LEN, b, sizeof b, false) == 0;
 }
 
 static int kv_params_get(const uint8_t *p, kv_ring_params *o, kv_diag *d) {
@@ -624,16 +623,8 @@ int kv_ring_auth_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_a
 void kv_ring_auth_digest(char role, const char model_id[KV_RING_MODEL_ID_LEN], const uint8_t acceptor_key[32],
                          const uint8_t challenge[32], const uint8_t connector_key[32], const uint8_t nonce[32],
                          uint8_t out[32]) {
-    static const char tag[] = "kvasir-ring-auth-v1\n";
-    crypto_hash_sha256_state h;
-    crypto_hash_sha256_init(&h);
-    crypto_hash_sha256_update(&h, (const uint8_t *)tag, sizeof tag - 1);
-    const uint8_t r = (uint8_t)role;
-    crypto_hash_sha256_update(&h, &r, 1);
-    crypto_hash_sha256_update(&h, (const uint8_t *)model_id, KV_RING_MODEL_ID_LEN);
-    crypto_hash_sha256_update(&h, acceptor_key, 32);
-    crypto_hash_sha256_update(&h, challenge, 32);
-    crypto_hash_sha256_update(&h, connector_key, 32);
-    crypto_hash_sha256_update(&h, nonce, 32);
-    crypto_hash_sha256_final(&h, out);
+    KV_ASSERT(role == 'C' || role == 'A');
+    const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = model_id, .acceptor_key = acceptor_key,
+                                  .challenge = challenge, .connector_key = connector_key, .nonce = nonce};
+    kv_link_transcript_digest(&t, role == 'C' ? KV_LINK_CONNECTOR : KV_LINK_ACCEPTOR, out);
 }

@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kvasir/link.h" /* kv_unhex */
 #include "kvasir/pieces.h"
 #include "kvasir/slice.h"
 
@@ -66,17 +67,9 @@ static int kv_m_str(json_t *o, const char *ctx, const char *key, char *out, size
     return 0;
 }
 
-static int kv_hexval(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-}
-
 static bool kv_is_hex64(const char *s) {
-    if (strlen(s) != 64) return false;
-    for (int i = 0; i < 64; i++)
-        if (kv_hexval(s[i]) < 0) return false;
-    return true;
+    uint8_t b[32];
+    return strlen(s) == 64 && kv_unhex(s, 64, b, sizeof b, false) == 0;
 }
 
 /* A relative path that cannot leave its folder: components of
@@ -181,11 +174,10 @@ static int kv_m_file(json_t *o, const char *ctx, bool sparse, kv_manifest_file *
         return 0;
     }
     if (!h) return kv_fail(d, KV_EFORMAT, "manifest: %s: missing 'sha256'", ctx);
-    if (!json_is_string(h) || !kv_is_hex64(json_string_value(h)) || json_string_length(h) != 64)
+    if (!json_is_string(h) || json_string_length(h) != 64 ||
+        kv_unhex(json_string_value(h), 64, f->sha256, 32, false))
         return kv_fail(d, KV_EFORMAT, "manifest: %s: 'sha256' must be 64 lowercase hex digits%s", ctx,
                        json_is_null(h) ? " (null only in a sparse manifest)" : "");
-    const char *s = json_string_value(h);
-    for (int i = 0; i < 32; i++) f->sha256[i] = (uint8_t)(kv_hexval(s[2 * i]) << 4 | kv_hexval(s[2 * i + 1]));
     f->has_sha256 = true;
     return 0;
 }

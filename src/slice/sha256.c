@@ -5,6 +5,7 @@
 #include <openssl/evp.h>
 #include <stdio.h>
 
+#include "kvasir/link.h" /* kv_hex */
 #include "kvasir/slice.h"
 
 void kv_sha256_init(kv_sha256 *s) {
@@ -31,11 +32,4 @@ void kv_sha256_discard(kv_sha256 *s) {
 
 const char *kv_sha256_backend(void) { return OpenSSL_version(OPENSSL_VERSION); }
 
-void kv_sha256_hex(const uint8_t h[32], char out[65]) {
-    static const char hex[] = "0123456789abcdef";
-    for (int i = 0; i < 32; i++) {
-        out[2 * i] = hex[h[i] >> 4];
-        out[2 * i + 1] = hex[h[i] & 15];
-    }
-    out[64] = 0;
-}
+void kv_sha256_hex(const uint8_t h[32], char out[65]) { kv_hex(h, 32, out); }
