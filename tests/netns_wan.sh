@@ -58,7 +58,7 @@ wan_fail() {
 # namespaces left by a run that was killed before its trap ran (its pid is gone)
 wan_reap_stale() {
   local ns pid
-  for ns in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E '^kvw[0-9]+[nhp][0-9]*$' || true); do
+  for ns in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E '^kvw[0-9]+([nhp][0-9]*|t[a-z0-9]+)$' || true); do
     pid=$(echo "$ns" | sed -E 's/^kvw([0-9]+).*/\1/')
     kill -0 "$pid" 2>/dev/null && continue
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
