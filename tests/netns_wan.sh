@@ -24,7 +24,8 @@
 #   wan_cleanup               kills what runs in the namespaces, deletes them
 #                             (call it from an EXIT trap; safe to call twice)
 # Needs KV_BUILD or KV (kv-netdelay is looked up next to the kvasir binary)
-# and dir (a scratch folder).
+# and dir (a scratch folder). tests/netns_topo.sh builds the internet test bed
+# (two sites, a NAT router) on these helpers.
 WAN_NS=()
 WAN_IP=()
 WAN_MODE=""
