@@ -201,10 +201,13 @@ fi
 
 # ---- a real kvasir hub on the public side, a kvasir node behind the NAT (long version)
 if [ "$FULL" = 1 ]; then
+  command -v tcpdump >/dev/null || fail "tcpdump not installed (tools/install-deps.sh)"
   "$KV" gen-model --preset tiny --out "$dir/m.gguf" >/dev/null 2>&1
   "$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab 2 >/dev/null 2>&1
-  plain=()
-  "$KV" hub --help 2>&1 | grep -q -- --insecure-plaintext && plain=(--insecure-plaintext)
+  # plain HTTP off loopback, where the build asks for it to be explicit (TLS, issue 30 point 1)
+  plain=() nplain=()
+  grep -q -- --insecure-plaintext <<<"$("$KV" hub --help 2>&1 || true)" && plain=(--insecure-plaintext)
+  grep -q -- --insecure-plaintext <<<"$("$KV" node --help 2>&1 || true)" && nplain=(--insecure-plaintext)
   topo_bg hub "$dir/hub.out" "$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" \
     --listen "${TOPO_IP[hub]}:7700" --deadline-ms 3000 --quiet "${plain[@]}"
   url=http://${TOPO_IP[hub]}:7700
@@ -217,7 +220,7 @@ if [ "$FULL" = 1 ]; then
   mkdir -p "$dir/nat"
   pk=$("$KV" key --key "$dir/nat/node.key")
   topo_bg nat "$dir/node.out" "$KV" node --hub "$url" --budget 64M --data "$dir/nat" \
-    --listen "${TOPO_IP[nat]}:7300" --interval-ms 500 --threads 1 "${plain[@]}"
+    --listen "${TOPO_IP[nat]}:7300" --interval-ms 500 --threads 1 "${nplain[@]}"
   seen=
   for _ in $(seq 300); do
     seen=$(topo_exec hub curl -sf "$url/v1/nodes" | jq -c --arg k "$pk" '.nodes[] | select(.key == $k and .live)' 2>/dev/null || true)
