@@ -74,5 +74,9 @@ int kv_https_url_split(const char *url, char *out, size_t cap, char pin[KV_HTTPS
  * HTTP, allowed only on loopback or with insecure (KV_EINVAL naming who,
  * the address and the flags that would allow it). */
 int kv_https_listen_check(const struct sockaddr *sa, bool tls, bool insecure, const char *who, kv_diag *d);
+/* The same for a numeric host (IPv4 or IPv6, without brackets), so that a
+ * command can refuse before it loads anything; 0 for a host that is not
+ * numeric (the server's own parse of it decides). */
+int kv_https_listen_check_host(const char *host, bool tls, bool insecure, const char *who, kv_diag *d);
 
 #endif

@@ -276,3 +276,16 @@ int kv_https_listen_check(const struct sockaddr *sa, bool tls, bool insecure, co
                    "--tls-cert FILE --tls-key FILE, or --insecure-plaintext to accept an unencrypted API",
                    who, host);
 }
+
+int kv_https_listen_check_host(const char *host, bool tls, bool insecure, const char *who, kv_diag *d) {
+    struct sockaddr_storage ss = {0};
+    struct sockaddr_in *s4 = (struct sockaddr_in *)&ss;
+    struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&ss;
+    if (inet_pton(AF_INET, host, &s4->sin_addr) == 1)
+        ss.ss_family = AF_INET;
+    else if (inet_pton(AF_INET6, host, &s6->sin6_addr) == 1)
+        ss.ss_family = AF_INET6;
+    else
+        return 0;
+    return kv_https_listen_check((const struct sockaddr *)&ss, tls, insecure, who, d);
+}
