@@ -252,6 +252,7 @@ int kv_https_url_split(const char *url, char *out, size_t cap, char pin[KV_HTTPS
     const char *rest = hx + 64;
     if (*rest && *rest != '/')
         return kv_fail(d, KV_EINVAL, "URL '%.200s': #sha256= needs exactly 64 hex digits", url);
+    if (strchr(rest, '#')) return kv_fail(d, KV_EINVAL, "URL '%.200s': more than one '#'", url);
     if (strncmp(url, "https://", 8))
         return kv_fail(d, KV_EINVAL, "URL '%.200s': a #sha256= pin needs an https:// URL", url);
     if (*rest && bl && url[bl - 1] == '/') bl--; /* "https://h:p/#sha256=..." + "/v1/x" */
