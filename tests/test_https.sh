@@ -5,8 +5,9 @@
 #   fingerprint an independent client computes (openssl s_client, the
 #   certificate's public key in DER, sha256sum); a restart on the same store
 #   serves the same key; TLS 1.2 and plaintext HTTP to its port are refused.
-# - `kvasir market`, `plan`, `node` and `gateway` take
-#   --hub https://HOST:PORT#sha256=FP: a node joins and serves, and a gateway
+# - `kvasir market`, `plan`, `node`, `run` and `gateway` take
+#   --hub https://HOST:PORT#sha256=FP: a node joins and serves, `run --hub`
+#   gives the text of the local run, and a gateway
 #   that pins the hub answers the official `openai` npm client over https
 #   (its own --tls-cert, trusted by the client through NODE_EXTRA_CA_CERTS
 #   only) with the text of `kvasir run --chat`; curl with the same pin
@@ -18,7 +19,8 @@
 # - Plain HTTP off loopback: a gateway on 0.0.0.0 without --tls-cert or
 #   --insecure-plaintext refuses to start; with --insecure-plaintext it warns.
 #   A hub on 0.0.0.0 serves https by default, plain HTTP (with a warning)
-#   only with --insecure-plaintext.
+#   only with --insecure-plaintext; its --beacon carries the pinned URL, by
+#   which a node started without --hub joins.
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 KV=${KV_BIN:-$SRC/build/kvasir}
@@ -153,6 +155,10 @@ PROMPT="The swarm answers over https"
 N=16
 ref=$("$KV" run -m "$dir/m.gguf" --chat --json --threads 1 -p "$PROMPT" -n $N --temp 0 --seed 1 | jq -r .text)
 [ -n "$ref" ] || fail "the reference run gave no text"
+"$KV" run --hub "$hub" --data "$dir/run" --chat --json --threads 1 -p "$PROMPT" -n $N --temp 0 --seed 1 \
+  >"$dir/run.o" 2>"$dir/run.err" || fail "run --hub over https"
+[ "$(jq -r .text "$dir/run.o")" = "$ref" ] || fail "run --hub over https: text differs from the local run"
+echo "ok: kvasir run --hub https://...#sha256=FP equals the local run"
 KV_GW_URL="https://$gaddr" KV_GW_PROMPT="$PROMPT" KV_GW_N=$N KV_GW_REF="$ref" KV_GW_EXPECT=refused \
   node "$SRC/tests/oracle/gateway_https.mjs" || fail "the openai client without the certificate"
 NODE_EXTRA_CA_CERTS="$dir/gw.crt" KV_GW_URL="https://$gaddr" KV_GW_PROMPT="$PROMPT" KV_GW_N=$N KV_GW_REF="$ref" \
@@ -168,13 +174,24 @@ grep -q "WARNING: --insecure-plaintext" "$dir/gwp.err" || fail "gateway --insecu
 curl -sf "http://127.0.0.1:$(addr_of "$dir/gwp.out" | sed 's/.*://')/health" >/dev/null ||
   fail "gateway --insecure-plaintext does not answer plain HTTP"
 echo "ok: gateway on 0.0.0.0: refused without TLS; --insecure-plaintext warns and serves"
-start_hub hubp p.db --listen 0.0.0.0:0
+bport=$((20000 + ($$ * 7 + 3) % 30000))
+start_hub hubp p.db --listen 0.0.0.0:0 --beacon "$bport" --beacon-to 127.255.255.255 --beacon-interval-ms 100
 pfp=$(fp_of "$dir/hubp.out")
 pport=$(addr_of "$dir/hubp.out" | sed 's/.*://')
 [[ "$pfp" =~ ^[0-9a-f]{64}$ ]] || fail "a hub on 0.0.0.0 does not serve https by default"
 [ "$(ref_fp "127.0.0.1:$pport")" = "$pfp" ] || fail "the 0.0.0.0 hub's printed fingerprint differs from openssl's"
 "$KV" market --hub "https://127.0.0.1:$pport#sha256=$pfp" >/dev/null ||
   fail "market against the 0.0.0.0 hub"
+# a node without --hub hears the TLS hub's beacon, pin included, and joins it
+"$KV" node --beacon-port "$bport" --beacon-wait-ms 20000 --budget $((all * 2)) --data "$dir/nb" --interval-ms 300 \
+  --threads 1 >"$dir/nb.out" 2>"$dir/nb.err" &
+pids+=($!)
+p_nodes() { curl -sf -k --pinnedpubkey "sha256//$(printf '%s' "$pfp" | xxd -r -p | base64)" \
+  "https://127.0.0.1:$pport/v1/nodes" | jq '.nodes | length'; }
+p_joined() { [ "$(p_nodes)" = 1 ]; }
+wait_until 60 p_joined || fail "the node that heard the beacon did not join"
+grep -q "joining the hub https://127.0.0.1:$pport#sha256=$pfp" "$dir/nb.err" || fail "the beacon did not carry the pin"
+echo "ok: a TLS hub's beacon carries its pinned URL; a node without --hub joined by it"
 start_hub hubq q.db --listen 0.0.0.0:0 --insecure-plaintext
 [ -z "$(fp_of "$dir/hubq.out")" ] || fail "hub --insecure-plaintext printed a tls line"
 grep -q "WARNING: --insecure-plaintext" "$dir/hubq.err" || fail "hub --insecure-plaintext did not warn"
