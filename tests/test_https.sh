@@ -78,7 +78,7 @@ expect_fail() {
   local name=$1 pat=$2
   shift 2
   if "$@" >"$dir/$name.o" 2>"$dir/$name.e"; then fail "$name: succeeded"; fi
-  grep -qE "$pat" "$dir/$name.e" || fail "$name: error does not say '$pat': $(cat "$dir/$name.e")"
+  grep -qE -e "$pat" "$dir/$name.e" || fail "$name: error does not say '$pat': $(cat "$dir/$name.e")"
   echo "ok: $name: $(head -c 240 "$dir/$name.e")"
 }
 
@@ -106,6 +106,15 @@ if openssl s_client -tls1_2 -connect "$addr" </dev/null >"$dir/tls12.o" 2>&1 &&
   fail "the hub accepted TLS 1.2"
 fi
 echo "ok: TLS 1.2 refused"
+
+# contradictory or incomplete flags
+expect_fail hub-cert-alone "--tls-cert and --tls-key go together" "$KV" hub --model "$dir/sl/manifest.json" \
+  --db "$dir/x.db" --tls-cert "$dir/none.pem"
+expect_fail hub-tls-insecure "--insecure-plaintext contradicts --tls" "$KV" hub --model "$dir/sl/manifest.json" \
+  --db "$dir/x.db" --tls --insecure-plaintext
+expect_fail gw-key-alone "--tls-cert and --tls-key go together" "$KV" gateway -m "$dir/m.gguf" --tls-key "$dir/none.pem"
+expect_fail gw-missing-cert "cannot open" "$KV" gateway -m "$dir/m.gguf" --tls-cert "$dir/none.pem" \
+  --tls-key "$dir/none.pem"
 
 # ---- clients pin the hub --------------------------------------------------------
 "$KV" market --hub "$hub" >"$dir/market.o" 2>"$dir/market.e" || fail "market over https: $(cat "$dir/market.e")"

@@ -7,6 +7,7 @@
  * start and from every hub process on one store. The certificate around it
  * is made anew at each start; only its key is pinned. */
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <openssl/bio.h>
 #include <openssl/bn.h>
@@ -79,7 +80,7 @@ void kv_https_cert_clear(kv_https_cert *c) {
 static int kv_https_read_file(const char *path, const char *what, char **out, kv_diag *d) {
     *out = NULL;
     FILE *f = fopen(path, "rb");
-    if (!f) return kv_fail(d, KV_EIO, "%s: cannot open '%s'", what, path);
+    if (!f) return kv_fail(d, KV_EIO, "%s: cannot open '%s': %s", what, path, strerror(errno));
     char *p = malloc(KV_HTTPS_MAX_PEM + 1);
     if (!p) {
         fclose(f);

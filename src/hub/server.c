@@ -2233,7 +2233,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     }
     /* the TLS key is derived from the hub's seed (the first half of hub_sk) */
     h->tls_on = opts->tls_cert;
-    if (opts->tls && opts->insecure_plaintext) {
+    if ((opts->tls || opts->tls_cert) && opts->insecure_plaintext) {
         rc = kv_fail(d, KV_EINVAL, "hub: TLS and --insecure-plaintext both asked for");
         goto fail;
     }
