@@ -24,34 +24,18 @@
 #include <string.h>
 
 #include "kvasir/https.h"
+#include "kvasir/link.h" /* kv_unhex */
+#include "kvasir/tls.h"  /* kv_tls_fingerprint_der */
 
-static const char kv_hexdig[] = "0123456789abcdef";
-
-static void kv_https_hex(const uint8_t *b, size_t n, char *out) {
-    for (size_t i = 0; i < n; i++) {
-        out[2 * i] = kv_hexdig[b[i] >> 4];
-        out[2 * i + 1] = kv_hexdig[b[i] & 15];
-    }
-    out[2 * n] = 0;
-}
-
-static int kv_https_unhex(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
-/* The fingerprint of a parsed certificate. */
+/* The fingerprint of a parsed certificate (computed where the link layer
+ * computes it: kv_tls_fingerprint_der, include/kvasir/tls.h). */
 static int kv_https_fp_x509(X509 *x, char hex[KV_HTTPS_FP_HEX + 1], kv_diag *d) {
     unsigned char *der = NULL;
-    int n = i2d_X509_PUBKEY(X509_get_X509_PUBKEY(x), &der);
-    if (n <= 0) return kv_fail(d, KV_EFORMAT, "tls: the certificate's public key cannot be encoded");
-    uint8_t h[SHA256_DIGEST_LENGTH];
-    SHA256(der, (size_t)n, h);
+    int n = i2d_X509(x, &der);
+    if (n <= 0) return kv_fail(d, KV_EFORMAT, "tls: the certificate cannot be encoded");
+    int rc = kv_tls_fingerprint_der(der, (size_t)n, hex, d);
     OPENSSL_free(der);
-    kv_https_hex(h, sizeof h, hex);
-    return 0;
+    return rc;
 }
 
 int kv_https_fingerprint(const char *cert_pem, char hex[KV_HTTPS_FP_HEX + 1], kv_diag *d) {
@@ -243,13 +227,8 @@ int kv_https_url_split(const char *url, char *out, size_t cap, char pin[KV_HTTPS
         return kv_fail(d, KV_EINVAL, "URL '%.200s': the only fragment understood is #sha256=<64 hex digits>", url);
     const char *hx = hash + sizeof tag - 1;
     uint8_t fp[32];
-    for (unsigned i = 0; i < 32; i++) {
-        int hi = hx[2 * i] ? kv_https_unhex(hx[2 * i]) : -1, lo = hi >= 0 ? kv_https_unhex(hx[2 * i + 1]) : -1;
-        if (hi < 0 || lo < 0)
-            return kv_fail(d, KV_EINVAL, "URL '%.200s': #sha256= needs 64 hex digits (the hub's 'tls sha256:' line)",
-                           url);
-        fp[i] = (uint8_t)(hi << 4 | lo);
-    }
+    if (strnlen(hx, 64) < 64 || kv_unhex(hx, 64, fp, sizeof fp, true))
+        return kv_fail(d, KV_EINVAL, "URL '%.200s': #sha256= needs 64 hex digits (the hub's 'tls sha256:' line)", url);
     const char *rest = hx + 64;
     if (*rest && *rest != '/')
         return kv_fail(d, KV_EINVAL, "URL '%.200s': #sha256= needs exactly 64 hex digits", url);
