@@ -1,7 +1,8 @@
 /* HTTPS for the hub's and the gateway's HTTP APIs (docs/HUB.md "HTTPS").
  *
  * Certificates need no authority. A server's certificate is known by its
- * fingerprint: SHA-256 over the DER encoding of the certificate's
+ * fingerprint (the link layer's, include/kvasir/tls.h, one for every TLS
+ * peer): SHA-256 over the DER encoding of the certificate's
  * SubjectPublicKeyInfo, written as 64 lowercase hex digits (what
  * `openssl x509 -pubkey | openssl pkey -pubin -outform der | sha256sum`
  * prints, and what libcurl's "sha256//" pin is, in base64). Since it covers
@@ -26,9 +27,10 @@
 #include <sys/socket.h>
 
 #include "kvasir/err.h"
+#include "kvasir/tls.h"
 
-#define KV_HTTPS_FP_HEX 64u          /* hex digits of a fingerprint */
-#define KV_HTTPS_MAX_PEM (64u << 10) /* bytes of a certificate or key file */
+#define KV_HTTPS_FP_HEX KV_TLS_FP_HEX   /* hex digits of a fingerprint */
+#define KV_HTTPS_MAX_PEM KV_TLS_MAX_PEM /* bytes of a certificate or key file */
 #define KV_HTTPS_PIN_CAP 64u         /* "sha256//" + 44 base64 + NUL fits */
 
 /* A server's certificate and key, PEM in memory (libmicrohttpd reads them

@@ -25,7 +25,6 @@
 
 #include "kvasir/https.h"
 #include "kvasir/link.h" /* kv_unhex */
-#include "kvasir/tls.h"  /* kv_tls_fingerprint_der */
 
 /* The fingerprint of a parsed certificate (computed where the link layer
  * computes it: kv_tls_fingerprint_der, include/kvasir/tls.h). */
