@@ -121,6 +121,7 @@ static const struct {
     {"root ::= \"a\"{2,} \"b\"?", "^a{2,}b?$", "ab"},
     {"root ::= (\"ab\" | \"a\" \"b\" | \"a\")+", "^(ab|a)+$", "ab"},
     {"root ::= [a-b]{0,3} | \"c\" root", "^(c*[ab]{0,3})$", "abc"},
+    {"root ::= [c-da-bx]+ [^b-ca-a]? [dbc-c]", "^[a-dx]+[^abc]?[bcd]$", "abcdxy"},
 };
 
 static bool ere_match(regex_t *re, const char *s) { return regexec(re, s, 0, NULL, 0) == 0; }

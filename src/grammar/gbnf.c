@@ -185,7 +185,26 @@ static int rule_new_alt(parser *p, uint32_t r, u32v **out) {
     return 0;
 }
 
-static int add_set(parser *p, const kv_grange *rg, uint32_t n, bool negated, uint32_t *out) {
+static int cmp_range(const void *a, const void *b) {
+    const kv_grange *x = a, *y = b;
+    return x->lo < y->lo ? -1 : x->lo > y->lo;
+}
+
+/* Adds a set; its ranges (rg, reordered in place) are sorted and merged
+ * so that matching is a binary search. */
+static int add_set(parser *p, kv_grange *rg, uint32_t n, bool negated, uint32_t *out) {
+    if (n > 1) {
+        qsort(rg, n, sizeof *rg, cmp_range);
+        uint32_t u = 0;
+        for (uint32_t i = 1; i < n; i++) {
+            if (rg[i].lo <= rg[u].hi || rg[i].lo == rg[u].hi + 1) {
+                if (rg[i].hi > rg[u].hi) rg[u].hi = rg[i].hi;
+            } else {
+                rg[++u] = rg[i];
+            }
+        }
+        n = u + 1;
+    }
     if (!negated && n == 1 && rg[0].lo == rg[0].hi && rg[0].lo < 128 && p->ascii_set[rg[0].lo]) {
         *out = p->ascii_set[rg[0].lo] - 1;
         return 0;
@@ -667,26 +686,21 @@ uint32_t kv_grammar_n_rules(const kv_grammar *g) { return g->n_rules; }
 
 bool kv_gset_overlaps(const kv_grammar *g, uint32_t set, uint32_t lo, uint32_t hi) {
     const kv_gset *s = &g->sets[set];
-    const kv_grange *r = g->ranges + s->first;
     if (!s->negated) {
-        for (uint32_t i = 0; i < s->n; i++)
-            if (r[i].lo <= hi && r[i].hi >= lo) return true;
-        return false;
-    }
-    /* some cp in [lo, hi] outside every range: walk lo upwards past ranges */
-    uint32_t cp = lo;
-    bool moved = true;
-    while (moved && cp <= hi) {
-        moved = false;
-        for (uint32_t i = 0; i < s->n; i++) {
-            if (cp >= r[i].lo && cp <= r[i].hi) {
-                if (r[i].hi >= hi) return false;
-                cp = r[i].hi + 1;
-                moved = true;
-            }
+        /* the first range ending at or after lo */
+        const kv_grange *r = g->ranges + s->first;
+        uint32_t a = 0, b = s->n;
+        while (a < b) {
+            uint32_t mid = (a + b) / 2;
+            if (r[mid].hi < lo) a = mid + 1;
+            else b = mid;
         }
+        return a < s->n && r[a].lo <= hi;
     }
-    return cp <= hi;
+    /* some cp in [lo, hi] outside every range: ranges are merged, so the
+     * one holding lo (if any) ends before a gap */
+    const kv_grange *in = kv_gset_find(g, set, lo);
+    return !in || in->hi < hi;
 }
 
 int kv_grammar_parse(kv_grammar **out, const char *text, size_t len, const kv_grammar_limits *lim,

@@ -41,7 +41,7 @@ struct kv_grammar {
     uint32_t n_el;
     kv_gset *sets;         /* [n_sets] */
     uint32_t n_sets;
-    kv_grange *ranges;     /* [n_ranges] */
+    kv_grange *ranges;     /* [n_ranges] each set's sorted by lo, merged (disjoint, not adjacent) */
     uint32_t n_ranges;
     uint32_t *alt;         /* [n_alt] start of each alternative in el */
     uint32_t n_alt;
@@ -72,18 +72,22 @@ struct kv_grammar_vocab {
     uint32_t max_len;      /* longest piece, bytes */
 };
 
-/* True when code point cp is in set s of g. */
-static inline bool kv_gset_match(const kv_grammar *g, uint32_t set, uint32_t cp) {
+/* The range of set s holding cp, or NULL (ranges are sorted, merged). */
+static inline const kv_grange *kv_gset_find(const kv_grammar *g, uint32_t set, uint32_t cp) {
     const kv_gset *s = &g->sets[set];
     const kv_grange *r = g->ranges + s->first;
-    bool in = false;
-    for (uint32_t i = 0; i < s->n; i++) {
-        if (cp >= r[i].lo && cp <= r[i].hi) {
-            in = true;
-            break;
-        }
+    uint32_t lo = 0, hi = s->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (r[mid].hi < cp) lo = mid + 1;
+        else hi = mid;
     }
-    return in != s->negated;
+    return lo < s->n && r[lo].lo <= cp ? &r[lo] : NULL;
+}
+
+/* True when code point cp is in set s of g. */
+static inline bool kv_gset_match(const kv_grammar *g, uint32_t set, uint32_t cp) {
+    return (kv_gset_find(g, set, cp) != NULL) != g->sets[set].negated;
 }
 
 /* True when set s of g holds some code point in [lo, hi]. */
