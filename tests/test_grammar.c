@@ -242,6 +242,7 @@ static void test_utf8(void) {
     ASSERT_TRUE(kv_grammar_can_end(m));
     kv_grammar_matcher_free(m);
     /* a prefix that no code point of the class can complete is refused early */
+    kv_grammar_free(g);
     ASSERT_EQ(parse(&g, "root ::= [\\u4e00-\\u9fff]", &d), 0);
     ASSERT_EQ(run_text(g, "\xe4", 1), 1);
     ASSERT_EQ(run_text(g, "\xe3", 1), -1);

@@ -218,7 +218,7 @@ static int add_set(parser *p, kv_grange *rg, uint32_t n, bool negated, uint32_t 
     p->cap_sets = (uint32_t)cs;
     p->cap_ranges = (uint32_t)cr;
     p->sets[p->n_sets] = (kv_gset){.first = p->n_ranges, .n = n, .negated = negated};
-    memcpy(p->ranges + p->n_ranges, rg, n * sizeof *rg);
+    if (n) memcpy(p->ranges + p->n_ranges, rg, n * sizeof *rg);
     p->n_ranges += n;
     *out = p->n_sets++;
     if (!negated && n == 1 && rg[0].lo == rg[0].hi && rg[0].lo < 128) p->ascii_set[rg[0].lo] = *out + 1;
@@ -409,9 +409,9 @@ static int parse_uint(parser *p, uint32_t *out) {
 static int apply_rep(parser *p, uint32_t rule, uint32_t *alt_idx, size_t last, uint32_t min, uint32_t max, size_t at) {
     u32v *alt = &p->rules[rule].alts[*alt_idx];
     size_t len = alt->n - last;
-    uint32_t *item = malloc(len * sizeof *item);
+    uint32_t *item = malloc((len ? len : 1) * sizeof *item);
     if (!item) return kv_fail(p->d, KV_ENOMEM, "grammar: out of memory");
-    memcpy(item, alt->v + last, len * sizeof *item);
+    if (len) memcpy(item, alt->v + last, len * sizeof *item);
     alt->n = last;
     p->n_el -= len;
     int rc = 0;
@@ -640,7 +640,7 @@ static int flatten(parser *p, kv_grammar *g) {
         for (size_t a = 0; a < p->rules[r].n_alts; a++) {
             const u32v *al = &p->rules[r].alts[a];
             g->alt[na++] = ne;
-            memcpy(g->el + ne, al->v, al->n * sizeof *al->v);
+            if (al->n) memcpy(g->el + ne, al->v, al->n * sizeof *al->v);
             ne += (uint32_t)al->n;
             g->el[ne++] = GEL(GEL_END, 0);
         }
