@@ -383,11 +383,14 @@ static void test_mask_reference(void) {
         "root ::= \"{\" ws (\"\\\"name\\\"\" ws \":\" ws str ws)? \"}\"\nws ::= [ \\n]{0,2}\nstr ::= \"\\\"\" [^\"\\\\]{0,12} \"\\\"\"",
         "root ::= [α-ω €]+ (\"the\" | \" of\" | [0-9])*",
         "root ::= (\"Hello\" | \"help\" | \" world\")+ \"!\"?",
+        /* a state that loops on most bytes: whole subtrees are taken at once */
+        "root ::= \"\\\"\" [^\"\\\\\\n]* \"\\\"\" [ ]?",
     };
     static const char *const walks[][4] = {
         {"", "{", "{\"na", "{\"name\": \"ab"},
         {"", "α", "αβ \xe2\x82", "α€the1"},
         {"", "Hel", "help world", "Hello!"},
+        {"", "\"", "\"ab c", "\"x\""},
     };
     for (size_t i = 0; i < KVT_N(gbnf); i++) {
         kv_grammar *g = NULL;

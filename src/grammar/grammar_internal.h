@@ -51,10 +51,15 @@ struct kv_grammar {
     kv_grammar_limits lim; /* the limits it was built under (the matcher's too) */
 };
 
-/* A vocabulary: the pieces and a byte trie over them. Trie node 0 is the
- * root (the empty prefix); the children of node k are the nodes
- * child_first[k] .. child_first[k] + child_n[k] - 1; tok_ids[tok_first[k] ..
- * + tok_n[k]) are the tokens whose piece ends at node k. */
+/* A vocabulary: the pieces and a byte trie over them, laid out in
+ * preorder. Node 0 is the root (the empty prefix); node k's subtree is the
+ * nodes k .. k + size[k] - 1, its first child is k + 1 and each next
+ * sibling follows the previous one's subtree; the tokens whose piece ends
+ * in k's subtree are tok_ids[tok_first[k] .. tok_first[k + size[k]]), those
+ * ending at k itself the first tok_n[k] of them. sub_ascii[k] holds the
+ * bytes on the edges below k (bit b of word b / 64; bit 127 of word 1
+ * standing for every byte >= 0x80), so a walk can take a whole subtree
+ * whose bytes all leave the grammar's state unchanged without visiting it. */
 struct kv_grammar_vocab {
     int32_t n_vocab;
     uint8_t *bytes;        /* pieces back to back */
@@ -63,12 +68,13 @@ struct kv_grammar_vocab {
     int32_t *eog_ids;      /* [n_eog] */
     int32_t n_eog;
     uint32_t n_nodes;      /* trie nodes, root included */
-    uint32_t *child_first; /* [n_nodes] */
+    uint32_t *size;        /* [n_nodes] nodes in the subtree, itself included */
     uint16_t *child_n;     /* [n_nodes] at most 256 */
     uint8_t *byte;         /* [n_nodes] the byte on the edge into the node */
-    uint32_t *tok_first;   /* [n_nodes] */
+    uint32_t *tok_first;   /* [n_nodes + 1] */
     uint32_t *tok_n;       /* [n_nodes] */
-    int32_t *tok_ids;      /* tokens grouped by the node their piece ends at */
+    int32_t *tok_ids;      /* tokens in the preorder of the node their piece ends at */
+    uint64_t (*sub_ascii)[2]; /* [n_nodes] */
     uint32_t max_len;      /* longest piece, bytes */
 };
 

@@ -31,6 +31,11 @@
 #define ST_DEAD (-1)
 #define ST_ERR (-2)
 #define ST_UNKNOWN (-3)
+/* A state's ASCII table: 128 transitions, then the bytes that lead back to
+ * the state itself (two 64-bit words), then whether those are known. */
+#define ASCII_SLOTS 133
+#define LOOP_BITS 128
+#define LOOP_DONE 132
 
 struct kv_grammar_matcher {
     const kv_grammar *g;
@@ -71,7 +76,8 @@ struct kv_grammar_matcher {
 
 typedef struct mframe {
     uint32_t node;  /* trie node */
-    uint32_t ci;    /* next child to visit */
+    uint32_t next;  /* the next child to visit (a node id) */
+    uint32_t left;  /* children not yet visited */
     uint32_t state;
     uint32_t acc;   /* code point bits so far */
     uint8_t need, len;
@@ -351,19 +357,20 @@ static int32_t step(kv_grammar_matcher *m, uint32_t s, uint32_t cp) {
         int32_t *t = m->st_ascii[s];
         if (t && t[cp] != ST_UNKNOWN) return t[cp];
         if (!t) {
-            if (m->mem + 128 * sizeof(int32_t) > m->g->lim.max_memory_bytes) {
+            if (m->mem + ASCII_SLOTS * sizeof(int32_t) > m->g->lim.max_memory_bytes) {
                 kv_fail(m->d, KV_ERANGE, "grammar matcher: tables over %zu bytes (max_memory_bytes)",
                         m->g->lim.max_memory_bytes);
                 return ST_ERR;
             }
-            t = malloc(128 * sizeof *t);
+            t = malloc(ASCII_SLOTS * sizeof *t);
             if (!t) {
                 oom(m);
                 return ST_ERR;
             }
             for (int i = 0; i < 128; i++) t[i] = ST_UNKNOWN;
+            t[LOOP_DONE] = 0;
             m->st_ascii[s] = t;
-            m->mem += 128 * sizeof *t;
+            m->mem += ASCII_SLOTS * sizeof *t;
         }
         if (step_uncached(m, s, cp, &r)) return ST_ERR;
         m->st_ascii[s][cp] = r; /* st_ascii may have moved: state_intern grows it */
@@ -623,6 +630,26 @@ int kv_grammar_feed(kv_grammar_matcher *m, const char *bytes, size_t n, kv_diag 
     return rc;
 }
 
+/* The ASCII bytes (but DEL) after which state s is s again, in loop[2]:
+ * ST_ERR on an error. Computed once per state. */
+static int self_loops(kv_grammar_matcher *m, uint32_t s, uint64_t loop[2]) {
+    if (step(m, s, 0) == ST_ERR) return ST_ERR; /* makes the table */
+    int32_t *t = m->st_ascii[s];
+    if (!t[LOOP_DONE]) {
+        uint64_t l[2] = {0, 0};
+        for (uint32_t b = 0; b < 127; b++) {
+            int32_t r = step(m, s, b);
+            if (r == ST_ERR) return ST_ERR;
+            if (r == (int32_t)s) l[b >> 6] |= 1ull << (b & 63);
+        }
+        t = m->st_ascii[s];
+        memcpy(t + LOOP_BITS, l, sizeof l);
+        t[LOOP_DONE] = 1;
+    }
+    memcpy(loop, t + LOOP_BITS, 2 * sizeof *loop);
+    return 0;
+}
+
 /* Uncached mask of the current state (with its pending bytes) into mask. */
 static int mask_walk(kv_grammar_matcher *m, const kv_grammar_vocab *v, uint32_t *mask) {
     size_t need_frames = (size_t)v->max_len + 2;
@@ -634,16 +661,19 @@ static int mask_walk(kv_grammar_matcher *m, const kv_grammar_vocab *v, uint32_t 
     }
     mframe *f = m->frames;
     size_t top = 0;
-    f[0] = (mframe){.node = 0, .ci = 0, .state = m->cur, .acc = m->pend_acc, .need = m->pend_need, .len = m->pend_len};
+    f[0] = (mframe){.node = 0, .next = 1, .left = v->child_n[0], .state = m->cur, .acc = m->pend_acc,
+                    .need = m->pend_need, .len = m->pend_len};
     uint64_t visited = 0;
     for (;;) {
         mframe *F = &f[top];
-        if (F->ci == v->child_n[F->node]) {
+        if (F->left == 0) {
             if (top == 0) break;
             top--;
             continue;
         }
-        uint32_t c = v->child_first[F->node] + F->ci++;
+        uint32_t c = F->next;
+        F->next += v->size[c];
+        F->left--;
         uint8_t b = v->byte[c];
         uint32_t s = F->state, acc = F->acc;
         uint8_t need = F->need, len = F->len;
@@ -676,14 +706,28 @@ static int mask_walk(kv_grammar_matcher *m, const kv_grammar_vocab *v, uint32_t 
             }
         }
         if (need && !partial_ok(m, s, acc, need, len)) continue;
+        if (v->size[c] > 8 && need == 0 && F->need == 0 && s == F->state) {
+            /* a byte that left the state as it was (a string's character):
+             * when every byte below does too, the whole subtree is allowed */
+            uint64_t loop[2];
+            if (self_loops(m, s, loop) == ST_ERR) return m->d ? m->d->code : KV_ERANGE;
+            if (!(v->sub_ascii[c][0] & ~loop[0]) && !(v->sub_ascii[c][1] & ~loop[1])) {
+                for (uint32_t k = v->tok_first[c]; k < v->tok_first[c + v->size[c]]; k++) {
+                    int32_t id = v->tok_ids[k];
+                    mask[id >> 5] |= 1u << (id & 31);
+                }
+                continue;
+            }
+        }
         for (uint32_t k = 0; k < v->tok_n[c]; k++) {
             int32_t id = v->tok_ids[v->tok_first[c] + k];
             mask[id >> 5] |= 1u << (id & 31);
         }
         if (v->child_n[c]) {
             KV_ASSERT(top + 1 < m->cap_frames);
-            f = m->frames; /* step may not grow frames, but keep the pointer honest */
-            f[++top] = (mframe){.node = c, .ci = 0, .state = s, .acc = acc, .need = need, .len = len};
+            f = m->frames;
+            f[++top] = (mframe){.node = c, .next = c + 1, .left = v->child_n[c], .state = s, .acc = acc, .need = need,
+                                .len = len};
         }
     }
     m->stats.trie_nodes += visited;

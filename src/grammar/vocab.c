@@ -1,7 +1,8 @@
 /* The vocabulary side of constrained sampling: every token's piece copied
- * once, and a byte trie over the pieces in which the children of a node are
- * contiguous (laid out breadth first), so kv_grammar_mask walks it with a
- * small explicit stack and drops a whole subtree when its prefix fails. */
+ * once, and a byte trie over the pieces laid out in preorder (a subtree is a
+ * contiguous range of nodes and of tokens), so kv_grammar_mask walks it
+ * with a small explicit stack, drops a whole subtree when its prefix fails,
+ * and takes a whole subtree whose bytes cannot change the grammar's state. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,7 +14,8 @@ void kv_grammar_vocab_free(kv_grammar_vocab *v) {
     free(v->off);
     free(v->eog);
     free(v->eog_ids);
-    free(v->child_first);
+    free(v->size);
+    free(v->sub_ascii);
     free(v->child_n);
     free(v->byte);
     free(v->tok_first);
@@ -65,38 +67,58 @@ static int build_trie(kv_grammar_vocab *v, kv_diag *d) {
         tok_next[t] = tok_head[cur];
         tok_head[cur] = t;
     }
-    /* breadth-first order: children of a node get consecutive new ids */
-    order = malloc((size_t)n * sizeof *order);
-    newid = malloc((size_t)n * sizeof *newid);
-    v->child_first = malloc((size_t)n * sizeof *v->child_first);
+    /* preorder: an explicit stack of (old node, next child to visit) */
+    order = malloc((size_t)n * sizeof *order);  /* the old node of each new id */
+    newid = malloc((size_t)n * 2 * sizeof *newid); /* the stack */
+    v->size = malloc((size_t)n * sizeof *v->size);
     v->child_n = malloc((size_t)n * sizeof *v->child_n);
     v->byte = malloc(n);
-    v->tok_first = malloc((size_t)n * sizeof *v->tok_first);
+    v->tok_first = malloc(((size_t)n + 1) * sizeof *v->tok_first);
     v->tok_n = malloc((size_t)n * sizeof *v->tok_n);
     v->tok_ids = malloc(((size_t)v->n_vocab + 1) * sizeof *v->tok_ids);
-    if (!order || !newid || !v->child_first || !v->child_n || !v->byte || !v->tok_first || !v->tok_n || !v->tok_ids) {
+    v->sub_ascii = calloc(n, sizeof *v->sub_ascii);
+    if (!order || !newid || !v->size || !v->child_n || !v->byte || !v->tok_first || !v->tok_n || !v->tok_ids ||
+        !v->sub_ascii) {
         rc = kv_fail(d, KV_ENOMEM, "grammar vocab: out of memory");
         goto out;
     }
-    uint32_t head = 0, tail = 1, n_tok = 0;
-    order[0] = 0;
-    newid[0] = 0;
-    while (head < tail) {
-        uint32_t old = order[head], id = head;
-        head++;
+    uint32_t next_id = 0, n_tok = 0, sp = 0;
+    uint32_t *st_old = newid, *st_id = newid + n;
+    /* visit: give the node the next id, its tokens, then its children */
+    st_old[0] = 0;
+    sp = 1;
+    while (sp) {
+        uint32_t old = st_old[--sp], id = next_id++;
+        order[id] = old;
         v->byte[id] = byte[old];
-        v->child_first[id] = tail;
-        uint32_t kids = 0;
-        for (uint32_t c = first[old]; c != UINT32_MAX; c = next[c]) {
-            newid[c] = tail;
-            order[tail++] = c;
-            kids++;
-        }
-        KV_ASSERT(kids <= 256);
-        v->child_n[id] = (uint16_t)kids;
         v->tok_first[id] = n_tok;
         for (int32_t t = tok_head[old]; t >= 0; t = tok_next[t]) v->tok_ids[n_tok++] = t;
         v->tok_n[id] = n_tok - v->tok_first[id];
+        uint32_t kids = 0;
+        for (uint32_t c = first[old]; c != UINT32_MAX; c = next[c]) kids++;
+        KV_ASSERT(kids <= 256);
+        v->child_n[id] = (uint16_t)kids;
+        /* push children in reverse so the first is visited first */
+        uint32_t at = sp + kids;
+        KV_ASSERT(at <= n);
+        for (uint32_t c = first[old]; c != UINT32_MAX; c = next[c]) st_old[--at] = c;
+        sp += kids;
+    }
+    (void)st_id;
+    v->tok_first[n] = n_tok;
+    /* sizes and subtree bytes, children before parents (reverse preorder) */
+    for (uint32_t id = n; id-- > 0;) {
+        uint32_t sz = 1, ch = id + 1;
+        for (uint32_t k = 0; k < v->child_n[id]; k++) {
+            uint8_t b = v->byte[ch];
+            if (b < 0x80) v->sub_ascii[id][b >> 6] |= 1ull << (b & 63);
+            else v->sub_ascii[id][1] |= 1ull << 63;
+            v->sub_ascii[id][0] |= v->sub_ascii[ch][0];
+            v->sub_ascii[id][1] |= v->sub_ascii[ch][1];
+            sz += v->size[ch];
+            ch += v->size[ch];
+        }
+        v->size[id] = sz;
     }
     v->n_nodes = n;
 out:
