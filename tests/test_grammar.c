@@ -104,6 +104,13 @@ static void test_parse_errors(void) {
     ASSERT_EQ(run_text(g, "x,A\t,\\q", 7), 0);
     ASSERT_EQ(run_text(g, "x,D\t", 4), -1);
     kv_grammar_free(g);
+    /* a grammar whose only class is `.` (no ranges at all: found by the fuzzer) */
+    ASSERT_EQ(parse(&g, "root ::= . .?", &d), 0);
+    ASSERT_EQ(run_text(g, "x", 1), 0);
+    ASSERT_EQ(run_text(g, "€\n", 4), 0);
+    ASSERT_EQ(run_text(g, "", 0), 1);
+    ASSERT_EQ(run_text(g, "abc", 3), -1);
+    kv_grammar_free(g);
 }
 
 /* GBNF grammars and the ERE each is equivalent to, over an alphabet. */

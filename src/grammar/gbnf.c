@@ -652,10 +652,9 @@ static int flatten(parser *p, kv_grammar *g) {
     g->n_rules = p->n_rules;
     g->sets = p->sets, g->n_sets = p->n_sets, p->sets = NULL;
     g->ranges = p->ranges, g->n_ranges = p->n_ranges, p->ranges = NULL;
-    if (!g->sets) { /* a grammar of empty alternatives only */
-        g->sets = calloc(1, sizeof *g->sets);
-        if (!g->sets) return kv_fail(p->d, KV_ENOMEM, "grammar: out of memory");
-    }
+    if (!g->sets) g->sets = calloc(1, sizeof *g->sets);       /* a grammar of empty alternatives only */
+    if (!g->ranges) g->ranges = calloc(1, sizeof *g->ranges); /* of `.` only */
+    if (!g->sets || !g->ranges) return kv_fail(p->d, KV_ENOMEM, "grammar: out of memory");
     return 0;
 }
 
@@ -687,6 +686,7 @@ uint32_t kv_grammar_n_rules(const kv_grammar *g) { return g->n_rules; }
 bool kv_gset_overlaps(const kv_grammar *g, uint32_t set, uint32_t lo, uint32_t hi) {
     const kv_gset *s = &g->sets[set];
     if (!s->negated) {
+        if (s->n == 0) return false;
         /* the first range ending at or after lo */
         const kv_grange *r = g->ranges + s->first;
         uint32_t a = 0, b = s->n;

@@ -81,6 +81,7 @@ struct kv_grammar_vocab {
 /* The range of set s holding cp, or NULL (ranges are sorted, merged). */
 static inline const kv_grange *kv_gset_find(const kv_grammar *g, uint32_t set, uint32_t cp) {
     const kv_gset *s = &g->sets[set];
+    if (s->n == 0) return NULL;
     const kv_grange *r = g->ranges + s->first;
     uint32_t lo = 0, hi = s->n;
     while (lo < hi) {
