@@ -97,6 +97,12 @@ static void test_parse_errors(void) {
     lim.max_rules = 3;
     ASSERT_EQ(kv_grammar_parse(&g, "root ::= \"a\"{0,5}", 17, &lim, &d), KV_ERANGE);
     ASSERT_TRUE(strstr(d.msg, "max_rules") != NULL);
+    lim.max_rules = 6; /* root and the 5 nested optionals of {0,5} */
+    ASSERT_EQ(kv_grammar_parse(&g, "root ::= \"a\"{0,5}", 17, &lim, &d), 0);
+    ASSERT_EQ(kv_grammar_n_rules(g), 6);
+    ASSERT_EQ(run_text(g, "aaaaa", 5), 0);
+    ASSERT_EQ(run_text(g, "aaaaaa", 6), -1);
+    kv_grammar_free(g);
     /* a grammar that parses: comments, CRLF, continuation lines, escapes */
     const char *ok = "# json-ish\r\nroot ::= item (\",\" item)* # tail\r\n"
                      "item ::= \"x\"\n  | [\\x41-\\u0043] \"\\t\"\n  | \"\\\\\" . \n";

@@ -67,6 +67,8 @@ struct kv_grammar_matcher {
     struct mframe *frames;
     size_t cap_frames;
     const kv_grammar_vocab *mask_vocab;/* the vocabulary whose masks st_mask holds */
+    uint32_t *apply_buf;               /* kv_grammar_apply's mask, apply_words words */
+    size_t apply_words;
     size_t mask_words;
     size_t mem;                        /* bytes of the tables above */
     bool depth_dropped;                /* the last transition dropped a too-deep stack */
@@ -487,7 +489,6 @@ static int flush(kv_grammar_matcher *m) {
     int rc = 0;
     for (uint32_t i = 0; i < m->st_len[m->cur] && !rc; i++) {
         uint32_t t = m->pool[m->st_off[m->cur] + i];
-        size_t start = n;
         for (uint32_t x = t; x != NIL && !rc; x = m->n_par[x]) {
             if (n == cap) {
                 cap = cap ? cap * 2 : 256;
@@ -504,7 +505,6 @@ static int flush(kv_grammar_matcher *m) {
             else chains = nc;
         }
         if (!rc) chains[n++] = UINT32_MAX; /* end of one stack (top first) */
-        (void)start;
     }
     const kv_grammar_vocab *mv = m->mask_vocab;
     size_t mw = m->mask_words;
@@ -564,6 +564,7 @@ int kv_grammar_matcher_new(kv_grammar_matcher **out, const kv_grammar *g, kv_dia
 void kv_grammar_matcher_free(kv_grammar_matcher *m) {
     if (!m) return;
     free_tables(m);
+    free(m->apply_buf);
     free(m);
 }
 
@@ -775,13 +776,16 @@ int kv_grammar_mask(kv_grammar_matcher *m, const kv_grammar_vocab *v, uint32_t *
 
 int kv_grammar_apply(kv_grammar_matcher *m, const kv_grammar_vocab *v, float *logits, kv_diag *d) {
     size_t words = ((size_t)v->n_vocab + 31) / 32;
-    uint32_t stackbuf[1024];
-    uint32_t *mask = words <= 1024 ? stackbuf : malloc(words * sizeof *mask);
-    if (!mask) return kv_fail(d, KV_ENOMEM, "grammar: out of memory");
+    if (m->apply_words < words) {
+        uint32_t *b = realloc(m->apply_buf, words * sizeof *b);
+        if (!b) return kv_fail(d, KV_ENOMEM, "grammar: out of memory");
+        m->apply_buf = b;
+        m->apply_words = words;
+    }
+    uint32_t *mask = m->apply_buf;
     int rc = kv_grammar_mask(m, v, mask, d);
     for (int32_t i = 0; i < v->n_vocab; i++)
         if (!(mask[i >> 5] >> (i & 31) & 1)) logits[i] = -INFINITY;
-    if (mask != stackbuf) free(mask);
     return rc;
 }
 

@@ -34,7 +34,7 @@ static int build_trie(kv_grammar_vocab *v, kv_diag *d) {
     uint32_t *first = malloc(cap * sizeof *first), *next = malloc(cap * sizeof *next);
     uint8_t *byte = malloc(cap);
     int32_t *tok_head = malloc(cap * sizeof *tok_head), *tok_next = malloc((size_t)v->n_vocab * sizeof *tok_next);
-    uint32_t *order = NULL, *newid = NULL;
+    uint32_t *order = NULL, *stack = NULL;
     int rc = 0;
     if (!first || !next || !byte || !tok_head || !tok_next) {
         rc = kv_fail(d, KV_ENOMEM, "grammar vocab: out of memory");
@@ -68,8 +68,8 @@ static int build_trie(kv_grammar_vocab *v, kv_diag *d) {
         tok_head[cur] = t;
     }
     /* preorder: an explicit stack of (old node, next child to visit) */
-    order = malloc((size_t)n * sizeof *order);  /* the old node of each new id */
-    newid = malloc((size_t)n * 2 * sizeof *newid); /* the stack */
+    order = malloc((size_t)n * sizeof *order); /* the old node of each new id */
+    stack = malloc((size_t)n * sizeof *stack);  /* old nodes still to visit */
     v->size = malloc((size_t)n * sizeof *v->size);
     v->child_n = malloc((size_t)n * sizeof *v->child_n);
     v->byte = malloc(n);
@@ -77,18 +77,16 @@ static int build_trie(kv_grammar_vocab *v, kv_diag *d) {
     v->tok_n = malloc((size_t)n * sizeof *v->tok_n);
     v->tok_ids = malloc(((size_t)v->n_vocab + 1) * sizeof *v->tok_ids);
     v->sub_ascii = calloc(n, sizeof *v->sub_ascii);
-    if (!order || !newid || !v->size || !v->child_n || !v->byte || !v->tok_first || !v->tok_n || !v->tok_ids ||
+    if (!order || !stack || !v->size || !v->child_n || !v->byte || !v->tok_first || !v->tok_n || !v->tok_ids ||
         !v->sub_ascii) {
         rc = kv_fail(d, KV_ENOMEM, "grammar vocab: out of memory");
         goto out;
     }
     uint32_t next_id = 0, n_tok = 0, sp = 0;
-    uint32_t *st_old = newid, *st_id = newid + n;
     /* visit: give the node the next id, its tokens, then its children */
-    st_old[0] = 0;
-    sp = 1;
+    stack[sp++] = 0;
     while (sp) {
-        uint32_t old = st_old[--sp], id = next_id++;
+        uint32_t old = stack[--sp], id = next_id++;
         order[id] = old;
         v->byte[id] = byte[old];
         v->tok_first[id] = n_tok;
@@ -101,10 +99,9 @@ static int build_trie(kv_grammar_vocab *v, kv_diag *d) {
         /* push children in reverse so the first is visited first */
         uint32_t at = sp + kids;
         KV_ASSERT(at <= n);
-        for (uint32_t c = first[old]; c != UINT32_MAX; c = next[c]) st_old[--at] = c;
+        for (uint32_t c = first[old]; c != UINT32_MAX; c = next[c]) stack[--at] = c;
         sp += kids;
     }
-    (void)st_id;
     v->tok_first[n] = n_tok;
     /* sizes and subtree bytes, children before parents (reverse preorder) */
     for (uint32_t id = n; id-- > 0;) {
@@ -128,7 +125,7 @@ out:
     free(tok_head);
     free(tok_next);
     free(order);
-    free(newid);
+    free(stack);
     return rc;
 }
 
