@@ -454,6 +454,13 @@ static const char *const k_schemas[] = {
     " \"minimum\": 7}}, \"required\": [\"ünï\"], \"additionalProperties\": false}",
     "{\"allOf\": [{\"type\": \"boolean\"}]}",
     "true",
+    "{\"type\": \"array\", \"items\": {\"type\": \"integer\", \"exclusiveMinimum\": -3, \"exclusiveMaximum\": 4.5},"
+    " \"minItems\": 1, \"maxItems\": 3}",
+    "{\"type\": \"array\", \"items\": {\"type\": \"number\", \"minimum\": 0}, \"maxItems\": 3}",
+    "{\"oneOf\": [{\"type\": \"object\", \"properties\": {\"kind\": {\"const\": \"a\"}, \"x\": {\"type\": \"integer\","
+    " \"maximum\": 5}}, \"required\": [\"kind\", \"x\"], \"additionalProperties\": false}, {\"$ref\": \"#/$defs/b\"}],"
+    " \"$defs\": {\"b\": {\"type\": \"object\", \"properties\": {\"kind\": {\"enum\": [\"b\", \"c\"]}, \"y\":"
+    " {\"type\": \"boolean\"}}, \"required\": [\"kind\"], \"additionalProperties\": false}}}",
 };
 
 /* Generates one constrained sample: random logits, the mask, the real
@@ -582,7 +589,10 @@ static void test_schema_errors(void) {
         {"{\"type\": \"array\", \"uniqueItems\": true}", KV_EUNSUPPORTED, "keyword 'uniqueItems'"},
         {"{\"properties\": {\"a\": {\"type\": \"number\", \"multipleOf\": 2}}}", KV_EUNSUPPORTED,
          "schema #/properties/a: keyword 'multipleOf'"},
-        {"{\"type\": \"number\", \"minimum\": 1.5}", KV_EUNSUPPORTED, "'minimum'/'maximum' on type number"},
+        {"{\"type\": \"number\", \"minimum\": 1.5}", KV_EUNSUPPORTED, "schema #: bounds on type number are not supported"},
+        {"{\"type\": \"number\", \"minimum\": 0, \"maximum\": 1}", KV_EUNSUPPORTED, "bounds on type number"},
+        {"{\"oneOf\": [{\"type\": \"object\", \"properties\": {\"k\": {\"const\": 1}}}, {\"type\": \"object\","
+         " \"properties\": {\"k\": {\"const\": 2}}}]}", KV_EUNSUPPORTED, "'oneOf' branches 0 and 1 may both match"},
         {"{\"type\": \"integer\", \"minimum\": 0, \"maximum\": 100000}", KV_EUNSUPPORTED, "integer 'minimum'/'maximum'"},
         {"{\"type\": \"string\", \"maxLength\": 100000}", KV_EUNSUPPORTED, "maxLength over 1000"},
         {"{\"$ref\": \"#/$defs/missing\"}", KV_EFORMAT, "names no definition"},

@@ -22,5 +22,5 @@ KV_GRAMMAR_EMIT="$DIR/samples.jsonl" KV_GRAMMAR_SEEDS=${KV_GRAMMAR_SEEDS:-40} \
   "$BUILD/test_grammar" test_schema_generate >"$DIR/gen.log" 2>&1 || { cat "$DIR/gen.log" >&2; fail "test_grammar"; }
 grep "schema samples" "$DIR/gen.log"
 n=$(wc -l <"$DIR/samples.jsonl")
-[ "$n" -ge 500 ] || fail "only $n samples written"
+[ "$n" -ge 600 ] || fail "only $n samples written"
 node "$SRC/tests/oracle/grammar_validate.mjs" "$DIR/samples.jsonl"

@@ -100,7 +100,8 @@ static const char *const k_annotations[] = {"title", "description", "default", "
                                             "definitions", NULL};
 static const char *const k_handled[] = {"type", "properties", "required", "additionalProperties", "items",
                                         "minItems", "maxItems", "enum", "const", "minLength", "maxLength",
-                                        "minimum", "maximum", "anyOf", "oneOf", "allOf", "$ref", "nullable", NULL};
+                                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "anyOf",
+                                        "oneOf", "allOf", "$ref", "nullable", NULL};
 
 static bool in_list(const char *k, const char *const *l) {
     for (; *l; l++)
@@ -347,12 +348,17 @@ static void sb_int_range(sbuf *b, long long lo, long long hi) {
 }
 
 static int gen_integer(sc *c, json_t *s, const char *ptr, sbuf *b) {
-    double lo_d = 0, hi_d = 0;
-    bool has_lo, has_hi;
+    double lo_d = 0, hi_d = 0, xlo = 0, xhi = 0;
+    bool has_lo, has_hi, has_xlo, has_xhi;
     int rc = get_bound(c, s, "minimum", ptr, &lo_d, &has_lo);
     if (!rc) rc = get_bound(c, s, "maximum", ptr, &hi_d, &has_hi);
+    if (!rc) rc = get_bound(c, s, "exclusiveMinimum", ptr, &xlo, &has_xlo);
+    if (!rc) rc = get_bound(c, s, "exclusiveMaximum", ptr, &xhi, &has_xhi);
     if (rc) return rc;
+    /* an integer above x is at least floor(x) + 1; below x, at most ceil(x) - 1 */
     long long lo = has_lo ? (long long)ceil(lo_d) : 0, hi = has_hi ? (long long)floor(hi_d) : 0;
+    if (has_xlo && (!has_lo || (long long)floor(xlo) + 1 > lo)) lo = (long long)floor(xlo) + 1, has_lo = true;
+    if (has_xhi && (!has_hi || (long long)ceil(xhi) - 1 < hi)) hi = (long long)ceil(xhi) - 1, has_hi = true;
     if (!has_lo && !has_hi) {
         sb_str(b, "integer");
         return 0;
@@ -598,6 +604,65 @@ static int gen_literals(sc *c, json_t *s, const char *ptr, sbuf *b) {
     return 0;
 }
 
+/* The values a const/enum schema admits, as a new array reference; NULL
+ * when s is not one. */
+static json_t *literal_values(json_t *s) {
+    json_t *c = json_is_object(s) ? json_object_get(s, "const") : NULL;
+    if (c) return json_pack("[O]", c);
+    json_t *e = json_is_object(s) ? json_object_get(s, "enum") : NULL;
+    return json_is_array(e) ? json_incref(e) : NULL;
+}
+
+/* True when the literal arrays a and b share no value. */
+static bool literals_disjoint(json_t *a, json_t *b) {
+    size_t x, y;
+    json_t *va, *vb;
+    json_array_foreach(a, x, va) json_array_foreach(b, y, vb) if (json_equal(va, vb)) return false;
+    return true;
+}
+
+/* The schema $ref points to (one level), or s. */
+static json_t *deref(sc *c, json_t *s) {
+    json_t *r = json_is_object(s) ? json_object_get(s, "$ref") : NULL, *t = NULL;
+    if (!json_is_string(r)) return s;
+    kv_diag dd = {0};
+    kv_diag *save = c->d;
+    c->d = &dd;
+    int rc = resolve_ref(c, json_string_value(r), "", &t);
+    c->d = save;
+    return rc ? s : t;
+}
+
+static bool in_required(json_t *s, const char *name) {
+    json_t *req = json_object_get(s, "required"), *e;
+    size_t i;
+    if (!json_is_array(req)) return false;
+    json_array_foreach(req, i, e) if (json_is_string(e) && !strcmp(json_string_value(e), name)) return true;
+    return false;
+}
+
+/* Two object schemas no value can satisfy both: a property both require,
+ * whose const/enum values differ (a discriminated union). */
+static bool objects_disjoint(sc *c, json_t *a, json_t *b) {
+    a = deref(c, a);
+    b = deref(c, b);
+    json_t *pa = json_is_object(a) ? json_object_get(a, "properties") : NULL;
+    json_t *pb = json_is_object(b) ? json_object_get(b, "properties") : NULL;
+    if (!json_is_object(pa) || !json_is_object(pb)) return false;
+    const char *k;
+    json_t *sa;
+    json_object_foreach(pa, k, sa) {
+        json_t *sb = json_object_get(pb, k);
+        if (!sb || !in_required(a, k) || !in_required(b, k)) continue;
+        json_t *la = literal_values(deref(c, sa)), *lb = literal_values(deref(c, sb));
+        bool dis = la && lb && literals_disjoint(la, lb);
+        json_decref(la);
+        json_decref(lb);
+        if (dis) return true;
+    }
+    return false;
+}
+
 static int gen_any_of(sc *c, json_t *s, const char *ptr, const char *kw, sbuf *b) {
     json_t *arr = json_object_get(s, kw);
     static const char *const ok[] = {"anyOf", "oneOf", NULL};
@@ -614,27 +679,17 @@ static int gen_any_of(sc *c, json_t *s, const char *ptr, const char *kw, sbuf *b
             for (size_t j = i + 1; j < n; j++) {
                 json_t *a = json_array_get(arr, i), *bb = json_array_get(arr, j);
                 int ba = schema_bits(c, a, 0), bj = schema_bits(c, bb, 0);
-                bool lit_a = json_is_object(a) && (json_object_get(a, "const") || json_object_get(a, "enum"));
-                bool lit_b = json_is_object(bb) && (json_object_get(bb, "const") || json_object_get(bb, "enum"));
                 if (!(ba & bj)) continue;
-                if (lit_a && lit_b) {
-                    /* two literal sets: disjoint when no value is in both */
-                    json_t *ea = json_object_get(a, "const") ? json_pack("[O]", json_object_get(a, "const"))
-                                                              : json_incref(json_object_get(a, "enum"));
-                    json_t *eb = json_object_get(bb, "const") ? json_pack("[O]", json_object_get(bb, "const"))
-                                                               : json_incref(json_object_get(bb, "enum"));
-                    bool shared = !ea || !eb;
-                    size_t x, y;
-                    json_t *va, *vb;
-                    if (json_is_array(ea) && json_is_array(eb))
-                        json_array_foreach(ea, x, va) json_array_foreach(eb, y, vb) if (json_equal(va, vb)) shared = true;
-                    json_decref(ea);
-                    json_decref(eb);
-                    if (!shared) continue;
-                }
+                json_t *la = literal_values(deref(c, a)), *lb = literal_values(deref(c, bb));
+                bool dis = la && lb && literals_disjoint(la, lb);
+                json_decref(la);
+                json_decref(lb);
+                if (dis) continue;
+                if ((ba & bj) == T_OBJ && objects_disjoint(c, a, bb)) continue;
                 return kv_fail(c->d, KV_EUNSUPPORTED,
                                "schema %s: 'oneOf' branches %zu and %zu may both match (not supported; use anyOf, or "
-                               "branches of different types or distinct constants)",
+                               "branches of different types, distinct constants, or objects that require a property "
+                               "with distinct constants)",
                                ptr, i, j);
             }
         }
@@ -679,7 +734,8 @@ static int gen_types(sc *c, json_t *s, const char *ptr, sbuf *b) {
             bits = T_ARR;
         else if (json_object_get(s, "minLength") || json_object_get(s, "maxLength"))
             bits = T_STR;
-        else if (json_object_get(s, "minimum") || json_object_get(s, "maximum"))
+        else if (json_object_get(s, "minimum") || json_object_get(s, "maximum") ||
+                 json_object_get(s, "exclusiveMinimum") || json_object_get(s, "exclusiveMaximum"))
             bits = T_INT | T_NUM;
     }
     if (json_is_true(nv)) bits |= T_NULL;
@@ -687,9 +743,17 @@ static int gen_types(sc *c, json_t *s, const char *ptr, sbuf *b) {
         sb_str(b, "value");
         return 0;
     }
-    if ((bits & T_NUM) && (json_object_get(s, "minimum") || json_object_get(s, "maximum")))
-        return kv_fail(c->d, KV_EUNSUPPORTED, "schema %s: 'minimum'/'maximum' on type number is not supported (on integer it is)",
-                       ptr);
+    bool nonneg = false; /* number with minimum 0: no minus sign */
+    if (bits & T_NUM) {
+        json_t *mn = json_object_get(s, "minimum");
+        nonneg = mn && json_is_number(mn) && json_number_value(mn) == 0 && !json_object_get(s, "maximum") &&
+                 !json_object_get(s, "exclusiveMinimum") && !json_object_get(s, "exclusiveMaximum");
+        if (!nonneg && (mn || json_object_get(s, "maximum") || json_object_get(s, "exclusiveMinimum") ||
+                        json_object_get(s, "exclusiveMaximum")))
+            return kv_fail(c->d, KV_EUNSUPPORTED,
+                           "schema %s: bounds on type number are not supported but 'minimum': 0 alone (on integer they are)",
+                           ptr);
+    }
     int n = 0, rc = 0;
     sb_str(b, "(");
 #define ALT() sb_str(b, n++ ? " | " : "")
@@ -698,7 +762,7 @@ static int gen_types(sc *c, json_t *s, const char *ptr, sbuf *b) {
     if (!rc && (bits & T_OBJ)) ALT(), rc = gen_object(c, s, ptr, b);
     if (!rc && (bits & T_ARR)) ALT(), rc = gen_array(c, s, ptr, b);
     if (!rc && (bits & T_STR)) ALT(), rc = gen_string(c, s, ptr, b);
-    if (!rc && (bits & T_NUM)) ALT(), sb_str(b, "number");
+    if (!rc && (bits & T_NUM)) ALT(), sb_str(b, nonneg ? "number-nonneg" : "number");
     else if (!rc && (bits & T_INT)) ALT(), rc = gen_integer(c, s, ptr, b);
 #undef ALT
     sb_str(b, ")");
@@ -788,7 +852,8 @@ static const char k_base[] =
     "char ::= [^\"\\\\\\x00-\\x1f] | \"\\\\\" ([\"\\\\/bfnrt] | \"u\" hex4)\n"
     "hex4 ::= ([0-9a-cA-Ce-fE-F] [0-9a-fA-F] | [dD] [0-7]) [0-9a-fA-F] [0-9a-fA-F]\n"
     "integer ::= \"-\"? (\"0\" | [1-9] [0-9]{0,14})\n"
-    "number ::= integer (\".\" [0-9]{1,15})? ([eE] [-+]? [1-9] [0-9]?)?\n"
+    "number ::= \"-\"? number-nonneg\n"
+    "number-nonneg ::= (\"0\" | [1-9] [0-9]{0,14}) (\".\" [0-9]{1,15})? ([eE] [-+]? [1-9] [0-9]?)?\n"
     "boolean ::= \"true\" | \"false\"\n"
     "null ::= \"null\"\n";
 
