@@ -424,6 +424,38 @@ static void test_mask_reference(void) {
     }
 }
 
+/* Accepting what the mask forbids is refused and changes nothing; an end
+ * token only where the grammar can end; vocabularies are checked. */
+static void test_accept_errors(void) {
+    kv_grammar *g = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(parse(&g, "root ::= \"ab\" \"c\"?", &d), 0);
+    kv_grammar_matcher *m = NULL;
+    ASSERT_EQ(kv_grammar_matcher_new(&m, g, &d), 0);
+    int32_t ta = kv_tok_find(g_tok, "a"), tb = kv_tok_find(g_tok, "b"), tx = kv_tok_find(g_tok, "x");
+    int32_t eos = kv_tok_eos(g_tok);
+    ASSERT_TRUE(ta >= 0 && tb >= 0 && tx >= 0 && eos >= 0 && kv_tok_is_eog(g_tok, eos));
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, tx, &d), KV_EINVAL);
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, eos, &d), KV_EINVAL);
+    ASSERT_TRUE(strstr(d.msg, "before the grammar is complete") != NULL);
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, -1, &d), KV_EINVAL);
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, kv_grammar_vocab_n(g_vocab), &d), KV_EINVAL);
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, ta, &d), 0);
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, ta, &d), KV_EINVAL);
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, tb, &d), 0);
+    ASSERT_TRUE(kv_grammar_can_end(m));
+    ASSERT_EQ(kv_grammar_accept(m, g_vocab, eos, &d), 0);
+    kv_grammar_matcher_free(m);
+    kv_grammar_free(g);
+    kv_grammar_vocab *v = NULL;
+    const char *pieces[2] = {"a", "b"};
+    uint32_t lens[2] = {1, KV_TOK_MAX_TOKEN_BYTES + 1};
+    ASSERT_EQ(kv_grammar_vocab_new(&v, pieces, lens, NULL, 0, &d), KV_EINVAL);
+    ASSERT_EQ(kv_grammar_vocab_new(&v, pieces, lens, NULL, 2, &d), KV_EINVAL);
+    ASSERT_TRUE(strstr(d.msg, "token 1 has") != NULL);
+    ASSERT_TRUE(v == NULL);
+}
+
 /* ---- JSON schemas --------------------------------------------------------- */
 
 static const char *const k_schemas[] = {
@@ -639,7 +671,7 @@ static void test_schema_errors(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_parse_errors),   KVT_CASE(test_matcher_reference), KVT_CASE(test_utf8),
     KVT_CASE(test_limits),         KVT_CASE(test_mask_reference),    KVT_CASE(test_schema_generate),
-    KVT_CASE(test_schema_errors),
+    KVT_CASE(test_schema_errors),  KVT_CASE(test_accept_errors),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), load_vocab, free_vocab); }
