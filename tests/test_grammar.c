@@ -498,6 +498,8 @@ static const char *const k_schemas[] = {
 /* Generates one constrained sample: random logits, the mask, the real
  * sampler, accept, until an eog token or the bound. Returns the text
  * (malloc'd) and *done = ended by eog. */
+static uint64_t g_flushes; /* flushes seen by generate() */
+
 static char *generate(const kv_grammar *g, uint64_t seed, int max_tokens, bool *done, int *n_tok) {
     int32_t nv = kv_grammar_vocab_n(g_vocab);
     float *logits = malloc((size_t)nv * sizeof *logits);
@@ -554,6 +556,11 @@ static char *generate(const kv_grammar *g, uint64_t seed, int max_tokens, bool *
     }
 out:
     text[len] = 0;
+    if (m) {
+        kv_grammar_stats st;
+        kv_grammar_get_stats(m, &st);
+        g_flushes += st.flushes;
+    }
     kv_grammar_matcher_free(m);
     kv_sampler_free(smp);
     free(logits);
@@ -608,6 +615,35 @@ static void test_schema_generate(void) {
         fprintf(ef, "{\"schema\": %s, \"text\": \"{\\\"v\\\": 1, \\\"next\\\": {\\\"v\\\": 10, \\\"next\\\": null}}\", \"valid\": false}\n", k_schemas[8]);
         fclose(ef);
     }
+}
+
+/* A matcher whose table budget is small rebuilds its tables from the
+ * current state many times in one generation, and the samples still parse. */
+static void test_flush_generate(void) {
+    kv_grammar_limits lim;
+    kv_grammar_limits_default(&lim);
+    lim.max_memory_bytes = 72u << 10;
+    const char *schema = k_schemas[8]; /* recursive: stacks of several frames */
+    kv_grammar *g = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_grammar_from_schema(&g, schema, strlen(schema), &lim, &d), 0);
+    g_flushes = 0;
+    int ended = 0;
+    for (int s = 0; s < 6; s++) {
+        bool done;
+        int n_tok;
+        char *text = generate(g, (uint64_t)(77 + s), 300, &done, &n_tok);
+        json_error_t je;
+        json_t *v = done ? json_loads(text, JSON_DECODE_ANY, &je) : NULL;
+        if (done && !v) KVT_FAIL("not JSON: %s", text);
+        ended += done;
+        json_decref(v);
+        free(text);
+    }
+    printf("flush: %llu flushes over 6 samples, %d ended\n", (unsigned long long)g_flushes, ended);
+    ASSERT_TRUE(g_flushes >= 6);
+    ASSERT_TRUE(ended >= 5);
+    kv_grammar_free(g);
 }
 
 static void test_schema_errors(void) {
@@ -671,7 +707,7 @@ static void test_schema_errors(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_parse_errors),   KVT_CASE(test_matcher_reference), KVT_CASE(test_utf8),
     KVT_CASE(test_limits),         KVT_CASE(test_mask_reference),    KVT_CASE(test_schema_generate),
-    KVT_CASE(test_schema_errors),  KVT_CASE(test_accept_errors),
+    KVT_CASE(test_schema_errors),  KVT_CASE(test_accept_errors),     KVT_CASE(test_flush_generate),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), load_vocab, free_vocab); }

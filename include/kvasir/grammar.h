@@ -126,6 +126,7 @@ typedef struct kv_grammar_stats {
     uint64_t masks;        /* kv_grammar_mask calls */
     uint64_t mask_hits;    /* of which answered from the mask cache */
     uint64_t trie_nodes;   /* trie nodes visited by uncached masks */
+    uint64_t flushes;      /* tables rebuilt from the current state (max_memory_bytes / 2 passed) */
     uint32_t states;       /* interned stack sets now */
     size_t memory_bytes;   /* bytes of interning tables and caches now */
 } kv_grammar_stats;

@@ -531,6 +531,7 @@ static int flush(kv_grammar_matcher *m) {
 
 static int maybe_flush(kv_grammar_matcher *m) {
     if (m->mem <= m->g->lim.max_memory_bytes / 2) return 0;
+    m->stats.flushes++;
     return flush(m);
 }
 
