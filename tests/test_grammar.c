@@ -291,6 +291,9 @@ static void test_limits(void) {
     ASSERT_EQ(rc, KV_ERANGE);
     ASSERT_TRUE(strstr(d.msg, "max_stack_depth") != NULL);
     ASSERT_TRUE(i >= 10 && i <= 21);
+    d.msg[0] = 0; /* again: now the answer comes from the transition cache, and still names the depth */
+    ASSERT_EQ(kv_grammar_feed(m, "(", 1, &d), KV_ERANGE);
+    ASSERT_TRUE(strstr(d.msg, "max_stack_depth") != NULL);
     ASSERT_EQ(kv_grammar_feed(m, "x", 1, &d), 0);
     for (int k = 0; k < i - 1; k++) ASSERT_EQ(kv_grammar_feed(m, ")", 1, &d), 0);
     ASSERT_TRUE(kv_grammar_can_end(m));

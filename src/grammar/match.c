@@ -31,6 +31,7 @@
 #define ST_DEAD (-1)
 #define ST_ERR (-2)
 #define ST_UNKNOWN (-3)
+#define ST_DEEP (-4) /* dead because every continuation nests past max_stack_depth */
 /* A state's ASCII table: 128 transitions, then the bytes that lead back to
  * the state itself (two 64-bit words), then whether those are known. */
 #define ASCII_SLOTS 133
@@ -71,7 +72,7 @@ struct kv_grammar_matcher {
     size_t apply_words;
     size_t mask_words;
     size_t mem;                        /* bytes of the tables above */
-    bool depth_dropped;                /* the last transition dropped a too-deep stack */
+    bool depth_dropped;                /* the transition being computed dropped a too-deep stack */
     kv_diag *d;                        /* the caller's, during a call */
     kv_grammar_stats stats;
 };
@@ -318,6 +319,7 @@ static int step_uncached(kv_grammar_matcher *m, uint32_t s, uint32_t cp, int32_t
         if (x != UINT32_MAX) rc = normalize(m, x, &n);
     }
     if (!rc) rc = finish_state(m, n, out);
+    if (!rc && *out == ST_DEAD && m->depth_dropped) *out = ST_DEEP;
     return rc;
 }
 
@@ -577,11 +579,12 @@ bool kv_grammar_can_end(const kv_grammar_matcher *m) {
  * refuses. */
 static int feed_bytes(kv_grammar_matcher *m, const uint8_t *b, size_t n, uint32_t *s, uint32_t *acc, uint8_t *need,
                       uint8_t *len) {
+    int32_t r = 0;
     for (size_t i = 0; i < n; i++) {
         uint8_t c = b[i];
         if (*need == 0) {
             if (c < 0x80) {
-                int32_t r = step(m, *s, c);
+                r = step(m, *s, c);
                 if (r == ST_ERR) return m->d ? m->d->code : KV_ERANGE;
                 if (r < 0) goto refuse;
                 *s = (uint32_t)r;
@@ -599,7 +602,7 @@ static int feed_bytes(kv_grammar_matcher *m, const uint8_t *b, size_t n, uint32_
             (*len)++;
             if (*need == 0) {
                 if (*acc < k_utf8_min[*len] || *acc > 0x10FFFF || (*acc >= 0xD800 && *acc <= 0xDFFF)) goto refuse;
-                int32_t r = step(m, *s, *acc);
+                r = step(m, *s, *acc);
                 if (r == ST_ERR) return m->d ? m->d->code : KV_ERANGE;
                 if (r < 0) goto refuse;
                 *s = (uint32_t)r;
@@ -611,7 +614,7 @@ static int feed_bytes(kv_grammar_matcher *m, const uint8_t *b, size_t n, uint32_
     }
     return 0;
 refuse:
-    if (m->depth_dropped)
+    if (r == ST_DEEP)
         return kv_fail(m->d, KV_ERANGE, "grammar: text nests deeper than max_stack_depth %u", m->g->lim.max_stack_depth);
     return kv_fail(m->d, KV_EINVAL, "grammar: the text does not continue the grammar");
 }
