@@ -649,6 +649,36 @@ static void test_flush_generate(void) {
     kv_grammar_free(g);
 }
 
+/* Two schemas' rules under their own names inside one grammar. */
+static void test_schema_named(void) {
+    char *a = NULL, *b = NULL;
+    kv_diag d = {0};
+    const char *sa = k_schemas[1], *sb = k_schemas[3];
+    ASSERT_EQ(kv_grammar_schema_to_gbnf_named(&a, sa, strlen(sa), "args", NULL, &d), 0);
+    ASSERT_EQ(kv_grammar_schema_to_gbnf_named(&b, sb, strlen(sb), "list_2", NULL, &d), 0);
+    size_t n = strlen(a) + strlen(b) + 200;
+    char *all = malloc(n);
+    snprintf(all, n, "root ::= \"<call>\" args \"</call>\" (\"#\" list_2)?\n%s%s", a, b);
+    kv_grammar *g = NULL;
+    ASSERT_EQ(parse(&g, all, &d), 0);
+    if (g) {
+        const char *ok[] = {"<call>{\"name\": \"x\", \"age\": 7}</call>", "<call>{\"name\":\"\",\"age\":150}</call>#[1, -5]"};
+        const char *bad[] = {"<call>{\"name\": \"x\"}</call>", "<call>{\"name\": \"x\", \"age\": 7}</call>#[1]",
+                             "{\"name\": \"x\", \"age\": 7}"};
+        for (size_t i = 0; i < KVT_N(ok); i++) ASSERT_EQ(run_text(g, ok[i], strlen(ok[i])), 0);
+        for (size_t i = 0; i < KVT_N(bad); i++) ASSERT_TRUE(run_text(g, bad[i], strlen(bad[i])) != 0);
+    }
+    /* literals, classes and counts keep their text: only rule names change */
+    ASSERT_TRUE(strstr(a, "args-ws ::= (\" \" | \"\\n\" [ \\t]{0,8})?") != NULL);
+    ASSERT_TRUE(strstr(a, "root") == NULL);
+    kv_grammar_free(g);
+    free(all);
+    free(a);
+    free(b);
+    ASSERT_EQ(kv_grammar_schema_to_gbnf_named(&b, sb, strlen(sb), "bad name", NULL, &d), KV_EINVAL);
+    ASSERT_TRUE(b == NULL);
+}
+
 static void test_schema_errors(void) {
     static const struct {
         const char *schema;
@@ -711,6 +741,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_parse_errors),   KVT_CASE(test_matcher_reference), KVT_CASE(test_utf8),
     KVT_CASE(test_limits),         KVT_CASE(test_mask_reference),    KVT_CASE(test_schema_generate),
     KVT_CASE(test_schema_errors),  KVT_CASE(test_accept_errors),     KVT_CASE(test_flush_generate),
+    KVT_CASE(test_schema_named),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), load_vocab, free_vocab); }

@@ -64,6 +64,13 @@ uint32_t kv_grammar_n_rules(const kv_grammar *g);
  * malformed schema), KV_EUNSUPPORTED, KV_ERANGE (a limit), KV_ENOMEM. */
 int kv_grammar_schema_to_gbnf(char **gbnf, const char *schema, size_t len,
                               const kv_grammar_limits *lim, kv_diag *d);
+/* The same rules with every rule name prefixed by `name` and "-", and no
+ * root: the value is rule `name` itself, so the text can sit inside a larger
+ * grammar (a tool call's arguments between fixed text) beside other
+ * schemas' rules. name: 1-64 letters, digits, '-' or '_' (KV_EINVAL
+ * otherwise). Same errors as kv_grammar_schema_to_gbnf. */
+int kv_grammar_schema_to_gbnf_named(char **gbnf, const char *schema, size_t len, const char *name,
+                                    const kv_grammar_limits *lim, kv_diag *d);
 /* kv_grammar_schema_to_gbnf then kv_grammar_parse. */
 int kv_grammar_from_schema(kv_grammar **out, const char *schema, size_t len,
                            const kv_grammar_limits *lim, kv_diag *d);

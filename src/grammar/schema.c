@@ -891,6 +891,62 @@ int kv_grammar_schema_to_gbnf(char **gbnf, const char *schema, size_t len, const
     return 0;
 }
 
+static bool name_char(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
+}
+
+int kv_grammar_schema_to_gbnf_named(char **gbnf, const char *schema, size_t len, const char *name,
+                                    const kv_grammar_limits *lim, kv_diag *d) {
+    *gbnf = NULL;
+    size_t nl = name ? strlen(name) : 0;
+    if (nl == 0 || nl > 64) return kv_fail(d, KV_EINVAL, "schema: rule name of %zu bytes (1-64)", nl);
+    for (size_t i = 0; i < nl; i++)
+        if (!name_char(name[i])) return kv_fail(d, KV_EINVAL, "schema: rule name '%.64s' has a character outside [A-Za-z0-9_-]", name);
+    char *txt = NULL;
+    int rc = kv_grammar_schema_to_gbnf(&txt, schema, len, lim, d);
+    if (rc) return rc;
+    /* prefix every rule name: words outside literals, classes, {m,n} and comments */
+    sbuf out = {0};
+    const char *p = txt;
+    if (!strncmp(p, "root ::= ", 9)) { /* the entry rule becomes `name` */
+        sb_fmt(&out, "%s ::= ", name);
+        p += 9;
+    }
+    while (*p) {
+        char c = *p;
+        if (c == '"' || c == '[') {
+            char close = c == '"' ? '"' : ']';
+            const char *q = p + 1;
+            while (*q && *q != close) q += (*q == '\\' && q[1]) ? 2 : 1;
+            if (*q) q++;
+            sb_put(&out, p, (size_t)(q - p));
+            p = q;
+        } else if (c == '{' || c == '#') {
+            const char *q = p;
+            while (*q && *q != (c == '{' ? '}' : '\n')) q++;
+            if (*q && c == '{') q++;
+            sb_put(&out, p, (size_t)(q - p));
+            p = q;
+        } else if (name_char(c)) {
+            const char *q = p;
+            while (name_char(*q)) q++;
+            sb_fmt(&out, "%s-", name);
+            sb_put(&out, p, (size_t)(q - p));
+            p = q;
+        } else {
+            sb_put(&out, p, 1);
+            p++;
+        }
+    }
+    free(txt);
+    if (out.oom) {
+        free(out.s);
+        return kv_fail(d, KV_ENOMEM, "schema: out of memory");
+    }
+    *gbnf = out.s;
+    return 0;
+}
+
 int kv_grammar_from_schema(kv_grammar **out, const char *schema, size_t len, const kv_grammar_limits *lim, kv_diag *d) {
     *out = NULL;
     char *txt = NULL;
