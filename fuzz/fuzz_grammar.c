@@ -3,10 +3,12 @@
  * tokens of a small fixed vocabulary (bytes, JSON-ish pieces, split UTF-8,
  * an end token), each picked among the tokens its mask allows; every token
  * the mask allows must be accepted, and the text the walk built must feed a
- * fresh matcher. Then the raw input is fed too. Every outcome is 0 or a
+ * fresh matcher. Then the raw input is fed too. A schema is also compiled
+ * under a prefix inside a larger grammar, which must parse as well. Every outcome is 0 or a
  * negative code with a message; the limits are small so a slow input is a
  * limit, not a timeout. */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -62,6 +64,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (rc < 0) {
         if (g || d.msg[0] == 0) abort();
         return 0;
+    }
+    if (data[0] & 1) {
+        /* the same schema under a prefix, inside a larger grammar, must parse too */
+        char *named = NULL;
+        rc = kv_grammar_schema_to_gbnf_named(&named, text, size - 1, "f_1", &lim, &d);
+        if (rc && (rc != KV_ERANGE || named)) abort(); /* only a longer text may pass a limit */
+        if (!rc) {
+            size_t nn = strlen(named) + 64;
+            char *all = malloc(nn);
+            if (!all) abort();
+            int k = snprintf(all, nn, "root ::= \"<\" f_1 \">\"\n%s", named);
+            kv_grammar *g2 = NULL;
+            kv_grammar_limits l2 = lim;
+            l2.max_text_bytes = (size_t)k;
+            rc = kv_grammar_parse(&g2, all, (size_t)k, &l2, &d);
+            if (rc == KV_EFORMAT || rc == KV_EUNSUPPORTED) abort(); /* the plain one parsed */
+            kv_grammar_free(g2);
+            free(all);
+            free(named);
+        }
     }
     kv_grammar_matcher *m = NULL;
     if (kv_grammar_matcher_new(&m, g, &d)) {

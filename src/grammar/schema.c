@@ -912,7 +912,12 @@ int kv_grammar_schema_to_gbnf_named(char **gbnf, const char *schema, size_t len,
         sb_fmt(&out, "%s ::= ", name);
         p += 9;
     }
-    while (*p) {
+    kv_grammar_limits dl;
+    if (!lim) {
+        kv_grammar_limits_default(&dl);
+        lim = &dl;
+    }
+    while (*p && out.n <= lim->max_text_bytes) {
         char c = *p;
         if (c == '"' || c == '[') {
             char close = c == '"' ? '"' : ']';
@@ -939,9 +944,10 @@ int kv_grammar_schema_to_gbnf_named(char **gbnf, const char *schema, size_t len,
         }
     }
     free(txt);
-    if (out.oom) {
+    if (out.oom || out.n > lim->max_text_bytes) {
         free(out.s);
-        return kv_fail(d, KV_ENOMEM, "schema: out of memory");
+        if (out.oom) return kv_fail(d, KV_ENOMEM, "schema: out of memory");
+        return kv_fail(d, KV_ERANGE, "schema: grammar under '%s' over %zu bytes (max_text_bytes)", name, lim->max_text_bytes);
     }
     *gbnf = out.s;
     return 0;
