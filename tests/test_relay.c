@@ -1,0 +1,762 @@
+/* kv-test-labels: net unit */
+/* The relay (include/kvasir/relay.h) on 127.0.0.1: a relay server, nodes
+ * that reach it with one outbound TLS connection, and coordinators that
+ * open circuits to them by key and run their own TLS session, pinned to the
+ * node's key, inside. Checked: bytes round-trip intact through a circuit
+ * with end-to-end TLS (the node's key is what the inner session proves); a
+ * relay that flips one forwarded byte makes the coordinator's TLS fail and
+ * deliver nothing altered; a node that claims another's key (a signature by
+ * the wrong key, or a proof taken from another connection) is refused while
+ * the real node keeps serving; frames that lie (lengths, stream ids,
+ * credit, types) close only the liar's connection with an ERROR naming the
+ * lie; a flood of circuits over the budget is refused while an honest
+ * circuit keeps working, and idle handshakes over the per-address cap are
+ * refused and then dropped at the deadline; a reader that stops on one
+ * stream does not slow another; a node whose relay goes away retries with
+ * growing delays and serves again once the relay is back. The independent
+ * references: frame bytes written out by hand from docs/PROTOCOL.md, a byte
+ * pattern each side derives on its own, and OpenSSL's own TLS on the
+ * inner session. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvasir/link.h"
+#include "kvasir/net.h"
+#include "kvasir/relay.h"
+#include "kvasir/tls.h"
+#include "kvtest.h"
+
+static kv_node_key g_relay_key, g_node_key, g_coord_key, g_evil_key;
+static kv_tls_ctx *g_relay_ctx, *g_node_ctx, *g_coord_ctx, *g_evil_ctx;
+static char g_relay_fp[KV_TLS_FP_HEX + 1];
+
+static int setup(void) {
+    uint8_t seed[32];
+    memset(seed, 11, 32), kv_node_key_from_seed(&g_relay_key, seed);
+    memset(seed, 12, 32), kv_node_key_from_seed(&g_node_key, seed);
+    memset(seed, 13, 32), kv_node_key_from_seed(&g_coord_key, seed);
+    memset(seed, 14, 32), kv_node_key_from_seed(&g_evil_key, seed);
+    kv_diag d = {0};
+    if (kv_tls_ctx_new(&g_relay_ctx, &g_relay_key, &d) || kv_tls_ctx_new(&g_node_ctx, &g_node_key, &d) ||
+        kv_tls_ctx_new(&g_coord_ctx, &g_coord_key, &d) || kv_tls_ctx_new(&g_evil_ctx, &g_evil_key, &d)) {
+        fprintf(stderr, "setup: %s\n", d.msg);
+        return 1;
+    }
+    kv_tls_ctx_fingerprint(g_relay_ctx, g_relay_fp);
+    return 0;
+}
+
+static void teardown(void) {
+    kv_tls_ctx_free(g_relay_ctx);
+    kv_tls_ctx_free(g_node_ctx);
+    kv_tls_ctx_free(g_coord_ctx);
+    kv_tls_ctx_free(g_evil_ctx);
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static void wr32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24);
+}
+static uint32_t rd32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* byte i of a message tagged t */
+static uint8_t pat(size_t i, uint8_t t) { return (uint8_t)((i * 131u + t * 7u + (i >> 9)) % 253u); }
+
+/* ---- the node's service: echo, with or without TLS (one thread per circuit) ----------- */
+
+#define MAX_SERVICE 64
+static pthread_t g_svc[MAX_SERVICE];
+static atomic_int g_n_svc;
+static atomic_int g_svc_tls_ok; /* inner TLS handshakes completed on the node's side */
+
+typedef struct svc_arg {
+    int fd;
+    bool tls;
+} svc_arg;
+
+static void *svc_thread(void *p) {
+    svc_arg a = *(svc_arg *)p;
+    free(p);
+    uint8_t *buf = malloc(4u << 20);
+    if (!a.tls) { /* plain bytes back as they come */
+        ssize_t n;
+        while ((n = read(a.fd, buf, 65536)) > 0)
+            for (ssize_t off = 0; off < n;) {
+                ssize_t w = write(a.fd, buf + off, (size_t)(n - off));
+                if (w <= 0) goto out;
+                off += w;
+            }
+        goto out;
+    }
+    kv_tls *t = NULL;
+    const kv_tls_opts o = {.server = true};
+    kv_diag d = {0};
+    if (kv_tls_new(&t, g_node_ctx, &o, &d) || kv_tls_handshake_fd(t, a.fd, 5000, &d)) {
+        kv_tls_free(t);
+        goto out;
+    }
+    atomic_fetch_add(&g_svc_tls_ok, 1);
+    for (;;) { /* frames: u32 length, bytes; each echoed whole */
+        if (kv_tls_read_full(t, buf, 4, NULL, 20000, &d)) break;
+        uint32_t n = rd32(buf);
+        if (n > (4u << 20) - 4 || kv_tls_read_full(t, buf + 4, n, NULL, 20000, &d)) break;
+        if (kv_tls_write_full(t, buf, 4 + (size_t)n, 20000, &d)) break;
+    }
+    kv_tls_free(t);
+out:
+    close(a.fd);
+    free(buf);
+    return NULL;
+}
+
+static void on_circuit(void *data, int fd) {
+    svc_arg *a = malloc(sizeof *a);
+    a->fd = fd;
+    a->tls = data != NULL;
+    int i = atomic_fetch_add(&g_n_svc, 1);
+    if (i >= MAX_SERVICE || pthread_create(&g_svc[i], NULL, svc_thread, a)) {
+        close(fd);
+        free(a);
+    }
+}
+
+static void svc_join(void) {
+    int n = atomic_exchange(&g_n_svc, 0);
+    for (int i = 0; i < n && i < MAX_SERVICE; i++) pthread_join(g_svc[i], NULL);
+}
+
+/* ---- setups ------------------------------------------------------------------------------ */
+
+static kv_relay_server *relay_start(kv_relay_server_opts *o) {
+    kv_relay_server *s = NULL;
+    kv_diag d = {0};
+    if (!o->listen) o->listen = "127.0.0.1:0";
+    o->tls = g_relay_ctx;
+    int rc = kv_relay_server_start(&s, o, &d);
+    if (rc) fprintf(stderr, "relay: %s\n", d.msg);
+    ASSERT_EQ(rc, 0);
+    return s;
+}
+
+static kv_relay_client *client_start(const char *addr, int role, bool tls_service, int bmin, int bmax) {
+    kv_relay_client_opts o = {.relay = addr, .relay_sha256 = g_relay_fp, .role = role,
+                              .tls = role == KV_RELAY_ROLE_NODE ? g_node_ctx : g_coord_ctx, .key = &g_node_key,
+                              .on_circuit = on_circuit, .data = tls_service ? (void *)1 : NULL,
+                              .backoff_min_ms = bmin, .backoff_max_ms = bmax, .connect_timeout_ms = 2000};
+    kv_relay_client *c = NULL;
+    kv_diag d = {0};
+    int rc = kv_relay_client_start(&c, &o, &d);
+    if (rc) fprintf(stderr, "client: %s\n", d.msg);
+    ASSERT_EQ(rc, 0);
+    return c;
+}
+
+static bool wait_up(kv_relay_client *c, int ms) {
+    for (int i = 0; i < ms / 10; i++) {
+        kv_relay_client_stats st;
+        kv_relay_client_stats_get(c, &st);
+        if (st.up) return true;
+        sleep_ms(10);
+    }
+    return false;
+}
+
+/* the coordinator's side of the inner TLS session over a circuit fd */
+static kv_tls *inner_tls(int fd, const uint8_t *pin) {
+    kv_tls *t = NULL;
+    const kv_tls_opts o = {.server = false, .pin_key = pin};
+    kv_diag d = {0};
+    int rc = kv_tls_new(&t, g_coord_ctx, &o, &d);
+    if (!rc) rc = kv_tls_handshake_fd(t, fd, 5000, &d);
+    if (rc) {
+        fprintf(stderr, "inner TLS: %s\n", d.msg);
+        kv_tls_free(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* one frame of n pattern bytes through the inner session and back: 0 when
+ * it came back equal */
+static int echo_once(kv_tls *t, uint32_t n, uint8_t tag) {
+    uint8_t *m = malloc(4 + (size_t)n), *r = malloc(4 + (size_t)n);
+    wr32(m, n);
+    for (uint32_t i = 0; i < n; i++) m[4 + i] = pat(i, tag);
+    kv_diag d = {0};
+    int rc = kv_tls_write_full(t, m, 4 + (size_t)n, 10000, &d);
+    if (!rc) rc = kv_tls_read_full(t, r, 4 + (size_t)n, NULL, 10000, &d);
+    if (!rc && memcmp(m, r, 4 + (size_t)n)) rc = KV_EHASH;
+    if (rc) fprintf(stderr, "echo of %u bytes: %s (%d)\n", n, d.msg, rc);
+    free(m);
+    free(r);
+    return rc;
+}
+
+/* an honest circuit with inner TLS: 0 when one round trip works */
+static int honest_roundtrip(kv_relay_client *coord, uint8_t tag) {
+    int fd = -1;
+    kv_diag d = {0};
+    int rc = kv_relay_client_open(coord, g_node_key.pk, 3000, &fd, &d);
+    if (rc) {
+        fprintf(stderr, "open: %s\n", d.msg);
+        return rc;
+    }
+    kv_tls *t = inner_tls(fd, g_node_key.pk);
+    rc = t ? echo_once(t, 3000, tag) : KV_EPROTO;
+    kv_tls_free(t);
+    close(fd);
+    return rc;
+}
+
+/* ---- raw relay clients (frames by hand) --------------------------------------------------------- */
+
+typedef struct raw {
+    kv_tls *t;
+    int fd;
+} raw;
+
+static int raw_send(raw *r, uint8_t type, uint32_t stream, const void *p, uint32_t n) {
+    uint8_t h[12] = {type, 0, 0, 0};
+    wr32(h + 4, stream);
+    wr32(h + 8, n);
+    kv_diag d = {0};
+    int rc = kv_tls_write_full(r->t, h, 12, 2000, &d);
+    if (!rc && n) rc = kv_tls_write_full(r->t, p, n, 2000, &d);
+    return rc;
+}
+
+/* reads one frame: type, stream, payload into buf[cap]; <0 on failure */
+static int raw_recv(raw *r, uint32_t *stream, uint8_t *buf, size_t cap, uint32_t *len) {
+    uint8_t h[12];
+    kv_diag d = {0};
+    int rc = kv_tls_read_full(r->t, h, 12, NULL, 3000, &d);
+    if (rc) return rc;
+    *stream = rd32(h + 4);
+    *len = rd32(h + 8);
+    if (*len > cap) return KV_ERANGE;
+    if (*len && (rc = kv_tls_read_full(r->t, buf, *len, NULL, 3000, &d))) return rc;
+    return h[0];
+}
+
+static bool raw_dial(raw *r, const kv_relay_server *s, kv_tls_ctx *ctx) {
+    const kv_tls_opts o = {.pin_sha256 = g_relay_fp};
+    kv_diag d = {0};
+    int rc = kv_tls_dial(&r->t, &r->fd, ctx, &o, kv_relay_server_addr(s), 3000, &d);
+    if (rc) fprintf(stderr, "raw dial: %s\n", d.msg);
+    return rc == 0;
+}
+
+static void raw_close(raw *r) {
+    kv_tls_free(r->t);
+    if (r->fd >= 0) close(r->fd);
+    r->t = NULL;
+    r->fd = -1;
+}
+
+static void hello_coord(uint8_t h[8]) {
+    wr32(h, KV_RELAY_MAGIC);
+    h[4] = KV_RELAY_VERSION, h[5] = 0, h[6] = KV_RELAY_ROLE_COORD, h[7] = 0;
+}
+
+/* a raw coordinator past WELCOME */
+static bool raw_coord(raw *r, const kv_relay_server *s) {
+    if (!raw_dial(r, s, g_coord_ctx)) return false;
+    uint8_t h[8], b[64];
+    hello_coord(h);
+    uint32_t sid, n;
+    if (raw_send(r, KV_RELAY_HELLO, 0, h, 8)) return false;
+    return raw_recv(r, &sid, b, sizeof b, &n) == KV_RELAY_WELCOME;
+}
+
+/* sends a node HELLO for key, signed by sk over the exporter ex */
+static int raw_node_hello(raw *r, const uint8_t key[32], const uint8_t sk[64], const uint8_t ex[32]) {
+    uint8_t h[KV_RELAY_HELLO_NODE_SIZE] = {0}, dg[32];
+    wr32(h, KV_RELAY_MAGIC);
+    h[4] = KV_RELAY_VERSION, h[6] = KV_RELAY_ROLE_NODE;
+    memcpy(h + 8, key, 32);
+    kv_relay_node_digest(ex, key, dg);
+    kv_link_sign(sk, dg, h + 40);
+    return raw_send(r, KV_RELAY_HELLO, 0, h, sizeof h);
+}
+
+/* expects an ERROR frame with code and a message containing what, then the end */
+static void expect_error(raw *r, int code, const char *what) {
+    uint8_t b[512];
+    uint32_t sid = 9, n = 0;
+    int type = raw_recv(r, &sid, b, sizeof b - 1, &n);
+    ASSERT_EQ(type, KV_RELAY_ERROR);
+    if (type != KV_RELAY_ERROR) return;
+    b[n] = 0;
+    ASSERT_EQ(sid, 0);
+    ASSERT_EQ((int32_t)rd32(b), code);
+    if (!strstr((char *)b + 4, what)) KVT_FAIL("error '%s' does not say '%s'", (char *)b + 4, what);
+    ASSERT_TRUE(raw_recv(r, &sid, b, sizeof b, &n) < 0); /* then closed */
+}
+
+/* ---- cases ------------------------------------------------------------------------------------ */
+
+/* Frame bytes written out by hand from docs/PROTOCOL.md decode to their
+ * fields; each kind of malformed frame is refused with a reason. */
+static void test_frames(void) {
+    kv_diag d = {0};
+    kv_relay_frame f;
+    size_t total = 0;
+    /* CREDIT of 0x00010203 on stream 5 */
+    const uint8_t credit[16] = {6, 0, 0, 0, 5, 0, 0, 0, 4, 0, 0, 0, 3, 2, 1, 0};
+    ASSERT_EQ(kv_relay_header_parse(credit, &total, &d), 0);
+    ASSERT_EQ(total, 16);
+    ASSERT_EQ(kv_relay_frame_decode(credit, 16, &f, &d), 0);
+    ASSERT_EQ(f.type, KV_RELAY_CREDIT);
+    ASSERT_EQ(f.stream, 5);
+    ASSERT_EQ(f.credit, 0x00010203);
+    uint8_t h[12];
+    kv_relay_header_put(h, KV_RELAY_CREDIT, 5, 4);
+    ASSERT_TRUE(memcmp(h, credit, 12) == 0);
+    /* CLOSE on stream 2, code -7 (ENOTFOUND), "gone" */
+    const uint8_t close_f[20] = {7, 0, 0, 0, 2, 0, 0, 0, 8, 0, 0, 0, 0xf9, 0xff, 0xff, 0xff, 'g', 'o', 'n', 'e'};
+    ASSERT_EQ(kv_relay_frame_decode(close_f, 20, &f, &d), 0);
+    ASSERT_EQ(f.code, KV_ENOTFOUND);
+    ASSERT_EQ(f.msg_len, 4);
+    ASSERT_TRUE(memcmp(f.msg, "gone", 4) == 0);
+    /* WELCOME: version 1, window 0x40000, max payload 0x10000 */
+    const uint8_t wel[24] = {2, 0, 0, 0, 0, 0, 0, 0, 12, 0, 0, 0, 1, 0, 0, 0, 0, 0, 4, 0, 0, 0, 1, 0};
+    ASSERT_EQ(kv_relay_frame_decode(wel, 24, &f, &d), 0);
+    ASSERT_EQ(f.window, 256u << 10);
+    ASSERT_EQ(f.max_payload, 65536);
+    /* HELLO of a coordinator: "KVRL", version 1, role 2 */
+    const uint8_t hel[20] = {1, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 'K', 'V', 'R', 'L', 1, 0, 2, 0};
+    ASSERT_EQ(kv_relay_frame_decode(hel, 20, &f, &d), 0);
+    ASSERT_EQ(f.role, KV_RELAY_ROLE_COORD);
+    ASSERT_EQ(f.version, 1);
+    /* refusals, each with its reason */
+    struct {
+        uint8_t b[20];
+        size_t n;
+        const char *why;
+    } bad[] = {
+        {{9, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}, 12, "unknown type"},
+        {{5, 0, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 7}, 13, "reserved"},
+        {{5, 0, 0, 0, 1, 0, 0, 0, 1, 0, 1, 0}, 12, "over the"},            /* 65537-byte payload */
+        {{5, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 7}, 13, "stream 0"},         /* DATA without a stream */
+        {{5, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0}, 12, "empty"},              /* empty DATA */
+        {{6, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0}, 16, "CREDIT of 0"},
+        {{8, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0}, 16, "belongs to stream 0"},
+        {{7, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 5, 0, 0, 0}, 16, "not an error code"},
+        {{1, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 'K', 'V', 'R', 'X', 1, 0, 2, 0}, 20, "magic"},
+        {{1, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 'K', 'V', 'R', 'L', 1, 0, 1, 0}, 20, "role 1"},
+        {{4, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0, 0, 0}, 13, "ACCEPT"},
+        {{6, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 1, 0}, 14, "header says"},  /* truncated */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        d.msg[0] = 0;
+        ASSERT_EQ(kv_relay_frame_decode(bad[i].b, bad[i].n, &f, &d), KV_EPROTO);
+        if (!strstr(d.msg, bad[i].why)) KVT_FAIL("case %zu: '%s' does not say '%s'", i, d.msg, bad[i].why);
+    }
+}
+
+/* Bytes round-trip through a circuit with TLS inside, pinned to the node's
+ * key; a key nobody registered is refused with ENOTFOUND. */
+static void test_roundtrip_tls(void) {
+    kv_relay_server_opts so = {0};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, true, 0, 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    int fd = -1;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_relay_client_open(coord, g_node_key.pk, 3000, &fd, &d), 0);
+    kv_tls *t = fd >= 0 ? inner_tls(fd, g_node_key.pk) : NULL;
+    ASSERT_TRUE(t != NULL);
+    size_t sent = 0;
+    if (t) {
+        uint8_t pk[32];
+        ASSERT_EQ(kv_tls_peer_key(t, pk), 0);
+        ASSERT_TRUE(memcmp(pk, g_node_key.pk, 32) == 0);
+        const uint32_t sizes[] = {1, 1000, 70000, 3u << 20, 17};
+        for (int i = 0; i < 5; i++) {
+            ASSERT_EQ(echo_once(t, sizes[i], (uint8_t)i), 0);
+            sent += sizes[i] + 4;
+        }
+    }
+    kv_tls_free(t);
+    if (fd >= 0) close(fd);
+    /* a second circuit at the same time as a third */
+    ASSERT_EQ(honest_roundtrip(coord, 9), 0);
+    uint8_t nobody[32] = {1, 2, 3};
+    d.msg[0] = 0;
+    ASSERT_EQ(kv_relay_client_open(coord, nobody, 2000, &fd, &d), KV_ENOTFOUND);
+    ASSERT_TRUE(strstr(d.msg, "not connected") != NULL);
+    kv_relay_stats st;
+    kv_relay_server_stats(s, &st);
+    ASSERT_EQ(st.nodes, 1);
+    ASSERT_TRUE(st.circuits_total >= 2);
+    ASSERT_TRUE(st.bytes_to_node > sent); /* the app bytes plus TLS records */
+    ASSERT_TRUE(st.bytes_to_coord > sent);
+    ASSERT_EQ(st.refused_circuits, 1);
+    ASSERT_EQ(st.protocol_errors, 0);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    ASSERT_TRUE(atomic_load(&g_svc_tls_ok) >= 2);
+    kv_relay_server_free(s);
+}
+
+/* A relay that flips one byte of what it forwards to the coordinator: the
+ * coordinator's inner TLS fails the record and delivers nothing altered. */
+static void test_tamper(void) {
+    kv_relay_server_opts so = {.tamper_at = 6000};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, true, 0, 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    int fd = -1;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_relay_client_open(coord, g_node_key.pk, 3000, &fd, &d), 0);
+    kv_tls *t = fd >= 0 ? inner_tls(fd, g_node_key.pk) : NULL; /* the handshake is before byte 6000 */
+    ASSERT_TRUE(t != NULL);
+    if (t) {
+        const uint32_t n = 20000;
+        uint8_t *m = malloc(4 + n), *r = calloc(1, 4 + n);
+        wr32(m, n);
+        for (uint32_t i = 0; i < n; i++) m[4 + i] = pat(i, 3);
+        ASSERT_EQ(kv_tls_write_full(t, m, 4 + n, 5000, &d), 0);
+        size_t got = 0;
+        int rc = kv_tls_read_full(t, r, 4 + n, &got, 5000, &d);
+        ASSERT_EQ(rc, KV_EPROTO);
+        ASSERT_TRUE(got < 4 + n);
+        ASSERT_TRUE(memcmp(r, m, got) == 0); /* what was delivered is what was sent */
+        free(m);
+        free(r);
+    }
+    kv_tls_free(t);
+    if (fd >= 0) close(fd);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
+/* A node that claims the registered node's key, signing with its own key or
+ * replaying a proof made for another connection, is refused (EAUTH); the
+ * real node keeps its circuits. */
+static void test_impersonation(void) {
+    kv_relay_server_opts so = {0};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, true, 0, 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    raw r = {0};
+    uint8_t ex[32];
+    /* signed by the wrong key over the right exporter */
+    ASSERT_TRUE(raw_dial(&r, s, g_evil_ctx));
+    ASSERT_EQ(kv_tls_exporter(r.t, ex), 0);
+    ASSERT_EQ(raw_node_hello(&r, g_node_key.pk, g_evil_key.sk, ex), 0);
+    expect_error(&r, KV_EAUTH, "does not prove key");
+    raw_close(&r);
+    /* the right key's signature, over another connection's exporter (a replay) */
+    ASSERT_TRUE(raw_dial(&r, s, g_evil_ctx));
+    uint8_t other[32];
+    memset(other, 0x5a, 32);
+    ASSERT_EQ(raw_node_hello(&r, g_node_key.pk, g_node_key.sk, other), 0);
+    expect_error(&r, KV_EAUTH, "does not prove key");
+    raw_close(&r);
+    kv_relay_stats st;
+    kv_relay_server_stats(s, &st);
+    ASSERT_EQ(st.auth_failures, 2);
+    ASSERT_EQ(st.nodes, 1);
+    ASSERT_EQ(honest_roundtrip(coord, 4), 0);
+    /* and a node proving its own key is welcome */
+    ASSERT_TRUE(raw_dial(&r, s, g_evil_ctx));
+    ASSERT_EQ(kv_tls_exporter(r.t, ex), 0);
+    ASSERT_EQ(raw_node_hello(&r, g_evil_key.pk, g_evil_key.sk, ex), 0);
+    uint8_t b[64];
+    uint32_t sid, n;
+    ASSERT_EQ(raw_recv(&r, &sid, b, sizeof b, &n), KV_RELAY_WELCOME);
+    raw_close(&r);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
+/* Frames that lie close the liar's connection with an ERROR that names the
+ * lie; the honest circuit keeps working after each. */
+static void test_lying_frames(void) {
+    kv_relay_server_opts so = {.window = KV_RELAY_MIN_WINDOW};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, true, 0, 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    /* a raw node that never grants credit, as the target of the stream lies */
+    raw rn = {0};
+    uint8_t ex[32], b[256];
+    uint32_t sid, n;
+    ASSERT_TRUE(raw_dial(&rn, s, g_evil_ctx));
+    ASSERT_EQ(kv_tls_exporter(rn.t, ex), 0);
+    ASSERT_EQ(raw_node_hello(&rn, g_evil_key.pk, g_evil_key.sk, ex), 0);
+    ASSERT_EQ(raw_recv(&rn, &sid, b, sizeof b, &n), KV_RELAY_WELCOME);
+    static uint8_t big[KV_RELAY_MAX_PAYLOAD];
+    struct {
+        const char *what;
+        int code;
+    } lies[] = {
+        {"never opened", KV_EPROTO}, {"over the", KV_EPROTO},      {"unknown type", KV_EPROTO},
+        {"reserved", KV_EPROTO},     {"not above", KV_EPROTO},     {"past its credit", KV_EPROTO},
+        {"passes the window", KV_EPROTO}, {"second HELLO", KV_EPROTO},
+    };
+    for (int i = 0; i < (int)(sizeof lies / sizeof lies[0]); i++) {
+        raw r = {0};
+        ASSERT_TRUE(raw_coord(&r, s));
+        uint8_t h[12] = {0};
+        kv_diag d = {0};
+        switch (i) {
+        case 0: raw_send(&r, KV_RELAY_DATA, 9, "x", 1); break;
+        case 1: /* a header announcing 1 MiB */
+            h[0] = KV_RELAY_DATA, wr32(h + 4, 1), wr32(h + 8, 1u << 20);
+            kv_tls_write_full(r.t, h, 12, 2000, &d);
+            break;
+        case 2: h[0] = 77, wr32(h + 4, 1), kv_tls_write_full(r.t, h, 12, 2000, &d); break;
+        case 3: h[0] = KV_RELAY_DATA, h[2] = 1, wr32(h + 4, 1), kv_tls_write_full(r.t, h, 12, 2000, &d); break;
+        case 4: /* stream ids must grow */
+            raw_send(&r, KV_RELAY_OPEN, 5, g_evil_key.pk, 32);
+            raw_recv(&rn, &sid, b, sizeof b, &n); /* the OPEN at the raw node */
+            raw_send(&r, KV_RELAY_OPEN, 5, g_evil_key.pk, 32);
+            break;
+        case 5: /* two full DATA frames on a window of one: the raw node grants nothing */
+            raw_send(&r, KV_RELAY_OPEN, 1, g_evil_key.pk, 32);
+            raw_send(&r, KV_RELAY_DATA, 1, big, sizeof big);
+            raw_send(&r, KV_RELAY_DATA, 1, big, sizeof big);
+            break;
+        case 6: { /* credit never spent */
+            uint8_t c4[4];
+            wr32(c4, 100);
+            raw_send(&r, KV_RELAY_OPEN, 1, g_evil_key.pk, 32);
+            raw_send(&r, KV_RELAY_CREDIT, 1, c4, 4);
+            break;
+        }
+        case 7: {
+            uint8_t hh[8];
+            hello_coord(hh);
+            raw_send(&r, KV_RELAY_HELLO, 0, hh, 8);
+            break;
+        }
+        }
+        /* an OPEN's answer (ACCEPT never comes from the raw node: CLOSE may) can precede the ERROR */
+        uint8_t e[512];
+        int type;
+        do type = raw_recv(&r, &sid, e, sizeof e - 1, &n);
+        while (type == KV_RELAY_CLOSE || type == KV_RELAY_ACCEPT);
+        ASSERT_EQ(type, KV_RELAY_ERROR);
+        if (type == KV_RELAY_ERROR) {
+            e[n] = 0;
+            ASSERT_EQ((int32_t)rd32(e), lies[i].code);
+            if (!strstr((char *)e + 4, lies[i].what)) KVT_FAIL("lie %d: '%s' does not say '%s'", i, (char *)e + 4, lies[i].what);
+        }
+        ASSERT_TRUE(raw_recv(&r, &sid, e, sizeof e, &n) < 0);
+        raw_close(&r);
+        ASSERT_EQ(honest_roundtrip(coord, (uint8_t)(20 + i)), 0);
+    }
+    /* the raw node saw its circuits end with the liars' connections */
+    kv_relay_stats st;
+    kv_relay_server_stats(s, &st);
+    ASSERT_EQ(st.protocol_errors, 8);
+    ASSERT_EQ(st.nodes, 2);
+    raw_close(&rn);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
+/* Circuits over a coordinator's budget are refused (ERANGE, named) while an
+ * honest circuit keeps working; idle connections over the per-address cap
+ * are refused, and the others dropped at the handshake deadline. */
+static void test_flood(void) {
+    kv_relay_server_opts so = {.max_circuits_per_coord = 4, .max_circuits_per_node = 8, .max_circuits = 16,
+                               .max_pending_per_addr = 4, .handshake_timeout_ms = 600};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, false, 0, 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    /* the honest circuit, open through the flood (plain echo inside) */
+    int hfd = -1;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_relay_client_open(coord, g_node_key.pk, 3000, &hfd, &d), 0);
+    raw r = {0};
+    ASSERT_TRUE(raw_coord(&r, s));
+    for (uint32_t i = 1; i <= 10; i++) raw_send(&r, KV_RELAY_OPEN, i, g_node_key.pk, 32);
+    int accepted = 0, refused = 0;
+    uint8_t b[512];
+    uint32_t sid, n;
+    for (int i = 0; i < 10; i++) {
+        int type = raw_recv(&r, &sid, b, sizeof b - 1, &n);
+        if (type == KV_RELAY_ACCEPT) accepted++;
+        else if (type == KV_RELAY_CLOSE) {
+            b[n] = 0;
+            ASSERT_EQ((int32_t)rd32(b), KV_ERANGE);
+            if (!strstr((char *)b + 4, "4 circuits open, its limit")) KVT_FAIL("refusal says '%s'", (char *)b + 4);
+            refused++;
+        }
+    }
+    ASSERT_EQ(accepted, 4);
+    ASSERT_EQ(refused, 6);
+    /* the honest circuit still answers */
+    char msg[64] = "still here", back[64] = {0};
+    ASSERT_EQ(write(hfd, msg, 10), 10);
+    ASSERT_EQ(read(hfd, back, 10), 10);
+    ASSERT_STREQ(back, msg);
+    /* idle TCP connections (no TLS) from one address: 4 wait, the rest are refused */
+    int idle[8];
+    for (int i = 0; i < 8; i++) ASSERT_EQ(kv_link_connect(kv_relay_server_addr(s), 1000, &idle[i], &d), 0);
+    sleep_ms(200);
+    kv_relay_stats st;
+    kv_relay_server_stats(s, &st);
+    ASSERT_EQ(st.refused_conns, 4);
+    ASSERT_EQ(st.refused_circuits, 6);
+    /* after the deadline the waiting ones are closed too */
+    sleep_ms(900);
+    int ended = 0;
+    for (int i = 0; i < 8; i++) {
+        struct pollfd p = {.fd = idle[i], .events = POLLIN};
+        char c;
+        ended += poll(&p, 1, 500) == 1 && read(idle[i], &c, 1) <= 0;
+        close(idle[i]);
+    }
+    ASSERT_EQ(ended, 8);
+    memset(back, 0, sizeof back);
+    ASSERT_EQ(write(hfd, msg, 10), 10);
+    ASSERT_EQ(read(hfd, back, 10), 10);
+    ASSERT_STREQ(back, msg);
+    close(hfd);
+    raw_close(&r);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
+/* One stream whose reader stops (megabytes queued, never read) does not
+ * slow another; then every byte of the stopped one arrives intact. */
+static void test_slow_reader(void) {
+    kv_relay_server_opts so = {0};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, false, 0, 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    int a = -1, b = -1;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_relay_client_open(coord, g_node_key.pk, 3000, &a, &d), 0);
+    ASSERT_EQ(kv_relay_client_open(coord, g_node_key.pk, 3000, &b, &d), 0);
+    if (a < 0 || b < 0) goto out;
+    fcntl(a, F_SETFL, fcntl(a, F_GETFL) | O_NONBLOCK);
+    /* write to A until nothing more is taken: every buffer on the way is full */
+    const size_t cap = 16u << 20;
+    uint8_t *m = malloc(cap);
+    for (size_t i = 0; i < cap; i++) m[i] = pat(i, 5);
+    size_t put = 0;
+    for (int idle = 0; idle < 20 && put < cap;) {
+        ssize_t k = write(a, m + put, cap - put > 65536 ? 65536 : cap - put);
+        if (k > 0) put += (size_t)k, idle = 0;
+        else idle++, sleep_ms(10);
+    }
+    ASSERT_TRUE(put > (512u << 10)); /* more than the windows on the way */
+    ASSERT_TRUE(put < cap);          /* and then A stalled */
+    /* B round-trips at once */
+    const int64_t t0 = kv_net_now_ms();
+    for (int i = 0; i < 20; i++) {
+        char out[100], in[100];
+        memset(out, 'a' + i, sizeof out);
+        ASSERT_EQ(write(b, out, 100), 100);
+        size_t got = 0;
+        while (got < 100) {
+            ssize_t k = read(b, in + got, 100 - got);
+            if (k <= 0) break;
+            got += (size_t)k;
+        }
+        ASSERT_EQ(got, 100);
+        ASSERT_TRUE(memcmp(in, out, 100) == 0);
+    }
+    const int64_t dt = kv_net_now_ms() - t0;
+    ASSERT_TRUE(dt < 1000);
+    kv_relay_stats st;
+    kv_relay_server_stats(s, &st);
+    ASSERT_TRUE(st.mem < (16u << 20)); /* the relay holds windows, not the backlog */
+    /* now read A: everything, intact, in order */
+    fcntl(a, F_SETFL, fcntl(a, F_GETFL) & ~O_NONBLOCK);
+    uint8_t *r = malloc(put);
+    size_t got = 0;
+    int bad = 0;
+    while (got < put) {
+        struct pollfd p = {.fd = a, .events = POLLIN};
+        if (poll(&p, 1, 5000) != 1) break;
+        ssize_t k = read(a, r + got, put - got);
+        if (k <= 0) break;
+        got += (size_t)k;
+    }
+    ASSERT_EQ(got, put);
+    for (size_t i = 0; i < got; i++) bad += r[i] != pat(i, 5);
+    ASSERT_EQ(bad, 0);
+    free(r);
+    free(m);
+out:
+    if (a >= 0) close(a);
+    if (b >= 0) close(b);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
+/* The relay goes away: the node retries with growing delays (a handful of
+ * attempts in 1.6 s, not hundreds), and once the relay is back on the same
+ * address it registers again and serves circuits. */
+static void test_reconnect(void) {
+    kv_relay_server_opts so = {0};
+    kv_relay_server *s = relay_start(&so);
+    char addr[80];
+    snprintf(addr, sizeof addr, "%s", kv_relay_server_addr(s));
+    kv_relay_client *node = client_start(addr, KV_RELAY_ROLE_NODE, true, 100, 400);
+    ASSERT_TRUE(wait_up(node, 3000));
+    kv_relay_server_free(s);
+    sleep_ms(1600);
+    kv_relay_client_stats st;
+    kv_relay_client_stats_get(node, &st);
+    ASSERT_TRUE(!st.up);
+    ASSERT_EQ(st.connects, 1);
+    /* delays ~50-100, 100-200, then 200-400 ms: 4 to 9 retries in 1.6 s */
+    ASSERT_TRUE(st.attempts >= 1 + 4 && st.attempts <= 1 + 10);
+    ASSERT_TRUE(st.last_backoff_ms >= 200 && st.last_backoff_ms <= 400);
+    ASSERT_TRUE(st.last_error[0] != 0);
+    so.listen = addr;
+    s = relay_start(&so);
+    ASSERT_TRUE(wait_up(node, 3000));
+    kv_relay_client_stats_get(node, &st);
+    ASSERT_EQ(st.connects, 2);
+    kv_relay_client *coord = client_start(addr, KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_EQ(honest_roundtrip(coord, 7), 0);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
+static const kvt_case cases[] = {
+    KVT_CASE(test_frames),       KVT_CASE(test_roundtrip_tls), KVT_CASE(test_tamper),
+    KVT_CASE(test_impersonation), KVT_CASE(test_lying_frames), KVT_CASE(test_flood),
+    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),
+};
+
+int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
