@@ -139,6 +139,7 @@ typedef struct kv_relay_stats {
     uint64_t protocol_errors;  /* connections closed for a frame that lied */
     uint64_t throttled;        /* credits withheld for a rate */
     size_t mem;                /* bytes buffered now */
+    size_t mem_peak;           /* the most buffered at once */
 } kv_relay_stats;
 
 /* Listens on o->listen and serves on a thread of its own. 0 and *out

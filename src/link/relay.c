@@ -650,6 +650,7 @@ void kv_relay_server_stats(const kv_relay_server *s, kv_relay_stats *out) {
     out->protocol_errors = atomic_load(&m->st_proto);
     out->throttled = atomic_load(&m->st_throttled);
     out->mem = atomic_load(&m->budget.used);
+    out->mem_peak = atomic_load(&m->budget.peak);
 }
 
 void kv_relay_server_free(kv_relay_server *s) {
