@@ -13,11 +13,14 @@
  * circuit keeps working, and idle handshakes over the per-address cap are
  * refused and then dropped at the deadline; a reader that stops on one
  * stream does not slow another; a node whose relay goes away retries with
- * growing delays and serves again once the relay is back. The independent
+ * growing delays and serves again once the relay is back; a real dispatch
+ * worker behind a relayed node answers the coordinator's handshake and a
+ * COMPUTE with the same bytes as on a direct connection. The independent
  * references: frame bytes written out by hand from docs/PROTOCOL.md, a byte
  * pattern each side derives on its own, and OpenSSL's own TLS on the
  * inner session. */
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
@@ -27,6 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvasir/dispatch.h"
 #include "kvasir/link.h"
 #include "kvasir/net.h"
 #include "kvasir/relay.h"
@@ -38,6 +42,7 @@ static kv_tls_ctx *g_relay_ctx, *g_node_ctx, *g_coord_ctx, *g_evil_ctx;
 static char g_relay_fp[KV_TLS_FP_HEX + 1];
 
 static int setup(void) {
+    signal(SIGPIPE, SIG_IGN);
     uint8_t seed[32];
     memset(seed, 11, 32), kv_node_key_from_seed(&g_relay_key, seed);
     memset(seed, 12, 32), kv_node_key_from_seed(&g_node_key, seed);
@@ -753,10 +758,132 @@ static void test_reconnect(void) {
     kv_relay_server_free(s);
 }
 
+/* ---- the real thing: a dispatch worker served through the relay ------------------------- */
+
+static void *worker_main(void *w) {
+    kv_diag d = {0};
+    kv_worker_serve(w, &d);
+    return NULL;
+}
+
+/* One COMPUTE of 2 tokens and 4 pairs on an authenticated link; the RESULT's
+ * output bytes into y (malloc'd, *n bytes). 0 or a code. */
+static int compute_on(const kv_link_dispatch *ln, uint8_t **y, size_t *n) {
+    const uint32_t E = ln->n_embd;
+    float *x = malloc(sizeof(float) * 2 * E);
+    for (uint32_t i = 0; i < 2 * E; i++) x[i] = (float)((int)(i * 37u % 101u) - 50) / 64.0f;
+    const kv_proto_pair pairs[4] = {{0, 0}, {0, 1}, {1, 2}, {1, 3}};
+    kv_msg_compute cm = {0, KV_ENC_F32, KV_ENC_F32, 2, E, 4, x, pairs, NULL, NULL};
+    size_t cap = 1u << 20, len = 0;
+    uint8_t *buf = malloc(cap), *rb = malloc(cap);
+    kv_diag d = {0};
+    int rc = kv_msg_compute_encode(buf, cap, 5, &cm, &len, &d);
+    if (!rc) kv_frame_set_version(buf, ln->version), rc = kv_proto_write_all(ln->fd, buf, len, 5000, &d);
+    kv_frame_rx rx;
+    kv_frame_rx_init(&rx, rb, cap);
+    kv_msg m;
+    if (!rc) rc = kv_proto_read_msg(&rx, ln->fd, 5000, NULL, &m, &d);
+    if (!rc && (m.h.type != KV_MSG_RESULT || m.u.result.n_pairs != 4)) rc = KV_EPROTO;
+    if (!rc) {
+        *n = (size_t)4 * E * 4;
+        *y = malloc(*n);
+        memcpy(*y, m.u.result.y_wire, *n);
+    }
+    if (rc) fprintf(stderr, "compute: %s (%d)\n", d.msg, rc);
+    free(x);
+    free(buf);
+    free(rb);
+    return rc;
+}
+
+/* A real dispatch worker behind a node that has only its relay connection:
+ * the coordinator's blocking dispatch handshake (kv_link_dial_dispatch),
+ * dialed through the relay, proves the same worker key and gets the same
+ * HELLO_ACK as a direct dial, and a COMPUTE through it answers the same
+ * bytes as the direct one. A dial expecting another key fails (EAUTH). */
+static void test_dispatch_through_relay(void) {
+    const char *bin = getenv("KV_BIN");
+    if (!bin) {
+        KVT_FAIL("KV_BIN is not set (the kvasir binary makes the model)");
+        return;
+    }
+    char dir[256], cmd[2048], slabs[300];
+    snprintf(dir, sizeof dir, "%s/kv_relay_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(cmd, sizeof cmd,
+             "'%s' gen-model --preset tiny --out '%s/m.gguf' >/dev/null 2>&1 && "
+             "'%s' slice '%s/m.gguf' --out '%s/sl' --experts-per-slab 4 >/dev/null 2>&1",
+             bin, dir, bin, dir, dir);
+    ASSERT_EQ(system(cmd), 0);
+    snprintf(slabs, sizeof slabs, "%s/sl", dir);
+    uint8_t allow[1][32];
+    memcpy(allow[0], g_coord_key.pk, 32);
+    kv_worker_opts wo = {.slabs = slabs, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true,
+                         .key_sk = g_node_key.sk, .allow_keys = (const uint8_t(*)[32])allow, .n_allow_keys = 1};
+    kv_worker *w = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_worker_open(&w, &wo, &d), 0);
+    if (!w) return;
+    pthread_t wt;
+    pthread_create(&wt, NULL, worker_main, w);
+    kv_relay_server_opts so = {0};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_forward *fw = NULL;
+    ASSERT_EQ(kv_relay_forward_new(&fw, g_node_ctx, kv_worker_addr(w), &d), 0);
+    kv_relay_client_opts no = {.relay = kv_relay_server_addr(s), .relay_sha256 = g_relay_fp, .tls = g_node_ctx,
+                               .role = KV_RELAY_ROLE_NODE, .key = &g_node_key, .on_circuit = kv_relay_forward_circuit,
+                               .data = fw};
+    kv_relay_client *node = NULL, *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_EQ(kv_relay_client_start(&node, &no, &d), 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    kv_relay_proxy *px = NULL;
+    ASSERT_EQ(kv_relay_proxy_start(&px, coord, g_coord_ctx, g_node_key.pk, 3000, &d), 0);
+    kv_link_dispatch_opts lo = {.addr = kv_worker_addr(w), .model_id = kv_worker_model_id(w),
+                                .worker_key = g_node_key.pk, .sk = g_coord_key.sk, .timeout_ms = 5000};
+    kv_link_dispatch direct, relayed;
+    ASSERT_EQ(kv_link_dial_dispatch(&lo, &direct, &d), 0);
+    lo.addr = kv_relay_proxy_addr(px);
+    int rc = kv_link_dial_dispatch(&lo, &relayed, &d);
+    if (rc) fprintf(stderr, "relayed dial: %s\n", d.msg);
+    ASSERT_EQ(rc, 0);
+    if (!rc && direct.fd >= 0) {
+        ASSERT_EQ(relayed.version, direct.version);
+        ASSERT_EQ(relayed.n_embd, direct.n_embd);
+        ASSERT_STREQ(relayed.backend, direct.backend);
+        uint8_t *yd = NULL, *yr = NULL;
+        size_t nd = 0, nr = 0;
+        ASSERT_EQ(compute_on(&direct, &yd, &nd), 0);
+        ASSERT_EQ(compute_on(&relayed, &yr, &nr), 0);
+        ASSERT_EQ(nr, nd);
+        ASSERT_TRUE(yd && yr && nd == nr && memcmp(yd, yr, nd) == 0);
+        free(yd);
+        free(yr);
+    }
+    if (direct.fd >= 0) close(direct.fd);
+    if (!rc) close(relayed.fd);
+    /* a dial that expects another key through the relay: the worker proves its own */
+    lo.worker_key = g_evil_key.pk;
+    ASSERT_EQ(kv_link_dial_dispatch(&lo, &relayed, &d), KV_EAUTH);
+    ASSERT_EQ(relayed.fd, -1);
+    kv_relay_proxy_free(px);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    uint64_t served = 0, failed = 0;
+    kv_relay_forward_counts(fw, &served, &failed);
+    kv_relay_forward_free(fw);
+    ASSERT_TRUE(served >= 1);
+    kv_relay_server_free(s);
+    kv_worker_stop(w);
+    pthread_join(wt, NULL);
+    kv_worker_free(w);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)!system(cmd);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_frames),       KVT_CASE(test_roundtrip_tls), KVT_CASE(test_tamper),
     KVT_CASE(test_impersonation), KVT_CASE(test_lying_frames), KVT_CASE(test_flood),
-    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),
+    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_dispatch_through_relay),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

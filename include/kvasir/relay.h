@@ -202,4 +202,40 @@ void kv_relay_client_stats_get(kv_relay_client *c, kv_relay_client_stats *out);
 /* Stops the thread and ends every circuit (accepts NULL). */
 void kv_relay_client_free(kv_relay_client *c);
 
+/* ---- bridges (src/link/relay_bridge.c) ----------------------------------------------------- */
+
+/* Carries bytes both ways between an established TLS session t over
+ * tls_fd and a plain socket plain_fd (both made nonblocking here), until
+ * either ends: 0 at an end of stream, KV_EPROTO when a TLS record fails
+ * (altered on the way), KV_EIO, KV_ENOMEM. Blocks the calling thread; the
+ * caller closes both fds. */
+int kv_relay_pump(kv_tls *t, int tls_fd, int plain_fd);
+
+/* The node's side: every circuit (use kv_relay_forward_circuit as the
+ * client's on_circuit, the forward as its data) gets a thread that answers
+ * the coordinator's TLS session with the node's certificate tls and
+ * carries its plaintext to a TCP connection to local ("HOST:PORT": the
+ * worker this node runs), so the worker serves relayed coordinators
+ * unchanged. Free it after the client (whose end closes the circuits):
+ * kv_relay_forward_free waits for the threads. */
+typedef struct kv_relay_forward kv_relay_forward;
+int kv_relay_forward_new(kv_relay_forward **out, kv_tls_ctx *tls, const char *local, kv_diag *d);
+void kv_relay_forward_circuit(void *forward, int fd);
+/* Circuits bridged to the end, and ones that failed (TLS, local connect). */
+void kv_relay_forward_counts(const kv_relay_forward *f, uint64_t *served, uint64_t *failed);
+void kv_relay_forward_free(kv_relay_forward *f); /* accepts NULL */
+
+/* The coordinator's side: a listener on 127.0.0.1 (kernel-chosen port)
+ * whose every connection becomes a circuit to node_pk through the
+ * coordinator's client cl, with a TLS session inside pinned to node_pk, so
+ * a client that dials an address (kv_link_dial_dispatch) reaches a relayed
+ * node unchanged. A connection whose circuit or TLS session fails is
+ * closed (the client reads end of stream). Free it before cl, after closing
+ * the connections made through it: kv_relay_proxy_free waits for them. */
+typedef struct kv_relay_proxy kv_relay_proxy;
+int kv_relay_proxy_start(kv_relay_proxy **out, kv_relay_client *cl, kv_tls_ctx *tls, const uint8_t node_pk[32],
+                         int timeout_ms, kv_diag *d);
+const char *kv_relay_proxy_addr(const kv_relay_proxy *p);
+void kv_relay_proxy_free(kv_relay_proxy *p); /* accepts NULL */
+
 #endif
