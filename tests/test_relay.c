@@ -27,6 +27,8 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,6 +36,7 @@
 #include "kvasir/link.h"
 #include "kvasir/net.h"
 #include "kvasir/relay.h"
+#include "kvasir/slice.h"
 #include "kvasir/tls.h"
 #include "kvtest.h"
 
@@ -58,7 +61,13 @@ static int setup(void) {
     return 0;
 }
 
+static char g_model_dir[256];
 static void teardown(void) {
+    if (g_model_dir[0]) {
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_model_dir);
+        (void)!system(cmd);
+    }
     kv_tls_ctx_free(g_relay_ctx);
     kv_tls_ctx_free(g_node_ctx);
     kv_tls_ctx_free(g_coord_ctx);
@@ -760,6 +769,32 @@ static void test_reconnect(void) {
 
 /* ---- the real thing: a dispatch worker served through the relay ------------------------- */
 
+/* The tiny model, sliced, made once by the kvasir binary (KV_BIN). */
+static bool make_model(void) {
+    if (g_model_dir[0]) return true;
+    const char *bin = getenv("KV_BIN");
+    if (!bin) {
+        KVT_FAIL("KV_BIN is not set (the kvasir binary makes the model)");
+        return false;
+    }
+    char dir[256], cmd[2048];
+    snprintf(dir, sizeof dir, "%s/kv_relay_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    if (!mkdtemp(dir)) {
+        KVT_FAIL("mkdtemp: %s", strerror(errno));
+        return false;
+    }
+    snprintf(cmd, sizeof cmd,
+             "'%s' gen-model --preset tiny --out '%s/m.gguf' >/dev/null 2>&1 && "
+             "'%s' slice '%s/m.gguf' --out '%s/sl' --experts-per-slab 4 >/dev/null 2>&1",
+             bin, dir, bin, dir, dir);
+    snprintf(g_model_dir, sizeof g_model_dir, "%s", dir);
+    if (system(cmd)) {
+        KVT_FAIL("cannot make the model: %s", cmd);
+        return false;
+    }
+    return true;
+}
+
 static void *worker_main(void *w) {
     kv_diag d = {0};
     kv_worker_serve(w, &d);
@@ -802,20 +837,9 @@ static int compute_on(const kv_link_dispatch *ln, uint8_t **y, size_t *n) {
  * HELLO_ACK as a direct dial, and a COMPUTE through it answers the same
  * bytes as the direct one. A dial expecting another key fails (EAUTH). */
 static void test_dispatch_through_relay(void) {
-    const char *bin = getenv("KV_BIN");
-    if (!bin) {
-        KVT_FAIL("KV_BIN is not set (the kvasir binary makes the model)");
-        return;
-    }
-    char dir[256], cmd[2048], slabs[300];
-    snprintf(dir, sizeof dir, "%s/kv_relay_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-    ASSERT_TRUE(mkdtemp(dir) != NULL);
-    snprintf(cmd, sizeof cmd,
-             "'%s' gen-model --preset tiny --out '%s/m.gguf' >/dev/null 2>&1 && "
-             "'%s' slice '%s/m.gguf' --out '%s/sl' --experts-per-slab 4 >/dev/null 2>&1",
-             bin, dir, bin, dir, dir);
-    ASSERT_EQ(system(cmd), 0);
-    snprintf(slabs, sizeof slabs, "%s/sl", dir);
+    char slabs[300];
+    if (!make_model()) return;
+    snprintf(slabs, sizeof slabs, "%s/sl", g_model_dir);
     uint8_t allow[1][32];
     memcpy(allow[0], g_coord_key.pk, 32);
     kv_worker_opts wo = {.slabs = slabs, .listen = "127.0.0.1:0", .n_threads = 1, .quiet = true,
@@ -876,14 +900,99 @@ static void test_dispatch_through_relay(void) {
     kv_worker_stop(w);
     pthread_join(wt, NULL);
     kv_worker_free(w);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    (void)!system(cmd);
+}
+
+/* `kvasir worker --relay HOST:PORT#sha256=FP` (a process with no address a
+ * coordinator can reach but its relay connection): a coordinator dials it
+ * by key through the relay and a COMPUTE answers the same bytes as on a
+ * direct connection to the same process. */
+static void test_worker_cli_relay(void) {
+    if (!make_model()) return;
+    kv_relay_server_opts so = {0};
+    kv_relay_server *s = relay_start(&so);
+    char keyf[300], outf[300], slabs[300], relay[200], allow[65], hex[65];
+    snprintf(keyf, sizeof keyf, "%s/node.key", g_model_dir);
+    snprintf(outf, sizeof outf, "%s/worker.out", g_model_dir);
+    snprintf(slabs, sizeof slabs, "%s/sl", g_model_dir);
+    snprintf(relay, sizeof relay, "%s#sha256=%s", kv_relay_server_addr(s), g_relay_fp);
+    kv_hex(g_coord_key.pk, 32, allow);
+    uint8_t seed[32];
+    memset(seed, 12, 32); /* g_node_key's seed */
+    kv_hex(seed, 32, hex);
+    FILE *f = fopen(keyf, "w");
+    ASSERT_TRUE(f != NULL);
+    if (!f) return;
+    fprintf(f, "%s\n", hex);
+    fclose(f);
+    chmod(keyf, 0600);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int o = open(outf, O_WRONLY | O_CREAT | O_TRUNC, 0600), n = open("/dev/null", O_WRONLY);
+        dup2(o, 1), dup2(n, 2);
+        execl(getenv("KV_BIN"), getenv("KV_BIN"), "worker", "--slabs", slabs, "--relay", relay, "--allow-key", allow,
+              "--key", keyf, "--threads", "1", "--quiet", (char *)NULL);
+        _exit(127);
+    }
+    /* the node registers; its listening address (loopback) is the direct path */
+    kv_relay_stats st = {0};
+    char addr[80] = "";
+    for (int i = 0; i < 1000 && (!st.nodes || !addr[0]); i++) {
+        sleep_ms(10);
+        kv_relay_server_stats(s, &st);
+        FILE *o = fopen(outf, "r");
+        char line[200];
+        if (o && fgets(line, sizeof line, o) && sscanf(line, "listening on %79s", addr) != 1) addr[0] = 0;
+        if (o) fclose(o);
+    }
+    ASSERT_EQ(st.nodes, 1);
+    ASSERT_TRUE(addr[0] != 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    kv_relay_proxy *px = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_relay_proxy_start(&px, coord, g_coord_ctx, g_node_key.pk, 3000, &d), 0);
+    char model[KV_LINK_MODEL_ID_LEN + 1] = "";
+    { /* the model id, from the manifest */
+        char man[400];
+        snprintf(man, sizeof man, "%s/manifest.json", slabs);
+        kv_manifest *m = NULL;
+        ASSERT_EQ(kv_manifest_load(&m, man, &d), 0);
+        if (m) snprintf(model, sizeof model, "%s", m->model_id);
+        kv_manifest_free(m);
+    }
+    kv_link_dispatch_opts lo = {.addr = addr, .model_id = model, .worker_key = g_node_key.pk,
+                                .sk = g_coord_key.sk, .timeout_ms = 5000};
+    kv_link_dispatch direct = {.fd = -1}, relayed = {.fd = -1};
+    int rc1 = addr[0] ? kv_link_dial_dispatch(&lo, &direct, &d) : KV_EINVAL;
+    ASSERT_EQ(rc1, 0);
+    lo.addr = kv_relay_proxy_addr(px);
+    int rc2 = kv_link_dial_dispatch(&lo, &relayed, &d);
+    if (rc2) fprintf(stderr, "relayed dial: %s\n", d.msg);
+    ASSERT_EQ(rc2, 0);
+    if (!rc1 && !rc2) {
+        uint8_t *yd = NULL, *yr = NULL;
+        size_t nd = 0, nr = 0;
+        ASSERT_EQ(compute_on(&direct, &yd, &nd), 0);
+        ASSERT_EQ(compute_on(&relayed, &yr, &nr), 0);
+        ASSERT_TRUE(yd && yr && nd == nr && memcmp(yd, yr, nd) == 0);
+        free(yd);
+        free(yr);
+    }
+    if (direct.fd >= 0) close(direct.fd);
+    if (relayed.fd >= 0) close(relayed.fd);
+    kv_relay_proxy_free(px);
+    kv_relay_client_free(coord);
+    kill(pid, SIGTERM);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    kv_relay_server_free(s);
 }
 
 static const kvt_case cases[] = {
     KVT_CASE(test_frames),       KVT_CASE(test_roundtrip_tls), KVT_CASE(test_tamper),
     KVT_CASE(test_impersonation), KVT_CASE(test_lying_frames), KVT_CASE(test_flood),
     KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_dispatch_through_relay),
+    KVT_CASE(test_worker_cli_relay),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -192,6 +192,10 @@ typedef struct kv_relay_client_stats {
  * reconnecting. 0 and *out (kv_relay_client_free), or KV_EINVAL naming the
  * option, KV_ENOMEM, KV_EIO. */
 int kv_relay_client_start(kv_relay_client **out, const kv_relay_client_opts *o, kv_diag *d);
+/* Splits a relay as a user writes it, "HOST:PORT#sha256=<64 hex>", into
+ * addr[cap] and the fingerprint fp[65] (lowercase). 0, or KV_EINVAL naming
+ * what is missing or wrong. */
+int kv_relay_parse_url(const char *s, char *addr, size_t cap, char fp[KV_TLS_FP_HEX + 1], kv_diag *d);
 /* A coordinator: opens a circuit to the node with key node_pk, waiting up
  * to timeout_ms (0 = 5000) for the relay connection and the node's ACCEPT.
  * 0 and *fd (one end of a socketpair, blocking; the caller closes it), or

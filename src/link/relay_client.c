@@ -573,6 +573,23 @@ int kv_relay_client_open(kv_relay_client *c, const uint8_t node_pk[32], int time
     return 0;
 }
 
+int kv_relay_parse_url(const char *s, char *addr, size_t cap, char fp[KV_TLS_FP_HEX + 1], kv_diag *d) {
+    static const char tag[] = "#sha256=";
+    const char *h = s ? strstr(s, tag) : NULL;
+    if (!h)
+        return kv_fail(d, KV_EINVAL, "relay '%s': expected HOST:PORT#sha256=<64 hex digits> (the hub's tls line)",
+                       s ? s : "");
+    const size_t n = (size_t)(h - s);
+    if (n == 0 || n >= cap) return kv_fail(d, KV_EINVAL, "relay: address of %zu characters", n);
+    memcpy(addr, s, n);
+    addr[n] = 0;
+    char host[256];
+    uint16_t port = 0;
+    int rc = kv_link_parse_addr(addr, host, sizeof host, &port, d);
+    if (!rc) rc = kv_tls_fingerprint_parse(h + sizeof tag - 1, strlen(h + sizeof tag - 1), fp, d);
+    return rc ? kv_diag_prefix(d, rc, "relay '%s'", s) : 0;
+}
+
 /* ---- life ------------------------------------------------------------------------------------------- */
 
 static void *kv_cl_thread(void *arg) {
