@@ -165,9 +165,9 @@ static kv_relay_server *relay_start(kv_relay_server_opts *o) {
     return s;
 }
 
-static kv_relay_client *client_start(const char *addr, int role, bool tls_service, int bmin, int bmax) {
-    kv_relay_client_opts o = {.relay = addr, .relay_sha256 = g_relay_fp, .role = role,
-                              .tls = role == KV_RELAY_ROLE_NODE ? g_node_ctx : g_coord_ctx, .key = &g_node_key,
+static kv_relay_client *client_start_as(const char *addr, int role, bool tls_service, int bmin, int bmax,
+                                        const kv_node_key *key, kv_tls_ctx *ctx) {
+    kv_relay_client_opts o = {.relay = addr, .relay_sha256 = g_relay_fp, .role = role, .tls = ctx, .key = key,
                               .on_circuit = on_circuit, .data = tls_service ? (void *)1 : NULL,
                               .backoff_min_ms = bmin, .backoff_max_ms = bmax, .connect_timeout_ms = 2000};
     kv_relay_client *c = NULL;
@@ -176,6 +176,11 @@ static kv_relay_client *client_start(const char *addr, int role, bool tls_servic
     if (rc) fprintf(stderr, "client: %s\n", d.msg);
     ASSERT_EQ(rc, 0);
     return c;
+}
+
+static kv_relay_client *client_start(const char *addr, int role, bool tls_service, int bmin, int bmax) {
+    return client_start_as(addr, role, tls_service, bmin, bmax, &g_node_key,
+                           role == KV_RELAY_ROLE_NODE ? g_node_ctx : g_coord_ctx);
 }
 
 static bool wait_up(kv_relay_client *c, int ms) {
@@ -600,7 +605,7 @@ static void test_lying_frames(void) {
  * are refused, and the others dropped at the handshake deadline. */
 static void test_flood(void) {
     kv_relay_server_opts so = {.max_circuits_per_coord = 4, .max_circuits_per_node = 8, .max_circuits = 16,
-                               .max_pending_per_addr = 4, .handshake_timeout_ms = 600};
+                               .max_circuits_per_addr = 6, .max_pending_per_addr = 4, .handshake_timeout_ms = 600};
     kv_relay_server *s = relay_start(&so);
     kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, false, 0, 0);
     kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
@@ -627,6 +632,23 @@ static void test_flood(void) {
     }
     ASSERT_EQ(accepted, 4);
     ASSERT_EQ(refused, 6);
+    /* a second connection of the same address: 1 + 4 + 1 = the address's 6, then refused */
+    raw r2 = {0};
+    ASSERT_TRUE(raw_coord(&r2, s));
+    for (uint32_t i = 1; i <= 3; i++) raw_send(&r2, KV_RELAY_OPEN, i, g_node_key.pk, 32);
+    accepted = refused = 0;
+    for (int i = 0; i < 3; i++) {
+        int type = raw_recv(&r2, &sid, b, sizeof b - 1, &n);
+        if (type == KV_RELAY_ACCEPT) accepted++;
+        else if (type == KV_RELAY_CLOSE) {
+            b[n] = 0;
+            if (!strstr((char *)b + 4, "of this address have 6 circuits open")) KVT_FAIL("refusal says '%s'", (char *)b + 4);
+            refused++;
+        }
+    }
+    ASSERT_EQ(accepted, 1);
+    ASSERT_EQ(refused, 2);
+    raw_close(&r2);
     /* the honest circuit still answers */
     char msg[64] = "still here", back[64] = {0};
     ASSERT_EQ(write(hfd, msg, 10), 10);
@@ -639,7 +661,7 @@ static void test_flood(void) {
     kv_relay_stats st;
     kv_relay_server_stats(s, &st);
     ASSERT_EQ(st.refused_conns, 4);
-    ASSERT_EQ(st.refused_circuits, 6);
+    ASSERT_EQ(st.refused_circuits, 8);
     /* after the deadline the waiting ones are closed too */
     sleep_ms(900);
     int ended = 0;
@@ -763,6 +785,59 @@ static void test_reconnect(void) {
     ASSERT_EQ(honest_roundtrip(coord, 7), 0);
     kv_relay_client_free(coord);
     kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
+/* plain bytes through a circuit to key and back, n at a time in 64 KiB
+ * steps; ms taken, or -1 when they did not come back intact */
+static int64_t plain_echo(kv_relay_client *coord, const uint8_t *key, size_t n) {
+    int fd = -1;
+    kv_diag d = {0};
+    if (kv_relay_client_open(coord, key, 3000, &fd, &d)) return -1;
+    uint8_t *m = malloc(65536), *r = malloc(65536);
+    const int64_t t0 = kv_net_now_ms();
+    int64_t rc = 0;
+    for (size_t off = 0; off < n && !rc; off += 65536) {
+        for (size_t i = 0; i < 65536; i++) m[i] = pat(off + i, 9);
+        if (write(fd, m, 65536) != 65536) rc = -1;
+        for (size_t got = 0; got < 65536 && !rc;) {
+            ssize_t k = read(fd, r + got, 65536 - got);
+            if (k <= 0) rc = -1;
+            else got += (size_t)k;
+        }
+        if (!rc && memcmp(m, r, 65536)) rc = -1;
+    }
+    if (!rc) rc = kv_net_now_ms() - t0;
+    free(m);
+    free(r);
+    close(fd);
+    return rc;
+}
+
+/* A node over its rate (bytes per second) is slowed by credit withheld;
+ * another node's circuit through the same relay is not. */
+static void test_rate(void) {
+    kv_relay_server_opts so = {.rate_per_node = 4u << 20};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *a = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, false, 0, 0);
+    kv_relay_client *b = client_start_as(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, false, 0, 0, &g_evil_key,
+                                         g_evil_ctx);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(a, 3000) && wait_up(b, 3000));
+    /* 8 MiB each way through node A: 16 MiB at 4 MiB/s, less the first burst and windows */
+    const int64_t ta = plain_echo(coord, g_node_key.pk, 8u << 20);
+    fprintf(stderr, "rate: 16 MiB through a node limited to 4 MiB/s in %lld ms\n", (long long)ta);
+    ASSERT_TRUE(ta >= 2000 && ta <= 8000);
+    kv_relay_stats st;
+    kv_relay_server_stats(s, &st);
+    ASSERT_TRUE(st.throttled >= 1);
+    /* B has a bucket of its own: 1 MiB each way at once, even right after A spent its own */
+    const int64_t tb = plain_echo(coord, g_evil_key.pk, 1u << 20);
+    ASSERT_TRUE(tb >= 0 && tb < 1000);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(a);
+    kv_relay_client_free(b);
     svc_join();
     kv_relay_server_free(s);
 }
@@ -991,7 +1066,7 @@ static void test_worker_cli_relay(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_frames),       KVT_CASE(test_roundtrip_tls), KVT_CASE(test_tamper),
     KVT_CASE(test_impersonation), KVT_CASE(test_lying_frames), KVT_CASE(test_flood),
-    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_dispatch_through_relay),
+    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_rate), KVT_CASE(test_dispatch_through_relay),
     KVT_CASE(test_worker_cli_relay),
 };
 

@@ -114,6 +114,7 @@ typedef struct kv_relay_server_opts {
     int max_circuits;              /* circuits in all; 0 = 4096 */
     int max_circuits_per_node;     /* 0 = 64 */
     int max_circuits_per_coord;    /* per coordinator connection; 0 = 64 */
+    int max_circuits_per_addr;     /* of coordinators from one address, all connections; 0 = 256 */
     uint32_t window;               /* credit per stream and direction; 0 = 256 KiB */
     uint64_t rate_per_node;        /* payload bytes/s through one node's circuits; 0 = no limit */
     uint64_t rate_total;           /* payload bytes/s through the relay; 0 = no limit */

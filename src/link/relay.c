@@ -253,6 +253,14 @@ static int kv_on_credit(rconn *c, const kv_relay_frame *f) {
     return 0;
 }
 
+/* Circuits of the coordinator connections from address key k. */
+static int kv_circuits_of_addr(const kv_relay_server *s, const uint8_t k[16]) {
+    int n = 0;
+    for (const rconn *c = s->conns; c; c = c->next)
+        if (c->role == KV_RELAY_ROLE_COORD && !memcmp(c->ipk, k, 16)) n += c->n_circ;
+    return n;
+}
+
 static int kv_on_open(rconn *c, const kv_relay_frame *f) {
     kv_relay_server *s = c->s;
     char why[200], hex[65];
@@ -267,6 +275,9 @@ static int kv_on_open(rconn *c, const kv_relay_frame *f) {
     int code = KV_ERANGE;
     if (c->n_circ >= s->o.max_circuits_per_coord)
         snprintf(why, sizeof why, "relay: this connection has %d circuits open, its limit", c->n_circ);
+    else if (kv_circuits_of_addr(s, c->ipk) >= s->o.max_circuits_per_addr)
+        snprintf(why, sizeof why, "relay: coordinators of this address have %d circuits open, their limit",
+                 s->o.max_circuits_per_addr);
     else if (s->n_circuits >= s->o.max_circuits)
         snprintf(why, sizeof why, "relay: %d circuits open, the relay's limit: retry later", s->n_circuits);
     else if (!n)
@@ -593,6 +604,7 @@ static void kv_relay_defaults(kv_relay_server_opts *o) {
     if (o->max_circuits <= 0) o->max_circuits = 4096;
     if (o->max_circuits_per_node <= 0) o->max_circuits_per_node = 64;
     if (o->max_circuits_per_coord <= 0) o->max_circuits_per_coord = 64;
+    if (o->max_circuits_per_addr <= 0) o->max_circuits_per_addr = 256;
     if (o->window == 0) o->window = 256u << 10;
     if (o->mem_limit == 0) o->mem_limit = (size_t)512 << 20;
     if (o->write_timeout_ms <= 0) o->write_timeout_ms = 15000;
