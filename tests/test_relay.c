@@ -789,6 +789,72 @@ static void test_reconnect(void) {
     kv_relay_server_free(s);
 }
 
+static int64_t plain_echo(kv_relay_client *coord, const uint8_t *key, size_t n);
+
+/* A coordinator connection without a circuit is closed at the idle
+ * deadline (ETIMEOUT, named); one with a circuit open is not. Then random
+ * frames (mutated valid ones, garbage, truncations) from 60 connections
+ * each close only their own connection, and the relay still serves. */
+static void test_idle_and_garbage(void) {
+    kv_relay_server_opts so = {.idle_timeout_ms = 300};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client *node = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_NODE, false, 0, 0);
+    kv_relay_client *coord = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    int hfd = -1;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_relay_client_open(coord, g_node_key.pk, 3000, &hfd, &d), 0);
+    raw r = {0};
+    ASSERT_TRUE(raw_coord(&r, s));
+    sleep_ms(600);
+    expect_error(&r, KV_ETIMEOUT, "no circuit open for 300 ms");
+    raw_close(&r);
+    char msg[16] = "idle but open", back[16] = {0};
+    ASSERT_EQ(write(hfd, msg, 13), 13);
+    ASSERT_EQ(read(hfd, back, 13), 13);
+    ASSERT_STREQ(back, msg);
+    /* garbage */
+    uint64_t rng = 0x1234567887654321ull;
+    int closed = 0;
+    for (int i = 0; i < 60; i++) {
+        if (!raw_coord(&r, s)) break;
+        uint8_t f[96];
+        size_t n = 12 + (size_t)(i % 5) * 16;
+        kv_relay_header_put(f, (uint8_t)(1 + i % 8), (uint32_t)(i % 3), (uint32_t)(n - 12));
+        for (size_t j = 0; j < n; j++) {
+            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+            if (i % 4 == 0 || j >= 12) f[j] = (uint8_t)rng;         /* garbage */
+            else if (rng % 7 == 0) f[j] ^= (uint8_t)(1u << (rng % 8)); /* a flipped bit */
+        }
+        kv_tls_write_full(r.t, f, n, 2000, &d);
+        if (i % 3 == 0) kv_tls_write_full(r.t, f, 7, 2000, &d); /* and a truncated one */
+        /* the relay answers what it makes of it; the connection ends (lie, or idle) */
+        uint8_t e[600];
+        uint32_t sid, len;
+        int type = 0, frames = 0;
+        while (frames++ < 8 && (type = raw_recv(&r, &sid, e, sizeof e, &len)) > 0) {
+        }
+        closed += type < 0;
+        raw_close(&r);
+    }
+    ASSERT_EQ(closed, 60);
+    ASSERT_EQ(write(hfd, msg, 13), 13);
+    memset(back, 0, sizeof back);
+    ASSERT_EQ(read(hfd, back, 13), 13);
+    ASSERT_STREQ(back, msg);
+    ASSERT_TRUE(plain_echo(coord, g_node_key.pk, 256u << 10) >= 0); /* a new circuit too */
+    close(hfd);
+    sleep_ms(100);
+    kv_relay_stats st;
+    kv_relay_server_stats(s, &st);
+    ASSERT_EQ(st.conns, 2); /* the node and the honest coordinator */
+    ASSERT_EQ(st.nodes, 1);
+    kv_relay_client_free(coord);
+    kv_relay_client_free(node);
+    svc_join();
+    kv_relay_server_free(s);
+}
+
 /* plain bytes through a circuit to key and back, n at a time in 64 KiB
  * steps; ms taken, or -1 when they did not come back intact */
 static int64_t plain_echo(kv_relay_client *coord, const uint8_t *key, size_t n) {
@@ -1066,7 +1132,7 @@ static void test_worker_cli_relay(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_frames),       KVT_CASE(test_roundtrip_tls), KVT_CASE(test_tamper),
     KVT_CASE(test_impersonation), KVT_CASE(test_lying_frames), KVT_CASE(test_flood),
-    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_rate), KVT_CASE(test_dispatch_through_relay),
+    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_idle_and_garbage), KVT_CASE(test_rate), KVT_CASE(test_dispatch_through_relay),
     KVT_CASE(test_worker_cli_relay),
 };
 

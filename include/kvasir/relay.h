@@ -120,6 +120,7 @@ typedef struct kv_relay_server_opts {
     uint64_t rate_total;           /* payload bytes/s through the relay; 0 = no limit */
     size_t mem_limit;              /* bytes the connections buffer in all; 0 = 512 MiB */
     int write_timeout_ms;          /* a connection that reads nothing queued this long closes; 0 = 15000 */
+    int idle_timeout_ms;           /* a coordinator without a circuit this long closes; 0 = 60000 */
     uint64_t tamper_at;            /* tests only: flips byte tamper_at - 1 of each circuit's
                                       node-to-coordinator stream (0 = never) */
     void (*log)(void *data, const char *line); /* one line per event; NULL = quiet */

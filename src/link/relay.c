@@ -66,7 +66,7 @@ struct rconn {
     uint8_t ipk[16];             /* address key (IPv4, or IPv6 /64) */
     char peer[64];               /* "HOST:PORT" */
     uint8_t pk[32];              /* a node's key */
-    kv_net_timer hs_t;           /* the HELLO deadline */
+    kv_net_timer hs_t;           /* the HELLO deadline; then a coordinator's idle deadline */
     circuit **circ;              /* [n_circ] */
     int n_circ, cap_circ;
     uint32_t max_sid;            /* highest stream id opened on this connection */
@@ -118,6 +118,7 @@ static circuit *kv_circ_find(const rconn *c, uint32_t sid) {
 }
 
 static int kv_circ_add(rconn *c, circuit *k) {
+    if (c->role == KV_RELAY_ROLE_COORD) kv_net_timer_stop(c->s->loop, &c->hs_t);
     if (c->n_circ == c->cap_circ) {
         int nc = c->cap_circ ? c->cap_circ * 2 : 8;
         circuit **a = realloc(c->circ, (size_t)nc * sizeof *a);
@@ -133,8 +134,10 @@ static void kv_circ_unlink(rconn *c, circuit *k) {
     for (int i = 0; i < c->n_circ; i++)
         if (c->circ[i] == k) {
             c->circ[i] = c->circ[--c->n_circ];
-            return;
+            break;
         }
+    if (c->role == KV_RELAY_ROLE_COORD && c->n_circ == 0 && !kv_net_conn_closing(c->nc))
+        kv_net_timer_start(c->s->loop, &c->hs_t, c->s->o.idle_timeout_ms);
 }
 
 /* Ends k: tells the side that did not end it (other, with its stream id)
@@ -340,6 +343,7 @@ static void kv_rconn_registered(rconn *c, int role) {
     c->role = role;
     s->n_pending--;
     kv_net_timer_stop(s->loop, &c->hs_t);
+    if (role == KV_RELAY_ROLE_COORD) kv_net_timer_start(s->loop, &c->hs_t, s->o.idle_timeout_ms);
     uint8_t w[KV_RELAY_WELCOME_SIZE] = {KV_RELAY_VERSION, 0, 0, 0};
     const uint32_t win = s->o.window, mp = KV_RELAY_MAX_PAYLOAD;
     w[4] = (uint8_t)win, w[5] = (uint8_t)(win >> 8), w[6] = (uint8_t)(win >> 16), w[7] = (uint8_t)(win >> 24);
@@ -456,11 +460,18 @@ static const kv_net_conn_cbs kv_rc_cbs = {
     .on_close = kv_rc_close,
 };
 
+/* The HELLO deadline of a pending connection, or the idle deadline of a
+ * coordinator without circuits: either holds a place for no work. */
 static void kv_rc_hello_late(kv_net_loop *l, kv_net_timer *t) {
     rconn *c = t->data;
     (void)l;
     char why[120];
-    snprintf(why, sizeof why, "no TLS handshake and HELLO within %d ms", c->s->o.handshake_timeout_ms);
+    if (c->role == KV_RELAY_ROLE_COORD) {
+        snprintf(why, sizeof why, "relay: no circuit open for %d ms", c->s->o.idle_timeout_ms);
+        (void)kv_relay_send_close(c->nc, KV_RELAY_ERROR, 0, KV_ETIMEOUT, why);
+    } else {
+        snprintf(why, sizeof why, "no TLS handshake and HELLO within %d ms", c->s->o.handshake_timeout_ms);
+    }
     kv_net_conn_close(c->nc, KV_ETIMEOUT, why);
 }
 
@@ -608,6 +619,7 @@ static void kv_relay_defaults(kv_relay_server_opts *o) {
     if (o->window == 0) o->window = 256u << 10;
     if (o->mem_limit == 0) o->mem_limit = (size_t)512 << 20;
     if (o->write_timeout_ms <= 0) o->write_timeout_ms = 15000;
+    if (o->idle_timeout_ms <= 0) o->idle_timeout_ms = 60000;
 }
 
 int kv_relay_server_start(kv_relay_server **out, const kv_relay_server_opts *o, kv_diag *d) {
@@ -634,7 +646,7 @@ int kv_relay_server_start(kv_relay_server **out, const kv_relay_server_opts *o, 
         kv_net_timer_init(&s->tick_t, kv_relay_tick, s);
         s->last_tick_ms = kv_net_now_ms();
         s->tokens = (int64_t)(oo.rate_total / 5);
-        rc = kv_net_timer_start(s->loop, &s->tick_t, KV_RELAY_TICK_MS);
+        if (oo.rate_total || oo.rate_per_node) rc = kv_net_timer_start(s->loop, &s->tick_t, KV_RELAY_TICK_MS);
     }
     if (!rc && pthread_create(&s->th, NULL, kv_relay_thread, s)) rc = kv_fail(d, KV_EIO, "relay: cannot start a thread");
     if (rc) {
