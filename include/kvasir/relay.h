@@ -18,7 +18,8 @@
  *   - Bounds: circuits in all, per node and per coordinator connection;
  *     bytes per second per node and in all (credit is withheld while over);
  *     connections in all, not yet past HELLO in all and per address; a
- *     deadline for TLS and HELLO; bytes buffered in all. A frame that lies
+ *     deadline for TLS and HELLO, and one for a coordinator without a
+ *     circuit; bytes buffered in all. A frame that lies
  *     (a length, a stream id, credit never granted) closes that connection
  *     with an ERROR frame that says why; nothing else is affected.
  *   - Clients (kv_relay_client, both roles) run their own loop thread, hand
