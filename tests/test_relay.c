@@ -32,7 +32,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_proto.h"
+#include "kvasir/dispatch_worker.h"
 #include "kvasir/link.h"
 #include "kvasir/net.h"
 #include "kvasir/relay.h"
