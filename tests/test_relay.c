@@ -427,6 +427,17 @@ static void test_roundtrip_tls(void) {
     ASSERT_TRUE(st.bytes_to_coord > sent);
     ASSERT_EQ(st.refused_circuits, 1);
     ASSERT_EQ(st.protocol_errors, 0);
+    /* the same counters as Prometheus text, each a line of its own */
+    char text[4096], want[128];
+    const size_t tn = kv_relay_stats_prometheus(&st, text, sizeof text);
+    ASSERT_TRUE(tn > 0 && tn < sizeof text && strlen(text) == tn);
+    snprintf(want, sizeof want, "\nkvasir_relay_bytes_to_node %llu\n", (unsigned long long)st.bytes_to_node);
+    ASSERT_TRUE(strstr(text, want) != NULL);
+    ASSERT_TRUE(strstr(text, "\nkvasir_relay_refused_circuits 1\n") != NULL);
+    ASSERT_TRUE(strstr(text, "# TYPE kvasir_relay_nodes gauge\nkvasir_relay_nodes 1\n") != NULL);
+    char small[40];
+    ASSERT_EQ(kv_relay_stats_prometheus(&st, small, sizeof small), tn); /* cut, and says how much it needs */
+    ASSERT_EQ(strlen(small), sizeof small - 1);
     kv_relay_client_free(coord);
     kv_relay_client_free(node);
     svc_join();

@@ -151,6 +151,11 @@ int kv_relay_server_start(kv_relay_server **out, const kv_relay_server_opts *o, 
 /* The bound address ("HOST:PORT"). */
 const char *kv_relay_server_addr(const kv_relay_server *s);
 void kv_relay_server_stats(const kv_relay_server *s, kv_relay_stats *out);
+/* The counters as Prometheus text (kvasir_relay_* gauges and counters, with
+ * HELP and TYPE lines) into out[cap], NUL-terminated. Returns the length it
+ * needs (without the NUL), like snprintf: out holds all of it when that is
+ * below cap. Pure. */
+size_t kv_relay_stats_prometheus(const kv_relay_stats *st, char *out, size_t cap);
 /* Stops the thread and closes every connection (accepts NULL). */
 void kv_relay_server_free(kv_relay_server *s);
 

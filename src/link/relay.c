@@ -37,6 +37,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -675,6 +676,42 @@ void kv_relay_server_stats(const kv_relay_server *s, kv_relay_stats *out) {
     out->throttled = atomic_load(&m->st_throttled);
     out->mem = atomic_load(&m->budget.used);
     out->mem_peak = atomic_load(&m->budget.peak);
+}
+
+size_t kv_relay_stats_prometheus(const kv_relay_stats *st, char *out, size_t cap) {
+    static const struct {
+        const char *name, *type, *help;
+        size_t off;
+    } m[] = {
+#define KV_RM(f, t, h) {"kvasir_relay_" #f, t, h, offsetof(kv_relay_stats, f)}
+        KV_RM(conns, "gauge", "Connections open (nodes, coordinators, handshakes)."),
+        KV_RM(nodes, "gauge", "Nodes registered (proven keys)."),
+        KV_RM(circuits, "gauge", "Circuits open."),
+        KV_RM(circuits_total, "counter", "Circuits opened."),
+        KV_RM(bytes_to_node, "counter", "DATA payload bytes forwarded to nodes."),
+        KV_RM(bytes_to_coord, "counter", "DATA payload bytes forwarded to coordinators."),
+        KV_RM(refused_circuits, "counter", "Circuits refused (a budget, or no such node)."),
+        KV_RM(refused_conns, "counter", "Connections refused at accept (a cap)."),
+        KV_RM(auth_failures, "counter", "Node HELLOs whose key proof failed."),
+        KV_RM(protocol_errors, "counter", "Connections closed for a frame that lied."),
+        KV_RM(throttled, "counter", "Times a node's credit was withheld for a rate."),
+#undef KV_RM
+    };
+    size_t need = 0;
+    for (size_t i = 0; i < sizeof m / sizeof m[0]; i++) {
+        const uint64_t v = *(const uint64_t *)((const char *)st + m[i].off);
+        int k = snprintf(need < cap ? out + need : NULL, need < cap ? cap - need : 0,
+                         "# HELP %s %s\n# TYPE %s %s\n%s %llu\n", m[i].name, m[i].help, m[i].name, m[i].type,
+                         m[i].name, (unsigned long long)v);
+        need += k > 0 ? (size_t)k : 0;
+    }
+    int k = snprintf(need < cap ? out + need : NULL, need < cap ? cap - need : 0,
+                     "# HELP kvasir_relay_mem_bytes Bytes the relay's connections buffer.\n"
+                     "# TYPE kvasir_relay_mem_bytes gauge\nkvasir_relay_mem_bytes %zu\n",
+                     st->mem);
+    need += k > 0 ? (size_t)k : 0;
+    if (cap && need >= cap) out[cap - 1] = 0;
+    return need;
 }
 
 void kv_relay_server_free(kv_relay_server *s) {
