@@ -816,11 +816,22 @@ static void test_idle_and_garbage(void) {
     int hfd = -1;
     kv_diag d = {0};
     ASSERT_EQ(kv_relay_client_open(coord, g_node_key.pk, 3000, &hfd, &d), 0);
+    kv_relay_client *idle = client_start(kv_relay_server_addr(s), KV_RELAY_ROLE_COORD, false, 0, 0);
     raw r = {0};
     ASSERT_TRUE(raw_coord(&r, s));
     sleep_ms(600);
     expect_error(&r, KV_ETIMEOUT, "no circuit open for 300 ms");
     raw_close(&r);
+    /* an idle coordinator client was closed too, and stays so until it needs a circuit */
+    kv_relay_client_stats cs;
+    kv_relay_client_stats_get(idle, &cs);
+    ASSERT_TRUE(!cs.up);
+    ASSERT_EQ(cs.attempts, 1);
+    ASSERT_TRUE(strstr(cs.last_error, "no circuit open") != NULL);
+    ASSERT_TRUE(plain_echo(idle, g_node_key.pk, 1000) >= 0);
+    kv_relay_client_stats_get(idle, &cs);
+    ASSERT_EQ(cs.connects, 2);
+    kv_relay_client_free(idle);
     char msg[16] = "idle but open", back[16] = {0};
     ASSERT_EQ(write(hfd, msg, 13), 13);
     ASSERT_EQ(read(hfd, back, 13), 13);

@@ -25,7 +25,8 @@
  *   - Clients (kv_relay_client, both roles) run their own loop thread, hand
  *     each circuit to the caller as one end of a socketpair, and reconnect
  *     with bounded exponential backoff and jitter when the relay connection
- *     drops (circuits on it end: their sockets read end of stream).
+ *     drops (circuits on it end: their sockets read end of stream); a
+ *     coordinator only while it has opens waiting.
  *
  * Thread safety: the server and client functions may be called from any
  * thread; the frame codec is pure. */

@@ -14,7 +14,9 @@
  *     most the credit (less a header) at a time.
  *   - The relay connection is re-established after it fails or drops, with
  *     a delay doubling from backoff_min_ms to backoff_max_ms and jittered
- *     to [delay/2, delay]; a connection that stayed up 5 s resets it. Every
+ *     to [delay/2, delay]; a connection that stayed up 5 s resets it. A
+ *     coordinator reconnects only while opens wait (the relay closes its
+ *     connection when it has no circuit), at once for the first. Every
  *     circuit ends with the connection that carried it (its socket reads
  *     end of stream), and waiting opens fail.
  *
@@ -384,9 +386,14 @@ static int kv_cl_frame(kv_net_conn *nc, const uint8_t *b, size_t n) {
 
 static void kv_cl_connect(kv_relay_client *c);
 
+/* A coordinator connects only while it has opens waiting (the relay closes
+ * a coordinator's idle connection); a node always. */
+static bool kv_cl_wanted(const kv_relay_client *c) { return c->o.role == KV_RELAY_ROLE_NODE || c->waiting; }
+
 static void kv_cl_retry(kv_net_loop *l, kv_net_timer *t) {
+    kv_relay_client *c = t->data;
     (void)l;
-    kv_cl_connect(t->data);
+    if (kv_cl_wanted(c)) kv_cl_connect(c);
 }
 
 static uint64_t kv_cl_rand(kv_relay_client *c) { /* xorshift64: jitter needs no more */
@@ -435,8 +442,8 @@ static void kv_cl_open_cb(kv_net_conn *nc, int code) {
 static void kv_cl_close_cb(kv_net_conn *nc, int code, const char *why) {
     kv_relay_client *c = kv_net_conn_data(nc);
     const bool stable = c->up && kv_net_now_ms() - c->up_since_ms >= KV_RELAY_STABLE_MS;
-    char msg[300];
-    snprintf(msg, sizeof msg, "relay %s: %s", c->relay, why && *why ? why : kv_err_str(code));
+    char msg[256];
+    snprintf(msg, sizeof msg, "relay %.100s: %.140s", c->relay, why && *why ? why : kv_err_str(code));
     c->nc = NULL;
     c->tls = NULL;
     c->up = false;
@@ -444,7 +451,15 @@ static void kv_cl_close_cb(kv_net_conn *nc, int code, const char *why) {
     kv_net_timer_stop(c->loop, &c->deadline_t);
     while (c->n_circ) kv_lc_free(c->circ[c->n_circ - 1], false, KV_EIO, "the relay connection ended");
     if (stable) c->failures = 0;
-    if (!kv_net_loop_stopping(c->loop)) kv_cl_schedule(c, msg);
+    if (kv_net_loop_stopping(c->loop)) return;
+    if (kv_cl_wanted(c)) {
+        kv_cl_schedule(c, msg);
+        return;
+    }
+    pthread_mutex_lock(&c->mu); /* an idle coordinator: the next open connects again */
+    snprintf(c->last_error, sizeof c->last_error, "%s", msg);
+    pthread_mutex_unlock(&c->mu);
+    kv_clog(c, "relay client: %s; idle until the next open", msg);
 }
 
 static void kv_cl_deadline(kv_net_loop *l, kv_net_timer *t) {
@@ -524,6 +539,7 @@ static bool kv_cl_tick(kv_net_loop *l, void *data) {
         if (c->up) kv_cl_send_open(c, r);
         else r->next = c->waiting, c->waiting = r;
     }
+    if (c->waiting && !c->nc && !kv_net_timer_armed(&c->retry_t)) kv_cl_connect(c);
     const int64_t now = kv_net_now_ms();
     for (open_req **p = &c->waiting; *p;) {
         open_req *r = *p;
