@@ -784,8 +784,9 @@ static void test_reconnect(void) {
     kv_relay_client_stats_get(node, &st);
     ASSERT_TRUE(!st.up);
     ASSERT_EQ(st.connects, 1);
-    /* delays ~50-100, 100-200, then 200-400 ms: 4 to 9 retries in 1.6 s */
-    ASSERT_TRUE(st.attempts >= 1 + 4 && st.attempts <= 1 + 10);
+    /* delays ~50-100, 100-200, then 200-400 ms: about 6 retries in 1.6 s (3 to 10 on a loaded
+       machine, whose timers only run late); with no backoff there would be hundreds */
+    ASSERT_TRUE(st.attempts >= 1 + 3 && st.attempts <= 1 + 10);
     ASSERT_TRUE(st.last_backoff_ms >= 200 && st.last_backoff_ms <= 400);
     ASSERT_TRUE(st.last_error[0] != 0);
     so.listen = addr;
