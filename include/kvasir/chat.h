@@ -120,6 +120,7 @@ typedef struct kv_chat_syntax {
     bool think;            /* the family writes `<think>` reasoning (HARMONY: always analysis) */
     bool think_open;       /* the output starts inside reasoning (the prompt ended with `<think>`) */
     bool tools;            /* parse tool calls (else their markers are content) */
+    uint32_t max_calls;    /* calls given at most (later ones are content); 0 = KV_CHAT_MAX_CALLS */
     const json_t *tools_json; /* the tools, OpenAI's shape, or NULL: a `<parameter=K>` whose schema
                                  type is "string" stays a string (copied by the parser) */
 } kv_chat_syntax;

@@ -283,7 +283,8 @@ static int kv_body_deepseek(const char *s, size_t n, char *name, json_t **args) 
  * (the caller gives the block as content). Returns 0, KV_ENOMEM or fn's. */
 static int kv_call(kv_chat_parser *p, const char *body, size_t n, bool *ok) {
     *ok = false;
-    if (p->n_calls >= KV_CHAT_MAX_CALLS) return 0;
+    if (p->n_calls >= (p->s.max_calls && p->s.max_calls < KV_CHAT_MAX_CALLS ? p->s.max_calls : KV_CHAT_MAX_CALLS))
+        return 0;
     char name[KV_CHAT_MAX_NAME + 1];
     json_t *args = NULL;
     const char *b = body;
