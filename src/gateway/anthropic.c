@@ -47,8 +47,10 @@ static int kv_an_tools(kv_gw_params *p, json_t *o, kv_diag *d) {
                            KV_CHAT_MAX_NAME);
         if (!json_is_object(sc)) return kv_fail(d, KV_EINVAL, "'tools' entry %zu: 'input_schema' must be an object", i);
         if (de && !json_is_string(de)) return kv_fail(d, KV_EFORMAT, "'tools' entry %zu: 'description' must be a string", i);
-        json_t *f = json_pack("{s:O,s:O}", "name", nm, "parameters", sc);
+        /* OpenAI's order (name, description, parameters): templates print it with tojson */
+        json_t *f = json_pack("{s:O}", "name", nm);
         if (f && de) json_object_set(f, "description", de);
+        if (f) json_object_set(f, "parameters", sc);
         if (!f || json_array_append_new(p->tools, json_pack("{s:s,s:o}", "type", "function", "function", f)))
             return kv_fail(d, KV_ENOMEM, "out of memory");
     }

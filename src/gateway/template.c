@@ -4,7 +4,8 @@
  * What the template sees (the variables llama.cpp and transformers give
  * it): `messages`, the request's messages in order, each its JSON object
  * as sent except that content given as text blocks is one string (the
- * blocks joined), role "developer" is "system", and a tool call's
+ * blocks joined; content null or absent, as with a tool call and no text,
+ * is ""), role "developer" is "system", and a tool call's
  * `function.arguments` given as a string of JSON is that JSON (an object,
  * as templates index it); Anthropic's top-level `system` is a first system
  * message. `tools` when the request has them, `add_generation_prompt`
@@ -122,7 +123,9 @@ int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out,
         json_t *o = plain ? json_object() : json_deep_copy(orig);
         if (!o || json_array_append_new(msgs, o)) goto oom;
         if (json_object_set_new(o, "role", json_string(p->msgs[i].role))) goto oom;
-        if (plain || json_is_array(json_object_get(orig, "content")))
+        /* blocks joined; null or absent (a call without text) is "", as
+           llama-server gives it: templates concatenate it */
+        if (plain || !json_is_string(json_object_get(orig, "content")))
             if (json_object_set_new(o, "content", json_stringn(p->msgs[i].content, p->msgs[i].len))) goto oom;
         kv_args_parsed(o);
     }
