@@ -8,7 +8,10 @@
 # tokenizer, scheduler, parser and API shapes). The `openai` and
 # `@anthropic-ai/sdk` clients run a two-step tool loop whole and streamed
 # and read reasoning_content / thinking; Ollama's /api/chat with curl; the
-# second step's prompt must equal @huggingface/jinja's rendering. The checks
+# second step's prompt must equal @huggingface/jinja's rendering. Then the
+# other families from their real templates (Qwen3.5: XML calls after a
+# prompt-opened <think>; DeepSeek V3.1; gpt-oss harmony), whole and
+# streamed. The checks
 # are in tests/oracle/gateway_tools.mjs. A missing package is a FAILURE,
 # not a skip (tools/install-oracle.sh installs them).
 set -euo pipefail
@@ -27,6 +30,7 @@ trap 'rm -rf "$DIR"' EXIT
 "$BIN" gen-model --preset tiny --ctx 4096 --out "$DIR/big.gguf" >/dev/null 2>&1 || fail "gen-model"
 git clone -q --no-checkout "$SRC/tests/oracle/node_modules/node-llama-cpp/llama/gitRelease.bundle" "$DIR/llama" \
   >/dev/null 2>&1 || fail "cannot clone the llama.cpp bundle of node-llama-cpp"
-git -C "$DIR/llama" show "HEAD:models/templates/Qwen-Qwen3-0.6B.jinja" >"$DIR/Qwen-Qwen3-0.6B.jinja" \
-  || fail "no Qwen3 template in the bundle"
+for t in Qwen-Qwen3-0.6B Qwen3.5-4B deepseek-ai-DeepSeek-V3.1 openai-gpt-oss-120b; do
+  git -C "$DIR/llama" show "HEAD:models/templates/$t.jinja" >"$DIR/$t.jinja" || fail "no template $t in the bundle"
+done
 KV_DIR="$DIR" KV_BIN="$BIN" node "$SRC/tests/oracle/gateway_tools.mjs"

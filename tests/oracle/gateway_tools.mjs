@@ -262,5 +262,56 @@ for (const [path, body, want] of [
 }
 
 gw.kill();
+
+// ---- the other families, chosen from their real templates: Qwen3.5 (the
+// prompt opens <think>; XML calls), DeepSeek V3.1 (thinking on by
+// chat_template_kwargs), gpt-oss (harmony channels); whole and streamed ----
+const DS = (s) => `<｜${s}｜>`;
+const families = [
+  { name: 'Qwen3.5-4B', kwargs: {}, text: `${REASON1}\n</think>\n\n<tool_call>\n<function=get_weather>\n` +
+    '<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>' },
+  { name: 'deepseek-ai-DeepSeek-V3.1', kwargs: { thinking: true }, text: `${REASON1}</think>` +
+    `${DS('tool▁calls▁begin')}${DS('tool▁call▁begin')}get_weather${DS('tool▁sep')}${JSON.stringify(ARGS)}` +
+    `${DS('tool▁call▁end')}${DS('tool▁calls▁end')}` },
+  { name: 'openai-gpt-oss-120b', kwargs: {}, text: `<|channel|>analysis<|message|>${REASON1}<|end|>` +
+    `<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>${JSON.stringify(ARGS)}` },
+];
+for (const f of families) {
+  writeFileSync(`${dir}/script-${f.name}.txt`, [f.text, f.text].join('\x1e'));
+  const g = spawn(bin, ['gateway', '-m', `${dir}/big.gguf`, '--chat-template', `${dir}/${f.name}.jinja`,
+    '--listen', '127.0.0.1:0', '--threads', '1', '--name', 'tiny'],
+    { env: { ...process.env, KVASIR_GATEWAY_TEST_SCRIPT: `${dir}/script-${f.name}.txt` }, stdio: ['ignore', 'pipe', 'pipe'] });
+  let err = '';
+  g.stderr.on('data', (b) => { err += b; });
+  const u = await new Promise((resolve, reject) => {
+    let out = '';
+    g.stdout.on('data', (b) => { out += b; const m = out.match(/^listening on (\S+)/m); if (m) resolve('http://' + m[1]); });
+    g.on('exit', (c) => reject(new Error(`gateway ${f.name} exited ${c}: ${err}`)));
+  });
+  const client = new OpenAI({ baseURL: `${u}/v1`, apiKey: 'none', maxRetries: 0 });
+  const params = { model, messages: [{ role: 'user', content: 'Weather in Oslo for two days?' }], tools: [weather],
+    max_tokens: 1000, chat_template_kwargs: f.kwargs };
+  for (const stream of [false, true]) {
+    const tag = `${f.name} ${stream ? 'stream' : 'whole'}`;
+    let msg, reasoning = '';
+    try {
+      if (stream) {
+        const st = client.chat.completions.stream(params);
+        st.on('chunk', (ch) => { if (ch.choices.length && ch.choices[0].delta.reasoning_content) reasoning += ch.choices[0].delta.reasoning_content; });
+        msg = (await st.finalChatCompletion()).choices[0];
+      } else {
+        msg = (await client.chat.completions.create(params)).choices[0];
+        reasoning = msg.message.reasoning_content;
+      }
+    } catch (e) { check(false, `${tag}: ${e.message}`); continue; }
+    eq(msg.finish_reason, 'tool_calls', `${tag}: finish_reason`);
+    eq(reasoning, REASON1, `${tag}: reasoning`);
+    eq((msg.message.tool_calls || []).map((c) => [c.function.name, JSON.parse(c.function.arguments)]),
+      [['get_weather', ARGS]], `${tag}: tool_calls`);
+    check(!msg.message.content, `${tag}: no content (${JSON.stringify(msg.message.content)})`);
+  }
+  g.kill();
+}
+
 console.log(`gateway_tools: ${checks - failures}/${checks} checks passed`);
 if (failures) { console.error(stderr.slice(-2000)); process.exit(1); }
