@@ -213,7 +213,8 @@ static int kv_body_xml(const kv_chat_parser *p, const char *s, size_t n, char *n
         if (vl && v[0] == '\n') v++, vl--;
         if (vl && v[vl - 1] == '\n') vl--;
         const char *ty = kv_param_type(p, name, nl, key, kl);
-        json_t *jv = ty && !strcmp(ty, "string") ? NULL : json_loadb(v, vl, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, NULL);
+        json_t *jv = ty && !strcmp(ty, "string") ? NULL
+                   : json_loadb(v, vl, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, NULL);
         if (!jv) jv = json_stringn(v, vl);
         if (!jv || json_object_setn_new(o, key, kl, jv)) goto bad;
         n -= (size_t)(end - s) + 12, s = end + 12;

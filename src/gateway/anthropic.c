@@ -46,7 +46,8 @@ static int kv_an_tools(kv_gw_params *p, json_t *o, kv_diag *d) {
             return kv_fail(d, KV_EINVAL, "'tools' entry %zu: 'name' must be a string of 1 to %u bytes", i,
                            KV_CHAT_MAX_NAME);
         if (!json_is_object(sc)) return kv_fail(d, KV_EINVAL, "'tools' entry %zu: 'input_schema' must be an object", i);
-        if (de && !json_is_string(de)) return kv_fail(d, KV_EFORMAT, "'tools' entry %zu: 'description' must be a string", i);
+        if (de && !json_is_string(de))
+            return kv_fail(d, KV_EFORMAT, "'tools' entry %zu: 'description' must be a string", i);
         /* OpenAI's order (name, description, parameters): templates print it with tojson */
         json_t *f = json_pack("{s:O}", "name", nm);
         if (f && de) json_object_set(f, "description", de);
@@ -118,7 +119,8 @@ static int kv_an_add(kv_gw_params *p, const char *role, json_t *m, kv_diag *d) {
 static json_t *kv_an_result_text(json_t *c, size_t k, size_t j, kv_diag *d) {
     if (!c || json_is_null(c)) return json_string("");
     if (json_is_string(c)) return json_incref(c);
-    if (!json_is_array(c)) return kv_fail(d, KV_EFORMAT, "message %zu block %zu: 'content' must be a string or blocks", k, j), NULL;
+    if (!json_is_array(c))
+        return kv_fail(d, KV_EFORMAT, "message %zu block %zu: 'content' must be a string or blocks", k, j), NULL;
     json_t *s = json_string("");
     size_t i;
     json_t *b;
@@ -182,7 +184,8 @@ static int kv_an_messages(kv_gw_params *p, json_t *o, kv_diag *d) {
             } else if (!strcmp(t, "redacted_thinking") && !strcmp(role, "assistant")) {
                 /* opaque to anyone but its issuer: nothing to render */
             } else if (!strcmp(t, "tool_use") && !strcmp(role, "assistant")) {
-                json_t *id = json_object_get(b, "id"), *nm = json_object_get(b, "name"), *in = json_object_get(b, "input");
+                json_t *id = json_object_get(b, "id"), *nm = json_object_get(b, "name");
+                json_t *in = json_object_get(b, "input");
                 if (!json_is_string(id) || !json_is_string(nm) || !json_is_object(in))
                     rc = kv_fail(d, KV_EFORMAT, "message %zu block %zu: tool_use needs a string 'id', 'name' and an "
                                  "object 'input'", k, j);
@@ -192,7 +195,8 @@ static int kv_an_messages(kv_gw_params *p, json_t *o, kv_diag *d) {
             } else if (!strcmp(t, "tool_result") && !strcmp(role, "user")) {
                 json_t *id = json_object_get(b, "tool_use_id");
                 if (!json_is_string(id)) {
-                    rc = kv_fail(d, KV_EFORMAT, "message %zu block %zu: tool_result needs a string 'tool_use_id'", k, j);
+                    rc = kv_fail(d, KV_EFORMAT, "message %zu block %zu: tool_result needs a string 'tool_use_id'", k,
+                                 j);
                     break;
                 }
                 json_t *rt = kv_an_result_text(json_object_get(b, "content"), k, j, d);

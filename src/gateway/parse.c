@@ -277,7 +277,8 @@ int kv_gw_kwargs(kv_gw_params *p, json_t *o, kv_diag *d) {
  * enable_thinking. */
 int kv_gw_set_thinking(kv_gw_params *p, bool on, kv_diag *d) {
     if (!p->kwargs && !(p->kwargs = json_object())) return kv_fail(d, KV_ENOMEM, "out of memory");
-    if (json_object_set_new(p->kwargs, "enable_thinking", json_boolean(on))) return kv_fail(d, KV_ENOMEM, "out of memory");
+    if (json_object_set_new(p->kwargs, "enable_thinking", json_boolean(on)))
+        return kv_fail(d, KV_ENOMEM, "out of memory");
     return 0;
 }
 

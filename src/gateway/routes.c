@@ -279,7 +279,8 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         c->res.stop_seq = c->text.stop[c->text.stop_index];
     }
     if (c->parser) {
-        const int prc = chunk || final ? kv_chat_parser_push(c->parser, chunk ? chunk : "", cn, final, kv_on_event, c) : 0;
+        const int prc =
+            chunk || final ? kv_chat_parser_push(c->parser, chunk ? chunk : "", cn, final, kv_on_event, c) : 0;
         free(chunk);
         if (prc) return -1;
         if (final && c->n_calls && c->res.finish == KV_GW_FINISH_STOP && !c->res.stop_seq)
