@@ -174,6 +174,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     g->o.chat_template = g->o.chat_template_name = NULL;
     g->o.chat_template_len = 0;
     if ((rc = kv_gw_template_start(g, &o, d))) goto fail;
+    if ((rc = kv_gw_script_load(g, d))) goto fail;
     kv_gw_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (g->n_ring) kv_gw_ring_poll(g); /* the same for a ring: the entry nodes asked once now */
     if (pthread_create(&g->sched, NULL, kv_gw_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
@@ -276,6 +277,7 @@ void kv_gateway_free(kv_gateway *g) {
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
     kv_gw_tmpl_free(g->tmpl);
+    kv_gw_script_free(g);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);
