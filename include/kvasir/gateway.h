@@ -110,7 +110,20 @@ typedef struct kv_gateway_opts {
        is refused (KV_EINVAL) on a non-loopback host unless insecure_plaintext */
     const struct kv_https_cert *tls; /* read while the gateway lives */
     bool insecure_plaintext;
+    /* CORS (docs/GATEWAY.md "CORS"): a request whose Origin is one of these
+       (or any, with "*") is answered with Access-Control-Allow-Origin, and an
+       OPTIONS preflight with 204 and the methods and headers allowed; none =
+       no CORS headers, and OPTIONS is a 404 or 405 as any other method */
+    const char *const *cors_origins; /* [n_cors] (copied); each at most KV_GATEWAY_MAX_ORIGIN_LEN bytes */
+    uint32_t n_cors;            /* at most KV_GATEWAY_MAX_CORS */
+    /* stderr: one line per request (method, route, status, tokens, ms; never a
+       prompt or a key) and a summary of the model at start, unless quiet */
+    bool quiet;
+    const char *model_path;     /* the file or manifest served, for GET /props (copied); NULL = none */
 } kv_gateway_opts;
+
+#define KV_GATEWAY_MAX_CORS 32u
+#define KV_GATEWAY_MAX_ORIGIN_LEN 256u
 
 #define KV_GATEWAY_MAX_TEMPLATE (1u << 20) /* bytes of a chat template */
 

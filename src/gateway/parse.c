@@ -210,6 +210,7 @@ int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, siz
 void kv_gw_params_free(kv_gw_params *p) {
     if (!p) return;
     for (size_t i = 0; i < KV_GW_MAX_MSGS; i++) free(p->joined[i]);
+    free(p->prompt_ids);
     if (p->json) json_decref(p->json);
     memset(p, 0, sizeof *p);
 }
