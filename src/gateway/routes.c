@@ -726,7 +726,8 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
     if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
     if (cn->too_big)
         return kv_reply_err(cn, c, 413, "the request body is larger than %zu bytes", g->o.body_max);
-    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES;
+    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES ||
+                      (cn->route == KV_R_ENDPOINT && !strcmp(cn->route_name, "/api/version")); /* says nothing of the model */
     if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
     switch (cn->route) {
     case KV_R_HEALTH: {
