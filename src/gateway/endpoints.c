@@ -171,9 +171,11 @@ void kv_gw_summary(kv_gateway *g, const char *host, bool tls) {
     kv_params_str(f.n_params, ps, sizeof ps);
     size_t at = 0;
     types[0] = 0;
-    for (uint32_t i = 0; i < f.n_types && at < sizeof types - 40; i++)
-        at += (size_t)snprintf(types + at, sizeof types - at, "%s%s %.0f%%", i ? ", " : "", kv_type_str(f.types[i].type),
-                               f.bytes ? 100.0 * f.types[i].bytes / f.bytes : 0.0);
+    for (uint32_t i = 0; i < f.n_types && at < sizeof types - 40; i++) {
+        const double pc = f.bytes ? 100.0 * f.types[i].bytes / f.bytes : 0.0;
+        at += (size_t)snprintf(types + at, sizeof types - at, pc < 0.5 ? "%s%s <1%%" : "%s%s %.0f%%", i ? ", " : "",
+                               kv_type_str(f.types[i].type), pc);
+    }
     fprintf(stderr,
             "gateway: model %s: %s, %s parameters, %u layers, %u experts (%u used per token)%s; types by bytes: %s; "
             "context %u; prompt template: %s; serving %s\n",
