@@ -10,7 +10,7 @@
 #     token ids; a field it cannot honour is a 400 naming it;
 #   - POST /api/generate (Ollama's) equals `kvasir run` (raw: the prompt as
 #     is) and `kvasir run --chat` (the template), streamed (NDJSON) and not;
-#     "template" is a 400;
+#     no prompt is a load ("done_reason": "load"); "template" is a 400;
 #   - GET /props and POST /api/show against the GGUF read by node-llama-cpp
 #     (tests/oracle/gateway_endpoints.mjs) and `kvasir inspect --json`;
 #     /api/version, /api/ps, /v1/models/{id} (another id: 404 in OpenAI's shape);
@@ -150,8 +150,11 @@ for raw in true false; do
 done
 [ "$(code /api/generate '{"model":"tiny","prompt":"x","template":"{{ .Prompt }}"}')" = 400 ] && jq -e '.error | test("template")' "$dir/body" >/dev/null ||
   fail "template: $(cat "$dir/body")"
+post /api/generate '{"model":"tiny"}' | jq -e '.done == true and .done_reason == "load" and .response == ""' >/dev/null ||
+  fail "/api/generate without a prompt (a load): $(post /api/generate '{"model":"tiny"}')"
+[ "$(code /api/generate '{"model":"other"}')" = 404 ] || fail "/api/generate of another model: $(cat "$dir/body")"
 [ "$(code /api/generate '{"model":"tiny","prompt":"x","options":{"mirostat":2}}')" = 400 ] && grep -q mirostat "$dir/body" || fail "mirostat: $(cat "$dir/body")"
-echo "ok: /api/generate equals kvasir run (raw) and run --chat, streamed and not; template and unknown options 400"
+echo "ok: /api/generate equals kvasir run (raw) and run --chat, streamed and not; a load; template and unknown options 400"
 
 # ---- /props, /api/show against the GGUF; the small ones --------------------
 (cd "$SRC/tests/oracle" && node gateway_endpoints.mjs "$dir/m.gguf" "$B" tiny) || fail "/props or /api/show against the GGUF"

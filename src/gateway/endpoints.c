@@ -595,11 +595,38 @@ void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, 
     }
     if ((ep == KV_EP_TOKENIZE || ep == KV_EP_DETOKENIZE) && !g->tok)
         return kv_ans_err(a, api, 501, "a ring gateway holds no tokenizer: its nodes tokenize");
+    /* the parse's memory is reserved whole from the gateway's total, as a
+       generation's is (routes.c), and given back once answered */
+    pthread_mutex_lock(&g->mu);
+    const bool room = g->parse_live + g->o.parse_max <= g->o.parse_total;
+    if (room) g->parse_live += g->o.parse_max;
+    else g->parse_refused++;
+    pthread_mutex_unlock(&g->mu);
+    if (!room)
+        return kv_ans_err(a, api, 503, "the gateway is parsing as many request bodies as its memory allows (%zu bytes); "
+                          "retry later", g->o.parse_total);
     json_t *o = kv_ep_body(g, body, n, api, a);
-    if (!o) return;
-    if (ep == KV_EP_TOKENIZE) kv_ep_tokenize(g, o, a);
-    else if (ep == KV_EP_DETOKENIZE) kv_ep_detokenize(g, o, a);
-    else if (ep == KV_EP_SHOW) kv_ep_show(g, o, a);
-    else kv_ans_err(a, api, 404, "no route %.200s", url);
-    json_decref(o);
+    if (o) {
+        if (ep == KV_EP_TOKENIZE) kv_ep_tokenize(g, o, a);
+        else if (ep == KV_EP_DETOKENIZE) kv_ep_detokenize(g, o, a);
+        else if (ep == KV_EP_SHOW) kv_ep_show(g, o, a);
+        else kv_ans_err(a, api, 404, "no route %.200s", url);
+        json_decref(o);
+    }
+    pthread_mutex_lock(&g->mu);
+    g->parse_live -= g->o.parse_max;
+    pthread_mutex_unlock(&g->mu);
+}
+
+char *kv_gw_ollama_load_json(const kv_gateway *g) {
+    char ts[32];
+    const time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    json_t *j = json_pack("{s:s,s:s,s:s,s:b,s:s}", "model", g->model, "created_at", ts, "response", "", "done", 1,
+                          "done_reason", "load");
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return s;
 }

@@ -3,6 +3,8 @@
  * "raw": true completed as it is. Streams by default, as NDJSON: one
  * {"model","created_at","response","done":false} per chunk, then one with
  * "done":true, "done_reason", the counts and the durations (nanoseconds).
+ * No prompt (absent or "", no system) asks for the model to be loaded: it
+ * is answered at once, "done_reason":"load" (routes.c).
  * Sampler fields under "options" (num_predict, temperature, top_k, top_p,
  * min_p, seed, stop); any other option, a "template", "suffix", "images",
  * "format", "context" or "think" is a 400 naming it. Errors:
@@ -40,6 +42,12 @@ static int kv_og_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     }
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
     json_t *pr = json_object_get(o, "prompt"), *sys = json_object_get(o, "system");
+    if (pr && !json_is_null(pr) && !json_is_string(pr)) return kv_fail(d, KV_EFORMAT, "'prompt' must be a string");
+    if ((!pr || json_is_null(pr) || !json_string_length(pr)) && (!sys || json_is_null(sys))) {
+        /* no prompt: Ollama's request to load the model (no message, no raw
+           prompt: the server answers it without generating) */
+        return 0;
+    }
     if (!json_is_string(pr)) return kv_fail(d, KV_EFORMAT, "'prompt' must be a string");
     if (sys && !json_is_null(sys) && !json_is_string(sys)) return kv_fail(d, KV_EFORMAT, "'system' must be a string");
     if (json_is_null(sys)) sys = NULL;

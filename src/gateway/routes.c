@@ -504,6 +504,8 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (p->model && strcmp(p->model, g->model))
         return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
                             g->model);
+    if (cn->api == KV_GW_OLLAMA_GEN && !kv_gw_params_raw(p) && !p->n_msgs) /* Ollama's "load the model" */
+        return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_load_json(g));
     char why[320];
     if (kv_gw_unavailable(g, why, sizeof why)) return kv_reply_err(cn, c, 503, "%s", why);
     kv_gw_req *r = NULL;

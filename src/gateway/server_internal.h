@@ -228,6 +228,10 @@ void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, 
 void kv_gw_cors_headers(const kv_gateway *g, struct MHD_Connection *c, struct MHD_Response *r);
 /* An OPTIONS preflight: true when CORS is on (a is then the answer). */
 bool kv_gw_cors_preflight(const kv_gateway *g, struct MHD_Connection *c, kv_gw_answer *a);
+/* Ollama's answer to an /api/generate with no prompt (it loads the model:
+ * here it is always loaded): {"model","created_at","response":"",
+ * "done":true,"done_reason":"load"}. Malloc'd; NULL on no memory. */
+char *kv_gw_ollama_load_json(const kv_gateway *g);
 /* The request log line (unless quiet). */
 void kv_gw_log_request(const kv_gateway *g, const char *method, const char *route, unsigned status,
                        uint32_t prompt_tokens, uint32_t completion_tokens, double ms);
