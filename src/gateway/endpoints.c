@@ -25,7 +25,8 @@
 /* The Ollama API level /api/version reports: the one whose shapes these
  * endpoints follow (clients compare it before they use /api/chat). */
 #define KV_GW_OLLAMA_VERSION "0.6.0"
-#define KV_GW_MAX_INFO_ARRAY 64u /* GGUF arrays /api/show lists whole; longer ones are null (Ollama's habit) */
+#define KV_GW_MAX_INFO_ARRAY 64u
+#define KV_GW_MAX_DETOKENIZE (4u << 20) /* bytes of text /detokenize gives (a token's text may be long) */ /* GGUF arrays /api/show lists whole; longer ones are null (Ollama's habit) */
 
 double kv_gw_mono(void) {
     struct timespec ts;
@@ -378,12 +379,29 @@ static void kv_ep_tokenize(kv_gateway *g, json_t *o, kv_gw_answer *a) {
         free(ids);
         return kv_ans_err(a, api, 400, "cannot tokenize 'content': %s", d.msg);
     }
-    json_t *arr = json_array();
-    for (size_t i = 0; arr && i < off + n; i++)
-        json_array_append_new(arr, pieces ? json_pack("{s:i,s:o}", "id", (int)ids[i], "piece", kv_piece_json(g->tok, ids[i]))
-                                          : json_integer(ids[i]));
+    /* written out one token at a time: a tree of a million JSON values
+       would hold tens of bytes for every byte of the body */
+    kv_gw_buf b = {0};
+    kv_gw_buf_add(&b, "{\"tokens\":[", 11);
+    for (size_t i = 0; i < off + n && !b.oom; i++) {
+        if (pieces) {
+            kv_gw_buf_json(&b, i ? "," : "", json_pack("{s:i,s:o}", "id", (int)ids[i], "piece", kv_piece_json(g->tok, ids[i])),
+                           "");
+            continue;
+        }
+        char num[24];
+        const int k = snprintf(num, sizeof num, "%s%d", i ? "," : "", (int)ids[i]);
+        kv_gw_buf_add(&b, num, (size_t)k);
+    }
+    kv_gw_buf_add(&b, "]}", 2);
     free(ids);
-    kv_ans_json(a, 200, json_pack("{s:o}", "tokens", arr));
+    if (b.oom) {
+        free(b.p);
+        return kv_ans_err(a, api, 500, "out of memory");
+    }
+    a->status = 200;
+    a->type = "application/json";
+    a->body = b.p;
 }
 
 static void kv_ep_detokenize(kv_gateway *g, json_t *o, kv_gw_answer *a) {
@@ -405,6 +423,10 @@ static void kv_ep_detokenize(kv_gateway *g, json_t *o, kv_gw_answer *a) {
         int pn = kv_tok_piece(g->tok, (int32_t)json_integer_value(v), true, pb, sizeof pb);
         if (pn > (int)sizeof pb) pn = (int)sizeof pb;
         if (pn > 0) kv_gw_buf_add(&b, pb, (size_t)pn);
+        if (b.n > KV_GW_MAX_DETOKENIZE) {
+            free(b.p);
+            return kv_ans_err(a, api, 400, "the text of 'tokens' is over %u bytes", KV_GW_MAX_DETOKENIZE);
+        }
     }
     char *clean = b.oom ? NULL : malloc(3 * b.n + 1);
     if (!clean) {
