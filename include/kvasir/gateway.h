@@ -1,5 +1,6 @@
 /* The gateway: the HTTP APIs clients already speak (OpenAI chat completions
- * and completions, Anthropic messages, Ollama chat) over one engine, with
+ * and completions, Anthropic messages, Ollama chat and generate,
+ * llama-server's completion, tokenize and props) over one engine, with
  * continuous batching.
  *
  * One scheduler thread owns the engine (kvasir/engine.h's contract): it
@@ -30,7 +31,8 @@
  * X-KVR-Payment authorization is missing or refused (nothing is charged
  * then), 404 unknown model or path, 413 body too large (or its JSON needs
  * more than parse_max bytes of memory), 503 with Retry-After when the queue
- * is full.
+ * is full or the model cannot run (/health 503: a prompt is answered at
+ * once, not queued behind a swarm that cannot compute it).
  *
  * Fair shares: a client is its API key (its address when there are no
  * keys). The scheduler admits next the queued request of the client with the
