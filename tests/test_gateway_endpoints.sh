@@ -228,7 +228,7 @@ PK=$("$KV" key --key "$dir/coord.key")
   --allow-key "$PK" >"$dir/w.out" 2>"$dir/w.err" &
 WP=$!
 pids+=($WP)
-wait_until 20 grep -q "^listening on " "$dir/w.out" || fail "worker did not start: $(cat "$dir/w.err")"
+wait_until 20 grep -qs "^listening on " "$dir/w.out" || fail "worker did not start: $(cat "$dir/w.err")"
 start sw -m "$dir/coord/manifest.json" --worker "$(sed -n 's/^listening on //p' "$dir/w.out")" --key "$dir/coord.key" --name tiny
 S=$URL
 [ "$(curl -s -o "$dir/h.json" -w '%{http_code}' "$S/health")" = 200 ] || fail "health with the worker: $(cat "$dir/h.json")"
