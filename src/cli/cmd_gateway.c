@@ -33,7 +33,7 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
                                              "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms",
-                                             "--chat-template",
+                                             "--chat-template", "--cors",
                                              "--tls-cert", "--tls-key", NULL};
 
 static const char *kv_gateway_help =
@@ -94,7 +94,11 @@ static const char *kv_gateway_help =
     "                       part redone before any token goes out, reported to --hub, and (with\n"
     "                       --ledger) never paid again: sessions not yet settled ask it for no\n"
     "                       receipt, so its share goes back to the consumer\n"
-    "  --verify-recompute R also recompute a fraction R of the answers in full (implies --verify)\n";
+    "  --verify-recompute R also recompute a fraction R of the answers in full (implies --verify)\n"
+    "  --cors ORIGIN        answer browsers from ORIGIN (SCHEME://HOST[:PORT], or * for any) with\n"
+    "                       Access-Control-Allow-Origin, and their OPTIONS preflights with 204;\n"
+    "                       repeat or give a comma list (at most 32). Without it: no CORS headers\n"
+    "  --quiet              no request log lines and no model summary on stderr\n";
 
 /* The engine's on_caught for the gateway: the CLI's line and hub report
  * (kv_cli_caught), then the key recorded in the gateway so that it is not
@@ -174,8 +178,12 @@ int kv_cmd_gateway(int argc, char **argv) {
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
-    bool verify = false;
+    bool verify = false, quiet = false;
     double verify_rate = 0;
+    const char *cors[KV_GATEWAY_MAX_CORS];
+    uint32_t n_cors = 0;
+    char cors_buf[KV_GATEWAY_MAX_CORS * (KV_GATEWAY_MAX_ORIGIN_LEN + 1)];
+    size_t cors_used = 0;
     const kv_verify_opts vopts = {0};
     kv_gw_caught_ctx caught = {.auth = &auth};
     for (int i = 1; i < argc; i++) {
@@ -187,6 +195,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             verify = true;
         } else if (!strcmp(a, "--insecure-plaintext")) {
             insecure = true;
+        } else if (!strcmp(a, "--quiet")) {
+            quiet = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
@@ -203,6 +213,22 @@ int kv_cmd_gateway(int argc, char **argv) {
             rings[n_rings++] = v;
         } else if (!strcmp(a, "--chat-template")) {
             tmpl_path = v;
+        } else if (!strcmp(a, "--cors")) {
+            /* ORIGIN or a comma list: each copied apart (the library checks its form) */
+            for (const char *p = v; *p;) {
+                const char *e = strchr(p, ',');
+                const size_t l = e ? (size_t)(e - p) : strlen(p);
+                if (!l || l > KV_GATEWAY_MAX_ORIGIN_LEN)
+                    return kv_cli_err(CMD, 1, "--cors: '%.64s' holds an empty origin or one over %u bytes", v,
+                                      KV_GATEWAY_MAX_ORIGIN_LEN);
+                if (n_cors == KV_GATEWAY_MAX_CORS) return kv_cli_err(CMD, 1, "--cors: at most %u origins", KV_GATEWAY_MAX_CORS);
+                memcpy(cors_buf + cors_used, p, l);
+                cors_buf[cors_used + l] = 0;
+                cors[n_cors++] = cors_buf + cors_used;
+                cors_used += l + 1;
+                p += l + (e ? 1 : 0);
+                if (e && !*p) return kv_cli_err(CMD, 1, "--cors: '%.64s' ends with a comma", v);
+            }
         } else if (!strcmp(a, "--ring-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &ring_timeout)) return 1;
         } else if (!strcmp(a, "--verify-recompute")) {
@@ -387,7 +413,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .ring_voucher = hub ? &rv : NULL,
                                     .ring_timeout_ms = (uint32_t)ring_timeout, .chat_template = tmpl,
                                     .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
-                                    .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure};
+                                    .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
+                                    .cors_origins = cors, .n_cors = n_cors, .quiet = quiet};
         rc = kv_gateway_start(&g, NULL, &ro, &d);
         sodium_memzero(&ring_key, sizeof ring_key);
         if (rc) {
@@ -440,7 +467,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,
                                 .price_prompt = price_p, .price_completion = price_c, .chat_template = tmpl,
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
-                                .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure};
+                                .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
+                                .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

@@ -37,6 +37,8 @@ enum kv_gw_api {
     KV_GW_OPENAI_TEXT,      /* POST /v1/completions */
     KV_GW_ANTHROPIC,        /* POST /v1/messages */
     KV_GW_OLLAMA,           /* POST /api/chat */
+    KV_GW_LLAMA,            /* POST /completion (llama-server's native completion) */
+    KV_GW_OLLAMA_GEN,       /* POST /api/generate */
     KV_GW_API_COUNT
 };
 
@@ -48,8 +50,11 @@ typedef struct kv_gw_params {
     kv_chat_msg msgs[KV_GW_MAX_MSGS];
     size_t n_msgs;                  /* chat APIs */
     char *joined[KV_GW_MAX_MSGS];   /* contents joined from content blocks (owned) */
-    const char *prompt;             /* completions */
+    const char *prompt;             /* completions: the text as given (no chat template), or NULL */
     size_t prompt_len;
+    int32_t *prompt_ids;            /* [n_prompt_ids] /completion's prompt as token ids (owned; checked
+                                       against the vocabulary where it is tokenized), or NULL */
+    size_t n_prompt_ids;
     bool has_max_tokens;
     uint32_t max_tokens;
     kv_sample_params sp;            /* kv_sample_defaults() with the request's values */
@@ -147,6 +152,8 @@ typedef struct kv_gw_result {
     int finish;              /* enum kv_gw_finish */
     const char *stop_seq;    /* the stop string that matched, or NULL */
     kv_gw_stream_state *ss;  /* the stream's (mutable), NULL when whole */
+    double t_start;          /* monotonic seconds (kv_gw_mono): the request was read */
+    double t_first;          /* its first token was seen (0: none yet) */
 } kv_gw_result;
 
 /* One tool call the model made (kvasir/chat.h's parser gave it whole). */
@@ -166,6 +173,13 @@ typedef struct kv_gw_answer {
     const kv_gw_call *calls; /* [n_calls] */
     uint32_t n_calls;
 } kv_gw_answer;
+
+/* CLOCK_MONOTONIC in seconds. */
+double kv_gw_mono(void);
+
+/* A request whose prompt is taken as given (no chat template): a text
+ * prompt or token ids. */
+static inline bool kv_gw_params_raw(const kv_gw_params *p) { return p->prompt || p->prompt_ids; }
 
 /* A growable output buffer of bytes to send. */
 typedef struct kv_gw_buf {
@@ -208,6 +222,7 @@ typedef struct kv_gw_api_ops {
 } kv_gw_api_ops;
 
 extern const kv_gw_api_ops kv_gw_openai_chat_ops, kv_gw_openai_text_ops, kv_gw_anthropic_ops, kv_gw_ollama_ops;
+extern const kv_gw_api_ops kv_gw_llama_ops, kv_gw_ollama_gen_ops; /* llama.c, ollama_gen.c */
 
 /* The adapter of api (enum kv_gw_api); any other value (a route that is no
  * API's) gets OpenAI's shapes. Never NULL. */

@@ -23,7 +23,7 @@
 
 enum kv_route {
     KV_R_NONE = 0, KV_R_HEALTH, KV_R_METRICS, KV_R_MODELS, KV_R_SLOTS, KV_R_TAGS, KV_R_GEN, KV_R_NOTFOUND,
-    KV_R_METHOD, KV_R_PRICES, KV_R_TEMPLATE
+    KV_R_METHOD, KV_R_PRICES, KV_R_TEMPLATE, KV_R_ENDPOINT, KV_R_PREFLIGHT
 };
 
 typedef struct kv_gw_conn {
@@ -59,11 +59,17 @@ typedef struct kv_gw_conn {
     kv_gw_charge charge;        /* its payment while held (pay.h) */
     bool paid;                  /* settled: cost below */
     kv_settle_result paid_res;
+    /* the request log line (endpoints.c) */
+    const char *method;         /* a static string: "GET", "POST", ... or "other" */
+    const char *route_name;     /* the route's path as routed (never the client's bytes), or "-" */
+    unsigned status;            /* the status answered */
+    double t0;                  /* kv_gw_mono() when it arrived */
 } kv_gw_conn;
 
 static void kv_count(kv_gw_conn *c, unsigned status) {
     if (c->counted) return;
     c->counted = true;
+    c->status = status;
     pthread_mutex_lock(&c->g->mu);
     c->g->req_count[c->api][kv_gw_code_index(status)]++;
     pthread_mutex_unlock(&c->g->mu);
@@ -86,6 +92,7 @@ static enum MHD_Result kv_reply(kv_gw_conn *cn, struct MHD_Connection *c, unsign
         MHD_add_response_header(r, "X-KVR-Cost", v);
     }
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", kv_gw_api(cn->api)->auth_challenge);
+    kv_gw_cors_headers(cn->g, c, r);
     kv_count(cn, status);
     enum MHD_Result ret = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
@@ -186,7 +193,7 @@ static int kv_on_event(void *ud, const kv_chat_ev *ev) {
 /* The output parser of a chat request, when its family writes reasoning or
  * the request has tools to call; none otherwise (the text as it comes). */
 static int kv_parser_start(kv_gw_conn *c) {
-    if (c->api == KV_GW_OPENAI_TEXT) return 0;
+    if (c->api == KV_GW_OPENAI_TEXT || kv_gw_params_raw(c->p)) return 0; /* a raw prompt: its text as it comes */
     const kv_gw_params *p = c->p;
     kv_chat_syntax s;
     if (c->g->tmpl) kv_gw_tmpl_syntax(c->g->tmpl, &s);
@@ -237,6 +244,7 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     if (rp) memcpy(rp, r->pbuf + r->poff[from], r->poff[n] - r->poff[from]);
     pthread_mutex_unlock(&g->mu);
 
+    if (n > from && c->res.t_first == 0) c->res.t_first = kv_gw_mono();
     bool stopped = false;
     char pb[KV_TOK_MAX_TOKEN_BYTES];
     while (c->consumed < n && !stopped) {
@@ -391,13 +399,26 @@ static bool kv_tool_role_refused(const kv_gw_params *p, kv_diag *d) {
     return false;
 }
 
+/* A prompt given as token ids: copied into ids (room for them), each
+ * checked against the vocabulary. */
+static int kv_gw_ids_take(const kv_tok *tok, const kv_gw_params *p, int32_t *ids, size_t *n, kv_diag *d) {
+    const int32_t n_vocab = kv_tok_n_vocab(tok);
+    for (size_t i = 0; i < p->n_prompt_ids; i++)
+        if (p->prompt_ids[i] >= n_vocab)
+            return kv_fail(d, KV_EINVAL, "'prompt' token %zu is %d, outside the vocabulary [0, %d)", i, p->prompt_ids[i],
+                           n_vocab);
+    memcpy(ids, p->prompt_ids, p->n_prompt_ids * sizeof *ids);
+    *n = p->n_prompt_ids;
+    return 0;
+}
+
 /* A local request: the prompt tokenized here (the chat template for the
  * chat APIs), paid for when the gateway charges. NULL with *status and d
  * on refusal. */
 static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, const kv_gw_params *p, size_t *n_out,
                                    unsigned *status, kv_diag *d) {
     kv_gateway *g = cn->g;
-    const bool chat = cn->api != KV_GW_OPENAI_TEXT;
+    const bool chat = !kv_gw_params_raw(p);
     char *text = NULL; /* the chat template's rendering */
     size_t text_len = 0;
     *status = 400;
@@ -411,7 +432,7 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     } else if (chat && kv_tool_role_refused(p, d)) {
         return NULL;
     }
-    size_t bytes = text ? text_len + 16 : p->prompt_len + 16;
+    size_t bytes = text ? text_len + 16 : p->prompt_ids ? p->n_prompt_ids + 16 : p->prompt_len + 16;
     for (size_t i = 0; !text && i < p->n_msgs; i++) bytes += p->msgs[i].len + 16;
     const size_t cap = text ? bytes : 3 * bytes + 8; /* a byte-level token holds at least one byte */
     int32_t *ids = malloc(cap * sizeof *ids);
@@ -421,8 +442,10 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
         return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
     }
     size_t off = 0, n = 0;
-    if (kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
-    int rc = !chat ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
+    /* token ids are the prompt as given (no BOS added: llama-server's rule) */
+    if (!p->prompt_ids && kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
+    int rc = p->prompt_ids ? kv_gw_ids_take(g->tok, p, ids, &n, d)
+           : !chat ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
            : text  ? kv_gw_tmpl_encode(g->tok, p, text, text_len, ids + off, cap - off, &n, d)
                    : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, p->add_generation_prompt, ids + off, cap - off,
                                           &n, d);
@@ -557,18 +580,24 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (p->model && strcmp(p->model, g->model))
         return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
                             g->model);
+    if (cn->api == KV_GW_OLLAMA_GEN && !kv_gw_params_raw(p) && !p->n_msgs) /* Ollama's "load the model" */
+        return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_load_json(g));
+    char why[320];
+    if (kv_gw_unavailable(g, why, sizeof why)) return kv_reply_err(cn, c, 503, "%s", why);
     kv_gw_req *r = NULL;
     size_t n = 0;
+    if (g->n_ring && p->prompt_ids)
+        return kv_reply_err(cn, c, 400, "a prompt of token ids cannot go to a ring (its nodes tokenize): send text");
     if (g->n_ring) {
         /* the ring's home tokenizes: the rendering when a template is given
            here, else the messages (the home applies ChatML) */
         char *text = NULL;
         size_t tl = 0;
-        if (cn->api != KV_GW_OPENAI_TEXT && g->tmpl) {
+        if (!kv_gw_params_raw(p) && g->tmpl) {
             const int rc = kv_gw_tmpl_render(g->tmpl, p, &text, &tl, &d);
             if (rc) return kv_reply_err(cn, c, kv_template_status(rc), "%s", d.msg);
             cn->think_open = kv_chat_prompt_thinks(text, tl);
-        } else if (cn->api != KV_GW_OPENAI_TEXT && kv_tool_role_refused(p, &d)) {
+        } else if (!kv_gw_params_raw(p) && kv_tool_role_refused(p, &d)) {
             return kv_reply_err(cn, c, 400, "%s", d.msg);
         }
         r = kv_gw_ring_req_new(g, cn->api, p, text, tl);
@@ -628,7 +657,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     snprintf(cn->id, sizeof cn->id, "%skv%llx%llu", kv_gw_api(cn->api)->id_prefix, (unsigned long long)g->started,
              (unsigned long long)r->id);
     cn->res = (kv_gw_result){.id = cn->id, .model = g->model, .created = (long long)time(NULL),
-                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss};
+                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss, .t_start = cn->t0};
     kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
     if (kv_parser_start(cn)) return kv_reply_err(cn, c, 500, "out of memory");
 
@@ -638,6 +667,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, "Content-Type", kv_gw_api(cn->api)->stream_type);
         MHD_add_response_header(resp, "Cache-Control", "no-cache");
+        kv_gw_cors_headers(g, c, resp);
         kv_count(cn, 200);
         enum MHD_Result ret = MHD_queue_response(c, 200, resp);
         MHD_destroy_response(resp);
@@ -654,6 +684,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             const bool displaced = r->displaced;
             pthread_mutex_unlock(&g->mu);
             if (displaced) return kv_reply_err(cn, c, 503, "%s", msg);
+            /* the swarm lost what it needs while this waited (the retries ran out): 503, retry later */
+            if (!g->n_ring && kv_gw_unavailable(g, why, sizeof why))
+                return kv_reply_err(cn, c, 503, "generation failed: %s; %s", msg, why);
             /* a ring that broke or went out of reach is a 503 (retry later), not a fault here */
             return kv_reply_err(cn, c, g->n_ring ? kv_gw_ring_http_status(err) == 400 ? 500 : kv_gw_ring_http_status(err) : 500,
                                 "generation failed: %s", msg);
@@ -677,16 +710,33 @@ static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
         {"POST", "/v1/messages", KV_R_GEN, KV_GW_ANTHROPIC},
         {"POST", "/api/chat", KV_R_GEN, KV_GW_OLLAMA},
         {"POST", "/apply-template", KV_R_TEMPLATE, KV_GW_OPENAI_CHAT},
+        {"POST", "/completion", KV_R_GEN, KV_GW_LLAMA},
+        {"POST", "/api/generate", KV_R_GEN, KV_GW_OLLAMA_GEN},
     };
+    static const char *const methods[] = {"GET", "POST", "OPTIONS", "HEAD", "PUT", "DELETE", "PATCH"};
+    cn->method = "other";
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++)
+        if (!strcmp(method, methods[i])) cn->method = methods[i];
     cn->route = KV_R_NOTFOUND;
+    cn->t0 = kv_gw_mono();
     cn->api = !strncmp(url, "/api/", 5) ? KV_GW_OLLAMA : !strcmp(url, "/v1/messages") ? KV_GW_ANTHROPIC
                                                                                        : KV_GW_API_COUNT;
+    cn->route_name = "-";
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(url, t[i].u)) {
             cn->api = t[i].api;
             cn->route = strcmp(method, t[i].m) ? KV_R_METHOD : t[i].route;
-            return;
+            cn->route_name = t[i].u;
+            break;
         }
+    bool method_ok = false;
+    int api = 0;
+    if (cn->route == KV_R_NOTFOUND && kv_gw_endpoint_of(method, url, &method_ok, &api, &cn->route_name)) {
+        cn->api = api;
+        cn->route = method_ok ? KV_R_ENDPOINT : KV_R_METHOD;
+    }
+    /* a CORS preflight (with --cors) of a path served here: before the key check */
+    if (cn->route == KV_R_METHOD && !strcmp(method, "OPTIONS") && cn->g->n_cors) cn->route = KV_R_PREFLIGHT;
 }
 
 enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -730,11 +780,35 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
         return MHD_YES;
     }
     kv_http_guard_busy(g->guard, c); /* whole: no deadline while it is answered */
+    if (cn->route == KV_R_PREFLIGHT) {
+        kv_gw_answer a;
+        kv_gw_cors_preflight(g, c, &a);
+        if (!a.body) return MHD_NO;
+        struct MHD_Response *r = MHD_create_response_from_buffer(strlen(a.body), a.body, MHD_RESPMEM_MUST_FREE);
+        if (!r) {
+            free(a.body);
+            return MHD_NO;
+        }
+        if (a.status == 204) {
+            MHD_add_response_header(r, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+            MHD_add_response_header(r, "Access-Control-Allow-Headers",
+                                    "Authorization, Content-Type, x-api-key, anthropic-version, X-KVR-Payment");
+            MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+        } else {
+            MHD_add_response_header(r, "Content-Type", a.type);
+        }
+        kv_gw_cors_headers(g, c, r);
+        kv_count(cn, a.status);
+        enum MHD_Result ret = MHD_queue_response(c, a.status, r);
+        MHD_destroy_response(r);
+        return ret;
+    }
     if (cn->route == KV_R_NOTFOUND) return kv_reply_err(cn, c, 404, "no route %.8s %.200s", method, url);
     if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
     if (cn->too_big)
         return kv_reply_err(cn, c, 413, "the request body is larger than %zu bytes", g->o.body_max);
-    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES;
+    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES ||
+                      (cn->route == KV_R_ENDPOINT && !strcmp(cn->route_name, "/api/version")); /* says nothing of the model */
     if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
     switch (cn->route) {
     case KV_R_HEALTH: {
@@ -758,6 +832,11 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
         return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_tags(g->model, g->started, 0));
     }
     case KV_R_TEMPLATE: return kv_apply_template(cn, c);
+    case KV_R_ENDPOINT: {
+        kv_gw_answer a;
+        kv_gw_endpoint(g, url, cn->body, cn->n, cn->api, &a);
+        return kv_reply(cn, c, a.status, a.type, a.body);
+    }
     default: return kv_generate(cn, c);
     }
 }
@@ -780,6 +859,9 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
         pthread_mutex_unlock(&g->mu);
     }
     kv_pay_end(cn, true); /* held without a request (cannot happen): back whole */
+    if (cn->counted)
+        kv_gw_log_request(g, cn->method, cn->route_name, cn->status, cn->res.prompt_tokens, cn->res.completion_tokens,
+                          (kv_gw_mono() - cn->t0) * 1e3);
     kv_gw_text_free(&cn->text);
     kv_chat_parser_free(cn->parser);
     for (uint32_t i = 0; i < cn->n_calls; i++) {

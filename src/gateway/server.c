@@ -171,6 +171,9 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
                            (unsigned long long)n_rec, kv_gw_pay_id(g->pay));
     }
     g->o.ledger_path = g->o.gateway_key_path = g->o.gateway_id = NULL; /* the caller's strings */
+    if ((rc = kv_gw_endpoints_start(g, &o, d))) goto fail;
+    g->o.cors_origins = NULL;
+    g->o.model_path = NULL;
     g->o.chat_template = g->o.chat_template_name = NULL;
     g->o.chat_template_len = 0;
     if ((rc = kv_gw_template_start(g, &o, d))) goto fail;
@@ -201,6 +204,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if (!g->mhd) { rc = kv_fail(d, KV_EIO, "gateway: cannot listen on %.100s port %u (in use, or not a local address?)", opts && opts->host ? opts->host : "127.0.0.1", o.port); goto fail; }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(g->mhd, MHD_DAEMON_INFO_BIND_PORT);
     g->port = di ? di->port : o.port;
+    kv_gw_summary(g, opts && opts->host ? opts->host : "127.0.0.1", o.tls != NULL);
     *out = g;
     return 0;
 fail:
@@ -278,6 +282,7 @@ void kv_gateway_free(kv_gateway *g) {
     kv_gw_pay_free(g->pay);
     kv_gw_tmpl_free(g->tmpl);
     kv_gw_script_free(g);
+    kv_gw_endpoints_free(g);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);
