@@ -218,7 +218,7 @@ void kv_gw_cors_headers(const kv_gateway *g, struct MHD_Connection *c, struct MH
     MHD_add_response_header(r, "Access-Control-Expose-Headers", "X-KVR-Cost, Retry-After");
 }
 
-bool kv_gw_cors_preflight(const kv_gateway *g, struct MHD_Connection *c, kv_gw_answer *a) {
+bool kv_gw_cors_preflight(const kv_gateway *g, struct MHD_Connection *c, kv_gw_reply *a) {
     if (!g->n_cors) return false;
     const bool ok = kv_cors_allow(g, c) != NULL;
     a->status = ok ? 204 : 403;
@@ -270,15 +270,15 @@ bool kv_gw_endpoint_of(const char *method, const char *url, bool *method_ok, int
     return true;
 }
 
-static void kv_ans_json(kv_gw_answer *a, unsigned status, json_t *j) {
+static void kv_ans_json(kv_gw_reply *a, unsigned status, json_t *j) {
     a->status = status;
     a->type = "application/json";
     a->body = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
 }
 
-static void kv_ans_err(kv_gw_answer *a, int api, unsigned status, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void kv_ans_err(kv_gw_answer *a, int api, unsigned status, const char *fmt, ...) {
+static void kv_ans_err(kv_gw_reply *a, int api, unsigned status, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void kv_ans_err(kv_gw_reply *a, int api, unsigned status, const char *fmt, ...) {
     char msg[600], clean[1801];
     va_list ap;
     va_start(ap, fmt);
@@ -292,7 +292,7 @@ static void kv_ans_err(kv_gw_answer *a, int api, unsigned status, const char *fm
 
 /* The body as a JSON object within the request's memory budget; NULL with
  * a answered (400, 413) when it is not one. */
-static json_t *kv_ep_body(kv_gateway *g, const char *body, size_t n, int api, kv_gw_answer *a) {
+static json_t *kv_ep_body(kv_gateway *g, const char *body, size_t n, int api, kv_gw_reply *a) {
     json_error_t je;
     bool over = false;
     kv_json_budget_begin(g->o.parse_max);
@@ -316,7 +316,7 @@ static json_t *kv_ep_body(kv_gateway *g, const char *body, size_t n, int api, kv
 }
 
 /* Every key of o is in allowed (NULL-terminated); else a is a 400 naming it. */
-static bool kv_ep_fields(json_t *o, const char *const *allowed, int api, kv_gw_answer *a) {
+static bool kv_ep_fields(json_t *o, const char *const *allowed, int api, kv_gw_reply *a) {
     const char *key;
     json_t *v;
     json_object_foreach(o, key, v) {
@@ -331,7 +331,7 @@ static bool kv_ep_fields(json_t *o, const char *const *allowed, int api, kv_gw_a
 }
 
 /* A boolean field (absent or null: dflt); false with a 400 otherwise. */
-static bool kv_ep_bool(json_t *o, const char *key, bool dflt, bool *out, int api, kv_gw_answer *a) {
+static bool kv_ep_bool(json_t *o, const char *key, bool dflt, bool *out, int api, kv_gw_reply *a) {
     json_t *v = json_object_get(o, key);
     *out = dflt;
     if (!v || json_is_null(v)) return true;
@@ -357,7 +357,7 @@ static json_t *kv_piece_json(const kv_tok *tok, int32_t id) {
     return arr;
 }
 
-static void kv_ep_tokenize(kv_gateway *g, json_t *o, kv_gw_answer *a) {
+static void kv_ep_tokenize(kv_gateway *g, json_t *o, kv_gw_reply *a) {
     static const char *const allowed[] = {"content", "add_special", "parse_special", "with_pieces", NULL};
     const int api = KV_GW_LLAMA;
     if (!kv_ep_fields(o, allowed, api, a)) return;
@@ -404,7 +404,7 @@ static void kv_ep_tokenize(kv_gateway *g, json_t *o, kv_gw_answer *a) {
     a->body = b.p;
 }
 
-static void kv_ep_detokenize(kv_gateway *g, json_t *o, kv_gw_answer *a) {
+static void kv_ep_detokenize(kv_gateway *g, json_t *o, kv_gw_reply *a) {
     static const char *const allowed[] = {"tokens", NULL};
     const int api = KV_GW_LLAMA;
     if (!kv_ep_fields(o, allowed, api, a)) return;
@@ -450,7 +450,7 @@ static json_t *kv_tok_text_json(const kv_tok *tok, int32_t id) {
     return kv_piece_json(tok, id);
 }
 
-static void kv_ep_props(kv_gateway *g, kv_gw_answer *a) {
+static void kv_ep_props(kv_gateway *g, kv_gw_reply *a) {
     const kv_sample_params sp = kv_sample_defaults();
     json_t *params = json_pack("{s:I,s:i,s:f,s:i,s:f,s:f,s:f,s:[],s:b,s:b}", "n_predict",
                                (json_int_t)g->o.max_tokens_default, "seed", -1, "temperature", (double)sp.temp, "top_k",
@@ -539,7 +539,7 @@ static json_t *kv_details(const kv_gateway *g, const kv_gw_facts *f) {
                      "parameter_size", ps, "quantization_level", ql);
 }
 
-static void kv_ep_show(kv_gateway *g, json_t *o, kv_gw_answer *a) {
+static void kv_ep_show(kv_gateway *g, json_t *o, kv_gw_reply *a) {
     static const char *const allowed[] = {"model", "name", "verbose", NULL};
     const int api = KV_GW_OLLAMA;
     if (!kv_ep_fields(o, allowed, api, a)) return;
@@ -580,7 +580,7 @@ static void kv_ep_show(kv_gateway *g, json_t *o, kv_gw_answer *a) {
                                   "capabilities", "completion", "modified_at", ts));
 }
 
-static void kv_ep_ps(kv_gateway *g, kv_gw_answer *a) {
+static void kv_ep_ps(kv_gateway *g, kv_gw_reply *a) {
     json_t *models = json_array();
     if (g->e) {
         kv_gw_facts f;
@@ -593,7 +593,7 @@ static void kv_ep_ps(kv_gateway *g, kv_gw_answer *a) {
     kv_ans_json(a, 200, json_pack("{s:o}", "models", models));
 }
 
-void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, int api, kv_gw_answer *a) {
+void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, int api, kv_gw_reply *a) {
     memset(a, 0, sizeof *a);
     const int ep = kv_ep_find(url);
     switch (ep) {

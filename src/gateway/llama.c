@@ -145,8 +145,8 @@ static json_t *kv_ll_final(const kv_gw_result *r, const char *text, size_t n) {
                      r->stop_seq ? r->stop_seq : "", "timings", kv_ll_timings(r));
 }
 
-static char *kv_ll_full(const kv_gw_result *r, const char *text, size_t n) {
-    json_t *j = kv_ll_final(r, text, n);
+static char *kv_ll_full(const kv_gw_result *r, const kv_gw_answer *a) { /* a raw prompt: content only */
+    json_t *j = kv_ll_final(r, a->text, a->n);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;

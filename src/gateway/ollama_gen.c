@@ -112,8 +112,8 @@ static json_t *kv_og_obj(const kv_gw_result *r, const char *text, size_t n, bool
     return j;
 }
 
-static char *kv_og_full(const kv_gw_result *r, const char *text, size_t n) {
-    json_t *j = kv_og_obj(r, text, n, true);
+static char *kv_og_full(const kv_gw_result *r, const kv_gw_answer *a) { /* a raw prompt: content only */
+    json_t *j = kv_og_obj(r, a->text, a->n, true);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;

@@ -781,7 +781,7 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
     }
     kv_http_guard_busy(g->guard, c); /* whole: no deadline while it is answered */
     if (cn->route == KV_R_PREFLIGHT) {
-        kv_gw_answer a;
+        kv_gw_reply a;
         kv_gw_cors_preflight(g, c, &a);
         if (!a.body) return MHD_NO;
         struct MHD_Response *r = MHD_create_response_from_buffer(strlen(a.body), a.body, MHD_RESPMEM_MUST_FREE);
@@ -833,7 +833,7 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
     }
     case KV_R_TEMPLATE: return kv_apply_template(cn, c);
     case KV_R_ENDPOINT: {
-        kv_gw_answer a;
+        kv_gw_reply a;
         kv_gw_endpoint(g, url, cn->body, cn->n, cn->api, &a);
         return kv_reply(cn, c, a.status, a.type, a.body);
     }

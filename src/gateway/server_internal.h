@@ -223,11 +223,11 @@ char *kv_gw_health_json(kv_gateway *g, bool *ok);   /* GET /health: the body, *o
 
 /* ---- endpoints.c ---- */
 /* An answer: status, Content-Type and a malloc'd body (NULL on no memory). */
-typedef struct kv_gw_answer {
+typedef struct kv_gw_reply {
     unsigned status;
     const char *type;
     char *body;
-} kv_gw_answer;
+} kv_gw_reply;
 /* At start, before the template: the CORS origins, the model path and the
  * template's source copied (KV_EINVAL naming a bad origin, KV_ENOMEM). */
 int kv_gw_endpoints_start(kv_gateway *g, const kv_gateway_opts *o, kv_diag *d);
@@ -239,11 +239,11 @@ void kv_gw_summary(kv_gateway *g, const char *host, bool tls);
 bool kv_gw_endpoint_of(const char *method, const char *url, bool *method_ok, int *api, const char **name);
 /* Answers an endpoint of endpoints.c (url as kv_gw_endpoint_of took it;
  * body n bytes, read within body_max). */
-void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, int api, kv_gw_answer *a);
+void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, int api, kv_gw_reply *a);
 /* CORS headers on r for c's Origin (none without --cors or a match). */
 void kv_gw_cors_headers(const kv_gateway *g, struct MHD_Connection *c, struct MHD_Response *r);
 /* An OPTIONS preflight: true when CORS is on (a is then the answer). */
-bool kv_gw_cors_preflight(const kv_gateway *g, struct MHD_Connection *c, kv_gw_answer *a);
+bool kv_gw_cors_preflight(const kv_gateway *g, struct MHD_Connection *c, kv_gw_reply *a);
 /* Ollama's answer to an /api/generate with no prompt (it loads the model:
  * here it is always loaded): {"model","created_at","response":"",
  * "done":true,"done_reason":"load"}. Malloc'd; NULL on no memory. */
