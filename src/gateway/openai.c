@@ -45,9 +45,10 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
 static const char *kv_oa_finish(int f) { return f == KV_GW_FINISH_LENGTH ? "length" : "stop"; }
 
 static json_t *kv_oa_usage(const kv_gw_result *r) {
-    return json_pack("{s:I,s:I,s:I}", "prompt_tokens", (json_int_t)r->prompt_tokens, "completion_tokens",
+    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)r->prompt_tokens, "completion_tokens",
                      (json_int_t)r->completion_tokens, "total_tokens",
-                     (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens);
+                     (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens, "prompt_tokens_details",
+                     "cached_tokens", (json_int_t)r->cached_tokens);
 }
 
 static char *kv_oa_error(unsigned status, const char *msg) {
