@@ -19,6 +19,9 @@
  *     evicts B's blocks (the least recently used), never A's: A hits whole,
  *     B only in part; eviction counted, bytes within the budget, outputs
  *     still exact;
+ *   - one prompt over the budget: qwen3moe keeps and reuses the blocks that
+ *     fit; qwen35moe drops its chain's older recurrent states and resumes
+ *     from the deepest (all of its whole blocks);
  *   - an uncached engine (budget 0) reports nothing; bad options are
  *     refused with a message naming them. */
 #include <stdlib.h>
@@ -355,6 +358,22 @@ static void lru(int fi) {
     check_same(&o[0], &ref[1], V, "LRU B");
     ASSERT_TRUE(o[0].n_cached < 192);
     free_res(o, 1);
+    kv_engine_free(e);
+
+    /* one prompt does not fit (nine tenths of its bytes): qwen3moe keeps
+       the blocks that fit and reuses them; qwen35moe drops the older
+       recurrent states of its chain instead and resumes from the deepest */
+    e = open_engine(f, one - one / 10);
+    if (!e) return;
+    run(e, &p[0], 1, o);
+    free_res(o, 1);
+    run(e, &p[0], 1, o);
+    check_same(&o[0], &ref[0], V, "one chain over budget");
+    ASSERT_EQ(o[0].n_cached, fi == 0 ? 160 : 192);
+    free_res(o, 1);
+    kv_engine_get_stats(e, &es);
+    ASSERT_TRUE(es.cache_bytes <= es.cache_budget);
+    ASSERT_EQ(es.cache_blocks, fi == 0 ? 5 : 6);
     kv_engine_free(e);
     free_res(ref, 3);
 }

@@ -5,7 +5,9 @@
  * Invariants: bytes is the sum of the entries' sizes and never exceeds
  * budget after an insert returns; n_child counts the entries whose parent
  * is this one, so an entry with n_child == 0 is a leaf and may go; an
- * entry's parent outlives it. */
+ * entry's parent outlives it. While room is made, a block being inserted
+ * is not on the list yet, and one being given its state is held as if it
+ * had a child (and has no state to drop), so neither can go. */
 #include "engine/prefix_cache.h"
 
 #include <stdlib.h>
@@ -33,6 +35,7 @@ struct kv_pcache {
     kv_pc_entry *oldest, *newest;
     uint32_t entries;
     uint64_t inserts, evictions;
+    uint64_t states_dropped;    /* recurrent states dropped from blocks kept as links */
 };
 
 /* splitmix64's finalizer: every input bit reaches every output bit */
@@ -165,14 +168,27 @@ static void kv_pc_remove(kv_pcache *c, kv_pc_entry *e) {
     kv_pc_entry_free(e);
 }
 
-/* Evicts least recently used leaves until `need` more bytes fit. */
+/* Evicts least recently used leaves until `need` more bytes fit; when no
+ * leaf is left (one chain fills the budget: a long prompt of a recurrent
+ * model), drops the recurrent states of its least recently used blocks
+ * instead, which then serve as links only: the deepest state is the one a
+ * later prompt can resume from. */
 static bool kv_pc_make_room(kv_pcache *c, uint64_t need) {
     while (c->bytes + need > c->budget) {
         kv_pc_entry *e = c->oldest;
         while (e && e->n_child) e = e->newer;
+        if (e) {
+            kv_pc_remove(c, e);
+            c->evictions++;
+            continue;
+        }
+        for (e = c->oldest; e && !e->rec; e = e->newer) {}
         if (!e) return false;
-        kv_pc_remove(c, e);
-        c->evictions++;
+        free(e->rec);
+        e->rec = NULL;
+        e->bytes -= c->rec_bytes;
+        c->bytes -= c->rec_bytes;
+        c->states_dropped++;
     }
     return true;
 }
@@ -235,5 +251,6 @@ const void *kv_pc_entry_rec(const kv_pc_entry *e) { return e->rec; }
 
 void kv_pcache_get_stats(const kv_pcache *c, kv_pcache_stats *out) {
     *out = (kv_pcache_stats){.block_tokens = c->block_tokens, .budget_bytes = c->budget, .bytes = c->bytes,
-                             .entries = c->entries, .inserts = c->inserts, .evictions = c->evictions};
+                             .entries = c->entries, .inserts = c->inserts, .evictions = c->evictions,
+                             .states_dropped = c->states_dropped};
 }

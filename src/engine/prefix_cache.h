@@ -14,8 +14,10 @@
  * count against budget_bytes. When an insert would exceed it, the least
  * recently used entry that no other entry extends (a leaf) is evicted, and
  * so on; a parent is never evicted before its children, so every entry
- * stays reachable from the first block. An entry larger than the budget is
- * not kept.
+ * stays reachable from the first block. When only one chain is left (no
+ * leaf but the new entry's parent), the recurrent states of its least
+ * recently used blocks are dropped instead (the blocks stay, as links). An
+ * entry larger than the budget is not kept.
  *
  * Not thread-safe: the engine's thread alone uses it (engine.h). */
 #ifndef KVASIR_ENGINE_PREFIX_CACHE_H
@@ -70,6 +72,7 @@ typedef struct kv_pcache_stats {
     uint32_t entries;     /* blocks held now */
     uint64_t inserts;     /* blocks stored */
     uint64_t evictions;   /* blocks evicted for room */
+    uint64_t states_dropped; /* recurrent states dropped for room (their blocks kept as links) */
 } kv_pcache_stats;
 void kv_pcache_get_stats(const kv_pcache *c, kv_pcache_stats *out);
 #endif
