@@ -22,6 +22,7 @@
  *   - one prompt over the budget: qwen3moe keeps and reuses the blocks that
  *     fit; qwen35moe drops its chain's older recurrent states and resumes
  *     from the deepest (all of its whole blocks);
+ *   - F16 KV: cold and warm equal an F16 engine without a cache;
  *   - an uncached engine (budget 0) reports nothing; bad options are
  *     refused with a message naming them. */
 #include <stdlib.h>
@@ -147,13 +148,17 @@ done:
     kv_pool_free(pool);
 }
 
-static kv_engine *open_engine(const fixture *f, uint64_t cache_bytes) {
+static kv_engine *open_engine_kv(const fixture *f, uint64_t cache_bytes, uint32_t kv_type) {
     kv_diag d = {0};
     kv_engine *e = NULL;
     const kv_engine_opts o = {.n_threads = 2, .n_ctx = N_CTX, .n_batch = N_BATCH, .max_sessions = 4,
-                              .prompt_cache_bytes = cache_bytes, .prompt_cache_block = BLOCK};
+                              .prompt_cache_bytes = cache_bytes, .prompt_cache_block = BLOCK, .kv_type = kv_type};
     if (kv_engine_open(&e, f->model, &o, &d)) KVT_FAIL("engine: %s", d.msg);
     return e;
+}
+
+static kv_engine *open_engine(const fixture *f, uint64_t cache_bytes) {
+    return open_engine_kv(f, cache_bytes, KV_TYPE_F32);
 }
 
 /* The n requests as sessions stepped together until all are done. */
@@ -307,6 +312,36 @@ static void cold_warm(int fi) {
     free_res(&rc, 1);
 }
 
+/* F16 KV: the cache holds the rounded rows the cache held; warm equals an
+ * F16 engine without a cache (the reference is F32, so not that) */
+static void f16(int fi) {
+    const fixture *f = &g_fx[fi];
+    const uint32_t V = f->n_vocab;
+    static req a;
+    a = (req){.n_prompt = 260, .temp = 0.7f, .seed = 3, .max_tokens = MAX_GEN};
+    fill(a.prompt, a.n_prompt, 60, V);
+    kv_engine *n = open_engine_kv(f, 0, KV_TYPE_F16), *e = open_engine_kv(f, 64u << 20, KV_TYPE_F16);
+    if (!n || !e) return;
+    result ref[1], o[1];
+    run(n, &a, 1, ref);
+    run(e, &a, 1, o);
+    check_same(&o[0], &ref[0], V, "f16 cold");
+    free_res(o, 1);
+    scrub(e, 103);
+    run(e, &a, 1, o);
+    check_same(&o[0], &ref[0], V, "f16 warm");
+    ASSERT_EQ(o[0].n_cached, 256);
+    free_res(o, 1);
+    free_res(ref, 1);
+    kv_engine_free(n);
+    kv_engine_free(e);
+}
+
+static void test_f16(void) {
+    f16(0);
+    f16(1);
+}
+
 static void test_cold_warm_qwen3moe(void) { cold_warm(0); }
 static void test_cold_warm_qwen35moe(void) { cold_warm(1); }
 
@@ -430,7 +465,7 @@ static void teardown(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_cold_warm_qwen3moe), KVT_CASE(test_cold_warm_qwen35moe), KVT_CASE(test_lru_qwen3moe),
-    KVT_CASE(test_lru_qwen35moe),      KVT_CASE(test_opts),
+    KVT_CASE(test_lru_qwen35moe),      KVT_CASE(test_f16),                KVT_CASE(test_opts),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

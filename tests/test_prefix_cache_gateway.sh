@@ -10,7 +10,7 @@
 # sum the prompt); /metrics counts lookups, hits, tokens reused, bytes held
 # and budget; a small budget evicts (counted) and still answers the same
 # text. --prompt-cache's bad values and --ring are refused with a message
-# naming the flag.
+# naming the flag. Streamed answers carry the same usage fields.
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 BIN=${KV_BIN:-$SRC/build/kvasir}
@@ -102,8 +102,19 @@ for arch in q3 q35; do
   [ $((AR + AI)) = "$(jq -r .usage.input_tokens <<<"$a0")" ] || fail "$arch: anthropic input + cache read != prompt: $a1 vs $a0"
   [ "$(jq -r .usage.cache_read_input_tokens <<<"$a0")" = 0 ] || fail "$arch: uncached anthropic: $a0"
 
-  [ "$(metric "$C" kvasir_gateway_prompt_cache_lookups_total)" = 4 ] || fail "$arch: lookups: $(curl -s "http://$C/metrics" | grep cache)"
-  [ "$(metric "$C" kvasir_gateway_prompt_cache_hits_total)" = 3 ] || fail "$arch: hits"
+  # streamed: the usage chunk (OpenAI include_usage) and message_delta (Anthropic)
+  su=$(jq -n --arg t "$LONG" '{model:"m",messages:[{role:"user",content:$t}],max_tokens:8,temperature:0,stream:true,
+        stream_options:{include_usage:true}}' |
+    curl -sfN "http://$C/v1/chat/completions" -H 'content-type: application/json' -d @- |
+    sed -n 's/^data: //p' | grep -v '^\[DONE\]' | jq -c 'select(.usage != null) | .usage' | tail -1)
+  [ "$(jq -r .prompt_tokens_details.cached_tokens <<<"$su")" = "$W" ] || fail "$arch: streamed usage: $su"
+  sa=$(jq -n --arg t "$LONG" '{model:"m",messages:[{role:"user",content:$t}],max_tokens:8,temperature:0,stream:true}' |
+    curl -sfN "http://$C/v1/messages" -H 'content-type: application/json' -d @- |
+    sed -n 's/^data: //p' | jq -c 'select(.type == "message_delta") | .usage')
+  [ "$(jq -r .cache_read_input_tokens <<<"$sa")" = "$AR" ] || fail "$arch: streamed anthropic usage: $sa"
+
+  [ "$(metric "$C" kvasir_gateway_prompt_cache_lookups_total)" = 6 ] || fail "$arch: lookups: $(curl -s "http://$C/metrics" | grep cache)"
+  [ "$(metric "$C" kvasir_gateway_prompt_cache_hits_total)" = 5 ] || fail "$arch: hits"
   [ "$(metric "$C" kvasir_gateway_prompt_cache_tokens_total)" -ge $((W + AR)) ] || fail "$arch: tokens reused"
   [ "$(metric "$C" kvasir_gateway_prompt_cache_bytes)" -gt 0 ] || fail "$arch: bytes held"
   [ "$(metric "$C" kvasir_gateway_prompt_cache_evictions_total)" = 0 ] || fail "$arch: evictions in 64M"
