@@ -9,7 +9,8 @@
 # Anthropic API reports cache_read_input_tokens (input_tokens the rest, the
 # sum the prompt); /metrics counts lookups, hits, tokens reused, bytes held
 # and budget; a small budget evicts (counted) and still answers the same
-# text. --prompt-cache's bad values and --ring are refused with a message
+# text; over a worker process (experts remote) the same as in process.
+# --prompt-cache's bad values and --ring are refused with a message
 # naming the flag. Streamed answers carry the same usage fields.
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -119,6 +120,33 @@ for arch in q3 q35; do
   [ "$(metric "$C" kvasir_gateway_prompt_cache_bytes)" -gt 0 ] || fail "$arch: bytes held"
   [ "$(metric "$C" kvasir_gateway_prompt_cache_evictions_total)" = 0 ] || fail "$arch: evictions in 64M"
 done
+
+# over a worker (the experts remote, the cache the coordinator's): the same
+"$BIN" slice "$DIR/q3.gguf" --out "$DIR/sl" --experts-per-slab 8 >/dev/null 2>&1 || fail "slice"
+"$BIN" key --key "$DIR/coord.key" >/dev/null
+"$BIN" worker --slabs "$(ls "$DIR"/sl/experts/*.gguf | paste -sd, -)" --listen 127.0.0.1:0 --threads 1 --quiet \
+  --allow-key "$("$BIN" key --key "$DIR/coord.key")" --key "$DIR/w.key" >"$DIR/w.out" 2>"$DIR/w.err" &
+PIDS+=($!)
+WA=""
+for _ in $(seq 1 200); do
+  WA=$(sed -n 's/^listening on \(.*\)$/\1/p' "$DIR/w.out" 2>/dev/null | head -1 || true)
+  [ -n "$WA" ] && break
+  sleep 0.05
+done
+[ -n "$WA" ] || fail "the worker did not start: $(cat "$DIR/w.err")"
+start wk -m "$DIR/sl/manifest.json" --worker "$WA" --key "$DIR/coord.key" --prompt-cache 64M
+K=$(cat "$DIR/wk.addr")
+N=$(cat "$DIR/q3-n.addr")
+want=$(chat "$N" "$LONG" | jq -r '.choices[0].message.content')
+wc1=$(chat "$K" "$LONG")
+wc2=$(chat "$K" "$LONG")
+for r in "$wc1" "$wc2"; do
+  [ "$(jq -r '.choices[0].message.content' <<<"$r")" = "$want" ] || fail "over a worker: the text differs: $r"
+done
+P=$(jq -r .usage.prompt_tokens <<<"$wc2")
+[ "$(jq -r .usage.prompt_tokens_details.cached_tokens <<<"$wc1")" = 0 ] || fail "over a worker, cold: $wc1"
+[ "$(jq -r .usage.prompt_tokens_details.cached_tokens <<<"$wc2")" = $(( (P - 1) / 64 * 64 )) ] ||
+  fail "over a worker, warm: $wc2"
 
 # a budget of a few blocks: other prompts evict, the text stays
 start small -m "$DIR/q3.gguf" --prompt-cache 300K
