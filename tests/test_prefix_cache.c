@@ -22,6 +22,11 @@
  *   - one prompt over the budget: qwen3moe keeps and reuses the blocks that
  *     fit; qwen35moe drops its chain's older recurrent states and resumes
  *     from the deepest (all of its whole blocks);
+ *   - the cache alone (prefix_cache.c) against a naive model of the same
+ *     policy over thousands of random chains sharing prefixes, with and
+ *     without recurrent states, fills that fail, budgets of 3 to 8 blocks:
+ *     the same matches, each block's bytes its own prefix's, the same bytes
+ *     held, never over the budget;
  *   - F16 KV: cold and warm equal an F16 engine without a cache;
  *   - an uncached engine (budget 0) reports nothing; bad options are
  *     refused with a message naming them. */
@@ -33,6 +38,7 @@
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "engine/prefix_cache.h"
 
 #define MAX_GEN 10
 #define N_CTX 512
@@ -416,6 +422,200 @@ static void lru(int fi) {
 static void test_lru_qwen3moe(void) { lru(0); }
 static void test_lru_qwen35moe(void) { lru(1); }
 
+/* ---- the cache alone against a naive model ------------------------------- */
+
+/* The model: a flat array of blocks, each its whole prefix of tokens, a
+ * use tick, a recurrent flag; the same policy written the slow way
+ * (eviction: the least recently used block that no live block extends and
+ * that is not held; then the least recently used state). Random chains
+ * over a 3-token alphabet (prefixes shared often) with budgets of a few
+ * blocks: every match must equal the model's, every matched block's bytes
+ * must be those filled for its own prefix, and the bytes held must stay
+ * within the budget. */
+#define MB 4        /* tokens per block */
+#define MD 6        /* deepest block */
+#define MN 4096     /* model blocks ever */
+
+typedef struct mblk {
+    int32_t tok[MD * MB];
+    uint32_t depth;
+    uint64_t used;
+    bool rec, alive;
+} mblk;
+
+static mblk g_m[MN];
+static uint32_t g_mn;
+static uint64_t g_tick, g_mbytes, g_e0, g_rb, g_budget;
+
+static uint64_t prefix_hash(const int32_t *tok, uint32_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (uint32_t i = 0; i < n; i++) h = (h ^ (uint32_t)tok[i]) * 1099511628211ull;
+    return h;
+}
+
+typedef struct fill_ctx {
+    const int32_t *tok;
+    uint32_t n;
+    bool fail;
+} fill_ctx;
+
+static int fill_fn(void *arg, void *kv, void *rec) {
+    const fill_ctx *c = arg;
+    if (c->fail) return KV_EIO;
+    const uint64_t h = prefix_hash(c->tok, c->n);
+    if (kv) memcpy(kv, &h, 8);
+    if (rec) {
+        memcpy(rec, &h, 8);
+        memcpy((uint8_t *)rec + 8, &c->n, 4);
+    }
+    return 0;
+}
+
+static int m_find(const int32_t *tok, uint32_t depth) {
+    for (uint32_t i = 0; i < g_mn; i++)
+        if (g_m[i].alive && g_m[i].depth == depth && !memcmp(g_m[i].tok, tok, (depth + 1) * MB * sizeof *tok))
+            return (int)i;
+    return -1;
+}
+
+static bool m_has_child(int i) {
+    for (uint32_t j = 0; j < g_mn; j++)
+        if (g_m[j].alive && g_m[j].depth == g_m[i].depth + 1 && !memcmp(g_m[j].tok, g_m[i].tok, (g_m[i].depth + 1) * MB * 4))
+            return true;
+    return false;
+}
+
+static bool m_room(uint64_t need, int held0, int held1) {
+    while (g_mbytes + need > g_budget) {
+        int best = -1;
+        for (uint32_t i = 0; i < g_mn; i++)
+            if (g_m[i].alive && (int)i != held0 && (int)i != held1 && !m_has_child((int)i) &&
+                (best < 0 || g_m[i].used < g_m[best].used))
+                best = (int)i;
+        if (best >= 0) {
+            g_m[best].alive = false;
+            g_mbytes -= g_e0 + (g_m[best].rec ? g_rb : 0);
+            continue;
+        }
+        for (uint32_t i = 0; i < g_mn; i++)
+            if (g_m[i].alive && g_m[i].rec && (best < 0 || g_m[i].used < g_m[best].used)) best = (int)i;
+        if (best < 0) return false;
+        g_m[best].rec = false;
+        g_mbytes -= g_rb;
+    }
+    return true;
+}
+
+/* the model's insert: the block's index, or -1 when not kept */
+static int m_insert(int parent, const int32_t *tok, uint32_t depth, bool with_rec, bool fail) {
+    with_rec = with_rec && g_rb;
+    int e = m_find(tok, depth);
+    if (e >= 0) {
+        if (with_rec && !g_m[e].rec && m_room(g_rb, parent, e) && !fail) {
+            g_m[e].rec = true;
+            g_mbytes += g_rb;
+        }
+        g_m[e].used = ++g_tick;
+        return e;
+    }
+    const uint64_t bytes = g_e0 + (with_rec ? g_rb : 0);
+    if (bytes > g_budget || !m_room(bytes, parent, -1) || fail) return -1;
+    KV_ASSERT(g_mn < MN);
+    mblk *b = &g_m[g_mn];
+    memcpy(b->tok, tok, (depth + 1) * MB * sizeof *tok);
+    b->depth = depth;
+    b->rec = with_rec;
+    b->alive = true;
+    b->used = ++g_tick;
+    g_mbytes += bytes;
+    return (int)g_mn++;
+}
+
+static void cache_vs_model(uint64_t rec_bytes, uint32_t budget_blocks, uint64_t seed) {
+    kv_diag d = {0};
+    kv_pcache *c = NULL;
+    /* one block's size, measured: an empty cache, one insert */
+    ASSERT_EQ(kv_pcache_new(&c, 1 << 20, MB, 8, rec_bytes, &d), 0);
+    const int32_t z[MB] = {0};
+    fill_ctx fz = {z, MB, false};
+    ASSERT_TRUE(kv_pcache_insert(c, NULL, 0, z, false, fill_fn, &fz) != NULL);
+    kv_pcache_stats ps;
+    kv_pcache_get_stats(c, &ps);
+    kv_pcache_free(c);
+    g_e0 = ps.bytes;
+    g_rb = rec_bytes;
+    g_budget = budget_blocks * g_e0 + (budget_blocks / 2) * rec_bytes;
+    g_mn = 0;
+    g_tick = g_mbytes = 0;
+    ASSERT_EQ(kv_pcache_new(&c, g_budget, MB, 8, rec_bytes, &d), 0);
+    kv_pc_entry *path[MD];
+    uint64_t x = seed;
+    uint32_t n_match = 0;
+    for (int op = 0; op < 3000 && g_mn < MN - MD; op++) {
+        int32_t tok[MD * MB];
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t nb = 1 + (uint32_t)(x >> 60) % MD;
+        /* one of three base streams, often with one token changed: prefixes shared */
+        const uint32_t base = (uint32_t)(x >> 20) % 3;
+        for (uint32_t i = 0; i < nb * MB; i++) tok[i] = (int32_t)((base * 7 + i * (base + 1)) % 5);
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        if (x >> 63) tok[(x >> 32) % (nb * MB)] = 9;
+        /* match: the cache and the model agree, and the bytes are the prefix's own */
+        const uint32_t m = kv_pcache_match(c, tok, nb * MB, nb, path);
+        uint32_t mm = 0;
+        while (mm < nb && m_find(tok, mm) >= 0) mm++;
+        if (m != mm) {
+            KVT_FAIL("op %d: matched %u blocks, the model %u", op, m, mm);
+            break;
+        }
+        for (uint32_t i = 0; i < m; i++) {
+            uint64_t h;
+            memcpy(&h, kv_pc_entry_kv(path[i]), 8);
+            if (h != prefix_hash(tok, (i + 1) * MB)) KVT_FAIL("op %d: block %u holds another prefix's bytes", op, i);
+            const bool has = kv_pc_entry_rec(path[i]) != NULL;
+            if (has != g_m[m_find(tok, i)].rec) KVT_FAIL("op %d: block %u state %d, the model %d", op, i, has, !has);
+        }
+        n_match += m;
+        kv_pcache_touch(c, path, m);
+        for (uint32_t i = m; i-- > 0;) g_m[m_find(tok, i)].used = ++g_tick;
+        /* then store the rest of the chain, as a session completing blocks does */
+        kv_pc_entry *parent = m ? path[m - 1] : NULL;
+        int mparent = m ? m_find(tok, m - 1) : -1;
+        for (uint32_t k = m; k < nb; k++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            const bool with_rec = (x >> 63) != 0, fail = (x >> 32) % 50 == 0;
+            fill_ctx fc = {tok, (k + 1) * MB, fail};
+            kv_pc_entry *e = kv_pcache_insert(c, parent, k, tok + k * MB, with_rec, fill_fn, &fc);
+            const int me = m_insert(mparent, tok, k, with_rec, fail);
+            if ((e != NULL) != (me >= 0)) {
+                KVT_FAIL("op %d: insert of block %u: cache %s, model %s", op, k, e ? "kept" : "no", me >= 0 ? "kept" : "no");
+                op = 1 << 30;
+                break;
+            }
+            if (!e) break;
+            parent = e;
+            mparent = me;
+        }
+        kv_pcache_get_stats(c, &ps);
+        if (ps.bytes != g_mbytes || ps.bytes > g_budget) {
+            KVT_FAIL("op %d: %llu bytes held, the model %llu, budget %llu", op, (unsigned long long)ps.bytes,
+                     (unsigned long long)g_mbytes, (unsigned long long)g_budget);
+            break;
+        }
+    }
+    ASSERT_TRUE(n_match > 100); /* the run did reuse */
+    kv_pcache_get_stats(c, &ps);
+    ASSERT_TRUE(ps.evictions > 0);
+    kv_pcache_free(c);
+}
+
+static void test_cache_model(void) {
+    cache_vs_model(0, 8, 1);
+    cache_vs_model(0, 3, 2);
+    cache_vs_model(24, 8, 3);
+    cache_vs_model(24, 4, 4);
+}
+
 /* ---- options ------------------------------------------------------------- */
 
 static void test_opts(void) {
@@ -465,7 +665,8 @@ static void teardown(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_cold_warm_qwen3moe), KVT_CASE(test_cold_warm_qwen35moe), KVT_CASE(test_lru_qwen3moe),
-    KVT_CASE(test_lru_qwen35moe),      KVT_CASE(test_f16),                KVT_CASE(test_opts),
+    KVT_CASE(test_lru_qwen35moe),      KVT_CASE(test_f16),                KVT_CASE(test_cache_model),
+    KVT_CASE(test_opts),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
