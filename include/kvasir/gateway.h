@@ -106,6 +106,10 @@ typedef struct kv_gateway_opts {
     const char *chat_template;  /* a template's source (copied), chat_template_len bytes; NULL = the model's */
     size_t chat_template_len;   /* at most KV_GATEWAY_MAX_TEMPLATE */
     const char *chat_template_name; /* where it came from, in messages (a file name); NULL = "--chat-template" */
+    /* HTTPS (include/kvasir/https.h): serve this certificate; NULL = plain HTTP, which
+       is refused (KV_EINVAL) on a non-loopback host unless insecure_plaintext */
+    const struct kv_https_cert *tls; /* read while the gateway lives */
+    bool insecure_plaintext;
 } kv_gateway_opts;
 
 #define KV_GATEWAY_MAX_TEMPLATE (1u << 20) /* bytes of a chat template */

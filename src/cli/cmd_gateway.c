@@ -19,6 +19,7 @@
 #include "kvasir/engine.h"
 #include "kvasir/gateway.h"
 #include "kvasir/hub.h"
+#include "kvasir/https.h"
 #include "kvasir/ledger.h"
 #include "kvasir/node.h"
 #include "kvasir/pool.h"
@@ -32,13 +33,15 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
                                              "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms",
-                                             "--chat-template", "--prompt-cache", NULL};
+                                             "--chat-template", "--prompt-cache",
+                                             "--tls-cert", "--tls-key", NULL};
 
 static const char *kv_gateway_help =
     "usage: kvasir gateway (-m MODEL | --hub URL | --ring HOST:PORT) [--listen HOST:PORT] [options]\n"
     "  -m, --model F        GGUF file, or DIR/manifest.json (or DIR) of a sliced model\n"
     "  --worker HOST:PORT   sliced model: experts on this worker (repeat for more)\n"
-    "  --hub URL            take the model from a hub: manifest and backbone fetched into --data,\n"
+    "  --hub URL            take the model from a hub (https://HOST:PORT#sha256=<64 hex> pins a TLS\n"
+    "                       hub by its fingerprint): manifest and backbone fetched into --data,\n"
     "                       experts on the live nodes of its placement map, read again every\n"
     "                       --hub-refresh-ms (default 2000) and after a failed step\n"
     "  --data DIR           with --hub: where the coordinator's pieces are kept (default kvasir-data)\n"
@@ -57,6 +60,10 @@ static const char *kv_gateway_help =
     "                       DATA/coordinator.key with --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
+    "  --tls-cert FILE      serve https with this PEM certificate (and --tls-key FILE, its PEM key);\n"
+    "                       its fingerprint is printed as \"tls sha256:<64 hex digits>\"\n"
+    "  --insecure-plaintext serve plain HTTP on an address that is not loopback (prints a\n"
+    "                       warning); without it or --tls-cert such an address is refused\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
     "  --api-key KEY        accept this key (Authorization: Bearer KEY or x-api-key); repeatable\n"
     "  --api-keys FILE      accept the keys in FILE (one a line, # comments)\n"
@@ -166,6 +173,9 @@ int kv_cmd_gateway(int argc, char **argv) {
     uint64_t price_p = 1, price_c = 2;
     long hub_refresh = 2000, step_retry = 30000;
     const char *hub = NULL, *data_dir = "kvasir-data";
+    const char *tls_cert = NULL, *tls_key = NULL;
+    bool insecure = false;
+    static kv_https_cert tls; /* served while the gateway runs */
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
@@ -180,12 +190,18 @@ int kv_cmd_gateway(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--verify")) {
             verify = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            insecure = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--tls-cert")) {
+            tls_cert = v;
+        } else if (!strcmp(a, "--tls-key")) {
+            tls_key = v;
         } else if (!strcmp(a, "--ring")) {
             if (n_rings == KV_GATEWAY_MAX_RING)
                 return kv_cli_err(CMD, 1, "--ring: at most %u entry nodes", KV_GATEWAY_MAX_RING);
@@ -320,6 +336,14 @@ int kv_cmd_gateway(int argc, char **argv) {
     char **fkeys = NULL;
     uint32_t n_fkeys = 0;
     kv_diag d = {0};
+    if (!tls_cert != !tls_key) return kv_cli_err(CMD, 1, "--tls-cert and --tls-key go together");
+    if (insecure && tls_cert) return kv_cli_err(CMD, 1, "--insecure-plaintext contradicts --tls-cert");
+    /* before any model is loaded: a plain API on a public address is refused at once */
+    if (kv_https_listen_check_host(host, tls_cert != NULL, insecure, "gateway", &d)) return kv_cli_diag(CMD, &d);
+    if (tls_cert && kv_https_cert_load(&tls, tls_cert, tls_key, &d)) return kv_cli_diag(CMD, &d);
+    if (insecure)
+        fprintf(stderr, "gateway: WARNING: --insecure-plaintext: the API (prompts, answers, API keys) is served "
+                        "unencrypted on %s\n", listen);
     if (keyfile) {
         if (kv_gateway_keys_load(keyfile, &fkeys, &n_fkeys, &d)) return kv_cli_diag(CMD, &d);
         for (uint32_t i = 0; i < n_fkeys; i++) {
@@ -375,7 +399,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .ring_addrs = rings, .n_ring = n_rings, .ring_key_sk = ring_key.sk,
                                     .ring_voucher = hub ? &rv : NULL,
                                     .ring_timeout_ms = (uint32_t)ring_timeout, .chat_template = tmpl,
-                                    .chat_template_len = tmpl_len, .chat_template_name = tmpl_path};
+                                    .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
+                                    .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure};
         rc = kv_gateway_start(&g, NULL, &ro, &d);
         sodium_memzero(&ring_key, sizeof ring_key);
         if (rc) {
@@ -428,7 +453,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry,
                                 .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,
                                 .price_prompt = price_p, .price_completion = price_c, .chat_template = tmpl,
-                                .chat_template_len = tmpl_len, .chat_template_name = tmpl_path};
+                                .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
+                                .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -442,6 +468,7 @@ serve:
     signal(SIGINT, kv_gw_on_signal);
     signal(SIGTERM, kv_gw_on_signal);
     signal(SIGPIPE, SIG_IGN);
+    if (tls_cert) printf("tls sha256:%s\n", tls.fp);
     printf(strchr(host, ':') ? "listening on [%s]:%u\n" : "listening on %s:%u\n", host, kv_gateway_port(g));
     fflush(stdout);
     char stop_byte;
@@ -450,6 +477,7 @@ serve:
 done:
     atomic_store(&caught.g, NULL);
     kv_gateway_free(g);
+    kv_https_cert_clear(&tls);
     kv_engine_free(e);
     kv_gateway_keys_free(fkeys, n_fkeys);
     kv_node_workers_free(hub_workers, n_hub_workers);

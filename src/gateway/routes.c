@@ -17,6 +17,7 @@
 #include <sodium.h>
 
 #include "gateway/server_internal.h"
+#include "kvasir/chat.h"
 
 /* ---- connections ------------------------------------------------------ */
 
@@ -42,7 +43,16 @@ typedef struct kv_gw_conn {
     size_t out_off;
     kv_gw_buf full;             /* whole text (non-stream) */
     kv_gw_result res;
+    kv_gw_stream_state ss;      /* the adapter's, for a stream */
     char id[64];
+    /* the chat APIs' output split into content, reasoning and tool calls
+       (kvasir/chat.h) when the family writes any of them: NULL otherwise */
+    kv_chat_parser *parser;
+    bool special;               /* control tokens are text (the format's markers are such tokens) */
+    bool think_open;            /* the rendered prompt ended inside <think> */
+    kv_gw_buf reason;           /* reasoning (non-stream) */
+    kv_gw_call *calls;          /* [n_calls] the calls given */
+    uint32_t n_calls;
     uint32_t consumed;          /* tokens of r->toks turned into text */
     bool finished;
     bool counted;               /* the request is in req_count */
@@ -138,6 +148,58 @@ static void kv_pay_end(kv_gw_conn *c, bool failed) {
     if (rc) fprintf(stderr, "gateway: payment of %s left held (released at the next start): %s\n", c->id, d.msg);
 }
 
+/* The parser's events into the answer: streamed in the API's shapes, or
+ * kept for the whole body. */
+static int kv_on_event(void *ud, const kv_chat_ev *ev) {
+    kv_gw_conn *c = ud;
+    const kv_gw_api_ops *o = kv_gw_api(c->api);
+    const bool stream = c->p->stream;
+    if (ev->type == KV_CHAT_EV_CONTENT) {
+        if (stream) o->stream_delta(&c->res, ev->text, ev->n, &c->out);
+        else kv_gw_buf_add(&c->full, ev->text, ev->n);
+        return 0;
+    }
+    if (ev->type == KV_CHAT_EV_REASONING) {
+        if (stream) o->stream_reasoning(&c->res, ev->text, ev->n, &c->out);
+        else kv_gw_buf_add(&c->reason, ev->text, ev->n);
+        return 0;
+    }
+    kv_gw_call *g = realloc(c->calls, (c->n_calls + 1) * sizeof *g); /* at most KV_CHAT_MAX_CALLS */
+    if (!g) return KV_ENOMEM;
+    c->calls = g;
+    kv_gw_call *k = &c->calls[c->n_calls];
+    memset(k, 0, sizeof *k);
+    snprintf(k->id, sizeof k->id, "%s%s_%u", o->call_prefix, c->id + strlen(o->id_prefix), ev->index);
+    k->name = strdup(ev->name);
+    k->args = strdup(ev->args);
+    k->args_len = ev->args_len;
+    if (!k->name || !k->args) {
+        free(k->name);
+        free(k->args);
+        return KV_ENOMEM;
+    }
+    c->n_calls++;
+    if (stream) o->stream_call(&c->res, ev->index, k, &c->out);
+    return 0;
+}
+
+/* The output parser of a chat request, when its family writes reasoning or
+ * the request has tools to call; none otherwise (the text as it comes). */
+static int kv_parser_start(kv_gw_conn *c) {
+    if (c->api == KV_GW_OPENAI_TEXT) return 0;
+    const kv_gw_params *p = c->p;
+    kv_chat_syntax s;
+    if (c->g->tmpl) kv_gw_tmpl_syntax(c->g->tmpl, &s);
+    else kv_chat_detect(NULL, 0, &s); /* ChatML: Hermes calls */
+    s.tools = p->tools && p->tool_choice != KV_GW_TOOLS_NONE;
+    s.tools_json = s.tools ? p->tools : NULL;
+    s.think_open = c->think_open;
+    s.max_calls = p->parallel_calls ? 0 : 1;
+    if (!s.tools && !s.think && s.format != KV_CHAT_FMT_HARMONY) return 0;
+    c->special = s.format != KV_CHAT_FMT_HERMES;
+    return kv_chat_parser_new(&c->parser, &s);
+}
+
 /* Turns new tokens into text, waiting for some if none are new. Returns 0,
  * or -1 when the client went away (the request is cancelled then). */
 static int kv_advance(kv_gw_conn *c, bool stream) {
@@ -192,7 +254,7 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
             continue;
         }
         if (kv_tok_is_eog(g->tok, t)) continue;
-        int pn = kv_tok_piece(g->tok, t, false, pb, sizeof pb);
+        int pn = kv_tok_piece(g->tok, t, c->special, pb, sizeof pb);
         if (pn > (int)sizeof pb) pn = (int)sizeof pb;
         if (pn > 0 && kv_gw_text_push(&c->text, pb, (size_t)pn)) return -1;
         stopped = c->text.stopped;
@@ -217,7 +279,14 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
     }
-    if (chunk) {
+    if (c->parser) {
+        const int prc =
+            chunk || final ? kv_chat_parser_push(c->parser, chunk ? chunk : "", cn, final, kv_on_event, c) : 0;
+        free(chunk);
+        if (prc) return -1;
+        if (final && c->n_calls && c->res.finish == KV_GW_FINISH_STOP && !c->res.stop_seq)
+            c->res.finish = KV_GW_FINISH_TOOLS;
+    } else if (chunk) {
         if (stream) kv_gw_api(c->api)->stream_delta(&c->res, chunk, cn, &c->out);
         else kv_gw_buf_add(&c->full, chunk, cn);
         free(chunk);
@@ -339,6 +408,7 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
             *status = kv_template_status(rrc);
             return NULL;
         }
+        cn->think_open = kv_chat_prompt_thinks(text, text_len);
     } else if (chat && kv_tool_role_refused(p, d)) {
         return NULL;
     }
@@ -409,6 +479,12 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (!p->has_seed) r->so.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
     r->so.max_tokens = max_tokens;
     r->so.ignore_eog = p->ignore_eos;
+    if (g->n_script) { /* TEST ONLY (script.c) */
+        pthread_mutex_lock(&g->mu);
+        r->script = &g->script[g->script_next++ % g->n_script];
+        pthread_mutex_unlock(&g->mu);
+        r->so.ignore_eog = true; /* the script ends it, not a sampled end-of-generation token */
+    }
     *n_out = n;
     return r;
 }
@@ -492,6 +568,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         if (cn->api != KV_GW_OPENAI_TEXT && g->tmpl) {
             const int rc = kv_gw_tmpl_render(g->tmpl, p, &text, &tl, &d);
             if (rc) return kv_reply_err(cn, c, kv_template_status(rc), "%s", d.msg);
+            cn->think_open = kv_chat_prompt_thinks(text, tl);
         } else if (cn->api != KV_GW_OPENAI_TEXT && kv_tool_role_refused(p, &d)) {
             return kv_reply_err(cn, c, 400, "%s", d.msg);
         }
@@ -552,8 +629,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     snprintf(cn->id, sizeof cn->id, "%skv%llx%llu", kv_gw_api(cn->api)->id_prefix, (unsigned long long)g->started,
              (unsigned long long)r->id);
     cn->res = (kv_gw_result){.id = cn->id, .model = g->model, .created = (long long)time(NULL),
-                             .prompt_tokens = (uint32_t)n};
+                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss};
     kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
+    if (kv_parser_start(cn)) return kv_reply_err(cn, c, 500, "out of memory");
 
     if (p->stream) {
         kv_gw_api(cn->api)->stream_begin(&cn->res, &cn->out);
@@ -581,9 +659,10 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             return kv_reply_err(cn, c, g->n_ring ? kv_gw_ring_http_status(err) == 400 ? 500 : kv_gw_ring_http_status(err) : 500,
                                 "generation failed: %s", msg);
         }
-    if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
-    return kv_reply(cn, c, 200, "application/json",
-                    kv_gw_api(cn->api)->full_body(&cn->res, cn->full.p ? cn->full.p : "", cn->full.n));
+    if (cn->full.oom || cn->reason.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
+    const kv_gw_answer ans = {.text = cn->full.p ? cn->full.p : "", .n = cn->full.n, .reasoning = cn->reason.p,
+                            .rn = cn->reason.n, .calls = cn->calls, .n_calls = cn->n_calls};
+    return kv_reply(cn, c, 200, "application/json", kv_gw_api(cn->api)->full_body(&cn->res, &ans));
 }
 
 static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
@@ -703,6 +782,13 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
     }
     kv_pay_end(cn, true); /* held without a request (cannot happen): back whole */
     kv_gw_text_free(&cn->text);
+    kv_chat_parser_free(cn->parser);
+    for (uint32_t i = 0; i < cn->n_calls; i++) {
+        free(cn->calls[i].name);
+        free(cn->calls[i].args);
+    }
+    free(cn->calls);
+    free(cn->reason.p);
     kv_gw_params_free(cn->p);
     free(cn->p);
     free(cn->out.p);

@@ -86,7 +86,7 @@ static void kv_req_record_work(kv_gateway *g, kv_gw_req *r) {
 void kv_gw_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg) {
     if (r->s) {
         if (r->paid && !err) kv_req_record_work(g, r); /* who to pay (a failed one is released) */
-        r->stop = kv_session_stop_reason(r->s);
+        r->stop = r->script && r->n_toks >= r->script->n ? KV_STOP_EOG : kv_session_stop_reason(r->s);
         kv_session_free(r->s);
         r->s = NULL;
     }
@@ -355,7 +355,8 @@ void *kv_gw_sched_main(void *arg) {
         }
         for (kv_gw_req **pp = &g->active; *pp;) {
             kv_gw_req *r = *pp;
-            const int32_t t = kv_session_token(r->s);
+            int32_t t = kv_session_token(r->s);
+            if (r->script) t = t >= 0 && r->n_toks < r->script->n ? r->script->toks[r->n_toks] : -1; /* TEST ONLY */
             if (t >= 0 && r->n_toks < r->cap) {
                 r->toks[r->n_toks++] = t;
                 g->tokens_generated++;
@@ -365,7 +366,8 @@ void *kv_gw_sched_main(void *arg) {
             kv_session_stats ss;
             kv_session_get_stats(r->s, &ss);
             r->n_cached = ss.n_cached;
-            if (st == KV_SESSION_DONE || st == KV_SESSION_FAILED || r->n_toks >= r->cap) {
+            if (st == KV_SESSION_DONE || st == KV_SESSION_FAILED || r->n_toks >= r->cap ||
+                (r->script && r->n_toks >= r->script->n)) {
                 kv_diag sd = {0};
                 const int err = st == KV_SESSION_FAILED ? kv_session_error(r->s, &sd) : 0;
                 *pp = r->next;

@@ -56,6 +56,14 @@
 
 enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
 
+/* TEST ONLY (script.c): a scripted output's tokens */
+#define KV_GW_SCRIPT_MAX 64u
+#define KV_GW_SCRIPT_MAX_BYTES (1u << 20)
+typedef struct kv_gw_script {
+    int32_t *toks;              /* [n] */
+    uint32_t n;
+} kv_gw_script;
+
 typedef struct kv_gw_req {
     struct kv_gw_req *next;     /* queue or active list (g->mu) */
     uint64_t id;                /* 1, 2, ... */
@@ -65,6 +73,7 @@ typedef struct kv_gw_req {
     int32_t *prompt;            /* [n_prompt], freed once prompted */
     uint32_t n_prompt;
     uint32_t max_tokens;
+    const kv_gw_script *script; /* TEST ONLY: the tokens published in place of the sampled ones, or NULL */
     /* guarded by g->mu */
     int refs;
     int state;                  /* KV_REQ_* */
@@ -128,6 +137,9 @@ struct kv_gateway {
     kv_engine_stats eng;        /* the engine's counters after the last step (the scheduler's copy) */
     kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
     kv_gw_tmpl *tmpl;           /* the chat template (immutable: any thread), NULL: ChatML */
+    kv_gw_script script[KV_GW_SCRIPT_MAX]; /* TEST ONLY (script.c): [n_script], immutable once started */
+    uint32_t n_script;
+    uint64_t script_next;       /* (mu) the next request's text */
     kv_http_guard *guard;       /* connection limits and request deadlines (http_guard.h) */
     uint8_t client_salt[16];    /* keys the hash that names a client (kv_gw_req.client) */
     size_t parse_live;          /* (mu) bytes parsed JSON holds, or is reserved for a parse */
@@ -188,6 +200,10 @@ unsigned kv_gw_ring_http_status(int err);
 /* A ring request for p; text (text_len bytes) a chat template's rendering
  * sent as the prompt, or NULL. NULL on no memory. */
 kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, const char *text, size_t text_len);
+
+/* ---- script.c (TEST ONLY) ---- */
+int kv_gw_script_load(kv_gateway *g, kv_diag *d); /* KVASIR_GATEWAY_TEST_SCRIPT, if set */
+void kv_gw_script_free(kv_gateway *g);
 
 /* ---- metrics.c ---- */
 int kv_gw_code_index(unsigned status);              /* into req_count's second index */
