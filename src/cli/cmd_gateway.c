@@ -33,7 +33,7 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
                                              "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms",
-                                             "--chat-template", "--cors",
+                                             "--chat-template", "--prompt-cache", "--cors",
                                              "--tls-cert", "--tls-key", NULL};
 
 static const char *kv_gateway_help =
@@ -81,6 +81,9 @@ static const char *kv_gateway_help =
     "  --body-max BYTES     request body limit (default 1048576)\n"
     "  --max-tokens N       tokens per request when it names none (default 512)\n"
     "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n"
+    "  --prompt-cache SIZE  memory for the prompt cache (prefixes reused across requests: KV blocks\n"
+    "                       and recurrent states, least recently used evicted), e.g. 512M, 4G; 0 = off\n"
+    "                       (default 1G; at most 1T; docs/GATEWAY.md)\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
@@ -167,6 +170,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     uint32_t n_workers = 0, n_keys = 0;
     long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 16;
     long request_s = 30, parse_max = 0;
+    uint64_t prompt_cache = (uint64_t)1 << 30;
+    bool prompt_cache_given = false;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
     const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
     uint64_t price_p = 1, price_c = 2;
@@ -284,6 +289,11 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &threads)) return 1;
         } else if (!strcmp(a, "--batch") || !strcmp(a, "-b")) {
             if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
+        } else if (!strcmp(a, "--prompt-cache")) {
+            kv_diag sd = {0};
+            if (kv_node_parse_size(v, &prompt_cache, &sd) || prompt_cache > ((uint64_t)1 << 40))
+                return kv_cli_err(CMD, 1, "--prompt-cache: '%s' is not a size up to 1T (e.g. 512M, 4G, 0 = off)", v);
+            prompt_cache_given = true;
         } else if (!strcmp(a, "--parallel")) {
             if (kv_arg_long(CMD, a, v, 1, KV_ENGINE_MAX_SESSIONS, &parallel)) return 1;
         } else if (!strcmp(a, "--queue")) {
@@ -311,6 +321,9 @@ int kv_cmd_gateway(int argc, char **argv) {
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
+    if (n_rings && prompt_cache_given && prompt_cache)
+        return kv_cli_err(CMD, 1, "--prompt-cache with --ring is not supported yet (docs/GATEWAY.md \"Prompt cache\"): "
+                          "the ring's nodes hold the KV of their windows");
     if (n_rings && ledger)
         return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
                           "must hold a payment before compute, and only the ring knows the prompt's token count");
@@ -452,7 +465,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
                                .worker_keys = (const uint8_t(*)[32])auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
-                               .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true};
+                               .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,
+                               .prompt_cache_bytes = prompt_cache};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

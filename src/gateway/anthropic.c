@@ -263,11 +263,13 @@ static char *kv_an_error(unsigned status, const char *msg) {
 }
 
 static json_t *kv_an_message(const kv_gw_result *r, json_t *content, bool done) {
-    json_t *m = json_pack("{s:s,s:s,s:s,s:s,s:o,s:o,s:o,s:{s:I,s:I}}", "id", r->id, "type", "message", "role",
+    json_t *m = json_pack("{s:s,s:s,s:s,s:s,s:o,s:o,s:o,s:{s:I,s:I,s:I,s:I}}", "id", r->id, "type", "message", "role",
                           "assistant", "model", r->model, "content", content, "stop_reason",
                           done ? json_string(kv_an_stop(r)) : json_null(), "stop_sequence",
                           done && r->stop_seq ? json_string(r->stop_seq) : json_null(), "usage", "input_tokens",
-                          (json_int_t)r->prompt_tokens, "output_tokens", (json_int_t)(done ? r->completion_tokens : 0));
+                          (json_int_t)(r->prompt_tokens - r->cached_tokens), "cache_creation_input_tokens",
+                          (json_int_t)0, "cache_read_input_tokens", (json_int_t)r->cached_tokens, "output_tokens",
+                          (json_int_t)(done ? r->completion_tokens : 0));
     return m;
 }
 
@@ -359,10 +361,11 @@ static void kv_an_end(const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
     if (!r->ss->n_blocks) kv_an_open(r, 1, NULL, b); /* an empty answer: one empty text block */
     kv_an_close(r, b);
     kv_an_event(b, "message_delta",
-                json_pack("{s:s,s:{s:s,s:o},s:{s:I,s:I}}", "type", "message_delta", "delta", "stop_reason",
+                json_pack("{s:s,s:{s:s,s:o},s:{s:I,s:I,s:I,s:I}}", "type", "message_delta", "delta", "stop_reason",
                           kv_an_stop(r), "stop_sequence", r->stop_seq ? json_string(r->stop_seq) : json_null(),
-                          "usage", "input_tokens", (json_int_t)r->prompt_tokens, "output_tokens",
-                          (json_int_t)r->completion_tokens));
+                          "usage", "input_tokens", (json_int_t)(r->prompt_tokens - r->cached_tokens),
+                          "cache_creation_input_tokens", (json_int_t)0, "cache_read_input_tokens",
+                          (json_int_t)r->cached_tokens, "output_tokens", (json_int_t)r->completion_tokens));
     kv_an_event(b, "message_stop", json_pack("{s:s}", "type", "message_stop"));
 }
 

@@ -149,6 +149,7 @@ typedef struct kv_gw_result {
     const char *model;
     long long created;       /* unix seconds */
     uint32_t prompt_tokens, completion_tokens;
+    uint32_t cached_tokens;  /* of prompt_tokens, those the prompt cache held (not evaluated) */
     int finish;              /* enum kv_gw_finish */
     const char *stop_seq;    /* the stop string that matched, or NULL */
     kv_gw_stream_state *ss;  /* the stream's (mutable), NULL when whole */

@@ -65,9 +65,10 @@ static json_t *kv_oa_calls(const kv_gw_call *c, uint32_t n) {
 }
 
 static json_t *kv_oa_usage(const kv_gw_result *r) {
-    return json_pack("{s:I,s:I,s:I}", "prompt_tokens", (json_int_t)r->prompt_tokens, "completion_tokens",
+    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)r->prompt_tokens, "completion_tokens",
                      (json_int_t)r->completion_tokens, "total_tokens",
-                     (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens);
+                     (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens, "prompt_tokens_details",
+                     "cached_tokens", (json_int_t)r->cached_tokens);
 }
 
 static char *kv_oa_error(unsigned status, const char *msg) {

@@ -231,6 +231,7 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     const bool done = r->state == KV_REQ_DONE;
     const enum kv_stop stop = r->stop;
     const int err = r->err;
+    c->res.cached_tokens = r->n_cached < c->res.prompt_tokens ? r->n_cached : c->res.prompt_tokens;
     char errmsg[256];
     memcpy(errmsg, r->errmsg, sizeof errmsg);
     /* a ring's tokens come with their text (the home decoded them, an

@@ -90,6 +90,7 @@ typedef struct kv_gw_req {
     char errmsg[256];
     kv_session *s;              /* the scheduler's */
     enum kv_session_status sst; /* last seen, for /v1/slots */
+    uint32_t n_cached;          /* prompt tokens its session took from the prompt cache */
     bool paid;                  /* its work is recorded below when it finishes */
     uint64_t products;          /* its session's (token, expert) products (kv_session_work), once DONE */
     kv_gw_work_node *work;      /* [n_work] workers that answered some of them, once DONE */
@@ -137,6 +138,7 @@ struct kv_gateway {
     uint64_t steps, steps_failed;
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
     uint32_t max_batch;         /* most sessions one step carried */
+    kv_engine_stats eng;        /* the engine's counters after the last step (the scheduler's copy) */
     kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
     kv_gw_tmpl *tmpl;           /* the chat template (immutable: any thread), NULL: ChatML */
     kv_gw_script script[KV_GW_SCRIPT_MAX]; /* TEST ONLY (script.c): [n_script], immutable once started */

@@ -182,7 +182,8 @@ for (const stream of [false, true]) {
     { role: 'tool', tool_call_id: use.id, content: '{"temp": -3.5, "sky": "snow"}' }], tools: [weather],
     chat_template_kwargs: { enable_thinking: true } };
     eq(await renderedBy(oa), render(oa), `${tag} step 2 in OpenAI's shape: the prompt equals @huggingface/jinja's`);
-    globalThis.anthropicStep2 = { oa, input_tokens: m2.usage.input_tokens };
+    // Anthropic counts prompt tokens read from the prompt cache apart (cache_read_input_tokens)
+    globalThis.anthropicStep2 = { oa, input_tokens: m2.usage.input_tokens + (m2.usage.cache_read_input_tokens ?? 0) };
   }
 }
 
