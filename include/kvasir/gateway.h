@@ -122,6 +122,7 @@ typedef struct kv_gateway_opts {
        prompt or a key) and a summary of the model at start, unless quiet */
     bool quiet;
     const char *model_path;     /* the file or manifest served, for GET /props (copied); NULL = none */
+    bool no_web_ui;             /* GET / (and /index.html) answers 404, not the chat page */
 } kv_gateway_opts;
 
 #define KV_GATEWAY_MAX_CORS 32u

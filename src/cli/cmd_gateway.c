@@ -64,6 +64,8 @@ static const char *kv_gateway_help =
     "                       its fingerprint is printed as \"tls sha256:<64 hex digits>\"\n"
     "  --insecure-plaintext serve plain HTTP on an address that is not loopback (prints a\n"
     "                       warning); without it or --tls-cert such an address is refused\n"
+    "  --no-web-ui          no chat page at / (GET / and /index.html answer 404); the page is on\n"
+    "                       by default (docs/GATEWAY.md \"The chat page\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
     "  --api-key KEY        accept this key (Authorization: Bearer KEY or x-api-key); repeatable\n"
     "  --api-keys FILE      accept the keys in FILE (one a line, # comments)\n"
@@ -178,7 +180,7 @@ int kv_cmd_gateway(int argc, char **argv) {
     long hub_refresh = 2000, step_retry = 30000;
     const char *hub = NULL, *data_dir = "kvasir-data";
     const char *tls_cert = NULL, *tls_key = NULL;
-    bool insecure = false;
+    bool insecure = false, no_web_ui = false;
     static kv_https_cert tls; /* served while the gateway runs */
     char hub_manifest[4200];
     char **hub_workers = NULL;
@@ -202,6 +204,8 @@ int kv_cmd_gateway(int argc, char **argv) {
             insecure = true;
         } else if (!strcmp(a, "--quiet")) {
             quiet = true;
+        } else if (!strcmp(a, "--no-web-ui")) {
+            no_web_ui = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
@@ -427,7 +431,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .ring_timeout_ms = (uint32_t)ring_timeout, .chat_template = tmpl,
                                     .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                     .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
-                                    .cors_origins = cors, .n_cors = n_cors, .quiet = quiet};
+                                    .cors_origins = cors, .n_cors = n_cors, .quiet = quiet,
+                                    .no_web_ui = no_web_ui};
         rc = kv_gateway_start(&g, NULL, &ro, &d);
         sodium_memzero(&ring_key, sizeof ring_key);
         if (rc) {
@@ -482,7 +487,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .price_prompt = price_p, .price_completion = price_c, .chat_template = tmpl,
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                 .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
-                                .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model};
+                                .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model,
+                                .no_web_ui = no_web_ui};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

@@ -23,7 +23,7 @@
 
 enum kv_route {
     KV_R_NONE = 0, KV_R_HEALTH, KV_R_METRICS, KV_R_MODELS, KV_R_SLOTS, KV_R_TAGS, KV_R_GEN, KV_R_NOTFOUND,
-    KV_R_METHOD, KV_R_PRICES, KV_R_TEMPLATE, KV_R_ENDPOINT, KV_R_PREFLIGHT
+    KV_R_METHOD, KV_R_PRICES, KV_R_TEMPLATE, KV_R_ENDPOINT, KV_R_PREFLIGHT, KV_R_WEBUI
 };
 
 typedef struct kv_gw_conn {
@@ -713,6 +713,7 @@ static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
         {"POST", "/apply-template", KV_R_TEMPLATE, KV_GW_OPENAI_CHAT},
         {"POST", "/completion", KV_R_GEN, KV_GW_LLAMA},
         {"POST", "/api/generate", KV_R_GEN, KV_GW_OLLAMA_GEN},
+        {"GET", "/", KV_R_WEBUI, KV_GW_API_COUNT}, {"GET", "/index.html", KV_R_WEBUI, KV_GW_API_COUNT},
     };
     static const char *const methods[] = {"GET", "POST", "OPTIONS", "HEAD", "PUT", "DELETE", "PATCH"};
     cn->method = "other";
@@ -808,7 +809,10 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
     if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
     if (cn->too_big)
         return kv_reply_err(cn, c, 413, "the request body is larger than %zu bytes", g->o.body_max);
+    if (cn->route == KV_R_WEBUI && g->o.no_web_ui)
+        return kv_reply_err(cn, c, 404, "the chat page is off (--no-web-ui)");
     const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES ||
+                      cn->route == KV_R_WEBUI || /* the page holds no data: it asks for the key itself */
                       (cn->route == KV_R_ENDPOINT && !strcmp(cn->route_name, "/api/version")); /* says nothing of the model */
     if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
     switch (cn->route) {
@@ -837,6 +841,14 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
         kv_gw_reply a;
         kv_gw_endpoint(g, url, cn->body, cn->n, cn->api, &a);
         return kv_reply(cn, c, a.status, a.type, a.body);
+    }
+    case KV_R_WEBUI: {
+        struct MHD_Response *r = kv_gw_webui_response();
+        if (!r) return MHD_NO;
+        kv_count(cn, 200);
+        const enum MHD_Result ret = MHD_queue_response(c, 200, r);
+        MHD_destroy_response(r);
+        return ret;
     }
     default: return kv_generate(cn, c);
     }

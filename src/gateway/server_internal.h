@@ -10,7 +10,8 @@
  *   endpoints.c the endpoints that are no generation (/tokenize,
  *              /detokenize, /props, /api/show, /api/version, /api/ps,
  *              /v1/models/{id}), CORS, the request log line and the
- *              startup summary.
+ *              startup summary;
+ *   webui.c    the chat page at / (chat.html, compiled in) and its CSP.
  * What each API's requests and answers look like is gateway_internal.h's
  * (one table of handlers per API); this file is the server's plumbing.
  *
@@ -257,6 +258,12 @@ void kv_gw_log_request(const kv_gateway *g, const char *method, const char *rout
  * (a 503 at once, rather than a request that waits on a swarm that cannot
  * compute it). */
 bool kv_gw_unavailable(kv_gateway *g, char *msg, size_t cap);
+
+/* ---- webui.c ---- */
+/* GET /'s response: the chat page with its headers (CSP, type); NULL on no
+ * memory. The caller queues and destroys it. Thread-safe. */
+struct MHD_Response *kv_gw_webui_response(void);
+const char *kv_gw_webui_csp(void); /* the page's Content-Security-Policy (static) */
 
 /* ---- routes.c ---- */
 enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
