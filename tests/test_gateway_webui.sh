@@ -13,7 +13,8 @@
 # API key's error message is shown as the gateway's error JSON says it.
 # Then a plain gateway (no script: the random model's own text at
 # temperature 0) and one started with --no-web-ui (404 at /). The checks
-# are in tests/oracle/gateway_webui.mjs. A missing browser is a FAILURE,
+# are in tests/oracle/gateway_webui.mjs (KV_WEBUI_SHOT=F.png also saves a
+# picture of the page after the first answer). A missing browser is a FAILURE,
 # not a skip.
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}

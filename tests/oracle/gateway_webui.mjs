@@ -242,6 +242,13 @@ try {
     script: document.querySelectorAll('#log script').length, b: document.querySelectorAll('#log b').length };`);
   eq(inj, { xss: 0, img: 0, script: 0, b: 0 }, 'no element injected, no handler run');
   console.log(`(first answer in ${Date.now() - t0} ms)`);
+  if (process.env.KV_WEBUI_SHOT) { // a picture of the page for a reader of the test (PNG)
+    await call('POST', `/session/${session}/window/rect`, { width: 1000, height: 800 });
+    await js(`document.querySelector('details.reasoning').open = true; document.getElementById('settings').open = false;
+      return 0;`);
+    writeFileSync(process.env.KV_WEBUI_SHOT, Buffer.from(await call('GET', `/session/${session}/screenshot`), 'base64'));
+    await js(`document.querySelector('details.reasoning').open = false; return 0;`);
+  }
 
   // ---- Stop aborts a long stream; the gateway counts the cancellation ----
   await setField('#tools', '');
