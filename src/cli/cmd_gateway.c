@@ -505,7 +505,7 @@ serve:
     if (tls_cert) printf("tls sha256:%s\n", tls.fp);
     printf(strchr(host, ':') ? "listening on [%s]:%u\n" : "listening on %s:%u\n", host, kv_gateway_port(g));
     fflush(stdout);
-    if (!no_web_ui)
+    if (!no_web_ui && !quiet)
         fprintf(stderr, strchr(host, ':') ? "gateway: chat page at %s://[%s]:%u/\n"
                                           : "gateway: chat page at %s://%s:%u/\n",
                 tls_cert ? "https" : "http", host, kv_gateway_port(g));
