@@ -38,7 +38,7 @@ const XSS = 'Here is <img src=x onerror="window.__xss=1"> & <script>window.__xss
 const ARGS = { city: 'Oslo', days: 2 };
 const T1 = `<think>\n${REASON}\n</think>\n\n${XSS}\n<tool_call>\n{"name": "get_weather", "arguments": ${JSON.stringify(ARGS)}}\n</tool_call>`;
 const LONG = Array.from({ length: 3000 }, (_, i) => `word${i}`).join(' ');
-// the page's request (T1), curl's same request (T1), the stopped one (LONG)
+// the page's request (T1), curl's same request (T1), the stopped one (LONG), then round again (T1)
 writeFileSync(`${dir}/script.txt`, [T1, T1, LONG].join('\x1e'));
 // ChatML with `<think>` in it: the gateway then splits reasoning (docs/GATEWAY.md "Tool calling and reasoning")
 writeFileSync(`${dir}/think.jinja`, "{#- the model may write <think> reasoning -#}\n" +
@@ -278,6 +278,18 @@ try {
   const wrong = curl(`${A.url}/v1/chat/completions`, { key: 'sk-wrong', body: await lastSent() });
   check(wrong.status === 401, `curl with the wrong key: ${wrong.status}`);
   eq((await js(LAST)).status, JSON.parse(wrong.body).error.message, 'the page shows the gateway\'s error message');
+  // the refused message is not part of the conversation: the next turn, with the key again, leaves it out
+  await setField('#api-key', 'sk-web');
+  await sendMessage('Again');
+  eq(await waitFor(doneState, 20000, 'the turn after the refusal'), 'done', 'the turn after the refusal ends');
+  const again = await lastSent();
+  eq(again.messages.filter((m) => m.role === 'user').map((m) => m.content),
+    ['What is the weather in Oslo?', 'Write a long text.', 'Again'], 'the conversation sent leaves the refused message out');
+  const back = again.messages[2] || {};
+  check(back.role === 'assistant' && back.content === XSS && back.tool_calls && back.tool_calls.length === 1 &&
+    back.tool_calls[0].type === 'function' && /^call_/.test(back.tool_calls[0].id) &&
+    canon(back.tool_calls[0].function) === canon({ name: a1.calls[0].name, arguments: a1.calls[0].args }),
+    `the first answer goes back with its call (${JSON.stringify(back).slice(0, 300)})`);
   await setField('#api-key', '');
   await js(`localStorage.clear(); return 0;`);
 
