@@ -175,6 +175,7 @@ typedef struct kv_rw {
     char why[KV_REMOTE_WHY];      /* last reason it was dropped or refused */
     /* authentication */
     uint8_t expect[32];           /* the key it must prove; all zero = any */
+    kv_tls *tls;                  /* the TLS session of nc (owned by it); NULL over plain TCP */
     uint8_t key[32];              /* the key it announced in AUTH_CHALLENGE */
     /* a RECEIPT_REQ in flight (kv_remote_receipt) */
     bool rcpt_wait;               /* asked, not answered */
@@ -203,6 +204,7 @@ typedef struct kv_rw {
 struct kv_remote {
     kv_remote_opts o;
     uint8_t pk[32], sk[64];       /* the coordinator's identity (o.key_sk copied) */
+    kv_tls_ctx *tls;              /* its TLS context; NULL with o.insecure_plaintext */
     kv_voucher voucher;           /* sent in AUTH when has_voucher */
     bool has_voucher;
     kv_manifest *m;
@@ -317,6 +319,7 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
     if (w->nc) { /* closed now: no late answer can ever be taken */
         kv_net_conn *c = w->nc;
         w->nc = NULL;
+        w->tls = NULL;
         kv_net_conn_close(c, 0, NULL);
     }
     const bool was_up = w->state == KV_RW_UP;
@@ -346,12 +349,27 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
     };
     kv_diag d = {0};
     kv_net_conn *c = NULL;
-    if (kv_net_conn_dial(&c, r->loop, (const struct sockaddr *)&w->sa, w->salen, 0, &o, &kv_rw_cbs, w, &d)) {
+    /* TLS pinned to the key it is listed with (when one is), unless plaintext was asked for */
+    static const uint8_t zero[32];
+    kv_net_conn_opts oo = o;
+    kv_tls *t = NULL;
+    if (r->tls) {
+        const kv_tls_opts to = {.server = false, .pin_key = memcmp(w->expect, zero, 32) ? w->expect : NULL};
+        if (kv_tls_new(&t, r->tls, &to, &d)) {
+            snprintf(w->why, sizeof w->why, "%.200s", d.msg);
+            w->fails++;
+            return;
+        }
+        oo.io = &kv_tls_net_io;
+        oo.io_ctx = t;
+    }
+    if (kv_net_conn_dial(&c, r->loop, (const struct sockaddr *)&w->sa, w->salen, 0, &oo, &kv_rw_cbs, w, &d)) {
         snprintf(w->why, sizeof w->why, "%.200s", d.msg);
         w->fails++;
         return;
     }
-    kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0},
+    w->tls = t;
+    kv_msg_hello h = {t ? KV_PROTO_TLS_VERSION : KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0},
                       (1u << KV_ENC_F32) | (1u << r->o.enc) | (r->ver ? KV_PROTO_CAP_PREACT : 0)};
     memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
     size_t n = 0;
@@ -378,6 +396,7 @@ static void kv_rw_busy(kv_remote *r, kv_rw *w, const char *msg) {
     if (w->nc) {
         kv_net_conn *c = w->nc;
         w->nc = NULL;
+        w->tls = NULL;
         kv_net_conn_close(c, 0, NULL);
     }
     double s = KV_REMOTE_BUSY_FIRST_S;
@@ -396,6 +415,9 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
     if (a->version < KV_REMOTE_PROTO_MIN || a->version > KV_PROTO_VERSION)
         return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u: v1 cannot prove its slabs, v2 cannot authenticate)",
                        a->version, KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION);
+    if (w->tls && a->version < KV_PROTO_TLS_VERSION)
+        return kv_fail(d, KV_EUNSUPPORTED, "chose protocol version %u over TLS, which binds nothing to it (v%u needed)",
+                       a->version, KV_PROTO_TLS_VERSION);
     if (memcmp(a->model_id, r->m->model_id, KV_PROTO_MODEL_ID_LEN))
         return kv_fail(d, KV_EFORMAT, "serves another model (id %.16s..., the manifest's is %.16s...)", a->model_id,
                        r->m->model_id);
@@ -734,9 +756,15 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         kv_msg_auth a = {0};
         memcpy(a.key, r->pk, 32);
         memcpy(a.nonce, w->nonce, 32);
+        uint8_t binding[KV_TLS_EXPORTER_LEN];
+        if (w->tls && kv_tls_exporter(w->tls, binding)) {
+            kv_rw_drop(r, w, "no TLS exporter for this session");
+            return 0;
+        }
         const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = r->m->model_id,
                                       .version = w->version, .acceptor_key = w->key, .challenge = w->challenge,
-                                      .connector_key = r->pk, .nonce = w->nonce};
+                                      .connector_key = r->pk, .nonce = w->nonce,
+                                      .binding = w->tls ? binding : NULL};
         kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, r->sk, a.sig);
         if (r->has_voucher) {
             a.flags = KV_PROTO_AUTH_VOUCHER;
@@ -760,11 +788,19 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
             kv_rw_drop(r, w, "sent %s where AUTH_OK was due", kv_msg_type_name(msg.h.type));
             return 0;
         }
+        uint8_t binding[KV_TLS_EXPORTER_LEN];
+        if (w->tls && kv_tls_exporter(w->tls, binding)) {
+            kv_rw_drop(r, w, "no TLS exporter for this session");
+            return 0;
+        }
         const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = r->m->model_id,
                                       .version = w->version, .acceptor_key = w->key, .challenge = w->challenge,
-                                      .connector_key = r->pk, .nonce = w->nonce};
+                                      .connector_key = r->pk, .nonce = w->nonce,
+                                      .binding = w->tls ? binding : NULL};
         if (kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, w->key, msg.u.auth_ok)) {
-            kv_rw_drop(r, w, "AUTH_OK signature does not verify: not the key it announced");
+            kv_rw_drop(r, w, w->tls ? "AUTH_OK signature does not verify over this TLS session: not the key it "
+                                      "announced, or a proof relayed from another session (a man in the middle)"
+                                    : "AUTH_OK signature does not verify: not the key it announced");
             return 0;
         }
         w->state = KV_RW_UP;
@@ -859,6 +895,7 @@ static void kv_rw_on_close(kv_net_conn *c, int code, const char *why) {
     kv_rw *w = kv_net_conn_data(c);
     if (w->nc != c) return;
     w->nc = NULL;
+    w->tls = NULL;
     kv_rw_drop(w->r, w, "%s", why && why[0] ? why : code ? kv_err_str(code) : "closed");
 }
 
@@ -1256,6 +1293,7 @@ static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
 static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, const uint8_t *expect, kv_diag *d) {
     const size_t n_keys = (size_t)r->n_layer * r->n_expert, S = r->max_slots;
     w->nc = NULL;
+    w->tls = NULL;
     w->r = r;
     w->state = KV_RW_DOWN;
     if (snprintf(w->addr, sizeof w->addr, "%s", addr) >= (int)sizeof w->addr)
@@ -1281,6 +1319,7 @@ void kv_remote_free(kv_remote *r) {
         free(w->pairs);
     }
     kv_net_loop_free(r->loop); /* closes every worker connection */
+    kv_tls_ctx_free(r->tls);
     free(r->w);
     free(r->slot_owner);
     free(r->exp_owner);
@@ -1420,6 +1459,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         rc = KV_EIO;
         goto fail;
     }
+    if (!opts->insecure_plaintext && (rc = kv_link_tls_ctx(&r->tls, r->sk, d))) goto fail;
     if (!r->slot_owner || !r->exp_owner || !r->load || !r->tok_local || !r->xg || !r->lg || !r->lw ||
         !r->lhas || !r->rtt_us || !r->w || !r->xh || !r->xh_ok || !r->leaves || !r->xrow || !r->yrow) {
         rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
