@@ -50,6 +50,22 @@ int kv_link_sniff_new(kv_link_sniff **out, kv_tls_ctx *x, kv_diag *d);
 /* The TLS session once the handshake phase chose TLS (and completed), else
  * NULL (plaintext, or undecided). */
 kv_tls *kv_link_sniff_tls(const kv_link_sniff *s);
+/* The connector's transport: a TLS 1.3 client session of x pinned to
+ * pin_key ([32], or NULL), which also recognizes a server that answers in
+ * plaintext (its first byte is no TLS record: a refusal frame such as a
+ * busy worker's ERROR, written before it knew the transport). Such a
+ * connection opens without TLS; nothing more is sent on it, and its owner
+ * must read it only for that refusal (kv_link_sniff_plain_answer), never
+ * as a downgrade. */
+int kv_link_sniff_new_client(kv_link_sniff **out, kv_tls_ctx *x, const uint8_t *pin_key, kv_diag *d);
+bool kv_link_sniff_plain_answer(const kv_link_sniff *s);
+/* The same for a blocking dial: runs t's client handshake on fd (made
+ * nonblocking) within timeout_ms. 0; or, when the server answered in
+ * plaintext, KV_EPROTO with *plain set and its bytes left unread in fd (read
+ * them only as a refusal); or kv_tls_handshake_fd's codes. */
+int kv_link_tls_client_fd(kv_tls *t, int fd, int timeout_ms, bool *plain, kv_diag *d);
+/* True while the peer has sent nothing (the transport is not yet known). */
+bool kv_link_sniff_undecided(const kv_link_sniff *s);
 
 /* ---- a blocking channel: plain TCP or TLS ------------------------------------- */
 

@@ -175,7 +175,9 @@ typedef struct kv_rw {
     char why[KV_REMOTE_WHY];      /* last reason it was dropped or refused */
     /* authentication */
     uint8_t expect[32];           /* the key it must prove; all zero = any */
-    kv_tls *tls;                  /* the TLS session of nc (owned by it); NULL over plain TCP */
+    kv_tls *tls;                  /* the TLS session of nc (owned by it) once open; NULL over plain TCP */
+    kv_link_sniff *tp;            /* nc's transport when dialed TLS (owned by nc) */
+    bool plain_answer;            /* dialed TLS, answered in plaintext: only an ERROR is read */
     uint8_t key[32];              /* the key it announced in AUTH_CHALLENGE */
     /* a RECEIPT_REQ in flight (kv_remote_receipt) */
     bool rcpt_wait;               /* asked, not answered */
@@ -352,15 +354,14 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
     /* TLS pinned to the key it is listed with (when one is), unless plaintext was asked for */
     static const uint8_t zero[32];
     kv_net_conn_opts oo = o;
-    kv_tls *t = NULL;
+    kv_link_sniff *t = NULL;
     if (r->tls) {
-        const kv_tls_opts to = {.server = false, .pin_key = memcmp(w->expect, zero, 32) ? w->expect : NULL};
-        if (kv_tls_new(&t, r->tls, &to, &d)) {
+        if (kv_link_sniff_new_client(&t, r->tls, memcmp(w->expect, zero, 32) ? w->expect : NULL, &d)) {
             snprintf(w->why, sizeof w->why, "%.200s", d.msg);
             w->fails++;
             return;
         }
-        oo.io = &kv_tls_net_io;
+        oo.io = &kv_link_sniff_io;
         oo.io_ctx = t;
     }
     if (kv_net_conn_dial(&c, r->loop, (const struct sockaddr *)&w->sa, w->salen, 0, &oo, &kv_rw_cbs, w, &d)) {
@@ -368,7 +369,9 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
         w->fails++;
         return;
     }
-    w->tls = t;
+    w->tp = t;
+    w->tls = NULL;
+    w->plain_answer = false;
     kv_msg_hello h = {t ? KV_PROTO_TLS_VERSION : KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0},
                       (1u << KV_ENC_F32) | (1u << r->o.enc) | (r->ver ? KV_PROTO_CAP_PREACT : 0)};
     memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
@@ -415,7 +418,7 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
     if (a->version < KV_REMOTE_PROTO_MIN || a->version > KV_PROTO_VERSION)
         return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u: v1 cannot prove its slabs, v2 cannot authenticate)",
                        a->version, KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION);
-    if (w->tls && a->version < KV_PROTO_TLS_VERSION)
+    if (w->tp && a->version < KV_PROTO_TLS_VERSION)
         return kv_fail(d, KV_EUNSUPPORTED, "chose protocol version %u over TLS, which binds nothing to it (v%u needed)",
                        a->version, KV_PROTO_TLS_VERSION);
     if (memcmp(a->model_id, r->m->model_id, KV_PROTO_MODEL_ID_LEN))
@@ -716,6 +719,10 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         kv_rw_drop(r, w, "malformed frame: %s", d.msg);
         return 0;
     }
+    if (w->plain_answer && msg.h.type != KV_MSG_ERROR) {
+        kv_rw_drop(r, w, "answered TLS in plaintext (an older worker, or not a worker): refused, never downgraded");
+        return 0;
+    }
     if (msg.h.type == KV_MSG_ERROR) {
         if (kv_rw_handshaking(w) && msg.u.error.code == KV_ERANGE && kv_mono() < w->hs_deadline)
             kv_rw_busy(r, w, msg.u.error.msg);
@@ -871,7 +878,11 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
 
 static void kv_rw_on_open(kv_net_conn *c, int code) {
     kv_rw *w = kv_net_conn_data(c);
-    if (w->nc == c && code == 0 && w->state == KV_RW_CONNECTING) w->state = KV_RW_HELLO;
+    if (w->nc == c && code == 0 && w->state == KV_RW_CONNECTING) {
+        w->state = KV_RW_HELLO;
+        w->tls = kv_link_sniff_tls(w->tp);
+        w->plain_answer = w->tp && !w->tls; /* kv_link_sniff_plain_answer */
+    }
 }
 
 static int kv_rw_frame_len(kv_net_conn *c, const uint8_t *hdr, size_t *total, kv_diag *d) {
@@ -896,7 +907,11 @@ static void kv_rw_on_close(kv_net_conn *c, int code, const char *why) {
     if (w->nc != c) return;
     w->nc = NULL;
     w->tls = NULL;
-    kv_rw_drop(w->r, w, "%s", why && why[0] ? why : code ? kv_err_str(code) : "closed");
+    if (code == KV_EAUTH && w->state == KV_RW_CONNECTING) /* the TLS pin */
+        kv_rw_drop(w->r, w, "proves another key than the one it is listed with: not the worker we meant (%s)",
+                   why && why[0] ? why : "TLS");
+    else
+        kv_rw_drop(w->r, w, "%s", why && why[0] ? why : code ? kv_err_str(code) : "closed");
 }
 
 static const kv_net_conn_cbs kv_rw_cbs = {

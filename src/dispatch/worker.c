@@ -756,7 +756,17 @@ static void kv_wc_error(kv_wconn *c, uint32_t rid, int code, const char *msg) {
     uint8_t buf[KV_WORKER_ERR_FRAME];
     size_t n;
     atomic_fetch_add(&c->w->n_errors, 1);
-    if (kv_msg_error_encode(buf, sizeof buf, rid, code, msg, &n, NULL) == 0) kv_wc_queue(c, buf, n);
+    if (kv_msg_error_encode(buf, sizeof buf, rid, code, msg, &n, NULL)) return;
+    if (kv_link_sniff_undecided(c->tp)) {
+        /* a peer that has sent nothing yet: its transport is unknown, and the
+           connection, still in its handshake phase, would drop a queued frame.
+           It is told in plaintext, at once and best effort, as a refusal at
+           accept is; a TLS client would have sent its hello already. */
+        ssize_t r = send(kv_net_conn_fd(c->nc), buf, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+        (void)r;
+        return;
+    }
+    kv_wc_queue(c, buf, n);
 }
 
 /* A protocol error: ERROR, then close (after it is flushed). */
@@ -1602,7 +1612,8 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
             .frame_timeout_ms = w->opts.read_timeout_ms,
             .write_timeout_ms = w->opts.write_timeout_ms,
             .budget = &w->budget,
-            .handshake_timeout_ms = w->opts.handshake_timeout_ms,
+            /* the worker's own deadline (hs_t, with an ERROR) fires first */
+            .handshake_timeout_ms = w->opts.handshake_timeout_ms + 1000,
             .io = &kv_link_sniff_io,
         };
         kv_diag d = {0};

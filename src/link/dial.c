@@ -130,9 +130,22 @@ int kv_link_dial_dispatch(const kv_link_dispatch_opts *o, kv_link_dispatch *out,
     if (!o->plaintext) {
         const kv_tls_opts to = {.server = false, .pin_key = o->worker_key};
         const int left = (int)(deadline - kv_dial_now_ms());
+        bool plain = false;
         if (!(rc = kv_link_tls_ctx(&out->tls_ctx, o->sk, d)) && !(rc = kv_tls_new(&out->tls, out->tls_ctx, &to, d)))
-            rc = kv_tls_handshake_fd(out->tls, fd, left > 0 ? left : 1, d);
-        if (rc == KV_EAUTH) /* the certificate carries another key than the pinned one */
+            rc = kv_link_tls_client_fd(out->tls, fd, left > 0 ? left : 1, &plain, d);
+        if (plain) { /* a refusal written before it knew our transport (a busy worker), or an older peer */
+            uint8_t eb[KV_PROTO_HEADER + KV_PROTO_MAX_TEXT + 64];
+            kv_frame_rx rx;
+            kv_frame_rx_init(&rx, eb, sizeof eb);
+            kv_msg m;
+            const kv_link_chan pc = {fd, NULL};
+            const int l2 = (int)(deadline - kv_dial_now_ms());
+            if (!kv_proto_read_msg_chan(&rx, &pc, l2 > 0 ? l2 : 1, NULL, &m, NULL) && m.h.type == KV_MSG_ERROR)
+                rc = kv_fail(d, m.u.error.code, "%s", m.u.error.msg);
+            else
+                rc = kv_fail(d, KV_EPROTO, "answered TLS in plaintext (an older worker, or not a worker)");
+        }
+        if (rc == KV_EAUTH && !plain) /* the certificate carries another key than the pinned one */
             kv_diag_prefix(d, rc, "%s proves another key than the one registered for it", o->addr);
         else if (rc)
             kv_diag_prefix(d, rc, "%s", o->addr);

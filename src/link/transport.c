@@ -8,6 +8,8 @@
  * address and its own flags) decides whether to serve it. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +64,9 @@ void kv_link_warn_plaintext(const char *what) {
 enum { KV_SNIFF_UNDECIDED = 0, KV_SNIFF_TLS, KV_SNIFF_PLAIN };
 
 struct kv_link_sniff {
+    bool client;  /* a connector: TLS first, the server's plaintext answer only read as a refusal */
+    bool started; /* client: the first handshake step ran (the ClientHello went out) */
+    int last;     /* client: what the last step waited for */
     int mode;
     kv_tls *tls; /* owned; used once mode is KV_SNIFF_TLS */
     char why[160];
@@ -81,9 +86,56 @@ int kv_link_sniff_new(kv_link_sniff **out, kv_tls_ctx *x, kv_diag *d) {
     return 0;
 }
 
+int kv_link_sniff_new_client(kv_link_sniff **out, kv_tls_ctx *x, const uint8_t *pin_key, kv_diag *d) {
+    *out = NULL;
+    kv_link_sniff *s = calloc(1, sizeof *s);
+    if (!s) return kv_fail(d, KV_ENOMEM, "transport: out of memory");
+    const kv_tls_opts o = {.server = false, .pin_key = pin_key};
+    const int rc = kv_tls_new(&s->tls, x, &o, d);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    s->client = true;
+    *out = s;
+    return 0;
+}
+
+bool kv_link_sniff_plain_answer(const kv_link_sniff *s) { return s && s->client && s->mode == KV_SNIFF_PLAIN; }
+
+/* The first byte a TLS server sends is a record of type 20..23 (a
+ * handshake, or an alert). */
+static bool kv_tls_record_byte(uint8_t b) { return b >= 0x14 && b <= 0x17; }
+
+/* A client's step: the TLS handshake, unless the server's first byte shows
+ * it answered in plaintext (a refusal frame). */
+static int kv_sniff_client_step(kv_link_sniff *s, int fd) {
+    if (s->mode == KV_SNIFF_UNDECIDED) {
+        /* whatever the server sent first decides, before OpenSSL reads it
+           (a refusal may be waiting already when the connect completes) */
+        uint8_t b;
+        ssize_t r;
+        do r = recv(fd, &b, 1, MSG_PEEK);
+        while (r < 0 && errno == EINTR);
+        if (r == 1 && !kv_tls_record_byte(b)) {
+            s->mode = KV_SNIFF_PLAIN;
+            return 0;
+        }
+        if (r == 1) s->mode = KV_SNIFF_TLS;
+        else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && s->started && s->last != KV_NET_WRITE)
+            return KV_NET_READ; /* the ClientHello is out: wait for the answer's first byte */
+    }
+    s->started = true;
+    s->last = kv_tls_net_io.handshake(s->tls, fd);
+    if (s->last == 0) s->mode = KV_SNIFF_TLS;
+    return s->last;
+}
+
 kv_tls *kv_link_sniff_tls(const kv_link_sniff *s) {
     return s && s->mode == KV_SNIFF_TLS && kv_tls_established(s->tls) ? s->tls : NULL;
 }
+
+bool kv_link_sniff_undecided(const kv_link_sniff *s) { return s && s->mode == KV_SNIFF_UNDECIDED; }
 
 static ssize_t kv_sniff_read(void *ctx, int fd, void *buf, size_t n) {
     kv_link_sniff *s = ctx;
@@ -97,6 +149,7 @@ static ssize_t kv_sniff_read(void *ctx, int fd, void *buf, size_t n) {
 static ssize_t kv_sniff_write(void *ctx, int fd, const void *buf, size_t n) {
     kv_link_sniff *s = ctx;
     if (s->mode == KV_SNIFF_TLS) return kv_tls_net_io.write(s->tls, fd, buf, n);
+    if (s->client) return (ssize_t)n; /* a server that answered TLS in plaintext is sent nothing */
     ssize_t r;
     do r = send(fd, buf, n, MSG_NOSIGNAL);
     while (r < 0 && errno == EINTR);
@@ -112,6 +165,7 @@ static void kv_sniff_close(void *ctx) {
 
 static int kv_sniff_handshake(void *ctx, int fd) {
     kv_link_sniff *s = ctx;
+    if (s->client) return kv_sniff_client_step(s, fd);
     if (s->mode == KV_SNIFF_TLS) return kv_tls_net_io.handshake(s->tls, fd);
     if (s->mode == KV_SNIFF_PLAIN) return 0;
     uint8_t b;
@@ -142,7 +196,7 @@ static size_t kv_sniff_pending(void *ctx) {
 
 static const char *kv_sniff_why(void *ctx) {
     kv_link_sniff *s = ctx;
-    if (s->mode == KV_SNIFF_TLS) return kv_tls_net_io.why(s->tls);
+    if (s->mode == KV_SNIFF_TLS || (s->client && s->mode == KV_SNIFF_UNDECIDED)) return kv_tls_net_io.why(s->tls);
     return s->why;
 }
 
@@ -154,6 +208,28 @@ const kv_net_io_ops kv_link_sniff_io = {
     .pending = kv_sniff_pending,
     .why = kv_sniff_why,
 };
+
+int kv_link_tls_client_fd(kv_tls *t, int fd, int timeout_ms, bool *plain, kv_diag *d) {
+    *plain = false;
+    kv_link_sniff s = {.client = true, .tls = t};
+    const int64_t deadline = kv_net_now_ms() + (timeout_ms > 0 ? timeout_ms : 1);
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK)) return kv_fail(d, KV_EIO, "TLS handshake: fcntl: %s", strerror(errno));
+    for (;;) {
+        const int r = kv_sniff_client_step(&s, fd);
+        if (r == 0 && s.mode == KV_SNIFF_PLAIN) {
+            *plain = true;
+            return kv_fail(d, KV_EPROTO, "answered TLS in plaintext");
+        }
+        if (r == 0) return 0;
+        if (r < 0) return kv_fail(d, r, "%s", kv_tls_why(t));
+        const int64_t left = deadline - kv_net_now_ms();
+        if (left <= 0) return kv_fail(d, KV_ETIMEOUT, "TLS handshake not complete within %d ms", timeout_ms);
+        struct pollfd pf = {.fd = fd, .events = (short)((r & KV_NET_READ ? POLLIN : 0) | (r & KV_NET_WRITE ? POLLOUT : 0))};
+        if (poll(&pf, 1, (int)left) < 0 && errno != EINTR)
+            return kv_fail(d, KV_EIO, "TLS handshake: poll: %s", strerror(errno));
+    }
+}
 
 /* ---- blocking channel ------------------------------------------------------------- */
 
