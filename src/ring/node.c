@@ -1432,7 +1432,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
             /* the other windows' experts are not ours to cover: open, then check our layers */
             const kv_remote_opts ro = {.workers = n->o.workers, .n_workers = n->o.n_workers, .max_tokens = max_tok,
                                        .skip_hashes = n->o.skip_hashes, .log = n->o.log, .key_sk = n->sk,
-                                       .allow_uncovered = true};
+                                       .allow_uncovered = true, .insecure_plaintext = n->o.insecure_plaintext};
             if ((rc = kv_remote_open(&n->remote, man, n->pool, &ro, d))) goto fail;
             experts = kv_remote_provider(n->remote);
             /* a worker still starting, or one that refused us for room and is
