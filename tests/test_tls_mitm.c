@@ -432,6 +432,20 @@ static void test_plaintext_beyond_loopback(void) {
     worker_down(&tw);
 }
 
+/* --insecure-plaintext on every command that listens or dials: in its help, and a warning at start. */
+static void test_cli_flag(void) {
+    const char *cmds[] = {"worker", "node", "ring", "run", "bench", "gateway"};
+    for (size_t i = 0; i < sizeof cmds / sizeof *cmds; i++) {
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "'%s' %s --help 2>&1 | grep -q -- --insecure-plaintext", getenv("KV_BIN"), cmds[i]);
+        ASSERT_EQ(system(cmd), 0);
+        snprintf(cmd, sizeof cmd,
+                 "'%s' %s --insecure-plaintext --help 2>&1 >/dev/null | grep -q 'WARNING: %s: --insecure-plaintext'",
+                 getenv("KV_BIN"), cmds[i], cmds[i]);
+        if (system(cmd)) KVT_FAIL("%s --insecure-plaintext printed no warning", cmds[i]);
+    }
+}
+
 static int setup(void) {
     signal(SIGPIPE, SIG_IGN);
     if (sodium_init() < 0) return 1;
@@ -471,6 +485,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_plaintext_relay_unnoticed),
     KVT_CASE(test_plaintext_to_tls_port),
     KVT_CASE(test_plaintext_beyond_loopback),
+    KVT_CASE(test_cli_flag),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

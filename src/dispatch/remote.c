@@ -67,7 +67,12 @@
  * with two or more such failures is quarantined: not dialed early even when
  * its experts have no other holder.
  *
- * Handshake (protocol v3 only): after HELLO_ACK the worker sends its key
+ * Transport: TLS 1.3 pinned to the key the worker is listed with (no pin
+ * when none is), v5, the exporter bound into both signatures; plain TCP
+ * only with opts->insecure_plaintext. A worker that answers the ClientHello
+ * in plaintext is read for its ERROR only (a busy refusal: retried).
+ *
+ * Handshake (protocol v3 and later): after HELLO_ACK the worker sends its key
  * and a challenge; we sign the transcript with the coordinator key (and
  * attach the hub's voucher when we have one), and the worker's AUTH_OK must
  * verify under the key it announced, which must be the one it is listed

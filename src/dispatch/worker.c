@@ -31,6 +31,14 @@
  * by the trusted hub); the allowed set can be replaced while serving
  * (kv_worker_set_auth, under auth_mu).
  *
+ * Transport (v5): one port takes TLS 1.3 and plaintext, told by the first
+ * byte (kv_link_sniff). Over TLS only v5 is negotiated and the transcript
+ * both sides sign ends with the session's exporter, so a proof relayed by
+ * a man in the middle that terminates TLS fails here; a plaintext HELLO is
+ * served only from loopback or with insecure_plaintext, else answered with
+ * an ERROR naming TLS. A refusal to a peer that has sent nothing yet goes
+ * out in plaintext (its transport is not known).
+ *
  * Slots and deadlines (what no peer may hold without doing real work):
  * max_conns places in all. A connection still in its handshake is
  * pending: it must complete HELLO and AUTH within the handshake timeout,
