@@ -937,12 +937,13 @@ static void kv_wc_displace(kv_worker *w, kv_wconn *v, int code, const char *what
 }
 
 /* How far a pending connection got: 0 closing already (its deadline or an
- * error), 1 nothing sent yet, 2 bytes sent (a HELLO read, or waiting in the
+ * error), 1 nothing sent yet, 2 bytes sent (a HELLO read, a TLS handshake begun, or waiting in the
  * socket: a coordinator sends HELLO at once, and one accepted in the same
  * round as strangers must not lose its place before it is read). */
 static int kv_wc_progress(const kv_wconn *c) {
     if (kv_net_conn_closing(c->nc)) return 0;
     if (c->hello) return 2;
+    if (!kv_link_sniff_undecided(c->tp)) return 2; /* its first bytes came (a TLS handshake under way) */
     int unread = 0;
     return ioctl(kv_net_conn_fd(c->nc), FIONREAD, &unread) == 0 && unread > 0 ? 2 : 1;
 }

@@ -128,6 +128,18 @@ static int kv_sniff_client_step(kv_link_sniff *s, int fd) {
     s->started = true;
     s->last = kv_tls_net_io.handshake(s->tls, fd);
     if (s->last == 0) s->mode = KV_SNIFF_TLS;
+    if (s->last < 0 && s->mode == KV_SNIFF_UNDECIDED) {
+        /* the ClientHello failed to go out (a reset): a refusal the server
+           wrote before it closed may still be waiting, ahead of the reset */
+        uint8_t b;
+        ssize_t r;
+        do r = recv(fd, &b, 1, MSG_PEEK);
+        while (r < 0 && errno == EINTR);
+        if (r == 1 && !kv_tls_record_byte(b)) {
+            s->mode = KV_SNIFF_PLAIN;
+            return 0;
+        }
+    }
     return s->last;
 }
 
