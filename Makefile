@@ -17,6 +17,9 @@
 #                 gateway (tests/test_arm_run.sh), full versions
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
+#   make wan-test the WAN test bed (tests/test_wan_bed.sh, docs/NETDELAY.md) in its long
+#                 version: two sites 40 ms apart, 0.5% loss, a host behind a NAT router, a
+#                 kvasir hub and a NATed kvasir node (needs root); make test runs the short one
 #   make attack   the attack set (tests labelled attack) in its long version
 #                 (KV_ATTACK_FULL=1): each fails if one attack succeeds; make test
 #                 runs the short version of each
@@ -33,7 +36,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
+.PHONY: wan-test attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -58,6 +61,12 @@ test: deps oracle deps-arm
 attack: deps oracle
 	@$(MAKE) --no-print-directory build
 	@cd $(BUILD) && KV_ATTACK_FULL=1 ctest --output-on-failure -j$(JOBS) -L attack
+
+# the WAN test bed of issue 30 in its long version (KV_WAN_FULL=1): root,
+# network namespaces, nft (tools/install-deps.sh)
+wan-test: deps
+	@$(MAKE) --no-print-directory build
+	@KV_BIN=$(abspath $(BUILD))/kvasir KV_SRC=$(CURDIR) KV_WAN_FULL=1 bash tests/test_wan_bed.sh
 
 # aarch64: Debian's cross compiler and arm64 libraries (cmake/aarch64.cmake);
 # the unit tests run under qemu-user (CMAKE_CROSSCOMPILING_EMULATOR). No

@@ -21,7 +21,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         CHECK(strlen(m.model_id) == 64);
         const size_t ul = strlen(m.url);
         CHECK(ul >= 8 && ul <= KV_BEACON_MAX_URL);
-        CHECK(strspn(m.url, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.:/[]_-") == ul);
+        CHECK(strspn(m.url, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.:/[]_-#=") == ul);
         uint8_t buf[KV_BEACON_MAX_SIZE];
         size_t n = 0;
         CHECK(!kv_beacon_encode(&m, buf, sizeof buf, &n, &d));

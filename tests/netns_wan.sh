@@ -24,7 +24,8 @@
 #   wan_cleanup               kills what runs in the namespaces, deletes them
 #                             (call it from an EXIT trap; safe to call twice)
 # Needs KV_BUILD or KV (kv-netdelay is looked up next to the kvasir binary)
-# and dir (a scratch folder).
+# and dir (a scratch folder). tests/netns_topo.sh builds the internet test bed
+# (two sites, a NAT router) on these helpers.
 WAN_NS=()
 WAN_IP=()
 WAN_MODE=""
@@ -58,7 +59,7 @@ wan_fail() {
 # namespaces left by a run that was killed before its trap ran (its pid is gone)
 wan_reap_stale() {
   local ns pid
-  for ns in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E '^kvw[0-9]+[nhp][0-9]*$' || true); do
+  for ns in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E '^kvw[0-9]+([nhp][0-9]*|t[a-z0-9]+)$' || true); do
     pid=$(echo "$ns" | sed -E 's/^kvw([0-9]+).*/\1/')
     kill -0 "$pid" 2>/dev/null && continue
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true

@@ -21,6 +21,8 @@ have chromium || need+=(chromium)
 have chromedriver || need+=(chromium-driver)
 have tc || need+=(iproute2) # ip netns, veth and tc netem for bench/ring.sh
 have ping || need+=(iputils-ping) # the reference RTT of tests/test_netdelay.sh
+have nft || need+=(nftables)        # the home router's masquerade in tests/netns_topo.sh
+have tcpdump || need+=(tcpdump)     # captures inside the WAN test bed's namespaces
 have openssl || need+=(openssl) # the independent TLS reference of tests/test_tls.c (s_client, x509)
 # libraries (Debian -dev packages), found by their headers
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)

@@ -6,8 +6,8 @@
  *   off 4  u16  version    1
  *   off 6  u16  url_len    1..KV_BEACON_MAX_URL
  *   off 8  u8[64] model_id the hub's model identity, 64 lowercase hex digits
- *   off 72 u8[url_len] url "http://HOST:PORT" (or https), of
- *                          [A-Za-z0-9.:/[]_-], no NUL
+ *   off 72 u8[url_len] url "http://HOST:PORT" (or "https://HOST:PORT#sha256=HEX"), of
+ *                          [A-Za-z0-9.:/[]_-#=], no NUL
  * and nothing else: the datagram is exactly 72 + url_len bytes. Anything
  * else (another magic or version, a length that disagrees, a byte outside
  * the sets) is refused with a message and changes nothing.

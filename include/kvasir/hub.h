@@ -36,6 +36,8 @@
 #include "kvasir/err.h"
 #include "kvasir/link.h" /* kv_node_key, kv_hex */
 
+struct kv_https_cert; /* kvasir/https.h */
+
 #define KV_HUB_SIG_DOMAIN "kvasir-hub-v1"
 #define KV_HUB_MAX_BODY (1u << 20)        /* default bound on a request body */
 #define KV_HUB_MAX_ADDR 255u              /* bytes in an announced HOST:PORT */
@@ -95,6 +97,13 @@ typedef struct kv_hub_opts {
                                    fill what they leave short of wanted; 0 = 600000 */
     uint32_t max_per_host;      /* live nodes registered at one IP; 0 = 32 */
     uint32_t max_per_subnet;    /* live nodes in one IPv4 /24 or IPv6 /48 (loopback exempt); 0 = 128 */
+    /* HTTPS (include/kvasir/https.h, docs/HUB.md "HTTPS"): with tls_cert, serve that
+       certificate; else with tls, or on an address that is not loopback, a
+       self-signed one on a key derived from the hub's key (the same fingerprint at
+       every start); else plain HTTP: on loopback, or anywhere with insecure_plaintext */
+    const struct kv_https_cert *tls_cert; /* read while the hub lives; NULL = none */
+    bool tls;                   /* serve https with the derived certificate, even on loopback */
+    bool insecure_plaintext;    /* plain HTTP on a non-loopback address */
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256
@@ -105,6 +114,9 @@ typedef struct kv_hub_opts {
 int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d);
 /* "HOST:PORT" actually bound (valid while h lives). */
 const char *kv_hub_addr(const kv_hub *h);
+/* The fingerprint (64 lowercase hex digits) of the certificate the hub
+ * serves, or NULL when it serves plain HTTP. Valid while h lives. */
+const char *kv_hub_tls_fingerprint(const kv_hub *h);
 /* Blocks until kv_hub_stop (the server runs on its own threads meanwhile). */
 int kv_hub_serve(kv_hub *h, kv_diag *d);
 /* Async-signal-safe: makes kv_hub_serve return. */

@@ -9,6 +9,7 @@
 #include "kvasir/beacon.h"
 #include "kvasir/link.h"
 #include "kvasir/hub.h"
+#include "kvasir/https.h"
 #include "kvasir/slice.h"
 #include "kvasir/ledger.h"
 
@@ -20,7 +21,7 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
                                              "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger",
                                              "--prove-deadline-ms", "--prove-every-ms", "--prove-threads", "--trust-ms",
-                                             "--max-per-host", "--max-per-subnet", NULL};
+                                             "--max-per-host", "--max-per-subnet", "--tls-cert", "--tls-key", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -31,6 +32,14 @@ static const char *kv_hub_help =
     "  --pg CONNINFO       the same with a libpq conninfo, e.g. 'host=/run/pg dbname=kvasir'\n"
     "  --refresh-ms MS     shared store: the market/placement view is at most MS old (default 250)\n"
     "  --listen HOST:PORT  address to serve on (default 127.0.0.1:0; port 0 picks one, printed)\n"
+    "  HTTPS: a hub on a loopback address serves plain HTTP unless --tls or --tls-cert; on any\n"
+    "  other address (0.0.0.0 included) it serves https, by default with a self-signed\n"
+    "  certificate on a key derived from the hub's key (the same at every start). Its fingerprint\n"
+    "  is printed as \"tls sha256:<64 hex digits>\"; clients pin it: --hub https://HOST:PORT#sha256=<hex>\n"
+    "  --tls               serve https on a loopback address too (self-signed, as above)\n"
+    "  --tls-cert FILE     serve this PEM certificate (with --tls-key FILE, its PEM key)\n"
+    "  --insecure-plaintext  serve plain HTTP on a non-loopback address (prints a warning):\n"
+    "                      only behind a TLS-terminating proxy or on a network you own\n"
     "  --wanted N          replicas wanted per shard (default 2)\n"
     "  --ring-windows A-B,C-D,...  also trade these consecutive layer windows to ring nodes\n"
     "                      (kvasir ring --hub; GET /v1/ring)\n"
@@ -79,8 +88,8 @@ static void kv_on_signal(int sig) {
 }
 
 /* The beacon's message: the hub's URL and its model id (from the manifest). */
-static int kv_hub_beacon_start(kv_beacon **out, const kv_hub_opts *o, const char *addr, const char *to, long port,
-                               long interval_ms, kv_diag *d) {
+static int kv_hub_beacon_start(kv_beacon **out, const kv_hub_opts *o, const char *addr, const char *fp,
+                               const char *to, long port, long interval_ms, kv_diag *d) {
     kv_manifest *m = NULL;
     int rc = kv_manifest_load(&m, o->manifest, d);
     if (rc) return rc;
@@ -88,7 +97,9 @@ static int kv_hub_beacon_start(kv_beacon **out, const kv_hub_opts *o, const char
     snprintf(bo.msg.model_id, sizeof bo.msg.model_id, "%s", m->model_id);
     kv_manifest_free(m);
     if (!to) bo.to = !strncmp(addr, "127.", 4) || !strncmp(addr, "localhost:", 10) ? "127.255.255.255" : "255.255.255.255";
-    if ((size_t)snprintf(bo.msg.url, sizeof bo.msg.url, "http://%s", addr) >= sizeof bo.msg.url)
+    int n = fp ? snprintf(bo.msg.url, sizeof bo.msg.url, "https://%s#sha256=%s", addr, fp)
+               : snprintf(bo.msg.url, sizeof bo.msg.url, "http://%s", addr);
+    if (n < 0 || (size_t)n >= sizeof bo.msg.url)
         return kv_fail(d, KV_EINVAL, "beacon: the hub address '%s' is too long to announce", addr);
     return kv_beacon_start(out, &bo, d);
 }
@@ -101,7 +112,7 @@ int kv_cmd_hub(int argc, char **argv) {
     uint8_t(*vk)[32] = NULL;
     size_t n_vk = 0;
     kv_diag ad = {0};
-    const char *ledger = NULL;
+    const char *ledger = NULL, *tls_cert = NULL, *tls_key = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *s;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -120,6 +131,10 @@ int kv_cmd_hub(int argc, char **argv) {
             o.vouch_open = true;
         } else if (!strcmp(a, "--trust-announced")) {
             o.trust_announced = true;
+        } else if (!strcmp(a, "--tls")) {
+            o.tls = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            o.insecure_plaintext = true;
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--ring-windows")) {
@@ -134,6 +149,10 @@ int kv_cmd_hub(int argc, char **argv) {
             o.voucher_ttl_ms = (uint32_t)v;
         } else if (!strcmp(a, "--ledger")) {
             ledger = s;
+        } else if (!strcmp(a, "--tls-cert")) {
+            tls_cert = s;
+        } else if (!strcmp(a, "--tls-key")) {
+            tls_key = s;
         } else if (!strcmp(a, "--model")) {
             o.manifest = s;
         } else if (!strcmp(a, "--listen")) {
@@ -207,8 +226,16 @@ int kv_cmd_hub(int argc, char **argv) {
         }
     }
     if (!o.manifest || !o.db) return kv_cli_err(CMD, 1, "needs --model and --db (see kvasir hub --help)");
+    if (!tls_cert != !tls_key) return kv_cli_err(CMD, 1, "--tls-cert and --tls-key go together");
+    if (o.insecure_plaintext && (tls_cert || o.tls))
+        return kv_cli_err(CMD, 1, "--insecure-plaintext contradicts %s", o.tls ? "--tls" : "--tls-cert");
     signal(SIGPIPE, SIG_IGN);
     kv_diag d = {0};
+    static kv_https_cert tc; /* served while the hub runs */
+    if (tls_cert) {
+        if (kv_https_cert_load(&tc, tls_cert, tls_key, &d)) return kv_cli_diag(CMD, &d);
+        o.tls_cert = &tc;
+    }
     kv_hub *h = NULL;
     o.vouch_keys = (const uint8_t(*)[32])vk;
     o.n_vouch_keys = n_vk;
@@ -223,8 +250,13 @@ int kv_cmd_hub(int argc, char **argv) {
     free(vk);
     if (orc) {
         kv_ledger_reader_free(lr);
+        kv_https_cert_clear(&tc);
         return kv_cli_diag(CMD, &d);
     }
+    if (o.insecure_plaintext)
+        fprintf(stderr, "hub: WARNING: --insecure-plaintext: the API is served unencrypted on %s; anyone on the "
+                        "path can read and change what nodes and clients exchange with the hub\n",
+                kv_hub_addr(h));
     if (o.trust_announced)
         fprintf(stderr, "hub: WARNING: --trust-announced: nodes are listed as they announce themselves, without "
                         "proof of their address or slabs; never use it with strangers\n");
@@ -241,10 +273,15 @@ int kv_cmd_hub(int argc, char **argv) {
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     kv_beacon *b = NULL;
-    if (beacon_port > 0 && kv_hub_beacon_start(&b, &o, kv_hub_addr(h), beacon_to, beacon_port, beacon_interval, &d)) {
+    if (beacon_port > 0 && kv_hub_beacon_start(&b, &o, kv_hub_addr(h), kv_hub_tls_fingerprint(h), beacon_to, beacon_port, beacon_interval, &d)) {
         kv_the_hub = NULL;
         kv_hub_free(h);
         return kv_cli_diag(CMD, &d);
+    }
+    const char *fp = kv_hub_tls_fingerprint(h);
+    if (fp) {
+        printf("tls sha256:%s\n", fp);
+        if (!o.quiet) fprintf(stderr, "hub: serving https; clients use --hub https://%s#sha256=%s\n", kv_hub_addr(h), fp);
     }
     printf("listening on %s\n", kv_hub_addr(h));
     if (b) printf("beacon on UDP port %ld\n", beacon_port);
@@ -254,6 +291,7 @@ int kv_cmd_hub(int argc, char **argv) {
     kv_beacon_free(b);
     kv_hub_free(h);
     kv_ledger_reader_free(lr);
+    kv_https_cert_clear(&tc);
     if (!o.quiet) fprintf(stderr, "hub: stopped\n");
     return rc ? kv_cli_diag(CMD, &d) : 0;
 }

@@ -15,7 +15,8 @@ static const char *const kv_value_flags[] = {"--hub", "--limit", "--timeout-ms",
 
 static const char *kv_market_help =
     "usage: kvasir market --hub URL [--json] [--limit N]\n"
-    "  --hub URL         the hub, e.g. http://127.0.0.1:8700\n"
+    "  --hub URL         the hub, e.g. http://127.0.0.1:8700, or https://HOST:PORT#sha256=<64 hex>\n"
+    "                    for a TLS hub pinned by the fingerprint it prints (docs/HUB.md)\n"
     "  --json            print the hub's JSON as received (after checking it parses)\n"
     "  --limit N         print only the N scarcest shards (default: all)\n"
     "  --timeout-ms MS   give up after MS (default 10000)\n";

@@ -22,8 +22,10 @@ static const char *const kv_value_flags[] = {"--hub", "--budget", "--data", "--l
 
 static const char *kv_node_help =
     "usage: kvasir node [--hub URL] --budget SIZE --data DIR [--listen HOST:PORT] [options]\n"
-    "  --hub URL           the hub (http://HOST:PORT); without it, the first hub heard by its\n"
-    "                      LAN beacon (kvasir hub --beacon) whose /v1/status names the same model\n"
+    "  --hub URL           the hub (http://HOST:PORT, or https://HOST:PORT#sha256=<64 hex> for a\n"
+    "                      TLS hub pinned by the fingerprint it prints); without it, the first hub\n"
+    "                      heard by its LAN beacon (kvasir hub --beacon) whose /v1/status names\n"
+    "                      the same model (a TLS hub's beacon carries its pin)\n"
     "  --beacon-port P     UDP port to hear the beacon on (default 47474)\n"
     "  --beacon-wait-ms MS how long to wait for a beacon (default 10000)\n"
     "  --model-id HEX      only join a hub announcing this model id\n"

@@ -22,7 +22,8 @@ static const char *const kv_value_flags[] = {"--hub", "--wire", "--timeout-ms", 
 
 static const char *kv_plan_help =
     "usage: kvasir plan --hub URL [--json] [--wire f32|f16|bf16]\n"
-    "  --hub URL         the hub, e.g. http://127.0.0.1:8700\n"
+    "  --hub URL         the hub, e.g. http://127.0.0.1:8700, or https://HOST:PORT#sha256=<64 hex>\n"
+    "                    for a TLS hub pinned by the fingerprint it prints (docs/HUB.md)\n"
     "  --json            one JSON object instead of the table\n"
     "  --wire ENC        encoding of hidden states and outputs on the wire (default f32)\n"
     "  --timeout-ms MS   give up after MS (default 10000)\n"

@@ -56,7 +56,7 @@ typedef struct kv_sw_proc {
     pid_t pid;                /* 0: not started */
     unsigned long long start; /* /proc/PID/stat field 22: start time in clock ticks */
     char log[KV_SWARM_PATH];  /* its stdout and stderr */
-    char url[256];            /* hub and gateway: http://HOST:PORT; node: "" */
+    char url[320];            /* hub and gateway: http://HOST:PORT, or https://HOST:PORT#sha256=HEX; node: "" */
     char data[KV_SWARM_PATH]; /* node: its data folder */
     uint64_t budget;          /* node: bytes */
 } kv_sw_proc;
@@ -196,17 +196,20 @@ static void kv_sw_last_line(const char *path, char *out, size_t cap) {
     fclose(f);
 }
 
-/* Waits (bounded) for "listening on HOST:PORT" in p's log; fills p->url. */
+/* Waits (bounded) for "listening on HOST:PORT" in p's log; fills p->url,
+ * https and pinned when a "tls sha256:HEX" line came first (docs/HUB.md). */
 static int kv_sw_wait_listening(kv_sw_proc *p, double timeout_s) {
     const double end = kv_sw_now() + timeout_s;
     while (kv_sw_now() < end) {
         FILE *f = fopen(p->log, "r");
-        char line[512];
+        char line[512], fp[65] = "";
         while (f && fgets(line, sizeof line, f)) {
             char addr[200];
+            if (sscanf(line, "tls sha256:%64[0-9a-f]", fp) == 1) continue;
             if (sscanf(line, "listening on %199s", addr) == 1) {
                 fclose(f);
-                snprintf(p->url, sizeof p->url, "http://%s", addr);
+                if (fp[0]) snprintf(p->url, sizeof p->url, "https://%s#sha256=%s", addr, fp);
+                else snprintf(p->url, sizeof p->url, "http://%s", addr);
                 return 0;
             }
         }
@@ -967,6 +970,17 @@ static int kv_swarm_up(int argc, char **argv) {
            kv_sw_now() - t0);
     printf("gateway  %s  (OpenAI %s/v1/chat/completions, Anthropic /v1/messages, Ollama /api/chat)\n", s.gateway.url,
            s.gateway.url);
+    { /* the id requests name ("model"): the gateway's own, as its /health says it */
+        json_t *h = kv_sw_get_json(s.gateway.url, "/health", 2000, NULL);
+        const char *id = json_string_value(json_object_get(h, "model"));
+        if (id && strlen(id) <= 256 && !strpbrk(id, "'\"\\")) /* one a shell line can carry as it is */
+            printf("model    %s  (curl %s/v1/chat/completions -H 'Content-Type: application/json' -d "
+                   "'{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}')\n",
+                   id, s.gateway.url, id);
+        else if (id && strlen(id) <= 256)
+            printf("model    %s\n", id);
+        json_decref(h);
+    }
     printf("hub      %s  (status page %s/, market %s/v1/market)\n", s.hub.url, s.hub.url, s.hub.url);
     if (beacon_port) printf("beacon   UDP port %ld (kvasir node --budget SIZE --data DIR joins without --hub)\n", beacon_port);
     printf("key      %s (the coordinator key the hub vouches for: kvasir run --hub %s --key %s)\n", keyf, s.hub.url, keyf);

@@ -36,9 +36,10 @@ static bool kv_beacon_hex64(const char *s, size_t n) {
     return true;
 }
 
-/* "http://" or "https://" and then at least one byte of the URL set. */
+/* "http://" or "https://" and then at least one byte of the URL set ('#'
+ * and '=' for a hub's "#sha256=" pin, include/kvasir/https.h). */
 static int kv_beacon_check_url(const char *u, size_t n, kv_diag *d) {
-    static const char ok[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.:/[]_-";
+    static const char ok[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.:/[]_-#=";
     if (n < 1 || n > KV_BEACON_MAX_URL) return kv_fail(d, KV_EFORMAT, "beacon: URL of %zu bytes (1..%u)", n, KV_BEACON_MAX_URL);
     for (size_t i = 0; i < n; i++)
         if (!u[i] || !memchr(ok, u[i], sizeof ok - 1))

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "http/https_curl.h"
 #include "hub/curl_body.h"
 #include "kvasir/hub.h"
 
@@ -37,8 +38,12 @@ int kv_hub_http_get(const char *url, size_t max, long timeout_ms, char **body, s
     CURL *c = curl_easy_init();
     if (!c) return kv_fail(d, KV_ENOMEM, "http: curl_easy_init failed");
     kv_curl_body b = {.max = max};
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+    char ubuf[2048]; /* url without its #sha256= pin */
+    int rc = kv_https_curl_url(c, url, ubuf, sizeof ubuf, d);
+    if (rc) {
+        curl_easy_cleanup(c);
+        return rc;
+    }
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_curl_body_write);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
     curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, timeout_ms);
@@ -48,9 +53,8 @@ int kv_hub_http_get(const char *url, size_t max, long timeout_ms, char **body, s
     curl_easy_cleanup(c);
     if (r != CURLE_OK) {
         free(b.p);
-        if (b.over) return kv_fail(d, KV_EIO, "http: %s: body larger than %zu bytes", url, max);
-        return kv_fail(d, r == CURLE_OPERATION_TIMEDOUT ? KV_ETIMEOUT : KV_EIO, "http: %s: %s", url,
-                       curl_easy_strerror(r));
+        if (b.over) return kv_fail(d, KV_EIO, "http: %s: body larger than %zu bytes", ubuf, max);
+        return kv_https_curl_fail(r, ubuf, d);
     }
     if (!b.p) {
         b.p = calloc(1, 1);

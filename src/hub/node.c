@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "http/https_curl.h"
 #include "hub/curl_body.h"
 #include "kvasir/dispatch_evidence.h"
 #include "kvasir/dispatch_proto.h"
@@ -156,8 +157,13 @@ static int kv_node_post(const char *hub_url, kv_node_key *key, const char *path,
     hl = curl_slist_append(hl, "Content-Type: application/json");
     hl = curl_slist_append(hl, "Expect:");
     kv_curl_body b = {.max = KV_NODE_MAX_REPLY};
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+    char ubuf[2048]; /* url without its #sha256= pin */
+    int rc = kv_https_curl_url(c, url, ubuf, sizeof ubuf, d);
+    if (rc) {
+        curl_easy_cleanup(c);
+        curl_slist_free_all(hl);
+        return rc;
+    }
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, hl);
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)blen);
@@ -171,9 +177,8 @@ static int kv_node_post(const char *hub_url, kv_node_key *key, const char *path,
     curl_slist_free_all(hl);
     if (r != CURLE_OK) {
         free(b.p);
-        if (b.over) return kv_fail(d, KV_EIO, "http: %s: answer larger than %u bytes", url, KV_NODE_MAX_REPLY);
-        return kv_fail(d, r == CURLE_OPERATION_TIMEDOUT ? KV_ETIMEOUT : KV_EIO, "http: %s: %s", url,
-                       curl_easy_strerror(r));
+        if (b.over) return kv_fail(d, KV_EIO, "http: %s: answer larger than %u bytes", ubuf, KV_NODE_MAX_REPLY);
+        return kv_https_curl_fail(r, ubuf, d);
     }
     if (!b.p && !(b.p = calloc(1, 1))) return kv_fail(d, KV_ENOMEM, "http: out of memory");
     *out = b.p;
@@ -347,8 +352,13 @@ static int kv_dl_once(const char *url, const char *part, const kv_manifest_file 
     kv_dl w = {.fd = fd, .have = have, .size = f->size, .progress = progress, .parg = parg, .path = f->path,
                .last_report = have};
     kv_hdr h = {.want_off = have};
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+    char ubuf[2048]; /* url without its #sha256= pin */
+    int urc = kv_https_curl_url(c, url, ubuf, sizeof ubuf, d);
+    if (urc) {
+        curl_easy_cleanup(c);
+        close(fd);
+        return urc;
+    }
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, kv_dl_write);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &w);
     curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, kv_dl_header);
@@ -369,7 +379,7 @@ static int kv_dl_once(const char *url, const char *part, const kv_manifest_file 
     if (w.over) return kv_fail(d, KV_EFORMAT, "%s: the hub sent more than the manifest's %" PRIu64 " bytes", url, f->size);
     if (w.werr) return kv_fail(d, KV_EIO, "cannot write '%s': %s", part, strerror(w.werr));
     if (r == CURLE_RANGE_ERROR) return kv_fail(d, KV_EPROTO, "%s: the hub cannot resume at %" PRIu64, url, have);
-    if (r != CURLE_OK) return kv_fail(d, r == CURLE_OPERATION_TIMEDOUT ? KV_ETIMEOUT : KV_EIO, "%s: %s", url, curl_easy_strerror(r));
+    if (r != CURLE_OK) return kv_https_curl_fail(r, ubuf, d);
     if (have && (h.status != 206 || !h.range_ok))
         return kv_fail(d, KV_EPROTO, "%s: resume at %" PRIu64 " not answered with that range", url, have);
     if (w.have != f->size) return kv_fail(d, KV_EIO, "%s: transfer ended at %" PRIu64 " of %" PRIu64 " bytes", url, w.have, f->size);

@@ -61,6 +61,7 @@
 #include "hub/prove.h"
 #include "hub/store.h"
 #include "http/http_guard.h"
+#include "http/https_mhd.h"
 #include "kvasir/probe.h"
 #include "kvasir/dispatch_evidence.h"
 #include "kvasir/dispatch_proto.h"
@@ -149,6 +150,8 @@ struct kv_hub {
     struct MHD_Daemon *mhd;
     kv_http_guard *guard;       /* connection limits and request deadlines */
     char addr[128];
+    kv_https_cert tls;          /* the derived certificate (opts.tls without opts.tls_cert) */
+    const kv_https_cert *tls_on; /* what MHD serves: opts.tls_cert, &tls, or NULL (plain HTTP) */
     int stop_pipe[2];
     uint8_t hub_pk[32], hub_sk[64]; /* signs vouchers */
     uint8_t (*vouch)[32];       /* [n_vouch] operator-approved coordinator keys, sorted */
@@ -2228,7 +2231,20 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         rc = kv_fail(d, KV_EIO, "hub: pipe: %s", strerror(errno));
         goto fail;
     }
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL;
+    /* the TLS key is derived from the hub's seed (the first half of hub_sk) */
+    h->tls_on = opts->tls_cert;
+    if ((opts->tls || opts->tls_cert) && opts->insecure_plaintext) {
+        rc = kv_fail(d, KV_EINVAL, "hub: TLS and --insecure-plaintext both asked for");
+        goto fail;
+    }
+    if (!h->tls_on && (opts->tls || (!opts->insecure_plaintext && !kv_https_addr_is_loopback((struct sockaddr *)&ss)))) {
+        if ((rc = kv_https_cert_derive(&h->tls, h->hub_sk, "kvasir hub", d))) goto fail;
+        h->tls_on = &h->tls;
+    }
+    kv_https_mhd hm;
+    if ((rc = kv_https_mhd_setup(&hm, h->tls_on, (struct sockaddr *)&ss, opts->insecure_plaintext, "hub", d)))
+        goto fail;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | hm.flags;
     if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
     if (!h->o.quiet) flags |= MHD_USE_ERROR_LOG;
     const kv_http_guard_opts go = {.max_conns = h->o.max_conns, .per_ip = h->o.per_ip_conns,
@@ -2244,7 +2260,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
                               MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64 * 1024),
                               MHD_OPTION_NOTIFY_COMPLETED, kv_done, h,
                               MHD_OPTION_NOTIFY_CONNECTION, kv_http_guard_notify, h->guard,
-                              MHD_OPTION_END);
+                              MHD_OPTION_ARRAY, hm.opts, MHD_OPTION_END);
     if (!h->mhd) {
         rc = kv_fail(d, KV_EIO, "hub: cannot listen on %s (address in use or not local?)", h->o.listen);
         goto fail;
@@ -2271,6 +2287,8 @@ fail:
 }
 
 const char *kv_hub_addr(const kv_hub *h) { return h->addr; }
+
+const char *kv_hub_tls_fingerprint(const kv_hub *h) { return h->tls_on ? h->tls_on->fp : NULL; }
 
 int kv_hub_serve(kv_hub *h, kv_diag *d) {
     char c;
@@ -2328,6 +2346,7 @@ void kv_hub_free(kv_hub *h) {
     pthread_cond_destroy(&h->refresh_cv);
     pthread_cond_destroy(&h->prove_cv);
     free(h->vouch);
+    kv_https_cert_clear(&h->tls);
     sodium_memzero(h->hub_sk, sizeof h->hub_sk);
     free(h);
 }
