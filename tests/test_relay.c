@@ -978,11 +978,12 @@ static int compute_on(const kv_link_dispatch *ln, uint8_t **y, size_t *n) {
     uint8_t *buf = malloc(cap), *rb = malloc(cap);
     kv_diag d = {0};
     int rc = kv_msg_compute_encode(buf, cap, 5, &cm, &len, &d);
-    if (!rc) kv_frame_set_version(buf, ln->version), rc = kv_proto_write_all(ln->fd, buf, len, 5000, &d);
+    const kv_link_chan ch = {ln->fd, ln->tls}; /* TLS when the dial made it (dispatch v5) */
+    if (!rc) kv_frame_set_version(buf, ln->version), rc = kv_proto_write_all_chan(&ch, buf, len, 5000, &d);
     kv_frame_rx rx;
     kv_frame_rx_init(&rx, rb, cap);
     kv_msg m;
-    if (!rc) rc = kv_proto_read_msg(&rx, ln->fd, 5000, NULL, &m, &d);
+    if (!rc) rc = kv_proto_read_msg_chan(&rx, &ch, 5000, NULL, &m, &d);
     if (!rc && (m.h.type != KV_MSG_RESULT || m.u.result.n_pairs != 4)) rc = KV_EPROTO;
     if (!rc) {
         *n = (size_t)4 * E * 4;
@@ -1048,8 +1049,8 @@ static void test_dispatch_through_relay(void) {
         free(yd);
         free(yr);
     }
-    if (direct.fd >= 0) close(direct.fd);
-    if (!rc) close(relayed.fd);
+    kv_link_dispatch_close(&direct);
+    if (!rc) kv_link_dispatch_close(&relayed);
     /* a dial that expects another key through the relay: the worker proves its own */
     lo.worker_key = g_evil_key.pk;
     ASSERT_EQ(kv_link_dial_dispatch(&lo, &relayed, &d), KV_EAUTH);
@@ -1142,8 +1143,8 @@ static void test_worker_cli_relay(void) {
         free(yd);
         free(yr);
     }
-    if (direct.fd >= 0) close(direct.fd);
-    if (relayed.fd >= 0) close(relayed.fd);
+    kv_link_dispatch_close(&direct);
+    kv_link_dispatch_close(&relayed);
     kv_relay_proxy_free(px);
     kv_relay_client_free(coord);
     kill(pid, SIGTERM);

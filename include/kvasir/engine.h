@@ -75,6 +75,8 @@ typedef struct kv_engine_opts {
     const uint8_t *key_sk;       /* [64] the coordinator's Ed25519 secret key: required with workers */
     const struct kv_voucher *voucher; /* a hub voucher for that key; NULL = none */
     const uint8_t (*worker_keys)[32]; /* [n_workers] keys the workers must prove; NULL = any */
+    bool insecure_plaintext;     /* dial workers over plain TCP (--insecure-plaintext); off: TLS 1.3
+                                    pinned to each worker's key, bound into the key handshake */
     /* verified compute (docs/VERIFY.md; see kv_remote_opts) */
     const struct kv_verify_opts *verify; /* NULL = no checks */
     double recompute_rate;       /* fraction of answers also recomputed from the local slab */

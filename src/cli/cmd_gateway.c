@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "kvasir/transport.h"
 #include "kvasir/dispatch_evidence.h"
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
@@ -56,6 +57,8 @@ static const char *kv_gateway_help =
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --insecure-plaintext  dial workers over plain TCP, without TLS (default: TLS 1.3 pinned to\n"
+    "                       each worker's key); for a network you own; prints a warning\n"
     "  --key FILE           the coordinator key proved to workers, or to ring nodes (default\n"
     "                       DATA/coordinator.key with --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
@@ -186,6 +189,7 @@ int kv_cmd_gateway(int argc, char **argv) {
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
     bool verify = false, quiet = false;
+    bool insecure_plaintext = false;
     double verify_rate = 0;
     const char *cors[KV_GATEWAY_MAX_CORS];
     uint32_t n_cors = 0;
@@ -198,6 +202,9 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(kv_gateway_help, stdout);
             return 0;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            insecure_plaintext = true;
+            kv_link_warn_plaintext("gateway");
         } else if (!strcmp(a, "--verify")) {
             verify = true;
         } else if (!strcmp(a, "--insecure-plaintext")) {
@@ -468,6 +475,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
                                .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL,
                                .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
+                               .insecure_plaintext = insecure_plaintext,
                                .worker_keys = (const uint8_t(*)[32])auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
                                .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,

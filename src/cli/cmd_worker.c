@@ -46,6 +46,8 @@ static const char *kv_worker_help =
     "  --backend NAME     expert kernels: scalar, avx2, avxvnni, avx512, neon, neondot (what\n"
     "                     this CPU runs; default the fastest) or opencl (the first OpenCL device)\n"
     "  --quiet            no per-connection log lines\n"
+    "  --insecure-plaintext  serve plaintext coordinators from any address (default: plaintext\n"
+    "                     only from loopback, TLS 1.3 from everywhere else); prints a warning\n"
     "  --allow-sparse     slabs with holes (a sliced skeleton) are served unhashed; only a\n"
     "                     coordinator run with --allow-sparse on a hashless manifest accepts them\n"
     "  --allow-key K      serve the coordinator whose public key is K (64 hex digits, see\n"
@@ -81,6 +83,9 @@ int kv_cmd_worker(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--quiet")) {
             o.quiet = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            o.insecure_plaintext = true;
+            kv_link_warn_plaintext("worker");
         } else if (!strcmp(a, "--allow-sparse")) {
             o.allow_sparse = true;
         } else if (!strncmp(a, "--test-lie=", 11)) {

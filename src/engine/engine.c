@@ -212,7 +212,8 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
                                    e->o.key_sk, e->o.voucher, e->o.worker_keys,
                                    .max_workers = e->o.max_workers, .allow_uncovered = e->o.allow_uncovered,
                                    .verify = e->o.verify, .recompute_rate = e->o.recompute_rate,
-                                   .on_caught = e->o.on_caught, .caught_arg = e->o.caught_arg};
+                                   .on_caught = e->o.on_caught, .caught_arg = e->o.caught_arg,
+                                   .insecure_plaintext = e->o.insecure_plaintext};
         if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
         e->m = kv_remote_model(e->remote);
         e->experts = kv_remote_provider(e->remote);
