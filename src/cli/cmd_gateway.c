@@ -57,16 +57,16 @@ static const char *kv_gateway_help =
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
-    "  --insecure-plaintext  dial workers over plain TCP, without TLS (default: TLS 1.3 pinned to\n"
-    "                       each worker's key); for a network you own; prints a warning\n"
     "  --key FILE           the coordinator key proved to workers, or to ring nodes (default\n"
     "                       DATA/coordinator.key with --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
     "                       printed on stdout as \"listening on HOST:PORT\")\n"
     "  --tls-cert FILE      serve https with this PEM certificate (and --tls-key FILE, its PEM key);\n"
     "                       its fingerprint is printed as \"tls sha256:<64 hex digits>\"\n"
-    "  --insecure-plaintext serve plain HTTP on an address that is not loopback (prints a\n"
-    "                       warning); without it or --tls-cert such an address is refused\n"
+    "  --insecure-plaintext for a network you own (prints a warning): serve plain HTTP on an\n"
+    "                       address that is not loopback (without it or --tls-cert such an\n"
+    "                       address is refused), and dial workers over plain TCP, without TLS\n"
+    "                       (default: TLS 1.3 pinned to each worker's key)\n"
     "  --no-web-ui          no chat page at / (GET / and /index.html answer 404); the page is on\n"
     "                       by default (docs/GATEWAY.md \"The chat page\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
@@ -202,13 +202,11 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(kv_gateway_help, stdout);
             return 0;
-        } else if (!strcmp(a, "--insecure-plaintext")) {
-            insecure_plaintext = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) { /* both: the API and the links to workers */
+            insecure_plaintext = insecure = true;
             kv_link_warn_plaintext("gateway");
         } else if (!strcmp(a, "--verify")) {
             verify = true;
-        } else if (!strcmp(a, "--insecure-plaintext")) {
-            insecure = true;
         } else if (!strcmp(a, "--quiet")) {
             quiet = true;
         } else if (!strcmp(a, "--no-web-ui")) {
