@@ -34,7 +34,7 @@ static void put(acc *a, char tag, const char *s, size_t n) {
 static int on_ev(void *ud, const kv_chat_ev *ev) {
     acc *a = ud;
     if (ev->type == KV_CHAT_EV_CALL) {
-        json_t *j = json_loadb(ev->args, ev->args_len, 0, NULL);
+        json_t *j = json_loadb(ev->args, ev->args_len, JSON_ALLOW_NUL, NULL);
         if (!json_is_object(j) || ev->index != a->calls) abort();
         json_decref(j);
         a->calls++;

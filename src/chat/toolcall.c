@@ -205,6 +205,8 @@ static int kv_body_xml(const kv_chat_parser *p, const char *s, size_t n, char *n
         if (!kg || kg == s) goto bad;
         const char *key = s;
         const size_t kl = (size_t)(kg - s);
+        for (size_t i = 0; i < kl; i++) /* a key is one line of text: NUL or a control byte is no call */
+            if ((unsigned char)key[i] < 0x20) goto bad;
         s = kg + 1, n -= kl + 1;
         const char *end = memmem(s, n, "</parameter>", 12);
         if (!end) goto bad;
@@ -432,7 +434,7 @@ static int kv_step_block(kv_chat_parser *p, bool *more) {
     size_t at = 0;
     const kv_marker *m = kv_find(p, &at);
     if (p->mode == M_HEADER) {
-        if (m) {
+        if (m && at <= KV_CHAT_MAX_HEADER) { /* (a longer one is no header, as when it came in pieces) */
             kv_header(p, p->buf, at);
             kv_consume(p, at + strlen(m->text));
             *more = true;
