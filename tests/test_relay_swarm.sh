@@ -58,26 +58,38 @@ LONG=(-p "$PROMPT" -n 400 --temp 0 --json --threads 1)
 
 mkdir -p "$dir/coord"
 CPK=$("$KV" key --key "$dir/coord/coordinator.key")
-"$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --relay-port 0 --deadline-ms 1500 \
+"$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --tls --relay-port 0 --deadline-ms 1500 \
   --wanted 1 --vouch-key "$CPK" >"$dir/hub.out" 2>"$dir/hub.err" &
 pids+=($!)
-url=
+base_url=
 for _ in $(seq 300); do
-  url=$(sed -n 's/^listening on \(.*\)$/http:\/\/\1/p' "$dir/hub.out" 2>/dev/null | head -1 || true)
-  [ -n "$url" ] && break
+  base_url=$(sed -n 's/^listening on \(.*\)$/https:\/\/\1/p' "$dir/hub.out" 2>/dev/null | head -1 || true)
+  [ -n "$base_url" ] && break
   sleep 0.05
 done
-[ -n "$url" ] || fail "hub did not start"
+[ -n "$base_url" ] || fail "hub did not start"
+fp=$(sed -n 's/^tls sha256:\([0-9a-f]\{64\}\)$/\1/p' "$dir/hub.out")
+[ -n "$fp" ] || fail "no tls sha256 line"
+hub="$base_url#sha256=$fp" # what nodes and coordinators are given
+url=$base_url              # what curl reads, pinned to the same key below
+pin="sha256//$(python3 -c 'import sys,base64; print(base64.b64encode(bytes.fromhex(sys.argv[1])).decode())' "$fp")"
+curl() { command curl --cacert /dev/null -k --pinnedpubkey "$pin" "$@"; }
 rport=$(sed -n 's/^relay on port \([0-9]*\)$/\1/p' "$dir/hub.out")
 [ -n "$rport" ] && [ "$rport" != 0 ] || fail "no relay port printed: $(cat "$dir/hub.out")"
 [ "$(curl -sf "$url/v1/status" | jq .relay.port)" = "$rport" ] || fail "/v1/status names no relay"
+# the relay serves the hub's certificate: OpenSSL's own client reads the
+# same public-key fingerprint on the relay port as the hub printed
+rfp=$(openssl s_client -connect "127.0.0.1:$rport" -tls1_3 </dev/null 2>/dev/null | openssl x509 -pubkey -noout |
+  openssl pkey -pubin -outform der | sha256sum | cut -c1-64)
+[ "$rfp" = "$fp" ] || fail "the relay's certificate fingerprint $rfp is not the hub's $fp"
+echo "ok: the relay on port $rport serves the hub's certificate (sha256 $fp)"
 
 # a port that refuses connections: bound, never listened on, held open
 refused=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$KV" node --hub "$url" --budget "$half" --data "$dir/nA" --interval-ms 300 --threads 1 \
+"$KV" node --hub "$hub" --budget "$half" --data "$dir/nA" --interval-ms 300 --threads 1 \
   >"$dir/nA.out" 2>"$dir/nA.err" &
 pids+=($!)
-"$KV" node --hub "$url" --budget "$half" --data "$dir/nR" --interval-ms 300 --threads 1 \
+"$KV" node --hub "$hub" --budget "$half" --data "$dir/nR" --interval-ms 300 --threads 1 \
   --advertise "127.0.0.1:$refused" >"$dir/nR.out" 2>"$dir/nR.err" &
 NR=$!
 pids+=($!)
@@ -104,7 +116,7 @@ same_as() { # NAME REF: the run's tokens and logits equal the local run's
   cmp -s "$dir/$2.bin" "$dir/$1.bin" || fail "$1: logits differ"
   [ "$(jq .dispatch.pairs_local "$dir/$1.json")" = 0 ] || fail "$1: experts computed locally"
 }
-"$KV" run --hub "$url" --data "$dir/coord" "${RUN[@]}" --logits-out "$dir/hub1.bin" >"$dir/hub1.json" 2>"$dir/hub1.err" ||
+"$KV" run --hub "$hub" --data "$dir/coord" "${RUN[@]}" --logits-out "$dir/hub1.bin" >"$dir/hub1.json" 2>"$dir/hub1.err" ||
   fail "run --hub failed"
 same_as hub1 local
 rpairs=$(jq --arg a "127.0.0.1:$refused" '[.dispatch.workers[] | select(.addr == $a) | .pairs] | add // 0' "$dir/hub1.json")
@@ -123,7 +135,7 @@ echo "ok: /metrics: one relayed node, $circ circuits, $tocoord bytes to coordina
 
 # a replica of every shard on a third, ordinary node; then the relayed node
 # is killed while a decode runs through it
-"$KV" node --hub "$url" --budget $((9 * slab)) --data "$dir/nC" --interval-ms 300 --threads 1 \
+"$KV" node --hub "$hub" --budget $((9 * slab)) --data "$dir/nC" --interval-ms 300 --threads 1 \
   >"$dir/nC.out" 2>"$dir/nC.err" &
 pids+=($!)
 cfull() {
@@ -132,7 +144,7 @@ cfull() {
 }
 wait_until 60 cfull || fail "the third node does not cover every shard: $(curl -sf "$url/v1/placement")"
 r_listed || fail "the relayed node left the map"
-"$KV" run --hub "$url" --data "$dir/coord" "${LONG[@]}" --worker-timeout-ms 2000 --logits-out "$dir/hub2.bin" \
+"$KV" run --hub "$hub" --data "$dir/coord" "${LONG[@]}" --worker-timeout-ms 2000 --logits-out "$dir/hub2.bin" \
   >"$dir/hub2.json" 2>"$dir/hub2.err" &
 RUNP=$!
 # the decode is under way once the relay forwards this run's bytes: then the
