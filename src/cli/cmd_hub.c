@@ -21,7 +21,8 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
                                              "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger",
                                              "--prove-deadline-ms", "--prove-every-ms", "--prove-threads", "--trust-ms",
-                                             "--max-per-host", "--max-per-subnet", "--tls-cert", "--tls-key", "--relay-port", NULL};
+                                             "--max-per-host", "--max-per-subnet", "--tls-cert", "--tls-key",
+                                             "--relay-port", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"

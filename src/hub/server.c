@@ -1904,7 +1904,8 @@ static void *kv_hub_prover(void *arg) {
         } else if (rc) { /* our own copy failed: nothing to judge the node by; try later */
             snprintf(why, sizeof why, "the hub cannot compute its challenge: %.120s", d.msg);
         } else {
-            kv_probe_opts po = {.addr = px ? kv_relay_proxy_addr(px) : job->addr, .model_id = h->m->model_id, .worker_key = job->pk,
+            const char *paddr = px ? kv_relay_proxy_addr(px) : job->addr;
+            kv_probe_opts po = {.addr = paddr, .model_id = h->m->model_id, .worker_key = job->pk,
                                 .sk = h->hub_sk, .voucher = &v, .n_embd = ne,
                                 .connect_ms = (int)h->o.prove_connect_ms, .answer_ms = (int)h->o.prove_deadline_ms};
             kv_probe_result pr;

@@ -55,7 +55,8 @@ static int kv_route_relay_get(const char *addr, const char *fp, kv_route_relay *
     memset(seed, 0, sizeof seed);
     int rc = kv_tls_ctx_new(&r->tls, &k, d);
     memset(&k, 0, sizeof k);
-    const kv_relay_client_opts o = {.relay = r->addr, .relay_sha256 = r->fp, .tls = r->tls, .role = KV_RELAY_ROLE_COORD};
+    const kv_relay_client_opts o = {.relay = r->addr, .relay_sha256 = r->fp, .tls = r->tls,
+                                    .role = KV_RELAY_ROLE_COORD};
     if (!rc) rc = kv_relay_client_start(&r->cl, &o, d);
     if (rc) {
         kv_tls_ctx_free(r->tls);
