@@ -7,7 +7,8 @@
 # relayed, the node connects out to the relay, and the hub proves it through
 # a circuit before it lists its replicas. `kvasir run --hub` then gives the
 # tokens and logits of the local run with experts computed by the relayed
-# node (its served count rises); /v1/placement, /v1/nodes say relayed;
+# node (its served count rises), and so does a gateway over the hub (its
+# chat text is the local run's); /v1/placement, /v1/nodes say relayed;
 # /metrics carries the relay's lines. Then, with a third node holding every
 # shard as a replica, the relayed node is killed while a decode runs: the
 # decode still equals the local run byte for byte.
@@ -124,6 +125,30 @@ rpairs=$(jq --arg a "127.0.0.1:$refused" '[.dispatch.workers[] | select(.addr ==
 served() { [ "$(rnode | jq .served_pairs)" -ge "$rpairs" ]; }
 wait_until 10 served || fail "the hub's served count of the relayed node: $(rnode | jq -c .)"
 echo "ok: run --hub equals the local run; the relayed node computed $rpairs experts through the relay"
+
+# a gateway over the hub reaches the relayed node too: its chat text is the local run's
+"$KV" gateway --hub "$hub" --data "$dir/coord" --listen 127.0.0.1:0 --threads 1 --hub-refresh-ms 200 \
+  --worker-timeout-ms 2000 >"$dir/gw.out" 2>"$dir/gw.err" &
+GWP=$!
+pids+=($GWP)
+gwaddr() { sed -n 's/^listening on \(.*\)$/\1/p' "$dir/gw.out" 2>/dev/null | head -1; }
+wait_until 60 eval '[ -n "$(gwaddr)" ]' || fail "gateway did not start"
+gw="http://$(gwaddr)"
+healthy() { [ "$(command curl -s -o "$dir/health.json" -w '%{http_code}' "$gw/health")" = 200 ]; }
+wait_until 60 healthy || fail "gateway not healthy: $(cat "$dir/health.json")"
+ref=$("$KV" run -m "$dir/m.gguf" --chat --json --threads 1 -p "$PROMPT" -n 12 --temp 0 --seed 1 | jq -r .text)
+before=$(rnode | jq .served_pairs)
+body=$(jq -nc --arg p "$PROMPT" '{model: "kvasir", messages: [{role: "user", content: $p}], max_tokens: 12,
+  temperature: 0, seed: 1}')
+command curl -s "$gw/v1/chat/completions" -H 'Content-Type: application/json' -d "$body" >"$dir/c1.json" &&
+  jq -e .choices "$dir/c1.json" >/dev/null ||
+  fail "gateway chat failed: $(cat "$dir/c1.json")"
+[ "$(jq -r '.choices[0].message.content' "$dir/c1.json")" = "$ref" ] || fail "gateway text differs from the local run"
+gserved() { [ "$(rnode | jq .served_pairs)" -gt "$before" ]; }
+wait_until 10 gserved || fail "the relayed node served nothing for the gateway: $(rnode | jq -c .)"
+kill -TERM "$GWP"
+wait "$GWP" 2>/dev/null || true
+echo "ok: a gateway over the hub gives the local run's text; the relayed node served $(($(rnode | jq .served_pairs) - before)) more"
 
 curl -sf "$url/metrics" >"$dir/metrics.txt" || fail "no /metrics"
 grep -q '^kvasir_hub_relayed_nodes 1$' "$dir/metrics.txt" || fail "metrics: $(grep relayed "$dir/metrics.txt")"
