@@ -60,7 +60,8 @@ LONG=(-p "$PROMPT" -n 400 --temp 0 --json --threads 1)
 mkdir -p "$dir/coord"
 CPK=$("$KV" key --key "$dir/coord/coordinator.key")
 "$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --tls --relay-port 0 --deadline-ms 1500 \
-  --wanted 1 --vouch-key "$CPK" >"$dir/hub.out" 2>"$dir/hub.err" &
+  --wanted 1 --relay-max-circuits-per-node 32 --relay-rate-per-node $((64 << 20)) --vouch-key "$CPK" \
+  >"$dir/hub.out" 2>"$dir/hub.err" &
 pids+=($!)
 base_url=
 for _ in $(seq 300); do
@@ -84,6 +85,22 @@ rfp=$(openssl s_client -connect "127.0.0.1:$rport" -tls1_3 </dev/null 2>/dev/nul
   openssl pkey -pubin -outform der | sha256sum | cut -c1-64)
 [ "$rfp" = "$fp" ] || fail "the relay's certificate fingerprint $rfp is not the hub's $fp"
 echo "ok: the relay on port $rport serves the hub's certificate (sha256 $fp)"
+
+# bad input: one line naming the flag, a non-zero exit; a relay port in use
+one_line_err() { # NEEDLE CMD...: fails with exactly one stderr line containing NEEDLE
+  local needle=$1 rc=0
+  shift
+  "$@" >/dev/null 2>"$dir/bad.txt" || rc=$?
+  [ "$rc" != 0 ] && [ "$rc" -lt 128 ] || fail "$*: exit $rc"
+  [ "$(wc -l <"$dir/bad.txt")" = 1 ] && grep -q -- "$needle" "$dir/bad.txt" || fail "$*: $(cat "$dir/bad.txt")"
+}
+HUBARGS=(--model "$dir/sl/manifest.json" --db "$dir/hub2.db" --listen 127.0.0.1:0 --quiet)
+one_line_err "--relay-port" "$KV" hub "${HUBARGS[@]}" --relay-port 70000
+one_line_err "need --relay-port" "$KV" hub "${HUBARGS[@]}" --relay-rate-per-node 65536
+one_line_err "--relay-rate" "$KV" hub "${HUBARGS[@]}" --relay-port 0 --relay-rate 12
+one_line_err "relay on 127.0.0.1:$rport" "$KV" hub "${HUBARGS[@]}" --relay-port "$rport"
+one_line_err "--relay: 'sometimes'" "$KV" node --hub "$hub" --budget 1M --data "$dir/nX" --relay sometimes
+echo "ok: bad relay flags and a relay port in use: one line each"
 
 # a port that refuses connections: bound, never listened on, held open
 refused=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')

@@ -109,6 +109,10 @@ typedef struct kv_hub_opts {
        the hub's key when the API is plain HTTP), for nodes the hub cannot dial */
     bool relay;
     uint16_t relay_port;
+    uint32_t relay_max_circuits;          /* circuits in all; 0 = the relay's default (4096) */
+    uint32_t relay_max_circuits_per_node; /* 0 = 64 */
+    uint64_t relay_rate_per_node;         /* payload bytes/s through one node's circuits; 0 = no limit */
+    uint64_t relay_rate;                  /* payload bytes/s through the relay; 0 = no limit */
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256

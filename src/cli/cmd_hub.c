@@ -22,7 +22,8 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger",
                                              "--prove-deadline-ms", "--prove-every-ms", "--prove-threads", "--trust-ms",
                                              "--max-per-host", "--max-per-subnet", "--tls-cert", "--tls-key",
-                                             "--relay-port", NULL};
+                                             "--relay-port", "--relay-max-circuits", "--relay-max-circuits-per-node",
+                                             "--relay-rate-per-node", "--relay-rate", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -45,7 +46,12 @@ static const char *kv_hub_help =
     "                      the hub's certificate (one fingerprint for both): a node the hub cannot\n"
     "                      dial at its announced address is marked relayed, connects out to the\n"
     "                      relay and is proven and reached through it (docs/HUB.md \"Relay\");\n"
-    "                      prints \"relay on HOST:PORT\"\n"
+    "                      prints \"relay on port N\"\n"
+    "  --relay-max-circuits N  circuits through the relay at once (default 4096)\n"
+    "  --relay-max-circuits-per-node N  ... to one node (default 64)\n"
+    "  --relay-rate-per-node BYTES  bytes/s through one node's circuits: over it, its credit is\n"
+    "                      withheld, so it slows and nobody else does (default: no limit)\n"
+    "  --relay-rate BYTES  bytes/s through the relay in all (default: no limit)\n"
     "  --wanted N          replicas wanted per shard (default 2)\n"
     "  --ring-windows A-B,C-D,...  also trade these consecutive layer windows to ring nodes\n"
     "                      (kvasir ring --hub; GET /v1/ring)\n"
@@ -176,6 +182,18 @@ int kv_cmd_hub(int argc, char **argv) {
             if (kv_arg_long(CMD, a, s, 0, 65535, &v)) return 1;
             o.relay = true;
             o.relay_port = (uint16_t)v;
+        } else if (!strcmp(a, "--relay-max-circuits")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.relay_max_circuits = (uint32_t)v;
+        } else if (!strcmp(a, "--relay-max-circuits-per-node")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.relay_max_circuits_per_node = (uint32_t)v;
+        } else if (!strcmp(a, "--relay-rate-per-node")) {
+            if (kv_arg_long(CMD, a, s, 1024, 1L << 40, &v)) return 1;
+            o.relay_rate_per_node = (uint64_t)v;
+        } else if (!strcmp(a, "--relay-rate")) {
+            if (kv_arg_long(CMD, a, s, 1024, 1L << 40, &v)) return 1;
+            o.relay_rate = (uint64_t)v;
         } else if (!strcmp(a, "--wanted")) {
             if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
             o.wanted = (uint32_t)v;
@@ -237,6 +255,8 @@ int kv_cmd_hub(int argc, char **argv) {
     }
     if (!o.manifest || !o.db) return kv_cli_err(CMD, 1, "needs --model and --db (see kvasir hub --help)");
     if (!tls_cert != !tls_key) return kv_cli_err(CMD, 1, "--tls-cert and --tls-key go together");
+    if (!o.relay && (o.relay_max_circuits || o.relay_max_circuits_per_node || o.relay_rate_per_node || o.relay_rate))
+        return kv_cli_err(CMD, 1, "the --relay-* budgets need --relay-port");
     if (o.insecure_plaintext && (tls_cert || o.tls))
         return kv_cli_err(CMD, 1, "--insecure-plaintext contradicts %s", o.tls ? "--tls" : "--tls-cert");
     signal(SIGPIPE, SIG_IGN);

@@ -26,7 +26,7 @@ static void kv_hub_relay_log(void *data, const char *line) {
 }
 
 int kv_hub_relay_start(kv_hub_relay **out, const char *host_port, const kv_https_cert *cert, const uint8_t hub_sk[64],
-                       bool quiet, kv_diag *d) {
+                       const kv_relay_server_opts *budgets, bool quiet, kv_diag *d) {
     *out = NULL;
     kv_hub_relay *r = calloc(1, sizeof *r);
     if (!r) return kv_fail(d, KV_ENOMEM, "relay: out of memory");
@@ -37,7 +37,12 @@ int kv_hub_relay_start(kv_hub_relay **out, const char *host_port, const kv_https
     if (!rc) rc = kv_tls_ctx_new(&r->coord_tls, &hk, d);
     if (!rc) {
         kv_tls_ctx_fingerprint(r->tls, r->fp);
-        const kv_relay_server_opts so = {.listen = host_port, .tls = r->tls, .log = quiet ? NULL : kv_hub_relay_log};
+        kv_relay_server_opts so = {0};
+        if (budgets) so = *budgets;
+        so.listen = host_port;
+        so.tls = r->tls;
+        so.log = quiet ? NULL : kv_hub_relay_log;
+        so.log_data = NULL;
         rc = kv_relay_server_start(&r->srv, &so, d);
     }
     char host[256], self[300];

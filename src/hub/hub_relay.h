@@ -17,11 +17,13 @@ struct kv_https_cert;
 typedef struct kv_hub_relay kv_hub_relay;
 
 /* Starts the relay on host_port ("HOST:PORT"; the hub's host) with the
- * certificate cert (copied into a TLS context) and the hub's coordinator
+ * certificate cert (copied into a TLS context), the bounds of budgets (its
+ * listen, tls and log are set here; NULL = the relay's defaults) and the
+ * hub's coordinator
  * client, whose key is the hub's (hub_sk: seed || pk). 0 and *out
  * (kv_hub_relay_free), or the relay's error (a port in use: KV_EIO). */
 int kv_hub_relay_start(kv_hub_relay **out, const char *host_port, const struct kv_https_cert *cert,
-                       const uint8_t hub_sk[64], bool quiet, kv_diag *d);
+                       const uint8_t hub_sk[64], const kv_relay_server_opts *budgets, bool quiet, kv_diag *d);
 /* The bound port. */
 uint16_t kv_hub_relay_port(const kv_hub_relay *r);
 /* The certificate's fingerprint (64 hex digits). */

@@ -2396,7 +2396,10 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
             goto fail;
         char ra[INET6_ADDRSTRLEN + 10];
         snprintf(ra, sizeof ra, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, opts->relay_port);
-        if ((rc = kv_hub_relay_start(&h->relay, ra, h->tls_on ? h->tls_on : &h->tls, h->hub_sk, h->o.quiet, d)))
+        const kv_relay_server_opts rb = {.max_circuits = (int)opts->relay_max_circuits,
+                                         .max_circuits_per_node = (int)opts->relay_max_circuits_per_node,
+                                         .rate_per_node = opts->relay_rate_per_node, .rate_total = opts->relay_rate};
+        if ((rc = kv_hub_relay_start(&h->relay, ra, h->tls_on ? h->tls_on : &h->tls, h->hub_sk, &rb, h->o.quiet, d)))
             goto fail;
     }
     if (!h->o.trust_announced)
