@@ -1095,6 +1095,7 @@ struct kv_node {
     kv_tls_ctx *rtls;           /* the node key's certificate: circuits' end-to-end TLS */
     kv_relay_forward *rfw;      /* circuits to the current worker */
     kv_relay_client *rcl;       /* the one outbound connection */
+    char relay_err[512];        /* why the relay could not be used (a kv_diag message), said once */
 };
 
 static int64_t kv_mono_ms(void) {
@@ -1277,7 +1278,8 @@ static void kv_node_relay_json(kv_node *n, json_t *j) {
     char fp[KV_TLS_FP_HEX + 1], ra[300];
     if (!json_is_integer(rp) || json_integer_value(rp) < 1 || json_integer_value(rp) > 65535 || !json_is_string(rf) ||
         kv_tls_fingerprint_parse(json_string_value(rf), json_string_length(rf), fp, &d)) {
-        kv_node_log(n, "relay: the hub's answer names no usable relay");
+        if (strcmp(n->relay_err, "no usable relay")) kv_node_log(n, "relay: the hub's answer names no usable relay");
+        snprintf(n->relay_err, sizeof n->relay_err, "no usable relay");
         return;
     }
     int rc = kv_node_relay_addr(n->o.hub, (uint16_t)json_integer_value(rp), fp, ra, sizeof ra, &d);
@@ -1286,8 +1288,9 @@ static void kv_node_relay_json(kv_node *n, json_t *j) {
     const kv_relay_client_opts o = {.relay = ra, .relay_sha256 = fp, .tls = n->rtls, .role = KV_RELAY_ROLE_NODE,
                                     .key = &n->key, .on_circuit = kv_relay_forward_circuit, .data = n->rfw};
     if (!rc) rc = kv_relay_client_start(&n->rcl, &o, &d);
-    if (rc) {
-        kv_node_log(n, "relay: %s", d.msg);
+    if (rc) { /* tried again at the next answer; said once */
+        if (strcmp(n->relay_err, d.msg)) kv_node_log(n, "relay: %s", d.msg);
+        snprintf(n->relay_err, sizeof n->relay_err, "%s", d.msg);
         kv_relay_forward_free(n->rfw);
         kv_tls_ctx_free(n->rtls);
         n->rfw = NULL;
