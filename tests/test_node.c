@@ -372,6 +372,57 @@ static void test_placement_strangers(void) {
     free(b.p);
 }
 
+/* The relay in a placement map: "relayed" per node kept with its address,
+ * the hub's relay port and fingerprint read only when well-formed; the
+ * relay's address is the hub URL's host, and a URL's #sha256= pin must be
+ * the advertised relay's fingerprint. */
+static void test_placement_relay(void) {
+    char k1[65], k2[65], map[2048];
+    key_hex(1, k1), key_hex(2, k2);
+    const char *fp = "166c9e40874fbd0997f8eddb080d8b2cfc6f4b1564787ec3775c8741c296ee1a";
+    snprintf(map, sizeof map,
+             "{\"relay\":{\"port\":7443,\"sha256\":\"%s\"},\"shards\":[{\"nodes\":[{\"key\":\"%s\",\"addr\":\"10.0.0.1:1\","
+             "\"relayed\":false},{\"key\":\"%s\",\"addr\":\"192.168.1.5:2\",\"relayed\":true}]},{\"nodes\":[{\"key\":"
+             "\"%s\",\"addr\":\"192.168.1.5:2\"}]}]}", fp, k1, k2, k2);
+    kv_placement pl;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_node_placement_parse(map, strlen(map), &pl, &d), 0);
+    ASSERT_EQ(pl.n_addr, 2);
+    ASSERT_EQ(pl.relayed[0], 0);
+    ASSERT_EQ(pl.relayed[1], 1); /* one entry says so: the address is relayed */
+    ASSERT_EQ(pl.relay_port, 7443);
+    ASSERT_STREQ(pl.relay_sha256, fp);
+    kv_node_placement_free(&pl);
+    /* a relay that is not well-formed is no relay; the map still parses */
+    char bad[5][200];
+    snprintf(bad[0], sizeof bad[0], "{\"port\":0,\"sha256\":\"%s\"}", fp);
+    snprintf(bad[1], sizeof bad[1], "{\"port\":70000,\"sha256\":\"%s\"}", fp);
+    snprintf(bad[2], sizeof bad[2], "{\"port\":1,\"sha256\":\"%.60s\"}", fp);
+    snprintf(bad[3], sizeof bad[3], "{\"port\":\"1\",\"sha256\":\"%s\"}", fp);
+    snprintf(bad[4], sizeof bad[4], "[1,\"%s\"]", fp);
+    for (size_t i = 0; i < 5; i++) {
+        snprintf(map, sizeof map, "{\"relay\":%s,\"shards\":[{\"nodes\":[{\"key\":\"%s\",\"addr\":\"h:1\"}]}]}", bad[i],
+                 k1);
+        ASSERT_EQ(kv_node_placement_parse(map, strlen(map), &pl, &d), 0);
+        ASSERT_EQ(pl.relay_port, 0);
+        ASSERT_STREQ(pl.relay_sha256, "");
+        kv_node_placement_free(&pl);
+    }
+    char out[300], url[300];
+    ASSERT_EQ(kv_node_relay_addr("http://127.0.0.1:8700", 7443, fp, out, sizeof out, &d), 0);
+    ASSERT_STREQ(out, "127.0.0.1:7443");
+    ASSERT_EQ(kv_node_relay_addr("https://[::1]:443/", 9, fp, out, sizeof out, &d), 0);
+    ASSERT_STREQ(out, "[::1]:9");
+    snprintf(url, sizeof url, "https://10.1.2.3:443#sha256=%s", fp);
+    ASSERT_EQ(kv_node_relay_addr(url, 443, fp, out, sizeof out, &d), 0);
+    ASSERT_STREQ(out, "10.1.2.3:443");
+    url[strlen(url) - 1] = 'b'; /* the URL pins another certificate */
+    ASSERT_EQ(kv_node_relay_addr(url, 443, fp, out, sizeof out, &d), KV_EAUTH);
+    ASSERT_TRUE(strstr(d.msg, "pins") != NULL);
+    ASSERT_EQ(kv_node_relay_addr("http://h:1", 0, fp, out, sizeof out, &d), KV_EINVAL);
+    ASSERT_EQ(kv_node_relay_addr("nohost", 1, fp, out, sizeof out, &d), KV_EINVAL);
+}
+
 static const kvt_case cases[] = {KVT_CASE(test_parse_placement), KVT_CASE(test_placement_one_bad_entry), KVT_CASE(test_placement_strangers), KVT_CASE(test_choose_vs_naive), KVT_CASE(test_choose_cases),
-                                 KVT_CASE(test_parse_size), KVT_CASE(test_piece_path)};
+                                 KVT_CASE(test_parse_size), KVT_CASE(test_piece_path), KVT_CASE(test_placement_relay)};
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

@@ -615,6 +615,43 @@ static void test_fingerprint_cli(void) {
     ASSERT_EQ(kv_tls_ctx_load(&x, cmd, key, &d), KV_ENOTFOUND);
     ASSERT_EQ(kv_tls_fingerprint_pem_file(cmd, fp_file, &d), KV_ENOTFOUND);
     ASSERT_TRUE(x == NULL);
+    /* the same from PEM in memory (a hub's certificate on its relay port):
+       the fingerprint openssl computed above; a key that is not the
+       certificate's, a key for a certificate, no PEM and an oversized one refused */
+    char *pc = calloc(1, KV_TLS_MAX_PEM + 2), *pk = calloc(1, KV_TLS_MAX_PEM + 2), *pk2 = calloc(1, 8192);
+    FILE *fc = fopen(cert, "rb"), *fk = fopen(key, "rb"), *fk2 = fopen(key2, "rb");
+    ASSERT_TRUE(fc && fk && fk2 && pc && pk && pk2);
+    if (fc) {
+        ASSERT_TRUE(fread(pc, 1, 8000, fc) > 0);
+        fclose(fc);
+    }
+    if (fk) {
+        ASSERT_TRUE(fread(pk, 1, 8000, fk) > 0);
+        fclose(fk);
+    }
+    if (fk2) {
+        ASSERT_TRUE(fread(pk2, 1, 8000, fk2) > 0);
+        fclose(fk2);
+    }
+    x = NULL;
+    ASSERT_EQ(kv_tls_ctx_from_pem(&x, pc, pk, &d), 0);
+    char fp_mem[65] = {0};
+    if (x) kv_tls_ctx_fingerprint(x, fp_mem);
+    ASSERT_STREQ(fp_mem, ref);
+    kv_tls_ctx_free(x);
+    x = NULL;
+    ASSERT_EQ(kv_tls_ctx_from_pem(&x, pc, pk2, &d), KV_EFORMAT);
+    ASSERT_TRUE(strstr(d.msg, "is not the key of") != NULL);
+    ASSERT_EQ(kv_tls_ctx_from_pem(&x, pk2, pk2, &d), KV_EFORMAT);
+    ASSERT_TRUE(strstr(d.msg, "no PEM certificate") != NULL);
+    ASSERT_EQ(kv_tls_ctx_from_pem(&x, "garbage", pk, &d), KV_EFORMAT);
+    ASSERT_EQ(kv_tls_ctx_from_pem(&x, NULL, pk, &d), KV_EINVAL);
+    memset(pk, 'A', KV_TLS_MAX_PEM + 1);
+    ASSERT_EQ(kv_tls_ctx_from_pem(&x, pc, pk, &d), KV_EINVAL);
+    ASSERT_TRUE(x == NULL);
+    free(pc);
+    free(pk);
+    free(pk2);
     /* as a user writes it */
     char up[160], parsed[65];
     snprintf(up, sizeof up, "SHA256:%s", ref);

@@ -104,6 +104,15 @@ typedef struct kv_hub_opts {
     const struct kv_https_cert *tls_cert; /* read while the hub lives; NULL = none */
     bool tls;                   /* serve https with the derived certificate, even on loopback */
     bool insecure_plaintext;    /* plain HTTP on a non-loopback address */
+    /* the relay (docs/HUB.md "Relay"): on the hub's host at relay_port (0 picks
+       one), serving the hub's certificate (the one the API serves; derived from
+       the hub's key when the API is plain HTTP), for nodes the hub cannot dial */
+    bool relay;
+    uint16_t relay_port;
+    uint32_t relay_max_circuits;          /* circuits in all; 0 = the relay's default (4096) */
+    uint32_t relay_max_circuits_per_node; /* 0 = 64 */
+    uint64_t relay_rate_per_node;         /* payload bytes/s through one node's circuits; 0 = no limit */
+    uint64_t relay_rate;                  /* payload bytes/s through the relay; 0 = no limit */
 } kv_hub_opts;
 
 /* Loads the manifest, checks every piece it names (size, and SHA-256
@@ -117,6 +126,8 @@ const char *kv_hub_addr(const kv_hub *h);
 /* The fingerprint (64 lowercase hex digits) of the certificate the hub
  * serves, or NULL when it serves plain HTTP. Valid while h lives. */
 const char *kv_hub_tls_fingerprint(const kv_hub *h);
+/* The relay's bound port, or 0 when the hub runs none. */
+uint16_t kv_hub_relay_port_of(const kv_hub *h);
 /* Blocks until kv_hub_stop (the server runs on its own threads meanwhile). */
 int kv_hub_serve(kv_hub *h, kv_diag *d);
 /* Async-signal-safe: makes kv_hub_serve return. */

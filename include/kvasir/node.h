@@ -128,6 +128,7 @@ typedef struct kv_placement_entry {
 typedef struct kv_placement {
     char **addr;           /* [n_addr] the addresses kept, first seen first (owned) */
     uint8_t (*key)[32];    /* [n_addr] the key each is listed with (zero: none) */
+    uint8_t *relayed;      /* [n_addr] 1: an entry says "relayed": reached through the hub's relay */
     uint32_t n_addr;
     kv_placement_entry *entry; /* [n_entry] the holder entries kept, in map order */
     size_t n_entry;
@@ -135,6 +136,8 @@ typedef struct kv_placement {
     uint32_t n_conflicts;  /* addresses dropped for being listed with two keys */
     uint32_t n_over;       /* holders beyond KV_PLACEMENT_MAX_REPLICAS in their shard */
     char note[256];        /* the first skip or drop, "" if none: for a warning line */
+    uint16_t relay_port;   /* the hub's relay ("relay": {"port", "sha256"}) on the hub's host; 0 = none */
+    char relay_sha256[65]; /* its fingerprint, 64 lowercase hex ("" when relay_port is 0) */
 } kv_placement;
 
 /* Parses the map as above into *p (free with kv_node_placement_free, also
@@ -145,6 +148,19 @@ void kv_node_placement_free(kv_placement *p);
 /* The addresses kept (kv_placement.addr, first seen first) in *workers
  * (free with kv_node_workers_free). On error *workers is NULL and *n 0. */
 int kv_node_parse_placement(const char *json, size_t len, char ***workers, uint32_t *n, kv_diag *d);
+
+/* ---- the hub's relay (src/hub/node_relay.c) -------------------------------
+ * The relay listens on the hub's host (as hub_url names it) at the port the
+ * hub advertises, with the hub's certificate. */
+/* "HOST:PORT" of the relay into out[cap]: hub_url's host and port. fp (64
+ * lowercase hex, from the hub's answer) must equal hub_url's #sha256= pin
+ * when it has one (KV_EAUTH). KV_EINVAL for no port or fingerprint. */
+int kv_node_relay_addr(const char *hub_url, uint16_t port, const char *fp, char *out, size_t cap, kv_diag *d);
+/* Routes every relayed node of p that has a key through the hub's relay
+ * (kv_relay_route_add), so that a dispatch client dialing its address
+ * reaches it. Returns how many are routed (0 when none is relayed), or the
+ * first error (the others are routed still). */
+int kv_node_relay_routes(const char *hub_url, const kv_placement *p, kv_diag *d);
 
 /* ---- a coordinator that follows the map ----------------------------------
  * Nodes trade shards all the time (a market), so a coordinator that finds
@@ -236,7 +252,12 @@ typedef struct kv_node_opts {
     size_t n_allow_keys;
     bool insecure_plaintext;   /* its worker serves plaintext coordinators from any address
                                   (--insecure-plaintext); off: TLS beyond loopback */
+    int relay;                 /* the hub's relay (docs/HUB.md "Relay"): KV_NODE_RELAY_AUTO (0) connects out
+                                  once the hub says it cannot dial this node; _ALWAYS as soon as the hub
+                                  names its relay; _OFF never */
 } kv_node_opts;
+
+enum { KV_NODE_RELAY_AUTO = 0, KV_NODE_RELAY_ALWAYS = 1, KV_NODE_RELAY_OFF = 2 };
 
 /* Loads (or creates) the node key in opts->dir. Nothing else happens until
  * kv_node_run. Free with kv_node_free (accepts NULL). */

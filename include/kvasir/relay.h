@@ -234,6 +234,10 @@ int kv_relay_pump(kv_tls *t, int tls_fd, int plain_fd);
 typedef struct kv_relay_forward kv_relay_forward;
 int kv_relay_forward_new(kv_relay_forward **out, kv_tls_ctx *tls, const char *local, kv_diag *d);
 void kv_relay_forward_circuit(void *forward, int fd);
+/* Points the forward's new circuits at another local address (a node whose
+ * worker moved to a new port); circuits already bridged keep theirs.
+ * KV_EINVAL when local is too long. */
+int kv_relay_forward_set_local(kv_relay_forward *f, const char *local, kv_diag *d);
 /* Circuits bridged to the end, and ones that failed (TLS, local connect). */
 void kv_relay_forward_counts(const kv_relay_forward *f, uint64_t *served, uint64_t *failed);
 void kv_relay_forward_free(kv_relay_forward *f); /* accepts NULL */
@@ -250,5 +254,27 @@ int kv_relay_proxy_start(kv_relay_proxy **out, kv_relay_client *cl, kv_tls_ctx *
                          int timeout_ms, kv_diag *d);
 const char *kv_relay_proxy_addr(const kv_relay_proxy *p);
 void kv_relay_proxy_free(kv_relay_proxy *p); /* accepts NULL */
+
+/* ---- routes (src/link/relay_route.c): how a coordinator reaches relayed nodes ----------- */
+
+/* A process-wide table from a relayed node's announced address to a local
+ * kv_relay_proxy for its key, through one coordinator client per relay
+ * (made on first use, with a key of its own kept in memory: the dispatch
+ * handshake inside proves the coordinator's key). Whoever reads a placement
+ * map adds the relayed nodes it lists; the dispatch client dials what
+ * kv_relay_route_find returns instead of the address. Thread-safe. */
+#define KV_RELAY_MAX_ROUTES 4096u /* relayed nodes one coordinator process keeps */
+#define KV_RELAY_MAX_RELAYS 16u   /* relays it connects to */
+/* Adds the route of node_pk at node_addr through relay relay_addr pinned
+ * by fp (64 hex); a route already there for the same node and relay is
+ * kept. 0, KV_EINVAL (the address is routed to another key or relay: a
+ * proxy is never swapped under live connections), KV_ERANGE past a bound,
+ * or the client's or proxy's error. */
+int kv_relay_route_add(const char *relay_addr, const char *fp, const uint8_t node_pk[32], const char *node_addr,
+                       kv_diag *d);
+/* True, with the proxy's "HOST:PORT" in out[cap], when node_addr is routed. */
+bool kv_relay_route_find(const char *node_addr, char *out, size_t cap);
+/* Ends every route and client (at exit, or in tests). */
+void kv_relay_routes_free(void);
 
 #endif

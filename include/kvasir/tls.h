@@ -61,6 +61,11 @@ int kv_tls_ctx_new(kv_tls_ctx **out, const kv_node_key *k, kv_diag *d);
  * type OpenSSL can use in TLS 1.3. KV_ENOTFOUND / KV_EIO (cannot read),
  * KV_EFORMAT (not PEM, or the key does not match), naming the file. */
 int kv_tls_ctx_load(kv_tls_ctx **out, const char *cert_path, const char *key_path, kv_diag *d);
+/* The same from PEM text in memory (each NUL-terminated, at most
+ * KV_TLS_MAX_PEM bytes): how a hub serves the certificate it holds in
+ * memory (kv_https_cert) on its relay port too, so that one fingerprint
+ * names both. KV_EINVAL (a PEM missing or too long), KV_EFORMAT. */
+int kv_tls_ctx_from_pem(kv_tls_ctx **out, const char *cert_pem, const char *key_pem, kv_diag *d);
 void kv_tls_ctx_free(kv_tls_ctx *x); /* accepts NULL */
 /* Writes the context's certificate (and, when key_path is not NULL, its
  * private key, mode 0600) as PEM. 0, or KV_EIO naming the file. */

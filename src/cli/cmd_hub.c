@@ -21,7 +21,9 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--challenge-ttl-ms", "--vouch-key", "--voucher-ttl-ms", "--pg", "--refresh-ms",
                                              "--ring-windows", "--beacon-to", "--beacon-interval-ms", "--ledger",
                                              "--prove-deadline-ms", "--prove-every-ms", "--prove-threads", "--trust-ms",
-                                             "--max-per-host", "--max-per-subnet", "--tls-cert", "--tls-key", NULL};
+                                             "--max-per-host", "--max-per-subnet", "--tls-cert", "--tls-key",
+                                             "--relay-port", "--relay-max-circuits", "--relay-max-circuits-per-node",
+                                             "--relay-rate-per-node", "--relay-rate", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -40,6 +42,16 @@ static const char *kv_hub_help =
     "  --tls-cert FILE     serve this PEM certificate (with --tls-key FILE, its PEM key)\n"
     "  --insecure-plaintext  serve plain HTTP on a non-loopback address (prints a warning):\n"
     "                      only behind a TLS-terminating proxy or on a network you own\n"
+    "  --relay-port N      also run the relay on port N of the hub's host (0: a free port), with\n"
+    "                      the hub's certificate (one fingerprint for both): a node the hub cannot\n"
+    "                      dial at its announced address is marked relayed, connects out to the\n"
+    "                      relay and is proven and reached through it (docs/HUB.md \"Relay\");\n"
+    "                      prints \"relay on port N\"\n"
+    "  --relay-max-circuits N  circuits through the relay at once (default 4096)\n"
+    "  --relay-max-circuits-per-node N  ... to one node (default 64)\n"
+    "  --relay-rate-per-node BYTES  bytes/s through one node's circuits: over it, its credit is\n"
+    "                      withheld, so it slows and nobody else does (default: no limit)\n"
+    "  --relay-rate BYTES  bytes/s through the relay in all (default: no limit)\n"
     "  --wanted N          replicas wanted per shard (default 2)\n"
     "  --ring-windows A-B,C-D,...  also trade these consecutive layer windows to ring nodes\n"
     "                      (kvasir ring --hub; GET /v1/ring)\n"
@@ -166,6 +178,22 @@ int kv_cmd_hub(int argc, char **argv) {
         } else if (!strcmp(a, "--refresh-ms")) {
             if (kv_arg_long(CMD, a, s, 10, 60000, &v)) return 1;
             o.refresh_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--relay-port")) {
+            if (kv_arg_long(CMD, a, s, 0, 65535, &v)) return 1;
+            o.relay = true;
+            o.relay_port = (uint16_t)v;
+        } else if (!strcmp(a, "--relay-max-circuits")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.relay_max_circuits = (uint32_t)v;
+        } else if (!strcmp(a, "--relay-max-circuits-per-node")) {
+            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            o.relay_max_circuits_per_node = (uint32_t)v;
+        } else if (!strcmp(a, "--relay-rate-per-node")) {
+            if (kv_arg_long(CMD, a, s, 1024, 1L << 40, &v)) return 1;
+            o.relay_rate_per_node = (uint64_t)v;
+        } else if (!strcmp(a, "--relay-rate")) {
+            if (kv_arg_long(CMD, a, s, 1024, 1L << 40, &v)) return 1;
+            o.relay_rate = (uint64_t)v;
         } else if (!strcmp(a, "--wanted")) {
             if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
             o.wanted = (uint32_t)v;
@@ -227,6 +255,8 @@ int kv_cmd_hub(int argc, char **argv) {
     }
     if (!o.manifest || !o.db) return kv_cli_err(CMD, 1, "needs --model and --db (see kvasir hub --help)");
     if (!tls_cert != !tls_key) return kv_cli_err(CMD, 1, "--tls-cert and --tls-key go together");
+    if (!o.relay && (o.relay_max_circuits || o.relay_max_circuits_per_node || o.relay_rate_per_node || o.relay_rate))
+        return kv_cli_err(CMD, 1, "the --relay-* budgets need --relay-port");
     if (o.insecure_plaintext && (tls_cert || o.tls))
         return kv_cli_err(CMD, 1, "--insecure-plaintext contradicts %s", o.tls ? "--tls" : "--tls-cert");
     signal(SIGPIPE, SIG_IGN);
@@ -283,6 +313,7 @@ int kv_cmd_hub(int argc, char **argv) {
         printf("tls sha256:%s\n", fp);
         if (!o.quiet) fprintf(stderr, "hub: serving https; clients use --hub https://%s#sha256=%s\n", kv_hub_addr(h), fp);
     }
+    if (o.relay) printf("relay on port %u\n", kv_hub_relay_port_of(h));
     printf("listening on %s\n", kv_hub_addr(h));
     if (b) printf("beacon on UDP port %ld\n", beacon_port);
     fflush(stdout);

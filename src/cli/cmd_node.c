@@ -18,7 +18,7 @@
 
 static const char *const kv_value_flags[] = {"--hub", "--budget", "--data", "--listen", "--advertise",
                                              "--interval-ms", "--threads", "-t", "--allow-key", "--beacon-port",
-                                             "--beacon-wait-ms", "--model-id", NULL};
+                                             "--beacon-wait-ms", "--model-id", "--relay", NULL};
 
 static const char *kv_node_help =
     "usage: kvasir node [--hub URL] --budget SIZE --data DIR [--listen HOST:PORT] [options]\n"
@@ -34,6 +34,10 @@ static const char *kv_node_help =
     "  --listen HOST:PORT  worker address (default 127.0.0.1:0: a free port, printed)\n"
     "  --advertise H:P     address announced to the hub (default: the bound worker address)\n"
     "  --interval-ms MS    heartbeat and market period (default: the hub's deadline / 3)\n"
+    "  --relay auto|always|off  the hub's relay (kvasir hub --relay-port): auto (default) connects\n"
+    "                      out to it when the hub says it cannot dial this node's address, always\n"
+    "                      as soon as the hub names it, off never; the node then serves through\n"
+    "                      one outbound TLS connection to the hub's host (docs/HUB.md \"Relay\")\n"
     "  --threads N         worker compute threads (default: all CPUs)\n"
     "  --quiet             no log lines\n"
     "  --insecure-plaintext  its worker serves plaintext coordinators from any address (default:\n"
@@ -93,6 +97,11 @@ int kv_cmd_node(int argc, char **argv) {
             }
         } else if (!strcmp(a, "--hub")) {
             o.hub = s;
+        } else if (!strcmp(a, "--relay")) {
+            if (!strcmp(s, "auto")) o.relay = KV_NODE_RELAY_AUTO;
+            else if (!strcmp(s, "always")) o.relay = KV_NODE_RELAY_ALWAYS;
+            else if (!strcmp(s, "off")) o.relay = KV_NODE_RELAY_OFF;
+            else return kv_cli_err(CMD, 1, "--relay: '%s' is not auto, always or off", s);
         } else if (!strcmp(a, "--budget")) {
             budget = s;
         } else if (!strcmp(a, "--data")) {

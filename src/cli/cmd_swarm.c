@@ -39,6 +39,7 @@
 #include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvasir/probe.h"
+#include "kvasir/relay.h"
 #include "kvasir/slice.h"
 
 #define CMD "swarm"
@@ -422,7 +423,9 @@ typedef struct kv_sw_auth {
  * key with the hub's voucher. */
 static int kv_sw_worker_stats(const char *addr, const char *model_id, const uint8_t worker_key[32],
                               const kv_sw_auth *au, kv_msg_stats *out, kv_diag *d) {
-    const kv_probe_opts o = {.addr = addr, .model_id = model_id, .worker_key = worker_key, .sk = au->key.sk,
+    char via[256]; /* a relayed node: through its route's local proxy */
+    const kv_probe_opts o = {.addr = kv_relay_route_find(addr, via, sizeof via) ? via : addr, .model_id = model_id,
+                             .worker_key = worker_key, .sk = au->key.sk,
                              .voucher = au->has_voucher ? &au->voucher : NULL, .connect_ms = 2000, .answer_ms = 2000};
     return kv_probe_stats(&o, out, d);
 }
@@ -450,6 +453,10 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
     if (!kv_key_file_load(&au.key, kp, false, &kd) && hub_up)
         au.has_voucher = !kv_node_fetch_auth(s->hub.url, &au.key, NULL, 0, NULL, &au.voucher, &kd);
     json_t *placement = hub_up ? kv_sw_get_json(s->hub.url, "/v1/placement", 3000, NULL) : NULL;
+    if (hub_up) { /* relayed nodes' counters are read through the hub's relay (kvasir/relay.h, "routes") */
+        kv_placement pl;
+        if (!kv_node_fetch_placement(s->hub.url, &pl, &kd)) kv_node_placement_free(&pl);
+    }
     json_t *hub_nodes = hub_up ? kv_sw_get_json(s->hub.url, "/v1/nodes", 3000, NULL) : NULL;
     json_t *root = json_object();
     json_object_set_new(root, "dir", json_string(s->dir));
@@ -490,8 +497,9 @@ static json_t *kv_sw_status_json(const kv_swarm *s) {
             const char *nk = json_string_value(json_object_get(e, "key"));
             if (!nk || !key[0] || strcmp(nk, key)) continue;
             json_t *live = json_object_get(e, "live"), *sp = json_object_get(e, "served_pairs");
-            json_t *pps = json_object_get(e, "pairs_per_s");
+            json_t *pps = json_object_get(e, "pairs_per_s"), *rel = json_object_get(e, "relayed");
             if (json_is_boolean(live)) json_object_set(n, "hub_live", live);
+            if (json_is_boolean(rel)) json_object_set(n, "relayed", rel); /* reached through the hub's relay */
             if (json_is_integer(sp) && json_integer_value(sp) >= 0) json_object_set(n, "served_pairs", sp);
             if (json_is_number(pps)) json_object_set(n, "pairs_per_s", pps);
         }

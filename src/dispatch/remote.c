@@ -124,6 +124,7 @@
 #include "kvasir/net.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
+#include "kvasir/relay.h"
 #include "kvasir/verify.h"
 
 #define KV_REMOTE_RTT_SAMPLES (1u << 16) /* round trips kept for percentiles (ring) */
@@ -1290,9 +1291,13 @@ static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, k
 /* ---- open / free -------------------------------------------------------- */
 
 static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
-    char host[256];
+    char host[256], via[256];
     uint16_t port;
-    int rc = kv_link_parse_addr(w->addr, host, sizeof host, &port, d);
+    /* a relayed node (the placement map says so) is dialed at the local
+       proxy of its relay route, which carries the connection through a
+       circuit with TLS pinned to the node's key (kvasir/relay.h, "routes") */
+    const bool relayed = kv_relay_route_find(w->addr, via, sizeof via);
+    int rc = kv_link_parse_addr(relayed ? via : w->addr, host, sizeof host, &port, d);
     if (rc) return rc;
     char ps[8];
     snprintf(ps, sizeof ps, "%u", port);

@@ -64,6 +64,9 @@ static void *kv_watch_main(void *arg) {
         kv_placement pl = {0};
         if (!rc) rc = kv_node_placement_parse(body, len, &pl, &d);
         if (!rc) { /* the addresses and their keys, taken from pl */
+            kv_diag rd = {0}; /* relayed nodes: dialed through the hub's relay (kvasir/relay.h, "routes") */
+            if (kv_node_relay_routes(w->url, &pl, &rd) < 0 && !pl.note[0])
+                snprintf(pl.note, sizeof pl.note, "%.250s", rd.msg);
             addrs = pl.addr;
             keys = pl.key;
             n = pl.n_addr;

@@ -35,6 +35,7 @@
 #include "kvasir/node.h"
 #include "kvasir/pieces.h"
 #include "kvasir/quant.h"
+#include "kvasir/relay.h"
 
 /* ---- shard choice ------------------------------------------------------------ */
 
@@ -446,6 +447,7 @@ typedef struct kv_pl_addr {
     uint8_t key[32];
     bool has_key;
     bool conflict;        /* listed with two keys */
+    bool relayed;         /* an entry says "relayed": true */
     int64_t kept;         /* index among the kept addresses, -1 if none */
 } kv_pl_addr;
 
@@ -526,6 +528,7 @@ void kv_node_placement_free(kv_placement *p) {
     if (!p) return;
     kv_node_workers_free(p->addr, p->n_addr);
     free(p->key);
+    free(p->relayed);
     free(p->entry);
     memset(p, 0, sizeof *p);
 }
@@ -543,6 +546,13 @@ int kv_node_placement_parse(const char *json, size_t len, kv_placement *p, kv_di
     int rc = 0;
     kv_pl_reader r = {0};
     size_t n_entries = 0, cap_e = 0, cap_a = 0;
+    json_t *rl = json_object_get(root, "relay"); /* the hub's relay: ignored unless well-formed */
+    json_t *rp = json_object_get(rl, "port"), *rf = json_object_get(rl, "sha256");
+    if (json_is_integer(rp) && json_integer_value(rp) > 0 && json_integer_value(rp) <= 65535 && json_is_string(rf) &&
+        !kv_tls_fingerprint_parse(json_string_value(rf), json_string_length(rf), p->relay_sha256, NULL))
+        p->relay_port = (uint16_t)json_integer_value(rp);
+    else
+        p->relay_sha256[0] = 0;
     static const uint8_t zero[32];
     /* 1. every entry checked, the addresses gathered, two keys marked */
     for (size_t i = 0; i < json_array_size(sh) && !rc; i++) {
@@ -568,6 +578,7 @@ int kv_node_placement_parse(const char *json, size_t len, kv_placement *p, kv_di
                 break;
             }
             kv_pl_addr *x = &r.a[ai];
+            if (json_is_true(json_object_get(json_array_get(nodes, j), "relayed"))) x->relayed = true;
             if (!has_key || !memcmp(k, zero, 32)) continue;
             if (!x->has_key) {
                 memcpy(x->key, k, 32);
@@ -606,7 +617,9 @@ int kv_node_placement_parse(const char *json, size_t len, kv_placement *p, kv_di
                     if (na) p->addr = na;
                     uint8_t (*nk)[32] = realloc(p->key, nc * sizeof *nk);
                     if (nk) p->key = nk;
-                    if (!na || !nk) {
+                    uint8_t *nr = realloc(p->relayed, nc);
+                    if (nr) p->relayed = nr;
+                    if (!na || !nk || !nr) {
                         rc = kv_fail(d, KV_ENOMEM, "placement: out of memory");
                         break;
                     }
@@ -617,6 +630,7 @@ int kv_node_placement_parse(const char *json, size_t len, kv_placement *p, kv_di
                     break;
                 }
                 memcpy(p->key[p->n_addr], x->has_key ? x->key : zero, 32);
+                p->relayed[p->n_addr] = x->relayed;
                 x->kept = p->n_addr++;
             }
             if (n_entries == cap_e) {
@@ -657,6 +671,13 @@ int kv_node_parse_placement(const char *json, size_t len, char ***out, uint32_t 
     return 0;
 }
 
+/* The relayed nodes of p routed through the hub's relay; a failure is
+ * p's note (the nodes it concerns stay unreachable, the others serve). */
+static void kv_node_relay_routes_noted(const char *hub_url, kv_placement *p) {
+    kv_diag e = {0};
+    if (kv_node_relay_routes(hub_url, p, &e) < 0 && !p->note[0]) snprintf(p->note, sizeof p->note, "%.250s", e.msg);
+}
+
 int kv_node_fetch_coordinator(const char *hub_url, const char *dir, char *manifest_path, size_t cap, char ***workers,
                               uint32_t *n_workers, kv_node_progress_fn progress, void *parg, kv_diag *d) {
     *workers = NULL;
@@ -671,8 +692,17 @@ int kv_node_fetch_coordinator(const char *hub_url, const char *dir, char *manife
     char *body = NULL;
     size_t len = 0;
     if ((rc = kv_node_get(hub_url, "/v1/placement", KV_NODE_MAX_MARKET, &body, &len, d))) return rc;
-    rc = kv_node_parse_placement(body, len, workers, n_workers, d);
+    kv_placement p;
+    rc = kv_node_placement_parse(body, len, &p, d);
     free(body);
+    if (!rc) {
+        kv_node_relay_routes_noted(hub_url, &p);
+        *workers = p.addr;
+        *n_workers = p.n_addr;
+        p.addr = NULL;
+        p.n_addr = 0;
+        kv_node_placement_free(&p);
+    }
     if (!rc && !*n_workers) {
         kv_node_workers_free(*workers, 0);
         *workers = NULL;
@@ -692,6 +722,7 @@ int kv_node_fetch_placement(const char *hub_url, kv_placement *p, kv_diag *d) {
     int rc = kv_node_get(hub_url, "/v1/placement", KV_NODE_MAX_MARKET, &body, &len, d);
     if (!rc) rc = kv_node_placement_parse(body, len, p, d);
     free(body);
+    if (!rc) kv_node_relay_routes_noted(hub_url, p);
     return rc;
 }
 
@@ -1060,6 +1091,11 @@ struct kv_node {
     atomic_int stop;
     int stop_pipe[2];
     uint64_t retired_pairs, retired_tokens; /* served by workers already stopped */
+    /* the hub's relay, once this node serves through it (docs/HUB.md "Relay") */
+    kv_tls_ctx *rtls;           /* the node key's certificate: circuits' end-to-end TLS */
+    kv_relay_forward *rfw;      /* circuits to the current worker */
+    kv_relay_client *rcl;       /* the one outbound connection */
+    char relay_err[512];        /* why the relay could not be used (a kv_diag message), said once */
 };
 
 static int64_t kv_mono_ms(void) {
@@ -1142,6 +1178,9 @@ static void kv_node_retire(kv_node *n, kv_node_worker *w) {
 
 void kv_node_free(kv_node *n) {
     if (!n) return;
+    kv_relay_client_free(n->rcl); /* ends the circuits: then their threads end */
+    kv_relay_forward_free(n->rfw);
+    kv_tls_ctx_free(n->rtls);
     kv_nw_stop(&n->old);
     kv_nw_stop(&n->cur);
     kv_manifest_free(n->m);
@@ -1209,6 +1248,57 @@ static int kv_node_start_worker(kv_node *n, const uint8_t *set, kv_node_worker *
     }
     out->running = true;
     return 0;
+}
+
+/* The worker's address as the relay forward dials it (a wildcard host is
+ * reached on loopback) into out[cap]. */
+static void kv_node_local_addr(const kv_node *n, char *out, size_t cap) {
+    const char *a = kv_worker_addr(n->cur.w);
+    if (!strncmp(a, "0.0.0.0:", 8)) snprintf(out, cap, "127.0.0.1:%s", a + 8);
+    else if (!strncmp(a, "[::]:", 5)) snprintf(out, cap, "[::1]:%s", a + 5);
+    else snprintf(out, cap, "%s", a);
+}
+
+/* A register/heartbeat answer's "relayed" and "relay": a node the hub
+ * cannot dial (relayed; or any, with --relay always) connects out to the
+ * hub's relay once and serves its circuits with the current worker; the
+ * client reconnects by itself with backoff from then on. */
+static void kv_node_relay_json(kv_node *n, json_t *j) {
+    if (n->o.relay == KV_NODE_RELAY_OFF || !n->cur.w) return;
+    char local[KV_HUB_MAX_ADDR + 16];
+    kv_node_local_addr(n, local, sizeof local);
+    kv_diag d = {0};
+    if (n->rfw) { /* serving already: follow the worker */
+        if (kv_relay_forward_set_local(n->rfw, local, &d)) kv_node_log(n, "relay: %s", d.msg);
+        return;
+    }
+    json_t *rl = json_object_get(j, "relay"), *rp = json_object_get(rl, "port"), *rf = json_object_get(rl, "sha256");
+    const bool relayed = json_is_true(json_object_get(j, "relayed"));
+    if (!json_is_object(rl) || (n->o.relay == KV_NODE_RELAY_AUTO && !relayed)) return;
+    char fp[KV_TLS_FP_HEX + 1], ra[300];
+    if (!json_is_integer(rp) || json_integer_value(rp) < 1 || json_integer_value(rp) > 65535 || !json_is_string(rf) ||
+        kv_tls_fingerprint_parse(json_string_value(rf), json_string_length(rf), fp, &d)) {
+        if (strcmp(n->relay_err, "no usable relay")) kv_node_log(n, "relay: the hub's answer names no usable relay");
+        snprintf(n->relay_err, sizeof n->relay_err, "no usable relay");
+        return;
+    }
+    int rc = kv_node_relay_addr(n->o.hub, (uint16_t)json_integer_value(rp), fp, ra, sizeof ra, &d);
+    if (!rc) rc = kv_tls_ctx_new(&n->rtls, &n->key, &d);
+    if (!rc) rc = kv_relay_forward_new(&n->rfw, n->rtls, local, &d);
+    const kv_relay_client_opts o = {.relay = ra, .relay_sha256 = fp, .tls = n->rtls, .role = KV_RELAY_ROLE_NODE,
+                                    .key = &n->key, .on_circuit = kv_relay_forward_circuit, .data = n->rfw};
+    if (!rc) rc = kv_relay_client_start(&n->rcl, &o, &d);
+    if (rc) { /* tried again at the next answer; said once */
+        if (strcmp(n->relay_err, d.msg)) kv_node_log(n, "relay: %s", d.msg);
+        snprintf(n->relay_err, sizeof n->relay_err, "%s", d.msg);
+        kv_relay_forward_free(n->rfw);
+        kv_tls_ctx_free(n->rtls);
+        n->rfw = NULL;
+        n->rtls = NULL;
+        return;
+    }
+    kv_node_log(n, "%s: serving through the hub's relay %s (one outbound connection)",
+                relayed ? "the hub cannot dial this node" : "--relay always", ra);
 }
 
 /* Answers a storage challenge object from a register/heartbeat answer. */
@@ -1309,6 +1399,7 @@ static int kv_node_register(kv_node *n, kv_diag *d) {
     n->registered = true;
     memcpy(n->live, n->held, n->m->n_slabs);
     kv_node_log(n, "registered %zu shards at %s", cnt, n->addr);
+    if (j) kv_node_relay_json(n, j);
     if (j) kv_node_challenge(n, json_object_get(j, "challenge"));
     json_decref(j);
     return 0;
@@ -1356,6 +1447,7 @@ static int kv_node_heartbeat(kv_node *n, kv_diag *d) {
         n->registered = false;
         memset(n->live, 0, n->m->n_slabs);
     }
+    kv_node_relay_json(n, j);
     kv_node_challenge(n, json_object_get(j, "challenge"));
     json_decref(j);
     return 0;
@@ -1452,6 +1544,12 @@ static int kv_node_switch(kv_node *n, const uint8_t *want, kv_diag *d) {
             bytes += n->m->slabs[i].file.size;
         }
     kv_node_log(n, "serving %zu shards (%" PRIu64 " bytes) on %s", cnt, bytes, kv_worker_addr(n->cur.w));
+    if (n->rfw) { /* relayed circuits go to the new worker from now on */
+        char local[KV_HUB_MAX_ADDR + 16];
+        kv_node_local_addr(n, local, sizeof local);
+        kv_diag e = {0};
+        if (kv_relay_forward_set_local(n->rfw, local, &e)) kv_node_log(n, "relay: %s", e.msg);
+    }
     return 0;
 }
 

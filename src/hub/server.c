@@ -58,6 +58,7 @@
 #include <unistd.h>
 
 #include "hub/hub_internal.h"
+#include "hub/hub_relay.h"
 #include "hub/prove.h"
 #include "hub/store.h"
 #include "http/http_guard.h"
@@ -105,6 +106,8 @@ typedef struct kv_hub_node {
     bool probing;                         /* a prover thread is probing it */
     bool probe_all;                       /* the next probe challenges every slab (a report) */
     char prove_err[160];                  /* why its last probe failed, "" if it passed */
+    bool relayed;                         /* the hub could not dial addr (the reachability check): it is
+                                             reached, and proven, through the hub's relay (memory only) */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -163,6 +166,7 @@ struct kv_hub {
     bool prove_stop;            /* under mu */
     kv_voucher self_voucher;    /* the hub vouches for itself to the workers it probes (under mu) */
     uint64_t probes_ok, probes_failed; /* under mu */
+    kv_hub_relay *relay;        /* the relay (opts.relay), NULL when off */
 };
 
 static int64_t kv_now_ms(void) {
@@ -305,6 +309,7 @@ static void kv_node_set_addr(kv_hub_node *n, const char *addr) {
     if (kv_hub_same_host(n->host, host)) return; /* the caller has it proven again at once */
     memcpy(n->host, host, sizeof host);
     memcpy(n->subnet, subnet, sizeof subnet);
+    n->relayed = false; /* another host: the reachability check is made again */
     if (n->proven) memset(n->proven, 0, n->n_slabs);
     n->proven_ms = 0;
     n->passes = n->fails = 0;
@@ -706,7 +711,11 @@ static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, 
                 }
         free(fill);
     }
-    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"deadline_ms\":%u,\"shards\":[", h->m->model_id, h->o.deadline_ms);
+    kv_sb_printf(&b, "{\"model_id\":\"%s\",\"deadline_ms\":%u,", h->m->model_id, h->o.deadline_ms);
+    if (h->relay)
+        kv_sb_printf(&b, "\"relay\":{\"port\":%u,\"sha256\":\"%s\"},", kv_hub_relay_port(h->relay),
+                     kv_hub_relay_fp(h->relay));
+    kv_sb_printf(&b, "\"shards\":[");
     bool first = true;
     for (size_t i = 0; i < ns; i++) {
         const kv_manifest_slab *s = &h->m->slabs[i];
@@ -720,8 +729,9 @@ static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, 
             kv_hex(n->pk, 32, hex);
             /* addr and backend are printable ASCII without '"' or '\\'
              * (kv_hub_parse_announce), so they need no escaping */
-            kv_sb_printf(&b, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"backend\":\"%s\",\"last_seen_ms\":%" PRId64 "}",
-                         j > cnt[i] ? "," : "", hex, n->addr, n->backend, n->last_seen_ms);
+            kv_sb_printf(&b, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"backend\":\"%s\",\"last_seen_ms\":%" PRId64
+                         ",\"relayed\":%s}", j > cnt[i] ? "," : "", hex, n->addr, n->backend, n->last_seen_ms,
+                         n->relayed ? "true" : "false");
         }
         kv_sb_printf(&b, "]}");
     }
@@ -1041,6 +1051,19 @@ static int kv_register_limits(const kv_hub *h, const kv_hub_node *self, const ch
     return 0;
 }
 
+/* A register/heartbeat answer tells node n whether the hub reaches it only
+ * through the relay ("relayed") and where the relay is ("relay": its port on
+ * the hub's host and its fingerprint, the hub's own), so that a node the hub
+ * cannot dial connects out to it. Caller holds mu. */
+static void kv_relay_json(const kv_hub *h, const kv_hub_node *n, json_t *j) {
+    if (!h->relay) return;
+    json_object_set_new(j, "relayed", json_boolean(n->relayed));
+    json_t *r = json_object();
+    json_object_set_new(r, "port", json_integer(kv_hub_relay_port(h->relay)));
+    json_object_set_new(r, "sha256", json_string(kv_hub_relay_fp(h->relay)));
+    json_object_set_new(j, "relay", r);
+}
+
 static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     kv_diag d = {0};
     kv_hub_announce a;
@@ -1169,6 +1192,7 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     json_object_set_new(j, "ok", json_true());
     json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
     json_object_set_new(j, "deadline_ms", json_integer(h->o.deadline_ms));
+    kv_relay_json(h, n, j);
     kv_challenge_json(h, n, j);
     pthread_mutex_unlock(&h->mu);
     ret = kv_reply_json(c, MHD_HTTP_OK, j);
@@ -1252,6 +1276,7 @@ static enum MHD_Result kv_do_heartbeat(kv_hub *h, struct MHD_Connection *c, cons
     json_object_set_new(j, "ok", json_true());
     json_object_set_new(j, "shards", json_integer((json_int_t)n->n_slabs));
     json_object_set_new(j, "live_until_ms", json_integer(now + h->o.deadline_ms));
+    kv_relay_json(h, n, j);
     kv_challenge_json(h, n, j);
     pthread_mutex_unlock(&h->mu);
     return kv_reply_json(c, MHD_HTTP_OK, j);
@@ -1341,8 +1366,61 @@ static enum MHD_Result kv_do_status(kv_hub *h, struct MHD_Connection *c) {
     char hk[65];
     kv_hex(h->hub_pk, 32, hk);
     json_object_set_new(j, "hub_key", json_string(hk));
+    if (h->relay) {
+        size_t n_rel = 0;
+        for (size_t k = 0; k < h->n_nodes; k++) n_rel += h->nodes[k].relayed && kv_node_live(h, &h->nodes[k], now);
+        json_t *r = json_object();
+        json_object_set_new(r, "port", json_integer(kv_hub_relay_port(h->relay)));
+        json_object_set_new(r, "sha256", json_string(kv_hub_relay_fp(h->relay)));
+        json_object_set_new(r, "relayed_nodes", json_integer((json_int_t)n_rel));
+        json_object_set_new(j, "relay", r);
+    }
     pthread_mutex_unlock(&h->mu);
     return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
+/* GET /metrics: Prometheus text: the registry's gauges, the prover's
+ * counters and, with a relay, its kvasir_relay_* lines. */
+static enum MHD_Result kv_do_metrics(kv_hub *h, struct MHD_Connection *c) {
+    const int64_t now = kv_now_ms();
+    size_t n_live = 0, n_rel = 0;
+    pthread_mutex_lock(&h->mu);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const bool live = kv_node_live(h, &h->nodes[k], now);
+        n_live += live;
+        n_rel += live && h->nodes[k].relayed;
+    }
+    const size_t n_nodes = h->n_nodes;
+    const uint64_t ok = h->probes_ok, failed = h->probes_failed;
+    pthread_mutex_unlock(&h->mu);
+    kv_sb b = {0};
+    kv_sb_printf(&b, "# HELP kvasir_hub_nodes Nodes registered.\n# TYPE kvasir_hub_nodes gauge\nkvasir_hub_nodes %zu\n"
+                 "# HELP kvasir_hub_live_nodes Nodes whose last heartbeat is within the deadline.\n"
+                 "# TYPE kvasir_hub_live_nodes gauge\nkvasir_hub_live_nodes %zu\n"
+                 "# HELP kvasir_hub_relayed_nodes Live nodes the hub reaches only through its relay.\n"
+                 "# TYPE kvasir_hub_relayed_nodes gauge\nkvasir_hub_relayed_nodes %zu\n"
+                 "# HELP kvasir_hub_probes_total Proof-of-service probes, by outcome.\n"
+                 "# TYPE kvasir_hub_probes_total counter\nkvasir_hub_probes_total{outcome=\"ok\"} %" PRIu64 "\n"
+                 "kvasir_hub_probes_total{outcome=\"failed\"} %" PRIu64 "\n",
+                 n_nodes, n_live, n_rel, ok, failed);
+    if (h->relay && !b.oom) {
+        kv_relay_stats rs;
+        kv_hub_relay_stats(h->relay, &rs);
+        const size_t need = kv_relay_stats_prometheus(&rs, NULL, 0);
+        char *t = malloc(need + 1);
+        if (t) {
+            kv_relay_stats_prometheus(&rs, t, need + 1);
+            kv_sb_printf(&b, "%s", t);
+            free(t);
+        } else {
+            b.oom = 1;
+        }
+    }
+    if (b.oom) {
+        free(b.p);
+        return MHD_NO;
+    }
+    return kv_reply(c, MHD_HTTP_OK, "text/plain; version=0.0.4", b.p, b.n);
 }
 
 static int kv_key_cmp(const void *a, const void *b) { return memcmp(a, b, 32); }
@@ -1454,8 +1532,8 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
                      n->registered_ms, n->served_pairs, n->served_tokens, ps, ts);
         size_t np = 0;
         for (size_t i = 0; i < n->n_slabs; i++) np += kv_node_slab_ok(h, n, i);
-        kv_sb_printf(&b, ",\"proven_shards\":%zu,\"challenges_passed\":%u,\"prove_error\":\"%s\"", np, n->passes,
-                     n->prove_err);
+        kv_sb_printf(&b, ",\"proven_shards\":%zu,\"challenges_passed\":%u,\"prove_error\":\"%s\",\"relayed\":%s", np,
+                     n->passes, n->prove_err, n->relayed ? "true" : "false");
         if (k < n_earn && has[k] && !memcmp(pks[k], n->pk, 32))
             kv_sb_printf(&b, ",\"earned_micro_kvr\":%" PRIu64, earn[k]);
         kv_sb_printf(&b, ",\"shards\":[");
@@ -1472,8 +1550,17 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
     /* every token through the swarm (prompt or generated, from any
        coordinator) costs n_expert_used expert computations per MoE layer */
     const double per_tok = (double)n_moe * (m->n_expert_used ? m->n_expert_used : 1);
-    kv_sb_printf(&b, "],\"live_nodes\":%zu,\"pairs_per_s\":%.3f,\"rows_per_s\":%.3f,\"tokens_per_s\":%.3f}\n",
+    kv_sb_printf(&b, "],\"live_nodes\":%zu,\"pairs_per_s\":%.3f,\"rows_per_s\":%.3f,\"tokens_per_s\":%.3f",
                  n_live, pairs_s, rows_s, per_tok > 0 ? pairs_s / per_tok : 0.0);
+    if (h->relay) { /* the relay's traffic, for the status page */
+        kv_relay_stats rs;
+        kv_hub_relay_stats(h->relay, &rs);
+        kv_sb_printf(&b, ",\"relay\":{\"port\":%u,\"nodes\":%" PRIu64 ",\"circuits\":%" PRIu64
+                     ",\"circuits_total\":%" PRIu64 ",\"bytes_to_node\":%" PRIu64 ",\"bytes_to_coord\":%" PRIu64
+                     ",\"refused_circuits\":%" PRIu64 "}", kv_hub_relay_port(h->relay), rs.nodes, rs.circuits,
+                     rs.circuits_total, rs.bytes_to_node, rs.bytes_to_coord, rs.refused_circuits);
+    }
+    kv_sb_printf(&b, "}\n");
     if (b.oom) {
         free(b.p);
         return kv_fail(d, KV_ENOMEM, "nodes: out of memory");
@@ -1650,6 +1737,7 @@ typedef struct kv_probe_job {
     uint8_t pk[32];
     char addr[KV_HUB_MAX_ADDR + 1];
     uint32_t gen;
+    bool relayed;      /* probed through the relay */
     uint32_t n;
     uint32_t slab[KV_HUB_PROVE_TASKS];
     kv_probe_task task[KV_HUB_PROVE_TASKS];
@@ -1673,6 +1761,7 @@ static kv_hub_node *kv_probe_pick(kv_hub *h, int64_t now, kv_probe_job *job, int
     memcpy(job->pk, pick->pk, 32);
     memcpy(job->addr, pick->addr, sizeof job->addr);
     job->gen = pick->gen;
+    job->relayed = pick->relayed && h->relay;
     job->n = 0;
     const uint32_t off = randombytes_uniform((uint32_t)pick->n_slabs);
     for (size_t t = 0; t < pick->n_slabs && job->n < KV_HUB_PROVE_TASKS; t++) {
@@ -1691,9 +1780,11 @@ static kv_hub_node *kv_probe_pick(kv_hub *h, int64_t now, kv_probe_job *job, int
 /* Records a probe's outcome on node pk if its holdings are still those the
  * job was made from: verdict 1 passed, 0 failed (a wrong answer, another
  * key, a bad frame: why), -2 late or unreachable (why), -1 the hub could not
- * make its own answer (nothing is judged; tried again later). Caller holds
- * mu. */
-static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, const char *why, int64_t now) {
+ * make its own answer (nothing is judged; tried again later). unreachable:
+ * the dial of the announced address itself failed (no connection). Caller
+ * holds mu. */
+static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, bool unreachable, const char *why,
+                           int64_t now) {
     kv_hub_node *n = kv_node_find(h, job->pk);
     if (!n) return;
     n->probing = false;
@@ -1715,6 +1806,23 @@ static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, cons
         snprintf(n->prove_err, sizeof n->prove_err, "%s", why);
         for (char *c = n->prove_err; *c; c++)
             if (*c < 0x20 || *c >= 0x7f || *c == '"' || *c == '\\') *c = '?';
+        return;
+    }
+    if (unreachable && h->relay && !n->relayed && !job->relayed) {
+        /* the reachability check failed: the node is reached through the
+         * relay from now on (it connects out when its next heartbeat's answer
+         * says so) and listed once proven there */
+        n->relayed = true;
+        if (n->proven) memset(n->proven, 0, n->n_slabs);
+        n->proven_ms = 0;
+        n->passes = n->fails = 0;
+        n->probe_due_ms = now + 1000;
+        if (!h->o.quiet) {
+            char hex[65];
+            kv_hex(n->pk, 32, hex);
+            fprintf(stderr, "hub: node %.16s... at %s cannot be dialed (%s): relayed\n", hex, n->addr, why);
+        }
+        snprintf(n->prove_err, sizeof n->prove_err, "not reachable at its address: relayed");
         return;
     }
     const bool ok = verdict > 0;
@@ -1785,21 +1893,29 @@ static void *kv_hub_prover(void *arg) {
             rc = kv_hub_prove_expect(h->dir_fd, h->m, job->slab[t], job->task[t].expert, x + (size_t)t * ne,
                                      want + (size_t)t * ne, &d);
         }
-        bool ok = false;
+        bool ok = false, unreachable = false;
         int verdict = -1;
         char why[160];
-        if (rc) { /* our own copy failed: nothing to judge the node by; try later */
+        /* a relayed node is dialed through a circuit of the hub's relay */
+        kv_relay_proxy *px = NULL;
+        if (!rc && job->relayed && (rc = kv_hub_relay_proxy(h->relay, job->pk, (int)h->o.prove_connect_ms, &px, &d))) {
+            verdict = -2;
+            snprintf(why, sizeof why, "relay: %.140s", d.msg);
+        } else if (rc) { /* our own copy failed: nothing to judge the node by; try later */
             snprintf(why, sizeof why, "the hub cannot compute its challenge: %.120s", d.msg);
         } else {
-            kv_probe_opts po = {.addr = job->addr, .model_id = h->m->model_id, .worker_key = job->pk,
+            const char *paddr = px ? kv_relay_proxy_addr(px) : job->addr;
+            kv_probe_opts po = {.addr = paddr, .model_id = h->m->model_id, .worker_key = job->pk,
                                 .sk = h->hub_sk, .voucher = &v, .n_embd = ne,
                                 .connect_ms = (int)h->o.prove_connect_ms, .answer_ms = (int)h->o.prove_deadline_ms};
             kv_probe_result pr;
             verdict = 0;
             rc = kv_probe_worker(&po, job->task, job->n, x, got, &pr, &d);
             if (rc) {
-                snprintf(why, sizeof why, "%s: %.130s", pr.key_proven ? "compute challenge" : "key proof", d.msg);
+                snprintf(why, sizeof why, "%s%s: %.110s", px ? "through the relay: " : "",
+                         pr.key_proven ? "compute challenge" : "key proof", d.msg);
                 if (rc == KV_ETIMEOUT || rc == KV_EIO) verdict = -2;
+                unreachable = !pr.connected;
             } else {
                 ok = true;
                 for (uint32_t t = 0; t < job->n && ok; t++) {
@@ -1813,8 +1929,9 @@ static void *kv_hub_prover(void *arg) {
             }
         }
         if (verdict == 0 && ok) verdict = 1;
+        kv_relay_proxy_free(px); /* the probe's connection is closed: nothing waits */
         pthread_mutex_lock(&h->mu);
-        kv_probe_apply(h, job, verdict, ok ? "" : why, kv_now_ms());
+        kv_probe_apply(h, job, verdict, unreachable, ok ? "" : why, kv_now_ms());
     }
     pthread_mutex_unlock(&h->mu);
     free(x);
@@ -1892,6 +2009,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
         if (!strncmp(url, "/v1/pieces/", 11)) return kv_serve_piece(h, c, url + 11);
         if (!strcmp(url, "/v1/nonce")) return kv_do_nonce(h, c);
         if (!strcmp(url, "/v1/status")) return kv_do_status(h, c);
+        if (!strcmp(url, "/metrics")) return kv_do_metrics(h, c);
         if (!strcmp(url, "/") || !strcmp(url, "/index.html")) {
             char *s = malloc(kv_status_page_len + 1);
             if (!s) return MHD_NO;
@@ -2273,6 +2391,17 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     else
         inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, host, sizeof host);
     snprintf(h->addr, sizeof h->addr, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, port);
+    if (opts->relay) { /* on the hub's host, with the hub's certificate (derived when HTTP is plain) */
+        if (!h->tls_on && !h->tls.cert_pem && (rc = kv_https_cert_derive(&h->tls, h->hub_sk, "kvasir hub", d)))
+            goto fail;
+        char ra[INET6_ADDRSTRLEN + 10];
+        snprintf(ra, sizeof ra, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, opts->relay_port);
+        const kv_relay_server_opts rb = {.max_circuits = (int)opts->relay_max_circuits,
+                                         .max_circuits_per_node = (int)opts->relay_max_circuits_per_node,
+                                         .rate_per_node = opts->relay_rate_per_node, .rate_total = opts->relay_rate};
+        if ((rc = kv_hub_relay_start(&h->relay, ra, h->tls_on ? h->tls_on : &h->tls, h->hub_sk, &rb, h->o.quiet, d)))
+            goto fail;
+    }
     if (!h->o.trust_announced)
         for (; h->n_provers < h->o.prove_threads; h->n_provers++)
             if (pthread_create(&h->provers[h->n_provers], NULL, kv_hub_prover, h)) {
@@ -2287,6 +2416,8 @@ fail:
 }
 
 const char *kv_hub_addr(const kv_hub *h) { return h->addr; }
+
+uint16_t kv_hub_relay_port_of(const kv_hub *h) { return h->relay ? kv_hub_relay_port(h->relay) : 0; }
 
 const char *kv_hub_tls_fingerprint(const kv_hub *h) { return h->tls_on ? h->tls_on->fp : NULL; }
 
@@ -2317,6 +2448,7 @@ void kv_hub_free(kv_hub *h) {
         pthread_mutex_unlock(&h->mu);
         for (uint32_t i = 0; i < h->n_provers; i++) pthread_join(h->provers[i], NULL);
     }
+    kv_hub_relay_free(h->relay);
     if (h->refresher_on) {
         pthread_mutex_lock(&h->refresh_mu);
         h->refresh_stop = true;

@@ -84,6 +84,7 @@ int kv_relay_pump(kv_tls *t, int tls_fd, int plain_fd) {
 
 struct kv_relay_forward {
     kv_tls_ctx *tls;      /* the node's certificate (its key) */
+    pthread_mutex_t mu;   /* guards local */
     char local[256];      /* "HOST:PORT" of the local server */
     atomic_int live;      /* bridging threads running */
     atomic_uint_least64_t served, failed;
@@ -103,7 +104,11 @@ static void *kv_fwd_thread(void *p) {
     const kv_tls_opts o = {.server = true};
     int rc = kv_tls_new(&t, j.f->tls, &o, &d);
     if (!rc) rc = kv_tls_handshake_fd(t, j.fd, 10000, &d);
-    if (!rc) rc = kv_link_connect(j.f->local, 5000, &lfd, &d);
+    char local[256];
+    pthread_mutex_lock(&j.f->mu);
+    memcpy(local, j.f->local, sizeof local);
+    pthread_mutex_unlock(&j.f->mu);
+    if (!rc) rc = kv_link_connect(local, 5000, &lfd, &d);
     if (!rc) rc = kv_relay_pump(t, j.fd, lfd);
     atomic_fetch_add(rc ? &j.f->failed : &j.f->served, 1);
     kv_tls_free(t);
@@ -119,8 +124,17 @@ int kv_relay_forward_new(kv_relay_forward **out, kv_tls_ctx *tls, const char *lo
     kv_relay_forward *f = calloc(1, sizeof *f);
     if (!f) return kv_fail(d, KV_ENOMEM, "relay forward: out of memory");
     f->tls = tls;
+    pthread_mutex_init(&f->mu, NULL);
     snprintf(f->local, sizeof f->local, "%s", local);
     *out = f;
+    return 0;
+}
+
+int kv_relay_forward_set_local(kv_relay_forward *f, const char *local, kv_diag *d) {
+    if (!local || strlen(local) >= sizeof f->local) return kv_fail(d, KV_EINVAL, "relay forward: bad local address");
+    pthread_mutex_lock(&f->mu);
+    snprintf(f->local, sizeof f->local, "%s", local);
+    pthread_mutex_unlock(&f->mu);
     return 0;
 }
 
@@ -153,6 +167,7 @@ void kv_relay_forward_free(kv_relay_forward *f) {
         struct timespec ts = {0, 5000000};
         nanosleep(&ts, NULL);
     }
+    pthread_mutex_destroy(&f->mu);
     free(f);
 }
 

@@ -351,27 +351,53 @@ out:
     return rc;
 }
 
+/* A context from two memory BIOs of PEM; cert_name and key_name name them in
+ * errors. */
+static int kv_tls_ctx_from_bios(kv_tls_ctx **out, BIO *cb, BIO *kb, const char *cert_name, const char *key_name,
+                                kv_diag *d) {
+    kv_tls_ctx *x = calloc(1, sizeof *x);
+    int rc = 0;
+    if (!x) rc = kv_fail(d, KV_ENOMEM, "TLS context: out of memory");
+    if (!rc && !(x->cert = PEM_read_bio_X509(cb, NULL, kv_tls_no_password, NULL)))
+        rc = kv_fail(d, KV_EFORMAT, "%s: no PEM certificate in it", cert_name);
+    if (!rc && !(x->key = PEM_read_bio_PrivateKey(kb, NULL, kv_tls_no_password, NULL)))
+        rc = kv_fail(d, KV_EFORMAT, "%s: no unencrypted PEM private key in it", key_name);
+    ERR_clear_error();
+    if (!rc && X509_check_private_key(x->cert, x->key) != 1) {
+        ERR_clear_error();
+        rc = kv_fail(d, KV_EFORMAT, "%s is not the key of %s", key_name, cert_name);
+    }
+    if (!rc) rc = kv_tls_ctx_finish(x, d);
+    if (rc) kv_tls_ctx_free(x);
+    else *out = x;
+    return rc;
+}
+
 int kv_tls_ctx_load(kv_tls_ctx **out, const char *cert_path, const char *key_path, kv_diag *d) {
     *out = NULL;
     BIO *cb = NULL, *kb = NULL;
     int rc = kv_tls_read_pem(cert_path, "--tls-cert", &cb, d);
     if (!rc) rc = kv_tls_read_pem(key_path, "--tls-key", &kb, d);
-    kv_tls_ctx *x = rc ? NULL : calloc(1, sizeof *x);
-    if (!rc && !x) rc = kv_fail(d, KV_ENOMEM, "TLS context: out of memory");
-    if (!rc && !(x->cert = PEM_read_bio_X509(cb, NULL, kv_tls_no_password, NULL)))
-        rc = kv_fail(d, KV_EFORMAT, "--tls-cert '%s': no PEM certificate in it", cert_path);
-    if (!rc && !(x->key = PEM_read_bio_PrivateKey(kb, NULL, kv_tls_no_password, NULL)))
-        rc = kv_fail(d, KV_EFORMAT, "--tls-key '%s': no unencrypted PEM private key in it", key_path);
-    ERR_clear_error();
-    if (!rc && X509_check_private_key(x->cert, x->key) != 1) {
-        ERR_clear_error();
-        rc = kv_fail(d, KV_EFORMAT, "--tls-key '%s' is not the key of --tls-cert '%s'", key_path, cert_path);
-    }
-    if (!rc) rc = kv_tls_ctx_finish(x, d);
+    char cn[300], kn[300];
+    snprintf(cn, sizeof cn, "--tls-cert '%.280s'", cert_path);
+    snprintf(kn, sizeof kn, "--tls-key '%.280s'", key_path);
+    if (!rc) rc = kv_tls_ctx_from_bios(out, cb, kb, cn, kn, d);
     BIO_free(cb);
     BIO_free(kb);
-    if (rc) kv_tls_ctx_free(x);
-    else *out = x;
+    return rc;
+}
+
+int kv_tls_ctx_from_pem(kv_tls_ctx **out, const char *cert_pem, const char *key_pem, kv_diag *d) {
+    *out = NULL;
+    if (!cert_pem || !key_pem) return kv_fail(d, KV_EINVAL, "TLS context: needs a PEM certificate and key");
+    const size_t cl = strlen(cert_pem), kl = strlen(key_pem);
+    if (cl > KV_TLS_MAX_PEM || kl > KV_TLS_MAX_PEM)
+        return kv_fail(d, KV_EINVAL, "TLS context: PEM over %u bytes", KV_TLS_MAX_PEM);
+    BIO *cb = BIO_new_mem_buf(cert_pem, (int)cl), *kb = BIO_new_mem_buf(key_pem, (int)kl);
+    int rc = cb && kb ? kv_tls_ctx_from_bios(out, cb, kb, "the PEM certificate", "the PEM key", d)
+                      : kv_fail(d, KV_ENOMEM, "TLS context: out of memory");
+    BIO_free(cb);
+    BIO_free(kb);
     return rc;
 }
 
