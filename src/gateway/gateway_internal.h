@@ -51,6 +51,8 @@ typedef struct kv_gw_params {
     bool include_usage;             /* OpenAI stream_options.include_usage */
     bool add_generation_prompt;     /* the chat template ends with the assistant's turn opened (default) */
     bool has_tool_role;             /* a message has role "tool" (only a chat template renders it) */
+    struct kv_grammar *grammar;     /* structured output (gateway/structured.c): owned, NULL none */
+    const char *grammar_field;      /* the field that asked for it ("response_format", "format", ...) */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -65,6 +67,39 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
 int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,
                        kv_diag *d);
 void kv_gw_params_free(kv_gw_params *p);
+
+/* ---- structured output (gateway/structured.c) ----------------------------
+ * The fields that constrain the output, compiled to one grammar. */
+#define KV_GW_GRAMMAR_MEMORY (64u << 20) /* bytes of one request's matcher tables (flushed past half) */
+#define KV_GW_GRAMMAR_TEXT (1u << 20)    /* bytes of GBNF text, given or compiled from a schema */
+#define KV_GW_MAX_TOOLS 128u             /* functions in one request's 'tools' */
+struct kv_grammar_limits;
+/* The grammar limits of a request (kv_grammar_limits_default, with the
+ * memory and text bounds above). */
+void kv_gw_grammar_limits(struct kv_grammar_limits *lim);
+/* Reads o's output-constraining field for p->api (see structured.c) into
+ * p->grammar and p->grammar_field. Returns 0 (p->grammar NULL when none),
+ * or KV_EFORMAT / KV_EINVAL / KV_EUNSUPPORTED / KV_ERANGE with d naming the
+ * field and the compiler's message (a 400). */
+int kv_gw_structured_parse(kv_gw_params *p, json_t *o, kv_diag *d);
+
+/* A family's tool-call text (KV_GW_TOOLS_*). */
+enum { KV_GW_TOOLS_QWEN = 0 /* <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */ };
+/* GBNF for the tool calls of tools (OpenAI's array of {"type":"function",
+ * "function":{"name","parameters"}}) in format: one call (parallel: one or
+ * more, "\n" between), of any function (only NULL: tool_choice "required")
+ * or of function only (a named tool_choice), its arguments following that
+ * function's parameters schema (none: an empty object). malloc'd into
+ * *gbnf (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and
+ * field, the schema compiler's (KV_EUNSUPPORTED naming the keyword),
+ * KV_ERANGE, KV_ENOMEM.
+ * The hook for tool_choice: with "required" or {"type":"function",
+ * "function":{"name":N}}, p->grammar = the kv_gw_tools_grammar of p's tools
+ * (only = N) in the model family's format. */
+int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, kv_diag *d);
+/* The same, parsed (kv_grammar_free). */
+int kv_gw_tools_grammar(struct kv_grammar **out, json_t *tools, const char *only, int format, bool parallel,
+                        kv_diag *d);
 
 /* ---- incremental text -------------------------------------------------
  * Tokens go in; text comes out only when it is whole UTF-8 and cannot be

@@ -9,6 +9,7 @@
 
 #include "gateway/gateway_internal.h"
 #include "http/http_guard.h"
+#include "kvasir/grammar.h"
 
 /* A number field in [lo, hi]; absent or null leaves *out. */
 int kv_gw_num(json_t *o, const char *key, double lo, double hi, double *out, bool *has, kv_diag *d) {
@@ -189,7 +190,8 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
                                  je.column);
     if (!json_is_object(p->json)) return kv_fail(d, KV_EFORMAT, "the body must be a JSON object");
     if (api < 0 || api >= KV_GW_API_COUNT) return kv_fail(d, KV_EINVAL, "unknown API %d", api);
-    return kv_gw_api(api)->parse(p, p->json, d);
+    const int rc = kv_gw_api(api)->parse(p, p->json, d);
+    return rc ? rc : kv_gw_structured_parse(p, p->json, d);
 }
 
 int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,
@@ -210,6 +212,7 @@ int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, siz
 void kv_gw_params_free(kv_gw_params *p) {
     if (!p) return;
     for (size_t i = 0; i < KV_GW_MAX_MSGS; i++) free(p->joined[i]);
+    kv_grammar_free(p->grammar);
     if (p->json) json_decref(p->json);
     memset(p, 0, sizeof *p);
 }

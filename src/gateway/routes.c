@@ -483,6 +483,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
                             g->model);
     kv_gw_req *r = NULL;
     size_t n = 0;
+    if (g->n_ring && p->grammar) /* the ring's last node samples: it would need the grammar */
+        return kv_reply_err(cn, c, 400, "'%s' is not supported over the ring (not yet): constrained sampling needs "
+                            "the grammar where the ring samples", p->grammar_field);
     if (g->n_ring) {
         /* the ring's home tokenizes: the rendering when a template is given
            here, else the messages (the home applies ChatML) */
@@ -501,6 +504,8 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         unsigned status = 0;
         if (!(r = kv_local_req_new(cn, c, p, &n, &status, &d)))
             return kv_reply_err(cn, c, status, "%s", d.msg);
+        r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
+        p->grammar = NULL;
     }
     r->refs = 2;
     r->client = kv_client_of(g, c);
