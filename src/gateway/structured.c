@@ -187,7 +187,7 @@ int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, b
         json_t *params = json_object_get(fn, "parameters");
         json_t *empty = NULL;
         if (!params || json_is_null(params)) /* no parameters: an empty argument object */
-            params = empty = json_pack("{s:s,s:{}}", "type", "object", "properties");
+            params = empty = json_pack("{s:s,s:b}", "type", "object", "additionalProperties", 0);
         char *text = params ? json_dumps(params, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
         json_decref(empty);
         if (!text) {

@@ -226,7 +226,7 @@ int32_t kv_sampler_sample_allowed(kv_sampler *s, const float *logits, void *scra
         int32_t best = 0;
         for (int32_t i = 1; i < n; i++)
             if (c[i].logit > c[best].logit) best = i;
-        return best;
+        return c[best].id; /* best itself but after an allow mask's compaction */
     }
     if (p->top_k > 0 && p->top_k < n) {
         kv_select(c, n, p->top_k);
