@@ -72,7 +72,6 @@ void kv_gw_params_free(kv_gw_params *p);
  * The fields that constrain the output, compiled to one grammar. */
 #define KV_GW_GRAMMAR_MEMORY (64u << 20) /* bytes of one request's matcher tables (flushed past half) */
 #define KV_GW_GRAMMAR_TEXT (1u << 20)    /* bytes of GBNF text, given or compiled from a schema */
-#define KV_GW_MAX_TOOLS 128u             /* functions in one request's 'tools' */
 struct kv_grammar_limits;
 /* The grammar limits of a request (kv_grammar_limits_default, with the
  * memory and text bounds above). */
@@ -83,19 +82,22 @@ void kv_gw_grammar_limits(struct kv_grammar_limits *lim);
  * field and the compiler's message (a 400). */
 int kv_gw_structured_parse(kv_gw_params *p, json_t *o, kv_diag *d);
 
-/* A family's tool-call text (KV_GW_TOOLS_*). */
-enum { KV_GW_TOOLS_QWEN = 0 /* <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */ };
+/* A family's tool-call text: the values of enum kv_chat_format (the
+ * tool-call parser's), of which HERMES is built so far. */
+enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */ };
+#define KV_GW_CALLS_MAX_TOOLS 128u /* functions a tool-call grammar chooses from */
 /* GBNF for the tool calls of tools (OpenAI's array of {"type":"function",
  * "function":{"name","parameters"}}) in format: one call (parallel: one or
  * more, "\n" between), of any function (only NULL: tool_choice "required")
  * or of function only (a named tool_choice), its arguments following that
- * function's parameters schema (none: an empty object). malloc'd into
- * *gbnf (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and
- * field, the schema compiler's (KV_EUNSUPPORTED naming the keyword),
- * KV_ERANGE, KV_ENOMEM.
- * The hook for tool_choice: with "required" or {"type":"function",
- * "function":{"name":N}}, p->grammar = the kv_gw_tools_grammar of p's tools
- * (only = N) in the model family's format. */
+ * function's parameters schema (none: exactly {}). malloc'd into *gbnf
+ * (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and field,
+ * the schema compiler's (KV_EUNSUPPORTED naming the keyword), KV_ERANGE,
+ * KV_ENOMEM; KV_EUNSUPPORTED for a format not built yet.
+ * The hook for tool_choice, where the template's family is known (routes.c,
+ * as the request is made): with "required" or a named function,
+ *   kv_gw_tools_grammar(&p->grammar, p->tools, named ? name : NULL,
+ *                       family, p->parallel_calls, d)   (a 400 on error). */
 int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, kv_diag *d);
 /* The same, parsed (kv_grammar_free). */
 int kv_gw_tools_grammar(struct kv_grammar **out, json_t *tools, const char *only, int format, bool parallel,

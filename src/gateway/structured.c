@@ -158,11 +158,13 @@ static int kv_st_cat(char **buf, size_t *len, size_t *cap, const char *s, size_t
 
 int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, kv_diag *d) {
     *gbnf = NULL;
-    if (format != KV_GW_TOOLS_QWEN) return kv_fail(d, KV_EUNSUPPORTED, "tools: unknown tool-call format %d", format);
+    if (format != KV_GW_CALLS_HERMES)
+        return kv_fail(d, KV_EUNSUPPORTED, "tools: constraining the calls of this model's tool-call format (%d) is not "
+                       "supported (not yet): only Qwen's <tool_call> JSON", format);
     if (!json_is_array(tools) || json_array_size(tools) == 0)
         return kv_fail(d, KV_EINVAL, "'tools' must be a non-empty array");
-    if (json_array_size(tools) > KV_GW_MAX_TOOLS)
-        return kv_fail(d, KV_ERANGE, "'tools' has %zu functions, at most %u", json_array_size(tools), KV_GW_MAX_TOOLS);
+    if (json_array_size(tools) > KV_GW_CALLS_MAX_TOOLS)
+        return kv_fail(d, KV_ERANGE, "'tools' has %zu functions, at most %u", json_array_size(tools), KV_GW_CALLS_MAX_TOOLS);
     kv_grammar_limits lim;
     kv_gw_grammar_limits(&lim);
     char *buf = NULL, *alts = NULL;
