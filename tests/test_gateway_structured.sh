@@ -8,7 +8,8 @@
 # naming the keyword or position), and requests without these fields equal
 # to `kvasir run` (tests/oracle/gateway_structured.mjs). Then Ollama's
 # `format` with curl ("json" and a schema, validated by ajv through
-# tests/oracle/grammar_validate.mjs), and a ring gateway's 400. A missing
+# tests/oracle/grammar_validate.mjs), a gateway over a worker answering what
+# a local one answers, and a ring gateway's 400. A missing
 # package is a FAILURE, not a skip (tools/install-oracle.sh installs them).
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -16,15 +17,15 @@ BIN=${KV_BIN:-$SRC/build/kvasir}
 fail() { echo "test_gateway_structured: FAIL: $*" >&2; exit 1; }
 command -v node >/dev/null 2>&1 || fail "node not found"
 command -v curl >/dev/null 2>&1 || fail "curl not found"
+command -v jq >/dev/null 2>&1 || fail "jq not found"
 for p in openai ajv; do
   [ -f "$SRC/tests/oracle/node_modules/$p/package.json" ] || fail "package missing: $p (run tools/install-oracle.sh)"
 done
 [ -x "$BIN" ] || fail "kvasir binary missing: $BIN"
 DIR=$(mktemp -d "${TMPDIR:-/tmp}/kv_gws.XXXXXX")
-GW= RG=
+PIDS=()
 cleanup() {
-  [ -n "$GW" ] && kill "$GW" 2>/dev/null
-  [ -n "$RG" ] && kill "$RG" 2>/dev/null
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null; rm -rf "$DIR"
 }
 trap cleanup EXIT
@@ -42,6 +43,7 @@ wait_addr() {
 
 "$BIN" gateway -m "$DIR/tiny.gguf" --listen 127.0.0.1:0 --threads 2 >"$DIR/gw.out" 2>"$DIR/gw.out.err" &
 GW=$!
+PIDS+=("$GW")
 ADDR=$(wait_addr "$GW" "$DIR/gw.out")
 [ -n "$ADDR" ] || fail "gateway did not print its address"
 KV_GW_URL="http://$ADDR" KV_GW_MODEL=tiny KV_GW_FILE="$DIR/tiny.gguf" KV_BIN="$BIN" \
@@ -64,7 +66,8 @@ for seed in 1 2 3 4 5; do
       process.stdout.write(JSON.stringify({ schema: JSON.parse(process.argv[2]), text, valid: true }) + "\n");
     ' "$DIR/ol.out" "$SCHEMA" >>"$DIR/samples.jsonl" || fail "ollama format schema seed $seed stream $stream"
   done
-  curl -sf "http://$ADDR/api/chat" -d "{\"messages\":[{\"role\":\"user\",\"content\":\"json?\"}],\"stream\":false,\"format\":\"json\",\"options\":{\"seed\":$seed,\"num_predict\":2000}}" \
+  [ "$seed" -le 3 ] || continue
+  curl -sf "http://$ADDR/api/chat" -d "{\"messages\":[{\"role\":\"user\",\"content\":\"json?\"}],\"stream\":false,\"format\":\"json\",\"options\":{\"seed\":$seed,\"num_predict\":1000}}" \
     >"$DIR/oj.out" || fail "ollama format json seed $seed"
   node -e '
     const j = JSON.parse(require("fs").readFileSync(process.argv[1], "utf8"));
@@ -85,10 +88,46 @@ code=$(curl -s -o "$DIR/bad.out" -w '%{http_code}' "http://$ADDR/api/chat" \
   -d '{"messages":[{"role":"user","content":"x"}],"format":"yaml"}')
 [ "$code" = 400 ] || fail "ollama format yaml: status $code"
 
+# over workers: sampling stays the coordinator's, so a constrained answer
+# is the local one's, bit for bit (and valid)
+M2="$DIR/m2.gguf"
+"$BIN" gen-model --preset tiny --layers 2 --experts 8 --experts-used 2 --out "$M2" >/dev/null 2>&1 || fail "gen-model m2"
+"$BIN" slice "$M2" --out "$DIR/sl" --experts-per-slab 8 >/dev/null 2>&1 || fail "slice"
+"$BIN" key --key "$DIR/coord.key" >/dev/null
+"$BIN" worker --slabs "$DIR/sl/experts/blk.0.0000-0007.gguf,$DIR/sl/experts/blk.1.0000-0007.gguf" \
+  --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$("$BIN" key --key "$DIR/coord.key")" --key "$DIR/w.key" \
+  >"$DIR/w.out" 2>"$DIR/w.out.err" &
+WK=$!
+PIDS+=("$WK")
+WADDR=$(wait_addr "$WK" "$DIR/w.out")
+"$BIN" gateway -m "$DIR/sl/manifest.json" --worker "$WADDR" --key "$DIR/coord.key" --listen 127.0.0.1:0 --threads 1 \
+  >"$DIR/gww.out" 2>"$DIR/gww.out.err" &
+GWW=$!
+PIDS+=("$GWW")
+WGW=$(wait_addr "$GWW" "$DIR/gww.out")
+"$BIN" gateway -m "$M2" --listen 127.0.0.1:0 --threads 1 >"$DIR/gwl.out" 2>"$DIR/gwl.out.err" &
+GWL=$!
+PIDS+=("$GWL")
+LGW=$(wait_addr "$GWL" "$DIR/gwl.out")
+: >"$DIR/w.jsonl"
+for seed in 1 2 3; do
+  body="{\"messages\":[{\"role\":\"user\",\"content\":\"weather?\"}],\"seed\":$seed,\"max_tokens\":300,\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"w\",\"schema\":$SCHEMA}}}"
+  a=$(curl -sf "http://$WGW/v1/chat/completions" -d "$body" | jq -c '.choices[0] | [.message.content, .finish_reason]') ||
+    fail "over workers seed $seed: $(cat "$DIR/gww.out.err")"
+  b=$(curl -sf "http://$LGW/v1/chat/completions" -d "$body" | jq -c '.choices[0] | [.message.content, .finish_reason]') ||
+    fail "local seed $seed"
+  [ "$a" = "$b" ] || fail "over workers seed $seed: $a, locally $b"
+  echo "$a" | jq -c --argjson s "$SCHEMA" '{schema: $s, text: .[0], valid: true}' >>"$DIR/w.jsonl"
+done
+tail -n 2 "$DIR/samples.jsonl" >>"$DIR/w.jsonl" # the controls
+node "$SRC/tests/oracle/grammar_validate.mjs" "$DIR/w.jsonl" || fail "answers over workers do not validate"
+kill "$GWW" "$GWL" "$WK" 2>/dev/null || true
+
 # a ring gateway refuses them (its last node samples; the grammar does not
 # travel yet): a 400 before any node is asked
 "$BIN" gateway --ring 127.0.0.1:9 --key "$DIR/ck.key" --listen 127.0.0.1:0 >"$DIR/rg.out" 2>"$DIR/rg.out.err" &
 RG=$!
+PIDS+=("$RG")
 RADDR=$(wait_addr "$RG" "$DIR/rg.out")
 for body in '{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}' \
             '{"messages":[{"role":"user","content":"x"}],"grammar":"root ::= \"a\""}'; do
