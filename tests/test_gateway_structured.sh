@@ -88,6 +88,26 @@ code=$(curl -s -o "$DIR/bad.out" -w '%{http_code}' "http://$ADDR/api/chat" \
   -d '{"messages":[{"role":"user","content":"x"}],"format":"yaml"}')
 [ "$code" = 400 ] || fail "ollama format yaml: status $code"
 
+# the engine's own: kvasir run --json-schema / --grammar gives the text the
+# gateway gives (the same session under the same grammar, same seed)
+echo "$SCHEMA" >"$DIR/schema.json"
+printf 'root ::= "id-" [0-9]{2,4} ("," [a-z]{1,5}){0,3}\n' >"$DIR/g.gbnf"
+for seed in 4 5 6; do
+  r=$("$BIN" run -m "$DIR/tiny.gguf" -p "Weather:" --json-schema "$DIR/schema.json" --seed "$seed" -n 300 \
+      --temp 0.7 --top-k 50 --top-p 0.9 --min-p 0.02 --threads 1 --json | jq -c '[.text, .stop]') || fail "run --json-schema"
+  g=$(curl -sf "http://$ADDR/v1/completions" -d "{\"prompt\":\"Weather:\",\"max_tokens\":300,\"seed\":$seed,\"temperature\":0.7,\"top_k\":50,\"top_p\":0.9,\"min_p\":0.02,\"json_schema\":$SCHEMA}" |
+      jq -c '[.choices[0].text, "grammar"]') || fail "completions json_schema seed $seed"
+  [ "$r" = "$g" ] || fail "seed $seed: kvasir run --json-schema gives $r, the gateway $g"
+  r=$("$BIN" run -m "$DIR/tiny.gguf" -p "Id:" --grammar "$DIR/g.gbnf" --seed "$seed" -n 50 --threads 1 --json |
+      jq -r .text) || fail "run --grammar"
+  echo "$r" | grep -Eq '^id-[0-9]{2,4}(,[a-z]{1,5}){0,3}$' || fail "run --grammar seed $seed: '$r'"
+  g=$(curl -sf "http://$ADDR/v1/completions" -d "$(jq -nc --arg g "$(cat "$DIR/g.gbnf")" --argjson s "$seed" \
+      '{prompt: "Id:", max_tokens: 50, seed: $s, grammar: $g}')" | jq -r '.choices[0].text') || fail "completions grammar"
+  [ "$r" = "$g" ] || fail "seed $seed: kvasir run --grammar gives '$r', the gateway '$g'"
+done
+"$BIN" run -m "$DIR/tiny.gguf" -p x --grammar "$DIR/schema.json" -n 5 2>"$DIR/run.err" && fail "run --grammar with a schema"
+grep -q "grammar 1:1" "$DIR/run.err" || fail "run --grammar error: $(cat "$DIR/run.err")"
+
 # over workers: sampling stays the coordinator's, so a constrained answer
 # is the local one's, bit for bit (and valid)
 M2="$DIR/m2.gguf"
