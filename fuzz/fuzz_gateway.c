@@ -51,8 +51,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         CHECK(!p->has_max_tokens || (p->max_tokens >= 1 && p->max_tokens <= KV_GW_MAX_TOKENS));
         CHECK(p->sp.temp >= 0 && p->sp.top_p > 0 && p->sp.top_p <= 1 && p->sp.min_p >= 0 && p->sp.min_p <= 1);
         CHECK(p->sp.top_k >= 0);
-        if (api == KV_GW_OPENAI_TEXT) CHECK(p->prompt != NULL);
-        else CHECK(p->n_msgs >= 1);
+        /* a raw prompt (text or token ids, never both) or messages, never neither */
+        if (api == KV_GW_OPENAI_TEXT || api == KV_GW_LLAMA) CHECK(kv_gw_params_raw(p));
+        if (kv_gw_params_raw(p)) CHECK(p->n_msgs == 0 && (p->prompt != NULL) != (p->prompt_ids != NULL));
+        else CHECK(p->n_msgs >= 1 || api == KV_GW_OLLAMA_GEN); /* /api/generate without a prompt: a load */
+        CHECK(!p->prompt_ids || p->n_prompt_ids >= 1);
         for (uint32_t i = 0; i < p->n_stop; i++) CHECK(p->stop_len[i] >= 1 && p->stop_len[i] <= KV_GW_MAX_STOP_LEN);
         if (p->n_msgs && !p->has_tool_role) { /* "tool" is for a chat template; ChatML refuses it */
             char *t = kv_tok_chatml_msgs(p->msgs, p->n_msgs, true);

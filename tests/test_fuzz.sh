@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kv-test-labels: fuzz
 # Runs every libFuzzer target (one per parser: fuzz/fuzz_<name>.c) for a
-# short, bounded time (KV_FUZZ_SECONDS each, default 20) from its seeds in
+# short, bounded time (KV_FUZZ_SECONDS each, default 12) from its seeds in
 # fuzz/corpus/<name>, and fails on any crash, sanitizer report, leak, slow
 # input or OOM. The binaries come from the fuzz build: `make test` builds it
 # (clang, -DKV_FUZZ=ON: library instrumented with ASan/UBSan) and sets
@@ -9,7 +9,7 @@
 # parser must not pass as a fuzzed one. The seed is fixed (KV_FUZZ_SEED, default 1) so a
 # run is repeatable; longer and randomly seeded runs: `make fuzz`.
 set -u
-secs=${KV_FUZZ_SECONDS:-20}
+secs=${KV_FUZZ_SECONDS:-12}
 src=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 if [ -z "${KV_FUZZ_BUILD:-}" ]; then
   echo "FAIL: KV_FUZZ_BUILD is not set; run through 'make test', which builds the fuzz build" \

@@ -2,7 +2,8 @@
 # kv-test-labels: net
 # `kvasir gateway --hub` on loopback: the gateway starts before any node,
 # takes its manifest and backbone from the hub, and /health is 503 naming
-# every shard missing (as many as the manifest has). A node that joins later
+# every shard missing (as many as the manifest has), and a prompt a 503 at
+# once. A node that joins later
 # is used without a restart: /health turns 200 and a chat completion equals
 # `kvasir run -m FULL.gguf --chat` (the independent single-process run).
 # Then, while a long streamed completion runs, its only node is killed with
@@ -70,6 +71,12 @@ jq -e --argjson n "$n_slabs" '.status == "unavailable" and .shards_total == $n a
   (.missing | length) == ([$n, 16] | min) and .workers_up == 0' "$dir/health.json" >/dev/null ||
   fail "health JSON without nodes: $(cat "$dir/health.json")"
 echo "ok: no node: /health 503 with $(jq -c '{shards_covered, shards_total}' "$dir/health.json")"
+# a prompt meanwhile is a 503 at once with the same reason (not queued behind a swarm that cannot compute it)
+st=$(curl -s -m 10 -o "$dir/p503.json" -w '%{http_code}' "$gw/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}')
+[ "$st" = 503 ] && jq -e '.error.message | test("shards covered")' "$dir/p503.json" >/dev/null ||
+  fail "a prompt without nodes: $st $(cat "$dir/p503.json")"
+echo "ok: no node: a prompt is a 503 at once"
 
 start_node() { # NAME
   "$KV" node --hub "$hub" --budget "$budget" --data "$dir/$1" --interval-ms 300 --threads 1 \

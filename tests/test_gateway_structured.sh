@@ -150,7 +150,8 @@ RG=$!
 PIDS+=("$RG")
 RADDR=$(wait_addr "$RG" "$DIR/rg.out")
 for body in '{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}' \
-            '{"messages":[{"role":"user","content":"x"}],"grammar":"root ::= \"a\""}'; do
+            '{"messages":[{"role":"user","content":"x"}],"grammar":"root ::= \"a\""}' \
+            '{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required"}'; do
   code=$(curl -s -o "$DIR/rg.body" -w '%{http_code}' "http://$RADDR/v1/chat/completions" -d "$body")
   [ "$code" = 400 ] || fail "ring gateway: status $code for $body"
   grep -q "not supported over the ring (not yet)" "$DIR/rg.body" || fail "ring gateway: $(cat "$DIR/rg.body")"

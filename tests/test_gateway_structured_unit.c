@@ -124,7 +124,7 @@ static kv_grammar *tools_grammar(const char *only, bool parallel) {
     json_t *tools = json_loads(TOOLS, 0, NULL);
     kv_grammar *g = NULL;
     kv_diag d = {0};
-    const int rc = kv_gw_tools_grammar(&g, tools, only, KV_GW_CALLS_HERMES, parallel, &d);
+    const int rc = kv_gw_tools_grammar(&g, tools, only, KV_GW_CALLS_HERMES, parallel, false, &d);
     if (rc) fprintf(stderr, "tools grammar: %s\n", d.msg);
     json_decref(tools);
     return g;
@@ -293,7 +293,7 @@ static void test_tools_errors(void) {
         json_t *t = json_loads(cs[i].tools, 0, NULL);
         char *gbnf = NULL;
         kv_diag d = {0};
-        const int rc = kv_gw_tools_gbnf(&gbnf, t, cs[i].only, KV_GW_CALLS_HERMES, false, &d);
+        const int rc = kv_gw_tools_gbnf(&gbnf, t, cs[i].only, KV_GW_CALLS_HERMES, false, false, &d);
         ASSERT_EQ(rc, cs[i].rc);
         ASSERT_TRUE(gbnf == NULL);
         if (!strstr(d.msg, cs[i].want)) KVT_FAIL("case %zu: '%s' lacks '%s'", i, d.msg, cs[i].want);

@@ -701,7 +701,9 @@ static void test_stream(void) {
 #define U32(v) (uint8_t)(v), (uint8_t)((v) >> 8), (uint8_t)((v) >> 16), (uint8_t)((v) >> 24)
 #define U64(v) U32(v), 0, 0, 0, 0
 
-static const uint8_t g_hello[] = {HDR(4, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
+/* frames of the current version carry 5 in their header (v5: the TLS-bound handshake, the
+   v4 layouts unchanged) */
+static const uint8_t g_hello[] = {HDR(5, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
 static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 U32(2), U32(64), U32(32), U32(8), U32(2), U32(1), U32(1) /* n_ranges */,
                                 U32(1) /* n_slabs */, U32(512) /* max_pairs */, 'a', 'v', 'x', '2',
@@ -710,7 +712,7 @@ static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0x01};
-static const uint8_t g_compute[] = {HDR(4, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
+static const uint8_t g_compute[] = {HDR(5, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
                                     U32(1), U32(2), U32(2), 0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0,
                                     U32(0), U32(3), U32(0), U32(5)};
 static const uint8_t g_result[] = {HDR(3, 4, 9, 20), U32(2), U32(2), U32(1),
@@ -719,9 +721,9 @@ static const uint8_t g_result[] = {HDR(3, 4, 9, 20), U32(2), U32(2), U32(1),
 #define SIG16 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0xa5
 static const uint8_t g_result_v4[] = {HDR(4, 4, 9, 84), U32(2), U32(2), U32(1),
                                       0x00, 0x3C, 0x00, 0x38, 0x00, 0xC0, 0xFF, 0x7B, SIG16, SIG16, SIG16, SIG16};
-static const uint8_t g_error[] = {HDR(4, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
-static const uint8_t g_ping[] = {HDR(4, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
-static const uint8_t g_stats_ack[] = {HDR(4, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
+static const uint8_t g_error[] = {HDR(5, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
+static const uint8_t g_ping[] = {HDR(5, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
+static const uint8_t g_stats_ack[] = {HDR(5, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
                                       U64(7), U64(8), U64(9)};
 static const uint8_t g_stats_ack_v1[] = {HDR(1, 9, 5, 48), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6)};
 
@@ -740,7 +742,7 @@ static void test_golden(void) {
     size_t n;
     /* HELLO */
     ASSERT_EQ(kv_msg_decode(g_hello, sizeof g_hello, NULL, &m, &d), 0);
-    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 4 && m.h.request_id == 7);
+    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 5 && m.h.request_id == 7);
     ASSERT_TRUE(m.u.hello.min_version == 2 && m.u.hello.max_version == 2 && m.u.hello.enc_mask == 3);
     ASSERT_STREQ(m.u.hello.model_id, ID_A);
     ASSERT_EQ(kv_msg_hello_encode(buf, sizeof buf, 7, &m.u.hello, &n, &d), 0);
@@ -826,7 +828,7 @@ static void test_golden(void) {
     ASSERT_TRUE(st->uptime_ms == 6 && st->n_batches == 7 && st->n_merged == 8 && st->compute_us == 9);
     kv_msg_stats s2 = *st;
     ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 5, &s2, &n, &d), 0);
-    check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2 layout (v4 header)");
+    check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2 layout (v5 header)");
     ASSERT_EQ(kv_msg_decode(g_stats_ack_v1, sizeof g_stats_ack_v1, NULL, &m, &d), 0);
     ASSERT_TRUE(m.u.stats.uptime_ms == 6 && m.u.stats.n_batches == 0);
     ASSERT_EQ(kv_msg_stats_ack_encode_v(buf, sizeof buf, 5, 1, &m.u.stats, &n, &d), 0);
@@ -838,9 +840,9 @@ static void test_golden(void) {
     memcpy(buf, g_stats_ack_v1, sizeof g_stats_ack_v1);
     buf[4] = 2;
     ASSERT_EQ(dec(buf, sizeof g_stats_ack_v1, NULL), KV_EPROTO);
-    /* an unknown ack version */
+    /* an unknown ack version (one past KV_PROTO_VERSION, 5) */
     memcpy(buf, g_ack, sizeof g_ack);
-    buf[4] = 5, buf[16] = 5;
+    buf[4] = 6, buf[16] = 6;
     ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_EUNSUPPORTED);
     /* v2 fields bounded: max_pairs 0, a slab outside the ranges */
     memcpy(buf, g_ack, sizeof g_ack);

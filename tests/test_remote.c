@@ -285,7 +285,13 @@ static void *liar_main(void *arg) {
     return NULL;
 }
 
+/* The liar is a plaintext test double: while one runs, coordinators dial
+ * plaintext (--insecure-plaintext; served by the real workers, which are on
+ * loopback); every other test dials TLS. */
+static bool g_plaintext;
+
 static bool liar_start(liar *L, const kv_manifest *m) {
+    g_plaintext = true;
     memset(L, 0, sizeof *L);
     memcpy(L->model_id, m->model_id, 65);
     L->n_layer = m->n_layer;
@@ -313,6 +319,7 @@ static bool liar_start(liar *L, const kv_manifest *m) {
 }
 
 static void liar_stop(liar *L) {
+    g_plaintext = false;
     atomic_store(&L->stop, 1);
     pthread_join(L->th, NULL);
     close(L->lfd);
@@ -353,7 +360,7 @@ static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t e
                                  uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
     const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL,
-                              0, false, NULL, 0, NULL, NULL};
+                              0, false, NULL, 0, NULL, NULL, g_plaintext};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }

@@ -177,7 +177,7 @@ import socket, struct, sys
 h, p = sys.argv[1].rsplit(":", 1)
 s = socket.create_connection((h, int(p)))
 s.settimeout(5)
-def frame(t, body): return struct.pack("<IHHI", 0x4752564b, 1, t, len(body)) + body
+def frame(t, body, v=2): return struct.pack("<IHHI", 0x4752564b, v, t, len(body)) + body
 def read_frame():
     hd = b""
     while len(hd) < 12: hd += s.recv(12 - len(hd))
@@ -185,6 +185,13 @@ def read_frame():
     body = b""
     while len(body) < n: body += s.recv(n - len(body))
     return t, body
+# a node of ring v1 (before TLS) gets a version error, in plaintext on loopback
+o = socket.create_connection((h, int(p)))
+o.settimeout(5)
+o.sendall(frame(1, struct.pack("<6I", 2, 0, 0, 0, 0, 0) + b"\0" * 64, v=1))
+data = o.recv(4096)
+assert data[:4] == b"KVRG" and data[6] == 8 and b"version 1, this node speaks 2" in data, data
+o.close()
 s.sendall(frame(1, struct.pack("<6I", 2, 0, 0, 0, 0, 0) + b"\0" * 64))
 assert read_frame()[0] == 2 and read_frame()[0] == 11  # HELLO_ACK, AUTH_CHALLENGE
 params = struct.pack("<IIfifffiQ", 0, 4, 0.0, 40, 0.95, 0.05, 1.0, 64, 1)

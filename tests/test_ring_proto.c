@@ -66,8 +66,11 @@ static void test_header_layout(void) {
     f[0] ^= 1;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
     memcpy(f, buf, sizeof f);
-    f[4] = 2;
+    f[4] = 3; /* a later version */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
+    f[4] = 1; /* v1: a node of a build before TLS (ring v2) gets a version error */
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "version 1, this node speaks 2") != NULL);
     memcpy(f, buf, sizeof f);
     f[6] = KV_RING_TYPE_COUNT;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);

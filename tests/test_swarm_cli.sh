@@ -105,6 +105,8 @@ echo "ok: swarm status: every process up, every shard live"
 
 # chat completions through the gateway equal the single-process run
 MODEL=$(curl -sf "$GW/v1/models" | jq -r '.data[0].id')
+grep -q "^model    $MODEL  (curl $GW/v1/chat/completions .*\"model\":\"$MODEL\"" "$dir/up.out" ||
+  fail "swarm up did not print the model id $MODEL: $(cat "$dir/up.out")"
 pairs=0
 chat() { # PROMPT N TEMP TOPK TOPP MINP SEED
   local body

@@ -90,8 +90,11 @@ check_rtt() { # FROM TO: ping FROM -> TO against the table's round trip
   ping_rtts "$1" "${TOPO_IP[$2]}" "$n_ping" >"$dir/ping"
   read -r n min med max < <(summ "$dir/ping")
   [ "$n" -ge $((n_ping * 8 / 10)) ] || fail "ping $1 -> $2: $n of $n_ping replies"
-  within "$min" "$lo" 1000 || fail "ping $1 -> $2: a round trip of $min ms, below the table's $want ms"
-  within "$med" "$lo" "$hi" || fail "ping $1 -> $2: median $med ms, not within $lo-$hi (table: $want)"
+  # the fastest round trip is the delay line's (load only adds to it); the
+  # median is checked loosely, since a loaded machine delays replies too
+  within "$min" "$lo" "$hi" || fail "ping $1 -> $2: fastest round trip $min ms, not within $lo-$hi (table: $want)"
+  within "$med" "$lo" "$(awk -v h="$hi" 'BEGIN { print 3 * h }')" ||
+    fail "ping $1 -> $2: median $med ms, not within $lo-$((3 * ${hi%.*})) (table: $want)"
   echo "ok: ping $1 -> $2 (table $want ms): $n of $n_ping, min/median/max $min/$med/$max ms"
 }
 check_rtt a1 hub
@@ -110,7 +113,7 @@ wait "$slow" || true
 read -r n min med max < <(summ "$dir/ping")
 want=$(topo_rtt_ms a1 hub)
 # (held behind b1's packets, a1's would wait most of the 20 ms: a median near 20)
-[ "$n" = 20 ] && within "$med" 0 "$(awk -v w="$want" 'BEGIN { print w + 8 }')" ||
+[ "$n" = 20 ] && within "$med" 0 "$(awk -v w="$want" 'BEGIN { print w + 14 }')" ||
   fail "a1 -> hub beside b1's traffic to the hub: $n of 20, median $med ms (table $want): held up behind the long link?"
 echo "ok: a1 -> hub while b1 pings the hub across the long link: median round trip $med ms, max $max (table $want)"
 

@@ -29,6 +29,7 @@
 #define KVASIR_CHAT_H
 
 #include <jansson.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -78,5 +79,85 @@ typedef struct kv_chat_render_opts {
  * opts NULL means now_unix = 0. Thread-safe for one template. */
 int kv_chat_render(const kv_chat_tmpl *t, const json_t *ctx, const kv_chat_render_opts *opts,
                    char **out, size_t *out_len, kv_diag *d);
+
+/* ---- the model's output: reasoning and tool calls (src/chat/toolcall.c) ----
+ * A model writes its reasoning and its tool calls as text between markers
+ * that its family defines; the parser splits generated text into content,
+ * reasoning and whole tool calls, fed a piece at a time as it is generated.
+ *
+ * Formats (chosen from the template's text by kv_chat_detect):
+ *   HERMES    Qwen2.5/Qwen3/Qwen3.5, Hermes, ChatML: `<tool_call>` BODY
+ *             `</tool_call>`, BODY either JSON {"name", "arguments"} or
+ *             Qwen3.5's `<function=NAME>` with `<parameter=K>V</parameter>`;
+ *   DEEPSEEK  DeepSeek V3/R1 (`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
+ *             and a fenced JSON block) and V3.1 (`NAME<｜tool▁sep｜>JSON`),
+ *             inside `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`;
+ *   HARMONY   gpt-oss: messages `<|channel|>CH[ to=functions.NAME]...
+ *             <|message|>BODY` ended by `<|end|>`, `<|call|>` or
+ *             `<|return|>`; channel analysis is reasoning, a message to
+ *             functions.NAME a call with BODY its JSON arguments.
+ * Reasoning (HERMES, DEEPSEEK with think): `<think>` ... `</think>`.
+ *
+ * What comes out: text outside markers is content, text inside reasoning
+ * markers reasoning; whitespace right after a marker and right before one
+ * is dropped (so a text without markers comes out unchanged). A tool call
+ * is held until its closing marker and then given whole (its name and its
+ * arguments as compact JSON text), so a call is never retracted: a block
+ * whose body does not parse (bad JSON, no name), or that grows past
+ * KV_CHAT_MAX_CALL_BYTES, or past KV_CHAT_MAX_CALLS calls, is content,
+ * markers and all, as is a block still open at the end (except HARMONY,
+ * whose `<|call|>` is an end-of-generation token the text never holds).
+ * Text that may be the start of a marker is held back until it is known;
+ * pushing a text whole or byte by byte gives the same events joined. */
+enum kv_chat_format { KV_CHAT_FMT_HERMES = 0, KV_CHAT_FMT_DEEPSEEK, KV_CHAT_FMT_HARMONY, KV_CHAT_FMT_COUNT };
+
+#define KV_CHAT_MAX_CALLS 64u              /* tool calls in one output */
+#define KV_CHAT_MAX_CALL_BYTES (256u << 10) /* bytes of one call's block */
+#define KV_CHAT_MAX_NAME 256u              /* bytes of a function's name */
+
+typedef struct kv_chat_syntax {
+    int format;            /* enum kv_chat_format */
+    bool think;            /* the family writes `<think>` reasoning (HARMONY: always analysis) */
+    bool think_open;       /* the output starts inside reasoning (the prompt ended with `<think>`) */
+    bool tools;            /* parse tool calls (else their markers are content) */
+    uint32_t max_calls;    /* calls given at most (later ones are content); 0 = KV_CHAT_MAX_CALLS */
+    const json_t *tools_json; /* the tools, OpenAI's shape, or NULL: a `<parameter=K>` whose schema
+                                 type is "string" stays a string (copied by the parser) */
+} kv_chat_syntax;
+
+/* The syntax of a template's family from its source (markers as llama.cpp's
+ * common/chat.cpp detects them); a template with no known markers (ChatML)
+ * is HERMES without think. think_open and tools are the caller's. */
+void kv_chat_detect(const char *tmpl, size_t n, kv_chat_syntax *out);
+/* true when a rendered prompt ends (whitespace aside) inside an open
+ * `<think>` (Qwen3.5's and DeepSeek-R1's generation prompts do). */
+bool kv_chat_prompt_thinks(const char *prompt, size_t n);
+
+enum kv_chat_ev_type { KV_CHAT_EV_CONTENT = 0, KV_CHAT_EV_REASONING, KV_CHAT_EV_CALL };
+
+typedef struct kv_chat_ev {
+    int type;              /* enum kv_chat_ev_type */
+    const char *text;      /* CONTENT, REASONING: text[0..n), whole UTF-8 if the input was */
+    size_t n;
+    uint32_t index;        /* CALL: 0, 1, ... in order */
+    const char *name;      /* CALL: NUL-terminated */
+    const char *args;      /* CALL: arguments, a JSON object as compact text, NUL-terminated */
+    size_t args_len;
+} kv_chat_ev;
+/* Receives events (pointers valid during the call); non-zero stops the push
+ * and is returned by it. */
+typedef int (*kv_chat_ev_fn)(void *ud, const kv_chat_ev *ev);
+
+typedef struct kv_chat_parser kv_chat_parser;
+/* A parser for s (copied). Returns 0 or KV_ENOMEM. Free with
+ * kv_chat_parser_free (NULL is fine). One thread at a time. */
+int kv_chat_parser_new(kv_chat_parser **out, const kv_chat_syntax *s);
+void kv_chat_parser_free(kv_chat_parser *p);
+/* Feeds text[0..n) and calls fn for every event now known; final: the
+ * output ended (everything held comes out). Returns 0, KV_ENOMEM, or fn's
+ * non-zero return. No push after a final one. */
+int kv_chat_parser_push(kv_chat_parser *p, const char *text, size_t n, bool final, kv_chat_ev_fn fn, void *ud);
+/* Tool calls given so far. */
+uint32_t kv_chat_parser_calls(const kv_chat_parser *p);
 
 #endif

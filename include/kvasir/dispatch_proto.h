@@ -34,14 +34,18 @@
 
 #include "kvasir/err.h"
 #include "kvasir/link.h"
+#include "kvasir/transport.h"
 
 #define KV_PROTO_MAGIC 0x3144564Bu /* "KVD1" little-endian */
-#define KV_PROTO_VERSION 4u        /* the newest version this build speaks */
+#define KV_PROTO_VERSION 5u        /* the newest version this build speaks */
 #define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build decodes */
 #define KV_PROTO_AUTH_VERSION 3u   /* the first version with authenticated dispatch: workers
                                       and coordinators of this build require it */
 #define KV_PROTO_SIG_VERSION 4u    /* the first version whose RESULT and RESULT_PRE end with the
                                       worker's signature (KV_PROTO_RESULT_SIG bytes) */
+#define KV_PROTO_TLS_VERSION 5u    /* the first version bound to TLS: over a TLS link both key
+                                      handshake signatures cover the session's exporter, and a
+                                      TLS link negotiates nothing older (docs/PROTOCOL.md) */
 #define KV_PROTO_HEADER 16u
 #define KV_PROTO_MAX_PAYLOAD (256u << 20) /* bytes in one frame's payload */
 #define KV_PROTO_MAX_FRAME (KV_PROTO_HEADER + KV_PROTO_MAX_PAYLOAD)
@@ -463,5 +467,10 @@ int kv_proto_write_all(int fd, const void *buf, size_t n, int timeout_ms, kv_dia
  * decode error. An ERROR frame decodes successfully (out->h.type). */
 int kv_proto_read_msg(kv_frame_rx *rx, int fd, int timeout_ms, const kv_proto_limits *lim,
                       kv_msg *out, kv_diag *d);
+/* The same over a blocking channel (plain TCP, or TLS when c->tls is set):
+ * the fd calls above are these with no TLS session. */
+int kv_proto_write_all_chan(const kv_link_chan *c, const void *buf, size_t n, int timeout_ms, kv_diag *d);
+int kv_proto_read_msg_chan(kv_frame_rx *rx, const kv_link_chan *c, int timeout_ms, const kv_proto_limits *lim,
+                           kv_msg *out, kv_diag *d);
 
 #endif

@@ -67,6 +67,9 @@ typedef struct kv_remote_opts {
     void (*on_caught)(void *arg, uint32_t worker, const char *addr, const uint8_t key[32], const char *why,
                       const struct kv_evidence *ev);
     void *caught_arg;
+    bool insecure_plaintext; /* --insecure-plaintext: dial workers over plain TCP (v3-v5, no
+                                channel binding); off: TLS 1.3 pinned to each worker's listed
+                                key, dispatch v5 with the key handshake bound to the session */
 } kv_remote_opts;
 
 /* Opens the coordinator's side of a sliced model at manifest_path

@@ -58,6 +58,11 @@ typedef struct kv_worker_opts {
                               announce "opencl"; off: the CPU kernels kv_quant_backend() names */
     int test_delay_ms;     /* TEST ONLY (kvasir worker --test-delay=MS): every COMPUTE waits
                               this long before it is computed (a slow worker); 0 = none */
+    bool insecure_plaintext; /* --insecure-plaintext: serve plaintext coordinators from any
+                              address; off: TLS (v5, the key handshake bound to the session)
+                              is required of every peer that is not on loopback, and a
+                              plaintext peer elsewhere gets an ERROR saying so. A TLS peer is
+                              always served (the transport is told by its first byte). */
 } kv_worker_opts;
 
 /* Lies a test worker tells (docs/VERIFY.md); never use outside tests. */

@@ -75,6 +75,8 @@ typedef struct kv_engine_opts {
     const uint8_t *key_sk;       /* [64] the coordinator's Ed25519 secret key: required with workers */
     const struct kv_voucher *voucher; /* a hub voucher for that key; NULL = none */
     const uint8_t (*worker_keys)[32]; /* [n_workers] keys the workers must prove; NULL = any */
+    bool insecure_plaintext;     /* dial workers over plain TCP (--insecure-plaintext); off: TLS 1.3
+                                    pinned to each worker's key, bound into the key handshake */
     /* verified compute (docs/VERIFY.md; see kv_remote_opts) */
     const struct kv_verify_opts *verify; /* NULL = no checks */
     double recompute_rate;       /* fraction of answers also recomputed from the local slab */
@@ -83,7 +85,29 @@ typedef struct kv_engine_opts {
     void *caught_arg;
     bool prefault;               /* fault the backbone in on a background thread at open
                                     (kv_model_prefault): a shorter cold start */
+    /* the prompt cache (below) */
+    uint64_t prompt_cache_bytes; /* its memory budget; 0 = no prompt cache */
+    uint32_t prompt_cache_block; /* tokens per cache block, a multiple of 16 up to 4096; 0 = 64 */
 } kv_engine_opts;
+
+/* The prompt cache (a prefix cache across sessions). Every time a session's
+ * position reaches a multiple of prompt_cache_block, the block of positions
+ * just completed is kept (its KV rows; for qwen35moe also the recurrent
+ * state there, when a step ended on that boundary), keyed by the token ids
+ * from position 0: a hash chain, each block checked exactly against its
+ * parent block and its own tokens. A new session (nothing evaluated yet)
+ * whose prompt starts with cached blocks copies the longest such prefix
+ * into its own state (for qwen35moe, the longest that ends at a block with
+ * a recurrent state) and evaluates only the rest; at least the prompt's
+ * last token is always evaluated, so its logits are computed. With a
+ * recurrent model, prompt chunks are cut at block boundaries so that the
+ * state there exists. The copied bytes are exactly those the session
+ * would have computed (kv_state_kv_get: nothing later depends on how the
+ * prefix was chunked or batched), so tokens and logits are byte-identical
+ * with and without a hit. Memory: at most prompt_cache_bytes, the least
+ * recently used block that no other cached block extends evicted first.
+ * The cache belongs to the engine (a coordinator's, whoever computes the
+ * experts). */
 
 /* Opens path: a GGUF file (experts in-process from it), or a sliced model
  * (DIR or DIR/manifest.json: the backbone resident, experts from the slabs,
@@ -128,6 +152,16 @@ typedef struct kv_engine_stats {
     double t_prefill_s;          /* step time, split between prefill and decode by their */
     double t_decode_s;           /* share of the step's tokens */
     kv_state_mem mem;            /* KV blocks and recurrent state now */
+    /* the prompt cache (all 0 without one) */
+    uint64_t cache_budget;       /* bytes allowed */
+    uint64_t cache_bytes;        /* bytes held now */
+    uint32_t cache_blocks;       /* blocks held now */
+    uint32_t cache_block_tokens; /* tokens per block */
+    uint64_t cache_lookups;      /* new sessions' prompts looked up */
+    uint64_t cache_hits;         /* ... that found a prefix */
+    uint64_t cache_tokens;       /* prompt tokens taken from the cache, not evaluated */
+    uint64_t cache_inserts;      /* blocks stored */
+    uint64_t cache_evictions;    /* blocks evicted for room */
 } kv_engine_stats;
 void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out);
 /* Per-stage timers of the engine's forward passes into p (kv_state_set_profile);
@@ -225,6 +259,7 @@ int kv_session_set_grammar(kv_session *s, const struct kv_grammar *g, kv_diag *d
 
 typedef struct kv_session_stats {
     uint32_t n_prompt;      /* prompt tokens evaluated (all turns) */
+    uint32_t n_cached;      /* prompt tokens taken from the prompt cache instead (not in n_prompt) */
     uint32_t n_gen;         /* tokens emitted this turn */
     uint32_t n_gen_total;   /* ... over all turns */
     uint32_t pos;           /* positions held in its cache */

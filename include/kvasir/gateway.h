@@ -1,5 +1,6 @@
 /* The gateway: the HTTP APIs clients already speak (OpenAI chat completions
- * and completions, Anthropic messages, Ollama chat) over one engine, with
+ * and completions, Anthropic messages, Ollama chat and generate,
+ * llama-server's completion, tokenize and props) over one engine, with
  * continuous batching.
  *
  * One scheduler thread owns the engine (kvasir/engine.h's contract): it
@@ -30,7 +31,8 @@
  * X-KVR-Payment authorization is missing or refused (nothing is charged
  * then), 404 unknown model or path, 413 body too large (or its JSON needs
  * more than parse_max bytes of memory), 503 with Retry-After when the queue
- * is full.
+ * is full or the model cannot run (/health 503: a prompt is answered at
+ * once, not queued behind a swarm that cannot compute it).
  *
  * Fair shares: a client is its API key (its address when there are no
  * keys). The scheduler admits next the queued request of the client with the
@@ -110,7 +112,21 @@ typedef struct kv_gateway_opts {
        is refused (KV_EINVAL) on a non-loopback host unless insecure_plaintext */
     const struct kv_https_cert *tls; /* read while the gateway lives */
     bool insecure_plaintext;
+    /* CORS (docs/GATEWAY.md "CORS"): a request whose Origin is one of these
+       (or any, with "*") is answered with Access-Control-Allow-Origin, and an
+       OPTIONS preflight with 204 and the methods and headers allowed; none =
+       no CORS headers, and OPTIONS is a 404 or 405 as any other method */
+    const char *const *cors_origins; /* [n_cors] (copied); each at most KV_GATEWAY_MAX_ORIGIN_LEN bytes */
+    uint32_t n_cors;            /* at most KV_GATEWAY_MAX_CORS */
+    /* stderr: one line per request (method, route, status, tokens, ms; never a
+       prompt or a key) and a summary of the model at start, unless quiet */
+    bool quiet;
+    const char *model_path;     /* the file or manifest served, for GET /props (copied); NULL = none */
+    bool no_web_ui;             /* GET / (and /index.html) answers 404, not the chat page */
 } kv_gateway_opts;
+
+#define KV_GATEWAY_MAX_CORS 32u
+#define KV_GATEWAY_MAX_ORIGIN_LEN 256u
 
 #define KV_GATEWAY_MAX_TEMPLATE (1u << 20) /* bytes of a chat template */
 

@@ -206,11 +206,19 @@ typedef struct kv_link_dispatch_opts {
     const kv_voucher *voucher; /* a hub voucher for the caller's key; NULL = none */
     uint32_t n_embd;           /* the width the worker must serve; 0 = not checked */
     int timeout_ms;            /* connect, and the whole handshake after it; 0 = 2000 */
+    bool plaintext;            /* --insecure-plaintext: plain TCP, no TLS, no channel binding;
+                                  false: TLS 1.3 pinned to worker_key, the exporter bound into
+                                  the transcript, dispatch v5 (docs/PROTOCOL.md) */
 } kv_link_dispatch_opts;
 
 /* An authenticated dispatch connection, filled as far as the dial got. */
+typedef struct kv_tls kv_tls;
+typedef struct kv_tls_ctx kv_tls_ctx;
 typedef struct kv_link_dispatch {
-    int fd;                            /* the socket (blocking); -1 unless the handshake passed */
+    int fd;                            /* the socket; -1 unless the handshake passed */
+    kv_tls *tls;                       /* its TLS session (frames go through it: kv_link_chan
+                                          {fd, tls}); NULL over plain TCP */
+    kv_tls_ctx *tls_ctx;               /* the context tls was made from (owned) */
     bool connected;                    /* TCP connected */
     uint16_t version;                  /* the version the worker chose (HELLO_ACK); frames use it */
     uint32_t n_embd;                   /* the worker's model width (HELLO_ACK) */
@@ -219,14 +227,20 @@ typedef struct kv_link_dispatch {
 
 /* Dials o->addr and runs the coordinator's side of the dispatch handshake.
  * Returns 0 with out->fd open and authenticated both ways (the caller
- * closes it, and writes its frames at out->version); otherwise out->fd is
- * -1 and: KV_EAUTH when the worker speaks no authenticated version, proves
- * another key than o->worker_key or signs an AUTH_OK that does not verify;
+ * closes it with kv_link_dispatch_close, and writes its frames through
+ * kv_link_chan {out->fd, out->tls} at out->version); otherwise out->fd is
+ * -1 and: KV_EAUTH when the worker's TLS certificate carries another key
+ * than o->worker_key, it speaks no authenticated version, proves another
+ * key or signs an AUTH_OK that does not verify (over this TLS session's
+ * exporter: a relayed proof fails here); KV_EPROTO when the peer does not
+ * speak TLS (an older worker, or not a worker);
  * the worker's own code when it answered an ERROR (KV_EAUTH for a key or
  * voucher it refuses); KV_EPROTO for another model or an unexpected frame;
  * KV_ETIMEOUT past the deadline; KV_EIO when unreachable or closed; KV_EINVAL
  * for bad arguments. Every frame is decoded by the dispatch codec; the
  * receive buffer is bounded by the largest HELLO_ACK. */
 int kv_link_dial_dispatch(const kv_link_dispatch_opts *o, kv_link_dispatch *out, kv_diag *d);
+/* Frees the session and closes the fd of a dial (accepts one that failed). */
+void kv_link_dispatch_close(kv_link_dispatch *c);
 
 #endif

@@ -197,6 +197,32 @@ typedef struct kv_state_mem {
 } kv_state_mem;
 void kv_state_get_mem(const kv_state *s, kv_state_mem *out);
 
+/* Snapshots of a sequence's prefix, for a prompt cache (the engine's):
+ * the KV rows of whole blocks of block_tokens positions (kv_state_get_mem)
+ * in the state's own layout, and the recurrent state (qwen35moe) as it
+ * stands after the sequence's last token. Copied back into an empty
+ * sequence they make it exactly the sequence that computed them: every
+ * later token reads only these bytes (attention reads K and V from the
+ * cache, never from the chunk that wrote them; the recurrence reads the
+ * committed state), so its results do not depend on where the prefix
+ * came from.
+ *
+ * kv_state_kv_bytes: bytes of n positions (a multiple of block_tokens).
+ * kv_state_kv_get: positions [p0, p0 + n) of seq (whole blocks it holds)
+ * into dst. kv_state_kv_set: the same into an empty seq whose blocks
+ * kv_state_reserve made (p0 + n reserved). kv_state_rec_bytes: bytes of
+ * one recurrent state (0: the model has none). kv_state_rec_get: seq's,
+ * after its last token. kv_state_seq_resume: makes the empty seq hold pos
+ * positions (a multiple of block_tokens, reserved, their KV set) with the
+ * recurrent state rec (required when kv_state_rec_bytes is not 0).
+ * Errors: KV_EINVAL naming what does not fit; nothing changes then. */
+uint64_t kv_state_kv_bytes(const kv_state *s, uint32_t n);
+int kv_state_kv_get(const kv_state *s, uint32_t seq, uint32_t p0, uint32_t n, void *dst, kv_diag *d);
+int kv_state_kv_set(kv_state *s, uint32_t seq, uint32_t p0, uint32_t n, const void *src, kv_diag *d);
+uint64_t kv_state_rec_bytes(const kv_state *s);
+int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d);
+int kv_state_seq_resume(kv_state *s, uint32_t seq, uint32_t pos, const void *rec, kv_diag *d);
+
 /* Per-stage wall time of the forward passes (kvasir bench --profile): each
  * stage is timed on the calling thread around its whole parallel section,
  * so the stages add up to the forward passes' wall time. */

@@ -234,6 +234,8 @@ typedef struct kv_node_opts {
     const uint8_t (*allow_keys)[32]; /* [n_allow_keys] coordinators served besides those the hub
                                    vouches for (borrowed while the node runs) */
     size_t n_allow_keys;
+    bool insecure_plaintext;   /* its worker serves plaintext coordinators from any address
+                                  (--insecure-plaintext); off: TLS beyond loopback */
 } kv_node_opts;
 
 /* Loads (or creates) the node key in opts->dir. Nothing else happens until

@@ -47,7 +47,7 @@
 /* ---- wire format -------------------------------------------------------- */
 
 #define KV_RING_MAGIC 0x4752564bu      /* "KVRG" little-endian */
-#define KV_RING_VERSION 1u
+#define KV_RING_VERSION 2u /* 2: over TLS, both key-handshake signatures cover the session's exporter */
 #define KV_RING_HEADER 12u             /* magic u32, version u16, type u16, len u32 */
 #define KV_RING_MAX_TOKENS 4096u       /* tokens in one HIDDEN / START / ACCEPT frame */
 #define KV_RING_MAX_EMBD 65536u        /* n_embd of a hidden state */
@@ -322,6 +322,10 @@ typedef struct kv_ring_node_opts {
                                    link latency, for benchmarks where netem is missing); 0 = none */
     uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after
                                    computing this many HIDDEN frames, before sending the last; 0 = never */
+    bool insecure_plaintext;    /* --insecure-plaintext: dial the next node in plaintext and serve
+                                   plaintext peers from any address; off: the link to the next
+                                   node is TLS 1.3 with its key handshake bound to the session,
+                                   and a plaintext peer is served only from loopback */
 } kv_ring_node_opts;
 
 typedef struct kv_ring_node_stats {

@@ -45,6 +45,8 @@ static const char *kv_bench_help =
     "                more; see kvasir run --help); prints the per-layer round trip\n"
     "  --wire ENC    hidden states to workers as f32 (default), f16 or bf16\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --insecure-plaintext  dial workers over plain TCP, without TLS (default: TLS 1.3 pinned to\n"
+    "                each worker's key); prints a warning\n"
     "  --skip-hashes with a sliced model: check sizes and identity, not every SHA-256\n"
     "  --allow-sparse with a sliced skeleton (gen-model --skeleton, then slice): run it,\n"
     "                its holes reading as zeros (figures of the real shape, not of real weights)\n"
@@ -91,6 +93,7 @@ int kv_cmd_bench(int argc, char **argv) {
     const char *model = NULL;
     long n_prompt = 128, n_gen = 64, threads = 0, reps = 3, n_batch = 0, n_par = 1;
     bool json = false, skip_hashes = false, allow_sparse = false, profile = false, all_rows = false;
+    bool insecure_plaintext = false;
     kv_profile prof[2]; /* [0] prefill, [1] decode */
     memset(prof, 0, sizeof prof);
     const char *workers[KV_REMOTE_MAX_WORKERS];
@@ -117,6 +120,9 @@ int kv_cmd_bench(int argc, char **argv) {
             skip_hashes = true;
         } else if (!strcmp(a, "--allow-sparse")) {
             allow_sparse = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            insecure_plaintext = true;
+            kv_link_warn_plaintext("bench");
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
@@ -189,7 +195,8 @@ int kv_cmd_bench(int argc, char **argv) {
                                .allow_uncovered = hub != NULL, .max_workers = hub ? UINT32_MAX : 0,
                                .worker_timeout_ms = (uint32_t)worker_timeout, .wire = (uint32_t)wire,
                                .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .key_sk = auth.key.sk,
-                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys};
+                               .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
+                               .insecure_plaintext = insecure_plaintext};
     if (kv_engine_open(&eng, model, &eo, &d)) {
         kv_node_workers_free(hub_workers, n_hub_workers);
         kv_cli_auth_free(&auth);

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "kvasir/transport.h"
 #include "kvasir/dispatch_evidence.h"
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
@@ -33,7 +34,7 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
                                              "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms",
-                                             "--chat-template",
+                                             "--chat-template", "--prompt-cache", "--cors",
                                              "--tls-cert", "--tls-key", NULL};
 
 static const char *kv_gateway_help =
@@ -56,6 +57,8 @@ static const char *kv_gateway_help =
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --insecure-plaintext  dial workers over plain TCP, without TLS (default: TLS 1.3 pinned to\n"
+    "                       each worker's key); for a network you own; prints a warning\n"
     "  --key FILE           the coordinator key proved to workers, or to ring nodes (default\n"
     "                       DATA/coordinator.key with --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
@@ -64,6 +67,8 @@ static const char *kv_gateway_help =
     "                       its fingerprint is printed as \"tls sha256:<64 hex digits>\"\n"
     "  --insecure-plaintext serve plain HTTP on an address that is not loopback (prints a\n"
     "                       warning); without it or --tls-cert such an address is refused\n"
+    "  --no-web-ui          no chat page at / (GET / and /index.html answer 404); the page is on\n"
+    "                       by default (docs/GATEWAY.md \"The chat page\")\n"
     "  --name NAME          the model id clients use (default: the file name without .gguf)\n"
     "  --api-key KEY        accept this key (Authorization: Bearer KEY or x-api-key); repeatable\n"
     "  --api-keys FILE      accept the keys in FILE (one a line, # comments)\n"
@@ -81,6 +86,9 @@ static const char *kv_gateway_help =
     "  --body-max BYTES     request body limit (default 1048576)\n"
     "  --max-tokens N       tokens per request when it names none (default 512)\n"
     "  --threads N          compute threads (default: all CPUs); --batch N prompt tokens per step\n"
+    "  --prompt-cache SIZE  memory for the prompt cache (prefixes reused across requests: KV blocks\n"
+    "                       and recurrent states, least recently used evicted), e.g. 512M, 4G; 0 = off\n"
+    "                       (default 1G; at most 1T; docs/GATEWAY.md)\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
@@ -94,7 +102,11 @@ static const char *kv_gateway_help =
     "                       part redone before any token goes out, reported to --hub, and (with\n"
     "                       --ledger) never paid again: sessions not yet settled ask it for no\n"
     "                       receipt, so its share goes back to the consumer\n"
-    "  --verify-recompute R also recompute a fraction R of the answers in full (implies --verify)\n";
+    "  --verify-recompute R also recompute a fraction R of the answers in full (implies --verify)\n"
+    "  --cors ORIGIN        answer browsers from ORIGIN (SCHEME://HOST[:PORT], or * for any) with\n"
+    "                       Access-Control-Allow-Origin, and their OPTIONS preflights with 204;\n"
+    "                       repeat or give a comma list (at most 32). Without it: no CORS headers\n"
+    "  --quiet              no request log lines and no model summary on stderr\n";
 
 /* The engine's on_caught for the gateway: the CLI's line and hub report
  * (kv_cli_caught), then the key recorded in the gateway so that it is not
@@ -163,19 +175,26 @@ int kv_cmd_gateway(int argc, char **argv) {
     uint32_t n_workers = 0, n_keys = 0;
     long n_ctx = 0, threads = 0, n_batch = 256, parallel = 16, queue = 64, max_conns = 256, per_ip = 16;
     long request_s = 30, parse_max = 0;
+    uint64_t prompt_cache = (uint64_t)1 << 30;
+    bool prompt_cache_given = false;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
     const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
     uint64_t price_p = 1, price_c = 2;
     long hub_refresh = 2000, step_retry = 30000;
     const char *hub = NULL, *data_dir = "kvasir-data";
     const char *tls_cert = NULL, *tls_key = NULL;
-    bool insecure = false;
+    bool insecure = false, no_web_ui = false;
     static kv_https_cert tls; /* served while the gateway runs */
     char hub_manifest[4200];
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
-    bool verify = false;
+    bool verify = false, quiet = false;
+    bool insecure_plaintext = false;
     double verify_rate = 0;
+    const char *cors[KV_GATEWAY_MAX_CORS];
+    uint32_t n_cors = 0;
+    char cors_buf[KV_GATEWAY_MAX_CORS * (KV_GATEWAY_MAX_ORIGIN_LEN + 1)];
+    size_t cors_used = 0;
     const kv_verify_opts vopts = {0};
     kv_gw_caught_ctx caught = {.auth = &auth};
     for (int i = 1; i < argc; i++) {
@@ -183,10 +202,17 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(kv_gateway_help, stdout);
             return 0;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            insecure_plaintext = true;
+            kv_link_warn_plaintext("gateway");
         } else if (!strcmp(a, "--verify")) {
             verify = true;
         } else if (!strcmp(a, "--insecure-plaintext")) {
             insecure = true;
+        } else if (!strcmp(a, "--quiet")) {
+            quiet = true;
+        } else if (!strcmp(a, "--no-web-ui")) {
+            no_web_ui = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
@@ -203,6 +229,22 @@ int kv_cmd_gateway(int argc, char **argv) {
             rings[n_rings++] = v;
         } else if (!strcmp(a, "--chat-template")) {
             tmpl_path = v;
+        } else if (!strcmp(a, "--cors")) {
+            /* ORIGIN or a comma list: each copied apart (the library checks its form) */
+            for (const char *p = v; *p;) {
+                const char *e = strchr(p, ',');
+                const size_t l = e ? (size_t)(e - p) : strlen(p);
+                if (!l || l > KV_GATEWAY_MAX_ORIGIN_LEN)
+                    return kv_cli_err(CMD, 1, "--cors: '%.64s' holds an empty origin or one over %u bytes", v,
+                                      KV_GATEWAY_MAX_ORIGIN_LEN);
+                if (n_cors == KV_GATEWAY_MAX_CORS) return kv_cli_err(CMD, 1, "--cors: at most %u origins", KV_GATEWAY_MAX_CORS);
+                memcpy(cors_buf + cors_used, p, l);
+                cors_buf[cors_used + l] = 0;
+                cors[n_cors++] = cors_buf + cors_used;
+                cors_used += l + 1;
+                p += l + (e ? 1 : 0);
+                if (e && !*p) return kv_cli_err(CMD, 1, "--cors: '%.64s' ends with a comma", v);
+            }
         } else if (!strcmp(a, "--ring-timeout-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &ring_timeout)) return 1;
         } else if (!strcmp(a, "--verify-recompute")) {
@@ -258,6 +300,11 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &threads)) return 1;
         } else if (!strcmp(a, "--batch") || !strcmp(a, "-b")) {
             if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
+        } else if (!strcmp(a, "--prompt-cache")) {
+            kv_diag sd = {0};
+            if (kv_node_parse_size(v, &prompt_cache, &sd) || prompt_cache > ((uint64_t)1 << 40))
+                return kv_cli_err(CMD, 1, "--prompt-cache: '%s' is not a size up to 1T (e.g. 512M, 4G, 0 = off)", v);
+            prompt_cache_given = true;
         } else if (!strcmp(a, "--parallel")) {
             if (kv_arg_long(CMD, a, v, 1, KV_ENGINE_MAX_SESSIONS, &parallel)) return 1;
         } else if (!strcmp(a, "--queue")) {
@@ -285,6 +332,9 @@ int kv_cmd_gateway(int argc, char **argv) {
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
+    if (n_rings && prompt_cache_given && prompt_cache)
+        return kv_cli_err(CMD, 1, "--prompt-cache with --ring is not supported yet (docs/GATEWAY.md \"Prompt cache\"): "
+                          "the ring's nodes hold the KV of their windows");
     if (n_rings && ledger)
         return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
                           "must hold a payment before compute, and only the ring knows the prompt's token count");
@@ -387,7 +437,9 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .ring_voucher = hub ? &rv : NULL,
                                     .ring_timeout_ms = (uint32_t)ring_timeout, .chat_template = tmpl,
                                     .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
-                                    .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure};
+                                    .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
+                                    .cors_origins = cors, .n_cors = n_cors, .quiet = quiet,
+                                    .no_web_ui = no_web_ui};
         rc = kv_gateway_start(&g, NULL, &ro, &d);
         sodium_memzero(&ring_key, sizeof ring_key);
         if (rc) {
@@ -423,9 +475,11 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .worker_timeout_ms = (uint32_t)worker_timeout, .log = stderr,
                                .max_workers = hub ? KV_REMOTE_MAX_WORKERS : 0, .allow_uncovered = hub != NULL,
                                .key_sk = auth.key.sk, .voucher = auth.has_voucher ? &auth.voucher : NULL,
+                               .insecure_plaintext = insecure_plaintext,
                                .worker_keys = (const uint8_t(*)[32])auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
-                               .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true};
+                               .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,
+                               .prompt_cache_bytes = prompt_cache};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -440,7 +494,9 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,
                                 .price_prompt = price_p, .price_completion = price_c, .chat_template = tmpl,
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
-                                .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure};
+                                .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
+                                .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model,
+                                .no_web_ui = no_web_ui};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
@@ -457,6 +513,10 @@ serve:
     if (tls_cert) printf("tls sha256:%s\n", tls.fp);
     printf(strchr(host, ':') ? "listening on [%s]:%u\n" : "listening on %s:%u\n", host, kv_gateway_port(g));
     fflush(stdout);
+    if (!no_web_ui && !quiet)
+        fprintf(stderr, strchr(host, ':') ? "gateway: chat page at %s://[%s]:%u/\n"
+                                          : "gateway: chat page at %s://%s:%u/\n",
+                tls_cert ? "https" : "http", host, kv_gateway_port(g));
     char stop_byte;
     while (read(kv_gw_stop_pipe[0], &stop_byte, 1) < 0 && errno == EINTR) {
     }

@@ -11,6 +11,7 @@
 #include "cli/cli.h"
 #include "kvasir/beacon.h"
 #include "kvasir/link.h"
+#include "kvasir/transport.h"
 #include "kvasir/node.h"
 
 #define CMD "node"
@@ -35,6 +36,8 @@ static const char *kv_node_help =
     "  --interval-ms MS    heartbeat and market period (default: the hub's deadline / 3)\n"
     "  --threads N         worker compute threads (default: all CPUs)\n"
     "  --quiet             no log lines\n"
+    "  --insecure-plaintext  its worker serves plaintext coordinators from any address (default:\n"
+    "                      plaintext only from loopback, TLS 1.3 elsewhere); prints a warning\n"
     "  --allow-key K       also serve coordinator key K (hex, or a file of keys) besides those the\n"
     "                      hub vouches for; repeatable\n"
     "Downloads resume where they stopped; a piece whose SHA-256 differs from the manifest's is\n"
@@ -78,6 +81,9 @@ int kv_cmd_node(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--quiet")) {
             quiet = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            o.insecure_plaintext = true;
+            kv_link_warn_plaintext("node");
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--allow-key")) {

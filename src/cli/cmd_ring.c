@@ -7,6 +7,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/link.h"
+#include "kvasir/transport.h"
 #include "kvasir/hub.h"
 #include "kvasir/ledger.h" /* kv_unhex32 */
 #include "kvasir/node.h"
@@ -54,6 +55,9 @@ static const char *kv_ring_help =
     "                      (64 hex digits; docs/HUB.md \"Vouching\"); with --hub, that hub's key is\n"
     "                      trusted on its own. The ring's nodes still admit each other by --allow-key\n"
     "  --quiet             no log lines (links, breaks, replays) on stderr\n"
+    "  --insecure-plaintext  link to the next node (and dial --worker) over plain TCP, and serve\n"
+    "                      plaintext peers from any address (default: TLS 1.3, plaintext only\n"
+    "                      from loopback); prints a warning\n"
     "  --link-delay-ms N   hold every frame to the next node N ms (emulated latency, for benchmarks\n"
     "                      where tc netem is not available)\n"
     "  --die-after-frames N  test hook: exit abruptly after computing N hidden-state frames\n"
@@ -99,6 +103,9 @@ int kv_cmd_ring(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--quiet")) {
             o.log = NULL;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            o.insecure_plaintext = true;
+            kv_link_warn_plaintext("ring");
         } else if (!strcmp(a, "--skip-hashes")) {
             o.skip_hashes = true;
         } else if (!strcmp(a, "--open")) {

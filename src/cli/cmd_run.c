@@ -38,6 +38,8 @@ static const char *kv_run_help =
     "                       serve the experts no worker holds, and every expert must be served\n"
     "  --worker-timeout-ms N  a worker that has not answered a layer within N ms is dropped and\n"
     "                       its experts retried elsewhere (default 10000)\n"
+    "  --insecure-plaintext  dial workers over plain TCP, without TLS (default: TLS 1.3 pinned to\n"
+    "                       each worker's key); for a network you own; prints a warning\n"
     "  --hub URL            take the model from a hub: its manifest and backbone are fetched into\n"
     "                       --data DIR (resumable, hash checked) and its experts computed by the\n"
     "                       live nodes of the hub's placement map (instead of -m)\n"
@@ -388,6 +390,7 @@ int kv_cmd_run(int argc, char **argv) {
     kv_grammar *grammar = NULL;
     long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
     bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false, prefault = true;
+    bool insecure_plaintext = false;
     const char *workers[KV_REMOTE_MAX_WORKERS];
     uint32_t n_workers = 0;
     const char *hub = NULL, *data_dir = "kvasir-data", *key_path = NULL, *ring = NULL;
@@ -420,6 +423,9 @@ int kv_cmd_run(int argc, char **argv) {
             prefault = false;
         } else if (!strcmp(a, "--allow-sparse")) { /* run a sliced skeleton (pieces without hashes) */
             allow_sparse = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            insecure_plaintext = true;
+            kv_link_warn_plaintext("run");
         } else if (!strcmp(a, "--verbose")) {
             verbose = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
@@ -562,6 +568,7 @@ int kv_cmd_run(int argc, char **argv) {
                                .max_sessions = 1, .kv_type = (uint32_t)kv_type,
                                .expert_cache_bytes = cache_mb > 0 ? (uint64_t)cache_mb << 20 : 0,
                                .skip_hashes = skip_hashes, .allow_sparse = allow_sparse, .prefault = prefault,
+                               .insecure_plaintext = insecure_plaintext,
                                .workers = hub ? (const char *const *)hub_workers : workers, .n_workers = n_workers,
                                /* from a hub: open even when some expert has no holder up yet, and
                                   take the holders the map names later (kv_node_await_coverage) */

@@ -970,6 +970,17 @@ static int kv_swarm_up(int argc, char **argv) {
            kv_sw_now() - t0);
     printf("gateway  %s  (OpenAI %s/v1/chat/completions, Anthropic /v1/messages, Ollama /api/chat)\n", s.gateway.url,
            s.gateway.url);
+    { /* the id requests name ("model"): the gateway's own, as its /health says it */
+        json_t *h = kv_sw_get_json(s.gateway.url, "/health", 2000, NULL);
+        const char *id = json_string_value(json_object_get(h, "model"));
+        if (id && strlen(id) <= 256 && !strpbrk(id, "'\"\\")) /* one a shell line can carry as it is */
+            printf("model    %s  (curl %s/v1/chat/completions -H 'Content-Type: application/json' -d "
+                   "'{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}')\n",
+                   id, s.gateway.url, id);
+        else if (id && strlen(id) <= 256)
+            printf("model    %s\n", id);
+        json_decref(h);
+    }
     printf("hub      %s  (status page %s/, market %s/v1/market)\n", s.hub.url, s.hub.url, s.hub.url);
     if (beacon_port) printf("beacon   UDP port %ld (kvasir node --budget SIZE --data DIR joins without --hub)\n", beacon_port);
     printf("key      %s (the coordinator key the hub vouches for: kvasir run --hub %s --key %s)\n", keyf, s.hub.url, keyf);

@@ -12,6 +12,7 @@
 #include "kvasir/hub.h"
 #include "kvasir/pool.h"
 #include "kvasir/quant.h"
+#include "kvasir/relay.h"
 
 #define CMD "worker"
 
@@ -19,7 +20,7 @@ static const char *const kv_value_flags[] = {"--slabs", "--listen", "--threads",
                                              "--read-timeout", "--idle-timeout", "--handshake-timeout",
                                              "--max-pending-per-addr", "--max-pending", "--evict-idle", "--write-timeout",
                                              "--mem-budget-mb", "--max-request-cost", "--allow-key",
-                                             "--hub-key", "--key", "--backend", NULL};
+                                             "--hub-key", "--key", "--backend", "--relay", NULL};
 
 static const char *kv_worker_help =
     "usage: kvasir worker --slabs DIR_OR_FILES --listen HOST:PORT [--threads N] [--max-conns N]\n"
@@ -45,6 +46,8 @@ static const char *kv_worker_help =
     "  --backend NAME     expert kernels: scalar, avx2, avxvnni, avx512, neon, neondot (what\n"
     "                     this CPU runs; default the fastest) or opencl (the first OpenCL device)\n"
     "  --quiet            no per-connection log lines\n"
+    "  --insecure-plaintext  serve plaintext coordinators from any address (default: plaintext\n"
+    "                     only from loopback, TLS 1.3 from everywhere else); prints a warning\n"
     "  --allow-sparse     slabs with holes (a sliced skeleton) are served unhashed; only a\n"
     "                     coordinator run with --allow-sparse on a hashless manifest accepts them\n"
     "  --allow-key K      serve the coordinator whose public key is K (64 hex digits, see\n"
@@ -52,6 +55,9 @@ static const char *kv_worker_help =
     "  --hub-key K        also serve coordinators holding a voucher of the hub whose key is K\n"
     "                     (GET /v1/status \"hub_key\"); one of --allow-key / --hub-key is required\n"
     "  --key FILE         this worker's own key (proved to coordinators); default: a fresh one\n"
+    "  --relay HOST:PORT#sha256=FP  also serve through this relay (docs/PROTOCOL.md, \"Relay\"), over\n"
+    "                     one outbound TLS connection (FP: the relay's fingerprint); coordinators\n"
+    "                     reach the worker by its key; --listen then defaults to 127.0.0.1:0\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM and\n"
     "prints how many expert computations it served.\n";
 
@@ -69,6 +75,7 @@ int kv_cmd_worker(int argc, char **argv) {
     size_t n_allow = 0;
     kv_node_key own;
     kv_diag ad = {0};
+    const char *relay = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -76,6 +83,9 @@ int kv_cmd_worker(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--quiet")) {
             o.quiet = true;
+        } else if (!strcmp(a, "--insecure-plaintext")) {
+            o.insecure_plaintext = true;
+            kv_link_warn_plaintext("worker");
         } else if (!strcmp(a, "--allow-sparse")) {
             o.allow_sparse = true;
         } else if (!strncmp(a, "--test-lie=", 11)) {
@@ -119,6 +129,8 @@ int kv_cmd_worker(int argc, char **argv) {
             }
         } else if (!strcmp(a, "--slabs")) {
             o.slabs = v;
+        } else if (!strcmp(a, "--relay")) {
+            relay = v;
         } else if (!strcmp(a, "--listen")) {
             o.listen = v;
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
@@ -158,6 +170,24 @@ int kv_cmd_worker(int argc, char **argv) {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir worker --help)", a);
         }
     }
+    char relay_addr[256], relay_fp[KV_TLS_FP_HEX + 1];
+    if (relay && kv_relay_parse_url(relay, relay_addr, sizeof relay_addr, relay_fp, &ad)) {
+        free(allow);
+        return kv_cli_err(CMD, 1, "--relay: %s", ad.msg);
+    }
+    if (relay && !o.listen) o.listen = "127.0.0.1:0";
+    if (relay && !o.key_sk) { /* the relay proof needs the secret key: make it here */
+        uint8_t seed[32];
+        FILE *f = fopen("/dev/urandom", "rb");
+        const bool ok = f && fread(seed, 1, 32, f) == 32;
+        if (f) fclose(f);
+        if (!ok) {
+            free(allow);
+            return kv_cli_err(CMD, 1, "--relay: cannot read /dev/urandom for a key");
+        }
+        kv_node_key_from_seed(&own, seed);
+        o.key_sk = own.sk;
+    }
     if (!o.slabs || !o.listen) {
         free(allow);
         return kv_cli_err(CMD, 1, "needs --slabs and --listen (see kvasir worker --help)");
@@ -192,9 +222,31 @@ int kv_cmd_worker(int argc, char **argv) {
     char wk[65];
     kv_hex(kv_worker_key(w), 32, wk);
     fprintf(stderr, "worker: key %s\n", wk);
+    kv_tls_ctx *rtls = NULL;
+    kv_relay_forward *rfw = NULL;
+    kv_relay_client *rcl = NULL;
+    if (relay) { /* circuits of the relay go to the worker's own (local) address */
+        const kv_relay_client_opts ro = {.relay = relay_addr, .relay_sha256 = relay_fp, .role = KV_RELAY_ROLE_NODE,
+                                         .key = &own, .on_circuit = kv_relay_forward_circuit};
+        int rrc = kv_tls_ctx_new(&rtls, &own, &d);
+        if (!rrc) rrc = kv_relay_forward_new(&rfw, rtls, kv_worker_addr(w), &d);
+        kv_relay_client_opts ro2 = ro;
+        ro2.tls = rtls, ro2.data = rfw;
+        if (!rrc) rrc = kv_relay_client_start(&rcl, &ro2, &d);
+        if (rrc) {
+            kv_relay_forward_free(rfw);
+            kv_tls_ctx_free(rtls);
+            kv_worker_free(w);
+            return kv_cli_diag(CMD, &d);
+        }
+        fprintf(stderr, "worker: serving through relay %s\n", relay_addr);
+    }
     printf("listening on %s\n", kv_worker_addr(w));
     fflush(stdout);
     int rc = kv_worker_serve(w, &d);
+    kv_relay_client_free(rcl);
+    kv_relay_forward_free(rfw);
+    kv_tls_ctx_free(rtls);
     kv_msg_stats s;
     kv_worker_stats(w, &s);
     fprintf(stderr,

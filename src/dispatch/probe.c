@@ -25,12 +25,12 @@ static double kv_probe_now_ms(void) {
 
 /* Reads one frame of `type` within the time left until deadline (ms on
  * kv_probe_now_ms's clock); an ERROR frame becomes its code. */
-static int kv_probe_expect(kv_frame_rx *rx, int fd, double deadline, const kv_proto_limits *lim, uint16_t type,
+static int kv_probe_expect(kv_frame_rx *rx, const kv_link_chan *fd, double deadline, const kv_proto_limits *lim, uint16_t type,
                            const char *addr, kv_msg *m, kv_diag *d) {
     double left = deadline - kv_probe_now_ms();
     if (left < 1) return kv_fail(d, KV_ETIMEOUT, "%s: no answer in time", addr);
     kv_frame_rx_reset(rx);
-    int rc = kv_proto_read_msg(rx, fd, (int)left, lim, m, d);
+    int rc = kv_proto_read_msg_chan(rx, fd, (int)left, lim, m, d);
     if (rc) return rc;
     if (m->h.type == KV_MSG_ERROR) return kv_fail(d, m->u.error.code, "%s: %s", addr, m->u.error.msg);
     if (m->h.type != type)
@@ -55,7 +55,7 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
     res->connected = ln.connected;
     snprintf(res->backend, sizeof res->backend, "%s", ln.backend);
     if (rc) return rc;
-    const int fd = ln.fd;
+    const kv_link_chan ch = {ln.fd, ln.tls}, *fd = &ch;
     const uint16_t ver = ln.version;
     /* the largest frame read is a RESULT of one pair (bounded as a HELLO_ACK is) */
     const size_t cap = KV_PROTO_HEADER + KV_PROTO_HELLO_ACK_FIXED_V2 + KV_PROTO_MAX_NAME +
@@ -82,7 +82,7 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
         if ((rc = kv_msg_compute_encode(ob, ocap, 10 + t, &c, &n, d))) goto done;
         kv_frame_set_version(ob, ver);
         double left = deadline - kv_probe_now_ms();
-        if (left < 1 || (rc = kv_proto_write_all(fd, ob, n, (int)left, d)) ||
+        if (left < 1 || (rc = kv_proto_write_all_chan(fd, ob, n, (int)left, d)) ||
             (rc = kv_probe_expect(&rx, fd, deadline, &lim, KV_MSG_RESULT, o->addr, &m, d))) {
             if (!rc) rc = kv_fail(d, KV_ETIMEOUT, "%s: no answer in time", o->addr);
             goto done;
@@ -98,7 +98,7 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
 done:
     free(buf);
     free(ob);
-    close(fd);
+    kv_link_dispatch_close(&ln);
     return rc;
 }
 
@@ -120,10 +120,11 @@ int kv_probe_stats(const kv_probe_opts *o, kv_msg_stats *out, kv_diag *d) {
     size_t n = 0;
     if (!(rc = kv_msg_stats_encode(ob, sizeof ob, 2, &n, d))) {
         kv_frame_set_version(ob, ln.version);
-        if (!(rc = kv_proto_write_all(ln.fd, ob, n, wait_ms, d)) &&
-            !(rc = kv_probe_expect(&rx, ln.fd, kv_probe_now_ms() + wait_ms, NULL, KV_MSG_STATS_ACK, o->addr, &m, d)))
+        const kv_link_chan ch = {ln.fd, ln.tls};
+        if (!(rc = kv_proto_write_all_chan(&ch, ob, n, wait_ms, d)) &&
+            !(rc = kv_probe_expect(&rx, &ch, kv_probe_now_ms() + wait_ms, NULL, KV_MSG_STATS_ACK, o->addr, &m, d)))
             *out = m.u.stats;
     }
-    close(ln.fd);
+    kv_link_dispatch_close(&ln);
     return rc;
 }

@@ -1194,12 +1194,23 @@ int kv_frame_rx_read(kv_frame_rx *rx, int fd, kv_diag *d) {
 }
 
 int kv_proto_write_all(int fd, const void *buf, size_t n, int timeout_ms, kv_diag *d) {
+    const kv_link_chan c = {fd, NULL};
+    return kv_proto_write_all_chan(&c, buf, n, timeout_ms, d);
+}
+
+int kv_proto_write_all_chan(const kv_link_chan *c, const void *buf, size_t n, int timeout_ms, kv_diag *d) {
     kv_link_io io = {.timeout_ms = timeout_ms};
-    return kv_link_write_full(fd, buf, n, &io, d);
+    return kv_link_chan_write_full(c, buf, n, &io, d);
 }
 
 int kv_proto_read_msg(kv_frame_rx *rx, int fd, int timeout_ms, const kv_proto_limits *lim,
                       kv_msg *out, kv_diag *d) {
+    const kv_link_chan c = {fd, NULL};
+    return kv_proto_read_msg_chan(rx, &c, timeout_ms, lim, out, d);
+}
+
+int kv_proto_read_msg_chan(kv_frame_rx *rx, const kv_link_chan *c, int timeout_ms, const kv_proto_limits *lim,
+                           kv_msg *out, kv_diag *d) {
     const int64_t deadline = timeout_ms >= 0 ? kv_now_ms() + timeout_ms : -1;
     /* h.magic is set (reset zeroes it) once the header has been accepted */
     while (!(rx->h.magic == KV_PROTO_MAGIC && rx->have == rx->need)) {
@@ -1208,7 +1219,7 @@ int kv_proto_read_msg(kv_frame_rx *rx, int fd, int timeout_ms, const kv_proto_li
             const int64_t left = deadline - kv_now_ms();
             io.timeout_ms = left < 0 ? 0 : (int)left;
         }
-        const int rc = kv_link_read_full(fd, rx->buf + rx->have, rx->need - rx->have, &io, d);
+        const int rc = kv_link_chan_read_full(c, rx->buf + rx->have, rx->need - rx->have, &io, d);
         rx->have += io.got;
         if (rc == KV_ETIMEOUT) return kv_fail(d, rc, "read: no whole frame within %d ms", timeout_ms);
         if (rc && io.closed && rx->have == 0) return kv_fail(d, KV_EIO, "closed");

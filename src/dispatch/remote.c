@@ -67,7 +67,12 @@
  * with two or more such failures is quarantined: not dialed early even when
  * its experts have no other holder.
  *
- * Handshake (protocol v3 only): after HELLO_ACK the worker sends its key
+ * Transport: TLS 1.3 pinned to the key the worker is listed with (no pin
+ * when none is), v5, the exporter bound into both signatures; plain TCP
+ * only with opts->insecure_plaintext. A worker that answers the ClientHello
+ * in plaintext is read for its ERROR only (a busy refusal: retried).
+ *
+ * Handshake (protocol v3 and later): after HELLO_ACK the worker sends its key
  * and a challenge; we sign the transcript with the coordinator key (and
  * attach the hub's voucher when we have one), and the worker's AUTH_OK must
  * verify under the key it announced, which must be the one it is listed
@@ -175,6 +180,9 @@ typedef struct kv_rw {
     char why[KV_REMOTE_WHY];      /* last reason it was dropped or refused */
     /* authentication */
     uint8_t expect[32];           /* the key it must prove; all zero = any */
+    kv_tls *tls;                  /* the TLS session of nc (owned by it) once open; NULL over plain TCP */
+    kv_link_sniff *tp;            /* nc's transport when dialed TLS (owned by nc) */
+    bool plain_answer;            /* dialed TLS, answered in plaintext: only an ERROR is read */
     uint8_t key[32];              /* the key it announced in AUTH_CHALLENGE */
     /* a RECEIPT_REQ in flight (kv_remote_receipt) */
     bool rcpt_wait;               /* asked, not answered */
@@ -203,6 +211,7 @@ typedef struct kv_rw {
 struct kv_remote {
     kv_remote_opts o;
     uint8_t pk[32], sk[64];       /* the coordinator's identity (o.key_sk copied) */
+    kv_tls_ctx *tls;              /* its TLS context; NULL with o.insecure_plaintext */
     kv_voucher voucher;           /* sent in AUTH when has_voucher */
     bool has_voucher;
     kv_manifest *m;
@@ -317,6 +326,7 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
     if (w->nc) { /* closed now: no late answer can ever be taken */
         kv_net_conn *c = w->nc;
         w->nc = NULL;
+        w->tls = NULL;
         kv_net_conn_close(c, 0, NULL);
     }
     const bool was_up = w->state == KV_RW_UP;
@@ -346,12 +356,28 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
     };
     kv_diag d = {0};
     kv_net_conn *c = NULL;
-    if (kv_net_conn_dial(&c, r->loop, (const struct sockaddr *)&w->sa, w->salen, 0, &o, &kv_rw_cbs, w, &d)) {
+    /* TLS pinned to the key it is listed with (when one is), unless plaintext was asked for */
+    static const uint8_t zero[32];
+    kv_net_conn_opts oo = o;
+    kv_link_sniff *t = NULL;
+    if (r->tls) {
+        if (kv_link_sniff_new_client(&t, r->tls, memcmp(w->expect, zero, 32) ? w->expect : NULL, &d)) {
+            snprintf(w->why, sizeof w->why, "%.200s", d.msg);
+            w->fails++;
+            return;
+        }
+        oo.io = &kv_link_sniff_io;
+        oo.io_ctx = t;
+    }
+    if (kv_net_conn_dial(&c, r->loop, (const struct sockaddr *)&w->sa, w->salen, 0, &oo, &kv_rw_cbs, w, &d)) {
         snprintf(w->why, sizeof w->why, "%.200s", d.msg);
         w->fails++;
         return;
     }
-    kv_msg_hello h = {KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0},
+    w->tp = t;
+    w->tls = NULL;
+    w->plain_answer = false;
+    kv_msg_hello h = {t ? KV_PROTO_TLS_VERSION : KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION, {0},
                       (1u << KV_ENC_F32) | (1u << r->o.enc) | (r->ver ? KV_PROTO_CAP_PREACT : 0)};
     memcpy(h.model_id, r->m->model_id, sizeof h.model_id);
     size_t n = 0;
@@ -378,6 +404,7 @@ static void kv_rw_busy(kv_remote *r, kv_rw *w, const char *msg) {
     if (w->nc) {
         kv_net_conn *c = w->nc;
         w->nc = NULL;
+        w->tls = NULL;
         kv_net_conn_close(c, 0, NULL);
     }
     double s = KV_REMOTE_BUSY_FIRST_S;
@@ -396,6 +423,9 @@ static int kv_rw_accept_ack(kv_remote *r, kv_rw *w, const kv_msg_hello_ack *a, k
     if (a->version < KV_REMOTE_PROTO_MIN || a->version > KV_PROTO_VERSION)
         return kv_fail(d, KV_EUNSUPPORTED, "speaks protocol version %u (we speak %u-%u: v1 cannot prove its slabs, v2 cannot authenticate)",
                        a->version, KV_REMOTE_PROTO_MIN, KV_PROTO_VERSION);
+    if (w->tp && a->version < KV_PROTO_TLS_VERSION)
+        return kv_fail(d, KV_EUNSUPPORTED, "chose protocol version %u over TLS, which binds nothing to it (v%u needed)",
+                       a->version, KV_PROTO_TLS_VERSION);
     if (memcmp(a->model_id, r->m->model_id, KV_PROTO_MODEL_ID_LEN))
         return kv_fail(d, KV_EFORMAT, "serves another model (id %.16s..., the manifest's is %.16s...)", a->model_id,
                        r->m->model_id);
@@ -694,6 +724,10 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         kv_rw_drop(r, w, "malformed frame: %s", d.msg);
         return 0;
     }
+    if (w->plain_answer && msg.h.type != KV_MSG_ERROR) {
+        kv_rw_drop(r, w, "answered TLS in plaintext (an older worker, or not a worker): refused, never downgraded");
+        return 0;
+    }
     if (msg.h.type == KV_MSG_ERROR) {
         if (kv_rw_handshaking(w) && msg.u.error.code == KV_ERANGE && kv_mono() < w->hs_deadline)
             kv_rw_busy(r, w, msg.u.error.msg);
@@ -734,9 +768,15 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         kv_msg_auth a = {0};
         memcpy(a.key, r->pk, 32);
         memcpy(a.nonce, w->nonce, 32);
+        uint8_t binding[KV_TLS_EXPORTER_LEN];
+        if (w->tls && kv_tls_exporter(w->tls, binding)) {
+            kv_rw_drop(r, w, "no TLS exporter for this session");
+            return 0;
+        }
         const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = r->m->model_id,
                                       .version = w->version, .acceptor_key = w->key, .challenge = w->challenge,
-                                      .connector_key = r->pk, .nonce = w->nonce};
+                                      .connector_key = r->pk, .nonce = w->nonce,
+                                      .binding = w->tls ? binding : NULL};
         kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, r->sk, a.sig);
         if (r->has_voucher) {
             a.flags = KV_PROTO_AUTH_VOUCHER;
@@ -760,11 +800,19 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
             kv_rw_drop(r, w, "sent %s where AUTH_OK was due", kv_msg_type_name(msg.h.type));
             return 0;
         }
+        uint8_t binding[KV_TLS_EXPORTER_LEN];
+        if (w->tls && kv_tls_exporter(w->tls, binding)) {
+            kv_rw_drop(r, w, "no TLS exporter for this session");
+            return 0;
+        }
         const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = r->m->model_id,
                                       .version = w->version, .acceptor_key = w->key, .challenge = w->challenge,
-                                      .connector_key = r->pk, .nonce = w->nonce};
+                                      .connector_key = r->pk, .nonce = w->nonce,
+                                      .binding = w->tls ? binding : NULL};
         if (kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, w->key, msg.u.auth_ok)) {
-            kv_rw_drop(r, w, "AUTH_OK signature does not verify: not the key it announced");
+            kv_rw_drop(r, w, w->tls ? "AUTH_OK signature does not verify over this TLS session: not the key it "
+                                      "announced, or a proof relayed from another session (a man in the middle)"
+                                    : "AUTH_OK signature does not verify: not the key it announced");
             return 0;
         }
         w->state = KV_RW_UP;
@@ -835,7 +883,11 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
 
 static void kv_rw_on_open(kv_net_conn *c, int code) {
     kv_rw *w = kv_net_conn_data(c);
-    if (w->nc == c && code == 0 && w->state == KV_RW_CONNECTING) w->state = KV_RW_HELLO;
+    if (w->nc == c && code == 0 && w->state == KV_RW_CONNECTING) {
+        w->state = KV_RW_HELLO;
+        w->tls = kv_link_sniff_tls(w->tp);
+        w->plain_answer = w->tp && !w->tls; /* kv_link_sniff_plain_answer */
+    }
 }
 
 static int kv_rw_frame_len(kv_net_conn *c, const uint8_t *hdr, size_t *total, kv_diag *d) {
@@ -859,7 +911,12 @@ static void kv_rw_on_close(kv_net_conn *c, int code, const char *why) {
     kv_rw *w = kv_net_conn_data(c);
     if (w->nc != c) return;
     w->nc = NULL;
-    kv_rw_drop(w->r, w, "%s", why && why[0] ? why : code ? kv_err_str(code) : "closed");
+    w->tls = NULL;
+    if (code == KV_EAUTH && w->state == KV_RW_CONNECTING) /* the TLS pin */
+        kv_rw_drop(w->r, w, "proves another key than the one it is listed with: not the worker we meant (%s)",
+                   why && why[0] ? why : "TLS");
+    else
+        kv_rw_drop(w->r, w, "%s", why && why[0] ? why : code ? kv_err_str(code) : "closed");
 }
 
 static const kv_net_conn_cbs kv_rw_cbs = {
@@ -1256,6 +1313,7 @@ static int kv_remote_resolve(kv_rw *w, kv_diag *d) {
 static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, const uint8_t *expect, kv_diag *d) {
     const size_t n_keys = (size_t)r->n_layer * r->n_expert, S = r->max_slots;
     w->nc = NULL;
+    w->tls = NULL;
     w->r = r;
     w->state = KV_RW_DOWN;
     if (snprintf(w->addr, sizeof w->addr, "%s", addr) >= (int)sizeof w->addr)
@@ -1281,6 +1339,7 @@ void kv_remote_free(kv_remote *r) {
         free(w->pairs);
     }
     kv_net_loop_free(r->loop); /* closes every worker connection */
+    kv_tls_ctx_free(r->tls);
     free(r->w);
     free(r->slot_owner);
     free(r->exp_owner);
@@ -1420,6 +1479,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         rc = KV_EIO;
         goto fail;
     }
+    if (!opts->insecure_plaintext && (rc = kv_link_tls_ctx(&r->tls, r->sk, d))) goto fail;
     if (!r->slot_owner || !r->exp_owner || !r->load || !r->tok_local || !r->xg || !r->lg || !r->lw ||
         !r->lhas || !r->rtt_us || !r->w || !r->xh || !r->xh_ok || !r->leaves || !r->xrow || !r->yrow) {
         rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");

@@ -31,6 +31,14 @@
  * by the trusted hub); the allowed set can be replaced while serving
  * (kv_worker_set_auth, under auth_mu).
  *
+ * Transport (v5): one port takes TLS 1.3 and plaintext, told by the first
+ * byte (kv_link_sniff). Over TLS only v5 is negotiated and the transcript
+ * both sides sign ends with the session's exporter, so a proof relayed by
+ * a man in the middle that terminates TLS fails here; a plaintext HELLO is
+ * served only from loopback or with insecure_plaintext, else answered with
+ * an ERROR naming TLS. A refusal to a peer that has sent nothing yet goes
+ * out in plaintext (its transport is not known).
+ *
  * Slots and deadlines (what no peer may hold without doing real work):
  * max_conns places in all. A connection still in its handshake is
  * pending: it must complete HELLO and AUTH within the handshake timeout,
@@ -149,6 +157,7 @@ struct kv_worker {
     atomic_int stop;
     /* authentication (v3): who may be served */
     uint8_t pk[32], sk[64];          /* this worker's identity */
+    kv_tls_ctx *tls;                 /* its TLS context (a certificate of pk) */
     pthread_mutex_t auth_mu;         /* guards allow, n_allow, hub_key, have_hub */
     bool have_auth_mu;
     uint8_t (*allow)[32];            /* [n_allow] coordinator keys served, sorted */
@@ -167,6 +176,8 @@ struct kv_wconn {
     uint64_t id;                     /* connection number, for logs */
     char peer[96];                   /* "HOST:PORT" of the client */
     char ip[INET6_ADDRSTRLEN];       /* its address, for messages */
+    kv_link_sniff *tp;               /* its transport (owned by nc): TLS or plaintext */
+    bool loopback;                   /* the peer's address is loopback */
     uint8_t ipk[16];                 /* the per-address key: IPv4 (mapped) or an IPv6 /64 */
     int64_t opened_ms;               /* accepted at (monotonic) */
     bool hello;                      /* HELLO answered (HELLO_ACK and AUTH_CHALLENGE sent) */
@@ -642,6 +653,7 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
             rc = kv_expert_local_new_src(&w->prov, &src, w->pool, KV_WORKER_CHUNK, d);
         w->have_prov = rc == 0;
     }
+    if (!rc) rc = kv_link_tls_ctx(&w->tls, w->sk, d);
     if (!rc) rc = kv_net_loop_new(&w->loop, d);
     if (!rc) rc = kv_net_listen(w->opts.listen, 128, &w->lfd, w->addr, sizeof w->addr, d);
     if (rc) {
@@ -660,6 +672,7 @@ void kv_worker_free(kv_worker *w) {
     if (w->conns)
         for (int i = 0; i < w->n_slots; i++) free(w->conns[i]);
     if (w->lfd >= 0) close(w->lfd);
+    kv_tls_ctx_free(w->tls);
     if (w->have_prov) w->prov.free(w->prov.impl);
     kv_pool_free(w->pool);
     for (size_t i = 0; i < w->n_files; i++) {
@@ -751,7 +764,17 @@ static void kv_wc_error(kv_wconn *c, uint32_t rid, int code, const char *msg) {
     uint8_t buf[KV_WORKER_ERR_FRAME];
     size_t n;
     atomic_fetch_add(&c->w->n_errors, 1);
-    if (kv_msg_error_encode(buf, sizeof buf, rid, code, msg, &n, NULL) == 0) kv_wc_queue(c, buf, n);
+    if (kv_msg_error_encode(buf, sizeof buf, rid, code, msg, &n, NULL)) return;
+    if (kv_link_sniff_undecided(c->tp)) {
+        /* a peer that has sent nothing yet: its transport is unknown, and the
+           connection, still in its handshake phase, would drop a queued frame.
+           It is told in plaintext, at once and best effort, as a refusal at
+           accept is; a TLS client would have sent its hello already. */
+        ssize_t r = send(kv_net_conn_fd(c->nc), buf, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+        (void)r;
+        return;
+    }
+    kv_wc_queue(c, buf, n);
 }
 
 /* A protocol error: ERROR, then close (after it is flushed). */
@@ -833,11 +856,23 @@ static void kv_wc_delay_over(kv_net_loop *l, kv_net_timer *t) {
 static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     kv_worker *w = c->w;
     kv_diag d = {0};
-    /* v3 and later only: an older coordinator cannot authenticate */
-    uint32_t lo = h->min_version > KV_PROTO_AUTH_VERSION ? h->min_version : KV_PROTO_AUTH_VERSION;
+    /* v3 and later only: an older coordinator cannot authenticate; over TLS
+       v5 and later only: an older one would not bind its proof to the session */
+    const bool tls = kv_link_sniff_tls(c->tp) != NULL;
+    const uint32_t floor = tls ? KV_PROTO_TLS_VERSION : KV_PROTO_AUTH_VERSION;
+    uint32_t lo = h->min_version > floor ? h->min_version : floor;
     uint32_t hi = h->max_version < KV_PROTO_VERSION ? h->max_version : KV_PROTO_VERSION;
     int rc = 0;
     if (c->hello) rc = kv_fail(&d, KV_EPROTO, "second HELLO");
+    else if (!tls && !c->loopback && !w->opts.insecure_plaintext)
+        rc = kv_fail(&d, KV_EUNSUPPORTED, "plaintext dispatch from %s refused: a link that leaves the machine needs "
+                     "TLS 1.3 (dispatch v%u, its key handshake bound to the TLS session); this coordinator speaks "
+                     "[%u, %u] in plaintext (an older build, or --insecure-plaintext on one side only)", c->ip,
+                     KV_PROTO_TLS_VERSION, h->min_version, h->max_version);
+    else if (tls && lo > hi)
+        rc = kv_fail(&d, KV_EUNSUPPORTED, "no common protocol version over TLS: coordinator speaks [%u, %u], this "
+                     "worker [%u, %u] (TLS dispatch needs v%u)", h->min_version, h->max_version, KV_PROTO_TLS_VERSION,
+                     KV_PROTO_VERSION, KV_PROTO_TLS_VERSION);
     else if (lo > hi)
         rc = kv_fail(&d, KV_EUNSUPPORTED, "no common protocol version: coordinator speaks [%u, %u], this worker [%u, %u] "
                      "(authenticated dispatch needs v%u)", h->min_version, h->max_version, KV_PROTO_AUTH_VERSION,
@@ -902,12 +937,13 @@ static void kv_wc_displace(kv_worker *w, kv_wconn *v, int code, const char *what
 }
 
 /* How far a pending connection got: 0 closing already (its deadline or an
- * error), 1 nothing sent yet, 2 bytes sent (a HELLO read, or waiting in the
+ * error), 1 nothing sent yet, 2 bytes sent (a HELLO read, a TLS handshake begun, or waiting in the
  * socket: a coordinator sends HELLO at once, and one accepted in the same
  * round as strangers must not lose its place before it is read). */
 static int kv_wc_progress(const kv_wconn *c) {
     if (kv_net_conn_closing(c->nc)) return 0;
     if (c->hello) return 2;
+    if (!kv_link_sniff_undecided(c->tp)) return 2; /* its first bytes came (a TLS handshake under way) */
     int unread = 0;
     return ioctl(kv_net_conn_fd(c->nc), FIONREAD, &unread) == 0 && unread > 0 ? 2 : 1;
 }
@@ -990,12 +1026,19 @@ static bool kv_worker_allowed(kv_worker *w, const kv_msg_auth *a, char *why, siz
 static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
     kv_worker *w = c->w;
     if (c->authed) return kv_wc_fatal(c, rid, KV_EPROTO, "protocol error", "second AUTH");
-    const kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = w->model_id, .version = c->version,
-                                  .acceptor_key = w->pk, .challenge = c->challenge, .connector_key = a->key,
-                                  .nonce = a->nonce};
+    kv_link_transcript t = {.proto = KV_LINK_HS_DISPATCH, .model_id = w->model_id, .version = c->version,
+                            .acceptor_key = w->pk, .challenge = c->challenge, .connector_key = a->key,
+                            .nonce = a->nonce};
+    uint8_t binding[KV_TLS_EXPORTER_LEN];
+    kv_tls *tls = kv_link_sniff_tls(c->tp);
+    if (tls && kv_tls_exporter(tls, binding))
+        return kv_wc_fatal(c, rid, KV_EINTERNAL, "internal", "no TLS exporter for this session");
+    t.binding = tls ? binding : NULL;
     if (kv_link_transcript_verify(&t, KV_LINK_CONNECTOR, a->key, a->sig))
         return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused",
-                           "AUTH signature does not verify over this connection's challenge");
+                           tls ? "AUTH signature does not verify over this connection's challenge and TLS session "
+                                 "(a proof relayed from another session?)"
+                               : "AUTH signature does not verify over this connection's challenge");
     char why[160];
     if (!kv_worker_allowed(w, a, why, sizeof why)) return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused", why);
     if (c->slot < 0) return 0; /* yielded its place meanwhile: already closing */
@@ -1560,6 +1603,7 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
         snprintf(c->peer, sizeof c->peer, "%s", peer);
         snprintf(c->ip, sizeof c->ip, "%s", hb);
         memcpy(c->ipk, ipk, 16);
+        c->loopback = kv_link_sockaddr_loopback((struct sockaddr *)&ss);
         c->last_work_ms = c->opened_ms = kv_now_ms();
         kv_net_timer_init(&c->hs_t, kv_wc_handshake_timeout, c);
         kv_net_timer_init(&c->idle_t, kv_wc_idle_timeout, c);
@@ -1577,9 +1621,19 @@ static void kv_worker_accept(kv_net_loop *l, kv_net_watch *lw, unsigned ev) {
             .frame_timeout_ms = w->opts.read_timeout_ms,
             .write_timeout_ms = w->opts.write_timeout_ms,
             .budget = &w->budget,
+            /* the worker's own deadline (hs_t, with an ERROR) fires first */
+            .handshake_timeout_ms = w->opts.handshake_timeout_ms + 1000,
+            .io = &kv_link_sniff_io,
         };
         kv_diag d = {0};
-        if (kv_net_conn_new(&c->nc, l, fd, &o, &kv_wc_cbs, c, &d)) { /* fd closed by it */
+        if (kv_link_sniff_new(&c->tp, w->tls, &d)) {
+            kv_worker_refuse(w, fd, id, peer, KV_ENOMEM, "out of memory");
+            free(c);
+            continue;
+        }
+        kv_net_conn_opts oo = o;
+        oo.io_ctx = c->tp;
+        if (kv_net_conn_new(&c->nc, l, fd, &oo, &kv_wc_cbs, c, &d)) { /* fd and c->tp freed by it */
             kv_wlog(w, "conn %llu %s: refused (%s)", (unsigned long long)id, peer, d.msg);
             free(c);
             continue;

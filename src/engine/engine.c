@@ -12,7 +12,12 @@
  * Hot path: kv_engine_step fills preallocated step buffers (tokens,
  * sequences, logit rows for at most max_sessions outputs) and calls
  * kv_state_batch; nothing is allocated there except KV blocks the pool
- * hands out (kv_state_reserve). */
+ * hands out (kv_state_reserve).
+ *
+ * The prompt cache (prefix_cache.h; engine.h says what it keeps): a session
+ * records the tokens it fed (hist, positions 0..pos-1) so that after each
+ * step every block it completed is stored under the chain of its prefix,
+ * and a new session's first prompt chunk first looks its prompt up. */
 #include "kvasir/engine.h"
 
 #include <math.h>
@@ -25,6 +30,7 @@
 #include "kvasir/grammar.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
+#include "engine/prefix_cache.h"
 
 struct kv_session {
     kv_engine *e;
@@ -51,6 +57,10 @@ struct kv_session {
     uint32_t *gmask;            /* [(n_vocab + 31) / 32] what gm allows next */
     bool gmask_ready;           /* gmask is gm's present state's */
     bool gdone;                 /* gm complete after the token just taken */
+    int32_t *hist;              /* [hist_cap] tokens fed, positions 0..n_hist-1 (prompt cache only) */
+    uint32_t n_hist, hist_cap;
+    bool pc_tried;              /* its prompt was looked up in the prompt cache */
+    bool pc_off;                /* its history could not be kept: it stores no more blocks */
 };
 
 struct kv_engine {
@@ -75,6 +85,10 @@ struct kv_engine {
     void *cand;                 /* sampler scratch shared by every session (one thread samples) */
     kv_grammar_vocab *gvocab;   /* the vocabulary's trie, built at the first grammar; NULL before */
     kv_engine_stats stats;
+    kv_pcache *pc;              /* the prompt cache, NULL: none */
+    uint32_t pc_block;          /* its tokens per block */
+    bool pc_rec;                /* its blocks carry recurrent states (chunks are cut at block ends) */
+    kv_pc_entry **pc_path;      /* [n_ctx / pc_block + 1] a matched chain */
 };
 
 static double kv_now(void) {
@@ -111,6 +125,21 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
     if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     if (e->remote && (rc = kv_remote_tally_open(e->remote, e->max_sessions, d))) return rc;
+    if (e->o.prompt_cache_bytes) {
+        kv_state_mem mem;
+        kv_state_get_mem(e->st, &mem);
+        e->pc_block = e->o.prompt_cache_block ? e->o.prompt_cache_block : 64;
+        if (e->pc_block % mem.block_tokens || e->pc_block > KV_PCACHE_MAX_BLOCK)
+            return kv_fail(d, KV_EINVAL, "engine: prompt cache block of %u tokens is not a multiple of %u up to %u",
+                           e->pc_block, mem.block_tokens, KV_PCACHE_MAX_BLOCK);
+        const uint64_t rec = kv_state_rec_bytes(e->st);
+        e->pc_rec = rec != 0;
+        if ((rc = kv_pcache_new(&e->pc, e->o.prompt_cache_bytes, e->pc_block, kv_state_kv_bytes(e->st, e->pc_block),
+                                rec, d)))
+            return rc;
+        if (!(e->pc_path = malloc((e->n_ctx / e->pc_block + 1) * sizeof *e->pc_path)))
+            return kv_fail(d, KV_ENOMEM, "engine: out of memory for the prompt cache");
+    }
     return 0;
 }
 
@@ -189,7 +218,8 @@ int kv_engine_open(kv_engine **out, const char *path, const kv_engine_opts *opts
                                    e->o.key_sk, e->o.voucher, e->o.worker_keys,
                                    .max_workers = e->o.max_workers, .allow_uncovered = e->o.allow_uncovered,
                                    .verify = e->o.verify, .recompute_rate = e->o.recompute_rate,
-                                   .on_caught = e->o.on_caught, .caught_arg = e->o.caught_arg};
+                                   .on_caught = e->o.on_caught, .caught_arg = e->o.caught_arg,
+                                   .insecure_plaintext = e->o.insecure_plaintext};
         if ((rc = kv_remote_open(&e->remote, manifest, e->pool, &ro, d))) goto fail;
         e->m = kv_remote_model(e->remote);
         e->experts = kv_remote_provider(e->remote);
@@ -226,6 +256,8 @@ void kv_engine_free(kv_engine *e) {
     if (!e) return;
     while (e->head) kv_session_free(e->head);
     kv_state_free(e->st);
+    kv_pcache_free(e->pc);
+    free(e->pc_path);
     if (e->prov.free) e->prov.free(e->prov.impl);
     kv_remote_free(e->remote);
     kv_slices_free(e->slices);
@@ -254,6 +286,16 @@ void kv_engine_set_all_rows(kv_engine *e, bool on) { kv_state_set_all_rows(e->st
 void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out) {
     *out = e->stats;
     kv_state_get_mem(e->st, &out->mem);
+    if (e->pc) {
+        kv_pcache_stats ps;
+        kv_pcache_get_stats(e->pc, &ps);
+        out->cache_budget = ps.budget_bytes;
+        out->cache_bytes = ps.bytes;
+        out->cache_blocks = ps.entries;
+        out->cache_block_tokens = ps.block_tokens;
+        out->cache_inserts = ps.inserts;
+        out->cache_evictions = ps.evictions;
+    }
 }
 
 bool kv_engine_busy(const kv_engine *e) {
@@ -322,6 +364,7 @@ void kv_session_free(kv_session *s) {
     kv_grammar_matcher_free(s->gm);
     free(s->gmask);
     free(s->prompt);
+    free(s->hist);
     free(s);
 }
 
@@ -417,6 +460,87 @@ static void kv_session_fail(kv_session *s, int code, const char *msg) {
     s->in_step = false;
     kv_state_reset_seq(s->e->st, s->slot);
     s->e->stats.sessions_failed++;
+}
+
+/* ---- the prompt cache ------------------------------------------------------------ */
+
+/* Appends n fed tokens to s's history; out of memory, the session only
+ * stops storing blocks. */
+static void kv_pc_hist_add(kv_session *s, const int32_t *tok, uint32_t n) {
+    if (s->pc_off) return;
+    if (s->n_hist + n > s->hist_cap) {
+        uint32_t cap = s->hist_cap ? s->hist_cap : 256;
+        while (cap < s->n_hist + n) cap *= 2; /* n_hist + n <= n_ctx <= KV_MAX_CTX: no overflow */
+        int32_t *h = realloc(s->hist, (size_t)cap * sizeof *h);
+        if (!h) {
+            s->pc_off = true;
+            return;
+        }
+        s->hist = h;
+        s->hist_cap = cap;
+    }
+    memcpy(s->hist + s->n_hist, tok, (size_t)n * sizeof *tok);
+    s->n_hist += n;
+}
+
+/* A new session's prompt: the longest cached prefix of whole blocks that
+ * leaves at least its last token to evaluate (with recurrent state at its
+ * end, for a recurrent model) becomes its state; when the copy cannot be
+ * made (no KV blocks to be had) it prefills from scratch, as if missed. */
+static void kv_pc_restore(kv_engine *e, kv_session *s) {
+    const uint32_t B = e->pc_block;
+    s->pc_tried = true;
+    e->stats.cache_lookups++;
+    uint32_t m = kv_pcache_match(e->pc, s->prompt, s->n_prompt, (s->n_prompt - 1) / B, e->pc_path);
+    if (e->pc_rec)
+        while (m && !kv_pc_entry_rec(e->pc_path[m - 1])) m--;
+    if (!m) return;
+    kv_diag d = {0};
+    int rc = kv_state_reserve(e->st, s->slot, m * B, &d);
+    for (uint32_t i = 0; !rc && i < m; i++)
+        rc = kv_state_kv_set(e->st, s->slot, i * B, B, kv_pc_entry_kv(e->pc_path[i]), &d);
+    if (!rc) rc = kv_state_seq_resume(e->st, s->slot, m * B, kv_pc_entry_rec(e->pc_path[m - 1]), &d);
+    if (rc) {
+        kv_state_reset_seq(e->st, s->slot);
+        return;
+    }
+    kv_pcache_touch(e->pc, e->pc_path, m);
+    s->prompt_at = m * B;
+    s->st.n_cached += m * B;
+    kv_pc_hist_add(s, s->prompt, m * B);
+    e->stats.cache_hits++;
+    e->stats.cache_tokens += m * B;
+}
+
+typedef struct kv_pc_fill_arg {
+    kv_state *st;
+    uint32_t seq, p0, n;
+} kv_pc_fill_arg;
+
+static int kv_pc_fill(void *arg, void *kv, void *rec) {
+    const kv_pc_fill_arg *a = arg;
+    kv_diag d = {0};
+    if (kv && kv_state_kv_get(a->st, a->seq, a->p0, a->n, kv, &d)) return d.code ? d.code : KV_EINVAL;
+    if (rec && kv_state_rec_get(a->st, a->seq, rec, &d)) return d.code ? d.code : KV_EINVAL;
+    return 0;
+}
+
+/* After a step that took s from position pos0: stores the blocks it
+ * completed, under the cached chain of its earlier blocks (none stored
+ * when that chain is no longer whole); the recurrent state goes with the
+ * block that ends where s now stands. */
+static void kv_pc_store(kv_engine *e, kv_session *s, uint32_t pos0) {
+    const uint32_t B = e->pc_block, pos = kv_state_pos_seq(e->st, s->slot);
+    const uint32_t k0 = pos0 / B, k1 = pos / B; /* blocks [k0, k1) completed in the step */
+    if (s->pc_off || k0 == k1) return;
+    KV_ASSERT(s->n_hist == pos);
+    if (kv_pcache_match(e->pc, s->hist, pos, k0, e->pc_path) < k0) return;
+    kv_pc_entry *parent = k0 ? e->pc_path[k0 - 1] : NULL;
+    for (uint32_t k = k0; k < k1; k++) {
+        kv_pc_fill_arg a = {e->st, s->slot, k * B, B};
+        if (!(parent = kv_pcache_insert(e->pc, parent, k, s->hist + (size_t)k * B, (k + 1) * B == pos, kv_pc_fill, &a)))
+            break;
+    }
 }
 
 /* ---- the step ------------------------------------------------------------------ */
@@ -537,8 +661,13 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     uint32_t budget = e->n_batch;
     for (kv_session *s = e->head; s && budget; s = s->next) {
         if (s->paused || s->status != KV_SESSION_PREFILL) continue;
-        const uint32_t left = s->n_prompt - s->prompt_at, take = left < budget ? left : budget;
-        const uint32_t pos = kv_state_pos_seq(e->st, s->slot);
+        if (e->pc && !s->pc_tried && s->prompt_at == 0 && kv_state_pos_seq(e->st, s->slot) == 0) kv_pc_restore(e, s);
+        const uint32_t left = s->n_prompt - s->prompt_at, pos = kv_state_pos_seq(e->st, s->slot);
+        uint32_t take = left < budget ? left : budget;
+        if (e->pc_rec) { /* end the chunk at a block boundary it crosses: the recurrent state there is kept */
+            const uint32_t end = pos + take, b = end / e->pc_block * e->pc_block;
+            if (b > pos && b < end) take = b - pos;
+        }
         memset(&sd, 0, sizeof sd);
         int rc = kv_state_reserve(e->st, s->slot, pos + take, &sd);
         if (rc) {
@@ -591,6 +720,7 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
         const uint64_t t = s->chunk ? s->chunk : 1, wanted = !s->chunk || s->prompt_at + s->chunk == s->n_prompt;
         s->products += (uint64_t)hp->n_expert_used * ((uint64_t)hp->n_layer * t - (dropped ? t - wanted : 0));
         s->st.steps++;
+        if (e->pc) kv_pc_hist_add(s, s->chunk ? s->prompt + s->prompt_at : &s->pending, (uint32_t)t);
         if (s->chunk) {
             s->prompt_at += s->chunk;
             s->st.n_prompt += s->chunk;
@@ -608,6 +738,10 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
                  (unsigned long long)s->id, (unsigned long long)step, kv_state_pos_seq(e->st, s->slot) - 1);
         kv_session_fail(s, KV_ERANGE, msg);
     }
+    if (e->pc)
+        for (kv_session *s = e->head; s; s = s->next)
+            if (s->in_step && s->status != KV_SESSION_FAILED)
+                kv_pc_store(e, s, kv_state_pos_seq(e->st, s->slot) - (s->chunk ? s->chunk : 1));
     int emitted = 0;
     for (uint32_t k = 0; k < n_out; k++) {
         kv_session *s = e->b_who[k];

@@ -7,6 +7,8 @@ static const kv_gw_api_ops *const kv_gw_apis[KV_GW_API_COUNT] = {
     [KV_GW_OPENAI_TEXT] = &kv_gw_openai_text_ops,
     [KV_GW_ANTHROPIC] = &kv_gw_anthropic_ops,
     [KV_GW_OLLAMA] = &kv_gw_ollama_ops,
+    [KV_GW_LLAMA] = &kv_gw_llama_ops,
+    [KV_GW_OLLAMA_GEN] = &kv_gw_ollama_gen_ops,
 };
 
 const kv_gw_api_ops *kv_gw_api(int api) {

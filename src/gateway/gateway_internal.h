@@ -20,12 +20,25 @@
 #define KV_GW_MAX_STOP_LEN 256u   /* bytes in one stop string */
 #define KV_GW_MAX_MODEL_LEN 256u
 #define KV_GW_MAX_TOKENS (1u << 20)
+#define KV_GW_MAX_TOOLS 128u       /* tools in one request */
+#define KV_GW_MAX_KWARGS 32u       /* chat_template_kwargs entries */
+
+/* tool_choice: what the model may do with the tools */
+enum kv_gw_tool_choice {
+    KV_GW_TOOLS_AUTO = 0,  /* call any or none ("auto"; the default) */
+    KV_GW_TOOLS_NONE,      /* no calls: the template is not given the tools, calls are not parsed */
+    KV_GW_TOOLS_REQUIRED,  /* at least one call ("required", Anthropic "any"): needs constrained decoding */
+    KV_GW_TOOLS_NAMED,     /* this one function (tool_choice_name): needs constrained decoding */
+    KV_GW_TOOLS_COUNT
+};
 
 enum kv_gw_api {
     KV_GW_OPENAI_CHAT = 0,  /* POST /v1/chat/completions */
     KV_GW_OPENAI_TEXT,      /* POST /v1/completions */
     KV_GW_ANTHROPIC,        /* POST /v1/messages */
     KV_GW_OLLAMA,           /* POST /api/chat */
+    KV_GW_LLAMA,            /* POST /completion (llama-server's native completion) */
+    KV_GW_OLLAMA_GEN,       /* POST /api/generate */
     KV_GW_API_COUNT
 };
 
@@ -37,8 +50,11 @@ typedef struct kv_gw_params {
     kv_chat_msg msgs[KV_GW_MAX_MSGS];
     size_t n_msgs;                  /* chat APIs */
     char *joined[KV_GW_MAX_MSGS];   /* contents joined from content blocks (owned) */
-    const char *prompt;             /* completions */
+    const char *prompt;             /* completions: the text as given (no chat template), or NULL */
     size_t prompt_len;
+    int32_t *prompt_ids;            /* [n_prompt_ids] /completion's prompt as token ids (owned; checked
+                                       against the vocabulary where it is tokenized), or NULL */
+    size_t n_prompt_ids;
     bool has_max_tokens;
     uint32_t max_tokens;
     kv_sample_params sp;            /* kv_sample_defaults() with the request's values */
@@ -53,6 +69,15 @@ typedef struct kv_gw_params {
     bool has_tool_role;             /* a message has role "tool" (only a chat template renders it) */
     struct kv_grammar *grammar;     /* structured output (gateway/structured.c): owned, NULL none */
     const char *grammar_field;      /* the field that asked for it ("response_format", "format", ...) */
+    /* tools and reasoning (docs/GATEWAY.md "Tool calling", "Reasoning") */
+    json_t *tools;                  /* [n <= KV_GW_MAX_TOOLS] OpenAI's shape (owned), NULL: none */
+    int tool_choice;                /* enum kv_gw_tool_choice */
+    const char *tool_choice_name;   /* KV_GW_TOOLS_NAMED: the function (in json) */
+    bool parallel_calls;            /* more than one call per answer (default true) */
+    json_t *tmpl_msgs;              /* messages in OpenAI's shape for the template (owned; Anthropic's
+                                       blocks converted), NULL: the body's messages */
+    json_t *kwargs;                 /* extra top-level template variables (owned object): the body's
+                                       chat_template_kwargs, and enable_thinking from a thinking switch */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -67,6 +92,13 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
 int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,
                        kv_diag *d);
 void kv_gw_params_free(kv_gw_params *p);
+/* The shared field parsers the adapters call (parse.c): each 0, or an
+ * error naming the field. */
+int kv_gw_tools(kv_gw_params *p, json_t *o, kv_diag *d);             /* "tools", OpenAI's shape */
+int kv_gw_tool_choice_openai(kv_gw_params *p, json_t *o, kv_diag *d); /* "tool_choice", "parallel_tool_calls" */
+int kv_gw_tool_choice_check(kv_gw_params *p, kv_diag *d);            /* the choice against the tools */
+int kv_gw_kwargs(kv_gw_params *p, json_t *o, kv_diag *d);            /* "chat_template_kwargs" */
+int kv_gw_set_thinking(kv_gw_params *p, bool on, kv_diag *d);        /* enable_thinking for the template */
 
 /* ---- structured output (gateway/structured.c) ----------------------------
  * The fields that constrain the output, compiled to one grammar. */
@@ -93,15 +125,22 @@ enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments"
  * function's parameters schema (none: exactly {}). malloc'd into *gbnf
  * (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and field,
  * the schema compiler's (KV_EUNSUPPORTED naming the keyword), KV_ERANGE,
- * KV_ENOMEM; KV_EUNSUPPORTED for a format not built yet.
- * The hook for tool_choice, where the template's family is known (routes.c,
- * as the request is made): with "required" or a named function,
- *   kv_gw_tools_grammar(&p->grammar, p->tools, named ? name : NULL,
- *                       family, p->parallel_calls, d)   (a 400 on error). */
-int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, kv_diag *d);
+ * KV_ENOMEM; KV_EUNSUPPORTED for a format not built yet. close_think: the
+ * prompt opened <think> (kv_chat_prompt_thinks), so the text starts by
+ * closing it ("</think>\n\n") and the call is not taken for reasoning. */
+int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, bool close_think,
+                     kv_diag *d);
 /* The same, parsed (kv_grammar_free). */
 int kv_gw_tools_grammar(struct kv_grammar **out, json_t *tools, const char *only, int format, bool parallel,
-                        kv_diag *d);
+                        bool close_think, kv_diag *d);
+/* True when p's tool_choice makes a call compulsory ("required", Anthropic
+ * "any", a named function) over its tools. */
+bool kv_gw_tool_call_forced(const kv_gw_params *p);
+/* The grammar of p's compulsory call (kv_gw_tools_grammar over p's tools,
+ * the named function alone, p's parallel_calls), d prefixed with
+ * 'tool_choice' on error (a 400, 500 for KV_ENOMEM). */
+int kv_gw_tool_choice_grammar(struct kv_grammar **out, const kv_gw_params *p, int format, bool think_open,
+                              kv_diag *d);
 
 /* ---- incremental text -------------------------------------------------
  * Tokens go in; text comes out only when it is whole UTF-8 and cannot be
@@ -140,16 +179,52 @@ size_t kv_gw_utf8_clean(const char *in, size_t n, char *out);
 
 /* ---- API shapes ---------------------------------------------------------- */
 
-enum kv_gw_finish { KV_GW_FINISH_STOP = 0, KV_GW_FINISH_LENGTH, KV_GW_FINISH_COUNT };
+enum kv_gw_finish { KV_GW_FINISH_STOP = 0, KV_GW_FINISH_LENGTH, KV_GW_FINISH_TOOLS, KV_GW_FINISH_COUNT };
+
+/* A stream's own state the adapters keep between events (Anthropic's
+ * content blocks). */
+typedef struct kv_gw_stream_state {
+    int open;                /* the block open now: 0 none, 1 text, 2 thinking */
+    uint32_t n_blocks;       /* blocks opened so far */
+} kv_gw_stream_state;
 
 typedef struct kv_gw_result {
     const char *id;          /* "chatcmpl-..." etc. */
     const char *model;
     long long created;       /* unix seconds */
     uint32_t prompt_tokens, completion_tokens;
+    uint32_t cached_tokens;  /* of prompt_tokens, those the prompt cache held (not evaluated) */
     int finish;              /* enum kv_gw_finish */
     const char *stop_seq;    /* the stop string that matched, or NULL */
+    kv_gw_stream_state *ss;  /* the stream's (mutable), NULL when whole */
+    double t_start;          /* monotonic seconds (kv_gw_mono): the request was read */
+    double t_first;          /* its first token was seen (0: none yet) */
 } kv_gw_result;
+
+/* One tool call the model made (kvasir/chat.h's parser gave it whole). */
+typedef struct kv_gw_call {
+    char id[96];             /* the API's call id: its call_prefix, the response id, the index */
+    char *name;              /* malloc'd */
+    char *args;              /* the arguments: a JSON object's compact text, malloc'd */
+    size_t args_len;
+} kv_gw_call;
+
+/* A whole answer: content, reasoning, calls. */
+typedef struct kv_gw_answer {
+    const char *text;        /* content [n] */
+    size_t n;
+    const char *reasoning;   /* [rn]; rn 0: none */
+    size_t rn;
+    const kv_gw_call *calls; /* [n_calls] */
+    uint32_t n_calls;
+} kv_gw_answer;
+
+/* CLOCK_MONOTONIC in seconds. */
+double kv_gw_mono(void);
+
+/* A request whose prompt is taken as given (no chat template): a text
+ * prompt or token ids. */
+static inline bool kv_gw_params_raw(const kv_gw_params *p) { return p->prompt || p->prompt_ids; }
 
 /* A growable output buffer of bytes to send. */
 typedef struct kv_gw_buf {
@@ -172,22 +247,27 @@ typedef struct kv_gw_api_ops {
     const char *id_prefix;      /* of a response id: "chatcmpl-", "msg_", ... */
     const char *stream_type;    /* Content-Type of a stream */
     const char *auth_challenge; /* WWW-Authenticate of a 401 */
+    const char *call_prefix;    /* of a tool call's id: "call_", "toolu_" */
     /* the body's fields into p (p->json is o); 0, or an error naming the field */
     int (*parse)(kv_gw_params *p, json_t *o, kv_diag *d);
     /* an error body for status */
     char *(*error_body)(unsigned status, const char *msg);
     /* a whole (non-streamed) response */
-    char *(*full_body)(const kv_gw_result *r, const char *text, size_t n);
+    char *(*full_body)(const kv_gw_result *r, const kv_gw_answer *a);
     /* a stream: the events before the first text, one text delta, the end
        (usage where the API reports it there), an error after the status
        line went out */
     void (*stream_begin)(const kv_gw_result *r, kv_gw_buf *b);
     void (*stream_delta)(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b);
+    /* reasoning text, and one whole tool call (chat APIs; NULL: none) */
+    void (*stream_reasoning)(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b);
+    void (*stream_call)(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b);
     void (*stream_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
     void (*stream_error)(const char *msg, kv_gw_buf *b);
 } kv_gw_api_ops;
 
 extern const kv_gw_api_ops kv_gw_openai_chat_ops, kv_gw_openai_text_ops, kv_gw_anthropic_ops, kv_gw_ollama_ops;
+extern const kv_gw_api_ops kv_gw_llama_ops, kv_gw_ollama_gen_ops; /* llama.c, ollama_gen.c */
 
 /* The adapter of api (enum kv_gw_api); any other value (a route that is no
  * API's) gets OpenAI's shapes. Never NULL. */
@@ -208,6 +288,10 @@ typedef struct kv_gw_tmpl kv_gw_tmpl;
 int kv_gw_tmpl_open(kv_gw_tmpl **out, const kv_tok *tok, const char *src, size_t len, const char *name, kv_diag *d);
 void kv_gw_tmpl_free(kv_gw_tmpl *m); /* accepts NULL */
 const char *kv_gw_tmpl_name(const kv_gw_tmpl *m);
+/* The output syntax of the template's family (kv_chat_detect over its
+ * source); tools and think_open unset. */
+struct kv_chat_syntax;
+void kv_gw_tmpl_syntax(const kv_gw_tmpl *m, struct kv_chat_syntax *out);
 /* The template's variables for p (a new object, caller decrefs). */
 int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out, kv_diag *d);
 /* The rendered prompt (malloc'd, NUL-terminated, *n bytes). Errors as

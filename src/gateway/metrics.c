@@ -94,6 +94,30 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# TYPE kvasir_gateway_connections_open gauge\n");
         KV_M("kvasir_gateway_connections_open %u\n", gs.open);
     }
+    if (g->eng.cache_budget) {
+        const kv_engine_stats *es = &g->eng;
+        KV_M("# HELP kvasir_gateway_prompt_cache_lookups_total New sessions' prompts looked up in the prompt cache.\n");
+        KV_M("# TYPE kvasir_gateway_prompt_cache_lookups_total counter\n");
+        KV_M("kvasir_gateway_prompt_cache_lookups_total %llu\n", (unsigned long long)es->cache_lookups);
+        KV_M("# HELP kvasir_gateway_prompt_cache_hits_total Lookups that reused a cached prefix.\n");
+        KV_M("# TYPE kvasir_gateway_prompt_cache_hits_total counter\n");
+        KV_M("kvasir_gateway_prompt_cache_hits_total %llu\n", (unsigned long long)es->cache_hits);
+        KV_M("# HELP kvasir_gateway_prompt_cache_tokens_total Prompt tokens taken from the cache, not evaluated.\n");
+        KV_M("# TYPE kvasir_gateway_prompt_cache_tokens_total counter\n");
+        KV_M("kvasir_gateway_prompt_cache_tokens_total %llu\n", (unsigned long long)es->cache_tokens);
+        KV_M("# HELP kvasir_gateway_prompt_cache_evictions_total Cache blocks evicted for room (least recently used).\n");
+        KV_M("# TYPE kvasir_gateway_prompt_cache_evictions_total counter\n");
+        KV_M("kvasir_gateway_prompt_cache_evictions_total %llu\n", (unsigned long long)es->cache_evictions);
+        KV_M("# HELP kvasir_gateway_prompt_cache_bytes Memory the prompt cache holds.\n");
+        KV_M("# TYPE kvasir_gateway_prompt_cache_bytes gauge\n");
+        KV_M("kvasir_gateway_prompt_cache_bytes %llu\n", (unsigned long long)es->cache_bytes);
+        KV_M("# HELP kvasir_gateway_prompt_cache_budget_bytes The prompt cache's memory budget (--prompt-cache).\n");
+        KV_M("# TYPE kvasir_gateway_prompt_cache_budget_bytes gauge\n");
+        KV_M("kvasir_gateway_prompt_cache_budget_bytes %llu\n", (unsigned long long)es->cache_budget);
+        KV_M("# HELP kvasir_gateway_prompt_cache_blocks Blocks (of block_tokens positions) the prompt cache holds.\n");
+        KV_M("# TYPE kvasir_gateway_prompt_cache_blocks gauge\n");
+        KV_M("kvasir_gateway_prompt_cache_blocks %u\n", es->cache_blocks);
+    }
     KV_M("# HELP kvasir_gateway_steps_failed_total Engine steps that failed as a whole.\n");
     KV_M("# TYPE kvasir_gateway_steps_failed_total counter\n");
     KV_M("kvasir_gateway_steps_failed_total %llu\n", (unsigned long long)g->steps_failed);

@@ -2,7 +2,9 @@
  * {"message":{"role","content"},"done":false} per chunk, then one with
  * "done":true, "done_reason" and the counts), GET /api/tags. Sampler fields
  * sit under "options" (num_predict, temperature, top_k, top_p, min_p, seed,
- * stop). Errors: {"error":"..."}. */
+ * stop). "tools" as OpenAI's; calls as message.tool_calls (arguments an
+ * object), reasoning as message.thinking ("think" sets the template's
+ * enable_thinking). Errors: {"error":"..."}. */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -19,6 +21,14 @@ static int kv_ol_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     int rc;
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
     if ((rc = kv_gw_messages(p, o, true, d))) return rc;
+    if ((rc = kv_gw_tools(p, o, d)) || (rc = kv_gw_tool_choice_check(p, d)) || (rc = kv_gw_kwargs(p, o, d)))
+        return rc;
+    json_t *th = json_object_get(o, "think");
+    if (th && !json_is_null(th)) {
+        if (!json_is_boolean(th))
+            return kv_fail(d, KV_EUNSUPPORTED, "'think' must be true or false (reasoning levels are not served)");
+        if ((rc = kv_gw_set_thinking(p, json_is_true(th), d))) return rc;
+    }
     p->stream = true;
     if ((rc = kv_gw_bool(o, "stream", &p->stream, d))) return rc;
     json_t *op = json_object_get(o, "options");
@@ -57,8 +67,27 @@ static json_t *kv_ol_obj(const kv_gw_result *r, const char *text, size_t n, bool
     return j;
 }
 
-static char *kv_ol_full(const kv_gw_result *r, const char *text, size_t n) {
-    json_t *j = kv_ol_obj(r, text, n, true);
+/* message.tool_calls: [{"function": {"name", "arguments": {...}}}] */
+static int kv_ol_calls(json_t *j, const kv_gw_call *c, uint32_t n, uint32_t first) {
+    json_t *a = json_array();
+    for (uint32_t i = 0; a && i < n; i++) {
+        json_t *args = json_loadb(c[i].args, c[i].args_len, 0, NULL);
+        if (!args || json_array_append_new(a, json_pack("{s:{s:i,s:s,s:o}}", "function", "index", (int)(first + i),
+                                                        "name", c[i].name, "arguments", args))) {
+            json_decref(a);
+            return -1;
+        }
+    }
+    return a ? json_object_set_new(json_object_get(j, "message"), "tool_calls", a) : -1;
+}
+
+static char *kv_ol_full(const kv_gw_result *r, const kv_gw_answer *a) {
+    json_t *j = kv_ol_obj(r, a->text, a->n, true);
+    if (j && a->rn) json_object_set_new(json_object_get(j, "message"), "thinking", json_stringn(a->reasoning, a->rn));
+    if (j && a->n_calls && kv_ol_calls(j, a->calls, a->n_calls, 0)) {
+        json_decref(j);
+        j = NULL;
+    }
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
@@ -66,6 +95,21 @@ static char *kv_ol_full(const kv_gw_result *r, const char *text, size_t n) {
 
 static void kv_ol_delta(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
     kv_gw_buf_json(b, "", kv_ol_obj(r, text, n, false), "\n");
+}
+
+static void kv_ol_reasoning(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
+    json_t *j = kv_ol_obj(r, "", 0, false);
+    if (j) json_object_set_new(json_object_get(j, "message"), "thinking", json_stringn(text, n));
+    kv_gw_buf_json(b, "", j, "\n");
+}
+
+static void kv_ol_call(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b) {
+    json_t *j = kv_ol_obj(r, "", 0, false);
+    if (j && kv_ol_calls(j, c, 1, index)) {
+        json_decref(j);
+        j = NULL;
+    }
+    kv_gw_buf_json(b, "", j, "\n");
 }
 
 static void kv_ol_end(const kv_gw_result *r, bool include_usage, kv_gw_buf *b) { kv_gw_buf_json(b, "", kv_ol_obj(r, "", 0, true), "\n"); }
@@ -89,6 +133,7 @@ static void kv_ol_begin(const kv_gw_result *r, kv_gw_buf *b) {}
 
 const kv_gw_api_ops kv_gw_ollama_ops = {
     .name = "ollama", .id_prefix = "ollama-", .stream_type = "application/x-ndjson", .auth_challenge = "Bearer",
-    .parse = kv_ol_parse, .error_body = kv_ol_error, .full_body = kv_ol_full, .stream_begin = kv_ol_begin,
-    .stream_delta = kv_ol_delta, .stream_end = kv_ol_end, .stream_error = kv_ol_stream_error,
+    .call_prefix = "call_", .parse = kv_ol_parse, .error_body = kv_ol_error, .full_body = kv_ol_full,
+    .stream_begin = kv_ol_begin, .stream_delta = kv_ol_delta, .stream_reasoning = kv_ol_reasoning,
+    .stream_call = kv_ol_call, .stream_end = kv_ol_end, .stream_error = kv_ol_stream_error,
 };

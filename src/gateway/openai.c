@@ -1,7 +1,10 @@
 /* OpenAI's shapes: POST /v1/chat/completions and /v1/completions, whole
  * and as server-sent events ("data: {chunk}\n\n" ... "data: [DONE]\n\n"),
  * usage in the body or, with stream_options.include_usage, in a last chunk
- * whose choices are empty. Errors: {"error":{"message","type","param","code"}}. */
+ * whose choices are empty. Chat: reasoning as message.reasoning_content
+ * (delta.reasoning_content streamed), tool calls as message.tool_calls
+ * (each streamed as two deltas: id, type and name, then the arguments)
+ * with finish_reason "tool_calls". Errors: {"error":{"message","type","param","code"}}. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +23,8 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     if (chat) {
         if ((rc = kv_gw_messages(p, o, true, d))) return rc;
         if ((rc = kv_gw_bool(o, "add_generation_prompt", &p->add_generation_prompt, d))) return rc;
+        if ((rc = kv_gw_tools(p, o, d)) || (rc = kv_gw_tool_choice_openai(p, o, d)) || (rc = kv_gw_kwargs(p, o, d)))
+            return rc;
     } else {
         json_t *pr = json_object_get(o, "prompt");
         if (json_is_array(pr) && json_array_size(pr) == 1) pr = json_array_get(pr, 0);
@@ -42,12 +47,28 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     return 0;
 }
 
-static const char *kv_oa_finish(int f) { return f == KV_GW_FINISH_LENGTH ? "length" : "stop"; }
+static const char *kv_oa_finish(int f) {
+    return f == KV_GW_FINISH_LENGTH ? "length" : f == KV_GW_FINISH_TOOLS ? "tool_calls" : "stop";
+}
+
+/* [{id, type, function: {name, arguments}}] (arguments: JSON as a string) */
+static json_t *kv_oa_calls(const kv_gw_call *c, uint32_t n) {
+    json_t *a = json_array();
+    for (uint32_t i = 0; a && i < n; i++)
+        if (json_array_append_new(a, json_pack("{s:s,s:s,s:{s:s,s:s%}}", "id", c[i].id, "type", "function",
+                                               "function", "name", c[i].name, "arguments", c[i].args,
+                                               c[i].args_len))) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
 
 static json_t *kv_oa_usage(const kv_gw_result *r) {
-    return json_pack("{s:I,s:I,s:I}", "prompt_tokens", (json_int_t)r->prompt_tokens, "completion_tokens",
+    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)r->prompt_tokens, "completion_tokens",
                      (json_int_t)r->completion_tokens, "total_tokens",
-                     (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens);
+                     (json_int_t)r->prompt_tokens + (json_int_t)r->completion_tokens, "prompt_tokens_details",
+                     "cached_tokens", (json_int_t)r->cached_tokens);
 }
 
 static char *kv_oa_error(unsigned status, const char *msg) {
@@ -63,11 +84,23 @@ static char *kv_oa_error(unsigned status, const char *msg) {
     return s;
 }
 
-static char *kv_oa_full(bool chat, const kv_gw_result *r, const char *text, size_t n) {
+static char *kv_oa_full(bool chat, const kv_gw_result *r, const kv_gw_answer *a) {
+    const char *text = a->text;
+    const size_t n = a->n;
     json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s%},s:n,s:s}", "index", 0, "message", "role", "assistant",
                                       "content", text, n, "logprobs", "finish_reason", kv_oa_finish(r->finish))
                           : json_pack("{s:i,s:s%,s:n,s:s}", "index", 0, "text", text, n, "logprobs",
                                       "finish_reason", kv_oa_finish(r->finish));
+    json_t *msg = chat && choice ? json_object_get(choice, "message") : NULL;
+    if (msg && a->rn) json_object_set_new(msg, "reasoning_content", json_stringn(a->reasoning, a->rn));
+    if (msg && a->n_calls) {
+        if (!n) json_object_set_new(msg, "content", json_null()); /* OpenAI's: a call and no text */
+        json_t *calls = kv_oa_calls(a->calls, a->n_calls);
+        if (!calls || json_object_set_new(msg, "tool_calls", calls)) {
+            json_decref(choice);
+            return NULL;
+        }
+    }
     json_t *j = json_pack("{s:s,s:s,s:I,s:s,s:[o],s:o}", "id", r->id, "object",
                           chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created, "model",
                           r->model, "choices", choice, "usage", kv_oa_usage(r));
@@ -93,6 +126,24 @@ static void kv_oa_delta(bool chat, const kv_gw_result *r, const char *text, size
                                  "finish_reason")
                      : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", 0, "text", text, n, "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
+}
+
+static void kv_oa_reasoning(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
+    json_t *c = json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", 0, "delta", "reasoning_content", text, n, "logprobs",
+                          "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
+}
+
+/* A whole call as OpenAI streams one: its id, type and name first (with
+ * empty arguments), then its arguments. */
+static void kv_oa_call(const kv_gw_result *r, uint32_t index, const kv_gw_call *call, kv_gw_buf *b) {
+    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:s,s:s,s:{s:s,s:s}}]},s:n,s:n}]", "index", 0, "delta", "tool_calls",
+                          "index", (int)index, "id", call->id, "type", "function", "function", "name", call->name,
+                          "arguments", "", "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
+    c = json_pack("[{s:i,s:{s:[{s:i,s:{s:s%}}]},s:n,s:n}]", "index", 0, "delta", "tool_calls", "index", (int)index,
+                  "function", "arguments", call->args, call->args_len, "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
 }
 
 static void kv_oa_end(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
@@ -126,8 +177,8 @@ static void kv_oa_stream_error(const char *msg, kv_gw_buf *b) {
 /* chat completions and completions: one adapter each over the code above */
 static int kv_oa_chat_parse(kv_gw_params *p, json_t *o, kv_diag *d) { return kv_oa_parse(p, o, true, d); }
 static int kv_oa_text_parse(kv_gw_params *p, json_t *o, kv_diag *d) { return kv_oa_parse(p, o, false, d); }
-static char *kv_oa_chat_full(const kv_gw_result *r, const char *t, size_t n) { return kv_oa_full(true, r, t, n); }
-static char *kv_oa_text_full(const kv_gw_result *r, const char *t, size_t n) { return kv_oa_full(false, r, t, n); }
+static char *kv_oa_chat_full(const kv_gw_result *r, const kv_gw_answer *a) { return kv_oa_full(true, r, a); }
+static char *kv_oa_text_full(const kv_gw_result *r, const kv_gw_answer *a) { return kv_oa_full(false, r, a); }
 static void kv_oa_chat_begin(const kv_gw_result *r, kv_gw_buf *b) { kv_oa_begin(true, r, b); }
 static void kv_oa_text_begin(const kv_gw_result *r, kv_gw_buf *b) { kv_oa_begin(false, r, b); }
 static void kv_oa_chat_delta(const kv_gw_result *r, const char *t, size_t n, kv_gw_buf *b) { kv_oa_delta(true, r, t, n, b); }
@@ -137,13 +188,15 @@ static void kv_oa_text_end(const kv_gw_result *r, bool u, kv_gw_buf *b) { kv_oa_
 
 const kv_gw_api_ops kv_gw_openai_chat_ops = {
     .name = "openai_chat", .id_prefix = "chatcmpl-", .stream_type = "text/event-stream", .auth_challenge = "Bearer",
-    .parse = kv_oa_chat_parse, .error_body = kv_oa_error, .full_body = kv_oa_chat_full,
-    .stream_begin = kv_oa_chat_begin, .stream_delta = kv_oa_chat_delta, .stream_end = kv_oa_chat_end,
+    .call_prefix = "call_", .parse = kv_oa_chat_parse, .error_body = kv_oa_error, .full_body = kv_oa_chat_full,
+    .stream_begin = kv_oa_chat_begin, .stream_delta = kv_oa_chat_delta, .stream_reasoning = kv_oa_reasoning,
+    .stream_call = kv_oa_call, .stream_end = kv_oa_chat_end,
     .stream_error = kv_oa_stream_error,
 };
 
 const kv_gw_api_ops kv_gw_openai_text_ops = {
     .name = "openai_completions", .id_prefix = "cmpl-", .stream_type = "text/event-stream", .auth_challenge = "Bearer",
+    .call_prefix = "call_",
     .parse = kv_oa_text_parse, .error_body = kv_oa_error, .full_body = kv_oa_text_full,
     .stream_begin = kv_oa_text_begin, .stream_delta = kv_oa_text_delta, .stream_end = kv_oa_text_end,
     .stream_error = kv_oa_stream_error,

@@ -10,6 +10,7 @@
 #include "gateway/gateway_internal.h"
 #include "http/http_guard.h"
 #include "kvasir/grammar.h"
+#include "kvasir/chat.h"
 
 /* A number field in [lo, hi]; absent or null leaves *out. */
 int kv_gw_num(json_t *o, const char *key, double lo, double hi, double *out, bool *has, kv_diag *d) {
@@ -166,6 +167,118 @@ int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d) {
     return 0;
 }
 
+/* One tool in OpenAI's shape: {"type":"function","function":{"name",
+ * "description"?, "parameters"?}}. */
+static int kv_gw_tool_ok(json_t *t, size_t i, kv_diag *d) {
+    json_t *ty = json_object_get(t, "type"), *f = json_object_get(t, "function");
+    if (!json_is_object(t) || !json_is_string(ty) || strcmp(json_string_value(ty), "function"))
+        return kv_fail(d, KV_EINVAL, "'tools' entry %zu must be {\"type\":\"function\",\"function\":{...}}", i);
+    json_t *nm = json_object_get(f, "name"), *pa = json_object_get(f, "parameters");
+    if (!json_is_object(f) || !json_is_string(nm) || json_string_length(nm) == 0 ||
+        json_string_length(nm) > KV_CHAT_MAX_NAME)
+        return kv_fail(d, KV_EINVAL, "'tools' entry %zu: 'function.name' must be a string of 1 to %u bytes", i,
+                       KV_CHAT_MAX_NAME);
+    if (pa && !json_is_null(pa) && !json_is_object(pa))
+        return kv_fail(d, KV_EINVAL, "'tools' entry %zu: 'function.parameters' must be an object", i);
+    return 0;
+}
+
+/* "tools" in OpenAI's shape (OpenAI, Ollama) into p->tools. */
+int kv_gw_tools(kv_gw_params *p, json_t *o, kv_diag *d) {
+    json_t *t = json_object_get(o, "tools");
+    if (!t || json_is_null(t)) return 0;
+    if (!json_is_array(t)) return kv_fail(d, KV_EFORMAT, "'tools' must be an array");
+    const size_t n = json_array_size(t);
+    if (n > KV_GW_MAX_TOOLS) return kv_fail(d, KV_ERANGE, "'tools' has %zu entries, at most %u", n, KV_GW_MAX_TOOLS);
+    size_t i;
+    json_t *v;
+    json_array_foreach(t, i, v) {
+        const int rc = kv_gw_tool_ok(v, i, d);
+        if (rc) return rc;
+    }
+    if (n) p->tools = json_incref(t);
+    return 0;
+}
+
+/* Is name one of p->tools? */
+static bool kv_gw_has_tool(const kv_gw_params *p, const char *name) {
+    size_t i;
+    json_t *v;
+    json_array_foreach(p->tools, i, v) {
+        json_t *nm = json_object_get(json_object_get(v, "function"), "name");
+        if (json_is_string(nm) && !strcmp(json_string_value(nm), name)) return true;
+    }
+    return false;
+}
+
+/* The tool_choice p asks for, once its tools are known: "auto" and "none"
+ * as they are; a call made compulsory ("required", a named function) is
+ * sampled under the grammar of its call (gateway/structured.c, set where
+ * the template's family is known: routes.c). A choice its tools cannot
+ * meet is refused here. */
+int kv_gw_tool_choice_check(kv_gw_params *p, kv_diag *d) {
+    if (p->tool_choice == KV_GW_TOOLS_NAMED && (!p->tools || !kv_gw_has_tool(p, p->tool_choice_name)))
+        return kv_fail(d, KV_EINVAL, "'tool_choice' names the function '%.256s', which is not in 'tools'",
+                       p->tool_choice_name);
+    if (p->tool_choice == KV_GW_TOOLS_REQUIRED && !p->tools)
+        return kv_fail(d, KV_EINVAL, "'tool_choice' requires a tool call but the request has no 'tools'");
+    return 0;
+}
+
+/* OpenAI's (and Ollama's) "tool_choice": "auto", "none", "required", or
+ * {"type":"function","function":{"name":...}}; "parallel_tool_calls". */
+int kv_gw_tool_choice_openai(kv_gw_params *p, json_t *o, kv_diag *d) {
+    int rc;
+    p->parallel_calls = true;
+    if ((rc = kv_gw_bool(o, "parallel_tool_calls", &p->parallel_calls, d))) return rc;
+    json_t *c = json_object_get(o, "tool_choice");
+    if (!c || json_is_null(c)) return kv_gw_tool_choice_check(p, d);
+    if (json_is_string(c)) {
+        const char *s = json_string_value(c);
+        if (!strcmp(s, "auto")) p->tool_choice = KV_GW_TOOLS_AUTO;
+        else if (!strcmp(s, "none")) p->tool_choice = KV_GW_TOOLS_NONE;
+        else if (!strcmp(s, "required")) p->tool_choice = KV_GW_TOOLS_REQUIRED;
+        else return kv_fail(d, KV_EINVAL, "'tool_choice' is '%.32s'; expected auto, none, required or a function", s);
+    } else {
+        json_t *ty = json_object_get(c, "type");
+        json_t *nm = json_object_get(json_object_get(c, "function"), "name");
+        if (!json_is_string(ty) || strcmp(json_string_value(ty), "function") || !json_is_string(nm))
+            return kv_fail(d, KV_EFORMAT, "'tool_choice' must be a string or {\"type\":\"function\","
+                           "\"function\":{\"name\":...}}");
+        p->tool_choice = KV_GW_TOOLS_NAMED;
+        p->tool_choice_name = json_string_value(nm);
+    }
+    return kv_gw_tool_choice_check(p, d);
+}
+
+/* "chat_template_kwargs" (llama-server's and vLLM's): an object whose
+ * entries are top-level variables of the template (at most
+ * KV_GW_MAX_KWARGS, none naming a variable the request sets itself). */
+int kv_gw_kwargs(kv_gw_params *p, json_t *o, kv_diag *d) {
+    static const char *const reserved[] = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"};
+    json_t *k = json_object_get(o, "chat_template_kwargs");
+    if (!k || json_is_null(k)) return 0;
+    if (!json_is_object(k)) return kv_fail(d, KV_EFORMAT, "'chat_template_kwargs' must be an object");
+    if (json_object_size(k) > KV_GW_MAX_KWARGS)
+        return kv_fail(d, KV_ERANGE, "'chat_template_kwargs' has %zu entries, at most %u", json_object_size(k),
+                       KV_GW_MAX_KWARGS);
+    for (size_t i = 0; i < sizeof reserved / sizeof reserved[0]; i++)
+        if (json_object_get(k, reserved[i]))
+            return kv_fail(d, KV_EINVAL, "'chat_template_kwargs' may not set '%s' (the request's own field does)",
+                           reserved[i]);
+    if (!(p->kwargs = json_copy(k))) return kv_fail(d, KV_ENOMEM, "out of memory");
+    return 0;
+}
+
+/* A thinking switch (Anthropic's thinking, Ollama's think): the template's
+ * enable_thinking. */
+int kv_gw_set_thinking(kv_gw_params *p, bool on, kv_diag *d) {
+    if (!p->kwargs && !(p->kwargs = json_object())) return kv_fail(d, KV_ENOMEM, "out of memory");
+    if (json_object_set_new(p->kwargs, "enable_thinking", json_boolean(on)))
+        return kv_fail(d, KV_ENOMEM, "out of memory");
+    return 0;
+}
+
 int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d) {
     json_t *m = json_object_get(o, "model");
     if (!m || json_is_null(m)) {
@@ -183,6 +296,7 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
     p->api = api;
     p->sp = kv_sample_defaults();
     p->add_generation_prompt = true;
+    p->parallel_calls = true;
     json_error_t je;
     /* JSON_REJECT_DUPLICATES: one field, one meaning */
     p->json = json_loadb(body, n, JSON_REJECT_DUPLICATES, &je);
@@ -213,6 +327,10 @@ void kv_gw_params_free(kv_gw_params *p) {
     if (!p) return;
     for (size_t i = 0; i < KV_GW_MAX_MSGS; i++) free(p->joined[i]);
     kv_grammar_free(p->grammar);
+    json_decref(p->tools);
+    json_decref(p->tmpl_msgs);
+    json_decref(p->kwargs);
+    free(p->prompt_ids);
     if (p->json) json_decref(p->json);
     memset(p, 0, sizeof *p);
 }

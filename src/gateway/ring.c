@@ -267,7 +267,7 @@ kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, con
     r->api = api;
     r->max_tokens = max_tokens;
     r->cap = max_tokens + 1;
-    const bool raw = text || api == KV_GW_OPENAI_TEXT; /* SUBMIT: a prompt, or a template's rendering */
+    const bool raw = text || p->prompt; /* SUBMIT: a prompt, or a template's rendering */
     const char *rt = text ? text : p->prompt;
     const size_t rl = text ? text_len : p->prompt_len;
     size_t bytes = raw ? rl : 0;

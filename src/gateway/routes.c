@@ -17,12 +17,13 @@
 #include <sodium.h>
 
 #include "gateway/server_internal.h"
+#include "kvasir/chat.h"
 
 /* ---- connections ------------------------------------------------------ */
 
 enum kv_route {
     KV_R_NONE = 0, KV_R_HEALTH, KV_R_METRICS, KV_R_MODELS, KV_R_SLOTS, KV_R_TAGS, KV_R_GEN, KV_R_NOTFOUND,
-    KV_R_METHOD, KV_R_PRICES, KV_R_TEMPLATE
+    KV_R_METHOD, KV_R_PRICES, KV_R_TEMPLATE, KV_R_ENDPOINT, KV_R_PREFLIGHT, KV_R_WEBUI
 };
 
 typedef struct kv_gw_conn {
@@ -42,18 +43,33 @@ typedef struct kv_gw_conn {
     size_t out_off;
     kv_gw_buf full;             /* whole text (non-stream) */
     kv_gw_result res;
+    kv_gw_stream_state ss;      /* the adapter's, for a stream */
     char id[64];
+    /* the chat APIs' output split into content, reasoning and tool calls
+       (kvasir/chat.h) when the family writes any of them: NULL otherwise */
+    kv_chat_parser *parser;
+    bool special;               /* control tokens are text (the format's markers are such tokens) */
+    bool think_open;            /* the rendered prompt ended inside <think> */
+    kv_gw_buf reason;           /* reasoning (non-stream) */
+    kv_gw_call *calls;          /* [n_calls] the calls given */
+    uint32_t n_calls;
     uint32_t consumed;          /* tokens of r->toks turned into text */
     bool finished;
     bool counted;               /* the request is in req_count */
     kv_gw_charge charge;        /* its payment while held (pay.h) */
     bool paid;                  /* settled: cost below */
     kv_settle_result paid_res;
+    /* the request log line (endpoints.c) */
+    const char *method;         /* a static string: "GET", "POST", ... or "other" */
+    const char *route_name;     /* the route's path as routed (never the client's bytes), or "-" */
+    unsigned status;            /* the status answered */
+    double t0;                  /* kv_gw_mono() when it arrived */
 } kv_gw_conn;
 
 static void kv_count(kv_gw_conn *c, unsigned status) {
     if (c->counted) return;
     c->counted = true;
+    c->status = status;
     pthread_mutex_lock(&c->g->mu);
     c->g->req_count[c->api][kv_gw_code_index(status)]++;
     pthread_mutex_unlock(&c->g->mu);
@@ -76,6 +92,7 @@ static enum MHD_Result kv_reply(kv_gw_conn *cn, struct MHD_Connection *c, unsign
         MHD_add_response_header(r, "X-KVR-Cost", v);
     }
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", kv_gw_api(cn->api)->auth_challenge);
+    kv_gw_cors_headers(cn->g, c, r);
     kv_count(cn, status);
     enum MHD_Result ret = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
@@ -138,6 +155,58 @@ static void kv_pay_end(kv_gw_conn *c, bool failed) {
     if (rc) fprintf(stderr, "gateway: payment of %s left held (released at the next start): %s\n", c->id, d.msg);
 }
 
+/* The parser's events into the answer: streamed in the API's shapes, or
+ * kept for the whole body. */
+static int kv_on_event(void *ud, const kv_chat_ev *ev) {
+    kv_gw_conn *c = ud;
+    const kv_gw_api_ops *o = kv_gw_api(c->api);
+    const bool stream = c->p->stream;
+    if (ev->type == KV_CHAT_EV_CONTENT) {
+        if (stream) o->stream_delta(&c->res, ev->text, ev->n, &c->out);
+        else kv_gw_buf_add(&c->full, ev->text, ev->n);
+        return 0;
+    }
+    if (ev->type == KV_CHAT_EV_REASONING) {
+        if (stream) o->stream_reasoning(&c->res, ev->text, ev->n, &c->out);
+        else kv_gw_buf_add(&c->reason, ev->text, ev->n);
+        return 0;
+    }
+    kv_gw_call *g = realloc(c->calls, (c->n_calls + 1) * sizeof *g); /* at most KV_CHAT_MAX_CALLS */
+    if (!g) return KV_ENOMEM;
+    c->calls = g;
+    kv_gw_call *k = &c->calls[c->n_calls];
+    memset(k, 0, sizeof *k);
+    snprintf(k->id, sizeof k->id, "%s%s_%u", o->call_prefix, c->id + strlen(o->id_prefix), ev->index);
+    k->name = strdup(ev->name);
+    k->args = strdup(ev->args);
+    k->args_len = ev->args_len;
+    if (!k->name || !k->args) {
+        free(k->name);
+        free(k->args);
+        return KV_ENOMEM;
+    }
+    c->n_calls++;
+    if (stream) o->stream_call(&c->res, ev->index, k, &c->out);
+    return 0;
+}
+
+/* The output parser of a chat request, when its family writes reasoning or
+ * the request has tools to call; none otherwise (the text as it comes). */
+static int kv_parser_start(kv_gw_conn *c) {
+    if (c->api == KV_GW_OPENAI_TEXT || kv_gw_params_raw(c->p)) return 0; /* a raw prompt: its text as it comes */
+    const kv_gw_params *p = c->p;
+    kv_chat_syntax s;
+    if (c->g->tmpl) kv_gw_tmpl_syntax(c->g->tmpl, &s);
+    else kv_chat_detect(NULL, 0, &s); /* ChatML: Hermes calls */
+    s.tools = p->tools && p->tool_choice != KV_GW_TOOLS_NONE;
+    s.tools_json = s.tools ? p->tools : NULL;
+    s.think_open = c->think_open;
+    s.max_calls = p->parallel_calls ? 0 : 1;
+    if (!s.tools && !s.think && s.format != KV_CHAT_FMT_HARMONY) return 0;
+    c->special = s.format != KV_CHAT_FMT_HERMES;
+    return kv_chat_parser_new(&c->parser, &s);
+}
+
 /* Turns new tokens into text, waiting for some if none are new. Returns 0,
  * or -1 when the client went away (the request is cancelled then). */
 static int kv_advance(kv_gw_conn *c, bool stream) {
@@ -162,6 +231,7 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     const bool done = r->state == KV_REQ_DONE;
     const enum kv_stop stop = r->stop;
     const int err = r->err;
+    c->res.cached_tokens = r->n_cached < c->res.prompt_tokens ? r->n_cached : c->res.prompt_tokens;
     char errmsg[256];
     memcpy(errmsg, r->errmsg, sizeof errmsg);
     /* a ring's tokens come with their text (the home decoded them, an
@@ -175,6 +245,7 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     if (rp) memcpy(rp, r->pbuf + r->poff[from], r->poff[n] - r->poff[from]);
     pthread_mutex_unlock(&g->mu);
 
+    if (n > from && c->res.t_first == 0) c->res.t_first = kv_gw_mono();
     bool stopped = false;
     char pb[KV_TOK_MAX_TOKEN_BYTES];
     while (c->consumed < n && !stopped) {
@@ -191,7 +262,7 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
             continue;
         }
         if (kv_tok_is_eog(g->tok, t)) continue;
-        int pn = kv_tok_piece(g->tok, t, false, pb, sizeof pb);
+        int pn = kv_tok_piece(g->tok, t, c->special, pb, sizeof pb);
         if (pn > (int)sizeof pb) pn = (int)sizeof pb;
         if (pn > 0 && kv_gw_text_push(&c->text, pb, (size_t)pn)) return -1;
         stopped = c->text.stopped;
@@ -216,7 +287,14 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
     }
-    if (chunk) {
+    if (c->parser) {
+        const int prc =
+            chunk || final ? kv_chat_parser_push(c->parser, chunk ? chunk : "", cn, final, kv_on_event, c) : 0;
+        free(chunk);
+        if (prc) return -1;
+        if (final && c->n_calls && c->res.finish == KV_GW_FINISH_STOP && !c->res.stop_seq)
+            c->res.finish = KV_GW_FINISH_TOOLS;
+    } else if (chunk) {
         if (stream) kv_gw_api(c->api)->stream_delta(&c->res, chunk, cn, &c->out);
         else kv_gw_buf_add(&c->full, chunk, cn);
         free(chunk);
@@ -322,13 +400,26 @@ static bool kv_tool_role_refused(const kv_gw_params *p, kv_diag *d) {
     return false;
 }
 
+/* A prompt given as token ids: copied into ids (room for them), each
+ * checked against the vocabulary. */
+static int kv_gw_ids_take(const kv_tok *tok, const kv_gw_params *p, int32_t *ids, size_t *n, kv_diag *d) {
+    const int32_t n_vocab = kv_tok_n_vocab(tok);
+    for (size_t i = 0; i < p->n_prompt_ids; i++)
+        if (p->prompt_ids[i] >= n_vocab)
+            return kv_fail(d, KV_EINVAL, "'prompt' token %zu is %d, outside the vocabulary [0, %d)", i, p->prompt_ids[i],
+                           n_vocab);
+    memcpy(ids, p->prompt_ids, p->n_prompt_ids * sizeof *ids);
+    *n = p->n_prompt_ids;
+    return 0;
+}
+
 /* A local request: the prompt tokenized here (the chat template for the
  * chat APIs), paid for when the gateway charges. NULL with *status and d
  * on refusal. */
 static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, const kv_gw_params *p, size_t *n_out,
                                    unsigned *status, kv_diag *d) {
     kv_gateway *g = cn->g;
-    const bool chat = cn->api != KV_GW_OPENAI_TEXT;
+    const bool chat = !kv_gw_params_raw(p);
     char *text = NULL; /* the chat template's rendering */
     size_t text_len = 0;
     *status = 400;
@@ -338,10 +429,11 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
             *status = kv_template_status(rrc);
             return NULL;
         }
+        cn->think_open = kv_chat_prompt_thinks(text, text_len);
     } else if (chat && kv_tool_role_refused(p, d)) {
         return NULL;
     }
-    size_t bytes = text ? text_len + 16 : p->prompt_len + 16;
+    size_t bytes = text ? text_len + 16 : p->prompt_ids ? p->n_prompt_ids + 16 : p->prompt_len + 16;
     for (size_t i = 0; !text && i < p->n_msgs; i++) bytes += p->msgs[i].len + 16;
     const size_t cap = text ? bytes : 3 * bytes + 8; /* a byte-level token holds at least one byte */
     int32_t *ids = malloc(cap * sizeof *ids);
@@ -351,8 +443,10 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
         return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
     }
     size_t off = 0, n = 0;
-    if (kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
-    int rc = !chat ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
+    /* token ids are the prompt as given (no BOS added: llama-server's rule) */
+    if (!p->prompt_ids && kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
+    int rc = p->prompt_ids ? kv_gw_ids_take(g->tok, p, ids, &n, d)
+           : !chat ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
            : text  ? kv_gw_tmpl_encode(g->tok, p, text, text_len, ids + off, cap - off, &n, d)
                    : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, p->add_generation_prompt, ids + off, cap - off,
                                           &n, d);
@@ -408,6 +502,12 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (!p->has_seed) r->so.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
     r->so.max_tokens = max_tokens;
     r->so.ignore_eog = p->ignore_eos;
+    if (g->n_script) { /* TEST ONLY (script.c) */
+        pthread_mutex_lock(&g->mu);
+        r->script = &g->script[g->script_next++ % g->n_script];
+        pthread_mutex_unlock(&g->mu);
+        r->so.ignore_eog = true; /* the script ends it, not a sampled end-of-generation token */
+    }
     *n_out = n;
     return r;
 }
@@ -481,20 +581,30 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (p->model && strcmp(p->model, g->model))
         return kv_reply_err(cn, c, 404, "model '%.256s' is not served here (this gateway serves '%s')", p->model,
                             g->model);
+    if (cn->api == KV_GW_OLLAMA_GEN && !kv_gw_params_raw(p) && !p->n_msgs) /* Ollama's "load the model" */
+        return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_load_json(g));
+    const bool forced = kv_gw_tool_call_forced(p); /* a compulsory call: sampled under its grammar (below) */
+    if (forced && p->grammar)
+        return kv_reply_err(cn, c, 400, "'tool_choice' and '%s' both constrain the output; give one", p->grammar_field);
+    if (g->n_ring && (p->grammar || forced)) /* the ring's last node samples: it would need the grammar */
+        return kv_reply_err(cn, c, 400, "'%s' is not supported over the ring (not yet): constrained sampling needs "
+                            "the grammar where the ring samples", forced ? "tool_choice" : p->grammar_field);
+    char why[320];
+    if (kv_gw_unavailable(g, why, sizeof why)) return kv_reply_err(cn, c, 503, "%s", why);
     kv_gw_req *r = NULL;
     size_t n = 0;
-    if (g->n_ring && p->grammar) /* the ring's last node samples: it would need the grammar */
-        return kv_reply_err(cn, c, 400, "'%s' is not supported over the ring (not yet): constrained sampling needs "
-                            "the grammar where the ring samples", p->grammar_field);
+    if (g->n_ring && p->prompt_ids)
+        return kv_reply_err(cn, c, 400, "a prompt of token ids cannot go to a ring (its nodes tokenize): send text");
     if (g->n_ring) {
         /* the ring's home tokenizes: the rendering when a template is given
            here, else the messages (the home applies ChatML) */
         char *text = NULL;
         size_t tl = 0;
-        if (cn->api != KV_GW_OPENAI_TEXT && g->tmpl) {
+        if (!kv_gw_params_raw(p) && g->tmpl) {
             const int rc = kv_gw_tmpl_render(g->tmpl, p, &text, &tl, &d);
             if (rc) return kv_reply_err(cn, c, kv_template_status(rc), "%s", d.msg);
-        } else if (cn->api != KV_GW_OPENAI_TEXT && kv_tool_role_refused(p, &d)) {
+            cn->think_open = kv_chat_prompt_thinks(text, tl);
+        } else if (!kv_gw_params_raw(p) && kv_tool_role_refused(p, &d)) {
             return kv_reply_err(cn, c, 400, "%s", d.msg);
         }
         r = kv_gw_ring_req_new(g, cn->api, p, text, tl);
@@ -504,8 +614,24 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         unsigned status = 0;
         if (!(r = kv_local_req_new(cn, c, p, &n, &status, &d)))
             return kv_reply_err(cn, c, status, "%s", d.msg);
-        r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
-        p->grammar = NULL;
+        int grc = 0;
+        if (forced) { /* the template is rendered now: its family, and whether it opened <think> */
+            kv_chat_syntax syn;
+            if (g->tmpl) kv_gw_tmpl_syntax(g->tmpl, &syn);
+            else kv_chat_detect(NULL, 0, &syn);
+            grc = kv_gw_tool_choice_grammar(&r->grammar, p, syn.format, cn->think_open, &d);
+        } else {
+            r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
+            p->grammar = NULL;
+        }
+        if (grc) {
+            pthread_mutex_lock(&g->mu);
+            r->refs = 1;
+            kv_gw_req_unref_locked(r);
+            pthread_mutex_unlock(&g->mu);
+            kv_pay_end(cn, true);
+            return kv_reply_err(cn, c, grc == KV_ENOMEM ? 500 : 400, "%s", d.msg);
+        }
     }
     r->refs = 2;
     r->client = kv_client_of(g, c);
@@ -556,8 +682,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     snprintf(cn->id, sizeof cn->id, "%skv%llx%llu", kv_gw_api(cn->api)->id_prefix, (unsigned long long)g->started,
              (unsigned long long)r->id);
     cn->res = (kv_gw_result){.id = cn->id, .model = g->model, .created = (long long)time(NULL),
-                             .prompt_tokens = (uint32_t)n};
+                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss, .t_start = cn->t0};
     kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
+    if (kv_parser_start(cn)) return kv_reply_err(cn, c, 500, "out of memory");
 
     if (p->stream) {
         kv_gw_api(cn->api)->stream_begin(&cn->res, &cn->out);
@@ -565,6 +692,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, "Content-Type", kv_gw_api(cn->api)->stream_type);
         MHD_add_response_header(resp, "Cache-Control", "no-cache");
+        kv_gw_cors_headers(g, c, resp);
         kv_count(cn, 200);
         enum MHD_Result ret = MHD_queue_response(c, 200, resp);
         MHD_destroy_response(resp);
@@ -581,13 +709,17 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             const bool displaced = r->displaced;
             pthread_mutex_unlock(&g->mu);
             if (displaced) return kv_reply_err(cn, c, 503, "%s", msg);
+            /* the swarm lost what it needs while this waited (the retries ran out): 503, retry later */
+            if (!g->n_ring && kv_gw_unavailable(g, why, sizeof why))
+                return kv_reply_err(cn, c, 503, "generation failed: %s; %s", msg, why);
             /* a ring that broke or went out of reach is a 503 (retry later), not a fault here */
             return kv_reply_err(cn, c, g->n_ring ? kv_gw_ring_http_status(err) == 400 ? 500 : kv_gw_ring_http_status(err) : 500,
                                 "generation failed: %s", msg);
         }
-    if (cn->full.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
-    return kv_reply(cn, c, 200, "application/json",
-                    kv_gw_api(cn->api)->full_body(&cn->res, cn->full.p ? cn->full.p : "", cn->full.n));
+    if (cn->full.oom || cn->reason.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
+    const kv_gw_answer ans = {.text = cn->full.p ? cn->full.p : "", .n = cn->full.n, .reasoning = cn->reason.p,
+                            .rn = cn->reason.n, .calls = cn->calls, .n_calls = cn->n_calls};
+    return kv_reply(cn, c, 200, "application/json", kv_gw_api(cn->api)->full_body(&cn->res, &ans));
 }
 
 static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
@@ -603,16 +735,34 @@ static void kv_route_of(kv_gw_conn *cn, const char *method, const char *url) {
         {"POST", "/v1/messages", KV_R_GEN, KV_GW_ANTHROPIC},
         {"POST", "/api/chat", KV_R_GEN, KV_GW_OLLAMA},
         {"POST", "/apply-template", KV_R_TEMPLATE, KV_GW_OPENAI_CHAT},
+        {"POST", "/completion", KV_R_GEN, KV_GW_LLAMA},
+        {"POST", "/api/generate", KV_R_GEN, KV_GW_OLLAMA_GEN},
+        {"GET", "/", KV_R_WEBUI, KV_GW_API_COUNT}, {"GET", "/index.html", KV_R_WEBUI, KV_GW_API_COUNT},
     };
+    static const char *const methods[] = {"GET", "POST", "OPTIONS", "HEAD", "PUT", "DELETE", "PATCH"};
+    cn->method = "other";
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++)
+        if (!strcmp(method, methods[i])) cn->method = methods[i];
     cn->route = KV_R_NOTFOUND;
+    cn->t0 = kv_gw_mono();
     cn->api = !strncmp(url, "/api/", 5) ? KV_GW_OLLAMA : !strcmp(url, "/v1/messages") ? KV_GW_ANTHROPIC
                                                                                        : KV_GW_API_COUNT;
+    cn->route_name = "-";
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(url, t[i].u)) {
             cn->api = t[i].api;
             cn->route = strcmp(method, t[i].m) ? KV_R_METHOD : t[i].route;
-            return;
+            cn->route_name = t[i].u;
+            break;
         }
+    bool method_ok = false;
+    int api = 0;
+    if (cn->route == KV_R_NOTFOUND && kv_gw_endpoint_of(method, url, &method_ok, &api, &cn->route_name)) {
+        cn->api = api;
+        cn->route = method_ok ? KV_R_ENDPOINT : KV_R_METHOD;
+    }
+    /* a CORS preflight (with --cors) of a path served here: before the key check */
+    if (cn->route == KV_R_METHOD && !strcmp(method, "OPTIONS") && cn->g->n_cors) cn->route = KV_R_PREFLIGHT;
 }
 
 enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -656,11 +806,38 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
         return MHD_YES;
     }
     kv_http_guard_busy(g->guard, c); /* whole: no deadline while it is answered */
+    if (cn->route == KV_R_PREFLIGHT) {
+        kv_gw_reply a;
+        kv_gw_cors_preflight(g, c, &a);
+        if (!a.body) return MHD_NO;
+        struct MHD_Response *r = MHD_create_response_from_buffer(strlen(a.body), a.body, MHD_RESPMEM_MUST_FREE);
+        if (!r) {
+            free(a.body);
+            return MHD_NO;
+        }
+        if (a.status == 204) {
+            MHD_add_response_header(r, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+            MHD_add_response_header(r, "Access-Control-Allow-Headers",
+                                    "Authorization, Content-Type, x-api-key, anthropic-version, X-KVR-Payment");
+            MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+        } else {
+            MHD_add_response_header(r, "Content-Type", a.type);
+        }
+        kv_gw_cors_headers(g, c, r);
+        kv_count(cn, a.status);
+        enum MHD_Result ret = MHD_queue_response(c, a.status, r);
+        MHD_destroy_response(r);
+        return ret;
+    }
     if (cn->route == KV_R_NOTFOUND) return kv_reply_err(cn, c, 404, "no route %.8s %.200s", method, url);
     if (cn->route == KV_R_METHOD) return kv_reply_err(cn, c, 405, "%.8s is not allowed on %.200s", method, url);
     if (cn->too_big)
         return kv_reply_err(cn, c, 413, "the request body is larger than %zu bytes", g->o.body_max);
-    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES;
+    if (cn->route == KV_R_WEBUI && g->o.no_web_ui)
+        return kv_reply_err(cn, c, 404, "the chat page is off (--no-web-ui)");
+    const bool open = cn->route == KV_R_HEALTH || cn->route == KV_R_METRICS || cn->route == KV_R_PRICES ||
+                      cn->route == KV_R_WEBUI || /* the page holds no data: it asks for the key itself */
+                      (cn->route == KV_R_ENDPOINT && !strcmp(cn->route_name, "/api/version")); /* says nothing of the model */
     if (!open && !kv_key_ok(g, c)) return kv_reply_err(cn, c, 401, "missing or invalid API key");
     switch (cn->route) {
     case KV_R_HEALTH: {
@@ -684,6 +861,19 @@ enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *ur
         return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_tags(g->model, g->started, 0));
     }
     case KV_R_TEMPLATE: return kv_apply_template(cn, c);
+    case KV_R_ENDPOINT: {
+        kv_gw_reply a;
+        kv_gw_endpoint(g, url, cn->body, cn->n, cn->api, &a);
+        return kv_reply(cn, c, a.status, a.type, a.body);
+    }
+    case KV_R_WEBUI: {
+        struct MHD_Response *r = kv_gw_webui_response();
+        if (!r) return MHD_NO;
+        kv_count(cn, 200);
+        const enum MHD_Result ret = MHD_queue_response(c, 200, r);
+        MHD_destroy_response(r);
+        return ret;
+    }
     default: return kv_generate(cn, c);
     }
 }
@@ -706,7 +896,17 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
         pthread_mutex_unlock(&g->mu);
     }
     kv_pay_end(cn, true); /* held without a request (cannot happen): back whole */
+    if (cn->counted)
+        kv_gw_log_request(g, cn->method, cn->route_name, cn->status, cn->res.prompt_tokens, cn->res.completion_tokens,
+                          (kv_gw_mono() - cn->t0) * 1e3);
     kv_gw_text_free(&cn->text);
+    kv_chat_parser_free(cn->parser);
+    for (uint32_t i = 0; i < cn->n_calls; i++) {
+        free(cn->calls[i].name);
+        free(cn->calls[i].args);
+    }
+    free(cn->calls);
+    free(cn->reason.p);
     kv_gw_params_free(cn->p);
     free(cn->p);
     free(cn->out.p);

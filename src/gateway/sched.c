@@ -88,7 +88,7 @@ static void kv_req_record_work(kv_gateway *g, kv_gw_req *r) {
 void kv_gw_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *msg) {
     if (r->s) {
         if (r->paid && !err) kv_req_record_work(g, r); /* who to pay (a failed one is released) */
-        r->stop = kv_session_stop_reason(r->s);
+        r->stop = r->script && r->n_toks >= r->script->n ? KV_STOP_EOG : kv_session_stop_reason(r->s);
         kv_session_free(r->s);
         r->s = NULL;
     }
@@ -259,7 +259,10 @@ static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
 void *kv_gw_sched_main(void *arg) {
     kv_gateway *g = arg;
     if (g->n_ring) return kv_gw_sched_ring(g);
+    kv_engine_stats es0;
+    kv_engine_get_stats(g->e, &es0);
     pthread_mutex_lock(&g->mu);
+    g->eng = es0;
     kv_gw_sched_health_locked(g);
     while (!g->quit) {
         /* leave: queued or active requests whose client went away */
@@ -312,7 +315,10 @@ void *kv_gw_sched_main(void *arg) {
         const double t0 = kv_now();
         const int rc = kv_engine_step(g->e, &d);
         const double dt = kv_now() - t0;
+        kv_engine_stats es;
+        kv_engine_get_stats(g->e, &es); /* the engine is this thread's: /metrics reads the copy */
         pthread_mutex_lock(&g->mu);
+        g->eng = es;
         kv_gw_metrics_step_locked(g, dt);
         kv_remote *rm = kv_engine_remote(g->e);
         if (rc < 0 && rm && (g->fail_since == 0 || kv_now() - g->fail_since < g->o.step_retry_ms / 1000.0)) {
@@ -352,14 +358,19 @@ void *kv_gw_sched_main(void *arg) {
         }
         for (kv_gw_req **pp = &g->active; *pp;) {
             kv_gw_req *r = *pp;
-            const int32_t t = kv_session_token(r->s);
+            int32_t t = kv_session_token(r->s);
+            if (r->script) t = t >= 0 && r->n_toks < r->script->n ? r->script->toks[r->n_toks] : -1; /* TEST ONLY */
             if (t >= 0 && r->n_toks < r->cap) {
                 r->toks[r->n_toks++] = t;
                 g->tokens_generated++;
             }
             const enum kv_session_status st = kv_session_status(r->s);
             r->sst = st;
-            if (st == KV_SESSION_DONE || st == KV_SESSION_FAILED || r->n_toks >= r->cap) {
+            kv_session_stats ss;
+            kv_session_get_stats(r->s, &ss);
+            r->n_cached = ss.n_cached;
+            if (st == KV_SESSION_DONE || st == KV_SESSION_FAILED || r->n_toks >= r->cap ||
+                (r->script && r->n_toks >= r->script->n)) {
                 kv_diag sd = {0};
                 const int err = st == KV_SESSION_FAILED ? kv_session_error(r->s, &sd) : 0;
                 *pp = r->next;

@@ -171,9 +171,13 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
                            (unsigned long long)n_rec, kv_gw_pay_id(g->pay));
     }
     g->o.ledger_path = g->o.gateway_key_path = g->o.gateway_id = NULL; /* the caller's strings */
+    if ((rc = kv_gw_endpoints_start(g, &o, d))) goto fail;
+    g->o.cors_origins = NULL;
+    g->o.model_path = NULL;
     g->o.chat_template = g->o.chat_template_name = NULL;
     g->o.chat_template_len = 0;
     if ((rc = kv_gw_template_start(g, &o, d))) goto fail;
+    if ((rc = kv_gw_script_load(g, d))) goto fail;
     kv_gw_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if (g->n_ring) kv_gw_ring_poll(g); /* the same for a ring: the entry nodes asked once now */
     if (pthread_create(&g->sched, NULL, kv_gw_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
@@ -200,6 +204,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if (!g->mhd) { rc = kv_fail(d, KV_EIO, "gateway: cannot listen on %.100s port %u (in use, or not a local address?)", opts && opts->host ? opts->host : "127.0.0.1", o.port); goto fail; }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(g->mhd, MHD_DAEMON_INFO_BIND_PORT);
     g->port = di ? di->port : o.port;
+    kv_gw_summary(g, opts && opts->host ? opts->host : "127.0.0.1", o.tls != NULL);
     *out = g;
     return 0;
 fail:
@@ -276,6 +281,8 @@ void kv_gateway_free(kv_gateway *g) {
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
     kv_gw_tmpl_free(g->tmpl);
+    kv_gw_script_free(g);
+    kv_gw_endpoints_free(g);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);
     free(g->keys);
     pthread_cond_destroy(&g->work_cv);

@@ -6,7 +6,12 @@
  *              the engine's steps, health from the workers' coverage;
  *   ring.c     the same over ring entry nodes: a thread per request, the
  *              nodes' STATUS for /health;
- *   metrics.c  /metrics, /v1/slots and /health's bodies.
+ *   metrics.c  /metrics, /v1/slots and /health's bodies;
+ *   endpoints.c the endpoints that are no generation (/tokenize,
+ *              /detokenize, /props, /api/show, /api/version, /api/ps,
+ *              /v1/models/{id}), CORS, the request log line and the
+ *              startup summary;
+ *   webui.c    the chat page at / (chat.html, compiled in) and its CSP.
  * What each API's requests and answers look like is gateway_internal.h's
  * (one table of handlers per API); this file is the server's plumbing.
  *
@@ -56,6 +61,14 @@
 
 enum { KV_REQ_QUEUED = 0, KV_REQ_ACTIVE, KV_REQ_DONE };
 
+/* TEST ONLY (script.c): a scripted output's tokens */
+#define KV_GW_SCRIPT_MAX 64u
+#define KV_GW_SCRIPT_MAX_BYTES (1u << 20)
+typedef struct kv_gw_script {
+    int32_t *toks;              /* [n] */
+    uint32_t n;
+} kv_gw_script;
+
 typedef struct kv_gw_req {
     struct kv_gw_req *next;     /* queue or active list (g->mu) */
     uint64_t id;                /* 1, 2, ... */
@@ -66,6 +79,7 @@ typedef struct kv_gw_req {
     uint32_t n_prompt;
     uint32_t max_tokens;
     struct kv_grammar *grammar; /* structured output its session samples under (owned), NULL none */
+    const kv_gw_script *script; /* TEST ONLY: the tokens published in place of the sampled ones, or NULL */
     /* guarded by g->mu */
     int refs;
     int state;                  /* KV_REQ_* */
@@ -78,6 +92,7 @@ typedef struct kv_gw_req {
     char errmsg[256];
     kv_session *s;              /* the scheduler's */
     enum kv_session_status sst; /* last seen, for /v1/slots */
+    uint32_t n_cached;          /* prompt tokens its session took from the prompt cache */
     bool paid;                  /* its work is recorded below when it finishes */
     uint64_t products;          /* its session's (token, expert) products (kv_session_work), once DONE */
     kv_gw_work_node *work;      /* [n_work] workers that answered some of them, once DONE */
@@ -125,8 +140,12 @@ struct kv_gateway {
     uint64_t steps, steps_failed;
     uint64_t tokens_generated;  /* tokens the engine produced for requests (sent or not) */
     uint32_t max_batch;         /* most sessions one step carried */
+    kv_engine_stats eng;        /* the engine's counters after the last step (the scheduler's copy) */
     kv_gw_pay *pay;             /* charging (pay.h), NULL when free */
     kv_gw_tmpl *tmpl;           /* the chat template (immutable: any thread), NULL: ChatML */
+    kv_gw_script script[KV_GW_SCRIPT_MAX]; /* TEST ONLY (script.c): [n_script], immutable once started */
+    uint32_t n_script;
+    uint64_t script_next;       /* (mu) the next request's text */
     kv_http_guard *guard;       /* connection limits and request deadlines (http_guard.h) */
     uint8_t client_salt[16];    /* keys the hash that names a client (kv_gw_req.client) */
     size_t parse_live;          /* (mu) bytes parsed JSON holds, or is reserved for a parse */
@@ -165,6 +184,13 @@ struct kv_gateway {
     } ring_st[KV_GATEWAY_MAX_RING];
     uint32_t ring_rr;           /* next entry to try first */
     uint32_t n_ring_threads;    /* request threads alive */
+    /* endpoints.c (immutable once started) */
+    char **cors;                /* [n_cors] allowed Origins ("*": any) */
+    uint32_t n_cors;
+    char *model_path;           /* for /props, or NULL */
+    const char *tmpl_src;       /* the chat template's source (for /props, /api/show), or NULL */
+    size_t tmpl_src_len;
+    char *tmpl_own;             /* tmpl_src when it is our copy (freed) */
 };
 
 /* ---- sched.c ---- */
@@ -188,12 +214,57 @@ unsigned kv_gw_ring_http_status(int err);
  * sent as the prompt, or NULL. NULL on no memory. */
 kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, const char *text, size_t text_len);
 
+/* ---- script.c (TEST ONLY) ---- */
+int kv_gw_script_load(kv_gateway *g, kv_diag *d); /* KVASIR_GATEWAY_TEST_SCRIPT, if set */
+void kv_gw_script_free(kv_gateway *g);
+
 /* ---- metrics.c ---- */
 int kv_gw_code_index(unsigned status);              /* into req_count's second index */
 void kv_gw_metrics_step_locked(kv_gateway *g, double seconds); /* one engine step's time */
 char *kv_gw_metrics_text(kv_gateway *g);            /* GET /metrics (malloc'd; NULL on no memory) */
 char *kv_gw_slots_json(kv_gateway *g);              /* GET /v1/slots */
 char *kv_gw_health_json(kv_gateway *g, bool *ok);   /* GET /health: the body, *ok for 200 or 503 */
+
+/* ---- endpoints.c ---- */
+/* An answer: status, Content-Type and a malloc'd body (NULL on no memory). */
+typedef struct kv_gw_reply {
+    unsigned status;
+    const char *type;
+    char *body;
+} kv_gw_reply;
+/* At start, before the template: the CORS origins, the model path and the
+ * template's source copied (KV_EINVAL naming a bad origin, KV_ENOMEM). */
+int kv_gw_endpoints_start(kv_gateway *g, const kv_gateway_opts *o, kv_diag *d);
+void kv_gw_endpoints_free(kv_gateway *g);
+/* The summary of the model on stderr (unless quiet), once listening. */
+void kv_gw_summary(kv_gateway *g, const char *host, bool tls);
+/* Whether url (with method) is one of endpoints.c's; *api the error shape,
+ * *name its path as the log names it (a static string). */
+bool kv_gw_endpoint_of(const char *method, const char *url, bool *method_ok, int *api, const char **name);
+/* Answers an endpoint of endpoints.c (url as kv_gw_endpoint_of took it;
+ * body n bytes, read within body_max). */
+void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, int api, kv_gw_reply *a);
+/* CORS headers on r for c's Origin (none without --cors or a match). */
+void kv_gw_cors_headers(const kv_gateway *g, struct MHD_Connection *c, struct MHD_Response *r);
+/* An OPTIONS preflight: true when CORS is on (a is then the answer). */
+bool kv_gw_cors_preflight(const kv_gateway *g, struct MHD_Connection *c, kv_gw_reply *a);
+/* Ollama's answer to an /api/generate with no prompt (it loads the model:
+ * here it is always loaded): {"model","created_at","response":"",
+ * "done":true,"done_reason":"load"}. Malloc'd; NULL on no memory. */
+char *kv_gw_ollama_load_json(const kv_gateway *g);
+/* The request log line (unless quiet). */
+void kv_gw_log_request(const kv_gateway *g, const char *method, const char *route, unsigned status,
+                       uint32_t prompt_tokens, uint32_t completion_tokens, double ms);
+/* A prompt to an unhealthy gateway: true with msg (cap bytes) saying why
+ * (a 503 at once, rather than a request that waits on a swarm that cannot
+ * compute it). */
+bool kv_gw_unavailable(kv_gateway *g, char *msg, size_t cap);
+
+/* ---- webui.c ---- */
+/* GET /'s response: the chat page with its headers (CSP, type); NULL on no
+ * memory. The caller queues and destroys it. Thread-safe. */
+struct MHD_Response *kv_gw_webui_response(void);
+const char *kv_gw_webui_csp(void); /* the page's Content-Security-Policy (static) */
 
 /* ---- routes.c ---- */
 enum MHD_Result kv_gw_handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,

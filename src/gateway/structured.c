@@ -4,9 +4,10 @@
  *   OpenAI chat and completions: "response_format" {"type": "text"},
  *     {"type": "json_object"}, {"type": "json_schema", "json_schema":
  *     {"name", "schema", "strict"}};
- *   llama-server's "grammar" (GBNF text) and "json_schema" (a schema), on
- *     chat and completions;
- *   Ollama's "format": "json" or a schema object.
+ *   llama-server's "grammar" (GBNF text; "" is none) and "json_schema" (a
+ *     schema), on chat and completions and on its own /completion (which
+ *     takes response_format too);
+ *   Ollama's "format": "json" or a schema object (/api/chat, /api/generate).
  * At most one of them per request. A field of the wrong shape, a schema
  * outside the compiler's subset or GBNF that does not parse is an error
  * naming the field and carrying the compiler's message (keyword and JSON
@@ -15,7 +16,7 @@
  * Tool calls: kv_gw_tools_gbnf builds the grammar of a family's tool-call
  * text with each function's arguments following its parameters' schema,
  * for tool_choice "required" (any of the tools) or a named function (that
- * one). Everything here is free of I/O (fuzzed through kv_gw_parse). */
+ * one): a compulsory call is sampled under it (routes.c). Everything here is free of I/O (fuzzed through kv_gw_parse). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,14 +95,16 @@ static int kv_st_pick(json_t *o, int api, const char **field, json_t **val, kv_d
     static const char *const openai[] = {"response_format", "grammar", "json_schema", NULL};
     static const char *const ollama[] = {"format", NULL};
     static const char *const none[] = {NULL};
-    const char *const *keys = api == KV_GW_OPENAI_CHAT || api == KV_GW_OPENAI_TEXT ? openai
-                            : api == KV_GW_OLLAMA                                  ? ollama
-                                                                                   : none;
+    const char *const *keys = api == KV_GW_OPENAI_CHAT || api == KV_GW_OPENAI_TEXT || api == KV_GW_LLAMA ? openai
+                            : api == KV_GW_OLLAMA || api == KV_GW_OLLAMA_GEN                         ? ollama
+                                                                                                     : none;
     *field = NULL;
     *val = NULL;
     for (size_t i = 0; keys[i]; i++) {
         json_t *v = json_object_get(o, keys[i]);
-        if (!v || json_is_null(v)) continue;
+        /* null, and llama-server's "grammar": "" default, ask for nothing */
+        if (!v || json_is_null(v) || (!strcmp(keys[i], "grammar") && json_is_string(v) && !json_string_length(v)))
+            continue;
         if (*field)
             return kv_fail(d, KV_EINVAL, "'%s' and '%s' both constrain the output; give one", *field, keys[i]);
         *field = keys[i];
@@ -156,7 +159,8 @@ static int kv_st_cat(char **buf, size_t *len, size_t *cap, const char *s, size_t
     return 0;
 }
 
-int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, kv_diag *d) {
+int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, bool close_think,
+                     kv_diag *d) {
     *gbnf = NULL;
     if (format != KV_GW_CALLS_HERMES)
         return kv_fail(d, KV_EUNSUPPORTED, "tools: constraining the calls of this model's tool-call format (%d) is not "
@@ -217,7 +221,8 @@ int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, b
     }
     if (!rc && only && !n_alt) rc = kv_fail(d, KV_EINVAL, "tool_choice names function '%.64s', which is not in 'tools'", only);
     char head[96];
-    snprintf(head, sizeof head, "root ::= call%s\n", parallel ? " (\"\\n\" call)*" : "");
+    snprintf(head, sizeof head, "root ::= %scall%s\n", close_think ? "\"</think>\\n\\n\" " : "",
+             parallel ? " (\"\\n\" call)*" : "");
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, head, lim.max_text_bytes, d);
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, "call ::= \"<tool_call>\\n{\\\"name\\\": \" (\n      ", lim.max_text_bytes, d);
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, alts, lim.max_text_bytes, d);
@@ -231,10 +236,11 @@ int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, b
     return 0;
 }
 
-int kv_gw_tools_grammar(kv_grammar **out, json_t *tools, const char *only, int format, bool parallel, kv_diag *d) {
+int kv_gw_tools_grammar(kv_grammar **out, json_t *tools, const char *only, int format, bool parallel, bool close_think,
+                        kv_diag *d) {
     *out = NULL;
     char *gbnf = NULL;
-    int rc = kv_gw_tools_gbnf(&gbnf, tools, only, format, parallel, d);
+    int rc = kv_gw_tools_gbnf(&gbnf, tools, only, format, parallel, close_think, d);
     if (rc) return rc;
     kv_grammar_limits lim;
     kv_gw_grammar_limits(&lim);
@@ -242,5 +248,21 @@ int kv_gw_tools_grammar(kv_grammar **out, json_t *tools, const char *only, int f
     rc = kv_grammar_parse(out, gbnf, strlen(gbnf), &lim, &gd);
     free(gbnf);
     if (rc) return kv_fail(d, rc, "tools: %.400s", gd.msg);
+    return 0;
+}
+
+bool kv_gw_tool_call_forced(const kv_gw_params *p) {
+    return p->tools && (p->tool_choice == KV_GW_TOOLS_REQUIRED || p->tool_choice == KV_GW_TOOLS_NAMED);
+}
+
+int kv_gw_tool_choice_grammar(kv_grammar **out, const kv_gw_params *p, int format, bool think_open, kv_diag *d) {
+    *out = NULL;
+    const int rc = kv_gw_tools_grammar(out, p->tools, p->tool_choice == KV_GW_TOOLS_NAMED ? p->tool_choice_name : NULL,
+                                       format, p->parallel_calls, think_open, d);
+    if (rc) {
+        char msg[sizeof d->msg];
+        snprintf(msg, sizeof msg, "%s", d->msg);
+        return kv_fail(d, rc, "'tool_choice': %.400s", msg);
+    }
     return 0;
 }

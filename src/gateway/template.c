@@ -4,12 +4,21 @@
  * What the template sees (the variables llama.cpp and transformers give
  * it): `messages`, the request's messages in order, each its JSON object
  * as sent except that content given as text blocks is one string (the
- * blocks joined), role "developer" is "system", and a tool call's
+ * blocks joined; content null or absent, as with a tool call and no text,
+ * is ""), role "developer" is "system", and a tool call's
  * `function.arguments` given as a string of JSON is that JSON (an object,
  * as templates index it); Anthropic's top-level `system` is a first system
  * message. `tools` when the request has them, `add_generation_prompt`
  * (true unless the body says otherwise), and `bos_token` / `eos_token`,
  * the texts of the model's BOS and EOS tokens ("" when it has none).
+ * Anthropic's blocks become OpenAI's shape: a tool_use block an entry of
+ * the assistant message's `tool_calls` (its input the arguments object), a
+ * thinking block its `reasoning_content`, each tool_result block a message
+ * of role "tool" with `tool_call_id`, and Anthropic's tools OpenAI's
+ * {"type":"function","function":{name, description, parameters}}. `tools`
+ * are left out with tool_choice "none". The request's
+ * `chat_template_kwargs` (and `enable_thinking` from Anthropic's thinking
+ * or Ollama's think) are top-level variables too.
  *
  * Tokens: the rendering with the template's special tokens as their ids,
  * but a special token's text inside a client's string stays text wherever
@@ -26,6 +35,7 @@
 
 struct kv_gw_tmpl {
     kv_chat_tmpl *t;        /* the parsed template */
+    kv_chat_syntax syn;     /* its family's output syntax (kv_chat_detect) */
     char *bos, *eos;        /* texts of the model's BOS and EOS tokens ("" if none) */
     char name[128];         /* where it came from, for messages */
 };
@@ -61,6 +71,7 @@ int kv_gw_tmpl_open(kv_gw_tmpl **out, const kv_tok *tok, const char *src, size_t
         kv_gw_tmpl_free(m);
         return rc;
     }
+    kv_chat_detect(src, len, &m->syn);
     m->bos = kv_tok_text_dup(tok, tok ? kv_tok_bos(tok) : -1);
     m->eos = kv_tok_text_dup(tok, tok ? kv_tok_eos(tok) : -1);
     if (!m->bos || !m->eos) {
@@ -81,6 +92,8 @@ void kv_gw_tmpl_free(kv_gw_tmpl *m) {
 
 const char *kv_gw_tmpl_name(const kv_gw_tmpl *m) { return m->name; }
 
+void kv_gw_tmpl_syntax(const kv_gw_tmpl *m, kv_chat_syntax *out) { *out = m->syn; }
+
 /* A tool call's arguments as the template indexes them: a string holding
  * JSON becomes that JSON; anything else stays. */
 static void kv_args_parsed(json_t *msg) {
@@ -99,18 +112,20 @@ static void kv_args_parsed(json_t *msg) {
 
 int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out, kv_diag *d) {
     *out = NULL;
-    json_t *ctx = json_object(), *msgs = json_array();
+    json_t *ctx = json_object(), *msgs = p->tmpl_msgs ? json_deep_copy(p->tmpl_msgs) : json_array();
     if (!ctx || !msgs) goto oom;
     json_t *src = p->json ? json_object_get(p->json, "messages") : NULL;
     const size_t n_src = json_is_array(src) ? json_array_size(src) : 0;
     const size_t skip = p->n_msgs > n_src ? p->n_msgs - n_src : 0; /* Anthropic's system */
-    for (size_t i = 0; i < p->n_msgs; i++) {
+    for (size_t i = 0; !p->tmpl_msgs && i < p->n_msgs; i++) {
         json_t *orig = i >= skip ? json_array_get(src, i - skip) : NULL;
         const bool plain = p->api == KV_GW_ANTHROPIC || !json_is_object(orig);
         json_t *o = plain ? json_object() : json_deep_copy(orig);
         if (!o || json_array_append_new(msgs, o)) goto oom;
         if (json_object_set_new(o, "role", json_string(p->msgs[i].role))) goto oom;
-        if (plain || json_is_array(json_object_get(orig, "content")))
+        /* blocks joined; null or absent (a call without text) is "", as
+           llama-server gives it: templates concatenate it */
+        if (plain || !json_is_string(json_object_get(orig, "content")))
             if (json_object_set_new(o, "content", json_stringn(p->msgs[i].content, p->msgs[i].len))) goto oom;
         kv_args_parsed(o);
     }
@@ -119,11 +134,12 @@ int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out,
         goto oom;
     }
     msgs = NULL;
-    json_t *tools = p->json && p->api != KV_GW_ANTHROPIC ? json_object_get(p->json, "tools") : NULL;
-    if (tools && !json_is_null(tools)) {
-        json_t *tc = json_deep_copy(tools);
+    /* with tool_choice "none" the model is not told of the tools */
+    if (p->tools && p->tool_choice != KV_GW_TOOLS_NONE) {
+        json_t *tc = json_deep_copy(p->tools);
         if (!tc || json_object_set_new(ctx, "tools", tc)) goto oom;
     }
+    if (p->kwargs && json_object_update(ctx, p->kwargs)) goto oom; /* none names the variables below */
     if (json_object_set_new(ctx, "add_generation_prompt", json_boolean(p->add_generation_prompt)) ||
         json_object_set_new(ctx, "bos_token", json_string(m->bos)) ||
         json_object_set_new(ctx, "eos_token", json_string(m->eos)))

@@ -78,8 +78,23 @@ static int kv_bio_write(BIO *b, const char *buf, int n) {
     return (int)k;
 }
 
+/* A client's BIO until its first byte came: a first byte that is no TLS
+ * record (types 20..23) is left unread and the read fails (EPROTO), so the
+ * server's plaintext answer (a refusal frame written before it knew the
+ * transport) stays whole in the socket for the owner to read. */
+#define KV_BIO_FLAG_FIRST 0x40000000
+
 static int kv_bio_read(BIO *b, char *buf, int n) {
     BIO_clear_retry_flags(b);
+    if (BIO_test_flags(b, KV_BIO_FLAG_FIRST)) {
+        uint8_t c;
+        ssize_t p = recv(kv_bio_fd(b), &c, 1, MSG_PEEK);
+        if (p == 1 && (c < 0x14 || c > 0x17)) {
+            errno = EPROTO;
+            return -1;
+        }
+        if (p == 1) BIO_clear_flags(b, KV_BIO_FLAG_FIRST);
+    }
     ssize_t k = recv(kv_bio_fd(b), buf, (size_t)n, 0);
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) BIO_set_retry_read(b);
     if (k == 0) BIO_set_flags(b, BIO_FLAGS_IN_EOF); /* BIO_eof: the record layer's end of stream */
@@ -442,6 +457,7 @@ static int kv_tls_bind(kv_tls *t, int fd) {
         return KV_ENOMEM;
     }
     BIO_set_data(b, (void *)(intptr_t)fd);
+    if (!t->server) BIO_set_flags(b, KV_BIO_FLAG_FIRST);
     SSL_set_bio(t->ssl, b, b);
     t->fd = fd;
     return 0;
@@ -455,6 +471,10 @@ static int kv_tls_handshake_fail(kv_tls *t, int sslerr) {
     const int reason = e ? ERR_GET_REASON(e) : 0;
     ERR_clear_error();
     if (t->pin_failed) return KV_EAUTH; /* why set by the verify callback */
+    if (!e && sslerr == SSL_ERROR_SYSCALL && sys == EPROTO && !t->server) {
+        snprintf(t->why, sizeof t->why, "TLS handshake: the server answered in plaintext, not TLS");
+        return KV_EPROTO;
+    }
     if (!e && (sslerr == SSL_ERROR_ZERO_RETURN || sslerr == SSL_ERROR_SYSCALL)) {
         snprintf(t->why, sizeof t->why, "TLS handshake: %s",
                  sslerr == SSL_ERROR_SYSCALL && sys ? strerror(sys) : "the peer closed the connection");

@@ -844,3 +844,51 @@ int kv_state_decode(kv_state *s, const int32_t *tokens, const uint32_t *seqs, ui
     }
     return kv_state_batch(s, tokens, seqs, n, s->out_all, n, logits, d);
 }
+
+/* ---- prefix snapshots (the engine's prompt cache) ------------------------- */
+
+/* Block b (a pool block id) of the arena. */
+static uint8_t *kv_blk_at(const kv_state *s, uint32_t b) {
+    return s->arena[b / KV_ARENA] + (size_t)(b % KV_ARENA) * s->blk_bytes;
+}
+
+uint64_t kv_state_kv_bytes(const kv_state *s, uint32_t n) {
+    return (uint64_t)(n / KV_BLOCK) * s->blk_bytes;
+}
+
+int kv_state_kv_get(const kv_state *s, uint32_t seq, uint32_t p0, uint32_t n, void *dst, kv_diag *d) {
+    if (seq >= s->n_seq || p0 % KV_BLOCK || n % KV_BLOCK || (uint64_t)p0 + n > s->pos[seq])
+        return kv_fail(d, KV_EINVAL, "KV snapshot: positions [%u, %u) of sequence %u are not whole blocks it holds",
+                       p0, p0 + n, seq);
+    for (uint32_t i = 0; i < n / KV_BLOCK && s->n_attn; i++)
+        memcpy((uint8_t *)dst + (size_t)i * s->blk_bytes, kv_blk_at(s, s->seq_blk[seq][p0 / KV_BLOCK + i]),
+               s->blk_bytes);
+    return 0;
+}
+
+int kv_state_kv_set(kv_state *s, uint32_t seq, uint32_t p0, uint32_t n, const void *src, kv_diag *d) {
+    if (seq >= s->n_seq || p0 % KV_BLOCK || n % KV_BLOCK || s->pos[seq] ||
+        (s->n_attn && (uint64_t)p0 + n > (uint64_t)s->seq_nblk[seq] * KV_BLOCK))
+        return kv_fail(d, KV_EINVAL, "KV restore: positions [%u, %u) of sequence %u are not reserved whole blocks "
+                       "of an empty sequence", p0, p0 + n, seq);
+    for (uint32_t i = 0; i < n / KV_BLOCK && s->n_attn; i++)
+        memcpy(kv_blk_at(s, s->seq_blk[seq][p0 / KV_BLOCK + i]), (const uint8_t *)src + (size_t)i * s->blk_bytes,
+               s->blk_bytes);
+    return 0;
+}
+
+int kv_state_seq_resume(kv_state *s, uint32_t seq, uint32_t pos, const void *rec, kv_diag *d) {
+    if (seq >= s->n_seq || s->pos[seq] || pos == 0 || pos % KV_BLOCK || pos > s->n_ctx ||
+        (s->n_attn && pos > s->seq_nblk[seq] * KV_BLOCK))
+        return kv_fail(d, KV_EINVAL, "KV restore: sequence %u cannot resume at %u (not empty, or not reserved)", seq, pos);
+    if (kv_q35_rec_bytes(s) && !rec)
+        return kv_fail(d, KV_EINVAL, "KV restore: sequence %u needs a recurrent state to resume at %u", seq, pos);
+    int rc = kv_q35_rec_set(s, seq, rec, d);
+    if (rc) return rc;
+    s->pos[seq] = pos;
+    s->tainted[seq] = 0;
+    return 0;
+}
+
+uint64_t kv_state_rec_bytes(const kv_state *s) { return kv_q35_rec_bytes(s); }
+int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) { return kv_q35_rec_get(s, seq, dst, d); }

@@ -167,6 +167,12 @@ int kv_q35_seq_alloc(kv_state *s, uint32_t seq, kv_diag *d);
 void kv_q35_seq_free(kv_state *s, uint32_t seq);
 /* Bytes of recurrent state held now. */
 uint64_t kv_q35_bytes(const kv_state *s);
+/* Bytes of one sequence's committed recurrent state (kv_state_rec_bytes;
+ * 0 without recurrent blocks), and its copy out of / into sequence seq's
+ * committed slot (set allocates the state; both do nothing at 0 bytes). */
+uint64_t kv_q35_rec_bytes(const kv_state *s);
+int kv_q35_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d);
+int kv_q35_rec_set(kv_state *s, uint32_t seq, const void *src, kv_diag *d);
 /* The qwen35moe blocks over the T embedded tokens in s->x (the chunk driver
  * in forward.c embeds and computes logits). On error no sequence's
  * recurrent state changes. */

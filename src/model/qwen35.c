@@ -513,3 +513,40 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         if (kv_q35_first(s, t)) q->cur[s->tok_seq[t]] ^= 1u;
     return 0;
 }
+
+/* ---- snapshots (the engine's prompt cache) -------------------------------- */
+
+uint64_t kv_q35_rec_bytes(const kv_state *s) {
+    const kv_q35_state *q = s->q35;
+    return q && q->n_lin ? (uint64_t)q->n_lin * (q->conv_n + q->ssm_n) * sizeof(float) : 0;
+}
+
+/* The committed slot's conv states [n_lin][conv_n], then delta states
+ * [n_lin][ssm_n], packed. */
+int kv_q35_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) {
+    const kv_q35_state *q = s->q35;
+    if (!kv_q35_rec_bytes(s)) return 0;
+    if (seq >= s->n_seq || !q->rec[seq] || !s->pos[seq])
+        return kv_fail(d, KV_EINVAL, "recurrent snapshot: sequence %u holds no state", seq);
+    float *o = dst;
+    const uint32_t c = q->cur[seq];
+    for (uint32_t li = 0; li < q->n_lin; li++, o += q->conv_n)
+        memcpy(o, kv_q35_conv_at(s, seq, c, li), q->conv_n * sizeof(float));
+    for (uint32_t li = 0; li < q->n_lin; li++, o += q->ssm_n)
+        memcpy(o, kv_q35_ssm_at(s, seq, c, li), q->ssm_n * sizeof(float));
+    return 0;
+}
+
+int kv_q35_rec_set(kv_state *s, uint32_t seq, const void *src, kv_diag *d) {
+    kv_q35_state *q = s->q35;
+    if (!kv_q35_rec_bytes(s)) return 0;
+    int rc = kv_q35_seq_alloc(s, seq, d);
+    if (rc) return rc;
+    const float *i = src;
+    const uint32_t c = q->cur[seq];
+    for (uint32_t li = 0; li < q->n_lin; li++, i += q->conv_n)
+        memcpy(kv_q35_conv_at(s, seq, c, li), i, q->conv_n * sizeof(float));
+    for (uint32_t li = 0; li < q->n_lin; li++, i += q->ssm_n)
+        memcpy(kv_q35_ssm_at(s, seq, c, li), i, q->ssm_n * sizeof(float));
+    return 0;
+}

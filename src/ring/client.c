@@ -5,7 +5,8 @@
  * Invariants: every frame is read whole (header first, then exactly the
  * announced length, bounded by KV_RING_MAX_PAYLOAD), with no wait for the
  * node's next bytes longer than timeout_ms, through the link's blocking I/O
- * (kv_link_read_full / kv_link_write_full), and decoded by the same codec
+ * (kv_link_chan over TLS 1.3: the node proves its key over a transcript
+ * bound to the session), and decoded by the same codec
  * the nodes use; the buffer grows only with bytes that arrived. */
 #include <stdlib.h>
 #include <string.h>
@@ -13,11 +14,15 @@
 
 #include "kvasir/link.h"
 #include "kvasir/ring.h"
+#include "kvasir/tls.h"
+#include "kvasir/transport.h"
 
 #include <sodium.h>
 
 typedef struct kv_rcl {
     int fd;
+    kv_tls *tls;      /* the TLS session on fd (NULL only while a server's plaintext refusal is read) */
+    kv_tls_ctx *ctx;  /* tls's context (a certificate of the client's key) */
     uint8_t *buf;
     size_t cap;
     int timeout_ms;
@@ -31,7 +36,8 @@ typedef struct kv_rcl {
 static int kv_rcl_read(kv_rcl *c, size_t at, size_t n, kv_diag *d) {
     kv_link_io io = {.timeout_ms = c->timeout_ms, .idle = true, .cancelled = c->cancelled, .arg = c->data,
                      .peer = "the node"};
-    const int rc = kv_link_read_full(c->fd, c->buf + at, n, &io, d);
+    const kv_link_chan ch = {c->fd, c->tls};
+    const int rc = kv_link_chan_read_full(&ch, c->buf + at, n, &io, d);
     if (!rc) return 0;
     if (io.was_cancelled) return kv_fail(d, KV_EIO, "ring: the request was cancelled");
     if (rc == KV_ETIMEOUT) return kv_fail(d, rc, "ring: no frame from the node within %d ms", c->timeout_ms);
@@ -58,7 +64,8 @@ static int kv_rcl_frame(kv_rcl *c, kv_ring_msg *m, kv_diag *d) {
 /* Sends n bytes: the node must take them with no wait longer than timeout_ms. */
 static int kv_rcl_send(const kv_rcl *c, const uint8_t *p, size_t n, kv_diag *d) {
     kv_link_io io = {.timeout_ms = c->timeout_ms, .idle = true, .peer = "the node"};
-    const int rc = kv_link_write_full(c->fd, p, n, &io, d);
+    const kv_link_chan ch = {c->fd, c->tls};
+    const int rc = kv_link_chan_write_full(&ch, p, n, &io, d);
     return rc ? kv_diag_prefix(d, rc, "ring") : 0;
 }
 
@@ -80,27 +87,44 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
  * open and *n_vocab is the node's. */
 static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const kv_voucher *voucher, size_t cap,
                        uint32_t *n_vocab, kv_diag *d) {
-    int rc = kv_link_connect(addr, c->timeout_ms < 5000 ? c->timeout_ms : 5000, &c->fd, d);
+    const int cto = c->timeout_ms < 5000 ? c->timeout_ms : 5000;
+    int rc = kv_link_connect(addr, cto, &c->fd, d);
     if (rc) return kv_diag_prefix(d, rc, "ring: node %s", addr);
     c->cap = cap < KV_RING_HEADER + 200 ? KV_RING_HEADER + 200 : cap; /* HELLO (88), AUTH (128 or 200) */
     if (!(c->buf = malloc(c->cap))) return kv_fail(d, KV_ENOMEM, "ring: out of memory");
-    size_t n;
-    const kv_ring_hello me = {.role = KV_RING_ROLE_CLIENT};
-    if ((rc = kv_ring_hello_encode(c->buf, c->cap, KV_RING_HELLO, &me, &n, d)) || (rc = kv_rcl_send(c, c->buf, n, d)))
-        return rc;
     if (sodium_init() < 0) return kv_fail(d, KV_EINTERNAL, "ring: libsodium did not initialize");
-    uint8_t sk[64], node_key[32], challenge[32], nonce[32];
+    uint8_t sk[64], node_key[32], challenge[32], nonce[32], binding[KV_TLS_EXPORTER_LEN];
     if (key_sk) {
         memcpy(sk, key_sk, 64);
     } else {
         uint8_t pk[32];
         crypto_sign_keypair(pk, sk);
     }
+    /* TLS 1.3 (the node's key is learned in its AUTH_CHALLENGE and bound to this session) */
+    const kv_tls_opts to = {.server = false};
+    bool plain = false;
+    if ((rc = kv_link_tls_ctx(&c->ctx, sk, d)) || (rc = kv_tls_new(&c->tls, c->ctx, &to, d)))
+        return rc;
+    if ((rc = kv_link_tls_client_fd(c->tls, c->fd, cto, &plain, d))) {
+        kv_ring_msg em;
+        kv_tls_free(c->tls);
+        c->tls = NULL; /* a plaintext answer is read as a refusal only */
+        if (plain && !kv_rcl_frame(c, &em, NULL) && em.h.type == KV_RING_ERROR)
+            return kv_fail(d, em.u.error.code, "%s", em.u.error.msg);
+        if (plain) return kv_fail(d, KV_EPROTO, "ring: node %s answered TLS in plaintext (an older node?)", addr);
+        return kv_diag_prefix(d, rc, "ring: node %s", addr);
+    }
+    if (kv_tls_exporter(c->tls, binding)) return kv_fail(d, KV_EINTERNAL, "ring: no TLS exporter");
+    size_t n;
+    const kv_ring_hello me = {.role = KV_RING_ROLE_CLIENT};
+    if ((rc = kv_ring_hello_encode(c->buf, c->cap, KV_RING_HELLO, &me, &n, d)) || (rc = kv_rcl_send(c, c->buf, n, d)))
+        return rc;
     kv_ring_msg m;
     char model_id[KV_RING_MODEL_ID_LEN + 1] = "";
     /* the transcript's fields fill in as the frames come */
     const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = model_id, .acceptor_key = node_key,
-                                  .challenge = challenge, .connector_key = sk + 32, .nonce = nonce};
+                                  .challenge = challenge, .connector_key = sk + 32, .nonce = nonce,
+                                  .binding = binding};
     for (int stage = 0; stage < 3 && !rc;) { /* 0 HELLO_ACK, 1 AUTH_CHALLENGE, 2 AUTH_OK */
         if ((rc = kv_rcl_frame(c, &m, d))) break;
         if (m.h.type == KV_RING_ERROR) {
@@ -145,6 +169,10 @@ static int kv_rcl_open(kv_rcl *c, const char *addr, const uint8_t *key_sk, const
 
 static void kv_rcl_close(kv_rcl *c) {
     free(c->buf);
+    kv_tls_free(c->tls);
+    kv_tls_ctx_free(c->ctx);
+    c->tls = NULL;
+    c->ctx = NULL;
     c->buf = NULL;
     if (c->fd >= 0) close(c->fd);
     c->fd = -1;

@@ -45,6 +45,7 @@
 #include "kvasir/pieces.h"
 #include "kvasir/ring.h"
 #include "kvasir/slice.h"
+#include "kvasir/transport.h"
 #include "kvasir/pieces.h"
 
 #include <sodium.h>
@@ -92,6 +93,8 @@ struct kv_rconn {
     uint8_t nonce[32];     /* NEXT: ours */
     kv_rreq *req;        /* CLIENT: its request (one at a time) */
     kv_net_timer hs_t;   /* HELLO deadline */
+    kv_link_sniff *tp;   /* the transport (owned by nc): TLS, or plaintext */
+    bool loopback;       /* accepted from a loopback address */
     kv_rconn *lprev, *lnext; /* the node's list of connections (freed with it) */
 };
 
@@ -108,6 +111,7 @@ struct kv_ring_node {
     bool head, tail;
     char model_id[KV_RING_MODEL_ID_LEN + 1];
     uint8_t sk[64];           /* this node's Ed25519 key (seed || pk) */
+    kv_tls_ctx *tls;          /* its TLS context (a certificate of its key) */
     uint8_t (*allow)[32];     /* [n_allow] keys admitted (a copy) */
     uint8_t hub_key[32];      /* vouchers by this hub admit a key too */
     bool has_hub_key;
@@ -258,7 +262,13 @@ static void kv_rn_send_raw(kv_rconn *c, const uint8_t *f, size_t len) {
 static void kv_rn_send_error(kv_rconn *c, uint64_t seq, int code, uint32_t origin, const char *msg) {
     uint8_t buf[KV_RING_HEADER + 20 + KV_RING_MAX_MSG];
     size_t len;
-    if (!kv_ring_error_encode(buf, sizeof buf, seq, code, origin, msg, &len, NULL)) kv_rn_send_raw(c, buf, len);
+    if (kv_ring_error_encode(buf, sizeof buf, seq, code, origin, msg, &len, NULL)) return;
+    if (kv_link_sniff_undecided(c->tp)) { /* silent so far: told in plaintext, best effort (the worker's way) */
+        ssize_t r = send(kv_net_conn_fd(c->nc), buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        (void)r;
+        return;
+    }
+    kv_rn_send_raw(c, buf, len);
 }
 
 static bool kv_rn_next_up(const kv_ring_node *n) { return n->next && n->next->acked && !kv_net_conn_closing(n->next->nc); }
@@ -981,6 +991,25 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         return rc;
     }
     const uint16_t ty = m.h.type;
+    kv_tls *tls = kv_link_sniff_tls(c->tp);
+    uint8_t binding[KV_TLS_EXPORTER_LEN];
+    if (tls && kv_tls_exporter(tls, binding)) {
+        kv_net_conn_close(nc, KV_EINTERNAL, "no TLS exporter for this session");
+        return KV_EINTERNAL;
+    }
+    if (c->role == KV_RC_NEXT && !c->acked && !tls && c->tp && ty != KV_RING_ERROR) {
+        kv_rn_log(n, "the next node answered TLS in plaintext (an older node?): not linking");
+        kv_net_conn_close(nc, KV_EPROTO, "the next node answered TLS in plaintext");
+        return KV_EPROTO;
+    }
+    if (c->role == KV_RC_NEW && !tls && !c->loopback && !n->o.insecure_plaintext) {
+        snprintf(msg, sizeof msg, "ring: plaintext from a non-loopback address refused: a link that leaves the "
+                 "machine needs TLS 1.3 (ring v%u, its key handshake bound to the TLS session); an older build, "
+                 "or --insecure-plaintext on one side only", KV_RING_VERSION);
+        kv_rn_send_error(c, 0, KV_EUNSUPPORTED, n->o.first, msg);
+        kv_net_conn_close(nc, KV_EUNSUPPORTED, msg);
+        return KV_EUNSUPPORTED;
+    }
     if (c->role == KV_RC_NEW) {
         if (ty != KV_RING_HELLO) {
             kv_rn_send_error(c, 0, KV_EPROTO, n->o.first, "ring: the first frame must be HELLO");
@@ -1016,7 +1045,8 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         char hex[65];
         kv_hex(m.u.auth.key, 32, hex);
         const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = n->model_id, .acceptor_key = n->sk + 32,
-                                      .challenge = c->challenge, .connector_key = m.u.auth.key, .nonce = m.u.auth.nonce};
+                                      .challenge = c->challenge, .connector_key = m.u.auth.key, .nonce = m.u.auth.nonce,
+                                      .binding = tls ? binding : NULL};
         if (!kv_rn_allowed(n, m.u.auth.key) && !kv_rn_vouched(n, &m.u.auth, msg, sizeof msg))
             snprintf(msg + strlen(msg), sizeof msg - strlen(msg), "ring: key %.16s... is not allowed on this node (--allow-key%s)",
                      hex, n->has_hub_key ? ", or a voucher of the hub" : "");
@@ -1060,7 +1090,7 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
             if (!c->hello_ok) {
                 if (ty != KV_RING_HELLO_ACK ||
                     (rc = kv_rn_check_peer(n, &m.u.hello, (n->o.last + 1) % n->n_layer, false, msg, sizeof msg))) {
-                    if (ty != KV_RING_HELLO_ACK) snprintf(msg, sizeof msg, "ring: expected HELLO_ACK from the next node");
+                    if (ty != KV_RING_HELLO_ACK) snprintf(msg, sizeof msg, "ring: expected HELLO_ACK from the next node, got frame type %u", ty);
                     kv_rn_log(n, "%s", msg);
                     kv_net_conn_close(nc, KV_EPROTO, msg);
                     return KV_EPROTO;
@@ -1085,7 +1115,8 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
                 memcpy(a.nonce, c->nonce, 32);
                 const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = n->model_id,
                                               .acceptor_key = c->peer_key, .challenge = c->challenge,
-                                              .connector_key = a.key, .nonce = a.nonce};
+                                              .connector_key = a.key, .nonce = a.nonce,
+                                              .binding = tls ? binding : NULL};
                 kv_link_transcript_sign(&t, KV_LINK_CONNECTOR, n->sk, a.sig);
                 uint8_t buf[KV_RING_HEADER + 128];
                 size_t bl;
@@ -1093,7 +1124,8 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
                 return 0;
             }
             const kv_link_transcript t = {.proto = KV_LINK_HS_RING, .model_id = n->model_id, .acceptor_key = c->peer_key,
-                                          .challenge = c->challenge, .connector_key = n->sk + 32, .nonce = c->nonce};
+                                          .challenge = c->challenge, .connector_key = n->sk + 32, .nonce = c->nonce,
+                                          .binding = tls ? binding : NULL};
             if (ty != KV_RING_AUTH_OK || kv_link_transcript_verify(&t, KV_LINK_ACCEPTOR, c->peer_key, m.u.auth.sig)) {
                 snprintf(msg, sizeof msg, "ring: the next node's AUTH_OK is missing or does not verify");
                 kv_rn_log(n, "%s", msg);
@@ -1161,6 +1193,7 @@ static void kv_rc_on_open(kv_net_conn *nc, int code) {
     kv_rconn *c = kv_net_conn_data(nc);
     kv_ring_node *n = c->n;
     if (code < 0) return; /* on_close follows and redials */
+    if (c->role != KV_RC_NEXT) return; /* an accepted connection's transport opened: the peer speaks first */
     kv_ring_hello me = {KV_RING_ROLE_LINK, n->n_layer, n->o.first, n->o.last, n->n_embd, n->n_vocab, {0}};
     memcpy(me.model_id, n->model_id, sizeof me.model_id);
     uint8_t buf[KV_RING_HEADER + 24 + KV_RING_MODEL_ID_LEN];
@@ -1205,7 +1238,16 @@ static void kv_rn_redial(kv_net_loop *l, kv_net_timer *t) {
     }
     c->role = KV_RC_NEXT;
     kv_net_timer_init(&c->hs_t, kv_rc_hello_timeout, c); /* the next must answer HELLO and AUTH in time */
-    const kv_net_conn_opts o = kv_rn_conn_opts();
+    kv_net_conn_opts o = kv_rn_conn_opts();
+    if (!n->o.insecure_plaintext) { /* TLS; the next's key is checked in its AUTH_CHALLENGE, bound to the session */
+        if (kv_link_sniff_new_client(&c->tp, n->tls, NULL, NULL)) {
+            kv_rc_free(c);
+            kv_net_timer_start(l, t, KV_RN_REDIAL_MS);
+            return;
+        }
+        o.io = &kv_link_sniff_io;
+        o.io_ctx = c->tp;
+    }
     if (kv_net_conn_dial(&c->nc, l, (const struct sockaddr *)&n->next_sa, n->next_salen, 2000, &o, &kv_rc_cbs, c, NULL)) {
         kv_rc_free(c);
         kv_net_timer_start(l, t, KV_RN_REDIAL_MS);
@@ -1226,7 +1268,9 @@ static void kv_rn_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
     (void)ev;
     kv_ring_node *n = w->data;
     for (int k = 0; k < 16; k++) {
-        int fd = accept4(n->lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        int fd = accept4(n->lfd, (struct sockaddr *)&ss, &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) return;
         if (n->n_conns >= KV_RN_MAX_CONNS) { /* full: the newcomer is refused, the ring keeps serving */
             close(fd);
@@ -1242,6 +1286,15 @@ static void kv_rn_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
         kv_net_timer_init(&c->hs_t, kv_rc_hello_timeout, c);
         kv_net_conn_opts o = kv_rn_conn_opts();
         o.budget = &n->budget; /* a stranger's half-sent frames are bounded all together */
+        c->loopback = kv_link_sockaddr_loopback((struct sockaddr *)&ss);
+        if (kv_link_sniff_new(&c->tp, n->tls, NULL)) {
+            close(fd);
+            kv_rc_free(c);
+            return;
+        }
+        o.io = &kv_link_sniff_io; /* TLS or plaintext, told by the first byte */
+        o.io_ctx = c->tp;
+        o.handshake_timeout_ms = KV_RN_HELLO_MS + 1000; /* hs_t (with an ERROR) fires first */
         if (kv_net_conn_new(&c->nc, l, fd, &o, &kv_rc_cbs, c, NULL)) {
             kv_rc_free(c);
             continue;
@@ -1379,7 +1432,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
             /* the other windows' experts are not ours to cover: open, then check our layers */
             const kv_remote_opts ro = {.workers = n->o.workers, .n_workers = n->o.n_workers, .max_tokens = max_tok,
                                        .skip_hashes = n->o.skip_hashes, .log = n->o.log, .key_sk = n->sk,
-                                       .allow_uncovered = true};
+                                       .allow_uncovered = true, .insecure_plaintext = n->o.insecure_plaintext};
             if ((rc = kv_remote_open(&n->remote, man, n->pool, &ro, d))) goto fail;
             experts = kv_remote_provider(n->remote);
             /* a worker still starting, or one that refused us for room and is
@@ -1450,6 +1503,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     n->stats.weight_bytes = kv_model_weight_bytes(n->m);
     if (getrandom(&n->id_base, sizeof n->id_base, 0) != sizeof n->id_base) n->id_base = (uint64_t)time(NULL) * 0x2545f4914f6cdd1dull;
     kv_net_budget_init(&n->budget, (size_t)1 << 31);
+    if ((rc = kv_link_tls_ctx(&n->tls, n->sk, d))) goto fail;
     if ((rc = kv_net_loop_new(&n->loop, d))) goto fail;
     if ((rc = kv_net_listen(n->o.listen, 64, &n->lfd, n->addr, sizeof n->addr, d))) goto fail;
     if ((rc = kv_net_watch_add(n->loop, &n->lw, n->lfd, KV_NET_READ, kv_rn_accept, n, d))) goto fail;
@@ -1487,6 +1541,7 @@ void kv_ring_node_free(kv_ring_node *n) {
         kv_net_loop_free(n->loop); /* closes every connection without on_close */
     }
     while (n->conns) kv_rc_free(n->conns);
+    kv_tls_ctx_free(n->tls);
     kv_rn_delay_drop(n);
     if (n->lfd >= 0) close(n->lfd);
     while (n->reqs) {

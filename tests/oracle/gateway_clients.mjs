@@ -61,7 +61,7 @@ for (const c of cases) {
   const m = await anthropic.messages.create(aparams);
   eq(m.content[0].text, ref.text, `anthropic '${c.prompt}' text`);
   eq(m.usage.output_tokens, ref.n_gen, `anthropic '${c.prompt}' output_tokens`);
-  eq(m.usage.input_tokens, ref.n_prompt, `anthropic '${c.prompt}' input_tokens`);
+  eq(m.usage.input_tokens + (m.usage.cache_read_input_tokens ?? 0), ref.n_prompt, `anthropic '${c.prompt}' input_tokens`);
   // Anthropic, streamed
   const st = anthropic.messages.stream(aparams);
   let atext = '';

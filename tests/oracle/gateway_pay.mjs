@@ -70,12 +70,12 @@ const apis = {
   },
   'anthropic': async (h) => {
     const m = await anA.messages.create({ model, max_tokens: 11, messages: msgs, temperature: 0 }, hdr(h));
-    return { prompt: m.usage.input_tokens, completion: m.usage.output_tokens };
+    return { prompt: m.usage.input_tokens + (m.usage.cache_read_input_tokens ?? 0), completion: m.usage.output_tokens };
   },
   'anthropic stream': async (h) => {
     const st = anA.messages.stream({ model, max_tokens: 15, messages: msgs, temperature: 0.5, top_k: 20 }, hdr(h));
     const m = await st.finalMessage();
-    return { prompt: m.usage.input_tokens, completion: m.usage.output_tokens };
+    return { prompt: m.usage.input_tokens + (m.usage.cache_read_input_tokens ?? 0), completion: m.usage.output_tokens };
   },
   'ollama': async (h) => {
     const r = await fetch(`${urlA}/api/chat`, { method: 'POST', headers: { 'X-KVR-Payment': h },

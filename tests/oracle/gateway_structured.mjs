@@ -160,6 +160,61 @@ await refused({ response_format: { type: 'json_schema' } }, /response_format\.js
 await refused({ grammar: 'root ::= undefined-rule' }, /'grammar'.*1:10.*undefined rule/, 'GBNF with an undefined rule');
 await refused({ grammar: 'root ::= "a"', response_format: { type: 'json_object' } }, /both constrain/, 'two constraints');
 
+// tool_choice "required" and a named function: the call is sampled under
+// the grammar of Qwen's <tool_call> text with the arguments following the
+// function's schema, so even random weights give a valid call (ajv)
+{
+  const tools = [
+    { type: 'function', function: { name: 'get_weather', parameters: { type: 'object', properties: {
+      city: { type: 'string', maxLength: 10 }, unit: { enum: ['c', 'f'] } }, required: ['city', 'unit'] } } },
+    { type: 'function', function: { name: 'add', parameters: { type: 'object', properties: {
+      a: { type: 'integer', minimum: 0, maximum: 99 }, b: { type: 'integer' } }, required: ['a', 'b'] } } },
+  ];
+  for (const choice of ['required', { type: 'function', function: { name: 'add' } }]) {
+    for (const stream of [false, true]) {
+      for (const seed of [1, 2, 3, 4]) {
+        const params = { model, messages: [{ role: 'user', content: 'weather in Oslo?' }], tools, tool_choice: choice,
+          seed, max_tokens: 300, parallel_tool_calls: false };
+        const r = stream ? await openai.chat.completions.stream(params).finalChatCompletion()
+                         : await openai.chat.completions.create(params);
+        const what = `tool_choice ${JSON.stringify(choice)} stream ${stream} seed ${seed}`;
+        const calls = r.choices[0].message.tool_calls;
+        eq(r.choices[0].finish_reason, 'tool_calls', `${what}: finish_reason`);
+        check(calls && calls.length === 1, `${what}: one call: ${JSON.stringify(r.choices[0].message)}`);
+        if (!calls || !calls.length) continue;
+        const t = tools.find((x) => x.function.name === calls[0].function.name);
+        check(t && (choice === 'required' || t.function.name === 'add'), `${what}: function ${calls[0].function.name}`);
+        if (t) validates(t.function.name, t.function.parameters, calls[0].function.arguments, `${what}: arguments`);
+        samples++;
+      }
+    }
+  }
+  await refused({ tools, tool_choice: 'required', response_format: { type: 'json_object' } }, /both constrain/,
+    'tool_choice with response_format');
+}
+
+// llama-server's /completion and Ollama's /api/generate take the same fields
+async function postJSON(path, body) {
+  const r = await fetch(`${url}${path}`, { method: 'POST', body: JSON.stringify(body) });
+  return { status: r.status, json: await r.json() };
+}
+for (const seed of [1, 2]) {
+  const a = await postJSON('/completion', { prompt: 'JSON:', n_predict: 400, seed, json_schema: schemas.person });
+  eq(a.status, 200, `/completion json_schema seed ${seed}: status`);
+  validates('person', schemas.person, a.json.content, `/completion json_schema seed ${seed}`);
+  const b = await postJSON('/completion', { prompt: 'Yes?', n_predict: 20, seed, grammar: 'root ::= "yes" | "no"' });
+  check(b.json.content === 'yes' || b.json.content === 'no', `/completion grammar seed ${seed}: ${b.json.content}`);
+  const c = await postJSON('/api/generate', { prompt: 'Shape?', stream: false, format: schemas.shape,
+    options: { seed, num_predict: 300 } });
+  eq(c.status, 200, `/api/generate format seed ${seed}: status`);
+  validates('shape', schemas.shape, c.json.response, `/api/generate format seed ${seed}`);
+}
+{
+  const a = await postJSON('/completion', { prompt: 'x', json_schema: { type: 'string', format: 'email' } });
+  eq(a.status, 400, '/completion bad schema: status');
+  check(JSON.stringify(a.json).includes("'format'"), `/completion bad schema: ${JSON.stringify(a.json)}`);
+}
+
 // no constraint (or response_format text): the text of kvasir run, bit for bit
 function reference(prompt, p) {
   const out = execFileSync(bin, ['run', '-m', file, '--chat', '--json', '--threads', '1', '-p', prompt,

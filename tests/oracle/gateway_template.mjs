@@ -43,6 +43,7 @@ function context(body) {
     const o = structuredClone(m);
     if (o.role === 'developer') o.role = 'system';
     if (Array.isArray(o.content)) o.content = o.content.map((b) => b.text).join('');
+    if (o.content == null) o.content = ''; // a call without text
     for (const c of o.tool_calls || []) {
       if (c.function && typeof c.function.arguments === 'string') {
         try { c.function.arguments = JSON.parse(c.function.arguments); } catch { /* stays a string */ }
