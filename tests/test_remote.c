@@ -1038,7 +1038,7 @@ static void test_mutual_keys(void) {
     kv_diag d = {0};
     kv_remote *r = NULL;
     kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                        (const uint8_t(*)[32])keys, 0, false, NULL, 0, NULL, NULL};
+                        (const uint8_t(*)[32])keys, 0, false, NULL, 0, NULL, NULL, false};
     ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), 0);
     if (r) {
         check_exact(r, NULL, NULL, "workers under the keys they are listed with");
@@ -1118,7 +1118,7 @@ static void test_verified(void) {
         char mid[KV_PROTO_MODEL_ID_LEN + 1];
         cl.model_id = mid;
         kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                            NULL, 0, false, &vo, 0.05, on_caught, &cl};
+                            NULL, 0, false, &vo, 0.05, on_caught, &cl, false};
         kv_diag d = {0};
         kv_remote *r = NULL;
         ASSERT_EQ(kv_remote_open(&r, slices_man, g_pool, &o, &d), 0);
