@@ -119,8 +119,8 @@ int kv_gw_structured_parse(kv_gw_params *p, json_t *o, kv_diag *d);
 enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */ };
 #define KV_GW_CALLS_MAX_TOOLS 128u /* functions a tool-call grammar chooses from */
 /* GBNF for the tool calls of tools (OpenAI's array of {"type":"function",
- * "function":{"name","parameters"}}) in format: one call (parallel: one or
- * more, "\n" between), of any function (only NULL: tool_choice "required")
+ * "function":{"name","parameters"}}) in format: one call (parallel: one to
+ * KV_CHAT_MAX_CALLS, "\n" between), of any function (only NULL: tool_choice "required")
  * or of function only (a named tool_choice), its arguments following that
  * function's parameters schema (none: exactly {}). malloc'd into *gbnf
  * (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and field,

@@ -22,7 +22,14 @@
 #include <string.h>
 
 #include "gateway/gateway_internal.h"
+#include "kvasir/chat.h"
 #include "kvasir/grammar.h"
+
+#define KV_GW_STR_(x) #x
+#define KV_GW_STR(x) KV_GW_STR_(x)
+#define KV_GW_CALLS_MAX_CALLS_1 63 /* calls after the first: KV_CHAT_MAX_CALLS (64) in all */
+_Static_assert(KV_GW_CALLS_MAX_CALLS_1 + 1 == KV_CHAT_MAX_CALLS, "a forced output holds what the parser gives");
+_Static_assert((int)KV_GW_CALLS_HERMES == (int)KV_CHAT_FMT_HERMES, "formats are the parser's families");
 
 void kv_gw_grammar_limits(kv_grammar_limits *lim) {
     kv_grammar_limits_default(lim);
@@ -163,8 +170,9 @@ int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, b
                      kv_diag *d) {
     *gbnf = NULL;
     if (format != KV_GW_CALLS_HERMES)
-        return kv_fail(d, KV_EUNSUPPORTED, "tools: constraining the calls of this model's tool-call format (%d) is not "
-                       "supported (not yet): only Qwen's <tool_call> JSON", format);
+        return kv_fail(d, KV_EUNSUPPORTED, "tools: constraining the calls of this model's %s tool-call format is not "
+                       "supported (not yet): only Qwen's <tool_call> JSON",
+                       format == KV_CHAT_FMT_DEEPSEEK ? "DeepSeek" : format == KV_CHAT_FMT_HARMONY ? "gpt-oss (harmony)" : "unknown");
     if (!json_is_array(tools) || json_array_size(tools) == 0)
         return kv_fail(d, KV_EINVAL, "'tools' must be a non-empty array");
     if (json_array_size(tools) > KV_GW_CALLS_MAX_TOOLS)
@@ -221,8 +229,9 @@ int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, b
     }
     if (!rc && only && !n_alt) rc = kv_fail(d, KV_EINVAL, "tool_choice names function '%.64s', which is not in 'tools'", only);
     char head[96];
+    /* parallel: at most KV_GW_CALLS_MAX_CALLS, as many as the output parser gives */
     snprintf(head, sizeof head, "root ::= %scall%s\n", close_think ? "\"</think>\\n\\n\" " : "",
-             parallel ? " (\"\\n\" call)*" : "");
+             parallel ? " (\"\\n\" call){0," KV_GW_STR(KV_GW_CALLS_MAX_CALLS_1) "}" : "");
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, head, lim.max_text_bytes, d);
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, "call ::= \"<tool_call>\\n{\\\"name\\\": \" (\n      ", lim.max_text_bytes, d);
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, alts, lim.max_text_bytes, d);
