@@ -189,6 +189,8 @@ enum kv_stop {
     KV_STOP_MAX_TOKENS,   /* opts.max_tokens emitted */
     KV_STOP_CTX_FULL,     /* the session holds n_ctx positions */
     KV_STOP_ERROR,        /* see kv_session_error */
+    KV_STOP_GRAMMAR,      /* the session's grammar is complete: the last token emitted ends a
+                             sentence that nothing but end-of-generation may follow */
     KV_STOP_COUNT
 };
 
@@ -241,6 +243,20 @@ uint64_t kv_session_id(const kv_session *s);        /* 1, 2, ... in creation ord
 uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers);
 void *kv_session_data(const kv_session *s);
 
+struct kv_grammar;
+/* Constrains every token s samples from now on (this turn and the next) to
+ * g (borrowed: it must outlive s or the next call; NULL removes it), from
+ * g's start: before each draw the tokens g forbids are left out
+ * (kv_sampler_sample_allowed), an end-of-generation token is allowed only
+ * where g can end, and once the text is a sentence of g that only
+ * end-of-generation may follow, the session stops (KV_STOP_GRAMMAR). The
+ * vocabulary's byte trie (kv_grammar_vocab) is built at the engine's first
+ * call, on this thread. A session without a grammar samples exactly as
+ * before. Allowed when not generating (KV_EINVAL otherwise); errors of the
+ * matcher (KV_ERANGE, a limit; KV_ENOMEM) with d naming them, and later
+ * ones (a limit met while generating) fail the session alone. */
+int kv_session_set_grammar(kv_session *s, const struct kv_grammar *g, kv_diag *d);
+
 typedef struct kv_session_stats {
     uint32_t n_prompt;      /* prompt tokens evaluated (all turns) */
     uint32_t n_cached;      /* prompt tokens taken from the prompt cache instead (not in n_prompt) */
@@ -255,6 +271,7 @@ typedef struct kv_session_stats {
 void kv_session_get_stats(const kv_session *s, kv_session_stats *out);
 
 const char *kv_session_status_name(enum kv_session_status st);
-const char *kv_stop_name(enum kv_stop r); /* "none", "eog", "stop_token", "max_tokens", "ctx_full", "error" */
+const char *kv_stop_name(enum kv_stop r); /* "none", "eog", "stop_token", "max_tokens", "ctx_full", "error",
+                                             "grammar" */
 
 #endif

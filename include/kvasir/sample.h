@@ -52,6 +52,14 @@ size_t kv_sampler_scratch_bytes(int32_t n_vocab);
  * sampler's own; KV_EINVAL if it has none). The result does not depend on
  * whose buffer is used. */
 int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch);
+/* kv_sampler_sample_in over the tokens allow permits alone: bit i % 32 of
+ * allow[i / 32] set for every token i that may be drawn (a grammar's mask,
+ * kv_grammar_mask); the others are left out before the chain, as if their
+ * logits were -Inf, and are never returned. The repetition penalty, the
+ * chain and the draw are those of kv_sampler_sample_in, which allow NULL
+ * is, bit for bit. KV_ERANGE also when allow permits no token with a finite
+ * logit. */
+int32_t kv_sampler_sample_allowed(kv_sampler *s, const float *logits, void *scratch, const uint32_t *allow);
 /* Adds a token to the penalty history (prompt and generated tokens) and
  * moves the draw to the next position. Drawing twice without an accept
  * between gives two independent draws (the second is the first's successor

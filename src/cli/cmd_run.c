@@ -9,6 +9,7 @@
 #include "kvasir/dispatch_proto.h"
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
+#include "kvasir/grammar.h"
 #include "kvasir/node.h"
 #include "kvasir/quant.h"
 #include "kvasir/ring.h"
@@ -16,7 +17,7 @@
 #include "kvasir/verify.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", "--grammar", "--json-schema", NULL};
 
 #define CMD "run"
 
@@ -71,6 +72,10 @@ static const char *kv_run_help =
     "  --ctx N              context length (default: the model's; KV memory follows the tokens held)\n"
     "  --batch N            prompt tokens per forward chunk (default 256)\n"
     "  --kv-type T          KV cache elements: f32 (exact, default) or f16 (half the memory)\n"
+    "  --grammar F          constrain the output to the GBNF grammar in file F (start rule root;\n"
+    "                       docs/GRAMMAR.md): it stops where the grammar is complete\n"
+    "  --json-schema F      constrain the output to the JSON schema in file F (as the gateway's\n"
+    "                       response_format json_schema)\n"
     "  --chat               wrap the prompt in the ChatML chat template\n"
     "  --json               print one JSON object instead of streaming text\n"
     "  --logits-out F       write the logits used for each generated token (f32 LE, n_vocab each)\n";
@@ -351,8 +356,38 @@ static double kv_run_now(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* --grammar F (GBNF) or --json-schema F compiled into *out (the gateway's
+ * limits); nonzero after printing why. */
+static int kv_run_grammar(const char *gpath, const char *spath, kv_grammar **out) {
+    const char *path = gpath ? gpath : spath, *flag = gpath ? "--grammar" : "--json-schema";
+    FILE *f = fopen(path, "rb");
+    if (!f) return kv_cli_err(CMD, 1, "%s: cannot open '%s'", flag, path);
+    char *text = malloc((1u << 20) + 1);
+    const size_t n = text ? fread(text, 1, (1u << 20) + 1, f) : 0;
+    const bool err = ferror(f);
+    fclose(f);
+    if (!text || err) {
+        free(text);
+        return kv_cli_err(CMD, 2, "%s: cannot read '%s'", flag, path);
+    }
+    if (n > (1u << 20)) {
+        free(text);
+        return kv_cli_err(CMD, 1, "%s: '%s' is over 1 MiB", flag, path);
+    }
+    kv_grammar_limits lim;
+    kv_grammar_limits_default(&lim);
+    lim.max_memory_bytes = 64u << 20;
+    kv_diag d = {0};
+    const int rc = gpath ? kv_grammar_parse(out, text, n, &lim, &d) : kv_grammar_from_schema(out, text, n, &lim, &d);
+    free(text);
+    if (rc) return kv_cli_err(CMD, 1, "%s '%s': %s", flag, path, d.msg);
+    return 0;
+}
+
 int kv_cmd_run(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *pfile = NULL, *logits_path = NULL;
+    const char *grammar_path = NULL, *schema_path = NULL;
+    kv_grammar *grammar = NULL;
     long n_predict = 64, threads = 0, n_ctx = 0, n_batch = 256, cache_mb = -1;
     bool chat = false, json = false, seed_set = false, verbose = false, skip_hashes = false, allow_sparse = false, prefault = true;
     bool insecure_plaintext = false;
@@ -401,6 +436,10 @@ int kv_cmd_run(int argc, char **argv) {
             prompt = v;
         } else if (!strcmp(a, "-f") || !strcmp(a, "--file")) {
             pfile = v;
+        } else if (!strcmp(a, "--grammar")) {
+            grammar_path = v;
+        } else if (!strcmp(a, "--json-schema")) {
+            schema_path = v;
         } else if (!strcmp(a, "--logits-out")) {
             logits_path = v;
         } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
@@ -465,6 +504,11 @@ int kv_cmd_run(int argc, char **argv) {
     if (ring && (model || n_workers || pfile))
         return kv_cli_err(CMD, 1, "--ring replaces -m and --worker, and takes -p TEXT (no -f)");
     if (ring && !prompt) return kv_cli_err(CMD, 1, "missing -p PROMPT");
+    if (grammar_path && schema_path) return kv_cli_err(CMD, 1, "give either --grammar or --json-schema, not both");
+    if (ring && (grammar_path || schema_path))
+        return kv_cli_err(CMD, 1, "--grammar and --json-schema are not supported with --ring (not yet): the ring's "
+                          "last node samples");
+    if ((grammar_path || schema_path) && kv_run_grammar(grammar_path, schema_path, &grammar)) return 1;
     if (ring) {
         if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
         return kv_run_ring(ring, hub, key_path, prompt, chat, n_predict, &sp, json, logits_path, ring_timeout);
@@ -563,7 +607,8 @@ int kv_cmd_run(int argc, char **argv) {
         goto done;
     }
     kv_session_opts so = {.sample = sp, .max_tokens = n_predict > 0 ? (uint32_t)n_predict : 1};
-    if ((rc = kv_session_new(&ses, eng, &so, &d)) || (rc = kv_session_prompt(ses, ids, (uint32_t)n_ids, &d))) {
+    if ((rc = kv_session_new(&ses, eng, &so, &d)) || (grammar && (rc = kv_session_set_grammar(ses, grammar, &d))) ||
+        (rc = kv_session_prompt(ses, ids, (uint32_t)n_ids, &d))) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
@@ -687,6 +732,7 @@ done:
     free(chat_text);
     free(ptext);
     kv_session_free(ses);
+    kv_grammar_free(grammar);
     kv_engine_free(eng);
     kv_node_workers_free(hub_workers, n_hub_workers);
     kv_cli_auth_free(&auth);

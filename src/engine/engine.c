@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "kvasir/dispatch_remote.h"
+#include "kvasir/grammar.h"
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include "engine/prefix_cache.h"
@@ -52,6 +53,10 @@ struct kv_session {
     char msg[sizeof(((kv_diag *)0)->msg)]; /* the failure's message */
     kv_session_stats st;
     uint64_t products;          /* (token, expert) products of the steps it took part in that succeeded */
+    kv_grammar_matcher *gm;     /* kv_session_set_grammar's, NULL: unconstrained */
+    uint32_t *gmask;            /* [(n_vocab + 31) / 32] what gm allows next */
+    bool gmask_ready;           /* gmask is gm's present state's */
+    bool gdone;                 /* gm complete after the token just taken */
     int32_t *hist;              /* [hist_cap] tokens fed, positions 0..n_hist-1 (prompt cache only) */
     uint32_t n_hist, hist_cap;
     bool pc_tried;              /* its prompt was looked up in the prompt cache */
@@ -78,6 +83,7 @@ struct kv_engine {
     kv_session **b_who;         /* [max_sessions] session of each logit row */
     float *logits;              /* [max_sessions][n_vocab] */
     void *cand;                 /* sampler scratch shared by every session (one thread samples) */
+    kv_grammar_vocab *gvocab;   /* the vocabulary's trie, built at the first grammar; NULL before */
     kv_engine_stats stats;
     kv_pcache *pc;              /* the prompt cache, NULL: none */
     uint32_t pc_block;          /* its tokens per block */
@@ -264,6 +270,7 @@ void kv_engine_free(kv_engine *e) {
     free(e->b_who);
     free(e->logits);
     free(e->cand);
+    kv_grammar_vocab_free(e->gvocab);
     free(e);
 }
 
@@ -354,6 +361,8 @@ void kv_session_free(kv_session *s) {
     e->slot[s->slot] = NULL;
     e->stats.sessions_open--;
     kv_sampler_free(s->smp);
+    kv_grammar_matcher_free(s->gm);
+    free(s->gmask);
     free(s->prompt);
     free(s->hist);
     free(s);
@@ -437,7 +446,7 @@ const char *kv_session_status_name(enum kv_session_status st) {
 }
 
 const char *kv_stop_name(enum kv_stop r) {
-    static const char *const n[] = {"none", "eog", "stop_token", "max_tokens", "ctx_full", "error"};
+    static const char *const n[] = {"none", "eog", "stop_token", "max_tokens", "ctx_full", "error", "grammar"};
     return (unsigned)r < KV_STOP_COUNT ? n[r] : "?";
 }
 
@@ -536,6 +545,65 @@ static void kv_pc_store(kv_engine *e, kv_session *s, uint32_t pos0) {
 
 /* ---- the step ------------------------------------------------------------------ */
 
+/* ---- grammar (kv_session_set_grammar) ------------------------------------------ */
+
+int kv_session_set_grammar(kv_session *s, const kv_grammar *g, kv_diag *d) {
+    kv_engine *e = s->e;
+    if (s->status == KV_SESSION_DECODE || s->status == KV_SESSION_FAILED)
+        return kv_fail(d, KV_EINVAL, "session %llu: a grammar is set before generating", (unsigned long long)s->id);
+    kv_grammar_matcher *m = NULL;
+    if (g) {
+        int rc;
+        if (!e->gvocab && (rc = kv_grammar_vocab_from_tok(&e->gvocab, kv_model_tok(e->m), d))) return rc;
+        if (!s->gmask && !(s->gmask = malloc(((size_t)e->n_vocab + 31) / 32 * sizeof *s->gmask)))
+            return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for a grammar mask", (unsigned long long)s->id);
+        if ((rc = kv_grammar_matcher_new(&m, g, d))) return rc;
+    }
+    kv_grammar_matcher_free(s->gm);
+    s->gm = m;
+    s->gmask_ready = s->gdone = false;
+    return 0;
+}
+
+/* s->gmask for s's next token; nonzero: s failed (msg says why). */
+static int kv_session_grammar_mask(kv_session *s, uint64_t step, char *msg, size_t cap) {
+    if (s->gmask_ready) return 0;
+    kv_diag gd = {0};
+    const int rc = kv_grammar_mask(s->gm, s->e->gvocab, s->gmask, &gd);
+    if (rc) {
+        snprintf(msg, cap, "session %llu: step %llu: %.400s", (unsigned long long)s->id, (unsigned long long)step, gd.msg);
+        kv_session_fail(s, rc, msg);
+        return rc;
+    }
+    s->gmask_ready = true;
+    return 0;
+}
+
+/* The grammar past t, and whether it is complete: it can end and allows
+ * nothing but end-of-generation next (that mask is then the next draw's).
+ * Nonzero: s failed (msg says why). */
+static int kv_session_grammar_take(kv_session *s, int32_t t, uint64_t step, char *msg, size_t cap) {
+    kv_engine *e = s->e;
+    kv_diag gd = {0};
+    const int rc = kv_grammar_accept(s->gm, e->gvocab, t, &gd);
+    s->gmask_ready = false;
+    if (rc) {
+        snprintf(msg, cap, "session %llu: step %llu: %.400s", (unsigned long long)s->id, (unsigned long long)step, gd.msg);
+        kv_session_fail(s, rc, msg);
+        return rc;
+    }
+    s->gdone = false;
+    if (!kv_grammar_can_end(s->gm)) return 0;
+    if (kv_session_grammar_mask(s, step, msg, cap)) return -1;
+    const kv_tok *tok = kv_model_tok(e->m);
+    bool more = false;
+    for (uint32_t w = 0; w < (e->n_vocab + 31) / 32 && !more; w++)
+        for (uint32_t bits = s->gmask[w]; bits && !more; bits &= bits - 1)
+            more = !kv_tok_is_eog(tok, (int32_t)(w * 32 + (uint32_t)__builtin_ctz(bits)));
+    s->gdone = !more;
+    return 0;
+}
+
 /* Takes a sampled token: stop conditions, or the next decode. */
 static void kv_session_take(kv_session *s, int32_t t, const float *row) {
     kv_engine *e = s->e;
@@ -549,6 +617,7 @@ static void kv_session_take(kv_session *s, int32_t t, const float *row) {
     for (uint32_t i = 0; i < s->o.n_stop; i++) stop_tok |= s->o.stop_tokens[i] == t;
     if (!s->o.ignore_eog && kv_tok_is_eog(kv_model_tok(e->m), t)) s->stop = KV_STOP_EOG;
     else if (stop_tok) s->stop = KV_STOP_TOKEN;
+    else if (s->gdone) s->stop = KV_STOP_GRAMMAR;
     else if (s->o.max_tokens && s->st.n_gen >= s->o.max_tokens) s->stop = KV_STOP_MAX_TOKENS;
     else if (kv_state_pos_seq(e->st, s->slot) >= e->n_ctx) s->stop = KV_STOP_CTX_FULL;
     if (s->stop != KV_STOP_NONE) {
@@ -691,13 +760,16 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             kv_session_fail(s, KV_ERANGE, msg);
             continue;
         }
-        const int32_t t = kv_sampler_sample_in(s->smp, row, e->cand);
-        if (t < 0) { /* cannot happen with finite logits; kept as a clear error */
-            snprintf(msg, sizeof msg, "session %llu: step %llu: the sampler refused the logits (%s)",
+        if (s->gm && kv_session_grammar_mask(s, step, msg, sizeof msg)) continue;
+        const int32_t t = kv_sampler_sample_allowed(s->smp, row, e->cand, s->gm ? s->gmask : NULL);
+        if (t < 0) { /* without a grammar cannot happen with finite logits; kept as a clear error */
+            snprintf(msg, sizeof msg, s->gm ? "session %llu: step %llu: the grammar allows no token here (%s)"
+                                            : "session %llu: step %llu: the sampler refused the logits (%s)",
                      (unsigned long long)s->id, (unsigned long long)step, kv_err_name(t));
             kv_session_fail(s, t, msg);
             continue;
         }
+        if (s->gm && kv_session_grammar_take(s, t, step, msg, sizeof msg)) continue;
         kv_session_take(s, t, row);
         emitted++;
     }

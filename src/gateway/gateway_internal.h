@@ -67,6 +67,8 @@ typedef struct kv_gw_params {
     bool include_usage;             /* OpenAI stream_options.include_usage */
     bool add_generation_prompt;     /* the chat template ends with the assistant's turn opened (default) */
     bool has_tool_role;             /* a message has role "tool" (only a chat template renders it) */
+    struct kv_grammar *grammar;     /* structured output (gateway/structured.c): owned, NULL none */
+    const char *grammar_field;      /* the field that asked for it ("response_format", "format", ...) */
     /* tools and reasoning (docs/GATEWAY.md "Tool calling", "Reasoning") */
     json_t *tools;                  /* [n <= KV_GW_MAX_TOOLS] OpenAI's shape (owned), NULL: none */
     int tool_choice;                /* enum kv_gw_tool_choice */
@@ -97,6 +99,48 @@ int kv_gw_tool_choice_openai(kv_gw_params *p, json_t *o, kv_diag *d); /* "tool_c
 int kv_gw_tool_choice_check(kv_gw_params *p, kv_diag *d);            /* the choice against the tools */
 int kv_gw_kwargs(kv_gw_params *p, json_t *o, kv_diag *d);            /* "chat_template_kwargs" */
 int kv_gw_set_thinking(kv_gw_params *p, bool on, kv_diag *d);        /* enable_thinking for the template */
+
+/* ---- structured output (gateway/structured.c) ----------------------------
+ * The fields that constrain the output, compiled to one grammar. */
+#define KV_GW_GRAMMAR_MEMORY (64u << 20) /* bytes of one request's matcher tables (flushed past half) */
+#define KV_GW_GRAMMAR_TEXT (1u << 20)    /* bytes of GBNF text, given or compiled from a schema */
+struct kv_grammar_limits;
+/* The grammar limits of a request (kv_grammar_limits_default, with the
+ * memory and text bounds above). */
+void kv_gw_grammar_limits(struct kv_grammar_limits *lim);
+/* Reads o's output-constraining field for p->api (see structured.c) into
+ * p->grammar and p->grammar_field. Returns 0 (p->grammar NULL when none),
+ * or KV_EFORMAT / KV_EINVAL / KV_EUNSUPPORTED / KV_ERANGE with d naming the
+ * field and the compiler's message (a 400). */
+int kv_gw_structured_parse(kv_gw_params *p, json_t *o, kv_diag *d);
+
+/* A family's tool-call text: the values of enum kv_chat_format (the
+ * tool-call parser's), of which HERMES is built so far. */
+enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */ };
+#define KV_GW_CALLS_MAX_TOOLS 128u /* functions a tool-call grammar chooses from */
+/* GBNF for the tool calls of tools (OpenAI's array of {"type":"function",
+ * "function":{"name","parameters"}}) in format: one call (parallel: one to
+ * KV_CHAT_MAX_CALLS, "\n" between), of any function (only NULL: tool_choice "required")
+ * or of function only (a named tool_choice), its arguments following that
+ * function's parameters schema (none: exactly {}). malloc'd into *gbnf
+ * (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and field,
+ * the schema compiler's (KV_EUNSUPPORTED naming the keyword), KV_ERANGE,
+ * KV_ENOMEM; KV_EUNSUPPORTED for a format not built yet. close_think: the
+ * prompt opened <think> (kv_chat_prompt_thinks), so the text starts by
+ * closing it ("</think>\n\n") and the call is not taken for reasoning. */
+int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, bool close_think,
+                     kv_diag *d);
+/* The same, parsed (kv_grammar_free). */
+int kv_gw_tools_grammar(struct kv_grammar **out, json_t *tools, const char *only, int format, bool parallel,
+                        bool close_think, kv_diag *d);
+/* True when p's tool_choice makes a call compulsory ("required", Anthropic
+ * "any", a named function) over its tools. */
+bool kv_gw_tool_call_forced(const kv_gw_params *p);
+/* The grammar of p's compulsory call (kv_gw_tools_grammar over p's tools,
+ * the named function alone, p's parallel_calls), d prefixed with
+ * 'tool_choice' on error (a 400, 500 for KV_ENOMEM). */
+int kv_gw_tool_choice_grammar(struct kv_grammar **out, const kv_gw_params *p, int format, bool think_open,
+                              kv_diag *d);
 
 /* ---- incremental text -------------------------------------------------
  * Tokens go in; text comes out only when it is whole UTF-8 and cannot be

@@ -23,7 +23,8 @@ int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 
 /* Fields taken as they are (sampling and the rest parsed below). */
 static const char *const kv_ll_known[] = {"prompt", "n_predict", "temperature", "top_k", "top_p", "min_p",
-                                          "seed", "stop", "stream", "ignore_eos", "model", "cache_prompt", NULL};
+                                          "seed", "stop", "stream", "ignore_eos", "model", "cache_prompt",
+                                          "grammar", "json_schema", "response_format" /* structured.c */, NULL};
 
 /* Fields llama-server knows that Kvasir does not honour, with the value
  * that leaves the answer as if they were absent. */

@@ -6,8 +6,9 @@
  * No prompt (absent or "", no system) asks for the model to be loaded: it
  * is answered at once, "done_reason":"load" (routes.c).
  * Sampler fields under "options" (num_predict, temperature, top_k, top_p,
- * min_p, seed, stop); any other option, a "template", "suffix", "images",
- * "format", "context" or "think" is a 400 naming it. Errors:
+ * min_p, seed, stop); "format" ("json" or a schema: gateway/structured.c);
+ * any other option, a "template", "suffix", "images", "context" or "think"
+ * is a 400 naming it. Errors:
  * {"error":"..."}. */
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +21,8 @@ int kv_gw_sampling(kv_gw_params *p, json_t *o, const char *max_key, kv_diag *d);
 int kv_gw_stops(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
 int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 
-static const char *const kv_og_fields[] = {"model", "prompt", "system", "raw", "stream", "options", "keep_alive", NULL};
+static const char *const kv_og_fields[] = {"model", "prompt", "system", "raw", "stream", "options", "keep_alive",
+                                           "format" /* structured.c */, NULL};
 static const char *const kv_og_options[] = {"num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop", NULL};
 
 static bool kv_og_in(const char *const *list, const char *key) {

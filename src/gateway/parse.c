@@ -9,6 +9,7 @@
 
 #include "gateway/gateway_internal.h"
 #include "http/http_guard.h"
+#include "kvasir/grammar.h"
 #include "kvasir/chat.h"
 
 /* A number field in [lo, hi]; absent or null leaves *out. */
@@ -211,20 +212,16 @@ static bool kv_gw_has_tool(const kv_gw_params *p, const char *name) {
 }
 
 /* The tool_choice p asks for, once its tools are known: "auto" and "none"
- * are honoured; a call made compulsory ("required", a named function)
- * needs the call constrained by its schema while it is sampled, which the
- * gateway does not do yet, so it is refused here, the one place that
- * decides (a grammar-constrained sampler plugs in at this check). */
+ * as they are; a call made compulsory ("required", a named function) is
+ * sampled under the grammar of its call (gateway/structured.c, set where
+ * the template's family is known: routes.c). A choice its tools cannot
+ * meet is refused here. */
 int kv_gw_tool_choice_check(kv_gw_params *p, kv_diag *d) {
     if (p->tool_choice == KV_GW_TOOLS_NAMED && (!p->tools || !kv_gw_has_tool(p, p->tool_choice_name)))
         return kv_fail(d, KV_EINVAL, "'tool_choice' names the function '%.256s', which is not in 'tools'",
                        p->tool_choice_name);
     if (p->tool_choice == KV_GW_TOOLS_REQUIRED && !p->tools)
         return kv_fail(d, KV_EINVAL, "'tool_choice' requires a tool call but the request has no 'tools'");
-    if (p->tool_choice == KV_GW_TOOLS_REQUIRED || p->tool_choice == KV_GW_TOOLS_NAMED)
-        return kv_fail(d, KV_EUNSUPPORTED, "'tool_choice' %s needs constrained decoding of the call (not yet): "
-                       "use \"auto\" (the model may call a tool) or \"none\"",
-                       p->tool_choice == KV_GW_TOOLS_REQUIRED ? "requiring a call" : "naming a function");
     return 0;
 }
 
@@ -307,7 +304,8 @@ int kv_gw_parse(kv_gw_params *p, int api, const char *body, size_t n, kv_diag *d
                                  je.column);
     if (!json_is_object(p->json)) return kv_fail(d, KV_EFORMAT, "the body must be a JSON object");
     if (api < 0 || api >= KV_GW_API_COUNT) return kv_fail(d, KV_EINVAL, "unknown API %d", api);
-    return kv_gw_api(api)->parse(p, p->json, d);
+    const int rc = kv_gw_api(api)->parse(p, p->json, d);
+    return rc ? rc : kv_gw_structured_parse(p, p->json, d);
 }
 
 int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, size_t budget, size_t *held, bool *over,
@@ -328,6 +326,7 @@ int kv_gw_parse_budget(kv_gw_params *p, int api, const char *body, size_t n, siz
 void kv_gw_params_free(kv_gw_params *p) {
     if (!p) return;
     for (size_t i = 0; i < KV_GW_MAX_MSGS; i++) free(p->joined[i]);
+    kv_grammar_free(p->grammar);
     json_decref(p->tools);
     json_decref(p->tmpl_msgs);
     json_decref(p->kwargs);

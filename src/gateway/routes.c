@@ -583,6 +583,12 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
                             g->model);
     if (cn->api == KV_GW_OLLAMA_GEN && !kv_gw_params_raw(p) && !p->n_msgs) /* Ollama's "load the model" */
         return kv_reply(cn, c, 200, "application/json", kv_gw_ollama_load_json(g));
+    const bool forced = kv_gw_tool_call_forced(p); /* a compulsory call: sampled under its grammar (below) */
+    if (forced && p->grammar)
+        return kv_reply_err(cn, c, 400, "'tool_choice' and '%s' both constrain the output; give one", p->grammar_field);
+    if (g->n_ring && (p->grammar || forced)) /* the ring's last node samples: it would need the grammar */
+        return kv_reply_err(cn, c, 400, "'%s' is not supported over the ring (not yet): constrained sampling needs "
+                            "the grammar where the ring samples", forced ? "tool_choice" : p->grammar_field);
     char why[320];
     if (kv_gw_unavailable(g, why, sizeof why)) return kv_reply_err(cn, c, 503, "%s", why);
     kv_gw_req *r = NULL;
@@ -608,6 +614,24 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         unsigned status = 0;
         if (!(r = kv_local_req_new(cn, c, p, &n, &status, &d)))
             return kv_reply_err(cn, c, status, "%s", d.msg);
+        int grc = 0;
+        if (forced) { /* the template is rendered now: its family, and whether it opened <think> */
+            kv_chat_syntax syn;
+            if (g->tmpl) kv_gw_tmpl_syntax(g->tmpl, &syn);
+            else kv_chat_detect(NULL, 0, &syn);
+            grc = kv_gw_tool_choice_grammar(&r->grammar, p, syn.format, cn->think_open, &d);
+        } else {
+            r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
+            p->grammar = NULL;
+        }
+        if (grc) {
+            pthread_mutex_lock(&g->mu);
+            r->refs = 1;
+            kv_gw_req_unref_locked(r);
+            pthread_mutex_unlock(&g->mu);
+            kv_pay_end(cn, true);
+            return kv_reply_err(cn, c, grc == KV_ENOMEM ? 500 : 400, "%s", d.msg);
+        }
     }
     r->refs = 2;
     r->client = kv_client_of(g, c);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "gateway/server_internal.h"
+#include "kvasir/grammar.h"
 
 static bool kv_gw_is_caught(kv_gateway *g, const uint8_t key[32]) {
     pthread_mutex_lock(&g->caught_mu);
@@ -32,6 +33,7 @@ void kv_gw_req_unref_locked(kv_gw_req *r) {
     free(r->rcpts);
     free(r->prompt);
     free(r->toks);
+    kv_grammar_free(r->grammar);
     free(r);
 }
 
@@ -235,6 +237,7 @@ static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
     kv_diag d = {0};
     kv_session *s = NULL;
     int rc = kv_session_new(&s, g->e, &r->so, &d);
+    if (!rc && r->grammar) rc = kv_session_set_grammar(s, r->grammar, &d); /* structured output */
     if (!rc) rc = kv_session_prompt(s, r->prompt, r->n_prompt, &d);
     free(r->prompt);
     r->prompt = NULL;

@@ -78,6 +78,7 @@ typedef struct kv_gw_req {
     int32_t *prompt;            /* [n_prompt], freed once prompted */
     uint32_t n_prompt;
     uint32_t max_tokens;
+    struct kv_grammar *grammar; /* structured output its session samples under (owned), NULL none */
     const kv_gw_script *script; /* TEST ONLY: the tokens published in place of the sampled ones, or NULL */
     /* guarded by g->mu */
     int refs;

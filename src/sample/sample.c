@@ -148,11 +148,35 @@ static void kv_cand_softmax(kv_cand *c, int32_t n) {
 int32_t kv_sampler_sample(kv_sampler *s, const float *logits) { return kv_sampler_sample_in(s, logits, NULL); }
 
 int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch) {
+    return kv_sampler_sample_allowed(s, logits, scratch, NULL);
+}
+
+static inline bool kv_allowed(const uint32_t *allow, int32_t i) { return (allow[i >> 5] >> (i & 31)) & 1u; }
+
+/* Greedy over the allowed tokens: the argmax (lowest id on ties) of those
+ * with a finite logit. */
+static int32_t kv_greedy_allowed(const float *logits, int32_t n, const uint32_t *allow) {
+    int32_t best = -1;
+    float bv = -INFINITY;
+    for (int32_t i = 0; i < n; i++) {
+        const float l = logits[i];
+        if (isnan(l) || l == INFINITY) return KV_ERANGE;
+        if (l == -INFINITY || !kv_allowed(allow, i)) continue;
+        if (best < 0 || l > bv) {
+            bv = l;
+            best = i;
+        }
+    }
+    return best >= 0 ? best : KV_ERANGE;
+}
+
+int32_t kv_sampler_sample_allowed(kv_sampler *s, const float *logits, void *scratch, const uint32_t *allow) {
     const kv_sample_params *p = &s->p;
     kv_cand *c = scratch ? scratch : s->cand;
     if (!c) return KV_EINVAL;
     int32_t n = s->n_vocab;
     bool any_finite = false;
+    if (allow && p->temp <= 0.0f && p->repeat_penalty == 1.0f) return kv_greedy_allowed(logits, n, allow);
     if (p->temp <= 0.0f && p->repeat_penalty == 1.0f) {
         /* greedy, nothing to penalize: the argmax (lowest id on ties) in the
          * checking pass, without filling the candidate array (that copy was
@@ -188,11 +212,21 @@ int32_t kv_sampler_sample_in(kv_sampler *s, const float *logits, void *scratch) 
             c[t].logit = c[t].logit > 0 ? c[t].logit / p->repeat_penalty : c[t].logit * p->repeat_penalty;
         }
     }
+    if (allow) {
+        /* after the penalty (it indexes candidates by id): the forbidden
+           tokens, and those that cannot be drawn, leave the list, so no
+           rounding in the draw below can fall on one */
+        int32_t m = 0;
+        for (int32_t i = 0; i < n; i++)
+            if (c[i].logit != -INFINITY && kv_allowed(allow, i)) c[m++] = c[i];
+        if (m == 0) return KV_ERANGE;
+        n = m;
+    }
     if (p->temp <= 0.0f) {
         int32_t best = 0;
         for (int32_t i = 1; i < n; i++)
             if (c[i].logit > c[best].logit) best = i;
-        return best;
+        return c[best].id; /* best itself but after an allow mask's compaction */
     }
     if (p->top_k > 0 && p->top_k < n) {
         kv_select(c, n, p->top_k);
