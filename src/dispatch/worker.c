@@ -670,7 +670,10 @@ void kv_worker_free(kv_worker *w) {
     if (!w) return;
     kv_net_loop_free(w->loop); /* closes connections still open */
     if (w->conns)
-        for (int i = 0; i < w->n_slots; i++) free(w->conns[i]);
+        for (int i = 0; i < w->n_slots; i++) {
+            if (w->conns[i]) free(w->conns[i]->xh); /* the loop freed its connection without on_close */
+            free(w->conns[i]);
+        }
     if (w->lfd >= 0) close(w->lfd);
     kv_tls_ctx_free(w->tls);
     if (w->have_prov) w->prov.free(w->prov.impl);
