@@ -4,7 +4,8 @@
  * whose choices are empty. Chat: reasoning as message.reasoning_content
  * (delta.reasoning_content streamed), tool calls as message.tool_calls
  * (each streamed as two deltas: id, type and name, then the arguments)
- * with finish_reason "tool_calls". Errors: {"error":{"message","type","param","code"}}. */
+ * with finish_reason "tool_calls". Log-probabilities (logprobs.c) in
+ * choices[].logprobs, each chunk's those of the tokens it carries. Errors: {"error":{"message","type","param","code"}}. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,7 +32,21 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
         if (!json_is_string(pr)) return kv_fail(d, KV_EFORMAT, "'prompt' must be a string");
         p->prompt = json_string_value(pr);
         p->prompt_len = json_string_length(pr);
+        if ((rc = kv_gw_bool(o, "echo", &p->echo, d))) return rc;
+        json_t *sf = json_object_get(o, "suffix");
+        if (sf && !json_is_null(sf)) {
+            if (!json_is_string(sf)) return kv_fail(d, KV_EFORMAT, "'suffix' must be a string");
+            p->suffix = json_string_value(sf);
+            p->suffix_len = json_string_length(sf);
+        }
     }
+    if ((rc = kv_gw_refuse_openai(o, chat, d))) return rc;
+    if ((rc = kv_gw_logit_bias(p, o, "logit_bias", d))) return rc;
+    if ((rc = kv_gw_penalties(p, o, "repeat_penalty", "repeat_last_n", d))) return rc; /* llama-server's too */
+    if ((rc = kv_gw_logprobs_openai(p, o, chat, d))) return rc;
+    if (p->echo && p->logprobs)
+        return kv_fail(d, KV_EUNSUPPORTED, "'echo' with 'logprobs' needs the prompt's log-probabilities, which are "
+                       "not served: ask for one or the other");
     if ((rc = kv_gw_sampling(p, o, "max_tokens", d))) return rc;
     if (!p->has_max_tokens && (rc = kv_gw_sampling(p, o, "max_completion_tokens", d))) return rc;
     if ((rc = kv_gw_stops(p, o, "stop", d))) return rc;
@@ -91,6 +106,13 @@ static char *kv_oa_full(bool chat, const kv_gw_result *r, const kv_gw_answer *a)
                                       "content", text, n, "logprobs", "finish_reason", kv_oa_finish(r->finish))
                           : json_pack("{s:i,s:s%,s:n,s:s}", "index", 0, "text", text, n, "logprobs",
                                       "finish_reason", kv_oa_finish(r->finish));
+    if (choice && r->logprobs) {
+        json_t *lp = chat ? kv_gw_lp_chat(r) : kv_gw_lp_text(r);
+        if (!lp || json_object_set_new(choice, "logprobs", lp)) {
+            json_decref(choice);
+            return NULL;
+        }
+    }
     json_t *msg = chat && choice ? json_object_get(choice, "message") : NULL;
     if (msg && a->rn) json_object_set_new(msg, "reasoning_content", json_stringn(a->reasoning, a->rn));
     if (msg && a->n_calls) {
@@ -121,17 +143,31 @@ static void kv_oa_begin(bool chat, const kv_gw_result *r, kv_gw_buf *b) {
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
 
+/* a chunk's choices with the log-probabilities of the tokens it carries,
+   when asked */
+static json_t *kv_oa_with_lp(bool chat, const kv_gw_result *r, json_t *c) {
+    if (!c || !r->logprobs) return c;
+    json_t *lp = chat ? kv_gw_lp_chat(r) : kv_gw_lp_text(r);
+    if (!lp || json_object_set_new(json_array_get(c, 0), "logprobs", lp)) {
+        json_decref(c);
+        return NULL;
+    }
+    return c;
+}
+
 static void kv_oa_delta(bool chat, const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
     json_t *c = chat ? json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", 0, "delta", "content", text, n, "logprobs",
                                  "finish_reason")
                      : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", 0, "text", text, n, "logprobs", "finish_reason");
-    kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
+    if (!(c = kv_oa_with_lp(chat, r, c))) b->oom = true;
+    else kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
 
 static void kv_oa_reasoning(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
     json_t *c = json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", 0, "delta", "reasoning_content", text, n, "logprobs",
                           "finish_reason");
-    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
+    if (!(c = kv_oa_with_lp(true, r, c))) b->oom = true;
+    else kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
 }
 
 /* A whole call as OpenAI streams one: its id, type and name first (with

@@ -54,6 +54,7 @@ typedef struct kv_gw_conn {
     kv_gw_call *calls;          /* [n_calls] the calls given */
     uint32_t n_calls;
     uint32_t consumed;          /* tokens of r->toks turned into text */
+    uint32_t lp_from;           /* stream: the first token whose log-probability no chunk carried yet */
     bool finished;
     bool counted;               /* the request is in req_count */
     kv_gw_charge charge;        /* its payment while held (pay.h) */
@@ -155,6 +156,16 @@ static void kv_pay_end(kv_gw_conn *c, bool failed) {
     if (rc) fprintf(stderr, "gateway: payment of %s left held (released at the next start): %s\n", c->id, d.msg);
 }
 
+/* A stream's chunk carried the log-probabilities of res.lp: the next
+ * chunk's start after them. */
+static void kv_lp_sent(kv_gw_conn *c) {
+    if (!c->res.n_lp) return;
+    c->res.lp_text_off += kv_gw_lp_bytes(c->g->tok, c->res.lp, c->res.n_lp);
+    c->lp_from += c->res.n_lp;
+    c->res.lp = NULL;
+    c->res.n_lp = 0;
+}
+
 /* The parser's events into the answer: streamed in the API's shapes, or
  * kept for the whole body. */
 static int kv_on_event(void *ud, const kv_chat_ev *ev) {
@@ -164,11 +175,13 @@ static int kv_on_event(void *ud, const kv_chat_ev *ev) {
     if (ev->type == KV_CHAT_EV_CONTENT) {
         if (stream) o->stream_delta(&c->res, ev->text, ev->n, &c->out);
         else kv_gw_buf_add(&c->full, ev->text, ev->n);
+        if (stream) kv_lp_sent(c);
         return 0;
     }
     if (ev->type == KV_CHAT_EV_REASONING) {
         if (stream) o->stream_reasoning(&c->res, ev->text, ev->n, &c->out);
         else kv_gw_buf_add(&c->reason, ev->text, ev->n);
+        if (stream) kv_lp_sent(c);
         return 0;
     }
     kv_gw_call *g = realloc(c->calls, (c->n_calls + 1) * sizeof *g); /* at most KV_CHAT_MAX_CALLS */
@@ -287,6 +300,10 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
     }
+    if (stream && c->res.logprobs && r->lps) { /* the next chunk carries the tokens not reported yet */
+        c->res.lp = r->lps + c->lp_from;
+        c->res.n_lp = c->consumed - c->lp_from;
+    }
     if (c->parser) {
         const int prc =
             chunk || final ? kv_chat_parser_push(c->parser, chunk ? chunk : "", cn, final, kv_on_event, c) : 0;
@@ -298,7 +315,13 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         if (stream) kv_gw_api(c->api)->stream_delta(&c->res, chunk, cn, &c->out);
         else kv_gw_buf_add(&c->full, chunk, cn);
         free(chunk);
+        if (stream) kv_lp_sent(c);
     }
+    bool lp_left = false; /* tokens whose text never went out (held back): an empty chunk carries them */
+    for (uint32_t i = 0; stream && final && i < c->res.n_lp; i++)
+        lp_left |= c->res.lp[i].token < 0 || !kv_tok_is_eog(g->tok, c->res.lp[i].token);
+    if (lp_left && !(err && !stopped)) kv_gw_api(c->api)->stream_delta(&c->res, "", 0, &c->out);
+    if (stream && final) kv_lp_sent(c);
     if (final) {
         c->finished = true;
         pthread_mutex_lock(&g->mu);
@@ -445,7 +468,18 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     size_t off = 0, n = 0;
     /* token ids are the prompt as given (no BOS added: llama-server's rule) */
     if (!p->prompt_ids && kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
-    int rc = p->prompt_ids ? kv_gw_ids_take(g->tok, p, ids, &n, d)
+    int rc = kv_gw_bias_check(p, kv_tok_n_vocab(g->tok), d);
+    if (!rc && p->suffix_len) /* fill-in-the-middle needs the model's own markers */
+        rc = kv_fail(d, KV_EUNSUPPORTED, "'suffix' is not supported by this model (its vocabulary has no "
+                     "fill-in-the-middle tokens)%s", kv_tok_find(g->tok, "<|fim_prefix|>") >= 0 ? " (FIM prompts "
+                     "are not served yet)" : "");
+    if (rc) {
+        free(text);
+        free(ids);
+        *status = 400;
+        return NULL;
+    }
+    rc = p->prompt_ids ? kv_gw_ids_take(g->tok, p, ids, &n, d)
            : !chat ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
            : text  ? kv_gw_tmpl_encode(g->tok, p, text, text_len, ids + off, cap - off, &n, d)
                    : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, p->add_generation_prompt, ids + off, cap - off,
@@ -481,6 +515,10 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (r) {
         r->cap = (max_tokens < room ? max_tokens : room) + 1;
         r->toks = malloc((size_t)r->cap * sizeof *r->toks);
+        if (p->logprobs && !(r->lps = malloc((size_t)r->cap * sizeof *r->lps))) {
+            free(r->toks);
+            r->toks = NULL;
+        }
         r->paid = g->pay != NULL;
         memcpy(r->pay_consumer, cn->charge.a.consumer, 32);
         memcpy(r->pay_nonce, cn->charge.a.nonce, 16);
@@ -502,6 +540,8 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (!p->has_seed) r->so.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
     r->so.max_tokens = max_tokens;
     r->so.ignore_eog = p->ignore_eos;
+    r->so.logprobs = p->logprobs;
+    r->so.top_logprobs = p->top_logprobs;
     if (g->n_script) { /* TEST ONLY (script.c) */
         pthread_mutex_lock(&g->mu);
         r->script = &g->script[g->script_next++ % g->n_script];
@@ -589,6 +629,12 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     size_t n = 0;
     if (g->n_ring && p->prompt_ids)
         return kv_reply_err(cn, c, 400, "a prompt of token ids cannot go to a ring (its nodes tokenize): send text");
+    const char *no_ring = p->n_bias ? "logit_bias" : p->logprobs ? "logprobs"
+                        : p->sp.presence_penalty != 0 ? "presence_penalty"
+                        : p->sp.frequency_penalty != 0 ? "frequency_penalty" : NULL;
+    if (g->n_ring && no_ring)
+        return kv_reply_err(cn, c, 400, "'%s' is not supported over ring entry nodes yet (the ring's request does "
+                            "not carry it)", no_ring);
     if (g->n_ring) {
         /* the ring's home tokenizes: the rendering when a template is given
            here, else the messages (the home applies ChatML) */
@@ -658,12 +704,15 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     snprintf(cn->id, sizeof cn->id, "%skv%llx%llu", kv_gw_api(cn->api)->id_prefix, (unsigned long long)g->started,
              (unsigned long long)r->id);
     cn->res = (kv_gw_result){.id = cn->id, .model = g->model, .created = (long long)time(NULL),
-                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss, .t_start = cn->t0};
+                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss, .t_start = cn->t0,
+                             .logprobs = p->logprobs, .top_logprobs = p->top_logprobs, .tok = g->tok};
     kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
     if (kv_parser_start(cn)) return kv_reply_err(cn, c, 500, "out of memory");
 
+    if (p->echo && p->prompt && !p->stream) kv_gw_buf_add(&cn->full, p->prompt, p->prompt_len); /* the prompt first */
     if (p->stream) {
         kv_gw_api(cn->api)->stream_begin(&cn->res, &cn->out);
+        if (p->echo && p->prompt) kv_gw_api(cn->api)->stream_delta(&cn->res, p->prompt, p->prompt_len, &cn->out);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, kv_stream_read, cn, NULL);
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, "Content-Type", kv_gw_api(cn->api)->stream_type);
@@ -693,6 +742,10 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
                                 "generation failed: %s", msg);
         }
     if (cn->full.oom || cn->reason.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
+    if (p->logprobs) { /* every token's */
+        cn->res.lp = r->lps;
+        cn->res.n_lp = cn->consumed;
+    }
     const kv_gw_answer ans = {.text = cn->full.p ? cn->full.p : "", .n = cn->full.n, .reasoning = cn->reason.p,
                             .rn = cn->reason.n, .calls = cn->calls, .n_calls = cn->n_calls};
     return kv_reply(cn, c, 200, "application/json", kv_gw_api(cn->api)->full_body(&cn->res, &ans));

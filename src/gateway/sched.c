@@ -32,6 +32,7 @@ void kv_gw_req_unref_locked(kv_gw_req *r) {
     free(r->rcpts);
     free(r->prompt);
     free(r->toks);
+    free(r->lps);
     free(r);
 }
 
@@ -358,6 +359,11 @@ void *kv_gw_sched_main(void *arg) {
             int32_t t = kv_session_token(r->s);
             if (r->script) t = t >= 0 && r->n_toks < r->script->n ? r->script->toks[r->n_toks] : -1; /* TEST ONLY */
             if (t >= 0 && r->n_toks < r->cap) {
+                if (r->lps) { /* before n_toks shows it: readers take [0, n_toks) unlocked */
+                    const kv_token_logprob *lp = r->script ? NULL : kv_session_logprob(r->s);
+                    if (lp) r->lps[r->n_toks] = *lp;
+                    else r->lps[r->n_toks] = (kv_token_logprob){.token = -1};
+                }
                 r->toks[r->n_toks++] = t;
                 g->tokens_generated++;
             }

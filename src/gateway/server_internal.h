@@ -84,6 +84,7 @@ typedef struct kv_gw_req {
     bool cancel;                /* client gone or a stop string matched */
     bool displaced;             /* dropped from a full queue for another client's request (503) */
     int32_t *toks;              /* [cap] tokens published; entries below n_toks never change */
+    kv_token_logprob *lps;      /* [cap] their log-probabilities (so.logprobs), or NULL; as toks */
     uint32_t n_toks, cap;
     enum kv_stop stop;
     int err;                    /* 0, or why it failed */
