@@ -22,6 +22,7 @@
 #define KV_GW_MAX_TOKENS (1u << 20)
 #define KV_GW_MAX_TOOLS 128u       /* tools in one request */
 #define KV_GW_MAX_KWARGS 32u       /* chat_template_kwargs entries */
+#define KV_GW_MAX_N 8u             /* choices of one request (OpenAI's "n") */
 
 /* tool_choice: what the model may do with the tools */
 enum kv_gw_tool_choice {
@@ -84,6 +85,7 @@ typedef struct kv_gw_params {
     bool echo;                      /* completions: the prompt's text before the completion */
     const char *suffix;             /* completions: text after the completion (fill-in-the-middle), or NULL */
     size_t suffix_len;
+    uint32_t n_choices;             /* OpenAI's "n": choices, each its own session with seed + i (0: 1) */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -165,6 +167,7 @@ typedef struct kv_gw_stream_state {
 
 typedef struct kv_gw_result {
     const char *id;          /* "chatcmpl-..." etc. */
+    uint32_t index;          /* the choice (OpenAI's "n"): 0, 1, ... */
     const char *model;
     long long created;       /* unix seconds */
     uint32_t prompt_tokens, completion_tokens;
@@ -259,6 +262,11 @@ typedef struct kv_gw_api_ops {
     void (*stream_call)(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b);
     void (*stream_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
     void (*stream_error)(const char *msg, kv_gw_buf *b);
+    /* several choices (OpenAI's "n"; NULL: the API has none): a whole
+       answer of n (r[i], a[i]), and the chunk that ends a choice of a
+       stream before the next one's (stream_end ends the last) */
+    char *(*full_body_n)(const kv_gw_result *r, const kv_gw_answer *a, uint32_t n);
+    void (*stream_choice_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
 } kv_gw_api_ops;
 
 extern const kv_gw_api_ops kv_gw_openai_chat_ops, kv_gw_openai_text_ops, kv_gw_anthropic_ops, kv_gw_ollama_ops;

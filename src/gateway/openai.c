@@ -57,8 +57,12 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
         if ((rc = kv_gw_bool(so, "include_usage", &p->include_usage, d))) return rc;
     }
     json_t *n = json_object_get(o, "n");
-    if (n && !json_is_null(n) && !(json_is_integer(n) && json_integer_value(n) == 1))
-        return kv_fail(d, KV_EUNSUPPORTED, "'n' must be 1");
+    p->n_choices = 1;
+    if (n && !json_is_null(n)) {
+        if (!json_is_integer(n) || json_integer_value(n) < 1 || json_integer_value(n) > KV_GW_MAX_N)
+            return kv_fail(d, KV_ERANGE, "'n' must be an integer in [1, %u]", KV_GW_MAX_N);
+        p->n_choices = (uint32_t)json_integer_value(n);
+    }
     return 0;
 }
 
@@ -99,12 +103,14 @@ static char *kv_oa_error(unsigned status, const char *msg) {
     return s;
 }
 
-static char *kv_oa_full(bool chat, const kv_gw_result *r, const kv_gw_answer *a) {
+/* one choice of a whole answer */
+static json_t *kv_oa_choice(bool chat, const kv_gw_result *r, const kv_gw_answer *a) {
     const char *text = a->text;
     const size_t n = a->n;
-    json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s%},s:n,s:s}", "index", 0, "message", "role", "assistant",
-                                      "content", text, n, "logprobs", "finish_reason", kv_oa_finish(r->finish))
-                          : json_pack("{s:i,s:s%,s:n,s:s}", "index", 0, "text", text, n, "logprobs",
+    json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s%},s:n,s:s}", "index", (int)r->index, "message", "role",
+                                      "assistant", "content", text, n, "logprobs", "finish_reason",
+                                      kv_oa_finish(r->finish))
+                          : json_pack("{s:i,s:s%,s:n,s:s}", "index", (int)r->index, "text", text, n, "logprobs",
                                       "finish_reason", kv_oa_finish(r->finish));
     if (choice && r->logprobs) {
         json_t *lp = chat ? kv_gw_lp_chat(r) : kv_gw_lp_text(r);
@@ -123,13 +129,32 @@ static char *kv_oa_full(bool chat, const kv_gw_result *r, const kv_gw_answer *a)
             return NULL;
         }
     }
-    json_t *j = json_pack("{s:s,s:s,s:I,s:s,s:[o],s:o}", "id", r->id, "object",
-                          chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created, "model",
-                          r->model, "choices", choice, "usage", kv_oa_usage(r));
+    return choice;
+}
+
+/* n choices (r[i], a[i]); usage: the prompt once, the completions summed */
+static char *kv_oa_full_n(bool chat, const kv_gw_result *r, const kv_gw_answer *a, uint32_t n) {
+    json_t *choices = json_array();
+    kv_gw_result u = r[0];
+    u.completion_tokens = 0;
+    for (uint32_t i = 0; choices && i < n; i++) {
+        u.completion_tokens += r[i].completion_tokens;
+        json_t *c = kv_oa_choice(chat, &r[i], &a[i]);
+        if (!c || json_array_append_new(choices, c)) {
+            json_decref(choices);
+            choices = NULL;
+        }
+    }
+    json_t *j = choices ? json_pack("{s:s,s:s,s:I,s:s,s:o,s:o}", "id", r->id, "object",
+                                    chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created,
+                                    "model", r->model, "choices", choices, "usage", kv_oa_usage(&u))
+                        : NULL;
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
 }
+
+static char *kv_oa_full(bool chat, const kv_gw_result *r, const kv_gw_answer *a) { return kv_oa_full_n(chat, r, a, 1); }
 
 static json_t *kv_oa_chunk(bool chat, const kv_gw_result *r, json_t *choices) {
     return json_pack("{s:s,s:s,s:I,s:s,s:o}", "id", r->id, "object", chat ? "chat.completion.chunk" : "text_completion",
@@ -138,7 +163,7 @@ static json_t *kv_oa_chunk(bool chat, const kv_gw_result *r, json_t *choices) {
 
 static void kv_oa_begin(bool chat, const kv_gw_result *r, kv_gw_buf *b) {
     if (!chat) return;
-    json_t *c = json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", 0, "delta", "role", "assistant", "content", "",
+    json_t *c = json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", (int)r->index, "delta", "role", "assistant", "content", "",
                           "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
@@ -156,15 +181,15 @@ static json_t *kv_oa_with_lp(bool chat, const kv_gw_result *r, json_t *c) {
 }
 
 static void kv_oa_delta(bool chat, const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
-    json_t *c = chat ? json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", 0, "delta", "content", text, n, "logprobs",
+    json_t *c = chat ? json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", (int)r->index, "delta", "content", text, n, "logprobs",
                                  "finish_reason")
-                     : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", 0, "text", text, n, "logprobs", "finish_reason");
+                     : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", (int)r->index, "text", text, n, "logprobs", "finish_reason");
     if (!(c = kv_oa_with_lp(chat, r, c))) b->oom = true;
     else kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
 
 static void kv_oa_reasoning(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
-    json_t *c = json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", 0, "delta", "reasoning_content", text, n, "logprobs",
+    json_t *c = json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", (int)r->index, "delta", "reasoning_content", text, n, "logprobs",
                           "finish_reason");
     if (!(c = kv_oa_with_lp(true, r, c))) b->oom = true;
     else kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
@@ -173,23 +198,28 @@ static void kv_oa_reasoning(const kv_gw_result *r, const char *text, size_t n, k
 /* A whole call as OpenAI streams one: its id, type and name first (with
  * empty arguments), then its arguments. */
 static void kv_oa_call(const kv_gw_result *r, uint32_t index, const kv_gw_call *call, kv_gw_buf *b) {
-    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:s,s:s,s:{s:s,s:s}}]},s:n,s:n}]", "index", 0, "delta", "tool_calls",
+    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:s,s:s,s:{s:s,s:s}}]},s:n,s:n}]", "index", (int)r->index, "delta", "tool_calls",
                           "index", (int)index, "id", call->id, "type", "function", "function", "name", call->name,
                           "arguments", "", "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
-    c = json_pack("[{s:i,s:{s:[{s:i,s:{s:s%}}]},s:n,s:n}]", "index", 0, "delta", "tool_calls", "index", (int)index,
+    c = json_pack("[{s:i,s:{s:[{s:i,s:{s:s%}}]},s:n,s:n}]", "index", (int)r->index, "delta", "tool_calls", "index", (int)index,
                   "function", "arguments", call->args, call->args_len, "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
 }
 
-static void kv_oa_end(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
-    json_t *c = chat ? json_pack("[{s:i,s:{},s:n,s:s}]", "index", 0, "delta", "logprobs", "finish_reason",
+/* the chunk that ends one choice */
+static void kv_oa_finish_chunk(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
+    json_t *c = chat ? json_pack("[{s:i,s:{},s:n,s:s}]", "index", (int)r->index, "delta", "logprobs", "finish_reason",
                                  kv_oa_finish(r->finish))
-                     : json_pack("[{s:i,s:s,s:n,s:s}]", "index", 0, "text", "", "logprobs", "finish_reason",
+                     : json_pack("[{s:i,s:s,s:n,s:s}]", "index", (int)r->index, "text", "", "logprobs", "finish_reason",
                                  kv_oa_finish(r->finish));
     json_t *ch = kv_oa_chunk(chat, r, c);
     if (ch && include_usage) json_object_set_new(ch, "usage", json_null());
     kv_gw_buf_json(b, "data: ", ch, "\n\n");
+}
+
+static void kv_oa_end(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
+    kv_oa_finish_chunk(chat, r, include_usage, b);
     if (include_usage) {
         json_t *u = kv_oa_chunk(chat, r, json_array());
         if (u) json_object_set_new(u, "usage", kv_oa_usage(r));
@@ -221,13 +251,21 @@ static void kv_oa_chat_delta(const kv_gw_result *r, const char *t, size_t n, kv_
 static void kv_oa_text_delta(const kv_gw_result *r, const char *t, size_t n, kv_gw_buf *b) { kv_oa_delta(false, r, t, n, b); }
 static void kv_oa_chat_end(const kv_gw_result *r, bool u, kv_gw_buf *b) { kv_oa_end(true, r, u, b); }
 static void kv_oa_text_end(const kv_gw_result *r, bool u, kv_gw_buf *b) { kv_oa_end(false, r, u, b); }
+static char *kv_oa_chat_full_n(const kv_gw_result *r, const kv_gw_answer *a, uint32_t n) {
+    return kv_oa_full_n(true, r, a, n);
+}
+static char *kv_oa_text_full_n(const kv_gw_result *r, const kv_gw_answer *a, uint32_t n) {
+    return kv_oa_full_n(false, r, a, n);
+}
+static void kv_oa_chat_choice_end(const kv_gw_result *r, bool u, kv_gw_buf *b) { kv_oa_finish_chunk(true, r, u, b); }
+static void kv_oa_text_choice_end(const kv_gw_result *r, bool u, kv_gw_buf *b) { kv_oa_finish_chunk(false, r, u, b); }
 
 const kv_gw_api_ops kv_gw_openai_chat_ops = {
     .name = "openai_chat", .id_prefix = "chatcmpl-", .stream_type = "text/event-stream", .auth_challenge = "Bearer",
     .call_prefix = "call_", .parse = kv_oa_chat_parse, .error_body = kv_oa_error, .full_body = kv_oa_chat_full,
     .stream_begin = kv_oa_chat_begin, .stream_delta = kv_oa_chat_delta, .stream_reasoning = kv_oa_reasoning,
     .stream_call = kv_oa_call, .stream_end = kv_oa_chat_end,
-    .stream_error = kv_oa_stream_error,
+    .stream_error = kv_oa_stream_error, .full_body_n = kv_oa_chat_full_n, .stream_choice_end = kv_oa_chat_choice_end,
 };
 
 const kv_gw_api_ops kv_gw_openai_text_ops = {
@@ -235,5 +273,5 @@ const kv_gw_api_ops kv_gw_openai_text_ops = {
     .call_prefix = "call_",
     .parse = kv_oa_text_parse, .error_body = kv_oa_error, .full_body = kv_oa_text_full,
     .stream_begin = kv_oa_text_begin, .stream_delta = kv_oa_text_delta, .stream_end = kv_oa_text_end,
-    .stream_error = kv_oa_stream_error,
+    .stream_error = kv_oa_stream_error, .full_body_n = kv_oa_text_full_n, .stream_choice_end = kv_oa_text_choice_end,
 };

@@ -55,6 +55,18 @@ typedef struct kv_gw_conn {
     uint32_t n_calls;
     uint32_t consumed;          /* tokens of r->toks turned into text */
     uint32_t lp_from;           /* stream: the first token whose log-probability no chunk carried yet */
+    /* OpenAI's "n": every choice's request (reqs[0] == r for the first),
+       queued together and read one after another; r is reqs[choice]. A
+       whole answer keeps each finished choice's result and text in done[] */
+    kv_gw_req *reqs[KV_GW_MAX_N];
+    uint32_t n_choices, choice;
+    uint32_t tokens_before;     /* completion tokens of the choices before this one */
+    struct kv_gw_done_choice {
+        kv_gw_result res;
+        kv_gw_buf full, reason;
+        kv_gw_call *calls;
+        uint32_t n_calls;
+    } done[KV_GW_MAX_N];
     bool finished;
     bool counted;               /* the request is in req_count */
     kv_gw_charge charge;        /* its payment while held (pay.h) */
@@ -220,6 +232,79 @@ static int kv_parser_start(kv_gw_conn *c) {
     return kv_chat_parser_new(&c->parser, &s);
 }
 
+/* The current choice ended (OpenAI's "n"): its answer kept (whole) or its
+ * last chunk sent (stream), and the next choice's read from its start.
+ * Returns 0, or -1 on no memory. */
+static int kv_next_choice(kv_gw_conn *c, bool stream) {
+    const kv_gw_api_ops *o = kv_gw_api(c->api);
+    if (stream) {
+        o->stream_choice_end(&c->res, c->p->include_usage, &c->out);
+    } else {
+        struct kv_gw_done_choice *d = &c->done[c->choice];
+        d->res = c->res;
+        d->full = c->full;
+        d->reason = c->reason;
+        d->calls = c->calls;
+        d->n_calls = c->n_calls;
+        c->full = (kv_gw_buf){0};
+        c->reason = (kv_gw_buf){0};
+        c->calls = NULL;
+        c->n_calls = 0;
+    }
+    c->tokens_before += c->res.completion_tokens;
+    c->choice++;
+    c->r = c->reqs[c->choice];
+    c->consumed = c->lp_from = 0;
+    c->finished = false;
+    const kv_gw_result first = c->res;
+    c->res = (kv_gw_result){.id = first.id, .index = c->choice, .model = first.model, .created = first.created,
+                            .prompt_tokens = first.prompt_tokens, .ss = first.ss, .t_start = first.t_start,
+                            .logprobs = first.logprobs, .top_logprobs = first.top_logprobs, .tok = first.tok};
+    if (c->res.ss) *c->res.ss = (kv_gw_stream_state){0};
+    kv_gw_text_free(&c->text);
+    kv_gw_text_init(&c->text, c->p->stop, c->p->stop_len, c->p->n_stop);
+    kv_chat_parser_free(c->parser);
+    c->parser = NULL;
+    if (kv_parser_start(c)) return -1;
+    const kv_gw_params *p = c->p;
+    if (stream) o->stream_begin(&c->res, &c->out);
+    if (p->echo && p->prompt) {
+        if (stream) o->stream_delta(&c->res, p->prompt, p->prompt_len, &c->out);
+        else kv_gw_buf_add(&c->full, p->prompt, p->prompt_len);
+    }
+    return 0;
+}
+
+/* Choice i (> 0) of r's request: the same prompt and parameters, the seed
+ * the next (seed + i), its own token arrays. NULL on no memory. */
+static kv_gw_req *kv_req_choice(const kv_gw_req *r, uint32_t i, const kv_gw_params *p) {
+    kv_gw_req *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->g = r->g;
+    q->api = r->api;
+    q->client = r->client;
+    q->so = r->so;
+    q->so.sample.seed = p->has_seed ? p->sp.seed + i : r->so.sample.seed ^ ((uint64_t)(uintptr_t)q << 16);
+    q->n_prompt = r->n_prompt;
+    q->max_tokens = r->max_tokens;
+    q->script = r->script;
+    q->cap = r->cap;
+    q->prompt = malloc((size_t)r->n_prompt * sizeof *q->prompt);
+    q->toks = malloc((size_t)q->cap * sizeof *q->toks);
+    if (r->lps) q->lps = malloc((size_t)q->cap * sizeof *q->lps);
+    if (!q->prompt || !q->toks || (r->lps && !q->lps)) {
+        free(q->prompt);
+        free(q->toks);
+        free(q->lps);
+        free(q);
+        return NULL;
+    }
+    memcpy(q->prompt, r->prompt, (size_t)r->n_prompt * sizeof *q->prompt);
+    q->lead = (kv_gw_req *)r;
+    q->refs = 2;
+    return q;
+}
+
 /* Turns new tokens into text, waiting for some if none are new. Returns 0,
  * or -1 when the client went away (the request is cancelled then). */
 static int kv_advance(kv_gw_conn *c, bool stream) {
@@ -332,8 +417,15 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
             if (stream) kv_gw_api(c->api)->stream_error(errmsg[0] ? errmsg : kv_err_str(err), &c->out);
             return 1;
         }
+        if (c->choice + 1 < c->n_choices) return kv_next_choice(c, stream);
         kv_pay_end(c, false); /* before the last bytes go out: a client that saw the end sees it settled */
-        if (stream) kv_gw_api(c->api)->stream_end(&c->res, c->p->include_usage, &c->out);
+        if (stream && c->n_choices > 1) { /* usage: every choice's tokens */
+            kv_gw_result u = c->res;
+            u.completion_tokens += c->tokens_before;
+            kv_gw_api(c->api)->stream_end(&u, c->p->include_usage, &c->out);
+        } else if (stream) {
+            kv_gw_api(c->api)->stream_end(&c->res, c->p->include_usage, &c->out);
+        }
     }
     return 0;
 }
@@ -632,9 +724,13 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     const char *no_ring = p->n_bias ? "logit_bias" : p->logprobs ? "logprobs"
                         : p->sp.presence_penalty != 0 ? "presence_penalty"
                         : p->sp.frequency_penalty != 0 ? "frequency_penalty" : NULL;
+    if (g->n_ring && p->n_choices > 1) no_ring = "n";
     if (g->n_ring && no_ring)
         return kv_reply_err(cn, c, 400, "'%s' is not supported over ring entry nodes yet (the ring's request does "
                             "not carry it)", no_ring);
+    if (p->n_choices > 1 && g->pay)
+        return kv_reply_err(cn, c, 400, "'n' above 1 is not served by a paying gateway yet (one payment per choice)");
+    const uint32_t n_choices = p->n_choices > 1 ? p->n_choices : 1;
     if (g->n_ring) {
         /* the ring's home tokenizes: the rendering when a template is given
            here, else the messages (the home applies ChatML) */
@@ -657,22 +753,43 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     }
     r->refs = 2;
     r->client = kv_client_of(g, c);
+    cn->reqs[0] = r;
+    for (uint32_t i = 1; i < n_choices; i++) /* the other choices (local requests only) */
+        if (!(cn->reqs[i] = kv_req_choice(r, i, p))) {
+            pthread_mutex_lock(&g->mu);
+            for (uint32_t k = 0; k < i; k++) {
+                cn->reqs[k]->refs = 1;
+                kv_gw_req_unref_locked(cn->reqs[k]);
+                cn->reqs[k] = NULL;
+            }
+            pthread_mutex_unlock(&g->mu);
+            return kv_reply_err(cn, c, 500, "out of memory");
+        }
     pthread_mutex_lock(&g->mu);
-    if (g->quit || (g->n_queued >= g->o.queue_max && !kv_gw_queue_displace_locked(g, r))) {
+    /* n choices are n requests against the queue's bound */
+    if (g->quit || (n_choices > 1 && g->n_queued + n_choices > g->o.queue_max) ||
+        (g->n_queued >= g->o.queue_max && !kv_gw_queue_displace_locked(g, r))) {
         g->rejected_full++;
-        r->refs = 1;
-        kv_gw_req_unref_locked(r);
+        for (uint32_t k = 0; k < n_choices; k++) {
+            cn->reqs[k]->refs = 1;
+            kv_gw_req_unref_locked(cn->reqs[k]);
+            cn->reqs[k] = NULL;
+        }
         pthread_mutex_unlock(&g->mu);
         kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 503, "the queue is full (%u requests waiting); retry later", g->o.queue_max);
     }
-    r->id = ++g->next_id;
-    r->state = KV_REQ_QUEUED;
-    if (g->queue_tail) g->queue_tail->next = r;
-    else g->queue = r;
-    g->queue_tail = r;
-    g->n_queued++;
-    g->tokens_prompt += n;
+    for (uint32_t k = 0; k < n_choices; k++) {
+        kv_gw_req *q = cn->reqs[k];
+        q->id = ++g->next_id;
+        q->state = KV_REQ_QUEUED;
+        if (g->queue_tail) g->queue_tail->next = q;
+        else g->queue = q;
+        g->queue_tail = q;
+        g->n_queued++;
+        g->tokens_prompt += n;
+    }
+    cn->n_choices = n_choices;
     pthread_cond_signal(&g->work_cv);
     pthread_mutex_unlock(&g->mu);
     if (g->n_ring) { /* the ring tokenizes: wait for its ACCEPT (or its refusal) before the status line */
@@ -727,6 +844,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     while (!cn->finished)
         if ((a = kv_advance(cn, false)) < 0) return MHD_NO;
         else if (a > 0) {
+            r = cn->r; /* the choice that failed */
             pthread_mutex_lock(&g->mu);
             char msg[256];
             memcpy(msg, r->errmsg, sizeof msg);
@@ -743,8 +861,26 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         }
     if (cn->full.oom || cn->reason.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
     if (p->logprobs) { /* every token's */
-        cn->res.lp = r->lps;
+        cn->res.lp = cn->r->lps;
         cn->res.n_lp = cn->consumed;
+    }
+    if (cn->n_choices > 1) {
+        kv_gw_result rs[KV_GW_MAX_N];
+        kv_gw_answer as[KV_GW_MAX_N];
+        for (uint32_t i = 0; i < cn->n_choices; i++) {
+            const struct kv_gw_done_choice *dc = &cn->done[i];
+            const bool last = i == cn->choice;
+            const kv_gw_buf *f = last ? &cn->full : &dc->full, *rb = last ? &cn->reason : &dc->reason;
+            if (f->oom || rb->oom) return kv_reply_err(cn, c, 500, "out of memory");
+            rs[i] = last ? cn->res : dc->res;
+            if (p->logprobs) {
+                rs[i].lp = cn->reqs[i]->lps;
+                rs[i].n_lp = last ? cn->consumed : dc->res.completion_tokens;
+            }
+            as[i] = (kv_gw_answer){.text = f->p ? f->p : "", .n = f->n, .reasoning = rb->p, .rn = rb->n,
+                                   .calls = last ? cn->calls : dc->calls, .n_calls = last ? cn->n_calls : dc->n_calls};
+        }
+        return kv_reply(cn, c, 200, "application/json", kv_gw_api(cn->api)->full_body_n(rs, as, cn->n_choices));
     }
     const kv_gw_answer ans = {.text = cn->full.p ? cn->full.p : "", .n = cn->full.n, .reasoning = cn->reason.p,
                             .rn = cn->reason.n, .calls = cn->calls, .n_calls = cn->n_calls};
@@ -900,6 +1036,15 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
     kv_gw_conn *cn = *con_cls;
     kv_http_guard_idle(g->guard, c); /* a kept-alive connection's next request: its deadline starts */
     if (!cn) return;
+    if (cn->n_choices > 1) { /* every choice: the unfinished cancelled first (the later ones' lead is the first) */
+        pthread_mutex_lock(&g->mu);
+        for (uint32_t i = 0; i < cn->n_choices; i++)
+            if (cn->reqs[i]->state != KV_REQ_DONE) cn->reqs[i]->cancel = true;
+        pthread_cond_signal(&g->work_cv);
+        for (uint32_t i = cn->n_choices; i-- > 0;) kv_gw_req_unref_locked(cn->reqs[i]);
+        pthread_mutex_unlock(&g->mu);
+        cn->r = NULL;
+    }
     if (cn->r) {
         pthread_mutex_lock(&g->mu);
         if (cn->r->state != KV_REQ_DONE) {
@@ -914,7 +1059,8 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
     }
     kv_pay_end(cn, true); /* held without a request (cannot happen): back whole */
     if (cn->counted)
-        kv_gw_log_request(g, cn->method, cn->route_name, cn->status, cn->res.prompt_tokens, cn->res.completion_tokens,
+        kv_gw_log_request(g, cn->method, cn->route_name, cn->status, cn->res.prompt_tokens,
+                          cn->res.completion_tokens + cn->tokens_before,
                           (kv_gw_mono() - cn->t0) * 1e3);
     kv_gw_text_free(&cn->text);
     kv_chat_parser_free(cn->parser);
@@ -924,6 +1070,16 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
     }
     free(cn->calls);
     free(cn->reason.p);
+    for (uint32_t i = 0; i < KV_GW_MAX_N; i++) {
+        struct kv_gw_done_choice *dc = &cn->done[i];
+        for (uint32_t k = 0; k < dc->n_calls; k++) {
+            free(dc->calls[k].name);
+            free(dc->calls[k].args);
+        }
+        free(dc->calls);
+        free(dc->full.p);
+        free(dc->reason.p);
+    }
     kv_gw_params_free(cn->p);
     free(cn->p);
     free(cn->out.p);

@@ -175,6 +175,9 @@ kv_gw_req *kv_gw_queue_pick_locked(kv_gateway *g) {
     kv_gw_req *best = NULL, *best_prev = NULL;
     uint32_t best_active = UINT32_MAX;
     for (kv_gw_req *r = g->queue, *prev = NULL; r && best_active; prev = r, r = r->next) {
+        if (r->lead && r->lead->state != KV_REQ_DONE &&
+            (r->lead->state != KV_REQ_ACTIVE || r->lead->sst == KV_SESSION_IDLE || r->lead->sst == KV_SESSION_PREFILL))
+            continue; /* its first choice's prompt is not in the cache yet */
         uint32_t act = 0;
         for (kv_gw_req *a = g->active; a; a = a->next) act += a->client == r->client;
         if (act < best_active) {
@@ -291,7 +294,8 @@ void *kv_gw_sched_main(void *arg) {
             g->completed--; /* it did not run to its end */
         }
         /* join: queued requests, oldest first, while there is room */
-        while (!g->hold && g->queue && g->n_active < g->o.max_active) kv_sched_admit_locked(g, kv_gw_queue_pick_locked(g));
+        for (kv_gw_req *q; !g->hold && g->queue && g->n_active < g->o.max_active && (q = kv_gw_queue_pick_locked(g));)
+            kv_sched_admit_locked(g, q);
         pthread_cond_broadcast(&g->out_cv);
         kv_sched_placement_locked(g);
         if (!g->active) {
