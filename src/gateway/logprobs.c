@@ -106,6 +106,7 @@ json_t *kv_gw_lp_text(const kv_gw_result *r) {
         json_t *top = json_object();
         for (uint32_t k = 0; top && l->token >= 0 && k < l->n_top && k < r->top_logprobs; k++) {
             kv_lp_piece_of(r->tok, l->top_id[k], pc);
+            if (json_object_get(top, pc->clean)) continue; /* two tokens of one text: the likelier is listed */
             if (json_object_set_new(top, pc->clean, json_real(l->top_logprob[k]))) {
                 json_decref(top);
                 top = NULL;
