@@ -157,11 +157,13 @@ int kv_gw_n_probs(kv_gw_params *p, json_t *o, kv_diag *d) {
     return 0;
 }
 
-/* Fields of OpenAI's API that change the answer and that Kvasir does not
- * honour: refused by name unless they hold the value that changes nothing. */
+/* Fields of OpenAI's API (and llama.cpp's extensions to it) that change the
+ * answer and that Kvasir does not honour: refused by name unless they hold
+ * the value that changes nothing. (response_format and grammar are
+ * structured output's, structured.c.) */
 int kv_gw_refuse_openai(json_t *o, bool chat, kv_diag *d) {
     static const char *const never[] = {"functions", "function_call", "audio", "prediction", "web_search_options",
-                                        "mirostat", "grammar", NULL};
+                                        "mirostat", NULL};
     json_t *v;
     for (size_t i = 0; never[i]; i++)
         if ((v = json_object_get(o, never[i])) && !json_is_null(v) &&
