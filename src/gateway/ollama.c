@@ -30,9 +30,12 @@ static int kv_ol_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
             return kv_fail(d, KV_EUNSUPPORTED, "'think' must be true or false (reasoning levels are not served)");
         if ((rc = kv_gw_set_thinking(p, json_is_true(th), d))) return rc;
     }
-    json_t *lp = json_object_get(o, "logprobs");
+    json_t *lp = json_object_get(o, "logprobs"), *tl = json_object_get(o, "top_logprobs");
     if (lp && !json_is_null(lp) && !json_is_false(lp))
         return kv_fail(d, KV_EUNSUPPORTED, "'logprobs' is not supported by this server's /api/chat (use "
+                       "/v1/chat/completions)");
+    if (tl && !json_is_null(tl) && !(json_is_integer(tl) && json_integer_value(tl) == 0))
+        return kv_fail(d, KV_EUNSUPPORTED, "'top_logprobs' is not supported by this server's /api/chat (use "
                        "/v1/chat/completions)");
     p->stream = true;
     if ((rc = kv_gw_bool(o, "stream", &p->stream, d))) return rc;

@@ -291,6 +291,10 @@ const refused = [
   ['/api/generate', { model, prompt: P, options: { mirostat: 1 } }, 'mirostat'],
   ['/api/chat', { model, messages: [{ role: 'user', content: 'x' }], options: { typical_p: 0.5 } }, 'typical_p'],
   ['/api/chat', { model, messages: [{ role: 'user', content: 'x' }], logprobs: true }, 'logprobs'],
+  ['/api/chat', { model, messages: [{ role: 'user', content: 'x' }], top_logprobs: 3 }, 'top_logprobs'],
+  ['/api/generate', { model, prompt: P, logprobs: true }, 'logprobs'],
+  ['/v1/messages', { model, max_tokens: 2, messages: [{ role: 'user', content: 'x' }],
+    mcp_servers: [{ type: 'url', url: 'http://x', name: 'x' }] }, 'mcp_servers'],
 ];
 for (const [path, body, name] of refused) {
   const r = await post(path, path.startsWith('/v1/') ? { max_tokens: 2, ...body } : body);
