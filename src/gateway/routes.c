@@ -634,6 +634,8 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     r->so.ignore_eog = p->ignore_eos;
     r->so.logprobs = p->logprobs;
     r->so.top_logprobs = p->top_logprobs;
+    if (r->so.sample.repeat_last_n > (int32_t)g->n_ctx) /* no session holds more: the same window, less memory */
+        r->so.sample.repeat_last_n = (int32_t)g->n_ctx;
     if (g->n_script) { /* TEST ONLY (script.c) */
         pthread_mutex_lock(&g->mu);
         r->script = &g->script[g->script_next++ % g->n_script];
