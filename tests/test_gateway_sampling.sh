@@ -33,4 +33,33 @@ ADDR=$(sed -n 's/^listening on //p' "$DIR/gw.out")
 [ -n "$ADDR" ] || fail "gateway did not print its address"
 KV_GW_URL="http://$ADDR" KV_GW_MODEL=tiny KV_GW_FILE="$DIR/tiny.gguf" KV_BIN="$BIN" \
   node "$SRC/tests/oracle/gateway_sampling.mjs" || fail "see above"
+kill "$GW"; wait "$GW" 2>/dev/null || true
+# n choices are n requests against the queue's bound
+"$BIN" gateway -m "$DIR/tiny.gguf" --listen 127.0.0.1:0 --threads 2 --quiet --queue 2 --parallel 1 >"$DIR/gw2.out" 2>"$DIR/gw2.err" &
+GW=$!
+for _ in $(seq 1 600); do
+  grep -q "^listening on " "$DIR/gw2.out" 2>/dev/null && break
+  kill -0 "$GW" 2>/dev/null || fail "gateway exited: $(cat "$DIR/gw2.err")"
+  sleep 0.1
+done
+ADDR=$(sed -n 's/^listening on //p' "$DIR/gw2.out")
+st=$(curl -s -o "$DIR/b" -w '%{http_code}' "http://$ADDR/v1/completions" -d '{"prompt":"hi","max_tokens":2,"n":3}')
+[ "$st" = 400 ] && grep -q "'n' is 3" "$DIR/b" || fail "n=3 over a queue of 2: $st $(cat "$DIR/b")"
+st=$(curl -s -o "$DIR/b" -w '%{http_code}' "http://$ADDR/v1/completions" -d '{"prompt":"hi","max_tokens":2,"n":2}')
+[ "$st" = 200 ] && [ "$(jq '.choices | length' "$DIR/b")" = 2 ] || fail "n=2 over a queue of 2: $st $(cat "$DIR/b")"
+# one request runs (--parallel 1) and two wait: n=2 finds at most one place
+# of two (a waiting one may start meanwhile, not both): 503
+CS=()
+for _ in 1 2 3; do
+  curl -s -o /dev/null "http://$ADDR/v1/completions" -d '{"prompt":"hi","max_tokens":3000,"ignore_eos":true}' &
+  CS+=($!)
+done
+for _ in $(seq 1 200); do
+  [ "$(curl -s "http://$ADDR/v1/slots" | jq '.queued')" = 2 ] && break
+  sleep 0.02
+done
+st=$(curl -s -o "$DIR/b" -w '%{http_code}' "http://$ADDR/v1/completions" -d '{"prompt":"hi","max_tokens":2,"n":2}')
+kill "${CS[@]}" 2>/dev/null; wait "${CS[@]}" 2>/dev/null || true
+[ "$st" = 503 ] && grep -q "queue is full" "$DIR/b" || fail "n=2 with one place left: $st $(cat "$DIR/b")"
+echo "ok: n choices count as n requests against --queue"
 echo "test_gateway_sampling: ok"

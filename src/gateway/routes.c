@@ -733,6 +733,9 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (p->n_choices > 1 && g->pay)
         return kv_reply_err(cn, c, 400, "'n' above 1 is not served by a paying gateway yet (one payment per choice)");
     const uint32_t n_choices = p->n_choices > 1 ? p->n_choices : 1;
+    if (n_choices > g->o.queue_max) /* never room for all of them: not a retry-later */
+        return kv_reply_err(cn, c, 400, "'n' is %u, more than this gateway queues at once (%u requests)", n_choices,
+                            g->o.queue_max);
     if (g->n_ring) {
         /* the ring's home tokenizes: the rendering when a template is given
            here, else the messages (the home applies ChatML) */

@@ -254,6 +254,15 @@ check(changed > 0, 'some penalty changed the text');
     check(fins[i] !== null, `streamed choice ${i} has its finish_reason`);
   }
   check(new Set(texts).size > 1, 'the choices differ');
+  // the later choices take the first one's prompt from the prompt cache
+  const cached = async () => Number((await (await fetch(`${url}/metrics`)).text())
+    .match(/^kvasir_gateway_prompt_cache_tokens_total (\d+)/m)[1]);
+  const long = Array.from({ length: 120 }, (_, i) => `w${i}`).join(' ');
+  const before = await cached();
+  const lr = await openai.completions.create({ model, prompt: long, max_tokens: 3, n: 3, seed: 1 });
+  const after = await cached();
+  check(after - before >= 2 * 64, `n=3 over a ${lr.usage.prompt_tokens}-token prompt: ${after - before} cached tokens ` +
+    'taken (the two later choices share the first one\'s prefill)');
   console.log('ok: n choices equal single requests with seed, seed+1, seed+2 (whole and streamed)');
 }
 
