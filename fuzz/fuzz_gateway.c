@@ -59,7 +59,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         CHECK(p->sp.frequency_penalty >= -2 && p->sp.frequency_penalty <= 2);
         CHECK(p->sp.repeat_penalty > 0 && p->sp.repeat_penalty <= 100 && p->sp.repeat_last_n >= 0);
         CHECK(p->top_logprobs <= KV_SAMPLE_MAX_TOP && (p->logprobs || p->top_logprobs == 0));
-        CHECK(p->n_choices <= KV_GW_MAX_N && (p->n_choices <= 1 || api == KV_GW_OPENAI_CHAT || api == KV_GW_OPENAI_TEXT));
+        CHECK(p->n_choices <= KV_GW_MAX_N &&
+              (p->n_choices <= 1 || api == KV_GW_OPENAI_CHAT || api == KV_GW_OPENAI_TEXT));
         CHECK(!p->echo || (api == KV_GW_OPENAI_TEXT && !p->logprobs));
         { /* what parses, the sampler takes (the ids once checked against a vocabulary) */
             bool in_vocab = true;

@@ -2,7 +2,8 @@
  * {"message":{"role","content"},"done":false} per chunk, then one with
  * "done":true, "done_reason" and the counts), GET /api/tags. Sampler fields
  * sit under "options" (num_predict, temperature, top_k, top_p, min_p, seed,
- * stop, the penalties; any other option a 400 naming it: ollama_gen.c). "tools" as OpenAI's; calls as message.tool_calls (arguments an
+ * stop, the penalties; any other option a 400 naming it: ollama_gen.c).
+ * "tools" as OpenAI's; calls as message.tool_calls (arguments an
  * object), reasoning as message.thinking ("think" sets the template's
  * enable_thinking). Errors: {"error":"..."}. */
 #include <stdlib.h>

@@ -5,7 +5,8 @@
  * (delta.reasoning_content streamed), tool calls as message.tool_calls
  * (each streamed as two deltas: id, type and name, then the arguments)
  * with finish_reason "tool_calls". Log-probabilities (logprobs.c) in
- * choices[].logprobs, each chunk's those of the tokens it carries. Errors: {"error":{"message","type","param","code"}}. */
+ * choices[].logprobs, each chunk's those of the tokens it carries. Errors:
+ * {"error":{"message","type","param","code"}}. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -105,12 +106,13 @@ static char *kv_oa_error(unsigned status, const char *msg) {
 
 /* one choice of a whole answer */
 static json_t *kv_oa_choice(bool chat, const kv_gw_result *r, const kv_gw_answer *a) {
+    const int ix = (int)r->index; /* the choice */
     const char *text = a->text;
     const size_t n = a->n;
-    json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s%},s:n,s:s}", "index", (int)r->index, "message", "role",
+    json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s%},s:n,s:s}", "index", ix, "message", "role",
                                       "assistant", "content", text, n, "logprobs", "finish_reason",
                                       kv_oa_finish(r->finish))
-                          : json_pack("{s:i,s:s%,s:n,s:s}", "index", (int)r->index, "text", text, n, "logprobs",
+                          : json_pack("{s:i,s:s%,s:n,s:s}", "index", ix, "text", text, n, "logprobs",
                                       "finish_reason", kv_oa_finish(r->finish));
     if (choice && r->logprobs) {
         json_t *lp = chat ? kv_gw_lp_chat(r) : kv_gw_lp_text(r);
@@ -163,7 +165,8 @@ static json_t *kv_oa_chunk(bool chat, const kv_gw_result *r, json_t *choices) {
 
 static void kv_oa_begin(bool chat, const kv_gw_result *r, kv_gw_buf *b) {
     if (!chat) return;
-    json_t *c = json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", (int)r->index, "delta", "role", "assistant", "content", "",
+    const int ix = (int)r->index; /* the choice */
+    json_t *c = json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", ix, "delta", "role", "assistant", "content", "",
                           "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
@@ -181,15 +184,17 @@ static json_t *kv_oa_with_lp(bool chat, const kv_gw_result *r, json_t *c) {
 }
 
 static void kv_oa_delta(bool chat, const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
-    json_t *c = chat ? json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", (int)r->index, "delta", "content", text, n, "logprobs",
+    const int ix = (int)r->index; /* the choice */
+    json_t *c = chat ? json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", ix, "delta", "content", text, n, "logprobs",
                                  "finish_reason")
-                     : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", (int)r->index, "text", text, n, "logprobs", "finish_reason");
+                     : json_pack("[{s:i,s:s%,s:n,s:n}]", "index", ix, "text", text, n, "logprobs", "finish_reason");
     if (!(c = kv_oa_with_lp(chat, r, c))) b->oom = true;
     else kv_gw_buf_json(b, "data: ", kv_oa_chunk(chat, r, c), "\n\n");
 }
 
 static void kv_oa_reasoning(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
-    json_t *c = json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", (int)r->index, "delta", "reasoning_content", text, n, "logprobs",
+    const int ix = (int)r->index; /* the choice */
+    json_t *c = json_pack("[{s:i,s:{s:s%},s:n,s:n}]", "index", ix, "delta", "reasoning_content", text, n, "logprobs",
                           "finish_reason");
     if (!(c = kv_oa_with_lp(true, r, c))) b->oom = true;
     else kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
@@ -198,20 +203,22 @@ static void kv_oa_reasoning(const kv_gw_result *r, const char *text, size_t n, k
 /* A whole call as OpenAI streams one: its id, type and name first (with
  * empty arguments), then its arguments. */
 static void kv_oa_call(const kv_gw_result *r, uint32_t index, const kv_gw_call *call, kv_gw_buf *b) {
-    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:s,s:s,s:{s:s,s:s}}]},s:n,s:n}]", "index", (int)r->index, "delta", "tool_calls",
+    const int ix = (int)r->index; /* the choice */
+    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:s,s:s,s:{s:s,s:s}}]},s:n,s:n}]", "index", ix, "delta", "tool_calls",
                           "index", (int)index, "id", call->id, "type", "function", "function", "name", call->name,
                           "arguments", "", "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
-    c = json_pack("[{s:i,s:{s:[{s:i,s:{s:s%}}]},s:n,s:n}]", "index", (int)r->index, "delta", "tool_calls", "index", (int)index,
+    c = json_pack("[{s:i,s:{s:[{s:i,s:{s:s%}}]},s:n,s:n}]", "index", ix, "delta", "tool_calls", "index", (int)index,
                   "function", "arguments", call->args, call->args_len, "logprobs", "finish_reason");
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
 }
 
 /* the chunk that ends one choice */
 static void kv_oa_finish_chunk(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
-    json_t *c = chat ? json_pack("[{s:i,s:{},s:n,s:s}]", "index", (int)r->index, "delta", "logprobs", "finish_reason",
+    const int ix = (int)r->index; /* the choice */
+    json_t *c = chat ? json_pack("[{s:i,s:{},s:n,s:s}]", "index", ix, "delta", "logprobs", "finish_reason",
                                  kv_oa_finish(r->finish))
-                     : json_pack("[{s:i,s:s,s:n,s:s}]", "index", (int)r->index, "text", "", "logprobs", "finish_reason",
+                     : json_pack("[{s:i,s:s,s:n,s:s}]", "index", ix, "text", "", "logprobs", "finish_reason",
                                  kv_oa_finish(r->finish));
     json_t *ch = kv_oa_chunk(chat, r, c);
     if (ch && include_usage) json_object_set_new(ch, "usage", json_null());

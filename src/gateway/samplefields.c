@@ -53,8 +53,10 @@ int kv_gw_logit_bias(kv_gw_params *p, json_t *o, const char *key, kv_diag *d) {
     if (!v || json_is_null(v)) return 0;
     const size_t n = json_is_object(v) ? json_object_size(v) : json_is_array(v) ? json_array_size(v) : 0;
     if (!json_is_object(v) && !json_is_array(v))
-        return kv_fail(d, KV_EFORMAT, "'%s' must be an object {\"token id\": bias} or an array [[token id, bias]]", key);
-    if (n > KV_SAMPLE_MAX_BIAS) return kv_fail(d, KV_ERANGE, "'%s' has %zu entries, at most %u", key, n, KV_SAMPLE_MAX_BIAS);
+        return kv_fail(d, KV_EFORMAT, "'%s' must be an object {\"token id\": bias} or an array [[token id, bias]]",
+                       key);
+    if (n > KV_SAMPLE_MAX_BIAS)
+        return kv_fail(d, KV_ERANGE, "'%s' has %zu entries, at most %u", key, n, KV_SAMPLE_MAX_BIAS);
     if (!n) return 0;
     if (!(p->bias = malloc(n * sizeof *p->bias))) return kv_fail(d, KV_ENOMEM, "out of memory");
     int rc;

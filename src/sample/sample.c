@@ -84,8 +84,8 @@ int kv_sampler_new_ex(kv_sampler **out, int32_t n_vocab, const kv_sample_params 
         return kv_fail(d, KV_EINVAL, "sampler: %u logit biases, at most %u", p->n_bias, KV_SAMPLE_MAX_BIAS);
     for (uint32_t i = 0; i < p->n_bias; i++) {
         if (p->bias[i].token < 0 || p->bias[i].token >= n_vocab)
-            return kv_fail(d, KV_EINVAL, "sampler: logit bias token %d outside the vocabulary [0, %d)", p->bias[i].token,
-                           n_vocab);
+            return kv_fail(d, KV_EINVAL, "sampler: logit bias token %d outside the vocabulary [0, %d)",
+                           p->bias[i].token, n_vocab);
         if (!(p->bias[i].bias >= -100.0f && p->bias[i].bias <= 100.0f))
             return kv_fail(d, KV_EINVAL, "sampler: logit bias %g of token %d out of range [-100, 100]",
                            p->bias[i].bias, p->bias[i].token);
@@ -98,7 +98,8 @@ int kv_sampler_new_ex(kv_sampler **out, int32_t n_vocab, const kv_sample_params 
     s->cand = own_scratch ? malloc((size_t)n_vocab * sizeof *s->cand) : NULL;
     s->hist = malloc(((size_t)p->repeat_last_n + 1) * sizeof *s->hist);
     bool oom = (own_scratch && !s->cand) || !s->hist;
-    if (p->n_bias && (s->bias = malloc(p->n_bias * sizeof *s->bias))) memcpy(s->bias, p->bias, p->n_bias * sizeof *s->bias);
+    if (p->n_bias && (s->bias = malloc(p->n_bias * sizeof *s->bias)))
+        memcpy(s->bias, p->bias, p->n_bias * sizeof *s->bias);
     oom |= p->n_bias && !s->bias;
     if (p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) {
         s->gen_cnt = calloc((size_t)n_vocab, sizeof *s->gen_cnt);
