@@ -6,7 +6,9 @@
  * the seed and the position of the token sampled (the number of tokens
  * kv_sampler_accept took before it) alone, not of the draws before: the
  * same seed, logits and history always give the same token, and a sampler
- * fed a sequence's tokens afresh (a replay) draws what the first one drew. */
+ * fed a sequence's tokens afresh (a replay) draws what the first one drew
+ * (with presence or frequency penalties: when the generated ones are fed
+ * with kv_sampler_accept_sampled, as they were the first time). */
 #ifndef KVASIR_SAMPLE_H
 #define KVASIR_SAMPLE_H
 
