@@ -62,4 +62,28 @@ st=$(curl -s -o "$DIR/b" -w '%{http_code}' "http://$ADDR/v1/completions" -d '{"p
 kill "${CS[@]}" 2>/dev/null; wait "${CS[@]}" 2>/dev/null || true
 [ "$st" = 503 ] && grep -q "queue is full" "$DIR/b" || fail "n=2 with one place left: $st $(cat "$DIR/b")"
 echo "ok: n choices count as n requests against --queue"
+kill "$GW"; wait "$GW" 2>/dev/null || true
+
+# reasoning_effort reaches gpt-oss's own template (from the llama.cpp bundle)
+git clone -q --no-checkout "$SRC/tests/oracle/node_modules/node-llama-cpp/llama/gitRelease.bundle" "$DIR/llama" \
+  >/dev/null 2>&1 || fail "cannot clone the llama.cpp bundle of node-llama-cpp"
+git -C "$DIR/llama" show "HEAD:models/templates/openai-gpt-oss-120b.jinja" >"$DIR/oss.jinja" || fail "no gpt-oss template"
+"$BIN" gateway -m "$DIR/tiny.gguf" --listen 127.0.0.1:0 --threads 1 --quiet --chat-template "$DIR/oss.jinja" \
+  >"$DIR/gw3.out" 2>"$DIR/gw3.err" &
+GW=$!
+for _ in $(seq 1 600); do
+  grep -q "^listening on " "$DIR/gw3.out" 2>/dev/null && break
+  kill -0 "$GW" 2>/dev/null || fail "gateway exited: $(cat "$DIR/gw3.err")"
+  sleep 0.1
+done
+ADDR=$(sed -n 's/^listening on //p' "$DIR/gw3.out")
+msgs='"messages":[{"role":"user","content":"hi"}]'
+curl -s "http://$ADDR/apply-template" -d "{$msgs,\"reasoning_effort\":\"high\"}" | grep -q 'Reasoning: high' ||
+  fail "reasoning_effort high did not reach the template"
+curl -s "http://$ADDR/apply-template" -d "{$msgs}" | grep -q 'Reasoning: medium' || fail "the template's default effort"
+curl -s "http://$ADDR/apply-template" -d "{$msgs,\"reasoning_effort\":\"low\",\"chat_template_kwargs\":{\"reasoning_effort\":\"high\"}}" |
+  grep -q 'Reasoning: high' || fail "chat_template_kwargs' reasoning_effort wins"
+st=$(curl -s -o "$DIR/b" -w '%{http_code}' "http://$ADDR/v1/chat/completions" -d "{$msgs,\"reasoning_effort\":\"max\"}")
+[ "$st" = 400 ] && grep -q reasoning_effort "$DIR/b" || fail "reasoning_effort max: $st $(cat "$DIR/b")"
+echo "ok: reasoning_effort reaches the template's variable"
 echo "test_gateway_sampling: ok"

@@ -19,6 +19,25 @@ int kv_gw_stops(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
 int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d);
 int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 
+/* "reasoning_effort" (llama-server's reading): "none" turns the template's
+ * thinking off (enable_thinking false); minimal, low, medium or high reach
+ * the template as its reasoning_effort variable (gpt-oss's reads it; a
+ * template that does not is unchanged), unless chat_template_kwargs sets it. */
+static int kv_oa_reasoning_effort(kv_gw_params *p, json_t *o, kv_diag *d) {
+    static const char *const levels[] = {"minimal", "low", "medium", "high"};
+    json_t *e = json_object_get(o, "reasoning_effort");
+    if (!e || json_is_null(e)) return 0;
+    const char *v = json_is_string(e) ? json_string_value(e) : "";
+    if (!strcmp(v, "none")) return kv_gw_set_thinking(p, false, d);
+    bool ok = false;
+    for (size_t i = 0; i < sizeof levels / sizeof levels[0]; i++) ok |= !strcmp(v, levels[i]);
+    if (!ok) return kv_fail(d, KV_EINVAL, "'reasoning_effort' must be none, minimal, low, medium or high");
+    if (p->kwargs && json_object_get(p->kwargs, "reasoning_effort")) return 0;
+    if (!p->kwargs && !(p->kwargs = json_object())) return kv_fail(d, KV_ENOMEM, "out of memory");
+    if (json_object_set_new(p->kwargs, "reasoning_effort", json_string(v))) return kv_fail(d, KV_ENOMEM, "out of memory");
+    return 0;
+}
+
 static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     int rc;
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
@@ -27,6 +46,7 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
         if ((rc = kv_gw_bool(o, "add_generation_prompt", &p->add_generation_prompt, d))) return rc;
         if ((rc = kv_gw_tools(p, o, d)) || (rc = kv_gw_tool_choice_openai(p, o, d)) || (rc = kv_gw_kwargs(p, o, d)))
             return rc;
+        if ((rc = kv_oa_reasoning_effort(p, o, d))) return rc;
     } else {
         json_t *pr = json_object_get(o, "prompt");
         if (json_is_array(pr) && json_array_size(pr) == 1) pr = json_array_get(pr, 0);
