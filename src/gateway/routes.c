@@ -618,6 +618,7 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (!r || !r->toks) {
         free(ids);
         if (r) free(r->toks);
+        if (r) free(r->lps);
         free(r);
         kv_pay_end(cn, true);
         *status = 500;
