@@ -51,6 +51,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         CHECK(!p->has_max_tokens || (p->max_tokens >= 1 && p->max_tokens <= KV_GW_MAX_TOKENS));
         CHECK(p->sp.temp >= 0 && p->sp.top_p > 0 && p->sp.top_p <= 1 && p->sp.min_p >= 0 && p->sp.min_p <= 1);
         CHECK(p->sp.top_k >= 0);
+        /* the sampling fields (samplefields.c) */
+        CHECK(p->n_bias <= KV_SAMPLE_MAX_BIAS && p->sp.n_bias == p->n_bias && (!p->n_bias || p->sp.bias == p->bias));
+        for (uint32_t i = 0; i < p->n_bias; i++)
+            CHECK(p->bias[i].token >= 0 && p->bias[i].bias >= -100.0f && p->bias[i].bias <= 100.0f);
+        CHECK(p->sp.presence_penalty >= -2 && p->sp.presence_penalty <= 2);
+        CHECK(p->sp.frequency_penalty >= -2 && p->sp.frequency_penalty <= 2);
+        CHECK(p->sp.repeat_penalty > 0 && p->sp.repeat_penalty <= 100 && p->sp.repeat_last_n >= 0);
+        CHECK(p->top_logprobs <= KV_SAMPLE_MAX_TOP && (p->logprobs || p->top_logprobs == 0));
+        CHECK(p->n_choices <= KV_GW_MAX_N &&
+              (p->n_choices <= 1 || api == KV_GW_OPENAI_CHAT || api == KV_GW_OPENAI_TEXT));
+        CHECK(!p->echo || (api == KV_GW_OPENAI_TEXT && !p->logprobs));
+        { /* what parses, the sampler takes (the ids once checked against a vocabulary) */
+            bool in_vocab = true;
+            for (uint32_t i = 0; i < p->n_bias; i++) in_vocab &= p->bias[i].token < 4096;
+            kv_diag sd = {0};
+            CHECK((kv_gw_bias_check(p, 4096, &sd) == 0) == in_vocab);
+            kv_sampler *smp = NULL;
+            if (in_vocab) CHECK(kv_sampler_new_ex(&smp, 4096, &p->sp, false, &sd) == 0);
+            kv_sampler_free(smp);
+        }
         /* a raw prompt (text or token ids, never both) or messages, never neither */
         if (api == KV_GW_OPENAI_TEXT || api == KV_GW_LLAMA) CHECK(kv_gw_params_raw(p));
         if (kv_gw_params_raw(p)) CHECK(p->n_msgs == 0 && (p->prompt != NULL) != (p->prompt_ids != NULL));

@@ -126,7 +126,11 @@ for spec in "12 0 40 0.95 1" "16 0.9 20 0.9 77"; do
   post /completion "$(jq -c --slurpfile r "$dir/ref.json" '. + {prompt: $r[0].prompt_tokens}' <<<"$body")" >"$dir/ci.json"
   [ "$(jq -r .content "$dir/ci.json")" = "$(jq -r .text "$dir/ref.json")" ] || fail "/completion from token ids: $(cat "$dir/ci.json")"
 done
-[ "$(code /completion '{"prompt":"x","n_probs":5}')" = 400 ] && grep -q "'n_probs'" "$dir/body" || fail "n_probs 5: $(cat "$dir/body")"
+[ "$(code /completion '{"prompt":"x","mirostat":2}')" = 400 ] && grep -q "'mirostat'" "$dir/body" || fail "mirostat 2: $(cat "$dir/body")"
+# n_probs is served (test_gateway_sampling checks the values): 5 alternatives per token
+[ "$(code /completion '{"prompt":"x","n_probs":5,"n_predict":2}')" = 200 ] &&
+  jq -e '(.completion_probabilities | length) >= 1 and ([.completion_probabilities[].top_logprobs | length] | all(. == 5))' \
+    "$dir/body" >/dev/null || fail "n_probs 5: $(head -c 600 "$dir/body")"
 [ "$(code /completion '{"prompt":"x","n_probs":0,"typical_p":1,"n_predict":1}')" = 200 ] || fail "neutral fields refused: $(cat "$dir/body")"
 [ "$(code /completion '{"prompt":[1,2,999999]}')" = 400 ] && grep -q "outside the vocabulary" "$dir/body" || fail "token id out of range: $(cat "$dir/body")"
 [ "$(code /completion '{"prompt":["a","b"]}')" = 400 ] || fail "several prompts: $(cat "$dir/body")"

@@ -200,6 +200,8 @@ typedef struct kv_session_opts {
     bool ignore_eog;             /* keep going past end-of-generation tokens */
     int32_t stop_tokens[KV_SESSION_MAX_STOP]; /* extra stop tokens (copied) */
     uint32_t n_stop;
+    bool logprobs;               /* each emitted token's log-probability (kv_session_logprob) */
+    uint32_t top_logprobs;       /* ... with this many most likely tokens (at most KV_SAMPLE_MAX_TOP) */
     void *data;                  /* the caller's, never touched */
 } kv_session_opts;
 
@@ -230,6 +232,11 @@ int32_t kv_session_token(const kv_session *s);
 /* The n_vocab logits that token was sampled from; valid until the next
  * step or kv_session_free; NULL if the last step emitted none for s. */
 const float *kv_session_logits(const kv_session *s);
+/* With opts.logprobs: the token the last step emitted, its log-probability
+ * and the top_logprobs most likely tokens (kv_sampler_logprobs: after the
+ * logit bias and penalties, before temperature and truncation); valid until
+ * the next step; NULL if none was emitted or logprobs are off. */
+const kv_token_logprob *kv_session_logprob(const kv_session *s);
 /* 0, or the session's error code, with its one-line message copied to d
  * (names the session and the step). */
 int kv_session_error(const kv_session *s, kv_diag *d);

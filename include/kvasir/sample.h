@@ -1,11 +1,14 @@
-/* Sampling the next token from logits: repetition penalty, top-k, top-p,
- * min-p, temperature, then one uniform draw (or greedy argmax when temp <=
- * 0). The order follows llama.cpp's default sampler chain (penalties,
- * top-k, top-p, min-p, temperature, distribution). The draw is a function of
+/* Sampling the next token from logits: logit bias, repetition, presence
+ * and frequency penalties, top-k, top-p, min-p, temperature, then one
+ * uniform draw (or greedy argmax when temp <= 0). The order follows
+ * llama.cpp's default sampler chain (logit bias, penalties, top-k, top-p,
+ * min-p, temperature, distribution). The draw is a function of
  * the seed and the position of the token sampled (the number of tokens
  * kv_sampler_accept took before it) alone, not of the draws before: the
  * same seed, logits and history always give the same token, and a sampler
- * fed a sequence's tokens afresh (a replay) draws what the first one drew. */
+ * fed a sequence's tokens afresh (a replay) draws what the first one drew
+ * (with presence or frequency penalties: when the generated ones are fed
+ * with kv_sampler_accept_sampled, as they were the first time). */
 #ifndef KVASIR_SAMPLE_H
 #define KVASIR_SAMPLE_H
 
@@ -23,10 +26,39 @@ typedef struct kv_sample_params {
     float repeat_penalty;  /* 1: off */
     int32_t repeat_last_n; /* tokens of history the penalty looks at */
     uint64_t seed;
+    /* OpenAI's presence and frequency penalties, each in [-2, 2] (0: off),
+       over the tokens generated so far (kv_sampler_accept_sampled), not
+       the prompt: logit -= count * frequency + (count > 0) * presence */
+    float presence_penalty;
+    float frequency_penalty;
+    /* added to the logits first: bias[i].bias (in [-100, 100]) to token
+       bias[i].token (in the vocabulary); copied by kv_sampler_new; at most
+       KV_SAMPLE_MAX_BIAS entries (a token given twice gets both) */
+    const struct kv_logit_bias *bias;
+    uint32_t n_bias;
 } kv_sample_params;
 
+#define KV_SAMPLE_MAX_BIAS 1024u
+#define KV_SAMPLE_MAX_TOP 20u   /* alternatives kv_sampler_logprobs reports */
+
+typedef struct kv_logit_bias {
+    int32_t token;
+    float bias;
+} kv_logit_bias;
+
+/* A sampled token's log-probability and the n_top most likely tokens at
+ * its position (best first, lower id first on ties), kv_sampler_logprobs'. */
+typedef struct kv_token_logprob {
+    int32_t token;
+    double logprob;
+    uint32_t n_top;
+    int32_t top_id[KV_SAMPLE_MAX_TOP];
+    double top_logprob[KV_SAMPLE_MAX_TOP];
+} kv_token_logprob;
+
 /* llama.cpp's defaults: temp 0.8, top-k 40, top-p 0.95, min-p 0.05,
- * repeat penalty 1.0 over the last 64 tokens, seed 0. */
+ * repeat penalty 1.0 over the last 64 tokens, seed 0; no presence or
+ * frequency penalty, no logit bias. */
 kv_sample_params kv_sample_defaults(void);
 
 typedef struct kv_sampler kv_sampler;
@@ -65,5 +97,18 @@ int32_t kv_sampler_sample_allowed(kv_sampler *s, const float *logits, void *scra
  * between gives two independent draws (the second is the first's successor
  * at the same position). */
 void kv_sampler_accept(kv_sampler *s, int32_t token);
+/* kv_sampler_accept for a token the sampler drew (a generated one): it
+ * also counts for the presence and frequency penalties. */
+void kv_sampler_accept_sampled(kv_sampler *s, int32_t token);
+/* The distribution token is drawn from at this position (call before
+ * accepting it): the log-softmax, computed in f64, of logits[n_vocab]
+ * after the logit bias and the penalties, before top-k, top-p, min-p and
+ * temperature (with neither bias nor penalties: the model's own
+ * distribution). out gets token's log-probability and the n_top (at most
+ * KV_SAMPLE_MAX_TOP) most likely tokens. Returns 0, KV_ERANGE for logits
+ * kv_sampler_sample refuses or a token outside the vocabulary, KV_ENOMEM
+ * (its scratch of kv_sampler_scratch_bytes is allocated at the first
+ * call). */
+int kv_sampler_logprobs(kv_sampler *s, const float *logits, int32_t token, uint32_t n_top, kv_token_logprob *out);
 
 #endif

@@ -17,7 +17,7 @@
 #include "kvasir/verify.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", "--grammar", "--json-schema", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", "--grammar", "--json-schema", NULL};
 
 #define CMD "run"
 
@@ -67,6 +67,9 @@ static const char *kv_run_help =
     "  --top-p P            nucleus sampling, 1 = off (default 0.95)\n"
     "  --min-p P            drop tokens below P x the best one's probability (default 0.05)\n"
     "  --repeat-penalty R   penalize tokens of the last 64 (default 1.0 = off)\n"
+    "  --presence-penalty P subtract P from the logit of every token generated so far, in [-2, 2] (default 0)\n"
+    "  --frequency-penalty F subtract F x its count from the logit of every token generated so far, in [-2, 2]\n"
+    "                       (default 0)\n"
     "  --seed S             random seed (default: from the clock)\n"
     "  --threads N          worker threads (default: all CPUs)\n"
     "  --ctx N              context length (default: the model's; KV memory follows the tokens held)\n"
@@ -461,6 +464,10 @@ int kv_cmd_run(int argc, char **argv) {
             if (kv_arg_float(CMD, a, v, 0, 1, &sp.min_p)) return 1;
         } else if (!strcmp(a, "--repeat-penalty")) {
             if (kv_arg_float(CMD, a, v, 1e-3, 100, &sp.repeat_penalty)) return 1;
+        } else if (!strcmp(a, "--presence-penalty")) {
+            if (kv_arg_float(CMD, a, v, -2, 2, &sp.presence_penalty)) return 1;
+        } else if (!strcmp(a, "--frequency-penalty")) {
+            if (kv_arg_float(CMD, a, v, -2, 2, &sp.frequency_penalty)) return 1;
         } else if (!strcmp(a, "--expert-cache-mb")) {
             if (kv_arg_long(CMD, a, v, 1, 1l << 30, &cache_mb)) return 1;
         } else if (!strcmp(a, "--worker")) {
@@ -504,6 +511,8 @@ int kv_cmd_run(int argc, char **argv) {
     if (ring && (model || n_workers || pfile))
         return kv_cli_err(CMD, 1, "--ring replaces -m and --worker, and takes -p TEXT (no -f)");
     if (ring && !prompt) return kv_cli_err(CMD, 1, "missing -p PROMPT");
+    if (ring && (sp.presence_penalty != 0 || sp.frequency_penalty != 0))
+        return kv_cli_err(CMD, 1, "--presence-penalty and --frequency-penalty are not carried to a ring (yet)");
     if (grammar_path && schema_path) return kv_cli_err(CMD, 1, "give either --grammar or --json-schema, not both");
     if (ring && (grammar_path || schema_path))
         return kv_cli_err(CMD, 1, "--grammar and --json-schema are not supported with --ring (not yet): the ring's "

@@ -47,6 +47,8 @@ struct kv_session {
     int32_t pending;            /* emitted, to be fed next (DECODE) */
     int32_t token;              /* emitted by the last step, -1 none */
     const float *logits;        /* its row in e->logits, NULL none */
+    kv_token_logprob lp;        /* token's log-probability (o.logprobs) */
+    bool has_lp;
     uint32_t chunk;             /* prompt tokens in the current step */
     bool in_step;               /* takes part in the current step */
     int err;                    /* 0 or the failure's code */
@@ -335,6 +337,8 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
     s->slot = slot;
     s->id = e->next_id++;
     s->o = o;
+    s->o.sample.bias = NULL; /* the sampler holds its copy */
+    if (s->o.top_logprobs > KV_SAMPLE_MAX_TOP) s->o.top_logprobs = KV_SAMPLE_MAX_TOP;
     s->token = -1;
     s->status = KV_SESSION_IDLE;
     kv_state_reset_seq(e->st, slot); /* empty already; the contract says so */
@@ -413,6 +417,7 @@ enum kv_session_status kv_session_status(const kv_session *s) { return s->status
 enum kv_stop kv_session_stop_reason(const kv_session *s) { return s->stop; }
 int32_t kv_session_token(const kv_session *s) { return s->token; }
 const float *kv_session_logits(const kv_session *s) { return s->logits; }
+const kv_token_logprob *kv_session_logprob(const kv_session *s) { return s->has_lp ? &s->lp : NULL; }
 uint64_t kv_session_id(const kv_session *s) { return s->id; }
 
 uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers) {
@@ -607,7 +612,7 @@ static int kv_session_grammar_take(kv_session *s, int32_t t, uint64_t step, char
 /* Takes a sampled token: stop conditions, or the next decode. */
 static void kv_session_take(kv_session *s, int32_t t, const float *row) {
     kv_engine *e = s->e;
-    kv_sampler_accept(s->smp, t);
+    kv_sampler_accept_sampled(s->smp, t);
     s->token = t;
     s->logits = row;
     s->st.n_gen++;
@@ -636,6 +641,7 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     for (kv_session *s = e->head; s; s = s->next) {
         s->token = -1;
         s->logits = NULL;
+        s->has_lp = false;
         s->in_step = false;
         s->chunk = 0;
         if (s->paused || s->status != KV_SESSION_DECODE) continue;
@@ -768,6 +774,16 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
                      (unsigned long long)s->id, (unsigned long long)step, kv_err_name(t));
             kv_session_fail(s, t, msg);
             continue;
+        }
+        if (s->o.logprobs) { /* before the token enters the penalties' history */
+            const int lrc = kv_sampler_logprobs(s->smp, row, t, s->o.top_logprobs, &s->lp);
+            if (lrc) {
+                snprintf(msg, sizeof msg, "session %llu: step %llu: log-probabilities: %s", (unsigned long long)s->id,
+                         (unsigned long long)step, kv_err_name(lrc));
+                kv_session_fail(s, lrc, msg);
+                continue;
+            }
+            s->has_lp = true;
         }
         if (s->gm && kv_session_grammar_take(s, t, step, msg, sizeof msg)) continue;
         kv_session_take(s, t, row);

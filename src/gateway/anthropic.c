@@ -243,6 +243,12 @@ static int kv_an_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     if ((rc = kv_gw_bool(o, "stream", &p->stream, d))) return rc;
     if ((rc = kv_an_tools(p, o, d)) || (rc = kv_an_tool_choice(p, o, d)) || (rc = kv_an_thinking(p, o, d)))
         return rc;
+    /* fields that change the answer and are not served: refused by name */
+    json_t *v = json_object_get(o, "mcp_servers");
+    if (v && !json_is_null(v) && !(json_is_array(v) && !json_array_size(v)))
+        return kv_fail(d, KV_EUNSUPPORTED, "'mcp_servers' is not supported by this server");
+    if ((v = json_object_get(o, "container")) && !json_is_null(v))
+        return kv_fail(d, KV_EUNSUPPORTED, "'container' is not supported by this server");
     return 0;
 }
 

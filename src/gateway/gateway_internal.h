@@ -22,6 +22,7 @@
 #define KV_GW_MAX_TOKENS (1u << 20)
 #define KV_GW_MAX_TOOLS 128u       /* tools in one request */
 #define KV_GW_MAX_KWARGS 32u       /* chat_template_kwargs entries */
+#define KV_GW_MAX_N 8u             /* choices of one request (OpenAI's "n") */
 
 /* tool_choice: what the model may do with the tools */
 enum kv_gw_tool_choice {
@@ -78,6 +79,15 @@ typedef struct kv_gw_params {
                                        blocks converted), NULL: the body's messages */
     json_t *kwargs;                 /* extra top-level template variables (owned object): the body's
                                        chat_template_kwargs, and enable_thinking from a thinking switch */
+    /* sampling and response fields (samplefields.c; docs/GATEWAY.md "Sampling fields") */
+    kv_logit_bias *bias;            /* [n_bias] logit_bias (owned; sp.bias points here) */
+    uint32_t n_bias;
+    bool logprobs;                  /* each token's log-probability in the answer */
+    uint32_t top_logprobs;          /* ... with this many alternatives (<= KV_SAMPLE_MAX_TOP) */
+    bool echo;                      /* completions: the prompt's text before the completion */
+    const char *suffix;             /* completions: text after the completion (fill-in-the-middle), or NULL */
+    size_t suffix_len;
+    uint32_t n_choices;             /* OpenAI's "n": choices, each its own session with seed + i (0: 1) */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -99,6 +109,17 @@ int kv_gw_tool_choice_openai(kv_gw_params *p, json_t *o, kv_diag *d); /* "tool_c
 int kv_gw_tool_choice_check(kv_gw_params *p, kv_diag *d);            /* the choice against the tools */
 int kv_gw_kwargs(kv_gw_params *p, json_t *o, kv_diag *d);            /* "chat_template_kwargs" */
 int kv_gw_set_thinking(kv_gw_params *p, bool on, kv_diag *d);        /* enable_thinking for the template */
+/* samplefields.c: key's logit bias (OpenAI's object or llama-server's
+ * array); presence/frequency penalties and the repetition penalty under
+ * the API's names (NULL: none); OpenAI's logprobs/top_logprobs (chat) or
+ * logprobs: N (completions); llama-server's n_probs; OpenAI's fields that
+ * are refused by name; the bias's ids against the vocabulary. */
+int kv_gw_logit_bias(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
+int kv_gw_penalties(kv_gw_params *p, json_t *o, const char *repeat_key, const char *last_key, kv_diag *d);
+int kv_gw_logprobs_openai(kv_gw_params *p, json_t *o, bool chat, kv_diag *d);
+int kv_gw_n_probs(kv_gw_params *p, json_t *o, kv_diag *d);
+int kv_gw_refuse_openai(json_t *o, bool chat, kv_diag *d);
+int kv_gw_bias_check(const kv_gw_params *p, int32_t n_vocab, kv_diag *d);
 
 /* ---- structured output (gateway/structured.c) ----------------------------
  * The fields that constrain the output, compiled to one grammar. */
@@ -190,6 +211,7 @@ typedef struct kv_gw_stream_state {
 
 typedef struct kv_gw_result {
     const char *id;          /* "chatcmpl-..." etc. */
+    uint32_t index;          /* the choice (OpenAI's "n"): 0, 1, ... */
     const char *model;
     long long created;       /* unix seconds */
     uint32_t prompt_tokens, completion_tokens;
@@ -199,6 +221,16 @@ typedef struct kv_gw_result {
     kv_gw_stream_state *ss;  /* the stream's (mutable), NULL when whole */
     double t_start;          /* monotonic seconds (kv_gw_mono): the request was read */
     double t_first;          /* its first token was seen (0: none yet) */
+    /* log-probabilities, when the request asked (logprobs): those of the
+       tokens this delta carries (stream) or of the whole answer; lp[i].token
+       -1: unknown (null). Adapters turn them into their API's shapes with
+       the helpers of logprobs.c. */
+    bool logprobs;
+    uint32_t top_logprobs;
+    const kv_tok *tok;       /* the tokens' texts */
+    const kv_token_logprob *lp; /* [n_lp] */
+    uint32_t n_lp;
+    size_t lp_text_off;      /* completions: bytes of the text before lp[0] */
 } kv_gw_result;
 
 /* One tool call the model made (kvasir/chat.h's parser gave it whole). */
@@ -218,6 +250,16 @@ typedef struct kv_gw_answer {
     const kv_gw_call *calls; /* [n_calls] */
     uint32_t n_calls;
 } kv_gw_answer;
+
+/* logprobs.c: r's log-probabilities in OpenAI's chat shape ({"content":
+ * [{token, logprob, bytes, top_logprobs}]}) and completions' ({tokens,
+ * token_logprobs, top_logprobs, text_offset}), llama-server's
+ * completion_probabilities ([{id, token, logprob, bytes, top_logprobs}]);
+ * NULL on no memory. kv_gw_lp_bytes: the bytes of text lp[0..n) spans. */
+json_t *kv_gw_lp_chat(const kv_gw_result *r);
+json_t *kv_gw_lp_text(const kv_gw_result *r);
+json_t *kv_gw_lp_llama(const kv_gw_result *r);
+size_t kv_gw_lp_bytes(const kv_tok *tok, const kv_token_logprob *lp, uint32_t n);
 
 /* CLOCK_MONOTONIC in seconds. */
 double kv_gw_mono(void);
@@ -264,6 +306,11 @@ typedef struct kv_gw_api_ops {
     void (*stream_call)(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b);
     void (*stream_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
     void (*stream_error)(const char *msg, kv_gw_buf *b);
+    /* several choices (OpenAI's "n"; NULL: the API has none): a whole
+       answer of n (r[i], a[i]), and the chunk that ends a choice of a
+       stream before the next one's (stream_end ends the last) */
+    char *(*full_body_n)(const kv_gw_result *r, const kv_gw_answer *a, uint32_t n);
+    void (*stream_choice_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
 } kv_gw_api_ops;
 
 extern const kv_gw_api_ops kv_gw_openai_chat_ops, kv_gw_openai_text_ops, kv_gw_anthropic_ops, kv_gw_ollama_ops;

@@ -1,7 +1,9 @@
 /* llama-server's native completion, POST /completion: a prompt (a string,
  * or an array of token ids) completed as is, no chat template. Sampler
  * fields at the top level (n_predict, temperature, top_k, top_p, min_p,
- * seed, stop, ignore_eos, stream); a field Kvasir cannot honour is a 400
+ * seed, stop, ignore_eos, stream, repeat_penalty, repeat_last_n,
+ * presence_penalty, frequency_penalty, logit_bias, n_probs:
+ * completion_probabilities); a field Kvasir cannot honour is a 400
  * that names it, unless it holds the value that changes nothing (llama.cpp's
  * clients send whole settings objects: "typical_p": 1 is taken, 0.9 is
  * not). The answer: {"content", "stop": true, "tokens_predicted",
@@ -24,6 +26,8 @@ int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 /* Fields taken as they are (sampling and the rest parsed below). */
 static const char *const kv_ll_known[] = {"prompt", "n_predict", "temperature", "top_k", "top_p", "min_p",
                                           "seed", "stop", "stream", "ignore_eos", "model", "cache_prompt",
+                                          "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
+                                          "logit_bias", "n_probs",
                                           "grammar", "json_schema", "response_format" /* structured.c */, NULL};
 
 /* Fields llama-server knows that Kvasir does not honour, with the value
@@ -32,8 +36,8 @@ static const struct {
     const char *key;
     double neutral;
 } kv_ll_neutral[] = {
-    {"typical_p", 1},        {"repeat_penalty", 1},   {"presence_penalty", 0}, {"frequency_penalty", 0},
-    {"mirostat", 0},         {"n_probs", 0},          {"xtc_probability", 0},  {"dry_multiplier", 0},
+    {"typical_p", 1},        {"mirostat", 0},         {"xtc_probability", 0},  {"dry_multiplier", 0},
+    {"post_sampling_probs", 0},
     {"dynatemp_range", 0},   {"min_keep", 0},         {"n_keep", 0},           {"n_indent", 0},
     {"t_max_predict_ms", 0},
 };
@@ -50,7 +54,8 @@ static int kv_ll_fields(json_t *o, kv_diag *d) {
             ok = !strcmp(key, kv_ll_neutral[i].key) && json_is_number(v) &&
                  json_number_value(v) == kv_ll_neutral[i].neutral;
         if (!ok && json_is_null(v)) ok = true;
-        if (!ok && (!strcmp(key, "grammar") || !strcmp(key, "json_schema") || !strcmp(key, "logit_bias")))
+        if (!ok && !strcmp(key, "post_sampling_probs")) ok = json_is_false(v);
+        if (!ok && (!strcmp(key, "grammar") || !strcmp(key, "json_schema")))
             ok = (json_is_string(v) && json_string_length(v) == 0) || (json_is_array(v) && !json_array_size(v)) ||
                  (json_is_object(v) && !json_object_size(v) && strcmp(key, "json_schema"));
         if (!ok && (!strcmp(key, "return_tokens") || !strcmp(key, "timings_per_token") || !strcmp(key, "return_progress")))
@@ -109,6 +114,9 @@ static int kv_ll_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     if ((rc = kv_gw_sampling(p, o, NULL, d))) return rc;
     if ((rc = kv_gw_stops(p, o, "stop", d))) return rc;
     if ((rc = kv_gw_bool(o, "stream", &p->stream, d))) return rc;
+    if ((rc = kv_gw_logit_bias(p, o, "logit_bias", d)) || (rc = kv_gw_n_probs(p, o, d)) ||
+        (rc = kv_gw_penalties(p, o, "repeat_penalty", "repeat_last_n", d)))
+        return rc;
     bool cache = true;
     return kv_gw_bool(o, "cache_prompt", &cache, d);
 }
@@ -146,8 +154,19 @@ static json_t *kv_ll_final(const kv_gw_result *r, const char *text, size_t n) {
                      r->stop_seq ? r->stop_seq : "", "timings", kv_ll_timings(r));
 }
 
+/* n_probs: the tokens' completion_probabilities (logprobs.c) */
+static json_t *kv_ll_probs(const kv_gw_result *r, json_t *j) {
+    if (!j || !r->logprobs) return j;
+    json_t *lp = kv_gw_lp_llama(r);
+    if (!lp || json_object_set_new(j, "completion_probabilities", lp)) {
+        json_decref(j);
+        return NULL;
+    }
+    return j;
+}
+
 static char *kv_ll_full(const kv_gw_result *r, const kv_gw_answer *a) { /* a raw prompt: content only */
-    json_t *j = kv_ll_final(r, a->text, a->n);
+    json_t *j = kv_ll_probs(r, kv_ll_final(r, a->text, a->n));
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     return s;
@@ -156,11 +175,12 @@ static char *kv_ll_full(const kv_gw_result *r, const kv_gw_answer *a) { /* a raw
 static void kv_ll_begin(const kv_gw_result *r, kv_gw_buf *b) {}
 
 static void kv_ll_delta(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b) {
-    kv_gw_buf_json(b, "data: ",
-                   json_pack("{s:i,s:s%,s:[],s:b,s:i,s:I,s:I}", "index", 0, "content", text, n, "tokens", "stop", 0,
-                             "id_slot", -1, "tokens_predicted", (json_int_t)r->completion_tokens, "tokens_evaluated",
-                             (json_int_t)r->prompt_tokens),
-                   "\n\n");
+    json_t *j = kv_ll_probs(r, json_pack("{s:i,s:s%,s:[],s:b,s:i,s:I,s:I}", "index", 0, "content", text, n, "tokens",
+                                         "stop", 0, "id_slot", -1, "tokens_predicted",
+                                         (json_int_t)r->completion_tokens, "tokens_evaluated",
+                                         (json_int_t)r->prompt_tokens));
+    if (!j) b->oom = true;
+    else kv_gw_buf_json(b, "data: ", j, "\n\n");
 }
 
 static void kv_ll_end(const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {

@@ -2,7 +2,8 @@
  * {"message":{"role","content"},"done":false} per chunk, then one with
  * "done":true, "done_reason" and the counts), GET /api/tags. Sampler fields
  * sit under "options" (num_predict, temperature, top_k, top_p, min_p, seed,
- * stop). "tools" as OpenAI's; calls as message.tool_calls (arguments an
+ * stop, the penalties; any other option a 400 naming it: ollama_gen.c).
+ * "tools" as OpenAI's; calls as message.tool_calls (arguments an
  * object), reasoning as message.thinking ("think" sets the template's
  * enable_thinking). Errors: {"error":"..."}. */
 #include <stdlib.h>
@@ -16,6 +17,7 @@ int kv_gw_sampling(kv_gw_params *p, json_t *o, const char *max_key, kv_diag *d);
 int kv_gw_stops(kv_gw_params *p, json_t *o, const char *key, kv_diag *d);
 int kv_gw_messages(kv_gw_params *p, json_t *o, bool allow_system, kv_diag *d);
 int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
+int kv_gw_ollama_options(kv_gw_params *p, json_t *op, kv_diag *d);
 
 static int kv_ol_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     int rc;
@@ -29,11 +31,19 @@ static int kv_ol_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
             return kv_fail(d, KV_EUNSUPPORTED, "'think' must be true or false (reasoning levels are not served)");
         if ((rc = kv_gw_set_thinking(p, json_is_true(th), d))) return rc;
     }
+    json_t *lp = json_object_get(o, "logprobs"), *tl = json_object_get(o, "top_logprobs");
+    if (lp && !json_is_null(lp) && !json_is_false(lp))
+        return kv_fail(d, KV_EUNSUPPORTED, "'logprobs' is not supported by this server's /api/chat (use "
+                       "/v1/chat/completions)");
+    if (tl && !json_is_null(tl) && !(json_is_integer(tl) && json_integer_value(tl) == 0))
+        return kv_fail(d, KV_EUNSUPPORTED, "'top_logprobs' is not supported by this server's /api/chat (use "
+                       "/v1/chat/completions)");
     p->stream = true;
     if ((rc = kv_gw_bool(o, "stream", &p->stream, d))) return rc;
     json_t *op = json_object_get(o, "options");
     if (op && !json_is_null(op)) {
         if (!json_is_object(op)) return kv_fail(d, KV_EFORMAT, "'options' must be an object");
+        if ((rc = kv_gw_ollama_options(p, op, d))) return rc;
         if ((rc = kv_gw_sampling(p, op, "num_predict", d))) return rc;
         if ((rc = kv_gw_stops(p, op, "stop", d))) return rc;
     }

@@ -6,7 +6,8 @@
  * No prompt (absent or "", no system) asks for the model to be loaded: it
  * is answered at once, "done_reason":"load" (routes.c).
  * Sampler fields under "options" (num_predict, temperature, top_k, top_p,
- * min_p, seed, stop); "format" ("json" or a schema: gateway/structured.c);
+ * min_p, seed, stop, repeat_penalty, repeat_last_n, presence_penalty,
+ * frequency_penalty); "format" ("json" or a schema: gateway/structured.c);
  * any other option, a "template", "suffix", "images", "context" or "think"
  * is a 400 naming it. Errors:
  * {"error":"..."}. */
@@ -23,7 +24,24 @@ int kv_gw_model(kv_gw_params *p, json_t *o, bool required, kv_diag *d);
 
 static const char *const kv_og_fields[] = {"model", "prompt", "system", "raw", "stream", "options", "keep_alive",
                                            "format" /* structured.c */, NULL};
-static const char *const kv_og_options[] = {"num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop", NULL};
+static const char *const kv_og_options[] = {"num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
+                                            "repeat_penalty", "repeat_last_n", "presence_penalty",
+                                            "frequency_penalty", NULL};
+
+/* Ollama's "options" (both endpoints): the sampler's, the penalties (a
+ * repeat_last_n of -1 is the whole context, 0 turns the penalty off); any
+ * other option not null is a 400 naming it. */
+int kv_gw_ollama_options(kv_gw_params *p, json_t *op, kv_diag *d) {
+    const char *key;
+    json_t *v;
+    json_object_foreach(op, key, v) {
+        bool known = false;
+        for (size_t i = 0; kv_og_options[i] && !known; i++) known = !strcmp(kv_og_options[i], key);
+        if (!known && !json_is_null(v))
+            return kv_fail(d, KV_EUNSUPPORTED, "option '%.64s' is not supported by this server", key);
+    }
+    return kv_gw_penalties(p, op, "repeat_penalty", "repeat_last_n", d);
+}
 
 static bool kv_og_in(const char *const *list, const char *key) {
     for (size_t i = 0; list[i]; i++)
@@ -68,10 +86,7 @@ static int kv_og_parse(kv_gw_params *p, json_t *o, kv_diag *d) {
     json_t *op = json_object_get(o, "options");
     if (op && !json_is_null(op)) {
         if (!json_is_object(op)) return kv_fail(d, KV_EFORMAT, "'options' must be an object");
-        json_object_foreach(op, key, v) {
-            if (!kv_og_in(kv_og_options, key) && !json_is_null(v))
-                return kv_fail(d, KV_EUNSUPPORTED, "option '%.64s' is not supported by this server", key);
-        }
+        if ((rc = kv_gw_ollama_options(p, op, d))) return rc;
         /* num_predict -1 (until the context is full) and -2 (fill it) are Ollama's: no limit but the context */
         json_t *np = json_object_get(op, "num_predict");
         if (json_is_integer(np) && (json_integer_value(np) == -1 || json_integer_value(np) == -2)) {

@@ -331,6 +331,7 @@ void kv_gw_params_free(kv_gw_params *p) {
     json_decref(p->tmpl_msgs);
     json_decref(p->kwargs);
     free(p->prompt_ids);
+    free(p->bias);
     if (p->json) json_decref(p->json);
     memset(p, 0, sizeof *p);
 }

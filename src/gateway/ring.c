@@ -151,6 +151,7 @@ void *kv_gw_sched_ring(kv_gateway *g) {
         }
         while (!g->hold && g->queue && g->n_active < g->o.max_active) {
             kv_gw_req *r = kv_gw_queue_pick_locked(g);
+            if (!r) break; /* every queued one waits on another (not over a ring: no choices) */
             r->state = KV_REQ_ACTIVE;
             r->sst = KV_SESSION_PREFILL;
             r->next = g->active;

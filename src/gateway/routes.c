@@ -54,6 +54,19 @@ typedef struct kv_gw_conn {
     kv_gw_call *calls;          /* [n_calls] the calls given */
     uint32_t n_calls;
     uint32_t consumed;          /* tokens of r->toks turned into text */
+    uint32_t lp_from;           /* stream: the first token whose log-probability no chunk carried yet */
+    /* OpenAI's "n": every choice's request (reqs[0] == r for the first),
+       queued together and read one after another; r is reqs[choice]. A
+       whole answer keeps each finished choice's result and text in done[] */
+    kv_gw_req *reqs[KV_GW_MAX_N];
+    uint32_t n_choices, choice;
+    uint32_t tokens_before;     /* completion tokens of the choices before this one */
+    struct kv_gw_done_choice {
+        kv_gw_result res;
+        kv_gw_buf full, reason;
+        kv_gw_call *calls;
+        uint32_t n_calls;
+    } done[KV_GW_MAX_N];
     bool finished;
     bool counted;               /* the request is in req_count */
     kv_gw_charge charge;        /* its payment while held (pay.h) */
@@ -155,6 +168,16 @@ static void kv_pay_end(kv_gw_conn *c, bool failed) {
     if (rc) fprintf(stderr, "gateway: payment of %s left held (released at the next start): %s\n", c->id, d.msg);
 }
 
+/* A stream's chunk carried the log-probabilities of res.lp: the next
+ * chunk's start after them. */
+static void kv_lp_sent(kv_gw_conn *c) {
+    if (!c->res.n_lp) return;
+    c->res.lp_text_off += kv_gw_lp_bytes(c->g->tok, c->res.lp, c->res.n_lp);
+    c->lp_from += c->res.n_lp;
+    c->res.lp = NULL;
+    c->res.n_lp = 0;
+}
+
 /* The parser's events into the answer: streamed in the API's shapes, or
  * kept for the whole body. */
 static int kv_on_event(void *ud, const kv_chat_ev *ev) {
@@ -164,11 +187,13 @@ static int kv_on_event(void *ud, const kv_chat_ev *ev) {
     if (ev->type == KV_CHAT_EV_CONTENT) {
         if (stream) o->stream_delta(&c->res, ev->text, ev->n, &c->out);
         else kv_gw_buf_add(&c->full, ev->text, ev->n);
+        if (stream) kv_lp_sent(c);
         return 0;
     }
     if (ev->type == KV_CHAT_EV_REASONING) {
         if (stream) o->stream_reasoning(&c->res, ev->text, ev->n, &c->out);
         else kv_gw_buf_add(&c->reason, ev->text, ev->n);
+        if (stream) kv_lp_sent(c);
         return 0;
     }
     kv_gw_call *g = realloc(c->calls, (c->n_calls + 1) * sizeof *g); /* at most KV_CHAT_MAX_CALLS */
@@ -205,6 +230,79 @@ static int kv_parser_start(kv_gw_conn *c) {
     if (!s.tools && !s.think && s.format != KV_CHAT_FMT_HARMONY) return 0;
     c->special = s.format != KV_CHAT_FMT_HERMES;
     return kv_chat_parser_new(&c->parser, &s);
+}
+
+/* The current choice ended (OpenAI's "n"): its answer kept (whole) or its
+ * last chunk sent (stream), and the next choice's read from its start.
+ * Returns 0, or -1 on no memory. */
+static int kv_next_choice(kv_gw_conn *c, bool stream) {
+    const kv_gw_api_ops *o = kv_gw_api(c->api);
+    if (stream) {
+        o->stream_choice_end(&c->res, c->p->include_usage, &c->out);
+    } else {
+        struct kv_gw_done_choice *d = &c->done[c->choice];
+        d->res = c->res;
+        d->full = c->full;
+        d->reason = c->reason;
+        d->calls = c->calls;
+        d->n_calls = c->n_calls;
+        c->full = (kv_gw_buf){0};
+        c->reason = (kv_gw_buf){0};
+        c->calls = NULL;
+        c->n_calls = 0;
+    }
+    c->tokens_before += c->res.completion_tokens;
+    c->choice++;
+    c->r = c->reqs[c->choice];
+    c->consumed = c->lp_from = 0;
+    c->finished = false;
+    const kv_gw_result first = c->res;
+    c->res = (kv_gw_result){.id = first.id, .index = c->choice, .model = first.model, .created = first.created,
+                            .prompt_tokens = first.prompt_tokens, .ss = first.ss, .t_start = first.t_start,
+                            .logprobs = first.logprobs, .top_logprobs = first.top_logprobs, .tok = first.tok};
+    if (c->res.ss) *c->res.ss = (kv_gw_stream_state){0};
+    kv_gw_text_free(&c->text);
+    kv_gw_text_init(&c->text, c->p->stop, c->p->stop_len, c->p->n_stop);
+    kv_chat_parser_free(c->parser);
+    c->parser = NULL;
+    if (kv_parser_start(c)) return -1;
+    const kv_gw_params *p = c->p;
+    if (stream) o->stream_begin(&c->res, &c->out);
+    if (p->echo && p->prompt) {
+        if (stream) o->stream_delta(&c->res, p->prompt, p->prompt_len, &c->out);
+        else kv_gw_buf_add(&c->full, p->prompt, p->prompt_len);
+    }
+    return 0;
+}
+
+/* Choice i (> 0) of r's request: the same prompt and parameters, the seed
+ * the next (seed + i), its own token arrays. NULL on no memory. */
+static kv_gw_req *kv_req_choice(const kv_gw_req *r, uint32_t i, const kv_gw_params *p) {
+    kv_gw_req *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->g = r->g;
+    q->api = r->api;
+    q->client = r->client;
+    q->so = r->so;
+    q->so.sample.seed = p->has_seed ? p->sp.seed + i : r->so.sample.seed ^ ((uint64_t)(uintptr_t)q << 16);
+    q->n_prompt = r->n_prompt;
+    q->max_tokens = r->max_tokens;
+    q->script = r->script;
+    q->cap = r->cap;
+    q->prompt = malloc((size_t)r->n_prompt * sizeof *q->prompt);
+    q->toks = malloc((size_t)q->cap * sizeof *q->toks);
+    if (r->lps) q->lps = malloc((size_t)q->cap * sizeof *q->lps);
+    if (!q->prompt || !q->toks || (r->lps && !q->lps)) {
+        free(q->prompt);
+        free(q->toks);
+        free(q->lps);
+        free(q);
+        return NULL;
+    }
+    memcpy(q->prompt, r->prompt, (size_t)r->n_prompt * sizeof *q->prompt);
+    q->lead = (kv_gw_req *)r;
+    q->refs = 2;
+    return q;
 }
 
 /* Turns new tokens into text, waiting for some if none are new. Returns 0,
@@ -287,6 +385,10 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
     }
+    if (stream && c->res.logprobs && r->lps) { /* the next chunk carries the tokens not reported yet */
+        c->res.lp = r->lps + c->lp_from;
+        c->res.n_lp = c->consumed - c->lp_from;
+    }
     if (c->parser) {
         const int prc =
             chunk || final ? kv_chat_parser_push(c->parser, chunk ? chunk : "", cn, final, kv_on_event, c) : 0;
@@ -298,7 +400,13 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         if (stream) kv_gw_api(c->api)->stream_delta(&c->res, chunk, cn, &c->out);
         else kv_gw_buf_add(&c->full, chunk, cn);
         free(chunk);
+        if (stream) kv_lp_sent(c);
     }
+    bool lp_left = false; /* tokens whose text never went out (held back): an empty chunk carries them */
+    for (uint32_t i = 0; stream && final && i < c->res.n_lp; i++)
+        lp_left |= c->res.lp[i].token < 0 || !kv_tok_is_eog(g->tok, c->res.lp[i].token);
+    if (lp_left && !(err && !stopped)) kv_gw_api(c->api)->stream_delta(&c->res, "", 0, &c->out);
+    if (stream && final) kv_lp_sent(c);
     if (final) {
         c->finished = true;
         pthread_mutex_lock(&g->mu);
@@ -309,8 +417,15 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
             if (stream) kv_gw_api(c->api)->stream_error(errmsg[0] ? errmsg : kv_err_str(err), &c->out);
             return 1;
         }
+        if (c->choice + 1 < c->n_choices) return kv_next_choice(c, stream);
         kv_pay_end(c, false); /* before the last bytes go out: a client that saw the end sees it settled */
-        if (stream) kv_gw_api(c->api)->stream_end(&c->res, c->p->include_usage, &c->out);
+        if (stream && c->n_choices > 1) { /* usage: every choice's tokens */
+            kv_gw_result u = c->res;
+            u.completion_tokens += c->tokens_before;
+            kv_gw_api(c->api)->stream_end(&u, c->p->include_usage, &c->out);
+        } else if (stream) {
+            kv_gw_api(c->api)->stream_end(&c->res, c->p->include_usage, &c->out);
+        }
     }
     return 0;
 }
@@ -445,7 +560,18 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     size_t off = 0, n = 0;
     /* token ids are the prompt as given (no BOS added: llama-server's rule) */
     if (!p->prompt_ids && kv_tok_add_bos(g->tok) && kv_tok_bos(g->tok) >= 0) ids[off++] = kv_tok_bos(g->tok);
-    int rc = p->prompt_ids ? kv_gw_ids_take(g->tok, p, ids, &n, d)
+    int rc = kv_gw_bias_check(p, kv_tok_n_vocab(g->tok), d);
+    if (!rc && p->suffix_len) /* fill-in-the-middle needs the model's own markers */
+        rc = kv_fail(d, KV_EUNSUPPORTED, "'suffix' is not supported by this model (its vocabulary has no "
+                     "fill-in-the-middle tokens)%s", kv_tok_find(g->tok, "<|fim_prefix|>") >= 0 ? " (FIM prompts "
+                     "are not served yet)" : "");
+    if (rc) {
+        free(text);
+        free(ids);
+        *status = 400;
+        return NULL;
+    }
+    rc = p->prompt_ids ? kv_gw_ids_take(g->tok, p, ids, &n, d)
            : !chat ? kv_tok_encode(g->tok, p->prompt, p->prompt_len, true, ids + off, cap - off, &n, d)
            : text  ? kv_gw_tmpl_encode(g->tok, p, text, text_len, ids + off, cap - off, &n, d)
                    : kv_tok_encode_chatml(g->tok, p->msgs, p->n_msgs, p->add_generation_prompt, ids + off, cap - off,
@@ -481,6 +607,10 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (r) {
         r->cap = (max_tokens < room ? max_tokens : room) + 1;
         r->toks = malloc((size_t)r->cap * sizeof *r->toks);
+        if (p->logprobs && !(r->lps = malloc((size_t)r->cap * sizeof *r->lps))) {
+            free(r->toks);
+            r->toks = NULL;
+        }
         r->paid = g->pay != NULL;
         memcpy(r->pay_consumer, cn->charge.a.consumer, 32);
         memcpy(r->pay_nonce, cn->charge.a.nonce, 16);
@@ -488,6 +618,7 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (!r || !r->toks) {
         free(ids);
         if (r) free(r->toks);
+        if (r) free(r->lps);
         free(r);
         kv_pay_end(cn, true);
         *status = 500;
@@ -502,6 +633,10 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     if (!p->has_seed) r->so.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
     r->so.max_tokens = max_tokens;
     r->so.ignore_eog = p->ignore_eos;
+    r->so.logprobs = p->logprobs;
+    r->so.top_logprobs = p->top_logprobs;
+    if (r->so.sample.repeat_last_n > (int32_t)g->n_ctx) /* no session holds more: the same window, less memory */
+        r->so.sample.repeat_last_n = (int32_t)g->n_ctx;
     if (g->n_script) { /* TEST ONLY (script.c) */
         pthread_mutex_lock(&g->mu);
         r->script = &g->script[g->script_next++ % g->n_script];
@@ -595,6 +730,19 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     size_t n = 0;
     if (g->n_ring && p->prompt_ids)
         return kv_reply_err(cn, c, 400, "a prompt of token ids cannot go to a ring (its nodes tokenize): send text");
+    const char *no_ring = p->n_bias ? "logit_bias" : p->logprobs ? "logprobs"
+                        : p->sp.presence_penalty != 0 ? "presence_penalty"
+                        : p->sp.frequency_penalty != 0 ? "frequency_penalty" : NULL;
+    if (g->n_ring && p->n_choices > 1) no_ring = "n";
+    if (g->n_ring && no_ring)
+        return kv_reply_err(cn, c, 400, "'%s' is not supported over ring entry nodes yet (the ring's request does "
+                            "not carry it)", no_ring);
+    if (p->n_choices > 1 && g->pay)
+        return kv_reply_err(cn, c, 400, "'n' above 1 is not served by a paying gateway yet (one payment per choice)");
+    const uint32_t n_choices = p->n_choices > 1 ? p->n_choices : 1;
+    if (n_choices > g->o.queue_max) /* never room for all of them: not a retry-later */
+        return kv_reply_err(cn, c, 400, "'n' is %u, more than this gateway queues at once (%u requests)", n_choices,
+                            g->o.queue_max);
     if (g->n_ring) {
         /* the ring's home tokenizes: the rendering when a template is given
            here, else the messages (the home applies ChatML) */
@@ -635,22 +783,43 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     }
     r->refs = 2;
     r->client = kv_client_of(g, c);
+    cn->reqs[0] = r;
+    for (uint32_t i = 1; i < n_choices; i++) /* the other choices (local requests only) */
+        if (!(cn->reqs[i] = kv_req_choice(r, i, p))) {
+            pthread_mutex_lock(&g->mu);
+            for (uint32_t k = 0; k < i; k++) {
+                cn->reqs[k]->refs = 1;
+                kv_gw_req_unref_locked(cn->reqs[k]);
+                cn->reqs[k] = NULL;
+            }
+            pthread_mutex_unlock(&g->mu);
+            return kv_reply_err(cn, c, 500, "out of memory");
+        }
     pthread_mutex_lock(&g->mu);
-    if (g->quit || (g->n_queued >= g->o.queue_max && !kv_gw_queue_displace_locked(g, r))) {
+    /* n choices are n requests against the queue's bound */
+    if (g->quit || (n_choices > 1 && g->n_queued + n_choices > g->o.queue_max) ||
+        (g->n_queued >= g->o.queue_max && !kv_gw_queue_displace_locked(g, r))) {
         g->rejected_full++;
-        r->refs = 1;
-        kv_gw_req_unref_locked(r);
+        for (uint32_t k = 0; k < n_choices; k++) {
+            cn->reqs[k]->refs = 1;
+            kv_gw_req_unref_locked(cn->reqs[k]);
+            cn->reqs[k] = NULL;
+        }
         pthread_mutex_unlock(&g->mu);
         kv_pay_end(cn, true);
         return kv_reply_err(cn, c, 503, "the queue is full (%u requests waiting); retry later", g->o.queue_max);
     }
-    r->id = ++g->next_id;
-    r->state = KV_REQ_QUEUED;
-    if (g->queue_tail) g->queue_tail->next = r;
-    else g->queue = r;
-    g->queue_tail = r;
-    g->n_queued++;
-    g->tokens_prompt += n;
+    for (uint32_t k = 0; k < n_choices; k++) {
+        kv_gw_req *q = cn->reqs[k];
+        q->id = ++g->next_id;
+        q->state = KV_REQ_QUEUED;
+        if (g->queue_tail) g->queue_tail->next = q;
+        else g->queue = q;
+        g->queue_tail = q;
+        g->n_queued++;
+        g->tokens_prompt += n;
+    }
+    cn->n_choices = n_choices;
     pthread_cond_signal(&g->work_cv);
     pthread_mutex_unlock(&g->mu);
     if (g->n_ring) { /* the ring tokenizes: wait for its ACCEPT (or its refusal) before the status line */
@@ -682,12 +851,15 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     snprintf(cn->id, sizeof cn->id, "%skv%llx%llu", kv_gw_api(cn->api)->id_prefix, (unsigned long long)g->started,
              (unsigned long long)r->id);
     cn->res = (kv_gw_result){.id = cn->id, .model = g->model, .created = (long long)time(NULL),
-                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss, .t_start = cn->t0};
+                             .prompt_tokens = (uint32_t)n, .ss = &cn->ss, .t_start = cn->t0,
+                             .logprobs = p->logprobs, .top_logprobs = p->top_logprobs, .tok = g->tok};
     kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
     if (kv_parser_start(cn)) return kv_reply_err(cn, c, 500, "out of memory");
 
+    if (p->echo && p->prompt && !p->stream) kv_gw_buf_add(&cn->full, p->prompt, p->prompt_len); /* the prompt first */
     if (p->stream) {
         kv_gw_api(cn->api)->stream_begin(&cn->res, &cn->out);
+        if (p->echo && p->prompt) kv_gw_api(cn->api)->stream_delta(&cn->res, p->prompt, p->prompt_len, &cn->out);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, kv_stream_read, cn, NULL);
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, "Content-Type", kv_gw_api(cn->api)->stream_type);
@@ -702,6 +874,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     while (!cn->finished)
         if ((a = kv_advance(cn, false)) < 0) return MHD_NO;
         else if (a > 0) {
+            r = cn->r; /* the choice that failed */
             pthread_mutex_lock(&g->mu);
             char msg[256];
             memcpy(msg, r->errmsg, sizeof msg);
@@ -717,6 +890,28 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
                                 "generation failed: %s", msg);
         }
     if (cn->full.oom || cn->reason.oom) return kv_reply_err(cn, c, 500, "out of memory"); /* settled: it was computed */
+    if (p->logprobs) { /* every token's */
+        cn->res.lp = cn->r->lps;
+        cn->res.n_lp = cn->consumed;
+    }
+    if (cn->n_choices > 1) {
+        kv_gw_result rs[KV_GW_MAX_N];
+        kv_gw_answer as[KV_GW_MAX_N];
+        for (uint32_t i = 0; i < cn->n_choices; i++) {
+            const struct kv_gw_done_choice *dc = &cn->done[i];
+            const bool last = i == cn->choice;
+            const kv_gw_buf *f = last ? &cn->full : &dc->full, *rb = last ? &cn->reason : &dc->reason;
+            if (f->oom || rb->oom) return kv_reply_err(cn, c, 500, "out of memory");
+            rs[i] = last ? cn->res : dc->res;
+            if (p->logprobs) {
+                rs[i].lp = cn->reqs[i]->lps;
+                rs[i].n_lp = last ? cn->consumed : dc->res.completion_tokens;
+            }
+            as[i] = (kv_gw_answer){.text = f->p ? f->p : "", .n = f->n, .reasoning = rb->p, .rn = rb->n,
+                                   .calls = last ? cn->calls : dc->calls, .n_calls = last ? cn->n_calls : dc->n_calls};
+        }
+        return kv_reply(cn, c, 200, "application/json", kv_gw_api(cn->api)->full_body_n(rs, as, cn->n_choices));
+    }
     const kv_gw_answer ans = {.text = cn->full.p ? cn->full.p : "", .n = cn->full.n, .reasoning = cn->reason.p,
                             .rn = cn->reason.n, .calls = cn->calls, .n_calls = cn->n_calls};
     return kv_reply(cn, c, 200, "application/json", kv_gw_api(cn->api)->full_body(&cn->res, &ans));
@@ -883,6 +1078,15 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
     kv_gw_conn *cn = *con_cls;
     kv_http_guard_idle(g->guard, c); /* a kept-alive connection's next request: its deadline starts */
     if (!cn) return;
+    if (cn->n_choices > 1) { /* every choice: the unfinished cancelled first (the later ones' lead is the first) */
+        pthread_mutex_lock(&g->mu);
+        for (uint32_t i = 0; i < cn->n_choices; i++)
+            if (cn->reqs[i]->state != KV_REQ_DONE) cn->reqs[i]->cancel = true;
+        pthread_cond_signal(&g->work_cv);
+        for (uint32_t i = cn->n_choices; i-- > 0;) kv_gw_req_unref_locked(cn->reqs[i]);
+        pthread_mutex_unlock(&g->mu);
+        cn->r = NULL;
+    }
     if (cn->r) {
         pthread_mutex_lock(&g->mu);
         if (cn->r->state != KV_REQ_DONE) {
@@ -897,7 +1101,8 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
     }
     kv_pay_end(cn, true); /* held without a request (cannot happen): back whole */
     if (cn->counted)
-        kv_gw_log_request(g, cn->method, cn->route_name, cn->status, cn->res.prompt_tokens, cn->res.completion_tokens,
+        kv_gw_log_request(g, cn->method, cn->route_name, cn->status, cn->res.prompt_tokens,
+                          cn->res.completion_tokens + cn->tokens_before,
                           (kv_gw_mono() - cn->t0) * 1e3);
     kv_gw_text_free(&cn->text);
     kv_chat_parser_free(cn->parser);
@@ -907,6 +1112,16 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
     }
     free(cn->calls);
     free(cn->reason.p);
+    for (uint32_t i = 0; i < KV_GW_MAX_N; i++) {
+        struct kv_gw_done_choice *dc = &cn->done[i];
+        for (uint32_t k = 0; k < dc->n_calls; k++) {
+            free(dc->calls[k].name);
+            free(dc->calls[k].args);
+        }
+        free(dc->calls);
+        free(dc->full.p);
+        free(dc->reason.p);
+    }
     kv_gw_params_free(cn->p);
     free(cn->p);
     free(cn->out.p);

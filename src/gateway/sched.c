@@ -34,6 +34,7 @@ void kv_gw_req_unref_locked(kv_gw_req *r) {
     free(r->prompt);
     free(r->toks);
     kv_grammar_free(r->grammar);
+    free(r->lps);
     free(r);
 }
 
@@ -176,6 +177,9 @@ kv_gw_req *kv_gw_queue_pick_locked(kv_gateway *g) {
     kv_gw_req *best = NULL, *best_prev = NULL;
     uint32_t best_active = UINT32_MAX;
     for (kv_gw_req *r = g->queue, *prev = NULL; r && best_active; prev = r, r = r->next) {
+        if (r->lead && r->lead->state != KV_REQ_DONE &&
+            (r->lead->state != KV_REQ_ACTIVE || r->lead->sst == KV_SESSION_IDLE || r->lead->sst == KV_SESSION_PREFILL))
+            continue; /* its first choice's prompt is not in the cache yet */
         uint32_t act = 0;
         for (kv_gw_req *a = g->active; a; a = a->next) act += a->client == r->client;
         if (act < best_active) {
@@ -293,7 +297,8 @@ void *kv_gw_sched_main(void *arg) {
             g->completed--; /* it did not run to its end */
         }
         /* join: queued requests, oldest first, while there is room */
-        while (!g->hold && g->queue && g->n_active < g->o.max_active) kv_sched_admit_locked(g, kv_gw_queue_pick_locked(g));
+        for (kv_gw_req *q; !g->hold && g->queue && g->n_active < g->o.max_active && (q = kv_gw_queue_pick_locked(g));)
+            kv_sched_admit_locked(g, q);
         pthread_cond_broadcast(&g->out_cv);
         kv_sched_placement_locked(g);
         if (!g->active) {
@@ -361,6 +366,11 @@ void *kv_gw_sched_main(void *arg) {
             int32_t t = kv_session_token(r->s);
             if (r->script) t = t >= 0 && r->n_toks < r->script->n ? r->script->toks[r->n_toks] : -1; /* TEST ONLY */
             if (t >= 0 && r->n_toks < r->cap) {
+                if (r->lps) { /* before n_toks shows it: readers take [0, n_toks) unlocked */
+                    const kv_token_logprob *lp = r->script ? NULL : kv_session_logprob(r->s);
+                    if (lp) r->lps[r->n_toks] = *lp;
+                    else r->lps[r->n_toks] = (kv_token_logprob){.token = -1};
+                }
                 r->toks[r->n_toks++] = t;
                 g->tokens_generated++;
             }

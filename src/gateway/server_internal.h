@@ -86,6 +86,10 @@ typedef struct kv_gw_req {
     bool cancel;                /* client gone or a stop string matched */
     bool displaced;             /* dropped from a full queue for another client's request (503) */
     int32_t *toks;              /* [cap] tokens published; entries below n_toks never change */
+    kv_token_logprob *lps;      /* [cap] their log-probabilities (so.logprobs), or NULL; as toks */
+    struct kv_gw_req *lead;     /* a later choice of the same request (OpenAI's "n"): admitted once the first
+                                   choice's prompt is evaluated, so the prompt cache holds it (the lead
+                                   outlives it: the connection holds both and cancels them together) */
     uint32_t n_toks, cap;
     enum kv_stop stop;
     int err;                    /* 0, or why it failed */

@@ -28,10 +28,15 @@ struct kv_sampler {
     uint64_t key;      /* the seed, mixed */
     uint64_t pos;      /* tokens accepted: the position of the token sampled next */
     uint64_t n_draw;   /* draws made at pos (0 for every first draw) */
+    kv_logit_bias *bias; /* [n_bias] a copy of p.bias */
+    uint32_t *gen_cnt; /* [n_vocab] times each token was generated (presence/frequency penalties on), or NULL */
+    int32_t *gen_ids;  /* [n_gen_ids] the distinct tokens generated, in order */
+    int32_t n_gen_ids;
+    kv_cand *lp_cand;  /* [n_vocab] kv_sampler_logprobs' scratch, allocated at its first call */
 };
 
 kv_sample_params kv_sample_defaults(void) {
-    return (kv_sample_params){0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 0};
+    return (kv_sample_params){0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 0, 0.0f, 0.0f, NULL, 0};
 }
 
 static uint64_t kv_splitmix(uint64_t *x) {
@@ -71,13 +76,37 @@ int kv_sampler_new_ex(kv_sampler **out, int32_t n_vocab, const kv_sample_params 
         return kv_fail(d, KV_EINVAL, "sampler: repeat penalty %g out of range (0, 100]", p->repeat_penalty);
     if (p->repeat_last_n < 0 || p->repeat_last_n > 1 << 20)
         return kv_fail(d, KV_EINVAL, "sampler: repeat-last-n %d out of range", p->repeat_last_n);
+    if (!(p->presence_penalty >= -2.0f && p->presence_penalty <= 2.0f))
+        return kv_fail(d, KV_EINVAL, "sampler: presence penalty %g out of range [-2, 2]", p->presence_penalty);
+    if (!(p->frequency_penalty >= -2.0f && p->frequency_penalty <= 2.0f))
+        return kv_fail(d, KV_EINVAL, "sampler: frequency penalty %g out of range [-2, 2]", p->frequency_penalty);
+    if (p->n_bias > KV_SAMPLE_MAX_BIAS || (p->n_bias && !p->bias))
+        return kv_fail(d, KV_EINVAL, "sampler: %u logit biases, at most %u", p->n_bias, KV_SAMPLE_MAX_BIAS);
+    for (uint32_t i = 0; i < p->n_bias; i++) {
+        if (p->bias[i].token < 0 || p->bias[i].token >= n_vocab)
+            return kv_fail(d, KV_EINVAL, "sampler: logit bias token %d outside the vocabulary [0, %d)",
+                           p->bias[i].token, n_vocab);
+        if (!(p->bias[i].bias >= -100.0f && p->bias[i].bias <= 100.0f))
+            return kv_fail(d, KV_EINVAL, "sampler: logit bias %g of token %d out of range [-100, 100]",
+                           p->bias[i].bias, p->bias[i].token);
+    }
     kv_sampler *s = calloc(1, sizeof *s);
     if (!s) return kv_fail(d, KV_ENOMEM, "sampler: out of memory");
     s->p = *p;
+    s->p.bias = NULL;
     s->n_vocab = n_vocab;
     s->cand = own_scratch ? malloc((size_t)n_vocab * sizeof *s->cand) : NULL;
     s->hist = malloc(((size_t)p->repeat_last_n + 1) * sizeof *s->hist);
-    if ((own_scratch && !s->cand) || !s->hist) {
+    bool oom = (own_scratch && !s->cand) || !s->hist;
+    if (p->n_bias && (s->bias = malloc(p->n_bias * sizeof *s->bias)))
+        memcpy(s->bias, p->bias, p->n_bias * sizeof *s->bias);
+    oom |= p->n_bias && !s->bias;
+    if (p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) {
+        s->gen_cnt = calloc((size_t)n_vocab, sizeof *s->gen_cnt);
+        s->gen_ids = malloc((size_t)n_vocab * sizeof *s->gen_ids);
+        oom |= !s->gen_cnt || !s->gen_ids;
+    }
+    if (oom) {
         kv_sampler_free(s);
         return kv_fail(d, KV_ENOMEM, "sampler: out of memory");
     }
@@ -91,6 +120,10 @@ void kv_sampler_free(kv_sampler *s) {
     if (!s) return;
     free(s->cand);
     free(s->hist);
+    free(s->bias);
+    free(s->gen_cnt);
+    free(s->gen_ids);
+    free(s->lp_cand);
     free(s);
 }
 
@@ -101,6 +134,43 @@ void kv_sampler_accept(kv_sampler *s, int32_t token) {
     s->hist[s->hist_at] = token;
     s->hist_at = (s->hist_at + 1) % s->p.repeat_last_n;
     if (s->n_hist < s->p.repeat_last_n) s->n_hist++;
+}
+
+void kv_sampler_accept_sampled(kv_sampler *s, int32_t token) {
+    kv_sampler_accept(s, token);
+    if (!s->gen_cnt || token < 0 || token >= s->n_vocab) return;
+    if (s->gen_cnt[token]++ == 0) s->gen_ids[s->n_gen_ids++] = token;
+}
+
+/* Does anything change the logits before the chain's filters? */
+static bool kv_sampler_adjusts(const kv_sampler *s) {
+    return s->p.repeat_penalty != 1.0f || s->p.n_bias || s->gen_cnt;
+}
+
+/* The logit bias and the penalties over c[n_vocab] (c[i].id == i), in
+ * llama.cpp's order: bias, then per token its repetition penalty
+ * (divided when positive, multiplied otherwise; each distinct token of the
+ * last repeat_last_n once), then presence and frequency (OpenAI's formula
+ * over the generated tokens). Float arithmetic, as the draw uses it. */
+static void kv_adjust(const kv_sampler *s, kv_cand *c) {
+    const kv_sample_params *p = &s->p;
+    const int32_t n = s->n_vocab;
+    for (uint32_t i = 0; i < p->n_bias; i++) c[s->bias[i].token].logit += s->bias[i].bias;
+    /* repetition penalty: each distinct token of the history once */
+    if (p->repeat_penalty != 1.0f) {
+        for (int32_t h = 0; h < s->n_hist; h++) {
+            const int32_t t = s->hist[h];
+            if (t < 0 || t >= n) continue;
+            bool seen = false;
+            for (int32_t g = 0; g < h; g++) seen |= s->hist[g] == t;
+            if (seen) continue;
+            c[t].logit = c[t].logit > 0 ? c[t].logit / p->repeat_penalty : c[t].logit * p->repeat_penalty;
+        }
+    }
+    for (int32_t i = 0; s->gen_cnt && i < s->n_gen_ids; i++) {
+        const int32_t t = s->gen_ids[i];
+        c[t].logit -= (float)s->gen_cnt[t] * p->frequency_penalty + p->presence_penalty;
+    }
 }
 
 /* A strict total order (best first, lower id first on ties), NaN after
@@ -176,8 +246,8 @@ int32_t kv_sampler_sample_allowed(kv_sampler *s, const float *logits, void *scra
     if (!c) return KV_EINVAL;
     int32_t n = s->n_vocab;
     bool any_finite = false;
-    if (allow && p->temp <= 0.0f && p->repeat_penalty == 1.0f) return kv_greedy_allowed(logits, n, allow);
-    if (p->temp <= 0.0f && p->repeat_penalty == 1.0f) {
+    if (allow && p->temp <= 0.0f && !kv_sampler_adjusts(s)) return kv_greedy_allowed(logits, n, allow);
+    if (p->temp <= 0.0f && !kv_sampler_adjusts(s)) {
         /* greedy, nothing to penalize: the argmax (lowest id on ties) in the
          * checking pass, without filling the candidate array (that copy was
          * 7% of a decode step over a 152k vocabulary) */
@@ -201,21 +271,11 @@ int32_t kv_sampler_sample_allowed(kv_sampler *s, const float *logits, void *scra
         c[i] = (kv_cand){i, l, 0.0f};
     }
     if (!any_finite) return KV_ERANGE; /* nothing can be drawn */
-    /* repetition penalty: each distinct token of the history once */
-    if (p->repeat_penalty != 1.0f) {
-        for (int32_t h = 0; h < s->n_hist; h++) {
-            const int32_t t = s->hist[h];
-            if (t < 0 || t >= n) continue;
-            bool seen = false;
-            for (int32_t g = 0; g < h; g++) seen |= s->hist[g] == t;
-            if (seen) continue;
-            c[t].logit = c[t].logit > 0 ? c[t].logit / p->repeat_penalty : c[t].logit * p->repeat_penalty;
-        }
-    }
+    kv_adjust(s, c); /* bias and penalties (they index candidates by id) */
     if (allow) {
-        /* after the penalty (it indexes candidates by id): the forbidden
-           tokens, and those that cannot be drawn, leave the list, so no
-           rounding in the draw below can fall on one */
+        /* after the adjustments: the forbidden tokens, and those that cannot
+           be drawn, leave the list, so no rounding in the draw below can
+           fall on one */
         int32_t m = 0;
         for (int32_t i = 0; i < n; i++)
             if (c[i].logit != -INFINITY && kv_allowed(allow, i)) c[m++] = c[i];
@@ -272,4 +332,43 @@ int32_t kv_sampler_sample_allowed(kv_sampler *s, const float *logits, void *scra
         if (r < cum) return c[i].id;
     }
     return c[n - 1].id;
+}
+
+int kv_sampler_logprobs(kv_sampler *s, const float *logits, int32_t token, uint32_t n_top, kv_token_logprob *out) {
+    const int32_t n = s->n_vocab;
+    if (token < 0 || token >= n) return KV_ERANGE;
+    if (n_top > KV_SAMPLE_MAX_TOP) n_top = KV_SAMPLE_MAX_TOP;
+    if (!s->lp_cand && !(s->lp_cand = malloc((size_t)n * sizeof *s->lp_cand))) return KV_ENOMEM;
+    kv_cand *c = s->lp_cand;
+    for (int32_t i = 0; i < n; i++) {
+        const float l = logits[i];
+        if (isnan(l) || l == INFINITY) return KV_ERANGE;
+        c[i] = (kv_cand){i, l, 0.0f};
+    }
+    kv_adjust(s, c);
+    /* log-sum-exp in f64, shifted by the largest logit; the top n_top kept
+       sorted by insertion (best first, lower id first on ties) */
+    double max = -INFINITY;
+    for (int32_t i = 0; i < n; i++)
+        if (c[i].logit > max) max = c[i].logit;
+    if (max == -INFINITY) return KV_ERANGE;
+    double sum = 0.0;
+    uint32_t k = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const double l = c[i].logit;
+        sum += exp(l - max);
+        if (!n_top || (k == n_top && l <= (double)c[out->top_id[k - 1]].logit)) continue;
+        uint32_t at = k < n_top ? k++ : n_top - 1;
+        while (at > 0 && l > (double)c[out->top_id[at - 1]].logit) {
+            out->top_id[at] = out->top_id[at - 1];
+            at--;
+        }
+        out->top_id[at] = i;
+    }
+    const double lse = max + log(sum);
+    out->token = token;
+    out->logprob = (double)c[token].logit - lse;
+    out->n_top = k;
+    for (uint32_t j = 0; j < k; j++) out->top_logprob[j] = (double)c[out->top_id[j]].logit - lse;
+    return 0;
 }
