@@ -36,11 +36,11 @@ static uint32_t rnd(void) {
 static void test_sample_allowed(void) {
     enum { N = 300 };
     const kv_sample_params ps[] = {
-        {0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 1},  /* llama.cpp's defaults */
-        {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 2},     /* the full distribution, no filter */
-        {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 3},     /* greedy (the fast path) */
-        {0.0f, 0, 1.0f, 0.0f, 1.3f, 16, 4},     /* greedy with a penalty */
-        {1.5f, 5, 0.9f, 0.1f, 1.2f, 8, 5},      /* everything at once */
+        {0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 1, 0.0f, 0.0f, NULL, 0},  /* llama.cpp's defaults */
+        {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 2, 0.0f, 0.0f, NULL, 0},     /* the full distribution, no filter */
+        {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 3, 0.0f, 0.0f, NULL, 0},     /* greedy (the fast path) */
+        {0.0f, 0, 1.0f, 0.0f, 1.3f, 16, 4, 0.0f, 0.0f, NULL, 0},     /* greedy with a penalty */
+        {1.5f, 5, 0.9f, 0.1f, 1.2f, 8, 5, 0.0f, 0.0f, NULL, 0},      /* everything at once */
     };
     float logits[N], ref[N];
     uint32_t allow[(N + 31) / 32];
