@@ -97,17 +97,22 @@ def main(argv):
             flags = tcp[13]
             payload = tcp[off:]
             key = (".".join(map(str, src)), sport, ".".join(map(str, dst)), dport)
-            d = dirs.setdefault(key, {"isn": None, "segs": {}})
+            # one 4-tuple may carry several connections in turn (the router's
+            # masquerade reuses a source port): a SYN with a new sequence
+            # number starts a new stream on it
+            lst = dirs.setdefault(key, [])
             n_pkts += 1
-            if flags & 0x02:  # SYN
-                d["isn"] = seq
+            if flags & 0x02 and (not lst or lst[-1]["isn"] != seq):
+                lst.append({"isn": seq, "segs": {}})
+            if not lst:
+                lst.append({"isn": None, "segs": {}})
             if payload:
-                d["segs"].setdefault(seq, payload)
+                lst[-1]["segs"].setdefault(seq, payload)
     errors = []
     n_streams = n_records = n_bytes = 0
     ports_seen = set()
     types = {}
-    for key, d in sorted(dirs.items()):
+    for key, d in sorted(((k, d) for k, lst in dirs.items() for d in lst), key=lambda t: t[0]):
         if not d["segs"]:
             continue
         name = "%s:%d -> %s:%d" % key
