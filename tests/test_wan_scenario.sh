@@ -124,6 +124,19 @@ wait_until 90 covered || fail "no coverage: $(hcurl /v1/market) $(nodes)"
 wait_until 45 n_listed || fail "the NATed node is not listed as relayed: $(nodes)"
 grep -q "cannot be dialed.*relayed" "$dir/hub.out.err" || fail "the hub logged no failed reachability check"
 grep -q "serving through the hub's relay" "$dir/nnat.out.err" || fail "the NATed node did not connect out"
+# the market settles: the same placement (who holds what) on 4 reads 0.5 s apart
+placed() { hcurl /v1/placement | jq -c '[.shards[] | [.nodes[].addr] | sort]'; }
+stable() {
+  local p q
+  p=$(placed)
+  for _ in 1 2 3; do
+    sleep 0.5
+    q=$(placed)
+    [ "$p" = "$q" ] || return 1
+  done
+}
+wait_until 60 stable || fail "the placement does not settle: $(hcurl /v1/placement)"
+n_listed || fail "the NATed node left the map"
 na=$(alone)
 [ "$na" -gt 0 ] || fail "the NATed node holds no shard alone: $(hcurl /v1/placement)"
 echo "ok: the NATed node took shards from the market ($na held by it alone), the hub could not dial it and marked it" \
@@ -193,6 +206,7 @@ bfull() {
     '[.shards[] | select([.nodes[] | select(.addr != $a)] | length == 0)] | length == 0' >/dev/null
 }
 wait_until 90 bfull || fail "b1 does not cover every shard: $(hcurl /v1/placement)"
+wait_until 60 stable || fail "the placement does not settle: $(hcurl /v1/placement)"
 n_listed || fail "the NATed node left the map"
 sleep 0.6 # the gateway's view of the placement refreshes every 200 ms
 # the decode is under way through the relay once the NATed node's own count
@@ -230,7 +244,15 @@ echo "ok: the NATed node killed mid-decode (after $kp experts through the relay)
 # ---- the capture: only TLS on every connection between hosts
 for p in "${CAPP[@]}"; do kill -INT "$p" 2>/dev/null || true; done
 for p in "${CAPP[@]}"; do wait "$p" 2>/dev/null || true; done
-python3 "$SRC/tests/wan_tls_only.py" --want-port 7700 --want-port 7443 --want-port 7300 "$dir"/cap_*.pcap \
+# the links that must be there: the gateway (a2) to the hub's API and relay,
+# the NATed node (as the router) to both, the hub's prover to a1, the
+# coordinators on a2 to a1 and b1 directly
+WANT=()
+for c in "a2,$IP_HUB:7700" "a2,$IP_HUB:7443" "${TOPO_IP[router]},$IP_HUB:7700" "${TOPO_IP[router]},$IP_HUB:7443" \
+  "$IP_HUB,${TOPO_IP[a1]}:7300" "a2,${TOPO_IP[a1]}:7300" "a2,${TOPO_IP[b1]}:7300"; do
+  WANT+=(--want-conn "${c/#a2,/${TOPO_IP[a2]},}")
+done
+python3 "$SRC/tests/wan_tls_only.py" "${WANT[@]}" "$dir"/cap_*.pcap \
   >"$dir/tls.json" || fail "a non-TLS byte on the wire: $(cat "$dir/tls.json")"
 echo "ok: the capture on the public side: $(jq -c '{streams, records, bytes, record_types}' "$dir/tls.json"), every" \
   "TCP stream only TLS records"

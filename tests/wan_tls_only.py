@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks that every TCP stream in pcap files carries only TLS records.
 
-usage: wan_tls_only.py [--want-port PORT]... FILE.pcap...
+usage: wan_tls_only.py [--want-port PORT]... [--want-conn SRC,DST:PORT]... FILE.pcap...
 
 Reads classic pcap (tcpdump -w; link types RAW, Linux cooked v1/v2,
 Ethernet), reassembles each direction of each TCP connection by sequence
@@ -12,7 +12,8 @@ say, length 1..16640) and its body. The first record of each direction that
 carries bytes must be a handshake (22). A direction whose SYN was not
 captured, a gap in the bytes, or anything else fails. Prints one JSON line
 of counts; exit 0 only when every stream passes and every --want-port was
-seen as one end of a stream with payload. Python's standard library only.
+seen as one end of a stream with payload and every --want-conn (a client
+address, a server address and port) as a stream with payload both ways. Python's standard library only.
 """
 import json
 import struct
@@ -65,11 +66,16 @@ def ipv4_of(linktype, data):
 
 def main(argv):
     want_ports = set()
+    want_conns = set()
     files = []
     i = 0
     while i < len(argv):
         if argv[i] == "--want-port":
             want_ports.add(int(argv[i + 1]))
+            i += 2
+        elif argv[i] == "--want-conn":
+            src, dst = argv[i + 1].split(",")
+            want_conns.add((src, dst))
             i += 2
         else:
             files.append(argv[i])
@@ -111,6 +117,7 @@ def main(argv):
     errors = []
     n_streams = n_records = n_bytes = 0
     ports_seen = set()
+    conns_seen = set()
     types = {}
     for key, d in sorted(((k, d) for k, lst in dirs.items() for d in lst), key=lambda t: t[0]):
         if not d["segs"]:
@@ -121,6 +128,8 @@ def main(argv):
             continue
         n_streams += 1
         ports_seen.update((key[1], key[3]))
+        conns_seen.add((key[0], "%s:%d" % (key[2], key[3])))
+        conns_seen.add((key[2], "%s:%d" % (key[0], key[1])))  # the reply direction: src is the server
         base = (d["isn"] + 1) & 0xFFFFFFFF
         buf = bytearray()
         for seq in sorted(d["segs"], key=lambda s: (s - base) & 0xFFFFFFFF):
@@ -156,6 +165,13 @@ def main(argv):
     missing = sorted(want_ports - ports_seen)
     if missing:
         errors.append(f"no TLS stream on port(s) {missing}")
+    for src, dst in sorted(want_conns):
+        dip = dst.rsplit(":", 1)[0]
+        # both directions: client -> server bytes, and server -> client bytes
+        if (src, dst) not in conns_seen or not any(
+                k[0] == dip and "%s:%d" % (k[0], k[1]) == dst and k[2] == src and any(d["segs"] for d in lst)
+                for k, lst in dirs.items()):
+            errors.append(f"no TLS stream from {src} to {dst}")
     print(json.dumps({"packets": n_pkts, "streams": n_streams, "records": n_records, "bytes": n_bytes,
                       "record_types": {str(k): v for k, v in sorted(types.items())}, "errors": errors[:20],
                       "n_errors": len(errors)}))
