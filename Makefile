@@ -19,7 +19,8 @@
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make wan-test the WAN test bed (tests/test_wan_bed.sh, docs/NETDELAY.md) in its long
 #                 version: two sites 40 ms apart, 0.5% loss, a host behind a NAT router, a
-#                 kvasir hub and a NATed kvasir node (needs root); make test runs the short one
+#                 kvasir hub and a NATed kvasir node (needs root), then the design's scenario
+#                 in it (tests/test_wan_scenario.sh); make test runs the short ones
 #   make attack   the attack set (tests labelled attack) in its long version
 #                 (KV_ATTACK_FULL=1): each fails if one attack succeeds; make test
 #                 runs the short version of each
@@ -63,10 +64,11 @@ attack: deps oracle
 	@cd $(BUILD) && KV_ATTACK_FULL=1 ctest --output-on-failure -j$(JOBS) -L attack
 
 # the WAN test bed of issue 30 in its long version (KV_WAN_FULL=1): root,
-# network namespaces, nft (tools/install-deps.sh)
+# network namespaces, nft, tcpdump (tools/install-deps.sh)
 wan-test: deps
 	@$(MAKE) --no-print-directory build
 	@KV_BIN=$(abspath $(BUILD))/kvasir KV_SRC=$(CURDIR) KV_WAN_FULL=1 bash tests/test_wan_bed.sh
+	@KV_BIN=$(abspath $(BUILD))/kvasir KV_SRC=$(CURDIR) KV_WAN_FULL=1 bash tests/test_wan_scenario.sh
 
 # aarch64: Debian's cross compiler and arm64 libraries (cmake/aarch64.cmake);
 # the unit tests run under qemu-user (CMAKE_CROSSCOMPILING_EMULATOR). No
