@@ -53,7 +53,7 @@
 #include "kvasir/err.h"
 
 typedef struct kv_gateway kv_gateway;
-struct kv_voucher; /* kvasir/dispatch.h */
+struct kv_voucher; /* kvasir/link.h */
 
 #define KV_GATEWAY_MAX_KEYS 1024u
 #define KV_GATEWAY_MAX_KEY_LEN 256u

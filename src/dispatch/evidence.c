@@ -1,6 +1,6 @@
 /* Signed results (dispatch v4): the leaves, the Merkle tree and the digest
  * a worker signs over every RESULT, and the check of one pair's evidence
- * (include/kvasir/dispatch.h, "signed results"; docs/PROTOCOL.md).
+ * (include/kvasir/dispatch_evidence.h; docs/PROTOCOL.md).
  *
  * The tree is the one built level by level with an odd last node carried
  * up; it equals RFC 6962's recursive split at the largest power of two

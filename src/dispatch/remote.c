@@ -265,7 +265,7 @@ struct kv_remote {
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
     float *rtt_us;                /* [KV_REMOTE_RTT_SAMPLES] ring */
     uint64_t n_rtt;
-    /* per-session work tally (kvasir/dispatch.h): [n_tags][t_stride] each */
+    /* per-session work tally (kvasir/dispatch_remote.h): [n_tags][t_stride] each */
     uint32_t n_tags, t_stride;    /* tags; workers per tag row (workers past it are not counted) */
     uint64_t *t_sent, *t_ans;     /* committed */
     uint64_t *ts_sent, *ts_ans;   /* this step */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "gateway/server_internal.h"
+#include "kvasir/dispatch_receipt.h"
 #include "kvasir/grammar.h"
 
 static bool kv_gw_is_caught(kv_gateway *g, const uint8_t key[32]) {

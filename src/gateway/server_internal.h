@@ -49,7 +49,7 @@
 #include "gateway/gateway_internal.h"
 #include "gateway/pay.h"
 #include "http/http_guard.h"
-#include "kvasir/dispatch.h"
+#include "kvasir/dispatch_remote.h"
 #include "kvasir/gateway.h"
 #include "kvasir/ledger.h"
 #include "kvasir/node.h"
