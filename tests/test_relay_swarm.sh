@@ -9,7 +9,8 @@
 # tokens and logits of the local run with experts computed by the relayed
 # node (its served count rises), and so does a gateway over the hub (its
 # chat text is the local run's); /v1/placement, /v1/nodes say relayed;
-# /metrics carries the relay's lines. Then, with a third node holding every
+# /metrics carries the relay's lines; swarm status --json says the node is
+# relayed, with its served count and its worker's own. Then, with a third node holding every
 # shard as a replica, the relayed node is killed while a decode runs: the
 # decode still equals the local run byte for byte.
 set -euo pipefail
@@ -62,6 +63,7 @@ CPK=$("$KV" key --key "$dir/coord/coordinator.key")
 "$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --tls --relay-port 0 --deadline-ms 1500 \
   --wanted 1 --relay-max-circuits-per-node 32 --relay-rate-per-node $((64 << 20)) --vouch-key "$CPK" \
   >"$dir/hub.out" 2>"$dir/hub.err" &
+HUBP=$!
 pids+=($!)
 base_url=
 for _ in $(seq 300); do
@@ -106,6 +108,7 @@ echo "ok: bad relay flags and a relay port in use: one line each"
 refused=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$KV" node --hub "$hub" --budget "$half" --data "$dir/nA" --interval-ms 300 --threads 1 \
   >"$dir/nA.out" 2>"$dir/nA.err" &
+NA=$!
 pids+=($!)
 "$KV" node --hub "$hub" --budget "$half" --data "$dir/nR" --interval-ms 300 --threads 1 \
   --advertise "127.0.0.1:$refused" >"$dir/nR.out" 2>"$dir/nR.err" &
@@ -173,6 +176,28 @@ grep -q '^kvasir_relay_nodes 1$' "$dir/metrics.txt" || fail "metrics: no relay n
 circ=$(sed -n 's/^kvasir_relay_circuits_total \([0-9]*\)$/\1/p' "$dir/metrics.txt")
 tocoord=$(sed -n 's/^kvasir_relay_bytes_to_coord \([0-9]*\)$/\1/p' "$dir/metrics.txt")
 [ "${circ:-0}" -ge 2 ] && [ "${tocoord:-0}" -gt 0 ] || fail "metrics: circuits $circ, bytes to coordinators $tocoord"
+
+# kvasir swarm status --json over these processes (a swarm.json naming them,
+# as swarm up writes it; the swarm's coordinator key is the vouched one): the
+# relayed node is said relayed, with the hub's served count and the
+# expert computations its worker counts, read through the hub's relay
+start_of() { python3 -c 'import sys; print(open("/proc/%s/stat" % sys.argv[1]).read().rsplit(")", 1)[1].split()[19])' "$1"; }
+mkdir -p "$dir/sw"
+cp "$dir/coord/coordinator.key" "$dir/sw/coordinator.key"
+jq -n --arg dir "$dir/sw" --arg man "$dir/sl/manifest.json" --arg hub "$hub" --arg d "$dir" \
+  --argjson hp "$HUBP" --argjson hs "$(start_of "$HUBP")" --argjson ap "$NA" --argjson ast "$(start_of "$NA")" \
+  --argjson rp "$NR" --argjson rs "$(start_of "$NR")" \
+  '{version: 1, dir: $dir, manifest: $man, beacon_port: 0,
+    hub: {name: "hub", pid: $hp, start: $hs, log: ($d + "/hub.err"), url: $hub},
+    nodes: [{name: "node1", pid: $ap, start: $ast, log: ($d + "/nA.err"), data: ($d + "/nA")},
+            {name: "node2", pid: $rp, start: $rs, log: ($d + "/nR.err"), data: ($d + "/nR")}]}' >"$dir/sw/swarm.json"
+"$KV" swarm status --dir "$dir/sw" --json >"$dir/status.json" 2>"$dir/status.err" ||
+  fail "swarm status: $(cat "$dir/status.err")"
+jq -e '.nodes[] | select(.name == "node2") | .relayed == true and .served_pairs > 0 and .experts_computed > 0' \
+  "$dir/status.json" >/dev/null || fail "swarm status --json on the relayed node: $(jq -c .nodes "$dir/status.json")"
+jq -e '[.nodes[] | select(.relayed == false)] | length == 1' "$dir/status.json" >/dev/null ||
+  fail "swarm status --json on the ordinary node: $(jq -c .nodes "$dir/status.json")"
+echo "ok: swarm status --json: $(jq -c '.nodes[] | select(.name == "node2") | {relayed, served_pairs, experts_computed}' "$dir/status.json")"
 echo "ok: /metrics: one relayed node, $circ circuits, $tocoord bytes to coordinators"
 
 # a replica of every shard on a third, ordinary node; then the relayed node
