@@ -167,6 +167,8 @@ struct kv_hub {
     kv_voucher self_voucher;    /* the hub vouches for itself to the workers it probes (under mu) */
     uint64_t probes_ok, probes_failed; /* under mu */
     kv_hub_relay *relay;        /* the relay (opts.relay), NULL when off */
+    pthread_mutex_t adopt_mu;   /* guards http_open against kv_hub_http_adopt (--relay-port same) */
+    bool http_open;             /* mhd takes connections handed over by the relay */
 };
 
 static int64_t kv_now_ms(void) {
@@ -2221,8 +2223,11 @@ static int kv_piece_verify(kv_hub *h, const kv_hub_path *p, kv_diag *d) {
  * and its accept policy, the guard, still applies). */
 static void kv_hub_http_adopt(void *data, int fd, const struct sockaddr *sa, unsigned sa_len) {
     kv_hub *h = data;
-    if (MHD_add_connection(h->mhd, fd, sa, (socklen_t)sa_len) != MHD_YES && !h->o.quiet)
+    pthread_mutex_lock(&h->adopt_mu);
+    if (!h->http_open) close(fd); /* stopping */
+    else if (MHD_add_connection(h->mhd, fd, sa, (socklen_t)sa_len) != MHD_YES && !h->o.quiet)
         fprintf(stderr, "hub: the HTTP server refused a connection\n");
+    pthread_mutex_unlock(&h->adopt_mu);
 }
 
 static unsigned kv_sockaddr_port(const struct sockaddr_storage *ss) {
@@ -2240,6 +2245,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     h->stop_pipe[0] = h->stop_pipe[1] = -1;
     pthread_mutex_init(&h->mu, NULL);
     pthread_mutex_init(&h->refresh_mu, NULL);
+    pthread_mutex_init(&h->adopt_mu, NULL);
     pthread_cond_init(&h->refresh_cv, NULL);
     h->o = *opts;
     if (!h->o.listen) h->o.listen = "127.0.0.1:0";
@@ -2399,6 +2405,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         rc = kv_fail(d, KV_EIO, "hub: cannot listen on %s (address in use or not local?)", h->o.listen);
         goto fail;
     }
+    h->http_open = true; /* before the relay starts: it is the only one that hands connections over */
     const union MHD_DaemonInfo *di = (flags & MHD_USE_NO_LISTEN_SOCKET) ? NULL
                                      : MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_BIND_PORT);
     unsigned port = di ? di->port : 0;
@@ -2462,6 +2469,9 @@ void kv_hub_stop(kv_hub *h) {
 
 void kv_hub_free(kv_hub *h) {
     if (!h) return;
+    pthread_mutex_lock(&h->adopt_mu); /* the relay's thread hands no more connections to mhd */
+    h->http_open = false;
+    pthread_mutex_unlock(&h->adopt_mu);
     if (h->mhd) MHD_stop_daemon(h->mhd);
     kv_http_guard_free(h->guard);
     if (h->n_provers) {
@@ -2498,6 +2508,7 @@ void kv_hub_free(kv_hub *h) {
     if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
     pthread_mutex_destroy(&h->mu);
     pthread_mutex_destroy(&h->refresh_mu);
+    pthread_mutex_destroy(&h->adopt_mu);
     pthread_cond_destroy(&h->refresh_cv);
     pthread_cond_destroy(&h->prove_cv);
     free(h->vouch);
