@@ -109,6 +109,9 @@ typedef struct kv_hub_opts {
        the hub's key when the API is plain HTTP), for nodes the hub cannot dial */
     bool relay;
     uint16_t relay_port;
+    bool relay_same_port;       /* the relay on the API's port: the hub accepts, and by each TLS
+                                   ClientHello's ALPN ("kvasir-relay") hands the connection to the
+                                   relay or to the HTTP server (relay_port is then unused) */
     uint32_t relay_max_circuits;          /* circuits in all; 0 = the relay's default (4096) */
     uint32_t relay_max_circuits_per_node; /* 0 = 64 */
     uint64_t relay_rate_per_node;         /* payload bytes/s through one node's circuits; 0 = no limit */

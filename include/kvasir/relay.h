@@ -104,6 +104,7 @@ void kv_relay_node_digest(const uint8_t exporter[KV_TLS_EXPORTER_LEN], const uin
 
 /* ---- server ------------------------------------------------------------------------ */
 
+struct sockaddr;
 typedef struct kv_relay_server kv_relay_server;
 
 typedef struct kv_relay_server_opts {
@@ -127,6 +128,16 @@ typedef struct kv_relay_server_opts {
                                       node-to-coordinator stream (0 = never) */
     void (*log)(void *data, const char *line); /* one line per event; NULL = quiet */
     void *log_data;
+    /* A shared port (docs/HUB.md, "Relay on the API port"): when set, each
+     * accepted connection is peeked at (never read) until its TLS ClientHello
+     * is whole; one that offers ALPN KV_LINK_RELAY_ALPN is the relay's, and
+     * any other (not TLS, other ALPN, malformed, silent past
+     * handshake_timeout_ms) is handed to other, which owns fd from then on
+     * (called on the relay's thread; must not block). Peeked connections
+     * count against max_pending and max_pending_per_addr. NULL = every
+     * connection is the relay's. */
+    void (*other)(void *data, int fd, const struct sockaddr *sa, unsigned sa_len);
+    void *other_data;
 } kv_relay_server_opts;
 
 /* Counters since start (and what is open now), for /metrics. */

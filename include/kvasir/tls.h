@@ -94,6 +94,8 @@ typedef struct kv_tls_opts {
     bool server;             /* accept (true) or connect (false) */
     const uint8_t *pin_key;  /* [32] the Ed25519 key the peer's certificate must carry; NULL = none */
     const char *pin_sha256;  /* 64 hex digits the peer's fingerprint must equal; NULL = none */
+    const char *alpn;        /* one ALPN protocol (1..255 bytes): a client offers it, a server
+                                accepts it when offered (never requires it); NULL = none */
 } kv_tls_opts;
 
 /* A session of context x (x must outlive it). A client always checks the

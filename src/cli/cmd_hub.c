@@ -42,7 +42,9 @@ static const char *kv_hub_help =
     "  --tls-cert FILE     serve this PEM certificate (with --tls-key FILE, its PEM key)\n"
     "  --insecure-plaintext  serve plain HTTP on a non-loopback address (prints a warning):\n"
     "                      only behind a TLS-terminating proxy or on a network you own\n"
-    "  --relay-port N      also run the relay on port N of the hub's host (0: a free port), with\n"
+    "  --relay-port N|same also run the relay on port N of the hub's host (0: a free port), or,\n"
+    "                      with \"same\", on the API's own port (a relay client says so in its\n"
+    "                      TLS hello; everything else is the API), with\n"
     "                      the hub's certificate (one fingerprint for both): a node the hub cannot\n"
     "                      dial at its announced address is marked relayed, connects out to the\n"
     "                      relay and is proven and reached through it (docs/HUB.md \"Relay\");\n"
@@ -179,9 +181,13 @@ int kv_cmd_hub(int argc, char **argv) {
             if (kv_arg_long(CMD, a, s, 10, 60000, &v)) return 1;
             o.refresh_ms = (uint32_t)v;
         } else if (!strcmp(a, "--relay-port")) {
-            if (kv_arg_long(CMD, a, s, 0, 65535, &v)) return 1;
             o.relay = true;
-            o.relay_port = (uint16_t)v;
+            if (s && !strcmp(s, "same")) {
+                o.relay_same_port = true;
+            } else {
+                if (kv_arg_long(CMD, a, s, 0, 65535, &v)) return 1;
+                o.relay_port = (uint16_t)v;
+            }
         } else if (!strcmp(a, "--relay-max-circuits")) {
             if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
             o.relay_max_circuits = (uint32_t)v;

@@ -167,6 +167,8 @@ struct kv_hub {
     kv_voucher self_voucher;    /* the hub vouches for itself to the workers it probes (under mu) */
     uint64_t probes_ok, probes_failed; /* under mu */
     kv_hub_relay *relay;        /* the relay (opts.relay), NULL when off */
+    pthread_mutex_t adopt_mu;   /* guards http_open against kv_hub_http_adopt (--relay-port same) */
+    bool http_open;             /* mhd takes connections handed over by the relay */
 };
 
 static int64_t kv_now_ms(void) {
@@ -2216,6 +2218,23 @@ static int kv_piece_verify(kv_hub *h, const kv_hub_path *p, kv_diag *d) {
     return 0;
 }
 
+/* The relay on the API's port hands each connection that is not a relay
+ * client's to the HTTP server (the relay's thread; MHD closes fd on failure,
+ * and its accept policy, the guard, still applies). */
+static void kv_hub_http_adopt(void *data, int fd, const struct sockaddr *sa, unsigned sa_len) {
+    kv_hub *h = data;
+    pthread_mutex_lock(&h->adopt_mu);
+    if (!h->http_open) close(fd); /* stopping */
+    else if (MHD_add_connection(h->mhd, fd, sa, (socklen_t)sa_len) != MHD_YES && !h->o.quiet)
+        fprintf(stderr, "hub: the HTTP server refused a connection\n");
+    pthread_mutex_unlock(&h->adopt_mu);
+}
+
+static unsigned kv_sockaddr_port(const struct sockaddr_storage *ss) {
+    return ss->ss_family == AF_INET6 ? ntohs(((const struct sockaddr_in6 *)ss)->sin6_port)
+                                     : ntohs(((const struct sockaddr_in *)ss)->sin_port);
+}
+
 int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     *out = NULL;
     if (!opts->manifest || !opts->db) return kv_fail(d, KV_EINVAL, "hub: needs a manifest and a store");
@@ -2226,6 +2245,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     h->stop_pipe[0] = h->stop_pipe[1] = -1;
     pthread_mutex_init(&h->mu, NULL);
     pthread_mutex_init(&h->refresh_mu, NULL);
+    pthread_mutex_init(&h->adopt_mu, NULL);
     pthread_cond_init(&h->refresh_cv, NULL);
     h->o = *opts;
     if (!h->o.listen) h->o.listen = "127.0.0.1:0";
@@ -2363,6 +2383,8 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if ((rc = kv_https_mhd_setup(&hm, h->tls_on, (struct sockaddr *)&ss, opts->insecure_plaintext, "hub", d)))
         goto fail;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | hm.flags;
+    /* one public port: the relay accepts, and hands what is not its own to MHD */
+    if (opts->relay && opts->relay_same_port) flags |= MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC;
     if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
     if (!h->o.quiet) flags |= MHD_USE_ERROR_LOG;
     const kv_http_guard_opts go = {.max_conns = h->o.max_conns, .per_ip = h->o.per_ip_conns,
@@ -2383,7 +2405,9 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         rc = kv_fail(d, KV_EIO, "hub: cannot listen on %s (address in use or not local?)", h->o.listen);
         goto fail;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    h->http_open = true; /* before the relay starts: it is the only one that hands connections over */
+    const union MHD_DaemonInfo *di = (flags & MHD_USE_NO_LISTEN_SOCKET) ? NULL
+                                     : MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_BIND_PORT);
     unsigned port = di ? di->port : 0;
     char host[INET6_ADDRSTRLEN] = "?";
     if (ss.ss_family == AF_INET)
@@ -2395,12 +2419,18 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         if (!h->tls_on && !h->tls.cert_pem && (rc = kv_https_cert_derive(&h->tls, h->hub_sk, "kvasir hub", d)))
             goto fail;
         char ra[INET6_ADDRSTRLEN + 10];
-        snprintf(ra, sizeof ra, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, opts->relay_port);
+        const unsigned rport = opts->relay_same_port ? kv_sockaddr_port(&ss) : opts->relay_port;
+        snprintf(ra, sizeof ra, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, rport);
         const kv_relay_server_opts rb = {.max_circuits = (int)opts->relay_max_circuits,
                                          .max_circuits_per_node = (int)opts->relay_max_circuits_per_node,
-                                         .rate_per_node = opts->relay_rate_per_node, .rate_total = opts->relay_rate};
+                                         .rate_per_node = opts->relay_rate_per_node, .rate_total = opts->relay_rate,
+                                         .other = opts->relay_same_port ? kv_hub_http_adopt : NULL,
+                                         .other_data = h};
         if ((rc = kv_hub_relay_start(&h->relay, ra, h->tls_on ? h->tls_on : &h->tls, h->hub_sk, &rb, h->o.quiet, d)))
             goto fail;
+        if (opts->relay_same_port) /* the API's address is the relay's (port 0 picked there) */
+            snprintf(h->addr, sizeof h->addr, ss.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host,
+                     kv_hub_relay_port(h->relay));
     }
     if (!h->o.trust_announced)
         for (; h->n_provers < h->o.prove_threads; h->n_provers++)
@@ -2439,6 +2469,9 @@ void kv_hub_stop(kv_hub *h) {
 
 void kv_hub_free(kv_hub *h) {
     if (!h) return;
+    pthread_mutex_lock(&h->adopt_mu); /* the relay's thread hands no more connections to mhd */
+    h->http_open = false;
+    pthread_mutex_unlock(&h->adopt_mu);
     if (h->mhd) MHD_stop_daemon(h->mhd);
     kv_http_guard_free(h->guard);
     if (h->n_provers) {
@@ -2475,6 +2508,7 @@ void kv_hub_free(kv_hub *h) {
     if (h->stop_pipe[1] >= 0) close(h->stop_pipe[1]);
     pthread_mutex_destroy(&h->mu);
     pthread_mutex_destroy(&h->refresh_mu);
+    pthread_mutex_destroy(&h->adopt_mu);
     pthread_cond_destroy(&h->refresh_cv);
     pthread_cond_destroy(&h->prove_cv);
     free(h->vouch);

@@ -44,9 +44,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "kvasir/link_hello.h"
 #include "relay_internal.h"
 
 #define KV_RELAY_TICK_MS 10 /* rate buckets are refilled this often */
+#define KV_RELAY_PEEK_RETRY_MS 10 /* a partial ClientHello is peeked at again this often */
+#define KV_RELAY_PEEK_IDLE_MS 250 /* a silent connection's deadline is checked this often */
 
 typedef struct rconn rconn;
 
@@ -77,6 +80,23 @@ struct rconn {
     rconn *prev, *next;          /* s->conns */
 };
 
+/* An accepted connection on a shared port whose first bytes are not yet
+ * known (o.other set): peeked at, never read, until its ClientHello says
+ * whether it is a relay client. */
+typedef struct peek {
+    kv_relay_server *s;
+    int fd;                      /* owned until adopted or handed over */
+    struct sockaddr_storage ss;  /* the peer */
+    socklen_t sl;
+    uint8_t ipk[16];             /* address key (IPv4, or IPv6 /64) */
+    char peer[64];               /* "HOST:PORT" */
+    kv_net_watch w;              /* readable: peek again */
+    bool watching;
+    kv_net_timer t;              /* retry after a partial hello, until deadline_ms */
+    int64_t deadline_ms;
+    struct peek *prev, *next;    /* s->peeks */
+} peek;
+
 struct kv_relay_server {
     kv_relay_server_opts o;
     kv_net_loop *loop;
@@ -90,6 +110,8 @@ struct kv_relay_server {
     int64_t last_tick_ms;
     int64_t tokens;              /* the total rate bucket */
     rconn *conns;
+    peek *peeks;                 /* connections of a shared port not yet classified */
+    int n_peeks;
     int n_conns, n_pending, n_circuits;
     size_t tx_max, hwm;          /* per connection: queue limit, pause mark */
     /* counters (kv_relay_stats) */
@@ -496,6 +518,113 @@ static int kv_pending_of(const kv_relay_server *s, const uint8_t k[16]) {
     return n;
 }
 
+static int kv_pending_all(const kv_relay_server *s, const uint8_t k[16]) {
+    int n = kv_pending_of(s, k);
+    for (const peek *p = s->peeks; p; p = p->next) n += !memcmp(p->ipk, k, 16);
+    return n;
+}
+
+/* Makes accepted fd a relay connection (TLS, then HELLO); fd is consumed. */
+static void kv_relay_adopt(kv_relay_server *s, kv_net_loop *l, int fd, const uint8_t ipk[16], const char *peer) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    rconn *c = calloc(1, sizeof *c);
+    kv_tls *t = NULL;
+    kv_diag d = {0};
+    const kv_tls_opts to = {.server = true, .alpn = KV_LINK_RELAY_ALPN};
+    if (!c || kv_tls_new(&t, s->o.tls, &to, &d)) {
+        free(c);
+        close(fd);
+        return;
+    }
+    c->s = s;
+    c->tls = t;
+    memcpy(c->ipk, ipk, 16);
+    snprintf(c->peer, sizeof c->peer, "%s", peer);
+    kv_net_timer_init(&c->hs_t, kv_rc_hello_late, c);
+    const kv_net_conn_opts o = {
+        .header = KV_RELAY_HEADER,
+        .max_frame = KV_RELAY_HEADER + KV_RELAY_MAX_PAYLOAD,
+        .tx_max = s->tx_max,
+        .frame_timeout_ms = 30000,
+        .write_timeout_ms = s->o.write_timeout_ms,
+        .handshake_timeout_ms = s->o.handshake_timeout_ms,
+        .linger_ms = 100,
+        .budget = &s->budget,
+        .io = &kv_tls_net_io,
+        .io_ctx = t,
+    };
+    if (kv_net_conn_new(&c->nc, l, fd, &o, &kv_rc_cbs, c, &d)) { /* fd and t released by it */
+        kv_rlog(s, "relay: %s refused: %s", peer, d.msg);
+        free(c);
+        return;
+    }
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    s->n_conns++;
+    s->n_pending++;
+    atomic_fetch_add(&s->st_conns, 1);
+    kv_net_timer_start(l, &c->hs_t, s->o.handshake_timeout_ms);
+}
+
+static void kv_peek_unlink(kv_relay_server *s, peek *p) {
+    if (p->watching) kv_net_watch_del(s->loop, &p->w);
+    p->watching = false;
+    kv_net_timer_stop(s->loop, &p->t);
+    if (p->prev) p->prev->next = p->next;
+    else s->peeks = p->next;
+    if (p->next) p->next->prev = p->prev;
+    s->n_peeks--;
+}
+
+static void kv_peek_watch(kv_net_loop *l, kv_net_watch *w, unsigned ev);
+
+/* Peeks at p's first bytes: a relay hello is adopted, anything else is
+ * handed to o.other, a partial hello waits (re-peeked by a timer, since the
+ * bytes stay readable), until the deadline, after which it is "other". */
+static void kv_peek_step(kv_relay_server *s, peek *p) {
+    uint8_t buf[KV_LINK_HELLO_MAX];
+    ssize_t n = recv(p->fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
+    kv_hello_kind k;
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        kv_peek_unlink(s, p); /* gone before saying anything */
+        close(p->fd);
+        free(p);
+        return;
+    }
+    k = n < 0 ? KV_HELLO_MORE : kv_link_hello_classify(buf, (size_t)n, KV_LINK_RELAY_ALPN);
+    if (k == KV_HELLO_MORE && kv_net_now_ms() >= p->deadline_ms) k = KV_HELLO_OTHER;
+    if (k == KV_HELLO_MORE) {
+        if (n > 0 && p->watching) { /* some bytes, not all: level-triggered readiness would spin */
+            kv_net_watch_del(s->loop, &p->w);
+            p->watching = false;
+        } else if (n < 0 && !p->watching) {
+            kv_diag d = {0};
+            if (!kv_net_watch_add(s->loop, &p->w, p->fd, KV_NET_READ, kv_peek_watch, p, &d)) p->watching = true;
+        }
+        kv_net_timer_stop(s->loop, &p->t); /* the timer enforces the deadline either way */
+        kv_net_timer_start(s->loop, &p->t, p->watching ? KV_RELAY_PEEK_IDLE_MS : KV_RELAY_PEEK_RETRY_MS);
+        return;
+    }
+    kv_peek_unlink(s, p);
+    if (k == KV_HELLO_RELAY) kv_relay_adopt(s, s->loop, p->fd, p->ipk, p->peer);
+    else s->o.other(s->o.other_data, p->fd, (const struct sockaddr *)&p->ss, (unsigned)p->sl);
+    free(p);
+}
+
+static void kv_peek_watch(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
+    (void)l, (void)ev;
+    peek *p = w->data;
+    kv_peek_step(p->s, p);
+}
+
+static void kv_peek_timer(kv_net_loop *l, kv_net_timer *t) {
+    (void)l;
+    peek *p = t->data;
+    kv_peek_step(p->s, p);
+}
+
 static void kv_relay_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
     kv_relay_server *s = w->data;
     (void)ev;
@@ -511,54 +640,36 @@ static void kv_relay_accept(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
         kv_addr_key(&ss, ipk);
         const char *refuse = NULL;
         if (s->n_conns >= s->o.max_conns) refuse = "connections at the relay's limit";
-        else if (s->n_pending >= s->o.max_pending) refuse = "too many connections in their handshake";
-        else if (kv_pending_of(s, ipk) >= s->o.max_pending_per_addr) refuse = "too many handshakes from this address";
+        else if (s->n_pending + s->n_peeks >= s->o.max_pending) refuse = "too many connections in their handshake";
+        else if (kv_pending_all(s, ipk) >= s->o.max_pending_per_addr) refuse = "too many handshakes from this address";
         if (refuse) {
             atomic_fetch_add(&s->st_ref_conns, 1);
             kv_rlog(s, "relay: %s refused: %s", peer, refuse);
             close(fd);
             continue;
         }
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        rconn *c = calloc(1, sizeof *c);
-        kv_tls *t = NULL;
-        kv_diag d = {0};
-        const kv_tls_opts to = {.server = true};
-        if (!c || kv_tls_new(&t, s->o.tls, &to, &d)) {
-            free(c);
+        if (!s->o.other) {
+            kv_relay_adopt(s, l, fd, ipk, peer);
+            continue;
+        }
+        peek *p = calloc(1, sizeof *p);
+        if (!p) {
             close(fd);
             continue;
         }
-        c->s = s;
-        c->tls = t;
-        memcpy(c->ipk, ipk, 16);
-        snprintf(c->peer, sizeof c->peer, "%s", peer);
-        kv_net_timer_init(&c->hs_t, kv_rc_hello_late, c);
-        const kv_net_conn_opts o = {
-            .header = KV_RELAY_HEADER,
-            .max_frame = KV_RELAY_HEADER + KV_RELAY_MAX_PAYLOAD,
-            .tx_max = s->tx_max,
-            .frame_timeout_ms = 30000,
-            .write_timeout_ms = s->o.write_timeout_ms,
-            .handshake_timeout_ms = s->o.handshake_timeout_ms,
-            .linger_ms = 100,
-            .budget = &s->budget,
-            .io = &kv_tls_net_io,
-            .io_ctx = t,
-        };
-        if (kv_net_conn_new(&c->nc, l, fd, &o, &kv_rc_cbs, c, &d)) { /* fd and t released by it */
-            kv_rlog(s, "relay: %s refused: %s", peer, d.msg);
-            free(c);
-            continue;
-        }
-        c->next = s->conns;
-        if (s->conns) s->conns->prev = c;
-        s->conns = c;
-        s->n_conns++;
-        s->n_pending++;
-        atomic_fetch_add(&s->st_conns, 1);
-        kv_net_timer_start(l, &c->hs_t, s->o.handshake_timeout_ms);
+        p->s = s;
+        p->fd = fd;
+        p->ss = ss;
+        p->sl = sl;
+        memcpy(p->ipk, ipk, 16);
+        snprintf(p->peer, sizeof p->peer, "%s", peer);
+        p->deadline_ms = kv_net_now_ms() + s->o.handshake_timeout_ms;
+        kv_net_timer_init(&p->t, kv_peek_timer, p);
+        p->next = s->peeks;
+        if (s->peeks) s->peeks->prev = p;
+        s->peeks = p;
+        s->n_peeks++;
+        kv_peek_step(s, p);
     }
 }
 
@@ -719,6 +830,11 @@ void kv_relay_server_free(kv_relay_server *s) {
     if (s->th_started) {
         kv_net_loop_stop(s->loop);
         pthread_join(s->th, NULL);
+    }
+    for (peek *p = s->peeks, *n; p; p = n) { /* the loop is stopped: its watches and timers go with it */
+        n = p->next;
+        close(p->fd);
+        free(p);
     }
     for (rconn *c = s->conns, *n; c; c = n) { /* the loop frees the connections; the rest is ours */
         n = c->next;

@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvasir/link_hello.h"
 #include "relay_internal.h"
 
 #define KV_RELAY_STABLE_MS 5000 /* up this long: the backoff starts over */
@@ -495,7 +496,7 @@ static void kv_cl_connect(kv_relay_client *c) {
         return;
     }
     kv_tls *t = NULL;
-    const kv_tls_opts to = {.server = false, .pin_sha256 = c->pin};
+    const kv_tls_opts to = {.server = false, .pin_sha256 = c->pin, .alpn = KV_LINK_RELAY_ALPN};
     int rc = kv_tls_new(&t, c->o.tls, &to, &d);
     const size_t tx = (size_t)c->o.max_circuits * KV_RELAY_MAX_WINDOW + (4u << 20); /* a cap: credit bounds use */
     const kv_net_conn_opts o = {

@@ -61,6 +61,7 @@ struct kv_tls {
     bool has_pin_key, has_pin_fp;
     uint8_t pin_key[32];            /* the Ed25519 key the peer must carry */
     char pin_fp[KV_TLS_FP_HEX + 1]; /* the fingerprint the peer must have */
+    uint8_t alpn[256];              /* a server's ALPN protocol as a wire list (length byte first); alpn[0] = 0: none */
     char why[256];                  /* the last failure, one line */
 };
 
@@ -278,6 +279,21 @@ static int kv_tls_ossl_fail(kv_diag *d, int code, const char *what) {
     return kv_fail(d, code, "%s: %s", what, r ? r : "OpenSSL error");
 }
 
+/* A server accepts its session's one ALPN protocol when the client offers
+ * it, and answers without ALPN otherwise (a client that offers none, or
+ * others, still connects: what the connection is for is said inside it). */
+static int kv_tls_alpn_cb(SSL *ssl, const unsigned char **out, unsigned char *outlen, const unsigned char *in,
+                          unsigned inlen, void *arg) {
+    (void)arg;
+    const kv_tls *t = SSL_get_app_data(ssl);
+    unsigned char *sel = NULL;
+    if (!t || !t->alpn[0]) return SSL_TLSEXT_ERR_NOACK;
+    if (SSL_select_next_proto(&sel, outlen, t->alpn, (unsigned)t->alpn[0] + 1u, in, inlen) != OPENSSL_NPN_NEGOTIATED)
+        return SSL_TLSEXT_ERR_NOACK;
+    *out = sel;
+    return SSL_TLSEXT_ERR_OK;
+}
+
 /* Takes x->cert and x->key and builds the SSL_CTX around them. */
 static int kv_tls_ctx_finish(kv_tls_ctx *x, kv_diag *d) {
     SSL_CTX *s = SSL_CTX_new(TLS_method());
@@ -294,6 +310,7 @@ static int kv_tls_ctx_finish(kv_tls_ctx *x, kv_diag *d) {
     SSL_CTX_set_options(s, SSL_OP_NO_TICKET | SSL_OP_IGNORE_UNEXPECTED_EOF);
     SSL_CTX_set_mode(s, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
     SSL_CTX_set_cert_verify_callback(s, kv_tls_verify_cb, NULL);
+    SSL_CTX_set_alpn_select_cb(s, kv_tls_alpn_cb, NULL);
     if (SSL_CTX_use_certificate(s, x->cert) != 1 || SSL_CTX_use_PrivateKey(s, x->key) != 1)
         return kv_tls_ossl_fail(d, KV_EINTERNAL, "TLS context: certificate");
     if (SSL_CTX_check_private_key(s) != 1)
@@ -434,6 +451,8 @@ int kv_tls_new(kv_tls **out, kv_tls_ctx *x, const kv_tls_opts *o, kv_diag *d) {
     *out = NULL;
     if (o->pin_sha256 && !kv_tls_is_hex64(o->pin_sha256))
         return kv_fail(d, KV_EINVAL, "TLS pin: a sha256 fingerprint is 64 lowercase hex digits");
+    const size_t alen = o->alpn ? strlen(o->alpn) : 0;
+    if (o->alpn && (alen == 0 || alen > 255)) return kv_fail(d, KV_EINVAL, "TLS ALPN: a protocol name is 1 to 255 bytes");
     pthread_once(&g_bio_once, kv_bio_init_method);
     if (!g_bio_method) return kv_fail(d, KV_EINTERNAL, "TLS: cannot make the socket BIO");
     kv_tls *t = calloc(1, sizeof *t);
@@ -453,6 +472,15 @@ int kv_tls_new(kv_tls **out, kv_tls_ctx *x, const kv_tls_opts *o, kv_diag *d) {
         memcpy(t->pin_fp, o->pin_sha256, sizeof t->pin_fp);
     }
     SSL_set_app_data(t->ssl, t);
+    if (alen) {
+        t->alpn[0] = (uint8_t)alen;
+        memcpy(t->alpn + 1, o->alpn, alen);
+        if (!o->server && SSL_set_alpn_protos(t->ssl, t->alpn, (unsigned)alen + 1u)) {
+            kv_tls_free(t);
+            ERR_clear_error();
+            return kv_fail(d, KV_ENOMEM, "TLS session: out of memory (ALPN)");
+        }
+    }
     if (o->server) {
         const bool pinned = t->has_pin_key || t->has_pin_fp;
         SSL_set_verify(t->ssl, SSL_VERIFY_PEER | (pinned ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0), NULL);
