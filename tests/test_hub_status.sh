@@ -4,9 +4,12 @@
 # chromium-driver; tools/install-deps.sh installs them). A swarm on
 # loopback: a hub (2 replicas wanted, 1.5 s heartbeat deadline) and two
 # nodes, one holding every slab and one five of the eight, so five shards
-# are covered and three scarce; a `kvasir run --hub` computes some experts
-# on them. tests/oracle/hub_status.mjs loads the page and checks the map
-# against /v1/market, the nodes against /v1/nodes, the served counts
+# are covered and three scarce; the second announces a port that refuses
+# connections, so the hub (relay on its API port) reaches it through the
+# relay; a `kvasir run --hub` computes some experts on them.
+# tests/oracle/hub_status.mjs loads the page and checks the map against
+# /v1/market, the nodes (and which is reached through the relay, and the
+# relay's traffic line) against /v1/nodes, the served counts
 # against the coordinator's, then kills the full node with SIGKILL and
 # waits for the page to show it gone and the new map (three shards missing).
 # A missing browser is a FAILURE, not a skip.
@@ -46,7 +49,7 @@ listening() { grep -q '^listening on ' "$1" 2>/dev/null; }
 slab=$(stat -c %s "$dir/sl/experts/blk.0.0000-0001.gguf")
 DEADLINE=1500
 "$KV" hub --vouch-open --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms $DEADLINE \
-  --quiet >"$dir/hub.out" 2>"$dir/hub.err" &
+  --relay-port same --quiet >"$dir/hub.out" 2>"$dir/hub.err" &
 pids+=($!)
 wait_until 30 listening "$dir/hub.out" || fail "hub did not start"
 hub="http://$(sed -n 's/^listening on //p' "$dir/hub.out")"
@@ -55,11 +58,16 @@ hub="http://$(sed -n 's/^listening on //p' "$dir/hub.out")"
   >"$dir/na.out" 2>"$dir/na.err" &
 NA=$!
 pids+=($NA)
+# the second node announces a port that refuses connections: the hub
+# reaches it through its relay, and the page says so
+refused=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$KV" node --hub "$hub" --budget $((5 * slab + slab / 2)) --data "$dir/nb" --interval-ms 300 --threads 1 \
-  >"$dir/nb.out" 2>"$dir/nb.err" &
+  --advertise "127.0.0.1:$refused" >"$dir/nb.out" 2>"$dir/nb.err" &
 pids+=($!)
 filled() { [ "$(curl -sf "$hub/v1/market" | jq '[.shards[] | [.live, .wanted] | min] | add')" = 13 ]; }
 wait_until 60 filled || fail "the swarm did not settle: $(curl -s "$hub/v1/market")"
+relayed() { [ "$(curl -sf "$hub/v1/nodes" | jq '[.nodes[] | select(.relayed == true)] | length')" = 1 ]; }
+wait_until 30 relayed || fail "the second node is not relayed: $(curl -s "$hub/v1/nodes")"
 
 "$KV" run --hub "$hub" --data "$dir/coord" -p "The page shows the swarm" -n 8 --temp 0 --json --threads 1 \
   >"$dir/run.json" 2>"$dir/run.err" || fail "run --hub failed"

@@ -61,11 +61,13 @@ const readPage = () => js(`
     [Number(td.dataset.layer), Number(td.dataset.expert), td.dataset.state, Number(td.dataset.live)]);
   const nodes = [...document.querySelectorAll('#nodes tbody tr')].map((tr) => ({
     key: tr.dataset.key, live: tr.dataset.live === 'true', shards: Number(tr.dataset.shards),
-    served: Number(tr.cells[8].textContent.replace(/,/g, '')) }));
+    served: Number(tr.cells[8].textContent.replace(/,/g, '')), relayed: tr.dataset.relayed === 'true',
+    reached: tr.cells[9].textContent }));
   const t = (id) => document.getElementById(id).textContent;
   return { polls: Number(document.getElementById('summary').dataset.polls), cells, nodes,
            covered: t('covered'), missing: Number(t('shards-missing')), scarce: Number(t('shards-scarce')),
            total: Number(t('shards-total')), live: Number(t('live-nodes')),
+           relayShown: !document.getElementById('relay').hidden, relayNodes: Number(t('relay-nodes')),
            resources: performance.getEntriesByType('resource').map((e) => e.name) };`);
 
 // the cells /v1/market implies: [layer, expert, state, live]
@@ -122,6 +124,13 @@ try {
       `node table: ${page.nodes.length} rows, all live, as /v1/nodes`);
     const held = Object.fromEntries(nodes.nodes.map((n) => [n.key, n.shards.length]));
     check(page.nodes.every((n) => held[n.key] === n.shards), 'node table: shards held per node as /v1/nodes');
+    const rel = Object.fromEntries(nodes.nodes.map((n) => [n.key, n.relayed === true]));
+    check(page.nodes.every((n) => n.relayed === rel[n.key] &&
+                                  n.reached === (rel[n.key] ? 'through the relay' : 'direct')) &&
+          page.nodes.filter((n) => n.relayed).length === 1,
+      'node table: one node reached through the relay, the other direct, as /v1/nodes says');
+    check(page.relayShown && page.relayNodes === (nodes.relay ? nodes.relay.nodes : -1),
+      `relay traffic shown: ${page.relayNodes} node(s) connected, as /v1/nodes's relay says`);
     check(page.covered === (market.covered ? 'complete' : 'incomplete') && page.total === market.shards.length,
       `summary: coverage '${page.covered}', ${page.total} shards`);
     const origin = new URL(hub).origin;
