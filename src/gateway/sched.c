@@ -26,10 +26,8 @@ static bool kv_gw_is_caught(kv_gateway *g, const uint8_t key[32]) {
 
 void kv_gw_req_unref_locked(kv_gw_req *r) {
     if (--r->refs > 0) return;
-    free(r->rtext);
-    free(r->rmsgs);
-    free(r->poff);
-    free(r->pbuf);
+    free(r->rgrammar);
+    free(r->rbias);
     free(r->work);
     free(r->rcpts);
     free(r->prompt);
