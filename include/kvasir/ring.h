@@ -8,8 +8,9 @@
  * head) embeds tokens; the node with the last layer (the tail) applies the
  * final norm and the LM head, samples, and sends the token to its next,
  * which is the head, which feeds it back in. A client submits a request to
- * any node (its home); the home tokenizes it and sends it along the ring
- * to the head; tokens travel from the tail back to the home and out to the
+ * any node (its home); the home takes its token ids (SUBMIT_TOKENS: the
+ * gateway renders and tokenizes, with the tokenizer a node sends it by
+ * VOCAB) or tokenizes its text, and sends it along the ring to the head; tokens travel from the tail back to the home and out to the
  * client. Several sequences are in flight at once and every node computes
  * whichever hidden state arrives, so with S sequences S nodes work at once.
  *

@@ -169,6 +169,12 @@ await both({ model, messages: [{ role: 'user', content: 'Count' }], seed: 9, tem
     max_tokens: 6, n: 2 }, 'n = 2');
   check(r.choices.length === 2, `n = 2: ${r.choices.length} choices`);
 }
+{ /* a later choice samples under its lead's grammar */
+  const r = await both({ model, ...nothink, messages: [{ role: 'user', content: 'Two people' }], seed: 8, max_tokens: 300,
+    n: 2, response_format: { type: 'json_schema', json_schema: { name: 'person', schema: person, strict: true } } },
+  'n = 2 under a json_schema');
+  for (const c of r.choices) validates(person, c.message.content ?? '', `n = 2 choice ${c.index}`);
+}
 
 // ---- 4. Anthropic: a tool loop with thinking blocks ----
 for (const stream of [false, true]) {
