@@ -10,7 +10,8 @@
 # drives both with the official `openai` and `@anthropic-ai/sdk` clients:
 # tool loops, structured output (ajv), reasoning, logprobs, the sampling
 # fields and n, whole and streamed, the ring's answers byte-identical to the
-# local ones. Then: a prompt of token ids outside the vocabulary is a 400
+# local ones. Then: Ollama's format (curl) gives the local answer and validates;
+# a prompt of token ids outside the vocabulary is a 400
 # naming the token, as locally; --prompt-cache with --ring is refused naming
 # the flag. A missing package is a FAILURE, not a skip.
 set -euo pipefail
@@ -60,6 +61,16 @@ grep -q "the ring's tokenizer (2048 tokens) from" "$dir/ring.err" || fail "the r
 KV_LOCAL_URL="http://$LOCAL" KV_RING_URL="http://$RING" KV_GW_KEY=sk-rc node "$SRC/tests/oracle/ring_gateway_clients.mjs" ||
   fail "the ring gateway's answers differ from the local one's (or are wrong)"
 echo "ok: openai and anthropic clients over the ring equal a local gateway (tools, structured output, reasoning, logprobs, sampling fields, n)"
+
+# Ollama's format (a schema) over both: the same message, and it validates
+body='{"model":"tiny","stream":false,"messages":[{"role":"user","content":"JSON"}],"think":false,
+       "format":{"type":"object","properties":{"n":{"type":"integer","minimum":0,"maximum":9}},"required":["n"]},
+       "options":{"seed":3,"temperature":0.7,"num_predict":60}}'
+a=$(curl -s -H "Authorization: Bearer sk-rc" "http://$LOCAL/api/chat" -d "$body" | jq -c '[.message.content, .done_reason]')
+b=$(curl -s -H "Authorization: Bearer sk-rc" "http://$RING/api/chat" -d "$body" | jq -c '[.message.content, .done_reason]')
+[ "$a" = "$b" ] || fail "Ollama format: ring $b, local $a"
+echo "$b" | jq -e '.[0] | fromjson | .n | type == "number"' >/dev/null || fail "Ollama format: not the schema's JSON: $b"
+echo "ok: Ollama's format over the ring: the local answer ($b)"
 
 # the same prompt of token ids over both: the same tokens; one outside the vocabulary a 400 naming it
 # (llama-server's /completion takes them)
