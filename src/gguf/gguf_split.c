@@ -180,9 +180,6 @@ int kv_gguf_split_assemble(kv_gguf **gp, kv_diag *d) {
     /* the union of tensors */
     uint64_t total = 0;
     for (uint32_t p = 0; p < want.count && !rc; p++) total += m->parts[p]->n_tensors;
-    if (!rc && total != want.tensors)
-        rc = kv_fail(d, KV_EFORMAT, "gguf: split model %s: split.tensors.count is %" PRIu64
-                     " but its %u parts hold %" PRIu64 " tensors", m->parts[0]->path, want.tensors, want.count, total);
     if (!rc) {
         m->t_hash_cap = kv_gguf_hash_cap((size_t)total);
         m->tensors = calloc(total ? (size_t)total : 1, sizeof *m->tensors);
@@ -211,6 +208,9 @@ int kv_gguf_split_assemble(kv_gguf **gp, kv_diag *d) {
         }
     }
     free(owner);
+    if (!rc && total != want.tensors)
+        rc = kv_fail(d, KV_EFORMAT, "gguf: split model %s: split.tensors.count is %" PRIu64
+                     " but its %u parts hold %" PRIu64 " tensors", m->parts[0]->path, want.tensors, want.count, total);
     if (rc) {
         kv_gguf_close(m); /* closes every part opened, g included */
         *gp = NULL;
