@@ -7,7 +7,8 @@
  *    the first part; opened by any part (kv_gguf_open) the model has every
  *    tensor with the source's bytes, and one identity, which is the split
  *    identity of slice.h computed here from the parts' own identities.
- * 2. --split-max-size: the cut equals an independent greedy plan.
+ * 2. --split-max-size: the cut equals an independent greedy plan; a source
+ *    at alignment 64 keeps it in every part.
  * 3. Broken sets, made part by part with the plain writer: a missing part, a
  *    part of another split count, a wrong split.no, a tensor in two parts, a
  *    wrong tensor total, a name without -NNNNN-of-MMMMM.gguf, a count past
@@ -217,6 +218,62 @@ static void test_max_size(void) {
     kv_gguf_close(g);
 }
 
+/* A source at alignment 64: every part keeps it (its own key), so each
+ * part's tensor data lies at multiples of 64 as in the source. */
+static void test_alignment(void) {
+    char src[512], prefix[256], p[512];
+    path_of(src, sizeof src, "a64.gguf");
+    path_of(prefix, sizeof prefix, "a64s");
+    kv_diag d = {0};
+    kv_gguf_writer *w = NULL;
+    ASSERT_EQ(kv_gguf_writer_new(&w, &d), 0);
+    if (!w) return;
+    ASSERT_EQ(kv_gguf_writer_set_alignment(w, 64, &d), 0);
+    for (int i = 0; i < 4; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "u%d", i);
+        const uint64_t ne[1] = {8 + 8 * (uint64_t)i}; /* 32..128 bytes: padding between tensors */
+        ASSERT_EQ(kv_gguf_writer_add_tensor(w, name, 1, ne, KV_TYPE_F32, NULL, &d), 0);
+    }
+    ASSERT_EQ(kv_gguf_writer_begin(w, src, &d), 0);
+    for (int i = 0; i < 4; i++) {
+        float v[32];
+        for (int k = 0; k < 32; k++) v[k] = (float)(i * 100 + k);
+        ASSERT_EQ(kv_gguf_writer_write_data(w, (size_t)i, 0, v, (8 + 8 * (size_t)i) * sizeof(float), &d), 0);
+    }
+    ASSERT_EQ(kv_gguf_writer_finish(w, &d), 0);
+    kv_gguf_writer_free(w);
+    uint32_t n = 0;
+    ASSERT_EQ(kv_gguf_split_write(src, prefix, 2, 0, &n, &d), 0);
+    ASSERT_EQ(n, 2);
+    for (int k = 0; k < 2; k++) {
+        snprintf(p, sizeof p, "%s-%05d-of-00002.gguf", prefix, k + 1);
+        kv_gguf *g = NULL;
+        ASSERT_EQ(kv_gguf_open_file(&g, p, &d), 0);
+        if (!g) continue;
+        uint32_t al = 0;
+        ASSERT_EQ(kv_gguf_get_u32(g, "general.alignment", &al, NULL), 0);
+        ASSERT_EQ(al, 64);
+        ASSERT_EQ(kv_gguf_alignment(g), 64);
+        for (size_t i = 0; i < kv_gguf_n_tensors(g); i++) ASSERT_EQ(kv_gguf_tensor_at(g, i)->file_offset % 64, 0);
+        kv_gguf_close(g);
+    }
+    kv_gguf *a = NULL, *b = NULL;
+    ASSERT_EQ(kv_gguf_open(&a, src, &d), 0);
+    ASSERT_EQ(kv_gguf_open(&b, p, &d), 0);
+    if (a && b) {
+        ASSERT_EQ(kv_gguf_n_tensors(b), 4);
+        for (size_t i = 0; i < 4; i++) {
+            const kv_gguf_tensor *x = kv_gguf_tensor_at(a, i), *y = kv_gguf_tensor_at(b, i);
+            ASSERT_TRUE(x->name.len == y->name.len && !memcmp(x->name.ptr, y->name.ptr, x->name.len));
+            ASSERT_EQ(x->nbytes, y->nbytes);
+            ASSERT_TRUE(!memcmp(x->data, y->data, (size_t)x->nbytes));
+        }
+    }
+    kv_gguf_close(a);
+    kv_gguf_close(b);
+}
+
 /* ---- 3. broken sets --------------------------------------------------- */
 
 /* Writes one part by hand: split keys as given (count 0 = none), the
@@ -309,6 +366,7 @@ static void test_broken(void) {
     kv_gguf_close(g);
 }
 
-static const kvt_case cases[] = {KVT_CASE(test_roundtrip), KVT_CASE(test_max_size), KVT_CASE(test_broken)};
+static const kvt_case cases[] = {KVT_CASE(test_roundtrip), KVT_CASE(test_max_size), KVT_CASE(test_alignment),
+                                  KVT_CASE(test_broken)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
