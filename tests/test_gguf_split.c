@@ -8,7 +8,8 @@
  *    tensor with the source's bytes, and one identity, which is the split
  *    identity of slice.h computed here from the parts' own identities.
  * 2. --split-max-size: the cut equals an independent greedy plan; a source
- *    at alignment 64 keeps it in every part.
+ *    at alignment 64 keeps it in every part; a hole in the source (a
+ *    skeleton) stays a hole in its part.
  * 3. Broken sets, made part by part with the plain writer: a missing part, a
  *    part of another split count, a wrong split.no, a tensor in two parts, a
  *    wrong tensor total, a name without -NNNNN-of-MMMMM.gguf, a count past
@@ -18,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kvasir/err.h"
@@ -274,6 +276,49 @@ static void test_alignment(void) {
     kv_gguf_close(b);
 }
 
+/* A source whose big tensor was never written (a hole, as in a skeleton):
+ * its part stays sparse, and reads back as zeros. */
+static void test_sparse(void) {
+    char src[512], prefix[256], p[512];
+    path_of(src, sizeof src, "sparse.gguf");
+    path_of(prefix, sizeof prefix, "sparses");
+    kv_diag d = {0};
+    kv_gguf_writer *w = NULL;
+    ASSERT_EQ(kv_gguf_writer_new(&w, &d), 0);
+    if (!w) return;
+    const uint64_t small[1] = {64}, big[2] = {1024, 2048}; /* 8 MiB of f32 */
+    ASSERT_EQ(kv_gguf_writer_add_tensor(w, "small", 1, small, KV_TYPE_F32, NULL, &d), 0);
+    ASSERT_EQ(kv_gguf_writer_add_tensor(w, "big", 2, big, KV_TYPE_F32, NULL, &d), 0);
+    ASSERT_EQ(kv_gguf_writer_begin(w, src, &d), 0);
+    float v[64];
+    for (int k = 0; k < 64; k++) v[k] = (float)k + 0.5f;
+    ASSERT_EQ(kv_gguf_writer_write_data(w, 0, 0, v, sizeof v, &d), 0);
+    ASSERT_EQ(kv_gguf_writer_finish(w, &d), 0);
+    kv_gguf_writer_free(w);
+    uint32_t n = 0;
+    ASSERT_EQ(kv_gguf_split_write(src, prefix, 2, 0, &n, &d), 0);
+    snprintf(p, sizeof p, "%s-00002-of-00002.gguf", prefix);
+    struct stat st;
+    ASSERT_EQ(stat(p, &st), 0);
+    ASSERT_TRUE(st.st_size > (8 << 20));
+    if ((uint64_t)st.st_blocks * 512 >= (1u << 20))
+        KVT_FAIL("the part holding the hole takes %lld bytes of disk", (long long)st.st_blocks * 512);
+    kv_gguf *g = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, p, &d), 0);
+    if (!g) return;
+    const kv_gguf_tensor *t = kv_gguf_find_tensor(g, "big"), *s = kv_gguf_find_tensor(g, "small");
+    ASSERT_TRUE(t && s);
+    if (t && s) {
+        ASSERT_EQ(t->part, 1);
+        ASSERT_TRUE(!memcmp(s->data, v, sizeof v));
+        const uint8_t *b = t->data;
+        size_t nz = 0;
+        for (uint64_t i = 0; i < t->nbytes; i += 4093) nz += b[i] != 0;
+        ASSERT_EQ(nz, 0);
+    }
+    kv_gguf_close(g);
+}
+
 /* ---- 3. broken sets --------------------------------------------------- */
 
 /* Writes one part by hand: split keys as given (count 0 = none), the
@@ -366,7 +411,7 @@ static void test_broken(void) {
     kv_gguf_close(g);
 }
 
-static const kvt_case cases[] = {KVT_CASE(test_roundtrip), KVT_CASE(test_max_size), KVT_CASE(test_alignment),
+static const kvt_case cases[] = {KVT_CASE(test_roundtrip), KVT_CASE(test_max_size), KVT_CASE(test_alignment), KVT_CASE(test_sparse),
                                   KVT_CASE(test_broken)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -11,15 +11,18 @@
  * number and path; nothing stays open.
  *
  * The writer reads tensor data through the source's mapping and writes it
- * in 1 MiB chunks; an all-zero chunk is left as a hole, so splitting a
- * sparse skeleton stays sparse (holes read back as the same zeros). */
+ * in 1 MiB chunks; a chunk in a hole of the source (SEEK_DATA) is not read
+ * and an all-zero 4 KiB block not written, so a sparse skeleton splits in time
+ * proportional to its data and stays sparse (holes read as the same zeros). */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "gguf/gguf_internal.h"
 #include "kvasir/gguf.h"
@@ -29,7 +32,8 @@
 #define KV_SPLIT_KEY_TENSORS "split.tensors.count"
 #define KV_SPLIT_SUFFIX "-%05u-of-%05u.gguf" /* 1-based part number, count */
 #define KV_SPLIT_SUFFIX_MAX 32u              /* bytes of a formatted suffix + NUL */
-#define KV_SPLIT_CHUNK (1u << 20)            /* bytes written per call (zero chunks skipped) */
+#define KV_SPLIT_CHUNK (1u << 20)            /* bytes examined per step (source holes skipped) */
+#define KV_SPLIT_BLOCK 4096u                 /* zero blocks of this size are not written */
 
 /* ---- reading ------------------------------------------------------------ */
 
@@ -270,15 +274,36 @@ static int plan_parts(const kv_gguf *g, uint32_t n_split, uint64_t max_bytes, ui
     return 0;
 }
 
-/* Writes tensor data, leaving all-zero chunks as holes. */
-static int write_tensor(kv_gguf_writer *w, size_t idx, const kv_gguf_tensor *t, kv_diag *d) {
+/* Writes tensor data, leaving all-zero blocks as holes. fd (or -1) reads
+ * the file holding t: a chunk inside one of its holes (SEEK_DATA) is
+ * skipped unread, so a sparse skeleton splits in time proportional to its
+ * data. */
+static int write_tensor(kv_gguf_writer *w, size_t idx, const kv_gguf_tensor *t, int fd, kv_diag *d) {
     static const uint8_t zeros[KV_SPLIT_CHUNK];
     const uint8_t *src = t->data;
+    uint64_t hole_to = 0; /* file offsets below this (from the last SEEK_DATA) are a hole */
     for (uint64_t at = 0; at < t->nbytes; at += KV_SPLIT_CHUNK) {
         const size_t k = t->nbytes - at < KV_SPLIT_CHUNK ? (size_t)(t->nbytes - at) : KV_SPLIT_CHUNK;
-        if (!memcmp(src + at, zeros, k)) continue;
-        int rc = kv_gguf_writer_write_data(w, idx, at, src + at, k, d);
-        if (rc) return rc;
+        const uint64_t a = t->file_offset + at;
+        if (fd >= 0 && a + k > hole_to) {
+            const off_t nd = lseek(fd, (off_t)a, SEEK_DATA);
+            hole_to = nd >= 0 ? (uint64_t)nd : errno == ENXIO ? UINT64_MAX : 0;
+        }
+        if (a + k <= hole_to) continue;
+        /* the chunk's runs of non-zero 4 KiB blocks; zero blocks stay holes */
+        for (size_t b = 0; b < k;) {
+            size_t e = b;
+            while (e < k) {
+                const size_t m = k - e < KV_SPLIT_BLOCK ? k - e : KV_SPLIT_BLOCK;
+                if (!memcmp(src + at + e, zeros, m)) break;
+                e += m;
+            }
+            if (e > b) {
+                int rc = kv_gguf_writer_write_data(w, idx, at + b, src + at + b, e - b, d);
+                if (rc) return rc;
+            }
+            b = e < k ? e + (k - e < KV_SPLIT_BLOCK ? k - e : KV_SPLIT_BLOCK) : k;
+        }
     }
     return 0;
 }
@@ -307,8 +332,20 @@ static int write_part(const kv_gguf *g, const uint32_t *part, uint32_t p, uint32
     char tmp[PATH_MAX + 8];
     snprintf(tmp, sizeof tmp, "%s.part", path);
     if (!rc) rc = kv_gguf_writer_begin(w, tmp, d);
-    for (size_t i = 0, k = 0; i < nt && !rc; i++)
-        if (part[i] == p) rc = write_tensor(w, k++, kv_gguf_tensor_at(g, i), d);
+    int fd = -1;
+    uint32_t fd_part = 0; /* the source part fd reads */
+    for (size_t i = 0, k = 0; i < nt && !rc; i++) {
+        if (part[i] != p) continue;
+        const kv_gguf_tensor *t = kv_gguf_tensor_at(g, i);
+        if (fd < 0 || fd_part != t->part) {
+            if (fd >= 0) close(fd);
+            const char *sp = kv_gguf_path(kv_gguf_part(g, t->part));
+            fd = sp ? open(sp, O_RDONLY | O_CLOEXEC | O_NONBLOCK) : -1; /* -1: no hole skipping */
+            fd_part = t->part;
+        }
+        rc = write_tensor(w, k++, t, fd, d);
+    }
+    if (fd >= 0) close(fd);
     if (!rc) rc = kv_gguf_writer_finish(w, d);
     if (!rc && rename(tmp, path)) rc = kv_fail(d, KV_EIO, "gguf-split: cannot rename '%s': %s", tmp, strerror(errno));
     kv_gguf_writer_free(w);
