@@ -527,11 +527,15 @@ static int kv_verify_one(kv_verify *v, size_t i, uint8_t *buf, kv_diag *d) {
         return kv_fail(d, KV_EFORMAT, "%s: '%s' has no SHA-256 in the manifest", who, mf->path);
     }
     kv_gguf *g = NULL;
-    if ((rc = kv_gguf_open(&g, path, d))) {
+    /* a piece is one file: never a door to its folder's other files */
+    if ((rc = kv_gguf_open_file(&g, path, d))) {
         close(fd);
         return kv_diag_prefix(d, rc, "%s: '%s'", who, mf->path);
     }
-    rc = i == 0 ? kv_check_id(g, p->m, who, mf->path, d) : kv_check_slab(p, who, i - 1, g, d);
+    if (kv_gguf_find_kv(g, "split.count"))
+        rc = kv_fail(d, KV_EFORMAT, "%s: '%s' carries split.* keys, but a piece is one file", who, mf->path);
+    else
+        rc = i == 0 ? kv_check_id(g, p->m, who, mf->path, d) : kv_check_slab(p, who, i - 1, g, d);
     if (rc || i == 0 || !v->o->keep_gguf) {
         kv_gguf_close(g);
         g = NULL;
