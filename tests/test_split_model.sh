@@ -11,6 +11,7 @@
 #  2. llama.cpp (node-llama-cpp, the test-only oracle) loads the same 3 parts
 #     from the first and generates the same greedy tokens;
 #  3. a set with a part missing: run, inspect and slice fail, naming the part;
+#     a tensor in none of the parts is named as such;
 #  4. an expert tensor whose type id is patched to i16 (which no backend
 #     computes): run, a sliced run, a run of it split, and the gateway are
 #     refused at load, naming the tensor; inspect names it.
@@ -140,6 +141,27 @@ for cmd in "run -m X -p hi -n 1" "inspect X" "slice X --out $DIR/miss/out"; do
   echo "$out" | grep -q "part 2 of 3 is missing: $DIR/miss/s-00002-of-00003.gguf" \
     || fail "'$cmd' with part 2 missing: '$out' does not name the part"
 done
+
+# a tensor renamed in its part (same length: every offset stays): missing from the model
+mkdir "$DIR/ren"
+python3 - "$DIR" <<'EOF' || fail "cannot rename a tensor in its part"
+import sys
+d = sys.argv[1]
+hit = 0
+for k in (1, 2, 3):
+    b = open(f"{d}/s-0000{k}-of-00003.gguf", "rb").read()
+    n = b.count(b"blk.1.ffn_down_exps.weight")
+    hit += n
+    open(f"{d}/ren/s-0000{k}-of-00003.gguf", "wb").write(b.replace(b"blk.1.ffn_down_exps.weight", b"blk.9.ffn_down_exps.weight"))
+assert hit == 1, hit
+EOF
+set +e
+out=$("$BIN" run -m "$DIR/ren/s-00002-of-00003.gguf" -p hi -n 1 2>&1 >/dev/null)
+rc=$?
+set -e
+[ $rc -ne 0 ] || fail "a split model without blk.1.ffn_down_exps.weight ran"
+echo "$out" | grep -q "missing tensor 'blk.1.ffn_down_exps.weight' (in none of the split model's 3 parts)" \
+  || fail "a tensor missing from a split model: '$out'"
 
 # ---- 4. a type no backend computes ---------------------------------------
 "$BIN" gen-model --preset tiny --type f16 --out "$DIR/h.gguf" >/dev/null 2>&1 || fail "gen-model --type f16"
