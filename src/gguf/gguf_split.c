@@ -184,6 +184,9 @@ int kv_gguf_split_assemble(kv_gguf **gp, kv_diag *d) {
     /* the union of tensors */
     uint64_t total = 0;
     for (uint32_t p = 0; p < want.count && !rc; p++) total += m->parts[p]->n_tensors;
+    if (!rc && total > KV_GGUF_MAX_TENSORS) /* before indexes (u32) and memory are spent on them */
+        rc = kv_fail(d, KV_EFORMAT, "gguf: split model %s: its %u parts hold %" PRIu64 " tensors, max %u",
+                     m->parts[0]->path, want.count, total, KV_GGUF_MAX_TENSORS);
     if (!rc) {
         m->t_hash_cap = kv_gguf_hash_cap((size_t)total);
         m->tensors = calloc(total ? (size_t)total : 1, sizeof *m->tensors);
