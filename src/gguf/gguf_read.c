@@ -25,7 +25,11 @@
  *
  * Lookups by key or tensor name go through open-addressing hash tables built
  * at open time, so a hostile file with a million tensors costs O(n), not
- * O(n^2), to check for duplicates. */
+ * O(n^2), to check for duplicates.
+ *
+ * This file reads one file (kv_gguf_open_file, kv_gguf_open_mem);
+ * kv_gguf_open then hands a part of a split model to gguf_split.c, which
+ * opens its siblings the same way and merges them into one handle. */
 #include "kvasir/gguf.h"
 
 #include <errno.h>
