@@ -7,7 +7,9 @@
 #     (byte-identical) of the one-file model; `inspect` shows the 3 parts and
 #     the same tensors and bytes; `slice` gives pieces equal byte for byte to
 #     the one-file model's but for the model identity they carry, which run
-#     to the same tokens; parts cut by --split-max-size run the same too;
+#     to the same tokens; parts cut by --split-max-size run the same too; a
+#     gateway over part 2 completes greedily to the one-file run's text, under
+#     the model's name (the part's without -00002-of-00003);
 #  2. llama.cpp (node-llama-cpp, the test-only oracle) loads the same 3 parts
 #     from the first and generates the same greedy tokens;
 #  3. a set with a part missing: run, inspect and slice fail, naming the part;
@@ -118,6 +120,7 @@ body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0}).encode(
 req = urllib.request.Request(f"http://{addr}/v1/completions", body, {"Content-Type": "application/json"})
 r = json.load(urllib.request.urlopen(req, timeout=60))
 assert r["usage"]["completion_tokens"] == n, r["usage"]
+assert r["model"] == "s", r["model"]  # the model's name, not its part's
 assert r["choices"][0]["text"] == want, (r["choices"][0]["text"], want)
 EOF
 kill "$GW" 2>/dev/null || true
