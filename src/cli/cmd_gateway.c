@@ -403,7 +403,10 @@ int kv_cmd_gateway(int argc, char **argv) {
         b = b ? b + 1 : model;
         snprintf(mname, sizeof mname, "%s", b);
         size_t l = strlen(mname);
-        if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l - 5] = 0;
+        if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l -= 5] = 0;
+        unsigned a, b2; /* a split model: its name, whichever part was given */
+        int at = -1;
+        if (l > 15 && sscanf(mname + l - 15, "-%5u-of-%5u%n", &a, &b2, &at) == 2 && at == 15) mname[l - 15] = 0;
         if (!strcmp(mname, "manifest.json") || !mname[0]) snprintf(mname, sizeof mname, "kvasir");
     }
     kv_engine *e = NULL;
