@@ -21,7 +21,8 @@ static void usage(FILE *f) {
             "usage: kvasir gen-model --arch qwen3moe --out F.gguf [--preset NAME] [--layers N]\n"
             "         [--embd N] [--ff-exp N] [--experts N] [--experts-used N] [--heads N]\n"
             "         [--kv-heads N] [--head-dim N] [--vocab N] [--ctx N]\n"
-            "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q4_k_m|q5_k|q6_k] [--seed S] [--tied|--untied]\n"
+            "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q4_k_m|q5_k|q6_k|q4_1|q5_0|q5_1|iq4_nl|mxfp4]\n"
+            "         [--seed S] [--tied|--untied]\n"
             "         [--threads N]\n"
             "       qwen35moe also: [--ff-shexp N] [--attn-interval N] [--ssm-conv N] [--ssm-state N]\n"
             "         [--ssm-groups N] [--ssm-heads N] [--rope-dim N] [--rope-sections a,b,c,d] [--nextn 0|1]\n"
@@ -93,13 +94,15 @@ static int gen_skeleton(int argc, char **argv, const char *preset) {
 }
 
 static int parse_type(const char *s, uint32_t *out) {
-    static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
+    static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
+                                     "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4"};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
         if (strcasecmp(s, ok[i]) == 0) {
             *out = (uint32_t)kv_type_from_name(ok[i]);
             return 0;
         }
-    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k", s);
+    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k, "
+                              "q4_1, q5_0, q5_1, iq4_nl, mxfp4", s);
 }
 
 int kv_cmd_gen_model(int argc, char **argv) {
