@@ -1,6 +1,7 @@
 /* kv-test-labels: unit
  * Tests of the 32-value block types Q4_1, Q5_0, Q5_1, IQ4_NL and MXFP4
- * (src/quant/legacy.h): sizes, names and activation type; dequantization of
+ * (src/quant/legacy.h): sizes, names and activation type; the Q8_1
+ * activation quantizer against ggml's definition; dequantization of
  * blocks packed here from chosen quants against the layouts and formulas
  * ggml documents (ggml-common.h, dequantize_row_*), computed in f64;
  * quantize -> dequantize error bounds; the scalar reference dot against an
@@ -38,9 +39,10 @@ static const uint32_t types[] = {KV_TYPE_Q4_1, KV_TYPE_Q5_0, KV_TYPE_Q5_1, KV_TY
 #define N_TYPES (sizeof types / sizeof types[0])
 
 static void test_sizes_and_names(void) {
-    const struct { uint32_t type; const char *name; uint32_t size; } want[] = {
-        {KV_TYPE_Q4_1, "q4_1", 20}, {KV_TYPE_Q5_0, "q5_0", 22}, {KV_TYPE_Q5_1, "q5_1", 24},
-        {KV_TYPE_IQ4_NL, "iq4_nl", 18}, {KV_TYPE_MXFP4, "mxfp4", 17},
+    const struct { uint32_t type; const char *name; uint32_t size, vdt; } want[] = {
+        {KV_TYPE_Q4_1, "q4_1", 20, KV_TYPE_Q8_1}, {KV_TYPE_Q5_0, "q5_0", 22, KV_TYPE_Q8_0},
+        {KV_TYPE_Q5_1, "q5_1", 24, KV_TYPE_Q8_1}, {KV_TYPE_IQ4_NL, "iq4_nl", 18, KV_TYPE_Q8_0},
+        {KV_TYPE_MXFP4, "mxfp4", 17, KV_TYPE_Q8_0},
     };
     for (size_t i = 0; i < KVT_N(want); i++) {
         const kv_type_info *t = kv_type_get(want[i].type);
@@ -49,13 +51,43 @@ static void test_sizes_and_names(void) {
         ASSERT_EQ(t->blck, 32);
         ASSERT_EQ(t->size, want[i].size);
         ASSERT_TRUE(t->compute);
-        ASSERT_EQ(t->vec_dot_type, KV_TYPE_Q8_0);
+        ASSERT_EQ(t->vec_dot_type, want[i].vdt); /* ggml's pairing */
         ASSERT_TRUE(kv_type_get_ref(want[i].type)->from_float != NULL);
         ASSERT_EQ(kv_type_row_size(want[i].type, 96), 3 * want[i].size);
         ASSERT_EQ(kv_type_from_name(want[i].name), (int)want[i].type);
     }
     ASSERT_EQ(kv_type_from_name("IQ4_NL"), KV_TYPE_IQ4_NL);
     ASSERT_EQ(kv_type_from_name("MXFP4"), KV_TYPE_MXFP4);
+}
+
+/* Q8_1 (the activations of Q4_1/Q5_1), as ggml's x86 quantize_row_q8_1:
+ * Q8_0's bytes, and s = fp16(d * sum qs) with d = amax/127 unrounded. */
+static void test_q8_1(void) {
+    float x[128];
+    uint8_t q1[4 * 36], q0[4 * 34];
+    for (int rep = 0; rep < 50; rep++) {
+        fill_gauss(x, 128, rep % 2 ? 1.0f : 30.0f);
+        if (rep == 7) memset(x, 0, sizeof x);
+        kv_type_get_ref(KV_TYPE_Q8_1)->from_float(x, q1, 128);
+        kv_type_get_ref(KV_TYPE_Q8_0)->from_float(x, q0, 128);
+        for (int b = 0; b < 4; b++) {
+            ASSERT_TRUE(!memcmp(q1 + 36 * b, q0 + 34 * b, 2));           /* d */
+            ASSERT_TRUE(!memcmp(q1 + 36 * b + 4, q0 + 34 * b + 2, 32)); /* qs */
+            float amax = 0;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                amax = fmaxf(amax, fabsf(x[32 * b + j]));
+                sum += (int8_t)q1[36 * b + 4 + j];
+            }
+            const uint16_t s = (uint16_t)(q1[36 * b + 2] | q1[36 * b + 3] << 8);
+            ASSERT_EQ(s, kv_fp32_to_fp16(amax / 127.f * (float)sum));
+        }
+        float y[128];
+        kv_type_get_ref(KV_TYPE_Q8_1)->to_float(q1, y, 128);
+        for (int i = 0; i < 128; i++)
+            if (!(fabsf(y[i] - x[i]) <= 0.6f * fabsf(kv_fp16_to_fp32((uint16_t)(q1[36 * (i / 32)] | q1[36 * (i / 32) + 1] << 8))) + 1e-6f))
+                KVT_FAIL("q8_1 value %d: %g for %g", i, y[i], x[i]);
+    }
 }
 
 /* ---- hand-packed blocks, decoded here from ggml's documented layouts ---- */
@@ -198,7 +230,7 @@ static void test_vec_dot_ref(void) {
     uint8_t *w = malloc(4 * 4096), *a = malloc(4 * 4096);
     for (size_t ti = 0; ti < N_TYPES; ti++) {
         const uint32_t type = types[ti];
-        const kv_type_info *t = kv_type_get_ref(type), *ta = kv_type_get_ref(KV_TYPE_Q8_0);
+        const kv_type_info *t = kv_type_get_ref(type), *ta = kv_type_get_ref(t->vec_dot_type);
         const int has_min = type == KV_TYPE_Q4_1 || type == KV_TYPE_Q5_1;
         for (size_t k = 0; k < KVT_N(ns); k++) {
             const int64_t n = ns[k];
@@ -209,16 +241,22 @@ static void test_vec_dot_ref(void) {
             ta->from_float(xa, a, n);
             t->to_float(w, dw, n);
             ta->to_float(a, da, n);
-            double exact = 0, mag = 0;
-            for (int64_t i = 0; i < n; i++) {
-                exact += (double)dw[i] * da[i];
-                double m = 0;
-                if (has_min) m = kv_fp16_to_fp32((uint16_t)(w[t->size * (i / 32) + 2] | w[t->size * (i / 32) + 3] << 8));
-                mag += (fabs((double)dw[i]) + 2 * fabs(m)) * fabs((double)da[i]);
+            double exact = 0, mag = 0, mag_s = 0;
+            for (int64_t b = 0; b < n / 32; b++) {
+                double m = 0, sa = 0;
+                if (has_min) m = kv_fp16_to_fp32((uint16_t)(w[t->size * b + 2] | w[t->size * b + 3] << 8));
+                for (int64_t i = 32 * b; i < 32 * b + 32; i++) {
+                    exact += (double)dw[i] * da[i];
+                    mag += (fabs((double)dw[i]) + 2 * fabs(m)) * fabs((double)da[i]);
+                    sa += da[i];
+                }
+                mag_s += fabs(m * sa);
             }
             float s;
             t->vec_dot(n, &s, w, a);
-            const double bound = (n / 16.0 + 16) * 0x1p-23 * mag;
+            /* Q8_1's s is d*sum in fp16 from the unrounded d, the f64 side
+             * sums the fp16 d's values: 2^-11 apart each, at most */
+            const double bound = (n / 16.0 + 16) * 0x1p-23 * mag + 0x1p-10 * mag_s;
             if (!(fabs(s - exact) <= bound))
                 KVT_FAIL("%s n=%lld: dot %.9g vs f64 %.9g (bound %g)", t->name, (long long)n, s, exact, bound);
             kvt_checks++;
@@ -265,7 +303,7 @@ static void test_backends_identical(void) {
                     if (rep == 1) for (int64_t i = 0; i < n; i += 5) xa[i] = 0;
                     if (rep == 3) for (int64_t i = 0; i < n; i += 3) xw[i] = -xw[i] * 4; /* skewed blocks */
                     r->from_float(xw, w, n);
-                    kv_type_get_ref(KV_TYPE_Q8_0)->from_float(xa, a, n);
+                    kv_type_get_ref(r->vec_dot_type)->from_float(xa, a, n);
                     float s1, s2;
                     r->vec_dot(n, &s1, w, a);
                     f->vec_dot(n, &s2, w, a);
@@ -303,8 +341,8 @@ static void test_mat_rows(void) {
             for (size_t ni = 0; ni < KVT_N(ns); ni++) {
                 const int n = ns[ni];
                 const kv_type_info *t = kv_type_get(types[ti]), *tr = kv_type_get_ref(types[ti]);
-                const kv_type_info *ta = kv_type_get(KV_TYPE_Q8_0);
-                const size_t rb = kv_type_row_size(types[ti], n), ab = kv_type_row_size(KV_TYPE_Q8_0, n) + 8;
+                const kv_type_info *ta = kv_type_get(t->vec_dot_type);
+                const size_t rb = kv_type_row_size(types[ti], n), ab = kv_type_row_size(t->vec_dot_type, n) + 8;
                 fill_gauss(x, (int64_t)n * n_rows, 0.05f);
                 for (int r = 0; r < n_rows; r++) t->from_float(x + (size_t)r * n, W + r * rb, n);
                 fill_gauss(x, (int64_t)n * 9, 1.0f);
@@ -337,7 +375,7 @@ static void test_mat_rows(void) {
 }
 
 static const kvt_case cases[] = {
-    KVT_CASE(test_sizes_and_names), KVT_CASE(test_dequant_handmade), KVT_CASE(test_roundtrip_error),
+    KVT_CASE(test_sizes_and_names), KVT_CASE(test_q8_1), KVT_CASE(test_dequant_handmade), KVT_CASE(test_roundtrip_error),
     KVT_CASE(test_vec_dot_ref),     KVT_CASE(test_backends_identical), KVT_CASE(test_mat_rows),
 };
 

@@ -14,23 +14,39 @@
  *   MXFP4  x = e8m0half(e)*kv_mxfp4[nib]  (twice the E2M1 values, times
  *          2^(e-128): the OCP MX scale with the doubling folded in)
  *
- * Reduction order of the dot with a Q8_0 activation row (all backends, so
- * scalar, AVX2, AVX-512, NEON and OpenCL give identical bits). Each block's
- * weights are first turned into 32 integers w_j (q for Q4_1/Q5_1, q - 16
- * for Q5_0, the table value for IQ4_NL/MXFP4). For block b and group g
- * (values 4g..4g+3, g = 0..7) the sums p = sum w_j*a_j and, for Q4_1/Q5_1,
- * s = sum a_j are exact int32. Lane 8*(b&1) + g takes
- *   lane = fma((float)p, dw*da, lane)              then, Q4_1/Q5_1 only,
- *   lane = fma((float)s, mw*da, lane)
- * in block order (dw, mw, da the fp16 scales widened to float; MXFP4's dw
- * is the e8m0 half-scale), and the row's result is kv_fold16 of the 16
- * lanes: Q4_0's order, with the min term folded into the same lanes. ggml
- * pairs Q4_1/Q5_1 with Q8_1 (whose s is d*sum rounded to fp16); with Q8_0
- * the sum stays exact, and the qs bytes are the same. */
+ * Activations, as ggml pairs them: Q8_0 for Q5_0, IQ4_NL and MXFP4; Q8_1
+ * for Q4_1 and Q5_1 (Q8_0's bytes plus s = fp16(d * sum of the block's
+ * quants), d the unrounded amax/127), which carries the min term m*sum(x).
+ *
+ * Reduction order of the dot (all backends, so scalar, AVX2, AVX-512, NEON
+ * and OpenCL give identical bits). Each block's weights are first turned
+ * into 32 integers w_j (q for Q4_1/Q5_1, q - 16 for Q5_0, the table value
+ * for IQ4_NL/MXFP4). For block b and group g (values 4g..4g+3, g = 0..7)
+ * p = sum w_j*a_j is exact int32, and a lane takes
+ *   lane = fma((float)p, dw*da, lane)
+ * in block order (dw, da the fp16 scales widened to float; MXFP4's dw is
+ * the e8m0 half-scale).
+ *  - Q5_0, IQ4_NL, MXFP4: 16 lanes, lane 8*(b&1) + g (Q4_0's order); the
+ *    result is kv_fold16 of the lanes.
+ *  - Q4_1, Q5_1: 8 lanes, lane g, one chain over the blocks, and a scalar
+ *    summ = fma(mw, s, summ) in block order (mw the block's fp16 min, s the
+ *    activation block's); the result is kv_hsum8(lanes) + summ. This is
+ *    the order of ggml's AVX2 ggml_vec_dot_q4_1_q8_1 / _q5_1_q8_1 (what
+ *    llama.cpp runs on x86), so Kvasir's results are llama.cpp's bits there:
+ *    any other order leaves last-bit differences that the cancelling min
+ *    term magnifies until activations round differently (0.1 in log-prob).
+ */
 #ifndef KV_QUANT_LEGACY_H
 #define KV_QUANT_LEGACY_H
 
 #include "quant/quant_internal.h"
+
+typedef struct {
+    uint16_t d;      /* fp16 scale (amax/127) */
+    uint16_t s;      /* fp16 of d*sum(qs), d unrounded */
+    int8_t qs[32];   /* x = d * qs */
+} kv_block_q8_1;
+_Static_assert(sizeof(kv_block_q8_1) == 36, "q8_1 block size");
 
 typedef struct {
     uint16_t d;      /* fp16 scale */

@@ -1,5 +1,5 @@
-/* AVX2 kernels of Q4_1, Q5_0, Q5_1, IQ4_NL and MXFP4 against Q8_0
- * activations (compiled with -mavx2 -mfma -mf16c; called only after
+/* AVX2 kernels of Q4_1, Q5_1 (against Q8_1 activations), Q5_0, IQ4_NL and
+ * MXFP4 (against Q8_0) (compiled with -mavx2 -mfma -mf16c; called only after
  * run-time detection). They follow the canonical order of quant/legacy.h,
  * so their results are bit-identical to legacy_ref.c.
  *
@@ -9,7 +9,8 @@
  * unsigned weights (Q4_1, Q5_1: 0..31) go in as they are; signed ones
  * (|w| <= 127) as |w| against the activation with w's sign (vpsignb), so no
  * int16 pair sum can saturate (activations are in [-127, 127]). Even and
- * odd blocks accumulate in two ymm: the 16 canonical lanes. */
+ * odd blocks accumulate in two ymm: the 16 canonical lanes (Q4_1 and Q5_1:
+ * one ymm, ggml's order, and the min term one scalar fma per block). */
 #include "quant/legacy_x86.h"
 
 #define AI LX_AI
@@ -29,29 +30,42 @@ AI float hsum_ps(__m256 v) {
 
 typedef __m256i (*lx_unpack)(const void *row, int64_t b, float *dw, float *mw);
 
+/* Activation block b of a token: Q8_1 (36 bytes: d, s, qs) with a min
+ * (Q4_1, Q5_1), else Q8_0 (34 bytes: d, qs). */
+AI const uint8_t *act(int has_min, const uint8_t *a, int64_t b) { return a + b * (has_min ? 36 : 34); }
+
 /* out[t] = dot(row w, token t) for t < TT; tokens ab bytes apart. */
 AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab,
                  float *out) {
     __m256 acc[LX_TT][2];
-    for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi8(1);
+    float summ[LX_TT];
+    for (int t = 0; t < TT; t++) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        summ[t] = 0;
+    }
     for (int64_t b = 0; b < n / 32; b++) {
-        const int odd = (int)(b & 1);
+        const int odd = has_min ? 0 : (int)(b & 1); /* Q4_1/Q5_1: one chain */
         float dw, mw;
         const __m256i xv = un(w, b, &dw, &mw);
         const __m256i ax = has_min ? xv : _mm256_sign_epi8(xv, xv);
         for (int t = 0; t < TT; t++) {
-            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + (size_t)t * ab) + b;
-            const __m256i yv = _mm256_loadu_si256((const __m256i *)y->qs);
-            const float da = _cvtsh_ss(y->d);
+            const uint8_t *y = act(has_min, a + (size_t)t * ab, b);
+            uint16_t yd;
+            memcpy(&yd, y, 2);
+            const __m256i yv = _mm256_loadu_si256((const __m256i *)(y + (has_min ? 4 : 2)));
+            const float da = _cvtsh_ss(yd);
             const __m256i p = grp_u(ax, has_min ? yv : _mm256_sign_epi8(yv, xv));
             acc[t][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * da), acc[t][odd]);
-            if (has_min)
-                acc[t][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(grp_u(ones, yv)), _mm256_set1_ps(mw * da),
-                                              acc[t][odd]);
+            if (has_min) {
+                uint16_t ys;
+                memcpy(&ys, y + 2, 2);
+                summ[t] = fmaf(mw, _cvtsh_ss(ys), summ[t]);
+            }
         }
     }
-    for (int t = 0; t < TT; t++) out[t] = hsum_ps(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (int t = 0; t < TT; t++) {
+        out[t] = has_min ? hsum_ps(acc[t][0]) + summ[t] : hsum_ps(_mm256_add_ps(acc[t][0], acc[t][1]));
+    }
 }
 
 AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,

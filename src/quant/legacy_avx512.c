@@ -1,12 +1,13 @@
-/* AVX-512 (F, BW, DQ, VL, VNNI) kernels of Q4_1, Q5_0, Q5_1, IQ4_NL and
- * MXFP4 against Q8_0 activations; called only after run-time detection.
- * Bit-identical to legacy_ref.c: the canonical order of quant/legacy.h puts
- * block b's 8 group sums in lanes 8*(b&1) + g, which is exactly one zmm
- * holding an even block in its low half and the next odd block in its high
- * half. Group sums are one vpdpbusd (u8 x s8, int32 accumulation, no
- * saturation): unsigned weights as they are, signed ones as |w| against the
- * activation negated where w < 0. A row with an odd block count ends with
- * its last block in the low half alone. */
+/* AVX-512 (F, BW, DQ, VL, VNNI) kernels of Q5_0, IQ4_NL and MXFP4 against
+ * Q8_0 activations; called only after run-time detection. Bit-identical to
+ * legacy_ref.c: the canonical order of quant/legacy.h puts block b's 8
+ * group sums in lanes 8*(b&1) + g, which is exactly one zmm holding an even
+ * block in its low half and the next odd block in its high half. Group sums
+ * are one vpdpbusd (u8 x s8, int32 accumulation, no saturation) of |w|
+ * against the activation negated where w < 0. A row with an odd block count
+ * ends with its last block in the low half alone. Q4_1 and Q5_1 keep the
+ * AVX2 kernels: their order is one 8-lane chain (ggml's), which a zmm
+ * cannot split. */
 #include "quant/legacy_x86.h"
 
 #define AI LX_AI
@@ -14,9 +15,8 @@
 
 typedef __m256i (*lx_unpack)(const void *row, int64_t b, float *dw, float *mw);
 
-/* Group sums of weights xv (32 or 64 bytes) against activations yv. */
-AI __m512i grp(int has_min, __m512i xv, __m512i yv) {
-    if (has_min) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, yv);
+/* Group sums of signed weights xv (32 or 64 bytes) against activations yv. */
+AI __m512i grp(__m512i xv, __m512i yv) {
     const __mmask64 neg = _mm512_movepi8_mask(xv);
     const __m512i sy = _mm512_mask_sub_epi8(yv, neg, _mm512_setzero_si512(), yv);
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(xv), sy);
@@ -24,26 +24,22 @@ AI __m512i grp(int has_min, __m512i xv, __m512i yv) {
 
 AI __m512 two(float lo, float hi) { return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1); }
 
-AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab,
-                 float *out) {
+AI __m256i ld_qs(const kv_block_q8_0 *y) { return _mm256_loadu_si256((const __m256i *)y->qs); }
+
+AI void row_tile(lx_unpack un, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab, float *out) {
     __m512 acc[LX_TT];
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
-    const __m512i ones = _mm512_set1_epi8(1);
     const int64_t nb = n / 32;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        float dw0, mw0, dw1, mw1;
-        const __m256i x0 = un(w, b, &dw0, &mw0), x1 = un(w, b + 1, &dw1, &mw1);
+        float dw0, dw1, mw;
+        const __m256i x0 = un(w, b, &dw0, &mw), x1 = un(w, b + 1, &dw1, &mw);
         const __m512i xv = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
         for (int t = 0; t < TT; t++) {
             const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + (size_t)t * ab) + b;
-            const __m512i yv = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].qs)),
-                _mm256_loadu_si256((const __m256i *)y[1].qs), 1);
-            const float da0 = _cvtsh_ss(y[0].d), da1 = _cvtsh_ss(y[1].d);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(grp(has_min, xv, yv)), two(dw0 * da0, dw1 * da1), acc[t]);
-            if (has_min)
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(grp(1, ones, yv)), two(mw0 * da0, mw1 * da1), acc[t]);
+            const __m512i yv = _mm512_inserti64x4(_mm512_castsi256_si512(ld_qs(&y[0])), ld_qs(&y[1]), 1);
+            const __m512 d = two(dw0 * _cvtsh_ss(y[0].d), dw1 * _cvtsh_ss(y[1].d));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(grp(xv, yv)), d, acc[t]);
         }
     }
     if (b < nb) { /* an even last block: low half only */
@@ -51,14 +47,10 @@ AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, co
         const __m512i xv = _mm512_castsi256_si512(un(w, b, &dw, &mw));
         for (int t = 0; t < TT; t++) {
             const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + (size_t)t * ab) + b;
-            const __m512i yv = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y->qs));
-            const float da = _cvtsh_ss(y->d);
+            const __m512i yv = _mm512_castsi256_si512(ld_qs(y));
             __m256 lo = _mm512_castps512_ps256(acc[t]);
-            lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(grp(has_min, xv, yv))),
-                                 _mm256_set1_ps(dw * da), lo);
-            if (has_min)
-                lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(grp(1, ones, yv))),
-                                     _mm256_set1_ps(mw * da), lo);
+            lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(grp(xv, yv))),
+                                 _mm256_set1_ps(dw * _cvtsh_ss(y->d)), lo);
             acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
         }
     }
@@ -71,42 +63,38 @@ AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, co
     }
 }
 
-AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
-            const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
+AI void mat(lx_unpack un, const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+            size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
     const uint8_t *wb = W, *ab = A;
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t t = 0; t < n_tok; t += LX_TT) {
             float o[LX_TT];
             const int64_t tt = n_tok - t < LX_TT ? n_tok - t : LX_TT;
-            switch (tt) {
-            case 1: row_tile(un, has_min, 1, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
-            case 2: row_tile(un, has_min, 2, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
-            case 3: row_tile(un, has_min, 3, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
-            default: row_tile(un, has_min, 4, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            switch (tt) { /* constant TT: the token loop unrolls */
+            case 1: row_tile(un, 1, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            case 2: row_tile(un, 2, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            case 3: row_tile(un, 3, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            default: row_tile(un, 4, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
             }
             for (int64_t j = 0; j < tt; j++) Y[(size_t)(t + j) * y_stride + (size_t)r] = o[j];
         }
     }
 }
 
-#define LEGACY_AVX512(T, HAS_MIN)                                                                \
+#define LEGACY_AVX512(T)                                                                         \
     static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                     \
-        row_tile(lx_##T, HAS_MIN, 1, n, w, a, 0, s);                                             \
+        row_tile(lx_##T, 1, n, w, a, 0, s);                                                      \
     }                                                                                            \
     static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,      \
                         const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
-        mat(lx_##T, HAS_MIN, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);          \
+        mat(lx_##T, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);                   \
     }
-LEGACY_AVX512(q4_1, 1)
-LEGACY_AVX512(q5_0, 0)
-LEGACY_AVX512(q5_1, 1)
-LEGACY_AVX512(iq4_nl, 0)
-LEGACY_AVX512(mxfp4, 0)
+LEGACY_AVX512(q5_0)
+LEGACY_AVX512(iq4_nl)
+LEGACY_AVX512(mxfp4)
 
 void kv_quant_fill_legacy_avx512(kv_kernels *k) {
-    k[KV_TYPE_Q4_1].vec_dot = q4_1_dot;     k[KV_TYPE_Q4_1].mat = q4_1_mat;
     k[KV_TYPE_Q5_0].vec_dot = q5_0_dot;     k[KV_TYPE_Q5_0].mat = q5_0_mat;
-    k[KV_TYPE_Q5_1].vec_dot = q5_1_dot;     k[KV_TYPE_Q5_1].mat = q5_1_mat;
     k[KV_TYPE_IQ4_NL].vec_dot = iq4_nl_dot; k[KV_TYPE_IQ4_NL].mat = iq4_nl_mat;
     k[KV_TYPE_MXFP4].vec_dot = mxfp4_dot;   k[KV_TYPE_MXFP4].mat = mxfp4_mat;
 }

@@ -1,11 +1,12 @@
-/* NEON (base ASIMD) kernels of Q4_1, Q5_0, Q5_1, IQ4_NL and MXFP4 against
- * Q8_0 activations, bit-identical to legacy_ref.c (the canonical order of
- * quant/legacy.h). A block is unpacked to two int8x16 of weights (elements
+/* NEON (base ASIMD) kernels of Q4_1, Q5_1 (against Q8_1 activations),
+ * Q5_0, IQ4_NL and MXFP4 (against Q8_0), bit-identical to legacy_ref.c
+ * (the canonical order of quant/legacy.h). A block is unpacked to two int8x16 of weights (elements
  * 0..15, 16..31; table types through vqtbl1q_s8, fifth bits through vtst);
  * the int32 sum of each 4-element group is vmull_s8 + two pairwise adds
  * (exact: |w| <= 127, |a| <= 127, so every int16 product fits); lanes 0-3 /
- * 4-7 of an even block and of an odd block are four float32x4 accumulators,
- * updated with vfmaq (fused, as fmaf). The dot-product level (neondot)
+ * 4-7 of an even block and of an odd block are four float32x4 accumulators
+ * (Q4_1/Q5_1: the first two, one chain), updated with vfmaq (fused, as
+ * fmaf); the min term is a scalar fmaf. The dot-product level (neondot)
  * inherits these kernels. On other architectures this file compiles to
  * nothing. */
 #if defined(__aarch64__)
@@ -91,28 +92,34 @@ AI void un_mxfp4(const void *row, int64_t b, int8x16_t *w0, int8x16_t *w1, float
     *mw = 0;
 }
 
+/* a: Q8_1 blocks (d, s, qs) when has_min, else Q8_0 (d, qs). */
 AI void dot(lx_unpack un, int has_min, int64_t n, float *s, const void *w, const void *a) {
-    const kv_block_q8_0 *y = a;
     float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
-    const int8x16_t ones = vdupq_n_s8(1);
+    float summ = 0;
     for (int64_t b = 0; b < n / 32; b++) {
         int8x16_t w0, w1;
         float dw, mw;
         un(w, b, &w0, &w1, &dw, &mw);
-        const int8x16_t a0 = vld1q_s8(y[b].qs), a1 = vld1q_s8(y[b].qs + 16);
-        const float da = kv_fp16_to_fp32(y[b].d), d = dw * da;
-        const int o = (int)(b & 1) * 2;
-        acc[o] = vfmaq_n_f32(acc[o], vcvtq_f32_s32(grp4(w0, a0)), d);
-        acc[o + 1] = vfmaq_n_f32(acc[o + 1], vcvtq_f32_s32(grp4(w1, a1)), d);
+        const int8_t *qa;
+        float da;
         if (has_min) {
-            const float m = mw * da;
-            acc[o] = vfmaq_n_f32(acc[o], vcvtq_f32_s32(grp4(ones, a0)), m);
-            acc[o + 1] = vfmaq_n_f32(acc[o + 1], vcvtq_f32_s32(grp4(ones, a1)), m);
+            const kv_block_q8_1 *y = (const kv_block_q8_1 *)a + b;
+            qa = y->qs;
+            da = kv_fp16_to_fp32(y->d);
+            summ = fmaf(mw, kv_fp16_to_fp32(y->s), summ);
+        } else {
+            const kv_block_q8_0 *y = (const kv_block_q8_0 *)a + b;
+            qa = y->qs;
+            da = kv_fp16_to_fp32(y->d);
         }
+        const float d = dw * da;
+        const int o = has_min ? 0 : (int)(b & 1) * 2; /* Q4_1/Q5_1: one 8-lane chain */
+        acc[o] = vfmaq_n_f32(acc[o], vcvtq_f32_s32(grp4(w0, vld1q_s8(qa))), d);
+        acc[o + 1] = vfmaq_n_f32(acc[o + 1], vcvtq_f32_s32(grp4(w1, vld1q_s8(qa + 16))), d);
     }
     float l[16];
     for (int k = 0; k < 4; k++) vst1q_f32(l + 4 * k, acc[k]);
-    *s = kv_fold16(l);
+    *s = has_min ? kv_hsum8(l) + summ : kv_fold16(l);
 }
 
 #define LEGACY_NEON(T, HAS_MIN)                                                                  \

@@ -57,8 +57,8 @@ static const struct { const char *name; uint32_t blck, size; } kv_sizes[KV_TYPE_
 static uint32_t kv_vec_dot_type(uint32_t t) {
     switch (t) {
     case KV_TYPE_Q8_0: case KV_TYPE_Q4_0: return KV_TYPE_Q8_0;
-    case KV_TYPE_Q4_1: case KV_TYPE_Q5_0: case KV_TYPE_Q5_1: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4:
-        return KV_TYPE_Q8_0; /* quant/legacy.h */
+    case KV_TYPE_Q5_0: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4: return KV_TYPE_Q8_0; /* quant/legacy.h */
+    case KV_TYPE_Q4_1: case KV_TYPE_Q5_1: return KV_TYPE_Q8_1;
     case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K: return KV_TYPE_Q8_K;
     default: return t;
     }
