@@ -75,10 +75,8 @@ static void test_q8_1(void) {
             ASSERT_TRUE(!memcmp(q1 + 36 * b + 4, q0 + 34 * b + 2, 32)); /* qs */
             float amax = 0;
             int sum = 0;
-            for (int j = 0; j < 32; j++) {
-                amax = fmaxf(amax, fabsf(x[32 * b + j]));
-                sum += (int8_t)q1[36 * b + 4 + j];
-            }
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
+            for (int j = 0; j < 32; j++) sum += (int8_t)q1[36 * b + 4 + j];
             const uint16_t s = (uint16_t)(q1[36 * b + 2] | q1[36 * b + 3] << 8);
             ASSERT_EQ(s, kv_fp32_to_fp16(amax / 127.f * (float)sum));
         }
