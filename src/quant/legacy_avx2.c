@@ -68,10 +68,49 @@ AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, co
     }
 }
 
+/* One token against rows w and w + rb (decode): the two rows' chains are
+ * independent, so the single chain of Q4_1/Q5_1 is not the limit; each
+ * row's arithmetic is row_tile's. The rows KV_LX_PF pairs ahead are
+ * prefetched, a block (bs bytes) at a time. */
+#define KV_LX_PF 4
+AI void rows2(lx_unpack un, int has_min, int64_t n, const uint8_t *w, size_t rb, size_t bs, const uint8_t *a,
+              float out[2]) {
+    __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    float summ[2] = {0, 0};
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int odd = has_min ? 0 : (int)(b & 1);
+        const uint8_t *y = act(has_min, a, b);
+        uint16_t yd, ys;
+        memcpy(&yd, y, 2);
+        memcpy(&ys, y + 2, 2);
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(y + (has_min ? 4 : 2)));
+        const float da = _cvtsh_ss(yd);
+        for (int r = 0; r < 2; r++) {
+            _mm_prefetch((const char *)(w + (size_t)(r + 2 * KV_LX_PF) * rb + (size_t)b * bs), _MM_HINT_T0);
+            float dw, mw;
+            const __m256i xv = un(w + (size_t)r * rb, b, &dw, &mw);
+            const __m256i ax = has_min ? xv : _mm256_sign_epi8(xv, xv);
+            const __m256i p = grp_u(ax, has_min ? yv : _mm256_sign_epi8(yv, xv));
+            acc[r][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * da), acc[r][odd]);
+            if (has_min) summ[r] = fmaf(mw, _cvtsh_ss(ys), summ[r]);
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        out[r] = has_min ? hsum_ps(acc[r][0]) + summ[r] : hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
 AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
             const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
     const uint8_t *wb = W, *ab = A;
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t r = r0;
+    if (n_tok == 1 && n >= 32) /* decode: row pairs */
+        for (; r + 2 <= r1; r += 2) {
+            float o[2];
+            rows2(un, has_min, n, wb + r * row_bytes, row_bytes, row_bytes / (size_t)(n / 32), ab, o);
+            Y[r] = o[0];
+            Y[r + 1] = o[1];
+        }
+    for (; r < r1; r++) {
         for (int64_t t = 0; t < n_tok; t += LX_TT) {
             float o[LX_TT];
             const int64_t tt = n_tok - t < LX_TT ? n_tok - t : LX_TT;
