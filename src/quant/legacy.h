@@ -103,7 +103,8 @@ static inline int kv_nib(const uint8_t *qs, int j) { return j < 16 ? qs[j] & 0xF
 void kv_quant_fill_legacy_ref(kv_kernels *k);
 void kv_quant_fill_legacy_avx2(kv_kernels *k);
 void kv_quant_fill_legacy_avx512(kv_kernels *k);
-void kv_quant_fill_legacy_neon(kv_kernels *k); /* aarch64 only */
+void kv_quant_fill_legacy_neon(kv_kernels *k);    /* aarch64 only */
+void kv_quant_fill_legacy_neondot(kv_kernels *k); /* aarch64 with DotProd only */
 
 /* Weight quantizers (legacy_quantize.c), scalar; the dispatched tables use them. */
 void kv_quant_q4_1_from_float(const float *src, void *dst, int64_t n);

@@ -205,6 +205,7 @@ static void kv_init_neon(void) {
     kv_level(KV_BE_NEON, k, &f);
     if (!(hw & HWCAP_ASIMDDP)) return;
     kv_quant_fill_neondot(k);
+    kv_quant_fill_legacy_neondot(k);
     kv_level(KV_BE_NEONDOT, k, &f);
 }
 #endif
