@@ -51,6 +51,7 @@ static void usage(FILE *f) {
             "  --vocab N        vocabulary size                   (%u..%u)\n"
             "  --ctx N          context length in the metadata    (1..%u)\n"
             "  --type T         type of the embedding, attention, expert and output matrices\n"
+            "                   (also q4_1, q5_0, q5_1, iq4_nl, mxfp4: ggml's 32-value blocks)\n"
             "                   (norms and router stay f32); a matrix whose rows do not fit\n"
             "                   the type's block falls back to q8_0 (k-quants) or f16, with a note;\n"
             "                   q4_k_m: q4_k with ffn_down*, attn_v and output in q6_k (llama.cpp's mix)\n"
@@ -97,13 +98,15 @@ static int gen_skeleton(int argc, char **argv, const char *preset) {
 }
 
 static int parse_type(const char *s, uint32_t *out) {
-    static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
+    static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
+                                     "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4"};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
         if (strcasecmp(s, ok[i]) == 0) {
             *out = (uint32_t)kv_type_from_name(ok[i]);
             return 0;
         }
-    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k", s);
+    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k, "
+                              "q4_1, q5_0, q5_1, iq4_nl, mxfp4", s);
 }
 
 int kv_cmd_gen_model(int argc, char **argv) {

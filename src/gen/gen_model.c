@@ -121,6 +121,7 @@ static int is_gen_type(uint32_t t) {
     switch (t) {
     case KV_TYPE_F32: case KV_TYPE_F16: case KV_TYPE_BF16: case KV_TYPE_Q8_0:
     case KV_TYPE_Q4_0: case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K:
+    case KV_TYPE_Q4_1: case KV_TYPE_Q5_0: case KV_TYPE_Q5_1: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4:
         return 1;
     default:
         return 0;
@@ -322,7 +323,8 @@ int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
     const kv_type_info *ti = kv_type_get_ref(c->type);
     if (!is_gen_type(c->type) || !ti || !ti->from_float)
         return kv_fail(d, KV_EUNSUPPORTED,
-                       "type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k)",
+                       "type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, "
+                       "iq4_nl, mxfp4, q4_k, q5_k or q6_k)",
                        ti ? ti->name : "unknown");
     uint64_t bytes = kv_gen_data_bytes(c);
     if (bytes == 0 || bytes > KV_GEN_MAX_BYTES)
@@ -499,6 +501,11 @@ static uint32_t file_type_of(const kv_gen_config *c) {
     case KV_TYPE_F32: return 0;
     case KV_TYPE_F16: return 1;
     case KV_TYPE_Q4_0: return 2;
+    case KV_TYPE_Q4_1: return 3;
+    case KV_TYPE_Q5_0: return 8;
+    case KV_TYPE_Q5_1: return 9;
+    case KV_TYPE_IQ4_NL: return 25;
+    case KV_TYPE_MXFP4: return 38; /* MXFP4_MOE */
     case KV_TYPE_Q8_0: return 7;
     case KV_TYPE_Q4_K: return 14; /* Q4_K_S */
     case KV_TYPE_Q5_K: return 16; /* Q5_K_S */
