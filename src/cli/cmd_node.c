@@ -10,6 +10,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/beacon.h"
+#include "kvasir/hub.h"
 #include "kvasir/link.h"
 #include "kvasir/transport.h"
 #include "kvasir/node.h"
@@ -18,7 +19,7 @@
 
 static const char *const kv_value_flags[] = {"--hub", "--budget", "--data", "--listen", "--advertise",
                                              "--interval-ms", "--threads", "-t", "--allow-key", "--beacon-port",
-                                             "--beacon-wait-ms", "--model-id", "--relay", NULL};
+                                             "--beacon-wait-ms", "--model-id", "--relay", "--site", NULL};
 
 static const char *kv_node_help =
     "usage: kvasir node [--hub URL] --budget SIZE --data DIR [--listen HOST:PORT] [options]\n"
@@ -38,6 +39,9 @@ static const char *kv_node_help =
     "                      out to it when the hub says it cannot dial this node's address, always\n"
     "                      as soon as the hub names it, off never; the node then serves through\n"
     "                      one outbound TLS connection to the hub's host (docs/HUB.md \"Relay\")\n"
+    "  --site NAME         the site this node is in (1-31 bytes of a-z 0-9 . _ -): nodes of one LAN or\n"
+    "                      datacentre; without it the hub groups nodes by the round trips it measures\n"
+    "                      (docs/HUB.md \"Sites\")\n"
     "  --threads N         worker compute threads (default: all CPUs)\n"
     "  --quiet             no log lines\n"
     "  --insecure-plaintext  its worker serves plaintext coordinators from any address (default:\n"
@@ -102,6 +106,10 @@ int kv_cmd_node(int argc, char **argv) {
             else if (!strcmp(s, "always")) o.relay = KV_NODE_RELAY_ALWAYS;
             else if (!strcmp(s, "off")) o.relay = KV_NODE_RELAY_OFF;
             else return kv_cli_err(CMD, 1, "--relay: '%s' is not auto, always or off", s);
+        } else if (!strcmp(a, "--site")) {
+            kv_diag sd = {0};
+            if (kv_hub_site_check(s, &sd)) return kv_cli_err(CMD, 1, "--site: %s", sd.msg);
+            o.site = s;
         } else if (!strcmp(a, "--budget")) {
             budget = s;
         } else if (!strcmp(a, "--data")) {

@@ -1121,6 +1121,7 @@ static void kv_node_log(const kv_node *n, const char *fmt, ...) {
 int kv_node_open(kv_node **out, const kv_node_opts *opts, kv_diag *d) {
     *out = NULL;
     if (!opts->hub || !opts->dir) return kv_fail(d, KV_EINVAL, "node: needs a hub URL and a data folder");
+    if (opts->site && kv_hub_site_check(opts->site, d)) return kv_diag_prefix(d, KV_EINVAL, "node: --site");
     kv_node *n = calloc(1, sizeof *n);
     if (!n) return kv_fail(d, KV_ENOMEM, "node: out of memory");
     n->o = *opts;
@@ -1368,6 +1369,7 @@ static int kv_node_register(kv_node *n, kv_diag *d) {
     snprintf(a.addr, sizeof a.addr, "%s", n->addr);
     snprintf(a.backend, sizeof a.backend, "%s", kv_quant_backend());
     a.memory = n->o.budget;
+    if (n->o.site) snprintf(a.site, sizeof a.site, "%s", n->o.site); /* checked by kv_node_open */
     size_t cnt = 0;
     for (size_t i = 0; i < n->m->n_slabs; i++) cnt += n->held[i];
     a.shards = calloc(cnt ? cnt : 1, sizeof *a.shards);
