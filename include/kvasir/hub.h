@@ -181,10 +181,11 @@ typedef struct kv_hub_site_window {
 /* The site-aware placement: a ring of sites, each with a contiguous window
  * of layers whose routed experts its own workers all hold; windows are
  * consecutive from layer 0 to n_layer - 1, each site has at most one, and
- * they are chosen greedily (the unused site whose coverage runs furthest
- * from the first unplaced layer). out holds n_site entries; *n_out gets the
- * count. KV_ENOTFOUND when no unused site holds every expert of some layer
- * (d names the layer and what the first site lacks): coordinators then
+ * each runs as far as its site's coverage does (furthest-reaching unused
+ * site first, backtracking: a bounded search that finds one whenever one
+ * exists, for the site counts it can try). out holds n_site entries; *n_out
+ * gets the count. KV_ENOTFOUND when there is none (d names the layer it
+ * could not pass and what the first site lacks there): coordinators then
  * dispatch per layer. Pure: no allocation, thread-safe. */
 int kv_hub_site_place(const kv_hub_site_layout *in, kv_hub_site_window *out, uint32_t *n_out, kv_diag *d);
 

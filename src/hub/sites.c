@@ -19,11 +19,11 @@
  * The placement: a ring of sites, each assigned a contiguous window of the
  * trunk's layers whose routed experts are all held by proven workers of that
  * site, so a token's hidden state crosses each site boundary once per token.
- * Windows are chosen greedily from layer 0: the unused site whose coverage
- * runs furthest from the first unplaced layer takes that run. When no unused
- * site holds every expert of the next layer, there is no site placement and
- * coordinators dispatch per layer (the "experts" placement), with the reason
- * named. */
+ * Windows are placed from layer 0: the unused site whose coverage runs
+ * furthest from the first unplaced layer takes that run, backtracking when a
+ * choice leaves a layer that no unused site holds (a bounded search). When
+ * no assignment exists, there is no site placement and coordinators
+ * dispatch per layer (the "experts" placement), with the reason named. */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -53,39 +53,74 @@ static bool kv_site_covers(const kv_hub_site_layout *in, uint32_t s, uint32_t L,
     return true;
 }
 
+/* How far site s's coverage runs from layer p (p - 1: not even p). */
+static uint32_t kv_site_reach(const kv_hub_site_layout *in, uint32_t s, uint32_t p) {
+    uint32_t e = p;
+    while (e < in->n_layer && kv_site_covers(in, s, e, NULL)) e++;
+    return e; /* one past the last covered layer */
+}
+
+typedef struct kv_site_search {
+    const kv_hub_site_layout *in;
+    bool used[KV_HUB_MAX_SITES];
+    kv_hub_site_window *out;
+    uint32_t n;
+    uint32_t steps;          /* windows tried, bounded by KV_HUB_SITE_STEPS */
+    uint32_t stuck;          /* the furthest layer no unused site could take */
+} kv_site_search;
+
+#define KV_HUB_SITE_STEPS 100000u /* windows tried before the search gives up */
+
+/* Places windows from layer p on; true when the rest is placed. A window
+ * always runs as far as its site's coverage does: stopping short never
+ * helps, since a site covering the layers after the short end also covers
+ * those after the long one. Sites are tried furthest reach first, and the
+ * search backtracks when a choice leaves a layer no unused site holds. */
+static bool kv_site_dfs(kv_site_search *x, uint32_t p) {
+    const kv_hub_site_layout *in = x->in;
+    if (p == in->n_layer) return true;
+    uint32_t reach[KV_HUB_MAX_SITES];
+    for (uint32_t s = 0; s < in->n_site; s++) reach[s] = x->used[s] ? p : kv_site_reach(in, s, p);
+    for (;;) {
+        uint32_t best = UINT32_MAX;
+        for (uint32_t s = 0; s < in->n_site; s++)
+            if (reach[s] > p && (best == UINT32_MAX || reach[s] > reach[best])) best = s;
+        if (best == UINT32_MAX) {
+            if (p > x->stuck) x->stuck = p;
+            return false;
+        }
+        if (++x->steps > KV_HUB_SITE_STEPS) return false;
+        x->used[best] = true;
+        x->out[x->n++] = (kv_hub_site_window){best, p, reach[best] - 1};
+        if (kv_site_dfs(x, reach[best])) return true;
+        x->n--;
+        x->used[best] = false;
+        reach[best] = p; /* tried */
+    }
+}
+
 int kv_hub_site_place(const kv_hub_site_layout *in, kv_hub_site_window *out, uint32_t *n_out, kv_diag *d) {
     *n_out = 0;
     if (!in->n_site) return kv_fail(d, KV_ENOTFOUND, "no site holds experts");
-    if (in->n_site > KV_HUB_MAX_SITES) return kv_fail(d, KV_ERANGE, "%u sites, the placement takes at most %u",
-                                                     in->n_site, KV_HUB_MAX_SITES);
-    bool used[KV_HUB_MAX_SITES] = {0};
-    uint32_t n = 0;
-    for (uint32_t p = 0; p < in->n_layer;) {
-        int64_t best = -1;
-        uint32_t best_end = 0;
-        for (uint32_t s = 0; s < in->n_site; s++) {
-            if (used[s]) continue;
-            uint32_t e = p;
-            while (e < in->n_layer && kv_site_covers(in, s, e, NULL)) e++;
-            if (e > p && (best < 0 || e - 1 > best_end)) best = s, best_end = e - 1;
-        }
-        if (best < 0) {
-            /* name the first site that does not hold layer p, and what it lacks */
-            for (uint32_t s = 0; s < in->n_site; s++) {
-                uint32_t e = 0;
-                if (!kv_site_covers(in, s, p, &e))
-                    return kv_fail(d, KV_ENOTFOUND, "layer %u: no site left holds all its experts (site %u lacks "
-                                   "expert %u)", p, s, e);
-            }
-            return kv_fail(d, KV_ENOTFOUND, "layer %u: every site that holds it has a window already", p);
-        }
-        KV_ASSERT(n < in->n_site);
-        out[n++] = (kv_hub_site_window){(uint32_t)best, p, best_end};
-        used[best] = true;
-        p = best_end + 1;
+    if (in->n_site > KV_HUB_MAX_SITES)
+        return kv_fail(d, KV_ERANGE, "%u sites, the placement takes at most %u", in->n_site, KV_HUB_MAX_SITES);
+    kv_site_search x = {.in = in, .out = out};
+    if (kv_site_dfs(&x, 0)) {
+        KV_ASSERT(x.n <= in->n_site && x.n > 0);
+        *n_out = x.n;
+        return 0;
     }
-    *n_out = n;
-    return 0;
+    if (x.steps > KV_HUB_SITE_STEPS)
+        return kv_fail(d, KV_ENOTFOUND, "no site placement found within %u tries", KV_HUB_SITE_STEPS);
+    /* name the layer the search could not pass, and what the first site lacks there */
+    const uint32_t L = x.stuck;
+    for (uint32_t s = 0; s < in->n_site; s++) {
+        uint32_t e = 0;
+        if (!kv_site_covers(in, s, L, &e))
+            return kv_fail(d, KV_ENOTFOUND, "layer %u: no site holds all its experts where the windows reach it "
+                           "(site %u lacks expert %u)", L, s, e);
+    }
+    return kv_fail(d, KV_ENOTFOUND, "layer %u: the sites that hold it are needed for earlier windows", L);
 }
 
 /* ---- GET /v1/sites --------------------------------------------------------- */
@@ -194,11 +229,16 @@ int kv_hub_sites_render(const kv_manifest *m, const kv_hub_site_node *nodes, siz
             json_t *wk = json_array(), *rn = json_array();
             for (size_t i = 0; i < n_nodes; i++) {
                 if (of[i] != win[w].site) continue;
-                bool in = nodes[i].ring;
-                for (size_t k = 0; k < nodes[i].n_slabs && !in; k++) {
+                /* a worker that holds a slab of the window; a ring node that
+                 * registered exactly the window's slabs (it runs that window) */
+                bool in = false;
+                size_t got = 0, need = 0;
+                for (size_t k = 0; k < m->n_slabs; k++) need += m->slabs[k].layer >= win[w].first && m->slabs[k].layer <= win[w].last;
+                for (size_t k = 0; k < nodes[i].n_slabs; k++) {
                     const uint32_t L = m->slabs[nodes[i].slabs[k]].layer;
-                    in = L >= win[w].first && L <= win[w].last;
+                    got += L >= win[w].first && L <= win[w].last;
                 }
+                in = nodes[i].ring ? got == need && got == nodes[i].n_slabs : got > 0;
                 if (!in) continue;
                 char hex[65];
                 kv_hex(nodes[i].pk, 32, hex);
