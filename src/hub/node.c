@@ -1122,6 +1122,8 @@ int kv_node_open(kv_node **out, const kv_node_opts *opts, kv_diag *d) {
     *out = NULL;
     if (!opts->hub || !opts->dir) return kv_fail(d, KV_EINVAL, "node: needs a hub URL and a data folder");
     if (opts->site && kv_hub_site_check(opts->site, d)) return kv_diag_prefix(d, KV_EINVAL, "node: --site");
+    if (opts->has_layers && opts->layer_first > opts->layer_last)
+        return kv_fail(d, KV_EINVAL, "node: --layers %u-%u is empty", opts->layer_first, opts->layer_last);
     kv_node *n = calloc(1, sizeof *n);
     if (!n) return kv_fail(d, KV_ENOMEM, "node: out of memory");
     n->o = *opts;
@@ -1478,6 +1480,9 @@ static int kv_node_market(kv_node *n, kv_hub_shard_view *view, kv_diag *d) {
         view[i].live = v->live;
         view[i].reward = v->reward;
     }
+    if (n->o.has_layers) /* --layers: a shard of another layer never fits */
+        for (size_t i = 0; i < n->m->n_slabs; i++)
+            if (view[i].layer < n->o.layer_first || view[i].layer > n->o.layer_last) view[i].bytes = UINT64_MAX;
     kv_hub_market_free(&mk);
     return 0;
 }
