@@ -12,6 +12,7 @@
  *  - GET /v1/sites rendered from a snapshot, read back by the plan and by
  *    the ring (kv_plan_sites_parse, kv_ring_parse_sites), and the predicted
  *    time per token worked out by hand for two sites 40 ms apart;
+ *  - the announcement's optional site, bounded and checked;
  *  - malformed /v1/sites answers refused with a message. */
 #include "hub/hub_internal.h"
 #include "kvasir/dispatch_proto.h"
@@ -312,6 +313,41 @@ static void test_render_and_predict(void) {
     kv_manifest_free(m);
 }
 
+#define KVT_ANN "{\"nonce\":\"%064d\",\"addr\":\"10.0.0.1:7300\",\"memory\":1,\"backend\":\"x\"%s," \
+                "\"shards\":[{\"layer\":0,\"first\":0,\"last\":1,\"sha256\":\"%064d\"}]}"
+
+/* The announcement's site: optional, kept, serialized back, and bounded. */
+static void test_announce(void) {
+    char js[1024];
+    kv_hub_announce a;
+    kv_diag d = {0};
+    snprintf(js, sizeof js, KVT_ANN, 0, "", 0);
+    ASSERT_EQ(kv_hub_parse_announce(&a, js, strlen(js), &d), 0);
+    ASSERT_STREQ(a.site, "");
+    char *back = kv_hub_announce_json(&a);
+    ASSERT_TRUE(back && !strstr(back, "\"site\""));
+    free(back);
+    kv_hub_announce_free(&a);
+    snprintf(js, sizeof js, KVT_ANN, 0, ",\"site\":\"fra-1\"", 0);
+    ASSERT_EQ(kv_hub_parse_announce(&a, js, strlen(js), &d), 0);
+    ASSERT_STREQ(a.site, "fra-1");
+    back = kv_hub_announce_json(&a);
+    kv_hub_announce b;
+    ASSERT_EQ(kv_hub_parse_announce(&b, back, strlen(back), &d), 0);
+    ASSERT_STREQ(b.site, "fra-1");
+    free(back);
+    kv_hub_announce_free(&a);
+    kv_hub_announce_free(&b);
+    const char *bad[] = {",\"site\":\"\"", ",\"site\":\"Fra\"", ",\"site\":\"auto:hub\"", ",\"site\":7",
+                         ",\"site\":\"0123456789abcdef0123456789abcdef\"", ",\"site\":\"-x\""};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(js, sizeof js, KVT_ANN, 0, bad[i], 0);
+        d = (kv_diag){0};
+        ASSERT_EQ(kv_hub_parse_announce(&a, js, strlen(js), &d), KV_EFORMAT);
+        ASSERT_TRUE(strstr(d.msg, "site") != NULL);
+    }
+}
+
 static void test_malformed(void) {
     const char *bad[] = {
         "", "[]", "{\"sites\":{}}",
@@ -351,5 +387,6 @@ static void test_malformed(void) {
 }
 
 static const kvt_case cases[] = {KVT_CASE(test_by_hand), KVT_CASE(test_vs_reference), KVT_CASE(test_names),
-                                 KVT_CASE(test_render_and_predict), KVT_CASE(test_malformed)};
+                                 KVT_CASE(test_render_and_predict), KVT_CASE(test_announce),
+                                 KVT_CASE(test_malformed)};
 int main(int argc, char **argv) { return kvt_run(argc, argv, cases, KVT_N(cases)); }

@@ -156,7 +156,9 @@ int kv_hub_parse_announce(kv_hub_announce *a, const char *json, size_t len, kv_d
     if (js) { /* optional: a node without --site is grouped by the hub */
         if ((rc = kv_j_str(root, ctx, "site", KV_SITE_CHARS, a->site, sizeof a->site, d))) goto out;
         if (kv_hub_site_check(a->site, d)) {
-            rc = kv_diag_prefix(d, KV_EFORMAT, "announcement");
+            kv_diag_prefix(d, KV_EFORMAT, "announcement");
+            if (d) d->code = KV_EFORMAT;
+            rc = KV_EFORMAT;
             goto out;
         }
     }

@@ -2007,7 +2007,7 @@ static void *kv_hub_prover(void *arg) {
                 unreachable = !pr.connected;
             } else {
                 ok = true;
-                rtt = job->n ? pr.answer_ms / job->n : -1; /* answers come one after another */
+                rtt = pr.task_min_ms > 0 ? pr.task_min_ms : -1;
                 for (uint32_t t = 0; t < job->n && ok; t++) {
                     double err = 0;
                     if (!kv_hub_prove_judge(want + (size_t)t * ne, got + (size_t)t * ne, ne, &err)) {

@@ -260,7 +260,11 @@ static int kv_hpg_node_row(PGresult *r, int i, kv_hub_node_rec *n, kv_diag *d) {
         kv_pq_i64(r, i, 6, INT64_MIN, INT64_MAX, &reg, d, WHO, "node registered_ms") ||
         kv_pq_text(r, i, 7, n->site, sizeof n->site, d, WHO, "node site"))
         return KV_EFORMAT;
-    if (n->site[0] && kv_hub_site_check(n->site, d)) return kv_diag_prefix(d, KV_EFORMAT, "%s: node site", WHO);
+    if (n->site[0] && kv_hub_site_check(n->site, d)) {
+        kv_diag_prefix(d, KV_EFORMAT, "%s: node site", WHO);
+        if (d) d->code = KV_EFORMAT; /* a damaged row, not a caller's mistake */
+        return KV_EFORMAT;
+    }
     n->memory = (uint64_t)mem;
     n->counter = (uint64_t)ctr;
     n->last_seen_ms = seen;
