@@ -69,7 +69,7 @@ echo "bed: hub $IP_HUB, a1 ${TOPO_IP[a1]}, a2 ${TOPO_IP[a2]} (site A); b1 ${TOPO
 
 # ---- the hub (https: a non-loopback address), vouching for the gateway
 topo_bg hub "$dir/hub.out" "$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen "$IP_HUB:7700" \
-  --deadline-ms 1500 --wanted 2 --vouch-open
+  --deadline-ms 3000 --wanted 2 --vouch-open
 wait_until 20 grep -q '^tls sha256:' "$dir/hub.out" || fail "the hub did not start"
 fp=$(sed -n 's/^tls sha256:\([0-9a-f]\{64\}\)$/\1/p' "$dir/hub.out")
 hub="https://$IP_HUB:7700#sha256=$fp"
@@ -92,7 +92,13 @@ two_each() { # every shard proven at two workers of its layer's site
 }
 wait_until 120 two_each || fail "the sites' workers did not cover their layers: $(hcurl /v1/placement)"
 placed() { [ "$(hcurl /v1/sites | jq -r .placement.kind)" = sites ]; }
-wait_until 30 placed || fail "no site placement: $(hcurl /v1/sites)"
+stable() { # the site placement on 4 reads 0.5 s apart (the market has settled)
+  for _ in 1 2 3 4; do
+    placed || return 1
+    sleep 0.5
+  done
+}
+wait_until 60 stable || fail "no stable site placement: $(hcurl /v1/sites)"
 hcurl /v1/sites >"$dir/sites.json"
 jq -e '[.placement.windows[] | [.site, .first, .last]] == [["site-a", 0, 0], ["site-b", 1, 1]]' "$dir/sites.json" \
   >/dev/null || fail "the placement is not site-a 0, site-b 1: $(jq -c .placement "$dir/sites.json")"
