@@ -66,6 +66,12 @@ struct kv_q35_state {
     float *sh_out;       /* [max_tok][n_embd] */
     float *sh_gate;      /* [max_tok] */
     void *scratch;       /* matmul scratch for the widest input */
+    /* speculative rollback: states kept after a call's first tokens of a sequence */
+    float **snap;        /* [n_seq] NULL or [snap_cap][packed state] (kv_q35_rec_get's layout) */
+    uint32_t *snap_cap;  /* [n_seq] states snap[seq] holds room for */
+    uint32_t *snap_want; /* [n_seq] states the next call keeps (its first tokens of seq) */
+    uint32_t *snap_base; /* [n_seq] position before the call that kept them */
+    uint32_t *snap_have; /* [n_seq] states kept by that call: after positions base .. base+have-1 */
 };
 
 /* ---- blocks ---------------------------------------------------------------
@@ -104,6 +110,11 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
         return kv_fail(d, KV_EINVAL, "state: recurrent state of one sequence is too large");
     q->rec = calloc(s->n_seq, sizeof *q->rec);
     q->cur = calloc(s->n_seq, 1);
+    q->snap = calloc(s->n_seq, sizeof *q->snap);
+    q->snap_cap = calloc(s->n_seq, sizeof *q->snap_cap);
+    q->snap_want = calloc(s->n_seq, sizeof *q->snap_want);
+    q->snap_base = calloc(s->n_seq, sizeof *q->snap_base);
+    q->snap_have = calloc(s->n_seq, sizeof *q->snap_have);
     q->qkv = malloc(B * C * sizeof(float));
     q->cv = malloc(B * C * sizeof(float));
     q->z = malloc(B * VD * sizeof(float));
@@ -117,6 +128,8 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->sh_gate = malloc(B * sizeof(float));
     size_t kmax = kv_zmax(kv_zmax(E, VD), kv_zmax(hp->n_ff_shexp, (size_t)hp->n_head * hp->head_dim));
     q->scratch = malloc(kv_matmul_scratch((int64_t)kmax, (int64_t)B));
+    if (!q->snap || !q->snap_cap || !q->snap_want || !q->snap_base || !q->snap_have)
+        return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
     if (!q->rec || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
         !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->scratch)
         return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
@@ -131,6 +144,13 @@ void kv_q35_state_free(kv_state *s) {
         for (uint32_t i = 0; i < s->n_seq; i++) free(q->rec[i]);
     free(q->rec);
     free(q->cur);
+    if (q->snap)
+        for (uint32_t i = 0; i < s->n_seq; i++) free(q->snap[i]);
+    free(q->snap);
+    free(q->snap_cap);
+    free(q->snap_want);
+    free(q->snap_base);
+    free(q->snap_have);
     free(q->qkv);
     free(q->cv);
     free(q->z);
@@ -168,6 +188,9 @@ void kv_q35_seq_free(kv_state *s, uint32_t seq) {
     free(q->rec[seq]);
     q->rec[seq] = NULL;
     q->n_rec--;
+    free(q->snap[seq]);
+    q->snap[seq] = NULL;
+    q->snap_cap[seq] = q->snap_want[seq] = q->snap_have[seq] = 0;
 }
 
 uint64_t kv_q35_bytes(const kv_state *s) {
@@ -188,6 +211,17 @@ static float *kv_q35_ssm_at(const kv_state *s, uint32_t seq, uint32_t slot, uint
 /* Token t is its sequence's first of this call (its state comes from the
  * committed slot, or is zero at position 0). */
 static bool kv_q35_first(const kv_state *s, uint32_t t) { return s->tok_pos[t] == s->pos[s->tok_seq[t]]; }
+
+/* Floats of one packed state (kv_q35_rec_get's layout). */
+static size_t kv_q35_rec_floats(const kv_q35_state *q) { return (size_t)q->n_lin * (q->conv_n + q->ssm_n); }
+
+/* The kept state after token t, or NULL when t's state is not kept (the
+ * token is not among the first snap_want of its sequence in this call). */
+static float *kv_q35_snap_of(const kv_state *s, uint32_t t) {
+    const kv_q35_state *q = s->q35;
+    const uint32_t seq = s->tok_seq[t], j = s->tok_pos[t] - s->pos[seq];
+    return j < q->snap_want[seq] ? q->snap[seq] + (size_t)j * kv_q35_rec_floats(q) : NULL;
+}
 
 /* ---- ops ------------------------------------------------------------------ */
 
@@ -274,6 +308,10 @@ static void kv_q35_dn_worker(void *arg, int ith, int nth) {
                 kv_f32_delta_rows_stream(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
             else
                 kv_f32_delta_rows(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
+            float *keep = kv_q35_snap_of(s, t);
+            if (keep) /* head h of the delta state after token t */
+                memcpy(keep + (size_t)q->n_lin * q->conv_n + (size_t)j->li * q->ssm_n + (size_t)h * (size_t)(SV * SV), M,
+                       (size_t)(SV * SV) * sizeof(float));
         }
     }
 }
@@ -317,6 +355,10 @@ static void kv_q35_cv_worker(void *arg, int ith, int nth) {
                 for (int64_t i = 0; i + 1 < KC - 1; i++) sc[i] = sc[i + 1];
                 sc[KC - 2] = x[c];
             }
+            float *keep = kv_q35_snap_of(s, t);
+            if (keep) /* this thread's channels of the conv state after token t */
+                memcpy(keep + (size_t)j->li * q->conv_n + (size_t)c0 * (KC - 1), st + c0 * (KC - 1),
+                       (size_t)(c1 - c0) * (size_t)(KC - 1) * sizeof(float));
             kv_f32_silu(y + c0, y + c0, c1 - c0); /* the vectorized documented exp (quant/vec.h) */
             /* l2-normalized query and key heads */
             for (int64_t h = c0 / SV; h < 2 * NK && (h + 1) * SV <= c1; h++) kv_l2norm(y + h * SV, SV, hp->rms_eps);
@@ -502,15 +544,27 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         kv_prof_mark(s, KV_PROF_NORM, pt);
         int rc = kv_q35_ffn(s, L, il, T, d);
-        if (rc) return rc; /* the committed recurrent slots are untouched */
+        if (rc) { /* the committed recurrent slots are untouched; nothing was kept */
+            kv_trim_restore(s);
+            for (uint32_t t = 0; t < T_all; t++) q->snap_want[s->tok_seq[t]] = q->snap_have[s->tok_seq[t]] = 0;
+            return rc;
+        }
         pt = kv_prof_start(s);
         kv_resid_norm(s, T, 1, NULL);
         kv_prof_mark(s, KV_PROF_NORM, pt);
     }
     /* commit: each sequence of the chunk now reads the slot just written */
     kv_trim_restore(s);
-    for (uint32_t t = 0; t < T_all; t++)
-        if (kv_q35_first(s, t)) q->cur[s->tok_seq[t]] ^= 1u;
+    for (uint32_t t = 0; t < T_all; t++) {
+        const uint32_t seq = s->tok_seq[t];
+        if (kv_q35_first(s, t)) {
+            q->cur[seq] ^= 1u;
+            q->snap_base[seq] = s->pos[seq];
+            q->snap_have[seq] = 0;
+        }
+        if (kv_q35_snap_of(s, t)) q->snap_have[seq]++;
+    }
+    for (uint32_t t = 0; t < T_all; t++) q->snap_want[s->tok_seq[t]] = 0; /* one call's request */
     return 0;
 }
 
@@ -549,4 +603,36 @@ int kv_q35_rec_set(kv_state *s, uint32_t seq, const void *src, kv_diag *d) {
     for (uint32_t li = 0; li < q->n_lin; li++, i += q->ssm_n)
         memcpy(kv_q35_ssm_at(s, seq, c, li), i, q->ssm_n * sizeof(float));
     return 0;
+}
+
+/* ---- speculative rollback ------------------------------------------------- */
+
+int kv_q35_spec_keep(kv_state *s, uint32_t seq, uint32_t n, kv_diag *d) {
+    kv_q35_state *q = s->q35;
+    if (!q->n_lin) return 0;
+    if (n > q->snap_cap[seq]) {
+        size_t bytes;
+        if (!kv_mul_ok((size_t)n * sizeof(float), kv_q35_rec_floats(q), &bytes))
+            return kv_fail(d, KV_EINVAL, "spec keep: %u recurrent states are too large", n);
+        float *p = malloc(bytes);
+        if (!p) return kv_fail(d, KV_ENOMEM, "spec keep: out of memory for %u recurrent states of sequence %u", n, seq);
+        free(q->snap[seq]);
+        q->snap[seq] = p;
+        q->snap_cap[seq] = n;
+        q->snap_have[seq] = 0;
+    }
+    q->snap_want[seq] = n;
+    return 0;
+}
+
+int kv_q35_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
+    kv_q35_state *q = s->q35;
+    if (!q->n_lin) return 0;
+    const uint32_t base = q->snap_base[seq];
+    if (!q->rec[seq] || pos <= base || pos - base > q->snap_have[seq])
+        return kv_fail(d, KV_EINVAL, "rollback: sequence %u has no recurrent state kept after position %u (kept: %u "
+                       "after %u)", seq, pos - 1, q->snap_have[seq], base);
+    int rc = kv_q35_rec_set(s, seq, q->snap[seq] + (size_t)(pos - base - 1) * kv_q35_rec_floats(q), d);
+    q->snap_have[seq] = 0; /* the states past pos are gone; those before are not needed */
+    return rc;
 }
