@@ -328,4 +328,24 @@ int kv_state_seq_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d);
  * Valid until the next call. */
 const float *kv_state_hidden_out(const kv_state *s, uint32_t i);
 
+/* The qwen35moe MTP (nextn) block run as a draft model (docs/SPECULATIVE.md):
+ * kv_mtp_step runs it at position pos of sequence seq on the trunk's (or
+ * its own previous) final-normed hidden state h and the token tok there:
+ * u = eh_proj [enorm(embed(tok)); hnorm(h)], the block's gated full
+ * attention over its own K/V of seq (the positions it ran at, < pos and
+ * pos itself; at most KV_MTP_MAX_POS), its routed and shared experts, and
+ * shared_head_norm: h_out (n_embd) and, when logits is not NULL, the LM
+ * head's n_vocab logits of the token after tok. kv_mtp_forget drops seq's
+ * K/V from position from on; kv_mtp_reset all of it. Needs a whole GGUF
+ * qwen35moe model with an MTP block (KV_EUNSUPPORTED otherwise). Not
+ * thread-safe; m and pool borrowed. */
+#define KV_MTP_MAX_POS 4096u
+typedef struct kv_mtp kv_mtp;
+int kv_mtp_new(kv_mtp **out, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d);
+void kv_mtp_free(kv_mtp *t);
+void kv_mtp_reset(kv_mtp *t, uint32_t seq);
+void kv_mtp_forget(kv_mtp *t, uint32_t seq, uint32_t from);
+int kv_mtp_step(kv_mtp *t, uint32_t seq, const float *h, int32_t tok, uint32_t pos, float *h_out, float *logits,
+                kv_diag *d);
+
 #endif

@@ -74,6 +74,8 @@ struct kv_session {
     bool q_has_lp[KV_DRAFT_MAX + 1];
     uint32_t q_n, q_at;
     float *qlog;                /* [draft_max][n_vocab] logits of tokens waiting past a step, NULL until needed */
+    float *hid;                 /* [n_embd] mtp source: the final-normed hidden state that gave pending */
+    bool hid_ok;                /* hid is pending's */
 };
 
 struct kv_engine {
@@ -150,7 +152,7 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
     if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     if (e->remote && (rc = kv_remote_tally_open(e->remote, e->max_sessions, d))) return rc;
-    if (e->o.draft && (rc = kv_draft_open(&e->draft, e->o.draft, e->m, e->pool, d))) return rc;
+    if (e->o.draft && (rc = kv_draft_open(&e->draft, e->o.draft, e->m, e->pool, e->max_sessions, d))) return rc;
     if (e->o.prompt_cache_bytes) {
         kv_state_mem mem;
         kv_state_get_mem(e->st, &mem);
@@ -374,6 +376,7 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
     s->token = -1;
     s->status = KV_SESSION_IDLE;
     kv_state_reset_seq(e->st, slot); /* empty already; the contract says so */
+    kv_draft_reset(e->draft, slot);
     if (e->remote) kv_remote_tally_reset(e->remote, slot); /* the work tally is the session's */
     e->slot[slot] = s;
     s->prev = e->tail;
@@ -402,6 +405,7 @@ void kv_session_free(kv_session *s) {
     free(s->prompt);
     free(s->hist);
     free(s->qlog);
+    free(s->hid);
     free(s);
 }
 
@@ -748,13 +752,25 @@ static uint32_t kv_spec_draft(kv_engine *e, kv_session *s, uint32_t pos, uint32_
     if (k == 0 || s->pc_off || s->n_hist != pos) return 0;
     kv_pc_hist_add(s, &s->pending, 1); /* the context the source sees ends with the token fed next */
     if (s->pc_off) return 0;
-    const kv_draft_ctx c = {s->hist, s->n_hist, s->st.n_gen, NULL};
+    const kv_draft_ctx c = {s->hist, s->n_hist, s->st.n_gen, s->hid_ok ? s->hid : NULL, s->slot};
     const int m = kv_draft_propose(e->draft, &c, k, s->fed + 1);
     s->n_hist--;
     if (m <= 0) return 0;
     for (int i = 1; i <= m; i++)
         if (s->fed[i] < 0 || (uint32_t)s->fed[i] >= e->n_vocab) return 0; /* never fed: a source's bug */
     return (uint32_t)m;
+}
+
+/* The mtp source's input: the final-normed hidden state of logit row k,
+ * which gave the token s feeds next. */
+static void kv_spec_keep_hidden(kv_engine *e, kv_session *s, uint32_t k) {
+    s->hid_ok = false;
+    if (kv_draft_kind(e->draft) != KV_DRAFT_MTP || s->status != KV_SESSION_DECODE) return;
+    const float *h = kv_state_hidden_out(e->st, k);
+    const uint32_t E = kv_model_hparams(e->m)->n_embd;
+    if (!h || (!s->hid && !(s->hid = malloc(E * sizeof(float))))) return;
+    memcpy(s->hid, h, E * sizeof(float));
+    s->hid_ok = true;
 }
 
 /* After a verify step of s from pos0 (1 + n_draft tokens fed, rows from
@@ -796,6 +812,7 @@ static bool kv_spec_verify(kv_engine *e, kv_session *s, uint32_t k, uint32_t pos
     }
     kv_pc_hist_add(s, s->fed, m);
     if (e->pc) kv_pc_store(e, s, pos0);
+    kv_spec_keep_hidden(e, s, k + m - 1);
     return true;
 }
 
@@ -940,7 +957,8 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             k += nd;
             continue;
         }
-        kv_session_row(s, e->logits + (size_t)k * e->n_vocab, step, pos);
+        if (kv_session_row(s, e->logits + (size_t)k * e->n_vocab, step, pos) >= 0 && e->draft)
+            kv_spec_keep_hidden(e, s, k);
     }
 publish:
     for (kv_session *s = e->head; s; s = s->next) emitted += kv_session_publish(s);

@@ -19,6 +19,10 @@ struct kv_draft {
     uint32_t n_rec;
     double p;           /* chance of proposing the recorded token */
     uint64_t seed;
+    /* mtp */
+    kv_mtp *mtp;
+    float *h[2];        /* [n_embd] chain hidden states */
+    float *logits;      /* [n_vocab] */
 };
 
 const char *kv_draft_kind_name(enum kv_draft_kind k) {
@@ -114,7 +118,7 @@ static int kv_draft_parse_test(kv_draft *dr, const char *arg, kv_diag *d) {
     return kv_draft_read_test(dr, buf, d);
 }
 
-int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *pool, kv_diag *d) {
+int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d) {
     *out = NULL;
     if (!spec || !strcmp(spec, "none") || !spec[0]) return 0;
     kv_draft *dr = calloc(1, sizeof *dr);
@@ -125,8 +129,12 @@ int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *
         dr->kind = KV_DRAFT_NGRAM;
     } else if (!strcmp(spec, "mtp")) {
         dr->kind = KV_DRAFT_MTP;
-        (void)pool;
-        rc = kv_fail(d, KV_EUNSUPPORTED, "draft: the mtp source does not run the MTP block yet (use ngram)");
+        const uint32_t E = kv_model_hparams(m)->n_embd;
+        dr->h[0] = malloc(E * sizeof(float));
+        dr->h[1] = malloc(E * sizeof(float));
+        dr->logits = malloc((size_t)dr->n_vocab * sizeof(float));
+        if (!dr->h[0] || !dr->h[1] || !dr->logits) rc = kv_fail(d, KV_ENOMEM, "draft: out of memory");
+        else rc = kv_mtp_new(&dr->mtp, m, pool, n_seq, d);
     } else if (!strncmp(spec, "test:", 5)) {
         dr->kind = KV_DRAFT_TEST;
         rc = kv_draft_parse_test(dr, spec + 5, d);
@@ -144,7 +152,42 @@ int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *
 void kv_draft_free(kv_draft *dr) {
     if (!dr) return;
     free(dr->rec);
+    kv_mtp_free(dr->mtp);
+    free(dr->h[0]);
+    free(dr->h[1]);
+    free(dr->logits);
     free(dr);
+}
+
+void kv_draft_reset(kv_draft *dr, uint32_t seq) {
+    if (dr && dr->mtp) kv_mtp_reset(dr->mtp, seq);
+}
+
+/* The mtp source: a greedy chain from the token fed next (position n - 1).
+ * Only the first step's K/V (computed from the trunk's hidden state) is
+ * kept for later calls. */
+static int kv_draft_mtp(kv_draft *dr, const kv_draft_ctx *c, uint32_t k, int32_t *out) {
+    if (!c->hidden || c->n == 0) return 0;
+    const uint32_t pos = c->n - 1;
+    if (pos >= KV_MTP_MAX_POS) return 0;
+    if (pos + k > KV_MTP_MAX_POS) k = KV_MTP_MAX_POS - pos;
+    kv_mtp_forget(dr->mtp, c->seq, pos); /* what a rejected chain or an earlier turn left */
+    const float *h = c->hidden;
+    int32_t tok = c->toks[pos];
+    uint32_t m = 0;
+    kv_diag d = {0};
+    for (; m < k; m++) {
+        float *ho = dr->h[m & 1];
+        /* an error only shortens the drafts: they are guesses, the verify pass decides */
+        if (kv_mtp_step(dr->mtp, c->seq, h, tok, pos + m, ho, dr->logits, &d)) break;
+        int32_t best = 0;
+        for (uint32_t i = 1; i < dr->n_vocab; i++)
+            if (dr->logits[i] > dr->logits[best]) best = (int32_t)i;
+        out[m] = tok = best;
+        h = ho;
+    }
+    kv_mtp_forget(dr->mtp, c->seq, pos + 1);
+    return (int)m;
 }
 
 uint32_t kv_draft_ngram(const int32_t *toks, uint32_t n, uint32_t k, int32_t *out) {
@@ -190,6 +233,8 @@ int kv_draft_propose(kv_draft *dr, const kv_draft_ctx *c, uint32_t k, int32_t *o
         }
         return (int)m;
     }
+    case KV_DRAFT_MTP:
+        return kv_draft_mtp(dr, c, k, out);
     default:
         return 0;
     }

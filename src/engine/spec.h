@@ -9,8 +9,11 @@
  *   ngram  the continuation of the latest earlier occurrence of the
  *          context's longest suffix (up to KV_NGRAM_MAX tokens) in the
  *          context itself: any architecture, no weights;
- *   mtp    the model's own MTP (nextn) block: refused for now
- *          (KV_EUNSUPPORTED), the block is loaded but not run;
+ *   mtp    the model's own MTP (nextn) block (kv_mtp_step): from the
+ *          final-normed hidden state that produced the token fed next
+ *          and that token, a greedy chain of k steps, each on the previous
+ *          step's output; its K/V keeps only the positions run from the
+ *          trunk's hidden state (qwen35moe from a whole GGUF file);
  *   test   FOR MEASUREMENT ONLY: a recorded continuation (token ids from a
  *          plain run) proposed with a chosen acceptance rate p: at the
  *          turn's generated position g it proposes the recorded token with
@@ -46,17 +49,20 @@ typedef struct kv_draft_ctx {
     const int32_t *toks;   /* [n] the context: every token fed, then the one fed next */
     uint32_t n;
     uint32_t n_gen;        /* tokens generated this turn, the one fed next included */
-    const float *hidden;   /* [n_embd] final-normed hidden state of position n - 2 (the
-                              last evaluated), or NULL when not known */
+    const float *hidden;   /* [n_embd] final-normed hidden state of position n - 2 (whose
+                              logits gave toks[n - 1]), or NULL when not known */
+    uint32_t seq;          /* the session's sequence (the mtp source's own K/V) */
 } kv_draft_ctx;
 
 /* Parses spec ("none", "ngram", "mtp", "test:FILE:P" with P in [0, 1],
- * optionally "test:FILE:P:SEED") and opens the source over m (borrowed; must
- * outlive it). *out is NULL for "none". Errors: KV_EINVAL naming the bad
+ * optionally "test:FILE:P:SEED") and opens the source over m and pool
+ * (borrowed; must outlive it) for n_seq sequences. *out is NULL for "none". Errors: KV_EINVAL naming the bad
  * part, KV_EUNSUPPORTED for mtp on a model without an MTP block, KV_EIO /
  * KV_EFORMAT for the test file, KV_ENOMEM. Free with kv_draft_free
  * (accepts NULL). */
-int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *pool, kv_diag *d);
+int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d);
+/* A new session takes sequence seq: the source forgets what it kept of it. */
+void kv_draft_reset(kv_draft *dr, uint32_t seq);
 void kv_draft_free(kv_draft *dr);
 enum kv_draft_kind kv_draft_kind(const kv_draft *dr);
 const char *kv_draft_kind_name(enum kv_draft_kind k); /* "none", "ngram", "mtp", "test" */
