@@ -16,7 +16,14 @@
  *     session's tokens, logits and stop reason with the ngram source and
  *     with the test source (the last session's plain tokens at acceptance 0.8, so
  *     accepted and rejected drafts share steps) byte-identical to the same
- *     engine without a source (the reference), with fewer forward passes. */
+ *     engine without a source (the reference), with fewer forward passes;
+ *   - the MTP block (kv_mtp_step) against an f64 reference written here
+ *     from the block's definition (eh_proj over [enorm(embedding);
+ *     hnorm(h)], gated attention with per-head norms and interleaved
+ *     multi-section RoPE over its own K/V, softmax top-k experts and the
+ *     gated shared expert, shared_head_norm, LM head), over a chain of
+ *     positions and after forgetting some; the mtp source in the engine
+ *     exact like the others. */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -26,6 +33,7 @@
 #include "kvasir/quant.h"
 #include "kvtest.h"
 #include "engine/spec.h"
+#include "model/model_internal.h"
 
 static char g_dir[200];
 
@@ -298,6 +306,217 @@ static void test_engine(fixture *f) {
 static void test_engine_qwen3moe(void) { test_engine(&g_fx[0]); }
 static void test_engine_qwen35moe(void) { test_engine(&g_fx[1]); }
 
+/* ---- the MTP block against an f64 reference ---------------------------------- */
+
+/* y = W x for a 2-D F32 weight (or one expert matrix at base), in double */
+static void mv(const kv_weight *w, const float *base, const double *x, double *y) {
+    const float *W = base ? base : (const float *)w->data;
+    const int64_t n = w->ne[0], rows = w->ne[1];
+    for (int64_t r = 0; r < rows; r++) {
+        double acc = 0;
+        for (int64_t j = 0; j < n; j++) acc += (double)W[r * n + j] * x[j];
+        y[r] = acc;
+    }
+}
+static void rms(double *y, const double *x, const float *w, int64_t n, double eps) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const double sc = 1.0 / sqrt(ss / (double)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * sc * (double)w[i];
+}
+static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
+static double silu(double x) { return x * sigm(x); }
+
+/* interleaved multi-section RoPE from its definition: pair i (of n_rot/2,
+ * NeoX pairing i, i + n_rot/2) takes the position of its section's
+ * component (t, h, w cycling over sectors, each within 3x its count; e = 0
+ * for text), angle pos * base^(-2i/n_rot) * freq_scale */
+static void imrope_ref(double *x, const kv_hparams *hp, uint32_t pos) {
+    const int64_t half = hp->n_rot / 2;
+    const int32_t *sec = hp->rope_sections;
+    const int sd = sec[0] + sec[1] + sec[2] + sec[3];
+    for (int64_t i = 0; i < half; i++) {
+        const int sector = (int)(i % sd);
+        double p = 0; /* e */
+        if ((sector % 3 == 1 && sector < 3 * sec[1]) || (sector % 3 == 2 && sector < 3 * sec[2]) ||
+            (sector % 3 == 0 && sector < 3 * sec[0]))
+            p = pos;
+        const double th = p * pow((double)hp->rope_freq_base, -2.0 * (double)i / (double)hp->n_rot) *
+                          (double)hp->rope_freq_scale;
+        const double a = x[i], b = x[i + half];
+        x[i] = a * cos(th) - b * sin(th);
+        x[i + half] = a * sin(th) + b * cos(th);
+    }
+}
+
+#define RMAX 64
+typedef struct mtp_ref {
+    double k[RMAX][256], v[RMAX][256];
+    uint32_t pos[RMAX];
+    uint32_t n;
+} mtp_ref;
+
+/* One MTP position in f64; hout[E], logits[V]. */
+static void mtp_ref_step(const kv_model *m, mtp_ref *r, const float *hin, int32_t tok, uint32_t pos, double *hout,
+                         double *logits) {
+    const kv_hparams *hp = &m->hp;
+    const kv_layer *L = &m->layers[hp->n_layer];
+    const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD;
+    const int64_t KVD = HKV * HD, NE = hp->n_expert, K = hp->n_expert_used, F = hp->n_ff_exp, S = hp->n_ff_shexp;
+    const double eps = hp->rms_eps;
+    double cat[1024], e[512], hh[512], u[512], xb[512], qg[1024], q[512], k[256], v[256], o[512], t[512];
+    const float *emb = (const float *)m->tok_embd.data + (size_t)tok * E;
+    for (int64_t i = 0; i < E; i++) e[i] = emb[i], hh[i] = hin[i];
+    rms(cat, e, L->nextn_enorm.data, E, eps);
+    rms(cat + E, hh, L->nextn_hnorm.data, E, eps);
+    mv(&L->nextn_eh_proj, NULL, cat, u);
+    rms(xb, u, L->attn_norm.data, E, eps);
+    mv(&L->wq, NULL, xb, qg);
+    mv(&L->wk, NULL, xb, k);
+    mv(&L->wv, NULL, xb, v);
+    for (int64_t h = 0; h < H; h++) {
+        rms(q + h * HD, qg + h * 2 * HD, L->q_norm.data, HD, eps);
+        imrope_ref(q + h * HD, hp, pos);
+    }
+    for (int64_t h = 0; h < HKV; h++) {
+        rms(k + h * HD, k + h * HD, L->k_norm.data, HD, eps);
+        imrope_ref(k + h * HD, hp, pos);
+    }
+    /* this position's K/V replaces any at pos or after (what kv_mtp_step's caller forgot) */
+    uint32_t n = 0;
+    while (n < r->n && r->pos[n] < pos) n++;
+    memcpy(r->k[n], k, KVD * sizeof(double));
+    memcpy(r->v[n], v, KVD * sizeof(double));
+    r->pos[n] = pos;
+    r->n = n + 1;
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t kh = h / (H / HKV);
+        double sc[RMAX], mx = -1e300, sum = 0;
+        for (uint32_t j = 0; j < r->n; j++) {
+            double dd = 0;
+            for (int64_t i = 0; i < HD; i++) dd += q[h * HD + i] * r->k[j][kh * HD + i];
+            sc[j] = dd / sqrt((double)HD);
+            if (sc[j] > mx) mx = sc[j];
+        }
+        for (uint32_t j = 0; j < r->n; j++) sum += (sc[j] = exp(sc[j] - mx));
+        for (int64_t i = 0; i < HD; i++) {
+            double acc = 0;
+            for (uint32_t j = 0; j < r->n; j++) acc += sc[j] / sum * r->v[j][kh * HD + i];
+            o[h * HD + i] = acc * sigm(qg[h * 2 * HD + HD + i]);
+        }
+    }
+    (void)QD;
+    mv(&L->wo, NULL, o, t);
+    double x[512], ffn[512], pr[256], g[512], up[512], act[512], y[512];
+    for (int64_t i = 0; i < E; i++) x[i] = u[i] + t[i], ffn[i] = 0;
+    rms(xb, x, L->post_norm.data, E, eps);
+    mv(&L->gate_inp, NULL, xb, pr);
+    double mx = -1e300, sum = 0;
+    for (int64_t i = 0; i < NE; i++) mx = pr[i] > mx ? pr[i] : mx;
+    for (int64_t i = 0; i < NE; i++) sum += (pr[i] = exp(pr[i] - mx));
+    for (int64_t i = 0; i < NE; i++) pr[i] /= sum;
+    int ids[16];
+    double w[16], ws = 0;
+    for (int64_t rr = 0; rr < K; rr++) {
+        int best = -1;
+        for (int64_t ex = 0; ex < NE; ex++) {
+            bool taken = false;
+            for (int64_t qq = 0; qq < rr; qq++) taken |= ids[qq] == ex;
+            if (!taken && (best < 0 || pr[ex] > pr[best])) best = (int)ex;
+        }
+        ids[rr] = best;
+        ws += (w[rr] = pr[best]);
+    }
+    for (int64_t rr = 0; rr < K; rr++) {
+        if (hp->expert_weights_norm) w[rr] /= ws;
+        const int ex = ids[rr];
+        mv(&L->gate_exps, (const float *)((const uint8_t *)L->gate_exps.data + (size_t)ex * L->gate_exps.nb2), xb, g);
+        mv(&L->up_exps, (const float *)((const uint8_t *)L->up_exps.data + (size_t)ex * L->up_exps.nb2), xb, up);
+        for (int64_t i = 0; i < F; i++) act[i] = silu(g[i]) * up[i];
+        mv(&L->down_exps, (const float *)((const uint8_t *)L->down_exps.data + (size_t)ex * L->down_exps.nb2), act, y);
+        for (int64_t i = 0; i < E; i++) ffn[i] += w[rr] * y[i];
+    }
+    mv(&L->gate_shexp, NULL, xb, g);
+    mv(&L->up_shexp, NULL, xb, up);
+    for (int64_t i = 0; i < S; i++) act[i] = silu(g[i]) * up[i];
+    mv(&L->down_shexp, NULL, act, y);
+    double gs;
+    mv(&L->gate_inp_shexp, NULL, xb, &gs);
+    for (int64_t i = 0; i < E; i++) x[i] += ffn[i] + y[i] * sigm(gs);
+    rms(hout, x, (L->nextn_head_norm.data ? L->nextn_head_norm.data : m->output_norm.data), E, eps);
+    mv(&m->output, NULL, hout, logits);
+}
+
+static void test_mtp_f64(void) {
+    const kv_model *m = g_fx[1].m;
+    const kv_hparams *hp = &m->hp;
+    const uint32_t E = hp->n_embd, V = hp->n_vocab;
+    ASSERT_TRUE(E <= 512 && (int64_t)hp->n_head_kv * hp->head_dim <= 256 && m->tok_embd.type == KV_TYPE_F32);
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    kv_mtp *t = NULL;
+    ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
+    ASSERT_EQ(kv_mtp_new(&t, m, pool, 2, &d), 0);
+    if (!t) return;
+    static mtp_ref r;
+    memset(&r, 0, sizeof r);
+    float h[512], ho[512];
+    double rh[512], rl[1024];
+    float *lg = malloc(V * sizeof *lg);
+    for (uint32_t i = 0; i < E; i++) h[i] = (float)((int)rnd(2001) - 1000) / 700.0f;
+    /* positions 0..5 chained on the block's own output, then 3 again after forgetting from 3 */
+    const uint32_t seqpos[] = {0, 1, 2, 3, 4, 5, 3, 4};
+    double worst = 0, worst_h = 0;
+    for (size_t st = 0; st < sizeof seqpos / sizeof *seqpos; st++) {
+        const uint32_t pos = seqpos[st];
+        const int32_t tok = (int32_t)(3 + rnd(V - 3));
+        if (st == 6) kv_mtp_forget(t, 1, 3);
+        ASSERT_EQ(kv_mtp_step(t, 1, h, tok, pos, ho, lg, &d), 0);
+        mtp_ref_step(m, &r, h, tok, pos, rh, rl);
+        double lmax = 0;
+        for (uint32_t i = 0; i < V; i++) lmax = fabs(rl[i]) > lmax ? fabs(rl[i]) : lmax;
+        for (uint32_t i = 0; i < V; i++) {
+            const double e = fabs((double)lg[i] - rl[i]) / lmax;
+            worst = e > worst ? e : worst;
+        }
+        for (uint32_t i = 0; i < E; i++) {
+            const double e = fabs((double)ho[i] - rh[i]);
+            worst_h = e > worst_h ? e : worst_h;
+        }
+        memcpy(h, ho, sizeof h);
+    }
+    fprintf(stderr, "  mtp vs f64: logits max error %.3g of the largest, hidden %.3g\n", worst, worst_h);
+    ASSERT_TRUE(worst < 1e-4);
+    ASSERT_TRUE(worst_h < 1e-3);
+    /* sequence 0 untouched by sequence 1's positions; out-of-range refused */
+    ASSERT_EQ(kv_mtp_step(t, 2, h, 5, 0, ho, lg, &d), KV_ERANGE);
+    ASSERT_EQ(kv_mtp_step(t, 0, h, (int32_t)V, 0, ho, lg, &d), KV_ERANGE);
+    ASSERT_EQ(kv_mtp_step(t, 0, h, 5, KV_MTP_MAX_POS, ho, lg, &d), KV_ERANGE);
+    /* a model without an MTP block is refused */
+    kv_mtp *t2 = NULL;
+    ASSERT_EQ(kv_mtp_new(&t2, g_fx[0].m, pool, 1, &d), KV_EUNSUPPORTED);
+    free(lg);
+    kv_mtp_free(t);
+    kv_pool_free(pool);
+}
+
+/* The mtp source in the engine: exact like every source; the drafts come
+ * (acceptance on synthetic weights is what it is: reported, not asserted). */
+static void test_engine_mtp(void) {
+    fixture *f = &g_fx[1];
+    for (int mode = 0; mode < 2; mode++) {
+        res a[NS] = {0}, b[NS] = {0};
+        kv_engine_stats ea, eb;
+        run_engine(f, NULL, mode, a, &ea);
+        run_engine(f, "mtp", mode, b, &eb);
+        check_same(f, a, b, mode, "mtp");
+        for (int i = 0; i < NS; i++) free(a[i].logits);
+        ASSERT_TRUE(eb.spec_drafted > 0);
+        fprintf(stderr, "  mode %d: mtp accepted %llu of %llu drafted\n", mode, (unsigned long long)eb.spec_accepted,
+                (unsigned long long)eb.spec_drafted);
+    }
+}
+
 static void test_opts(void) {
     kv_diag d = {0};
     kv_engine *e = NULL;
@@ -330,7 +549,8 @@ static void teardown(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_ngram),           KVT_CASE(test_rollback_qwen3moe), KVT_CASE(test_rollback_qwen35moe),
-    KVT_CASE(test_engine_qwen3moe), KVT_CASE(test_engine_qwen35moe),  KVT_CASE(test_opts),
+    KVT_CASE(test_engine_qwen3moe), KVT_CASE(test_engine_qwen35moe),  KVT_CASE(test_mtp_f64),
+    KVT_CASE(test_engine_mtp),      KVT_CASE(test_opts),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
