@@ -5,14 +5,15 @@
 # logits of every generated token (--logits-out) byte for byte of the same run
 # without --draft (the reference: plain decoding, one token per forward
 # pass), greedy and seeded (top-k/top-p/min-p off and on), with penalties and
-# a logit-free grammar run, for the ngram source and the test source at
+# under a grammar, for the ngram source and the test source at
 # acceptance 0, 0.5 and 1 (its recorded continuation is the plain run's own
 # tokens) with K = 1, 3 and 7, and (qwen35moe) the model's own MTP block; the measured acceptance (accepted / drafted)
 # is 0 at 0, 1 at 1 and within 0.15 of 0.5; at acceptance 1 with K = 3 the
 # forward passes drop to about a quarter. Then the same over two `kvasir
 # worker` processes holding the experts (the verify pass's k+1 positions go
 # in one request per layer): the same bytes as the local plain run. Then a
-# gateway with --draft ngram answers what one without answers and /metrics
+# gateway with --draft ngram answers what one without answers (text and
+# log-probabilities) and /metrics
 # reports drafted, accepted and acceptance. Bad --draft values are refused
 # with a message naming the flag.
 set -euo pipefail
@@ -104,6 +105,15 @@ for arch in q3 q35; do
       echo "test_spec: $arch $mode mtp: $(jq -c .spec "$DIR/$arch-$mode-mtp.json")"
     done
   fi
+  # under a grammar: each position's mask follows the tokens taken before it
+  printf 'root ::= "the " word (" " word)* "."\nword ::= [a-z]+\n' >"$DIR/g.gbnf"
+  run "$arch-gram" "$DIR/$arch.gguf" "${SEEDED[@]}" --grammar "$DIR/g.gbnf"
+  jq -r '.tokens | map(tostring) | join(" ")' "$DIR/$arch-gram.json" >"$DIR/$arch-gram.rec"
+  run "$arch-gram-ngram" "$DIR/$arch.gguf" "${SEEDED[@]}" --grammar "$DIR/g.gbnf" --draft ngram
+  same "$arch-gram" "$arch-gram-ngram"
+  run "$arch-gram-test" "$DIR/$arch.gguf" "${SEEDED[@]}" --grammar "$DIR/g.gbnf" --draft "test:$DIR/$arch-gram.rec:0.7"
+  same "$arch-gram" "$arch-gram-test"
+  [ "$(jq -r .stop "$DIR/$arch-gram.json")" = "$(jq -r .stop "$DIR/$arch-gram-test.json")" ] || fail "$arch: grammar stop"
   echo "test_spec: $arch: exact with ngram and test sources"
 done
 
@@ -173,6 +183,17 @@ for seed in -1 5 77; do
   a=$(complete "$P" "$seed")
   b=$(complete "$Q" "$seed")
   [ -n "$a" ] && [ "$a" = "$b" ] || fail "gateway seed $seed: '$b' differs from '$a'"
+done
+# log-probabilities ride with each waiting token: the same numbers
+lp() { # ADDR SEED -> the completion's logprobs object
+  jq -n --arg p "$PROMPT" --argjson s "$2" '{model:"m",prompt:$p,max_tokens:24,temperature:0.8,seed:$s,logprobs:3}' |
+    curl -sf "http://$1/v1/completions" -H 'content-type: application/json' -d @- | jq -c '.choices[0].logprobs' ||
+    fail "logprobs request to $1"
+}
+for seed in 3 4; do
+  a=$(lp "$P" "$seed")
+  b=$(lp "$Q" "$seed")
+  [ "$a" != null ] && [ "$a" = "$b" ] || fail "gateway logprobs seed $seed differ: $a vs $b"
 done
 metric() { curl -sf "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
 dr=$(metric "$Q" kvasir_gateway_spec_drafted_tokens_total)
