@@ -922,7 +922,8 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
         s->products += (uint64_t)hp->n_expert_used * ((uint64_t)hp->n_layer * t - (dropped ? t - wanted : 0));
         s->st.steps++;
         /* a verify step's fed tokens enter the history once it is known which are kept */
-        if ((e->pc || e->draft) && !s->n_draft) kv_pc_hist_add(s, s->chunk ? s->prompt + s->prompt_at : &s->pending, (uint32_t)t);
+        if ((e->pc || e->draft) && !s->n_draft)
+            kv_pc_hist_add(s, s->chunk ? s->prompt + s->prompt_at : &s->pending, (uint32_t)t);
         if (s->chunk) {
             s->prompt_at += s->chunk;
             s->st.n_prompt += s->chunk;
