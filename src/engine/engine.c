@@ -184,13 +184,13 @@ static int kv_engine_alloc(kv_engine **out, const kv_engine_opts *opts, kv_diag 
     if (o.n_ctx > KV_MAX_CTX) return kv_fail(d, KV_EINVAL, "engine: context %u exceeds max %u", o.n_ctx, KV_MAX_CTX);
     if (o.kv_type != KV_TYPE_F32 && o.kv_type != KV_TYPE_F16)
         return kv_fail(d, KV_EINVAL, "engine: KV cache type %u is not f32 or f16", o.kv_type);
+    if (o.draft_max > KV_DRAFT_MAX)
+        return kv_fail(d, KV_EINVAL, "engine: draft-max %u exceeds max %u", o.draft_max, KV_DRAFT_MAX);
     kv_engine *e = calloc(1, sizeof *e);
     if (!e) return kv_fail(d, KV_ENOMEM, "engine: out of memory");
     e->o = o;
     e->max_sessions = o.max_sessions;
     e->n_batch = o.n_batch;
-    if (o.draft_max > KV_DRAFT_MAX)
-        return kv_fail(d, KV_EINVAL, "engine: draft-max %u exceeds max %u", o.draft_max, KV_DRAFT_MAX);
     const bool spec = o.draft && o.draft[0] && strcmp(o.draft, "none");
     e->draft_max = spec ? (o.draft_max ? o.draft_max : 3) : 0;
     e->draft_budget = e->draft_max * (o.max_sessions < KV_SPEC_SESSIONS ? o.max_sessions : KV_SPEC_SESSIONS);
