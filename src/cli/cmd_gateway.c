@@ -35,7 +35,7 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
                                              "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms", "--placement",
-                                             "--chat-template", "--prompt-cache", "--cors",
+                                             "--chat-template", "--prompt-cache", "--cors", "--draft", "--draft-max",
                                              "--tls-cert", "--tls-key", NULL};
 
 static const char *kv_gateway_help =
@@ -95,6 +95,9 @@ static const char *kv_gateway_help =
     "  --prompt-cache SIZE  memory for the prompt cache (prefixes reused across requests: KV blocks\n"
     "                       and recurrent states, least recently used evicted), e.g. 512M, 4G; 0 = off\n"
     "                       (default 1G; at most 1T; docs/GATEWAY.md)\n"
+    "  --draft SRC          speculative decoding: none (default), ngram or mtp; the same tokens with\n"
+    "                       fewer forward passes (docs/SPECULATIVE.md); --draft-max K drafted tokens\n"
+    "                       per pass, 1..15 (default 3); /metrics reports acceptance\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
@@ -185,6 +188,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     long request_s = 30, parse_max = 0;
     uint64_t prompt_cache = (uint64_t)1 << 30;
     bool prompt_cache_given = false;
+    const char *draft = NULL;
+    long draft_max = 0;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
     const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
     uint64_t price_p = 1, price_c = 2;
@@ -315,6 +320,11 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (kv_node_parse_size(v, &prompt_cache, &sd) || prompt_cache > ((uint64_t)1 << 40))
                 return kv_cli_err(CMD, 1, "--prompt-cache: '%s' is not a size up to 1T (e.g. 512M, 4G, 0 = off)", v);
             prompt_cache_given = true;
+        } else if (!strcmp(a, "--draft")) {
+            if (strlen(v) > 4096) return kv_cli_err(CMD, 1, "--draft: longer than 4096 bytes");
+            draft = v;
+        } else if (!strcmp(a, "--draft-max")) {
+            if (kv_arg_long(CMD, a, v, 1, 15, &draft_max)) return 1;
         } else if (!strcmp(a, "--parallel")) {
             if (kv_arg_long(CMD, a, v, 1, KV_ENGINE_MAX_SESSIONS, &parallel)) return 1;
         } else if (!strcmp(a, "--queue")) {
@@ -364,6 +374,9 @@ int kv_cmd_gateway(int argc, char **argv) {
     if (n_rings && prompt_cache_given && prompt_cache)
         return kv_cli_err(CMD, 1, "--prompt-cache with --ring is not supported yet (docs/GATEWAY.md \"Prompt cache\"): "
                           "the ring's nodes hold the KV of their windows");
+    if (n_rings && (draft || draft_max))
+        return kv_cli_err(CMD, 1, "--draft with --ring is not supported yet: the ring's last node samples");
+    if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
     if (n_rings && ledger)
         return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
                           "must hold a payment before compute, and only the ring knows the prompt's token count");
@@ -511,7 +524,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .worker_keys = (const uint8_t(*)[32])auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
                                .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,
-                               .prompt_cache_bytes = prompt_cache};
+                               .prompt_cache_bytes = prompt_cache, .draft = draft,
+                               .draft_max = (uint32_t)draft_max};
     if (kv_engine_open(&e, model, &eo, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
