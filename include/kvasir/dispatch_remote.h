@@ -152,6 +152,9 @@ typedef struct kv_remote_stats {
  * samples: not for the hot path. */
 void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out);
 void kv_remote_reset_stats(kv_remote *r);
+/* The hedge counters of kv_remote_stats alone (cheap: for every step's
+ * metrics). NULL pointers are skipped. */
+void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late);
 
 /* ---- per-session work tally ---------------------------------------------
  * What the coordinator dispatched to, and took back from, each worker, per

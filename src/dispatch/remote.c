@@ -1937,6 +1937,12 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     free(tmp);
 }
 
+void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late) {
+    if (sent) *sent = r->n_hedges;
+    if (won) *won = r->n_hedges_won;
+    if (late) *late = r->n_late;
+}
+
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
