@@ -161,9 +161,9 @@
                                            per probe that was still slow ... */
 #define KV_REMOTE_PROBE_MAX_S 60.0      /*   ... up to this */
 #define KV_REMOTE_LAT_RING 32u          /* answer times kept per worker for its p50 and p95 */
-#define KV_REMOTE_HEDGE_FACTOR 2.0      /* a request is hedged after this times its worker's p95 ... */
-#define KV_REMOTE_HEDGE_TAIL 8.0        /*   ... but no later than this times its p50 ... */
-#define KV_REMOTE_HEDGE_FLOOR_S 0.02    /*   ... and no sooner than this */
+#define KV_REMOTE_HEDGE_FACTOR 1.5      /* a request is hedged after this times its worker's p95 ... */
+#define KV_REMOTE_HEDGE_TAIL 4.0        /*   ... but no later than this times its p50 ... */
+#define KV_REMOTE_HEDGE_FLOOR_S 0.01    /*   ... and no sooner than this */
 #define KV_REMOTE_HEDGE_BUDGET 0.1      /* hedges per request sent, by default */
 #define KV_REMOTE_HEDGE_BURST 4.0       /* hedges that may be sent back to back */
 #define KV_REMOTE_MAX_GHOSTS 4u         /* superseded requests awaited per worker */
