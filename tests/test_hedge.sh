@@ -5,14 +5,17 @@
 # of a sliced qwen3moe model and answer each request 5 ms late (--test-delay,
 # a stand-in for a network round trip); one of them also stalls STALL_MS on
 # every second request it takes (--test-stall-ms/--test-stall-every, test
-# only). The same greedy decode runs in one process on the GGUF, over the two
-# healthy workers, and over a healthy one and the staller:
+# only); a fourth answers 40 ms late. The same greedy decode runs in one
+# process on the GGUF, over the two healthy workers, over a healthy one and
+# the staller, and over both healthy ones and the slow one:
 #   - tokens and every logit row are byte-identical to the one-process run in
-#     both (whichever replica answers, and whichever answer of a hedged
+#     each (whichever replica answers, and whichever answer of a hedged
 #     request wins);
 #   - with the staller, requests were hedged (counted in the run's JSON), the
 #     replica won, and the decode took less than half a stall longer than the
 #     healthy one: no stall was waited for (each would add STALL_MS);
+#   - with three replicas of different speeds, the slow one gets fewer pairs
+#     than each fast one (load-aware choice), the fast ones some;
 #   - a gateway over the healthy worker and a fresh staller answers a
 #     completion with the text of `kvasir run`, and its /metrics counts the
 #     hedges (kvasir_gateway_hedges_total, _hedges_won_total).
@@ -55,11 +58,11 @@ if "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --allow-key "$PK" 
 fi
 grep -q -- "--test-stall-ms" "$D/bad.err" || fail "--test-stall-every alone: $(cat "$D/bad.err")"
 
-# start_worker NAME [FLAGS...]: sets $addr
+# start_worker NAME DELAY_MS [FLAGS...]: sets $addr
 start_worker() {
-  local name=$1
-  shift
-  "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" --test-delay=5 "$@" \
+  local name=$1 delay=$2
+  shift 2
+  "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" --test-delay="$delay" "$@" \
     >"$D/$name.out" 2>"$D/$name.err" &
   PIDS+=("$!")
   eval "pid_$name=$!"
@@ -72,12 +75,14 @@ start_worker() {
   fail "worker $name did not start: $(cat "$D/$name.err")"
 }
 STALL=(--test-stall-ms=$STALL_MS --test-stall-every=2)
-start_worker a
+start_worker a 5
 A=$addr
-start_worker b
+start_worker b 5
 B=$addr
-start_worker s "${STALL[@]}"
+start_worker s 5 "${STALL[@]}"
 S=$addr
+start_worker z 40
+Z=$addr
 
 P="The swarm computes every expert where it lives, and the tokens come out the same"
 RUN=(-p "$P" -n $N --temp 0 --json --threads 1)
@@ -119,9 +124,23 @@ awk -v ts="$ts" -v th="$th" -v st="$STALL_MS" 'BEGIN { exit !(ts < th + st / 200
 awk -v ts="$ts" 'BEGIN { exit !(ts < 30) }' || fail "the decode took $ts s"
 echo "ok: byte-identical with and without a stalling replica; no stall waited for"
 
+# ---- three replicas of different speeds: the slow one gets the least work ------
+"$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$Z" --worker "$B" --key "$D/coord.key" "${RUN[@]}" \
+  --logits-out "$D/mixed.bin" >"$D/mixed.json" || fail "run over replicas of different speeds"
+[ "$(jq -c .tokens "$D/local.json")" = "$(jq -c .tokens "$D/mixed.json")" ] || fail "mixed speeds: tokens differ"
+cmp -s "$D/local.bin" "$D/mixed.bin" || fail "mixed speeds: logits differ"
+pa=$(jq '.dispatch.workers[0].pairs' "$D/mixed.json")
+pz=$(jq '.dispatch.workers[1].pairs' "$D/mixed.json")
+pb=$(jq '.dispatch.workers[2].pairs' "$D/mixed.json")
+echo "replicas answering 5, 40 and 5 ms late: $pa, $pz, $pb pairs; estimates" \
+  "$(jq -c '[.dispatch.workers[].latency_ms | . * 10 | round / 10]' "$D/mixed.json") ms"
+[ "$pz" -lt "$pa" ] && [ "$pz" -lt "$pb" ] || fail "the slow replica got more work than a fast one ($pa, $pz, $pb)"
+[ "$pa" -gt 0 ] && [ "$pb" -gt 0 ] || fail "a fast replica got no work ($pa, $pz, $pb)"
+echo "ok: replicas of different speeds: byte-identical, the slow one least used"
+
 # ---- a gateway: the same, and its /metrics counts the hedges ----------------------
 kill "$pid_s" 2>/dev/null || true
-start_worker s2 "${STALL[@]}"
+start_worker s2 5 "${STALL[@]}"
 S2=$addr
 "$BIN" gateway --listen 127.0.0.1:0 --threads 1 -m "$D/coord/manifest.json" --worker "$A" --worker "$S2" \
   --key "$D/coord.key" >"$D/gw.out" 2>"$D/gw.err" &

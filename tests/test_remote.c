@@ -735,7 +735,11 @@ static void test_slow_replica(void) {
     ASSERT_TRUE(new_worker_all(&w[1], "--test-delay=900"));
     const char *addrs[2] = {w[0].addr, w[1].addr};
     kv_diag d = {0};
+    /* without hedging: its first request is waited for and demotes it (with
+       hedging it would be superseded and never waited for: test_hedge.sh) */
+    g_hedge_budget = -1;
     kv_remote *r = open_remote_t(addrs, 2, KV_ENC_F32, NULL, 1000, RECONNECT_MS, &d);
+    g_hedge_budget = 0;
     if (!r) KVT_FAIL("open: %s", d.msg);
     ASSERT_TRUE(r != NULL);
     if (r) {
@@ -1122,8 +1126,10 @@ static void test_verified(void) {
         caught_log cl = {0};
         char mid[KV_PROTO_MODEL_ID_LEN + 1];
         cl.model_id = mid;
+        /* without hedging: every answer is waited for and checked (a superseded
+           one is discarded unchecked, so a lie in it would go unseen here) */
         kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                            NULL, 0, false, &vo, 0.05, on_caught, &cl, false, 0};
+                            NULL, 0, false, &vo, 0.05, on_caught, &cl, false, -1};
         kv_diag d = {0};
         kv_remote *r = NULL;
         ASSERT_EQ(kv_remote_open(&r, slices_man, g_pool, &o, &d), 0);

@@ -29,8 +29,8 @@
  *      its slots stay pending for the next round, on another holder or
  *      locally. A request not answered by its hedge time (below) is also
  *      sent, whole, to a replica; each slot takes the first answer that
- *      passes every check, and the other request is superseded. A round either finishes slots or drops a worker, so rounds
- *      are bounded. When a pending expert has no holder up, every worker
+ *      passes every check, and the other request is superseded. A round
+ *      either finishes slots or drops a worker, so rounds are bounded. When a pending expert has no holder up, every worker
  *      that is down is dialed at once and the handshakes awaited (once per
  *      call: a holder may have restarted, or closed an idle connection);
  *      if still nobody holds it, compute fails with a message naming it
@@ -59,7 +59,9 @@
  * times. A request is hedged at KV_REMOTE_HEDGE_FACTOR times its worker's
  * p95, but no later than KV_REMOTE_HEDGE_TAIL times its p50 (a worker that
  * stalls often has the stalls in its p95) and no sooner than
- * KV_REMOTE_HEDGE_FLOOR_S; never before the worker's first answer. The
+ * KV_REMOTE_HEDGE_FLOOR_S (before the worker's first answer:
+ * KV_REMOTE_HEDGE_TAIL times the fastest other worker's estimate, as soon
+ * as one has answered, in the same round if need be). The
  * hedge goes to a replica that holds every expert of the request, is up,
  * idle and not demoted, the one expected to answer first; at most one per
  * request, none of a hedge, and no more than hedge_budget per request sent
@@ -167,9 +169,9 @@
 #define KV_REMOTE_HEDGE_BUDGET 0.1      /* hedges per request sent, by default */
 #define KV_REMOTE_HEDGE_BURST 4.0       /* hedges that may be sent back to back */
 #define KV_REMOTE_MAX_GHOSTS 4u         /* superseded requests awaited per worker */
-#define KV_REMOTE_LAT_STALE_S 1.0       /* an answer time older than this no longer steers the choice */
-#define KV_REMOTE_PICK_SLACK 0.25       /* expected times closer than this fraction of the larger ... */
-#define KV_REMOTE_PICK_SLACK_S 0.0005   /*   ... plus this are equal: shared by load and rotation */
+#define KV_REMOTE_LAT_STALE_S 0.5       /* an answer time older than this no longer steers the choice */
+#define KV_REMOTE_PICK_RATIO 2.0        /* a holder is preferred when expected to answer this many */
+#define KV_REMOTE_PICK_SLACK_S 0.0005   /*   times sooner, plus this; else load and rotation decide */
 #define KV_REMOTE_PROTO_MIN KV_PROTO_AUTH_VERSION /* v1 workers cannot prove their slabs' bytes,
                                                     v2 workers cannot authenticate */
 
@@ -758,7 +760,9 @@ static void kv_rw_lat_add(kv_rw *w, double t) {
     w->lat_s = w->lat_s > 0 ? w->lat_s + KV_REMOTE_LAT_ALPHA * (t - w->lat_s) : t;
 }
 
-/* Quantile q (0..1) of w's last answer times, seconds; 0 when none. */
+/* Quantile q (0..1) of w's last answer times, seconds; 0 when none. The
+ * lower of two neighbours below the median and the upper above it: with
+ * few samples a stall sets the p95 but not the p50. */
 static double kv_rw_lat_q(const kv_rw *w, double q) {
     float v[KV_REMOTE_LAT_RING];
     const uint32_t n = w->n_lat < KV_REMOTE_LAT_RING ? w->n_lat : KV_REMOTE_LAT_RING;
@@ -769,18 +773,29 @@ static double kv_rw_lat_q(const kv_rw *w, double q) {
         for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
         v[j] = x;
     }
-    return v[(uint32_t)((double)(n - 1) * q + 0.5)];
+    const double x = (double)(n - 1) * q;
+    return v[q <= 0.5 ? (uint32_t)x : (uint32_t)ceil(x)];
 }
 
 /* Seconds after which a request to w that is still unanswered is hedged:
  * KV_REMOTE_HEDGE_FACTOR times its p95, but no more than
  * KV_REMOTE_HEDGE_TAIL times its p50 (a replica that stalls often has its
- * stalls in its p95), and no less than KV_REMOTE_HEDGE_FLOOR_S. INFINITY
- * before its first answer (nothing to derive a deadline from). */
-static double kv_rw_hedge_delay(const kv_rw *w) {
-    if (!w->n_lat) return INFINITY;
-    const double a = KV_REMOTE_HEDGE_FACTOR * kv_rw_lat_q(w, 0.95), b = KV_REMOTE_HEDGE_TAIL * kv_rw_lat_q(w, 0.5);
-    const double s = a < b ? a : b;
+ * stalls in its p95), and no less than KV_REMOTE_HEDGE_FLOOR_S. Before its
+ * first answer, KV_REMOTE_HEDGE_TAIL times the fastest estimate of the
+ * other workers up (a first request can stall too); INFINITY when none is
+ * measured. */
+static double kv_rw_hedge_delay(const kv_remote *r, const kv_rw *w) {
+    double s;
+    if (w->n_lat) {
+        const double a = KV_REMOTE_HEDGE_FACTOR * kv_rw_lat_q(w, 0.95), b = KV_REMOTE_HEDGE_TAIL * kv_rw_lat_q(w, 0.5);
+        s = a < b ? a : b;
+    } else {
+        double best = INFINITY;
+        for (uint32_t i = 0; i < r->n_w; i++)
+            if (&r->w[i] != w && r->w[i].state == KV_RW_UP && r->w[i].lat_s > 0 && r->w[i].lat_s < best)
+                best = r->w[i].lat_s;
+        s = KV_REMOTE_HEDGE_TAIL * best;
+    }
     return s > KV_REMOTE_HEDGE_FLOOR_S ? s : KV_REMOTE_HEDGE_FLOOR_S;
 }
 
@@ -1192,7 +1207,6 @@ static int kv_remote_open_local(kv_remote *r, kv_pieces *pc, kv_diag *d) {
 
 /* ---- the provider ------------------------------------------------------ */
 
-
 /* Builds and queues w's (worker wi's) COMPUTE for the slots that worker
  * owner owns this round: its own (owner == wi), or, as a hedge, another's.
  * probe_e >= 0: a probe of demoted w instead, with the slots of expert
@@ -1244,7 +1258,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, int32_t owner, const 
     w->n_req++;
     w->twin = -1;
     w->is_hedge = false;
-    w->hedge_at = owner == wi ? w->sent_at + kv_rw_hedge_delay(w) : INFINITY; /* a hedge is not hedged */
+    w->hedge_at = owner == wi ? w->sent_at + kv_rw_hedge_delay(r, w) : INFINITY; /* a hedge is not hedged */
     if (owner == wi && r->hedge_budget > 0) {
         r->hedge_tokens += r->hedge_budget;
         if (r->hedge_tokens > KV_REMOTE_HEDGE_BURST) r->hedge_tokens = KV_REMOTE_HEDGE_BURST;
@@ -1257,23 +1271,26 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, int32_t owner, const 
  * backlog, its answer time, the pairs it already has this round), compared
  * between two of them drawn at random when there are more than two (the
  * power of two choices: coordinators with stale estimates do not all herd
- * onto the one that looked fastest); expectations within
- * KV_REMOTE_PICK_SLACK of each other count as equal (noise between
- * replicas of one speed must not starve one of work and of measurement)
- * and go to the one with fewer pairs this round, then by a rotation keyed
- * on e. A holder is
- * demoted while its estimated answer time exceeds KV_REMOTE_SLOW_FACTOR
- * times the fastest holder's plus KV_REMOTE_SLOW_MARGIN_S (an unmeasured
- * one counts as fast, so it gets measured); the fastest is never demoted,
- * so an expert with any holder up gets one. A demoted holder gets a probe
- * once its wait is over (probe_e1, sent by kv_remote_chunk). */
+ * onto the one that looked fastest); one is preferred only when expected
+ * to answer KV_REMOTE_PICK_RATIO times sooner, else the two count as equal
+ * (noise between replicas of one speed must not starve one of work and of
+ * measurement) and the one with fewer pairs this round gets it, then by a
+ * rotation keyed on e. A holder is demoted while its estimated answer time exceeds
+ * KV_REMOTE_SLOW_FACTOR times the fastest holder's plus
+ * KV_REMOTE_SLOW_MARGIN_S (an unmeasured one counts as fast, so it gets
+ * measured); the fastest is never demoted, so an expert with any holder up
+ * gets one. A demoted holder gets a probe once its wait is over (probe_e1,
+ * sent by kv_remote_chunk). */
 static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) {
     const size_t k = (size_t)L * r->n_expert + e;
+    /* demotion compares answer times with the backlog added: a holder stalled
+       on a superseded request is not the fast one while the stall lasts */
     double fastest = INFINITY, measured = INFINITY; /* any holder's estimate; a timed holder's */
     for (uint32_t i = 0; i < r->n_w; i++) {
         const kv_rw *w = &r->w[i];
         if (w->state != KV_RW_UP || !w->holds[k]) continue;
-        if (w->lat_s < fastest) fastest = w->lat_s;
+        const double eff = w->lat_s + kv_rw_backlog(w, now);
+        if (eff < fastest) fastest = eff;
         if (w->lat_s > 0 && w->lat_s < measured) measured = w->lat_s;
     }
     const double slow = KV_REMOTE_SLOW_FACTOR * fastest + KV_REMOTE_SLOW_MARGIN_S;
@@ -1283,12 +1300,12 @@ static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) 
         const uint32_t i = (uint32_t)((k + j) % r->n_w);
         kv_rw *w = &r->w[i];
         if (w->state != KV_RW_UP || !w->holds[k]) continue;
-        if (w->lat_s > slow) {
+        if (w->lat_s + kv_rw_backlog(w, now) > slow) {
             if (w->probe_at == 0) {
                 w->probe_at = now + kv_rw_probe_wait(w);
                 if (!w->slow_probes)
-                    kv_rlog(r, "worker %s demoted: answers in %.0f ms, a replica in %.0f ms", w->addr, w->lat_s * 1e3,
-                            fastest * 1e3);
+                    kv_rlog(r, "worker %s demoted: answers in %.0f ms (%.0f ms more in flight), a replica in %.0f ms",
+                            w->addr, w->lat_s * 1e3, kv_rw_backlog(w, now) * 1e3, fastest * 1e3);
             } else if (now >= w->probe_at && !w->probing && !w->probe_e1) {
                 w->probe_e1 = e + 1;
             }
@@ -1309,12 +1326,13 @@ static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) 
     for (uint32_t j = 0, c = 0; j < r->n_w; j++) {
         const uint32_t i = (uint32_t)((k + j) % r->n_w);
         const kv_rw *w = &r->w[i];
-        if (w->state != KV_RW_UP || !w->holds[k] || w->lat_s > slow) continue;
+        if (w->state != KV_RW_UP || !w->holds[k] || w->lat_s + kv_rw_backlog(w, now) > slow) continue;
         const uint32_t ci = c++;
         if (n_cand > 2 && ci != c0 && ci != c1) continue;
         const double t = kv_rw_expect(w, r->load[i] + 1, unmeasured, now);
-        const double hi = t > best_t ? t : best_t, slack = KV_REMOTE_PICK_SLACK * hi + KV_REMOTE_PICK_SLACK_S;
-        if (best < 0 || t + slack < best_t || (!(best_t + slack < t) && r->load[i] < r->load[best])) {
+        const bool better = KV_REMOTE_PICK_RATIO * t + KV_REMOTE_PICK_SLACK_S < best_t;
+        const bool worse = KV_REMOTE_PICK_RATIO * best_t + KV_REMOTE_PICK_SLACK_S < t;
+        if (best < 0 || better || (!worse && r->load[i] < r->load[best])) {
             best = (int32_t)i;
             best_t = t;
         }
@@ -1362,8 +1380,9 @@ static void kv_remote_why(const kv_remote *r, uint32_t L, uint32_t e, char *buf,
 
 /* Hedges the requests in flight that are past their hedge time: each goes
  * once more, whole, to a replica that holds every expert of it, is up,
- * idle, not demoted and has nothing superseded in flight, the one expected
- * to answer first; while the hedge budget lasts (r->hedge_tokens), and
+ * idle, not demoted, has nothing superseded in flight and usually answers
+ * in less time than the request has already waited, the one expected to
+ * answer first; while the hedge budget lasts (r->hedge_tokens), and
  * only when the hedged worker has room for one more superseded request.
  * *wake is lowered to the earliest hedge time still ahead. Returns 0, or
  * an error from queuing. */
@@ -1372,7 +1391,10 @@ static int kv_remote_hedge(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
     if (r->hedge_budget <= 0) return 0;
     for (uint32_t i = 0; i < r->n_w; i++) {
         kv_rw *w = &r->w[i];
-        if (!w->busy || w->twin >= 0 || w->is_hedge || w->hedge_at == INFINITY) continue;
+        if (!w->busy || w->twin >= 0 || w->is_hedge) continue;
+        /* a worker's first request: a replica that has answered since gives it a hedge time */
+        if (w->hedge_at == INFINITY && !w->n_lat) w->hedge_at = w->sent_at + kv_rw_hedge_delay(r, w);
+        if (w->hedge_at == INFINITY) continue;
         if (now < w->hedge_at) {
             if (w->hedge_at - now < *wake) *wake = w->hedge_at - now;
             continue;
@@ -1386,6 +1408,7 @@ static int kv_remote_hedge(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
             const kv_rw *o = &r->w[j];
             if (j == i || o->state != KV_RW_UP || o->busy || o->probing || o->n_ghost || o->caught || o->probe_at > 0)
                 continue;
+            if (o->lat_s > 0 && o->lat_s >= now - w->sent_at) continue; /* not expected to beat the wait so far */
             bool all = true;
             for (uint32_t p = 0; p < w->n_pairs && all; p++)
                 all = o->holds[(size_t)req->layer * r->n_expert + w->pairs[p].expert];
