@@ -171,7 +171,7 @@
 #define KV_REMOTE_MAX_GHOSTS 4u         /* superseded requests awaited per worker */
 #define KV_REMOTE_LAT_STALE_S 0.5       /* an answer time older than this no longer steers the choice */
 #define KV_REMOTE_PICK_RATIO 2.0        /* a holder is preferred when expected to answer this many */
-#define KV_REMOTE_PICK_SLACK_S 0.0005   /*   times sooner, plus this; else load and rotation decide */
+#define KV_REMOTE_PICK_SLACK_S 0.002    /*   times sooner, plus this; else load and rotation decide */
 #define KV_REMOTE_PROTO_MIN KV_PROTO_AUTH_VERSION /* v1 workers cannot prove their slabs' bytes,
                                                     v2 workers cannot authenticate */
 
@@ -816,16 +816,18 @@ static double kv_rw_backlog(const kv_rw *w, double now) {
     return s;
 }
 
-/* When w, given n_pairs (in all) this round, is expected to have answered,
- * in seconds from now: its backlog, then its time per pair (its estimated
- * answer time over the pairs it usually gets per request) times n_pairs.
- * Proportional, so a replica twice as slow gets about half as much.
- * lat_unmeasured stands in for a worker never timed, or not timed for
- * KV_REMOTE_LAT_STALE_S (given work again, it is measured again). */
-static double kv_rw_expect(const kv_rw *w, uint32_t n_pairs, double lat_unmeasured, double now) {
+/* When w, which already has `load` pairs this round, is expected to have
+ * answered one more request, in seconds from now: its backlog, then its
+ * estimated answer time, stretched by the pairs it already has over those
+ * it usually gets per request (a request's time does not scale with its
+ * size below that: a replica that gets small requests must not look slow
+ * per pair and lose its share). lat_unmeasured stands in for a worker
+ * never timed, or not timed for KV_REMOTE_LAT_STALE_S (given work again,
+ * it is measured again). */
+static double kv_rw_expect(const kv_rw *w, uint32_t load, double lat_unmeasured, double now) {
     const double lat = w->lat_s > 0 && now - w->lat_t < KV_REMOTE_LAT_STALE_S ? w->lat_s : lat_unmeasured;
     const double per = w->avg_pairs > 1 ? w->avg_pairs : 1;
-    return kv_rw_backlog(w, now) + lat / per * (double)n_pairs;
+    return kv_rw_backlog(w, now) + lat * (1.0 + (double)load / per);
 }
 
 /* A probe of demoted w was answered after t seconds: the estimate becomes
@@ -1329,7 +1331,7 @@ static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) 
         if (w->state != KV_RW_UP || !w->holds[k] || w->lat_s + kv_rw_backlog(w, now) > slow) continue;
         const uint32_t ci = c++;
         if (n_cand > 2 && ci != c0 && ci != c1) continue;
-        const double t = kv_rw_expect(w, r->load[i] + 1, unmeasured, now);
+        const double t = kv_rw_expect(w, r->load[i], unmeasured, now);
         const bool better = KV_REMOTE_PICK_RATIO * t + KV_REMOTE_PICK_SLACK_S < best_t;
         const bool worse = KV_REMOTE_PICK_RATIO * best_t + KV_REMOTE_PICK_SLACK_S < t;
         if (best < 0 || better || (!worse && r->load[i] < r->load[best])) {
@@ -1413,7 +1415,7 @@ static int kv_remote_hedge(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
             for (uint32_t p = 0; p < w->n_pairs && all; p++)
                 all = o->holds[(size_t)req->layer * r->n_expert + w->pairs[p].expert];
             if (!all) continue;
-            const double t = kv_rw_expect(o, w->n_pairs, w->lat_s, now);
+            const double t = kv_rw_expect(o, 0, w->lat_s, now);
             if (best < 0 || t < best_t) {
                 best = (int32_t)j;
                 best_t = t;
