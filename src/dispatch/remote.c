@@ -1273,7 +1273,8 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, int32_t owner, const 
  * backlog, its answer time, the pairs it already has this round), compared
  * between two of them drawn at random when there are more than two (the
  * power of two choices: coordinators with stale estimates do not all herd
- * onto the one that looked fastest); one is preferred only when expected
+ * onto the one that looked fastest); a holder that still owes a superseded
+ * answer loses to one that owes none; else one is preferred only when expected
  * to answer KV_REMOTE_PICK_RATIO times sooner, else the two count as equal
  * (noise between replicas of one speed must not starve one of work and of
  * measurement) and the one with fewer pairs this round gets it, then by a
@@ -1308,7 +1309,8 @@ static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) 
                 if (!w->slow_probes)
                     kv_rlog(r, "worker %s demoted: answers in %.0f ms (%.0f ms more in flight), a replica in %.0f ms",
                             w->addr, w->lat_s * 1e3, kv_rw_backlog(w, now) * 1e3, fastest * 1e3);
-            } else if (now >= w->probe_at && !w->probing && !w->probe_e1) {
+            } else if (now >= w->probe_at && !w->probing && !w->probe_e1 && !w->n_ghost) {
+                /* (not while it owes a superseded answer: the probe would time the stall) */
                 w->probe_e1 = e + 1;
             }
             continue;
@@ -1331,9 +1333,12 @@ static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) 
         if (w->state != KV_RW_UP || !w->holds[k] || w->lat_s + kv_rw_backlog(w, now) > slow) continue;
         const uint32_t ci = c++;
         if (n_cand > 2 && ci != c0 && ci != c1) continue;
+        /* a holder still owing a superseded answer (a stall, most likely) loses to
+           one that owes none, whatever the estimates: new work would queue behind it */
+        const bool owes = w->n_ghost > 0, best_owes = best >= 0 && r->w[best].n_ghost > 0;
         const double t = kv_rw_expect(w, r->load[i], unmeasured, now);
-        const bool better = KV_REMOTE_PICK_RATIO * t + KV_REMOTE_PICK_SLACK_S < best_t;
-        const bool worse = KV_REMOTE_PICK_RATIO * best_t + KV_REMOTE_PICK_SLACK_S < t;
+        const bool better = (best_owes && !owes) || (owes == best_owes && KV_REMOTE_PICK_RATIO * t + KV_REMOTE_PICK_SLACK_S < best_t);
+        const bool worse = (owes && !best_owes) || (owes == best_owes && KV_REMOTE_PICK_RATIO * best_t + KV_REMOTE_PICK_SLACK_S < t);
         if (best < 0 || better || (!worse && r->load[i] < r->load[best])) {
             best = (int32_t)i;
             best_t = t;
@@ -1382,9 +1387,8 @@ static void kv_remote_why(const kv_remote *r, uint32_t L, uint32_t e, char *buf,
 
 /* Hedges the requests in flight that are past their hedge time: each goes
  * once more, whole, to a replica that holds every expert of it, is up,
- * idle, not demoted, has nothing superseded in flight and usually answers
- * in less time than the request has already waited, the one expected to
- * answer first; while the hedge budget lasts (r->hedge_tokens), and
+ * idle, not demoted and has nothing superseded in flight, the one
+ * expected to answer first; while the hedge budget lasts (r->hedge_tokens), and
  * only when the hedged worker has room for one more superseded request.
  * *wake is lowered to the earliest hedge time still ahead. Returns 0, or
  * an error from queuing. */
@@ -1410,7 +1414,6 @@ static int kv_remote_hedge(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
             const kv_rw *o = &r->w[j];
             if (j == i || o->state != KV_RW_UP || o->busy || o->probing || o->n_ghost || o->caught || o->probe_at > 0)
                 continue;
-            if (o->lat_s > 0 && o->lat_s >= now - w->sent_at) continue; /* not expected to beat the wait so far */
             bool all = true;
             for (uint32_t p = 0; p < w->n_pairs && all; p++)
                 all = o->holds[(size_t)req->layer * r->n_expert + w->pairs[p].expert];
@@ -1500,7 +1503,7 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
         }
         for (uint32_t i = 0; i < r->n_w; i++) { /* probes: answers timed, not waited for, not used */
             kv_rw *w = &r->w[i];
-            if (!w->probe_e1 || r->load[i] || w->busy || w->probing || w->state != KV_RW_UP) continue;
+            if (!w->probe_e1 || r->load[i] || w->busy || w->probing || w->n_ghost || w->state != KV_RW_UP) continue;
             int rc = kv_rw_queue(r, w, (int32_t)i, (int32_t)i, req, t0, n_tok, (int32_t)w->probe_e1 - 1, d);
             if (rc) return rc;
         }
