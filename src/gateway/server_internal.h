@@ -158,6 +158,7 @@ struct kv_gateway {
     uint32_t cov_missing[KV_GW_MISSING_MAX]; /* manifest slab indices of uncovered shards */
     uint64_t steps_retried;     /* failed steps kept for a retry */
     uint64_t workers_added;     /* workers added from the hub's placement */
+    uint64_t hedges, hedges_won, late_answers; /* the remote's hedged requests (kv_remote_get_hedges) */
     /* workers caught lying (kv_gateway_caught): never asked for a receipt,
        never paid; guarded by caught_mu (taken from the engine's hook, inside
        a step, and under mu when a session settles: never the other way) */
