@@ -356,9 +356,11 @@ int kv_cmd_gateway(int argc, char **argv) {
         kv_diag sd = {0};
         char why[300];
         uint32_t ns = 0;
+        bool unreached = false; /* auto: the hub's own error comes next, from the manifest */
         if (kv_ring_hub_site_entries(hub, site_rings, KV_GATEWAY_MAX_RING, &ns, why, sizeof why, &sd)) {
             if (!strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: %s", sd.msg);
             snprintf(why, sizeof why, "%.250s", sd.msg);
+            unreached = true;
         }
         if (ns && ledger && !strcmp(placement, "auto")) {
             snprintf(why, sizeof why, "--ledger is not served over a ring");
@@ -367,7 +369,7 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (!ns && !strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: the hub's %s", why);
         for (uint32_t k = 0; k < ns; k++) rings[n_rings++] = site_rings[k];
         if (!quiet && ns) fprintf(stderr, "gateway: placement sites: the hub's ring of %u sites\n", ns);
-        else if (!quiet) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
+        else if (!quiet && !unreached) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
     }
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
