@@ -221,6 +221,19 @@ void kv_session_free(kv_session *s);
  * token outside the vocabulary, KV_ECTXFULL when the session would exceed
  * n_ctx; nothing is queued then. */
 int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d);
+/* Appends n tokens to s's output as if it had sampled them (they enter the
+ * sampler's history as sampled tokens and count toward opts.max_tokens),
+ * between steps, while it prefills or generates: the model is fed them
+ * (after the token the last step emitted, which was not fed yet) and the
+ * next token is sampled after the last of them. For forcing a family's
+ * end-of-reasoning marker at a reasoning budget; the caller publishes the
+ * tokens itself (kv_session_token never shows them), and keeps n within
+ * what max_tokens leaves. Errors: KV_EINVAL in another state, with a
+ * grammar (it would be bypassed) or n outside [1, KV_SESSION_MAX_FORCE];
+ * KV_ERANGE a token outside the vocabulary; KV_ECTXFULL; KV_ENOMEM;
+ * nothing is queued then. */
+#define KV_SESSION_MAX_FORCE 64u
+int kv_session_force(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d);
 /* A paused session is skipped by steps (no prefill, no decode) and keeps
  * its state: backpressure for a slow reader. */
 void kv_session_pause(kv_session *s, bool paused);

@@ -412,6 +412,47 @@ int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag 
     return 0;
 }
 
+int kv_session_force(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d) {
+    kv_engine *e = s->e;
+    if (s->status != KV_SESSION_DECODE && s->status != KV_SESSION_PREFILL)
+        return kv_fail(d, KV_EINVAL, "session %llu: tokens are forced only while it prefills or generates",
+                       (unsigned long long)s->id);
+    if (s->gm) return kv_fail(d, KV_EINVAL, "session %llu: has a grammar; forced tokens would bypass it",
+                              (unsigned long long)s->id);
+    if (n == 0 || n > KV_SESSION_MAX_FORCE)
+        return kv_fail(d, KV_EINVAL, "session %llu: %u forced tokens, must be 1 to %u", (unsigned long long)s->id, n,
+                       KV_SESSION_MAX_FORCE);
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= e->n_vocab)
+            return kv_fail(d, KV_ERANGE, "session %llu: forced token %d out of range (vocab %u)",
+                           (unsigned long long)s->id, tokens[i], e->n_vocab);
+    /* generating: the emitted token, not fed yet, goes first */
+    int32_t q[KV_SESSION_MAX_FORCE + 1];
+    uint32_t m = 0;
+    if (s->status == KV_SESSION_DECODE) q[m++] = s->pending;
+    memcpy(q + m, tokens, (size_t)n * sizeof *tokens);
+    m += n;
+    const uint64_t held = (uint64_t)kv_state_pos_seq(e->st, s->slot) + (s->n_prompt - s->prompt_at);
+    if (held + m > e->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "session %llu: %u forced tokens do not fit: %llu held, context %u",
+                       (unsigned long long)s->id, n, (unsigned long long)held, e->n_ctx);
+    if (s->n_prompt + m > s->prompt_cap) {
+        uint32_t cap = s->prompt_cap ? s->prompt_cap : 64;
+        while (cap < s->n_prompt + m) cap *= 2;
+        int32_t *np = realloc(s->prompt, (size_t)cap * sizeof *np);
+        if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for forced tokens", (unsigned long long)s->id);
+        s->prompt = np;
+        s->prompt_cap = cap;
+    }
+    memcpy(s->prompt + s->n_prompt, q, (size_t)m * sizeof *q);
+    s->n_prompt += m;
+    for (uint32_t i = 0; i < n; i++) kv_sampler_accept_sampled(s->smp, tokens[i]); /* as if sampled */
+    s->st.n_gen += n;
+    s->st.n_gen_total += n;
+    s->status = KV_SESSION_PREFILL;
+    return 0;
+}
+
 void kv_session_pause(kv_session *s, bool paused) { s->paused = paused; }
 enum kv_session_status kv_session_status(const kv_session *s) { return s->status; }
 enum kv_stop kv_session_stop_reason(const kv_session *s) { return s->stop; }

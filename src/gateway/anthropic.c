@@ -79,9 +79,9 @@ static int kv_an_tool_choice(kv_gw_params *p, json_t *o, kv_diag *d) {
 }
 
 /* "thinking": {"type":"enabled","budget_tokens":N} or {"type":"disabled"},
- * the template's enable_thinking. A budget below max_tokens would need the
- * end of the reasoning forced when it runs out, which the gateway cannot do
- * yet: refused; one at or above it never binds. */
+ * the template's enable_thinking. A budget below max_tokens binds: after N
+ * reasoning tokens the family's end of reasoning is forced (budget.c); one
+ * at or above it never binds. */
 static int kv_an_thinking(kv_gw_params *p, json_t *o, kv_diag *d) {
     json_t *t = json_object_get(o, "thinking");
     if (!t || json_is_null(t)) return 0;
@@ -91,10 +91,10 @@ static int kv_an_thinking(kv_gw_params *p, json_t *o, kv_diag *d) {
     if (strcmp(s, "enabled")) return kv_fail(d, KV_EINVAL, "'thinking.type' must be \"enabled\" or \"disabled\"");
     if (!json_is_integer(bt) || json_integer_value(bt) < 1 || json_integer_value(bt) > KV_GW_MAX_TOKENS)
         return kv_fail(d, KV_EINVAL, "'thinking.budget_tokens' must be an integer in [1, %u]", KV_GW_MAX_TOKENS);
-    if ((uint64_t)json_integer_value(bt) < p->max_tokens)
-        return kv_fail(d, KV_EUNSUPPORTED, "'thinking.budget_tokens' %lld is below max_tokens %u: ending the "
-                       "reasoning at its budget needs forced decoding of the end-of-thinking marker (not yet); give "
-                       "budget_tokens >= max_tokens", (long long)json_integer_value(bt), p->max_tokens);
+    if ((uint64_t)json_integer_value(bt) < p->max_tokens) {
+        p->has_think_budget = true;
+        p->think_budget = (uint32_t)json_integer_value(bt);
+    }
     return kv_gw_set_thinking(p, true, d);
 }
 

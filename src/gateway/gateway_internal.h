@@ -88,6 +88,9 @@ typedef struct kv_gw_params {
     const char *suffix;             /* completions: text after the completion (fill-in-the-middle), or NULL */
     size_t suffix_len;
     uint32_t n_choices;             /* OpenAI's "n": choices, each its own session with seed + i (0: 1) */
+    bool has_think_budget;          /* a reasoning budget: Anthropic's thinking.budget_tokens below
+                                       max_tokens, llama-server's thinking_budget_tokens (budget.c) */
+    uint32_t think_budget;          /* ... reasoning tokens before its end is forced */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -162,6 +165,38 @@ bool kv_gw_tool_call_forced(const kv_gw_params *p);
  * 'tool_choice' on error (a 400, 500 for KV_ENOMEM). */
 int kv_gw_tool_choice_grammar(struct kv_grammar **out, const kv_gw_params *p, int format, bool think_open,
                               kv_diag *d);
+
+/* ---- the reasoning budget (gateway/budget.c) ------------------------------
+ * Follows a request's output and says when its reasoning has used
+ * budget tokens, for the scheduler to force the family's end of reasoning
+ * (kv_session_force). One request's, on the scheduler's thread. */
+#define KV_GW_BUDGET_MAX_FORCED 32u /* tokens of a forced end of reasoning */
+enum { KV_GW_BUDGET_WAIT = 0, KV_GW_BUDGET_IN, KV_GW_BUDGET_OVER };
+typedef struct kv_gw_budget {
+    bool on;                 /* the family writes reasoning (else the budget is never reached) */
+    uint32_t budget;         /* reasoning tokens allowed */
+    uint32_t used;           /* reasoning tokens so far (after the opening marker) */
+    int state;               /* WAIT: no output text yet; IN: reasoning; OVER: ended, forced, or none */
+    char open[40], close[16]; /* the family's markers */
+    char tail[64];           /* the latest output text, NUL-terminated (markers are found in it) */
+    size_t n_tail;
+    int32_t forced[KV_GW_BUDGET_MAX_FORCED]; /* [n_forced] the end of reasoning, tokenized */
+    uint32_t n_forced;
+} kv_gw_budget;
+/* A tracker of budget reasoning tokens for output in format (enum
+ * kv_chat_format) of a family that thinks (think) after a prompt that
+ * opened the reasoning or not (think_open). Returns 0, or KV_EINVAL when
+ * the forced text does not tokenize within KV_GW_BUDGET_MAX_FORCED tokens
+ * (d says so). */
+int kv_gw_budget_init(kv_gw_budget *b, const kv_tok *tok, int format, bool think, bool think_open, uint32_t budget,
+                      kv_diag *d);
+/* One more output token t: true when the end of reasoning is due now. */
+bool kv_gw_budget_see(kv_gw_budget *b, const kv_tok *tok, int32_t t);
+/* Whether it is due (a budget of 0 is, before any output, after a prompt
+ * that opened the reasoning). */
+bool kv_gw_budget_due(const kv_gw_budget *b);
+/* The end was forced: nothing more to follow. */
+void kv_gw_budget_forced(kv_gw_budget *b);
 
 /* ---- incremental text -------------------------------------------------
  * Tokens go in; text comes out only when it is whole UTF-8 and cannot be

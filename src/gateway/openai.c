@@ -38,6 +38,19 @@ static int kv_oa_reasoning_effort(kv_gw_params *p, json_t *o, kv_diag *d) {
     return 0;
 }
 
+/* "thinking_budget_tokens" (llama-server's): -1 or null none, else the
+ * reasoning tokens after which the end of reasoning is forced (0: at once). */
+static int kv_oa_thinking_budget(kv_gw_params *p, json_t *o, kv_diag *d) {
+    json_t *v = json_object_get(o, "thinking_budget_tokens");
+    if (!v || json_is_null(v) || (json_is_integer(v) && json_integer_value(v) == -1)) return 0;
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > KV_GW_MAX_TOKENS)
+        return kv_fail(d, KV_EINVAL, "'thinking_budget_tokens' must be -1 (none) or an integer in [0, %u]",
+                       KV_GW_MAX_TOKENS);
+    p->has_think_budget = true;
+    p->think_budget = (uint32_t)json_integer_value(v);
+    return 0;
+}
+
 static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     int rc;
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
@@ -46,7 +59,7 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
         if ((rc = kv_gw_bool(o, "add_generation_prompt", &p->add_generation_prompt, d))) return rc;
         if ((rc = kv_gw_tools(p, o, d)) || (rc = kv_gw_tool_choice_openai(p, o, d)) || (rc = kv_gw_kwargs(p, o, d)))
             return rc;
-        if ((rc = kv_oa_reasoning_effort(p, o, d))) return rc;
+        if ((rc = kv_oa_reasoning_effort(p, o, d)) || (rc = kv_oa_thinking_budget(p, o, d))) return rc;
     } else {
         json_t *pr = json_object_get(o, "prompt");
         if (json_is_array(pr) && json_array_size(pr) == 1) pr = json_array_get(pr, 0);

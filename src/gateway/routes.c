@@ -288,6 +288,7 @@ static kv_gw_req *kv_req_choice(const kv_gw_req *r, uint32_t i, const kv_gw_para
     q->n_prompt = r->n_prompt;
     q->max_tokens = r->max_tokens;
     q->script = r->script;
+    q->budget = r->budget;
     q->cap = r->cap;
     q->prompt = malloc((size_t)r->n_prompt * sizeof *q->prompt);
     q->toks = malloc((size_t)q->cap * sizeof *q->toks);
@@ -734,6 +735,8 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
                         : p->sp.presence_penalty != 0 ? "presence_penalty"
                         : p->sp.frequency_penalty != 0 ? "frequency_penalty" : NULL;
     if (g->n_ring && p->n_choices > 1) no_ring = "n";
+    const char *budget_field = cn->api == KV_GW_ANTHROPIC ? "thinking.budget_tokens" : "thinking_budget_tokens";
+    if (g->n_ring && p->has_think_budget) no_ring = budget_field; /* the ring's last node samples */
     if (g->n_ring && no_ring)
         return kv_reply_err(cn, c, 400, "'%s' is not supported over ring entry nodes yet (the ring's request does "
                             "not carry it)", no_ring);
@@ -771,6 +774,19 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         } else {
             r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
             p->grammar = NULL;
+        }
+        /* a reasoning budget: its end forced when spent (a forced call's
+           grammar closes any reasoning at once, so it never binds there) */
+        if (!grc && p->has_think_budget && !forced && !r->script) {
+            kv_chat_syntax syn;
+            if (g->tmpl) kv_gw_tmpl_syntax(g->tmpl, &syn);
+            else kv_chat_detect(NULL, 0, &syn);
+            if (r->grammar)
+                grc = kv_fail(&d, KV_EUNSUPPORTED, "'%s' with '%s' is not supported: the grammar leaves no place to "
+                              "force the end of reasoning", budget_field, p->grammar_field);
+            else if ((grc = kv_gw_budget_init(&r->budget, g->tok, syn.format, syn.think, cn->think_open,
+                                              p->think_budget, &d)))
+                kv_diag_prefix(&d, grc, "'%s'", budget_field);
         }
         if (grc) {
             pthread_mutex_lock(&g->mu);

@@ -80,11 +80,13 @@ typedef struct kv_gw_req {
     uint32_t max_tokens;
     struct kv_grammar *grammar; /* structured output its session samples under (owned), NULL none */
     const kv_gw_script *script; /* TEST ONLY: the tokens published in place of the sampled ones, or NULL */
+    kv_gw_budget budget;        /* the reasoning budget (budget.on false: none); the scheduler's */
     /* guarded by g->mu */
     int refs;
     int state;                  /* KV_REQ_* */
     bool cancel;                /* client gone or a stop string matched */
     bool displaced;             /* dropped from a full queue for another client's request (503) */
+    bool cut;                   /* the output ends here: a forced end of reasoning met max_tokens */
     int32_t *toks;              /* [cap] tokens published; entries below n_toks never change */
     kv_token_logprob *lps;      /* [cap] their log-probabilities (so.logprobs), or NULL; as toks */
     struct kv_gw_req *lead;     /* a later choice of the same request (OpenAI's "n"): admitted once the first
