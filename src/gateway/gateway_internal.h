@@ -139,8 +139,15 @@ void kv_gw_grammar_limits(struct kv_grammar_limits *lim);
 int kv_gw_structured_parse(kv_gw_params *p, json_t *o, kv_diag *d);
 
 /* A family's tool-call text: the values of enum kv_chat_format (the
- * tool-call parser's), of which HERMES is built so far. */
-enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */ };
+ * tool-call parser's), and DeepSeek's older variant (which the parser reads
+ * as DEEPSEEK). */
+enum {
+    KV_GW_CALLS_HERMES = 0,         /* Qwen's: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */
+    KV_GW_CALLS_DEEPSEEK,           /* DeepSeek V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> */
+    KV_GW_CALLS_HARMONY,            /* gpt-oss: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS */
+    KV_GW_CALLS_DEEPSEEK_FENCED,    /* DeepSeek V3/R1: ...>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<... */
+    KV_GW_CALLS_COUNT
+};
 #define KV_GW_CALLS_MAX_TOOLS 128u /* functions a tool-call grammar chooses from */
 /* GBNF for the tool calls of tools (OpenAI's array of {"type":"function",
  * "function":{"name","parameters"}}) in format: one call (parallel: one to
@@ -149,7 +156,7 @@ enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments"
  * function's parameters schema (none: exactly {}). malloc'd into *gbnf
  * (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and field,
  * the schema compiler's (KV_EUNSUPPORTED naming the keyword), KV_ERANGE,
- * KV_ENOMEM; KV_EUNSUPPORTED for a format not built yet. close_think: the
+ * KV_ENOMEM; KV_EUNSUPPORTED for an unknown format. close_think: the
  * prompt opened <think> (kv_chat_prompt_thinks), so the text starts by
  * closing it ("</think>\n\n") and the call is not taken for reasoning. */
 int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, bool close_think,
@@ -374,6 +381,9 @@ const char *kv_gw_tmpl_name(const kv_gw_tmpl *m);
  * source); tools and think_open unset. */
 struct kv_chat_syntax;
 void kv_gw_tmpl_syntax(const kv_gw_tmpl *m, struct kv_chat_syntax *out);
+/* The template's tool-call text (KV_GW_CALLS_*: its family's, and for
+ * DeepSeek which of its variants the template writes). */
+int kv_gw_tmpl_calls(const kv_gw_tmpl *m);
 /* The template's variables for p (a new object, caller decrefs). */
 int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out, kv_diag *d);
 /* The rendered prompt (malloc'd, NUL-terminated, *n bytes). Errors as

@@ -770,7 +770,8 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             kv_chat_syntax syn;
             if (g->tmpl) kv_gw_tmpl_syntax(g->tmpl, &syn);
             else kv_chat_detect(NULL, 0, &syn);
-            grc = kv_gw_tool_choice_grammar(&r->grammar, p, syn.format, cn->think_open, &d);
+            grc = kv_gw_tool_choice_grammar(&r->grammar, p, g->tmpl ? kv_gw_tmpl_calls(g->tmpl) : syn.format,
+                                            cn->think_open, &d);
         } else {
             r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
             p->grammar = NULL;
