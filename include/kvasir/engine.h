@@ -202,6 +202,10 @@ typedef struct kv_session_opts {
     uint32_t n_stop;
     bool logprobs;               /* each emitted token's log-probability (kv_session_logprob) */
     uint32_t top_logprobs;       /* ... with this many most likely tokens (at most KV_SAMPLE_MAX_TOP) */
+    bool prompt_logprobs;        /* the prompt's tokens' too (kv_session_prompt_logprobs); its prompt is
+                                  * not taken from the prompt cache, and a step evaluates at most as many
+                                  * of its prompt tokens as it has logit rows to spare (max_sessions less
+                                  * the sessions open, plus one) */
     void *data;                  /* the caller's, never touched */
 } kv_session_opts;
 
@@ -250,6 +254,14 @@ const float *kv_session_logits(const kv_session *s);
  * logit bias and penalties, before temperature and truncation); valid until
  * the next step; NULL if none was emitted or logprobs are off. */
 const kv_token_logprob *kv_session_logprob(const kv_session *s);
+/* With opts.prompt_logprobs: [*n] for the positions evaluated so far
+ * (the prompt's once it has emitted a token): entry p the log-probability
+ * of the token at position p given those before it, and the top_logprobs
+ * most likely there, as the model gives them (kv_sampler_logprobs over a
+ * sampler without bias or penalties); token -1 where none was computed
+ * (position 0, a token fed after an emitted one). Valid until the next
+ * kv_session_prompt or kv_session_free; NULL with *n 0 without. */
+const kv_token_logprob *kv_session_prompt_logprobs(const kv_session *s, uint32_t *n);
 /* 0, or the session's error code, with its one-line message copied to d
  * (names the session and the step). */
 int kv_session_error(const kv_session *s, kv_diag *d);

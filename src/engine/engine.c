@@ -63,6 +63,10 @@ struct kv_session {
     uint32_t n_hist, hist_cap;
     bool pc_tried;              /* its prompt was looked up in the prompt cache */
     bool pc_off;                /* its history could not be kept: it stores no more blocks */
+    /* o.prompt_logprobs: the prompt's own log-probabilities */
+    kv_sampler *plp_smp;        /* a neutral sampler (no bias, no penalties): the model's distribution */
+    kv_token_logprob *plp;      /* [plp_cap] plp[p]: of the token at position p given those before */
+    uint32_t plp_cap;
 };
 
 struct kv_engine {
@@ -83,6 +87,8 @@ struct kv_engine {
     uint32_t *b_seq;            /* [max_tok] their sequences */
     uint32_t *b_out;            /* [max_sessions] token index of each logit row */
     kv_session **b_who;         /* [max_sessions] session of each logit row */
+    int32_t *b_plp;             /* [max_sessions] a prompt row's position + 1 (its logits score the next
+                                   prompt token: kv_session_prompt_logprobs), or 0: a row to sample from */
     float *logits;              /* [max_sessions][n_vocab] */
     void *cand;                 /* sampler scratch shared by every session (one thread samples) */
     kv_grammar_vocab *gvocab;   /* the vocabulary's trie, built at the first grammar; NULL before */
@@ -118,13 +124,14 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
     e->b_seq = malloc(e->max_tok * sizeof *e->b_seq);
     e->b_out = malloc(e->max_sessions * sizeof *e->b_out);
     e->b_who = malloc(e->max_sessions * sizeof *e->b_who);
+    e->b_plp = calloc(e->max_sessions, sizeof *e->b_plp);
     size_t nl;
     if (!kv_mul_ok(e->max_sessions, e->n_vocab, &nl) || nl > ((size_t)1 << 34))
         return kv_fail(d, KV_EINVAL, "engine: logits of %u sessions x %u tokens are too large", e->max_sessions,
                        e->n_vocab);
     e->logits = malloc(nl * sizeof(float));
     e->cand = malloc(kv_sampler_scratch_bytes((int32_t)e->n_vocab));
-    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
+    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->b_plp || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     if (e->remote && (rc = kv_remote_tally_open(e->remote, e->max_sessions, d))) return rc;
     if (e->o.prompt_cache_bytes) {
@@ -270,6 +277,7 @@ void kv_engine_free(kv_engine *e) {
     free(e->b_seq);
     free(e->b_out);
     free(e->b_who);
+    free(e->b_plp);
     free(e->logits);
     free(e->cand);
     kv_grammar_vocab_free(e->gvocab);
@@ -333,6 +341,16 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
         free(s);
         return rc;
     }
+    if (o.prompt_logprobs) { /* the model's own distribution: neither bias nor penalties */
+        kv_sample_params np = kv_sample_defaults();
+        rc = kv_sampler_new(&s->plp_smp, (int32_t)e->n_vocab, &np, d);
+        if (rc) {
+            kv_sampler_free(s->smp);
+            free(s);
+            return rc;
+        }
+        s->pc_tried = true; /* a prefix from the prompt cache would have no logits */
+    }
     s->e = e;
     s->slot = slot;
     s->id = e->next_id++;
@@ -365,6 +383,8 @@ void kv_session_free(kv_session *s) {
     e->slot[s->slot] = NULL;
     e->stats.sessions_open--;
     kv_sampler_free(s->smp);
+    kv_sampler_free(s->plp_smp);
+    free(s->plp);
     kv_grammar_matcher_free(s->gm);
     free(s->gmask);
     free(s->prompt);
@@ -400,6 +420,14 @@ int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag 
         if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for the prompt", (unsigned long long)s->id);
         s->prompt = np;
         s->prompt_cap = cap;
+    }
+    if (s->o.prompt_logprobs && held + n > s->plp_cap) { /* every position it will hold, unknown until scored */
+        kv_token_logprob *np = realloc(s->plp, (size_t)(held + n) * sizeof *np);
+        if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for prompt log-probabilities",
+                                (unsigned long long)s->id);
+        for (uint64_t i = s->plp_cap; i < held + n; i++) np[i] = (kv_token_logprob){.token = -1};
+        s->plp = np;
+        s->plp_cap = (uint32_t)(held + n);
     }
     memcpy(s->prompt + s->n_prompt, tokens, (size_t)n * sizeof *tokens);
     s->n_prompt += n;
@@ -459,6 +487,11 @@ enum kv_stop kv_session_stop_reason(const kv_session *s) { return s->stop; }
 int32_t kv_session_token(const kv_session *s) { return s->token; }
 const float *kv_session_logits(const kv_session *s) { return s->logits; }
 const kv_token_logprob *kv_session_logprob(const kv_session *s) { return s->has_lp ? &s->lp : NULL; }
+const kv_token_logprob *kv_session_prompt_logprobs(const kv_session *s, uint32_t *n) {
+    const uint32_t held = kv_state_pos_seq(s->e->st, s->slot);
+    *n = held < s->plp_cap ? held : s->plp_cap;
+    return s->plp;
+}
 uint64_t kv_session_id(const kv_session *s) { return s->id; }
 
 uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers) {
@@ -700,17 +733,23 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
         e->b_tok[n] = s->pending;
         e->b_seq[n] = s->slot;
         e->b_out[n_out] = n;
+        e->b_plp[n_out] = 0;
         e->b_who[n_out++] = s;
         n++;
         n_dec++;
     }
     /* then prompt chunks, oldest session first, up to n_batch tokens */
     uint32_t budget = e->n_batch;
+    uint32_t extra = 0; /* rows of prompt log-probabilities in this step */
     for (kv_session *s = e->head; s && budget; s = s->next) {
         if (s->paused || s->status != KV_SESSION_PREFILL) continue;
         if (e->pc && !s->pc_tried && s->prompt_at == 0 && kv_state_pos_seq(e->st, s->slot) == 0) kv_pc_restore(e, s);
         const uint32_t left = s->n_prompt - s->prompt_at, pos = kv_state_pos_seq(e->st, s->slot);
         uint32_t take = left < budget ? left : budget;
+        if (s->o.prompt_logprobs) { /* a row of logits per token: what the rows leave, one kept for each session */
+            const uint32_t room = e->max_sessions - e->stats.sessions_open - extra + 1;
+            if (take > room) take = room;
+        }
         if (e->pc_rec) { /* end the chunk at a block boundary it crosses: the recurrent state there is kept */
             const uint32_t end = pos + take, b = end / e->pc_block * e->pc_block;
             if (b > pos && b < end) take = b - pos;
@@ -730,9 +769,18 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             e->b_tok[n] = s->prompt[s->prompt_at + i];
             e->b_seq[n++] = s->slot;
         }
+        for (uint32_t i = 0; s->o.prompt_logprobs && i < take && s->prompt_at + i + 1 < s->n_prompt; i++) {
+            const uint32_t p = pos + i + 1; /* the row of position pos + i scores the token at p */
+            s->plp[p].token = s->prompt[s->prompt_at + i + 1];
+            e->b_out[n_out] = n - take + i;
+            e->b_plp[n_out] = (int32_t)p;
+            e->b_who[n_out++] = s;
+            extra++;
+        }
         if (take == left) { /* its last prompt token: logits to sample from */
             e->b_out[n_out] = n - 1;
-            e->b_who[n_out++] = s;
+            e->b_plp[n_out] = 0;
+        e->b_who[n_out++] = s;
         }
         budget -= take;
         n_pre += take;
@@ -764,7 +812,9 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     if (n_out == 0) e->stats.steps_headless++;
     for (kv_session *s = e->head; s; s = s->next) {
         if (!s->in_step) continue;
-        const uint64_t t = s->chunk ? s->chunk : 1, wanted = !s->chunk || s->prompt_at + s->chunk == s->n_prompt;
+        const uint64_t t = s->chunk ? s->chunk : 1;
+        const uint64_t wanted = s->chunk && s->o.prompt_logprobs ? t /* every row had logits */
+                              : !s->chunk || s->prompt_at + s->chunk == s->n_prompt;
         s->products += (uint64_t)hp->n_expert_used * ((uint64_t)hp->n_layer * t - (dropped ? t - wanted : 0));
         s->st.steps++;
         if (e->pc) kv_pc_hist_add(s, s->chunk ? s->prompt + s->prompt_at : &s->pending, (uint32_t)t);
@@ -805,6 +855,16 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
                      (unsigned long long)s->id, (unsigned long long)step, bad, kv_state_pos_seq(e->st, s->slot) - 1,
                      isnan(row[bad]) ? "NaN" : row[bad] > 0 ? "+Inf" : "-Inf");
             kv_session_fail(s, KV_ERANGE, msg);
+            continue;
+        }
+        if (e->b_plp[k]) { /* a prompt token's row: its log-probability, nothing sampled */
+            kv_token_logprob *pl = &s->plp[e->b_plp[k]];
+            const int lrc = kv_sampler_logprobs(s->plp_smp, row, pl->token, s->o.top_logprobs, pl);
+            if (lrc) {
+                snprintf(msg, sizeof msg, "session %llu: step %llu: prompt log-probabilities: %s",
+                         (unsigned long long)s->id, (unsigned long long)step, kv_err_name(lrc));
+                kv_session_fail(s, lrc, msg);
+            }
             continue;
         }
         if (s->gm && kv_session_grammar_mask(s, step, msg, sizeof msg)) continue;

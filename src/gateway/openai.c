@@ -78,9 +78,6 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     if ((rc = kv_gw_logit_bias(p, o, "logit_bias", d))) return rc;
     if ((rc = kv_gw_penalties(p, o, "repeat_penalty", "repeat_last_n", d))) return rc; /* llama-server's too */
     if ((rc = kv_gw_logprobs_openai(p, o, chat, d))) return rc;
-    if (p->echo && p->logprobs)
-        return kv_fail(d, KV_EUNSUPPORTED, "'echo' with 'logprobs' needs the prompt's log-probabilities, which are "
-                       "not served: ask for one or the other");
     if ((rc = kv_gw_sampling(p, o, "max_tokens", d))) return rc;
     if (!p->has_max_tokens && (rc = kv_gw_sampling(p, o, "max_completion_tokens", d))) return rc;
     if ((rc = kv_gw_stops(p, o, "stop", d))) return rc;
@@ -97,6 +94,9 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
             return kv_fail(d, KV_ERANGE, "'n' must be an integer in [1, %u]", KV_GW_MAX_N);
         p->n_choices = (uint32_t)json_integer_value(n);
     }
+    if (p->echo && p->logprobs && p->n_choices > 1)
+        return kv_fail(d, KV_EUNSUPPORTED, "'echo' with 'logprobs' and 'n' above 1 is not supported: ask for one "
+                       "choice (the prompt's log-probabilities are the same in every choice)");
     return 0;
 }
 

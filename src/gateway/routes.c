@@ -55,6 +55,9 @@ typedef struct kv_gw_conn {
     uint32_t n_calls;
     uint32_t consumed;          /* tokens of r->toks turned into text */
     uint32_t lp_from;           /* stream: the first token whose log-probability no chunk carried yet */
+    bool echo_lp;               /* echo with logprobs: the prompt goes out with its log-probabilities, once
+                                   they are known (stream: before the first token's text) */
+    kv_token_logprob *lp_all;   /* whole, echo_lp: the prompt's then the completion's (owned) */
     /* OpenAI's "n": every choice's request (reqs[0] == r for the first),
        queued together and read one after another; r is reqs[choice]. A
        whole answer keeps each finished choice's result and text in done[] */
@@ -386,6 +389,17 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
     }
+    if (stream && c->echo_lp && (n > 0 || done)) { /* the prompt evaluated: it goes out first, with its own */
+        c->echo_lp = false;
+        pthread_mutex_lock(&g->mu);
+        const uint32_t skip = r->plp_skip < r->n_plps ? r->plp_skip : r->n_plps;
+        kv_gw_result e = c->res;
+        e.lp = r->plps + skip;
+        e.n_lp = r->n_plps - skip;
+        e.lp_text_off = 0;
+        pthread_mutex_unlock(&g->mu);
+        kv_gw_api(c->api)->stream_delta(&e, c->p->prompt, c->p->prompt_len, &c->out);
+    }
     if (stream && c->res.logprobs && r->lps) { /* the next chunk carries the tokens not reported yet */
         c->res.lp = r->lps + c->lp_from;
         c->res.n_lp = c->consumed - c->lp_from;
@@ -636,6 +650,20 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     r->so.ignore_eog = p->ignore_eos;
     r->so.logprobs = p->logprobs;
     r->so.top_logprobs = p->top_logprobs;
+    if (p->echo && p->logprobs && p->prompt) { /* the prompt's log-probabilities come back with it */
+        r->so.prompt_logprobs = true;
+        r->prompt0 = ids[0];
+        r->plp_skip = off; /* a BOS the gateway put first is not the text's */
+        if (!(r->plps = malloc(n * sizeof *r->plps))) {
+            *status = 500;
+            pthread_mutex_lock(&g->mu);
+            r->refs = 1;
+            kv_gw_req_unref_locked(r);
+            pthread_mutex_unlock(&g->mu);
+            kv_pay_end(cn, true);
+            return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
+        }
+    }
     if (r->so.sample.repeat_last_n > (int32_t)g->n_ctx) /* no session holds more: the same window, less memory */
         r->so.sample.repeat_last_n = (int32_t)g->n_ctx;
     if (g->n_script) { /* TEST ONLY (script.c) */
@@ -873,10 +901,13 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
     if (kv_parser_start(cn)) return kv_reply_err(cn, c, 500, "out of memory");
 
+    cn->echo_lp = p->echo && p->prompt && p->logprobs;
+    if (cn->echo_lp) cn->res.lp_text_off = p->prompt_len; /* the completion's text offsets come after it */
     if (p->echo && p->prompt && !p->stream) kv_gw_buf_add(&cn->full, p->prompt, p->prompt_len); /* the prompt first */
     if (p->stream) {
         kv_gw_api(cn->api)->stream_begin(&cn->res, &cn->out);
-        if (p->echo && p->prompt) kv_gw_api(cn->api)->stream_delta(&cn->res, p->prompt, p->prompt_len, &cn->out);
+        if (p->echo && p->prompt && !cn->echo_lp)
+            kv_gw_api(cn->api)->stream_delta(&cn->res, p->prompt, p->prompt_len, &cn->out);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, kv_stream_read, cn, NULL);
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, "Content-Type", kv_gw_api(cn->api)->stream_type);
@@ -910,6 +941,17 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (p->logprobs) { /* every token's */
         cn->res.lp = cn->r->lps;
         cn->res.n_lp = cn->consumed;
+    }
+    if (cn->echo_lp) { /* the prompt's first (the text echoed), offsets from 0 */
+        const uint32_t skip = cn->r->plp_skip < cn->r->n_plps ? cn->r->plp_skip : cn->r->n_plps;
+        const uint32_t np = cn->r->n_plps - skip;
+        if (!(cn->lp_all = malloc(((size_t)np + cn->consumed + 1) * sizeof *cn->lp_all)))
+            return kv_reply_err(cn, c, 500, "out of memory");
+        memcpy(cn->lp_all, cn->r->plps + skip, (size_t)np * sizeof *cn->lp_all);
+        memcpy(cn->lp_all + np, cn->r->lps, (size_t)cn->consumed * sizeof *cn->lp_all);
+        cn->res.lp = cn->lp_all;
+        cn->res.n_lp = np + cn->consumed;
+        cn->res.lp_text_off = 0;
     }
     if (cn->n_choices > 1) {
         kv_gw_result rs[KV_GW_MAX_N];
@@ -1122,6 +1164,7 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
                           cn->res.completion_tokens + cn->tokens_before,
                           (kv_gw_mono() - cn->t0) * 1e3);
     kv_gw_text_free(&cn->text);
+    free(cn->lp_all);
     kv_chat_parser_free(cn->parser);
     for (uint32_t i = 0; i < cn->n_calls; i++) {
         free(cn->calls[i].name);

@@ -37,6 +37,7 @@ void kv_gw_req_unref_locked(kv_gw_req *r) {
     free(r->toks);
     kv_grammar_free(r->grammar);
     free(r->lps);
+    free(r->plps);
     free(r);
 }
 
@@ -404,6 +405,14 @@ void *kv_gw_sched_main(void *arg) {
             if (r->script) t = t >= 0 && r->n_toks < r->script->n ? r->script->toks[r->n_toks] : -1; /* TEST ONLY */
             kv_diag fd = {0};
             int frc = 0;
+            if (t >= 0 && r->plps && !r->n_plps) { /* the prompt is evaluated: its log-probabilities */
+                uint32_t np = 0;
+                const kv_token_logprob *pl = kv_session_prompt_logprobs(r->s, &np);
+                if (np > r->n_prompt) np = r->n_prompt;
+                if (pl && np) memcpy(r->plps, pl, (size_t)np * sizeof *pl);
+                if (np) r->plps[0] = (kv_token_logprob){.token = r->prompt0, .logprob = NAN}; /* nothing before it */
+                r->n_plps = np;
+            }
             if (t >= 0 && r->n_toks < r->cap) {
                 kv_req_publish_locked(g, r, t, r->script ? NULL : kv_session_logprob(r->s));
                 if (kv_gw_budget_see(&r->budget, g->tok, t) && kv_session_status(r->s) == KV_SESSION_DECODE)
