@@ -247,7 +247,7 @@ enum kv_gw_finish { KV_GW_FINISH_STOP = 0, KV_GW_FINISH_LENGTH, KV_GW_FINISH_TOO
 /* A stream's own state the adapters keep between events (Anthropic's
  * content blocks). */
 typedef struct kv_gw_stream_state {
-    int open;                /* the block open now: 0 none, 1 text, 2 thinking */
+    int open;                /* the block open now: 0 none, 1 text, 2 thinking, 3 a tool_use streamed as it comes */
     uint32_t n_blocks;       /* blocks opened so far */
 } kv_gw_stream_state;
 
@@ -346,6 +346,12 @@ typedef struct kv_gw_api_ops {
     /* reasoning text, and one whole tool call (chat APIs; NULL: none) */
     void (*stream_reasoning)(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b);
     void (*stream_call)(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b);
+    /* a call as it comes (NULL: the API streams calls whole): its start
+       (c's id and name; no arguments yet), a fragment of its arguments'
+       JSON text, its end */
+    void (*stream_call_begin)(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b);
+    void (*stream_call_args)(const kv_gw_result *r, uint32_t index, const char *frag, size_t n, kv_gw_buf *b);
+    void (*stream_call_end)(const kv_gw_result *r, uint32_t index, kv_gw_buf *b);
     void (*stream_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
     void (*stream_error)(const char *msg, kv_gw_buf *b);
     /* several choices (OpenAI's "n"; NULL: the API has none): a whole

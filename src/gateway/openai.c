@@ -246,6 +246,21 @@ static void kv_oa_call(const kv_gw_result *r, uint32_t index, const kv_gw_call *
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
 }
 
+/* A call as it comes: its id, type and name (empty arguments), then each
+ * fragment of its arguments; nothing ends it. */
+static void kv_oa_call_begin(const kv_gw_result *r, uint32_t index, const kv_gw_call *call, kv_gw_buf *b) {
+    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:s,s:s,s:{s:s,s:s}}]},s:n,s:n}]", "index", (int)r->index, "delta",
+                          "tool_calls", "index", (int)index, "id", call->id, "type", "function", "function", "name",
+                          call->name, "arguments", "", "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
+}
+static void kv_oa_call_args(const kv_gw_result *r, uint32_t index, const char *frag, size_t n, kv_gw_buf *b) {
+    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:{s:s%}}]},s:n,s:n}]", "index", (int)r->index, "delta", "tool_calls",
+                          "index", (int)index, "function", "arguments", frag, n, "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
+}
+static void kv_oa_call_end(const kv_gw_result *r, uint32_t index, kv_gw_buf *b) { (void)r, (void)index, (void)b; }
+
 /* the chunk that ends one choice */
 static void kv_oa_finish_chunk(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
     const int ix = (int)r->index; /* the choice */
@@ -305,6 +320,7 @@ const kv_gw_api_ops kv_gw_openai_chat_ops = {
     .call_prefix = "call_", .parse = kv_oa_chat_parse, .error_body = kv_oa_error, .full_body = kv_oa_chat_full,
     .stream_begin = kv_oa_chat_begin, .stream_delta = kv_oa_chat_delta, .stream_reasoning = kv_oa_reasoning,
     .stream_call = kv_oa_call, .stream_end = kv_oa_chat_end,
+    .stream_call_begin = kv_oa_call_begin, .stream_call_args = kv_oa_call_args, .stream_call_end = kv_oa_call_end,
     .stream_error = kv_oa_stream_error, .full_body_n = kv_oa_chat_full_n, .stream_choice_end = kv_oa_chat_choice_end,
 };
 

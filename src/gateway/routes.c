@@ -199,6 +199,18 @@ static int kv_on_event(void *ud, const kv_chat_ev *ev) {
         if (stream) kv_lp_sent(c);
         return 0;
     }
+    const bool inc = stream && o->stream_call_begin; /* calls streamed as they come */
+    if (ev->type == KV_CHAT_EV_CALL_BEGIN) {
+        if (!inc) return 0;
+        kv_gw_call k = {.name = (char *)ev->name};
+        snprintf(k.id, sizeof k.id, "%s%s_%u", o->call_prefix, c->id + strlen(o->id_prefix), ev->index);
+        o->stream_call_begin(&c->res, ev->index, &k, &c->out);
+        return 0;
+    }
+    if (ev->type == KV_CHAT_EV_CALL_ARGS) {
+        if (inc) o->stream_call_args(&c->res, ev->index, ev->text, ev->n, &c->out);
+        return 0;
+    }
     kv_gw_call *g = realloc(c->calls, (c->n_calls + 1) * sizeof *g); /* at most KV_CHAT_MAX_CALLS */
     if (!g) return KV_ENOMEM;
     c->calls = g;
@@ -214,7 +226,8 @@ static int kv_on_event(void *ud, const kv_chat_ev *ev) {
         return KV_ENOMEM;
     }
     c->n_calls++;
-    if (stream) o->stream_call(&c->res, ev->index, k, &c->out);
+    if (inc && ev->streamed) o->stream_call_end(&c->res, ev->index, &c->out);
+    else if (stream) o->stream_call(&c->res, ev->index, k, &c->out);
     return 0;
 }
 
@@ -230,6 +243,7 @@ static int kv_parser_start(kv_gw_conn *c) {
     s.tools_json = s.tools ? p->tools : NULL;
     s.think_open = c->think_open;
     s.max_calls = p->parallel_calls ? 0 : 1;
+    s.stream_args = kv_gw_tool_call_forced(p); /* sampled under the calls' grammar: well-formed as they come */
     if (!s.tools && !s.think && s.format != KV_CHAT_FMT_HARMONY) return 0;
     c->special = s.format != KV_CHAT_FMT_HERMES;
     return kv_chat_parser_new(&c->parser, &s);
