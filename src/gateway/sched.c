@@ -98,7 +98,7 @@ void kv_gw_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *m
     }
     if (err) {
         r->err = err;
-        snprintf(r->errmsg, sizeof r->errmsg, "%s", msg);
+        snprintf(r->errmsg, sizeof r->errmsg, "%.*s", (int)sizeof r->errmsg - 1, msg); /* a diag's: cut to fit */
     } else {
         g->completed++;
     }
@@ -126,7 +126,7 @@ void kv_gw_deadline(struct timespec *ts, long ms) {
  * MoE layer) must have each of its experts served by a worker that is up
  * (handshaken, its slabs' hashes checked) or by a local slab. */
 void kv_gw_sched_health_locked(kv_gateway *g) {
-    if (g->n_ring) return; /* the ring's watcher keeps it */
+    if (g->n_ring || !g->e) return; /* the ring's watcher keeps it; without either the model cannot run */
     kv_remote *rm = kv_engine_remote(g->e);
     g->healthy = true;
     g->health_msg[0] = 0;
@@ -301,6 +301,12 @@ static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
 void *kv_gw_sched_main(void *arg) {
     kv_gateway *g = arg;
     if (g->n_ring) return kv_gw_sched_ring(g);
+    if (!g->e) { /* the model cannot run: every prompt is refused before it queues; wait to stop */
+        pthread_mutex_lock(&g->mu);
+        while (!g->quit) pthread_cond_wait(&g->work_cv, &g->mu);
+        pthread_mutex_unlock(&g->mu);
+        return NULL;
+    }
     kv_engine_stats es0;
     kv_engine_get_stats(g->e, &es0);
     pthread_mutex_lock(&g->mu);
