@@ -299,10 +299,29 @@ static int on_call(void *ud, const kv_chat_ev *ev) {
     return 0;
 }
 
+typedef struct { uint32_t begun, n_frags; char joined[256], args[256]; bool streamed; } frags_seen;
+static int on_frag(void *ud, const kv_chat_ev *ev) {
+    frags_seen *f = ud;
+    if (ev->type == KV_CHAT_EV_CALL_BEGIN) f->begun++;
+    if (ev->type == KV_CHAT_EV_CALL_ARGS) {
+        f->n_frags++;
+        const size_t l = strlen(f->joined);
+        snprintf(f->joined + l, sizeof f->joined - l, "%.*s", (int)ev->n, ev->text);
+    }
+    if (ev->type == KV_CHAT_EV_CALL) {
+        snprintf(f->args, sizeof f->args, "%s", ev->args);
+        f->streamed = ev->streamed;
+    }
+    return 0;
+}
+
 #define DS(x) "<\xef\xbd\x9c" x "\xef\xbd\x9c>"
 #define US "\xe2\x96\x81"
 static void test_tools_families(void) {
     struct { int fmt, parser; const char *good, *good2, *bad; } cs[] = {
+        {KV_GW_CALLS_HERMES, KV_CHAT_FMT_HERMES, CALL("{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}"),
+         CALL("{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}") "\n" CALL("{\"name\": \"now\", \"arguments\": {}}"),
+         CALL("{\"name\": \"add\", \"arguments\": {\"a\": 2}}")},
         {KV_GW_CALLS_DEEPSEEK, KV_CHAT_FMT_DEEPSEEK,
          DS("tool" US "calls" US "begin") DS("tool" US "call" US "begin") "add" DS("tool" US "sep")
              "{\"a\": 2, \"b\": 3}" DS("tool" US "call" US "end") DS("tool" US "calls" US "end"),
@@ -351,6 +370,20 @@ static void test_tools_families(void) {
         if (cp) ASSERT_EQ(kv_chat_parser_push(cp, cs[i].good, strlen(cs[i].good), true, on_call, &seen), 0);
         kv_chat_parser_free(cp);
         ASSERT_EQ(seen.n, 1u);
+        /* streamed (stream_args), a byte at a time: begun once, the arguments in
+           fragments whose join is the call's arguments */
+        syn.stream_args = true;
+        ASSERT_EQ(kv_chat_parser_new(&cp, &syn), 0);
+        frags_seen fs = {0};
+        for (size_t k = 0; cp && cs[i].good[k]; k++)
+            ASSERT_EQ(kv_chat_parser_push(cp, cs[i].good + k, 1, false, on_frag, &fs), 0);
+        if (cp) ASSERT_EQ(kv_chat_parser_push(cp, "", 0, true, on_frag, &fs), 0);
+        kv_chat_parser_free(cp);
+        ASSERT_EQ(fs.begun, 1u);
+        ASSERT_TRUE(fs.n_frags > 1);
+        ASSERT_STREQ(fs.joined, fs.args);
+        ASSERT_STREQ(fs.args, "{\"a\":2,\"b\":3}");
+        ASSERT_TRUE(fs.streamed);
         ASSERT_STREQ(seen.name, "add");
         ASSERT_STREQ(seen.args, "{\"a\":2,\"b\":3}");
         kv_grammar_free(one);

@@ -450,48 +450,60 @@ static int kv_step_text(kv_chat_parser *p, bool *more) {
 
 /* ---- a call's arguments as they come (stream_args) ------------------------- */
 
+/* pat starting at an offset in [from, from + w) of b[0..len): 1 with *hit,
+ * 0 while that window is not all there, -1 when it is and pat is not in it
+ * (so the answer never depends on how the text came in pieces). */
+static int kv_win(const char *b, size_t len, size_t from, size_t w, const char *pat, const char **hit) {
+    const size_t pl = strlen(pat), need = from + w - 1 + pl;
+    const size_t have = len < need ? len : need;
+    const char *h = have > from ? memmem(b + from, have - from, pat, pl) : NULL;
+    if (h) {
+        *hit = h;
+        return 1;
+    }
+    return len >= need ? -1 : 0;
+}
+
 /* Where the open call's name and arguments are in buf[0..len) as the
  * family writes them: 1 with the name copied and *start the offset of the
  * arguments' '{', 0 while not known yet, -1 when the body is not of that
- * shape (then nothing is streamed). */
+ * shape (then nothing is streamed). Each step looks in a bounded window
+ * only, so a body that is not of the shape is known soon. */
 static int kv_args_start(kv_chat_parser *p, size_t *start) {
     const char *b = p->buf, *end = p->buf + p->len;
-    const char *nm = NULL, *a = NULL;
+    const size_t len = p->len;
+    const char *nm = NULL, *a = NULL, *h = NULL;
     size_t nl = 0;
+    int r;
     if (p->s.format == KV_CHAT_FMT_HARMONY) {
         nm = p->hname;
         nl = strlen(p->hname);
         a = b;
     } else if (p->s.format == KV_CHAT_FMT_DEEPSEEK) {
         static const char sep[] = "<\xef\xbd\x9ctool\xe2\x96\x81sep\xef\xbd\x9c>";
-        const char *at = memmem(b, p->len, sep, sizeof sep - 1);
-        if (!at) return p->len > KV_CHAT_MAX_NAME + 64 ? -1 : 0;
-        if (at - b == 8 && !memcmp(b, "function", 8)) { /* V3/R1: NAME, then the arguments fenced */
-            nm = at + sizeof sep - 1;
-            const char *nlp = memchr(nm, '\n', (size_t)(end - nm));
-            if (!nlp) return 0;
+        if ((r = kv_win(b, len, 0, KV_CHAT_MAX_NAME + 9, sep, &h)) <= 0) return r;
+        if (h - b == 8 && !memcmp(b, "function", 8)) { /* V3/R1: NAME, then the arguments fenced */
+            nm = h + sizeof sep - 1;
+            const char *nlp = NULL;
+            if ((r = kv_win(b, len, (size_t)(nm - b), KV_CHAT_MAX_NAME + 1, "\n", &nlp)) <= 0) return r;
             nl = (size_t)(nlp - nm);
-            const char *f = memmem(nlp, (size_t)(end - nlp), "```json", 7);
-            if (!f) return (size_t)(end - nlp) > 16 ? -1 : 0;
+            const char *f = NULL;
+            if ((r = kv_win(b, len, (size_t)(nlp - b), 16, "```json", &f)) <= 0) return r;
             a = f + 7;
         } else {
             nm = b;
-            nl = (size_t)(at - b);
-            a = at + sizeof sep - 1;
+            nl = (size_t)(h - b);
+            a = h + sizeof sep - 1;
         }
     } else { /* Qwen's JSON: {"name": "NAME", "arguments": ARGS} */
-        const char *k = memmem(b, p->len, "\"name\"", 6);
-        if (!k) return p->len > 64 ? -1 : 0;
-        const char *q = memchr(k + 6, '"', (size_t)(end - k - 6));
-        if (!q) return 0;
+        const char *k = NULL, *q = NULL, *qe = NULL, *ak = NULL;
+        if ((r = kv_win(b, len, 0, 16, "\"name\"", &k)) <= 0) return r;
+        if ((r = kv_win(b, len, (size_t)(k - b) + 6, 8, "\"", &q)) <= 0) return r;
         nm = q + 1;
-        const char *qe = memchr(nm, '"', (size_t)(end - nm));
-        if (!qe) return 0;
+        if ((r = kv_win(b, len, (size_t)(nm - b), KV_CHAT_MAX_NAME + 1, "\"", &qe)) <= 0) return r;
         nl = (size_t)(qe - nm);
-        const char *ak = memmem(qe, (size_t)(end - qe), "\"arguments\"", 11);
-        if (!ak) return (size_t)(end - qe) > 32 ? -1 : 0;
-        a = memchr(ak + 11, ':', (size_t)(end - ak - 11));
-        if (!a) return 0;
+        if ((r = kv_win(b, len, (size_t)(qe - b) + 1, 16, "\"arguments\"", &ak)) <= 0) return r;
+        if ((r = kv_win(b, len, (size_t)(ak - b) + 11, 8, ":", &a)) <= 0) return r;
         a++;
     }
     while (a < end && kv_is_ws(*a)) a++;
