@@ -18,4 +18,14 @@ command -v node >/dev/null 2>&1 || fail "node not found"
 DIR=$(mktemp -d "${TMPDIR:-/tmp}/kv_gwecho.XXXXXX")
 trap 'rm -rf "$DIR"' EXIT
 "$BIN" gen-model --preset tiny --out "$DIR/m.gguf" >/dev/null 2>&1 || fail "gen-model"
-KV_DIR="$DIR" KV_BIN="$BIN" node "$SRC/tests/oracle/gateway_echo.mjs"
+# the same model sliced, its experts on a worker: a second gateway over it
+"$BIN" slice "$DIR/m.gguf" --out "$DIR/sl" >/dev/null 2>&1 || fail "slice"
+"$BIN" key --key "$DIR/coord.key" >/dev/null
+"$BIN" worker --slabs "$DIR/sl/experts" --listen 127.0.0.1:0 --threads 1 --quiet \
+  --allow-key "$("$BIN" key --key "$DIR/coord.key")" >"$DIR/w.out" 2>"$DIR/w.err" &
+WK=$!
+trap 'kill "$WK" 2>/dev/null || true; rm -rf "$DIR"' EXIT
+for _ in $(seq 1 100); do grep -q 'listening on' "$DIR/w.out" 2>/dev/null && break; sleep 0.1; done
+WADDR=$(grep -o 'listening on [^ ]*' "$DIR/w.out" | cut -d' ' -f3)
+[ -n "$WADDR" ] || fail "worker: $(cat "$DIR/w.err")"
+KV_DIR="$DIR" KV_BIN="$BIN" KV_WORKER="$WADDR" node "$SRC/tests/oracle/gateway_echo.mjs"

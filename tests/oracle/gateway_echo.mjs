@@ -96,6 +96,23 @@ check(exact >= 3, `prompt tokens checked exactly: ${exact}`);
   eq(r.status, 400, 'echo + logprobs + n 2: status');
   check(JSON.stringify(r.json).includes("'echo'"), `echo + logprobs + n 2: names echo: ${JSON.stringify(r.json)}`);
 }
+// over a worker (the experts computed there): the same answer, whole
+{
+  const w = spawn(bin, ['gateway', '-m', `${dir}/sl/manifest.json`, '--worker', process.env.KV_WORKER, '--key',
+    `${dir}/coord.key`, '--listen', '127.0.0.1:0', '--threads', '1', '--name', 'tiny', '--quiet'], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let werr = '';
+  w.stderr.on('data', (b) => { werr += b; });
+  const wurl = await new Promise((resolve, reject) => {
+    let out = '';
+    w.stdout.on('data', (b) => { out += b; const m = out.match(/^listening on (\S+)/m); if (m) resolve('http://' + m[1]); });
+    w.on('exit', (c) => reject(new Error(`worker gateway exited ${c}: ${werr}`)));
+  });
+  for (let i = 0; i < 50; i++) { const h = await fetch(`${wurl}/health`); if (h.status === 200) break; await new Promise((r) => setTimeout(r, 100)); }
+  const wc = new OpenAI({ baseURL: `${wurl}/v1`, apiKey: 'none', maxRetries: 0 });
+  const we = await wc.completions.create({ ...body, echo: true });
+  eq([we.choices[0].text, we.choices[0].logprobs], [echo.choices[0].text, lp], 'over a worker: the same text and log-probabilities');
+  w.kill();
+}
 gw.kill();
 console.log(`gateway_echo: ${checks - failures}/${checks} checks passed (${exact} positions exact)`);
 if (failures) { console.error(stderr.slice(-2000)); process.exit(1); }
