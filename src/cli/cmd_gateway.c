@@ -24,6 +24,7 @@
 #include "kvasir/ledger.h"
 #include "kvasir/node.h"
 #include "kvasir/pool.h"
+#include "kvasir/ring.h"
 #include "kvasir/verify.h"
 
 #define CMD "gateway"
@@ -33,7 +34,7 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout", "--request-timeout", "--parse-max",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
-                                             "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms",
+                                             "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms", "--placement",
                                              "--chat-template", "--prompt-cache", "--cors",
                                              "--tls-cert", "--tls-key", NULL};
 
@@ -54,6 +55,11 @@ static const char *kv_gateway_help =
     "                       client key is --key (with --hub URL: and that hub's voucher for it, for\n"
     "                       nodes started with --hub-key); no -m, --worker, --ledger or --verify\n"
     "  --ring-timeout-ms N  with --ring: longest wait for one frame from the ring (default 60000)\n"
+    "  --placement P        with --hub: sites, experts or auto (default). sites serves the hub's ring of\n"
+    "                       sites (each site a window of layers on its own workers: one crossing per\n"
+    "                       site per token; docs/HUB.md \"Sites\") and fails when the hub publishes\n"
+    "                       none; experts dispatches every MoE layer to the workers (one round trip\n"
+    "                       per layer); auto takes sites when the hub publishes them at start\n"
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
@@ -167,6 +173,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     const char *workers[KV_REMOTE_MAX_WORKERS];
     const char *rings[KV_GATEWAY_MAX_RING];
     uint32_t n_rings = 0;
+    const char *placement = "auto";
+    static char site_rings[KV_GATEWAY_MAX_RING][KV_RING_HUB_ADDR + 1];
     long ring_timeout = 60000;
     const char *tmpl_path = NULL;
     char *tmpl = NULL;
@@ -221,6 +229,10 @@ int kv_cmd_gateway(int argc, char **argv) {
             tls_cert = v;
         } else if (!strcmp(a, "--tls-key")) {
             tls_key = v;
+        } else if (!strcmp(a, "--placement")) {
+            if (strcmp(v, "sites") && strcmp(v, "experts") && strcmp(v, "auto"))
+                return kv_cli_err(CMD, 1, "--placement: '%s' is not sites, experts or auto", v);
+            placement = v;
         } else if (!strcmp(a, "--ring")) {
             if (n_rings == KV_GATEWAY_MAX_RING)
                 return kv_cli_err(CMD, 1, "--ring: at most %u entry nodes", KV_GATEWAY_MAX_RING);
@@ -328,6 +340,25 @@ int kv_cmd_gateway(int argc, char **argv) {
         }
     }
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
+    if (strcmp(placement, "auto") && (!hub || n_rings))
+        return kv_cli_err(CMD, 1, "--placement %s needs --hub URL and no --ring", placement);
+    if (hub && !n_rings && strcmp(placement, "experts")) { /* the hub's ring of sites, when it publishes one */
+        kv_diag sd = {0};
+        char why[300];
+        uint32_t ns = 0;
+        if (kv_ring_hub_site_entries(hub, site_rings, KV_GATEWAY_MAX_RING, &ns, why, sizeof why, &sd)) {
+            if (!strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: %s", sd.msg);
+            snprintf(why, sizeof why, "%.250s", sd.msg);
+        }
+        if (ns && ledger && !strcmp(placement, "auto")) {
+            snprintf(why, sizeof why, "--ledger is not served over a ring");
+            ns = 0;
+        }
+        if (!ns && !strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: the hub's %s", why);
+        for (uint32_t k = 0; k < ns; k++) rings[n_rings++] = site_rings[k];
+        if (!quiet && ns) fprintf(stderr, "gateway: placement sites: the hub's ring of %u sites\n", ns);
+        else if (!quiet) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
+    }
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
     if (n_rings && prompt_cache_given && prompt_cache)
@@ -403,7 +434,10 @@ int kv_cmd_gateway(int argc, char **argv) {
         b = b ? b + 1 : model;
         snprintf(mname, sizeof mname, "%s", b);
         size_t l = strlen(mname);
-        if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l - 5] = 0;
+        if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l -= 5] = 0;
+        unsigned a, b2; /* a split model: its name, whichever part was given */
+        int at = -1;
+        if (l > 15 && sscanf(mname + l - 15, "-%5u-of-%5u%n", &a, &b2, &at) == 2 && at == 15) mname[l - 15] = 0;
         if (!strcmp(mname, "manifest.json") || !mname[0]) snprintf(mname, sizeof mname, "kvasir");
     }
     kv_engine *e = NULL;

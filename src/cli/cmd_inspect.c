@@ -18,7 +18,9 @@ static void usage(FILE *f) {
             "bytes and share per class (routed experts, shared experts, attention, linear\n"
             "attention, router, dense FFN, norms, embeddings, LM head, MTP, other), the\n"
             "expert slabs (MoE layers x experts) and bytes per expert, the types used, and\n"
-            "a per-layer table. See docs/ANATOMY.md.\n"
+            "a per-layer table. A split model (NAME-00001-of-0000N.gguf ...) is measured\n"
+            "whole from any of its parts, and its parts listed. A tensor of a type kvasir\n"
+            "cannot compute is named on an 'unsupported' line. See docs/ANATOMY.md.\n"
             "\n"
             "  --json   print a JSON document instead of the tables\n");
 }

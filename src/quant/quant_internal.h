@@ -33,6 +33,7 @@
  *    kv_hsum8(acc - accm). Q6_K: L_j as above with q unsigned 0..63,
  *    C_j = sc_2j*bsums[2j] + sc_2j+1*bsums[2j+1]; acc_j =
  *    fma((float)(L_j - 32*C_j), da*d, acc_j); result kv_hsum8(acc).
+ *  - Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: written in quant/legacy.h.
  *
  * Activation blocks must hold values in [-127, 127] (what our quantizers
  * produce); the AVX2 sign trick relies on it. */
