@@ -262,12 +262,18 @@ static void q3_K_from_float(const float *src, void *dst, int64_t n) {
     }
 }
 
-/* Index of the IQ4_NL value nearest to v (ties to the lower index). */
+/* Index of the IQ4_NL value nearest to v (ties to the lower index): the
+ * values ascend, so a binary search for the first one >= v, then its
+ * neighbour below. */
 static int iq4_nearest(float v) {
-    int best = 0;
-    for (int k = 1; k < 16; k++)
-        if (fabsf(v - kv_iq4nl_values[k]) < fabsf(v - kv_iq4nl_values[best])) best = k;
-    return best;
+    int lo = 0, hi = 16;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (kv_iq4nl_values[mid] < v) lo = mid + 1; else hi = mid;
+    }
+    if (lo == 16) return 15;
+    if (lo > 0 && v - kv_iq4nl_values[lo - 1] <= kv_iq4nl_values[lo] - v) return lo - 1;
+    return lo;
 }
 
 static void iq4_xs_from_float(const float *src, void *dst, int64_t n) {
@@ -286,19 +292,15 @@ static void iq4_xs_from_float(const float *src, void *dst, int64_t n) {
                 float best_e = INFINITY;
                 for (int k = -7; k <= 7; k++) {
                     const float id = (k + kv_iq4nl_values[0]) / max;
-                    float sxv = 0, svv = 0;
+                    float sxv = 0, svv = 0, sxx = 0;
                     for (int l = 0; l < 32; l++) {
                         const float v = kv_iq4nl_values[iq4_nearest(id * xs[l])];
-                        sxv += w[l] * xs[l] * v, svv += w[l] * v * v;
+                        sxv += w[l] * xs[l] * v, svv += w[l] * v * v, sxx += w[l] * xs[l] * xs[l];
                     }
                     if (svv <= 0) continue;
-                    const float sc = sxv / svv;
-                    float e = 0;
-                    for (int l = 0; l < 32; l++) {
-                        const float r = sc * kv_iq4nl_values[iq4_nearest(xs[l] / sc)] - xs[l];
-                        e += w[l] * r * r;
-                    }
-                    if (e < best_e) best_e = e, s[ib] = sc;
+                    /* least squares for these indices: error sxx - sxv^2 / svv */
+                    const float e = sxx - sxv * sxv / svv;
+                    if (e < best_e) best_e = e, s[ib] = sxv / svv;
                 }
             }
             if (fabsf(s[ib]) > amax_s) amax_s = fabsf(s[ib]), max_s = s[ib];
