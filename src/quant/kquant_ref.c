@@ -124,7 +124,7 @@ static void iq4_xs_dot(int64_t n, float *s, const void *w, const void *a) {
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
 /* Weighted fit of x ~ s*L - m over n values, L in [0, nmax], m >= 0:
- * candidate inverse scales (nmax - 0.5 + 0.1 k)/(hi - lo), k = 0..15, each
+ * candidate inverse scales (nmax - 0.5 + 0.2 k)/(hi - lo), k = 0..5, each
  * followed by the least-squares s and m for its L. Returns s, sets *mn. */
 static float fit_min(int n, int nmax, const float *x, const float *w, float *mn) {
     float lo = x[0], hi = x[0];
@@ -136,8 +136,8 @@ static float fit_min(int n, int nmax, const float *x, const float *w, float *mn)
     *mn = -lo;
     if (hi <= lo) return 0.f;
     float best_s = (hi - lo) / nmax, best_m = -lo, best_e = INFINITY;
-    for (int k = 0; k <= 15; k++) {
-        const float is = (nmax - 0.5f + 0.1f * k) / (hi - lo);
+    for (int k = 0; k <= 5; k++) {
+        const float is = (nmax - 0.5f + 0.2f * k) / (hi - lo);
         float sw = 0, swl = 0, swll = 0, swx = 0, swxl = 0;
         for (int i = 0; i < n; i++) {
             const float l = (float)clampi(kv_nearest_int((x[i] - lo) * is), 0, nmax);
@@ -172,8 +172,8 @@ static float fit_sym(int n, int lmin, int lmax, const float *x, const float *w) 
         if (fabsf(x[i]) > amax) amax = fabsf(x[i]), max = x[i];
     if (amax == 0) return 0.f;
     float best_s = max / lmin, best_e = INFINITY;
-    for (int k = -6; k <= 6; k++) {
-        const float s0 = max / (lmin + 0.1f * k);
+    for (int k = -2; k <= 2; k++) {
+        const float s0 = max / (lmin + 0.2f * k);
         float sxl = 0, sll = 0;
         for (int i = 0; i < n; i++) {
             const float l = (float)clampi(kv_nearest_int(x[i] / s0), lmin, lmax);
@@ -290,7 +290,7 @@ static void iq4_xs_from_float(const float *src, void *dst, int64_t n) {
             s[ib] = 0;
             if (amax > 0) { /* candidates: the signed extreme near each end of the grid */
                 float best_e = INFINITY;
-                for (int k = -7; k <= 7; k++) {
+                for (int k = -6; k <= 6; k += 2) {
                     const float id = (k + kv_iq4nl_values[0]) / max;
                     float sxv = 0, svv = 0, sxx = 0;
                     for (int l = 0; l < 32; l++) {
