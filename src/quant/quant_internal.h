@@ -135,12 +135,21 @@ _Static_assert(sizeof(kv_block_iq4_xs) == 136, "iq4_xs block size");
 static const int8_t kv_iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                            1,    13,   25,  38,  53,  69,  89,  113};
 
-/* The 16 signed scales (-32..31) of a q3_K block. */
+/* The 16 signed scales (-32..31) of a q3_K block: scale k has low bits
+ * (k < 8 ? b[k] & 15 : b[k-8] >> 4) and high bits (b[8 + k%4] >> 2(k/4)) & 3,
+ * unpacked four at a time in 32-bit words. */
 static inline void kv_unpack_q3_scales(const uint8_t *b, int8_t s[16]) {
-    for (int k = 0; k < 16; k++) {
-        const int lo = k < 8 ? b[k] & 0xF : b[k - 8] >> 4;
-        const int hi = (b[8 + k % 4] >> (2 * (k / 4))) & 3;
-        s[k] = (int8_t)((lo | (hi << 4)) - 32);
+    uint32_t a0, a1, t;
+    memcpy(&a0, b, 4);
+    memcpy(&a1, b + 4, 4);
+    memcpy(&t, b + 8, 4);
+    const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u, b32 = 0x20202020u;
+    /* +0x80 per byte before the subtraction keeps each byte from borrowing */
+    const uint32_t w[4] = {(a0 & m4) | ((t & m2) << 4), (a1 & m4) | (((t >> 2) & m2) << 4),
+                           ((a0 >> 4) & m4) | (((t >> 4) & m2) << 4), ((a1 >> 4) & m4) | (((t >> 6) & m2) << 4)};
+    for (int i = 0; i < 4; i++) {
+        const uint32_t v = ((w[i] | 0x80808080u) - b32) ^ 0x80808080u; /* each byte: value - 32 */
+        memcpy(s + 4 * i, &v, 4);
     }
 }
 
