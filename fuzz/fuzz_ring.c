@@ -60,6 +60,22 @@ static void reencode(const uint8_t *f, size_t n, const kv_ring_msg *m) {
                   strlen(m->u.status.msg) <= KV_RING_MAX_MSG);
         rc = kv_ring_status_encode(out, sizeof out, m->h.type, &m->u.status, &k, &d);
         break;
+    case KV_RING_SUBMIT_TOKENS: {
+        const kv_ring_submit_tokens *st = &m->u.stok;
+        CHECK(st->n_tokens >= 1 && st->n_tokens <= KV_RING_MAX_PROMPT && st->p.n_gen == 0);
+        CHECK(st->p.sample.n_bias <= KV_SAMPLE_MAX_BIAS && st->p.grammar_len <= KV_RING_MAX_GRAMMAR);
+        int32_t *t = malloc(st->n_tokens * sizeof *t);
+        CHECK(t);
+        for (uint32_t i = 0; i < st->n_tokens; i++) t[i] = kv_ring_tokens_get(st->tokens, i);
+        rc = kv_ring_submit_tokens_encode(out, sizeof out, &st->p, t, st->n_tokens, &k, &d);
+        free(t);
+        break;
+    }
+    case KV_RING_VOCAB:
+    case KV_RING_VOCAB_ACK:
+        CHECK(m->h.type == KV_RING_VOCAB || (m->u.vocab.len >= 1 && m->u.vocab.len <= KV_RING_MAX_VOCAB_BYTES));
+        rc = kv_ring_vocab_encode(out, sizeof out, m->h.type, m->u.vocab.gguf, m->u.vocab.len, &k, &d);
+        break;
     case KV_RING_ACCEPT:
     case KV_RING_START: {
         const uint32_t nt = m->h.type == KV_RING_START ? m->u.start.n_tokens : m->u.accept.n_tokens;
@@ -94,7 +110,9 @@ static void reencode(const uint8_t *f, size_t n, const kv_ring_msg *m) {
     }
     case KV_RING_TOKEN: {
         const kv_ring_token *t = &m->u.token;
-        CHECK(kv_ring_token_size(t->piece_len, t->n_logits) == n - KV_RING_HEADER);
+        CHECK((t->has_lp ? kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top)
+                         : kv_ring_token_size(t->piece_len, t->n_logits)) == n - KV_RING_HEADER);
+        CHECK(!t->has_lp || (t->lp.token == t->token && isfinite(t->lp.logprob)));
         float *lg = malloc((t->n_logits ? t->n_logits : 1) * sizeof *lg);
         CHECK(lg);
         kv_ring_floats_get(t->logits, t->n_logits, lg);

@@ -140,7 +140,7 @@ static void test_names(void) {
 static void test_fallback(void) {
     const kv_gen_mix_ctx m = {.n_layer_all = 4, .n_expert = 16, .n_gqa = 2};
     ASSERT_EQ(kv_gen_mix_type(KV_GEN_MIX_Q2_K, "blk.1.attn_q.weight", 320, &m), KV_TYPE_Q4_0);
-    ASSERT_EQ(kv_gen_mix_type(KV_GEN_MIX_Q4_K_M, "blk.0.ffn_down_exps.weight", 320, &m), KV_TYPE_Q8_0); /* Q6_K */
+    ASSERT_EQ(kv_gen_mix_type(KV_GEN_MIX_Q4_K_M, "blk.3.ffn_down_exps.weight", 320, &m), KV_TYPE_Q8_0); /* Q6_K */
     ASSERT_EQ(kv_gen_mix_type(KV_GEN_MIX_Q2_K, "output.weight", 320, &m), KV_TYPE_Q8_0);
     ASSERT_EQ(kv_gen_mix_type(KV_GEN_MIX_Q2_K, "blk.1.attn_q.weight", 100, &m), KV_TYPE_F16);
     /* Q4_K -> Q5_0 and IQ4_XS -> IQ4_NL where gen-model writes them, else Q8_0 */

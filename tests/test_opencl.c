@@ -94,6 +94,7 @@ static void test_types_vs_scalar(void) {
     printf("  device: %s\n", dev);
     const uint32_t types[] = {KV_TYPE_F32, KV_TYPE_F16, KV_TYPE_BF16, KV_TYPE_Q8_0,
                               KV_TYPE_Q4_0, KV_TYPE_Q4_K, KV_TYPE_Q5_K, KV_TYPE_Q6_K,
+                              KV_TYPE_Q4_1, KV_TYPE_Q5_0, KV_TYPE_Q5_1, KV_TYPE_IQ4_NL, KV_TYPE_MXFP4,
                               KV_TYPE_Q2_K, KV_TYPE_Q3_K, KV_TYPE_IQ4_XS};
     /* and experts whose matrices differ in type, gate's activation type
      * differing from up's (some published mixes: gate Q8_0, up Q4_K) */

@@ -13,6 +13,7 @@
 
 #include <sodium.h>
 
+#include "kvasir/engine.h"
 #include "kvasir/gen.h"
 #include "kvasir/link.h"
 #include "kvasir/model.h"
@@ -66,11 +67,14 @@ static void test_header_layout(void) {
     f[0] ^= 1;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
     memcpy(f, buf, sizeof f);
-    f[4] = 3; /* a later version */
+    f[4] = 4; /* a later version */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
     f[4] = 1; /* v1: a node of a build before TLS (ring v2) gets a version error */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
-    ASSERT_TRUE(strstr(d.msg, "version 1, this node speaks 2") != NULL);
+    ASSERT_TRUE(strstr(d.msg, "version 1, this node speaks 3") != NULL);
+    f[4] = 2; /* v2: a node of a build before SUBMIT_TOKENS (ring v3) gets a version error */
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "version 2, this node speaks 3") != NULL);
     memcpy(f, buf, sizeof f);
     f[6] = KV_RING_TYPE_COUNT;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
@@ -163,7 +167,7 @@ static void test_hidden(void) {
 }
 
 static void test_start_submit_token(void) {
-    kv_ring_params p = {KV_RING_SUBMIT_LOGITS, 12, kv_sample_defaults()};
+    kv_ring_params p = {.flags = KV_RING_SUBMIT_LOGITS, .n_predict = 12, .sample = kv_sample_defaults()};
     p.sample.seed = 99;
     const int32_t toks[4] = {5, 0, 599, 42};
     kv_ring_start s = {77, 2, 0, p, 4, NULL};
@@ -241,7 +245,7 @@ static void test_start_submit_token(void) {
  * a bad role, a message running past the frame, trailing bytes, too many
  * messages or bytes, unknown flags and a window out of range are refused. */
 static void test_chat_status(void) {
-    kv_ring_params p = {KV_RING_SUBMIT_IGNORE_EOG, 30, kv_sample_defaults()};
+    kv_ring_params p = {.flags = KV_RING_SUBMIT_IGNORE_EOG, .n_predict = 30, .sample = kv_sample_defaults()};
     const kv_chat_msg msgs[3] = {{"system", "be brief", 8}, {"user", "", 0}, {"assistant", "ok", 2}};
     size_t n;
     ASSERT_EQ(kv_ring_submit_chat_encode(buf, sizeof buf, &p, msgs, 3, &n, NULL), 0);
@@ -399,6 +403,200 @@ static void test_auth(void) {
 
 static char g_dir[200];
 
+
+static float rdf(const uint8_t *p) {
+    const uint32_t u = rd32(p);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* v3: SUBMIT_TOKENS with the sampling extension, START carrying it (and
+ * n_gen), TOKEN with a log-probability, VOCAB / VOCAB_ACK, at the offsets
+ * docs/PROTOCOL.md gives; malformed ones refused. */
+static void test_v3_frames(void) {
+    kv_diag d = {0};
+    const kv_logit_bias bias[2] = {{7, -100.0f}, {300, 2.5f}};
+    const char *gram = "root ::= \"a\" [b-c]*";
+    kv_ring_params p = {.flags = KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_LOGPROBS, .n_predict = 9,
+                        .sample = kv_sample_defaults(), .top_logprobs = 3, .grammar = gram,
+                        .grammar_len = (uint32_t)strlen(gram)};
+    p.sample.presence_penalty = 0.5f;
+    p.sample.frequency_penalty = -0.25f;
+    p.sample.bias = bias;
+    p.sample.n_bias = 2;
+    const int32_t toks[3] = {1, 2, 511};
+    size_t n;
+    ASSERT_EQ(kv_ring_submit_tokens_encode(buf, sizeof buf, &p, toks, 3, &n, &d), 0);
+    const size_t ext = 40 + 4 + 12;
+    ASSERT_EQ(n, KV_RING_HEADER + ext + 24 + 16 + strlen(gram));
+    ASSERT_EQ(kv_ring_params_size(&p), 40 + 24 + 16 + strlen(gram));
+    const uint8_t *q = buf + KV_RING_HEADER;
+    ASSERT_EQ(buf[6], KV_RING_SUBMIT_TOKENS);
+    ASSERT_EQ(rd32(q), KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_LOGPROBS);
+    ASSERT_EQ(rd32(q + 40), 3);
+    ASSERT_EQ(rd32(q + 52), 511);
+    ASSERT_TRUE(rdf(q + ext) == 0.5f && rdf(q + ext + 4) == -0.25f);
+    ASSERT_EQ(rd32(q + ext + 8), 3);  /* top_logprobs */
+    ASSERT_EQ(rd32(q + ext + 12), 0); /* n_gen */
+    ASSERT_EQ(rd32(q + ext + 16), 2); /* n_bias */
+    ASSERT_EQ(rd32(q + ext + 20), strlen(gram));
+    ASSERT_EQ(rd32(q + ext + 32), 300);
+    ASSERT_TRUE(rdf(q + ext + 36) == 2.5f);
+    ASSERT_TRUE(!memcmp(q + ext + 40, gram, strlen(gram)));
+    kv_ring_msg m;
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.stok.n_tokens, 3);
+    ASSERT_EQ(m.u.stok.p.top_logprobs, 3);
+    ASSERT_EQ(m.u.stok.p.sample.n_bias, 2);
+    ASSERT_TRUE(m.u.stok.p.sample.presence_penalty == 0.5f && m.u.stok.p.sample.frequency_penalty == -0.25f);
+    ASSERT_EQ(m.u.stok.p.grammar_len, strlen(gram));
+    ASSERT_TRUE(!memcmp(m.u.stok.p.grammar, gram, strlen(gram)));
+    check_truncations(buf, n);
+    uint8_t f[4096];
+    memcpy(f, buf, n);
+    f[n] = 0; /* a byte past the extension */
+    wr32(f + 8, (uint32_t)(n + 1 - KV_RING_HEADER));
+    ASSERT_EQ(kv_ring_decode(f, n + 1, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + ext, 0x7fc00000u); /* NaN presence penalty */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + ext, 0x40400000u); /* 3.0: out of [-2, 2] */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + ext + 24, 0xffffffffu); /* bias token -1 */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + ext + 28, 0x43480000u); /* bias 200 */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + ext + 8, 21); /* top_logprobs over 20 */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + ext + 12, 1); /* n_gen in a SUBMIT_TOKENS */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER, KV_RING_SUBMIT_LOGPROBS); /* LOGPROBS without EXT */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    /* a SUBMIT (text) does not carry the extension */
+    kv_ring_params tp = {.n_predict = 4, .sample = kv_sample_defaults()};
+    const kv_ring_submit sb = {tp, "hello", 5};
+    size_t sn;
+    ASSERT_EQ(kv_ring_submit_encode(f, sizeof f, &sb, &sn, &d), 0);
+    wr32(f + KV_RING_HEADER, KV_RING_SUBMIT_EXT);
+    ASSERT_EQ(kv_ring_decode(f, sn, &m, &d), KV_EPROTO);
+
+    /* START: the extension after the tokens, n_gen below n */
+    p.n_gen = 2;
+    kv_ring_start st = {.seq = 5, .home = 0, .p = p, .n_tokens = 3};
+    ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 60 + 12 + 24 + 16 + strlen(gram));
+    ASSERT_EQ(rd32(buf + KV_RING_HEADER + 72 + 12), 2);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.start.p.n_gen, 2);
+    ASSERT_EQ(m.u.start.n_tokens, 3);
+    wr32(buf + KV_RING_HEADER + 72 + 12, 3); /* n_gen = n */
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+    st.p.flags = 0; /* without the extension: v2's layout */
+    ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), KV_EINVAL); /* n_gen needs EXT */
+    st.p.n_gen = 0;
+    ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), KV_EINVAL); /* so do bias, grammar, ... */
+    st.p = (kv_ring_params){.n_predict = 9, .sample = kv_sample_defaults()};
+    ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 60 + 12);
+
+    /* TOKEN with a log-probability: u32 n_top, f64 logprob, {i32, f64}[n_top] after the logits */
+    kv_ring_token t = {.seq = 9, .pos = 4, .token = 33, .stop = KV_STOP_GRAMMAR, .piece_len = 2, .piece = "ab",
+                       .has_lp = true, .lp = {.token = 33, .logprob = -0.125, .n_top = 2}};
+    t.lp.top_id[0] = 33;
+    t.lp.top_logprob[0] = -0.125;
+    t.lp.top_id[1] = 8;
+    t.lp.top_logprob[1] = -3.5;
+    ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, NULL, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 28 + 2 + 12 + 24);
+    q = buf + KV_RING_HEADER + 30;
+    ASSERT_EQ(rd32(q), 2);
+    double lp;
+    const uint64_t lb = rd64(q + 4);
+    memcpy(&lp, &lb, 8);
+    ASSERT_TRUE(lp == -0.125);
+    ASSERT_EQ(rd32(q + 24), 8);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_TRUE(m.u.token.has_lp && m.u.token.lp.n_top == 2 && m.u.token.lp.top_logprob[1] == -3.5);
+    ASSERT_EQ(m.u.token.stop, KV_STOP_GRAMMAR);
+    check_truncations(buf, n);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 30 + 8, 0x7ff80000u); /* the logprob's high word: NaN */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 30, 21);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    t.has_lp = false;
+    ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, NULL, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 30);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_TRUE(!m.u.token.has_lp);
+
+    /* VOCAB: no payload; VOCAB_ACK: u32 len, bytes */
+    ASSERT_EQ(kv_ring_vocab_encode(buf, sizeof buf, KV_RING_VOCAB, NULL, 0, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(kv_ring_vocab_encode(buf, sizeof buf, KV_RING_VOCAB_ACK, (const uint8_t *)"GGUF", 4, &n, &d), 0);
+    ASSERT_EQ(rd32(buf + KV_RING_HEADER), 4);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_TRUE(m.u.vocab.len == 4 && !memcmp(m.u.vocab.gguf, "GGUF", 4));
+    wr32(buf + KV_RING_HEADER, 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+}
+
+/* The VOCAB_ACK payload of a generated model loads as a tokenizer that
+ * tokenizes as the model's own, with its chat template, and nothing else. */
+static void test_vocab_pack(void) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/vocab.gguf", g_dir);
+    kv_diag d = {0};
+    kv_gen_config c;
+    ASSERT_EQ(kv_gen_preset_get("tiny", &c, &d), 0);
+    c.n_layer = 1;
+    c.n_threads = 1;
+    c.log = NULL;
+    ASSERT_EQ(kv_gen_model(&c, path, &d), 0);
+    kv_gguf *g = NULL, *v = NULL;
+    ASSERT_EQ(kv_gguf_open(&g, path, &d), 0);
+    uint8_t *pack = NULL;
+    size_t len = 0;
+    ASSERT_EQ(kv_ring_vocab_pack(g, &pack, &len, &d), 0);
+    ASSERT_EQ(kv_gguf_open_mem(&v, pack, len, &d), 0);
+    ASSERT_EQ(kv_gguf_n_tensors(v), 0);
+    for (size_t i = 0; i < kv_gguf_n_kv(v); i++) ASSERT_TRUE(!strncmp(kv_gguf_kv_at(v, i)->key.ptr, "tokenizer.", 10));
+    kv_tok *a = NULL, *b = NULL;
+    ASSERT_EQ(kv_tok_load(&a, g, &d), 0);
+    ASSERT_EQ(kv_tok_load(&b, v, &d), 0);
+    ASSERT_EQ(kv_tok_n_vocab(a), kv_tok_n_vocab(b));
+    ASSERT_EQ(kv_tok_bos(a), kv_tok_bos(b));
+    ASSERT_EQ(kv_tok_eos(a), kv_tok_eos(b));
+    const char *text = "<|im_start|>user\nHello, wörld! 12345 <think> \xe6\x97\xa5\xe6\x9c\xac<|im_end|>";
+    int32_t ia[256], ib[256];
+    size_t na = 0, nb = 0;
+    ASSERT_EQ(kv_tok_encode(a, text, strlen(text), true, ia, 256, &na, &d), 0);
+    ASSERT_EQ(kv_tok_encode(b, text, strlen(text), true, ib, 256, &nb, &d), 0);
+    ASSERT_EQ(na, nb);
+    ASSERT_TRUE(!memcmp(ia, ib, na * sizeof *ia));
+    kv_str ta = {0}, tb = {0};
+    if (kv_gguf_find_kv(g, "tokenizer.chat_template")) {
+        ASSERT_EQ(kv_gguf_get_str(g, "tokenizer.chat_template", &ta, &d), 0);
+        ASSERT_EQ(kv_gguf_get_str(v, "tokenizer.chat_template", &tb, &d), 0);
+        ASSERT_TRUE(ta.len == tb.len && !memcmp(ta.ptr, tb.ptr, ta.len));
+    }
+    kv_tok_free(a);
+    kv_tok_free(b);
+    kv_gguf_close(v);
+    kv_gguf_close(g);
+    free(pack);
+    unlink(path);
+}
+
 static void window_case(const char *arch) {
     char path[300];
     snprintf(path, sizeof path, "%s/%s.gguf", g_dir, arch);
@@ -497,7 +695,7 @@ static void test_window_qwen35moe(void) { window_case("qwen35moe"); }
 
 static const kvt_case cases[] = {
     KVT_CASE(test_header_layout), KVT_CASE(test_hello), KVT_CASE(test_hidden), KVT_CASE(test_start_submit_token),
-    KVT_CASE(test_auth), KVT_CASE(test_chat_status),
+    KVT_CASE(test_auth), KVT_CASE(test_chat_status), KVT_CASE(test_v3_frames), KVT_CASE(test_vocab_pack),
     KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
 };
 

@@ -88,7 +88,34 @@ typedef struct kv_engine_opts {
     /* the prompt cache (below) */
     uint64_t prompt_cache_bytes; /* its memory budget; 0 = no prompt cache */
     uint32_t prompt_cache_block; /* tokens per cache block, a multiple of 16 up to 4096; 0 = 64 */
+    /* speculative decoding (below) */
+    const char *draft;           /* draft source: NULL or "none", "ngram", "mtp", "test:FILE:P[:SEED]" */
+    uint32_t draft_max;          /* tokens drafted per verify step, at most 15; 0 = 3 */
 } kv_engine_opts;
+
+/* Speculative decoding (docs/SPECULATIVE.md). With a draft source, a
+ * generating session feeds its last token together with up to draft_max
+ * tokens the source guesses come next, all in one forward pass (with a
+ * coordinator: one request per MoE layer for all of them), and gets the
+ * logits of every position. It then samples position by position exactly
+ * as plain decoding would (the sampler's draw is a function of the seed and
+ * the position, kv_sampler_*; penalties, logit bias, grammar and stop
+ * conditions all advance token by token) and keeps a drafted token only
+ * when it equals the token drawn there; the first draw that differs is
+ * emitted as well and the rest is thrown away: the KV cache shortens and a
+ * qwen35moe recurrent state is restored from the copy kept after the last
+ * kept position (kv_state_spec_keep: draft_max copies per session).
+ * Tokens and logits are therefore those of plain decoding, byte for byte.
+ * Callers see no difference but speed: each kv_engine_step still hands each
+ * session at most one token; the extra tokens a verify step accepted wait
+ * in the session and are handed out by the next steps, which run no
+ * forward pass for it (kv_session_status says DECODE until the last is
+ * handed out). Drafted tokens per step are bounded by draft_max x 8
+ * (sessions beyond that decode plainly in that step), by the context and by
+ * max_tokens. A session that fails in the middle of a verify step (a
+ * non-finite logit at a drafted position, a grammar limit) loses the
+ * tokens still waiting: it fails where plain decoding would have, or
+ * earlier, never with other tokens. */
 
 /* The prompt cache (a prefix cache across sessions). Every time a session's
  * position reaches a multiple of prompt_cache_block, the block of positions
@@ -162,6 +189,12 @@ typedef struct kv_engine_stats {
     uint64_t cache_tokens;       /* prompt tokens taken from the cache, not evaluated */
     uint64_t cache_inserts;      /* blocks stored */
     uint64_t cache_evictions;    /* blocks evicted for room */
+    /* speculative decoding (all 0 without a draft source) */
+    uint64_t spec_steps;         /* verify passes: session-steps that fed drafted tokens */
+    uint64_t spec_drafted;       /* drafted tokens fed */
+    uint64_t spec_accepted;      /* ... that equalled the token drawn there */
+    uint64_t spec_emitted;       /* tokens the verify passes yielded (accepted + one per pass
+                                    unless the session stopped first) */
 } kv_engine_stats;
 void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out);
 /* Per-stage timers of the engine's forward passes into p (kv_state_set_profile);

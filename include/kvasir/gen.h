@@ -38,6 +38,7 @@
 #define KV_GEN_MAX_HEAD_DIM 1024u
 #define KV_GEN_MIN_VOCAB 259u         /* 256 byte tokens + 3 special tokens */
 #define KV_GEN_MAX_CTX (1u << 20)
+#define KV_GEN_MAX_ROUTER_SKEW 16.0f
 #define KV_GEN_MAX_BYTES (256ull << 30) /* refuse to write models over 256 GiB */
 
 typedef struct kv_gen_config {
@@ -61,6 +62,11 @@ typedef struct kv_gen_config {
     uint32_t mix;           /* kv_gen_mix: llama-quantize's recipe for the
                                matrices (overrides type and q6_mix); 0: none */
     uint64_t seed;          /* weights PRNG seed */
+    float router_skew;      /* 0: every expert alike; S > 0: in each layer's router the
+                               row of the expert of rank r (a seeded shuffle per layer)
+                               has its std scaled by 1 + S / (1 + r), so a few experts
+                               win top-k far more often than the rest, as in real
+                               routers; bounded by KV_GEN_MAX_ROUTER_SKEW */
     bool tied;              /* true: no output.weight (LM head = token_embd) */
     int n_threads;          /* threads drawing/quantizing; 0: all CPUs (the
                                bytes written do not depend on it) */

@@ -8,8 +8,9 @@
  * head) embeds tokens; the node with the last layer (the tail) applies the
  * final norm and the LM head, samples, and sends the token to its next,
  * which is the head, which feeds it back in. A client submits a request to
- * any node (its home); the home tokenizes it and sends it along the ring
- * to the head; tokens travel from the tail back to the home and out to the
+ * any node (its home); the home takes its token ids (SUBMIT_TOKENS: the
+ * gateway renders and tokenizes, with the tokenizer a node sends it by
+ * VOCAB) or tokenizes its text, and sends it along the ring to the head; tokens travel from the tail back to the home and out to the
  * client. Several sequences are in flight at once and every node computes
  * whichever hidden state arrives, so with S sequences S nodes work at once.
  *
@@ -41,13 +42,17 @@
 #include <stdio.h>
 
 #include "kvasir/err.h"
+#include "kvasir/gguf.h"
 #include "kvasir/sample.h"
 #include "kvasir/tok.h" /* kv_chat_msg */
 
 /* ---- wire format -------------------------------------------------------- */
 
 #define KV_RING_MAGIC 0x4752564bu      /* "KVRG" little-endian */
-#define KV_RING_VERSION 2u /* 2: over TLS, both key-handshake signatures cover the session's exporter */
+#define KV_RING_VERSION 3u /* 2: over TLS, both key-handshake signatures cover the session's exporter;
+                                   3: SUBMIT_TOKENS (the client's own rendering, as token ids), the
+                                   sampling extension (penalties, logit bias, grammar, logprobs) and
+                                   VOCAB (the tokenizer and chat template for a client) */
 #define KV_RING_HEADER 12u             /* magic u32, version u16, type u16, len u32 */
 #define KV_RING_MAX_TOKENS 4096u       /* tokens in one HIDDEN / START / ACCEPT frame */
 #define KV_RING_MAX_EMBD 65536u        /* n_embd of a hidden state */
@@ -60,6 +65,10 @@
 #define KV_RING_MAX_PAYLOAD ((64u << 20) + 64u) /* the largest payload of any frame */
 #define KV_RING_MODEL_ID_LEN 64u       /* model identity: 64 lowercase hex digits */
 #define KV_RING_MAX_MSGS 512u          /* messages in one SUBMIT_CHAT */
+#define KV_RING_MAX_GRAMMAR (1u << 20) /* bytes of GBNF text in a sampling extension */
+#define KV_RING_GRAMMAR_MEMORY (64u << 20) /* bytes of one sequence's grammar matcher tables (the
+                                              gateway's per-request bound, so both flush alike) */
+#define KV_RING_MAX_VOCAB_BYTES (48u << 20) /* the tokenizer GGUF of a VOCAB_ACK */
 
 enum kv_ring_type {
     KV_RING_HELLO = 1,   /* first frame on every connection: role, model, window */
@@ -78,6 +87,9 @@ enum kv_ring_type {
     KV_RING_SUBMIT_CHAT, /* client -> home: chat messages (the home applies the chat template) */
     KV_RING_STATUS,      /* client -> node: is the ring whole? (no payload) */
     KV_RING_STATUS_ACK,  /* node -> client: the answer, its window and limits */
+    KV_RING_SUBMIT_TOKENS, /* client -> home: a prompt as token ids (the client rendered and tokenized it) */
+    KV_RING_VOCAB,       /* client -> node: send the model's tokenizer (no payload) */
+    KV_RING_VOCAB_ACK,   /* node -> client: the tokenizer.* metadata as a GGUF without tensors */
     KV_RING_TYPE_COUNT
 };
 
@@ -85,6 +97,9 @@ enum kv_ring_role { KV_RING_ROLE_LINK = 1, KV_RING_ROLE_CLIENT = 2 };
 
 #define KV_RING_SUBMIT_LOGITS 1u /* SUBMIT flags: TOKEN frames to the client carry the logits */
 #define KV_RING_SUBMIT_IGNORE_EOG 2u /* SUBMIT flags: an end-of-generation token does not stop it */
+#define KV_RING_SUBMIT_EXT 4u    /* SUBMIT_TOKENS / START flags: the frame ends with the sampling extension */
+#define KV_RING_SUBMIT_LOGPROBS 8u /* SUBMIT_TOKENS / START flags (with EXT): TOKEN frames carry the sampled
+                                      token's log-probability and top_logprobs alternatives */
 #define KV_RING_STATUS_WHOLE 1u  /* STATUS_ACK flags: the ring is whole (a probe went round) */
 
 /* Roles of SUBMIT_CHAT messages on the wire. */
@@ -104,11 +119,20 @@ typedef struct kv_ring_hello {
     char model_id[KV_RING_MODEL_ID_LEN + 1];/* 64 hex digits (empty for a client) */
 } kv_ring_hello;
 
-/* Sampling and stop parameters of a request, as they travel. */
+/* Sampling and stop parameters of a request, as they travel. The
+ * extension (flags KV_RING_SUBMIT_EXT; SUBMIT_TOKENS and START only) adds
+ * sample.presence_penalty, frequency_penalty and the logit bias, the
+ * logprobs alternatives and a grammar the tail samples under. */
 typedef struct kv_ring_params {
     uint32_t flags;          /* KV_RING_SUBMIT_* */
     uint32_t n_predict;      /* tokens to emit, >= 1 */
-    kv_sample_params sample;
+    kv_sample_params sample; /* decoded: sample.bias NULL, the entries are at bias_wire */
+    uint32_t top_logprobs;   /* EXT: alternatives per token, 0..KV_SAMPLE_MAX_TOP (with LOGPROBS) */
+    uint32_t n_gen;          /* EXT, START: the last n_gen tokens were generated (a replay), 0 in SUBMIT_TOKENS */
+    const uint8_t *bias_wire;/* decoded EXT: [sample.n_bias] {i32 token, f32 bias} LE (view); the encoder
+                                writes sample.bias when it is set, else these bytes */
+    const char *grammar;     /* EXT: GBNF text the tail samples under, grammar_len bytes (view); NULL none */
+    uint32_t grammar_len;    /* 0..KV_RING_MAX_GRAMMAR */
 } kv_ring_params;
 
 typedef struct kv_ring_submit {
@@ -160,7 +184,15 @@ typedef struct kv_ring_token {
     const char *piece;       /* view */
     uint32_t n_logits;       /* 0 or n_vocab */
     const uint8_t *logits;   /* [n_logits] f32 LE, every value finite (view) */
+    bool has_lp;             /* the frame ends with the token's log-probability (LOGPROBS requests) */
+    kv_token_logprob lp;     /* with has_lp: lp.token == token, every value finite */
 } kv_ring_token;
+
+typedef struct kv_ring_submit_tokens {
+    kv_ring_params p;
+    uint32_t n_tokens;       /* 1..KV_RING_MAX_PROMPT */
+    const uint8_t *tokens;   /* [n_tokens] i32 LE (view) */
+} kv_ring_submit_tokens;
 
 typedef struct kv_ring_accept {
     uint64_t seq;
@@ -209,6 +241,11 @@ typedef struct kv_ring_msg {
         kv_ring_auth auth;      /* AUTH_CHALLENGE (key, nonce), AUTH (all), AUTH_OK (sig) */
         kv_ring_submit_chat chat;
         kv_ring_status status;  /* STATUS_ACK (STATUS has no payload) */
+        kv_ring_submit_tokens stok; /* SUBMIT_TOKENS */
+        struct {
+            const uint8_t *gguf;  /* VOCAB_ACK: a GGUF of the tokenizer.* metadata, no tensors (view) */
+            uint32_t len;         /* 1..KV_RING_MAX_VOCAB_BYTES */
+        } vocab;
     } u;
 } kv_ring_msg;
 
@@ -217,6 +254,11 @@ typedef struct kv_ring_msg {
 /* Payload bytes of a frame of each kind (0 if the counts are out of bounds). */
 size_t kv_ring_hidden_size(uint32_t n_tokens, uint32_t n_embd);
 size_t kv_ring_token_size(uint32_t piece_len, uint32_t n_logits);
+/* A TOKEN frame's payload with a log-probability of n_top alternatives
+ * (n_top <= KV_SAMPLE_MAX_TOP; 0 if out of bounds). */
+size_t kv_ring_token_size_lp(uint32_t piece_len, uint32_t n_logits, uint32_t n_top);
+/* The bytes the parameters (and their extension) take in a frame. */
+size_t kv_ring_params_size(const kv_ring_params *p);
 
 /* Decodes the header of a frame from hdr[n] (n >= KV_RING_HEADER). Errors:
  * KV_EPROTO for a bad magic or unknown type, KV_EUNSUPPORTED for another
@@ -259,6 +301,19 @@ int kv_ring_submit_chat_encode(uint8_t *out, size_t cap, const kv_ring_params *p
 const uint8_t *kv_ring_chat_next(const uint8_t *at, uint32_t *role, const char **content, uint32_t *len);
 /* "system", "user", "assistant" for a kv_ring_chat_role, NULL otherwise. */
 const char *kv_ring_chat_role_name(uint32_t role);
+/* SUBMIT_TOKENS: p (its extension when flags has KV_RING_SUBMIT_EXT) and
+ * tokens[n_tokens] (host ints, each >= 0 and < KV_RING_MAX_VOCAB; the home
+ * checks them against its vocabulary). KV_ERANGE / KV_EINVAL. */
+int kv_ring_submit_tokens_encode(uint8_t *out, size_t cap, const kv_ring_params *p, const int32_t *tokens,
+                                 uint32_t n_tokens, size_t *n, kv_diag *d);
+/* VOCAB (gguf NULL, len 0) or VOCAB_ACK (len 1..KV_RING_MAX_VOCAB_BYTES). */
+int kv_ring_vocab_encode(uint8_t *out, size_t cap, uint16_t type, const uint8_t *gguf, uint32_t len, size_t *n,
+                         kv_diag *d);
+/* The VOCAB_ACK payload of a model: a GGUF (v3, no tensors) holding g's
+ * tokenizer.* pairs as they are, for kv_gguf_open_mem and kv_tok_load.
+ * *out is malloc'd (the caller frees). KV_ERANGE past
+ * KV_RING_MAX_VOCAB_BYTES, KV_ENOTFOUND without a tokenizer, KV_ENOMEM. */
+int kv_ring_vocab_pack(const kv_gguf *g, uint8_t **out, size_t *len, kv_diag *d);
 /* type KV_RING_STATUS (no payload; st unused, may be NULL) or
  * KV_RING_STATUS_ACK (32 + msg bytes). */
 int kv_ring_status_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_status *st, size_t *n, kv_diag *d);
@@ -393,6 +448,51 @@ int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ri
                       FILE *log, kv_diag *d);
 void kv_ring_hub_stop(kv_ring_hub *h);
 
+/* ---- the ring of sites (src/ring/hub.c, docs/HUB.md "Sites") -------------
+ * The hub's site placement (GET /v1/sites) gives each site a window of
+ * layers whose experts its own workers hold; a ring node of that site
+ * (kvasir ring --hub URL --site NAME) runs the window with those workers. */
+
+#define KV_RING_SITE_WORKERS 64u   /* site-local workers one window takes */
+#define KV_RING_SITE_WINDOWS 64u   /* windows (sites) of one placement */
+
+typedef struct kv_ring_site_window {
+    char site[48];
+    uint32_t first, last;                               /* layers, inclusive */
+    uint32_t n_workers;
+    char workers[KV_RING_SITE_WORKERS][KV_RING_HUB_ADDR + 1]; /* the site's workers for the window */
+    char ring[KV_RING_HUB_ADDR + 1];                    /* a ring node of the site running it, "" none */
+} kv_ring_site_window;
+
+typedef struct kv_ring_sites {
+    bool placed;                    /* a site placement is in force */
+    char reason[256];               /* why not */
+    uint32_t n_win;
+    kv_ring_site_window win[KV_RING_SITE_WINDOWS];
+} kv_ring_sites;
+
+/* Parses GET /v1/sites (untrusted: windows consecutive from layer 0,
+ * addresses of [A-Za-z0-9.-:[]], counts bounded; workers beyond
+ * KV_RING_SITE_WORKERS are left out). KV_EFORMAT for a malformed answer. */
+int kv_ring_parse_sites(const char *json, size_t len, kv_ring_sites *out, kv_diag *d);
+/* Site mode of kv_ring_hub_join: the window the hub's placement gives
+ * `site`, its workers (copied into workers[cap], *n_workers) and the
+ * manifest, backbone and the window's slabs in dir (the hub challenges the
+ * slabs a node registers). KV_ENOTFOUND when no placement gives the site a
+ * window (d says why). */
+int kv_ring_hub_join_site(const char *hub, const char *dir, const char *site, uint32_t *first, uint32_t *last,
+                          char *manifest_path, size_t cap, char (*workers)[KV_RING_HUB_ADDR + 1], uint32_t wcap,
+                          uint32_t *n_workers, FILE *log, kv_diag *d);
+/* kv_ring_hub_start for a node of `site`: it registers with its site, and
+ * its next is the ring node of the next site's window. */
+int kv_ring_hub_start_site(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
+                           const char *site, FILE *log, kv_diag *d);
+/* The entry nodes of the hub's ring of sites, when one is in force and every
+ * window has a ring node: their addresses in out[cap] (*n). 0 with *n = 0
+ * and why[] when there is none; an error when the hub cannot be read. */
+int kv_ring_hub_site_entries(const char *hub, char (*out)[KV_RING_HUB_ADDR + 1], uint32_t cap, uint32_t *n, char *why,
+                             size_t why_cap, kv_diag *d);
+
 /* ---- the client ----------------------------------------------------------- */
 
 struct kv_voucher; /* kvasir/link.h */
@@ -435,15 +535,21 @@ typedef struct kv_ring_req {
     const char *text;            /* SUBMIT: the prompt as `kvasir run -p` takes it (special token texts
                                     parsed), text_len bytes; or */
     size_t text_len;
-    const kv_chat_msg *msgs;     /* SUBMIT_CHAT when n_msgs > 0: the home applies the chat template
-                                    (every content plain text), as the gateway does */
+    const kv_chat_msg *msgs;     /* SUBMIT_CHAT when n_msgs > 0: the home applies ChatML (every content
+                                    plain text); or */
     uint32_t n_msgs;
+    const int32_t *tokens;       /* SUBMIT_TOKENS when n_tokens > 0: the prompt as the client rendered and
+                                    tokenized it (the gateway: the model's chat template; BOS included) */
+    uint32_t n_tokens;
     kv_ring_params p;
     const uint8_t *key_sk;       /* [64] the key proved to the node; NULL = a fresh random one */
     int timeout_ms;              /* longest wait for one frame; 0 = 60000 */
     const struct kv_voucher *voucher; /* a hub voucher for key_sk's key, sent in AUTH; NULL = none */
     kv_ring_accept_fn on_accept; /* may be NULL */
     kv_ring_token_fn on_token;   /* may be NULL */
+    /* with p.flags KV_RING_SUBMIT_LOGPROBS: called before on_token with the
+       token's log-probability (NULL if the frame carried none); may be NULL */
+    void (*on_logprob)(void *data, const kv_token_logprob *lp);
     bool (*cancelled)(void *data); /* polled every 100 ms while waiting; true: the request is abandoned
                                       (KV_EIO; the node frees it round the ring). NULL = never */
     void *data;                  /* for the callbacks */
@@ -458,6 +564,14 @@ typedef struct kv_ring_req {
  * whether the home took it. Free res with kv_ring_result_free. Thread-safe
  * (one connection per call). */
 int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *res, kv_diag *d);
+
+/* Fetches the model's tokenizer from the node at addr (VOCAB): *gguf
+ * (malloc'd, *len bytes; the caller frees) is a GGUF without tensors that
+ * holds the node's tokenizer.* metadata (vocabulary, merges, special
+ * tokens, chat template), for kv_gguf_open_mem and kv_tok_load. Errors: the
+ * connection's, the handshake's, the node's, KV_ETIMEOUT. */
+int kv_ring_vocab_get(const char *addr, const uint8_t *key_sk, const struct kv_voucher *voucher, int timeout_ms,
+                      uint8_t **gguf, size_t *len, kv_diag *d);
 
 /* Asks the node at addr (proving key_sk, as a client) whether the ring is
  * whole as it sees it: *out holds its answer (STATUS_ACK). Errors: the

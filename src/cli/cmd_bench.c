@@ -325,11 +325,14 @@ int kv_cmd_bench(int argc, char **argv) {
                (unsigned long long)es.mem.recurrent_bytes, rss_kb);
         if (remote)
             printf(",\"workers\":%u,\"wire\":\"%s\",\"layer_rtt_p50_us\":%.1f,\"layer_rtt_p99_us\":%.1f,"
-                   "\"layer_calls\":%llu,\"retried_pairs\":%llu,\"bytes_per_step\":%.0f,\"rounds_per_step\":%.2f",
+                   "\"layer_calls\":%llu,\"retried_pairs\":%llu,\"bytes_per_step\":%.0f,\"rounds_per_step\":%.2f,"
+                   "\"bytes_sent_per_round\":%.1f,\"bytes_recv_per_round\":%.1f",
                    n_workers, kv_enc_name((uint32_t)wire), rs.rtt_p50_us, rs.rtt_p99_us, (unsigned long long)rs.calls,
                    (unsigned long long)rs.retried_pairs,
                    n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / (double)n_gen : 0.0,
-                   n_gen ? (double)rs.rounds / (double)n_gen : 0.0);
+                   n_gen ? (double)rs.rounds / (double)n_gen : 0.0,
+                   rs.rounds ? (double)rs.bytes_sent / (double)rs.rounds : 0.0,
+                   rs.rounds ? (double)rs.bytes_recv / (double)rs.rounds : 0.0);
         if (profile) {
             static const char *const phase[2] = {"prefill", "decode"};
             printf(",\"profile\":{");

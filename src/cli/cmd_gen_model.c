@@ -21,9 +21,9 @@ static void usage(FILE *f) {
             "usage: kvasir gen-model --arch qwen3moe --out F.gguf [--preset NAME] [--layers N]\n"
             "         [--embd N] [--ff-exp N] [--experts N] [--experts-used N] [--heads N]\n"
             "         [--kv-heads N] [--head-dim N] [--vocab N] [--ctx N]\n"
-            "         [--type f32|f16|bf16|q8_0|q4_0|q2_k|q3_k|q4_k|q4_k_m|q5_k|q6_k|iq4_xs]\n"
+            "         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|iq4_nl|mxfp4|q2_k|q3_k|q4_k|q4_k_m|q5_k|q6_k|iq4_xs]\n"
             "         [--mix q2_k|q3_k_m|q4_k_m|iq4_xs] [--seed S] [--tied|--untied]\n"
-            "         [--threads N]\n"
+            "         [--threads N] [--router-skew S]\n"
             "       qwen35moe also: [--ff-shexp N] [--attn-interval N] [--ssm-conv N] [--ssm-state N]\n"
             "         [--ssm-groups N] [--ssm-heads N] [--rope-dim N] [--rope-sections a,b,c,d] [--nextn 0|1]\n"
             "\n"
@@ -52,6 +52,7 @@ static void usage(FILE *f) {
             "  --vocab N        vocabulary size                   (%u..%u)\n"
             "  --ctx N          context length in the metadata    (1..%u)\n"
             "  --type T         type of the embedding, attention, expert and output matrices\n"
+            "                   (also q4_1, q5_0, q5_1, iq4_nl, mxfp4: ggml's 32-value blocks)\n"
             "                   (norms and router stay f32); a matrix whose rows do not fit\n"
             "                   the type's block falls back to q8_0 (k-quants) or f16, with a note;\n"
             "                   q4_k_m: q4_k with ffn_down*, attn_v and output in q6_k (a simple mix;\n"
@@ -61,6 +62,10 @@ static void usage(FILE *f) {
             "                   ffn_down by layer, output, token_embd), as in the files people\n"
             "                   download; replaces --type; `kvasir inspect` lists the result\n"
             "  --seed S         weights seed (default 42)\n"
+            "  --router-skew S  hot experts, as in real routers (default 0: all alike): in each\n"
+            "                   layer the router row of the expert ranked r by a seeded shuffle\n"
+            "                   has its spread scaled by 1 + S/(1+r), so it wins top-k more\n"
+            "                   often; S in [0, 16]; 0 writes the same bytes as before\n"
             "  --threads N      threads drawing and quantizing (default: all CPUs; the\n"
             "                   file is the same for any N)\n"
             "  --tied           no output.weight: the LM head reuses token_embd\n"
@@ -99,13 +104,15 @@ static int gen_skeleton(int argc, char **argv, const char *preset) {
 }
 
 static int parse_type(const char *s, uint32_t *out) {
-    static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"};
+    static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
+                                     "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "iq4_xs"};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
         if (strcasecmp(s, ok[i]) == 0) {
             *out = (uint32_t)kv_type_from_name(ok[i]);
             return 0;
         }
-    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q2_k, q3_k, q4_k, q4_k_m, q5_k, q6_k, iq4_xs", s);
+    return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k, "
+                              "q4_1, q5_0, q5_1, iq4_nl, mxfp4, q2_k, q3_k, iq4_xs", s);
 }
 
 int kv_cmd_gen_model(int argc, char **argv) {
@@ -206,6 +213,9 @@ int kv_cmd_gen_model(int argc, char **argv) {
         } else if (!strcmp(a, "--seed")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             if (kv_arg_u64(CMD, a, v, &cfg.seed)) return 1;
+        } else if (!strcmp(a, "--router-skew")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (kv_arg_float(CMD, a, v, 0.0, KV_GEN_MAX_ROUTER_SKEW, &cfg.router_skew)) return 1;
         } else if (!strcmp(a, "--threads")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             if (kv_arg_long(CMD, a, v, 1, KV_POOL_MAX_THREADS, &n)) return 1;

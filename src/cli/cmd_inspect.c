@@ -24,7 +24,9 @@ static void usage(FILE *f) {
             "expert slabs (MoE layers x experts) and bytes per expert, the types used, and\n"
             "a per-layer table, and the quantization mix: general.file_type (llama_ftype)\n"
             "and the type of each matrix (the name without blk.N.) by block range.\n"
-            "See docs/ANATOMY.md.\n"
+            "A split model (NAME-00001-of-0000N.gguf ...) is measured\n"
+            "whole from any of its parts, and its parts listed. A tensor of a type kvasir\n"
+            "cannot compute is named on an 'unsupported' line. See docs/ANATOMY.md.\n"
             "\n"
             "  --json   print a JSON document instead of the tables\n");
 }

@@ -17,7 +17,7 @@
 #include "kvasir/verify.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", "--grammar", "--json-schema", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", "--grammar", "--json-schema", "--draft", "--draft-max", NULL};
 
 #define CMD "run"
 
@@ -75,6 +75,11 @@ static const char *kv_run_help =
     "  --ctx N              context length (default: the model's; KV memory follows the tokens held)\n"
     "  --batch N            prompt tokens per forward chunk (default 256)\n"
     "  --kv-type T          KV cache elements: f32 (exact, default) or f16 (half the memory)\n"
+    "  --draft SRC          speculative decoding (docs/SPECULATIVE.md; the same tokens, fewer forward\n"
+    "                       passes): none (default), ngram (the context's own repeats), mtp (the\n"
+    "                       model's MTP block), test:FILE:P[:SEED] (measurement only: the token ids in\n"
+    "                       FILE, e.g. a plain run's, each proposed right with probability P)\n"
+    "  --draft-max K        tokens drafted per forward pass, 1..15 (default 3)\n"
     "  --grammar F          constrain the output to the GBNF grammar in file F (start rule root;\n"
     "                       docs/GRAMMAR.md): it stops where the grammar is complete\n"
     "  --json-schema F      constrain the output to the JSON schema in file F (as the gateway's\n"
@@ -407,6 +412,8 @@ int kv_cmd_run(int argc, char **argv) {
     uint32_t n_hub_workers = 0;
     long worker_timeout = 10000, hub_wait = 30000;
     int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
+    const char *draft = NULL;
+    long draft_max = 0;
     kv_sample_params sp = kv_sample_defaults();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -496,6 +503,11 @@ int kv_cmd_run(int argc, char **argv) {
         } else if (!strcmp(a, "--wire")) {
             if ((wire = kv_enc_from_name(v)) < 0)
                 return kv_cli_err(CMD, 1, "--wire: '%s' is not one of f32, f16, bf16", v);
+        } else if (!strcmp(a, "--draft")) {
+            if (strlen(v) > 4096) return kv_cli_err(CMD, 1, "--draft: longer than 4096 bytes");
+            draft = v;
+        } else if (!strcmp(a, "--draft-max")) {
+            if (kv_arg_long(CMD, a, v, 1, 15, &draft_max)) return 1;
         } else if (!strcmp(a, "--kv-type")) {
             if (!strcmp(v, "f32")) kv_type = KV_TYPE_F32;
             else if (!strcmp(v, "f16")) kv_type = KV_TYPE_F16;
@@ -517,6 +529,9 @@ int kv_cmd_run(int argc, char **argv) {
     if (ring && (grammar_path || schema_path))
         return kv_cli_err(CMD, 1, "--grammar and --json-schema are not supported with --ring (not yet): the ring's "
                           "last node samples");
+    if (ring && (draft || draft_max))
+        return kv_cli_err(CMD, 1, "--draft and --draft-max are not carried to a ring (not yet): its last node samples");
+    if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
     if ((grammar_path || schema_path) && kv_run_grammar(grammar_path, schema_path, &grammar)) return 1;
     if (ring) {
         if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
@@ -586,7 +601,8 @@ int kv_cmd_run(int argc, char **argv) {
                                .log = verbose ? stderr : NULL, .key_sk = auth.key.sk,
                                .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
-                               .on_caught = kv_cli_caught, .caught_arg = &auth};
+                               .on_caught = kv_cli_caught, .caught_arg = &auth,
+                               .draft = draft, .draft_max = (uint32_t)draft_max};
     if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);
@@ -712,6 +728,10 @@ int kv_cmd_run(int argc, char **argv) {
                (unsigned long long)es.tokens_prefill, (unsigned long long)es.tokens_decode, es.t_prefill_s, es.t_decode_s,
                kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes,
                (unsigned long long)es.mem.recurrent_bytes);
+        if (draft)
+            printf(",\"spec\":{\"verify_steps\":%llu,\"drafted\":%llu,\"accepted\":%llu,\"emitted\":%llu}",
+                   (unsigned long long)es.spec_steps, (unsigned long long)es.spec_drafted,
+                   (unsigned long long)es.spec_accepted, (unsigned long long)es.spec_emitted);
         if (remote) kv_run_dispatch_json(remote, &steplog);
         printf("}\n");
     } else {

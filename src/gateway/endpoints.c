@@ -153,7 +153,8 @@ static void kv_quant_level(const kv_gw_facts *f, char *buf, size_t cap) {
 
 static const char *kv_tmpl_from(const kv_gateway *g) {
     if (g->tmpl) return kv_gw_tmpl_name(g->tmpl);
-    return g->n_ring ? "the ring's (ChatML unless its nodes say otherwise)" : "ChatML (the model has no usable template)";
+    return g->n_ring ? "the ring model's own, once an entry node sent its tokenizer (ChatML if it has none)"
+                     : "ChatML (the model has no usable template)";
 }
 
 void kv_gw_summary(kv_gateway *g, const char *host, bool tls) {
@@ -616,7 +617,7 @@ void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, 
     default: break;
     }
     if ((ep == KV_EP_TOKENIZE || ep == KV_EP_DETOKENIZE) && !g->tok)
-        return kv_ans_err(a, api, 501, "a ring gateway holds no tokenizer: its nodes tokenize");
+        return kv_ans_err(a, api, 501, "the ring's tokenizer is not here yet (no entry node has sent it)");
     /* the parse's memory is reserved whole from the gateway's total, as a
        generation's is (routes.c), and given back once answered */
     pthread_mutex_lock(&g->mu);

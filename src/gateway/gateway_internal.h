@@ -70,6 +70,7 @@ typedef struct kv_gw_params {
     bool has_tool_role;             /* a message has role "tool" (only a chat template renders it) */
     struct kv_grammar *grammar;     /* structured output (gateway/structured.c): owned, NULL none */
     const char *grammar_field;      /* the field that asked for it ("response_format", "format", ...) */
+    char *grammar_gbnf;             /* its GBNF text (owned; a ring's tail parses the same text), NULL none */
     /* tools and reasoning (docs/GATEWAY.md "Tool calling", "Reasoning") */
     json_t *tools;                  /* [n <= KV_GW_MAX_TOOLS] OpenAI's shape (owned), NULL: none */
     int tool_choice;                /* enum kv_gw_tool_choice */

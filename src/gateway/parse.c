@@ -327,6 +327,7 @@ void kv_gw_params_free(kv_gw_params *p) {
     if (!p) return;
     for (size_t i = 0; i < KV_GW_MAX_MSGS; i++) free(p->joined[i]);
     kv_grammar_free(p->grammar);
+    free(p->grammar_gbnf);
     json_decref(p->tools);
     json_decref(p->tmpl_msgs);
     json_decref(p->kwargs);

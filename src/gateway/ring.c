@@ -10,52 +10,59 @@
  * With entry nodes (o.n_ring) there is no engine: the scheduler admits
  * queued requests (at most max_active at once) and gives each a thread that
  * submits it to an entry node (kv_ring_request_ex: connect, prove the key,
- * SUBMIT or SUBMIT_CHAT) and publishes what comes back exactly as the local
- * scheduler publishes a session's tokens: the prompt's token count from
- * ACCEPT, then each token with the text the home decoded for it. The ring
- * computes the concurrent requests as concurrent sequences (pipelined). A
- * request whose node could not be reached is tried at the next entry; once
- * sent it is the ring's (its home replays it across a break or fails it
- * with a clear error), never retried here, so no token comes twice. */
+ * SUBMIT_TOKENS) and publishes what comes back exactly as the local
+ * scheduler publishes a session's tokens. The prompt is rendered (the
+ * model's chat template) and tokenized here, with the tokenizer an entry
+ * node sent (VOCAB, loaded once by the watcher), so the ring computes the
+ * tokens a local engine would, and user text never becomes control tokens.
+ * What the sampler needs travels with the request (the ring's sampling
+ * extension: presence and frequency penalties, the logit bias, the GBNF of
+ * a grammar, logprobs), since the ring's tail samples; the tail samples as
+ * the engine does, so a seeded or greedy request gives the bytes a local
+ * gateway gives. The ring computes the concurrent requests as concurrent
+ * sequences (pipelined). A request whose node could not be reached is tried
+ * at the next entry; once sent it is the ring's (its home replays it across
+ * a break or fails it with a clear error), never retried here, so no token
+ * comes twice. */
 
 static int kv_ring_on_accept(void *data, const int32_t *prompt, uint32_t n_prompt) {
-    (void)prompt;
     kv_gw_req *r = data;
     kv_gateway *g = r->g;
     pthread_mutex_lock(&g->mu);
-    r->n_prompt = n_prompt;
-    r->accepted = true;
-    g->tokens_prompt += n_prompt;
-    const bool stop = r->cancel;
+    /* the home takes the tokens as sent: anything else is a fault of the ring */
+    bool same = n_prompt == r->n_prompt;
+    for (uint32_t i = 0; same && i < n_prompt && r->prompt; i++) same = prompt[i] == r->prompt[i];
+    if (!same) {
+        r->err = KV_EPROTO;
+        snprintf(r->errmsg, sizeof r->errmsg, "the ring's home accepted %u prompt tokens that are not the %u sent",
+                 n_prompt, r->n_prompt);
+    }
+    r->accepted = same;
+    const bool stop = r->cancel || !same;
     pthread_cond_broadcast(&g->out_cv);
     pthread_mutex_unlock(&g->mu);
     return stop;
 }
 
+static void kv_ring_on_logprob(void *data, const kv_token_logprob *lp) {
+    kv_gw_req *r = data;
+    pthread_mutex_lock(&r->g->mu);
+    if (r->lps && r->n_toks < r->cap) /* before n_toks shows it: readers take [0, n_toks) unlocked */
+        r->lps[r->n_toks] = lp ? *lp : (kv_token_logprob){.token = -1};
+    pthread_mutex_unlock(&r->g->mu);
+}
+
 static int kv_ring_on_token(void *data, int32_t token, const char *piece, size_t pn, const float *logits,
                             uint32_t n_vocab) {
+    (void)piece; /* the text is decoded here, as for a local engine */
+    (void)pn;
     (void)logits;
     (void)n_vocab;
     kv_gw_req *r = data;
     kv_gateway *g = r->g;
     pthread_mutex_lock(&g->mu);
-    int stop = r->cancel || r->n_toks >= r->cap;
-    const size_t at = r->poff[r->n_toks];
-    if (!stop && at + pn > r->pcap) {
-        const size_t nc = 2 * r->pcap + pn + 256;
-        char *nb = realloc(r->pbuf, nc);
-        if (nb) {
-            r->pbuf = nb;
-            r->pcap = nc;
-        } else {
-            r->err = KV_ENOMEM;
-            snprintf(r->errmsg, sizeof r->errmsg, "out of memory for the text");
-            stop = 1;
-        }
-    }
+    const int stop = r->cancel || r->n_toks >= r->cap;
     if (!stop) {
-        if (pn) memcpy(r->pbuf + at, piece, pn);
-        r->poff[r->n_toks + 1] = (uint32_t)(at + pn);
         r->toks[r->n_toks++] = token;
         r->sst = KV_SESSION_DECODE;
         g->tokens_generated++;
@@ -73,14 +80,37 @@ static bool kv_ring_cancelled(void *data) {
     return c;
 }
 
+/* r's sampling as the ring carries it: the session options a local engine
+ * would be given (kv_local_req_new), with the extension when a field of it
+ * is set. bias[n_bias] is the caller's copy. */
+static kv_ring_params kv_ring_params_of(const kv_gw_req *r, const kv_logit_bias *bias) {
+    const char *gram = r->lead ? r->lead->rgrammar : r->rgrammar;
+    kv_ring_params p = {.flags = r->so.ignore_eog ? KV_RING_SUBMIT_IGNORE_EOG : 0,
+                        .n_predict = r->max_tokens < 1 ? 1 : r->max_tokens > (1u << 20) ? 1u << 20 : r->max_tokens,
+                        .sample = r->so.sample};
+    p.sample.bias = bias;
+    const bool ext = r->so.logprobs || p.sample.n_bias || gram || p.sample.presence_penalty != 0 ||
+                     p.sample.frequency_penalty != 0;
+    if (ext) p.flags |= KV_RING_SUBMIT_EXT;
+    if (r->so.logprobs) {
+        p.flags |= KV_RING_SUBMIT_LOGPROBS;
+        p.top_logprobs = r->so.top_logprobs > KV_SAMPLE_MAX_TOP ? KV_SAMPLE_MAX_TOP : r->so.top_logprobs;
+    }
+    if (gram) {
+        p.grammar = gram;
+        p.grammar_len = (uint32_t)strlen(gram);
+    }
+    return p;
+}
+
 static void *kv_ring_thread(void *arg) {
     kv_gw_req *r = arg;
     kv_gateway *g = r->g;
-    const kv_ring_req q = {.text = r->rtext, .text_len = r->rtext_len, .msgs = r->rmsgs, .n_msgs = r->n_rmsgs,
-                           .p = r->rp, .key_sk = g->ring_sk, .voucher = g->has_ring_voucher ? &g->ring_voucher : NULL,
+    const kv_ring_req q = {.tokens = r->prompt, .n_tokens = r->n_prompt, .p = kv_ring_params_of(r, r->so.sample.bias),
+                           .key_sk = g->ring_sk, .voucher = g->has_ring_voucher ? &g->ring_voucher : NULL,
                            .timeout_ms = (int)g->o.ring_timeout_ms,
                            .on_accept = kv_ring_on_accept, .on_token = kv_ring_on_token,
-                           .cancelled = kv_ring_cancelled, .data = r};
+                           .on_logprob = kv_ring_on_logprob, .cancelled = kv_ring_cancelled, .data = r};
     /* the entries whole at the last look first (round robin), then the rest */
     uint32_t order[KV_GATEWAY_MAX_RING], n = 0;
     pthread_mutex_lock(&g->mu);
@@ -197,8 +227,73 @@ void *kv_gw_sched_ring(kv_gateway *g) {
     return NULL;
 }
 
+/* The ring's tokenizer from entry node i (VOCAB), and the chat template
+ * (--chat-template's, or the model's own from the same metadata) opened
+ * over it. Once loaded it never changes: tok is set under mu before
+ * /health can say healthy, so every request that passed the health check
+ * sees it. Returns 0, or the error (why[] says it). */
+static int kv_gw_ring_vocab_load(kv_gateway *g, uint32_t i, char *why, size_t cap) {
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    kv_diag d = {0};
+    kv_gguf *gg = NULL;
+    kv_tok *tok = NULL;
+    kv_gw_tmpl *t = NULL;
+    int rc = kv_ring_vocab_get(g->ring[i], g->ring_sk, g->has_ring_voucher ? &g->ring_voucher : NULL, 30000, &buf, &len,
+                               &d);
+    if (!rc && !(rc = kv_gguf_open_mem(&gg, buf, len, &d))) rc = kv_tok_load(&tok, gg, &d);
+    if (rc) {
+        snprintf(why, cap, "the ring's tokenizer (VOCAB from %.100s): %.250s", g->ring[i], d.msg);
+        kv_tok_free(tok);
+        kv_gguf_close(gg);
+        free(buf);
+        return rc;
+    }
+    const char *src = g->tmpl_own, *name = "--chat-template";
+    size_t sl = g->tmpl_own ? g->tmpl_src_len : 0;
+    kv_str s = {0};
+    kv_diag td = {0};
+    if (!src && kv_gguf_find_kv(gg, "tokenizer.chat_template") &&
+        !kv_gguf_get_str(gg, "tokenizer.chat_template", &s, &td) && s.len <= KV_GATEWAY_MAX_TEMPLATE) {
+        src = s.ptr;
+        sl = s.len;
+        name = "tokenizer.chat_template";
+    }
+    if (src && kv_gw_tmpl_open(&t, tok, src, sl, name, &td))
+        fprintf(stderr, "gateway: the ring model's chat template cannot be used (%s): prompts are ChatML\n", td.msg);
+    else if (!src)
+        fprintf(stderr, "gateway: the ring's model has no chat template (tokenizer.chat_template): prompts are ChatML "
+                "(--chat-template FILE gives one)\n");
+    fprintf(stderr, "gateway: the ring's tokenizer (%d tokens) from %s; prompt template: %s\n", kv_tok_n_vocab(tok),
+            g->ring[i], t ? name : "ChatML");
+    pthread_mutex_lock(&g->mu);
+    g->ring_vocab = buf;
+    g->ring_gguf = gg;
+    g->ring_tok = tok;
+    g->tok = tok;
+    if (t) {
+        g->ring_tmpl_old = g->tmpl; /* an /apply-template may be reading it: freed at the end */
+        g->tmpl = t;
+        g->tmpl_src = src;
+        g->tmpl_src_len = sl;
+    }
+    pthread_mutex_unlock(&g->mu);
+    return 0;
+}
+
+void kv_gw_ring_free(kv_gateway *g) {
+    kv_gw_tmpl_free(g->ring_tmpl_old);
+    kv_tok_free(g->ring_tok);
+    kv_gguf_close(g->ring_gguf);
+    free(g->ring_vocab);
+    g->ring_tmpl_old = NULL;
+    g->ring_tok = NULL;
+    g->ring_gguf = NULL;
+    g->ring_vocab = NULL;
+}
+
 /* /health for a ring: every entry node asked STATUS; healthy when one
- * answers that the ring is whole. */
+ * answers that the ring is whole and the ring's tokenizer is here. */
 void kv_gw_ring_poll(kv_gateway *g) {
     for (uint32_t i = 0; i < g->n_ring; i++) {
         kv_ring_status st;
@@ -208,8 +303,17 @@ void kv_gw_ring_poll(kv_gateway *g) {
         pthread_mutex_lock(&g->mu);
         g->ring_st[i].up = rc == 0;
         if (!rc) g->ring_st[i].st = st;
+        /* the prompt must fit the smallest context an entry node holds (the home's check, made here first) */
+        if (!rc && st.n_ctx && (!g->n_ctx || st.n_ctx < g->n_ctx)) g->n_ctx = st.n_ctx;
         snprintf(g->ring_st[i].err, sizeof g->ring_st[i].err, "%.250s", rc ? d.msg : "");
         pthread_mutex_unlock(&g->mu);
+    }
+    char vwhy[512] = "";
+    for (uint32_t i = 0; i < g->n_ring && !g->ring_tok; i++) {
+        pthread_mutex_lock(&g->mu);
+        const bool up = g->ring_st[i].up;
+        pthread_mutex_unlock(&g->mu);
+        if (up && kv_gw_ring_vocab_load(g, i, vwhy, sizeof vwhy)) fprintf(stderr, "gateway: %s\n", vwhy);
     }
     pthread_mutex_lock(&g->mu);
     g->healthy = false;
@@ -218,8 +322,14 @@ void kv_gw_ring_poll(kv_gateway *g) {
         g->healthy = g->ring_st[i].up && (g->ring_st[i].st.flags & KV_RING_STATUS_WHOLE);
         if (!why) why = g->ring_st[i].up ? g->ring_st[i].st.msg : g->ring_st[i].err;
     }
-    if (g->healthy) g->health_msg[0] = 0;
-    else snprintf(g->health_msg, sizeof g->health_msg, "the ring is not whole: %s: %.200s", g->ring[0], why ? why : "");
+    if (g->healthy && !g->tok) {
+        g->healthy = false;
+        snprintf(g->health_msg, sizeof g->health_msg, "%.250s", vwhy[0] ? vwhy : "the ring's tokenizer is not here yet");
+    } else if (g->healthy) {
+        g->health_msg[0] = 0;
+    } else {
+        snprintf(g->health_msg, sizeof g->health_msg, "the ring is not whole: %s: %.200s", g->ring[0], why ? why : "");
+    }
     pthread_mutex_unlock(&g->mu);
 }
 
@@ -257,54 +367,24 @@ unsigned kv_gw_ring_http_status(int err) {
     }
 }
 
-/* A ring request: the prompt copied (the raw text, a chat template's
- * rendering when text is given, or every message's role and content) for
- * the home to tokenize. NULL on no memory. */
-kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, const char *text, size_t text_len) {
-    const uint32_t max_tokens = p->has_max_tokens ? p->max_tokens : g->o.max_tokens_default;
-    kv_gw_req *r = calloc(1, sizeof *r);
-    if (!r) return NULL;
-    r->g = g;
-    r->api = api;
-    r->max_tokens = max_tokens;
-    r->cap = max_tokens + 1;
-    const bool raw = text || p->prompt; /* SUBMIT: a prompt, or a template's rendering */
-    const char *rt = text ? text : p->prompt;
-    const size_t rl = text ? text_len : p->prompt_len;
-    size_t bytes = raw ? rl : 0;
-    for (size_t i = 0; !raw && i < p->n_msgs; i++) bytes += p->msgs[i].len;
-    r->toks = malloc((size_t)r->cap * sizeof *r->toks);
-    r->poff = calloc((size_t)r->cap + 1, sizeof *r->poff);
-    r->rtext = malloc(bytes + 1);
-    if (!raw && p->n_msgs) r->rmsgs = malloc(p->n_msgs * sizeof *r->rmsgs);
-    if (!r->toks || !r->poff || !r->rtext || (!raw && p->n_msgs && !r->rmsgs)) {
-        free(r->toks);
-        free(r->poff);
-        free(r->rtext);
-        free(r->rmsgs);
-        free(r);
-        return NULL;
+/* The grammar's text goes with the request (the tail parses it); the
+ * logit bias is copied (the request may outlive the connection's body). */
+int kv_gw_ring_req_attach(kv_gw_req *r, kv_gw_params *p, bool forced, int format, bool think_open, kv_diag *d) {
+    if (forced) {
+        const int rc = kv_gw_tools_gbnf(&r->rgrammar, p->tools, p->tool_choice == KV_GW_TOOLS_NAMED ? p->tool_choice_name
+                                                                                                   : NULL,
+                                        format, p->parallel_calls, think_open, d);
+        if (rc) return rc;
+    } else if (p->grammar_gbnf) {
+        r->rgrammar = p->grammar_gbnf;
+        p->grammar_gbnf = NULL;
     }
-    if (raw) {
-        memcpy(r->rtext, rt, rl);
-        r->rtext_len = rl;
-    } else {
-        static const char *const roles[] = {"system", "user", "assistant"};
-        size_t at = 0;
-        for (size_t i = 0; i < p->n_msgs; i++) {
-            const char *role = NULL; /* parse checked it is one of the three (a static copy: the body may go) */
-            for (int k = 0; k < 3; k++)
-                if (p->msgs[i].role && !strcmp(p->msgs[i].role, roles[k])) role = roles[k];
-            memcpy(r->rtext + at, p->msgs[i].content, p->msgs[i].len);
-            r->rmsgs[i] = (kv_chat_msg){role, r->rtext + at, p->msgs[i].len};
-            at += p->msgs[i].len;
-        }
-        r->n_rmsgs = (uint32_t)p->n_msgs;
-        r->rtext_len = at;
+    if (r->so.sample.n_bias) {
+        kv_logit_bias *b = malloc(r->so.sample.n_bias * sizeof *b);
+        if (!b) return kv_fail(d, KV_ENOMEM, "out of memory");
+        memcpy(b, r->so.sample.bias, r->so.sample.n_bias * sizeof *b);
+        r->rbias = b;
+        r->so.sample.bias = b;
     }
-    r->rp.flags = p->ignore_eos ? KV_RING_SUBMIT_IGNORE_EOG : 0;
-    r->rp.n_predict = max_tokens;
-    r->rp.sample = p->sp;
-    if (!p->has_seed) r->rp.sample.seed = (uint64_t)time(NULL) ^ ((uint64_t)(uintptr_t)r << 16);
-    return r;
+    return 0;
 }

@@ -332,15 +332,7 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     c->res.cached_tokens = r->n_cached < c->res.prompt_tokens ? r->n_cached : c->res.prompt_tokens;
     char errmsg[256];
     memcpy(errmsg, r->errmsg, sizeof errmsg);
-    /* a ring's tokens come with their text (the home decoded them, an
-       end-of-generation token as nothing, as below): copied while held */
-    char *rp = NULL;
     const uint32_t from = c->consumed;
-    if (g->n_ring && n > from && !(rp = malloc(r->poff[n] - r->poff[from] + 1))) {
-        pthread_mutex_unlock(&g->mu);
-        return -1;
-    }
-    if (rp) memcpy(rp, r->pbuf + r->poff[from], r->poff[n] - r->poff[from]);
     pthread_mutex_unlock(&g->mu);
 
     if (n > from && c->res.t_first == 0) c->res.t_first = kv_gw_mono();
@@ -350,22 +342,12 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
         const uint32_t i = c->consumed++;
         const int32_t t = r->toks[i];
         c->res.completion_tokens++;
-        if (g->n_ring) {
-            const uint32_t pn = r->poff[i + 1] - r->poff[i];
-            if (pn && kv_gw_text_push(&c->text, rp + (r->poff[i] - r->poff[from]), pn)) {
-                free(rp);
-                return -1;
-            }
-            stopped = c->text.stopped;
-            continue;
-        }
         if (kv_tok_is_eog(g->tok, t)) continue;
         int pn = kv_tok_piece(g->tok, t, c->special, pb, sizeof pb);
         if (pn > (int)sizeof pb) pn = (int)sizeof pb;
         if (pn > 0 && kv_gw_text_push(&c->text, pb, (size_t)pn)) return -1;
         stopped = c->text.stopped;
     }
-    free(rp);
     if (stopped) {
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
@@ -721,50 +703,25 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     const bool forced = kv_gw_tool_call_forced(p); /* a compulsory call: sampled under its grammar (below) */
     if (forced && p->grammar)
         return kv_reply_err(cn, c, 400, "'tool_choice' and '%s' both constrain the output; give one", p->grammar_field);
-    if (g->n_ring && (p->grammar || forced)) /* the ring's last node samples: it would need the grammar */
-        return kv_reply_err(cn, c, 400, "'%s' is not supported over the ring (not yet): constrained sampling needs "
-                            "the grammar where the ring samples", forced ? "tool_choice" : p->grammar_field);
     char why[320];
     if (kv_gw_unavailable(g, why, sizeof why)) return kv_reply_err(cn, c, 503, "%s", why);
     kv_gw_req *r = NULL;
     size_t n = 0;
-    if (g->n_ring && p->prompt_ids)
-        return kv_reply_err(cn, c, 400, "a prompt of token ids cannot go to a ring (its nodes tokenize): send text");
-    const char *no_ring = p->n_bias ? "logit_bias" : p->logprobs ? "logprobs"
-                        : p->sp.presence_penalty != 0 ? "presence_penalty"
-                        : p->sp.frequency_penalty != 0 ? "frequency_penalty" : NULL;
-    if (g->n_ring && p->n_choices > 1) no_ring = "n";
-    if (g->n_ring && no_ring)
-        return kv_reply_err(cn, c, 400, "'%s' is not supported over ring entry nodes yet (the ring's request does "
-                            "not carry it)", no_ring);
     if (p->n_choices > 1 && g->pay)
         return kv_reply_err(cn, c, 400, "'n' above 1 is not served by a paying gateway yet (one payment per choice)");
     const uint32_t n_choices = p->n_choices > 1 ? p->n_choices : 1;
     if (n_choices > g->o.queue_max) /* never room for all of them: not a retry-later */
         return kv_reply_err(cn, c, 400, "'n' is %u, more than this gateway queues at once (%u requests)", n_choices,
                             g->o.queue_max);
-    if (g->n_ring) {
-        /* the ring's home tokenizes: the rendering when a template is given
-           here, else the messages (the home applies ChatML) */
-        char *text = NULL;
-        size_t tl = 0;
-        if (!kv_gw_params_raw(p) && g->tmpl) {
-            const int rc = kv_gw_tmpl_render(g->tmpl, p, &text, &tl, &d);
-            if (rc) return kv_reply_err(cn, c, kv_template_status(rc), "%s", d.msg);
-            cn->think_open = kv_chat_prompt_thinks(text, tl);
-        } else if (!kv_gw_params_raw(p) && kv_tool_role_refused(p, &d)) {
-            return kv_reply_err(cn, c, 400, "%s", d.msg);
-        }
-        r = kv_gw_ring_req_new(g, cn->api, p, text, tl);
-        free(text);
-        if (!r) return kv_reply_err(cn, c, 500, "out of memory");
-    } else {
+    {
+        /* the prompt is rendered and tokenized here, over a ring too (its
+           nodes take token ids: the same tokens as a local engine's) */
         unsigned status = 0;
         if (!(r = kv_local_req_new(cn, c, p, &n, &status, &d)))
             return kv_reply_err(cn, c, status, "%s", d.msg);
         int grc = 0;
+        kv_chat_syntax syn = {0};
         if (forced) { /* the template is rendered now: its family, and whether it opened <think> */
-            kv_chat_syntax syn;
             if (g->tmpl) kv_gw_tmpl_syntax(g->tmpl, &syn);
             else kv_chat_detect(NULL, 0, &syn);
             grc = kv_gw_tool_choice_grammar(&r->grammar, p, syn.format, cn->think_open, &d);
@@ -772,6 +729,7 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
             r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
             p->grammar = NULL;
         }
+        if (!grc && g->n_ring) grc = kv_gw_ring_req_attach(r, p, forced, syn.format, cn->think_open, &d);
         if (grc) {
             pthread_mutex_lock(&g->mu);
             r->refs = 1;

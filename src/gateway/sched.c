@@ -26,10 +26,8 @@ static bool kv_gw_is_caught(kv_gateway *g, const uint8_t key[32]) {
 
 void kv_gw_req_unref_locked(kv_gw_req *r) {
     if (--r->refs > 0) return;
-    free(r->rtext);
-    free(r->rmsgs);
-    free(r->poff);
-    free(r->pbuf);
+    free(r->rgrammar);
+    free(r->rbias);
     free(r->work);
     free(r->rcpts);
     free(r->prompt);
@@ -242,7 +240,9 @@ static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
     kv_diag d = {0};
     kv_session *s = NULL;
     int rc = kv_session_new(&s, g->e, &r->so, &d);
-    if (!rc && r->grammar) rc = kv_session_set_grammar(s, r->grammar, &d); /* structured output */
+    /* structured output; a later choice samples under its lead's grammar (the lead outlives it) */
+    const struct kv_grammar *gram = r->grammar ? r->grammar : r->lead ? r->lead->grammar : NULL;
+    if (!rc && gram) rc = kv_session_set_grammar(s, gram, &d);
     if (!rc) rc = kv_session_prompt(s, r->prompt, r->n_prompt, &d);
     free(r->prompt);
     r->prompt = NULL;

@@ -281,6 +281,7 @@ void kv_gateway_free(kv_gateway *g) {
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
     kv_gw_tmpl_free(g->tmpl);
+    kv_gw_ring_free(g);
     kv_gw_script_free(g);
     kv_gw_endpoints_free(g);
     for (uint32_t i = 0; i < g->n_keys; i++) free(g->keys[i]);

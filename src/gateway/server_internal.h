@@ -103,19 +103,12 @@ typedef struct kv_gw_req {
     kv_receipt *rcpts;          /* [n_work] their receipts (work[i].receipt points here) */
     uint32_t n_work;
     uint8_t pay_consumer[32], pay_nonce[16]; /* the authorization it is paid by */
-    /* a ring request (g->n_ring): its prompt, copied (the connection may go
-       first), and the pieces the home sent with each token */
+    /* a ring request (g->n_ring): its prompt is the tokens above (rendered
+       and tokenized here, as for a local engine), its grammar travels as text */
     struct kv_gateway *g;
-    kv_ring_params rp;
-    char *rtext;                /* [rtext_len] the raw prompt, or every message's content */
-    size_t rtext_len;
-    kv_chat_msg *rmsgs;         /* [n_rmsgs] views into rtext (chat APIs) */
-    uint32_t n_rmsgs;
-    bool accepted;              /* (g->mu) the home took it: n_prompt is its token count */
-    uint32_t *poff;             /* [cap + 1] piece of token i: pbuf[poff[i], poff[i + 1]); entries
-                                   up to n_toks never change */
-    char *pbuf;                 /* (g->mu; may move) the pieces, concatenated */
-    size_t pcap;
+    char *rgrammar;             /* the GBNF text of grammar (owned), NULL none; a later choice uses its lead's */
+    kv_logit_bias *rbias;       /* so.sample.bias's copy (owned), NULL none */
+    bool accepted;              /* (g->mu) the home took it */
 } kv_gw_req;
 
 struct kv_gateway {
@@ -187,6 +180,12 @@ struct kv_gateway {
         char err[256];          /* why it did not */
     } ring_st[KV_GATEWAY_MAX_RING];
     uint32_t ring_rr;           /* next entry to try first */
+    /* the ring's tokenizer (VOCAB from an entry node, loaded once; then tok
+       and n_ctx are set, under mu, before /health can say healthy) */
+    uint8_t *ring_vocab;        /* the GGUF bytes ring_gguf reads */
+    struct kv_gguf *ring_gguf;
+    kv_tok *ring_tok;           /* tok, owned */
+    kv_gw_tmpl *ring_tmpl_old;  /* the template opened before the tokenizer came (freed at the end) */
     uint32_t n_ring_threads;    /* request threads alive */
     /* endpoints.c (immutable once started) */
     char **cors;                /* [n_cors] allowed Origins ("*": any) */
@@ -214,9 +213,12 @@ void *kv_gw_sched_ring(kv_gateway *g); /* the scheduler of a ring gateway */
 void kv_gw_ring_poll(kv_gateway *g);
 void *kv_gw_ring_watch_main(void *arg);
 unsigned kv_gw_ring_http_status(int err);
-/* A ring request for p; text (text_len bytes) a chat template's rendering
- * sent as the prompt, or NULL. NULL on no memory. */
-kv_gw_req *kv_gw_ring_req_new(kv_gateway *g, int api, const kv_gw_params *p, const char *text, size_t text_len);
+/* Makes r (a request tokenized here) a ring request: the grammar's text
+ * (a compulsory tool call's, built for format and think_open, or p's).
+ * 0, or KV_ENOMEM / the tool grammar's error with d. */
+int kv_gw_ring_req_attach(kv_gw_req *r, kv_gw_params *p, bool forced, int format, bool think_open, kv_diag *d);
+/* Frees what a ring gateway loaded (its tokenizer), at the end. */
+void kv_gw_ring_free(kv_gateway *g);
 
 /* ---- script.c (TEST ONLY) ---- */
 int kv_gw_script_load(kv_gateway *g, kv_diag *d); /* KVASIR_GATEWAY_TEST_SCRIPT, if set */

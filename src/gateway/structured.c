@@ -48,8 +48,10 @@ static int kv_st_schema(kv_gw_params *p, json_t *schema, const char *field, kv_d
     kv_grammar_limits lim;
     kv_gw_grammar_limits(&lim);
     kv_diag gd = {0};
-    const int rc = kv_grammar_from_schema(&p->grammar, text, strlen(text), &lim, &gd);
+    /* kv_grammar_from_schema in two steps: the text is kept for a ring */
+    int rc = kv_grammar_schema_to_gbnf(&p->grammar_gbnf, text, strlen(text), &lim, &gd);
     free(text);
+    if (!rc) rc = kv_grammar_parse(&p->grammar, p->grammar_gbnf, strlen(p->grammar_gbnf), &lim, &gd);
     if (rc) return kv_fail(d, rc, "'%s': %.400s", field, gd.msg);
     return 0;
 }
@@ -61,6 +63,7 @@ static int kv_st_gbnf(kv_gw_params *p, json_t *v, const char *field, kv_diag *d)
     kv_diag gd = {0};
     const int rc = kv_grammar_parse(&p->grammar, json_string_value(v), json_string_length(v), &lim, &gd);
     if (rc) return kv_fail(d, rc, "'%s': %.400s", field, gd.msg);
+    if (!(p->grammar_gbnf = strndup(json_string_value(v), json_string_length(v)))) return kv_fail(d, KV_ENOMEM, "out of memory");
     return 0;
 }
 
@@ -68,7 +71,10 @@ static int kv_st_json_object(kv_gw_params *p, const char *field, kv_diag *d) {
     kv_grammar_limits lim;
     kv_gw_grammar_limits(&lim);
     kv_diag gd = {0};
-    const int rc = kv_grammar_json_object(&p->grammar, &lim, &gd);
+    /* kv_grammar_json_object (the schema {"type": "object"}), the text kept for a ring */
+    static const char obj[] = "{\"type\": \"object\"}";
+    int rc = kv_grammar_schema_to_gbnf(&p->grammar_gbnf, obj, sizeof obj - 1, &lim, &gd);
+    if (!rc) rc = kv_grammar_parse(&p->grammar, p->grammar_gbnf, strlen(p->grammar_gbnf), &lim, &gd);
     if (rc) return kv_fail(d, rc, "'%s': %.400s", field, gd.msg);
     return 0;
 }

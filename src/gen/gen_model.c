@@ -122,6 +122,7 @@ static int is_gen_type(uint32_t t) {
     switch (t) {
     case KV_TYPE_F32: case KV_TYPE_F16: case KV_TYPE_BF16: case KV_TYPE_Q8_0:
     case KV_TYPE_Q4_0: case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K:
+    case KV_TYPE_Q4_1: case KV_TYPE_Q5_0: case KV_TYPE_Q5_1: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4:
     case KV_TYPE_Q2_K: case KV_TYPE_Q3_K: case KV_TYPE_IQ4_XS:
         return 1;
     default:
@@ -348,12 +349,16 @@ int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
                        c->n_head, c->n_head_kv);
     if (c->head_dim % 2)
         return kv_fail(d, KV_EINVAL, "head-dim %" PRIu32 " must be even (RoPE rotates pairs)", c->head_dim);
+    if (!(c->router_skew >= 0.0f && c->router_skew <= KV_GEN_MAX_ROUTER_SKEW))
+        return kv_fail(d, KV_EINVAL, "router skew %g must be in [0, %g]", (double)c->router_skew,
+                       (double)KV_GEN_MAX_ROUTER_SKEW);
     if (c->mix >= KV_GEN_MIX_COUNT)
         return kv_fail(d, KV_EINVAL, "mix %" PRIu32 " is not one of q2_k, q3_k_m, q4_k_m, iq4_xs", c->mix);
     const kv_type_info *ti = kv_type_get_ref(c->type);
     if (!is_gen_type(c->type) || !ti || !ti->from_float)
         return kv_fail(d, KV_EUNSUPPORTED,
-                       "type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, q2_k, q3_k, q4_k, q5_k, q6_k or iq4_xs)",
+                       "type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, "
+                       "iq4_nl, mxfp4, q2_k, q3_k, q4_k, q5_k, q6_k or iq4_xs)",
                        ti ? ti->name : "unknown");
     uint64_t bytes = kv_gen_data_bytes(c);
     if (bytes == 0 || bytes > KV_GEN_MAX_BYTES)
@@ -430,6 +435,7 @@ typedef struct gen_job {
     uint64_t row_len;       /* elements per row */
     uint64_t row_bytes;     /* bytes per stored row */
     const uint8_t *unused;  /* [n_vocab] 1 for UNUSED tokens, if t->vocab_rows */
+    const float *row_gain;  /* [ne1] std multiplier per row (router skew), or NULL */
     float *fbuf;            /* [nr * row_len] */
     uint8_t *qbuf;          /* [nr * row_bytes] */
 } gen_job;
@@ -447,9 +453,10 @@ static void gen_rows(void *arg, int ith, int nth) {
             memset(f, 0, j->row_len * sizeof *f);
             continue;
         }
+        const float std = j->row_gain ? j->t->std * j->row_gain[(j->r0 + (uint64_t)r) % j->t->ne[1]] : j->t->std;
         for (uint64_t i = 0; i < j->row_len; i++) {
             /* two statements: no fused multiply-add whatever the compiler */
-            float z = gen_normal(&st) * j->t->std;
+            float z = gen_normal(&st) * std;
             f[i] = j->t->mean + z;
         }
     }
@@ -457,10 +464,43 @@ static void gen_rows(void *arg, int ith, int nth) {
                       (int64_t)((uint64_t)(hi - lo) * j->row_len));
 }
 
+/* True for a layer's router (blk.N.ffn_gate_inp.weight, not the shared
+ * expert's gate). */
+static int is_router(const char *name) {
+    static const char suf[] = ".ffn_gate_inp.weight";
+    size_t n = strlen(name), k = sizeof suf - 1;
+    return n > k && !strcmp(name + n - k, suf);
+}
+
+/* The router skew's std multipliers of one router tensor (rows = experts):
+ * a Fisher-Yates shuffle seeded from the tensor's seed ranks the experts,
+ * and the expert of rank r gets 1 + skew / (1 + r). A larger std spreads
+ * that expert's logits, so it lands in the top-k more often. */
+static void router_gains(float *g, uint32_t *rank, uint32_t n_expert, uint64_t tensor_seed, float skew) {
+    for (uint32_t e = 0; e < n_expert; e++) rank[e] = e;
+    uint64_t s = tensor_seed ^ 0x5eed5ca1ab1e0001ull;
+    for (uint32_t e = n_expert; e > 1; e--) {
+        uint32_t k = (uint32_t)(splitmix64(&s) % e), t = rank[e - 1];
+        rank[e - 1] = rank[k];
+        rank[k] = t;
+    }
+    for (uint32_t e = 0; e < n_expert; e++) g[e] = 1.0f + skew / (float)(1u + rank[e]);
+}
+
 /* Draws, quantizes and writes one tensor, a slice of whole rows at a time. */
 static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const gen_tensor *t,
-                           uint64_t seed, const uint8_t *unused, float *fbuf, size_t fcap,
-                           uint8_t *qbuf, kv_diag *d) {
+                           uint64_t seed, float router_skew, const uint8_t *unused, float *fbuf,
+                           size_t fcap, uint8_t *qbuf, kv_diag *d) {
+    float *gains = NULL;
+    if (router_skew > 0.0f && is_router(t->name)) {
+        uint32_t *rank = malloc(t->ne[1] * sizeof *rank);
+        if (!rank || !(gains = malloc(t->ne[1] * sizeof *gains))) {
+            free(rank);
+            return kv_fail(d, KV_ENOMEM, "out of memory for the router skew of %s", t->name);
+        }
+        router_gains(gains, rank, (uint32_t)t->ne[1], name_seed(seed, t->name), router_skew);
+        free(rank);
+    }
     gen_job j = {
         .t = t,
         .ti = kv_type_get_ref(t->type),
@@ -468,6 +508,7 @@ static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const g
         .row_len = t->ne[0],
         .row_bytes = kv_type_row_size(t->type, t->ne[0]),
         .unused = unused,
+        .row_gain = gains,
         .fbuf = fbuf,
         .qbuf = qbuf,
     };
@@ -476,8 +517,12 @@ static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const g
         j.nr = rows - j.r0 < per ? rows - j.r0 : per;
         kv_pool_run(pool, gen_rows, &j);
         int rc = kv_gguf_writer_write_data(w, idx, j.r0 * j.row_bytes, qbuf, (size_t)(j.nr * j.row_bytes), d);
-        if (rc) return rc;
+        if (rc) {
+            free(gains);
+            return rc;
+        }
     }
+    free(gains);
     return 0;
 }
 
@@ -491,6 +536,11 @@ static uint32_t file_type_of(const kv_gen_config *c) {
     case KV_TYPE_F32: return 0;
     case KV_TYPE_F16: return 1;
     case KV_TYPE_Q4_0: return 2;
+    case KV_TYPE_Q4_1: return 3;
+    case KV_TYPE_Q5_0: return 8;
+    case KV_TYPE_Q5_1: return 9;
+    case KV_TYPE_IQ4_NL: return 25;
+    case KV_TYPE_MXFP4: return 38; /* MXFP4_MOE */
     case KV_TYPE_Q8_0: return 7;
     case KV_TYPE_Q4_K: return 14; /* Q4_K_S */
     case KV_TYPE_Q5_K: return 16; /* Q5_K_S */
@@ -696,7 +746,7 @@ int kv_gen_model(const kv_gen_config *c, const char *path, kv_diag *d) {
     uint64_t done = 0;
     double last = now_s();
     for (size_t i = 0; i < l.n; i++) {
-        if ((rc = gen_tensor_data(w, pool, i, &l.t[i], c->seed, unused, fbuf, fcap, qbuf, d))) goto out;
+        if ((rc = gen_tensor_data(w, pool, i, &l.t[i], c->seed, c->router_skew, unused, fbuf, fcap, qbuf, d))) goto out;
         done += l.t[i].nbytes;
         double t = now_s();
         if (verbose && (t - last >= 2.0 || i + 1 == l.n)) {

@@ -112,6 +112,7 @@ static bool kv_cl_type_ok(uint32_t t) {
     switch (t) {
     case KV_TYPE_F32: case KV_TYPE_F16: case KV_TYPE_BF16: case KV_TYPE_Q8_0: case KV_TYPE_Q4_0:
     case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K: return true;
+    case KV_TYPE_Q4_1: case KV_TYPE_Q5_0: case KV_TYPE_Q5_1: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4: return true;
     case KV_TYPE_Q2_K: case KV_TYPE_Q3_K: case KV_TYPE_IQ4_XS: return true;
     default: return false;
     }

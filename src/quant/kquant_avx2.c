@@ -10,6 +10,7 @@
  * it (the generic tile), so a tiled product is the same arithmetic. */
 #include <immintrin.h>
 
+#include "quant/legacy.h" /* kv_iq4nl_values */
 #include "quant/quant_internal.h"
 
 #define AI static inline __attribute__((always_inline))

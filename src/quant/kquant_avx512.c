@@ -6,6 +6,7 @@
  * is bit-identical to it. vec_dot only; kv_mat_rows uses the generic tile. */
 #include <immintrin.h>
 
+#include "quant/legacy.h" /* kv_iq4nl_values */
 #include "quant/quant_internal.h"
 
 #define AI static inline __attribute__((always_inline))

@@ -10,6 +10,7 @@
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
+#include "quant/legacy.h" /* kv_iq4nl_values */
 #include "quant/quant_internal.h"
 
 #define AI static inline __attribute__((always_inline))

@@ -7,6 +7,7 @@
  * stored scale; they need not match llama-quantize's choices, only produce
  * blocks that decode as ggml decodes them. Not a hot path; the oracle for
  * kquant_avx2.c, kquant_avx512.c and kquant_neon.c. */
+#include "quant/legacy.h" /* kv_iq4nl_values */
 #include "quant/quant_internal.h"
 
 /* ------------------------------------------------------------------ */

@@ -33,6 +33,7 @@
  *    kv_hsum8(acc - accm). Q6_K: L_j as above with q unsigned 0..63,
  *    C_j = sc_2j*bsums[2j] + sc_2j+1*bsums[2j+1]; acc_j =
  *    fma((float)(L_j - 32*C_j), da*d, acc_j); result kv_hsum8(acc).
+ *  - Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: written in quant/legacy.h.
  *  - Q2_K, Q3_K, IQ4_XS . Q8_K: the same 8 lanes (lane j: values p with
  *    (p / 4) % 8 == j) and one fma per lane and super-block:
  *    Q2_K: L_j = sum sc*q*a (q 0..3, sc the 4-bit scale of q's group of
@@ -127,13 +128,9 @@ typedef struct {
     uint16_t d;                     /* fp16 super-scale */
     uint16_t scales_h;              /* high 2 bits of the 8 sub-block scales */
     uint8_t scales_l[KV_QK_K / 64]; /* low 4 bits of the 8 scales, two per byte */
-    uint8_t qs[KV_QK_K / 2];        /* 4-bit indices into kv_iq4nl_values, as q4_0 per 32 */
+    uint8_t qs[KV_QK_K / 2];        /* 4-bit indices into kv_iq4nl_values (legacy.h), as q4_0 per 32 */
 } kv_block_iq4_xs;
 _Static_assert(sizeof(kv_block_iq4_xs) == 136, "iq4_xs block size");
-
-/* The 16 values of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl). */
-static const int8_t kv_iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                           1,    13,   25,  38,  53,  69,  89,  113};
 
 /* The 16 signed scales (-32..31) of a q3_K block: scale k has low bits
  * (k < 8 ? b[k] & 15 : b[k-8] >> 4) and high bits (b[8 + k%4] >> 2(k/4)) & 3,

@@ -180,9 +180,13 @@ static void kv_rcl_close(kv_rcl *c) {
 
 int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *res, kv_diag *d) {
     memset(res, 0, sizeof *res);
-    const bool chat = q->n_msgs > 0;
+    const bool chat = q->n_msgs > 0, toks = q->n_tokens > 0;
     size_t body = 0;
-    if (chat) {
+    if (toks) {
+        if (q->n_tokens > KV_RING_MAX_PROMPT)
+            return kv_fail(d, KV_EINVAL, "ring: a prompt of %u tokens, at most %u", q->n_tokens, KV_RING_MAX_PROMPT);
+        body = 4 * (size_t)q->n_tokens + kv_ring_params_size(&q->p);
+    } else if (chat) {
         if (q->n_msgs > KV_RING_MAX_MSGS)
             return kv_fail(d, KV_EINVAL, "ring: %u chat messages, at most %u", q->n_msgs, KV_RING_MAX_MSGS);
         for (uint32_t i = 0; i < q->n_msgs; i++) body += 8 + q->msgs[i].len;
@@ -199,8 +203,16 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
     uint32_t n_vocab = 0;
     int rc = kv_rcl_open(&c, addr, q->key_sk, q->voucher, KV_RING_HEADER + 64 + body, &n_vocab, d);
     if (rc) goto done;
+    if (toks) /* checked before anything is sent: a refusal here is the client's, not the ring's */
+        for (uint32_t i = 0; i < q->n_tokens && !rc; i++)
+            if (q->tokens[i] < 0 || (uint32_t)q->tokens[i] >= n_vocab)
+                rc = kv_fail(d, KV_EINVAL, "ring: prompt token %u is %d, outside the vocabulary [0, %u)", i, q->tokens[i],
+                             n_vocab);
+    if (rc) goto done;
     size_t n;
-    if (chat) {
+    if (toks) {
+        rc = kv_ring_submit_tokens_encode(c.buf, c.cap, &q->p, q->tokens, q->n_tokens, &n, d);
+    } else if (chat) {
         rc = kv_ring_submit_chat_encode(c.buf, c.cap, &q->p, q->msgs, q->n_msgs, &n, d);
     } else {
         const kv_ring_submit sb = {q->p, q->text, (uint32_t)q->text_len};
@@ -242,6 +254,16 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
                 goto done;
             }
             if (t->n_logits) kv_ring_floats_get(t->logits, t->n_logits, lg);
+            if (t->has_lp && (t->lp.token != t->token || (uint32_t)t->lp.token >= n_vocab)) {
+                rc = kv_fail(d, KV_EPROTO, "ring: a log-probability of another token");
+                goto done;
+            }
+            for (uint32_t i = 0; t->has_lp && i < t->lp.n_top; i++)
+                if ((uint32_t)t->lp.top_id[i] >= n_vocab) {
+                    rc = kv_fail(d, KV_EPROTO, "ring: a log-probability alternative outside the vocabulary");
+                    goto done;
+                }
+            if (q->on_logprob && (q->p.flags & KV_RING_SUBMIT_LOGPROBS)) q->on_logprob(q->data, t->has_lp ? &t->lp : NULL);
             res->n_tokens++;
             res->stop = t->stop;
             if (q->on_token && q->on_token(q->data, t->token, t->piece, t->piece_len, t->n_logits ? lg : NULL, t->n_logits))
@@ -280,6 +302,30 @@ int kv_ring_status_get_v(const char *addr, const uint8_t *key_sk, const kv_vouch
         if (m.h.type == KV_RING_STATUS_ACK) *out = m.u.status;
         else if (m.h.type == KV_RING_ERROR) rc = kv_fail(d, m.u.error.code, "%s", m.u.error.msg);
         else rc = kv_fail(d, KV_EPROTO, "ring: frame type %u in answer to STATUS", m.h.type);
+    }
+    kv_rcl_close(&c);
+    return rc;
+}
+
+int kv_ring_vocab_get(const char *addr, const uint8_t *key_sk, const kv_voucher *voucher, int timeout_ms,
+                      uint8_t **gguf, size_t *len, kv_diag *d) {
+    *gguf = NULL;
+    *len = 0;
+    kv_rcl c = {.fd = -1, .timeout_ms = timeout_ms > 0 ? timeout_ms : 5000};
+    uint32_t n_vocab = 0;
+    int rc = kv_rcl_open(&c, addr, key_sk, voucher, 0, &n_vocab, d);
+    size_t n;
+    kv_ring_msg m;
+    if (!rc && !(rc = kv_ring_vocab_encode(c.buf, c.cap, KV_RING_VOCAB, NULL, 0, &n, d)) &&
+        !(rc = kv_rcl_send(&c, c.buf, n, d)) && !(rc = kv_rcl_frame(&c, &m, d))) {
+        if (m.h.type == KV_RING_VOCAB_ACK) {
+            if (!(*gguf = malloc(m.u.vocab.len))) rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
+            else memcpy(*gguf, m.u.vocab.gguf, *len = m.u.vocab.len);
+        } else if (m.h.type == KV_RING_ERROR) {
+            rc = kv_fail(d, m.u.error.code, "%s", m.u.error.msg);
+        } else {
+            rc = kv_fail(d, KV_EPROTO, "ring: frame type %u in answer to VOCAB", m.h.type);
+        }
     }
     kv_rcl_close(&c);
     return rc;

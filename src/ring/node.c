@@ -39,6 +39,7 @@
 
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"   /* KV_STOP_* */
+#include "kvasir/grammar.h"
 #include "kvasir/link.h"
 #include "kvasir/model.h"
 #include "kvasir/net.h"
@@ -66,6 +67,10 @@ typedef struct kv_rseq {
     kv_ring_params p;
     kv_sampler *smp;     /* tail: its sampler (penalty history = prompt + sampled) */
     uint32_t n_gen;      /* tail: tokens sampled */
+    kv_grammar *gram;    /* tail: the request's grammar (EXT), NULL none */
+    kv_grammar_matcher *gm; /* tail: its position in gram */
+    uint32_t *gmask;     /* tail: [(n_vocab + 31) / 32] the tokens gram allows next */
+    bool gdone;          /* tail: gram is complete (nothing but end-of-generation may follow) */
 } kv_rseq;
 
 /* A request whose home is this node. */
@@ -73,7 +78,9 @@ typedef struct kv_rreq {
     uint64_t id;         /* the client sees this one */
     uint64_t seq;        /* ring id of the current attempt; 0 while held */
     kv_rconn *client;    /* NULL once the client left */
-    kv_ring_params p;
+    kv_ring_params p;    /* its views (bias, grammar) point at the two below */
+    kv_logit_bias *bias; /* [p.sample.n_bias] the logit bias (a copy), NULL none */
+    char *grammar;       /* [p.grammar_len] the grammar text (a copy), NULL none */
     int32_t *toks;       /* [cap] prompt, then the tokens streamed */
     uint32_t n_prompt, n_gen, cap;
     bool held;           /* waiting for the ring to be whole */
@@ -151,6 +158,9 @@ struct kv_ring_node {
     uint32_t *q_out;          /* [max_seqs] queue index of each logits row */
     struct kv_rjob *jobs;     /* [max_tok] queued frames */
     uint32_t n_jobs, q_n, n_out_q; /* frames, tokens and logit rows queued */
+    kv_grammar_vocab *gvocab; /* tail: the vocabulary's trie, built at the first grammar */
+    uint8_t *vocab;           /* the tokenizer GGUF VOCAB_ACK sends, built at the first VOCAB */
+    size_t vocab_len;
     kv_ring_node_stats stats;
 };
 
@@ -287,7 +297,57 @@ static void kv_rn_seq_free(kv_ring_node *n, kv_rseq *s) {
     if (!s || !s->seq) return;
     kv_state_reset_seq(n->st, kv_rn_slot(n, s));
     kv_sampler_free(s->smp);
+    kv_grammar_matcher_free(s->gm);
+    kv_grammar_free(s->gram);
+    free(s->gmask);
     memset(s, 0, sizeof *s);
+}
+
+/* The grammar limits of a sequence: the gateway's per request (the text
+ * bound of the wire and the same matcher memory), so a grammar the gateway
+ * accepted is accepted here and its tables flush at the same points. */
+static void kv_rn_grammar_limits(kv_grammar_limits *lim) {
+    kv_grammar_limits_default(lim);
+    lim->max_memory_bytes = KV_RING_GRAMMAR_MEMORY;
+    lim->max_text_bytes = KV_RING_MAX_GRAMMAR;
+}
+
+/* The tail's half of a sequence beginning: its sampler (logit bias and
+ * penalties of the extension), fed the prompt, and its grammar; in a replay
+ * the generated tokens (the last p.n_gen) are fed as the engine feeds a
+ * sampled token (kv_sampler_accept_sampled, the grammar advanced past it),
+ * so the draws that follow are the ones an unbroken sequence makes. */
+static int kv_rn_tail_begin(kv_ring_node *n, kv_rseq *s, const kv_ring_start *st, kv_diag *d) {
+    kv_sample_params sp = st->p.sample;
+    kv_logit_bias bias[KV_SAMPLE_MAX_BIAS];
+    for (uint32_t i = 0; i < sp.n_bias; i++) {
+        float b[1];
+        bias[i].token = kv_ring_tokens_get(st->p.bias_wire, 2 * i);
+        kv_ring_floats_get(st->p.bias_wire + 8 * (size_t)i + 4, 1, b);
+        bias[i].bias = b[0];
+        if ((uint32_t)bias[i].token >= n->n_vocab)
+            return kv_fail(d, KV_ERANGE, "ring: logit bias token %d outside the vocabulary [0, %u)", bias[i].token, n->n_vocab);
+    }
+    sp.bias = sp.n_bias ? bias : NULL;
+    int rc = kv_sampler_new(&s->smp, (int32_t)n->n_vocab, &sp, d);
+    if (rc) return rc;
+    if (st->p.grammar_len) {
+        kv_grammar_limits lim;
+        kv_rn_grammar_limits(&lim);
+        if (!n->gvocab && (rc = kv_grammar_vocab_from_tok(&n->gvocab, kv_model_tok(n->m), d))) return rc;
+        if ((rc = kv_grammar_parse(&s->gram, st->p.grammar, st->p.grammar_len, &lim, d))) return rc;
+        if ((rc = kv_grammar_matcher_new(&s->gm, s->gram, d))) return rc;
+        if (!(s->gmask = malloc(((size_t)n->n_vocab + 31) / 32 * sizeof *s->gmask)))
+            return kv_fail(d, KV_ENOMEM, "ring: out of memory for a grammar mask");
+    }
+    const uint32_t n_prompt = st->n_tokens - st->p.n_gen;
+    for (uint32_t i = 0; i < n_prompt; i++) kv_sampler_accept(s->smp, kv_ring_tokens_get(st->tokens, i));
+    for (uint32_t i = n_prompt; i < st->n_tokens; i++) {
+        const int32_t t = kv_ring_tokens_get(st->tokens, i);
+        if (s->gm && (rc = kv_grammar_accept(s->gm, n->gvocab, t, d))) return rc;
+        kv_sampler_accept_sampled(s->smp, t);
+    }
+    return 0;
 }
 
 /* A slot for a sequence beginning (tail: its sampler, fed the prompt). */
@@ -302,13 +362,21 @@ static int kv_rn_seq_new(kv_ring_node *n, const kv_ring_start *st, kv_rseq **out
     kv_rseq *s = kv_rn_seq(n, 0);
     if (!s) return kv_fail(d, KV_ENOMEM, "ring: node %u-%u holds %u sequences already", n->o.first, n->o.last, n->max_seqs);
     if (n->tail) {
-        int rc = kv_sampler_new(&s->smp, (int32_t)n->n_vocab, &st->p.sample, d);
-        if (rc) return rc;
-        for (uint32_t i = 0; i < st->n_tokens; i++) kv_sampler_accept(s->smp, kv_ring_tokens_get(st->tokens, i));
+        const int rc = kv_rn_tail_begin(n, s, st, d);
+        if (rc) {
+            kv_sampler_free(s->smp);
+            kv_grammar_matcher_free(s->gm);
+            kv_grammar_free(s->gram);
+            free(s->gmask);
+            memset(s, 0, sizeof *s);
+            return rc;
+        }
     }
     s->seq = st->seq;
     s->home = st->home;
     s->p = st->p;
+    s->p.bias_wire = NULL; /* views into the START frame, used above only */
+    s->p.grammar = NULL;
     s->n_gen = 0;
     kv_state_reset_seq(n->st, kv_rn_slot(n, s));
     *out = s;
@@ -341,6 +409,8 @@ static void kv_rn_req_free(kv_ring_node *n, kv_rreq *r) {
         }
     if (r->client) r->client->req = NULL;
     free(r->toks);
+    free(r->bias);
+    free(r->grammar);
     free(r);
 }
 
@@ -368,7 +438,8 @@ static void kv_rn_launch(kv_ring_node *n, kv_rreq *r) {
     const uint32_t n_tok = r->n_prompt + r->n_gen;
     kv_ring_start st = {.seq = r->seq, .home = n->o.first, .flags = 0, .p = r->p, .n_tokens = n_tok};
     st.p.n_predict = r->p.n_predict - r->n_gen;
-    const size_t sz = KV_RING_HEADER + 60 + 4 * (size_t)n_tok;
+    if (st.p.flags & KV_RING_SUBMIT_EXT) st.p.n_gen = r->n_gen; /* the tail feeds them as sampled tokens */
+    const size_t sz = KV_RING_HEADER + 60 + 4 * (size_t)n_tok + kv_ring_params_size(&st.p) - 40;
     uint8_t *f = malloc(sz);
     size_t len;
     kv_diag d = {0};
@@ -589,24 +660,65 @@ static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
             kv_rn_fail_seq(n, seq, KV_ERANGE, msg);
             return;
         }
-    const int32_t tok = kv_sampler_sample(s->smp, row);
-    if (tok < 0) {
-        kv_rn_fail_seq(n, seq, tok, "ring: the sampler refused the logits");
+    /* the engine's order (kv_engine_step): the grammar's mask, the draw, the
+       log-probability before the token enters the penalties' history, the
+       grammar past the token, the token taken, the stop conditions */
+    kv_diag gd = {0};
+    const kv_tok *vt = kv_model_tok(n->m);
+    if (s->gm && kv_grammar_mask(s->gm, n->gvocab, s->gmask, &gd)) {
+        snprintf(msg, sizeof msg, "ring: node %u-%u: %.400s", n->o.first, n->o.last, gd.msg);
+        kv_rn_fail_seq(n, seq, gd.code ? gd.code : KV_ERANGE, msg);
         return;
     }
-    kv_sampler_accept(s->smp, tok);
+    const int32_t tok = kv_sampler_sample_allowed(s->smp, row, NULL, s->gm ? s->gmask : NULL);
+    if (tok < 0) {
+        kv_rn_fail_seq(n, seq, tok, s->gm ? "ring: the grammar allows no token here" : "ring: the sampler refused the logits");
+        return;
+    }
+    kv_ring_token t = {.seq = seq, .pos = held, .token = tok, .n_logits = 0};
+    if (s->p.flags & KV_RING_SUBMIT_LOGPROBS) {
+        const int lrc = kv_sampler_logprobs(s->smp, row, tok, s->p.top_logprobs, &t.lp);
+        if (lrc) {
+            kv_rn_fail_seq(n, seq, lrc, "ring: the log-probabilities of the logits could not be computed");
+            return;
+        }
+        t.has_lp = true;
+    }
+    if (s->gm) {
+        if (kv_grammar_accept(s->gm, n->gvocab, tok, &gd)) {
+            snprintf(msg, sizeof msg, "ring: node %u-%u: %.400s", n->o.first, n->o.last, gd.msg);
+            kv_rn_fail_seq(n, seq, gd.code ? gd.code : KV_EINVAL, msg);
+            return;
+        }
+        s->gdone = false;
+        if (kv_grammar_can_end(s->gm)) { /* complete when nothing but end-of-generation may follow */
+            if (kv_grammar_mask(s->gm, n->gvocab, s->gmask, &gd)) {
+                snprintf(msg, sizeof msg, "ring: node %u-%u: %.400s", n->o.first, n->o.last, gd.msg);
+                kv_rn_fail_seq(n, seq, gd.code ? gd.code : KV_ERANGE, msg);
+                return;
+            }
+            bool more = false;
+            for (uint32_t w = 0; w < (n->n_vocab + 31) / 32 && !more; w++)
+                for (uint32_t bits = s->gmask[w]; bits && !more; bits &= bits - 1)
+                    more = !kv_tok_is_eog(vt, (int32_t)(w * 32 + (uint32_t)__builtin_ctz(bits)));
+            s->gdone = !more;
+        }
+    }
+    kv_sampler_accept_sampled(s->smp, tok);
     s->n_gen++;
     n->stats.tokens_sampled++;
     uint32_t stop = KV_STOP_NONE;
-    if (!(s->p.flags & KV_RING_SUBMIT_IGNORE_EOG) && kv_tok_is_eog(kv_model_tok(n->m), tok)) stop = KV_STOP_EOG;
+    if (!(s->p.flags & KV_RING_SUBMIT_IGNORE_EOG) && kv_tok_is_eog(vt, tok)) stop = KV_STOP_EOG;
+    else if (s->gdone) stop = KV_STOP_GRAMMAR;
     else if (s->n_gen >= s->p.n_predict) stop = KV_STOP_MAX_TOKENS;
     else if (held >= n->n_ctx) stop = KV_STOP_CTX_FULL;
-    kv_ring_token t = {.seq = seq, .pos = held, .token = tok, .stop = stop, .n_logits = 0};
+    t.stop = stop;
     if (s->home == n->o.first) kv_rn_deliver_token(n, &t, NULL, row);
     /* to the head: it feeds the token back in (or frees the sequence) */
     const bool logits_on_ring = (s->p.flags & KV_RING_SUBMIT_LOGITS) && s->home != n->o.first;
     t.n_logits = logits_on_ring ? n->n_vocab : 0;
-    const size_t sz = KV_RING_HEADER + kv_ring_token_size(0, t.n_logits);
+    const size_t sz = KV_RING_HEADER + (t.has_lp ? kv_ring_token_size_lp(0, t.n_logits, t.lp.n_top)
+                                                 : kv_ring_token_size(0, t.n_logits));
     uint8_t *f = kv_rn_reserve(n->next, sz);
     size_t len;
     if (f && !kv_ring_token_encode(f, sz, &t, row, &len, NULL)) kv_rn_commit(n->next, len);
@@ -637,8 +749,10 @@ static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const u
             logits_host = lg;
         }
         kv_ring_token o = {.seq = r->id, .pos = t->pos, .token = t->token, .stop = t->stop,
-                           .piece_len = (uint32_t)pn, .piece = piece, .n_logits = want && logits_host ? n->n_vocab : 0};
-        const size_t sz = KV_RING_HEADER + kv_ring_token_size(o.piece_len, o.n_logits);
+                           .piece_len = (uint32_t)pn, .piece = piece, .n_logits = want && logits_host ? n->n_vocab : 0,
+                           .has_lp = t->has_lp, .lp = t->lp};
+        const size_t sz = KV_RING_HEADER + (o.has_lp ? kv_ring_token_size_lp(o.piece_len, o.n_logits, o.lp.n_top)
+                                                     : kv_ring_token_size(o.piece_len, o.n_logits));
         uint8_t *f = kv_rn_reserve(r->client, sz);
         size_t len;
         if (f && !kv_ring_token_encode(f, sz, &o, logits_host, &len, NULL)) kv_net_conn_commit(r->client->nc, len);
@@ -740,6 +854,39 @@ static void kv_rn_on_error_frame(kv_ring_node *n, const kv_ring_error *e, const 
 
 /* ---- clients ------------------------------------------------------------------------- */
 
+/* Copies the extension's views (bias, grammar) of a SUBMIT_TOKENS frame
+ * into r, and points p's at them, checking what only this node knows: bias
+ * tokens inside the vocabulary, a grammar that parses. */
+static int kv_rn_req_own_ext(kv_ring_node *n, kv_rreq *r, kv_ring_params *p, kv_diag *d) {
+    if (!(p->flags & KV_RING_SUBMIT_EXT)) return 0;
+    if (p->sample.n_bias) {
+        if (!(r->bias = malloc(p->sample.n_bias * sizeof *r->bias))) return kv_fail(d, KV_ENOMEM, "out of memory");
+        for (uint32_t i = 0; i < p->sample.n_bias; i++) {
+            float b[1];
+            r->bias[i].token = kv_ring_tokens_get(p->bias_wire, 2 * i);
+            kv_ring_floats_get(p->bias_wire + 8 * (size_t)i + 4, 1, b);
+            r->bias[i].bias = b[0];
+            if ((uint32_t)r->bias[i].token >= n->n_vocab)
+                return kv_fail(d, KV_EINVAL, "'logit_bias' token %d is outside the vocabulary [0, %u)", r->bias[i].token,
+                               n->n_vocab);
+        }
+    }
+    p->sample.bias = r->bias;
+    p->bias_wire = NULL;
+    if (p->grammar_len) {
+        kv_grammar_limits lim;
+        kv_rn_grammar_limits(&lim);
+        kv_grammar *g = NULL;
+        const int rc = kv_grammar_parse(&g, p->grammar, p->grammar_len, &lim, d); /* refused now, not at the tail */
+        kv_grammar_free(g);
+        if (rc) return rc;
+        if (!(r->grammar = malloc(p->grammar_len))) return kv_fail(d, KV_ENOMEM, "out of memory");
+        memcpy(r->grammar, p->grammar, p->grammar_len);
+    }
+    p->grammar = r->grammar;
+    return 0;
+}
+
 /* A client's request: its prompt tokenized here (SUBMIT: the text as
  * `kvasir run -p` takes it; SUBMIT_CHAT: the chat template over the
  * messages, each content plain text, as the gateway builds it), BOS first
@@ -747,14 +894,14 @@ static void kv_rn_on_error_frame(kv_ring_node *n, const kv_ring_error *e, const 
  * is whole). n_predict is cut to what the context can hold (the tail stops
  * at a full context first). */
 static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_params *prm, const char *text,
-                            uint32_t text_len, const kv_ring_submit_chat *chat) {
+                            uint32_t text_len, const kv_ring_submit_chat *chat, const kv_ring_submit_tokens *stok) {
     kv_diag d = {0};
     if (c->req) {
         kv_rn_send_error(c, 0, KV_EINVAL, n->o.first, "ring: one request at a time per connection");
         return;
     }
     const kv_tok *tok = kv_model_tok(n->m);
-    const size_t bytes = chat ? (size_t)chat->text_bytes + 16u * ((size_t)chat->n_msgs + 1) : text_len;
+    const size_t bytes = stok ? stok->n_tokens : chat ? (size_t)chat->text_bytes + 16u * ((size_t)chat->n_msgs + 1) : text_len;
     const size_t cap = 3 * bytes + 8;
     int32_t *ids = malloc(cap * sizeof *ids);
     kv_chat_msg *cm = chat ? malloc(chat->n_msgs * sizeof *cm) : NULL;
@@ -765,9 +912,16 @@ static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_params *
         return;
     }
     size_t off = 0, n_ids = 0;
-    if (kv_tok_add_bos(tok) && kv_tok_bos(tok) >= 0) ids[off++] = kv_tok_bos(tok);
-    int rc;
-    if (chat) {
+    if (!stok && kv_tok_add_bos(tok) && kv_tok_bos(tok) >= 0) ids[off++] = kv_tok_bos(tok);
+    int rc = 0;
+    if (stok) { /* the client's rendering, as it is (it holds BOS when the model adds one) */
+        for (uint32_t i = 0; i < stok->n_tokens && !rc; i++) {
+            ids[i] = kv_ring_tokens_get(stok->tokens, i);
+            if ((uint32_t)ids[i] >= n->n_vocab)
+                rc = kv_fail(&d, KV_EINVAL, "prompt token %u is %d, outside the vocabulary [0, %u)", i, ids[i], n->n_vocab);
+        }
+        n_ids = stok->n_tokens;
+    } else if (chat) {
         const uint8_t *at = chat->msgs;
         for (uint32_t i = 0; i < chat->n_msgs; i++) {
             uint32_t role, ml;
@@ -792,15 +946,21 @@ static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_params *
     kv_rreq *r = NULL;
     if (!rc) {
         kv_sampler *probe = NULL; /* the parameters are checked where they are used: check them here first */
-        rc = kv_sampler_new(&probe, (int32_t)n->n_vocab, &p.sample, &d);
+        kv_sample_params ps = p.sample; /* the bias is checked with its copy below */
+        ps.bias = NULL;
+        ps.n_bias = 0;
+        rc = kv_sampler_new(&probe, (int32_t)n->n_vocab, &ps, &d);
         kv_sampler_free(probe);
     }
     if (!rc && (!(r = calloc(1, sizeof *r)) || !(r->toks = malloc(((size_t)n_ids + p.n_predict) * sizeof *r->toks))))
         rc = kv_fail(&d, KV_ENOMEM, "out of memory");
+    if (!rc) rc = kv_rn_req_own_ext(n, r, &p, &d);
     if (rc) {
         snprintf(msg, sizeof msg, "ring: %.480s", d.msg);
         kv_rn_send_error(c, 0, rc, n->o.first, msg);
         if (r) free(r->toks);
+        if (r) free(r->bias);
+        if (r) free(r->grammar);
         free(r);
         free(ids);
         return;
@@ -826,6 +986,24 @@ static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_params *
         r->held = true;
         r->deadline_ms = kv_net_now_ms() + n->o.replay_timeout_ms;
     }
+}
+
+/* VOCAB: the model's tokenizer.* metadata as a GGUF without tensors (built
+ * once): a client that renders and tokenizes prompts itself (the gateway)
+ * tokenizes as this node would. */
+static void kv_rn_on_vocab(kv_ring_node *n, kv_rconn *c) {
+    kv_diag d = {0};
+    if (!n->vocab && kv_ring_vocab_pack(kv_model_gguf(n->m), &n->vocab, &n->vocab_len, &d)) {
+        char msg[KV_RING_MAX_MSG];
+        snprintf(msg, sizeof msg, "ring: node %u-%u: %.440s", n->o.first, n->o.last, d.msg);
+        kv_rn_send_error(c, 0, d.code ? d.code : KV_EINTERNAL, n->o.first, msg);
+        return;
+    }
+    const size_t sz = KV_RING_HEADER + 4 + n->vocab_len;
+    uint8_t *f = kv_rn_reserve(c, sz);
+    size_t len;
+    if (f && !kv_ring_vocab_encode(f, sz, KV_RING_VOCAB_ACK, n->vocab, (uint32_t)n->vocab_len, &len, &d))
+        kv_net_conn_commit(c->nc, len);
 }
 
 /* STATUS: whether the ring is whole as this node sees it, its window and limits. */
@@ -1154,13 +1332,19 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
             kv_rn_on_status(n, c);
             return 0;
         }
-        if (ty != KV_RING_SUBMIT && ty != KV_RING_SUBMIT_CHAT) {
-            kv_rn_send_error(c, 0, KV_EPROTO, n->o.first, "ring: a client sends SUBMIT, SUBMIT_CHAT and STATUS frames only");
+        if (ty == KV_RING_VOCAB) {
+            kv_rn_on_vocab(n, c);
+            return 0;
+        }
+        if (ty != KV_RING_SUBMIT && ty != KV_RING_SUBMIT_CHAT && ty != KV_RING_SUBMIT_TOKENS) {
+            kv_rn_send_error(c, 0, KV_EPROTO, n->o.first,
+                             "ring: a client sends SUBMIT, SUBMIT_CHAT, SUBMIT_TOKENS, VOCAB and STATUS frames only");
             kv_net_conn_close(nc, KV_EPROTO, "client frame");
             return KV_EPROTO;
         }
-        if (ty == KV_RING_SUBMIT) kv_rn_on_submit(n, c, &m.u.submit.p, m.u.submit.text, m.u.submit.text_len, NULL);
-        else kv_rn_on_submit(n, c, &m.u.chat.p, NULL, 0, &m.u.chat);
+        if (ty == KV_RING_SUBMIT) kv_rn_on_submit(n, c, &m.u.submit.p, m.u.submit.text, m.u.submit.text_len, NULL, NULL);
+        else if (ty == KV_RING_SUBMIT_CHAT) kv_rn_on_submit(n, c, &m.u.chat.p, NULL, 0, &m.u.chat, NULL);
+        else kv_rn_on_submit(n, c, &m.u.stok.p, NULL, 0, NULL, &m.u.stok);
         return 0;
     }
     /* the link from the node before; what changes which sequences exist runs after the queue */
@@ -1563,6 +1747,8 @@ void kv_ring_node_free(kv_ring_node *n) {
     free(n->xin);
     free(n->xout);
     free(n->logits);
+    free(n->vocab);
+    kv_grammar_vocab_free(n->gvocab);
     free(n->tbuf);
     free(n->q_tok);
     free(n->sbuf);

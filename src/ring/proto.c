@@ -46,6 +46,16 @@ static inline uint32_t kv_f_bits(float f) {
     memcpy(&u, &f, 4);
     return u;
 }
+static inline double kv_bits_d(uint64_t u) {
+    double f;
+    memcpy(&f, &u, 8);
+    return f;
+}
+static inline uint64_t kv_d_bits(double f) {
+    uint64_t u;
+    memcpy(&u, &f, 8);
+    return u;
+}
 /* exponent all ones: Inf or NaN */
 static inline bool kv_bits_finite(uint32_t u) { return (u & 0x7f800000u) != 0x7f800000u; }
 
@@ -79,6 +89,12 @@ size_t kv_ring_hidden_size(uint32_t n_tokens, uint32_t n_embd) {
 size_t kv_ring_token_size(uint32_t piece_len, uint32_t n_logits) {
     if (piece_len > KV_RING_MAX_PIECE || n_logits > KV_RING_MAX_VOCAB) return 0;
     return KV_RING_TOKEN_FIXED + piece_len + 4u * (size_t)n_logits;
+}
+
+size_t kv_ring_token_size_lp(uint32_t piece_len, uint32_t n_logits, uint32_t n_top) {
+    const size_t base = kv_ring_token_size(piece_len, n_logits);
+    if (!base || n_top > KV_SAMPLE_MAX_TOP) return 0;
+    return base + 12u + 12u * (size_t)n_top;
 }
 
 /* ---- header ------------------------------------------------------------------ */
@@ -132,7 +148,10 @@ static int kv_params_get(const uint8_t *p, kv_ring_params *o, kv_diag *d) {
     o->sample.repeat_penalty = kv_bits_f(fb[3]);
     o->sample.repeat_last_n = (int32_t)kv_rg32(p + 28);
     o->sample.seed = kv_rg64(p + 32);
-    if (o->flags & ~(KV_RING_SUBMIT_LOGITS | KV_RING_SUBMIT_IGNORE_EOG)) return kv_fail(d, KV_EPROTO, "ring: unknown request flags 0x%x", o->flags);
+    if (o->flags & ~(KV_RING_SUBMIT_LOGITS | KV_RING_SUBMIT_IGNORE_EOG | KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_LOGPROBS))
+        return kv_fail(d, KV_EPROTO, "ring: unknown request flags 0x%x", o->flags);
+    if ((o->flags & KV_RING_SUBMIT_LOGPROBS) && !(o->flags & KV_RING_SUBMIT_EXT))
+        return kv_fail(d, KV_EPROTO, "ring: LOGPROBS without the sampling extension");
     if (o->n_predict < 1 || o->n_predict > (1u << 20))
         return kv_fail(d, KV_ERANGE, "ring: n_predict %u out of range [1, %u]", o->n_predict, 1u << 20);
     const kv_sample_params *s = &o->sample;
@@ -153,6 +172,90 @@ static void kv_params_put(uint8_t *p, const kv_ring_params *o) {
     kv_wg32(p + 24, kv_f_bits(o->sample.repeat_penalty));
     kv_wg32(p + 28, (uint32_t)o->sample.repeat_last_n);
     kv_wg64(p + 32, o->sample.seed);
+}
+
+
+/* ---- the sampling extension ---------------------------------------------------
+ * f32 presence_penalty, f32 frequency_penalty, u32 top_logprobs, u32 n_gen,
+ * u32 n_bias, u32 grammar_len, {i32 token, f32 bias}[n_bias], grammar. */
+#define KV_RING_EXT_FIXED 24u
+
+size_t kv_ring_params_size(const kv_ring_params *p) {
+    if (!(p->flags & KV_RING_SUBMIT_EXT)) return KV_RING_PARAMS_SIZE;
+    return KV_RING_PARAMS_SIZE + KV_RING_EXT_FIXED + 8u * (size_t)p->sample.n_bias + p->grammar_len;
+}
+
+/* The extension at p[left] into o: it must take exactly left bytes. */
+static int kv_ext_get(const uint8_t *p, size_t left, kv_ring_params *o, kv_diag *d) {
+    if (left < KV_RING_EXT_FIXED)
+        return kv_fail(d, KV_EPROTO, "ring: sampling extension of %zu bytes, needs %u", left, KV_RING_EXT_FIXED);
+    const uint32_t pb = kv_rg32(p), fb = kv_rg32(p + 4);
+    if (!kv_bits_finite(pb) || !kv_bits_finite(fb)) return kv_fail(d, KV_EPROTO, "ring: a penalty is not finite");
+    o->sample.presence_penalty = kv_bits_f(pb);
+    o->sample.frequency_penalty = kv_bits_f(fb);
+    o->top_logprobs = kv_rg32(p + 8);
+    o->n_gen = kv_rg32(p + 12);
+    o->sample.n_bias = kv_rg32(p + 16);
+    o->grammar_len = kv_rg32(p + 20);
+    if (!(o->sample.presence_penalty >= -2.0f && o->sample.presence_penalty <= 2.0f) ||
+        !(o->sample.frequency_penalty >= -2.0f && o->sample.frequency_penalty <= 2.0f))
+        return kv_fail(d, KV_ERANGE, "ring: presence / frequency penalty out of range [-2, 2]");
+    if (o->top_logprobs > KV_SAMPLE_MAX_TOP)
+        return kv_fail(d, KV_ERANGE, "ring: top_logprobs %u exceeds max %u", o->top_logprobs, KV_SAMPLE_MAX_TOP);
+    if (o->sample.n_bias > KV_SAMPLE_MAX_BIAS)
+        return kv_fail(d, KV_ERANGE, "ring: %u logit bias entries exceed max %u", o->sample.n_bias, KV_SAMPLE_MAX_BIAS);
+    if (o->grammar_len > KV_RING_MAX_GRAMMAR)
+        return kv_fail(d, KV_ERANGE, "ring: grammar of %u bytes exceeds max %u", o->grammar_len, KV_RING_MAX_GRAMMAR);
+    const size_t want = KV_RING_EXT_FIXED + 8u * (size_t)o->sample.n_bias + o->grammar_len;
+    if (left != want) return kv_fail(d, KV_EPROTO, "ring: sampling extension of %zu bytes, expected %zu", left, want);
+    o->bias_wire = o->sample.n_bias ? p + KV_RING_EXT_FIXED : NULL;
+    for (uint32_t i = 0; i < o->sample.n_bias; i++) {
+        const int32_t t = (int32_t)kv_rg32(p + KV_RING_EXT_FIXED + 8 * (size_t)i);
+        const uint32_t bb = kv_rg32(p + KV_RING_EXT_FIXED + 8 * (size_t)i + 4);
+        if (t < 0 || (uint32_t)t >= KV_RING_MAX_VOCAB) return kv_fail(d, KV_ERANGE, "ring: logit bias token %d out of range", t);
+        if (!kv_bits_finite(bb) || !(kv_bits_f(bb) >= -100.0f && kv_bits_f(bb) <= 100.0f))
+            return kv_fail(d, KV_ERANGE, "ring: logit bias %u is not in [-100, 100]", i);
+    }
+    o->grammar = o->grammar_len ? (const char *)p + KV_RING_EXT_FIXED + 8 * (size_t)o->sample.n_bias : NULL;
+    if (o->grammar_len && memchr(o->grammar, 0, o->grammar_len)) return kv_fail(d, KV_EPROTO, "ring: grammar holds a NUL byte");
+    return 0;
+}
+
+/* The extension of o at p (kv_ring_params_size(o) - KV_RING_PARAMS_SIZE bytes). */
+static void kv_ext_put(uint8_t *p, const kv_ring_params *o) {
+    kv_wg32(p, kv_f_bits(o->sample.presence_penalty));
+    kv_wg32(p + 4, kv_f_bits(o->sample.frequency_penalty));
+    kv_wg32(p + 8, o->top_logprobs);
+    kv_wg32(p + 12, o->n_gen);
+    kv_wg32(p + 16, o->sample.n_bias);
+    kv_wg32(p + 20, o->grammar_len);
+    uint8_t *b = p + KV_RING_EXT_FIXED;
+    for (uint32_t i = 0; i < o->sample.n_bias; i++, b += 8) {
+        if (o->sample.bias) {
+            kv_wg32(b, (uint32_t)o->sample.bias[i].token);
+            kv_wg32(b + 4, kv_f_bits(o->sample.bias[i].bias));
+        } else {
+            memcpy(b, o->bias_wire + 8 * (size_t)i, 8);
+        }
+    }
+    if (o->grammar_len) memcpy(b, o->grammar, o->grammar_len);
+}
+
+/* The extension's fields as the encoder takes them: in range. */
+static int kv_ext_check(const kv_ring_params *o, kv_diag *d) {
+    if (!(o->flags & KV_RING_SUBMIT_EXT)) { /* what only the extension carries would be lost */
+        if ((o->flags & KV_RING_SUBMIT_LOGPROBS) || o->n_gen || o->top_logprobs || o->sample.n_bias || o->grammar_len ||
+            o->sample.presence_penalty != 0 || o->sample.frequency_penalty != 0)
+            return kv_fail(d, KV_EINVAL, "ring: logprobs, penalties, a logit bias, a grammar or generated tokens "
+                           "without the sampling extension");
+        return 0;
+    }
+    if (o->sample.n_bias > KV_SAMPLE_MAX_BIAS || o->grammar_len > KV_RING_MAX_GRAMMAR ||
+        o->top_logprobs > KV_SAMPLE_MAX_TOP || (o->sample.n_bias && !o->sample.bias && !o->bias_wire) ||
+        (o->grammar_len && !o->grammar))
+        return kv_fail(d, KV_ERANGE, "ring: sampling extension out of range (%u bias entries, %u grammar bytes)",
+                       o->sample.n_bias, o->grammar_len);
+    return 0;
 }
 
 static size_t kv_msg_len(const char *msg);
@@ -219,6 +322,8 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         NEED(KV_RING_PARAMS_SIZE + 4, "SUBMIT");
         kv_ring_submit *s = &m->u.submit;
         if ((rc = kv_params_get(p, &s->p, d))) return rc;
+        if (s->p.flags & KV_RING_SUBMIT_EXT)
+            return kv_fail(d, KV_EPROTO, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT");
         s->text_len = kv_rg32(p + KV_RING_PARAMS_SIZE);
         if (s->text_len < 1 || s->text_len > KV_RING_MAX_TEXT)
             return kv_fail(d, KV_ERANGE, "ring: prompt of %u bytes out of range [1, %u]", s->text_len, KV_RING_MAX_TEXT);
@@ -230,6 +335,8 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         NEED(KV_RING_PARAMS_SIZE + 4, "SUBMIT_CHAT");
         kv_ring_submit_chat *c = &m->u.chat;
         if ((rc = kv_params_get(p, &c->p, d))) return rc;
+        if (c->p.flags & KV_RING_SUBMIT_EXT)
+            return kv_fail(d, KV_EPROTO, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT_CHAT");
         c->n_msgs = kv_rg32(p + KV_RING_PARAMS_SIZE);
         if (c->n_msgs < 1 || c->n_msgs > KV_RING_MAX_MSGS)
             return kv_fail(d, KV_ERANGE, "ring: %u chat messages out of range [1, %u]", c->n_msgs, KV_RING_MAX_MSGS);
@@ -297,11 +404,45 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         if (s->home >= KV_RING_MAX_LAYERS) return kv_fail(d, KV_ERANGE, "ring: home layer %u out of range", s->home);
         if (s->n_tokens < 1 || s->n_tokens > KV_RING_MAX_PROMPT)
             return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range [1, %u]", s->n_tokens, KV_RING_MAX_PROMPT);
-        EXACT(KV_RING_START_FIXED + 4 * (size_t)s->n_tokens, "START");
+        const size_t fixed = KV_RING_START_FIXED + 4 * (size_t)s->n_tokens;
+        if (!(s->p.flags & KV_RING_SUBMIT_EXT)) EXACT(fixed, "START");
+        NEED(fixed, "START");
+        if ((s->p.flags & KV_RING_SUBMIT_EXT) && (rc = kv_ext_get(p + fixed, len - fixed, &s->p, d))) return rc;
+        if (s->p.n_gen >= s->n_tokens)
+            return kv_fail(d, KV_ERANGE, "ring: START of %u tokens says %u were generated", s->n_tokens, s->p.n_gen);
         s->tokens = p + KV_RING_START_FIXED;
         for (uint32_t i = 0; i < s->n_tokens; i++)
             if (kv_ring_tokens_get(s->tokens, i) < 0 || (uint32_t)kv_ring_tokens_get(s->tokens, i) >= KV_RING_MAX_VOCAB)
                 return kv_fail(d, KV_ERANGE, "ring: prompt token %u out of range", i);
+        return 0;
+    }
+    case KV_RING_SUBMIT_TOKENS: {
+        NEED(KV_RING_PARAMS_SIZE + 4, "SUBMIT_TOKENS");
+        kv_ring_submit_tokens *s = &m->u.stok;
+        if ((rc = kv_params_get(p, &s->p, d))) return rc;
+        s->n_tokens = kv_rg32(p + KV_RING_PARAMS_SIZE);
+        if (s->n_tokens < 1 || s->n_tokens > KV_RING_MAX_PROMPT)
+            return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range [1, %u]", s->n_tokens, KV_RING_MAX_PROMPT);
+        const size_t fixed = KV_RING_PARAMS_SIZE + 4 + 4 * (size_t)s->n_tokens;
+        if (!(s->p.flags & KV_RING_SUBMIT_EXT)) EXACT(fixed, "SUBMIT_TOKENS");
+        NEED(fixed, "SUBMIT_TOKENS");
+        if ((s->p.flags & KV_RING_SUBMIT_EXT) && (rc = kv_ext_get(p + fixed, len - fixed, &s->p, d))) return rc;
+        if (s->p.n_gen) return kv_fail(d, KV_EPROTO, "ring: SUBMIT_TOKENS says %u tokens were generated", s->p.n_gen);
+        s->tokens = p + KV_RING_PARAMS_SIZE + 4;
+        for (uint32_t i = 0; i < s->n_tokens; i++)
+            if (kv_ring_tokens_get(s->tokens, i) < 0 || (uint32_t)kv_ring_tokens_get(s->tokens, i) >= KV_RING_MAX_VOCAB)
+                return kv_fail(d, KV_ERANGE, "ring: prompt token %u (%d) out of range", i, kv_ring_tokens_get(s->tokens, i));
+        return 0;
+    }
+    case KV_RING_VOCAB: EXACT(0, "VOCAB"); return 0;
+    case KV_RING_VOCAB_ACK: {
+        NEED(4, "VOCAB_ACK");
+        m->u.vocab.len = kv_rg32(p);
+        if (m->u.vocab.len < 1 || m->u.vocab.len > KV_RING_MAX_VOCAB_BYTES)
+            return kv_fail(d, KV_ERANGE, "ring: tokenizer of %u bytes out of range [1, %u]", m->u.vocab.len,
+                           KV_RING_MAX_VOCAB_BYTES);
+        EXACT(4 + (size_t)m->u.vocab.len, "VOCAB_ACK");
+        m->u.vocab.gguf = p + 4;
         return 0;
     }
     case KV_RING_HIDDEN: {
@@ -337,14 +478,35 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         if (t->seq == 0) return kv_fail(d, KV_EPROTO, "ring: TOKEN of sequence 0");
         if (t->token < 0 || (uint32_t)t->token >= KV_RING_MAX_VOCAB || t->pos > (1u << 20))
             return kv_fail(d, KV_ERANGE, "ring: token %d at position %u out of range", t->token, t->pos);
-        if (t->stop >= KV_STOP_ERROR) return kv_fail(d, KV_EPROTO, "ring: unknown stop reason %u", t->stop);
+        if (t->stop == KV_STOP_ERROR || t->stop >= KV_STOP_COUNT)
+            return kv_fail(d, KV_EPROTO, "ring: unknown stop reason %u", t->stop);
         const size_t want = kv_ring_token_size(t->piece_len, t->n_logits);
         if (!want) return kv_fail(d, KV_ERANGE, "ring: TOKEN with %u text bytes and %u logits is out of range", t->piece_len, t->n_logits);
-        EXACT(want, "TOKEN");
+        NEED(want, "TOKEN");
         t->piece = (const char *)p + KV_RING_TOKEN_FIXED;
         t->logits = p + KV_RING_TOKEN_FIXED + t->piece_len;
         if (!kv_floats_finite(t->logits, t->n_logits))
             return kv_fail(d, KV_EPROTO, "ring: a logit is NaN or Inf (a lie, not a value)");
+        if (len == want) return 0;
+        /* the log-probability: u32 n_top, f64 logprob, {i32 id, f64 logprob}[n_top] */
+        NEED(want + 12, "TOKEN");
+        const uint8_t *q = p + want;
+        t->has_lp = true;
+        t->lp.token = t->token;
+        t->lp.n_top = kv_rg32(q);
+        if (t->lp.n_top > KV_SAMPLE_MAX_TOP)
+            return kv_fail(d, KV_ERANGE, "ring: %u log-probability alternatives exceed max %u", t->lp.n_top, KV_SAMPLE_MAX_TOP);
+        EXACT(kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top), "TOKEN");
+        t->lp.logprob = kv_bits_d(kv_rg64(q + 4));
+        bool ok = isfinite(t->lp.logprob);
+        for (uint32_t i = 0; i < t->lp.n_top; i++) {
+            t->lp.top_id[i] = (int32_t)kv_rg32(q + 12 + 12 * (size_t)i);
+            t->lp.top_logprob[i] = kv_bits_d(kv_rg64(q + 16 + 12 * (size_t)i));
+            ok = ok && isfinite(t->lp.top_logprob[i]);
+            if (t->lp.top_id[i] < 0 || (uint32_t)t->lp.top_id[i] >= KV_RING_MAX_VOCAB)
+                return kv_fail(d, KV_ERANGE, "ring: log-probability alternative %u is token %d", i, t->lp.top_id[i]);
+        }
+        if (!ok) return kv_fail(d, KV_EPROTO, "ring: a log-probability is NaN or Inf (a lie, not a value)");
         return 0;
     }
     case KV_RING_ERROR: {
@@ -429,7 +591,11 @@ int kv_ring_hello_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_
 int kv_ring_submit_encode(uint8_t *out, size_t cap, const kv_ring_submit *s, size_t *n, kv_diag *d) {
     if (s->text_len < 1 || s->text_len > KV_RING_MAX_TEXT)
         return kv_fail(d, KV_ERANGE, "ring: prompt of %u bytes out of range [1, %u]", s->text_len, KV_RING_MAX_TEXT);
-    int rc = kv_hdr_put(out, cap, KV_RING_SUBMIT, KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len, n, d);
+    if (s->p.flags & KV_RING_SUBMIT_EXT)
+        return kv_fail(d, KV_EINVAL, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT");
+    int rc = kv_ext_check(&s->p, d);
+    if (rc) return rc;
+    rc = kv_hdr_put(out, cap, KV_RING_SUBMIT, KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len, n, d);
     if (rc) return rc;
     uint8_t *p = out + KV_RING_HEADER;
     kv_params_put(p, &s->p);
@@ -465,7 +631,11 @@ int kv_ring_submit_chat_encode(uint8_t *out, size_t cap, const kv_ring_params *p
             return kv_fail(d, KV_ERANGE, "ring: chat messages hold more than %u bytes", KV_RING_MAX_TEXT);
         len += 8 + msgs[i].len;
     }
-    int rc = kv_hdr_put(out, cap, KV_RING_SUBMIT_CHAT, len, n, d);
+    if (prm->flags & KV_RING_SUBMIT_EXT)
+        return kv_fail(d, KV_EINVAL, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT_CHAT");
+    int rc = kv_ext_check(prm, d);
+    if (rc) return rc;
+    rc = kv_hdr_put(out, cap, KV_RING_SUBMIT_CHAT, len, n, d);
     if (rc) return rc;
     uint8_t *p = out + KV_RING_HEADER;
     kv_params_put(p, prm);
@@ -509,7 +679,11 @@ int kv_ring_start_encode(uint8_t *out, size_t cap, const kv_ring_start *s, const
                          kv_diag *d) {
     if (s->n_tokens < 1 || s->n_tokens > KV_RING_MAX_PROMPT)
         return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range", s->n_tokens);
-    int rc = kv_hdr_put(out, cap, KV_RING_START, KV_RING_START_FIXED + 4 * (size_t)s->n_tokens, n, d);
+    int rc = kv_ext_check(&s->p, d);
+    if (rc) return rc;
+    if (s->p.n_gen >= s->n_tokens) return kv_fail(d, KV_ERANGE, "ring: START of %u tokens, %u generated", s->n_tokens, s->p.n_gen);
+    const size_t fixed = KV_RING_START_FIXED + 4 * (size_t)s->n_tokens;
+    rc = kv_hdr_put(out, cap, KV_RING_START, fixed + kv_ring_params_size(&s->p) - KV_RING_PARAMS_SIZE, n, d);
     if (rc) return rc;
     uint8_t *p = out + KV_RING_HEADER;
     kv_wg64(p, s->seq);
@@ -518,6 +692,41 @@ int kv_ring_start_encode(uint8_t *out, size_t cap, const kv_ring_start *s, const
     kv_params_put(p + 16, &s->p);
     kv_wg32(p + 16 + KV_RING_PARAMS_SIZE, s->n_tokens);
     for (uint32_t i = 0; i < s->n_tokens; i++) kv_wg32(p + KV_RING_START_FIXED + 4 * (size_t)i, (uint32_t)tokens[i]);
+    if (s->p.flags & KV_RING_SUBMIT_EXT) kv_ext_put(p + fixed, &s->p);
+    return 0;
+}
+
+int kv_ring_submit_tokens_encode(uint8_t *out, size_t cap, const kv_ring_params *prm, const int32_t *tokens,
+                                 uint32_t n_tokens, size_t *n, kv_diag *d) {
+    if (n_tokens < 1 || n_tokens > KV_RING_MAX_PROMPT)
+        return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range [1, %u]", n_tokens, KV_RING_MAX_PROMPT);
+    for (uint32_t i = 0; i < n_tokens; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= KV_RING_MAX_VOCAB)
+            return kv_fail(d, KV_ERANGE, "ring: prompt token %u (%d) out of range", i, tokens[i]);
+    int rc = kv_ext_check(prm, d);
+    if (rc) return rc;
+    if (prm->n_gen) return kv_fail(d, KV_EINVAL, "ring: SUBMIT_TOKENS with generated tokens");
+    const size_t fixed = KV_RING_PARAMS_SIZE + 4 + 4 * (size_t)n_tokens;
+    rc = kv_hdr_put(out, cap, KV_RING_SUBMIT_TOKENS, fixed + kv_ring_params_size(prm) - KV_RING_PARAMS_SIZE, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_params_put(p, prm);
+    kv_wg32(p + KV_RING_PARAMS_SIZE, n_tokens);
+    for (uint32_t i = 0; i < n_tokens; i++) kv_wg32(p + KV_RING_PARAMS_SIZE + 4 + 4 * (size_t)i, (uint32_t)tokens[i]);
+    if (prm->flags & KV_RING_SUBMIT_EXT) kv_ext_put(p + fixed, prm);
+    return 0;
+}
+
+int kv_ring_vocab_encode(uint8_t *out, size_t cap, uint16_t type, const uint8_t *gguf, uint32_t len, size_t *n,
+                         kv_diag *d) {
+    if (type == KV_RING_VOCAB) return kv_hdr_put(out, cap, KV_RING_VOCAB, 0, n, d);
+    if (type != KV_RING_VOCAB_ACK) return kv_fail(d, KV_EINVAL, "ring: VOCAB frame of type %u", type);
+    if (len < 1 || len > KV_RING_MAX_VOCAB_BYTES)
+        return kv_fail(d, KV_ERANGE, "ring: tokenizer of %u bytes out of range [1, %u]", len, KV_RING_MAX_VOCAB_BYTES);
+    int rc = kv_hdr_put(out, cap, KV_RING_VOCAB_ACK, 4 + (size_t)len, n, d);
+    if (rc) return rc;
+    kv_wg32(out + KV_RING_HEADER, len);
+    memcpy(out + KV_RING_HEADER + 4, gguf, len);
     return 0;
 }
 
@@ -539,7 +748,8 @@ int kv_ring_hidden_encode(uint8_t *out, size_t cap, const kv_ring_hidden *h, con
 
 int kv_ring_token_encode(uint8_t *out, size_t cap, const kv_ring_token *t, const float *logits, size_t *n,
                          kv_diag *d) {
-    const size_t sz = kv_ring_token_size(t->piece_len, t->n_logits);
+    const size_t base = kv_ring_token_size(t->piece_len, t->n_logits);
+    const size_t sz = t->has_lp ? kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top) : base;
     if (!sz) return kv_fail(d, KV_ERANGE, "ring: TOKEN with %u text bytes and %u logits is out of range", t->piece_len, t->n_logits);
     int rc = kv_hdr_put(out, cap, KV_RING_TOKEN, sz, n, d);
     if (rc) return rc;
@@ -553,6 +763,15 @@ int kv_ring_token_encode(uint8_t *out, size_t cap, const kv_ring_token *t, const
     if (t->piece_len) memcpy(p + KV_RING_TOKEN_FIXED, t->piece, t->piece_len);
     for (uint32_t i = 0; i < t->n_logits; i++)
         kv_wg32(p + KV_RING_TOKEN_FIXED + t->piece_len + 4 * (size_t)i, kv_f_bits(logits[i]));
+    if (t->has_lp) {
+        uint8_t *q = p + base;
+        kv_wg32(q, t->lp.n_top);
+        kv_wg64(q + 4, kv_d_bits(t->lp.logprob));
+        for (uint32_t i = 0; i < t->lp.n_top; i++) {
+            kv_wg32(q + 12 + 12 * (size_t)i, (uint32_t)t->lp.top_id[i]);
+            kv_wg64(q + 16 + 12 * (size_t)i, kv_d_bits(t->lp.top_logprob[i]));
+        }
+    }
     return 0;
 }
 

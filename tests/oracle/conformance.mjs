@@ -50,6 +50,13 @@ export const BOUNDS = {
   f16: { max: 4e-2, p50: 1.5e-2, tie: 4e-2 },
   q8_0: { max: 3.0, p50: 2e-2, tie: 0.5 },
   q4_k: { max: 3.0, p50: 2e-2, tie: 0.5 },
+  // the 32-value block types pair with Q8_0 activations as in llama.cpp
+  // (Q4_1/Q5_1: Q8_1 there, the same bytes but an fp16-rounded block sum)
+  q4_1: { max: 3.0, p50: 2e-2, tie: 0.5 },
+  q5_0: { max: 3.0, p50: 2e-2, tie: 0.5 },
+  q5_1: { max: 3.0, p50: 2e-2, tie: 0.5 },
+  iq4_nl: { max: 3.0, p50: 2e-2, tie: 0.5 },
+  mxfp4: { max: 3.0, p50: 2e-2, tie: 0.5 },
   // the other super-block types and llama-quantize's mixes: Q8_K activations
   // and integer sums as Q4_K, so the same reasoning and bounds
   q2_k: { max: 3.0, p50: 2e-2, tie: 0.5 },
@@ -87,6 +94,22 @@ export const MODELS = [
   { name: "q4_k-tied", type: "q4_k", seed: 16,
     args: ["--layers", "3", "--embd", "256", "--ff-exp", "256", "--experts", "16", "--experts-used", "4",
       "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--vocab", "2200", "--tied"] },
+  // the 32-value block types: rows are multiples of 32
+  { name: "q4_1-untied", type: "q4_1", seed: 31,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--vocab", "2000", "--untied"] },
+  { name: "q5_0-tied", type: "q5_0", seed: 32,
+    args: ["--layers", "2", "--embd", "320", "--ff-exp", "128", "--experts", "8", "--experts-used", "3",
+      "--heads", "5", "--kv-heads", "1", "--head-dim", "64", "--vocab", "2000", "--tied"] },
+  { name: "q5_1-untied", type: "q5_1", seed: 33,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "224", "--experts", "8", "--experts-used", "2",
+      "--heads", "8", "--kv-heads", "2", "--head-dim", "32", "--vocab", "2200", "--untied"] },
+  { name: "iq4_nl-tied", type: "iq4_nl", seed: 34,
+    args: ["--layers", "3", "--embd", "256", "--ff-exp", "128", "--experts", "16", "--experts-used", "4",
+      "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--vocab", "2000", "--tied"] },
+  { name: "mxfp4-untied", type: "mxfp4", seed: 35,
+    args: ["--layers", "2", "--embd", "384", "--ff-exp", "192", "--experts", "8", "--experts-used", "2",
+      "--heads", "6", "--kv-heads", "2", "--head-dim", "64", "--vocab", "2048", "--untied"] },
   // Q2_K, Q3_K, IQ4_XS alone, then llama-quantize's recipes (--mix): the
   // shapes reach their rules (8 experts: attn_v/attn_k Q8_0 and attn_output
   // Q5_K; n_gqa 4: Q2_K's attn_v Q4_K and IQ4_XS's Q5_K; Q4_K_M's "more
