@@ -128,7 +128,7 @@ export const MODELS = [
   { name: "iq4_xs-untied", type: "iq4_xs", seed: 33,
     args: ["--layers", "3", "--embd", "256", "--ff-exp", "256", "--experts", "8", "--experts-used", "2",
       "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--vocab", "2200", "--untied"] },
-  { name: "mix-q2_k", type: "mix q2_k", mix: "q2_k", bound: "mix", seed: 34,
+  { name: "mix-q2_k", type: "mix q2_k", mix: "q2_k", bound: "mix", seed: 44,
     args: ["--layers", "2", "--embd", "256", "--ff-exp", "256", "--experts", "16", "--experts-used", "2",
       "--heads", "8", "--kv-heads", "2", "--head-dim", "32", "--vocab", "2000", "--untied"] },
   { name: "mix-q3_k_m", type: "mix q3_k_m", mix: "q3_k_m", bound: "mix", seed: 35,
