@@ -1469,7 +1469,7 @@ static int kv_node_market(kv_node *n, kv_hub_shard_view *view, kv_diag *d) {
     if (rc) return rc;
     for (size_t i = 0; i < n->m->n_slabs; i++) {
         const kv_manifest_slab *s = &n->m->slabs[i];
-        view[i] = (kv_hub_shard_view){s->layer, s->first, s->last, s->file.size, 1, 0, 0};
+        view[i] = (kv_hub_shard_view){s->layer, s->first, s->last, s->file.size, 1, 0, 0, 0, 0};
     }
     for (size_t k = 0; k < mk.n_shards; k++) {
         const kv_hub_shard_view *v = &mk.shards[k];
