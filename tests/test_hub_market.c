@@ -920,10 +920,133 @@ static void test_store_market_and_budgets(void) {
     kv_hub_store_close(&st);
 }
 
+/* ---- real nodes following the market ----------------------------------------- */
+
+/* `kvasir node` with a budget of `budget` bytes, its data in g_dir/name. */
+static pid_t node_start(const hub_proc *p, const char *name, uint64_t budget) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "exec '%s' node --hub %s --budget %llu --data '%s/%s' --interval-ms 300 --threads 1 "
+             ">'%s/%s.log' 2>&1", getenv("KV_BIN"), p->url, (unsigned long long)budget, g_dir, name, g_dir, name);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static void node_stop(pid_t pid) {
+    if (pid <= 0) return;
+    kill(pid, SIGTERM);
+    for (int i = 0; i < 100; i++) {
+        if (waitpid(pid, NULL, WNOHANG) == pid) return;
+        usleep(50000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+/* The live count of every slab; false when the market cannot be read. */
+static bool market_live(const hub_proc *p, uint32_t *live) {
+    kv_hub_shard_view view[64];
+    if (market_view(p, view)) return false;
+    for (size_t i = 0; i < g_m->n_slabs; i++) live[i] = view[i].live;
+    return true;
+}
+
+/* Two real nodes: one holds every shard, the other has room for one.
+ * Demand on slab 0 raises its wanted count and the small node takes the
+ * newly wanted replica (a wanted one beats the extra replica it held);
+ * when the demand is gone and wanted falls back, one of the two gives its
+ * replica of slab 0 up again, and no shard is ever left without one. */
+static void test_nodes_follow_demand(void) {
+    char db[512], extra[512], hex[65];
+    db_path(db, sizeof db, "nodes");
+    kv_node_key coord;
+    test_key(&coord, 960);
+    kv_hex(coord.pk, 32, hex);
+    snprintf(extra, sizeof extra, "--wanted 1 --wanted-max 2 --vouch-key %s --demand-per-replica 50 "
+             "--market-raise-ms 300 --market-hold-ms 2000 --demand-half-life-ms 400 --deadline-ms 3000", hex);
+    hub_proc p;
+    if (hub_start(&p, db, extra)) {
+        ASSERT_TRUE(0);
+        return;
+    }
+    const size_t ns = g_m->n_slabs;
+    uint64_t all = 0, big = 0;
+    for (size_t i = 0; i < ns; i++) {
+        all += g_m->slabs[i].file.size;
+        if (g_m->slabs[i].file.size > big) big = g_m->slabs[i].file.size;
+    }
+    pid_t n1 = node_start(&p, "n1", all + big / 2), n2 = -1;
+    uint32_t live[64];
+    double t0 = now_s();
+    bool ok = false;
+    while (!ok && now_s() - t0 < 30) {
+        ok = market_live(&p, live);
+        for (size_t i = 0; ok && i < ns; i++) ok = live[i] == 1;
+        if (!ok) usleep(100000);
+    }
+    ASSERT_TRUE(ok);
+    n2 = node_start(&p, "n2", big + big / 2);
+    /* the small node fills its room with an extra replica of something */
+    t0 = now_s();
+    ok = false;
+    while (!ok && now_s() - t0 < 30) {
+        uint32_t sum = 0;
+        if (market_live(&p, live))
+            for (size_t i = 0; i < ns; i++) sum += live[i];
+        ok = sum == ns + 1;
+        if (!ok) usleep(100000);
+    }
+    ASSERT_TRUE(ok);
+    /* demand on slab 0, kept up until the small node holds it */
+    kv_hub_demand_shard sh = {g_m->slabs[0].layer, g_m->slabs[0].first, g_m->slabs[0].last, 2000, 0};
+    kv_hub_demand rep = {1000, &sh, 1};
+    kv_diag d = {0};
+    t0 = now_s();
+    ok = false;
+    while (!ok && now_s() - t0 < 30) {
+        ASSERT_EQ(kv_hub_report_demand(p.url, &coord, &rep, NULL, &d), 0);
+        kv_hub_shard_view v;
+        ok = !market_shard(&p, 0, &v) && v.wanted == 2 && v.live == 2;
+        if (!ok) usleep(100000);
+    }
+    ASSERT_TRUE(ok);
+    /* quiet: wanted falls back, one holder gives slab 0 up, no shard goes
+     * uncovered meanwhile */
+    t0 = now_s();
+    ok = false;
+    bool uncovered = false;
+    while (!ok && now_s() - t0 < 30) {
+        kv_hub_shard_view v;
+        if (market_live(&p, live))
+            for (size_t i = 0; i < ns; i++) uncovered |= live[i] == 0;
+        ok = !market_shard(&p, 0, &v) && v.wanted == 1 && v.live == 1;
+        if (!ok) usleep(100000);
+    }
+    ASSERT_TRUE(ok);
+    ASSERT_TRUE(!uncovered);
+    /* and it stays that way: nobody takes the extra replica back */
+    usleep(1500000);
+    kv_hub_shard_view v;
+    ASSERT_EQ(market_shard(&p, 0, &v), 0);
+    ASSERT_EQ(v.live, 1u);
+    if (!ok || uncovered) {
+        char cmd[1024];
+        snprintf(cmd, sizeof cmd, "tail -5 '%s/n1.log' '%s/n2.log' >&2", g_dir, g_dir);
+        run_cmd(cmd);
+    }
+    node_stop(n1);
+    node_stop(n2);
+    ASSERT_EQ(hub_stop(&p), 0);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_zero_demand_is_fixed_market), KVT_CASE(test_scripted_series), KVT_CASE(test_share_cap),
     KVT_CASE(test_store_market_and_budgets),
     KVT_CASE(test_demand_raises_and_falls),     KVT_CASE(test_restart_keeps_market), KVT_CASE(test_liar),
+    KVT_CASE(test_nodes_follow_demand),
 };
 static const kvt_case cases_pg[] = {KVT_CASE(test_two_hubs_demand)};
 
