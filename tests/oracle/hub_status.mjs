@@ -68,6 +68,9 @@ const readPage = () => js(`
            covered: t('covered'), missing: Number(t('shards-missing')), scarce: Number(t('shards-scarce')),
            total: Number(t('shards-total')), live: Number(t('live-nodes')),
            relayShown: !document.getElementById('relay').hidden, relayNodes: Number(t('relay-nodes')),
+           market: [...document.querySelectorAll('#market tbody tr')].map((tr) => ({ layer: Number(tr.dataset.layer),
+             first: Number(tr.dataset.first), wanted: Number(tr.dataset.wanted), demand: Number(tr.dataset.demand),
+             shown: tr.cells[7].textContent })),
            resources: performance.getEntriesByType('resource').map((e) => e.name) };`);
 
 // the cells /v1/market implies: [layer, expert, state, live]
@@ -131,6 +134,12 @@ try {
       'node table: one node reached through the relay, the other direct, as /v1/nodes says');
     check(page.relayShown && page.relayNodes === (nodes.relay ? nodes.relay.nodes : -1),
       `relay traffic shown: ${page.relayNodes} node(s) connected, as /v1/nodes's relay says`);
+    const dem = Object.fromEntries(market.shards.map((s) => [`${s.layer}/${s.first}`, s]));
+    check(page.market.length === market.shards.length &&
+          page.market.every((r) => { const s = dem[`${r.layer}/${r.first}`];
+            return s && r.wanted === s.wanted && Math.abs(r.demand - s.demand) <= 0.01 * s.demand + 0.05 &&
+                   r.shown === r.demand.toFixed(1); }),
+      `market table: wanted and demand per shard as /v1/market (${page.market.length} rows)`);
     check(page.covered === (market.covered ? 'complete' : 'incomplete') && page.total === market.shards.length,
       `summary: coverage '${page.covered}', ${page.total} shards`);
     const origin = new URL(hub).origin;
