@@ -516,6 +516,60 @@ static void test_share_cap(void) {
     ASSERT_TRUE(o.wanted > 1);
 }
 
+/* The bound of one report against a naive recomputation from the rule's
+ * text, on random reports over the test model's slabs. */
+static void test_report_bound(void) {
+    const size_t ns = g_m->n_slabs;
+    const uint32_t used = g_m->n_expert_used;
+    ASSERT_TRUE(used > 0);
+    for (int round = 0; round < 500; round++) {
+        kv_hub_demand_shard sh[64];
+        size_t n = 0;
+        for (size_t i = 0; i < ns && n < 64; i++) {
+            if (rnd() % 3 == 0) continue;
+            const uint64_t big = rnd() % 4 == 0 ? (rnd() % 1000000000) : rnd() % 500;
+            sh[n++] = (kv_hub_demand_shard){g_m->slabs[i].layer, g_m->slabs[i].first, g_m->slabs[i].last, big,
+                                            rnd() % 3000000};
+        }
+        kv_hub_demand r = {0, sh, n};
+        const uint64_t granted = rnd() % 300;
+        double acc[64] = {0}, wt[64] = {0}, total = 0, want[64] = {0}, wwant[64] = {0}, wtotal = 0;
+        ASSERT_EQ(kv_mkt_bound(g_m, &r, granted, acc, wt, &total, NULL), 0);
+        /* naive: per shard, then per layer, then waiting */
+        for (size_t k = 0; k < n; k++) {
+            size_t i = 0;
+            while (g_m->slabs[i].layer != sh[k].layer || g_m->slabs[i].first != sh[k].first) i++;
+            const uint32_t width = sh[k].last - sh[k].first + 1;
+            const double cap = (double)granted * (used < width ? used : width);
+            want[i] = fmin((double)sh[k].computations, cap);
+            wwant[i] = sh[k].wait_us / 1000.0;
+        }
+        for (uint32_t L = 0; L < g_m->n_layer; L++) {
+            double sum = 0;
+            for (size_t i = 0; i < ns; i++)
+                if (g_m->slabs[i].layer == L) sum += want[i];
+            for (size_t i = 0; i < ns; i++)
+                if (g_m->slabs[i].layer == L && sum > (double)granted * used) want[i] *= (double)granted * used / sum;
+        }
+        for (size_t i = 0; i < ns; i++) {
+            wwant[i] = fmin(wwant[i], want[i] * 1000);
+            wtotal += want[i];
+            ASSERT_NEAR(acc[i], want[i], 1e-9 * (want[i] + 1));
+            ASSERT_NEAR(wt[i], wwant[i], 1e-9 * (wwant[i] + 1));
+        }
+        ASSERT_NEAR(total, wtotal, 1e-9 * (wtotal + 1));
+    }
+    /* a shard that is not the model's adds nothing */
+    kv_hub_demand_shard bad[2] = {{g_m->slabs[0].layer, g_m->slabs[0].first, g_m->slabs[0].last, 5, 5},
+                                  {g_m->slabs[0].layer, g_m->slabs[0].first, g_m->slabs[0].last + 1, 5, 5}};
+    kv_hub_demand r = {10, bad, 2};
+    double acc[64] = {0}, wt[64] = {0}, total = 0;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_mkt_bound(g_m, &r, 10, acc, wt, &total, &d), KV_EINVAL);
+    ASSERT_TRUE(strstr(d.msg, "shards[1]") != NULL);
+    ASSERT_TRUE(acc[0] == 0 && total == 0);
+}
+
 /* ---- against the hub ----------------------------------------------------------- */
 
 static double now_s(void) {
@@ -1034,7 +1088,7 @@ static void test_nodes_follow_demand(void) {
     ASSERT_EQ(v.live, 1u);
     if (!ok || uncovered) {
         char cmd[1024];
-        snprintf(cmd, sizeof cmd, "tail -5 '%s/n1.log' '%s/n2.log' >&2", g_dir, g_dir);
+        snprintf(cmd, sizeof cmd, "tail -n 25 '%s/n1.log' '%s/n2.log' >&2", g_dir, g_dir);
         run_cmd(cmd);
     }
     node_stop(n1);
@@ -1044,7 +1098,7 @@ static void test_nodes_follow_demand(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_zero_demand_is_fixed_market), KVT_CASE(test_scripted_series), KVT_CASE(test_share_cap),
-    KVT_CASE(test_store_market_and_budgets),
+    KVT_CASE(test_report_bound),                KVT_CASE(test_store_market_and_budgets),
     KVT_CASE(test_demand_raises_and_falls),     KVT_CASE(test_restart_keeps_market), KVT_CASE(test_liar),
     KVT_CASE(test_nodes_follow_demand),
 };

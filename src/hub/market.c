@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "hub/market.h"
+#include "kvasir/pieces.h"
 
 void kv_mkt_policy_default(kv_mkt_policy *p, uint32_t floor, uint64_t reward_base) {
     *p = (kv_mkt_policy){
@@ -137,4 +138,37 @@ int kv_mkt_cmp(const void *a, const void *b) {
     int64_t dx = (int64_t)x->wanted - x->live, dy = (int64_t)y->wanted - y->live;
     if (dx != dy) return dx > dy ? -1 : 1;
     return x->idx < y->idx ? -1 : x->idx > y->idx;
+}
+
+int kv_mkt_bound(const kv_manifest *m, const kv_hub_demand *r, uint64_t granted, double *acc, double *wait_ms,
+                 double *total, kv_diag *d) {
+    *total = 0;
+    for (size_t k = 0; k < r->n_shards; k++) {
+        const kv_hub_demand_shard *e = &r->shards[k];
+        if (!kv_manifest_find_slab(m, e->layer, e->first, e->last))
+            return kv_fail(d, KV_EINVAL, "demand report: shards[%zu] (layer %u, experts %u-%u) is not a shard of "
+                           "this model", k, e->layer, e->first, e->last);
+    }
+    const uint32_t used = m->n_expert_used;
+    for (size_t k = 0; k < r->n_shards; k++) {
+        const kv_hub_demand_shard *e = &r->shards[k];
+        const size_t i = (size_t)(kv_manifest_find_slab(m, e->layer, e->first, e->last) - m->slabs);
+        const uint32_t width = e->last - e->first + 1, per = used && used < width ? used : width;
+        const double cap = (double)granted * per, v = (double)e->computations;
+        acc[i] += v < cap ? v : cap;
+        wait_ms[i] += (double)e->wait_us / 1000.0;
+    }
+    const double layer_cap = (double)granted * used;
+    for (size_t a = 0; a < m->n_slabs;) { /* manifest order: a layer's slabs are consecutive */
+        size_t z = a;
+        double sum = 0;
+        while (z < m->n_slabs && m->slabs[z].layer == m->slabs[a].layer) sum += acc[z++];
+        for (size_t i = a; i < z; i++) {
+            if (used && sum > layer_cap) acc[i] *= layer_cap / sum;
+            if (wait_ms[i] > acc[i] * 1000.0) wait_ms[i] = acc[i] * 1000.0;
+            *total += acc[i];
+        }
+        a = z;
+    }
+    return 0;
 }

@@ -40,6 +40,8 @@
 #include <stdint.h>
 
 #include "kvasir/err.h"
+#include "kvasir/hub.h"
+#include "kvasir/slice.h"
 
 #define KV_MKT_MAX_WANTED 1024u           /* replicas one shard may want */
 #define KV_MKT_MAX_RATE 1e15              /* computations/s: a stored rate beyond is malformed */
@@ -99,6 +101,18 @@ bool kv_mkt_step(const kv_mkt_policy *p, kv_mkt_state *s, int64_t now);
 /* Reward offered to one more holder (above); rate is the shard's demand at
  * the time. Saturates at UINT64_MAX. */
 uint64_t kv_mkt_reward(const kv_mkt_policy *p, uint32_t wanted, uint32_t live, double rate);
+
+/* What one demand report may count (docs/HUB.md "Demand", rule 3), with
+ * `granted` the tokens its budgets allowed: for every shard listed, its
+ * computations up to granted x min(n_expert_used, its experts) (its
+ * experts alone when the manifest has no n_expert_used), then a layer's
+ * shards together up to granted x n_expert_used, scaled down evenly when
+ * over; waiting up to 1000 ms per computation counted. acc[] and wait_ms[]
+ * (n_slabs each, manifest order) are added to. Returns 0 with *total the
+ * computations counted, or KV_EINVAL (d names it) for a shard that is not
+ * a slab of m (nothing added). Pure. */
+int kv_mkt_bound(const kv_manifest *m, const kv_hub_demand *r, uint64_t granted, double *acc, double *wait_ms,
+                 double *total, kv_diag *d);
 
 /* Order of the market: scarcest first (smallest live/wanted, then the larger
  * deficit, then idx), total and stable. */

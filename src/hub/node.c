@@ -1533,17 +1533,24 @@ static int kv_node_heartbeat(kv_node *n, kv_diag *d);
  * that rank past wanted by key (kv_node_surplus), so the lowest-keyed
  * holder always keeps its own: never the last live one, and holders that
  * see the same placement do not all drop at once. A market that never came
- * down keeps today's rule: spare budget holds extra replicas. */
-static void kv_node_drop_surplus(kv_node *n, const kv_hub_shard_view *view, uint8_t *want) {
+ * down keeps today's rule: spare budget holds extra replicas. The shards
+ * given up or not to be taken are marked unaffordable in view (bytes =
+ * UINT64_MAX); returns true when want changed, so the caller chooses again
+ * with the room they leave. */
+static bool kv_node_drop_surplus(kv_node *n, kv_hub_shard_view *view, uint8_t *want) {
     const size_t ns = n->m->n_slabs;
-    bool any = false;
+    bool any = false, changed = false;
     for (size_t i = 0; i < ns; i++) {
         if (view[i].wanted > n->peak[i]) n->peak[i] = view[i].wanted;
         if (view[i].wanted >= n->peak[i]) continue;
-        if (want[i] && !n->held[i] && view[i].live >= view[i].wanted) want[i] = 0;
+        if (!n->held[i] && view[i].live >= view[i].wanted) {
+            changed |= want[i];
+            want[i] = 0;
+            view[i].bytes = UINT64_MAX;
+        }
         any |= want[i] && n->held[i] && n->live[i] && view[i].live > view[i].wanted;
     }
-    if (!any) return;
+    if (!any) return changed;
     char *body = NULL;
     size_t len = 0;
     uint8_t *drop = malloc(ns ? ns : 1);
@@ -1553,6 +1560,8 @@ static void kv_node_drop_surplus(kv_node *n, const kv_hub_shard_view *view, uint
         for (size_t i = 0; i < ns; i++)
             if (drop[i] && want[i] && n->held[i] && view[i].wanted < n->peak[i]) {
                 want[i] = 0;
+                view[i].bytes = UINT64_MAX;
+                changed = true;
                 kv_node_log(n, "layer %u experts %u-%u: %u live, %u wanted: giving up our replica",
                             view[i].layer, view[i].first, view[i].last, view[i].live, view[i].wanted);
             }
@@ -1561,6 +1570,7 @@ static void kv_node_drop_surplus(kv_node *n, const kv_hub_shard_view *view, uint
     }
     free(body);
     free(drop);
+    return changed;
 }
 
 /* Progress of a slab download: reported, and the heartbeat kept going
@@ -1693,7 +1703,12 @@ int kv_node_run(kv_node *n, kv_diag *d) {
             for (size_t i = 0; i < ns; i++)
                 if (n->held[i] && !want[i] && view[i].live >= 1 && view[i].live <= view[i].wanted) gives_wanted = true;
             if (gives_wanted && (rand() & 1)) memcpy(want, n->held, ns);
-            kv_node_drop_surplus(n, view, want);
+            if (kv_node_drop_surplus(n, view, want) &&
+                kv_node_choose(view, ns, n->o.budget, n->live, n->salt, want, &bytes, &e)) {
+                rc = e.code;
+                *d = e;
+                goto out;
+            }
             if (memcmp(want, n->held, ns)) {
                 kv_node_fetch_set(n, want);
                 bool any = false;

@@ -1879,12 +1879,10 @@ static void kv_client_block(struct MHD_Connection *c, char *out, size_t cap) {
  * bounds, in order: the counter is the reporter's clock, within a window of
  * the hub's, and above its last report's (the store keeps it: a replay at
  * any hub of one store is refused); the tokens are charged to the key's and
- * its address block's budgets per window (*granted may be fewer); each
- * shard's computations are capped at granted x min(n_expert_used, its
- * experts), and a layer's together at granted x n_expert_used (scaled down
- * evenly when over); waiting at one second per computation counted. What
- * is left goes into the shards' rates (market.h), where a stranger key's
- * share is capped. */
+ * its address block's budgets per window (granted may be fewer); the
+ * computations and waiting are bounded by what the granted tokens can need
+ * (kv_mkt_bound). What is left goes into the shards' rates (market.h),
+ * where a stranger key's share is capped. */
 static enum MHD_Result kv_do_demand(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     kv_diag d = {0};
     const bool listed = h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp);
@@ -1900,60 +1898,27 @@ static enum MHD_Result kv_do_demand(kv_hub *h, struct MHD_Connection *c, const k
                              "microseconds) is more than %lld ms off the hub's clock", (long long)h->dbud.window_ms);
     }
     const size_t ns = h->m->n_slabs;
-    double *acc = calloc(ns ? ns : 1, sizeof *acc), *wt = calloc(ns ? ns : 1, sizeof *wt);
-    if (!acc || !wt) {
+    double *acc = calloc(ns ? ns : 1, sizeof *acc), *wt = calloc(ns ? ns : 1, sizeof *wt), total = 0;
+    int rc = !acc || !wt ? kv_fail(&d, KV_ENOMEM, "out of memory")
+                         : kv_mkt_bound(h->m, &rp, 0, acc, wt, &total, &d); /* every shard the model's */
+    if (rc) {
         free(acc);
         free(wt);
         kv_hub_demand_free(&rp);
-        return kv_reply_err(c, MHD_HTTP_INTERNAL_SERVER_ERROR, KV_ENOMEM, "out of memory");
-    }
-    for (size_t k = 0; k < rp.n_shards; k++) {
-        const kv_hub_demand_shard *e = &rp.shards[k];
-        const int64_t i = kv_slab_find(h->m, e->layer, e->first, e->last);
-        if (i < 0) {
-            free(acc);
-            free(wt);
-            kv_hub_demand_free(&rp);
-            return kv_reply_errf(c, MHD_HTTP_BAD_REQUEST, KV_EINVAL, "demand report: shards[%zu] (layer %u, experts "
-                                 "%u-%u) is not a shard of this model", k, e->layer, e->first, e->last);
-        }
+        return kv_reply_diag(c, rc == KV_EINVAL ? MHD_HTTP_BAD_REQUEST : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
     }
     char block[48];
     kv_client_block(c, block, sizeof block);
     uint64_t granted = 0;
     pthread_mutex_lock(&h->mu);
-    int rc = h->store.ops->demand_charge(h->store.impl, s->pk, s->counter, block, now, &h->dbud, rp.tokens, &granted,
-                                         &d);
+    rc = h->store.ops->demand_charge(h->store.impl, s->pk, s->counter, block, now, &h->dbud, rp.tokens, &granted, &d);
+    if (!rc) rc = kv_mkt_bound(h->m, &rp, granted, acc, wt, &total, &d); /* the check left both at 0 */
     if (rc) {
         pthread_mutex_unlock(&h->mu);
         free(acc);
         free(wt);
         kv_hub_demand_free(&rp);
         return kv_reply_diag(c, rc == KV_EPROTO ? MHD_HTTP_CONFLICT : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
-    }
-    const uint32_t used = h->m->n_expert_used;
-    for (size_t k = 0; k < rp.n_shards; k++) {
-        const kv_hub_demand_shard *e = &rp.shards[k];
-        const size_t i = (size_t)kv_slab_find(h->m, e->layer, e->first, e->last);
-        const uint32_t width = e->last - e->first + 1, per = used && used < width ? used : width;
-        double cap = (double)granted * per, v = (double)e->computations;
-        acc[i] += v < cap ? v : cap;
-        if (acc[i] > cap) acc[i] = cap; /* the same shard listed twice counts once */
-        wt[i] += (double)e->wait_us / 1000.0;
-    }
-    double total = 0;
-    for (size_t a = 0; a < ns;) { /* a layer's shards together: granted x n_expert_used at most */
-        size_t z = a;
-        double sum = 0;
-        while (z < ns && h->m->slabs[z].layer == h->m->slabs[a].layer) sum += acc[z++];
-        const double cap = (double)granted * (used ? used : 1);
-        if (used && sum > cap)
-            for (size_t i = a; i < z; i++) acc[i] *= cap / sum;
-        for (size_t i = a; i < z; i++) {
-            if (wt[i] > acc[i] * 1000.0) wt[i] = acc[i] * 1000.0;
-            total += acc[i];
-        }
-        a = z;
     }
     int werr = 0;
     for (size_t i = 0; i < ns && !werr; i++) {
