@@ -21,7 +21,7 @@
  *   X-Kvasir-Counter:   a decimal u64 that must exceed the last one the hub
  *                       accepted from this key (stored, so it survives a
  *                       restart): a captured request cannot be replayed
- *   X-Kvasir-Signature: Ed25519 signature, 128 hex digits, over
+ *   X-Kvasir-Signature: Ed25519 signature, 128 hex digits, over the SHA-256 of
  *                       "kvasir-hub-v1\n" METHOD "\n" PATH "\n" COUNTER "\n"
  *                       hex(SHA-256(body)) "\n"
  * Registration also carries a single-use hub nonce in its body (GET
