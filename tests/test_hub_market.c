@@ -710,7 +710,7 @@ static void test_demand_raises_and_falls(void) {
     ASSERT_EQ(seen[0], 1u);
     ASSERT_EQ(seen[1], 2u);
     ASSERT_EQ(seen[2], 3u);
-    ASSERT_TRUE(t_seen - t0 >= 0.6); /* two raises, each held 300 ms first */
+    ASSERT_TRUE(t_seen - t0 >= 0.59); /* two raises, each held 300 ms first (the hub counts whole ms) */
     /* the other shards stay at the floor */
     ASSERT_EQ(market_view(&p, view), 0);
     for (size_t i = 1; i < ns; i++) ASSERT_EQ(view[i].wanted, 1u);
