@@ -4,7 +4,10 @@
  * challenges) lives in memory under one mutex; every change is written
  * through the store (store.h) before memory changes and before the answer,
  * so an acknowledged change survives a restart and a failed write changes
- * nothing. The market and the placement map are computed from memory.
+ * nothing. The market and the placement map are computed from memory; the
+ * market's policy (wanted per shard from demand, the reward) is market.c's,
+ * its per-shard state written through the store the same way, each write
+ * conditional on the version read, so hubs on one store step one state.
  *
  * Shared stores. When the store is shared (PostgreSQL: several hub
  * processes on one database), the store decides every signed write: its
