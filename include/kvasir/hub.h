@@ -166,7 +166,9 @@ typedef struct kv_hub_shard_view {
 } kv_hub_shard_view;
 
 /* Renders GET /v1/market into a malloc'd NUL-terminated JSON string (caller
- * frees) at the hub's current time. Thread-safe. */
+ * frees) at the hub's current time, after evaluating the wanted rule of
+ * every shard (a change is written to the store first: src/hub/market.h).
+ * Thread-safe. */
 int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
 
 /* Renders GET /v1/nodes (every registered node: what it holds, whether it
