@@ -7,8 +7,9 @@
 # are covered and three scarce; the second announces a port that refuses
 # connections, so the hub (relay on its API port) reaches it through the
 # relay; a `kvasir run --hub` computes some experts on them.
-# tests/oracle/hub_status.mjs loads the page and checks the map against
-# /v1/market, the nodes (and which is reached through the relay, and the
+# tests/oracle/hub_status.mjs reports demand on one shard (signed with
+# Node's own Ed25519), loads the page and checks the map and the market
+# table (wanted, demand per shard) against /v1/market, the nodes (and which is reached through the relay, and the
 # relay's traffic line) against /v1/nodes, the served counts
 # against the coordinator's, then kills the full node with SIGKILL and
 # waits for the page to show it gone and the new map (three shards missing).
