@@ -74,9 +74,7 @@ static const kv_tensor_desc kv_ds2_tensors[] = {
 };
 
 static const kv_hparam_key kv_ds2_keys[] = {
-    KV_ARCH_COMMON_KEYS,
-    /* llama.cpp's deepseek2 does not renormalize unless told (the common entry defaults to true) */
-    {"expert_weights_norm", KV_KEY_BOOL, KV_HP_OFF(expert_weights_norm), false, 0, 0, 0},
+    KV_ARCH_COMMON_KEYS_NORM(0), /* llama.cpp's deepseek2 renormalizes only when told */
     {"leading_dense_block_count", KV_KEY_U32, KV_HP_OFF(n_layer_dense_lead), false, 0, KV_MAX_LAYERS, 0},
     {"feed_forward_length", KV_KEY_U32, KV_HP_OFF(n_ff), false, 1, KV_MAX_FF, 0},
     {"attention.q_lora_rank", KV_KEY_U32, KV_HP_OFF(q_lora_rank), true, 1, KV_MAX_EMBD, 0},
