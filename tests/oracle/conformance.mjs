@@ -105,7 +105,7 @@ export const MODELS = [
       "--experts-used", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--attn-interval", "2",
       "--ssm-state", "32", "--ssm-groups", "2", "--ssm-heads", "4", "--nextn", "1", "--vocab", "2048",
       "--untied"] },
-  // deepseek2 (issue 34): MLA over the compressed cache (latent + rope
+  // deepseek2: MLA over the compressed cache (latent + rope
   // part), q_lora path, leading dense blocks, shared experts, sigmoid
   // routing with the selection bias, expert groups, YaRN RoPE.
   { name: "ds2-f32-untied", arch: "deepseek2", type: "f32", seed: 31,
