@@ -10,7 +10,9 @@
  * group-limited top-k, normalized and scaled weights, shared experts. Then
  * bit-identity of our f32 logits across thread counts, prefill chunking
  * and several sequences decoded together; the F16 cache close to the F32
- * one; and the cache holding only the latent and the rope part. */
+ * one; the cache holding only the latent and the rope part; and metadata
+ * kvasir cannot run as llama.cpp would (the joint attn_kv_b, another gating
+ * function, bad groups, several KV heads, MTP blocks) refused at load. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -390,7 +392,58 @@ static void test_multi_seq(void) {
     kv_pool_free(pool);
 }
 
-static const kvt_case cases[] = {KVT_CASE(test_loaded), KVT_CASE(test_cache_bytes), KVT_CASE(test_f64_reference),
+/* The generated file's metadata (no tensors) with key `drop` left out and,
+ * when set_key, set_key = set_val (u32); the hyper-parameters read from it:
+ * rc and d. */
+static int meta_variant(const char *drop, const char *set_key, uint32_t set_val, kv_diag *d) {
+    char p[160];
+    snprintf(p, sizeof p, "%s/meta.gguf", g_dir);
+    kv_gguf *g = NULL, *v = NULL;
+    kv_gguf_writer *w = NULL;
+    int rc = kv_gguf_open(&g, g_path, d);
+    if (!rc) rc = kv_gguf_writer_new(&w, d);
+    for (size_t i = 0; !rc && i < kv_gguf_n_kv(g); i++) {
+        const kv_gguf_kv *kv = kv_gguf_kv_at(g, i);
+        const bool skip = (drop && kv->key.len == strlen(drop) && !memcmp(kv->key.ptr, drop, kv->key.len)) ||
+                          (set_key && kv->key.len == strlen(set_key) && !memcmp(kv->key.ptr, set_key, kv->key.len));
+        if (!skip) rc = kv_gguf_writer_copy_kv(w, kv, d);
+    }
+    if (!rc && set_key) rc = kv_gguf_writer_set_u32(w, set_key, set_val, d);
+    if (!rc) rc = kv_gguf_writer_begin(w, p, d);
+    if (!rc) rc = kv_gguf_writer_finish(w, d);
+    kv_gguf_writer_free(w);
+    kv_gguf_close(g);
+    if (rc) {
+        KVT_FAIL("writing the metadata variant: %s", d->msg);
+        return rc;
+    }
+    kv_hparams hp;
+    memset(d, 0, sizeof *d);
+    if (!(rc = kv_gguf_open(&v, p, d))) rc = kv_arch_read_hparams(v, &hp, d);
+    kv_gguf_close(v);
+    unlink(p);
+    return rc;
+}
+
+/* files kvasir cannot run as llama.cpp would are refused at load, naming the key */
+static void test_bad_metadata(void) {
+    kv_diag d = {0};
+    ASSERT_EQ(meta_variant(NULL, NULL, 0, &d), 0); /* the copy itself loads */
+    ASSERT_EQ(meta_variant("deepseek2.attention.key_length_mla", NULL, 0, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "attn_kv_b") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.expert_gating_func", 3, &d), KV_EFORMAT);
+    ASSERT_TRUE(strstr(d.msg, "expert_gating_func") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.expert_group_count", 3, &d), KV_EFORMAT); /* 8 experts */
+    ASSERT_TRUE(strstr(d.msg, "expert_group_count") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.expert_group_used_count", 4, &d), KV_EFORMAT);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.attention.head_count_kv", 4, &d), KV_EFORMAT);
+    ASSERT_TRUE(strstr(d.msg, "MLA") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.leading_dense_block_count", 4, &d), KV_EFORMAT);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.nextn_predict_layers", 1, &d), KV_EUNSUPPORTED);
+    printf("refused: %s\n", d.msg);
+}
+
+static const kvt_case cases[] = {KVT_CASE(test_bad_metadata), KVT_CASE(test_loaded), KVT_CASE(test_cache_bytes), KVT_CASE(test_f64_reference),
                                  KVT_CASE(test_bit_identity), KVT_CASE(test_f16_cache), KVT_CASE(test_multi_seq)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }
