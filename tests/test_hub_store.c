@@ -36,6 +36,7 @@ static void make_ref(void) {
         n->r.pk[31] = (uint8_t)i;
         snprintf(n->r.addr, sizeof n->r.addr, "10.1.2.%d:%d", i, 7000 + i);
         snprintf(n->r.backend, sizeof n->r.backend, i % 2 ? "avx2" : "scalar");
+        if (i % 3) snprintf(n->r.site, sizeof n->r.site, "site-%d", i % 3); /* else none given */
         n->r.memory = (uint64_t)i << 30;
         n->r.counter = 1000 + (uint64_t)i;
         n->r.last_seen_ms = 1700000000000 + i;
@@ -63,6 +64,7 @@ static int cmp_cb(void *arg, const kv_hub_node_rec *n) {
     }
     const kv_hub_node_rec *r = &g_ref[s->seen++].r;
     int ok = !memcmp(n->pk, r->pk, 32) && !strcmp(n->addr, r->addr) && !strcmp(n->backend, r->backend) &&
+             !strcmp(n->site, r->site) &&
              n->memory == r->memory && n->counter == r->counter && n->last_seen_ms == r->last_seen_ms &&
              n->registered_ms == r->registered_ms && n->n_shards == r->n_shards;
     for (size_t k = 0; ok && k < n->n_shards; k++) ok = !memcmp(&n->shards[k], &r->shards[k], sizeof n->shards[k]);
@@ -315,6 +317,7 @@ static void test_damaged_rows(void) {
         "INSERT INTO holdings SELECT pk, 1, 10, 2, zeroblob(32) FROM nodes LIMIT 1",
         "INSERT INTO holdings SELECT pk, 77, 1, 5000000000, zeroblob(32) FROM nodes LIMIT 1",
         "INSERT INTO holdings SELECT pk, 78, 1, 2, x'00' FROM nodes LIMIT 1",
+        "UPDATE nodes SET site='Not A Site' WHERE rowid=1",
     };
     /* PostgreSQL's CHECKs refuse a short key or a negative counter, so the
      * damage is what its types and constraints still let through */
@@ -325,6 +328,7 @@ static void test_damaged_rows(void) {
         "INSERT INTO holdings SELECT pk, 77, 1, 5000000000, repeat('a', 32)::bytea FROM nodes LIMIT 1",
         "INSERT INTO holdings SELECT pk, 78, 1, 2, '\\x00'::bytea FROM nodes LIMIT 1",
         "INSERT INTO holdings SELECT pk, -1, 1, 2, repeat('a', 32)::bytea FROM nodes LIMIT 1",
+        "UPDATE nodes SET site='Not A Site' WHERE pk=(SELECT pk FROM nodes ORDER BY pk LIMIT 1)",
     };
     const char *const *bad = g_pg ? bad_pg : bad_sqlite;
     for (size_t i = 0; i < KVT_N(bad_sqlite); i++) {

@@ -54,7 +54,10 @@
 #define N_TOK 48
 
 static char g_dir[64];
-static const char *g_types[3] = {"f32", "q8_0", "q4_k"};
+#ifndef KV_TEST_VERIFY_TYPES /* tests/test_verify_legacy.c runs this file on other types */
+#define KV_TEST_VERIFY_TYPES {"f32", "q8_0", "q4_k"}
+#endif
+static const char *g_types[3] = KV_TEST_VERIFY_TYPES;
 static kv_gguf *g_g[3];
 static kv_pool *g_pool;
 
@@ -540,12 +543,23 @@ static void matvec_order(const void *W, uint32_t type, const float *in, uint32_t
         kv_type_get(vdt)->to_float(qb, qin, n);
     }
     for (uint32_t i = 0; i < m; i++) {
-        ti->to_float((const uint8_t *)W + (size_t)i * kv_type_row_size(type, n), row, n);
+        const uint8_t *wr = (const uint8_t *)W + (size_t)i * kv_type_row_size(type, n);
+        ti->to_float(wr, row, n);
         float f = 0;
         double g = 0;
         for (uint32_t j = 0; j < n; j++) {
-            f += row[j] * qin[j];
-            g += (double)row[j] * qin[j];
+            /* Q8_1 activations (Q4_1, Q5_1): a block's min multiplies the activation's
+             * stored sum s (fp16), not the sum of its dequantized values */
+            const float mn = vdt == KV_TYPE_Q8_1 ? kv_fp16_to_fp32((uint16_t)(wr[ti->size * (j / 32) + 2] |
+                                                                             wr[ti->size * (j / 32) + 3] << 8)) : 0;
+            f += (row[j] - mn) * qin[j];
+            g += ((double)row[j] - mn) * qin[j];
+            if (vdt == KV_TYPE_Q8_1 && j % 32 == 31) {
+                const uint8_t *q = qb + 36 * (j / 32);
+                const float sb = kv_fp16_to_fp32((uint16_t)(q[2] | q[3] << 8));
+                f += mn * sb;
+                g += (double)mn * sb;
+            }
         }
         out[i] = order ? (float)g : f;
     }

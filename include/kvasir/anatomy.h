@@ -94,11 +94,23 @@ typedef struct kv_anat_combo {
     uint64_t n_slabs;              /* slabs (sum of those layers' n_expert) */
 } kv_anat_combo;
 
+/* One file of a split model. */
+typedef struct kv_anat_part {
+    uint64_t file_size;  /* bytes of the file */
+    uint64_t n_tensors;  /* tensors it holds */
+    uint64_t tensor_bytes; /* their data bytes */
+} kv_anat_part;
+
 typedef struct kv_anatomy {
     char arch[64];                        /* general.architecture, "" if absent */
     char name[128];                       /* general.name, "" if absent */
-    uint64_t file_size;                   /* bytes of the file */
-    uint64_t data_offset;                 /* header bytes (start of tensor data) */
+    uint64_t file_size;                   /* bytes of the file (of all parts of a split model) */
+    uint64_t data_offset;                 /* header bytes (start of tensor data; summed over parts) */
+    kv_anat_part *parts;                  /* [n_parts] when n_parts > 1 (a split model), else NULL */
+    size_t n_parts;                       /* files: 1, or the parts of a split model */
+    uint64_t n_uncomputable;              /* tensors of a type kvasir computes with no backend */
+    char uncomputable[64];                /* the first of them, "" if none */
+    uint32_t uncomputable_type;           /* its type id */
     uint64_t tensor_bytes;                /* sum of every tensor's nbytes */
     size_t n_tensors;
     uint64_t class_bytes[KV_ANAT_CLASS_COUNT];   /* bytes per class */

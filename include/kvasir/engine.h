@@ -88,7 +88,34 @@ typedef struct kv_engine_opts {
     /* the prompt cache (below) */
     uint64_t prompt_cache_bytes; /* its memory budget; 0 = no prompt cache */
     uint32_t prompt_cache_block; /* tokens per cache block, a multiple of 16 up to 4096; 0 = 64 */
+    /* speculative decoding (below) */
+    const char *draft;           /* draft source: NULL or "none", "ngram", "mtp", "test:FILE:P[:SEED]" */
+    uint32_t draft_max;          /* tokens drafted per verify step, at most 15; 0 = 3 */
 } kv_engine_opts;
+
+/* Speculative decoding (docs/SPECULATIVE.md). With a draft source, a
+ * generating session feeds its last token together with up to draft_max
+ * tokens the source guesses come next, all in one forward pass (with a
+ * coordinator: one request per MoE layer for all of them), and gets the
+ * logits of every position. It then samples position by position exactly
+ * as plain decoding would (the sampler's draw is a function of the seed and
+ * the position, kv_sampler_*; penalties, logit bias, grammar and stop
+ * conditions all advance token by token) and keeps a drafted token only
+ * when it equals the token drawn there; the first draw that differs is
+ * emitted as well and the rest is thrown away: the KV cache shortens and a
+ * qwen35moe recurrent state is restored from the copy kept after the last
+ * kept position (kv_state_spec_keep: draft_max copies per session).
+ * Tokens and logits are therefore those of plain decoding, byte for byte.
+ * Callers see no difference but speed: each kv_engine_step still hands each
+ * session at most one token; the extra tokens a verify step accepted wait
+ * in the session and are handed out by the next steps, which run no
+ * forward pass for it (kv_session_status says DECODE until the last is
+ * handed out). Drafted tokens per step are bounded by draft_max x 8
+ * (sessions beyond that decode plainly in that step), by the context and by
+ * max_tokens. A session that fails in the middle of a verify step (a
+ * non-finite logit at a drafted position, a grammar limit) loses the
+ * tokens still waiting: it fails where plain decoding would have, or
+ * earlier, never with other tokens. */
 
 /* The prompt cache (a prefix cache across sessions). Every time a session's
  * position reaches a multiple of prompt_cache_block, the block of positions
@@ -162,6 +189,12 @@ typedef struct kv_engine_stats {
     uint64_t cache_tokens;       /* prompt tokens taken from the cache, not evaluated */
     uint64_t cache_inserts;      /* blocks stored */
     uint64_t cache_evictions;    /* blocks evicted for room */
+    /* speculative decoding (all 0 without a draft source) */
+    uint64_t spec_steps;         /* verify passes: session-steps that fed drafted tokens */
+    uint64_t spec_drafted;       /* drafted tokens fed */
+    uint64_t spec_accepted;      /* ... that equalled the token drawn there */
+    uint64_t spec_emitted;       /* tokens the verify passes yielded (accepted + one per pass
+                                    unless the session stopped first) */
 } kv_engine_stats;
 void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out);
 /* Per-stage timers of the engine's forward passes into p (kv_state_set_profile);
@@ -202,6 +235,10 @@ typedef struct kv_session_opts {
     uint32_t n_stop;
     bool logprobs;               /* each emitted token's log-probability (kv_session_logprob) */
     uint32_t top_logprobs;       /* ... with this many most likely tokens (at most KV_SAMPLE_MAX_TOP) */
+    bool prompt_logprobs;        /* the prompt's tokens' too (kv_session_prompt_logprobs); its prompt is
+                                  * not taken from the prompt cache, and a step evaluates at most as many
+                                  * of its prompt tokens as it has logit rows to spare (max_sessions less
+                                  * the sessions open, plus one) */
     void *data;                  /* the caller's, never touched */
 } kv_session_opts;
 
@@ -221,6 +258,19 @@ void kv_session_free(kv_session *s);
  * token outside the vocabulary, KV_ECTXFULL when the session would exceed
  * n_ctx; nothing is queued then. */
 int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d);
+/* Appends n tokens to s's output as if it had sampled them (they enter the
+ * sampler's history as sampled tokens and count toward opts.max_tokens),
+ * between steps, while it prefills or generates: the model is fed them
+ * (after the token the last step emitted, which was not fed yet) and the
+ * next token is sampled after the last of them. For forcing a family's
+ * end-of-reasoning marker at a reasoning budget; the caller publishes the
+ * tokens itself (kv_session_token never shows them), and keeps n within
+ * what max_tokens leaves. Errors: KV_EINVAL in another state, with a
+ * grammar (it would be bypassed) or n outside [1, KV_SESSION_MAX_FORCE];
+ * KV_ERANGE a token outside the vocabulary; KV_ECTXFULL; KV_ENOMEM;
+ * nothing is queued then. */
+#define KV_SESSION_MAX_FORCE 64u
+int kv_session_force(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d);
 /* A paused session is skipped by steps (no prefill, no decode) and keeps
  * its state: backpressure for a slow reader. */
 void kv_session_pause(kv_session *s, bool paused);
@@ -237,6 +287,14 @@ const float *kv_session_logits(const kv_session *s);
  * logit bias and penalties, before temperature and truncation); valid until
  * the next step; NULL if none was emitted or logprobs are off. */
 const kv_token_logprob *kv_session_logprob(const kv_session *s);
+/* With opts.prompt_logprobs: [*n] for the positions evaluated so far
+ * (the prompt's once it has emitted a token): entry p the log-probability
+ * of the token at position p given those before it, and the top_logprobs
+ * most likely there, as the model gives them (kv_sampler_logprobs over a
+ * sampler without bias or penalties); token -1 where none was computed
+ * (position 0, a token fed after an emitted one). Valid until the next
+ * kv_session_prompt or kv_session_free; NULL with *n 0 without. */
+const kv_token_logprob *kv_session_prompt_logprobs(const kv_session *s, uint32_t *n);
 /* 0, or the session's error code, with its one-line message copied to d
  * (names the session and the step). */
 int kv_session_error(const kv_session *s, kv_diag *d);

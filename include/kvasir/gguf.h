@@ -16,7 +16,16 @@
  * Every count, length, offset and shape is checked against what remains of
  * the file and against the named maxima below before use; a malformed file
  * yields KV_EFORMAT (or KV_EUNSUPPORTED for an unknown version/type) with a
- * message naming the offending field, and nothing is loaded. */
+ * message naming the offending field, and nothing is loaded.
+ *
+ * Split models (llama.cpp's gguf-split layout, how most large files are
+ * published): one model in N files PREFIX-00001-of-0000N.gguf ..., each a
+ * complete GGUF file holding some of the tensors, with the keys
+ *   split.no (u16, 0-based part index), split.count (u16, N) and
+ *   split.tensors.count (i32, tensors over all parts);
+ * the first part also holds all of the model's metadata. kv_gguf_open given
+ * any part opens every part and returns one handle over the whole model
+ * (see kv_gguf_open); each tensor says which part holds its data. */
 #ifndef KVASIR_GGUF_H
 #define KVASIR_GGUF_H
 
@@ -40,6 +49,7 @@
 #define KV_GGUF_MAX_ARRAY_DEPTH 2u         /* nesting of arrays */
 #define KV_GGUF_MAX_DIMS 4u                /* tensor dimensions */
 #define KV_GGUF_MAX_ALIGNMENT 65536u       /* general.alignment upper bound */
+#define KV_GGUF_MAX_SPLITS 4096u           /* parts of one split model (split.count) */
 
 enum kv_gguf_type {
     KV_GGUF_UINT8 = 0,
@@ -95,8 +105,9 @@ typedef struct kv_gguf_tensor {
     uint32_t type;                   /* ggml type id (kv_type in quant.h) */
     uint64_t offset;                 /* relative to the data section */
     uint64_t nbytes;                 /* bytes of data, from type and shape */
-    uint64_t file_offset;            /* absolute offset in the file */
+    uint64_t file_offset;            /* absolute offset in the file holding it (part `part`) */
     const void *data;                /* view into the mapping */
+    uint32_t part;                   /* 0, or the index of its part in a split model */
 } kv_gguf_tensor;
 
 typedef struct kv_gguf kv_gguf;
@@ -104,8 +115,23 @@ typedef struct kv_gguf kv_gguf;
 /* Opens and validates a GGUF file by mmap. On success *out owns the mapping;
  * free with kv_gguf_close. On error *out is NULL and d says why. Tensor data
  * ranges are checked to lie inside the file. Types unknown to kv_type_info
- * are rejected with KV_EUNSUPPORTED (name and type id in the message). */
+ * are rejected with KV_EUNSUPPORTED (name and type id in the message).
+ *
+ * A part of a split model (split.count > 1; any part, not only the first)
+ * opens the whole model: every part is found by its name (the path must end
+ * in -NNNNN-of-MMMMM.gguf, the numbers those of split.no + 1 and
+ * split.count), opened and checked: each present (KV_ENOTFOUND naming the
+ * missing part), each with the same split.count and split.tensors.count and
+ * its own split.no, no metadata key of a later part contradicting the first
+ * part's, no tensor in two parts, and as many tensors in all as
+ * split.tensors.count (KV_EFORMAT otherwise, naming the parts). The handle
+ * then reads as one model: the first part's metadata (split.* included),
+ * every part's tensors. */
 int kv_gguf_open(kv_gguf **out, const char *path, kv_diag *d);
+
+/* Opens exactly the one file at path, as kv_gguf_open does, without looking
+ * for the other parts of a split model. */
+int kv_gguf_open_file(kv_gguf **out, const char *path, kv_diag *d);
 
 /* Same, over caller memory (not copied; must outlive the handle). Used by
  * tests and the fuzzer. */
@@ -113,6 +139,19 @@ int kv_gguf_open_mem(kv_gguf **out, const void *buf, size_t size, kv_diag *d);
 
 /* Accepts NULL. */
 void kv_gguf_close(kv_gguf *g);
+
+/* Files behind a handle: 1, or a split model's part count. kv_gguf_part(g,
+ * i) is part i as a one-file handle (g itself for one file; NULL past the
+ * end), owned by g; its tensors' offsets and data are its own.
+ * kv_gguf_path: the path the file was opened from (NULL over memory; a
+ * split model's: its first part's). kv_gguf_total_size: bytes of all its
+ * files. The per-file accessors below (base, sizes, data offset, alignment)
+ * are the first part's for a split model: go through kv_gguf_part for
+ * byte ranges. */
+size_t kv_gguf_n_parts(const kv_gguf *g);
+const kv_gguf *kv_gguf_part(const kv_gguf *g, size_t i);
+const char *kv_gguf_path(const kv_gguf *g);
+uint64_t kv_gguf_total_size(const kv_gguf *g);
 
 uint32_t kv_gguf_version(const kv_gguf *g);
 size_t kv_gguf_alignment(const kv_gguf *g);
@@ -171,6 +210,7 @@ void kv_gguf_writer_free(kv_gguf_writer *w); /* accepts NULL; closes an unfinish
 
 int kv_gguf_writer_set_alignment(kv_gguf_writer *w, uint32_t alignment, kv_diag *d);
 /* Setters replace an existing key of the same name, keeping its position. */
+int kv_gguf_writer_set_u16(kv_gguf_writer *w, const char *key, uint16_t v, kv_diag *d);
 int kv_gguf_writer_set_u32(kv_gguf_writer *w, const char *key, uint32_t v, kv_diag *d);
 int kv_gguf_writer_set_i32(kv_gguf_writer *w, const char *key, int32_t v, kv_diag *d);
 int kv_gguf_writer_set_u64(kv_gguf_writer *w, const char *key, uint64_t v, kv_diag *d);
@@ -201,5 +241,21 @@ int kv_gguf_writer_write_data(kv_gguf_writer *w, size_t idx, uint64_t at,
 /* Extends the file to its full size (holes stay holes), fsyncs nothing,
  * closes. */
 int kv_gguf_writer_finish(kv_gguf_writer *w, kv_diag *d);
+
+/* ---- writing a split model --------------------------------------------
+ * Rewrites the model src (any GGUF; itself possibly split) as a split model
+ * in the layout described at the top, as llama.cpp's gguf-split writes it:
+ * tensors in their order, cut into consecutive runs; the first part carries
+ * all metadata (existing split.* keys dropped) and every part split.no,
+ * split.count, split.tensors.count (and general.alignment if src has it).
+ * The cut: n_split > 0 gives n_split parts of about equal tensor bytes;
+ * else max_bytes > 0 starts a new part whenever the next tensor (padded to
+ * the alignment) would take the current one past max_bytes (a tensor larger
+ * than max_bytes gets a part of its own). Files: out_prefix-00001-of-0000N.gguf
+ * ...; each written as .part then renamed. n_out (may be NULL) gets N.
+ * KV_EINVAL if both or neither cut is given, or n_split exceeds the tensors
+ * or KV_GGUF_MAX_SPLITS; KV_ERANGE if max_bytes would need more parts. */
+int kv_gguf_split_write(const char *src, const char *out_prefix, uint32_t n_split, uint64_t max_bytes,
+                        uint32_t *n_out, kv_diag *d);
 
 #endif

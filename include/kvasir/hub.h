@@ -42,6 +42,9 @@ struct kv_https_cert; /* kvasir/https.h */
 #define KV_HUB_MAX_BODY (1u << 20)        /* default bound on a request body */
 #define KV_HUB_MAX_ADDR 255u              /* bytes in an announced HOST:PORT */
 #define KV_HUB_MAX_BACKEND 63u            /* bytes in an announced backend name */
+#define KV_HUB_MAX_SITE 31u               /* bytes in a site name */
+#define KV_HUB_MAX_SITES 64u              /* sites the placement considers (the rest: per-layer dispatch) */
+#define KV_HUB_SITE_NEAR_MS 2.5           /* a node this close to the hub (measured) is in site "auto:hub" */
 #define KV_HUB_MAX_SHARDS_PER_NODE 65536u /* shards one announcement may list */
 #define KV_HUB_MAX_NONCES 65536u          /* outstanding registration nonces */
 #define KV_HUB_NONCE_TTL_MS 60000         /* a registration nonce lives this long */
@@ -159,6 +162,39 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
  * malloc'd string (caller frees). Thread-safe. */
 int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
 
+/* ---- sites (src/hub/sites.c, docs/HUB.md "Sites") ---------------------- */
+
+/* What the site placement is computed from. */
+typedef struct kv_hub_site_layout {
+    uint32_t n_layer;      /* trunk layers (the MTP/nextn layers are not placed) */
+    uint32_t n_expert;
+    const uint8_t *moe;    /* [n_layer] 1: the layer has routed experts */
+    uint32_t n_site;       /* at most KV_HUB_MAX_SITES */
+    const uint8_t *holds;  /* [n_site][n_layer][n_expert] 1: a live, proven worker of the site holds it */
+} kv_hub_site_layout;
+
+typedef struct kv_hub_site_window {
+    uint32_t site;         /* index into the layout's sites */
+    uint32_t first, last;  /* layers, inclusive */
+} kv_hub_site_window;
+
+/* The site-aware placement: a ring of sites, each with a contiguous window
+ * of layers whose routed experts its own workers all hold; windows are
+ * consecutive from layer 0 to n_layer - 1, each site has at most one, and
+ * each runs as far as its site's coverage does (furthest-reaching unused
+ * site first, backtracking: a bounded search that finds one whenever one
+ * exists, for the site counts it can try). out holds n_site entries; *n_out
+ * gets the count. KV_ENOTFOUND when there is none (d names the layer it
+ * could not pass and what the first site lacks there): coordinators then
+ * dispatch per layer. Pure: no allocation, thread-safe. */
+int kv_hub_site_place(const kv_hub_site_layout *in, kv_hub_site_window *out, uint32_t *n_out, kv_diag *d);
+
+/* GET /v1/sites: the sites, their members and measured round trips, the
+ * bounds of the round trips between sites, and the placement in force
+ * ({"kind": "sites", "windows": [...]} or {"kind": "experts", "reason"}).
+ * Malloc'd string, caller frees. Thread-safe. */
+int kv_hub_sites_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
+
 /* ---- node identity (client side) --------------------------------------- */
 
 /* A node's key in its data folder (kv_node_key_load), a key file at any
@@ -213,12 +249,14 @@ typedef struct kv_hub_held {
 
 /* A node's announcement (body of POST /v1/register):
  *   {"nonce": HEX64, "addr": "HOST:PORT", "memory": BYTES, "backend": NAME,
+ *    "site": NAME (optional),
  *    "shards": [{"layer": L, "first": F, "last": T, "sha256": HEX64}, ...]} */
 typedef struct kv_hub_announce {
     uint8_t nonce[32];
     char addr[KV_HUB_MAX_ADDR + 1];
     uint64_t memory;
     char backend[KV_HUB_MAX_BACKEND + 1];
+    char site[KV_HUB_MAX_SITE + 1]; /* kv_hub_site_check; "" = none given (the hub groups it) */
     kv_hub_held *shards; /* [n_shards], malloc'd */
     size_t n_shards;
 } kv_hub_announce;
@@ -228,6 +266,11 @@ typedef struct kv_hub_announce {
  * On error a is zeroed. Free with kv_hub_announce_free (accepts NULL). */
 int kv_hub_parse_announce(kv_hub_announce *a, const char *json, size_t len, kv_diag *d);
 void kv_hub_announce_free(kv_hub_announce *a);
+/* A site name as a node gives it (--site): 1..KV_HUB_MAX_SITE bytes of
+ * [a-z0-9._-], starting with a letter or a digit (so it needs no escaping,
+ * and never collides with the hub's own "auto:..." names). 0 or KV_EINVAL
+ * naming the fault. */
+int kv_hub_site_check(const char *name, kv_diag *d);
 /* Serializes an announcement (client side); malloc'd string, caller frees. */
 char *kv_hub_announce_json(const kv_hub_announce *a);
 

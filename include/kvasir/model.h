@@ -314,4 +314,44 @@ int kv_state_batch_window(kv_state *s, const int32_t *tokens, const float *x_in,
                           uint32_t n, const uint32_t *out_idx, uint32_t n_out, float *logits, float *x_out,
                           kv_diag *d);
 
+/* Rolling a sequence back (speculative decoding: k drafted tokens verified
+ * in one call, the rejected ones undone). kv_state_spec_keep asks the next
+ * kv_state_batch to keep, for sequence seq, the recurrent state (qwen35moe)
+ * after each of its first n tokens of that call (n <= KV_SPEC_MAX_KEEP;
+ * buffers of n x kv_state_rec_bytes allocated here and kept until the
+ * sequence's reset: bounded memory; a model without recurrent state keeps
+ * nothing). kv_state_seq_rollback makes seq hold pos positions: the KV
+ * cache only shortens (rows past pos are written again before any token
+ * reads them); the recurrent state becomes the one kept after position
+ * pos - 1, which must be among the last call's kept ones or be its last
+ * token's. Errors: KV_ENOMEM (keep), KV_EINVAL naming what cannot be
+ * rolled back (nothing changes then). */
+#define KV_SPEC_MAX_KEEP 16u
+int kv_state_spec_keep(kv_state *s, uint32_t seq, uint32_t n, kv_diag *d);
+int kv_state_seq_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d);
+/* The final-normed hidden state (n_embd floats, what the LM head reads) of
+ * logit row i of the last successful kv_state_batch; NULL out of range.
+ * Valid until the next call. */
+const float *kv_state_hidden_out(const kv_state *s, uint32_t i);
+
+/* The qwen35moe MTP (nextn) block run as a draft model (docs/SPECULATIVE.md):
+ * kv_mtp_step runs it at position pos of sequence seq on the trunk's (or
+ * its own previous) final-normed hidden state h and the token tok there:
+ * u = eh_proj [enorm(embed(tok)); hnorm(h)], the block's gated full
+ * attention over its own K/V of seq (the positions it ran at, < pos and
+ * pos itself; at most KV_MTP_MAX_POS), its routed and shared experts, and
+ * shared_head_norm: h_out (n_embd) and, when logits is not NULL, the LM
+ * head's n_vocab logits of the token after tok. kv_mtp_forget drops seq's
+ * K/V from position from on; kv_mtp_reset all of it. Needs a whole GGUF
+ * qwen35moe model with an MTP block (KV_EUNSUPPORTED otherwise). Not
+ * thread-safe; m and pool borrowed. */
+#define KV_MTP_MAX_POS 4096u
+typedef struct kv_mtp kv_mtp;
+int kv_mtp_new(kv_mtp **out, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d);
+void kv_mtp_free(kv_mtp *t);
+void kv_mtp_reset(kv_mtp *t, uint32_t seq);
+void kv_mtp_forget(kv_mtp *t, uint32_t seq, uint32_t from);
+int kv_mtp_step(kv_mtp *t, uint32_t seq, const float *h, int32_t tok, uint32_t pos, float *h_out, float *logits,
+                kv_diag *d);
+
 #endif

@@ -252,6 +252,10 @@ typedef struct kv_node_opts {
     size_t n_allow_keys;
     bool insecure_plaintext;   /* its worker serves plaintext coordinators from any address
                                   (--insecure-plaintext); off: TLS beyond loopback */
+    bool has_layers;           /* take only shards of layers [layer_first, layer_last] (--layers) */
+    uint32_t layer_first, layer_last;
+    const char *site;          /* its site (--site; kv_hub_site_check), NULL = the hub groups it
+                                  by the round trips it measures (docs/HUB.md "Sites") */
     int relay;                 /* the hub's relay (docs/HUB.md "Relay"): KV_NODE_RELAY_AUTO (0) connects out
                                   once the hub says it cannot dial this node; _ALWAYS as soon as the hub
                                   names its relay; _OFF never */

@@ -56,13 +56,15 @@ const kv_manifest_slab *kv_manifest_find_slab(const kv_manifest *m, uint32_t lay
 
 #define KV_MODEL_ID_CHUNK (1u << 20) /* bytes of tensor data per leaf hash */
 #define KV_MODEL_ID_TAG "kvasir-model-id-v2"
+#define KV_MODEL_ID_SPLIT_TAG "kvasir-model-id-split-v1" /* a split model's (slice.h) */
 
 /* The model identity of the GGUF g, opened from path (slice.h defines it:
  * header + every byte of tensor data, in 1 MiB leaves). Holes (SEEK_DATA)
  * are not read: a leaf wholly inside a hole is the hash of zeros, so a
  * sparse skeleton gets its identity in time proportional to its data, and
- * equals the identity of the same bytes written densely. n_threads readers
- * (0 = all CPUs). out: 64 hex digits + NUL. KV_EIO if path no longer holds
+ * equals the identity of the same bytes written densely. A split model's
+ * identity combines its parts' (each read from its own file; path is then
+ * only the name it was opened by). n_threads readers (0 = all CPUs). out: 64 hex digits + NUL. KV_EIO if path no longer holds
  * the file g maps (size changed) or cannot be read. */
 int kv_pieces_model_id(const kv_gguf *g, const char *path, int n_threads, char out[65], kv_diag *d);
 

@@ -78,4 +78,79 @@ typedef struct kv_plan_figures {
  * (the sampling is seeded). */
 int kv_plan_figures_get(const kv_plan *p, uint32_t enc, kv_plan_figures *out, kv_diag *d);
 
+/* ---- sites and the predicted time per token ----------------------------
+ * The sites come from the hub's GET /v1/sites (docs/HUB.md "Sites"): each
+ * site's median round trip as the hub measured it, the upper bound of the
+ * round trip between two sites (through the hub), and the placement in force
+ * (a ring of sites with a window of layers each, or per-layer dispatch). */
+
+#define KV_PLAN_MAX_SITES 64u
+
+typedef struct kv_plan_window {
+    uint32_t site, first, last;   /* site index; layers, inclusive */
+    uint32_t n_workers, n_ring;   /* site-local expert workers and ring nodes listed for it */
+} kv_plan_window;
+
+typedef struct kv_plan_sites {
+    uint32_t n_site;
+    char name[KV_PLAN_MAX_SITES][48];
+    double rtt_ms[KV_PLAN_MAX_SITES];                    /* hub to the site (median); < 0 unknown */
+    double between_ms[KV_PLAN_MAX_SITES][KV_PLAN_MAX_SITES]; /* upper bound between two sites; < 0 unknown */
+    bool placed;                  /* a site placement is in force */
+    char reason[256];             /* why not, when !placed */
+    uint32_t n_win;
+    kv_plan_window win[KV_PLAN_MAX_SITES];
+    uint32_t n_node;              /* members: key (hex) and site */
+    char (*node_key)[65];         /* [n_node] */
+    uint32_t *node_site;          /* [n_node] */
+} kv_plan_sites;
+
+/* Parses a GET /v1/sites answer (untrusted: every field checked; windows
+ * must be consecutive from layer 0 to n_layer - 1 over distinct known
+ * sites, or the placement counts as absent with the reason saying why).
+ * KV_EFORMAT for what is not such an answer. Free with kv_plan_sites_free
+ * (accepts NULL). */
+int kv_plan_sites_parse(const char *json, size_t len, uint32_t n_layer, kv_plan_sites **out, kv_diag *d);
+void kv_plan_sites_free(kv_plan_sites *s);
+
+/* The cost model, in one place: a token waits for `wait_ms` of round trips
+ * and one-way delays (its crossings), for its WAN bytes to serialize at the
+ * link's rate, and for its compute:
+ *     t = wait_ms + wan_bytes x 8 / (bandwidth_mbit x 10^6) s + compute_ms
+ * (bandwidth 0: unlimited). Returns milliseconds. */
+typedef struct kv_plan_cost {
+    uint32_t crossings;           /* site boundaries crossed (WAN) per token */
+    uint32_t lan_round_trips;     /* round trips inside a site per token */
+    double wait_ms;               /* their summed delays */
+    uint64_t wan_bytes;           /* bytes over the WAN per token */
+    double bandwidth_mbit;        /* of the WAN link; 0 = unlimited */
+    double compute_ms;            /* per token, all layers */
+} kv_plan_cost;
+double kv_plan_cost_ms(const kv_plan_cost *c);
+
+typedef struct kv_plan_net {
+    double lan_ms;                /* a round trip inside a site (0 = 0.5) */
+    double bandwidth_mbit;        /* between sites; 0 = unlimited */
+    double compute_ms;            /* compute per token */
+    int32_t from_site;            /* the coordinator's site for per-layer dispatch; -1 = the first window's
+                                     site (or the first site) */
+} kv_plan_net;
+
+typedef struct kv_plan_prediction {
+    uint32_t from_site;           /* the coordinator's site used for per-layer dispatch */
+    kv_plan_cost experts;         /* plain per-layer dispatch: one round trip per MoE layer, to the farthest
+                                     site holding one of that layer's experts */
+    double experts_ms;
+    bool sites_ok;                /* a site placement is in force */
+    kv_plan_cost sites;           /* the ring of sites: one one-way crossing per window boundary (the ring
+                                     closes back to the first), one LAN round trip per MoE layer */
+    double sites_ms;
+    bool unmeasured;              /* a round trip the hub has not measured was taken as lan_ms */
+} kv_plan_prediction;
+
+/* Both predictions for one token of one sequence, wire encoding enc.
+ * Per-layer dispatch needs the placement covered (KV_ENOTFOUND otherwise). */
+int kv_plan_predict(const kv_plan *p, const kv_plan_sites *s, uint32_t enc, const kv_plan_net *net,
+                    kv_plan_prediction *out, kv_diag *d);
+
 #endif

@@ -46,6 +46,8 @@ typedef struct kv_probe_result {
     bool key_proven;                  /* the worker proved worker_key on this connection */
     uint32_t answered;                /* tasks answered with a RESULT of the right shape */
     double handshake_ms, answer_ms;   /* time of each phase */
+    double task_min_ms;               /* the quickest single compute answer (one round trip plus one
+                                         expert on one token): bounds the round trip from above; 0 = none */
     char backend[KV_PROTO_MAX_NAME + 1]; /* from HELLO_ACK */
 } kv_probe_result;
 

@@ -448,6 +448,51 @@ int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ri
                       FILE *log, kv_diag *d);
 void kv_ring_hub_stop(kv_ring_hub *h);
 
+/* ---- the ring of sites (src/ring/hub.c, docs/HUB.md "Sites") -------------
+ * The hub's site placement (GET /v1/sites) gives each site a window of
+ * layers whose experts its own workers hold; a ring node of that site
+ * (kvasir ring --hub URL --site NAME) runs the window with those workers. */
+
+#define KV_RING_SITE_WORKERS 64u   /* site-local workers one window takes */
+#define KV_RING_SITE_WINDOWS 64u   /* windows (sites) of one placement */
+
+typedef struct kv_ring_site_window {
+    char site[48];
+    uint32_t first, last;                               /* layers, inclusive */
+    uint32_t n_workers;
+    char workers[KV_RING_SITE_WORKERS][KV_RING_HUB_ADDR + 1]; /* the site's workers for the window */
+    char ring[KV_RING_HUB_ADDR + 1];                    /* a ring node of the site running it, "" none */
+} kv_ring_site_window;
+
+typedef struct kv_ring_sites {
+    bool placed;                    /* a site placement is in force */
+    char reason[256];               /* why not */
+    uint32_t n_win;
+    kv_ring_site_window win[KV_RING_SITE_WINDOWS];
+} kv_ring_sites;
+
+/* Parses GET /v1/sites (untrusted: windows consecutive from layer 0,
+ * addresses of [A-Za-z0-9.-:[]], counts bounded; workers beyond
+ * KV_RING_SITE_WORKERS are left out). KV_EFORMAT for a malformed answer. */
+int kv_ring_parse_sites(const char *json, size_t len, kv_ring_sites *out, kv_diag *d);
+/* Site mode of kv_ring_hub_join: the window the hub's placement gives
+ * `site`, its workers (copied into workers[cap], *n_workers) and the
+ * manifest, backbone and the window's slabs in dir (the hub challenges the
+ * slabs a node registers). KV_ENOTFOUND when no placement gives the site a
+ * window (d says why). */
+int kv_ring_hub_join_site(const char *hub, const char *dir, const char *site, uint32_t *first, uint32_t *last,
+                          char *manifest_path, size_t cap, char (*workers)[KV_RING_HUB_ADDR + 1], uint32_t wcap,
+                          uint32_t *n_workers, FILE *log, kv_diag *d);
+/* kv_ring_hub_start for a node of `site`: it registers with its site, and
+ * its next is the ring node of the next site's window. */
+int kv_ring_hub_start_site(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
+                           const char *site, FILE *log, kv_diag *d);
+/* The entry nodes of the hub's ring of sites, when one is in force and every
+ * window has a ring node: their addresses in out[cap] (*n). 0 with *n = 0
+ * and why[] when there is none; an error when the hub cannot be read. */
+int kv_ring_hub_site_entries(const char *hub, char (*out)[KV_RING_HUB_ADDR + 1], uint32_t cap, uint32_t *n, char *why,
+                             size_t why_cap, kv_diag *d);
+
 /* ---- the client ----------------------------------------------------------- */
 
 struct kv_voucher; /* kvasir/link.h */

@@ -27,6 +27,16 @@
  * kv_pieces_model_id (pieces.h) computes it; the pieces are then bound to
  * it by their SHA-256 in the manifest.
  *
+ * A split model (gguf.h: N files, one model) has the identity of its parts
+ * taken in order:
+ *   id   = SHA-256( "kvasir-model-id-split-v1" NUL || u32le(N)
+ *                   || id_1 || ... || id_N )
+ * where id_k is part k's identity as above, as 64 hex digits. Which part
+ * a command was given does not matter; a re-split of the same model (other
+ * cuts) is another identity, as any header change is. Its pieces are sliced
+ * as from one file: the backbone takes the first part's metadata without
+ * the split.* keys.
+ *
  * Slab metadata (all slabs): general.architecture, general.name (if the
  * source has one), general.alignment (if the source has one), and
  *   kvasir.slice.version u32   KV_SLICE_VERSION

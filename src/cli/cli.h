@@ -18,6 +18,7 @@ int kv_cmd_run(int argc, char **argv);
 int kv_cmd_bench(int argc, char **argv);
 int kv_cmd_inspect(int argc, char **argv);
 int kv_cmd_slice(int argc, char **argv);
+int kv_cmd_gguf_split(int argc, char **argv);
 int kv_cmd_expert(int argc, char **argv);
 int kv_cmd_worker(int argc, char **argv);
 int kv_cmd_xcheck(int argc, char **argv);

@@ -24,6 +24,7 @@
 #include "kvasir/ledger.h"
 #include "kvasir/node.h"
 #include "kvasir/pool.h"
+#include "kvasir/ring.h"
 #include "kvasir/verify.h"
 
 #define CMD "gateway"
@@ -33,8 +34,8 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout", "--request-timeout", "--parse-max",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
-                                             "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms",
-                                             "--chat-template", "--prompt-cache", "--cors",
+                                             "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms", "--placement",
+                                             "--chat-template", "--prompt-cache", "--cors", "--draft", "--draft-max",
                                              "--tls-cert", "--tls-key", NULL};
 
 static const char *kv_gateway_help =
@@ -54,6 +55,11 @@ static const char *kv_gateway_help =
     "                       client key is --key (with --hub URL: and that hub's voucher for it, for\n"
     "                       nodes started with --hub-key); no -m, --worker, --ledger or --verify\n"
     "  --ring-timeout-ms N  with --ring: longest wait for one frame from the ring (default 60000)\n"
+    "  --placement P        with --hub: sites, experts or auto (default). sites serves the hub's ring of\n"
+    "                       sites (each site a window of layers on its own workers: one crossing per\n"
+    "                       site per token; docs/HUB.md \"Sites\") and fails when the hub publishes\n"
+    "                       none; experts dispatches every MoE layer to the workers (one round trip\n"
+    "                       per layer); auto takes sites when the hub publishes them at start\n"
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
@@ -89,6 +95,9 @@ static const char *kv_gateway_help =
     "  --prompt-cache SIZE  memory for the prompt cache (prefixes reused across requests: KV blocks\n"
     "                       and recurrent states, least recently used evicted), e.g. 512M, 4G; 0 = off\n"
     "                       (default 1G; at most 1T; docs/GATEWAY.md)\n"
+    "  --draft SRC          speculative decoding: none (default), ngram or mtp; the same tokens with\n"
+    "                       fewer forward passes (docs/SPECULATIVE.md); --draft-max K drafted tokens\n"
+    "                       per pass, 1..15 (default 3); /metrics reports acceptance\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
@@ -167,6 +176,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     const char *workers[KV_REMOTE_MAX_WORKERS];
     const char *rings[KV_GATEWAY_MAX_RING];
     uint32_t n_rings = 0;
+    const char *placement = "auto";
+    static char site_rings[KV_GATEWAY_MAX_RING][KV_RING_HUB_ADDR + 1];
     long ring_timeout = 60000;
     const char *tmpl_path = NULL;
     char *tmpl = NULL;
@@ -177,6 +188,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     long request_s = 30, parse_max = 0;
     uint64_t prompt_cache = (uint64_t)1 << 30;
     bool prompt_cache_given = false;
+    const char *draft = NULL;
+    long draft_max = 0;
     long timeout = 120, body_max = 1 << 20, max_tokens = 512, worker_timeout = 10000;
     const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
     uint64_t price_p = 1, price_c = 2;
@@ -221,6 +234,10 @@ int kv_cmd_gateway(int argc, char **argv) {
             tls_cert = v;
         } else if (!strcmp(a, "--tls-key")) {
             tls_key = v;
+        } else if (!strcmp(a, "--placement")) {
+            if (strcmp(v, "sites") && strcmp(v, "experts") && strcmp(v, "auto"))
+                return kv_cli_err(CMD, 1, "--placement: '%s' is not sites, experts or auto", v);
+            placement = v;
         } else if (!strcmp(a, "--ring")) {
             if (n_rings == KV_GATEWAY_MAX_RING)
                 return kv_cli_err(CMD, 1, "--ring: at most %u entry nodes", KV_GATEWAY_MAX_RING);
@@ -303,6 +320,11 @@ int kv_cmd_gateway(int argc, char **argv) {
             if (kv_node_parse_size(v, &prompt_cache, &sd) || prompt_cache > ((uint64_t)1 << 40))
                 return kv_cli_err(CMD, 1, "--prompt-cache: '%s' is not a size up to 1T (e.g. 512M, 4G, 0 = off)", v);
             prompt_cache_given = true;
+        } else if (!strcmp(a, "--draft")) {
+            if (strlen(v) > 4096) return kv_cli_err(CMD, 1, "--draft: longer than 4096 bytes");
+            draft = v;
+        } else if (!strcmp(a, "--draft-max")) {
+            if (kv_arg_long(CMD, a, v, 1, 15, &draft_max)) return 1;
         } else if (!strcmp(a, "--parallel")) {
             if (kv_arg_long(CMD, a, v, 1, KV_ENGINE_MAX_SESSIONS, &parallel)) return 1;
         } else if (!strcmp(a, "--queue")) {
@@ -328,11 +350,35 @@ int kv_cmd_gateway(int argc, char **argv) {
         }
     }
     if (hub && (model || n_workers)) return kv_cli_err(CMD, 1, "--hub replaces -m and --worker: give one or the other");
+    if (strcmp(placement, "auto") && (!hub || n_rings))
+        return kv_cli_err(CMD, 1, "--placement %s needs --hub URL and no --ring", placement);
+    if (hub && !n_rings && strcmp(placement, "experts")) { /* the hub's ring of sites, when it publishes one */
+        kv_diag sd = {0};
+        char why[300];
+        uint32_t ns = 0;
+        bool unreached = false; /* auto: the hub's own error comes next, from the manifest */
+        if (kv_ring_hub_site_entries(hub, site_rings, KV_GATEWAY_MAX_RING, &ns, why, sizeof why, &sd)) {
+            if (!strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: %s", sd.msg);
+            snprintf(why, sizeof why, "%.250s", sd.msg);
+            unreached = true;
+        }
+        if (ns && ledger && !strcmp(placement, "auto")) {
+            snprintf(why, sizeof why, "--ledger is not served over a ring");
+            ns = 0;
+        }
+        if (!ns && !strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: the hub's %s", why);
+        for (uint32_t k = 0; k < ns; k++) rings[n_rings++] = site_rings[k];
+        if (!quiet && ns) fprintf(stderr, "gateway: placement sites: the hub's ring of %u sites\n", ns);
+        else if (!quiet && !unreached) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
+    }
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
     if (n_rings && prompt_cache_given && prompt_cache)
         return kv_cli_err(CMD, 1, "--prompt-cache with --ring is not supported yet (docs/GATEWAY.md \"Prompt cache\"): "
                           "the ring's nodes hold the KV of their windows");
+    if (n_rings && (draft || draft_max))
+        return kv_cli_err(CMD, 1, "--draft with --ring is not supported yet: the ring's last node samples");
+    if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
     if (n_rings && ledger)
         return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
                           "must hold a payment before compute, and only the ring knows the prompt's token count");
@@ -403,7 +449,10 @@ int kv_cmd_gateway(int argc, char **argv) {
         b = b ? b + 1 : model;
         snprintf(mname, sizeof mname, "%s", b);
         size_t l = strlen(mname);
-        if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l - 5] = 0;
+        if (l > 5 && !strcmp(mname + l - 5, ".gguf")) mname[l -= 5] = 0;
+        unsigned a, b2; /* a split model: its name, whichever part was given */
+        int at = -1;
+        if (l > 15 && sscanf(mname + l - 15, "-%5u-of-%5u%n", &a, &b2, &at) == 2 && at == 15) mname[l - 15] = 0;
         if (!strcmp(mname, "manifest.json") || !mname[0]) snprintf(mname, sizeof mname, "kvasir");
     }
     kv_engine *e = NULL;
@@ -477,8 +526,16 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .worker_keys = (const uint8_t(*)[32])auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
                                .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,
-                               .prompt_cache_bytes = prompt_cache};
-    if (kv_engine_open(&e, model, &eo, &d)) {
+                               .prompt_cache_bytes = prompt_cache, .draft = draft,
+                               .draft_max = (uint32_t)draft_max};
+    char down[sizeof d.msg] = "";
+    const int erc = kv_engine_open(&e, model, &eo, &d);
+    if (erc == KV_EUNSUPPORTED && strncmp(d.msg, "mtp:", 4)) { /* a type no backend computes: the gateway says
+                                                                  so (503), not a dead port; a --draft it cannot
+                                                                  run is a flag error */
+        snprintf(down, sizeof down, "%s", d.msg);
+        fprintf(stderr, "kvasir gateway: %s: /health and every prompt answer 503\n", down);
+    } else if (erc) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
@@ -494,7 +551,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                 .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
                                 .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model,
-                                .no_web_ui = no_web_ui};
+                                .no_web_ui = no_web_ui, .down_msg = down[0] ? down : NULL};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

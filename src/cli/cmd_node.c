@@ -1,6 +1,7 @@
 /* kvasir node: join a hub's swarm with a memory budget: choose shards from
  * the market, download and verify them, serve them, register, heartbeat
  * (include/kvasir/node.h, docs/HUB.md). */
+#include <errno.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 
 #include "cli/cli.h"
 #include "kvasir/beacon.h"
+#include "kvasir/hub.h"
 #include "kvasir/link.h"
 #include "kvasir/transport.h"
 #include "kvasir/node.h"
@@ -18,7 +20,7 @@
 
 static const char *const kv_value_flags[] = {"--hub", "--budget", "--data", "--listen", "--advertise",
                                              "--interval-ms", "--threads", "-t", "--allow-key", "--beacon-port",
-                                             "--beacon-wait-ms", "--model-id", "--relay", NULL};
+                                             "--beacon-wait-ms", "--model-id", "--relay", "--site", "--layers", NULL};
 
 static const char *kv_node_help =
     "usage: kvasir node [--hub URL] --budget SIZE --data DIR [--listen HOST:PORT] [options]\n"
@@ -38,6 +40,11 @@ static const char *kv_node_help =
     "                      out to it when the hub says it cannot dial this node's address, always\n"
     "                      as soon as the hub names it, off never; the node then serves through\n"
     "                      one outbound TLS connection to the hub's host (docs/HUB.md \"Relay\")\n"
+    "  --site NAME         the site this node is in (1-31 bytes of a-z 0-9 . _ -): nodes of one LAN or\n"
+    "                      datacentre; without it the hub groups nodes by the round trips it measures\n"
+    "                      (docs/HUB.md \"Sites\")\n"
+    "  --layers A-B        take only shards of layers A..B from the market (e.g. the window a site\n"
+    "                      should hold; default: any)\n"
     "  --threads N         worker compute threads (default: all CPUs)\n"
     "  --quiet             no log lines\n"
     "  --insecure-plaintext  its worker serves plaintext coordinators from any address (default:\n"
@@ -102,6 +109,20 @@ int kv_cmd_node(int argc, char **argv) {
             else if (!strcmp(s, "always")) o.relay = KV_NODE_RELAY_ALWAYS;
             else if (!strcmp(s, "off")) o.relay = KV_NODE_RELAY_OFF;
             else return kv_cli_err(CMD, 1, "--relay: '%s' is not auto, always or off", s);
+        } else if (!strcmp(a, "--layers")) {
+            char *e1, *e2;
+            errno = 0;
+            const unsigned long lf = strtoul(s, &e1, 10);
+            const unsigned long ll = *e1 == '-' ? strtoul(e1 + 1, &e2, 10) : 0;
+            if (errno || e1 == s || *e1 != '-' || e2 == e1 + 1 || *e2 || lf > ll || ll > 65535)
+                return kv_cli_err(CMD, 1, "--layers: '%s' is not A-B with A <= B <= 65535", s);
+            o.has_layers = true;
+            o.layer_first = (uint32_t)lf;
+            o.layer_last = (uint32_t)ll;
+        } else if (!strcmp(a, "--site")) {
+            kv_diag sd = {0};
+            if (kv_hub_site_check(s, &sd)) return kv_cli_err(CMD, 1, "--site: %s", sd.msg);
+            o.site = s;
         } else if (!strcmp(a, "--budget")) {
             budget = s;
         } else if (!strcmp(a, "--data")) {

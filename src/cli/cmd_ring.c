@@ -17,7 +17,7 @@
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", "--worker-wait-ms", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", "--worker-wait-ms", "--site", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -26,6 +26,9 @@ static const char *kv_ring_help =
     "                      (e.g. 512M, 8G), fetch its pieces into --data DIR (default kvasir-data;\n"
     "                      resumable, hash checked), register it, and learn the next node from the\n"
     "                      hub (instead of --model, --layers and --next)\n"
+    "  --site NAME         with --hub: run the window the hub's site placement gives site NAME, its\n"
+    "                      experts on that site's workers (docs/HUB.md \"Sites\"); --budget is then\n"
+    "                      only announced\n"
     "  -m, --model MODEL   GGUF file, or DIR/manifest.json (or DIR) of a sliced model; only the\n"
     "                      tensors of layers A..B are touched (the token embedding only when A is 0,\n"
     "                      the final norm and LM head only when B is the last layer)\n"
@@ -95,6 +98,8 @@ int kv_cmd_ring(int argc, char **argv) {
     bool has_hub_key = false;
     const char *workers[64];
     uint32_t n_workers = 0, worker_wait_ms = 0;
+    const char *site = NULL;
+    static char site_workers[KV_RING_SITE_WORKERS][KV_RING_HUB_ADDR + 1];
     long lv;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -118,6 +123,12 @@ int kv_cmd_ring(int argc, char **argv) {
             key_path = v;
         } else if (!strcmp(a, "--hub")) {
             hub = v;
+        } else if (!strcmp(a, "--site")) {
+            if (kv_hub_site_check(v, &d)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--site: %s", d.msg);
+            }
+            site = v;
         } else if (!strcmp(a, "--hub-key")) {
             if (kv_unhex32(v, hub_key, &d)) {
                 free(allow);
@@ -188,7 +199,19 @@ int kv_cmd_ring(int argc, char **argv) {
             free(allow);
             return kv_cli_err(CMD, 1, "--hub takes --budget and --listen, and replaces --model, --layers and --next");
         }
-        if (kv_ring_hub_join(hub, data_dir, budget, &o.first, &o.last, manifest, sizeof manifest, o.log, &d)) {
+        if (site) { /* the ring of sites: our site's window, on our site's workers */
+            uint32_t nsw = 0;
+            if (n_workers) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--site takes its workers from the hub's placement, not --worker");
+            }
+            if (kv_ring_hub_join_site(hub, data_dir, site, &o.first, &o.last, manifest, sizeof manifest, site_workers,
+                                      KV_RING_SITE_WORKERS, &nsw, o.log, &d)) {
+                free(allow);
+                return kv_cli_diag(CMD, &d);
+            }
+            for (uint32_t k = 0; k < nsw; k++) workers[n_workers++] = site_workers[k];
+        } else if (kv_ring_hub_join(hub, data_dir, budget, &o.first, &o.last, manifest, sizeof manifest, o.log, &d)) {
             free(allow);
             return kv_cli_diag(CMD, &d);
         }
@@ -201,6 +224,10 @@ int kv_cmd_ring(int argc, char **argv) {
             }
             has_hub_key = true;
         }
+    }
+    if (site && !hub) {
+        free(allow);
+        return kv_cli_err(CMD, 1, "--site needs --hub URL (the hub's placement gives the site its window)");
     }
     o.hub_key = has_hub_key ? hub_key : NULL;
     if (!o.model || !layers || !o.listen || (!o.next && !hub)) {
@@ -231,7 +258,7 @@ int kv_cmd_ring(int argc, char **argv) {
         fprintf(stderr, "kvasir ring %u-%u: window of %llu bytes of weights (%.2f MiB), next %s\n", o.first, o.last,
                 (unsigned long long)st.weight_bytes, (double)st.weight_bytes / 1048576.0, o.next ? o.next : "from the hub");
     kv_ring_hub *rh = NULL;
-    if (hub && kv_ring_hub_start(&rh, hub, data_dir, n, budget, o.log, &d)) {
+    if (hub && kv_ring_hub_start_site(&rh, hub, data_dir, n, budget, site, o.log, &d)) {
         kv_ring_node_free(n);
         return kv_cli_diag(CMD, &d);
     }

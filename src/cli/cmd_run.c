@@ -17,7 +17,7 @@
 #include "kvasir/verify.h"
 #include <sys/stat.h>
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", "--grammar", "--json-schema", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "--logits-out", "-n", "--n-predict", "--threads", "-t", "--ctx", "-c", "--batch", "-b", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty", "--seed", "--expert-cache-mb", "--worker", "--worker-timeout-ms", "--wire", "--kv-type", "--hub", "--data", "--ring", "--ring-timeout-ms", "--key", "--verify-recompute", "--hub-wait-ms", "--grammar", "--json-schema", "--draft", "--draft-max", NULL};
 
 #define CMD "run"
 
@@ -75,6 +75,11 @@ static const char *kv_run_help =
     "  --ctx N              context length (default: the model's; KV memory follows the tokens held)\n"
     "  --batch N            prompt tokens per forward chunk (default 256)\n"
     "  --kv-type T          KV cache elements: f32 (exact, default) or f16 (half the memory)\n"
+    "  --draft SRC          speculative decoding (docs/SPECULATIVE.md; the same tokens, fewer forward\n"
+    "                       passes): none (default), ngram (the context's own repeats), mtp (the\n"
+    "                       model's MTP block), test:FILE:P[:SEED] (measurement only: the token ids in\n"
+    "                       FILE, e.g. a plain run's, each proposed right with probability P)\n"
+    "  --draft-max K        tokens drafted per forward pass, 1..15 (default 3)\n"
     "  --grammar F          constrain the output to the GBNF grammar in file F (start rule root;\n"
     "                       docs/GRAMMAR.md): it stops where the grammar is complete\n"
     "  --json-schema F      constrain the output to the JSON schema in file F (as the gateway's\n"
@@ -203,12 +208,13 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
     printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
            "\"pairs_local\":%llu,\"bytes_sent\":%llu,\"bytes_recv\":%llu,\"rtt_p50_us\":%.1f,\"rtt_p99_us\":%.1f,"
            "\"verified\":%llu,\"unverified\":%llu,\"recomputed\":%llu,\"caught\":%llu,"
-           "\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
+           "\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
            (unsigned long long)st.retried_pairs, (unsigned long long)st.pairs_remote,
            (unsigned long long)st.pairs_local, (unsigned long long)st.bytes_sent, (unsigned long long)st.bytes_recv,
            st.rtt_p50_us, st.rtt_p99_us, (unsigned long long)st.pairs_verified,
            (unsigned long long)st.pairs_unverified, (unsigned long long)st.pairs_recomputed,
-           (unsigned long long)st.caught);
+           (unsigned long long)st.caught, (unsigned long long)st.hedges, (unsigned long long)st.hedges_won,
+           (unsigned long long)st.late_answers);
     for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
         kv_remote_worker w;
         kv_remote_worker_info(r, i, &w);
@@ -217,6 +223,8 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
         printf(",\"backend\":"); /* the kernel backend it announced (HELLO_ACK) */
         kv_json_str(stdout, w.backend, strlen(w.backend));
         printf(",\"caught\":%s,\"verified\":%llu", w.caught ? "true" : "false", (unsigned long long)w.verified);
+        printf(",\"latency_ms\":%.3f,\"p95_ms\":%.3f,\"hedged\":%llu,\"hedges_won\":%llu,\"late\":%llu", w.latency_ms,
+               w.p95_ms, (unsigned long long)w.hedged, (unsigned long long)w.hedges_won, (unsigned long long)w.late);
         printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
                "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
                (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
@@ -407,6 +415,8 @@ int kv_cmd_run(int argc, char **argv) {
     uint32_t n_hub_workers = 0;
     long worker_timeout = 10000, hub_wait = 30000;
     int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
+    const char *draft = NULL;
+    long draft_max = 0;
     kv_sample_params sp = kv_sample_defaults();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -496,6 +506,11 @@ int kv_cmd_run(int argc, char **argv) {
         } else if (!strcmp(a, "--wire")) {
             if ((wire = kv_enc_from_name(v)) < 0)
                 return kv_cli_err(CMD, 1, "--wire: '%s' is not one of f32, f16, bf16", v);
+        } else if (!strcmp(a, "--draft")) {
+            if (strlen(v) > 4096) return kv_cli_err(CMD, 1, "--draft: longer than 4096 bytes");
+            draft = v;
+        } else if (!strcmp(a, "--draft-max")) {
+            if (kv_arg_long(CMD, a, v, 1, 15, &draft_max)) return 1;
         } else if (!strcmp(a, "--kv-type")) {
             if (!strcmp(v, "f32")) kv_type = KV_TYPE_F32;
             else if (!strcmp(v, "f16")) kv_type = KV_TYPE_F16;
@@ -517,6 +532,9 @@ int kv_cmd_run(int argc, char **argv) {
     if (ring && (grammar_path || schema_path))
         return kv_cli_err(CMD, 1, "--grammar and --json-schema are not supported with --ring (not yet): the ring's "
                           "last node samples");
+    if (ring && (draft || draft_max))
+        return kv_cli_err(CMD, 1, "--draft and --draft-max are not carried to a ring (not yet): its last node samples");
+    if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
     if ((grammar_path || schema_path) && kv_run_grammar(grammar_path, schema_path, &grammar)) return 1;
     if (ring) {
         if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
@@ -586,7 +604,8 @@ int kv_cmd_run(int argc, char **argv) {
                                .log = verbose ? stderr : NULL, .key_sk = auth.key.sk,
                                .voucher = auth.has_voucher ? &auth.voucher : NULL, .worker_keys = auth.worker_keys,
                                .verify = verify ? &vopts : NULL, .recompute_rate = verify_rate,
-                               .on_caught = kv_cli_caught, .caught_arg = &auth};
+                               .on_caught = kv_cli_caught, .caught_arg = &auth,
+                               .draft = draft, .draft_max = (uint32_t)draft_max};
     if ((rc = kv_engine_open(&eng, model, &eo, &d))) { rc = kv_cli_diag(CMD, &d); goto done; }
     const kv_model *mc = kv_engine_model(eng);
     kv_remote *remote = kv_engine_remote(eng);
@@ -712,6 +731,10 @@ int kv_cmd_run(int argc, char **argv) {
                (unsigned long long)es.tokens_prefill, (unsigned long long)es.tokens_decode, es.t_prefill_s, es.t_decode_s,
                kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes,
                (unsigned long long)es.mem.recurrent_bytes);
+        if (draft)
+            printf(",\"spec\":{\"verify_steps\":%llu,\"drafted\":%llu,\"accepted\":%llu,\"emitted\":%llu}",
+                   (unsigned long long)es.spec_steps, (unsigned long long)es.spec_drafted,
+                   (unsigned long long)es.spec_accepted, (unsigned long long)es.spec_emitted);
         if (remote) kv_run_dispatch_json(remote, &steplog);
         printf("}\n");
     } else {

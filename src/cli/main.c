@@ -14,6 +14,7 @@ static const struct {
     {"run", kv_cmd_run, "generate text from a prompt"},
     {"bench", kv_cmd_bench, "measure prefill and decode tokens/s"},
     {"inspect", kv_cmd_inspect, "show the anatomy of a GGUF file (bytes by class, expert slabs)"},
+    {"gguf-split", kv_cmd_gguf_split, "rewrite a GGUF model as a split model (llama.cpp's gguf-split layout)"},
     {"slice", kv_cmd_slice, "cut a model into a backbone, expert slabs and a manifest"},
     {"expert", kv_cmd_expert, "compute one expert's FFN for given hidden states"},
     {"worker", kv_cmd_worker, "serve expert computation for held slabs over TCP"},

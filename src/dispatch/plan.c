@@ -16,6 +16,7 @@
 #include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvasir/plan.h"
+#include "kvasir/ring.h"
 
 struct kv_plan {
     const kv_manifest *m;
@@ -311,5 +312,238 @@ int kv_plan_figures_get(const kv_plan *p, uint32_t enc, kv_plan_figures *f, kv_d
     f->bytes_min = f->messages_min * f->bytes_per_message + f->expert_pairs * f->bytes_per_pair;
     f->bytes_max = f->messages_max * f->bytes_per_message + f->expert_pairs * f->bytes_per_pair;
     f->bytes_expected = f->messages_expected * (double)f->bytes_per_message + (double)(f->expert_pairs * f->bytes_per_pair);
+    return 0;
+}
+
+/* ---- sites and the predicted time per token --------------------------------- */
+
+void kv_plan_sites_free(kv_plan_sites *s) {
+    if (!s) return;
+    free(s->node_key);
+    free(s->node_site);
+    free(s);
+}
+
+static int64_t kv_plan_site_find(const kv_plan_sites *s, const char *name) {
+    for (uint32_t i = 0; i < s->n_site; i++)
+        if (!strcmp(s->name[i], name)) return i;
+    return -1;
+}
+
+/* A non-negative finite number, or null (-1); anything else is malformed. */
+static bool kv_plan_ms(json_t *v, double *out) {
+    if (!v || json_is_null(v)) return *out = -1, true;
+    if (!json_is_number(v)) return false;
+    const double x = json_number_value(v);
+    if (!(x >= 0 && x < 1e7)) return false;
+    *out = x;
+    return true;
+}
+
+/* The windows of a "sites" placement: consecutive from 0 to n_layer - 1,
+ * over distinct known sites; else s->placed stays false with the reason. */
+static void kv_plan_sites_windows(kv_plan_sites *s, json_t *ws, uint32_t n_layer) {
+    bool used[KV_PLAN_MAX_SITES] = {0};
+    uint32_t next = 0;
+    if (!json_is_array(ws) || !json_array_size(ws) || json_array_size(ws) > s->n_site) {
+        snprintf(s->reason, sizeof s->reason, "the hub's windows are not 1 to %u entries", s->n_site);
+        return;
+    }
+    for (size_t i = 0; i < json_array_size(ws); i++) {
+        json_t *w = json_array_get(ws, i), *js = json_object_get(w, "site"), *jf = json_object_get(w, "first"),
+               *jl = json_object_get(w, "last");
+        const int64_t si = json_is_string(js) ? kv_plan_site_find(s, json_string_value(js)) : -1;
+        if (si < 0 || used[si] || !json_is_integer(jf) || !json_is_integer(jl) || json_integer_value(jf) != next ||
+            json_integer_value(jl) < json_integer_value(jf) || json_integer_value(jl) >= n_layer) {
+            snprintf(s->reason, sizeof s->reason, "the hub's window %zu is not the next window of a known site", i);
+            s->n_win = 0;
+            return;
+        }
+        used[si] = true;
+        kv_plan_window *o = &s->win[s->n_win++];
+        o->site = (uint32_t)si;
+        o->first = next;
+        o->last = (uint32_t)json_integer_value(jl);
+        o->n_workers = (uint32_t)json_array_size(json_object_get(w, "workers"));
+        o->n_ring = (uint32_t)json_array_size(json_object_get(w, "ring"));
+        next = o->last + 1;
+    }
+    if (next != n_layer) {
+        snprintf(s->reason, sizeof s->reason, "the hub's windows end at layer %u of %u", next, n_layer);
+        s->n_win = 0;
+        return;
+    }
+    s->placed = true;
+}
+
+int kv_plan_sites_parse(const char *json, size_t len, uint32_t n_layer, kv_plan_sites **out, kv_diag *d) {
+    *out = NULL;
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "sites: bad JSON at line %d: %s", je.line, je.text);
+    kv_plan_sites *s = calloc(1, sizeof *s);
+    json_t *js = json_object_get(root, "sites"), *jr = json_object_get(root, "round_trips"),
+           *pl = json_object_get(root, "placement");
+    int rc = 0;
+    if (!s) {
+        rc = kv_fail(d, KV_ENOMEM, "sites: out of memory");
+        goto done;
+    }
+    if (!json_is_array(js) || json_array_size(js) > KV_PLAN_MAX_SITES || !json_is_array(jr) || !json_is_object(pl)) {
+        rc = kv_fail(d, KV_EFORMAT, "sites: needs 'sites' (at most %u), 'round_trips' and 'placement'", KV_PLAN_MAX_SITES);
+        goto done;
+    }
+    size_t n_node = 0;
+    for (size_t i = 0; i < json_array_size(js); i++) {
+        json_t *nodes = json_object_get(json_array_get(js, i), "nodes");
+        if (json_array_size(nodes) > (1u << 20)) {
+            rc = kv_fail(d, KV_ERANGE, "sites: site %zu lists too many nodes", i);
+            goto done;
+        }
+        n_node += json_array_size(nodes);
+    }
+    s->node_key = calloc(n_node ? n_node : 1, sizeof *s->node_key);
+    s->node_site = calloc(n_node ? n_node : 1, sizeof *s->node_site);
+    if (!s->node_key || !s->node_site) {
+        rc = kv_fail(d, KV_ENOMEM, "sites: out of memory");
+        goto done;
+    }
+    for (uint32_t i = 0; i < KV_PLAN_MAX_SITES; i++)
+        for (uint32_t j = 0; j < KV_PLAN_MAX_SITES; j++) s->between_ms[i][j] = -1;
+    for (size_t i = 0; i < json_array_size(js); i++) {
+        json_t *e = json_array_get(js, i), *jn = json_object_get(e, "name");
+        const char *nm = json_is_string(jn) ? json_string_value(jn) : NULL;
+        if (!nm || !json_string_length(jn) || json_string_length(jn) >= sizeof s->name[0] ||
+            strlen(nm) != json_string_length(jn) || kv_plan_site_find(s, nm) >= 0 ||
+            !kv_plan_ms(json_object_get(e, "rtt_ms"), &s->rtt_ms[s->n_site])) {
+            rc = kv_fail(d, KV_EFORMAT, "sites: site %zu needs a new name of 1 to %zu bytes and rtt_ms", i,
+                         sizeof s->name[0] - 1);
+            goto done;
+        }
+        for (const char *c = nm; *c; c++)
+            if (*c < 0x21 || *c > 0x7e) {
+                rc = kv_fail(d, KV_EFORMAT, "sites: site %zu's name is not printable", i);
+                goto done;
+            }
+        memcpy(s->name[s->n_site], nm, strlen(nm) + 1);
+        json_t *nodes = json_object_get(e, "nodes");
+        for (size_t k = 0; k < json_array_size(nodes); k++) {
+            json_t *jk = json_object_get(json_array_get(nodes, k), "key");
+            if (!json_is_string(jk) || json_string_length(jk) != 64) continue;
+            memcpy(s->node_key[s->n_node], json_string_value(jk), 65);
+            s->node_site[s->n_node++] = s->n_site;
+        }
+        s->n_site++;
+    }
+    for (size_t i = 0; i < json_array_size(jr); i++) {
+        json_t *e = json_array_get(jr, i), *ja = json_object_get(e, "a"), *jb = json_object_get(e, "b");
+        const int64_t a = json_is_string(ja) ? kv_plan_site_find(s, json_string_value(ja)) : -1;
+        const int64_t b = json_is_string(jb) ? kv_plan_site_find(s, json_string_value(jb)) : -1;
+        double ms;
+        if (a < 0 || b < 0 || a == b || !kv_plan_ms(json_object_get(e, "rtt_ms_max"), &ms)) {
+            rc = kv_fail(d, KV_EFORMAT, "sites: round_trips[%zu] needs two known sites and rtt_ms_max", i);
+            goto done;
+        }
+        s->between_ms[a][b] = s->between_ms[b][a] = ms;
+    }
+    json_t *kind = json_object_get(pl, "kind"), *why = json_object_get(pl, "reason");
+    if (json_is_string(kind) && !strcmp(json_string_value(kind), "sites"))
+        kv_plan_sites_windows(s, json_object_get(pl, "windows"), n_layer);
+    else
+        snprintf(s->reason, sizeof s->reason, "%.200s", json_is_string(why) ? json_string_value(why) : "none published");
+    for (char *c = s->reason; *c; c++) /* printed as it is */
+        if (*c < 0x20 || *c > 0x7e) *c = '?';
+done:
+    json_decref(root);
+    if (rc) kv_plan_sites_free(s);
+    else *out = s;
+    return rc;
+}
+
+double kv_plan_cost_ms(const kv_plan_cost *c) {
+    const double ser = c->bandwidth_mbit > 0 ? (double)c->wan_bytes * 8.0 / (c->bandwidth_mbit * 1e6) * 1e3 : 0;
+    return c->wait_ms + ser + c->compute_ms;
+}
+
+/* The round trip between sites a and b as the plan takes it. */
+static double kv_plan_between(const kv_plan_sites *s, uint32_t a, uint32_t b, double lan, bool *unmeasured) {
+    if (a == b) return lan;
+    const double x = s->between_ms[a][b];
+    if (x < 0) {
+        *unmeasured = true;
+        return lan;
+    }
+    return x;
+}
+
+int kv_plan_predict(const kv_plan *p, const kv_plan_sites *s, uint32_t enc, const kv_plan_net *net,
+                    kv_plan_prediction *out, kv_diag *d) {
+    memset(out, 0, sizeof *out);
+    kv_plan_figures f;
+    int rc = kv_plan_figures_get(p, enc, &f, d);
+    if (rc) return rc;
+    if (f.experts_missing)
+        return kv_fail(d, KV_ENOTFOUND, "plan: layer %u expert %u has no live holder", f.missing_layer, f.missing_expert);
+    const kv_manifest *m = p->m;
+    const double lan = net->lan_ms > 0 ? net->lan_ms : 0.5;
+    uint32_t from = 0;
+    if (net->from_site >= 0 && (uint32_t)net->from_site < s->n_site) from = (uint32_t)net->from_site;
+    else if (s->placed && s->n_win) from = s->win[0].site;
+    out->from_site = from;
+    /* the site of every worker of the plan (by key); UINT32_MAX unknown */
+    uint32_t *ws = malloc((p->n_w ? p->n_w : 1) * sizeof *ws);
+    if (!ws) return kv_fail(d, KV_ENOMEM, "plan: out of memory");
+    for (uint32_t w = 0; w < p->n_w; w++) {
+        ws[w] = UINT32_MAX;
+        for (uint32_t k = 0; k < s->n_node && p->key[w][0]; k++)
+            if (!strcmp(s->node_key[k], p->key[w])) ws[w] = s->node_site[k];
+    }
+    /* per-layer dispatch: each MoE layer waits for its farthest holder's site */
+    const double per_layer_bytes = f.n_moe_layers ? f.bytes_expected / f.n_moe_layers : 0;
+    double wan_bytes = 0;
+    kv_plan_cost *e = &out->experts;
+    for (uint32_t L = 0; L < m->n_layer; L++) {
+        if (!m->moe_layer[L]) continue;
+        double far = lan;
+        bool wan = false;
+        for (uint32_t x = 0; x < m->n_expert; x++) {
+            const size_t c = (size_t)L * m->n_expert + x;
+            for (uint32_t h = p->hoff[c]; h < p->hoff[c + 1]; h++) {
+                const uint32_t site = ws[p->hw[h]];
+                if (site == UINT32_MAX) {
+                    out->unmeasured = true;
+                    continue;
+                }
+                const double r = kv_plan_between(s, from, site, lan, &out->unmeasured);
+                if (site != from) wan = true;
+                if (r > far) far = r;
+            }
+        }
+        if (wan) e->crossings++, wan_bytes += per_layer_bytes;
+        else e->lan_round_trips++;
+        e->wait_ms += far;
+    }
+    free(ws);
+    e->wan_bytes = (uint64_t)(wan_bytes + 0.5);
+    e->bandwidth_mbit = net->bandwidth_mbit;
+    e->compute_ms = net->compute_ms;
+    out->experts_ms = kv_plan_cost_ms(e);
+    /* the ring of sites: the hidden state goes one way round, once per token */
+    if (s->placed && s->n_win) {
+        kv_plan_cost *c = &out->sites;
+        out->sites_ok = true;
+        const size_t hidden = KV_RING_HEADER + kv_ring_hidden_size(1, m->n_embd);
+        for (uint32_t w = 0; w < s->n_win && s->n_win > 1; w++) {
+            const uint32_t a = s->win[w].site, b = s->win[(w + 1) % s->n_win].site;
+            c->crossings++;
+            c->wait_ms += kv_plan_between(s, a, b, lan, &out->unmeasured) / 2;
+            c->wan_bytes += hidden;
+        }
+        c->lan_round_trips = f.n_moe_layers;
+        c->wait_ms += f.n_moe_layers * lan;
+        c->bandwidth_mbit = net->bandwidth_mbit;
+        c->compute_ms = net->compute_ms;
+        out->sites_ms = kv_plan_cost_ms(c);
+    }
     return 0;
 }

@@ -81,7 +81,8 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
                             .n_embd = o->n_embd, .n_pairs = 1, .x = x + (size_t)t * o->n_embd, .pairs = &pr};
         if ((rc = kv_msg_compute_encode(ob, ocap, 10 + t, &c, &n, d))) goto done;
         kv_frame_set_version(ob, ver);
-        double left = deadline - kv_probe_now_ms();
+        const double ts = kv_probe_now_ms();
+        double left = deadline - ts;
         if (left < 1 || (rc = kv_proto_write_all_chan(fd, ob, n, (int)left, d)) ||
             (rc = kv_probe_expect(&rx, fd, deadline, &lim, KV_MSG_RESULT, o->addr, &m, d))) {
             if (!rc) rc = kv_fail(d, KV_ETIMEOUT, "%s: no answer in time", o->addr);
@@ -93,6 +94,8 @@ int kv_probe_worker(const kv_probe_opts *o, const kv_probe_task *tasks, uint32_t
         }
         kv_msg_result_row(&m.u.result, 0, y + (size_t)t * o->n_embd);
         res->answered++;
+        const double took = kv_probe_now_ms() - ts;
+        if (!res->task_min_ms || took < res->task_min_ms) res->task_min_ms = took;
     }
     res->answer_ms = kv_probe_now_ms() - t1;
 done:

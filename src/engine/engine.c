@@ -31,6 +31,7 @@
 #include "kvasir/quant.h"
 #include "kvasir/slice.h"
 #include "engine/prefix_cache.h"
+#include "engine/spec.h"
 
 struct kv_session {
     kv_engine *e;
@@ -62,7 +63,23 @@ struct kv_session {
     int32_t *hist;              /* [hist_cap] tokens fed, positions 0..n_hist-1 (prompt cache only) */
     uint32_t n_hist, hist_cap;
     bool pc_tried;              /* its prompt was looked up in the prompt cache */
-    bool pc_off;                /* its history could not be kept: it stores no more blocks */
+    bool pc_off;                /* its history could not be kept: it stores no more blocks (nor drafts) */
+    /* speculative decoding */
+    int32_t fed[KV_DRAFT_MAX + 1]; /* this step's fed tokens: pending, then n_draft drafted ones */
+    uint32_t n_draft;           /* drafted tokens in this step (0: plain) */
+    /* tokens taken but not yet handed out (one per step): q_tok[q_at, q_n) */
+    int32_t q_tok[KV_DRAFT_MAX + 1];
+    const float *q_row[KV_DRAFT_MAX + 1]; /* their logits (rows of e->logits this step, then qlog) */
+    kv_token_logprob q_lp[KV_DRAFT_MAX + 1];
+    bool q_has_lp[KV_DRAFT_MAX + 1];
+    uint32_t q_n, q_at;
+    float *qlog;                /* [draft_max][n_vocab] logits of tokens waiting past a step, NULL until needed */
+    float *hid;                 /* [n_embd] mtp source: the final-normed hidden state that gave pending */
+    bool hid_ok;                /* hid is pending's */
+    /* o.prompt_logprobs: the prompt's own log-probabilities */
+    kv_sampler *plp_smp;        /* a neutral sampler (no bias, no penalties): the model's distribution */
+    kv_token_logprob *plp;      /* [plp_cap] plp[p]: of the token at position p given those before */
+    uint32_t plp_cap;
 };
 
 struct kv_engine {
@@ -83,6 +100,8 @@ struct kv_engine {
     uint32_t *b_seq;            /* [max_tok] their sequences */
     uint32_t *b_out;            /* [max_sessions] token index of each logit row */
     kv_session **b_who;         /* [max_sessions] session of each logit row */
+    int32_t *b_plp;             /* [max_sessions] a prompt row's position + 1 (its logits score the next
+                                   prompt token: kv_session_prompt_logprobs), or 0: a row to sample from */
     float *logits;              /* [max_sessions][n_vocab] */
     void *cand;                 /* sampler scratch shared by every session (one thread samples) */
     kv_grammar_vocab *gvocab;   /* the vocabulary's trie, built at the first grammar; NULL before */
@@ -91,7 +110,18 @@ struct kv_engine {
     uint32_t pc_block;          /* its tokens per block */
     bool pc_rec;                /* its blocks carry recurrent states (chunks are cut at block ends) */
     kv_pc_entry **pc_path;      /* [n_ctx / pc_block + 1] a matched chain */
+    kv_draft *draft;            /* the draft source, NULL: no speculation */
+    uint32_t draft_max;         /* tokens drafted per verify */
+    uint32_t draft_budget;      /* drafted tokens per step, all sessions */
+    uint32_t max_rows;          /* logit rows per step: max_sessions + draft_budget */
 };
+
+#define KV_SPEC_SESSIONS 8u     /* sessions' worth of drafts one step carries */
+
+/* Tokens a verify step took that are still to be handed out keep the
+ * session generating, as plain decoding would be until the last of them. */
+static bool kv_session_waiting(const kv_session *s) { return s->q_at < s->q_n && s->status != KV_SESSION_FAILED; }
+
 
 static double kv_now(void) {
     struct timespec ts;
@@ -116,17 +146,20 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
     e->slot = calloc(e->max_sessions, sizeof *e->slot);
     e->b_tok = malloc(e->max_tok * sizeof *e->b_tok);
     e->b_seq = malloc(e->max_tok * sizeof *e->b_seq);
-    e->b_out = malloc(e->max_sessions * sizeof *e->b_out);
-    e->b_who = malloc(e->max_sessions * sizeof *e->b_who);
+    e->max_rows = e->max_sessions + e->draft_budget;
+    e->b_out = malloc(e->max_rows * sizeof *e->b_out);
+    e->b_who = malloc(e->max_rows * sizeof *e->b_who);
+    e->b_plp = calloc(e->max_rows, sizeof *e->b_plp);
     size_t nl;
-    if (!kv_mul_ok(e->max_sessions, e->n_vocab, &nl) || nl > ((size_t)1 << 34))
-        return kv_fail(d, KV_EINVAL, "engine: logits of %u sessions x %u tokens are too large", e->max_sessions,
+    if (!kv_mul_ok(e->max_rows, e->n_vocab, &nl) || nl > ((size_t)1 << 34))
+        return kv_fail(d, KV_EINVAL, "engine: logits of %u rows x %u tokens are too large", e->max_rows,
                        e->n_vocab);
     e->logits = malloc(nl * sizeof(float));
     e->cand = malloc(kv_sampler_scratch_bytes((int32_t)e->n_vocab));
-    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
+    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->b_plp || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     if (e->remote && (rc = kv_remote_tally_open(e->remote, e->max_sessions, d))) return rc;
+    if (e->o.draft && (rc = kv_draft_open(&e->draft, e->o.draft, e->m, e->pool, e->max_sessions, d))) return rc;
     if (e->o.prompt_cache_bytes) {
         kv_state_mem mem;
         kv_state_get_mem(e->st, &mem);
@@ -158,12 +191,18 @@ static int kv_engine_alloc(kv_engine **out, const kv_engine_opts *opts, kv_diag 
     if (o.n_ctx > KV_MAX_CTX) return kv_fail(d, KV_EINVAL, "engine: context %u exceeds max %u", o.n_ctx, KV_MAX_CTX);
     if (o.kv_type != KV_TYPE_F32 && o.kv_type != KV_TYPE_F16)
         return kv_fail(d, KV_EINVAL, "engine: KV cache type %u is not f32 or f16", o.kv_type);
+    if (o.draft_max > KV_DRAFT_MAX)
+        return kv_fail(d, KV_EINVAL, "engine: draft-max %u exceeds max %u", o.draft_max, KV_DRAFT_MAX);
     kv_engine *e = calloc(1, sizeof *e);
     if (!e) return kv_fail(d, KV_ENOMEM, "engine: out of memory");
     e->o = o;
     e->max_sessions = o.max_sessions;
     e->n_batch = o.n_batch;
-    e->max_tok = o.n_batch + o.max_sessions; /* every decode token plus a full prompt chunk */
+    const bool spec = o.draft && o.draft[0] && strcmp(o.draft, "none");
+    e->draft_max = spec ? (o.draft_max ? o.draft_max : 3) : 0;
+    e->draft_budget = e->draft_max * (o.max_sessions < KV_SPEC_SESSIONS ? o.max_sessions : KV_SPEC_SESSIONS);
+    /* every decode token plus a full prompt chunk, plus the drafts */
+    e->max_tok = o.n_batch + o.max_sessions + e->draft_budget;
     e->next_id = 1;
     *out = e;
     return 0;
@@ -270,9 +309,11 @@ void kv_engine_free(kv_engine *e) {
     free(e->b_seq);
     free(e->b_out);
     free(e->b_who);
+    free(e->b_plp);
     free(e->logits);
     free(e->cand);
     kv_grammar_vocab_free(e->gvocab);
+    kv_draft_free(e->draft);
     free(e);
 }
 
@@ -302,7 +343,8 @@ void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out) {
 
 bool kv_engine_busy(const kv_engine *e) {
     for (const kv_session *s = e->head; s; s = s->next)
-        if (!s->paused && (s->status == KV_SESSION_PREFILL || s->status == KV_SESSION_DECODE)) return true;
+        if (!s->paused && (s->status == KV_SESSION_PREFILL || s->status == KV_SESSION_DECODE || kv_session_waiting(s)))
+            return true;
     return false;
 }
 
@@ -322,6 +364,9 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
     for (uint32_t i = 0; i < o.n_stop; i++)
         if (o.stop_tokens[i] < 0 || (uint32_t)o.stop_tokens[i] >= e->n_vocab)
             return kv_fail(d, KV_EINVAL, "session: stop token %d out of range (vocab %u)", o.stop_tokens[i], e->n_vocab);
+    if (o.prompt_logprobs && e->draft) /* their rows and a verify's share the step's logit rows */
+        return kv_fail(d, KV_EUNSUPPORTED, "session: prompt log-probabilities with speculative decoding (--draft) "
+                       "are not supported; run without --draft");
     uint32_t slot = 0;
     while (slot < e->max_sessions && e->slot[slot]) slot++;
     if (slot == e->max_sessions)
@@ -333,6 +378,16 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
         free(s);
         return rc;
     }
+    if (o.prompt_logprobs) { /* the model's own distribution: neither bias nor penalties */
+        kv_sample_params np = kv_sample_defaults();
+        rc = kv_sampler_new(&s->plp_smp, (int32_t)e->n_vocab, &np, d);
+        if (rc) {
+            kv_sampler_free(s->smp);
+            free(s);
+            return rc;
+        }
+        s->pc_tried = true; /* a prefix from the prompt cache would have no logits */
+    }
     s->e = e;
     s->slot = slot;
     s->id = e->next_id++;
@@ -342,6 +397,7 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
     s->token = -1;
     s->status = KV_SESSION_IDLE;
     kv_state_reset_seq(e->st, slot); /* empty already; the contract says so */
+    kv_draft_reset(e->draft, slot);
     if (e->remote) kv_remote_tally_reset(e->remote, slot); /* the work tally is the session's */
     e->slot[slot] = s;
     s->prev = e->tail;
@@ -365,10 +421,14 @@ void kv_session_free(kv_session *s) {
     e->slot[s->slot] = NULL;
     e->stats.sessions_open--;
     kv_sampler_free(s->smp);
+    kv_sampler_free(s->plp_smp);
+    free(s->plp);
     kv_grammar_matcher_free(s->gm);
     free(s->gmask);
     free(s->prompt);
     free(s->hist);
+    free(s->qlog);
+    free(s->hid);
     free(s);
 }
 
@@ -376,7 +436,7 @@ int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag 
     kv_engine *e = s->e;
     if (s->status == KV_SESSION_FAILED)
         return kv_fail(d, KV_EINVAL, "session %llu: failed earlier (%s)", (unsigned long long)s->id, s->msg);
-    if (s->status == KV_SESSION_DECODE)
+    if (s->status == KV_SESSION_DECODE || s->q_at < s->q_n)
         return kv_fail(d, KV_EINVAL, "session %llu: is generating; a prompt comes before or after", (unsigned long long)s->id);
     if (n == 0) return kv_fail(d, KV_EINVAL, "session %llu: empty prompt", (unsigned long long)s->id);
     for (uint32_t i = 0; i < n; i++)
@@ -401,6 +461,14 @@ int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag 
         s->prompt = np;
         s->prompt_cap = cap;
     }
+    if (s->o.prompt_logprobs && held + n > s->plp_cap) { /* every position it will hold, unknown until scored */
+        kv_token_logprob *np = realloc(s->plp, (size_t)(held + n) * sizeof *np);
+        if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for prompt log-probabilities",
+                                (unsigned long long)s->id);
+        for (uint64_t i = s->plp_cap; i < held + n; i++) np[i] = (kv_token_logprob){.token = -1};
+        s->plp = np;
+        s->plp_cap = (uint32_t)(held + n);
+    }
     memcpy(s->prompt + s->n_prompt, tokens, (size_t)n * sizeof *tokens);
     s->n_prompt += n;
     for (uint32_t i = 0; i < n; i++) kv_sampler_accept(s->smp, tokens[i]);
@@ -412,12 +480,63 @@ int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag 
     return 0;
 }
 
+int kv_session_force(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d) {
+    kv_engine *e = s->e;
+    if (s->status != KV_SESSION_DECODE && s->status != KV_SESSION_PREFILL)
+        return kv_fail(d, KV_EINVAL, "session %llu: tokens are forced only while it prefills or generates",
+                       (unsigned long long)s->id);
+    if (s->gm) return kv_fail(d, KV_EINVAL, "session %llu: has a grammar; forced tokens would bypass it",
+                              (unsigned long long)s->id);
+    if (e->draft) /* drafted tokens may already hold positions past the pending one */
+        return kv_fail(d, KV_EUNSUPPORTED, "session %llu: forced tokens (a reasoning budget) with speculative "
+                       "decoding (--draft) are not supported", (unsigned long long)s->id);
+    if (n == 0 || n > KV_SESSION_MAX_FORCE)
+        return kv_fail(d, KV_EINVAL, "session %llu: %u forced tokens, must be 1 to %u", (unsigned long long)s->id, n,
+                       KV_SESSION_MAX_FORCE);
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= e->n_vocab)
+            return kv_fail(d, KV_ERANGE, "session %llu: forced token %d out of range (vocab %u)",
+                           (unsigned long long)s->id, tokens[i], e->n_vocab);
+    /* generating: the emitted token, not fed yet, goes first */
+    int32_t q[KV_SESSION_MAX_FORCE + 1];
+    uint32_t m = 0;
+    if (s->status == KV_SESSION_DECODE) q[m++] = s->pending;
+    memcpy(q + m, tokens, (size_t)n * sizeof *tokens);
+    m += n;
+    const uint64_t held = (uint64_t)kv_state_pos_seq(e->st, s->slot) + (s->n_prompt - s->prompt_at);
+    if (held + m > e->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "session %llu: %u forced tokens do not fit: %llu held, context %u",
+                       (unsigned long long)s->id, n, (unsigned long long)held, e->n_ctx);
+    if (s->n_prompt + m > s->prompt_cap) {
+        uint32_t cap = s->prompt_cap ? s->prompt_cap : 64;
+        while (cap < s->n_prompt + m) cap *= 2;
+        int32_t *np = realloc(s->prompt, (size_t)cap * sizeof *np);
+        if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for forced tokens", (unsigned long long)s->id);
+        s->prompt = np;
+        s->prompt_cap = cap;
+    }
+    memcpy(s->prompt + s->n_prompt, q, (size_t)m * sizeof *q);
+    s->n_prompt += m;
+    for (uint32_t i = 0; i < n; i++) kv_sampler_accept_sampled(s->smp, tokens[i]); /* as if sampled */
+    s->st.n_gen += n;
+    s->st.n_gen_total += n;
+    s->status = KV_SESSION_PREFILL;
+    return 0;
+}
+
 void kv_session_pause(kv_session *s, bool paused) { s->paused = paused; }
-enum kv_session_status kv_session_status(const kv_session *s) { return s->status; }
-enum kv_stop kv_session_stop_reason(const kv_session *s) { return s->stop; }
+enum kv_session_status kv_session_status(const kv_session *s) {
+    return kv_session_waiting(s) ? KV_SESSION_DECODE : s->status;
+}
+enum kv_stop kv_session_stop_reason(const kv_session *s) { return kv_session_waiting(s) ? KV_STOP_NONE : s->stop; }
 int32_t kv_session_token(const kv_session *s) { return s->token; }
 const float *kv_session_logits(const kv_session *s) { return s->logits; }
 const kv_token_logprob *kv_session_logprob(const kv_session *s) { return s->has_lp ? &s->lp : NULL; }
+const kv_token_logprob *kv_session_prompt_logprobs(const kv_session *s, uint32_t *n) {
+    const uint32_t held = kv_state_pos_seq(s->e->st, s->slot);
+    *n = held < s->plp_cap ? held : s->plp_cap;
+    return s->plp;
+}
 uint64_t kv_session_id(const kv_session *s) { return s->id; }
 
 uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers) {
@@ -441,6 +560,9 @@ int kv_session_error(const kv_session *s, kv_diag *d) {
 
 void kv_session_get_stats(const kv_session *s, kv_session_stats *out) {
     *out = s->st;
+    const uint32_t wait = kv_session_waiting(s) ? s->q_n - s->q_at : 0;
+    out->n_gen -= wait;
+    out->n_gen_total -= wait;
     out->pos = kv_state_pos_seq(s->e->st, s->slot);
     out->n_pending = s->n_prompt - s->prompt_at;
 }
@@ -463,6 +585,7 @@ static void kv_session_fail(kv_session *s, int code, const char *msg) {
     s->err = code;
     snprintf(s->msg, sizeof s->msg, "%s", msg);
     s->in_step = false;
+    s->q_n = s->q_at = 0;
     kv_state_reset_seq(s->e->st, s->slot);
     s->e->stats.sessions_failed++;
 }
@@ -554,7 +677,7 @@ static void kv_pc_store(kv_engine *e, kv_session *s, uint32_t pos0) {
 
 int kv_session_set_grammar(kv_session *s, const kv_grammar *g, kv_diag *d) {
     kv_engine *e = s->e;
-    if (s->status == KV_SESSION_DECODE || s->status == KV_SESSION_FAILED)
+    if (s->status == KV_SESSION_DECODE || s->status == KV_SESSION_FAILED || kv_session_waiting(s))
         return kv_fail(d, KV_EINVAL, "session %llu: a grammar is set before generating", (unsigned long long)s->id);
     kv_grammar_matcher *m = NULL;
     if (g) {
@@ -609,12 +732,20 @@ static int kv_session_grammar_take(kv_session *s, int32_t t, uint64_t step, char
     return 0;
 }
 
-/* Takes a sampled token: stop conditions, or the next decode. */
-static void kv_session_take(kv_session *s, int32_t t, const float *row) {
+/* Takes a sampled token: stop conditions, or the next decode. pos is the
+ * positions s holds once every token before t is fed (a verify step's
+ * logical position, not the state's). The token waits in s's queue until a
+ * step hands it out (kv_session_publish). */
+static void kv_session_take(kv_session *s, int32_t t, const float *row, uint32_t pos) {
     kv_engine *e = s->e;
     kv_sampler_accept_sampled(s->smp, t);
-    s->token = t;
-    s->logits = row;
+    KV_ASSERT(s->q_n <= KV_DRAFT_MAX);
+    s->q_tok[s->q_n] = t;
+    s->q_row[s->q_n] = row;
+    s->q_has_lp[s->q_n] = s->has_lp;
+    if (s->has_lp) s->q_lp[s->q_n] = s->lp;
+    s->q_n++;
+    s->has_lp = false;
     s->st.n_gen++;
     s->st.n_gen_total++;
     e->stats.tokens_sampled++;
@@ -624,7 +755,7 @@ static void kv_session_take(kv_session *s, int32_t t, const float *row) {
     else if (stop_tok) s->stop = KV_STOP_TOKEN;
     else if (s->gdone) s->stop = KV_STOP_GRAMMAR;
     else if (s->o.max_tokens && s->st.n_gen >= s->o.max_tokens) s->stop = KV_STOP_MAX_TOKENS;
-    else if (kv_state_pos_seq(e->st, s->slot) >= e->n_ctx) s->stop = KV_STOP_CTX_FULL;
+    else if (pos >= e->n_ctx) s->stop = KV_STOP_CTX_FULL;
     if (s->stop != KV_STOP_NONE) {
         s->status = KV_SESSION_DONE;
     } else {
@@ -633,18 +764,151 @@ static void kv_session_take(kv_session *s, int32_t t, const float *row) {
     }
 }
 
+/* Hands out s's next waiting token as the step's (kv_session_token). */
+static bool kv_session_publish(kv_session *s) {
+    if (s->paused || !kv_session_waiting(s)) return false;
+    const uint32_t i = s->q_at++;
+    s->token = s->q_tok[i];
+    s->logits = s->q_row[i];
+    s->has_lp = s->q_has_lp[i];
+    if (s->has_lp) s->lp = s->q_lp[i];
+    if (s->q_at == s->q_n) s->q_at = s->q_n = 0;
+    return true;
+}
+
+/* Samples s's next token from row (its logits at that position) and takes
+ * it: the non-finite check, the grammar, the sampler, the log-probability.
+ * Returns the token, or -1 when s failed (its message says why). */
+static int32_t kv_session_row(kv_session *s, const float *row, uint64_t step, uint32_t pos) {
+    kv_engine *e = s->e;
+    char msg[sizeof ((kv_diag *)0)->msg];
+    /* non-finite logits are a lie (a worker) or a broken model, never a value */
+    uint32_t bad = e->n_vocab;
+    for (uint32_t i = 0; i < e->n_vocab && bad == e->n_vocab; i++)
+        if (!isfinite(row[i])) bad = i;
+    if (bad < e->n_vocab) {
+        snprintf(msg, sizeof msg, "session %llu: step %llu: logit %u of position %u is %s: non-finite logits "
+                 "(an expert provider or the model produced them); no token taken",
+                 (unsigned long long)s->id, (unsigned long long)step, bad, pos - 1,
+                 isnan(row[bad]) ? "NaN" : row[bad] > 0 ? "+Inf" : "-Inf");
+        kv_session_fail(s, KV_ERANGE, msg);
+        return -1;
+    }
+    if (s->gm && kv_session_grammar_mask(s, step, msg, sizeof msg)) return -1;
+    const int32_t t = kv_sampler_sample_allowed(s->smp, row, e->cand, s->gm ? s->gmask : NULL);
+    if (t < 0) { /* without a grammar cannot happen with finite logits; kept as a clear error */
+        snprintf(msg, sizeof msg, s->gm ? "session %llu: step %llu: the grammar allows no token here (%s)"
+                                        : "session %llu: step %llu: the sampler refused the logits (%s)",
+                 (unsigned long long)s->id, (unsigned long long)step, kv_err_name(t));
+        kv_session_fail(s, t, msg);
+        return -1;
+    }
+    s->has_lp = false;
+    if (s->o.logprobs) { /* before the token enters the penalties' history */
+        const int lrc = kv_sampler_logprobs(s->smp, row, t, s->o.top_logprobs, &s->lp);
+        if (lrc) {
+            snprintf(msg, sizeof msg, "session %llu: step %llu: log-probabilities: %s", (unsigned long long)s->id,
+                     (unsigned long long)step, kv_err_name(lrc));
+            kv_session_fail(s, lrc, msg);
+            return -1;
+        }
+        s->has_lp = true;
+    }
+    if (s->gm && kv_session_grammar_take(s, t, step, msg, sizeof msg)) return -1;
+    kv_session_take(s, t, row, pos);
+    return t;
+}
+
+/* The drafts of a generating session at pos (its fed tokens so far in
+ * hist): up to what the step's budget, the context and max_tokens leave,
+ * into s->fed[1..]; returns how many. */
+static uint32_t kv_spec_draft(kv_engine *e, kv_session *s, uint32_t pos, uint32_t budget) {
+    uint32_t k = e->draft_max < budget ? e->draft_max : budget;
+    if (pos + 1 + k > e->n_ctx) k = e->n_ctx > pos + 1 ? e->n_ctx - pos - 1 : 0;
+    if (s->o.max_tokens) { /* a verify emits up to k + 1 */
+        const uint32_t left = s->o.max_tokens > s->st.n_gen ? s->o.max_tokens - s->st.n_gen : 0;
+        if (k + 1 > left) k = left ? left - 1 : 0;
+    }
+    if (k == 0 || s->pc_off || s->n_hist != pos) return 0;
+    kv_pc_hist_add(s, &s->pending, 1); /* the context the source sees ends with the token fed next */
+    if (s->pc_off) return 0;
+    const kv_draft_ctx c = {s->hist, s->n_hist, s->st.n_gen, s->hid_ok ? s->hid : NULL, s->slot};
+    const int m = kv_draft_propose(e->draft, &c, k, s->fed + 1);
+    s->n_hist--;
+    if (m <= 0) return 0;
+    for (int i = 1; i <= m; i++)
+        if (s->fed[i] < 0 || (uint32_t)s->fed[i] >= e->n_vocab) return 0; /* never fed: a source's bug */
+    return (uint32_t)m;
+}
+
+/* The mtp source's input: the final-normed hidden state of logit row k,
+ * which gave the token s feeds next. */
+static void kv_spec_keep_hidden(kv_engine *e, kv_session *s, uint32_t k) {
+    s->hid_ok = false;
+    if (kv_draft_kind(e->draft) != KV_DRAFT_MTP || s->status != KV_SESSION_DECODE) return;
+    const float *h = kv_state_hidden_out(e->st, k);
+    const uint32_t E = kv_model_hparams(e->m)->n_embd;
+    if (!h || (!s->hid && !(s->hid = malloc(E * sizeof(float))))) return;
+    memcpy(s->hid, h, E * sizeof(float));
+    s->hid_ok = true;
+}
+
+/* After a verify step of s from pos0 (1 + n_draft tokens fed, rows from
+ * row k of e->logits): samples position by position as plain decoding
+ * would, keeping drafted tokens while they equal the draws; rolls the
+ * state back to what was kept. Returns whether s is still alive. */
+static bool kv_spec_verify(kv_engine *e, kv_session *s, uint32_t k, uint32_t pos0, uint64_t step) {
+    uint32_t m = 0, acc = 0;
+    for (uint32_t i = 0; i <= s->n_draft; i++) {
+        const int32_t t = kv_session_row(s, e->logits + (size_t)(k + i) * e->n_vocab, step, pos0 + i + 1);
+        if (t < 0) return false;
+        m++;
+        const bool same = i < s->n_draft && t == s->fed[i + 1];
+        acc += same;
+        if (!same || s->status != KV_SESSION_DECODE) break;
+    }
+    e->stats.spec_steps++;
+    e->stats.spec_drafted += s->n_draft;
+    e->stats.spec_accepted += acc;
+    e->stats.spec_emitted += m;
+    /* the tokens past the first wait beyond this step: their logits are kept */
+    if (m > 1 && !s->qlog && !(s->qlog = malloc((size_t)e->draft_max * e->n_vocab * sizeof(float)))) {
+        kv_session_fail(s, KV_ENOMEM, "session: out of memory for the logits of accepted drafts");
+        return false;
+    }
+    for (uint32_t j = 1; j < s->q_n; j++) {
+        float *dst = s->qlog + (size_t)(j - 1) * e->n_vocab;
+        memcpy(dst, s->q_row[j], e->n_vocab * sizeof(float));
+        s->q_row[j] = dst;
+    }
+    /* positions kept: the token fed first and the m - 1 drafts taken after it */
+    kv_diag d = {0};
+    if (kv_state_seq_rollback(e->st, s->slot, pos0 + m, &d)) {
+        char msg[sizeof d.msg];
+        snprintf(msg, sizeof msg, "session %llu: step %llu: %.440s", (unsigned long long)s->id, (unsigned long long)step,
+                 d.msg);
+        kv_session_fail(s, d.code ? d.code : KV_EINTERNAL, msg);
+        return false;
+    }
+    kv_pc_hist_add(s, s->fed, m);
+    if (e->pc) kv_pc_store(e, s, pos0);
+    kv_spec_keep_hidden(e, s, k + m - 1);
+    return true;
+}
+
 int kv_engine_step(kv_engine *e, kv_diag *d) {
     const uint64_t step = e->stats.steps + e->stats.steps_failed + 1;
-    uint32_t n = 0, n_out = 0, n_dec = 0, n_pre = 0;
+    uint32_t n = 0, n_out = 0, n_dec = 0, n_pre = 0, dbudget = e->draft_budget;
     kv_diag sd;
-    /* generating sessions feed their last token */
+    /* generating sessions feed their last token (and drafts) */
     for (kv_session *s = e->head; s; s = s->next) {
         s->token = -1;
         s->logits = NULL;
         s->has_lp = false;
         s->in_step = false;
         s->chunk = 0;
-        if (s->paused || s->status != KV_SESSION_DECODE) continue;
+        s->n_draft = 0;
+        if (s->paused || s->status != KV_SESSION_DECODE || s->q_n) continue;
         const uint32_t pos = kv_state_pos_seq(e->st, s->slot);
         memset(&sd, 0, sizeof sd);
         int rc = kv_state_reserve(e->st, s->slot, pos + 1, &sd);
@@ -655,21 +919,36 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             kv_session_fail(s, rc, msg);
             continue;
         }
+        uint32_t k = e->draft && dbudget ? kv_spec_draft(e, s, pos, dbudget) : 0;
+        kv_diag kd = {0}; /* short of memory for drafts: a plain step */
+        if (k && (kv_state_reserve(e->st, s->slot, pos + 1 + k, &kd) || kv_state_spec_keep(e->st, s->slot, k, &kd)))
+            k = 0;
         s->in_step = true;
-        e->b_tok[n] = s->pending;
-        e->b_seq[n] = s->slot;
-        e->b_out[n_out] = n;
-        e->b_who[n_out++] = s;
-        n++;
-        n_dec++;
+        s->fed[0] = s->pending;
+        s->n_draft = k;
+        dbudget -= k;
+        for (uint32_t i = 0; i <= k; i++) {
+            e->b_tok[n] = s->fed[i];
+            e->b_seq[n] = s->slot;
+            e->b_out[n_out] = n;
+            e->b_plp[n_out] = 0;
+            e->b_who[n_out++] = s;
+            n++;
+            n_dec++;
+        }
     }
     /* then prompt chunks, oldest session first, up to n_batch tokens */
     uint32_t budget = e->n_batch;
+    uint32_t extra = 0; /* rows of prompt log-probabilities in this step */
     for (kv_session *s = e->head; s && budget; s = s->next) {
         if (s->paused || s->status != KV_SESSION_PREFILL) continue;
         if (e->pc && !s->pc_tried && s->prompt_at == 0 && kv_state_pos_seq(e->st, s->slot) == 0) kv_pc_restore(e, s);
         const uint32_t left = s->n_prompt - s->prompt_at, pos = kv_state_pos_seq(e->st, s->slot);
         uint32_t take = left < budget ? left : budget;
+        if (s->o.prompt_logprobs) { /* a row of logits per token: what the rows leave, one kept for each session */
+            const uint32_t room = e->max_sessions - e->stats.sessions_open - extra + 1;
+            if (take > room) take = room;
+        }
         if (e->pc_rec) { /* end the chunk at a block boundary it crosses: the recurrent state there is kept */
             const uint32_t end = pos + take, b = end / e->pc_block * e->pc_block;
             if (b > pos && b < end) take = b - pos;
@@ -689,14 +968,24 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             e->b_tok[n] = s->prompt[s->prompt_at + i];
             e->b_seq[n++] = s->slot;
         }
+        for (uint32_t i = 0; s->o.prompt_logprobs && i < take && s->prompt_at + i + 1 < s->n_prompt; i++) {
+            const uint32_t p = pos + i + 1; /* the row of position pos + i scores the token at p */
+            s->plp[p].token = s->prompt[s->prompt_at + i + 1];
+            e->b_out[n_out] = n - take + i;
+            e->b_plp[n_out] = (int32_t)p;
+            e->b_who[n_out++] = s;
+            extra++;
+        }
         if (take == left) { /* its last prompt token: logits to sample from */
             e->b_out[n_out] = n - 1;
-            e->b_who[n_out++] = s;
+            e->b_plp[n_out] = 0;
+        e->b_who[n_out++] = s;
         }
         budget -= take;
         n_pre += take;
     }
-    if (n == 0) return 0;
+    int emitted = 0;
+    if (n == 0) goto publish; /* tokens accepted earlier may still be waiting */
     const double t0 = kv_now();
     if (e->remote) kv_remote_tally_begin(e->remote, e->b_seq, n); /* who computed what, per session */
     int rc = kv_state_batch(e->st, e->b_tok, e->b_seq, n, e->b_out, n_out, e->logits, d);
@@ -723,10 +1012,14 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     if (n_out == 0) e->stats.steps_headless++;
     for (kv_session *s = e->head; s; s = s->next) {
         if (!s->in_step) continue;
-        const uint64_t t = s->chunk ? s->chunk : 1, wanted = !s->chunk || s->prompt_at + s->chunk == s->n_prompt;
+        const uint64_t t = s->chunk ? s->chunk : 1 + s->n_draft;
+        const uint64_t wanted = s->chunk && s->o.prompt_logprobs ? t /* every row had logits */
+                              : !s->chunk ? t : s->prompt_at + s->chunk == s->n_prompt;
         s->products += (uint64_t)hp->n_expert_used * ((uint64_t)hp->n_layer * t - (dropped ? t - wanted : 0));
         s->st.steps++;
-        if (e->pc) kv_pc_hist_add(s, s->chunk ? s->prompt + s->prompt_at : &s->pending, (uint32_t)t);
+        /* a verify step's fed tokens enter the history once it is known which are kept */
+        if ((e->pc || e->draft) && !s->n_draft)
+            kv_pc_hist_add(s, s->chunk ? s->prompt + s->prompt_at : &s->pending, (uint32_t)t);
         if (s->chunk) {
             s->prompt_at += s->chunk;
             s->st.n_prompt += s->chunk;
@@ -746,48 +1039,37 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     }
     if (e->pc)
         for (kv_session *s = e->head; s; s = s->next)
-            if (s->in_step && s->status != KV_SESSION_FAILED)
+            if (s->in_step && s->status != KV_SESSION_FAILED && !s->n_draft)
                 kv_pc_store(e, s, kv_state_pos_seq(e->st, s->slot) - (s->chunk ? s->chunk : 1));
-    int emitted = 0;
     for (uint32_t k = 0; k < n_out; k++) {
         kv_session *s = e->b_who[k];
-        if (s->status == KV_SESSION_FAILED) continue;
-        const float *row = e->logits + (size_t)k * e->n_vocab;
-        /* non-finite logits are a lie (a worker) or a broken model, never a value */
-        uint32_t bad = e->n_vocab;
-        for (uint32_t i = 0; i < e->n_vocab && bad == e->n_vocab; i++)
-            if (!isfinite(row[i])) bad = i;
-        char msg[sizeof sd.msg];
-        if (bad < e->n_vocab) {
-            snprintf(msg, sizeof msg, "session %llu: step %llu: logit %u of position %u is %s: non-finite logits "
-                     "(an expert provider or the model produced them); no token taken",
-                     (unsigned long long)s->id, (unsigned long long)step, bad, kv_state_pos_seq(e->st, s->slot) - 1,
-                     isnan(row[bad]) ? "NaN" : row[bad] > 0 ? "+Inf" : "-Inf");
-            kv_session_fail(s, KV_ERANGE, msg);
+        if (s->status == KV_SESSION_FAILED) {
+            k += s->n_draft;
             continue;
         }
-        if (s->gm && kv_session_grammar_mask(s, step, msg, sizeof msg)) continue;
-        const int32_t t = kv_sampler_sample_allowed(s->smp, row, e->cand, s->gm ? s->gmask : NULL);
-        if (t < 0) { /* without a grammar cannot happen with finite logits; kept as a clear error */
-            snprintf(msg, sizeof msg, s->gm ? "session %llu: step %llu: the grammar allows no token here (%s)"
-                                            : "session %llu: step %llu: the sampler refused the logits (%s)",
-                     (unsigned long long)s->id, (unsigned long long)step, kv_err_name(t));
-            kv_session_fail(s, t, msg);
-            continue;
-        }
-        if (s->o.logprobs) { /* before the token enters the penalties' history */
-            const int lrc = kv_sampler_logprobs(s->smp, row, t, s->o.top_logprobs, &s->lp);
+        if (e->b_plp[k]) { /* a prompt token's row: its log-probability, nothing sampled */
+            kv_token_logprob *pl = &s->plp[e->b_plp[k]];
+            const float *row = e->logits + (size_t)k * e->n_vocab;
+            const int lrc = kv_sampler_logprobs(s->plp_smp, row, pl->token, s->o.top_logprobs, pl);
             if (lrc) {
-                snprintf(msg, sizeof msg, "session %llu: step %llu: log-probabilities: %s", (unsigned long long)s->id,
-                         (unsigned long long)step, kv_err_name(lrc));
+                char msg[sizeof sd.msg];
+                snprintf(msg, sizeof msg, "session %llu: step %llu: prompt log-probabilities: %s",
+                         (unsigned long long)s->id, (unsigned long long)step, kv_err_name(lrc));
                 kv_session_fail(s, lrc, msg);
-                continue;
             }
-            s->has_lp = true;
+            continue;
         }
-        if (s->gm && kv_session_grammar_take(s, t, step, msg, sizeof msg)) continue;
-        kv_session_take(s, t, row);
-        emitted++;
+        const uint32_t pos = kv_state_pos_seq(e->st, s->slot);
+        if (s->n_draft) {
+            const uint32_t nd = s->n_draft;
+            kv_spec_verify(e, s, k, pos - 1 - nd, step);
+            k += nd;
+            continue;
+        }
+        if (kv_session_row(s, e->logits + (size_t)k * e->n_vocab, step, pos) >= 0 && e->draft)
+            kv_spec_keep_hidden(e, s, k);
     }
+publish:
+    for (kv_session *s = e->head; s; s = s->next) emitted += kv_session_publish(s);
     return emitted;
 }

@@ -94,6 +94,25 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# TYPE kvasir_gateway_connections_open gauge\n");
         KV_M("kvasir_gateway_connections_open %u\n", gs.open);
     }
+    if (g->eng.spec_steps) { /* speculative decoding (--draft) */
+        const kv_engine_stats *es = &g->eng;
+        KV_M("# HELP kvasir_gateway_spec_verify_steps_total Forward passes that verified drafted tokens, per session.\n");
+        KV_M("# TYPE kvasir_gateway_spec_verify_steps_total counter\n");
+        KV_M("kvasir_gateway_spec_verify_steps_total %llu\n", (unsigned long long)es->spec_steps);
+        KV_M("# HELP kvasir_gateway_spec_drafted_tokens_total Drafted tokens verified.\n");
+        KV_M("# TYPE kvasir_gateway_spec_drafted_tokens_total counter\n");
+        KV_M("kvasir_gateway_spec_drafted_tokens_total %llu\n", (unsigned long long)es->spec_drafted);
+        KV_M("# HELP kvasir_gateway_spec_accepted_tokens_total Drafted tokens equal to the token drawn there.\n");
+        KV_M("# TYPE kvasir_gateway_spec_accepted_tokens_total counter\n");
+        KV_M("kvasir_gateway_spec_accepted_tokens_total %llu\n", (unsigned long long)es->spec_accepted);
+        KV_M("# HELP kvasir_gateway_spec_acceptance Accepted over drafted tokens.\n");
+        KV_M("# TYPE kvasir_gateway_spec_acceptance gauge\n");
+        KV_M("kvasir_gateway_spec_acceptance %.6f\n",
+             es->spec_drafted ? (double)es->spec_accepted / (double)es->spec_drafted : 0.0);
+        KV_M("# HELP kvasir_gateway_spec_tokens_per_verify Tokens a verify pass yielded, on average.\n");
+        KV_M("# TYPE kvasir_gateway_spec_tokens_per_verify gauge\n");
+        KV_M("kvasir_gateway_spec_tokens_per_verify %.6f\n", (double)es->spec_emitted / (double)es->spec_steps);
+    }
     if (g->eng.cache_budget) {
         const kv_engine_stats *es = &g->eng;
         KV_M("# HELP kvasir_gateway_prompt_cache_lookups_total New sessions' prompts looked up in the prompt cache.\n");
@@ -165,6 +184,15 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# HELP kvasir_gateway_workers_added_total Workers added from the hub's placement map.\n");
         KV_M("# TYPE kvasir_gateway_workers_added_total counter\n");
         KV_M("kvasir_gateway_workers_added_total %llu\n", (unsigned long long)g->workers_added);
+        KV_M("# HELP kvasir_gateway_hedges_total Expert requests also sent to a replica after their worker's hedge time.\n");
+        KV_M("# TYPE kvasir_gateway_hedges_total counter\n");
+        KV_M("kvasir_gateway_hedges_total %llu\n", (unsigned long long)g->hedges);
+        KV_M("# HELP kvasir_gateway_hedges_won_total Hedged requests whose replica answered first.\n");
+        KV_M("# TYPE kvasir_gateway_hedges_won_total counter\n");
+        KV_M("kvasir_gateway_hedges_won_total %llu\n", (unsigned long long)g->hedges_won);
+        KV_M("# HELP kvasir_gateway_late_answers_total Worker answers discarded because a replica had answered first.\n");
+        KV_M("# TYPE kvasir_gateway_late_answers_total counter\n");
+        KV_M("kvasir_gateway_late_answers_total %llu\n", (unsigned long long)g->late_answers);
     }
     pthread_mutex_unlock(&g->mu);
 #undef KV_M

@@ -25,7 +25,11 @@
  *
  * Lookups by key or tensor name go through open-addressing hash tables built
  * at open time, so a hostile file with a million tensors costs O(n), not
- * O(n^2), to check for duplicates. */
+ * O(n^2), to check for duplicates.
+ *
+ * This file reads one file (kv_gguf_open_file, kv_gguf_open_mem);
+ * kv_gguf_open then hands a part of a split model to gguf_split.c, which
+ * opens its siblings the same way and merges them into one handle. */
 #include "kvasir/gguf.h"
 
 #include <errno.h>
@@ -41,28 +45,12 @@
 #include <unistd.h>
 
 #include "kvasir/quant.h"
+#include "gguf/gguf_internal.h"
 
 /* Smallest possible encodings, used to bound counts by the bytes left. */
 #define KV_GGUF_MIN_KV_BYTES 14u     /* u64 len + 1 byte key + u32 type + 1-byte value */
 #define KV_GGUF_MIN_TENSOR_BYTES 33u /* u64 len + 1 byte name + u32 n_dims + u64 ne + u32 type + u64 off */
 #define KV_GGUF_MIN_ARRAY_BYTES 12u  /* u32 elem_type + u64 n (an empty nested array) */
-
-struct kv_gguf {
-    const uint8_t *base;     /* start of the file bytes (mapping or caller memory) */
-    size_t size;             /* bytes */
-    int mapped;              /* 1 if base is our mmap to munmap */
-    uint32_t version;        /* always 3 once open */
-    size_t alignment;        /* general.alignment or 32 */
-    uint64_t data_offset;    /* absolute start of the tensor data section */
-    kv_gguf_kv *kvs;         /* [n_kv] */
-    size_t n_kv;
-    kv_gguf_tensor *tensors; /* [n_tensors] */
-    size_t n_tensors;
-    uint32_t *kv_hash;       /* [kv_hash_cap] index+1, 0 = empty */
-    size_t kv_hash_cap;      /* power of two >= 2*n_kv */
-    uint32_t *t_hash;        /* [t_hash_cap] index+1, 0 = empty */
-    size_t t_hash_cap;
-};
 
 /* ---- bounded reader --------------------------------------------------- */
 
@@ -176,7 +164,7 @@ static uint64_t str_hash(const char *p, size_t n) {
     return h;
 }
 
-static size_t hash_cap_for(size_t n) {
+size_t kv_gguf_hash_cap(size_t n) {
     size_t cap = 8;
     while (cap < 2 * n) cap <<= 1;
     return cap;
@@ -184,8 +172,8 @@ static size_t hash_cap_for(size_t n) {
 
 /* Inserts index i (name s) into table; returns the index+1 of an existing
  * entry with the same name, or 0 if inserted. */
-static uint32_t hash_insert(uint32_t *tab, size_t cap, const kv_str *names, size_t stride,
-                            kv_str s, size_t i) {
+uint32_t kv_gguf_hash_insert(uint32_t *tab, size_t cap, const kv_str *names, size_t stride,
+                             kv_str s, size_t i) {
     size_t m = cap - 1, h = (size_t)str_hash(s.ptr, s.len) & m;
     for (;;) {
         uint32_t e = tab[h];
@@ -366,10 +354,16 @@ static int rd_value(kv_rd *r, uint32_t type, unsigned depth, const char *key, kv
 void kv_gguf_close(kv_gguf *g) {
     if (!g) return;
     if (g->mapped && g->base) munmap((void *)g->base, g->size);
-    free(g->kvs);
+    if (!g->borrowed_kvs) {
+        free(g->kvs);
+        free(g->kv_hash);
+    }
     free(g->tensors);
-    free(g->kv_hash);
     free(g->t_hash);
+    if (g->parts)
+        for (size_t i = 0; i < g->n_parts; i++) kv_gguf_close(g->parts[i]);
+    free(g->parts);
+    free(g->path);
     free(g);
 }
 
@@ -422,8 +416,8 @@ static int parse_header(kv_gguf *g, kv_diag *d) {
 
     g->kvs = calloc(n_kv ? (size_t)n_kv : 1, sizeof *g->kvs);
     g->tensors = calloc(n_tensors ? (size_t)n_tensors : 1, sizeof *g->tensors);
-    g->kv_hash_cap = hash_cap_for((size_t)n_kv);
-    g->t_hash_cap = hash_cap_for((size_t)n_tensors);
+    g->kv_hash_cap = kv_gguf_hash_cap((size_t)n_kv);
+    g->t_hash_cap = kv_gguf_hash_cap((size_t)n_tensors);
     g->kv_hash = calloc(g->kv_hash_cap, sizeof *g->kv_hash);
     g->t_hash = calloc(g->t_hash_cap, sizeof *g->t_hash);
     if (!g->kvs || !g->tensors || !g->kv_hash || !g->t_hash)
@@ -439,7 +433,7 @@ static int parse_header(kv_gguf *g, kv_diag *d) {
         if ((rc = rd_str(&r, KV_GGUF_MAX_NAME, &kv->key, what, NULL, d))) return rc;
         if (kv->key.len == 0) return kv_fail(d, KV_EFORMAT, "key %zu is empty", i);
         SAFE(nb, kv->key);
-        uint32_t dup = hash_insert(g->kv_hash, g->kv_hash_cap, &g->kvs[0].key, sizeof *g->kvs,
+        uint32_t dup = kv_gguf_hash_insert(g->kv_hash, g->kv_hash_cap, &g->kvs[0].key, sizeof *g->kvs,
                                    kv->key, i);
         if (dup) return kv_fail(d, KV_EFORMAT, "duplicate key '%s' (pairs %u and %zu)", nb, dup - 1, i);
         if (!rd_u32(&r, &type)) return truncated(d, &r, "value type");
@@ -473,7 +467,7 @@ static int parse_header(kv_gguf *g, kv_diag *d) {
         if (t->name.len > KV_GGUF_MAX_TENSOR_NAME)
             return kv_fail(d, KV_EFORMAT, "tensor '%s' name is %zu bytes, max %u", nb, t->name.len,
                            KV_GGUF_MAX_TENSOR_NAME);
-        uint32_t dup = hash_insert(g->t_hash, g->t_hash_cap, &g->tensors[0].name,
+        uint32_t dup = kv_gguf_hash_insert(g->t_hash, g->t_hash_cap, &g->tensors[0].name,
                                    sizeof *g->tensors, t->name, i);
         if (dup)
             return kv_fail(d, KV_EFORMAT, "duplicate tensor name '%s' (tensors %u and %zu)", nb,
@@ -582,12 +576,19 @@ int kv_gguf_open_mem(kv_gguf **out, const void *buf, size_t size, kv_diag *d) {
     static const uint8_t empty[1];
     g->base = buf ? buf : empty;
     g->size = size;
+    g->n_parts = 1;
     int rc = open_common(out, g, d);
     if (rc) kv_diag_prefix(d, rc, "gguf");
     return rc;
 }
 
 int kv_gguf_open(kv_gguf **out, const char *path, kv_diag *d) {
+    int rc = kv_gguf_open_file(out, path, d);
+    if (!rc) rc = kv_gguf_split_assemble(out, d);
+    return rc;
+}
+
+int kv_gguf_open_file(kv_gguf **out, const char *path, kv_diag *d) {
     *out = NULL;
     /* Refuse anything but a regular file before opening it: open(2) on a
      * FIFO blocks until a writer comes, and a device may do anything. The
@@ -628,6 +629,11 @@ int kv_gguf_open(kv_gguf **out, const char *path, kv_diag *d) {
     g->base = m;
     g->size = size;
     g->mapped = 1;
+    g->n_parts = 1;
+    if (!(g->path = strdup(path))) {
+        kv_gguf_close(g);
+        return kv_fail(d, KV_ENOMEM, "gguf: out of memory");
+    }
     int rc = open_common(out, g, d);
     if (rc) kv_diag_prefix(d, rc, "gguf: %s", path);
     return rc;
@@ -642,6 +648,19 @@ uint64_t kv_gguf_file_size(const kv_gguf *g) { return g->size; }
 const void *kv_gguf_base(const kv_gguf *g) { return g->base; }
 size_t kv_gguf_n_kv(const kv_gguf *g) { return g->n_kv; }
 size_t kv_gguf_n_tensors(const kv_gguf *g) { return g->n_tensors; }
+size_t kv_gguf_n_parts(const kv_gguf *g) { return g->n_parts; }
+const char *kv_gguf_path(const kv_gguf *g) { return g->path; }
+
+const kv_gguf *kv_gguf_part(const kv_gguf *g, size_t i) {
+    if (!g->parts) return i == 0 ? g : NULL;
+    return i < g->n_parts ? g->parts[i] : NULL;
+}
+
+uint64_t kv_gguf_total_size(const kv_gguf *g) {
+    uint64_t n = 0;
+    for (size_t i = 0; i < g->n_parts; i++) n += kv_gguf_part(g, i)->size;
+    return n;
+}
 
 const kv_gguf_kv *kv_gguf_kv_at(const kv_gguf *g, size_t i) {
     return i < g->n_kv ? &g->kvs[i] : NULL;

@@ -197,6 +197,10 @@ static int put_scalar(kv_gguf_writer *w, const char *key, uint32_t type, uint64_
     return put_kv(w, key, type, &b, d);
 }
 
+int kv_gguf_writer_set_u16(kv_gguf_writer *w, const char *key, uint16_t v, kv_diag *d) {
+    return put_scalar(w, key, KV_GGUF_UINT16, v, d);
+}
+
 int kv_gguf_writer_set_u32(kv_gguf_writer *w, const char *key, uint32_t v, kv_diag *d) {
     return put_scalar(w, key, KV_GGUF_UINT32, v, d);
 }

@@ -1121,6 +1121,9 @@ static void kv_node_log(const kv_node *n, const char *fmt, ...) {
 int kv_node_open(kv_node **out, const kv_node_opts *opts, kv_diag *d) {
     *out = NULL;
     if (!opts->hub || !opts->dir) return kv_fail(d, KV_EINVAL, "node: needs a hub URL and a data folder");
+    if (opts->site && kv_hub_site_check(opts->site, d)) return kv_diag_prefix(d, KV_EINVAL, "node: --site");
+    if (opts->has_layers && opts->layer_first > opts->layer_last)
+        return kv_fail(d, KV_EINVAL, "node: --layers %u-%u is empty", opts->layer_first, opts->layer_last);
     kv_node *n = calloc(1, sizeof *n);
     if (!n) return kv_fail(d, KV_ENOMEM, "node: out of memory");
     n->o = *opts;
@@ -1368,6 +1371,7 @@ static int kv_node_register(kv_node *n, kv_diag *d) {
     snprintf(a.addr, sizeof a.addr, "%s", n->addr);
     snprintf(a.backend, sizeof a.backend, "%s", kv_quant_backend());
     a.memory = n->o.budget;
+    if (n->o.site) snprintf(a.site, sizeof a.site, "%s", n->o.site); /* checked by kv_node_open */
     size_t cnt = 0;
     for (size_t i = 0; i < n->m->n_slabs; i++) cnt += n->held[i];
     a.shards = calloc(cnt ? cnt : 1, sizeof *a.shards);
@@ -1476,6 +1480,9 @@ static int kv_node_market(kv_node *n, kv_hub_shard_view *view, kv_diag *d) {
         view[i].live = v->live;
         view[i].reward = v->reward;
     }
+    if (n->o.has_layers) /* --layers: a shard of another layer never fits */
+        for (size_t i = 0; i < n->m->n_slabs; i++)
+            if (view[i].layer < n->o.layer_first || view[i].layer > n->o.layer_last) view[i].bytes = UINT64_MAX;
     kv_hub_market_free(&mk);
     return 0;
 }

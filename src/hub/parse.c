@@ -62,6 +62,19 @@ int kv_hub_parse_range(const char *hdr, uint64_t size, uint64_t *off, uint64_t *
 #define KV_ALNUM "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 #define KV_ADDR_CHARS KV_ALNUM ".-:[]"  /* host names, IPv4, [IPv6], port */
 #define KV_NAME_CHARS KV_ALNUM "._+-"   /* backend names */
+#define KV_SITE_CHARS "abcdefghijklmnopqrstuvwxyz0123456789._-" /* site names */
+
+int kv_hub_site_check(const char *name, kv_diag *d) {
+    const size_t n = strlen(name);
+    if (n == 0 || n > KV_HUB_MAX_SITE)
+        return kv_fail(d, KV_EINVAL, "site name must be 1 to %u bytes, got %zu", KV_HUB_MAX_SITE, n);
+    for (size_t i = 0; i < n; i++)
+        if (!strchr(KV_SITE_CHARS, name[i]))
+            return kv_fail(d, KV_EINVAL, "site name '%.40s' may hold only [a-z0-9._-]", name);
+    if (name[0] == '.' || name[0] == '-' || name[0] == '_')
+        return kv_fail(d, KV_EINVAL, "site name '%.40s' must start with a letter or a digit", name);
+    return 0;
+}
 
 static int kv_j_u64(json_t *o, const char *ctx, const char *key, uint64_t hi, uint64_t *out, kv_diag *d) {
     json_t *v = json_object_get(o, key);
@@ -139,6 +152,16 @@ int kv_hub_parse_announce(kv_hub_announce *a, const char *json, size_t len, kv_d
         (rc = kv_j_u64(root, ctx, "memory", (uint64_t)INT64_MAX, &mem, d)))
         goto out;
     a->memory = mem;
+    json_t *js = json_object_get(root, "site");
+    if (js) { /* optional: a node without --site is grouped by the hub */
+        if ((rc = kv_j_str(root, ctx, "site", KV_SITE_CHARS, a->site, sizeof a->site, d))) goto out;
+        if (kv_hub_site_check(a->site, d)) {
+            kv_diag_prefix(d, KV_EFORMAT, "announcement");
+            if (d) d->code = KV_EFORMAT;
+            rc = KV_EFORMAT;
+            goto out;
+        }
+    }
     /* HOST:PORT, port 1..65535 */
     const char *colon = strrchr(a->addr, ':');
     uint64_t port = 0;
@@ -205,6 +228,7 @@ char *kv_hub_announce_json(const kv_hub_announce *a) {
     json_object_set_new(root, "addr", json_string(a->addr));
     json_object_set_new(root, "memory", json_integer((json_int_t)a->memory));
     json_object_set_new(root, "backend", json_string(a->backend));
+    if (a->site[0]) json_object_set_new(root, "site", json_string(a->site));
     for (size_t i = 0; i < a->n_shards; i++) {
         json_t *e = json_object();
         json_object_set_new(e, "layer", json_integer(a->shards[i].layer));

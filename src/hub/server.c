@@ -108,6 +108,10 @@ typedef struct kv_hub_node {
     char prove_err[160];                  /* why its last probe failed, "" if it passed */
     bool relayed;                         /* the hub could not dial addr (the reachability check): it is
                                              reached, and proven, through the hub's relay (memory only) */
+    char site[KV_HUB_MAX_SITE + 1];       /* as announced (--site); "" = grouped by the hub (sites.c) */
+    double rtt_ms;                        /* round trip the hub measured to it: the least over its compute
+                                             challenges at this host (one round trip plus one expert on
+                                             one token: an upper bound); < 0 = not measured (memory only) */
 } kv_hub_node;
 
 typedef struct kv_hub_nonce {
@@ -261,6 +265,7 @@ static kv_hub_node *kv_node_add(kv_hub *h, const uint8_t pk[32]) {
     kv_hub_node *n = &h->nodes[h->n_nodes];
     memset(n, 0, sizeof *n);
     memcpy(n->pk, pk, 32);
+    n->rtt_ms = -1;
     size_t mask = h->tab_size - 1, i = kv_pk_hash(pk, mask);
     while (h->tab[i]) i = (i + 1) & mask;
     h->tab[i] = (uint32_t)++h->n_nodes;
@@ -311,6 +316,7 @@ static void kv_node_set_addr(kv_hub_node *n, const char *addr) {
     if (kv_hub_same_host(n->host, host)) return; /* the caller has it proven again at once */
     memcpy(n->host, host, sizeof host);
     memcpy(n->subnet, subnet, sizeof subnet);
+    n->rtt_ms = -1; /* another host: measured again */
     n->relayed = false; /* another host: the reachability check is made again */
     if (n->proven) memset(n->proven, 0, n->n_slabs);
     n->proven_ms = 0;
@@ -352,6 +358,7 @@ static int kv_node_store_put(kv_hub *h, const kv_hub_node *n, const uint32_t *sl
     memcpy(r.pk, n->pk, 32);
     memcpy(r.addr, n->addr, sizeof r.addr);
     memcpy(r.backend, n->backend, sizeof r.backend);
+    memcpy(r.site, n->site, sizeof r.site);
     int rc = h->store.ops->node_put(h->store.impl, &r, nonce, now, d);
     free(held);
     return rc;
@@ -452,6 +459,11 @@ static uint64_t kv_mkt_reward(uint64_t base, uint32_t wanted, uint32_t live) {
  * speaks the ring protocol, not dispatch: it is listed by GET /v1/ring, not
  * counted as an expert worker nor placed. */
 static bool kv_node_is_ring(const kv_hub_node *n) { return !strcmp(n->backend, "ring"); }
+
+/* Its site, given or grouped (sites.c); cap >= 48. */
+static void kv_node_site(const kv_hub_node *n, char *out, size_t cap) {
+    kv_hub_site_name(n->site, n->rtt_ms, n->host, n->subnet, out, cap);
+}
 
 /* One proven replica, for the market's count. */
 typedef struct kv_mkt_rep {
@@ -636,10 +648,27 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
         return rc;
     }
     int64_t now = kv_now_ms();
+    /* the sites holding a proven live replica of each shard: a bit per site */
+    uint64_t *smask = calloc(ns ? ns : 1, sizeof *smask);
+    char (*sname)[64] = calloc(KV_HUB_MAX_SITES, sizeof *sname);
+    uint32_t n_sname = 0;
     pthread_mutex_lock(&h->mu);
     kv_mkt_live(h, now, live);
     size_t n_nodes = h->n_nodes, n_live = 0;
-    for (size_t k = 0; k < h->n_nodes; k++) n_live += kv_node_live(h, &h->nodes[k], now);
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *n = &h->nodes[k];
+        const bool lv = kv_node_live(h, n, now);
+        n_live += lv;
+        if (!lv || !smask || !sname || kv_node_is_ring(n)) continue;
+        char site[64];
+        kv_node_site(n, site, sizeof site);
+        uint32_t si = 0;
+        while (si < n_sname && strcmp(sname[si], site)) si++;
+        if (si == n_sname && n_sname < KV_HUB_MAX_SITES) memcpy(sname[n_sname++], site, sizeof site);
+        if (si == n_sname) continue; /* beyond the sites counted */
+        for (size_t i = 0; i < n->n_slabs; i++)
+            if (kv_node_slab_ok(h, n, i)) smask[n->slabs[i]] |= 1ull << si;
+    }
     pthread_mutex_unlock(&h->mu);
     bool covered = ns > 0;
     for (size_t i = 0; i < ns; i++) {
@@ -654,12 +683,17 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
         const kv_manifest_slab *s = &h->m->slabs[ord[i].idx];
         uint32_t w = ord[i].wanted, l = ord[i].live;
         kv_sb_printf(&b, "%s{\"layer\":%u,\"first\":%u,\"last\":%u,\"bytes\":%" PRIu64 ",\"wanted\":%u,\"live\":%u,"
-                     "\"scarcity\":%.4f,\"reward\":%" PRIu64 "}", i ? "," : "", s->layer, s->first, s->last,
+                     "\"scarcity\":%.4f,\"reward\":%" PRIu64 ",\"sites\":[", i ? "," : "", s->layer, s->first, s->last,
                      s->file.size, w, l, l >= w ? 0.0 : (double)(w - l) / w, kv_mkt_reward(h->o.reward_base, w, l));
+        for (uint32_t si = 0, c = 0; smask && si < n_sname; si++)
+            if (smask[ord[i].idx] >> si & 1) kv_sb_printf(&b, "%s\"%s\"", c++ ? "," : "", sname[si]);
+        kv_sb_printf(&b, "]}");
     }
     kv_sb_printf(&b, "]}\n");
     free(live);
     free(ord);
+    free(smask);
+    free(sname);
     if (b.oom) {
         free(b.p);
         return kv_fail(d, KV_ENOMEM, "market: out of memory");
@@ -731,9 +765,11 @@ static int kv_hub_placement_render(kv_hub *h, int64_t layer_filter, char **out, 
             kv_hex(n->pk, 32, hex);
             /* addr and backend are printable ASCII without '"' or '\\'
              * (kv_hub_parse_announce), so they need no escaping */
+            char site[64];
+            kv_node_site(n, site, sizeof site);
             kv_sb_printf(&b, "%s{\"key\":\"%s\",\"addr\":\"%s\",\"backend\":\"%s\",\"last_seen_ms\":%" PRId64
-                         ",\"relayed\":%s}", j > cnt[i] ? "," : "", hex, n->addr, n->backend, n->last_seen_ms,
-                         n->relayed ? "true" : "false");
+                         ",\"relayed\":%s,\"site\":\"%s\"}", j > cnt[i] ? "," : "", hex, n->addr, n->backend,
+                         n->last_seen_ms, n->relayed ? "true" : "false", site);
         }
         kv_sb_printf(&b, "]}");
     }
@@ -1150,6 +1186,7 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     memcpy(tmp.pk, s->pk, 32);
     memcpy(tmp.addr, a.addr, sizeof tmp.addr);
     memcpy(tmp.backend, a.backend, sizeof tmp.backend);
+    memcpy(tmp.site, a.site, sizeof tmp.site);
     tmp.memory = a.memory;
     tmp.counter = s->counter;
     tmp.last_seen_ms = tmp.registered_ms = now;
@@ -1180,6 +1217,7 @@ static enum MHD_Result kv_do_register(kv_hub *h, struct MHD_Connection *c, const
     sl = NULL;
     kv_node_set_addr(n, tmp.addr);
     memcpy(n->backend, tmp.backend, sizeof n->backend);
+    memcpy(n->site, tmp.site, sizeof n->site);
     n->memory = tmp.memory;
     n->counter = tmp.counter;
     n->last_seen_ms = tmp.last_seen_ms;
@@ -1536,6 +1574,10 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
         for (size_t i = 0; i < n->n_slabs; i++) np += kv_node_slab_ok(h, n, i);
         kv_sb_printf(&b, ",\"proven_shards\":%zu,\"challenges_passed\":%u,\"prove_error\":\"%s\",\"relayed\":%s", np,
                      n->passes, n->prove_err, n->relayed ? "true" : "false");
+        char site[64];
+        kv_node_site(n, site, sizeof site);
+        kv_sb_printf(&b, ",\"site\":\"%s\",\"site_given\":%s", site, n->site[0] ? "true" : "false");
+        if (n->rtt_ms >= 0) kv_sb_printf(&b, ",\"rtt_ms\":%.3f", n->rtt_ms);
         if (k < n_earn && has[k] && !memcmp(pks[k], n->pk, 32))
             kv_sb_printf(&b, ",\"earned_micro_kvr\":%" PRIu64, earn[k]);
         kv_sb_printf(&b, ",\"shards\":[");
@@ -1573,6 +1615,48 @@ static int kv_hub_nodes_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
 }
 
 int kv_hub_nodes_json(kv_hub *h, char **out, size_t *len, kv_diag *d) { return kv_hub_nodes_render(h, out, len, d); }
+
+/* GET /v1/sites: a snapshot of the live nodes (workers: their proven slabs)
+ * taken under the lock, rendered outside it (sites.c). */
+int kv_hub_sites_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
+    *out = NULL;
+    int rc = kv_hub_refresh(h, d);
+    if (rc) return rc;
+    const int64_t now = kv_now_ms();
+    pthread_mutex_lock(&h->mu);
+    size_t ns = 0, nn = 0;
+    for (size_t k = 0; k < h->n_nodes; k++)
+        if (kv_node_live(h, &h->nodes[k], now)) nn++, ns += h->nodes[k].n_slabs;
+    kv_hub_site_node *sn = calloc(nn ? nn : 1, sizeof *sn);
+    uint32_t *sl = malloc((ns ? ns : 1) * sizeof *sl);
+    if (!sn || !sl) {
+        pthread_mutex_unlock(&h->mu);
+        free(sn);
+        free(sl);
+        return kv_fail(d, KV_ENOMEM, "sites: out of memory");
+    }
+    size_t j = 0, o = 0;
+    for (size_t k = 0; k < h->n_nodes; k++) {
+        const kv_hub_node *n = &h->nodes[k];
+        if (!kv_node_live(h, n, now)) continue;
+        kv_hub_site_node *x = &sn[j++];
+        kv_node_site(n, x->site, sizeof x->site);
+        x->given = n->site[0] != 0;
+        x->ring = kv_node_is_ring(n);
+        x->rtt_ms = n->rtt_ms;
+        memcpy(x->pk, n->pk, 32);
+        memcpy(x->addr, n->addr, sizeof x->addr);
+        x->slabs = sl + o;
+        for (size_t i = 0; i < n->n_slabs; i++)
+            if (x->ring || kv_node_slab_ok(h, n, i)) sl[o + x->n_slabs++] = n->slabs[i];
+        o += x->n_slabs;
+    }
+    pthread_mutex_unlock(&h->mu);
+    rc = kv_hub_sites_render(h->m, sn, nn, out, len, d);
+    free(sn);
+    free(sl);
+    return rc;
+}
 
 /* Judges a report's evidence (its signature already checked): recomputes
  * the expert from the hub's own slab on the signed x and compares with the
@@ -1783,10 +1867,11 @@ static kv_hub_node *kv_probe_pick(kv_hub *h, int64_t now, kv_probe_job *job, int
  * job was made from: verdict 1 passed, 0 failed (a wrong answer, another
  * key, a bad frame: why), -2 late or unreachable (why), -1 the hub could not
  * make its own answer (nothing is judged; tried again later). unreachable:
- * the dial of the announced address itself failed (no connection). Caller
- * holds mu. */
+ * the dial of the announced address itself failed (no connection). rtt_ms:
+ * the probe's time per compute answer (< 0 none), which bounds the round
+ * trip to the node from above. Caller holds mu. */
 static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, bool unreachable, const char *why,
-                           int64_t now) {
+                           double rtt_ms, int64_t now) {
     kv_hub_node *n = kv_node_find(h, job->pk);
     if (!n) return;
     n->probing = false;
@@ -1833,6 +1918,7 @@ static void kv_probe_apply(kv_hub *h, const kv_probe_job *job, int verdict, bool
             for (size_t i = 0; i < n->n_slabs; i++)
                 if (n->slabs[i] == job->slab[t]) n->proven[i] = 1;
         if (!n->proven_ms) n->proven_ms = now;
+        if (rtt_ms >= 0 && (n->rtt_ms < 0 || rtt_ms < n->rtt_ms)) n->rtt_ms = rtt_ms; /* the least seen at this host */
         n->passes += job->n;
         n->fails = 0;
         n->probe_all = false;
@@ -1897,6 +1983,7 @@ static void *kv_hub_prover(void *arg) {
         }
         bool ok = false, unreachable = false;
         int verdict = -1;
+        double rtt = -1;
         char why[160];
         /* a relayed node is dialed through a circuit of the hub's relay */
         kv_relay_proxy *px = NULL;
@@ -1920,6 +2007,7 @@ static void *kv_hub_prover(void *arg) {
                 unreachable = !pr.connected;
             } else {
                 ok = true;
+                rtt = pr.task_min_ms > 0 ? pr.task_min_ms : -1;
                 for (uint32_t t = 0; t < job->n && ok; t++) {
                     double err = 0;
                     if (!kv_hub_prove_judge(want + (size_t)t * ne, got + (size_t)t * ne, ne, &err)) {
@@ -1933,7 +2021,7 @@ static void *kv_hub_prover(void *arg) {
         if (verdict == 0 && ok) verdict = 1;
         kv_relay_proxy_free(px); /* the probe's connection is closed: nothing waits */
         pthread_mutex_lock(&h->mu);
-        kv_probe_apply(h, job, verdict, unreachable, ok ? "" : why, kv_now_ms());
+        kv_probe_apply(h, job, verdict, unreachable, ok ? "" : why, rtt, kv_now_ms());
     }
     pthread_mutex_unlock(&h->mu);
     free(x);
@@ -2057,6 +2145,14 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
             if (rc) return kv_reply_diag(c, rc == KV_EIO ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
+        if (!strcmp(url, "/v1/sites")) {
+            kv_diag d = {0};
+            char *s;
+            size_t n;
+            const int rc = kv_hub_sites_json(h, &s, &n, &d);
+            if (rc) return kv_reply_diag(c, rc == KV_EIO ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+            return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
+        }
         if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge") ||
             !strcmp(url, "/v1/voucher") || !strcmp(url, "/v1/report"))
             return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "%s needs POST", url);
@@ -2124,6 +2220,8 @@ static int kv_node_reload(void *arg, const kv_hub_node_rec *r) {
     }
     kv_node_set_addr(n, addr);
     memcpy(n->backend, r->backend, sizeof n->backend);
+    memcpy(n->site, r->site, sizeof n->site);
+    n->site[KV_HUB_MAX_SITE] = 0;
     n->memory = r->memory;
     n->counter = r->counter;
     n->last_seen_ms = r->last_seen_ms;

@@ -36,6 +36,7 @@ typedef struct kv_hub_node_rec {
     uint8_t pk[32];                     /* identity */
     char addr[KV_HUB_MAX_ADDR + 1];     /* dispatch HOST:PORT it announced */
     char backend[KV_HUB_MAX_BACKEND + 1];
+    char site[KV_HUB_MAX_SITE + 1];     /* as announced; "" = none (the hub groups it) */
     uint64_t memory;                    /* announced memory budget, bytes */
     uint64_t counter;                   /* last accepted request counter */
     int64_t last_seen_ms;               /* wall clock of the last heartbeat (Unix ms) */

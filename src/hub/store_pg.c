@@ -36,9 +36,9 @@ static const char *const kv_hpg_sql[] = {
     [Q_META_GET] = "SELECT value FROM meta WHERE key=$1",
     [Q_META_PUT] = "INSERT INTO meta(key,value) VALUES($1,$2) ON CONFLICT(key) DO UPDATE SET value=EXCLUDED.value",
     [Q_META_NEW] = "INSERT INTO meta(key,value) VALUES($1,$2) ON CONFLICT(key) DO NOTHING",
-    [Q_NODE_PUT] = "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms)"
-                   " VALUES($1,$2,$3,$4,$5,$6,$7) ON CONFLICT(pk) DO UPDATE SET addr=EXCLUDED.addr,"
-                   "backend=EXCLUDED.backend,memory=EXCLUDED.memory,counter=EXCLUDED.counter,"
+    [Q_NODE_PUT] = "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms,site)"
+                   " VALUES($1,$2,$3,$4,$5,$6,$7,$8) ON CONFLICT(pk) DO UPDATE SET addr=EXCLUDED.addr,"
+                   "backend=EXCLUDED.backend,memory=EXCLUDED.memory,counter=EXCLUDED.counter,site=EXCLUDED.site,"
                    "last_seen_ms=EXCLUDED.last_seen_ms,registered_ms=EXCLUDED.registered_ms"
                    " WHERE nodes.counter < EXCLUDED.counter",
     [Q_HOLD_DEL] = "DELETE FROM holdings WHERE pk=$1",
@@ -46,9 +46,9 @@ static const char *const kv_hpg_sql[] = {
     [Q_TOUCH] = "UPDATE nodes SET counter=$2, last_seen_ms=CASE WHEN $3::bigint < 0 THEN last_seen_ms"
                 " ELSE $3::bigint END WHERE pk=$1 AND counter < $2",
     [Q_WHY] = "SELECT counter FROM nodes WHERE pk=$1",
-    [Q_NODES] = "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms FROM nodes ORDER BY pk",
+    [Q_NODES] = "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms,site FROM nodes ORDER BY pk",
     [Q_HOLDS] = "SELECT pk,layer,first,last,sha256 FROM holdings ORDER BY pk,layer,first",
-    [Q_NODE1] = "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms FROM nodes WHERE pk=$1",
+    [Q_NODE1] = "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms,site FROM nodes WHERE pk=$1",
     [Q_HOLD1] = "SELECT pk,layer,first,last,sha256 FROM holdings WHERE pk=$1 ORDER BY layer,first",
     [Q_NONCE_TAKE] = "DELETE FROM nonces WHERE slot=$1 AND nonce=$2 AND expires_ms >= $3 RETURNING slot",
     [Q_NONCE_SLOT] = "SELECT nextval('nonce_seq') % $1",
@@ -63,6 +63,8 @@ static const char *const kv_hpg_schema =
     "CREATE TABLE IF NOT EXISTS nodes(pk bytea PRIMARY KEY CHECK (length(pk) = 32),"
     " addr text NOT NULL, backend text NOT NULL, memory bigint NOT NULL CHECK (memory >= 0),"
     " counter bigint NOT NULL CHECK (counter >= 0), last_seen_ms bigint NOT NULL, registered_ms bigint NOT NULL);"
+    /* a store made before sites has none */
+    "ALTER TABLE nodes ADD COLUMN IF NOT EXISTS site text NOT NULL DEFAULT '';"
     "CREATE TABLE IF NOT EXISTS holdings(pk bytea NOT NULL REFERENCES nodes(pk) ON DELETE CASCADE,"
     " layer bigint NOT NULL, first bigint NOT NULL, last bigint NOT NULL, sha256 bytea NOT NULL,"
     " PRIMARY KEY(pk, layer, first));"
@@ -195,6 +197,7 @@ static int kv_hpg_node_put(void *impl, const kv_hub_node_rec *n, const uint8_t n
     kv_pq_arg_i64(&a, (int64_t)n->counter);
     kv_pq_arg_i64(&a, n->last_seen_ms);
     kv_pq_arg_i64(&a, n->registered_ms);
+    kv_pq_arg_text(&a, n->site);
     if ((rc = kv_hpg_step(s, Q_NODE_PUT, &a, &ch, d))) return kv_hpg_rollback(s, rc);
     if (ch != 1) {
         rc = kv_hpg_why_not(s, n->pk, d, "node_put");
@@ -254,8 +257,14 @@ static int kv_hpg_node_row(PGresult *r, int i, kv_hub_node_rec *n, kv_diag *d) {
         kv_pq_i64(r, i, 3, 0, INT64_MAX, &mem, d, WHO, "node memory") ||
         kv_pq_i64(r, i, 4, 0, INT64_MAX, &ctr, d, WHO, "node counter") ||
         kv_pq_i64(r, i, 5, INT64_MIN, INT64_MAX, &seen, d, WHO, "node last_seen_ms") ||
-        kv_pq_i64(r, i, 6, INT64_MIN, INT64_MAX, &reg, d, WHO, "node registered_ms"))
+        kv_pq_i64(r, i, 6, INT64_MIN, INT64_MAX, &reg, d, WHO, "node registered_ms") ||
+        kv_pq_text(r, i, 7, n->site, sizeof n->site, d, WHO, "node site"))
         return KV_EFORMAT;
+    if (n->site[0] && kv_hub_site_check(n->site, d)) {
+        kv_diag_prefix(d, KV_EFORMAT, "%s: node site", WHO);
+        if (d) d->code = KV_EFORMAT; /* a damaged row, not a caller's mistake */
+        return KV_EFORMAT;
+    }
     n->memory = (uint64_t)mem;
     n->counter = (uint64_t)ctr;
     n->last_seen_ms = seen;

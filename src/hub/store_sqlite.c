@@ -26,7 +26,7 @@ static const char *kv_sql_schema =
     "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);"
     "CREATE TABLE IF NOT EXISTS nodes(pk BLOB PRIMARY KEY, addr TEXT NOT NULL, backend TEXT NOT NULL,"
     " memory INTEGER NOT NULL, counter INTEGER NOT NULL, last_seen_ms INTEGER NOT NULL,"
-    " registered_ms INTEGER NOT NULL);"
+    " registered_ms INTEGER NOT NULL, site TEXT NOT NULL DEFAULT '');"
     "CREATE TABLE IF NOT EXISTS holdings(pk BLOB NOT NULL REFERENCES nodes(pk) ON DELETE CASCADE,"
     " layer INTEGER NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL, sha256 BLOB NOT NULL,"
     " PRIMARY KEY(pk, layer, first));";
@@ -64,6 +64,8 @@ static int kv_sql_open(void **impl, const char *uri, kv_diag *d) {
         kv_sql_close(s);
         return rc;
     }
+    /* a store made before sites has no site column: add it (an error here means it is there) */
+    sqlite3_exec(s->db, "ALTER TABLE nodes ADD COLUMN site TEXT NOT NULL DEFAULT ''", NULL, NULL, NULL);
     struct {
         sqlite3_stmt **st;
         const char *sql;
@@ -71,14 +73,14 @@ static int kv_sql_open(void **impl, const char *uri, kv_diag *d) {
         {&s->meta_get, "SELECT value FROM meta WHERE key=?1"},
         {&s->meta_put, "INSERT INTO meta(key,value) VALUES(?1,?2) ON CONFLICT(key) DO UPDATE SET value=?2"},
         {&s->meta_new, "INSERT INTO meta(key,value) VALUES(?1,?2) ON CONFLICT(key) DO NOTHING"},
-        {&s->node_put, "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms)"
-                       " VALUES(?1,?2,?3,?4,?5,?6,?7) ON CONFLICT(pk) DO UPDATE SET addr=?2,backend=?3,"
-                       "memory=?4,counter=?5,last_seen_ms=?6,registered_ms=?7 WHERE nodes.counter < ?5"},
+        {&s->node_put, "INSERT INTO nodes(pk,addr,backend,memory,counter,last_seen_ms,registered_ms,site)"
+                       " VALUES(?1,?2,?3,?4,?5,?6,?7,?8) ON CONFLICT(pk) DO UPDATE SET addr=?2,backend=?3,"
+                       "memory=?4,counter=?5,last_seen_ms=?6,registered_ms=?7,site=?8 WHERE nodes.counter < ?5"},
         {&s->hold_del, "DELETE FROM holdings WHERE pk=?1"},
         {&s->hold_put, "INSERT INTO holdings(pk,layer,first,last,sha256) VALUES(?1,?2,?3,?4,?5)"},
         {&s->touch, "UPDATE nodes SET counter=?2,last_seen_ms=CASE WHEN ?3 < 0 THEN last_seen_ms ELSE ?3 END"
                     " WHERE pk=?1 AND counter < ?2"},
-        {&s->node_all, "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms FROM nodes ORDER BY pk"},
+        {&s->node_all, "SELECT pk,addr,backend,memory,counter,last_seen_ms,registered_ms,site FROM nodes ORDER BY pk"},
         {&s->hold_all, "SELECT layer,first,last,sha256 FROM holdings WHERE pk=?1 ORDER BY layer,first"},
     };
     for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
@@ -167,6 +169,7 @@ static int kv_sql_node_put(void *impl, const kv_hub_node_rec *n, const uint8_t n
     sqlite3_bind_int64(st, 5, (sqlite3_int64)n->counter);
     sqlite3_bind_int64(st, 6, n->last_seen_ms);
     sqlite3_bind_int64(st, 7, n->registered_ms);
+    sqlite3_bind_text(st, 8, n->site, -1, SQLITE_STATIC);
     int bad = kv_sql_step1(s, st);
     if (!bad && sqlite3_changes(s->db) != 1) {
         int rc = kv_sql_why_not(s, n->pk, d, "node_put");
@@ -258,7 +261,8 @@ static int kv_sql_node_each(void *impl, int (*cb)(void *arg, const kv_hub_node_r
         sqlite3_stmt *st = s->node_all;
         if (sqlite3_column_bytes(st, 0) != 32 || kv_sql_text(st, 1, n.addr, sizeof n.addr) ||
             kv_sql_text(st, 2, n.backend, sizeof n.backend) || sqlite3_column_int64(st, 3) < 0 ||
-            sqlite3_column_int64(st, 4) < 0) {
+            sqlite3_column_int64(st, 4) < 0 || kv_sql_text(st, 7, n.site, sizeof n.site) ||
+            (n.site[0] && kv_hub_site_check(n.site, NULL))) {
             rc = kv_fail(d, KV_EFORMAT, "hub store: a nodes row is malformed");
             break;
         }

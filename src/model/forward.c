@@ -686,6 +686,7 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd;
     memset(s->bad, 0, T);
+    s->n_hout = 0;
     /* rows to keep in the last block: the tokens whose logits are wanted,
      * when nothing else reads the hidden states */
     const uint32_t n_want = logits ? n_out : 0;
@@ -735,6 +736,7 @@ static int kv_eval_chunk(kv_state *s, const int32_t *tokens, const float *x_in, 
         }
         kv_matmul(s->pool, &m->output, NULL, s->hout, n_out, logits, s->scratch);
     }
+    s->n_hout = logits ? n_out : 0;
     kv_prof_mark(s, KV_PROF_HEAD, pt);
     /* the call succeeded: a sequence that met a NaN/Inf stays marked until its reset */
     for (uint32_t t = 0; t < T; t++)
@@ -892,4 +894,31 @@ uint64_t kv_state_rec_bytes(const kv_state *s) { return kv_arch_rec_bytes(s); }
 int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) {
     const kv_arch_state_ops *so = kv_sops(s);
     return so && so->rec_get ? so->rec_get(s, seq, dst, d) : 0;
+}
+
+/* ---- speculative rollback ------------------------------------------------- */
+
+int kv_state_spec_keep(kv_state *s, uint32_t seq, uint32_t n, kv_diag *d) {
+    if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "spec keep: sequence %u out of range (%u)", seq, s->n_seq);
+    if (n > KV_SPEC_MAX_KEEP) return kv_fail(d, KV_EINVAL, "spec keep: %u states exceed max %u", n, KV_SPEC_MAX_KEEP);
+    const kv_arch_state_ops *so = kv_sops(s);
+    return so && so->spec_keep ? so->spec_keep(s, seq, n, d) : 0;
+}
+
+int kv_state_seq_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
+    if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "rollback: sequence %u out of range (%u)", seq, s->n_seq);
+    if (pos > s->pos[seq])
+        return kv_fail(d, KV_EINVAL, "rollback: sequence %u holds %u positions, not %u", seq, s->pos[seq], pos);
+    if (pos == s->pos[seq]) return 0;
+    const kv_arch_state_ops *so = kv_sops(s);
+    if (so && so->rollback) {
+        int rc = so->rollback(s, seq, pos, d);
+        if (rc) return rc;
+    }
+    s->pos[seq] = pos; /* the KV rows past pos are rewritten before any token reads them */
+    return 0;
+}
+
+const float *kv_state_hidden_out(const kv_state *s, uint32_t i) {
+    return i < s->n_hout ? s->hout + (size_t)i * s->m->hp.n_embd : NULL;
 }

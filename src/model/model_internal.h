@@ -80,6 +80,7 @@ struct kv_state {
     uint32_t att_tok;      /* tokens per attention unit (consecutive positions of one sequence) */
     uint32_t att_heads;    /* query heads per attention unit (of the n_head/n_head_kv sharing a KV head) */
     float *hout;           /* [max_tok][n_embd] final-normed rows whose logits are wanted */
+    uint32_t n_hout;       /* rows of hout the last successful call wrote (kv_state_hidden_out) */
     void *scratch;         /* matmul activation scratch */
     /* The chunk's last block when nothing reads its hidden states but the LM
      * head's rows (no x_out, the window ends at the head): every token
@@ -186,6 +187,11 @@ uint64_t kv_q35_bytes(const kv_state *s);
 uint64_t kv_q35_rec_bytes(const kv_state *s);
 int kv_q35_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d);
 int kv_q35_rec_set(kv_state *s, uint32_t seq, const void *src, kv_diag *d);
+/* Speculative rollback (kv_state_spec_keep / kv_state_seq_rollback): keep
+ * the recurrent state after each of seq's first n tokens of the next call;
+ * make the committed state the one kept after position pos - 1. */
+int kv_q35_spec_keep(kv_state *s, uint32_t seq, uint32_t n, kv_diag *d);
+int kv_q35_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d);
 /* The qwen35moe blocks over the T embedded tokens in s->x (the chunk driver
  * in forward.c embeds and computes logits). On error no sequence's
  * recurrent state changes. */

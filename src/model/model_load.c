@@ -26,6 +26,9 @@ int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64
     const kv_gguf_tensor *t = kv_gguf_find_tensor(m->gguf, name);
     if (!t) {
         if (!required) return KV_ENOTFOUND;
+        if (kv_gguf_n_parts(m->gguf) > 1)
+            return kv_fail(d, KV_EFORMAT, "model: missing tensor '%s' (in none of the split model's %zu parts)", name,
+                           kv_gguf_n_parts(m->gguf));
         return kv_fail(d, KV_EFORMAT, "model: missing tensor '%s'", name);
     }
     const int64_t want[3] = {ne0, ne1, ne2};

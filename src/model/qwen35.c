@@ -19,8 +19,8 @@
  *   o = rmsnorm(o) * ssm_norm * silu(z) per head; out = W_out o.
  * Each block then adds its residual, applies post_attention_norm, and runs
  * the routed experts (softmax, top-k, renormalized) plus the shared expert
- * scaled by sigmoid(W_shexp_gate x). The MTP block (nextn) is loaded and
- * never run here.
+ * scaled by sigmoid(W_shexp_gate x). The MTP block (nextn) is not part of
+ * the forward pass; it runs alone as a draft model (kv_mtp_step, at the end).
  *
  * State: next to the KV cache (kept for full-attention blocks only), each
  * sequence (from its first use until it is reset) has per recurrent block a conv state [conv_dim][d_conv-1] and a
@@ -66,6 +66,12 @@ struct kv_q35_state {
     float *sh_out;       /* [max_tok][n_embd] */
     float *sh_gate;      /* [max_tok] */
     void *scratch;       /* matmul scratch for the widest input */
+    /* speculative rollback: states kept after a call's first tokens of a sequence */
+    float **snap;        /* [n_seq] NULL or [snap_cap][packed state] (kv_q35_rec_get's layout) */
+    uint32_t *snap_cap;  /* [n_seq] states snap[seq] holds room for */
+    uint32_t *snap_want; /* [n_seq] states the next call keeps (its first tokens of seq) */
+    uint32_t *snap_base; /* [n_seq] position before the call that kept them */
+    uint32_t *snap_have; /* [n_seq] states kept by that call: after positions base .. base+have-1 */
 };
 
 /* ---- blocks ---------------------------------------------------------------
@@ -104,6 +110,11 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
         return kv_fail(d, KV_EINVAL, "state: recurrent state of one sequence is too large");
     q->rec = calloc(s->n_seq, sizeof *q->rec);
     q->cur = calloc(s->n_seq, 1);
+    q->snap = calloc(s->n_seq, sizeof *q->snap);
+    q->snap_cap = calloc(s->n_seq, sizeof *q->snap_cap);
+    q->snap_want = calloc(s->n_seq, sizeof *q->snap_want);
+    q->snap_base = calloc(s->n_seq, sizeof *q->snap_base);
+    q->snap_have = calloc(s->n_seq, sizeof *q->snap_have);
     q->qkv = malloc(B * C * sizeof(float));
     q->cv = malloc(B * C * sizeof(float));
     q->z = malloc(B * VD * sizeof(float));
@@ -117,6 +128,8 @@ int kv_q35_state_new(kv_state *s, kv_diag *d) {
     q->sh_gate = malloc(B * sizeof(float));
     size_t kmax = kv_zmax(kv_zmax(E, VD), kv_zmax(hp->n_ff_shexp, (size_t)hp->n_head * hp->head_dim));
     q->scratch = malloc(kv_matmul_scratch((int64_t)kmax, (int64_t)B));
+    if (!q->snap || !q->snap_cap || !q->snap_want || !q->snap_base || !q->snap_have)
+        return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
     if (!q->rec || !q->cur || !q->qkv || !q->cv || !q->z || !q->beta || !q->g || !q->o ||
         !q->qg || !q->sh_g || !q->sh_u || !q->sh_out || !q->sh_gate || !q->scratch)
         return kv_fail(d, KV_ENOMEM, "state: out of memory (recurrent state of %u sequences)", s->n_seq);
@@ -131,6 +144,13 @@ void kv_q35_state_free(kv_state *s) {
         for (uint32_t i = 0; i < s->n_seq; i++) free(q->rec[i]);
     free(q->rec);
     free(q->cur);
+    if (q->snap)
+        for (uint32_t i = 0; i < s->n_seq; i++) free(q->snap[i]);
+    free(q->snap);
+    free(q->snap_cap);
+    free(q->snap_want);
+    free(q->snap_base);
+    free(q->snap_have);
     free(q->qkv);
     free(q->cv);
     free(q->z);
@@ -168,6 +188,9 @@ void kv_q35_seq_free(kv_state *s, uint32_t seq) {
     free(q->rec[seq]);
     q->rec[seq] = NULL;
     q->n_rec--;
+    free(q->snap[seq]);
+    q->snap[seq] = NULL;
+    q->snap_cap[seq] = q->snap_want[seq] = q->snap_have[seq] = 0;
 }
 
 uint64_t kv_q35_bytes(const kv_state *s) {
@@ -188,6 +211,17 @@ static float *kv_q35_ssm_at(const kv_state *s, uint32_t seq, uint32_t slot, uint
 /* Token t is its sequence's first of this call (its state comes from the
  * committed slot, or is zero at position 0). */
 static bool kv_q35_first(const kv_state *s, uint32_t t) { return s->tok_pos[t] == s->pos[s->tok_seq[t]]; }
+
+/* Floats of one packed state (kv_q35_rec_get's layout). */
+static size_t kv_q35_rec_floats(const kv_q35_state *q) { return (size_t)q->n_lin * (q->conv_n + q->ssm_n); }
+
+/* The kept state after token t, or NULL when t's state is not kept (the
+ * token is not among the first snap_want of its sequence in this call). */
+static float *kv_q35_snap_of(const kv_state *s, uint32_t t) {
+    const kv_q35_state *q = s->q35;
+    const uint32_t seq = s->tok_seq[t], j = s->tok_pos[t] - s->pos[seq];
+    return j < q->snap_want[seq] ? q->snap[seq] + (size_t)j * kv_q35_rec_floats(q) : NULL;
+}
 
 /* ---- ops ------------------------------------------------------------------ */
 
@@ -274,6 +308,10 @@ static void kv_q35_dn_worker(void *arg, int ith, int nth) {
                 kv_f32_delta_rows_stream(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
             else
                 kv_f32_delta_rows(src, M, SV, SV, kv, qv, vv, decay, beta, scale, o);
+            float *keep = kv_q35_snap_of(s, t);
+            if (keep) /* head h of the delta state after token t */
+                memcpy(keep + (size_t)q->n_lin * q->conv_n + (size_t)j->li * q->ssm_n + (size_t)h * (size_t)(SV * SV), M,
+                       (size_t)(SV * SV) * sizeof(float));
         }
     }
 }
@@ -317,6 +355,10 @@ static void kv_q35_cv_worker(void *arg, int ith, int nth) {
                 for (int64_t i = 0; i + 1 < KC - 1; i++) sc[i] = sc[i + 1];
                 sc[KC - 2] = x[c];
             }
+            float *keep = kv_q35_snap_of(s, t);
+            if (keep) /* this thread's channels of the conv state after token t */
+                memcpy(keep + (size_t)j->li * q->conv_n + (size_t)c0 * (KC - 1), st + c0 * (KC - 1),
+                       (size_t)(c1 - c0) * (size_t)(KC - 1) * sizeof(float));
             kv_f32_silu(y + c0, y + c0, c1 - c0); /* the vectorized documented exp (quant/vec.h) */
             /* l2-normalized query and key heads */
             for (int64_t h = c0 / SV; h < 2 * NK && (h + 1) * SV <= c1; h++) kv_l2norm(y + h * SV, SV, hp->rms_eps);
@@ -502,15 +544,27 @@ int kv_q35_blocks(kv_state *s, uint32_t T, kv_diag *d) {
         kv_check_rows(s, s->xb, (size_t)E, T, E);
         kv_prof_mark(s, KV_PROF_NORM, pt);
         int rc = kv_q35_ffn(s, L, il, T, d);
-        if (rc) return rc; /* the committed recurrent slots are untouched */
+        if (rc) { /* the committed recurrent slots are untouched; nothing was kept */
+            kv_trim_restore(s);
+            for (uint32_t t = 0; t < T_all; t++) q->snap_want[s->tok_seq[t]] = q->snap_have[s->tok_seq[t]] = 0;
+            return rc;
+        }
         pt = kv_prof_start(s);
         kv_resid_norm(s, T, 1, NULL);
         kv_prof_mark(s, KV_PROF_NORM, pt);
     }
     /* commit: each sequence of the chunk now reads the slot just written */
     kv_trim_restore(s);
-    for (uint32_t t = 0; t < T_all; t++)
-        if (kv_q35_first(s, t)) q->cur[s->tok_seq[t]] ^= 1u;
+    for (uint32_t t = 0; t < T_all; t++) {
+        const uint32_t seq = s->tok_seq[t];
+        if (kv_q35_first(s, t)) {
+            q->cur[seq] ^= 1u;
+            q->snap_base[seq] = s->pos[seq];
+            q->snap_have[seq] = 0;
+        }
+        if (kv_q35_snap_of(s, t)) q->snap_have[seq]++;
+    }
+    for (uint32_t t = 0; t < T_all; t++) q->snap_want[s->tok_seq[t]] = 0; /* one call's request */
     return 0;
 }
 
@@ -551,6 +605,265 @@ int kv_q35_rec_set(kv_state *s, uint32_t seq, const void *src, kv_diag *d) {
     return 0;
 }
 
+/* ---- speculative rollback ------------------------------------------------- */
+
+int kv_q35_spec_keep(kv_state *s, uint32_t seq, uint32_t n, kv_diag *d) {
+    kv_q35_state *q = s->q35;
+    if (!q->n_lin) return 0;
+    if (n > q->snap_cap[seq]) {
+        size_t bytes;
+        if (!kv_mul_ok((size_t)n * sizeof(float), kv_q35_rec_floats(q), &bytes))
+            return kv_fail(d, KV_EINVAL, "spec keep: %u recurrent states are too large", n);
+        float *p = malloc(bytes);
+        if (!p) return kv_fail(d, KV_ENOMEM, "spec keep: out of memory for %u recurrent states of sequence %u", n, seq);
+        free(q->snap[seq]);
+        q->snap[seq] = p;
+        q->snap_cap[seq] = n;
+        q->snap_have[seq] = 0;
+    }
+    q->snap_want[seq] = n;
+    return 0;
+}
+
+int kv_q35_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
+    kv_q35_state *q = s->q35;
+    if (!q->n_lin) return 0;
+    const uint32_t base = q->snap_base[seq];
+    if (!q->rec[seq] || pos <= base || pos - base > q->snap_have[seq])
+        return kv_fail(d, KV_EINVAL, "rollback: sequence %u has no recurrent state kept after position %u (kept: %u "
+                       "after %u)", seq, pos - 1, q->snap_have[seq], base);
+    int rc = kv_q35_rec_set(s, seq, q->snap[seq] + (size_t)(pos - base - 1) * kv_q35_rec_floats(q), d);
+    q->snap_have[seq] = 0; /* the states past pos are gone; those before are not needed */
+    return rc;
+}
+
+/* ---- the MTP (nextn) block as a draft model ------------------------------- *
+ * One position at a time (kv_mtp_step): u = eh_proj [enorm(embed(tok));
+ * hnorm(h)], then block n_layer as a gated full-attention block over its
+ * own K/V (per sequence, the positions it was run at, up to
+ * KV_MTP_MAX_POS), the routed experts and the gated shared expert, then
+ * shared_head_norm (output_norm when absent) and the LM head. The same
+ * kernels as the trunk's blocks (kv_matmul, kv_rmsnorm, imrope), plain
+ * loops for its attention. Buffers allocated once; each sequence's K/V at
+ * its first use. */
+
+struct kv_mtp {
+    const kv_model *m;
+    kv_pool *pool;
+    kv_expert_provider prov; /* in-process, from m's own MTP experts */
+    uint32_t n_seq;
+    float **k, **v;      /* [n_seq] NULL or [KV_MTP_MAX_POS][n_head_kv*head_dim] */
+    uint8_t **have;      /* [n_seq] NULL or [KV_MTP_MAX_POS] the position's K/V was written */
+    float *e2;           /* [2*n_embd] [enorm(embedding); hnorm(h)] */
+    float *x, *xb, *tmp; /* [n_embd] residual, normed, projection output */
+    float *qg, *q, *kk, *vv, *att; /* [2*QD], [QD], [KVD], [KVD], [QD] */
+    float *router, *wts, *eo; /* [n_expert], [n_used], [n_used][n_embd] */
+    int32_t *ids;        /* [n_used] */
+    float *sh_g, *sh_u, *sh_out, *sh_gate; /* shared expert [S], [S], [n_embd], [1] */
+    float *scores;       /* [KV_MTP_MAX_POS] */
+    void *scratch;
+};
+
+int kv_mtp_new(kv_mtp **out, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d) {
+    *out = NULL;
+    const kv_hparams *hp = &m->hp;
+    if (hp->arch != KV_ARCH_QWEN35MOE || hp->n_layer_nextn == 0 || !m->layers[hp->n_layer].nextn_eh_proj.data)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: the model has no MTP (nextn) block");
+    if (!m->has_experts || !m->has_embd || !m->has_head)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: the MTP block runs in process from a whole GGUF file (its experts, "
+                       "embedding and head), not from a backbone or a window");
+    kv_mtp *t = calloc(1, sizeof *t);
+    if (!t) return kv_fail(d, KV_ENOMEM, "mtp: out of memory");
+    t->m = m;
+    t->pool = pool;
+    t->n_seq = n_seq;
+    const size_t E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim, KVD = (size_t)hp->n_head_kv * hp->head_dim;
+    const size_t S = hp->n_ff_shexp, NE = hp->n_expert, K = hp->n_expert_used;
+    t->k = calloc(n_seq, sizeof *t->k);
+    t->v = calloc(n_seq, sizeof *t->v);
+    t->have = calloc(n_seq, sizeof *t->have);
+    t->e2 = malloc(2 * E * sizeof(float));
+    t->x = malloc(E * sizeof(float));
+    t->xb = malloc(E * sizeof(float));
+    t->tmp = malloc(E * sizeof(float));
+    t->qg = malloc(2 * QD * sizeof(float));
+    t->q = malloc(QD * sizeof(float));
+    t->kk = malloc(KVD * sizeof(float));
+    t->vv = malloc(KVD * sizeof(float));
+    t->att = malloc(QD * sizeof(float));
+    t->router = malloc(NE * sizeof(float));
+    t->wts = malloc(K * sizeof(float));
+    t->eo = malloc(K * E * sizeof(float));
+    t->ids = malloc(K * sizeof(int32_t));
+    t->sh_g = malloc((S ? S : 1) * sizeof(float));
+    t->sh_u = malloc((S ? S : 1) * sizeof(float));
+    t->sh_out = malloc(E * sizeof(float));
+    t->sh_gate = malloc(sizeof(float));
+    t->scores = malloc(KV_MTP_MAX_POS * sizeof(float));
+    const size_t kmax = kv_zmax(kv_zmax(2 * E, QD), kv_zmax(S, E));
+    t->scratch = malloc(kv_matmul_scratch((int64_t)kmax, 1));
+    int rc = 0;
+    if (!t->k || !t->v || !t->have || !t->e2 || !t->x || !t->xb || !t->tmp || !t->qg || !t->q || !t->kk || !t->vv ||
+        !t->att || !t->router || !t->wts || !t->eo || !t->ids || !t->sh_g || !t->sh_u || !t->sh_out || !t->sh_gate ||
+        !t->scores || !t->scratch)
+        rc = kv_fail(d, KV_ENOMEM, "mtp: out of memory");
+    kv_expert_source src = kv_model_expert_source(m);
+    src.n_layer = hp->n_layer + hp->n_layer_nextn; /* the MTP block's experts follow the trunk's */
+    if (!rc) rc = kv_expert_local_new_src(&t->prov, &src, pool, 1, d);
+    if (rc) {
+        kv_mtp_free(t);
+        return rc;
+    }
+    *out = t;
+    return 0;
+}
+
+void kv_mtp_free(kv_mtp *t) {
+    if (!t) return;
+    for (uint32_t i = 0; i < t->n_seq; i++) kv_mtp_reset(t, i);
+    if (t->prov.free) t->prov.free(t->prov.impl);
+    free(t->k);
+    free(t->v);
+    free(t->have);
+    void *bufs[] = {t->e2, t->x, t->xb, t->tmp, t->qg, t->q, t->kk, t->vv, t->att, t->router, t->wts, t->eo,
+                    t->ids, t->sh_g, t->sh_u, t->sh_out, t->sh_gate, t->scores, t->scratch};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(t);
+}
+
+void kv_mtp_reset(kv_mtp *t, uint32_t seq) {
+    if (!t || seq >= t->n_seq || !t->k) return;
+    free(t->k[seq]);
+    free(t->v[seq]);
+    free(t->have[seq]);
+    t->k[seq] = t->v[seq] = NULL;
+    t->have[seq] = NULL;
+}
+
+void kv_mtp_forget(kv_mtp *t, uint32_t seq, uint32_t from) {
+    if (!t || seq >= t->n_seq || !t->have[seq] || from >= KV_MTP_MAX_POS) return;
+    memset(t->have[seq] + from, 0, KV_MTP_MAX_POS - from);
+}
+
+int kv_mtp_step(kv_mtp *t, uint32_t seq, const float *h, int32_t tok, uint32_t pos, float *h_out, float *logits,
+                kv_diag *d) {
+    const kv_model *m = t->m;
+    const kv_hparams *hp = &m->hp;
+    const uint32_t il = hp->n_layer;
+    const kv_layer *L = &m->layers[il];
+    const int64_t E = hp->n_embd, HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv;
+    const int64_t KVD = HKV * HD, K = hp->n_expert_used, NE = hp->n_expert, S = hp->n_ff_shexp;
+    if (seq >= t->n_seq || pos >= KV_MTP_MAX_POS || tok < 0 || (uint32_t)tok >= hp->n_vocab)
+        return kv_fail(d, KV_ERANGE, "mtp: sequence %u, position %u or token %d out of range", seq, pos, tok);
+    if (!t->k[seq]) {
+        t->k[seq] = malloc((size_t)KV_MTP_MAX_POS * (size_t)KVD * sizeof(float));
+        t->v[seq] = malloc((size_t)KV_MTP_MAX_POS * (size_t)KVD * sizeof(float));
+        t->have[seq] = calloc(KV_MTP_MAX_POS, 1);
+        if (!t->k[seq] || !t->v[seq] || !t->have[seq]) {
+            kv_mtp_reset(t, seq);
+            return kv_fail(d, KV_ENOMEM, "mtp: out of memory for the K/V of sequence %u", seq);
+        }
+    }
+    /* u = eh_proj [enorm(embedding); hnorm(h)] */
+    kv_type_get(m->tok_embd.type)->to_float((const uint8_t *)m->tok_embd.data + (size_t)tok * m->tok_embd.row_bytes,
+                                            t->tmp, E);
+    kv_rmsnorm(t->e2, t->tmp, L->nextn_enorm.data, E, hp->rms_eps);
+    kv_rmsnorm(t->e2 + E, h, L->nextn_hnorm.data, E, hp->rms_eps);
+    kv_matmul(t->pool, &L->nextn_eh_proj, NULL, t->e2, 1, t->x, t->scratch);
+    /* gated full attention over the block's own K/V */
+    kv_rmsnorm(t->xb, t->x, L->attn_norm.data, E, hp->rms_eps);
+    kv_matmul(t->pool, &L->wq, NULL, t->xb, 1, t->qg, t->scratch);
+    kv_matmul(t->pool, &L->wk, NULL, t->xb, 1, t->kk, t->scratch);
+    kv_matmul(t->pool, &L->wv, NULL, t->xb, 1, t->vv, t->scratch);
+    float cs[KV_MAX_HEAD_DIM / 2], sn[KV_MAX_HEAD_DIM / 2];
+    const int32_t p4[4] = {(int32_t)pos, (int32_t)pos, (int32_t)pos, 0};
+    kv_rope_imrope_table(cs, sn, hp->n_rot, p4, hp->rope_sections, hp->rope_freq_base, hp->rope_freq_scale);
+    for (int64_t hh = 0; hh < H; hh++) {
+        kv_rmsnorm(t->q + hh * HD, t->qg + hh * 2 * HD, L->q_norm.data, HD, hp->rms_eps);
+        kv_rope_apply(t->q + hh * HD, hp->n_rot, cs, sn);
+    }
+    for (int64_t hh = 0; hh < HKV; hh++) {
+        kv_rmsnorm(t->kk + hh * HD, t->kk + hh * HD, L->k_norm.data, HD, hp->rms_eps);
+        kv_rope_apply(t->kk + hh * HD, hp->n_rot, cs, sn);
+    }
+    memcpy(t->k[seq] + (size_t)pos * KVD, t->kk, (size_t)KVD * sizeof(float));
+    memcpy(t->v[seq] + (size_t)pos * KVD, t->vv, (size_t)KVD * sizeof(float));
+    t->have[seq][pos] = 1;
+    const float scale = 1.0f / sqrtf((float)HD);
+    for (int64_t hh = 0; hh < H; hh++) {
+        const int64_t kh = hh / (H / HKV);
+        const float *qh = t->q + hh * HD;
+        float mx = -INFINITY;
+        for (uint32_t j = 0; j <= pos; j++) {
+            if (!t->have[seq][j]) continue;
+            const float *kj = t->k[seq] + (size_t)j * KVD + kh * HD;
+            float dot = 0.0f;
+            for (int64_t i = 0; i < HD; i++) dot += qh[i] * kj[i];
+            t->scores[j] = dot * scale;
+            if (t->scores[j] > mx) mx = t->scores[j];
+        }
+        double sum = 0.0;
+        for (uint32_t j = 0; j <= pos; j++)
+            if (t->have[seq][j]) sum += (double)(t->scores[j] = expf(t->scores[j] - mx));
+        float *o = t->att + hh * HD;
+        for (int64_t i = 0; i < HD; i++) o[i] = 0.0f;
+        for (uint32_t j = 0; j <= pos; j++) {
+            if (!t->have[seq][j]) continue;
+            const float w = (float)(t->scores[j] / sum);
+            const float *vj = t->v[seq] + (size_t)j * KVD + kh * HD;
+            for (int64_t i = 0; i < HD; i++) o[i] += w * vj[i];
+        }
+        const float *gate = t->qg + hh * 2 * HD + HD;
+        for (int64_t i = 0; i < HD; i++) o[i] = o[i] * kv_sigmoid(gate[i]);
+    }
+    kv_matmul(t->pool, &L->wo, NULL, t->att, 1, t->tmp, t->scratch);
+    for (int64_t i = 0; i < E; i++) t->x[i] += t->tmp[i];
+    /* routed experts (softmax, top-k, renormalized) plus the gated shared expert */
+    kv_rmsnorm(t->xb, t->x, L->post_norm.data, E, hp->rms_eps);
+    kv_matmul(t->pool, &L->gate_inp, NULL, t->xb, 1, t->router, t->scratch);
+    kv_softmax(t->router, NE);
+    for (int64_t r = 0; r < K; r++) { /* descending, lower id first on ties */
+        int32_t best = -1;
+        for (int64_t e = 0; e < NE; e++) {
+            bool taken = false;
+            for (int64_t q = 0; q < r; q++) taken |= t->ids[q] == e;
+            if (!taken && (best < 0 || t->router[e] > t->router[best])) best = (int32_t)e;
+        }
+        t->ids[r] = best;
+        t->wts[r] = t->router[best];
+    }
+    if (hp->expert_weights_norm) {
+        double sum = 0.0;
+        for (int64_t r = 0; r < K; r++) sum += (double)t->wts[r];
+        float fs = (float)sum;
+        if (fs < 6.103515625e-5f) fs = 6.103515625e-5f;
+        for (int64_t r = 0; r < K; r++) t->wts[r] /= fs;
+    }
+    if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
+        for (int64_t r = 0; r < K; r++) t->wts[r] *= hp->expert_weights_scale;
+    const kv_expert_req req = {il, 1, (uint32_t)E, (uint32_t)K, t->xb, t->ids, NULL};
+    int rc = t->prov.compute(t->prov.impl, &req, t->eo, d);
+    if (rc) return kv_diag_prefix(d, rc, "mtp experts");
+    for (int64_t i = 0; i < E; i++) t->tmp[i] = t->eo[i] * t->wts[0];
+    for (int64_t r = 1; r < K; r++)
+        for (int64_t i = 0; i < E; i++) t->tmp[i] = t->tmp[i] + t->eo[r * E + i] * t->wts[r];
+    if (S) {
+        kv_matmul(t->pool, &L->gate_shexp, NULL, t->xb, 1, t->sh_g, t->scratch);
+        kv_matmul(t->pool, &L->up_shexp, NULL, t->xb, 1, t->sh_u, t->scratch);
+        kv_swiglu(t->sh_g, t->sh_g, t->sh_u, S);
+        kv_matmul(t->pool, &L->down_shexp, NULL, t->sh_g, 1, t->sh_out, t->scratch);
+        kv_matmul(t->pool, &L->gate_inp_shexp, NULL, t->xb, 1, t->sh_gate, t->scratch);
+        const float g = kv_sigmoid(t->sh_gate[0]);
+        for (int64_t i = 0; i < E; i++) t->tmp[i] = t->tmp[i] + t->sh_out[i] * g;
+    }
+    for (int64_t i = 0; i < E; i++) t->x[i] += t->tmp[i];
+    /* the shared head: its norm, then the model's LM head */
+    const kv_weight *hn = L->nextn_head_norm.data ? &L->nextn_head_norm : &m->output_norm;
+    kv_rmsnorm(h_out, t->x, hn->data, E, hp->rms_eps);
+    if (logits) kv_matmul(t->pool, &m->output, NULL, h_out, 1, logits, t->scratch);
+    return 0;
+}
+
 /* The run state's qwen35moe part, named by its table (src/arch/qwen35moe.c). */
 const kv_arch_state_ops kv_q35_state_ops = {
     .state_new = kv_q35_state_new,
@@ -561,4 +874,6 @@ const kv_arch_state_ops kv_q35_state_ops = {
     .rec_bytes = kv_q35_rec_bytes,
     .rec_get = kv_q35_rec_get,
     .rec_set = kv_q35_rec_set,
+    .spec_keep = kv_q35_spec_keep,
+    .rollback = kv_q35_rollback,
 };

@@ -95,6 +95,89 @@ done:
     return rc;
 }
 
+/* An address as the hub lists it: 3..KV_RING_HUB_ADDR bytes of [A-Za-z0-9.-:[]]. */
+static bool kv_rh_addr_ok(json_t *ad) {
+    const char *a = json_is_string(ad) ? json_string_value(ad) : NULL;
+    const size_t al = a ? json_string_length(ad) : 0;
+    bool ok = a && al >= 3 && al <= KV_RING_HUB_ADDR && strlen(a) == al;
+    for (size_t k = 0; ok && k < al; k++) {
+        const char c = a[k];
+        ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
+             c == ':' || c == '[' || c == ']';
+    }
+    return ok;
+}
+
+int kv_ring_parse_sites(const char *json, size_t len, kv_ring_sites *out, kv_diag *d) {
+    memset(out, 0, sizeof *out);
+    json_error_t je;
+    json_t *j = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!j) return kv_fail(d, KV_EFORMAT, "sites: not JSON (%s)", je.text);
+    int rc = 0;
+    json_t *pl = json_object_get(j, "placement"), *nl = json_object_get(j, "n_layer");
+    json_t *kind = json_object_get(pl, "kind"), *why = json_object_get(pl, "reason"), *ws = json_object_get(pl, "windows");
+    if (!json_is_object(pl) || !json_is_string(kind) || !json_is_integer(nl) || json_integer_value(nl) < 1 ||
+        json_integer_value(nl) > KV_RING_MAX_LAYERS) {
+        rc = kv_fail(d, KV_EFORMAT, "sites: needs n_layer in [1, %u] and a placement with a kind", KV_RING_MAX_LAYERS);
+        goto done;
+    }
+    if (strcmp(json_string_value(kind), "sites")) {
+        snprintf(out->reason, sizeof out->reason, "%.200s", json_is_string(why) ? json_string_value(why) : "none published");
+        for (char *c = out->reason; *c; c++)
+            if (*c < 0x20 || *c > 0x7e) *c = '?';
+        goto done;
+    }
+    if (!json_is_array(ws) || !json_array_size(ws) || json_array_size(ws) > KV_RING_SITE_WINDOWS) {
+        rc = kv_fail(d, KV_EFORMAT, "sites: a placement of sites needs 1 to %u windows", KV_RING_SITE_WINDOWS);
+        goto done;
+    }
+    uint32_t next = 0;
+    for (size_t i = 0; i < json_array_size(ws); i++) {
+        json_t *w = json_array_get(ws, i), *jsite = json_object_get(w, "site"), *jf = json_object_get(w, "first"),
+               *jl = json_object_get(w, "last"), *wk = json_object_get(w, "workers"), *rn = json_object_get(w, "ring");
+        kv_ring_site_window *o = &out->win[i];
+        if (!json_is_string(jsite) || !json_string_length(jsite) || json_string_length(jsite) >= sizeof o->site ||
+            strlen(json_string_value(jsite)) != json_string_length(jsite) || !json_is_integer(jf) ||
+            !json_is_integer(jl) || json_integer_value(jf) != next || json_integer_value(jl) < json_integer_value(jf) ||
+            json_integer_value(jl) >= json_integer_value(nl) || !json_is_array(wk) || !json_is_array(rn)) {
+            rc = kv_fail(d, KV_EFORMAT, "sites: window %zu is malformed or not the next one", i);
+            goto done;
+        }
+        snprintf(o->site, sizeof o->site, "%s", json_string_value(jsite));
+        for (char *c = o->site; *c; c++)
+            if (*c < 0x21 || *c > 0x7e) *c = '?';
+        o->first = next;
+        o->last = (uint32_t)json_integer_value(jl);
+        next = o->last + 1;
+        for (size_t k = 0; k < json_array_size(wk) && o->n_workers < KV_RING_SITE_WORKERS; k++) {
+            json_t *ad = json_object_get(json_array_get(wk, k), "addr");
+            if (!kv_rh_addr_ok(ad)) {
+                rc = kv_fail(d, KV_EFORMAT, "sites: window %zu: a worker address is malformed", i);
+                goto done;
+            }
+            snprintf(o->workers[o->n_workers++], sizeof o->workers[0], "%s", json_string_value(ad));
+        }
+        if (json_array_size(rn)) {
+            json_t *ad = json_object_get(json_array_get(rn, 0), "addr");
+            if (!kv_rh_addr_ok(ad)) {
+                rc = kv_fail(d, KV_EFORMAT, "sites: window %zu: a ring node address is malformed", i);
+                goto done;
+            }
+            snprintf(o->ring, sizeof o->ring, "%s", json_string_value(ad));
+        }
+        out->n_win = (uint32_t)i + 1;
+    }
+    if (next != (uint32_t)json_integer_value(nl)) {
+        rc = kv_fail(d, KV_EFORMAT, "sites: the windows end at layer %u of %u", next, (unsigned)json_integer_value(nl));
+        goto done;
+    }
+    out->placed = true;
+done:
+    if (rc) memset(out, 0, sizeof *out);
+    json_decref(j);
+    return rc;
+}
+
 int kv_ring_choose(const kv_ring_window *w, size_t n, uint64_t budget) {
     int best = -1;
     for (size_t i = 0; i < n; i++) {
@@ -126,6 +209,83 @@ static int kv_rh_market(const char *hub, kv_ring_window *w, size_t cap, size_t *
     if (!rc) rc = kv_ring_parse_market(body, len, w, cap, n, n_layer, d);
     free(body);
     return rc;
+}
+
+/* GET /v1/sites parsed into *s (heap: it is large). */
+static int kv_rh_sites(const char *hub, kv_ring_sites **s, kv_diag *d) {
+    *s = NULL;
+    char *body = NULL;
+    size_t len = 0;
+    kv_ring_sites *x = malloc(sizeof *x);
+    if (!x) return kv_fail(d, KV_ENOMEM, "out of memory");
+    int rc = kv_rh_get(hub, "/v1/sites", &body, &len, d);
+    if (!rc) rc = kv_ring_parse_sites(body, len, x, d);
+    free(body);
+    if (rc) free(x);
+    else *s = x;
+    return rc;
+}
+
+/* The window of `site` in s, or -1. */
+static int kv_rh_site_window(const kv_ring_sites *s, const char *site) {
+    for (uint32_t i = 0; i < s->n_win; i++)
+        if (!strcmp(s->win[i].site, site)) return (int)i;
+    return -1;
+}
+
+int kv_ring_hub_join_site(const char *hub, const char *dir, const char *site, uint32_t *first, uint32_t *last,
+                          char *manifest_path, size_t cap, char (*workers)[KV_RING_HUB_ADDR + 1], uint32_t wcap,
+                          uint32_t *n_workers, FILE *log, kv_diag *d) {
+    *n_workers = 0;
+    kv_ring_sites *s = NULL;
+    int rc = kv_rh_sites(hub, &s, d);
+    if (rc) return rc;
+    const int w = s->placed ? kv_rh_site_window(s, site) : -1;
+    if (w < 0) {
+        rc = s->placed ? kv_fail(d, KV_ENOTFOUND, "ring: the hub's placement gives site '%s' no window", site)
+                       : kv_fail(d, KV_ENOTFOUND, "ring: the hub has no site placement: %s", s->reason);
+        free(s);
+        return rc;
+    }
+    const kv_ring_site_window *sw = &s->win[w];
+    *first = sw->first;
+    *last = sw->last;
+    for (uint32_t i = 0; i < sw->n_workers && *n_workers < wcap; i++)
+        memcpy(workers[(*n_workers)++], sw->workers[i], sizeof workers[0]);
+    if (log)
+        fprintf(log, "kvasir ring %u-%u: site %s: the hub's placement gives it layers %u-%u, %u site workers\n", *first,
+                *last, site, *first, *last, *n_workers);
+    free(s);
+    kv_manifest *m = NULL;
+    if ((rc = kv_node_fetch_manifest(hub, dir, &m, d))) return rc;
+    if ((rc = kv_node_fetch_piece(hub, dir, &m->backbone, NULL, NULL, d))) goto done;
+    for (size_t i = 0; i < m->n_slabs; i++)
+        if (m->slabs[i].layer >= *first && m->slabs[i].layer <= *last &&
+            (rc = kv_node_fetch_piece(hub, dir, &m->slabs[i].file, NULL, NULL, d)))
+            goto done;
+    rc = kv_node_piece_path(dir, "manifest.json", manifest_path, cap, d);
+done:
+    kv_manifest_free(m);
+    return rc;
+}
+
+int kv_ring_hub_site_entries(const char *hub, char (*out)[KV_RING_HUB_ADDR + 1], uint32_t cap, uint32_t *n, char *why,
+                             size_t why_cap, kv_diag *d) {
+    *n = 0;
+    why[0] = 0;
+    kv_ring_sites *s = NULL;
+    int rc = kv_rh_sites(hub, &s, d);
+    if (rc) return rc;
+    if (!s->placed) {
+        snprintf(why, why_cap, "no site placement: %s", s->reason);
+    } else {
+        for (uint32_t i = 0; i < s->n_win && !why[0]; i++)
+            if (!s->win[i].ring[0]) snprintf(why, why_cap, "no ring node runs site %s's window (layers %u-%u)",
+                                             s->win[i].site, s->win[i].first, s->win[i].last);
+        for (uint32_t i = 0; i < s->n_win && !why[0] && *n < cap; i++) memcpy(out[(*n)++], s->win[i].ring, sizeof out[0]);
+    }
+    free(s);
+    return 0;
 }
 
 int kv_ring_hub_join(const char *hub, const char *dir, uint64_t budget, uint32_t *first, uint32_t *last,
@@ -165,6 +325,7 @@ struct kv_ring_hub {
     uint32_t first, last, n_layer;
     uint64_t budget;
     uint32_t interval_ms;
+    char site[KV_HUB_MAX_SITE + 1]; /* a node of the ring of sites ("" = of the layer market) */
     FILE *log;
     pthread_t th;
     pthread_mutex_t mu;
@@ -229,6 +390,7 @@ static int kv_rh_register(kv_ring_hub *h, kv_diag *d) {
     if (!ok) return kv_fail(d, KV_EFORMAT, "hub: /v1/nonce answer is not {\"nonce\": HEX64}");
     snprintf(a.addr, sizeof a.addr, "%s", kv_ring_node_addr(h->node));
     snprintf(a.backend, sizeof a.backend, "ring");
+    snprintf(a.site, sizeof a.site, "%s", h->site);
     a.memory = h->budget;
     if (!(a.shards = calloc(h->m->n_slabs ? h->m->n_slabs : 1, sizeof *a.shards))) return kv_fail(d, KV_ENOMEM, "out of memory");
     for (size_t i = 0; i < h->m->n_slabs; i++) {
@@ -260,8 +422,29 @@ static int kv_rh_register(kv_ring_hub *h, kv_diag *d) {
     return 0;
 }
 
+/* A node of the ring of sites: the ring node of the window after ours. */
+static void kv_rh_next_site(kv_ring_hub *h) {
+    kv_ring_sites *s = NULL;
+    kv_diag d = {0};
+    if (kv_rh_sites(h->hub, &s, &d)) {
+        kv_rh_log(h, "%s", d.msg);
+        return;
+    }
+    const int w = s->placed ? kv_rh_site_window(s, h->site) : -1;
+    if (w < 0 || s->win[w].first != h->first || s->win[w].last != h->last)
+        kv_rh_log(h, "the hub's placement no longer gives site %s layers %u-%u (restart to take the new window)",
+                  h->site, h->first, h->last);
+    else if (s->win[(w + 1) % s->n_win].ring[0])
+        kv_ring_node_set_next(h->node, s->win[(w + 1) % s->n_win].ring);
+    free(s);
+}
+
 /* Who holds the window after ours: that node is our next. */
 static void kv_rh_next(kv_ring_hub *h) {
+    if (h->site[0]) {
+        kv_rh_next_site(h);
+        return;
+    }
     kv_ring_window w[KV_RING_MAX_LAYERS];
     size_t n = 0;
     uint32_t nl = 0;
@@ -315,9 +498,16 @@ static void *kv_rh_thread(void *arg) {
 
 int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
                       FILE *log, kv_diag *d) {
+    return kv_ring_hub_start_site(out, hub, dir, node, budget, NULL, log, d);
+}
+
+int kv_ring_hub_start_site(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
+                           const char *site, FILE *log, kv_diag *d) {
     *out = NULL;
+    if (site && kv_hub_site_check(site, d)) return kv_diag_prefix(d, KV_EINVAL, "ring: --site");
     kv_ring_hub *h = calloc(1, sizeof *h);
     if (!h) return kv_fail(d, KV_ENOMEM, "out of memory");
+    if (site) snprintf(h->site, sizeof h->site, "%s", site);
     h->hub = strdup(hub);
     h->dir = strdup(dir);
     h->node = node;

@@ -211,6 +211,7 @@ void kv_anatomy_free(kv_anatomy *a) {
     free(a->layers);
     free(a->combos);
     free(a->types);
+    free(a->parts);
     free(a);
 }
 
@@ -220,9 +221,30 @@ int kv_anatomy_from_gguf(kv_anatomy **out, const kv_gguf *g, kv_diag *d) {
     layer_acc *acc = NULL;
     if (!a) return kv_fail(d, KV_ENOMEM, "out of memory");
     size_t nt = kv_gguf_n_tensors(g);
-    a->file_size = kv_gguf_file_size(g);
-    a->data_offset = kv_gguf_data_offset(g);
+    a->n_parts = kv_gguf_n_parts(g);
+    if (a->n_parts > 1 && !(a->parts = calloc(a->n_parts, sizeof *a->parts))) goto oom;
+    for (size_t p = 0; p < a->n_parts; p++) {
+        const kv_gguf *pg = kv_gguf_part(g, p);
+        a->file_size += kv_gguf_file_size(pg);
+        a->data_offset += kv_gguf_data_offset(pg);
+        if (a->parts) a->parts[p].file_size = kv_gguf_file_size(pg);
+    }
     a->n_tensors = nt;
+    /* a type no backend computes: kvasir run and the gateway refuse the file
+     * at load, naming the first such tensor the model needs */
+    for (size_t i = 0; i < nt; i++) {
+        const kv_gguf_tensor *t = kv_gguf_tensor_at(g, i);
+        if (a->parts) {
+            a->parts[t->part].n_tensors++;
+            a->parts[t->part].tensor_bytes += t->nbytes;
+        }
+        const kv_type_info *ti = kv_type_get(t->type);
+        if (ti && ti->compute) continue;
+        if (!a->n_uncomputable++) {
+            copy_str(a->uncomputable, sizeof a->uncomputable, t->name);
+            a->uncomputable_type = t->type;
+        }
+    }
     kv_str s;
     if (kv_gguf_get_str(g, "general.architecture", &s, NULL) == 0) copy_str(a->arch, sizeof a->arch, s);
     if (kv_gguf_get_str(g, "general.name", &s, NULL) == 0) copy_str(a->name, sizeof a->name, s);
@@ -424,6 +446,32 @@ char *kv_anatomy_to_json(const kv_anatomy *a) {
     json_object_set_new(root, "n_tensors", jint(a->n_tensors));
     json_object_set_new(root, "block_count", jint(a->block_count));
     json_object_set_new(root, "nextn_predict_layers", jint(a->nextn_layers));
+    if (a->parts) {
+        json_t *ps = json_array();
+        if (!ps) goto fail;
+        for (size_t p = 0; p < a->n_parts; p++) {
+            json_t *o = json_object();
+            if (!o) {
+                json_decref(ps);
+                goto fail;
+            }
+            json_object_set_new(o, "file_bytes", jint(a->parts[p].file_size));
+            json_object_set_new(o, "tensors", jint(a->parts[p].n_tensors));
+            json_object_set_new(o, "tensor_bytes", jint(a->parts[p].tensor_bytes));
+            json_array_append_new(ps, o);
+        }
+        json_object_set_new(root, "parts", ps);
+    }
+    if (a->n_uncomputable) {
+        const kv_type_info *ti = kv_type_get_ref(a->uncomputable_type);
+        json_t *o = json_object();
+        if (!o) goto fail;
+        json_object_set_new(o, "tensors", jint(a->n_uncomputable));
+        json_object_set_new(o, "first", json_string(a->uncomputable));
+        json_object_set_new(o, "type", json_string(ti && ti->name ? ti->name : "?"));
+        json_object_set_new(o, "type_id", jint(a->uncomputable_type));
+        json_object_set_new(root, "uncomputable", o);
+    }
     for (int c = 0; c < KV_ANAT_CLASS_COUNT; c++) {
         json_t *o = json_object();
         if (!o) goto fail;
@@ -546,6 +594,20 @@ void kv_anatomy_print(const kv_anatomy *a, FILE *f) {
             human(a->file_size, h1, sizeof h1), grouped(a->file_size, g1, sizeof g1),
             human(a->data_offset, h2, sizeof h2), grouped(a->n_tensors, g2, sizeof g2),
             human(a->tensor_bytes, g3, sizeof g3));
+    if (a->parts) {
+        fprintf(f, "split         %zu parts (split.count), one model:\n", a->n_parts);
+        for (size_t p = 0; p < a->n_parts; p++)
+            fprintf(f, "  part %-5zu %12s  %6s tensors  tensor data %s\n", p + 1,
+                    human(a->parts[p].file_size, h1, sizeof h1), grouped(a->parts[p].n_tensors, g1, sizeof g1),
+                    human(a->parts[p].tensor_bytes, h2, sizeof h2));
+    }
+    if (a->n_uncomputable) {
+        const kv_type_info *ti = kv_type_get_ref(a->uncomputable_type);
+        fprintf(f, "unsupported   tensor '%s' has type %s (%u), which kvasir cannot compute", a->uncomputable,
+                ti && ti->name ? ti->name : "?", a->uncomputable_type);
+        if (a->n_uncomputable > 1) fprintf(f, " (%" PRIu64 " such tensors)", a->n_uncomputable);
+        fprintf(f, "\n");
+    }
     if (a->block_count)
         fprintf(f, "blocks        %u (block_count)%s\n", a->block_count,
                 a->nextn_layers ? ", the last of them MTP (nextn_predict_layers)" : "");

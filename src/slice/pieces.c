@@ -245,7 +245,36 @@ static uint64_t kv_id_begin(const kv_gguf *g, kv_sha256 *top) {
     return data_end;
 }
 
+/* A split model's identity from its parts' (slice.h):
+ * SHA-256("kvasir-model-id-split-v1" NUL || u32le(N) || hex id of part 1 || ...). */
+static void kv_split_id(const char (*part_ids)[65], size_t n, char out[65]) {
+    kv_sha256 h;
+    uint8_t n4[4], id[32];
+    for (int i = 0; i < 4; i++) n4[i] = (uint8_t)(n >> (8 * i));
+    kv_sha256_init(&h);
+    kv_sha256_update(&h, KV_MODEL_ID_SPLIT_TAG, sizeof KV_MODEL_ID_SPLIT_TAG);
+    kv_sha256_update(&h, n4, 4);
+    for (size_t i = 0; i < n; i++) kv_sha256_update(&h, part_ids[i], 64);
+    kv_sha256_final(&h, id);
+    kv_sha256_hex(id, out);
+}
+
+static void kv_file_model_id_mem(const kv_gguf *g, char out[65]);
+
 void kv_slice_model_id(const kv_gguf *g, char out[65]) {
+    const size_t n = kv_gguf_n_parts(g);
+    if (n <= 1) {
+        kv_file_model_id_mem(g, out);
+        return;
+    }
+    char (*ids)[65] = malloc(n * sizeof *ids);
+    KV_ASSERT(ids != NULL);
+    for (size_t i = 0; i < n; i++) kv_file_model_id_mem(kv_gguf_part(g, i), ids[i]);
+    kv_split_id((const char (*)[65])ids, n, out);
+    free(ids);
+}
+
+static void kv_file_model_id_mem(const kv_gguf *g, char out[65]) {
     kv_sha256 top;
     const uint64_t end = kv_id_begin(g, &top);
     const uint8_t *base = kv_gguf_base(g);
@@ -263,7 +292,24 @@ void kv_slice_model_id(const kv_gguf *g, char out[65]) {
     kv_sha256_hex(id, out);
 }
 
+static int kv_file_model_id(const kv_gguf *g, const char *path, int n_threads, char out[65], kv_diag *d);
+
 int kv_pieces_model_id(const kv_gguf *g, const char *path, int n_threads, char out[65], kv_diag *d) {
+    const size_t n = kv_gguf_n_parts(g);
+    if (n <= 1) return kv_file_model_id(g, path, n_threads, out, d);
+    char (*ids)[65] = malloc(n * sizeof *ids);
+    if (!ids) return kv_fail(d, KV_ENOMEM, "identity: out of memory");
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        const kv_gguf *p = kv_gguf_part(g, i);
+        rc = kv_file_model_id(p, kv_gguf_path(p), n_threads, ids[i], d);
+    }
+    if (!rc) kv_split_id((const char (*)[65])ids, n, out);
+    free(ids);
+    return rc;
+}
+
+static int kv_file_model_id(const kv_gguf *g, const char *path, int n_threads, char out[65], kv_diag *d) {
     kv_sha256 top;
     const uint64_t data_end = kv_id_begin(g, &top);
     int fd;
@@ -481,11 +527,15 @@ static int kv_verify_one(kv_verify *v, size_t i, uint8_t *buf, kv_diag *d) {
         return kv_fail(d, KV_EFORMAT, "%s: '%s' has no SHA-256 in the manifest", who, mf->path);
     }
     kv_gguf *g = NULL;
-    if ((rc = kv_gguf_open(&g, path, d))) {
+    /* a piece is one file: never a door to its folder's other files */
+    if ((rc = kv_gguf_open_file(&g, path, d))) {
         close(fd);
         return kv_diag_prefix(d, rc, "%s: '%s'", who, mf->path);
     }
-    rc = i == 0 ? kv_check_id(g, p->m, who, mf->path, d) : kv_check_slab(p, who, i - 1, g, d);
+    if (kv_gguf_find_kv(g, "split.count"))
+        rc = kv_fail(d, KV_EFORMAT, "%s: '%s' carries split.* keys, but a piece is one file", who, mf->path);
+    else
+        rc = i == 0 ? kv_check_id(g, p->m, who, mf->path, d) : kv_check_slab(p, who, i - 1, g, d);
     if (rc || i == 0 || !v->o->keep_gguf) {
         kv_gguf_close(g);
         g = NULL;

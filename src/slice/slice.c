@@ -13,7 +13,13 @@
  * Before any file is written, the model identity (slice.h) is computed by
  * kv_pieces_model_id over the source, in parallel and skipping holes: every
  * piece's header carries it, so it must be known first (one more read of
- * the source, which leaves it in the page cache for the copy). */
+ * the source, which leaves it in the page cache for the copy).
+ *
+ * A split source (gguf.h) slices as one model: each tensor's range is read
+ * from the part holding it, through one descriptor per thread reopened when
+ * the part changes (tensors are visited in file order, so rarely), and the
+ * backbone takes the first part's metadata without the split.* keys (it is
+ * one file). */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -144,10 +150,33 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
     return 0;
 }
 
+/* A thread's descriptor on the source part it reads now. */
+typedef struct kv_src_fd {
+    int fd;        /* -1 until a part is opened */
+    uint32_t part; /* which part fd reads */
+} kv_src_fd;
+
+static const char *kv_part_path(const kv_slicer *s, uint32_t part) {
+    const kv_gguf *p = kv_gguf_part(s->g, part);
+    return p && kv_gguf_path(p) ? kv_gguf_path(p) : s->src_path;
+}
+
+/* Points sf at part's file, reopening if it reads another part. */
+static int kv_src_part(kv_slicer *s, kv_src_fd *sf, uint32_t part, kv_diag *d) {
+    if (sf->fd >= 0 && sf->part == part) return 0;
+    if (sf->fd >= 0) close(sf->fd);
+    sf->fd = -1;
+    int rc = kv_pieces_open_file(kv_part_path(s, part), false, &sf->fd, NULL, d);
+    if (rc) return kv_diag_prefix(d, rc, "slice");
+    sf->part = part;
+    posix_fadvise(sf->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    return 0;
+}
+
 /* Copies src range [off, off+n) to tensor idx at byte `at`, hashing into h
  * (if not NULL); holes are skipped. */
-static int kv_copy_range(kv_slicer *s, int fd, uint8_t *buf, kv_gguf_writer *w, size_t idx, uint64_t at,
-                         uint64_t off, uint64_t n, kv_sha256 *h, kv_diag *d) {
+static int kv_copy_range(kv_slicer *s, int fd, const char *src_path, uint8_t *buf, kv_gguf_writer *w, size_t idx,
+                         uint64_t at, uint64_t off, uint64_t n, kv_sha256 *h, kv_diag *d) {
     const uint64_t end = off + n;
     uint64_t pos = off;
     while (pos < end) {
@@ -168,7 +197,7 @@ static int kv_copy_range(kv_slicer *s, int fd, uint8_t *buf, kv_gguf_writer *w, 
             ssize_t r = pread(fd, buf, k, (off_t)pos);
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0)
-                return kv_fail(d, KV_EIO, "slice: reading %s at %" PRIu64 ": %s", s->src_path, pos,
+                return kv_fail(d, KV_EIO, "slice: reading %s at %" PRIu64 ": %s", src_path, pos,
                                r < 0 ? strerror(errno) : "unexpected end of file");
             if (h) kv_sha256_update(h, buf, (size_t)r);
             int rc = kv_gguf_writer_write_data(w, idx, at + (pos - off), buf, (size_t)r, d);
@@ -180,7 +209,9 @@ static int kv_copy_range(kv_slicer *s, int fd, uint8_t *buf, kv_gguf_writer *w, 
     return 0;
 }
 
-static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, int fd, uint8_t *buf, kv_diag *d) {
+static bool kv_is_split_key(kv_str key) { return key.len > 6 && !memcmp(key.ptr, "split.", 6); }
+
+static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, kv_src_fd *sf, uint8_t *buf, kv_diag *d) {
     const kv_gguf *g = s->g;
     kv_gguf_writer *w = NULL;
     char path[4096], part[4200];
@@ -188,7 +219,7 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, int fd, uint8_t
     int rc = kv_gguf_writer_new(&w, d);
     if (rc) return rc;
     /* tensors: (source offset, bytes) in declaration order */
-    typedef struct { uint64_t off, n; } kv_rng;
+    typedef struct { uint64_t off, n; uint32_t part; } kv_rng;
     kv_rng *rng = malloc((j->backbone ? kv_gguf_n_tensors(g) : 3) * sizeof *rng);
     size_t n_t = 0;
     if (!rng) {
@@ -196,7 +227,8 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, int fd, uint8_t
         return kv_fail(d, KV_ENOMEM, "slice: out of memory");
     }
     if (j->backbone) {
-        for (size_t i = 0; i < kv_gguf_n_kv(g) && !rc; i++) rc = kv_gguf_writer_copy_kv(w, kv_gguf_kv_at(g, i), d);
+        for (size_t i = 0; i < kv_gguf_n_kv(g) && !rc; i++)
+            if (!kv_is_split_key(kv_gguf_kv_at(g, i)->key)) rc = kv_gguf_writer_copy_kv(w, kv_gguf_kv_at(g, i), d);
         for (size_t i = 0; i < kv_gguf_n_tensors(g) && !rc; i++) {
             const kv_gguf_tensor *t = kv_gguf_tensor_at(g, i);
             uint32_t L;
@@ -205,7 +237,7 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, int fd, uint8_t
             memcpy(name, t->name.ptr, t->name.len);
             name[t->name.len] = 0;
             rc = kv_gguf_writer_add_tensor(w, name, t->n_dims, t->ne, t->type, NULL, d);
-            rng[n_t++] = (kv_rng){t->file_offset, t->nbytes};
+            rng[n_t++] = (kv_rng){t->file_offset, t->nbytes, t->part};
         }
         snprintf(path, sizeof path, "%s/%s", s->out_dir, j->file->path);
     } else {
@@ -235,7 +267,7 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, int fd, uint8_t
             name[t->name.len] = 0;
             const uint64_t ne[3] = {t->ne[0], t->ne[1], cnt}, nb2 = t->nbytes / t->ne[2];
             rc = kv_gguf_writer_add_tensor(w, name, 3, ne, t->type, NULL, d);
-            rng[n_t++] = (kv_rng){t->file_offset + j->first * nb2, cnt * nb2};
+            rng[n_t++] = (kv_rng){t->file_offset + j->first * nb2, cnt * nb2, t->part};
         }
         snprintf(path, sizeof path, "%s/%s", s->out_dir, j->file->path);
     }
@@ -273,7 +305,10 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, int fd, uint8_t
     static const uint8_t zeros[KV_GGUF_MAX_ALIGNMENT];
     uint64_t size = data_off;
     for (size_t i = 0; i < n_t && !rc; i++) {
-        rc = kv_copy_range(s, fd, buf, w, i, 0, rng[i].off, rng[i].n, s->sparse ? NULL : &h, d);
+        rc = kv_src_part(s, sf, rng[i].part, d);
+        if (!rc)
+            rc = kv_copy_range(s, sf->fd, kv_part_path(s, rng[i].part), buf, w, i, 0, rng[i].off, rng[i].n,
+                               s->sparse ? NULL : &h, d);
         const uint64_t pad = (align - rng[i].n % align) % align;
         if (!s->sparse) kv_sha256_update(&h, zeros, (size_t)pad);
         size += rng[i].n + pad;
@@ -305,14 +340,13 @@ static void *kv_slice_thread(void *arg) {
     kv_slicer *s = arg;
     uint8_t *buf = malloc(KV_SLICE_BUF);
     kv_diag d = {0};
-    int fd = -1, rc = kv_pieces_open_file(s->src_path, false, &fd, NULL, &d);
-    if (rc) kv_diag_prefix(&d, rc, "slice");
-    else if (!buf) rc = kv_fail(&d, KV_ENOMEM, "slice: cannot allocate a copy buffer");
-    if (!rc) posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    kv_src_fd sf = {-1, 0};
+    int rc = kv_src_part(s, &sf, 0, &d);
+    if (!rc && !buf) rc = kv_fail(&d, KV_ENOMEM, "slice: cannot allocate a copy buffer");
     while (!rc && !atomic_load(&s->failed)) {
         size_t i = atomic_fetch_add(&s->next_job, 1);
         if (i >= s->n_jobs) break;
-        rc = kv_slice_job_run(s, &s->jobs[i], fd, buf, &d);
+        rc = kv_slice_job_run(s, &s->jobs[i], &sf, buf, &d);
     }
     if (rc) {
         pthread_mutex_lock(&s->mu);
@@ -322,7 +356,7 @@ static void *kv_slice_thread(void *arg) {
         }
         pthread_mutex_unlock(&s->mu);
     }
-    if (fd >= 0) close(fd);
+    if (sf.fd >= 0) close(sf.fd);
     free(buf);
     return NULL;
 }
@@ -355,14 +389,15 @@ int kv_slice_model(const char *src, const char *out_dir, const kv_slice_opts *op
         goto done;
     }
     const uint32_t per = o.experts_per_slab == 0 || o.experts_per_slab > s.n_expert ? s.n_expert : o.experts_per_slab;
-    {   /* holes in tensor data? */
+    for (uint32_t p = 0; p < kv_gguf_n_parts(g); p++) { /* holes in tensor data? */
+        const kv_gguf *pg = kv_gguf_part(g, p);
         int fd = -1;
-        if ((rc = kv_pieces_open_file(src, false, &fd, NULL, d))) {
+        if ((rc = kv_pieces_open_file(kv_part_path(&s, p), false, &fd, NULL, d))) {
             kv_diag_prefix(d, rc, "slice");
             goto done;
         }
-        off_t hole = lseek(fd, (off_t)kv_gguf_data_offset(g), SEEK_HOLE);
-        s.sparse = hole >= 0 && (uint64_t)hole < kv_gguf_file_size(g);
+        off_t hole = lseek(fd, (off_t)kv_gguf_data_offset(pg), SEEK_HOLE);
+        s.sparse |= hole >= 0 && (uint64_t)hole < kv_gguf_file_size(pg);
         close(fd);
     }
     /* the manifest, filled in as files are written */

@@ -43,6 +43,7 @@ typedef struct kv_vmat {
     float *a;            /* [in] column sums of |W| */
     float *b;            /* [in] column sums of W^2: E[s_j^2] for a Gaussian r */
     double rmax[KV_VERIFY_MAX_PROJ]; /* max_i |r_i| per vector (the worst-case bound) */
+    double *c;           /* [n_proj][in/32] M^T r, M the blocks' mins: Q8_1 activations only, else NULL */
 } kv_vmat;
 
 typedef struct kv_vexp {
@@ -62,6 +63,7 @@ struct kv_verify {
     uint64_t *rnd;       /* [max * n_proj] the key stream of one matrix's vectors */
     float *row;          /* [max] a dequantized row */
     float *xin, *hin, *h; /* [KV_VDOT_MAX_NT][n_embd], [.][n_ff], [.][n_ff]: a group's activations */
+    double *dx, *dh;     /* [KV_VDOT_MAX_NT][n_embd/32], [.][n_ff/32]: Q8_1 blocks' s - d*sum(qs) */
     uint8_t *qbuf;       /* one quantized activation row */
 };
 
@@ -112,7 +114,9 @@ int kv_verify_new(kv_verify **out, uint32_t n_layer, uint32_t n_expert, uint32_t
     v->hin = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
     v->h = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
     v->qbuf = malloc(kv_matmul_scratch(mx, 1));
-    if (!v->tab || !v->acc || !v->rnd || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf) {
+    v->dx = malloc(((size_t)KV_VDOT_MAX_NT * (n_embd / 32) + 1) * sizeof(double));
+    v->dh = malloc(((size_t)KV_VDOT_MAX_NT * (n_ff / 32) + 1) * sizeof(double));
+    if (!v->tab || !v->acc || !v->rnd || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf || !v->dx || !v->dh) {
         kv_verify_free(v);
         return kv_fail(d, KV_ENOMEM, "verify: out of memory");
     }
@@ -127,6 +131,7 @@ static void kv_vexp_free(kv_vexp *x) {
         free(x->m[k].s);
         free(x->m[k].a);
         free(x->m[k].b);
+        free(x->m[k].c);
     }
     free(x);
 }
@@ -144,6 +149,8 @@ void kv_verify_free(kv_verify *v) {
     free(v->hin);
     free(v->h);
     free(v->qbuf);
+    free(v->dx);
+    free(v->dh);
     sodium_memzero(v->seed, sizeof v->seed);
     free(v);
 }
@@ -219,6 +226,18 @@ static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, u
             m->a[j] = (float)ap[j];
             m->b[j] = (float)bp[j];
         }
+    if (m->c) { /* Q4_1/Q5_1 blocks begin with fp16 d, then fp16 m (quant/legacy.h) */
+        const uint32_t nb = m->in / 32;
+        memset(m->c, 0, (size_t)nb * P * sizeof(double));
+        for (uint32_t i = 0; i < m->out; i++) {
+            const uint8_t *row = (const uint8_t *)m->W + (size_t)i * rb;
+            for (uint32_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + (size_t)b * ti->size;
+                const double mn = kv_fp16_to_fp32((uint16_t)(blk[2] | blk[3] << 8));
+                for (uint32_t p = 0; p < P; p++) m->c[(size_t)p * nb + b] += (double)m->r[(size_t)p * m->out + i] * mn;
+            }
+        }
+    }
 }
 
 /* Room and statistics for one matrix (out rows of `in` elements of type). */
@@ -237,7 +256,13 @@ static int kv_vmat_prepare(kv_verify *v, kv_vmat *m, const void *W, uint32_t typ
     m->s = malloc((size_t)P * in * sizeof(double));
     m->a = malloc((size_t)in * sizeof(float));
     m->b = malloc((size_t)in * sizeof(float));
-    if (!m->r || !m->s || !m->a || !m->b) return kv_fail(d, KV_ENOMEM, "verify: out of memory");
+    /* With Q8_1 activations (Q4_1, Q5_1) the kernel's min term is m * s, s the activation
+     * block's fp16 d*sum(qs), not m * d * sum(qs) as the dequantized operands say: c
+     * carries each block's mins projected, and the check adds c . (s - d*sum(qs)). */
+    if (m->vdt == KV_TYPE_Q8_1 && ti->blck == 32 && ti->size >= 4 && in % 32 == 0)
+        m->c = malloc((size_t)P * (in / 32) * sizeof(double));
+    if (!m->r || !m->s || !m->a || !m->b || (m->vdt == KV_TYPE_Q8_1 && !m->c))
+        return kv_fail(d, KV_ENOMEM, "verify: out of memory or Q8_1 activations of type %u", type);
     kv_vmat_fill(v, m, layer, e, k, 0, true);
     return 0;
 }
@@ -277,7 +302,7 @@ int kv_verify_peek(const kv_verify *v, uint32_t layer, uint32_t e, int stage, ui
 
 /* The activation as the worker's kernel sees it: converted to vdt and back. */
 static void kv_verify_activation(kv_verify *v, const kv_vkernels *K, uint32_t vdt, const float *x, uint32_t n,
-                                 float *out) {
+                                 float *out, double *delta) {
     if (vdt == KV_TYPE_F32) {
         memcpy(out, x, n * sizeof(float));
         return;
@@ -290,6 +315,26 @@ static void kv_verify_activation(kv_verify *v, const kv_vkernels *K, uint32_t vd
         K->deq(vdt, v->qbuf, out, n); /* the bits of to_float, vectorized */
     else
         kv_type_get(vdt)->to_float(v->qbuf, out, n);
+    if (vdt == KV_TYPE_Q8_1) /* delta[b] = s - d * sum(qs) of block b (36 bytes: d, s, qs[32]) */
+        for (uint32_t b = 0; b < n / 32; b++) {
+            const uint8_t *q = v->qbuf + (size_t)b * 36;
+            int32_t sum = 0;
+            for (int j = 0; j < 32; j++) sum += (int8_t)q[4 + j];
+            delta[b] = (double)kv_fp16_to_fp32((uint16_t)(q[2] | q[3] << 8)) -
+                       (double)kv_fp16_to_fp32((uint16_t)(q[0] | q[1] << 8)) * sum;
+        }
+}
+
+/* rhs[t*P + p] += c_p . delta_t for the nt answers, when m has Q8_1 activations. */
+static void kv_verify_min_term(const kv_vmat *m, uint32_t P, uint32_t nt, const double *delta, double *rhs) {
+    if (!m->c) return;
+    const uint32_t nb = m->in / 32;
+    for (uint32_t t = 0; t < nt; t++)
+        for (uint32_t p = 0; p < P; p++) {
+            double acc = 0;
+            for (uint32_t b = 0; b < nb; b++) acc += m->c[(size_t)p * nb + b] * delta[(size_t)t * nb + b];
+            rhs[t * P + p] += acc;
+        }
 }
 
 /* The outcome of one stage of one answer. */
@@ -377,11 +422,13 @@ static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *c
     double Sg[KV_VDOT_MAX_NT], Bg[KV_VDOT_MAX_NT], Su[KV_VDOT_MAX_NT], Bu[KV_VDOT_MAX_NT];
     const float *xin[KV_VDOT_MAX_NT], *hin[KV_VDOT_MAX_NT];
     for (uint32_t t = 0; t < nt; t++) {
-        kv_verify_activation(v, K, X->m[0].vdt, x[t], E, v->xin + (size_t)t * E);
+        kv_verify_activation(v, K, X->m[0].vdt, x[t], E, v->xin + (size_t)t * E, v->dx + (size_t)t * (E / 32));
         xin[t] = v->xin + (size_t)t * E;
     }
     K->dots(P, nt, X->m[0].r, gate, F, X->m[0].s, X->m[0].a, X->m[0].b, xin, E, lg, rg, Sg, Bg);
     K->dots(P, nt, X->m[1].r, up, F, X->m[1].s, X->m[1].a, X->m[1].b, xin, E, lu, ru, Su, Bu);
+    kv_verify_min_term(&X->m[0], P, nt, v->dx, rg);
+    kv_verify_min_term(&X->m[1], P, nt, v->dx, ru);
     /* gate and up of each answer in order; the first failure ends the group there */
     kv_vres fail = {-1, false, 0, 0, 0, 0, 0};
     int fstage = -1;
@@ -402,7 +449,7 @@ static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *c
             float *h = v->h + (size_t)t * F;
             K->swiglu(h, gate[t], up[t], F); /* kv_swiglu's bits */
             if (!K->finite(h, F)) fstage = 3, nd = t;
-            else kv_verify_activation(v, K, X->m[2].vdt, h, F, v->hin + (size_t)t * F);
+            else kv_verify_activation(v, K, X->m[2].vdt, h, F, v->hin + (size_t)t * F, v->dh + (size_t)t * (F / 32));
         }
         hin[t] = v->hin + (size_t)t * F;
     }
@@ -412,6 +459,7 @@ static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *c
         double ld[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], rd[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
         double Sd[KV_VDOT_MAX_NT], Bd[KV_VDOT_MAX_NT];
         K->dots(P, nd, X->m[2].r, y, E, X->m[2].s, X->m[2].a, X->m[2].b, hin, F, ld, rd, Sd, Bd);
+        kv_verify_min_term(&X->m[2], P, nd, v->dh, rd);
         for (uint32_t t = 0; t < nd; t++) {
             const kv_vres rdt = kv_verify_cmp(v, &X->m[2], ld + t * P, rd + t * P, Sd[t], Bd[t], hin[t], y[t]);
             worst[t] = fmax(worst[t], rdt.worst);

@@ -1,0 +1,148 @@
+/* AVX2 kernels of Q4_1, Q5_1 (against Q8_1 activations), Q5_0, IQ4_NL and
+ * MXFP4 (against Q8_0) (compiled with -mavx2 -mfma -mf16c; called only after
+ * run-time detection). They follow the canonical order of quant/legacy.h,
+ * so their results are bit-identical to legacy_ref.c.
+ *
+ * Hot path: one weight row against up to LX_TT tokens at a time; a block is
+ * unpacked to 32 int8 weights once (legacy_x86.h) and reused for every
+ * token. The int32 group sums of 4 products are one maddubs + madd:
+ * unsigned weights (Q4_1, Q5_1: 0..31) go in as they are; signed ones
+ * (|w| <= 127) as |w| against the activation with w's sign (vpsignb), so no
+ * int16 pair sum can saturate (activations are in [-127, 127]). Even and
+ * odd blocks accumulate in two ymm: the 16 canonical lanes (Q4_1 and Q5_1:
+ * one ymm, ggml's order, and the min term one scalar fma per block). */
+#include "quant/legacy_x86.h"
+
+#define AI LX_AI
+#define LX_TT 4 /* tokens per row pass */
+
+AI __m256i grp_u(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* Fixed 8-lane tree, the order of kv_hsum8. */
+AI float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+typedef __m256i (*lx_unpack)(const void *row, int64_t b, float *dw, float *mw);
+
+/* Activation block b of a token: Q8_1 (36 bytes: d, s, qs) with a min
+ * (Q4_1, Q5_1), else Q8_0 (34 bytes: d, qs). */
+AI const uint8_t *act(int has_min, const uint8_t *a, int64_t b) { return a + b * (has_min ? 36 : 34); }
+
+/* out[t] = dot(row w, token t) for t < TT; tokens ab bytes apart. */
+AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab,
+                 float *out) {
+    __m256 acc[LX_TT][2];
+    float summ[LX_TT];
+    for (int t = 0; t < TT; t++) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        summ[t] = 0;
+    }
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int odd = has_min ? 0 : (int)(b & 1); /* Q4_1/Q5_1: one chain */
+        float dw, mw;
+        const __m256i xv = un(w, b, &dw, &mw);
+        const __m256i ax = has_min ? xv : _mm256_sign_epi8(xv, xv);
+        for (int t = 0; t < TT; t++) {
+            const uint8_t *y = act(has_min, a + (size_t)t * ab, b);
+            uint16_t yd;
+            memcpy(&yd, y, 2);
+            const __m256i yv = _mm256_loadu_si256((const __m256i *)(y + (has_min ? 4 : 2)));
+            const float da = _cvtsh_ss(yd);
+            const __m256i p = grp_u(ax, has_min ? yv : _mm256_sign_epi8(yv, xv));
+            acc[t][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * da), acc[t][odd]);
+            if (has_min) {
+                uint16_t ys;
+                memcpy(&ys, y + 2, 2);
+                summ[t] = fmaf(mw, _cvtsh_ss(ys), summ[t]);
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) {
+        out[t] = has_min ? hsum_ps(acc[t][0]) + summ[t] : hsum_ps(_mm256_add_ps(acc[t][0], acc[t][1]));
+    }
+}
+
+/* One token against rows w and w + rb (decode): the two rows' chains are
+ * independent, so the single chain of Q4_1/Q5_1 is not the limit; each
+ * row's arithmetic is row_tile's. The rows KV_LX_PF pairs ahead are
+ * prefetched, a block (bs bytes) at a time. */
+#define KV_LX_PF 4
+AI void rows2(lx_unpack un, int has_min, int64_t n, const uint8_t *w, size_t rb, size_t bs, const uint8_t *a,
+              float out[2]) {
+    __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    float summ[2] = {0, 0};
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int odd = has_min ? 0 : (int)(b & 1);
+        const uint8_t *y = act(has_min, a, b);
+        uint16_t yd, ys;
+        memcpy(&yd, y, 2);
+        memcpy(&ys, y + 2, 2);
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(y + (has_min ? 4 : 2)));
+        const float da = _cvtsh_ss(yd);
+        for (int r = 0; r < 2; r++) {
+            _mm_prefetch((const char *)(w + (size_t)(r + 2 * KV_LX_PF) * rb + (size_t)b * bs), _MM_HINT_T0);
+            float dw, mw;
+            const __m256i xv = un(w + (size_t)r * rb, b, &dw, &mw);
+            const __m256i ax = has_min ? xv : _mm256_sign_epi8(xv, xv);
+            const __m256i p = grp_u(ax, has_min ? yv : _mm256_sign_epi8(yv, xv));
+            acc[r][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * da), acc[r][odd]);
+            if (has_min) summ[r] = fmaf(mw, _cvtsh_ss(ys), summ[r]);
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        out[r] = has_min ? hsum_ps(acc[r][0]) + summ[r] : hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+            const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
+    const uint8_t *wb = W, *ab = A;
+    int64_t r = r0;
+    if (n_tok == 1 && n >= 32) /* decode: row pairs */
+        for (; r + 2 <= r1; r += 2) {
+            float o[2];
+            rows2(un, has_min, n, wb + r * row_bytes, row_bytes, row_bytes / (size_t)(n / 32), ab, o);
+            Y[r] = o[0];
+            Y[r + 1] = o[1];
+        }
+    for (; r < r1; r++) {
+        for (int64_t t = 0; t < n_tok; t += LX_TT) {
+            float o[LX_TT];
+            const int64_t tt = n_tok - t < LX_TT ? n_tok - t : LX_TT;
+            switch (tt) { /* constant TT: the token loop unrolls */
+            case 1: row_tile(un, has_min, 1, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            case 2: row_tile(un, has_min, 2, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            case 3: row_tile(un, has_min, 3, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            default: row_tile(un, has_min, 4, n, wb + r * row_bytes, ab + t * a_stride, a_stride, o); break;
+            }
+            for (int64_t j = 0; j < tt; j++) Y[(size_t)(t + j) * y_stride + (size_t)r] = o[j];
+        }
+    }
+}
+
+#define LEGACY_AVX2(T, HAS_MIN)                                                                  \
+    static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                     \
+        row_tile(lx_##T, HAS_MIN, 1, n, w, a, 0, s);                                             \
+    }                                                                                            \
+    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,      \
+                        const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
+        mat(lx_##T, HAS_MIN, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);          \
+    }
+LEGACY_AVX2(q4_1, 1)
+LEGACY_AVX2(q5_0, 0)
+LEGACY_AVX2(q5_1, 1)
+LEGACY_AVX2(iq4_nl, 0)
+LEGACY_AVX2(mxfp4, 0)
+
+void kv_quant_fill_legacy_avx2(kv_kernels *k) {
+    k[KV_TYPE_Q4_1].vec_dot = q4_1_dot;     k[KV_TYPE_Q4_1].mat = q4_1_mat;
+    k[KV_TYPE_Q5_0].vec_dot = q5_0_dot;     k[KV_TYPE_Q5_0].mat = q5_0_mat;
+    k[KV_TYPE_Q5_1].vec_dot = q5_1_dot;     k[KV_TYPE_Q5_1].mat = q5_1_mat;
+    k[KV_TYPE_IQ4_NL].vec_dot = iq4_nl_dot; k[KV_TYPE_IQ4_NL].mat = iq4_nl_mat;
+    k[KV_TYPE_MXFP4].vec_dot = mxfp4_dot;   k[KV_TYPE_MXFP4].mat = mxfp4_mat;
+}
