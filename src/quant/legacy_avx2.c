@@ -106,11 +106,12 @@ AI void rows2(lx_unpack un, int has_min, int64_t n, const uint8_t *w, size_t rb,
  * fma(mw, s, summ) are one vector step each: lane t is token t's own
  * scalar step of row_tile (the same roundings, in the same order). */
 #define LX_TT8 8
+#define LX_UNROLL _Pragma("GCC unroll 8")
 #define LX_MAX_BLK 512 /* most blocks per row for this path (n <= 16384) */
 AI void row_tile8(lx_unpack un, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab, const float *da,
                   const float *sa, float *out) {
     __m256 acc[LX_TT8];
-    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    LX_UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
     __m256 summ = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
         float dw, mw;
@@ -118,14 +119,14 @@ AI void row_tile8(lx_unpack un, int TT, int64_t n, const void *w, const uint8_t 
         _Alignas(32) float dd[LX_TT8];
         _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_load_ps(da + LX_TT8 * b)));
         summ = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_load_ps(sa + LX_TT8 * b), summ);
-        for (int t = 0; t < TT; t++) {
+        LX_UNROLL for (int t = 0; t < TT; t++) { /* unrolled: acc[] stays in registers */
             const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(act(1, a + (size_t)t * ab, b) + 4));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(grp_u(xv, yv)), _mm256_broadcast_ss(dd + t), acc[t]);
         }
     }
     _Alignas(32) float sm[LX_TT8];
     _mm256_store_ps(sm, summ);
-    for (int t = 0; t < TT; t++) out[t] = hsum_ps(acc[t]) + sm[t];
+    LX_UNROLL for (int t = 0; t < TT; t++) out[t] = hsum_ps(acc[t]) + sm[t];
 }
 
 AI void mat_min(lx_unpack un, const uint8_t *wb, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
