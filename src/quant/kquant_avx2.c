@@ -152,6 +152,16 @@ AI __m128i q3_scales(const uint8_t *b) {
     return _mm_sub_epi8(v, _mm_set1_epi8(32)); /* each byte: value - 32 */
 }
 
+/* Chunk c's pair of group scales from sh = the 8 scales of c's half of
+ * the super-block (words 0..7 of s16 for c < 4, 8..15 for c >= 4) in both
+ * 128-bit lanes: word 2(c%4) in the low lane, 2(c%4)+1 in the high one,
+ * pick_pair's result with one in-lane shuffle. */
+AI __m256i pick_half(__m256i sh, int c) {
+    const int k = c & 3;
+    return _mm256_shuffle_epi8(sh, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * k + 3) + 4 * k + 2)),
+                                                    _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k))));
+}
+
 AI void q3_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
                    float *out) {
     const __m256i m3 = _mm256_set1_epi8(3);
@@ -168,10 +178,11 @@ AI void q3_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
         KQ_UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();
         KQ_UNROLL for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 32 * h));
+            const __m256i sh = _mm256_permute4x64_epi64(s16, h ? 0xEE : 0x44);
             KQ_UNROLL for (int k = 0; k < 4; k++) {
                 const int c = 4 * h + k;
                 const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m3), q3_hi(hm, c));
-                const __m256i sp = pick_pair(s16, c);
+                const __m256i sp = pick_half(sh, c);
                 KQ_UNROLL for (int t = 0; t < TT; t++) {
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
                     const __m256i av = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 32 * c));
@@ -208,10 +219,11 @@ AI void q2_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
         KQ_UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();
         KQ_UNROLL for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 32 * h));
+            const __m256i sh = _mm256_permute4x64_epi64(s16, h ? 0xEE : 0x44);
             KQ_UNROLL for (int k = 0; k < 4; k++) {
                 const int c = 4 * h + k;
                 const __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m3);
-                const __m256i sp = pick_pair(s16, c);
+                const __m256i sp = pick_half(sh, c);
                 KQ_UNROLL for (int t = 0; t < TT; t++) {
                     const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
                     const __m256i av = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 32 * c));
