@@ -243,6 +243,16 @@ AI void q2_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
     KQ_UNROLL for (int t = 0; t < TT; t++) out[t] = hsum8(_mm256_sub_ps(acc[t], accm[t]));
 }
 
+/* The 8 sub-block scales (-32..31) of an iq4_xs block as int16 words
+ * 0..7 (kv_iq4_xs_scale for ib = 0..7): nibble ib of scales_l and bit pair
+ * ib of scales_h spread to byte ib with pdep. */
+AI __m128i iq4_xs_scales(const kv_block_iq4_xs *x) {
+    uint32_t l;
+    memcpy(&l, x->scales_l, 4);
+    const uint64_t b = _pdep_u64(l, 0x0F0F0F0F0F0F0F0Full) | (_pdep_u64(x->scales_h, 0x0303030303030303ull) << 4);
+    return _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)b), _mm_set1_epi8(32)));
+}
+
 AI void iq4_xs_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const uint8_t *a, size_t ab,
                      float *out) {
     const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)kv_iq4nl_values));
@@ -256,11 +266,12 @@ AI void iq4_xs_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, con
         _mm_prefetch((const char *)x + rb + sizeof(*x) - 1, _MM_HINT_T0);
         __m256i isum[KQ_TT];
         KQ_UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();
+        const __m256i ls8 = _mm256_broadcastsi128_si256(iq4_xs_scales(x));
         KQ_UNROLL for (int ib = 0; ib < 8; ib++) {
             const __m128i q = _mm_loadu_si128((const __m128i *)(const void *)(x->qs + 16 * ib));
             const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
             const __m256i v = _mm256_shuffle_epi8(tbl, idx), va = _mm256_sign_epi8(v, v);
-            const __m256i ls = _mm256_set1_epi16((short)kv_iq4_xs_scale(x, ib));
+            const __m256i ls = _mm256_shuffle_epi8(ls8, _mm256_set1_epi16((short)(0x0100 * (2 * ib + 1) + 2 * ib)));
             KQ_UNROLL for (int t = 0; t < TT; t++) {
                 const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
                 const __m256i av = _mm256_loadu_si256((const __m256i *)(const void *)(y->qs + 32 * ib));

@@ -124,6 +124,16 @@ AI void q3_K_row(int64_t n, float *s, const void *w, const void *a, size_t rb) {
     *s = hsum8(acc);
 }
 
+/* The 8 sub-block scales (-32..31) of an iq4_xs block as int16 words
+ * 0..7 (kv_iq4_xs_scale for ib = 0..7): nibble ib of scales_l and bit pair
+ * ib of scales_h spread to byte ib with pdep. */
+AI __m128i iq4_xs_scales(const kv_block_iq4_xs *x) {
+    uint32_t l;
+    memcpy(&l, x->scales_l, 4);
+    const uint64_t b = _pdep_u64(l, 0x0F0F0F0F0F0F0F0Full) | (_pdep_u64(x->scales_h, 0x0303030303030303ull) << 4);
+    return _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)b), _mm_set1_epi8(32)));
+}
+
 AI void iq4_xs_row(int64_t n, float *s, const void *w, const void *a, size_t rb) {
     const kv_block_iq4_xs *x = w;
     const kv_block_q8_K *y = a;
@@ -140,6 +150,7 @@ AI void iq4_xs_row(int64_t n, float *s, const void *w, const void *a, size_t rb)
             _mm_prefetch((const char *)&x[i] + rb + sizeof(x[i]) - 1, _MM_HINT_T0);
         }
         __m512i isum = _mm512_setzero_si512();
+        const __m512i ls8 = _mm512_broadcast_i32x4(iq4_xs_scales(&x[i]));
         for (int ib = 0; ib < 8; ib += 2) {
             const __m128i qa = _mm_loadu_si128((const __m128i *)(x[i].qs + 16 * ib));
             const __m128i qb = _mm_loadu_si128((const __m128i *)(x[i].qs + 16 * ib + 16));
@@ -150,9 +161,9 @@ AI void iq4_xs_row(int64_t n, float *s, const void *w, const void *a, size_t rb)
             const __mmask64 neg = _mm512_movepi8_mask(v);
             const __m512i sa = _mm512_mask_sub_epi8(av, neg, zero, av); /* a with v's sign (v != 0) */
             const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(v), sa);
-            const __m512i ls = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_set1_epi16((short)kv_iq4_xs_scale(&x[i], ib))),
-                _mm256_set1_epi16((short)kv_iq4_xs_scale(&x[i], ib + 1)), 1);
+            const __m512i ls = _mm512_shuffle_epi8( /* words ib (low half), ib + 1 (high half) */
+                ls8, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x0100 * (2 * ib + 1) + 2 * ib))),
+                                        _mm256_set1_epi16((short)(0x0100 * (2 * ib + 3) + 2 * ib + 2)), 1));
             isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, ls));
         }
         const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
