@@ -287,15 +287,18 @@ static void test_backends(void) {
     free(xw); free(xa); free(f1); free(f2); free(w); free(a); free(w2);
 }
 
-/* kv_mat_rows (5 rows x 3 tokens, rows [1, 5)) equals lone vec_dots on every backend. */
+/* kv_mat_rows (rows [1, 8) of 8 x 1, 3, 6 or 9 tokens: the one-token
+ * streams with a leftover row, and token tiles split evenly) equals lone
+ * vec_dots on every backend. */
 static void test_mat_rows(void) {
     const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
-    const int64_t n = 512, rows = 5, toks = 3;
-    float *x = malloc(4 * n * rows);
-    uint8_t *W = malloc(4 * n * rows), *A = malloc(4 * n * toks);
-    fill_gauss(x, n * toks, 1.0f);
+    enum { ROWS = 8, MAXT = 9 };
+    const int64_t n = 512, rows = ROWS, tok_counts[] = {1, 3, 6, MAXT};
+    float *x = malloc(4 * n * (ROWS > MAXT ? ROWS : MAXT));
+    uint8_t *W = malloc(4 * n * rows), *A = malloc(4 * n * MAXT);
+    fill_gauss(x, n * MAXT, 1.0f);
     const size_t ab = kv_type_row_size(KV_TYPE_Q8_K, n);
-    for (int64_t t = 0; t < toks; t++) kv_type_get_ref(KV_TYPE_Q8_K)->from_float(x + t * n, A + t * ab, n);
+    for (int64_t t = 0; t < MAXT; t++) kv_type_get_ref(KV_TYPE_Q8_K)->from_float(x + t * n, A + t * ab, n);
     for (size_t b = 0; b < sizeof bes / sizeof bes[0]; b++) {
         if (kv_quant_set_backend(bes[b]) != 0) continue;
         for (size_t ti = 0; ti < N_TYPES; ti++) {
@@ -303,17 +306,22 @@ static void test_mat_rows(void) {
             const size_t rb = kv_type_row_size(types[ti], n);
             fill_gauss(x, n * rows, 0.05f);
             for (int64_t r = 0; r < rows; r++) f->from_float(x + r * n, W + r * rb, n);
-            float Y[3 * 5], one;
-            memset(Y, 0, sizeof Y);
-            kv_mat_rows(types[ti], W, rb, n, 1, rows, A, ab, toks, Y, rows);
-            int bad = 0;
-            for (int64_t t = 0; t < toks; t++)
-                for (int64_t r = 1; r < rows; r++) {
-                    f->vec_dot(n, &one, W + r * rb, A + t * ab);
-                    bad += f2u(one) != f2u(Y[t * rows + r]);
-                }
-            if (bad) KVT_FAIL("%s %s: kv_mat_rows differs from vec_dot in %d outputs", bes[b], f->name, bad);
-            kvt_checks++;
+            for (size_t k = 0; k < sizeof tok_counts / sizeof tok_counts[0]; k++) {
+                const int64_t toks = tok_counts[k];
+                float Y[MAXT * ROWS], one;
+                memset(Y, 0, sizeof Y);
+                kv_mat_rows(types[ti], W, rb, n, 1, rows, A, ab, toks, Y, rows);
+                int bad = 0;
+                for (int64_t t = 0; t < toks; t++)
+                    for (int64_t r = 1; r < rows; r++) {
+                        f->vec_dot(n, &one, W + r * rb, A + t * ab);
+                        bad += f2u(one) != f2u(Y[t * rows + r]);
+                    }
+                if (bad)
+                    KVT_FAIL("%s %s, %d tokens: kv_mat_rows differs from vec_dot in %d outputs", bes[b], f->name,
+                             (int)toks, bad);
+                kvt_checks++;
+            }
         }
     }
     kv_quant_set_backend("scalar");
