@@ -102,6 +102,18 @@ for arch in qwen3moe qwen35moe; do
   done
 done
 
+# ---- a ring of one node (the head is the tail: the drafts come back to itself)
+m="$dir/qwen35moe.gguf"
+ring_start "$m" 0-3
+for D in "ngram 3" "test:$dir/qwen35moe.seeded.rec:0.7 3"; do
+  read -r src k <<<"$D"
+  "$KV" run --ring "${RING_ADDR[0]}" "${RK[@]}" -p "$P" -n $N "${SEEDED[@]}" --json --draft "$src" --draft-max "$k" \
+    --logits-out "$dir/o.bin" >"$dir/o.json" 2>"$dir/o.err" || fail "ring of one --draft $src: $(cat "$dir/o.err")"
+  same "$dir/o" "$dir/qwen35moe.seeded" "qwen35moe, a ring of one, --draft ${src##*/}"
+done
+ring_stop
+echo "ok: a ring of one node, drafting: identical"
+
 # ---- 3. a middle node dies mid-decode; the replay carries accepted tokens only
 m="$dir/qwen35moe.gguf"
 N2=48
