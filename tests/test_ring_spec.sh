@@ -20,7 +20,9 @@
 #  4. a v3 peer gets a clear version error; --draft mtp over a ring is
 #     refused naming the flag; a bad --draft is refused.
 #  5. a gateway --ring --draft test:...: the same text as a gateway without
-#     --draft, and /metrics reports the ring's acceptance.
+#     --draft (greedy; and seeded under a JSON schema with log-probabilities:
+#     the grammar advanced token by token at the tail), and /metrics reports
+#     the ring's acceptance.
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -180,21 +182,35 @@ ask() {
   curl -sf "http://$GW_ADDR/v1/completions" -H 'content-type: application/json' \
     -d "{\"model\":\"m\",\"prompt\":\"$P\",\"max_tokens\":$N2,\"temperature\":0}" | jq -r '.choices[0].text'
 }
+SCHEMA='{"type":"object","properties":{"city":{"type":"string"},"n":{"type":"integer"}},"required":["city","n"]}'
+askg() { # a seeded completion under a JSON schema, with log-probabilities: [text, logprobs]
+  curl -sf "http://$GW_ADDR/v1/completions" -H 'content-type: application/json' \
+    -d "{\"model\":\"m\",\"prompt\":\"$P\",\"max_tokens\":60,\"temperature\":0.7,\"seed\":5,\"logprobs\":2,\"json_schema\":$SCHEMA}" |
+    jq -c '[.choices[0].text, .choices[0].logprobs]'
+}
 gw
 ask >"$dir/gw.plain" || fail "the plain ring gateway did not answer"
+askg >"$dir/gwg.plain" || fail "the plain ring gateway did not answer under a schema"
 kill "$GW_PID"
 wait "$GW_PID" 2>/dev/null || true
 "$KV" run -m "$m" -p "$P" -n $N2 --temp 0 --json --threads 1 >"$dir/g.json"
 jq -c .tokens "$dir/g.json" >"$dir/g.rec"
 gw --draft "test:$dir/g.rec:0.7" --draft-max 3
 ask >"$dir/gw.spec" || fail "the drafting ring gateway did not answer"
-[ -s "$dir/gw.plain" ] || fail "the gateway answered no text"
-cmp -s "$dir/gw.plain" "$dir/gw.spec" || fail "the gateway's text differs with --draft over the ring"
+# the greedy request's acceptance (the recording is its plain run's tokens)
 curl -sf "http://$GW_ADDR/metrics" >"$dir/metrics"
 acc=$(sed -n 's/^kvasir_gateway_spec_acceptance \(.*\)/\1/p' "$dir/metrics")
 [ -n "$acc" ] || fail "/metrics has no acceptance over the ring"
 python3 -c "import sys; a = float(sys.argv[1]); sys.exit(0 if 0.3 <= a <= 1 else 1)" "$acc" ||
   fail "/metrics acceptance $acc for a test source at 0.7"
-echo "ok: gateway --ring --draft: the same text as without; /metrics acceptance $acc"
+askg >"$dir/gwg.spec" || fail "the drafting ring gateway did not answer under a schema"
+# (60 tokens of a synthetic model do not finish the object: it starts as the schema says)
+jq -r '.[0]' "$dir/gwg.plain" | grep -q '^{ *"city"' || fail "no JSON under the schema: $(cat "$dir/gwg.plain")"
+cmp -s "$dir/gwg.plain" "$dir/gwg.spec" ||
+  fail "under a schema, seeded, with log-probabilities: $(cat "$dir/gwg.spec") vs $(cat "$dir/gwg.plain")"
+[ -s "$dir/gw.plain" ] || fail "the gateway answered no text"
+cmp -s "$dir/gw.plain" "$dir/gw.spec" || fail "the gateway's text differs with --draft over the ring"
+echo "ok: gateway --ring --draft: the same text as without (greedy, and seeded under a JSON schema with" \
+  "log-probabilities); /metrics acceptance $acc"
 echo "PASS: speculative decoding over the ring is exact (qwen3moe, qwen35moe, 2 and 3 nodes, greedy and seeded," \
   "a node killed mid-decode, a gateway)"
