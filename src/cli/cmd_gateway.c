@@ -358,9 +358,11 @@ int kv_cmd_gateway(int argc, char **argv) {
         kv_diag sd = {0};
         char why[300];
         uint32_t ns = 0;
+        bool unreached = false; /* auto: the hub's own error comes next, from the manifest */
         if (kv_ring_hub_site_entries(hub, site_rings, KV_GATEWAY_MAX_RING, &ns, why, sizeof why, &sd)) {
             if (!strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: %s", sd.msg);
             snprintf(why, sizeof why, "%.250s", sd.msg);
+            unreached = true;
         }
         if (ns && ledger && !strcmp(placement, "auto")) {
             snprintf(why, sizeof why, "--ledger is not served over a ring");
@@ -369,7 +371,7 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (!ns && !strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: the hub's %s", why);
         for (uint32_t k = 0; k < ns; k++) rings[n_rings++] = site_rings[k];
         if (!quiet && ns) fprintf(stderr, "gateway: placement sites: the hub's ring of %u sites\n", ns);
-        else if (!quiet) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
+        else if (!quiet && !unreached) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
     }
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
@@ -535,7 +537,14 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,
                                .prompt_cache_bytes = prompt_cache, .draft = draft,
                                .draft_max = (uint32_t)draft_max};
-    if (kv_engine_open(&e, model, &eo, &d)) {
+    char down[sizeof d.msg] = "";
+    const int erc = kv_engine_open(&e, model, &eo, &d);
+    if (erc == KV_EUNSUPPORTED && strncmp(d.msg, "mtp:", 4)) { /* a type no backend computes: the gateway says
+                                                                  so (503), not a dead port; a --draft it cannot
+                                                                  run is a flag error */
+        snprintf(down, sizeof down, "%s", d.msg);
+        fprintf(stderr, "kvasir gateway: %s: /health and every prompt answer 503\n", down);
+    } else if (erc) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
@@ -551,7 +560,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                 .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
                                 .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model,
-                                .no_web_ui = no_web_ui};
+                                .no_web_ui = no_web_ui, .down_msg = down[0] ? down : NULL};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
