@@ -97,7 +97,9 @@ static const char *kv_gateway_help =
     "                       (default 1G; at most 1T; docs/GATEWAY.md)\n"
     "  --draft SRC          speculative decoding: none (default), ngram or mtp; the same tokens with\n"
     "                       fewer forward passes (docs/SPECULATIVE.md); --draft-max K drafted tokens\n"
-    "                       per pass, 1..15 (default 3); /metrics reports acceptance\n"
+    "                       per pass, 1..15 (default 3); /metrics reports acceptance. With a ring\n"
+    "                       (--ring, --placement sites): ngram or test:FILE:P[:SEED], drafted by\n"
+    "                       the ring's last node (k + 1 positions per crossing)\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
@@ -376,9 +378,15 @@ int kv_cmd_gateway(int argc, char **argv) {
     if (n_rings && prompt_cache_given && prompt_cache)
         return kv_cli_err(CMD, 1, "--prompt-cache with --ring is not supported yet (docs/GATEWAY.md \"Prompt cache\"): "
                           "the ring's nodes hold the KV of their windows");
-    if (n_rings && (draft || draft_max))
-        return kv_cli_err(CMD, 1, "--draft with --ring is not supported yet: the ring's last node samples");
     if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
+    if (n_rings && draft) { /* over a ring the tail drafts: ngram, or a test recording sent with each request */
+        kv_ring_params tp = {0};
+        int32_t *trec = NULL;
+        kv_diag dd = {0};
+        const int drc = kv_ring_draft_params(draft, (uint32_t)draft_max, &tp, &trec, &dd);
+        free(trec);
+        if (drc) return kv_cli_err(CMD, 1, "%s", dd.msg);
+    }
     if (n_rings && ledger)
         return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
                           "must hold a payment before compute, and only the ring knows the prompt's token count");
@@ -483,6 +491,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .ring_addrs = rings, .n_ring = n_rings, .ring_key_sk = ring_key.sk,
                                     .ring_voucher = hub ? &rv : NULL,
                                     .ring_timeout_ms = (uint32_t)ring_timeout, .chat_template = tmpl,
+                                    .ring_draft = n_rings ? draft : NULL, .ring_draft_max = (uint32_t)draft_max,
                                     .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                     .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
                                     .cors_origins = cors, .n_cors = n_cors, .quiet = quiet,
