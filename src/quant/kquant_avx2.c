@@ -178,7 +178,7 @@ AI void q3_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
         KQ_UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();
         KQ_UNROLL for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 32 * h));
-            const __m256i sh = _mm256_permute4x64_epi64(s16, h ? 0xEE : 0x44);
+            const __m256i sh = (h ? _mm256_permute4x64_epi64(s16, 0xEE) : _mm256_permute4x64_epi64(s16, 0x44));
             KQ_UNROLL for (int k = 0; k < 4; k++) {
                 const int c = 4 * h + k;
                 const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m3), q3_hi(hm, c));
@@ -219,7 +219,7 @@ AI void q2_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
         KQ_UNROLL for (int t = 0; t < TT; t++) isum[t] = _mm256_setzero_si256();
         KQ_UNROLL for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 32 * h));
-            const __m256i sh = _mm256_permute4x64_epi64(s16, h ? 0xEE : 0x44);
+            const __m256i sh = (h ? _mm256_permute4x64_epi64(s16, 0xEE) : _mm256_permute4x64_epi64(s16, 0x44));
             KQ_UNROLL for (int k = 0; k < 4; k++) {
                 const int c = 4 * h + k;
                 const __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m3);
