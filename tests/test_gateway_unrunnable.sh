@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # kv-test-labels: net
 # A model with an expert tensor of a type no backend here computes (a
-# gen-model MXFP4 model whose blk.1.ffn_down_exps has its type patched to
-# IQ4_XS, which has 8 MXFP4 blocks' size per 256 values, so the file stays
-# well-formed): the
+# gen-model F16 model whose blk.1.ffn_down_exps has its type patched to
+# I16, two bytes a value like F16, so the file stays well-formed): the
 # gateway starts and says why it cannot run: /health is a 503 naming the
 # tensor and its type, and every prompt (OpenAI chat and completions,
 # Anthropic, Ollama) a 503 at once with that message, not a hang; the
@@ -18,10 +17,10 @@ command -v curl >/dev/null 2>&1 || fail "curl not found"
 DIR=$(mktemp -d "${TMPDIR:-/tmp}/kv_gwdown.XXXXXX")
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$DIR"' EXIT
-"$BIN" gen-model --preset tiny --type mxfp4 --ff-exp 256 --out "$DIR/m.gguf" >/dev/null 2>&1 || fail "gen-model"
+"$BIN" gen-model --preset tiny --type f16 --ff-exp 256 --out "$DIR/m.gguf" >/dev/null 2>&1 || fail "gen-model"
 cp "$DIR/m.gguf" "$DIR/p.gguf"
 # the GGUF header walked to the tensor infos; the named tensor's type field rewritten
-python3 - "$DIR/p.gguf" blk.1.ffn_down_exps.weight 39 23 <<'PY' || fail "patching the type"
+python3 - "$DIR/p.gguf" blk.1.ffn_down_exps.weight 1 25 <<'PY' || fail "patching the type"
 import struct, sys
 path, want, old, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 b = open(path, 'rb').read(); o = 4
@@ -65,7 +64,7 @@ OK=$(wait_addr "$!" "$DIR/ok.out")
 GW=$!
 PIDS+=("$GW")
 ADDR=$(wait_addr "$GW" "$DIR/gw.out")
-WANT="tensor 'blk.1.ffn_down_exps.weight' has type iq4_xs (23), which kvasir cannot compute"
+WANT="tensor 'blk.1.ffn_down_exps.weight' has type i16 (25), which kvasir cannot compute"
 grep -qF "$WANT" "$DIR/gw.out.err" || fail "the gateway does not say why at start: $(cat "$DIR/gw.out.err")"
 code=$(curl -s -o "$DIR/h.body" -w '%{http_code}' "http://$ADDR/health")
 [ "$code" = 503 ] || fail "/health: $code"

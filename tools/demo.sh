@@ -90,9 +90,13 @@ pt=$(jq .usage.prompt_tokens "$dir/chat.json")
 L=$(jq .n_moe_layers "$dir/plan.json")
 k=$(jq .n_expert_used "$dir/plan.json")
 got=$(jq .experts_computed "$dir/status.json")
+# a request hedged to a replica (docs/PROTOCOL.md) is computed by both: the gateway counts its slots
+hedged=$(curl -s "$GW/metrics" | sed -n 's/^kvasir_gateway_hedged_pairs_total \([0-9]*\)$/\1/p')
+hedged=${hedged:-0}
 echo "   total $got = ($toks tokens through the model (prompt + answer - 1) x $L MoE layers" \
-  "- $((pt - 1)) prompt tokens without logits, which skip the last layer's experts) x top-$k:" \
-  "$([ "$got" = $(((toks * L - (pt - 1)) * k)) ] && echo yes || echo NO)"
+  "- $((pt - 1)) prompt tokens without logits, which skip the last layer's experts) x top-$k" \
+  "+ $hedged computed twice by hedged requests:" \
+  "$([ "$got" = $(((toks * L - (pt - 1)) * k + hedged)) ] && echo yes || echo NO)"
 echo "== kvasir swarm status"
 "$KV" swarm status --dir "$SW" | sed 's/^/   /'
 echo "== kvasir plan --hub $HUB"

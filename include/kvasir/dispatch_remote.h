@@ -156,6 +156,8 @@ void kv_remote_reset_stats(kv_remote *r);
 /* The hedge counters of kv_remote_stats alone (cheap: for every step's
  * metrics). NULL pointers are skipped. */
 void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late);
+/* (token, expert) slots carried by hedges since open: both replicas computed them. */
+uint64_t kv_remote_hedged_pairs(const kv_remote *r);
 
 /* ---- per-session work tally ---------------------------------------------
  * What the coordinator dispatched to, and took back from, each worker, per

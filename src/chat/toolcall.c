@@ -469,9 +469,8 @@ static int kv_win(const char *b, size_t len, size_t from, size_t w, const char *
  * arguments' '{', 0 while not known yet, -1 when the body is not of that
  * shape (then nothing is streamed). Each step looks in a bounded window
  * only, so a body that is not of the shape is known soon. */
-static int kv_args_start(kv_chat_parser *p, size_t *start) {
-    const char *b = p->buf, *end = p->buf + p->len;
-    const size_t len = p->len;
+static int kv_args_start(kv_chat_parser *p, size_t len, size_t *start) {
+    const char *b = p->buf, *end = p->buf + len; /* only the call's own bytes: never past its end */
     const char *nm = NULL, *a = NULL, *h = NULL;
     size_t nl = 0;
     int r;
@@ -523,7 +522,7 @@ static int kv_args_scan(kv_chat_parser *p, size_t n) {
     if (p->as.phase == 0 && p->n_calls >= max) p->as.phase = 2; /* past the calls given: content, not streamed */
     if (p->as.phase == 0) {
         size_t start = 0;
-        const int r = kv_args_start(p, &start);
+        const int r = kv_args_start(p, n, &start);
         if (r < 0) p->as.phase = 2;
         if (r <= 0) return 0;
         p->as.phase = 1;
@@ -588,7 +587,9 @@ static int kv_step_block(kv_chat_parser *p, bool *more) {
     const bool closed = m != NULL || (p->ended && p->s.format == KV_CHAT_FMT_HARMONY);
     const size_t n = m ? at : p->len;
     if (p->s.stream_args && p->s.tools && n <= KV_CHAT_MAX_CALL_BYTES) {
-        const int src = kv_args_scan(p, n);
+        /* not the bytes that may start the closing marker: were it to come, they
+           were never arguments (whatever the pieces the text came in) */
+        const int src = kv_args_scan(p, m || p->ended ? n : n - kv_partial(p));
         if (src) return src;
     }
     if (!closed && !p->ended && p->len <= KV_CHAT_MAX_CALL_BYTES) return 0;

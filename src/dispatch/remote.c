@@ -1974,6 +1974,8 @@ void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uin
     if (late) *late = r->n_late;
 }
 
+uint64_t kv_remote_hedged_pairs(const kv_remote *r) { return r->n_hedge_pairs; }
+
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;

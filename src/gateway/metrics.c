@@ -190,6 +190,9 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# HELP kvasir_gateway_hedges_won_total Hedged requests whose replica answered first.\n");
         KV_M("# TYPE kvasir_gateway_hedges_won_total counter\n");
         KV_M("kvasir_gateway_hedges_won_total %llu\n", (unsigned long long)g->hedges_won);
+        KV_M("# HELP kvasir_gateway_hedged_pairs_total (token, expert) slots hedges carried: both replicas computed them.\n");
+        KV_M("# TYPE kvasir_gateway_hedged_pairs_total counter\n");
+        KV_M("kvasir_gateway_hedged_pairs_total %llu\n", (unsigned long long)g->hedged_pairs);
         KV_M("# HELP kvasir_gateway_late_answers_total Worker answers discarded because a replica had answered first.\n");
         KV_M("# TYPE kvasir_gateway_late_answers_total counter\n");
         KV_M("kvasir_gateway_late_answers_total %llu\n", (unsigned long long)g->late_answers);

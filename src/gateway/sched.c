@@ -136,6 +136,7 @@ void kv_gw_sched_health_locked(kv_gateway *g) {
     g->cov_up = cv.workers_up;
     g->cov_n_missing = cv.n_missing;
     kv_remote_get_hedges(rm, &g->hedges, &g->hedges_won, &g->late_answers);
+    g->hedged_pairs = kv_remote_hedged_pairs(rm);
     if (cv.covered < cv.total) {
         const kv_manifest_slab *sl = &g->man->slabs[g->cov_missing[0]];
         g->healthy = false;

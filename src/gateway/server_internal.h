@@ -166,6 +166,7 @@ struct kv_gateway {
     uint64_t steps_retried;     /* failed steps kept for a retry */
     uint64_t workers_added;     /* workers added from the hub's placement */
     uint64_t hedges, hedges_won, late_answers; /* the remote's hedged requests (kv_remote_get_hedges) */
+    uint64_t hedged_pairs;      /* slots those hedges carried (kv_remote_hedged_pairs) */
     /* workers caught lying (kv_gateway_caught): never asked for a receipt,
        never paid; guarded by caught_mu (taken from the engine's hook, inside
        a step, and under mu when a session settles: never the other way) */
