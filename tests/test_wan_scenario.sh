@@ -58,8 +58,8 @@ n_slabs=$(jq '.slabs | length' "$dir/sl/manifest.json")
 slab=$(stat -c %s "$dir/sl/experts/blk.0.0000-0001.gguf")
 [ "$n_slabs" = 8 ] || fail "want 8 slabs, got $n_slabs"
 half=$((4 * slab + slab / 2)) # four slabs fit, five do not
-n_long=120 # long enough that the kill lands mid-decode under load (48 ended first once at load 8)
-[ "$FULL" = 1 ] && n_long=240
+n_long=240 # long enough that the kill lands mid-decode under load (48 ended first once at load 8, 120 once beside replica choice)
+[ "$FULL" = 1 ] && n_long=480
 PROMPT="A workstation in another city joins with one outbound connection"
 RUN=(-p "$PROMPT" -n 8 --temp 0 --json --threads 1)
 LONG=(-p "$PROMPT" -n "$n_long" --temp 0 --json --threads 1)
