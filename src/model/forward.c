@@ -33,11 +33,22 @@ static size_t kv_max3(size_t a, size_t b, size_t c) {
     return m > c ? m : c;
 }
 
-/* Layers with an attention cache: every qwen3moe block; the full-attention
- * blocks of qwen35moe. */
+/* Layers with an attention cache: every block but the recurrent ones. */
 static bool kv_layer_attends(const kv_model *m, uint32_t il) {
     if (!kv_model_in_window(m, il)) return false; /* another node's block: no cache here */
-    return m->hp.arch != KV_ARCH_QWEN35MOE || !m->layers[il].recurrent;
+    return !(m->hp.hook_flags & KV_AH_RECURRENT) || !m->layers[il].recurrent;
+}
+
+/* The architecture's part of the run state (kv_arch_table.state): each
+ * operation, or nothing when the table has none. */
+static const kv_arch_state_ops *kv_sops(const kv_state *s) { return kv_arch_get(s->m->hp.arch)->state; }
+static int kv_arch_seq_alloc(kv_state *s, uint32_t seq, kv_diag *d) {
+    const kv_arch_state_ops *o = kv_sops(s);
+    return o && o->seq_alloc ? o->seq_alloc(s, seq, d) : 0;
+}
+static uint64_t kv_arch_rec_bytes(const kv_state *s) {
+    const kv_arch_state_ops *o = kv_sops(s);
+    return o && o->rec_bytes ? o->rec_bytes(s) : 0;
 }
 
 int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_state_opts *opts,
@@ -76,7 +87,10 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     for (uint32_t il = 0; il < hp->n_layer; il++)
         s->attn_of[il] = kv_layer_attends(m, il) ? (int32_t)s->n_attn++ : -1;
     s->kv_row = KVD * (o.kv_type == KV_TYPE_F16 ? 2 : 4);
-    s->blk_bytes = 2 * (size_t)s->n_attn * KV_BLOCK * s->kv_row;
+    /* MLA caches one row per token (the latent and the rope part: its
+     * values are the latent's first kv_lora_rank elements); others K and V */
+    s->kv_planes = hp->attn == KV_ATTN_MLA ? 1 : 2;
+    s->blk_bytes = s->kv_planes * (size_t)s->n_attn * KV_BLOCK * s->kv_row;
     const uint64_t full = (uint64_t)o.n_seq * ((o.n_ctx + KV_BLOCK - 1) / KV_BLOCK);
     uint64_t cap = full;
     if (o.kv_bytes_max && s->blk_bytes) {
@@ -138,8 +152,9 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
         return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
     }
     for (size_t i = 0; i < B; i++) s->out_all[i] = (uint32_t)i;
-    if (hp->arch == KV_ARCH_QWEN35MOE) {
-        int rc = kv_q35_state_new(s, d);
+    const kv_arch_state_ops *so = kv_arch_get(hp->arch)->state;
+    if (so && so->state_new) {
+        int rc = so->state_new(s, d);
         if (rc) {
             kv_state_free(s);
             return rc;
@@ -165,7 +180,8 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
 void kv_state_free(kv_state *s) {
     if (!s) return;
     if (s->own.free) s->own.free(s->own.impl);
-    kv_q35_state_free(s);
+    const kv_arch_state_ops *so = kv_sops(s);
+    if (so && so->state_free) so->state_free(s);
     if (s->arena)
         for (uint32_t a = 0; a < (s->blk_n + KV_ARENA - 1) / KV_ARENA; a++) free(s->arena[a]);
     free(s->arena);
@@ -276,7 +292,8 @@ void kv_state_reset_seq(kv_state *s, uint32_t seq) {
     /* its blocks go back to the pool (most recent on top), its recurrent state is freed */
     for (uint32_t i = s->seq_nblk[seq]; i-- > 0;) s->blk_free[s->n_free++] = s->seq_blk[seq][i];
     s->seq_nblk[seq] = 0;
-    kv_q35_seq_free(s, seq);
+    const kv_arch_state_ops *so = kv_sops(s);
+    if (so && so->seq_free) so->seq_free(s, seq);
 }
 
 void kv_state_reset(kv_state *s) {
@@ -304,7 +321,7 @@ int kv_state_reserve(kv_state *s, uint32_t seq, uint32_t n_tok, kv_diag *d) {
     if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "reserve: sequence %u out of range (%u)", seq, s->n_seq);
     if (n_tok > s->n_ctx)
         return kv_fail(d, KV_ECTXFULL, "context full: sequence %u needs %u tokens of a context of %u", seq, n_tok, s->n_ctx);
-    int rc = kv_q35_seq_alloc(s, seq, d);
+    int rc = kv_arch_seq_alloc(s, seq, d);
     if (rc) return rc;
     if (!s->n_attn) return 0;
     const uint32_t need = (n_tok + KV_BLOCK - 1) / KV_BLOCK;
@@ -338,7 +355,8 @@ void kv_state_get_mem(const kv_state *s, kv_state_mem *out) {
     out->blocks_allocated = s->blk_n;
     out->blocks_max = s->blk_max;
     out->kv_bytes = (uint64_t)s->blk_n * s->blk_bytes;
-    out->recurrent_bytes = kv_q35_bytes(s);
+    const kv_arch_state_ops *so = kv_sops(s);
+    out->recurrent_bytes = so && so->bytes ? so->bytes(s) : 0;
     out->n_attn_layers = s->n_attn;
     out->kv_type = s->kv_type;
 }
@@ -776,7 +794,7 @@ int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t
         rc = kv_eval_chunk(s, tokens + done, NULL, T, &last, 1, done + T == n ? logits : NULL, NULL, d);
         if (rc) {
             s->pos[seq] = pos_start;
-            if (done > 0 && s->q35) {
+            if (done > 0 && (s->m->hp.hook_flags & KV_AH_RECURRENT)) {
                 /* earlier chunks already advanced the recurrent state, which
                  * cannot be rolled back: the sequence starts over */
                 s->pos[seq] = 0;
@@ -883,17 +901,21 @@ int kv_state_seq_resume(kv_state *s, uint32_t seq, uint32_t pos, const void *rec
     if (seq >= s->n_seq || s->pos[seq] || pos == 0 || pos % KV_BLOCK || pos > s->n_ctx ||
         (s->n_attn && pos > s->seq_nblk[seq] * KV_BLOCK))
         return kv_fail(d, KV_EINVAL, "KV restore: sequence %u cannot resume at %u (not empty, or not reserved)", seq, pos);
-    if (kv_q35_rec_bytes(s) && !rec)
+    if (kv_arch_rec_bytes(s) && !rec)
         return kv_fail(d, KV_EINVAL, "KV restore: sequence %u needs a recurrent state to resume at %u", seq, pos);
-    int rc = kv_q35_rec_set(s, seq, rec, d);
+    const kv_arch_state_ops *so = kv_sops(s);
+    int rc = so && so->rec_set ? so->rec_set(s, seq, rec, d) : 0;
     if (rc) return rc;
     s->pos[seq] = pos;
     s->tainted[seq] = 0;
     return 0;
 }
 
-uint64_t kv_state_rec_bytes(const kv_state *s) { return kv_q35_rec_bytes(s); }
-int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) { return kv_q35_rec_get(s, seq, dst, d); }
+uint64_t kv_state_rec_bytes(const kv_state *s) { return kv_arch_rec_bytes(s); }
+int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) {
+    const kv_arch_state_ops *so = kv_sops(s);
+    return so && so->rec_get ? so->rec_get(s, seq, dst, d) : 0;
+}
 
 /* ---- speculative rollback ------------------------------------------------- */
 

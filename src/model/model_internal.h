@@ -49,7 +49,8 @@ struct kv_state {
     uint32_t n_attn;       /* layers with an attention cache */
     int32_t *attn_of;      /* [n_layer] index among attending layers, -1: none */
     size_t kv_row;         /* bytes of one token's K (or V) in one layer: n_head_kv*head_dim elements */
-    size_t blk_bytes;      /* one block: K then V, each [n_attn][KV_BLOCK] rows of kv_row bytes */
+    uint32_t kv_planes;    /* 2: K then V; 1: one row per token (MLA's latent and rope part) */
+    size_t blk_bytes;      /* one block: kv_planes planes (K, then V), each [n_attn][KV_BLOCK] rows of kv_row bytes */
     uint32_t blk_max;      /* pool cap in blocks */
     uint32_t blk_n;        /* blocks allocated so far (a multiple of KV_ARENA below the cap) */
     uint8_t **arena;       /* [ceil(blk_max / KV_ARENA)] arenas of KV_ARENA blocks, NULL until needed */
@@ -94,6 +95,7 @@ struct kv_state {
     uint32_t *full_seq, *full_pos; /* [max_tok] the chunk's tok_seq and tok_pos while trimmed */
     uint8_t *full_bad;     /* [max_tok] the chunk's bad flags while trimmed */
     struct kv_q35_state *q35; /* qwen35moe: recurrent state and buffers (qwen35.c), else NULL */
+    void *arch_state;      /* another architecture's part (kv_arch_table.state), NULL: none */
     kv_profile *prof;      /* per-stage timers (kvasir bench --profile), NULL: off */
 };
 
