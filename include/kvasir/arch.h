@@ -42,7 +42,7 @@
 #define KV_MAX_CTX (1u << 20)
 #define KV_MAX_FF 262144
 
-enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_QWEN35MOE, KV_ARCH_COUNT };
+enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_QWEN35MOE, KV_ARCH_DEEPSEEK2, KV_ARCH_COUNT };
 
 /* ---- the forward-pass hooks (kv_arch_table.hooks, kv_hparams) ------------- */
 
@@ -132,6 +132,7 @@ typedef struct kv_hparams {
     /* routing and FFN layout; 0 otherwise */
     uint32_t n_expert_groups;   /* expert_group_count: groups of experts (0 or 1: no groups) */
     uint32_t n_group_used;      /* expert_group_used_count: groups whose experts may be chosen */
+    uint32_t expert_gating_func;/* expert_gating_func as written (deepseek2: 0/1 softmax, 2 sigmoid) */
     uint32_t n_expert_shared;   /* expert_shared_count (deepseek2: n_ff_shexp = it * n_ff_exp) */
     uint32_t n_layer_dense_lead;/* leading_dense_block_count: blocks with a dense FFN of n_ff */
     /* MLA (attn == KV_ATTN_MLA): head_dim = kv_lora_rank + n_rot and n_head_kv = 1 are the cache's
@@ -346,7 +347,7 @@ typedef struct kv_arch_table {
 const kv_arch_table *kv_arch_get(enum kv_arch id);
 /* The table named `name` (general.architecture), NULL if none. */
 const kv_arch_table *kv_arch_find(const char *name);
-/* "qwen3moe, qwen35moe": the supported names, for messages. */
+/* "qwen3moe, qwen35moe, deepseek2": the supported names, for messages. */
 const char *kv_arch_list(void);
 
 /* The value of a dimension for hp (0 for KV_D_COUNT or above). */
@@ -380,6 +381,8 @@ int kv_arch_read_hparams(const kv_gguf *g, kv_hparams *hp, kv_diag *d);
 /* ---- block functions the engine defines (src/model/), named by tables ---- */
 int kv_q35_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
 int kv_q3_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
+int kv_ds2_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
+extern const kv_arch_state_ops kv_ds2_state_ops;
 extern const kv_arch_state_ops kv_q35_state_ops;
 
 #endif

@@ -42,7 +42,7 @@
 #define KV_GEN_MAX_BYTES (256ull << 30) /* refuse to write models over 256 GiB */
 
 typedef struct kv_gen_config {
-    const char *arch;       /* "qwen3moe" or "qwen35moe" */
+    const char *arch;       /* "qwen3moe", "qwen35moe" or "deepseek2" */
     const char *name;       /* general.name; NULL: "kvasir-synthetic" */
     uint32_t n_layer;       /* blocks */
     uint32_t n_embd;        /* hidden size */
@@ -79,6 +79,19 @@ typedef struct kv_gen_config {
     uint32_t n_rot;         /* rotary dims, even, <= head_dim (default head_dim / 4) */
     int32_t rope_sections[4]; /* pairs per section; all 0: n_rot/2 split t, h, w as Qwen3.5 */
     uint32_t n_nextn;       /* MTP blocks after the trunk (not defaulted: 0 = none) */
+    /* deepseek2 only (head_dim is key_length_mla = qk_nope + n_rot, n_rot the rope
+     * part, n_head_kv ignored: MLA has one latent KV head); 0 = kv_gen_fill_defaults' value */
+    uint32_t q_lora_rank;   /* default 2 * n_embd / 3, even */
+    uint32_t kv_lora_rank;  /* the cached latent (default n_embd / 4) */
+    uint32_t head_dim_v;    /* value_length_mla (default head_dim - n_rot) */
+    uint32_t n_ff;          /* the leading blocks' dense FFN (default 4 * n_ff_exp) */
+    uint32_t n_dense_lead;  /* leading dense blocks (not defaulted: 0 = none) */
+    uint32_t n_expert_shared; /* shared experts of n_ff_exp (default 1) */
+    uint32_t n_expert_groups; /* expert groups, 0/1: none (not defaulted) */
+    uint32_t n_group_used;  /* groups chosen from (default n_expert_groups / 2 when grouped) */
+    float expert_weights_scale; /* routed scaling factor (default 2.5, DeepSeek-V3's) */
+    float yarn_factor;      /* YaRN rope.scaling.factor, 0: no scaling (not defaulted) */
+    uint32_t yarn_orig_ctx; /* its original_context_length (default n_ctx / 4) */
 } kv_gen_config;
 
 /* Fills the zero qwen35moe-only fields of a qwen35moe config with the

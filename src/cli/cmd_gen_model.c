@@ -25,6 +25,9 @@ static void usage(FILE *f) {
             "         [--threads N] [--router-skew S]\n"
             "       qwen35moe also: [--ff-shexp N] [--attn-interval N] [--ssm-conv N] [--ssm-state N]\n"
             "         [--ssm-groups N] [--ssm-heads N] [--rope-dim N] [--rope-sections a,b,c,d] [--nextn 0|1]\n"
+            "       deepseek2 also: [--rope-dim N] [--q-lora N] [--kv-lora N] [--head-dim-v N] [--ff N]\n"
+            "         [--dense-layers N] [--shared-experts N] [--expert-groups N] [--groups-used N]\n"
+            "         [--expert-scale F] [--yarn-factor F] [--yarn-orig-ctx N]\n"
             "\n"
             "Writes a synthetic Mixture-of-Experts model loadable by llama.cpp: deterministic\n"
             "random weights (same flags and seed, same bytes), a byte-level BPE vocabulary\n"
@@ -37,7 +40,16 @@ static void usage(FILE *f) {
             "                   --ssm-groups key / --ssm-heads value of --ssm-state dims (defaults\n"
             "                   2 / 4 / head-dim), conv --ssm-conv (4), partial rotary --rope-dim\n"
             "                   (head-dim/4) in --rope-sections (t,h,w split of rope-dim/2),\n"
-            "                   --nextn MTP blocks (0))\n"
+            "                   --nextn MTP blocks (0)), or deepseek2 (MLA: --head-dim is the query head\n"
+            "                   (qk_nope + --rope-dim, default head-dim/3), the cache keeps the\n"
+            "                   --kv-lora latent (embd/4) and the rope part; queries through\n"
+            "                   --q-lora (2*embd/3); values of --head-dim-v (head-dim - rope-dim);\n"
+            "                   --dense-layers leading blocks with a dense FFN of --ff (4*ff-exp);\n"
+            "                   --shared-experts (1) of ff-exp; sigmoid routing with a selection\n"
+            "                   bias in --expert-groups (none) of which --groups-used (half) are\n"
+            "                   chosen, weights renormalized and scaled by --expert-scale (2.5);\n"
+            "                   --yarn-factor F (0: none) over --yarn-orig-ctx (ctx/4); --kv-heads\n"
+            "                   is ignored (one latent KV head))\n"
             "  --out F          output file (written as F.part, then renamed)\n"
             "  --preset NAME    starting sizes (default %s); the flags below override them\n"
             "  --layers N       blocks                            (1..%u)\n"
@@ -171,12 +183,44 @@ int kv_cmd_gen_model(int argc, char **argv) {
             *nums[k].dst = (uint32_t)n;
         }
         if (matched) continue;
+        /* deepseek2's sizes */
+        struct {
+            const char *flag;
+            uint32_t *dst;
+            long lo, hi;
+        } ds2[] = {
+            {"--q-lora", &cfg.q_lora_rank, 1, KV_GEN_MAX_EMBD},
+            {"--kv-lora", &cfg.kv_lora_rank, 1, KV_GEN_MAX_HEAD_DIM},
+            {"--head-dim-v", &cfg.head_dim_v, 1, KV_GEN_MAX_HEAD_DIM},
+            {"--ff", &cfg.n_ff, 1, KV_GEN_MAX_FF},
+            {"--dense-layers", &cfg.n_dense_lead, 0, KV_GEN_MAX_LAYER},
+            {"--shared-experts", &cfg.n_expert_shared, 1, 64},
+            {"--expert-groups", &cfg.n_expert_groups, 0, KV_GEN_MAX_EXPERT},
+            {"--groups-used", &cfg.n_group_used, 1, KV_GEN_MAX_EXPERT},
+            {"--yarn-orig-ctx", &cfg.yarn_orig_ctx, 1, KV_GEN_MAX_CTX},
+        };
+        for (size_t k = 0; k < sizeof ds2 / sizeof ds2[0]; k++) {
+            if (strcmp(a, ds2[k].flag)) continue;
+            matched = 1;
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (kv_arg_long(CMD, a, v, ds2[k].lo, ds2[k].hi, &n)) return 1;
+            *ds2[k].dst = (uint32_t)n;
+        }
+        if (matched) continue;
+        if (!strcmp(a, "--expert-scale") || !strcmp(a, "--yarn-factor")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            const bool scale = !strcmp(a, "--expert-scale");
+            if (kv_arg_float(CMD, a, v, scale ? 0.001 : 0.0, scale ? 100.0 : 1024.0,
+                             scale ? &cfg.expert_weights_scale : &cfg.yarn_factor))
+                return 1;
+            continue;
+        }
         if (!strcmp(a, "--preset")) {
             i++; /* handled in pass 1 */
         } else if (!strcmp(a, "--arch")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
-            if (strcmp(v, "qwen3moe") && strcmp(v, "qwen35moe"))
-                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe, qwen35moe)", v);
+            if (strcmp(v, "qwen3moe") && strcmp(v, "qwen35moe") && strcmp(v, "deepseek2"))
+                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe, qwen35moe, deepseek2)", v);
             cfg.arch = v;
         } else if (!strcmp(a, "--rope-sections")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;

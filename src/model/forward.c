@@ -117,6 +117,7 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->att = malloc(B * QD * sizeof(float));
     s->tmp = malloc(B * E * sizeof(float));
     s->router = malloc(B * hp->n_expert * sizeof(float));
+    s->route_sel = malloc(hp->n_expert * sizeof(float));
     s->ids = malloc(B * K * sizeof(int32_t));
     s->wts = malloc(B * K * sizeof(float));
     s->eo = malloc(B * K * E * sizeof(float));
@@ -145,7 +146,7 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->full_bad = malloc(B);
     s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
     if (!s->bad || !s->tainted || !s->arena || !s->seq_blk || !s->seq_nblk || !s->seq_cap || !s->kv_wide || !s->x || !s->xb || !s->q ||
-        !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->att_qbuf || !s->att_grp ||
+        !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->route_sel || !s->ids || !s->wts || !s->eo || !s->scores || !s->att_qbuf || !s->att_grp ||
         !s->scratch || !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all ||
         !s->keep || !s->keep_row || !s->full_seq || !s->full_pos || !s->full_bad) {
         kv_state_free(s);
@@ -203,6 +204,7 @@ void kv_state_free(kv_state *s) {
     free(s->att);
     free(s->tmp);
     free(s->router);
+    free(s->route_sel);
     free(s->ids);
     free(s->wts);
     free(s->eo);
@@ -371,6 +373,8 @@ static uint8_t *kv_cache_at(const kv_state *s, uint32_t seq, uint32_t ai, int v,
     uint8_t *blk = s->arena[b / KV_ARENA] + (size_t)(b % KV_ARENA) * s->blk_bytes;
     return blk + (((size_t)v * s->n_attn + ai) * KV_BLOCK + p % KV_BLOCK) * s->kv_row;
 }
+
+uint8_t *kv_cache_row(const kv_state *s, uint32_t seq, uint32_t ai, uint32_t p) { return kv_cache_at(s, seq, ai, 0, p); }
 
 void kv_cache_put(kv_state *s, uint32_t il, uint32_t T) {
     const kv_hparams *hp = &s->m->hp;
@@ -557,20 +561,6 @@ static void kv_attn_worker(void *arg, int ith, int nth) {
 
 /* ---- one chunk ------------------------------------------------------------ */
 
-static void kv_topk(const float *p, int n, int k, int32_t *ids) {
-    /* selection by descending probability, lower id first on ties */
-    for (int r = 0; r < k; r++) {
-        int best = -1;
-        for (int e = 0; e < n; e++) {
-            bool taken = false;
-            for (int q = 0; q < r; q++) taken |= ids[q] == e;
-            if (taken) continue;
-            if (best < 0 || p[e] > p[best]) best = e;
-        }
-        ids[r] = best;
-    }
-}
-
 int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_diag *d) {
     const kv_hparams *hp = &s->m->hp;
     const int64_t E = hp->n_embd, K = hp->n_expert_used, NE = hp->n_expert;
@@ -580,18 +570,7 @@ int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_di
         float *p = s->router + (size_t)t * NE;
         int32_t *ids = s->ids + (size_t)t * K;
         float *w = s->wts + (size_t)t * K;
-        kv_softmax(p, NE);
-        kv_topk(p, (int)NE, (int)K, ids);
-        for (int64_t r = 0; r < K; r++) w[r] = p[ids[r]];
-        if (hp->expert_weights_norm) {
-            double sum = 0.0;
-            for (int64_t r = 0; r < K; r++) sum += (double)w[r];
-            float fs = (float)sum;
-            if (fs < 6.103515625e-5f) fs = 6.103515625e-5f;
-            for (int64_t r = 0; r < K; r++) w[r] = w[r] / fs;
-        }
-        if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
-            for (int64_t r = 0; r < K; r++) w[r] *= hp->expert_weights_scale;
+        kv_route_token(hp, p, L->exp_probs_b.data, s->route_sel, ids, w);
     }
     pt = kv_prof_mark(s, KV_PROF_ROUTER, pt);
     /* routed experts, wherever they are computed */
