@@ -345,7 +345,7 @@ static int kv_file_identity(const kv_gguf *g, const char *path, char id[65], kv_
 
 static int kv_worker_add_expert(kv_worker *w, const kv_gguf *g, const char *path, uint32_t L,
                                 uint32_t e, kv_diag *d) {
-    kv_expert_weights ew;
+    kv_expert_weights ew = {0};
     uint32_t E, F;
     int rc = kv_expert_find(g, L, e, &ew, &E, &F, d);
     if (rc) return kv_diag_prefix(d, rc, "%s", path);
@@ -646,7 +646,7 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
     }
     if (!rc) rc = kv_pool_new(&w->pool, w->opts.n_threads, d);
     if (!rc) {
-        kv_expert_source src = {w, kv_tab_acquire, NULL, w->n_layer, w->n_expert, w->n_embd, w->n_ff, 1};
+        kv_expert_source src = {w, kv_tab_acquire, NULL, w->n_layer, w->n_expert, w->n_embd, w->n_ff, 1, 0};
         if (w->opts.opencl) /* the OpenCL expert backend (kvasir/opencl.h) */
             rc = kv_opencl_expert_new(&w->prov, &src, KV_WORKER_CHUNK, d);
         else

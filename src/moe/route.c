@@ -6,7 +6,9 @@
  * when there is one, within the n_group_used best groups when the experts
  * are grouped (a group's score: its two best, summed); weights the unbiased
  * scores of the chosen experts, renormalized to sum 1 when asked (the sum
- * clamped below at 2^-14, as ggml), then scaled. Selection is by
+ * clamped below at 2^-14, as ggml), then scaled. gpt-oss's router
+ * (KV_ROUTER_TOPK_SOFTMAX) selects on the logits and weighs by the softmax
+ * of the k chosen logits. Selection is by
  * descending value, the lower id first on ties. */
 #include <math.h>
 
@@ -50,11 +52,17 @@ void kv_route_token(const kv_hparams *hp, float *p, const float *bias, float *se
             }
         }
         kv_topk(sel, NE, K, ids);
+    } else if (hp->router == KV_ROUTER_TOPK_SOFTMAX) {
+        /* the top-k of the logits, then the softmax over those k alone */
+        kv_topk(p, NE, K, ids);
+        for (int r = 0; r < K; r++) w[r] = p[ids[r]];
+        kv_softmax(w, K);
     } else {
         kv_softmax(p, NE);
         kv_topk(p, NE, K, ids);
     }
-    for (int r = 0; r < K; r++) w[r] = p[ids[r]];
+    if (hp->router != KV_ROUTER_TOPK_SOFTMAX)
+        for (int r = 0; r < K; r++) w[r] = p[ids[r]];
     if (hp->expert_weights_norm) {
         double sum = 0.0;
         for (int r = 0; r < K; r++) sum += (double)w[r];

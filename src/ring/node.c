@@ -1648,7 +1648,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
                     goto fail;
                 }
         const kv_expert_source src = {n->pc, kv_rn_pieces_acquire, NULL, mf->n_layer, mf->n_expert, mf->n_embd,
-                                      kv_model_hparams(n->m)->n_ff_exp, kv_model_hparams(n->m)->n_expert_used};
+                                      kv_model_hparams(n->m)->n_ff_exp, kv_model_hparams(n->m)->n_expert_used, 0};
         if (!n->remote) {
             if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d))) goto fail;
             experts = &n->prov;

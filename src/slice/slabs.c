@@ -273,7 +273,7 @@ static void kv_slabs_release(void *ctx, uint32_t layer, uint32_t e) {
 kv_expert_source kv_slices_expert_source(kv_slices *s) {
     const kv_manifest *m = s->m;
     return (kv_expert_source){s, kv_slabs_acquire, kv_slabs_release, m->n_layer, m->n_expert, m->n_embd, m->n_ff_exp,
-                              m->n_expert_used};
+                              m->n_expert_used, 0};
 }
 
 /* ---- the wave provider ------------------------------------------------ */
@@ -410,6 +410,7 @@ int kv_expert_find(const kv_gguf *g, uint32_t layer, uint32_t expert, kv_expert_
         *dst[j] = (const uint8_t *)t[j]->data + le * (t[j]->nbytes / cnt);
         *ty[j] = t[j]->type;
     }
+    w->gate_b = w->up_b = w->down_b = NULL; /* slabs carry no expert biases */
     *n_embd = (uint32_t)E;
     *n_ff = (uint32_t)F;
     return 0;
@@ -431,7 +432,7 @@ int kv_expert_compute_one(const kv_expert_weights *w, uint32_t n_embd, uint32_t 
                           uint32_t n_tokens, float *y, kv_diag *d) {
     enum { CHUNK = 256 };
     kv_one_src ctx = {w};
-    const kv_expert_source src = {&ctx, kv_one_acquire, NULL, 1, 1, n_embd, n_ff, 1};
+    const kv_expert_source src = {&ctx, kv_one_acquire, NULL, 1, 1, n_embd, n_ff, 1, 0};
     kv_expert_provider p;
     const uint32_t mt = n_tokens < CHUNK ? n_tokens : CHUNK;
     int rc = kv_expert_local_new_src(&p, &src, pool, mt ? mt : 1, d);
