@@ -274,6 +274,7 @@ enum kv_role {
     KV_ROLE_EXPERT,    /* routed expert: outermost dimension = expert index */
     KV_ROLE_SHEXP,     /* shared expert, its gate included */
     KV_ROLE_MTP,       /* MTP glue (nextn.*) */
+    KV_ROLE_FFN,       /* a dense FFN (deepseek2's leading blocks) */
     KV_ROLE_COUNT
 };
 
@@ -306,12 +307,14 @@ enum kv_key_type {
     KV_KEY_BOOL,
     KV_KEY_I32_ARR4, /* up to 4 integers (a scalar repeats), into an int32_t[4] */
     KV_KEY_ABSENT,   /* must not be present: its meaning is not supported */
+    KV_KEY_IGNORED,  /* may be present, not read here: llama.cpp ignores it too, or the
+                        table's check reads it (a string) */
 };
 
 typedef struct kv_hparam_key {
     const char *key;       /* after "<arch>." */
     enum kv_key_type type;
-    size_t off;            /* offsetof(kv_hparams, field); unused for KV_KEY_ABSENT */
+    size_t off;            /* offsetof(kv_hparams, field); unused for KV_KEY_ABSENT and _IGNORED */
     bool required;         /* else the field keeps its default */
     uint32_t lo, hi;       /* u32 bounds */
     float def;             /* default of an optional u32/f32/bool (0: none; checks fill derived defaults) */

@@ -190,6 +190,8 @@ static int kv_read_key(const kv_gguf *g, const char *an, const kv_hparam_key *k,
         }
         return 0;
     }
+    case KV_KEY_IGNORED:
+        return 0;
     case KV_KEY_ABSENT:
         if (kv_gguf_find_kv(g, key))
             return kv_fail(d, KV_EUNSUPPORTED, "model: '%s' is not supported by kvasir's %s", key, an);

@@ -44,11 +44,11 @@ static const kv_tensor_desc kv_ds2_tensors[] = {
     KV_TD(KV_T_FFN_NORM, "ffn_norm.weight", ALLB, 1, KV_D_EMBD, KV_D_1, KV_D_1, KV_TF_F32, KV_ROLE_NORM,
           KV_VEC(1.0f, KV_INIT_NORM_STD)),
     /* the leading blocks' dense FFN */
-    KV_TD(KV_T_FFN_GATE, "ffn_gate.weight", DNS, 2, KV_D_EMBD, KV_D_FF, KV_D_1, 0, KV_ROLE_SHEXP,
+    KV_TD(KV_T_FFN_GATE, "ffn_gate.weight", DNS, 2, KV_D_EMBD, KV_D_FF, KV_D_1, 0, KV_ROLE_FFN,
           KV_MAT(KV_INIT_GAIN_UPGATE)),
-    KV_TD(KV_T_FFN_DOWN, "ffn_down.weight", DNS, 2, KV_D_FF, KV_D_EMBD, KV_D_1, 0, KV_ROLE_SHEXP,
+    KV_TD(KV_T_FFN_DOWN, "ffn_down.weight", DNS, 2, KV_D_FF, KV_D_EMBD, KV_D_1, 0, KV_ROLE_FFN,
           KV_MAT(KV_INIT_GAIN_SHEXP_DOWN)),
-    KV_TD(KV_T_FFN_UP, "ffn_up.weight", DNS, 2, KV_D_EMBD, KV_D_FF, KV_D_1, 0, KV_ROLE_SHEXP,
+    KV_TD(KV_T_FFN_UP, "ffn_up.weight", DNS, 2, KV_D_EMBD, KV_D_FF, KV_D_1, 0, KV_ROLE_FFN,
           KV_MAT(KV_INIT_GAIN_UPGATE)),
     /* router, its selection bias, routed and shared experts */
     KV_TD(KV_T_FFN_GATE_INP, "ffn_gate_inp.weight", MOE, 2, KV_D_EMBD, KV_D_EXPERT, KV_D_1, KV_TF_KEEP_F32,
@@ -87,14 +87,18 @@ static const kv_hparam_key kv_ds2_keys[] = {
     {"expert_group_used_count", KV_KEY_U32, KV_HP_OFF(n_group_used), false, 0, KV_MAX_EXPERTS, 0},
     {"rope.scaling.original_context_length", KV_KEY_U32, KV_HP_OFF(n_ctx_orig_yarn), false, 1, KV_MAX_CTX, 0},
     {"rope.scaling.yarn_log_multiplier", KV_KEY_F32, KV_HP_OFF(rope_yarn_log_mul), false, 0, 0, 0},
-    {"rope.scaling.yarn_beta_fast", KV_KEY_F32, KV_HP_OFF(yarn_beta_fast), false, 0, 0, 32.0f},
-    {"rope.scaling.yarn_beta_slow", KV_KEY_F32, KV_HP_OFF(yarn_beta_slow), false, 0, 0, 1.0f},
     {"rope.scaling.attn_factor", KV_KEY_F32, KV_HP_OFF(yarn_attn_factor), false, 0, 0, 1.0f},
+    {"rope.scaling.type", KV_KEY_IGNORED, 0, false, 0, 0, 0}, /* a string: the check reads it */
+    {"vocab_size", KV_KEY_IGNORED, 0, false, 0, 0, 0},        /* token_embd's rows give it */
+    /* written by the converter from the config (Kimi K2: beta_fast 1), ignored
+     * by llama.cpp's deepseek2 (beta_fast 32, beta_slow 1 always), so here */
+    {"rope.scaling.yarn_beta_fast", KV_KEY_IGNORED, 0, false, 0, 0, 0},
+    {"rope.scaling.yarn_beta_slow", KV_KEY_IGNORED, 0, false, 0, 0, 0},
+    {"rope.scaling.yarn_ext_factor", KV_KEY_IGNORED, 0, false, 0, 0, 0},
+    {"rope.scaling.yarn_attn_factor", KV_KEY_IGNORED, 0, false, 0, 0, 0},
     /* meanings kvasir does not compute */
     {"nextn_predict_layers", KV_KEY_ABSENT, 0, false, 0, 0, 0},
     {"attention.temperature_scale", KV_KEY_ABSENT, 0, false, 0, 0, 0},
-    {"rope.scaling.yarn_ext_factor", KV_KEY_ABSENT, 0, false, 0, 0, 0},
-    {"rope.scaling.yarn_attn_factor", KV_KEY_ABSENT, 0, false, 0, 0, 0},
 };
 
 static uint32_t kv_ds2_block_kind(const kv_hparams *hp, uint32_t il) {
@@ -159,8 +163,10 @@ static int kv_ds2_check(kv_hparams *hp, const kv_gguf *g, kv_diag *d) {
     }
     if (none) hp->rope_freq_scale = 1.0f;
     if (!hp->n_ctx_orig_yarn) hp->n_ctx_orig_yarn = hp->n_ctx_train;
-    if (!(hp->yarn_beta_fast > 0.0f && hp->yarn_beta_slow > 0.0f && hp->yarn_attn_factor > 0.0f))
-        return kv_fail(d, KV_EFORMAT, "model: %s.rope.scaling yarn_beta_fast, yarn_beta_slow and attn_factor must be > 0", an);
+    hp->yarn_beta_fast = 32.0f;
+    hp->yarn_beta_slow = 1.0f;
+    if (!(hp->yarn_attn_factor > 0.0f))
+        return kv_fail(d, KV_EFORMAT, "model: %s.rope.scaling.attn_factor must be > 0", an);
     /* the rotation's magnitude and the scores' scale, as llama.cpp derives
      * them: yarn_log_multiplier is written as 0.1 * mscale_all_dim */
     const float log_mul = hp->rope_yarn_log_mul / 0.1f;

@@ -107,7 +107,7 @@ static int gen_skeleton(int argc, char **argv, const char *preset) {
     }
     if (!kv_skeleton_has(preset))
         return kv_cli_err(CMD, 1, "--skeleton: '%s' is not a skeleton preset (qwen35-122b-a10b, "
-                                  "qwen35-35b-a3b, qwen3-30b-a3b)", preset);
+                                  "qwen35-35b-a3b, qwen3-30b-a3b, deepseek-v3, kimi-k2)", preset);
     if (!out) return kv_cli_err(CMD, 1, "--out is required (see kvasir gen-model --help)");
     kv_diag d = {0};
     if (kv_skeleton_write(preset, out, stderr, &d)) return kv_cli_diag(CMD, &d);

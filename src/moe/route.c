@@ -6,16 +6,15 @@
  * when there is one, within the n_group_used best groups when the experts
  * are grouped (a group's score: its two best, summed); weights the unbiased
  * scores of the chosen experts, renormalized to sum 1 when asked (the sum
- * clamped below at 2^-14, as ggml), then scaled. gpt-oss's router
- * (KV_ROUTER_TOPK_SOFTMAX) selects on the logits and weighs by the softmax
- * of the k chosen logits. Selection is by
- * descending value, the lower id first on ties. */
+ * clamped below at 2^-14, as ggml), then scaled. KV_ROUTER_TOPK_SOFTMAX
+ * (gpt-oss) selects on the logits and takes a softmax over the k chosen.
+ * Selection is by descending value, the lower id first on ties. */
 #include <math.h>
 
 #include "model/model_internal.h"
 
-/* The k largest of v[0..n) in descending order (lower index first on ties),
- * skipping -INFINITY entries only when nothing else is left. */
+/* The k largest of p[0..n) in descending order, the lower index first on
+ * ties (masked entries, -INFINITY, come last). */
 static void kv_topk(const float *p, int n, int k, int32_t *ids) {
     for (int r = 0; r < k; r++) {
         int best = -1;
@@ -53,16 +52,13 @@ void kv_route_token(const kv_hparams *hp, float *p, const float *bias, float *se
         }
         kv_topk(sel, NE, K, ids);
     } else if (hp->router == KV_ROUTER_TOPK_SOFTMAX) {
-        /* the top-k of the logits, then the softmax over those k alone */
-        kv_topk(p, NE, K, ids);
-        for (int r = 0; r < K; r++) w[r] = p[ids[r]];
-        kv_softmax(w, K);
+        kv_topk(p, NE, K, ids); /* on the logits; the softmax over the k follows */
     } else {
         kv_softmax(p, NE);
         kv_topk(p, NE, K, ids);
     }
-    if (hp->router != KV_ROUTER_TOPK_SOFTMAX)
-        for (int r = 0; r < K; r++) w[r] = p[ids[r]];
+    for (int r = 0; r < K; r++) w[r] = p[ids[r]];
+    if (hp->router == KV_ROUTER_TOPK_SOFTMAX) kv_softmax(w, K);
     if (hp->expert_weights_norm) {
         double sum = 0.0;
         for (int r = 0; r < K; r++) sum += (double)w[r];
