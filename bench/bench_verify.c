@@ -85,7 +85,7 @@ int main(int argc, char **argv) {
     }
     g_w = (kv_expert_weights){matrix((uint32_t)type, F, E, 0.02), matrix((uint32_t)type, F, E, 0.02),
                               matrix((uint32_t)type, E, F, 0.03), (uint32_t)type, (uint32_t)type, (uint32_t)type,
-                              NULL, NULL, NULL};
+                              NULL, NULL, NULL, 0};
     float *x = malloc(sizeof(float) * T * E), *y = malloc(sizeof(float) * T * E);
     float *g = malloc(sizeof(float) * T * F), *u = malloc(sizeof(float) * T * F);
     int32_t *ids = calloc(T, sizeof *ids);
@@ -100,7 +100,7 @@ int main(int argc, char **argv) {
         if (only && !strstr(only, bes[b])) continue;
         if (kv_quant_set_backend(bes[b])) continue;
         kv_diag d = {0};
-        const kv_expert_source src = {NULL, acquire, NULL, 1, 1, E, F, 1, 0};
+        const kv_expert_source src = {NULL, acquire, NULL, 1, 1, E, F, 1};
         kv_expert_provider p;
         kv_verify *v = NULL;
         const uint32_t np = getenv("KV_BENCH_PROJ") ? (uint32_t)atoi(getenv("KV_BENCH_PROJ")) : 0;

@@ -42,7 +42,7 @@ static int acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, 
     if (layer >= N_LAYER || e >= N_EXPERT) return kv_fail(d, KV_ERANGE, "test: layer %u expert %u", layer, e);
     size_t i = (size_t)layer * N_EXPERT + e;
     *w = (kv_expert_weights){x->gate + i * x->gb, x->up + i * x->gb, x->down + i * x->db, x->type, x->type, x->type,
-                              NULL, NULL, NULL};
+                              NULL, NULL, NULL, 0};
     return 0;
 }
 
@@ -104,7 +104,7 @@ static void test_types_vs_scalar(void) {
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         exps ex;
         make(&ex, types[ti]);
-        kv_expert_source src = {&ex, acquire, NULL, N_LAYER, N_EXPERT, N_EMBD, N_FF, N_USED, 0};
+        kv_expert_source src = {&ex, acquire, NULL, N_LAYER, N_EXPERT, N_EMBD, N_FF, N_USED};
         kv_expert_provider ref, cl;
         ASSERT_EQ(kv_expert_local_new_src(&ref, &src, pool, 5, &d), 0);
         int rc = kv_opencl_expert_new(&cl, &src, 5, &d);

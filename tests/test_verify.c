@@ -146,7 +146,7 @@ static void test_types(void) {
     static answers A;
     for (int k = 0; k < 3; k++) {
         kv_diag d = {0};
-        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1, 0};
+        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
         kv_expert_provider p;
         ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
         compute(k, &A, &p);
@@ -388,7 +388,7 @@ static void test_attack(void) {
     double bound = 0;
     for (int k = 0; k < 3; k++) {
         kv_diag d = {0};
-        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1, 0};
+        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
         kv_expert_provider p;
         ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
         compute(k, &A, &p);
@@ -494,7 +494,7 @@ static void test_backends(void) {
         for (int b = 0; b < n_be; b++) {
             if (kv_quant_set_backend(bes[b])) continue;
             have[b] = 1, n_have++;
-            kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1, 0};
+            kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
             kv_expert_provider p;
             ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
             g_seed = 4242; /* the same inputs on every backend */
@@ -570,7 +570,7 @@ static void test_orders(void) {
     static answers A;
     for (int k = 0; k < 3; k++) {
         kv_diag d = {0};
-        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1, 0};
+        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
         kv_expert_provider p;
         ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
         compute(k, &A, &p);
@@ -732,7 +732,7 @@ static void test_batch(void) {
     static answers A;
     const int k = 2; /* q4_K */
     kv_diag d = {0};
-    kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1, 0};
+    kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
     kv_expert_provider p;
     ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
     compute(k, &A, &p);

@@ -48,6 +48,10 @@ typedef struct kv_expert_weights {
     /* f32 biases added to the gate, up and down products (gpt-oss):
      * [n_ff], [n_ff], [n_embd]; NULL: none */
     const float *gate_b, *up_b, *down_b;
+    /* the activation between up and down, as the weights' architecture
+     * says: enum kv_expert_act (arch.h), 0 = SwiGLU, 1 = gpt-oss's clamped
+     * SwiGLU */
+    uint32_t act;
 } kv_expert_weights;
 
 typedef struct kv_expert_source {
@@ -55,8 +59,6 @@ typedef struct kv_expert_source {
     int (*acquire)(void *ctx, uint32_t layer, uint32_t expert, kv_expert_weights *w, kv_diag *d);
     void (*release)(void *ctx, uint32_t layer, uint32_t expert); /* may be NULL */
     uint32_t n_layer, n_expert, n_embd, n_ff_exp, n_expert_used;
-    uint32_t act; /* the activation between up and down: enum kv_expert_act (arch.h),
-                     0 = SwiGLU, KV_ACT_SWIGLU_CLAMP = gpt-oss's clamped SwiGLU */
 } kv_expert_source;
 
 #endif

@@ -15,7 +15,7 @@ void kv_swiglu(float *y, const float *g, const float *u, int64_t n);
 #define KV_SWIGLU_OAI_ALPHA 1.702f
 #define KV_SWIGLU_OAI_LIMIT 7.0f
 void kv_swiglu_oai(float *y, const float *g, const float *u, int64_t n);
-/* The expert activation act (enum kv_expert_act: 0 SwiGLU, 1 clamped). */
+/* The expert activation act (enum kv_expert_act: 0 SwiGLU, 1 clamped; others SwiGLU). */
 void kv_expert_act(uint32_t act, float *y, const float *g, const float *u, int64_t n);
 
 /* Bytes of scratch kv_matmul needs for n_tok rows of length k (any type). */

@@ -173,7 +173,7 @@ int kv_cmd_xcheck(int argc, char **argv) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
-    kv_expert_source src = {g, kv_xc_acquire, NULL, n_layer, n_expert, E, F, 1, 0};
+    kv_expert_source src = {g, kv_xc_acquire, NULL, n_layer, n_expert, E, F, 1};
     /* the CPU backends this machine runs */
     const char *cpu[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     const char *prev = kv_quant_backend();

@@ -1495,7 +1495,7 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     kv_pieces_free(pc);
     pc = NULL;
     if (r->n_local_slabs) {
-        const kv_expert_source src = {r, kv_local_acquire, NULL, r->n_layer, r->n_expert, r->n_embd, r->n_ff, 1, 0};
+        const kv_expert_source src = {r, kv_local_acquire, NULL, r->n_layer, r->n_expert, r->n_embd, r->n_ff, 1};
         if ((rc = kv_expert_local_new_src(&r->local, &src, pool, r->max_slots, d))) goto fail;
         r->lx = malloc(S * E * sizeof *r->lx);
         r->lout = malloc(S * E * sizeof *r->lout);

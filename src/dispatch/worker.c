@@ -646,7 +646,7 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
     }
     if (!rc) rc = kv_pool_new(&w->pool, w->opts.n_threads, d);
     if (!rc) {
-        kv_expert_source src = {w, kv_tab_acquire, NULL, w->n_layer, w->n_expert, w->n_embd, w->n_ff, 1, 0};
+        kv_expert_source src = {w, kv_tab_acquire, NULL, w->n_layer, w->n_expert, w->n_embd, w->n_ff, 1};
         if (w->opts.opencl) /* the OpenCL expert backend (kvasir/opencl.h) */
             rc = kv_opencl_expert_new(&w->prov, &src, KV_WORKER_CHUNK, d);
         else

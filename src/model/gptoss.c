@@ -11,9 +11,9 @@
  * expert provider (biases and the clamped SwiGLU in the provider:
  * src/moe/local.c); weighted sum in rank order; residual.
  *
- * The expert biases travel with the expert source of the model file; slabs
- * and workers do not carry them, so a gpt-oss run over any other provider
- * is refused rather than computed without them. */
+ * The expert biases and the activation travel with the expert weights
+ * (kv_expert_weights): from the model file, from slabs (which carry the
+ * bias rows of their experts) and on workers alike. */
 #include <string.h>
 
 #include "model/model_internal.h"
@@ -60,9 +60,6 @@ int kv_gptoss_blocks(kv_state *s, uint32_t T, kv_diag *d) {
     const kv_model *m = s->m;
     const kv_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd, QD = hp->n_head * hp->head_dim;
-    if (s->experts != &s->own)
-        return kv_fail(d, KV_EUNSUPPORTED, "gpt-oss: routed experts from slabs or workers are not supported "
-                       "(they do not carry the expert biases); run from the full model file");
 
     for (uint32_t il = m->il_first; il <= m->il_last; il++) {
         const kv_layer *L = &m->layers[il];

@@ -133,7 +133,7 @@ static void kv_local_worker(void *arg, int ith, int nth) {
                 for (int64_t k = 0; k < n_ff; k++) g[k] = g[k] + w->gate_b[k];
             if (w->up_b)
                 for (int64_t k = 0; k < n_ff; k++) u[k] = u[k] + w->up_b[k];
-            kv_expert_act(l->src.act, g, g, u, n_ff);
+            kv_expert_act(w->act, g, g, u, n_ff);
             kv_quantize_rows(j->down_vdt, g, (size_t)n_ff, n_ff, 1, l->hq + (size_t)i * j->hq_stride,
                              j->hq_stride);
         }
@@ -196,9 +196,9 @@ static int kv_local_compute(void *impl, const kv_expert_req *req, float *out, kv
             return rc;
         }
         if (i > 0 && (l->w[i].up_type != l->w[0].up_type || l->w[i].gate_type != l->w[0].gate_type ||
-                      l->w[i].down_type != l->w[0].down_type)) {
+                      l->w[i].down_type != l->w[0].down_type || l->w[i].act != l->w[0].act)) {
             kv_local_release(l, req->layer, i + 1);
-            return kv_fail(d, KV_EFORMAT, "experts: layer %u expert %d has other tensor types than expert %d",
+            return kv_fail(d, KV_EFORMAT, "experts: layer %u expert %d has other tensor types or activation than expert %d",
                            req->layer, l->active[i], l->active[0]);
         }
     }
@@ -304,13 +304,14 @@ static int kv_model_src_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert
                                                               (size_t)e * L->up_exps_b.row_bytes) : NULL;
     w->down_b = L->down_exps_b.data ? (const float *)(const void *)((const uint8_t *)L->down_exps_b.data +
                                                                   (size_t)e * L->down_exps_b.row_bytes) : NULL;
+    w->act = (uint32_t)kv_model_hparams(m)->act;
     return 0;
 }
 
 kv_expert_source kv_model_expert_source(const kv_model *m) {
     const kv_hparams *hp = kv_model_hparams(m);
     return (kv_expert_source){(void *)m, kv_model_src_acquire, NULL, hp->n_layer, hp->n_expert,
-                              hp->n_embd, hp->n_ff_exp, hp->n_expert_used, (uint32_t)hp->act};
+                              hp->n_embd, hp->n_ff_exp, hp->n_expert_used};
 }
 
 int kv_expert_local_new(kv_expert_provider *out, const kv_model *m, kv_pool *pool,

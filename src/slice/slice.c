@@ -42,6 +42,7 @@
 /* One routed-expert layer of the source. */
 typedef struct kv_exp_layer {
     const kv_gguf_tensor *t[3]; /* gate, up, down */
+    const kv_gguf_tensor *b[3]; /* their biases (gpt-oss: f32 [rows][n_expert]), all or none */
 } kv_exp_layer;
 
 /* One output file. */
@@ -120,6 +121,9 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
         if (L + 1 > s->n_layer) s->n_layer = L + 1;
     }
     if (s->n_layer != bc) s->n_nextn = 0; /* experts past block_count: MTP blocks are not the last */
+    /* the experts' biases travel with them in the slabs (and stay in the backbone) */
+    for (uint32_t L = 0; L < s->n_layer; L++)
+        for (int k = 0; k < 3 && s->layers[L].t[0]; k++) s->layers[L].b[k] = kv_slab_expert_bias(g, L, k);
     uint32_t n_moe = 0;
     for (uint32_t L = 0; L < s->n_layer; L++) {
         const kv_exp_layer *el = &s->layers[L];
@@ -136,6 +140,15 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
                            dt->ne[0], dt->ne[1], dt->ne[2]);
         if (gt->ne[0] > KV_MAX_EMBD || gt->ne[1] > KV_MAX_FF || gt->ne[2] > KV_MAX_EXPERTS)
             return kv_fail(d, KV_EFORMAT, "slice: layer %u: expert tensors exceed the supported sizes", L);
+        const int nb = !!el->b[0] + !!el->b[1] + !!el->b[2];
+        if (nb != 0 && nb != 3) return kv_fail(d, KV_EFORMAT, "slice: layer %u has %d of its 3 expert biases", L, nb);
+        for (int k = 0; k < 3 && nb; k++) {
+            const kv_gguf_tensor *b = el->b[k];
+            const uint64_t rows = k == 2 ? gt->ne[0] : gt->ne[1];
+            if (b->type != KV_TYPE_F32 || b->n_dims != 2 || b->ne[0] != rows || b->ne[1] != gt->ne[2])
+                return kv_fail(d, KV_EFORMAT, "slice: '%.*s' must be f32 [%" PRIu64 ", %" PRIu64 "]", (int)b->name.len,
+                               b->name.ptr, rows, gt->ne[2]);
+        }
         if (n_moe == 0) {
             s->n_embd = (uint32_t)gt->ne[0];
             s->n_ff = (uint32_t)gt->ne[1];
@@ -220,7 +233,7 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, kv_src_fd *sf, 
     if (rc) return rc;
     /* tensors: (source offset, bytes) in declaration order */
     typedef struct { uint64_t off, n; uint32_t part; } kv_rng;
-    kv_rng *rng = malloc((j->backbone ? kv_gguf_n_tensors(g) : 3) * sizeof *rng);
+    kv_rng *rng = malloc((j->backbone ? kv_gguf_n_tensors(g) : 6) * sizeof *rng);
     size_t n_t = 0;
     if (!rng) {
         kv_gguf_writer_free(w);
@@ -268,6 +281,15 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, kv_src_fd *sf, 
             const uint64_t ne[3] = {t->ne[0], t->ne[1], cnt}, nb2 = t->nbytes / t->ne[2];
             rc = kv_gguf_writer_add_tensor(w, name, 3, ne, t->type, NULL, d);
             rng[n_t++] = (kv_rng){t->file_offset + j->first * nb2, cnt * nb2, t->part};
+        }
+        for (int k = 0; k < 3 && !rc && s->layers[j->layer].b[k]; k++) { /* the range's bias rows */
+            const kv_gguf_tensor *t = s->layers[j->layer].b[k];
+            char name[KV_GGUF_MAX_TENSOR_NAME + 1];
+            memcpy(name, t->name.ptr, t->name.len);
+            name[t->name.len] = 0;
+            const uint64_t ne[2] = {t->ne[0], cnt}, nb1 = t->ne[0] * sizeof(float);
+            rc = kv_gguf_writer_add_tensor(w, name, 2, ne, t->type, NULL, d);
+            rng[n_t++] = (kv_rng){t->file_offset + j->first * nb1, cnt * nb1, t->part};
         }
         snprintf(path, sizeof path, "%s/%s", s->out_dir, j->file->path);
     }
