@@ -275,8 +275,8 @@ enum kv_role {
     KV_ROLE_SHEXP,     /* shared expert, its gate included */
     KV_ROLE_MTP,       /* MTP glue (nextn.*) */
     KV_ROLE_FFN,       /* a dense FFN (deepseek2's leading blocks) */
-    KV_ROLE_EXPERT_BIAS, /* routed experts' biases (gpt-oss): 2-D f32, expert index outermost; not in
-                            slabs (the slicer keeps them in the backbone) */
+    KV_ROLE_EXPERT_BIAS, /* routed experts' biases (gpt-oss): 2-D f32, expert index outermost; the
+                            slabs carry each expert's rows, the backbone none */
     KV_ROLE_COUNT
 };
 

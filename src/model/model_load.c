@@ -186,7 +186,8 @@ static int kv_load_weights(kv_model *m, bool experts, const kv_model_opts *opts,
         for (size_t i = 0; i < a->n_tensors; i++) {
             const kv_tensor_desc *t = &a->tensors[i];
             if (!kv_tensor_in_block(a, t, hp, il)) continue;
-            if (t->role == KV_ROLE_EXPERT && !experts) continue; /* a backbone: from a provider */
+            if ((t->role == KV_ROLE_EXPERT || t->role == KV_ROLE_EXPERT_BIAS) && !experts)
+                continue; /* a backbone: from a provider */
             kv_weight *w = kv_layer_slot(L, t->kind);
             if (!w) return kv_fail(d, KV_EINTERNAL, "model: tensor kind %d has no place in a block", (int)t->kind);
             rc = kv_load_tensor(m, t, il, w, d);

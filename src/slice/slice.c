@@ -94,6 +94,16 @@ static int kv_exp_kind(kv_str name, uint32_t *layer) {
     return -1;
 }
 
+/* Whether name is "blk.<L>.<stem>.bias" of a routed-expert matrix (gpt-oss):
+ * those rows travel in the slabs, not in the backbone. */
+static bool kv_exp_bias(kv_str name) {
+    static const char suf[] = ".bias";
+    const size_t n = sizeof suf - 1;
+    if (name.len <= n || memcmp(name.ptr + name.len - n, suf, n)) return false;
+    uint32_t L;
+    return kv_exp_kind((kv_str){name.ptr, name.len - n}, &L) >= 0;
+}
+
 static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
     const kv_gguf *g = s->g;
     int rc = kv_gguf_get_str(g, "general.architecture", &s->arch, d);
@@ -121,7 +131,7 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
         if (L + 1 > s->n_layer) s->n_layer = L + 1;
     }
     if (s->n_layer != bc) s->n_nextn = 0; /* experts past block_count: MTP blocks are not the last */
-    /* the experts' biases travel with them in the slabs (and stay in the backbone) */
+    /* the experts' biases travel with them in the slabs (the backbone has none) */
     for (uint32_t L = 0; L < s->n_layer; L++)
         for (int k = 0; k < 3 && s->layers[L].t[0]; k++) s->layers[L].b[k] = kv_slab_expert_bias(g, L, k);
     uint32_t n_moe = 0;
@@ -245,7 +255,7 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, kv_src_fd *sf, 
         for (size_t i = 0; i < kv_gguf_n_tensors(g) && !rc; i++) {
             const kv_gguf_tensor *t = kv_gguf_tensor_at(g, i);
             uint32_t L;
-            if (kv_exp_kind(t->name, &L) >= 0) continue;
+            if (kv_exp_kind(t->name, &L) >= 0 || kv_exp_bias(t->name)) continue;
             char name[KV_GGUF_MAX_TENSOR_NAME + 1];
             memcpy(name, t->name.ptr, t->name.len);
             name[t->name.len] = 0;
