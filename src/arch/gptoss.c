@@ -8,6 +8,7 @@
  * (no renormalization, no scale), whose experts have biases on gate, up and
  * down and the clamped SwiGLU (gate clamped above at 7, up to [-7, 7],
  * gate * sigmoid(1.702 gate) * (up + 1)). */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -82,6 +83,10 @@ static const kv_hparam_key kv_gptoss_keys[] = {
     {"attention.sliding_window_pattern", KV_KEY_U32, KV_HP_OFF(swa_pattern), false, 1, KV_MAX_LAYERS, 2},
     /* a different base for the sliding blocks is not computed */
     {"rope.freq_base_swa", KV_KEY_ABSENT, 0, false, 0, 0, 0},
+    /* YaRN (rope.scaling.type = yarn, read by the check): what llama.cpp's
+     * loader reads for every architecture; beta_fast/slow keep its defaults */
+    {"rope.scaling.original_context_length", KV_KEY_U32, KV_HP_OFF(n_ctx_orig_yarn), false, 1, KV_MAX_CTX, 0},
+    {"rope.scaling.attn_factor", KV_KEY_F32, KV_HP_OFF(yarn_attn_factor), false, 0, 0, 1.0f},
 };
 
 static uint32_t kv_gptoss_block_kind(const kv_hparams *hp, uint32_t il) {
@@ -94,14 +99,31 @@ static int kv_gptoss_check(kv_hparams *hp, const kv_gguf *g, kv_diag *d) {
     const char *an = hp->arch_name;
     if (hp->n_rot != hp->head_dim) /* RoPE over the whole head */
         return kv_fail(d, KV_EUNSUPPORTED, "model: rope.dimension_count %u != head dim %u", hp->n_rot, hp->head_dim);
-    /* RoPE scaling: none or linear (rope.scaling.factor); YaRN is not computed for gpt-oss */
+    /* RoPE scaling: none, linear (rope.scaling.factor) or yarn, as llama.cpp's
+     * context derives it: ext_factor 1, beta_fast 32, beta_slow 1, and the
+     * rotation's magnitude attn_factor * (1 + 0.1 ln factor) where
+     * attn_factor = mscale(factor) / (1 + 0.1 ln factor) * rope.scaling.attn_factor */
     char key[128];
     snprintf(key, sizeof key, "%s.rope.scaling.type", an);
     kv_str st;
-    if (!kv_gguf_get_str(g, key, &st, NULL) && !(st.len == 4 && !memcmp(st.ptr, "none", 4)) &&
-        !(st.len == 6 && !memcmp(st.ptr, "linear", 6)))
-        return kv_fail(d, KV_EUNSUPPORTED, "model: %s = '%.*s' is not supported for gpt-oss (none, linear)", key,
-                       (int)(st.len > 32 ? 32 : st.len), st.ptr);
+    if (!kv_gguf_get_str(g, key, &st, NULL)) {
+        if (st.len == 4 && !memcmp(st.ptr, "yarn", 4))
+            hp->rope_yarn = true;
+        else if (!(st.len == 4 && !memcmp(st.ptr, "none", 4)) && !(st.len == 6 && !memcmp(st.ptr, "linear", 6)))
+            return kv_fail(d, KV_EUNSUPPORTED, "model: %s = '%.*s' is not supported (none, linear, yarn)", key,
+                           (int)(st.len > 32 ? 32 : st.len), st.ptr);
+    }
+    if (!(hp->yarn_attn_factor > 0.0f))
+        return kv_fail(d, KV_EFORMAT, "model: %s.rope.scaling.attn_factor must be > 0", an);
+    if (hp->rope_yarn) {
+        if (!hp->n_ctx_orig_yarn) hp->n_ctx_orig_yarn = hp->n_ctx_train;
+        hp->yarn_ext_factor = 1.0f;
+        hp->yarn_beta_fast = 32.0f;
+        hp->yarn_beta_slow = 1.0f;
+        const float factor = 1.0f / hp->rope_freq_scale; /* check_common turned the factor into its inverse */
+        const float ms = factor <= 1.0f ? 1.0f : 0.1f * logf(factor) + 1.0f;
+        hp->yarn_attn_factor = ms * (1.0f / (1.0f + 0.1f * logf(factor))) * hp->yarn_attn_factor;
+    }
     hp->expert_weights_norm = false;
     hp->expert_weights_scale = 0.0f;
     return 0;

@@ -199,6 +199,7 @@ void kv_gen_fill_defaults(kv_gen_config *c) {
     if (is_gptoss(c)) {
         if (!c->n_swa) c->n_swa = 8;
         if (!c->swa_pattern) c->swa_pattern = 2;
+        if (c->yarn_factor > 0.0f && !c->yarn_orig_ctx) c->yarn_orig_ctx = c->n_ctx / 4 ? c->n_ctx / 4 : 1;
         return;
     }
     if (!is_q35(c)) return;
@@ -355,6 +356,10 @@ int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
             (rc = check_range(d, "swa-pattern", c->swa_pattern, 1, KV_GEN_MAX_LAYER)))
             return rc;
         if (c->tied) return kv_fail(d, KV_EINVAL, "gpt-oss has an untied LM head (output.weight): drop --tied");
+        if (!(c->yarn_factor == 0.0f || (c->yarn_factor >= 1.0f && c->yarn_factor <= 1024.0f)))
+            return kv_fail(d, KV_EINVAL, "yarn factor %g must be 0 (none) or in [1, 1024]", (double)c->yarn_factor);
+        if (c->yarn_factor > 0.0f && (rc = check_range(d, "yarn-orig-ctx", c->yarn_orig_ctx, 1, KV_GEN_MAX_CTX)))
+            return rc;
     }
     if (is_q35(c)) {
         if ((rc = check_range(d, "ff-shexp", c->n_ff_shexp, 1, KV_GEN_MAX_FF)) ||
@@ -700,7 +705,7 @@ static int write_meta_ds2(kv_gguf_writer *w, const kv_gen_config *c, kv_diag *d)
 }
 
 /* The gpt-oss.* hyperparameters, keys as llama.cpp's openai-moe loader
- * reads them (no rope scaling: YaRN is not computed for gpt-oss here). */
+ * reads them (YaRN when --yarn-factor is given). */
 static int write_meta_gptoss(kv_gguf_writer *w, const kv_gen_config *c, kv_diag *d) {
     int rc;
 #define TRY(x) \
@@ -721,6 +726,11 @@ static int write_meta_gptoss(kv_gguf_writer *w, const kv_gen_config *c, kv_diag 
     if (c->swa_pattern != 2) U32("attention.sliding_window_pattern", c->swa_pattern);
     TRY(kv_gguf_writer_set_f32(w, "gpt-oss.attention.layer_norm_rms_epsilon", GEN_RMS_EPS, d));
     TRY(kv_gguf_writer_set_f32(w, "gpt-oss.rope.freq_base", GEN_ROPE_BASE, d));
+    if (c->yarn_factor > 0.0f) {
+        TRY(kv_gguf_writer_set_str(w, "gpt-oss.rope.scaling.type", "yarn", d));
+        TRY(kv_gguf_writer_set_f32(w, "gpt-oss.rope.scaling.factor", c->yarn_factor, d));
+        U32("rope.scaling.original_context_length", c->yarn_orig_ctx);
+    }
 #undef U32
 #undef TRY
     return 0;

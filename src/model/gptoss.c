@@ -14,6 +14,7 @@
  * The expert biases and the activation travel with the expert weights
  * (kv_expert_weights): from the model file, from slabs (which carry the
  * bias rows of their experts) and on workers alike. */
+#include <math.h>
 #include <string.h>
 
 #include "model/model_internal.h"
@@ -30,6 +31,32 @@ static void kv_add_bias(float *x, const kv_weight *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] + v[i];
 }
 
+/* NeoX RoPE angles of position pos with YaRN, as ggml's rope_yarn: per pair
+ * i, theta_extrap = pos * base^(-2i/n_rot), theta_interp = freq_scale *
+ * theta_extrap, mixed by the ramp between the correction dims, and the
+ * magnitude attn_factor * (1 + 0.1 ln(1 / freq_scale)). */
+static float kv_yarn_corr_dim(float n_rot, float n_ctx_orig, float rot, float base) {
+    return n_rot * logf(n_ctx_orig / (rot * 2.0f * 3.14159265358979f)) / (2.0f * logf(base));
+}
+static void kv_gptoss_yarn_table(float *cs, float *sn, const kv_hparams *hp, int32_t pos) {
+    const float n = (float)hp->n_rot, base = hp->rope_freq_base, fs = hp->rope_freq_scale;
+    float lo = floorf(kv_yarn_corr_dim(n, (float)hp->n_ctx_orig_yarn, hp->yarn_beta_fast, base));
+    float hi = ceilf(kv_yarn_corr_dim(n, (float)hp->n_ctx_orig_yarn, hp->yarn_beta_slow, base));
+    lo = lo > 0.0f ? lo : 0.0f;
+    hi = hi < n - 1.0f ? hi : n - 1.0f;
+    const float theta_scale = powf(base, -2.0f / n);
+    const float mscale = hp->yarn_attn_factor * (1.0f + 0.1f * logf(1.0f / fs));
+    float theta = (float)pos;
+    for (uint32_t i = 0; i < hp->n_rot / 2; i++) {
+        const float y = ((float)i - lo) / fmaxf(0.001f, hi - lo);
+        const float mix = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * hp->yarn_ext_factor;
+        const float t = fs * theta * (1.0f - mix) + theta * mix;
+        cs[i] = cosf(t) * mscale;
+        sn[i] = sinf(t) * mscale;
+        theta *= theta_scale;
+    }
+}
+
 /* Token t's projection biases and RoPE (angles into its own row of s->att,
  * free until this layer's attention writes it). */
 static void kv_gptoss_qkv_tok(kv_state *s, const void *ctx, uint32_t t) {
@@ -38,7 +65,10 @@ static void kv_gptoss_qkv_tok(kv_state *s, const void *ctx, uint32_t t) {
     const kv_hparams *hp = &s->m->hp;
     const int64_t HD = hp->head_dim, H = hp->n_head, HKV = hp->n_head_kv, QD = H * HD, KVD = HKV * HD;
     float *cs = s->att + (size_t)t * (size_t)QD, *sn = cs + hp->n_rot / 2;
-    kv_rope_neox_table(cs, sn, hp->n_rot, (int32_t)s->tok_pos[t], hp->rope_freq_base, hp->rope_freq_scale);
+    if (hp->rope_yarn)
+        kv_gptoss_yarn_table(cs, sn, hp, (int32_t)s->tok_pos[t]);
+    else
+        kv_rope_neox_table(cs, sn, hp->n_rot, (int32_t)s->tok_pos[t], hp->rope_freq_base, hp->rope_freq_scale);
     if (c->q) {
         float *q = s->q + (size_t)t * QD;
         kv_add_bias(q, &L->bq, QD);

@@ -157,6 +157,10 @@ export const MODELS = [
   { name: "gptoss-f32", arch: "gpt-oss", type: "f32", seed: 41,
     args: ["--layers", "3", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
       "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--swa", "8", "--vocab", "2000"] },
+  // YaRN as gpt-oss-120b has it (factor 32 there), over an original context of 128
+  { name: "gptoss-f32-yarn", arch: "gpt-oss", type: "f32", seed: 45,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--swa", "8", "--yarn-factor", "8", "--vocab", "2000"] },
   { name: "gptoss-f32-swa3", arch: "gpt-oss", type: "f32", seed: 42,
     args: ["--layers", "4", "--embd", "192", "--ff-exp", "96", "--experts", "16", "--experts-used", "4",
       "--heads", "6", "--kv-heads", "2", "--head-dim", "32", "--swa", "5", "--swa-pattern", "3",
