@@ -17,7 +17,9 @@
 #                 gateway (tests/test_arm_run.sh), full versions
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 #   make bench-wan   the WAN cost model (docs/WAN.md) against the test bed: 0-80 ms, 10 Mbit/s-unlimited
+#   make bench-wan-sites  issue 31's targets: ring of sites vs per-layer dispatch, speculation over the ring (40 ms)
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
+#   make bench-hedge  decode step p50/p99 over two replicas, healthy and with one stalling
 #   make wan-test the WAN test bed (tests/test_wan_bed.sh, docs/NETDELAY.md) in its long
 #                 version: two sites 40 ms apart, 0.5% loss, a host behind a NAT router, a
 #                 kvasir hub and a NATed kvasir node (needs root), then the design's scenario
@@ -38,7 +40,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: wan-test attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring bench-wan clean deps-arm arm test-arm bench-arm
+.PHONY: wan-test attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring bench-wan bench-wan-sites bench-hedge clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -143,6 +145,14 @@ bench-ring: deps
 bench-wan: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/wan.sh $(BUILD)
+
+bench-wan-sites: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/wan_sites.sh $(BUILD)
+
+bench-hedge: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/hedge.sh $(BUILD)/kvasir
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build

@@ -111,7 +111,7 @@ static void reencode(const uint8_t *f, size_t n, const kv_ring_msg *m) {
     case KV_RING_TOKEN: {
         const kv_ring_token *t = &m->u.token;
         CHECK((t->has_lp ? kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top)
-                         : kv_ring_token_size(t->piece_len, t->n_logits)) == n - KV_RING_HEADER);
+                         : kv_ring_token_size(t->piece_len, t->n_logits)) + 4u * t->n_draft == n - KV_RING_HEADER);
         CHECK(!t->has_lp || (t->lp.token == t->token && isfinite(t->lp.logprob)));
         float *lg = malloc((t->n_logits ? t->n_logits : 1) * sizeof *lg);
         CHECK(lg);

@@ -10,7 +10,10 @@
  * group-limited top-k, normalized and scaled weights, shared experts. Then
  * bit-identity of our f32 logits across thread counts, prefill chunking
  * and several sequences decoded together; the F16 cache close to the F32
- * one; and the cache holding only the latent and the rope part. */
+ * one; ring windows chained by hidden states; the cache holding only the
+ * latent and the rope part; and metadata
+ * kvasir cannot run as llama.cpp would (the joint attn_kv_b, another gating
+ * function, bad groups, several KV heads, MTP blocks) refused at load. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -390,7 +393,98 @@ static void test_multi_seq(void) {
     kv_pool_free(pool);
 }
 
-static const kvt_case cases[] = {KVT_CASE(test_loaded), KVT_CASE(test_cache_bytes), KVT_CASE(test_f64_reference),
-                                 KVT_CASE(test_bit_identity), KVT_CASE(test_f16_cache), KVT_CASE(test_multi_seq)};
+/* Ring windows: blocks [0, 0] (the dense block), [1, 1] and [2, 2] loaded
+ * apart and chained by hidden states give, token by token, the bits of the
+ * whole model (g_a). */
+static void test_windows(void) {
+    static const uint32_t win[3][2] = {{0, 0}, {1, 1}, {2, 2}};
+    kv_model *mw[3] = {0};
+    kv_state *sw[3] = {0};
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
+    const size_t E = kv_model_hparams(g_m)->n_embd;
+    float *x1 = calloc(E, sizeof *x1), *x2 = calloc(E, sizeof *x2), *lg = calloc(V, sizeof *lg);
+    bool ok = true;
+    for (int i = 0; i < 3; i++) {
+        kv_model_opts o = {.window = true, .layer_first = win[i][0], .layer_last = win[i][1]};
+        kv_state_opts so = {.n_ctx = 64};
+        if (kv_model_load_ex(&mw[i], g_path, &o, &d) || kv_state_new(&sw[i], mw[i], pool, &so, &d)) {
+            KVT_FAIL("window %d: %s", i, d.msg);
+            ok = false;
+        }
+    }
+    for (int t = 0; ok && t < N; t++) {
+        const uint32_t seq = 0, out = 0;
+        ASSERT_EQ(kv_state_batch_window(sw[0], &toks[t], NULL, &seq, 1, &out, 0, NULL, x1, &d), 0);
+        ASSERT_EQ(kv_state_batch_window(sw[1], NULL, x1, &seq, 1, &out, 0, NULL, x2, &d), 0);
+        ASSERT_EQ(kv_state_batch_window(sw[2], NULL, x2, &seq, 1, &out, 1, lg, NULL, &d), 0);
+        ok &= !memcmp(lg, g_a + (size_t)t * V, (size_t)V * sizeof *lg);
+    }
+    ASSERT_TRUE(ok);
+    for (int i = 0; i < 3; i++) {
+        kv_state_free(sw[i]);
+        kv_model_free(mw[i]);
+    }
+    free(x1);
+    free(x2);
+    free(lg);
+    kv_pool_free(pool);
+}
+
+/* The generated file's metadata (no tensors) with key `drop` left out and,
+ * when set_key, set_key = set_val (u32); the hyper-parameters read from it:
+ * rc and d. */
+static int meta_variant(const char *drop, const char *set_key, uint32_t set_val, kv_diag *d) {
+    char p[160];
+    snprintf(p, sizeof p, "%s/meta.gguf", g_dir);
+    kv_gguf *g = NULL, *v = NULL;
+    kv_gguf_writer *w = NULL;
+    int rc = kv_gguf_open(&g, g_path, d);
+    if (!rc) rc = kv_gguf_writer_new(&w, d);
+    for (size_t i = 0; !rc && i < kv_gguf_n_kv(g); i++) {
+        const kv_gguf_kv *kv = kv_gguf_kv_at(g, i);
+        const bool skip = (drop && kv->key.len == strlen(drop) && !memcmp(kv->key.ptr, drop, kv->key.len)) ||
+                          (set_key && kv->key.len == strlen(set_key) && !memcmp(kv->key.ptr, set_key, kv->key.len));
+        if (!skip) rc = kv_gguf_writer_copy_kv(w, kv, d);
+    }
+    if (!rc && set_key) rc = kv_gguf_writer_set_u32(w, set_key, set_val, d);
+    if (!rc) rc = kv_gguf_writer_begin(w, p, d);
+    if (!rc) rc = kv_gguf_writer_finish(w, d);
+    kv_gguf_writer_free(w);
+    kv_gguf_close(g);
+    if (rc) {
+        KVT_FAIL("writing the metadata variant: %s", d->msg);
+        return rc;
+    }
+    kv_hparams hp;
+    memset(d, 0, sizeof *d);
+    if (!(rc = kv_gguf_open(&v, p, d))) rc = kv_arch_read_hparams(v, &hp, d);
+    kv_gguf_close(v);
+    unlink(p);
+    return rc;
+}
+
+/* files kvasir cannot run as llama.cpp would are refused at load, naming the key */
+static void test_bad_metadata(void) {
+    kv_diag d = {0};
+    ASSERT_EQ(meta_variant(NULL, NULL, 0, &d), 0); /* the copy itself loads */
+    ASSERT_EQ(meta_variant("deepseek2.attention.key_length_mla", NULL, 0, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "attn_kv_b") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.expert_gating_func", 3, &d), KV_EFORMAT);
+    ASSERT_TRUE(strstr(d.msg, "expert_gating_func") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.expert_group_count", 3, &d), KV_EFORMAT); /* 8 experts */
+    ASSERT_TRUE(strstr(d.msg, "expert_group_count") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.expert_group_used_count", 4, &d), KV_EFORMAT);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.attention.head_count_kv", 4, &d), KV_EFORMAT);
+    ASSERT_TRUE(strstr(d.msg, "MLA") != NULL);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.leading_dense_block_count", 4, &d), KV_EFORMAT);
+    ASSERT_EQ(meta_variant(NULL, "deepseek2.nextn_predict_layers", 1, &d), KV_EUNSUPPORTED);
+    printf("refused: %s\n", d.msg);
+}
+
+static const kvt_case cases[] = {KVT_CASE(test_bad_metadata), KVT_CASE(test_loaded), KVT_CASE(test_cache_bytes), KVT_CASE(test_f64_reference),
+                                 KVT_CASE(test_bit_identity), KVT_CASE(test_f16_cache), KVT_CASE(test_multi_seq),
+                                 KVT_CASE(test_windows)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -355,12 +355,13 @@ static int decode(const kv_model *m, const kv_expert_provider *p, float *logits,
 
 static char g_manifest[400];
 static kv_gen_config g_cfg; /* the model's generator settings */
+static double g_hedge_budget; /* kv_remote_opts.hedge_budget of the remotes opened (0 = its default) */
 
 static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t enc, const char *manifest,
                                  uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
     const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL,
-                              0, false, NULL, 0, NULL, NULL, g_plaintext};
+                              0, false, NULL, 0, NULL, NULL, g_plaintext, g_hedge_budget};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }
@@ -465,7 +466,11 @@ static void test_replicas(void) {
     for (int i = 0; i < 3; i++) ASSERT_TRUE(new_worker(&w[i], s[i]));
     const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
     kv_diag d = {0};
+    /* without hedging: the stall below is to run past the deadline (a
+       replica that could answer in its place: test_hedge.sh) */
+    g_hedge_budget = -1;
     kv_remote *r = open_remote(addrs, 3, KV_ENC_F32, NULL, &d);
+    g_hedge_budget = 0;
     if (!r) KVT_FAIL("open: %s", d.msg);
     ASSERT_TRUE(r != NULL);
     if (r) {
@@ -730,7 +735,11 @@ static void test_slow_replica(void) {
     ASSERT_TRUE(new_worker_all(&w[1], "--test-delay=900"));
     const char *addrs[2] = {w[0].addr, w[1].addr};
     kv_diag d = {0};
+    /* without hedging: its first request is waited for and demotes it (with
+       hedging it would be superseded and never waited for: test_hedge.sh) */
+    g_hedge_budget = -1;
     kv_remote *r = open_remote_t(addrs, 2, KV_ENC_F32, NULL, 1000, RECONNECT_MS, &d);
+    g_hedge_budget = 0;
     if (!r) KVT_FAIL("open: %s", d.msg);
     ASSERT_TRUE(r != NULL);
     if (r) {
@@ -1038,7 +1047,7 @@ static void test_mutual_keys(void) {
     kv_diag d = {0};
     kv_remote *r = NULL;
     kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                        (const uint8_t(*)[32])keys, 0, false, NULL, 0, NULL, NULL, false};
+                        (const uint8_t(*)[32])keys, 0, false, NULL, 0, NULL, NULL, false, 0};
     ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), 0);
     if (r) {
         check_exact(r, NULL, NULL, "workers under the keys they are listed with");
@@ -1117,8 +1126,10 @@ static void test_verified(void) {
         caught_log cl = {0};
         char mid[KV_PROTO_MODEL_ID_LEN + 1];
         cl.model_id = mid;
+        /* without hedging: every answer is waited for and checked (a superseded
+           one is discarded unchecked, so a lie in it would go unseen here) */
         kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                            NULL, 0, false, &vo, 0.05, on_caught, &cl, false};
+                            NULL, 0, false, &vo, 0.05, on_caught, &cl, false, -1};
         kv_diag d = {0};
         kv_remote *r = NULL;
         ASSERT_EQ(kv_remote_open(&r, slices_man, g_pool, &o, &d), 0);

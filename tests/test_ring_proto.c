@@ -67,14 +67,17 @@ static void test_header_layout(void) {
     f[0] ^= 1;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
     memcpy(f, buf, sizeof f);
-    f[4] = 4; /* a later version */
+    f[4] = 5; /* a later version */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
     f[4] = 1; /* v1: a node of a build before TLS (ring v2) gets a version error */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
-    ASSERT_TRUE(strstr(d.msg, "version 1, this node speaks 3") != NULL);
+    ASSERT_TRUE(strstr(d.msg, "version 1, this node speaks 4") != NULL);
     f[4] = 2; /* v2: a node of a build before SUBMIT_TOKENS (ring v3) gets a version error */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
-    ASSERT_TRUE(strstr(d.msg, "version 2, this node speaks 3") != NULL);
+    ASSERT_TRUE(strstr(d.msg, "version 2, this node speaks 4") != NULL);
+    f[4] = 3; /* v3: a node of a build before speculative decoding over the ring (v4) gets a version error */
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "version 3, this node speaks 4") != NULL);
     memcpy(f, buf, sizeof f);
     f[6] = KV_RING_TYPE_COUNT;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
@@ -207,13 +210,13 @@ static void test_start_submit_token(void) {
     float lg[6] = {1, -2, 3.5f, 0, -0.0f, 1e30f};
     kv_ring_token t = {.seq = 9, .pos = 17, .token = 3, .stop = 3, .piece_len = 2, .piece = "ab", .n_logits = 6};
     ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, lg, &n, NULL), 0);
-    ASSERT_EQ(n, KV_RING_HEADER + 28 + 2 + 24);
+    ASSERT_EQ(n, KV_RING_HEADER + 36 + 2 + 24); /* v4: u32 spec, u32 n_draft after n_logits */
     q = buf + KV_RING_HEADER;
     ASSERT_EQ(rd32(q + 8), 17);
     ASSERT_EQ(rd32(q + 16), 3);
     ASSERT_EQ(rd32(q + 20), 2);
     ASSERT_EQ(rd32(q + 24), 6);
-    ASSERT_TRUE(!memcmp(q + 28, "ab", 2));
+    ASSERT_TRUE(!memcmp(q + 36, "ab", 2));
     ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
     float back[6];
     kv_ring_floats_get(m.u.token.logits, 6, back);
@@ -514,8 +517,8 @@ static void test_v3_frames(void) {
     t.lp.top_id[1] = 8;
     t.lp.top_logprob[1] = -3.5;
     ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, NULL, &n, &d), 0);
-    ASSERT_EQ(n, KV_RING_HEADER + 28 + 2 + 12 + 24);
-    q = buf + KV_RING_HEADER + 30;
+    ASSERT_EQ(n, KV_RING_HEADER + 36 + 2 + 12 + 24);
+    q = buf + KV_RING_HEADER + 38;
     ASSERT_EQ(rd32(q), 2);
     double lp;
     const uint64_t lb = rd64(q + 4);
@@ -527,14 +530,14 @@ static void test_v3_frames(void) {
     ASSERT_EQ(m.u.token.stop, KV_STOP_GRAMMAR);
     check_truncations(buf, n);
     memcpy(f, buf, n);
-    wr32(f + KV_RING_HEADER + 30 + 8, 0x7ff80000u); /* the logprob's high word: NaN */
+    wr32(f + KV_RING_HEADER + 38 + 8, 0x7ff80000u); /* the logprob's high word: NaN */
     ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
     memcpy(f, buf, n);
-    wr32(f + KV_RING_HEADER + 30, 21);
+    wr32(f + KV_RING_HEADER + 38, 21);
     ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
     t.has_lp = false;
     ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, NULL, &n, &d), 0);
-    ASSERT_EQ(n, KV_RING_HEADER + 30);
+    ASSERT_EQ(n, KV_RING_HEADER + 38);
     ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
     ASSERT_TRUE(!m.u.token.has_lp);
 
@@ -690,13 +693,110 @@ out:
     unlink(path);
 }
 
+/* v4: the draft block of a request, TOKEN's spec word and drafts, HIDDEN's
+ * VERIFY flag, the extension after SUBMIT's text; each against the layout
+ * written out byte by byte here. */
+static void test_v4_spec_frames(void) {
+    static uint8_t buf[1 << 16], f[1 << 16];
+    size_t n;
+    kv_ring_msg m;
+    kv_diag d = {0};
+    const int32_t rec[3] = {5, 7, 599};
+    kv_ring_params p = {.flags = KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_DRAFT, .n_predict = 9, .sample = kv_sample_defaults(),
+                        .draft_kind = KV_RING_DRAFT_TEST, .draft_max = 3, .draft_p = 0.7, .draft_seed = 42,
+                        .n_draft_rec = 3, .draft_rec = rec};
+    const int32_t toks[2] = {1, 2};
+    ASSERT_EQ(kv_ring_submit_tokens_encode(buf, sizeof buf, &p, toks, 2, &n, &d), 0);
+    /* params 40, u32 n, 2 tokens, the extension's 24 fixed bytes, the draft block 28 + 3 x 4 */
+    ASSERT_EQ(n, KV_RING_HEADER + 40 + 4 + 8 + 24 + 28 + 12);
+    const uint8_t *q = buf + KV_RING_HEADER + 40 + 4 + 8 + 24;
+    ASSERT_EQ(rd32(q), KV_RING_DRAFT_TEST);
+    ASSERT_EQ(rd32(q + 4), 3);
+    double dp;
+    const uint64_t db = rd64(q + 8);
+    memcpy(&dp, &db, 8);
+    ASSERT_TRUE(dp == 0.7);
+    ASSERT_EQ(rd64(q + 16), 42);
+    ASSERT_EQ(rd32(q + 24), 3);
+    ASSERT_EQ(rd32(q + 28 + 8), 599);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.stok.p.draft_kind, KV_RING_DRAFT_TEST);
+    ASSERT_EQ(m.u.stok.p.n_draft_rec, 3);
+    ASSERT_EQ(kv_ring_tokens_get(m.u.stok.p.draft_rec_wire, 1), 7);
+    check_truncations(buf, n);
+    memcpy(f, buf, n); /* k out of range */
+    wr32(f + (q - buf) + 4, 16);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n); /* an unknown source */
+    wr32(f + (q - buf), 9);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n); /* DRAFT without EXT */
+    wr32(f + KV_RING_HEADER, KV_RING_SUBMIT_DRAFT);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    /* an ngram draft carries no recording; the encoder refuses k = 0 */
+    p.draft_kind = KV_RING_DRAFT_NGRAM;
+    p.n_draft_rec = 0;
+    p.draft_p = 0;
+    p.draft_seed = 0;
+    ASSERT_EQ(kv_ring_submit_tokens_encode(buf, sizeof buf, &p, toks, 2, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 40 + 4 + 8 + 24 + 28);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    p.draft_max = 0;
+    ASSERT_EQ(kv_ring_submit_tokens_encode(buf, sizeof buf, &p, toks, 2, &n, &d), KV_ERANGE);
+    p.draft_max = 2;
+    /* SUBMIT (text) with the extension after the text (v4) */
+    const kv_ring_submit sb = {p, "hi", 2};
+    ASSERT_EQ(kv_ring_submit_encode(buf, sizeof buf, &sb, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 40 + 4 + 2 + 24 + 28);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.submit.text_len, 2);
+    ASSERT_EQ(m.u.submit.p.draft_max, 2);
+    check_truncations(buf, n);
+    /* TOKEN: spec word and drafts after the logits, before the log-probability */
+    kv_ring_token t = {.seq = 3, .pos = 8, .token = 4, .n_draft = 2, .spec = KV_RING_TOKEN_SPEC(0, 3, 2)};
+    t.drafts[0] = 11;
+    t.drafts[1] = 12;
+    ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, NULL, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 36 + 8);
+    q = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd32(q + 28), (3u << 8) | (2u << 16));
+    ASSERT_EQ(rd32(q + 32), 2);
+    ASSERT_EQ(rd32(q + 36 + 4), 12);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.token.n_draft, 2);
+    ASSERT_EQ(m.u.token.drafts[1], 12);
+    ASSERT_EQ(KV_RING_TOKEN_ACCEPTED(m.u.token.spec), 2);
+    check_truncations(buf, n);
+    memcpy(f, buf, n); /* more accepted than verified */
+    wr32(f + KV_RING_HEADER + 28, (1u << 8) | (2u << 16));
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n); /* drafts after a token that is not the pass's last */
+    wr32(f + KV_RING_HEADER + 28, KV_RING_TOKEN_MORE);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    t.n_draft = 16;
+    ASSERT_EQ(kv_ring_token_encode(buf, sizeof buf, &t, NULL, &n, &d), KV_ERANGE);
+    /* HIDDEN VERIFY: with LOGITS, 2..16 tokens */
+    float x[17 * 2] = {0};
+    kv_ring_hidden h = {.seq = 1, .pos = 5, .n_tokens = 4, .flags = KV_RING_HIDDEN_LOGITS | KV_RING_HIDDEN_VERIFY, .n_embd = 2};
+    ASSERT_EQ(kv_ring_hidden_encode(buf, sizeof buf, &h, x, &n, &d), 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.hidden.flags, KV_RING_HIDDEN_LOGITS | KV_RING_HIDDEN_VERIFY);
+    h.flags = KV_RING_HIDDEN_VERIFY;
+    ASSERT_EQ(kv_ring_hidden_encode(buf, sizeof buf, &h, x, &n, &d), 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+    h.flags = KV_RING_HIDDEN_LOGITS | KV_RING_HIDDEN_VERIFY;
+    h.n_tokens = 17;
+    ASSERT_EQ(kv_ring_hidden_encode(buf, sizeof buf, &h, x, &n, &d), 0);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_EPROTO);
+}
+
 static void test_window_qwen3moe(void) { window_case("qwen3moe"); }
 static void test_window_qwen35moe(void) { window_case("qwen35moe"); }
 
 static const kvt_case cases[] = {
     KVT_CASE(test_header_layout), KVT_CASE(test_hello), KVT_CASE(test_hidden), KVT_CASE(test_start_submit_token),
     KVT_CASE(test_auth), KVT_CASE(test_chat_status), KVT_CASE(test_v3_frames), KVT_CASE(test_vocab_pack),
-    KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
+    KVT_CASE(test_v4_spec_frames), KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
 };
 
 int main(int argc, char **argv) {

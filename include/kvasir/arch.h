@@ -340,6 +340,10 @@ typedef struct kv_arch_state_ops {
     uint64_t (*rec_bytes)(const struct kv_state *s);      /* one sequence's committed recurrent state */
     int (*rec_get)(const struct kv_state *s, uint32_t seq, void *dst, kv_diag *d);
     int (*rec_set)(struct kv_state *s, uint32_t seq, const void *src, kv_diag *d);
+    /* speculative decoding: keep the states after the next call's first n tokens of seq, and go
+     * back to the one after position pos - 1 (the KV cache needs neither: rows are rewritten) */
+    int (*spec_keep)(struct kv_state *s, uint32_t seq, uint32_t n, kv_diag *d);
+    int (*rollback)(struct kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d);
 } kv_arch_state_ops;
 
 typedef struct kv_arch_table {

@@ -70,6 +70,10 @@ typedef struct kv_remote_opts {
     bool insecure_plaintext; /* --insecure-plaintext: dial workers over plain TCP (v3-v5, no
                                 channel binding); off: TLS 1.3 pinned to each worker's listed
                                 key, dispatch v5 with the key handshake bound to the session */
+    double hedge_budget;     /* hedged requests allowed per request sent (at most 1; bursts of up
+                                to 4): a request unanswered past its worker's measured tail
+                                also goes to a replica (docs/PROTOCOL.md, Replica choice and
+                                hedging); 0 = 0.1; negative = never hedge */
 } kv_remote_opts;
 
 /* Opens the coordinator's side of a sliced model at manifest_path
@@ -117,6 +121,10 @@ typedef struct kv_remote_worker {
     bool caught;                /* caught lying: dropped for good */
     uint64_t verified;          /* its pairs that passed the checks */
     double latency_ms;          /* estimated answer time (moving average), 0 = not measured */
+    double p95_ms;              /* 95th percentile of its last 32 answer times, 0 = not measured */
+    uint64_t hedged;            /* its requests also sent to a replica after their hedge time */
+    uint64_t hedges_won;        /* hedges of others' requests it answered first */
+    uint64_t late;              /* its answers that came after a replica's and were discarded */
     bool demoted;               /* slower than a replica: not given work, only probed */
     uint64_t probes;            /* probes sent while demoted (answers timed, never used) */
 } kv_remote_worker;
@@ -134,6 +142,10 @@ typedef struct kv_remote_stats {
     uint64_t pairs_unverified;  /* answers of experts without a local slab to check against */
     uint64_t pairs_recomputed;  /* sampled full recomputes that matched */
     uint64_t caught;            /* workers caught lying */
+    uint64_t hedges;            /* requests also sent to a replica (hedged) */
+    uint64_t pairs_hedged;      /* (token, expert) slots those hedges carried: computed twice */
+    uint64_t hedges_won;        /* ... whose replica answered first */
+    uint64_t late_answers;      /* answers discarded because a replica had answered first (not a fault) */
     double rtt_p50_us, rtt_p99_us, rtt_max_us; /* round trip: first byte sent to last
                                    answer in, over the last 65536 rounds that had workers */
 } kv_remote_stats;
@@ -141,6 +153,9 @@ typedef struct kv_remote_stats {
  * samples: not for the hot path. */
 void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out);
 void kv_remote_reset_stats(kv_remote *r);
+/* The hedge counters of kv_remote_stats alone (cheap: for every step's
+ * metrics). NULL pointers are skipped. */
+void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late);
 
 /* ---- per-session work tally ---------------------------------------------
  * What the coordinator dispatched to, and took back from, each worker, per

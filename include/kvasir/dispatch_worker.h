@@ -58,6 +58,12 @@ typedef struct kv_worker_opts {
                               announce "opencl"; off: the CPU kernels kv_quant_backend() names */
     int test_delay_ms;     /* TEST ONLY (kvasir worker --test-delay=MS): every COMPUTE waits
                               this long before it is computed (a slow worker); 0 = none */
+    int test_stall_ms;     /* TEST ONLY (kvasir worker --test-stall-ms=N --test-stall-every=M):
+                              every M-th COMPUTE this worker takes (counted over all its
+                              connections) waits N ms more before it is computed (a replica
+                              that stalls now and then; hedged requests are tested with it);
+                              each stall is logged on stderr; 0 = none. At most 60000 */
+    int test_stall_every;  /* M above, 1..1000000; 0 with test_stall_ms > 0 = every COMPUTE */
     bool insecure_plaintext; /* --insecure-plaintext: serve plaintext coordinators from any
                               address; off: TLS (v5, the key handshake bound to the session)
                               is required of every peer that is not on loopback, and a

@@ -101,6 +101,9 @@ typedef struct kv_gateway_opts {
     const struct kv_voucher *ring_voucher; /* a hub voucher for that key, shown to the nodes (copied);
                                    NULL = none */
     uint32_t ring_timeout_ms;   /* longest wait for one frame from the ring; 0 = 60000 */
+    const char *ring_draft;     /* --draft over the ring: ngram or test:FILE:P[:SEED] (the ring's tail
+                                   drafts, kv_ring_draft_params); NULL = none */
+    uint32_t ring_draft_max;    /* --draft-max; 0 = 3 */
     uint32_t ring_status_ms;    /* /health asks every entry node this often; 0 = 1000 */
     /* The chat template the chat APIs render the prompt with: the model's
        own (tokenizer.chat_template in its GGUF) unless this replaces it; a
@@ -123,6 +126,9 @@ typedef struct kv_gateway_opts {
     bool quiet;
     const char *model_path;     /* the file or manifest served, for GET /props (copied); NULL = none */
     bool no_web_ui;             /* GET / (and /index.html) answers 404, not the chat page */
+    const char *down_msg;       /* no engine and no ring: the model cannot run here, and this says why
+                                   (copied; at most 200 bytes kept): /health and every prompt answer 503
+                                   with it, at once */
 } kv_gateway_opts;
 
 #define KV_GATEWAY_MAX_CORS 32u

@@ -59,6 +59,8 @@ typedef struct kv_gen_config {
     bool q6_mix;            /* with type Q4_K: the mix of llama.cpp's Q4_K_M, i.e.
                                ffn_down* (routed and shared), attn_v and output
                                in Q6_K, the other matrices Q4_K */
+    uint32_t mix;           /* kv_gen_mix: llama-quantize's recipe for the
+                               matrices (overrides type and q6_mix); 0: none */
     uint64_t seed;          /* weights PRNG seed */
     float router_skew;      /* 0: every expert alike; S > 0: in each layer's router the
                                row of the expert of rank r (a seeded shuffle per layer)
@@ -128,6 +130,38 @@ int kv_gen_validate(const kv_gen_config *cfg, kv_diag *d);
  * the same shape of rule as llama.cpp's quantizer, restricted to types
  * Kvasir computes with). */
 uint32_t kv_gen_matrix_type(uint32_t want, uint64_t row_len);
+
+/* llama-quantize's tensor-type recipes ("mixes") of the file types people
+ * download, as llama-quant.cpp assigns them (gen_mix.c). */
+typedef enum kv_gen_mix {
+    KV_GEN_MIX_NONE = 0,
+    KV_GEN_MIX_Q2_K,   /* LLAMA_FTYPE_MOSTLY_Q2_K (10) */
+    KV_GEN_MIX_Q3_K_M, /* LLAMA_FTYPE_MOSTLY_Q3_K_M (12) */
+    KV_GEN_MIX_Q4_K_M, /* LLAMA_FTYPE_MOSTLY_Q4_K_M (15) */
+    KV_GEN_MIX_IQ4_XS, /* LLAMA_FTYPE_MOSTLY_IQ4_XS (30) */
+    KV_GEN_MIX_COUNT
+} kv_gen_mix;
+
+/* What the recipe needs to know of the model and of a tensor's place. */
+typedef struct kv_gen_mix_ctx {
+    int i_wv, n_wv;     /* rank of this tensor among the attn_v-like ones (attn_v,
+                           attn_qkv, attn_kv_b) in file order, and their count */
+    int n_layer_all;    /* blocks, MTP blocks included */
+    uint32_t n_expert;  /* routed experts (llama.cpp treats 8 specially) */
+    uint32_t n_gqa;     /* n_head / n_head_kv */
+    bool tied;          /* no output.weight: token_embd is the LM head */
+} kv_gen_mix_ctx;
+
+/* The mix's name ("q2_k", "q3_k_m", "q4_k_m", "iq4_xs") -> id; -1 unknown. */
+int kv_gen_mix_from_name(const char *name);
+const char *kv_gen_mix_name(uint32_t mix); /* NULL for none/unknown */
+uint32_t kv_gen_mix_ftype(uint32_t mix);   /* general.file_type (llama_ftype) */
+/* The type the recipe gives a quantizable matrix `name` (2+ dims, rows of
+ * ne0): llama-quant.cpp's rule for these file types, then its fallback for
+ * rows that do not fit the block (Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
+ * Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, then F16), then, where Kvasir
+ * cannot write that type, Q8_0 (or F16 if the row is not a multiple of 32). */
+uint32_t kv_gen_mix_type(uint32_t mix, const char *name, uint64_t ne0, const kv_gen_mix_ctx *ctx);
 
 /* Bytes the model file will have (header excluded), or 0 if cfg is invalid
  * or the size overflows. */

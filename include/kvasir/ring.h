@@ -49,10 +49,12 @@
 /* ---- wire format -------------------------------------------------------- */
 
 #define KV_RING_MAGIC 0x4752564bu      /* "KVRG" little-endian */
-#define KV_RING_VERSION 3u /* 2: over TLS, both key-handshake signatures cover the session's exporter;
+#define KV_RING_VERSION 4u /* 2: over TLS, both key-handshake signatures cover the session's exporter;
                                    3: SUBMIT_TOKENS (the client's own rendering, as token ids), the
                                    sampling extension (penalties, logit bias, grammar, logprobs) and
-                                   VOCAB (the tokenizer and chat template for a client) */
+                                   VOCAB (the tokenizer and chat template for a client);
+                                   4: speculative decoding: the draft block of a request, HIDDEN's
+                                   VERIFY flag, TOKEN's spec word and drafts */
 #define KV_RING_HEADER 12u             /* magic u32, version u16, type u16, len u32 */
 #define KV_RING_MAX_TOKENS 4096u       /* tokens in one HIDDEN / START / ACCEPT frame */
 #define KV_RING_MAX_EMBD 65536u        /* n_embd of a hidden state */
@@ -69,6 +71,8 @@
 #define KV_RING_GRAMMAR_MEMORY (64u << 20) /* bytes of one sequence's grammar matcher tables (the
                                               gateway's per-request bound, so both flush alike) */
 #define KV_RING_MAX_VOCAB_BYTES (48u << 20) /* the tokenizer GGUF of a VOCAB_ACK */
+#define KV_RING_MAX_DRAFT 15u          /* drafted tokens per verify pass (k; the engine's KV_DRAFT_MAX) */
+#define KV_RING_MAX_DRAFT_REC KV_RING_MAX_PROMPT /* tokens of a test draft source's recording */
 
 enum kv_ring_type {
     KV_RING_HELLO = 1,   /* first frame on every connection: role, model, window */
@@ -100,12 +104,27 @@ enum kv_ring_role { KV_RING_ROLE_LINK = 1, KV_RING_ROLE_CLIENT = 2 };
 #define KV_RING_SUBMIT_EXT 4u    /* SUBMIT_TOKENS / START flags: the frame ends with the sampling extension */
 #define KV_RING_SUBMIT_LOGPROBS 8u /* SUBMIT_TOKENS / START flags (with EXT): TOKEN frames carry the sampled
                                       token's log-probability and top_logprobs alternatives */
+#define KV_RING_SUBMIT_DRAFT 16u /* SUBMIT_TOKENS / START flags (with EXT): speculative decoding, the draft
+                                      block follows the extension (docs/SPECULATIVE.md "Over the ring") */
 #define KV_RING_STATUS_WHOLE 1u  /* STATUS_ACK flags: the ring is whole (a probe went round) */
 
 /* Roles of SUBMIT_CHAT messages on the wire. */
 enum kv_ring_chat_role { KV_RING_CHAT_SYSTEM = 1, KV_RING_CHAT_USER, KV_RING_CHAT_ASSISTANT };
 #define KV_RING_START_BEGUN 1u   /* START flags: the head has begun the sequence */
 #define KV_RING_HIDDEN_LOGITS 1u /* HIDDEN flags: the tail samples after the last token */
+#define KV_RING_HIDDEN_VERIFY 2u /* HIDDEN flags (with LOGITS): a verify pass, the first token and
+                                    n_tokens - 1 drafts; the tail samples after each; every node keeps
+                                    the recurrent state after each and rolls back to where the
+                                    sequence's next frame starts (at most KV_RING_MAX_DRAFT + 1 tokens) */
+/* TOKEN spec word */
+#define KV_RING_TOKEN_MORE 1u        /* another token of the same pass follows: the head does not feed this one */
+#define KV_RING_TOKEN_VERIFIED(w) (((w) >> 8) & 0xffu)  /* last token of a pass: drafts it verified */
+#define KV_RING_TOKEN_ACCEPTED(w) (((w) >> 16) & 0xffu) /* last token of a pass: drafts accepted */
+#define KV_RING_TOKEN_SPEC(more, verified, accepted) \
+    ((uint32_t)((more) ? KV_RING_TOKEN_MORE : 0u) | ((uint32_t)(verified) << 8) | ((uint32_t)(accepted) << 16))
+
+/* Draft sources a request names (KV_RING_SUBMIT_DRAFT). */
+enum kv_ring_draft { KV_RING_DRAFT_NGRAM = 1, KV_RING_DRAFT_TEST = 2 };
 
 typedef struct kv_ring_header {
     uint32_t magic, len;
@@ -133,6 +152,14 @@ typedef struct kv_ring_params {
                                 writes sample.bias when it is set, else these bytes */
     const char *grammar;     /* EXT: GBNF text the tail samples under, grammar_len bytes (view); NULL none */
     uint32_t grammar_len;    /* 0..KV_RING_MAX_GRAMMAR */
+    /* DRAFT (docs/SPECULATIVE.md "Over the ring"): the tail drafts with this source */
+    uint32_t draft_kind;     /* kv_ring_draft */
+    uint32_t draft_max;      /* k, 1..KV_RING_MAX_DRAFT */
+    double draft_p;          /* TEST: acceptance in [0, 1] */
+    uint64_t draft_seed;     /* TEST: the hash seed */
+    uint32_t n_draft_rec;    /* TEST: 1..KV_RING_MAX_DRAFT_REC tokens recorded; 0 for NGRAM */
+    const uint8_t *draft_rec_wire; /* decoded TEST: [n_draft_rec] i32 LE (view) */
+    const int32_t *draft_rec;/* the encoder writes these host ints when set, else draft_rec_wire */
 } kv_ring_params;
 
 typedef struct kv_ring_submit {
@@ -186,6 +213,9 @@ typedef struct kv_ring_token {
     const uint8_t *logits;   /* [n_logits] f32 LE, every value finite (view) */
     bool has_lp;             /* the frame ends with the token's log-probability (LOGPROBS requests) */
     kv_token_logprob lp;     /* with has_lp: lp.token == token, every value finite */
+    uint32_t spec;           /* KV_RING_TOKEN_SPEC: MORE, drafts verified and accepted by its pass */
+    uint32_t n_draft;        /* on the ring, the last token of a pass: the drafts the head feeds after it */
+    int32_t drafts[KV_RING_MAX_DRAFT];
 } kv_ring_token;
 
 typedef struct kv_ring_submit_tokens {
@@ -251,7 +281,8 @@ typedef struct kv_ring_msg {
 
 #define KV_RING_MAX_PROMPT (KV_RING_MAX_TOKENS * 16u) /* tokens of one START / ACCEPT */
 
-/* Payload bytes of a frame of each kind (0 if the counts are out of bounds). */
+/* Payload bytes of a frame of each kind (0 if the counts are out of bounds);
+ * a TOKEN's drafts add 4 bytes each. */
 size_t kv_ring_hidden_size(uint32_t n_tokens, uint32_t n_embd);
 size_t kv_ring_token_size(uint32_t piece_len, uint32_t n_logits);
 /* A TOKEN frame's payload with a log-probability of n_top alternatives
@@ -392,6 +423,9 @@ typedef struct kv_ring_node_stats {
     uint64_t replays;           /* home: requests replayed after a break */
     uint64_t breaks;            /* breaks seen */
     uint64_t dropped;           /* frames of unknown (dropped) sequences ignored */
+    uint64_t spec_passes;       /* tail: passes of drafting sequences sampled (plain and verify) */
+    uint64_t spec_drafted;      /* tail: drafted tokens verified */
+    uint64_t spec_accepted;     /* tail: drafted tokens equal to the token drawn there */
     uint64_t weight_bytes;      /* bytes of the window's tensors */
     double busy_s;              /* time spent computing */
 } kv_ring_node_stats;
@@ -510,6 +544,9 @@ typedef struct kv_ring_result {
     uint32_t n_prompt;
     uint32_t n_tokens;       /* tokens streamed */
     uint32_t stop;           /* kv_stop of the last token */
+    uint32_t spec_passes;    /* passes that yielded the tokens (a token without KV_RING_TOKEN_MORE ends one) */
+    uint32_t spec_drafted;   /* drafted tokens the passes verified */
+    uint32_t spec_accepted;  /* of them accepted */
 } kv_ring_result;
 
 /* Submits text to the node at addr and streams the tokens to fn until the
@@ -525,6 +562,14 @@ int kv_ring_request_key(const char *addr, const uint8_t *key_sk, const char *tex
                         const kv_ring_params *p, int timeout_ms, kv_ring_token_fn fn, void *data, kv_ring_result *res,
                         kv_diag *d);
 void kv_ring_result_free(kv_ring_result *r);
+
+/* --draft SPEC and --draft-max K (0: 3) as a request's draft block: "ngram",
+ * or "test:FILE:P[:SEED]" (FILE read here, *rec malloc'd: the caller frees
+ * it after the request; p->draft_rec points at it); "none" / NULL leaves p
+ * as it is. Sets KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_DRAFT. KV_EUNSUPPORTED
+ * for mtp (a ring window does not hold the MTP block), KV_EINVAL /
+ * KV_ERANGE / the file's errors naming the flag. */
+int kv_ring_draft_params(const char *spec, uint32_t k, kv_ring_params *p, int32_t **rec, kv_diag *d);
 
 /* Called once with the prompt's tokens when the home accepted the request;
  * non-zero abandons it. */

@@ -77,6 +77,11 @@ static int kv_bench_until(kv_engine *e, kv_session *s, enum kv_session_status wa
     return 0;
 }
 
+static int kv_bench_cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 /* Peak resident memory of this process (VmHWM), KiB; -1 if unknown. */
 static long kv_bench_peak_rss_kb(void) {
     FILE *f = fopen("/proc/self/status", "r");
@@ -183,6 +188,8 @@ int kv_cmd_bench(int argc, char **argv) {
     kv_engine *eng = NULL;
     kv_session **ss = NULL;
     int32_t *toks = NULL;
+    double *step_s = NULL; /* [reps * n_gen] wall time of every timed decode step */
+    size_t n_steps = 0;
     kv_remote_stats rs = {0};
     if (!n_batch) n_batch = n_prompt < 4096 ? n_prompt : 4096;
     /* the model source (file, slices, slices + workers) is the engine's business */
@@ -215,7 +222,8 @@ int kv_cmd_bench(int argc, char **argv) {
     }
     toks = malloc((size_t)n_prompt * sizeof *toks);
     ss = calloc((size_t)n_par, sizeof *ss);
-    if (!toks || !ss) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
+    step_s = malloc((size_t)(reps * n_gen > 0 ? reps * n_gen : 1) * sizeof *step_s);
+    if (!toks || !ss || !step_s) { rc = kv_cli_err(CMD, 2, "out of memory"); goto done; }
     /* deterministic prompt spread over the vocabulary */
     for (long i = 0; i < n_prompt; i++) toks[i] = (int32_t)((1000003ull * (uint64_t)(i + 1)) % hp->n_vocab);
     /* greedy sessions that never stop early */
@@ -263,8 +271,10 @@ int kv_cmd_bench(int argc, char **argv) {
         if (profile) kv_engine_set_profile(eng, &prof[1]);
         double t1b = kv_now();
         for (long i = 0; i < n_gen; i++) {
+            const double ts = kv_now();
             int k = kv_engine_step(eng, &d);
             if (k < 0) { rc = kv_cli_diag(CMD, &d); goto done; }
+            step_s[n_steps++] = kv_now() - ts;
             for (long q = 0; q < n_par; q++)
                 if (kv_session_status(ss[q]) == KV_SESSION_FAILED) {
                     kv_session_error(ss[q], &d);
@@ -310,6 +320,14 @@ int kv_cmd_bench(int argc, char **argv) {
     }
     const uint64_t bpt = kv_model_bytes_per_token(mc);
     const long rss_kb = kv_bench_peak_rss_kb();
+    /* decode step time percentiles over every rep (a stalled worker shows in the tail) */
+    double step_p50 = 0, step_p99 = 0, step_max = 0;
+    if (n_steps) {
+        qsort(step_s, n_steps, sizeof *step_s, kv_bench_cmp_double);
+        step_p50 = step_s[(n_steps - 1) / 2] * 1e3;
+        step_p99 = step_s[(size_t)((double)(n_steps - 1) * 0.99)] * 1e3;
+        step_max = step_s[n_steps - 1] * 1e3;
+    }
     if (json) {
         printf("{\"prefill_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"prefill_tok_s_best\":%.3f,"
                "\"decode_tok_s_best\":%.3f,\"n_prompt\":%ld,\"n_gen\":%ld,\"threads\":%d,\"reps\":%ld,"
@@ -318,6 +336,8 @@ int kv_cmd_bench(int argc, char **argv) {
                sum_pp / (double)reps, sum_tg / (double)reps, best_pp, best_tg, n_prompt, n_gen,
                kv_engine_n_threads(eng), reps, kv_quant_backend(), (unsigned long long)bpt, hp->n_layer,
                hp->n_embd, hp->n_expert, hp->n_expert_used, n_par);
+        printf(",\"decode_step_p50_ms\":%.3f,\"decode_step_p99_ms\":%.3f,\"decode_step_max_ms\":%.3f", step_p50,
+               step_p99, step_max);
         if (all_rows)
             printf(",\"prefill_all_rows_tok_s\":%.3f,\"prefill_all_rows_tok_s_best\":%.3f", sum_ar / (double)reps, best_ar);
         printf(",\"kv_type\":\"%s\",\"kv_bytes\":%llu,\"kv_blocks_held\":%u,\"recurrent_bytes\":%llu,\"peak_rss_kb\":%ld",
@@ -333,6 +353,9 @@ int kv_cmd_bench(int argc, char **argv) {
                    n_gen ? (double)rs.rounds / (double)n_gen : 0.0,
                    rs.rounds ? (double)rs.bytes_sent / (double)rs.rounds : 0.0,
                    rs.rounds ? (double)rs.bytes_recv / (double)rs.rounds : 0.0);
+        if (remote)
+            printf(",\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu", (unsigned long long)rs.hedges,
+                   (unsigned long long)rs.hedges_won, (unsigned long long)rs.late_answers);
         if (profile) {
             static const char *const phase[2] = {"prefill", "decode"};
             printf(",\"profile\":{");
@@ -355,6 +378,7 @@ int kv_cmd_bench(int argc, char **argv) {
             printf("prefill, every row through the last block: %.2f tok/s (best %.2f)\n", sum_ar / (double)reps, best_ar);
         printf("decode  (%ld tokens x %ld sequences): %.2f tok/s (best %.2f), %.1f MB of weights per token\n", n_gen, n_par,
                sum_tg / (double)reps, best_tg, (double)bpt / 1e6);
+        printf("decode step: p50 %.2f ms, p99 %.2f ms, max %.2f ms over %zu steps\n", step_p50, step_p99, step_max, n_steps);
         printf("memory: KV cache %.2f MiB (%s, %u blocks held), recurrent state %.2f MiB, peak RSS %.1f MiB\n",
                (double)es.mem.kv_bytes / 1048576.0, kv_type == KV_TYPE_F16 ? "f16" : "f32", es.mem.blocks_held,
                (double)es.mem.recurrent_bytes / 1048576.0, (double)rss_kb / 1024.0);
@@ -365,6 +389,10 @@ int kv_cmd_bench(int argc, char **argv) {
                    rs.rtt_p50_us / (double)n_par, n_gen ? (double)rs.rounds / (double)n_gen : 0.0,
                    n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / 1e3 / (double)n_gen : 0.0,
                    (unsigned long long)rs.retried_pairs);
+        if (remote)
+            printf("hedged requests: %llu sent, %llu won by the replica; %llu late answers discarded\n",
+                   (unsigned long long)rs.hedges, (unsigned long long)rs.hedges_won,
+                   (unsigned long long)rs.late_answers);
     }
     if (profile && !json) {
         static const char *const phase[2] = {"prefill", "decode"};
@@ -392,6 +420,7 @@ done:
         for (long q = 0; q < n_par; q++) kv_session_free(ss[q]);
     free(ss);
     free(toks);
+    free(step_s);
     kv_engine_free(eng);
     kv_node_workers_free(hub_workers, n_hub_workers);
     kv_cli_auth_free(&auth);

@@ -97,7 +97,9 @@ static const char *kv_gateway_help =
     "                       (default 1G; at most 1T; docs/GATEWAY.md)\n"
     "  --draft SRC          speculative decoding: none (default), ngram or mtp; the same tokens with\n"
     "                       fewer forward passes (docs/SPECULATIVE.md); --draft-max K drafted tokens\n"
-    "                       per pass, 1..15 (default 3); /metrics reports acceptance\n"
+    "                       per pass, 1..15 (default 3); /metrics reports acceptance. With a ring\n"
+    "                       (--ring, --placement sites): ngram or test:FILE:P[:SEED], drafted by\n"
+    "                       the ring's last node (k + 1 positions per crossing)\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"
     "  --gateway-key FILE   the gateway's node key (kvasir wallet new or kvasir key; default: --key's)\n"
@@ -356,9 +358,11 @@ int kv_cmd_gateway(int argc, char **argv) {
         kv_diag sd = {0};
         char why[300];
         uint32_t ns = 0;
+        bool unreached = false; /* auto: the hub's own error comes next, from the manifest */
         if (kv_ring_hub_site_entries(hub, site_rings, KV_GATEWAY_MAX_RING, &ns, why, sizeof why, &sd)) {
             if (!strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: %s", sd.msg);
             snprintf(why, sizeof why, "%.250s", sd.msg);
+            unreached = true;
         }
         if (ns && ledger && !strcmp(placement, "auto")) {
             snprintf(why, sizeof why, "--ledger is not served over a ring");
@@ -367,16 +371,22 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (!ns && !strcmp(placement, "sites")) return kv_cli_err(CMD, 2, "--placement sites: the hub's %s", why);
         for (uint32_t k = 0; k < ns; k++) rings[n_rings++] = site_rings[k];
         if (!quiet && ns) fprintf(stderr, "gateway: placement sites: the hub's ring of %u sites\n", ns);
-        else if (!quiet) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
+        else if (!quiet && !unreached) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
     }
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
     if (n_rings && prompt_cache_given && prompt_cache)
         return kv_cli_err(CMD, 1, "--prompt-cache with --ring is not supported yet (docs/GATEWAY.md \"Prompt cache\"): "
                           "the ring's nodes hold the KV of their windows");
-    if (n_rings && (draft || draft_max))
-        return kv_cli_err(CMD, 1, "--draft with --ring is not supported yet: the ring's last node samples");
     if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
+    if (n_rings && draft) { /* over a ring the tail drafts: ngram, or a test recording sent with each request */
+        kv_ring_params tp = {0};
+        int32_t *trec = NULL;
+        kv_diag dd = {0};
+        const int drc = kv_ring_draft_params(draft, (uint32_t)draft_max, &tp, &trec, &dd);
+        free(trec);
+        if (drc) return kv_cli_err(CMD, 1, "%s", dd.msg);
+    }
     if (n_rings && ledger)
         return kv_cli_err(CMD, 1, "--ledger with --ring is not supported yet (docs/GATEWAY.md \"A ring\"): the gateway "
                           "must hold a payment before compute, and only the ring knows the prompt's token count");
@@ -481,6 +491,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                     .ring_addrs = rings, .n_ring = n_rings, .ring_key_sk = ring_key.sk,
                                     .ring_voucher = hub ? &rv : NULL,
                                     .ring_timeout_ms = (uint32_t)ring_timeout, .chat_template = tmpl,
+                                    .ring_draft = n_rings ? draft : NULL, .ring_draft_max = (uint32_t)draft_max,
                                     .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                     .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
                                     .cors_origins = cors, .n_cors = n_cors, .quiet = quiet,
@@ -526,7 +537,14 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,
                                .prompt_cache_bytes = prompt_cache, .draft = draft,
                                .draft_max = (uint32_t)draft_max};
-    if (kv_engine_open(&e, model, &eo, &d)) {
+    char down[sizeof d.msg] = "";
+    const int erc = kv_engine_open(&e, model, &eo, &d);
+    if (erc == KV_EUNSUPPORTED && strncmp(d.msg, "mtp:", 4)) { /* a type no backend computes: the gateway says
+                                                                  so (503), not a dead port; a --draft it cannot
+                                                                  run is a flag error */
+        snprintf(down, sizeof down, "%s", d.msg);
+        fprintf(stderr, "kvasir gateway: %s: /health and every prompt answer 503\n", down);
+    } else if (erc) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
@@ -542,7 +560,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                 .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
                                 .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model,
-                                .no_web_ui = no_web_ui};
+                                .no_web_ui = no_web_ui, .down_msg = down[0] ? down : NULL};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

@@ -21,7 +21,8 @@ static void usage(FILE *f) {
             "usage: kvasir gen-model --arch qwen3moe --out F.gguf [--preset NAME] [--layers N]\n"
             "         [--embd N] [--ff-exp N] [--experts N] [--experts-used N] [--heads N]\n"
             "         [--kv-heads N] [--head-dim N] [--vocab N] [--ctx N]\n"
-            "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q4_k_m|q5_k|q6_k] [--seed S] [--tied|--untied]\n"
+            "         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|iq4_nl|mxfp4|q2_k|q3_k|q4_k|q4_k_m|q5_k|q6_k|iq4_xs]\n"
+            "         [--mix q2_k|q3_k_m|q4_k_m|iq4_xs] [--seed S] [--tied|--untied]\n"
             "         [--threads N] [--router-skew S]\n"
             "       qwen35moe also: [--ff-shexp N] [--attn-interval N] [--ssm-conv N] [--ssm-state N]\n"
             "         [--ssm-groups N] [--ssm-heads N] [--rope-dim N] [--rope-sections a,b,c,d] [--nextn 0|1]\n"
@@ -72,7 +73,12 @@ static void usage(FILE *f) {
             "                   (also q4_1, q5_0, q5_1, iq4_nl, mxfp4: ggml's 32-value blocks)\n"
             "                   (norms and router stay f32); a matrix whose rows do not fit\n"
             "                   the type's block falls back to q8_0 (k-quants) or f16, with a note;\n"
-            "                   q4_k_m: q4_k with ffn_down*, attn_v and output in q6_k (llama.cpp's mix)\n"
+            "                   q4_k_m: q4_k with ffn_down*, attn_v and output in q6_k (a simple mix;\n"
+            "                   --mix q4_k_m is llama-quantize's own)\n"
+            "  --mix M          llama-quantize's recipe for file type M (q2_k, q3_k_m, q4_k_m,\n"
+            "                   iq4_xs): which matrix gets which type (attn_v, attn_k, attn_output,\n"
+            "                   ffn_down by layer, output, token_embd), as in the files people\n"
+            "                   download; replaces --type; `kvasir inspect` lists the result\n"
             "  --seed S         weights seed (default 42)\n"
             "  --router-skew S  hot experts, as in real routers (default 0: all alike): in each\n"
             "                   layer the router row of the expert ranked r by a seeded shuffle\n"
@@ -117,14 +123,14 @@ static int gen_skeleton(int argc, char **argv, const char *preset) {
 
 static int parse_type(const char *s, uint32_t *out) {
     static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
-                                     "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4"};
+                                     "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "iq4_xs"};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
         if (strcasecmp(s, ok[i]) == 0) {
             *out = (uint32_t)kv_type_from_name(ok[i]);
             return 0;
         }
     return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k, "
-                              "q4_1, q5_0, q5_1, iq4_nl, mxfp4", s);
+                              "q4_1, q5_0, q5_1, iq4_nl, mxfp4, q2_k, q3_k, iq4_xs", s);
 }
 
 int kv_cmd_gen_model(int argc, char **argv) {
@@ -248,7 +254,15 @@ int kv_cmd_gen_model(int argc, char **argv) {
         } else if (!strcmp(a, "--type")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             cfg.q6_mix = !strcasecmp(v, "q4_k_m");
+            cfg.mix = KV_GEN_MIX_NONE;
             if (parse_type(cfg.q6_mix ? "q4_k" : v, &cfg.type)) return 1;
+        } else if (!strcmp(a, "--mix")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            const int m = kv_gen_mix_from_name(v);
+            if (m < 0) return kv_cli_err(CMD, 1, "--mix: '%s' is not one of q2_k, q3_k_m, q4_k_m, iq4_xs", v);
+            cfg.mix = (uint32_t)m;
+            cfg.q6_mix = false;
+            cfg.type = KV_TYPE_F16; /* not used: the mix gives every matrix its type */
         } else if (!strcmp(a, "--seed")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             if (kv_arg_u64(CMD, a, v, &cfg.seed)) return 1;
@@ -279,7 +293,8 @@ int kv_cmd_gen_model(int argc, char **argv) {
             "gen-model: wrote %s: %s, %u layers, embd %u, %u experts (top-%u) of %u, "
             "%u/%u heads x %u, vocab %u, %s%s, seed %llu\n",
             out, cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_head,
-            cfg.n_head_kv, cfg.head_dim, cfg.n_vocab, kv_type_get_ref(cfg.type)->name,
+            cfg.n_head_kv, cfg.head_dim, cfg.n_vocab,
+            cfg.mix ? kv_gen_mix_name(cfg.mix) : kv_type_get_ref(cfg.type)->name,
             cfg.tied ? ", tied" : "", (unsigned long long)cfg.seed);
     return 0;
 }

@@ -80,6 +80,7 @@ static const char *kv_run_help =
     "                       model's MTP block), test:FILE:P[:SEED] (measurement only: the token ids in\n"
     "                       FILE, e.g. a plain run's, each proposed right with probability P)\n"
     "  --draft-max K        tokens drafted per forward pass, 1..15 (default 3)\n"
+    "                       (with --ring: ngram or test:FILE:P, drafted by the ring's last node)\n"
     "  --grammar F          constrain the output to the GBNF grammar in file F (start rule root;\n"
     "                       docs/GRAMMAR.md): it stops where the grammar is complete\n"
     "  --json-schema F      constrain the output to the JSON schema in file F (as the gateway's\n"
@@ -208,12 +209,13 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
     printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
            "\"pairs_local\":%llu,\"bytes_sent\":%llu,\"bytes_recv\":%llu,\"rtt_p50_us\":%.1f,\"rtt_p99_us\":%.1f,"
            "\"verified\":%llu,\"unverified\":%llu,\"recomputed\":%llu,\"caught\":%llu,"
-           "\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
+           "\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"pairs_hedged\":%llu,\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
            (unsigned long long)st.retried_pairs, (unsigned long long)st.pairs_remote,
            (unsigned long long)st.pairs_local, (unsigned long long)st.bytes_sent, (unsigned long long)st.bytes_recv,
            st.rtt_p50_us, st.rtt_p99_us, (unsigned long long)st.pairs_verified,
            (unsigned long long)st.pairs_unverified, (unsigned long long)st.pairs_recomputed,
-           (unsigned long long)st.caught);
+           (unsigned long long)st.caught, (unsigned long long)st.hedges, (unsigned long long)st.hedges_won,
+           (unsigned long long)st.late_answers, (unsigned long long)st.pairs_hedged);
     for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
         kv_remote_worker w;
         kv_remote_worker_info(r, i, &w);
@@ -222,6 +224,8 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
         printf(",\"backend\":"); /* the kernel backend it announced (HELLO_ACK) */
         kv_json_str(stdout, w.backend, strlen(w.backend));
         printf(",\"caught\":%s,\"verified\":%llu", w.caught ? "true" : "false", (unsigned long long)w.verified);
+        printf(",\"latency_ms\":%.3f,\"p95_ms\":%.3f,\"hedged\":%llu,\"hedges_won\":%llu,\"late\":%llu", w.latency_ms,
+               w.p95_ms, (unsigned long long)w.hedged, (unsigned long long)w.hedges_won, (unsigned long long)w.late);
         printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
                "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
                (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
@@ -301,8 +305,8 @@ static int kv_run_ring_tok(void *data, int32_t token, const char *piece, size_t 
 }
 
 static int kv_run_ring(const char *addr, const char *hub, const char *key_path, const char *prompt, bool chat,
-                       long n_predict,
-                       const kv_sample_params *sp, bool json, const char *logits_path, long timeout_ms) {
+                       long n_predict, const kv_sample_params *sp, bool json, const char *logits_path, long timeout_ms,
+                       const char *draft, uint32_t draft_max) {
     kv_run_ring_out o = {.json = json};
     kv_ring_result res = {0};
     kv_diag d = {0};
@@ -316,8 +320,14 @@ static int kv_run_ring(const char *addr, const char *hub, const char *key_path, 
         return kv_cli_diag(CMD, &d);
     }
     if (logits_path && !(o.lf = fopen(logits_path, "wb"))) return kv_cli_err(CMD, 2, "cannot write '%s'", logits_path);
-    const kv_ring_params p = {.flags = logits_path ? KV_RING_SUBMIT_LOGITS : 0,
-                              .n_predict = n_predict > 0 ? (uint32_t)n_predict : 1, .sample = *sp};
+    kv_ring_params p = {.flags = logits_path ? KV_RING_SUBMIT_LOGITS : 0,
+                        .n_predict = n_predict > 0 ? (uint32_t)n_predict : 1, .sample = *sp};
+    int32_t *rec = NULL; /* --draft: the tail drafts (docs/SPECULATIVE.md "Over the ring") */
+    if (kv_ring_draft_params(draft, draft_max, &p, &rec, &d)) {
+        memset(&key, 0, sizeof key);
+        if (o.lf) fclose(o.lf);
+        return kv_cli_diag(CMD, &d);
+    }
     /* --chat: one user message, templated by the home (SUBMIT_CHAT) */
     const kv_chat_msg um = {"user", prompt, strlen(prompt)};
     const kv_ring_req q = {.text = prompt, .text_len = strlen(prompt), .msgs = chat ? &um : NULL, .n_msgs = chat,
@@ -325,6 +335,7 @@ static int kv_run_ring(const char *addr, const char *hub, const char *key_path, 
                            .on_token = kv_run_ring_tok,
                            .data = &o};
     rc = kv_ring_request_ex(addr, &q, &res, &d);
+    free(rec);
     memset(&key, 0, sizeof key);
     if (o.lf && fclose(o.lf)) o.werr = true;
     if (rc) {
@@ -346,6 +357,9 @@ static int kv_run_ring(const char *addr, const char *hub, const char *key_path, 
         printf(",\"timings\":{\"first_token_s\":%.6f,\"decode_tok_s\":%.3f,\"t_first\":%.6f,\"t_last\":%.6f}",
                o.n_gen ? o.t_first - t0 : 0.0, o.n_gen > 1 && o.t_last > o.t_first ? (double)(o.n_gen - 1) / (o.t_last - o.t_first) : 0.0,
                o.t_first, o.t_last);
+        if (draft) /* verify steps: the passes that verified drafts; emitted: every token */
+            printf(",\"spec\":{\"passes\":%u,\"drafted\":%u,\"accepted\":%u,\"emitted\":%zu}", res.spec_passes,
+                   res.spec_drafted, res.spec_accepted, o.n_gen);
         printf(",\"stop\":\"%s\",\"ring\":\"", kv_stop_name((enum kv_stop)res.stop));
         printf("%s\"}\n", addr);
     } else {
@@ -529,13 +543,12 @@ int kv_cmd_run(int argc, char **argv) {
     if (ring && (grammar_path || schema_path))
         return kv_cli_err(CMD, 1, "--grammar and --json-schema are not supported with --ring (not yet): the ring's "
                           "last node samples");
-    if (ring && (draft || draft_max))
-        return kv_cli_err(CMD, 1, "--draft and --draft-max are not carried to a ring (not yet): its last node samples");
     if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
     if ((grammar_path || schema_path) && kv_run_grammar(grammar_path, schema_path, &grammar)) return 1;
     if (ring) {
         if (!seed_set) sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
-        return kv_run_ring(ring, hub, key_path, prompt, chat, n_predict, &sp, json, logits_path, ring_timeout);
+        return kv_run_ring(ring, hub, key_path, prompt, chat, n_predict, &sp, json, logits_path, ring_timeout, draft,
+                           (uint32_t)draft_max);
     }
     if (!model && !hub) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir run --help)");
     if (!prompt && !pfile) return kv_cli_err(CMD, 1, "missing -p PROMPT or -f FILE");

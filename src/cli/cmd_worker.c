@@ -101,6 +101,19 @@ int kv_cmd_worker(int argc, char **argv) {
             if (!a[13] || *end || ms < 0 || ms > 3600000) return kv_cli_err(CMD, 1, "--test-delay: '%s' is not MS", a + 13);
             o.test_delay_ms = (int)ms;
             fprintf(stderr, "worker: TEST MODE: every COMPUTE waits %ld ms\n", ms);
+        } else if (!strncmp(a, "--test-stall-ms=", 16) || !strncmp(a, "--test-stall-every=", 19)) {
+            /* TEST ONLY, deliberately absent from --help: every M-th COMPUTE waits N ms more
+               (a replica that stalls now and then; docs/PROTOCOL.md, Replica choice and hedging) */
+            const bool is_ms = a[7] == 's' && a[13] == 'm';
+            const char *val = a + (is_ms ? 16 : 19);
+            char *end = NULL;
+            const long n = strtol(val, &end, 10);
+            if (!val[0] || *end || n < 1 || n > (is_ms ? 60000 : 1000000))
+                return kv_cli_err(CMD, 1, "%s: '%s' is not a number of %s", is_ms ? "--test-stall-ms" : "--test-stall-every",
+                                  val, is_ms ? "milliseconds (1-60000)" : "requests (1-1000000)");
+            if (is_ms) o.test_stall_ms = (int)n;
+            else o.test_stall_every = (int)n;
+            fprintf(stderr, "worker: TEST MODE: %s=%ld\n", is_ms ? "--test-stall-ms" : "--test-stall-every", n);
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--allow-key")) {
@@ -195,6 +208,10 @@ int kv_cmd_worker(int argc, char **argv) {
     if (!n_allow && !o.hub_key) {
         return kv_cli_err(CMD, 1, "needs --allow-key or --hub-key: a worker serves only coordinators that prove "
                                   "a key it allows (see kvasir worker --help)");
+    }
+    if (o.test_stall_every && !o.test_stall_ms) {
+        free(allow);
+        return kv_cli_err(CMD, 1, "--test-stall-every needs --test-stall-ms (how long each stall lasts)");
     }
     o.allow_keys = (const uint8_t(*)[32])allow;
     o.n_allow_keys = n_allow;

@@ -12,9 +12,11 @@
  * compute(req), once per MoE layer and step, runs in rounds:
  *   1. each pending (token, rank) slot is given to a worker that holds its
  *      expert: all slots of one expert go to one worker, and each expert to
- *      the holder with the fewest pairs so far in this round (ties broken
- *      by a rotation keyed on the expert), so replicas share the load and
- *      the choice depends only on the request and on who is up;
+ *      the holder expected to answer first (kv_remote_pick: its measured
+ *      answer time per pair, the pairs it already has this round, and what
+ *      it still has in flight that we no longer wait for), the better of
+ *      two drawn at random when more than two hold it; near-equal
+ *      expectations are shared by load and a rotation keyed on the expert;
  *   2. one COMPUTE per worker carries the hidden states of the tokens it
  *      needs and its pairs; all are queued at once on the workers'
  *      connections (one event loop, include/kvasir/net.h), slots nobody
@@ -25,8 +27,10 @@
  *      closes, errs, stalls past the deadline or answers anything else is
  *      dropped (socket closed, so no late answer can ever be taken) and
  *      its slots stay pending for the next round, on another holder or
- *      locally. A round either finishes slots or drops a worker, so rounds
- *      are bounded. When a pending expert has no holder up, every worker
+ *      locally. A request not answered by its hedge time (below) is also
+ *      sent, whole, to a replica; each slot takes the first answer that
+ *      passes every check, and the other request is superseded. A round
+ *      either finishes slots or drops a worker, so rounds are bounded. When a pending expert has no holder up, every worker
  *      that is down is dialed at once and the handshakes awaited (once per
  *      call: a holder may have restarted, or closed an idle connection);
  *      if still nobody holds it, compute fails with a message naming it
@@ -50,6 +54,26 @@
  * probe is not waited for, its answer is timed and never used, and one
  * fast answer makes its estimate fast again. Which replica answers a slot
  * never changes the bits (see above).
+ *
+ * Hedged requests: every worker keeps its last KV_REMOTE_LAT_RING answer
+ * times. A request is hedged at KV_REMOTE_HEDGE_FACTOR times its worker's
+ * p95, but no later than KV_REMOTE_HEDGE_TAIL times its p50 (a worker that
+ * stalls often has the stalls in its p95) and no sooner than
+ * KV_REMOTE_HEDGE_FLOOR_S (before the worker's first answer:
+ * KV_REMOTE_HEDGE_TAIL times the fastest other worker's estimate, as soon
+ * as one has answered, in the same round if need be). The
+ * hedge goes to a replica that holds every expert of the request, is up,
+ * idle and not demoted, the one expected to answer first; at most one per
+ * request, none of a hedge, and no more than hedge_budget per request sent
+ * (bursts of KV_REMOTE_HEDGE_BURST). The first answer that passes the
+ * checks settles the slots (a lie settles nothing: the other request still
+ * counts); the other request is superseded: the protocol has no cancel, so
+ * its answer is awaited on its connection, timed (it is a latency sample:
+ * a stall is measured) and discarded, and its worker is not faulted, only
+ * counted (late answers); it is expected busy until then (kv_rw_backlog),
+ * so no new work queues behind a stall. Only a superseded request unanswered
+ * past timeout_ms drops its worker. Tokens never depend on which request
+ * won: both are whole answers of the same pairs.
  *
  * A worker that answers the handshake with ERANGE has no room now (its
  * places are working, or strangers hold its handshake places): that is not
@@ -138,6 +162,16 @@
 #define KV_REMOTE_PROBE_S 1.0           /* a demoted worker is probed this long after, doubled
                                            per probe that was still slow ... */
 #define KV_REMOTE_PROBE_MAX_S 60.0      /*   ... up to this */
+#define KV_REMOTE_LAT_RING 32u          /* answer times kept per worker for its p50 and p95 */
+#define KV_REMOTE_HEDGE_FACTOR 1.5      /* a request is hedged after this times its worker's p95 ... */
+#define KV_REMOTE_HEDGE_TAIL 4.0        /*   ... but no later than this times its p50 ... */
+#define KV_REMOTE_HEDGE_FLOOR_S 0.01    /*   ... and no sooner than this */
+#define KV_REMOTE_HEDGE_BUDGET 0.1      /* hedges per request sent, by default */
+#define KV_REMOTE_HEDGE_BURST 4.0       /* hedges that may be sent back to back */
+#define KV_REMOTE_MAX_GHOSTS 4u         /* superseded requests awaited per worker */
+#define KV_REMOTE_LAT_STALE_S 0.5       /* an answer time older than this no longer steers the choice */
+#define KV_REMOTE_PICK_RATIO 2.0        /* a holder is preferred when expected to answer this many */
+#define KV_REMOTE_PICK_SLACK_S 0.002    /*   times sooner, plus this; else load and rotation decide */
 #define KV_REMOTE_PROTO_MIN KV_PROTO_AUTH_VERSION /* v1 workers cannot prove their slabs' bytes,
                                                     v2 workers cannot authenticate */
 
@@ -169,7 +203,6 @@ typedef struct kv_rw {
     size_t scap, rcap;            /* largest frame sent / received */
     /* the request in flight (UP and busy) */
     bool busy;                    /* a COMPUTE is in flight */
-    bool answered;                /* its RESULT was taken (this round) */
     uint32_t req_id;              /* id of the last frame sent */
     uint32_t n_pairs;             /* pairs sent */
     int32_t *pair_slot;           /* [max_pairs] request slot of each pair sent */
@@ -200,6 +233,20 @@ typedef struct kv_rw {
     /* answer time: slow replicas are demoted (kv_remote_pick) */
     double sent_at;               /* the COMPUTE in flight was queued at (monotonic s) */
     double lat_s;                 /* estimated answer time (EWMA of RESULT round trips); 0 = none yet */
+    float lat_ring[KV_REMOTE_LAT_RING]; /* its last answer times (s), for p50 and p95 */
+    uint32_t n_lat;               /* answer times taken (the ring holds the last KV_REMOTE_LAT_RING) */
+    double lat_t;                 /* when the last one was taken (monotonic s) */
+    double avg_pairs;             /* pairs per answered request (EWMA); 0 = none yet */
+    /* hedging (kv_remote_hedge) */
+    double hedge_at;              /* the COMPUTE in flight is hedged when not answered by then; INFINITY = never */
+    int32_t twin;                 /* the worker computing the same slots as the COMPUTE in flight, -1 = none */
+    bool is_hedge;                /* the COMPUTE in flight is a hedge of twin's */
+    struct kv_rw_ghost {          /* superseded requests (a replica answered first): their answers are */
+        uint32_t id, n_pairs;     /*   timed and discarded, the worker is not faulted for them */
+        double sent;
+    } ghost[KV_REMOTE_MAX_GHOSTS];
+    uint32_t n_ghost;
+    uint64_t n_hedged, n_hedges_won, n_late; /* its requests hedged; hedges it won; late answers discarded */
     bool probing;                 /* a probe is in flight: its answer is timed, never used */
     uint32_t probe_id, probe_pairs; /* its request id and pair count */
     double probe_sent;            /* queued at */
@@ -263,6 +310,11 @@ struct kv_remote {
     int32_t *lids, *lslot;        /* [max_slots] expert (n_used = 1) / request slot */
     /* stats */
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
+    uint64_t n_hedges, n_hedges_won, n_late;
+    uint64_t n_hedge_pairs;     /* (token, expert) slots sent again in hedges */
+    double hedge_budget;          /* hedges per request sent; 0 = never */
+    double hedge_tokens;          /* hedges that may be sent now (grows by hedge_budget per request) */
+    uint64_t pick_rng;            /* xorshift state: the two replicas compared (kv_remote_pick) */
     float *rtt_us;                /* [KV_REMOTE_RTT_SAMPLES] ring */
     uint64_t n_rtt;
     /* per-session work tally (kvasir/dispatch_remote.h): [n_tags][t_stride] each */
@@ -334,6 +386,10 @@ static void kv_rw_drop(kv_remote *r, kv_rw *w, const char *fmt, ...) {
     w->state = KV_RW_DOWN;
     w->busy = false;
     w->probing = false;
+    w->n_ghost = 0; /* their answers can no longer come */
+    if (w->twin >= 0) r->w[w->twin].twin = -1; /* its twin's request stands alone */
+    w->twin = -1;
+    w->is_hedge = false;
     w->busy_tries = 0;
     w->fails++;
     w->retry_at = kv_mono() + kv_rw_backoff(r, w);
@@ -696,11 +752,91 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
     return 0;
 }
 
+/* Takes one answer time of w (seconds): into its ring and its moving
+ * average. */
+static void kv_rw_lat_add(kv_rw *w, double t) {
+    if (!(t > 0)) t = 1e-6;
+    w->lat_ring[w->n_lat++ % KV_REMOTE_LAT_RING] = (float)t;
+    w->lat_t = kv_mono();
+    w->lat_s = w->lat_s > 0 ? w->lat_s + KV_REMOTE_LAT_ALPHA * (t - w->lat_s) : t;
+}
+
+/* Quantile q (0..1) of w's last answer times, seconds; 0 when none. The
+ * lower of two neighbours below the median and the upper above it: with
+ * few samples a stall sets the p95 but not the p50. */
+static double kv_rw_lat_q(const kv_rw *w, double q) {
+    float v[KV_REMOTE_LAT_RING];
+    const uint32_t n = w->n_lat < KV_REMOTE_LAT_RING ? w->n_lat : KV_REMOTE_LAT_RING;
+    if (!n) return 0;
+    for (uint32_t i = 0; i < n; i++) { /* insertion sort: 32 values at most */
+        const float x = w->lat_ring[i];
+        uint32_t j = i;
+        for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
+        v[j] = x;
+    }
+    const double x = (double)(n - 1) * q;
+    return v[q <= 0.5 ? (uint32_t)x : (uint32_t)ceil(x)];
+}
+
+/* Seconds after which a request to w that is still unanswered is hedged:
+ * KV_REMOTE_HEDGE_FACTOR times its p95, but no more than
+ * KV_REMOTE_HEDGE_TAIL times its p50 (a replica that stalls often has its
+ * stalls in its p95), and no less than KV_REMOTE_HEDGE_FLOOR_S. Before its
+ * first answer, KV_REMOTE_HEDGE_TAIL times the fastest estimate of the
+ * other workers up (a first request can stall too); INFINITY when none is
+ * measured. */
+static double kv_rw_hedge_delay(const kv_remote *r, const kv_rw *w) {
+    double s;
+    if (w->n_lat) {
+        const double a = KV_REMOTE_HEDGE_FACTOR * kv_rw_lat_q(w, 0.95), b = KV_REMOTE_HEDGE_TAIL * kv_rw_lat_q(w, 0.5);
+        s = a < b ? a : b;
+    } else {
+        double best = INFINITY;
+        for (uint32_t i = 0; i < r->n_w; i++)
+            if (&r->w[i] != w && r->w[i].state == KV_RW_UP && r->w[i].lat_s > 0 && r->w[i].lat_s < best)
+                best = r->w[i].lat_s;
+        s = KV_REMOTE_HEDGE_TAIL * best;
+    }
+    return s > KV_REMOTE_HEDGE_FLOOR_S ? s : KV_REMOTE_HEDGE_FLOOR_S;
+}
+
+/* Seconds until w is through what it already has in flight and we no
+ * longer wait for (superseded requests, a probe): for each, what its
+ * estimate leaves, or, once it is overdue, as long again as it has taken
+ * (a stall that has lasted is expected to last). */
+static double kv_rw_backlog(const kv_rw *w, double now) {
+    double s = 0;
+    for (uint32_t g = 0; g < w->n_ghost; g++) {
+        const double el = now - w->ghost[g].sent;
+        s += w->lat_s - el > el ? w->lat_s - el : el;
+    }
+    if (w->probing) {
+        const double el = now - w->probe_sent;
+        s += w->lat_s - el > el ? w->lat_s - el : el;
+    }
+    return s;
+}
+
+/* When w, which already has `load` pairs this round, is expected to have
+ * answered one more request, in seconds from now: its backlog, then its
+ * estimated answer time, stretched by the pairs it already has over those
+ * it usually gets per request (a request's time does not scale with its
+ * size below that: a replica that gets small requests must not look slow
+ * per pair and lose its share). lat_unmeasured stands in for a worker
+ * never timed, or not timed for KV_REMOTE_LAT_STALE_S (given work again,
+ * it is measured again). */
+static double kv_rw_expect(const kv_rw *w, uint32_t load, double lat_unmeasured, double now) {
+    const double lat = w->lat_s > 0 && now - w->lat_t < KV_REMOTE_LAT_STALE_S ? w->lat_s : lat_unmeasured;
+    const double per = w->avg_pairs > 1 ? w->avg_pairs : 1;
+    return kv_rw_backlog(w, now) + lat * (1.0 + (double)load / per);
+}
+
 /* A probe of demoted w was answered after t seconds: the estimate becomes
  * t (one fast answer brings it back), and the next probe, if it is still
  * slow, waits twice as long. */
 static void kv_rw_probed(kv_remote *r, kv_rw *w, double t) {
     w->probing = false;
+    kv_rw_lat_add(w, t);
     w->lat_s = t > 0 ? t : 1e-6;
     w->slow_probes++;
     w->probe_at = 0; /* set again, later, if it is still the slow one */
@@ -712,6 +848,45 @@ static double kv_rw_probe_wait(const kv_rw *w) {
     double s = KV_REMOTE_PROBE_S;
     for (uint32_t i = 0; i < w->slow_probes && s < KV_REMOTE_PROBE_MAX_S; i++) s *= 2;
     return s < KV_REMOTE_PROBE_MAX_S ? s : KV_REMOTE_PROBE_MAX_S;
+}
+
+/* The session tag of the current call's row t. */
+static uint32_t kv_remote_tag(const kv_remote *r, uint32_t t) { return r->tags[r->tag_rows ? r->tag_rows[t] : t]; }
+
+/* w's request in flight is superseded (its twin answered first): its
+ * answer will be timed and discarded. w must have room for it
+ * (kv_remote_hedge makes sure); if not, w is dropped rather than read. */
+static void kv_rw_supersede(kv_remote *r, kv_rw *w) {
+    w->busy = false;
+    w->twin = -1;
+    w->is_hedge = false;
+    if (w->n_ghost == KV_REMOTE_MAX_GHOSTS) {
+        kv_rw_drop(r, w, "%u superseded requests unanswered", w->n_ghost);
+        return;
+    }
+    w->ghost[w->n_ghost++] = (struct kv_rw_ghost){w->req_id, w->n_pairs, w->sent_at};
+}
+
+/* w's answer to the current chunk passed every check (its rows are in
+ * place): its slots are done, and a twin computing the same slots is
+ * superseded. */
+static void kv_rw_settle(kv_remote *r, kv_rw *w) {
+    const uint32_t wi = (uint32_t)(w - r->w), nu = r->cur_req->n_used;
+    for (uint32_t p = 0; p < w->n_pairs; p++) {
+        const int32_t s = w->pair_slot[p];
+        KV_ASSERT(r->slot_owner[s] >= 0); /* one valid answer per slot: its twin's is never taken */
+        r->slot_owner[s] = KV_OWN_DONE;
+        r->n_pairs_remote++;
+        if (r->tag_on && wi < r->t_stride)
+            r->ts_ans[(size_t)kv_remote_tag(r, r->cur_t0 + (uint32_t)s / nu) * r->t_stride + wi]++;
+    }
+    if (w->is_hedge) {
+        r->n_hedges_won++;
+        w->n_hedges_won++;
+    }
+    if (w->twin >= 0) kv_rw_supersede(r, &r->w[w->twin]);
+    w->twin = -1;
+    w->is_hedge = false;
 }
 
 /* Handles one whole frame received from w. Returns 1 if it completed w's
@@ -849,6 +1024,22 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         w->rcpt = rc;
         return 0;
     }
+    for (uint32_t g = 0; g < w->n_ghost; g++) { /* superseded: timed, never used, no fault */
+        if (msg.h.request_id != w->ghost[g].id) continue;
+        if (msg.h.type != (r->ver ? KV_MSG_RESULT_PRE : KV_MSG_RESULT) ||
+            msg.u.result.n_pairs != w->ghost[g].n_pairs || msg.u.result.n_embd != r->n_embd) {
+            kv_rw_drop(r, w, "answered request %u with a frame of type %u", msg.h.request_id, msg.h.type);
+            return 0;
+        }
+        const double t = kv_mono() - w->ghost[g].sent;
+        kv_rw_lat_add(w, t);
+        memmove(&w->ghost[g], &w->ghost[g + 1], (w->n_ghost - g - 1) * sizeof w->ghost[0]);
+        w->n_ghost--;
+        w->n_late++;
+        r->n_late++;
+        kv_rlog(r, "worker %s answered a request in %.0f ms that a replica had answered: discarded", w->addr, t * 1e3);
+        return 0;
+    }
     if (w->probing && msg.h.request_id == w->probe_id) { /* timed, never used */
         if (msg.h.type != (r->ver ? KV_MSG_RESULT_PRE : KV_MSG_RESULT) || msg.u.result.n_pairs != w->probe_pairs ||
             msg.u.result.n_embd != r->n_embd) {
@@ -872,11 +1063,12 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         return 0;
     }
     w->busy = false;
-    w->answered = true;
-    const double t = kv_mono() - w->sent_at;
-    w->lat_s = w->lat_s > 0 ? w->lat_s + KV_REMOTE_LAT_ALPHA * (t - w->lat_s) : t;
+    kv_rw_lat_add(w, kv_mono() - w->sent_at);
+    w->avg_pairs = w->avg_pairs > 0 ? w->avg_pairs + KV_REMOTE_LAT_ALPHA * ((double)w->n_pairs - w->avg_pairs)
+                                    : (double)w->n_pairs;
     w->n_pairs_done += w->n_pairs;
     w->n_pairs_since += w->n_pairs;
+    kv_rw_settle(r, w);
     return 1;
 }
 
@@ -954,6 +1146,10 @@ static int kv_remote_poll(kv_remote *r, int timeout_ms, float *out) {
             kv_rw_drop(r, w, "no answer to a probe within %u ms", r->o.timeout_ms);
             continue;
         }
+        if (w->n_ghost && now > w->ghost[0].sent + r->timeout_s) {
+            kv_rw_drop(r, w, "no answer within %u ms (to a request a replica answered)", r->o.timeout_ms);
+            continue;
+        }
         if (w->state == KV_RW_RETRY && w->retry_at < next_dial) next_dial = w->retry_at;
         any |= w->nc != NULL;
     }
@@ -1014,21 +1210,19 @@ static int kv_remote_open_local(kv_remote *r, kv_pieces *pc, kv_diag *d) {
 
 /* ---- the provider ------------------------------------------------------ */
 
-/* Builds and queues w's COMPUTE for the slots it owns this round. */
-/* The session tag of the current call's row t. */
-static uint32_t kv_remote_tag(const kv_remote *r, uint32_t t) { return r->tags[r->tag_rows ? r->tag_rows[t] : t]; }
-
-/* probe_e >= 0: a probe of demoted w instead, with the slots of expert
+/* Builds and queues w's (worker wi's) COMPUTE for the slots that worker
+ * owner owns this round: its own (owner == wi), or, as a hedge, another's.
+ * probe_e >= 0: a probe of demoted w instead, with the slots of expert
  * probe_e (whoever owns them): its answer is timed and discarded. */
-static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *req, uint32_t t0, uint32_t n_tok,
-                       int32_t probe_e, kv_diag *d) {
+static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, int32_t owner, const kv_expert_req *req, uint32_t t0,
+                       uint32_t n_tok, int32_t probe_e, kv_diag *d) {
     const uint32_t nu = req->n_used, E = r->n_embd;
     const bool probe = probe_e >= 0;
     for (uint32_t t = 0; t < n_tok; t++) r->tok_local[t] = -1;
     uint32_t nt = 0, np = 0;
     bool identity = true; /* the frame's tokens are exactly the chunk's, in order */
     for (uint32_t s = 0; s < n_tok * nu; s++) {
-        if (probe ? req->ids[(size_t)t0 * nu + s] != probe_e : r->slot_owner[s] != wi) continue;
+        if (probe ? req->ids[(size_t)t0 * nu + s] != probe_e : r->slot_owner[s] != owner) continue;
         const uint32_t t = s / nu;
         if (r->tok_local[t] < 0) {
             identity &= t == nt;
@@ -1061,45 +1255,95 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, const kv_expert_req *
     }
     w->n_pairs = np;
     w->busy = true;
-    w->answered = false;
     w->sent_at = kv_mono();
     w->probe_at = 0; /* in use: measured by its answers */
     w->slow_probes = 0;
     w->n_req++;
+    w->twin = -1;
+    w->is_hedge = false;
+    w->hedge_at = owner == wi ? w->sent_at + kv_rw_hedge_delay(r, w) : INFINITY; /* a hedge is not hedged */
+    if (owner == wi && r->hedge_budget > 0) {
+        r->hedge_tokens += r->hedge_budget;
+        if (r->hedge_tokens > KV_REMOTE_HEDGE_BURST) r->hedge_tokens = KV_REMOTE_HEDGE_BURST;
+    }
     return 0;
 }
 
-/* Chooses the worker for expert e of layer L: a holder that is up and not
- * demoted, with the fewest pairs this round, ties broken by a rotation
- * keyed on e. A holder is demoted while its estimated answer time exceeds
+/* Chooses the worker for expert e of layer L: among the holders that are
+ * up and not demoted, the one expected to answer first (kv_rw_expect: its
+ * backlog, its answer time, the pairs it already has this round), compared
+ * between two of them drawn at random when there are more than two (the
+ * power of two choices: coordinators with stale estimates do not all herd
+ * onto the one that looked fastest); a holder that still owes a superseded
+ * answer loses to one that owes none; else one is preferred only when expected
+ * to answer KV_REMOTE_PICK_RATIO times sooner, else the two count as equal
+ * (noise between replicas of one speed must not starve one of work and of
+ * measurement) and the one with fewer pairs this round gets it, then by a
+ * rotation keyed on e. A holder is demoted while its estimated answer time exceeds
  * KV_REMOTE_SLOW_FACTOR times the fastest holder's plus
  * KV_REMOTE_SLOW_MARGIN_S (an unmeasured one counts as fast, so it gets
  * measured); the fastest is never demoted, so an expert with any holder up
- * gets one. A demoted holder gets a probe once its wait is over
- * (probe_e1, sent by kv_remote_chunk). */
+ * gets one. A demoted holder gets a probe once its wait is over (probe_e1,
+ * sent by kv_remote_chunk). */
 static int32_t kv_remote_pick(kv_remote *r, uint32_t L, uint32_t e, double now) {
     const size_t k = (size_t)L * r->n_expert + e;
-    double fastest = INFINITY;
-    for (uint32_t i = 0; i < r->n_w; i++)
-        if (r->w[i].state == KV_RW_UP && r->w[i].holds[k] && r->w[i].lat_s < fastest) fastest = r->w[i].lat_s;
+    /* demotion compares answer times with the backlog added: a holder stalled
+       on a superseded request is not the fast one while the stall lasts */
+    double fastest = INFINITY, measured = INFINITY; /* any holder's estimate; a timed holder's */
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        const kv_rw *w = &r->w[i];
+        if (w->state != KV_RW_UP || !w->holds[k]) continue;
+        const double eff = w->lat_s + kv_rw_backlog(w, now);
+        if (eff < fastest) fastest = eff;
+        if (w->lat_s > 0 && w->lat_s < measured) measured = w->lat_s;
+    }
     const double slow = KV_REMOTE_SLOW_FACTOR * fastest + KV_REMOTE_SLOW_MARGIN_S;
-    int32_t best = -1;
+    const double unmeasured = measured < INFINITY ? measured : 0;
+    uint32_t n_cand = 0;
     for (uint32_t j = 0; j < r->n_w; j++) {
         const uint32_t i = (uint32_t)((k + j) % r->n_w);
         kv_rw *w = &r->w[i];
         if (w->state != KV_RW_UP || !w->holds[k]) continue;
-        if (w->lat_s > slow) {
+        if (w->lat_s + kv_rw_backlog(w, now) > slow) {
             if (w->probe_at == 0) {
                 w->probe_at = now + kv_rw_probe_wait(w);
                 if (!w->slow_probes)
-                    kv_rlog(r, "worker %s demoted: answers in %.0f ms, a replica in %.0f ms", w->addr, w->lat_s * 1e3,
-                            fastest * 1e3);
-            } else if (now >= w->probe_at && !w->probing && !w->probe_e1) {
+                    kv_rlog(r, "worker %s demoted: answers in %.0f ms (%.0f ms more in flight), a replica in %.0f ms",
+                            w->addr, w->lat_s * 1e3, kv_rw_backlog(w, now) * 1e3, fastest * 1e3);
+            } else if (now >= w->probe_at && !w->probing && !w->probe_e1 && !w->n_ghost) {
+                /* (not while it owes a superseded answer: the probe would time the stall) */
                 w->probe_e1 = e + 1;
             }
             continue;
         }
-        if (best < 0 || r->load[i] < r->load[best]) best = (int32_t)i;
+        n_cand++;
+    }
+    /* the candidates compared: all of them when two or fewer, else two at random */
+    uint32_t c0 = 0, c1 = 1;
+    if (n_cand > 2) {
+        r->pick_rng ^= r->pick_rng << 13, r->pick_rng ^= r->pick_rng >> 7, r->pick_rng ^= r->pick_rng << 17;
+        c0 = (uint32_t)(r->pick_rng % n_cand);
+        c1 = (uint32_t)((r->pick_rng >> 32) % (n_cand - 1));
+        if (c1 >= c0) c1++;
+    }
+    int32_t best = -1;
+    double best_t = INFINITY;
+    for (uint32_t j = 0, c = 0; j < r->n_w; j++) {
+        const uint32_t i = (uint32_t)((k + j) % r->n_w);
+        const kv_rw *w = &r->w[i];
+        if (w->state != KV_RW_UP || !w->holds[k] || w->lat_s + kv_rw_backlog(w, now) > slow) continue;
+        const uint32_t ci = c++;
+        if (n_cand > 2 && ci != c0 && ci != c1) continue;
+        /* a holder still owing a superseded answer (a stall, most likely) loses to
+           one that owes none, whatever the estimates: new work would queue behind it */
+        const bool owes = w->n_ghost > 0, best_owes = best >= 0 && r->w[best].n_ghost > 0;
+        const double t = kv_rw_expect(w, r->load[i], unmeasured, now);
+        const bool better = (best_owes && !owes) || (owes == best_owes && KV_REMOTE_PICK_RATIO * t + KV_REMOTE_PICK_SLACK_S < best_t);
+        const bool worse = (owes && !best_owes) || (owes == best_owes && KV_REMOTE_PICK_RATIO * best_t + KV_REMOTE_PICK_SLACK_S < t);
+        if (best < 0 || better || (!worse && r->load[i] < r->load[best])) {
+            best = (int32_t)i;
+            best_t = t;
+        }
     }
     return best;
 }
@@ -1140,6 +1384,62 @@ static void kv_remote_why(const kv_remote *r, uint32_t L, uint32_t e, char *buf,
         o += (size_t)n;
     }
     if (!o) snprintf(buf, cap, "no connected worker announced it");
+}
+
+/* Hedges the requests in flight that are past their hedge time: each goes
+ * once more, whole, to a replica that holds every expert of it, is up,
+ * idle, not demoted and has nothing superseded in flight, the one
+ * expected to answer first; while the hedge budget lasts (r->hedge_tokens), and
+ * only when the hedged worker has room for one more superseded request.
+ * *wake is lowered to the earliest hedge time still ahead. Returns 0, or
+ * an error from queuing. */
+static int kv_remote_hedge(kv_remote *r, const kv_expert_req *req, uint32_t t0, uint32_t n_tok, double now,
+                           double *wake, kv_diag *d) {
+    if (r->hedge_budget <= 0) return 0;
+    for (uint32_t i = 0; i < r->n_w; i++) {
+        kv_rw *w = &r->w[i];
+        if (!w->busy || w->twin >= 0 || w->is_hedge) continue;
+        /* a worker's first request: a replica that has answered since gives it a hedge time */
+        if (w->hedge_at == INFINITY && !w->n_lat) w->hedge_at = w->sent_at + kv_rw_hedge_delay(r, w);
+        if (w->hedge_at == INFINITY) continue;
+        if (now < w->hedge_at) {
+            if (w->hedge_at - now < *wake) *wake = w->hedge_at - now;
+            continue;
+        }
+        /* past its hedge time: hedged now if a replica can take it, else
+           looked at again when the next frame comes */
+        if (r->hedge_tokens < 1 || w->n_ghost >= KV_REMOTE_MAX_GHOSTS) continue;
+        int32_t best = -1;
+        double best_t = INFINITY;
+        for (uint32_t j = 0; j < r->n_w; j++) {
+            const kv_rw *o = &r->w[j];
+            if (j == i || o->state != KV_RW_UP || o->busy || o->probing || o->n_ghost || o->caught || o->probe_at > 0)
+                continue;
+            bool all = true;
+            for (uint32_t p = 0; p < w->n_pairs && all; p++)
+                all = o->holds[(size_t)req->layer * r->n_expert + w->pairs[p].expert];
+            if (!all) continue;
+            const double t = kv_rw_expect(o, 0, w->lat_s, now);
+            if (best < 0 || t < best_t) {
+                best = (int32_t)j;
+                best_t = t;
+            }
+        }
+        if (best < 0) continue;
+        kv_rw *o = &r->w[best];
+        int rc = kv_rw_queue(r, o, best, (int32_t)i, req, t0, n_tok, -1, d);
+        if (rc) return rc;
+        o->is_hedge = true;
+        o->twin = (int32_t)i;
+        w->twin = best;
+        r->hedge_tokens -= 1;
+        r->n_hedges++;
+        r->n_hedge_pairs += w->n_pairs;
+        w->n_hedged++;
+        kv_rlog(r, "worker %s has not answered in %.0f ms (its p95 %.0f ms): request hedged to %s", w->addr,
+                (now - w->sent_at) * 1e3, kv_rw_lat_q(w, 0.95) * 1e3, o->addr);
+    }
+    return 0;
 }
 
 /* One chunk of tokens [t0, t0 + n_tok) of req into out (chunk-relative). */
@@ -1197,17 +1497,16 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
         /* 2. one COMPUTE per worker, all queued and sent at once */
         const double t_send = kv_mono();
         int n_busy = 0;
-        for (uint32_t i = 0; i < r->n_w; i++) r->w[i].answered = false;
         for (uint32_t i = 0; i < r->n_w; i++) {
             if (!r->load[i]) continue;
-            int rc = kv_rw_queue(r, &r->w[i], (int32_t)i, req, t0, n_tok, -1, d);
+            int rc = kv_rw_queue(r, &r->w[i], (int32_t)i, (int32_t)i, req, t0, n_tok, -1, d);
             if (rc) return rc;
             n_busy++;
         }
         for (uint32_t i = 0; i < r->n_w; i++) { /* probes: answers timed, not waited for, not used */
             kv_rw *w = &r->w[i];
-            if (!w->probe_e1 || r->load[i] || w->busy || w->probing || w->state != KV_RW_UP) continue;
-            int rc = kv_rw_queue(r, w, (int32_t)i, req, t0, n_tok, (int32_t)w->probe_e1 - 1, d);
+            if (!w->probe_e1 || r->load[i] || w->busy || w->probing || w->n_ghost || w->state != KV_RW_UP) continue;
+            int rc = kv_rw_queue(r, w, (int32_t)i, (int32_t)i, req, t0, n_tok, (int32_t)w->probe_e1 - 1, d);
             if (rc) return rc;
         }
         if (n_busy) kv_remote_poll(r, 0, out); /* gets the frames going before local work */
@@ -1231,37 +1530,36 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
             r->n_pairs_local += n;
         }
         /* 3. gather answers under the round's deadline (from now: local
-         * work above must not count against the workers) */
+         * work above must not count against the workers); a request still
+         * unanswered at its hedge time also goes to a replica, and each
+         * slot takes the first answer that passes the checks (settled as
+         * it comes, kv_rw_settle) */
         const double deadline = kv_mono() + r->timeout_s;
         for (;;) {
             int busy = 0;
             for (uint32_t i = 0; i < r->n_w; i++) busy += r->w[i].busy;
             if (!busy) break;
-            const double left = deadline - kv_mono();
+            const double now = kv_mono(), left = deadline - now;
             if (left <= 0) {
                 for (uint32_t i = 0; i < r->n_w; i++)
                     if (r->w[i].busy) kv_rw_drop(r, &r->w[i], "no answer within %u ms", r->o.timeout_ms);
                 break;
             }
-            kv_remote_poll(r, (int)ceil(left * 1000.0), out);
+            double wake = left;
+            int rc = kv_remote_hedge(r, req, t0, n_tok, now, &wake, d);
+            if (rc) return rc;
+            kv_remote_poll(r, (int)ceil(wake * 1000.0), out);
         }
         if (n_busy) {
             const double us = (kv_mono() - t_send) * 1e6;
             r->rtt_us[r->n_rtt++ % KV_REMOTE_RTT_SAMPLES] = (float)us;
         }
-        /* 4. slots of workers that answered are done; the others stay pending */
+        /* 4. slots answered are done (kv_rw_settle); the others stay pending */
+        pending = 0;
         for (uint32_t s = 0; s < n_slots; s++) {
-            const int32_t wi = r->slot_owner[s];
-            if (wi < 0) continue;
-            if (r->w[wi].answered) {
-                r->slot_owner[s] = KV_OWN_DONE;
-                pending--;
-                r->n_pairs_remote++;
-                if (r->tag_on && (uint32_t)wi < r->t_stride)
-                    r->ts_ans[(size_t)kv_remote_tag(r, t0 + s / nu) * r->t_stride + (uint32_t)wi]++;
-            } else {
-                r->slot_owner[s] = KV_OWN_NONE;
-            }
+            if (r->slot_owner[s] == KV_OWN_DONE) continue;
+            r->slot_owner[s] = KV_OWN_NONE;
+            pending++;
         }
     }
     return 0;
@@ -1321,6 +1619,8 @@ static int kv_rw_init(kv_remote *r, kv_rw *w, const char *addr, const uint8_t *e
     w->tls = NULL;
     w->r = r;
     w->state = KV_RW_DOWN;
+    w->twin = -1;
+    w->hedge_at = INFINITY;
     if (snprintf(w->addr, sizeof w->addr, "%s", addr) >= (int)sizeof w->addr)
         return kv_fail(d, KV_EINVAL, "remote: worker address '%.64s...' is too long", addr);
     if (expect) memcpy(w->expect, expect, 32);
@@ -1419,6 +1719,11 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     if (!r->o.max_tokens) r->o.max_tokens = 256;
     r->timeout_s = r->o.timeout_ms / 1000.0;
     r->reconnect_s = r->o.reconnect_ms / 1000.0;
+    r->hedge_budget = r->o.hedge_budget < 0 ? 0 : r->o.hedge_budget > 0 ? r->o.hedge_budget : KV_REMOTE_HEDGE_BUDGET;
+    if (r->hedge_budget > 1) r->hedge_budget = 1;
+    r->hedge_tokens = 1; /* the first stall can be hedged */
+    randombytes_buf(&r->pick_rng, sizeof r->pick_rng);
+    r->pick_rng |= 1;
     r->pool = pool;
     /* the pieces: manifest, backbone, and whichever slabs are present */
     kv_pieces *pc = NULL;
@@ -1620,6 +1925,10 @@ void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out
     out->caught = w->caught;
     out->verified = w->n_verified;
     out->latency_ms = w->lat_s * 1e3;
+    out->p95_ms = kv_rw_lat_q(w, 0.95) * 1e3;
+    out->hedged = w->n_hedged;
+    out->hedges_won = w->n_hedges_won;
+    out->late = w->n_late;
     out->demoted = w->probe_at > 0;
     out->probes = w->n_probes;
 }
@@ -1643,6 +1952,10 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->pairs_unverified = r->n_unverified;
     out->pairs_recomputed = r->n_recomputed;
     out->caught = r->n_caught;
+    out->hedges = r->n_hedges;
+    out->pairs_hedged = r->n_hedge_pairs;
+    out->hedges_won = r->n_hedges_won;
+    out->late_answers = r->n_late;
     const size_t n = r->n_rtt < KV_REMOTE_RTT_SAMPLES ? (size_t)r->n_rtt : KV_REMOTE_RTT_SAMPLES;
     if (!n) return;
     float *tmp = malloc(n * sizeof *tmp); /* reporting, not the hot path */
@@ -1655,9 +1968,16 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     free(tmp);
 }
 
+void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late) {
+    if (sent) *sent = r->n_hedges;
+    if (won) *won = r->n_hedges_won;
+    if (late) *late = r->n_late;
+}
+
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
+    r->n_hedges = r->n_hedges_won = r->n_late = r->n_hedge_pairs = 0;
     r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
 }
 

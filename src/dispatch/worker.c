@@ -138,6 +138,7 @@ struct kv_worker {
     uint32_t *rpair;                 /* [KV_WORKER_CHUNK] its pair index in that job */
     float *xs;                       /* [KV_WORKER_CHUNK][n_embd] gathered inputs */
     int32_t *ids;                    /* [KV_WORKER_CHUNK] expert of each gathered row */
+    uint64_t n_stall_seen;           /* test stall: COMPUTEs taken so far (loop thread) */
     float *ys;                       /* [KV_WORKER_CHUNK][n_embd] outputs */
     float *gs, *us;                  /* [KV_WORKER_CHUNK][n_ff] gate and up pre-activations */
     float *xprev;                    /* test lie "stale": [KV_WORKER_CHUNK][n_embd] last round's inputs */
@@ -379,7 +380,10 @@ static int kv_worker_load(kv_worker *w, kv_diag *d) {
     /* pass 1: open, identity, dims */
     for (size_t i = 0; i < n && !rc; i++) {
         kv_gguf *g = NULL;
-        if ((rc = kv_gguf_open(&g, paths[i], d))) break;
+        /* a folder holds slabs, each one file: a file there carrying split.* keys
+           must not make the worker open its "siblings"; files named one by one
+           may be a split model's parts */
+        if ((rc = folder ? kv_gguf_open_file(&g, paths[i], d) : kv_gguf_open(&g, paths[i], d))) break;
         uint32_t L;
         bool slab = !kv_gguf_get_u32(g, "kvasir.slab.layer", &L, NULL);
         if (folder && !slab) { /* a backbone or other file in the folder */
@@ -594,6 +598,13 @@ int kv_worker_open(kv_worker **out, const kv_worker_opts *opts, kv_diag *d) {
     if (w->opts.max_pending_per_addr <= 0) w->opts.max_pending_per_addr = 8;
     if (w->opts.max_pending <= 0) w->opts.max_pending = 64;
     if (w->opts.test_delay_ms < 0) w->opts.test_delay_ms = 0;
+    if (w->opts.test_stall_ms < 0 || w->opts.test_stall_ms > 60000 || w->opts.test_stall_every < 0 ||
+        w->opts.test_stall_every > 1000000) {
+        free(w);
+        return kv_fail(d, KV_EINVAL, "worker: test stall of %d ms every %d requests is out of range (0-60000 ms, "
+                       "every 1-1000000)", opts->test_stall_ms, opts->test_stall_every);
+    }
+    if (w->opts.test_stall_every == 0) w->opts.test_stall_every = 1;
     if (w->opts.evict_idle_ms <= 0) w->opts.evict_idle_ms = 10000;
     if (w->opts.write_timeout_ms <= 0) w->opts.write_timeout_ms = 30000;
     if (!w->opts.mem_budget) w->opts.mem_budget = (size_t)1 << 30;
@@ -1121,9 +1132,17 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
     c->next = 0;
     c->busy = true;
     c->last_work_ms = kv_now_ms();
-    if (w->opts.test_delay_ms > 0) { /* TEST ONLY: a slow worker */
-        c->ready_ms = c->last_work_ms + w->opts.test_delay_ms;
-        kv_net_timer_start(w->loop, &c->delay_t, w->opts.test_delay_ms);
+    int delay_ms = w->opts.test_delay_ms; /* TEST ONLY: a slow worker ... */
+    if (w->opts.test_stall_ms > 0 && ++w->n_stall_seen % (uint64_t)w->opts.test_stall_every == 0) {
+        delay_ms += w->opts.test_stall_ms; /* ... or one that stalls now and then */
+        fprintf(stderr, "worker: TEST MODE: request %u (COMPUTE %llu) stalls %d ms\n", rid,
+                (unsigned long long)w->n_stall_seen, w->opts.test_stall_ms);
+    }
+    if (delay_ms > 0) {
+        c->ready_ms = c->last_work_ms + delay_ms;
+        kv_net_timer_start(w->loop, &c->delay_t, delay_ms);
+    } else {
+        c->ready_ms = 0;
     }
     kv_job_add(w, c);
     return KV_NET_HOLD;

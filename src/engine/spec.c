@@ -118,6 +118,21 @@ static int kv_draft_parse_test(kv_draft *dr, const char *arg, kv_diag *d) {
     return kv_draft_read_test(dr, buf, d);
 }
 
+int kv_draft_test_load(const char *arg, uint32_t n_vocab, int32_t **rec, uint32_t *n_rec, double *p, uint64_t *seed,
+                       kv_diag *d) {
+    kv_draft dr = {.kind = KV_DRAFT_TEST, .n_vocab = n_vocab};
+    const int rc = kv_draft_parse_test(&dr, arg, d);
+    if (rc) {
+        free(dr.rec);
+        return rc;
+    }
+    *rec = dr.rec;
+    *n_rec = dr.n_rec;
+    *p = dr.p;
+    *seed = dr.seed;
+    return 0;
+}
+
 int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d) {
     *out = NULL;
     if (!spec || !strcmp(spec, "none") || !spec[0]) return 0;
@@ -218,21 +233,25 @@ static double kv_draft_uniform(uint64_t seed, uint64_t g) {
     return (double)(z >> 11) * (1.0 / 9007199254740992.0);
 }
 
+uint32_t kv_draft_test_guess(const int32_t *rec, uint32_t n_rec, double p, uint64_t seed, uint32_t n_vocab,
+                             uint32_t n_gen, uint32_t k, int32_t *out) {
+    /* generated token g (0-based) of the turn is rec[g]; the one fed next is n_gen - 1 */
+    uint32_t m = 0;
+    for (uint32_t g = n_gen; m < k && g < n_rec; g++) {
+        const bool right = kv_draft_uniform(seed, g) < p;
+        out[m++] = right ? rec[g] : (int32_t)(((uint32_t)rec[g] + 1) % n_vocab);
+        if (!right) break;
+    }
+    return m;
+}
+
 int kv_draft_propose(kv_draft *dr, const kv_draft_ctx *c, uint32_t k, int32_t *out) {
     if (k > KV_DRAFT_MAX) k = KV_DRAFT_MAX;
     switch (dr->kind) {
     case KV_DRAFT_NGRAM:
         return (int)kv_draft_ngram(c->toks, c->n, k, out);
-    case KV_DRAFT_TEST: {
-        /* generated token g (0-based) of the turn is rec[g]; the one fed next is n_gen - 1 */
-        uint32_t m = 0;
-        for (uint32_t g = c->n_gen; m < k && g < dr->n_rec; g++) {
-            const bool right = kv_draft_uniform(dr->seed, g) < dr->p;
-            out[m++] = right ? dr->rec[g] : (int32_t)(((uint32_t)dr->rec[g] + 1) % dr->n_vocab);
-            if (!right) break;
-        }
-        return (int)m;
-    }
+    case KV_DRAFT_TEST:
+        return (int)kv_draft_test_guess(dr->rec, dr->n_rec, dr->p, dr->seed, dr->n_vocab, c->n_gen, k, out);
     case KV_DRAFT_MTP:
         return kv_draft_mtp(dr, c, k, out);
     default:

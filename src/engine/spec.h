@@ -76,4 +76,15 @@ int kv_draft_propose(kv_draft *dr, const kv_draft_ctx *c, uint32_t k, int32_t *o
  * KV_NGRAM_MAX down to 1, at most k tokens. */
 uint32_t kv_draft_ngram(const int32_t *toks, uint32_t n, uint32_t k, int32_t *out);
 
+/* The test source's guess alone (the ring's tail drafts with it from a
+ * recording its request carried): at most k tokens for a turn whose n_gen
+ * tokens were generated, the one fed next included. */
+uint32_t kv_draft_test_guess(const int32_t *rec, uint32_t n_rec, double p, uint64_t seed, uint32_t n_vocab,
+                             uint32_t n_gen, uint32_t k, int32_t *out);
+/* The test source's "FILE:P[:SEED]" (after "test:") read without a model:
+ * *rec (malloc'd, *n_rec tokens, each below n_vocab), *p and *seed. Errors
+ * as kv_draft_open's. */
+int kv_draft_test_load(const char *arg, uint32_t n_vocab, int32_t **rec, uint32_t *n_rec, double *p, uint64_t *seed,
+                       kv_diag *d);
+
 #endif

@@ -184,6 +184,15 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# HELP kvasir_gateway_workers_added_total Workers added from the hub's placement map.\n");
         KV_M("# TYPE kvasir_gateway_workers_added_total counter\n");
         KV_M("kvasir_gateway_workers_added_total %llu\n", (unsigned long long)g->workers_added);
+        KV_M("# HELP kvasir_gateway_hedges_total Expert requests also sent to a replica after their worker's hedge time.\n");
+        KV_M("# TYPE kvasir_gateway_hedges_total counter\n");
+        KV_M("kvasir_gateway_hedges_total %llu\n", (unsigned long long)g->hedges);
+        KV_M("# HELP kvasir_gateway_hedges_won_total Hedged requests whose replica answered first.\n");
+        KV_M("# TYPE kvasir_gateway_hedges_won_total counter\n");
+        KV_M("kvasir_gateway_hedges_won_total %llu\n", (unsigned long long)g->hedges_won);
+        KV_M("# HELP kvasir_gateway_late_answers_total Worker answers discarded because a replica had answered first.\n");
+        KV_M("# TYPE kvasir_gateway_late_answers_total counter\n");
+        KV_M("kvasir_gateway_late_answers_total %llu\n", (unsigned long long)g->late_answers);
     }
     pthread_mutex_unlock(&g->mu);
 #undef KV_M

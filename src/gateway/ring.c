@@ -106,7 +106,13 @@ static kv_ring_params kv_ring_params_of(const kv_gw_req *r, const kv_logit_bias 
 static void *kv_ring_thread(void *arg) {
     kv_gw_req *r = arg;
     kv_gateway *g = r->g;
-    const kv_ring_req q = {.tokens = r->prompt, .n_tokens = r->n_prompt, .p = kv_ring_params_of(r, r->so.sample.bias),
+    kv_ring_params rp = kv_ring_params_of(r, r->so.sample.bias);
+    int32_t *rec = NULL; /* --draft: the ring's tail drafts (checked when the gateway opened) */
+    kv_diag dd = {0};
+    if (g->o.ring_draft && kv_ring_draft_params(g->o.ring_draft, g->o.ring_draft_max, &rp, &rec, &dd))
+        fprintf(stderr, "kvasir gateway: --draft: %s (the request decodes without it)\n", dd.msg);
+    if (dd.code) rp = kv_ring_params_of(r, r->so.sample.bias);
+    const kv_ring_req q = {.tokens = r->prompt, .n_tokens = r->n_prompt, .p = rp,
                            .key_sk = g->ring_sk, .voucher = g->has_ring_voucher ? &g->ring_voucher : NULL,
                            .timeout_ms = (int)g->o.ring_timeout_ms,
                            .on_accept = kv_ring_on_accept, .on_token = kv_ring_on_token,
@@ -133,8 +139,15 @@ static void *kv_ring_thread(void *arg) {
         fprintf(stderr, "kvasir gateway: ring node %s: %s\n", g->ring[order[k]], d.msg);
     }
     const uint32_t stop = res.stop;
-    kv_ring_result_free(&res);
+    free(rec);
     pthread_mutex_lock(&g->mu);
+    if (rp.flags & KV_RING_SUBMIT_DRAFT) { /* /metrics: the ring's acceptance, as the engine's */
+        g->eng.spec_steps += res.spec_passes;
+        g->eng.spec_drafted += res.spec_drafted;
+        g->eng.spec_accepted += res.spec_accepted;
+        g->eng.spec_emitted += res.n_tokens;
+    }
+    kv_ring_result_free(&res);
     for (kv_gw_req **pp = &g->active; *pp; pp = &(*pp)->next)
         if (*pp == r) {
             *pp = r->next;

@@ -107,6 +107,7 @@ typedef struct gen_tensor {
     float mean;     /* weight distribution */
     float std;
     int vocab_rows; /* rows are tokens: UNUSED tokens get all-zero rows */
+    int matrix;     /* quantizable (the config's type or mix), else F32 */
     uint64_t nbytes;
 } gen_tensor;
 
@@ -122,6 +123,7 @@ static int is_gen_type(uint32_t t) {
     case KV_TYPE_F32: case KV_TYPE_F16: case KV_TYPE_BF16: case KV_TYPE_Q8_0:
     case KV_TYPE_Q4_0: case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K:
     case KV_TYPE_Q4_1: case KV_TYPE_Q5_0: case KV_TYPE_Q5_1: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4:
+    case KV_TYPE_Q2_K: case KV_TYPE_Q3_K: case KV_TYPE_IQ4_XS:
         return 1;
     default:
         return 0;
@@ -134,6 +136,8 @@ typedef struct gen_list {
     uint64_t bytes; /* data section size, each tensor padded to 32 */
     int overflow;
 } gen_list;
+
+static void size_bytes(gen_list *l, gen_tensor *t);
 
 static void add_t(gen_list *l, const char *name, uint32_t n_dims, uint64_t ne0, uint64_t ne1,
                   uint64_t ne2, uint32_t want, int matrix, float mean, float std) {
@@ -157,17 +161,44 @@ static void add_t(gen_list *l, const char *name, uint32_t n_dims, uint64_t ne0, 
     t->ne[3] = 1;
     t->want = matrix ? want : KV_TYPE_F32;
     t->type = matrix ? kv_gen_matrix_type(want, ne0) : KV_TYPE_F32;
+    t->matrix = matrix;
     t->mean = mean;
     t->std = std;
-    /* sizes are bounded by validation (< 2^60 elements), so only the sum
-     * needs care */
-    uint64_t nb = kv_type_row_size(t->type, ne0) * ne1 * ne2;
+    size_bytes(l, t);
+}
+
+/* t's byte size from its type, added to the list's total. Sizes are
+ * bounded by validation (< 2^60 elements), so only the sum needs care. */
+static void size_bytes(gen_list *l, gen_tensor *t) {
+    uint64_t nb = kv_type_row_size(t->type, t->ne[0]) * t->ne[1] * t->ne[2];
     t->nbytes = nb;
     uint64_t padded = (nb + 31) & ~(uint64_t)31;
     if (l->bytes > UINT64_MAX - padded)
         l->overflow = 1;
     else
         l->bytes += padded;
+}
+
+/* The mix's recipe over the whole list (it needs every attn_v-like
+ * tensor's rank and whether output.weight exists): types and sizes again. */
+static void apply_mix(gen_list *l, const kv_gen_config *c, const kv_hparams *hp) {
+    kv_gen_mix_ctx m = {.n_layer_all = (int)kv_arch_n_blocks(hp), .n_expert = c->n_expert,
+                        .n_gqa = c->n_head / c->n_head_kv, .tied = true};
+    for (size_t i = 0; i < l->n; i++) {
+        const char *nm = l->t[i].name;
+        if (!strcmp(nm, "output.weight")) m.tied = false;
+        if (strstr(nm, "attn_v.weight") || strstr(nm, "attn_qkv.weight") || strstr(nm, "attn_kv_b.weight")) m.n_wv++;
+    }
+    l->bytes = 0;
+    for (size_t i = 0; i < l->n; i++) {
+        gen_tensor *t = &l->t[i];
+        const char *nm = t->name;
+        if (t->matrix) {
+            t->type = t->want = kv_gen_mix_type(c->mix, nm, t->ne[0], &m);
+            if (strstr(nm, "attn_v.weight") || strstr(nm, "attn_qkv.weight") || strstr(nm, "attn_kv_b.weight")) m.i_wv++;
+        }
+        size_bytes(l, t);
+    }
 }
 
 static float gain(float g, uint64_t fan_in) { return g / sqrtf((float)fan_in); }
@@ -296,6 +327,7 @@ static int build_list(const kv_gen_config *c, gen_list *l) {
         if (t->blocks || ((t->flags & KV_TF_TIED) && c->tied)) continue;
         add_desc(l, c, &hp, t, 0);
     }
+    if (!l->overflow && c->mix) apply_mix(l, c, &hp);
     if (l->overflow) {
         free(l->t);
         memset(l, 0, sizeof *l);
@@ -403,11 +435,13 @@ int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
     if (!(c->router_skew >= 0.0f && c->router_skew <= KV_GEN_MAX_ROUTER_SKEW))
         return kv_fail(d, KV_EINVAL, "router skew %g must be in [0, %g]", (double)c->router_skew,
                        (double)KV_GEN_MAX_ROUTER_SKEW);
+    if (c->mix >= KV_GEN_MIX_COUNT)
+        return kv_fail(d, KV_EINVAL, "mix %" PRIu32 " is not one of q2_k, q3_k_m, q4_k_m, iq4_xs", c->mix);
     const kv_type_info *ti = kv_type_get_ref(c->type);
     if (!is_gen_type(c->type) || !ti || !ti->from_float)
         return kv_fail(d, KV_EUNSUPPORTED,
                        "type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, "
-                       "iq4_nl, mxfp4, q4_k, q5_k or q6_k)",
+                       "iq4_nl, mxfp4, q2_k, q3_k, q4_k, q5_k, q6_k or iq4_xs)",
                        ti ? ti->name : "unknown");
     uint64_t bytes = kv_gen_data_bytes(c);
     if (bytes == 0 || bytes > KV_GEN_MAX_BYTES)
@@ -579,6 +613,7 @@ static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const g
 
 static uint32_t file_type_of(const kv_gen_config *c) {
     /* llama_ftype values (general.file_type) for an all-`type` model */
+    if (c->mix) return kv_gen_mix_ftype(c->mix);
     if (c->q6_mix && c->type == KV_TYPE_Q4_K) return 15; /* Q4_K_M */
     switch (c->type) {
     case KV_TYPE_F32: return 0;
@@ -593,6 +628,9 @@ static uint32_t file_type_of(const kv_gen_config *c) {
     case KV_TYPE_Q4_K: return 14; /* Q4_K_S */
     case KV_TYPE_Q5_K: return 16; /* Q5_K_S */
     case KV_TYPE_Q6_K: return 18;
+    case KV_TYPE_Q2_K: return 10;  /* Q2_K */
+    case KV_TYPE_Q3_K: return 11;  /* Q3_K_S */
+    case KV_TYPE_IQ4_XS: return 30;
     case KV_TYPE_BF16: return 32;
     default: return 0;
     }

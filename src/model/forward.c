@@ -935,7 +935,8 @@ int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) {
 int kv_state_spec_keep(kv_state *s, uint32_t seq, uint32_t n, kv_diag *d) {
     if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "spec keep: sequence %u out of range (%u)", seq, s->n_seq);
     if (n > KV_SPEC_MAX_KEEP) return kv_fail(d, KV_EINVAL, "spec keep: %u states exceed max %u", n, KV_SPEC_MAX_KEEP);
-    return s->q35 ? kv_q35_spec_keep(s, seq, n, d) : 0;
+    const kv_arch_state_ops *so = kv_sops(s);
+    return so && so->spec_keep ? so->spec_keep(s, seq, n, d) : 0;
 }
 
 int kv_state_seq_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
@@ -943,8 +944,9 @@ int kv_state_seq_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
     if (pos > s->pos[seq])
         return kv_fail(d, KV_EINVAL, "rollback: sequence %u holds %u positions, not %u", seq, s->pos[seq], pos);
     if (pos == s->pos[seq]) return 0;
-    if (s->q35) {
-        int rc = kv_q35_rollback(s, seq, pos, d);
+    const kv_arch_state_ops *so = kv_sops(s);
+    if (so && so->rollback) {
+        int rc = so->rollback(s, seq, pos, d);
         if (rc) return rc;
     }
     s->pos[seq] = pos; /* the KV rows past pos are rewritten before any token reads them */

@@ -13,6 +13,7 @@
 #include <unistd.h> /* close */
 
 #include "kvasir/link.h"
+#include "engine/spec.h" /* the test source's file */
 #include "kvasir/ring.h"
 #include "kvasir/tls.h"
 #include "kvasir/transport.h"
@@ -201,6 +202,7 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
                 .data = q->data};
     float *lg = NULL;
     uint32_t n_vocab = 0;
+    if (!toks) body += kv_ring_params_size(&q->p); /* the extension (v4: after the text or messages too) */
     int rc = kv_rcl_open(&c, addr, q->key_sk, q->voucher, KV_RING_HEADER + 64 + body, &n_vocab, d);
     if (rc) goto done;
     if (toks) /* checked before anything is sent: a refusal here is the client's, not the ring's */
@@ -266,6 +268,9 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
             if (q->on_logprob && (q->p.flags & KV_RING_SUBMIT_LOGPROBS)) q->on_logprob(q->data, t->has_lp ? &t->lp : NULL);
             res->n_tokens++;
             res->stop = t->stop;
+            if (!(t->spec & KV_RING_TOKEN_MORE)) res->spec_passes++;
+            res->spec_drafted += KV_RING_TOKEN_VERIFIED(t->spec);
+            res->spec_accepted += KV_RING_TOKEN_ACCEPTED(t->spec);
             if (q->on_token && q->on_token(q->data, t->token, t->piece, t->piece_len, t->n_logits ? lg : NULL, t->n_logits))
                 goto done;
             if (t->stop) goto done;
@@ -335,4 +340,34 @@ void kv_ring_result_free(kv_ring_result *r) {
     if (!r) return;
     free(r->prompt);
     r->prompt = NULL;
+}
+
+int kv_ring_draft_params(const char *spec, uint32_t k, kv_ring_params *p, int32_t **rec, kv_diag *d) {
+    *rec = NULL;
+    if (!spec || !spec[0] || !strcmp(spec, "none")) return 0;
+    if (k > KV_RING_MAX_DRAFT) return kv_fail(d, KV_EINVAL, "--draft-max: %u exceeds %u", k, KV_RING_MAX_DRAFT);
+    if (!strcmp(spec, "mtp"))
+        return kv_fail(d, KV_EUNSUPPORTED, "--draft mtp is not supported over a ring: a window does not hold the MTP "
+                       "block (ngram or test:FILE:P)");
+    p->draft_max = k ? k : 3;
+    if (!strcmp(spec, "ngram")) {
+        p->draft_kind = KV_RING_DRAFT_NGRAM;
+    } else if (!strncmp(spec, "test:", 5)) {
+        uint32_t n_rec = 0;
+        int rc = kv_draft_test_load(spec + 5, KV_RING_MAX_VOCAB, rec, &n_rec, &p->draft_p, &p->draft_seed, d);
+        if (rc) return rc;
+        if (n_rec > KV_RING_MAX_DRAFT_REC) {
+            free(*rec);
+            *rec = NULL;
+            return kv_fail(d, KV_ERANGE, "--draft test: %u recorded tokens exceed the %u a ring request carries", n_rec,
+                           KV_RING_MAX_DRAFT_REC);
+        }
+        p->draft_kind = KV_RING_DRAFT_TEST;
+        p->n_draft_rec = n_rec;
+        p->draft_rec = *rec;
+    } else {
+        return kv_fail(d, KV_EINVAL, "--draft: unknown source '%.64s' (ngram, none or test:FILE:P over a ring)", spec);
+    }
+    p->flags |= KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_DRAFT;
+    return 0;
 }

@@ -37,6 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/spec.h" /* the draft sources' guesses */
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"   /* KV_STOP_* */
 #include "kvasir/grammar.h"
@@ -71,6 +72,14 @@ typedef struct kv_rseq {
     kv_grammar_matcher *gm; /* tail: its position in gram */
     uint32_t *gmask;     /* tail: [(n_vocab + 31) / 32] the tokens gram allows next */
     bool gdone;          /* tail: gram is complete (nothing but end-of-generation may follow) */
+    /* speculative decoding (docs/SPECULATIVE.md "Over the ring") */
+    uint32_t spec_pos0, spec_n; /* every node: the last verify pass's first position and tokens (0: none) */
+    int32_t *ctx;        /* tail, drafting: [ctx_cap] the prompt, then every token sampled */
+    uint32_t n_ctxt, ctx_cap;
+    int32_t *drec;       /* tail, test source: [p.n_draft_rec] the recording (a copy) */
+    uint32_t gen0;       /* tail: tokens generated before this attempt (a replay's p.n_gen) */
+    uint32_t n_draft;    /* tail: drafts sent after the last token, verified by the next pass */
+    int32_t draft[KV_RING_MAX_DRAFT];
 } kv_rseq;
 
 /* A request whose home is this node. */
@@ -81,6 +90,7 @@ typedef struct kv_rreq {
     kv_ring_params p;    /* its views (bias, grammar) point at the two below */
     kv_logit_bias *bias; /* [p.sample.n_bias] the logit bias (a copy), NULL none */
     char *grammar;       /* [p.grammar_len] the grammar text (a copy), NULL none */
+    int32_t *drec;       /* [p.n_draft_rec] a test draft's recording (a copy), NULL none */
     int32_t *toks;       /* [cap] prompt, then the tokens streamed */
     uint32_t n_prompt, n_gen, cap;
     bool held;           /* waiting for the ring to be whole */
@@ -151,7 +161,8 @@ struct kv_ring_node {
     uint64_t id_base, id_ctr;
     uint32_t max_tok;         /* tokens per forward pass: max(n_batch, max_seqs) */
     float *xin, *xout;        /* [max_tok][n_embd] queued hidden states in, results out */
-    float *logits;            /* [max_seqs][n_vocab] */
+    float *logits;            /* [rows_cap][n_vocab] */
+    uint32_t rows_cap;        /* logit rows per forward pass: max_seqs + room for two verify passes */
     int32_t *tbuf;            /* [n_batch] a prompt chunk */
     int32_t *q_tok;           /* [max_tok] queued tokens (head) */
     uint32_t *sbuf;           /* [max_tok] state sequence of each queued token */
@@ -300,6 +311,8 @@ static void kv_rn_seq_free(kv_ring_node *n, kv_rseq *s) {
     kv_grammar_matcher_free(s->gm);
     kv_grammar_free(s->gram);
     free(s->gmask);
+    free(s->ctx);
+    free(s->drec);
     memset(s, 0, sizeof *s);
 }
 
@@ -340,6 +353,24 @@ static int kv_rn_tail_begin(kv_ring_node *n, kv_rseq *s, const kv_ring_start *st
         if (!(s->gmask = malloc(((size_t)n->n_vocab + 31) / 32 * sizeof *s->gmask)))
             return kv_fail(d, KV_ENOMEM, "ring: out of memory for a grammar mask");
     }
+    if (st->p.flags & KV_RING_SUBMIT_DRAFT) { /* the drafts are made here, from the context */
+        s->ctx_cap = n->n_ctx + KV_RING_MAX_DRAFT + 2;
+        if (!(s->ctx = malloc((size_t)s->ctx_cap * sizeof *s->ctx)))
+            return kv_fail(d, KV_ENOMEM, "ring: out of memory for a drafting context");
+        for (uint32_t i = 0; i < st->n_tokens; i++) s->ctx[i] = kv_ring_tokens_get(st->tokens, i);
+        s->n_ctxt = st->n_tokens;
+        s->gen0 = st->p.n_gen;
+        if (st->p.n_draft_rec) {
+            if (!(s->drec = malloc((size_t)st->p.n_draft_rec * sizeof *s->drec)))
+                return kv_fail(d, KV_ENOMEM, "ring: out of memory for a draft recording");
+            for (uint32_t i = 0; i < st->p.n_draft_rec; i++) {
+                s->drec[i] = kv_ring_tokens_get(st->p.draft_rec_wire, i);
+                if ((uint32_t)s->drec[i] >= n->n_vocab)
+                    return kv_fail(d, KV_ERANGE, "ring: recorded draft token %d outside the vocabulary [0, %u)",
+                                   s->drec[i], n->n_vocab);
+            }
+        }
+    }
     const uint32_t n_prompt = st->n_tokens - st->p.n_gen;
     for (uint32_t i = 0; i < n_prompt; i++) kv_sampler_accept(s->smp, kv_ring_tokens_get(st->tokens, i));
     for (uint32_t i = n_prompt; i < st->n_tokens; i++) {
@@ -368,6 +399,8 @@ static int kv_rn_seq_new(kv_ring_node *n, const kv_ring_start *st, kv_rseq **out
             kv_grammar_matcher_free(s->gm);
             kv_grammar_free(s->gram);
             free(s->gmask);
+            free(s->ctx);
+            free(s->drec);
             memset(s, 0, sizeof *s);
             return rc;
         }
@@ -377,6 +410,8 @@ static int kv_rn_seq_new(kv_ring_node *n, const kv_ring_start *st, kv_rseq **out
     s->p = st->p;
     s->p.bias_wire = NULL; /* views into the START frame, used above only */
     s->p.grammar = NULL;
+    s->p.draft_rec_wire = NULL;
+    s->p.draft_rec = NULL;
     s->n_gen = 0;
     kv_state_reset_seq(n->st, kv_rn_slot(n, s));
     *out = s;
@@ -411,6 +446,7 @@ static void kv_rn_req_free(kv_ring_node *n, kv_rreq *r) {
     free(r->toks);
     free(r->bias);
     free(r->grammar);
+    free(r->drec);
     free(r);
 }
 
@@ -552,9 +588,10 @@ typedef struct kv_rjob {
     uint32_t pos, count, off;
     bool want;           /* the tail samples after its last token (the HIDDEN flag) */
     bool logits;         /* ... and this node is the tail: a logits row */
+    bool verify;         /* a verify pass: the tail samples after every token (a row each) */
 } kv_rjob;
 
-static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row);
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t n_rows);
 
 /* Computes everything queued and sends the results on. */
 static void kv_rn_flush(kv_ring_node *n) {
@@ -563,14 +600,21 @@ static void kv_rn_flush(kv_ring_node *n) {
     n->n_jobs = 0;
     n->q_n = 0;
     uint32_t n_out = 0;
-    for (uint32_t j = 0; j < nj; j++)
-        if (n->jobs[j].logits) n->q_out[n_out++] = n->jobs[j].off + n->jobs[j].count - 1;
+    for (uint32_t j = 0; j < nj; j++) {
+        const kv_rjob *b = &n->jobs[j];
+        if (b->logits && b->verify)
+            for (uint32_t i = 0; i < b->count; i++) n->q_out[n_out++] = b->off + i;
+        else if (b->logits)
+            n->q_out[n_out++] = b->off + b->count - 1;
+    }
     kv_diag d = {0};
     char msg[KV_RING_MAX_MSG];
     int rc = 0;
     for (uint32_t j = 0; j < nj && !rc; j++) {
         const kv_rjob *b = &n->jobs[j];
         rc = kv_state_reserve(n->st, kv_rn_slot(n, b->s), b->pos + b->count, &d);
+        /* a verify pass keeps the recurrent state after each drafted position but the last */
+        if (!rc && b->verify) rc = kv_state_spec_keep(n->st, kv_rn_slot(n, b->s), b->count - 1, &d);
     }
     const double t0 = kv_rn_now();
     if (!rc)
@@ -587,7 +631,9 @@ static void kv_rn_flush(kv_ring_node *n) {
     uint32_t k = 0;
     for (uint32_t j = 0; j < nj; j++) {
         const kv_rjob *b = &n->jobs[j];
-        const float *row = b->logits ? n->logits + (size_t)k++ * n->n_vocab : NULL;
+        const uint32_t n_rows = b->logits ? (b->verify ? b->count : 1) : 0;
+        const float *row = n_rows ? n->logits + (size_t)k * n->n_vocab : NULL;
+        k += n_rows;
         n->stats.frames_hidden++;
         n->stats.tokens_computed += b->count;
         if (n->o.die_after_frames && n->stats.frames_hidden >= n->o.die_after_frames) {
@@ -602,7 +648,8 @@ static void kv_rn_flush(kv_ring_node *n) {
             continue;
         }
         if (!n->tail) {
-            kv_ring_hidden h = {b->seq, b->pos, b->count, b->want ? KV_RING_HIDDEN_LOGITS : 0, n->n_embd, NULL};
+            const uint32_t hf = (b->want ? KV_RING_HIDDEN_LOGITS : 0) | (b->verify ? KV_RING_HIDDEN_VERIFY : 0);
+            kv_ring_hidden h = {b->seq, b->pos, b->count, hf, n->n_embd, NULL};
             const size_t sz = KV_RING_HEADER + kv_ring_hidden_size(b->count, n->n_embd);
             uint8_t *f = kv_rn_reserve(n->next, sz);
             size_t len;
@@ -610,20 +657,36 @@ static void kv_rn_flush(kv_ring_node *n) {
                 kv_rn_commit(n->next, len);
             continue; /* no link: the break handling drops the sequence */
         }
-        if (row) kv_rn_sample(n, b->s, row);
+        if (row) kv_rn_sample(n, b->s, row, n_rows);
     }
 }
 
 /* Queues count tokens of sequence s from pos: tokens (head) or hidden
  * states x (wire floats, widened here). */
 static void kv_rn_enqueue(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, const uint8_t *x, uint32_t pos,
-                          uint32_t count, bool want_logits) {
+                          uint32_t count, bool want_logits, bool verify) {
     const bool logits = n->tail && want_logits;
-    if (n->q_n + count > n->max_tok || (logits && n->n_out_q >= n->max_seqs)) kv_rn_flush(n);
+    const uint32_t rows = logits ? (verify ? count : 1) : 0;
+    const uint64_t seq = s->seq;
+    if (n->q_n + count > n->max_tok || (rows && n->n_out_q + rows > n->rows_cap)) kv_rn_flush(n);
+    if (s->seq != seq) return; /* it failed in that pass */
     if (n->q_n == 0) n->n_out_q = 0;
     uint32_t expect = kv_state_pos_seq(n->st, kv_rn_slot(n, s));
+    bool queued = false;
     for (uint32_t j = 0; j < n->n_jobs; j++)
-        if (n->jobs[j].s == s) expect += n->jobs[j].count;
+        if (n->jobs[j].s == s) expect += n->jobs[j].count, queued = true;
+    if (pos < expect && !queued && s->spec_n && pos > s->spec_pos0 && pos < s->spec_pos0 + s->spec_n) {
+        /* the tail kept pos - spec_pos0 positions of the last verify pass: the
+           rest were computed from drafts it rejected */
+        kv_diag rd = {0};
+        if (kv_state_seq_rollback(n->st, kv_rn_slot(n, s), pos, &rd)) {
+            char msg[KV_RING_MAX_MSG];
+            snprintf(msg, sizeof msg, "ring: node %u-%u: %.440s", n->o.first, n->o.last, rd.msg);
+            kv_rn_fail_seq(n, s->seq, rd.code ? rd.code : KV_EINTERNAL, msg);
+            return;
+        }
+        expect = pos;
+    }
     if (pos != expect) {
         char msg[KV_RING_MAX_MSG];
         snprintf(msg, sizeof msg, "ring: node %u-%u: sequence at position %u here, frame says %u", n->o.first,
@@ -636,9 +699,11 @@ static void kv_rn_enqueue(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, co
     for (uint32_t i = 0; i < count; i++) n->sbuf[off + i] = kv_rn_slot(n, s);
     if (tokens) memcpy(n->q_tok + off, tokens, count * sizeof *tokens);
     else kv_ring_floats_get(x, count * n->n_embd, n->xin + (size_t)off * n->n_embd);
-    n->jobs[n->n_jobs++] = (kv_rjob){s, s->seq, pos, count, off, want_logits, logits};
+    n->jobs[n->n_jobs++] = (kv_rjob){s, s->seq, pos, count, off, want_logits, logits, verify};
     n->q_n += count;
-    if (logits) n->n_out_q++;
+    n->n_out_q += rows;
+    s->spec_pos0 = verify ? pos : 0;
+    s->spec_n = verify ? count : 0;
 }
 
 static bool kv_rn_tick(kv_net_loop *l, void *data) {
@@ -647,18 +712,18 @@ static bool kv_rn_tick(kv_net_loop *l, void *data) {
     return false;
 }
 
-/* The tail: samples a token for s from its logits row and sends it on. */
-static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
+/* The tail: draws the token of s from a logits row whose context held
+ * `held` positions (the engine's order), into *t (pos, token, log-probability,
+ * stop). Returns false when the sequence failed (it is freed). */
+static bool kv_rn_draw(kv_ring_node *n, kv_rseq *s, const float *row, uint32_t held, kv_ring_token *t) {
     const uint64_t seq = s->seq;
-    const uint32_t slot = kv_rn_slot(n, s);
-    const uint32_t held = kv_state_pos_seq(n->st, slot);
     char msg[KV_RING_MAX_MSG];
     for (uint32_t i = 0; i < n->n_vocab; i++)
         if (!isfinite(row[i])) {
             snprintf(msg, sizeof msg, "ring: node %u-%u: logit %u of position %u is not finite; no token taken",
                      n->o.first, n->o.last, i, held - 1);
             kv_rn_fail_seq(n, seq, KV_ERANGE, msg);
-            return;
+            return false;
         }
     /* the engine's order (kv_engine_step): the grammar's mask, the draw, the
        log-probability before the token enters the penalties' history, the
@@ -668,34 +733,34 @@ static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
     if (s->gm && kv_grammar_mask(s->gm, n->gvocab, s->gmask, &gd)) {
         snprintf(msg, sizeof msg, "ring: node %u-%u: %.400s", n->o.first, n->o.last, gd.msg);
         kv_rn_fail_seq(n, seq, gd.code ? gd.code : KV_ERANGE, msg);
-        return;
+        return false;
     }
     const int32_t tok = kv_sampler_sample_allowed(s->smp, row, NULL, s->gm ? s->gmask : NULL);
     if (tok < 0) {
         kv_rn_fail_seq(n, seq, tok, s->gm ? "ring: the grammar allows no token here" : "ring: the sampler refused the logits");
-        return;
+        return false;
     }
-    kv_ring_token t = {.seq = seq, .pos = held, .token = tok, .n_logits = 0};
+    *t = (kv_ring_token){.seq = seq, .pos = held, .token = tok, .n_logits = 0};
     if (s->p.flags & KV_RING_SUBMIT_LOGPROBS) {
-        const int lrc = kv_sampler_logprobs(s->smp, row, tok, s->p.top_logprobs, &t.lp);
+        const int lrc = kv_sampler_logprobs(s->smp, row, tok, s->p.top_logprobs, &t->lp);
         if (lrc) {
             kv_rn_fail_seq(n, seq, lrc, "ring: the log-probabilities of the logits could not be computed");
-            return;
+            return false;
         }
-        t.has_lp = true;
+        t->has_lp = true;
     }
     if (s->gm) {
         if (kv_grammar_accept(s->gm, n->gvocab, tok, &gd)) {
             snprintf(msg, sizeof msg, "ring: node %u-%u: %.400s", n->o.first, n->o.last, gd.msg);
             kv_rn_fail_seq(n, seq, gd.code ? gd.code : KV_EINVAL, msg);
-            return;
+            return false;
         }
         s->gdone = false;
         if (kv_grammar_can_end(s->gm)) { /* complete when nothing but end-of-generation may follow */
             if (kv_grammar_mask(s->gm, n->gvocab, s->gmask, &gd)) {
                 snprintf(msg, sizeof msg, "ring: node %u-%u: %.400s", n->o.first, n->o.last, gd.msg);
                 kv_rn_fail_seq(n, seq, gd.code ? gd.code : KV_ERANGE, msg);
-                return;
+                return false;
             }
             bool more = false;
             for (uint32_t w = 0; w < (n->n_vocab + 31) / 32 && !more; w++)
@@ -707,22 +772,95 @@ static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *row) {
     kv_sampler_accept_sampled(s->smp, tok);
     s->n_gen++;
     n->stats.tokens_sampled++;
+    if (s->ctx && s->n_ctxt < s->ctx_cap) s->ctx[s->n_ctxt++] = tok;
     uint32_t stop = KV_STOP_NONE;
     if (!(s->p.flags & KV_RING_SUBMIT_IGNORE_EOG) && kv_tok_is_eog(vt, tok)) stop = KV_STOP_EOG;
     else if (s->gdone) stop = KV_STOP_GRAMMAR;
     else if (s->n_gen >= s->p.n_predict) stop = KV_STOP_MAX_TOKENS;
     else if (held >= n->n_ctx) stop = KV_STOP_CTX_FULL;
-    t.stop = stop;
-    if (s->home == n->o.first) kv_rn_deliver_token(n, &t, NULL, row);
+    t->stop = stop;
+    return true;
+}
+
+/* The tail: the drafts to feed after the token at position p1 (the last
+ * of a pass): at most k, never past the context (the verify pass's k + 1
+ * positions fit) nor past n_predict (a pass yields at most k + 1 tokens). */
+static uint32_t kv_rn_draft(kv_ring_node *n, kv_rseq *s, uint32_t p1, int32_t *out) {
+    uint32_t k = s->p.draft_max;
+    if (p1 + 1 >= n->n_ctx) return 0;
+    if (k > n->n_ctx - p1 - 1) k = n->n_ctx - p1 - 1;
+    if (s->n_gen >= s->p.n_predict) return 0;
+    if (k > s->p.n_predict - s->n_gen - 1) k = s->p.n_predict - s->n_gen - 1;
+    if (k > KV_RING_MAX_DRAFT) k = KV_RING_MAX_DRAFT;
+    if (!k) return 0;
+    if (s->p.draft_kind == KV_RING_DRAFT_NGRAM) return kv_draft_ngram(s->ctx, s->n_ctxt, k, out);
+    if (s->p.draft_kind == KV_RING_DRAFT_TEST && s->drec)
+        return kv_draft_test_guess(s->drec, s->p.n_draft_rec, s->p.draft_p, s->p.draft_seed, n->n_vocab,
+                                   s->gen0 + s->n_gen, k, out);
+    return 0;
+}
+
+/* The tail: a sampled token to the home's client (when this node is the
+ * home) and on to the head. */
+static void kv_rn_send_token(kv_ring_node *n, kv_rseq *s, kv_ring_token *t, const float *row) {
+    if (s->home == n->o.first) kv_rn_deliver_token(n, t, NULL, row);
     /* to the head: it feeds the token back in (or frees the sequence) */
     const bool logits_on_ring = (s->p.flags & KV_RING_SUBMIT_LOGITS) && s->home != n->o.first;
-    t.n_logits = logits_on_ring ? n->n_vocab : 0;
-    const size_t sz = KV_RING_HEADER + (t.has_lp ? kv_ring_token_size_lp(0, t.n_logits, t.lp.n_top)
-                                                 : kv_ring_token_size(0, t.n_logits));
+    t->n_logits = logits_on_ring ? n->n_vocab : 0;
+    const size_t sz = KV_RING_HEADER + 4u * (size_t)t->n_draft +
+                      (t->has_lp ? kv_ring_token_size_lp(0, t->n_logits, t->lp.n_top) : kv_ring_token_size(0, t->n_logits));
     uint8_t *f = kv_rn_reserve(n->next, sz);
     size_t len;
-    if (f && !kv_ring_token_encode(f, sz, &t, row, &len, NULL)) kv_rn_commit(n->next, len);
-    if (stop) kv_rn_seq_free(n, s);
+    if (f && !kv_ring_token_encode(f, sz, t, row, &len, NULL)) kv_rn_commit(n->next, len);
+}
+
+/* The tail: samples s's tokens from its n_rows logits rows and sends them
+ * on. One row: a plain pass. More: a verify pass of the token fed and
+ * n_rows - 1 drafts (s->draft): the draw after each position, as plain
+ * decoding would draw it, while the draws equal the drafts; the sequence
+ * then rolls back to the positions kept, and the last token carries the
+ * next pass's drafts. */
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t n_rows) {
+    const uint32_t slot = kv_rn_slot(n, s);
+    const uint32_t pos0 = kv_state_pos_seq(n->st, slot) - n_rows;
+    const uint32_t verified = n_rows - 1;
+    uint32_t acc = 0, m = 0;
+    s->n_draft = 0;
+    for (uint32_t i = 0; i < n_rows; i++) {
+        const float *row = rows + (size_t)i * n->n_vocab;
+        kv_ring_token t;
+        if (!kv_rn_draw(n, s, row, pos0 + i + 1, &t)) return; /* failed: freed */
+        m = i + 1;
+        const bool hit = i < verified && t.token == s->draft[i];
+        acc += hit;
+        const bool more = hit && !t.stop;
+        if (!more && !t.stop && s->p.draft_kind) t.n_draft = kv_rn_draft(n, s, pos0 + m, t.drafts);
+        t.spec = more ? KV_RING_TOKEN_SPEC(1, 0, 0) : KV_RING_TOKEN_SPEC(0, verified, acc);
+        if (!more && s->p.draft_kind) {
+            n->stats.spec_passes++;
+            n->stats.spec_drafted += verified;
+            n->stats.spec_accepted += acc;
+        }
+        if (!more) {
+            s->n_draft = t.n_draft;
+            memcpy(s->draft, t.drafts, t.n_draft * sizeof *t.drafts);
+        }
+        kv_rn_send_token(n, s, &t, row);
+        if (t.stop) {
+            kv_rn_seq_free(n, s);
+            return;
+        }
+        if (!more) break;
+    }
+    s->spec_n = 0;
+    if (m < n_rows) {
+        kv_diag d = {0};
+        if (kv_state_seq_rollback(n->st, slot, pos0 + m, &d)) {
+            char msg[KV_RING_MAX_MSG];
+            snprintf(msg, sizeof msg, "ring: node %u-%u: %.440s", n->o.first, n->o.last, d.msg);
+            kv_rn_fail_seq(n, s->seq, d.code ? d.code : KV_EINTERNAL, msg);
+        }
+    }
 }
 
 /* Home: a token of one of its requests, to the client. */
@@ -750,7 +888,7 @@ static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const u
         }
         kv_ring_token o = {.seq = r->id, .pos = t->pos, .token = t->token, .stop = t->stop,
                            .piece_len = (uint32_t)pn, .piece = piece, .n_logits = want && logits_host ? n->n_vocab : 0,
-                           .has_lp = t->has_lp, .lp = t->lp};
+                           .has_lp = t->has_lp, .lp = t->lp, .spec = t->spec}; /* the drafts stay on the ring */
         const size_t sz = KV_RING_HEADER + (o.has_lp ? kv_ring_token_size_lp(o.piece_len, o.n_logits, o.lp.n_top)
                                                      : kv_ring_token_size(o.piece_len, o.n_logits));
         uint8_t *f = kv_rn_reserve(r->client, sz);
@@ -795,7 +933,7 @@ static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8
     for (uint32_t done = 0; done < st->n_tokens;) {
         const uint32_t c = st->n_tokens - done < n->n_batch ? st->n_tokens - done : n->n_batch;
         for (uint32_t i = 0; i < c; i++) n->tbuf[i] = kv_ring_tokens_get(st->tokens, done + i);
-        kv_rn_enqueue(n, s, n->tbuf, NULL, done, c, done + c == st->n_tokens);
+        kv_rn_enqueue(n, s, n->tbuf, NULL, done, c, done + c == st->n_tokens, false);
         done += c;
         if (s->seq != seq) return; /* it failed */
     }
@@ -814,14 +952,22 @@ static void kv_rn_on_hidden(kv_ring_node *n, const kv_ring_hidden *h) {
         kv_rn_fail_seq(n, h->seq, KV_EPROTO, msg);
         return;
     }
-    if (h->n_tokens > n->n_batch) {
+    const bool verify = h->flags & KV_RING_HIDDEN_VERIFY;
+    if (n->tail && (verify ? h->n_tokens - 1 : 0) != s->n_draft) {
+        char msg[KV_RING_MAX_MSG];
+        snprintf(msg, sizeof msg, "ring: node %u-%u: a pass of %u tokens at position %u, after %u drafts", n->o.first,
+                 n->o.last, h->n_tokens, h->pos, s->n_draft);
+        kv_rn_fail_seq(n, h->seq, KV_EPROTO, msg);
+        return;
+    }
+    if (h->n_tokens > n->n_batch && !verify) {
         char msg[KV_RING_MAX_MSG];
         snprintf(msg, sizeof msg, "ring: node %u-%u: HIDDEN of %u tokens exceeds the batch %u", n->o.first, n->o.last,
                  h->n_tokens, n->n_batch);
         kv_rn_fail_seq(n, h->seq, KV_ERANGE, msg);
         return;
     }
-    kv_rn_enqueue(n, s, NULL, h->x, h->pos, h->n_tokens, h->flags & KV_RING_HIDDEN_LOGITS);
+    kv_rn_enqueue(n, s, NULL, h->x, h->pos, h->n_tokens, h->flags & KV_RING_HIDDEN_LOGITS, verify);
 }
 
 static void kv_rn_on_token(kv_ring_node *n, const kv_ring_token *t, const uint8_t *raw, size_t len) {
@@ -830,8 +976,20 @@ static void kv_rn_on_token(kv_ring_node *n, const kv_ring_token *t, const uint8_
         if (!s) return;
     }
     const uint32_t home = s ? s->home : UINT32_MAX;
-    if (n->head && s && !t->stop) {
-        kv_rn_enqueue(n, s, &t->token, NULL, t->pos, 1, true); /* the token takes position pos */
+    if (n->head && s && !t->stop && !(t->spec & KV_RING_TOKEN_MORE)) {
+        /* the token takes position pos, the drafts after it (a verify pass) */
+        int32_t fed[KV_RING_MAX_DRAFT + 1];
+        fed[0] = t->token;
+        bool ok = true;
+        for (uint32_t i = 0; i < t->n_draft; i++) {
+            fed[i + 1] = t->drafts[i];
+            ok = ok && (uint32_t)t->drafts[i] < n->n_vocab;
+        }
+        if (!ok) {
+            kv_rn_fail_seq(n, t->seq, KV_ERANGE, "ring: a drafted token outside the vocabulary");
+            return;
+        }
+        kv_rn_enqueue(n, s, fed, NULL, t->pos, 1 + t->n_draft, true, t->n_draft > 0);
     }
     if (t->stop && s && !n->tail) kv_rn_seq_free(n, s);
     if (n->tail) return;
@@ -884,6 +1042,17 @@ static int kv_rn_req_own_ext(kv_ring_node *n, kv_rreq *r, kv_ring_params *p, kv_
         memcpy(r->grammar, p->grammar, p->grammar_len);
     }
     p->grammar = r->grammar;
+    if ((p->flags & KV_RING_SUBMIT_DRAFT) && p->n_draft_rec) {
+        if (!(r->drec = malloc((size_t)p->n_draft_rec * sizeof *r->drec))) return kv_fail(d, KV_ENOMEM, "out of memory");
+        for (uint32_t i = 0; i < p->n_draft_rec; i++) {
+            r->drec[i] = kv_ring_tokens_get(p->draft_rec_wire, i);
+            if ((uint32_t)r->drec[i] >= n->n_vocab)
+                return kv_fail(d, KV_EINVAL, "draft: recorded token %u is %d, outside the vocabulary [0, %u)", i,
+                               r->drec[i], n->n_vocab);
+        }
+    }
+    p->draft_rec = r->drec;
+    p->draft_rec_wire = NULL;
     return 0;
 }
 
@@ -961,6 +1130,7 @@ static void kv_rn_on_submit(kv_ring_node *n, kv_rconn *c, const kv_ring_params *
         if (r) free(r->toks);
         if (r) free(r->bias);
         if (r) free(r->grammar);
+        if (r) free(r->drec);
         free(r);
         free(ids);
         return;
@@ -1592,7 +1762,10 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     const bool is_dir = !stat(n->o.model, &mst) && S_ISDIR(mst.st_mode);
     const kv_model_opts mo = {.window = true, .layer_first = n->o.first, .layer_last = n->o.last};
     const kv_expert_provider *experts = NULL;
+    /* logit rows per pass: one per sequence, and room for two verify passes */
+    const uint32_t rows_cap = n->max_seqs + 2 * (KV_RING_MAX_DRAFT + 1);
     uint32_t max_tok = n->n_batch > n->max_seqs ? n->n_batch : n->max_seqs;
+    if (max_tok < rows_cap) max_tok = rows_cap;
     if (is_dir || (pl >= 5 && !strcmp(n->o.model + pl - 5, ".json"))) { /* sliced: backbone window + its slabs */
         char man[4200];
         snprintf(man, sizeof man, is_dir ? "%s/manifest.json" : "%s", n->o.model);
@@ -1667,11 +1840,12 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     n->max_tok = max_tok;
     n->xin = malloc((size_t)max_tok * n->n_embd * sizeof(float));
     n->xout = malloc((size_t)max_tok * n->n_embd * sizeof(float));
-    n->logits = malloc((size_t)n->max_seqs * n->n_vocab * sizeof(float));
+    n->rows_cap = rows_cap;
+    n->logits = malloc((size_t)(n->tail ? rows_cap : n->max_seqs) * n->n_vocab * sizeof(float));
     n->tbuf = malloc(n->n_batch * sizeof *n->tbuf);
     n->q_tok = malloc(max_tok * sizeof *n->q_tok);
     n->sbuf = malloc(max_tok * sizeof *n->sbuf);
-    n->q_out = malloc(n->max_seqs * sizeof *n->q_out);
+    n->q_out = malloc(rows_cap * sizeof *n->q_out);
     n->jobs = malloc(max_tok * sizeof *n->jobs);
     if (!n->seqs || !n->xin || !n->xout || !n->logits || !n->tbuf || !n->q_tok || !n->sbuf || !n->q_out || !n->jobs) {
         rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
@@ -1725,10 +1899,17 @@ void kv_ring_node_free(kv_ring_node *n) {
         kv_rreq *r = n->reqs;
         n->reqs = r->next;
         free(r->toks);
+        free(r->bias);
+        free(r->grammar);
+        free(r->drec);
         free(r);
     }
     if (n->seqs)
-        for (uint32_t i = 0; i < n->max_seqs; i++) kv_sampler_free(n->seqs[i].smp);
+        for (uint32_t i = 0; i < n->max_seqs; i++) {
+            kv_sampler_free(n->seqs[i].smp);
+            free(n->seqs[i].ctx);
+            free(n->seqs[i].drec);
+        }
     free(n->seqs);
     kv_state_free(n->st);
     if (n->prov.free) n->prov.free(n->prov.impl);

@@ -76,7 +76,7 @@ static bool kv_floats_finite(const uint8_t *p, size_t n) {
 #define KV_RING_HELLO_SIZE (24u + KV_RING_MODEL_ID_LEN)
 #define KV_RING_PARAMS_SIZE 40u
 #define KV_RING_HIDDEN_FIXED 24u
-#define KV_RING_TOKEN_FIXED 28u
+#define KV_RING_TOKEN_FIXED 36u
 #define KV_RING_START_FIXED (16u + KV_RING_PARAMS_SIZE + 4u)
 
 size_t kv_ring_hidden_size(uint32_t n_tokens, uint32_t n_embd) {
@@ -148,10 +148,11 @@ static int kv_params_get(const uint8_t *p, kv_ring_params *o, kv_diag *d) {
     o->sample.repeat_penalty = kv_bits_f(fb[3]);
     o->sample.repeat_last_n = (int32_t)kv_rg32(p + 28);
     o->sample.seed = kv_rg64(p + 32);
-    if (o->flags & ~(KV_RING_SUBMIT_LOGITS | KV_RING_SUBMIT_IGNORE_EOG | KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_LOGPROBS))
+    if (o->flags & ~(KV_RING_SUBMIT_LOGITS | KV_RING_SUBMIT_IGNORE_EOG | KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_LOGPROBS |
+                     KV_RING_SUBMIT_DRAFT))
         return kv_fail(d, KV_EPROTO, "ring: unknown request flags 0x%x", o->flags);
-    if ((o->flags & KV_RING_SUBMIT_LOGPROBS) && !(o->flags & KV_RING_SUBMIT_EXT))
-        return kv_fail(d, KV_EPROTO, "ring: LOGPROBS without the sampling extension");
+    if ((o->flags & (KV_RING_SUBMIT_LOGPROBS | KV_RING_SUBMIT_DRAFT)) && !(o->flags & KV_RING_SUBMIT_EXT))
+        return kv_fail(d, KV_EPROTO, "ring: LOGPROBS or DRAFT without the sampling extension");
     if (o->n_predict < 1 || o->n_predict > (1u << 20))
         return kv_fail(d, KV_ERANGE, "ring: n_predict %u out of range [1, %u]", o->n_predict, 1u << 20);
     const kv_sample_params *s = &o->sample;
@@ -177,12 +178,31 @@ static void kv_params_put(uint8_t *p, const kv_ring_params *o) {
 
 /* ---- the sampling extension ---------------------------------------------------
  * f32 presence_penalty, f32 frequency_penalty, u32 top_logprobs, u32 n_gen,
- * u32 n_bias, u32 grammar_len, {i32 token, f32 bias}[n_bias], grammar. */
+ * u32 n_bias, u32 grammar_len, {i32 token, f32 bias}[n_bias], grammar; with
+ * the DRAFT flag the draft block follows: u32 kind, u32 k, f64 p, u64 seed,
+ * u32 n_rec, i32 rec[n_rec]. */
 #define KV_RING_EXT_FIXED 24u
+#define KV_RING_DRAFT_FIXED 28u
 
 size_t kv_ring_params_size(const kv_ring_params *p) {
     if (!(p->flags & KV_RING_SUBMIT_EXT)) return KV_RING_PARAMS_SIZE;
-    return KV_RING_PARAMS_SIZE + KV_RING_EXT_FIXED + 8u * (size_t)p->sample.n_bias + p->grammar_len;
+    const size_t dr = p->flags & KV_RING_SUBMIT_DRAFT ? KV_RING_DRAFT_FIXED + 4u * (size_t)p->n_draft_rec : 0;
+    return KV_RING_PARAMS_SIZE + KV_RING_EXT_FIXED + 8u * (size_t)p->sample.n_bias + p->grammar_len + dr;
+}
+
+/* The draft block's fields in range (decoded or about to be encoded). */
+static int kv_draft_check(const kv_ring_params *o, kv_diag *d) {
+    if (o->draft_kind != KV_RING_DRAFT_NGRAM && o->draft_kind != KV_RING_DRAFT_TEST)
+        return kv_fail(d, KV_EPROTO, "ring: unknown draft source %u", o->draft_kind);
+    if (o->draft_max < 1 || o->draft_max > KV_RING_MAX_DRAFT)
+        return kv_fail(d, KV_ERANGE, "ring: draft k %u out of range [1, %u]", o->draft_max, KV_RING_MAX_DRAFT);
+    if (o->draft_kind == KV_RING_DRAFT_NGRAM && (o->n_draft_rec || o->draft_p != 0 || o->draft_seed))
+        return kv_fail(d, KV_EPROTO, "ring: an ngram draft carries no recording");
+    if (o->draft_kind == KV_RING_DRAFT_TEST &&
+        (!(o->draft_p >= 0.0 && o->draft_p <= 1.0) || o->n_draft_rec < 1 || o->n_draft_rec > KV_RING_MAX_DRAFT_REC))
+        return kv_fail(d, KV_ERANGE, "ring: test draft of acceptance %g and %u recorded tokens out of range", o->draft_p,
+                       o->n_draft_rec);
+    return 0;
 }
 
 /* The extension at p[left] into o: it must take exactly left bytes. */
@@ -206,7 +226,27 @@ static int kv_ext_get(const uint8_t *p, size_t left, kv_ring_params *o, kv_diag 
         return kv_fail(d, KV_ERANGE, "ring: %u logit bias entries exceed max %u", o->sample.n_bias, KV_SAMPLE_MAX_BIAS);
     if (o->grammar_len > KV_RING_MAX_GRAMMAR)
         return kv_fail(d, KV_ERANGE, "ring: grammar of %u bytes exceeds max %u", o->grammar_len, KV_RING_MAX_GRAMMAR);
-    const size_t want = KV_RING_EXT_FIXED + 8u * (size_t)o->sample.n_bias + o->grammar_len;
+    size_t want = KV_RING_EXT_FIXED + 8u * (size_t)o->sample.n_bias + o->grammar_len;
+    if (o->flags & KV_RING_SUBMIT_DRAFT) {
+        if (left < want + KV_RING_DRAFT_FIXED)
+            return kv_fail(d, KV_EPROTO, "ring: sampling extension of %zu bytes, needs %zu with its draft block", left,
+                           want + KV_RING_DRAFT_FIXED);
+        const uint8_t *q = p + want;
+        o->draft_kind = kv_rg32(q);
+        o->draft_max = kv_rg32(q + 4);
+        o->draft_p = kv_bits_d(kv_rg64(q + 8));
+        o->draft_seed = kv_rg64(q + 16);
+        o->n_draft_rec = kv_rg32(q + 24);
+        int rc = kv_draft_check(o, d);
+        if (rc) return rc;
+        o->draft_rec_wire = o->n_draft_rec ? q + KV_RING_DRAFT_FIXED : NULL;
+        o->draft_rec = NULL;
+        want += KV_RING_DRAFT_FIXED + 4u * (size_t)o->n_draft_rec;
+        if (left != want) return kv_fail(d, KV_EPROTO, "ring: sampling extension of %zu bytes, expected %zu", left, want);
+        for (uint32_t i = 0; i < o->n_draft_rec; i++)
+            if (kv_ring_tokens_get(o->draft_rec_wire, i) < 0 || (uint32_t)kv_ring_tokens_get(o->draft_rec_wire, i) >= KV_RING_MAX_VOCAB)
+                return kv_fail(d, KV_ERANGE, "ring: recorded draft token %u out of range", i);
+    }
     if (left != want) return kv_fail(d, KV_EPROTO, "ring: sampling extension of %zu bytes, expected %zu", left, want);
     o->bias_wire = o->sample.n_bias ? p + KV_RING_EXT_FIXED : NULL;
     for (uint32_t i = 0; i < o->sample.n_bias; i++) {
@@ -239,12 +279,22 @@ static void kv_ext_put(uint8_t *p, const kv_ring_params *o) {
         }
     }
     if (o->grammar_len) memcpy(b, o->grammar, o->grammar_len);
+    if (!(o->flags & KV_RING_SUBMIT_DRAFT)) return;
+    b += o->grammar_len;
+    kv_wg32(b, o->draft_kind);
+    kv_wg32(b + 4, o->draft_max);
+    kv_wg64(b + 8, kv_d_bits(o->draft_p));
+    kv_wg64(b + 16, o->draft_seed);
+    kv_wg32(b + 24, o->n_draft_rec);
+    for (uint32_t i = 0; i < o->n_draft_rec; i++)
+        kv_wg32(b + KV_RING_DRAFT_FIXED + 4 * (size_t)i,
+                o->draft_rec ? (uint32_t)o->draft_rec[i] : kv_rg32(o->draft_rec_wire + 4 * (size_t)i));
 }
 
 /* The extension's fields as the encoder takes them: in range. */
 static int kv_ext_check(const kv_ring_params *o, kv_diag *d) {
     if (!(o->flags & KV_RING_SUBMIT_EXT)) { /* what only the extension carries would be lost */
-        if ((o->flags & KV_RING_SUBMIT_LOGPROBS) || o->n_gen || o->top_logprobs || o->sample.n_bias || o->grammar_len ||
+        if ((o->flags & (KV_RING_SUBMIT_LOGPROBS | KV_RING_SUBMIT_DRAFT)) || o->n_gen || o->top_logprobs || o->sample.n_bias || o->grammar_len ||
             o->sample.presence_penalty != 0 || o->sample.frequency_penalty != 0)
             return kv_fail(d, KV_EINVAL, "ring: logprobs, penalties, a logit bias, a grammar or generated tokens "
                            "without the sampling extension");
@@ -255,6 +305,12 @@ static int kv_ext_check(const kv_ring_params *o, kv_diag *d) {
         (o->grammar_len && !o->grammar))
         return kv_fail(d, KV_ERANGE, "ring: sampling extension out of range (%u bias entries, %u grammar bytes)",
                        o->sample.n_bias, o->grammar_len);
+    if (o->flags & KV_RING_SUBMIT_DRAFT) {
+        int rc = kv_draft_check(o, d);
+        if (rc) return rc;
+        if (o->n_draft_rec && !o->draft_rec && !o->draft_rec_wire)
+            return kv_fail(d, KV_EINVAL, "ring: a test draft without its recording");
+    }
     return 0;
 }
 
@@ -322,12 +378,14 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         NEED(KV_RING_PARAMS_SIZE + 4, "SUBMIT");
         kv_ring_submit *s = &m->u.submit;
         if ((rc = kv_params_get(p, &s->p, d))) return rc;
-        if (s->p.flags & KV_RING_SUBMIT_EXT)
-            return kv_fail(d, KV_EPROTO, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT");
         s->text_len = kv_rg32(p + KV_RING_PARAMS_SIZE);
         if (s->text_len < 1 || s->text_len > KV_RING_MAX_TEXT)
             return kv_fail(d, KV_ERANGE, "ring: prompt of %u bytes out of range [1, %u]", s->text_len, KV_RING_MAX_TEXT);
-        EXACT(KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len, "SUBMIT");
+        const size_t fixed = KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len;
+        if (!(s->p.flags & KV_RING_SUBMIT_EXT)) EXACT(fixed, "SUBMIT");
+        NEED(fixed, "SUBMIT"); /* v4: the extension may follow the text */
+        if ((s->p.flags & KV_RING_SUBMIT_EXT) && (rc = kv_ext_get(p + fixed, len - fixed, &s->p, d))) return rc;
+        if (s->p.n_gen) return kv_fail(d, KV_EPROTO, "ring: SUBMIT says %u tokens were generated", s->p.n_gen);
         s->text = (const char *)p + KV_RING_PARAMS_SIZE + 4;
         return 0;
     }
@@ -335,8 +393,6 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         NEED(KV_RING_PARAMS_SIZE + 4, "SUBMIT_CHAT");
         kv_ring_submit_chat *c = &m->u.chat;
         if ((rc = kv_params_get(p, &c->p, d))) return rc;
-        if (c->p.flags & KV_RING_SUBMIT_EXT)
-            return kv_fail(d, KV_EPROTO, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT_CHAT");
         c->n_msgs = kv_rg32(p + KV_RING_PARAMS_SIZE);
         if (c->n_msgs < 1 || c->n_msgs > KV_RING_MAX_MSGS)
             return kv_fail(d, KV_ERANGE, "ring: %u chat messages out of range [1, %u]", c->n_msgs, KV_RING_MAX_MSGS);
@@ -351,7 +407,10 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
             if (len - at - 8 < ml) return kv_fail(d, KV_EPROTO, "ring: chat message %u runs past the frame", i);
             at += 8 + (size_t)ml;
         }
-        EXACT(at, "SUBMIT_CHAT");
+        if (!(c->p.flags & KV_RING_SUBMIT_EXT)) EXACT(at, "SUBMIT_CHAT");
+        /* v4: the extension may follow the messages */
+        if ((c->p.flags & KV_RING_SUBMIT_EXT) && (rc = kv_ext_get(p + at, len - at, &c->p, d))) return rc;
+        if (c->p.n_gen) return kv_fail(d, KV_EPROTO, "ring: SUBMIT_CHAT says %u tokens were generated", c->p.n_gen);
         c->text_bytes = (uint32_t)text;
         c->msgs = p + KV_RING_PARAMS_SIZE + 4;
         return 0;
@@ -454,7 +513,12 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         h->flags = kv_rg32(p + 16);
         h->n_embd = kv_rg32(p + 20);
         if (h->seq == 0) return kv_fail(d, KV_EPROTO, "ring: HIDDEN of sequence 0");
-        if (h->flags & ~KV_RING_HIDDEN_LOGITS) return kv_fail(d, KV_EPROTO, "ring: unknown HIDDEN flags 0x%x", h->flags);
+        if (h->flags & ~(KV_RING_HIDDEN_LOGITS | KV_RING_HIDDEN_VERIFY))
+            return kv_fail(d, KV_EPROTO, "ring: unknown HIDDEN flags 0x%x", h->flags);
+        if ((h->flags & KV_RING_HIDDEN_VERIFY) &&
+            (!(h->flags & KV_RING_HIDDEN_LOGITS) || h->n_tokens < 2 || h->n_tokens > KV_RING_MAX_DRAFT + 1))
+            return kv_fail(d, KV_EPROTO, "ring: a VERIFY HIDDEN of %u tokens (2..%u, with LOGITS)", h->n_tokens,
+                           KV_RING_MAX_DRAFT + 1);
         const size_t want = kv_ring_hidden_size(h->n_tokens, h->n_embd);
         if (!want)
             return kv_fail(d, KV_ERANGE, "ring: HIDDEN of %u tokens x %u floats is out of range", h->n_tokens, h->n_embd);
@@ -475,18 +539,33 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         t->stop = kv_rg32(p + 16);
         t->piece_len = kv_rg32(p + 20);
         t->n_logits = kv_rg32(p + 24);
+        t->spec = kv_rg32(p + 28);
+        t->n_draft = kv_rg32(p + 32);
         if (t->seq == 0) return kv_fail(d, KV_EPROTO, "ring: TOKEN of sequence 0");
+        if (t->spec & ~(KV_RING_TOKEN_SPEC(1, 0xff, 0xff)) || KV_RING_TOKEN_VERIFIED(t->spec) > KV_RING_MAX_DRAFT ||
+            KV_RING_TOKEN_ACCEPTED(t->spec) > KV_RING_TOKEN_VERIFIED(t->spec))
+            return kv_fail(d, KV_EPROTO, "ring: TOKEN spec word 0x%x", t->spec);
+        if (t->n_draft > KV_RING_MAX_DRAFT || (t->n_draft && (t->stop || (t->spec & KV_RING_TOKEN_MORE))))
+            return kv_fail(d, KV_EPROTO, "ring: TOKEN with %u drafts (at most %u, after the last token of a pass)",
+                           t->n_draft, KV_RING_MAX_DRAFT);
         if (t->token < 0 || (uint32_t)t->token >= KV_RING_MAX_VOCAB || t->pos > (1u << 20))
             return kv_fail(d, KV_ERANGE, "ring: token %d at position %u out of range", t->token, t->pos);
         if (t->stop == KV_STOP_ERROR || t->stop >= KV_STOP_COUNT)
             return kv_fail(d, KV_EPROTO, "ring: unknown stop reason %u", t->stop);
-        const size_t want = kv_ring_token_size(t->piece_len, t->n_logits);
+        size_t want = kv_ring_token_size(t->piece_len, t->n_logits);
         if (!want) return kv_fail(d, KV_ERANGE, "ring: TOKEN with %u text bytes and %u logits is out of range", t->piece_len, t->n_logits);
+        const size_t lg_end = want;
+        want += 4u * (size_t)t->n_draft;
         NEED(want, "TOKEN");
         t->piece = (const char *)p + KV_RING_TOKEN_FIXED;
         t->logits = p + KV_RING_TOKEN_FIXED + t->piece_len;
         if (!kv_floats_finite(t->logits, t->n_logits))
             return kv_fail(d, KV_EPROTO, "ring: a logit is NaN or Inf (a lie, not a value)");
+        for (uint32_t i = 0; i < t->n_draft; i++) {
+            t->drafts[i] = (int32_t)kv_rg32(p + lg_end + 4 * (size_t)i);
+            if (t->drafts[i] < 0 || (uint32_t)t->drafts[i] >= KV_RING_MAX_VOCAB)
+                return kv_fail(d, KV_ERANGE, "ring: drafted token %d out of range", t->drafts[i]);
+        }
         if (len == want) return 0;
         /* the log-probability: u32 n_top, f64 logprob, {i32 id, f64 logprob}[n_top] */
         NEED(want + 12, "TOKEN");
@@ -496,7 +575,7 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         t->lp.n_top = kv_rg32(q);
         if (t->lp.n_top > KV_SAMPLE_MAX_TOP)
             return kv_fail(d, KV_ERANGE, "ring: %u log-probability alternatives exceed max %u", t->lp.n_top, KV_SAMPLE_MAX_TOP);
-        EXACT(kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top), "TOKEN");
+        EXACT(kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top) + 4u * (size_t)t->n_draft, "TOKEN");
         t->lp.logprob = kv_bits_d(kv_rg64(q + 4));
         bool ok = isfinite(t->lp.logprob);
         for (uint32_t i = 0; i < t->lp.n_top; i++) {
@@ -591,16 +670,17 @@ int kv_ring_hello_encode(uint8_t *out, size_t cap, uint16_t type, const kv_ring_
 int kv_ring_submit_encode(uint8_t *out, size_t cap, const kv_ring_submit *s, size_t *n, kv_diag *d) {
     if (s->text_len < 1 || s->text_len > KV_RING_MAX_TEXT)
         return kv_fail(d, KV_ERANGE, "ring: prompt of %u bytes out of range [1, %u]", s->text_len, KV_RING_MAX_TEXT);
-    if (s->p.flags & KV_RING_SUBMIT_EXT)
-        return kv_fail(d, KV_EINVAL, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT");
     int rc = kv_ext_check(&s->p, d);
     if (rc) return rc;
-    rc = kv_hdr_put(out, cap, KV_RING_SUBMIT, KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len, n, d);
+    if (s->p.n_gen) return kv_fail(d, KV_EINVAL, "ring: SUBMIT with generated tokens");
+    const size_t fixed = KV_RING_PARAMS_SIZE + 4 + (size_t)s->text_len;
+    rc = kv_hdr_put(out, cap, KV_RING_SUBMIT, fixed + kv_ring_params_size(&s->p) - KV_RING_PARAMS_SIZE, n, d);
     if (rc) return rc;
     uint8_t *p = out + KV_RING_HEADER;
     kv_params_put(p, &s->p);
     kv_wg32(p + KV_RING_PARAMS_SIZE, s->text_len);
     memcpy(p + KV_RING_PARAMS_SIZE + 4, s->text, s->text_len);
+    if (s->p.flags & KV_RING_SUBMIT_EXT) kv_ext_put(p + fixed, &s->p);
     return 0;
 }
 
@@ -631,10 +711,11 @@ int kv_ring_submit_chat_encode(uint8_t *out, size_t cap, const kv_ring_params *p
             return kv_fail(d, KV_ERANGE, "ring: chat messages hold more than %u bytes", KV_RING_MAX_TEXT);
         len += 8 + msgs[i].len;
     }
-    if (prm->flags & KV_RING_SUBMIT_EXT)
-        return kv_fail(d, KV_EINVAL, "ring: the sampling extension comes with SUBMIT_TOKENS, not SUBMIT_CHAT");
     int rc = kv_ext_check(prm, d);
     if (rc) return rc;
+    if (prm->n_gen) return kv_fail(d, KV_EINVAL, "ring: SUBMIT_CHAT with generated tokens");
+    const size_t fixed = len;
+    len += kv_ring_params_size(prm) - KV_RING_PARAMS_SIZE;
     rc = kv_hdr_put(out, cap, KV_RING_SUBMIT_CHAT, len, n, d);
     if (rc) return rc;
     uint8_t *p = out + KV_RING_HEADER;
@@ -647,6 +728,7 @@ int kv_ring_submit_chat_encode(uint8_t *out, size_t cap, const kv_ring_params *p
         if (msgs[i].len) memcpy(p + at + 8, msgs[i].content, msgs[i].len);
         at += 8 + msgs[i].len;
     }
+    if (prm->flags & KV_RING_SUBMIT_EXT) kv_ext_put(p + fixed, prm);
     return 0;
 }
 
@@ -748,9 +830,13 @@ int kv_ring_hidden_encode(uint8_t *out, size_t cap, const kv_ring_hidden *h, con
 
 int kv_ring_token_encode(uint8_t *out, size_t cap, const kv_ring_token *t, const float *logits, size_t *n,
                          kv_diag *d) {
-    const size_t base = kv_ring_token_size(t->piece_len, t->n_logits);
-    const size_t sz = t->has_lp ? kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top) : base;
-    if (!sz) return kv_fail(d, KV_ERANGE, "ring: TOKEN with %u text bytes and %u logits is out of range", t->piece_len, t->n_logits);
+    const size_t lg_end = kv_ring_token_size(t->piece_len, t->n_logits);
+    const size_t base = lg_end + 4u * (size_t)t->n_draft;
+    size_t sz = t->has_lp ? kv_ring_token_size_lp(t->piece_len, t->n_logits, t->lp.n_top) : lg_end;
+    if (!sz || t->n_draft > KV_RING_MAX_DRAFT)
+        return kv_fail(d, KV_ERANGE, "ring: TOKEN with %u text bytes, %u logits and %u drafts is out of range",
+                       t->piece_len, t->n_logits, t->n_draft);
+    sz += 4u * (size_t)t->n_draft;
     int rc = kv_hdr_put(out, cap, KV_RING_TOKEN, sz, n, d);
     if (rc) return rc;
     uint8_t *p = out + KV_RING_HEADER;
@@ -760,9 +846,12 @@ int kv_ring_token_encode(uint8_t *out, size_t cap, const kv_ring_token *t, const
     kv_wg32(p + 16, t->stop);
     kv_wg32(p + 20, t->piece_len);
     kv_wg32(p + 24, t->n_logits);
+    kv_wg32(p + 28, t->spec);
+    kv_wg32(p + 32, t->n_draft);
     if (t->piece_len) memcpy(p + KV_RING_TOKEN_FIXED, t->piece, t->piece_len);
     for (uint32_t i = 0; i < t->n_logits; i++)
         kv_wg32(p + KV_RING_TOKEN_FIXED + t->piece_len + 4 * (size_t)i, kv_f_bits(logits[i]));
+    for (uint32_t i = 0; i < t->n_draft; i++) kv_wg32(p + lg_end + 4 * (size_t)i, (uint32_t)t->drafts[i]);
     if (t->has_lp) {
         uint8_t *q = p + base;
         kv_wg32(q, t->lp.n_top);

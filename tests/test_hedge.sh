@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# kv-test-labels: net
+# Replica choice and hedged requests (docs/PROTOCOL.md, "Replica choice and
+# hedging"), with real processes on loopback. Three workers hold every expert
+# of a sliced qwen3moe model and answer each request 5 ms late (--test-delay,
+# a stand-in for a network round trip); one of them also stalls STALL_MS on
+# every second request it takes (--test-stall-ms/--test-stall-every, test
+# only); a fourth answers 40 ms late. The same greedy decode runs in one
+# process on the GGUF, over the two healthy workers, over a healthy one and
+# the staller, and over both healthy ones and the slow one:
+#   - tokens and every logit row are byte-identical to the one-process run in
+#     each (whichever replica answers, and whichever answer of a hedged
+#     request wins);
+#   - with the staller, requests were hedged (counted in the run's JSON), the
+#     replica won, and the decode took less than half a stall longer than the
+#     healthy one: no stall was waited for (each would add STALL_MS);
+#   - with three replicas of different speeds, the slow one gets fewer pairs
+#     than each fast one (load-aware choice), the fast ones some;
+#   - a gateway over the healthy worker and a fresh staller answers a
+#     completion with the text of `kvasir run`, and its /metrics counts the
+#     hedges (kvasir_gateway_hedges_total, _hedges_won_total).
+# Bad stall flags are refused with a message that names them.
+set -euo pipefail
+SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
+BIN=${KV_BIN:-$SRC/build/kvasir}
+fail() { echo "test_hedge: FAIL: $*" >&2; exit 1; }
+command -v jq >/dev/null 2>&1 || fail "jq not found"
+command -v curl >/dev/null 2>&1 || fail "curl not found"
+[ -x "$BIN" ] || fail "kvasir binary missing: $BIN"
+D=$(mktemp -d "${TMPDIR:-/tmp}/kv_hedge.XXXXXX")
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$D"
+}
+trap cleanup EXIT
+STALL_MS=4000
+N=200
+now() { date +%s.%N; }
+
+"$BIN" gen-model --arch qwen3moe --out "$D/m.gguf" --layers 4 --embd 128 --ff-exp 64 --experts 8 --experts-used 2 \
+  --heads 4 --kv-heads 2 --head-dim 32 --vocab 600 --type q8_0 --seed 5 >/dev/null 2>&1 || fail "gen-model"
+"$BIN" slice "$D/m.gguf" --out "$D/sl" --experts-per-slab 4 >/dev/null 2>&1 || fail "slice"
+mkdir -p "$D/coord"
+cp "$D/sl/backbone.gguf" "$D/sl/manifest.json" "$D/coord/"
+PK=$("$BIN" key --key "$D/coord.key")
+
+# bad flags: refused, named
+for bad in --test-stall-ms=0 --test-stall-ms=60001 --test-stall-every=0 --test-stall-ms=x; do
+  if "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --allow-key "$PK" "$bad" >/dev/null 2>"$D/bad.err"; then
+    fail "worker accepted $bad"
+  fi
+  grep -q -- "${bad%%=*}" "$D/bad.err" || fail "$bad: the error does not name it: $(cat "$D/bad.err")"
+done
+if "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --allow-key "$PK" --test-stall-every=3 >/dev/null 2>"$D/bad.err"; then
+  fail "worker accepted --test-stall-every without --test-stall-ms"
+fi
+grep -q -- "--test-stall-ms" "$D/bad.err" || fail "--test-stall-every alone: $(cat "$D/bad.err")"
+
+# start_worker NAME DELAY_MS [FLAGS...]: sets $addr
+start_worker() {
+  local name=$1 delay=$2
+  shift 2
+  "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" --test-delay="$delay" "$@" \
+    >"$D/$name.out" 2>"$D/$name.err" &
+  PIDS+=("$!")
+  eval "pid_$name=$!"
+  addr=""
+  for _ in $(seq 1 200); do
+    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$D/$name.out" 2>/dev/null | head -1 || true)
+    [ -n "$addr" ] && return 0
+    sleep 0.05
+  done
+  fail "worker $name did not start: $(cat "$D/$name.err")"
+}
+STALL=(--test-stall-ms=$STALL_MS --test-stall-every=2)
+start_worker a 5
+A=$addr
+start_worker b 5
+B=$addr
+start_worker s 5 "${STALL[@]}"
+S=$addr
+start_worker z 40
+Z=$addr
+
+P="The swarm computes every expert where it lives, and the tokens come out the same"
+RUN=(-p "$P" -n $N --temp 0 --json --threads 1)
+"$BIN" run -m "$D/m.gguf" "${RUN[@]}" --logits-out "$D/local.bin" >"$D/local.json" || fail "local run"
+
+t0=$(now)
+"$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$B" --key "$D/coord.key" "${RUN[@]}" \
+  --logits-out "$D/healthy.bin" >"$D/healthy.json" || fail "run over the healthy replicas"
+t1=$(now)
+s0=$(grep -c "stalls" "$D/s.err" || true)
+"$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$S" --key "$D/coord.key" "${RUN[@]}" \
+  --logits-out "$D/stall.bin" >"$D/stall.json" || fail "run with a stalling replica"
+t2=$(now)
+stalls=$(($(grep -c "stalls" "$D/s.err" || true) - s0))
+th=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
+ts=$(awk -v a="$t1" -v b="$t2" 'BEGIN { printf "%.2f", b - a }')
+
+for k in healthy stall; do
+  [ "$(jq -c .tokens "$D/local.json")" = "$(jq -c .tokens "$D/$k.json")" ] || fail "$k: tokens differ from the one-process run"
+  cmp -s "$D/local.bin" "$D/$k.bin" || fail "$k: logits differ from the one-process run"
+  [ "$(jq .dispatch.pairs_local "$D/$k.json")" = 0 ] || fail "$k: experts computed locally"
+done
+[ "$(jq '[.dispatch.workers[] | select(.pairs > 0)] | length' "$D/healthy.json")" = 2 ] ||
+  fail "healthy replicas: one got no work: $(jq -c '[.dispatch.workers[].pairs]' "$D/healthy.json")"
+H=$(jq .dispatch.hedges "$D/stall.json")
+HW=$(jq .dispatch.hedges_won "$D/stall.json")
+SH=$(jq '.dispatch.workers[1].hedged' "$D/stall.json")
+echo "healthy: $th s ($(jq -c '[.dispatch.workers[].pairs]' "$D/healthy.json") pairs, $(jq .dispatch.hedges "$D/healthy.json") hedges);" \
+  "with the staller: $ts s, $stalls stalls of $STALL_MS ms taken by it, $H hedges ($SH of its requests), $HW won by the replica," \
+  "$(jq .dispatch.late_answers "$D/stall.json") late answers discarded; pairs $(jq -c '[.dispatch.workers[].pairs]' "$D/stall.json")," \
+  "p95 $(jq -c '[.dispatch.workers[].p95_ms]' "$D/stall.json") ms"
+[ "$stalls" -ge 1 ] || fail "the staller never stalled during the run"
+[ "$SH" -ge 1 ] || fail "no request of the staller was hedged: $(jq -c .dispatch "$D/stall.json")"
+[ "$HW" -ge 1 ] || fail "no hedge won"
+[ "$(jq '.dispatch.workers[1].drops' "$D/stall.json")" = 0 ] || fail "the staller was dropped (a stall is not a fault)"
+# each stall waited for would add STALL_MS; allow half of one for noise
+awk -v ts="$ts" -v th="$th" -v st="$STALL_MS" 'BEGIN { exit !(ts < th + st / 2000.0) }' ||
+  fail "the decode with a stalling replica took $ts s, the healthy one $th s: a stall of $STALL_MS ms was waited for"
+awk -v ts="$ts" 'BEGIN { exit !(ts < 30) }' || fail "the decode took $ts s"
+echo "ok: byte-identical with and without a stalling replica; no stall waited for"
+
+# ---- three replicas of different speeds: the slow one gets the least work ------
+"$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$Z" --worker "$B" --key "$D/coord.key" "${RUN[@]}" \
+  --logits-out "$D/mixed.bin" >"$D/mixed.json" || fail "run over replicas of different speeds"
+[ "$(jq -c .tokens "$D/local.json")" = "$(jq -c .tokens "$D/mixed.json")" ] || fail "mixed speeds: tokens differ"
+cmp -s "$D/local.bin" "$D/mixed.bin" || fail "mixed speeds: logits differ"
+pa=$(jq '.dispatch.workers[0].pairs' "$D/mixed.json")
+pz=$(jq '.dispatch.workers[1].pairs' "$D/mixed.json")
+pb=$(jq '.dispatch.workers[2].pairs' "$D/mixed.json")
+echo "replicas answering 5, 40 and 5 ms late: $pa, $pz, $pb pairs; estimates" \
+  "$(jq -c '[.dispatch.workers[].latency_ms | . * 10 | round / 10]' "$D/mixed.json") ms"
+[ "$pz" -lt "$pa" ] && [ "$pz" -lt "$pb" ] || fail "the slow replica got more work than a fast one ($pa, $pz, $pb)"
+[ "$pa" -gt 0 ] && [ "$pb" -gt 0 ] || fail "a fast replica got no work ($pa, $pz, $pb)"
+echo "ok: replicas of different speeds: byte-identical, the slow one least used"
+
+# ---- a gateway: the same, and its /metrics counts the hedges ----------------------
+kill "$pid_s" 2>/dev/null || true
+start_worker s2 5 "${STALL[@]}"
+S2=$addr
+"$BIN" gateway --listen 127.0.0.1:0 --threads 1 -m "$D/coord/manifest.json" --worker "$A" --worker "$S2" \
+  --key "$D/coord.key" >"$D/gw.out" 2>"$D/gw.err" &
+GWPID=$!
+PIDS+=("$GWPID")
+GW=""
+for _ in $(seq 1 300); do
+  GW=$(sed -n 's/^listening on //p' "$D/gw.out" 2>/dev/null)
+  [ -n "$GW" ] && break
+  kill -0 "$GWPID" 2>/dev/null || fail "gateway exited: $(cat "$D/gw.err")"
+  sleep 0.05
+done
+[ -n "$GW" ] || fail "gateway did not start"
+NG=120
+body=$(jq -nc --arg p "$P" --argjson n $NG '{prompt: $p, max_tokens: $n, temperature: 0}')
+curl -sf "http://$GW/v1/completions" -d "$body" >"$D/gw.json" || fail "completion failed: $(cat "$D/gw.err")"
+want=$("$BIN" run -m "$D/m.gguf" -p "$P" -n $NG --temp 0 --json --threads 1 | jq -r .text)
+[ "$(jq -r '.choices[0].text' "$D/gw.json")" = "$want" ] || fail "gateway: text differs from kvasir run"
+curl -sf "http://$GW/metrics" >"$D/metrics.txt" || fail "/metrics"
+gh=$(sed -n 's/^kvasir_gateway_hedges_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
+gw=$(sed -n 's/^kvasir_gateway_hedges_won_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
+gl=$(sed -n 's/^kvasir_gateway_late_answers_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
+[ -n "$gh" ] && [ -n "$gw" ] && [ -n "$gl" ] || fail "/metrics has no hedge counters: $(grep hedge "$D/metrics.txt")"
+[ "$gh" -ge 1 ] || fail "/metrics: no hedges counted ($(grep -c stalls "$D/s2.err" || true) stalls taken)"
+[ "$gw" -le "$gh" ] || fail "/metrics: more hedges won ($gw) than sent ($gh)"
+echo "ok: gateway: same text as kvasir run; /metrics: $gh hedges, $gw won, $gl late answers"
+echo "test_hedge: ok"
