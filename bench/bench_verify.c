@@ -84,7 +84,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     g_w = (kv_expert_weights){matrix((uint32_t)type, F, E, 0.02), matrix((uint32_t)type, F, E, 0.02),
-                              matrix((uint32_t)type, E, F, 0.03), (uint32_t)type, (uint32_t)type, (uint32_t)type};
+                              matrix((uint32_t)type, E, F, 0.03), (uint32_t)type, (uint32_t)type, (uint32_t)type,
+                              NULL, NULL, NULL, 0};
     float *x = malloc(sizeof(float) * T * E), *y = malloc(sizeof(float) * T * E);
     float *g = malloc(sizeof(float) * T * F), *u = malloc(sizeof(float) * T * F);
     int32_t *ids = calloc(T, sizeof *ids);

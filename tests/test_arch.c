@@ -204,6 +204,7 @@ static int role_class(enum kv_role r) {
     case KV_ROLE_SHEXP: return KV_ANAT_SHARED_EXPERTS;
     case KV_ROLE_MTP: return KV_ANAT_MTP;
     case KV_ROLE_FFN: return KV_ANAT_DENSE_FFN;
+    case KV_ROLE_EXPERT_BIAS: return KV_ANAT_ROUTED_EXPERTS;
     default: return -1;
     }
 }

@@ -43,7 +43,7 @@ typedef struct {
 static int acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
     (void)layer, (void)d;
     fixture *f = ctx;
-    *w = (kv_expert_weights){f->w[e][0], f->w[e][1], f->w[e][2], f->type[0], f->type[1], f->type[2]};
+    *w = (kv_expert_weights){f->w[e][0], f->w[e][1], f->w[e][2], f->type[0], f->type[1], f->type[2], NULL, NULL, NULL, 0};
     return 0;
 }
 

@@ -42,7 +42,7 @@ static int acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, 
     if (layer >= N_LAYER || e >= N_EXPERT) return kv_fail(d, KV_ERANGE, "test: layer %u expert %u", layer, e);
     size_t i = (size_t)layer * N_EXPERT + e;
     *w = (kv_expert_weights){x->gate + i * x->gb, x->up + i * x->ub, x->down + i * x->db, x->type[0], x->type[1],
-                             x->type[2]};
+                             x->type[2], NULL, NULL, NULL, 0};
     return 0;
 }
 

@@ -42,7 +42,7 @@
 #define KV_MAX_CTX (1u << 20)
 #define KV_MAX_FF 262144
 
-enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_QWEN35MOE, KV_ARCH_DEEPSEEK2, KV_ARCH_COUNT };
+enum kv_arch { KV_ARCH_QWEN3MOE = 0, KV_ARCH_QWEN35MOE, KV_ARCH_DEEPSEEK2, KV_ARCH_GPTOSS, KV_ARCH_COUNT };
 
 /* ---- the forward-pass hooks (kv_arch_table.hooks, kv_hparams) ------------- */
 
@@ -149,6 +149,10 @@ typedef struct kv_hparams {
     float yarn_attn_factor;     /* the rotation's magnitude factor as llama.cpp's context derives it */
     float yarn_beta_fast, yarn_beta_slow;
     float attn_scale;           /* the softmax scale of the scores (0: 1/sqrt(head_dim)) */
+    /* sliding-window attention (hook_flags & KV_AH_SWA) */
+    uint32_t n_swa;             /* attention.sliding_window: a query at p attends keys p - n_swa + 1 .. p */
+    uint32_t swa_pattern;       /* attention.sliding_window_pattern: block il slides when
+                                   il % pattern < pattern - 1 (gpt-oss: 2, even blocks slide) */
 } kv_hparams;
 
 /* ---- tensors -------------------------------------------------------------- */
@@ -201,6 +205,16 @@ enum kv_tensor {
     KV_T_FFN_UP,
     KV_T_FFN_DOWN,
     KV_T_FFN_EXP_PROBS_B,  /* exp_probs_b.bias [n_expert] */
+    /* biases and attention sinks (gpt-oss) */
+    KV_T_ATTN_Q_BIAS,      /* attn_q.bias [n_head*head_dim] */
+    KV_T_ATTN_K_BIAS,
+    KV_T_ATTN_V_BIAS,
+    KV_T_ATTN_OUT_BIAS,    /* attn_output.bias [n_embd] */
+    KV_T_ATTN_SINKS,       /* attn_sinks.weight [n_head]: per-head logit in every softmax */
+    KV_T_FFN_GATE_INP_BIAS,/* ffn_gate_inp.bias [n_expert] on the router logits */
+    KV_T_FFN_GATE_EXPS_BIAS, /* ffn_gate_exps.bias [n_expert][n_ff_exp] */
+    KV_T_FFN_UP_EXPS_BIAS,
+    KV_T_FFN_DOWN_EXPS_BIAS, /* ffn_down_exps.bias [n_expert][n_embd] */
     KV_T_COUNT
 };
 
@@ -261,6 +275,8 @@ enum kv_role {
     KV_ROLE_SHEXP,     /* shared expert, its gate included */
     KV_ROLE_MTP,       /* MTP glue (nextn.*) */
     KV_ROLE_FFN,       /* a dense FFN (deepseek2's leading blocks) */
+    KV_ROLE_EXPERT_BIAS, /* routed experts' biases (gpt-oss): 2-D f32, expert index outermost; the
+                            slabs carry each expert's rows, the backbone none */
     KV_ROLE_COUNT
 };
 
@@ -388,6 +404,7 @@ int kv_arch_read_hparams(const kv_gguf *g, kv_hparams *hp, kv_diag *d);
 /* ---- block functions the engine defines (src/model/), named by tables ---- */
 int kv_q35_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
 int kv_q3_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
+int kv_gptoss_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
 int kv_ds2_blocks(struct kv_state *s, uint32_t n_tok, kv_diag *d);
 extern const kv_arch_state_ops kv_ds2_state_ops;
 extern const kv_arch_state_ops kv_q35_state_ops;

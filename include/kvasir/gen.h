@@ -42,7 +42,7 @@
 #define KV_GEN_MAX_BYTES (256ull << 30) /* refuse to write models over 256 GiB */
 
 typedef struct kv_gen_config {
-    const char *arch;       /* "qwen3moe", "qwen35moe" or "deepseek2" */
+    const char *arch;       /* "qwen3moe", "qwen35moe", "deepseek2" or "gpt-oss" */
     const char *name;       /* general.name; NULL: "kvasir-synthetic" */
     uint32_t n_layer;       /* blocks */
     uint32_t n_embd;        /* hidden size */
@@ -94,6 +94,9 @@ typedef struct kv_gen_config {
     float expert_weights_scale; /* routed scaling factor (default 2.5, DeepSeek-V3's) */
     float yarn_factor;      /* YaRN rope.scaling.factor, 0: no scaling (not defaulted) */
     uint32_t yarn_orig_ctx; /* its original_context_length (default n_ctx / 4) */
+    /* gpt-oss only; 0 = kv_gen_fill_defaults' value */
+    uint32_t n_swa;         /* attention.sliding_window (default 8: prompts cross it) */
+    uint32_t swa_pattern;   /* attention.sliding_window_pattern (default 2: even blocks slide) */
 } kv_gen_config;
 
 /* Fills the zero qwen35moe-only fields of a qwen35moe config with the

@@ -70,6 +70,12 @@ typedef struct kv_layer {
     kv_weight wk_b, wv_b;        /* per head [qk_nope] -> [kv_lora_rank]; [kv_lora_rank] -> [head_dim_v_mla] */
     kv_weight ffn_gate, ffn_up, ffn_down; /* a leading block's dense FFN */
     kv_weight exp_probs_b;       /* the router's selection bias [n_expert] f32, absent: none */
+    /* gpt-oss only: biases (f32, absent: none) and attention sinks */
+    kv_weight bq, bk, bv, bo;    /* [n_head*hd], [n_head_kv*hd] x2, [n_embd] */
+    kv_weight sinks;             /* [n_head] a logit per head in every softmax */
+    kv_weight gate_inp_b;        /* [n_expert] added to the router logits */
+    kv_weight gate_exps_b, up_exps_b; /* [n_expert][n_ff_exp] */
+    kv_weight down_exps_b;       /* [n_expert][n_embd] */
 } kv_layer;
 
 typedef struct kv_model kv_model;

@@ -45,6 +45,13 @@ typedef struct kv_expert_provider {
 typedef struct kv_expert_weights {
     const void *gate, *up, *down; /* matrix starts */
     uint32_t gate_type, up_type, down_type;
+    /* f32 biases added to the gate, up and down products (gpt-oss):
+     * [n_ff], [n_ff], [n_embd]; NULL: none */
+    const float *gate_b, *up_b, *down_b;
+    /* the activation between up and down, as the weights' architecture
+     * says: enum kv_expert_act (arch.h), 0 = SwiGLU, 1 = gpt-oss's clamped
+     * SwiGLU */
+    uint32_t act;
 } kv_expert_weights;
 
 typedef struct kv_expert_source {

@@ -104,6 +104,12 @@ typedef struct kv_piece_slab {
     uint64_t nb2[3];            /* bytes per expert matrix */
     const uint8_t *base[3];     /* data views (valid while g is open) */
     uint32_t type[3];           /* tensor types, equal across a layer's slabs */
+    /* the experts' biases (gpt-oss), f32 rows of n_ff, n_ff, n_embd per expert: all three or none */
+    bool has_bias;
+    uint64_t b_off[3];          /* file offsets of the gate, up, down bias rows (expert `first`) */
+    uint64_t b_nb[3];           /* bytes per expert's bias row */
+    const uint8_t *b_base[3];   /* data views (valid while g is open) */
+    uint32_t act;               /* the experts' activation from general.architecture (enum kv_expert_act) */
 } kv_piece_slab;
 
 typedef struct kv_pieces {
@@ -139,5 +145,15 @@ int kv_pieces_check_model(const kv_manifest *m, const kv_model *model, const cha
 /* The tensor k (0 gate, 1 up, 2 down) of layer's routed experts in g, or
  * NULL (slabs.c owns the names). */
 const kv_gguf_tensor *kv_slab_expert_tensor(const kv_gguf *g, uint32_t layer, int k);
+/* The bias of expert matrix k (0 gate, 1 up, 2 down) of a layer
+ * ("blk.L.ffn_*_exps.bias", [rows][n_expert]), NULL if the file has none. */
+const kv_gguf_tensor *kv_slab_expert_bias(const kv_gguf *g, uint32_t layer, int k);
+/* The expert activation (enum kv_expert_act) of g's general.architecture:
+ * its table's, SwiGLU when the name is absent or has no table;
+ * *needs_bias: the architecture's experts have biases. */
+uint32_t kv_slab_expert_act(const kv_gguf *g, bool *needs_bias);
+/* Views of expert e of a slab whose g is open (mmap): matrices, types,
+ * biases and activation. */
+void kv_piece_slab_weights(const kv_piece_slab *sl, uint32_t e, kv_expert_weights *w);
 
 #endif

@@ -15,6 +15,7 @@ static const kv_arch_table *const kv_arch_tables[KV_ARCH_COUNT] = {
     [KV_ARCH_QWEN3MOE] = &kv_arch_qwen3moe,
     [KV_ARCH_QWEN35MOE] = &kv_arch_qwen35moe,
     [KV_ARCH_DEEPSEEK2] = &kv_arch_deepseek2,
+    [KV_ARCH_GPTOSS] = &kv_arch_gptoss,
 };
 
 const kv_arch_table *kv_arch_get(enum kv_arch id) {
@@ -27,7 +28,7 @@ const kv_arch_table *kv_arch_find(const char *name) {
     return NULL;
 }
 
-const char *kv_arch_list(void) { return "qwen3moe, qwen35moe, deepseek2"; }
+const char *kv_arch_list(void) { return "qwen3moe, qwen35moe, deepseek2, gpt-oss"; }
 
 /* ---- dimensions and names ------------------------------------------------- */
 

@@ -71,5 +71,6 @@ int kv_arch_check_common(kv_hparams *hp, kv_diag *d);
 extern const kv_arch_table kv_arch_qwen3moe;
 extern const kv_arch_table kv_arch_qwen35moe;
 extern const kv_arch_table kv_arch_deepseek2;
+extern const kv_arch_table kv_arch_gptoss;
 
 #endif

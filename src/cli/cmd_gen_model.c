@@ -29,6 +29,7 @@ static void usage(FILE *f) {
             "       deepseek2 also: [--rope-dim N] [--q-lora N] [--kv-lora N] [--head-dim-v N] [--ff N]\n"
             "         [--dense-layers N] [--shared-experts N] [--expert-groups N] [--groups-used N]\n"
             "         [--expert-scale F] [--yarn-factor F] [--yarn-orig-ctx N]\n"
+            "       gpt-oss also: [--swa N] [--swa-pattern N] [--yarn-factor F] [--yarn-orig-ctx N]\n"
             "\n"
             "Writes a synthetic Mixture-of-Experts model loadable by llama.cpp: deterministic\n"
             "random weights (same flags and seed, same bytes), a byte-level BPE vocabulary\n"
@@ -50,7 +51,12 @@ static void usage(FILE *f) {
             "                   bias in --expert-groups (none) of which --groups-used (half) are\n"
             "                   chosen, weights renormalized and scaled by --expert-scale (2.5);\n"
             "                   --yarn-factor F (0: none) over --yarn-orig-ctx (ctx/4); --kv-heads\n"
-            "                   is ignored (one latent KV head))\n"
+            "                   is ignored (one latent KV head)), or gpt-oss (biases on q/k/v/o,\n"
+            "                   the router and the experts; attention sinks; a sliding window of\n"
+            "                   --swa positions (8) in the blocks il %% --swa-pattern < pattern-1\n"
+            "                   (2: even blocks); top-k then softmax routing; clamped SwiGLU; YaRN\n"
+            "                   with --yarn-factor F over --yarn-orig-ctx (ctx/4);\n"
+            "                   always --untied)\n"
             "  --out F          output file (written as F.part, then renamed)\n"
             "  --preset NAME    starting sizes (default %s); the flags below override them\n"
             "  --layers N       blocks                            (1..%u)\n"
@@ -204,6 +210,8 @@ int kv_cmd_gen_model(int argc, char **argv) {
             {"--expert-groups", &cfg.n_expert_groups, 0, KV_GEN_MAX_EXPERT},
             {"--groups-used", &cfg.n_group_used, 1, KV_GEN_MAX_EXPERT},
             {"--yarn-orig-ctx", &cfg.yarn_orig_ctx, 1, KV_GEN_MAX_CTX},
+            {"--swa", &cfg.n_swa, 1, KV_GEN_MAX_CTX},             /* gpt-oss */
+            {"--swa-pattern", &cfg.swa_pattern, 1, KV_GEN_MAX_LAYER},
         };
         for (size_t k = 0; k < sizeof ds2 / sizeof ds2[0]; k++) {
             if (strcmp(a, ds2[k].flag)) continue;
@@ -225,8 +233,9 @@ int kv_cmd_gen_model(int argc, char **argv) {
             i++; /* handled in pass 1 */
         } else if (!strcmp(a, "--arch")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
-            if (strcmp(v, "qwen3moe") && strcmp(v, "qwen35moe") && strcmp(v, "deepseek2"))
-                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe, qwen35moe, deepseek2)", v);
+            if (strcmp(v, "qwen3moe") && strcmp(v, "qwen35moe") && strcmp(v, "deepseek2") && strcmp(v, "gpt-oss"))
+                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe, qwen35moe, "
+                                  "deepseek2, gpt-oss)", v);
             cfg.arch = v;
         } else if (!strcmp(a, "--rope-sections")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;

@@ -346,7 +346,7 @@ static int kv_file_identity(const kv_gguf *g, const char *path, char id[65], kv_
 
 static int kv_worker_add_expert(kv_worker *w, const kv_gguf *g, const char *path, uint32_t L,
                                 uint32_t e, kv_diag *d) {
-    kv_expert_weights ew;
+    kv_expert_weights ew = {0};
     uint32_t E, F;
     int rc = kv_expert_find(g, L, e, &ew, &E, &F, d);
     if (rc) return kv_diag_prefix(d, rc, "%s", path);

@@ -205,6 +205,7 @@ static float gain(float g, uint64_t fan_in) { return g / sqrtf((float)fan_in); }
 
 static bool is_q35(const kv_gen_config *c) { return c->arch && !strcmp(c->arch, "qwen35moe"); }
 static bool is_ds2(const kv_gen_config *c) { return c->arch && !strcmp(c->arch, "deepseek2"); }
+static bool is_gptoss(const kv_gen_config *c) { return c->arch && !strcmp(c->arch, "gpt-oss"); }
 
 /* deepseek2's defaults: a small MLA (the latent a quarter of n_embd, the
  * rope part a third of the query head) and V3's routing (sigmoid, scaled). */
@@ -224,6 +225,12 @@ static void fill_defaults_ds2(kv_gen_config *c) {
 void kv_gen_fill_defaults(kv_gen_config *c) {
     if (is_ds2(c)) {
         fill_defaults_ds2(c);
+        return;
+    }
+    if (is_gptoss(c)) {
+        if (!c->n_swa) c->n_swa = 8;
+        if (!c->swa_pattern) c->swa_pattern = 2;
+        if (c->yarn_factor > 0.0f && !c->yarn_orig_ctx) c->yarn_orig_ctx = c->n_ctx / 4 ? c->n_ctx / 4 : 1;
         return;
     }
     if (!is_q35(c)) return;
@@ -371,10 +378,21 @@ static int validate_ds2(const kv_gen_config *c, kv_diag *d) {
 
 int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
     int rc;
-    if (!c->arch || (strcmp(c->arch, "qwen3moe") != 0 && !is_q35(c) && !is_ds2(c)))
-        return kv_fail(d, KV_EUNSUPPORTED, "unknown architecture '%s' (supported: qwen3moe, qwen35moe, deepseek2)",
+    if (!c->arch || (strcmp(c->arch, "qwen3moe") != 0 && !is_q35(c) && !is_ds2(c) && !is_gptoss(c)))
+        return kv_fail(d, KV_EUNSUPPORTED,
+                       "unknown architecture '%s' (supported: qwen3moe, qwen35moe, deepseek2, gpt-oss)",
                        c->arch ? c->arch : "(null)");
     if (is_ds2(c) && (rc = validate_ds2(c, d))) return rc;
+    if (is_gptoss(c)) {
+        if ((rc = check_range(d, "swa", c->n_swa, 1, KV_GEN_MAX_CTX)) ||
+            (rc = check_range(d, "swa-pattern", c->swa_pattern, 1, KV_GEN_MAX_LAYER)))
+            return rc;
+        if (c->tied) return kv_fail(d, KV_EINVAL, "gpt-oss has an untied LM head (output.weight): drop --tied");
+        if (!(c->yarn_factor == 0.0f || (c->yarn_factor >= 1.0f && c->yarn_factor <= 1024.0f)))
+            return kv_fail(d, KV_EINVAL, "yarn factor %g must be 0 (none) or in [1, 1024]", (double)c->yarn_factor);
+        if (c->yarn_factor > 0.0f && (rc = check_range(d, "yarn-orig-ctx", c->yarn_orig_ctx, 1, KV_GEN_MAX_CTX)))
+            return rc;
+    }
     if (is_q35(c)) {
         if ((rc = check_range(d, "ff-shexp", c->n_ff_shexp, 1, KV_GEN_MAX_FF)) ||
             (rc = check_range(d, "attn-interval", c->full_attn_interval, 1, KV_GEN_MAX_LAYER)) ||
@@ -724,6 +742,38 @@ static int write_meta_ds2(kv_gguf_writer *w, const kv_gen_config *c, kv_diag *d)
     return 0;
 }
 
+/* The gpt-oss.* hyperparameters, keys as llama.cpp's openai-moe loader
+ * reads them (YaRN when --yarn-factor is given). */
+static int write_meta_gptoss(kv_gguf_writer *w, const kv_gen_config *c, kv_diag *d) {
+    int rc;
+#define TRY(x) \
+    if ((rc = (x))) return rc
+#define U32(k, v) TRY(kv_gguf_writer_set_u32(w, "gpt-oss." k, (v), d))
+    U32("context_length", c->n_ctx);
+    U32("embedding_length", c->n_embd);
+    U32("block_count", c->n_layer);
+    U32("feed_forward_length", c->n_ff_exp);
+    U32("expert_feed_forward_length", c->n_ff_exp);
+    U32("expert_count", c->n_expert);
+    U32("expert_used_count", c->n_expert_used);
+    U32("attention.head_count", c->n_head);
+    U32("attention.head_count_kv", c->n_head_kv);
+    U32("attention.key_length", c->head_dim);
+    U32("attention.value_length", c->head_dim);
+    U32("attention.sliding_window", c->n_swa);
+    if (c->swa_pattern != 2) U32("attention.sliding_window_pattern", c->swa_pattern);
+    TRY(kv_gguf_writer_set_f32(w, "gpt-oss.attention.layer_norm_rms_epsilon", GEN_RMS_EPS, d));
+    TRY(kv_gguf_writer_set_f32(w, "gpt-oss.rope.freq_base", GEN_ROPE_BASE, d));
+    if (c->yarn_factor > 0.0f) {
+        TRY(kv_gguf_writer_set_str(w, "gpt-oss.rope.scaling.type", "yarn", d));
+        TRY(kv_gguf_writer_set_f32(w, "gpt-oss.rope.scaling.factor", c->yarn_factor, d));
+        U32("rope.scaling.original_context_length", c->yarn_orig_ctx);
+    }
+#undef U32
+#undef TRY
+    return 0;
+}
+
 static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vocab *v, kv_diag *d) {
     int rc;
 #define TRY(x) \
@@ -742,6 +792,14 @@ static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vo
         TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c), d));
         TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
         TRY(write_meta_ds2(w, c, d));
+        goto vocab;
+    }
+    if (is_gptoss(c)) {
+        TRY(kv_gguf_writer_set_str(w, "general.architecture", "gpt-oss", d));
+        TRY(kv_gguf_writer_set_str(w, "general.name", c->name ? c->name : "kvasir-synthetic", d));
+        TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c), d));
+        TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
+        TRY(write_meta_gptoss(w, c, d));
         goto vocab;
     }
     TRY(kv_gguf_writer_set_str(w, "general.architecture", "qwen3moe", d));

@@ -499,7 +499,30 @@ static const float *kv_attn_rows(const kv_state *s, uint32_t seq, uint32_t ai, i
  * block in increasing position (kv_f32_wsum_rows_multi: each output
  * element's fma chain is that query's alone). So the bits do not depend on
  * how tokens and heads are grouped, nor on threads. */
-static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int64_t kvh, int64_t h0, int ith) {
+/* Softmax of x[lo, n) * scale with a sink logit (-INFINITY: none) in the
+ * denominator, as ggml's soft_max with sinks: m = max(max x * scale, sink),
+ * e = expf(x * scale - m), sum (double, increasing i) plus expf(sink - m);
+ * x[0, lo) (keys outside a sliding window) get 0. */
+static void kv_softmax_sink(float *x, int64_t lo, int64_t n, float scale, float sink) {
+    float m = sink;
+    for (int64_t i = lo; i < n; i++) {
+        x[i] = x[i] * scale;
+        if (x[i] > m) m = x[i];
+    }
+    double sum = sink > -INFINITY ? (double)expf(sink - m) : 0.0;
+    for (int64_t i = lo; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += (double)x[i];
+    }
+    const float inv = (float)(1.0 / sum);
+    for (int64_t i = 0; i < lo; i++) x[i] = 0.0f;
+    for (int64_t i = lo; i < n; i++) x[i] = x[i] * inv;
+}
+
+/* sinks: the layer's per-query-head sink logits (NULL: none); n_swa: the
+ * sliding window (0: full causal attention). */
+static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int64_t kvh, int64_t h0, int ith,
+                         const float *sinks, uint32_t n_swa) {
     const kv_hparams *hp = &s->m->hp;
     const int64_t HD = hp->head_dim, H = hp->n_head, NH = s->att_heads;
     const float scale = 1.0f / sqrtf((float)HD);
@@ -524,8 +547,13 @@ static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int
     }
     for (uint32_t u = 0; u < nt; u++) {
         const int64_t n_kv = pos0 + u + 1;
+        const int64_t lo = n_swa && n_kv > (int64_t)n_swa ? n_kv - (int64_t)n_swa : 0;
         for (int64_t j = 0; j < NH; j++) {
-            kv_f32_softmax(sc + ((size_t)u * NH + (size_t)j) * SCS, n_kv, scale);
+            float *row = sc + ((size_t)u * NH + (size_t)j) * SCS;
+            if (sinks || lo)
+                kv_softmax_sink(row, lo, n_kv, scale, sinks ? sinks[h0 + j] : -INFINITY);
+            else
+                kv_f32_softmax(row, n_kv, scale);
         }
     }
     for (int64_t p0 = 0; p0 < maxkv; p0 += KV_BLOCK) {
@@ -551,11 +579,15 @@ static void kv_attn_worker(void *arg, int ith, int nth) {
     const int64_t gqa = hp->n_head / hp->n_head_kv, slices = gqa / s->att_heads;
     const uint32_t ai = (uint32_t)s->attn_of[j->il];
     const long n_units = (long)j->n_grp * hp->n_head_kv * slices;
+    /* gpt-oss: sinks, and a sliding window in the blocks its pattern names */
+    const float *sinks = s->m->layers[j->il].sinks.data;
+    const uint32_t n_swa = (hp->hook_flags & KV_AH_SWA) && hp->swa_pattern &&
+                                   j->il % hp->swa_pattern < hp->swa_pattern - 1 ? hp->n_swa : 0;
     for (long w = ith; w < n_units; w += nth) {
         const long g = w / (hp->n_head_kv * slices), r = w % (hp->n_head_kv * slices);
         const int64_t kvh = r / slices, h0 = kvh * gqa + (r % slices) * s->att_heads;
         const uint32_t t0 = s->att_grp[g];
-        kv_attn_unit(s, ai, t0, s->att_grp[g + 1] - t0, kvh, h0, ith);
+        kv_attn_unit(s, ai, t0, s->att_grp[g + 1] - t0, kvh, h0, ith, sinks, n_swa);
     }
 }
 
@@ -568,6 +600,8 @@ int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_di
     kv_matmul(s->pool, &L->gate_inp, NULL, s->xb, T, s->router, s->scratch);
     for (uint32_t t = 0; t < T; t++) {
         float *p = s->router + (size_t)t * NE;
+        if (L->gate_inp_b.data) /* gpt-oss: a bias on the logits */
+            for (int64_t e = 0; e < NE; e++) p[e] = p[e] + ((const float *)L->gate_inp_b.data)[e];
         int32_t *ids = s->ids + (size_t)t * K;
         float *w = s->wts + (size_t)t * K;
         kv_route_token(hp, p, L->exp_probs_b.data, s->route_sel, ids, w);

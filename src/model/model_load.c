@@ -107,6 +107,15 @@ static kv_weight *kv_layer_slot(kv_layer *L, enum kv_tensor k) {
     case KV_T_FFN_UP: return &L->ffn_up;
     case KV_T_FFN_DOWN: return &L->ffn_down;
     case KV_T_FFN_EXP_PROBS_B: return &L->exp_probs_b;
+    case KV_T_ATTN_Q_BIAS: return &L->bq;
+    case KV_T_ATTN_K_BIAS: return &L->bk;
+    case KV_T_ATTN_V_BIAS: return &L->bv;
+    case KV_T_ATTN_OUT_BIAS: return &L->bo;
+    case KV_T_ATTN_SINKS: return &L->sinks;
+    case KV_T_FFN_GATE_INP_BIAS: return &L->gate_inp_b;
+    case KV_T_FFN_GATE_EXPS_BIAS: return &L->gate_exps_b;
+    case KV_T_FFN_UP_EXPS_BIAS: return &L->up_exps_b;
+    case KV_T_FFN_DOWN_EXPS_BIAS: return &L->down_exps_b;
     default: return NULL;
     }
 }
@@ -177,7 +186,8 @@ static int kv_load_weights(kv_model *m, bool experts, const kv_model_opts *opts,
         for (size_t i = 0; i < a->n_tensors; i++) {
             const kv_tensor_desc *t = &a->tensors[i];
             if (!kv_tensor_in_block(a, t, hp, il)) continue;
-            if (t->role == KV_ROLE_EXPERT && !experts) continue; /* a backbone: from a provider */
+            if ((t->role == KV_ROLE_EXPERT || t->role == KV_ROLE_EXPERT_BIAS) && !experts)
+                continue; /* a backbone: from a provider */
             kv_weight *w = kv_layer_slot(L, t->kind);
             if (!w) return kv_fail(d, KV_EINTERNAL, "model: tensor kind %d has no place in a block", (int)t->kind);
             rc = kv_load_tensor(m, t, il, w, d);
@@ -261,7 +271,8 @@ static void *kv_prefault_main(void *arg) {
                                   &L->ffn_norm, &L->post_norm, &L->gate_inp, &L->gate_inp_shexp,
                                   &L->gate_shexp, &L->up_shexp, &L->down_shexp, &L->wq_a, &L->q_a_norm,
                                   &L->wq_b, &L->wkv_a, &L->kv_a_norm, &L->wk_b, &L->wv_b, &L->ffn_gate,
-                                  &L->ffn_up, &L->ffn_down, &L->exp_probs_b};
+                                  &L->ffn_up, &L->ffn_down, &L->exp_probs_b, &L->bq, &L->bk, &L->bv,
+                                  &L->bo, &L->sinks, &L->gate_inp_b};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) kv_prefault_w(p, all[i]);
         if (p->experts) {
             kv_prefault_w(p, &L->gate_exps);
@@ -342,7 +353,9 @@ uint64_t kv_model_weight_bytes(const kv_model *m) {
                                   &L->gate_shexp, &L->up_shexp, &L->down_shexp, &L->nextn_eh_proj,
                                   &L->nextn_enorm, &L->nextn_hnorm, &L->nextn_head_norm, &L->wq_a,
                                   &L->q_a_norm, &L->wq_b, &L->wkv_a, &L->kv_a_norm, &L->wk_b, &L->wv_b,
-                                  &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->exp_probs_b};
+                                  &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->exp_probs_b, &L->bq, &L->bk,
+                                  &L->bv, &L->bo, &L->sinks, &L->gate_inp_b, &L->gate_exps_b, &L->up_exps_b,
+                                  &L->down_exps_b};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) b += kv_w_bytes(all[i]);
     }
     return b;

@@ -49,6 +49,22 @@ void kv_swiglu(float *y, const float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
 }
 
+void kv_swiglu_oai(float *y, const float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i] > KV_SWIGLU_OAI_LIMIT ? KV_SWIGLU_OAI_LIMIT : g[i]; /* NaN stays NaN */
+        const float v = u[i] < -KV_SWIGLU_OAI_LIMIT ? -KV_SWIGLU_OAI_LIMIT
+                        : u[i] > KV_SWIGLU_OAI_LIMIT ? KV_SWIGLU_OAI_LIMIT : u[i];
+        y[i] = (x / (1.0f + expf(KV_SWIGLU_OAI_ALPHA * -x))) * (v + 1.0f);
+    }
+}
+
+void kv_expert_act(uint32_t act, float *y, const float *g, const float *u, int64_t n) {
+    if (act == KV_ACT_SWIGLU_CLAMP)
+        kv_swiglu_oai(y, g, u, n);
+    else
+        kv_swiglu(y, g, u, n);
+}
+
 size_t kv_matmul_scratch(int64_t k, int64_t n_tok) {
     /* f32 is the widest vec_dot_type (4 bytes/element); 64 bytes of slack per row */
     return (size_t)n_tok * ((size_t)k * 4 + 64);

@@ -4,8 +4,9 @@
  * A request's (token, rank) slots are grouped by expert (stable order), the
  * weights of every active expert acquired, the quantized inputs gathered per
  * expert, and then parallel phases run: gate+up rows of every active expert,
- * SwiGLU + re-quantization per slot, down rows of every active expert,
- * scatter back. Work is split over the concatenated rows of all active
+ * the biases (if any) and the source's activation (SwiGLU, or gpt-oss's
+ * clamped SwiGLU) + re-quantization per slot, down rows of every active
+ * expert, scatter back with the down bias. Work is split over the concatenated rows of all active
  * experts, so a decode step with 8 experts keeps every thread busy. Every
  * output element is one whole dot product, so results do not depend on
  * thread count, on which tokens share a step, or on where the weights live.
@@ -27,6 +28,7 @@ typedef struct kv_local {
     int32_t *exp_first;     /* [n_expert+1] start of each expert's run in slot_order */
     int32_t *active;        /* [n_expert] experts with at least one slot */
     int32_t *cursor;        /* [n_expert] fill positions while sorting */
+    int32_t *slot_ai;       /* [n_slots] active index of each sorted slot's expert */
     kv_expert_weights *w;   /* [n_expert] weights of active expert i (by active index) */
     uint8_t *xq;            /* [n_slots][row] gathered quantized inputs (up's type) */
     uint8_t *xg;            /* [n_slots][row] the same in gate's type when it differs from
@@ -133,7 +135,13 @@ static void kv_local_worker(void *arg, int ith, int nth) {
                 memcpy(l->pre_gate + o, g, (size_t)n_ff * sizeof(float));
                 memcpy(l->pre_up + o, l->up + (size_t)i * (size_t)n_ff, (size_t)n_ff * sizeof(float));
             }
-            kv_swiglu(g, g, l->up + (size_t)i * (size_t)n_ff, n_ff);
+            float *u = l->up + (size_t)i * (size_t)n_ff;
+            const kv_expert_weights *w = &l->w[l->slot_ai[i]];
+            if (w->gate_b) /* biases join after the products, before the activation (ggml's add_id) */
+                for (int64_t k = 0; k < n_ff; k++) g[k] = g[k] + w->gate_b[k];
+            if (w->up_b)
+                for (int64_t k = 0; k < n_ff; k++) u[k] = u[k] + w->up_b[k];
+            kv_expert_act(w->act, g, g, u, n_ff);
             kv_quantize_rows(j->down_vdt, g, (size_t)n_ff, n_ff, 1, l->hq + (size_t)i * j->hq_stride,
                              j->hq_stride);
         }
@@ -143,9 +151,14 @@ static void kv_local_worker(void *arg, int ith, int nth) {
         break;
     case 4: /* scatter back to (token, rank) order */
         kv_pool_split(n_slots, ith, nth, &lo, &hi);
-        for (long i = lo; i < hi; i++)
-            memcpy(j->out + (size_t)l->slot_order[i] * (size_t)E, l->down + (size_t)i * (size_t)E,
-                   (size_t)E * sizeof(float));
+        for (long i = lo; i < hi; i++) {
+            float *o = j->out + (size_t)l->slot_order[i] * (size_t)E;
+            const float *y = l->down + (size_t)i * (size_t)E, *b = l->w[l->slot_ai[i]].down_b;
+            if (b)
+                for (int64_t k = 0; k < E; k++) o[k] = y[k] + b[k];
+            else
+                memcpy(o, y, (size_t)E * sizeof(float));
+        }
         break;
     }
 }
@@ -184,18 +197,21 @@ static int kv_local_compute(void *impl, const kv_expert_req *req, float *out, kv
     /* weights of every active expert; all three matrices of a layer must
      * share the activation type per role across experts */
     for (int i = 0; i < n_active; i++) {
+        memset(&l->w[i], 0, sizeof l->w[i]); /* a source without biases leaves them NULL */
         int rc = src->acquire(src->ctx, req->layer, (uint32_t)l->active[i], &l->w[i], d);
         if (rc) {
             kv_local_release(l, req->layer, i);
             return rc;
         }
         if (i > 0 && (l->w[i].up_type != l->w[0].up_type || l->w[i].gate_type != l->w[0].gate_type ||
-                      l->w[i].down_type != l->w[0].down_type)) {
+                      l->w[i].down_type != l->w[0].down_type || l->w[i].act != l->w[0].act)) {
             kv_local_release(l, req->layer, i + 1);
-            return kv_fail(d, KV_EFORMAT, "experts: layer %u expert %d has other tensor types than expert %d",
+            return kv_fail(d, KV_EFORMAT, "experts: layer %u expert %d has other tensor types or activation than expert %d",
                            req->layer, l->active[i], l->active[0]);
         }
     }
+    for (int i = 0; i < n_active; i++)
+        for (int32_t k = l->exp_first[l->active[i]]; k < l->exp_first[l->active[i] + 1]; k++) l->slot_ai[k] = i;
     kv_local_job j = {l, req, n_active, 0, 0, 0, 0, 0, 0, out, 0};
     const kv_type_info *tg = kv_type_get(l->w[0].gate_type), *tu = kv_type_get(l->w[0].up_type),
                        *td = kv_type_get(l->w[0].down_type);
@@ -228,6 +244,7 @@ static void kv_local_free(void *impl) {
     free(l->exp_first);
     free(l->active);
     free(l->cursor);
+    free(l->slot_ai);
     free(l->w);
     free(l->xq);
     free(l->xg);
@@ -255,13 +272,14 @@ int kv_expert_local_new_src(kv_expert_provider *out, const kv_expert_source *src
     l->exp_first = malloc((src->n_expert + 1) * sizeof(int32_t));
     l->active = malloc(src->n_expert * sizeof(int32_t));
     l->cursor = malloc(src->n_expert * sizeof(int32_t));
+    l->slot_ai = malloc(ns * sizeof(int32_t));
     l->w = calloc(src->n_expert, sizeof *l->w);
     l->xq = malloc(ns * row_in);
     l->gate = malloc(ns * src->n_ff_exp * sizeof(float));
     l->up = malloc(ns * src->n_ff_exp * sizeof(float));
     l->hq = malloc(ns * row_ff);
     l->down = malloc(ns * src->n_embd * sizeof(float));
-    if (!l->slot_order || !l->exp_first || !l->active || !l->cursor || !l->w || !l->xq || !l->gate ||
+    if (!l->slot_order || !l->exp_first || !l->active || !l->cursor || !l->slot_ai || !l->w || !l->xq || !l->gate ||
         !l->up || !l->hq || !l->down) {
         kv_local_free(l);
         return kv_fail(d, KV_ENOMEM, "experts: out of memory for %u tokens", max_tokens);
@@ -297,6 +315,13 @@ static int kv_model_src_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert
     w->gate_type = L->gate_exps.type;
     w->up_type = L->up_exps.type;
     w->down_type = L->down_exps.type;
+    w->gate_b = L->gate_exps_b.data ? (const float *)(const void *)((const uint8_t *)L->gate_exps_b.data +
+                                                                  (size_t)e * L->gate_exps_b.row_bytes) : NULL;
+    w->up_b = L->up_exps_b.data ? (const float *)(const void *)((const uint8_t *)L->up_exps_b.data +
+                                                              (size_t)e * L->up_exps_b.row_bytes) : NULL;
+    w->down_b = L->down_exps_b.data ? (const float *)(const void *)((const uint8_t *)L->down_exps_b.data +
+                                                                  (size_t)e * L->down_exps_b.row_bytes) : NULL;
+    w->act = (uint32_t)kv_model_hparams(m)->act;
     return 0;
 }
 

@@ -189,9 +189,16 @@ static int kv_cl_compute(void *impl, const kv_expert_req *req, float *out, kv_di
     for (uint32_t s = 0; s < n_slots; s++) c->slot_order[c->cursor[req->ids[s]]++] = (int32_t)s;
     int rc = 0, n_acq = 0;
     for (; n_acq < n_active; n_acq++) {
+        memset(&c->w[n_acq], 0, sizeof c->w[n_acq]);
         rc = src->acquire(src->ctx, req->layer, (uint32_t)c->active[n_acq], &c->w[n_acq], d);
         if (rc) goto done;
         const kv_expert_weights *w = &c->w[n_acq];
+        if (w->act || w->gate_b || w->up_b || w->down_b) { /* the kernels compute plain SwiGLU, no biases */
+            n_acq++;
+            rc = kv_fail(d, KV_EUNSUPPORTED, "experts: layer %u: the OpenCL path computes neither expert biases "
+                         "nor the clamped SwiGLU (gpt-oss); run these experts on the CPU", req->layer);
+            goto done;
+        }
         if (n_acq > 0 && (w->up_type != c->w[0].up_type || w->gate_type != c->w[0].gate_type ||
                           w->down_type != c->w[0].down_type)) {
             n_acq++;

@@ -1666,14 +1666,7 @@ static int kv_rn_pieces_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert
         return kv_fail(d, KV_ERANGE, "ring: layer %u expert %u out of range", layer, e);
     const int32_t si = p->where[(size_t)layer * p->m->n_expert + e];
     if (si < 0) return kv_fail(d, KV_ENOTFOUND, "ring: no slab here holds layer %u expert %u", layer, e);
-    const kv_piece_slab *sl = &p->slabs[si];
-    const uint64_t le = e - sl->first;
-    w->gate = sl->base[0] + le * sl->nb2[0];
-    w->up = sl->base[1] + le * sl->nb2[1];
-    w->down = sl->base[2] + le * sl->nb2[2];
-    w->gate_type = sl->type[0];
-    w->up_type = sl->type[1];
-    w->down_type = sl->type[2];
+    kv_piece_slab_weights(&p->slabs[si], e, w); /* biases and activation included */
     return 0;
 }
 

@@ -461,6 +461,26 @@ static int kv_check_slab(kv_pieces *p, const char *who, size_t k, kv_gguf *g, kv
         sl->off[j] = t->file_offset;
         sl->base[j] = t->data;
     }
+    /* the experts' biases (gpt-oss): all three f32 [rows][cnt], or none */
+    int nb = 0;
+    for (int j = 0; j < 3; j++) nb += kv_slab_expert_bias(g, L, j) != NULL;
+    if (nb != 0 && nb != 3) return kv_fail(d, KV_EFORMAT, "%s: '%s' has %d of the 3 expert biases of layer %u", who, rel, nb, L);
+    sl->has_bias = nb == 3;
+    for (int j = 0; j < 3 && sl->has_bias; j++) {
+        const kv_gguf_tensor *t = kv_slab_expert_bias(g, L, j);
+        const uint64_t rows = j == 2 ? m->n_embd : m->n_ff_exp;
+        if (t->type != KV_TYPE_F32 || t->n_dims != 2 || t->ne[0] != rows || t->ne[1] != cnt)
+            return kv_fail(d, KV_EFORMAT, "%s: '%s': %.*s must be f32 [%" PRIu64 ", %" PRIu64 "]", who, rel,
+                           (int)t->name.len, t->name.ptr, rows, cnt);
+        sl->b_nb[j] = rows * sizeof(float);
+        sl->b_off[j] = t->file_offset;
+        sl->b_base[j] = t->data;
+    }
+    bool need;
+    sl->act = kv_slab_expert_act(g, &need);
+    if (need && !sl->has_bias)
+        return kv_fail(d, KV_EFORMAT, "%s: '%s': the architecture's experts have biases and this slab has none "
+                       "(sliced by an older kvasir? slice the model again)", who, rel);
     sl->layer = L;
     sl->first = f;
     sl->last = l;

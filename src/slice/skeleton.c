@@ -41,6 +41,7 @@
 #include "kvasir/tok.h"
 
 #define LLAMA_FTYPE_MOSTLY_Q4_K_M 15u /* general.file_type of a Q4_K_M file */
+#define LLAMA_FTYPE_MOSTLY_MXFP4_MOE 38u /* ... of an MXFP4 MoE file (gpt-oss) */
 
 /* One model's hyperparameters, as its config.json gives them. */
 typedef struct skel_cfg {
@@ -80,6 +81,10 @@ typedef struct skel_cfg {
     uint32_t yarn_orig_ctx;      /* rope_scaling.original_max_position_embeddings */
     float yarn_beta_fast, yarn_beta_slow, mscale_all_dim;
     const char *license;         /* general.license, NULL: apache-2.0 */
+    /* gpt-oss; 0 otherwise */
+    uint32_t n_swa;              /* sliding_window (every even block slides: the default pattern 2) */
+    bool mxfp4;                  /* MXFP4 experts as OpenAI ships them, the other matrices Q8_0
+                                    (general.file_type MXFP4 MoE), instead of the Q4_K_M rule */
 } skel_cfg;
 
 static const skel_cfg skel_cfgs[] = {
@@ -125,6 +130,14 @@ static const skel_cfg skel_cfgs[] = {
      .head_dim_v = 128, .n_dense_lead = 1, .n_expert_shared = 1, .n_group = 1, .n_group_used = 1,
      .weights_scale = 2.827f, .yarn_factor = 32.0f, .yarn_orig_ctx = 4096, .yarn_beta_fast = 1.0f,
      .yarn_beta_slow = 1.0f, .mscale_all_dim = 1.0f, .license = "other"},
+    /* openai/gpt-oss-120b config.json (36 layers, 128 experts of 2880, top-4, yarn x32 over 4096) */
+    {.preset = "gpt-oss-120b",
+     .summary = "gpt-oss-120b MXFP4 skeleton (gpt-oss, 36 blocks, 128 experts in MXFP4, ~63 GB sparse)",
+     .arch = "gpt-oss", .name = "Gpt Oss 120b", .basename = "gpt-oss", .size_label = "120B",
+     .pre = "qwen2", .n_layer = 36, .n_nextn = 0, .n_embd = 2880, .n_ff = 2880, .n_head = 64, .n_head_kv = 8,
+     .head_dim = 64, .n_expert = 128, .n_expert_used = 4, .n_ff_exp = 2880, .n_vocab = 201088,
+     .n_ctx = 131072, .rope_base = 150000.0f, .rms_eps = 1e-5f, .yarn_factor = 32.0f, .yarn_orig_ctx = 4096,
+     .n_swa = 128, .mxfp4 = true},
 };
 #define N_SKEL (sizeof skel_cfgs / sizeof skel_cfgs[0])
 
@@ -287,6 +300,15 @@ static int cmp_tensor(const void *a, const void *b) {
 
 static void assign_types(const skel_cfg *c, skel_list *l) {
     qsort(l->t, l->n, sizeof *l->t, cmp_tensor);
+    if (c->mxfp4) { /* routed experts MXFP4, other matrices Q8_0, vectors/norms/router/biases f32 */
+        for (size_t i = 0; i < l->n; i++) {
+            skel_tensor *t = &l->t[i];
+            const size_t len = strlen(t->name);
+            const bool mat = t->n_dims >= 2 && t->src != KV_TYPE_F32 && len >= 6 && !strcmp(t->name + len - 6, "weight");
+            t->type = t->role == KV_ROLE_EXPERT ? KV_TYPE_MXFP4 : mat ? KV_TYPE_Q8_0 : t->src;
+        }
+        return;
+    }
     bool tied = true;
     int n_wv = 0, i_wv = 0;
     for (size_t i = 0; i < l->n; i++) {
@@ -358,7 +380,13 @@ static int write_meta(kv_gguf_writer *w, const skel_cfg *c, const kv_bpe_vocab *
         TRY(kv_gguf_writer_set_u32(w, KEY("attention.key_length"), c->head_dim, d));
         TRY(kv_gguf_writer_set_u32(w, KEY("attention.value_length"), c->head_dim, d));
     }
-    TRY(kv_gguf_writer_set_u32(w, "general.file_type", LLAMA_FTYPE_MOSTLY_Q4_K_M, d));
+    if (c->n_swa) { /* gpt-oss */
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.sliding_window"), c->n_swa, d));
+        TRY(kv_gguf_writer_set_str(w, KEY("rope.scaling.type"), "yarn", d));
+        TRY(kv_gguf_writer_set_f32(w, KEY("rope.scaling.factor"), c->yarn_factor, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("rope.scaling.original_context_length"), c->yarn_orig_ctx, d));
+    }
+    TRY(kv_gguf_writer_set_u32(w, "general.file_type", c->mxfp4 ? LLAMA_FTYPE_MOSTLY_MXFP4_MOE : LLAMA_FTYPE_MOSTLY_Q4_K_M, d));
     TRY(kv_gguf_writer_set_u32(w, KEY("expert_feed_forward_length"), c->n_ff_exp, d));
     if (c->n_ff_shexp) TRY(kv_gguf_writer_set_u32(w, KEY("expert_shared_feed_forward_length"), c->n_ff_shexp, d));
     if (c->n_nextn) TRY(kv_gguf_writer_set_u32(w, KEY("nextn_predict_layers"), c->n_nextn, d));

@@ -120,7 +120,8 @@ int kv_slices_open(kv_slices **out, const char *manifest_path, const kv_slices_o
     const size_t n_keys = (size_t)m->n_layer * m->n_expert;
     for (size_t i = 0; i < m->n_slabs; i++) {
         const kv_slab *sl = &s->slabs[i];
-        const uint64_t eb = sl->nb2[0] + sl->nb2[1] + sl->nb2[2] + 3 * KV_SLOT_ALIGN;
+        const uint64_t eb = sl->nb2[0] + sl->nb2[1] + sl->nb2[2] + 3 * KV_SLOT_ALIGN +
+                            (sl->has_bias ? sl->b_nb[0] + sl->b_nb[1] + sl->b_nb[2] + 3 * KV_SLOT_ALIGN : 0);
         if (eb > s->expert_bytes) s->expert_bytes = eb;
     }
     if (s->cache) {
@@ -194,9 +195,17 @@ static void kv_slot_views(const kv_slices *s, const kv_slab *sl, int32_t slot, k
     const uint8_t *p = s->arena + (size_t)slot * s->slot_bytes;
     const size_t a0 = (sl->nb2[0] + KV_SLOT_ALIGN - 1) / KV_SLOT_ALIGN * KV_SLOT_ALIGN;
     const size_t a1 = (sl->nb2[1] + KV_SLOT_ALIGN - 1) / KV_SLOT_ALIGN * KV_SLOT_ALIGN;
+    const size_t a2 = (sl->nb2[2] + KV_SLOT_ALIGN - 1) / KV_SLOT_ALIGN * KV_SLOT_ALIGN;
     w->gate = p;
     w->up = p + a0;
     w->down = p + a0 + a1;
+    /* then the biases (gpt-oss), each row KV_SLOT_ALIGN-aligned */
+    const uint8_t *b = p + a0 + a1 + a2;
+    const float **bd[3] = {&w->gate_b, &w->up_b, &w->down_b};
+    for (int j = 0; j < 3; j++) {
+        *bd[j] = sl->has_bias ? (const float *)(const void *)b : NULL;
+        b += sl->has_bias ? (sl->b_nb[j] + KV_SLOT_ALIGN - 1) / KV_SLOT_ALIGN * KV_SLOT_ALIGN : 0;
+    }
 }
 
 static int kv_slabs_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
@@ -212,10 +221,9 @@ static int kv_slabs_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_wei
     w->up_type = sl->type[1];
     w->down_type = sl->type[2];
     const uint64_t le = e - sl->first;
+    w->act = sl->act;
     if (!s->cache) {
-        w->gate = sl->base[0] + le * sl->nb2[0];
-        w->up = sl->base[1] + le * sl->nb2[1];
-        w->down = sl->base[2] + le * sl->nb2[2];
+        kv_piece_slab_weights(sl, e, w);
         return 0;
     }
     pthread_mutex_lock(&s->mu);
@@ -242,16 +250,17 @@ static int kv_slabs_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_wei
     }
     s->st.misses++;
     kv_slot_views(s, sl, slot, w);
-    const void *dst[3] = {w->gate, w->up, w->down};
-    for (int j = 0; j < 3; j++) {
-        if (kv_read_all(sl->fd, (uint8_t *)dst[j], (size_t)sl->nb2[j], sl->off[j] + le * sl->nb2[j])) {
+    const void *dst[6] = {w->gate, w->up, w->down, w->gate_b, w->up_b, w->down_b};
+    for (int j = 0; j < (sl->has_bias ? 6 : 3); j++) {
+        const uint64_t nb = j < 3 ? sl->nb2[j] : sl->b_nb[j - 3], off = j < 3 ? sl->off[j] : sl->b_off[j - 3];
+        if (kv_read_all(sl->fd, (uint8_t *)dst[j], (size_t)nb, off + le * nb)) {
             s->slots[slot] = (kv_slot){-1, 0, -1, s->free_head};
             s->free_head = slot;
             pthread_mutex_unlock(&s->mu);
             return kv_fail(d, KV_EIO, "slices: reading layer %u expert %u from '%s': %s", layer, e, sl->path,
                            errno ? strerror(errno) : "file shrank");
         }
-        s->st.bytes_read += sl->nb2[j];
+        s->st.bytes_read += nb;
     }
     s->slots[slot] = (kv_slot){(int32_t)key, 1, -1, -1};
     s->slot_of[key] = slot;
@@ -410,6 +419,26 @@ int kv_expert_find(const kv_gguf *g, uint32_t layer, uint32_t expert, kv_expert_
         *dst[j] = (const uint8_t *)t[j]->data + le * (t[j]->nbytes / cnt);
         *ty[j] = t[j]->type;
     }
+    /* the biases (gpt-oss): all three f32 [rows][cnt], or none */
+    const kv_gguf_tensor *b[3];
+    const float **bd[3] = {&w->gate_b, &w->up_b, &w->down_b};
+    int nb = 0;
+    for (int j = 0; j < 3; j++) nb += (b[j] = kv_slab_expert_bias(g, layer, j)) != NULL;
+    if (nb != 0 && nb != 3) return kv_fail(d, KV_EFORMAT, "expert: layer %u has %d of its 3 expert biases", layer, nb);
+    for (int j = 0; j < 3; j++) {
+        *bd[j] = NULL;
+        if (!nb) continue;
+        const uint64_t rows = j == 2 ? E : F;
+        if (b[j]->type != KV_TYPE_F32 || b[j]->n_dims != 2 || b[j]->ne[0] != rows || b[j]->ne[1] != cnt)
+            return kv_fail(d, KV_EFORMAT, "expert: blk.%u.%s.bias must be f32 [%" PRIu64 ", %" PRIu64 "]", layer,
+                           kv_exp_suffix[j], rows, cnt);
+        *bd[j] = (const float *)(const void *)((const uint8_t *)b[j]->data + le * rows * sizeof(float));
+    }
+    bool need;
+    w->act = kv_slab_expert_act(g, &need);
+    if (need && !nb)
+        return kv_fail(d, KV_EFORMAT, "expert: layer %u: the architecture's experts have biases and this file has "
+                       "none (sliced by an older kvasir? slice the model again)", layer);
     *n_embd = (uint32_t)E;
     *n_ff = (uint32_t)F;
     return 0;
@@ -448,4 +477,37 @@ int kv_expert_compute_one(const kv_expert_weights *w, uint32_t n_embd, uint32_t 
 
 const kv_gguf_tensor *kv_slab_expert_tensor(const kv_gguf *g, uint32_t layer, int k) {
     return k >= 0 && k < 3 ? kv_find_exp(g, layer, k) : NULL;
+}
+
+const kv_gguf_tensor *kv_slab_expert_bias(const kv_gguf *g, uint32_t layer, int k) {
+    if (k < 0 || k > 2) return NULL;
+    char n[96];
+    snprintf(n, sizeof n, "blk.%u.%s.bias", layer, kv_exp_suffix[k]);
+    return kv_gguf_find_tensor(g, n);
+}
+
+uint32_t kv_slab_expert_act(const kv_gguf *g, bool *needs_bias) {
+    kv_str s;
+    char name[64];
+    *needs_bias = false;
+    if (kv_gguf_get_str(g, "general.architecture", &s, NULL) || s.len >= sizeof name) return 0;
+    memcpy(name, s.ptr, s.len);
+    name[s.len] = 0;
+    const kv_arch_table *a = strlen(name) == s.len ? kv_arch_find(name) : NULL;
+    *needs_bias = a && (a->hooks.flags & KV_AH_EXPERT_BIAS);
+    return a ? (uint32_t)a->hooks.act : 0;
+}
+
+void kv_piece_slab_weights(const kv_piece_slab *sl, uint32_t e, kv_expert_weights *w) {
+    const uint64_t le = e - sl->first;
+    w->gate = sl->base[0] + le * sl->nb2[0];
+    w->up = sl->base[1] + le * sl->nb2[1];
+    w->down = sl->base[2] + le * sl->nb2[2];
+    w->gate_type = sl->type[0];
+    w->up_type = sl->type[1];
+    w->down_type = sl->type[2];
+    const float **b[3] = {&w->gate_b, &w->up_b, &w->down_b};
+    for (int j = 0; j < 3; j++)
+        *b[j] = sl->has_bias ? (const float *)(const void *)(sl->b_base[j] + le * sl->b_nb[j]) : NULL;
+    w->act = sl->act;
 }

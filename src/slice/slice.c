@@ -42,6 +42,7 @@
 /* One routed-expert layer of the source. */
 typedef struct kv_exp_layer {
     const kv_gguf_tensor *t[3]; /* gate, up, down */
+    const kv_gguf_tensor *b[3]; /* their biases (gpt-oss: f32 [rows][n_expert]), all or none */
 } kv_exp_layer;
 
 /* One output file. */
@@ -93,6 +94,16 @@ static int kv_exp_kind(kv_str name, uint32_t *layer) {
     return -1;
 }
 
+/* Whether name is "blk.<L>.<stem>.bias" of a routed-expert matrix (gpt-oss):
+ * those rows travel in the slabs, not in the backbone. */
+static bool kv_exp_bias(kv_str name) {
+    static const char suf[] = ".bias";
+    const size_t n = sizeof suf - 1;
+    if (name.len <= n || memcmp(name.ptr + name.len - n, suf, n)) return false;
+    uint32_t L;
+    return kv_exp_kind((kv_str){name.ptr, name.len - n}, &L) >= 0;
+}
+
 static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
     const kv_gguf *g = s->g;
     int rc = kv_gguf_get_str(g, "general.architecture", &s->arch, d);
@@ -120,6 +131,9 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
         if (L + 1 > s->n_layer) s->n_layer = L + 1;
     }
     if (s->n_layer != bc) s->n_nextn = 0; /* experts past block_count: MTP blocks are not the last */
+    /* the experts' biases travel with them in the slabs (the backbone has none) */
+    for (uint32_t L = 0; L < s->n_layer; L++)
+        for (int k = 0; k < 3 && s->layers[L].t[0]; k++) s->layers[L].b[k] = kv_slab_expert_bias(g, L, k);
     uint32_t n_moe = 0;
     for (uint32_t L = 0; L < s->n_layer; L++) {
         const kv_exp_layer *el = &s->layers[L];
@@ -136,6 +150,15 @@ static int kv_slicer_scan(kv_slicer *s, kv_diag *d) {
                            dt->ne[0], dt->ne[1], dt->ne[2]);
         if (gt->ne[0] > KV_MAX_EMBD || gt->ne[1] > KV_MAX_FF || gt->ne[2] > KV_MAX_EXPERTS)
             return kv_fail(d, KV_EFORMAT, "slice: layer %u: expert tensors exceed the supported sizes", L);
+        const int nb = !!el->b[0] + !!el->b[1] + !!el->b[2];
+        if (nb != 0 && nb != 3) return kv_fail(d, KV_EFORMAT, "slice: layer %u has %d of its 3 expert biases", L, nb);
+        for (int k = 0; k < 3 && nb; k++) {
+            const kv_gguf_tensor *b = el->b[k];
+            const uint64_t rows = k == 2 ? gt->ne[0] : gt->ne[1];
+            if (b->type != KV_TYPE_F32 || b->n_dims != 2 || b->ne[0] != rows || b->ne[1] != gt->ne[2])
+                return kv_fail(d, KV_EFORMAT, "slice: '%.*s' must be f32 [%" PRIu64 ", %" PRIu64 "]", (int)b->name.len,
+                               b->name.ptr, rows, gt->ne[2]);
+        }
         if (n_moe == 0) {
             s->n_embd = (uint32_t)gt->ne[0];
             s->n_ff = (uint32_t)gt->ne[1];
@@ -220,7 +243,7 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, kv_src_fd *sf, 
     if (rc) return rc;
     /* tensors: (source offset, bytes) in declaration order */
     typedef struct { uint64_t off, n; uint32_t part; } kv_rng;
-    kv_rng *rng = malloc((j->backbone ? kv_gguf_n_tensors(g) : 3) * sizeof *rng);
+    kv_rng *rng = malloc((j->backbone ? kv_gguf_n_tensors(g) : 6) * sizeof *rng);
     size_t n_t = 0;
     if (!rng) {
         kv_gguf_writer_free(w);
@@ -232,7 +255,7 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, kv_src_fd *sf, 
         for (size_t i = 0; i < kv_gguf_n_tensors(g) && !rc; i++) {
             const kv_gguf_tensor *t = kv_gguf_tensor_at(g, i);
             uint32_t L;
-            if (kv_exp_kind(t->name, &L) >= 0) continue;
+            if (kv_exp_kind(t->name, &L) >= 0 || kv_exp_bias(t->name)) continue;
             char name[KV_GGUF_MAX_TENSOR_NAME + 1];
             memcpy(name, t->name.ptr, t->name.len);
             name[t->name.len] = 0;
@@ -268,6 +291,15 @@ static int kv_slice_job_run(kv_slicer *s, const kv_slice_job *j, kv_src_fd *sf, 
             const uint64_t ne[3] = {t->ne[0], t->ne[1], cnt}, nb2 = t->nbytes / t->ne[2];
             rc = kv_gguf_writer_add_tensor(w, name, 3, ne, t->type, NULL, d);
             rng[n_t++] = (kv_rng){t->file_offset + j->first * nb2, cnt * nb2, t->part};
+        }
+        for (int k = 0; k < 3 && !rc && s->layers[j->layer].b[k]; k++) { /* the range's bias rows */
+            const kv_gguf_tensor *t = s->layers[j->layer].b[k];
+            char name[KV_GGUF_MAX_TENSOR_NAME + 1];
+            memcpy(name, t->name.ptr, t->name.len);
+            name[t->name.len] = 0;
+            const uint64_t ne[2] = {t->ne[0], cnt}, nb1 = t->ne[0] * sizeof(float);
+            rc = kv_gguf_writer_add_tensor(w, name, 2, ne, t->type, NULL, d);
+            rng[n_t++] = (kv_rng){t->file_offset + j->first * nb1, cnt * nb1, t->part};
         }
         snprintf(path, sizeof path, "%s/%s", s->out_dir, j->file->path);
     }

@@ -270,6 +270,9 @@ static int kv_vmat_prepare(kv_verify *v, kv_vmat *m, const void *W, uint32_t typ
 int kv_verify_prepare(kv_verify *v, uint32_t layer, uint32_t e, const kv_expert_weights *w, kv_diag *d) {
     if (layer >= v->n_layer || e >= v->n_expert)
         return kv_fail(d, KV_ERANGE, "verify: layer %u expert %u out of range", layer, e);
+    if (w->act || w->gate_b || w->up_b || w->down_b) /* the check recomputes plain SwiGLU, no biases */
+        return kv_fail(d, KV_EUNSUPPORTED, "verify: layer %u expert %u has biases or the clamped SwiGLU (gpt-oss), "
+                       "which the verifier does not check; run without verification", layer, e);
     kv_vexp **slot = &v->tab[(size_t)layer * v->n_expert + e];
     if (*slot) return 0;
     kv_vexp *x = calloc(1, sizeof *x);

@@ -186,6 +186,27 @@ export const MODELS = [
       "--experts-used", "2", "--heads", "4", "--head-dim", "48",
       "--rope-dim", "16", "--kv-lora", "64", "--q-lora", "96", "--yarn-factor", "8", "--vocab", "2000",
       "--untied"] },
+  // gpt-oss (issue 34): q/k/v/o, router and expert biases, attention sinks,
+  // a sliding window (shorter than the prompts plus 32 generated tokens) in
+  // the blocks the pattern names, top-k then softmax routing, the clamped
+  // SwiGLU (gate/up wide enough that the clamp at 7 bites); always untied.
+  { name: "gptoss-f32", arch: "gpt-oss", type: "f32", seed: 41,
+    args: ["--layers", "3", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--swa", "8", "--vocab", "2000"] },
+  // YaRN as gpt-oss-120b has it (factor 32 there), over an original context of 128
+  { name: "gptoss-f32-yarn", arch: "gpt-oss", type: "f32", seed: 45,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--swa", "8", "--yarn-factor", "8", "--vocab", "2000"] },
+  { name: "gptoss-f32-swa3", arch: "gpt-oss", type: "f32", seed: 42,
+    args: ["--layers", "4", "--embd", "192", "--ff-exp", "96", "--experts", "16", "--experts-used", "4",
+      "--heads", "6", "--kv-heads", "2", "--head-dim", "32", "--swa", "5", "--swa-pattern", "3",
+      "--vocab", "2200"] },
+  { name: "gptoss-q8_0", arch: "gpt-oss", type: "q8_0", seed: 43,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--swa", "16", "--vocab", "2000"] },
+  { name: "gptoss-mxfp4", arch: "gpt-oss", type: "mxfp4", seed: 44,
+    args: ["--layers", "2", "--embd", "256", "--ff-exp", "128", "--experts", "8", "--experts-used", "2",
+      "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--swa", "8", "--vocab", "2000"] },
 ];
 
 export const TEXTS = [
