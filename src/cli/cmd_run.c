@@ -232,6 +232,15 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
         kv_json_str(stdout, w.last_error, strlen(w.last_error));
         printf("}");
     }
+    printf("],\"demand\":["); /* per shard: what the hub's market is told (kv_remote_get_demand) */
+    const kv_manifest *m = kv_remote_manifest(r);
+    kv_remote_demand *dm = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *dm);
+    if (dm) kv_remote_get_demand(r, dm, m->n_slabs);
+    for (size_t i = 0; dm && i < m->n_slabs; i++)
+        printf("%s{\"layer\":%u,\"first\":%u,\"last\":%u,\"computations\":%llu,\"wait_us\":%llu}", i ? "," : "",
+               m->slabs[i].layer, m->slabs[i].first, m->slabs[i].last, (unsigned long long)dm[i].computations,
+               (unsigned long long)dm[i].wait_us);
+    free(dm);
     printf("]");
     kv_run_steplog_json(sl, r);
     printf("}");

@@ -179,6 +179,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if ((rc = kv_gw_template_start(g, &o, d))) goto fail;
     if ((rc = kv_gw_script_load(g, d))) goto fail;
     kv_gw_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
+    if ((rc = kv_gw_autoscale_open(g, o.local_experts, o.step_target_ms, d))) goto fail;
     if (g->n_ring) kv_gw_ring_poll(g); /* the same for a ring: the entry nodes asked once now */
     if (pthread_create(&g->sched, NULL, kv_gw_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
     g->sched_up = true;
@@ -280,6 +281,7 @@ void kv_gateway_free(kv_gateway *g) {
     kv_http_guard_free(g->guard);
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
+    kv_gw_autoscale_free(g);
     kv_gw_tmpl_free(g->tmpl);
     kv_gw_ring_free(g);
     kv_gw_script_free(g);
