@@ -9,9 +9,11 @@
  * tight (level 0: local share 1, every held expert computed here) and wide
  * (level KV_GW_AS_LEVELS: share 0, all sent to workers):
  *   - widen (level + 1) when the moving average of the step time is over
- *     the target, a worker is up, and KV_GW_AS_DWELL_S passed since the last
- *     decision: the gateway's core is the bottleneck, and the workers'
- *     cores compute in parallel with the local part of every layer;
+ *     the target, two sessions or more are active, a worker is up, and
+ *     KV_GW_AS_DWELL_S passed since the last decision: the gateway's core is
+ *     the bottleneck, and the workers' cores compute in parallel with the
+ *     local part of every layer. A single session is never widened: its
+ *     step is one token's, which a round trip per layer only lengthens;
  *   - tighten (level - 1) when the sessions active fell to half of those
  *     active when the current level was entered (or none is active), after
  *     the same dwell: the load that made it widen is gone. The two rules
@@ -132,8 +134,8 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
         a->rehold_at = now + KV_GW_AS_REHOLD_S;
     }
     if (kv_as_tighten(g, rm, now)) return;
-    if (a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->cov_up > 0 &&
-        now - a->last_change >= KV_GW_AS_DWELL_S)
+    if (a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->n_active >= 2 &&
+        g->cov_up > 0 && now - a->last_change >= KV_GW_AS_DWELL_S)
         kv_as_set(g, rm, a->level + 1, now);
 }
 
