@@ -161,7 +161,7 @@ local_=$(metric 'kvasir_gateway_expert_pairs_total{where="local"}')
 [ "$(metric kvasir_gateway_local_held_bytes)" = $((2 * SLAB)) ] || fail "held bytes: $(grep held "$D/metrics.txt")"
 [ -n "$(metric 'kvasir_gateway_local_share')" ] || fail "/metrics: no local share"
 [ "$(grep -c '^kvasir_gateway_local_mode{mode="[a-z]*"} 1$' "$D/metrics.txt")" = 1 ] || fail "/metrics: not one mode set"
-[ "$wid" -ge 3 ] || fail "the share widened $wid times (forced target): $(grep -i local "$D/gw.err")"
+[ "$wid" -ge 1 ] || fail "the share widened $wid times (forced target): $(grep -i local "$D/gw.err")"
 [ "$tig" -ge 1 ] || fail "the share never tightened when the short request ended: $(grep -i local "$D/gw.err")"
 [ "$held" -gt 0 ] && [ "$remote" -gt 0 ] || fail "pairs held here $held, on workers $remote: the share did not move work"
 dsum=$(grep '^kvasir_gateway_shard_computations_total{' "$D/metrics.txt" | awk '{s += $2} END {print s}')

@@ -14,11 +14,19 @@
  *     the bottleneck, and the workers' cores compute in parallel with the
  *     local part of every layer. A single session is never widened: its
  *     step is one token's, which a round trip per layer only lengthens;
+ *   - but not to a level already measured at this load that cost more per
+ *     session than the current one, and back (tighten) from a level that,
+ *     after KV_GW_AS_JUDGE steps, costs KV_GW_AS_WORSE times more per
+ *     session than the narrower one did: handing work out pays only while
+ *     the workers' part runs beside the gateway's own (on a gateway whose
+ *     workers are few or slow the best share is in the middle). The step
+ *     costs per level are forgotten when the sessions active double or
+ *     halve, or none is active;
  *   - tighten (level - 1) when the sessions active fell to half of those
  *     active when the current level was entered (or none is active), after
- *     the same dwell: the load that made it widen is gone. The two rules
- *     use different signals, so the step time a wide step costs (a round
- *     trip per layer) never by itself pulls the share back and forth.
+ *     the same dwell: the load that made it widen is gone. The rules use
+ *     different signals, so the step time a wide step costs (a round trip
+ *     per layer) never by itself pulls the share back and forth.
  * The target is --step-target-ms, or derived: KV_GW_AS_TARGET_X times the
  * shortest step seen tight, once KV_GW_AS_CALIB tight steps were seen (no
  * decision before). Every pair is computed whole by one side, and every
@@ -39,6 +47,8 @@
 #define KV_GW_AS_CALIB 8u      /* tight steps seen before a derived target is trusted */
 #define KV_GW_AS_MIN_TARGET_S 0.001 /* a derived target is never under this */
 #define KV_GW_AS_REHOLD_S 10.0 /* the held slabs follow demand this often */
+#define KV_GW_AS_JUDGE 8u      /* steps at a level before its cost is compared */
+#define KV_GW_AS_WORSE 1.1     /* a wider level costing this much more per session is left */
 
 static double kv_as_now(void) {
     struct timespec ts;
@@ -133,8 +143,26 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
         if (kv_remote_local_hold(rm, a->budget, &a->held_bytes, &a->held_slabs, &d) == 0) a->rehold++;
         a->rehold_at = now + KV_GW_AS_REHOLD_S;
     }
+    /* the cost per session of this level, at this load */
+    if (g->n_active) {
+        if (g->n_active > 2 * a->cost_conc || 2 * g->n_active < a->cost_conc) {
+            memset(a->cost_n, 0, sizeof a->cost_n);
+            a->cost_conc = g->n_active;
+        }
+        const double c = dt / g->n_active;
+        a->cost[a->level] = a->cost_n[a->level]++ ? a->cost[a->level] + KV_GW_AS_ALPHA * (c - a->cost[a->level]) : c;
+    }
     if (kv_as_tighten(g, rm, now)) return;
-    if (a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->n_active >= 2 &&
+    const uint32_t L = a->level;
+    if (L && a->cost_n[L] >= KV_GW_AS_JUDGE && a->cost_n[L - 1] >= KV_GW_AS_JUDGE &&
+        a->cost[L] > KV_GW_AS_WORSE * a->cost[L - 1] && now - a->last_change >= KV_GW_AS_DWELL_S) {
+        a->unpaid++;
+        kv_as_set(g, rm, L - 1, now);
+        return;
+    }
+    const bool next_worse = L < KV_GW_AS_LEVELS && a->cost_n[L + 1] >= KV_GW_AS_JUDGE && a->cost_n[L] >= KV_GW_AS_JUDGE &&
+                            a->cost[L + 1] > a->cost[L];
+    if (!next_worse && a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->n_active >= 2 &&
         g->cov_up > 0 && now - a->last_change >= KV_GW_AS_DWELL_S)
         kv_as_set(g, rm, a->level + 1, now);
 }
@@ -143,5 +171,6 @@ void kv_gw_autoscale_idle_locked(kv_gateway *g) {
     kv_remote *rm = g->e ? kv_engine_remote(g->e) : NULL;
     if (!rm || !g->as.on) return;
     g->as.ewma_s = 0; /* a new burst is judged by its own steps */
+    memset(g->as.cost_n, 0, sizeof g->as.cost_n);
     kv_as_tighten(g, rm, kv_as_now());
 }

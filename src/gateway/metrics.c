@@ -225,6 +225,9 @@ char *kv_gw_metrics_text(kv_gateway *g) {
             KV_M("# TYPE kvasir_gateway_local_decisions_total counter\n");
             KV_M("kvasir_gateway_local_decisions_total{decision=\"widen\"} %llu\n", (unsigned long long)a->widened);
             KV_M("kvasir_gateway_local_decisions_total{decision=\"tighten\"} %llu\n", (unsigned long long)a->tightened);
+            KV_M("# HELP kvasir_gateway_local_unpaid_total Tightenings because the wider share cost more per session.\n");
+            KV_M("# TYPE kvasir_gateway_local_unpaid_total counter\n");
+            KV_M("kvasir_gateway_local_unpaid_total %llu\n", (unsigned long long)a->unpaid);
             KV_M("# HELP kvasir_gateway_local_held_bytes Bytes of slabs held within --local-experts.\n");
             KV_M("# TYPE kvasir_gateway_local_held_bytes gauge\n");
             KV_M("kvasir_gateway_local_held_bytes %llu\n", (unsigned long long)a->held_bytes);

@@ -128,7 +128,11 @@ typedef struct kv_gw_autoscale {
     double ewma_s;              /* step time, moving average */
     double last_change;         /* monotonic seconds of the last decision */
     double rehold_at;           /* when the held slabs are chosen again by demand */
+    double cost[KV_GW_AS_LEVELS + 1]; /* per level: moving average of step time per session */
+    uint32_t cost_n[KV_GW_AS_LEVELS + 1]; /* steps in it (0: not measured at this load) */
+    uint32_t cost_conc;         /* sessions active when the costs began (they hold for this load) */
     uint64_t widened, tightened;/* decisions */
+    uint64_t unpaid;            /* of the tightenings: a wider level cost more per session */
     uint64_t rehold;            /* times the held set was chosen again */
     uint64_t pairs_remote, pairs_local, pairs_held_local; /* the remote's, after the last step */
     kv_remote_demand *demand;   /* [n_demand] per manifest slab, copied after each step (NULL: none) */
