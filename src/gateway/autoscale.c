@@ -21,7 +21,9 @@
  *     the workers' part runs beside the gateway's own (on a gateway whose
  *     workers are few or slow the best share is in the middle). The step
  *     costs per level are forgotten when the sessions active double or
- *     halve, or none is active;
+ *     halve, or none is active, and a level measured at this load whose
+ *     narrower neighbour is not is left for that neighbour to be measured
+ *     (a probe: the choice climbs towards the cheapest share both ways);
  *   - tighten (level - 1) when the sessions active fell to half of those
  *     active when the current level was entered (or none is active), after
  *     the same dwell: the load that made it widen is gone. The rules use
@@ -158,6 +160,11 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
         a->cost[L] > KV_GW_AS_WORSE * a->cost[L - 1] && now - a->last_change >= KV_GW_AS_DWELL_S) {
         a->unpaid++;
         kv_as_set(g, rm, L - 1, now);
+        return;
+    }
+    if (L && a->cost_n[L] >= KV_GW_AS_JUDGE && !a->cost_n[L - 1] && now - a->last_change >= KV_GW_AS_DWELL_S) {
+        kv_as_set(g, rm, L - 1, now); /* the narrower share is not measured at this load: try it */
+        a->probes++;
         return;
     }
     const bool next_worse = L < KV_GW_AS_LEVELS && a->cost_n[L + 1] >= KV_GW_AS_JUDGE && a->cost_n[L] >= KV_GW_AS_JUDGE &&

@@ -228,6 +228,9 @@ char *kv_gw_metrics_text(kv_gateway *g) {
             KV_M("# HELP kvasir_gateway_local_unpaid_total Tightenings because the wider share cost more per session.\n");
             KV_M("# TYPE kvasir_gateway_local_unpaid_total counter\n");
             KV_M("kvasir_gateway_local_unpaid_total %llu\n", (unsigned long long)a->unpaid);
+            KV_M("# HELP kvasir_gateway_local_probes_total Tightenings to measure the narrower share at this load.\n");
+            KV_M("# TYPE kvasir_gateway_local_probes_total counter\n");
+            KV_M("kvasir_gateway_local_probes_total %llu\n", (unsigned long long)a->probes);
             KV_M("# HELP kvasir_gateway_local_held_bytes Bytes of slabs held within --local-experts.\n");
             KV_M("# TYPE kvasir_gateway_local_held_bytes gauge\n");
             KV_M("kvasir_gateway_local_held_bytes %llu\n", (unsigned long long)a->held_bytes);

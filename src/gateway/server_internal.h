@@ -133,6 +133,7 @@ typedef struct kv_gw_autoscale {
     uint32_t cost_conc;         /* sessions active when the costs began (they hold for this load) */
     uint64_t widened, tightened;/* decisions */
     uint64_t unpaid;            /* of the tightenings: a wider level cost more per session */
+    uint64_t probes;            /* of the tightenings: to measure the narrower level at this load */
     uint64_t rehold;            /* times the held set was chosen again */
     uint64_t pairs_remote, pairs_local, pairs_held_local; /* the remote's, after the last step */
     kv_remote_demand *demand;   /* [n_demand] per manifest slab, copied after each step (NULL: none) */
