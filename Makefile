@@ -19,6 +19,8 @@
 #   make bench-wan   the WAN cost model (docs/WAN.md) against the test bed: 0-80 ms, 10 Mbit/s-unlimited
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make bench-hedge  decode step p50/p99 over two replicas, healthy and with one stalling
+#   make bench-autoscale  a gateway with --local-experts and two workers under 1 -> 16 -> 1 clients
+#                 against a local-only gateway (CSV and PNG in bench/out, docs/BENCHMARKS.md)
 #   make wan-test the WAN test bed (tests/test_wan_bed.sh, docs/NETDELAY.md) in its long
 #                 version: two sites 40 ms apart, 0.5% loss, a host behind a NAT router, a
 #                 kvasir hub and a NATed kvasir node (needs root), then the design's scenario
@@ -39,7 +41,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: wan-test attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring bench-wan bench-hedge clean deps-arm arm test-arm bench-arm
+.PHONY: wan-test attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring bench-wan bench-hedge bench-autoscale clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -148,6 +150,10 @@ bench-wan: deps
 bench-hedge: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/hedge.sh $(BUILD)/kvasir
+
+bench-autoscale: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/autoscale.sh $(BUILD)/kvasir
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build
