@@ -14,6 +14,8 @@
  *     the bottleneck, and the workers' cores compute in parallel with the
  *     local part of every layer. A single session is never widened: its
  *     step is one token's, which a round trip per layer only lengthens;
+ *     The current level must have been measured at this load first
+ *     (KV_GW_AS_JUDGE steps; not with a given target, which tests force);
  *   - but not to a level already measured at this load that cost more per
  *     session than the current one, and back (tighten) from a level that,
  *     after KV_GW_AS_JUDGE steps, costs KV_GW_AS_WORSE times more per
@@ -169,7 +171,9 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
     }
     const bool next_worse = L < KV_GW_AS_LEVELS && a->cost_n[L + 1] >= KV_GW_AS_JUDGE && a->cost_n[L] >= KV_GW_AS_JUDGE &&
                             a->cost[L + 1] > a->cost[L];
-    if (!next_worse && a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->n_active >= 2 &&
+    /* a level is measured (KV_GW_AS_JUDGE steps) before the next is tried,
+     * so that the cost rules can compare the two */
+    if (!next_worse && (a->cost_n[L] >= KV_GW_AS_JUDGE || a->target_given) && a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->n_active >= 2 &&
         g->cov_up > 0 && now - a->last_change >= KV_GW_AS_DWELL_S)
         kv_as_set(g, rm, a->level + 1, now);
 }
