@@ -7,6 +7,10 @@
 # predicted by the model:
 #
 #   t_token = t_compute + rounds * (rtt + wire(bytes_req) + wire(bytes_resp))
+#
+# rtt is the path's round trip as ping measures it just before the row (the
+# line's setting plus what the delay line adds on a loaded machine: a user
+# plugs in the round trip they measure, not a nominal one);
 #   wire(b) = (b + 22 * frames + 52 * ceil(b / 1448)) * 8 / rate
 #
 # where t_compute (the coordinator's and the worker's compute and the
@@ -69,21 +73,23 @@ wcm_worker_ns 1
 echo "line: $WAN_MECH"
 echo
 echo "decode, one sequence: measured vs the cost model"
-printf "%8s  %12s  %14s  %14s  %8s\n" "rtt ms" "rate" "measured ms" "predicted ms" "error"
+printf "%8s  %9s  %12s  %14s  %14s  %8s\n" "rtt ms" "ping ms" "rate" "measured ms" "predicted ms" "error"
 worst=0
 for rate in $RATES; do
   for rtt in $RTTS; do
     args=()
     [ "$rate" != 0 ] && args=(--rate-kbit "$rate")
     wan_line "$(awk -v r="$rtt" 'BEGIN { print r / 2 }')" "${args[@]}"
+    pr=$(wcm_ping_ms 0 1)
+    [ -n "$pr" ] || fail "no ping across the line"
     meas=$(wcm_measure "$GEN" 1 f32)
-    pred=$(wcm_predict "$T_C" "$ROUNDS" "$BREQ" "$BRESP" "$rtt" "$rate")
+    pred=$(wcm_predict "$T_C" "$ROUNDS" "$BREQ" "$BRESP" "$pr" "$rate")
     err=$(awk -v m="$meas" -v p="$pred" 'BEGIN { printf "%.1f", 100 * (p - m) / m }')
     worst=$(awk -v w="$worst" -v e="$err" 'BEGIN { e = e < 0 ? -e : e; print (e > w ? e : w) }')
-    printf "%8s  %12s  %14.2f  %14.2f  %7s%%\n" "$rtt" "$(wcm_rate_name "$rate")" "$(awk -v m="$meas" 'BEGIN { print m * 1000 }')" \
+    printf "%8s  %9s  %12s  %14.2f  %14.2f  %7s%%\n" "$rtt" "$pr" "$(wcm_rate_name "$rate")" "$(awk -v m="$meas" 'BEGIN { print m * 1000 }')" \
       "$(awk -v p="$pred" 'BEGIN { print p * 1000 }')" "$err"
-    jq -nc --argjson rtt "$rtt" --argjson rate "$rate" --argjson m "$meas" --argjson p "$pred" \
-      '{kind: "decode", rtt_ms: $rtt, rate_kbit: $rate, measured_s: $m, predicted_s: $p}' >>"$JSON_OUT"
+    jq -nc --argjson rtt "$rtt" --argjson ping "$pr" --argjson rate "$rate" --argjson m "$meas" --argjson p "$pred" \
+      '{kind: "decode", rtt_ms: $rtt, ping_ms: $ping, rate_kbit: $rate, measured_s: $m, predicted_s: $p}' >>"$JSON_OUT"
   done
 done
 echo "worst error: ${worst}%"

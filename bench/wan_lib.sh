@@ -14,6 +14,8 @@
 #   wcm_predict T_C ROUNDS BREQ BRESP RTT_MS RATE_KBIT
 #                               the model's seconds per token (docs/WAN.md)
 #   wcm_rate_name KBIT          "unlimited", "10 Mbit/s", ...
+#   wcm_ping_ms FROM TO         the path's mean round trip as ping measures it (20 small
+#                               pings), ms: the model's rtt input, as a user would measure it
 WCM_ADDR=""
 WCM_PID=""
 WCM_MSS=1448     # TCP payload per packet (MTU 1500, IPv4 and TCP with timestamps)
@@ -92,4 +94,9 @@ wcm_rate_name() {
   awk -v r="$1" 'BEGIN {
     if (r == 0) print "unlimited"; else if (r >= 1000000) printf "%g Gbit/s\n", r / 1000000;
     else if (r >= 1000) printf "%g Mbit/s\n", r / 1000; else printf "%g kbit/s\n", r }'
+}
+
+wcm_ping_ms() {
+  ip netns exec "${WAN_NS[$1]}" ping -n -q -c 20 -i 0.02 -W 2 "${WAN_IP[$2]}" 2>/dev/null |
+    sed -n 's|^rtt min/avg/max/mdev = [0-9.]*/\([0-9.]*\)/.*|\1|p'
 }

@@ -1,9 +1,10 @@
 /* libFuzzer target for the output parser (src/chat/toolcall.c): the first
  * byte picks the family and switches (think, think_open, tools, one call at
- * most), the second where the rest is cut in two; the rest is the model's
- * text. Pushed whole and in two pieces, the events must agree (content,
- * reasoning and calls joined), every call's arguments must be a JSON
- * object, and there must be at most KV_CHAT_MAX_CALLS calls. */
+ * most, arguments streamed), the second where the rest is cut in two; the
+ * rest is the model's text. Pushed whole and in two pieces, the events must
+ * agree (content, reasoning, calls and argument fragments joined), every
+ * call's arguments must be a JSON object (a streamed one: exactly its
+ * fragments joined), and there must be at most KV_CHAT_MAX_CALLS calls. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,9 @@ typedef struct acc {
     size_t n, cap;
     char last;           /* the tag of the last event */
     uint32_t calls;
+    char frag[1 << 16];  /* the open streamed call's fragments joined (cut past the size: not compared) */
+    size_t n_frag;
+    bool frag_over, begun;
 } acc;
 
 static void put(acc *a, char tag, const char *s, size_t n) {
@@ -33,10 +37,32 @@ static void put(acc *a, char tag, const char *s, size_t n) {
 
 static int on_ev(void *ud, const kv_chat_ev *ev) {
     acc *a = ud;
+    if (ev->type == KV_CHAT_EV_CALL_BEGIN) {
+        if (a->begun || ev->index != a->calls) abort();
+        a->begun = true;
+        a->n_frag = 0;
+        a->frag_over = false;
+        put(a, 'b', ev->name, strlen(ev->name));
+        return 0;
+    }
+    if (ev->type == KV_CHAT_EV_CALL_ARGS) {
+        if (!a->begun || ev->index != a->calls) abort();
+        if (a->n_frag + ev->n <= sizeof a->frag) memcpy(a->frag + a->n_frag, ev->text, ev->n);
+        else a->frag_over = true;
+        a->n_frag += ev->n;
+        put(a, 'f', ev->text, ev->n);
+        return 0;
+    }
     if (ev->type == KV_CHAT_EV_CALL) {
-        json_t *j = json_loadb(ev->args, ev->args_len, JSON_ALLOW_NUL, NULL);
-        if (!json_is_object(j) || ev->index != a->calls) abort();
-        json_decref(j);
+        if (ev->index != a->calls || ev->streamed != a->begun) abort();
+        if (ev->streamed) { /* its arguments: the fragments given */
+            if (ev->args_len != a->n_frag || (!a->frag_over && memcmp(ev->args, a->frag, a->n_frag))) abort();
+            a->begun = false;
+        } else {
+            json_t *j = json_loadb(ev->args, ev->args_len, JSON_ALLOW_NUL, NULL);
+            if (!json_is_object(j)) abort();
+            json_decref(j);
+        }
         a->calls++;
         put(a, 'C', ev->name, strlen(ev->name));
         put(a, 'A', ev->args, ev->args_len);
@@ -59,7 +85,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 2) return 0;
     const uint8_t f = data[0];
     kv_chat_syntax s = {.format = (f & 3) % KV_CHAT_FMT_COUNT, .think = f & 4, .think_open = f & 8,
-                        .tools = f & 16, .max_calls = (f & 32) ? 1 : 0};
+                        .tools = f & 16, .max_calls = (f & 32) ? 1 : 0, .stream_args = f & 64};
     const uint8_t *d = data + 2;
     const size_t n = size - 2, cut = n ? data[1] % (n + 1) : 0;
     acc whole = {0}, split = {0};

@@ -203,6 +203,7 @@ static int role_class(enum kv_role r) {
     case KV_ROLE_EXPERT: return KV_ANAT_ROUTED_EXPERTS;
     case KV_ROLE_SHEXP: return KV_ANAT_SHARED_EXPERTS;
     case KV_ROLE_MTP: return KV_ANAT_MTP;
+    case KV_ROLE_FFN: return KV_ANAT_DENSE_FFN;
     default: return -1;
     }
 }
@@ -349,6 +350,9 @@ static void test_skeletons(void) {
         {"qwen3-30b-a3b", 3 + 48 * 12},
         {"qwen35-35b-a3b", 3 + 30 * 19 + 10 * 16 + 20},
         {"qwen35-122b-a10b", 3 + 36 * 19 + 12 * 16 + 20},
+        /* deepseek2: 13 tensors a dense block, 18 a MoE block (router, selection bias, 3 routed, 3 shared) */
+        {"deepseek-v3", 3 + 3 * 13 + 58 * 18},
+        {"kimi-k2", 3 + 1 * 13 + 60 * 18},
     };
     for (size_t i = 0; i < KVT_N(sk); i++) {
         char p[512];

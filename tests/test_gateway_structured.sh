@@ -144,36 +144,42 @@ node "$SRC/tests/oracle/grammar_validate.mjs" "$DIR/w.jsonl" || fail "answers ov
 kill "$GWW" "$GWL" "$WK" 2>/dev/null || true
 
 # a forced tool call over real templates (from the llama.cpp source bundled
-# in node-llama-cpp): Qwen3.5's prompt opens <think>, so the forced text
-# closes it first and the call is a call, not reasoning; DeepSeek's call
-# format has no grammar yet: a 400 naming it
+# in node-llama-cpp), each family's call text under its grammar: Qwen3.5's
+# prompt opens <think>, so the forced text closes it first and the call is a
+# call, not reasoning; DeepSeek V3.1 (NAME<｜tool▁sep｜>ARGS), R1 (fenced
+# arguments) and gpt-oss (a commentary message to functions.NAME); then a
+# named function with parallel calls allowed (gpt-oss: one call per turn)
 git clone -q --no-checkout "$SRC/tests/oracle/node_modules/node-llama-cpp/llama/gitRelease.bundle" "$DIR/llama" \
   >/dev/null 2>&1 || fail "cannot clone the llama.cpp bundle of node-llama-cpp"
-for t in Qwen3.5-4B deepseek-ai-DeepSeek-V3.1; do
+FAMILIES="Qwen3.5-4B deepseek-ai-DeepSeek-V3.1 deepseek-ai-DeepSeek-R1-Distill-Qwen-32B openai-gpt-oss-120b"
+for t in $FAMILIES; do
   git -C "$DIR/llama" show "HEAD:models/templates/$t.jinja" >"$DIR/$t.jinja" || fail "no template $t in the bundle"
 done
 "$BIN" gen-model --preset tiny --ctx 4096 --out "$DIR/big.gguf" >/dev/null 2>&1 || fail "gen-model big"
-TOOLS='[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string","maxLength":8}},"required":["city"]}}}]'
-for t in Qwen3.5-4B deepseek-ai-DeepSeek-V3.1; do
+TOOLS='[{"type":"function","function":{"name":"get_weather","description":"The weather","parameters":{"type":"object","properties":{"city":{"type":"string","maxLength":8}},"required":["city"]}}},{"type":"function","function":{"name":"add","description":"Adds","parameters":{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"],"additionalProperties":false}}}]'
+for t in $FAMILIES; do
   "$BIN" gateway -m "$DIR/big.gguf" --chat-template "$DIR/$t.jinja" --listen 127.0.0.1:0 --threads 1 \
     >"$DIR/t.out" 2>"$DIR/t.out.err" &
   TG=$!
   PIDS+=("$TG")
   TADDR=$(wait_addr "$TG" "$DIR/t.out")
-  for seed in 1 2 3; do
-    body="{\"messages\":[{\"role\":\"user\",\"content\":\"weather?\"}],\"seed\":$seed,\"max_tokens\":300,\"parallel_tool_calls\":false,\"tools\":$TOOLS,\"tool_choice\":\"required\"}"
-    code=$(curl -s -o "$DIR/t.body" -w '%{http_code}' "http://$TADDR/v1/chat/completions" -d "$body")
-    if [ "$t" = Qwen3.5-4B ]; then
-      [ "$code" = 200 ] || fail "$t seed $seed: status $code: $(cat "$DIR/t.body")"
-      jq -e '.choices[0] | .finish_reason == "tool_calls" and (.message.tool_calls | length) == 1 and
-        .message.reasoning_content == null and .message.content == null and
-        .message.tool_calls[0].function.name == "get_weather" and
-        ((.message.tool_calls[0].function.arguments | fromjson | .city | type) == "string")' "$DIR/t.body" >/dev/null ||
-        fail "$t seed $seed: $(cat "$DIR/t.body")"
+  for seed in 1 2 3 4 5; do
+    if [ "$seed" -le 3 ]; then
+      choice='"required","parallel_tool_calls":false'
+      want='(.message.tool_calls | length) == 1 and ([.message.tool_calls[].function.name] - ["get_weather","add"]) == []'
     else
-      [ "$code" = 400 ] || fail "$t seed $seed: status $code"
-      grep -q "DeepSeek tool-call format is not supported (not yet)" "$DIR/t.body" || fail "$t: $(cat "$DIR/t.body")"
+      choice='{"type":"function","function":{"name":"get_weather"}}'
+      want='(.message.tool_calls | length) >= 1 and ([.message.tool_calls[].function.name] | unique) == ["get_weather"]'
     fi
+    body="{\"messages\":[{\"role\":\"user\",\"content\":\"weather?\"}],\"seed\":$seed,\"max_tokens\":400,\"tools\":$TOOLS,\"tool_choice\":$choice}"
+    code=$(curl -s -o "$DIR/t.body" -w '%{http_code}' "http://$TADDR/v1/chat/completions" -d "$body")
+    [ "$code" = 200 ] || fail "$t seed $seed: status $code: $(cat "$DIR/t.body")"
+    jq -e ".choices[0] | .finish_reason == \"tool_calls\" and $want and
+      .message.reasoning_content == null and .message.content == null and
+      all(.message.tool_calls[]; (.function.arguments | fromjson) as \$a |
+        if .function.name == \"add\" then (\$a | keys) == [\"a\"] and (\$a.a | type) == \"number\"
+        else (\$a.city | type) == \"string\" and (\$a.city | length) <= 8 end)" "$DIR/t.body" >/dev/null ||
+      fail "$t seed $seed: $(cat "$DIR/t.body")"
   done
   kill "$TG" 2>/dev/null || true
 done

@@ -10,6 +10,9 @@
  *   vocabulary with the real sampler, every sample checked by a separate
  *   hand-written checker (jansson parses it; names and argument types
  *   against the tools' schemas); errors naming the tool and keyword;
+ * - the other families' call texts (DeepSeek V3.1 and R1, gpt-oss) as
+ *   their templates write them are sentences, the chat parser reads them
+ *   back as the call;
  * - kv_gw_parse's fields (response_format, grammar, json_schema, format):
  *   which compile, which are refused and with what message. */
 #include <jansson.h>
@@ -19,6 +22,7 @@
 #include <string.h>
 
 #include "gateway/gateway_internal.h"
+#include "kvasir/chat.h"
 #include "kvasir/grammar.h"
 #include "kvasir/sample.h"
 #include "kvtest.h"
@@ -278,6 +282,116 @@ static void test_tools_generate(void) {
     kv_grammar_vocab_free(v);
 }
 
+/* The other families' call texts, as their templates write a call
+ * (DeepSeek V3.1, R1's fenced form, gpt-oss's commentary message): each is
+ * a sentence of its grammar, the wrong ones are not, and the chat parser of
+ * the family reads each sentence back as the very call. */
+typedef struct { char name[64]; char args[256]; uint32_t n; } calls_seen;
+static int on_call(void *ud, const kv_chat_ev *ev) {
+    calls_seen *c = ud;
+    if (ev->type == KV_CHAT_EV_CALL) {
+        snprintf(c->name, sizeof c->name, "%s", ev->name);
+        snprintf(c->args, sizeof c->args, "%s", ev->args);
+        c->n++;
+    } else if (ev->type == KV_CHAT_EV_CONTENT && ev->n) {
+        c->n += 100; /* content: not a call */
+    }
+    return 0;
+}
+
+typedef struct { uint32_t begun, n_frags; char joined[256], args[256]; bool streamed; } frags_seen;
+static int on_frag(void *ud, const kv_chat_ev *ev) {
+    frags_seen *f = ud;
+    if (ev->type == KV_CHAT_EV_CALL_BEGIN) f->begun++;
+    if (ev->type == KV_CHAT_EV_CALL_ARGS) {
+        f->n_frags++;
+        const size_t l = strlen(f->joined);
+        snprintf(f->joined + l, sizeof f->joined - l, "%.*s", (int)ev->n, ev->text);
+    }
+    if (ev->type == KV_CHAT_EV_CALL) {
+        snprintf(f->args, sizeof f->args, "%s", ev->args);
+        f->streamed = ev->streamed;
+    }
+    return 0;
+}
+
+#define DS(x) "<\xef\xbd\x9c" x "\xef\xbd\x9c>"
+#define US "\xe2\x96\x81"
+static void test_tools_families(void) {
+    struct { int fmt, parser; const char *good, *good2, *bad; } cs[] = {
+        {KV_GW_CALLS_HERMES, KV_CHAT_FMT_HERMES, CALL("{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}"),
+         CALL("{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}") "\n" CALL("{\"name\": \"now\", \"arguments\": {}}"),
+         CALL("{\"name\": \"add\", \"arguments\": {\"a\": 2}}")},
+        {KV_GW_CALLS_DEEPSEEK, KV_CHAT_FMT_DEEPSEEK,
+         DS("tool" US "calls" US "begin") DS("tool" US "call" US "begin") "add" DS("tool" US "sep")
+             "{\"a\": 2, \"b\": 3}" DS("tool" US "call" US "end") DS("tool" US "calls" US "end"),
+         DS("tool" US "calls" US "begin") DS("tool" US "call" US "begin") "add" DS("tool" US "sep")
+             "{\"a\": 2, \"b\": 3}" DS("tool" US "call" US "end") DS("tool" US "call" US "begin") "now"
+             DS("tool" US "sep") "{}" DS("tool" US "call" US "end") DS("tool" US "calls" US "end"),
+         DS("tool" US "calls" US "begin") DS("tool" US "call" US "begin") "add" DS("tool" US "sep")
+             "{\"a\": 200, \"b\": 3}" DS("tool" US "call" US "end") DS("tool" US "calls" US "end")},
+        {KV_GW_CALLS_DEEPSEEK_FENCED, KV_CHAT_FMT_DEEPSEEK,
+         DS("tool" US "calls" US "begin") DS("tool" US "call" US "begin") "function" DS("tool" US "sep")
+             "add\n```json\n{\"a\": 2, \"b\": 3}\n```" DS("tool" US "call" US "end") DS("tool" US "calls" US "end"),
+         DS("tool" US "calls" US "begin") DS("tool" US "call" US "begin") "function" DS("tool" US "sep")
+             "add\n```json\n{\"a\": 2, \"b\": 3}\n```" DS("tool" US "call" US "end") "\n" DS("tool" US "call" US "begin")
+             "function" DS("tool" US "sep") "now\n```json\n{}\n```" DS("tool" US "call" US "end")
+             DS("tool" US "calls" US "end"),
+         DS("tool" US "calls" US "begin") DS("tool" US "call" US "begin") "add" DS("tool" US "sep")
+             "{\"a\": 2, \"b\": 3}" DS("tool" US "call" US "end") DS("tool" US "calls" US "end")},
+        {KV_GW_CALLS_HARMONY, KV_CHAT_FMT_HARMONY,
+         "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 2, \"b\": 3}", NULL,
+         "<|channel|>commentary to=functions.add<|message|>{\"a\": 2, \"b\": 3}"},
+    };
+    json_t *tools = json_loads(TOOLS, 0, NULL);
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        kv_grammar *one = NULL, *par = NULL;
+        kv_diag d = {0};
+        ASSERT_EQ(kv_gw_tools_grammar(&one, tools, NULL, cs[i].fmt, false, false, &d), 0);
+        ASSERT_EQ(kv_gw_tools_grammar(&par, tools, NULL, cs[i].fmt, true, false, &d), 0);
+        if (!one || !par) {
+            KVT_FAIL("format %d: %s", cs[i].fmt, d.msg);
+            continue;
+        }
+        if (sentence(one, cs[i].good)) KVT_FAIL("format %d: the template's call is refused", cs[i].fmt);
+        if (!sentence(one, cs[i].bad)) KVT_FAIL("format %d: a wrong call is accepted", cs[i].fmt);
+        if (cs[i].good2 && !sentence(one, cs[i].good2)) KVT_FAIL("format %d: two calls, not parallel", cs[i].fmt);
+        if (cs[i].good2 && sentence(par, cs[i].good2)) KVT_FAIL("format %d: two parallel calls refused", cs[i].fmt);
+        /* named: that one only */
+        kv_grammar *now = NULL;
+        ASSERT_EQ(kv_gw_tools_grammar(&now, tools, "now", cs[i].fmt, false, false, &d), 0);
+        if (now && !sentence(now, cs[i].good)) KVT_FAIL("format %d: the named grammar takes another", cs[i].fmt);
+        kv_grammar_free(now);
+        /* the parser reads the sentence as the call */
+        kv_chat_syntax syn = {.format = cs[i].parser, .tools = true};
+        kv_chat_parser *cp = NULL;
+        ASSERT_EQ(kv_chat_parser_new(&cp, &syn), 0);
+        calls_seen seen = {0};
+        if (cp) ASSERT_EQ(kv_chat_parser_push(cp, cs[i].good, strlen(cs[i].good), true, on_call, &seen), 0);
+        kv_chat_parser_free(cp);
+        ASSERT_EQ(seen.n, 1u);
+        /* streamed (stream_args), a byte at a time: begun once, the arguments in
+           fragments whose join is the call's arguments */
+        syn.stream_args = true;
+        ASSERT_EQ(kv_chat_parser_new(&cp, &syn), 0);
+        frags_seen fs = {0};
+        for (size_t k = 0; cp && cs[i].good[k]; k++)
+            ASSERT_EQ(kv_chat_parser_push(cp, cs[i].good + k, 1, false, on_frag, &fs), 0);
+        if (cp) ASSERT_EQ(kv_chat_parser_push(cp, "", 0, true, on_frag, &fs), 0);
+        kv_chat_parser_free(cp);
+        ASSERT_EQ(fs.begun, 1u);
+        ASSERT_TRUE(fs.n_frags > 1);
+        ASSERT_STREQ(fs.joined, fs.args);
+        ASSERT_STREQ(fs.args, "{\"a\":2,\"b\":3}");
+        ASSERT_TRUE(fs.streamed);
+        ASSERT_STREQ(seen.name, "add");
+        ASSERT_STREQ(seen.args, "{\"a\":2,\"b\":3}");
+        kv_grammar_free(one);
+        kv_grammar_free(par);
+    }
+    json_decref(tools);
+}
+
 static void test_tools_errors(void) {
     struct { const char *tools, *only, *want; int rc; } cs[] = {
         {"{}", NULL, "'tools' must be a non-empty array", KV_EINVAL},
@@ -360,6 +474,7 @@ int main(void) {
     test_sample_allowed();
     test_tools_accept();
     test_tools_generate();
+    test_tools_families();
     test_tools_errors();
     test_parse_fields();
     KV_TEST_END();

@@ -65,7 +65,7 @@ static void random_market(kv_hub_shard_view *s, uint8_t *held, size_t n) {
         uint32_t wanted = 1 + (uint32_t)(rnd() % 3);
         uint32_t live = held[i] + (uint32_t)(rnd() % 4);
         s[i] = (kv_hub_shard_view){(uint32_t)(i / 4), (uint32_t)(i % 4) * 2, (uint32_t)(i % 4) * 2 + 1,
-                                   1000 + rnd() % 4 * 500, wanted, live, 0};
+                                   1000 + rnd() % 4 * 500, wanted, live, 0, 0, 0};
     }
 }
 
@@ -113,26 +113,26 @@ static void test_choose_cases(void) {
     uint64_t bytes;
     uint8_t take[4];
     /* a third replica of a covered shard vs an uncovered one, room for one */
-    kv_hub_shard_view s1[2] = {{0, 0, 1, 100, 2, 2, 0}, {0, 2, 3, 100, 2, 0, 0}};
+    kv_hub_shard_view s1[2] = {{0, 0, 1, 100, 2, 2, 0, 0, 0}, {0, 2, 3, 100, 2, 0, 0, 0, 0}};
     uint8_t h1[2] = {0, 0};
     ASSERT_EQ(kv_node_choose(s1, 2, 150, h1, 7, take, &bytes, &d), 0);
     ASSERT_EQ(take[0], 0);
     ASSERT_EQ(take[1], 1);
     /* a held third replica yields to an uncovered shard */
-    kv_hub_shard_view s2[2] = {{0, 0, 1, 100, 2, 3, 0}, {0, 2, 3, 100, 2, 0, 0}};
+    kv_hub_shard_view s2[2] = {{0, 0, 1, 100, 2, 3, 0, 0, 0}, {0, 2, 3, 100, 2, 0, 0, 0, 0}};
     uint8_t h2[2] = {1, 0};
     ASSERT_EQ(kv_node_choose(s2, 2, 150, h2, 7, take, &bytes, &d), 0);
     ASSERT_EQ(take[0], 0);
     ASSERT_EQ(take[1], 1);
     /* the last live replica is kept even over a smaller budget */
-    kv_hub_shard_view s3[2] = {{0, 0, 1, 100, 2, 1, 0}, {0, 2, 3, 100, 2, 0, 0}};
+    kv_hub_shard_view s3[2] = {{0, 0, 1, 100, 2, 1, 0, 0, 0}, {0, 2, 3, 100, 2, 0, 0, 0, 0}};
     uint8_t h3[2] = {1, 0};
     ASSERT_EQ(kv_node_choose(s3, 2, 50, h3, 7, take, &bytes, &d), 0);
     ASSERT_EQ(take[0], 1);
     ASSERT_EQ(take[1], 0);
     ASSERT_EQ(bytes, 100);
     /* a held wanted replica is not traded for an equal one */
-    kv_hub_shard_view s4[2] = {{0, 0, 1, 100, 2, 2, 0}, {0, 2, 3, 100, 2, 1, 0}};
+    kv_hub_shard_view s4[2] = {{0, 0, 1, 100, 2, 2, 0, 0, 0}, {0, 2, 3, 100, 2, 1, 0, 0, 0}};
     uint8_t h4[2] = {1, 0};
     ASSERT_EQ(kv_node_choose(s4, 2, 100, h4, 7, take, &bytes, &d), 0);
     ASSERT_EQ(take[0], 1);

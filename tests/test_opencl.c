@@ -22,9 +22,9 @@
 enum { N_LAYER = 2, N_EXPERT = 6, N_EMBD = 512, N_FF = 256, N_USED = 3 };
 
 typedef struct {
-    uint32_t type;
+    uint32_t type[3];          /* gate, up, down */
     uint8_t *gate, *up, *down; /* [layer][expert] matrices, back to back */
-    size_t gb, db;             /* bytes of one expert's gate/up, down */
+    size_t gb, ub, db;         /* bytes of one expert's gate, up, down */
 } exps;
 
 static uint64_t rng = 88172645463325252ull;
@@ -41,30 +41,33 @@ static int acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, 
     exps *x = ctx;
     if (layer >= N_LAYER || e >= N_EXPERT) return kv_fail(d, KV_ERANGE, "test: layer %u expert %u", layer, e);
     size_t i = (size_t)layer * N_EXPERT + e;
-    *w = (kv_expert_weights){x->gate + i * x->gb, x->up + i * x->gb, x->down + i * x->db, x->type, x->type, x->type};
+    *w = (kv_expert_weights){x->gate + i * x->gb, x->up + i * x->ub, x->down + i * x->db, x->type[0], x->type[1],
+                             x->type[2]};
     return 0;
 }
 
-static void make(exps *x, uint32_t type) {
-    const kv_type_info *t = kv_type_get_ref(type);
-    x->type = type;
-    x->gb = (size_t)kv_type_row_size(type, N_EMBD) * N_FF;
-    x->db = (size_t)kv_type_row_size(type, N_FF) * N_EMBD;
+/* Experts with gate, up, down in types tg, tu, td. */
+static void make(exps *x, uint32_t tg, uint32_t tu, uint32_t td) {
+    const kv_type_info *g = kv_type_get_ref(tg), *u = kv_type_get_ref(tu), *t = kv_type_get_ref(td);
+    x->type[0] = tg, x->type[1] = tu, x->type[2] = td;
+    x->gb = (size_t)kv_type_row_size(tg, N_EMBD) * N_FF;
+    x->ub = (size_t)kv_type_row_size(tu, N_EMBD) * N_FF;
+    x->db = (size_t)kv_type_row_size(td, N_FF) * N_EMBD;
     size_t n = (size_t)N_LAYER * N_EXPERT;
     x->gate = malloc(n * x->gb);
-    x->up = malloc(n * x->gb);
+    x->up = malloc(n * x->ub);
     x->down = malloc(n * x->db);
     float *row = malloc(sizeof(float) * N_EMBD);
     for (size_t i = 0; i < n; i++) {
         for (int r = 0; r < N_FF; r++) {
             for (int k = 0; k < N_EMBD; k++) row[k] = 0.05f * gauss();
-            t->from_float(row, x->gate + i * x->gb + (size_t)r * kv_type_row_size(type, N_EMBD), N_EMBD);
+            g->from_float(row, x->gate + i * x->gb + (size_t)r * kv_type_row_size(tg, N_EMBD), N_EMBD);
             for (int k = 0; k < N_EMBD; k++) row[k] = 0.05f * gauss();
-            t->from_float(row, x->up + i * x->gb + (size_t)r * kv_type_row_size(type, N_EMBD), N_EMBD);
+            u->from_float(row, x->up + i * x->ub + (size_t)r * kv_type_row_size(tu, N_EMBD), N_EMBD);
         }
         for (int r = 0; r < N_EMBD; r++) {
             for (int k = 0; k < N_FF; k++) row[k] = 0.05f * gauss();
-            t->from_float(row, x->down + i * x->db + (size_t)r * kv_type_row_size(type, N_FF), N_FF);
+            t->from_float(row, x->down + i * x->db + (size_t)r * kv_type_row_size(td, N_FF), N_FF);
         }
     }
     free(row);
@@ -91,7 +94,13 @@ static void test_types_vs_scalar(void) {
     printf("  device: %s\n", dev);
     const uint32_t types[] = {KV_TYPE_F32, KV_TYPE_F16, KV_TYPE_BF16, KV_TYPE_Q8_0,
                               KV_TYPE_Q4_0, KV_TYPE_Q4_K, KV_TYPE_Q5_K, KV_TYPE_Q6_K,
-                              KV_TYPE_Q4_1, KV_TYPE_Q5_0, KV_TYPE_Q5_1, KV_TYPE_IQ4_NL, KV_TYPE_MXFP4};
+                              KV_TYPE_Q4_1, KV_TYPE_Q5_0, KV_TYPE_Q5_1, KV_TYPE_IQ4_NL, KV_TYPE_MXFP4,
+                              KV_TYPE_Q2_K, KV_TYPE_Q3_K, KV_TYPE_IQ4_XS};
+    /* and experts whose matrices differ in type, gate's activation type
+     * differing from up's (some published mixes: gate Q8_0, up Q4_K) */
+    static const uint32_t mixed[][3] = {{KV_TYPE_Q8_0, KV_TYPE_Q4_K, KV_TYPE_Q2_K},
+                                        {KV_TYPE_IQ4_XS, KV_TYPE_Q8_0, KV_TYPE_Q3_K}};
+    const size_t n_same = sizeof types / sizeof types[0], n_mixed = sizeof mixed / sizeof mixed[0];
     ASSERT_EQ(kv_quant_set_backend("scalar"), 0);
     kv_diag d = {0};
     kv_pool *pool = NULL;
@@ -100,9 +109,18 @@ static void test_types_vs_scalar(void) {
     float *x = malloc(sizeof(float) * 5 * N_EMBD);
     int32_t ids[5 * N_USED];
     float *o1 = malloc(sizeof(float) * 5 * N_USED * N_EMBD), *o2 = malloc(sizeof(float) * 5 * N_USED * N_EMBD);
-    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+    for (size_t ti = 0; ti < n_same + n_mixed; ti++) {
         exps ex;
-        make(&ex, types[ti]);
+        if (ti < n_same)
+            make(&ex, types[ti], types[ti], types[ti]);
+        else
+            make(&ex, mixed[ti - n_same][0], mixed[ti - n_same][1], mixed[ti - n_same][2]);
+        char nm[48];
+        if (ti < n_same)
+            snprintf(nm, sizeof nm, "%s", kv_type_get(ex.type[0])->name);
+        else
+            snprintf(nm, sizeof nm, "%s/%s/%s", kv_type_get(ex.type[0])->name, kv_type_get(ex.type[1])->name,
+                     kv_type_get(ex.type[2])->name);
         kv_expert_source src = {&ex, acquire, NULL, N_LAYER, N_EXPERT, N_EMBD, N_FF, N_USED};
         kv_expert_provider ref, cl;
         ASSERT_EQ(kv_expert_local_new_src(&ref, &src, pool, 5, &d), 0);
@@ -125,7 +143,7 @@ static void test_types_vs_scalar(void) {
                 ASSERT_EQ(ref.compute(ref.impl, &rq, o1, &d), 0);
                 rc = cl.compute(cl.impl, &rq, o2, &d);
                 if (rc) {
-                    KVT_FAIL("opencl compute %s: %s", kv_type_get(types[ti])->name, d.msg);
+                    KVT_FAIL("opencl compute %s: %s", nm, d.msg);
                     continue;
                 }
                 const size_t n = (size_t)nt * N_USED * N_EMBD;
@@ -143,8 +161,8 @@ static void test_types_vs_scalar(void) {
                 if (rel > worst_rel) worst_rel = rel;
             }
         printf("  opencl %-5s vs scalar: %ld of %d values differ, cosine %.9f, max rel err %.3g\n",
-               kv_type_get(types[ti])->name, diff, 2 * (1 + 5) * N_USED * N_EMBD, worst_cos, worst_rel);
-        if (diff) KVT_FAIL("opencl %s: %ld values differ from the scalar reference", kv_type_get(types[ti])->name, diff);
+               nm, diff, 2 * (1 + 5) * N_USED * N_EMBD, worst_cos, worst_rel);
+        if (diff) KVT_FAIL("opencl %s: %ld values differ from the scalar reference", nm, diff);
         kvt_checks++;
         /* malformed requests: refused, nothing computed */
         int32_t bad_ids[N_USED] = {0, N_EXPERT, 1};

@@ -123,6 +123,8 @@ typedef struct kv_chat_syntax {
     uint32_t max_calls;    /* calls given at most (later ones are content); 0 = KV_CHAT_MAX_CALLS */
     const json_t *tools_json; /* the tools, OpenAI's shape, or NULL: a `<parameter=K>` whose schema
                                  type is "string" stays a string (copied by the parser) */
+    bool stream_args;      /* calls are well-formed (the caller samples them under their grammar): a
+                              call's JSON arguments are given as they come (CALL_BEGIN, CALL_ARGS) */
 } kv_chat_syntax;
 
 /* The syntax of a template's family from its source (markers as llama.cpp's
@@ -133,16 +135,26 @@ void kv_chat_detect(const char *tmpl, size_t n, kv_chat_syntax *out);
  * `<think>` (Qwen3.5's and DeepSeek-R1's generation prompts do). */
 bool kv_chat_prompt_thinks(const char *prompt, size_t n);
 
-enum kv_chat_ev_type { KV_CHAT_EV_CONTENT = 0, KV_CHAT_EV_REASONING, KV_CHAT_EV_CALL };
+/* With stream_args, a call whose arguments are a JSON object (Qwen's JSON
+ * body, DeepSeek's, harmony's) is also given as it comes: CALL_BEGIN once
+ * its name is known, then CALL_ARGS fragments of its arguments (whitespace
+ * outside strings left out: the fragments joined are the CALL's args,
+ * which is then that text, not jansson's re-encoding), then the CALL whole
+ * with streamed set. A streamed call the output ends inside (cut by a
+ * limit) is given as far as it went: a CALL whose args are the fragments
+ * given (not a whole JSON object then), never content. */
+enum kv_chat_ev_type { KV_CHAT_EV_CONTENT = 0, KV_CHAT_EV_REASONING, KV_CHAT_EV_CALL, KV_CHAT_EV_CALL_BEGIN,
+                       KV_CHAT_EV_CALL_ARGS };
 
 typedef struct kv_chat_ev {
     int type;              /* enum kv_chat_ev_type */
-    const char *text;      /* CONTENT, REASONING: text[0..n), whole UTF-8 if the input was */
+    const char *text;      /* CONTENT, REASONING, CALL_ARGS: text[0..n), whole UTF-8 if the input was */
     size_t n;
-    uint32_t index;        /* CALL: 0, 1, ... in order */
-    const char *name;      /* CALL: NUL-terminated */
+    uint32_t index;        /* CALL, CALL_BEGIN, CALL_ARGS: 0, 1, ... in order */
+    const char *name;      /* CALL, CALL_BEGIN: NUL-terminated */
     const char *args;      /* CALL: arguments, a JSON object as compact text, NUL-terminated */
     size_t args_len;
+    bool streamed;         /* CALL: its CALL_BEGIN and CALL_ARGS were given */
 } kv_chat_ev;
 /* Receives events (pointers valid during the call); non-zero stops the push
  * and is returned by it. */

@@ -143,6 +143,7 @@ typedef struct kv_remote_stats {
     uint64_t pairs_recomputed;  /* sampled full recomputes that matched */
     uint64_t caught;            /* workers caught lying */
     uint64_t hedges;            /* requests also sent to a replica (hedged) */
+    uint64_t pairs_hedged;      /* (token, expert) slots those hedges carried: computed twice */
     uint64_t hedges_won;        /* ... whose replica answered first */
     uint64_t late_answers;      /* answers discarded because a replica had answered first (not a fault) */
     uint64_t pairs_held_local;  /* of pairs_local: experts of held slabs (kv_remote_local_hold) */

@@ -235,6 +235,10 @@ typedef struct kv_session_opts {
     uint32_t n_stop;
     bool logprobs;               /* each emitted token's log-probability (kv_session_logprob) */
     uint32_t top_logprobs;       /* ... with this many most likely tokens (at most KV_SAMPLE_MAX_TOP) */
+    bool prompt_logprobs;        /* the prompt's tokens' too (kv_session_prompt_logprobs); its prompt is
+                                  * not taken from the prompt cache, and a step evaluates at most as many
+                                  * of its prompt tokens as it has logit rows to spare (max_sessions less
+                                  * the sessions open, plus one) */
     void *data;                  /* the caller's, never touched */
 } kv_session_opts;
 
@@ -254,6 +258,19 @@ void kv_session_free(kv_session *s);
  * token outside the vocabulary, KV_ECTXFULL when the session would exceed
  * n_ctx; nothing is queued then. */
 int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d);
+/* Appends n tokens to s's output as if it had sampled them (they enter the
+ * sampler's history as sampled tokens and count toward opts.max_tokens),
+ * between steps, while it prefills or generates: the model is fed them
+ * (after the token the last step emitted, which was not fed yet) and the
+ * next token is sampled after the last of them. For forcing a family's
+ * end-of-reasoning marker at a reasoning budget; the caller publishes the
+ * tokens itself (kv_session_token never shows them), and keeps n within
+ * what max_tokens leaves. Errors: KV_EINVAL in another state, with a
+ * grammar (it would be bypassed) or n outside [1, KV_SESSION_MAX_FORCE];
+ * KV_ERANGE a token outside the vocabulary; KV_ECTXFULL; KV_ENOMEM;
+ * nothing is queued then. */
+#define KV_SESSION_MAX_FORCE 64u
+int kv_session_force(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d);
 /* A paused session is skipped by steps (no prefill, no decode) and keeps
  * its state: backpressure for a slow reader. */
 void kv_session_pause(kv_session *s, bool paused);
@@ -270,6 +287,14 @@ const float *kv_session_logits(const kv_session *s);
  * logit bias and penalties, before temperature and truncation); valid until
  * the next step; NULL if none was emitted or logprobs are off. */
 const kv_token_logprob *kv_session_logprob(const kv_session *s);
+/* With opts.prompt_logprobs: [*n] for the positions evaluated so far
+ * (the prompt's once it has emitted a token): entry p the log-probability
+ * of the token at position p given those before it, and the top_logprobs
+ * most likely there, as the model gives them (kv_sampler_logprobs over a
+ * sampler without bias or penalties); token -1 where none was computed
+ * (position 0, a token fed after an emitted one). Valid until the next
+ * kv_session_prompt or kv_session_free; NULL with *n 0 without. */
+const kv_token_logprob *kv_session_prompt_logprobs(const kv_session *s, uint32_t *n);
 /* 0, or the session's error code, with its one-line message copied to d
  * (names the session and the step). */
 int kv_session_error(const kv_session *s, kv_diag *d);

@@ -126,6 +126,9 @@ typedef struct kv_gateway_opts {
     bool quiet;
     const char *model_path;     /* the file or manifest served, for GET /props (copied); NULL = none */
     bool no_web_ui;             /* GET / (and /index.html) answers 404, not the chat page */
+    const char *down_msg;       /* no engine and no ring: the model cannot run here, and this says why
+                                   (copied; at most 200 bytes kept): /health and every prompt answer 503
+                                   with it, at once */
 } kv_gateway_opts;
 
 #define KV_GATEWAY_MAX_CORS 32u

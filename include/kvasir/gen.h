@@ -42,7 +42,7 @@
 #define KV_GEN_MAX_BYTES (256ull << 30) /* refuse to write models over 256 GiB */
 
 typedef struct kv_gen_config {
-    const char *arch;       /* "qwen3moe" or "qwen35moe" */
+    const char *arch;       /* "qwen3moe", "qwen35moe" or "deepseek2" */
     const char *name;       /* general.name; NULL: "kvasir-synthetic" */
     uint32_t n_layer;       /* blocks */
     uint32_t n_embd;        /* hidden size */
@@ -59,6 +59,8 @@ typedef struct kv_gen_config {
     bool q6_mix;            /* with type Q4_K: the mix of llama.cpp's Q4_K_M, i.e.
                                ffn_down* (routed and shared), attn_v and output
                                in Q6_K, the other matrices Q4_K */
+    uint32_t mix;           /* kv_gen_mix: llama-quantize's recipe for the
+                               matrices (overrides type and q6_mix); 0: none */
     uint64_t seed;          /* weights PRNG seed */
     float router_skew;      /* 0: every expert alike; S > 0: in each layer's router the
                                row of the expert of rank r (a seeded shuffle per layer)
@@ -79,6 +81,19 @@ typedef struct kv_gen_config {
     uint32_t n_rot;         /* rotary dims, even, <= head_dim (default head_dim / 4) */
     int32_t rope_sections[4]; /* pairs per section; all 0: n_rot/2 split t, h, w as Qwen3.5 */
     uint32_t n_nextn;       /* MTP blocks after the trunk (not defaulted: 0 = none) */
+    /* deepseek2 only (head_dim is key_length_mla = qk_nope + n_rot, n_rot the rope
+     * part, n_head_kv ignored: MLA has one latent KV head); 0 = kv_gen_fill_defaults' value */
+    uint32_t q_lora_rank;   /* default 2 * n_embd / 3, even */
+    uint32_t kv_lora_rank;  /* the cached latent (default n_embd / 4) */
+    uint32_t head_dim_v;    /* value_length_mla (default head_dim - n_rot) */
+    uint32_t n_ff;          /* the leading blocks' dense FFN (default 4 * n_ff_exp) */
+    uint32_t n_dense_lead;  /* leading dense blocks (not defaulted: 0 = none) */
+    uint32_t n_expert_shared; /* shared experts of n_ff_exp (default 1) */
+    uint32_t n_expert_groups; /* expert groups, 0/1: none (not defaulted) */
+    uint32_t n_group_used;  /* groups chosen from (default n_expert_groups / 2 when grouped) */
+    float expert_weights_scale; /* routed scaling factor (default 2.5, DeepSeek-V3's) */
+    float yarn_factor;      /* YaRN rope.scaling.factor, 0: no scaling (not defaulted) */
+    uint32_t yarn_orig_ctx; /* its original_context_length (default n_ctx / 4) */
 } kv_gen_config;
 
 /* Fills the zero qwen35moe-only fields of a qwen35moe config with the
@@ -112,6 +127,38 @@ int kv_gen_validate(const kv_gen_config *cfg, kv_diag *d);
  * the same shape of rule as llama.cpp's quantizer, restricted to types
  * Kvasir computes with). */
 uint32_t kv_gen_matrix_type(uint32_t want, uint64_t row_len);
+
+/* llama-quantize's tensor-type recipes ("mixes") of the file types people
+ * download, as llama-quant.cpp assigns them (gen_mix.c). */
+typedef enum kv_gen_mix {
+    KV_GEN_MIX_NONE = 0,
+    KV_GEN_MIX_Q2_K,   /* LLAMA_FTYPE_MOSTLY_Q2_K (10) */
+    KV_GEN_MIX_Q3_K_M, /* LLAMA_FTYPE_MOSTLY_Q3_K_M (12) */
+    KV_GEN_MIX_Q4_K_M, /* LLAMA_FTYPE_MOSTLY_Q4_K_M (15) */
+    KV_GEN_MIX_IQ4_XS, /* LLAMA_FTYPE_MOSTLY_IQ4_XS (30) */
+    KV_GEN_MIX_COUNT
+} kv_gen_mix;
+
+/* What the recipe needs to know of the model and of a tensor's place. */
+typedef struct kv_gen_mix_ctx {
+    int i_wv, n_wv;     /* rank of this tensor among the attn_v-like ones (attn_v,
+                           attn_qkv, attn_kv_b) in file order, and their count */
+    int n_layer_all;    /* blocks, MTP blocks included */
+    uint32_t n_expert;  /* routed experts (llama.cpp treats 8 specially) */
+    uint32_t n_gqa;     /* n_head / n_head_kv */
+    bool tied;          /* no output.weight: token_embd is the LM head */
+} kv_gen_mix_ctx;
+
+/* The mix's name ("q2_k", "q3_k_m", "q4_k_m", "iq4_xs") -> id; -1 unknown. */
+int kv_gen_mix_from_name(const char *name);
+const char *kv_gen_mix_name(uint32_t mix); /* NULL for none/unknown */
+uint32_t kv_gen_mix_ftype(uint32_t mix);   /* general.file_type (llama_ftype) */
+/* The type the recipe gives a quantizable matrix `name` (2+ dims, rows of
+ * ne0): llama-quant.cpp's rule for these file types, then its fallback for
+ * rows that do not fit the block (Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
+ * Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, then F16), then, where Kvasir
+ * cannot write that type, Q8_0 (or F16 if the row is not a multiple of 32). */
+uint32_t kv_gen_mix_type(uint32_t mix, const char *name, uint64_t ne0, const kv_gen_mix_ctx *ctx);
 
 /* Bytes the model file will have (header excluded), or 0 if cfg is invalid
  * or the size overflows. */

@@ -21,7 +21,7 @@
  *   X-Kvasir-Counter:   a decimal u64 that must exceed the last one the hub
  *                       accepted from this key (stored, so it survives a
  *                       restart): a captured request cannot be replayed
- *   X-Kvasir-Signature: Ed25519 signature, 128 hex digits, over
+ *   X-Kvasir-Signature: Ed25519 signature, 128 hex digits, over the SHA-256 of
  *                       "kvasir-hub-v1\n" METHOD "\n" PATH "\n" COUNTER "\n"
  *                       hex(SHA-256(body)) "\n"
  * Registration also carries a single-use hub nonce in its body (GET
@@ -60,7 +60,17 @@ typedef struct kv_hub_opts {
     const char *listen;        /* HOST:PORT; NULL = "127.0.0.1:0" (port 0 picks one) */
     const char *db;            /* store URI: a SQLite file path, or PostgreSQL ("postgresql://...",
                                 * "pg:CONNINFO") for several hubs on one state */
-    uint32_t wanted;           /* replicas wanted per shard; 0 = 2 */
+    uint32_t wanted;           /* replicas wanted per shard with no demand (the floor); 0 = 2 */
+    /* the market following demand (docs/HUB.md "Demand"; src/hub/market.h) */
+    uint32_t wanted_max;       /* replicas a hot shard may want; 0 = wanted (a fixed market) */
+    double demand_per_replica; /* expert computations/s one replica is wanted for; 0 = 2000 */
+    uint32_t demand_half_life_ms; /* of a shard's demand rate; 0 = 60000 */
+    uint32_t market_raise_ms;  /* demand above the high watermark this long raises wanted; 0 = 10000 */
+    uint32_t market_hold_ms;   /* below the low watermark this long (and since the last change) lowers it; 0 = 120000 */
+    double demand_share;       /* share of a shard's driving demand one stranger key may have; 0 = 0.5 */
+    uint32_t demand_window_ms; /* accounting window of the demand budgets; 0 = 60000 */
+    uint64_t demand_key_tokens; /* tokens one coordinator key may report per window; 0 = 600000 */
+    uint64_t demand_net_tokens; /* tokens the keys of one address block may report per window; 0 = 4 x key */
     uint32_t deadline_ms;      /* heartbeat deadline for "live"; 0 = 15000 */
     uint64_t reward_base;      /* micro-KVR per hour for a shard with wanted replicas; 0 = 1000000 */
     uint32_t max_body;         /* request body bound, bytes; 0 = KV_HUB_MAX_BODY */
@@ -151,10 +161,14 @@ typedef struct kv_hub_shard_view {
     uint64_t bytes;              /* slab file size */
     uint32_t wanted, live;       /* replicas */
     uint64_t reward;             /* micro-KVR per hour offered to one more holder */
+    double demand;               /* expert computations/s coordinators reported needing (0 if none) */
+    double wait_ms;              /* ms per s they reported waiting for it (0 if none) */
 } kv_hub_shard_view;
 
 /* Renders GET /v1/market into a malloc'd NUL-terminated JSON string (caller
- * frees) at the hub's current time. Thread-safe. */
+ * frees) at the hub's current time, after evaluating the wanted rule of
+ * every shard (a change is written to the store first: src/hub/market.h).
+ * Thread-safe. */
 int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d);
 
 /* Renders GET /v1/nodes (every registered node: what it holds, whether it
@@ -298,6 +312,34 @@ typedef struct kv_hub_market {
 int kv_hub_parse_market(kv_hub_market *m, const char *json, size_t len, kv_diag *d);
 void kv_hub_market_free(kv_hub_market *m);
 
+/* Body of POST /v1/demand (signed by a coordinator key the hub vouches for;
+ * docs/HUB.md "Demand"): what the coordinator needed since its last report,
+ *   {"tokens": T, "shards": [{"layer": L, "first": F, "last": Z,
+ *                             "computations": C, "wait_us": W}, ...]}
+ * T: tokens decoded in the interval; C: expert computations (token x expert
+ * pairs) it needed of that shard; W: microseconds it waited for them. Each
+ * count at most KV_HUB_DEMAND_MAX, at most KV_HUB_MAX_DEMAND_SHARDS entries,
+ * no shard twice. Unknown keys are ignored. */
+#define KV_HUB_MAX_DEMAND_SHARDS 65536u
+#define KV_HUB_DEMAND_MAX (1ull << 53)
+typedef struct kv_hub_demand_shard {
+    uint32_t layer, first, last;   /* a shard of the market */
+    uint64_t computations;         /* token x expert pairs needed */
+    uint64_t wait_us;              /* waited for them, microseconds */
+} kv_hub_demand_shard;
+typedef struct kv_hub_demand {
+    uint64_t tokens;               /* tokens decoded in the interval */
+    kv_hub_demand_shard *shards;   /* [n_shards], malloc'd */
+    size_t n_shards;
+} kv_hub_demand;
+/* Parses and bounds-checks a report; on error r is zeroed. Free with
+ * kv_hub_demand_free (accepts NULL). */
+int kv_hub_parse_demand(kv_hub_demand *r, const char *json, size_t len, kv_diag *d);
+void kv_hub_demand_free(kv_hub_demand *r);
+/* Serializes a report (client side); malloc'd string, caller frees; NULL
+ * when out of memory. */
+char *kv_hub_demand_json(const kv_hub_demand *r);
+
 /* ---- HTTP client helper (libcurl) -------------------------------------- */
 
 /* GET url into a malloc'd NUL-terminated buffer of at most max bytes (caller
@@ -305,5 +347,15 @@ void kv_hub_market_free(kv_hub_market *m);
  * larger body, KV_ETIMEOUT after timeout_ms. */
 int kv_hub_http_get(const char *url, size_t max, long timeout_ms, char **body, size_t *len, long *status,
                     kv_diag *d);
+
+/* Reports demand to the hub at hub_url (POST /v1/demand signed by key with
+ * its next counter). A coordinator calls it every few seconds with what it
+ * counted since its last report that the hub accepted. 0 with
+ * *accepted_tokens (may be NULL) set to the tokens the hub counted (fewer
+ * than reported when over its budget); KV_EAUTH (403: not vouched for),
+ * KV_EPROTO (409: a stale counter or clock), KV_EINVAL (400, d says why),
+ * KV_EIO. Blocking (at most 10 s); thread-safe for distinct keys. */
+int kv_hub_report_demand(const char *hub_url, kv_node_key *key, const kv_hub_demand *r, uint64_t *accepted_tokens,
+                         kv_diag *d);
 
 #endif

@@ -64,6 +64,12 @@ typedef struct kv_layer {
     /* MTP block only (il == n_layer): nextn glue */
     kv_weight nextn_eh_proj; /* [2*n_embd] -> [n_embd] */
     kv_weight nextn_enorm, nextn_hnorm, nextn_head_norm; /* [n_embd] f32 (head norm optional) */
+    /* deepseek2 (MLA) only */
+    kv_weight wq_a, q_a_norm, wq_b; /* [n_embd] -> [q_lora_rank] (normed) -> [n_head*head_dim_k_mla] */
+    kv_weight wkv_a, kv_a_norm;  /* [n_embd] -> [kv_lora_rank + n_rot]; norm of the latent */
+    kv_weight wk_b, wv_b;        /* per head [qk_nope] -> [kv_lora_rank]; [kv_lora_rank] -> [head_dim_v_mla] */
+    kv_weight ffn_gate, ffn_up, ffn_down; /* a leading block's dense FFN */
+    kv_weight exp_probs_b;       /* the router's selection bias [n_expert] f32, absent: none */
 } kv_layer;
 
 typedef struct kv_model kv_model;

@@ -50,6 +50,15 @@
  * (KV_ENOMEM then, take zeroed). */
 int kv_node_choose(const kv_hub_shard_view *shards, size_t n, uint64_t budget, const uint8_t *held, uint64_t salt,
                    uint8_t *take, uint64_t *bytes, kv_diag *d);
+/* Which held replicas are surplus: for every shard of the market view
+ * (view[0..n), manifest order) with more live replicas than wanted, the
+ * holders listed in the placement map (GET /v1/placement, json) are ranked
+ * by key; drop[i] = 1 when pk is listed there and at least `wanted` holders
+ * rank below it. So the lowest-keyed holders keep theirs and the last live
+ * replica is never dropped. Malformed entries are skipped; KV_EFORMAT when
+ * json is not a map. */
+int kv_node_surplus(const char *json, size_t len, const kv_hub_shard_view *view, size_t n, const uint8_t pk[32],
+                    uint8_t *drop, kv_diag *d);
 /* The order among shards equal in class, held and deficit: a hash of salt
  * (the node's, from its key) and the shard, so nodes that start together
  * spread over different shards instead of all taking the same ones. */

@@ -2,15 +2,15 @@
  *
  * Every type GGUF files may carry has a size entry (so headers of any model
  * can be measured); the types Kvasir computes with (F32, F16, BF16, Q8_0,
- * Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, plus Q8_K and
- * Q8_1 for activations) also have a scalar
+ * Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+ * IQ4_XS, plus Q8_K and Q8_1 for activations) also have a scalar
  * reference dequantizer, quantizer and dot product, and optional SIMD
  * variants chosen at run time from CPU features.
  *
  * Dot products take one weight row of `type` and one activation row already
  * converted to the type's `vec_dot_type` (F32->F32, F16->F16, BF16->BF16,
- * Q8_0/Q4_0/Q5_0/IQ4_NL/MXFP4->Q8_0, Q4_1/Q5_1->Q8_1, K-quants->Q8_K),
- * mirroring ggml so our logits track
+ * Q8_0/Q4_0/Q5_0/IQ4_NL/MXFP4->Q8_0, Q4_1/Q5_1->Q8_1, K-quants and
+ * IQ4_XS->Q8_K), mirroring ggml so our logits track
  * llama.cpp's. A dot product's reduction order is fixed per type and backend
  * and never depends on which other rows/tokens are computed alongside. */
 #ifndef KVASIR_QUANT_H

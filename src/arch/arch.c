@@ -14,6 +14,7 @@
 static const kv_arch_table *const kv_arch_tables[KV_ARCH_COUNT] = {
     [KV_ARCH_QWEN3MOE] = &kv_arch_qwen3moe,
     [KV_ARCH_QWEN35MOE] = &kv_arch_qwen35moe,
+    [KV_ARCH_DEEPSEEK2] = &kv_arch_deepseek2,
 };
 
 const kv_arch_table *kv_arch_get(enum kv_arch id) {
@@ -26,7 +27,7 @@ const kv_arch_table *kv_arch_find(const char *name) {
     return NULL;
 }
 
-const char *kv_arch_list(void) { return "qwen3moe, qwen35moe"; }
+const char *kv_arch_list(void) { return "qwen3moe, qwen35moe, deepseek2"; }
 
 /* ---- dimensions and names ------------------------------------------------- */
 
@@ -48,6 +49,15 @@ int64_t kv_dim_value(enum kv_dim dim, const kv_hparams *hp) {
     case KV_D_SSM_HEADS: return hp->ssm_dt_rank;
     case KV_D_SSM_INNER: return hp->ssm_d_inner;
     case KV_D_SSM_CONV_DIM: return 2 * (int64_t)hp->ssm_d_state * hp->ssm_n_group + hp->ssm_d_inner;
+    case KV_D_FF: return hp->n_ff;
+    case KV_D_HEADS: return hp->n_head;
+    case KV_D_Q_LORA: return hp->q_lora_rank;
+    case KV_D_KV_LORA: return hp->kv_lora_rank;
+    case KV_D_KV_A: return (int64_t)hp->kv_lora_rank + hp->n_rot;
+    case KV_D_Q_MLA: return (int64_t)hp->n_head * hp->head_dim_k_mla;
+    case KV_D_QK_NOPE: return (int64_t)hp->head_dim_k_mla - hp->n_rot;
+    case KV_D_V_MLA: return hp->head_dim_v_mla;
+    case KV_D_O_MLA: return (int64_t)hp->n_head * hp->head_dim_v_mla;
     default: return 0;
     }
 }
@@ -60,6 +70,10 @@ const char *kv_dim_name(enum kv_dim dim) {
         [KV_D_FF_SHEXP] = "n_ff_shexp", [KV_D_SSM_CONV] = "ssm_d_conv", [KV_D_SSM_STATE] = "ssm_d_state",
         [KV_D_SSM_HEADS] = "ssm_dt_rank", [KV_D_SSM_INNER] = "ssm_d_inner",
         [KV_D_SSM_CONV_DIM] = "2*ssm_d_state*ssm_n_group+ssm_d_inner",
+        [KV_D_FF] = "n_ff", [KV_D_HEADS] = "n_head", [KV_D_Q_LORA] = "q_lora_rank",
+        [KV_D_KV_LORA] = "kv_lora_rank", [KV_D_KV_A] = "kv_lora_rank+n_rot",
+        [KV_D_Q_MLA] = "n_head*key_length_mla", [KV_D_QK_NOPE] = "key_length_mla-n_rot",
+        [KV_D_V_MLA] = "value_length_mla", [KV_D_O_MLA] = "n_head*value_length_mla",
     };
     return (unsigned)dim < KV_D_COUNT ? names[dim] : "?";
 }
@@ -175,6 +189,8 @@ static int kv_read_key(const kv_gguf *g, const char *an, const kv_hparam_key *k,
         }
         return 0;
     }
+    case KV_KEY_IGNORED:
+        return 0;
     case KV_KEY_ABSENT:
         if (kv_gguf_find_kv(g, key))
             return kv_fail(d, KV_EUNSUPPORTED, "model: '%s' is not supported by kvasir's %s", key, an);
@@ -189,7 +205,7 @@ int kv_arch_check_common(kv_hparams *hp, kv_diag *d) {
     if (!hp->head_dim) hp->head_dim = hp->n_embd / hp->n_head;
     if (!hp->head_dim_v) hp->head_dim_v = hp->head_dim;
     if (!hp->n_rot) hp->n_rot = hp->head_dim;
-    if (hp->head_dim_v != hp->head_dim)
+    if (hp->head_dim_v != hp->head_dim && hp->attn != KV_ATTN_MLA) /* MLA: the value is the latent */
         return kv_fail(d, KV_EUNSUPPORTED, "model: key_length %u != value_length %u", hp->head_dim, hp->head_dim_v);
     if (hp->n_head % hp->n_head_kv)
         return kv_fail(d, KV_EFORMAT, "model: head_count %u is not a multiple of head_count_kv %u", hp->n_head,
@@ -223,6 +239,10 @@ int kv_arch_read_hparams(const kv_gguf *g, kv_hparams *hp, kv_diag *d) {
         return kv_fail(d, KV_EUNSUPPORTED, "model: unknown architecture '%s' (supported: %s)", hp->arch_name,
                        kv_arch_list());
     hp->arch = a->id;
+    hp->attn = a->hooks.attn;
+    hp->router = a->hooks.router;
+    hp->act = a->hooks.act;
+    hp->hook_flags = a->hooks.flags;
     for (size_t i = 0; i < a->n_keys; i++)
         if ((rc = kv_read_key(g, hp->arch_name, &a->keys[i], hp, d))) return rc;
     if ((rc = kv_arch_check_common(hp, d))) return rc;

@@ -44,7 +44,7 @@
  * from other values (head_count_kv, key_length, value_length,
  * rope.dimension_count, rope.scaling.factor) are filled by
  * kv_arch_check_common. */
-#define KV_ARCH_COMMON_KEYS                                                                              \
+#define KV_ARCH_COMMON_KEYS_NORM(norm_def)                                                               \
     {"block_count", KV_KEY_U32, KV_HP_OFF(n_layer), true, 1, KV_MAX_LAYERS, 0},                          \
     {"embedding_length", KV_KEY_U32, KV_HP_OFF(n_embd), true, 1, KV_MAX_EMBD, 0},                        \
     {"attention.head_count", KV_KEY_U32, KV_HP_OFF(n_head), true, 1, KV_MAX_HEADS, 0},                   \
@@ -59,9 +59,10 @@
     {"attention.layer_norm_rms_epsilon", KV_KEY_F32, KV_HP_OFF(rms_eps), true, 0, 0, 0},                 \
     {"rope.freq_base", KV_KEY_F32, KV_HP_OFF(rope_freq_base), false, 0, 0, 10000.0f},                    \
     {"rope.scaling.factor", KV_KEY_F32, KV_HP_OFF(rope_freq_scale), false, 0, 0, 0},                     \
-    {"expert_weights_norm", KV_KEY_BOOL, KV_HP_OFF(expert_weights_norm), false, 0, 0, 1}, /* qwen3moe \
-                                                                     always renormalizes the top-k */   \
+    {"expert_weights_norm", KV_KEY_BOOL, KV_HP_OFF(expert_weights_norm), false, 0, 0, norm_def},        \
     {"expert_weights_scale", KV_KEY_F32, KV_HP_OFF(expert_weights_scale), false, 0, 0, 0}
+/* qwen3moe and qwen35moe always renormalize the top-k unless told */
+#define KV_ARCH_COMMON_KEYS KV_ARCH_COMMON_KEYS_NORM(1)
 
 /* Derived defaults and the checks every architecture shares (run by
  * kv_arch_read_hparams before the table's own check). */
@@ -69,5 +70,6 @@ int kv_arch_check_common(kv_hparams *hp, kv_diag *d);
 
 extern const kv_arch_table kv_arch_qwen3moe;
 extern const kv_arch_table kv_arch_qwen35moe;
+extern const kv_arch_table kv_arch_deepseek2;
 
 #endif

@@ -148,4 +148,6 @@ const kv_arch_table kv_arch_qwen35moe = {
     .block_kind = kv_q35_block_kind,
     .check = kv_q35_check,
     .blocks = kv_q35_blocks,
+    .hooks = {KV_ATTN_GATED, KV_ROUTER_SOFTMAX, KV_ACT_SWIGLU, KV_AH_SHEXP | KV_AH_SHEXP_GATE | KV_AH_RECURRENT},
+    .state = &kv_q35_state_ops,
 };

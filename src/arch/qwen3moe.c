@@ -68,4 +68,5 @@ const kv_arch_table kv_arch_qwen3moe = {
     .block_kind = kv_q3_block_kind,
     .check = kv_q3_check,
     .blocks = kv_q3_blocks, /* src/model/forward.c */
+    .hooks = {KV_ATTN_GQA, KV_ROUTER_SOFTMAX, KV_ACT_SWIGLU, 0},
 };

@@ -71,6 +71,17 @@ struct kv_chat_parser {
                                              that is not a call */
     char hname[KV_CHAT_MAX_NAME + 1]; /* harmony: the function the open message is to */
     uint32_t n_calls;
+    /* stream_args: the open call's arguments as they come */
+    struct {
+        int phase;          /* 0: looking for the name and the arguments' start; 1: in them; 2: done */
+        size_t at;          /* next byte of buf to scan */
+        char name[KV_CHAT_MAX_NAME + 1];
+        char *args;         /* [len] the arguments so far, whitespace outside strings left out */
+        size_t len, cap;
+        uint32_t depth;     /* open objects and arrays */
+        bool in_str, esc;
+        bool begun;         /* CALL_BEGIN was given */
+    } as;
     kv_chat_ev_fn fn;      /* the push's */
     void *ud;
 };
@@ -122,6 +133,7 @@ int kv_chat_parser_new(kv_chat_parser **out, const kv_chat_syntax *s) {
 void kv_chat_parser_free(kv_chat_parser *p) {
     if (!p) return;
     json_decref((json_t *)p->s.tools_json);
+    free(p->as.args);
     free(p->buf);
     free(p);
 }
@@ -306,11 +318,17 @@ static int kv_call(kv_chat_parser *p, const char *body, size_t n, bool *ok) {
         rc = bl && b[0] == '<' ? kv_body_xml(p, b, bl, name, &args) : kv_body_json(b, bl, name, &args);
     }
     if (rc) return 0;
-    char *txt = json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    /* a streamed call: its arguments are the text given (they parse: args did) */
+    const bool streamed = p->as.begun && p->as.phase == 2 && !strcmp(name, p->as.name);
+    if (p->as.begun && !streamed) {
+        json_decref(args);
+        return 0; /* given as streamed (the caller's kv_step_block), not as another reading */
+    }
+    char *txt = streamed ? strdup(p->as.args) : json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER);
     json_decref(args);
     if (!txt) return KV_ENOMEM;
     const kv_chat_ev ev = {.type = KV_CHAT_EV_CALL, .index = p->n_calls, .name = name, .args = txt,
-                           .args_len = strlen(txt)};
+                           .args_len = strlen(txt), .streamed = streamed};
     p->n_calls++;
     *ok = true;
     rc = p->fn(p->ud, &ev);
@@ -430,6 +448,125 @@ static int kv_step_text(kv_chat_parser *p, bool *more) {
     return 0;
 }
 
+/* ---- a call's arguments as they come (stream_args) ------------------------- */
+
+/* pat starting at an offset in [from, from + w) of b[0..len): 1 with *hit,
+ * 0 while that window is not all there, -1 when it is and pat is not in it
+ * (so the answer never depends on how the text came in pieces). */
+static int kv_win(const char *b, size_t len, size_t from, size_t w, const char *pat, const char **hit) {
+    const size_t pl = strlen(pat), need = from + w - 1 + pl;
+    const size_t have = len < need ? len : need;
+    const char *h = have > from ? memmem(b + from, have - from, pat, pl) : NULL;
+    if (h) {
+        *hit = h;
+        return 1;
+    }
+    return len >= need ? -1 : 0;
+}
+
+/* Where the open call's name and arguments are in buf[0..len) as the
+ * family writes them: 1 with the name copied and *start the offset of the
+ * arguments' '{', 0 while not known yet, -1 when the body is not of that
+ * shape (then nothing is streamed). Each step looks in a bounded window
+ * only, so a body that is not of the shape is known soon. */
+static int kv_args_start(kv_chat_parser *p, size_t *start) {
+    const char *b = p->buf, *end = p->buf + p->len;
+    const size_t len = p->len;
+    const char *nm = NULL, *a = NULL, *h = NULL;
+    size_t nl = 0;
+    int r;
+    if (p->s.format == KV_CHAT_FMT_HARMONY) {
+        nm = p->hname;
+        nl = strlen(p->hname);
+        a = b;
+    } else if (p->s.format == KV_CHAT_FMT_DEEPSEEK) {
+        static const char sep[] = "<\xef\xbd\x9ctool\xe2\x96\x81sep\xef\xbd\x9c>";
+        if ((r = kv_win(b, len, 0, KV_CHAT_MAX_NAME + 9, sep, &h)) <= 0) return r;
+        if (h - b == 8 && !memcmp(b, "function", 8)) { /* V3/R1: NAME, then the arguments fenced */
+            nm = h + sizeof sep - 1;
+            const char *nlp = NULL;
+            if ((r = kv_win(b, len, (size_t)(nm - b), KV_CHAT_MAX_NAME + 1, "\n", &nlp)) <= 0) return r;
+            nl = (size_t)(nlp - nm);
+            const char *f = NULL;
+            if ((r = kv_win(b, len, (size_t)(nlp - b), 16, "```json", &f)) <= 0) return r;
+            a = f + 7;
+        } else {
+            nm = b;
+            nl = (size_t)(h - b);
+            a = h + sizeof sep - 1;
+        }
+    } else { /* Qwen's JSON: {"name": "NAME", "arguments": ARGS} */
+        const char *k = NULL, *q = NULL, *qe = NULL, *ak = NULL;
+        if ((r = kv_win(b, len, 0, 16, "\"name\"", &k)) <= 0) return r;
+        if ((r = kv_win(b, len, (size_t)(k - b) + 6, 8, "\"", &q)) <= 0) return r;
+        nm = q + 1;
+        if ((r = kv_win(b, len, (size_t)(nm - b), KV_CHAT_MAX_NAME + 1, "\"", &qe)) <= 0) return r;
+        nl = (size_t)(qe - nm);
+        if ((r = kv_win(b, len, (size_t)(qe - b) + 1, 16, "\"arguments\"", &ak)) <= 0) return r;
+        if ((r = kv_win(b, len, (size_t)(ak - b) + 11, 8, ":", &a)) <= 0) return r;
+        a++;
+    }
+    while (a < end && kv_is_ws(*a)) a++;
+    if (a == end) return 0;
+    if (*a != '{' || !kv_name_ok(nm, nl)) return -1;
+    memcpy(p->as.name, nm, nl);
+    p->as.name[nl] = 0;
+    *start = (size_t)(a - b);
+    return 1;
+}
+
+/* Scans buf[as.at..n) of the open call: gives CALL_BEGIN once its name is
+ * known and CALL_ARGS for what the arguments grew by. Returns 0, KV_ENOMEM
+ * or fn's. */
+static int kv_args_scan(kv_chat_parser *p, size_t n) {
+    const uint32_t max = p->s.max_calls && p->s.max_calls < KV_CHAT_MAX_CALLS ? p->s.max_calls : KV_CHAT_MAX_CALLS;
+    if (p->as.phase == 0 && p->n_calls >= max) p->as.phase = 2; /* past the calls given: content, not streamed */
+    if (p->as.phase == 0) {
+        size_t start = 0;
+        const int r = kv_args_start(p, &start);
+        if (r < 0) p->as.phase = 2;
+        if (r <= 0) return 0;
+        p->as.phase = 1;
+        p->as.at = start;
+        p->as.begun = true;
+        const kv_chat_ev ev = {.type = KV_CHAT_EV_CALL_BEGIN, .index = p->n_calls, .name = p->as.name};
+        const int rc = p->fn(p->ud, &ev);
+        if (rc) return rc;
+    }
+    if (p->as.phase != 1 || p->as.at >= n) return 0;
+    if (p->as.len + (n - p->as.at) + 1 > p->as.cap) {
+        size_t nc = p->as.cap ? p->as.cap : 256;
+        while (nc < p->as.len + (n - p->as.at) + 1) nc *= 2;
+        char *na = realloc(p->as.args, nc);
+        if (!na) return KV_ENOMEM;
+        p->as.args = na;
+        p->as.cap = nc;
+    }
+    const size_t from = p->as.len;
+    for (; p->as.at < n && p->as.phase == 1; p->as.at++) {
+        const char c = p->buf[p->as.at];
+        if (p->as.in_str) {
+            if (p->as.esc) p->as.esc = false;
+            else if (c == '\\') p->as.esc = true;
+            else if (c == '"') p->as.in_str = false;
+        } else if (kv_is_ws(c)) {
+            continue;
+        } else if (c == '"') {
+            p->as.in_str = true;
+        } else if (c == '{' || c == '[') {
+            p->as.depth++;
+        } else if ((c == '}' || c == ']') && p->as.depth) {
+            if (--p->as.depth == 0) p->as.phase = 2; /* the arguments' object is whole */
+        }
+        p->as.args[p->as.len++] = c;
+    }
+    p->as.args[p->as.len] = 0;
+    if (p->as.len == from) return 0;
+    const kv_chat_ev ev = {.type = KV_CHAT_EV_CALL_ARGS, .index = p->n_calls, .text = p->as.args + from,
+                           .n = p->as.len - from};
+    return p->fn(p->ud, &ev);
+}
+
 static int kv_step_block(kv_chat_parser *p, bool *more) {
     size_t at = 0;
     const kv_marker *m = kv_find(p, &at);
@@ -450,10 +587,22 @@ static int kv_step_block(kv_chat_parser *p, bool *more) {
     }
     const bool closed = m != NULL || (p->ended && p->s.format == KV_CHAT_FMT_HARMONY);
     const size_t n = m ? at : p->len;
+    if (p->s.stream_args && p->s.tools && n <= KV_CHAT_MAX_CALL_BYTES) {
+        const int src = kv_args_scan(p, n);
+        if (src) return src;
+    }
     if (!closed && !p->ended && p->len <= KV_CHAT_MAX_CALL_BYTES) return 0;
     bool ok = false;
     int rc = closed && n <= KV_CHAT_MAX_CALL_BYTES ? kv_call(p, p->buf, n, &ok) : 0;
-    if (!rc && !ok) rc = kv_not_call(p, p->buf, n, m ? m->text : NULL);
+    if (!rc && !ok && p->as.begun) { /* cut inside a streamed call: given as far as it went, as it was streamed */
+        const kv_chat_ev ev = {.type = KV_CHAT_EV_CALL, .index = p->n_calls++, .name = p->as.name,
+                               .args = p->as.args ? p->as.args : "", .args_len = p->as.len, .streamed = true};
+        rc = p->fn(p->ud, &ev);
+    } else if (!rc && !ok) {
+        rc = kv_not_call(p, p->buf, n, m ? m->text : NULL);
+    }
+    free(p->as.args);
+    memset(&p->as, 0, sizeof p->as);
     kv_consume(p, m ? at + strlen(m->text) : n);
     p->mode = M_CONTENT;
     p->skip_ws = ok; /* a block given as content keeps the text after it as it is */

@@ -548,7 +548,14 @@ int kv_cmd_gateway(int argc, char **argv) {
                                .on_caught = kv_gw_on_caught, .caught_arg = &caught, .prefault = true,
                                .prompt_cache_bytes = prompt_cache, .draft = draft,
                                .draft_max = (uint32_t)draft_max};
-    if (kv_engine_open(&e, model, &eo, &d)) {
+    char down[sizeof d.msg] = "";
+    const int erc = kv_engine_open(&e, model, &eo, &d);
+    if (erc == KV_EUNSUPPORTED && strncmp(d.msg, "mtp:", 4)) { /* a type no backend computes: the gateway says
+                                                                  so (503), not a dead port; a --draft it cannot
+                                                                  run is a flag error */
+        snprintf(down, sizeof down, "%s", d.msg);
+        fprintf(stderr, "kvasir gateway: %s: /health and every prompt answer 503\n", down);
+    } else if (erc) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
     }
@@ -565,7 +572,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,
                                 .tls = tls_cert ? &tls : NULL, .insecure_plaintext = insecure,
                                 .cors_origins = cors, .n_cors = n_cors, .quiet = quiet, .model_path = model,
-                                .no_web_ui = no_web_ui};
+                                .no_web_ui = no_web_ui, .down_msg = down[0] ? down : NULL};
     if (kv_gateway_start(&g, e, &go, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;

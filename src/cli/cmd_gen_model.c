@@ -21,10 +21,14 @@ static void usage(FILE *f) {
             "usage: kvasir gen-model --arch qwen3moe --out F.gguf [--preset NAME] [--layers N]\n"
             "         [--embd N] [--ff-exp N] [--experts N] [--experts-used N] [--heads N]\n"
             "         [--kv-heads N] [--head-dim N] [--vocab N] [--ctx N]\n"
-            "         [--type f32|f16|bf16|q8_0|q4_0|q4_k|q4_k_m|q5_k|q6_k] [--seed S] [--tied|--untied]\n"
+            "         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|iq4_nl|mxfp4|q2_k|q3_k|q4_k|q4_k_m|q5_k|q6_k|iq4_xs]\n"
+            "         [--mix q2_k|q3_k_m|q4_k_m|iq4_xs] [--seed S] [--tied|--untied]\n"
             "         [--threads N] [--router-skew S]\n"
             "       qwen35moe also: [--ff-shexp N] [--attn-interval N] [--ssm-conv N] [--ssm-state N]\n"
             "         [--ssm-groups N] [--ssm-heads N] [--rope-dim N] [--rope-sections a,b,c,d] [--nextn 0|1]\n"
+            "       deepseek2 also: [--rope-dim N] [--q-lora N] [--kv-lora N] [--head-dim-v N] [--ff N]\n"
+            "         [--dense-layers N] [--shared-experts N] [--expert-groups N] [--groups-used N]\n"
+            "         [--expert-scale F] [--yarn-factor F] [--yarn-orig-ctx N]\n"
             "\n"
             "Writes a synthetic Mixture-of-Experts model loadable by llama.cpp: deterministic\n"
             "random weights (same flags and seed, same bytes), a byte-level BPE vocabulary\n"
@@ -37,7 +41,16 @@ static void usage(FILE *f) {
             "                   --ssm-groups key / --ssm-heads value of --ssm-state dims (defaults\n"
             "                   2 / 4 / head-dim), conv --ssm-conv (4), partial rotary --rope-dim\n"
             "                   (head-dim/4) in --rope-sections (t,h,w split of rope-dim/2),\n"
-            "                   --nextn MTP blocks (0))\n"
+            "                   --nextn MTP blocks (0)), or deepseek2 (MLA: --head-dim is the query head\n"
+            "                   (qk_nope + --rope-dim, default head-dim/3), the cache keeps the\n"
+            "                   --kv-lora latent (embd/4) and the rope part; queries through\n"
+            "                   --q-lora (2*embd/3); values of --head-dim-v (head-dim - rope-dim);\n"
+            "                   --dense-layers leading blocks with a dense FFN of --ff (4*ff-exp);\n"
+            "                   --shared-experts (1) of ff-exp; sigmoid routing with a selection\n"
+            "                   bias in --expert-groups (none) of which --groups-used (half) are\n"
+            "                   chosen, weights renormalized and scaled by --expert-scale (2.5);\n"
+            "                   --yarn-factor F (0: none) over --yarn-orig-ctx (ctx/4); --kv-heads\n"
+            "                   is ignored (one latent KV head))\n"
             "  --out F          output file (written as F.part, then renamed)\n"
             "  --preset NAME    starting sizes (default %s); the flags below override them\n"
             "  --layers N       blocks                            (1..%u)\n"
@@ -54,7 +67,12 @@ static void usage(FILE *f) {
             "                   (also q4_1, q5_0, q5_1, iq4_nl, mxfp4: ggml's 32-value blocks)\n"
             "                   (norms and router stay f32); a matrix whose rows do not fit\n"
             "                   the type's block falls back to q8_0 (k-quants) or f16, with a note;\n"
-            "                   q4_k_m: q4_k with ffn_down*, attn_v and output in q6_k (llama.cpp's mix)\n"
+            "                   q4_k_m: q4_k with ffn_down*, attn_v and output in q6_k (a simple mix;\n"
+            "                   --mix q4_k_m is llama-quantize's own)\n"
+            "  --mix M          llama-quantize's recipe for file type M (q2_k, q3_k_m, q4_k_m,\n"
+            "                   iq4_xs): which matrix gets which type (attn_v, attn_k, attn_output,\n"
+            "                   ffn_down by layer, output, token_embd), as in the files people\n"
+            "                   download; replaces --type; `kvasir inspect` lists the result\n"
             "  --seed S         weights seed (default 42)\n"
             "  --router-skew S  hot experts, as in real routers (default 0: all alike): in each\n"
             "                   layer the router row of the expert ranked r by a seeded shuffle\n"
@@ -90,7 +108,7 @@ static int gen_skeleton(int argc, char **argv, const char *preset) {
     }
     if (!kv_skeleton_has(preset))
         return kv_cli_err(CMD, 1, "--skeleton: '%s' is not a skeleton preset (qwen35-122b-a10b, "
-                                  "qwen35-35b-a3b, qwen3-30b-a3b)", preset);
+                                  "qwen35-35b-a3b, qwen3-30b-a3b, deepseek-v3, kimi-k2)", preset);
     if (!out) return kv_cli_err(CMD, 1, "--out is required (see kvasir gen-model --help)");
     kv_diag d = {0};
     if (kv_skeleton_write(preset, out, stderr, &d)) return kv_cli_diag(CMD, &d);
@@ -99,14 +117,14 @@ static int gen_skeleton(int argc, char **argv, const char *preset) {
 
 static int parse_type(const char *s, uint32_t *out) {
     static const char *const ok[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
-                                     "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4"};
+                                     "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "iq4_xs"};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
         if (strcasecmp(s, ok[i]) == 0) {
             *out = (uint32_t)kv_type_from_name(ok[i]);
             return 0;
         }
     return kv_cli_err(CMD, 1, "--type: '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_k, q4_k_m, q5_k, q6_k, "
-                              "q4_1, q5_0, q5_1, iq4_nl, mxfp4", s);
+                              "q4_1, q5_0, q5_1, iq4_nl, mxfp4, q2_k, q3_k, iq4_xs", s);
 }
 
 int kv_cmd_gen_model(int argc, char **argv) {
@@ -171,12 +189,44 @@ int kv_cmd_gen_model(int argc, char **argv) {
             *nums[k].dst = (uint32_t)n;
         }
         if (matched) continue;
+        /* deepseek2's sizes */
+        struct {
+            const char *flag;
+            uint32_t *dst;
+            long lo, hi;
+        } ds2[] = {
+            {"--q-lora", &cfg.q_lora_rank, 1, KV_GEN_MAX_EMBD},
+            {"--kv-lora", &cfg.kv_lora_rank, 1, KV_GEN_MAX_HEAD_DIM},
+            {"--head-dim-v", &cfg.head_dim_v, 1, KV_GEN_MAX_HEAD_DIM},
+            {"--ff", &cfg.n_ff, 1, KV_GEN_MAX_FF},
+            {"--dense-layers", &cfg.n_dense_lead, 0, KV_GEN_MAX_LAYER},
+            {"--shared-experts", &cfg.n_expert_shared, 1, 64},
+            {"--expert-groups", &cfg.n_expert_groups, 0, KV_GEN_MAX_EXPERT},
+            {"--groups-used", &cfg.n_group_used, 1, KV_GEN_MAX_EXPERT},
+            {"--yarn-orig-ctx", &cfg.yarn_orig_ctx, 1, KV_GEN_MAX_CTX},
+        };
+        for (size_t k = 0; k < sizeof ds2 / sizeof ds2[0]; k++) {
+            if (strcmp(a, ds2[k].flag)) continue;
+            matched = 1;
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            if (kv_arg_long(CMD, a, v, ds2[k].lo, ds2[k].hi, &n)) return 1;
+            *ds2[k].dst = (uint32_t)n;
+        }
+        if (matched) continue;
+        if (!strcmp(a, "--expert-scale") || !strcmp(a, "--yarn-factor")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            const bool scale = !strcmp(a, "--expert-scale");
+            if (kv_arg_float(CMD, a, v, scale ? 0.001 : 0.0, scale ? 100.0 : 1024.0,
+                             scale ? &cfg.expert_weights_scale : &cfg.yarn_factor))
+                return 1;
+            continue;
+        }
         if (!strcmp(a, "--preset")) {
             i++; /* handled in pass 1 */
         } else if (!strcmp(a, "--arch")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
-            if (strcmp(v, "qwen3moe") && strcmp(v, "qwen35moe"))
-                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe, qwen35moe)", v);
+            if (strcmp(v, "qwen3moe") && strcmp(v, "qwen35moe") && strcmp(v, "deepseek2"))
+                return kv_cli_err(CMD, 1, "--arch: unknown architecture '%s' (supported: qwen3moe, qwen35moe, deepseek2)", v);
             cfg.arch = v;
         } else if (!strcmp(a, "--rope-sections")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
@@ -195,7 +245,15 @@ int kv_cmd_gen_model(int argc, char **argv) {
         } else if (!strcmp(a, "--type")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             cfg.q6_mix = !strcasecmp(v, "q4_k_m");
+            cfg.mix = KV_GEN_MIX_NONE;
             if (parse_type(cfg.q6_mix ? "q4_k" : v, &cfg.type)) return 1;
+        } else if (!strcmp(a, "--mix")) {
+            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
+            const int m = kv_gen_mix_from_name(v);
+            if (m < 0) return kv_cli_err(CMD, 1, "--mix: '%s' is not one of q2_k, q3_k_m, q4_k_m, iq4_xs", v);
+            cfg.mix = (uint32_t)m;
+            cfg.q6_mix = false;
+            cfg.type = KV_TYPE_F16; /* not used: the mix gives every matrix its type */
         } else if (!strcmp(a, "--seed")) {
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
             if (kv_arg_u64(CMD, a, v, &cfg.seed)) return 1;
@@ -226,7 +284,8 @@ int kv_cmd_gen_model(int argc, char **argv) {
             "gen-model: wrote %s: %s, %u layers, embd %u, %u experts (top-%u) of %u, "
             "%u/%u heads x %u, vocab %u, %s%s, seed %llu\n",
             out, cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_head,
-            cfg.n_head_kv, cfg.head_dim, cfg.n_vocab, kv_type_get_ref(cfg.type)->name,
+            cfg.n_head_kv, cfg.head_dim, cfg.n_vocab,
+            cfg.mix ? kv_gen_mix_name(cfg.mix) : kv_type_get_ref(cfg.type)->name,
             cfg.tied ? ", tied" : "", (unsigned long long)cfg.seed);
     return 0;
 }

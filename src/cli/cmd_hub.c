@@ -23,7 +23,10 @@ static const char *const kv_value_flags[] = {"--model", "--listen", "--db", "--w
                                              "--prove-deadline-ms", "--prove-every-ms", "--prove-threads", "--trust-ms",
                                              "--max-per-host", "--max-per-subnet", "--tls-cert", "--tls-key",
                                              "--relay-port", "--relay-max-circuits", "--relay-max-circuits-per-node",
-                                             "--relay-rate-per-node", "--relay-rate", NULL};
+                                             "--relay-rate-per-node", "--relay-rate", "--wanted-max",
+                                             "--demand-per-replica", "--demand-half-life-ms", "--market-raise-ms",
+                                             "--market-hold-ms", "--demand-share", "--demand-window-ms",
+                                             "--demand-key-tokens", "--demand-net-tokens", NULL};
 
 static const char *kv_hub_help =
     "usage: kvasir hub --model DIR/manifest.json (--db FILE|URI | --pg CONNINFO) [--listen HOST:PORT] [options]\n"
@@ -54,7 +57,19 @@ static const char *kv_hub_help =
     "  --relay-rate-per-node BYTES  bytes/s through one node's circuits: over it, its credit is\n"
     "                      withheld, so it slows and nobody else does (default: no limit)\n"
     "  --relay-rate BYTES  bytes/s through the relay in all (default: no limit)\n"
-    "  --wanted N          replicas wanted per shard (default 2)\n"
+    "  --wanted N          replicas wanted per shard with no demand: the floor (1..1024, default 2)\n"
+    "  --wanted-max N      replicas a shard in demand may want (default: --wanted, a fixed market);\n"
+    "                      coordinators report demand (POST /v1/demand, docs/HUB.md \"Demand\")\n"
+    "  --demand-per-replica R  expert computations/s one replica is wanted for (default 2000)\n"
+    "  --demand-half-life-ms MS  a shard's demand rate halves in MS without reports (default 60000)\n"
+    "  --market-raise-ms MS  demand per replica above R this long raises wanted by one (default 10000)\n"
+    "  --market-hold-ms MS   below R/2 per replica (one fewer) this long, and as long since the last\n"
+    "                      change, lowers it by one (default 120000)\n"
+    "  --demand-share S    share (0..1] of a shard's driving demand one key not listed by --vouch-key\n"
+    "                      may have (default 0.5; 1 = no cap)\n"
+    "  --demand-window-ms MS  accounting window of the demand budgets (default 60000)\n"
+    "  --demand-key-tokens N  tokens one coordinator key may report per window (default 600000)\n"
+    "  --demand-net-tokens N  tokens all keys of one /24 (IPv6 /48) may report per window (default 4x)\n"
     "  --ring-windows A-B,C-D,...  also trade these consecutive layer windows to ring nodes\n"
     "                      (kvasir ring --hub; GET /v1/ring)\n"
     "  --deadline-ms MS    a node is live while its last heartbeat is this recent (default 15000)\n"
@@ -201,8 +216,37 @@ int kv_cmd_hub(int argc, char **argv) {
             if (kv_arg_long(CMD, a, s, 1024, 1L << 40, &v)) return 1;
             o.relay_rate = (uint64_t)v;
         } else if (!strcmp(a, "--wanted")) {
-            if (kv_arg_long(CMD, a, s, 1, 1000000, &v)) return 1;
+            if (kv_arg_long(CMD, a, s, 1, 1024, &v)) return 1;
             o.wanted = (uint32_t)v;
+        } else if (!strcmp(a, "--wanted-max")) {
+            if (kv_arg_long(CMD, a, s, 1, 1024, &v)) return 1;
+            o.wanted_max = (uint32_t)v;
+        } else if (!strcmp(a, "--demand-per-replica")) {
+            float f;
+            if (kv_arg_float(CMD, a, s, 1e-3, 1e12, &f)) return 1;
+            o.demand_per_replica = f;
+        } else if (!strcmp(a, "--demand-half-life-ms")) {
+            if (kv_arg_long(CMD, a, s, 100, 86400000, &v)) return 1;
+            o.demand_half_life_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--market-raise-ms")) {
+            if (kv_arg_long(CMD, a, s, 1, 86400000, &v)) return 1;
+            o.market_raise_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--market-hold-ms")) {
+            if (kv_arg_long(CMD, a, s, 1, 86400000, &v)) return 1;
+            o.market_hold_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--demand-share")) {
+            float f;
+            if (kv_arg_float(CMD, a, s, 0.01, 1, &f)) return 1;
+            o.demand_share = f;
+        } else if (!strcmp(a, "--demand-window-ms")) {
+            if (kv_arg_long(CMD, a, s, 1000, 86400000, &v)) return 1;
+            o.demand_window_ms = (uint32_t)v;
+        } else if (!strcmp(a, "--demand-key-tokens")) {
+            if (kv_arg_long(CMD, a, s, 1, 1L << 40, &v)) return 1;
+            o.demand_key_tokens = (uint64_t)v;
+        } else if (!strcmp(a, "--demand-net-tokens")) {
+            if (kv_arg_long(CMD, a, s, 1, 1L << 40, &v)) return 1;
+            o.demand_net_tokens = (uint64_t)v;
         } else if (!strcmp(a, "--deadline-ms")) {
             if (kv_arg_long(CMD, a, s, 1, 86400000, &v)) return 1;
             o.deadline_ms = (uint32_t)v;

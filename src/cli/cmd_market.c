@@ -69,13 +69,14 @@ int kv_cmd_market(int argc, char **argv) {
     } else {
         size_t show = limit < 0 || (size_t)limit > m.n_shards ? m.n_shards : (size_t)limit;
         printf("covered: %s   shards: %zu\n", m.covered ? "yes" : "no", m.n_shards);
-        printf("%6s %11s %12s %6s %6s %14s\n", "layer", "experts", "bytes", "wanted", "live", "reward/h");
+        printf("%6s %11s %12s %6s %6s %14s %12s %10s\n", "layer", "experts", "bytes", "wanted", "live", "reward/h",
+               "demand/s", "wait ms/s");
         for (size_t i = 0; i < show; i++) {
             const kv_hub_shard_view *s = &m.shards[i];
             char ex[32];
             snprintf(ex, sizeof ex, "%u-%u", s->first, s->last);
-            printf("%6u %11s %12" PRIu64 " %6u %6u %14" PRIu64 "\n", s->layer, ex, s->bytes, s->wanted, s->live,
-                   s->reward);
+            printf("%6u %11s %12" PRIu64 " %6u %6u %14" PRIu64 " %12.1f %10.1f\n", s->layer, ex, s->bytes, s->wanted, s->live,
+                   s->reward, s->demand, s->wait_ms);
         }
         if (show < m.n_shards) printf("... %zu more\n", m.n_shards - show);
     }

@@ -319,6 +319,7 @@ struct kv_remote {
     /* stats */
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
     uint64_t n_hedges, n_hedges_won, n_late;
+    uint64_t n_hedge_pairs;     /* (token, expert) slots sent again in hedges */
     double hedge_budget;          /* hedges per request sent; 0 = never */
     double hedge_tokens;          /* hedges that may be sent now (grows by hedge_budget per request) */
     uint64_t pick_rng;            /* xorshift state: the two replicas compared (kv_remote_pick) */
@@ -1473,6 +1474,7 @@ static int kv_remote_hedge(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
         w->twin = best;
         r->hedge_tokens -= 1;
         r->n_hedges++;
+        r->n_hedge_pairs += w->n_pairs;
         w->n_hedged++;
         kv_rlog(r, "worker %s has not answered in %.0f ms (its p95 %.0f ms): request hedged to %s", w->addr,
                 (now - w->sent_at) * 1e3, kv_rw_lat_q(w, 0.95) * 1e3, o->addr);
@@ -2029,6 +2031,7 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->pairs_recomputed = r->n_recomputed;
     out->caught = r->n_caught;
     out->hedges = r->n_hedges;
+    out->pairs_hedged = r->n_hedge_pairs;
     out->hedges_won = r->n_hedges_won;
     out->late_answers = r->n_late;
     out->pairs_held_local = r->n_pairs_held_local;
@@ -2059,7 +2062,7 @@ void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uin
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
-    r->n_hedges = r->n_hedges_won = r->n_late = r->n_pairs_held_local = 0;
+    r->n_hedges = r->n_hedges_won = r->n_late = r->n_hedge_pairs = r->n_pairs_held_local = 0;
     r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
 }
 

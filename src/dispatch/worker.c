@@ -380,7 +380,10 @@ static int kv_worker_load(kv_worker *w, kv_diag *d) {
     /* pass 1: open, identity, dims */
     for (size_t i = 0; i < n && !rc; i++) {
         kv_gguf *g = NULL;
-        if ((rc = kv_gguf_open(&g, paths[i], d))) break;
+        /* a folder holds slabs, each one file: a file there carrying split.* keys
+           must not make the worker open its "siblings"; files named one by one
+           may be a split model's parts */
+        if ((rc = folder ? kv_gguf_open_file(&g, paths[i], d) : kv_gguf_open(&g, paths[i], d))) break;
         uint32_t L;
         bool slab = !kv_gguf_get_u32(g, "kvasir.slab.layer", &L, NULL);
         if (folder && !slab) { /* a backbone or other file in the folder */

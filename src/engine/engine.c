@@ -76,6 +76,10 @@ struct kv_session {
     float *qlog;                /* [draft_max][n_vocab] logits of tokens waiting past a step, NULL until needed */
     float *hid;                 /* [n_embd] mtp source: the final-normed hidden state that gave pending */
     bool hid_ok;                /* hid is pending's */
+    /* o.prompt_logprobs: the prompt's own log-probabilities */
+    kv_sampler *plp_smp;        /* a neutral sampler (no bias, no penalties): the model's distribution */
+    kv_token_logprob *plp;      /* [plp_cap] plp[p]: of the token at position p given those before */
+    uint32_t plp_cap;
 };
 
 struct kv_engine {
@@ -96,6 +100,8 @@ struct kv_engine {
     uint32_t *b_seq;            /* [max_tok] their sequences */
     uint32_t *b_out;            /* [max_sessions] token index of each logit row */
     kv_session **b_who;         /* [max_sessions] session of each logit row */
+    int32_t *b_plp;             /* [max_sessions] a prompt row's position + 1 (its logits score the next
+                                   prompt token: kv_session_prompt_logprobs), or 0: a row to sample from */
     float *logits;              /* [max_sessions][n_vocab] */
     void *cand;                 /* sampler scratch shared by every session (one thread samples) */
     kv_grammar_vocab *gvocab;   /* the vocabulary's trie, built at the first grammar; NULL before */
@@ -143,13 +149,14 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
     e->max_rows = e->max_sessions + e->draft_budget;
     e->b_out = malloc(e->max_rows * sizeof *e->b_out);
     e->b_who = malloc(e->max_rows * sizeof *e->b_who);
+    e->b_plp = calloc(e->max_rows, sizeof *e->b_plp);
     size_t nl;
     if (!kv_mul_ok(e->max_rows, e->n_vocab, &nl) || nl > ((size_t)1 << 34))
         return kv_fail(d, KV_EINVAL, "engine: logits of %u rows x %u tokens are too large", e->max_rows,
                        e->n_vocab);
     e->logits = malloc(nl * sizeof(float));
     e->cand = malloc(kv_sampler_scratch_bytes((int32_t)e->n_vocab));
-    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->logits)
+    if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->b_plp || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     if (e->remote && (rc = kv_remote_tally_open(e->remote, e->max_sessions, d))) return rc;
     if (e->o.draft && (rc = kv_draft_open(&e->draft, e->o.draft, e->m, e->pool, e->max_sessions, d))) return rc;
@@ -302,6 +309,7 @@ void kv_engine_free(kv_engine *e) {
     free(e->b_seq);
     free(e->b_out);
     free(e->b_who);
+    free(e->b_plp);
     free(e->logits);
     free(e->cand);
     kv_grammar_vocab_free(e->gvocab);
@@ -356,6 +364,9 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
     for (uint32_t i = 0; i < o.n_stop; i++)
         if (o.stop_tokens[i] < 0 || (uint32_t)o.stop_tokens[i] >= e->n_vocab)
             return kv_fail(d, KV_EINVAL, "session: stop token %d out of range (vocab %u)", o.stop_tokens[i], e->n_vocab);
+    if (o.prompt_logprobs && e->draft) /* their rows and a verify's share the step's logit rows */
+        return kv_fail(d, KV_EUNSUPPORTED, "session: prompt log-probabilities with speculative decoding (--draft) "
+                       "are not supported; run without --draft");
     uint32_t slot = 0;
     while (slot < e->max_sessions && e->slot[slot]) slot++;
     if (slot == e->max_sessions)
@@ -366,6 +377,16 @@ int kv_session_new(kv_session **out, kv_engine *e, const kv_session_opts *opts, 
     if (rc) {
         free(s);
         return rc;
+    }
+    if (o.prompt_logprobs) { /* the model's own distribution: neither bias nor penalties */
+        kv_sample_params np = kv_sample_defaults();
+        rc = kv_sampler_new(&s->plp_smp, (int32_t)e->n_vocab, &np, d);
+        if (rc) {
+            kv_sampler_free(s->smp);
+            free(s);
+            return rc;
+        }
+        s->pc_tried = true; /* a prefix from the prompt cache would have no logits */
     }
     s->e = e;
     s->slot = slot;
@@ -400,6 +421,8 @@ void kv_session_free(kv_session *s) {
     e->slot[s->slot] = NULL;
     e->stats.sessions_open--;
     kv_sampler_free(s->smp);
+    kv_sampler_free(s->plp_smp);
+    free(s->plp);
     kv_grammar_matcher_free(s->gm);
     free(s->gmask);
     free(s->prompt);
@@ -438,6 +461,14 @@ int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag 
         s->prompt = np;
         s->prompt_cap = cap;
     }
+    if (s->o.prompt_logprobs && held + n > s->plp_cap) { /* every position it will hold, unknown until scored */
+        kv_token_logprob *np = realloc(s->plp, (size_t)(held + n) * sizeof *np);
+        if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for prompt log-probabilities",
+                                (unsigned long long)s->id);
+        for (uint64_t i = s->plp_cap; i < held + n; i++) np[i] = (kv_token_logprob){.token = -1};
+        s->plp = np;
+        s->plp_cap = (uint32_t)(held + n);
+    }
     memcpy(s->prompt + s->n_prompt, tokens, (size_t)n * sizeof *tokens);
     s->n_prompt += n;
     for (uint32_t i = 0; i < n; i++) kv_sampler_accept(s->smp, tokens[i]);
@@ -449,6 +480,50 @@ int kv_session_prompt(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag 
     return 0;
 }
 
+int kv_session_force(kv_session *s, const int32_t *tokens, uint32_t n, kv_diag *d) {
+    kv_engine *e = s->e;
+    if (s->status != KV_SESSION_DECODE && s->status != KV_SESSION_PREFILL)
+        return kv_fail(d, KV_EINVAL, "session %llu: tokens are forced only while it prefills or generates",
+                       (unsigned long long)s->id);
+    if (s->gm) return kv_fail(d, KV_EINVAL, "session %llu: has a grammar; forced tokens would bypass it",
+                              (unsigned long long)s->id);
+    if (e->draft) /* drafted tokens may already hold positions past the pending one */
+        return kv_fail(d, KV_EUNSUPPORTED, "session %llu: forced tokens (a reasoning budget) with speculative "
+                       "decoding (--draft) are not supported", (unsigned long long)s->id);
+    if (n == 0 || n > KV_SESSION_MAX_FORCE)
+        return kv_fail(d, KV_EINVAL, "session %llu: %u forced tokens, must be 1 to %u", (unsigned long long)s->id, n,
+                       KV_SESSION_MAX_FORCE);
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= e->n_vocab)
+            return kv_fail(d, KV_ERANGE, "session %llu: forced token %d out of range (vocab %u)",
+                           (unsigned long long)s->id, tokens[i], e->n_vocab);
+    /* generating: the emitted token, not fed yet, goes first */
+    int32_t q[KV_SESSION_MAX_FORCE + 1];
+    uint32_t m = 0;
+    if (s->status == KV_SESSION_DECODE) q[m++] = s->pending;
+    memcpy(q + m, tokens, (size_t)n * sizeof *tokens);
+    m += n;
+    const uint64_t held = (uint64_t)kv_state_pos_seq(e->st, s->slot) + (s->n_prompt - s->prompt_at);
+    if (held + m > e->n_ctx)
+        return kv_fail(d, KV_ECTXFULL, "session %llu: %u forced tokens do not fit: %llu held, context %u",
+                       (unsigned long long)s->id, n, (unsigned long long)held, e->n_ctx);
+    if (s->n_prompt + m > s->prompt_cap) {
+        uint32_t cap = s->prompt_cap ? s->prompt_cap : 64;
+        while (cap < s->n_prompt + m) cap *= 2;
+        int32_t *np = realloc(s->prompt, (size_t)cap * sizeof *np);
+        if (!np) return kv_fail(d, KV_ENOMEM, "session %llu: out of memory for forced tokens", (unsigned long long)s->id);
+        s->prompt = np;
+        s->prompt_cap = cap;
+    }
+    memcpy(s->prompt + s->n_prompt, q, (size_t)m * sizeof *q);
+    s->n_prompt += m;
+    for (uint32_t i = 0; i < n; i++) kv_sampler_accept_sampled(s->smp, tokens[i]); /* as if sampled */
+    s->st.n_gen += n;
+    s->st.n_gen_total += n;
+    s->status = KV_SESSION_PREFILL;
+    return 0;
+}
+
 void kv_session_pause(kv_session *s, bool paused) { s->paused = paused; }
 enum kv_session_status kv_session_status(const kv_session *s) {
     return kv_session_waiting(s) ? KV_SESSION_DECODE : s->status;
@@ -457,6 +532,11 @@ enum kv_stop kv_session_stop_reason(const kv_session *s) { return kv_session_wai
 int32_t kv_session_token(const kv_session *s) { return s->token; }
 const float *kv_session_logits(const kv_session *s) { return s->logits; }
 const kv_token_logprob *kv_session_logprob(const kv_session *s) { return s->has_lp ? &s->lp : NULL; }
+const kv_token_logprob *kv_session_prompt_logprobs(const kv_session *s, uint32_t *n) {
+    const uint32_t held = kv_state_pos_seq(s->e->st, s->slot);
+    *n = held < s->plp_cap ? held : s->plp_cap;
+    return s->plp;
+}
 uint64_t kv_session_id(const kv_session *s) { return s->id; }
 
 uint64_t kv_session_work(const kv_session *s, uint64_t *answered, uint32_t n_workers) {
@@ -851,6 +931,7 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             e->b_tok[n] = s->fed[i];
             e->b_seq[n] = s->slot;
             e->b_out[n_out] = n;
+            e->b_plp[n_out] = 0;
             e->b_who[n_out++] = s;
             n++;
             n_dec++;
@@ -858,11 +939,16 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     }
     /* then prompt chunks, oldest session first, up to n_batch tokens */
     uint32_t budget = e->n_batch;
+    uint32_t extra = 0; /* rows of prompt log-probabilities in this step */
     for (kv_session *s = e->head; s && budget; s = s->next) {
         if (s->paused || s->status != KV_SESSION_PREFILL) continue;
         if (e->pc && !s->pc_tried && s->prompt_at == 0 && kv_state_pos_seq(e->st, s->slot) == 0) kv_pc_restore(e, s);
         const uint32_t left = s->n_prompt - s->prompt_at, pos = kv_state_pos_seq(e->st, s->slot);
         uint32_t take = left < budget ? left : budget;
+        if (s->o.prompt_logprobs) { /* a row of logits per token: what the rows leave, one kept for each session */
+            const uint32_t room = e->max_sessions - e->stats.sessions_open - extra + 1;
+            if (take > room) take = room;
+        }
         if (e->pc_rec) { /* end the chunk at a block boundary it crosses: the recurrent state there is kept */
             const uint32_t end = pos + take, b = end / e->pc_block * e->pc_block;
             if (b > pos && b < end) take = b - pos;
@@ -882,9 +968,18 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
             e->b_tok[n] = s->prompt[s->prompt_at + i];
             e->b_seq[n++] = s->slot;
         }
+        for (uint32_t i = 0; s->o.prompt_logprobs && i < take && s->prompt_at + i + 1 < s->n_prompt; i++) {
+            const uint32_t p = pos + i + 1; /* the row of position pos + i scores the token at p */
+            s->plp[p].token = s->prompt[s->prompt_at + i + 1];
+            e->b_out[n_out] = n - take + i;
+            e->b_plp[n_out] = (int32_t)p;
+            e->b_who[n_out++] = s;
+            extra++;
+        }
         if (take == left) { /* its last prompt token: logits to sample from */
             e->b_out[n_out] = n - 1;
-            e->b_who[n_out++] = s;
+            e->b_plp[n_out] = 0;
+        e->b_who[n_out++] = s;
         }
         budget -= take;
         n_pre += take;
@@ -918,7 +1013,8 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
     for (kv_session *s = e->head; s; s = s->next) {
         if (!s->in_step) continue;
         const uint64_t t = s->chunk ? s->chunk : 1 + s->n_draft;
-        const uint64_t wanted = !s->chunk ? t : s->prompt_at + s->chunk == s->n_prompt;
+        const uint64_t wanted = s->chunk && s->o.prompt_logprobs ? t /* every row had logits */
+                              : !s->chunk ? t : s->prompt_at + s->chunk == s->n_prompt;
         s->products += (uint64_t)hp->n_expert_used * ((uint64_t)hp->n_layer * t - (dropped ? t - wanted : 0));
         s->st.steps++;
         /* a verify step's fed tokens enter the history once it is known which are kept */
@@ -949,6 +1045,18 @@ int kv_engine_step(kv_engine *e, kv_diag *d) {
         kv_session *s = e->b_who[k];
         if (s->status == KV_SESSION_FAILED) {
             k += s->n_draft;
+            continue;
+        }
+        if (e->b_plp[k]) { /* a prompt token's row: its log-probability, nothing sampled */
+            kv_token_logprob *pl = &s->plp[e->b_plp[k]];
+            const float *row = e->logits + (size_t)k * e->n_vocab;
+            const int lrc = kv_sampler_logprobs(s->plp_smp, row, pl->token, s->o.top_logprobs, pl);
+            if (lrc) {
+                char msg[sizeof sd.msg];
+                snprintf(msg, sizeof msg, "session %llu: step %llu: prompt log-probabilities: %s",
+                         (unsigned long long)s->id, (unsigned long long)step, kv_err_name(lrc));
+                kv_session_fail(s, lrc, msg);
+            }
             continue;
         }
         const uint32_t pos = kv_state_pos_seq(e->st, s->slot);

@@ -79,9 +79,9 @@ static int kv_an_tool_choice(kv_gw_params *p, json_t *o, kv_diag *d) {
 }
 
 /* "thinking": {"type":"enabled","budget_tokens":N} or {"type":"disabled"},
- * the template's enable_thinking. A budget below max_tokens would need the
- * end of the reasoning forced when it runs out, which the gateway cannot do
- * yet: refused; one at or above it never binds. */
+ * the template's enable_thinking. A budget below max_tokens binds: after N
+ * reasoning tokens the family's end of reasoning is forced (budget.c); one
+ * at or above it never binds. */
 static int kv_an_thinking(kv_gw_params *p, json_t *o, kv_diag *d) {
     json_t *t = json_object_get(o, "thinking");
     if (!t || json_is_null(t)) return 0;
@@ -91,10 +91,10 @@ static int kv_an_thinking(kv_gw_params *p, json_t *o, kv_diag *d) {
     if (strcmp(s, "enabled")) return kv_fail(d, KV_EINVAL, "'thinking.type' must be \"enabled\" or \"disabled\"");
     if (!json_is_integer(bt) || json_integer_value(bt) < 1 || json_integer_value(bt) > KV_GW_MAX_TOKENS)
         return kv_fail(d, KV_EINVAL, "'thinking.budget_tokens' must be an integer in [1, %u]", KV_GW_MAX_TOKENS);
-    if ((uint64_t)json_integer_value(bt) < p->max_tokens)
-        return kv_fail(d, KV_EUNSUPPORTED, "'thinking.budget_tokens' %lld is below max_tokens %u: ending the "
-                       "reasoning at its budget needs forced decoding of the end-of-thinking marker (not yet); give "
-                       "budget_tokens >= max_tokens", (long long)json_integer_value(bt), p->max_tokens);
+    if ((uint64_t)json_integer_value(bt) < p->max_tokens) {
+        p->has_think_budget = true;
+        p->think_budget = (uint32_t)json_integer_value(bt);
+    }
     return kv_gw_set_thinking(p, true, d);
 }
 
@@ -363,6 +363,29 @@ static void kv_an_call(const kv_gw_result *r, uint32_t index, const kv_gw_call *
     kv_an_event(b, "content_block_stop", json_pack("{s:s,s:i}", "type", "content_block_stop", "index", at));
 }
 
+/* A call as it comes: its tool_use block opened (input {}), an
+ * input_json_delta per fragment, the block closed. */
+static void kv_an_call_begin(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b) {
+    (void)index;
+    json_t *blk = kv_an_tool_use(c, false);
+    if (!blk) {
+        b->oom = true;
+        return;
+    }
+    kv_an_open(r, 3, blk, b);
+    r->ss->open = 3; /* until its last fragment */
+}
+static void kv_an_call_args(const kv_gw_result *r, uint32_t index, const char *frag, size_t n, kv_gw_buf *b) {
+    (void)index;
+    kv_an_event(b, "content_block_delta", json_pack("{s:s,s:i,s:{s:s,s:s%}}", "type", "content_block_delta", "index",
+                                                    (int)r->ss->n_blocks - 1, "delta", "type", "input_json_delta",
+                                                    "partial_json", frag, n));
+}
+static void kv_an_call_end(const kv_gw_result *r, uint32_t index, kv_gw_buf *b) {
+    (void)index;
+    kv_an_close(r, b);
+}
+
 static void kv_an_end(const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
     if (!r->ss->n_blocks) kv_an_open(r, 1, NULL, b); /* an empty answer: one empty text block */
     kv_an_close(r, b);
@@ -385,4 +408,5 @@ const kv_gw_api_ops kv_gw_anthropic_ops = {
     .call_prefix = "toolu_", .parse = kv_an_parse, .error_body = kv_an_error, .full_body = kv_an_full,
     .stream_begin = kv_an_begin, .stream_delta = kv_an_delta, .stream_reasoning = kv_an_reasoning,
     .stream_call = kv_an_call, .stream_end = kv_an_end, .stream_error = kv_an_stream_error,
+    .stream_call_begin = kv_an_call_begin, .stream_call_args = kv_an_call_args, .stream_call_end = kv_an_call_end,
 };

@@ -162,6 +162,11 @@ void kv_gw_summary(kv_gateway *g, const char *host, bool tls) {
     char url[200];
     snprintf(url, sizeof url, strchr(host, ':') ? "%s://[%s]:%u" : "%s://%s:%u", tls ? "https" : "http", host,
              (unsigned)g->port);
+    if (!g->e && !g->n_ring) {
+        fprintf(stderr, "gateway: model %s cannot run (%s); /health and prompts answer 503; serving %s\n", g->model,
+                g->health_msg, url);
+        return;
+    }
     if (!g->e) {
         fprintf(stderr, "gateway: model %s over a ring of %u entry node%s; prompt template: %s; serving %s\n", g->model,
                 g->n_ring, g->n_ring == 1 ? "" : "s", kv_tmpl_from(g), url);
@@ -617,7 +622,8 @@ void kv_gw_endpoint(kv_gateway *g, const char *url, const char *body, size_t n, 
     default: break;
     }
     if ((ep == KV_EP_TOKENIZE || ep == KV_EP_DETOKENIZE) && !g->tok)
-        return kv_ans_err(a, api, 501, "the ring's tokenizer is not here yet (no entry node has sent it)");
+        return g->n_ring ? kv_ans_err(a, api, 501, "the ring's tokenizer is not here yet (no entry node has sent it)")
+                         : kv_ans_err(a, api, 503, "the model cannot run here: %s", g->health_msg);
     /* the parse's memory is reserved whole from the gateway's total, as a
        generation's is (routes.c), and given back once answered */
     pthread_mutex_lock(&g->mu);

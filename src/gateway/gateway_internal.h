@@ -89,6 +89,9 @@ typedef struct kv_gw_params {
     const char *suffix;             /* completions: text after the completion (fill-in-the-middle), or NULL */
     size_t suffix_len;
     uint32_t n_choices;             /* OpenAI's "n": choices, each its own session with seed + i (0: 1) */
+    bool has_think_budget;          /* a reasoning budget: Anthropic's thinking.budget_tokens below
+                                       max_tokens, llama-server's thinking_budget_tokens (budget.c) */
+    uint32_t think_budget;          /* ... reasoning tokens before its end is forced */
 } kv_gw_params;
 
 /* Parses body (n bytes, any bytes) as a request of api into p (every
@@ -137,8 +140,15 @@ void kv_gw_grammar_limits(struct kv_grammar_limits *lim);
 int kv_gw_structured_parse(kv_gw_params *p, json_t *o, kv_diag *d);
 
 /* A family's tool-call text: the values of enum kv_chat_format (the
- * tool-call parser's), of which HERMES is built so far. */
-enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */ };
+ * tool-call parser's), and DeepSeek's older variant (which the parser reads
+ * as DEEPSEEK). */
+enum {
+    KV_GW_CALLS_HERMES = 0,         /* Qwen's: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call> */
+    KV_GW_CALLS_DEEPSEEK,           /* DeepSeek V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> */
+    KV_GW_CALLS_HARMONY,            /* gpt-oss: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS */
+    KV_GW_CALLS_DEEPSEEK_FENCED,    /* DeepSeek V3/R1: ...>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<... */
+    KV_GW_CALLS_COUNT
+};
 #define KV_GW_CALLS_MAX_TOOLS 128u /* functions a tool-call grammar chooses from */
 /* GBNF for the tool calls of tools (OpenAI's array of {"type":"function",
  * "function":{"name","parameters"}}) in format: one call (parallel: one to
@@ -147,7 +157,7 @@ enum { KV_GW_CALLS_HERMES = 0 /* Qwen's: <tool_call>\n{"name": NAME, "arguments"
  * function's parameters schema (none: exactly {}). malloc'd into *gbnf
  * (caller frees). Errors: KV_EFORMAT / KV_EINVAL naming the tool and field,
  * the schema compiler's (KV_EUNSUPPORTED naming the keyword), KV_ERANGE,
- * KV_ENOMEM; KV_EUNSUPPORTED for a format not built yet. close_think: the
+ * KV_ENOMEM; KV_EUNSUPPORTED for an unknown format. close_think: the
  * prompt opened <think> (kv_chat_prompt_thinks), so the text starts by
  * closing it ("</think>\n\n") and the call is not taken for reasoning. */
 int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, bool close_think,
@@ -163,6 +173,38 @@ bool kv_gw_tool_call_forced(const kv_gw_params *p);
  * 'tool_choice' on error (a 400, 500 for KV_ENOMEM). */
 int kv_gw_tool_choice_grammar(struct kv_grammar **out, const kv_gw_params *p, int format, bool think_open,
                               kv_diag *d);
+
+/* ---- the reasoning budget (gateway/budget.c) ------------------------------
+ * Follows a request's output and says when its reasoning has used
+ * budget tokens, for the scheduler to force the family's end of reasoning
+ * (kv_session_force). One request's, on the scheduler's thread. */
+#define KV_GW_BUDGET_MAX_FORCED 32u /* tokens of a forced end of reasoning */
+enum { KV_GW_BUDGET_WAIT = 0, KV_GW_BUDGET_IN, KV_GW_BUDGET_OVER };
+typedef struct kv_gw_budget {
+    bool on;                 /* the family writes reasoning (else the budget is never reached) */
+    uint32_t budget;         /* reasoning tokens allowed */
+    uint32_t used;           /* reasoning tokens so far (after the opening marker) */
+    int state;               /* WAIT: no output text yet; IN: reasoning; OVER: ended, forced, or none */
+    char open[40], close[16]; /* the family's markers */
+    char tail[64];           /* the latest output text, NUL-terminated (markers are found in it) */
+    size_t n_tail;
+    int32_t forced[KV_GW_BUDGET_MAX_FORCED]; /* [n_forced] the end of reasoning, tokenized */
+    uint32_t n_forced;
+} kv_gw_budget;
+/* A tracker of budget reasoning tokens for output in format (enum
+ * kv_chat_format) of a family that thinks (think) after a prompt that
+ * opened the reasoning or not (think_open). Returns 0, or KV_EINVAL when
+ * the forced text does not tokenize within KV_GW_BUDGET_MAX_FORCED tokens
+ * (d says so). */
+int kv_gw_budget_init(kv_gw_budget *b, const kv_tok *tok, int format, bool think, bool think_open, uint32_t budget,
+                      kv_diag *d);
+/* One more output token t: true when the end of reasoning is due now. */
+bool kv_gw_budget_see(kv_gw_budget *b, const kv_tok *tok, int32_t t);
+/* Whether it is due (a budget of 0 is, before any output, after a prompt
+ * that opened the reasoning). */
+bool kv_gw_budget_due(const kv_gw_budget *b);
+/* The end was forced: nothing more to follow. */
+void kv_gw_budget_forced(kv_gw_budget *b);
 
 /* ---- incremental text -------------------------------------------------
  * Tokens go in; text comes out only when it is whole UTF-8 and cannot be
@@ -206,7 +248,7 @@ enum kv_gw_finish { KV_GW_FINISH_STOP = 0, KV_GW_FINISH_LENGTH, KV_GW_FINISH_TOO
 /* A stream's own state the adapters keep between events (Anthropic's
  * content blocks). */
 typedef struct kv_gw_stream_state {
-    int open;                /* the block open now: 0 none, 1 text, 2 thinking */
+    int open;                /* the block open now: 0 none, 1 text, 2 thinking, 3 a tool_use streamed as it comes */
     uint32_t n_blocks;       /* blocks opened so far */
 } kv_gw_stream_state;
 
@@ -305,6 +347,12 @@ typedef struct kv_gw_api_ops {
     /* reasoning text, and one whole tool call (chat APIs; NULL: none) */
     void (*stream_reasoning)(const kv_gw_result *r, const char *text, size_t n, kv_gw_buf *b);
     void (*stream_call)(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b);
+    /* a call as it comes (NULL: the API streams calls whole): its start
+       (c's id and name; no arguments yet), a fragment of its arguments'
+       JSON text, its end */
+    void (*stream_call_begin)(const kv_gw_result *r, uint32_t index, const kv_gw_call *c, kv_gw_buf *b);
+    void (*stream_call_args)(const kv_gw_result *r, uint32_t index, const char *frag, size_t n, kv_gw_buf *b);
+    void (*stream_call_end)(const kv_gw_result *r, uint32_t index, kv_gw_buf *b);
     void (*stream_end)(const kv_gw_result *r, bool include_usage, kv_gw_buf *b);
     void (*stream_error)(const char *msg, kv_gw_buf *b);
     /* several choices (OpenAI's "n"; NULL: the API has none): a whole
@@ -340,6 +388,9 @@ const char *kv_gw_tmpl_name(const kv_gw_tmpl *m);
  * source); tools and think_open unset. */
 struct kv_chat_syntax;
 void kv_gw_tmpl_syntax(const kv_gw_tmpl *m, struct kv_chat_syntax *out);
+/* The template's tool-call text (KV_GW_CALLS_*: its family's, and for
+ * DeepSeek which of its variants the template writes). */
+int kv_gw_tmpl_calls(const kv_gw_tmpl *m);
 /* The template's variables for p (a new object, caller decrefs). */
 int kv_gw_tmpl_context(const kv_gw_tmpl *m, const kv_gw_params *p, json_t **out, kv_diag *d);
 /* The rendered prompt (malloc'd, NUL-terminated, *n bytes). Errors as

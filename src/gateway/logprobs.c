@@ -5,6 +5,7 @@
  * is no text of the answer and is not listed. A token's text is its piece
  * (control tokens as their text), as valid UTF-8 (invalid bytes as
  * U+FFFD); "bytes" are its raw bytes. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,8 +35,11 @@ static json_t *kv_lp_bytes_json(const kv_lp_piece *pc) {
     return a;
 }
 
-/* a log-probability (null: unknown, a scripted token) */
-static json_t *kv_lp_num(const kv_token_logprob *l, double v) { return l->token < 0 ? json_null() : json_real(v); }
+/* a log-probability (null: unknown, a scripted token, or NaN: a token
+ * forced into the output, not drawn) */
+static json_t *kv_lp_num(const kv_token_logprob *l, double v) {
+    return l->token < 0 || isnan(v) ? json_null() : json_real(v);
+}
 
 static bool kv_lp_skip(const kv_gw_result *r, const kv_token_logprob *l) {
     return l->token >= 0 && kv_tok_is_eog(r->tok, l->token);

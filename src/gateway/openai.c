@@ -38,6 +38,19 @@ static int kv_oa_reasoning_effort(kv_gw_params *p, json_t *o, kv_diag *d) {
     return 0;
 }
 
+/* "thinking_budget_tokens" (llama-server's): -1 or null none, else the
+ * reasoning tokens after which the end of reasoning is forced (0: at once). */
+static int kv_oa_thinking_budget(kv_gw_params *p, json_t *o, kv_diag *d) {
+    json_t *v = json_object_get(o, "thinking_budget_tokens");
+    if (!v || json_is_null(v) || (json_is_integer(v) && json_integer_value(v) == -1)) return 0;
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > KV_GW_MAX_TOKENS)
+        return kv_fail(d, KV_EINVAL, "'thinking_budget_tokens' must be -1 (none) or an integer in [0, %u]",
+                       KV_GW_MAX_TOKENS);
+    p->has_think_budget = true;
+    p->think_budget = (uint32_t)json_integer_value(v);
+    return 0;
+}
+
 static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     int rc;
     if ((rc = kv_gw_model(p, o, false, d))) return rc;
@@ -46,7 +59,7 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
         if ((rc = kv_gw_bool(o, "add_generation_prompt", &p->add_generation_prompt, d))) return rc;
         if ((rc = kv_gw_tools(p, o, d)) || (rc = kv_gw_tool_choice_openai(p, o, d)) || (rc = kv_gw_kwargs(p, o, d)))
             return rc;
-        if ((rc = kv_oa_reasoning_effort(p, o, d))) return rc;
+        if ((rc = kv_oa_reasoning_effort(p, o, d)) || (rc = kv_oa_thinking_budget(p, o, d))) return rc;
     } else {
         json_t *pr = json_object_get(o, "prompt");
         if (json_is_array(pr) && json_array_size(pr) == 1) pr = json_array_get(pr, 0);
@@ -65,9 +78,6 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
     if ((rc = kv_gw_logit_bias(p, o, "logit_bias", d))) return rc;
     if ((rc = kv_gw_penalties(p, o, "repeat_penalty", "repeat_last_n", d))) return rc; /* llama-server's too */
     if ((rc = kv_gw_logprobs_openai(p, o, chat, d))) return rc;
-    if (p->echo && p->logprobs)
-        return kv_fail(d, KV_EUNSUPPORTED, "'echo' with 'logprobs' needs the prompt's log-probabilities, which are "
-                       "not served: ask for one or the other");
     if ((rc = kv_gw_sampling(p, o, "max_tokens", d))) return rc;
     if (!p->has_max_tokens && (rc = kv_gw_sampling(p, o, "max_completion_tokens", d))) return rc;
     if ((rc = kv_gw_stops(p, o, "stop", d))) return rc;
@@ -84,6 +94,9 @@ static int kv_oa_parse(kv_gw_params *p, json_t *o, bool chat, kv_diag *d) {
             return kv_fail(d, KV_ERANGE, "'n' must be an integer in [1, %u]", KV_GW_MAX_N);
         p->n_choices = (uint32_t)json_integer_value(n);
     }
+    if (p->echo && p->logprobs && p->n_choices > 1)
+        return kv_fail(d, KV_EUNSUPPORTED, "'echo' with 'logprobs' and 'n' above 1 is not supported: ask for one "
+                       "choice (the prompt's log-probabilities are the same in every choice)");
     return 0;
 }
 
@@ -233,6 +246,21 @@ static void kv_oa_call(const kv_gw_result *r, uint32_t index, const kv_gw_call *
     kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
 }
 
+/* A call as it comes: its id, type and name (empty arguments), then each
+ * fragment of its arguments; nothing ends it. */
+static void kv_oa_call_begin(const kv_gw_result *r, uint32_t index, const kv_gw_call *call, kv_gw_buf *b) {
+    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:s,s:s,s:{s:s,s:s}}]},s:n,s:n}]", "index", (int)r->index, "delta",
+                          "tool_calls", "index", (int)index, "id", call->id, "type", "function", "function", "name",
+                          call->name, "arguments", "", "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
+}
+static void kv_oa_call_args(const kv_gw_result *r, uint32_t index, const char *frag, size_t n, kv_gw_buf *b) {
+    json_t *c = json_pack("[{s:i,s:{s:[{s:i,s:{s:s%}}]},s:n,s:n}]", "index", (int)r->index, "delta", "tool_calls",
+                          "index", (int)index, "function", "arguments", frag, n, "logprobs", "finish_reason");
+    kv_gw_buf_json(b, "data: ", kv_oa_chunk(true, r, c), "\n\n");
+}
+static void kv_oa_call_end(const kv_gw_result *r, uint32_t index, kv_gw_buf *b) { (void)r, (void)index, (void)b; }
+
 /* the chunk that ends one choice */
 static void kv_oa_finish_chunk(bool chat, const kv_gw_result *r, bool include_usage, kv_gw_buf *b) {
     const int ix = (int)r->index; /* the choice */
@@ -292,6 +320,7 @@ const kv_gw_api_ops kv_gw_openai_chat_ops = {
     .call_prefix = "call_", .parse = kv_oa_chat_parse, .error_body = kv_oa_error, .full_body = kv_oa_chat_full,
     .stream_begin = kv_oa_chat_begin, .stream_delta = kv_oa_chat_delta, .stream_reasoning = kv_oa_reasoning,
     .stream_call = kv_oa_call, .stream_end = kv_oa_chat_end,
+    .stream_call_begin = kv_oa_call_begin, .stream_call_args = kv_oa_call_args, .stream_call_end = kv_oa_call_end,
     .stream_error = kv_oa_stream_error, .full_body_n = kv_oa_chat_full_n, .stream_choice_end = kv_oa_chat_choice_end,
 };
 

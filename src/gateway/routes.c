@@ -55,6 +55,9 @@ typedef struct kv_gw_conn {
     uint32_t n_calls;
     uint32_t consumed;          /* tokens of r->toks turned into text */
     uint32_t lp_from;           /* stream: the first token whose log-probability no chunk carried yet */
+    bool echo_lp;               /* echo with logprobs: the prompt goes out with its log-probabilities, once
+                                   they are known (stream: before the first token's text) */
+    kv_token_logprob *lp_all;   /* whole, echo_lp: the prompt's then the completion's (owned) */
     /* OpenAI's "n": every choice's request (reqs[0] == r for the first),
        queued together and read one after another; r is reqs[choice]. A
        whole answer keeps each finished choice's result and text in done[] */
@@ -196,6 +199,18 @@ static int kv_on_event(void *ud, const kv_chat_ev *ev) {
         if (stream) kv_lp_sent(c);
         return 0;
     }
+    const bool inc = stream && o->stream_call_begin; /* calls streamed as they come */
+    if (ev->type == KV_CHAT_EV_CALL_BEGIN) {
+        if (!inc) return 0;
+        kv_gw_call k = {.name = (char *)ev->name};
+        snprintf(k.id, sizeof k.id, "%s%s_%u", o->call_prefix, c->id + strlen(o->id_prefix), ev->index);
+        o->stream_call_begin(&c->res, ev->index, &k, &c->out);
+        return 0;
+    }
+    if (ev->type == KV_CHAT_EV_CALL_ARGS) {
+        if (inc) o->stream_call_args(&c->res, ev->index, ev->text, ev->n, &c->out);
+        return 0;
+    }
     kv_gw_call *g = realloc(c->calls, (c->n_calls + 1) * sizeof *g); /* at most KV_CHAT_MAX_CALLS */
     if (!g) return KV_ENOMEM;
     c->calls = g;
@@ -211,7 +226,8 @@ static int kv_on_event(void *ud, const kv_chat_ev *ev) {
         return KV_ENOMEM;
     }
     c->n_calls++;
-    if (stream) o->stream_call(&c->res, ev->index, k, &c->out);
+    if (inc && ev->streamed) o->stream_call_end(&c->res, ev->index, &c->out);
+    else if (stream) o->stream_call(&c->res, ev->index, k, &c->out);
     return 0;
 }
 
@@ -227,6 +243,7 @@ static int kv_parser_start(kv_gw_conn *c) {
     s.tools_json = s.tools ? p->tools : NULL;
     s.think_open = c->think_open;
     s.max_calls = p->parallel_calls ? 0 : 1;
+    s.stream_args = kv_gw_tool_call_forced(p); /* sampled under the calls' grammar: well-formed as they come */
     if (!s.tools && !s.think && s.format != KV_CHAT_FMT_HARMONY) return 0;
     c->special = s.format != KV_CHAT_FMT_HERMES;
     return kv_chat_parser_new(&c->parser, &s);
@@ -288,6 +305,7 @@ static kv_gw_req *kv_req_choice(const kv_gw_req *r, uint32_t i, const kv_gw_para
     q->n_prompt = r->n_prompt;
     q->max_tokens = r->max_tokens;
     q->script = r->script;
+    q->budget = r->budget;
     q->cap = r->cap;
     q->prompt = malloc((size_t)r->n_prompt * sizeof *q->prompt);
     q->toks = malloc((size_t)q->cap * sizeof *q->toks);
@@ -366,6 +384,17 @@ static int kv_advance(kv_gw_conn *c, bool stream) {
     if (final && !stopped && c->text.stopped) { /* a stop string that ends in the last, incomplete character */
         c->res.finish = KV_GW_FINISH_STOP;
         c->res.stop_seq = c->text.stop[c->text.stop_index];
+    }
+    if (stream && c->echo_lp && (n > 0 || done)) { /* the prompt evaluated: it goes out first, with its own */
+        c->echo_lp = false;
+        pthread_mutex_lock(&g->mu);
+        const uint32_t skip = r->plp_skip < r->n_plps ? r->plp_skip : r->n_plps;
+        kv_gw_result e = c->res;
+        e.lp = r->plps + skip;
+        e.n_lp = r->n_plps - skip;
+        e.lp_text_off = 0;
+        pthread_mutex_unlock(&g->mu);
+        kv_gw_api(c->api)->stream_delta(&e, c->p->prompt, c->p->prompt_len, &c->out);
     }
     if (stream && c->res.logprobs && r->lps) { /* the next chunk carries the tokens not reported yet */
         c->res.lp = r->lps + c->lp_from;
@@ -617,6 +646,20 @@ static kv_gw_req *kv_local_req_new(kv_gw_conn *cn, struct MHD_Connection *c, con
     r->so.ignore_eog = p->ignore_eos;
     r->so.logprobs = p->logprobs;
     r->so.top_logprobs = p->top_logprobs;
+    if (p->echo && p->logprobs && p->prompt) { /* the prompt's log-probabilities come back with it */
+        r->so.prompt_logprobs = true;
+        r->prompt0 = ids[0];
+        r->plp_skip = off; /* a BOS the gateway put first is not the text's */
+        if (!(r->plps = malloc(n * sizeof *r->plps))) {
+            *status = 500;
+            pthread_mutex_lock(&g->mu);
+            r->refs = 1;
+            kv_gw_req_unref_locked(r);
+            pthread_mutex_unlock(&g->mu);
+            kv_pay_end(cn, true);
+            return kv_fail(d, KV_ENOMEM, "out of memory"), NULL;
+        }
+    }
     if (r->so.sample.repeat_last_n > (int32_t)g->n_ctx) /* no session holds more: the same window, less memory */
         r->so.sample.repeat_last_n = (int32_t)g->n_ctx;
     if (g->n_script) { /* TEST ONLY (script.c) */
@@ -707,6 +750,12 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (kv_gw_unavailable(g, why, sizeof why)) return kv_reply_err(cn, c, 503, "%s", why);
     kv_gw_req *r = NULL;
     size_t n = 0;
+    const char *budget_field = cn->api == KV_GW_ANTHROPIC ? "thinking.budget_tokens" : "thinking_budget_tokens";
+    const char *no_ring = p->has_think_budget ? budget_field /* the ring's last node samples: nothing to force */
+                        : p->echo && p->logprobs ? "echo' with 'logprobs" /* the ring computes no prompt rows */
+                        : NULL;
+    if (g->n_ring && no_ring)
+        return kv_reply_err(cn, c, 400, "'%s' is not supported over ring entry nodes yet", no_ring);
     if (p->n_choices > 1 && g->pay)
         return kv_reply_err(cn, c, 400, "'n' above 1 is not served by a paying gateway yet (one payment per choice)");
     const uint32_t n_choices = p->n_choices > 1 ? p->n_choices : 1;
@@ -724,12 +773,28 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
         if (forced) { /* the template is rendered now: its family, and whether it opened <think> */
             if (g->tmpl) kv_gw_tmpl_syntax(g->tmpl, &syn);
             else kv_chat_detect(NULL, 0, &syn);
-            grc = kv_gw_tool_choice_grammar(&r->grammar, p, syn.format, cn->think_open, &d);
+            grc = kv_gw_tool_choice_grammar(&r->grammar, p, g->tmpl ? kv_gw_tmpl_calls(g->tmpl) : syn.format,
+                                            cn->think_open, &d);
         } else {
             r->grammar = p->grammar; /* the request's now: its session may outlive the connection */
             p->grammar = NULL;
         }
-        if (!grc && g->n_ring) grc = kv_gw_ring_req_attach(r, p, forced, syn.format, cn->think_open, &d);
+        /* a reasoning budget: its end forced when spent (a forced call's
+           grammar closes any reasoning at once, so it never binds there) */
+        if (!grc && p->has_think_budget && !forced && !r->script) {
+            kv_chat_syntax bs;
+            if (g->tmpl) kv_gw_tmpl_syntax(g->tmpl, &bs);
+            else kv_chat_detect(NULL, 0, &bs);
+            if (r->grammar)
+                grc = kv_fail(&d, KV_EUNSUPPORTED, "'%s' with '%s' is not supported: the grammar leaves no place to "
+                              "force the end of reasoning", budget_field, p->grammar_field);
+            else if ((grc = kv_gw_budget_init(&r->budget, g->tok, bs.format, bs.think, cn->think_open,
+                                              p->think_budget, &d)))
+                kv_diag_prefix(&d, grc, "'%s'", budget_field);
+        }
+        if (!grc && g->n_ring)
+            grc = kv_gw_ring_req_attach(r, p, forced, g->tmpl ? kv_gw_tmpl_calls(g->tmpl) : syn.format, cn->think_open,
+                                        &d);
         if (grc) {
             pthread_mutex_lock(&g->mu);
             r->refs = 1;
@@ -814,10 +879,13 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     kv_gw_text_init(&cn->text, p->stop, p->stop_len, p->n_stop);
     if (kv_parser_start(cn)) return kv_reply_err(cn, c, 500, "out of memory");
 
+    cn->echo_lp = p->echo && p->prompt && p->logprobs;
+    if (cn->echo_lp) cn->res.lp_text_off = p->prompt_len; /* the completion's text offsets come after it */
     if (p->echo && p->prompt && !p->stream) kv_gw_buf_add(&cn->full, p->prompt, p->prompt_len); /* the prompt first */
     if (p->stream) {
         kv_gw_api(cn->api)->stream_begin(&cn->res, &cn->out);
-        if (p->echo && p->prompt) kv_gw_api(cn->api)->stream_delta(&cn->res, p->prompt, p->prompt_len, &cn->out);
+        if (p->echo && p->prompt && !cn->echo_lp)
+            kv_gw_api(cn->api)->stream_delta(&cn->res, p->prompt, p->prompt_len, &cn->out);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, kv_stream_read, cn, NULL);
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, "Content-Type", kv_gw_api(cn->api)->stream_type);
@@ -851,6 +919,17 @@ static enum MHD_Result kv_generate(kv_gw_conn *cn, struct MHD_Connection *c) {
     if (p->logprobs) { /* every token's */
         cn->res.lp = cn->r->lps;
         cn->res.n_lp = cn->consumed;
+    }
+    if (cn->echo_lp) { /* the prompt's first (the text echoed), offsets from 0 */
+        const uint32_t skip = cn->r->plp_skip < cn->r->n_plps ? cn->r->plp_skip : cn->r->n_plps;
+        const uint32_t np = cn->r->n_plps - skip;
+        if (!(cn->lp_all = malloc(((size_t)np + cn->consumed + 1) * sizeof *cn->lp_all)))
+            return kv_reply_err(cn, c, 500, "out of memory");
+        memcpy(cn->lp_all, cn->r->plps + skip, (size_t)np * sizeof *cn->lp_all);
+        memcpy(cn->lp_all + np, cn->r->lps, (size_t)cn->consumed * sizeof *cn->lp_all);
+        cn->res.lp = cn->lp_all;
+        cn->res.n_lp = np + cn->consumed;
+        cn->res.lp_text_off = 0;
     }
     if (cn->n_choices > 1) {
         kv_gw_result rs[KV_GW_MAX_N];
@@ -1063,6 +1142,7 @@ void kv_gw_done(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_Re
                           cn->res.completion_tokens + cn->tokens_before,
                           (kv_gw_mono() - cn->t0) * 1e3);
     kv_gw_text_free(&cn->text);
+    free(cn->lp_all);
     kv_chat_parser_free(cn->parser);
     for (uint32_t i = 0; i < cn->n_calls; i++) {
         free(cn->calls[i].name);

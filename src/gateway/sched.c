@@ -6,6 +6,7 @@
  * of the hub's placement map between steps, and keeps /health's view of the
  * workers' coverage. A step that fails as a whole is retried for a while
  * (its sessions kept) when the engine's experts are on workers. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,7 @@ void kv_gw_req_unref_locked(kv_gw_req *r) {
     free(r->toks);
     kv_grammar_free(r->grammar);
     free(r->lps);
+    free(r->plps);
     free(r);
 }
 
@@ -94,7 +96,7 @@ void kv_gw_req_finish_locked(kv_gateway *g, kv_gw_req *r, int err, const char *m
     }
     if (err) {
         r->err = err;
-        snprintf(r->errmsg, sizeof r->errmsg, "%s", msg);
+        snprintf(r->errmsg, sizeof r->errmsg, "%.*s", (int)sizeof r->errmsg - 1, msg); /* a diag's: cut to fit */
     } else {
         g->completed++;
     }
@@ -122,7 +124,7 @@ void kv_gw_deadline(struct timespec *ts, long ms) {
  * MoE layer) must have each of its experts served by a worker that is up
  * (handshaken, its slabs' hashes checked) or by a local slab. */
 void kv_gw_sched_health_locked(kv_gateway *g) {
-    if (g->n_ring) return; /* the ring's watcher keeps it */
+    if (g->n_ring || !g->e) return; /* the ring's watcher keeps it; without either the model cannot run */
     kv_remote *rm = kv_engine_remote(g->e);
     g->healthy = true;
     g->health_msg[0] = 0;
@@ -237,6 +239,39 @@ bool kv_gw_queue_displace_locked(kv_gateway *g, const kv_gw_req *r) {
     return true;
 }
 
+/* Publishes token t (and its log-probability when asked: lp NULL unknown). */
+static void kv_req_publish_locked(kv_gateway *g, kv_gw_req *r, int32_t t, const kv_token_logprob *lp) {
+    if (r->lps) { /* before n_toks shows it: readers take [0, n_toks) unlocked */
+        if (lp) r->lps[r->n_toks] = *lp;
+        else r->lps[r->n_toks] = (kv_token_logprob){.token = -1};
+    }
+    r->toks[r->n_toks++] = t;
+    g->tokens_generated++;
+}
+
+/* r's reasoning used its budget: its family's end of reasoning goes into
+ * the output as if sampled (kv_session_force) and is published, as much of
+ * it as max_tokens leaves room for (the rest cut: the request then ends
+ * there, r->cut). Their log-probabilities are NaN (no draw: null in the
+ * APIs' shapes). Returns 0 or
+ * the session's error (d). */
+static int kv_req_force_locked(kv_gateway *g, kv_gw_req *r, kv_diag *d) {
+    kv_gw_budget *b = &r->budget;
+    kv_gw_budget_forced(b);
+    const uint32_t limit = r->cap - 1; /* max_tokens, or what the context leaves */
+    const uint32_t room = limit > r->n_toks ? limit - r->n_toks : 0;
+    const uint32_t n = b->n_forced < room ? b->n_forced : room;
+    if (n < b->n_forced) {
+        r->cut = true;
+    } else {
+        const int rc = kv_session_force(r->s, b->forced, n, d);
+        if (rc) return rc;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        kv_req_publish_locked(g, r, b->forced[i], &(kv_token_logprob){.token = b->forced[i], .logprob = NAN});
+    return 0;
+}
+
 static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
     kv_diag d = {0};
     kv_session *s = NULL;
@@ -247,12 +282,14 @@ static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
     if (!rc) rc = kv_session_prompt(s, r->prompt, r->n_prompt, &d);
     free(r->prompt);
     r->prompt = NULL;
+    r->s = s;
+    if (!rc && kv_gw_budget_due(&r->budget)) rc = kv_req_force_locked(g, r, &d); /* a budget of 0 */
     if (rc) {
         kv_session_free(s);
+        r->s = NULL;
         kv_gw_req_finish_locked(g, r, rc, d.msg);
         return;
     }
-    r->s = s;
     r->state = KV_REQ_ACTIVE;
     r->sst = kv_session_status(s);
     r->next = NULL;
@@ -265,6 +302,12 @@ static void kv_sched_admit_locked(kv_gateway *g, kv_gw_req *r) {
 void *kv_gw_sched_main(void *arg) {
     kv_gateway *g = arg;
     if (g->n_ring) return kv_gw_sched_ring(g);
+    if (!g->e) { /* the model cannot run: every prompt is refused before it queues; wait to stop */
+        pthread_mutex_lock(&g->mu);
+        while (!g->quit) pthread_cond_wait(&g->work_cv, &g->mu);
+        pthread_mutex_unlock(&g->mu);
+        return NULL;
+    }
     kv_engine_stats es0;
     kv_engine_get_stats(g->e, &es0);
     pthread_mutex_lock(&g->mu);
@@ -369,24 +412,31 @@ void *kv_gw_sched_main(void *arg) {
             kv_gw_req *r = *pp;
             int32_t t = kv_session_token(r->s);
             if (r->script) t = t >= 0 && r->n_toks < r->script->n ? r->script->toks[r->n_toks] : -1; /* TEST ONLY */
+            kv_diag fd = {0};
+            int frc = 0;
+            if (t >= 0 && r->plps && !r->n_plps) { /* the prompt is evaluated: its log-probabilities */
+                uint32_t np = 0;
+                const kv_token_logprob *pl = kv_session_prompt_logprobs(r->s, &np);
+                if (np > r->n_prompt) np = r->n_prompt;
+                if (pl && np) memcpy(r->plps, pl, (size_t)np * sizeof *pl);
+                if (np) r->plps[0] = (kv_token_logprob){.token = r->prompt0, .logprob = NAN}; /* nothing before it */
+                r->n_plps = np;
+            }
             if (t >= 0 && r->n_toks < r->cap) {
-                if (r->lps) { /* before n_toks shows it: readers take [0, n_toks) unlocked */
-                    const kv_token_logprob *lp = r->script ? NULL : kv_session_logprob(r->s);
-                    if (lp) r->lps[r->n_toks] = *lp;
-                    else r->lps[r->n_toks] = (kv_token_logprob){.token = -1};
-                }
-                r->toks[r->n_toks++] = t;
-                g->tokens_generated++;
+                kv_req_publish_locked(g, r, t, r->script ? NULL : kv_session_logprob(r->s));
+                if (kv_gw_budget_see(&r->budget, g->tok, t) && kv_session_status(r->s) == KV_SESSION_DECODE)
+                    frc = kv_req_force_locked(g, r, &fd); /* the reasoning's budget is spent */
             }
             const enum kv_session_status st = kv_session_status(r->s);
             r->sst = st;
             kv_session_stats ss;
             kv_session_get_stats(r->s, &ss);
             r->n_cached = ss.n_cached;
-            if (st == KV_SESSION_DONE || st == KV_SESSION_FAILED || r->n_toks >= r->cap ||
+            if (st == KV_SESSION_DONE || st == KV_SESSION_FAILED || r->n_toks >= r->cap || r->cut || frc ||
                 (r->script && r->n_toks >= r->script->n)) {
                 kv_diag sd = {0};
-                const int err = st == KV_SESSION_FAILED ? kv_session_error(r->s, &sd) : 0;
+                const int err = frc ? frc : st == KV_SESSION_FAILED ? kv_session_error(r->s, &sd) : 0;
+                if (frc) sd = fd;
                 *pp = r->next;
                 g->n_active--;
                 kv_gw_req_finish_locked(g, r, err ? err : 0, sd.msg);

@@ -83,10 +83,12 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
         for (uint32_t i = 0; i < o.n_ring; i++)
             if (!o.ring_addrs[i] || !*o.ring_addrs[i] || strlen(o.ring_addrs[i]) > 255)
                 return kv_fail(d, KV_EINVAL, "gateway: ring entry %u is empty or too long", i);
-    } else if (!e) {
+    } else if (!e && !o.down_msg) {
         return kv_fail(d, KV_EINVAL, "gateway: an engine or a ring is needed");
+    } else if (e && o.down_msg) {
+        return kv_fail(d, KV_EINVAL, "gateway: a model that cannot run has no engine");
     }
-    if (o.hub_url && !kv_engine_remote(e))
+    if (o.hub_url && (!e || !kv_engine_remote(e)))
         return kv_fail(d, KV_EINVAL, "gateway: a hub URL needs an engine whose experts are on workers");
     if (o.body_max > KV_GATEWAY_MAX_BODY) return kv_fail(d, KV_EINVAL, "gateway: body limit %zu is over %u", o.body_max, KV_GATEWAY_MAX_BODY);
     if (o.parse_max > o.parse_total)
@@ -180,6 +182,11 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if ((rc = kv_gw_script_load(g, d))) goto fail;
     kv_gw_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
     if ((rc = kv_gw_autoscale_open(g, o.local_experts, o.step_target_ms, d))) goto fail;
+    if (o.down_msg) { /* for good: nothing here can run the model */
+        g->healthy = false;
+        snprintf(g->health_msg, sizeof g->health_msg, "%.200s", o.down_msg);
+    }
+    g->o.down_msg = NULL;
     if (g->n_ring) kv_gw_ring_poll(g); /* the same for a ring: the entry nodes asked once now */
     if (pthread_create(&g->sched, NULL, kv_gw_sched_main, g)) { rc = kv_fail(d, KV_EIO, "gateway: cannot start the scheduler"); goto fail; }
     g->sched_up = true;

@@ -80,13 +80,20 @@ typedef struct kv_gw_req {
     uint32_t max_tokens;
     struct kv_grammar *grammar; /* structured output its session samples under (owned), NULL none */
     const kv_gw_script *script; /* TEST ONLY: the tokens published in place of the sampled ones, or NULL */
+    kv_gw_budget budget;        /* the reasoning budget (budget.on false: none); the scheduler's */
     /* guarded by g->mu */
     int refs;
     int state;                  /* KV_REQ_* */
     bool cancel;                /* client gone or a stop string matched */
     bool displaced;             /* dropped from a full queue for another client's request (503) */
+    bool cut;                   /* the output ends here: a forced end of reasoning met max_tokens */
     int32_t *toks;              /* [cap] tokens published; entries below n_toks never change */
     kv_token_logprob *lps;      /* [cap] their log-probabilities (so.logprobs), or NULL; as toks */
+    kv_token_logprob *plps;     /* [n_prompt] the prompt's (so.prompt_logprobs: echo), or NULL; written
+                                   once, before the first token shows (n_toks > 0): plps[i] of token i */
+    uint32_t n_plps;            /* entries written (0 until then) */
+    int32_t prompt0;            /* the prompt's first token (its entry: no log-probability) */
+    uint32_t plp_skip;          /* leading entries of plps that are no text of the prompt (a BOS added) */
     struct kv_gw_req *lead;     /* a later choice of the same request (OpenAI's "n"): admitted once the first
                                    choice's prompt is evaluated, so the prompt cache holds it (the lead
                                    outlives it: the connection holds both and cancels them together) */

@@ -29,7 +29,9 @@
 #define KV_GW_STR(x) KV_GW_STR_(x)
 #define KV_GW_CALLS_MAX_CALLS_1 63 /* calls after the first: KV_CHAT_MAX_CALLS (64) in all */
 _Static_assert(KV_GW_CALLS_MAX_CALLS_1 + 1 == KV_CHAT_MAX_CALLS, "a forced output holds what the parser gives");
-_Static_assert((int)KV_GW_CALLS_HERMES == (int)KV_CHAT_FMT_HERMES, "formats are the parser's families");
+_Static_assert((int)KV_GW_CALLS_HERMES == (int)KV_CHAT_FMT_HERMES && (int)KV_GW_CALLS_DEEPSEEK == (int)KV_CHAT_FMT_DEEPSEEK &&
+                   (int)KV_GW_CALLS_HARMONY == (int)KV_CHAT_FMT_HARMONY,
+               "formats are the parser's families");
 
 void kv_gw_grammar_limits(kv_grammar_limits *lim) {
     kv_grammar_limits_default(lim);
@@ -172,13 +174,46 @@ static int kv_st_cat(char **buf, size_t *len, size_t *cap, const char *s, size_t
     return 0;
 }
 
+/* Each format's call text as GBNF pieces: the list of calls opens and
+ * closes with list_open/list_close and its calls are separated by sep (no
+ * list: one call, parallel or not); a call is call_open, one function's
+ * alternative (alt_pre, its name, alt_mid, the rule of its arguments, alt_post), then
+ * call_close. The markers are the texts the family's templates write. */
+typedef struct kv_st_calls {
+    const char *list_open, *list_close, *sep; /* NULL sep: one call only */
+    const char *call_open, *call_close;
+    const char *alt_pre, *alt_mid, *alt_post; /* a function's alternative: pre NAME mid RULE post */
+} kv_st_calls;
+
+#define KV_DS(x) "<\xef\xbd\x9c" x "\xef\xbd\x9c>" /* DeepSeek's <｜x｜>, x with ▁ */
+#define KV_US "\xe2\x96\x81"
+static const kv_st_calls kv_st_calls_of[KV_GW_CALLS_COUNT] = {
+    /* Qwen: <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>, "\n" between */
+    [KV_GW_CALLS_HERMES] = {"", "", "\"\\n\"", "\"<tool_call>\\n{\\\"name\\\": \"", "\"}\\n</tool_call>\"",
+                            "\"\\\"", "\\\", \\\"arguments\\\": \"", ""},
+    /* DeepSeek V3.1: NAME<｜tool▁sep｜>ARGS, calls side by side */
+    [KV_GW_CALLS_DEEPSEEK] = {"\"" KV_DS("tool" KV_US "calls" KV_US "begin") "\"",
+                              "\"" KV_DS("tool" KV_US "calls" KV_US "end") "\"", "",
+                              "\"" KV_DS("tool" KV_US "call" KV_US "begin") "\"",
+                              "\"" KV_DS("tool" KV_US "call" KV_US "end") "\"",
+                              "\"", KV_DS("tool" KV_US "sep") "\"", ""},
+    /* gpt-oss: a commentary message to functions.NAME; its <|call|> ends the turn (one call) */
+    [KV_GW_CALLS_HARMONY] = {"", "", NULL, "\"<|channel|>commentary to=functions.\"", "",
+                             "\"", " <|constrain|>json<|message|>\"", ""},
+    /* DeepSeek V3 and R1: function<｜tool▁sep｜>NAME and the arguments fenced, "\n" between */
+    [KV_GW_CALLS_DEEPSEEK_FENCED] = {"\"" KV_DS("tool" KV_US "calls" KV_US "begin") "\"",
+                                     "\"" KV_DS("tool" KV_US "calls" KV_US "end") "\"", "\"\\n\"",
+                                     "\"" KV_DS("tool" KV_US "call" KV_US "begin") "\"",
+                                     "\"" KV_DS("tool" KV_US "call" KV_US "end") "\"",
+                                     "\"function" KV_DS("tool" KV_US "sep"), "\\n```json\\n\"", "\"\\n```\""},
+};
+
 int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, bool parallel, bool close_think,
                      kv_diag *d) {
     *gbnf = NULL;
-    if (format != KV_GW_CALLS_HERMES)
-        return kv_fail(d, KV_EUNSUPPORTED, "tools: constraining the calls of this model's %s tool-call format is not "
-                       "supported (not yet): only Qwen's <tool_call> JSON",
-                       format == KV_CHAT_FMT_DEEPSEEK ? "DeepSeek" : format == KV_CHAT_FMT_HARMONY ? "gpt-oss (harmony)" : "unknown");
+    if (format < 0 || format >= KV_GW_CALLS_COUNT)
+        return kv_fail(d, KV_EUNSUPPORTED, "tools: tool-call format %d is not known", format);
+    const kv_st_calls *cf = &kv_st_calls_of[format];
     if (!json_is_array(tools) || json_array_size(tools) == 0)
         return kv_fail(d, KV_EINVAL, "'tools' must be a non-empty array");
     if (json_array_size(tools) > KV_GW_CALLS_MAX_TOOLS)
@@ -223,9 +258,10 @@ int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, b
             rc = kv_fail(d, rc, "tools[%zu].function.parameters (%s): %.400s", i, name, gd.msg);
             break;
         }
-        char alt[160];
-        /* {"name": "NAME", "arguments": ARGS}, as Qwen's template writes a call */
-        snprintf(alt, sizeof alt, "%s\"\\\"%s\\\", \\\"arguments\\\": \" %s", n_alt ? "\n    | " : "", name, rule);
+        /* the name: 1-64 of [A-Za-z0-9_-] (kv_st_name_ok), nothing to escape */
+        char alt[256];
+        snprintf(alt, sizeof alt, "%s%s%s%s %s %s", n_alt ? "\n    | " : "", cf->alt_pre, name, cf->alt_mid, rule,
+                 cf->alt_post);
         n_alt++;
         rc = kv_st_cat(&buf, &len, &cap, args, lim.max_text_bytes, d);
         free(args);
@@ -234,14 +270,19 @@ int kv_gw_tools_gbnf(char **gbnf, json_t *tools, const char *only, int format, b
         if (rc) break;
     }
     if (!rc && only && !n_alt) rc = kv_fail(d, KV_EINVAL, "tool_choice names function '%.64s', which is not in 'tools'", only);
-    char head[96];
+    char head[256];
     /* parallel: at most KV_GW_CALLS_MAX_CALLS, as many as the output parser gives */
-    snprintf(head, sizeof head, "root ::= %scall%s\n", close_think ? "\"</think>\\n\\n\" " : "",
-             parallel ? " (\"\\n\" call){0," KV_GW_STR(KV_GW_CALLS_MAX_CALLS_1) "}" : "");
+    snprintf(head, sizeof head, "root ::= %s%s call%s%s%s %s\n", close_think ? "\"</think>\\n\\n\" " : "",
+             *cf->list_open ? cf->list_open : "", parallel && cf->sep ? " (" : "", parallel && cf->sep ? cf->sep : "",
+             parallel && cf->sep ? " call){0," KV_GW_STR(KV_GW_CALLS_MAX_CALLS_1) "}" : "", cf->list_close);
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, head, lim.max_text_bytes, d);
-    if (!rc) rc = kv_st_cat(&buf, &len, &cap, "call ::= \"<tool_call>\\n{\\\"name\\\": \" (\n      ", lim.max_text_bytes, d);
+    if (!rc) rc = kv_st_cat(&buf, &len, &cap, "call ::= ", lim.max_text_bytes, d);
+    if (!rc) rc = kv_st_cat(&buf, &len, &cap, cf->call_open, lim.max_text_bytes, d);
+    if (!rc) rc = kv_st_cat(&buf, &len, &cap, " (\n      ", lim.max_text_bytes, d);
     if (!rc) rc = kv_st_cat(&buf, &len, &cap, alts, lim.max_text_bytes, d);
-    if (!rc) rc = kv_st_cat(&buf, &len, &cap, ") \"}\\n</tool_call>\"\n", lim.max_text_bytes, d);
+    if (!rc) rc = kv_st_cat(&buf, &len, &cap, ") ", lim.max_text_bytes, d);
+    if (!rc) rc = kv_st_cat(&buf, &len, &cap, cf->call_close, lim.max_text_bytes, d);
+    if (!rc) rc = kv_st_cat(&buf, &len, &cap, "\n", lim.max_text_bytes, d);
     free(alts);
     if (rc) {
         free(buf);

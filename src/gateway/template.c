@@ -36,6 +36,7 @@
 struct kv_gw_tmpl {
     kv_chat_tmpl *t;        /* the parsed template */
     kv_chat_syntax syn;     /* its family's output syntax (kv_chat_detect) */
+    int calls;              /* its tool-call text (KV_GW_CALLS_*) */
     char *bos, *eos;        /* texts of the model's BOS and EOS tokens ("" if none) */
     char name[128];         /* where it came from, for messages */
 };
@@ -72,6 +73,10 @@ int kv_gw_tmpl_open(kv_gw_tmpl **out, const kv_tok *tok, const char *src, size_t
         return rc;
     }
     kv_chat_detect(src, len, &m->syn);
+    m->calls = m->syn.format;
+    /* DeepSeek V3 and R1 write `function<｜tool▁sep｜>NAME` and fence the
+       arguments (```json), V3.1 and later `NAME<｜tool▁sep｜>ARGS` */
+    if (m->calls == KV_GW_CALLS_DEEPSEEK && memmem(src, len, "```json", 7)) m->calls = KV_GW_CALLS_DEEPSEEK_FENCED;
     m->bos = kv_tok_text_dup(tok, tok ? kv_tok_bos(tok) : -1);
     m->eos = kv_tok_text_dup(tok, tok ? kv_tok_eos(tok) : -1);
     if (!m->bos || !m->eos) {
@@ -93,6 +98,7 @@ void kv_gw_tmpl_free(kv_gw_tmpl *m) {
 const char *kv_gw_tmpl_name(const kv_gw_tmpl *m) { return m->name; }
 
 void kv_gw_tmpl_syntax(const kv_gw_tmpl *m, kv_chat_syntax *out) { *out = m->syn; }
+int kv_gw_tmpl_calls(const kv_gw_tmpl *m) { return m->calls; }
 
 /* A tool call's arguments as the template indexes them: a string holding
  * JSON becomes that JSON; anything else stays. */

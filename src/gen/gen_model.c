@@ -107,6 +107,7 @@ typedef struct gen_tensor {
     float mean;     /* weight distribution */
     float std;
     int vocab_rows; /* rows are tokens: UNUSED tokens get all-zero rows */
+    int matrix;     /* quantizable (the config's type or mix), else F32 */
     uint64_t nbytes;
 } gen_tensor;
 
@@ -122,6 +123,7 @@ static int is_gen_type(uint32_t t) {
     case KV_TYPE_F32: case KV_TYPE_F16: case KV_TYPE_BF16: case KV_TYPE_Q8_0:
     case KV_TYPE_Q4_0: case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K:
     case KV_TYPE_Q4_1: case KV_TYPE_Q5_0: case KV_TYPE_Q5_1: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4:
+    case KV_TYPE_Q2_K: case KV_TYPE_Q3_K: case KV_TYPE_IQ4_XS:
         return 1;
     default:
         return 0;
@@ -134,6 +136,8 @@ typedef struct gen_list {
     uint64_t bytes; /* data section size, each tensor padded to 32 */
     int overflow;
 } gen_list;
+
+static void size_bytes(gen_list *l, gen_tensor *t);
 
 static void add_t(gen_list *l, const char *name, uint32_t n_dims, uint64_t ne0, uint64_t ne1,
                   uint64_t ne2, uint32_t want, int matrix, float mean, float std) {
@@ -157,11 +161,16 @@ static void add_t(gen_list *l, const char *name, uint32_t n_dims, uint64_t ne0, 
     t->ne[3] = 1;
     t->want = matrix ? want : KV_TYPE_F32;
     t->type = matrix ? kv_gen_matrix_type(want, ne0) : KV_TYPE_F32;
+    t->matrix = matrix;
     t->mean = mean;
     t->std = std;
-    /* sizes are bounded by validation (< 2^60 elements), so only the sum
-     * needs care */
-    uint64_t nb = kv_type_row_size(t->type, ne0) * ne1 * ne2;
+    size_bytes(l, t);
+}
+
+/* t's byte size from its type, added to the list's total. Sizes are
+ * bounded by validation (< 2^60 elements), so only the sum needs care. */
+static void size_bytes(gen_list *l, gen_tensor *t) {
+    uint64_t nb = kv_type_row_size(t->type, t->ne[0]) * t->ne[1] * t->ne[2];
     t->nbytes = nb;
     uint64_t padded = (nb + 31) & ~(uint64_t)31;
     if (l->bytes > UINT64_MAX - padded)
@@ -170,11 +179,53 @@ static void add_t(gen_list *l, const char *name, uint32_t n_dims, uint64_t ne0, 
         l->bytes += padded;
 }
 
+/* The mix's recipe over the whole list (it needs every attn_v-like
+ * tensor's rank and whether output.weight exists): types and sizes again. */
+static void apply_mix(gen_list *l, const kv_gen_config *c, const kv_hparams *hp) {
+    kv_gen_mix_ctx m = {.n_layer_all = (int)kv_arch_n_blocks(hp), .n_expert = c->n_expert,
+                        .n_gqa = c->n_head / c->n_head_kv, .tied = true};
+    for (size_t i = 0; i < l->n; i++) {
+        const char *nm = l->t[i].name;
+        if (!strcmp(nm, "output.weight")) m.tied = false;
+        if (strstr(nm, "attn_v.weight") || strstr(nm, "attn_qkv.weight") || strstr(nm, "attn_kv_b.weight")) m.n_wv++;
+    }
+    l->bytes = 0;
+    for (size_t i = 0; i < l->n; i++) {
+        gen_tensor *t = &l->t[i];
+        const char *nm = t->name;
+        if (t->matrix) {
+            t->type = t->want = kv_gen_mix_type(c->mix, nm, t->ne[0], &m);
+            if (strstr(nm, "attn_v.weight") || strstr(nm, "attn_qkv.weight") || strstr(nm, "attn_kv_b.weight")) m.i_wv++;
+        }
+        size_bytes(l, t);
+    }
+}
+
 static float gain(float g, uint64_t fan_in) { return g / sqrtf((float)fan_in); }
 
 static bool is_q35(const kv_gen_config *c) { return c->arch && !strcmp(c->arch, "qwen35moe"); }
+static bool is_ds2(const kv_gen_config *c) { return c->arch && !strcmp(c->arch, "deepseek2"); }
+
+/* deepseek2's defaults: a small MLA (the latent a quarter of n_embd, the
+ * rope part a third of the query head) and V3's routing (sigmoid, scaled). */
+static void fill_defaults_ds2(kv_gen_config *c) {
+    if (!c->n_rot) c->n_rot = c->head_dim / 3 >= 2 ? (c->head_dim / 3) & ~1u : 2;
+    if (!c->q_lora_rank) c->q_lora_rank = (2 * c->n_embd / 3) & ~1u ? (2 * c->n_embd / 3) & ~1u : 2;
+    if (!c->kv_lora_rank) c->kv_lora_rank = c->n_embd / 4 ? c->n_embd / 4 : 1;
+    if (!c->head_dim_v) c->head_dim_v = c->head_dim > c->n_rot ? c->head_dim - c->n_rot : 1;
+    if (!c->n_ff) c->n_ff = 4 * c->n_ff_exp;
+    if (!c->n_expert_shared) c->n_expert_shared = 1;
+    if (c->n_expert_groups > 1 && !c->n_group_used) c->n_group_used = c->n_expert_groups / 2 ? c->n_expert_groups / 2 : 1;
+    if (c->expert_weights_scale == 0.0f) c->expert_weights_scale = 2.5f;
+    if (c->yarn_factor > 0.0f && !c->yarn_orig_ctx) c->yarn_orig_ctx = c->n_ctx / 4 ? c->n_ctx / 4 : 1;
+    c->n_head_kv = 1;
+}
 
 void kv_gen_fill_defaults(kv_gen_config *c) {
+    if (is_ds2(c)) {
+        fill_defaults_ds2(c);
+        return;
+    }
     if (!is_q35(c)) return;
     if (!c->n_ff_shexp) c->n_ff_shexp = c->n_ff_exp;
     if (!c->full_attn_interval) c->full_attn_interval = 4;
@@ -203,6 +254,19 @@ static void gen_hparams(const kv_gen_config *c, kv_hparams *hp) {
     hp->n_expert_used = c->n_expert_used;
     hp->n_ff_exp = c->n_ff_exp;
     hp->n_vocab = c->n_vocab;
+    if (is_ds2(c)) {
+        hp->n_rot = c->n_rot;
+        hp->n_head_kv = 1;
+        hp->head_dim = c->kv_lora_rank + c->n_rot;
+        hp->head_dim_k_mla = c->head_dim;
+        hp->head_dim_v_mla = c->head_dim_v;
+        hp->q_lora_rank = c->q_lora_rank;
+        hp->kv_lora_rank = c->kv_lora_rank;
+        hp->n_ff = c->n_ff;
+        hp->n_layer_dense_lead = c->n_dense_lead;
+        hp->n_ff_shexp = c->n_ff_exp * c->n_expert_shared;
+        return;
+    }
     if (!is_q35(c)) return;
     hp->n_layer_nextn = c->n_nextn;
     hp->full_attn_interval = c->full_attn_interval;
@@ -256,6 +320,7 @@ static int build_list(const kv_gen_config *c, gen_list *l) {
         if (t->blocks || ((t->flags & KV_TF_TIED) && c->tied)) continue;
         add_desc(l, c, &hp, t, 0);
     }
+    if (!l->overflow && c->mix) apply_mix(l, c, &hp);
     if (l->overflow) {
         free(l->t);
         memset(l, 0, sizeof *l);
@@ -273,11 +338,43 @@ static int check_range(kv_diag *d, const char *what, uint64_t v, uint64_t lo, ui
     return 0;
 }
 
+static int validate_ds2(const kv_gen_config *c, kv_diag *d) {
+    int rc;
+    if ((rc = check_range(d, "rope-dim", c->n_rot, 2, c->head_dim > 2 ? c->head_dim - 1 : 2)) ||
+        (rc = check_range(d, "q-lora", c->q_lora_rank, 1, KV_GEN_MAX_EMBD)) ||
+        (rc = check_range(d, "kv-lora", c->kv_lora_rank, 1, KV_GEN_MAX_HEAD_DIM - c->n_rot)) ||
+        (rc = check_range(d, "head-dim-v", c->head_dim_v, 1, KV_GEN_MAX_HEAD_DIM)) ||
+        (rc = check_range(d, "ff", c->n_ff, 1, KV_GEN_MAX_FF)) ||
+        (rc = check_range(d, "dense-layers", c->n_dense_lead, 0, c->n_layer)) ||
+        (rc = check_range(d, "shared-experts", c->n_expert_shared, 1, 64)) ||
+        (rc = check_range(d, "shared experts' rows", (uint64_t)c->n_expert_shared * c->n_ff_exp, 1, KV_GEN_MAX_FF)) ||
+        (rc = check_range(d, "expert-groups", c->n_expert_groups, 0, c->n_expert)))
+        return rc;
+    if (c->n_rot % 2) return kv_fail(d, KV_EINVAL, "rope-dim %" PRIu32 " must be even", c->n_rot);
+    if (c->n_expert_groups > 1) {
+        const uint32_t per = c->n_expert / c->n_expert_groups;
+        if (c->n_expert % c->n_expert_groups || per < 2)
+            return kv_fail(d, KV_EINVAL, "expert-groups %" PRIu32 " must divide experts %" PRIu32 " in groups of 2 or more",
+                           c->n_expert_groups, c->n_expert);
+        if ((rc = check_range(d, "groups-used", c->n_group_used, 1, c->n_expert_groups - 1))) return rc;
+        if (c->n_expert_used > c->n_group_used * per)
+            return kv_fail(d, KV_EINVAL, "experts-used %" PRIu32 " exceeds the %" PRIu32 " experts of the groups used",
+                           c->n_expert_used, c->n_group_used * per);
+    }
+    if (!(c->expert_weights_scale > 0.0f && c->expert_weights_scale <= 100.0f))
+        return kv_fail(d, KV_EINVAL, "expert weights scale %g must be in (0, 100]", (double)c->expert_weights_scale);
+    if (!(c->yarn_factor == 0.0f || (c->yarn_factor >= 1.0f && c->yarn_factor <= 1024.0f)))
+        return kv_fail(d, KV_EINVAL, "yarn factor %g must be 0 (none) or in [1, 1024]", (double)c->yarn_factor);
+    if (c->yarn_factor > 0.0f && (rc = check_range(d, "yarn-orig-ctx", c->yarn_orig_ctx, 1, KV_GEN_MAX_CTX))) return rc;
+    return 0;
+}
+
 int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
     int rc;
-    if (!c->arch || (strcmp(c->arch, "qwen3moe") != 0 && !is_q35(c)))
-        return kv_fail(d, KV_EUNSUPPORTED, "unknown architecture '%s' (supported: qwen3moe, qwen35moe)",
+    if (!c->arch || (strcmp(c->arch, "qwen3moe") != 0 && !is_q35(c) && !is_ds2(c)))
+        return kv_fail(d, KV_EUNSUPPORTED, "unknown architecture '%s' (supported: qwen3moe, qwen35moe, deepseek2)",
                        c->arch ? c->arch : "(null)");
+    if (is_ds2(c) && (rc = validate_ds2(c, d))) return rc;
     if (is_q35(c)) {
         if ((rc = check_range(d, "ff-shexp", c->n_ff_shexp, 1, KV_GEN_MAX_FF)) ||
             (rc = check_range(d, "attn-interval", c->full_attn_interval, 1, KV_GEN_MAX_LAYER)) ||
@@ -320,11 +417,13 @@ int kv_gen_validate(const kv_gen_config *c, kv_diag *d) {
     if (!(c->router_skew >= 0.0f && c->router_skew <= KV_GEN_MAX_ROUTER_SKEW))
         return kv_fail(d, KV_EINVAL, "router skew %g must be in [0, %g]", (double)c->router_skew,
                        (double)KV_GEN_MAX_ROUTER_SKEW);
+    if (c->mix >= KV_GEN_MIX_COUNT)
+        return kv_fail(d, KV_EINVAL, "mix %" PRIu32 " is not one of q2_k, q3_k_m, q4_k_m, iq4_xs", c->mix);
     const kv_type_info *ti = kv_type_get_ref(c->type);
     if (!is_gen_type(c->type) || !ti || !ti->from_float)
         return kv_fail(d, KV_EUNSUPPORTED,
                        "type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, "
-                       "iq4_nl, mxfp4, q4_k, q5_k or q6_k)",
+                       "iq4_nl, mxfp4, q2_k, q3_k, q4_k, q5_k, q6_k or iq4_xs)",
                        ti ? ti->name : "unknown");
     uint64_t bytes = kv_gen_data_bytes(c);
     if (bytes == 0 || bytes > KV_GEN_MAX_BYTES)
@@ -496,6 +595,7 @@ static int gen_tensor_data(kv_gguf_writer *w, kv_pool *pool, size_t idx, const g
 
 static uint32_t file_type_of(const kv_gen_config *c) {
     /* llama_ftype values (general.file_type) for an all-`type` model */
+    if (c->mix) return kv_gen_mix_ftype(c->mix);
     if (c->q6_mix && c->type == KV_TYPE_Q4_K) return 15; /* Q4_K_M */
     switch (c->type) {
     case KV_TYPE_F32: return 0;
@@ -510,6 +610,9 @@ static uint32_t file_type_of(const kv_gen_config *c) {
     case KV_TYPE_Q4_K: return 14; /* Q4_K_S */
     case KV_TYPE_Q5_K: return 16; /* Q5_K_S */
     case KV_TYPE_Q6_K: return 18;
+    case KV_TYPE_Q2_K: return 10;  /* Q2_K */
+    case KV_TYPE_Q3_K: return 11;  /* Q3_K_S */
+    case KV_TYPE_IQ4_XS: return 30;
     case KV_TYPE_BF16: return 32;
     default: return 0;
     }
@@ -575,6 +678,52 @@ int kv_gen_write_tokenizer(kv_gguf_writer *w, const kv_bpe_vocab *v, const char 
     return 0;
 }
 
+/* The deepseek2.* hyperparameters, keys as llama.cpp's deepseek2 loader
+ * reads them (MLA with attn_k_b/attn_v_b: key_length is the cached row,
+ * kv_lora_rank + n_rot; value_length the latent). */
+static int write_meta_ds2(kv_gguf_writer *w, const kv_gen_config *c, kv_diag *d) {
+    int rc;
+#define TRY(x) \
+    if ((rc = (x))) return rc
+#define U32(k, v) TRY(kv_gguf_writer_set_u32(w, "deepseek2." k, (v), d))
+    U32("context_length", c->n_ctx);
+    U32("embedding_length", c->n_embd);
+    U32("block_count", c->n_layer);
+    U32("feed_forward_length", c->n_ff);
+    U32("expert_feed_forward_length", c->n_ff_exp);
+    U32("expert_count", c->n_expert);
+    U32("expert_used_count", c->n_expert_used);
+    U32("expert_shared_count", c->n_expert_shared);
+    U32("leading_dense_block_count", c->n_dense_lead);
+    U32("expert_gating_func", 2); /* sigmoid */
+    TRY(kv_gguf_writer_set_bool(w, "deepseek2.expert_weights_norm", true, d));
+    TRY(kv_gguf_writer_set_f32(w, "deepseek2.expert_weights_scale", c->expert_weights_scale, d));
+    if (c->n_expert_groups > 1) {
+        U32("expert_group_count", c->n_expert_groups);
+        U32("expert_group_used_count", c->n_group_used);
+    }
+    U32("attention.head_count", c->n_head);
+    U32("attention.head_count_kv", 1);
+    U32("attention.key_length", c->kv_lora_rank + c->n_rot);
+    U32("attention.value_length", c->kv_lora_rank);
+    U32("attention.key_length_mla", c->head_dim);
+    U32("attention.value_length_mla", c->head_dim_v);
+    U32("attention.q_lora_rank", c->q_lora_rank);
+    U32("attention.kv_lora_rank", c->kv_lora_rank);
+    U32("rope.dimension_count", c->n_rot);
+    TRY(kv_gguf_writer_set_f32(w, "deepseek2.attention.layer_norm_rms_epsilon", GEN_RMS_EPS, d));
+    TRY(kv_gguf_writer_set_f32(w, "deepseek2.rope.freq_base", 10000.0f, d));
+    if (c->yarn_factor > 0.0f) {
+        TRY(kv_gguf_writer_set_str(w, "deepseek2.rope.scaling.type", "yarn", d));
+        TRY(kv_gguf_writer_set_f32(w, "deepseek2.rope.scaling.factor", c->yarn_factor, d));
+        U32("rope.scaling.original_context_length", c->yarn_orig_ctx);
+        TRY(kv_gguf_writer_set_f32(w, "deepseek2.rope.scaling.yarn_log_multiplier", 0.1f, d)); /* 0.1 * mscale_all_dim */
+    }
+#undef U32
+#undef TRY
+    return 0;
+}
+
 static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vocab *v, kv_diag *d) {
     int rc;
 #define TRY(x) \
@@ -585,6 +734,14 @@ static int write_meta(kv_gguf_writer *w, const kv_gen_config *c, const kv_bpe_vo
         TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c), d));
         TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
         TRY(write_meta_q35(w, c, d));
+        goto vocab;
+    }
+    if (is_ds2(c)) {
+        TRY(kv_gguf_writer_set_str(w, "general.architecture", "deepseek2", d));
+        TRY(kv_gguf_writer_set_str(w, "general.name", c->name ? c->name : "kvasir-synthetic", d));
+        TRY(kv_gguf_writer_set_u32(w, "general.file_type", file_type_of(c), d));
+        TRY(kv_gguf_writer_set_u32(w, "general.quantization_version", 2, d));
+        TRY(write_meta_ds2(w, c, d));
         goto vocab;
     }
     TRY(kv_gguf_writer_set_str(w, "general.architecture", "qwen3moe", d));

@@ -103,6 +103,42 @@ int kv_node_choose(const kv_hub_shard_view *shards, size_t n, uint64_t budget, c
     return 0;
 }
 
+int kv_node_surplus(const char *json, size_t len, const kv_hub_shard_view *view, size_t n, const uint8_t pk[32],
+                    uint8_t *drop, kv_diag *d) {
+    memset(drop, 0, n);
+    json_error_t je;
+    json_t *root = json_loadb(json, len, 0, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "placement: bad JSON at line %d: %s", je.line, je.text);
+    json_t *sh = json_object_get(root, "shards");
+    if (!json_is_array(sh)) {
+        json_decref(root);
+        return kv_fail(d, KV_EFORMAT, "placement: needs {\"shards\": [...]}");
+    }
+    char me[65];
+    kv_hex(pk, 32, me);
+    for (size_t k = 0; k < json_array_size(sh); k++) {
+        json_t *e = json_array_get(sh, k), *nodes = json_object_get(e, "nodes");
+        json_t *L = json_object_get(e, "layer"), *F = json_object_get(e, "first");
+        if (!json_is_integer(L) || !json_is_integer(F) || !json_is_array(nodes)) continue;
+        size_t i = 0; /* the market view's shard (manifest order) */
+        while (i < n && !(view[i].layer == json_integer_value(L) && view[i].first == json_integer_value(F))) i++;
+        if (i == n || view[i].live <= view[i].wanted) continue;
+        /* rank among the listed holders by key; listed twice counts once */
+        bool listed = false;
+        uint32_t below = 0;
+        for (size_t j = 0; j < json_array_size(nodes); j++) {
+            const char *key = json_string_value(json_object_get(json_array_get(nodes, j), "key"));
+            if (!key || strlen(key) != 64) continue;
+            const int c = strcmp(key, me);
+            if (!c) listed = true;
+            else if (c < 0) below++;
+        }
+        if (listed && below >= view[i].wanted) drop[i] = 1;
+    }
+    json_decref(root);
+    return 0;
+}
+
 int kv_node_parse_size(const char *s, uint64_t *out, kv_diag *d) {
     *out = 0;
     uint64_t v = 0;
@@ -1079,6 +1115,7 @@ struct kv_node {
     kv_manifest *m;
     uint8_t *held;              /* [m->n_slabs] verified, served and announced */
     uint8_t *live;              /* [m->n_slabs] the hub counts us for it (registered, not dropped) */
+    uint32_t *peak;             /* [m->n_slabs] the most replicas the market has wanted of it while we ran */
     kv_node_worker cur, old;    /* the serving worker, and the one being retired */
     int64_t old_until_ms;       /* when the retired worker stops */
     char addr[KV_HUB_MAX_ADDR + 1]; /* announced */
@@ -1189,6 +1226,7 @@ void kv_node_free(kv_node *n) {
     kv_manifest_free(n->m);
     free(n->held);
     free(n->live);
+    free(n->peak);
     if (n->stop_pipe[0] >= 0) close(n->stop_pipe[0]);
     if (n->stop_pipe[1] >= 0) close(n->stop_pipe[1]);
     free(n);
@@ -1469,7 +1507,7 @@ static int kv_node_market(kv_node *n, kv_hub_shard_view *view, kv_diag *d) {
     if (rc) return rc;
     for (size_t i = 0; i < n->m->n_slabs; i++) {
         const kv_manifest_slab *s = &n->m->slabs[i];
-        view[i] = (kv_hub_shard_view){s->layer, s->first, s->last, s->file.size, 1, 0, 0};
+        view[i] = (kv_hub_shard_view){s->layer, s->first, s->last, s->file.size, 1, 0, 0, 0, 0};
     }
     for (size_t k = 0; k < mk.n_shards; k++) {
         const kv_hub_shard_view *v = &mk.shards[k];
@@ -1488,6 +1526,52 @@ static int kv_node_market(kv_node *n, kv_hub_shard_view *view, kv_diag *d) {
 }
 
 static int kv_node_heartbeat(kv_node *n, kv_diag *d);
+
+/* A market that wants fewer replicas of a shard than at its peak (demand
+ * fell: docs/HUB.md "Demand") is not over-filled: no new replica beyond
+ * wanted is taken, and the replicas beyond it are given up by the holders
+ * that rank past wanted by key (kv_node_surplus), so the lowest-keyed
+ * holder always keeps its own: never the last live one, and holders that
+ * see the same placement do not all drop at once. A market that never came
+ * down keeps today's rule: spare budget holds extra replicas. The shards
+ * given up or not to be taken are marked unaffordable in view (bytes =
+ * UINT64_MAX); returns true when want changed, so the caller chooses again
+ * with the room they leave. */
+static bool kv_node_drop_surplus(kv_node *n, kv_hub_shard_view *view, uint8_t *want) {
+    const size_t ns = n->m->n_slabs;
+    bool any = false, changed = false;
+    for (size_t i = 0; i < ns; i++) {
+        if (view[i].wanted > n->peak[i]) n->peak[i] = view[i].wanted;
+        if (view[i].wanted >= n->peak[i]) continue;
+        if (!n->held[i] && view[i].live >= view[i].wanted) {
+            changed |= want[i];
+            want[i] = 0;
+            view[i].bytes = UINT64_MAX;
+        }
+        any |= want[i] && n->held[i] && n->live[i] && view[i].live > view[i].wanted;
+    }
+    if (!any) return changed;
+    char *body = NULL;
+    size_t len = 0;
+    uint8_t *drop = malloc(ns ? ns : 1);
+    kv_diag e = {0};
+    if (drop && !kv_node_get(n->o.hub, "/v1/placement", KV_NODE_MAX_MARKET, &body, &len, &e) &&
+        !kv_node_surplus(body, len, view, ns, n->key.pk, drop, &e)) {
+        for (size_t i = 0; i < ns; i++)
+            if (drop[i] && want[i] && n->held[i] && view[i].wanted < n->peak[i]) {
+                want[i] = 0;
+                view[i].bytes = UINT64_MAX;
+                changed = true;
+                kv_node_log(n, "layer %u experts %u-%u: %u live, %u wanted: giving up our replica",
+                            view[i].layer, view[i].first, view[i].last, view[i].live, view[i].wanted);
+            }
+    } else if (e.msg[0]) {
+        kv_node_log(n, "%s", e.msg);
+    }
+    free(body);
+    free(drop);
+    return changed;
+}
 
 /* Progress of a slab download: reported, and the heartbeat kept going
  * meanwhile (a long download must not make the node look dead for what
@@ -1577,9 +1661,10 @@ int kv_node_run(kv_node *n, kv_diag *d) {
     size_t ns = n->m->n_slabs;
     n->held = calloc(ns ? ns : 1, 1);
     n->live = calloc(ns ? ns : 1, 1);
+    n->peak = calloc(ns ? ns : 1, sizeof *n->peak);
     view = calloc(ns ? ns : 1, sizeof *view);
     want = calloc(ns ? ns : 1, 1);
-    if (!n->held || !n->live || !view || !want) {
+    if (!n->held || !n->live || !n->peak || !view || !want) {
         rc = kv_fail(d, KV_ENOMEM, "node: out of memory");
         goto out;
     }
@@ -1618,6 +1703,12 @@ int kv_node_run(kv_node *n, kv_diag *d) {
             for (size_t i = 0; i < ns; i++)
                 if (n->held[i] && !want[i] && view[i].live >= 1 && view[i].live <= view[i].wanted) gives_wanted = true;
             if (gives_wanted && (rand() & 1)) memcpy(want, n->held, ns);
+            if (kv_node_drop_surplus(n, view, want) &&
+                kv_node_choose(view, ns, n->o.budget, n->live, n->salt, want, &bytes, &e)) {
+                rc = e.code;
+                *d = e;
+                goto out;
+            }
             if (memcmp(want, n->held, ns)) {
                 kv_node_fetch_set(n, want);
                 bool any = false;

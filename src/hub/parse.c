@@ -287,7 +287,108 @@ int kv_hub_parse_beat(kv_hub_beat *b, const char *json, size_t len, kv_diag *d) 
     return rc;
 }
 
-/* ---- market ---------------------------------------------------------------- */
+/* ---- demand report ------------------------------------------------------ */
+
+void kv_hub_demand_free(kv_hub_demand *r) {
+    if (!r) return;
+    free(r->shards);
+    memset(r, 0, sizeof *r);
+}
+
+static int kv_demand_cmp(const void *a, const void *b) {
+    const kv_hub_demand_shard *x = a, *y = b;
+    if (x->layer != y->layer) return x->layer < y->layer ? -1 : 1;
+    if (x->first != y->first) return x->first < y->first ? -1 : 1;
+    return 0;
+}
+
+int kv_hub_parse_demand(kv_hub_demand *r, const char *json, size_t len, kv_diag *d) {
+    memset(r, 0, sizeof *r);
+    if (len > (size_t)KV_HUB_MAX_DEMAND_SHARDS * 160 + 4096)
+        return kv_fail(d, KV_EFORMAT, "demand: %zu bytes is too large", len);
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return kv_fail(d, KV_EFORMAT, "demand: bad JSON at line %d: %s", je.line, je.text);
+    int rc = 0;
+    json_t *sh = json_object_get(root, "shards");
+    if (!json_is_object(root) || !json_is_array(sh)) {
+        rc = kv_fail(d, KV_EFORMAT, "demand: needs {\"tokens\": N, \"shards\": [...]}");
+        goto out;
+    }
+    if ((rc = kv_j_u64(root, "demand", "tokens", KV_HUB_DEMAND_MAX, &r->tokens, d))) goto out;
+    const size_t n = json_array_size(sh);
+    if (n > KV_HUB_MAX_DEMAND_SHARDS) {
+        rc = kv_fail(d, KV_EFORMAT, "demand: %zu shards, at most %u", n, KV_HUB_MAX_DEMAND_SHARDS);
+        goto out;
+    }
+    if (!(r->shards = calloc(n ? n : 1, sizeof *r->shards))) {
+        rc = kv_fail(d, KV_ENOMEM, "demand: out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(sh, i);
+        char c[40];
+        snprintf(c, sizeof c, "demand: shards[%zu]", i);
+        uint64_t L, F, T, C, W;
+        if (!json_is_object(e)) {
+            rc = kv_fail(d, KV_EFORMAT, "%s must be an object", c);
+            goto out;
+        }
+        if ((rc = kv_j_u64(e, c, "layer", UINT32_MAX, &L, d)) || (rc = kv_j_u64(e, c, "first", UINT32_MAX, &F, d)) ||
+            (rc = kv_j_u64(e, c, "last", UINT32_MAX, &T, d)) ||
+            (rc = kv_j_u64(e, c, "computations", KV_HUB_DEMAND_MAX, &C, d)) ||
+            (rc = kv_j_u64(e, c, "wait_us", KV_HUB_DEMAND_MAX, &W, d)))
+            goto out;
+        if (T < F) {
+            rc = kv_fail(d, KV_EFORMAT, "%s: 'last' < 'first'", c);
+            goto out;
+        }
+        r->shards[i] = (kv_hub_demand_shard){(uint32_t)L, (uint32_t)F, (uint32_t)T, C, W};
+    }
+    r->n_shards = n;
+    kv_hub_demand_shard *sorted = malloc((n ? n : 1) * sizeof *sorted);
+    if (!sorted) {
+        rc = kv_fail(d, KV_ENOMEM, "demand: out of memory");
+        goto out;
+    }
+    memcpy(sorted, r->shards, n * sizeof *sorted);
+    qsort(sorted, n, sizeof *sorted, kv_demand_cmp);
+    for (size_t i = 1; i < n && !rc; i++)
+        if (!kv_demand_cmp(&sorted[i - 1], &sorted[i]))
+            rc = kv_fail(d, KV_EFORMAT, "demand: shard (layer %u, first %u) listed twice", sorted[i].layer,
+                         sorted[i].first);
+    free(sorted);
+out:
+    json_decref(root);
+    if (rc) kv_hub_demand_free(r);
+    return rc;
+}
+
+char *kv_hub_demand_json(const kv_hub_demand *r) {
+    json_t *j = json_object(), *a = json_array();
+    if (!j || !a) {
+        json_decref(j);
+        json_decref(a);
+        return NULL;
+    }
+    json_object_set_new(j, "tokens", json_integer((json_int_t)r->tokens));
+    for (size_t i = 0; i < r->n_shards; i++) {
+        const kv_hub_demand_shard *e = &r->shards[i];
+        json_t *o = json_object();
+        json_object_set_new(o, "layer", json_integer(e->layer));
+        json_object_set_new(o, "first", json_integer(e->first));
+        json_object_set_new(o, "last", json_integer(e->last));
+        json_object_set_new(o, "computations", json_integer((json_int_t)e->computations));
+        json_object_set_new(o, "wait_us", json_integer((json_int_t)e->wait_us));
+        json_array_append_new(a, o);
+    }
+    json_object_set_new(j, "shards", a);
+    char *s = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    return s;
+}
+
+/* ---- market ------------------------------------------------------------- */
 
 #define KV_HUB_MARKET_MAX_SHARDS (1u << 20) /* as KV_MANIFEST_MAX_SLABS */
 
@@ -337,7 +438,20 @@ int kv_hub_parse_market(kv_hub_market *m, const char *json, size_t len, kv_diag 
             rc = kv_fail(d, KV_EFORMAT, "%s: 'last' < 'first'", c);
             goto out;
         }
-        m->shards[i] = (kv_hub_shard_view){(uint32_t)L, (uint32_t)F, (uint32_t)T, B, (uint32_t)W, (uint32_t)V, R};
+        m->shards[i] = (kv_hub_shard_view){(uint32_t)L, (uint32_t)F, (uint32_t)T, B, (uint32_t)W, (uint32_t)V, R, 0, 0};
+        /* demand and wait (hubs before demand have none): finite, >= 0 */
+        const char *dk[2] = {"demand", "wait_ms"};
+        double *dv[2] = {&m->shards[i].demand, &m->shards[i].wait_ms};
+        for (int k = 0; k < 2; k++) {
+            json_t *v = json_object_get(e, dk[k]);
+            if (!v) continue;
+            const double x = json_is_number(v) ? json_number_value(v) : -1;
+            if (!(x >= 0 && x <= 1e18)) {
+                rc = kv_fail(d, KV_EFORMAT, "%s: '%s' must be a number in [0, 1e18]", c, dk[k]);
+                goto out;
+            }
+            *dv[k] = x;
+        }
     }
     m->n_shards = n;
 out:

@@ -84,7 +84,7 @@ int kv_hub_prove_expect(int dir_fd, const kv_manifest *m, uint32_t slab, uint32_
     if (snprintf(path, sizeof path, "/proc/self/fd/%d/%s", dir_fd, s->file.path) >= (int)sizeof path)
         return kv_fail(d, KV_EINVAL, "prove: slab path too long");
     kv_gguf *g = NULL;
-    int rc = kv_gguf_open(&g, path, d);
+    int rc = kv_gguf_open_file(&g, path, d); /* a slab is one file: never a split set's siblings */
     if (rc) return rc;
     kv_expert_weights w;
     uint32_t n_embd = 0, n_ff = 0;

@@ -4,7 +4,10 @@
  * challenges) lives in memory under one mutex; every change is written
  * through the store (store.h) before memory changes and before the answer,
  * so an acknowledged change survives a restart and a failed write changes
- * nothing. The market and the placement map are computed from memory.
+ * nothing. The market and the placement map are computed from memory; the
+ * market's policy (wanted per shard from demand, the reward) is market.c's,
+ * its per-shard state written through the store the same way, each write
+ * conditional on the version read, so hubs on one store step one state.
  *
  * Shared stores. When the store is shared (PostgreSQL: several hub
  * processes on one database), the store decides every signed write: its
@@ -135,7 +138,10 @@ struct kv_hub {
     int dir_fd;                 /* the manifest's folder */
     kv_hub_path *paths;         /* [n_paths] sorted by path */
     size_t n_paths;
-    uint32_t *wanted;           /* [n_slabs] replicas wanted per shard */
+    kv_mkt_state *mkt;          /* [n_slabs] the market's state per shard (market.h): under mu, written
+                                   through the store first (shared: reloaded by the refresher) */
+    kv_mkt_policy pol;          /* the market's policy, from the options */
+    kv_demand_budget dbud;      /* what demand reports may count (docs/HUB.md "Demand") */
     uint32_t (*rwin)[2];        /* [n_rwin] ring layer windows (first, last), in layer order */
     size_t n_rwin;
     kv_hub_store store;
@@ -390,6 +396,8 @@ static int kv_node_merge(void *arg, const kv_hub_node_rec *r) {
     return rc;
 }
 
+static int kv_mkt_merge(void *arg, const kv_mkt_row *r);
+
 /* The refresher: one reload per refresh_ms until kv_hub_free stops it. */
 static void *kv_hub_refresher(void *arg) {
     kv_hub *h = arg;
@@ -397,6 +405,7 @@ static void *kv_hub_refresher(void *arg) {
     while (!h->refresh_stop) {
         kv_diag d = {0};
         int rc = h->rstore.ops->node_each(h->rstore.impl, kv_node_merge, h, &d);
+        if (!rc) rc = h->rstore.ops->mkt_each(h->rstore.impl, kv_mkt_merge, h, &d);
         if (rc == KV_ENOMEM) kv_fail(&d, rc, "hub: out of memory reloading nodes");
         if (!rc) {
             atomic_store_explicit(&h->refreshed_ms, kv_now_ms(), memory_order_release);
@@ -433,26 +442,58 @@ static int kv_hub_refresh(kv_hub *h, kv_diag *d) {
 
 size_t kv_hub_n_shards(const kv_hub *h) { return h->m->n_slabs; }
 
-typedef struct kv_mkt_sort {
-    uint32_t idx, wanted, live;
-} kv_mkt_sort;
-
-/* Scarcest first: smallest live/wanted, then the larger deficit, then
- * manifest order (layer, first), so the order is total and stable. */
-static int kv_mkt_cmp(const void *a, const void *b) {
-    const kv_mkt_sort *x = a, *y = b;
-    uint64_t l = (uint64_t)x->live * y->wanted, r = (uint64_t)y->live * x->wanted;
-    if (l != r) return l < r ? -1 : 1;
-    int64_t dx = (int64_t)x->wanted - x->live, dy = (int64_t)y->wanted - y->live;
-    if (dx != dy) return dx > dy ? -1 : 1;
-    return x->idx < y->idx ? -1 : x->idx > y->idx;
+/* One stored market row into memory when it is newer than what memory
+ * holds (a higher version: a write by this hub or another); caller holds
+ * mu. A row of a slab the manifest does not have is ignored. */
+static int kv_mkt_take(void *arg, const kv_mkt_row *r) {
+    kv_hub *h = arg;
+    size_t lo = 0, hi = h->m->n_slabs;
+    while (lo < hi) {
+        const size_t mid = (lo + hi) / 2;
+        const kv_manifest_slab *s = &h->m->slabs[mid];
+        if (s->layer < r->layer || (s->layer == r->layer && s->first < r->first)) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < h->m->n_slabs && h->m->slabs[lo].layer == r->layer && h->m->slabs[lo].first == r->first &&
+        r->s.version > h->mkt[lo].version)
+        h->mkt[lo] = r->s;
+    return 0;
 }
 
-/* Reward offered to one more holder: base * wanted / (live + 1), so a shard
- * at its wanted count offers base * wanted / (wanted + 1) and an uncovered
- * one base * wanted. */
-static uint64_t kv_mkt_reward(uint64_t base, uint32_t wanted, uint32_t live) {
-    return base * wanted / ((uint64_t)live + 1);
+/* kv_mkt_take under mu (the refresher, outside the lock). */
+static int kv_mkt_merge(void *arg, const kv_mkt_row *r) {
+    kv_hub *h = arg;
+    pthread_mutex_lock(&h->mu);
+    const int rc = kv_mkt_take(h, r);
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
+/* Writes ns as shard i's state: the store first (conditional on the version
+ * memory holds), then memory. KV_EPROTO: another hub wrote it first (memory
+ * then reloads it from the store). Caller holds mu. */
+static int kv_mkt_write(kv_hub *h, size_t i, const kv_mkt_state *ns, kv_diag *d) {
+    const kv_manifest_slab *sl = &h->m->slabs[i];
+    kv_mkt_row r = {.layer = sl->layer, .first = sl->first, .s = *ns};
+    const int64_t prev = h->mkt[i].version;
+    r.s.version = prev + 1;
+    int rc = h->store.ops->mkt_put(h->store.impl, &r, prev, d);
+    if (!rc) h->mkt[i] = r.s;
+    else if (rc == KV_EPROTO) h->store.ops->mkt_each(h->store.impl, kv_mkt_take, h, NULL);
+    return rc;
+}
+
+/* Evaluates the wanted rule of every shard at now and writes what changed
+ * (market.h); caller holds mu. A write another hub won is left to that hub
+ * (its state is reloaded); other failures are logged and change nothing. */
+static void kv_mkt_tick(kv_hub *h, int64_t now) {
+    for (size_t i = 0; i < h->m->n_slabs; i++) {
+        kv_mkt_state s = h->mkt[i];
+        if (!kv_mkt_step(&h->pol, &s, now)) continue;
+        kv_diag d = {0};
+        const int rc = kv_mkt_write(h, i, &s, &d);
+        if (rc && rc != KV_EPROTO && !h->o.quiet) fprintf(stderr, "hub: market: %s\n", d.msg);
+    }
 }
 
 /* A ring node (backend "ring") holds slabs as parts of a layer window and
@@ -536,7 +577,7 @@ static void kv_mkt_live(kv_hub *h, int64_t now, uint32_t *live) {
     }
     qsort(r, nr, sizeof *r, kv_mkt_rep_cmp);
     for (size_t a = 0; a < nr;) {
-        const uint32_t sl = r[a].slab, w = h->wanted[sl], cap = w > 1 ? (w + 1) / 2 : 1;
+        const uint32_t sl = r[a].slab, w = h->mkt[sl].wanted, cap = w > 1 ? (w + 1) / 2 : 1;
         uint32_t est = 0, fresh = 0;
         while (a < nr && r[a].slab == sl) {
             size_t b = a;
@@ -594,7 +635,7 @@ static int kv_hub_ring_render(kv_hub *h, char **out, size_t *len, kv_diag *d) {
         const uint32_t wanted = 1;
         kv_sb_printf(&b, "%s{\"first\":%u,\"last\":%u,\"bytes\":%llu,\"wanted\":%u,\"live\":%u,\"scarcity\":%.3f,"
                      "\"reward\":%llu,\"nodes\":[%s]}", w ? "," : "", a, z, (unsigned long long)bytes, wanted, live,
-                     live >= wanted ? 0.0 : 1.0, (unsigned long long)kv_mkt_reward(h->o.reward_base, wanted, live),
+                     live >= wanted ? 0.0 : 1.0, (unsigned long long)kv_mkt_reward(&h->pol, wanted, live, 0),
                      nb.p ? nb.p : "");
         free(nb.p);
     }
@@ -636,15 +677,18 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
     const size_t ns = h->m->n_slabs;
     uint32_t *live = malloc((ns ? ns : 1) * sizeof *live);
     kv_mkt_sort *ord = malloc((ns ? ns : 1) * sizeof *ord);
-    if (!live || !ord) {
+    double (*dem)[2] = malloc((ns ? ns : 1) * sizeof *dem); /* demand and wait per shard, at now */
+    if (!live || !ord || !dem) {
         free(live);
         free(ord);
+        free(dem);
         return kv_fail(d, KV_ENOMEM, "market: out of memory");
     }
     int rc = kv_hub_refresh(h, d);
     if (rc) {
         free(live);
         free(ord);
+        free(dem);
         return rc;
     }
     int64_t now = kv_now_ms();
@@ -653,7 +697,13 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
     char (*sname)[64] = calloc(KV_HUB_MAX_SITES, sizeof *sname);
     uint32_t n_sname = 0;
     pthread_mutex_lock(&h->mu);
+    kv_mkt_tick(h, now);
     kv_mkt_live(h, now, live);
+    for (size_t i = 0; i < ns; i++) {
+        ord[i] = (kv_mkt_sort){(uint32_t)i, h->mkt[i].wanted, live[i]};
+        dem[i][0] = kv_mkt_rate(&h->pol, &h->mkt[i], now);
+        dem[i][1] = kv_mkt_wait(&h->pol, &h->mkt[i], now);
+    }
     size_t n_nodes = h->n_nodes, n_live = 0;
     for (size_t k = 0; k < h->n_nodes; k++) {
         const kv_hub_node *n = &h->nodes[k];
@@ -671,10 +721,8 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
     }
     pthread_mutex_unlock(&h->mu);
     bool covered = ns > 0;
-    for (size_t i = 0; i < ns; i++) {
-        ord[i] = (kv_mkt_sort){(uint32_t)i, h->wanted[i], live[i]};
+    for (size_t i = 0; i < ns; i++)
         if (!live[i]) covered = false;
-    }
     qsort(ord, ns, sizeof *ord, kv_mkt_cmp);
     kv_sb b = {0};
     kv_sb_printf(&b, "{\"model_id\":\"%s\",\"covered\":%s,\"nodes\":%zu,\"live_nodes\":%zu,\"deadline_ms\":%u,"
@@ -682,9 +730,11 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
     for (size_t i = 0; i < ns; i++) {
         const kv_manifest_slab *s = &h->m->slabs[ord[i].idx];
         uint32_t w = ord[i].wanted, l = ord[i].live;
+        const double rate = dem[ord[i].idx][0], wait = dem[ord[i].idx][1];
         kv_sb_printf(&b, "%s{\"layer\":%u,\"first\":%u,\"last\":%u,\"bytes\":%" PRIu64 ",\"wanted\":%u,\"live\":%u,"
-                     "\"scarcity\":%.4f,\"reward\":%" PRIu64 ",\"sites\":[", i ? "," : "", s->layer, s->first, s->last,
-                     s->file.size, w, l, l >= w ? 0.0 : (double)(w - l) / w, kv_mkt_reward(h->o.reward_base, w, l));
+                     "\"scarcity\":%.4f,\"reward\":%" PRIu64 ",\"demand\":%.3f,\"wait_ms\":%.3f,\"sites\":[",
+                     i ? "," : "", s->layer, s->first, s->last, s->file.size, w, l, l >= w ? 0.0 : (double)(w - l) / w,
+                     kv_mkt_reward(&h->pol, w, l, rate), rate, wait);
         for (uint32_t si = 0, c = 0; smask && si < n_sname; si++)
             if (smask[ord[i].idx] >> si & 1) kv_sb_printf(&b, "%s\"%s\"", c++ ? "," : "", sname[si]);
         kv_sb_printf(&b, "]}");
@@ -692,6 +742,7 @@ int kv_hub_market_json(kv_hub *h, char **out, size_t *len, kv_diag *d) {
     kv_sb_printf(&b, "]}\n");
     free(live);
     free(ord);
+    free(dem);
     free(smask);
     free(sname);
     if (b.oom) {
@@ -1803,6 +1854,98 @@ static enum MHD_Result kv_do_report(kv_hub *h, struct MHD_Connection *c, const k
     return kv_reply_json(c, MHD_HTTP_OK, j);
 }
 
+/* ---- demand -------------------------------------------------------------------- */
+
+/* The address block a request came from (IPv4 /24, IPv6 /48), for the
+ * demand budget of all keys behind one block. */
+static void kv_client_block(struct MHD_Connection *c, char *out, size_t cap) {
+    snprintf(out, cap, "?");
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    if (!ci || !ci->client_addr) return;
+    char ip[INET6_ADDRSTRLEN], addr[INET6_ADDRSTRLEN + 8], host[48];
+    const struct sockaddr *sa = ci->client_addr;
+    if (sa->sa_family == AF_INET) {
+        if (!inet_ntop(AF_INET, &((const struct sockaddr_in *)(const void *)sa)->sin_addr, ip, sizeof ip)) return;
+        snprintf(addr, sizeof addr, "%s:1", ip);
+    } else if (sa->sa_family == AF_INET6) {
+        if (!inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr, ip, sizeof ip)) return;
+        snprintf(addr, sizeof addr, "[%s]:1", ip);
+    } else {
+        return;
+    }
+    if (kv_hub_addr_subnet(addr, host, sizeof host, out, cap, NULL)) snprintf(out, cap, "%s", ip);
+}
+
+/* POST /v1/demand, signed by a coordinator the hub vouches for: the expert
+ * computations it needed per shard, the time it waited for them and the
+ * tokens they were for, since its last report (docs/HUB.md "Demand"). The
+ * bounds, in order: the counter is the reporter's clock, within a window of
+ * the hub's, and above its last report's (the store keeps it: a replay at
+ * any hub of one store is refused); the tokens are charged to the key's and
+ * its address block's budgets per window (granted may be fewer); the
+ * computations and waiting are bounded by what the granted tokens can need
+ * (kv_mkt_bound). What is left goes into the shards' rates (market.h),
+ * where a stranger key's share is capped. */
+static enum MHD_Result kv_do_demand(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
+    kv_diag d = {0};
+    const bool listed = h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp);
+    if (!h->o.vouch_open && !listed)
+        return kv_reply_err(c, MHD_HTTP_FORBIDDEN, KV_EAUTH, "only coordinators this hub vouches for may report "
+                                                             "demand");
+    kv_hub_demand rp;
+    if (kv_hub_parse_demand(&rp, q->body ? q->body : "", q->n, &d)) return kv_reply_diag(c, MHD_HTTP_BAD_REQUEST, &d);
+    const int64_t now = kv_now_ms(), at = (int64_t)(s->counter / 1000u);
+    if (at < now - h->dbud.window_ms || at > now + h->dbud.window_ms) {
+        kv_hub_demand_free(&rp);
+        return kv_reply_errf(c, MHD_HTTP_CONFLICT, KV_EPROTO, "demand report: its counter (the reporter's clock, "
+                             "microseconds) is more than %lld ms off the hub's clock", (long long)h->dbud.window_ms);
+    }
+    const size_t ns = h->m->n_slabs;
+    double *acc = calloc(ns ? ns : 1, sizeof *acc), *wt = calloc(ns ? ns : 1, sizeof *wt), total = 0;
+    int rc = !acc || !wt ? kv_fail(&d, KV_ENOMEM, "out of memory")
+                         : kv_mkt_bound(h->m, &rp, 0, acc, wt, &total, &d); /* every shard the model's */
+    if (rc) {
+        free(acc);
+        free(wt);
+        kv_hub_demand_free(&rp);
+        return kv_reply_diag(c, rc == KV_EINVAL ? MHD_HTTP_BAD_REQUEST : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    char block[48];
+    kv_client_block(c, block, sizeof block);
+    uint64_t granted = 0;
+    pthread_mutex_lock(&h->mu);
+    rc = h->store.ops->demand_charge(h->store.impl, s->pk, s->counter, block, now, &h->dbud, rp.tokens, &granted, &d);
+    if (!rc) rc = kv_mkt_bound(h->m, &rp, granted, acc, wt, &total, &d); /* the check left both at 0 */
+    if (rc) {
+        pthread_mutex_unlock(&h->mu);
+        free(acc);
+        free(wt);
+        kv_hub_demand_free(&rp);
+        return kv_reply_diag(c, rc == KV_EPROTO ? MHD_HTTP_CONFLICT : MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    }
+    int werr = 0;
+    for (size_t i = 0; i < ns && !werr; i++) {
+        if (acc[i] <= 0 && wt[i] <= 0) continue;
+        for (int tries = 0; tries < 3; tries++) { /* a write another hub won: its state, then ours on top */
+            kv_mkt_state st = h->mkt[i];
+            kv_mkt_add(&h->pol, &st, now, acc[i], wt[i], listed ? NULL : s->pk);
+            kv_mkt_step(&h->pol, &st, now);
+            if ((rc = kv_mkt_write(h, i, &st, &d)) != KV_EPROTO) break;
+        }
+        werr = rc;
+    }
+    pthread_mutex_unlock(&h->mu);
+    free(acc);
+    free(wt);
+    kv_hub_demand_free(&rp);
+    if (werr) return kv_reply_diag(c, MHD_HTTP_INTERNAL_SERVER_ERROR, &d);
+    json_t *j = json_object();
+    json_object_set_new(j, "ok", json_true());
+    json_object_set_new(j, "tokens", json_integer((json_int_t)granted));
+    json_object_set_new(j, "computations", json_real(total));
+    return kv_reply_json(c, MHD_HTTP_OK, j);
+}
+
 /* ---- proof of service: the prover threads ------------------------------------ */
 
 /* The voucher the hub shows the workers it probes (it vouches for its own
@@ -2154,13 +2297,13 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
             return kv_reply(c, MHD_HTTP_OK, "application/json", s, n);
         }
         if (!strcmp(url, "/v1/register") || !strcmp(url, "/v1/heartbeat") || !strcmp(url, "/v1/challenge") ||
-            !strcmp(url, "/v1/voucher") || !strcmp(url, "/v1/report"))
+            !strcmp(url, "/v1/voucher") || !strcmp(url, "/v1/report") || !strcmp(url, "/v1/demand"))
             return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "%s needs POST", url);
         return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     }
     if (!post) return kv_reply_errf(c, MHD_HTTP_METHOD_NOT_ALLOWED, KV_EINVAL, "method %.16s not allowed", method);
     int which = !strcmp(url, "/v1/register") ? 1 : !strcmp(url, "/v1/heartbeat") ? 2 : !strcmp(url, "/v1/challenge") ? 3
-                : !strcmp(url, "/v1/voucher") ? 4 : !strcmp(url, "/v1/report") ? 5 : 0;
+                : !strcmp(url, "/v1/voucher") ? 4 : !strcmp(url, "/v1/report") ? 5 : !strcmp(url, "/v1/demand") ? 6 : 0;
     if (!which) return kv_reply_errf(c, MHD_HTTP_NOT_FOUND, KV_ENOTFOUND, "no such endpoint '%.200s'", url);
     /* a body that would cost more memory to parse than its budget is refused
        before any handler parses it; the handlers then run under the budget */
@@ -2177,6 +2320,7 @@ static enum MHD_Result kv_route(void *cls, struct MHD_Connection *c, const char 
     else if (which == 2) ret = kv_do_heartbeat(h, c, &s, q);
     else if (which == 4) ret = kv_do_voucher(h, c, &s);
     else if (which == 5) ret = kv_do_report(h, c, &s, q);
+    else if (which == 6) ret = kv_do_demand(h, c, &s, q);
     else ret = kv_do_answer(h, c, &s, q);
     kv_json_budget_end(NULL);
     return ret;
@@ -2369,6 +2513,18 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     if (!h->o.trust_ms) h->o.trust_ms = 600000;
     pthread_cond_init(&h->prove_cv, NULL);
     int rc;
+    kv_mkt_policy_default(&h->pol, h->o.wanted, h->o.reward_base);
+    if (h->o.wanted_max) h->pol.ceiling = h->o.wanted_max;
+    if (h->o.demand_per_replica != 0) h->pol.per_replica = h->o.demand_per_replica;
+    if (h->o.demand_half_life_ms) h->pol.half_life_ms = h->o.demand_half_life_ms;
+    if (h->o.market_raise_ms) h->pol.raise_ms = h->o.market_raise_ms;
+    if (h->o.market_hold_ms) h->pol.hold_ms = h->o.market_hold_ms;
+    if (h->o.demand_share != 0) h->pol.share = h->o.demand_share;
+    h->dbud = (kv_demand_budget){.window_ms = h->o.demand_window_ms ? h->o.demand_window_ms : 60000,
+                                 .key_tokens = h->o.demand_key_tokens ? h->o.demand_key_tokens : 600000};
+    h->dbud.net_tokens = h->o.demand_net_tokens ? h->o.demand_net_tokens
+                         : h->dbud.key_tokens > UINT64_MAX / 4 ? UINT64_MAX : 4 * h->dbud.key_tokens;
+    if ((rc = kv_mkt_policy_check(&h->pol, d))) goto fail;
     /* the bytes served and the manifest parsed are read from the same path
      * (the parse through the slices module's own loader, so the format keeps
      * one owner); the folder is the hub's, not replaced while it starts */
@@ -2389,9 +2545,9 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     }
     h->n_paths = h->m->n_slabs + 1;
     h->paths = calloc(h->n_paths, sizeof *h->paths);
-    h->wanted = calloc(h->m->n_slabs ? h->m->n_slabs : 1, sizeof *h->wanted);
+    h->mkt = calloc(h->m->n_slabs ? h->m->n_slabs : 1, sizeof *h->mkt);
     h->nonces = calloc(KV_HUB_MAX_NONCES, sizeof *h->nonces);
-    if (!h->paths || !h->wanted || !h->nonces) {
+    if (!h->paths || !h->mkt || !h->nonces) {
         rc = kv_fail(d, KV_ENOMEM, "hub: out of memory");
         goto fail;
     }
@@ -2401,7 +2557,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
     for (size_t i = 0; i < h->m->n_slabs; i++) {
         const kv_manifest_file *f = &h->m->slabs[i].file;
         h->paths[i + 1] = (kv_hub_path){f->path, (int64_t)i, f->size, f->has_sha256 ? f->sha256 : NULL};
-        h->wanted[i] = h->o.wanted;
+        kv_mkt_state_init(&h->pol, &h->mkt[i]);
     }
     qsort(h->paths, h->n_paths, sizeof *h->paths, kv_path_cmp);
     for (size_t i = 0; i < h->n_paths; i++) {
@@ -2452,6 +2608,7 @@ int kv_hub_open(kv_hub **out, const kv_hub_opts *opts, kv_diag *d) {
         if (rc == KV_ENOMEM) kv_fail(d, rc, "hub: out of memory reloading nodes");
         goto fail;
     }
+    if ((rc = h->store.ops->mkt_each(h->store.impl, kv_mkt_take, h, d))) goto fail;
     atomic_init(&h->refreshed_ms, kv_now_ms()); /* before the refresher starts */
     if (h->shared) {
         if (pthread_create(&h->refresher, NULL, kv_hub_refresher, h)) {
@@ -2597,7 +2754,7 @@ void kv_hub_free(kv_hub *h) {
     free(h->tab);
     free(h->nonces);
     free(h->paths);
-    free(h->wanted);
+    free(h->mkt);
     free(h->rwin);
     kv_manifest_free(h->m);
     free(h->manifest_json);

@@ -28,6 +28,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "hub/market.h"
 #include "kvasir/err.h"
 #include "kvasir/hub.h"
 
@@ -44,6 +45,19 @@ typedef struct kv_hub_node_rec {
     const kv_hub_held *shards;          /* [n_shards] held (sha256 as announced) */
     size_t n_shards;
 } kv_hub_node_rec;
+
+/* One shard's market state as stored (market.h), keyed by its slab. */
+typedef struct kv_mkt_row {
+    uint32_t layer, first;              /* the manifest slab */
+    kv_mkt_state s;
+} kv_mkt_row;
+
+/* What a demand report may count (the hub's bounds, docs/HUB.md "Demand"). */
+typedef struct kv_demand_budget {
+    int64_t window_ms;                  /* length of one accounting window (> 0) */
+    uint64_t key_tokens;                /* tokens one key may report per window */
+    uint64_t net_tokens;                /* tokens all keys of one address block may report per window */
+} kv_demand_budget;
 
 typedef struct kv_hub_store_ops {
     const char *name;                                        /* "sqlite", "postgresql" */
@@ -77,6 +91,25 @@ typedef struct kv_hub_store_ops {
      * returned */
     int (*node_each)(void *impl, int (*cb)(void *arg, const kv_hub_node_rec *n), void *arg,
                      kv_diag *d);
+    /* The market state (table market): cb for every stored shard (rows
+     * bounds-checked: KV_EFORMAT for one that does not fit). */
+    int (*mkt_each)(void *impl, int (*cb)(void *arg, const kv_mkt_row *r), void *arg, kv_diag *d);
+    /* Writes r only if the stored version of (layer, first) is prev (0: no
+     * row yet); r->s.version must be prev + 1. KV_EPROTO (nothing written)
+     * when another write came first: of hubs that step one state at once,
+     * one wins and the others reload. */
+    int (*mkt_put)(void *impl, const kv_mkt_row *r, int64_t prev, kv_diag *d);
+    /* A demand report of `tokens` by key pk (signed with counter) from
+     * address block net, at now_ms, in one transaction: KV_EPROTO when the
+     * stored counter of pk is >= counter (a replay; nothing written); else
+     * the counter is stored and *granted = min(tokens, what is left of the
+     * key's and of the block's budget in their current windows), which is
+     * charged to both. A window older than b->window_ms starts over, and
+     * rows of windows that ended a window ago are pruned (the hub refuses
+     * reports whose counter, the reporter's clock, is more than a window
+     * off its own, so a pruned key's old reports stay refused). */
+    int (*demand_charge)(void *impl, const uint8_t pk[32], uint64_t counter, const char *net, int64_t now_ms,
+                         const kv_demand_budget *b, uint64_t tokens, uint64_t *granted, kv_diag *d);
     /* shared backends only (NULL otherwise): */
     /* one node, KV_ENOTFOUND when absent */
     int (*node_get)(void *impl, const uint8_t pk[32], int (*cb)(void *arg, const kv_hub_node_rec *n), void *arg,

@@ -30,7 +30,8 @@ typedef struct kv_hpg {
 } kv_hpg;
 
 enum { Q_META_GET, Q_META_PUT, Q_META_NEW, Q_NODE_PUT, Q_HOLD_DEL, Q_HOLD_PUT, Q_TOUCH, Q_WHY, Q_NODES, Q_HOLDS,
-       Q_NODE1, Q_HOLD1, Q_NONCE_TAKE, Q_NONCE_SLOT, Q_NONCE_PUT };
+       Q_NODE1, Q_HOLD1, Q_NONCE_TAKE, Q_NONCE_SLOT, Q_NONCE_PUT, Q_MKT_ALL, Q_MKT_INS, Q_MKT_UPD, Q_DK_NEW,
+       Q_DK_GET, Q_DK_PUT, Q_DN_NEW, Q_DN_GET, Q_DN_PUT, Q_DK_PRUNE, Q_DN_PRUNE };
 
 static const char *const kv_hpg_sql[] = {
     [Q_META_GET] = "SELECT value FROM meta WHERE key=$1",
@@ -54,6 +55,22 @@ static const char *const kv_hpg_sql[] = {
     [Q_NONCE_SLOT] = "SELECT nextval('nonce_seq') % $1",
     [Q_NONCE_PUT] = "INSERT INTO nonces(slot,nonce,expires_ms) VALUES($1,$2,$3)"
                     " ON CONFLICT(slot) DO UPDATE SET nonce=EXCLUDED.nonce, expires_ms=EXCLUDED.expires_ms",
+    [Q_MKT_ALL] = "SELECT layer,first,rate,wait,top_rate,top_pk,rate_ms,wanted,changed_ms,above_ms,below_ms,version"
+                  " FROM market ORDER BY layer,first",
+    [Q_MKT_INS] = "INSERT INTO market(layer,first,rate,wait,top_rate,top_pk,rate_ms,wanted,changed_ms,above_ms,"
+                  "below_ms,version) VALUES($1,$2,$3::float8,$4::float8,$5::float8,$6,$7,$8,$9,$10,$11,$12)"
+                  " ON CONFLICT(layer,first) DO NOTHING",
+    [Q_MKT_UPD] = "UPDATE market SET rate=$3::float8,wait=$4::float8,top_rate=$5::float8,top_pk=$6,rate_ms=$7,"
+                  "wanted=$8,changed_ms=$9,above_ms=$10,below_ms=$11,version=$12"
+                  " WHERE layer=$1 AND first=$2 AND version=$13",
+    [Q_DK_NEW] = "INSERT INTO demand_keys(pk,counter,window_ms,used) VALUES($1,0,$2,0) ON CONFLICT(pk) DO NOTHING",
+    [Q_DK_GET] = "SELECT window_ms,used,counter FROM demand_keys WHERE pk=$1 FOR UPDATE",
+    [Q_DK_PUT] = "UPDATE demand_keys SET counter=$2,window_ms=$3,used=$4 WHERE pk=$1",
+    [Q_DN_NEW] = "INSERT INTO demand_nets(net,window_ms,used) VALUES($1,$2,0) ON CONFLICT(net) DO NOTHING",
+    [Q_DN_GET] = "SELECT window_ms,used FROM demand_nets WHERE net=$1 FOR UPDATE",
+    [Q_DN_PUT] = "UPDATE demand_nets SET window_ms=$2,used=$3 WHERE net=$1",
+    [Q_DK_PRUNE] = "DELETE FROM demand_keys WHERE window_ms < $1",
+    [Q_DN_PRUNE] = "DELETE FROM demand_nets WHERE window_ms < $1",
 };
 
 static const char *const kv_hpg_schema =
@@ -71,6 +88,14 @@ static const char *const kv_hpg_schema =
     "CREATE TABLE IF NOT EXISTS nonces(slot integer PRIMARY KEY, nonce bytea NOT NULL,"
     " expires_ms bigint NOT NULL);"
     "CREATE SEQUENCE IF NOT EXISTS nonce_seq;"
+    /* the market's state and the demand budgets (a store made before them gets them here) */
+    "CREATE TABLE IF NOT EXISTS market(layer bigint NOT NULL, first bigint NOT NULL, rate float8 NOT NULL,"
+    " wait float8 NOT NULL, top_rate float8 NOT NULL, top_pk bytea NOT NULL, rate_ms bigint NOT NULL,"
+    " wanted bigint NOT NULL, changed_ms bigint NOT NULL, above_ms bigint NOT NULL, below_ms bigint NOT NULL,"
+    " version bigint NOT NULL, PRIMARY KEY(layer, first));"
+    "CREATE TABLE IF NOT EXISTS demand_keys(pk bytea PRIMARY KEY CHECK (length(pk) = 32), counter bigint NOT NULL,"
+    " window_ms bigint NOT NULL, used bigint NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS demand_nets(net text PRIMARY KEY, window_ms bigint NOT NULL, used bigint NOT NULL);"
     "SELECT pg_advisory_unlock(7079018201);";
 
 static PGresult *kv_hpg_run(kv_hpg *s, int q, const kv_pq_args *a, kv_diag *d) {
@@ -378,6 +403,141 @@ static int kv_hpg_nonce_put(void *impl, uint8_t nonce[32], int64_t expires_ms, k
     return kv_hpg_step(s, Q_NONCE_PUT, &b, NULL, d);
 }
 
+/* ---- market state and demand budgets ---------------------------------------- */
+
+/* A float8 column: finite, in [0, max]. */
+static int kv_hpg_f64(PGresult *r, int row, int col, double max, double *out, kv_diag *d, const char *what) {
+    char t[64], *e;
+    if (kv_pq_text(r, row, col, t, sizeof t, d, WHO, what)) return KV_EFORMAT;
+    const double v = strtod(t, &e);
+    if (e == t || *e || !(v >= 0 && v <= max)) return kv_fail(d, KV_EFORMAT, "%s: %s '%s' out of range", WHO, what, t);
+    *out = v;
+    return 0;
+}
+
+static int kv_hpg_mkt_each(void *impl, int (*cb)(void *arg, const kv_mkt_row *r), void *arg, kv_diag *d) {
+    kv_hpg *s = impl;
+    PGresult *r = kv_hpg_run(s, Q_MKT_ALL, NULL, d);
+    if (!r) return KV_EIO;
+    int rc = 0;
+    for (int i = 0; !rc && i < PQntuples(r); i++) {
+        kv_mkt_row w;
+        memset(&w, 0, sizeof w);
+        int64_t L, F, W, V;
+        if (kv_pq_i64(r, i, 0, 0, UINT32_MAX, &L, d, WHO, "market layer") ||
+            kv_pq_i64(r, i, 1, 0, UINT32_MAX, &F, d, WHO, "market first") ||
+            kv_hpg_f64(r, i, 2, KV_MKT_MAX_RATE, &w.s.rate, d, "market rate") ||
+            kv_hpg_f64(r, i, 3, KV_MKT_MAX_RATE, &w.s.wait, d, "market wait") ||
+            kv_hpg_f64(r, i, 4, KV_MKT_MAX_RATE, &w.s.top_rate, d, "market top_rate") ||
+            kv_pq_bytea(r, i, 5, w.s.top_pk, 32, NULL, d, WHO, "market top_pk") ||
+            kv_pq_i64(r, i, 6, INT64_MIN, INT64_MAX, &w.s.rate_ms, d, WHO, "market rate_ms") ||
+            kv_pq_i64(r, i, 7, 1, KV_MKT_MAX_WANTED, &W, d, WHO, "market wanted") ||
+            kv_pq_i64(r, i, 8, INT64_MIN, INT64_MAX, &w.s.changed_ms, d, WHO, "market changed_ms") ||
+            kv_pq_i64(r, i, 9, INT64_MIN, INT64_MAX, &w.s.above_ms, d, WHO, "market above_ms") ||
+            kv_pq_i64(r, i, 10, INT64_MIN, INT64_MAX, &w.s.below_ms, d, WHO, "market below_ms") ||
+            kv_pq_i64(r, i, 11, 1, INT64_MAX, &V, d, WHO, "market version")) {
+            rc = KV_EFORMAT;
+            break;
+        }
+        w.layer = (uint32_t)L;
+        w.first = (uint32_t)F;
+        w.s.wanted = (uint32_t)W;
+        w.s.version = V;
+        rc = cb(arg, &w);
+    }
+    PQclear(r);
+    return rc;
+}
+
+static int kv_hpg_mkt_put(void *impl, const kv_mkt_row *w, int64_t prev, kv_diag *d) {
+    kv_hpg *s = impl;
+    char rate[40], wait[40], top[40];
+    snprintf(rate, sizeof rate, "%.17g", w->s.rate);
+    snprintf(wait, sizeof wait, "%.17g", w->s.wait);
+    snprintf(top, sizeof top, "%.17g", w->s.top_rate);
+    kv_pq_args a = {0};
+    kv_pq_arg_i64(&a, w->layer);
+    kv_pq_arg_i64(&a, w->first);
+    kv_pq_arg_text(&a, rate);
+    kv_pq_arg_text(&a, wait);
+    kv_pq_arg_text(&a, top);
+    kv_pq_arg_blob(&a, w->s.top_pk, 32);
+    kv_pq_arg_i64(&a, w->s.rate_ms);
+    kv_pq_arg_i64(&a, w->s.wanted);
+    kv_pq_arg_i64(&a, w->s.changed_ms);
+    kv_pq_arg_i64(&a, w->s.above_ms);
+    kv_pq_arg_i64(&a, w->s.below_ms);
+    kv_pq_arg_i64(&a, w->s.version);
+    if (prev) kv_pq_arg_i64(&a, prev);
+    long ch = 0;
+    int rc = kv_hpg_step(s, prev ? Q_MKT_UPD : Q_MKT_INS, &a, &ch, d);
+    if (!rc && ch != 1)
+        rc = kv_fail(d, KV_EPROTO, "hub store: market state of layer %u first %u changed meanwhile", w->layer,
+                     w->first);
+    return rc;
+}
+
+/* The locked budget row (made first when absent): window start and use,
+ * after a window that ended starts over. */
+static int kv_hpg_budget(kv_hpg *s, int q_new, int q_get, const kv_pq_args *key, int64_t now, int64_t win,
+                         int64_t *ws, int64_t *used, int64_t *counter, kv_diag *d) {
+    kv_pq_args a = *key;
+    kv_pq_arg_i64(&a, now);
+    int rc = kv_hpg_step(s, q_new, &a, NULL, d);
+    if (rc) return rc;
+    PGresult *r = kv_hpg_run(s, q_get, key, d);
+    if (!r) return KV_EIO;
+    rc = PQntuples(r) != 1 ? kv_fail(d, KV_EIO, "%s: a demand budget row went away", WHO)
+         : kv_pq_i64(r, 0, 0, INT64_MIN, INT64_MAX, ws, d, WHO, "demand window_ms") ||
+                   kv_pq_i64(r, 0, 1, 0, INT64_MAX, used, d, WHO, "demand used") ||
+                   (counter && kv_pq_i64(r, 0, 2, 0, INT64_MAX, counter, d, WHO, "demand counter"))
+             ? KV_EFORMAT
+             : 0;
+    PQclear(r);
+    if (!rc && !(*ws <= now && now - *ws < win)) {
+        *ws = now;
+        *used = 0;
+    }
+    return rc;
+}
+
+static int kv_hpg_demand_charge(void *impl, const uint8_t pk[32], uint64_t counter, const char *net, int64_t now,
+                                const kv_demand_budget *b, uint64_t tokens, uint64_t *granted, kv_diag *d) {
+    kv_hpg *s = impl;
+    *granted = 0;
+    if (counter > (uint64_t)INT64_MAX) return kv_fail(d, KV_EPROTO, "demand: counter out of range");
+    int rc = kv_hpg_begin(s, d);
+    if (rc) return rc;
+    kv_pq_args kk = {0}, nk = {0};
+    kv_pq_arg_blob(&kk, pk, 32);
+    kv_pq_arg_text(&nk, net);
+    int64_t kw, ku, kc, nw, nu;
+    if ((rc = kv_hpg_budget(s, Q_DK_NEW, Q_DK_GET, &kk, now, b->window_ms, &kw, &ku, &kc, d)) ||
+        (rc = kv_hpg_budget(s, Q_DN_NEW, Q_DN_GET, &nk, now, b->window_ms, &nw, &nu, NULL, d)))
+        return kv_hpg_rollback(s, rc);
+    if ((uint64_t)kc >= counter)
+        return kv_hpg_rollback(s, kv_fail(d, KV_EPROTO, "replayed or stale demand report: counter not above last "
+                                          "accepted %lld", (long long)kc));
+    uint64_t g = tokens;
+    const uint64_t kl = b->key_tokens > (uint64_t)ku ? b->key_tokens - (uint64_t)ku : 0,
+                   nl = b->net_tokens > (uint64_t)nu ? b->net_tokens - (uint64_t)nu : 0;
+    if (g > kl) g = kl;
+    if (g > nl) g = nl;
+    kv_pq_args a = kk, c = nk, p = {0};
+    kv_pq_arg_i64(&a, (int64_t)counter);
+    kv_pq_arg_i64(&a, kw);
+    kv_pq_arg_i64(&a, ku + (int64_t)g);
+    kv_pq_arg_i64(&c, nw);
+    kv_pq_arg_i64(&c, nu + (int64_t)g);
+    kv_pq_arg_i64(&p, now - 2 * b->window_ms);
+    if ((rc = kv_hpg_step(s, Q_DK_PUT, &a, NULL, d)) || (rc = kv_hpg_step(s, Q_DN_PUT, &c, NULL, d)) ||
+        (rc = kv_hpg_step(s, Q_DK_PRUNE, &p, NULL, d)) || (rc = kv_hpg_step(s, Q_DN_PRUNE, &p, NULL, d)))
+        return kv_hpg_rollback(s, rc);
+    if ((rc = kv_hpg_commit(s, d))) return rc;
+    *granted = g;
+    return 0;
+}
+
 const kv_hub_store_ops kv_hub_store_pg = {
     .name = "postgresql",
     .shared = true,
@@ -392,6 +552,9 @@ const kv_hub_store_ops kv_hub_store_pg = {
     .node_each = kv_hpg_node_each,
     .node_get = kv_hpg_node_get,
     .nonce_put = kv_hpg_nonce_put,
+    .mkt_each = kv_hpg_mkt_each,
+    .mkt_put = kv_hpg_mkt_put,
+    .demand_charge = kv_hpg_demand_charge,
 };
 
 #else /* built without libpq */

@@ -29,7 +29,16 @@ static const char *kv_sql_schema =
     " registered_ms INTEGER NOT NULL, site TEXT NOT NULL DEFAULT '');"
     "CREATE TABLE IF NOT EXISTS holdings(pk BLOB NOT NULL REFERENCES nodes(pk) ON DELETE CASCADE,"
     " layer INTEGER NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL, sha256 BLOB NOT NULL,"
-    " PRIMARY KEY(pk, layer, first));";
+    " PRIMARY KEY(pk, layer, first));"
+    /* the market's state and the demand budgets (a store made before them gets them here) */
+    "CREATE TABLE IF NOT EXISTS market(layer INTEGER NOT NULL, first INTEGER NOT NULL, rate REAL NOT NULL,"
+    " wait REAL NOT NULL, top_rate REAL NOT NULL, top_pk BLOB NOT NULL, rate_ms INTEGER NOT NULL,"
+    " wanted INTEGER NOT NULL, changed_ms INTEGER NOT NULL, above_ms INTEGER NOT NULL, below_ms INTEGER NOT NULL,"
+    " version INTEGER NOT NULL, PRIMARY KEY(layer, first));"
+    "CREATE TABLE IF NOT EXISTS demand_keys(pk BLOB PRIMARY KEY, counter INTEGER NOT NULL,"
+    " window_ms INTEGER NOT NULL, used INTEGER NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS demand_nets(net TEXT PRIMARY KEY, window_ms INTEGER NOT NULL,"
+    " used INTEGER NOT NULL);";
 
 static int kv_sql_err(kv_sql *s, kv_diag *d, const char *what) {
     return kv_fail(d, KV_EIO, "hub store (sqlite): %s: %s", what, sqlite3_errmsg(s->db));
@@ -317,6 +326,165 @@ static int kv_sql_node_each(void *impl, int (*cb)(void *arg, const kv_hub_node_r
     return rc;
 }
 
+/* ---- market state and demand budgets ---------------------------------------- */
+
+/* A market row is bounds-checked like any input: finite non-negative rates,
+ * wanted in 1..KV_MKT_MAX_WANTED, a 32-byte key. */
+static int kv_sql_mkt_row(sqlite3_stmt *st, kv_mkt_row *r) {
+    memset(r, 0, sizeof *r);
+    const sqlite3_int64 L = sqlite3_column_int64(st, 0), F = sqlite3_column_int64(st, 1),
+                        W = sqlite3_column_int64(st, 7), V = sqlite3_column_int64(st, 11);
+    const double rate = sqlite3_column_double(st, 2), wait = sqlite3_column_double(st, 3),
+                 top = sqlite3_column_double(st, 4);
+    if (L < 0 || L > UINT32_MAX || F < 0 || F > UINT32_MAX || W < 1 || W > KV_MKT_MAX_WANTED || V < 1 ||
+        !(rate >= 0 && rate <= KV_MKT_MAX_RATE) || !(wait >= 0 && wait <= KV_MKT_MAX_RATE) ||
+        !(top >= 0 && top <= KV_MKT_MAX_RATE) || sqlite3_column_bytes(st, 5) != 32)
+        return -1;
+    r->layer = (uint32_t)L;
+    r->first = (uint32_t)F;
+    r->s.rate = rate;
+    r->s.wait = wait;
+    r->s.top_rate = top;
+    memcpy(r->s.top_pk, sqlite3_column_blob(st, 5), 32);
+    r->s.rate_ms = sqlite3_column_int64(st, 6);
+    r->s.wanted = (uint32_t)W;
+    r->s.changed_ms = sqlite3_column_int64(st, 8);
+    r->s.above_ms = sqlite3_column_int64(st, 9);
+    r->s.below_ms = sqlite3_column_int64(st, 10);
+    r->s.version = V;
+    return 0;
+}
+
+static int kv_sql_mkt_each(void *impl, int (*cb)(void *arg, const kv_mkt_row *r), void *arg, kv_diag *d) {
+    kv_sql *s = impl;
+    sqlite3_stmt *st;
+    if (sqlite3_prepare_v2(s->db, "SELECT layer,first,rate,wait,top_rate,top_pk,rate_ms,wanted,changed_ms,above_ms,"
+                           "below_ms,version FROM market ORDER BY layer,first", -1, &st, NULL) != SQLITE_OK)
+        return kv_sql_err(s, d, "mkt_each");
+    int rc = 0, r;
+    while (!rc && (r = sqlite3_step(st)) == SQLITE_ROW) {
+        kv_mkt_row row;
+        if (kv_sql_mkt_row(st, &row)) rc = kv_fail(d, KV_EFORMAT, "hub store: a market row is malformed");
+        else rc = cb(arg, &row);
+    }
+    if (!rc && r != SQLITE_DONE) rc = kv_sql_err(s, d, "mkt_each");
+    sqlite3_finalize(st);
+    return rc;
+}
+
+static int kv_sql_mkt_put(void *impl, const kv_mkt_row *r, int64_t prev, kv_diag *d) {
+    kv_sql *s = impl;
+    sqlite3_stmt *st;
+    const char *sql = prev ? "UPDATE market SET rate=?3,wait=?4,top_rate=?5,top_pk=?6,rate_ms=?7,wanted=?8,"
+                             "changed_ms=?9,above_ms=?10,below_ms=?11,version=?12 WHERE layer=?1 AND first=?2"
+                             " AND version=?13"
+                           : "INSERT INTO market(layer,first,rate,wait,top_rate,top_pk,rate_ms,wanted,changed_ms,"
+                             "above_ms,below_ms,version) VALUES(?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)"
+                             " ON CONFLICT(layer,first) DO NOTHING";
+    if (sqlite3_prepare_v2(s->db, sql, -1, &st, NULL) != SQLITE_OK) return kv_sql_err(s, d, "mkt_put");
+    sqlite3_bind_int64(st, 1, r->layer);
+    sqlite3_bind_int64(st, 2, r->first);
+    sqlite3_bind_double(st, 3, r->s.rate);
+    sqlite3_bind_double(st, 4, r->s.wait);
+    sqlite3_bind_double(st, 5, r->s.top_rate);
+    sqlite3_bind_blob(st, 6, r->s.top_pk, 32, SQLITE_STATIC);
+    sqlite3_bind_int64(st, 7, r->s.rate_ms);
+    sqlite3_bind_int64(st, 8, r->s.wanted);
+    sqlite3_bind_int64(st, 9, r->s.changed_ms);
+    sqlite3_bind_int64(st, 10, r->s.above_ms);
+    sqlite3_bind_int64(st, 11, r->s.below_ms);
+    sqlite3_bind_int64(st, 12, r->s.version);
+    if (prev) sqlite3_bind_int64(st, 13, prev);
+    const int x = sqlite3_step(st);
+    sqlite3_finalize(st);
+    if (x != SQLITE_DONE) return kv_sql_err(s, d, "mkt_put");
+    if (sqlite3_changes(s->db) != 1)
+        return kv_fail(d, KV_EPROTO, "hub store: market state of layer %u first %u changed meanwhile", r->layer,
+                       r->first);
+    return 0;
+}
+
+/* One budget row (key or block): what is used in the window now, after a
+ * window that ended starts over. -1 on a store error. */
+static int kv_sql_budget_used(kv_sql *s, const char *sel, const void *k, int klen, int64_t now, int64_t win,
+                              int64_t *wstart, uint64_t *used, uint64_t *counter) {
+    sqlite3_stmt *st;
+    if (sqlite3_prepare_v2(s->db, sel, -1, &st, NULL) != SQLITE_OK) return -1;
+    if (klen) sqlite3_bind_blob(st, 1, k, klen, SQLITE_STATIC);
+    else sqlite3_bind_text(st, 1, k, -1, SQLITE_STATIC);
+    int r = sqlite3_step(st), rc = 0;
+    *wstart = now;
+    *used = 0;
+    if (counter) *counter = 0;
+    if (r == SQLITE_ROW) {
+        const sqlite3_int64 ws = sqlite3_column_int64(st, 0), u = sqlite3_column_int64(st, 1);
+        if (counter) *counter = (uint64_t)sqlite3_column_int64(st, 2);
+        if (u >= 0 && ws <= now && now - ws < win) {
+            *wstart = ws;
+            *used = (uint64_t)u;
+        }
+    } else if (r != SQLITE_DONE) {
+        rc = -1;
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+static int kv_sql_exec_bound(kv_sql *s, const char *sql, const void *k, int klen, int64_t a, int64_t b, int64_t c) {
+    sqlite3_stmt *st;
+    if (sqlite3_prepare_v2(s->db, sql, -1, &st, NULL) != SQLITE_OK) return -1;
+    if (klen) sqlite3_bind_blob(st, 1, k, klen, SQLITE_STATIC);
+    else if (k) sqlite3_bind_text(st, 1, k, -1, SQLITE_STATIC);
+    else sqlite3_bind_null(st, 1);
+    sqlite3_bind_int64(st, 2, a);
+    sqlite3_bind_int64(st, 3, b);
+    sqlite3_bind_int64(st, 4, c);
+    const int r = sqlite3_step(st);
+    sqlite3_finalize(st);
+    return r == SQLITE_DONE ? 0 : -1;
+}
+
+static int kv_sql_demand_charge(void *impl, const uint8_t pk[32], uint64_t counter, const char *net, int64_t now,
+                                const kv_demand_budget *b, uint64_t tokens, uint64_t *granted, kv_diag *d) {
+    kv_sql *s = impl;
+    *granted = 0;
+    if (counter > (uint64_t)INT64_MAX) return kv_fail(d, KV_EPROTO, "demand: counter out of range");
+    if (kv_sql_exec(s, "BEGIN IMMEDIATE")) return kv_sql_err(s, d, "begin");
+    int64_t kw, nw;
+    uint64_t ku, nu, kc;
+    if (kv_sql_budget_used(s, "SELECT window_ms,used,counter FROM demand_keys WHERE pk=?1", pk, 32, now,
+                           b->window_ms, &kw, &ku, &kc) ||
+        kv_sql_budget_used(s, "SELECT window_ms,used FROM demand_nets WHERE net=?1", net, 0, now, b->window_ms, &nw,
+                           &nu, NULL)) {
+        int rc = kv_sql_err(s, d, "demand_charge");
+        kv_sql_exec(s, "ROLLBACK");
+        return rc;
+    }
+    if (kc >= counter) {
+        kv_sql_exec(s, "ROLLBACK");
+        return kv_fail(d, KV_EPROTO, "replayed or stale demand report: counter not above last accepted %llu",
+                       (unsigned long long)kc);
+    }
+    uint64_t g = tokens;
+    const uint64_t kl = b->key_tokens > ku ? b->key_tokens - ku : 0, nl = b->net_tokens > nu ? b->net_tokens - nu : 0;
+    if (g > kl) g = kl;
+    if (g > nl) g = nl;
+    if (kv_sql_exec_bound(s, "INSERT INTO demand_keys(pk,counter,window_ms,used) VALUES(?1,?2,?3,?4)"
+                          " ON CONFLICT(pk) DO UPDATE SET counter=?2,window_ms=?3,used=?4", pk, 32, (int64_t)counter,
+                          kw, (int64_t)(ku + g)) ||
+        kv_sql_exec_bound(s, "INSERT INTO demand_nets(net,window_ms,used) VALUES(?1,?2,?3)"
+                          " ON CONFLICT(net) DO UPDATE SET window_ms=?2,used=?3", net, 0, nw, (int64_t)(nu + g), 0) ||
+        kv_sql_exec_bound(s, "DELETE FROM demand_nets WHERE window_ms < ?2 - ?3", NULL, 0, now, 2 * b->window_ms, 0) ||
+        kv_sql_exec_bound(s, "DELETE FROM demand_keys WHERE window_ms < ?2 - ?3", NULL, 0, now, 2 * b->window_ms, 0) ||
+        kv_sql_exec(s, "COMMIT")) {
+        int rc = kv_sql_err(s, d, "demand_charge");
+        kv_sql_exec(s, "ROLLBACK");
+        return rc;
+    }
+    *granted = g;
+    return 0;
+}
+
 const kv_hub_store_ops kv_hub_store_sqlite = {
     .name = "sqlite",
     .open = kv_sql_open,
@@ -328,6 +496,9 @@ const kv_hub_store_ops kv_hub_store_sqlite = {
     .node_touch = kv_sql_node_touch,
     .node_drop_shards = kv_sql_node_drop_shards,
     .node_each = kv_sql_node_each,
+    .mkt_each = kv_sql_mkt_each,
+    .mkt_put = kv_sql_mkt_put,
+    .demand_charge = kv_sql_demand_charge,
 };
 
 int kv_hub_store_open(kv_hub_store *s, const char *uri, kv_diag *d) {

@@ -33,11 +33,22 @@ static size_t kv_max3(size_t a, size_t b, size_t c) {
     return m > c ? m : c;
 }
 
-/* Layers with an attention cache: every qwen3moe block; the full-attention
- * blocks of qwen35moe. */
+/* Layers with an attention cache: every block but the recurrent ones. */
 static bool kv_layer_attends(const kv_model *m, uint32_t il) {
     if (!kv_model_in_window(m, il)) return false; /* another node's block: no cache here */
-    return m->hp.arch != KV_ARCH_QWEN35MOE || !m->layers[il].recurrent;
+    return !(m->hp.hook_flags & KV_AH_RECURRENT) || !m->layers[il].recurrent;
+}
+
+/* The architecture's part of the run state (kv_arch_table.state): each
+ * operation, or nothing when the table has none. */
+static const kv_arch_state_ops *kv_sops(const kv_state *s) { return kv_arch_get(s->m->hp.arch)->state; }
+static int kv_arch_seq_alloc(kv_state *s, uint32_t seq, kv_diag *d) {
+    const kv_arch_state_ops *o = kv_sops(s);
+    return o && o->seq_alloc ? o->seq_alloc(s, seq, d) : 0;
+}
+static uint64_t kv_arch_rec_bytes(const kv_state *s) {
+    const kv_arch_state_ops *o = kv_sops(s);
+    return o && o->rec_bytes ? o->rec_bytes(s) : 0;
 }
 
 int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_state_opts *opts,
@@ -76,7 +87,10 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     for (uint32_t il = 0; il < hp->n_layer; il++)
         s->attn_of[il] = kv_layer_attends(m, il) ? (int32_t)s->n_attn++ : -1;
     s->kv_row = KVD * (o.kv_type == KV_TYPE_F16 ? 2 : 4);
-    s->blk_bytes = 2 * (size_t)s->n_attn * KV_BLOCK * s->kv_row;
+    /* MLA caches one row per token (the latent and the rope part: its
+     * values are the latent's first kv_lora_rank elements); others K and V */
+    s->kv_planes = hp->attn == KV_ATTN_MLA ? 1 : 2;
+    s->blk_bytes = s->kv_planes * (size_t)s->n_attn * KV_BLOCK * s->kv_row;
     const uint64_t full = (uint64_t)o.n_seq * ((o.n_ctx + KV_BLOCK - 1) / KV_BLOCK);
     uint64_t cap = full;
     if (o.kv_bytes_max && s->blk_bytes) {
@@ -103,6 +117,7 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->att = malloc(B * QD * sizeof(float));
     s->tmp = malloc(B * E * sizeof(float));
     s->router = malloc(B * hp->n_expert * sizeof(float));
+    s->route_sel = malloc(hp->n_expert * sizeof(float));
     s->ids = malloc(B * K * sizeof(int32_t));
     s->wts = malloc(B * K * sizeof(float));
     s->eo = malloc(B * K * E * sizeof(float));
@@ -131,15 +146,16 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
     s->full_bad = malloc(B);
     s->scratch = malloc(kv_matmul_scratch((int64_t)kv_max3(E, QD, hp->n_ff_exp), (int64_t)B));
     if (!s->bad || !s->tainted || !s->arena || !s->seq_blk || !s->seq_nblk || !s->seq_cap || !s->kv_wide || !s->x || !s->xb || !s->q ||
-        !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->ids || !s->wts || !s->eo || !s->scores || !s->att_qbuf || !s->att_grp ||
+        !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->route_sel || !s->ids || !s->wts || !s->eo || !s->scores || !s->att_qbuf || !s->att_grp ||
         !s->scratch || !s->pos || !s->tok_seq || !s->tok_pos || !s->hout || !s->out_all ||
         !s->keep || !s->keep_row || !s->full_seq || !s->full_pos || !s->full_bad) {
         kv_state_free(s);
         return kv_fail(d, KV_ENOMEM, "state: out of memory (context %u, batch %u)", o.n_ctx, o.n_batch);
     }
     for (size_t i = 0; i < B; i++) s->out_all[i] = (uint32_t)i;
-    if (hp->arch == KV_ARCH_QWEN35MOE) {
-        int rc = kv_q35_state_new(s, d);
+    const kv_arch_state_ops *so = kv_arch_get(hp->arch)->state;
+    if (so && so->state_new) {
+        int rc = so->state_new(s, d);
         if (rc) {
             kv_state_free(s);
             return rc;
@@ -165,7 +181,8 @@ int kv_state_new(kv_state **out, const kv_model *m, kv_pool *pool, const kv_stat
 void kv_state_free(kv_state *s) {
     if (!s) return;
     if (s->own.free) s->own.free(s->own.impl);
-    kv_q35_state_free(s);
+    const kv_arch_state_ops *so = kv_sops(s);
+    if (so && so->state_free) so->state_free(s);
     if (s->arena)
         for (uint32_t a = 0; a < (s->blk_n + KV_ARENA - 1) / KV_ARENA; a++) free(s->arena[a]);
     free(s->arena);
@@ -187,6 +204,7 @@ void kv_state_free(kv_state *s) {
     free(s->att);
     free(s->tmp);
     free(s->router);
+    free(s->route_sel);
     free(s->ids);
     free(s->wts);
     free(s->eo);
@@ -276,7 +294,8 @@ void kv_state_reset_seq(kv_state *s, uint32_t seq) {
     /* its blocks go back to the pool (most recent on top), its recurrent state is freed */
     for (uint32_t i = s->seq_nblk[seq]; i-- > 0;) s->blk_free[s->n_free++] = s->seq_blk[seq][i];
     s->seq_nblk[seq] = 0;
-    kv_q35_seq_free(s, seq);
+    const kv_arch_state_ops *so = kv_sops(s);
+    if (so && so->seq_free) so->seq_free(s, seq);
 }
 
 void kv_state_reset(kv_state *s) {
@@ -304,7 +323,7 @@ int kv_state_reserve(kv_state *s, uint32_t seq, uint32_t n_tok, kv_diag *d) {
     if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "reserve: sequence %u out of range (%u)", seq, s->n_seq);
     if (n_tok > s->n_ctx)
         return kv_fail(d, KV_ECTXFULL, "context full: sequence %u needs %u tokens of a context of %u", seq, n_tok, s->n_ctx);
-    int rc = kv_q35_seq_alloc(s, seq, d);
+    int rc = kv_arch_seq_alloc(s, seq, d);
     if (rc) return rc;
     if (!s->n_attn) return 0;
     const uint32_t need = (n_tok + KV_BLOCK - 1) / KV_BLOCK;
@@ -338,7 +357,8 @@ void kv_state_get_mem(const kv_state *s, kv_state_mem *out) {
     out->blocks_allocated = s->blk_n;
     out->blocks_max = s->blk_max;
     out->kv_bytes = (uint64_t)s->blk_n * s->blk_bytes;
-    out->recurrent_bytes = kv_q35_bytes(s);
+    const kv_arch_state_ops *so = kv_sops(s);
+    out->recurrent_bytes = so && so->bytes ? so->bytes(s) : 0;
     out->n_attn_layers = s->n_attn;
     out->kv_type = s->kv_type;
 }
@@ -353,6 +373,8 @@ static uint8_t *kv_cache_at(const kv_state *s, uint32_t seq, uint32_t ai, int v,
     uint8_t *blk = s->arena[b / KV_ARENA] + (size_t)(b % KV_ARENA) * s->blk_bytes;
     return blk + (((size_t)v * s->n_attn + ai) * KV_BLOCK + p % KV_BLOCK) * s->kv_row;
 }
+
+uint8_t *kv_cache_row(const kv_state *s, uint32_t seq, uint32_t ai, uint32_t p) { return kv_cache_at(s, seq, ai, 0, p); }
 
 void kv_cache_put(kv_state *s, uint32_t il, uint32_t T) {
     const kv_hparams *hp = &s->m->hp;
@@ -539,20 +561,6 @@ static void kv_attn_worker(void *arg, int ith, int nth) {
 
 /* ---- one chunk ------------------------------------------------------------ */
 
-static void kv_topk(const float *p, int n, int k, int32_t *ids) {
-    /* selection by descending probability, lower id first on ties */
-    for (int r = 0; r < k; r++) {
-        int best = -1;
-        for (int e = 0; e < n; e++) {
-            bool taken = false;
-            for (int q = 0; q < r; q++) taken |= ids[q] == e;
-            if (taken) continue;
-            if (best < 0 || p[e] > p[best]) best = e;
-        }
-        ids[r] = best;
-    }
-}
-
 int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_diag *d) {
     const kv_hparams *hp = &s->m->hp;
     const int64_t E = hp->n_embd, K = hp->n_expert_used, NE = hp->n_expert;
@@ -562,18 +570,7 @@ int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t T, kv_di
         float *p = s->router + (size_t)t * NE;
         int32_t *ids = s->ids + (size_t)t * K;
         float *w = s->wts + (size_t)t * K;
-        kv_softmax(p, NE);
-        kv_topk(p, (int)NE, (int)K, ids);
-        for (int64_t r = 0; r < K; r++) w[r] = p[ids[r]];
-        if (hp->expert_weights_norm) {
-            double sum = 0.0;
-            for (int64_t r = 0; r < K; r++) sum += (double)w[r];
-            float fs = (float)sum;
-            if (fs < 6.103515625e-5f) fs = 6.103515625e-5f;
-            for (int64_t r = 0; r < K; r++) w[r] = w[r] / fs;
-        }
-        if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
-            for (int64_t r = 0; r < K; r++) w[r] *= hp->expert_weights_scale;
+        kv_route_token(hp, p, L->exp_probs_b.data, s->route_sel, ids, w);
     }
     pt = kv_prof_mark(s, KV_PROF_ROUTER, pt);
     /* routed experts, wherever they are computed */
@@ -776,7 +773,7 @@ int kv_state_eval_seq(kv_state *s, uint32_t seq, const int32_t *tokens, uint32_t
         rc = kv_eval_chunk(s, tokens + done, NULL, T, &last, 1, done + T == n ? logits : NULL, NULL, d);
         if (rc) {
             s->pos[seq] = pos_start;
-            if (done > 0 && s->q35) {
+            if (done > 0 && (s->m->hp.hook_flags & KV_AH_RECURRENT)) {
                 /* earlier chunks already advanced the recurrent state, which
                  * cannot be rolled back: the sequence starts over */
                 s->pos[seq] = 0;
@@ -883,24 +880,29 @@ int kv_state_seq_resume(kv_state *s, uint32_t seq, uint32_t pos, const void *rec
     if (seq >= s->n_seq || s->pos[seq] || pos == 0 || pos % KV_BLOCK || pos > s->n_ctx ||
         (s->n_attn && pos > s->seq_nblk[seq] * KV_BLOCK))
         return kv_fail(d, KV_EINVAL, "KV restore: sequence %u cannot resume at %u (not empty, or not reserved)", seq, pos);
-    if (kv_q35_rec_bytes(s) && !rec)
+    if (kv_arch_rec_bytes(s) && !rec)
         return kv_fail(d, KV_EINVAL, "KV restore: sequence %u needs a recurrent state to resume at %u", seq, pos);
-    int rc = kv_q35_rec_set(s, seq, rec, d);
+    const kv_arch_state_ops *so = kv_sops(s);
+    int rc = so && so->rec_set ? so->rec_set(s, seq, rec, d) : 0;
     if (rc) return rc;
     s->pos[seq] = pos;
     s->tainted[seq] = 0;
     return 0;
 }
 
-uint64_t kv_state_rec_bytes(const kv_state *s) { return kv_q35_rec_bytes(s); }
-int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) { return kv_q35_rec_get(s, seq, dst, d); }
+uint64_t kv_state_rec_bytes(const kv_state *s) { return kv_arch_rec_bytes(s); }
+int kv_state_rec_get(const kv_state *s, uint32_t seq, void *dst, kv_diag *d) {
+    const kv_arch_state_ops *so = kv_sops(s);
+    return so && so->rec_get ? so->rec_get(s, seq, dst, d) : 0;
+}
 
 /* ---- speculative rollback ------------------------------------------------- */
 
 int kv_state_spec_keep(kv_state *s, uint32_t seq, uint32_t n, kv_diag *d) {
     if (seq >= s->n_seq) return kv_fail(d, KV_ERANGE, "spec keep: sequence %u out of range (%u)", seq, s->n_seq);
     if (n > KV_SPEC_MAX_KEEP) return kv_fail(d, KV_EINVAL, "spec keep: %u states exceed max %u", n, KV_SPEC_MAX_KEEP);
-    return s->q35 ? kv_q35_spec_keep(s, seq, n, d) : 0;
+    const kv_arch_state_ops *so = kv_sops(s);
+    return so && so->spec_keep ? so->spec_keep(s, seq, n, d) : 0;
 }
 
 int kv_state_seq_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
@@ -908,8 +910,9 @@ int kv_state_seq_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
     if (pos > s->pos[seq])
         return kv_fail(d, KV_EINVAL, "rollback: sequence %u holds %u positions, not %u", seq, s->pos[seq], pos);
     if (pos == s->pos[seq]) return 0;
-    if (s->q35) {
-        int rc = kv_q35_rollback(s, seq, pos, d);
+    const kv_arch_state_ops *so = kv_sops(s);
+    if (so && so->rollback) {
+        int rc = so->rollback(s, seq, pos, d);
         if (rc) return rc;
     }
     s->pos[seq] = pos; /* the KV rows past pos are rewritten before any token reads them */

@@ -49,7 +49,8 @@ struct kv_state {
     uint32_t n_attn;       /* layers with an attention cache */
     int32_t *attn_of;      /* [n_layer] index among attending layers, -1: none */
     size_t kv_row;         /* bytes of one token's K (or V) in one layer: n_head_kv*head_dim elements */
-    size_t blk_bytes;      /* one block: K then V, each [n_attn][KV_BLOCK] rows of kv_row bytes */
+    uint32_t kv_planes;    /* 2: K then V; 1: one row per token (MLA's latent and rope part) */
+    size_t blk_bytes;      /* one block: kv_planes planes (K, then V), each [n_attn][KV_BLOCK] rows of kv_row bytes */
     uint32_t blk_max;      /* pool cap in blocks */
     uint32_t blk_n;        /* blocks allocated so far (a multiple of KV_ARENA below the cap) */
     uint8_t **arena;       /* [ceil(blk_max / KV_ARENA)] arenas of KV_ARENA blocks, NULL until needed */
@@ -69,6 +70,7 @@ struct kv_state {
     float *att;            /* [max_tok][n_head*head_dim] attention output */
     float *tmp;            /* [max_tok][n_embd] projection output */
     float *router;         /* [max_tok][n_expert] */
+    float *route_sel;      /* [n_expert] the router's selection scores (kv_route_token) */
     int32_t *ids;          /* [max_tok][n_expert_used] */
     float *wts;            /* [max_tok][n_expert_used] */
     float *eo;             /* [max_tok][n_expert_used][n_embd] expert outputs */
@@ -94,6 +96,7 @@ struct kv_state {
     uint32_t *full_seq, *full_pos; /* [max_tok] the chunk's tok_seq and tok_pos while trimmed */
     uint8_t *full_bad;     /* [max_tok] the chunk's bad flags while trimmed */
     struct kv_q35_state *q35; /* qwen35moe: recurrent state and buffers (qwen35.c), else NULL */
+    void *arch_state;      /* another architecture's part (kv_arch_table.state), NULL: none */
     kv_profile *prof;      /* per-stage timers (kvasir bench --profile), NULL: off */
 };
 
@@ -116,6 +119,10 @@ void kv_attn_run(kv_state *s, uint32_t il, uint32_t n_tok);
 /* Writes the chunk's K and V rows (s->k, s->v) of layer il into the cache
  * at each token's (sequence, position); the blocks are reserved. */
 void kv_cache_put(kv_state *s, uint32_t il, uint32_t n_tok);
+/* The cache row of position p of sequence seq in attending layer ai, in
+ * the first plane (kv_row bytes; the block must be reserved). MLA keeps
+ * one untransposed row per token there (kv_planes == 1). */
+uint8_t *kv_cache_row(const kv_state *s, uint32_t seq, uint32_t ai, uint32_t p);
 /* Marks token t (< n_tok) bad when one of the n floats at x + t*stride is
  * NaN or Inf. Called on the inputs of the projections (normed rows,
  * attention and delta-net outputs) and on the final-normed rows: a
@@ -151,6 +158,12 @@ void kv_resid_norm(kv_state *s, uint32_t T, int add, const float *w);
  * renormalized weights, experts through the provider, weighted sum in rank
  * order into s->tmp. Errors: what the provider returns. */
 int kv_moe_routed(kv_state *s, const kv_layer *L, uint32_t il, uint32_t n_tok, kv_diag *d);
+
+/* The router (src/moe/route.c): token's logits p[n_expert] (overwritten by
+ * its scores) into the top-k ids (rank order) and weights, as hp->router
+ * says; bias: the selection bias (NULL: none); sel: n_expert floats of
+ * scratch. */
+void kv_route_token(const kv_hparams *hp, float *p, const float *bias, float *sel, int32_t *ids, float *w);
 
 /* ---- loader helpers (src/model/model_load.c) ---- */
 int kv_get_w(kv_model *m, kv_weight *w, const char *name, uint32_t n_dims, int64_t ne0, int64_t ne1,

@@ -96,6 +96,17 @@ static kv_weight *kv_layer_slot(kv_layer *L, enum kv_tensor k) {
     case KV_T_NEXTN_ENORM: return &L->nextn_enorm;
     case KV_T_NEXTN_HNORM: return &L->nextn_hnorm;
     case KV_T_NEXTN_SHARED_HEAD_NORM: return &L->nextn_head_norm;
+    case KV_T_ATTN_Q_A: return &L->wq_a;
+    case KV_T_ATTN_Q_A_NORM: return &L->q_a_norm;
+    case KV_T_ATTN_Q_B: return &L->wq_b;
+    case KV_T_ATTN_KV_A_MQA: return &L->wkv_a;
+    case KV_T_ATTN_KV_A_NORM: return &L->kv_a_norm;
+    case KV_T_ATTN_K_B: return &L->wk_b;
+    case KV_T_ATTN_V_B: return &L->wv_b;
+    case KV_T_FFN_GATE: return &L->ffn_gate;
+    case KV_T_FFN_UP: return &L->ffn_up;
+    case KV_T_FFN_DOWN: return &L->ffn_down;
+    case KV_T_FFN_EXP_PROBS_B: return &L->exp_probs_b;
     default: return NULL;
     }
 }
@@ -248,7 +259,9 @@ static void *kv_prefault_main(void *arg) {
                                   &L->ssm_conv1d, &L->ssm_dt, &L->ssm_a, &L->ssm_norm, &L->ssm_out,
                                   &L->wq, &L->wk, &L->wv, &L->q_norm, &L->k_norm, &L->wo,
                                   &L->ffn_norm, &L->post_norm, &L->gate_inp, &L->gate_inp_shexp,
-                                  &L->gate_shexp, &L->up_shexp, &L->down_shexp};
+                                  &L->gate_shexp, &L->up_shexp, &L->down_shexp, &L->wq_a, &L->q_a_norm,
+                                  &L->wq_b, &L->wkv_a, &L->kv_a_norm, &L->wk_b, &L->wv_b, &L->ffn_gate,
+                                  &L->ffn_up, &L->ffn_down, &L->exp_probs_b};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) kv_prefault_w(p, all[i]);
         if (p->experts) {
             kv_prefault_w(p, &L->gate_exps);
@@ -327,7 +340,9 @@ uint64_t kv_model_weight_bytes(const kv_model *m) {
                                   &L->post_norm, &L->wqkv, &L->wqkv_gate, &L->ssm_conv1d, &L->ssm_dt, &L->ssm_a,
                                   &L->ssm_beta, &L->ssm_alpha, &L->ssm_norm, &L->ssm_out, &L->gate_inp_shexp,
                                   &L->gate_shexp, &L->up_shexp, &L->down_shexp, &L->nextn_eh_proj,
-                                  &L->nextn_enorm, &L->nextn_hnorm, &L->nextn_head_norm};
+                                  &L->nextn_enorm, &L->nextn_hnorm, &L->nextn_head_norm, &L->wq_a,
+                                  &L->q_a_norm, &L->wq_b, &L->wkv_a, &L->kv_a_norm, &L->wk_b, &L->wv_b,
+                                  &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->exp_probs_b};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) b += kv_w_bytes(all[i]);
     }
     return b;
@@ -346,6 +361,8 @@ uint64_t kv_model_bytes_per_token(const kv_model *m) {
         b += L->wq.nb2 + L->wk.nb2 + L->wv.nb2 + L->wo.nb2 + L->gate_inp.nb2;
         b += L->wqkv.nb2 + L->wqkv_gate.nb2 + L->ssm_beta.nb2 + L->ssm_alpha.nb2 + L->ssm_out.nb2;
         b += L->gate_inp_shexp.nb2 + L->gate_shexp.nb2 + L->up_shexp.nb2 + L->down_shexp.nb2;
+        b += L->wq_a.nb2 + L->wq_b.nb2 + L->wkv_a.nb2 + L->wk_b.nb2 * L->wk_b.ne[2] + L->wv_b.nb2 * L->wv_b.ne[2];
+        b += L->ffn_gate.nb2 + L->ffn_up.nb2 + L->ffn_down.nb2;
         b += (uint64_t)hp->n_expert_used * (L->gate_exps.nb2 + L->up_exps.nb2 + L->down_exps.nb2);
         b += ((uint64_t)hp->n_embd * 2 + hp->head_dim * 2) * 4;
     }

@@ -863,3 +863,17 @@ int kv_mtp_step(kv_mtp *t, uint32_t seq, const float *h, int32_t tok, uint32_t p
     if (logits) kv_matmul(t->pool, &m->output, NULL, h_out, 1, logits, t->scratch);
     return 0;
 }
+
+/* The run state's qwen35moe part, named by its table (src/arch/qwen35moe.c). */
+const kv_arch_state_ops kv_q35_state_ops = {
+    .state_new = kv_q35_state_new,
+    .state_free = kv_q35_state_free,
+    .seq_alloc = kv_q35_seq_alloc,
+    .seq_free = kv_q35_seq_free,
+    .bytes = kv_q35_bytes,
+    .rec_bytes = kv_q35_rec_bytes,
+    .rec_get = kv_q35_rec_get,
+    .rec_set = kv_q35_rec_set,
+    .spec_keep = kv_q35_spec_keep,
+    .rollback = kv_q35_rollback,
+};

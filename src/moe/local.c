@@ -28,7 +28,9 @@ typedef struct kv_local {
     int32_t *active;        /* [n_expert] experts with at least one slot */
     int32_t *cursor;        /* [n_expert] fill positions while sorting */
     kv_expert_weights *w;   /* [n_expert] weights of active expert i (by active index) */
-    uint8_t *xq;            /* [n_slots][row] gathered quantized inputs (gate/up type) */
+    uint8_t *xq;            /* [n_slots][row] gathered quantized inputs (up's type) */
+    uint8_t *xg;            /* [n_slots][row] the same in gate's type when it differs from
+                               up's (gate Q8_0, up Q4_K); allocated on first need */
     float *gate;            /* [n_slots][n_ff] */
     float *up;              /* [n_slots][n_ff] */
     uint8_t *hq;            /* [n_slots][row] quantized SwiGLU outputs (down type) */
@@ -41,8 +43,8 @@ typedef struct kv_local_job {
     kv_local *l;
     const kv_expert_req *req;
     int n_active;
-    uint32_t up_vdt, down_vdt; /* activation types for gate/up and down */
-    size_t xq_stride, hq_stride;
+    uint32_t up_vdt, gate_vdt, down_vdt; /* activation types of up, gate and down */
+    size_t xq_stride, xg_stride, hq_stride; /* xg_stride 0: gate reads xq */
     float *out;
     int phase;
 } kv_local_job;
@@ -110,10 +112,16 @@ static void kv_local_worker(void *arg, int ith, int nth) {
             const int32_t t = l->slot_order[i] / (int32_t)r->n_used;
             kv_quantize_rows(j->up_vdt, r->x + (size_t)t * (size_t)E, (size_t)E, E, 1,
                              l->xq + (size_t)i * j->xq_stride, j->xq_stride);
+            if (j->xg_stride)
+                kv_quantize_rows(j->gate_vdt, r->x + (size_t)t * (size_t)E, (size_t)E, E, 1,
+                                 l->xg + (size_t)i * j->xg_stride, j->xg_stride);
         }
         break;
     case 1: /* gate and up rows */
-        kv_local_rows(j, KV_MAT_GATE, l->xq, j->xq_stride, l->gate, ith, nth);
+        if (j->xg_stride)
+            kv_local_rows(j, KV_MAT_GATE, l->xg, j->xg_stride, l->gate, ith, nth);
+        else
+            kv_local_rows(j, KV_MAT_GATE, l->xq, j->xq_stride, l->gate, ith, nth);
         kv_local_rows(j, KV_MAT_UP, l->xq, j->xq_stride, l->up, ith, nth);
         break;
     case 2: /* SwiGLU and quantize for down */
@@ -188,17 +196,25 @@ static int kv_local_compute(void *impl, const kv_expert_req *req, float *out, kv
                            req->layer, l->active[i], l->active[0]);
         }
     }
-    kv_local_job j = {l, req, n_active, 0, 0, 0, 0, out, 0};
+    kv_local_job j = {l, req, n_active, 0, 0, 0, 0, 0, 0, out, 0};
     const kv_type_info *tg = kv_type_get(l->w[0].gate_type), *tu = kv_type_get(l->w[0].up_type),
                        *td = kv_type_get(l->w[0].down_type);
-    if (!tg || !tu || !td || !tg->compute || !tu->compute || !td->compute ||
-        tg->vec_dot_type != tu->vec_dot_type) {
+    if (!tg || !tu || !td || !tg->compute || !tu->compute || !td->compute) {
         kv_local_release(l, req->layer, n_active);
-        return kv_fail(d, KV_EUNSUPPORTED, "experts: layer %u: unsupported expert tensor types", req->layer);
+        return kv_fail(d, KV_EUNSUPPORTED, "experts: layer %u: unsupported expert tensor types (%s, %s, %s)",
+                       req->layer, tg ? tg->name : "?", tu ? tu->name : "?", td ? td->name : "?");
     }
     j.up_vdt = tu->vec_dot_type;
+    j.gate_vdt = tg->vec_dot_type;
     j.down_vdt = td->vec_dot_type;
     j.xq_stride = (size_t)kv_type_row_size(j.up_vdt, src->n_embd);
+    if (j.gate_vdt != j.up_vdt) { /* gate and up quantize their inputs differently */
+        if (!l->xg && !(l->xg = malloc((size_t)l->n_slots_max * kv_matmul_scratch(src->n_embd, 1)))) {
+            kv_local_release(l, req->layer, n_active);
+            return kv_fail(d, KV_ENOMEM, "experts: out of memory for gate inputs of layer %u", req->layer);
+        }
+        j.xg_stride = (size_t)kv_type_row_size(j.gate_vdt, src->n_embd);
+    }
     j.hq_stride = (size_t)kv_type_row_size(j.down_vdt, src->n_ff_exp);
     for (j.phase = 0; j.phase <= 4; j.phase++) kv_pool_run(l->pool, kv_local_worker, &j);
     kv_local_release(l, req->layer, n_active);
@@ -214,6 +230,7 @@ static void kv_local_free(void *impl) {
     free(l->cursor);
     free(l->w);
     free(l->xq);
+    free(l->xg);
     free(l->gate);
     free(l->up);
     free(l->hq);

@@ -113,6 +113,7 @@ static bool kv_cl_type_ok(uint32_t t) {
     case KV_TYPE_F32: case KV_TYPE_F16: case KV_TYPE_BF16: case KV_TYPE_Q8_0: case KV_TYPE_Q4_0:
     case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K: return true;
     case KV_TYPE_Q4_1: case KV_TYPE_Q5_0: case KV_TYPE_Q5_1: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4: return true;
+    case KV_TYPE_Q2_K: case KV_TYPE_Q3_K: case KV_TYPE_IQ4_XS: return true;
     default: return false;
     }
 }
@@ -201,25 +202,34 @@ static int kv_cl_compute(void *impl, const kv_expert_req *req, float *out, kv_di
     }
     const uint32_t tg = c->w[0].gate_type, tu = c->w[0].up_type, td = c->w[0].down_type;
     const kv_type_info *ig = kv_type_get(tg), *iu = kv_type_get(tu), *id = kv_type_get(td);
-    if (!kv_cl_type_ok(tg) || !kv_cl_type_ok(tu) || !kv_cl_type_ok(td) || !ig || !iu || !id ||
-        ig->vec_dot_type != iu->vec_dot_type) {
-        rc = kv_fail(d, KV_EUNSUPPORTED, "opencl: layer %u: unsupported expert tensor types", req->layer);
+    if (!kv_cl_type_ok(tg) || !kv_cl_type_ok(tu) || !kv_cl_type_ok(td) || !ig || !iu || !id) {
+        rc = kv_fail(d, KV_EUNSUPPORTED, "opencl: layer %u: unsupported expert tensor types (%s, %s, %s)", req->layer,
+                     ig ? ig->name : "?", iu ? iu->name : "?", id ? id->name : "?");
         goto done;
     }
-    const size_t xs = (size_t)kv_type_row_size(iu->vec_dot_type, E), hs = (size_t)kv_type_row_size(id->vec_dot_type, F);
-    for (uint32_t i = 0; i < n_slots; i++) {
-        const int32_t t = c->slot_order[i] / (int32_t)req->n_used;
-        kv_quantize_rows(iu->vec_dot_type, req->x + (size_t)t * E, E, E, 1, c->xq + (size_t)i * xs, xs);
-    }
-    cl_int e = clEnqueueWriteBuffer(c->q, c->bx, CL_TRUE, 0, (size_t)n_slots * xs, c->xq, 0, NULL, NULL);
-    if (e != CL_SUCCESS) { rc = kv_cl_fail(d, "writing inputs", e); goto done; }
-    for (int a = 0; a < n_active && !rc; a++) {
-        const int32_t ex = c->active[a], s0 = c->exp_first[ex], s1 = c->exp_first[ex + 1];
-        cl_mem wg, wu;
-        rc = kv_cl_weights(c, req->layer, (uint32_t)ex, 0, c->w[a].gate, (size_t)kv_type_row_size(tg, E) * F, &wg, d);
-        if (!rc) rc = kv_cl_weights(c, req->layer, (uint32_t)ex, 1, c->w[a].up, (size_t)kv_type_row_size(tu, E) * F, &wu, d);
-        if (!rc) rc = kv_cl_mat(c, wg, tg, E, F, c->bx, xs, c->bg, s0, s1, d);
-        if (!rc) rc = kv_cl_mat(c, wu, tu, E, F, c->bx, xs, c->bu, s0, s1, d);
+    const size_t hs = (size_t)kv_type_row_size(id->vec_dot_type, F);
+    cl_int e = CL_SUCCESS;
+    /* gate, then up; the inputs are quantized again for up only when its
+     * activation type differs (gate Q8_0, up Q4_K): the in-order queue
+     * runs gate's kernels before the blocking write replaces them */
+    for (int m = 0; m < 2 && !rc; m++) {
+        const uint32_t ty = m ? tu : tg, vdt = m ? iu->vec_dot_type : ig->vec_dot_type;
+        const size_t xs = (size_t)kv_type_row_size(vdt, E);
+        if (m == 0 || vdt != ig->vec_dot_type) {
+            for (uint32_t i = 0; i < n_slots; i++) {
+                const int32_t t = c->slot_order[i] / (int32_t)req->n_used;
+                kv_quantize_rows(vdt, req->x + (size_t)t * E, E, E, 1, c->xq + (size_t)i * xs, xs);
+            }
+            e = clEnqueueWriteBuffer(c->q, c->bx, CL_TRUE, 0, (size_t)n_slots * xs, c->xq, 0, NULL, NULL);
+            if (e != CL_SUCCESS) { rc = kv_cl_fail(d, "writing inputs", e); goto done; }
+        }
+        for (int a = 0; a < n_active && !rc; a++) {
+            const int32_t ex = c->active[a], s0 = c->exp_first[ex], s1 = c->exp_first[ex + 1];
+            cl_mem wm;
+            rc = kv_cl_weights(c, req->layer, (uint32_t)ex, m, m ? c->w[a].up : c->w[a].gate,
+                               (size_t)kv_type_row_size(ty, E) * F, &wm, d);
+            if (!rc) rc = kv_cl_mat(c, wm, ty, E, F, c->bx, xs, m ? c->bu : c->bg, s0, s1, d);
+        }
     }
     if (rc) goto done;
     e = clEnqueueReadBuffer(c->q, c->bg, CL_TRUE, 0, (size_t)n_slots * F * sizeof(float), c->gate, 0, NULL, NULL);

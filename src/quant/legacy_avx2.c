@@ -99,9 +99,86 @@ AI void rows2(lx_unpack un, int has_min, int64_t n, const uint8_t *w, size_t rb,
         out[r] = has_min ? hsum_ps(acc[r][0]) + summ[r] : hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+/* Several tokens of Q4_1/Q5_1 (prefill): one row against up to LX_TT8
+ * tokens per pass, each block unpacked once for all of them. The tokens'
+ * activation scales are converted once per token tile (da, sa: block-major,
+ * 8 per block), so per block the 8 products dw * da and the 8 min terms
+ * fma(mw, s, summ) are one vector step each: lane t is token t's own
+ * scalar step of row_tile (the same roundings, in the same order). */
+#define LX_TT8 8
+#define LX_UNROLL _Pragma("GCC unroll 8")
+#define LX_MAX_BLK 512 /* most blocks per row for this path (n <= 16384) */
+AI void row_tile8(lx_unpack un, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab, const float *da,
+                  const float *sa, float *out) {
+    __m256 acc[LX_TT8];
+    LX_UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    __m256 summ = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        float dw, mw;
+        const __m256i xv = un(w, b, &dw, &mw);
+        _Alignas(32) float dd[LX_TT8];
+        _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_load_ps(da + LX_TT8 * b)));
+        summ = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_load_ps(sa + LX_TT8 * b), summ);
+        LX_UNROLL for (int t = 0; t < TT; t++) { /* unrolled: acc[] stays in registers */
+            const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(act(1, a + (size_t)t * ab, b) + 4));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(grp_u(xv, yv)), _mm256_broadcast_ss(dd + t), acc[t]);
+        }
+    }
+    _Alignas(32) float sm[LX_TT8];
+    _mm256_store_ps(sm, summ);
+    LX_UNROLL for (int t = 0; t < TT; t++) out[t] = hsum_ps(acc[t]) + sm[t];
+}
+
+AI void mat_min(lx_unpack un, const uint8_t *wb, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+                const uint8_t *ab, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
+    _Alignas(32) float da[LX_TT8 * LX_MAX_BLK], sa[LX_TT8 * LX_MAX_BLK];
+    const int64_t nb = n / 32, nj = (n_tok + LX_TT8 - 1) / LX_TT8;
+    /* rows in chunks of about 512 KiB (read from memory once, then from L2
+     * by every token tile); per chunk the token tiles, as even as possible */
+    const int64_t rows_chunk = (int64_t)((512u << 10) / row_bytes) + 1;
+    for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
+        const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
+        int64_t t = 0;
+        for (int64_t j = 0; j < nj; j++) {
+            const int64_t left = nj - j, tt = (n_tok - t + left - 1) / left;
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t k = 0; k < LX_TT8; k++) {
+                    uint16_t yd = 0, ys = 0;
+                    if (k < tt) {
+                        const uint8_t *y = act(1, ab + (size_t)(t + k) * a_stride, b);
+                        memcpy(&yd, y, 2);
+                        memcpy(&ys, y + 2, 2);
+                    }
+                    da[LX_TT8 * b + k] = _cvtsh_ss(yd);
+                    sa[LX_TT8 * b + k] = _cvtsh_ss(ys);
+                }
+            for (int64_t r = rc; r < rc_end; r++) {
+                float o[LX_TT8];
+                const uint8_t *w = wb + (size_t)r * row_bytes, *a = ab + (size_t)t * a_stride;
+                switch (tt) { /* constant TT: the token loop unrolls */
+                case 1: row_tile8(un, 1, n, w, a, a_stride, da, sa, o); break;
+                case 2: row_tile8(un, 2, n, w, a, a_stride, da, sa, o); break;
+                case 3: row_tile8(un, 3, n, w, a, a_stride, da, sa, o); break;
+                case 4: row_tile8(un, 4, n, w, a, a_stride, da, sa, o); break;
+                case 5: row_tile8(un, 5, n, w, a, a_stride, da, sa, o); break;
+                case 6: row_tile8(un, 6, n, w, a, a_stride, da, sa, o); break;
+                case 7: row_tile8(un, 7, n, w, a, a_stride, da, sa, o); break;
+                default: row_tile8(un, 8, n, w, a, a_stride, da, sa, o); break;
+                }
+                for (int64_t k = 0; k < tt; k++) Y[(size_t)(t + k) * y_stride + (size_t)r] = o[k];
+            }
+            t += tt;
+        }
+    }
+}
+
 AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
             const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
     const uint8_t *wb = W, *ab = A;
+    if (has_min && n_tok >= 2 && n / 32 <= LX_MAX_BLK) {
+        mat_min(un, wb, row_bytes, n, r0, r1, ab, a_stride, n_tok, Y, y_stride);
+        return;
+    }
     int64_t r = r0;
     if (n_tok == 1 && n >= 32) /* decode: row pairs */
         for (; r + 2 <= r1; r += 2) {

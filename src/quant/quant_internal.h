@@ -34,6 +34,20 @@
  *    C_j = sc_2j*bsums[2j] + sc_2j+1*bsums[2j+1]; acc_j =
  *    fma((float)(L_j - 32*C_j), da*d, acc_j); result kv_hsum8(acc).
  *  - Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: written in quant/legacy.h.
+ *  - Q2_K, Q3_K, IQ4_XS . Q8_K: the same 8 lanes (lane j: values p with
+ *    (p / 4) % 8 == j) and one fma per lane and super-block:
+ *    Q2_K: L_j = sum sc*q*a (q 0..3, sc the 4-bit scale of q's group of
+ *    16), M_j = m_2j*bsums[2j] + m_2j+1*bsums[2j+1] (4-bit mins), then as
+ *    Q4_K: acc_j = fma((float)L_j, da*d, acc_j), accm_j = fma((float)M_j,
+ *    da*dmin, accm_j), result kv_hsum8(acc - accm). Q3_K: as Q6_K with
+ *    u = q + 4 (0..7) and s = the 6-bit scale - 32: L_j = sum s*u*a,
+ *    C_j = s_2j*bsums[2j] + s_2j+1*bsums[2j+1], acc_j = fma((float)(L_j -
+ *    4*C_j), da*d, acc_j), result kv_hsum8(acc). IQ4_XS: L_j = sum
+ *    (ls-32)*v*a (v = kvalues_iq4nl[q], ls the 6-bit scale of q's 32),
+ *    acc_j = fma((float)L_j, da*d, acc_j), result kv_hsum8(acc). Each
+ *    integer is exact, so only the lane partition and the float steps are
+ *    fixed: the SIMD files may gather a lane's integers in any order
+ *    (kquant_ref.c, kquant_avx2.c, kquant_avx512.c, kquant_neon.c).
  *
  * Activation blocks must hold values in [-127, 127] (what our quantizers
  * produce); the AVX2 sign trick relies on it. */
@@ -93,6 +107,53 @@ typedef struct {
     int16_t bsums[KV_QK_K / 16];  /* sum of qs in each group of 16 */
 } kv_block_q8_K;
 _Static_assert(sizeof(kv_block_q8_K) == 292, "q8_K block size");
+
+typedef struct {
+    uint8_t scales[KV_QK_K / 16]; /* per 16 values: scale (low 4 bits), min (high 4 bits) */
+    uint8_t qs[KV_QK_K / 4];      /* 2-bit quants: value 128h + 32k + l at bits 2k of qs[32h + l] */
+    uint16_t d;                   /* fp16 super-scale of the scales */
+    uint16_t dmin;                /* fp16 super-scale of the mins */
+} kv_block_q2_K;
+_Static_assert(sizeof(kv_block_q2_K) == 84, "q2_K block size");
+
+typedef struct {
+    uint8_t hmask[KV_QK_K / 8]; /* 3rd bit: value 32c + l at bit c of hmask[l]; clear means -4 */
+    uint8_t qs[KV_QK_K / 4];    /* low 2 bits, laid out as q2_K */
+    uint8_t scales[12];         /* 16 scales, 6 bits each (stored + 32), packed */
+    uint16_t d;                 /* fp16 super-scale */
+} kv_block_q3_K;
+_Static_assert(sizeof(kv_block_q3_K) == 110, "q3_K block size");
+
+typedef struct {
+    uint16_t d;                     /* fp16 super-scale */
+    uint16_t scales_h;              /* high 2 bits of the 8 sub-block scales */
+    uint8_t scales_l[KV_QK_K / 64]; /* low 4 bits of the 8 scales, two per byte */
+    uint8_t qs[KV_QK_K / 2];        /* 4-bit indices into kv_iq4nl_values (legacy.h), as q4_0 per 32 */
+} kv_block_iq4_xs;
+_Static_assert(sizeof(kv_block_iq4_xs) == 136, "iq4_xs block size");
+
+/* The 16 signed scales (-32..31) of a q3_K block: scale k has low bits
+ * (k < 8 ? b[k] & 15 : b[k-8] >> 4) and high bits (b[8 + k%4] >> 2(k/4)) & 3,
+ * unpacked four at a time in 32-bit words. */
+static inline void kv_unpack_q3_scales(const uint8_t *b, int8_t s[16]) {
+    uint32_t a0, a1, t;
+    memcpy(&a0, b, 4);
+    memcpy(&a1, b + 4, 4);
+    memcpy(&t, b + 8, 4);
+    const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u, b32 = 0x20202020u;
+    /* +0x80 per byte before the subtraction keeps each byte from borrowing */
+    const uint32_t w[4] = {(a0 & m4) | ((t & m2) << 4), (a1 & m4) | (((t >> 2) & m2) << 4),
+                           ((a0 >> 4) & m4) | (((t >> 4) & m2) << 4), ((a1 >> 4) & m4) | (((t >> 6) & m2) << 4)};
+    for (int i = 0; i < 4; i++) {
+        const uint32_t v = ((w[i] | 0x80808080u) - b32) ^ 0x80808080u; /* each byte: value - 32 */
+        memcpy(s + 4 * i, &v, 4);
+    }
+}
+
+/* The scale (-32..31) of sub-block ib (0..7) of an iq4_xs block. */
+static inline int kv_iq4_xs_scale(const kv_block_iq4_xs *b, int ib) {
+    return (((b->scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((b->scales_h >> (2 * ib)) & 3) << 4)) - 32;
+}
 
 /* ---- helpers shared by all backends ---- */
 
@@ -176,6 +237,12 @@ void kv_quant_fill_avxvnni(kv_kernels *k); /* AVX2 + AVX-VNNI: the AVX2 kernels,
 void kv_quant_fill_avx512(kv_kernels *k);
 void kv_quant_fill_neon(kv_kernels *k);    /* aarch64 only */
 void kv_quant_fill_neondot(kv_kernels *k); /* aarch64 with DotProd only */
+/* Q2_K, Q3_K, IQ4_XS (kquant_*.c): each overlays its entries on a table
+ * filled by the function above of the same level. */
+void kv_kquant_fill_ref(kv_kernels *k);
+void kv_kquant_fill_avx2(kv_kernels *k);
+void kv_kquant_fill_avx512(kv_kernels *k);
+void kv_kquant_fill_neon(kv_kernels *k); /* aarch64 only */
 
 /* kv_f32_wsum_rows per backend (quant/vec.h); acc: continue from o's
  * values instead of 0 (kv_f32_wsum_rows_acc). */

@@ -60,6 +60,7 @@ static uint32_t kv_vec_dot_type(uint32_t t) {
     case KV_TYPE_Q5_0: case KV_TYPE_IQ4_NL: case KV_TYPE_MXFP4: return KV_TYPE_Q8_0; /* quant/legacy.h */
     case KV_TYPE_Q4_1: case KV_TYPE_Q5_1: return KV_TYPE_Q8_1;
     case KV_TYPE_Q4_K: case KV_TYPE_Q5_K: case KV_TYPE_Q6_K: return KV_TYPE_Q8_K;
+    case KV_TYPE_Q2_K: case KV_TYPE_Q3_K: case KV_TYPE_IQ4_XS: return KV_TYPE_Q8_K;
     default: return t;
     }
 }
@@ -152,6 +153,7 @@ static void kv_init(void) {
     static kv_kernels k[KV_TYPE_COUNT]; /* cumulative: each level overlays the last */
     kv_quant_fill_ref(k);
     kv_quant_fill_legacy_ref(k);
+    kv_kquant_fill_ref(k);
     kv_level(KV_BE_SCALAR, k,
              &(kv_floats){kv_f32_wsum_ref, NULL, kv_f32_softmax_ref, kv_f32_silu_ref, kv_f32_delta_ref, kv_f32_delta_ref});
 #ifdef KV_X86
@@ -167,6 +169,7 @@ static void kv_init(void) {
     if (avx2) {
         kv_quant_fill_avx2(k);
         kv_quant_fill_legacy_avx2(k);
+        kv_kquant_fill_avx2(k);
         kv_level(KV_BE_AVX2, k, &f2);
     }
     if (avxvnni) { /* the AVX2 table with the VNNI integer steps; AVX-512 overlays it */
@@ -176,6 +179,7 @@ static void kv_init(void) {
     if (avx512) {
         kv_quant_fill_avx512(k);
         kv_quant_fill_legacy_avx512(k);
+        kv_kquant_fill_avx512(k);
         kv_level(KV_BE_AVX512, k, &f512);
     }
 #endif
@@ -200,8 +204,10 @@ static void kv_init_neon(void) {
     const kv_floats f = {kv_f32_wsum_neon, NULL, kv_f32_softmax_ref, kv_f32_silu_ref, kv_f32_delta_ref, kv_f32_delta_ref};
     kv_quant_fill_ref(k);
     kv_quant_fill_legacy_ref(k);
+    kv_kquant_fill_ref(k);
     kv_quant_fill_neon(k);
     kv_quant_fill_legacy_neon(k);
+    kv_kquant_fill_neon(k);
     kv_level(KV_BE_NEON, k, &f);
     if (!(hw & HWCAP_ASIMDDP)) return;
     kv_quant_fill_neondot(k);

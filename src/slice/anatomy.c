@@ -158,7 +158,7 @@ static int table_class(const kv_arch_table *at, const char *name, size_t len) {
         [KV_ROLE_NORM] = KV_ANAT_NORMS,        [KV_ROLE_ATTN] = KV_ANAT_ATTENTION,
         [KV_ROLE_LINEAR] = KV_ANAT_LINEAR_ATTENTION, [KV_ROLE_ROUTER] = KV_ANAT_ROUTER,
         [KV_ROLE_EXPERT] = KV_ANAT_ROUTED_EXPERTS,   [KV_ROLE_SHEXP] = KV_ANAT_SHARED_EXPERTS,
-        [KV_ROLE_MTP] = KV_ANAT_MTP,
+        [KV_ROLE_MTP] = KV_ANAT_MTP,           [KV_ROLE_FFN] = KV_ANAT_DENSE_FFN,
     };
     int32_t il;
     const kv_tensor_desc *t = at ? kv_arch_match(at, name, len, &il) : NULL;

@@ -704,7 +704,14 @@ int kv_pieces_check_model(const kv_manifest *m, const kv_model *model, const cha
                        "disagrees with the manifest (%s, %u (%u MTP), %u, %u top-%u of %u)", who, hp->arch_name,
                        hp->n_layer, hp->n_layer_nextn, hp->n_embd, hp->n_expert, hp->n_expert_used, hp->n_ff_exp,
                        m->arch, m->n_layer, m->n_layer_nextn, m->n_embd, m->n_expert, m->n_expert_used, m->n_ff_exp);
-    for (uint32_t L = 0; L < hp->n_layer; L++)
-        if (!m->moe_layer[L]) return kv_fail(d, KV_EFORMAT, "%s: layer %u has no experts in the manifest", who, L);
+    /* every block whose kind carries routed experts (not deepseek2's leading dense blocks) */
+    const kv_arch_table *a = kv_arch_get(hp->arch);
+    const kv_tensor_desc *ex = kv_arch_tensor(a, KV_T_FFN_GATE_EXPS);
+    for (uint32_t L = 0; L < hp->n_layer; L++) {
+        const bool moe = ex && kv_tensor_in_block(a, ex, hp, L);
+        if (moe && !m->moe_layer[L]) return kv_fail(d, KV_EFORMAT, "%s: layer %u has no experts in the manifest", who, L);
+        if (!moe && m->moe_layer[L])
+            return kv_fail(d, KV_EFORMAT, "%s: layer %u is a dense block but the manifest lists experts for it", who, L);
+    }
     return 0;
 }

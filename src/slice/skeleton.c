@@ -68,6 +68,18 @@ typedef struct skel_cfg {
     uint32_t ssm_dt_rank;        /* linear_num_value_heads */
     uint32_t rope_dim;           /* head_dim * partial_rotary_factor */
     int32_t rope_sections[4];    /* mrope_section padded to 4 */
+    /* deepseek2 (MLA); 0 otherwise. head_dim is qk_nope_head_dim + qk_rope_head_dim,
+     * rope_dim qk_rope_head_dim */
+    uint32_t q_lora, kv_lora;    /* q_lora_rank, kv_lora_rank */
+    uint32_t head_dim_v;         /* v_head_dim */
+    uint32_t n_dense_lead;       /* first_k_dense_replace */
+    uint32_t n_expert_shared;    /* n_shared_experts (of n_ff_exp each) */
+    uint32_t n_group, n_group_used; /* n_group, topk_group */
+    float weights_scale;         /* routed_scaling_factor */
+    float yarn_factor;           /* rope_scaling.factor */
+    uint32_t yarn_orig_ctx;      /* rope_scaling.original_max_position_embeddings */
+    float yarn_beta_fast, yarn_beta_slow, mscale_all_dim;
+    const char *license;         /* general.license, NULL: apache-2.0 */
 } skel_cfg;
 
 static const skel_cfg skel_cfgs[] = {
@@ -93,6 +105,26 @@ static const skel_cfg skel_cfgs[] = {
      .pre = "qwen2", .n_layer = 48, .n_nextn = 0, .n_embd = 2048, .n_ff = 6144, .n_head = 32, .n_head_kv = 4,
      .head_dim = 128, .n_expert = 128, .n_expert_used = 8, .n_ff_exp = 768, .n_ff_shexp = 0,
      .n_vocab = 151936, .n_ctx = 40960, .rope_base = 1000000.0f, .rms_eps = 1e-6f},
+    /* deepseek-ai/DeepSeek-V3 config.json (R1 and V3-0324 share the shapes) */
+    {.preset = "deepseek-v3",
+     .summary = "DeepSeek-V3/R1 671B Q4_K_M skeleton (deepseek2, 61 blocks (3 dense), 256 experts, ~405 GB sparse)",
+     .arch = "deepseek2", .name = "DeepSeek V3", .basename = "DeepSeek-V3", .size_label = "256x20B",
+     .pre = "qwen2", .n_layer = 61, .n_nextn = 0, .n_embd = 7168, .n_ff = 18432, .n_head = 128, .n_head_kv = 1,
+     .head_dim = 192, .n_expert = 256, .n_expert_used = 8, .n_ff_exp = 2048, .n_vocab = 129280,
+     .n_ctx = 163840, .rope_base = 10000.0f, .rms_eps = 1e-6f, .rope_dim = 64, .q_lora = 1536, .kv_lora = 512,
+     .head_dim_v = 128, .n_dense_lead = 3, .n_expert_shared = 1, .n_group = 8, .n_group_used = 4,
+     .weights_scale = 2.5f, .yarn_factor = 40.0f, .yarn_orig_ctx = 4096, .yarn_beta_fast = 32.0f,
+     .yarn_beta_slow = 1.0f, .mscale_all_dim = 1.0f, .license = "mit"},
+    /* moonshotai/Kimi-K2-Instruct config.json */
+    {.preset = "kimi-k2",
+     .summary = "Kimi K2 1T Q4_K_M skeleton (deepseek2, 61 blocks (1 dense), 384 experts, ~620 GB sparse)",
+     .arch = "deepseek2", .name = "Kimi K2 Instruct", .basename = "Kimi-K2", .size_label = "384x14B",
+     .pre = "qwen2", .n_layer = 61, .n_nextn = 0, .n_embd = 7168, .n_ff = 18432, .n_head = 64, .n_head_kv = 1,
+     .head_dim = 192, .n_expert = 384, .n_expert_used = 8, .n_ff_exp = 2048, .n_vocab = 163840,
+     .n_ctx = 131072, .rope_base = 50000.0f, .rms_eps = 1e-6f, .rope_dim = 64, .q_lora = 1536, .kv_lora = 512,
+     .head_dim_v = 128, .n_dense_lead = 1, .n_expert_shared = 1, .n_group = 1, .n_group_used = 1,
+     .weights_scale = 2.827f, .yarn_factor = 32.0f, .yarn_orig_ctx = 4096, .yarn_beta_fast = 1.0f,
+     .yarn_beta_slow = 1.0f, .mscale_all_dim = 1.0f, .license = "other"},
 };
 #define N_SKEL (sizeof skel_cfgs / sizeof skel_cfgs[0])
 
@@ -220,6 +252,18 @@ static void skel_hparams(const skel_cfg *c, kv_hparams *hp) {
     hp->ssm_n_group = c->ssm_group;
     hp->ssm_dt_rank = c->ssm_dt_rank;
     hp->ssm_d_inner = c->ssm_state * c->ssm_dt_rank;
+    if (c->kv_lora) { /* MLA: the cached row is the latent and the rope part */
+        hp->head_dim = c->kv_lora + c->rope_dim;
+        hp->n_head_kv = 1;
+        hp->head_dim_k_mla = c->head_dim;
+        hp->head_dim_v_mla = c->head_dim_v;
+        hp->q_lora_rank = c->q_lora;
+        hp->kv_lora_rank = c->kv_lora;
+        hp->n_ff = c->n_ff;
+        hp->n_layer_dense_lead = c->n_dense_lead;
+        hp->n_expert_shared = c->n_expert_shared;
+        hp->n_ff_shexp = c->n_ff_exp * c->n_expert_shared;
+    }
 }
 
 /* Every tensor the architecture's table gives the config (sorted later). */
@@ -273,7 +317,7 @@ static int write_meta(kv_gguf_writer *w, const skel_cfg *c, const kv_bpe_vocab *
     TRY(kv_gguf_writer_set_str(w, "general.name", c->name, d));
     TRY(kv_gguf_writer_set_str(w, "general.basename", c->basename, d));
     TRY(kv_gguf_writer_set_str(w, "general.size_label", c->size_label, d));
-    TRY(kv_gguf_writer_set_str(w, "general.license", "apache-2.0", d));
+    TRY(kv_gguf_writer_set_str(w, "general.license", c->license ? c->license : "apache-2.0", d));
     TRY(kv_gguf_writer_set_u32(w, KEY("block_count"), c->n_layer + c->n_nextn, d));
     TRY(kv_gguf_writer_set_u32(w, KEY("context_length"), c->n_ctx, d));
     TRY(kv_gguf_writer_set_u32(w, KEY("embedding_length"), c->n_embd, d));
@@ -286,8 +330,34 @@ static int write_meta(kv_gguf_writer *w, const skel_cfg *c, const kv_bpe_vocab *
     TRY(kv_gguf_writer_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), c->rms_eps, d));
     TRY(kv_gguf_writer_set_u32(w, KEY("expert_count"), c->n_expert, d));
     TRY(kv_gguf_writer_set_u32(w, KEY("expert_used_count"), c->n_expert_used, d));
-    TRY(kv_gguf_writer_set_u32(w, KEY("attention.key_length"), c->head_dim, d));
-    TRY(kv_gguf_writer_set_u32(w, KEY("attention.value_length"), c->head_dim, d));
+    if (c->kv_lora) { /* deepseek2, keys as its converter writes them */
+        TRY(kv_gguf_writer_set_u32(w, KEY("rope.dimension_count"), c->rope_dim, d));
+        TRY(kv_gguf_writer_set_str(w, KEY("rope.scaling.type"), "yarn", d));
+        TRY(kv_gguf_writer_set_f32(w, KEY("rope.scaling.factor"), c->yarn_factor, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("rope.scaling.original_context_length"), c->yarn_orig_ctx, d));
+        TRY(kv_gguf_writer_set_f32(w, KEY("rope.scaling.yarn_beta_fast"), c->yarn_beta_fast, d));
+        TRY(kv_gguf_writer_set_f32(w, KEY("rope.scaling.yarn_beta_slow"), c->yarn_beta_slow, d));
+        if (c->n_group > 1) {
+            TRY(kv_gguf_writer_set_u32(w, KEY("expert_group_count"), c->n_group, d));
+            TRY(kv_gguf_writer_set_u32(w, KEY("expert_group_used_count"), c->n_group_used, d));
+        }
+        TRY(kv_gguf_writer_set_u32(w, KEY("expert_gating_func"), 2, d)); /* sigmoid */
+        TRY(kv_gguf_writer_set_u32(w, KEY("leading_dense_block_count"), c->n_dense_lead, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("vocab_size"), c->n_vocab, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.q_lora_rank"), c->q_lora, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.kv_lora_rank"), c->kv_lora, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.key_length"), c->kv_lora + c->rope_dim, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.value_length"), c->kv_lora, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.key_length_mla"), c->head_dim, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.value_length_mla"), c->head_dim_v, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("expert_shared_count"), c->n_expert_shared, d));
+        TRY(kv_gguf_writer_set_f32(w, KEY("expert_weights_scale"), c->weights_scale, d));
+        TRY(kv_gguf_writer_set_bool(w, KEY("expert_weights_norm"), true, d));
+        TRY(kv_gguf_writer_set_f32(w, KEY("rope.scaling.yarn_log_multiplier"), 0.1f * c->mscale_all_dim, d));
+    } else {
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.key_length"), c->head_dim, d));
+        TRY(kv_gguf_writer_set_u32(w, KEY("attention.value_length"), c->head_dim, d));
+    }
     TRY(kv_gguf_writer_set_u32(w, "general.file_type", LLAMA_FTYPE_MOSTLY_Q4_K_M, d));
     TRY(kv_gguf_writer_set_u32(w, KEY("expert_feed_forward_length"), c->n_ff_exp, d));
     if (c->n_ff_shexp) TRY(kv_gguf_writer_set_u32(w, KEY("expert_shared_feed_forward_length"), c->n_ff_shexp, d));
@@ -408,7 +478,7 @@ int kv_skeleton_write_ex(const char *name, const char *path, bool real, FILE *lo
     const skel_cfg *c = find_cfg(name);
     if (!c)
         return kv_fail(d, KV_ENOTFOUND, "unknown skeleton preset '%s' (skeletons: qwen35-122b-a10b, "
-                                        "qwen35-35b-a3b, qwen3-30b-a3b)",
+                                        "qwen35-35b-a3b, qwen3-30b-a3b, deepseek-v3, kimi-k2)",
                        name ? name : "(null)");
     skel_list l = {0};
     kv_bpe_vocab voc;

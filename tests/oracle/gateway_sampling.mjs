@@ -277,7 +277,7 @@ check(changed > 0, 'some penalty changed the text');
 // ---- refusals: a 400 naming the field ---------------------------------
 const refused = [
   ['/v1/completions', { prompt: P, suffix: 'end' }, 'suffix'],
-  ['/v1/completions', { prompt: P, echo: true, logprobs: 1 }, 'echo'],
+  ['/v1/completions', { prompt: P, echo: true, logprobs: 1, n: 2 }, 'echo'],
   ['/v1/completions', { prompt: P, best_of: 2 }, 'best_of'],
   ['/v1/completions', { prompt: P, logprobs: 21 }, 'logprobs'],
   ['/v1/completions', { prompt: P, n: 9 }, "'n'"],

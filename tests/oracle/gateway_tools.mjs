@@ -241,7 +241,7 @@ for (const [path, body, want] of [
   ['/v1/chat/completions', { tool_choice: { type: 'function', function: { name: 'nope' } } }, 'not in'],
   ['/v1/chat/completions', { chat_template_kwargs: { messages: [] } }, 'chat_template_kwargs'],
   ['/v1/chat/completions', { tools: [{ type: 'function', function: {} }] }, 'function.name'],
-  ['/v1/messages', { thinking: { type: 'enabled', budget_tokens: 50 }, max_tokens: 100 }, 'budget_tokens'],
+  ['/v1/messages', { thinking: { type: 'enabled', budget_tokens: 0 }, max_tokens: 100 }, 'budget_tokens'],
   ['/api/chat', { think: 'high' }, 'think'],
 ]) {
   const b = { model, messages: [{ role: 'user', content: 'hi' }], tools: [weather], ...body };

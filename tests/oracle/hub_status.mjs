@@ -16,6 +16,7 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import net from 'node:net';
+import { createHash, generateKeyPairSync, sign } from 'node:crypto';
 
 const hub = process.env.KV_HUB_URL;
 const victim = Number(process.env.KV_VICTIM_PID);
@@ -68,6 +69,9 @@ const readPage = () => js(`
            covered: t('covered'), missing: Number(t('shards-missing')), scarce: Number(t('shards-scarce')),
            total: Number(t('shards-total')), live: Number(t('live-nodes')),
            relayShown: !document.getElementById('relay').hidden, relayNodes: Number(t('relay-nodes')),
+           market: [...document.querySelectorAll('#market tbody tr')].map((tr) => ({ layer: Number(tr.dataset.layer),
+             first: Number(tr.dataset.first), wanted: Number(tr.dataset.wanted), demand: Number(tr.dataset.demand),
+             shown: tr.cells[7].textContent })),
            resources: performance.getEntriesByType('resource').map((e) => e.name) };`);
 
 // the cells /v1/market implies: [layer, expert, state, live]
@@ -102,7 +106,30 @@ async function pageMatchesMarket(what, timeoutMs) {
   return null;
 }
 
+// A demand report signed here with Node's own Ed25519 (an independent
+// client of the hub's request signature, docs/HUB.md): the hub runs with
+// --vouch-open, so any key may report. Returns the hub's answer.
+async function reportDemand(body) {
+  const { publicKey, privateKey } = generateKeyPairSync('ed25519');
+  const pk = Buffer.from(publicKey.export({ format: 'jwk' }).x, 'base64url').toString('hex');
+  const counter = String(BigInt(Date.now()) * 1000n);
+  const digest = createHash('sha256').update(body).digest('hex');
+  const text = `kvasir-hub-v1\nPOST\n/v1/demand\n${counter}\n${digest}\n`;
+  const sig = sign(null, createHash('sha256').update(text).digest(), privateKey).toString('hex'); // over SHA-256 of the text
+  const r = await fetch(hub + '/v1/demand', { method: 'POST', body, headers: {
+    'Content-Type': 'application/json', 'X-Kvasir-Key': pk, 'X-Kvasir-Counter': counter, 'X-Kvasir-Signature': sig } });
+  return { status: r.status, json: await r.json() };
+}
+
 try {
+  {
+    const m = await hubJSON('/v1/market');
+    const s0 = m.shards.find((s) => s.layer === 0 && s.first === 0);
+    const rep = await reportDemand(JSON.stringify({ tokens: 100, shards: [
+      { layer: 0, first: s0.first, last: s0.last, computations: 150, wait_us: 20000 }] }));
+    check(rep.status === 200 && rep.json.tokens === 100 && rep.json.computations === 150,
+      `a demand report signed by an independent Ed25519 client is taken (${rep.status} ${JSON.stringify(rep.json)})`);
+  }
   for (let i = 0; i < 100; i++) {
     try { await call('GET', '/status'); break; } catch { await sleep(100); }
   }
@@ -131,6 +158,17 @@ try {
       'node table: one node reached through the relay, the other direct, as /v1/nodes says');
     check(page.relayShown && page.relayNodes === (nodes.relay ? nodes.relay.nodes : -1),
       `relay traffic shown: ${page.relayNodes} node(s) connected, as /v1/nodes's relay says`);
+    const dem = Object.fromEntries(market.shards.map((s) => [`${s.layer}/${s.first}`, s]));
+    // the page's poll and the market read here are up to a few seconds apart: the rate decays
+    // by about 1.2% a second (a 60 s half-life)
+    check(page.market.length === market.shards.length &&
+          page.market.every((r) => { const s = dem[`${r.layer}/${r.first}`];
+            return s && r.wanted === s.wanted && Math.abs(r.demand - s.demand) <= 0.1 * s.demand + 0.05 &&
+                   r.shown === r.demand.toFixed(1); }) &&
+          page.market.filter((r) => r.demand > 0).length === 1 &&
+          page.market.find((r) => r.layer === 0 && r.first === 0).demand > 0,
+      `market table: wanted and demand per shard as /v1/market, the reported shard's demand shown ` +
+      `(${page.market.map((r) => r.shown).join(' ')})`);
     check(page.covered === (market.covered ? 'complete' : 'incomplete') && page.total === market.shards.length,
       `summary: coverage '${page.covered}', ${page.total} shards`);
     const origin = new URL(hub).origin;

@@ -1,0 +1,324 @@
+/* The deepseek2 blocks (DeepSeek-V3, R1, Kimi K2), as llama.cpp's
+ * src/models/deepseek2.cpp computes them with MLA's absorption:
+ *
+ * attention RMSNorm; q = attn_q_b(rmsnorm(attn_q_a x)) per head [qk_nope |
+ * rope]; kv = attn_kv_a_mqa x = [latent (kv_lora_rank) | k_pe (n_rot)];
+ * the latent RMSNorm'ed, k_pe and each head's q_pe rotated (RoPE of
+ * adjacent pairs, YaRN when the file says so); the cache keeps per token
+ * only [latent | k_pe] (head_dim = kv_lora_rank + n_rot floats); each
+ * head's query is absorbed: [attn_k_b[h] q_nope | q_pe], so a score is one
+ * dot product with a cache row, times hp->attn_scale (YaRN's mscale^2 /
+ * sqrt(key_length_mla)); the softmax-weighted sum of the cached latents
+ * goes through attn_v_b[h], then attn_output; residual; FFN RMSNorm; a
+ * dense SwiGLU FFN in the leading blocks, else the router (sigmoid, bias,
+ * groups: src/moe/route.c), routed experts through the provider, their
+ * weighted sum in rank order, plus the shared experts (SwiGLU); residual.
+ *
+ * Each token's arithmetic is its own (the per-head matmuls run row by row,
+ * attention one (token, head) unit at a time), so results do not depend on
+ * chunking, batching or threads. Rows are never trimmed in the last block:
+ * the chunk driver reads the rows it wants. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvasir/quant.h"
+#include "model/model_internal.h"
+#include "quant/vec.h"
+
+typedef struct kv_ds2_state {
+    float *qa;    /* [B][q_lora_rank] */
+    float *q;     /* [B][n_head][head_dim_k_mla] */
+    float *kva;   /* [B][kv_lora_rank + n_rot] */
+    float *qabs;  /* [B][n_head][kv_lora_rank + n_rot] absorbed queries */
+    float *gin;   /* [B][max(qk_nope, kv_lora_rank)] one head's rows, gathered */
+    float *gout;  /* [B][max(kv_lora_rank, v_mla)] */
+    float *olat;  /* [B][n_head][kv_lora_rank] attention output in the latent */
+    float *ov;    /* [B][n_head * v_mla] */
+    float *fg, *fu; /* [B][max(n_ff, n_ff_shexp)] */
+    float *sh;    /* [B][n_embd] shared experts' output */
+    float *sc;    /* [n_threads][n_ctx] scores */
+    float *wide;  /* [n_threads][kv_lora_rank + n_rot] a widened F16 cache row */
+    void *scratch;
+} kv_ds2_state;
+
+static size_t kv_max(size_t a, size_t b) { return a > b ? a : b; }
+
+static int kv_ds2_state_new(kv_state *s, kv_diag *d) {
+    const kv_hparams *hp = &s->m->hp;
+    kv_ds2_state *z = calloc(1, sizeof *z);
+    if (!z) return kv_fail(d, KV_ENOMEM, "state: out of memory");
+    s->arch_state = z;
+    const size_t B = s->max_tok, H = hp->n_head, D = (size_t)hp->kv_lora_rank + hp->n_rot;
+    const size_t NT = (size_t)kv_pool_size(s->pool), nope = hp->head_dim_k_mla - hp->n_rot;
+    const size_t FF = kv_max(hp->n_ff, hp->n_ff_shexp);
+    z->qa = malloc(B * hp->q_lora_rank * sizeof(float));
+    z->q = malloc(B * H * hp->head_dim_k_mla * sizeof(float));
+    z->kva = malloc(B * D * sizeof(float));
+    z->qabs = malloc(B * H * D * sizeof(float));
+    z->gin = malloc(B * kv_max(nope, hp->kv_lora_rank) * sizeof(float));
+    z->gout = malloc(B * kv_max(hp->kv_lora_rank, hp->head_dim_v_mla) * sizeof(float));
+    z->olat = malloc(B * H * hp->kv_lora_rank * sizeof(float));
+    z->ov = malloc(B * H * hp->head_dim_v_mla * sizeof(float));
+    z->fg = malloc(B * FF * sizeof(float));
+    z->fu = malloc(B * FF * sizeof(float));
+    z->sh = malloc(B * hp->n_embd * sizeof(float));
+    z->sc = malloc(NT * s->n_ctx * sizeof(float));
+    z->wide = malloc(NT * D * sizeof(float));
+    size_t k = kv_max(hp->n_embd, hp->q_lora_rank);
+    k = kv_max(k, kv_max(nope, hp->kv_lora_rank));
+    k = kv_max(k, kv_max(H * hp->head_dim_v_mla, FF));
+    k = kv_max(k, hp->n_ff_exp);
+    z->scratch = malloc(kv_matmul_scratch((int64_t)k, (int64_t)B));
+    if (!z->qa || !z->q || !z->kva || !z->qabs || !z->gin || !z->gout || !z->olat || !z->ov || !z->fg || !z->fu ||
+        !z->sh || !z->sc || !z->wide || !z->scratch)
+        return kv_fail(d, KV_ENOMEM, "state: out of memory (deepseek2 buffers for %zu tokens)", B);
+    return 0;
+}
+
+static void kv_ds2_state_free(kv_state *s) {
+    kv_ds2_state *z = s->arch_state;
+    if (!z) return;
+    free(z->qa);
+    free(z->q);
+    free(z->kva);
+    free(z->qabs);
+    free(z->gin);
+    free(z->gout);
+    free(z->olat);
+    free(z->ov);
+    free(z->fg);
+    free(z->fu);
+    free(z->sh);
+    free(z->sc);
+    free(z->wide);
+    free(z->scratch);
+    free(z);
+    s->arch_state = NULL;
+}
+
+const kv_arch_state_ops kv_ds2_state_ops = {
+    .state_new = kv_ds2_state_new,
+    .state_free = kv_ds2_state_free,
+};
+
+/* ---- RoPE (adjacent pairs) with YaRN, as ggml's rope_yarn ------------------ */
+
+static float kv_yarn_corr_dim(int n_dims, uint32_t n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2 * (float)M_PI)) / (2 * logf(base));
+}
+
+/* cos/sin (times the magnitude factor) of token position pos for the n_rot/2 pairs. */
+static void kv_ds2_rope_table(const kv_hparams *hp, int32_t pos, float *cs, float *sn) {
+    const int n_dims = (int)hp->n_rot;
+    const float theta_scale = powf(hp->rope_freq_base, -2.0f / (float)n_dims);
+    float corr[2] = {0.0f, 0.0f};
+    if (hp->yarn_ext_factor != 0.0f) {
+        const float start = floorf(kv_yarn_corr_dim(n_dims, hp->n_ctx_orig_yarn, hp->yarn_beta_fast, hp->rope_freq_base));
+        const float end = ceilf(kv_yarn_corr_dim(n_dims, hp->n_ctx_orig_yarn, hp->yarn_beta_slow, hp->rope_freq_base));
+        corr[0] = start > 0.0f ? start : 0.0f;
+        corr[1] = end < (float)(n_dims - 1) ? end : (float)(n_dims - 1);
+    }
+    const float fs = hp->rope_freq_scale;
+    float theta = (float)pos;
+    for (int i0 = 0; i0 < n_dims; i0 += 2) {
+        const float interp = fs * theta;
+        float t = interp, mscale = hp->yarn_attn_factor;
+        if (hp->yarn_ext_factor != 0.0f) {
+            const float den = corr[1] - corr[0] > 0.001f ? corr[1] - corr[0] : 0.001f;
+            const float y = (float)(i0 / 2 - corr[0]) / den;
+            const float ramp = 1.0f - fminf(1.0f, fmaxf(0.0f, y));
+            const float mix = ramp * hp->yarn_ext_factor;
+            t = interp * (1 - mix) + theta * mix;
+            mscale *= 1.0f + 0.1f * logf(1.0f / fs);
+        }
+        cs[i0 / 2] = cosf(t) * mscale;
+        sn[i0 / 2] = sinf(t) * mscale;
+        theta *= theta_scale;
+    }
+}
+
+static void kv_rope_pairs(float *x, int64_t n_rot, const float *cs, const float *sn) {
+    for (int64_t i = 0; i < n_rot / 2; i++) {
+        const float x0 = x[2 * i], x1 = x[2 * i + 1];
+        x[2 * i] = x0 * cs[i] - x1 * sn[i];
+        x[2 * i + 1] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
+/* ---- the cache: one row [latent | k_pe] per token ------------------------- */
+
+typedef struct kv_ds2_ctx {
+    const kv_layer *L;
+    uint32_t il;
+} kv_ds2_ctx;
+
+/* Token t: the latent's norm, k_pe's and the q_pe's rotation, the cache row. */
+static void kv_ds2_kv_tok(kv_state *s, const void *ctx, uint32_t t) {
+    const kv_ds2_ctx *c = ctx;
+    const kv_hparams *hp = &s->m->hp;
+    kv_ds2_state *z = s->arch_state;
+    const int64_t R = hp->kv_lora_rank, NR = hp->n_rot, D = R + NR, H = hp->n_head, KM = hp->head_dim_k_mla;
+    float cs[KV_MAX_HEAD_DIM / 2], sn[KV_MAX_HEAD_DIM / 2];
+    kv_ds2_rope_table(hp, (int32_t)s->tok_pos[t], cs, sn);
+    float *kv = z->kva + (size_t)t * D;
+    kv_rmsnorm(kv, kv, c->L->kv_a_norm.data, R, hp->rms_eps);
+    kv_rope_pairs(kv + R, NR, cs, sn);
+    for (int64_t h = 0; h < H; h++) {
+        float *q = z->q + ((size_t)t * H + h) * KM;
+        kv_rope_pairs(q + (KM - NR), NR, cs, sn);
+        memcpy(z->qabs + ((size_t)t * H + h) * D + R, q + (KM - NR), (size_t)NR * sizeof(float));
+    }
+}
+
+static void kv_ds2_cache_put(kv_state *s, uint32_t il, uint32_t T) {
+    const kv_hparams *hp = &s->m->hp;
+    kv_ds2_state *z = s->arch_state;
+    const int64_t D = (int64_t)hp->kv_lora_rank + hp->n_rot;
+    const uint32_t ai = (uint32_t)s->attn_of[il];
+    const kv_type_info *f16 = s->kv_type == KV_TYPE_F16 ? kv_type_get(KV_TYPE_F16) : NULL;
+    for (uint32_t t = 0; t < T; t++) {
+        uint8_t *row = kv_cache_row(s, s->tok_seq[t], ai, s->tok_pos[t]);
+        const float *src = z->kva + (size_t)t * D;
+        if (f16)
+            f16->from_float(src, row, D);
+        else
+            memcpy(row, src, (size_t)D * sizeof(float));
+    }
+}
+
+/* ---- attention: one (token, head) per unit -------------------------------- */
+
+typedef struct kv_ds2_attn_job {
+    kv_state *s;
+    uint32_t il, T;
+} kv_ds2_attn_job;
+
+static const float *kv_ds2_row(const kv_state *s, uint32_t seq, uint32_t ai, uint32_t p, int64_t D, float *buf) {
+    const uint8_t *r = kv_cache_row(s, seq, ai, p);
+    if (s->kv_type != KV_TYPE_F16) return (const float *)(const void *)r;
+    kv_type_get(KV_TYPE_F16)->to_float(r, buf, D);
+    return buf;
+}
+
+static void kv_ds2_attn_worker(void *arg, int ith, int nth) {
+    const kv_ds2_attn_job *j = arg;
+    kv_state *s = j->s;
+    const kv_hparams *hp = &s->m->hp;
+    kv_ds2_state *z = s->arch_state;
+    const int64_t R = hp->kv_lora_rank, D = R + hp->n_rot, H = hp->n_head;
+    const uint32_t ai = (uint32_t)s->attn_of[j->il];
+    float *sc = z->sc + (size_t)ith * s->n_ctx;
+    float *wide = z->wide + (size_t)ith * D;
+    for (long u = ith; u < (long)j->T * H; u += nth) {
+        const uint32_t t = (uint32_t)(u / H);
+        const int64_t h = u % H;
+        const uint32_t seq = s->tok_seq[t];
+        const int64_t n_kv = (int64_t)s->tok_pos[t] + 1;
+        const float *q = z->qabs + ((size_t)t * H + h) * D;
+        for (int64_t p = 0; p < n_kv; p++) {
+            const float *k = kv_ds2_row(s, seq, ai, (uint32_t)p, D, wide);
+            float acc = 0.0f;
+            for (int64_t c = 0; c < D; c++) acc = fmaf(q[c], k[c], acc);
+            sc[p] = acc;
+        }
+        kv_f32_softmax(sc, n_kv, hp->attn_scale);
+        float *o = z->olat + ((size_t)t * H + h) * R;
+        for (int64_t c = 0; c < R; c++) o[c] = 0.0f;
+        for (int64_t p = 0; p < n_kv; p++) {
+            const float *v = kv_ds2_row(s, seq, ai, (uint32_t)p, D, wide);
+            const float a = sc[p];
+            for (int64_t c = 0; c < R; c++) o[c] = fmaf(a, v[c], o[c]);
+        }
+    }
+}
+
+/* Per head h: dst[t][h*dn ..] = W[h] . src[t][h*sn ..][0..k) for the T tokens
+ * (W: a 3-D weight, head outermost), gathered into rows and scattered back. */
+static void kv_ds2_per_head(kv_state *s, const kv_weight *w, const float *src, size_t src_stride, size_t src_head,
+                            float *dst, size_t dst_stride, size_t dst_head, uint32_t T) {
+    kv_ds2_state *z = s->arch_state;
+    const int64_t k = w->ne[0], n = w->ne[1];
+    for (int64_t h = 0; h < w->ne[2]; h++) {
+        for (uint32_t t = 0; t < T; t++)
+            memcpy(z->gin + (size_t)t * k, src + (size_t)t * src_stride + (size_t)h * src_head, (size_t)k * sizeof(float));
+        kv_matmul(s->pool, w, (const uint8_t *)w->data + (size_t)h * w->nb2, z->gin, T, z->gout, z->scratch);
+        for (uint32_t t = 0; t < T; t++)
+            memcpy(dst + (size_t)t * dst_stride + (size_t)h * dst_head, z->gout + (size_t)t * n, (size_t)n * sizeof(float));
+    }
+}
+
+/* y = down(silu(gate x) * up x) over T rows of s->xb. */
+static void kv_ds2_ffn(kv_state *s, const kv_weight *gate, const kv_weight *up, const kv_weight *down, uint32_t T,
+                       float *y) {
+    kv_ds2_state *z = s->arch_state;
+    const int64_t F = gate->ne[1];
+    kv_matmul(s->pool, gate, NULL, s->xb, T, z->fg, z->scratch);
+    kv_matmul(s->pool, up, NULL, s->xb, T, z->fu, z->scratch);
+    for (uint32_t t = 0; t < T; t++) kv_swiglu(z->fg + (size_t)t * F, z->fg + (size_t)t * F, z->fu + (size_t)t * F, F);
+    kv_matmul(s->pool, down, NULL, z->fg, T, y, z->scratch);
+}
+
+typedef struct kv_qa_ctx {
+    const float *w;
+} kv_qa_ctx;
+
+static void kv_ds2_qa_tok(kv_state *s, const void *ctx, uint32_t t) {
+    const kv_qa_ctx *c = ctx;
+    const kv_hparams *hp = &s->m->hp;
+    kv_ds2_state *z = s->arch_state;
+    float *r = z->qa + (size_t)t * hp->q_lora_rank;
+    kv_rmsnorm(r, r, c->w, hp->q_lora_rank, hp->rms_eps);
+}
+
+int kv_ds2_blocks(kv_state *s, uint32_t T, kv_diag *d) {
+    const kv_model *m = s->m;
+    const kv_hparams *hp = &m->hp;
+    kv_ds2_state *z = s->arch_state;
+    const int64_t E = hp->n_embd, H = hp->n_head, R = hp->kv_lora_rank, D = R + hp->n_rot;
+    const int64_t KM = hp->head_dim_k_mla, VM = hp->head_dim_v_mla;
+    for (uint32_t il = m->il_first; il <= m->il_last; il++) {
+        const kv_layer *L = &m->layers[il];
+        uint64_t pt = kv_prof_start(s);
+        kv_resid_norm(s, T, 0, L->attn_norm.data);
+        kv_check_rows(s, s->xb, (size_t)E, T, E);
+        pt = kv_prof_mark(s, KV_PROF_NORM, pt);
+        /* queries through the low-rank path, the compressed KV */
+        kv_matmul(s->pool, &L->wq_a, NULL, s->xb, T, z->qa, z->scratch);
+        kv_per_token(s, T, kv_ds2_qa_tok, &(kv_qa_ctx){L->q_a_norm.data});
+        kv_matmul(s->pool, &L->wq_b, NULL, z->qa, T, z->q, z->scratch);
+        kv_matmul(s->pool, &L->wkv_a, NULL, s->xb, T, z->kva, z->scratch);
+        kv_per_token(s, T, kv_ds2_kv_tok, &(kv_ds2_ctx){L, il});
+        kv_ds2_cache_put(s, il, T);
+        /* absorbed queries: attn_k_b[h] . q_nope into the first kv_lora_rank */
+        kv_ds2_per_head(s, &L->wk_b, z->q, (size_t)(H * KM), (size_t)KM, z->qabs, (size_t)(H * D), (size_t)D, T);
+        pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
+        kv_ds2_attn_job aj = {s, il, T};
+        kv_pool_run(s->pool, kv_ds2_attn_worker, &aj);
+        pt = kv_prof_mark(s, KV_PROF_ATTN, pt);
+        /* out of the latent: attn_v_b[h], then attn_output */
+        kv_ds2_per_head(s, &L->wv_b, z->olat, (size_t)(H * R), (size_t)R, z->ov, (size_t)(H * VM), (size_t)VM, T);
+        kv_check_rows(s, z->ov, (size_t)(H * VM), T, H * VM);
+        kv_matmul(s->pool, &L->wo, NULL, z->ov, T, s->tmp, z->scratch);
+        pt = kv_prof_mark(s, KV_PROF_ATTN_PROJ, pt);
+        kv_resid_norm(s, T, 1, L->ffn_norm.data);
+        kv_check_rows(s, s->xb, (size_t)E, T, E);
+        kv_prof_mark(s, KV_PROF_NORM, pt);
+        if (il < hp->n_layer_dense_lead) {
+            pt = kv_prof_start(s);
+            kv_ds2_ffn(s, &L->ffn_gate, &L->ffn_up, &L->ffn_down, T, s->tmp);
+            kv_prof_mark(s, KV_PROF_SHARED, pt);
+        } else {
+            int rc = kv_moe_routed(s, L, il, T, d);
+            if (rc) return rc;
+            pt = kv_prof_start(s);
+            kv_ds2_ffn(s, &L->gate_shexp, &L->up_shexp, &L->down_shexp, T, z->sh);
+            for (size_t i = 0; i < (size_t)T * (size_t)E; i++) s->tmp[i] = s->tmp[i] + z->sh[i];
+            kv_prof_mark(s, KV_PROF_SHARED, pt);
+        }
+        pt = kv_prof_start(s);
+        kv_resid_norm(s, T, 1, NULL);
+        kv_prof_mark(s, KV_PROF_NORM, pt);
+    }
+    return 0;
+}

@@ -1,0 +1,218 @@
+/* Q2_K, Q3_K and IQ4_XS against Q8_K with AVX-512 (F, BW, VL; installed
+ * only after run-time detection). Two chunks of 32 values per zmm step:
+ * int32 lanes 0..7 hold chunk c's canonical lanes, 8..15 chunk c+1's; the
+ * two halves are added (exact integers) into the 8 canonical lanes before
+ * the float steps, which are the reference's (kquant_ref.c), so the result
+ * is bit-identical to it. mat: one token runs these zmm dots row by row
+ * from KV_KQ_STREAMS far-apart parts of the range, each prefetching its
+ * next row; several tokens run the AVX2 level's row tiles (kquant_avx2.c,
+ * one weight decode for up to 4 tokens), the same bits. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "quant/legacy.h" /* kv_iq4nl_values */
+#include "quant/quant_internal.h"
+
+#define AI static inline __attribute__((always_inline))
+
+AI float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+/* Lanes 0..7 + lanes 8..15: the 8 canonical int32 lanes. */
+AI __m256i fold16(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* Words 2c..2c+3 of the 16 int16 scales s16, 8 copies each: the scales of
+ * the four groups of 16 in chunks c and c+1. */
+AI __m512i pick_quad(__m512i s16, int c) {
+    const long long r = 0x0001000100010001ll; /* one per word */
+    const __m512i grp = _mm512_set_epi64(3 * r, 3 * r, 2 * r, 2 * r, r, r, 0, 0);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(grp, _mm512_set1_epi16((short)(2 * c))), s16);
+}
+
+/* The 32 bytes of q in both halves, shifted right by sh0 (low) and sh1
+ * (high) bits per 16-bit word. */
+AI __m512i two_shifts(__m256i q, int sh0, int sh1) {
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
+    const __m512i cnt = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)sh0)),
+                                           _mm256_set1_epi16((short)sh1), 1);
+    return _mm512_srlv_epi16(z, cnt);
+}
+
+/* kv_unpack_q3_scales's 16 bytes, built in two general registers and moved
+ * to a vector (no store and reload of the bytes). */
+AI __m128i q3_scales(const uint8_t *b) {
+    uint32_t a0, a1, t;
+    memcpy(&a0, b, 4);
+    memcpy(&a1, b + 4, 4);
+    memcpy(&t, b + 8, 4);
+    const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint64_t lo = ((a0 & m4) | ((t & m2) << 4)) | (uint64_t)((a1 & m4) | (((t >> 2) & m2) << 4)) << 32;
+    const uint64_t hi = (((a0 >> 4) & m4) | (((t >> 4) & m2) << 4)) | (uint64_t)(((a1 >> 4) & m4) | (((t >> 6) & m2) << 4)) << 32;
+    const __m128i v = _mm_set_epi64x((long long)hi, (long long)lo);
+    return _mm_sub_epi8(v, _mm_set1_epi8(32)); /* each byte: value - 32 */
+}
+
+AI void q2_K_row(int64_t n, float *s, const void *w, const void *a, size_t rb) {
+    const kv_block_q2_K *x = w;
+    const kv_block_q8_K *y = a;
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / KV_QK_K; i++) {
+        if (rb) { /* the next row */
+            _mm_prefetch((const char *)&x[i] + rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)&x[i] + rb + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)&x[i] + rb + sizeof(x[i]) - 1, _MM_HINT_T0);
+        }
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc8, m4)));
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc8, 4), m4));
+        __m512i isum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * h));
+            for (int k = 0; k < 4; k += 2) {
+                const int c = 4 * h + k;
+                const __m512i u = _mm512_and_si512(two_shifts(q, 2 * k, 2 * k + 2), m3);
+                const __m512i av = _mm512_loadu_si512((const void *)(y[i].qs + 32 * c));
+                isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(u, av), pick_quad(s16, c)));
+            }
+        }
+        const __m256i M = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), m16);
+        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d), dm = y[i].d * kv_fp16_to_fp32(x[i].dmin);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold16(isum)), _mm256_set1_ps(dd), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dm), accm);
+    }
+    *s = hsum8(_mm256_sub_ps(acc, accm));
+}
+
+AI void q3_K_row(int64_t n, float *s, const void *w, const void *a, size_t rb) {
+    const kv_block_q3_K *x = w;
+    const kv_block_q8_K *y = a;
+    const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / KV_QK_K; i++) {
+        if (rb) { /* the next row */
+            _mm_prefetch((const char *)&x[i] + rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)&x[i] + rb + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)&x[i] + rb + sizeof(x[i]) - 1, _MM_HINT_T0);
+        }
+        const __m256i s16y = _mm256_cvtepi8_epi16(q3_scales(x[i].scales));
+        const __m512i s16 = _mm512_castsi256_si512(s16y);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)x[i].hmask);
+        __m512i isum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * h));
+            for (int k = 0; k < 4; k += 2) {
+                const int c = 4 * h + k;
+                const __m512i hb = _mm512_and_si512(two_shifts(hm, c, c + 1), one);
+                const __m512i u = _mm512_or_si512(_mm512_and_si512(two_shifts(q, 2 * k, 2 * k + 2), m3),
+                                                  _mm512_slli_epi16(hb, 2));
+                const __m512i av = _mm512_loadu_si512((const void *)(y[i].qs + 32 * c));
+                isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(u, av), pick_quad(s16, c)));
+            }
+        }
+        const __m256i C = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), s16y);
+        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(fold16(isum), _mm256_slli_epi32(C, 2))),
+                              _mm256_set1_ps(dd), acc);
+    }
+    *s = hsum8(acc);
+}
+
+/* The 8 sub-block scales (-32..31) of an iq4_xs block as int16 words
+ * 0..7 (kv_iq4_xs_scale for ib = 0..7): nibble ib of scales_l and bit pair
+ * ib of scales_h spread to byte ib with pdep. */
+AI __m128i iq4_xs_scales(const kv_block_iq4_xs *x) {
+    uint32_t l;
+    memcpy(&l, x->scales_l, 4);
+    const uint64_t b = _pdep_u64(l, 0x0F0F0F0F0F0F0F0Full) | (_pdep_u64(x->scales_h, 0x0303030303030303ull) << 4);
+    return _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128((long long)b), _mm_set1_epi8(32)));
+}
+
+AI void iq4_xs_row(int64_t n, float *s, const void *w, const void *a, size_t rb) {
+    const kv_block_iq4_xs *x = w;
+    const kv_block_q8_K *y = a;
+    const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4nl_values));
+    const __m512i m4 = _mm512_set1_epi8(0xF), zero = _mm512_setzero_si512();
+    /* per 128-bit lane: low nibbles, high nibbles, low, high */
+    const __m512i cnt = _mm512_set_epi64(0x0004000400040004ll, 0x0004000400040004ll, 0, 0,
+                                         0x0004000400040004ll, 0x0004000400040004ll, 0, 0);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / KV_QK_K; i++) {
+        if (rb) { /* the next row */
+            _mm_prefetch((const char *)&x[i] + rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)&x[i] + rb + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)&x[i] + rb + sizeof(x[i]) - 1, _MM_HINT_T0);
+        }
+        __m512i isum = _mm512_setzero_si512();
+        const __m512i ls8 = _mm512_broadcast_i32x4(iq4_xs_scales(&x[i]));
+        for (int ib = 0; ib < 8; ib += 2) {
+            const __m128i qa = _mm_loadu_si128((const __m128i *)(x[i].qs + 16 * ib));
+            const __m128i qb = _mm_loadu_si128((const __m128i *)(x[i].qs + 16 * ib + 16));
+            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(qa, qa)),
+                                                 _mm256_set_m128i(qb, qb), 1);
+            const __m512i v = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srlv_epi16(z, cnt), m4));
+            const __m512i av = _mm512_loadu_si512((const void *)(y[i].qs + 32 * ib));
+            const __mmask64 neg = _mm512_movepi8_mask(v);
+            const __m512i sa = _mm512_mask_sub_epi8(av, neg, zero, av); /* a with v's sign (v != 0) */
+            const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(v), sa);
+            const __m512i ls = _mm512_shuffle_epi8( /* words ib (low half), ib + 1 (high half) */
+                ls8, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x0100 * (2 * ib + 1) + 2 * ib))),
+                                        _mm256_set1_epi16((short)(0x0100 * (2 * ib + 3) + 2 * ib + 2)), 1));
+            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, ls));
+        }
+        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold16(isum)), _mm256_set1_ps(dd), acc);
+    }
+    *s = hsum8(acc);
+}
+
+#ifndef KV_KQ_STREAMS
+#define KV_KQ_STREAMS 2
+#endif
+
+/* The AVX2 level's mat per type, saved by kv_kquant_fill_avx512 before it
+ * overlays its own: the several-token tiles. */
+static kv_mat_fn kq_multi[KV_TYPE_COUNT];
+
+#define KQ512(T, TYPE)                                                                          \
+    static void T##_dot(int64_t n, float *s, const void *w, const void *a) { T##_row(n, s, w, a, 0); } \
+    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A, \
+                        size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {            \
+        const uint8_t *wb = (const uint8_t *)W;                                                 \
+        if (n_tok != 1) {                                                                       \
+            if (kq_multi[TYPE])                                                                 \
+                kq_multi[TYPE](W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);       \
+            else                                                                                \
+                kv_mat_generic(T##_dot, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride); \
+            return;                                                                             \
+        }                                                                                       \
+        const int64_t h = (r1 - r0) / KV_KQ_STREAMS;                                            \
+        for (int64_t i = 0; i < h; i++)                                                         \
+            for (int s = 0; s < KV_KQ_STREAMS; s++) {                                           \
+                const int64_t r = r0 + s * h + i;                                               \
+                T##_row(n, Y + r, wb + (size_t)r * row_bytes, A, row_bytes);                    \
+            }                                                                                   \
+        for (int64_t r = r0 + KV_KQ_STREAMS * h; r < r1; r++)                                   \
+            T##_row(n, Y + r, wb + (size_t)r * row_bytes, A, row_bytes);                        \
+    }
+
+KQ512(q2_K, KV_TYPE_Q2_K)
+KQ512(q3_K, KV_TYPE_Q3_K)
+KQ512(iq4_xs, KV_TYPE_IQ4_XS)
+
+void kv_kquant_fill_avx512(kv_kernels *k) {
+    const int ts[] = {KV_TYPE_Q2_K, KV_TYPE_Q3_K, KV_TYPE_IQ4_XS};
+    for (int i = 0; i < 3; i++) kq_multi[ts[i]] = k[ts[i]].mat;
+    k[KV_TYPE_Q2_K].vec_dot = q2_K_dot;
+    k[KV_TYPE_Q3_K].vec_dot = q3_K_dot;
+    k[KV_TYPE_IQ4_XS].vec_dot = iq4_xs_dot;
+    k[KV_TYPE_Q2_K].mat = q2_K_mat;
+    k[KV_TYPE_Q3_K].mat = q3_K_mat;
+    k[KV_TYPE_IQ4_XS].mat = iq4_xs_mat;
+}
