@@ -567,6 +567,7 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .max_tokens_default = (uint32_t)max_tokens, .hub_url = hub,
                                 .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry,
                                 .local_experts = local_experts, .step_target_ms = step_target,
+                                .demand_key = hub ? &auth.key : NULL,
                                 .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,
                                 .price_prompt = price_p, .price_completion = price_c, .chat_template = tmpl,
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,

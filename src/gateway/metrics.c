@@ -212,6 +212,15 @@ char *kv_gw_metrics_text(kv_gateway *g) {
             KV_M("kvasir_gateway_shard_wait_seconds_total{layer=\"%u\",first=\"%u\",last=\"%u\"} %.6f\n",
                  g->man->slabs[i].layer, g->man->slabs[i].first, g->man->slabs[i].last,
                  (double)a->demand[i].wait_us / 1e6);
+        if (g->demand) {
+            KV_M("# HELP kvasir_gateway_demand_reports_total Demand reports to the hub, by result.\n");
+            KV_M("# TYPE kvasir_gateway_demand_reports_total counter\n");
+            KV_M("kvasir_gateway_demand_reports_total{result=\"ok\"} %llu\n", (unsigned long long)g->demand_reports);
+            KV_M("kvasir_gateway_demand_reports_total{result=\"error\"} %llu\n", (unsigned long long)g->demand_report_errors);
+            KV_M("# HELP kvasir_gateway_demand_tokens_accepted_total Tokens the hub counted of the reports (its budget bounds them).\n");
+            KV_M("# TYPE kvasir_gateway_demand_tokens_accepted_total counter\n");
+            KV_M("kvasir_gateway_demand_tokens_accepted_total %llu\n", (unsigned long long)g->demand_tokens_accepted);
+        }
         if (a->on) {
             static const char *const mode[] = {"tight", "mixed", "wide"};
             const int mi = a->level == 0 ? 0 : a->level == KV_GW_AS_LEVELS ? 2 : 1;

@@ -197,6 +197,9 @@ struct kv_gateway {
     uint64_t hedges, hedges_won, late_answers; /* the remote's hedged requests (kv_remote_get_hedges) */
     /* local experts (autoscale.c, docs/GATEWAY.md "Local experts"); guarded by mu */
     kv_gw_autoscale as;
+    /* demand reports to the hub (demand.c); counters guarded by mu */
+    struct kv_gw_demand *demand;
+    uint64_t demand_reports, demand_report_errors, demand_tokens_accepted;
     /* workers caught lying (kv_gateway_caught): never asked for a receipt,
        never paid; guarded by caught_mu (taken from the engine's hook, inside
        a step, and under mu when a session settles: never the other way) */
@@ -271,6 +274,11 @@ int kv_gw_autoscale_open(kv_gateway *g, uint64_t budget, double target_ms, kv_di
 void kv_gw_autoscale_step_locked(kv_gateway *g, double seconds); /* scheduler: after a step (n_active after it) */
 void kv_gw_autoscale_idle_locked(kv_gateway *g);  /* scheduler: no session active */
 void kv_gw_autoscale_free(kv_gateway *g);
+/* demand.c: every few seconds, what the engine's remote needed per shard since
+ * the hub's last accepted report, signed by key (copied) */
+typedef struct kv_gw_demand kv_gw_demand;
+int kv_gw_demand_start(kv_gw_demand **out, kv_gateway *g, const char *hub, const kv_node_key *key, kv_diag *d);
+void kv_gw_demand_free(kv_gw_demand *r); /* stops the thread; accepts NULL */
 char *kv_gw_metrics_text(kv_gateway *g);            /* GET /metrics (malloc'd; NULL on no memory) */
 char *kv_gw_slots_json(kv_gateway *g);              /* GET /v1/slots */
 char *kv_gw_health_json(kv_gateway *g, bool *ok);   /* GET /health: the body, *ok for 200 or 503 */
