@@ -7,7 +7,8 @@
 #   - the gateway's /metrics counts an accepted report and the tokens the hub
 #     counted (at most the tokens the engine evaluated);
 #   - the hub's market (GET /v1/market) shows demand on the shards.
-# (A gateway without --hub has no reporter: tests/test_autoscale.sh.)
+# Then `kvasir run --hub` reports once at its end, and the market's demand
+# grows. (A gateway without --hub has no reporter: tests/test_autoscale.sh.)
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
 dir=$(mktemp -d -t kvasir-gwdemand.XXXXXX)
@@ -67,4 +68,13 @@ jq -e '[.shards[] | select(.demand > 0)] | length > 0' "$dir/market.json" >/dev/
   fail "no shard shows demand: $(jq -c '[.shards[] | {layer, first, demand}]' "$dir/market.json")"
 echo "ok: the gateway reported its demand ($acc tokens counted); the market shows" \
   "$(jq '[.shards[] | select(.demand > 0)] | length' "$dir/market.json") of $(jq '.shards | length' "$dir/market.json") shards in demand"
+# kvasir run --hub reports once at its end: the market's demand grows
+before=$(jq '[.shards[].demand] | add' "$dir/market.json")
+"$KV" run --hub "$hub" --data "$dir/r" --threads 1 -p "The market follows demand" -n 40 --temp 0 \
+  >/dev/null 2>"$dir/run.err" || fail "run --hub: $(cat "$dir/run.err")"
+! grep -q "demand report" "$dir/run.err" || fail "run --hub: $(grep "demand report" "$dir/run.err")"
+curl -sf "$hub/v1/market" >"$dir/market2.json" || fail "GET /v1/market"
+after=$(jq '[.shards[].demand] | add' "$dir/market2.json")
+awk -v a="$after" -v b="$before" 'BEGIN { exit !(a > b) }' || fail "run --hub: the market's demand $before -> $after"
+echo "ok: kvasir run --hub reported: the market's demand $before -> $after computations/s"
 echo "test_autoscale_hub: ok"
