@@ -5,10 +5,15 @@
 #   bench/autoscale.sh [path/to/kvasir] [OUTDIR]
 #
 # A sliced synthetic qwen3moe model with a skewed router (gen-model
-# --router-skew 2; 8 layers, embd 512, 16 experts of 768 top-4, q8_0). Two
-# workers hold every expert, pinned together to CPU 1 (taskset); the gateway
-# is pinned to CPU 0 with one compute thread and holds the slabs in its
-# folder within --local-experts (KV_AS_BUDGET, default all of them). The
+# --router-skew 2; 8 layers, embd 512, 16 experts of 768 top-4, q8_0) served
+# by a hub whose market follows demand (floor 1 replica, at most 3, one
+# replica wanted per KV_AS_PER_REPLICA (500) computations/s, raised after 3 s
+# above, lowered after 5 s below, demand half-life 10 s) and two nodes
+# (`kvasir node`, each with room for every slab), pinned together to CPU 1
+# (taskset). The gateway (`--hub`, its coordinator key vouched for by the
+# hub: its demand reports drive the market) is pinned to CPU 0 with one
+# compute thread and holds the slabs copied into its folder within
+# --local-experts (KV_AS_BUDGET, default all of them). The
 # load generator (bench/autoscale_load.py) runs, per KV_AS_PHASE_S (15)
 # seconds, 1, 2, 4, 8, 16, 8, 4, 2, 1 clients sending completions of
 # KV_AS_TOKENS (128) tokens back to back; the same for a local-only gateway
@@ -40,9 +45,6 @@ $PY -c 'import matplotlib' 2>/dev/null || PY=python3
 "$KV" gen-model --arch qwen3moe --out "$D/m.gguf" --layers 8 --embd 512 --ff-exp 768 --experts 16 --experts-used 4 \
   --heads 8 --kv-heads 4 --head-dim 64 --vocab 4000 --type q8_0 --seed 11 --router-skew 2 >/dev/null
 "$KV" slice "$D/m.gguf" --out "$D/sl" --experts-per-slab 2 >/dev/null
-mkdir -p "$D/coord/experts"
-cp "$D/sl/backbone.gguf" "$D/sl/manifest.json" "$D/coord/"
-cp "$D/sl/experts/"*.gguf "$D/coord/experts/"
 ALL=$(du -cb "$D/sl/experts/"*.gguf | tail -1 | cut -f1)
 BUDGET=${KV_AS_BUDGET:-$ALL}
 PK=$("$KV" key --key "$D/coord.key")
@@ -56,13 +58,18 @@ wait_listen() { # FILE PID: prints the address
   done
   return 1
 }
-W=()
+taskset -c 1 "$KV" hub --model "$D/sl/manifest.json" --db "$D/hub.db" --listen 127.0.0.1:0 --quiet --vouch-key "$PK" \
+  --wanted 1 --wanted-max 3 --demand-per-replica "${KV_AS_PER_REPLICA:-500}" --demand-half-life-ms 10000 \
+  --market-raise-ms 3000 --market-hold-ms 5000 >"$D/hub.out" 2>"$D/hub.err" &
+PIDS+=("$!")
+HUB=http://$(wait_listen "$D/hub.out" "$!")
 for n in a b; do
-  taskset -c 1 "$KV" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" \
-    >"$D/w$n.out" 2>"$D/w$n.err" &
+  taskset -c 1 "$KV" node --hub "$HUB" --budget "$ALL" --data "$D/n$n" --interval-ms 500 --threads 1 \
+    >"$D/n$n.out" 2>"$D/n$n.err" &
   PIDS+=("$!")
-  W+=(--worker "$(wait_listen "$D/w$n.out" "$!")")
 done
+mkdir -p "$D/gwd/pieces/experts" # the gateway's folder: the hub fetches manifest and backbone, the slabs are here
+cp "$D/sl/experts/"*.gguf "$D/gwd/pieces/experts/"
 
 gateway() { # NAME ARGS...: starts a gateway on CPU 0, sets GW and GWPID
   local name=$1
@@ -73,8 +80,8 @@ gateway() { # NAME ARGS...: starts a gateway on CPU 0, sets GW and GWPID
   PIDS+=("$GWPID")
   GW=http://$(wait_listen "$D/$name.out" "$GWPID")
 }
-load() { # SCHEDULE CSV
-  taskset -c 1 $PY "$SRC/autoscale_load.py" "$GW" "$1" "$2" --max-tokens "$TOK"
+load() { # SCHEDULE CSV [--hub URL]
+  taskset -c 1 $PY "$SRC/autoscale_load.py" "$GW" "$1" "$2" --max-tokens "$TOK" "${@:3}"
 }
 warm() { curl -sf "$GW/v1/completions" -d '{"prompt":"warm","max_tokens":8}' >/dev/null; }
 
@@ -85,12 +92,15 @@ load "1:$PHASE" "$OUT/local1.csv"
 load "16:$PHASE" "$OUT/local16.csv"
 kill "$GWPID"; wait "$GWPID" 2>/dev/null || true
 
-echo "bench/autoscale.sh: gateway with --local-experts $BUDGET (of $ALL bytes of slabs) and two workers (CPU 1)"
-gateway auto -m "$D/coord/manifest.json" "${W[@]}" --key "$D/coord.key" --local-experts "$BUDGET"
+echo "bench/autoscale.sh: gateway with --local-experts $BUDGET (of $ALL bytes of slabs), a hub and two nodes (CPU 1)"
+gateway auto --hub "$HUB" --data "$D/gwd" --placement experts --key "$D/coord.key" --local-experts "$BUDGET"
+healthy() { [ "$(curl -s -o /dev/null -w '%{http_code}' "$GW/health")" = 200 ]; }
+for _ in $(seq 1 600); do healthy && break; sleep 0.2; done
+healthy || { echo "bench/autoscale.sh: the nodes never covered the model: $(tail -3 "$D"/n*.err)" >&2; exit 1; }
 warm
 S=""
 for c in 1 2 4 8 16 8 4 2 1; do S="$S${S:+,}$c:$PHASE"; done
-load "$S" "$OUT/autoscale.csv"
+load "$S" "$OUT/autoscale.csv" --hub "$HUB"
 curl -sf "$GW/metrics" >"$OUT/autoscale_metrics.txt"
 kill "$GWPID"; wait "$GWPID" 2>/dev/null || true
 

@@ -2,7 +2,7 @@
 """Load generator of bench/autoscale.sh: a concurrency schedule against one
 gateway, sampled every second into a CSV.
 
-  autoscale_load.py URL SCHEDULE OUT.csv [--max-tokens N] [--prompt P]
+  autoscale_load.py URL SCHEDULE OUT.csv [--max-tokens N] [--prompt P] [--hub HUB_URL]
 
 SCHEDULE is "C:S,C:S,...": C clients for S seconds, in order. Each client
 sends /v1/completions (temperature 0, max_tokens N) back to back while its
@@ -11,7 +11,10 @@ index is under the current concurrency. Every second a row is written:
   second, from /metrics), p50_ms, p99_ms (latency of the requests that ended
   in the last 5 s), local_share, level_decisions (widen/tighten totals),
   hot_rate, cold_rate (expert computations/s of the hottest and the coldest
-  shard, from the gateway's demand metering), pairs_held_s, pairs_remote_s.
+  shard, from the gateway's demand metering), pairs_held_s, pairs_remote_s,
+  and with --hub the market's replicas wanted and live of its hottest and its
+  coldest shard by reported demand (hot_wanted, hot_live, cold_wanted,
+  cold_live; GET HUB/v1/market).
 Standard library only (threads and urllib)."""
 import json
 import re
@@ -39,6 +42,22 @@ def metrics(url):
     return out, shards
 
 
+def market(hub):
+    """hot_wanted,hot_live,cold_wanted,cold_live of the hub's market, or empty fields."""
+    if not hub:
+        return ",,,"
+    try:
+        with urllib.request.urlopen(hub + "/v1/market", timeout=5) as r:
+            sh = json.loads(r.read())["shards"]
+    except Exception:
+        return ",,,"
+    if not sh:
+        return ",,,"
+    hot = max(sh, key=lambda s: s["demand"])
+    cold = min(sh, key=lambda s: s["demand"])
+    return "%d,%d,%d,%d" % (hot["wanted"], hot["live"], cold["wanted"], cold["live"])
+
+
 def pct(xs, q):
     if not xs:
         return ""
@@ -48,13 +67,15 @@ def pct(xs, q):
 
 def main():
     url, sched, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    max_tokens, prompt = 64, "Once upon a time"
+    max_tokens, prompt, hub = 64, "Once upon a time", None
     a = sys.argv[4:]
     for i in range(0, len(a), 2):
         if a[i] == "--max-tokens":
             max_tokens = int(a[i + 1])
         elif a[i] == "--prompt":
             prompt = a[i + 1]
+        elif a[i] == "--hub":
+            hub = a[i + 1]
         else:
             sys.exit("autoscale_load: unknown option " + a[i])
     phases = [(int(c), float(s)) for c, s in (p.split(":") for p in sched.split(","))]
@@ -92,7 +113,8 @@ def main():
     for t in threads:
         t.start()
     f = open(out, "w")
-    f.write("t_s,clients,tokens_s,p50_ms,p99_ms,local_share,widen,tighten,hot_rate,cold_rate,pairs_held_s,pairs_remote_s\n")
+    f.write("t_s,clients,tokens_s,p50_ms,p99_ms,local_share,widen,tighten,hot_rate,cold_rate,pairs_held_s,pairs_remote_s,"
+            "hot_wanted,hot_live,cold_wanted,cold_live\n")
     start = time.monotonic()
     prev, prev_sh = metrics(url)
     prev_t = start
@@ -115,13 +137,14 @@ def main():
         rates = [(sh[k] - prev_sh.get(k, 0.0)) / dt for k in sh]
         with lock:
             lat = [l * 1e3 for (te, l, n) in done if te > t - 5.0]
-        f.write("%.1f,%d,%.1f,%s,%s,%s,%d,%d,%.1f,%.1f,%.1f,%.1f\n" % (
+        f.write("%.1f,%d,%.1f,%s,%s,%s,%d,%d,%.1f,%.1f,%.1f,%.1f," % (
             t - start, cur, g("kvasir_gateway_generated_tokens_total"), pct(lat, 0.5), pct(lat, 0.99),
             "%.2f" % m["kvasir_gateway_local_share"] if "kvasir_gateway_local_share" in m else "",
             m.get('kvasir_gateway_local_decisions_total{decision="widen"}', 0),
             m.get('kvasir_gateway_local_decisions_total{decision="tighten"}', 0),
             max(rates) if rates else 0.0, min(rates) if rates else 0.0,
             g('kvasir_gateway_expert_pairs_total{where="held"}'), g('kvasir_gateway_expert_pairs_total{where="remote"}')))
+        f.write(market(hub) + "\n")
         f.flush()
         prev, prev_sh, prev_t = m, sh, t
     stop.set()
