@@ -7,7 +7,7 @@
 # A sliced synthetic qwen3moe model with a skewed router (gen-model
 # --router-skew 2; 8 layers, embd 512, 16 experts of 768 top-4, q8_0) served
 # by a hub whose market follows demand (floor 1 replica, at most 3, one
-# replica wanted per KV_AS_PER_REPLICA (500) computations/s, raised after 3 s
+# replica wanted per KV_AS_PER_REPLICA (900) computations/s, raised after 3 s
 # above, lowered after 5 s below, demand half-life 10 s) and two nodes
 # (`kvasir node`, each with room for every slab), pinned together to CPU 1
 # (taskset). The gateway (`--hub`, its coordinator key vouched for by the
@@ -59,7 +59,7 @@ wait_listen() { # FILE PID: prints the address
   return 1
 }
 taskset -c 1 "$KV" hub --model "$D/sl/manifest.json" --db "$D/hub.db" --listen 127.0.0.1:0 --quiet --vouch-key "$PK" \
-  --wanted 1 --wanted-max 3 --demand-per-replica "${KV_AS_PER_REPLICA:-500}" --demand-half-life-ms 10000 \
+  --wanted 1 --wanted-max 3 --demand-per-replica "${KV_AS_PER_REPLICA:-900}" --demand-half-life-ms 10000 \
   --market-raise-ms 3000 --market-hold-ms 5000 >"$D/hub.out" 2>"$D/hub.err" &
 PIDS+=("$!")
 HUB=http://$(wait_listen "$D/hub.out" "$!")
