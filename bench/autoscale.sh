@@ -7,7 +7,7 @@
 # A sliced synthetic qwen3moe model with a skewed router (gen-model
 # --router-skew 2; 8 layers, embd 512, 16 experts of 768 top-4, q8_0) served
 # by a hub whose market follows demand (floor 1 replica, at most 3, one
-# replica wanted per KV_AS_PER_REPLICA (900) computations/s, raised after 3 s
+# replica wanted per KV_AS_PER_REPLICA (600) computations/s, raised after 3 s
 # above, lowered after 5 s below, demand half-life 10 s) and two nodes
 # (`kvasir node`, each with room for every slab), pinned together to CPU 1
 # (taskset). The gateway (`--hub`, its coordinator key vouched for by the
@@ -15,7 +15,7 @@
 # compute thread and holds the slabs copied into its folder within
 # --local-experts (KV_AS_BUDGET, default all of them). The
 # load generator (bench/autoscale_load.py) runs, per KV_AS_PHASE_S (15)
-# seconds, 1, 2, 4, 8, 16, 8, 4, 2, 1 clients sending completions of
+# seconds, 1, 2, 4, 8, 16, 8, 4, 2, 1 clients (then 30 s idle) sending completions of
 # KV_AS_TOKENS (128) tokens back to back; the same for a local-only gateway
 # (the GGUF, no workers, CPU 0) at 1 and at 16 clients. Written to OUTDIR
 # (default bench/out): autoscale.csv, local1.csv, local16.csv and
@@ -59,7 +59,7 @@ wait_listen() { # FILE PID: prints the address
   return 1
 }
 taskset -c 1 "$KV" hub --model "$D/sl/manifest.json" --db "$D/hub.db" --listen 127.0.0.1:0 --quiet --vouch-key "$PK" \
-  --wanted 1 --wanted-max 3 --demand-per-replica "${KV_AS_PER_REPLICA:-900}" --demand-half-life-ms 10000 \
+  --wanted 1 --wanted-max 3 --demand-per-replica "${KV_AS_PER_REPLICA:-600}" --demand-half-life-ms 10000 \
   --market-raise-ms 3000 --market-hold-ms 5000 >"$D/hub.out" 2>"$D/hub.err" &
 PIDS+=("$!")
 HUB=http://$(wait_listen "$D/hub.out" "$!")
@@ -100,6 +100,7 @@ healthy || { echo "bench/autoscale.sh: the nodes never covered the model: $(tail
 warm
 S=""
 for c in 1 2 4 8 16 8 4 2 1; do S="$S${S:+,}$c:$PHASE"; done
+S="$S,0:30" # idle: the market's demand decays and the hot shards' wanted count falls
 load "$S" "$OUT/autoscale.csv" --hub "$HUB"
 curl -sf "$GW/metrics" >"$OUT/autoscale_metrics.txt"
 kill "$GWPID"; wait "$GWPID" 2>/dev/null || true

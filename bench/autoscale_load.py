@@ -79,8 +79,8 @@ def main():
         else:
             sys.exit("autoscale_load: unknown option " + a[i])
     phases = [(int(c), float(s)) for c, s in (p.split(":") for p in sched.split(","))]
-    if not phases or any(c < 1 or c > 64 or s <= 0 for c, s in phases):
-        sys.exit("autoscale_load: SCHEDULE is C:S,... with 1 <= C <= 64, S > 0")
+    if not phases or any(c < 0 or c > 64 or s <= 0 for c, s in phases):
+        sys.exit("autoscale_load: SCHEDULE is C:S,... with 0 <= C <= 64 (0: idle), S > 0")
     want = [0]
     stop = threading.Event()
     lock = threading.Lock()
@@ -108,7 +108,7 @@ def main():
                 print("autoscale_load: request failed: %s" % e, file=sys.stderr)
                 time.sleep(0.2)
 
-    cmax = max(c for c, _ in phases)
+    cmax = max(1, max(c for c, _ in phases))
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(cmax)]
     for t in threads:
         t.start()
