@@ -20,6 +20,8 @@
 #   make bench-wan-sites  issue 31's targets: ring of sites vs per-layer dispatch, speculation over the ring (40 ms)
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make bench-hedge  decode step p50/p99 over two replicas, healthy and with one stalling
+#   make bench-autoscale  a gateway with --local-experts and two workers under 1 -> 16 -> 1 clients
+#                 against a local-only gateway (CSV and PNG in bench/out, docs/BENCHMARKS.md)
 #   make wan-test the WAN test bed (tests/test_wan_bed.sh, docs/NETDELAY.md) in its long
 #                 version: two sites 40 ms apart, 0.5% loss, a host behind a NAT router, a
 #                 kvasir hub and a NATed kvasir node (needs root), then the design's scenario
@@ -40,7 +42,7 @@ ARM_TARGET ?=
 KV_REQUIRE_BACKENDS ?= $(shell bash tools/cpu-backends.sh)
 export KV_REQUIRE_BACKENDS
 
-.PHONY: wan-test attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring bench-wan bench-wan-sites bench-hedge clean deps-arm arm test-arm bench-arm
+.PHONY: wan-test attack all build deps oracle test asan demo fuzz bench bench-hub bench-verify bench-ledger bench-122b bench-gateway bench-ring bench-wan bench-wan-sites bench-hedge bench-autoscale clean deps-arm arm test-arm bench-arm
 
 all: build
 
@@ -153,6 +155,10 @@ bench-wan-sites: deps
 bench-hedge: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/hedge.sh $(BUILD)/kvasir
+
+bench-autoscale: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/autoscale.sh $(BUILD)/kvasir
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build

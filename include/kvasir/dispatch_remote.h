@@ -146,6 +146,7 @@ typedef struct kv_remote_stats {
     uint64_t pairs_hedged;      /* (token, expert) slots those hedges carried: computed twice */
     uint64_t hedges_won;        /* ... whose replica answered first */
     uint64_t late_answers;      /* answers discarded because a replica had answered first (not a fault) */
+    uint64_t pairs_held_local;  /* of pairs_local: experts of held slabs (kv_remote_local_hold) */
     double rtt_p50_us, rtt_p99_us, rtt_max_us; /* round trip: first byte sent to last
                                    answer in, over the last 65536 rounds that had workers */
 } kv_remote_stats;
@@ -153,11 +154,48 @@ typedef struct kv_remote_stats {
  * samples: not for the hot path. */
 void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out);
 void kv_remote_reset_stats(kv_remote *r);
+/* The pair counters of kv_remote_stats alone (cheap: for every step's
+ * metrics). NULL pointers are skipped. */
+void kv_remote_get_pairs(const kv_remote *r, uint64_t *remote, uint64_t *local, uint64_t *held_local);
 /* The hedge counters of kv_remote_stats alone (cheap: for every step's
  * metrics). NULL pointers are skipped. */
 void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late);
 /* (token, expert) slots carried by hedges since open: both replicas computed them. */
 uint64_t kv_remote_hedged_pairs(const kv_remote *r);
+
+/* ---- demand metering ------------------------------------------------------
+ * What the coordinator needed of each shard (a slab of the manifest: one
+ * layer's expert range, the unit the hub's market trades), whoever computed
+ * it: a worker, a replica that answered a hedge, or a local slab. */
+typedef struct kv_remote_demand {
+    uint64_t computations;      /* (token, expert) pairs of the slab the forward pass needed: each
+                                   once, however many requests (retries, hedges) it took */
+    uint64_t wait_us;           /* per compute call that needed the slab, the time from the call's
+                                   start to its last pair's answer, summed (microseconds) */
+} kv_remote_demand;
+/* Counters since open, per manifest slab (kv_remote_manifest(r)->slabs[i]),
+ * into out[0..min(cap, n_slabs)); returns n_slabs. Successful compute calls
+ * only (a failed one produced nothing). Same thread as compute. */
+size_t kv_remote_get_demand(const kv_remote *r, kv_remote_demand *out, size_t cap);
+
+/* ---- local experts: tight when quiet, wide when busy -----------------------
+ * A coordinator with slabs in the manifest's folder can compute some experts
+ * itself instead of sending them out. Held slabs are chosen within a memory
+ * budget, hottest first (by the demand metered so far; with none yet one
+ * slab of every layer before a second of any); of the held experts, those
+ * whose fixed key (a hash of layer and expert, uniform in [0, 1)) is under
+ * the local share are computed here, the others go to workers (or here when
+ * no worker that holds them is up). Slabs not held stay the fallback they
+ * always were. Bits never depend on where a pair was computed. Same thread
+ * as compute, never during it. */
+/* Chooses the held slabs among those present locally, at most budget bytes
+ * of slab files in all; replaces the previous choice. *held_bytes and
+ * *held_slabs (may be NULL) get what was chosen. 0, or KV_ENOMEM. */
+int kv_remote_local_hold(kv_remote *r, uint64_t budget, uint64_t *held_bytes, uint32_t *held_slabs, kv_diag *d);
+/* The share of held experts computed here, clamped to [0, 1] (NaN: 0);
+ * 0 at open. */
+void kv_remote_set_local_share(kv_remote *r, double share);
+double kv_remote_local_share(const kv_remote *r);
 
 /* ---- per-session work tally ---------------------------------------------
  * What the coordinator dispatched to, and took back from, each worker, per

@@ -89,8 +89,14 @@ typedef struct kv_gateway_opts {
     const char *hub_url;        /* re-read HUB/v1/placement and add its new nodes to the engine's
                                    workers (opened with room: kv_engine_opts.max_workers); NULL = none */
     uint32_t hub_refresh_ms;    /* how often; 0 = 2000 (and at once after a failed step) */
+    const struct kv_node_key *demand_key; /* with hub_url: report the demand per shard to the hub
+                                   every 5 s signed by this key (copied; docs/HUB.md "Demand");
+                                   NULL = no reports */
     uint32_t step_retry_ms;     /* a failed step (an expert whose holders are all gone) is retried,
                                    its sessions kept, for this long before they fail; 0 = 30000 */
+    uint64_t local_experts;     /* bytes of the manifest folder's slabs to hold and compute here while
+                                   steps are fast (docs/GATEWAY.md "Local experts"); 0 = none held */
+    double step_target_ms;      /* with local_experts: widen past this step time; 0 = derived */
     /* a ring (kvasir ring, docs/PROTOCOL.md "Ring protocol"): no engine here
        (kv_gateway_start takes e = NULL); every request is submitted to an
        entry node, which tokenizes it (the same template) and streams the

@@ -34,6 +34,7 @@ static const char *const kv_value_flags[] = {"-m", "--model", "--listen", "--wor
                                              "--parallel", "--queue", "--max-conns", "--per-ip", "--timeout", "--request-timeout", "--parse-max",
                                              "--body-max", "--max-tokens", "--worker-timeout-ms", "--hub", "--key", "--data",
                                              "--hub-refresh-ms", "--step-retry-ms", "--ledger", "--gateway-key",
+                                             "--local-experts", "--step-target-ms",
                                              "--gateway-id", "--prices", "--verify-recompute", "--ring", "--ring-timeout-ms", "--placement",
                                              "--chat-template", "--prompt-cache", "--cors", "--draft", "--draft-max",
                                              "--tls-cert", "--tls-key", NULL};
@@ -63,6 +64,12 @@ static const char *kv_gateway_help =
     "  --step-retry-ms N    with workers: a step that fails (an expert with no holder up) is\n"
     "                       retried this long before its requests fail (default 30000)\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
+    "  --local-experts SIZE with workers: hold up to SIZE of the slabs in the manifest's folder (the\n"
+    "                       hottest by measured demand, e.g. 64M, 2G) and compute them here while steps\n"
+    "                       are fast; a growing share goes to the workers as the load rises, and comes\n"
+    "                       back when it falls (docs/GATEWAY.md \"Local experts\"; /metrics)\n"
+    "  --step-target-ms MS  with --local-experts: the step time past which work is handed to workers\n"
+    "                       (0.01..60000; default: twice the shortest step computed locally)\n"
     "  --key FILE           the coordinator key proved to workers, or to ring nodes (default\n"
     "                       DATA/coordinator.key with --hub, else ~/.kvasir/coordinator.key; created if absent)\n"
     "  --listen HOST:PORT   bind address (default 127.0.0.1:8080; port 0 = any free port,\n"
@@ -196,6 +203,8 @@ int kv_cmd_gateway(int argc, char **argv) {
     const char *ledger = NULL, *gw_key = NULL, *gw_id = NULL;
     uint64_t price_p = 1, price_c = 2;
     long hub_refresh = 2000, step_retry = 30000;
+    uint64_t local_experts = 0; /* --local-experts: bytes of slabs held here */
+    double step_target = 0;     /* --step-target-ms */
     const char *hub = NULL, *data_dir = "kvasir-data";
     const char *tls_cert = NULL, *tls_key = NULL;
     bool insecure = false, no_web_ui = false;
@@ -294,6 +303,14 @@ int kv_cmd_gateway(int argc, char **argv) {
             data_dir = v;
         } else if (!strcmp(a, "--hub-refresh-ms")) {
             if (kv_arg_long(CMD, a, v, 10, 3600000, &hub_refresh)) return 1;
+        } else if (!strcmp(a, "--local-experts")) {
+            kv_diag sd = {0};
+            if (kv_node_parse_size(v, &local_experts, &sd) || !local_experts || local_experts > ((uint64_t)1 << 50))
+                return kv_cli_err(CMD, 1, "--local-experts: '%s' is not a size from 1 byte to 1P (e.g. 64M, 2G)", v);
+        } else if (!strcmp(a, "--step-target-ms")) {
+            float st;
+            if (kv_arg_float(CMD, a, v, 0.01, 60000, &st)) return 1;
+            step_target = st;
         } else if (!strcmp(a, "--step-retry-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 3600000, &step_retry)) return 1;
         } else if (!strcmp(a, "--listen")) {
@@ -373,6 +390,9 @@ int kv_cmd_gateway(int argc, char **argv) {
         if (!quiet && ns) fprintf(stderr, "gateway: placement sites: the hub's ring of %u sites\n", ns);
         else if (!quiet && !unreached) fprintf(stderr, "gateway: placement experts: per-layer dispatch (%s)\n", why);
     }
+    if (step_target > 0 && !local_experts) return kv_cli_err(CMD, 1, "--step-target-ms needs --local-experts SIZE");
+    if (local_experts && (n_rings || !(n_workers || hub)))
+        return kv_cli_err(CMD, 1, "--local-experts needs a sliced model and workers (-m DIR --worker HOST:PORT, or --hub URL)");
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
     if (n_rings && prompt_cache_given && prompt_cache)
@@ -555,6 +575,8 @@ int kv_cmd_gateway(int argc, char **argv) {
                                 .request_s = (uint32_t)request_s, .parse_max = (size_t)parse_max,
                                 .max_tokens_default = (uint32_t)max_tokens, .hub_url = hub,
                                 .hub_refresh_ms = (uint32_t)hub_refresh, .step_retry_ms = (uint32_t)step_retry,
+                                .local_experts = local_experts, .step_target_ms = step_target,
+                                .demand_key = hub ? &auth.key : NULL,
                                 .ledger_path = ledger, .gateway_key_path = gw_key, .gateway_id = gw_id,
                                 .price_prompt = price_p, .price_completion = price_c, .chat_template = tmpl,
                                 .chat_template_len = tmpl_len, .chat_template_name = tmpl_path,

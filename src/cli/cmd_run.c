@@ -10,6 +10,7 @@
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
 #include "kvasir/grammar.h"
+#include "kvasir/hub.h"
 #include "kvasir/node.h"
 #include "kvasir/quant.h"
 #include "kvasir/ring.h"
@@ -233,9 +234,42 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
         kv_json_str(stdout, w.last_error, strlen(w.last_error));
         printf("}");
     }
+    printf("],\"demand\":["); /* per shard: what the hub's market is told (kv_remote_get_demand) */
+    const kv_manifest *m = kv_remote_manifest(r);
+    kv_remote_demand *dm = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *dm);
+    if (dm) kv_remote_get_demand(r, dm, m->n_slabs);
+    for (size_t i = 0; dm && i < m->n_slabs; i++)
+        printf("%s{\"layer\":%u,\"first\":%u,\"last\":%u,\"computations\":%llu,\"wait_us\":%llu}", i ? "," : "",
+               m->slabs[i].layer, m->slabs[i].first, m->slabs[i].last, (unsigned long long)dm[i].computations,
+               (unsigned long long)dm[i].wait_us);
+    free(dm);
     printf("]");
     kv_run_steplog_json(sl, r);
     printf("}");
+}
+
+/* --hub: what the run needed per shard, reported to the hub's market once at
+ * its end (docs/HUB.md "Demand"); a refusal is a warning, the run's output
+ * stands. */
+static void kv_run_report_demand(const char *hub, kv_node_key *key, const kv_remote *r, uint64_t tokens) {
+    const kv_manifest *m = kv_remote_manifest(r);
+    kv_remote_demand *dm = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *dm);
+    kv_hub_demand_shard *sh = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *sh);
+    kv_diag d = {0};
+    int rc = KV_ENOMEM;
+    if (dm && sh) {
+        kv_remote_get_demand(r, dm, m->n_slabs);
+        size_t k = 0;
+        for (size_t i = 0; i < m->n_slabs; i++)
+            if (dm[i].computations)
+                sh[k++] = (kv_hub_demand_shard){m->slabs[i].layer, m->slabs[i].first, m->slabs[i].last,
+                                                dm[i].computations, dm[i].wait_us};
+        const kv_hub_demand rep = {tokens, sh, k};
+        rc = k && tokens ? kv_hub_report_demand(hub, key, &rep, NULL, &d) : 0;
+    }
+    if (rc) fprintf(stderr, "kvasir run: warning: demand report to %s: %s\n", hub, d.msg[0] ? d.msg : "out of memory");
+    free(dm);
+    free(sh);
 }
 
 /* --verbose: the same on stderr, one line per worker. */
@@ -762,6 +796,9 @@ int kv_cmd_run(int argc, char **argv) {
                 (unsigned long long)cs.waves);
     }
     if (remote && verbose) kv_run_dispatch_log(remote);
+    static const uint8_t no_key[32];
+    if (remote && hub && memcmp(auth.key.pk, no_key, 32)) /* the coordinator key the hub vouched for */
+        kv_run_report_demand(hub, &auth.key, remote, es.tokens_prefill + es.tokens_decode);
     if (kv_session_stop_reason(ses) == KV_STOP_CTX_FULL)
         fprintf(stderr, "kvasir run: stopped at the end of the context (%u tokens)\n", kv_engine_n_ctx(eng));
     rc = 0;

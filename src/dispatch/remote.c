@@ -75,6 +75,14 @@
  * past timeout_ms drops its worker. Tokens never depend on which request
  * won: both are whole answers of the same pairs.
  *
+ * Local experts and demand: slabs held within a budget
+ * (kv_remote_local_hold) are computed here for the experts whose fixed key
+ * is under the local share (the gateway's policy moves it with its load);
+ * those slots are assigned KV_OWN_LOCAL before any worker is picked. Every
+ * successful call adds, per manifest slab, the pairs it needed and the time
+ * from its start to the slab's last answer (kv_remote_get_demand): what a
+ * coordinator reports to the hub's market.
+ *
  * A worker that answers the handshake with ERANGE has no room now (its
  * places are working, or strangers hold its handshake places): that is not
  * a fault, so it is dialed again after a short randomized wait (20 ms,
@@ -325,6 +333,15 @@ struct kv_remote {
     uint32_t tag_n;
     const uint32_t *tag_rows;     /* this call's row -> the step's token (kv_expert_req.tok), NULL: the same */
     bool tag_on;                  /* the current compute call is counted */
+    /* demand metering, per manifest slab (kv_remote_get_demand) */
+    int32_t *slab_of;             /* [n_layer*n_expert] manifest slab of each expert, -1 none */
+    uint64_t *dm_n, *dm_wait_us;  /* [n_slabs] expert computations needed / microseconds waited */
+    double *dm_done;              /* [n_slabs] this call: when the slab's last slot was done */
+    uint64_t *dm_mark;            /* [n_slabs] the call (n_calls) that dm_done belongs to */
+    /* local experts (kv_remote_local_hold): computed here while their key is under local_share */
+    uint8_t *lhold;               /* [n_layer*n_expert] 1 if held (a slab kept within the budget) */
+    double local_share;           /* [0, 1]: share of held experts computed here (by kv_share_key) */
+    uint64_t n_pairs_held_local;  /* slots computed here from held slabs */
 };
 
 enum { KV_OWN_DONE = -1, KV_OWN_LOCAL = -2, KV_OWN_NONE = -3 };
@@ -867,16 +884,39 @@ static void kv_rw_supersede(kv_remote *r, kv_rw *w) {
     w->ghost[w->n_ghost++] = (struct kv_rw_ghost){w->req_id, w->n_pairs, w->sent_at};
 }
 
+/* Demand metering: slab of expert e of the current call's layer was done
+ * at now (its wait runs from the call's start to its last slot). */
+static void kv_remote_dm_done(kv_remote *r, int32_t e, double now) {
+    const int32_t sl = r->slab_of[(size_t)r->cur_req->layer * r->n_expert + (uint32_t)e];
+    if (sl < 0) return;
+    r->dm_done[sl] = now;
+    r->dm_mark[sl] = r->n_calls;
+}
+
+/* A held expert (kv_remote_local_hold) is computed here when its key, a
+ * fixed hash of (layer, expert) in [0, 1), is under the local share: the
+ * share moves experts, never single tokens, so one expert's slots stay on
+ * one side, and which side answers never changes the bits. */
+static double kv_share_key(uint32_t layer, uint32_t e) {
+    uint64_t x = ((uint64_t)layer << 32 | e) * 0x9e3779b97f4a7c15ull;
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 32;
+    return (double)(x >> 11) * 0x1.0p-53;
+}
+
 /* w's answer to the current chunk passed every check (its rows are in
  * place): its slots are done, and a twin computing the same slots is
  * superseded. */
 static void kv_rw_settle(kv_remote *r, kv_rw *w) {
     const uint32_t wi = (uint32_t)(w - r->w), nu = r->cur_req->n_used;
+    const double now = kv_mono();
     for (uint32_t p = 0; p < w->n_pairs; p++) {
         const int32_t s = w->pair_slot[p];
         KV_ASSERT(r->slot_owner[s] >= 0); /* one valid answer per slot: its twin's is never taken */
         r->slot_owner[s] = KV_OWN_DONE;
         r->n_pairs_remote++;
+        kv_remote_dm_done(r, r->cur_req->ids[(size_t)r->cur_t0 * nu + (uint32_t)s], now);
         if (r->tag_on && wi < r->t_stride)
             r->ts_ans[(size_t)kv_remote_tag(r, r->cur_t0 + (uint32_t)s / nu) * r->t_stride + wi]++;
     }
@@ -1472,7 +1512,9 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
             if (e < 0 || (uint32_t)e >= r->n_expert)
                 return kv_fail(d, KV_ERANGE, "remote: expert id %d out of range (%u experts)", e, r->n_expert);
             if (r->exp_owner[e] == -1) {
-                int32_t wi = kv_remote_pick(r, req->layer, (uint32_t)e, t_pick);
+                const size_t k = (size_t)req->layer * r->n_expert + (uint32_t)e;
+                const bool here = r->lhold[k] && kv_share_key(req->layer, (uint32_t)e) < r->local_share;
+                int32_t wi = here ? KV_OWN_LOCAL : kv_remote_pick(r, req->layer, (uint32_t)e, t_pick);
                 if (wi < 0 && r->lhas[(size_t)req->layer * r->n_expert + (uint32_t)e]) wi = KV_OWN_LOCAL;
                 if (wi == -1 && !revived) {
                     /* its holders may be back (restarted, or closed an idle
@@ -1522,7 +1564,10 @@ static int kv_remote_chunk(kv_remote *r, const kv_expert_req *req, uint32_t t0, 
             const kv_expert_req lr = {req->layer, n, E, 1, r->lx, r->lids, NULL};
             int rc = r->local.compute(r->local.impl, &lr, r->lout, d);
             if (rc) return kv_diag_prefix(d, rc, "remote: local fallback");
+            const double t_local = kv_mono();
             for (uint32_t j = 0; j < n; j++) {
+                kv_remote_dm_done(r, r->lids[j], t_local);
+                if (r->lhold[(size_t)req->layer * r->n_expert + (uint32_t)r->lids[j]]) r->n_pairs_held_local++;
                 memcpy(out + (size_t)r->lslot[j] * E, r->lout + (size_t)j * E, (size_t)E * sizeof(float));
                 r->slot_owner[r->lslot[j]] = KV_OWN_DONE;
             }
@@ -1577,11 +1622,26 @@ static int kv_remote_compute(void *impl, const kv_expert_req *req, float *out, k
     r->tag_rows = req->tok; /* the rows' tokens when the step's last block carries only some */
     r->tag_on = r->tags && (req->tok ? true : req->n_tokens == r->tag_n);
     for (uint32_t t = 0; r->tag_on && req->tok && t < req->n_tokens; t++) r->tag_on = req->tok[t] < r->tag_n;
+    const double t_call = kv_mono();
     kv_remote_poll(r, 0, out); /* notice closed peers, progress reconnects */
     for (uint32_t t0 = 0; t0 < req->n_tokens; t0 += r->chunk_tokens) {
         const uint32_t n = req->n_tokens - t0 < r->chunk_tokens ? req->n_tokens - t0 : r->chunk_tokens;
         int rc = kv_remote_chunk(r, req, t0, n, out + (size_t)t0 * r->n_used * r->n_embd, d);
         if (rc) return rc;
+    }
+    /* demand: every slot counts once for its slab (retries and hedges do
+     * not add computations: the coordinator needed each pair once), and
+     * each slab of the call waited from the call's start to its last slot */
+    const size_t n_slots = (size_t)req->n_tokens * req->n_used, base = (size_t)req->layer * r->n_expert;
+    for (size_t s = 0; s < n_slots; s++) {
+        const int32_t sl = r->slab_of[base + (uint32_t)req->ids[s]]; /* ids checked by kv_remote_chunk */
+        if (sl < 0) continue;
+        r->dm_n[sl]++;
+        if (r->dm_mark[sl] == r->n_calls) {
+            const double w = r->dm_done[sl] - t_call;
+            r->dm_wait_us[sl] += w > 0 ? (uint64_t)(w * 1e6) : 0;
+            r->dm_mark[sl] = 0; /* its wait is counted once per call */
+        }
     }
     return 0;
 }
@@ -1660,6 +1720,12 @@ void kv_remote_free(kv_remote *r) {
     for (size_t i = 0; r->lg && i < r->m->n_slabs; i++) kv_gguf_close(r->lg[i]);
     free(r->lg);
     free(r->lw);
+    free(r->lhold);
+    free(r->slab_of);
+    free(r->dm_n);
+    free(r->dm_wait_us);
+    free(r->dm_done);
+    free(r->dm_mark);
     free(r->lhas);
     free(r->lx);
     free(r->lout);
@@ -1783,6 +1849,13 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->lg = calloc(m->n_slabs ? m->n_slabs : 1, sizeof *r->lg);
     r->lw = calloc(n_keys, sizeof *r->lw);
     r->lhas = calloc(n_keys, 1);
+    r->lhold = calloc(n_keys, 1);
+    r->slab_of = malloc(n_keys * sizeof *r->slab_of);
+    const size_t n_sl = m->n_slabs ? m->n_slabs : 1;
+    r->dm_n = calloc(n_sl, sizeof *r->dm_n);
+    r->dm_wait_us = calloc(n_sl, sizeof *r->dm_wait_us);
+    r->dm_done = calloc(n_sl, sizeof *r->dm_done);
+    r->dm_mark = calloc(n_sl, sizeof *r->dm_mark);
     r->rtt_us = malloc(KV_REMOTE_RTT_SAMPLES * sizeof *r->rtt_us);
     r->w = calloc(r->cap_w ? r->cap_w : 1, sizeof *r->w);
     if (kv_net_loop_new(&r->loop, d)) {
@@ -1791,10 +1864,15 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     }
     if (!opts->insecure_plaintext && (rc = kv_link_tls_ctx(&r->tls, r->sk, d))) goto fail;
     if (!r->slot_owner || !r->exp_owner || !r->load || !r->tok_local || !r->xg || !r->lg || !r->lw ||
-        !r->lhas || !r->rtt_us || !r->w || !r->xh || !r->xh_ok || !r->leaves || !r->xrow || !r->yrow) {
+        !r->lhas || !r->rtt_us || !r->w || !r->xh || !r->xh_ok || !r->leaves || !r->xrow || !r->yrow ||
+        !r->lhold || !r->slab_of || !r->dm_n || !r->dm_wait_us || !r->dm_done || !r->dm_mark) {
         rc = kv_fail(d, KV_ENOMEM, "remote: out of memory");
         goto fail;
     }
+    for (size_t k = 0; k < n_keys; k++) r->slab_of[k] = -1;
+    for (size_t i = 0; i < m->n_slabs; i++) /* the manifest checked layers and ranges against the dims */
+        for (uint32_t e = m->slabs[i].first; m->slabs[i].layer < r->n_layer && e <= m->slabs[i].last && e < r->n_expert; e++)
+            r->slab_of[(size_t)m->slabs[i].layer * r->n_expert + e] = (int32_t)i;
     /* local fallback */
     if ((rc = kv_remote_open_local(r, pc, d))) goto fail;
     kv_pieces_free(pc);
@@ -1956,6 +2034,7 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->pairs_hedged = r->n_hedge_pairs;
     out->hedges_won = r->n_hedges_won;
     out->late_answers = r->n_late;
+    out->pairs_held_local = r->n_pairs_held_local;
     const size_t n = r->n_rtt < KV_REMOTE_RTT_SAMPLES ? (size_t)r->n_rtt : KV_REMOTE_RTT_SAMPLES;
     if (!n) return;
     float *tmp = malloc(n * sizeof *tmp); /* reporting, not the hot path */
@@ -1966,6 +2045,12 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->rtt_p99_us = tmp[(size_t)((double)(n - 1) * 0.99)];
     out->rtt_max_us = tmp[n - 1];
     free(tmp);
+}
+
+void kv_remote_get_pairs(const kv_remote *r, uint64_t *remote, uint64_t *local, uint64_t *held_local) {
+    if (remote) *remote = r->n_pairs_remote;
+    if (local) *local = r->n_pairs_local;
+    if (held_local) *held_local = r->n_pairs_held_local;
 }
 
 void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late) {
@@ -1979,7 +2064,7 @@ uint64_t kv_remote_hedged_pairs(const kv_remote *r) { return r->n_hedge_pairs; }
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
-    r->n_hedges = r->n_hedges_won = r->n_late = r->n_hedge_pairs = 0;
+    r->n_hedges = r->n_hedges_won = r->n_late = r->n_hedge_pairs = r->n_pairs_held_local = 0;
     r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
 }
 
@@ -2145,3 +2230,58 @@ void kv_remote_get_coverage(const kv_remote *r, kv_remote_coverage *out, uint32_
         else if (out->n_missing < cap) missing[out->n_missing++] = (uint32_t)s;
     }
 }
+
+/* ---- demand metering and local experts ------------------------------------ */
+
+size_t kv_remote_get_demand(const kv_remote *r, kv_remote_demand *out, size_t cap) {
+    const size_t n = r->m->n_slabs < cap ? r->m->n_slabs : cap;
+    for (size_t i = 0; i < n; i++) out[i] = (kv_remote_demand){r->dm_n[i], r->dm_wait_us[i]};
+    return r->m->n_slabs;
+}
+
+typedef struct kv_hold_cand {
+    uint64_t demand;   /* computations metered so far */
+    uint32_t pos;      /* the slab's place within its layer (0, 1, ...) */
+    uint32_t slab;     /* manifest index */
+} kv_hold_cand;
+
+/* hottest first; with equal demand one slab of every layer before the
+ * second of any, so that a budget without measurements spreads evenly */
+static int kv_hold_cmp(const void *a, const void *b) {
+    const kv_hold_cand *x = a, *y = b;
+    if (x->demand != y->demand) return x->demand > y->demand ? -1 : 1;
+    if (x->pos != y->pos) return x->pos < y->pos ? -1 : 1;
+    return (x->slab > y->slab) - (x->slab < y->slab);
+}
+
+int kv_remote_local_hold(kv_remote *r, uint64_t budget, uint64_t *held_bytes, uint32_t *held_slabs, kv_diag *d) {
+    const kv_manifest *m = r->m;
+    kv_hold_cand *c = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *c);
+    if (!c) return kv_fail(d, KV_ENOMEM, "remote: out of memory choosing local experts");
+    size_t n = 0;
+    uint32_t pos = 0;
+    for (size_t i = 0; i < m->n_slabs; i++) {
+        pos = i && m->slabs[i].layer == m->slabs[i - 1].layer ? pos + 1 : 0;
+        if (r->lg[i] && m->moe_layer[m->slabs[i].layer]) c[n++] = (kv_hold_cand){r->dm_n[i], pos, (uint32_t)i};
+    }
+    qsort(c, n, sizeof *c, kv_hold_cmp);
+    memset(r->lhold, 0, (size_t)r->n_layer * r->n_expert);
+    uint64_t used = 0;
+    uint32_t k = 0;
+    for (size_t j = 0; j < n; j++) {
+        const kv_manifest_slab *ms = &m->slabs[c[j].slab];
+        if (ms->file.size > budget - used) continue; /* a smaller, colder one may still fit */
+        used += ms->file.size;
+        k++;
+        memset(r->lhold + (size_t)ms->layer * r->n_expert + ms->first, 1, ms->last - ms->first + 1u);
+    }
+    free(c);
+    if (held_bytes) *held_bytes = used;
+    if (held_slabs) *held_slabs = k;
+    return 0;
+}
+
+void kv_remote_set_local_share(kv_remote *r, double share) {
+    r->local_share = !(share > 0.0) ? 0.0 : share > 1.0 ? 1.0 : share;
+}
+double kv_remote_local_share(const kv_remote *r) { return r->local_share; }

@@ -196,6 +196,66 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# HELP kvasir_gateway_late_answers_total Worker answers discarded because a replica had answered first.\n");
         KV_M("# TYPE kvasir_gateway_late_answers_total counter\n");
         KV_M("kvasir_gateway_late_answers_total %llu\n", (unsigned long long)g->late_answers);
+        const kv_gw_autoscale *a = &g->as;
+        KV_M("# HELP kvasir_gateway_expert_pairs_total Expert computations by where they ran: held (a local slab\n"
+             "# within --local-experts), local (any local slab, held ones included), remote (a worker).\n");
+        KV_M("# TYPE kvasir_gateway_expert_pairs_total counter\n");
+        KV_M("kvasir_gateway_expert_pairs_total{where=\"held\"} %llu\n", (unsigned long long)a->pairs_held_local);
+        KV_M("kvasir_gateway_expert_pairs_total{where=\"local\"} %llu\n", (unsigned long long)a->pairs_local);
+        KV_M("kvasir_gateway_expert_pairs_total{where=\"remote\"} %llu\n", (unsigned long long)a->pairs_remote);
+        KV_M("# HELP kvasir_gateway_shard_computations_total Expert computations needed per shard (demand).\n");
+        KV_M("# TYPE kvasir_gateway_shard_computations_total counter\n");
+        for (size_t i = 0; a->demand && i < a->n_demand; i++)
+            KV_M("kvasir_gateway_shard_computations_total{layer=\"%u\",first=\"%u\",last=\"%u\"} %llu\n",
+                 g->man->slabs[i].layer, g->man->slabs[i].first, g->man->slabs[i].last,
+                 (unsigned long long)a->demand[i].computations);
+        KV_M("# HELP kvasir_gateway_shard_wait_seconds_total Time each shard's computations were waited for.\n");
+        KV_M("# TYPE kvasir_gateway_shard_wait_seconds_total counter\n");
+        for (size_t i = 0; a->demand && i < a->n_demand; i++)
+            KV_M("kvasir_gateway_shard_wait_seconds_total{layer=\"%u\",first=\"%u\",last=\"%u\"} %.6f\n",
+                 g->man->slabs[i].layer, g->man->slabs[i].first, g->man->slabs[i].last,
+                 (double)a->demand[i].wait_us / 1e6);
+        if (g->demand) {
+            KV_M("# HELP kvasir_gateway_demand_reports_total Demand reports to the hub, by result.\n");
+            KV_M("# TYPE kvasir_gateway_demand_reports_total counter\n");
+            KV_M("kvasir_gateway_demand_reports_total{result=\"ok\"} %llu\n", (unsigned long long)g->demand_reports);
+            KV_M("kvasir_gateway_demand_reports_total{result=\"error\"} %llu\n", (unsigned long long)g->demand_report_errors);
+            KV_M("# HELP kvasir_gateway_demand_tokens_accepted_total Tokens the hub counted of the reports (its budget bounds them).\n");
+            KV_M("# TYPE kvasir_gateway_demand_tokens_accepted_total counter\n");
+            KV_M("kvasir_gateway_demand_tokens_accepted_total %llu\n", (unsigned long long)g->demand_tokens_accepted);
+        }
+        if (a->on) {
+            static const char *const mode[] = {"tight", "mixed", "wide"};
+            const int mi = a->level == 0 ? 0 : a->level == KV_GW_AS_LEVELS ? 2 : 1;
+            KV_M("# HELP kvasir_gateway_local_mode Local experts: tight (all held computed here), mixed, wide (all to workers).\n");
+            KV_M("# TYPE kvasir_gateway_local_mode gauge\n");
+            for (int k = 0; k < 3; k++) KV_M("kvasir_gateway_local_mode{mode=\"%s\"} %d\n", mode[k], k == mi);
+            KV_M("# HELP kvasir_gateway_local_share Share of the held experts computed here (0..1).\n");
+            KV_M("# TYPE kvasir_gateway_local_share gauge\n");
+            KV_M("kvasir_gateway_local_share %.4f\n", 1.0 - (double)a->level / KV_GW_AS_LEVELS);
+            KV_M("# HELP kvasir_gateway_local_decisions_total Local-share decisions: widen (more to workers), tighten.\n");
+            KV_M("# TYPE kvasir_gateway_local_decisions_total counter\n");
+            KV_M("kvasir_gateway_local_decisions_total{decision=\"widen\"} %llu\n", (unsigned long long)a->widened);
+            KV_M("kvasir_gateway_local_decisions_total{decision=\"tighten\"} %llu\n", (unsigned long long)a->tightened);
+            KV_M("# HELP kvasir_gateway_local_unpaid_total Tightenings because the wider share cost more per session.\n");
+            KV_M("# TYPE kvasir_gateway_local_unpaid_total counter\n");
+            KV_M("kvasir_gateway_local_unpaid_total %llu\n", (unsigned long long)a->unpaid);
+            KV_M("# HELP kvasir_gateway_local_probes_total Tightenings to measure the narrower share at this load.\n");
+            KV_M("# TYPE kvasir_gateway_local_probes_total counter\n");
+            KV_M("kvasir_gateway_local_probes_total %llu\n", (unsigned long long)a->probes);
+            KV_M("# HELP kvasir_gateway_local_held_bytes Bytes of slabs held within --local-experts.\n");
+            KV_M("# TYPE kvasir_gateway_local_held_bytes gauge\n");
+            KV_M("kvasir_gateway_local_held_bytes %llu\n", (unsigned long long)a->held_bytes);
+            KV_M("# HELP kvasir_gateway_local_held_slabs Slabs held within --local-experts.\n");
+            KV_M("# TYPE kvasir_gateway_local_held_slabs gauge\n");
+            KV_M("kvasir_gateway_local_held_slabs %u\n", a->held_slabs);
+            KV_M("# HELP kvasir_gateway_step_target_seconds Step time past which the share widens (0: not derived yet).\n");
+            KV_M("# TYPE kvasir_gateway_step_target_seconds gauge\n");
+            KV_M("kvasir_gateway_step_target_seconds %.6f\n", a->target_s);
+            KV_M("# HELP kvasir_gateway_step_average_seconds Moving average of the step time.\n");
+            KV_M("# TYPE kvasir_gateway_step_average_seconds gauge\n");
+            KV_M("kvasir_gateway_step_average_seconds %.6f\n", a->ewma_s);
+        }
     }
     pthread_mutex_unlock(&g->mu);
 #undef KV_M

@@ -358,6 +358,7 @@ void *kv_gw_sched_main(void *arg) {
                 pthread_mutex_lock(&g->mu);
             }
             kv_gw_sched_health_locked(g);
+            kv_gw_autoscale_idle_locked(g);
             continue;
         }
         if (g->n_active > g->max_batch) g->max_batch = g->n_active;
@@ -371,6 +372,7 @@ void *kv_gw_sched_main(void *arg) {
         pthread_mutex_lock(&g->mu);
         g->eng = es;
         kv_gw_metrics_step_locked(g, dt);
+        if (rc >= 0) kv_gw_autoscale_step_locked(g, dt);
         kv_remote *rm = kv_engine_remote(g->e);
         if (rc < 0 && rm && (g->fail_since == 0 || kv_now() - g->fail_since < g->o.step_retry_ms / 1000.0)) {
             /* the step failed as a whole (no session advanced): an expert

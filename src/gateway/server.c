@@ -160,6 +160,7 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     o.host = NULL;
     if (e && kv_engine_remote(e)) g->man = kv_remote_manifest(kv_engine_remote(e));
     if (o.hub_url && (rc = kv_gw_watch_start(&g->watch, o.hub_url, o.hub_refresh_ms, d))) goto fail;
+    const char *demand_hub = o.hub_url; /* the caller's, read before the start returns */
     o.hub_url = NULL;
     g->o = o;
     if (o.ledger_path) {
@@ -181,6 +182,10 @@ int kv_gateway_start(kv_gateway **out, kv_engine *e, const kv_gateway_opts *opts
     if ((rc = kv_gw_template_start(g, &o, d))) goto fail;
     if ((rc = kv_gw_script_load(g, d))) goto fail;
     kv_gw_sched_health_locked(g); /* before the engine changes hands: /health is right from the start */
+    if ((rc = kv_gw_autoscale_open(g, o.local_experts, o.step_target_ms, d))) goto fail;
+    if (demand_hub && o.demand_key && g->man && (rc = kv_gw_demand_start(&g->demand, g, demand_hub, o.demand_key, d)))
+        goto fail;
+    g->o.demand_key = NULL;
     if (o.down_msg) { /* for good: nothing here can run the model */
         g->healthy = false;
         snprintf(g->health_msg, sizeof g->health_msg, "%.200s", o.down_msg);
@@ -285,8 +290,10 @@ void kv_gateway_free(kv_gateway *g) {
     sodium_memzero(g->ring_sk, sizeof g->ring_sk);
     if (g->mhd) MHD_stop_daemon(g->mhd); /* every connection ends: their payments are settled or released */
     kv_http_guard_free(g->guard);
+    kv_gw_demand_free(g->demand); /* before the counters it reads go */
     kv_gw_watch_free(g->watch);
     kv_gw_pay_free(g->pay);
+    kv_gw_autoscale_free(g);
     kv_gw_tmpl_free(g->tmpl);
     kv_gw_ring_free(g);
     kv_gw_script_free(g);

@@ -118,6 +118,35 @@ typedef struct kv_gw_req {
     bool accepted;              /* (g->mu) the home took it */
 } kv_gw_req;
 
+/* The local-experts policy's state (autoscale.c). level 0 is tight (every
+ * held expert computed here), KV_GW_AS_LEVELS wide (all sent to workers). */
+#define KV_GW_AS_LEVELS 4u
+typedef struct kv_gw_autoscale {
+    bool on;                    /* a local budget and an engine with workers */
+    uint64_t budget;            /* bytes of slab files held (--local-experts) */
+    uint64_t held_bytes;        /* of them chosen now */
+    uint32_t held_slabs;
+    uint32_t level;             /* 0..KV_GW_AS_LEVELS; local share = 1 - level / KV_GW_AS_LEVELS */
+    uint32_t widen_at[KV_GW_AS_LEVELS + 1]; /* sessions active when each level was entered */
+    double target_s;            /* step time target; 0 until derived */
+    bool target_given;          /* --step-target-ms (else derived from tight steps) */
+    double min_tight_s;         /* shortest step seen at level 0 */
+    uint32_t n_tight;           /* steps seen at level 0 (the derivation waits for a few) */
+    double ewma_s;              /* step time, moving average */
+    double last_change;         /* monotonic seconds of the last decision */
+    double rehold_at;           /* when the held slabs are chosen again by demand */
+    double cost[KV_GW_AS_LEVELS + 1]; /* per level: moving average of step time per session */
+    uint32_t cost_n[KV_GW_AS_LEVELS + 1]; /* steps in it (0: not measured at this load) */
+    uint32_t cost_conc;         /* sessions active when the costs began (they hold for this load) */
+    uint64_t widened, tightened;/* decisions */
+    uint64_t unpaid;            /* of the tightenings: a wider level cost more per session */
+    uint64_t probes;            /* of the tightenings: to measure the narrower level at this load */
+    uint64_t rehold;            /* times the held set was chosen again */
+    uint64_t pairs_remote, pairs_local, pairs_held_local; /* the remote's, after the last step */
+    kv_remote_demand *demand;   /* [n_demand] per manifest slab, copied after each step (NULL: none) */
+    size_t n_demand;
+} kv_gw_autoscale;
+
 struct kv_gateway {
     kv_engine *e;               /* the scheduler's alone */
     const kv_tok *tok;          /* immutable: any thread */
@@ -167,6 +196,11 @@ struct kv_gateway {
     uint64_t workers_added;     /* workers added from the hub's placement */
     uint64_t hedges, hedges_won, late_answers; /* the remote's hedged requests (kv_remote_get_hedges) */
     uint64_t hedged_pairs;      /* slots those hedges carried (kv_remote_hedged_pairs) */
+    /* local experts (autoscale.c, docs/GATEWAY.md "Local experts"); guarded by mu */
+    kv_gw_autoscale as;
+    /* demand reports to the hub (demand.c); counters guarded by mu */
+    struct kv_gw_demand *demand;
+    uint64_t demand_reports, demand_report_errors, demand_tokens_accepted;
     /* workers caught lying (kv_gateway_caught): never asked for a receipt,
        never paid; guarded by caught_mu (taken from the engine's hook, inside
        a step, and under mu when a session settles: never the other way) */
@@ -236,6 +270,16 @@ void kv_gw_script_free(kv_gateway *g);
 /* ---- metrics.c ---- */
 int kv_gw_code_index(unsigned status);              /* into req_count's second index */
 void kv_gw_metrics_step_locked(kv_gateway *g, double seconds); /* one engine step's time */
+/* autoscale.c: local experts, tight when quiet, wide when busy */
+int kv_gw_autoscale_open(kv_gateway *g, uint64_t budget, double target_ms, kv_diag *d); /* before the scheduler */
+void kv_gw_autoscale_step_locked(kv_gateway *g, double seconds); /* scheduler: after a step (n_active after it) */
+void kv_gw_autoscale_idle_locked(kv_gateway *g);  /* scheduler: no session active */
+void kv_gw_autoscale_free(kv_gateway *g);
+/* demand.c: every few seconds, what the engine's remote needed per shard since
+ * the hub's last accepted report, signed by key (copied) */
+typedef struct kv_gw_demand kv_gw_demand;
+int kv_gw_demand_start(kv_gw_demand **out, kv_gateway *g, const char *hub, const kv_node_key *key, kv_diag *d);
+void kv_gw_demand_free(kv_gw_demand *r); /* stops the thread; accepts NULL */
 char *kv_gw_metrics_text(kv_gateway *g);            /* GET /metrics (malloc'd; NULL on no memory) */
 char *kv_gw_slots_json(kv_gateway *g);              /* GET /v1/slots */
 char *kv_gw_health_json(kv_gateway *g, bool *ok);   /* GET /health: the body, *ok for 200 or 503 */
