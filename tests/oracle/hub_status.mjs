@@ -165,7 +165,10 @@ try {
           page.market.every((r) => { const s = dem[`${r.layer}/${r.first}`];
             return s && r.wanted === s.wanted && Math.abs(r.demand - s.demand) <= 0.1 * s.demand + 0.05 &&
                    r.shown === r.demand.toFixed(1); }) &&
-          page.market.filter((r) => r.demand > 0).length === 1 &&
+          // the coordinator's own run --hub reports its demand too (a little on every shard);
+          // the shard this test reported heavily on stands above every other
+          page.market.every((r) => (r.layer === 0 && r.first === 0) ||
+                                   r.demand < page.market.find((q) => q.layer === 0 && q.first === 0).demand) &&
           page.market.find((r) => r.layer === 0 && r.first === 0).demand > 0,
       `market table: wanted and demand per shard as /v1/market, the reported shard's demand shown ` +
       `(${page.market.map((r) => r.shown).join(' ')})`);
