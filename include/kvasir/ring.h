@@ -447,6 +447,18 @@ void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out);
  * is kept while it is up. opts.next may then be NULL at start. */
 void kv_ring_node_set_next(kv_ring_node *n, const char *host_port);
 void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last, uint32_t *n_layer);
+struct kv_manifest;       /* kvasir/slice.h */
+struct kv_remote_demand; /* kvasir/dispatch_remote.h */
+/* Demand per shard (kvasir/dispatch_demand.h): a sliced window meters the
+ * expert computations its layers needed, whoever computed them (its own
+ * slabs: their wait is its compute time; --worker: as the remote counts
+ * them). The manifest its counters are indexed by (NULL when the window is
+ * not sliced: nothing is metered; it lives as long as n). */
+const struct kv_manifest *kv_ring_node_manifest(const kv_ring_node *n);
+/* Counters since start, per manifest slab, into out[0..min(cap, n_slabs)),
+ * and *tokens, the tokens run through the window; as of the last forward
+ * pass. Thread-safe. */
+void kv_ring_node_get_demand(kv_ring_node *n, struct kv_remote_demand *out, size_t cap, uint64_t *tokens);
 
 /* ---- the layer market (src/ring/hub.c, docs/HUB.md GET /v1/ring) ---------- */
 

@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "cli/cli.h"
+#include "kvasir/dispatch_demand.h"
 #include "kvasir/dispatch_proto.h"
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
@@ -254,22 +255,14 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
 static void kv_run_report_demand(const char *hub, kv_node_key *key, const kv_remote *r, uint64_t tokens) {
     const kv_manifest *m = kv_remote_manifest(r);
     kv_remote_demand *dm = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *dm);
-    kv_hub_demand_shard *sh = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *sh);
     kv_diag d = {0};
     int rc = KV_ENOMEM;
-    if (dm && sh) {
+    if (dm) {
         kv_remote_get_demand(r, dm, m->n_slabs);
-        size_t k = 0;
-        for (size_t i = 0; i < m->n_slabs; i++)
-            if (dm[i].computations)
-                sh[k++] = (kv_hub_demand_shard){m->slabs[i].layer, m->slabs[i].first, m->slabs[i].last,
-                                                dm[i].computations, dm[i].wait_us};
-        const kv_hub_demand rep = {tokens, sh, k};
-        rc = k && tokens ? kv_hub_report_demand(hub, key, &rep, NULL, &d) : 0;
+        rc = kv_demand_report_once(hub, key, m, dm, tokens, &d);
     }
     if (rc) fprintf(stderr, "kvasir run: warning: demand report to %s: %s\n", hub, d.msg[0] ? d.msg : "out of memory");
     free(dm);
-    free(sh);
 }
 
 /* --verbose: the same on stderr, one line per worker. */

@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "engine/spec.h" /* the draft sources' guesses */
+#include "kvasir/dispatch_demand.h"
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"   /* KV_STOP_* */
 #include "kvasir/grammar.h"
@@ -121,6 +122,10 @@ struct kv_ring_node {
     kv_pieces *pc;            /* sliced model: the manifest's pieces present here (the window's slabs) */
     kv_remote *remote;        /* --worker: the window's experts computed by expert workers */
     kv_expert_provider prov;  /* over the slices (owned) */
+    kv_demand_meter *meter;   /* counts prov's calls per shard (sliced, no --worker) */
+    pthread_mutex_t dm_mu;    /* guards dm, dm_tokens (read by the hub's demand reporter) */
+    kv_remote_demand *dm;     /* [n_slabs of the manifest] demand as of the last pass, NULL: not sliced */
+    uint64_t dm_tokens;       /* tokens run through the window, as of the last pass */
     kv_pool *pool;
     kv_state *st;
     const kv_hparams *hp;
@@ -594,6 +599,18 @@ typedef struct kv_rjob {
 static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t n_rows);
 
 /* Computes everything queued and sends the results on. */
+/* Demand: the meter's (or the remote's) counters after a pass, for the
+ * reporter's thread; they are read on the compute thread only. */
+static void kv_rn_demand_copy(kv_ring_node *n, uint32_t n_tokens) {
+    if (!n->dm) return;
+    const size_t ns = n->pc->m->n_slabs;
+    pthread_mutex_lock(&n->dm_mu);
+    if (n->remote) kv_remote_get_demand(n->remote, n->dm, ns);
+    else if (n->meter) kv_demand_meter_get(n->meter, n->dm, ns);
+    n->dm_tokens += n_tokens;
+    pthread_mutex_unlock(&n->dm_mu);
+}
+
 static void kv_rn_flush(kv_ring_node *n) {
     if (!n->n_jobs) return;
     const uint32_t nj = n->n_jobs, nt = n->q_n;
@@ -628,6 +645,7 @@ static void kv_rn_flush(kv_ring_node *n) {
         return;
     }
     n->stats.batches++;
+    kv_rn_demand_copy(n, nt);
     uint32_t k = 0;
     for (uint32_t j = 0; j < nj; j++) {
         const kv_rjob *b = &n->jobs[j];
@@ -1755,6 +1773,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     n->o.allow_keys = NULL;
     n->o.hub_key = NULL;
     pthread_mutex_init(&n->next_mu, NULL);
+    pthread_mutex_init(&n->dm_mu, NULL);
     if (n->o.next && (rc = kv_rn_resolve_next(n, n->o.next, d))) goto fail; /* else set later (a hub) */
     if ((rc = kv_pool_new(&n->pool, n->o.n_threads, d))) goto fail;
     const size_t pl = strlen(n->o.model);
@@ -1816,8 +1835,14 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         const kv_expert_source src = {n->pc, kv_rn_pieces_acquire, NULL, mf->n_layer, mf->n_expert, mf->n_embd,
                                       kv_model_hparams(n->m)->n_ff_exp, kv_model_hparams(n->m)->n_expert_used};
         if (!n->remote) {
-            if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d))) goto fail;
-            experts = &n->prov;
+            if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d)) ||
+                (rc = kv_demand_meter_new(&n->meter, &n->prov, mf, d)))
+                goto fail;
+            experts = kv_demand_meter_provider(n->meter);
+        }
+        if (!(n->dm = calloc(mf->n_slabs ? mf->n_slabs : 1, sizeof *n->dm))) {
+            rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
+            goto fail;
         }
         snprintf(n->model_id, sizeof n->model_id, "%s", mf->model_id);
     } else {
@@ -1885,6 +1910,18 @@ void kv_ring_node_stop(kv_ring_node *n) {
 
 void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out) { *out = n->stats; }
 
+const kv_manifest *kv_ring_node_manifest(const kv_ring_node *n) { return n->dm ? n->pc->m : NULL; }
+
+void kv_ring_node_get_demand(kv_ring_node *n, kv_remote_demand *out, size_t cap, uint64_t *tokens) {
+    *tokens = 0;
+    if (!n->dm) return;
+    const size_t ns = n->pc->m->n_slabs < cap ? n->pc->m->n_slabs : cap;
+    pthread_mutex_lock(&n->dm_mu);
+    memcpy(out, n->dm, ns * sizeof *out);
+    *tokens = n->dm_tokens;
+    pthread_mutex_unlock(&n->dm_mu);
+}
+
 void kv_ring_node_free(kv_ring_node *n) {
     if (!n) return;
     if (n->loop) {
@@ -1916,6 +1953,9 @@ void kv_ring_node_free(kv_ring_node *n) {
     kv_remote_free(n->remote);
     kv_pieces_free(n->pc);
     pthread_mutex_destroy(&n->next_mu);
+    pthread_mutex_destroy(&n->dm_mu);
+    kv_demand_meter_free(n->meter);
+    free(n->dm);
     kv_model_free(n->m);
     kv_pool_free(n->pool);
     free(n->xin);
