@@ -338,7 +338,8 @@ struct kv_ring_hub {
     pthread_cond_t cv;
     bool stop, started;
     kv_demand_reporter *demand;   /* the window's demand reports (NULL: not sliced) */
-    uint64_t dm_reports, dm_errors, dm_tokens; /* its results: accepted, refused, tokens the hub counted */
+    uint64_t dm_reports, dm_errors; /* its reports: accepted, refused or failed */
+    uint64_t dm_tokens, dm_comps;   /* of the accepted ones: tokens the hub counted, computations reported */
 };
 
 __attribute__((format(printf, 2, 3))) static void kv_rh_log(kv_ring_hub *h, const char *fmt, ...) {
@@ -521,6 +522,7 @@ static void kv_rh_demand_done(void *ctx, int rc, uint64_t tokens, uint64_t compu
         kv_rh_log(h, "demand: first report accepted (%" PRIu64 " tokens, %" PRIu64 " expert computations; the hub "
                   "counted %" PRIu64 " tokens)", tokens, computations, accepted);
     h->dm_tokens += accepted;
+    h->dm_comps += computations;
 }
 
 int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
@@ -573,8 +575,9 @@ void kv_ring_hub_stop(kv_ring_hub *h) {
     if (!h) return;
     if (h->demand) {
         kv_demand_reporter_free(h->demand);
-        kv_rh_log(h, "demand: %" PRIu64 " reports accepted (%" PRIu64 " tokens counted), %" PRIu64 " refused or failed",
-                  h->dm_reports, h->dm_tokens, h->dm_errors);
+        kv_rh_log(h, "demand: %" PRIu64 " reports accepted (%" PRIu64 " expert computations reported, %" PRIu64
+                  " tokens counted), %" PRIu64 " refused or failed", h->dm_reports, h->dm_comps, h->dm_tokens,
+                  h->dm_errors);
     }
     if (h->started) {
         pthread_mutex_lock(&h->mu);
