@@ -3,7 +3,8 @@
 # Ring windows report their demand per shard to the hub's market (docs/HUB.md
 # "Demand", rule 5): a hub trading two layer windows (--ring-windows
 # 0-1,2-3, --vouch-open), two `kvasir ring --hub` nodes that take them, a
-# request of N tokens through the ring. Then:
+# request of N tokens through the ring; window 0-1 computes its experts from
+# its own slabs, window 2-3 on an expert worker (--worker). Then:
 #   - GET /v1/market shows demand on every shard of both windows, and each
 #     layer's demand, turned back into computations (rate x half-life / ln 2,
 #     the hub's own formula), equals what the forward pass needed, taken from
@@ -53,11 +54,13 @@ for _ in $(seq 200); do
 done
 [ -n "$url" ] || fail "the hub did not start: $(cat "$dir/hub.err")"
 
+# hub_node I [EXTRA...]: a ring node from the market (data folder $dir/dI)
 hub_node() {
   local i=$1
+  shift
   read -r -a pp <<<"$(free_ports 1)"
   "$KV" ring --hub "$url" --budget 64M --data "$dir/d$i" --listen "127.0.0.1:${pp[0]}" --threads 1 \
-    --key "$dir/k$i.key" --allow-key "$dir/allow" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
+    --key "$dir/k$i.key" --allow-key "$dir/allow" "$@" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
   RING_PID[$i]=$!
   RING_ALL+=($!)
   RING_ADDR[$i]=127.0.0.1:${pp[0]}
@@ -71,7 +74,19 @@ hub_node() {
 }
 hub_node 0
 grep -q "took layers 0-1 from the market" "$dir/ring0.err" || fail "node 0: $(cat "$dir/ring0.err")"
-hub_node 1
+# window 2-3 computes its experts on an expert worker (admitting the ring's keys)
+"$KV" worker --slabs "$(ls "$dir"/sl/experts/blk.[23].*.gguf | paste -sd,)" --listen 127.0.0.1:0 --threads 1 --quiet \
+  --allow-key "$dir/allow" >"$dir/w.out" 2>"$dir/w.err" &
+RING_ALL+=($!)
+waddr=
+for _ in $(seq 200); do
+  waddr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/w.out" 2>/dev/null | head -1 || true)
+  [ -n "$waddr" ] && break
+  sleep 0.05
+done
+[ -n "$waddr" ] || fail "the worker did not start: $(cat "$dir/w.err")"
+hub_node 1 --worker "$waddr"
+grep -q "kvasir remote: worker $waddr up" "$dir/ring1.err" || fail "node 1 has no worker: $(cat "$dir/ring1.err")"
 grep -q "took layers 2-3 from the market" "$dir/ring1.err" || fail "node 1: $(cat "$dir/ring1.err")"
 ring_wait_whole
 
