@@ -598,7 +598,6 @@ typedef struct kv_rjob {
 
 static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t n_rows);
 
-/* Computes everything queued and sends the results on. */
 /* Demand: the meter's (or the remote's) counters after a pass, for the
  * reporter's thread; they are read on the compute thread only. */
 static void kv_rn_demand_copy(kv_ring_node *n, uint32_t n_tokens) {
@@ -611,6 +610,7 @@ static void kv_rn_demand_copy(kv_ring_node *n, uint32_t n_tokens) {
     pthread_mutex_unlock(&n->dm_mu);
 }
 
+/* Computes everything queued and sends the results on. */
 static void kv_rn_flush(kv_ring_node *n) {
     if (!n->n_jobs) return;
     const uint32_t nj = n->n_jobs, nt = n->q_n;
