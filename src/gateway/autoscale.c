@@ -181,6 +181,7 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
             a->cost_conc = a->load;
             a->reprobe_s = KV_GW_AS_REPROBE_S;
             a->unpaid_here = 0;
+            memset(a->unpaid_at, 0, sizeof a->unpaid_at);
         }
         const double c = dt / g->n_active;
         a->cost[a->level] = a->cost_n[a->level]++ ? a->cost[a->level] + KV_GW_AS_ALPHA * (c - a->cost[a->level]) : c;
@@ -193,6 +194,7 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
         a->unpaid++;
         if (a->unpaid_here++) /* did not pay again at this load */
             a->reprobe_s = 2 * a->reprobe_s < KV_GW_AS_REPROBE_MAX_S ? 2 * a->reprobe_s : KV_GW_AS_REPROBE_MAX_S;
+        a->unpaid_at[L] = now;
         kv_as_set(g, rm, L - 1, now);
         return;
     }
@@ -201,11 +203,14 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
         a->probes++;
         return;
     }
-    /* a wider level measured dearer at this load is not tried again until
-     * reprobe_s passed (the costs drift: contexts grow, the workers' load
-     * changes); each time it did not pay again, twice as long */
-    const bool next_worse = L < KV_GW_AS_LEVELS && a->cost_n[L + 1] >= KV_GW_AS_JUDGE && a->cost_n[L] >= KV_GW_AS_JUDGE &&
-                            a->cost[L + 1] > a->cost[L] && now - a->cost_at[L + 1] < a->reprobe_s;
+    /* a wider level that did not pay at this load is not tried again until
+     * reprobe_s passed, nor one measured dearer in that time (the costs
+     * drift: contexts grow, the workers' load changes, a step's time is
+     * noisy); each time it did not pay again, twice as long */
+    const bool next_worse = L < KV_GW_AS_LEVELS &&
+                            ((a->unpaid_at[L + 1] > 0 && now - a->unpaid_at[L + 1] < a->reprobe_s) ||
+                             (a->cost_n[L + 1] >= KV_GW_AS_JUDGE && a->cost_n[L] >= KV_GW_AS_JUDGE &&
+                              a->cost[L + 1] > a->cost[L] && now - a->cost_at[L + 1] < a->reprobe_s));
     /* a level is measured (KV_GW_AS_JUDGE steps) before the next is tried,
      * so that the cost rules can compare the two */
     if (!next_worse && (a->cost_n[L] >= KV_GW_AS_JUDGE || a->target_given) && a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->n_active >= 2 &&
@@ -225,5 +230,6 @@ void kv_gw_autoscale_idle_locked(kv_gateway *g) {
     a->cost_conc = 0;
     a->reprobe_s = KV_GW_AS_REPROBE_S;
     a->unpaid_here = 0;
+    memset(a->unpaid_at, 0, sizeof a->unpaid_at);
     kv_as_tighten(g, rm, now);
 }

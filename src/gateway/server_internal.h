@@ -141,6 +141,7 @@ typedef struct kv_gw_autoscale {
     double cost_at[KV_GW_AS_LEVELS + 1]; /* monotonic seconds of each level's last costed step */
     double reprobe_s;           /* a wider level measured dearer is not tried again before this (s) */
     uint32_t unpaid_here;       /* "did not pay" tightenings since the costs began */
+    double unpaid_at[KV_GW_AS_LEVELS + 1]; /* when each level last did not pay (0: not since the costs began) */
     uint32_t load;              /* most sessions active at once over the last 0.5 to 1 s */
     uint32_t load_cur, load_prev; /* the most in the current and the previous half-second window */
     double load_win;            /* start of the current window */
