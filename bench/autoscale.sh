@@ -114,7 +114,8 @@ curl -sf "$GW/metrics" >"$OUT/autoscale_metrics.txt"
 AUTO=$GW AUTOPID=$GWPID
 gateway local -m "$D/m.gguf"
 echo "bench/autoscale.sh: 1 client, requests alternated between the local-only gateway and this one ($AB pairs)"
-read -r AB_L AB_A AB_R < <(taskset -c 1 $PY "$SRC/autoscale_ab.py" "$GW" "$AUTO" "$AB" "$OUT/ab1.csv" --max-tokens "$TOK")
+ABR=$(taskset -c 1 $PY "$SRC/autoscale_ab.py" "$GW" "$AUTO" "$AB" "$OUT/ab1.csv" --max-tokens "$TOK")
+read -r AB_L AB_A AB_R <<<"$ABR"
 kill "$GWPID" "$AUTOPID"; wait "$GWPID" "$AUTOPID" 2>/dev/null || true
 
 # figures: steady part of each phase (its first 3 s dropped)
