@@ -4,8 +4,10 @@
 # clamped SwiGLU, over three `kvasir worker` processes, the coordinator
 # holding the slabs (the projections' source) and run with --verify and a
 # sampled full recompute:
-#   - honest workers: every answer verified, none unverified, nobody
-#     caught, tokens and logits byte-identical to `kvasir run -m F.gguf`;
+#   - honest workers (one on the OpenCL backend when this machine has a
+#     device: it returns its pre-activations too): every answer verified,
+#     none unverified, nobody caught, tokens and logits byte-identical to
+#     `kvasir run -m F.gguf`;
 #   - one worker that lies (--test-lie=swap: another held expert's answer,
 #     test-only): caught, its answers redone, the logits still identical.
 # Before verification computed gpt-oss experts, --verify refused them at the
@@ -60,9 +62,11 @@ RUN=(-p "$PROMPT" -n 12 --temp 0 --json --batch 5 --threads 2 --key "$KEY")
 "$KV" run -m "$m/model.gguf" "${RUN[@]}" --logits-out "$m/local.bin" >"$m/local.json"
 [ "$(jq '.tokens | length' "$m/local.json")" = 12 ] || fail "the local run did not generate 12 tokens"
 
+cl=()
+if command -v clinfo >/dev/null 2>&1 && clinfo -l 2>/dev/null | grep -q Device; then cl=(--backend opencl); fi
 addrs=()
 for g in 0 1 2; do
-  start_worker "w$g" "$(group $g)"
+  if [ $g = 2 ]; then start_worker "w$g" "$(group $g)" "${cl[@]}"; else start_worker "w$g" "$(group $g)"; fi
   addrs+=(--worker "$addr")
 done
 "$KV" run -m "$m/sl/manifest.json" "${addrs[@]}" "${RUN[@]}" --verify --verify-recompute 0.2 \
@@ -73,7 +77,11 @@ cmp -s "$m/local.bin" "$m/honest.bin" || fail "verified run: logits differ from 
 [ "$(jq .dispatch.pairs_local "$m/honest.json")" = 0 ] || fail "pairs computed locally"
 nv=$(jq .dispatch.verified "$m/honest.json")
 [ "$nv" -gt 0 ] || fail "nothing verified"
-echo "ok: gpt-oss mxfp4, 3 honest workers: $nv answers verified, $(jq .dispatch.recomputed "$m/honest.json")" \
+if [ ${#cl[@]} -gt 0 ]; then
+  [ "$(jq '[.dispatch.workers[] | select(.backend == "opencl" and .verified > 0)] | length' "$m/honest.json")" = 1 ] ||
+    fail "the OpenCL worker's answers were not verified: $(jq -c .dispatch.workers "$m/honest.json")"
+fi
+echo "ok: gpt-oss mxfp4, 3 honest workers${cl:+ (one on OpenCL)}: $nv answers verified, $(jq .dispatch.recomputed "$m/honest.json")" \
   "recomputed in full, none caught, logits identical to the local run"
 
 # group 0's only worker lies: answers with another expert's output

@@ -10,7 +10,8 @@
  * clamp met) give the CPU path's bits too. A tensor type the kernels do not
  * compute, or experts of one layer that differ in type, are refused when
  * the provider is made, naming the tensor, not at the first request
- * (docs/NUMERICS.md, "OpenCL"). Without OpenCL (no
+ * (docs/NUMERICS.md, "OpenCL"). kv_opencl_expert_compute_pre returns the
+ * CPU path's pre-activations (what --verify checks). Without OpenCL (no
  * headers at build time or no device) the backend is skipped, which fails
  * when KV_REQUIRE_BACKENDS names "opencl". */
 #include <math.h>
@@ -206,6 +207,22 @@ static void test_types_vs_scalar(void) {
                nm, diff, 2 * (1 + 5) * N_USED * N_EMBD, worst_cos, worst_rel);
         if (diff) KVT_FAIL("opencl %s: %ld values differ from the scalar reference", nm, diff);
         kvt_checks++;
+        /* the pre-activations a verifier checks (gate and up before biases): the CPU path's too */
+        {
+            static float g1[5 * N_USED * N_FF], u1[5 * N_USED * N_FF], g2[5 * N_USED * N_FF], u2[5 * N_USED * N_FF];
+            for (uint32_t i = 0; i < 5 * N_EMBD; i++) x[i] = gauss();
+            for (uint32_t t = 0; t < 5; t++)
+                for (int u = 0; u < N_USED; u++) ids[t * N_USED + u] = (int32_t)((t + (uint32_t)u * 2) % N_EXPERT);
+            kv_expert_req rq = {1, 5, N_EMBD, N_USED, x, ids, NULL};
+            ASSERT_EQ(kv_expert_local_compute_pre(&ref, &rq, o1, g1, u1, &d), 0);
+            ASSERT_EQ(kv_opencl_expert_compute_pre(&cl, &rq, o2, g2, u2, &d), 0);
+            const size_t n = (size_t)5 * N_USED;
+            if (memcmp(o1, o2, n * N_EMBD * sizeof(float)) || memcmp(g1, g2, n * N_FF * sizeof(float)) ||
+                memcmp(u1, u2, n * N_FF * sizeof(float)))
+                KVT_FAIL("opencl %s: pre-activations or outputs differ from the CPU path's", nm);
+            kvt_checks++;
+            ASSERT_EQ(kv_opencl_expert_compute_pre(&ref, &rq, o2, g2, u2, &d), KV_EINVAL); /* not an OpenCL provider */
+        }
         /* malformed requests: refused, nothing computed */
         int32_t bad_ids[N_USED] = {0, N_EXPERT, 1};
         kv_expert_req bad = {0, 1, N_EMBD, N_USED, x, bad_ids, NULL};

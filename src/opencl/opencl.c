@@ -45,6 +45,8 @@ typedef struct kv_cl {
     uint8_t *xq, *hq;         /* [n_slots][row] quantized inputs */
     float *gate, *up, *down;  /* [n_slots][n_ff], [n_slots][n_ff], [n_slots][n_embd] */
     size_t xq_cap, hq_cap;    /* bytes of one quantized row, largest type */
+    float *pre_gate, *pre_up; /* kv_opencl_expert_compute_pre: [n_slots][n_ff] products before their
+                                 biases, in (token, rank) order, or NULL */
 } kv_cl;
 
 static int kv_cl_fail(kv_diag *d, const char *what, cl_int err) {
@@ -242,6 +244,12 @@ static int kv_cl_compute(void *impl, const kv_expert_req *req, float *out, kv_di
     if (e == CL_SUCCESS)
         e = clEnqueueReadBuffer(c->q, c->bu, CL_TRUE, 0, (size_t)n_slots * F * sizeof(float), c->up, 0, NULL, NULL);
     if (e != CL_SUCCESS) { rc = kv_cl_fail(d, "reading gate/up", e); goto done; }
+    if (c->pre_gate) /* what a verifier checks: the products, before biases and activation */
+        for (uint32_t i = 0; i < n_slots; i++) {
+            const size_t o = (size_t)c->slot_order[i] * F;
+            memcpy(c->pre_gate + o, c->gate + (size_t)i * F, (size_t)F * sizeof(float));
+            memcpy(c->pre_up + o, c->up + (size_t)i * F, (size_t)F * sizeof(float));
+        }
     for (int a = 0; a < n_active; a++) { /* slots in sorted order, expert by expert */
         const kv_expert_weights *w = &c->w[a];
         for (int32_t i = c->exp_first[c->active[a]]; i < c->exp_first[c->active[a] + 1]; i++) {
@@ -278,6 +286,17 @@ static int kv_cl_compute(void *impl, const kv_expert_req *req, float *out, kv_di
     }
 done:
     kv_cl_release(c, req->layer, n_acq);
+    return rc;
+}
+
+int kv_opencl_expert_compute_pre(const kv_expert_provider *p, const kv_expert_req *req, float *out, float *gate,
+                                 float *up, kv_diag *d) {
+    if (p->compute != kv_cl_compute) return kv_fail(d, KV_EINVAL, "opencl: not an OpenCL provider");
+    kv_cl *c = p->impl;
+    c->pre_gate = gate;
+    c->pre_up = up;
+    const int rc = kv_cl_compute(c, req, out, d);
+    c->pre_gate = c->pre_up = NULL;
     return rc;
 }
 
@@ -419,6 +438,12 @@ int kv_opencl_expert_new(kv_expert_provider *out, const kv_expert_source *src, u
     memset(out, 0, sizeof *out);
     return kv_fail(d, KV_EUNSUPPORTED, "opencl: this build has no OpenCL (install ocl-icd-opencl-dev and "
                    "opencl-headers, then rebuild)");
+}
+
+int kv_opencl_expert_compute_pre(const kv_expert_provider *p, const kv_expert_req *req, float *out, float *gate,
+                                 float *up, kv_diag *d) {
+    (void)p, (void)req, (void)out, (void)gate, (void)up;
+    return kv_fail(d, KV_EUNSUPPORTED, "opencl: this build has no OpenCL");
 }
 
 #endif
