@@ -1024,9 +1024,9 @@ static int setup(void) {
     for (int k = 0; k < 3; k++) {
         char cmd[1024], path[256];
         snprintf(path, sizeof path, "%s/%s.gguf", g_dir, g_types[k]);
-        snprintf(cmd, sizeof cmd, "%s gen-model " KV_TEST_VERIFY_ARCH " --out %s --layers 1 --embd %d --ff-exp %d --experts %d "
-                 "--experts-used 2 --vocab 300 --type %s --seed 5 >/dev/null 2>&1", bin, path, N_EMBD, N_FF, N_EXPERT,
-                 g_types[k]);
+        snprintf(cmd, sizeof cmd, "%s gen-model " KV_TEST_VERIFY_ARCH " --out %s --layers 1 --embd %d --ff-exp %d "
+                 "--experts %d --experts-used 2 --vocab 300 --type %s --seed 5 >/dev/null 2>&1", bin, path, N_EMBD, N_FF,
+                 N_EXPERT, g_types[k]);
         int rc = system(cmd);
         if (!WIFEXITED(rc) || WEXITSTATUS(rc)) return 1;
         kv_diag d = {0};
