@@ -1901,6 +1901,10 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         }
         if (pre > r_max) r_max = pre;
         if ((rc = kv_verify_new(&r->ver, r->n_layer, r->n_expert, r->n_embd, r->n_ff, opts->verify, d))) goto fail;
+        /* what the checks will meet, refused now rather than at the first answer */
+        for (size_t k = 0; k < (size_t)r->n_layer * r->n_expert; k++)
+            if (r->lhas[k] && (rc = kv_verify_supported(&r->lw[k], (uint32_t)(k / r->n_expert), r->n_embd, r->n_ff, d)))
+                goto fail;
         r->vdone = malloc(S ? S : 1);
         r->vg = malloc(4 * (size_t)r->n_ff * sizeof *r->vg);
         r->vu = malloc(4 * (size_t)r->n_ff * sizeof *r->vu);

@@ -902,9 +902,8 @@ static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     ack.n_ff_exp = w->n_ff;
     ack.n_expert = w->n_expert;
     ack.n_expert_used = w->n_expert_used;
-    /* pre-activations too, when asked (the CPU kernels only: the OpenCL
-       backend does not return them yet, so it does not offer them) */
-    ack.enc_mask = h->enc_mask & KV_ENC_MASK_VALID & ~(w->opts.opencl ? (uint32_t)KV_PROTO_CAP_PREACT : 0u);
+    /* pre-activations too, when asked (the CPU and the OpenCL providers both return them) */
+    ack.enc_mask = h->enc_mask & KV_ENC_MASK_VALID;
     snprintf(ack.backend, sizeof ack.backend, "%s", w->opts.opencl ? "opencl" : kv_quant_backend());
     ack.n_ranges = (uint32_t)w->n_ranges;
     ack.ranges = w->ranges;
@@ -1401,8 +1400,9 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
     const kv_expert_req req = {L, n, E, 1, w->xs, w->ids, NULL};
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
-    int rc = want_pre ? kv_expert_local_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d)
-                      : w->prov.compute(w->prov.impl, &req, w->ys, &d);
+    int rc = !want_pre       ? w->prov.compute(w->prov.impl, &req, w->ys, &d)
+             : w->opts.opencl ? kv_opencl_expert_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d)
+                              : kv_expert_local_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d);
     clock_gettime(CLOCK_MONOTONIC, &b);
     if (!rc && w->opts.test_lie) kv_worker_lie_outputs(w, n);
     atomic_fetch_add(&w->compute_us, (uint64_t)((b.tv_sec - a.tv_sec) * 1000000 + (b.tv_nsec - a.tv_nsec) / 1000));
