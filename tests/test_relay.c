@@ -715,10 +715,12 @@ static void test_slow_reader(void) {
     uint8_t *m = malloc(cap);
     for (size_t i = 0; i < cap; i++) m[i] = pat(i, 5);
     size_t put = 0;
-    for (int idle = 0; idle < 20 && put < cap;) {
+    /* stalled: nothing taken for a whole second (a count of short sleeps would
+       end early on a loaded machine, where the threads on the way run late) */
+    for (int64_t last = kv_net_now_ms(); kv_net_now_ms() - last < 1000 && put < cap;) {
         ssize_t k = write(a, m + put, cap - put > 65536 ? 65536 : cap - put);
-        if (k > 0) put += (size_t)k, idle = 0;
-        else idle++, sleep_ms(10);
+        if (k > 0) put += (size_t)k, last = kv_net_now_ms();
+        else sleep_ms(10);
     }
     ASSERT_TRUE(put > (512u << 10)); /* more than the windows on the way */
     ASSERT_TRUE(put < cap);          /* and then A stalled */
