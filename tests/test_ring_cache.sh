@@ -11,7 +11,9 @@
 # and logits are byte-identical to `kvasir run -m` without any cache (and
 # so to the first request's); speculative decoding (--draft ngram) with a
 # cache hit gives the same bytes. A node with a tiny budget (it evicts)
-# makes the ring reuse less, still byte-identical. A v4 peer is told the
+# makes the ring reuse less, still byte-identical; blocks evicted between
+# the lookup and the start (a test hook) give a clear miss, and the home
+# begins the request again from position 0, still byte-identical. A v4 peer is told the
 # version by name. Then a gateway over the ring: the official `openai`
 # client sees usage.prompt_tokens_details.cached_tokens > 0 on a repeated
 # long chat (whole and streamed) with the same text, Anthropic's
@@ -114,6 +116,24 @@ for arch in qwen3moe qwen35moe; do
   grep -q "prompt cache: .* [1-9][0-9]* evicted" "$dir/ring$t.err" ||
     fail "$arch: the small node evicted nothing: $(grep 'prompt cache:' "$dir/ring$t.err")"
   echo "ok: $arch: a node with a tiny budget evicts and the ring reuses $ct tokens (not $cb), bytes identical"
+
+  # a miss: the agreed blocks gone from one node between the LOOKUP and the START (a test hook
+  # empties its cache there): it fails the attempt, the home begins again from position 0
+  RING_NODE_EXTRA=("" "--test-cache-drop 1")
+  RING_EXTRA="--prompt-cache 64M" ring_start "$m" 0-1 2-3
+  RING_NODE_EXTRA=()
+  ask 0 "$P1" "$dir/a"
+  ask 0 "$P2" "$dir/b"
+  same "$dir/b" "$dir/$arch.l2" "$arch, a cache miss after the lookup"
+  [ "$(cached "$dir/b")" = 0 ] || fail "$arch: a miss reports $(cached "$dir/b") cached tokens"
+  grep -q "request .*node 2-3: prompt cache miss" "$dir/ring0.err" ||
+    fail "$arch: the home did not begin again after node 2-3's miss: $(cat "$dir/ring0.err")"
+  ask 1 "$P2" "$dir/c"
+  same "$dir/c" "$dir/$arch.l2" "$arch, after a miss"
+  [ "$(cached "$dir/c")" -gt 0 ] || fail "$arch: after a miss the cache was not filled again"
+  ring_stop
+  grep -q "prompt cache: .* 1 misses" "$dir/ring1.err" || fail "$arch: node 1 counted no miss: $(cat "$dir/ring1.err")"
+  echo "ok: $arch: a block evicted between the lookup and the start: a clear miss, begun again from 0, same bytes"
 done
 
 # ---- a v4 peer (a node before the prompt cache) is told the version by name

@@ -450,6 +450,8 @@ typedef struct kv_ring_node_opts {
                                    0 = none (docs/PROTOCOL.md "Prompt cache over the ring") */
     uint32_t prompt_cache_block; /* tokens per cache block, a multiple of 16 up to 4096, the same on every
                                    node; 0 = 64 */
+    uint32_t test_cache_drop;   /* test hook: the Nth START that begins from the prompt cache here finds
+                                   the cache emptied first (as if evicted since the LOOKUP); 0 = never */
     bool insecure_plaintext;    /* --insecure-plaintext: dial the next node in plaintext and serve
                                    plaintext peers from any address; off: the link to the next
                                    node is TLS 1.3 with its key handshake bound to the session,

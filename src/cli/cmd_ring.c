@@ -17,7 +17,7 @@
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", "--worker-wait-ms", "--site", "--prompt-cache", "--prompt-cache-block", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", "--worker-wait-ms", "--site", "--prompt-cache", "--prompt-cache-block", "--test-cache-drop", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -70,6 +70,8 @@ static const char *kv_ring_help =
     "  --link-delay-ms N   hold every frame to the next node N ms (emulated latency, for benchmarks\n"
     "                      where tc netem is not available)\n"
     "  --die-after-frames N  test hook: exit abruptly after computing N hidden-state frames\n"
+    "  --test-cache-drop N test hook: empty the prompt cache just before the Nth sequence that\n"
+    "                      begins from it here (a miss: its home begins it again from position 0)\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n"
     "Submit requests with: kvasir run --ring HOST:PORT -p TEXT ...\n";
 
@@ -205,6 +207,9 @@ int kv_cmd_ring(int argc, char **argv) {
         } else if (!strcmp(a, "--die-after-frames")) { /* test hook (fault tests): a crash at a known point */
             if (kv_arg_long(CMD, a, v, 1, 1L << 30, &lv)) return 1;
             o.die_after_frames = (uint32_t)lv;
+        } else if (!strcmp(a, "--test-cache-drop")) { /* test hook (test_ring_cache.sh): a miss at a known START */
+            if (kv_arg_long(CMD, a, v, 1, 1L << 30, &lv)) return 1;
+            o.test_cache_drop = (uint32_t)lv;
         } else if (!strcmp(a, "--link-delay-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 60000, &lv)) return 1;
             o.link_delay_ms = (uint32_t)lv;

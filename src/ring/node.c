@@ -186,6 +186,7 @@ struct kv_ring_node {
     uint32_t pc_block;        /* tokens per block */
     bool pc_rec;              /* this window holds recurrent layers: a block is resumable only with a state */
     kv_pc_entry **pc_path;    /* [n_ctx / pc_block + 1] a matched chain */
+    uint32_t pc_starts;       /* STARTs that began from the cache here (the test_cache_drop hook) */
     int32_t *pc_tok;          /* [n_ctx] a LOOKUP's or START's tokens as host ints */
     uint8_t *pc_bits;         /* [n_ctx / pc_block / 8 + 1] a LOOKUP's state bits being built */
 };
@@ -451,6 +452,15 @@ static int kv_rn_cache_restore(kv_ring_node *n, kv_rseq *s, const kv_ring_start 
     const uint32_t slot = kv_rn_slot(n, s), B = n->pc_block, nc = st->n_cached;
     const uint32_t nb = n->pcache ? nc / B : 0;
     uint32_t m = 0;
+    if (n->pcache && n->o.test_cache_drop && ++n->pc_starts == n->o.test_cache_drop) {
+        kv_pcache *fresh = NULL; /* the test hook: every block evicted since the LOOKUP */
+        kv_diag hd = {0};
+        if (!kv_pcache_new(&fresh, n->o.prompt_cache_bytes, B, kv_state_kv_bytes(n->st, B), kv_state_rec_bytes(n->st), &hd)) {
+            kv_pcache_free(n->pcache);
+            n->pcache = fresh;
+            kv_rn_log(n, "test hook: prompt cache emptied before sequence %016llx", (unsigned long long)st->seq);
+        }
+    }
     if (nb && nc % B == 0 && nc <= n->n_ctx) {
         kv_rn_pc_tokens(n, st->tokens, nc);
         m = kv_pcache_match(n->pcache, n->pc_tok, nc, nb, n->pc_path);
