@@ -177,7 +177,7 @@ import socket, struct, sys
 h, p = sys.argv[1].rsplit(":", 1)
 s = socket.create_connection((h, int(p)))
 s.settimeout(5)
-def frame(t, body, v=4): return struct.pack("<IHHI", 0x4752564b, v, t, len(body)) + body
+def frame(t, body, v=5): return struct.pack("<IHHI", 0x4752564b, v, t, len(body)) + body
 def read_frame():
     hd = b""
     while len(hd) < 12: hd += s.recv(12 - len(hd))

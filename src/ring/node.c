@@ -99,7 +99,6 @@ typedef struct kv_rreq {
     bool held;           /* waiting for the ring to be whole */
     bool looking;        /* its LOOKUP (id seq) is on its way round the ring */
     bool no_cache;       /* an attempt missed the caches: begin from position 0 from now on */
-    bool looked;         /* a LOOKUP came back for it (the client gets CACHED before its first token) */
     uint32_t n_cached;   /* positions the current attempt took from the caches */
     int64_t deadline_ms; /* while held */
     struct kv_rreq *next;
@@ -465,22 +464,23 @@ static int kv_rn_cache_restore(kv_ring_node *n, kv_rseq *s, const kv_ring_start 
         kv_rn_pc_tokens(n, st->tokens, nc);
         m = kv_pcache_match(n->pcache, n->pc_tok, nc, nb, n->pc_path);
     }
-    n->stats.cache_misses++; /* until it succeeds */
-    if (!nb || nc % B || m < nb || (n->pc_rec && !kv_pc_entry_rec(n->pc_path[nb - 1])))
+    if (!nb || nc % B || m < nb || (n->pc_rec && !kv_pc_entry_rec(n->pc_path[nb - 1]))) {
+        n->stats.cache_misses++;
         return kv_fail(d, KV_ENOTFOUND, "prompt cache miss: the %u positions agreed on are no longer held here "
                        "(evicted since the lookup); the home begins the sequence again from position 0", nc);
+    }
     kv_diag rd = {0};
     int rc = kv_state_reserve(n->st, slot, nc, &rd);
     for (uint32_t i = 0; !rc && i < nb; i++) rc = kv_state_kv_set(n->st, slot, i * B, B, kv_pc_entry_kv(n->pc_path[i]), &rd);
     if (!rc) rc = kv_state_seq_resume(n->st, slot, nc, kv_pc_entry_rec(n->pc_path[nb - 1]), &rd);
     if (rc) {
         kv_state_reset_seq(n->st, slot);
+        n->stats.cache_misses++;
         return kv_fail(d, KV_ENOTFOUND, "prompt cache miss: the %u cached positions could not be restored (%.300s); "
                        "the home begins the sequence again from position 0", nc, rd.msg);
     }
     kv_pcache_touch(n->pcache, n->pc_path, nb);
     kv_rn_log(n, "sequence %016llx: %u positions from the prompt cache", (unsigned long long)st->seq, nc);
-    n->stats.cache_misses--;
     n->stats.cache_hits++;
     n->stats.cache_tokens += nc;
     return 0;
@@ -699,7 +699,6 @@ static void kv_rn_on_lookup(kv_ring_node *n, const kv_ring_lookup *l, const uint
         uint32_t k = l->block_tokens == n->pc_block ? l->n_match : 0;
         while (k && !((l->state[(k - 1) / 8] >> ((k - 1) % 8)) & 1u)) k--;
         if ((uint64_t)k * n->pc_block >= r->n_prompt + r->n_gen) k = 0; /* cannot happen: our own lookup */
-        r->looked = true;
         kv_rn_begin(n, r, k * n->pc_block);
         return;
     }
@@ -1097,13 +1096,12 @@ static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const u
         kv_rn_req_free(n, r);
         return;
     }
-    r->toks[r->n_prompt + r->n_gen++] = t->token;
-    if (r->client && r->looked) { /* before its first token: the prompt tokens its caches gave */
-        r->looked = false;
+    if (r->client && n->pcache && r->n_gen == 0) { /* before its first token: the prompt tokens the caches gave */
         uint8_t cb[KV_RING_HEADER + 12];
         size_t cl;
         if (!kv_ring_cached_encode(cb, sizeof cb, r->id, r->n_cached, &cl, NULL)) kv_rn_send_raw(r->client, cb, cl);
     }
+    r->toks[r->n_prompt + r->n_gen++] = t->token;
     if (r->client) {
         char piece[KV_RING_MAX_PIECE];
         int pn = kv_tok_is_eog(kv_model_tok(n->m), t->token) ? 0
