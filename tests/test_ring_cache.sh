@@ -13,7 +13,8 @@
 # cache hit gives the same bytes. A node with a tiny budget (it evicts)
 # makes the ring reuse less, still byte-identical; blocks evicted between
 # the lookup and the start (a test hook) give a clear miss, and the home
-# begins the request again from position 0, still byte-identical. A v4 peer is told the
+# begins the request again from position 0, still byte-identical; a break
+# while such a request decodes replays it with the local bytes. A v4 peer is told the
 # version by name. Then a gateway over the ring: the official `openai`
 # client sees usage.prompt_tokens_details.cached_tokens > 0 on a repeated
 # long chat (whole and streamed) with the same text, Anthropic's
@@ -135,6 +136,34 @@ for arch in qwen3moe qwen35moe; do
   grep -q "prompt cache: .* 1 misses" "$dir/ring1.err" || fail "$arch: node 1 counted no miss: $(cat "$dir/ring1.err")"
   echo "ok: $arch: a block evicted between the lookup and the start: a clear miss, begun again from 0, same bytes"
 done
+
+# ---- a break while a request that began from the caches decodes: the middle node dies, a
+# replacement (its cache empty) takes its window, the home replays the request from its
+# tokens (a new LOOKUP: nothing held by every node), and the client gets the local bytes
+m="$dir/qwen3moe.gguf"
+"$KV" run -m "$m" -p "$P2" -n 40 --temp 0 --json --threads 1 --logits-out "$dir/l2long.bin" >"$dir/l2long.json"
+read -r -a ports <<<"$(free_ports 3)"
+A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
+ring_node 0 "$m" 0-1 "$A0" "$A1" --prompt-cache 64M
+ring_node 1 "$m" 2-2 "$A1" "$A2" --prompt-cache 64M --die-after-frames 25
+ring_node 2 "$m" 3-3 "$A2" "$A0" --prompt-cache 64M
+ring_wait_whole
+ask 0 "$P1" "$dir/a" # about 12 frames: 3 of prompt, then one per token
+"$KV" run --ring "$A2" "${RK[@]}" -p "$P2" -n 40 --temp 0 --json --logits-out "$dir/r.bin" >"$dir/r.json" 2>"$dir/r.err" &
+c=$!
+for _ in $(seq 400); do kill -0 "${RING_PID[1]}" 2>/dev/null || break; sleep 0.05; done
+kill -0 "${RING_PID[1]}" 2>/dev/null && fail "the middle node did not die"
+wait "${RING_PID[1]}" 2>/dev/null || true
+grep -q "dying after 25 frames" "$dir/ring1.err" || fail "the middle node died for another reason: $(cat "$dir/ring1.err")"
+grep -q "positions from the prompt cache" "$dir/ring1.err" || fail "the request did not begin from the caches"
+mv "$dir/ring1.err" "$dir/ring1.dead.err"
+ring_node 1 "$m" 2-2 "$A1" "$A2" --prompt-cache 64M
+wait $c || fail "the request failed after the replacement: $(cat "$dir/r.err")"
+same "$dir/r" "$dir/l2long" "a request begun from the caches, replayed across a break"
+grep -q "replaying request" "$dir/ring2.err" || fail "its home did not replay it: $(cat "$dir/ring2.err")"
+[ "$(cached "$dir/r")" -gt 0 ] || fail "the replayed request reports no cached tokens (its first attempt's)"
+ring_stop
+echo "ok: a request begun from the caches, its middle node dead mid-decode and replaced: replayed, same bytes"
 
 # ---- a v4 peer (a node before the prompt cache) is told the version by name
 ring_start "$dir/qwen3moe.gguf" 0-1 2-3
