@@ -14,10 +14,11 @@
 # makes the ring reuse less, still byte-identical; blocks evicted between
 # the lookup and the start (a test hook) give a clear miss, and the home
 # begins the request again from position 0, still byte-identical; a break
-# while such a request decodes replays it with the local bytes. A v4 peer is told the
-# version by name. Then a gateway over the ring: the official `openai`
-# client sees usage.prompt_tokens_details.cached_tokens > 0 on a repeated
-# long chat (whole and streamed) with the same text, Anthropic's
+# while such a request decodes replays it with the local bytes. A v4 peer
+# is told the version by name, and bad --prompt-cache flags are refused
+# naming them. Then a gateway over the ring: the official `openai` client
+# sees usage.prompt_tokens_details.cached_tokens > 0 on a repeated long
+# chat (whole and streamed) with the same text, Anthropic's
 # cache_read_input_tokens too, and /metrics counts lookups and hits.
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
@@ -184,6 +185,15 @@ EOF
 grep -aq "protocol version 4, this node speaks 5" "$dir/v4.out" || fail "a v4 peer got no clear version error: $(cat "$dir/v4.out")"
 ring_stop
 echo "ok: a v4 peer is told 'protocol version 4, this node speaks 5'"
+
+# ---- flags: a bad size or block is refused naming the flag
+"$KV" ring -m "$dir/qwen3moe.gguf" --layers 0-3 --listen 127.0.0.1:0 --next 127.0.0.1:1 --open \
+  --prompt-cache 12Q 2>"$dir/f1" && fail "--prompt-cache 12Q was taken"
+grep -q -- "--prompt-cache" "$dir/f1" || fail "a bad --prompt-cache: $(cat "$dir/f1")"
+"$KV" ring -m "$dir/qwen3moe.gguf" --layers 0-3 --listen 127.0.0.1:0 --next 127.0.0.1:1 --open \
+  --prompt-cache 1G --prompt-cache-block 24 2>"$dir/f2" && fail "--prompt-cache-block 24 was taken"
+grep -q -- "--prompt-cache-block" "$dir/f2" || fail "a bad --prompt-cache-block: $(cat "$dir/f2")"
+echo "ok: --prompt-cache and --prompt-cache-block refused naming the flag"
 
 # ---- a gateway over the ring: the official openai client sees cached_tokens
 [ -f "$SRC/tests/oracle/node_modules/openai/package.json" ] || fail "package missing: openai (make oracle)"
