@@ -387,6 +387,7 @@ static int kv_run_ring(const char *addr, const char *hub, const char *key_path, 
         if (draft) /* verify steps: the passes that verified drafts; emitted: every token */
             printf(",\"spec\":{\"passes\":%u,\"drafted\":%u,\"accepted\":%u,\"emitted\":%zu}", res.spec_passes,
                    res.spec_drafted, res.spec_accepted, o.n_gen);
+        printf(",\"cached_tokens\":%u", res.n_cached); /* prompt tokens the nodes' prompt caches gave */
         printf(",\"stop\":\"%s\",\"ring\":\"", kv_stop_name((enum kv_stop)res.stop));
         printf("%s\"}\n", addr);
     } else {

@@ -113,7 +113,7 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# TYPE kvasir_gateway_spec_tokens_per_verify gauge\n");
         KV_M("kvasir_gateway_spec_tokens_per_verify %.6f\n", (double)es->spec_emitted / (double)es->spec_steps);
     }
-    if (g->eng.cache_budget) {
+    if (g->eng.cache_budget || g->eng.cache_lookups) { /* a ring's caches are its nodes': lookups, hits, tokens */
         const kv_engine_stats *es = &g->eng;
         KV_M("# HELP kvasir_gateway_prompt_cache_lookups_total New sessions' prompts looked up in the prompt cache.\n");
         KV_M("# TYPE kvasir_gateway_prompt_cache_lookups_total counter\n");
@@ -124,6 +124,9 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# HELP kvasir_gateway_prompt_cache_tokens_total Prompt tokens taken from the cache, not evaluated.\n");
         KV_M("# TYPE kvasir_gateway_prompt_cache_tokens_total counter\n");
         KV_M("kvasir_gateway_prompt_cache_tokens_total %llu\n", (unsigned long long)es->cache_tokens);
+    }
+    if (g->eng.cache_budget) {
+        const kv_engine_stats *es = &g->eng;
         KV_M("# HELP kvasir_gateway_prompt_cache_evictions_total Cache blocks evicted for room (least recently used).\n");
         KV_M("# TYPE kvasir_gateway_prompt_cache_evictions_total counter\n");
         KV_M("kvasir_gateway_prompt_cache_evictions_total %llu\n", (unsigned long long)es->cache_evictions);
