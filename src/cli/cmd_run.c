@@ -226,9 +226,9 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
         printf(",\"backend\":"); /* the kernel backend it announced (HELLO_ACK) */
         kv_json_str(stdout, w.backend, strlen(w.backend));
         printf(",\"caught\":%s,\"verified\":%llu", w.caught ? "true" : "false", (unsigned long long)w.verified);
-        printf(",\"latency_ms\":%.3f,\"p95_ms\":%.3f,\"hedged\":%llu,\"hedges_won\":%llu,\"late\":%llu,\"cancelled\":%llu",
+        printf(",\"latency_ms\":%.3f,\"p95_ms\":%.3f,\"hedged\":%llu,\"hedges_won\":%llu,\"late\":%llu,\"cancelled\":%llu,\"probes\":%llu",
                w.latency_ms, w.p95_ms, (unsigned long long)w.hedged, (unsigned long long)w.hedges_won,
-               (unsigned long long)w.late, (unsigned long long)w.cancelled);
+               (unsigned long long)w.late, (unsigned long long)w.cancelled, (unsigned long long)w.probes);
         printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
                "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
                (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
