@@ -65,7 +65,9 @@
  * hedge goes to a replica that holds every expert of the request, is up,
  * idle and not demoted, the one expected to answer first; at most one per
  * request, none of a hedge, and no more than hedge_budget per request sent
- * (bursts of KV_REMOTE_HEDGE_BURST). The first answer that passes the
+ * (bursts of KV_REMOTE_HEDGE_BURST; a hedge whose loser was cancelled before
+ * it computed anything duplicated no work, and its token is given back).
+ * The first answer that passes the
  * checks settles the slots (a lie settles nothing: the other request still
  * counts); the other request is superseded. A worker of protocol v6 is
  * sent a CANCEL for it at once: it answers CANCELLED (it dropped the
@@ -788,18 +790,18 @@ static void kv_rw_lat_add(kv_rw *w, double t) {
 }
 
 /* A request of w was cancelled (v6) t seconds after it was sent,
- * unanswered: its answer time was at least t. The estimate that the
- * replica choice uses rises to that lower bound, so a replica whose
+ * unanswered. Its answer time is unknown, but as kv_rw_backlog has it, a
+ * stall that has lasted t is expected to last as long again: the estimate
+ * that the replica choice uses rises to at least 2t, so a replica whose
  * requests are called off loses its share (until the estimate is stale,
  * KV_REMOTE_LAT_STALE_S, and it is tried again) as one whose stall was
- * timed would, without a stall's seconds: t is about the hedge time, far
- * below a demotion. It is never put in the ring of answer times: the p50
- * and p95 that the hedge time comes from are answers only (a cancel's age
- * is the hedge time itself; fed back, it would push the hedge time up with
- * every hedge). */
+ * timed would, without a stall's seconds: t is about the hedge time. It is
+ * never put in the ring of answer times: the p50 and p95 that the hedge
+ * time comes from are answers only (a cancel's age is the hedge time
+ * itself; fed back, it would push the hedge time up with every hedge). */
 static void kv_rw_lat_floor(kv_rw *w, double t) {
-    if (!(t > w->lat_s)) return;
-    w->lat_s = t;
+    if (!(2 * t > w->lat_s)) return;
+    w->lat_s = 2 * t;
     w->lat_t = kv_mono();
 }
 
@@ -1108,6 +1110,9 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         if (msg.h.request_id != w->ghost[g].id) continue;
         if (msg.h.type == KV_MSG_CANCELLED && w->ghost[g].cancel_at > 0) { /* dropped on our CANCEL */
             kv_rw_lat_floor(w, w->ghost[g].cancel_at - w->ghost[g].sent);
+            /* nothing was computed twice: the hedge's token is given back */
+            if (r->hedge_budget > 0 && (r->hedge_tokens += 1) > KV_REMOTE_HEDGE_BURST)
+                r->hedge_tokens = KV_REMOTE_HEDGE_BURST;
             memmove(&w->ghost[g], &w->ghost[g + 1], (w->n_ghost - g - 1) * sizeof w->ghost[0]);
             w->n_ghost--;
             w->n_cancelled++;
