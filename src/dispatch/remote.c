@@ -913,7 +913,8 @@ static void kv_rw_supersede(kv_remote *r, kv_rw *w) {
     /* the connection's send queue has KV_REMOTE_TX_SPARE bytes beyond its
        largest frame: a CANCEL that would not fit is not sent (the request is
        then awaited as from an older worker) rather than overflow it */
-    if (w->version >= KV_PROTO_CANCEL_VERSION && w->nc && kv_net_conn_pending(w->nc) + KV_PROTO_HEADER <= KV_REMOTE_TX_SPARE) {
+    if (w->version >= KV_PROTO_CANCEL_VERSION && w->state == KV_RW_UP && w->nc &&
+        kv_net_conn_pending(w->nc) + KV_PROTO_HEADER <= KV_REMOTE_TX_SPARE) {
         uint8_t *p = kv_net_conn_reserve(w->nc, KV_PROTO_HEADER);
         size_t n = 0;
         if (p && !kv_msg_cancel_encode(p, KV_PROTO_HEADER, KV_MSG_CANCEL, w->req_id, &n, NULL)) {

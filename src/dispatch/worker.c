@@ -5,9 +5,14 @@
  * Threads: the thread that calls kv_worker_serve runs one event loop
  * (include/kvasir/net.h) for every connection, and the compute pool
  * (--threads) runs the kernels; nothing else, whatever the number of
- * connections. A connection's COMPUTE is held in its receive buffer as a
- * job (its connection reads nothing more meanwhile); the loop's tick runs
- * one scheduling round at a time:
+ * connections. A connection's COMPUTE is its job: up to v5 it is held in
+ * the receive buffer (the connection reads nothing more meanwhile); from
+ * v6 on it is copied out, so that a CANCEL behind it is read and served at
+ * once (the job, if it has not begun its RESULT, is dropped uncomputed and
+ * answered CANCELLED; any other id is ignored, at no cost), while any
+ * other frame waits in the receive buffer until the job's answer is out
+ * (answers keep request order). The loop's tick runs one scheduling round
+ * at a time:
  *   - round robin over connections with a job: the first ready job names
  *     the layer, and every ready job of that layer gets a quantum of its
  *     next pairs (KV_WORKER_CHUNK rows per round in all), so requests of
@@ -68,7 +73,8 @@
  *
  * Memory: every connection's buffers are charged to one budget; a receive
  * buffer grows with the bytes that actually arrived, up to the largest
- * COMPUTE this model admits; the send queue is bounded by the high-water
+ * COMPUTE this model admits, and so does a v6 job's copy (kept for the next
+ * job up to KV_WORKER_JOB_KEEP); the send queue is bounded by the high-water
  * mark plus one round. The compute scratch is allocated once. */
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -1334,6 +1340,7 @@ static void kv_wc_job_end(kv_worker *w, kv_wconn *c) {
         const int rc = kv_wc_on_frame(c->nc, f, n); /* not busy now: served as it would have been */
         if (rc < 0 && !kv_net_conn_closing(c->nc)) kv_net_conn_close(c->nc, rc, kv_err_str(rc));
         if (kv_net_conn_closing(c->nc)) return;
+        KV_ASSERT(rc != KV_NET_HOLD); /* only v6 defers, and a v6 COMPUTE is copied, never held */
         /* a v6 COMPUTE was copied: its place in the receive buffer is released below */
     }
     kv_net_conn_release(c->nc);
