@@ -199,6 +199,10 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         KV_M("# HELP kvasir_gateway_late_answers_total Worker answers discarded because a replica had answered first.\n");
         KV_M("# TYPE kvasir_gateway_late_answers_total counter\n");
         KV_M("kvasir_gateway_late_answers_total %llu\n", (unsigned long long)g->late_answers);
+        KV_M("# HELP kvasir_gateway_hedges_cancelled_total Superseded requests their worker dropped on a CANCEL, "
+             "before computing them.\n");
+        KV_M("# TYPE kvasir_gateway_hedges_cancelled_total counter\n");
+        KV_M("kvasir_gateway_hedges_cancelled_total %llu\n", (unsigned long long)g->hedges_cancelled);
         const kv_gw_autoscale *a = &g->as;
         KV_M("# HELP kvasir_gateway_expert_pairs_total Expert computations by where they ran: held (a local slab\n"
              "# within --local-experts), local (any local slab, held ones included), remote (a worker).\n");
