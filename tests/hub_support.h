@@ -27,6 +27,7 @@
 #include "kvasir/node.h"
 #include "kvasir/slice.h"
 #include "kvtest.h"
+#include "proc_support.h"
 
 #ifndef HUBT_DIR_TAG
 #error "define HUBT_DIR_TAG before including hub_support.h"
@@ -65,38 +66,14 @@ static bool g_trust = true;
 
 /* Starts `kvasir hub` with extra args; waits for "listening on". */
 static KVT_UNUSED int hub_start(hub_proc *p, const char *db, const char *extra) {
-    int fds[2];
-    if (pipe(fds)) return -1;
-    char cmd[2048];
+    char cmd[2048], addr[256];
     snprintf(cmd, sizeof cmd, "exec '%s' hub --model '%s' --db '%s' --listen 127.0.0.1:0 --quiet %s %s 2>/dev/null",
              getenv("KV_BIN"), g_manifest, db, g_trust ? "--trust-announced" : "", extra ? extra : "");
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 1);
-        close(fds[0]);
-        close(fds[1]);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
-    close(fds[1]);
-    char line[256];
-    size_t n = 0;
-    struct pollfd pf = {.fd = fds[0], .events = POLLIN};
-    while (n < sizeof line - 1 && poll(&pf, 1, 10000) == 1) {
-        ssize_t r = read(fds[0], line + n, 1);
-        if (r != 1 || line[n] == '\n') break;
-        n++;
-    }
-    line[n] = 0;
-    close(fds[0]);
-    if (strncmp(line, "listening on ", 13)) {
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
-        fprintf(stderr, "hub did not start: '%s'\n", line);
+    if (kvt_spawn_listening(cmd, 10000, &p->pid, addr, sizeof addr)) {
+        fprintf(stderr, "hub did not start: '%s'\n", addr);
         return -1;
     }
-    p->pid = pid;
-    snprintf(p->url, sizeof p->url, "http://%s", line + 13);
+    snprintf(p->url, sizeof p->url, "http://%s", addr);
     return 0;
 }
 
