@@ -1,11 +1,11 @@
 /* Test support for the f64 reference forward passes (tests/test_model.c,
- * test_deepseek2.c, test_gptoss.c, test_qwen35.c): the plain double
- * kernels every reference is built from (matrix-vector product over an F32
- * weight, RMS norm, sigmoid, SiLU), our f32 logits token by token and
- * chunked through kv_state, and the worst |logit difference| between the
- * two over several prefix lengths. The kernels are naive loops on purpose:
- * they share nothing with src/cpu. Header-only (static functions): include
- * it once per test executable. */
+ * test_deepseek2.c, test_gptoss.c, test_qwen35.c, and the MTP reference of
+ * test_spec_engine.c): the plain double kernels every reference is built
+ * from (matrix-vector product over an F32 weight, RMS norm, sigmoid, SiLU),
+ * our f32 logits token by token and chunked through kv_state, and the
+ * worst |logit difference| between the two over several prefix lengths.
+ * The kernels are naive loops on purpose: they share nothing with src/cpu.
+ * Header-only (static functions): include it once per test executable. */
 #ifndef KVASIR_REF64_H
 #define KVASIR_REF64_H
 

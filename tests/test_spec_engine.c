@@ -33,6 +33,7 @@
 #include "kvasir/quant.h"
 #include "kvtest.h"
 #include "engine_fixture.h"
+#include "ref64.h"
 #include "engine/spec.h"
 #include "model/model_internal.h"
 
@@ -274,22 +275,8 @@ static void test_engine_qwen35moe(void) { test_engine(&g_fx[1]); }
 
 /* y = W x for a 2-D F32 weight (or one expert matrix at base), in double */
 static void mv(const kv_weight *w, const float *base, const double *x, double *y) {
-    const float *W = base ? base : (const float *)w->data;
-    const int64_t n = w->ne[0], rows = w->ne[1];
-    for (int64_t r = 0; r < rows; r++) {
-        double acc = 0;
-        for (int64_t j = 0; j < n; j++) acc += (double)W[r * n + j] * x[j];
-        y[r] = acc;
-    }
+    ref_matvec(y, base ? base : (const float *)w->data, x, (int)w->ne[1], (int)w->ne[0]);
 }
-static void rms(double *y, const double *x, const float *w, int64_t n, double eps) {
-    double ss = 0;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    const double sc = 1.0 / sqrt(ss / (double)n + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * sc * (double)w[i];
-}
-static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
-static double silu(double x) { return x * sigm(x); }
 
 /* interleaved multi-section RoPE from its definition: pair i (of n_rot/2,
  * NeoX pairing i, i + n_rot/2) takes the position of its section's
@@ -331,19 +318,19 @@ static void mtp_ref_step(const kv_model *m, mtp_ref *r, const float *hin, int32_
     double cat[1024], e[512], hh[512], u[512], xb[512], qg[1024], q[512], k[256], v[256], o[512], t[512];
     const float *emb = (const float *)m->tok_embd.data + (size_t)tok * E;
     for (int64_t i = 0; i < E; i++) e[i] = emb[i], hh[i] = hin[i];
-    rms(cat, e, L->nextn_enorm.data, E, eps);
-    rms(cat + E, hh, L->nextn_hnorm.data, E, eps);
+    ref_rms(cat, e, L->nextn_enorm.data, E, eps);
+    ref_rms(cat + E, hh, L->nextn_hnorm.data, E, eps);
     mv(&L->nextn_eh_proj, NULL, cat, u);
-    rms(xb, u, L->attn_norm.data, E, eps);
+    ref_rms(xb, u, L->attn_norm.data, E, eps);
     mv(&L->wq, NULL, xb, qg);
     mv(&L->wk, NULL, xb, k);
     mv(&L->wv, NULL, xb, v);
     for (int64_t h = 0; h < H; h++) {
-        rms(q + h * HD, qg + h * 2 * HD, L->q_norm.data, HD, eps);
+        ref_rms(q + h * HD, qg + h * 2 * HD, L->q_norm.data, HD, eps);
         imrope_ref(q + h * HD, hp, pos);
     }
     for (int64_t h = 0; h < HKV; h++) {
-        rms(k + h * HD, k + h * HD, L->k_norm.data, HD, eps);
+        ref_rms(k + h * HD, k + h * HD, L->k_norm.data, HD, eps);
         imrope_ref(k + h * HD, hp, pos);
     }
     /* this position's K/V replaces any at pos or after (what kv_mtp_step's caller forgot) */
@@ -366,14 +353,14 @@ static void mtp_ref_step(const kv_model *m, mtp_ref *r, const float *hin, int32_
         for (int64_t i = 0; i < HD; i++) {
             double acc = 0;
             for (uint32_t j = 0; j < r->n; j++) acc += sc[j] / sum * r->v[j][kh * HD + i];
-            o[h * HD + i] = acc * sigm(qg[h * 2 * HD + HD + i]);
+            o[h * HD + i] = acc * ref_sigm(qg[h * 2 * HD + HD + i]);
         }
     }
     (void)QD;
     mv(&L->wo, NULL, o, t);
     double x[512], ffn[512], pr[256], g[512], up[512], act[512], y[512];
     for (int64_t i = 0; i < E; i++) x[i] = u[i] + t[i], ffn[i] = 0;
-    rms(xb, x, L->post_norm.data, E, eps);
+    ref_rms(xb, x, L->post_norm.data, E, eps);
     mv(&L->gate_inp, NULL, xb, pr);
     double mx = -1e300, sum = 0;
     for (int64_t i = 0; i < NE; i++) mx = pr[i] > mx ? pr[i] : mx;
@@ -396,18 +383,18 @@ static void mtp_ref_step(const kv_model *m, mtp_ref *r, const float *hin, int32_
         const int ex = ids[rr];
         mv(&L->gate_exps, (const float *)((const uint8_t *)L->gate_exps.data + (size_t)ex * L->gate_exps.nb2), xb, g);
         mv(&L->up_exps, (const float *)((const uint8_t *)L->up_exps.data + (size_t)ex * L->up_exps.nb2), xb, up);
-        for (int64_t i = 0; i < F; i++) act[i] = silu(g[i]) * up[i];
+        for (int64_t i = 0; i < F; i++) act[i] = ref_silu(g[i]) * up[i];
         mv(&L->down_exps, (const float *)((const uint8_t *)L->down_exps.data + (size_t)ex * L->down_exps.nb2), act, y);
         for (int64_t i = 0; i < E; i++) ffn[i] += w[rr] * y[i];
     }
     mv(&L->gate_shexp, NULL, xb, g);
     mv(&L->up_shexp, NULL, xb, up);
-    for (int64_t i = 0; i < S; i++) act[i] = silu(g[i]) * up[i];
+    for (int64_t i = 0; i < S; i++) act[i] = ref_silu(g[i]) * up[i];
     mv(&L->down_shexp, NULL, act, y);
     double gs;
     mv(&L->gate_inp_shexp, NULL, xb, &gs);
-    for (int64_t i = 0; i < E; i++) x[i] += ffn[i] + y[i] * sigm(gs);
-    rms(hout, x, (L->nextn_head_norm.data ? L->nextn_head_norm.data : m->output_norm.data), E, eps);
+    for (int64_t i = 0; i < E; i++) x[i] += ffn[i] + y[i] * ref_sigm(gs);
+    ref_rms(hout, x, (L->nextn_head_norm.data ? L->nextn_head_norm.data : m->output_norm.data), E, eps);
     mv(&m->output, NULL, hout, logits);
 }
 
