@@ -177,7 +177,7 @@ char *kv_gw_metrics_text(kv_gateway *g) {
         metric_u(&b, "kvasir_gateway_hedges_won_total", "counter", g->hedges_won,
                  "Hedged requests whose replica answered first.");
         metric_u(&b, "kvasir_gateway_hedged_pairs_total", "counter", g->hedged_pairs,
-                 "(token, expert) slots hedges carried: both replicas computed them.");
+                 "(token, expert) slots hedges carried: computed twice unless the loser was cancelled.");
         metric_u(&b, "kvasir_gateway_late_answers_total", "counter", g->late_answers,
                  "Worker answers discarded because a replica had answered first.");
         metric_u(&b, "kvasir_gateway_hedges_cancelled_total", "counter", g->hedges_cancelled,
