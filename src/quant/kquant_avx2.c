@@ -57,7 +57,7 @@ static void q2_K_dot(int64_t n, float *s, const void *w, const void *a) {
             }
         }
         const __m256i M = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), m16);
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d), dm = y[i].d * kv_fp16_to_fp32(x[i].dmin);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d), dm = y[i].d * _cvtsh_ss(x[i].dmin);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dm), accm);
     }
@@ -87,7 +87,7 @@ static void q3_K_dot(int64_t n, float *s, const void *w, const void *a) {
             }
         }
         const __m256i C = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), s16);
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_slli_epi32(C, 2))),
                               _mm256_set1_ps(dd), acc);
     }
@@ -112,7 +112,7 @@ static void iq4_xs_dot(int64_t n, float *s, const void *w, const void *a) {
             const __m256i ls = _mm256_set1_epi16((short)kv_iq4_xs_scale(&x[i], ib));
             isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ls));
         }
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
     }
     *s = hsum8(acc);
@@ -191,7 +191,7 @@ AI void q3_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                 }
             }
         }
-        const float xd = kv_fp16_to_fp32(x->d);
+        const float xd = _cvtsh_ss(x->d);
         KQ_UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
             const __m256i C = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)y->bsums), s16);
@@ -232,7 +232,7 @@ AI void q2_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                 }
             }
         }
-        const float xd = kv_fp16_to_fp32(x->d), xm = kv_fp16_to_fp32(x->dmin);
+        const float xd = _cvtsh_ss(x->d), xm = _cvtsh_ss(x->dmin);
         KQ_UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
             const __m256i M = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)y->bsums), m16);
@@ -281,7 +281,7 @@ AI void iq4_xs_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, con
                 KQ_KEEP(isum[t]);
             }
         }
-        const float xd = kv_fp16_to_fp32(x->d);
+        const float xd = _cvtsh_ss(x->d);
         KQ_UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(y->d * xd), acc[t]);
