@@ -196,10 +196,13 @@ AI void kd_prep(const kv_block_q8_K *y, int64_t nsb, int iq, uint8_t *buf) {
     for (int64_t i = 0; i < nsb; i++) {
         uint8_t *o = buf + (size_t)i * ss;
         const int8_t *q = y[i].qs;
-        if (iq) {
-            memcpy(o, q, 256);
+        if (iq) { /* half H: [lo: values 0..15 of sub-blocks 4H..4H+3][hi: 16..31] */
+            for (int sb = 0; sb < 8; sb++) {
+                memcpy(o + 128 * (sb / 4) + 16 * (sb % 4), q + 32 * sb, 16);
+                memcpy(o + 128 * (sb / 4) + 64 + 16 * (sb % 4), q + 32 * sb + 16, 16);
+            }
             for (int k = 0; k < 4; k++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * k));
+                const __m512i v = _mm512_loadu_si512((const void *)(o + 64 * k));
                 _mm512_storeu_si512((void *)(o + 256 + 64 * k),
                                     _mm512_sub_epi32(_mm512_setzero_si512(),
                                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), v)));
@@ -313,16 +316,20 @@ AI void q3_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const u
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
-/* IQ4_XS: pair p (0..3) of sub-blocks 2p (low half), 2p + 1 (high half);
- * each sub-block's exact group sums times its scale (vpmulld). */
+/* IQ4_XS: half H (0, 1) of a super-block is its 64 qs bytes: 128-bit lane s
+ * holds sub-block 4H + s, low nibbles its values 0..15, high nibbles 16..31
+ * (the prepared activations in the same order: kd_prep). Each sub-block's
+ * exact group sums times its scale (vpmulld, the scale per 128-bit lane),
+ * summed per canonical lane at the end of the super-block. */
 AI void iq4_xs_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const uint8_t *q, const kv_block_q8_K *y,
                    float *out, __m512i ixA, __m512i ixB) {
     (void)ixA, (void)ixB;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m512i tbl = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4nl_values)),
                                          _mm512_set1_epi8((char)0x80));
-    const long long f4 = 0x0004000400040004ll; /* per 128-bit lane: 0, 4, 0, 4 */
-    const __m512i cnt = _mm512_set_epi64(f4, f4, 0, 0, f4, f4, 0, 0);
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i i0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i i1 = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
     for (int64_t i = 0; i < nsb; i++) {
         const uint8_t *yq = q + (size_t)i * 512;
         for (int r = 0; r < R; r++) {
@@ -331,20 +338,25 @@ AI void iq4_xs_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const
             _mm_prefetch((const char *)x + KV_KD_PF * rb + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)x + KV_KD_PF * rb + sizeof(*x) - 1, _MM_HINT_T0);
             const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi16_epi32(iq4_xs_scales(x)));
-            __m512i is = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++) {
-                const __m512i qz = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qs + 32 * p)));
-                const __m512i u = _mm512_shuffle_epi8(
-                    tbl, _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_i64x2(qz, qz, 0x50), cnt), _mm512_set1_epi8(0xF)));
-                const __m512i g = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(yq + 256 + 64 * p)), u,
-                                                      _mm512_load_si512((const void *)(yq + 64 * p)));
-                const __m512i sp = _mm512_permutexvar_epi32(
-                    _mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1,
-                                      2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1), sc);
-                is = _mm512_add_epi32(is, _mm512_mullo_epi32(g, sp));
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int H = 0; H < 2; H++) {
+                const __m512i qv = _mm512_loadu_si512((const void *)(x->qs + 64 * H));
+                const __m512i sv = _mm512_permutexvar_epi32(H ? i1 : i0, sc);
+                const uint8_t *yh = yq + 128 * H;
+                const __m512i gl = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(yh + 256)),
+                                                       _mm512_shuffle_epi8(tbl, _mm512_and_si512(qv, m4)),
+                                                       _mm512_load_si512((const void *)yh));
+                const __m512i gh = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(yh + 256 + 64)),
+                                                       _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(qv, 4), m4)),
+                                                       _mm512_load_si512((const void *)(yh + 64)));
+                lo = _mm512_add_epi32(lo, _mm512_mullo_epi32(gl, sv));
+                hi = _mm512_add_epi32(hi, _mm512_mullo_epi32(gh, sv));
             }
+            /* lane j < 4: the lo lanes 4s + j summed over s; j >= 4: the hi lanes */
+            const __m512i c = _mm512_add_epi32(_mm512_shuffle_i64x2(lo, hi, 0x44), _mm512_shuffle_i64x2(lo, hi, 0xEE));
+            const __m512i e = _mm512_add_epi32(_mm512_shuffle_i64x2(c, c, 0x08), _mm512_shuffle_i64x2(c, c, 0x0D));
             const float dd = y[i].d * _cvtsh_ss(x->d);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold16(is)), _mm256_set1_ps(dd), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(e)), _mm256_set1_ps(dd), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
