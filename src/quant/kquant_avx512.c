@@ -3,10 +3,11 @@
  * int32 lanes 0..7 hold chunk c's canonical lanes, 8..15 chunk c+1's; the
  * two halves are added (exact integers) into the 8 canonical lanes before
  * the float steps, which are the reference's (kquant_ref.c), so the result
- * is bit-identical to it. mat: one token runs these zmm dots row by row
- * from KV_KQ_STREAMS far-apart parts of the range, each prefetching its
- * next row; several tokens run the AVX2 level's row tiles (kquant_avx2.c,
- * one weight decode for up to 4 tokens), the same bits. */
+ * is bit-identical to it. mat: one token runs the decode kernels below
+ * (*_dec: prepared activations, two far-apart rows a pass, prefetch; the
+ * zmm dots row by row when n is past their buffer); several tokens run the
+ * AVX2 level's row tiles (kquant_avx2.c, one weight decode for up to 4
+ * tokens), the same bits. */
 #include <immintrin.h>
 #include <string.h>
 

@@ -5,9 +5,11 @@
  * block in its low half and the next odd block in its high half. Group sums
  * are one vpdpbusd (u8 x s8, int32 accumulation, no saturation) of |w|
  * against the activation negated where w < 0. A row with an odd block count
- * ends with its last block in the low half alone. Q4_1 and Q5_1 keep the
- * AVX2 kernels: their order is one 8-lane chain (ggml's), which a zmm
- * cannot split. */
+ * ends with its last block in the low half alone. One token (decode) takes
+ * Q4_0's form instead (dec_rows below). Q4_1 and Q5_1 keep the AVX2
+ * kernels for several tokens: their order is one 8-lane chain (ggml's),
+ * which a zmm cannot split; their one-token kernel (decm_rows) is that
+ * chain with ymm vpdpbusd, two rows a pass. */
 #include "quant/legacy_x86.h"
 
 #include <string.h>
