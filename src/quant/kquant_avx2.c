@@ -57,7 +57,7 @@ static void q2_K_dot(int64_t n, float *s, const void *w, const void *a) {
             }
         }
         const __m256i M = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), m16);
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d), dm = y[i].d * kv_fp16_to_fp32(x[i].dmin);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d), dm = y[i].d * _cvtsh_ss(x[i].dmin);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dm), accm);
     }
@@ -87,7 +87,7 @@ static void q3_K_dot(int64_t n, float *s, const void *w, const void *a) {
             }
         }
         const __m256i C = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), s16);
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_slli_epi32(C, 2))),
                               _mm256_set1_ps(dd), acc);
     }
@@ -112,7 +112,7 @@ static void iq4_xs_dot(int64_t n, float *s, const void *w, const void *a) {
             const __m256i ls = _mm256_set1_epi16((short)kv_iq4_xs_scale(&x[i], ib));
             isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ls));
         }
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
     }
     *s = hsum8(acc);
@@ -191,7 +191,7 @@ AI void q3_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                 }
             }
         }
-        const float xd = kv_fp16_to_fp32(x->d);
+        const float xd = _cvtsh_ss(x->d);
         KQ_UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
             const __m256i C = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)y->bsums), s16);
@@ -232,7 +232,7 @@ AI void q2_K_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, const
                 }
             }
         }
-        const float xd = kv_fp16_to_fp32(x->d), xm = kv_fp16_to_fp32(x->dmin);
+        const float xd = _cvtsh_ss(x->d), xm = _cvtsh_ss(x->dmin);
         KQ_UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
             const __m256i M = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)y->bsums), m16);
@@ -281,13 +281,62 @@ AI void iq4_xs_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, con
                 KQ_KEEP(isum[t]);
             }
         }
-        const float xd = kv_fp16_to_fp32(x->d);
+        const float xd = _cvtsh_ss(x->d);
         KQ_UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_K *y = (const kv_block_q8_K *)(const void *)(a + t * ab) + i;
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(y->d * xd), acc[t]);
         }
     }
     KQ_UNROLL for (int t = 0; t < TT; t++) out[t] = hsum8(acc[t]);
+}
+
+/* IQ4_XS, one token (decode): 32 qs bytes are sub-blocks 2p (low 128-bit
+ * lane) and 2p + 1 (high); their low nibbles (values 0..15 of each) and high
+ * nibbles (16..31) are two ymm against the activations copied once per call
+ * in that order (iq4_xs_prep), each 128-bit lane scaled by its sub-block's
+ * scale. The int32 lanes of the low-nibble products are canonical lanes 0..3
+ * (twice: one per sub-block), the high ones 4..7: summed per canonical lane
+ * at the end of the super-block. Exact integers, the reference's float steps:
+ * the same bits. */
+#define KD2_PRE (32 * 1024) /* 256 bytes a super-block: n <= 32,768 */
+AI void iq4_xs_prep(const kv_block_q8_K *y, int64_t nsb, uint8_t *buf) {
+    for (int64_t i = 0; i < nsb; i++)
+        for (int sb = 0; sb < 8; sb++) { /* pair p: [lo: 0..15 of 2p, 2p+1][hi: 16..31 of 2p, 2p+1] */
+            uint8_t *o = buf + 256 * i + 64 * (sb / 2) + 16 * (sb % 2);
+            memcpy(o, y[i].qs + 32 * sb, 16);
+            memcpy(o + 32, y[i].qs + 32 * sb + 16, 16);
+        }
+}
+
+AI float iq4_xs_dec1(int64_t nsb, const uint8_t *w, size_t rb, const uint8_t *pre, const kv_block_q8_K *y) {
+    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)kv_iq4nl_values));
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nsb; i++) {
+        const kv_block_iq4_xs *x = (const kv_block_iq4_xs *)(const void *)w + i;
+        _mm_prefetch((const char *)x + rb, _MM_HINT_T0); /* the next row */
+        _mm_prefetch((const char *)x + rb + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)x + rb + sizeof(*x) - 1, _MM_HINT_T0);
+        const __m256i ls8 = _mm256_broadcastsi128_si256(iq4_xs_scales(x));
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+        KQ_UNROLL for (int p = 0; p < 4; p++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(x->qs + 32 * p));
+            const __m256i vl = _mm256_shuffle_epi8(tbl, _mm256_and_si256(q, m4));
+            const __m256i vh = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+            const __m256i al = _mm256_load_si256((const __m256i *)(const void *)(pre + 256 * i + 64 * p));
+            const __m256i ah = _mm256_load_si256((const __m256i *)(const void *)(pre + 256 * i + 64 * p + 32));
+            /* words 2p (low lane), 2p + 1 (high lane) of the scales */
+            const __m256i ls = _mm256_shuffle_epi8(ls8, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * p + 3) + 4 * p + 2)),
+                                                                         _mm_set1_epi16((short)(0x0100 * (4 * p + 1) + 4 * p))));
+            /* |v| * (a with v's sign): pair sums <= 2 * 127 * 127, no saturation */
+            lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(vl, vl), _mm256_sign_epi8(al, vl)), ls));
+            hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(vh, vh), _mm256_sign_epi8(ah, vh)), ls));
+        }
+        /* lanes 0..3: lo's two 128-bit lanes summed; 4..7: hi's */
+        const __m256i is = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(y[i].d * _cvtsh_ss(x->d)), acc);
+    }
+    return hsum8(acc);
 }
 
 /* Rows [r0,r1) x n_tok tokens. One token: one row at a time from
@@ -338,7 +387,30 @@ AI void iq4_xs_rtile(const int TT, int64_t nsb, const uint8_t *w, size_t rb, con
 
 KQ_MAT(q3_K_mat, q3_K_rtile)
 KQ_MAT(q2_K_mat, q2_K_rtile)
-KQ_MAT(iq4_xs_mat, iq4_xs_rtile)
+KQ_MAT(iq4_xs_mat_tiles, iq4_xs_rtile)
+
+/* IQ4_XS: one token through iq4_xs_dec1 (rows from KV_KQ_STREAMS far-apart
+ * parts in turn), else the row tiles. */
+static void iq4_xs_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const void *A,
+                       size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
+    const int64_t nsb = n / KV_QK_K;
+    if (n_tok != 1 || nsb < 1 || (size_t)nsb * 256 > KD2_PRE) {
+        iq4_xs_mat_tiles(W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);
+        return;
+    }
+    _Alignas(64) uint8_t pre[KD2_PRE];
+    const kv_block_q8_K *y = A;
+    const uint8_t *wb = W;
+    iq4_xs_prep(y, nsb, pre);
+    const int64_t h = (r1 - r0) / KV_KQ_STREAMS;
+    for (int64_t i = 0; i < h; i++)
+        for (int s = 0; s < KV_KQ_STREAMS; s++) {
+            const int64_t r = r0 + s * h + i;
+            Y[r] = iq4_xs_dec1(nsb, wb + (size_t)r * row_bytes, row_bytes, pre, y);
+        }
+    for (int64_t r = r0 + KV_KQ_STREAMS * h; r < r1; r++)
+        Y[r] = iq4_xs_dec1(nsb, wb + (size_t)r * row_bytes, row_bytes, pre, y);
+}
 
 void kv_kquant_fill_avx2(kv_kernels *k) {
     k[KV_TYPE_Q2_K].vec_dot = q2_K_dot;

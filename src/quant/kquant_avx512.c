@@ -3,10 +3,11 @@
  * int32 lanes 0..7 hold chunk c's canonical lanes, 8..15 chunk c+1's; the
  * two halves are added (exact integers) into the 8 canonical lanes before
  * the float steps, which are the reference's (kquant_ref.c), so the result
- * is bit-identical to it. mat: one token runs these zmm dots row by row
- * from KV_KQ_STREAMS far-apart parts of the range, each prefetching its
- * next row; several tokens run the AVX2 level's row tiles (kquant_avx2.c,
- * one weight decode for up to 4 tokens), the same bits. */
+ * is bit-identical to it. mat: one token runs the decode kernels below
+ * (*_dec: prepared activations, two far-apart rows a pass, prefetch; the
+ * zmm dots row by row when n is past their buffer); several tokens run the
+ * AVX2 level's row tiles (kquant_avx2.c, one weight decode for up to 4
+ * tokens), the same bits. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -83,7 +84,7 @@ AI void q2_K_row(int64_t n, float *s, const void *w, const void *a, size_t rb) {
             }
         }
         const __m256i M = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), m16);
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d), dm = y[i].d * kv_fp16_to_fp32(x[i].dmin);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d), dm = y[i].d * _cvtsh_ss(x[i].dmin);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold16(isum)), _mm256_set1_ps(dd), acc);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dm), accm);
     }
@@ -117,7 +118,7 @@ AI void q3_K_row(int64_t n, float *s, const void *w, const void *a, size_t rb) {
             }
         }
         const __m256i C = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), s16y);
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(fold16(isum), _mm256_slli_epi32(C, 2))),
                               _mm256_set1_ps(dd), acc);
     }
@@ -166,11 +167,235 @@ AI void iq4_xs_row(int64_t n, float *s, const void *w, const void *a, size_t rb)
                                         _mm256_set1_epi16((short)(0x0100 * (2 * ib + 3) + 2 * ib + 2)), 1));
             isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, ls));
         }
-        const float dd = y[i].d * kv_fp16_to_fp32(x[i].d);
+        const float dd = y[i].d * _cvtsh_ss(x[i].d);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold16(isum)), _mm256_set1_ps(dd), acc);
     }
     *s = hsum8(acc);
 }
+
+/* ---- One token (decode) ----------------------------------------------------
+ * The activations are copied once per call (kd_prep) in the order the weights
+ * unpack: Q2_K/Q3_K part k (0..3) = [values 32k..32k+31 | 128+32k..], the two
+ * chunks whose 2-bit fields share bits 2k of the qs bytes; IQ4_XS the natural
+ * order, with -128 * (each group of 4's sum) per group (its weights go in as
+ * grid value + 128, unsigned). Weights are never shifted into place: a part
+ * is the qs masked where its field lies, so its vpdpbusd sums carry the factor
+ * 4^k (Q3_K part 3: 32, its bits brought down by one), which the scale words
+ * undo by a uniform factor: the two parts of a pair share an int16 pair per
+ * lane (the high part's sum shifted into the high word, exact), one vpdpwssd
+ * with (scale, scale) words pre-multiplied so that every term is 4x its
+ * value, and the super-block's lane sums shifted right by 2 (exact). The
+ * integers are the reference's, the float steps its own, so the same bits. */
+#define KD_PRE (48 * 1024)
+#ifndef KV_KD_PF
+#define KV_KD_PF 8 /* rows ahead */
+#endif
+
+/* Per super-block 256 quants (+ for IQ4_XS 256 bytes of -128 * group sums). */
+AI void kd_prep(const kv_block_q8_K *y, int64_t nsb, int iq, uint8_t *buf) {
+    const size_t ss = iq ? 512 : 256;
+    for (int64_t i = 0; i < nsb; i++) {
+        uint8_t *o = buf + (size_t)i * ss;
+        const int8_t *q = y[i].qs;
+        if (iq) { /* half H: [lo: values 0..15 of sub-blocks 4H..4H+3][hi: 16..31] */
+            for (int sb = 0; sb < 8; sb++) {
+                memcpy(o + 128 * (sb / 4) + 16 * (sb % 4), q + 32 * sb, 16);
+                memcpy(o + 128 * (sb / 4) + 64 + 16 * (sb % 4), q + 32 * sb + 16, 16);
+            }
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(o + 64 * k));
+                _mm512_storeu_si512((void *)(o + 256 + 64 * k),
+                                    _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), v)));
+            }
+        } else
+            for (int k = 0; k < 4; k++) {
+                memcpy(o + 64 * k, q + 32 * k, 32);
+                memcpy(o + 64 * k + 32, q + 128 + 32 * k, 32);
+            }
+    }
+}
+
+/* Int16 pairs (lo sum, hi sum) per int32 lane: lo is in int16 range, hi is
+ * f * sum with the shift sh making it sum * 65536. */
+AI __m512i pair16(__m512i lo, __m512i hi, int sh) {
+    return _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, _mm512_slli_epi32(hi, (unsigned)sh));
+}
+
+/* Word indices into [16 scales, 16 scales x 4] for the pair (k0 low word,
+ * k1 high word): int32 lane l < 8 takes chunk k's sub-block 2k + l/4,
+ * lane l >= 8 chunk 4 + k's; t0, t1: which table (0 or 16). */
+AI __m512i kd_sidx(int k0, int t0, int k1, int t1) {
+    int16_t ix[32];
+    for (int l = 0; l < 16; l++) {
+        const int c0 = (l < 8 ? 0 : 4) + k0, c1 = (l < 8 ? 0 : 4) + k1, g = (l & 7) / 4;
+        ix[2 * l] = (int16_t)(t0 + 2 * c0 + g);
+        ix[2 * l + 1] = (int16_t)(t1 + 2 * c1 + g);
+    }
+    return _mm512_loadu_si512((const void *)ix);
+}
+
+/* The 8 canonical lanes of one super-block's 4 x (lane sums). */
+AI __m256i kd_fold4(__m512i v) { return _mm256_srai_epi32(fold16(v), 2); }
+
+/* Q2_K: R rows against the prepared token (q: its quants); y: the Q8_K blocks. */
+AI void q2_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const uint8_t *q, const kv_block_q8_K *y,
+                 float *out, __m512i ixA, __m512i ixB) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m512i m0 = _mm512_set1_epi8(0x03), m1 = _mm512_set1_epi8(0x0C), m2 = _mm512_set1_epi8(0x30),
+                  m3 = _mm512_set1_epi8((char)0xC0);
+    for (int64_t i = 0; i < nsb; i++) {
+        const uint8_t *yq = q + (size_t)i * 256;
+        const __m512i y0 = _mm512_load_si512((const void *)yq), y1 = _mm512_load_si512((const void *)(yq + 64)),
+                      y2 = _mm512_load_si512((const void *)(yq + 128)), y3 = _mm512_load_si512((const void *)(yq + 192));
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
+        for (int r = 0; r < R; r++) {
+            const kv_block_q2_K *x = (const kv_block_q2_K *)(const void *)w[r] + i;
+            _mm_prefetch((const char *)x + KV_KD_PF * rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)x + KV_KD_PF * rb + sizeof(*x) - 1, _MM_HINT_T0);
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)x->scales);
+            const __m256i s16 = _mm256_cvtepu8_epi16(_mm_and_si128(sc8, _mm_set1_epi8(0xF)));
+            const __m512i st = _mm512_inserti64x4(_mm512_castsi256_si512(s16), _mm256_slli_epi16(s16, 2), 1);
+            const __m512i qv = _mm512_loadu_si512((const void *)x->qs);
+            const __m512i z = _mm512_setzero_si512();
+            const __m512i x0 = _mm512_dpbusd_epi32(z, _mm512_and_si512(qv, m0), y0);
+            const __m512i x1 = _mm512_dpbusd_epi32(z, _mm512_and_si512(qv, m1), y1);
+            const __m512i x2 = _mm512_dpbusd_epi32(z, _mm512_and_si512(qv, m2), y2);
+            const __m512i x3 = _mm512_dpbusd_epi32(z, _mm512_and_si512(qv, m3), y3);
+            __m512i is = _mm512_dpwssd_epi32(z, pair16(x0, x3, 10), _mm512_permutexvar_epi16(ixA, st));
+            is = _mm512_dpwssd_epi32(is, pair16(x1, x2, 12), _mm512_permutexvar_epi16(ixB, st));
+            const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc8, 4), _mm_set1_epi8(0xF)));
+            const __m256i M = _mm256_madd_epi16(bs, m16);
+            const float dd = y[i].d * _cvtsh_ss(x->d), dm = y[i].d * _cvtsh_ss(x->dmin);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kd_fold4(is)), _mm256_set1_ps(dd), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dm), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));
+}
+
+AI void q3_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const uint8_t *q, const kv_block_q8_K *y,
+                 float *out, __m512i ixA, __m512i ixB) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const long long f4 = 0x0004000400040004ll;
+    const __m512i hcnt = _mm512_set_epi64(f4, f4, f4, f4, 0, 0, 0, 0);
+    for (int64_t i = 0; i < nsb; i++) {
+        const uint8_t *yq = q + (size_t)i * 256;
+        const __m512i y0 = _mm512_load_si512((const void *)yq), y1 = _mm512_load_si512((const void *)(yq + 64)),
+                      y2 = _mm512_load_si512((const void *)(yq + 128)), y3 = _mm512_load_si512((const void *)(yq + 192));
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
+        for (int r = 0; r < R; r++) {
+            const kv_block_q3_K *x = (const kv_block_q3_K *)(const void *)w[r] + i;
+            _mm_prefetch((const char *)x + KV_KD_PF * rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)x + KV_KD_PF * rb + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)x + KV_KD_PF * rb + sizeof(*x) - 1, _MM_HINT_T0);
+            const __m256i s16 = _mm256_cvtepi8_epi16(q3_scales(x->scales));
+            const __m512i st = _mm512_inserti64x4(_mm512_castsi256_si512(s16), _mm256_slli_epi16(s16, 2), 1);
+            const __m512i qv = _mm512_loadu_si512((const void *)x->qs);
+            /* chunk k's third bit (low half) and chunk 4 + k's (high half) at bit k */
+            const __m512i h = _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x->hmask)), hcnt);
+            const __m512i z = _mm512_setzero_si512();
+            /* u * 4^k (k < 3), u * 32 (k = 3): (q & field) | (third bit at the field's top + 1) */
+            const __m512i u0 = _mm512_ternarylogic_epi32(_mm512_and_si512(qv, _mm512_set1_epi8(0x03)),
+                                                         _mm512_slli_epi16(h, 2), _mm512_set1_epi8(0x04), 0xF8);
+            const __m512i u1 = _mm512_ternarylogic_epi32(_mm512_and_si512(qv, _mm512_set1_epi8(0x0C)),
+                                                         _mm512_slli_epi16(h, 3), _mm512_set1_epi8(0x10), 0xF8);
+            const __m512i u2 = _mm512_ternarylogic_epi32(_mm512_and_si512(qv, _mm512_set1_epi8(0x30)),
+                                                         _mm512_slli_epi16(h, 4), _mm512_set1_epi8(0x40), 0xF8);
+            const __m512i u3 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(qv, 1), _mm512_set1_epi8(0x60)),
+                                                         _mm512_slli_epi16(h, 4), _mm512_set1_epi8((char)0x80), 0xF8);
+            const __m512i x0 = _mm512_dpbusd_epi32(z, u0, y0), x1 = _mm512_dpbusd_epi32(z, u1, y1);
+            const __m512i x2 = _mm512_dpbusd_epi32(z, u2, y2), x3 = _mm512_dpbusd_epi32(z, u3, y3);
+            __m512i is = _mm512_dpwssd_epi32(z, pair16(x0, x3, 11), _mm512_permutexvar_epi16(ixA, st));
+            is = _mm512_dpwssd_epi32(is, pair16(x1, x2, 12), _mm512_permutexvar_epi16(ixB, st));
+            const __m256i C = _mm256_madd_epi16(bs, s16);
+            const float dd = y[i].d * _cvtsh_ss(x->d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(kd_fold4(is), _mm256_slli_epi32(C, 2))),
+                                     _mm256_set1_ps(dd), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* IQ4_XS: half H (0, 1) of a super-block is its 64 qs bytes: 128-bit lane s
+ * holds sub-block 4H + s, low nibbles its values 0..15, high nibbles 16..31
+ * (the prepared activations in the same order: kd_prep). Each sub-block's
+ * exact group sums times its scale (vpmulld, the scale per 128-bit lane),
+ * summed per canonical lane at the end of the super-block. */
+AI void iq4_xs_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const uint8_t *q, const kv_block_q8_K *y,
+                   float *out, __m512i ixA, __m512i ixB) {
+    (void)ixA, (void)ixB;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m512i tbl = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4nl_values)),
+                                         _mm512_set1_epi8((char)0x80));
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i i0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i i1 = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    for (int64_t i = 0; i < nsb; i++) {
+        const uint8_t *yq = q + (size_t)i * 512;
+        for (int r = 0; r < R; r++) {
+            const kv_block_iq4_xs *x = (const kv_block_iq4_xs *)(const void *)w[r] + i;
+            _mm_prefetch((const char *)x + KV_KD_PF * rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)x + KV_KD_PF * rb + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)x + KV_KD_PF * rb + sizeof(*x) - 1, _MM_HINT_T0);
+            const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi16_epi32(iq4_xs_scales(x)));
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int H = 0; H < 2; H++) {
+                const __m512i qv = _mm512_loadu_si512((const void *)(x->qs + 64 * H));
+                const __m512i sv = _mm512_permutexvar_epi32(H ? i1 : i0, sc);
+                const uint8_t *yh = yq + 128 * H;
+                const __m512i gl = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(yh + 256)),
+                                                       _mm512_shuffle_epi8(tbl, _mm512_and_si512(qv, m4)),
+                                                       _mm512_load_si512((const void *)yh));
+                const __m512i gh = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(yh + 256 + 64)),
+                                                       _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(qv, 4), m4)),
+                                                       _mm512_load_si512((const void *)(yh + 64)));
+                lo = _mm512_add_epi32(lo, _mm512_mullo_epi32(gl, sv));
+                hi = _mm512_add_epi32(hi, _mm512_mullo_epi32(gh, sv));
+            }
+            /* lane j < 4: the lo lanes 4s + j summed over s; j >= 4: the hi lanes */
+            const __m512i c = _mm512_add_epi32(_mm512_shuffle_i64x2(lo, hi, 0x44), _mm512_shuffle_i64x2(lo, hi, 0xEE));
+            const __m512i e = _mm512_add_epi32(_mm512_shuffle_i64x2(c, c, 0x08), _mm512_shuffle_i64x2(c, c, 0x0D));
+            const float dd = y[i].d * _cvtsh_ss(x->d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(e)), _mm256_set1_ps(dd), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* Rows [r0, r1) against one token, two rows a pass from two far-apart
+ * halves of the range (two memory streams); 0 when n is past the buffer. */
+#define KD_MAT(T, IQ)                                                                           \
+    static int T##_decmat(const uint8_t *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, \
+                          const void *A, float *Y) {                                            \
+        const int64_t nsb = n / KV_QK_K;                                                        \
+        if (nsb < 1 || (size_t)nsb * ((IQ) ? 512 : 256) > KD_PRE) return 0;                    \
+        _Alignas(64) uint8_t buf[KD_PRE];                                                       \
+        const kv_block_q8_K *y = A;                                                             \
+        kd_prep(y, nsb, IQ, buf);                                                               \
+        const __m512i ixA = kd_sidx(0, 16, 3, 16);                                              \
+        const __m512i ixB = T##_IXB;                                                            \
+        const int64_t h = (r1 - r0) / 2;                                                        \
+        for (int64_t i = 0; i < h; i++) {                                                       \
+            const uint8_t *w[2] = {W + (size_t)(r0 + i) * row_bytes, W + (size_t)(r0 + h + i) * row_bytes}; \
+            float o[2];                                                                         \
+            T##_dec(2, nsb, w, row_bytes, buf, y, o, ixA, ixB);                                 \
+            Y[r0 + i] = o[0];                                                                   \
+            Y[r0 + h + i] = o[1];                                                               \
+        }                                                                                       \
+        for (int64_t r = r0 + 2 * h; r < r1; r++) {                                             \
+            const uint8_t *w[1] = {W + (size_t)r * row_bytes};                                  \
+            T##_dec(1, nsb, w, row_bytes, buf, y, Y + r, ixA, ixB);                             \
+        }                                                                                       \
+        return 1;                                                                               \
+    }
+/* pair B: (4 x chunk 1's sum, chunk 2's sum): chunk 1 takes the plain scale */
+#define q2_K_IXB kd_sidx(1, 0, 2, 16)
+#define q3_K_IXB kd_sidx(1, 0, 2, 16)
+#define iq4_xs_IXB ixA
+KD_MAT(q2_K, 0)
+KD_MAT(q3_K, 0)
+KD_MAT(iq4_xs, 1)
 
 #ifndef KV_KQ_STREAMS
 #define KV_KQ_STREAMS 2
@@ -192,6 +417,7 @@ static kv_mat_fn kq_multi[KV_TYPE_COUNT];
                 kv_mat_generic(T##_dot, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride); \
             return;                                                                             \
         }                                                                                       \
+        if (T##_decmat(wb, row_bytes, n, r0, r1, A, Y)) return;                                 \
         const int64_t h = (r1 - r0) / KV_KQ_STREAMS;                                            \
         for (int64_t i = 0; i < h; i++)                                                         \
             for (int s = 0; s < KV_KQ_STREAMS; s++) {                                           \

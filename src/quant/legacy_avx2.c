@@ -99,6 +99,72 @@ AI void rows2(lx_unpack un, int has_min, int64_t n, const uint8_t *w, size_t rb,
         out[r] = has_min ? hsum_ps(acc[r][0]) + summ[r] : hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+/* Q4_1/Q5_1, one token, two rows a pass (rows2's arithmetic): both rows'
+ * (dw, mw) converted in one step ([dw0, mw0, dw1, mw1]), the products
+ * dw * da one multiply and both summ chains one fma against per-call
+ * prepared [da, 0, da, 0] and [0, s, 0, s] (lane r's steps are rows2's
+ * scalar steps, so the same bits). */
+#define LXM_PRE (32 * 1024) /* 32 bytes a block: n <= 32,768 */
+AI void rows2m(lx_unpack un, int64_t n, const uint8_t *w, size_t rb, size_t bs, const uint8_t *a, const float *pre,
+               float out[2]) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128 summ = _mm_setzero_ps(); /* lanes 1, 3: rows 0, 1 */
+    for (int64_t b = 0; b < n / 32; b++) {
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(a + 36 * b + 4));
+        uint32_t dm0, dm1;
+        memcpy(&dm0, w + (size_t)b * bs, 4);
+        memcpy(&dm1, w + rb + (size_t)b * bs, 4);
+        const __m128 v = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)dm0), (int)dm1, 1)); /* dw0 mw0 dw1 mw1 */
+        const __m128 dd = _mm_mul_ps(v, _mm_load_ps(pre + 8 * b));
+        summ = _mm_fmadd_ps(v, _mm_load_ps(pre + 8 * b + 4), summ);
+        _mm_prefetch((const char *)(w + (size_t)2 * KV_LX_PF * rb + (size_t)b * bs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + (size_t)(2 * KV_LX_PF + 1) * rb + (size_t)b * bs), _MM_HINT_T0);
+        float dw, mw;
+        const __m256i x0 = un(w, b, &dw, &mw), x1 = un(w + rb, b, &dw, &mw);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(grp_u(x0, yv)), _mm256_broadcastss_ps(dd), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(grp_u(x1, yv)),
+                               _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_set1_epi32(2)), acc1);
+    }
+    _Alignas(16) float sm[4];
+    _mm_store_ps(sm, summ);
+    out[0] = hsum_ps(acc0) + sm[1];
+    out[1] = hsum_ps(acc1) + sm[3];
+}
+
+/* Q5_0, IQ4_NL, MXFP4, one token, two rows a pass: rows2's arithmetic
+ * with both rows' dw converted in one step (e8m0: MXFP4) and the two
+ * products dw * da one multiply against the per-call converted da. */
+AI void rows2s(lx_unpack un, int e8m0, int64_t n, const uint8_t *w, size_t rb, size_t bs, const uint8_t *a,
+               const float *da, float out[2]) {
+    __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int odd = (int)(b & 1);
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(a + 34 * b + 2));
+        const uint8_t *x0 = w + (size_t)b * bs, *x1 = x0 + rb;
+        __m128 dv;
+        if (e8m0)
+            dv = _mm_setr_ps(kv_e8m0_half(x0[0]), kv_e8m0_half(x1[0]), 0.0f, 0.0f);
+        else {
+            uint16_t d0, d1;
+            memcpy(&d0, x0, 2);
+            memcpy(&d1, x1, 2);
+            dv = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)d0 | (uint32_t)d1 << 16)));
+        }
+        const __m128 dd = _mm_mul_ps(dv, _mm_broadcast_ss(da + b));
+        _mm_prefetch((const char *)(w + (size_t)2 * KV_LX_PF * rb + (size_t)b * bs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + (size_t)(2 * KV_LX_PF + 1) * rb + (size_t)b * bs), _MM_HINT_T0);
+        float dw, mw;
+        const __m256i v0 = un(w, b, &dw, &mw), v1 = un(w + rb, b, &dw, &mw);
+        const __m256i p0 = grp_u(_mm256_sign_epi8(v0, v0), _mm256_sign_epi8(yv, v0));
+        const __m256i p1 = grp_u(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(yv, v1));
+        acc[0][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcastss_ps(dd), acc[0][odd]);
+        acc[1][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                                      _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_set1_epi32(1)), acc[1][odd]);
+    }
+    out[0] = hsum_ps(_mm256_add_ps(acc[0][0], acc[0][1]));
+    out[1] = hsum_ps(_mm256_add_ps(acc[1][0], acc[1][1]));
+}
+
 /* Several tokens of Q4_1/Q5_1 (prefill): one row against up to LX_TT8
  * tokens per pass, each block unpacked once for all of them. The tokens'
  * activation scales are converted once per token tile (da, sa: block-major,
@@ -180,6 +246,39 @@ AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t 
         return;
     }
     int64_t r = r0;
+    if (has_min && n_tok == 1 && n >= 32 && (size_t)(n / 32) * 32 <= LXM_PRE) { /* decode: row pairs */
+        _Alignas(32) float pre[LXM_PRE / 4];
+        for (int64_t b = 0; b < n / 32; b++) {
+            const uint8_t *y = act(1, ab, b);
+            uint16_t yd, ys;
+            memcpy(&yd, y, 2);
+            memcpy(&ys, y + 2, 2);
+            const float da = _cvtsh_ss(yd), sv = _cvtsh_ss(ys);
+            float *p = pre + 8 * b;
+            p[0] = da, p[1] = 0, p[2] = da, p[3] = 0;
+            p[4] = 0, p[5] = sv, p[6] = 0, p[7] = sv;
+        }
+        for (; r + 2 <= r1; r += 2) {
+            float o[2];
+            rows2m(un, n, wb + r * row_bytes, row_bytes, row_bytes / (size_t)(n / 32), ab, pre, o);
+            Y[r] = o[0];
+            Y[r + 1] = o[1];
+        }
+    }
+    if (!has_min && n_tok == 1 && n >= 32 && (size_t)(n / 32) * 4 <= LXM_PRE) { /* decode: row pairs */
+        float da[LXM_PRE / 4];
+        for (int64_t b = 0; b < n / 32; b++) {
+            uint16_t yd;
+            memcpy(&yd, act(0, ab, b), 2);
+            da[b] = _cvtsh_ss(yd);
+        }
+        for (; r + 2 <= r1; r += 2) {
+            float o[2];
+            rows2s(un, un == lx_mxfp4, n, wb + r * row_bytes, row_bytes, row_bytes / (size_t)(n / 32), ab, da, o);
+            Y[r] = o[0];
+            Y[r + 1] = o[1];
+        }
+    }
     if (n_tok == 1 && n >= 32) /* decode: row pairs */
         for (; r + 2 <= r1; r += 2) {
             float o[2];

@@ -5,10 +5,14 @@
  * block in its low half and the next odd block in its high half. Group sums
  * are one vpdpbusd (u8 x s8, int32 accumulation, no saturation) of |w|
  * against the activation negated where w < 0. A row with an odd block count
- * ends with its last block in the low half alone. Q4_1 and Q5_1 keep the
- * AVX2 kernels: their order is one 8-lane chain (ggml's), which a zmm
- * cannot split. */
+ * ends with its last block in the low half alone. One token (decode) takes
+ * Q4_0's form instead (dec_rows below). Q4_1 and Q5_1 keep the AVX2
+ * kernels for several tokens: their order is one 8-lane chain (ggml's),
+ * which a zmm cannot split; their one-token kernel (decm_rows) is that
+ * chain with ymm vpdpbusd, two rows a pass. */
 #include "quant/legacy_x86.h"
+
+#include <string.h>
 
 #define AI LX_AI
 #define LX_TT 4 /* tokens per row pass */
@@ -81,20 +85,264 @@ AI void mat(lx_unpack un, const void *W, size_t row_bytes, int64_t n, int64_t r0
     }
 }
 
-#define LEGACY_AVX512(T)                                                                         \
+/* ---- One token (decode) ------------------------------------------------
+ * Q4_0's form: the weights made unsigned (u = w + K: Q5_0 q itself, K = 16;
+ * IQ4_NL and MXFP4 a table of grid value + 128, K = 128), and the offset
+ * removed by starting each group's vpdpbusd from -K * (the group's sum of
+ * activations), computed once per call (dec_prep) with the activations
+ * copied contiguously and the scales as floats. The group sums are the
+ * same exact integers as grp()'s, the float steps the same (lane 8(b&1) + g,
+ * fma((float)p, dw * da) in block order), so the same bits. Two rows per
+ * pass, taken from two far-apart halves of the range (two sequential
+ * streams for memory), sharing the activation loads; each prefetches its
+ * row KV_LXD_PF rows ahead, one line per block pair. */
+#ifndef KV_LXD_PF
+#define KV_LXD_PF 8
+#endif
+#define LXD_PRE (48 * 1024) /* stack buffer: 68 bytes a block, n <= 22,560 */
+
+/* Per-call prepared activations: [nb] 32 quants, [nb] 8 int32 -K*groupsum, [nb] float da. */
+typedef struct {
+    const int8_t *q;
+    const int32_t *ng;
+    const float *da;
+} lxd_pre;
+
+AI void dec_prep(const uint8_t *a, int64_t nb, int K, uint8_t *buf, lxd_pre *P) {
+    int8_t *q = (int8_t *)(void *)buf;
+    int32_t *ng = (int32_t *)(void *)(buf + (size_t)nb * 32);
+    float *da = (float *)(void *)(buf + (size_t)nb * 64);
+    const __m256i kk = _mm256_set1_epi8((char)K);
+    for (int64_t b = 0; b < nb; b++) {
+        const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)a + b;
+        const __m256i yv = ld_qs(y);
+        _mm256_storeu_si256((__m256i *)(void *)(q + 32 * b), yv);
+        _mm256_storeu_si256((__m256i *)(void *)(ng + 8 * b),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), kk, yv)));
+        da[b] = _cvtsh_ss(y->d);
+    }
+    P->q = q;
+    P->ng = ng;
+    P->da = da;
+}
+
+/* Nibbles of blocks q0 (low 256 bits) and q1 (high), each in element order. */
+AI __m512i nib2(const uint8_t *q0, const uint8_t *q1) {
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q0))),
+                                         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q1)), 1);
+    const long long f = 0x0004000400040004ll; /* per 128-bit lane: 0, 4, 0, 4 */
+    return _mm512_and_si512(_mm512_srlv_epi16(z, _mm512_set_epi64(f, f, 0, 0, f, f, 0, 0)), _mm512_set1_epi8(0xF));
+}
+
+/* u = w + K of blocks b, b + 1 (two = 1) or of block b in the low half;
+ * dw: the blocks' scales in lanes 0, 1. */
+typedef __m512i (*lxd_unpack)(const uint8_t *row, int64_t b, int two, __m128 *dw);
+
+AI __m128 h2x2(uint16_t a, uint16_t b) { return _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)a | (uint32_t)b << 16))); }
+
+AI __m512i ud_q5_0(const uint8_t *row, int64_t b, int two, __m128 *dw) {
+    const kv_block_q5_0 *x = (const kv_block_q5_0 *)(const void *)row + b, *x1 = two ? x + 1 : x;
+    const __m512i u = nib2(x->qs, x1->qs);
+    const __mmask64 hb = (uint64_t)kv_rd_qh(x->qh) | (uint64_t)kv_rd_qh(x1->qh) << 32;
+    *dw = h2x2(x->d, x1->d);
+    return _mm512_mask_add_epi8(u, hb, u, _mm512_set1_epi8(16));
+}
+AI __m512i ud_iq4_nl(const uint8_t *row, int64_t b, int two, __m128 *dw) {
+    const kv_block_iq4_nl *x = (const kv_block_iq4_nl *)(const void *)row + b, *x1 = two ? x + 1 : x;
+    const __m512i tbl = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4nl_values)),
+                                         _mm512_set1_epi8((char)0x80)); /* value + 128 */
+    *dw = h2x2(x->d, x1->d);
+    return _mm512_shuffle_epi8(tbl, nib2(x->qs, x1->qs));
+}
+AI __m512i ud_mxfp4(const uint8_t *row, int64_t b, int two, __m128 *dw) {
+    const kv_block_mxfp4 *x = (const kv_block_mxfp4 *)(const void *)row + b, *x1 = two ? x + 1 : x;
+    const __m512i tbl = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_mxfp4_values)),
+                                         _mm512_set1_epi8((char)0x80));
+    *dw = _mm_setr_ps(kv_e8m0_half(x->e), kv_e8m0_half(x1->e), 0.0f, 0.0f);
+    return _mm512_shuffle_epi8(tbl, nib2(x->qs, x1->qs));
+}
+
+/* R (1 or 2) rows w[r] against the prepared token; bs bytes a block. */
+AI void dec_rows(lxd_unpack un, int R, int64_t nb, const uint8_t *const *w, size_t rb, size_t bs, const lxd_pre *P,
+                 float *out) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512i lo2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const __m512i yv = _mm512_loadu_si512((const void *)(P->q + 32 * b));
+        const __m512i ng = _mm512_loadu_si512((const void *)(P->ng + 8 * b));
+        const __m128 da = _mm_castpd_ps(_mm_load_sd((const double *)(const void *)(P->da + b)));
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(w[r] + KV_LXD_PF * rb + (size_t)b * bs), _MM_HINT_T0);
+            __m128 dw;
+            const __m512i u = un(w[r], b, 1, &dw);
+            const __m512 d = _mm512_permutexvar_ps(lo2, _mm512_castps128_ps512(_mm_mul_ps(dw, da)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(ng, u, yv)), d, acc[r]);
+        }
+    }
+    if (b < nb) { /* an even last block: low half only */
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(P->q + 32 * b));
+        const __m256i ng = _mm256_loadu_si256((const __m256i *)(const void *)(P->ng + 8 * b));
+        for (int r = 0; r < R; r++) {
+            __m128 dw;
+            const __m256i u = _mm512_castsi512_si256(un(w[r], b, 0, &dw));
+            const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(dw) * P->da[b]);
+            __m256 lo = _mm512_castps512_ps256(acc[r]);
+            lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(ng, u, yv)), d, lo);
+            acc[r] = _mm512_insertf32x8(acc[r], lo, 0);
+        }
+    }
+    for (int r = 0; r < R; r++) { /* kv_fold16 */
+        const __m256 f = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[r] = _mm_cvtss_f32(s);
+    }
+}
+
+/* Rows [r0, r1) against one token; 0 when n is past the buffer. */
+AI int dec_mat(lxd_unpack un, int K, const uint8_t *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+               const uint8_t *A, float *Y) {
+    const int64_t nb = n / 32;
+    if (nb < 1 || (size_t)nb * 68 > LXD_PRE) return 0;
+    _Alignas(64) uint8_t buf[LXD_PRE];
+    lxd_pre P;
+    dec_prep(A, nb, K, buf, &P);
+    const size_t bs = row_bytes / (size_t)nb;
+    const int64_t h = (r1 - r0) / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const uint8_t *w[2] = {W + (size_t)(r0 + i) * row_bytes, W + (size_t)(r0 + h + i) * row_bytes};
+        float o[2];
+        dec_rows(un, 2, nb, w, row_bytes, bs, &P, o);
+        Y[r0 + i] = o[0];
+        Y[r0 + h + i] = o[1];
+    }
+    for (int64_t r = r0 + 2 * h; r < r1; r++) {
+        const uint8_t *w[1] = {W + (size_t)r * row_bytes};
+        dec_rows(un, 1, nb, w, row_bytes, bs, &P, Y + r);
+    }
+    return 1;
+}
+
+/* ---- Q4_1 and Q5_1, one token ------------------------------------------
+ * ggml's order (quant/legacy.h): per row one 8-lane chain acc = fma((float)p,
+ * dw * da, acc) in block order, and a scalar summ = fma(mw, s, summ). A ymm
+ * vpdpbusd (VL) forms the 8 exact group sums of the unsigned q in one step
+ * (AVX2: vpmaddubsw + vpmaddwd). Two rows per pass (two far-apart streams,
+ * sharing the activation loads, each prefetching KV_LXD_PF rows ahead): their
+ * dw, mw are converted in one step ([dw0, mw0, dw1, mw1]), the products
+ * dw * da of both rows are one multiply and both summ chains one fma, lane
+ * by lane the scalar steps of the AVX2 kernel, so the same bits. */
+typedef __m256i (*lxm_unpack)(const uint8_t *blk);
+AI __m256i um_q4_1(const uint8_t *blk) {
+    const kv_block_q4_1 *x = (const kv_block_q4_1 *)(const void *)blk;
+    const __m256i z = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x->qs));
+    return _mm256_and_si256(_mm256_srlv_epi16(z, _mm256_set_epi64x(0x0004000400040004ll, 0x0004000400040004ll, 0, 0)),
+                            _mm256_set1_epi8(0xF));
+}
+AI __m256i um_q5_1(const uint8_t *blk) {
+    const kv_block_q5_1 *x = (const kv_block_q5_1 *)(const void *)blk;
+    const __m256i z = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x->qs));
+    const __m256i u = _mm256_and_si256(
+        _mm256_srlv_epi16(z, _mm256_set_epi64x(0x0004000400040004ll, 0x0004000400040004ll, 0, 0)), _mm256_set1_epi8(0xF));
+    return _mm256_mask_add_epi8(u, (__mmask32)kv_rd_qh(x->qh), u, _mm256_set1_epi8(16));
+}
+
+#define LXM_PRE (48 * 1024) /* 32 bytes a block: n <= 49,152 */
+
+/* R rows (1 or 2) of Q4_1/Q5_1 (bs bytes a block: d, m first) against the
+ * Q8_1 token a; pre: per block [da, 0, da, 0] and [0, s, 0, s]. */
+AI void decm_rows(lxm_unpack un, int R, int64_t nb, const uint8_t *const *w, size_t rb, size_t bs, const uint8_t *a,
+                  const float *pre, float *out) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m128 summ = _mm_setzero_ps(); /* lanes 1, 3: rows 0, 1 */
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(a + 36 * b + 4));
+        uint32_t dm0, dm1 = 0;
+        memcpy(&dm0, w[0] + (size_t)b * bs, 4);
+        if (R > 1) memcpy(&dm1, w[1] + (size_t)b * bs, 4);
+        const __m128 v = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)dm0), (int)dm1, 1)); /* dw0 mw0 dw1 mw1 */
+        const __m128 dd = _mm_mul_ps(v, _mm_load_ps(pre + 8 * b));
+        summ = _mm_fmadd_ps(v, _mm_load_ps(pre + 8 * b + 4), summ);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(w[r] + KV_LXD_PF * rb + (size_t)b * bs), _MM_HINT_T0);
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), un(w[r] + (size_t)b * bs), yv);
+            const __m256 d = r == 0 ? _mm256_broadcastss_ps(dd)
+                                    : _mm256_permutexvar_ps(_mm256_set1_epi32(2), _mm256_castps128_ps256(dd));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r]);
+        }
+    }
+    _Alignas(16) float sm[4];
+    _mm_store_ps(sm, summ);
+    for (int r = 0; r < R; r++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[r] = _mm_cvtss_f32(s) + sm[1 + 2 * r];
+    }
+}
+
+AI int decm_mat(lxm_unpack un, const uint8_t *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
+                const uint8_t *A, float *Y) {
+    const int64_t nb = n / 32;
+    if (nb < 1 || (size_t)nb * 32 > LXM_PRE) return 0;
+    _Alignas(64) float pre[LXM_PRE / 4];
+    for (int64_t b = 0; b < nb; b++) {
+        const kv_block_q8_1 *y = (const kv_block_q8_1 *)(const void *)A + b;
+        const float da = _cvtsh_ss(y->d), s = _cvtsh_ss(y->s);
+        float *p = pre + 8 * b;
+        p[0] = da, p[1] = 0, p[2] = da, p[3] = 0;
+        p[4] = 0, p[5] = s, p[6] = 0, p[7] = s;
+    }
+    const size_t bs = row_bytes / (size_t)nb;
+    const int64_t h = (r1 - r0) / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const uint8_t *w[2] = {W + (size_t)(r0 + i) * row_bytes, W + (size_t)(r0 + h + i) * row_bytes};
+        float o[2];
+        decm_rows(un, 2, nb, w, row_bytes, bs, A, pre, o);
+        Y[r0 + i] = o[0];
+        Y[r0 + h + i] = o[1];
+    }
+    for (int64_t r = r0 + 2 * h; r < r1; r++) {
+        const uint8_t *w[1] = {W + (size_t)r * row_bytes};
+        decm_rows(un, 1, nb, w, row_bytes, bs, A, pre, Y + r);
+    }
+    return 1;
+}
+
+/* The AVX2 level's Q4_1/Q5_1 mat (several tokens), saved before the overlay. */
+static kv_mat_fn lxm_multi[2];
+#define LEGACY_MIN512(T, I)                                                                      \
+    static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,      \
+                        const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
+        if (n_tok == 1 && decm_mat(um_##T, W, row_bytes, n, r0, r1, A, Y)) return;               \
+        lxm_multi[I](W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);                  \
+    }
+LEGACY_MIN512(q4_1, 0)
+LEGACY_MIN512(q5_1, 1)
+
+#define LEGACY_AVX512(T, K)                                                                      \
     static void T##_dot(int64_t n, float *s, const void *w, const void *a) {                     \
         row_tile(lx_##T, 1, n, w, a, 0, s);                                                      \
     }                                                                                            \
     static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,      \
                         const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
+        if (n_tok == 1 && dec_mat(ud_##T, K, W, row_bytes, n, r0, r1, A, Y)) return;             \
         mat(lx_##T, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);                   \
     }
-LEGACY_AVX512(q5_0)
-LEGACY_AVX512(iq4_nl)
-LEGACY_AVX512(mxfp4)
+LEGACY_AVX512(q5_0, 16)
+LEGACY_AVX512(iq4_nl, 128)
+LEGACY_AVX512(mxfp4, 128)
 
 void kv_quant_fill_legacy_avx512(kv_kernels *k) {
     k[KV_TYPE_Q5_0].vec_dot = q5_0_dot;     k[KV_TYPE_Q5_0].mat = q5_0_mat;
     k[KV_TYPE_IQ4_NL].vec_dot = iq4_nl_dot; k[KV_TYPE_IQ4_NL].mat = iq4_nl_mat;
     k[KV_TYPE_MXFP4].vec_dot = mxfp4_dot;   k[KV_TYPE_MXFP4].mat = mxfp4_mat;
+    if (k[KV_TYPE_Q4_1].mat && k[KV_TYPE_Q5_1].mat) { /* the AVX2 level's, for several tokens */
+        lxm_multi[0] = k[KV_TYPE_Q4_1].mat;
+        lxm_multi[1] = k[KV_TYPE_Q5_1].mat;
+        k[KV_TYPE_Q4_1].mat = q4_1_mat;
+        k[KV_TYPE_Q5_1].mat = q5_1_mat;
+    }
 }
