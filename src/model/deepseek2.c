@@ -35,8 +35,8 @@ typedef struct kv_ds2_state {
     float *q;     /* [B][n_head][head_dim_k_mla] */
     float *kva;   /* [B][kv_lora_rank + n_rot] */
     float *qabs;  /* [B][n_head][kv_lora_rank + n_rot] absorbed queries */
-    float *gin;   /* [B][max(qk_nope, kv_lora_rank)] one head's rows, gathered */
-    float *gout;  /* [B][max(kv_lora_rank, v_mla)] */
+    uint8_t *hq;  /* [n_head][B] rows of attn_k_b / attn_v_b's input in their vec_dot type */
+    size_t hq_row; /* bytes of one hq row (the widest of the two weights' over the layers) */
     float *olat;  /* [B][n_head][kv_lora_rank] attention output in the latent */
     float *ov;    /* [B][n_head * v_mla] */
     float *fg, *fu; /* [B][max(n_ff, n_ff_shexp)] */
@@ -58,8 +58,12 @@ static int kv_ds2_state_new(kv_state *s, kv_diag *d) {
     z->q = malloc(B * H * hp->head_dim_k_mla * sizeof(float));
     z->kva = malloc(B * D * sizeof(float));
     z->qabs = malloc(B * H * D * sizeof(float));
-    z->gin = malloc(B * kv_max(nope, hp->kv_lora_rank) * sizeof(float));
-    z->gout = malloc(B * kv_max(hp->kv_lora_rank, hp->head_dim_v_mla) * sizeof(float));
+    for (uint32_t il = s->m->il_first; il <= s->m->il_last; il++) {
+        const kv_layer *L = &s->m->layers[il];
+        z->hq_row = kv_max(z->hq_row, kv_type_row_size(kv_type_get(L->wk_b.type)->vec_dot_type, nope));
+        z->hq_row = kv_max(z->hq_row, kv_type_row_size(kv_type_get(L->wv_b.type)->vec_dot_type, hp->kv_lora_rank));
+    }
+    z->hq = malloc(B * H * kv_max(z->hq_row, 1));
     z->olat = malloc(B * H * hp->kv_lora_rank * sizeof(float));
     z->ov = malloc(B * H * hp->head_dim_v_mla * sizeof(float));
     z->fg = malloc(B * FF * sizeof(float));
@@ -70,7 +74,7 @@ static int kv_ds2_state_new(kv_state *s, kv_diag *d) {
     k = kv_max(k, kv_max(H * hp->head_dim_v_mla, FF));
     k = kv_max(k, hp->n_ff_exp);
     z->scratch = malloc(kv_matmul_scratch((int64_t)k, (int64_t)B));
-    if (!z->qa || !z->q || !z->kva || !z->qabs || !z->gin || !z->gout || !z->olat || !z->ov || !z->fg || !z->fu ||
+    if (!z->qa || !z->q || !z->kva || !z->qabs || !z->hq || !z->olat || !z->ov || !z->fg || !z->fu ||
         !z->sh || !z->scratch)
         return kv_fail(d, KV_ENOMEM, "state: out of memory (deepseek2 buffers for %zu tokens)", B);
     return 0;
@@ -83,8 +87,7 @@ static void kv_ds2_state_free(kv_state *s) {
     free(z->q);
     free(z->kva);
     free(z->qabs);
-    free(z->gin);
-    free(z->gout);
+    free(z->hq);
     free(z->olat);
     free(z->ov);
     free(z->fg);
@@ -297,19 +300,58 @@ static void kv_ds2_attn_run(kv_state *s, uint32_t il, uint32_t T) {
     kv_pool_run(s->pool, kv_ds2_attn_worker, &aj);
 }
 
-/* Per head h: dst[t][h*dn ..] = W[h] . src[t][h*sn ..][0..k) for the T tokens
- * (W: a 3-D weight, head outermost), gathered into rows and scattered back. */
+/* Per head h: dst[t][h*dst_head ..][0..n) = W[h] . src[t][h*src_head ..][0..k)
+ * for the T tokens (W: a 3-D weight, head outermost), every head in the same
+ * two pool runs (the (head, token) inputs converted to the vec_dot type, then
+ * (head, 16 output rows) units split over the threads) rather than two per
+ * head. Each element is the vec_dot of its pair (kv_mat_rows), the bits of
+ * kv_matmul of one head alone. */
+typedef struct kv_ds2_ph_job {
+    const kv_weight *w;
+    const float *src;
+    size_t src_stride, src_head;
+    float *dst;
+    size_t dst_stride, dst_head;
+    uint32_t T;
+    uint8_t *q;      /* [head][T] converted rows */
+    size_t q_stride; /* bytes per converted row */
+    int phase;       /* 0: convert, 1: rows */
+} kv_ds2_ph_job;
+
+static void kv_ds2_ph_worker(void *arg, int ith, int nth) {
+    const kv_ds2_ph_job *j = arg;
+    const kv_weight *w = j->w;
+    const int64_t k = w->ne[0], n = w->ne[1], H = w->ne[2], T = j->T;
+    long lo, hi;
+    if (j->phase == 0) {
+        const uint32_t vdt = kv_type_get(w->type)->vec_dot_type;
+        kv_pool_split((long)(H * T), ith, nth, &lo, &hi);
+        for (long u = lo; u < hi; u++)
+            kv_quantize_rows(vdt, j->src + (size_t)(u % T) * j->src_stride + (size_t)(u / T) * j->src_head,
+                             (size_t)k, k, 1, j->q + (size_t)u * j->q_stride, j->q_stride);
+        return;
+    }
+    const long nb = (long)((n + 15) / 16);
+    kv_pool_split((long)H * nb, ith, nth, &lo, &hi);
+    for (long u = lo; u < hi;) {
+        const long h = u / nb, b0 = u % nb, b1 = nb < b0 + (hi - u) ? nb : b0 + (hi - u);
+        const int64_t r0 = (int64_t)b0 * 16, r1 = (int64_t)b1 * 16 < n ? (int64_t)b1 * 16 : n;
+        kv_mat_rows(w->type, (const uint8_t *)w->data + (size_t)h * w->nb2, w->row_bytes, k, r0, r1,
+                    j->q + (size_t)h * (size_t)T * j->q_stride, j->q_stride, T, j->dst + (size_t)h * j->dst_head,
+                    j->dst_stride);
+        u += b1 - b0;
+    }
+}
+
 static void kv_ds2_per_head(kv_state *s, const kv_weight *w, const float *src, size_t src_stride, size_t src_head,
                             float *dst, size_t dst_stride, size_t dst_head, uint32_t T) {
     kv_ds2_state *z = s->arch_state;
-    const int64_t k = w->ne[0], n = w->ne[1];
-    for (int64_t h = 0; h < w->ne[2]; h++) {
-        for (uint32_t t = 0; t < T; t++)
-            memcpy(z->gin + (size_t)t * k, src + (size_t)t * src_stride + (size_t)h * src_head, (size_t)k * sizeof(float));
-        kv_matmul(s->pool, w, (const uint8_t *)w->data + (size_t)h * w->nb2, z->gin, T, z->gout, z->scratch);
-        for (uint32_t t = 0; t < T; t++)
-            memcpy(dst + (size_t)t * dst_stride + (size_t)h * dst_head, z->gout + (size_t)t * n, (size_t)n * sizeof(float));
-    }
+    const uint32_t vdt = kv_type_get(w->type)->vec_dot_type;
+    kv_ds2_ph_job j = {w, src, src_stride, src_head, dst, dst_stride, dst_head, T, z->hq,
+                       (size_t)kv_type_row_size(vdt, (uint64_t)w->ne[0]), 0};
+    kv_pool_run(s->pool, kv_ds2_ph_worker, &j);
+    j.phase = 1;
+    kv_pool_run(s->pool, kv_ds2_ph_worker, &j);
 }
 
 /* y = down(silu(gate x) * up x) over T rows of s->xb. */
