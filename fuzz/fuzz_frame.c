@@ -153,6 +153,11 @@ static void reencode(const uint8_t *f, size_t n, const kv_msg *m) {
         rc = kv_msg_receipt_encode(out, sizeof out, m->h.request_id, st, &r, &k, &d);
         break;
     }
+    case KV_MSG_CANCEL:
+    case KV_MSG_CANCELLED: /* v6, empty */
+        CHECK(m->h.version >= KV_PROTO_CANCEL_VERSION && n == KV_PROTO_HEADER);
+        rc = kv_msg_cancel_encode(out, sizeof out, m->h.type, m->h.request_id, &k, &d);
+        break;
     default: CHECK(0);
     }
     if (rc == 1) return;

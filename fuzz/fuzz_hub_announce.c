@@ -11,11 +11,7 @@
 #include <string.h>
 
 #include "kvasir/hub.h"
-
-#define CHECK(x)                    \
-    do {                            \
-        if (!(x)) __builtin_trap(); \
-    } while (0)
+#include "fuzz_support.h"
 
 static void same(const kv_hub_announce *a, const kv_hub_announce *b) {
     CHECK(!memcmp(a->nonce, b->nonce, 32) && !strcmp(a->addr, b->addr) && !strcmp(a->backend, b->backend));
@@ -25,9 +21,7 @@ static void same(const kv_hub_announce *a, const kv_hub_announce *b) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    char *buf = malloc(size ? size : 1);
-    CHECK(buf);
-    memcpy(buf, data, size);
+    char *buf = fuzz_copy(data, size);
     kv_diag d = {0};
     kv_hub_announce a;
     int rc = kv_hub_parse_announce(&a, buf, size, &d);

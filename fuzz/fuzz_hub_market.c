@@ -7,16 +7,10 @@
 #include <string.h>
 
 #include "kvasir/hub.h"
-
-#define CHECK(x)                    \
-    do {                            \
-        if (!(x)) __builtin_trap(); \
-    } while (0)
+#include "fuzz_support.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    char *buf = malloc(size ? size : 1);
-    CHECK(buf);
-    memcpy(buf, data, size);
+    char *buf = fuzz_copy(data, size);
     kv_diag d = {0};
     kv_hub_market m;
     int rc = kv_hub_parse_market(&m, buf, size, &d);

@@ -14,11 +14,7 @@
 #include <string.h>
 
 #include "kvasir/hub.h"
-
-#define CHECK(x)                    \
-    do {                            \
-        if (!(x)) __builtin_trap(); \
-    } while (0)
+#include "fuzz_support.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint64_t fsize = 0;

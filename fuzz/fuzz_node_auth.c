@@ -10,16 +10,10 @@
 #include "kvasir/dispatch_evidence.h"
 #include "kvasir/dispatch_proto.h"
 #include "kvasir/node.h"
-
-#define CHECK(x)                    \
-    do {                            \
-        if (!(x)) __builtin_trap(); \
-    } while (0)
+#include "fuzz_support.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    char *buf = malloc(size ? size : 1);
-    CHECK(buf);
-    memcpy(buf, data, size);
+    char *buf = fuzz_copy(data, size);
     kv_diag d = {0};
     uint8_t hk[32];
     int rc = kv_node_parse_hub_key(buf, size, hk, &d);

@@ -8,16 +8,10 @@
 #include <string.h>
 
 #include "kvasir/node.h"
-
-#define CHECK(x)                    \
-    do {                            \
-        if (!(x)) __builtin_trap(); \
-    } while (0)
+#include "fuzz_support.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    char *buf = malloc(size ? size : 1);
-    CHECK(buf);
-    memcpy(buf, data, size);
+    char *buf = fuzz_copy(data, size);
     kv_diag d = {0};
     char **w = NULL;
     uint32_t n = 0;

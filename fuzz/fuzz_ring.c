@@ -133,6 +133,20 @@ static void reencode(const uint8_t *f, size_t n, const kv_ring_msg *m) {
     case KV_RING_AUTH_CHALLENGE:
     case KV_RING_AUTH:
     case KV_RING_AUTH_OK: rc = kv_ring_auth_encode(out, sizeof out, m->h.type, &m->u.auth, &k, &d); break;
+    case KV_RING_LOOKUP: {
+        const kv_ring_lookup *l = &m->u.lookup;
+        CHECK(l->seq && l->n_match <= l->n_blocks && kv_ring_lookup_size(l->block_tokens, l->n_blocks));
+        const uint32_t nt = l->n_blocks * l->block_tokens;
+        int32_t *t = malloc(nt * sizeof *t);
+        CHECK(t);
+        for (uint32_t i = 0; i < nt; i++) t[i] = kv_ring_tokens_get(l->tokens, i);
+        rc = kv_ring_lookup_encode(out, sizeof out, l, t, l->state, &k, &d);
+        free(t);
+        break;
+    }
+    case KV_RING_CACHED:
+        rc = kv_ring_cached_encode(out, sizeof out, m->u.cached.id, m->u.cached.n_cached, &k, &d);
+        break;
     default: CHECK(0);
     }
     CHECK(rc == 0);

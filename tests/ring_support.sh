@@ -83,7 +83,8 @@ ring_wait_whole() {
 }
 
 # ring_start MODEL WINDOW...: one node per window, each linked to the next
-# (new ports when one was taken meanwhile, up to 5 tries).
+# (new ports when one was taken meanwhile, up to 5 tries). Every node gets
+# the flags in RING_EXTRA, node i also those in RING_NODE_EXTRA[i].
 ring_start() {
   local model=$1
   shift
@@ -95,7 +96,7 @@ ring_start() {
     RING_PID=()
     for ((i = 0; i < n; i++)); do
       ring_node "$i" "$model" "${wins[$i]}" "127.0.0.1:${ports[$i]}" "127.0.0.1:${ports[$(((i + 1) % n))]}" \
-        ${RING_EXTRA:-}
+        ${RING_EXTRA:-} ${RING_NODE_EXTRA[$i]:-}
     done
     rc=0
     ring_wait_whole || rc=$?

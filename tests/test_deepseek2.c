@@ -24,30 +24,16 @@
 #include "kvasir/model.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "ref64.h"
 #include "ref_gguf.h"
 
-static void ref_matvec(double *y, const float *w, const double *x, int rows, int cols) {
-    for (int r = 0; r < rows; r++) {
-        double s = 0;
-        for (int c = 0; c < cols; c++) s += (double)w[(size_t)r * cols + c] * x[c];
-        y[r] = s;
-    }
-}
-static void ref_rms(double *y, const double *x, const float *w, int n, double eps) {
-    double s = 0;
-    for (int i = 0; i < n; i++) s += x[i] * x[i];
-    double k = 1.0 / sqrt(s / n + eps);
-    for (int i = 0; i < n; i++) y[i] = x[i] * k * w[i];
-}
-static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
-static double silu(double x) { return x * sigm(x); }
 
-/* y = down(silu(gate x) * up x) */
+/* y = down(ref_silu(gate x) * up x) */
 static void ref_ffn(double *y, const float *gate, const float *up, const float *down, const double *x, int F, int E) {
     double *g = calloc(F, sizeof *g), *u = calloc(F, sizeof *u);
     ref_matvec(g, gate, x, F, E);
     ref_matvec(u, up, x, F, E);
-    for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
+    for (int i = 0; i < F; i++) g[i] = ref_silu(g[i]) * u[i];
     ref_matvec(y, down, g, E, F);
     free(g);
     free(u);
@@ -199,7 +185,7 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
             double *xt = x + (size_t)t * E;
             ref_rms(xb, xt, ffn_norm, E, eps);
             ref_matvec(pr, router, xb, X, E);
-            for (int e = 0; e < X; e++) sel[e] = (pr[e] = sigm(pr[e])) + bias[e];
+            for (int e = 0; e < X; e++) sel[e] = (pr[e] = ref_sigm(pr[e])) + bias[e];
             int taken[1024] = {0};
             if (G > 1) { /* groups by the sum of their two best; the others masked */
                 const int per = X / G;
@@ -239,31 +225,6 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
     free(sc); free(att); free(tmp); free(pr); free(sel); free(acc); free(out);
 }
 
-/* Our logits after each of the n tokens on nth threads, token by token;
- * with batch the whole prompt again in chunks of batch (the last row). */
-static float *ours(const kv_model *m, const int32_t *toks, int n, int nth, uint32_t batch, uint32_t kv_type) {
-    const int V = (int)kv_model_hparams(m)->n_vocab;
-    float *out = calloc((size_t)n * V, sizeof *out);
-    kv_diag d = {0};
-    kv_pool *pool = NULL;
-    kv_state *s = NULL;
-    kv_state_opts o = {.n_ctx = 64, .n_batch = batch ? batch : 64, .kv_type = kv_type};
-    if (kv_pool_new(&pool, nth, &d) || kv_state_new(&s, m, pool, &o, &d)) {
-        KVT_FAIL("state: %s", d.msg);
-        kv_pool_free(pool);
-        return out;
-    }
-    for (int t = 0; t < n; t++)
-        if (kv_state_eval(s, toks + t, 1, out + (size_t)t * V, &d)) KVT_FAIL("eval: %s", d.msg);
-    if (batch) {
-        kv_state_reset(s);
-        if (kv_state_eval(s, toks, (uint32_t)n, out + (size_t)(n - 1) * V, &d)) KVT_FAIL("eval: %s", d.msg);
-    }
-    kv_state_free(s);
-    kv_pool_free(pool);
-    return out;
-}
-
 static char g_dir[] = "/tmp/kvasir-test-ds2-XXXXXX", g_path[128];
 static kv_model *g_m;
 enum { N = 11 };
@@ -287,7 +248,7 @@ static int setup(void) {
         return 1;
     }
     V = (int)kv_model_hparams(g_m)->n_vocab;
-    g_a = ours(g_m, toks, N, 1, 0, KV_TYPE_F32);
+    g_a = ref_ours(g_m, toks, N, 1, 0, KV_TYPE_F32);
     return 0;
 }
 
@@ -331,24 +292,13 @@ static void test_cache_bytes(void) {
 }
 
 static void test_f64_reference(void) {
-    double *ref = calloc(V, sizeof *ref), worst = 0;
-    ref_model rm;
-    ASSERT_EQ(ref_open(&rm, g_path), 0);
-    for (int n = 1; n <= N; n += 2) {
-        ref_forward(&rm, toks, n, ref);
-        for (int i = 0; i < V; i++) {
-            double e = fabs(ref[i] - g_a[(size_t)(n - 1) * V + i]);
-            if (e > worst) worst = e;
-        }
-    }
-    ref_close(&rm);
+    double worst = ref_max_dlogit(g_path, ref_forward, toks, N, 2, g_a, V);
     printf("f32 deepseek2 vs f64 reference: max |dlogit| = %.3g\n", worst);
     ASSERT_TRUE(worst < 2e-4);
-    free(ref);
 }
 
 static void test_bit_identity(void) {
-    float *b = ours(g_m, toks, N, 2, 4, KV_TYPE_F32), *cc = ours(g_m, toks, N, 2, 0, KV_TYPE_F32);
+    float *b = ref_ours(g_m, toks, N, 2, 4, KV_TYPE_F32), *cc = ref_ours(g_m, toks, N, 2, 0, KV_TYPE_F32);
     ASSERT_TRUE(memcmp(g_a, cc, (size_t)N * V * sizeof *g_a) == 0);
     ASSERT_TRUE(memcmp(g_a, b, (size_t)N * V * sizeof *g_a) == 0);
     free(b);
@@ -385,7 +335,7 @@ static void test_dropped_rows(void) {
 
 /* an F16 cache: the same model within F16 rounding of the latent */
 static void test_f16_cache(void) {
-    float *h = ours(g_m, toks, N, 2, 0, KV_TYPE_F16);
+    float *h = ref_ours(g_m, toks, N, 2, 0, KV_TYPE_F16);
     double worst = 0;
     for (size_t i = 0; i < (size_t)N * V; i++) worst = fmax(worst, fabs((double)h[i] - g_a[i]));
     printf("f16 cache vs f32 cache: max |dlogit| = %.3g\n", worst);

@@ -11,50 +11,13 @@
 # (delta net, shared expert, MTP block) on three workers: same bytes.
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
+SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 dir=$(mktemp -d -t kvasir-dispatch.XXXXXX)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-# authenticated dispatch: workers serve only this coordinator key
-KEY="$dir/coord.key"
-PK=$("$KV" key --key "$KEY")
+. "$SRC/tests/dispatch_support.sh"
 OTHER=$("$KV" key --key "$dir/other.key")
-
-# start_worker NAME SLABS [FLAG]: starts a worker on a free port; sets $addr and $pid.
-start_worker() {
-  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$OTHER" --allow-key "$PK" ${3:-} \
-    >"$dir/$1.out" 2>"$dir/$1.err" &
-  pid=$!
-  pids+=("$pid")
-  addr=
-  for _ in $(seq 200); do
-    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$1.out" 2>/dev/null | head -1 || true)
-    [ -n "$addr" ] && return 0
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.02
-  done
-  cat "$dir/$1.err" >&2
-  fail "worker $1 did not start"
-}
-
-# group MODEL_DIR N_LAYER G: the comma-separated slab files of expert group G
-# (slabs are 3 experts wide, so group G holds experts 3G..3G+2 of every layer).
-group() {
-  local out="" l
-  for ((l = 0; l < $2; l++)); do
-    out+="${out:+,}$1/experts/$(printf 'blk.%d.%04d-%04d.gguf' "$l" $((3 * $3)) $((3 * $3 + 2)))"
-  done
-  echo "$out"
-}
+ALLOW=(--allow-key "$OTHER" --allow-key "$PK")
 
 declare -A WA WP # WA[type.g] / WP[type.g]: address / pid of worker g of a model
-PROMPT="The swarm computes every expert where it lives, and the tokens come out the same"
-RUN=(-p "$PROMPT" -n 12 --temp 0 --json --batch 5 --threads 2 --key "$KEY")
 
 for spec in "f32 128 64" "q8_0 256 128" "q4_k 256 256"; do
   read -r type embd ff <<<"$spec"

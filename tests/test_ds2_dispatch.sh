@@ -10,32 +10,9 @@
 # with 1 or 2 threads and prefill chunks of 1 token.
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
+SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 dir=$(mktemp -d -t kvasir-ds2.XXXXXX)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-KEY="$dir/coord.key"
-PK=$("$KV" key --key "$KEY")
-
-start_worker() {
-  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" >"$dir/$1.out" 2>"$dir/$1.err" &
-  pid=$!
-  pids+=("$pid")
-  addr=
-  for _ in $(seq 200); do
-    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$1.out" 2>/dev/null | head -1 || true)
-    [ -n "$addr" ] && return 0
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.02
-  done
-  cat "$dir/$1.err" >&2
-  fail "worker $1 did not start"
-}
+. "$SRC/tests/dispatch_support.sh"
 
 m="$dir/ds2"
 mkdir -p "$m/coord"
@@ -47,32 +24,15 @@ mkdir -p "$m/coord"
 for l in 1 2; do [ -e "$m/sl/experts/blk.$l.0006-0008.gguf" ] || fail "layer $l's slabs missing"; done
 cp "$m/sl/backbone.gguf" "$m/sl/manifest.json" "$m/coord/"
 
-PROMPT="The swarm computes every expert where it lives, and the tokens come out the same"
-RUN=(-p "$PROMPT" -n 12 --temp 0 --json --batch 5 --threads 2 --key "$KEY")
-"$KV" run -m "$m/model.gguf" "${RUN[@]}" --logits-out "$m/local.bin" >"$m/local.json"
-n=$(jq '.tokens | length' "$m/local.json")
-[ "$n" = 12 ] || fail "local run generated $n tokens"
-
+run_local "$m"
 "$KV" run -m "$m/sl" "${RUN[@]}" --logits-out "$m/slices.bin" >"$m/slices.json"
-[ "$(jq -c .tokens "$m/local.json")" = "$(jq -c .tokens "$m/slices.json")" ] || fail "slices: tokens differ"
-cmp -s "$m/local.bin" "$m/slices.bin" || fail "slices: logits differ"
+same_as_local "$m" slices slices
 echo "ok: deepseek2 q8_0 from slices: tokens and $(($(stat -c %s "$m/local.bin") / 2400)) logit rows identical"
 
 "$KV" run -m "$m/model.gguf" -p "$PROMPT" -n 12 --temp 0 --json --batch 1 --threads 1 --logits-out "$m/t1.bin" >/dev/null
 cmp -s "$m/local.bin" "$m/t1.bin" || fail "1 thread, 1-token chunks: logits differ"
 echo "ok: deepseek2: 1 thread and 1-token prefill chunks give the same bytes as 2 threads and chunks of 5"
 
-addrs=()
-for g in 0 1 2; do
-  slabs=""
-  for l in 1 2; do slabs+="${slabs:+,}$m/sl/experts/$(printf 'blk.%d.%04d-%04d.gguf' "$l" $((3 * g)) $((3 * g + 2)))"; done
-  start_worker "w$g" "$slabs"
-  addrs+=(--worker "$addr")
-done
-"$KV" run -m "$m/coord/manifest.json" "${addrs[@]}" "${RUN[@]}" --logits-out "$m/remote.bin" >"$m/remote.json"
-[ "$(jq -c .tokens "$m/local.json")" = "$(jq -c .tokens "$m/remote.json")" ] || fail "workers: tokens differ"
-cmp -s "$m/local.bin" "$m/remote.bin" || fail "workers: logits differ"
-[ "$(jq '[.dispatch.workers[] | select(.pairs > 0)] | length' "$m/remote.json")" = 3 ] || fail "a worker idle"
-[ "$(jq '.dispatch.pairs_local' "$m/remote.json")" = 0 ] || fail "local computations with no slabs"
+run_workers "$m" 3 1 # block 0 is dense: no slabs
 echo "ok: deepseek2 q8_0: 3 workers, $(jq -c '[.dispatch.workers[].pairs]' "$m/remote.json") expert computations, logits identical"
 echo "test_ds2_dispatch: all ok"

@@ -39,6 +39,7 @@
 
 #include "kvasir/hub.h"
 #include "kvtest.h"
+#include "proc_support.h"
 
 static char g_dir[256];
 static bool g_full;
@@ -67,36 +68,21 @@ static double now_s(void) {
 /* Starts `kvasir ARGS` (listening on 127.0.0.1:0) and reads its port from
  * "listening on HOST:PORT". */
 static int server_start(server *s, const char *args) {
-    int fds[2];
-    if (pipe(fds)) return -1;
-    char cmd[2048];
+    char cmd[2048], addr[256];
     snprintf(cmd, sizeof cmd, "%sexec '%s' %s", g_server_env, getenv("KV_BIN"), args);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 1);
-        close(fds[0]);
-        close(fds[1]);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
+    s->pid = 0;
+    s->port = 0;
+    if (kvt_spawn_listening(cmd, 30000, &s->pid, addr, sizeof addr)) {
+        fprintf(stderr, "kvasir %s: no 'listening on' line (got '%s')\n", args, addr);
+        return -1;
     }
-    close(fds[1]);
-    char line[256];
-    size_t n = 0;
-    struct pollfd pf = {.fd = fds[0], .events = POLLIN};
-    while (n < sizeof line - 1 && poll(&pf, 1, 30000) == 1) {
-        ssize_t r = read(fds[0], line + n, 1);
-        if (r != 1 || line[n] == '\n') break;
-        n++;
-    }
-    line[n] = 0;
-    close(fds[0]);
-    const char *colon = strrchr(line, ':');
-    s->pid = pid;
-    s->port = colon && !strncmp(line, "listening on ", 13) ? (uint16_t)atoi(colon + 1) : 0;
+    const char *colon = strrchr(addr, ':');
+    s->port = colon ? (uint16_t)atoi(colon + 1) : 0;
     if (!s->port) {
-        fprintf(stderr, "kvasir %s: no 'listening on' line (got '%s')\n", args, line);
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
+        fprintf(stderr, "kvasir %s: no port in 'listening on %s'\n", args, addr);
+        kill(s->pid, SIGKILL);
+        waitpid(s->pid, NULL, 0);
+        s->pid = 0;
         return -1;
     }
     return 0;

@@ -45,13 +45,31 @@ done
 ADDR=$(sed -n 's/^listening on //p' "$dir/gw.out")
 [ -n "$ADDR" ] || fail "gateway did not print its address"
 
-# health_is CODE: /health answers CODE within 5 s (the watcher asks every second)
+# health_is CODE [ADDR]: /health of the gateway at ADDR (the first one by
+# default) answers CODE within 5 s (the watcher asks every second)
 health_is() {
   for _ in $(seq 1 100); do
-    [ "$(curl -s -o "$dir/health.json" -w '%{http_code}' "http://$ADDR/health")" = "$1" ] && return 0
+    [ "$(curl -s -o "$dir/health.json" -w '%{http_code}' "http://${2:-$ADDR}/health")" = "$1" ] && return 0
     sleep 0.05
   done
-  fail "/health is not $1: $(cat "$dir/health.json")"
+  fail "/health of ${2:-$ADDR} is not $1: $(cat "$dir/health.json")"
+}
+
+# whole_count: how many times node 0 has logged "ring whole"
+whole_count() { grep -c "ring whole" "$dir/ring0.err" || true; }
+
+# ring_rewhole N0: after node 1 was replaced, both nodes say the ring is
+# whole again: the new node 1 once, node 0 once more than the N0 times it
+# had before the break (bounded). A gateway's 200 alone does not say so: its
+# watcher asks once a second, so a 200 seen just after the kill can be from
+# before it, and a request sent then is refused by the watcher ("the ring
+# is not whole") or fails its replay deadline before node 1 sees a frame.
+ring_rewhole() {
+  for _ in $(seq 1 400); do
+    grep -q "ring whole" "$dir/ring1.err" 2>/dev/null && [ "$(whole_count)" -gt "$1" ] && return 0
+    sleep 0.05
+  done
+  fail "the ring did not re-form with the new node 1: $(tail -n 3 "$dir/ring0.err"); $(tail -n 3 "$dir/ring1.err")"
 }
 
 # ---- 1. health
@@ -103,11 +121,13 @@ kill "$GWT" 2>/dev/null || true
 wait "$GWT" 2>/dev/null || true
 echo "ok: a ring gateway with --chat-template sends the rendering: the same tokens and text as the home's ChatML"
 
+n0=$(whole_count)
 kill "${RING_PID[1]}"
 wait "${RING_PID[1]}" 2>/dev/null || true
 mv "$dir/ring1.err" "$dir/ring1.a.err"
 ring_node 1 "$m" 1-1 "${RING_ADDR[1]}" "${RING_ADDR[0]}" --replay-timeout-ms 1500 --die-after-frames 12
 ring_wait_listen 1
+ring_rewhole "$n0"
 health_is 200
 # through a second gateway whose only entry is node 0: the home outlives the dead
 # node, holds the request for its replay deadline (1.5 s), then fails it (ETIMEOUT)
@@ -118,10 +138,12 @@ RING_ALL+=($GW2)
 for _ in $(seq 1 300); do grep -q "^listening on " "$dir/gw2.out" 2>/dev/null && break; sleep 0.05; done
 ADDR2=$(sed -n 's/^listening on //p' "$dir/gw2.out")
 [ -n "$ADDR2" ] || fail "gateway 2 did not start: $(cat "$dir/gw2.err")"
+health_is 200 "$ADDR2" # its first look at the ring was whole: the request goes in and reaches node 1
 KV_GW_URL="http://$ADDR2" KV_GW_KEY=sk-ring KV_GW_MODEL=tiny KV_GW_FILE="$m" KV_BIN="$KV" KV_GW_PHASE=fault \
   node "$SRC/tests/oracle/gateway_ring.mjs" | tee "$dir/fault.log" || fail "a dead node: the client was not given a 503"
 # the request finds the ring broken (and waits for it to re-form), or, when the
-# gateway's watcher saw the break first, is refused at once with what broke
+# gateway's watcher saw the break first (node 1 died, then a status poll ran
+# before the home's replay deadline), is refused with what broke
 grep -qE "ring broken: .*did not re-form within 1500 ms|the ring is not whole: .*layers [0-9-]+ are gone" "$dir/fault.log" ||
   fail "the 503 does not say the ring broke"
 kill "$GW2" 2>/dev/null || true
@@ -131,9 +153,11 @@ jq -e '.status == "unavailable" and (.reason | test("ring"))' "$dir/health.json"
   fail "/health after the death: $(cat "$dir/health.json")"
 echo "ok: a node died mid-request: 503 naming the ring; /health: $(jq -c .reason "$dir/health.json")"
 # a replacement: the gateway serves again; it too dies, under a stream
+n0=$(whole_count)
 mv "$dir/ring1.err" "$dir/ring1.b.err"
 ring_node 1 "$m" 1-1 "${RING_ADDR[1]}" "${RING_ADDR[0]}" --replay-timeout-ms 1500 --die-after-frames 20
 ring_wait_listen 1
+ring_rewhole "$n0"
 health_is 200
 r=$(curl -s -H "Authorization: Bearer sk-ring" "http://$ADDR/v1/completions" \
   -d '{"model":"tiny","prompt":"Once upon a time","max_tokens":8,"temperature":0}' | jq -r '.choices[0].text')

@@ -19,21 +19,9 @@
 #include "kvasir/model.h"
 #include "kvasir/ops.h"
 #include "kvtest.h"
+#include "ref64.h"
 #include "ref_gguf.h"
 
-static void ref_matvec(double *y, const float *w, const double *x, int rows, int cols) {
-    for (int r = 0; r < rows; r++) {
-        double s = 0;
-        for (int c = 0; c < cols; c++) s += (double)w[(size_t)r * cols + c] * x[c];
-        y[r] = s;
-    }
-}
-static void ref_rms(double *y, const double *x, const float *w, int n, double eps) {
-    double s = 0;
-    for (int i = 0; i < n; i++) s += x[i] * x[i];
-    double k = 1.0 / sqrt(s / n + eps);
-    for (int i = 0; i < n; i++) y[i] = x[i] * k * w[i];
-}
 /* rotary over the whole head, first half against second half */
 static void ref_rope(double *x, int hd, int pos, double base) {
     const int half = hd / 2;
@@ -152,31 +140,6 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
     free(lg); free(g); free(u); free(y);
 }
 
-/* Our logits after each of the n tokens, token by token, then (batch != 0)
- * the whole prompt again in chunks of `batch` over the last row; nth threads. */
-static float *ours(const kv_model *m, const int32_t *toks, int n, int nth, uint32_t batch) {
-    const int V = (int)kv_model_hparams(m)->n_vocab;
-    float *out = calloc((size_t)n * V, sizeof *out);
-    kv_diag d = {0};
-    kv_pool *pool = NULL;
-    kv_state *s = NULL;
-    kv_state_opts o = {.n_ctx = 64, .n_batch = batch ? batch : 64};
-    if (kv_pool_new(&pool, nth, &d) || kv_state_new(&s, m, pool, &o, &d)) {
-        KVT_FAIL("state: %s", d.msg);
-        kv_pool_free(pool);
-        return out;
-    }
-    for (int t = 0; t < n; t++)
-        if (kv_state_eval(s, toks + t, 1, out + (size_t)t * V, &d)) KVT_FAIL("eval: %s", d.msg);
-    if (batch) {
-        kv_state_reset(s);
-        if (kv_state_eval(s, toks, (uint32_t)n, out + (size_t)(n - 1) * V, &d)) KVT_FAIL("eval: %s", d.msg);
-    }
-    kv_state_free(s);
-    kv_pool_free(pool);
-    return out;
-}
-
 static char g_dir[] = "/tmp/kvasir-test-gptoss-XXXXXX", g_path[128];
 static kv_model *g_m;
 enum { N = 13 };
@@ -198,7 +161,7 @@ static int setup(void) {
         return 1;
     }
     V = (int)kv_model_hparams(g_m)->n_vocab;
-    g_a = ours(g_m, toks, N, 1, 0);
+    g_a = ref_ours(g_m, toks, N, 1, 0, KV_TYPE_F32);
     return 0;
 }
 
@@ -224,20 +187,9 @@ static void test_loaded(void) {
 
 /* f64 reference at several prefix lengths (inside and past the window) */
 static void test_f64_reference(void) {
-    double *ref = calloc(V, sizeof *ref), worst = 0;
-    ref_model rm;
-    ASSERT_EQ(ref_open(&rm, g_path), 0);
-    for (int n = 1; n <= N; n += 3) {
-        ref_forward(&rm, toks, n, ref);
-        for (int i = 0; i < V; i++) {
-            double e = fabs(ref[i] - g_a[(size_t)(n - 1) * V + i]);
-            if (e > worst) worst = e;
-        }
-    }
-    ref_close(&rm);
+    double worst = ref_max_dlogit(g_path, ref_forward, toks, N, 3, g_a, V);
     printf("f32 gpt-oss vs f64 reference: max |dlogit| = %.3g\n", worst);
     ASSERT_TRUE(worst < 2e-4);
-    free(ref);
 }
 
 /* The activation itself: the clamp bites (gate above 7, up beyond +-7). */
@@ -255,7 +207,7 @@ static void test_swiglu_oai(void) {
 
 /* bit-identity: threads, token-by-token vs chunked prefill (chunks of 4) */
 static void test_bit_identity(void) {
-    float *b = ours(g_m, toks, N, 2, 4), *cc = ours(g_m, toks, N, 3, 0);
+    float *b = ref_ours(g_m, toks, N, 2, 4, KV_TYPE_F32), *cc = ref_ours(g_m, toks, N, 3, 0, KV_TYPE_F32);
     ASSERT_TRUE(memcmp(g_a, cc, (size_t)N * V * sizeof *g_a) == 0);
     ASSERT_TRUE(memcmp(g_a, b, (size_t)N * V * sizeof *g_a) == 0);
     free(b);

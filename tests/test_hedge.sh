@@ -14,11 +14,17 @@
 #   - with the staller, requests were hedged (counted in the run's JSON), the
 #     replica won, and the decode took less than half a stall longer than the
 #     healthy one: no stall was waited for (each would add STALL_MS);
+#   - the losers were called off (protocol v6 CANCEL): the staller's own count
+#     of requests it dropped (printed when it exits) equals the CANCELLED the
+#     coordinator counted, at least one, and the expert computations it
+#     served equal those the coordinator took from it (no late answer, no
+#     probe): the stalled requests were never computed;
 #   - with three replicas of different speeds, the slow one gets fewer pairs
 #     than each fast one (load-aware choice), the fast ones some;
 #   - a gateway over the healthy worker and a fresh staller answers a
 #     completion with the text of `kvasir run`, and its /metrics counts the
-#     hedges (kvasir_gateway_hedges_total, _hedges_won_total).
+#     hedges (kvasir_gateway_hedges_total, _hedges_won_total,
+#     _hedges_cancelled_total).
 # Bad stall flags are refused with a message that names them.
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -124,6 +130,29 @@ awk -v ts="$ts" -v th="$th" -v st="$STALL_MS" 'BEGIN { exit !(ts < th + st / 200
 awk -v ts="$ts" 'BEGIN { exit !(ts < 30) }' || fail "the decode took $ts s"
 echo "ok: byte-identical with and without a stalling replica; no stall waited for"
 
+# ---- the losers were cancelled: the staller computed none of them ----------------
+kill "$pid_s" 2>/dev/null || true
+wait "$pid_s" 2>/dev/null || true
+summary=$(grep "^worker: served" "$D/s.err" | tail -1)
+served=$(sed -n 's/^worker: served \([0-9]*\) expert computations.*/\1/p' <<<"$summary")
+dropped=$(sed -n 's/.*, \([0-9]*\) requests cancelled$/\1/p' <<<"$summary")
+[ -n "$served" ] && [ -n "$dropped" ] || fail "the staller printed no summary: $(tail -2 "$D/s.err")"
+SC=$(jq '.dispatch.workers[1].cancelled' "$D/stall.json")
+HC=$(jq .dispatch.hedges_cancelled "$D/stall.json")
+SP=$(jq '.dispatch.workers[1].pairs' "$D/stall.json")
+SL=$(jq '.dispatch.workers[1].late' "$D/stall.json")
+SPR=$(jq '.dispatch.workers[1].probes' "$D/stall.json")
+echo "the staller: $dropped requests dropped on a CANCEL (the coordinator counted $SC CANCELLED, $HC in all)," \
+  "$served expert computations served, $SP taken from it by the coordinator ($SL late answers, $SPR probes)"
+[ "$SC" -ge 1 ] || fail "no superseded request of the staller was cancelled: $(jq -c '.dispatch | del(.steps, .demand)' "$D/stall.json")"
+[ "$dropped" = "$SC" ] || fail "the staller dropped $dropped requests, the coordinator counted $SC CANCELLED from it"
+[ "$HC" = "$(jq '[.dispatch.workers[].cancelled] | add' "$D/stall.json")" ] || fail "hedges_cancelled is not the workers' sum"
+if [ "$SL" = 0 ] && [ "$SPR" = 0 ]; then
+  [ "$served" = "$SP" ] ||
+    fail "the staller computed $served pairs, the coordinator took $SP from it: a cancelled request was computed"
+fi
+echo "ok: every superseded request of the staller was called off before it was computed"
+
 # ---- three replicas of different speeds: the slow one gets the least work ------
 "$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$Z" --worker "$B" --key "$D/coord.key" "${RUN[@]}" \
   --logits-out "$D/mixed.bin" >"$D/mixed.json" || fail "run over replicas of different speeds"
@@ -163,8 +192,10 @@ curl -sf "http://$GW/metrics" >"$D/metrics.txt" || fail "/metrics"
 gh=$(sed -n 's/^kvasir_gateway_hedges_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 gw=$(sed -n 's/^kvasir_gateway_hedges_won_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 gl=$(sed -n 's/^kvasir_gateway_late_answers_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
-[ -n "$gh" ] && [ -n "$gw" ] && [ -n "$gl" ] || fail "/metrics has no hedge counters: $(grep hedge "$D/metrics.txt")"
+gc=$(sed -n 's/^kvasir_gateway_hedges_cancelled_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
+[ -n "$gh" ] && [ -n "$gw" ] && [ -n "$gl" ] && [ -n "$gc" ] || fail "/metrics has no hedge counters: $(grep hedge "$D/metrics.txt")"
 [ "$gh" -ge 1 ] || fail "/metrics: no hedges counted ($(grep -c stalls "$D/s2.err" || true) stalls taken)"
 [ "$gw" -le "$gh" ] || fail "/metrics: more hedges won ($gw) than sent ($gh)"
-echo "ok: gateway: same text as kvasir run; /metrics: $gh hedges, $gw won, $gl late answers"
+[ "$gc" -ge 1 ] && [ "$gc" -le "$gh" ] || fail "/metrics: $gc hedges cancelled of $gh"
+echo "ok: gateway: same text as kvasir run; /metrics: $gh hedges, $gw won, $gl late answers, $gc cancelled"
 echo "test_hedge: ok"

@@ -18,6 +18,7 @@
 #include "kvasir/model.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "ref64.h"
 #include "ref_gguf.h"
 
 static char g_dir[256];
@@ -34,21 +35,6 @@ static int gen(const char *name, const char *args, char *path, size_t cap) {
 /* ---- f64 reference forward ------------------------------------------- */
 /* Reads the file itself (tests/ref_gguf.h): tensors by name, dims from the
  * metadata keys, nothing from the loader. */
-
-static void ref_rmsnorm(double *y, const double *x, const float *w, int n, double eps) {
-    double s = 0;
-    for (int i = 0; i < n; i++) s += x[i] * x[i];
-    double sc = 1.0 / sqrt(s / n + eps);
-    for (int i = 0; i < n; i++) y[i] = x[i] * sc * w[i];
-}
-
-static void ref_matvec(double *y, const float *W, const double *x, int rows, int cols) {
-    for (int r = 0; r < rows; r++) {
-        double s = 0;
-        for (int c = 0; c < cols; c++) s += (double)W[(size_t)r * cols + c] * x[c];
-        y[r] = s;
-    }
-}
 
 /* Runs tokens[0..n) through the F32 qwen3moe file at rm and returns the
  * logits of the last one. */
@@ -89,14 +75,14 @@ static void ref_forward(const ref_model *rm, const int32_t *tokens, int n, doubl
         const float *down_exps = ref_f32(rm, (int64_t)NE * E * FF, "blk.%d.ffn_down_exps.weight", l);
         for (int t = 0; t < n; t++) { /* causal: token t sees 0..t; process in order */
             double *xt = x + (size_t)t * E;
-            ref_rmsnorm(xb, xt, attn_norm, E, eps);
+            ref_rms(xb, xt, attn_norm, E, eps);
             ref_matvec(q, wq, xb, QD, E);
             double *kt = kc + ((size_t)l * n + t) * KVD, *vt = vc + ((size_t)l * n + t) * KVD;
             ref_matvec(kt, wk, xb, KVD, E);
             ref_matvec(vt, wv, xb, KVD, E);
             for (int h = 0; h < H + HKV; h++) {
                 double *v = h < H ? q + h * HD : kt + (h - H) * HD;
-                ref_rmsnorm(v, v, h < H ? q_norm : k_norm, HD, eps);
+                ref_rms(v, v, h < H ? q_norm : k_norm, HD, eps);
                 for (int i = 0; i < HD / 2; i++) {
                     double th = t * pow(base, -2.0 * i / HD);
                     double a = v[i], b = v[i + HD / 2];
@@ -122,7 +108,7 @@ static void ref_forward(const ref_model *rm, const int32_t *tokens, int n, doubl
             }
             ref_matvec(tmp, wo, att, E, QD);
             for (int i = 0; i < E; i++) xt[i] += tmp[i];
-            ref_rmsnorm(xb, xt, ffn_norm, E, eps);
+            ref_rms(xb, xt, ffn_norm, E, eps);
             ref_matvec(pr, router, xb, NE, E);
             double mx = -1e300, sum = 0;
             for (int e = 0; e < NE; e++) if (pr[e] > mx) mx = pr[e];
@@ -152,7 +138,7 @@ static void ref_forward(const ref_model *rm, const int32_t *tokens, int n, doubl
             for (int i = 0; i < E; i++) xt[i] += acc[i];
         }
     }
-    ref_rmsnorm(xb, x + (size_t)(n - 1) * E, tn, E, eps);
+    ref_rms(xb, x + (size_t)(n - 1) * E, tn, E, eps);
     ref_matvec(logits, to, xb, V, E);
     free(x); free(xb); free(kc); free(vc); free(q); free(att); free(tmp); free(sc); free(pr);
     free(g); free(u); free(acc);

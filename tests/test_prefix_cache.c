@@ -38,22 +38,13 @@
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "engine_fixture.h"
 #include "engine/prefix_cache.h"
 
 #define MAX_GEN 10
-#define N_CTX 512
+#define N_CTX 512 /* the fixtures' n_ctx (tests/engine_fixture.h) */
 #define BLOCK 32
 #define N_BATCH 80
-
-static char g_dir[200];
-
-typedef struct fixture {
-    char model[300];
-    kv_model *m;
-    uint32_t n_vocab;
-} fixture;
-
-static fixture g_fx[2];
 
 /* A request: its prompt (tokens), its sampling. */
 typedef struct req {
@@ -71,34 +62,6 @@ typedef struct result {
     uint32_t n_cached; /* the session's counter */
     int err;
 } result;
-
-static bool fixture_make(fixture *f, const char *arch) {
-    kv_diag d = {0};
-    kv_gen_config c;
-    if (!strcmp(arch, "qwen3moe")) {
-        if (kv_gen_preset_get("tiny", &c, &d)) return false;
-        c.n_layer = 3; c.n_embd = 64; c.n_ff_exp = 32; c.n_expert = 8; c.n_expert_used = 3;
-        c.n_head = 4; c.n_head_kv = 2; c.head_dim = 16; c.n_vocab = 400; c.type = KV_TYPE_Q8_0;
-        c.seed = 77;
-    } else {
-        c = (kv_gen_config){.arch = "qwen35moe", .n_layer = 4, .n_embd = 64, .n_ff_exp = 32, .n_expert = 8,
-                            .n_expert_used = 2, .n_head = 4, .n_head_kv = 2, .head_dim = 16, .n_vocab = 400,
-                            .type = KV_TYPE_F32, .seed = 9, .full_attn_interval = 2,
-                            .ssm_d_state = 16, .ssm_n_group = 2, .ssm_dt_rank = 4, .n_rot = 8,
-                            .rope_sections = {2, 1, 1, 0}, .n_nextn = 0, .n_ff_shexp = 32};
-        kv_gen_fill_defaults(&c);
-    }
-    c.n_ctx = N_CTX;
-    c.n_threads = 1;
-    c.log = NULL;
-    snprintf(f->model, sizeof f->model, "%s/%s.gguf", g_dir, arch);
-    if (kv_gen_model(&c, f->model, &d) || kv_model_load(&f->m, f->model, &d)) {
-        fprintf(stderr, "fixture %s: %s\n", arch, d.msg);
-        return false;
-    }
-    f->n_vocab = kv_model_hparams(f->m)->n_vocab;
-    return true;
-}
 
 /* tokens [from, from + n) of the stream numbered `seed` */
 static void fill(int32_t *out, uint32_t n, uint64_t seed, uint32_t V) {
@@ -650,18 +613,9 @@ static void test_opts(void) {
     kv_engine_free(e);
 }
 
-static int setup(void) {
-    snprintf(g_dir, sizeof g_dir, "/tmp/kvasir-pcache.XXXXXX");
-    if (!mkdtemp(g_dir)) return 1;
-    return !fixture_make(&g_fx[0], "qwen3moe") || !fixture_make(&g_fx[1], "qwen35moe");
-}
+static int setup(void) { return fixtures_open("/tmp/kvasir-pcache.XXXXXX", 77, 9, 0); }
 
-static void teardown(void) {
-    for (int i = 0; i < 2; i++) kv_model_free(g_fx[i].m);
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (!kvt_failures) (void)!system(cmd);
-}
+static void teardown(void) { fixtures_close(); }
 
 static const kvt_case cases[] = {
     KVT_CASE(test_cold_warm_qwen3moe), KVT_CASE(test_cold_warm_qwen35moe), KVT_CASE(test_lru_qwen3moe),

@@ -446,7 +446,7 @@ static void test_error_ping_stats(void) {
     ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
     ASSERT_EQ(m.h.type, KV_MSG_STATS);
     check_truncations(buf, n, NULL, "STATS");
-    kv_msg_stats st = {1, 2, 3, 4, 5, 1ull << 40, 6, 7, 8};
+    kv_msg_stats st = {1, 2, 3, 4, 5, 1ull << 40, 6, 7, 8, 9};
     ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 4, &st, &n, &d), 0);
     ASSERT_EQ(kv_msg_decode(buf, n, NULL, &m, &d), 0);
     ASSERT_EQ(m.h.type, KV_MSG_STATS_ACK);
@@ -701,9 +701,9 @@ static void test_stream(void) {
 #define U32(v) (uint8_t)(v), (uint8_t)((v) >> 8), (uint8_t)((v) >> 16), (uint8_t)((v) >> 24)
 #define U64(v) U32(v), 0, 0, 0, 0
 
-/* frames of the current version carry 5 in their header (v5: the TLS-bound handshake, the
-   v4 layouts unchanged) */
-static const uint8_t g_hello[] = {HDR(5, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
+/* frames of the current version carry 6 in their header (v6: CANCEL, CANCELLED and the
+   ten-counter STATS_ACK; v5: the TLS-bound handshake; the v4 layouts otherwise unchanged) */
+static const uint8_t g_hello[] = {HDR(6, 1, 7, 72), 0x02, 0x00, 0x02, 0x00, ID64, U32(3)};
 static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 U32(2), U32(64), U32(32), U32(8), U32(2), U32(1), U32(1) /* n_ranges */,
                                 U32(1) /* n_slabs */, U32(512) /* max_pairs */, 'a', 'v', 'x', '2',
@@ -712,7 +712,7 @@ static const uint8_t g_ack[] = {HDR(2, 2, 7, 164), 0x02, 0x00, 0x04, 0x00, ID64,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab,
                                 0xab, 0xab, 0xab, 0xab, 0xab, 0x01};
-static const uint8_t g_compute[] = {HDR(5, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
+static const uint8_t g_compute[] = {HDR(6, 3, 9, 44), U32(1), 0x00, 0x00, 0x01, 0x00 /* enc f32, out f16 */,
                                     U32(1), U32(2), U32(2), 0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0,
                                     U32(0), U32(3), U32(0), U32(5)};
 static const uint8_t g_result[] = {HDR(3, 4, 9, 20), U32(2), U32(2), U32(1),
@@ -721,11 +721,16 @@ static const uint8_t g_result[] = {HDR(3, 4, 9, 20), U32(2), U32(2), U32(1),
 #define SIG16 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0x5a, 0xa5
 static const uint8_t g_result_v4[] = {HDR(4, 4, 9, 84), U32(2), U32(2), U32(1),
                                       0x00, 0x3C, 0x00, 0x38, 0x00, 0xC0, 0xFF, 0x7B, SIG16, SIG16, SIG16, SIG16};
-static const uint8_t g_error[] = {HDR(5, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
-static const uint8_t g_ping[] = {HDR(5, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
+static const uint8_t g_error[] = {HDR(6, 5, 9, 11), 0xF9, 0xFF, 0xFF, 0xFF, U32(3), 'a', 'b', 'c'};
+static const uint8_t g_ping[] = {HDR(6, 6, 4, 8), 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
 static const uint8_t g_stats_ack[] = {HDR(5, 9, 5, 72), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
                                       U64(7), U64(8), U64(9)};
 static const uint8_t g_stats_ack_v1[] = {HDR(1, 9, 5, 48), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6)};
+static const uint8_t g_stats_ack_v6[] = {HDR(6, 9, 5, 80), U64(1), U64(2), U64(3), U64(4), U64(5), U64(6),
+                                         U64(7), U64(8), U64(9), U64(10)};
+/* v6: CANCEL of request 9, and the worker's CANCELLED of it: empty payloads */
+static const uint8_t g_cancel[] = {HDR(6, 16, 9, 0)};
+static const uint8_t g_cancelled[] = {HDR(6, 17, 9, 0)};
 
 static void check_bytes(const uint8_t *got, size_t n, const uint8_t *want, size_t wn, const char *what) {
     kvt_checks++;
@@ -742,7 +747,7 @@ static void test_golden(void) {
     size_t n;
     /* HELLO */
     ASSERT_EQ(kv_msg_decode(g_hello, sizeof g_hello, NULL, &m, &d), 0);
-    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 5 && m.h.request_id == 7);
+    ASSERT_TRUE(m.h.type == KV_MSG_HELLO && m.h.version == 6 && m.h.request_id == 7);
     ASSERT_TRUE(m.u.hello.min_version == 2 && m.u.hello.max_version == 2 && m.u.hello.enc_mask == 3);
     ASSERT_STREQ(m.u.hello.model_id, ID_A);
     ASSERT_EQ(kv_msg_hello_encode(buf, sizeof buf, 7, &m.u.hello, &n, &d), 0);
@@ -827,8 +832,47 @@ static void test_golden(void) {
     ASSERT_TRUE(st->n_compute == 1 && st->n_pairs == 2 && st->n_tokens == 3 && st->n_conns == 4 && st->n_errors == 5);
     ASSERT_TRUE(st->uptime_ms == 6 && st->n_batches == 7 && st->n_merged == 8 && st->compute_us == 9);
     kv_msg_stats s2 = *st;
-    ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 5, &s2, &n, &d), 0);
+    ASSERT_EQ(kv_msg_stats_ack_encode_v(buf, sizeof buf, 5, 5, &s2, &n, &d), 0);
     check_bytes(buf, n, g_stats_ack, sizeof g_stats_ack, "STATS_ACK v2 layout (v5 header)");
+    ASSERT_EQ(st->n_cancelled, 0); /* not in a v5 ack */
+    /* STATS_ACK v6: the tenth counter, n_cancelled */
+    ASSERT_EQ(kv_msg_decode(g_stats_ack_v6, sizeof g_stats_ack_v6, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.u.stats.compute_us == 9 && m.u.stats.n_cancelled == 10);
+    s2 = m.u.stats;
+    ASSERT_EQ(kv_msg_stats_ack_encode(buf, sizeof buf, 5, &s2, &n, &d), 0);
+    check_bytes(buf, n, g_stats_ack_v6, sizeof g_stats_ack_v6, "STATS_ACK v6");
+    check_truncations(g_stats_ack_v6, sizeof g_stats_ack_v6, NULL, "STATS_ACK v6");
+    memcpy(buf, g_stats_ack, sizeof g_stats_ack); /* a nine-counter ack in a v6 frame: refused */
+    buf[4] = 6;
+    ASSERT_EQ(dec(buf, sizeof g_stats_ack, NULL), KV_EPROTO);
+    /* CANCEL / CANCELLED (v6): empty, the header names the request */
+    ASSERT_EQ(kv_msg_decode(g_cancel, sizeof g_cancel, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_CANCEL && m.h.request_id == 9 && m.h.len == 0);
+    ASSERT_EQ(kv_msg_cancel_encode(buf, sizeof buf, KV_MSG_CANCEL, 9, &n, &d), 0);
+    check_bytes(buf, n, g_cancel, sizeof g_cancel, "CANCEL");
+    ASSERT_EQ(kv_msg_decode(g_cancelled, sizeof g_cancelled, NULL, &m, &d), 0);
+    ASSERT_TRUE(m.h.type == KV_MSG_CANCELLED && m.h.request_id == 9);
+    ASSERT_EQ(kv_msg_cancel_encode(buf, sizeof buf, KV_MSG_CANCELLED, 9, &n, &d), 0);
+    check_bytes(buf, n, g_cancelled, sizeof g_cancelled, "CANCELLED");
+    ASSERT_STREQ(kv_msg_type_name(KV_MSG_CANCEL), "CANCEL");
+    ASSERT_STREQ(kv_msg_type_name(KV_MSG_CANCELLED), "CANCELLED");
+    ASSERT_EQ(kv_msg_cancel_encode(buf, sizeof buf, KV_MSG_PING, 9, &n, &d), KV_EINVAL);
+    ASSERT_EQ(kv_msg_cancel_encode(buf, KV_PROTO_HEADER - 1, KV_MSG_CANCEL, 9, &n, &d), KV_ERANGE);
+    for (uint16_t v = 1; v < KV_PROTO_CANCEL_VERSION; v++) { /* an older frame cannot carry them */
+        memcpy(buf, g_cancel, sizeof g_cancel);
+        buf[4] = (uint8_t)v;
+        ASSERT_EQ(dec(buf, sizeof g_cancel, NULL), KV_EPROTO);
+        buf[6] = KV_MSG_CANCELLED;
+        ASSERT_EQ(dec(buf, sizeof g_cancel, NULL), KV_EPROTO);
+    }
+    uint8_t cx[KV_PROTO_HEADER + 4]; /* a payload where none belongs */
+    memcpy(cx, g_cancel, sizeof g_cancel);
+    cx[12] = 4;
+    memset(cx + KV_PROTO_HEADER, 0, 4);
+    ASSERT_EQ(dec(cx, sizeof cx, NULL), KV_EPROTO);
+    memcpy(buf, g_cancel, sizeof g_cancel); /* a type past CANCELLED is still unknown */
+    buf[6] = KV_MSG_TYPE_COUNT;
+    ASSERT_EQ(dec(buf, sizeof g_cancel, NULL), KV_EPROTO);
     ASSERT_EQ(kv_msg_decode(g_stats_ack_v1, sizeof g_stats_ack_v1, NULL, &m, &d), 0);
     ASSERT_TRUE(m.u.stats.uptime_ms == 6 && m.u.stats.n_batches == 0);
     ASSERT_EQ(kv_msg_stats_ack_encode_v(buf, sizeof buf, 5, 1, &m.u.stats, &n, &d), 0);
@@ -840,9 +884,9 @@ static void test_golden(void) {
     memcpy(buf, g_stats_ack_v1, sizeof g_stats_ack_v1);
     buf[4] = 2;
     ASSERT_EQ(dec(buf, sizeof g_stats_ack_v1, NULL), KV_EPROTO);
-    /* an unknown ack version (one past KV_PROTO_VERSION, 5) */
+    /* an unknown ack version (one past KV_PROTO_VERSION, 6) */
     memcpy(buf, g_ack, sizeof g_ack);
-    buf[4] = 6, buf[16] = 6;
+    buf[4] = 7, buf[16] = 7;
     ASSERT_EQ(dec(buf, sizeof g_ack, NULL), KV_EUNSUPPORTED);
     /* v2 fields bounded: max_pairs 0, a slab outside the ranges */
     memcpy(buf, g_ack, sizeof g_ack);

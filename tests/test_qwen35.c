@@ -14,24 +14,8 @@
 #include "kvasir/gen.h"
 #include "kvasir/model.h"
 #include "kvtest.h"
+#include "ref64.h"
 #include "ref_gguf.h"
-
-
-static void ref_matvec(double *y, const float *w, const double *x, int rows, int cols) {
-    for (int r = 0; r < rows; r++) {
-        double s = 0;
-        for (int c = 0; c < cols; c++) s += (double)w[(size_t)r * cols + c] * x[c];
-        y[r] = s;
-    }
-}
-static void ref_rms(double *y, const double *x, const float *w, int n, double eps) {
-    double s = 0;
-    for (int i = 0; i < n; i++) s += x[i] * x[i];
-    double k = 1.0 / sqrt(s / n + eps);
-    for (int i = 0; i < n; i++) y[i] = x[i] * k * w[i];
-}
-static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
-static double silu(double x) { return x * sigm(x); }
 
 /* Logits of the last token of toks[0..n) by a plain f64 forward over the
  * F32 file at rm (tests/ref_gguf.h: tensors by name, dims from metadata). */
@@ -107,7 +91,7 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
                         int tt = t - (KC - 1) + i;
                         if (tt >= 0) s += qkv[(size_t)tt * C + c] * conv[(size_t)c * KC + i];
                     }
-                    cv[c] = silu(s);
+                    cv[c] = ref_silu(s);
                 }
                 for (int h = 0; h < 2 * NK; h++) {
                     double s = 0;
@@ -120,7 +104,7 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
                     const double *q = cv + kh * SV, *k = cv + KD + kh * SV, *v = cv + 2 * KD + h * SV;
                     double a = aa[h] + dt[h];
                     double sp = a > 20 ? a : log1p(exp(a));
-                    double decay = exp(sp * ssm_a[h]), beta = sigm(bb[h]);
+                    double decay = exp(sp * ssm_a[h]), beta = ref_sigm(bb[h]);
                     double *Sh = st + (size_t)h * SV * SV; /* Sh[i*SV + j] = S[i][j], i key dim, j value dim */
                     for (int i = 0; i < SV * SV; i++) Sh[i] *= decay;
                     for (int j = 0; j < SV; j++) {
@@ -136,7 +120,7 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
                         o[j] = s / sqrt((double)SV);
                     }
                     ref_rms(att + h * SV, o, ssm_norm, SV, eps);
-                    for (int j = 0; j < SV; j++) att[h * SV + j] *= silu(z[h * SV + j]);
+                    for (int j = 0; j < SV; j++) att[h * SV + j] *= ref_silu(z[h * SV + j]);
                 }
                 ref_matvec(out + (size_t)t * E, ssm_out, att, E, VD);
             }
@@ -192,7 +176,7 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
                     for (int i = 0; i < HD; i++) {
                         double o = 0;
                         for (int p = 0; p <= t; p++) o += sc[p] / sum * vc[(size_t)p * HKV * HD + kh * HD + i];
-                        att[h * HD + i] = o * sigm(q[HD + i]);
+                        att[h * HD + i] = o * ref_sigm(q[HD + i]);
                     }
                 }
                 ref_matvec(out + (size_t)t * E, wo, att, E, H * HD);
@@ -235,17 +219,17 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
                 int e = ids[r];
                 ref_matvec(g, gate_exps + (size_t)e * FF * E, xb, FF, E);
                 ref_matvec(u, up_exps + (size_t)e * FF * E, xb, FF, E);
-                for (int i = 0; i < FF; i++) g[i] = silu(g[i]) * u[i];
+                for (int i = 0; i < FF; i++) g[i] = ref_silu(g[i]) * u[i];
                 ref_matvec(tmp, down_exps + (size_t)e * E * FF, g, E, FF);
                 for (int i = 0; i < E; i++) acc[i] += pr[e] / wsum * tmp[i];
             }
             ref_matvec(g, gate_sh, xb, S, E);
             ref_matvec(u, up_sh, xb, S, E);
-            for (int i = 0; i < S; i++) g[i] = silu(g[i]) * u[i];
+            for (int i = 0; i < S; i++) g[i] = ref_silu(g[i]) * u[i];
             ref_matvec(tmp, down_sh, g, E, S);
             double gs;
             ref_matvec(&gs, gate_inp_sh, xb, 1, E);
-            for (int i = 0; i < E; i++) xt[i] += acc[i] + tmp[i] * sigm(gs);
+            for (int i = 0; i < E; i++) xt[i] += acc[i] + tmp[i] * ref_sigm(gs);
         }
     }
     const float *on = ref_f32(rm, E, "output_norm.weight");
@@ -254,33 +238,6 @@ static void ref_forward(const ref_model *rm, const int32_t *toks, int n, double 
     ref_matvec(logits, ow, xb, V, E);
     free(x); free(xb); free(qkv); free(tmp); free(kc); free(vc); free(qg); free(att); free(st); free(z);
     free(pr); free(g); free(u); free(acc); free(sc); free(bb); free(aa);
-}
-
-/* Our logits after each of the n tokens, evaluated in chunks of `batch`
- * (0: one eval of all), on a pool of nth threads, as sequence `seq` of an
- * n_seq state. */
-static float *ours(const kv_model *m, const int32_t *toks, int n, int nth, uint32_t batch) {
-    const int V = (int)kv_model_hparams(m)->n_vocab;
-    float *out = calloc((size_t)n * V, sizeof *out);
-    kv_diag d = {0};
-    kv_pool *pool = NULL;
-    kv_state *s = NULL;
-    kv_state_opts o = {.n_ctx = 64, .n_batch = batch ? batch : 64};
-    if (kv_pool_new(&pool, nth, &d) || kv_state_new(&s, m, pool, &o, &d)) {
-        KVT_FAIL("state: %s", d.msg);
-        kv_pool_free(pool);
-        return out;
-    }
-    /* token by token, keeping every step's logits */
-    for (int t = 0; t < n; t++)
-        if (kv_state_eval(s, toks + t, 1, out + (size_t)t * V, &d)) KVT_FAIL("eval: %s", d.msg);
-    if (batch) { /* the whole prompt again, chunked: overwrite the last row */
-        kv_state_reset(s);
-        if (kv_state_eval(s, toks, (uint32_t)n, out + (size_t)(n - 1) * V, &d)) KVT_FAIL("eval: %s", d.msg);
-    }
-    kv_state_free(s);
-    kv_pool_free(pool);
-    return out;
 }
 
 static char g_dir[] = "/tmp/kvasir-test-q35-XXXXXX", g_path[128];
@@ -305,7 +262,7 @@ static int setup(void) {
         return 1;
     }
     V = (int)kv_model_hparams(g_m)->n_vocab;
-    g_a = ours(g_m, toks, N, 1, 0);
+    g_a = ref_ours(g_m, toks, N, 1, 0, KV_TYPE_F32);
     return 0;
 }
 
@@ -328,25 +285,14 @@ static void test_loaded(void) {
 /* f64 reference at several prefix lengths (positions cross the conv window
  * and attention layers) */
 static void test_f64_reference(void) {
-    double *ref = calloc(V, sizeof *ref), worst = 0;
-    ref_model rm;
-    ASSERT_EQ(ref_open(&rm, g_path), 0);
-    for (int n = 1; n <= N; n += 3) {
-        ref_forward(&rm, toks, n, ref);
-        for (int i = 0; i < V; i++) {
-            double e = fabs(ref[i] - g_a[(size_t)(n - 1) * V + i]);
-            if (e > worst) worst = e;
-        }
-    }
-    ref_close(&rm);
+    double worst = ref_max_dlogit(g_path, ref_forward, toks, N, 3, g_a, V);
     printf("f32 qwen35moe vs f64 reference: max |dlogit| = %.3g\n", worst);
     ASSERT_TRUE(worst < 2e-4);
-    free(ref);
 }
 
 /* bit-identity: threads, token-by-token vs chunked prefill (chunks of 4) */
 static void test_bit_identity(void) {
-    float *b = ours(g_m, toks, N, 2, 4), *cc = ours(g_m, toks, N, 2, 0);
+    float *b = ref_ours(g_m, toks, N, 2, 4, KV_TYPE_F32), *cc = ref_ours(g_m, toks, N, 2, 0, KV_TYPE_F32);
     ASSERT_TRUE(memcmp(g_a, cc, (size_t)N * V * sizeof *g_a) == 0);
     ASSERT_TRUE(memcmp(g_a, b, (size_t)N * V * sizeof *g_a) == 0);
     free(b);
@@ -446,7 +392,7 @@ static void test_dropped_rows(void) {
     ASSERT_TRUE(kv_model_layer(m3, 2)->recurrent);
     dropped_on(m3, "last block delta net");
     /* chunked prefill (rows dropped) against token by token (none) */
-    float *a = ours(m3, toks, N, 1, 0), *cb = ours(m3, toks, N, 2, 4);
+    float *a = ref_ours(m3, toks, N, 1, 0, KV_TYPE_F32), *cb = ref_ours(m3, toks, N, 2, 4, KV_TYPE_F32);
     ASSERT_TRUE(!memcmp(a, cb, (size_t)N * kv_model_hparams(m3)->n_vocab * sizeof *a));
     free(a);
     free(cb);

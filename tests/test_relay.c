@@ -715,10 +715,12 @@ static void test_slow_reader(void) {
     uint8_t *m = malloc(cap);
     for (size_t i = 0; i < cap; i++) m[i] = pat(i, 5);
     size_t put = 0;
-    for (int idle = 0; idle < 20 && put < cap;) {
+    /* stalled: nothing taken for a whole second (a count of short sleeps would
+       end early on a loaded machine, where the threads on the way run late) */
+    for (int64_t last = kv_net_now_ms(); kv_net_now_ms() - last < 1000 && put < cap;) {
         ssize_t k = write(a, m + put, cap - put > 65536 ? 65536 : cap - put);
-        if (k > 0) put += (size_t)k, idle = 0;
-        else idle++, sleep_ms(10);
+        if (k > 0) put += (size_t)k, last = kv_net_now_ms();
+        else sleep_ms(10);
     }
     ASSERT_TRUE(put > (512u << 10)); /* more than the windows on the way */
     ASSERT_TRUE(put < cap);          /* and then A stalled */
@@ -929,6 +931,94 @@ static void test_rate(void) {
     kv_relay_client_free(a);
     kv_relay_client_free(b);
     svc_join();
+    kv_relay_server_free(s);
+}
+
+/* A circuit that ends (the relay's CLOSE) in the same batch of events in
+ * which its socket turns readable: the event for its watch, taken from
+ * epoll before the CLOSE was handled, must find the circuit ended, not
+ * freed memory (a use after free that crashed nodes under load). Made
+ * certain by holding the node's loop in the callback of circuit 2 while
+ * circuit 1's CLOSE reaches the node's relay socket and then a byte reaches
+ * circuit 1's socket: the loop takes both in one epoll_wait. */
+static struct {
+    int fd[2];         /* the node's circuits 1 and 2, the caller's ends */
+    atomic_int n;      /* circuits handed over */
+    atomic_bool held;  /* the node's loop waits in the callback of circuit 2 */
+    atomic_bool go;    /* ... until this */
+} g_hold;
+
+static void on_circuit_hold(void *data, int fd) {
+    (void)data;
+    const int i = atomic_load(&g_hold.n);
+    if (i >= 2) {
+        close(fd);
+        return;
+    }
+    g_hold.fd[i] = fd;
+    atomic_store(&g_hold.n, i + 1);
+    if (i == 0) return;
+    atomic_store(&g_hold.held, true);
+    for (int k = 0; k < 1000 && !atomic_load(&g_hold.go); k++) sleep_ms(10);
+}
+
+static void test_close_in_batch(void) {
+    kv_relay_server_opts so = {0};
+    kv_relay_server *s = relay_start(&so);
+    kv_relay_client_opts o = {.relay = kv_relay_server_addr(s), .relay_sha256 = g_relay_fp, .role = KV_RELAY_ROLE_NODE,
+                              .tls = g_node_ctx, .key = &g_node_key, .on_circuit = on_circuit_hold};
+    kv_relay_client *node = NULL;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_relay_client_start(&node, &o, &d), 0);
+    ASSERT_TRUE(wait_up(node, 3000));
+    for (int round = 0; round < 3; round++) { /* each round with a coordinator of its own, streams 1 and 2 */
+        raw r = {0};
+        atomic_store(&g_hold.n, 0);
+        atomic_store(&g_hold.held, false);
+        atomic_store(&g_hold.go, false);
+        ASSERT_TRUE(raw_coord(&r, s));
+        ASSERT_EQ(raw_send(&r, KV_RELAY_OPEN, 1, g_node_key.pk, 32), 0);
+        for (int i = 0; i < 1000 && atomic_load(&g_hold.n) < 1; i++) sleep_ms(10);
+        ASSERT_EQ(atomic_load(&g_hold.n), 1);
+        ASSERT_EQ(raw_send(&r, KV_RELAY_OPEN, 2, g_node_key.pk, 32), 0);
+        for (int i = 0; i < 1000 && !atomic_load(&g_hold.held); i++) sleep_ms(10);
+        ASSERT_TRUE(atomic_load(&g_hold.held));
+        const uint8_t code[4] = {0};
+        ASSERT_EQ(raw_send(&r, KV_RELAY_CLOSE, 1, code, 4), 0); /* the coordinator ends circuit 1 */
+        sleep_ms(200);                                          /* the relay forwards it to the node */
+        ASSERT_EQ(write(g_hold.fd[0], "x", 1), 1);              /* then circuit 1 turns readable */
+        sleep_ms(20);
+        atomic_store(&g_hold.go, true);
+        if (atomic_load(&g_hold.n) < 2) {
+            raw_close(&r);
+            break;
+        }
+        /* the node lives on: circuit 1 ended (its socket reads end of stream, or a reset: the
+           node's end closed with our byte unread), circuit 2 carries bytes */
+        char c;
+        struct pollfd p = {.fd = g_hold.fd[0], .events = POLLIN};
+        ASSERT_EQ(poll(&p, 1, 5000), 1);
+        ASSERT_TRUE(p.revents && read(g_hold.fd[0], &c, 1) <= 0);
+        ASSERT_EQ(raw_send(&r, KV_RELAY_DATA, 2, "ping", 4), 0);
+        char in[4] = {0};
+        size_t got = 0;
+        p.fd = g_hold.fd[1];
+        while (got < 4 && poll(&p, 1, 5000) == 1) {
+            ssize_t k = read(g_hold.fd[1], in + got, 4 - got);
+            if (k <= 0) break;
+            got += (size_t)k;
+        }
+        ASSERT_EQ(got, 4);
+        ASSERT_TRUE(memcmp(in, "ping", 4) == 0);
+        kv_relay_client_stats cs;
+        kv_relay_client_stats_get(node, &cs);
+        ASSERT_TRUE(cs.up);
+        ASSERT_EQ(cs.circuits, 1);
+        close(g_hold.fd[0]);
+        close(g_hold.fd[1]);
+        raw_close(&r);
+    }
+    kv_relay_client_free(node);
     kv_relay_server_free(s);
 }
 
@@ -1157,7 +1247,8 @@ static void test_worker_cli_relay(void) {
 static const kvt_case cases[] = {
     KVT_CASE(test_frames),       KVT_CASE(test_roundtrip_tls), KVT_CASE(test_tamper),
     KVT_CASE(test_impersonation), KVT_CASE(test_lying_frames), KVT_CASE(test_flood),
-    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_idle_and_garbage), KVT_CASE(test_rate), KVT_CASE(test_dispatch_through_relay),
+    KVT_CASE(test_slow_reader),  KVT_CASE(test_reconnect),     KVT_CASE(test_idle_and_garbage), KVT_CASE(test_rate),
+    KVT_CASE(test_close_in_batch), KVT_CASE(test_dispatch_through_relay),
     KVT_CASE(test_worker_cli_relay),
 };
 

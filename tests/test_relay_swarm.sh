@@ -201,8 +201,10 @@ echo "ok: swarm status --json: $(jq -c '.nodes[] | select(.name == "node2") | {r
 echo "ok: /metrics: one relayed node, $circ circuits, $tocoord bytes to coordinators"
 
 # a replica of every shard on a third, ordinary node; then the relayed node
-# is killed while a decode runs through it
-"$KV" node --hub "$hub" --budget $((9 * slab)) --data "$dir/nC" --interval-ms 300 --threads 1 \
+# is killed while a decode runs through it. The third node answers 5 ms late
+# (test only), so that replica choice, which prefers the replica expected to
+# answer first, sends the relayed node its share of the decode until it dies
+"$KV" node --hub "$hub" --budget $((9 * slab)) --data "$dir/nC" --interval-ms 300 --threads 1 --test-delay=5 \
   >"$dir/nC.out" 2>"$dir/nC.err" &
 pids+=($!)
 cfull() {

@@ -177,7 +177,7 @@ import socket, struct, sys
 h, p = sys.argv[1].rsplit(":", 1)
 s = socket.create_connection((h, int(p)))
 s.settimeout(5)
-def frame(t, body, v=4): return struct.pack("<IHHI", 0x4752564b, v, t, len(body)) + body
+def frame(t, body, v=5): return struct.pack("<IHHI", 0x4752564b, v, t, len(body)) + body
 def read_frame():
     hd = b""
     while len(hd) < 12: hd += s.recv(12 - len(hd))
@@ -190,7 +190,7 @@ o = socket.create_connection((h, int(p)))
 o.settimeout(5)
 o.sendall(frame(1, struct.pack("<6I", 2, 0, 0, 0, 0, 0) + b"\0" * 64, v=1))
 data = o.recv(4096)
-assert data[:4] == b"KVRG" and data[6] == 8 and b"version 1, this node speaks 4" in data, data
+assert data[:4] == b"KVRG" and data[6] == 8 and b"version 1, this node speaks 5" in data, data
 o.close()
 s.sendall(frame(1, struct.pack("<6I", 2, 0, 0, 0, 0, 0) + b"\0" * 64))
 assert read_frame()[0] == 2 and read_frame()[0] == 11  # HELLO_ACK, AUTH_CHALLENGE

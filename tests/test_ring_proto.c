@@ -67,17 +67,20 @@ static void test_header_layout(void) {
     f[0] ^= 1;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
     memcpy(f, buf, sizeof f);
-    f[4] = 5; /* a later version */
+    f[4] = 6; /* a later version */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
     f[4] = 1; /* v1: a node of a build before TLS (ring v2) gets a version error */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
-    ASSERT_TRUE(strstr(d.msg, "version 1, this node speaks 4") != NULL);
+    ASSERT_TRUE(strstr(d.msg, "version 1, this node speaks 5") != NULL);
     f[4] = 2; /* v2: a node of a build before SUBMIT_TOKENS (ring v3) gets a version error */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
-    ASSERT_TRUE(strstr(d.msg, "version 2, this node speaks 4") != NULL);
+    ASSERT_TRUE(strstr(d.msg, "version 2, this node speaks 5") != NULL);
     f[4] = 3; /* v3: a node of a build before speculative decoding over the ring (v4) gets a version error */
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
-    ASSERT_TRUE(strstr(d.msg, "version 3, this node speaks 4") != NULL);
+    ASSERT_TRUE(strstr(d.msg, "version 3, this node speaks 5") != NULL);
+    f[4] = 4; /* v4: a node of a build before the prompt cache over the ring (v5) gets a version error */
+    ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "version 4, this node speaks 5") != NULL);
     memcpy(f, buf, sizeof f);
     f[6] = KV_RING_TYPE_COUNT;
     ASSERT_EQ(kv_ring_decode(f, sizeof f, &m, &d), KV_EPROTO);
@@ -173,26 +176,37 @@ static void test_start_submit_token(void) {
     kv_ring_params p = {.flags = KV_RING_SUBMIT_LOGITS, .n_predict = 12, .sample = kv_sample_defaults()};
     p.sample.seed = 99;
     const int32_t toks[4] = {5, 0, 599, 42};
-    kv_ring_start s = {77, 2, 0, p, 4, NULL};
+    kv_ring_start s = {77, 2, 0, p, 4, NULL, 0};
     size_t n;
     ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &s, toks, &n, NULL), 0);
-    ASSERT_EQ(n, KV_RING_HEADER + 60 + 16);
+    ASSERT_EQ(n, KV_RING_HEADER + 64 + 16); /* v5: u32 n_cached after flags */
     const uint8_t *q = buf + KV_RING_HEADER;
     ASSERT_EQ(rd64(q), 77);
     ASSERT_EQ(rd32(q + 8), 2);
-    ASSERT_EQ(rd32(q + 16), KV_RING_SUBMIT_LOGITS);
-    ASSERT_EQ(rd32(q + 20), 12);
-    ASSERT_EQ(rd64(q + 48), 99);
-    ASSERT_EQ(rd32(q + 56), 4);
-    ASSERT_EQ(rd32(q + 60 + 8), 599);
+    ASSERT_EQ(rd32(q + 16), 0);
+    ASSERT_EQ(rd32(q + 20), KV_RING_SUBMIT_LOGITS);
+    ASSERT_EQ(rd32(q + 24), 12);
+    ASSERT_EQ(rd64(q + 52), 99);
+    ASSERT_EQ(rd32(q + 60), 4);
+    ASSERT_EQ(rd32(q + 64 + 8), 599);
     kv_ring_msg m;
     kv_diag d = {0};
     ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
     ASSERT_EQ(kv_ring_tokens_get(m.u.start.tokens, 3), 42);
     ASSERT_EQ(m.u.start.p.sample.seed, 99);
     check_truncations(buf, n);
-    wr32(buf + KV_RING_HEADER + 60 + 4, 0xffffffffu); /* token -1 */
+    wr32(buf + KV_RING_HEADER + 64 + 4, 0xffffffffu); /* token -1 */
     ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+    /* v5: n_cached below the prompt's length (its last token is computed) */
+    s.n_cached = 3;
+    ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &s, toks, &n, NULL), 0);
+    ASSERT_EQ(rd32(q + 16), 3);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.start.n_cached, 3);
+    wr32(buf + KV_RING_HEADER + 16, 4);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+    s.n_cached = 4;
+    ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &s, toks, &n, NULL), KV_ERANGE);
     /* SUBMIT: a NaN temperature, an empty prompt */
     kv_ring_submit sb = {p, "hello", 5};
     ASSERT_EQ(kv_ring_submit_encode(buf, sizeof buf, &sb, &n, NULL), 0);
@@ -494,12 +508,12 @@ static void test_v3_frames(void) {
     p.n_gen = 2;
     kv_ring_start st = {.seq = 5, .home = 0, .p = p, .n_tokens = 3};
     ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), 0);
-    ASSERT_EQ(n, KV_RING_HEADER + 60 + 12 + 24 + 16 + strlen(gram));
-    ASSERT_EQ(rd32(buf + KV_RING_HEADER + 72 + 12), 2);
+    ASSERT_EQ(n, KV_RING_HEADER + 64 + 12 + 24 + 16 + strlen(gram));
+    ASSERT_EQ(rd32(buf + KV_RING_HEADER + 76 + 12), 2);
     ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
     ASSERT_EQ(m.u.start.p.n_gen, 2);
     ASSERT_EQ(m.u.start.n_tokens, 3);
-    wr32(buf + KV_RING_HEADER + 72 + 12, 3); /* n_gen = n */
+    wr32(buf + KV_RING_HEADER + 76 + 12, 3); /* n_gen = n */
     ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
     st.p.flags = 0; /* without the extension: v2's layout */
     ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), KV_EINVAL); /* n_gen needs EXT */
@@ -507,7 +521,7 @@ static void test_v3_frames(void) {
     ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), KV_EINVAL); /* so do bias, grammar, ... */
     st.p = (kv_ring_params){.n_predict = 9, .sample = kv_sample_defaults()};
     ASSERT_EQ(kv_ring_start_encode(buf, sizeof buf, &st, toks, &n, &d), 0);
-    ASSERT_EQ(n, KV_RING_HEADER + 60 + 12);
+    ASSERT_EQ(n, KV_RING_HEADER + 64 + 12);
 
     /* TOKEN with a log-probability: u32 n_top, f64 logprob, {i32, f64}[n_top] after the logits */
     kv_ring_token t = {.seq = 9, .pos = 4, .token = 33, .stop = KV_STOP_GRAMMAR, .piece_len = 2, .piece = "ab",
@@ -793,10 +807,72 @@ static void test_v4_spec_frames(void) {
 static void test_window_qwen3moe(void) { window_case("qwen3moe"); }
 static void test_window_qwen35moe(void) { window_case("qwen35moe"); }
 
+/* v5: LOOKUP (the prefix every node's prompt cache holds) and CACHED, byte
+ * for byte as docs/PROTOCOL.md lays them out; bounds and canonical bits. */
+static void test_v5_cache_frames(void) {
+    int32_t toks[2 * 16];
+    for (int i = 0; i < 32; i++) toks[i] = 7 * i + 1;
+    const uint8_t bits[1] = {0x02}; /* block 1 resumable, block 0 not */
+    kv_ring_lookup l = {.seq = 0x0102030405060708ull, .origin = 3, .block_tokens = 16, .n_blocks = 2, .n_match = 1};
+    size_t n;
+    kv_diag d = {0};
+    ASSERT_EQ(kv_ring_lookup_encode(buf, sizeof buf, &l, toks, bits, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 24 + 4 * 32 + 1);
+    ASSERT_EQ(kv_ring_lookup_size(16, 2), 24 + 4 * 32 + 1);
+    ASSERT_EQ(buf[6] | buf[7] << 8, 20); /* type 20 */
+    const uint8_t *q = buf + KV_RING_HEADER;
+    ASSERT_EQ(rd64(q), 0x0102030405060708ull);
+    ASSERT_EQ(rd32(q + 8), 3);
+    ASSERT_EQ(rd32(q + 12), 16);
+    ASSERT_EQ(rd32(q + 16), 2);
+    ASSERT_EQ(rd32(q + 20), 1);
+    ASSERT_EQ(rd32(q + 24 + 4 * 31), (uint32_t)toks[31]);
+    ASSERT_EQ(q[24 + 128], 0x02);
+    kv_ring_msg m;
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.lookup.n_blocks, 2);
+    ASSERT_EQ(m.u.lookup.n_match, 1);
+    ASSERT_EQ(kv_ring_tokens_get(m.u.lookup.tokens, 5), toks[5]);
+    ASSERT_EQ(m.u.lookup.state[0], 0x02);
+    check_truncations(buf, n);
+    uint8_t f[KV_RING_HEADER + 24 + 4 * 32 + 1];
+    memcpy(f, buf, n);
+    f[KV_RING_HEADER + 24 + 128] = 0x06; /* a bit past the blocks: not canonical */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 20, 3); /* more matched than looked up */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 12, 4097); /* a block over the bound */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 16, KV_RING_MAX_PROMPT); /* blocks x tokens over the prompt bound */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    memcpy(f, buf, n);
+    wr32(f + KV_RING_HEADER + 24, 0xffffffffu); /* token -1 */
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_ERANGE);
+    l.n_match = 3;
+    ASSERT_EQ(kv_ring_lookup_encode(buf, sizeof buf, &l, toks, bits, &n, &d), KV_ERANGE);
+    l.n_match = 0;
+    l.block_tokens = 0;
+    ASSERT_EQ(kv_ring_lookup_encode(buf, sizeof buf, &l, toks, bits, &n, &d), KV_ERANGE);
+    /* CACHED: u64 id, u32 n_cached */
+    ASSERT_EQ(kv_ring_cached_encode(buf, sizeof buf, 0xabcdef, 64, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 12);
+    ASSERT_EQ(buf[6] | buf[7] << 8, 21);
+    ASSERT_EQ(rd64(buf + KV_RING_HEADER), 0xabcdef);
+    ASSERT_EQ(rd32(buf + KV_RING_HEADER + 8), 64);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.cached.n_cached, 64);
+    check_truncations(buf, n);
+    wr32(buf + KV_RING_HEADER + 8, KV_RING_MAX_PROMPT);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), KV_ERANGE);
+}
+
 static const kvt_case cases[] = {
     KVT_CASE(test_header_layout), KVT_CASE(test_hello), KVT_CASE(test_hidden), KVT_CASE(test_start_submit_token),
     KVT_CASE(test_auth), KVT_CASE(test_chat_status), KVT_CASE(test_v3_frames), KVT_CASE(test_vocab_pack),
-    KVT_CASE(test_v4_spec_frames), KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
+    KVT_CASE(test_v4_spec_frames), KVT_CASE(test_v5_cache_frames), KVT_CASE(test_window_qwen3moe), KVT_CASE(test_window_qwen35moe),
 };
 
 int main(int argc, char **argv) {

@@ -156,7 +156,7 @@ except Exception:
     pass
 print(data[12 + 16:].decode("latin1", "replace"))
 EOF
-grep -aq "protocol version 3, this node speaks 4" "$dir/v3.out" || fail "a v3 peer got no clear version error: $(cat "$dir/v3.out")"
+grep -aq "protocol version 3, this node speaks 5" "$dir/v3.out" || fail "a v3 peer got no clear version error: $(cat "$dir/v3.out")"
 echo "ok: a v3 peer is told: $(grep -ao 'ring: protocol version[ a-z0-9,]*' "$dir/v3.out" | head -1)"
 if "$KV" run --ring "$A0" "${RK[@]}" -p "$P" -n 4 --draft mtp >/dev/null 2>"$dir/e.err"; then fail "--draft mtp over a ring was taken"; fi
 grep -q -- "--draft mtp" "$dir/e.err" || fail "--draft mtp: unclear refusal: $(cat "$dir/e.err")"

@@ -87,7 +87,7 @@ hub = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(seed_hex))
 other_hub = Ed25519PrivateKey.generate()
 def voucher(signer, model, key, exp):
     return signer.sign(hashlib.sha256(b"kvasir-voucher-v1\n" + model + key + struct.pack("<Q", exp)).digest())
-def frame(t, body): return struct.pack("<IHHI", 0x4752564b, 4, t, len(body)) + body  # ring v4, plaintext (loopback): no binding
+def frame(t, body): return struct.pack("<IHHI", 0x4752564b, 5, t, len(body)) + body  # ring v5, plaintext (loopback): no binding
 def attempt(exp, make, client):
     """make(model_id) -> the voucher's signature; the model is the one the node announces"""
     h, p = addr.rsplit(":", 1)

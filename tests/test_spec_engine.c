@@ -32,45 +32,10 @@
 #include "kvasir/gen.h"
 #include "kvasir/quant.h"
 #include "kvtest.h"
+#include "engine_fixture.h"
+#include "ref64.h"
 #include "engine/spec.h"
 #include "model/model_internal.h"
-
-static char g_dir[200];
-
-typedef struct fixture {
-    char model[300];
-    kv_model *m;
-    uint32_t n_vocab;
-} fixture;
-static fixture g_fx[2]; /* qwen3moe, qwen35moe */
-
-static bool fixture_make(fixture *f, const char *arch) {
-    kv_diag d = {0};
-    kv_gen_config c;
-    if (!strcmp(arch, "qwen3moe")) {
-        if (kv_gen_preset_get("tiny", &c, &d)) return false;
-        c.n_layer = 3; c.n_embd = 64; c.n_ff_exp = 32; c.n_expert = 8; c.n_expert_used = 3;
-        c.n_head = 4; c.n_head_kv = 2; c.head_dim = 16; c.n_vocab = 400; c.type = KV_TYPE_Q8_0;
-        c.seed = 31;
-    } else {
-        c = (kv_gen_config){.arch = "qwen35moe", .n_layer = 4, .n_embd = 64, .n_ff_exp = 32, .n_expert = 8,
-                            .n_expert_used = 2, .n_head = 4, .n_head_kv = 2, .head_dim = 16, .n_vocab = 400,
-                            .type = KV_TYPE_F32, .seed = 32, .full_attn_interval = 2,
-                            .ssm_d_state = 16, .ssm_n_group = 2, .ssm_dt_rank = 4, .n_rot = 8,
-                            .rope_sections = {2, 1, 1, 0}, .n_nextn = 1, .n_ff_shexp = 32};
-        kv_gen_fill_defaults(&c);
-    }
-    c.n_ctx = 512;
-    c.n_threads = 1;
-    c.log = NULL;
-    snprintf(f->model, sizeof f->model, "%s/%s.gguf", g_dir, arch);
-    if (kv_gen_model(&c, f->model, &d) || kv_model_load(&f->m, f->model, &d)) {
-        fprintf(stderr, "fixture %s: %s\n", arch, d.msg);
-        return false;
-    }
-    f->n_vocab = kv_model_hparams(f->m)->n_vocab;
-    return true;
-}
 
 static uint64_t g_rng = 0x1234567;
 static uint32_t rnd(uint32_t n) {
@@ -310,22 +275,8 @@ static void test_engine_qwen35moe(void) { test_engine(&g_fx[1]); }
 
 /* y = W x for a 2-D F32 weight (or one expert matrix at base), in double */
 static void mv(const kv_weight *w, const float *base, const double *x, double *y) {
-    const float *W = base ? base : (const float *)w->data;
-    const int64_t n = w->ne[0], rows = w->ne[1];
-    for (int64_t r = 0; r < rows; r++) {
-        double acc = 0;
-        for (int64_t j = 0; j < n; j++) acc += (double)W[r * n + j] * x[j];
-        y[r] = acc;
-    }
+    ref_matvec(y, base ? base : (const float *)w->data, x, (int)w->ne[1], (int)w->ne[0]);
 }
-static void rms(double *y, const double *x, const float *w, int64_t n, double eps) {
-    double ss = 0;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    const double sc = 1.0 / sqrt(ss / (double)n + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * sc * (double)w[i];
-}
-static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
-static double silu(double x) { return x * sigm(x); }
 
 /* interleaved multi-section RoPE from its definition: pair i (of n_rot/2,
  * NeoX pairing i, i + n_rot/2) takes the position of its section's
@@ -367,19 +318,19 @@ static void mtp_ref_step(const kv_model *m, mtp_ref *r, const float *hin, int32_
     double cat[1024], e[512], hh[512], u[512], xb[512], qg[1024], q[512], k[256], v[256], o[512], t[512];
     const float *emb = (const float *)m->tok_embd.data + (size_t)tok * E;
     for (int64_t i = 0; i < E; i++) e[i] = emb[i], hh[i] = hin[i];
-    rms(cat, e, L->nextn_enorm.data, E, eps);
-    rms(cat + E, hh, L->nextn_hnorm.data, E, eps);
+    ref_rms(cat, e, L->nextn_enorm.data, E, eps);
+    ref_rms(cat + E, hh, L->nextn_hnorm.data, E, eps);
     mv(&L->nextn_eh_proj, NULL, cat, u);
-    rms(xb, u, L->attn_norm.data, E, eps);
+    ref_rms(xb, u, L->attn_norm.data, E, eps);
     mv(&L->wq, NULL, xb, qg);
     mv(&L->wk, NULL, xb, k);
     mv(&L->wv, NULL, xb, v);
     for (int64_t h = 0; h < H; h++) {
-        rms(q + h * HD, qg + h * 2 * HD, L->q_norm.data, HD, eps);
+        ref_rms(q + h * HD, qg + h * 2 * HD, L->q_norm.data, HD, eps);
         imrope_ref(q + h * HD, hp, pos);
     }
     for (int64_t h = 0; h < HKV; h++) {
-        rms(k + h * HD, k + h * HD, L->k_norm.data, HD, eps);
+        ref_rms(k + h * HD, k + h * HD, L->k_norm.data, HD, eps);
         imrope_ref(k + h * HD, hp, pos);
     }
     /* this position's K/V replaces any at pos or after (what kv_mtp_step's caller forgot) */
@@ -402,14 +353,14 @@ static void mtp_ref_step(const kv_model *m, mtp_ref *r, const float *hin, int32_
         for (int64_t i = 0; i < HD; i++) {
             double acc = 0;
             for (uint32_t j = 0; j < r->n; j++) acc += sc[j] / sum * r->v[j][kh * HD + i];
-            o[h * HD + i] = acc * sigm(qg[h * 2 * HD + HD + i]);
+            o[h * HD + i] = acc * ref_sigm(qg[h * 2 * HD + HD + i]);
         }
     }
     (void)QD;
     mv(&L->wo, NULL, o, t);
     double x[512], ffn[512], pr[256], g[512], up[512], act[512], y[512];
     for (int64_t i = 0; i < E; i++) x[i] = u[i] + t[i], ffn[i] = 0;
-    rms(xb, x, L->post_norm.data, E, eps);
+    ref_rms(xb, x, L->post_norm.data, E, eps);
     mv(&L->gate_inp, NULL, xb, pr);
     double mx = -1e300, sum = 0;
     for (int64_t i = 0; i < NE; i++) mx = pr[i] > mx ? pr[i] : mx;
@@ -432,18 +383,18 @@ static void mtp_ref_step(const kv_model *m, mtp_ref *r, const float *hin, int32_
         const int ex = ids[rr];
         mv(&L->gate_exps, (const float *)((const uint8_t *)L->gate_exps.data + (size_t)ex * L->gate_exps.nb2), xb, g);
         mv(&L->up_exps, (const float *)((const uint8_t *)L->up_exps.data + (size_t)ex * L->up_exps.nb2), xb, up);
-        for (int64_t i = 0; i < F; i++) act[i] = silu(g[i]) * up[i];
+        for (int64_t i = 0; i < F; i++) act[i] = ref_silu(g[i]) * up[i];
         mv(&L->down_exps, (const float *)((const uint8_t *)L->down_exps.data + (size_t)ex * L->down_exps.nb2), act, y);
         for (int64_t i = 0; i < E; i++) ffn[i] += w[rr] * y[i];
     }
     mv(&L->gate_shexp, NULL, xb, g);
     mv(&L->up_shexp, NULL, xb, up);
-    for (int64_t i = 0; i < S; i++) act[i] = silu(g[i]) * up[i];
+    for (int64_t i = 0; i < S; i++) act[i] = ref_silu(g[i]) * up[i];
     mv(&L->down_shexp, NULL, act, y);
     double gs;
     mv(&L->gate_inp_shexp, NULL, xb, &gs);
-    for (int64_t i = 0; i < E; i++) x[i] += ffn[i] + y[i] * sigm(gs);
-    rms(hout, x, (L->nextn_head_norm.data ? L->nextn_head_norm.data : m->output_norm.data), E, eps);
+    for (int64_t i = 0; i < E; i++) x[i] += ffn[i] + y[i] * ref_sigm(gs);
+    ref_rms(hout, x, (L->nextn_head_norm.data ? L->nextn_head_norm.data : m->output_norm.data), E, eps);
     mv(&m->output, NULL, hout, logits);
 }
 
@@ -534,18 +485,9 @@ static void test_opts(void) {
     kv_engine_free(e);
 }
 
-static int setup(void) {
-    snprintf(g_dir, sizeof g_dir, "/tmp/kvasir-spec.XXXXXX");
-    if (!mkdtemp(g_dir)) return 1;
-    return !fixture_make(&g_fx[0], "qwen3moe") || !fixture_make(&g_fx[1], "qwen35moe");
-}
+static int setup(void) { return fixtures_open("/tmp/kvasir-spec.XXXXXX", 31, 32, 1); }
 
-static void teardown(void) {
-    for (int i = 0; i < 2; i++) kv_model_free(g_fx[i].m);
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    if (!kvt_failures) (void)!system(cmd);
-}
+static void teardown(void) { fixtures_close(); }
 
 static const kvt_case cases[] = {
     KVT_CASE(test_ngram),           KVT_CASE(test_rollback_qwen3moe), KVT_CASE(test_rollback_qwen35moe),

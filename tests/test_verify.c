@@ -29,7 +29,12 @@
  *     any summation order, Q8 quantization and dequantization, finiteness,
  *     SwiGLU and the rows of s bit for bit (KV_REQUIRE_BACKENDS=avx2,avx512 or neon fails a skipped one);
  *   kv_verify_check_batch against one kv_verify_check per answer: the same
- *     verdicts, failing index, stage, tolerance and generations. */
+ *     verdicts, failing index, stage, tolerance and generations;
+ *   experts with gate Q8_0 and up Q4_K (two activation types): honest
+ *     answers pass, gate and up lies caught by their own stage;
+ *   kv_verify_supported accepts every type the engine computes, refuses
+ *     one it cannot read naming the tensor and type; the bytes held count
+ *     Q4_1/Q5_1's projected block mins. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +63,9 @@ static char g_dir[64];
 #define KV_TEST_VERIFY_TYPES {"f32", "q8_0", "q4_k"}
 #endif
 static const char *g_types[3] = KV_TEST_VERIFY_TYPES;
+#ifndef KV_TEST_VERIFY_ARCH /* tests/test_verify_gptoss.c: gpt-oss's biased, clamped experts */
+#define KV_TEST_VERIFY_ARCH "--arch qwen3moe"
+#endif
 static kv_gguf *g_g[3];
 static kv_pool *g_pool;
 
@@ -103,15 +111,23 @@ static kv_verify *prepared(int k, const kv_verify_opts *o) {
     kv_verify *v = NULL;
     kv_diag d = {0};
     ASSERT_EQ(kv_verify_new(&v, 1, N_EXPERT, N_EMBD, N_FF, o, &d), 0);
+    kv_expert_weights w = {0};
     for (uint32_t e = 0; e < N_EXPERT && v; e++) {
-        kv_expert_weights w;
         ASSERT_EQ(acquire(g_g[k], 0, e, &w, &d), 0);
+        ASSERT_EQ(kv_verify_supported(&w, 0, N_EMBD, N_FF, &d), 0);
         ASSERT_EQ(kv_verify_prepare(v, 0, e, &w, &d), 0);
         ASSERT_EQ(kv_verify_prepare(v, 0, e, &w, &d), 0); /* idempotent */
     }
-    if (v)
-        ASSERT_EQ(kv_verify_bytes(v),
-                  N_EXPERT * kv_verify_expert_bytes(N_EMBD, N_FF, o && o->n_proj ? o->n_proj : KV_VERIFY_DEFAULT_PROJ));
+    if (v) {
+        /* what is held: vectors, projections, statistics, and with Q8_1 activations (Q4_1, Q5_1) one
+         * f64 per block of 32 columns per vector per matrix (the projected mins) */
+        const size_t P = o && o->n_proj ? o->n_proj : KV_VERIFY_DEFAULT_PROJ;
+        const bool q81 = kv_type_get(w.gate_type)->vec_dot_type == KV_TYPE_Q8_1;
+        const size_t extra = q81 ? P * (2 * (N_EMBD / 32) + N_FF / 32) * sizeof(double) : 0;
+        ASSERT_EQ(kv_verify_bytes(v), N_EXPERT * (kv_verify_expert_bytes(N_EMBD, N_FF, (uint32_t)P) + extra));
+        ASSERT_EQ(kv_verify_weights_bytes(&w, N_EMBD, N_FF, (uint32_t)P),
+                  kv_verify_expert_bytes(N_EMBD, N_FF, (uint32_t)P) + extra);
+    }
     return v;
 }
 
@@ -583,11 +599,16 @@ static void test_orders(void) {
             for (int t = 0; t < N_TOK; t++) {
                 kv_expert_weights w;
                 ASSERT_EQ(acquire(g_g[k], 0, (uint32_t)A.ids[t], &w, &d), 0);
-                float g[N_FF], u[N_FF], h[N_FF], y[N_EMBD];
+                float g[N_FF], u[N_FF], h[N_FF], y[N_EMBD], gb[N_FF], ub[N_FF];
                 matvec_order(w.gate, w.gate_type, A.x[t], N_EMBD, N_FF, g, order);
                 matvec_order(w.up, w.up_type, A.x[t], N_EMBD, N_FF, u, order);
-                kv_swiglu(h, g, u, N_FF);
+                for (int i = 0; i < N_FF; i++) { /* gpt-oss: the biases, then its clamped SwiGLU */
+                    gb[i] = w.gate_b ? g[i] + w.gate_b[i] : g[i];
+                    ub[i] = w.up_b ? u[i] + w.up_b[i] : u[i];
+                }
+                kv_expert_act(w.act, h, gb, ub, N_FF);
                 matvec_order(w.down, w.down_type, h, N_FF, N_EMBD, y, order);
+                for (int i = 0; i < N_EMBD && w.down_b; i++) y[i] += w.down_b[i];
                 differ += memcmp(y, A.y[t], sizeof y) != 0;
                 kv_verify_report rep;
                 fails += kv_verify_check(v, 0, (uint32_t)A.ids[t], A.x[t], g, u, y, &rep, &d) != 0;
@@ -811,6 +832,171 @@ static void test_batch(void) {
            "per answer (8 rounds, rotation every 5)\n");
 }
 
+/* ---- gpt-oss: biases and the clamped SwiGLU --------------------------------------------- */
+#ifdef KV_TEST_VERIFY_GPTOSS
+
+/* Token t's answer from a worker that gets one part of gpt-oss's expert wrong (lie 1: plain
+ * SwiGLU, no clamp; 2: no down bias; 3: no gate and up biases), summed in f64 (an honest
+ * worker summing so passes: test_orders); lie 0: none. g, u: the products it answers. */
+static void gptoss_answer(const kv_expert_weights *w, const float *x, int lie, float *g, float *u, float *y) {
+    float gb[N_FF], ub[N_FF], h[N_FF];
+    matvec_order(w->gate, w->gate_type, x, N_EMBD, N_FF, g, 1);
+    matvec_order(w->up, w->up_type, x, N_EMBD, N_FF, u, 1);
+    for (int i = 0; i < N_FF; i++) {
+        gb[i] = lie == 3 ? g[i] : g[i] + w->gate_b[i];
+        ub[i] = lie == 3 ? u[i] : u[i] + w->up_b[i];
+    }
+    kv_expert_act(lie == 1 ? KV_ACT_SWIGLU : w->act, h, gb, ub, N_FF);
+    matvec_order(w->down, w->down_type, h, N_FF, N_EMBD, y, 1);
+    for (int i = 0; i < N_EMBD && lie != 2; i++) y[i] += w->down_b[i];
+}
+
+/* The files are gpt-oss's: every expert has its three biases and the clamped activation, and the
+ * clamp is met. Honest answers pass (test_types, test_orders); a worker that skips the clamp,
+ * down's bias or gate's and up's is caught on every token where its output is off by theta x the
+ * tolerance or more, and there are such tokens for each. */
+static void test_gptoss(void) {
+    static answers A;
+    static const char *const lies[4] = {"none", "no clamp", "no down bias", "no gate/up biases"};
+    for (int k = 0; k < 3; k++) {
+        kv_diag d = {0};
+        kv_expert_source src = {g_g[k], acquire, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
+        kv_expert_provider p;
+        ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
+        compute(k, &A, &p);
+        p.free(p.impl);
+        const kv_verify_opts o = {.seed = 4711};
+        kv_verify *v = prepared(k, &o);
+        if (!v) return;
+        long clamped = 0, elems = 0;
+        int due[4] = {0}, caught[4] = {0}, missed = 0;
+        for (int t = 0; t < N_TOK; t++) {
+            kv_expert_weights w;
+            ASSERT_EQ(acquire(g_g[k], 0, (uint32_t)A.ids[t], &w, &d), 0);
+            ASSERT_EQ(w.act, (uint32_t)KV_ACT_SWIGLU_CLAMP);
+            ASSERT_TRUE(w.gate_b && w.up_b && w.down_b);
+            for (int i = 0; i < N_FF; i++) {
+                const float gb = A.g[t][i] + w.gate_b[i], ub = A.u[t][i] + w.up_b[i];
+                clamped += gb > KV_SWIGLU_OAI_LIMIT || fabsf(ub) > KV_SWIGLU_OAI_LIMIT;
+            }
+            elems += N_FF;
+            const double T = tol_of(v, &A, t, 2);
+            float y0[N_EMBD];
+            for (int lie = 0; lie < 4; lie++) {
+                float g[N_FF], u[N_FF], y[N_EMBD];
+                gptoss_answer(&w, A.x[t], lie, g, u, y);
+                if (lie == 0) memcpy(y0, y, sizeof y0);
+                double e2 = 0;
+                for (int i = 0; i < N_EMBD; i++) e2 += ((double)y[i] - y0[i]) * ((double)y[i] - y0[i]);
+                kv_verify_report rep;
+                const int rc = kv_verify_check(v, 0, (uint32_t)A.ids[t], A.x[t], g, u, y, &rep, &d);
+                if (lie == 0) {
+                    missed += rc != 0; /* honest, in f64 */
+                } else if (sqrt(e2) >= KV_VERIFY_THETA * T) {
+                    due[lie]++;
+                    caught[lie] += rc == KV_EPROTO && rep.stage == 2;
+                }
+            }
+        }
+        ASSERT_EQ(missed, 0);
+        ASSERT_TRUE(clamped > 0);
+        for (int lie = 1; lie < 4; lie++) {
+            ASSERT_TRUE(due[lie] > 0);
+            ASSERT_EQ(caught[lie], due[lie]);
+        }
+        printf("  %-5s gpt-oss experts: %.1f%% of the activations clamped; honest f64 answers 0 of %d caught; lies "
+               "caught: %s %d/%d, %s %d/%d, %s %d/%d\n",
+               g_types[k], 100.0 * clamped / elems, N_TOK, lies[1], caught[1], due[1], lies[2], caught[2], due[2],
+               lies[3], caught[3], due[3]);
+        kv_verify_free(v);
+    }
+}
+#endif
+
+/* Experts whose gate and up take different activation types (gate Q8_0: Q8_0 activations; up and
+ * down Q4_K: Q8_K), as some published mixes write them: the check quantizes x once per type, as
+ * the kernels do. Honest answers pass; a lie on up or gate is caught by its own stage. */
+static int acquire_mixed(void *ctx, uint32_t layer, uint32_t e, kv_expert_weights *w, kv_diag *d) {
+    (void)ctx;
+    kv_expert_weights g;
+    int rc = acquire(g_g[1], layer, e, &g, d);
+    if (!rc) rc = acquire(g_g[2], layer, e, w, d);
+    if (rc) return rc;
+    w->gate = g.gate;
+    w->gate_type = g.gate_type;
+    return 0;
+}
+
+static void test_mixed_acts(void) {
+    if (strcmp(g_types[1], "q8_0") || strcmp(g_types[2], "q4_k")) return; /* the default types only */
+    static answers A;
+    kv_diag d = {0};
+    kv_expert_source src = {NULL, acquire_mixed, NULL, 1, N_EXPERT, N_EMBD, N_FF, 1};
+    kv_expert_provider p;
+    ASSERT_EQ(kv_expert_local_new_src(&p, &src, g_pool, N_TOK, &d), 0);
+    for (int t = 0; t < N_TOK; t++) {
+        for (int i = 0; i < N_EMBD; i++) A.x[t][i] = frand();
+        A.ids[t] = t % N_EXPERT;
+    }
+    const kv_expert_req req = {0, N_TOK, N_EMBD, 1, &A.x[0][0], A.ids, NULL};
+    ASSERT_EQ(kv_expert_local_compute_pre(&p, &req, &A.y[0][0], &A.g[0][0], &A.u[0][0], &d), 0);
+    p.free(p.impl);
+    kv_verify *v = NULL;
+    const kv_verify_opts o = {.seed = 2024};
+    ASSERT_EQ(kv_verify_new(&v, 1, N_EXPERT, N_EMBD, N_FF, &o, &d), 0);
+    for (uint32_t e = 0; e < N_EXPERT; e++) {
+        kv_expert_weights w;
+        ASSERT_EQ(acquire_mixed(NULL, 0, e, &w, &d), 0);
+        ASSERT_TRUE(kv_type_get(w.gate_type)->vec_dot_type != kv_type_get(w.up_type)->vec_dot_type);
+        ASSERT_EQ(kv_verify_prepare(v, 0, e, &w, &d), 0);
+    }
+    double worst = 0;
+    int fails = 0, missed = 0;
+    for (int t = 0; t < N_TOK; t++) {
+        kv_verify_report rep;
+        fails += kv_verify_check(v, 0, (uint32_t)A.ids[t], A.x[t], A.g[t], A.u[t], A.y[t], &rep, &d) != 0;
+        worst = fmax(worst, rep.worst_ratio);
+        for (int stage = 0; stage < 2; stage++) {
+            const double T = tol_of(v, &A, t, stage);
+            missed += check_moved(v, &A, t, stage, (t * 7 + stage) % N_FF, KV_VERIFY_THETA * T, &rep) != KV_EPROTO ||
+                      rep.stage != stage;
+        }
+    }
+    ASSERT_EQ(fails, 0);
+    ASSERT_EQ(missed, 0);
+    printf("  gate q8_0, up and down q4_K (Q8_0 and Q8_K activations): honest worst residual/tolerance %.3f; "
+           "gate and up moved by theta x tolerance: all caught by their stage\n", worst);
+    kv_verify_free(v);
+}
+
+/* A type the verifier cannot read is refused by kv_verify_supported (what a
+ * coordinator runs as it loads its slabs), naming the tensor and the type;
+ * every type the engine computes is accepted. */
+static void test_supported(void) {
+    kv_diag d = {0};
+    int refused = 0;
+    for (uint32_t t = 0; t < KV_TYPE_COUNT; t++) {
+        const kv_type_info *ti = kv_type_get(t);
+        if (!ti || !ti->compute) continue;
+        kv_expert_weights w = {NULL, NULL, NULL, t, t, t, NULL, NULL, NULL, 0};
+        refused += kv_verify_supported(&w, 0, N_EMBD, N_FF, &d) != 0;
+        w.act = KV_ACT_SWIGLU_CLAMP;
+        refused += kv_verify_supported(&w, 0, N_EMBD, N_FF, &d) != 0;
+    }
+    ASSERT_EQ(refused, 0);
+    kv_expert_weights bad = {NULL, NULL, NULL, KV_TYPE_Q8_0, KV_TYPE_I16, KV_TYPE_Q8_0, NULL, NULL, NULL, 0};
+    ASSERT_EQ(kv_verify_supported(&bad, 3, N_EMBD, N_FF, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "blk.3.ffn_up_exps.weight") && strstr(d.msg, "i16"));
+    kv_verify *v = NULL;
+    ASSERT_EQ(kv_verify_new(&v, 4, 2, N_EMBD, N_FF, NULL, &d), 0);
+    ASSERT_EQ(kv_verify_prepare(v, 3, 1, &bad, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "blk.3.ffn_up_exps.weight") != NULL);
+    ASSERT_TRUE(!kv_verify_ready(v, 3, 1) && kv_verify_bytes(v) == 0);
+    bad.up_type = KV_TYPE_Q8_0, bad.act = 7;
+    ASSERT_EQ(kv_verify_supported(&bad, 0, N_EMBD, N_FF, &d), KV_EUNSUPPORTED);
+    kv_verify_free(v);
+}
+
 static void test_bad_args(void) {
     kv_verify *v = NULL;
     kv_diag d = {0};
@@ -838,9 +1024,9 @@ static int setup(void) {
     for (int k = 0; k < 3; k++) {
         char cmd[1024], path[256];
         snprintf(path, sizeof path, "%s/%s.gguf", g_dir, g_types[k]);
-        snprintf(cmd, sizeof cmd, "%s gen-model --arch qwen3moe --out %s --layers 1 --embd %d --ff-exp %d --experts %d "
-                 "--experts-used 2 --vocab 300 --type %s --seed 5 >/dev/null 2>&1", bin, path, N_EMBD, N_FF, N_EXPERT,
-                 g_types[k]);
+        snprintf(cmd, sizeof cmd, "%s gen-model " KV_TEST_VERIFY_ARCH " --out %s --layers 1 --embd %d --ff-exp %d "
+                 "--experts %d --experts-used 2 --vocab 300 --type %s --seed 5 >/dev/null 2>&1", bin, path, N_EMBD, N_FF,
+                 N_EXPERT, g_types[k]);
         int rc = system(cmd);
         if (!WIFEXITED(rc) || WEXITSTATUS(rc)) return 1;
         kv_diag d = {0};
@@ -860,6 +1046,10 @@ static void teardown(void) {
 }
 
 static const kvt_case cases[] = {KVT_CASE(test_types), KVT_CASE(test_attack), KVT_CASE(test_backends), KVT_CASE(test_orders),
-                                 KVT_CASE(test_kernels), KVT_CASE(test_batch), KVT_CASE(test_bad_args)};
+                                 KVT_CASE(test_kernels), KVT_CASE(test_batch),
+#ifdef KV_TEST_VERIFY_GPTOSS
+                                 KVT_CASE(test_gptoss),
+#endif
+                                 KVT_CASE(test_supported), KVT_CASE(test_mixed_acts), KVT_CASE(test_bad_args)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

@@ -37,7 +37,7 @@
 #include "kvasir/transport.h"
 
 #define KV_PROTO_MAGIC 0x3144564Bu /* "KVD1" little-endian */
-#define KV_PROTO_VERSION 5u        /* the newest version this build speaks */
+#define KV_PROTO_VERSION 6u        /* the newest version this build speaks */
 #define KV_PROTO_VERSION_MIN 1u    /* the oldest version this build decodes */
 #define KV_PROTO_AUTH_VERSION 3u   /* the first version with authenticated dispatch: workers
                                       and coordinators of this build require it */
@@ -46,6 +46,8 @@
 #define KV_PROTO_TLS_VERSION 5u    /* the first version bound to TLS: over a TLS link both key
                                       handshake signatures cover the session's exporter, and a
                                       TLS link negotiates nothing older (docs/PROTOCOL.md) */
+#define KV_PROTO_CANCEL_VERSION 6u /* the first version with CANCEL / CANCELLED (a hedged request's
+                                      loser is called off) and the ten-counter STATS_ACK */
 #define KV_PROTO_HEADER 16u
 #define KV_PROTO_MAX_PAYLOAD (256u << 20) /* bytes in one frame's payload */
 #define KV_PROTO_MAX_FRAME (KV_PROTO_HEADER + KV_PROTO_MAX_PAYLOAD)
@@ -71,6 +73,7 @@
 #define KV_PROTO_PING_SIZE 8u            /* u64 nonce (PING and PONG) */
 #define KV_PROTO_STATS_ACK_SIZE 48u      /* v1: six u64 counters */
 #define KV_PROTO_STATS_ACK_SIZE_V2 72u   /* v2: nine u64 counters */
+#define KV_PROTO_STATS_ACK_SIZE_V6 80u   /* v6: ten u64 counters (+ n_cancelled) */
 #define KV_PROTO_AUTH_CHALLENGE_SIZE 64u /* v3: u8[32] worker key, u8[32] challenge */
 #define KV_PROTO_AUTH_SIZE 204u          /* v3: key, nonce, sig, u32 flags, u64 expiry, voucher sig */
 #define KV_PROTO_AUTH_OK_SIZE 64u        /* v3: the worker's signature */
@@ -103,13 +106,16 @@ enum kv_msg_type {
     KV_MSG_RESULT_PRE = 13, /* v3 worker -> coordinator: per pair y, gate and up pre-activations */
     KV_MSG_RECEIPT_REQ = 14, /* v3 coordinator -> worker: sign a work receipt for this count */
     KV_MSG_RECEIPT = 15,  /* v3 worker -> coordinator: the signed receipt, or a refusal */
+    KV_MSG_CANCEL = 16,   /* v6 coordinator -> worker: empty; call off the request named by the header's id */
+    KV_MSG_CANCELLED = 17, /* v6 worker -> coordinator: empty; that request was called off, no RESULT follows */
     KV_MSG_TYPE_COUNT
 };
 _Static_assert(KV_MSG_HELLO == 1 && KV_MSG_HELLO_ACK == 2 && KV_MSG_COMPUTE == 3 &&
                    KV_MSG_RESULT == 4 && KV_MSG_ERROR == 5 && KV_MSG_PING == 6 &&
                    KV_MSG_PONG == 7 && KV_MSG_STATS == 8 && KV_MSG_STATS_ACK == 9 &&
                    KV_MSG_AUTH_CHALLENGE == 10 && KV_MSG_AUTH == 11 && KV_MSG_AUTH_OK == 12 &&
-                   KV_MSG_RESULT_PRE == 13 && KV_MSG_RECEIPT_REQ == 14 && KV_MSG_RECEIPT == 15,
+                   KV_MSG_RESULT_PRE == 13 && KV_MSG_RECEIPT_REQ == 14 && KV_MSG_RECEIPT == 15 &&
+                   KV_MSG_CANCEL == 16 && KV_MSG_CANCELLED == 17,
                "wire message types never change");
 
 /* Error codes carried by ERROR frames are the KV_E* numbers of err.h. */
@@ -221,6 +227,9 @@ typedef struct kv_msg_stats {
     uint64_t n_batches;  /* kernel calls (one batch may serve several requests) */
     uint64_t n_merged;   /* kernel calls that served rows of two or more connections */
     uint64_t compute_us; /* microseconds spent in kernel calls */
+    /* v6 only (0 from an older peer) */
+    uint64_t n_cancelled; /* requests called off by a CANCEL before their RESULT began (not in n_compute,
+                             their pairs not in n_pairs) */
 } kv_msg_stats;
 
 /* v3 AUTH_CHALLENGE: sent by the worker right after its HELLO_ACK. */
@@ -274,7 +283,7 @@ typedef struct kv_msg {
         kv_msg_compute compute;
         kv_msg_result result;
         kv_msg_error error;
-        uint64_t nonce;         /* PING, PONG */
+        uint64_t nonce;         /* PING, PONG (CANCEL, CANCELLED: empty, the header's request_id) */
         kv_msg_stats stats;     /* STATS_ACK */
         kv_msg_auth_challenge challenge; /* AUTH_CHALLENGE */
         kv_msg_auth auth;       /* AUTH */
@@ -362,8 +371,12 @@ int kv_msg_error_encode(uint8_t *buf, size_t cap, uint32_t request_id, int32_t c
 int kv_msg_ping_encode(uint8_t *buf, size_t cap, uint16_t type, uint32_t request_id,
                        uint64_t nonce, size_t *n, kv_diag *d);
 int kv_msg_stats_encode(uint8_t *buf, size_t cap, uint32_t request_id, size_t *n, kv_diag *d);
+/* v6 CANCEL (type KV_MSG_CANCEL) or CANCELLED (KV_MSG_CANCELLED): an empty
+ * payload; request_id names the request called off. Stamped
+ * KV_PROTO_VERSION; never send one on a connection of an older version. */
+int kv_msg_cancel_encode(uint8_t *buf, size_t cap, uint16_t type, uint32_t request_id, size_t *n, kv_diag *d);
 /* STATS_ACK in KV_PROTO_VERSION's layout; _v: in version's (1: six
- * counters, 2: nine), header stamped with it. */
+ * counters, 2 to 5: nine, 6: ten), header stamped with it. */
 int kv_msg_stats_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_stats *m,
                             size_t *n, kv_diag *d);
 int kv_msg_stats_ack_encode_v(uint8_t *buf, size_t cap, uint32_t request_id, uint16_t version,

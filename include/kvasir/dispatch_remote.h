@@ -125,6 +125,7 @@ typedef struct kv_remote_worker {
     uint64_t hedged;            /* its requests also sent to a replica after their hedge time */
     uint64_t hedges_won;        /* hedges of others' requests it answered first */
     uint64_t late;              /* its answers that came after a replica's and were discarded */
+    uint64_t cancelled;         /* its superseded requests it dropped on a CANCEL (v6; no latency sample) */
     bool demoted;               /* slower than a replica: not given work, only probed */
     uint64_t probes;            /* probes sent while demoted (answers timed, never used) */
 } kv_remote_worker;
@@ -146,6 +147,7 @@ typedef struct kv_remote_stats {
     uint64_t pairs_hedged;      /* (token, expert) slots those hedges carried: computed twice */
     uint64_t hedges_won;        /* ... whose replica answered first */
     uint64_t late_answers;      /* answers discarded because a replica had answered first (not a fault) */
+    uint64_t hedges_cancelled;  /* superseded requests a v6 worker dropped on a CANCEL, before computing them */
     uint64_t pairs_held_local;  /* of pairs_local: experts of held slabs (kv_remote_local_hold) */
     double rtt_p50_us, rtt_p99_us, rtt_max_us; /* round trip: first byte sent to last
                                    answer in, over the last 65536 rounds that had workers */
@@ -162,6 +164,9 @@ void kv_remote_get_pairs(const kv_remote *r, uint64_t *remote, uint64_t *local, 
 void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uint64_t *late);
 /* (token, expert) slots carried by hedges since open: both replicas computed them. */
 uint64_t kv_remote_hedged_pairs(const kv_remote *r);
+/* Superseded requests that their (v6) worker dropped on a CANCEL, since open
+ * or the last reset (cheap: for every step's metrics). */
+uint64_t kv_remote_hedges_cancelled(const kv_remote *r);
 
 /* ---- demand metering ------------------------------------------------------
  * What the coordinator needed of each shard (a slab of the manifest: one

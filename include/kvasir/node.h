@@ -253,6 +253,8 @@ typedef struct kv_node_opts {
     const char *advertise;     /* address announced; NULL = the worker's bound address */
     uint32_t interval_ms;      /* heartbeat and market period; 0 = the hub's deadline / 3 */
     int n_threads;             /* worker compute threads; 0 = all CPUs */
+    int test_delay_ms;         /* TEST ONLY (kvasir node --test-delay=MS): its worker answers every
+                                  COMPUTE late (kv_worker_opts.test_delay_ms); 0 in real use */
     FILE *log;                 /* one line per event; NULL = silent */
     kv_node_progress_fn progress; /* download progress; NULL = none */
     void *progress_arg;

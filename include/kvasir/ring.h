@@ -49,12 +49,14 @@
 /* ---- wire format -------------------------------------------------------- */
 
 #define KV_RING_MAGIC 0x4752564bu      /* "KVRG" little-endian */
-#define KV_RING_VERSION 4u /* 2: over TLS, both key-handshake signatures cover the session's exporter;
+#define KV_RING_VERSION 5u /* 2: over TLS, both key-handshake signatures cover the session's exporter;
                                    3: SUBMIT_TOKENS (the client's own rendering, as token ids), the
                                    sampling extension (penalties, logit bias, grammar, logprobs) and
                                    VOCAB (the tokenizer and chat template for a client);
                                    4: speculative decoding: the draft block of a request, HIDDEN's
-                                   VERIFY flag, TOKEN's spec word and drafts */
+                                   VERIFY flag, TOKEN's spec word and drafts;
+                                   5: the prompt cache: LOOKUP round the ring, START's n_cached,
+                                   CACHED to the client */
 #define KV_RING_HEADER 12u             /* magic u32, version u16, type u16, len u32 */
 #define KV_RING_MAX_TOKENS 4096u       /* tokens in one HIDDEN / START / ACCEPT frame */
 #define KV_RING_MAX_EMBD 65536u        /* n_embd of a hidden state */
@@ -73,6 +75,7 @@
 #define KV_RING_MAX_VOCAB_BYTES (48u << 20) /* the tokenizer GGUF of a VOCAB_ACK */
 #define KV_RING_MAX_DRAFT 15u          /* drafted tokens per verify pass (k; the engine's KV_DRAFT_MAX) */
 #define KV_RING_MAX_DRAFT_REC KV_RING_MAX_PROMPT /* tokens of a test draft source's recording */
+#define KV_RING_MAX_CACHE_BLOCK 4096u  /* tokens per prompt cache block (KV_PCACHE_MAX_BLOCK) */
 
 enum kv_ring_type {
     KV_RING_HELLO = 1,   /* first frame on every connection: role, model, window */
@@ -94,6 +97,8 @@ enum kv_ring_type {
     KV_RING_SUBMIT_TOKENS, /* client -> home: a prompt as token ids (the client rendered and tokenized it) */
     KV_RING_VOCAB,       /* client -> node: send the model's tokenizer (no payload) */
     KV_RING_VOCAB_ACK,   /* node -> client: the tokenizer.* metadata as a GGUF without tensors */
+    KV_RING_LOOKUP,      /* home -> round the ring -> home: the prefix every node's prompt cache holds (v5) */
+    KV_RING_CACHED,      /* home -> client, before the first TOKEN: prompt tokens taken from the caches (v5) */
     KV_RING_TYPE_COUNT
 };
 
@@ -191,6 +196,9 @@ typedef struct kv_ring_start {
     kv_ring_params p;
     uint32_t n_tokens;       /* prompt, 1..KV_RING_MAX_TOKENS * 16 */
     const uint8_t *tokens;   /* [n_tokens] i32 LE (view; kv_ring_tokens_get) */
+    uint32_t n_cached;       /* v5 (on the wire after flags): positions [0, n_cached) every node takes
+                                from its prompt cache (a LOOKUP agreed on them; below n_tokens); 0: the
+                                whole prompt is computed */
 } kv_ring_start;
 
 typedef struct kv_ring_hidden {
@@ -229,6 +237,23 @@ typedef struct kv_ring_accept {
     uint32_t n_tokens;
     const uint8_t *tokens;   /* [n_tokens] i32 LE (view) */
 } kv_ring_accept;
+
+/* LOOKUP (v5): which prefix of a prompt every node's prompt cache holds.
+ * The home sends it round the ring before the sequence's START; each node
+ * lowers n_match to the blocks of tokens its cache holds (from position 0)
+ * and clears the state bits of the blocks at whose end it holds no
+ * recurrent state (a window without recurrent layers needs none). */
+typedef struct kv_ring_lookup {
+    uint64_t seq;            /* the START that follows takes this id */
+    uint32_t origin;         /* first layer of the home (it travels round to there) */
+    uint32_t block_tokens;   /* tokens per block, 1..KV_RING_MAX_CACHE_BLOCK */
+    uint32_t n_blocks;       /* blocks looked up, >= 1, n_blocks * block_tokens <= KV_RING_MAX_PROMPT */
+    uint32_t n_match;        /* 0..n_blocks: blocks [0, n_match) held by every node so far */
+    const uint8_t *tokens;   /* [n_blocks * block_tokens] i32 LE (view) */
+    const uint8_t *state;    /* [(n_blocks + 7) / 8] bit k (LSB first): every node so far holds a
+                                recurrent state after block k or needs none (view; bits past
+                                n_blocks are 0) */
+} kv_ring_lookup;
 
 typedef struct kv_ring_error {
     uint64_t seq;            /* 0: the connection */
@@ -272,6 +297,11 @@ typedef struct kv_ring_msg {
         kv_ring_submit_chat chat;
         kv_ring_status status;  /* STATUS_ACK (STATUS has no payload) */
         kv_ring_submit_tokens stok; /* SUBMIT_TOKENS */
+        kv_ring_lookup lookup;      /* LOOKUP */
+        struct {
+            uint64_t id;          /* CACHED: the request (ACCEPT's id) */
+            uint32_t n_cached;    /* its prompt tokens taken from the prompt caches */
+        } cached;
         struct {
             const uint8_t *gguf;  /* VOCAB_ACK: a GGUF of the tokenizer.* metadata, no tensors (view) */
             uint32_t len;         /* 1..KV_RING_MAX_VOCAB_BYTES */
@@ -319,6 +349,13 @@ int kv_ring_error_encode(uint8_t *out, size_t cap, uint64_t seq, int32_t code, u
                          size_t *n, kv_diag *d);
 int kv_ring_broken_encode(uint8_t *out, size_t cap, uint32_t origin, const char *msg, size_t *n, kv_diag *d);
 int kv_ring_probe_encode(uint8_t *out, size_t cap, const kv_ring_probe *p, size_t *n, kv_diag *d);
+/* LOOKUP: tokens[n_blocks * block_tokens] host ints, state[(n_blocks + 7) / 8]
+ * (bits past n_blocks must be 0). KV_ERANGE / KV_EINVAL. */
+int kv_ring_lookup_encode(uint8_t *out, size_t cap, const kv_ring_lookup *l, const int32_t *tokens,
+                          const uint8_t *state, size_t *n, kv_diag *d);
+/* The payload bytes of a LOOKUP of n_blocks blocks (0 out of bounds). */
+size_t kv_ring_lookup_size(uint32_t block_tokens, uint32_t n_blocks);
+int kv_ring_cached_encode(uint8_t *out, size_t cap, uint64_t id, uint32_t n_cached, size_t *n, kv_diag *d);
 
 /* msgs[n_msgs]: roles "system", "user" or "assistant" (KV_EINVAL otherwise),
  * contents of len bytes; at most KV_RING_MAX_MSGS messages and
@@ -408,6 +445,13 @@ typedef struct kv_ring_node_opts {
                                    link latency, for benchmarks where netem is missing); 0 = none */
     uint32_t die_after_frames;  /* test hook: the process ends abruptly (as if killed) after
                                    computing this many HIDDEN frames, before sending the last; 0 = never */
+    uint64_t prompt_cache_bytes; /* --prompt-cache: this node's prompt cache budget (the K/V rows of its
+                                   window and, qwen35moe, its recurrent states at block ends);
+                                   0 = none (docs/PROTOCOL.md "Prompt cache over the ring") */
+    uint32_t prompt_cache_block; /* tokens per cache block, a multiple of 16 up to 4096, the same on every
+                                   node; 0 = 64 */
+    uint32_t test_cache_drop;   /* test hook: the Nth START that begins from the prompt cache here finds
+                                   the cache emptied first (as if evicted since the LOOKUP); 0 = never */
     bool insecure_plaintext;    /* --insecure-plaintext: dial the next node in plaintext and serve
                                    plaintext peers from any address; off: the link to the next
                                    node is TLS 1.3 with its key handshake bound to the session,
@@ -427,6 +471,14 @@ typedef struct kv_ring_node_stats {
     uint64_t spec_drafted;      /* tail: drafted tokens verified */
     uint64_t spec_accepted;     /* tail: drafted tokens equal to the token drawn there */
     uint64_t weight_bytes;      /* bytes of the window's tensors */
+    uint64_t cache_lookups;     /* LOOKUPs this node answered (its own requests' included) */
+    uint64_t cache_hits;        /* sequences begun from blocks of its prompt cache */
+    uint64_t cache_tokens;      /* positions taken from its prompt cache, not computed */
+    uint64_t cache_misses;      /* agreed blocks gone by the START (evicted meanwhile): the sequence failed
+                                   with KV_ENOTFOUND and its home began it again from position 0 */
+    uint64_t cache_blocks;      /* blocks its prompt cache holds now */
+    uint64_t cache_bytes;       /* bytes they take */
+    uint64_t cache_evictions;   /* blocks evicted for room */
     double busy_s;              /* time spent computing */
 } kv_ring_node_stats;
 
@@ -447,6 +499,18 @@ void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out);
  * is kept while it is up. opts.next may then be NULL at start. */
 void kv_ring_node_set_next(kv_ring_node *n, const char *host_port);
 void kv_ring_node_window(const kv_ring_node *n, uint32_t *first, uint32_t *last, uint32_t *n_layer);
+struct kv_manifest;       /* kvasir/slice.h */
+struct kv_remote_demand; /* kvasir/dispatch_remote.h */
+/* Demand per shard (kvasir/dispatch_demand.h): a sliced window meters the
+ * expert computations its layers needed, whoever computed them (its own
+ * slabs: their wait is its compute time; --worker: as the remote counts
+ * them). The manifest its counters are indexed by (NULL when the window is
+ * not sliced: nothing is metered; it lives as long as n). */
+const struct kv_manifest *kv_ring_node_manifest(const kv_ring_node *n);
+/* Counters since start, per manifest slab, into out[0..min(cap, n_slabs)),
+ * and *tokens, the tokens run through the window; as of the last forward
+ * pass. Thread-safe. */
+void kv_ring_node_get_demand(kv_ring_node *n, struct kv_remote_demand *out, size_t cap, uint64_t *tokens);
 
 /* ---- the layer market (src/ring/hub.c, docs/HUB.md GET /v1/ring) ---------- */
 
@@ -547,6 +611,8 @@ typedef struct kv_ring_result {
     uint32_t spec_passes;    /* passes that yielded the tokens (a token without KV_RING_TOKEN_MORE ends one) */
     uint32_t spec_drafted;   /* drafted tokens the passes verified */
     uint32_t spec_accepted;  /* of them accepted */
+    bool cache_looked;       /* CACHED came: the home looked the prompt up in the ring's prompt caches */
+    uint32_t n_cached;       /* of the prompt's tokens, those taken from the caches (not computed) */
 } kv_ring_result;
 
 /* Submits text to the node at addr and streams the tokens to fn until the

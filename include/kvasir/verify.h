@@ -30,7 +30,11 @@
  *
  * The down input is recomputed here from the worker's g and u with the
  * engine's own SwiGLU and quantization, so an honest worker's y is the
- * product of exactly the vector checked. Thread-safety: a kv_verify is used
+ * product of exactly the vector checked. gpt-oss experts (biases, the
+ * clamped SwiGLU) are checked the same way: g and u are answered before
+ * their biases, the verifier adds them and applies the clamped activation
+ * as src/moe/local.c does, and y carries down's bias, whose projection
+ * r . b_d is taken off r . y (docs/VERIFY.md, "Biases"). Thread-safety: a kv_verify is used
  * by one thread (the coordinator's compute); prepare allocates each
  * expert's projections once; check never allocates. */
 #ifndef KVASIR_VERIFY_H
@@ -82,9 +86,9 @@ void kv_verify_free(kv_verify *v);
 /* Computes expert (layer, e)'s projections from its weights (one pass over
  * the three matrices, dequantized, accumulated in f64); a second call is a
  * no-op. The matrices w points to are read again whenever the expert's
- * vectors rotate, so they must stay readable (a mapped slab) until
- * kv_verify_free; *w itself is copied. KV_EUNSUPPORTED for a weight type
- * without to_float, KV_ENOMEM. */
+ * vectors rotate, and its biases at every check, so they must stay readable
+ * (a mapped slab) until kv_verify_free; *w itself is copied. KV_EUNSUPPORTED for what kv_verify_supported
+ * refuses, KV_ENOMEM. */
 int kv_verify_prepare(kv_verify *v, uint32_t layer, uint32_t e, const kv_expert_weights *w, kv_diag *d);
 bool kv_verify_ready(const kv_verify *v, uint32_t layer, uint32_t e);
 
@@ -116,8 +120,19 @@ int kv_verify_check_batch(kv_verify *v, uint32_t layer, uint32_t e, uint32_t n, 
  * (the 2^-23 sqrt(out) covers the vectors' rounding to f32). */
 double kv_verify_miss_bound(uint32_t n_proj, double ratio, uint32_t out);
 
-/* Bytes of projections held now, and per prepared expert. */
+/* Bytes of projections held now, and per prepared expert: the vectors,
+ * projections and statistics (kv_verify_expert_bytes), plus for the
+ * matrices with Q8_1 activations (Q4_1, Q5_1) their projected block mins
+ * (kv_verify_weights_bytes counts them for w's types). */
 size_t kv_verify_bytes(const kv_verify *v);
 size_t kv_verify_expert_bytes(uint32_t n_embd, uint32_t n_ff, uint32_t n_proj);
+size_t kv_verify_weights_bytes(const kv_expert_weights *w, uint32_t n_embd, uint32_t n_ff, uint32_t n_proj);
+
+/* Whether the verifier can check experts of layer `layer` with w's tensor
+ * types and activation (what kv_verify_prepare would refuse), without
+ * preparing anything: callers run it when they load the weights, so a type
+ * the verifier cannot read is refused at startup, naming the tensor and its
+ * type, never at the first answer. 0 or KV_EUNSUPPORTED. */
+int kv_verify_supported(const kv_expert_weights *w, uint32_t layer, uint32_t n_embd, uint32_t n_ff, kv_diag *d);
 
 #endif

@@ -354,8 +354,9 @@ int kv_cmd_bench(int argc, char **argv) {
                    rs.rounds ? (double)rs.bytes_sent / (double)rs.rounds : 0.0,
                    rs.rounds ? (double)rs.bytes_recv / (double)rs.rounds : 0.0);
         if (remote)
-            printf(",\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu", (unsigned long long)rs.hedges,
-                   (unsigned long long)rs.hedges_won, (unsigned long long)rs.late_answers);
+            printf(",\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"hedges_cancelled\":%llu",
+                   (unsigned long long)rs.hedges, (unsigned long long)rs.hedges_won,
+                   (unsigned long long)rs.late_answers, (unsigned long long)rs.hedges_cancelled);
         if (profile) {
             static const char *const phase[2] = {"prefill", "decode"};
             printf(",\"profile\":{");
@@ -390,9 +391,10 @@ int kv_cmd_bench(int argc, char **argv) {
                    n_gen ? (double)(rs.bytes_sent + rs.bytes_recv) / 1e3 / (double)n_gen : 0.0,
                    (unsigned long long)rs.retried_pairs);
         if (remote)
-            printf("hedged requests: %llu sent, %llu won by the replica; %llu late answers discarded\n",
+            printf("hedged requests: %llu sent, %llu won by the replica; %llu late answers discarded, %llu "
+                   "cancelled\n",
                    (unsigned long long)rs.hedges, (unsigned long long)rs.hedges_won,
-                   (unsigned long long)rs.late_answers);
+                   (unsigned long long)rs.late_answers, (unsigned long long)rs.hedges_cancelled);
     }
     if (profile && !json) {
         static const char *const phase[2] = {"prefill", "decode"};

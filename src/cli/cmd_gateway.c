@@ -396,8 +396,9 @@ int kv_cmd_gateway(int argc, char **argv) {
     if (n_rings && (model || n_workers || verify))
         return kv_cli_err(CMD, 1, "--ring replaces -m, --worker and --verify: the ring holds the model");
     if (n_rings && prompt_cache_given && prompt_cache)
-        return kv_cli_err(CMD, 1, "--prompt-cache with --ring is not supported yet (docs/GATEWAY.md \"Prompt cache\"): "
-                          "the ring's nodes hold the KV of their windows");
+        return kv_cli_err(CMD, 1, "--prompt-cache with --ring: a ring's prompt cache is on its nodes (kvasir ring "
+                          "--prompt-cache SIZE on each; docs/GATEWAY.md \"Prompt cache\"), which hold the KV of their "
+                          "windows; the gateway reports what they reuse");
     if (draft_max && !draft) return kv_cli_err(CMD, 1, "--draft-max needs --draft");
     if (n_rings && draft) { /* over a ring the tail drafts: ngram, or a test recording sent with each request */
         kv_ring_params tp = {0};

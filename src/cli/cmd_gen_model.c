@@ -185,22 +185,7 @@ int kv_cmd_gen_model(int argc, char **argv) {
             {"--ssm-heads", &cfg.ssm_dt_rank, 1, KV_GEN_MAX_HEAD},
             {"--rope-dim", &cfg.n_rot, 2, KV_GEN_MAX_HEAD_DIM},
             {"--nextn", &cfg.n_nextn, 0, 1},
-        };
-        int matched = 0;
-        for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
-            if (strcmp(a, nums[k].flag)) continue;
-            matched = 1;
-            if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
-            if (kv_arg_long(CMD, a, v, nums[k].lo, nums[k].hi, &n)) return 1;
-            *nums[k].dst = (uint32_t)n;
-        }
-        if (matched) continue;
-        /* deepseek2's sizes */
-        struct {
-            const char *flag;
-            uint32_t *dst;
-            long lo, hi;
-        } ds2[] = {
+            /* deepseek2's sizes */
             {"--q-lora", &cfg.q_lora_rank, 1, KV_GEN_MAX_EMBD},
             {"--kv-lora", &cfg.kv_lora_rank, 1, KV_GEN_MAX_HEAD_DIM},
             {"--head-dim-v", &cfg.head_dim_v, 1, KV_GEN_MAX_HEAD_DIM},
@@ -213,12 +198,13 @@ int kv_cmd_gen_model(int argc, char **argv) {
             {"--swa", &cfg.n_swa, 1, KV_GEN_MAX_CTX},             /* gpt-oss */
             {"--swa-pattern", &cfg.swa_pattern, 1, KV_GEN_MAX_LAYER},
         };
-        for (size_t k = 0; k < sizeof ds2 / sizeof ds2[0]; k++) {
-            if (strcmp(a, ds2[k].flag)) continue;
+        int matched = 0;
+        for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
+            if (strcmp(a, nums[k].flag)) continue;
             matched = 1;
             if (!(v = kv_arg_value(CMD, argc, argv, &i, NULL))) return 1;
-            if (kv_arg_long(CMD, a, v, ds2[k].lo, ds2[k].hi, &n)) return 1;
-            *ds2[k].dst = (uint32_t)n;
+            if (kv_arg_long(CMD, a, v, nums[k].lo, nums[k].hi, &n)) return 1;
+            *nums[k].dst = (uint32_t)n;
         }
         if (matched) continue;
         if (!strcmp(a, "--expert-scale") || !strcmp(a, "--yarn-factor")) {

@@ -95,6 +95,14 @@ int kv_cmd_node(int argc, char **argv) {
         } else if (!strcmp(a, "--insecure-plaintext")) {
             o.insecure_plaintext = true;
             kv_link_warn_plaintext("node");
+        } else if (!strncmp(a, "--test-delay=", 13)) {
+            /* TEST ONLY, deliberately absent from --help: the node's worker answers every
+               COMPUTE late (a slower replica, so that replica choice prefers another) */
+            char *end = NULL;
+            const long ms = strtol(a + 13, &end, 10);
+            if (!a[13] || *end || ms < 0 || ms > 60000) return kv_cli_err(CMD, 1, "--test-delay: '%s' is not MS (0-60000)", a + 13);
+            o.test_delay_ms = (int)ms;
+            fprintf(stderr, "node: TEST MODE: every COMPUTE waits %ld ms\n", ms);
         } else if (!(s = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {
             return 1;
         } else if (!strcmp(a, "--allow-key")) {

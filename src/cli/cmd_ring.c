@@ -17,7 +17,7 @@
 #define CMD "ring"
 
 static const char *const kv_value_flags[] = {"-m", "--model", "--layers", "--listen", "--next", "--threads", "-t",
-                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", "--worker-wait-ms", "--site", NULL};
+                                             "--ctx", "--batch", "--max-seqs", "--replay-timeout-ms", "--die-after-frames", "--link-delay-ms", "--key", "--allow-key", "--hub", "--budget", "--data", "--worker", "--hub-key", "--worker-wait-ms", "--site", "--prompt-cache", "--prompt-cache-block", "--test-cache-drop", NULL};
 
 static const char *kv_ring_help =
     "usage: kvasir ring --model MODEL --layers A-B --listen HOST:PORT --next HOST:PORT [options]\n"
@@ -25,7 +25,9 @@ static const char *kv_ring_help =
     "  --hub URL           take the scarcest layer window of the hub's market that fits --budget\n"
     "                      (e.g. 512M, 8G), fetch its pieces into --data DIR (default kvasir-data;\n"
     "                      resumable, hash checked), register it, and learn the next node from the\n"
-    "                      hub (instead of --model, --layers and --next)\n"
+    "                      hub (instead of --model, --layers and --next); the window reports its\n"
+    "                      demand per shard to the hub every 5 s, signed by DIR/node.key (the hub\n"
+    "                      must vouch for it: docs/HUB.md \"Demand\")\n"
     "  --site NAME         with --hub: run the window the hub's site placement gives site NAME, its\n"
     "                      experts on that site's workers (docs/HUB.md \"Sites\"); --budget is then\n"
     "                      only announced\n"
@@ -40,6 +42,12 @@ static const char *kv_ring_help =
     "  --ctx N             positions per sequence (default: min(model, 4096))\n"
     "  --batch N           prompt tokens per hidden-state frame (default 256)\n"
     "  --max-seqs N        sequences in flight at once (default 16)\n"
+    "  --prompt-cache SIZE memory for this node's prompt cache (e.g. 512M; default 0 = none): the\n"
+    "                      K/V rows of its window (and recurrent states) of prompt blocks, reused by\n"
+    "                      a later prompt with the same prefix when every node of the ring holds it\n"
+    "                      (docs/PROTOCOL.md \"Prompt cache over the ring\")\n"
+    "  --prompt-cache-block N  tokens per cache block, a multiple of 16 up to 4096, the same on every\n"
+    "                      node (default 64)\n"
     "  --replay-timeout-ms N  after a break, requests wait N ms for the ring to re-form and are\n"
     "                      then replayed from their tokens, else they fail (default 30000)\n"
     "  --skip-hashes       sliced model: check sizes and identity, not every SHA-256\n"
@@ -64,6 +72,8 @@ static const char *kv_ring_help =
     "  --link-delay-ms N   hold every frame to the next node N ms (emulated latency, for benchmarks\n"
     "                      where tc netem is not available)\n"
     "  --die-after-frames N  test hook: exit abruptly after computing N hidden-state frames\n"
+    "  --test-cache-drop N test hook: empty the prompt cache just before the Nth sequence that\n"
+    "                      begins from it here (a miss: its home begins it again from position 0)\n"
     "Prints \"listening on HOST:PORT\" on stdout once ready; stops on SIGINT/SIGTERM.\n"
     "Submit requests with: kvasir run --ring HOST:PORT -p TEXT ...\n";
 
@@ -150,6 +160,22 @@ int kv_cmd_ring(int argc, char **argv) {
             workers[n_workers++] = v;
         } else if (!strcmp(a, "--data")) {
             data_dir = v;
+        } else if (!strcmp(a, "--prompt-cache")) {
+            if (kv_node_parse_size(v, &o.prompt_cache_bytes, &d) || o.prompt_cache_bytes > ((uint64_t)1 << 40)) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--prompt-cache: '%s' is not a size up to 1T (e.g. 512M, 4G, 0 = none)", v);
+            }
+        } else if (!strcmp(a, "--prompt-cache-block")) {
+            if (kv_arg_long(CMD, a, v, 16, KV_RING_MAX_CACHE_BLOCK, &lv)) {
+                free(allow);
+                return 1;
+            }
+            if (lv % 16) {
+                free(allow);
+                return kv_cli_err(CMD, 1, "--prompt-cache-block: '%s' is not a multiple of 16 in [16, %u]", v,
+                                  KV_RING_MAX_CACHE_BLOCK);
+            }
+            o.prompt_cache_block = (uint32_t)lv;
         } else if (!strcmp(a, "--budget")) {
             if (kv_node_parse_size(v, &budget, &d)) {
                 free(allow);
@@ -183,6 +209,9 @@ int kv_cmd_ring(int argc, char **argv) {
         } else if (!strcmp(a, "--die-after-frames")) { /* test hook (fault tests): a crash at a known point */
             if (kv_arg_long(CMD, a, v, 1, 1L << 30, &lv)) return 1;
             o.die_after_frames = (uint32_t)lv;
+        } else if (!strcmp(a, "--test-cache-drop")) { /* test hook (test_ring_cache.sh): a miss at a known START */
+            if (kv_arg_long(CMD, a, v, 1, 1L << 30, &lv)) return 1;
+            o.test_cache_drop = (uint32_t)lv;
         } else if (!strcmp(a, "--link-delay-ms")) {
             if (kv_arg_long(CMD, a, v, 1, 60000, &lv)) return 1;
             o.link_delay_ms = (uint32_t)lv;
@@ -279,6 +308,12 @@ int kv_cmd_ring(int argc, char **argv) {
                 "%llu requests, %llu replays, %llu breaks\n", o.first, o.last, (unsigned long long)st.tokens_computed,
                 (unsigned long long)st.frames_hidden, (unsigned long long)st.batches, st.busy_s, (unsigned long long)st.tokens_sampled,
                 (unsigned long long)st.requests, (unsigned long long)st.replays, (unsigned long long)st.breaks);
+    if (o.log && o.prompt_cache_bytes)
+        fprintf(stderr, "kvasir ring %u-%u: prompt cache: %llu lookups, %llu hits, %llu positions reused, %llu misses, "
+                "%llu blocks held (%llu bytes), %llu evicted\n", o.first, o.last, (unsigned long long)st.cache_lookups,
+                (unsigned long long)st.cache_hits, (unsigned long long)st.cache_tokens, (unsigned long long)st.cache_misses,
+                (unsigned long long)st.cache_blocks, (unsigned long long)st.cache_bytes,
+                (unsigned long long)st.cache_evictions);
     kv_the_node = NULL;
     kv_ring_hub_stop(rh);
     kv_ring_node_free(n);

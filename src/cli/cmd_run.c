@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "cli/cli.h"
+#include "kvasir/dispatch_demand.h"
 #include "kvasir/dispatch_proto.h"
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"
@@ -210,13 +211,14 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
     printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
            "\"pairs_local\":%llu,\"bytes_sent\":%llu,\"bytes_recv\":%llu,\"rtt_p50_us\":%.1f,\"rtt_p99_us\":%.1f,"
            "\"verified\":%llu,\"unverified\":%llu,\"recomputed\":%llu,\"caught\":%llu,"
-           "\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"pairs_hedged\":%llu,\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
+           "\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"hedges_cancelled\":%llu,\"pairs_hedged\":%llu,\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
            (unsigned long long)st.retried_pairs, (unsigned long long)st.pairs_remote,
            (unsigned long long)st.pairs_local, (unsigned long long)st.bytes_sent, (unsigned long long)st.bytes_recv,
            st.rtt_p50_us, st.rtt_p99_us, (unsigned long long)st.pairs_verified,
            (unsigned long long)st.pairs_unverified, (unsigned long long)st.pairs_recomputed,
            (unsigned long long)st.caught, (unsigned long long)st.hedges, (unsigned long long)st.hedges_won,
-           (unsigned long long)st.late_answers, (unsigned long long)st.pairs_hedged);
+           (unsigned long long)st.late_answers, (unsigned long long)st.hedges_cancelled,
+           (unsigned long long)st.pairs_hedged);
     for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
         kv_remote_worker w;
         kv_remote_worker_info(r, i, &w);
@@ -225,8 +227,9 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
         printf(",\"backend\":"); /* the kernel backend it announced (HELLO_ACK) */
         kv_json_str(stdout, w.backend, strlen(w.backend));
         printf(",\"caught\":%s,\"verified\":%llu", w.caught ? "true" : "false", (unsigned long long)w.verified);
-        printf(",\"latency_ms\":%.3f,\"p95_ms\":%.3f,\"hedged\":%llu,\"hedges_won\":%llu,\"late\":%llu", w.latency_ms,
-               w.p95_ms, (unsigned long long)w.hedged, (unsigned long long)w.hedges_won, (unsigned long long)w.late);
+        printf(",\"latency_ms\":%.3f,\"p95_ms\":%.3f,\"hedged\":%llu,\"hedges_won\":%llu,\"late\":%llu,\"cancelled\":%llu,\"probes\":%llu",
+               w.latency_ms, w.p95_ms, (unsigned long long)w.hedged, (unsigned long long)w.hedges_won,
+               (unsigned long long)w.late, (unsigned long long)w.cancelled, (unsigned long long)w.probes);
         printf(",\"up\":%s,\"wire\":\"%s\",\"requests\":%llu,\"pairs\":%llu,\"pairs_since_connect\":%llu,"
                "\"drops\":%llu,\"connects\":%llu,\"last_error\":", w.up ? "true" : "false", kv_enc_name(w.enc),
                (unsigned long long)w.requests, (unsigned long long)w.pairs, (unsigned long long)w.pairs_since_connect,
@@ -254,22 +257,14 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
 static void kv_run_report_demand(const char *hub, kv_node_key *key, const kv_remote *r, uint64_t tokens) {
     const kv_manifest *m = kv_remote_manifest(r);
     kv_remote_demand *dm = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *dm);
-    kv_hub_demand_shard *sh = malloc((m->n_slabs ? m->n_slabs : 1) * sizeof *sh);
     kv_diag d = {0};
     int rc = KV_ENOMEM;
-    if (dm && sh) {
+    if (dm) {
         kv_remote_get_demand(r, dm, m->n_slabs);
-        size_t k = 0;
-        for (size_t i = 0; i < m->n_slabs; i++)
-            if (dm[i].computations)
-                sh[k++] = (kv_hub_demand_shard){m->slabs[i].layer, m->slabs[i].first, m->slabs[i].last,
-                                                dm[i].computations, dm[i].wait_us};
-        const kv_hub_demand rep = {tokens, sh, k};
-        rc = k && tokens ? kv_hub_report_demand(hub, key, &rep, NULL, &d) : 0;
+        rc = kv_demand_report_once(hub, key, m, dm, tokens, &d);
     }
     if (rc) fprintf(stderr, "kvasir run: warning: demand report to %s: %s\n", hub, d.msg[0] ? d.msg : "out of memory");
     free(dm);
-    free(sh);
 }
 
 /* --verbose: the same on stderr, one line per worker. */
@@ -394,6 +389,7 @@ static int kv_run_ring(const char *addr, const char *hub, const char *key_path, 
         if (draft) /* verify steps: the passes that verified drafts; emitted: every token */
             printf(",\"spec\":{\"passes\":%u,\"drafted\":%u,\"accepted\":%u,\"emitted\":%zu}", res.spec_passes,
                    res.spec_drafted, res.spec_accepted, o.n_gen);
+        printf(",\"cached_tokens\":%u", res.n_cached); /* prompt tokens the nodes' prompt caches gave */
         printf(",\"stop\":\"%s\",\"ring\":\"", kv_stop_name((enum kv_stop)res.stop));
         printf("%s\"}\n", addr);
     } else {

@@ -268,10 +268,10 @@ int kv_cmd_worker(int argc, char **argv) {
     kv_worker_stats(w, &s);
     fprintf(stderr,
             "worker: served %llu expert computations (%llu requests, %llu tokens) over %llu "
-            "connections, %llu errors\n",
+            "connections, %llu errors, %llu requests cancelled\n",
             (unsigned long long)s.n_pairs, (unsigned long long)s.n_compute,
             (unsigned long long)s.n_tokens, (unsigned long long)s.n_conns,
-            (unsigned long long)s.n_errors);
+            (unsigned long long)s.n_errors, (unsigned long long)s.n_cancelled);
     kv_the_worker = NULL;
     kv_worker_free(w);
     return rc ? kv_cli_diag(CMD, &d) : 0;

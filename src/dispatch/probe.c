@@ -116,7 +116,7 @@ int kv_probe_stats(const kv_probe_opts *o, kv_msg_stats *out, kv_diag *d) {
     int rc = kv_link_dial_dispatch(&lo, &ln, d);
     if (rc) return rc;
     /* a STATS_ACK of any version, or an ERROR with the longest text */
-    uint8_t ob[KV_PROTO_HEADER], buf[KV_PROTO_HEADER + KV_PROTO_ERROR_FIXED + KV_PROTO_MAX_TEXT + KV_PROTO_STATS_ACK_SIZE_V2];
+    uint8_t ob[KV_PROTO_HEADER], buf[KV_PROTO_HEADER + KV_PROTO_ERROR_FIXED + KV_PROTO_MAX_TEXT + KV_PROTO_STATS_ACK_SIZE_V6];
     kv_frame_rx rx;
     kv_frame_rx_init(&rx, buf, sizeof buf);
     kv_msg m;

@@ -84,7 +84,8 @@ static int kv_rd_u64(kv_rd *r, uint64_t *v) {
 const char *kv_msg_type_name(uint32_t t) {
     static const char *const names[] = {"?", "HELLO", "HELLO_ACK", "COMPUTE", "RESULT", "ERROR",
                                         "PING", "PONG", "STATS", "STATS_ACK", "AUTH_CHALLENGE", "AUTH",
-                                        "AUTH_OK", "RESULT_PRE", "RECEIPT_REQ", "RECEIPT"};
+                                        "AUTH_OK", "RESULT_PRE", "RECEIPT_REQ", "RECEIPT", "CANCEL",
+                                        "CANCELLED"};
     _Static_assert(sizeof names / sizeof names[0] == KV_MSG_TYPE_COUNT, "a name per type");
     return t < KV_MSG_TYPE_COUNT ? names[t] : "?";
 }
@@ -610,6 +611,23 @@ int kv_msg_stats_encode(uint8_t *buf, size_t cap, uint32_t request_id, size_t *n
     return 0;
 }
 
+int kv_msg_cancel_encode(uint8_t *buf, size_t cap, uint16_t type, uint32_t request_id, size_t *n, kv_diag *d) {
+    if (type != KV_MSG_CANCEL && type != KV_MSG_CANCELLED)
+        return kv_fail(d, KV_EINVAL, "CANCEL: type %u is neither CANCEL nor CANCELLED", type);
+    int rc = kv_enc_begin(buf, cap, 0, "CANCEL", d);
+    if (rc) return rc;
+    kv_frame_header_encode(buf, type, request_id, 0);
+    *n = KV_PROTO_HEADER;
+    return 0;
+}
+
+/* The STATS_ACK payload size of a version. */
+static uint32_t kv_stats_ack_size(uint16_t version) {
+    return version == 1                          ? KV_PROTO_STATS_ACK_SIZE
+           : version < KV_PROTO_CANCEL_VERSION ? KV_PROTO_STATS_ACK_SIZE_V2
+                                               : KV_PROTO_STATS_ACK_SIZE_V6;
+}
+
 int kv_msg_stats_ack_encode(uint8_t *buf, size_t cap, uint32_t request_id, const kv_msg_stats *m,
                             size_t *n, kv_diag *d) {
     return kv_msg_stats_ack_encode_v(buf, cap, request_id, KV_PROTO_VERSION, m, n, d);
@@ -619,7 +637,7 @@ int kv_msg_stats_ack_encode_v(uint8_t *buf, size_t cap, uint32_t request_id, uin
                               const kv_msg_stats *m, size_t *n, kv_diag *d) {
     if (version == 0 || version > KV_PROTO_VERSION)
         return kv_fail(d, KV_EINVAL, "STATS_ACK: version %u unknown", version);
-    const uint32_t size = version == 1 ? KV_PROTO_STATS_ACK_SIZE : KV_PROTO_STATS_ACK_SIZE_V2;
+    const uint32_t size = kv_stats_ack_size(version);
     int rc = kv_enc_begin(buf, cap, size, "STATS_ACK", d);
     if (rc) return rc;
     uint8_t *p = buf + KV_PROTO_HEADER;
@@ -630,6 +648,7 @@ int kv_msg_stats_ack_encode_v(uint8_t *buf, size_t cap, uint32_t request_id, uin
         kv_wr64(p + 56, m->n_merged);
         kv_wr64(p + 64, m->compute_us);
     }
+    if (version >= KV_PROTO_CANCEL_VERSION) kv_wr64(p + 72, m->n_cancelled);
     kv_wr64(p, m->n_compute);
     kv_wr64(p + 8, m->n_pairs);
     kv_wr64(p + 16, m->n_tokens);
@@ -977,8 +996,7 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
         if (out->h.version > KV_PROTO_VERSION)
             return kv_fail(d, KV_EUNSUPPORTED, "STATS_ACK: version %u unknown", out->h.version);
         const bool v2 = out->h.version >= 2;
-        if ((rc = kv_exact("STATS_ACK", r.left, v2 ? KV_PROTO_STATS_ACK_SIZE_V2 : KV_PROTO_STATS_ACK_SIZE, d)))
-            return rc;
+        if ((rc = kv_exact("STATS_ACK", r.left, kv_stats_ack_size(out->h.version), d))) return rc;
         kv_msg_stats *s = &out->u.stats;
         memset(s, 0, sizeof *s);
         kv_rd_u64(&r, &s->n_compute);
@@ -992,8 +1010,16 @@ int kv_msg_decode(const uint8_t *frame, size_t n, const kv_proto_limits *lim, kv
             kv_rd_u64(&r, &s->n_merged);
             kv_rd_u64(&r, &s->compute_us);
         }
+        if (out->h.version >= KV_PROTO_CANCEL_VERSION) kv_rd_u64(&r, &s->n_cancelled);
         return 0;
     }
+    case KV_MSG_CANCEL:
+    case KV_MSG_CANCELLED:
+        /* only in v6 and later: an older peer never sends them, nor is sent them */
+        if (out->h.version < KV_PROTO_CANCEL_VERSION)
+            return kv_fail(d, KV_EPROTO, "%s in a frame of version %u (needs %u)", kv_msg_type_name(out->h.type),
+                           out->h.version, KV_PROTO_CANCEL_VERSION);
+        return kv_exact(kv_msg_type_name(out->h.type), r.left, 0, d);
     case KV_MSG_AUTH_CHALLENGE:
     case KV_MSG_AUTH:
     case KV_MSG_AUTH_OK: {

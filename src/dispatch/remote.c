@@ -65,15 +65,23 @@
  * hedge goes to a replica that holds every expert of the request, is up,
  * idle and not demoted, the one expected to answer first; at most one per
  * request, none of a hedge, and no more than hedge_budget per request sent
- * (bursts of KV_REMOTE_HEDGE_BURST). The first answer that passes the
+ * (bursts of KV_REMOTE_HEDGE_BURST; a hedge whose loser was cancelled before
+ * it computed anything duplicated no work, and its token is given back).
+ * The first answer that passes the
  * checks settles the slots (a lie settles nothing: the other request still
- * counts); the other request is superseded: the protocol has no cancel, so
- * its answer is awaited on its connection, timed (it is a latency sample:
- * a stall is measured) and discarded, and its worker is not faulted, only
- * counted (late answers); it is expected busy until then (kv_rw_backlog),
- * so no new work queues behind a stall. Only a superseded request unanswered
- * past timeout_ms drops its worker. Tokens never depend on which request
- * won: both are whole answers of the same pairs.
+ * counts); the other request is superseded. A worker of protocol v6 is
+ * sent a CANCEL for it at once: it answers CANCELLED (it dropped the
+ * request before computing it), which is counted (cancelled) but is no
+ * latency sample (how soon a worker drops work says nothing of how soon it
+ * computes), or the RESULT it had already begun. An older worker has no
+ * cancel: its answer is awaited on its connection, timed (a latency
+ * sample: a stall is measured) and discarded. Either way the worker is not
+ * faulted, only counted (late answers, cancelled), and the answer is told
+ * from the current request's by its request id; it is expected busy until
+ * then (kv_rw_backlog), so no new work queues behind a stall. Only a
+ * superseded request unanswered past timeout_ms drops its worker. Tokens
+ * never depend on which request won: both are whole answers of the same
+ * pairs.
  *
  * Local experts and demand: slabs held within a budget
  * (kv_remote_local_hold) are computed here for the experts whose fixed key
@@ -177,6 +185,7 @@
 #define KV_REMOTE_HEDGE_BUDGET 0.1      /* hedges per request sent, by default */
 #define KV_REMOTE_HEDGE_BURST 4.0       /* hedges that may be sent back to back */
 #define KV_REMOTE_MAX_GHOSTS 4u         /* superseded requests awaited per worker */
+#define KV_REMOTE_TX_SPARE 4096u        /* a connection's send queue beyond its largest frame (CANCELs) */
 #define KV_REMOTE_LAT_STALE_S 0.5       /* an answer time older than this no longer steers the choice */
 #define KV_REMOTE_PICK_RATIO 2.0        /* a holder is preferred when expected to answer this many */
 #define KV_REMOTE_PICK_SLACK_S 0.002    /*   times sooner, plus this; else load and rotation decide */
@@ -252,9 +261,11 @@ typedef struct kv_rw {
     struct kv_rw_ghost {          /* superseded requests (a replica answered first): their answers are */
         uint32_t id, n_pairs;     /*   timed and discarded, the worker is not faulted for them */
         double sent;
+        double cancel_at;         /* a CANCEL was sent then (v6): CANCELLED may answer it; 0 = none */
     } ghost[KV_REMOTE_MAX_GHOSTS];
     uint32_t n_ghost;
     uint64_t n_hedged, n_hedges_won, n_late; /* its requests hedged; hedges it won; late answers discarded */
+    uint64_t n_cancelled;         /* its superseded requests it dropped on our CANCEL (CANCELLED) */
     bool probing;                 /* a probe is in flight: its answer is timed, never used */
     uint32_t probe_id, probe_pairs; /* its request id and pair count */
     double probe_sent;            /* queued at */
@@ -318,7 +329,7 @@ struct kv_remote {
     int32_t *lids, *lslot;        /* [max_slots] expert (n_used = 1) / request slot */
     /* stats */
     uint64_t n_calls, n_rounds, n_retry_pairs, n_pairs_remote, n_pairs_local, bytes_sent, bytes_recv;
-    uint64_t n_hedges, n_hedges_won, n_late;
+    uint64_t n_hedges, n_hedges_won, n_late, n_cancelled;
     uint64_t n_hedge_pairs;     /* (token, expert) slots sent again in hedges */
     double hedge_budget;          /* hedges per request sent; 0 = never */
     double hedge_tokens;          /* hedges that may be sent now (grows by hedge_budget per request) */
@@ -425,7 +436,7 @@ static void kv_rw_connect(kv_remote *r, kv_rw *w, double now) {
     const kv_net_conn_opts o = {
         .header = KV_PROTO_HEADER,
         .max_frame = w->rcap,
-        .tx_max = w->scap + 4096, /* one COMPUTE (or HELLO) at a time, and room to spare */
+        .tx_max = w->scap + KV_REMOTE_TX_SPARE, /* one COMPUTE (or HELLO) at a time, and room to spare */
         .keep = SIZE_MAX, /* compute never reallocates once the buffers have grown */
     };
     kv_diag d = {0};
@@ -778,6 +789,22 @@ static void kv_rw_lat_add(kv_rw *w, double t) {
     w->lat_s = w->lat_s > 0 ? w->lat_s + KV_REMOTE_LAT_ALPHA * (t - w->lat_s) : t;
 }
 
+/* A request of w was cancelled (v6) t seconds after it was sent,
+ * unanswered. Its answer time is unknown, but as kv_rw_backlog has it, a
+ * stall that has lasted t is expected to last as long again: the estimate
+ * that the replica choice uses rises to at least 2t, so a replica whose
+ * requests are called off loses its share (until the estimate is stale,
+ * KV_REMOTE_LAT_STALE_S, and it is tried again) as one whose stall was
+ * timed would, without a stall's seconds: t is about the hedge time. It is
+ * never put in the ring of answer times: the p50 and p95 that the hedge
+ * time comes from are answers only (a cancel's age is the hedge time
+ * itself; fed back, it would push the hedge time up with every hedge). */
+static void kv_rw_lat_floor(kv_rw *w, double t) {
+    if (!(2 * t > w->lat_s)) return;
+    w->lat_s = 2 * t;
+    w->lat_t = kv_mono();
+}
+
 /* Quantile q (0..1) of w's last answer times, seconds; 0 when none. The
  * lower of two neighbours below the median and the upper above it: with
  * few samples a stall sets the p95 but not the p50. */
@@ -870,8 +897,9 @@ static double kv_rw_probe_wait(const kv_rw *w) {
 /* The session tag of the current call's row t. */
 static uint32_t kv_remote_tag(const kv_remote *r, uint32_t t) { return r->tags[r->tag_rows ? r->tag_rows[t] : t]; }
 
-/* w's request in flight is superseded (its twin answered first): its
- * answer will be timed and discarded. w must have room for it
+/* w's request in flight is superseded (its twin answered first): a v6
+ * worker is sent a CANCEL for it; its answer (CANCELLED, or a RESULT it had
+ * begun) is discarded when it comes. w must have room for it
  * (kv_remote_hedge makes sure); if not, w is dropped rather than read. */
 static void kv_rw_supersede(kv_remote *r, kv_rw *w) {
     w->busy = false;
@@ -881,7 +909,22 @@ static void kv_rw_supersede(kv_remote *r, kv_rw *w) {
         kv_rw_drop(r, w, "%u superseded requests unanswered", w->n_ghost);
         return;
     }
-    w->ghost[w->n_ghost++] = (struct kv_rw_ghost){w->req_id, w->n_pairs, w->sent_at};
+    struct kv_rw_ghost g = {w->req_id, w->n_pairs, w->sent_at, 0};
+    /* the connection's send queue has KV_REMOTE_TX_SPARE bytes beyond its
+       largest frame: a CANCEL that would not fit is not sent (the request is
+       then awaited as from an older worker) rather than overflow it */
+    if (w->version >= KV_PROTO_CANCEL_VERSION && w->state == KV_RW_UP && w->nc &&
+        kv_net_conn_pending(w->nc) + KV_PROTO_HEADER <= KV_REMOTE_TX_SPARE) {
+        uint8_t *p = kv_net_conn_reserve(w->nc, KV_PROTO_HEADER);
+        size_t n = 0;
+        if (p && !kv_msg_cancel_encode(p, KV_PROTO_HEADER, KV_MSG_CANCEL, w->req_id, &n, NULL)) {
+            kv_frame_set_version(p, w->version);
+            kv_net_conn_commit(w->nc, n);
+            r->bytes_sent += n;
+            g.cancel_at = kv_mono();
+        }
+    }
+    w->ghost[w->n_ghost++] = g;
 }
 
 /* Demand metering: slab of expert e of the current call's layer was done
@@ -1066,6 +1109,17 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
     }
     for (uint32_t g = 0; g < w->n_ghost; g++) { /* superseded: timed, never used, no fault */
         if (msg.h.request_id != w->ghost[g].id) continue;
+        if (msg.h.type == KV_MSG_CANCELLED && w->ghost[g].cancel_at > 0) { /* dropped on our CANCEL */
+            kv_rw_lat_floor(w, w->ghost[g].cancel_at - w->ghost[g].sent);
+            /* nothing was computed twice: the hedge's token is given back */
+            if (r->hedge_budget > 0 && (r->hedge_tokens += 1) > KV_REMOTE_HEDGE_BURST)
+                r->hedge_tokens = KV_REMOTE_HEDGE_BURST;
+            memmove(&w->ghost[g], &w->ghost[g + 1], (w->n_ghost - g - 1) * sizeof w->ghost[0]);
+            w->n_ghost--;
+            w->n_cancelled++;
+            r->n_cancelled++;
+            return 0;
+        }
         if (msg.h.type != (r->ver ? KV_MSG_RESULT_PRE : KV_MSG_RESULT) ||
             msg.u.result.n_pairs != w->ghost[g].n_pairs || msg.u.result.n_embd != r->n_embd) {
             kv_rw_drop(r, w, "answered request %u with a frame of type %u", msg.h.request_id, msg.h.type);
@@ -1901,6 +1955,10 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
         }
         if (pre > r_max) r_max = pre;
         if ((rc = kv_verify_new(&r->ver, r->n_layer, r->n_expert, r->n_embd, r->n_ff, opts->verify, d))) goto fail;
+        /* what the checks will meet, refused now rather than at the first answer */
+        for (size_t k = 0; k < (size_t)r->n_layer * r->n_expert; k++)
+            if (r->lhas[k] && (rc = kv_verify_supported(&r->lw[k], (uint32_t)(k / r->n_expert), r->n_embd, r->n_ff, d)))
+                goto fail;
         r->vdone = malloc(S ? S : 1);
         r->vg = malloc(4 * (size_t)r->n_ff * sizeof *r->vg);
         r->vu = malloc(4 * (size_t)r->n_ff * sizeof *r->vu);
@@ -2007,6 +2065,7 @@ void kv_remote_worker_info(const kv_remote *r, uint32_t i, kv_remote_worker *out
     out->hedged = w->n_hedged;
     out->hedges_won = w->n_hedges_won;
     out->late = w->n_late;
+    out->cancelled = w->n_cancelled;
     out->demoted = w->probe_at > 0;
     out->probes = w->n_probes;
 }
@@ -2034,6 +2093,7 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->pairs_hedged = r->n_hedge_pairs;
     out->hedges_won = r->n_hedges_won;
     out->late_answers = r->n_late;
+    out->hedges_cancelled = r->n_cancelled;
     out->pairs_held_local = r->n_pairs_held_local;
     const size_t n = r->n_rtt < KV_REMOTE_RTT_SAMPLES ? (size_t)r->n_rtt : KV_REMOTE_RTT_SAMPLES;
     if (!n) return;
@@ -2061,10 +2121,12 @@ void kv_remote_get_hedges(const kv_remote *r, uint64_t *sent, uint64_t *won, uin
 
 uint64_t kv_remote_hedged_pairs(const kv_remote *r) { return r->n_hedge_pairs; }
 
+uint64_t kv_remote_hedges_cancelled(const kv_remote *r) { return r->n_cancelled; }
+
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
-    r->n_hedges = r->n_hedges_won = r->n_late = r->n_hedge_pairs = r->n_pairs_held_local = 0;
+    r->n_hedges = r->n_hedges_won = r->n_late = r->n_cancelled = r->n_hedge_pairs = r->n_pairs_held_local = 0;
     r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
 }
 

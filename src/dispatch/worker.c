@@ -5,9 +5,14 @@
  * Threads: the thread that calls kv_worker_serve runs one event loop
  * (include/kvasir/net.h) for every connection, and the compute pool
  * (--threads) runs the kernels; nothing else, whatever the number of
- * connections. A connection's COMPUTE is held in its receive buffer as a
- * job (its connection reads nothing more meanwhile); the loop's tick runs
- * one scheduling round at a time:
+ * connections. A connection's COMPUTE is its job: up to v5 it is held in
+ * the receive buffer (the connection reads nothing more meanwhile); from
+ * v6 on it is copied out, so that a CANCEL behind it is read and served at
+ * once (the job, if it has not begun its RESULT, is dropped uncomputed and
+ * answered CANCELLED; any other id is ignored, at no cost), while any
+ * other frame waits in the receive buffer until the job's answer is out
+ * (answers keep request order). The loop's tick runs one scheduling round
+ * at a time:
  *   - round robin over connections with a job: the first ready job names
  *     the layer, and every ready job of that layer gets a quantum of its
  *     next pairs (KV_WORKER_CHUNK rows per round in all), so requests of
@@ -68,7 +73,8 @@
  *
  * Memory: every connection's buffers are charged to one budget; a receive
  * buffer grows with the bytes that actually arrived, up to the largest
- * COMPUTE this model admits; the send queue is bounded by the high-water
+ * COMPUTE this model admits, and so does a v6 job's copy (kept for the next
+ * job up to KV_WORKER_JOB_KEEP); the send queue is bounded by the high-water
  * mark plus one round. The compute scratch is allocated once. */
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -110,6 +116,7 @@
 #define KV_WORKER_TX_HWM (1u << 20)      /* a job waits while its peer has this much unread */
 #define KV_WORKER_HASH_BUF (4u << 20)    /* read size while hashing slabs */
 #define KV_WORKER_ERR_FRAME (KV_PROTO_HEADER + KV_PROTO_ERROR_FIXED + KV_PROTO_MAX_TEXT)
+#define KV_WORKER_JOB_KEEP (4u << 20)    /* a v6 job copy larger than this is freed when its job ends */
 
 typedef struct kv_wconn kv_wconn;
 
@@ -167,6 +174,7 @@ struct kv_worker {
     bool have_hub;
     /* counters */
     atomic_uint_fast64_t n_compute, n_pairs, n_tokens, n_conns, n_errors, n_batches, n_merged, compute_us;
+    atomic_uint_fast64_t n_cancelled; /* jobs called off by a CANCEL before their RESULT began */
     int64_t t_start_ms;
 };
 
@@ -194,8 +202,15 @@ struct kv_wconn {
     kv_net_timer idle_t;             /* idle timeout (when configured) */
     kv_net_timer delay_t;            /* test delay: wakes the loop when the job may start */
     int64_t ready_ms;                /* test delay: the job is not started before this */
-    /* the job: a COMPUTE held in the receive buffer */
+    /* the job: a COMPUTE held in the receive buffer (v5 and older), or, from
+       v6 on, copied into jbuf so that the frames behind it are read: a CANCEL
+       of it is served at once, anything else waits in the receive buffer
+       (defer) until the job ends, so replies keep request order */
     bool busy;
+    uint8_t *jbuf;                   /* v6: [jcap] the job's COMPUTE frame (charged to the budget) */
+    size_t jcap;
+    const uint8_t *defer;            /* v6: a frame that came while the job ran, held in the receive buffer */
+    size_t defer_len;
     uint32_t rid;                    /* its request id */
     kv_msg_compute job;              /* view into the held frame */
     const float *xin;                /* hidden states in place, or NULL (converted per row) */
@@ -758,6 +773,7 @@ void kv_worker_stats(const kv_worker *w, kv_msg_stats *s) {
     s->n_batches = atomic_load(&mw->n_batches);
     s->n_merged = atomic_load(&mw->n_merged);
     s->compute_us = atomic_load(&mw->compute_us);
+    s->n_cancelled = atomic_load(&mw->n_cancelled);
 }
 
 void kv_worker_stop(kv_worker *w) {
@@ -902,9 +918,8 @@ static int kv_wc_hello(kv_wconn *c, uint32_t rid, const kv_msg_hello *h) {
     ack.n_ff_exp = w->n_ff;
     ack.n_expert = w->n_expert;
     ack.n_expert_used = w->n_expert_used;
-    /* pre-activations too, when asked (the CPU kernels only: the OpenCL
-       backend does not return them yet, so it does not offer them) */
-    ack.enc_mask = h->enc_mask & KV_ENC_MASK_VALID & ~(w->opts.opencl ? (uint32_t)KV_PROTO_CAP_PREACT : 0u);
+    /* pre-activations too, when asked (the CPU and the OpenCL providers both return them) */
+    ack.enc_mask = h->enc_mask & KV_ENC_MASK_VALID;
     snprintf(ack.backend, sizeof ack.backend, "%s", w->opts.opencl ? "opencl" : kv_quant_backend());
     ack.n_ranges = (uint32_t)w->n_ranges;
     ack.ranges = w->ranges;
@@ -1081,7 +1096,29 @@ static int kv_wc_auth(kv_wconn *c, uint32_t rid, const kv_msg_auth *a) {
 
 /* Checks a COMPUTE and makes it this connection's job (KV_NET_HOLD), or
  * answers it with a request-level ERROR (0). */
-static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
+/* v6: copies the job's frame f[len] (decoded as cm) out of the receive
+ * buffer into c->jbuf and points c->job's views there. KV_ENOMEM when the
+ * budget cannot cover it. */
+static int kv_wc_job_copy(kv_wconn *c, const uint8_t *f, size_t len, const kv_msg_compute *cm) {
+    kv_worker *w = c->w;
+    if (len > c->jcap) {
+        if (!kv_net_budget_take(&w->budget, len - c->jcap)) return KV_ENOMEM;
+        uint8_t *nb = realloc(c->jbuf, len);
+        if (!nb) {
+            kv_net_budget_give(&w->budget, len - c->jcap);
+            return KV_ENOMEM;
+        }
+        c->jbuf = nb;
+        c->jcap = len;
+    }
+    memcpy(c->jbuf, f, len);
+    c->job = *cm;
+    c->job.x_wire = c->jbuf + (cm->x_wire - f);
+    c->job.pairs_wire = c->jbuf + (cm->pairs_wire - f);
+    return 0;
+}
+
+static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm, const uint8_t *f, size_t len) {
     kv_worker *w = c->w;
     kv_diag d = {0};
     const bool pre = (cm->out_enc & KV_OUT_PREACT) != 0;
@@ -1119,7 +1156,11 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
         kv_wlog(w, "conn %llu %s: request %u refused: %s", (unsigned long long)c->id, c->peer, rid, d.msg);
         return 0;
     }
-    c->job = *cm;
+    const bool copy = c->version >= KV_PROTO_CANCEL_VERSION;
+    if (copy && kv_wc_job_copy(c, f, len, cm))
+        return kv_wc_fatal(c, rid, KV_ENOMEM, "memory", "memory budget exhausted: cannot hold the request");
+    if (!copy) c->job = *cm;
+    cm = &c->job;
     c->rid = rid;
     if (c->version >= KV_PROTO_SIG_VERSION) { /* each token's row hashed once, as it came */
         const size_t xr = (size_t)cm->n_embd * kv_enc_size(cm->enc);
@@ -1145,7 +1186,33 @@ static int kv_wc_compute(kv_wconn *c, uint32_t rid, const kv_msg_compute *cm) {
         c->ready_ms = 0;
     }
     kv_job_add(w, c);
-    return KV_NET_HOLD;
+    return copy ? 0 : KV_NET_HOLD;
+}
+
+/* v6 CANCEL of request rid: the job, if it is rid's and its RESULT has not
+ * begun (still waiting for its turn, its test delay, or its first round),
+ * is dropped before any of it is computed and answered with CANCELLED. A
+ * RESULT already streaming is finished (a frame cannot be cut); an id that
+ * is not the job's (answered already, never sent, a stranger's guess) is
+ * ignored. Nothing is allocated: a flood of CANCELs costs a comparison
+ * each. */
+static void kv_wc_cancel(kv_wconn *c, uint32_t rid) {
+    kv_worker *w = c->w;
+    if (!c->busy || c->rid != rid || c->next != 0) return;
+    kv_job_remove(w, c);
+    kv_net_timer_stop(w->loop, &c->delay_t);
+    c->ready_ms = 0;
+    atomic_fetch_add(&w->n_cancelled, 1);
+    uint8_t buf[KV_PROTO_HEADER];
+    size_t n = 0;
+    if (!kv_msg_cancel_encode(buf, sizeof buf, KV_MSG_CANCELLED, rid, &n, NULL)) kv_wc_queue(c, buf, n);
+    if (c->jcap > KV_WORKER_JOB_KEEP) {
+        kv_net_budget_give(&w->budget, c->jcap);
+        free(c->jbuf);
+        c->jbuf = NULL;
+        c->jcap = 0;
+    }
+    kv_wlog(w, "conn %llu %s: request %u cancelled before it was computed", (unsigned long long)c->id, c->peer, rid);
 }
 
 static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
@@ -1155,6 +1222,13 @@ static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
     kv_diag d = {0};
     kv_msg m;
     if (w->opts.idle_timeout_ms > 0) kv_net_timer_start(w->loop, &c->idle_t, w->opts.idle_timeout_ms);
+    /* v6: while the job runs only a CANCEL is served; anything else waits
+       (the job's RESULT may be half sent, and answers keep request order) */
+    if (c->busy && (uint16_t)(f[6] | f[7] << 8) != KV_MSG_CANCEL) { /* the type: frame_len checked the header */
+        c->defer = f;
+        c->defer_len = len;
+        return KV_NET_HOLD;
+    }
     int rc = kv_msg_decode(f, len, &lim, &m, &d);
     if (rc) return kv_wc_fatal(c, 0, rc, "protocol error", d.msg);
     const uint32_t rid = m.h.request_id;
@@ -1171,12 +1245,15 @@ static int kv_wc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         kv_fail(&d, KV_EAUTH, "not authenticated: expected AUTH, got %s", kv_msg_type_name(m.h.type));
         return kv_wc_fatal(c, rid, KV_EAUTH, "authentication refused", d.msg);
     }
-    uint8_t buf[KV_PROTO_HEADER + KV_PROTO_STATS_ACK_SIZE_V2];
+    uint8_t buf[KV_PROTO_HEADER + KV_PROTO_STATS_ACK_SIZE_V6];
     size_t n = 0;
     switch (m.h.type) {
     case KV_MSG_HELLO: return kv_wc_hello(c, rid, &m.u.hello);
     case KV_MSG_AUTH: return kv_wc_auth(c, rid, &m.u.auth);
-    case KV_MSG_COMPUTE: return kv_wc_compute(c, rid, &m.u.compute);
+    case KV_MSG_COMPUTE: return kv_wc_compute(c, rid, &m.u.compute, f, len);
+    case KV_MSG_CANCEL: /* v6 only (the decoder refuses it in an older frame) */
+        kv_wc_cancel(c, rid);
+        return 0;
     case KV_MSG_PING:
         if (!kv_msg_ping_encode(buf, sizeof buf, KV_MSG_PONG, rid, m.u.nonce, &n, NULL)) kv_wc_queue(c, buf, n);
         return 0;
@@ -1219,6 +1296,8 @@ static void kv_wc_on_close(kv_net_conn *nc, int code, const char *why) {
             why && why[0] ? why : code ? kv_err_str(code) : "closed");
     kv_wc_unslot(w, c);
     free(c->xh);
+    if (c->jcap) kv_net_budget_give(&w->budget, c->jcap);
+    free(c->jbuf);
     free(c);
 }
 
@@ -1241,6 +1320,31 @@ static bool kv_job_ready(const kv_wconn *c) {
            (!c->ready_ms || kv_now_ms() >= c->ready_ms);
 }
 
+/* c's job has ended (answered, or failed): reading resumes. v5 and older:
+ * the held COMPUTE is released. v6: a frame that came meanwhile is served
+ * now, then released; a large job copy is freed. */
+static void kv_wc_job_end(kv_worker *w, kv_wconn *c) {
+    kv_job_remove(w, c);
+    if (c->jcap > KV_WORKER_JOB_KEEP) {
+        kv_net_budget_give(&w->budget, c->jcap);
+        free(c->jbuf);
+        c->jbuf = NULL;
+        c->jcap = 0;
+    }
+    if (kv_net_conn_closing(c->nc)) return;
+    if (c->defer) {
+        const uint8_t *f = c->defer;
+        const size_t n = c->defer_len;
+        c->defer = NULL;
+        const int rc = kv_wc_on_frame(c->nc, f, n); /* not busy now: served as it would have been */
+        if (rc < 0 && !kv_net_conn_closing(c->nc)) kv_net_conn_close(c->nc, rc, kv_err_str(rc));
+        if (kv_net_conn_closing(c->nc)) return;
+        KV_ASSERT(rc != KV_NET_HOLD); /* only v6 defers, and a v6 COMPUTE is copied, never held */
+        /* a v6 COMPUTE was copied: its place in the receive buffer is released below */
+    }
+    kv_net_conn_release(c->nc);
+}
+
 /* Finishes c's job: the frame is released and the next one may be read. */
 static void kv_job_done(kv_worker *w, kv_wconn *c) {
     if (!c->hub) { /* the hub's challenges prove the worker; they serve no one */
@@ -1249,8 +1353,7 @@ static void kv_job_done(kv_worker *w, kv_wconn *c) {
         atomic_fetch_add(&w->n_tokens, c->job.n_tokens);
     }
     c->budget.computed += c->job.n_pairs; /* what receipts on this connection may cover */
-    kv_job_remove(w, c);
-    kv_net_conn_release(c->nc);
+    kv_wc_job_end(w, c);
 }
 
 /* Bytes of one answer row of c's job, and of its RESULT's head. */
@@ -1401,8 +1504,9 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
     const kv_expert_req req = {L, n, E, 1, w->xs, w->ids, NULL};
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
-    int rc = want_pre ? kv_expert_local_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d)
-                      : w->prov.compute(w->prov.impl, &req, w->ys, &d);
+    int rc = !want_pre       ? w->prov.compute(w->prov.impl, &req, w->ys, &d)
+             : w->opts.opencl ? kv_opencl_expert_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d)
+                              : kv_expert_local_compute_pre(&w->prov, &req, w->ys, w->gs, w->us, &d);
     clock_gettime(CLOCK_MONOTONIC, &b);
     if (!rc && w->opts.test_lie) kv_worker_lie_outputs(w, n);
     atomic_fetch_add(&w->compute_us, (uint64_t)((b.tv_sec - a.tv_sec) * 1000000 + (b.tv_nsec - a.tv_nsec) / 1000));
@@ -1465,8 +1569,7 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
     w->jobs = first->jnext == first ? first : first->jnext;
     for (uint32_t i = 0; i < n_done; i++) {
         if (rc) {
-            kv_job_remove(w, done[i]);
-            if (!kv_net_conn_closing(done[i]->nc)) kv_net_conn_release(done[i]->nc);
+            kv_wc_job_end(w, done[i]);
         } else {
             kv_job_done(w, done[i]);
         }

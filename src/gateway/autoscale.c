@@ -22,13 +22,19 @@
  *     session than the narrower one did: handing work out pays only while
  *     the workers' part runs beside the gateway's own (on a gateway whose
  *     workers are few or slow the best share is in the middle). The step
- *     costs per level are forgotten when the sessions active double or
- *     halve, or none is active, and a level measured at this load whose
+ *     costs per level are forgotten when the load doubles or halves, or
+ *     falls to none, and a level measured at this load whose
  *     narrower neighbour is not is left for that neighbour to be measured
  *     (a probe: the choice climbs towards the cheapest share both ways);
- *   - tighten (level - 1) when the sessions active fell to half of those
- *     active when the current level was entered (or none is active), after
- *     the same dwell: the load that made it widen is gone. The rules use
+ *   - tighten (level - 1) when the load fell to half of the load when the
+ *     current level was entered (or to none), after the same dwell: the
+ *     load that made it widen is gone.
+ * The load is the most sessions active at once over the last 0.5 to 1 s
+ * (KV_GW_AS_LOAD_WIN_S), not the sessions of this step: clients that send
+ * back to back all end together now and then, and a gap of a few steps
+ * between their requests is not the load gone. A wider level measured
+ * dearer is tried again after KV_GW_AS_REPROBE_S, twice as long each time
+ * it did not pay again at this load (up to KV_GW_AS_REPROBE_MAX_S). The rules use
  *     different signals, so the step time a wide step costs (a round trip
  *     per layer) never by itself pulls the share back and forth.
  * The target is --step-target-ms, or derived: KV_GW_AS_TARGET_X times the
@@ -53,6 +59,9 @@
 #define KV_GW_AS_REHOLD_S 10.0 /* the held slabs follow demand this often */
 #define KV_GW_AS_JUDGE 8u      /* steps at a level before its cost is compared */
 #define KV_GW_AS_WORSE 1.1     /* a wider level costing this much more per session is left */
+#define KV_GW_AS_LOAD_WIN_S 0.5 /* the load is the most sessions active at once over two such windows */
+#define KV_GW_AS_REPROBE_S 10.0 /* a wider level measured dearer is tried again after this ... */
+#define KV_GW_AS_REPROBE_MAX_S 120.0 /* ... doubled each time it did not pay, up to this */
 
 static double kv_as_now(void) {
     struct timespec ts;
@@ -87,6 +96,7 @@ int kv_gw_autoscale_open(kv_gateway *g, uint64_t budget, double target_ms, kv_di
     a->target_given = target_ms > 0;
     a->target_s = target_ms / 1000.0;
     a->min_tight_s = -1.0;
+    a->reprobe_s = KV_GW_AS_REPROBE_S;
     a->last_change = a->rehold_at = kv_as_now();
     a->rehold_at += KV_GW_AS_REHOLD_S;
     kv_remote_set_local_share(rm, kv_as_share(0));
@@ -98,12 +108,28 @@ void kv_gw_autoscale_free(kv_gateway *g) {
     g->as.demand = NULL;
 }
 
+/* The load the rules read: the most sessions active at once over the last
+ * 0.5 to 1 s. Clients that send back to back leave the gateway with few
+ * sessions, or none, for a few steps whenever their requests end together
+ * (the same length, started together); the instantaneous count then read as
+ * load gone at every request's end, and the policy tightened and forgot
+ * what it had measured each time. */
+static void kv_as_load(kv_gw_autoscale *a, uint32_t n_active, double now) {
+    if (now - a->load_win >= KV_GW_AS_LOAD_WIN_S) {
+        a->load_prev = now - a->load_win < 2 * KV_GW_AS_LOAD_WIN_S ? a->load_cur : 0;
+        a->load_cur = 0;
+        a->load_win = now;
+    }
+    if (n_active > a->load_cur) a->load_cur = n_active;
+    a->load = a->load_cur > a->load_prev ? a->load_cur : a->load_prev;
+}
+
 static void kv_as_set(kv_gateway *g, kv_remote *rm, uint32_t level, double now) {
     kv_gw_autoscale *a = &g->as;
     const bool widen = level > a->level;
     if (widen) {
         a->widened++;
-        a->widen_at[level] = g->n_active;
+        a->widen_at[level] = a->load;
     } else {
         a->tightened++;
     }
@@ -111,16 +137,16 @@ static void kv_as_set(kv_gateway *g, kv_remote *rm, uint32_t level, double now) 
     a->last_change = now;
     kv_remote_set_local_share(rm, kv_as_share(level));
     if (!g->o.quiet)
-        fprintf(stderr, "gateway: local experts: %s to a local share of %.2f (%u sessions, step %.1f ms, target %.1f ms)\n",
+        fprintf(stderr, "gateway: local experts: %s to a local share of %.2f (%u sessions, load %u, step %.1f ms, target %.1f ms)\n",
                 widen ? "widen" : "tighten",
-                kv_as_share(level), g->n_active, a->ewma_s * 1e3, a->target_s * 1e3);
+                kv_as_share(level), g->n_active, a->load, a->ewma_s * 1e3, a->target_s * 1e3);
 }
 
 /* The tighten rule, shared by steps and idle ticks. */
 static bool kv_as_tighten(kv_gateway *g, kv_remote *rm, double now) {
     kv_gw_autoscale *a = &g->as;
     if (!a->level || now - a->last_change < KV_GW_AS_DWELL_S) return false;
-    if (g->n_active && (uint64_t)g->n_active * 2 > a->widen_at[a->level]) return false;
+    if (a->load && (uint64_t)a->load * 2 > a->widen_at[a->level]) return false;
     kv_as_set(g, rm, a->level - 1, now);
     return true;
 }
@@ -133,6 +159,7 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
     kv_remote_get_pairs(rm, &a->pairs_remote, &a->pairs_local, &a->pairs_held_local);
     if (!a->on) return;
     const double now = kv_as_now();
+    kv_as_load(a, g->n_active, now);
     a->ewma_s = a->ewma_s > 0 ? a->ewma_s + KV_GW_AS_ALPHA * (dt - a->ewma_s) : dt;
     if (a->level == 0) {
         if (a->min_tight_s < 0 || dt < a->min_tight_s) a->min_tight_s = dt;
@@ -149,18 +176,25 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
     }
     /* the cost per session of this level, at this load */
     if (g->n_active) {
-        if (g->n_active > 2 * a->cost_conc || 2 * g->n_active < a->cost_conc) {
+        if (a->load > 2 * a->cost_conc || 2 * a->load < a->cost_conc) {
             memset(a->cost_n, 0, sizeof a->cost_n);
-            a->cost_conc = g->n_active;
+            a->cost_conc = a->load;
+            a->reprobe_s = KV_GW_AS_REPROBE_S;
+            a->unpaid_here = 0;
+            memset(a->unpaid_at, 0, sizeof a->unpaid_at);
         }
         const double c = dt / g->n_active;
         a->cost[a->level] = a->cost_n[a->level]++ ? a->cost[a->level] + KV_GW_AS_ALPHA * (c - a->cost[a->level]) : c;
+        a->cost_at[a->level] = now;
     }
     if (kv_as_tighten(g, rm, now)) return;
     const uint32_t L = a->level;
     if (L && a->cost_n[L] >= KV_GW_AS_JUDGE && a->cost_n[L - 1] >= KV_GW_AS_JUDGE &&
         a->cost[L] > KV_GW_AS_WORSE * a->cost[L - 1] && now - a->last_change >= KV_GW_AS_DWELL_S) {
         a->unpaid++;
+        if (a->unpaid_here++) /* did not pay again at this load */
+            a->reprobe_s = 2 * a->reprobe_s < KV_GW_AS_REPROBE_MAX_S ? 2 * a->reprobe_s : KV_GW_AS_REPROBE_MAX_S;
+        a->unpaid_at[L] = now;
         kv_as_set(g, rm, L - 1, now);
         return;
     }
@@ -169,8 +203,14 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
         a->probes++;
         return;
     }
-    const bool next_worse = L < KV_GW_AS_LEVELS && a->cost_n[L + 1] >= KV_GW_AS_JUDGE && a->cost_n[L] >= KV_GW_AS_JUDGE &&
-                            a->cost[L + 1] > a->cost[L];
+    /* a wider level that did not pay at this load is not tried again until
+     * reprobe_s passed, nor one measured dearer in that time (the costs
+     * drift: contexts grow, the workers' load changes, a step's time is
+     * noisy); each time it did not pay again, twice as long */
+    const bool next_worse = L < KV_GW_AS_LEVELS &&
+                            ((a->unpaid_at[L + 1] > 0 && now - a->unpaid_at[L + 1] < a->reprobe_s) ||
+                             (a->cost_n[L + 1] >= KV_GW_AS_JUDGE && a->cost_n[L] >= KV_GW_AS_JUDGE &&
+                              a->cost[L + 1] > a->cost[L] && now - a->cost_at[L + 1] < a->reprobe_s));
     /* a level is measured (KV_GW_AS_JUDGE steps) before the next is tried,
      * so that the cost rules can compare the two */
     if (!next_worse && (a->cost_n[L] >= KV_GW_AS_JUDGE || a->target_given) && a->target_s > 0 && a->ewma_s > a->target_s && a->level < KV_GW_AS_LEVELS && g->n_active >= 2 &&
@@ -181,7 +221,15 @@ void kv_gw_autoscale_step_locked(kv_gateway *g, double dt) {
 void kv_gw_autoscale_idle_locked(kv_gateway *g) {
     kv_remote *rm = g->e ? kv_engine_remote(g->e) : NULL;
     if (!rm || !g->as.on) return;
-    g->as.ewma_s = 0; /* a new burst is judged by its own steps */
-    memset(g->as.cost_n, 0, sizeof g->as.cost_n);
-    kv_as_tighten(g, rm, kv_as_now());
+    kv_gw_autoscale *a = &g->as;
+    const double now = kv_as_now();
+    kv_as_load(a, 0, now);
+    if (a->load) return; /* a gap between requests, not the load gone */
+    a->ewma_s = 0; /* a new burst is judged by its own steps */
+    memset(a->cost_n, 0, sizeof a->cost_n);
+    a->cost_conc = 0;
+    a->reprobe_s = KV_GW_AS_REPROBE_S;
+    a->unpaid_here = 0;
+    memset(a->unpaid_at, 0, sizeof a->unpaid_at);
+    kv_as_tighten(g, rm, now);
 }

@@ -1,6 +1,7 @@
 /* What the gateway tells about itself (server_internal.h): the Prometheus
  * text of GET /metrics, the sessions of GET /v1/slots, the body of GET
  * /health. Read under g->mu, so each answer is one consistent snapshot. */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,44 +26,57 @@ void kv_gw_metrics_step_locked(kv_gateway *g, double dt) {
     g->step_bucket[b]++;
 }
 
+/* Appends one printf-formatted line (under 512 bytes) to b. */
+__attribute__((format(printf, 2, 3))) static void metric_line(kv_gw_buf *b, const char *fmt, ...) {
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (n > 0) kv_gw_buf_add(b, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+}
+
+/* The head of a metric family: its HELP and TYPE lines. */
+static void metric_head(kv_gw_buf *b, const char *name, const char *type, const char *help) {
+    metric_line(b, "# HELP %s %s\n", name, help);
+    metric_line(b, "# TYPE %s %s\n", name, type);
+}
+
+/* A metric family of one unlabelled sample: head, then "name value". */
+static void metric_u(kv_gw_buf *b, const char *name, const char *type, uint64_t v, const char *help) {
+    metric_head(b, name, type, help);
+    metric_line(b, "%s %llu\n", name, (unsigned long long)v);
+}
+
+static void metric_f(kv_gw_buf *b, const char *name, const char *type, double v, const char *help) {
+    metric_head(b, name, type, help);
+    metric_line(b, "%s %.6f\n", name, v);
+}
+
 char *kv_gw_metrics_text(kv_gateway *g) {
     kv_gw_buf b = {0};
-    char line[256];
-#define KV_M(...) kv_gw_buf_add(&b, line, (size_t)snprintf(line, sizeof line, __VA_ARGS__))
+#define KV_M(...) metric_line(&b, __VA_ARGS__)
     pthread_mutex_lock(&g->mu);
-    KV_M("# HELP kvasir_gateway_requests_total HTTP requests answered, by API and status.\n");
-    KV_M("# TYPE kvasir_gateway_requests_total counter\n");
+    metric_head(&b, "kvasir_gateway_requests_total", "counter", "HTTP requests answered, by API and status.");
     for (int a = 0; a <= KV_GW_API_COUNT; a++)
         for (int k = 0; k < KV_GW_N_CODES; k++)
             if (g->req_count[a][k])
                 KV_M("kvasir_gateway_requests_total{api=\"%s\",code=\"%u\"} %llu\n", a < KV_GW_API_COUNT ? kv_gw_api(a)->name : "other",
                      kv_gw_codes[k], (unsigned long long)g->req_count[a][k]);
-    KV_M("# HELP kvasir_gateway_prompt_tokens_total Prompt tokens of admitted requests.\n");
-    KV_M("# TYPE kvasir_gateway_prompt_tokens_total counter\n");
-    KV_M("kvasir_gateway_prompt_tokens_total %llu\n", (unsigned long long)g->tokens_prompt);
-    KV_M("# HELP kvasir_gateway_completion_tokens_total Tokens generated for clients.\n");
-    KV_M("# TYPE kvasir_gateway_completion_tokens_total counter\n");
-    KV_M("kvasir_gateway_completion_tokens_total %llu\n", (unsigned long long)g->tokens_completion);
-    KV_M("# HELP kvasir_gateway_generated_tokens_total Tokens the engine generated for requests.\n");
-    KV_M("# TYPE kvasir_gateway_generated_tokens_total counter\n");
-    KV_M("kvasir_gateway_generated_tokens_total %llu\n", (unsigned long long)g->tokens_generated);
-    KV_M("# HELP kvasir_gateway_cancelled_total Sessions freed because the client went away or a stop string matched.\n");
-    KV_M("# TYPE kvasir_gateway_cancelled_total counter\n");
-    KV_M("kvasir_gateway_cancelled_total %llu\n", (unsigned long long)g->cancelled);
-    KV_M("# HELP kvasir_gateway_rejected_total Requests refused with 503 (queue full).\n");
-    KV_M("# TYPE kvasir_gateway_rejected_total counter\n");
-    KV_M("kvasir_gateway_rejected_total %llu\n", (unsigned long long)g->rejected_full);
-    KV_M("# HELP kvasir_gateway_queue_depth Requests waiting for a session.\n");
-    KV_M("# TYPE kvasir_gateway_queue_depth gauge\n");
-    KV_M("kvasir_gateway_queue_depth %u\n", g->n_queued);
-    KV_M("# HELP kvasir_gateway_active_sessions Sessions in the running batch.\n");
-    KV_M("# TYPE kvasir_gateway_active_sessions gauge\n");
-    KV_M("kvasir_gateway_active_sessions %u\n", g->n_active);
-    KV_M("# HELP kvasir_gateway_max_batch_sessions Most sessions one engine step carried.\n");
-    KV_M("# TYPE kvasir_gateway_max_batch_sessions gauge\n");
-    KV_M("kvasir_gateway_max_batch_sessions %u\n", g->max_batch);
-    KV_M("# HELP kvasir_gateway_step_seconds Engine step (one batched forward pass) wall time.\n");
-    KV_M("# TYPE kvasir_gateway_step_seconds histogram\n");
+    metric_u(&b, "kvasir_gateway_prompt_tokens_total", "counter", g->tokens_prompt,
+             "Prompt tokens of admitted requests.");
+    metric_u(&b, "kvasir_gateway_completion_tokens_total", "counter", g->tokens_completion,
+             "Tokens generated for clients.");
+    metric_u(&b, "kvasir_gateway_generated_tokens_total", "counter", g->tokens_generated,
+             "Tokens the engine generated for requests.");
+    metric_u(&b, "kvasir_gateway_cancelled_total", "counter", g->cancelled,
+             "Sessions freed because the client went away or a stop string matched.");
+    metric_u(&b, "kvasir_gateway_rejected_total", "counter", g->rejected_full,
+             "Requests refused with 503 (queue full).");
+    metric_u(&b, "kvasir_gateway_queue_depth", "gauge", g->n_queued, "Requests waiting for a session.");
+    metric_u(&b, "kvasir_gateway_active_sessions", "gauge", g->n_active, "Sessions in the running batch.");
+    metric_u(&b, "kvasir_gateway_max_batch_sessions", "gauge", g->max_batch, "Most sessions one engine step carried.");
+    metric_head(&b, "kvasir_gateway_step_seconds", "histogram", "Engine step (one batched forward pass) wall time.");
     uint64_t cum = 0;
     for (int k = 0; k < KV_GW_N_BUCKETS; k++) {
         cum += g->step_bucket[k];
@@ -72,85 +86,68 @@ char *kv_gw_metrics_text(kv_gateway *g) {
     KV_M("kvasir_gateway_step_seconds_bucket{le=\"+Inf\"} %llu\n", (unsigned long long)cum);
     KV_M("kvasir_gateway_step_seconds_sum %.6f\n", g->step_sum);
     KV_M("kvasir_gateway_step_seconds_count %llu\n", (unsigned long long)g->steps);
-    KV_M("# HELP kvasir_gateway_displaced_total Queued requests displaced (503) by another client's, the queue full.\n");
-    KV_M("# TYPE kvasir_gateway_displaced_total counter\n");
-    KV_M("kvasir_gateway_displaced_total %llu\n", (unsigned long long)g->displaced);
-    KV_M("# HELP kvasir_gateway_parse_refused_total Bodies refused for the memory their JSON needed (413, or 503 when all was reserved).\n");
-    KV_M("# TYPE kvasir_gateway_parse_refused_total counter\n");
-    KV_M("kvasir_gateway_parse_refused_total %llu\n", (unsigned long long)g->parse_refused);
-    KV_M("# HELP kvasir_gateway_parse_bytes Memory parsed request bodies hold (or is reserved for parses).\n");
-    KV_M("# TYPE kvasir_gateway_parse_bytes gauge\n");
-    KV_M("kvasir_gateway_parse_bytes %zu\n", g->parse_live);
+    metric_u(&b, "kvasir_gateway_displaced_total", "counter", g->displaced,
+             "Queued requests displaced (503) by another client's, the queue full.");
+    metric_u(&b, "kvasir_gateway_parse_refused_total", "counter", g->parse_refused,
+             "Bodies refused for the memory their JSON needed (413, or 503 when all was reserved).");
+    metric_u(&b, "kvasir_gateway_parse_bytes", "gauge", g->parse_live,
+             "Memory parsed request bodies hold (or is reserved for parses).");
     if (g->guard) {
         kv_http_guard_stats gs;
         kv_http_guard_get_stats(g->guard, &gs);
-        KV_M("# HELP kvasir_gateway_connections_closed_total Connections the guard closed or refused, by reason.\n");
-        KV_M("# TYPE kvasir_gateway_connections_closed_total counter\n");
+        metric_head(&b, "kvasir_gateway_connections_closed_total", "counter",
+                    "Connections the guard closed or refused, by reason.");
         KV_M("kvasir_gateway_connections_closed_total{reason=\"deadline\"} %llu\n", (unsigned long long)gs.expired);
         KV_M("kvasir_gateway_connections_closed_total{reason=\"evicted\"} %llu\n", (unsigned long long)gs.evicted);
         KV_M("kvasir_gateway_connections_closed_total{reason=\"per_ip\"} %llu\n", (unsigned long long)gs.refused_ip);
         KV_M("kvasir_gateway_connections_closed_total{reason=\"full\"} %llu\n", (unsigned long long)gs.refused_full);
-        KV_M("# HELP kvasir_gateway_connections_open Connections open now.\n");
-        KV_M("# TYPE kvasir_gateway_connections_open gauge\n");
-        KV_M("kvasir_gateway_connections_open %u\n", gs.open);
+        metric_u(&b, "kvasir_gateway_connections_open", "gauge", gs.open, "Connections open now.");
     }
     if (g->eng.spec_steps) { /* speculative decoding (--draft) */
         const kv_engine_stats *es = &g->eng;
-        KV_M("# HELP kvasir_gateway_spec_verify_steps_total Forward passes that verified drafted tokens, per session.\n");
-        KV_M("# TYPE kvasir_gateway_spec_verify_steps_total counter\n");
-        KV_M("kvasir_gateway_spec_verify_steps_total %llu\n", (unsigned long long)es->spec_steps);
-        KV_M("# HELP kvasir_gateway_spec_drafted_tokens_total Drafted tokens verified.\n");
-        KV_M("# TYPE kvasir_gateway_spec_drafted_tokens_total counter\n");
-        KV_M("kvasir_gateway_spec_drafted_tokens_total %llu\n", (unsigned long long)es->spec_drafted);
-        KV_M("# HELP kvasir_gateway_spec_accepted_tokens_total Drafted tokens equal to the token drawn there.\n");
-        KV_M("# TYPE kvasir_gateway_spec_accepted_tokens_total counter\n");
-        KV_M("kvasir_gateway_spec_accepted_tokens_total %llu\n", (unsigned long long)es->spec_accepted);
-        KV_M("# HELP kvasir_gateway_spec_acceptance Accepted over drafted tokens.\n");
-        KV_M("# TYPE kvasir_gateway_spec_acceptance gauge\n");
-        KV_M("kvasir_gateway_spec_acceptance %.6f\n",
-             es->spec_drafted ? (double)es->spec_accepted / (double)es->spec_drafted : 0.0);
-        KV_M("# HELP kvasir_gateway_spec_tokens_per_verify Tokens a verify pass yielded, on average.\n");
-        KV_M("# TYPE kvasir_gateway_spec_tokens_per_verify gauge\n");
-        KV_M("kvasir_gateway_spec_tokens_per_verify %.6f\n", (double)es->spec_emitted / (double)es->spec_steps);
+        metric_u(&b, "kvasir_gateway_spec_verify_steps_total", "counter", es->spec_steps,
+                 "Forward passes that verified drafted tokens, per session.");
+        metric_u(&b, "kvasir_gateway_spec_drafted_tokens_total", "counter", es->spec_drafted,
+                 "Drafted tokens verified.");
+        metric_u(&b, "kvasir_gateway_spec_accepted_tokens_total", "counter", es->spec_accepted,
+                 "Drafted tokens equal to the token drawn there.");
+        metric_f(&b, "kvasir_gateway_spec_acceptance", "gauge", es->spec_drafted ? (double)es->spec_accepted / (double)es->spec_drafted : 0.0,
+                 "Accepted over drafted tokens.");
+        metric_f(&b, "kvasir_gateway_spec_tokens_per_verify", "gauge", (double)es->spec_emitted / (double)es->spec_steps,
+                 "Tokens a verify pass yielded, on average.");
+    }
+    if (g->eng.cache_budget || g->eng.cache_lookups) { /* a ring's caches are its nodes': lookups, hits, tokens */
+        const kv_engine_stats *es = &g->eng;
+        metric_u(&b, "kvasir_gateway_prompt_cache_lookups_total", "counter", es->cache_lookups,
+                 "New sessions' prompts looked up in the prompt cache.");
+        metric_u(&b, "kvasir_gateway_prompt_cache_hits_total", "counter", es->cache_hits,
+                 "Lookups that reused a cached prefix.");
+        metric_u(&b, "kvasir_gateway_prompt_cache_tokens_total", "counter", es->cache_tokens,
+                 "Prompt tokens taken from the cache, not evaluated.");
     }
     if (g->eng.cache_budget) {
         const kv_engine_stats *es = &g->eng;
-        KV_M("# HELP kvasir_gateway_prompt_cache_lookups_total New sessions' prompts looked up in the prompt cache.\n");
-        KV_M("# TYPE kvasir_gateway_prompt_cache_lookups_total counter\n");
-        KV_M("kvasir_gateway_prompt_cache_lookups_total %llu\n", (unsigned long long)es->cache_lookups);
-        KV_M("# HELP kvasir_gateway_prompt_cache_hits_total Lookups that reused a cached prefix.\n");
-        KV_M("# TYPE kvasir_gateway_prompt_cache_hits_total counter\n");
-        KV_M("kvasir_gateway_prompt_cache_hits_total %llu\n", (unsigned long long)es->cache_hits);
-        KV_M("# HELP kvasir_gateway_prompt_cache_tokens_total Prompt tokens taken from the cache, not evaluated.\n");
-        KV_M("# TYPE kvasir_gateway_prompt_cache_tokens_total counter\n");
-        KV_M("kvasir_gateway_prompt_cache_tokens_total %llu\n", (unsigned long long)es->cache_tokens);
-        KV_M("# HELP kvasir_gateway_prompt_cache_evictions_total Cache blocks evicted for room (least recently used).\n");
-        KV_M("# TYPE kvasir_gateway_prompt_cache_evictions_total counter\n");
-        KV_M("kvasir_gateway_prompt_cache_evictions_total %llu\n", (unsigned long long)es->cache_evictions);
-        KV_M("# HELP kvasir_gateway_prompt_cache_bytes Memory the prompt cache holds.\n");
-        KV_M("# TYPE kvasir_gateway_prompt_cache_bytes gauge\n");
-        KV_M("kvasir_gateway_prompt_cache_bytes %llu\n", (unsigned long long)es->cache_bytes);
-        KV_M("# HELP kvasir_gateway_prompt_cache_budget_bytes The prompt cache's memory budget (--prompt-cache).\n");
-        KV_M("# TYPE kvasir_gateway_prompt_cache_budget_bytes gauge\n");
-        KV_M("kvasir_gateway_prompt_cache_budget_bytes %llu\n", (unsigned long long)es->cache_budget);
-        KV_M("# HELP kvasir_gateway_prompt_cache_blocks Blocks (of block_tokens positions) the prompt cache holds.\n");
-        KV_M("# TYPE kvasir_gateway_prompt_cache_blocks gauge\n");
-        KV_M("kvasir_gateway_prompt_cache_blocks %u\n", es->cache_blocks);
+        metric_u(&b, "kvasir_gateway_prompt_cache_evictions_total", "counter", es->cache_evictions,
+                 "Cache blocks evicted for room (least recently used).");
+        metric_u(&b, "kvasir_gateway_prompt_cache_bytes", "gauge", es->cache_bytes, "Memory the prompt cache holds.");
+        metric_u(&b, "kvasir_gateway_prompt_cache_budget_bytes", "gauge", es->cache_budget,
+                 "The prompt cache's memory budget (--prompt-cache).");
+        metric_u(&b, "kvasir_gateway_prompt_cache_blocks", "gauge", es->cache_blocks,
+                 "Blocks (of block_tokens positions) the prompt cache holds.");
     }
-    KV_M("# HELP kvasir_gateway_steps_failed_total Engine steps that failed as a whole.\n");
-    KV_M("# TYPE kvasir_gateway_steps_failed_total counter\n");
-    KV_M("kvasir_gateway_steps_failed_total %llu\n", (unsigned long long)g->steps_failed);
+    metric_u(&b, "kvasir_gateway_steps_failed_total", "counter", g->steps_failed,
+             "Engine steps that failed as a whole.");
     if (g->pay) {
         kv_gw_pay_stats ps;
         kv_gw_pay_get_stats(g->pay, &ps);
-        KV_M("# HELP kvasir_gateway_kvr_charges_total Paid completions by outcome: held, settled, released, refused (402).\n");
-        KV_M("# TYPE kvasir_gateway_kvr_charges_total counter\n");
+        metric_head(&b, "kvasir_gateway_kvr_charges_total", "counter",
+                    "Paid completions by outcome: held, settled, released, refused (402).");
         KV_M("kvasir_gateway_kvr_charges_total{outcome=\"held\"} %llu\n", (unsigned long long)ps.held);
         KV_M("kvasir_gateway_kvr_charges_total{outcome=\"settled\"} %llu\n", (unsigned long long)ps.settled);
         KV_M("kvasir_gateway_kvr_charges_total{outcome=\"released\"} %llu\n", (unsigned long long)ps.released);
         KV_M("kvasir_gateway_kvr_charges_total{outcome=\"refused\"} %llu\n", (unsigned long long)ps.refused);
-        KV_M("# HELP kvasir_gateway_kvr_micro_total micro-KVR settled: cost, of it to nodes and to the treasury.\n");
-        KV_M("# TYPE kvasir_gateway_kvr_micro_total counter\n");
+        metric_head(&b, "kvasir_gateway_kvr_micro_total", "counter",
+                    "micro-KVR settled: cost, of it to nodes and to the treasury.");
         KV_M("kvasir_gateway_kvr_micro_total{to=\"cost\"} %llu\n", (unsigned long long)ps.charged);
         KV_M("kvasir_gateway_kvr_micro_total{to=\"nodes\"} %llu\n", (unsigned long long)ps.to_nodes);
         KV_M("kvasir_gateway_kvr_micro_total{to=\"treasury\"} %llu\n", (unsigned long long)ps.fees);
@@ -161,100 +158,79 @@ char *kv_gw_metrics_text(kv_gateway *g) {
             up += g->ring_st[i].up;
             whole += g->ring_st[i].up && (g->ring_st[i].st.flags & KV_RING_STATUS_WHOLE);
         }
-        KV_M("# HELP kvasir_gateway_ring_nodes_reachable Ring entry nodes that answered the last STATUS.\n");
-        KV_M("# TYPE kvasir_gateway_ring_nodes_reachable gauge\n");
-        KV_M("kvasir_gateway_ring_nodes_reachable %u\n", up);
-        KV_M("# HELP kvasir_gateway_ring_nodes_whole Ring entry nodes that see the ring whole.\n");
-        KV_M("# TYPE kvasir_gateway_ring_nodes_whole gauge\n");
-        KV_M("kvasir_gateway_ring_nodes_whole %u\n", whole);
+        metric_u(&b, "kvasir_gateway_ring_nodes_reachable", "gauge", up,
+                 "Ring entry nodes that answered the last STATUS.");
+        metric_u(&b, "kvasir_gateway_ring_nodes_whole", "gauge", whole, "Ring entry nodes that see the ring whole.");
     }
     if (g->man) {
-        KV_M("# HELP kvasir_gateway_steps_retried_total Failed steps whose sessions were kept for a retry.\n");
-        KV_M("# TYPE kvasir_gateway_steps_retried_total counter\n");
-        KV_M("kvasir_gateway_steps_retried_total %llu\n", (unsigned long long)g->steps_retried);
-        KV_M("# HELP kvasir_gateway_shards_total Shards (expert slabs of MoE layers) the model needs.\n");
-        KV_M("# TYPE kvasir_gateway_shards_total gauge\n");
-        KV_M("kvasir_gateway_shards_total %u\n", g->cov_total);
-        KV_M("# HELP kvasir_gateway_shards_covered Shards whose every expert a worker that is up (or a local slab) serves.\n");
-        KV_M("# TYPE kvasir_gateway_shards_covered gauge\n");
-        KV_M("kvasir_gateway_shards_covered %u\n", g->cov_covered);
-        KV_M("# HELP kvasir_gateway_workers_up Workers handshaken now.\n");
-        KV_M("# TYPE kvasir_gateway_workers_up gauge\n");
-        KV_M("kvasir_gateway_workers_up %u\n", g->cov_up);
-        KV_M("# HELP kvasir_gateway_workers_added_total Workers added from the hub's placement map.\n");
-        KV_M("# TYPE kvasir_gateway_workers_added_total counter\n");
-        KV_M("kvasir_gateway_workers_added_total %llu\n", (unsigned long long)g->workers_added);
-        KV_M("# HELP kvasir_gateway_hedges_total Expert requests also sent to a replica after their worker's hedge time.\n");
-        KV_M("# TYPE kvasir_gateway_hedges_total counter\n");
-        KV_M("kvasir_gateway_hedges_total %llu\n", (unsigned long long)g->hedges);
-        KV_M("# HELP kvasir_gateway_hedges_won_total Hedged requests whose replica answered first.\n");
-        KV_M("# TYPE kvasir_gateway_hedges_won_total counter\n");
-        KV_M("kvasir_gateway_hedges_won_total %llu\n", (unsigned long long)g->hedges_won);
-        KV_M("# HELP kvasir_gateway_hedged_pairs_total (token, expert) slots hedges carried: both replicas computed them.\n");
-        KV_M("# TYPE kvasir_gateway_hedged_pairs_total counter\n");
-        KV_M("kvasir_gateway_hedged_pairs_total %llu\n", (unsigned long long)g->hedged_pairs);
-        KV_M("# HELP kvasir_gateway_late_answers_total Worker answers discarded because a replica had answered first.\n");
-        KV_M("# TYPE kvasir_gateway_late_answers_total counter\n");
-        KV_M("kvasir_gateway_late_answers_total %llu\n", (unsigned long long)g->late_answers);
+        metric_u(&b, "kvasir_gateway_steps_retried_total", "counter", g->steps_retried,
+                 "Failed steps whose sessions were kept for a retry.");
+        metric_u(&b, "kvasir_gateway_shards_total", "gauge", g->cov_total,
+                 "Shards (expert slabs of MoE layers) the model needs.");
+        metric_u(&b, "kvasir_gateway_shards_covered", "gauge", g->cov_covered,
+                 "Shards whose every expert a worker that is up (or a local slab) serves.");
+        metric_u(&b, "kvasir_gateway_workers_up", "gauge", g->cov_up, "Workers handshaken now.");
+        metric_u(&b, "kvasir_gateway_workers_added_total", "counter", g->workers_added,
+                 "Workers added from the hub's placement map.");
+        metric_u(&b, "kvasir_gateway_hedges_total", "counter", g->hedges,
+                 "Expert requests also sent to a replica after their worker's hedge time.");
+        metric_u(&b, "kvasir_gateway_hedges_won_total", "counter", g->hedges_won,
+                 "Hedged requests whose replica answered first.");
+        metric_u(&b, "kvasir_gateway_hedged_pairs_total", "counter", g->hedged_pairs,
+                 "(token, expert) slots hedges carried: both replicas computed them.");
+        metric_u(&b, "kvasir_gateway_late_answers_total", "counter", g->late_answers,
+                 "Worker answers discarded because a replica had answered first.");
+        metric_u(&b, "kvasir_gateway_hedges_cancelled_total", "counter", g->hedges_cancelled,
+                 "Superseded requests their worker dropped on a CANCEL, before computing them.");
         const kv_gw_autoscale *a = &g->as;
-        KV_M("# HELP kvasir_gateway_expert_pairs_total Expert computations by where they ran: held (a local slab\n"
-             "# within --local-experts), local (any local slab, held ones included), remote (a worker).\n");
-        KV_M("# TYPE kvasir_gateway_expert_pairs_total counter\n");
+        metric_head(&b, "kvasir_gateway_expert_pairs_total", "counter",
+                    "Expert computations by where they ran: held (a local slab\n"
+                    "# within --local-experts), local (any local slab, held ones included), remote (a worker).");
         KV_M("kvasir_gateway_expert_pairs_total{where=\"held\"} %llu\n", (unsigned long long)a->pairs_held_local);
         KV_M("kvasir_gateway_expert_pairs_total{where=\"local\"} %llu\n", (unsigned long long)a->pairs_local);
         KV_M("kvasir_gateway_expert_pairs_total{where=\"remote\"} %llu\n", (unsigned long long)a->pairs_remote);
-        KV_M("# HELP kvasir_gateway_shard_computations_total Expert computations needed per shard (demand).\n");
-        KV_M("# TYPE kvasir_gateway_shard_computations_total counter\n");
+        metric_head(&b, "kvasir_gateway_shard_computations_total", "counter",
+                    "Expert computations needed per shard (demand).");
         for (size_t i = 0; a->demand && i < a->n_demand; i++)
             KV_M("kvasir_gateway_shard_computations_total{layer=\"%u\",first=\"%u\",last=\"%u\"} %llu\n",
                  g->man->slabs[i].layer, g->man->slabs[i].first, g->man->slabs[i].last,
                  (unsigned long long)a->demand[i].computations);
-        KV_M("# HELP kvasir_gateway_shard_wait_seconds_total Time each shard's computations were waited for.\n");
-        KV_M("# TYPE kvasir_gateway_shard_wait_seconds_total counter\n");
+        metric_head(&b, "kvasir_gateway_shard_wait_seconds_total", "counter",
+                    "Time each shard's computations were waited for.");
         for (size_t i = 0; a->demand && i < a->n_demand; i++)
             KV_M("kvasir_gateway_shard_wait_seconds_total{layer=\"%u\",first=\"%u\",last=\"%u\"} %.6f\n",
                  g->man->slabs[i].layer, g->man->slabs[i].first, g->man->slabs[i].last,
                  (double)a->demand[i].wait_us / 1e6);
         if (g->demand) {
-            KV_M("# HELP kvasir_gateway_demand_reports_total Demand reports to the hub, by result.\n");
-            KV_M("# TYPE kvasir_gateway_demand_reports_total counter\n");
+            metric_head(&b, "kvasir_gateway_demand_reports_total", "counter", "Demand reports to the hub, by result.");
             KV_M("kvasir_gateway_demand_reports_total{result=\"ok\"} %llu\n", (unsigned long long)g->demand_reports);
             KV_M("kvasir_gateway_demand_reports_total{result=\"error\"} %llu\n", (unsigned long long)g->demand_report_errors);
-            KV_M("# HELP kvasir_gateway_demand_tokens_accepted_total Tokens the hub counted of the reports (its budget bounds them).\n");
-            KV_M("# TYPE kvasir_gateway_demand_tokens_accepted_total counter\n");
-            KV_M("kvasir_gateway_demand_tokens_accepted_total %llu\n", (unsigned long long)g->demand_tokens_accepted);
+            metric_u(&b, "kvasir_gateway_demand_tokens_accepted_total", "counter", g->demand_tokens_accepted,
+                     "Tokens the hub counted of the reports (its budget bounds them).");
         }
         if (a->on) {
             static const char *const mode[] = {"tight", "mixed", "wide"};
             const int mi = a->level == 0 ? 0 : a->level == KV_GW_AS_LEVELS ? 2 : 1;
-            KV_M("# HELP kvasir_gateway_local_mode Local experts: tight (all held computed here), mixed, wide (all to workers).\n");
-            KV_M("# TYPE kvasir_gateway_local_mode gauge\n");
+            metric_head(&b, "kvasir_gateway_local_mode", "gauge",
+                        "Local experts: tight (all held computed here), mixed, wide (all to workers).");
             for (int k = 0; k < 3; k++) KV_M("kvasir_gateway_local_mode{mode=\"%s\"} %d\n", mode[k], k == mi);
-            KV_M("# HELP kvasir_gateway_local_share Share of the held experts computed here (0..1).\n");
-            KV_M("# TYPE kvasir_gateway_local_share gauge\n");
+            metric_head(&b, "kvasir_gateway_local_share", "gauge", "Share of the held experts computed here (0..1).");
             KV_M("kvasir_gateway_local_share %.4f\n", 1.0 - (double)a->level / KV_GW_AS_LEVELS);
-            KV_M("# HELP kvasir_gateway_local_decisions_total Local-share decisions: widen (more to workers), tighten.\n");
-            KV_M("# TYPE kvasir_gateway_local_decisions_total counter\n");
+            metric_head(&b, "kvasir_gateway_local_decisions_total", "counter",
+                        "Local-share decisions: widen (more to workers), tighten.");
             KV_M("kvasir_gateway_local_decisions_total{decision=\"widen\"} %llu\n", (unsigned long long)a->widened);
             KV_M("kvasir_gateway_local_decisions_total{decision=\"tighten\"} %llu\n", (unsigned long long)a->tightened);
-            KV_M("# HELP kvasir_gateway_local_unpaid_total Tightenings because the wider share cost more per session.\n");
-            KV_M("# TYPE kvasir_gateway_local_unpaid_total counter\n");
-            KV_M("kvasir_gateway_local_unpaid_total %llu\n", (unsigned long long)a->unpaid);
-            KV_M("# HELP kvasir_gateway_local_probes_total Tightenings to measure the narrower share at this load.\n");
-            KV_M("# TYPE kvasir_gateway_local_probes_total counter\n");
-            KV_M("kvasir_gateway_local_probes_total %llu\n", (unsigned long long)a->probes);
-            KV_M("# HELP kvasir_gateway_local_held_bytes Bytes of slabs held within --local-experts.\n");
-            KV_M("# TYPE kvasir_gateway_local_held_bytes gauge\n");
-            KV_M("kvasir_gateway_local_held_bytes %llu\n", (unsigned long long)a->held_bytes);
-            KV_M("# HELP kvasir_gateway_local_held_slabs Slabs held within --local-experts.\n");
-            KV_M("# TYPE kvasir_gateway_local_held_slabs gauge\n");
-            KV_M("kvasir_gateway_local_held_slabs %u\n", a->held_slabs);
-            KV_M("# HELP kvasir_gateway_step_target_seconds Step time past which the share widens (0: not derived yet).\n");
-            KV_M("# TYPE kvasir_gateway_step_target_seconds gauge\n");
-            KV_M("kvasir_gateway_step_target_seconds %.6f\n", a->target_s);
-            KV_M("# HELP kvasir_gateway_step_average_seconds Moving average of the step time.\n");
-            KV_M("# TYPE kvasir_gateway_step_average_seconds gauge\n");
-            KV_M("kvasir_gateway_step_average_seconds %.6f\n", a->ewma_s);
+            metric_u(&b, "kvasir_gateway_local_unpaid_total", "counter", a->unpaid,
+                     "Tightenings because the wider share cost more per session.");
+            metric_u(&b, "kvasir_gateway_local_probes_total", "counter", a->probes,
+                     "Tightenings to measure the narrower share at this load.");
+            metric_u(&b, "kvasir_gateway_local_held_bytes", "gauge", a->held_bytes,
+                     "Bytes of slabs held within --local-experts.");
+            metric_u(&b, "kvasir_gateway_local_held_slabs", "gauge", a->held_slabs,
+                     "Slabs held within --local-experts.");
+            metric_f(&b, "kvasir_gateway_step_target_seconds", "gauge", a->target_s,
+                     "Step time past which the share widens (0: not derived yet).");
+            metric_f(&b, "kvasir_gateway_step_average_seconds", "gauge", a->ewma_s, "Moving average of the step time.");
         }
     }
     pthread_mutex_unlock(&g->mu);

@@ -23,7 +23,10 @@
  * sequences (pipelined). A request whose node could not be reached is tried
  * at the next entry; once sent it is the ring's (its home replays it across
  * a break or fails it with a clear error), never retried here, so no token
- * comes twice. */
+ * comes twice. The prompt cache lives in the ring's nodes (each holds the
+ * blocks of its own window; docs/PROTOCOL.md "Prompt cache over the ring"):
+ * the home tells how many prompt tokens they gave (CACHED), reported as
+ * cached_tokens and counted in /metrics as a local cache's lookups. */
 
 static int kv_ring_on_accept(void *data, const int32_t *prompt, uint32_t n_prompt) {
     kv_gw_req *r = data;
@@ -146,6 +149,12 @@ static void *kv_ring_thread(void *arg) {
         g->eng.spec_drafted += res.spec_drafted;
         g->eng.spec_accepted += res.spec_accepted;
         g->eng.spec_emitted += res.n_tokens;
+    }
+    if (res.cache_looked) { /* the home looked the prompt up in its ring's prompt caches */
+        r->n_cached = res.n_cached;
+        g->eng.cache_lookups++;
+        g->eng.cache_hits += res.n_cached > 0;
+        g->eng.cache_tokens += res.n_cached;
     }
     kv_ring_result_free(&res);
     for (kv_gw_req **pp = &g->active; *pp; pp = &(*pp)->next)

@@ -137,6 +137,7 @@ void kv_gw_sched_health_locked(kv_gateway *g) {
     g->cov_n_missing = cv.n_missing;
     kv_remote_get_hedges(rm, &g->hedges, &g->hedges_won, &g->late_answers);
     g->hedged_pairs = kv_remote_hedged_pairs(rm);
+    g->hedges_cancelled = kv_remote_hedges_cancelled(rm);
     if (cv.covered < cv.total) {
         const kv_manifest_slab *sl = &g->man->slabs[g->cov_missing[0]];
         g->healthy = false;

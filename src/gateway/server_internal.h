@@ -137,7 +137,14 @@ typedef struct kv_gw_autoscale {
     double rehold_at;           /* when the held slabs are chosen again by demand */
     double cost[KV_GW_AS_LEVELS + 1]; /* per level: moving average of step time per session */
     uint32_t cost_n[KV_GW_AS_LEVELS + 1]; /* steps in it (0: not measured at this load) */
-    uint32_t cost_conc;         /* sessions active when the costs began (they hold for this load) */
+    uint32_t cost_conc;         /* load when the costs began (they hold for this load) */
+    double cost_at[KV_GW_AS_LEVELS + 1]; /* monotonic seconds of each level's last costed step */
+    double reprobe_s;           /* a wider level measured dearer is not tried again before this (s) */
+    uint32_t unpaid_here;       /* "did not pay" tightenings since the costs began */
+    double unpaid_at[KV_GW_AS_LEVELS + 1]; /* when each level last did not pay (0: not since the costs began) */
+    uint32_t load;              /* most sessions active at once over the last 0.5 to 1 s */
+    uint32_t load_cur, load_prev; /* the most in the current and the previous half-second window */
+    double load_win;            /* start of the current window */
     uint64_t widened, tightened;/* decisions */
     uint64_t unpaid;            /* of the tightenings: a wider level cost more per session */
     uint64_t probes;            /* of the tightenings: to measure the narrower level at this load */
@@ -195,6 +202,7 @@ struct kv_gateway {
     uint64_t steps_retried;     /* failed steps kept for a retry */
     uint64_t workers_added;     /* workers added from the hub's placement */
     uint64_t hedges, hedges_won, late_answers; /* the remote's hedged requests (kv_remote_get_hedges) */
+    uint64_t hedges_cancelled; /* superseded requests their worker dropped on a CANCEL (kv_remote_hedges_cancelled) */
     uint64_t hedged_pairs;      /* slots those hedges carried (kv_remote_hedged_pairs) */
     /* local experts (autoscale.c, docs/GATEWAY.md "Local experts"); guarded by mu */
     kv_gw_autoscale as;

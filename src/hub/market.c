@@ -140,6 +140,21 @@ int kv_mkt_cmp(const void *a, const void *b) {
     return x->idx < y->idx ? -1 : x->idx > y->idx;
 }
 
+double kv_mkt_keep_held(size_t n_slabs, const uint32_t *held, size_t n_held, double *acc, double *wait_ms) {
+    double total = 0;
+    size_t j = 0;
+    for (size_t i = 0; i < n_slabs; i++) {
+        while (j < n_held && held[j] < i) j++;
+        if (j < n_held && held[j] == i) {
+            total += acc[i];
+        } else {
+            acc[i] = 0;
+            wait_ms[i] = 0;
+        }
+    }
+    return total;
+}
+
 int kv_mkt_bound(const kv_manifest *m, const kv_hub_demand *r, uint64_t granted, double *acc, double *wait_ms,
                  double *total, kv_diag *d) {
     *total = 0;

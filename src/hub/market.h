@@ -114,6 +114,13 @@ uint64_t kv_mkt_reward(const kv_mkt_policy *p, uint32_t wanted, uint32_t live, d
 int kv_mkt_bound(const kv_manifest *m, const kv_hub_demand *r, uint64_t granted, double *acc, double *wait_ms,
                  double *total, kv_diag *d);
 
+/* What a ring window's report may count (docs/HUB.md "Demand", rule 5): a
+ * window computes its own layers only, so of what kv_mkt_bound left in
+ * acc[] and wait_ms[] (n_slabs each) only the slabs it holds stay
+ * (held[0..n_held): manifest indices, sorted); the others are zeroed.
+ * Returns the computations left. Pure. */
+double kv_mkt_keep_held(size_t n_slabs, const uint32_t *held, size_t n_held, double *acc, double *wait_ms);
+
 /* Order of the market: scarcest first (smallest live/wanted, then the larger
  * deficit, then idx), total and stable. */
 typedef struct kv_mkt_sort {

@@ -1278,7 +1278,8 @@ static int kv_node_start_worker(kv_node *n, const uint8_t *set, kv_node_worker *
     }
     kv_worker_opts wo = {.slabs = list, .listen = n->o.listen, .n_threads = n->o.n_threads, .quiet = true,
                          .key_sk = n->key.sk, .hub_key = n->hub_key, .allow_keys = n->o.allow_keys,
-                         .n_allow_keys = n->o.n_allow_keys, .insecure_plaintext = n->o.insecure_plaintext};
+                         .n_allow_keys = n->o.n_allow_keys, .insecure_plaintext = n->o.insecure_plaintext,
+                         .test_delay_ms = n->o.test_delay_ms};
     rc = kv_worker_open(&out->w, &wo, d);
     free(list);
     if (rc) return rc;

@@ -1884,8 +1884,9 @@ static void kv_client_block(struct MHD_Connection *c, char *out, size_t cap) {
  * any hub of one store is refused); the tokens are charged to the key's and
  * its address block's budgets per window (granted may be fewer); the
  * computations and waiting are bounded by what the granted tokens can need
- * (kv_mkt_bound). What is left goes into the shards' rates (market.h),
- * where a stranger key's share is capped. */
+ * (kv_mkt_bound); a ring window's count for the shards of its own window
+ * only (kv_mkt_keep_held). What is left goes into the shards' rates
+ * (market.h), where a stranger key's share is capped. */
 static enum MHD_Result kv_do_demand(kv_hub *h, struct MHD_Connection *c, const kv_signed *s, const kv_req *q) {
     kv_diag d = {0};
     const bool listed = h->n_vouch && bsearch(s->pk, h->vouch, h->n_vouch, sizeof *h->vouch, kv_key_cmp);
@@ -1916,6 +1917,8 @@ static enum MHD_Result kv_do_demand(kv_hub *h, struct MHD_Connection *c, const k
     pthread_mutex_lock(&h->mu);
     rc = h->store.ops->demand_charge(h->store.impl, s->pk, s->counter, block, now, &h->dbud, rp.tokens, &granted, &d);
     if (!rc) rc = kv_mkt_bound(h->m, &rp, granted, acc, wt, &total, &d); /* the check left both at 0 */
+    const kv_hub_node *rn = rc ? NULL : kv_node_find(h, s->pk);
+    if (rn && kv_node_is_ring(rn)) total = kv_mkt_keep_held(ns, rn->slabs, rn->n_slabs, acc, wt); /* its window only */
     if (rc) {
         pthread_mutex_unlock(&h->mu);
         free(acc);

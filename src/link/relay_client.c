@@ -19,6 +19,9 @@
  *     connection when it has no circuit), at once for the first. Every
  *     circuit ends with the connection that carried it (its socket reads
  *     end of stream), and waiting opens fail.
+ *   - An ended circuit leaves c->circ at once but is freed only by the
+ *     tick, after the loop's batch of events: a batch may hold an event
+ *     for its socket taken before it ended (a CLOSE handled first).
  *
  * Hot path: DATA is read from the local socket straight into the
  * connection's send queue, and from the frame into the circuit buffer. */
@@ -66,7 +69,9 @@ struct lcirc {
     uint8_t *buf;                /* [window] bytes from the relay */
     size_t head, len;
     bool remote_closed;          /* CLOSE received: end once buf is written */
+    bool dead;                   /* ended: on c->grave until the iteration is over */
     open_req *req;               /* a coordinator's open waiting for ACCEPT */
+    lcirc *next_dead;            /* c->grave */
 };
 
 struct kv_relay_client {
@@ -87,6 +92,7 @@ struct kv_relay_client {
     uint32_t next_sid;
     lcirc **circ;                /* [n_circ] */
     int n_circ;
+    lcirc *grave;                /* ended circuits, freed by the tick (see kv_lc_free) */
     int failures;                /* in a row, for the backoff */
     kv_net_timer retry_t, deadline_t, open_t;
     uint64_t rng;
@@ -132,14 +138,22 @@ static lcirc *kv_lc_find(kv_relay_client *c, uint32_t sid) {
     return NULL;
 }
 
-/* Frees k: unwatches and closes our end; tells the relay with a CLOSE
- * when notify (code, msg). A waiting open fails with the same. */
+/* Ends k: unwatches and closes our end; tells the relay with a CLOSE
+ * when notify (code, msg). A waiting open fails with the same. k leaves
+ * c->circ at once but its memory lives until the loop's iteration is over
+ * (kv_lc_reap, from the tick): an epoll batch may still hold an event for
+ * its watch, taken before the watch was deleted, which must find k (dead)
+ * and not freed memory. */
 static void kv_lc_free(lcirc *k, bool notify, int code, const char *msg) {
     kv_relay_client *c = k->cl;
+    if (k->dead) return;
     if (notify && c->nc && !kv_net_conn_closing(c->nc)) (void)kv_relay_send_close(c->nc, KV_RELAY_CLOSE, k->sid, code, msg);
     if (k->wev) kv_net_watch_del(c->loop, &k->w);
+    k->wev = 0;
     if (k->fd >= 0) close(k->fd);
+    k->fd = -1;
     if (k->req) kv_req_finish(c, k->req, code ? code : KV_EIO, -1, "relay: %s", msg && *msg ? msg : "circuit closed");
+    k->req = NULL;
     for (int i = 0; i < c->n_circ; i++)
         if (c->circ[i] == k) {
             c->circ[i] = c->circ[--c->n_circ];
@@ -147,7 +161,20 @@ static void kv_lc_free(lcirc *k, bool notify, int code, const char *msg) {
         }
     atomic_fetch_sub(&c->st_circ, 1);
     free(k->buf);
-    free(k);
+    k->buf = NULL;
+    k->dead = true;
+    k->next_dead = c->grave;
+    c->grave = k;
+}
+
+/* Frees the circuits ended before: called where no event of this
+ * iteration can still name them (the tick, and after the loop stopped). */
+static void kv_lc_reap(kv_relay_client *c) {
+    while (c->grave) {
+        lcirc *k = c->grave;
+        c->grave = k->next_dead;
+        free(k);
+    }
 }
 
 static void kv_lc_io(kv_net_loop *l, kv_net_watch *w, unsigned ev);
@@ -219,10 +246,10 @@ static void kv_lc_read(lcirc *k) {
 static void kv_lc_io(kv_net_loop *l, kv_net_watch *w, unsigned ev) {
     lcirc *k = w->data;
     (void)l;
+    if (k->dead) return; /* ended earlier in this batch of events */
     if (ev & KV_NET_WRITE) {
-        const int before = k->cl->n_circ;
         kv_lc_write(k);
-        if (k->cl->n_circ != before) return; /* freed */
+        if (k->dead) return;
     }
     if (ev & (KV_NET_READ | KV_NET_ERROR)) kv_lc_read(k);
 }
@@ -562,6 +589,7 @@ static bool kv_cl_tick(kv_net_loop *l, void *data) {
             i = -1;
         }
     }
+    kv_lc_reap(c); /* the iteration's events are over: no watch names them any more */
     return false;
 }
 
@@ -690,6 +718,7 @@ void kv_relay_client_free(kv_relay_client *c) {
         k->wev = 0;
         kv_lc_free(k, false, KV_EIO, "the relay client stopped");
     }
+    kv_lc_reap(c);
     for (open_req *r = c->waiting, *n; r; r = n) {
         n = r->next;
         kv_req_finish(c, r, KV_EIO, -1, "relay client stopped");

@@ -4,9 +4,13 @@
  * sort, as the CPU provider in src/moe/local.c), their inputs quantized on
  * the host to the gate/up activation type, and for every active expert one
  * kernel launch per matrix computes all its (row, slot) dot products into a
- * device buffer. SwiGLU and the re-quantization for down run on the host
- * with the CPU functions, so the only device arithmetic is the dot
- * products, in the canonical order. Expert weights are uploaded on first
+ * device buffer. The activation (SwiGLU, or gpt-oss's clamped SwiGLU after
+ * the gate and up biases), the re-quantization for down and down's bias run
+ * on the host with the CPU functions, in src/moe/local.c's operations, so
+ * the only device arithmetic is the dot products, in the canonical order.
+ * Every expert the source holds is looked at when the provider is made: a
+ * tensor type the kernels do not compute is refused there, naming the
+ * tensor and its type, not at the first request. Expert weights are uploaded on first
  * use and cached on the device (one buffer per layer, expert and matrix);
  * scratch buffers are sized once for max_tokens. Without OpenCL at build
  * time the entry points report KV_EUNSUPPORTED. */
@@ -14,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/opencl.h"
 #include "kvasir/ops.h"
 #include "kvasir/quant.h"
@@ -40,6 +45,8 @@ typedef struct kv_cl {
     uint8_t *xq, *hq;         /* [n_slots][row] quantized inputs */
     float *gate, *up, *down;  /* [n_slots][n_ff], [n_slots][n_ff], [n_slots][n_embd] */
     size_t xq_cap, hq_cap;    /* bytes of one quantized row, largest type */
+    float *pre_gate, *pre_up; /* kv_opencl_expert_compute_pre: [n_slots][n_ff] products before their
+                                 biases, in (token, rank) order, or NULL */
 } kv_cl;
 
 static int kv_cl_fail(kv_diag *d, const char *what, cl_int err) {
@@ -193,17 +200,11 @@ static int kv_cl_compute(void *impl, const kv_expert_req *req, float *out, kv_di
         rc = src->acquire(src->ctx, req->layer, (uint32_t)c->active[n_acq], &c->w[n_acq], d);
         if (rc) goto done;
         const kv_expert_weights *w = &c->w[n_acq];
-        if (w->act || w->gate_b || w->up_b || w->down_b) { /* the kernels compute plain SwiGLU, no biases */
-            n_acq++;
-            rc = kv_fail(d, KV_EUNSUPPORTED, "experts: layer %u: the OpenCL path computes neither expert biases "
-                         "nor the clamped SwiGLU (gpt-oss); run these experts on the CPU", req->layer);
-            goto done;
-        }
         if (n_acq > 0 && (w->up_type != c->w[0].up_type || w->gate_type != c->w[0].gate_type ||
-                          w->down_type != c->w[0].down_type)) {
+                          w->down_type != c->w[0].down_type || w->act != c->w[0].act)) {
             n_acq++;
-            rc = kv_fail(d, KV_EFORMAT, "experts: layer %u expert %d has other tensor types than expert %d",
-                         req->layer, c->active[n_acq - 1], c->active[0]);
+            rc = kv_fail(d, KV_EFORMAT, "experts: layer %u expert %d has other tensor types or activation than "
+                         "expert %d", req->layer, c->active[n_acq - 1], c->active[0]);
             goto done;
         }
     }
@@ -243,10 +244,23 @@ static int kv_cl_compute(void *impl, const kv_expert_req *req, float *out, kv_di
     if (e == CL_SUCCESS)
         e = clEnqueueReadBuffer(c->q, c->bu, CL_TRUE, 0, (size_t)n_slots * F * sizeof(float), c->up, 0, NULL, NULL);
     if (e != CL_SUCCESS) { rc = kv_cl_fail(d, "reading gate/up", e); goto done; }
-    for (uint32_t i = 0; i < n_slots; i++) {
-        float *g = c->gate + (size_t)i * F;
-        kv_swiglu(g, g, c->up + (size_t)i * F, F);
-        kv_quantize_rows(id->vec_dot_type, g, F, F, 1, c->hq + (size_t)i * hs, hs);
+    if (c->pre_gate) /* what a verifier checks: the products, before biases and activation */
+        for (uint32_t i = 0; i < n_slots; i++) {
+            const size_t o = (size_t)c->slot_order[i] * F;
+            memcpy(c->pre_gate + o, c->gate + (size_t)i * F, (size_t)F * sizeof(float));
+            memcpy(c->pre_up + o, c->up + (size_t)i * F, (size_t)F * sizeof(float));
+        }
+    for (int a = 0; a < n_active; a++) { /* slots in sorted order, expert by expert */
+        const kv_expert_weights *w = &c->w[a];
+        for (int32_t i = c->exp_first[c->active[a]]; i < c->exp_first[c->active[a] + 1]; i++) {
+            float *g = c->gate + (size_t)i * F, *u = c->up + (size_t)i * F;
+            if (w->gate_b) /* biases join after the products, before the activation (ggml's add_id) */
+                for (uint32_t k = 0; k < F; k++) g[k] = g[k] + w->gate_b[k];
+            if (w->up_b)
+                for (uint32_t k = 0; k < F; k++) u[k] = u[k] + w->up_b[k];
+            kv_expert_act(w->act, g, g, u, F);
+            kv_quantize_rows(id->vec_dot_type, g, F, F, 1, c->hq + (size_t)i * hs, hs);
+        }
     }
     e = clEnqueueWriteBuffer(c->q, c->bh, CL_TRUE, 0, (size_t)n_slots * hs, c->hq, 0, NULL, NULL);
     if (e != CL_SUCCESS) { rc = kv_cl_fail(d, "writing down inputs", e); goto done; }
@@ -259,11 +273,74 @@ static int kv_cl_compute(void *impl, const kv_expert_req *req, float *out, kv_di
     if (rc) goto done;
     e = clEnqueueReadBuffer(c->q, c->bd, CL_TRUE, 0, (size_t)n_slots * E * sizeof(float), c->down, 0, NULL, NULL);
     if (e != CL_SUCCESS) { rc = kv_cl_fail(d, "reading down", e); goto done; }
-    for (uint32_t i = 0; i < n_slots; i++)
-        memcpy(out + (size_t)c->slot_order[i] * E, c->down + (size_t)i * E, (size_t)E * sizeof(float));
+    for (int a = 0; a < n_active; a++) {
+        const float *b = c->w[a].down_b;
+        for (int32_t i = c->exp_first[c->active[a]]; i < c->exp_first[c->active[a] + 1]; i++) {
+            float *o = out + (size_t)c->slot_order[i] * E;
+            const float *y = c->down + (size_t)i * E;
+            if (b)
+                for (uint32_t k = 0; k < E; k++) o[k] = y[k] + b[k];
+            else
+                memcpy(o, y, (size_t)E * sizeof(float));
+        }
+    }
 done:
     kv_cl_release(c, req->layer, n_acq);
     return rc;
+}
+
+int kv_opencl_expert_compute_pre(const kv_expert_provider *p, const kv_expert_req *req, float *out, float *gate,
+                                 float *up, kv_diag *d) {
+    if (p->compute != kv_cl_compute) return kv_fail(d, KV_EINVAL, "opencl: not an OpenCL provider");
+    kv_cl *c = p->impl;
+    c->pre_gate = gate;
+    c->pre_up = up;
+    const int rc = kv_cl_compute(c, req, out, d);
+    c->pre_gate = c->pre_up = NULL;
+    return rc;
+}
+
+/* Every expert the source holds (acquire's KV_ENOTFOUND: one it does not
+ * hold, or a layer without routed experts): its tensor types are ones the
+ * kernels compute, its activation one the host computes, and within a layer
+ * all agree (compute takes one type per matrix per layer). */
+static int kv_cl_check_source(const kv_expert_source *src, kv_diag *d) {
+    static const char *const stems[3] = {KV_EXPERT_STEM_GATE, KV_EXPERT_STEM_UP, KV_EXPERT_STEM_DOWN};
+    for (uint32_t l = 0; l < src->n_layer; l++) {
+        kv_expert_weights w0 = {0};
+        bool have = false;
+        for (uint32_t e = 0; e < src->n_expert; e++) {
+            kv_expert_weights w;
+            memset(&w, 0, sizeof w);
+            kv_diag dd = {0};
+            const int rc = src->acquire(src->ctx, l, e, &w, &dd);
+            if (rc == KV_ENOTFOUND) continue;
+            if (rc) {
+                *d = dd;
+                return kv_diag_prefix(d, rc, "opencl: layer %u expert %u", l, e);
+            }
+            if (src->release) src->release(src->ctx, l, e);
+            const uint32_t ty[3] = {w.gate_type, w.up_type, w.down_type};
+            for (int k = 0; k < 3; k++)
+                if (!kv_cl_type_ok(ty[k]) || !kv_type_get(ty[k])) {
+                    const kv_type_info *ti = kv_type_get(ty[k]);
+                    return kv_fail(d, KV_EUNSUPPORTED, "opencl: tensor 'blk.%u.%s.weight' has type %s (%u), which "
+                                   "the OpenCL kernels do not compute; run these experts on the CPU", l, stems[k],
+                                   ti ? ti->name : "?", ty[k]);
+                }
+            if (w.act > KV_ACT_SWIGLU_CLAMP)
+                return kv_fail(d, KV_EUNSUPPORTED, "opencl: layer %u: expert activation %u is not one the OpenCL "
+                               "path computes", l, w.act);
+            if (!have) {
+                w0 = w, have = true;
+            } else if (w.gate_type != w0.gate_type || w.up_type != w0.up_type || w.down_type != w0.down_type ||
+                       w.act != w0.act) {
+                return kv_fail(d, KV_EFORMAT, "opencl: layer %u expert %u has other tensor types or activation than "
+                               "the layer's first", l, e);
+            }
+        }
+    }
+    return 0;
 }
 
 int kv_opencl_expert_new(kv_expert_provider *out, const kv_expert_source *src, uint32_t max_tokens,
@@ -272,9 +349,11 @@ int kv_opencl_expert_new(kv_expert_provider *out, const kv_expert_source *src, u
     if (max_tokens == 0) return kv_fail(d, KV_EINVAL, "opencl: max_tokens must be > 0");
     if (!src->acquire || !src->n_expert || !src->n_embd || !src->n_ff_exp || !src->n_expert_used || !src->n_layer)
         return kv_fail(d, KV_EINVAL, "opencl: incomplete expert source");
+    int rc = kv_cl_check_source(src, d);
+    if (rc) return rc;
     cl_platform_id plat;
     cl_device_id dev;
-    int rc = kv_cl_pick(&plat, &dev, d);
+    rc = kv_cl_pick(&plat, &dev, d);
     if (rc) return rc;
     kv_cl *c = calloc(1, sizeof *c);
     if (!c) return kv_fail(d, KV_ENOMEM, "opencl: out of memory");
@@ -359,6 +438,12 @@ int kv_opencl_expert_new(kv_expert_provider *out, const kv_expert_source *src, u
     memset(out, 0, sizeof *out);
     return kv_fail(d, KV_EUNSUPPORTED, "opencl: this build has no OpenCL (install ocl-icd-opencl-dev and "
                    "opencl-headers, then rebuild)");
+}
+
+int kv_opencl_expert_compute_pre(const kv_expert_provider *p, const kv_expert_req *req, float *out, float *gate,
+                                 float *up, kv_diag *d) {
+    (void)p, (void)req, (void)out, (void)gate, (void)up;
+    return kv_fail(d, KV_EUNSUPPORTED, "opencl: this build has no OpenCL");
 }
 
 #endif

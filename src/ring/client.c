@@ -276,6 +276,15 @@ int kv_ring_request_ex(const char *addr, const kv_ring_req *q, kv_ring_result *r
             if (t->stop) goto done;
             break;
         }
+        case KV_RING_CACHED: /* v5: before the first token, the prompt tokens the nodes' caches gave */
+            if (!res->accepted || res->n_tokens || m.u.cached.n_cached >= res->n_prompt) {
+                rc = kv_fail(d, KV_EPROTO, "ring: CACHED of %u tokens out of place (prompt of %u, %u tokens streamed)",
+                             m.u.cached.n_cached, res->n_prompt, res->n_tokens);
+                goto done;
+            }
+            res->cache_looked = true;
+            res->n_cached = m.u.cached.n_cached;
+            break;
         case KV_RING_ERROR:
             rc = kv_fail(d, m.u.error.code, "%s", m.u.error.msg);
             goto done;

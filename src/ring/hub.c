@@ -8,6 +8,11 @@
  * --next (kv_ring_node_set_next), so a ring forms from the market and
  * re-forms when a replacement takes a window that lost its node.
  *
+ * The window also reports its demand per shard to the hub's market (the
+ * expert computations its layers needed and the time it waited for them,
+ * kv_ring_node_get_demand), with the reporter every coordinator shares
+ * (kvasir/dispatch_demand.h): every few seconds, signed by the node key.
+ *
  * Invariants: every answer from the hub is bounded (KV_RING_HUB_MAX_REPLY)
  * and parsed by kv_ring_parse_market (fuzzed) with each number range
  * checked; the files a challenge names are found from our manifest, never
@@ -21,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvasir/dispatch_demand.h"
 #include "kvasir/hub.h" /* the hub's client API: the market, announce, challenges */
 #include "kvasir/link.h" /* kv_hex, the node key */
 #include "kvasir/node.h"
@@ -331,6 +337,9 @@ struct kv_ring_hub {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool stop, started;
+    kv_demand_reporter *demand;   /* the window's demand reports (NULL: not sliced) */
+    uint64_t dm_reports, dm_errors; /* its reports: accepted, refused or failed */
+    uint64_t dm_tokens, dm_comps;   /* of the accepted ones: tokens the hub counted, computations reported */
 };
 
 __attribute__((format(printf, 2, 3))) static void kv_rh_log(kv_ring_hub *h, const char *fmt, ...) {
@@ -496,6 +505,26 @@ static void *kv_rh_thread(void *arg) {
     return NULL;
 }
 
+static void kv_rh_demand_snapshot(void *ctx, kv_remote_demand *now, uint64_t *tokens) {
+    kv_ring_hub *h = ctx;
+    const kv_manifest *m = kv_ring_node_manifest(h->node);
+    kv_ring_node_get_demand(h->node, now, m ? m->n_slabs : 0, tokens);
+}
+
+/* On the reporter's thread; the counters are read after it stopped. */
+static void kv_rh_demand_done(void *ctx, int rc, uint64_t tokens, uint64_t computations, uint64_t accepted) {
+    kv_ring_hub *h = ctx;
+    if (rc) {
+        h->dm_errors++;
+        return;
+    }
+    if (!h->dm_reports++)
+        kv_rh_log(h, "demand: first report accepted (%" PRIu64 " tokens, %" PRIu64 " expert computations; the hub "
+                  "counted %" PRIu64 " tokens)", tokens, computations, accepted);
+    h->dm_tokens += accepted;
+    h->dm_comps += computations;
+}
+
 int kv_ring_hub_start(kv_ring_hub **out, const char *hub, const char *dir, kv_ring_node *node, uint64_t budget,
                       FILE *log, kv_diag *d) {
     return kv_ring_hub_start_site(out, hub, dir, node, budget, NULL, log, d);
@@ -525,17 +554,31 @@ int kv_ring_hub_start_site(kv_ring_hub **out, const char *hub, const char *dir, 
     if (!rc) rc = kv_rh_register(h, d);
     if (!rc) kv_rh_next(h);
     if (!rc && pthread_create(&h->th, NULL, kv_rh_thread, h)) rc = kv_fail(d, KV_ENOMEM, "ring: cannot start the hub thread");
+    else if (!rc) h->started = true;
+    if (!rc && kv_ring_node_manifest(node)) {
+        char who[64];
+        snprintf(who, sizeof who, "kvasir ring %u-%u", h->first, h->last);
+        const kv_demand_reporter_opts ro = {.hub = h->hub, .key = &h->key, .m = kv_ring_node_manifest(node),
+                                            .snapshot = kv_rh_demand_snapshot, .done = kv_rh_demand_done, .ctx = h,
+                                            .who = who, .log = log};
+        rc = kv_demand_reporter_start(&h->demand, &ro, d);
+    }
     if (rc) {
         kv_ring_hub_stop(h);
         return rc;
     }
-    h->started = true;
     *out = h;
     return 0;
 }
 
 void kv_ring_hub_stop(kv_ring_hub *h) {
     if (!h) return;
+    if (h->demand) {
+        kv_demand_reporter_free(h->demand);
+        kv_rh_log(h, "demand: %" PRIu64 " reports accepted (%" PRIu64 " expert computations reported, %" PRIu64
+                  " tokens counted), %" PRIu64 " refused or failed", h->dm_reports, h->dm_comps, h->dm_tokens,
+                  h->dm_errors);
+    }
     if (h->started) {
         pthread_mutex_lock(&h->mu);
         h->stop = true;

@@ -37,7 +37,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/prefix_cache.h" /* the prompt cache of this node's window */
 #include "engine/spec.h" /* the draft sources' guesses */
+#include "kvasir/dispatch_demand.h"
 #include "kvasir/dispatch_remote.h"
 #include "kvasir/engine.h"   /* KV_STOP_* */
 #include "kvasir/grammar.h"
@@ -80,6 +82,8 @@ typedef struct kv_rseq {
     uint32_t gen0;       /* tail: tokens generated before this attempt (a replay's p.n_gen) */
     uint32_t n_draft;    /* tail: drafts sent after the last token, verified by the next pass */
     int32_t draft[KV_RING_MAX_DRAFT];
+    int32_t *ptok;       /* prompt cache: [n_ptok] the START's tokens of its whole blocks (their key) */
+    uint32_t n_ptok;     /* a multiple of the cache block */
 } kv_rseq;
 
 /* A request whose home is this node. */
@@ -94,6 +98,9 @@ typedef struct kv_rreq {
     int32_t *toks;       /* [cap] prompt, then the tokens streamed */
     uint32_t n_prompt, n_gen, cap;
     bool held;           /* waiting for the ring to be whole */
+    bool looking;        /* its LOOKUP (id seq) is on its way round the ring */
+    bool no_cache;       /* an attempt missed the caches: begin from position 0 from now on */
+    uint32_t n_cached;   /* positions the current attempt took from the caches */
     int64_t deadline_ms; /* while held */
     struct kv_rreq *next;
 } kv_rreq;
@@ -121,6 +128,10 @@ struct kv_ring_node {
     kv_pieces *pc;            /* sliced model: the manifest's pieces present here (the window's slabs) */
     kv_remote *remote;        /* --worker: the window's experts computed by expert workers */
     kv_expert_provider prov;  /* over the slices (owned) */
+    kv_demand_meter *meter;   /* counts prov's calls per shard (sliced, no --worker) */
+    pthread_mutex_t dm_mu;    /* guards dm, dm_tokens (read by the hub's demand reporter) */
+    kv_remote_demand *dm;     /* [n_slabs of the manifest] demand as of the last pass, NULL: not sliced */
+    uint64_t dm_tokens;       /* tokens run through the window, as of the last pass */
     kv_pool *pool;
     kv_state *st;
     const kv_hparams *hp;
@@ -173,6 +184,15 @@ struct kv_ring_node {
     uint8_t *vocab;           /* the tokenizer GGUF VOCAB_ACK sends, built at the first VOCAB */
     size_t vocab_len;
     kv_ring_node_stats stats;
+    /* the prompt cache (docs/PROTOCOL.md "Prompt cache over the ring"): this window's K/V rows and
+       recurrent states of prompt blocks, keyed by the prompt's tokens from position 0 */
+    kv_pcache *pcache;        /* NULL: none (--prompt-cache 0) */
+    uint32_t pc_block;        /* tokens per block */
+    bool pc_rec;              /* this window holds recurrent layers: a block is resumable only with a state */
+    kv_pc_entry **pc_path;    /* [n_ctx / pc_block + 1] a matched chain */
+    uint32_t pc_starts;       /* STARTs that began from the cache here (the test_cache_drop hook) */
+    int32_t *pc_tok;          /* [n_ctx] a LOOKUP's or START's tokens as host ints */
+    uint8_t *pc_bits;         /* [n_ctx / pc_block / 8 + 1] a LOOKUP's state bits being built */
 };
 
 static double kv_rn_now(void) {
@@ -313,6 +333,7 @@ static void kv_rn_seq_free(kv_ring_node *n, kv_rseq *s) {
     free(s->gmask);
     free(s->ctx);
     free(s->drec);
+    free(s->ptok);
     memset(s, 0, sizeof *s);
 }
 
@@ -381,6 +402,127 @@ static int kv_rn_tail_begin(kv_ring_node *n, kv_rseq *s, const kv_ring_start *st
     return 0;
 }
 
+/* ---- the prompt cache ------------------------------------------------------------ *
+ * Each node keeps the prompt blocks its window computed (kv_pcache: the K/V
+ * rows of its layers and, with recurrent layers, the state at a block's end
+ * when a pass ended there), keyed by the prompt's tokens from position 0
+ * and checked exactly. A reused prefix must be held by every window alike,
+ * and each node evicts on its own: so before a sequence begins, its home
+ * sends a LOOKUP round the ring in which every node lowers the count of
+ * blocks all hold and clears the blocks it could not resume after; the
+ * START then says how many positions every node copies instead of
+ * computing. A node that no longer holds them (evicted since) fails the
+ * sequence with KV_ENOTFOUND, and its home begins it again from position 0:
+ * a copy is never partial, and never of other tokens. Only blocks wholly
+ * inside a START's tokens are stored: every node knows those tokens (a
+ * generated token is known to the tail and the head only), and no verify
+ * pass reaches them. */
+
+static void kv_rn_put32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+/* Tokens [0, nt) of a wire view into n->pc_tok (nt <= n_ctx). */
+static void kv_rn_pc_tokens(kv_ring_node *n, const uint8_t *wire, uint32_t nt) {
+    for (uint32_t i = 0; i < nt; i++) n->pc_tok[i] = kv_ring_tokens_get(wire, i);
+}
+
+/* This node's part of a LOOKUP of n_blocks blocks of B tokens (n->pc_tok
+ * holds its first min(n_blocks, n_ctx / B) blocks): lowers *n_match to the
+ * blocks its cache holds and clears bit k of state for every block it
+ * cannot resume after. The chain it holds is touched (most recently used):
+ * it is about to be copied. Allocates nothing. */
+static void kv_rn_lookup_apply(kv_ring_node *n, uint32_t B, uint32_t n_blocks, uint32_t *n_match, uint8_t *state) {
+    n->stats.cache_lookups++;
+    uint32_t m = 0;
+    if (n->pcache && B == n->pc_block) {
+        const uint32_t nb = n_blocks < n->n_ctx / B ? n_blocks : n->n_ctx / B;
+        m = kv_pcache_match(n->pcache, n->pc_tok, nb * B, nb, n->pc_path);
+        kv_pcache_touch(n->pcache, n->pc_path, m);
+    }
+    if (*n_match > m) *n_match = m;
+    for (uint32_t k = 0; k < n_blocks; k++)
+        if (k >= m || (n->pc_rec && !kv_pc_entry_rec(n->pc_path[k]))) state[k / 8] &= (uint8_t)~(1u << (k % 8));
+}
+
+/* A sequence that begins from the prompt cache: positions [0, n_cached)
+ * become the blocks this node holds for exactly those tokens (with the
+ * recurrent state after the last); else KV_ENOTFOUND, a clear miss (its
+ * home begins it again from position 0). On failure the slot is empty. */
+static int kv_rn_cache_restore(kv_ring_node *n, kv_rseq *s, const kv_ring_start *st, kv_diag *d) {
+    const uint32_t slot = kv_rn_slot(n, s), B = n->pc_block, nc = st->n_cached;
+    const uint32_t nb = n->pcache ? nc / B : 0;
+    uint32_t m = 0;
+    if (n->pcache && n->o.test_cache_drop && ++n->pc_starts == n->o.test_cache_drop) {
+        kv_pcache *fresh = NULL; /* the test hook: every block evicted since the LOOKUP */
+        kv_diag hd = {0};
+        if (!kv_pcache_new(&fresh, n->o.prompt_cache_bytes, B, kv_state_kv_bytes(n->st, B), kv_state_rec_bytes(n->st), &hd)) {
+            kv_pcache_free(n->pcache);
+            n->pcache = fresh;
+            kv_rn_log(n, "test hook: prompt cache emptied before sequence %016llx", (unsigned long long)st->seq);
+        }
+    }
+    if (nb && nc % B == 0 && nc <= n->n_ctx) {
+        kv_rn_pc_tokens(n, st->tokens, nc);
+        m = kv_pcache_match(n->pcache, n->pc_tok, nc, nb, n->pc_path);
+    }
+    if (!nb || nc % B || m < nb || (n->pc_rec && !kv_pc_entry_rec(n->pc_path[nb - 1]))) {
+        n->stats.cache_misses++;
+        return kv_fail(d, KV_ENOTFOUND, "prompt cache miss: the %u positions agreed on are no longer held here "
+                       "(evicted since the lookup); the home begins the sequence again from position 0", nc);
+    }
+    kv_diag rd = {0};
+    int rc = kv_state_reserve(n->st, slot, nc, &rd);
+    for (uint32_t i = 0; !rc && i < nb; i++) rc = kv_state_kv_set(n->st, slot, i * B, B, kv_pc_entry_kv(n->pc_path[i]), &rd);
+    if (!rc) rc = kv_state_seq_resume(n->st, slot, nc, kv_pc_entry_rec(n->pc_path[nb - 1]), &rd);
+    if (rc) {
+        kv_state_reset_seq(n->st, slot);
+        n->stats.cache_misses++;
+        return kv_fail(d, KV_ENOTFOUND, "prompt cache miss: the %u cached positions could not be restored (%.300s); "
+                       "the home begins the sequence again from position 0", nc, rd.msg);
+    }
+    kv_pcache_touch(n->pcache, n->pc_path, nb);
+    kv_rn_log(n, "sequence %016llx: %u positions from the prompt cache", (unsigned long long)st->seq, nc);
+    n->stats.cache_hits++;
+    n->stats.cache_tokens += nc;
+    return 0;
+}
+
+typedef struct kv_rn_fill_arg {
+    kv_state *st;
+    uint32_t seq, p0, n;
+} kv_rn_fill_arg;
+
+static int kv_rn_pc_fill(void *arg, void *kv, void *rec) {
+    const kv_rn_fill_arg *a = arg;
+    kv_diag d = {0};
+    if (kv && kv_state_kv_get(a->st, a->seq, a->p0, a->n, kv, &d)) return d.code ? d.code : KV_EINVAL;
+    if (rec && kv_state_rec_get(a->st, a->seq, rec, &d)) return d.code ? d.code : KV_EINVAL;
+    return 0;
+}
+
+/* After a pass that took s over positions [p0, p1): stores the prompt
+ * blocks it completed, under the cached chain of the blocks before them
+ * (none when that chain is no longer whole); the recurrent state goes with
+ * the block that ends where s now stands. */
+static void kv_rn_cache_store(kv_ring_node *n, kv_rseq *s, uint32_t p0, uint32_t p1) {
+    if (!n->pcache || !s->ptok) return;
+    const uint32_t B = n->pc_block, slot = kv_rn_slot(n, s), pos = kv_state_pos_seq(n->st, slot);
+    const uint32_t k0 = p0 / B, k1 = (p1 < s->n_ptok ? p1 : s->n_ptok) / B;
+    if (k0 >= k1) return;
+    if (kv_pcache_match(n->pcache, s->ptok, k0 * B, k0, n->pc_path) < k0) return;
+    kv_pc_entry *parent = k0 ? n->pc_path[k0 - 1] : NULL;
+    for (uint32_t k = k0; k < k1; k++) {
+        kv_rn_fill_arg a = {n->st, slot, k * B, B};
+        if (!(parent = kv_pcache_insert(n->pcache, parent, k, s->ptok + (size_t)k * B, (k + 1) * B == pos,
+                                        kv_rn_pc_fill, &a)))
+            break;
+    }
+}
+
 /* A slot for a sequence beginning (tail: its sampler, fed the prompt). */
 static int kv_rn_seq_new(kv_ring_node *n, const kv_ring_start *st, kv_rseq **out, kv_diag *d) {
     *out = NULL;
@@ -414,6 +556,16 @@ static int kv_rn_seq_new(kv_ring_node *n, const kv_ring_start *st, kv_rseq **out
     s->p.draft_rec = NULL;
     s->n_gen = 0;
     kv_state_reset_seq(n->st, kv_rn_slot(n, s));
+    if (n->pcache && (s->n_ptok = st->n_tokens / n->pc_block * n->pc_block) && (s->ptok = malloc((size_t)s->n_ptok * sizeof *s->ptok)))
+        for (uint32_t i = 0; i < s->n_ptok; i++) s->ptok[i] = kv_ring_tokens_get(st->tokens, i);
+    if (!s->ptok) s->n_ptok = 0; /* out of memory: its blocks are not stored */
+    if (st->n_cached) {
+        const int rc = kv_rn_cache_restore(n, s, st, d);
+        if (rc) {
+            kv_rn_seq_free(n, s);
+            return rc;
+        }
+    }
     *out = s;
     return 0;
 }
@@ -450,9 +602,16 @@ static void kv_rn_req_free(kv_ring_node *n, kv_rreq *r) {
     free(r);
 }
 
+static void kv_rn_launch(kv_ring_node *n, kv_rreq *r);
 static void kv_rn_deliver_error(kv_ring_node *n, uint64_t seq, int code, const char *msg) {
     kv_rreq *r = kv_rn_req_by_seq(n, seq);
     if (!r) return;
+    if (code == KV_ENOTFOUND && r->n_cached && !r->held) { /* a node's cache lost the agreed blocks */
+        kv_rn_log(n, "request %016llx: %s", (unsigned long long)r->id, msg);
+        r->no_cache = true;
+        kv_rn_launch(n, r);
+        return;
+    }
     if (r->client) kv_rn_send_error(r->client, r->id, code, n->o.first, msg);
     kv_rn_req_free(n, r);
 }
@@ -466,16 +625,17 @@ static uint64_t kv_rn_new_id(kv_ring_node *n) {
 
 static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8_t *raw, size_t raw_len);
 
-/* Sends the request into the ring under a fresh sequence id: its prompt and
- * the tokens already streamed, as one prompt, for the tokens still wanted. */
-static void kv_rn_launch(kv_ring_node *n, kv_rreq *r) {
-    r->held = false;
-    r->seq = kv_rn_new_id(n);
+/* Begins r's sequence r->seq: its prompt and the tokens already streamed,
+ * as one prompt, for the tokens still wanted; every node takes positions
+ * [0, n_cached) from its prompt cache (a LOOKUP agreed on them). */
+static void kv_rn_begin(kv_ring_node *n, kv_rreq *r, uint32_t n_cached) {
+    r->looking = false;
+    r->n_cached = n_cached;
     const uint32_t n_tok = r->n_prompt + r->n_gen;
-    kv_ring_start st = {.seq = r->seq, .home = n->o.first, .flags = 0, .p = r->p, .n_tokens = n_tok};
+    kv_ring_start st = {.seq = r->seq, .home = n->o.first, .flags = 0, .n_cached = n_cached, .p = r->p, .n_tokens = n_tok};
     st.p.n_predict = r->p.n_predict - r->n_gen;
     if (st.p.flags & KV_RING_SUBMIT_EXT) st.p.n_gen = r->n_gen; /* the tail feeds them as sampled tokens */
-    const size_t sz = KV_RING_HEADER + 60 + 4 * (size_t)n_tok + kv_ring_params_size(&st.p) - 40;
+    const size_t sz = KV_RING_HEADER + 64 + 4 * (size_t)n_tok + kv_ring_params_size(&st.p) - 40;
     uint8_t *f = malloc(sz);
     size_t len;
     kv_diag d = {0};
@@ -493,6 +653,72 @@ static void kv_rn_launch(kv_ring_node *n, kv_rreq *r) {
     }
     kv_rn_on_start(n, &m.u.start, f, len);
     free(f);
+}
+
+/* Home: sends r's LOOKUP (id r->seq) round the ring, with this node's part
+ * applied. False when none is made: no cache here, the request missed once,
+ * no whole block before its last token, or no link. */
+static bool kv_rn_lookup_send(kv_ring_node *n, kv_rreq *r) {
+    const uint32_t B = n->pc_block, n_tok = r->n_prompt + r->n_gen;
+    if (!n->pcache || r->no_cache || n_tok <= B || !kv_rn_next_up(n)) return false;
+    uint32_t nb = (n_tok - 1) / B; /* at least the last token is computed: its logits */
+    if (nb > n->n_ctx / B) nb = n->n_ctx / B;
+    if ((uint64_t)nb * B > KV_RING_MAX_PROMPT) nb = KV_RING_MAX_PROMPT / B;
+    if (!nb) return false;
+    const kv_ring_lookup l = {.seq = r->seq, .origin = n->o.first, .block_tokens = B, .n_blocks = nb, .n_match = nb};
+    memset(n->pc_bits, 0, ((size_t)nb + 7) / 8);
+    for (uint32_t k = 0; k < nb; k++) n->pc_bits[k / 8] |= (uint8_t)(1u << (k % 8));
+    const size_t sz = KV_RING_HEADER + kv_ring_lookup_size(B, nb);
+    uint8_t *f = kv_rn_reserve(n->next, sz);
+    size_t len;
+    if (!f || kv_ring_lookup_encode(f, sz, &l, r->toks, n->pc_bits, &len, NULL)) return false;
+    uint32_t m = nb;
+    memcpy(n->pc_tok, r->toks, (size_t)nb * B * sizeof *r->toks);
+    kv_rn_lookup_apply(n, B, nb, &m, f + KV_RING_HEADER + 24 + 4 * (size_t)nb * B);
+    kv_rn_put32(f + KV_RING_HEADER + 20, m);
+    kv_rn_commit(n->next, len);
+    r->looking = true;
+    return true;
+}
+
+/* Sends the request into the ring under a fresh sequence id: first a LOOKUP
+ * of its prompt in the nodes' prompt caches (when this node has one), then
+ * its START. */
+static void kv_rn_launch(kv_ring_node *n, kv_rreq *r) {
+    r->held = false;
+    r->looking = false;
+    r->seq = kv_rn_new_id(n);
+    if (!kv_rn_lookup_send(n, r)) kv_rn_begin(n, r, 0);
+}
+
+/* A LOOKUP: this node's part, and on to the next; back at its home, the
+ * sequence begins from the blocks every node holds (the last with a state
+ * wherever one is needed). */
+static void kv_rn_on_lookup(kv_ring_node *n, const kv_ring_lookup *l, const uint8_t *raw, size_t len) {
+    if (l->origin == n->o.first) {
+        kv_rreq *r = kv_rn_req_by_seq(n, l->seq);
+        if (!r || !r->looking || r->held) { /* an attempt lost in a break */
+            n->stats.dropped++;
+            return;
+        }
+        uint32_t k = l->block_tokens == n->pc_block ? l->n_match : 0;
+        while (k && !((l->state[(k - 1) / 8] >> ((k - 1) % 8)) & 1u)) k--;
+        if ((uint64_t)k * n->pc_block >= r->n_prompt + r->n_gen) k = 0; /* cannot happen: our own lookup */
+        kv_rn_begin(n, r, k * n->pc_block);
+        return;
+    }
+    uint8_t *f = kv_rn_next_up(n) ? kv_rn_reserve(n->next, len) : NULL;
+    if (!f) return; /* no link: the break handling holds the request at its home */
+    memcpy(f, raw, len);
+    const uint32_t nt = l->n_blocks * l->block_tokens;
+    if (n->pcache && l->block_tokens == n->pc_block) {
+        const uint32_t nb = l->n_blocks < n->n_ctx / n->pc_block ? l->n_blocks : n->n_ctx / n->pc_block;
+        kv_rn_pc_tokens(n, l->tokens, nb * n->pc_block);
+    }
+    uint32_t m = l->n_match;
+    kv_rn_lookup_apply(n, l->block_tokens, l->n_blocks, &m, f + KV_RING_HEADER + 24 + 4 * (size_t)nt);
+    kv_rn_put32(f + KV_RING_HEADER + 20, m);
+    kv_rn_commit(n->next, len);
 }
 
 /* The ring is whole again: replay every held request. */
@@ -593,6 +819,18 @@ typedef struct kv_rjob {
 
 static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t n_rows);
 
+/* Demand: the meter's (or the remote's) counters after a pass, for the
+ * reporter's thread; they are read on the compute thread only. */
+static void kv_rn_demand_copy(kv_ring_node *n, uint32_t n_tokens) {
+    if (!n->dm) return;
+    const size_t ns = n->pc->m->n_slabs;
+    pthread_mutex_lock(&n->dm_mu);
+    if (n->remote) kv_remote_get_demand(n->remote, n->dm, ns);
+    else if (n->meter) kv_demand_meter_get(n->meter, n->dm, ns);
+    n->dm_tokens += n_tokens;
+    pthread_mutex_unlock(&n->dm_mu);
+}
+
 /* Computes everything queued and sends the results on. */
 static void kv_rn_flush(kv_ring_node *n) {
     if (!n->n_jobs) return;
@@ -628,6 +866,7 @@ static void kv_rn_flush(kv_ring_node *n) {
         return;
     }
     n->stats.batches++;
+    kv_rn_demand_copy(n, nt);
     uint32_t k = 0;
     for (uint32_t j = 0; j < nj; j++) {
         const kv_rjob *b = &n->jobs[j];
@@ -647,6 +886,7 @@ static void kv_rn_flush(kv_ring_node *n) {
             kv_rn_fail_seq(n, b->seq, KV_ERANGE, msg);
             continue;
         }
+        kv_rn_cache_store(n, b->s, b->pos, b->pos + b->count);
         if (!n->tail) {
             const uint32_t hf = (b->want ? KV_RING_HIDDEN_LOGITS : 0) | (b->verify ? KV_RING_HIDDEN_VERIFY : 0);
             kv_ring_hidden h = {b->seq, b->pos, b->count, hf, n->n_embd, NULL};
@@ -668,7 +908,9 @@ static void kv_rn_enqueue(kv_ring_node *n, kv_rseq *s, const int32_t *tokens, co
     const bool logits = n->tail && want_logits;
     const uint32_t rows = logits ? (verify ? count : 1) : 0;
     const uint64_t seq = s->seq;
-    if (n->q_n + count > n->max_tok || (rows && n->n_out_q + rows > n->rows_cap)) kv_rn_flush(n);
+    bool again = false; /* a recurrent window's prompt: one pass per frame, so a state is kept at each frame's end */
+    for (uint32_t j = 0; n->pc_rec && pos < s->n_ptok && j < n->n_jobs && !again; j++) again = n->jobs[j].s == s;
+    if (again || n->q_n + count > n->max_tok || (rows && n->n_out_q + rows > n->rows_cap)) kv_rn_flush(n);
     if (s->seq != seq) return; /* it failed in that pass */
     if (n->q_n == 0) n->n_out_q = 0;
     uint32_t expect = kv_state_pos_seq(n->st, kv_rn_slot(n, s));
@@ -872,6 +1114,11 @@ static void kv_rn_deliver_token(kv_ring_node *n, const kv_ring_token *t, const u
         kv_rn_req_free(n, r);
         return;
     }
+    if (r->client && n->pcache && r->n_gen == 0) { /* before its first token: the prompt tokens the caches gave */
+        uint8_t cb[KV_RING_HEADER + 12];
+        size_t cl;
+        if (!kv_ring_cached_encode(cb, sizeof cb, r->id, r->n_cached, &cl, NULL)) kv_rn_send_raw(r->client, cb, cl);
+    }
     r->toks[r->n_prompt + r->n_gen++] = t->token;
     if (r->client) {
         char piece[KV_RING_MAX_PIECE];
@@ -928,10 +1175,14 @@ static void kv_rn_on_start(kv_ring_node *n, const kv_ring_start *st, const uint8
         }
     }
     if (!n->head) return;
-    /* the head: the prompt in chunks of n_batch, logits after the last */
+    /* the head: the prompt in chunks of n_batch, logits after the last; with a
+       prompt cache the chunks end at block ends (a recurrent state is kept
+       where a pass ends), from the cached positions on */
     const uint64_t seq = s->seq;
-    for (uint32_t done = 0; done < st->n_tokens;) {
-        const uint32_t c = st->n_tokens - done < n->n_batch ? st->n_tokens - done : n->n_batch;
+    uint32_t chunk = n->n_batch;
+    if (n->pcache && chunk >= n->pc_block) chunk -= chunk % n->pc_block;
+    for (uint32_t done = st->n_cached; done < st->n_tokens;) {
+        const uint32_t c = st->n_tokens - done < chunk ? st->n_tokens - done : chunk;
         for (uint32_t i = 0; i < c; i++) n->tbuf[i] = kv_ring_tokens_get(st->tokens, done + i);
         kv_rn_enqueue(n, s, n->tbuf, NULL, done, c, done + c == st->n_tokens, false);
         done += c;
@@ -1518,8 +1769,9 @@ static int kv_rc_on_frame(kv_net_conn *nc, const uint8_t *f, size_t len) {
         return 0;
     }
     /* the link from the node before; what changes which sequences exist runs after the queue */
-    if (ty != KV_RING_HIDDEN && !(ty == KV_RING_TOKEN && !m.u.token.stop)) kv_rn_flush(n);
+    if (ty != KV_RING_HIDDEN && ty != KV_RING_LOOKUP && !(ty == KV_RING_TOKEN && !m.u.token.stop)) kv_rn_flush(n);
     switch (ty) {
+    case KV_RING_LOOKUP: kv_rn_on_lookup(n, &m.u.lookup, f, len); break;
     case KV_RING_START: kv_rn_on_start(n, &m.u.start, f, len); break;
     case KV_RING_HIDDEN: kv_rn_on_hidden(n, &m.u.hidden); break;
     case KV_RING_TOKEN: kv_rn_on_token(n, &m.u.token, f, len); break;
@@ -1755,6 +2007,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     n->o.allow_keys = NULL;
     n->o.hub_key = NULL;
     pthread_mutex_init(&n->next_mu, NULL);
+    pthread_mutex_init(&n->dm_mu, NULL);
     if (n->o.next && (rc = kv_rn_resolve_next(n, n->o.next, d))) goto fail; /* else set later (a hub) */
     if ((rc = kv_pool_new(&n->pool, n->o.n_threads, d))) goto fail;
     const size_t pl = strlen(n->o.model);
@@ -1816,8 +2069,14 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         const kv_expert_source src = {n->pc, kv_rn_pieces_acquire, NULL, mf->n_layer, mf->n_expert, mf->n_embd,
                                       kv_model_hparams(n->m)->n_ff_exp, kv_model_hparams(n->m)->n_expert_used};
         if (!n->remote) {
-            if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d))) goto fail;
-            experts = &n->prov;
+            if ((rc = kv_expert_local_new_src(&n->prov, &src, n->pool, max_tok, d)) ||
+                (rc = kv_demand_meter_new(&n->meter, &n->prov, mf, d)))
+                goto fail;
+            experts = kv_demand_meter_provider(n->meter);
+        }
+        if (!(n->dm = calloc(mf->n_slabs ? mf->n_slabs : 1, sizeof *n->dm))) {
+            rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
+            goto fail;
         }
         snprintf(n->model_id, sizeof n->model_id, "%s", mf->model_id);
     } else {
@@ -1851,6 +2110,28 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         rc = kv_fail(d, KV_ENOMEM, "ring: out of memory");
         goto fail;
     }
+    if (n->o.prompt_cache_bytes) {
+        kv_state_mem mem;
+        kv_state_get_mem(n->st, &mem);
+        n->pc_block = n->o.prompt_cache_block ? n->o.prompt_cache_block : 64;
+        if (n->pc_block % mem.block_tokens || n->pc_block > KV_RING_MAX_CACHE_BLOCK) {
+            rc = kv_fail(d, KV_EINVAL, "ring: prompt cache block of %u tokens is not a multiple of %u up to %u", n->pc_block,
+                         mem.block_tokens, KV_RING_MAX_CACHE_BLOCK);
+            goto fail;
+        }
+        const uint64_t rec = kv_state_rec_bytes(n->st);
+        n->pc_rec = rec != 0;
+        if ((rc = kv_pcache_new(&n->pcache, n->o.prompt_cache_bytes, n->pc_block, kv_state_kv_bytes(n->st, n->pc_block),
+                                rec, d)))
+            goto fail;
+        n->pc_path = malloc(((size_t)n->n_ctx / n->pc_block + 1) * sizeof *n->pc_path);
+        n->pc_tok = malloc((size_t)n->n_ctx * sizeof *n->pc_tok);
+        n->pc_bits = malloc((size_t)n->n_ctx / n->pc_block / 8 + 1);
+        if (!n->pc_path || !n->pc_tok || !n->pc_bits) {
+            rc = kv_fail(d, KV_ENOMEM, "ring: out of memory for the prompt cache");
+            goto fail;
+        }
+    }
     n->stats.weight_bytes = kv_model_weight_bytes(n->m);
     if (getrandom(&n->id_base, sizeof n->id_base, 0) != sizeof n->id_base) n->id_base = (uint64_t)time(NULL) * 0x2545f4914f6cdd1dull;
     kv_net_budget_init(&n->budget, (size_t)1 << 31);
@@ -1883,7 +2164,28 @@ void kv_ring_node_stop(kv_ring_node *n) {
     if (n && n->loop) kv_net_loop_stop(n->loop);
 }
 
-void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out) { *out = n->stats; }
+void kv_ring_node_get_stats(const kv_ring_node *n, kv_ring_node_stats *out) {
+    *out = n->stats;
+    if (n->pcache) {
+        kv_pcache_stats ps;
+        kv_pcache_get_stats(n->pcache, &ps);
+        out->cache_blocks = ps.entries;
+        out->cache_bytes = ps.bytes;
+        out->cache_evictions = ps.evictions;
+    }
+}
+
+const kv_manifest *kv_ring_node_manifest(const kv_ring_node *n) { return n->dm ? n->pc->m : NULL; }
+
+void kv_ring_node_get_demand(kv_ring_node *n, kv_remote_demand *out, size_t cap, uint64_t *tokens) {
+    *tokens = 0;
+    if (!n->dm) return;
+    const size_t ns = n->pc->m->n_slabs < cap ? n->pc->m->n_slabs : cap;
+    pthread_mutex_lock(&n->dm_mu);
+    memcpy(out, n->dm, ns * sizeof *out);
+    *tokens = n->dm_tokens;
+    pthread_mutex_unlock(&n->dm_mu);
+}
 
 void kv_ring_node_free(kv_ring_node *n) {
     if (!n) return;
@@ -1909,6 +2211,7 @@ void kv_ring_node_free(kv_ring_node *n) {
             kv_sampler_free(n->seqs[i].smp);
             free(n->seqs[i].ctx);
             free(n->seqs[i].drec);
+            free(n->seqs[i].ptok);
         }
     free(n->seqs);
     kv_state_free(n->st);
@@ -1916,6 +2219,9 @@ void kv_ring_node_free(kv_ring_node *n) {
     kv_remote_free(n->remote);
     kv_pieces_free(n->pc);
     pthread_mutex_destroy(&n->next_mu);
+    pthread_mutex_destroy(&n->dm_mu);
+    kv_demand_meter_free(n->meter);
+    free(n->dm);
     kv_model_free(n->m);
     kv_pool_free(n->pool);
     free(n->xin);
@@ -1928,6 +2234,10 @@ void kv_ring_node_free(kv_ring_node *n) {
     free(n->sbuf);
     free(n->q_out);
     free(n->jobs);
+    kv_pcache_free(n->pcache);
+    free(n->pc_path);
+    free(n->pc_tok);
+    free(n->pc_bits);
     free(n->allow);
     sodium_memzero(n->sk, sizeof n->sk);
     free(n);

@@ -77,7 +77,8 @@ static bool kv_floats_finite(const uint8_t *p, size_t n) {
 #define KV_RING_PARAMS_SIZE 40u
 #define KV_RING_HIDDEN_FIXED 24u
 #define KV_RING_TOKEN_FIXED 36u
-#define KV_RING_START_FIXED (16u + KV_RING_PARAMS_SIZE + 4u)
+#define KV_RING_START_FIXED (20u + KV_RING_PARAMS_SIZE + 4u) /* v5: n_cached after flags */
+#define KV_RING_LOOKUP_FIXED 24u
 
 size_t kv_ring_hidden_size(uint32_t n_tokens, uint32_t n_embd) {
     if (n_tokens < 1 || n_tokens > KV_RING_MAX_TOKENS || n_embd < 1 || n_embd > KV_RING_MAX_EMBD) return 0;
@@ -456,13 +457,17 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         s->seq = kv_rg64(p);
         s->home = kv_rg32(p + 8);
         s->flags = kv_rg32(p + 12);
-        if ((rc = kv_params_get(p + 16, &s->p, d))) return rc;
-        s->n_tokens = kv_rg32(p + 16 + KV_RING_PARAMS_SIZE);
+        s->n_cached = kv_rg32(p + 16);
+        if ((rc = kv_params_get(p + 20, &s->p, d))) return rc;
+        s->n_tokens = kv_rg32(p + 20 + KV_RING_PARAMS_SIZE);
         if (s->seq == 0) return kv_fail(d, KV_EPROTO, "ring: START of sequence 0");
         if (s->flags & ~KV_RING_START_BEGUN) return kv_fail(d, KV_EPROTO, "ring: unknown START flags 0x%x", s->flags);
         if (s->home >= KV_RING_MAX_LAYERS) return kv_fail(d, KV_ERANGE, "ring: home layer %u out of range", s->home);
         if (s->n_tokens < 1 || s->n_tokens > KV_RING_MAX_PROMPT)
             return kv_fail(d, KV_ERANGE, "ring: %u prompt tokens out of range [1, %u]", s->n_tokens, KV_RING_MAX_PROMPT);
+        if (s->n_cached >= s->n_tokens)
+            return kv_fail(d, KV_ERANGE, "ring: START of %u tokens takes %u from the prompt cache (the last must be "
+                           "computed)", s->n_tokens, s->n_cached);
         const size_t fixed = KV_RING_START_FIXED + 4 * (size_t)s->n_tokens;
         if (!(s->p.flags & KV_RING_SUBMIT_EXT)) EXACT(fixed, "START");
         NEED(fixed, "START");
@@ -588,6 +593,40 @@ int kv_ring_decode(const uint8_t *f, size_t n, kv_ring_msg *m, kv_diag *d) {
         if (!ok) return kv_fail(d, KV_EPROTO, "ring: a log-probability is NaN or Inf (a lie, not a value)");
         return 0;
     }
+    case KV_RING_LOOKUP: {
+        NEED(KV_RING_LOOKUP_FIXED, "LOOKUP");
+        kv_ring_lookup *l = &m->u.lookup;
+        l->seq = kv_rg64(p);
+        l->origin = kv_rg32(p + 8);
+        l->block_tokens = kv_rg32(p + 12);
+        l->n_blocks = kv_rg32(p + 16);
+        l->n_match = kv_rg32(p + 20);
+        if (l->seq == 0) return kv_fail(d, KV_EPROTO, "ring: LOOKUP of sequence 0");
+        if (l->origin >= KV_RING_MAX_LAYERS) return kv_fail(d, KV_ERANGE, "ring: origin layer %u out of range", l->origin);
+        const size_t want = kv_ring_lookup_size(l->block_tokens, l->n_blocks);
+        if (!want)
+            return kv_fail(d, KV_ERANGE, "ring: LOOKUP of %u blocks of %u tokens out of range (blocks of 1..%u tokens, "
+                           "%u tokens in all)", l->n_blocks, l->block_tokens, KV_RING_MAX_CACHE_BLOCK, KV_RING_MAX_PROMPT);
+        if (l->n_match > l->n_blocks)
+            return kv_fail(d, KV_ERANGE, "ring: LOOKUP matched %u of %u blocks", l->n_match, l->n_blocks);
+        EXACT(want, "LOOKUP");
+        l->tokens = p + KV_RING_LOOKUP_FIXED;
+        const uint32_t nt = l->n_blocks * l->block_tokens;
+        for (uint32_t i = 0; i < nt; i++)
+            if (kv_ring_tokens_get(l->tokens, i) < 0 || (uint32_t)kv_ring_tokens_get(l->tokens, i) >= KV_RING_MAX_VOCAB)
+                return kv_fail(d, KV_ERANGE, "ring: LOOKUP token %u out of range", i);
+        l->state = l->tokens + 4 * (size_t)nt;
+        if (l->n_blocks % 8 && (l->state[l->n_blocks / 8] >> (l->n_blocks % 8)))
+            return kv_fail(d, KV_EPROTO, "ring: LOOKUP state bits past its %u blocks", l->n_blocks);
+        return 0;
+    }
+    case KV_RING_CACHED:
+        EXACT(12, "CACHED");
+        m->u.cached.id = kv_rg64(p);
+        m->u.cached.n_cached = kv_rg32(p + 8);
+        if (m->u.cached.n_cached >= KV_RING_MAX_PROMPT)
+            return kv_fail(d, KV_ERANGE, "ring: CACHED of %u tokens out of range", m->u.cached.n_cached);
+        return 0;
     case KV_RING_ERROR: {
         NEED(20, "ERROR");
         kv_ring_error *e = &m->u.error;
@@ -764,6 +803,8 @@ int kv_ring_start_encode(uint8_t *out, size_t cap, const kv_ring_start *s, const
     int rc = kv_ext_check(&s->p, d);
     if (rc) return rc;
     if (s->p.n_gen >= s->n_tokens) return kv_fail(d, KV_ERANGE, "ring: START of %u tokens, %u generated", s->n_tokens, s->p.n_gen);
+    if (s->n_cached >= s->n_tokens)
+        return kv_fail(d, KV_ERANGE, "ring: START of %u tokens, %u from the prompt cache", s->n_tokens, s->n_cached);
     const size_t fixed = KV_RING_START_FIXED + 4 * (size_t)s->n_tokens;
     rc = kv_hdr_put(out, cap, KV_RING_START, fixed + kv_ring_params_size(&s->p) - KV_RING_PARAMS_SIZE, n, d);
     if (rc) return rc;
@@ -771,10 +812,52 @@ int kv_ring_start_encode(uint8_t *out, size_t cap, const kv_ring_start *s, const
     kv_wg64(p, s->seq);
     kv_wg32(p + 8, s->home);
     kv_wg32(p + 12, s->flags);
-    kv_params_put(p + 16, &s->p);
-    kv_wg32(p + 16 + KV_RING_PARAMS_SIZE, s->n_tokens);
+    kv_wg32(p + 16, s->n_cached);
+    kv_params_put(p + 20, &s->p);
+    kv_wg32(p + 20 + KV_RING_PARAMS_SIZE, s->n_tokens);
     for (uint32_t i = 0; i < s->n_tokens; i++) kv_wg32(p + KV_RING_START_FIXED + 4 * (size_t)i, (uint32_t)tokens[i]);
     if (s->p.flags & KV_RING_SUBMIT_EXT) kv_ext_put(p + fixed, &s->p);
+    return 0;
+}
+
+size_t kv_ring_lookup_size(uint32_t block_tokens, uint32_t n_blocks) {
+    if (block_tokens < 1 || block_tokens > KV_RING_MAX_CACHE_BLOCK || n_blocks < 1 ||
+        (uint64_t)n_blocks * block_tokens > KV_RING_MAX_PROMPT)
+        return 0;
+    return KV_RING_LOOKUP_FIXED + 4 * (size_t)n_blocks * block_tokens + ((size_t)n_blocks + 7) / 8;
+}
+
+int kv_ring_lookup_encode(uint8_t *out, size_t cap, const kv_ring_lookup *l, const int32_t *tokens,
+                          const uint8_t *state, size_t *n, kv_diag *d) {
+    const size_t sz = kv_ring_lookup_size(l->block_tokens, l->n_blocks);
+    if (!sz || l->n_match > l->n_blocks || !l->seq || l->origin >= KV_RING_MAX_LAYERS)
+        return kv_fail(d, KV_ERANGE, "ring: LOOKUP of %u blocks of %u tokens (%u matched) out of range", l->n_blocks,
+                       l->block_tokens, l->n_match);
+    if (l->n_blocks % 8 && (state[l->n_blocks / 8] >> (l->n_blocks % 8)))
+        return kv_fail(d, KV_EINVAL, "ring: LOOKUP state bits past its %u blocks", l->n_blocks);
+    const uint32_t nt = l->n_blocks * l->block_tokens;
+    for (uint32_t i = 0; i < nt; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= KV_RING_MAX_VOCAB)
+            return kv_fail(d, KV_ERANGE, "ring: LOOKUP token %u is %d", i, tokens[i]);
+    int rc = kv_hdr_put(out, cap, KV_RING_LOOKUP, sz, n, d);
+    if (rc) return rc;
+    uint8_t *p = out + KV_RING_HEADER;
+    kv_wg64(p, l->seq);
+    kv_wg32(p + 8, l->origin);
+    kv_wg32(p + 12, l->block_tokens);
+    kv_wg32(p + 16, l->n_blocks);
+    kv_wg32(p + 20, l->n_match);
+    for (uint32_t i = 0; i < nt; i++) kv_wg32(p + KV_RING_LOOKUP_FIXED + 4 * (size_t)i, (uint32_t)tokens[i]);
+    memcpy(p + KV_RING_LOOKUP_FIXED + 4 * (size_t)nt, state, ((size_t)l->n_blocks + 7) / 8);
+    return 0;
+}
+
+int kv_ring_cached_encode(uint8_t *out, size_t cap, uint64_t id, uint32_t n_cached, size_t *n, kv_diag *d) {
+    if (n_cached >= KV_RING_MAX_PROMPT) return kv_fail(d, KV_ERANGE, "ring: CACHED of %u tokens out of range", n_cached);
+    int rc = kv_hdr_put(out, cap, KV_RING_CACHED, 12, n, d);
+    if (rc) return rc;
+    kv_wg64(out + KV_RING_HEADER, id);
+    kv_wg32(out + KV_RING_HEADER + 8, n_cached);
     return 0;
 }
 

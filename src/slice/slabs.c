@@ -405,7 +405,9 @@ int kv_expert_find(const kv_gguf *g, uint32_t layer, uint32_t expert, kv_expert_
             return kv_fail(d, KV_EFORMAT, "expert: blk.%u.%s has an inconsistent shape", layer, kv_exp_suffix[j]);
         const kv_type_info *ti = kv_type_get(t[j]->type);
         if (!ti || !ti->compute)
-            return kv_fail(d, KV_EUNSUPPORTED, "expert: blk.%u.%s has a type we cannot compute", layer, kv_exp_suffix[j]);
+            return kv_fail(d, KV_EUNSUPPORTED, "expert: tensor 'blk.%u.%s.weight' has type %s (%u), which kvasir "
+                           "cannot compute", layer, kv_exp_suffix[j], ti && ti->name ? ti->name : "unknown",
+                           t[j]->type);
     }
     if (E == 0 || E > KV_MAX_EMBD || F == 0 || F > KV_MAX_FF)
         return kv_fail(d, KV_EFORMAT, "expert: dims %" PRIu64 "x%" PRIu64 " out of range", E, F);

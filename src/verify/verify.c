@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvasir/arch.h"
 #include "kvasir/ops.h"
 #include "kvasir/quant.h"
 #include "quant/vdot.h"
@@ -44,10 +45,17 @@ typedef struct kv_vmat {
     float *b;            /* [in] column sums of W^2: E[s_j^2] for a Gaussian r */
     double rmax[KV_VERIFY_MAX_PROJ]; /* max_i |r_i| per vector (the worst-case bound) */
     double *c;           /* [n_proj][in/32] M^T r, M the blocks' mins: Q8_1 activations only, else NULL */
+    const float *ob;     /* [out] the bias the worker adds to this product before answering (gpt-oss's
+                            down; gate and up are answered before theirs), NULL: none */
+    double rb[KV_VERIFY_MAX_PROJ];  /* r . ob per vector, in f64 */
+    double rba[KV_VERIFY_MAX_PROJ]; /* |r| . |ob| (the worst-case bound's f64 rounding of rb) */
+    double ob1, ob2;     /* |ob|_1, |ob|_2 */
 } kv_vmat;
 
 typedef struct kv_vexp {
     kv_vmat m[3];        /* gate, up, down */
+    uint32_t act;        /* enum kv_expert_act between up and down */
+    const float *gate_b, *up_b; /* [n_ff] biases added to the answered gate and up before act, or NULL */
     uint64_t gen;        /* generation of the vectors in m */
     uint32_t checks;     /* checks made with this generation */
 } kv_vexp;
@@ -63,7 +71,9 @@ struct kv_verify {
     uint64_t *rnd;       /* [max * n_proj] the key stream of one matrix's vectors */
     float *row;          /* [max] a dequantized row */
     float *xin, *hin, *h; /* [KV_VDOT_MAX_NT][n_embd], [.][n_ff], [.][n_ff]: a group's activations */
-    double *dx, *dh;     /* [KV_VDOT_MAX_NT][n_embd/32], [.][n_ff/32]: Q8_1 blocks' s - d*sum(qs) */
+    float *xup;          /* [KV_VDOT_MAX_NT][n_embd]: up's, when its activation type is not gate's */
+    float *ub;           /* [n_ff] up plus its bias, the activation's second operand */
+    double *dx, *dh, *dxu; /* [KV_VDOT_MAX_NT][n_embd/32], [.][n_ff/32], [.][n_embd/32]: Q8_1 blocks' s - d*sum(qs) */
     uint8_t *qbuf;       /* one quantized activation row */
 };
 
@@ -113,10 +123,14 @@ int kv_verify_new(kv_verify **out, uint32_t n_layer, uint32_t n_expert, uint32_t
     v->xin = malloc((size_t)KV_VDOT_MAX_NT * n_embd * sizeof(float));
     v->hin = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
     v->h = malloc((size_t)KV_VDOT_MAX_NT * n_ff * sizeof(float));
+    v->xup = malloc((size_t)KV_VDOT_MAX_NT * n_embd * sizeof(float));
+    v->ub = malloc((size_t)n_ff * sizeof(float));
+    v->dxu = malloc(((size_t)KV_VDOT_MAX_NT * (n_embd / 32) + 1) * sizeof(double));
     v->qbuf = malloc(kv_matmul_scratch(mx, 1));
     v->dx = malloc(((size_t)KV_VDOT_MAX_NT * (n_embd / 32) + 1) * sizeof(double));
     v->dh = malloc(((size_t)KV_VDOT_MAX_NT * (n_ff / 32) + 1) * sizeof(double));
-    if (!v->tab || !v->acc || !v->rnd || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf || !v->dx || !v->dh) {
+    if (!v->tab || !v->acc || !v->rnd || !v->row || !v->xin || !v->hin || !v->h || !v->qbuf || !v->dx || !v->dh ||
+        !v->xup || !v->ub || !v->dxu) {
         kv_verify_free(v);
         return kv_fail(d, KV_ENOMEM, "verify: out of memory");
     }
@@ -151,6 +165,9 @@ void kv_verify_free(kv_verify *v) {
     free(v->qbuf);
     free(v->dx);
     free(v->dh);
+    free(v->xup);
+    free(v->ub);
+    free(v->dxu);
     sodium_memzero(v->seed, sizeof v->seed);
     free(v);
 }
@@ -199,6 +216,17 @@ static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, u
     for (uint32_t p = 0; p < P; p++) m->rmax[p] = 0;
     for (size_t i = 0; i < (size_t)m->out * P; i++)
         if (fabs((double)m->r[i]) > m->rmax[i / m->out]) m->rmax[i / m->out] = fabs((double)m->r[i]);
+    if (m->ob) /* the output bias projected: r . y - r . ob is the product's projection */
+        for (uint32_t p = 0; p < P; p++) {
+            double acc = 0, aa = 0;
+            for (uint32_t i = 0; i < m->out; i++) {
+                const double t = (double)m->r[(size_t)p * m->out + i] * m->ob[i];
+                acc += t;
+                aa += fabs(t);
+            }
+            m->rb[p] = acc;
+            m->rba[p] = aa;
+        }
     memset(m->s, 0, (size_t)m->in * P * sizeof(double));
     double *ap = v->acc, *bp = v->acc + m->in;
     if (stats) memset(v->acc, 0, 2 * (size_t)m->in * sizeof(double));
@@ -240,13 +268,55 @@ static void kv_vmat_fill(kv_verify *v, kv_vmat *m, uint32_t layer, uint32_t e, u
     }
 }
 
-/* Room and statistics for one matrix (out rows of `in` elements of type). */
-static int kv_vmat_prepare(kv_verify *v, kv_vmat *m, const void *W, uint32_t type, uint32_t in, uint32_t out,
-                           uint32_t layer, uint32_t e, uint32_t k, kv_diag *d) {
+/* Whether the check can read a matrix of type with rows of `in` elements:
+ * to_float, and with Q8_1 activations blocks of 32 that begin with d, m. */
+static bool kv_vmat_readable(uint32_t type, uint32_t in) {
     const kv_type_info *ti = kv_type_get(type);
-    const uint64_t rb = kv_type_row_size(type, in);
-    if (!ti || !ti->to_float || !rb) return kv_fail(d, KV_EUNSUPPORTED, "verify: weight type %u cannot be read", type);
+    if (!ti || !ti->to_float || !kv_type_row_size(type, in)) return false;
+    const kv_type_info *vi = kv_type_get(ti->vec_dot_type);
+    if (!vi || (ti->vec_dot_type != KV_TYPE_F32 && !vi->to_float)) return false;
+    return ti->vec_dot_type != KV_TYPE_Q8_1 || (ti->blck == 32 && ti->size >= 4 && in % 32 == 0);
+}
+
+int kv_verify_supported(const kv_expert_weights *w, uint32_t layer, uint32_t n_embd, uint32_t n_ff, kv_diag *d) {
+    static const char *const stems[3] = {KV_EXPERT_STEM_GATE, KV_EXPERT_STEM_UP, KV_EXPERT_STEM_DOWN};
+    const uint32_t types[3] = {w->gate_type, w->up_type, w->down_type};
+    for (int k = 0; k < 3; k++)
+        if (!kv_vmat_readable(types[k], k < 2 ? n_embd : n_ff)) {
+            const kv_type_info *ti = kv_type_get(types[k]);
+            return kv_fail(d, KV_EUNSUPPORTED, "verify: tensor 'blk.%u.%s.weight' has type %s (%u), which the "
+                           "verifier cannot check; run without verification", layer, stems[k], ti ? ti->name : "?",
+                           types[k]);
+        }
+    if (w->act > KV_ACT_SWIGLU_CLAMP)
+        return kv_fail(d, KV_EUNSUPPORTED, "verify: layer %u: expert activation %u is not one the verifier computes",
+                       layer, w->act);
+    return 0;
+}
+
+size_t kv_verify_weights_bytes(const kv_expert_weights *w, uint32_t n_embd, uint32_t n_ff, uint32_t n_proj) {
+    size_t n = kv_verify_expert_bytes(n_embd, n_ff, n_proj);
+    const uint32_t types[3] = {w->gate_type, w->up_type, w->down_type};
+    for (int k = 0; k < 3; k++) /* the projected mins of Q8_1-activation blocks (kv_vmat.c) */
+        if (kv_type_get(types[k]) && kv_type_get(types[k])->vec_dot_type == KV_TYPE_Q8_1)
+            n += (size_t)n_proj * ((k < 2 ? n_embd : n_ff) / 32) * sizeof(double);
+    return n;
+}
+
+/* Room and statistics for one matrix (out rows of `in` elements of type);
+ * ob: the bias the worker adds to its output, or NULL. */
+static int kv_vmat_prepare(kv_verify *v, kv_vmat *m, const void *W, uint32_t type, uint32_t in, uint32_t out,
+                           const float *ob, uint32_t layer, uint32_t e, uint32_t k, kv_diag *d) {
+    const kv_type_info *ti = kv_type_get(type);
+    if (!kv_vmat_readable(type, in)) return kv_fail(d, KV_EUNSUPPORTED, "verify: weight type %u cannot be read", type);
     const uint32_t P = v->o.n_proj;
+    m->ob = ob;
+    m->ob1 = m->ob2 = 0;
+    for (uint32_t i = 0; ob && i < out; i++) {
+        m->ob1 += fabs((double)ob[i]);
+        m->ob2 += (double)ob[i] * ob[i];
+    }
+    m->ob2 = sqrt(m->ob2);
     m->type = type;
     m->vdt = ti->vec_dot_type;
     m->in = in;
@@ -262,7 +332,7 @@ static int kv_vmat_prepare(kv_verify *v, kv_vmat *m, const void *W, uint32_t typ
     if (m->vdt == KV_TYPE_Q8_1 && ti->blck == 32 && ti->size >= 4 && in % 32 == 0)
         m->c = malloc((size_t)P * (in / 32) * sizeof(double));
     if (!m->r || !m->s || !m->a || !m->b || (m->vdt == KV_TYPE_Q8_1 && !m->c))
-        return kv_fail(d, KV_ENOMEM, "verify: out of memory or Q8_1 activations of type %u", type);
+        return kv_fail(d, KV_ENOMEM, "verify: out of memory");
     kv_vmat_fill(v, m, layer, e, k, 0, true);
     return 0;
 }
@@ -270,26 +340,28 @@ static int kv_vmat_prepare(kv_verify *v, kv_vmat *m, const void *W, uint32_t typ
 int kv_verify_prepare(kv_verify *v, uint32_t layer, uint32_t e, const kv_expert_weights *w, kv_diag *d) {
     if (layer >= v->n_layer || e >= v->n_expert)
         return kv_fail(d, KV_ERANGE, "verify: layer %u expert %u out of range", layer, e);
-    if (w->act || w->gate_b || w->up_b || w->down_b) /* the check recomputes plain SwiGLU, no biases */
-        return kv_fail(d, KV_EUNSUPPORTED, "verify: layer %u expert %u has biases or the clamped SwiGLU (gpt-oss), "
-                       "which the verifier does not check; run without verification", layer, e);
     kv_vexp **slot = &v->tab[(size_t)layer * v->n_expert + e];
     if (*slot) return 0;
+    int rc = kv_verify_supported(w, layer, v->n_embd, v->n_ff, d);
+    if (rc) return rc;
     kv_vexp *x = calloc(1, sizeof *x);
     if (!x) return kv_fail(d, KV_ENOMEM, "verify: out of memory");
+    /* gpt-oss: the answered gate and up are the products before their biases (as the worker's
+     * kv_expert_local_compute_pre returns them); down's bias is in the answered output */
+    x->act = w->act;
+    x->gate_b = w->gate_b;
+    x->up_b = w->up_b;
     const void *mats[3] = {w->gate, w->up, w->down};
     const uint32_t types[3] = {w->gate_type, w->up_type, w->down_type};
-    int rc = 0;
     for (uint32_t k = 0; k < 3 && !rc; k++)
-        rc = k < 2 ? kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_embd, v->n_ff, layer, e, k, d)
-                   : kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_ff, v->n_embd, layer, e, k, d);
-    if (!rc && x->m[0].vdt != x->m[1].vdt) rc = kv_fail(d, KV_EUNSUPPORTED, "verify: gate and up activations differ");
+        rc = k < 2 ? kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_embd, v->n_ff, NULL, layer, e, k, d)
+                   : kv_vmat_prepare(v, &x->m[k], mats[k], types[k], v->n_ff, v->n_embd, w->down_b, layer, e, k, d);
     if (rc) {
         kv_vexp_free(x);
         return rc;
     }
     *slot = x;
-    v->bytes += kv_verify_expert_bytes(v->n_embd, v->n_ff, v->o.n_proj);
+    v->bytes += kv_verify_weights_bytes(w, v->n_embd, v->n_ff, v->o.n_proj);
     return 0;
 }
 
@@ -354,7 +426,11 @@ typedef struct kv_vres {
 static kv_vres kv_verify_cmp(const kv_verify *v, const kv_vmat *m, const double *lhs, const double *rhs, double S,
                              double B, const float *in, const float *outv) {
     const uint32_t P = v->o.n_proj;
-    const double T = v->o.kappa * KV_U32 * (S / sqrt((double)m->in * m->out) + sqrt(B)) + 1e-30;
+    /* with an output bias, out_i = fl(product_i + ob_i): one more rounding of at most
+     * u (|product_i| + |ob_i|) per row, which r weighs as it weighs the product's own: the
+     * product's part is of the scale sqrt(B) already covers, ob's adds kappa u |ob|_2. Both
+     * terms depend on the input and the weights only, never on the answer checked. */
+    const double T = v->o.kappa * KV_U32 * (S / sqrt((double)m->in * m->out) + sqrt(B) + m->ob2) + 1e-30;
     double gab[KV_VERIFY_MAX_PROJ] = {0}, sab[KV_VERIFY_MAX_PROJ] = {0};
     if (v->o.worst_case) { /* the f64 sums' own rounding, rigorously: n u64 sum |terms| */
         for (uint32_t i = 0; i < m->out; i++)
@@ -373,18 +449,21 @@ static kv_vres kv_verify_cmp(const kv_verify *v, const kv_vmat *m, const double 
         }
     for (uint32_t p = 0; p < P; p++) {
         double tol = T;
+        const double l = m->ob ? lhs[p] - m->rb[p] : lhs[p]; /* the product's projection */
         if (v->o.worst_case) {
             /* every dot: |error| <= n u / (1 - n u) sum |w x|, weighted by |r_i| <= rmax; then
              * the f64 sums (out and in terms) and s itself (out terms per column) */
             const double g = m->in * KV_U32 / (1 - m->in * KV_U32);
             const double g64 = 2.0 * (m->in + m->out) * KV_U64;
             tol = (g + 2.0 * m->out * KV_U64) * m->rmax[p] * S + g64 * (gab[p] + sab[p]) + 1e-30;
+            if (m->ob) /* the bias's rounding, u max|r| (sum|product| <= S, + |ob|_1), and r . ob's own in f64 */
+                tol += KV_U32 * m->rmax[p] * (S + m->ob1) + 2.0 * m->out * KV_U64 * m->rba[p];
         }
-        const double ratio = fabs(lhs[p] - rhs[p]) / tol;
+        const double ratio = fabs(l - rhs[p]) / tol;
         if (ratio > res.worst) res.worst = ratio;
         if (!(ratio <= 1.0)) {
             res.over++;
-            if (res.first < 0) res.first = (int)p, res.lhs = lhs[p], res.rhs = rhs[p], res.tol = tol;
+            if (res.first < 0) res.first = (int)p, res.lhs = l, res.rhs = rhs[p], res.tol = tol;
         }
     }
     return res;
@@ -423,15 +502,22 @@ static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *c
     double lg[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], rg[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
     double lu[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ], ru[KV_VDOT_MAX_NT * KV_VERIFY_MAX_PROJ];
     double Sg[KV_VDOT_MAX_NT], Bg[KV_VDOT_MAX_NT], Su[KV_VDOT_MAX_NT], Bu[KV_VDOT_MAX_NT];
-    const float *xin[KV_VDOT_MAX_NT], *hin[KV_VDOT_MAX_NT];
+    const float *xin[KV_VDOT_MAX_NT], *xup[KV_VDOT_MAX_NT], *hin[KV_VDOT_MAX_NT];
+    /* up's input as its kernel sees it: gate's, unless its activation type differs (gate Q8_0, up Q4_K) */
+    const bool own_up = X->m[1].vdt != X->m[0].vdt;
     for (uint32_t t = 0; t < nt; t++) {
         kv_verify_activation(v, K, X->m[0].vdt, x[t], E, v->xin + (size_t)t * E, v->dx + (size_t)t * (E / 32));
         xin[t] = v->xin + (size_t)t * E;
+        xup[t] = xin[t];
+        if (own_up) {
+            kv_verify_activation(v, K, X->m[1].vdt, x[t], E, v->xup + (size_t)t * E, v->dxu + (size_t)t * (E / 32));
+            xup[t] = v->xup + (size_t)t * E;
+        }
     }
     K->dots(P, nt, X->m[0].r, gate, F, X->m[0].s, X->m[0].a, X->m[0].b, xin, E, lg, rg, Sg, Bg);
-    K->dots(P, nt, X->m[1].r, up, F, X->m[1].s, X->m[1].a, X->m[1].b, xin, E, lu, ru, Su, Bu);
+    K->dots(P, nt, X->m[1].r, up, F, X->m[1].s, X->m[1].a, X->m[1].b, xup, E, lu, ru, Su, Bu);
     kv_verify_min_term(&X->m[0], P, nt, v->dx, rg);
-    kv_verify_min_term(&X->m[1], P, nt, v->dx, ru);
+    kv_verify_min_term(&X->m[1], P, nt, own_up ? v->dxu : v->dx, ru);
     /* gate and up of each answer in order; the first failure ends the group there */
     kv_vres fail = {-1, false, 0, 0, 0, 0, 0};
     int fstage = -1;
@@ -444,13 +530,19 @@ static int kv_verify_group(kv_verify *v, kv_vexp *X, uint32_t nt, const float *c
             fail = rgt, fstage = 0, nd = t;
             break;
         }
-        const kv_vres rut = kv_verify_cmp(v, &X->m[1], lu + t * P, ru + t * P, Su[t], Bu[t], xin[t], up[t]);
+        const kv_vres rut = kv_verify_cmp(v, &X->m[1], lu + t * P, ru + t * P, Su[t], Bu[t], xup[t], up[t]);
         worst[t] = fmax(worst[t], rut.worst);
         if (rut.first >= 0) fail = rut, fstage = 1, nd = t;
         /* the down input, recomputed from the checked gate and up as the worker does */
         if (fstage < 0) {
             float *h = v->h + (size_t)t * F;
-            K->swiglu(h, gate[t], up[t], F); /* kv_swiglu's bits */
+            if (X->act == KV_ACT_SWIGLU && !X->gate_b && !X->up_b) {
+                K->swiglu(h, gate[t], up[t], F); /* kv_swiglu's bits */
+            } else { /* the biases, then the activation, in src/moe/local.c's operations */
+                for (uint32_t k = 0; k < F; k++) h[k] = X->gate_b ? gate[t][k] + X->gate_b[k] : gate[t][k];
+                for (uint32_t k = 0; k < F; k++) v->ub[k] = X->up_b ? up[t][k] + X->up_b[k] : up[t][k];
+                kv_expert_act(X->act, h, h, v->ub, F);
+            }
             if (!K->finite(h, F)) fstage = 3, nd = t;
             else kv_verify_activation(v, K, X->m[2].vdt, h, F, v->hin + (size_t)t * F, v->dh + (size_t)t * (F / 32));
         }

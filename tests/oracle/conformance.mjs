@@ -186,6 +186,15 @@ export const MODELS = [
       "--experts-used", "2", "--heads", "4", "--head-dim", "48",
       "--rope-dim", "16", "--kv-lora", "64", "--q-lora", "96", "--yarn-factor", "8", "--vocab", "2000",
       "--untied"] },
+  // deepseek2 as the published quants are: llama-quantize's Q4_K_M recipe
+  // (--mix), so rows that do not fit Q4_K's 256 fall back as llama.cpp's do
+  // (attn_k_b, attn_v_b, attn_q_b: Q5_0; attn_output with 8 experts: Q5_K ->
+  // Q5_1), "more bits" blocks' routed and shared down Q6_K, output Q6_K: five
+  // types in one file, a dense lead block, YaRN.
+  { name: "ds2-mix-q4_k_m", arch: "deepseek2", type: "mix q4_k_m", mix: "q4_k_m", bound: "mix", seed: 40,
+    args: ["--layers", "3", "--dense-layers", "1", "--embd", "256", "--ff-exp", "256", "--experts", "8",
+      "--experts-used", "2", "--heads", "4", "--head-dim", "48", "--rope-dim", "16", "--kv-lora", "64",
+      "--q-lora", "96", "--yarn-factor", "4", "--vocab", "2000", "--untied"] },
   // gpt-oss (issue 34): q/k/v/o, router and expert biases, attention sinks,
   // a sliding window (shorter than the prompts plus 32 generated tokens) in
   // the blocks the pattern names, top-k then softmax routing, the clamped
