@@ -40,7 +40,9 @@
 # q4_k_m: Q4_K with ffn_down*, attn_v and output in Q6_K (llama.cpp's mix).
 #
 # Env: KV_BENCH_THREADS ("1 2"), KV_BENCH_REPS (5), KV_BENCH_TTFT (2048), KV_BENCH_ISA (native),
-#      KV_BENCH_ARCHS ("qwen3moe qwen35moe"),
+#      KV_BENCH_ARCHS ("qwen3moe qwen35moe"; also deepseek2, gpt-oss: keys ds2-T, gptoss-T),
+#      KV_BENCH_DS2_TYPES ("q8_0 q4_k"), KV_BENCH_DS2_LAYERS_Q8_0 (2), KV_BENCH_DS2_LAYERS_Q4_K (4),
+#      KV_BENCH_GPTOSS_TYPES ("q8_0 mxfp4"), KV_BENCH_GPTOSS_LAYERS_Q8_0 / _MXFP4 (2),
 #      KV_BENCH_LAYERS_Q8_0 (2), KV_BENCH_LAYERS_Q4_K (4),
 #      KV_BENCH_Q35_LAYERS_Q8_0 (4), KV_BENCH_Q35_LAYERS_Q4_K (4),
 #      KV_BENCH_TYPES ("q8_0 q4_k q4_k_m"; both families), KV_BENCH_REGEN=1 rewrites the models,
@@ -149,9 +151,9 @@ gen_models() {
     case $t in
       q8_0) v=${lv}Q8_0; L=${!v:-} ;;
       q4_k|q4_k_m) v=${lv}Q4_K; L=${!v:-} ;;
-      *) L=${KV_BENCH_LAYERS:-} ;;
+      *) v=${lv}${t^^}; L=${!v:-${KV_BENCH_LAYERS:-}} ;;
     esac
-    [ -n "$L" ] || case $arch:$t in qwen3moe:q4_k*|qwen35moe:*) L=4 ;; *) L=2 ;; esac
+    [ -n "$L" ] || case $arch:$t in qwen3moe:q4_k*|qwen35moe:*|deepseek2:q4_k*) L=4 ;; *) L=2 ;; esac
     f="$OUT/$name-$t-L$L.gguf"
     if [ ! -f "$f" ] || [ -n "${KV_BENCH_REGEN:-}" ]; then
       echo "bench: kvasir gen-model --arch $arch $* --layers $L --type $t -> $f"
@@ -180,7 +182,17 @@ for arch in $ARCHS; do
       NAME=qwen35-35b-a3b-shape
       if [ -n "${KV_BENCH_Q35_SHAPE:-}" ]; then read -r -a SHAPE <<< "$KV_BENCH_Q35_SHAPE"; NAME=custom35-$(echo "$KV_BENCH_Q35_SHAPE" | tr -c 'A-Za-z0-9' '_'); fi
       gen_models qwen35moe "$NAME" qwen35- KV_BENCH_Q35_LAYERS_ "${SHAPE[@]}" ;;
-    *) die "unknown arch in KV_BENCH_ARCHS: $arch (qwen3moe, qwen35moe)" ;;
+    deepseek2)
+      # DeepSeek-V3's routing and MLA head shapes at n_embd 2048 (gen-model
+      # --preset deepseek-v3-bench): Q8_0 2 layers = the dense first block +
+      # one MoE block, Q4_K 4 layers
+      TYPES=${KV_BENCH_DS2_TYPES:-q8_0 q4_k} gen_models deepseek2 deepseek-v3-bench ds2- KV_BENCH_DS2_LAYERS_ --preset deepseek-v3-bench ;;
+    gpt-oss)
+      # gpt-oss-20b's blocks (gen-model --preset gpt-oss-20b-bench), 2 layers
+      # = one sliding-window block and one full; its expert rows of 2880 do
+      # not fit K-quant blocks, so Q8_0 and MXFP4 (the published experts' type)
+      TYPES=${KV_BENCH_GPTOSS_TYPES:-q8_0 mxfp4} gen_models gpt-oss gpt-oss-20b-bench gptoss- KV_BENCH_GPTOSS_LAYERS_ --preset gpt-oss-20b-bench ;;
+    *) die "unknown arch in KV_BENCH_ARCHS: $arch (qwen3moe, qwen35moe, deepseek2, gpt-oss)" ;;
   esac
 done
 

@@ -9,7 +9,8 @@
  * pairs, a leading dense block, sigmoid routing with the selection bias and
  * group-limited top-k, normalized and scaled weights, shared experts. Then
  * bit-identity of our f32 logits across thread counts, prefill chunking
- * and several sequences decoded together; the F16 cache close to the F32
+ * and several sequences decoded together, and with the last block run only
+ * for the rows whose logits are wanted; the F16 cache close to the F32
  * one; ring windows chained by hidden states; the cache holding only the
  * latent and the rope part; and metadata
  * kvasir cannot run as llama.cpp would (the joint attn_kv_b, another gating
@@ -304,6 +305,34 @@ static void test_bit_identity(void) {
     free(cc);
 }
 
+/* The last block of a call runs the queries, attention and FFN only for the
+ * rows whose logits are wanted (every token's latent still goes into the
+ * cache): the prompt's last logits and a decode step after it are those of
+ * token-by-token evaluation, and those of a call that keeps every row. */
+static void test_dropped_rows(void) {
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    kv_state *s = NULL;
+    kv_state_opts o = {.n_ctx = 64, .n_batch = 16};
+    ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
+    ASSERT_EQ(kv_state_new(&s, g_m, pool, &o, &d), 0);
+    float *l = calloc((size_t)V, sizeof *l);
+    if (s && l) {
+        for (int all = 0; all < 2; all++) {
+            kv_state_reset(s);
+            kv_state_set_all_rows(s, all);
+            ASSERT_EQ(kv_state_eval(s, toks, N - 1, l, &d), 0);
+            ASSERT_TRUE(kv_state_dropped_rows(s) == !all);
+            ASSERT_TRUE(memcmp(l, g_a + (size_t)(N - 2) * V, (size_t)V * sizeof *l) == 0);
+            ASSERT_EQ(kv_state_eval(s, toks + N - 1, 1, l, &d), 0);
+            ASSERT_TRUE(memcmp(l, g_a + (size_t)(N - 1) * V, (size_t)V * sizeof *l) == 0);
+        }
+    }
+    free(l);
+    kv_state_free(s);
+    kv_pool_free(pool);
+}
+
 /* an F16 cache: the same model within F16 rounding of the latent */
 static void test_f16_cache(void) {
     float *h = ref_ours(g_m, toks, N, 2, 0, KV_TYPE_F16);
@@ -434,7 +463,7 @@ static void test_bad_metadata(void) {
 }
 
 static const kvt_case cases[] = {KVT_CASE(test_bad_metadata), KVT_CASE(test_loaded), KVT_CASE(test_cache_bytes), KVT_CASE(test_f64_reference),
-                                 KVT_CASE(test_bit_identity), KVT_CASE(test_f16_cache), KVT_CASE(test_multi_seq),
+                                 KVT_CASE(test_bit_identity), KVT_CASE(test_dropped_rows), KVT_CASE(test_f16_cache), KVT_CASE(test_multi_seq),
                                  KVT_CASE(test_windows)};
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

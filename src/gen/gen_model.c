@@ -77,6 +77,29 @@ static const kv_gen_preset kv_presets[] = {
      "Qwen3-30B-A3B layer shapes: embd 2048, 128 experts (top-8) of 768, 32/4 heads x 128, "
      "vocab 151936, ctx 4096; 4 layers, q4_K (~1.8 GB; q8_0 ~3.3 GB)",
      GEN_QWEN3MOE(4, 2048, 768, 128, 8, 32, 4, 128, 151936, 4096, KV_TYPE_Q4_K)},
+    /* DeepSeek-V3's routing and MLA head shapes (256 experts top-8 in 8
+     * groups of which 4 are chosen, one shared expert, sigmoid scores scaled
+     * by 2.5; q_lora 1536, kv_lora 512, query heads of 128 + 64 rope, values
+     * of 128; YaRN factor 40; the first block dense at V3's 9x the expert
+     * width), at n_embd 2048 with 16 heads and experts of 512, so a layer is
+     * about Qwen3-30B-A3B's (805M expert weights against 604M) */
+    {"deepseek-v3-bench",
+     "DeepSeek-V3 routing and MLA shapes at embd 2048: 256 experts (top-8, 8 groups, 4 used) of 512, "
+     "1 shared, 16 heads x (128+64), kv_lora 512, q_lora 1536, first block dense (4608), YaRN 40, "
+     "vocab 129280, ctx 4096; 4 layers, q4_K (~1.7 GB)",
+     {.arch = "deepseek2", .n_layer = 4, .n_embd = 2048, .n_ff_exp = 512, .n_expert = 256, .n_expert_used = 8,
+      .n_head = 16, .n_head_kv = 1, .head_dim = 192, .n_vocab = 129280, .n_ctx = 4096, .type = KV_TYPE_Q4_K,
+      .seed = 42, .n_rot = 64, .q_lora_rank = 1536, .kv_lora_rank = 512, .head_dim_v = 128, .n_ff = 4608,
+      .n_dense_lead = 1, .n_expert_shared = 1, .n_expert_groups = 8, .n_group_used = 4,
+      .expert_weights_scale = 2.5f, .yarn_factor = 40.0f, .yarn_orig_ctx = 4096}},
+    /* gpt-oss-20b as it is (24 blocks there, a few here): the 120b has the
+     * same blocks with 128 experts, 4x the expert bytes of one layer */
+    {"gpt-oss-20b-bench",
+     "gpt-oss-20b shapes: embd 2880, 32 experts (top-4) of 2880, 64/8 heads x 64, sliding window 128 "
+     "in even blocks, sinks, YaRN 32 over 4096, vocab 201088, ctx 4096; 2 layers, mxfp4 (~1.6 GB)",
+     {.arch = "gpt-oss", .n_layer = 2, .n_embd = 2880, .n_ff_exp = 2880, .n_expert = 32, .n_expert_used = 4,
+      .n_head = 64, .n_head_kv = 8, .head_dim = 64, .n_vocab = 201088, .n_ctx = 4096, .type = KV_TYPE_MXFP4,
+      .seed = 42, .n_swa = 128, .swa_pattern = 2, .yarn_factor = 32.0f, .yarn_orig_ctx = 4096}},
 };
 
 const kv_gen_preset *kv_gen_presets(size_t *n) {
@@ -92,7 +115,8 @@ int kv_gen_preset_get(const char *name, kv_gen_config *cfg, kv_diag *d) {
             *cfg = p[i].cfg;
             return 0;
         }
-    return kv_fail(d, KV_ENOTFOUND, "unknown preset '%s' (presets: tiny, small, qwen3-30b-a3b-bench)",
+    return kv_fail(d, KV_ENOTFOUND, "unknown preset '%s' (presets: tiny, small, qwen3-30b-a3b-bench, "
+                   "deepseek-v3-bench, gpt-oss-20b-bench)",
                    name);
 }
 

@@ -532,12 +532,16 @@ static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int
     float *wide = s->kv_wide + (size_t)ith * 2 * KV_BLOCK * (size_t)HD;
     const uint32_t seq = s->tok_seq[t0];
     const int64_t pos0 = s->tok_pos[t0], maxkv = (int64_t)s->tok_pos[t0 + nt - 1] + 1;
+    /* a sliding window: the blocks before the first token's window hold no
+     * key any token of the unit reads (their weights would be exactly 0, and
+     * o + 0 * v is o for the finite values of the cache), so they are skipped */
+    const int64_t plo = n_swa && pos0 + 1 > (int64_t)n_swa ? (pos0 + 1 - (int64_t)n_swa) / KV_BLOCK * KV_BLOCK : 0;
     for (uint32_t u = 0; u < nt; u++)
         memcpy(qb + (size_t)u * NH * HD, s->q + (size_t)(t0 + u) * (size_t)(H * HD) + (size_t)h0 * (size_t)HD,
                (size_t)(NH * HD) * sizeof(float));
     /* scores: token u attends keys 0..pos0+u; the unit's keys past that (up
      * to maxkv, all written) are computed with the others and never read */
-    for (int64_t p0 = 0; p0 < maxkv; p0 += KV_BLOCK) {
+    for (int64_t p0 = plo; p0 < maxkv; p0 += KV_BLOCK) {
         const int64_t n = maxkv - p0 < KV_BLOCK ? maxkv - p0 : KV_BLOCK;
         const uint32_t ulo = p0 > pos0 ? (uint32_t)(p0 - pos0) : 0; /* tokens with a key in this block */
         size_t ks;
@@ -556,7 +560,7 @@ static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int
                 kv_f32_softmax(row, n_kv, scale);
         }
     }
-    for (int64_t p0 = 0; p0 < maxkv; p0 += KV_BLOCK) {
+    for (int64_t p0 = plo; p0 < maxkv; p0 += KV_BLOCK) {
         const int64_t n = maxkv - p0 < KV_BLOCK ? maxkv - p0 : KV_BLOCK;
         size_t vs;
         const float *V = kv_attn_rows(s, seq, ai, 1, p0, n, kvh, wide + KV_BLOCK * HD, &vs);
@@ -565,7 +569,7 @@ static void kv_attn_unit(kv_state *s, uint32_t ai, uint32_t t0, uint32_t nt, int
             if (n_kv <= p0) continue;
             const int64_t m = n_kv - p0 < n ? n_kv - p0 : n;
             float *o = s->att + (size_t)(t0 + u) * (size_t)(H * HD) + (size_t)h0 * (size_t)HD;
-            kv_f32_wsum_rows_multi(o, (size_t)HD, sc + (size_t)u * NH * SCS + p0, SCS, NH, V, vs, m, HD, p0 != 0);
+            kv_f32_wsum_rows_multi(o, (size_t)HD, sc + (size_t)u * NH * SCS + p0, SCS, NH, V, vs, m, HD, p0 != plo);
         }
     }
 }
