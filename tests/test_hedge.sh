@@ -21,7 +21,9 @@
 #     probe): the stalled requests were never computed;
 #   - with three replicas of different speeds, the slow one gets fewer pairs
 #     than each fast one (load-aware choice), the fast ones some;
-#   - a gateway over the healthy worker and a fresh staller answers a completion
+#   - a gateway over the healthy worker and a fresh staller (this one stalls
+#     every request it takes, so that it has a stalled request to hedge
+#     whichever requests the replica choice gives it) answers a completion
 #     with the text of `kvasir run`, and its /metrics, read as soon as the
 #     completion is answered, counts the hedges (kvasir_gateway_hedges_total,
 #     _hedges_won_total, _hedges_cancelled_total).
@@ -171,7 +173,12 @@ echo "ok: replicas of different speeds: byte-identical, the slow one least used"
 
 # ---- a gateway: the same, and its /metrics counts the hedges ----------------------
 kill "$pid_s" 2>/dev/null || true
-start_worker s2 5 "${STALL[@]}"
+# every request it takes stalls: the first one it is given in the prefill's
+# first round, before it has an answer time, is hedged whatever the replica
+# choice does next (with every second one, a slow first answer could get it
+# demoted, and its second request, the first to stall, would be a probe,
+# which is not hedged)
+start_worker s2 5 --test-stall-ms=$STALL_MS --test-stall-every=1
 S2=$addr
 "$BIN" gateway --listen 127.0.0.1:0 --threads 1 -m "$D/coord/manifest.json" --worker "$A" --worker "$S2" \
   --key "$D/coord.key" >"$D/gw.out" 2>"$D/gw.err" &
@@ -187,7 +194,9 @@ done
 [ -n "$GW" ] || fail "gateway did not start"
 NG=120
 body=$(jq -nc --arg p "$P" --argjson n $NG '{prompt: $p, max_tokens: $n, temperature: 0}')
+t3=$(now)
 curl -sf "http://$GW/v1/completions" -d "$body" >"$D/gw.json" || fail "completion failed: $(cat "$D/gw.err")"
+t4=$(now)
 # at once: the completion's hedges are counted by the time it is answered
 curl -sf "http://$GW/metrics" >"$D/metrics.txt" || fail "/metrics"
 want=$("$BIN" run -m "$D/m.gguf" -p "$P" -n $NG --temp 0 --json --threads 1 | jq -r .text)
@@ -207,5 +216,14 @@ s2_counts() {
 [ "$gh" -ge 1 ] || fail "/metrics: no hedges counted ($(s2_counts); /metrics: $(grep -v '^#' "$D/metrics.txt" | grep -E 'hedge|late' | tr '\n' ' '))"
 [ "$gw" -le "$gh" ] || fail "/metrics: more hedges won ($gw) than sent ($gh)"
 [ "$gc" -ge 1 ] && [ "$gc" -le "$gh" ] || fail "/metrics: $gc hedges cancelled of $gh ($(s2_counts))"
-echo "ok: gateway: same text as kvasir run; /metrics: $gh hedges, $gw won, $gl late answers, $gc cancelled"
+# a replica whose request was called off loses its share until its estimate is
+# stale (0.5 s) and it is tried again, each time it is called off, not only
+# the first: about one stalled request per 0.5 s of decode (twice that, plus
+# 2, allowed), not one per round
+tg=$(awk -v a="$t3" -v b="$t4" 'BEGIN { printf "%.2f", b - a }')
+ns2=$(n_stalls s2)
+awk -v n="$ns2" -v t="$tg" 'BEGIN { exit !(n <= 2 + 4 * t) }' ||
+  fail "the staller was given $ns2 requests in a decode of $tg s: called off, it kept its share ($(s2_counts))"
+echo "ok: gateway: same text as kvasir run in $tg s; /metrics: $gh hedges, $gw won, $gl late answers, $gc cancelled;" \
+  "the staller took $ns2 requests"
 echo "test_hedge: ok"
