@@ -21,10 +21,12 @@
 #     probe): the stalled requests were never computed;
 #   - with three replicas of different speeds, the slow one gets fewer pairs
 #     than each fast one (load-aware choice), the fast ones some;
-#   - a gateway over the healthy worker and a fresh staller answers a
-#     completion with the text of `kvasir run`, and its /metrics counts the
-#     hedges (kvasir_gateway_hedges_total, _hedges_won_total,
-#     _hedges_cancelled_total).
+#   - a gateway over the healthy worker and a fresh staller (this one stalls
+#     every request it takes, so that it has a stalled request to hedge
+#     whichever requests the replica choice gives it) answers a completion
+#     with the text of `kvasir run`, and its /metrics, read as soon as the
+#     completion is answered, counts the hedges (kvasir_gateway_hedges_total,
+#     _hedges_won_total, _hedges_cancelled_total).
 # Bad stall flags are refused with a message that names them.
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -98,11 +100,13 @@ t0=$(now)
 "$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$B" --key "$D/coord.key" "${RUN[@]}" \
   --logits-out "$D/healthy.bin" >"$D/healthy.json" || fail "run over the healthy replicas"
 t1=$(now)
-s0=$(grep -c "stalls" "$D/s.err" || true)
+# the staller logs each stall it takes ("... stalls N ms"); its start-up lines do not count
+n_stalls() { grep -c "stalls [0-9]* ms" "$D/$1.err" || true; }
+s0=$(n_stalls s)
 "$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$S" --key "$D/coord.key" "${RUN[@]}" \
   --logits-out "$D/stall.bin" >"$D/stall.json" || fail "run with a stalling replica"
 t2=$(now)
-stalls=$(($(grep -c "stalls" "$D/s.err" || true) - s0))
+stalls=$(($(n_stalls s) - s0))
 th=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
 ts=$(awk -v a="$t1" -v b="$t2" 'BEGIN { printf "%.2f", b - a }')
 
@@ -169,7 +173,12 @@ echo "ok: replicas of different speeds: byte-identical, the slow one least used"
 
 # ---- a gateway: the same, and its /metrics counts the hedges ----------------------
 kill "$pid_s" 2>/dev/null || true
-start_worker s2 5 "${STALL[@]}"
+# every request it takes stalls: the first one it is given in the prefill's
+# first round, before it has an answer time, is hedged whatever the replica
+# choice does next (with every second one, a slow first answer could get it
+# demoted, and its second request, the first to stall, would be a probe,
+# which is not hedged)
+start_worker s2 5 --test-stall-ms=$STALL_MS --test-stall-every=1
 S2=$addr
 "$BIN" gateway --listen 127.0.0.1:0 --threads 1 -m "$D/coord/manifest.json" --worker "$A" --worker "$S2" \
   --key "$D/coord.key" >"$D/gw.out" 2>"$D/gw.err" &
@@ -185,17 +194,36 @@ done
 [ -n "$GW" ] || fail "gateway did not start"
 NG=120
 body=$(jq -nc --arg p "$P" --argjson n $NG '{prompt: $p, max_tokens: $n, temperature: 0}')
+t3=$(now)
 curl -sf "http://$GW/v1/completions" -d "$body" >"$D/gw.json" || fail "completion failed: $(cat "$D/gw.err")"
+t4=$(now)
+# at once: the completion's hedges are counted by the time it is answered
+curl -sf "http://$GW/metrics" >"$D/metrics.txt" || fail "/metrics"
 want=$("$BIN" run -m "$D/m.gguf" -p "$P" -n $NG --temp 0 --json --threads 1 | jq -r .text)
 [ "$(jq -r '.choices[0].text' "$D/gw.json")" = "$want" ] || fail "gateway: text differs from kvasir run"
-curl -sf "http://$GW/metrics" >"$D/metrics.txt" || fail "/metrics"
 gh=$(sed -n 's/^kvasir_gateway_hedges_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 gw=$(sed -n 's/^kvasir_gateway_hedges_won_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 gl=$(sed -n 's/^kvasir_gateway_late_answers_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 gc=$(sed -n 's/^kvasir_gateway_hedges_cancelled_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 [ -n "$gh" ] && [ -n "$gw" ] && [ -n "$gl" ] && [ -n "$gc" ] || fail "/metrics has no hedge counters: $(grep hedge "$D/metrics.txt")"
-[ "$gh" -ge 1 ] || fail "/metrics: no hedges counted ($(grep -c stalls "$D/s2.err" || true) stalls taken)"
+# the staller's own counts, for a failure message: stalls taken, then (once
+# it has exited) what it served and dropped on a CANCEL
+s2_counts() {
+  kill "$pid_s2" 2>/dev/null || true
+  wait "$pid_s2" 2>/dev/null || true
+  echo "the staller took $(n_stalls s2) stalls; $(grep "^worker: served" "$D/s2.err" | tail -1 || echo "no summary")"
+}
+[ "$gh" -ge 1 ] || fail "/metrics: no hedges counted ($(s2_counts); /metrics: $(grep -v '^#' "$D/metrics.txt" | grep -E 'hedge|late' | tr '\n' ' '))"
 [ "$gw" -le "$gh" ] || fail "/metrics: more hedges won ($gw) than sent ($gh)"
-[ "$gc" -ge 1 ] && [ "$gc" -le "$gh" ] || fail "/metrics: $gc hedges cancelled of $gh"
-echo "ok: gateway: same text as kvasir run; /metrics: $gh hedges, $gw won, $gl late answers, $gc cancelled"
+[ "$gc" -ge 1 ] && [ "$gc" -le "$gh" ] || fail "/metrics: $gc hedges cancelled of $gh ($(s2_counts))"
+# a replica whose request was called off loses its share until its estimate is
+# stale (0.5 s) and it is tried again, each time it is called off, not only
+# the first: about one stalled request per 0.5 s of decode (twice that, plus
+# 2, allowed), not one per round
+tg=$(awk -v a="$t3" -v b="$t4" 'BEGIN { printf "%.2f", b - a }')
+ns2=$(n_stalls s2)
+awk -v n="$ns2" -v t="$tg" 'BEGIN { exit !(n <= 2 + 4 * t) }' ||
+  fail "the staller was given $ns2 requests in a decode of $tg s: called off, it kept its share ($(s2_counts))"
+echo "ok: gateway: same text as kvasir run in $tg s; /metrics: $gh hedges, $gw won, $gl late answers, $gc cancelled;" \
+  "the staller took $ns2 requests"
 echo "test_hedge: ok"

@@ -798,11 +798,16 @@ static void kv_rw_lat_add(kv_rw *w, double t) {
  * timed would, without a stall's seconds: t is about the hedge time. It is
  * never put in the ring of answer times: the p50 and p95 that the hedge
  * time comes from are answers only (a cancel's age is the hedge time
- * itself; fed back, it would push the hedge time up with every hedge). */
+ * itself; fed back, it would push the hedge time up with every hedge).
+ * The estimate is dated now even when it stands (it is above 2t already):
+ * a replica tried again because its estimate went stale, whose request is
+ * called off once more, must lose its share for another
+ * KV_REMOTE_LAT_STALE_S, not be given work each round while a stale
+ * estimate counts as unmeasured. A stale estimate is replaced, not kept. */
 static void kv_rw_lat_floor(kv_rw *w, double t) {
-    if (!(2 * t > w->lat_s)) return;
-    w->lat_s = 2 * t;
-    w->lat_t = kv_mono();
+    const double now = kv_mono();
+    if (2 * t > w->lat_s || !(now - w->lat_t < KV_REMOTE_LAT_STALE_S)) w->lat_s = 2 * t;
+    w->lat_t = now;
 }
 
 /* Quantile q (0..1) of w's last answer times, seconds; 0 when none. The

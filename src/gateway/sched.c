@@ -120,6 +120,15 @@ void kv_gw_deadline(struct timespec *ts, long ms) {
     }
 }
 
+/* The remote set's hedge counters into g (for /metrics). Read after every
+ * step as well as with the health: a completion's hedges are counted by the
+ * time its last token is out, not only once the scheduler next idles. */
+static void kv_sched_hedges_locked(kv_gateway *g, kv_remote *rm) {
+    kv_remote_get_hedges(rm, &g->hedges, &g->hedges_won, &g->late_answers);
+    g->hedged_pairs = kv_remote_hedged_pairs(rm);
+    g->hedges_cancelled = kv_remote_hedges_cancelled(rm);
+}
+
 /* Health as the scheduler sees it: with workers, every shard (slab of a
  * MoE layer) must have each of its experts served by a worker that is up
  * (handshaken, its slabs' hashes checked) or by a local slab. */
@@ -135,9 +144,7 @@ void kv_gw_sched_health_locked(kv_gateway *g) {
     g->cov_covered = cv.covered;
     g->cov_up = cv.workers_up;
     g->cov_n_missing = cv.n_missing;
-    kv_remote_get_hedges(rm, &g->hedges, &g->hedges_won, &g->late_answers);
-    g->hedged_pairs = kv_remote_hedged_pairs(rm);
-    g->hedges_cancelled = kv_remote_hedges_cancelled(rm);
+    kv_sched_hedges_locked(g, rm);
     if (cv.covered < cv.total) {
         const kv_manifest_slab *sl = &g->man->slabs[g->cov_missing[0]];
         g->healthy = false;
@@ -375,6 +382,7 @@ void *kv_gw_sched_main(void *arg) {
         kv_gw_metrics_step_locked(g, dt);
         if (rc >= 0) kv_gw_autoscale_step_locked(g, dt);
         kv_remote *rm = kv_engine_remote(g->e);
+        if (rm) kv_sched_hedges_locked(g, rm); /* before any request of the step finishes */
         if (rc < 0 && rm && (g->fail_since == 0 || kv_now() - g->fail_since < g->o.step_retry_ms / 1000.0)) {
             /* the step failed as a whole (no session advanced): an expert
                whose holders are all gone. Keep the sessions and retry once
