@@ -23,9 +23,11 @@
 # forwards each packet through two TUN devices in userspace: a request and an
 # answer of tens of packets cost it more than one small ping), measured in the
 # same run at 0 ms: the round trip of a request-sized message and an
-# answer-sized one over plain TCP through the line less that of a 1-byte
-# message and answer (the small-packet part, which ping puts in rtt already),
-# less the same difference on loopback (already in t_compute). A link carries
+# answer-sized one over plain TCP through the line, each side idle for half a
+# crossing's share of t_compute before it writes (the line sleeps between
+# crossings in a decode, and its wake-ups are part of its cost), less the same
+# on loopback (already in t_compute), less ping's round trip through the line
+# at 0 ms (already in rtt). A link carries
 # a crossing at the slower of its rate and the line's own pace, so the larger
 # of the two times counts, not their sum.
 # Nothing of the delayed runs feeds the prediction.
@@ -76,30 +78,25 @@ read -r T_C ROUNDS BREQ BRESP < <(wcm_calibrate "$GEN")
 echo "loopback: $(awk -v t="$T_C" 'BEGIN { printf "%.2f", t * 1000 }') ms per token, $ROUNDS expert round trips per token," \
   "$BREQ bytes per request, $BRESP per answer"
 wcm_worker_stop
-xfer() { # NS HOST: "BIG SMALL", the echo's round trips of a crossing's bytes and of one byte each way
-  local big small
-  wcm_xfer_server "$1" "$2" "$BREQ" "$BRESP"
-  big=$(wcm_xfer_ms "$1" "$WCM_XADDR" "$BREQ" "$BRESP")
-  wcm_xfer_stop
-  wcm_xfer_server "$1" "$2" 1 1
-  small=$(wcm_xfer_ms "$1" "$WCM_XADDR" 1 1)
-  wcm_xfer_stop
-  echo "$big $small"
-}
-read -r X_LOOP X_LOOP1 < <(xfer - 127.0.0.1)
+# the line's own cost of a crossing: the echo with each side idle for half a
+# crossing's share of the compute before it writes, on loopback and through
+# the line at 0 ms
+GAP=$(awk -v t="$T_C" -v r="$ROUNDS" 'BEGIN { printf "%.4f", (r > 0 ? t * 1000 / r / 2 : 0) }')
+wcm_xfer_server - 127.0.0.1 "$BREQ" "$BRESP" "$GAP"
+X_LOOP=$(wcm_xfer_ms - "$WCM_XADDR" "$BREQ" "$BRESP" "$GAP")
+wcm_xfer_stop
 
 wan_setup 2 0
-wcm_xfer_server 1 "${WAN_IP[1]}" "$BREQ" "$BRESP"
-X_LINE=$(wcm_xfer_ms 0 "$WCM_XADDR" "$BREQ" "$BRESP")
+wcm_xfer_server 1 "${WAN_IP[1]}" "$BREQ" "$BRESP" "$GAP"
+X_LINE=$(wcm_xfer_ms 0 "$WCM_XADDR" "$BREQ" "$BRESP" "$GAP")
 wcm_xfer_stop
-wcm_xfer_server 1 "${WAN_IP[1]}" 1 1
-X_LINE1=$(wcm_xfer_ms 0 "$WCM_XADDR" 1 1)
-wcm_xfer_stop
-T_LINE=$(wcm_line_ms "$X_LINE" "$X_LINE1" "$X_LOOP" "$X_LOOP1")
+X_PING=$(wcm_ping_ms 0 1)
+[ -n "$X_PING" ] || fail "no ping across the line"
+T_LINE=$(wcm_line_ms "$X_LINE" "$X_LOOP" "$X_PING")
 wcm_worker_ns 1
 echo "line: $WAN_MECH"
-echo "line's cost of one crossing at 0 ms (plain TCP echo, ms): $BREQ + $BRESP bytes $X_LINE, 1 + 1 byte $X_LINE1" \
-  "through the line; $X_LOOP and $X_LOOP1 on loopback: t_line $T_LINE ms"
+echo "line's cost of one crossing at 0 ms: a TCP echo of $BREQ + $BRESP bytes, each side idle $GAP ms before it writes:" \
+  "$X_LINE ms through the line, $X_LOOP ms on loopback, ping $X_PING ms: t_line $T_LINE ms"
 echo
 echo "decode, one sequence: measured vs the cost model"
 printf "%8s  %9s  %12s  %14s  %14s  %8s\n" "rtt ms" "ping ms" "rate" "measured ms" "predicted ms" "error"

@@ -15,20 +15,22 @@
 #                               the model's seconds per token (docs/WAN.md); LINE_MS
 #                               (default 0) is the line's own time to carry one
 #                               crossing's bytes (wcm_line_ms)
-#   wcm_xfer_ms NS HOST BREQ BRESP
+#   wcm_xfer_ms NS HOST BREQ BRESP GAP_MS
 #                               the mean round trip (ms) of a BREQ-byte message and its
 #                               BRESP-byte answer over TCP from namespace NS (or "-": this
 #                               one) to a wcm_xfer_server at HOST (WCM_XADDR), 20 warm-up
-#                               rounds then WCM_XFER_N (300), the mean of the middle 90%
-#   wcm_xfer_server NS HOST BREQ BRESP   starts that echo in namespace NS on HOST, a free
-#                               port (WCM_XPID, WCM_XADDR "HOST,PORT"); wcm_xfer_stop
-#   wcm_line_ms LINE LINE1 LOOP LOOP1
-#                               the line's fixed cost of one crossing: a request and
+#                               rounds then WCM_XFER_N (300), the mean of the middle 90%;
+#                               each side idles GAP_MS before it writes (the line goes
+#                               idle between crossings as in a decode, and wakes up for
+#                               each message), the server's idle inside the round trip
+#   wcm_xfer_server NS HOST BREQ BRESP GAP_MS   starts that echo in namespace NS on HOST,
+#                               a free port (WCM_XPID, WCM_XADDR "HOST,PORT"); wcm_xfer_stop
+#   wcm_line_ms LINE LOOP PING  the line's fixed cost of one crossing: a request and
 #                               answer's round trip through the line at 0 ms (LINE) less
-#                               a 1-byte message and answer's (LINE1: the small-packet
-#                               part, which ping puts in the model's rtt already), less the
-#                               same difference on loopback (LOOP - LOOP1, in t_compute
-#                               already); 0 when negative
+#                               the same on loopback with the same gaps (LOOP: the gap and
+#                               the loopback part, in t_compute already) less ping's round
+#                               trip through the line at 0 ms (PING: the model's rtt has
+#                               it already); 0 when negative
 #   wcm_rate_name KBIT          "unlimited", "10 Mbit/s", ...
 #   wcm_ping_ms FROM TO         the path's mean round trip as ping measures it (20 small
 #                               pings), ms: the model's rtt input, as a user would measure it
@@ -125,6 +127,7 @@ wcm_ping_ms() {
 WCM_XFER_PY='
 import socket, sys, time
 mode, host, breq, bresp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+gap = float(sys.argv[5]) / 1000  # each side idles this long before it writes, as a compute would
 host, _, port = host.partition(",")
 def readn(c, n):
     got = 0
@@ -139,14 +142,16 @@ if mode == "server":
     while True:
         c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         out = b"r" * bresp
-        while readn(c, breq): c.sendall(out)
+        while readn(c, breq):
+            time.sleep(gap); c.sendall(out)
         c.close()
 else:
-    n = int(sys.argv[5])
+    n = int(sys.argv[6])
     c = socket.create_connection((host, int(port))); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     msg = b"q" * breq
     ts = []
     for i in range(n + 20):
+        time.sleep(gap)
         t = time.perf_counter(); c.sendall(msg)
         if not readn(c, bresp): sys.exit("echo closed")
         if i >= 20: ts.append(time.perf_counter() - t)
@@ -157,7 +162,7 @@ wcm_xfer_server() {
   local wrap=(env)
   [ "$1" != - ] && wrap=(ip netns exec "${WAN_NS[$1]}")
   rm -f "$dir/xfer.out"
-  "${wrap[@]}" python3 -c "$WCM_XFER_PY" server "$2" "$3" "$4" >"$dir/xfer.out" 2>"$dir/xfer.err" &
+  "${wrap[@]}" python3 -c "$WCM_XFER_PY" server "$2" "$3" "$4" "${5:-0}" >"$dir/xfer.out" 2>"$dir/xfer.err" &
   WCM_XPID=$!
   for _ in $(seq 200); do
     WCM_XADDR=$(sed -n 's/^listening /'"$2"',/p' "$dir/xfer.out" 2>/dev/null)
@@ -174,9 +179,9 @@ wcm_xfer_stop() {
 wcm_xfer_ms() {
   local wrap=(env)
   [ "$1" != - ] && wrap=(ip netns exec "${WAN_NS[$1]}")
-  "${wrap[@]}" python3 -c "$WCM_XFER_PY" client "$2" "$3" "$4" "${WCM_XFER_N:-300}" 2>>"$dir/xfer.err" ||
+  "${wrap[@]}" python3 -c "$WCM_XFER_PY" client "$2" "$3" "$4" "${5:-0}" "${WCM_XFER_N:-300}" 2>>"$dir/xfer.err" ||
     { cat "$dir/xfer.err" >&2; fail "the echo round trips failed"; }
 }
 wcm_line_ms() {
-  awk -v l="$1" -v l1="$2" -v o="$3" -v o1="$4" 'BEGIN { x = (l - l1) - (o - o1); printf "%.4f\n", (x > 0 ? x : 0) }'
+  awk -v l="$1" -v o="$2" -v p="$3" 'BEGIN { x = l - o - p; printf "%.4f\n", (x > 0 ? x : 0) }'
 }

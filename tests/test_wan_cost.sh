@@ -63,8 +63,8 @@ p=$(wcm_predict 0.010 8 8260 32860 40 0 0.39)
 [ "$p" = 0.333120 ] || fail "wcm_predict with a 0.39 ms line, unlimited: $p, by hand 0.333120"
 p=$(wcm_predict 0.010 8 8260 32860 40 10000 0.39)
 [ "$p" = "$want" ] || fail "wcm_predict with a 0.39 ms line at 10 Mbit/s: $p, by hand $want"
-[ "$(wcm_line_ms 0.52 0.07 0.05 0.02)" = 0.4200 ] || fail "wcm_line_ms 0.52 0.07 0.05 0.02: $(wcm_line_ms 0.52 0.07 0.05 0.02)"
-[ "$(wcm_line_ms 0.05 0.07 0.05 0.02)" = 0.0000 ] || fail "wcm_line_ms below zero: $(wcm_line_ms 0.05 0.07 0.05 0.02)"
+[ "$(wcm_line_ms 0.52 0.03 0.07)" = 0.4200 ] || fail "wcm_line_ms 0.52 0.03 0.07: $(wcm_line_ms 0.52 0.03 0.07)"
+[ "$(wcm_line_ms 0.05 0.03 0.07)" = 0.0000 ] || fail "wcm_line_ms below zero: $(wcm_line_ms 0.05 0.03 0.07)"
 echo "ok: the line's cost per crossing: the larger of it and the rate's time"
 
 WAN_LAYERS=$LAYERS WAN_SHAPE="--embd $EMBD --ff-exp 64 --experts 8 --experts-used $K --heads 4 --kv-heads 2 --head-dim 64 --vocab 600" \
