@@ -18,6 +18,7 @@
 #   make bench-ring  the ring's aggregate tokens/s for S = 1, 2, 4, 8 vs one process, and with 20 ms links
 #   make bench-wan   the WAN cost model (docs/WAN.md) against the test bed: 0-80 ms, 10 Mbit/s-unlimited
 #   make bench-wan-sites  issue 31's targets: ring of sites vs per-layer dispatch, speculation over the ring (40 ms)
+#   make bench-wan-122b   the Qwen3.5-122B-A10B shape (bench widths) on the same bed, against the cost model
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make bench-hedge  decode step p50/p99 over two replicas, healthy and with one stalling
 #   make bench-autoscale  a gateway with --local-experts and two workers under 1 -> 16 -> 1 clients
@@ -151,6 +152,11 @@ bench-wan: deps
 bench-wan-sites: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/wan_sites.sh $(BUILD)
+
+.PHONY: bench-wan-122b
+bench-wan-122b: deps
+	@$(MAKE) --no-print-directory build
+	@WS_MODEL=122b bash bench/wan_sites.sh $(BUILD)
 
 bench-hedge: deps
 	@$(MAKE) --no-print-directory build

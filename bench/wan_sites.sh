@@ -25,6 +25,23 @@
 # and spec 0.7/sites (target >= 1.8x). Whatever the figures are, they are
 # printed; WS_ASSERT_TARGETS=1 also fails when a target is missed.
 #
+# WS_MODEL=122b (`make bench-wan-122b`): the Qwen3.5-122B-A10B shape on the
+# same bed: qwen35moe with the real 48 blocks (+1 MTP block), 32/2 attention
+# heads, 16/64 delta-net heads, full attention every 4th block, 256 experts
+# (top-8) and a shared expert, at bench widths (embd 256, experts of 32,
+# head dims 32, vocab 1000: the real widths' 76 GB skeleton is all holes,
+# and `kvasir ring` serves no sparse skeleton). Modes experts and sites (no
+# speculation unless WS_ACCS names acceptances), each measured against the
+# cost model of docs/WAN.md: t_token = t_0 + crossings x (rtt - rtt_0), with
+# t_0 the same mode's time per token on the same bed with the line at 0 ms
+# (compute, every call's software cost and the line's own cost per crossing,
+# measured in the same run), rtt and rtt_0 ping's mean round trip between the
+# sites at WS_RTT and at 0 ms, and crossings the WAN round trips per token:
+# per-layer dispatch from site A, one per MoE layer held in site B (24); the
+# ring of sites, one (a hop each way). Both modes run once at 0 ms to warm
+# up before the calibration runs. WS_PREDICT=1 adds the same prediction to
+# the default model's rows.
+#
 # Env: WS_RTT (40), WS_LAYERS (48), WS_SHAPE (gen-model widths), WS_GEN (32),
 #      WS_EXPERTS_GEN (decode tokens of the slow per-layer mode, 16),
 #      WS_ACCS ("0 0.5 0.7 0.9 1"), WS_K (3), WS_JSON (a file: one JSON row
@@ -51,34 +68,53 @@ wan_available || fail "needs root and network namespaces"
 QUICK=${WS_QUICK:-0}
 RTT=${WS_RTT:-40}
 LAYERS=${WS_LAYERS:-48}
+ARCH=qwen3moe
 SHAPE=${WS_SHAPE:---embd 256 --ff-exp 64 --experts 16 --experts-used 4 --heads 4 --kv-heads 2 --head-dim 64 --vocab 1000}
+SLAB=16
 GEN=${WS_GEN:-32}
 EGEN=${WS_EXPERTS_GEN:-16}
-ACCS=${WS_ACCS:-0 0.5 0.7 0.9 1}
+ACCS=${WS_ACCS-0 0.5 0.7 0.9 1}
 K=${WS_K:-3}
+PREDICT=${WS_PREDICT:-0}
+case ${WS_MODEL:-} in
+"") ;;
+122b)
+  ARCH=qwen35moe SLAB=256 PREDICT=1
+  SHAPE=${WS_SHAPE:---embd 256 --ff-exp 32 --ff-shexp 32 --experts 256 --experts-used 8 --heads 32 --kv-heads 2 --head-dim 32 --attn-interval 4 --ssm-groups 16 --ssm-heads 64 --ssm-state 32 --nextn 1 --vocab 1000}
+  GEN=${WS_GEN:-32}
+  EGEN=${WS_EXPERTS_GEN:-8}
+  ACCS=${WS_ACCS-}
+  ;;
+*) fail "WS_MODEL: '$WS_MODEL' is not 122b (or empty)" ;;
+esac
 if [ "$QUICK" = 1 ]; then
   LAYERS=${WS_LAYERS:-8}
   GEN=${WS_GEN:-12}
   EGEN=${WS_EXPERTS_GEN:-6}
-  ACCS=${WS_ACCS:-0.7}
+  ACCS=${WS_ACCS-0.7}
 fi
+[ "$LAYERS" -ge 2 ] && [ "$LAYERS" -le 512 ] || fail "WS_LAYERS: $LAYERS is not 2..512"
 JSON_OUT=${WS_JSON:-$dir/rows.jsonl}
 : >"$JSON_OUT"
 HALF=$((LAYERS / 2))
 P="Two sites, one crossing each per token, and several tokens per crossing"
 
 echo "CPU: $(lscpu | sed -n 's/^Model name: *//p' | head -n1), $(nproc) threads; load average $(cut -d' ' -f1-3 /proc/loadavg)"
-"$KV" gen-model --arch qwen3moe --out "$dir/m.gguf" --layers "$LAYERS" $SHAPE --type q8_0 --seed 31 >/dev/null 2>&1 ||
+"$KV" gen-model --arch "$ARCH" --out "$dir/m.gguf" --layers "$LAYERS" $SHAPE --type q8_0 --seed 31 >/dev/null 2>"$dir/gen.err" ||
   fail "gen-model"
-"$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab 16 >/dev/null 2>&1 || fail "slice"
-echo "model: qwen3moe, $LAYERS MoE layers, $SHAPE, q8_0; sliced, one slab per layer"
+"$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab "$SLAB" >/dev/null 2>"$dir/slice.err" || fail "slice"
+echo "model: $ARCH, $LAYERS MoE layers, $SHAPE, q8_0 ($(du -m "$dir/m.gguf" | cut -f1) MB); sliced, one slab per layer"
 
 # the references: one process, no network (the plain path the tokens must equal)
 "$KV" run -m "$dir/m.gguf" -p "$P" -n "$GEN" --temp 0 --json --threads 1 >"$dir/ref.json" || fail "local run"
 jq -c .tokens "$dir/ref.json" >"$dir/ref.rec"
 "$KV" run -m "$dir/m.gguf" -p "$P" -n "$EGEN" --temp 0 --json --threads 1 >"$dir/eref.json" || fail "local run"
 
-wan_setup 2 "$(awk -v r="$RTT" 'BEGIN { print r / 2 }')"
+if [ "$PREDICT" = 1 ]; then
+  wan_setup 2 0 # the calibration first, at 0 ms; the line is set to RTT after it
+else
+  wan_setup 2 "$(awk -v r="$RTT" 'BEGIN { print r / 2 }')"
+fi
 A=${WAN_IP[0]} B=${WAN_IP[1]}
 echo "bed: site A $A, site B $B, $RTT ms round trip ($WAN_MECH)"
 
@@ -121,10 +157,13 @@ row() { # MODE JSON_FILE REF_FILE: checks the tokens, prints and records the row
   eval "TPS_$(echo "$mode" | tr -c 'a-z0-9\n' '_')=$tps"
 }
 
-# ---- experts: per-layer dispatch from a coordinator in site A
-wan_exec 0 "$KV" run -m "$dir/sl/manifest.json" --worker "$A:7300" --worker "$B:7300" --key "$dir/client.key" \
-  -p "$P" -n "$EGEN" --temp 0 --json --threads 1 >"$dir/experts.json" 2>"$dir/experts.err" || fail "per-layer dispatch"
-row experts "$dir/experts.json" "$dir/eref.json"
+ping_ms() { # the sites' mean round trip as ping measures it (20 small pings)
+  wan_exec 0 ping -n -q -c 20 -i 0.02 -W 2 "$B" 2>/dev/null | sed -n 's|^rtt min/avg/max/mdev = [0-9.]*/\([0-9.]*\)/.*|\1|p'
+}
+experts() { # OUT: per-layer dispatch from a coordinator in site A
+  wan_exec 0 "$KV" run -m "$dir/sl/manifest.json" --worker "$A:7300" --worker "$B:7300" --key "$dir/client.key" \
+    -p "$P" -n "$EGEN" --temp 0 --json --threads 1 >"$1" 2>"$dir/experts.err" || fail "per-layer dispatch"
+}
 
 # ---- sites: the ring of sites, each window on its own site's worker
 for i in 0 1; do
@@ -143,12 +182,52 @@ ring() { # OUT EXTRA...
   wan_exec 0 "$KV" run --ring "$A:7700" --key "$dir/client.key" -p "$P" -n "$GEN" --temp 0 --json "$@" >"$out" \
     2>"${out%.json}.err" || fail "ring request $*: $(cat "${out%.json}.err")"
 }
+
+# ---- the calibration (WS_PREDICT): both modes on the same bed at 0 ms
+if [ "$PREDICT" = 1 ]; then
+  experts "$dir/warm0e.json" # warm: the workers' and ring nodes' pages, the ring's connections
+  ring "$dir/warm0s.json"
+  experts "$dir/experts0.json"
+  ring "$dir/sites0.json"
+  for m in experts sites; do
+    [ "$(jq -c .tokens "$dir/${m}0.json")" = "$(jq -c .tokens "$dir/$([ $m = experts ] && echo eref || echo ref).json")" ] ||
+      fail "$m at 0 ms: tokens differ from kvasir run on the GGUF"
+  done
+  T0_experts=$(jq '1 / .timings.decode_tok_s' "$dir/experts0.json")
+  T0_sites=$(jq '1 / .timings.decode_tok_s' "$dir/sites0.json")
+  PING0=$(ping_ms)
+  wan_line "$(awk -v r="$RTT" 'BEGIN { print r / 2 }')"
+  ring "$dir/warm.json" # the ring's connections through the new line
+  PING=$(ping_ms)
+  [ -n "$PING0" ] && [ -n "$PING" ] || fail "no ping between the sites"
+  echo "calibration at 0 ms (ping $PING0 ms): per-layer dispatch $(awk -v t="$T0_experts" 'BEGIN { printf "%.1f", t * 1000 }') ms" \
+    "per token, ring of sites $(awk -v t="$T0_sites" 'BEGIN { printf "%.1f", t * 1000 }') ms; at $RTT ms ping $PING ms"
+fi
+
+experts "$dir/experts.json"
+row experts "$dir/experts.json" "$dir/eref.json"
 ring "$dir/sites.json"
 row sites "$dir/sites.json" "$dir/ref.json"
 for acc in $ACCS; do
   ring "$dir/spec$acc.json" --draft "test:$dir/ref.rec:$acc" --draft-max "$K"
   row "spec$acc" "$dir/spec$acc.json" "$dir/ref.json"
 done
+
+if [ "$PREDICT" = 1 ]; then
+  echo
+  echo "measured vs the cost model (docs/WAN.md: t_0 + crossings x (rtt - rtt_0))"
+  printf "%-10s %10s %12s %14s %14s %8s\n" mode crossings "t_0 ms" "measured ms" "predicted ms" error
+  for m in experts sites; do
+    if [ $m = experts ]; then x=$((LAYERS - HALF)) t0=$T0_experts tps=$TPS_experts; else x=1 t0=$T0_sites tps=$TPS_sites; fi
+    read -r meas pred err < <(awk -v t0="$t0" -v x="$x" -v r="$PING" -v r0="$PING0" -v tps="$tps" 'BEGIN {
+      m = 1000 / tps; p = t0 * 1000 + x * (r - r0); printf "%.1f %.1f %.1f\n", m, p, 100 * (p - m) / m }')
+    printf "%-10s %10s %12.1f %14s %14s %7s%%\n" "$m" "$x" "$(awk -v t="$t0" 'BEGIN { print t * 1000 }')" "$meas" "$pred" "$err"
+    jq -nc --arg mode "$m" --argjson x "$x" --argjson t0 "$t0" --argjson rtt "$PING" --argjson rtt0 "$PING0" \
+      --argjson meas "$meas" --argjson pred "$pred" \
+      '{kind: "predict", mode: $mode, crossings: $x, t0_s: $t0, rtt_ms: $rtt, rtt0_ms: $rtt0, measured_ms: $meas, predicted_ms: $pred}' \
+      >>"$JSON_OUT"
+  done
+fi
 
 r1=$(awk -v a="$TPS_sites" -v b="$TPS_experts" 'BEGIN { printf "%.1f", (b > 0 ? a / b : 0) }')
 echo "sites / experts: ${r1}x (target >= 10x)"

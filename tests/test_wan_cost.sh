@@ -11,6 +11,8 @@
 # - bench/wan.sh runs its rows (two round trips, an unlimited and a 10 Mbit/s
 #   line, batched rows) and writes one JSON row each; no row beats physics:
 #   a token takes at least its rounds times the round trip.
+# - the line's fixed cost per crossing (measured by the bench at 0 ms) enters
+#   the formula as the larger of it and the bytes' time at the rate (by hand).
 # Timing figures are the benchmark's (docs/BENCHMARKS.md), not asserted here.
 # Needs root (network namespaces).
 set -euo pipefail
@@ -25,7 +27,7 @@ fail() {
 }
 . "$SRC/tests/netns_wan.sh"
 . "$SRC/bench/wan_lib.sh"
-trap 'wcm_worker_stop; wan_cleanup; rm -rf "$dir"' EXIT
+trap 'wcm_worker_stop; wcm_xfer_stop; wan_cleanup; rm -rf "$dir"' EXIT
 wan_available || fail "needs root and network namespaces"
 
 EMBD=256 K=2 LAYERS=2
@@ -54,6 +56,16 @@ p=$(wcm_predict 0.010 8 8260 32860 40 10000)
 want=$(awk 'BEGIN { req = 8260 + 22 + 52 * 6; resp = 32860 + 66 + 52 * 23; printf "%.6f", 0.010 + 8 * (0.040 + (req + resp) * 8 / 1e7) }')
 [ "$p" = "$want" ] || fail "wcm_predict gives $p, by hand $want"
 echo "ok: the cost model's formula: $p s per token (by hand $want)"
+# the line's own cost per crossing (docs/WAN.md): the larger of it and the
+# bytes' time at the rate counts. Unlimited: 8 x 0.39 ms; 10 Mbit/s: the rate's
+# 34.17 ms a crossing hides the line's 0.39
+p=$(wcm_predict 0.010 8 8260 32860 40 0 0.39)
+[ "$p" = 0.333120 ] || fail "wcm_predict with a 0.39 ms line, unlimited: $p, by hand 0.333120"
+p=$(wcm_predict 0.010 8 8260 32860 40 10000 0.39)
+[ "$p" = "$want" ] || fail "wcm_predict with a 0.39 ms line at 10 Mbit/s: $p, by hand $want"
+[ "$(wcm_line_ms 0.52 0.03 0.07)" = 0.4200 ] || fail "wcm_line_ms 0.52 0.03 0.07: $(wcm_line_ms 0.52 0.03 0.07)"
+[ "$(wcm_line_ms 0.05 0.03 0.07)" = 0.0000 ] || fail "wcm_line_ms below zero: $(wcm_line_ms 0.05 0.03 0.07)"
+echo "ok: the line's cost per crossing: the larger of it and the rate's time"
 
 WAN_LAYERS=$LAYERS WAN_SHAPE="--embd $EMBD --ff-exp 64 --experts 8 --experts-used $K --heads 4 --kv-heads 2 --head-dim 64 --vocab 600" \
   WAN_RTTS="0 20" WAN_RATES="0 10000" WAN_GEN=3 WAN_PARALLEL="1 2" WAN_WIRES="f32 f16" WAN_BATCH_RTT=20 \
@@ -62,7 +74,7 @@ WAN_LAYERS=$LAYERS WAN_SHAPE="--embd $EMBD --ff-exp 64 --experts 8 --experts-use
 cat "$dir/bench.out"
 [ "$(jq -s '[.[] | select(.kind == "decode")] | length' "$dir/rows.jsonl")" = 4 ] || fail "not 4 decode rows"
 [ "$(jq -s '[.[] | select(.kind == "batch")] | length' "$dir/rows.jsonl")" = 4 ] || fail "not 4 batched rows"
-jq -e -s --argjson l "$LAYERS" 'all(.[] | select(.kind == "decode"); .measured_s >= $l * .rtt_ms / 1000 and .predicted_s > 0)' \
+jq -e -s --argjson l "$LAYERS" 'all(.[] | select(.kind == "decode"); .measured_s >= $l * .rtt_ms / 1000 and .predicted_s > 0 and .line_ms >= 0)' \
   "$dir/rows.jsonl" >/dev/null || fail "a row beats its round trips: $(cat "$dir/rows.jsonl")"
 jq -e -s 'all(.[] | select(.kind == "batch"); .step_s >= 0.020)' "$dir/rows.jsonl" >/dev/null ||
   fail "a batched step beats its round trip"

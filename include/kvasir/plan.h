@@ -116,8 +116,11 @@ void kv_plan_sites_free(kv_plan_sites *s);
 /* The cost model, in one place: a token waits for `wait_ms` of round trips
  * and one-way delays (its crossings), for its WAN bytes to serialize at the
  * link's rate, and for its compute:
- *     t = wait_ms + wan_bytes x 8 / (bandwidth_mbit x 10^6) s + compute_ms
- * (bandwidth 0: unlimited). Returns milliseconds. */
+ *     t = wait_ms + max(wan_bytes x 8 / (bandwidth_mbit x 10^6) s, crossings x line_ms) + compute_ms
+ * (bandwidth 0: unlimited; line_ms: the path's own time to carry one
+ * crossing's bytes, a forwarder's per-packet cost as measured on the WAN test
+ * bed (docs/WAN.md), 0 for none: a crossing goes at the slower of the link's
+ * rate and the path's own pace). Returns milliseconds. */
 typedef struct kv_plan_cost {
     uint32_t crossings;           /* site boundaries crossed (WAN) per token */
     uint32_t lan_round_trips;     /* round trips inside a site per token */
@@ -125,6 +128,7 @@ typedef struct kv_plan_cost {
     uint64_t wan_bytes;           /* bytes over the WAN per token */
     double bandwidth_mbit;        /* of the WAN link; 0 = unlimited */
     double compute_ms;            /* per token, all layers */
+    double line_ms;               /* the path's own time per crossing (0 = none) */
 } kv_plan_cost;
 double kv_plan_cost_ms(const kv_plan_cost *c);
 

@@ -461,7 +461,9 @@ done:
 }
 
 double kv_plan_cost_ms(const kv_plan_cost *c) {
-    const double ser = c->bandwidth_mbit > 0 ? (double)c->wan_bytes * 8.0 / (c->bandwidth_mbit * 1e6) * 1e3 : 0;
+    double ser = c->bandwidth_mbit > 0 ? (double)c->wan_bytes * 8.0 / (c->bandwidth_mbit * 1e6) * 1e3 : 0;
+    const double line = c->line_ms > 0 ? c->crossings * c->line_ms : 0; /* the path's own pace */
+    if (line > ser) ser = line;
     return c->wait_ms + ser + c->compute_ms;
 }
 
