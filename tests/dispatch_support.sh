@@ -20,21 +20,23 @@ KEY="$dir/coord.key"
 PK=$("$KV" key --key "$KEY")
 ALLOW=(--allow-key "$PK")
 
-# start_worker NAME SLABS [FLAG]: starts a worker on a free port; sets $addr and $pid.
+# start_worker NAME SLABS [FLAGS...]: starts a worker on a free port; sets $addr and $pid.
 start_worker() {
-  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet "${ALLOW[@]}" ${3:-} \
-    >"$dir/$1.out" 2>"$dir/$1.err" &
+  local name=$1 slabs=$2
+  shift 2
+  "$KV" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet "${ALLOW[@]}" "$@" \
+    >"$dir/$name.out" 2>"$dir/$name.err" &
   pid=$!
   pids+=("$pid")
   addr=
   for _ in $(seq 200); do
-    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$1.out" 2>/dev/null | head -1 || true)
+    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$name.out" 2>/dev/null | head -1 || true)
     [ -n "$addr" ] && return 0
     kill -0 "$pid" 2>/dev/null || break
     sleep 0.02
   done
-  cat "$dir/$1.err" >&2
-  fail "worker $1 did not start"
+  cat "$dir/$name.err" >&2
+  fail "worker $name did not start"
 }
 
 # group MODEL_DIR N_LAYER G [FIRST]: the comma-separated slab files of expert

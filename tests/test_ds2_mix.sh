@@ -13,35 +13,10 @@
 # (docs/CONFORMANCE.md, deepseek2).
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
+SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 dir=$(mktemp -d -t kvasir-ds2mix.XXXXXX)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-fail() { echo "test_ds2_mix: FAIL: $*" >&2; exit 1; }
-KEY="$dir/coord.key"
-PK=$("$KV" key --key "$KEY")
-
-start_worker() {
-  local name=$1 slabs=$2
-  shift 2
-  "$KV" worker --slabs "$slabs" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" "$@" \
-    >"$dir/$name.out" 2>"$dir/$name.err" &
-  pid=$!
-  pids+=("$pid")
-  addr=
-  for _ in $(seq 200); do
-    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$name.out" 2>/dev/null | head -1 || true)
-    [ -n "$addr" ] && return 0
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.05
-  done
-  cat "$dir/$name.err" >&2
-  fail "worker $name did not start"
-}
+# pids, fail, the EXIT trap, the coordinator key $KEY / $PK and start_worker
+. "$SRC/tests/dispatch_support.sh"
 
 m="$dir/ds2"
 mkdir -p "$m/coord"
