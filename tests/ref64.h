@@ -5,14 +5,18 @@
  * our f32 logits token by token and chunked through kv_state, and the
  * worst |logit difference| between the two over several prefix lengths.
  * The kernels are naive loops on purpose: they share nothing with src/cpu.
+ * Also the family tests' generate-and-load and teardown of their model.
  * Header-only (static functions): include it once per test executable. */
 #ifndef KVASIR_REF64_H
 #define KVASIR_REF64_H
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
+#include "kvasir/gen.h"
 #include "kvasir/model.h"
 #include "kvasir/quant.h" /* KV_TYPE_*: ref_ours' cache type */
 #include "kvtest.h"
@@ -93,6 +97,26 @@ static REF64_UNUSED double ref_max_dlogit(const char *path, ref_forward_fn fwd, 
     ref_close(&rm);
     free(ref);
     return worst;
+}
+
+/* A family test's model: fill C's defaults, write it to PATH and load it into
+ * *M; 0, or 1 with the reason on stderr. */
+static REF64_UNUSED int ref_gen_load(kv_gen_config *c, const char *path, kv_model **m) {
+    kv_gen_fill_defaults(c);
+    kv_diag d = {0};
+    if (kv_gen_model(c, path, &d) || kv_model_load(m, path, &d)) {
+        fprintf(stderr, "model: %s\n", d.msg);
+        return 1;
+    }
+    return 0;
+}
+
+/* Its teardown: our logits A, the model, its file PATH and folder DIR. */
+static REF64_UNUSED void ref_gen_close(float *a, kv_model *m, const char *path, const char *dir) {
+    free(a);
+    kv_model_free(m);
+    unlink(path);
+    rmdir(dir);
 }
 
 #endif

@@ -241,23 +241,13 @@ static int setup(void) {
                        .kv_lora_rank = 32, .head_dim_v = 20, .n_ff = 96, .n_dense_lead = 1, .n_expert_shared = 2,
                        .n_expert_groups = 4, .n_group_used = 2, .yarn_factor = 4.0f, .yarn_orig_ctx = 32,
                        .n_threads = 1};
-    kv_gen_fill_defaults(&c);
-    kv_diag d = {0};
-    if (kv_gen_model(&c, g_path, &d) || kv_model_load(&g_m, g_path, &d)) {
-        fprintf(stderr, "model: %s\n", d.msg);
-        return 1;
-    }
+    if (ref_gen_load(&c, g_path, &g_m)) return 1;
     V = (int)kv_model_hparams(g_m)->n_vocab;
     g_a = ref_ours(g_m, toks, N, 1, 0, KV_TYPE_F32);
     return 0;
 }
 
-static void teardown(void) {
-    free(g_a);
-    kv_model_free(g_m);
-    unlink(g_path);
-    rmdir(g_dir);
-}
+static void teardown(void) { ref_gen_close(g_a, g_m, g_path, g_dir); }
 
 static void test_loaded(void) {
     const kv_hparams *hp = kv_model_hparams(g_m);

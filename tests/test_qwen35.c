@@ -255,23 +255,13 @@ static int setup(void) {
                        .n_ctx = 256, .type = 0 /* KV_TYPE_F32 */, .seed = 5, .full_attn_interval = 2,
                        .ssm_d_state = 16, .ssm_n_group = 2, .ssm_dt_rank = 6, .n_rot = 12,
                        .rope_sections = {2, 1, 2, 1}, .n_nextn = 1, .n_ff_shexp = 48, .n_threads = 1};
-    kv_gen_fill_defaults(&c);
-    kv_diag d = {0};
-    if (kv_gen_model(&c, g_path, &d) || kv_model_load(&g_m, g_path, &d)) {
-        fprintf(stderr, "model: %s\n", d.msg);
-        return 1;
-    }
+    if (ref_gen_load(&c, g_path, &g_m)) return 1;
     V = (int)kv_model_hparams(g_m)->n_vocab;
     g_a = ref_ours(g_m, toks, N, 1, 0, KV_TYPE_F32);
     return 0;
 }
 
-static void teardown(void) {
-    free(g_a);
-    kv_model_free(g_m);
-    unlink(g_path);
-    rmdir(g_dir);
-}
+static void teardown(void) { ref_gen_close(g_a, g_m, g_path, g_dir); }
 
 static void test_loaded(void) {
     const kv_hparams *hp = kv_model_hparams(g_m);
