@@ -82,24 +82,35 @@ static int kv_bio_write(BIO *b, const char *buf, int n) {
 /* A client's BIO until its first byte came: a first byte that is no TLS
  * record (types 20..23) is left unread and the read fails (EPROTO), so the
  * server's plaintext answer (a refusal frame written before it knew the
- * transport) stays whole in the socket for the owner to read. */
+ * transport) stays whole in the socket for the owner to read. Until the
+ * peek has seen that byte, the read is the peek's answer (nothing yet, end
+ * of stream, an error), never a recv after it: bytes that arrive between
+ * the two calls would be read unchecked and the flag left set, so the next
+ * read would judge the middle of the first record (a busy machine did:
+ * "the server answered in plaintext" on a TLS server). */
 #define KV_BIO_FLAG_FIRST 0x40000000
+
+/* What a recv (or the first byte's peek) returned, as a BIO read: the
+ * retry flag on EAGAIN, the end-of-stream flag on 0. */
+static int kv_bio_read_result(BIO *b, ssize_t k) {
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) BIO_set_retry_read(b);
+    if (k == 0) BIO_set_flags(b, BIO_FLAGS_IN_EOF); /* BIO_eof: the record layer's end of stream */
+    return (int)k;
+}
 
 static int kv_bio_read(BIO *b, char *buf, int n) {
     BIO_clear_retry_flags(b);
     if (BIO_test_flags(b, KV_BIO_FLAG_FIRST)) {
         uint8_t c;
         ssize_t p = recv(kv_bio_fd(b), &c, 1, MSG_PEEK);
-        if (p == 1 && (c < 0x14 || c > 0x17)) {
+        if (p != 1) return kv_bio_read_result(b, p);
+        if (c < 0x14 || c > 0x17) {
             errno = EPROTO;
             return -1;
         }
-        if (p == 1) BIO_clear_flags(b, KV_BIO_FLAG_FIRST);
+        BIO_clear_flags(b, KV_BIO_FLAG_FIRST);
     }
-    ssize_t k = recv(kv_bio_fd(b), buf, (size_t)n, 0);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) BIO_set_retry_read(b);
-    if (k == 0) BIO_set_flags(b, BIO_FLAGS_IN_EOF); /* BIO_eof: the record layer's end of stream */
-    return (int)k;
+    return kv_bio_read_result(b, recv(kv_bio_fd(b), buf, (size_t)n, 0));
 }
 
 static long kv_bio_ctrl(BIO *b, int cmd, long num, void *ptr) {
