@@ -70,6 +70,8 @@ ring_wait_whole() {
     for i in "${!RING_PID[@]}"; do
       if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then return 2; fi
       if ! kill -0 "${RING_PID[$i]}" 2>/dev/null || grep -q "^kvasir ring: " "$dir/ring$i.err" 2>/dev/null; then
+        # (it may have written why and ended since the look above: a taken port is no death)
+        if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then return 2; fi
         cat "$dir/ring$i.err" >&2
         fail "ring node $i died"
       fi

@@ -121,12 +121,12 @@ m="$dir/qwen35moe.gguf"
 N2=48
 "$KV" run -m "$m" -p "$P" -n $N2 "${SEEDED[@]}" --json --threads 1 --logits-out "$dir/long.bin" >"$dir/long.json"
 jq -c .tokens "$dir/long.json" >"$dir/long.rec"
-read -r -a ports <<<"$(free_ports 3)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
-ring_node 0 "$m" 0-1 "$A0" "$A1"
-ring_node 1 "$m" 2-2 "$A1" "$A2" --die-after-frames 8
-ring_node 2 "$m" 3-3 "$A2" "$A0"
-ring_wait_whole
+# (ring_start: other ports when one was taken between free_ports and the bind, as by
+# another test in parallel; ring_wait_whole's 2 for that would end this script unexplained)
+RING_NODE_EXTRA=("" "--die-after-frames 8" "")
+ring_start "$m" 0-1 2-2 3-3
+RING_NODE_EXTRA=()
+A0=${RING_ADDR[0]} A1=${RING_ADDR[1]} A2=${RING_ADDR[2]}
 "$KV" run --ring "$A0" "${RK[@]}" -p "$P" -n $N2 "${SEEDED[@]}" --json --draft "test:$dir/long.rec:0.6" --draft-max 3 \
   --logits-out "$dir/k.bin" >"$dir/k.json" 2>"$dir/k.err" &
 c1=$!
@@ -136,6 +136,7 @@ wait "${RING_PID[1]}" 2>/dev/null || true
 grep -q "dying after 8 frames" "$dir/ring1.err" || fail "the middle node died for another reason: $(cat "$dir/ring1.err")"
 mv "$dir/ring1.err" "$dir/ring1.dead.err"
 ring_node 1 "$m" 2-2 "$A1" "$A2"
+ring_wait_listen 1 # (the dead node's port, free for a moment: a taken one is named here)
 wait $c1 || fail "the drafting request failed after the replacement: $(cat "$dir/k.err")"
 same "$dir/k" "$dir/long" "qwen35moe, a middle node killed mid-decode, drafting"
 grep -q "replaying request" "$dir/ring0.err" || fail "the home did not replay the request"
