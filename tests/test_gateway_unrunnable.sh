@@ -14,39 +14,14 @@ fail() { echo "test_gateway_unrunnable: FAIL: $*" >&2; exit 1; }
 command -v python3 >/dev/null 2>&1 || fail "python3 not found"
 command -v curl >/dev/null 2>&1 || fail "curl not found"
 [ -x "$BIN" ] || fail "kvasir binary missing: $BIN"
+KV=$BIN
+. "$SRC/tests/gguf_patch_support.sh"
 DIR=$(mktemp -d "${TMPDIR:-/tmp}/kv_gwdown.XXXXXX")
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$DIR"' EXIT
-"$BIN" gen-model --preset tiny --type f16 --ff-exp 256 --out "$DIR/m.gguf" >/dev/null 2>&1 || fail "gen-model"
+unrunnable_model "$DIR/m.gguf"
 cp "$DIR/m.gguf" "$DIR/p.gguf"
-# the GGUF header walked to the tensor infos; the named tensor's type field rewritten
-python3 - "$DIR/p.gguf" blk.1.ffn_down_exps.weight 1 25 <<'PY' || fail "patching the type"
-import struct, sys
-path, want, old, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-b = open(path, 'rb').read(); o = 4
-def rd(f, n):
-    global o; v = struct.unpack_from(f, b, o)[0]; o += n; return v
-def s():
-    global o; n = rd('<Q', 8); v = b[o:o + n].decode(); o += n; return v
-SZ = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-def val(t):
-    global o
-    if t == 8: s()
-    elif t == 9:
-        et = rd('<I', 4); n = rd('<Q', 8)
-        for _ in range(n): val(et)
-    else: o += SZ[t]
-assert b[:4] == b'GGUF'
-rd('<I', 4); nt = rd('<Q', 8); nkv = rd('<Q', 8)
-for _ in range(nkv): s(); val(rd('<I', 4))
-for _ in range(nt):
-    name = s(); nd = rd('<I', 4); o += 8 * nd; at = o; ty = rd('<I', 4); rd('<Q', 8)
-    if name == want:
-        assert ty == old, (name, ty)
-        with open(path, 'r+b') as f: f.seek(at); f.write(struct.pack('<I', new))
-        sys.exit(0)
-sys.exit('no tensor ' + want)
-PY
+gguf_patch_type "$DIR/p.gguf" blk.1.ffn_down_exps.weight 1 25 || fail "patching the type"
 wait_addr() { # pid, stdout file
   for _ in $(seq 1 200); do
     a=$(grep -o 'listening on [^ ]*' "$2" 2>/dev/null | head -1 | cut -d' ' -f3)
@@ -64,7 +39,7 @@ OK=$(wait_addr "$!" "$DIR/ok.out")
 GW=$!
 PIDS+=("$GW")
 ADDR=$(wait_addr "$GW" "$DIR/gw.out")
-WANT="tensor 'blk.1.ffn_down_exps.weight' has type i16 (25), which kvasir cannot compute"
+WANT=$UNRUNNABLE_WANT
 grep -qF "$WANT" "$DIR/gw.out.err" || fail "the gateway does not say why at start: $(cat "$DIR/gw.out.err")"
 code=$(curl -s -o "$DIR/h.body" -w '%{http_code}' "http://$ADDR/health")
 [ "$code" = 503 ] || fail "/health: $code"

@@ -16,6 +16,7 @@
 # (test_supported).
 set -euo pipefail
 KV=${KV_BIN:-build/kvasir}
+SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 dir=$(mktemp -d -t kvasir-refuse.XXXXXX)
 pids=()
 cleanup() {
@@ -25,47 +26,19 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "test_load_refusals: FAIL: $*" >&2; exit 1; }
+. "$SRC/tests/gguf_patch_support.sh"
 PK=$("$KV" key --key "$dir/coord.key")
 
-"$KV" gen-model --preset tiny --type f16 --ff-exp 256 --out "$dir/m.gguf" >/dev/null 2>&1 || fail "gen-model"
+unrunnable_model "$dir/m.gguf"
 "$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab 2 >/dev/null 2>&1 || fail "slice"
 slab=$(ls "$dir/sl/experts/"blk.1.*.gguf | head -1)
 [ -n "$slab" ] || fail "no slab of layer 1"
 cp "$slab" "$dir/bad.gguf"
 cp "$dir/m.gguf" "$dir/p.gguf"
-# the GGUF header walked to the tensor infos; the named tensor's type field rewritten (F16 1 -> I16 25)
-patch() {
-  python3 - "$1" blk.1.ffn_down_exps.weight 1 25 <<'PY'
-import struct, sys
-path, want, old, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-b = open(path, 'rb').read(); o = 4
-def rd(f, n):
-    global o; v = struct.unpack_from(f, b, o)[0]; o += n; return v
-def s():
-    global o; n = rd('<Q', 8); v = b[o:o + n].decode(); o += n; return v
-SZ = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-def val(t):
-    global o
-    if t == 8: s()
-    elif t == 9:
-        et = rd('<I', 4); n = rd('<Q', 8)
-        for _ in range(n): val(et)
-    else: o += SZ[t]
-assert b[:4] == b'GGUF'
-rd('<I', 4); nt = rd('<Q', 8); nkv = rd('<Q', 8)
-for _ in range(nkv): s(); val(rd('<I', 4))
-for _ in range(nt):
-    name = s(); nd = rd('<I', 4); o += 8 * nd; at = o; ty = rd('<I', 4); rd('<Q', 8)
-    if name == want:
-        assert ty == old, (name, ty)
-        with open(path, 'r+b') as f: f.seek(at); f.write(struct.pack('<I', new))
-        sys.exit(0)
-sys.exit('no tensor ' + want)
-PY
-}
-patch "$dir/bad.gguf" || fail "patching the slab"
-patch "$dir/p.gguf" || fail "patching the model"
-WANT="tensor 'blk.1.ffn_down_exps.weight' has type i16 (25), which kvasir cannot compute"
+# blk.1.ffn_down_exps.weight's type F16 (1) -> I16 (25)
+gguf_patch_type "$dir/bad.gguf" blk.1.ffn_down_exps.weight 1 25 || fail "patching the slab"
+gguf_patch_type "$dir/p.gguf" blk.1.ffn_down_exps.weight 1 25 || fail "patching the model"
+WANT=$UNRUNNABLE_WANT
 
 # refused_at_start NAME CMD...: the command exits (bounded: 20 s) non-zero, saying WANT
 refused_at_start() {
