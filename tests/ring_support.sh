@@ -108,6 +108,44 @@ ring_start() {
   fail "no free ports for a ring after 5 tries"
 }
 
+# ring_hub MANIFEST [FLAGS...]: a hub of the sliced model MANIFEST on a free
+# port (database $dir/hub.db, log $dir/hub.out/.err) with FLAGS (the ring's
+# windows, deadlines...); sets url once it listens. ring_cleanup ends it.
+ring_hub() {
+  local manifest=$1
+  shift
+  "$KV" hub --model "$manifest" --db "$dir/hub.db" --listen 127.0.0.1:0 "$@" >"$dir/hub.out" 2>"$dir/hub.err" &
+  RING_ALL+=($!)
+  url=
+  for _ in $(seq 200); do
+    url=$(sed -n 's/^listening on \(.*\)$/http:\/\/\1/p' "$dir/hub.out" 2>/dev/null | head -1 || true)
+    [ -n "$url" ] && return 0
+    sleep 0.05
+  done
+  fail "the hub did not start: $(cat "$dir/hub.err")"
+}
+
+# hub_node I [EXTRA...]: node I from the market of the hub at $url (budget
+# 64M, data folder $dir/dI, key kI), with EXTRA flags; returns once it
+# registered its layers. Sets RING_PID[I] and RING_ADDR[I].
+hub_node() {
+  local i=$1 pp
+  shift
+  read -r -a pp <<<"$(free_ports 1)"
+  "$KV" ring --hub "$url" --budget 64M --data "$dir/d$i" --listen "127.0.0.1:${pp[0]}" --threads 1 \
+    --key "$dir/k$i.key" --allow-key "$dir/allow" "$@" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
+  RING_PID[$i]=$!
+  RING_ALL+=($!)
+  RING_ADDR[$i]=127.0.0.1:${pp[0]}
+  for _ in $(seq 300); do
+    grep -q "registered layers" "$dir/ring$i.err" 2>/dev/null && return 0
+    kill -0 "${RING_PID[$i]}" 2>/dev/null || break
+    sleep 0.05
+  done
+  cat "$dir/ring$i.err" >&2
+  fail "market node $i did not register"
+}
+
 ring_stop() {
   local p
   for p in "${RING_PID[@]}"; do kill "$p" 2>/dev/null || true; done

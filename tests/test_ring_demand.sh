@@ -43,35 +43,8 @@ fwd=$(jq '.engine.prefill_tokens + .engine.decode_tokens' "$dir/local.json")
 [ "$(jq '.tokens | length' "$dir/local.json")" = $N ] || fail "the local run did not decode $N tokens"
 want_layer() { if [ "$1" = 3 ]; then echo $((USED * N)); else echo $((USED * fwd)); fi; }
 
-"$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms 3000 \
-  --ring-windows 0-1,2-3 --vouch-open --demand-half-life-ms $HL >"$dir/hub.out" 2>"$dir/hub.err" &
-RING_ALL+=($!)
-url=
-for _ in $(seq 200); do
-  url=$(sed -n 's/^listening on \(.*\)$/http:\/\/\1/p' "$dir/hub.out" 2>/dev/null | head -1 || true)
-  [ -n "$url" ] && break
-  sleep 0.05
-done
-[ -n "$url" ] || fail "the hub did not start: $(cat "$dir/hub.err")"
+ring_hub "$dir/sl/manifest.json" --deadline-ms 3000 --ring-windows 0-1,2-3 --vouch-open --demand-half-life-ms $HL
 
-# hub_node I [EXTRA...]: a ring node from the market (data folder $dir/dI)
-hub_node() {
-  local i=$1
-  shift
-  read -r -a pp <<<"$(free_ports 1)"
-  "$KV" ring --hub "$url" --budget 64M --data "$dir/d$i" --listen "127.0.0.1:${pp[0]}" --threads 1 \
-    --key "$dir/k$i.key" --allow-key "$dir/allow" "$@" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
-  RING_PID[$i]=$!
-  RING_ALL+=($!)
-  RING_ADDR[$i]=127.0.0.1:${pp[0]}
-  for _ in $(seq 300); do
-    grep -q "registered layers" "$dir/ring$i.err" 2>/dev/null && return 0
-    kill -0 "${RING_PID[$i]}" 2>/dev/null || break
-    sleep 0.05
-  done
-  cat "$dir/ring$i.err" >&2
-  fail "market node $i did not register"
-}
 hub_node 0
 grep -q "took layers 0-1 from the market" "$dir/ring0.err" || fail "node 0: $(cat "$dir/ring0.err")"
 # window 2-3 computes its experts on an expert worker (admitting the ring's keys)

@@ -25,38 +25,11 @@ P="The ring forms from the market on its own"
 N=40
 "$KV" run -m "$m" -p "$P" -n $N --temp 0 --json --threads 1 --logits-out "$dir/local.bin" >"$dir/local.json"
 
-"$KV" hub --model "$dir/sl/manifest.json" --db "$dir/hub.db" --listen 127.0.0.1:0 --deadline-ms 1500 \
-  --ring-windows 0-1,2-3 >"$dir/hub.out" 2>"$dir/hub.err" &
-RING_ALL+=($!)
-url=
-for _ in $(seq 200); do
-  url=$(sed -n 's/^listening on \(.*\)$/http:\/\/\1/p' "$dir/hub.out" 2>/dev/null | head -1 || true)
-  [ -n "$url" ] && break
-  sleep 0.05
-done
-[ -n "$url" ] || fail "the hub did not start: $(cat "$dir/hub.err")"
+ring_hub "$dir/sl/manifest.json" --deadline-ms 1500 --ring-windows 0-1,2-3
 curl -sf "$url/v1/ring" >"$dir/ring0.json" || fail "GET /v1/ring failed"
 [ "$(jq -c '[.windows[] | [.first, .last, .live]]' "$dir/ring0.json")" = "[[0,1,0],[2,3,0]]" ] ||
   fail "the market's windows: $(cat "$dir/ring0.json")"
 
-# hub_node I [EXTRA...]: a ring node from the market (data dir $dir/dI)
-hub_node() {
-  local i=$1
-  shift
-  read -r -a pp <<<"$(free_ports 1)"
-  "$KV" ring --hub "$url" --budget 64M --data "$dir/d$i" --listen "127.0.0.1:${pp[0]}" --threads 1 \
-    --key "$dir/k$i.key" --allow-key "$dir/allow" "$@" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
-  RING_PID[$i]=$!
-  RING_ALL+=($!)
-  RING_ADDR[$i]=127.0.0.1:${pp[0]}
-  for _ in $(seq 300); do
-    grep -q "registered layers" "$dir/ring$i.err" 2>/dev/null && return 0
-    kill -0 "${RING_PID[$i]}" 2>/dev/null || break
-    sleep 0.05
-  done
-  cat "$dir/ring$i.err" >&2
-  fail "market node $i did not register"
-}
 hub_node 0
 grep -q "took layers 0-1 from the market" "$dir/ring0.err" || fail "node 0 did not take the scarcest window: $(cat "$dir/ring0.err")"
 hub_node 1 --die-after-frames 25
