@@ -63,7 +63,14 @@ struct kv_tls {
     char pin_fp[KV_TLS_FP_HEX + 1]; /* the fingerprint the peer must have */
     uint8_t alpn[256];              /* a server's ALPN protocol as a wire list (length byte first); alpn[0] = 0: none */
     char why[256];                  /* the last failure, one line */
+    bool read_ahead;                /* set on the first read through the loop (kv_tls_net_io) */
+    bool more;                      /* that read filled the caller's buffer: records may be buffered */
 };
+
+/* The record layer's read buffer: room for four full records, so that one
+ * recv takes a whole answer of a few tens of KiB (with read-ahead, which
+ * the loop's sessions use) instead of two recvs per 16 KiB record. */
+#define KV_TLS_READ_BUF (4 * (16384 + 512))
 
 /* ---- the socket BIO: send with MSG_NOSIGNAL ------------------------------------- */
 
@@ -472,6 +479,7 @@ int kv_tls_new(kv_tls **out, kv_tls_ctx *x, const kv_tls_opts *o, kv_diag *d) {
         memcpy(t->pin_fp, o->pin_sha256, sizeof t->pin_fp);
     }
     SSL_set_app_data(t->ssl, t);
+    SSL_set_default_read_buffer_len(t->ssl, KV_TLS_READ_BUF);
     if (alen) {
         t->alpn[0] = (uint8_t)alen;
         memcpy(t->alpn + 1, o->alpn, alen);
@@ -600,13 +608,36 @@ static ssize_t kv_tls_io_fail(kv_tls *t, int r, const char *op) {
     return -1;
 }
 
+/* The loop's reads: read-ahead on (the record layer takes what the socket
+ * holds, up to KV_TLS_READ_BUF, in one recv), and as many records as fit
+ * buf in one call. What it stopped short of, when buf was full, is reported
+ * by kv_tls_io_pending; when it stopped for want of input, the socket is
+ * empty and its next bytes wake the loop. */
 static ssize_t kv_tls_io_read(void *ctx, int fd, void *buf, size_t n) {
     kv_tls *t = ctx;
     (void)fd;
-    size_t got = 0;
-    ERR_clear_error();
-    int r = SSL_read_ex(t->ssl, buf, n, &got);
-    return r == 1 ? (ssize_t)got : kv_tls_io_fail(t, r, "read");
+    if (!t->read_ahead) {
+        SSL_set_read_ahead(t->ssl, 1);
+        t->read_ahead = true;
+    }
+    t->more = false;
+    size_t off = 0;
+    while (off < n) {
+        size_t got = 0;
+        ERR_clear_error();
+        int r = SSL_read_ex(t->ssl, (uint8_t *)buf + off, n - off, &got);
+        if (r == 1) {
+            off += got;
+            continue;
+        }
+        if (off) { /* what was read first; a failure repeats on the next call */
+            ERR_clear_error();
+            return (ssize_t)off;
+        }
+        return kv_tls_io_fail(t, r, "read");
+    }
+    t->more = true;
+    return (ssize_t)off;
 }
 
 static ssize_t kv_tls_io_write(void *ctx, int fd, const void *buf, size_t n) {
@@ -621,8 +652,10 @@ static ssize_t kv_tls_io_write(void *ctx, int fd, const void *buf, size_t n) {
 static void kv_tls_io_close(void *ctx) { kv_tls_free(ctx); }
 static int kv_tls_io_handshake(void *ctx, int fd) { return kv_tls_step(ctx, fd); }
 static size_t kv_tls_io_pending(void *ctx) {
-    int n = SSL_pending(((kv_tls *)ctx)->ssl);
-    return n > 0 ? (size_t)n : 0;
+    kv_tls *t = ctx;
+    int n = SSL_pending(t->ssl);
+    if (n > 0) return (size_t)n;
+    return t->more && SSL_has_pending(t->ssl) ? 1 : 0; /* buffered records not yet decrypted */
 }
 static const char *kv_tls_io_why(void *ctx) { return ((kv_tls *)ctx)->why; }
 
