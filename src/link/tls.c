@@ -696,7 +696,9 @@ static ssize_t kv_tls_io_write(void *ctx, int fd, const void *buf, size_t n) {
         if (n == 1) return 1;
         skip = 1;
     }
-    if (!t->wbuf && !(t->wbuf = malloc(KV_TLS_WRITE_BUF))) { /* without it: one send per record */
+    /* one byte cannot be split into a byte taken and one kept queued: it is
+     * written as before gathering (a send per record, SSL's own retry) */
+    if (n - skip < 2 || (!t->wbuf && !(t->wbuf = malloc(KV_TLS_WRITE_BUF)))) {
         size_t put = 0;
         ERR_clear_error();
         int r = SSL_write_ex(t->ssl, (const uint8_t *)buf + skip, n - skip, &put);
@@ -722,11 +724,7 @@ static ssize_t kv_tls_io_write(void *ctx, int fd, const void *buf, size_t n) {
             return -1;
         }
         t->owed = true; /* the rest waits in wbuf: keep one byte queued in the loop */
-        put--;
-        if (put == 0) { /* (cannot be: SSL took at least one byte) */
-            t->owed = false;
-            put = 1;
-        }
+        put--;          /* >= 1: at least two bytes were taken (above) */
     }
     return (ssize_t)put;
 }
