@@ -361,7 +361,7 @@ static kv_remote *open_remote_t(const char *const *addrs, uint32_t n, uint32_t e
                                  uint32_t timeout_ms, uint32_t reconnect_ms, kv_diag *d) {
     kv_remote *r = NULL;
     const kv_remote_opts o = {addrs, n, timeout_ms, reconnect_ms, enc, 4, false, NULL, false, kvt_coord_sk(), NULL, NULL,
-                              0, false, NULL, 0, NULL, NULL, g_plaintext, g_hedge_budget};
+                              0, false, NULL, 0, NULL, NULL, g_plaintext, g_hedge_budget, 0};
     kv_remote_open(&r, manifest ? manifest : g_manifest, g_pool, &o, d);
     return r;
 }
@@ -1047,7 +1047,7 @@ static void test_mutual_keys(void) {
     kv_diag d = {0};
     kv_remote *r = NULL;
     kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                        (const uint8_t(*)[32])keys, 0, false, NULL, 0, NULL, NULL, false, 0};
+                        (const uint8_t(*)[32])keys, 0, false, NULL, 0, NULL, NULL, false, 0, 0};
     ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), 0);
     if (r) {
         check_exact(r, NULL, NULL, "workers under the keys they are listed with");
@@ -1127,9 +1127,12 @@ static void test_verified(void) {
         char mid[KV_PROTO_MODEL_ID_LEN + 1];
         cl.model_id = mid;
         /* without hedging: every answer is waited for and checked (a superseded
-           one is discarded unchecked, so a lie in it would go unseen here) */
+           one is discarded unchecked, so a lie in it would go unseen here); over
+           TLS only each connection's first signature is checked on arrival
+           (sig_check_rate all but 0): a lie in a later answer gets its
+           signature checked when it is caught, and its evidence must verify */
         kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
-                            NULL, 0, false, &vo, 0.05, on_caught, &cl, false, -1};
+                            NULL, 0, false, &vo, 0.05, on_caught, &cl, false, -1, 1e-12};
         kv_diag d = {0};
         kv_remote *r = NULL;
         ASSERT_EQ(kv_remote_open(&r, slices_man, g_pool, &o, &d), 0);
@@ -1149,6 +1152,7 @@ static void test_verified(void) {
         ASSERT_EQ(st.pairs_unverified, 0);
         ASSERT_EQ(st.pairs_verified, st.pairs_remote); /* a discarded answer counts for nothing */
         ASSERT_TRUE(st.pairs_verified > 0);
+        ASSERT_TRUE(st.sigs_checked >= 3 && st.sigs_deferred > 0);
         if (!modes[mi]) {
             ASSERT_EQ(cl.n, 0);
             ASSERT_EQ(st.caught, 0);
@@ -1170,6 +1174,62 @@ static void test_verified(void) {
                (unsigned long long)st.pairs_verified, (unsigned long long)st.pairs_recomputed,
                (unsigned long long)st.pairs_remote, (unsigned long long)st.pairs_local,
                (unsigned long long)st.retried_pairs);
+        kv_remote_free(r);
+        for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+    }
+}
+
+/* Signatures over TLS (docs/PROTOCOL.md, Signed results): honest workers
+ * have most signatures taken unchecked at the default rate (each
+ * connection's first checked), and the logits stay exact; a worker whose
+ * every signature is wrong (--test-lie=badsig, honest numbers) is caught on
+ * its first answer, without evidence, and its part redone. */
+static void test_badsig(void) {
+    for (int liar = 0; liar < 2; liar++) {
+        proc w[3];
+        for (int i = 0; i < 3; i++) {
+            memset(&w[i], 0, sizeof w[i]);
+            w[i].port = free_port();
+            snprintf(w[i].addr, sizeof w[i].addr, "127.0.0.1:%u", w[i].port);
+            snprintf(w[i].slabs, sizeof w[i].slabs, "%.1500s,%.1500s", g_group[i], g_group[(i + 1) % 3]);
+            if (i == 1 && liar) snprintf(w[i].extra, sizeof w[i].extra, "--test-lie=badsig");
+            ASSERT_TRUE(start_worker(&w[i]));
+        }
+        const char *addrs[3] = {w[0].addr, w[1].addr, w[2].addr};
+        caught_log cl = {0};
+        char mid[KV_PROTO_MODEL_ID_LEN + 1];
+        cl.model_id = mid;
+        kv_remote_opts o = {addrs, 3, TIMEOUT_MS, RECONNECT_MS, KV_ENC_F32, 4, false, NULL, false, kvt_coord_sk(), NULL,
+                            NULL, 0, false, NULL, 0, on_caught, &cl, false, -1, 0};
+        kv_diag d = {0};
+        kv_remote *r = NULL;
+        ASSERT_EQ(kv_remote_open(&r, g_manifest, g_pool, &o, &d), 0);
+        if (!r) {
+            KVT_FAIL("open: %s", d.msg);
+            for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
+            continue;
+        }
+        snprintf(mid, sizeof mid, "%s", kv_remote_manifest(r)->model_id);
+        check_exact(r, NULL, NULL, liar ? "a worker signing wrong" : "signatures sampled");
+        kv_remote_stats st;
+        kv_remote_get_stats(r, &st);
+        printf("  %s: %llu signatures checked, %llu taken unchecked, %llu caught\n", liar ? "badsig" : "honest",
+               (unsigned long long)st.sigs_checked, (unsigned long long)st.sigs_deferred,
+               (unsigned long long)st.caught);
+        if (!liar) {
+            ASSERT_EQ(st.caught, 0);
+            ASSERT_TRUE(st.sigs_checked >= 3);
+            ASSERT_TRUE(st.sigs_deferred > st.sigs_checked); /* about 15 in 16 */
+        } else {
+            kv_remote_worker wi;
+            kv_remote_worker_info(r, 1, &wi);
+            ASSERT_EQ(cl.n, 1);
+            ASSERT_EQ(st.caught, 1);
+            ASSERT_TRUE(cl.worker == 1 && wi.caught && !wi.up);
+            ASSERT_TRUE(strstr(cl.why, "signature") != NULL);
+            ASSERT_TRUE(!cl.had_ev);
+            ASSERT_EQ(wi.pairs, 0); /* caught on its first answer: nothing of it was taken */
+        }
         kv_remote_free(r);
         for (int i = 0; i < 3; i++) kill_worker(&w[i], SIGKILL);
     }
@@ -1289,7 +1349,7 @@ static const kvt_case cases[] = {
     KVT_CASE(test_disjoint),       KVT_CASE(test_replicas),       KVT_CASE(test_no_replica_dies),
     KVT_CASE(test_no_replica_back), KVT_CASE(test_liar),          KVT_CASE(test_liar_nonfinite),
     KVT_CASE(test_stall_backoff),  KVT_CASE(test_other_weights),  KVT_CASE(test_coverage_and_local),
-    KVT_CASE(test_wire),           KVT_CASE(test_mutual_keys),    KVT_CASE(test_verified),
+    KVT_CASE(test_wire),           KVT_CASE(test_mutual_keys),    KVT_CASE(test_verified),  KVT_CASE(test_badsig),
     KVT_CASE(test_slow_replica),   KVT_CASE(test_busy_retry),     KVT_CASE(test_flood_own_address),
 };
 

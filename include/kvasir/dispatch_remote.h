@@ -74,6 +74,12 @@ typedef struct kv_remote_opts {
                                 to 4): a request unanswered past its worker's measured tail
                                 also goes to a replica (docs/PROTOCOL.md, Replica choice and
                                 hedging); 0 = 0.1; negative = never hedge */
+    double sig_check_rate;   /* signed results (v4+) over a TLS-bound link: fraction of answers
+                                whose signature is checked on arrival, at random (each
+                                connection's first answer always, and every answer a lie is
+                                caught in, for its evidence); 0 = 1/16, >= 1 = every answer.
+                                Over plaintext every signature is checked (docs/PROTOCOL.md,
+                                Signed results) */
 } kv_remote_opts;
 
 /* Opens the coordinator's side of a sliced model at manifest_path
@@ -143,6 +149,9 @@ typedef struct kv_remote_stats {
     uint64_t pairs_unverified;  /* answers of experts without a local slab to check against */
     uint64_t pairs_recomputed;  /* sampled full recomputes that matched */
     uint64_t caught;            /* workers caught lying */
+    uint64_t sigs_checked;      /* signed answers whose signature was checked (all over plaintext) */
+    uint64_t sigs_deferred;     /* signed answers over TLS taken unchecked (sig_check_rate): checked
+                                   only if a lie is caught in them */
     uint64_t hedges;            /* requests also sent to a replica (hedged) */
     uint64_t pairs_hedged;      /* (token, expert) slots those hedges carried: computed twice */
     uint64_t hedges_won;        /* ... whose replica answered first */

@@ -78,6 +78,7 @@ enum kv_worker_lie {
     KV_WORKER_LIE_SWAP,   /* every pair: another held expert's answer */
     KV_WORKER_LIE_STALE,  /* every pair after the first round: computed on the previous round's inputs */
     KV_WORKER_LIE_LATER,  /* honest for its first 64 pairs, then NOISE on every pair */
+    KV_WORKER_LIE_BADSIG, /* honest numbers, every signature (v4+) wrong: caught on its first answer */
     KV_WORKER_LIE_COUNT
 };
 /* "noise", "swap", "stale", "later" -> KV_WORKER_LIE_*, or -1. */

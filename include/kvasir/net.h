@@ -226,6 +226,13 @@ void kv_net_conn_set_reading(kv_net_conn *c, bool on);
  * bytes written there. _send copies. Flushing happens in the loop. */
 uint8_t *kv_net_conn_reserve(kv_net_conn *c, size_t n);
 void kv_net_conn_commit(kv_net_conn *c, size_t n);
+/* _commit, then writes the queue at once when the loop is not already
+ * writing it (an open connection with nothing queued before): a frame that
+ * should leave now costs no EPOLLOUT round trip (two epoll_ctl and a wake).
+ * What the socket does not take is flushed by the loop; an error closes c
+ * as a failed write in the loop would (its on_close when the iteration
+ * ends). */
+void kv_net_conn_commit_now(kv_net_conn *c, size_t n);
 int kv_net_conn_send(kv_net_conn *c, const void *buf, size_t n);
 /* Bytes queued and not yet written to the socket. */
 size_t kv_net_conn_pending(const kv_net_conn *c);

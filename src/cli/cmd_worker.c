@@ -91,7 +91,7 @@ int kv_cmd_worker(int argc, char **argv) {
         } else if (!strncmp(a, "--test-lie=", 11)) {
             /* TEST ONLY, deliberately absent from --help: return wrong numbers (docs/VERIFY.md) */
             const int m = kv_worker_lie_from_name(a + 11);
-            if (m < 0) return kv_cli_err(CMD, 1, "--test-lie: '%s' is not noise, swap, stale or later", a + 11);
+            if (m < 0) return kv_cli_err(CMD, 1, "--test-lie: '%s' is not noise, swap, stale, later or badsig", a + 11);
             o.test_lie = m;
             fprintf(stderr, "worker: TEST MODE: this worker lies (%s)\n", a + 11);
         } else if (!strncmp(a, "--test-delay=", 13)) {

@@ -175,6 +175,7 @@
 #define KV_REMOTE_SLOW_FACTOR 4.0       /* a replica answering this much slower than the best */
 #define KV_REMOTE_SLOW_MARGIN_S 0.1     /*   ... plus this, is demoted */
 #define KV_REMOTE_LAT_ALPHA 0.25        /* weight of a new answer time in the estimate */
+#define KV_REMOTE_SIG_RATE (1.0 / 16)   /* over TLS: answers whose signature is checked on arrival */
 #define KV_REMOTE_PROBE_S 1.0           /* a demoted worker is probed this long after, doubled
                                            per probe that was still slow ... */
 #define KV_REMOTE_PROBE_MAX_S 60.0      /*   ... up to this */
@@ -246,6 +247,7 @@ typedef struct kv_rw {
     uint16_t version;             /* negotiated on this connection */
     bool pre;                     /* it returns pre-activations (verified compute) */
     bool caught;                  /* caught lying: never used again */
+    bool sig_seen;                /* a signature of this connection was checked (the first always is) */
     uint64_t n_verified;          /* its pairs that passed the checks */
     /* answer time: slow replicas are demoted (kv_remote_pick) */
     double sent_at;               /* the COMPUTE in flight was queued at (monotonic s) */
@@ -296,6 +298,9 @@ struct kv_remote {
     const kv_expert_req *cur_req; /* the request of the chunk in progress */
     uint32_t cur_t0;              /* its first token */
     uint64_t rng;                 /* sampled recompute */
+    uint64_t sig_rng;             /* xorshift state: answers whose signature is checked on arrival over TLS */
+    bool sig_done;                /* the answer in hand had its signature checked (r->leaves are its leaves) */
+    uint64_t n_sig_checked, n_sig_deferred;
     uint64_t n_verified, n_unverified, n_recomputed, n_caught;
     kv_model *model;              /* the backbone (no routed experts) */
     kv_pool *pool;                /* borrowed */
@@ -618,17 +623,44 @@ static int kv_rw_check_sig(kv_remote *r, kv_rw *w, const kv_msg_result *res, kv_
     kv_result_root((const uint8_t(*)[32])r->leaves, w->n_pairs, root);
     kv_result_digest(r->m->model_id, w->key, r->pk, r->cur_req->layer, w->enc, w->enc | (r->ver ? KV_OUT_PREACT : 0),
                      w->n_pairs, root, dg);
+    r->n_sig_checked++;
+    w->sig_seen = true;
     if (kv_link_verify(w->key, dg, res->sig)) {
         w->caught = true;
         return kv_fail(d, KV_EPROTO, "caught lying: the signature of its answer does not verify");
     }
+    r->sig_done = true;
     return 0;
+}
+
+/* Whether the signature of w's answer is checked on arrival. Over
+ * plaintext always: nothing else authenticates the frame. Over a TLS
+ * session bound to w's key (v5) the record layer already authenticates
+ * every answer as w's; the signature is what a third party can check, and
+ * it is checked on w's first answer, on a random sample of the others, and
+ * on any answer a lie is caught in (kv_rw_evidence) before it is shown:
+ * an answer taken unchecked is w's all the same, and a lie with a bad
+ * signature yields no evidence whether it is checked first or last. */
+static bool kv_rw_sig_due(kv_remote *r, const kv_rw *w) {
+    if (!w->tls || !w->sig_seen) return true;
+    const double rate = r->o.sig_check_rate > 0 ? r->o.sig_check_rate : KV_REMOTE_SIG_RATE;
+    if (rate >= 1) return true;
+    r->sig_rng ^= r->sig_rng << 13, r->sig_rng ^= r->sig_rng >> 7, r->sig_rng ^= r->sig_rng << 17;
+    return (double)(r->sig_rng >> 11) * (1.0 / 9007199254740992.0) < rate;
 }
 
 /* After w was caught on pair p: what it signed for that pair, in r->ev
  * (its rows copied, so that they outlive the frame). */
 static void kv_rw_evidence(kv_remote *r, kv_rw *w, const kv_msg_result *res, uint32_t p) {
     if (w->version < KV_PROTO_SIG_VERSION || !res->sig) return;
+    if (!r->sig_done) { /* taken unchecked (kv_rw_sig_due): check it now, show it only if it verifies */
+        kv_diag sd = {0};
+        if (kv_rw_check_sig(r, w, res, &sd)) {
+            kv_rlog(r, "worker %s: the signature of the answer it lied in does not verify either: no evidence",
+                    w->addr);
+            return;
+        }
+    }
     kv_evidence *ev = &r->ev;
     memcpy(ev->worker_key, w->key, 32);
     memcpy(ev->coord_key, r->pk, 32);
@@ -760,8 +792,17 @@ static int kv_rw_take_result(kv_remote *r, kv_rw *w, const kv_msg *msg, float *o
         return kv_fail(d, KV_EPROTO, "answered %u vectors of %u in %s, we asked %u of %u in %s", res->n_pairs,
                        res->n_embd, kv_enc_name(res->enc), w->n_pairs, r->n_embd, kv_enc_name(w->enc));
     r->has_ev = false;
-    int src = kv_rw_check_sig(r, w, res, d);
-    if (src) return src;
+    r->sig_done = false;
+    if (w->version >= KV_PROTO_SIG_VERSION && !res->sig)
+        return kv_fail(d, KV_EPROTO, "an unsigned answer on a v%u connection", w->version);
+    if (w->version >= KV_PROTO_SIG_VERSION) {
+        if (kv_rw_sig_due(r, w)) {
+            int src = kv_rw_check_sig(r, w, res, d);
+            if (src) return src;
+        } else {
+            r->n_sig_deferred++;
+        }
+    }
     /* non-finite or absurd values are a lie: nothing of this answer is used
      * (the slots stay pending and are overwritten by the redo) */
     for (uint32_t p = 0; p < w->n_pairs; p++) {
@@ -1083,6 +1124,7 @@ static int kv_rw_frame(kv_remote *r, kv_rw *w, const uint8_t *f, size_t n, float
         w->busy_tries = 0;
         w->n_connects++;
         w->n_pairs_since = 0;
+        w->sig_seen = false;
         w->why[0] = 0;
         kv_rlog(r, "worker %s up: %u ranges, backend %s, wire %s", w->addr, w->n_ranges, w->backend,
                 kv_enc_name(w->enc));
@@ -1342,7 +1384,7 @@ static int kv_rw_queue(kv_remote *r, kv_rw *w, int32_t wi, int32_t owner, const 
     size_t len = 0;
     int rc = kv_msg_compute_encode(p, w->scap, ++w->req_id, &c, &len, d);
     if (rc) return kv_diag_prefix(d, rc, "remote: encoding COMPUTE for %s", w->addr);
-    kv_net_conn_commit(w->nc, len);
+    kv_net_conn_commit_now(w->nc, len); /* out now: no EPOLLOUT round per layer */
     r->bytes_sent += len;
     if (probe) {
         w->probing = true;
@@ -1849,6 +1891,8 @@ int kv_remote_open(kv_remote **out, const char *manifest_path, kv_pool *pool, co
     r->hedge_tokens = 1; /* the first stall can be hedged */
     randombytes_buf(&r->pick_rng, sizeof r->pick_rng);
     r->pick_rng |= 1;
+    randombytes_buf(&r->sig_rng, sizeof r->sig_rng);
+    r->sig_rng |= 1;
     r->pool = pool;
     /* the pieces: manifest, backbone, and whichever slabs are present */
     kv_pieces *pc = NULL;
@@ -2094,6 +2138,8 @@ void kv_remote_get_stats(const kv_remote *r, kv_remote_stats *out) {
     out->pairs_unverified = r->n_unverified;
     out->pairs_recomputed = r->n_recomputed;
     out->caught = r->n_caught;
+    out->sigs_checked = r->n_sig_checked;
+    out->sigs_deferred = r->n_sig_deferred;
     out->hedges = r->n_hedges;
     out->pairs_hedged = r->n_hedge_pairs;
     out->hedges_won = r->n_hedges_won;
@@ -2133,6 +2179,7 @@ void kv_remote_reset_stats(kv_remote *r) {
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;
     r->n_hedges = r->n_hedges_won = r->n_late = r->n_cancelled = r->n_hedge_pairs = r->n_pairs_held_local = 0;
     r->n_verified = r->n_unverified = r->n_recomputed = 0; /* caught workers stay counted */
+    r->n_sig_checked = r->n_sig_deferred = 0;
 }
 
 /* ---- per-session work tally ---------------------------------------------- */

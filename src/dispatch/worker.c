@@ -1385,12 +1385,13 @@ static void kv_wc_sign_round(kv_worker *w, kv_wconn *c) {
     kv_result_digest(w->model_id, w->pk, c->peer_key, c->job.layer, c->job.enc, c->job.out_enc, c->job.n_pairs, root,
                      dg);
     kv_link_sign(w->sk, dg, c->wbase + (size_t)c->wq * rb);
+    if (w->opts.test_lie == KV_WORKER_LIE_BADSIG) c->wbase[(size_t)c->wq * rb] ^= 1;
 }
 
 /* ---- test-only lies (docs/VERIFY.md): the checks' adversary ---------------------------- */
 
 int kv_worker_lie_from_name(const char *name) {
-    static const char *const names[KV_WORKER_LIE_COUNT] = {"none", "noise", "swap", "stale", "later"};
+    static const char *const names[KV_WORKER_LIE_COUNT] = {"none", "noise", "swap", "stale", "later", "badsig"};
     for (int i = 1; i < KV_WORKER_LIE_COUNT; i++)
         if (!strcmp(name, names[i])) return i;
     return -1;
@@ -1557,7 +1558,8 @@ static bool kv_worker_tick(kv_net_loop *l, void *data) {
             } else if (c->wbase) {
                 const size_t rb = kv_wc_row_bytes(c);
                 kv_wc_sign_round(w, c);
-                kv_net_conn_commit(c->nc, (c->next == 0 ? kv_wc_head_bytes(c) : 0) + c->wq * rb + kv_wc_tail_bytes(c));
+                /* written at once: no EPOLLOUT round per answer */
+                kv_net_conn_commit_now(c->nc, (c->next == 0 ? kv_wc_head_bytes(c) : 0) + c->wq * rb + kv_wc_tail_bytes(c));
                 c->next += c->wq;
                 if (c->next == c->job.n_pairs) done[n_done++] = c;
             }

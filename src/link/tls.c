@@ -63,18 +63,62 @@ struct kv_tls {
     char pin_fp[KV_TLS_FP_HEX + 1]; /* the fingerprint the peer must have */
     uint8_t alpn[256];              /* a server's ALPN protocol as a wire list (length byte first); alpn[0] = 0: none */
     char why[256];                  /* the last failure, one line */
+    bool read_ahead;                /* set on the first read through the loop (kv_tls_net_io) */
+    bool more;                      /* that read filled the caller's buffer: records may be buffered */
+    /* the loop's writes: the records of one write gathered and sent at once (kv_tls_io_write) */
+    uint8_t *wbuf;                  /* [KV_TLS_WRITE_BUF] records not yet sent, from woff to wlen */
+    size_t wlen, woff;
+    bool gather;                    /* inside kv_tls_io_write: the BIO appends to wbuf */
+    bool owed;                      /* the last write's final plaintext byte is in wbuf already, reported
+                                       unwritten: the next write skips it (the loop keeps it queued, so
+                                       that it waits for writability until wbuf is out) */
 };
+
+/* The record layer's read buffer: room for four full records, so that one
+ * recv takes a whole answer of a few tens of KiB (with read-ahead, which
+ * the loop's sessions use) instead of two recvs per 16 KiB record. */
+#define KV_TLS_READ_BUF (4 * (16384 + 512))
+/* The loop's writes: up to four records' plaintext per call, their
+ * ciphertext gathered here and sent with one send (a 64 KiB answer was five
+ * sends and five loopback segments, one per record). */
+#define KV_TLS_WRITE_PLAIN (4 * 16384)
+#define KV_TLS_WRITE_BUF (4 * (16384 + 512))
 
 /* ---- the socket BIO: send with MSG_NOSIGNAL ------------------------------------- */
 
 static BIO_METHOD *g_bio_method;
 static pthread_once_t g_bio_once = PTHREAD_ONCE_INIT;
 
-static int kv_bio_fd(BIO *b) { return (int)(intptr_t)BIO_get_data(b); }
+static int kv_bio_fd(BIO *b) { return ((kv_tls *)BIO_get_data(b))->fd; }
 
+/* Sends what wbuf holds: 0 when it is all out, -1 with errno (EAGAIN: the
+ * socket is full) otherwise. */
+static int kv_tls_wflush(kv_tls *t) {
+    while (t->woff < t->wlen) {
+        ssize_t k = send(t->fd, t->wbuf + t->woff, t->wlen - t->woff, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) return -1;
+        t->woff += (size_t)k;
+    }
+    t->woff = t->wlen = 0;
+    return 0;
+}
+
+/* Records reach the socket in order: what wbuf holds goes first. Inside
+ * kv_tls_io_write they are appended to wbuf and sent at its end. */
 static int kv_bio_write(BIO *b, const char *buf, int n) {
+    kv_tls *t = BIO_get_data(b);
     BIO_clear_retry_flags(b);
-    ssize_t k = send(kv_bio_fd(b), buf, (size_t)n, MSG_NOSIGNAL);
+    if (t->gather && t->wlen + (size_t)n <= KV_TLS_WRITE_BUF) {
+        memcpy(t->wbuf + t->wlen, buf, (size_t)n);
+        t->wlen += (size_t)n;
+        return n;
+    }
+    if (t->woff < t->wlen && kv_tls_wflush(t)) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) BIO_set_retry_write(b);
+        return -1;
+    }
+    ssize_t k = send(t->fd, buf, (size_t)n, MSG_NOSIGNAL);
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) BIO_set_retry_write(b);
     return (int)k;
 }
@@ -483,6 +527,7 @@ int kv_tls_new(kv_tls **out, kv_tls_ctx *x, const kv_tls_opts *o, kv_diag *d) {
         memcpy(t->pin_fp, o->pin_sha256, sizeof t->pin_fp);
     }
     SSL_set_app_data(t->ssl, t);
+    SSL_set_default_read_buffer_len(t->ssl, KV_TLS_READ_BUF);
     if (alen) {
         t->alpn[0] = (uint8_t)alen;
         memcpy(t->alpn + 1, o->alpn, alen);
@@ -507,6 +552,7 @@ int kv_tls_new(kv_tls **out, kv_tls_ctx *x, const kv_tls_opts *o, kv_diag *d) {
 void kv_tls_free(kv_tls *t) {
     if (!t) return;
     SSL_free(t->ssl);
+    free(t->wbuf);
     free(t);
 }
 
@@ -521,7 +567,7 @@ static int kv_tls_bind(kv_tls *t, int fd) {
         snprintf(t->why, sizeof t->why, "TLS: out of memory");
         return KV_ENOMEM;
     }
-    BIO_set_data(b, (void *)(intptr_t)fd);
+    BIO_set_data(b, t);
     if (!t->server) BIO_set_flags(b, KV_BIO_FLAG_FIRST);
     SSL_set_bio(t->ssl, b, b);
     t->fd = fd;
@@ -611,29 +657,96 @@ static ssize_t kv_tls_io_fail(kv_tls *t, int r, const char *op) {
     return -1;
 }
 
+/* The loop's reads: read-ahead on (the record layer takes what the socket
+ * holds, up to KV_TLS_READ_BUF, in one recv), and as many records as fit
+ * buf in one call. What it stopped short of, when buf was full, is reported
+ * by kv_tls_io_pending; when it stopped for want of input, the socket is
+ * empty and its next bytes wake the loop. */
 static ssize_t kv_tls_io_read(void *ctx, int fd, void *buf, size_t n) {
     kv_tls *t = ctx;
     (void)fd;
-    size_t got = 0;
-    ERR_clear_error();
-    int r = SSL_read_ex(t->ssl, buf, n, &got);
-    return r == 1 ? (ssize_t)got : kv_tls_io_fail(t, r, "read");
+    if (!t->read_ahead) {
+        SSL_set_read_ahead(t->ssl, 1);
+        t->read_ahead = true;
+    }
+    t->more = false;
+    size_t off = 0;
+    while (off < n) {
+        size_t got = 0;
+        ERR_clear_error();
+        int r = SSL_read_ex(t->ssl, (uint8_t *)buf + off, n - off, &got);
+        if (r == 1) {
+            off += got;
+            continue;
+        }
+        if (off) { /* what was read first; a failure repeats on the next call */
+            ERR_clear_error();
+            return (ssize_t)off;
+        }
+        return kv_tls_io_fail(t, r, "read");
+    }
+    t->more = true;
+    return (ssize_t)off;
 }
 
+/* The loop's writes: the records of up to KV_TLS_WRITE_PLAIN bytes are
+ * gathered in wbuf and sent with one send. What the socket does not take
+ * stays in wbuf, sent before anything else; so that the loop keeps waiting
+ * for writability meanwhile, the last byte of such a write is reported
+ * unwritten (it is in wbuf already: the next call skips it, t->owed). */
 static ssize_t kv_tls_io_write(void *ctx, int fd, const void *buf, size_t n) {
     kv_tls *t = ctx;
     (void)fd;
+    if (t->woff < t->wlen && kv_tls_wflush(t)) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK) snprintf(t->why, sizeof t->why, "TLS write: %s", strerror(errno));
+        return -1;
+    }
+    size_t skip = 0;
+    if (t->owed) { /* that byte was taken with the write before */
+        t->owed = false;
+        if (n == 1) return 1;
+        skip = 1;
+    }
+    /* one byte cannot be split into a byte taken and one kept queued: it is
+     * written as before gathering (a send per record, SSL's own retry) */
+    if (n - skip < 2 || (!t->wbuf && !(t->wbuf = malloc(KV_TLS_WRITE_BUF)))) {
+        size_t put = 0;
+        ERR_clear_error();
+        int r = SSL_write_ex(t->ssl, (const uint8_t *)buf + skip, n - skip, &put);
+        return r == 1 ? (ssize_t)(put + skip) : skip ? (ssize_t)skip : kv_tls_io_fail(t, r, "write");
+    }
+    const size_t m = n - skip < KV_TLS_WRITE_PLAIN ? n - skip : KV_TLS_WRITE_PLAIN;
     size_t put = 0;
     ERR_clear_error();
-    int r = SSL_write_ex(t->ssl, buf, n, &put);
-    return r == 1 ? (ssize_t)put : kv_tls_io_fail(t, r, "write");
+    t->gather = true;
+    int r = SSL_write_ex(t->ssl, (const uint8_t *)buf + skip, m, &put);
+    t->gather = false;
+    if (r != 1) { /* nothing taken: wbuf was empty and kept none of it */
+        if (skip) {
+            ERR_clear_error();
+            return (ssize_t)skip;
+        }
+        return kv_tls_io_fail(t, r, "write");
+    }
+    put += skip;
+    if (kv_tls_wflush(t)) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            snprintf(t->why, sizeof t->why, "TLS write: %s", strerror(errno));
+            return -1;
+        }
+        t->owed = true; /* the rest waits in wbuf: keep one byte queued in the loop */
+        put--;          /* >= 1: at least two bytes were taken (above) */
+    }
+    return (ssize_t)put;
 }
 
 static void kv_tls_io_close(void *ctx) { kv_tls_free(ctx); }
 static int kv_tls_io_handshake(void *ctx, int fd) { return kv_tls_step(ctx, fd); }
 static size_t kv_tls_io_pending(void *ctx) {
-    int n = SSL_pending(((kv_tls *)ctx)->ssl);
-    return n > 0 ? (size_t)n : 0;
+    kv_tls *t = ctx;
+    int n = SSL_pending(t->ssl);
+    if (n > 0) return (size_t)n;
+    return t->more && SSL_has_pending(t->ssl) ? 1 : 0; /* buffered records not yet decrypted */
 }
 static const char *kv_tls_io_why(void *ctx) { return ((kv_tls *)ctx)->why; }
 

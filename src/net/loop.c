@@ -843,6 +843,18 @@ void kv_net_conn_commit(kv_net_conn *c, size_t n) {
     kv_conn_update(c);
 }
 
+void kv_net_conn_commit_now(kv_net_conn *c, size_t n) {
+    if (c->state != KV_NC_OPEN || c->tx_len != c->tx_off) { /* the loop's writer owns the queue */
+        kv_net_conn_commit(c, n);
+        return;
+    }
+    c->tx_len += n;
+    kv_conn_flush(c); /* all taken: no interest changed; some left: EPOLLOUT armed for it */
+    if (c->state != KV_NC_DEAD && c->tx_len > c->tx_off && c->o.write_timeout_ms > 0 &&
+        !kv_net_timer_armed(&c->write_t))
+        kv_net_timer_start(c->l, &c->write_t, c->o.write_timeout_ms);
+}
+
 int kv_net_conn_send(kv_net_conn *c, const void *buf, size_t n) {
     uint8_t *p = kv_net_conn_reserve(c, n);
     if (!p) return KV_ENOMEM;
