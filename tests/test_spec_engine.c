@@ -407,7 +407,7 @@ static void test_mtp_f64(void) {
     kv_pool *pool = NULL;
     kv_mtp *t = NULL;
     ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
-    ASSERT_EQ(kv_mtp_new(&t, m, pool, 2, &d), 0);
+    ASSERT_EQ(kv_mtp_new(&t, m, NULL, pool, 2, &d), 0);
     if (!t) return;
     static mtp_ref r;
     memset(&r, 0, sizeof r);
@@ -445,7 +445,7 @@ static void test_mtp_f64(void) {
     ASSERT_EQ(kv_mtp_step(t, 0, h, 5, KV_MTP_MAX_POS, ho, lg, &d), KV_ERANGE);
     /* a model without an MTP block is refused */
     kv_mtp *t2 = NULL;
-    ASSERT_EQ(kv_mtp_new(&t2, g_fx[0].m, pool, 1, &d), KV_EUNSUPPORTED);
+    ASSERT_EQ(kv_mtp_new(&t2, g_fx[0].m, NULL, pool, 1, &d), KV_EUNSUPPORTED);
     free(lg);
     kv_mtp_free(t);
     kv_pool_free(pool);

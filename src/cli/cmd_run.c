@@ -772,9 +772,11 @@ int kv_cmd_run(int argc, char **argv) {
                kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes,
                (unsigned long long)es.mem.recurrent_bytes);
         if (draft)
-            printf(",\"spec\":{\"verify_steps\":%llu,\"drafted\":%llu,\"accepted\":%llu,\"emitted\":%llu}",
+            printf(",\"spec\":{\"verify_steps\":%llu,\"drafted\":%llu,\"accepted\":%llu,\"emitted\":%llu,"
+                   "\"digest\":\"%016llx\"}",
                    (unsigned long long)es.spec_steps, (unsigned long long)es.spec_drafted,
-                   (unsigned long long)es.spec_accepted, (unsigned long long)es.spec_emitted);
+                   (unsigned long long)es.spec_accepted, (unsigned long long)es.spec_emitted,
+                   (unsigned long long)es.spec_digest);
         if (remote) kv_run_dispatch_json(remote, &steplog);
         printf("}\n");
     } else {
