@@ -95,9 +95,13 @@ typedef struct kv_model_opts {
      * of the mapping become resident); the token embedding only when the
      * window starts at block 0, the final norm and LM head only when it ends
      * at the last block (the embedding too then, if the head is tied). MTP
-     * blocks are not loaded. KV_EINVAL for a window outside the model. */
+     * blocks are not loaded unless mtp is set. KV_EINVAL for a window
+     * outside the model. */
     bool window;
     uint32_t layer_first, layer_last;
+    bool mtp;        /* a window that ends at the last block loads the MTP blocks
+                        too (experts unless no_experts), and the token embedding
+                        they read (views: only the rows drafted from are touched) */
 } kv_model_opts;
 int kv_model_load_ex(kv_model **out, const char *path, const kv_model_opts *opts, kv_diag *d);
 /* True if the model's routed experts were loaded from its own file. */
