@@ -7,7 +7,8 @@
 #  1. a ring of two whole-file windows: `kvasir run --ring --draft mtp`
 #     gives the tokens and logits of plain `kvasir run -m F.gguf` byte for
 #     byte, greedy and seeded, and drafts as many tokens as in-process MTP
-#     (and accepts as many);
+#     (and accepts as many); a gateway over it with --draft mtp answers what
+#     one without answers, and /metrics counts the drafts;
 #  2. a sliced ring whose tail holds no slab, its experts (the MTP block's
 #     layer 4 too) on two `kvasir worker` processes: the same bytes and
 #     counts;
@@ -59,9 +60,43 @@ over_ring() {
   done
 }
 
-# ---- 1. whole-file windows
+# ---- 1. whole-file windows; a gateway over them
 ring_start "$m" 0-1 2-3
 over_ring "a ring of whole-file windows"
+GW_PID=
+gw() { # EXTRA...: a gateway over the ring; GW_ADDR its address once /health answers
+  "$KV" gateway --ring "${RING_ADDR[0]}" "${RK[@]}" --listen 127.0.0.1:0 --name m "$@" >"$dir/gw.out" 2>"$dir/gw.err" &
+  GW_PID=$!
+  RING_ALL+=($GW_PID)
+  GW_ADDR=
+  for _ in $(seq 300); do
+    GW_ADDR=$(sed -n 's/^listening on //p' "$dir/gw.out" 2>/dev/null)
+    [ -n "$GW_ADDR" ] && curl -sf "http://$GW_ADDR/health" >/dev/null 2>&1 && return 0
+    kill -0 "$GW_PID" 2>/dev/null || break
+    sleep 0.05
+  done
+  fail "the gateway did not start: $(cat "$dir/gw.err")"
+}
+ask() { # SEED (-1: greedy) -> the text
+  jq -n --arg p "$P" --argjson s "$1" '{model:"m",prompt:$p,max_tokens:24,temperature:(if $s < 0 then 0 else 0.9 end),
+    seed:(if $s < 0 then 0 else $s end)}' |
+    curl -sf "http://$GW_ADDR/v1/completions" -H 'content-type: application/json' -d @- | jq -r '.choices[0].text'
+}
+gw
+for s in -1 5; do ask $s >"$dir/gw.plain.$s" || fail "the plain ring gateway did not answer"; done
+kill "$GW_PID"
+wait "$GW_PID" 2>/dev/null || true
+gw --draft mtp --draft-max 3
+for s in -1 5; do
+  ask $s >"$dir/gw.mtp.$s" || fail "the --draft mtp ring gateway did not answer"
+  [ -s "$dir/gw.plain.$s" ] && cmp -s "$dir/gw.plain.$s" "$dir/gw.mtp.$s" ||
+    fail "gateway seed $s: '$(cat "$dir/gw.mtp.$s")' with --draft mtp, '$(cat "$dir/gw.plain.$s")' without"
+done
+dr=$(curl -sf "http://$GW_ADDR/metrics" | sed -n 's/^kvasir_gateway_spec_drafted_tokens_total \(.*\)/\1/p')
+[ -n "$dr" ] && [ "$dr" -gt 0 ] || fail "/metrics: no drafted tokens over the ring ($dr)"
+kill "$GW_PID"
+wait "$GW_PID" 2>/dev/null || true
+echo "ok: gateway --ring --draft mtp: the text of a gateway without it, $dr tokens drafted"
 ring_stop
 
 # ---- 2 and 3. a sliced ring: the head window with its slabs, the tail's experts on workers
