@@ -669,8 +669,13 @@ int kv_mtp_new(kv_mtp **out, const kv_model *m, const kv_expert_provider *expert
                kv_diag *d) {
     *out = NULL;
     const kv_hparams *hp = &m->hp;
-    if (hp->arch != KV_ARCH_QWEN35MOE || hp->n_layer_nextn == 0 || !m->layers[hp->n_layer].nextn_eh_proj.data)
+    if (hp->n_layer_nextn == 0)
         return kv_fail(d, KV_EUNSUPPORTED, "mtp: the model has no MTP (nextn) block");
+    if (hp->arch != KV_ARCH_QWEN35MOE)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: only a qwen35moe MTP block is run, and this model is %s",
+                       hp->arch_name);
+    if (!m->layers[hp->n_layer].nextn_eh_proj.data)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: the MTP block (layer %u) is not loaded here", hp->n_layer);
     if (!m->has_embd || !m->has_head)
         return kv_fail(d, KV_EUNSUPPORTED, "mtp: the MTP block needs the token embedding and the LM head, and this "
                        "model holds %s", !m->has_embd && !m->has_head ? "neither" : !m->has_embd ? "no embedding"
