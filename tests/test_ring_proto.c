@@ -755,6 +755,19 @@ static void test_v4_spec_frames(void) {
     ASSERT_EQ(kv_ring_submit_tokens_encode(buf, sizeof buf, &p, toks, 2, &n, &d), 0);
     ASSERT_EQ(n, KV_RING_HEADER + 40 + 4 + 8 + 24 + 28);
     ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    /* an mtp draft (kind 3, the tail's MTP block): the same block, no recording either */
+    p.draft_kind = KV_RING_DRAFT_MTP;
+    ASSERT_EQ(kv_ring_submit_tokens_encode(buf, sizeof buf, &p, toks, 2, &n, &d), 0);
+    ASSERT_EQ(n, KV_RING_HEADER + 40 + 4 + 8 + 24 + 28);
+    ASSERT_EQ(rd32(q), 3);
+    ASSERT_EQ(kv_ring_decode(buf, n, &m, &d), 0);
+    ASSERT_EQ(m.u.stok.p.draft_kind, KV_RING_DRAFT_MTP);
+    memcpy(f, buf, n); /* a seed (a test source's field) with it */
+    wr32(f + (q - buf) + 16, 1);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
+    memcpy(f, buf, n); /* kind 4 is no source */
+    wr32(f + (q - buf), 4);
+    ASSERT_EQ(kv_ring_decode(f, n, &m, &d), KV_EPROTO);
     p.draft_max = 0;
     ASSERT_EQ(kv_ring_submit_tokens_encode(buf, sizeof buf, &p, toks, 2, &n, &d), KV_ERANGE);
     p.draft_max = 2;

@@ -407,7 +407,7 @@ static void test_mtp_f64(void) {
     kv_pool *pool = NULL;
     kv_mtp *t = NULL;
     ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
-    ASSERT_EQ(kv_mtp_new(&t, m, pool, 2, &d), 0);
+    ASSERT_EQ(kv_mtp_new(&t, m, NULL, pool, 2, &d), 0);
     if (!t) return;
     static mtp_ref r;
     memset(&r, 0, sizeof r);
@@ -445,9 +445,73 @@ static void test_mtp_f64(void) {
     ASSERT_EQ(kv_mtp_step(t, 0, h, 5, KV_MTP_MAX_POS, ho, lg, &d), KV_ERANGE);
     /* a model without an MTP block is refused */
     kv_mtp *t2 = NULL;
-    ASSERT_EQ(kv_mtp_new(&t2, g_fx[0].m, pool, 1, &d), KV_EUNSUPPORTED);
+    ASSERT_EQ(kv_mtp_new(&t2, g_fx[0].m, NULL, pool, 1, &d), KV_EUNSUPPORTED);
     free(lg);
     kv_mtp_free(t);
+    kv_pool_free(pool);
+}
+
+/* A provider that counts its calls and hands them to another (the
+ * engine's slab or remote provider stands where this one does). */
+typedef struct {
+    kv_expert_provider inner;
+    uint32_t calls, bad; /* calls; calls not of one token of layer n_layer */
+    uint32_t layer;
+} counting_prov;
+
+static int counting_compute(void *impl, const kv_expert_req *req, float *out, kv_diag *d) {
+    counting_prov *c = impl;
+    c->calls++;
+    c->bad += req->layer != c->layer || req->n_tokens != 1;
+    return c->inner.compute(c->inner.impl, req, out, d);
+}
+
+/* kv_mtp_new with a caller's provider: the block's experts (layer n_layer,
+ * one token per step) are asked of it, and every output is the in-process
+ * block's bit for bit; a backbone (no experts of its own) without a
+ * provider is refused. */
+static void test_mtp_provider(void) {
+    const kv_model *m = g_fx[1].m;
+    const kv_hparams *hp = &m->hp;
+    const uint32_t E = hp->n_embd, V = hp->n_vocab;
+    kv_diag d = {0};
+    kv_pool *pool = NULL;
+    ASSERT_EQ(kv_pool_new(&pool, 2, &d), 0);
+    kv_expert_source src = kv_model_expert_source(m);
+    src.n_layer = hp->n_layer + hp->n_layer_nextn;
+    counting_prov cp = {.layer = hp->n_layer};
+    ASSERT_EQ(kv_expert_local_new_src(&cp.inner, &src, pool, 1, &d), 0);
+    const kv_expert_provider prov = {&cp, counting_compute, NULL, "counting"};
+    kv_mtp *a = NULL, *b = NULL;
+    ASSERT_EQ(kv_mtp_new(&a, m, NULL, pool, 1, &d), 0);
+    ASSERT_EQ(kv_mtp_new(&b, m, &prov, pool, 1, &d), 0);
+    float h[512], ha[512], hb[512];
+    float *la = malloc(V * sizeof *la), *lb = malloc(V * sizeof *lb);
+    ASSERT_TRUE(E <= 512 && la && lb);
+    for (uint32_t i = 0; i < E; i++) h[i] = (float)((int)rnd(2001) - 1000) / 700.0f;
+    for (uint32_t pos = 0; pos < 6; pos++) {
+        const int32_t tok = (int32_t)(3 + rnd(V - 3));
+        ASSERT_EQ(kv_mtp_step(a, 0, h, tok, pos, ha, la, &d), 0);
+        ASSERT_EQ(kv_mtp_step(b, 0, h, tok, pos, hb, lb, &d), 0);
+        ASSERT_TRUE(!memcmp(ha, hb, E * sizeof *ha));
+        ASSERT_TRUE(!memcmp(la, lb, V * sizeof *la));
+        memcpy(h, ha, E * sizeof *h);
+    }
+    ASSERT_EQ(cp.calls, 6);
+    ASSERT_EQ(cp.bad, 0);
+    kv_mtp_free(a);
+    kv_mtp_free(b); /* the borrowed provider is not freed with it */
+    ASSERT_TRUE(cp.inner.compute != NULL);
+    cp.inner.free(cp.inner.impl);
+    free(la);
+    free(lb);
+    /* a model loaded without its experts (a backbone) needs a provider */
+    kv_model *bb = NULL;
+    ASSERT_EQ(kv_model_load_ex(&bb, g_fx[1].model, &(kv_model_opts){.no_experts = true}, &d), 0);
+    kv_mtp *c = NULL;
+    ASSERT_EQ(kv_mtp_new(&c, bb, NULL, pool, 1, &d), KV_EUNSUPPORTED);
+    ASSERT_TRUE(strstr(d.msg, "no provider") != NULL);
+    kv_model_free(bb);
     kv_pool_free(pool);
 }
 
@@ -492,7 +556,7 @@ static void teardown(void) { fixtures_close(); }
 static const kvt_case cases[] = {
     KVT_CASE(test_ngram),           KVT_CASE(test_rollback_qwen3moe), KVT_CASE(test_rollback_qwen35moe),
     KVT_CASE(test_engine_qwen3moe), KVT_CASE(test_engine_qwen35moe),  KVT_CASE(test_mtp_f64),
-    KVT_CASE(test_engine_mtp),      KVT_CASE(test_opts),
+    KVT_CASE(test_mtp_provider),    KVT_CASE(test_engine_mtp),        KVT_CASE(test_opts),
 };
 
 int main(int argc, char **argv) { return kvt_run_with(argc, argv, cases, KVT_N(cases), setup, teardown); }

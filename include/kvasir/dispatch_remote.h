@@ -258,5 +258,10 @@ typedef struct kv_remote_coverage {
     uint32_t n_missing;         /* entries written to missing (at most cap) */
 } kv_remote_coverage;
 void kv_remote_get_coverage(const kv_remote *r, kv_remote_coverage *out, uint32_t *missing, uint32_t cap);
+/* 0 when every expert of layer (a MoE layer of the manifest, the MTP
+ * block's n_layer included) is served now by a worker that is up or held
+ * locally; else KV_ENOTFOUND naming the layer, how many experts lack a
+ * holder and the first of them (KV_ERANGE: not a MoE layer). */
+int kv_remote_check_layer(const kv_remote *r, uint32_t layer, kv_diag *d);
 
 #endif

@@ -195,6 +195,8 @@ typedef struct kv_engine_stats {
     uint64_t spec_accepted;      /* ... that equalled the token drawn there */
     uint64_t spec_emitted;       /* tokens the verify passes yielded (accepted + one per pass
                                     unless the session stopped first) */
+    uint64_t spec_digest;        /* FNV-1a 64 of every drafted token fed, in order (0: none): two
+                                    runs that drafted the same tokens have the same digest */
 } kv_engine_stats;
 void kv_engine_get_stats(const kv_engine *e, kv_engine_stats *out);
 /* Per-stage timers of the engine's forward passes into p (kv_state_set_profile);

@@ -95,9 +95,13 @@ typedef struct kv_model_opts {
      * of the mapping become resident); the token embedding only when the
      * window starts at block 0, the final norm and LM head only when it ends
      * at the last block (the embedding too then, if the head is tied). MTP
-     * blocks are not loaded. KV_EINVAL for a window outside the model. */
+     * blocks are not loaded unless mtp is set. KV_EINVAL for a window
+     * outside the model. */
     bool window;
     uint32_t layer_first, layer_last;
+    bool mtp;        /* a window that ends at the last block loads the MTP blocks
+                        too (experts unless no_experts), and the token embedding
+                        they read (views: only the rows drafted from are touched) */
 } kv_model_opts;
 int kv_model_load_ex(kv_model **out, const char *path, const kv_model_opts *opts, kv_diag *d);
 /* True if the model's routed experts were loaded from its own file. */
@@ -348,12 +352,16 @@ const float *kv_state_hidden_out(const kv_state *s, uint32_t i);
  * pos itself; at most KV_MTP_MAX_POS), its routed and shared experts, and
  * shared_head_norm: h_out (n_embd) and, when logits is not NULL, the LM
  * head's n_vocab logits of the token after tok. kv_mtp_forget drops seq's
- * K/V from position from on; kv_mtp_reset all of it. Needs a whole GGUF
- * qwen35moe model with an MTP block (KV_EUNSUPPORTED otherwise). Not
- * thread-safe; m and pool borrowed. */
+ * K/V from position from on; kv_mtp_reset all of it. Needs a qwen35moe
+ * model with an MTP block, its token embedding and LM head (a whole GGUF
+ * file or a backbone; KV_EUNSUPPORTED otherwise). The block's routed
+ * experts (layer n_layer) come from experts when not NULL (borrowed, must
+ * outlive t: a slab or remote provider that serves layer n_layer), else
+ * in process from m's own experts. Not thread-safe; m and pool borrowed. */
 #define KV_MTP_MAX_POS 4096u
 typedef struct kv_mtp kv_mtp;
-int kv_mtp_new(kv_mtp **out, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d);
+int kv_mtp_new(kv_mtp **out, const kv_model *m, const kv_expert_provider *experts, kv_pool *pool, uint32_t n_seq,
+               kv_diag *d);
 void kv_mtp_free(kv_mtp *t);
 void kv_mtp_reset(kv_mtp *t, uint32_t seq);
 void kv_mtp_forget(kv_mtp *t, uint32_t seq, uint32_t from);

@@ -129,7 +129,7 @@ enum kv_ring_chat_role { KV_RING_CHAT_SYSTEM = 1, KV_RING_CHAT_USER, KV_RING_CHA
     ((uint32_t)((more) ? KV_RING_TOKEN_MORE : 0u) | ((uint32_t)(verified) << 8) | ((uint32_t)(accepted) << 16))
 
 /* Draft sources a request names (KV_RING_SUBMIT_DRAFT). */
-enum kv_ring_draft { KV_RING_DRAFT_NGRAM = 1, KV_RING_DRAFT_TEST = 2 };
+enum kv_ring_draft { KV_RING_DRAFT_NGRAM = 1, KV_RING_DRAFT_TEST = 2, KV_RING_DRAFT_MTP = 3 };
 
 typedef struct kv_ring_header {
     uint32_t magic, len;
@@ -162,7 +162,7 @@ typedef struct kv_ring_params {
     uint32_t draft_max;      /* k, 1..KV_RING_MAX_DRAFT */
     double draft_p;          /* TEST: acceptance in [0, 1] */
     uint64_t draft_seed;     /* TEST: the hash seed */
-    uint32_t n_draft_rec;    /* TEST: 1..KV_RING_MAX_DRAFT_REC tokens recorded; 0 for NGRAM */
+    uint32_t n_draft_rec;    /* TEST: 1..KV_RING_MAX_DRAFT_REC tokens recorded; 0 for NGRAM and MTP */
     const uint8_t *draft_rec_wire; /* decoded TEST: [n_draft_rec] i32 LE (view) */
     const int32_t *draft_rec;/* the encoder writes these host ints when set, else draft_rec_wire */
 } kv_ring_params;

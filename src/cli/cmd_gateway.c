@@ -105,7 +105,7 @@ static const char *kv_gateway_help =
     "  --draft SRC          speculative decoding: none (default), ngram or mtp; the same tokens with\n"
     "                       fewer forward passes (docs/SPECULATIVE.md); --draft-max K drafted tokens\n"
     "                       per pass, 1..15 (default 3); /metrics reports acceptance. With a ring\n"
-    "                       (--ring, --placement sites): ngram or test:FILE:P[:SEED], drafted by\n"
+    "                       (--ring, --placement sites): ngram, mtp or test:FILE:P[:SEED], drafted by\n"
     "                       the ring's last node (k + 1 positions per crossing)\n"
     "  --ledger FILE        charge every completion in KVR (docs/LEDGER.md): requests must carry\n"
     "                       X-KVR-Payment (kvasir wallet pay --gateway ID); GET /v1/prices\n"

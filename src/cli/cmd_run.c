@@ -82,7 +82,7 @@ static const char *kv_run_help =
     "                       model's MTP block), test:FILE:P[:SEED] (measurement only: the token ids in\n"
     "                       FILE, e.g. a plain run's, each proposed right with probability P)\n"
     "  --draft-max K        tokens drafted per forward pass, 1..15 (default 3)\n"
-    "                       (with --ring: ngram or test:FILE:P, drafted by the ring's last node)\n"
+    "                       (with --ring: ngram, mtp or test:FILE:P, drafted by the ring's last node)\n"
     "  --grammar F          constrain the output to the GBNF grammar in file F (start rule root;\n"
     "                       docs/GRAMMAR.md): it stops where the grammar is complete\n"
     "  --json-schema F      constrain the output to the JSON schema in file F (as the gateway's\n"
@@ -772,9 +772,11 @@ int kv_cmd_run(int argc, char **argv) {
                kv_type == KV_TYPE_F16 ? "f16" : "f32", (unsigned long long)es.mem.kv_bytes,
                (unsigned long long)es.mem.recurrent_bytes);
         if (draft)
-            printf(",\"spec\":{\"verify_steps\":%llu,\"drafted\":%llu,\"accepted\":%llu,\"emitted\":%llu}",
+            printf(",\"spec\":{\"verify_steps\":%llu,\"drafted\":%llu,\"accepted\":%llu,\"emitted\":%llu,"
+                   "\"digest\":\"%016llx\"}",
                    (unsigned long long)es.spec_steps, (unsigned long long)es.spec_drafted,
-                   (unsigned long long)es.spec_accepted, (unsigned long long)es.spec_emitted);
+                   (unsigned long long)es.spec_accepted, (unsigned long long)es.spec_emitted,
+                   (unsigned long long)es.spec_digest);
         if (remote) kv_run_dispatch_json(remote, &steplog);
         printf("}\n");
     } else {

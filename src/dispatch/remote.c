@@ -2325,6 +2325,23 @@ int kv_remote_add_worker(kv_remote *r, const char *addr, const uint8_t *key, kv_
 
 void kv_remote_tend(kv_remote *r, int timeout_ms) { kv_remote_poll(r, timeout_ms, NULL); }
 
+int kv_remote_check_layer(const kv_remote *r, uint32_t layer, kv_diag *d) {
+    if (layer >= r->n_layer || !r->m->moe_layer[layer])
+        return kv_fail(d, KV_ERANGE, "remote: layer %u is not a MoE layer of the manifest (%u layers)", layer,
+                       r->n_layer);
+    uint32_t n_up = 0, n_miss = 0, first = 0;
+    for (uint32_t i = 0; i < r->n_w; i++) n_up += r->w[i].state == KV_RW_UP;
+    for (uint32_t e = 0; e < r->n_expert; e++) {
+        const size_t k = (size_t)layer * r->n_expert + e;
+        bool held = r->lhas[k];
+        for (uint32_t i = 0; i < r->n_w && !held; i++) held = r->w[i].state == KV_RW_UP && r->w[i].holds[k];
+        if (!held && !n_miss++) first = e;
+    }
+    if (!n_miss) return 0;
+    return kv_fail(d, KV_ENOTFOUND, "remote: layer %u: %u of its %u experts (expert %u first) are served by no "
+                   "worker (%u of %u up) and not present locally", layer, n_miss, r->n_expert, first, n_up, r->n_w);
+}
+
 void kv_remote_get_coverage(const kv_remote *r, kv_remote_coverage *out, uint32_t *missing, uint32_t cap) {
     memset(out, 0, sizeof *out);
     for (uint32_t i = 0; i < r->n_w; i++) out->workers_up += r->w[i].state == KV_RW_UP;

@@ -159,7 +159,14 @@ static int kv_engine_setup(kv_engine *e, kv_diag *d) {
     if (!e->cand || !e->slot || !e->b_tok || !e->b_seq || !e->b_out || !e->b_who || !e->b_plp || !e->logits)
         return kv_fail(d, KV_ENOMEM, "engine: out of memory for %u sessions", e->max_sessions);
     if (e->remote && (rc = kv_remote_tally_open(e->remote, e->max_sessions, d))) return rc;
-    if (e->o.draft && (rc = kv_draft_open(&e->draft, e->o.draft, e->m, e->pool, e->max_sessions, d))) return rc;
+    if (e->o.draft && (rc = kv_draft_open(&e->draft, e->o.draft, e->m, e->experts, e->pool, e->max_sessions, d))) return rc;
+    /* the MTP block's experts (layer n_layer) are not among those the trunk
+     * needs served: a missing holder is refused here, not at the first draft
+     * (unless workers may come later: until then its drafts are empty) */
+    if (kv_draft_kind(e->draft) == KV_DRAFT_MTP && e->remote && !e->o.allow_uncovered &&
+        (rc = kv_remote_check_layer(e->remote, hp->n_layer, d)))
+        return kv_diag_prefix(d, rc, "mtp: the MTP block's experts (--draft mtp needs a worker serving layer %u)",
+                              hp->n_layer);
     if (e->o.prompt_cache_bytes) {
         kv_state_mem mem;
         kv_state_get_mem(e->st, &mem);
@@ -833,7 +840,11 @@ static uint32_t kv_spec_draft(kv_engine *e, kv_session *s, uint32_t pos, uint32_
     kv_pc_hist_add(s, &s->pending, 1); /* the context the source sees ends with the token fed next */
     if (s->pc_off) return 0;
     const kv_draft_ctx c = {s->hist, s->n_hist, s->st.n_gen, s->hid_ok ? s->hid : NULL, s->slot};
+    /* the MTP block's experts computed by workers are work done for s */
+    const bool tally = e->remote && kv_draft_kind(e->draft) == KV_DRAFT_MTP;
+    if (tally) kv_remote_tally_begin(e->remote, &s->slot, 1);
     const int m = kv_draft_propose(e->draft, &c, k, s->fed + 1);
+    if (tally) kv_remote_tally_end(e->remote, true);
     s->n_hist--;
     if (m <= 0) return 0;
     for (int i = 1; i <= m; i++)
@@ -868,6 +879,9 @@ static bool kv_spec_verify(kv_engine *e, kv_session *s, uint32_t k, uint32_t pos
         if (!same || s->status != KV_SESSION_DECODE) break;
     }
     e->stats.spec_steps++;
+    if (!e->stats.spec_drafted) e->stats.spec_digest = 0xcbf29ce484222325ull; /* FNV-1a 64 */
+    for (uint32_t i = 1; i <= s->n_draft; i++)
+        e->stats.spec_digest = (e->stats.spec_digest ^ (uint32_t)s->fed[i]) * 0x100000001b3ull;
     e->stats.spec_drafted += s->n_draft;
     e->stats.spec_accepted += acc;
     e->stats.spec_emitted += m;

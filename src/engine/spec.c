@@ -133,7 +133,8 @@ int kv_draft_test_load(const char *arg, uint32_t n_vocab, int32_t **rec, uint32_
     return 0;
 }
 
-int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d) {
+int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, const kv_expert_provider *experts, kv_pool *pool,
+                  uint32_t n_seq, kv_diag *d) {
     *out = NULL;
     if (!spec || !strcmp(spec, "none") || !spec[0]) return 0;
     kv_draft *dr = calloc(1, sizeof *dr);
@@ -149,7 +150,7 @@ int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *
         dr->h[1] = malloc(E * sizeof(float));
         dr->logits = malloc((size_t)dr->n_vocab * sizeof(float));
         if (!dr->h[0] || !dr->h[1] || !dr->logits) rc = kv_fail(d, KV_ENOMEM, "draft: out of memory");
-        else rc = kv_mtp_new(&dr->mtp, m, pool, n_seq, d);
+        else rc = kv_mtp_new(&dr->mtp, m, experts, pool, n_seq, d);
     } else if (!strncmp(spec, "test:", 5)) {
         dr->kind = KV_DRAFT_TEST;
         rc = kv_draft_parse_test(dr, spec + 5, d);

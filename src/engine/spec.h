@@ -13,7 +13,8 @@
  *          final-normed hidden state that produced the token fed next
  *          and that token, a greedy chain of k steps, each on the previous
  *          step's output; its K/V keeps only the positions run from the
- *          trunk's hidden state (qwen35moe from a whole GGUF file);
+ *          trunk's hidden state (qwen35moe: a whole GGUF file, or a
+ *          backbone whose slabs or workers serve the block's experts);
  *   test   FOR MEASUREMENT ONLY: a recorded continuation (token ids from a
  *          plain run) proposed with a chosen acceptance rate p: at the
  *          turn's generated position g it proposes the recorded token with
@@ -56,11 +57,13 @@ typedef struct kv_draft_ctx {
 
 /* Parses spec ("none", "ngram", "mtp", "test:FILE:P" with P in [0, 1],
  * optionally "test:FILE:P:SEED") and opens the source over m and pool
- * (borrowed; must outlive it) for n_seq sequences. *out is NULL for "none". Errors: KV_EINVAL naming the bad
+ * (borrowed; must outlive it) for n_seq sequences. experts (borrowed, may
+ * be NULL: m's own) computes the mtp source's routed experts. *out is NULL for "none". Errors: KV_EINVAL naming the bad
  * part, KV_EUNSUPPORTED for mtp on a model without an MTP block, KV_EIO /
  * KV_EFORMAT for the test file, KV_ENOMEM. Free with kv_draft_free
  * (accepts NULL). */
-int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d);
+int kv_draft_open(kv_draft **out, const char *spec, const kv_model *m, const kv_expert_provider *experts, kv_pool *pool,
+                  uint32_t n_seq, kv_diag *d);
 /* A new session takes sequence seq: the source forgets what it kept of it. */
 void kv_draft_reset(kv_draft *dr, uint32_t seq);
 void kv_draft_free(kv_draft *dr);

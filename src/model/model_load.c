@@ -163,7 +163,8 @@ static int kv_load_weights(kv_model *m, bool experts, const kv_model_opts *opts,
     if (kv_tensor_name(out, 0, oname, sizeof oname) < 0)
         return kv_fail(d, KV_EINTERNAL, "model: tensor name '%s' too long", out->name);
     hp->tied_output = !kv_gguf_find_tensor(m->gguf, oname) && (out->flags & KV_TF_TIED);
-    m->has_embd = m->il_first == 0 || (m->has_head && hp->tied_output);
+    const bool mtp_here = window && opts->mtp && m->has_head && hp->n_layer_nextn; /* the MTP blocks follow the head */
+    m->has_embd = m->il_first == 0 || (m->has_head && (hp->tied_output || mtp_here));
     int rc;
     if (m->has_embd && (rc = kv_load_tensor(m, embd, 0, &m->tok_embd, d))) return rc;
     if (m->has_head) {
@@ -181,7 +182,8 @@ static int kv_load_weights(kv_model *m, bool experts, const kv_model_opts *opts,
     if (!m->layers) return kv_fail(d, KV_ENOMEM, "model: out of memory");
     for (uint32_t il = 0; il < n_blocks; il++) {
         kv_layer *L = &m->layers[il];
-        if (window && !kv_model_in_window(m, il)) continue; /* another node's blocks (MTP too) */
+        if (window && !kv_model_in_window(m, il) && !(mtp_here && il >= hp->n_layer))
+            continue; /* another node's blocks (MTP too, unless asked for) */
         L->recurrent = a->block_kind(hp, il) == KV_BLK_RECURRENT;
         for (size_t i = 0; i < a->n_tensors; i++) {
             const kv_tensor_desc *t = &a->tensors[i];

@@ -650,7 +650,8 @@ int kv_q35_rollback(kv_state *s, uint32_t seq, uint32_t pos, kv_diag *d) {
 struct kv_mtp {
     const kv_model *m;
     kv_pool *pool;
-    kv_expert_provider prov; /* in-process, from m's own MTP experts */
+    kv_expert_provider prov; /* in-process, from m's own MTP experts (unset when borrowed) */
+    const kv_expert_provider *ex; /* who computes the MTP experts: &prov or the caller's */
     uint32_t n_seq;
     float **k, **v;      /* [n_seq] NULL or [KV_MTP_MAX_POS][n_head_kv*head_dim] */
     uint8_t **have;      /* [n_seq] NULL or [KV_MTP_MAX_POS] the position's K/V was written */
@@ -664,14 +665,24 @@ struct kv_mtp {
     void *scratch;
 };
 
-int kv_mtp_new(kv_mtp **out, const kv_model *m, kv_pool *pool, uint32_t n_seq, kv_diag *d) {
+int kv_mtp_new(kv_mtp **out, const kv_model *m, const kv_expert_provider *experts, kv_pool *pool, uint32_t n_seq,
+               kv_diag *d) {
     *out = NULL;
     const kv_hparams *hp = &m->hp;
-    if (hp->arch != KV_ARCH_QWEN35MOE || hp->n_layer_nextn == 0 || !m->layers[hp->n_layer].nextn_eh_proj.data)
+    if (hp->n_layer_nextn == 0)
         return kv_fail(d, KV_EUNSUPPORTED, "mtp: the model has no MTP (nextn) block");
-    if (!m->has_experts || !m->has_embd || !m->has_head)
-        return kv_fail(d, KV_EUNSUPPORTED, "mtp: the MTP block runs in process from a whole GGUF file (its experts, "
-                       "embedding and head), not from a backbone or a window");
+    if (hp->arch != KV_ARCH_QWEN35MOE)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: only a qwen35moe MTP block is run, and this model is %s",
+                       hp->arch_name);
+    if (!m->layers[hp->n_layer].nextn_eh_proj.data)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: the MTP block (layer %u) is not loaded here", hp->n_layer);
+    if (!m->has_embd || !m->has_head)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: the MTP block needs the token embedding and the LM head, and this "
+                       "model holds %s", !m->has_embd && !m->has_head ? "neither" : !m->has_embd ? "no embedding"
+                                                                                            : "no head");
+    if (!experts && !m->has_experts)
+        return kv_fail(d, KV_EUNSUPPORTED, "mtp: the model holds no experts and no provider was given for the MTP "
+                       "block's (layer %u)", hp->n_layer);
     kv_mtp *t = calloc(1, sizeof *t);
     if (!t) return kv_fail(d, KV_ENOMEM, "mtp: out of memory");
     t->m = m;
@@ -707,9 +718,14 @@ int kv_mtp_new(kv_mtp **out, const kv_model *m, kv_pool *pool, uint32_t n_seq, k
         !t->att || !t->router || !t->wts || !t->eo || !t->ids || !t->sh_g || !t->sh_u || !t->sh_out || !t->sh_gate ||
         !t->scores || !t->scratch)
         rc = kv_fail(d, KV_ENOMEM, "mtp: out of memory");
-    kv_expert_source src = kv_model_expert_source(m);
-    src.n_layer = hp->n_layer + hp->n_layer_nextn; /* the MTP block's experts follow the trunk's */
-    if (!rc) rc = kv_expert_local_new_src(&t->prov, &src, pool, 1, d);
+    if (experts) {
+        t->ex = experts; /* the engine's: slabs or workers, layer n_layer among theirs */
+    } else {
+        kv_expert_source src = kv_model_expert_source(m);
+        src.n_layer = hp->n_layer + hp->n_layer_nextn; /* the MTP block's experts follow the trunk's */
+        if (!rc) rc = kv_expert_local_new_src(&t->prov, &src, pool, 1, d);
+        t->ex = &t->prov;
+    }
     if (rc) {
         kv_mtp_free(t);
         return rc;
@@ -842,7 +858,7 @@ int kv_mtp_step(kv_mtp *t, uint32_t seq, const float *h, int32_t tok, uint32_t p
     if (hp->expert_weights_scale != 0.0f && hp->expert_weights_scale != 1.0f)
         for (int64_t r = 0; r < K; r++) t->wts[r] *= hp->expert_weights_scale;
     const kv_expert_req req = {il, 1, (uint32_t)E, (uint32_t)K, t->xb, t->ids, NULL};
-    int rc = t->prov.compute(t->prov.impl, &req, t->eo, d);
+    int rc = t->ex->compute(t->ex->impl, &req, t->eo, d);
     if (rc) return kv_diag_prefix(d, rc, "mtp experts");
     for (int64_t i = 0; i < E; i++) t->tmp[i] = t->eo[i] * t->wts[0];
     for (int64_t r = 1; r < K; r++)

@@ -355,12 +355,11 @@ int kv_ring_draft_params(const char *spec, uint32_t k, kv_ring_params *p, int32_
     *rec = NULL;
     if (!spec || !spec[0] || !strcmp(spec, "none")) return 0;
     if (k > KV_RING_MAX_DRAFT) return kv_fail(d, KV_EINVAL, "--draft-max: %u exceeds %u", k, KV_RING_MAX_DRAFT);
-    if (!strcmp(spec, "mtp"))
-        return kv_fail(d, KV_EUNSUPPORTED, "--draft mtp is not supported over a ring: a window does not hold the MTP "
-                       "block (ngram or test:FILE:P)");
     p->draft_max = k ? k : 3;
     if (!strcmp(spec, "ngram")) {
         p->draft_kind = KV_RING_DRAFT_NGRAM;
+    } else if (!strcmp(spec, "mtp")) { /* the tail runs the model's MTP block (docs/SPECULATIVE.md) */
+        p->draft_kind = KV_RING_DRAFT_MTP;
     } else if (!strncmp(spec, "test:", 5)) {
         uint32_t n_rec = 0;
         int rc = kv_draft_test_load(spec + 5, KV_RING_MAX_VOCAB, rec, &n_rec, &p->draft_p, &p->draft_seed, d);
@@ -375,7 +374,7 @@ int kv_ring_draft_params(const char *spec, uint32_t k, kv_ring_params *p, int32_
         p->n_draft_rec = n_rec;
         p->draft_rec = *rec;
     } else {
-        return kv_fail(d, KV_EINVAL, "--draft: unknown source '%.64s' (ngram, none or test:FILE:P over a ring)", spec);
+        return kv_fail(d, KV_EINVAL, "--draft: unknown source '%.64s' (ngram, mtp, none or test:FILE:P over a ring)", spec);
     }
     p->flags |= KV_RING_SUBMIT_EXT | KV_RING_SUBMIT_DRAFT;
     return 0;

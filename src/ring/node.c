@@ -129,6 +129,8 @@ struct kv_ring_node {
     kv_remote *remote;        /* --worker: the window's experts computed by expert workers */
     kv_expert_provider prov;  /* over the slices (owned) */
     kv_demand_meter *meter;   /* counts prov's calls per shard (sliced, no --worker) */
+    kv_draft *mtp;            /* tail: the MTP draft source (the model's block after the head), NULL: none */
+    char mtp_why[512];        /* tail: why there is none (a --draft mtp request is refused with it) */
     pthread_mutex_t dm_mu;    /* guards dm, dm_tokens (read by the hub's demand reporter) */
     kv_remote_demand *dm;     /* [n_slabs of the manifest] demand as of the last pass, NULL: not sliced */
     uint64_t dm_tokens;       /* tokens run through the window, as of the last pass */
@@ -327,6 +329,7 @@ static uint32_t kv_rn_slot(const kv_ring_node *n, const kv_rseq *s) { return (ui
 static void kv_rn_seq_free(kv_ring_node *n, kv_rseq *s) {
     if (!s || !s->seq) return;
     kv_state_reset_seq(n->st, kv_rn_slot(n, s));
+    kv_draft_reset(n->mtp, kv_rn_slot(n, s));
     kv_sampler_free(s->smp);
     kv_grammar_matcher_free(s->gm);
     kv_grammar_free(s->gram);
@@ -375,6 +378,15 @@ static int kv_rn_tail_begin(kv_ring_node *n, kv_rseq *s, const kv_ring_start *st
             return kv_fail(d, KV_ENOMEM, "ring: out of memory for a grammar mask");
     }
     if (st->p.flags & KV_RING_SUBMIT_DRAFT) { /* the drafts are made here, from the context */
+        if (st->p.draft_kind == KV_RING_DRAFT_MTP) {
+            if (!n->mtp)
+                return kv_fail(d, KV_EUNSUPPORTED, "the tail cannot draft with --draft mtp: %s", n->mtp_why);
+            /* its experts are the block's (layer n_layer): served now, or refused here, not at the first draft */
+            if (n->remote && (rc = kv_remote_check_layer(n->remote, n->n_layer, d)))
+                return kv_diag_prefix(d, rc, "the tail cannot draft with --draft mtp (the MTP block's experts, layer %u)",
+                                      n->n_layer);
+            kv_draft_reset(n->mtp, kv_rn_slot(n, s));
+        }
         s->ctx_cap = n->n_ctx + KV_RING_MAX_DRAFT + 2;
         if (!(s->ctx = malloc((size_t)s->ctx_cap * sizeof *s->ctx)))
             return kv_fail(d, KV_ENOMEM, "ring: out of memory for a drafting context");
@@ -817,7 +829,7 @@ typedef struct kv_rjob {
     bool verify;         /* a verify pass: the tail samples after every token (a row each) */
 } kv_rjob;
 
-static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t n_rows);
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t row0, uint32_t n_rows);
 
 /* Demand: the meter's (or the remote's) counters after a pass, for the
  * reporter's thread; they are read on the compute thread only. */
@@ -872,6 +884,7 @@ static void kv_rn_flush(kv_ring_node *n) {
         const kv_rjob *b = &n->jobs[j];
         const uint32_t n_rows = b->logits ? (b->verify ? b->count : 1) : 0;
         const float *row = n_rows ? n->logits + (size_t)k * n->n_vocab : NULL;
+        const uint32_t row0 = k;
         k += n_rows;
         n->stats.frames_hidden++;
         n->stats.tokens_computed += b->count;
@@ -897,7 +910,7 @@ static void kv_rn_flush(kv_ring_node *n) {
                 kv_rn_commit(n->next, len);
             continue; /* no link: the break handling drops the sequence */
         }
-        if (row) kv_rn_sample(n, b->s, row, n_rows);
+        if (row) kv_rn_sample(n, b->s, row, row0, n_rows);
     }
 }
 
@@ -1027,7 +1040,7 @@ static bool kv_rn_draw(kv_ring_node *n, kv_rseq *s, const float *row, uint32_t h
 /* The tail: the drafts to feed after the token at position p1 (the last
  * of a pass): at most k, never past the context (the verify pass's k + 1
  * positions fit) nor past n_predict (a pass yields at most k + 1 tokens). */
-static uint32_t kv_rn_draft(kv_ring_node *n, kv_rseq *s, uint32_t p1, int32_t *out) {
+static uint32_t kv_rn_draft(kv_ring_node *n, kv_rseq *s, uint32_t p1, const float *hidden, int32_t *out) {
     uint32_t k = s->p.draft_max;
     if (p1 + 1 >= n->n_ctx) return 0;
     if (k > n->n_ctx - p1 - 1) k = n->n_ctx - p1 - 1;
@@ -1039,6 +1052,13 @@ static uint32_t kv_rn_draft(kv_ring_node *n, kv_rseq *s, uint32_t p1, int32_t *o
     if (s->p.draft_kind == KV_RING_DRAFT_TEST && s->drec)
         return kv_draft_test_guess(s->drec, s->p.n_draft_rec, s->p.draft_p, s->p.draft_seed, n->n_vocab,
                                    s->gen0 + s->n_gen, k, out);
+    /* mtp: from the hidden state that gave the token at p1 and that token (the context holds every
+       position up to it); a failure of the block only leaves the pass without drafts */
+    if (s->p.draft_kind == KV_RING_DRAFT_MTP && n->mtp && hidden && s->n_ctxt == p1 + 1) {
+        const kv_draft_ctx c = {s->ctx, s->n_ctxt, s->gen0 + s->n_gen, hidden, kv_rn_slot(n, s)};
+        const int m = kv_draft_propose(n->mtp, &c, k, out);
+        return m > 0 ? (uint32_t)m : 0;
+    }
     return 0;
 }
 
@@ -1061,8 +1081,9 @@ static void kv_rn_send_token(kv_ring_node *n, kv_rseq *s, kv_ring_token *t, cons
  * n_rows - 1 drafts (s->draft): the draw after each position, as plain
  * decoding would draw it, while the draws equal the drafts; the sequence
  * then rolls back to the positions kept, and the last token carries the
- * next pass's drafts. */
-static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t n_rows) {
+ * next pass's drafts. row0: the pass's row of rows[0] (its hidden state,
+ * kv_state_hidden_out, is what the mtp source drafts from). */
+static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_t row0, uint32_t n_rows) {
     const uint32_t slot = kv_rn_slot(n, s);
     const uint32_t pos0 = kv_state_pos_seq(n->st, slot) - n_rows;
     const uint32_t verified = n_rows - 1;
@@ -1076,7 +1097,8 @@ static void kv_rn_sample(kv_ring_node *n, kv_rseq *s, const float *rows, uint32_
         const bool hit = i < verified && t.token == s->draft[i];
         acc += hit;
         const bool more = hit && !t.stop;
-        if (!more && !t.stop && s->p.draft_kind) t.n_draft = kv_rn_draft(n, s, pos0 + m, t.drafts);
+        if (!more && !t.stop && s->p.draft_kind)
+            t.n_draft = kv_rn_draft(n, s, pos0 + m, kv_state_hidden_out(n->st, row0 + i), t.drafts);
         t.spec = more ? KV_RING_TOKEN_SPEC(1, 0, 0) : KV_RING_TOKEN_SPEC(0, verified, acc);
         if (!more && s->p.draft_kind) {
             n->stats.spec_passes++;
@@ -1268,6 +1290,9 @@ static void kv_rn_on_error_frame(kv_ring_node *n, const kv_ring_error *e, const 
  * tokens inside the vocabulary, a grammar that parses. */
 static int kv_rn_req_own_ext(kv_ring_node *n, kv_rreq *r, kv_ring_params *p, kv_diag *d) {
     if (!(p->flags & KV_RING_SUBMIT_EXT)) return 0;
+    if ((p->flags & KV_RING_SUBMIT_DRAFT) && p->draft_kind == KV_RING_DRAFT_MTP && !n->hp->n_layer_nextn)
+        return kv_fail(d, KV_EUNSUPPORTED, "--draft mtp: the model (%s) has no MTP (nextn) block (ngram or "
+                       "test:FILE:P)", n->hp->arch_name);
     if (p->sample.n_bias) {
         if (!(r->bias = malloc(p->sample.n_bias * sizeof *r->bias))) return kv_fail(d, KV_ENOMEM, "out of memory");
         for (uint32_t i = 0; i < p->sample.n_bias; i++) {
@@ -1922,6 +1947,27 @@ static int kv_rn_pieces_acquire(void *ctx, uint32_t layer, uint32_t e, kv_expert
     return 0;
 }
 
+/* The tail's MTP draft source: the block mapped with the window (.mtp),
+ * its experts from the window's provider (experts; NULL: the window's own
+ * file). When there is none, mtp_why says why and --draft mtp requests are
+ * refused with it; every other request is served as before. Experts on
+ * workers are checked per request (workers come and go). */
+static void kv_rn_mtp_open(kv_ring_node *n, const kv_expert_provider *experts) {
+    snprintf(n->mtp_why, sizeof n->mtp_why, "?");
+    if (n->pc && !n->remote && n->hp->n_layer_nextn) { /* local slabs: the block's must all be here */
+        const kv_manifest *mf = n->pc->m;
+        for (uint32_t e = 0; e < mf->n_expert; e++)
+            if (n->pc->where[(size_t)n->n_layer * mf->n_expert + e] < 0) {
+                snprintf(n->mtp_why, sizeof n->mtp_why, "no slab here holds layer %u expert %u (the MTP block's "
+                         "experts; --worker, or every slab of layer %u)", n->n_layer, e, n->n_layer);
+                return;
+            }
+    }
+    kv_diag d = {0};
+    if (kv_draft_open(&n->mtp, "mtp", n->m, experts, n->pool, n->max_seqs, &d))
+        snprintf(n->mtp_why, sizeof n->mtp_why, "%s", d.msg);
+}
+
 /* Resolves host_port into the next node's address. */
 static int kv_rn_resolve_next(kv_ring_node *n, const char *host_port, kv_diag *d) {
     char host[256];
@@ -2013,7 +2059,8 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
     const size_t pl = strlen(n->o.model);
     struct stat mst;
     const bool is_dir = !stat(n->o.model, &mst) && S_ISDIR(mst.st_mode);
-    const kv_model_opts mo = {.window = true, .layer_first = n->o.first, .layer_last = n->o.last};
+    /* the tail maps the MTP block and the embedding too (views: touched only by --draft mtp) */
+    const kv_model_opts mo = {.window = true, .layer_first = n->o.first, .layer_last = n->o.last, .mtp = true};
     const kv_expert_provider *experts = NULL;
     /* logit rows per pass: one per sequence, and room for two verify passes */
     const uint32_t rows_cap = n->max_seqs + 2 * (KV_RING_MAX_DRAFT + 1);
@@ -2095,6 +2142,7 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
                               .max_tokens = max_tok};
     if ((rc = kv_state_new(&n->st, n->m, n->pool, &so, d))) goto fail;
     n->n_ctx = kv_state_n_ctx(n->st);
+    if (n->tail) kv_rn_mtp_open(n, experts);
     n->seqs = calloc(n->max_seqs, sizeof *n->seqs);
     n->max_tok = max_tok;
     n->xin = malloc((size_t)max_tok * n->n_embd * sizeof(float));
@@ -2214,6 +2262,7 @@ void kv_ring_node_free(kv_ring_node *n) {
             free(n->seqs[i].ptok);
         }
     free(n->seqs);
+    kv_draft_free(n->mtp);
     kv_state_free(n->st);
     if (n->prov.free) n->prov.free(n->prov.impl);
     kv_remote_free(n->remote);

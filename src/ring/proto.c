@@ -193,12 +193,12 @@ size_t kv_ring_params_size(const kv_ring_params *p) {
 
 /* The draft block's fields in range (decoded or about to be encoded). */
 static int kv_draft_check(const kv_ring_params *o, kv_diag *d) {
-    if (o->draft_kind != KV_RING_DRAFT_NGRAM && o->draft_kind != KV_RING_DRAFT_TEST)
+    if (o->draft_kind != KV_RING_DRAFT_NGRAM && o->draft_kind != KV_RING_DRAFT_TEST && o->draft_kind != KV_RING_DRAFT_MTP)
         return kv_fail(d, KV_EPROTO, "ring: unknown draft source %u", o->draft_kind);
     if (o->draft_max < 1 || o->draft_max > KV_RING_MAX_DRAFT)
         return kv_fail(d, KV_ERANGE, "ring: draft k %u out of range [1, %u]", o->draft_max, KV_RING_MAX_DRAFT);
-    if (o->draft_kind == KV_RING_DRAFT_NGRAM && (o->n_draft_rec || o->draft_p != 0 || o->draft_seed))
-        return kv_fail(d, KV_EPROTO, "ring: an ngram draft carries no recording");
+    if (o->draft_kind != KV_RING_DRAFT_TEST && (o->n_draft_rec || o->draft_p != 0 || o->draft_seed))
+        return kv_fail(d, KV_EPROTO, "ring: an ngram or mtp draft carries no recording");
     if (o->draft_kind == KV_RING_DRAFT_TEST &&
         (!(o->draft_p >= 0.0 && o->draft_p <= 1.0) || o->n_draft_rec < 1 || o->n_draft_rec > KV_RING_MAX_DRAFT_REC))
         return kv_fail(d, KV_ERANGE, "ring: test draft of acceptance %g and %u recorded tokens out of range", o->draft_p,
