@@ -30,7 +30,7 @@
 # heads, 16/64 delta-net heads, full attention every 4th block, 256 experts
 # (top-8) and a shared expert, at bench widths (embd 256, experts of 32,
 # head dims 32, vocab 1000: the real widths' 76 GB skeleton is all holes,
-# and `kvasir ring` serves no sparse skeleton). Modes experts and sites (no
+# whose page faults hide the network; WS_MODEL=122b-real runs it). Modes experts and sites (no
 # speculation unless WS_ACCS names acceptances), each measured against the
 # cost model of docs/WAN.md: t_token = t_0 + crossings x (rtt - rtt_0), with
 # t_0 the same mode's time per token on the same bed with the line at 0 ms
