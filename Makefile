@@ -19,6 +19,7 @@
 #   make bench-wan   the WAN cost model (docs/WAN.md) against the test bed: 0-80 ms, 10 Mbit/s-unlimited
 #   make bench-wan-sites  issue 31's targets: ring of sites vs per-layer dispatch, speculation over the ring (40 ms)
 #   make bench-wan-122b   the Qwen3.5-122B-A10B shape (bench widths) on the same bed, against the cost model
+#   make bench-wan-122b-real  the same with the real widths: the 76 GB sliced skeleton, --allow-sparse
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make bench-hedge  decode step p50/p99 over two replicas, healthy and with one stalling
 #   make bench-autoscale  a gateway with --local-experts and two workers under 1 -> 16 -> 1 clients
@@ -157,6 +158,11 @@ bench-wan-sites: deps
 bench-wan-122b: deps
 	@$(MAKE) --no-print-directory build
 	@WS_MODEL=122b bash bench/wan_sites.sh $(BUILD)
+
+.PHONY: bench-wan-122b-real
+bench-wan-122b-real: deps
+	@$(MAKE) --no-print-directory build
+	@WS_MODEL=122b-real bash bench/wan_sites.sh $(BUILD)
 
 bench-hedge: deps
 	@$(MAKE) --no-print-directory build

@@ -30,7 +30,7 @@
 # heads, 16/64 delta-net heads, full attention every 4th block, 256 experts
 # (top-8) and a shared expert, at bench widths (embd 256, experts of 32,
 # head dims 32, vocab 1000: the real widths' 76 GB skeleton is all holes,
-# and `kvasir ring` serves no sparse skeleton). Modes experts and sites (no
+# whose page faults hide the network; WS_MODEL=122b-real runs it). Modes experts and sites (no
 # speculation unless WS_ACCS names acceptances), each measured against the
 # cost model of docs/WAN.md: t_token = t_0 + crossings x (rtt - rtt_0), with
 # t_0 the same mode's time per token on the same bed with the line at 0 ms
@@ -41,6 +41,16 @@
 # ring of sites, one (a hop each way). Both modes run once at 0 ms to warm
 # up before the calibration runs. WS_PREDICT=1 adds the same prediction to
 # the default model's rows.
+#
+# WS_MODEL=122b-real (`make bench-wan-122b-real`): the same two modes and
+# prediction on the real widths: the skeleton `gen-model --preset
+# qwen35-122b-a10b --skeleton` (76 GB logical, all holes but its small
+# tensors: no disk to speak of), sliced one slab per layer, run with
+# --allow-sparse everywhere (workers, ring nodes, coordinator; the
+# reference is `kvasir run -m DIR --allow-sparse`). Few tokens (WS_GEN 4):
+# each token maps about 3.5 GB of holes (zero-page faults, about a second a
+# token here) so t_0 is seconds and the ring's one crossing is within its
+# noise. The files are deleted with the scratch folder at exit.
 #
 # Env: WS_RTT (40), WS_LAYERS (48), WS_SHAPE (gen-model widths), WS_GEN (32),
 #      WS_EXPERTS_GEN (decode tokens of the slow per-layer mode, 16),
@@ -76,6 +86,8 @@ EGEN=${WS_EXPERTS_GEN:-16}
 ACCS=${WS_ACCS-0 0.5 0.7 0.9 1}
 K=${WS_K:-3}
 PREDICT=${WS_PREDICT:-0}
+SPARSE=0    # a sliced skeleton: every process runs with --allow-sparse
+WAIT_S=15   # a worker's or ring node's start (the real widths' take longer)
 case ${WS_MODEL:-} in
 "") ;;
 122b)
@@ -85,7 +97,13 @@ case ${WS_MODEL:-} in
   EGEN=${WS_EXPERTS_GEN:-8}
   ACCS=${WS_ACCS-}
   ;;
-*) fail "WS_MODEL: '$WS_MODEL' is not 122b (or empty)" ;;
+122b-real)
+  ARCH=qwen35moe SLAB=256 PREDICT=1 SPARSE=1 LAYERS=48 WAIT_S=${WS_WAIT_S:-600}
+  GEN=${WS_GEN:-4}
+  EGEN=${WS_EXPERTS_GEN:-$GEN}
+  ACCS=${WS_ACCS-}
+  ;;
+*) fail "WS_MODEL: '$WS_MODEL' is not 122b, 122b-real (or empty)" ;;
 esac
 if [ "$QUICK" = 1 ]; then
   LAYERS=${WS_LAYERS:-8}
@@ -99,16 +117,36 @@ JSON_OUT=${WS_JSON:-$dir/rows.jsonl}
 HALF=$((LAYERS / 2))
 P="Two sites, one crossing each per token, and several tokens per crossing"
 
+SP=()
+[ "$SPARSE" = 1 ] && SP=(--allow-sparse)
 echo "CPU: $(lscpu | sed -n 's/^Model name: *//p' | head -n1), $(nproc) threads; load average $(cut -d' ' -f1-3 /proc/loadavg)"
-"$KV" gen-model --arch "$ARCH" --out "$dir/m.gguf" --layers "$LAYERS" $SHAPE --type q8_0 --seed 31 >/dev/null 2>"$dir/gen.err" ||
-  fail "gen-model"
-"$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab "$SLAB" >/dev/null 2>"$dir/slice.err" || fail "slice"
-echo "model: $ARCH, $LAYERS MoE layers, $SHAPE, q8_0 ($(du -m "$dir/m.gguf" | cut -f1) MB); sliced, one slab per layer"
+if [ "$SPARSE" = 1 ]; then
+  echo "disk before: $(df -h "$dir" | awk 'NR == 2 { print $4 " free of " $2 }')"
+  t=$(date +%s.%N)
+  "$KV" gen-model --preset qwen35-122b-a10b --skeleton --out "$dir/m.gguf" >/dev/null 2>"$dir/gen.err" ||
+    fail "gen-model --skeleton"
+  "$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab "$SLAB" >/dev/null 2>"$dir/slice.err" || fail "slice"
+  rm -f "$dir/m.gguf" # the sliced folder is what every process runs
+  echo "model: the Qwen3.5-122B-A10B skeleton (gen-model --preset qwen35-122b-a10b --skeleton), sliced one slab per" \
+    "layer: $(du -sh --apparent-size "$dir/sl" | cut -f1) logical, $(du -sh "$dir/sl" | cut -f1) on disk;" \
+    "$(awk -v t="$t" -v n="$(date +%s.%N)" 'BEGIN { printf "%.0f", n - t }') s to write and slice"
+  REF_M=$dir/sl
+else
+  "$KV" gen-model --arch "$ARCH" --out "$dir/m.gguf" --layers "$LAYERS" $SHAPE --type q8_0 --seed 31 >/dev/null 2>"$dir/gen.err" ||
+    fail "gen-model"
+  "$KV" slice "$dir/m.gguf" --out "$dir/sl" --experts-per-slab "$SLAB" >/dev/null 2>"$dir/slice.err" || fail "slice"
+  echo "model: $ARCH, $LAYERS MoE layers, $SHAPE, q8_0 ($(du -m "$dir/m.gguf" | cut -f1) MB); sliced, one slab per layer"
+  REF_M=$dir/m.gguf
+fi
 
 # the references: one process, no network (the plain path the tokens must equal)
-"$KV" run -m "$dir/m.gguf" -p "$P" -n "$GEN" --temp 0 --json --threads 1 >"$dir/ref.json" || fail "local run"
+"$KV" run -m "$REF_M" "${SP[@]}" -p "$P" -n "$GEN" --temp 0 --json --threads 1 >"$dir/ref.json" || fail "local run"
 jq -c .tokens "$dir/ref.json" >"$dir/ref.rec"
-"$KV" run -m "$dir/m.gguf" -p "$P" -n "$EGEN" --temp 0 --json --threads 1 >"$dir/eref.json" || fail "local run"
+if [ "$EGEN" = "$GEN" ]; then
+  cp "$dir/ref.json" "$dir/eref.json"
+else
+  "$KV" run -m "$REF_M" "${SP[@]}" -p "$P" -n "$EGEN" --temp 0 --json --threads 1 >"$dir/eref.json" || fail "local run"
+fi
 
 if [ "$PREDICT" = 1 ]; then
   wan_setup 2 0 # the calibration first, at 0 ms; the line is set to RTT after it
@@ -129,10 +167,10 @@ slabs() { # FIRST LAST: the slabs of those layers, comma separated
   echo "${out[*]}"
 }
 worker() { # NS ADDR FIRST LAST NAME
-  wan_exec "$1" "$KV" worker --slabs "$(slabs "$3" "$4")" --listen "$2" --threads 1 --quiet "${PKS[@]}" \
+  wan_exec "$1" "$KV" worker --slabs "$(slabs "$3" "$4")" --listen "$2" --threads 1 --quiet "${PKS[@]}" "${SP[@]}" \
     >"$dir/$5.out" 2>"$dir/$5.err" &
   RING_ALL+=($!)
-  for _ in $(seq 300); do
+  for _ in $(seq $((WAIT_S * 20))); do
     grep -q '^listening on' "$dir/$5.out" 2>/dev/null && return 0
     sleep 0.05
   done
@@ -162,7 +200,7 @@ ping_ms() { # the sites' mean round trip as ping measures it (20 small pings)
 }
 experts() { # OUT: per-layer dispatch from a coordinator in site A
   wan_exec 0 "$KV" run -m "$dir/sl/manifest.json" --worker "$A:7300" --worker "$B:7300" --key "$dir/client.key" \
-    -p "$P" -n "$EGEN" --temp 0 --json --threads 1 >"$1" 2>"$dir/experts.err" || fail "per-layer dispatch"
+    "${SP[@]}" -p "$P" -n "$EGEN" --temp 0 --json --threads 1 >"$1" 2>"$dir/experts.err" || fail "per-layer dispatch"
 }
 
 # ---- sites: the ring of sites, each window on its own site's worker
@@ -171,9 +209,16 @@ for i in 0 1; do
   first=$((i * HALF)) last=$((i * HALF + HALF - 1))
   wan_exec "$i" "$KV" ring -m "$dir/sl/manifest.json" --layers "$first-$last" --listen "$ip:7700" \
     --next "${WAN_IP[$(((i + 1) % 2))]}:7700" --worker "$ip:7300" --threads 1 --key "$dir/k$i.key" \
-    --allow-key "$dir/allow" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
+    --allow-key "$dir/allow" "${SP[@]}" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
   RING_PID[$i]=$!
   RING_ALL+=($!)
+done
+for i in 0 1; do # each node's window loaded (ring_wait_whole then gives the links its own 20 s)
+  for _ in $(seq $((WAIT_S * 20))); do
+    grep -q '^listening on' "$dir/ring$i.out" 2>/dev/null && break
+    kill -0 "${RING_PID[$i]}" 2>/dev/null || fail "ring node $i died: $(cat "$dir/ring$i.err")"
+    sleep 0.05
+  done
 done
 ring_wait_whole
 ring() { # OUT EXTRA...

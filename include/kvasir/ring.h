@@ -422,6 +422,9 @@ typedef struct kv_ring_node_opts {
     uint32_t max_seqs;          /* sequences in flight at once; 0 = 16 */
     uint32_t replay_timeout_ms; /* a broken ring must re-form within this, else requests fail; 0 = 30000 */
     bool skip_hashes;           /* sliced model: check sizes and identity, not every SHA-256 */
+    bool allow_sparse;          /* sliced model: open a sparse manifest (a sliced skeleton: pieces
+                                   without hashes, holes read as zeros) and accept its workers'
+                                   unhashed slabs; refused (KV_EUNSUPPORTED) without it */
     FILE *log;                  /* links up and down, breaks, replays; NULL = silent */
     /* Authentication (every connection, as the dispatch plane): the
      * connector proves an Ed25519 key over the connection's transcript; a

@@ -51,6 +51,10 @@ static const char *kv_ring_help =
     "  --replay-timeout-ms N  after a break, requests wait N ms for the ring to re-form and are\n"
     "                      then replayed from their tokens, else they fail (default 30000)\n"
     "  --skip-hashes       sliced model: check sizes and identity, not every SHA-256\n"
+    "  --allow-sparse      sliced model: serve a window of a sliced skeleton (gen-model --skeleton,\n"
+    "                      sliced: pieces without hashes, holes read as zeros; sizes, headers and\n"
+    "                      identity are checked) and take unhashed slabs from --worker (kvasir\n"
+    "                      worker --allow-sparse); refused without this flag\n"
     "  --worker HOST:PORT  sliced model: compute this window's routed experts on expert workers\n"
     "                      (kvasir worker; repeat for more; they must admit this node's --key):\n"
     "                      only the backbone and the manifest need be here\n"
@@ -123,6 +127,8 @@ int kv_cmd_ring(int argc, char **argv) {
             kv_link_warn_plaintext("ring");
         } else if (!strcmp(a, "--skip-hashes")) {
             o.skip_hashes = true;
+        } else if (!strcmp(a, "--allow-sparse")) { /* a sliced skeleton (pieces without hashes) */
+            o.allow_sparse = true;
         } else if (!strcmp(a, "--open")) {
             o.allow_any = true;
         } else if (!(v = kv_arg_value(CMD, argc, argv, &i, kv_value_flags))) {

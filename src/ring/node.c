@@ -2070,7 +2070,8 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         char man[4200];
         snprintf(man, sizeof man, is_dir ? "%s/manifest.json" : "%s", n->o.model);
         const kv_pieces_opts po = {.who = "ring", .runnable = true, .slabs_may_be_missing = true,
-                                   .skip_hashes = n->o.skip_hashes, .keep_gguf = true, .n_threads = n->o.n_threads};
+                                   .skip_hashes = n->o.skip_hashes, .allow_sparse = n->o.allow_sparse,
+                                   .keep_gguf = true, .n_threads = n->o.n_threads};
         kv_model_opts bo = mo;
         bo.no_experts = true;
         if ((rc = kv_pieces_open(&n->pc, man, &po, d)) ||
@@ -2081,7 +2082,8 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         if (n->o.n_workers) { /* one market, two modes: this window's experts on expert workers */
             /* the other windows' experts are not ours to cover: open, then check our layers */
             const kv_remote_opts ro = {.workers = n->o.workers, .n_workers = n->o.n_workers, .max_tokens = max_tok,
-                                       .skip_hashes = n->o.skip_hashes, .log = n->o.log, .key_sk = n->sk,
+                                       .skip_hashes = n->o.skip_hashes, .allow_sparse = n->o.allow_sparse,
+                                       .log = n->o.log, .key_sk = n->sk,
                                        .allow_uncovered = true, .insecure_plaintext = n->o.insecure_plaintext};
             if ((rc = kv_remote_open(&n->remote, man, n->pool, &ro, d))) goto fail;
             experts = kv_remote_provider(n->remote);
@@ -2127,6 +2129,11 @@ int kv_ring_node_new(kv_ring_node **out, const kv_ring_node_opts *opts, kv_diag 
         }
         snprintf(n->model_id, sizeof n->model_id, "%s", mf->model_id);
     } else {
+        if (n->o.allow_sparse) { /* as run: only a manifest describes a skeleton's pieces */
+            rc = kv_fail(d, KV_EINVAL, "ring: sparse pieces (--allow-sparse) need a sliced model (DIR/manifest.json), "
+                         "not '%s'", n->o.model);
+            goto fail;
+        }
         if ((rc = kv_model_load_ex(&n->m, n->o.model, &mo, d))) goto fail;
         char id[65];
         if ((rc = kv_pieces_file_identity(kv_model_gguf(n->m), n->o.model, id, d))) goto fail;
