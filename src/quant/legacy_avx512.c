@@ -16,6 +16,7 @@
 
 #define AI LX_AI
 #define LX_TT 4 /* tokens per row pass */
+#define UNROLL _Pragma("GCC unroll 8")
 
 typedef __m256i (*lx_unpack)(const void *row, int64_t b, float *dw, float *mw);
 
@@ -134,65 +135,98 @@ AI __m512i nib2(const uint8_t *q0, const uint8_t *q1) {
     return _mm512_and_si512(_mm512_srlv_epi16(z, _mm512_set_epi64(f, f, 0, 0, f, f, 0, 0)), _mm512_set1_epi8(0xF));
 }
 
-/* u = w + K of blocks b, b + 1 (two = 1) or of block b in the low half;
- * dw: the blocks' scales in lanes 0, 1. */
-typedef __m512i (*lxd_unpack)(const uint8_t *row, int64_t b, int two, __m128 *dw);
+/* u = w + K of the blocks at x0 (low 256 bits) and x1 (high; x1 = x0 for a
+ * lone block in the low half). */
+typedef __m512i (*lxd_unpack)(const uint8_t *x0, const uint8_t *x1);
+/* dw * da of the block pair at x (its first 32 bytes hold both scales) as
+ * [8 x block b, 8 x block b + 1], da2 the activation scales laid out alike;
+ * and the lone block's dw as a float. */
+typedef __m512 (*lxd_scale)(const uint8_t *x, __m512 da2);
+typedef float (*lxd_dw)(const uint8_t *x);
 
-AI __m128 h2x2(uint16_t a, uint16_t b) { return _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)a | (uint32_t)b << 16))); }
-
-AI __m512i ud_q5_0(const uint8_t *row, int64_t b, int two, __m128 *dw) {
-    const kv_block_q5_0 *x = (const kv_block_q5_0 *)(const void *)row + b, *x1 = two ? x + 1 : x;
-    const __m512i u = nib2(x->qs, x1->qs);
-    const __mmask64 hb = (uint64_t)kv_rd_qh(x->qh) | (uint64_t)kv_rd_qh(x1->qh) << 32;
-    *dw = h2x2(x->d, x1->d);
+AI __m512i ud_q5_0(const uint8_t *x0, const uint8_t *x1) {
+    const kv_block_q5_0 *a = (const kv_block_q5_0 *)(const void *)x0, *c = (const kv_block_q5_0 *)(const void *)x1;
+    const __m512i u = nib2(a->qs, c->qs);
+    const __mmask64 hb = (uint64_t)kv_rd_qh(a->qh) | (uint64_t)kv_rd_qh(c->qh) << 32;
     return _mm512_mask_add_epi8(u, hb, u, _mm512_set1_epi8(16));
 }
-AI __m512i ud_iq4_nl(const uint8_t *row, int64_t b, int two, __m128 *dw) {
-    const kv_block_iq4_nl *x = (const kv_block_iq4_nl *)(const void *)row + b, *x1 = two ? x + 1 : x;
+AI __m512i ud_iq4_nl(const uint8_t *x0, const uint8_t *x1) {
     const __m512i tbl = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_iq4nl_values)),
                                          _mm512_set1_epi8((char)0x80)); /* value + 128 */
-    *dw = h2x2(x->d, x1->d);
-    return _mm512_shuffle_epi8(tbl, nib2(x->qs, x1->qs));
+    return _mm512_shuffle_epi8(tbl, nib2(((const kv_block_iq4_nl *)(const void *)x0)->qs,
+                                         ((const kv_block_iq4_nl *)(const void *)x1)->qs));
 }
-AI __m512i ud_mxfp4(const uint8_t *row, int64_t b, int two, __m128 *dw) {
-    const kv_block_mxfp4 *x = (const kv_block_mxfp4 *)(const void *)row + b, *x1 = two ? x + 1 : x;
+AI __m512i ud_mxfp4(const uint8_t *x0, const uint8_t *x1) {
     const __m512i tbl = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_mxfp4_values)),
                                          _mm512_set1_epi8((char)0x80));
-    *dw = _mm_setr_ps(kv_e8m0_half(x->e), kv_e8m0_half(x1->e), 0.0f, 0.0f);
-    return _mm512_shuffle_epi8(tbl, nib2(x->qs, x1->qs));
+    return _mm512_shuffle_epi8(tbl, nib2(((const kv_block_mxfp4 *)(const void *)x0)->qs,
+                                         ((const kv_block_mxfp4 *)(const void *)x1)->qs));
 }
 
-/* R (1 or 2) rows w[r] against the prepared token; bs bytes a block. */
-AI void dec_rows(lxd_unpack un, int R, int64_t nb, const uint8_t *const *w, size_t rb, size_t bs, const lxd_pre *P,
-                 float *out) {
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+/* fp16 scales at bytes 0 and 2*W1 of the pair: one vpermw spreads them to
+ * [8 x d0, 8 x d1], one vcvtph2ps widens them (exact), one multiply. */
+AI __m512 sc_f16(const uint8_t *x, __m512 da2, int W1) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)x);
+    const __m256i idx = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, (short)W1, (short)W1, (short)W1, (short)W1,
+                                          (short)W1, (short)W1, (short)W1, (short)W1);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_permutexvar_epi16(idx, v)), da2);
+}
+AI __m512 sc_q5_0(const uint8_t *x, __m512 da2) { return sc_f16(x, da2, 11); }   /* 22-byte blocks */
+AI __m512 sc_iq4_nl(const uint8_t *x, __m512 da2) { return sc_f16(x, da2, 9); } /* 18-byte blocks */
+/* E8M0 bytes at 0 and 17: vpermd puts dword 0 in lanes 0-7 and dword 4
+ * (bytes 16-19, e1 in its byte 1) in lanes 8-15, a shift and mask leave e;
+ * dw * da = da * 2^(e-128) exactly rounded once, which vscalefps computes
+ * (dw = 2^(e-128) is exact, subnormal for e < 2, so the product dw * da is
+ * that same correctly rounded value). */
+AI __m512 sc_mxfp4(const uint8_t *x, __m512 da2) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)x);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(v)), sh),
+                                       _mm512_set1_epi32(0xFF));
+    return _mm512_scalef_ps(da2, _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
+}
+AI float dw_q5_0(const uint8_t *x) { return _cvtsh_ss(((const kv_block_q5_0 *)(const void *)x)->d); }
+AI float dw_iq4_nl(const uint8_t *x) { return _cvtsh_ss(((const kv_block_iq4_nl *)(const void *)x)->d); }
+AI float dw_mxfp4(const uint8_t *x) { return kv_e8m0_half(x[0]); }
+
+#ifndef KV_LXD_R
+#define KV_LXD_R 4 /* rows per pass (far-apart streams) */
+#endif
+
+/* R rows w[r] against the prepared token; bs bytes a block. The R rows'
+ * loop is unrolled (the accumulators stay in registers). */
+AI void dec_rows(lxd_unpack un, lxd_scale sc, lxd_dw dwf, int R, int64_t nb, const uint8_t *const *w, size_t rb,
+                 size_t bs, const lxd_pre *P, float *out) {
+    __m512 acc[KV_LXD_R];
+    UNROLL for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i lo2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const __m512i yv = _mm512_loadu_si512((const void *)(P->q + 32 * b));
         const __m512i ng = _mm512_loadu_si512((const void *)(P->ng + 8 * b));
-        const __m128 da = _mm_castpd_ps(_mm_load_sd((const double *)(const void *)(P->da + b)));
-        for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(w[r] + KV_LXD_PF * rb + (size_t)b * bs), _MM_HINT_T0);
-            __m128 dw;
-            const __m512i u = un(w[r], b, 1, &dw);
-            const __m512 d = _mm512_permutexvar_ps(lo2, _mm512_castps128_ps512(_mm_mul_ps(dw, da)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(ng, u, yv)), d, acc[r]);
+        const __m512 da2 = _mm512_permutexvar_ps(lo2, _mm512_castps128_ps512(
+                                                          _mm_castpd_ps(_mm_load_sd((const double *)(const void *)(P->da + b)))));
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *x = w[r] + (size_t)b * bs;
+            _mm_prefetch((const char *)(x + KV_LXD_PF * rb), _MM_HINT_T0);
+            const __m512i u = un(x, x + bs);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(ng, u, yv)), sc(x, da2), acc[r]);
         }
     }
     if (b < nb) { /* an even last block: low half only */
         const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(P->q + 32 * b));
         const __m256i ng = _mm256_loadu_si256((const __m256i *)(const void *)(P->ng + 8 * b));
-        for (int r = 0; r < R; r++) {
-            __m128 dw;
-            const __m256i u = _mm512_castsi512_si256(un(w[r], b, 0, &dw));
-            const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(dw) * P->da[b]);
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *x = w[r] + (size_t)b * bs;
+            const __m256i u = _mm512_castsi512_si256(un(x, x));
+            const __m256 d = _mm256_set1_ps(dwf(x) * P->da[b]);
             __m256 lo = _mm512_castps512_ps256(acc[r]);
             lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(ng, u, yv)), d, lo);
             acc[r] = _mm512_insertf32x8(acc[r], lo, 0);
         }
     }
-    for (int r = 0; r < R; r++) { /* kv_fold16 */
+    UNROLL for (int r = 0; r < R; r++) { /* kv_fold16 */
         const __m256 f = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -201,26 +235,32 @@ AI void dec_rows(lxd_unpack un, int R, int64_t nb, const uint8_t *const *w, size
     }
 }
 
-/* Rows [r0, r1) against one token; 0 when n is past the buffer. */
-AI int dec_mat(lxd_unpack un, int K, const uint8_t *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
-               const uint8_t *A, float *Y) {
+/* Rows [r0, r1) against one token; 0 when n is past the buffer. KV_LXD_R
+ * rows a pass, row i of each of KV_LXD_R equal parts of the range. */
+AI int dec_mat(lxd_unpack un, lxd_scale sc, lxd_dw dwf, int K, const uint8_t *W, size_t row_bytes, int64_t n,
+               int64_t r0, int64_t r1, const uint8_t *A, float *Y) {
     const int64_t nb = n / 32;
     if (nb < 1 || (size_t)nb * 68 > LXD_PRE) return 0;
     _Alignas(64) uint8_t buf[LXD_PRE];
     lxd_pre P;
     dec_prep(A, nb, K, buf, &P);
     const size_t bs = row_bytes / (size_t)nb;
-    const int64_t h = (r1 - r0) / 2;
+    const int64_t h = (r1 - r0) / KV_LXD_R;
     for (int64_t i = 0; i < h; i++) {
-        const uint8_t *w[2] = {W + (size_t)(r0 + i) * row_bytes, W + (size_t)(r0 + h + i) * row_bytes};
-        float o[2];
-        dec_rows(un, 2, nb, w, row_bytes, bs, &P, o);
-        Y[r0 + i] = o[0];
-        Y[r0 + h + i] = o[1];
+        const uint8_t *w[KV_LXD_R];
+        float o[KV_LXD_R];
+        UNROLL for (int s = 0; s < KV_LXD_R; s++) w[s] = W + (size_t)(r0 + s * h + i) * row_bytes;
+        dec_rows(un, sc, dwf, KV_LXD_R, nb, w, row_bytes, bs, &P, o);
+        UNROLL for (int s = 0; s < KV_LXD_R; s++) Y[r0 + s * h + i] = o[s];
     }
-    for (int64_t r = r0 + 2 * h; r < r1; r++) {
+    int64_t r = r0 + KV_LXD_R * h;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t *w[2] = {W + (size_t)r * row_bytes, W + (size_t)(r + 1) * row_bytes};
+        dec_rows(un, sc, dwf, 2, nb, w, row_bytes, bs, &P, Y + r);
+    }
+    for (; r < r1; r++) {
         const uint8_t *w[1] = {W + (size_t)r * row_bytes};
-        dec_rows(un, 1, nb, w, row_bytes, bs, &P, Y + r);
+        dec_rows(un, sc, dwf, 1, nb, w, row_bytes, bs, &P, Y + r);
     }
     return 1;
 }
@@ -328,7 +368,7 @@ LEGACY_MIN512(q5_1, 1)
     }                                                                                            \
     static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,      \
                         const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
-        if (n_tok == 1 && dec_mat(ud_##T, K, W, row_bytes, n, r0, r1, A, Y)) return;             \
+        if (n_tok == 1 && dec_mat(ud_##T, sc_##T, dw_##T, K, W, row_bytes, n, r0, r1, A, Y)) return; \
         mat(lx_##T, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);                   \
     }
 LEGACY_AVX512(q5_0, 16)
