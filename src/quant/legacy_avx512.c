@@ -186,6 +186,32 @@ AI __m512 sc_mxfp4(const uint8_t *x, __m512 da2) {
                                        _mm512_set1_epi32(0xFF));
     return _mm512_scalef_ps(da2, _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
 }
+/* dw * da of 8 blocks at x (blocks b..b+7 of a row; da8 their activation
+ * scales): the 8 scales gathered by vpermt2w/vpermt2d from loads inside the
+ * 8 blocks, converted in one step; a pair's [8 x, 8 x] is then one vpermps. */
+typedef __m256 (*lxd_scale8)(const uint8_t *x, __m256 da8);
+AI __m256 sc8_q5_0(const uint8_t *x, __m256 da8) { /* d at 22k: loads at 0, 48, 112 (176 bytes) */
+    const __m512i a = _mm512_loadu_si512((const void *)x), m = _mm512_loadu_si512((const void *)(x + 48)),
+                  c = _mm512_loadu_si512((const void *)(x + 112));
+    const __m512i i1 = _mm512_castsi128_si512(_mm_setr_epi16(0, 11, 22, 32 + 9, 32 + 20, 32 + 31, 0, 0));
+    const __m512i i2 = _mm512_castsi128_si512(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 32 + 10, 32 + 21));
+    const __m512i h = _mm512_permutex2var_epi16(_mm512_permutex2var_epi16(a, i1, m), i2, c);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm512_castsi512_si128(h)), da8);
+}
+AI __m256 sc8_iq4_nl(const uint8_t *x, __m256 da8) { /* d at 18k: loads at 0, 64 (144 bytes) */
+    const __m512i a = _mm512_loadu_si512((const void *)x), c = _mm512_loadu_si512((const void *)(x + 64));
+    const __m512i i = _mm512_castsi128_si512(_mm_setr_epi16(0, 9, 18, 27, 32 + 4, 32 + 13, 32 + 22, 32 + 31));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(a, i, c))), da8);
+}
+AI __m256 sc8_mxfp4(const uint8_t *x, __m256 da8) { /* e at 17k: loads at 0, 64 (136 bytes) */
+    const __m512i a = _mm512_loadu_si512((const void *)x), c = _mm512_loadu_si512((const void *)(x + 64));
+    const __m512i i = _mm512_setr_epi32(0, 4, 8, 12, 16 + 1, 16 + 5, 16 + 9, 16 + 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i w = _mm512_castsi512_si256(_mm512_permutex2var_epi32(a, i, c)); /* e_k in byte k & 3 */
+    const __m256i e = _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24)),
+                                       _mm256_set1_epi32(0xFF));
+    return _mm256_scalef_ps(da8, _mm256_cvtepi32_ps(_mm256_sub_epi32(e, _mm256_set1_epi32(128)))); /* as sc_mxfp4 */
+}
+
 AI float dw_q5_0(const uint8_t *x) { return _cvtsh_ss(((const kv_block_q5_0 *)(const void *)x)->d); }
 AI float dw_iq4_nl(const uint8_t *x) { return _cvtsh_ss(((const kv_block_iq4_nl *)(const void *)x)->d); }
 AI float dw_mxfp4(const uint8_t *x) { return kv_e8m0_half(x[0]); }
@@ -196,12 +222,30 @@ AI float dw_mxfp4(const uint8_t *x) { return kv_e8m0_half(x[0]); }
 
 /* R rows w[r] against the prepared token; bs bytes a block. The R rows'
  * loop is unrolled (the accumulators stay in registers). */
-AI void dec_rows(lxd_unpack un, lxd_scale sc, lxd_dw dwf, int R, int64_t nb, const uint8_t *const *w, size_t rb,
+AI void dec_rows(lxd_unpack un, lxd_scale sc, lxd_scale8 sc8, lxd_dw dwf, int R, int64_t nb, const uint8_t *const *w, size_t rb,
                  size_t bs, const lxd_pre *P, float *out) {
     __m512 acc[KV_LXD_R];
     UNROLL for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i lo2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) { /* 8 blocks: the scales of each row in one step */
+        const __m256 da8 = _mm256_loadu_ps(P->da + b);
+        __m512 s8[KV_LXD_R];
+        UNROLL for (int r = 0; r < R; r++) s8[r] = _mm512_castps256_ps512(sc8(w[r] + (size_t)b * bs, da8));
+        UNROLL for (int k = 0; k < 4; k++) {
+            const int64_t c = b + 2 * k;
+            const __m512i yv = _mm512_loadu_si512((const void *)(P->q + 32 * c));
+            const __m512i ng = _mm512_loadu_si512((const void *)(P->ng + 8 * c));
+            const __m512i ik = _mm512_add_epi32(lo2, _mm512_set1_epi32(2 * k));
+            UNROLL for (int r = 0; r < R; r++) {
+                const uint8_t *x = w[r] + (size_t)c * bs;
+                _mm_prefetch((const char *)(x + KV_LXD_PF * rb), _MM_HINT_T0);
+                const __m512i u = un(x, x + bs);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(ng, u, yv)),
+                                         _mm512_permutexvar_ps(ik, s8[r]), acc[r]);
+            }
+        }
+    }
     for (; b + 2 <= nb; b += 2) {
         const __m512i yv = _mm512_loadu_si512((const void *)(P->q + 32 * b));
         const __m512i ng = _mm512_loadu_si512((const void *)(P->ng + 8 * b));
@@ -237,7 +281,7 @@ AI void dec_rows(lxd_unpack un, lxd_scale sc, lxd_dw dwf, int R, int64_t nb, con
 
 /* Rows [r0, r1) against one token; 0 when n is past the buffer. KV_LXD_R
  * rows a pass, row i of each of KV_LXD_R equal parts of the range. */
-AI int dec_mat(lxd_unpack un, lxd_scale sc, lxd_dw dwf, int K, const uint8_t *W, size_t row_bytes, int64_t n,
+AI int dec_mat(lxd_unpack un, lxd_scale sc, lxd_scale8 sc8, lxd_dw dwf, int K, const uint8_t *W, size_t row_bytes, int64_t n,
                int64_t r0, int64_t r1, const uint8_t *A, float *Y) {
     const int64_t nb = n / 32;
     if (nb < 1 || (size_t)nb * 68 > LXD_PRE) return 0;
@@ -250,17 +294,17 @@ AI int dec_mat(lxd_unpack un, lxd_scale sc, lxd_dw dwf, int K, const uint8_t *W,
         const uint8_t *w[KV_LXD_R];
         float o[KV_LXD_R];
         UNROLL for (int s = 0; s < KV_LXD_R; s++) w[s] = W + (size_t)(r0 + s * h + i) * row_bytes;
-        dec_rows(un, sc, dwf, KV_LXD_R, nb, w, row_bytes, bs, &P, o);
+        dec_rows(un, sc, sc8, dwf, KV_LXD_R, nb, w, row_bytes, bs, &P, o);
         UNROLL for (int s = 0; s < KV_LXD_R; s++) Y[r0 + s * h + i] = o[s];
     }
     int64_t r = r0 + KV_LXD_R * h;
     for (; r + 2 <= r1; r += 2) {
         const uint8_t *w[2] = {W + (size_t)r * row_bytes, W + (size_t)(r + 1) * row_bytes};
-        dec_rows(un, sc, dwf, 2, nb, w, row_bytes, bs, &P, Y + r);
+        dec_rows(un, sc, sc8, dwf, 2, nb, w, row_bytes, bs, &P, Y + r);
     }
     for (; r < r1; r++) {
         const uint8_t *w[1] = {W + (size_t)r * row_bytes};
-        dec_rows(un, sc, dwf, 1, nb, w, row_bytes, bs, &P, Y + r);
+        dec_rows(un, sc, sc8, dwf, 1, nb, w, row_bytes, bs, &P, Y + r);
     }
     return 1;
 }
@@ -368,7 +412,7 @@ LEGACY_MIN512(q5_1, 1)
     }                                                                                            \
     static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,      \
                         const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
-        if (n_tok == 1 && dec_mat(ud_##T, sc_##T, dw_##T, K, W, row_bytes, n, r0, r1, A, Y)) return; \
+        if (n_tok == 1 && dec_mat(ud_##T, sc_##T, sc8_##T, dw_##T, K, W, row_bytes, n, r0, r1, A, Y)) return; \
         mat(lx_##T, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);                   \
     }
 LEGACY_AVX512(q5_0, 16)
