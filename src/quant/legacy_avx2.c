@@ -131,38 +131,142 @@ AI void rows2m(lx_unpack un, int64_t n, const uint8_t *w, size_t rb, size_t bs, 
     out[1] = hsum_ps(acc1) + sm[3];
 }
 
-/* Q5_0, IQ4_NL, MXFP4, one token, two rows a pass: rows2's arithmetic
- * with both rows' dw converted in one step (e8m0: MXFP4) and the two
- * products dw * da one multiply against the per-call converted da. */
-AI void rows2s(lx_unpack un, int e8m0, int64_t n, const uint8_t *w, size_t rb, size_t bs, const uint8_t *a,
-               const float *da, float out[2]) {
-    __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
-    for (int64_t b = 0; b < n / 32; b++) {
-        const int odd = (int)(b & 1);
-        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(a + 34 * b + 2));
-        const uint8_t *x0 = w + (size_t)b * bs, *x1 = x0 + rb;
-        __m128 dv;
-        if (e8m0)
-            dv = _mm_setr_ps(kv_e8m0_half(x0[0]), kv_e8m0_half(x1[0]), 0.0f, 0.0f);
-        else {
-            uint16_t d0, d1;
-            memcpy(&d0, x0, 2);
-            memcpy(&d1, x1, 2);
-            dv = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)d0 | (uint32_t)d1 << 16)));
-        }
-        const __m128 dd = _mm_mul_ps(dv, _mm_broadcast_ss(da + b));
-        _mm_prefetch((const char *)(w + (size_t)2 * KV_LX_PF * rb + (size_t)b * bs), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + (size_t)(2 * KV_LX_PF + 1) * rb + (size_t)b * bs), _MM_HINT_T0);
-        float dw, mw;
-        const __m256i v0 = un(w, b, &dw, &mw), v1 = un(w + rb, b, &dw, &mw);
-        const __m256i p0 = grp_u(_mm256_sign_epi8(v0, v0), _mm256_sign_epi8(yv, v0));
-        const __m256i p1 = grp_u(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(yv, v1));
-        acc[0][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcastss_ps(dd), acc[0][odd]);
-        acc[1][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
-                                      _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_set1_epi32(1)), acc[1][odd]);
+/* Q5_0, IQ4_NL, MXFP4, one token: KV_LXS_R rows a pass from far-apart
+ * parts of the range, even and odd blocks in two accumulators per row held
+ * in registers (the loop over rows and the block pair unrolled; indexing
+ * them by b & 1 at run time had kept them on the stack). Per row and 8
+ * blocks, the 8 scales are gathered into one vector and converted in one
+ * step (fp16: vcvtph2ps; E8M0: kv_e8m0_half's two cases as vector ops),
+ * multiplied by the 8 activation scales (dw * da, the scalar product of
+ * each lane) and stored; each block broadcasts its lane back. The group
+ * sums: Q5_0 and MXFP4 as unsigned u = w + K (K = 16, 12: u <= 31 or 24, so
+ * vpmaddubsw cannot saturate) against the activations, started from the
+ * prepared -K x group sum (the same integers, Q4_0's form); IQ4_NL (values
+ * up to 127 in size) by the sign trick as row_tile. */
+#ifndef KV_LXS_R
+#define KV_LXS_R 2
+#endif
+#define LXS_UNROLL _Pragma("GCC unroll 8")
+
+/* The 8 scales of blocks x, x + bs, ... as floats (exact widening). */
+AI __m256 dw8_f16(const uint8_t *x, size_t bs) {
+    uint64_t lo = 0, hi = 0;
+    for (int k = 0; k < 4; k++) {
+        uint16_t a, c;
+        memcpy(&a, x + (size_t)k * bs, 2);
+        memcpy(&c, x + (size_t)(k + 4) * bs, 2);
+        lo |= (uint64_t)a << (16 * k);
+        hi |= (uint64_t)c << (16 * k);
     }
-    out[0] = hsum_ps(_mm256_add_ps(acc[0][0], acc[0][1]));
-    out[1] = hsum_ps(_mm256_add_ps(acc[1][0], acc[1][1]));
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
+}
+AI __m256 dw8_e8m0(const uint8_t *x, size_t bs) {
+    uint64_t v = 0;
+    for (int k = 0; k < 8; k++) v |= (uint64_t)x[(size_t)k * bs] << (8 * k);
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v));
+    const __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23); /* e >= 2 */
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);            /* e < 2 */
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(nrm, sub, small));
+}
+
+/* Group sums of block x (kind 0: Q5_0 u, 1: IQ4_NL sign trick, 2: MXFP4 u)
+ * against activations yv, ng = -K x group sums. */
+AI __m256i lxs_grp(int kind, const uint8_t *x, __m256i yv, __m256i ng, __m256i tbl) {
+    if (kind == 0) {
+        const kv_block_q5_0 *q = (const kv_block_q5_0 *)(const void *)x;
+        const __m256i u = _mm256_or_si256(lx_nibbles(q->qs), lx_bit4(q->qh));
+        return _mm256_add_epi32(grp_u(u, yv), ng);
+    }
+    const __m256i v = _mm256_shuffle_epi8(tbl, lx_nibbles(x + (kind == 1 ? 2 : 1)));
+    if (kind == 2) return _mm256_add_epi32(grp_u(v, yv), ng);
+    return grp_u(_mm256_sign_epi8(v, v), _mm256_sign_epi8(yv, v));
+}
+
+AI void rowsS(int kind, int R, int64_t nb, const uint8_t *const *w, size_t rb, size_t bs, const int8_t *q,
+              const int32_t *ngp, const float *da, float *out) {
+    __m256 acc[KV_LXS_R][2];
+    LXS_UNROLL for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256i tbl = _mm256_setzero_si256();
+    if (kind == 1) tbl = lx_table(kv_iq4nl_values);
+    if (kind == 2) tbl = _mm256_add_epi8(lx_table(kv_mxfp4_values), _mm256_set1_epi8(12));
+    _Alignas(32) float sd[KV_LXS_R][8];
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        LXS_UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *x = w[r] + (size_t)b * bs;
+            const __m256 dw = kind == 2 ? dw8_e8m0(x, bs) : dw8_f16(x, bs);
+            _mm256_store_ps(sd[r], _mm256_mul_ps(dw, _mm256_loadu_ps(da + b)));
+        }
+        LXS_UNROLL for (int k = 0; k < 8; k++) {
+            const int64_t c = b + k;
+            const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));
+            const __m256i ng = _mm256_loadu_si256((const __m256i *)(const void *)(ngp + 8 * c));
+            LXS_UNROLL for (int r = 0; r < R; r++) {
+                const uint8_t *x = w[r] + (size_t)c * bs;
+                if (!(k & 1)) _mm_prefetch((const char *)(x + KV_LX_PF * 2 * rb), _MM_HINT_T0);
+                const __m256i p = lxs_grp(kind, x, yv, ng, tbl);
+                acc[r][k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sd[r][k]), acc[r][k & 1]);
+            }
+        }
+    }
+    for (; b < nb; b++) { /* the last blocks one at a time */
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * b));
+        const __m256i ng = _mm256_loadu_si256((const __m256i *)(const void *)(ngp + 8 * b));
+        LXS_UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *x = w[r] + (size_t)b * bs;
+            float dw;
+            if (kind == 2) dw = kv_e8m0_half(x[0]);
+            else {
+                uint16_t h;
+                memcpy(&h, x, 2);
+                dw = _cvtsh_ss(h);
+            }
+            const __m256 d = _mm256_set1_ps(dw * da[b]);
+            const __m256i p = lxs_grp(kind, x, yv, ng, tbl);
+            if (b & 1) acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r][1]);
+            else acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r][0]);
+        }
+    }
+    LXS_UNROLL for (int r = 0; r < R; r++) out[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+#define LXS_PRE (48 * 1024) /* 68 bytes a block: n <= 22,560 */
+/* Rows [r0, r1) of Q5_0/IQ4_NL/MXFP4 against one Q8_0 token; 0 when n is
+ * past the buffer. */
+AI int mat_s1(int kind, const uint8_t *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const uint8_t *A,
+              float *Y) {
+    const int64_t nb = n / 32;
+    if (nb < 1 || (size_t)nb * 68 > LXS_PRE) return 0;
+    _Alignas(32) uint8_t buf[LXS_PRE];
+    int8_t *q = (int8_t *)(void *)buf;
+    int32_t *ng = (int32_t *)(void *)(buf + (size_t)nb * 32);
+    float *da = (float *)(void *)(buf + (size_t)nb * 64);
+    const int K = kind == 0 ? 16 : kind == 2 ? 12 : 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *y = act(0, A, b);
+        uint16_t yd;
+        memcpy(&yd, y, 2);
+        da[b] = _cvtsh_ss(yd);
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y + 2));
+        _mm256_storeu_si256((__m256i *)(void *)(q + 32 * b), yv);
+        const __m256i gs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), yv), _mm256_set1_epi16(1));
+        _mm256_storeu_si256((__m256i *)(void *)(ng + 8 * b), _mm256_mullo_epi32(gs, _mm256_set1_epi32(-K)));
+    }
+    const size_t bs = row_bytes / (size_t)nb;
+    const int64_t h = (r1 - r0) / KV_LXS_R;
+    for (int64_t i = 0; i < h; i++) {
+        const uint8_t *w[KV_LXS_R];
+        float o[KV_LXS_R];
+        LXS_UNROLL for (int s = 0; s < KV_LXS_R; s++) w[s] = W + (size_t)(r0 + s * h + i) * row_bytes;
+        rowsS(kind, KV_LXS_R, nb, w, row_bytes, bs, q, ng, da, o);
+        LXS_UNROLL for (int s = 0; s < KV_LXS_R; s++) Y[r0 + s * h + i] = o[s];
+    }
+    for (int64_t r = r0 + KV_LXS_R * h; r < r1; r++) {
+        const uint8_t *w[1] = {W + (size_t)r * row_bytes};
+        rowsS(kind, 1, nb, w, row_bytes, bs, q, ng, da, Y + r);
+    }
+    return 1;
 }
 
 /* Several tokens of Q4_1/Q5_1 (prefill): one row against up to LX_TT8
@@ -265,20 +369,8 @@ AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t 
             Y[r + 1] = o[1];
         }
     }
-    if (!has_min && n_tok == 1 && n >= 32 && (size_t)(n / 32) * 4 <= LXM_PRE) { /* decode: row pairs */
-        float da[LXM_PRE / 4];
-        for (int64_t b = 0; b < n / 32; b++) {
-            uint16_t yd;
-            memcpy(&yd, act(0, ab, b), 2);
-            da[b] = _cvtsh_ss(yd);
-        }
-        for (; r + 2 <= r1; r += 2) {
-            float o[2];
-            rows2s(un, un == lx_mxfp4, n, wb + r * row_bytes, row_bytes, row_bytes / (size_t)(n / 32), ab, da, o);
-            Y[r] = o[0];
-            Y[r + 1] = o[1];
-        }
-    }
+    if (!has_min && n_tok == 1 && n >= 32 && mat_s1(un == lx_q5_0 ? 0 : un == lx_iq4_nl ? 1 : 2, wb, row_bytes, n, r0, r1, ab, Y))
+        return; /* decode */
     if (n_tok == 1 && n >= 32) /* decode: row pairs */
         for (; r + 2 <= r1; r += 2) {
             float o[2];
