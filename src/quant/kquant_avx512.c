@@ -15,6 +15,7 @@
 #include "quant/quant_internal.h"
 
 #define AI static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8") /* constant row counts: the accumulators stay in registers */
 
 AI float hsum8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -249,7 +250,7 @@ AI void q2_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const u
         const __m512i y0 = _mm512_load_si512((const void *)yq), y1 = _mm512_load_si512((const void *)(yq + 64)),
                       y2 = _mm512_load_si512((const void *)(yq + 128)), y3 = _mm512_load_si512((const void *)(yq + 192));
         const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
-        for (int r = 0; r < R; r++) {
+        UNROLL for (int r = 0; r < R; r++) {
             const kv_block_q2_K *x = (const kv_block_q2_K *)(const void *)w[r] + i;
             _mm_prefetch((const char *)x + KV_KD_PF * rb, _MM_HINT_T0);
             _mm_prefetch((const char *)x + KV_KD_PF * rb + sizeof(*x) - 1, _MM_HINT_T0);
@@ -271,7 +272,7 @@ AI void q2_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const u
             accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dm), accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));
+    UNROLL for (int r = 0; r < R; r++) out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));
 }
 
 AI void q3_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const uint8_t *q, const kv_block_q8_K *y,
@@ -284,7 +285,7 @@ AI void q3_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const u
         const __m512i y0 = _mm512_load_si512((const void *)yq), y1 = _mm512_load_si512((const void *)(yq + 64)),
                       y2 = _mm512_load_si512((const void *)(yq + 128)), y3 = _mm512_load_si512((const void *)(yq + 192));
         const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
-        for (int r = 0; r < R; r++) {
+        UNROLL for (int r = 0; r < R; r++) {
             const kv_block_q3_K *x = (const kv_block_q3_K *)(const void *)w[r] + i;
             _mm_prefetch((const char *)x + KV_KD_PF * rb, _MM_HINT_T0);
             _mm_prefetch((const char *)x + KV_KD_PF * rb + 64, _MM_HINT_T0);
@@ -314,7 +315,7 @@ AI void q3_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const u
                                      _mm256_set1_ps(dd), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+    UNROLL for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
 /* IQ4_XS: half H (0, 1) of a super-block is its 64 qs bytes: 128-bit lane s
@@ -333,7 +334,7 @@ AI void iq4_xs_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const
     const __m512i i1 = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
     for (int64_t i = 0; i < nsb; i++) {
         const uint8_t *yq = q + (size_t)i * 512;
-        for (int r = 0; r < R; r++) {
+        UNROLL for (int r = 0; r < R; r++) {
             const kv_block_iq4_xs *x = (const kv_block_iq4_xs *)(const void *)w[r] + i;
             _mm_prefetch((const char *)x + KV_KD_PF * rb, _MM_HINT_T0);
             _mm_prefetch((const char *)x + KV_KD_PF * rb + 64, _MM_HINT_T0);
@@ -360,7 +361,7 @@ AI void iq4_xs_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(e)), _mm256_set1_ps(dd), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+    UNROLL for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
 /* Rows [r0, r1) against one token, two rows a pass from two far-apart
