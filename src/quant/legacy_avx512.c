@@ -93,10 +93,16 @@ AI void mat(lx_unpack un, const void *W, size_t row_bytes, int64_t n, int64_t r0
  * activations), computed once per call (dec_prep) with the activations
  * copied contiguously and the scales as floats. The group sums are the
  * same exact integers as grp()'s, the float steps the same (lane 8(b&1) + g,
- * fma((float)p, dw * da) in block order), so the same bits. Two rows per
- * pass, taken from two far-apart halves of the range (two sequential
- * streams for memory), sharing the activation loads; each prefetches its
- * row KV_LXD_PF rows ahead, one line per block pair. */
+ * fma((float)p, dw * da) in block order), so the same bits. KV_LXD_R rows
+ * per pass, taken from as many far-apart parts of the range (sequential
+ * streams for memory), sharing the activation loads, their accumulators in
+ * registers (the rows' loop unrolled); each prefetches its row KV_LXD_PF
+ * rows ahead, one line per block pair. Per row and 8 blocks the 8 scales
+ * are gathered from the blocks by one vpermt2w/vpermt2d, converted and
+ * multiplied by the 8 da in one step each; a pair's [8 x dw*da, 8 x dw*da]
+ * is then one vpermps. The order fixes one fma per block and lane (each
+ * block has its own dw * da), so the integer sums cannot be carried across
+ * blocks; the 16 lanes are folded once per row. */
 #ifndef KV_LXD_PF
 #define KV_LXD_PF 8
 #endif
