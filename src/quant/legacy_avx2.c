@@ -15,6 +15,7 @@
 
 #define AI LX_AI
 #define LX_TT 4 /* tokens per row pass */
+#define LX_TUNROLL _Pragma("GCC unroll 8")
 
 AI __m256i grp_u(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -34,37 +35,52 @@ typedef __m256i (*lx_unpack)(const void *row, int64_t b, float *dw, float *mw);
  * (Q4_1, Q5_1), else Q8_0 (34 bytes: d, qs). */
 AI const uint8_t *act(int has_min, const uint8_t *a, int64_t b) { return a + b * (has_min ? 36 : 34); }
 
-/* out[t] = dot(row w, token t) for t < TT; tokens ab bytes apart. */
-AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab,
-                 float *out) {
-    __m256 acc[LX_TT][2];
-    float summ[LX_TT];
-    for (int t = 0; t < TT; t++) {
-        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-        summ[t] = 0;
-    }
-    for (int64_t b = 0; b < n / 32; b++) {
-        const int odd = has_min ? 0 : (int)(b & 1); /* Q4_1/Q5_1: one chain */
-        float dw, mw;
-        const __m256i xv = un(w, b, &dw, &mw);
-        const __m256i ax = has_min ? xv : _mm256_sign_epi8(xv, xv);
-        for (int t = 0; t < TT; t++) {
-            const uint8_t *y = act(has_min, a + (size_t)t * ab, b);
-            uint16_t yd;
-            memcpy(&yd, y, 2);
-            const __m256i yv = _mm256_loadu_si256((const __m256i *)(y + (has_min ? 4 : 2)));
-            const float da = _cvtsh_ss(yd);
-            const __m256i p = grp_u(ax, has_min ? yv : _mm256_sign_epi8(yv, xv));
-            acc[t][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * da), acc[t][odd]);
-            if (has_min) {
-                uint16_t ys;
-                memcpy(&ys, y + 2, 2);
-                summ[t] = fmaf(mw, _cvtsh_ss(ys), summ[t]);
-            }
+/* Block b of one row against TT tokens into acc[t] (and summ[t]). */
+AI void rt_step(lx_unpack un, int has_min, int TT, int64_t b, const void *w, const uint8_t *a, size_t ab, __m256 *acc,
+                float *summ) {
+    float dw, mw;
+    const __m256i xv = un(w, b, &dw, &mw);
+    const __m256i ax = has_min ? xv : _mm256_sign_epi8(xv, xv);
+    LX_TUNROLL for (int t = 0; t < TT; t++) {
+        const uint8_t *y = act(has_min, a + (size_t)t * ab, b);
+        uint16_t yd;
+        memcpy(&yd, y, 2);
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(y + (has_min ? 4 : 2)));
+        const float da = _cvtsh_ss(yd);
+        const __m256i p = grp_u(ax, has_min ? yv : _mm256_sign_epi8(yv, xv));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * da), acc[t]);
+        if (has_min) {
+            uint16_t ys;
+            memcpy(&ys, y + 2, 2);
+            summ[t] = fmaf(mw, _cvtsh_ss(ys), summ[t]);
         }
     }
-    for (int t = 0; t < TT; t++) {
-        out[t] = has_min ? hsum_ps(acc[t][0]) + summ[t] : hsum_ps(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+/* out[t] = dot(row w, token t) for t < TT; tokens ab bytes apart. Even and
+ * odd blocks (Q4_1/Q5_1: every block) into accumulators named at compile
+ * time, the token loop unrolled: they stay in registers. */
+AI void row_tile(lx_unpack un, int has_min, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab,
+                 float *out) {
+    __m256 acc[2][LX_TT];
+    float summ[LX_TT];
+    LX_TUNROLL for (int t = 0; t < TT; t++) {
+        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+        summ[t] = 0;
+    }
+    const int64_t nb = n / 32;
+    int64_t b = 0;
+    if (has_min) /* Q4_1/Q5_1: one chain */
+        for (; b < nb; b++) rt_step(un, has_min, TT, b, w, a, ab, acc[0], summ);
+    else {
+        for (; b + 2 <= nb; b += 2) {
+            rt_step(un, has_min, TT, b, w, a, ab, acc[0], summ);
+            rt_step(un, has_min, TT, b + 1, w, a, ab, acc[1], summ);
+        }
+        if (b < nb) rt_step(un, has_min, TT, b, w, a, ab, acc[0], summ);
+    }
+    LX_TUNROLL for (int t = 0; t < TT; t++) {
+        out[t] = has_min ? hsum_ps(acc[0][t]) + summ[t] : hsum_ps(_mm256_add_ps(acc[0][t], acc[1][t]));
     }
 }
 

@@ -33,14 +33,14 @@ AI __m256i ld_qs(const kv_block_q8_0 *y) { return _mm256_loadu_si256((const __m2
 
 AI void row_tile(lx_unpack un, int TT, int64_t n, const void *w, const uint8_t *a, size_t ab, float *out) {
     __m512 acc[LX_TT];
-    for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+    UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     const int64_t nb = n / 32;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         float dw0, dw1, mw;
         const __m256i x0 = un(w, b, &dw0, &mw), x1 = un(w, b + 1, &dw1, &mw);
         const __m512i xv = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
-        for (int t = 0; t < TT; t++) {
+        UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + (size_t)t * ab) + b;
             const __m512i yv = _mm512_inserti64x4(_mm512_castsi256_si512(ld_qs(&y[0])), ld_qs(&y[1]), 1);
             const __m512 d = two(dw0 * _cvtsh_ss(y[0].d), dw1 * _cvtsh_ss(y[1].d));
@@ -50,7 +50,7 @@ AI void row_tile(lx_unpack un, int TT, int64_t n, const void *w, const uint8_t *
     if (b < nb) { /* an even last block: low half only */
         float dw, mw;
         const __m512i xv = _mm512_castsi256_si512(un(w, b, &dw, &mw));
-        for (int t = 0; t < TT; t++) {
+        UNROLL for (int t = 0; t < TT; t++) {
             const kv_block_q8_0 *y = (const kv_block_q8_0 *)(a + (size_t)t * ab) + b;
             const __m512i yv = _mm512_castsi256_si512(ld_qs(y));
             __m256 lo = _mm512_castps512_ps256(acc[t]);
@@ -59,7 +59,7 @@ AI void row_tile(lx_unpack un, int TT, int64_t n, const void *w, const uint8_t *
             acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
         }
     }
-    for (int t = 0; t < TT; t++) { /* kv_fold16: low + high half, then the kv_hsum8 tree */
+    UNROLL for (int t = 0; t < TT; t++) { /* kv_fold16: low + high half, then the kv_hsum8 tree */
         const __m256 f = _mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm512_extractf32x8_ps(acc[t], 1));
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
