@@ -254,6 +254,7 @@ AI void q2_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const u
         const __m512i y0 = _mm512_load_si512((const void *)yq), y1 = _mm512_load_si512((const void *)(yq + 64)),
                       y2 = _mm512_load_si512((const void *)(yq + 128)), y3 = _mm512_load_si512((const void *)(yq + 192));
         const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
+        const __m128 yd = _mm_set1_ps(y[i].d);
         UNROLL for (int r = 0; r < R; r++) {
             const kv_block_q2_K *x = (const kv_block_q2_K *)(const void *)w[r] + i;
             _mm_prefetch((const char *)x + KV_KD_PF * rb, _MM_HINT_T0);
@@ -271,9 +272,11 @@ AI void q2_K_dec(int R, int64_t nsb, const uint8_t *const *w, size_t rb, const u
             is = _mm512_dpwssd_epi32(is, pair16(x1, x2, 12), _mm512_permutexvar_epi16(ixB, st));
             const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc8, 4), _mm_set1_epi8(0xF)));
             const __m256i M = _mm256_madd_epi16(bs, m16);
-            const float dd = y[i].d * _cvtsh_ss(x->d), dm = y[i].d * _cvtsh_ss(x->dmin);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kd_fold4(is)), _mm256_set1_ps(dd), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dm), accm[r]);
+            uint32_t dh; /* d, dmin: adjacent fp16, widened in one step (exact); [da*d, da*dmin] one multiply */
+            memcpy(&dh, &x->d, 4);
+            const __m256 dd = _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dh)), yd));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kd_fold4(is)), _mm256_permutexvar_ps(_mm256_setzero_si256(), dd), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_permutexvar_ps(_mm256_set1_epi32(1), dd), accm[r]);
         }
     }
     UNROLL for (int r = 0; r < R; r++) out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));
