@@ -315,6 +315,123 @@ AI int dec_mat(lxd_unpack un, lxd_scale sc, lxd_scale8 sc8, lxd_dw dwf, int K, c
     return 1;
 }
 
+/* ---- Several tokens (prefill, experts) ------------------------------------
+ * The one-token form for up to LX_TT tokens a row pass: the weights unpacked
+ * once per block pair as u = w + K (ud_*), their scales widened once (fp16:
+ * vcvtph2ps; E8M0: e - 128 as a float), and per token one vpdpbusd started
+ * from its prepared -K x group sums, one convert, the pair's dw x da (a
+ * multiply, or vscalefps for E8M0: the same correctly rounded product, as in
+ * sc_mxfp4) against its prepared [8 x da, 8 x da], one fma. The integers and
+ * the float steps are row_tile's (lane 8(b&1) + g, block order), so the same
+ * bits. Rows in chunks of about 512 KiB (from memory once, from cache for
+ * every token tile); per chunk the token tiles, each prepared once. */
+#define LXT_PRE (64 * 1024) /* LX_TT tokens x 64 bytes a block: n <= 8192 */
+typedef __m512 (*lxt_base)(const uint8_t *x);
+typedef __m512 (*lxt_comb)(__m512 base, __m512 da2);
+AI __m512 tb_f16(const uint8_t *x, int W1) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)x);
+    const __m256i idx = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, (short)W1, (short)W1, (short)W1, (short)W1,
+                                          (short)W1, (short)W1, (short)W1, (short)W1);
+    return _mm512_cvtph_ps(_mm256_permutexvar_epi16(idx, v));
+}
+AI __m512 tb_q5_0(const uint8_t *x) { return tb_f16(x, 11); }
+AI __m512 tb_iq4_nl(const uint8_t *x) { return tb_f16(x, 9); }
+AI __m512 tb_mxfp4(const uint8_t *x) { /* e - 128 of the pair, as sc_mxfp4 */
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)x);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(v)), sh),
+                                       _mm512_set1_epi32(0xFF));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
+}
+AI __m512 tc_q5_0(__m512 base, __m512 da2) { return _mm512_mul_ps(base, da2); }
+AI __m512 tc_iq4_nl(__m512 base, __m512 da2) { return _mm512_mul_ps(base, da2); }
+AI __m512 tc_mxfp4(__m512 base, __m512 da2) { return _mm512_scalef_ps(da2, base); }
+
+/* One row (bs bytes a block) against TT tokens (ab bytes apart; pre: their
+ * prepared data, ps bytes apart: [nb] x 8 int32 -K x group sums, then [nb]
+ * x 8 copies of da). */
+AI void tile_rows(lxd_unpack un, lxt_base tb, lxt_comb tc, lxd_dw dwf, int TT, int64_t nb, const uint8_t *w, size_t bs,
+                  const uint8_t *a, size_t ab, const uint8_t *pre, size_t ps, float *out) {
+    __m512 acc[LX_TT];
+    UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *x = w + (size_t)b * bs;
+        const __m512i u = un(x, x + bs);
+        const __m512 base = tb(x);
+        UNROLL for (int t = 0; t < TT; t++) {
+            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(a + (size_t)t * ab) + b;
+            const __m512i yv = _mm512_inserti64x4(_mm512_castsi256_si512(ld_qs(&y[0])), ld_qs(&y[1]), 1);
+            const uint8_t *p = pre + (size_t)t * ps;
+            const __m512i ng = _mm512_loadu_si512((const void *)(p + (size_t)b * 32));
+            const __m512 da2 = _mm512_loadu_ps((const void *)(p + (size_t)nb * 32 + (size_t)b * 32));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(ng, u, yv)), tc(base, da2), acc[t]);
+        }
+    }
+    if (b < nb) { /* an even last block: low half only */
+        const uint8_t *x = w + (size_t)b * bs;
+        const __m256i u = _mm512_castsi512_si256(un(x, x));
+        const float dw = dwf(x);
+        UNROLL for (int t = 0; t < TT; t++) {
+            const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(a + (size_t)t * ab) + b;
+            const uint8_t *p = pre + (size_t)t * ps;
+            const __m256i ng = _mm256_load_si256((const __m256i *)(const void *)(p + (size_t)b * 32));
+            const float da = *(const float *)(const void *)(p + (size_t)nb * 32 + (size_t)b * 32);
+            __m256 lo = _mm512_castps512_ps256(acc[t]);
+            lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(ng, u, ld_qs(y))), _mm256_set1_ps(dw * da), lo);
+            acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
+        }
+    }
+    UNROLL for (int t = 0; t < TT; t++) { /* kv_fold16 */
+        const __m256 f = _mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm512_extractf32x8_ps(acc[t], 1));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[t] = _mm_cvtss_f32(s);
+    }
+}
+
+/* Rows [r0, r1) x tokens [0, n_tok); 0 when n is past the buffer. */
+AI int tile_mat(lxd_unpack un, lxt_base tb, lxt_comb tc, lxd_dw dwf, int K, const uint8_t *W, size_t row_bytes,
+                int64_t n, int64_t r0, int64_t r1, const uint8_t *A, size_t a_stride, int64_t n_tok, float *Y,
+                size_t y_stride) {
+    const int64_t nb = n / 32;
+    if (nb < 1 || (size_t)nb * 64 * LX_TT > LXT_PRE) return 0;
+    _Alignas(64) uint8_t buf[LXT_PRE];
+    const size_t ps = (size_t)nb * 64, bs = row_bytes / (size_t)nb;
+    const __m256i kk = _mm256_set1_epi8((char)K);
+    const int64_t rows_chunk = (int64_t)((512u << 10) / row_bytes) + 1;
+    for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
+        const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
+        for (int64_t t = 0; t < n_tok; t += LX_TT) {
+            const int64_t tt = n_tok - t < LX_TT ? n_tok - t : LX_TT;
+            const uint8_t *at = A + (size_t)t * a_stride;
+            for (int64_t j = 0; j < tt; j++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const kv_block_q8_0 *y = (const kv_block_q8_0 *)(const void *)(at + (size_t)j * a_stride) + b;
+                    uint8_t *p = buf + (size_t)j * ps;
+                    _mm256_store_si256((__m256i *)(void *)(p + (size_t)b * 32),
+                                       _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), kk, ld_qs(y))));
+                    _mm256_store_ps((float *)(void *)(p + (size_t)nb * 32 + (size_t)b * 32), _mm256_set1_ps(_cvtsh_ss(y->d)));
+                }
+            for (int64_t r = rc; r < rc_end; r++) {
+                float o[LX_TT];
+                const uint8_t *w = W + (size_t)r * row_bytes;
+                switch (tt) { /* constant TT: the token loop unrolls */
+                case 1: tile_rows(un, tb, tc, dwf, 1, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 2: tile_rows(un, tb, tc, dwf, 2, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 3: tile_rows(un, tb, tc, dwf, 3, nb, w, bs, at, a_stride, buf, ps, o); break;
+                default: tile_rows(un, tb, tc, dwf, 4, nb, w, bs, at, a_stride, buf, ps, o); break;
+                }
+                for (int64_t j = 0; j < tt; j++) Y[(size_t)(t + j) * y_stride + (size_t)r] = o[j];
+            }
+        }
+    }
+    return 1;
+}
+
 /* ---- Q4_1 and Q5_1, one token ------------------------------------------
  * ggml's order (quant/legacy.h): per row one 8-lane chain acc = fma((float)p,
  * dw * da, acc) in block order, and a scalar summ = fma(mw, s, summ). A ymm
@@ -419,6 +536,8 @@ LEGACY_MIN512(q5_1, 1)
     static void T##_mat(const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,      \
                         const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) { \
         if (n_tok == 1 && dec_mat(ud_##T, sc_##T, sc8_##T, dw_##T, K, W, row_bytes, n, r0, r1, A, Y)) return; \
+        if (tile_mat(ud_##T, tb_##T, tc_##T, dw_##T, K, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride)) \
+            return;                                                                              \
         mat(lx_##T, W, row_bytes, n, r0, r1, A, a_stride, n_tok, Y, y_stride);                   \
     }
 LEGACY_AVX512(q5_0, 16)
