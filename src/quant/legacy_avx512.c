@@ -4,9 +4,11 @@
  * group sums in lanes 8*(b&1) + g, which is exactly one zmm holding an even
  * block in its low half and the next odd block in its high half. Group sums
  * are one vpdpbusd (u8 x s8, int32 accumulation, no saturation) of |w|
- * against the activation negated where w < 0. A row with an odd block count
- * ends with its last block in the low half alone. One token (decode) takes
- * Q4_0's form instead (dec_rows below). Q4_1 and Q5_1 keep the AVX2
+ * against the activation negated where w < 0 (row_tile: vec_dot, and rows
+ * past the prepared buffers). A row with an odd block count ends with its
+ * last block in the low half alone. One token (decode: dec_rows) and
+ * several (tile_rows) take Q4_0's form instead: unsigned u = w + K from
+ * prepared -K x group sums, the same integers. Q4_1 and Q5_1 keep the AVX2
  * kernels for several tokens: their order is one 8-lane chain (ggml's),
  * which a zmm cannot split; their one-token kernel (decm_rows) is that
  * chain with ymm vpdpbusd, two rows a pass. */
@@ -316,7 +318,7 @@ AI int dec_mat(lxd_unpack un, lxd_scale sc, lxd_scale8 sc8, lxd_dw dwf, int K, c
 }
 
 /* ---- Several tokens (prefill, experts) ------------------------------------
- * The one-token form for up to LX_TT tokens a row pass: the weights unpacked
+ * The one-token form for up to LXT_TT tokens a row pass (8 was slower): the weights unpacked
  * once per block pair as u = w + K (ud_*), their scales widened once (fp16:
  * vcvtph2ps; E8M0: e - 128 as a float), and per token one vpdpbusd started
  * from its prepared -K x group sums, one convert, the pair's dw x da (a
@@ -325,7 +327,10 @@ AI int dec_mat(lxd_unpack un, lxd_scale sc, lxd_scale8 sc8, lxd_dw dwf, int K, c
  * the float steps are row_tile's (lane 8(b&1) + g, block order), so the same
  * bits. Rows in chunks of about 512 KiB (from memory once, from cache for
  * every token tile); per chunk the token tiles, each prepared once. */
-#define LXT_PRE (64 * 1024) /* LX_TT tokens x 64 bytes a block: n <= 8192 */
+#define LXT_PRE (64 * 1024) /* LXT_TT tokens x 64 bytes a block */
+#ifndef LXT_TT
+#define LXT_TT 4 /* tokens per row pass (8: prefill 78 -> 70 GMAC/s) */
+#endif
 typedef __m512 (*lxt_base)(const uint8_t *x);
 typedef __m512 (*lxt_comb)(__m512 base, __m512 da2);
 AI __m512 tb_f16(const uint8_t *x, int W1) {
@@ -353,7 +358,7 @@ AI __m512 tc_mxfp4(__m512 base, __m512 da2) { return _mm512_scalef_ps(da2, base)
  * x 8 copies of da). */
 AI void tile_rows(lxd_unpack un, lxt_base tb, lxt_comb tc, lxd_dw dwf, int TT, int64_t nb, const uint8_t *w, size_t bs,
                   const uint8_t *a, size_t ab, const uint8_t *pre, size_t ps, float *out) {
-    __m512 acc[LX_TT];
+    __m512 acc[LXT_TT];
     UNROLL for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
@@ -397,15 +402,15 @@ AI int tile_mat(lxd_unpack un, lxt_base tb, lxt_comb tc, lxd_dw dwf, int K, cons
                 int64_t n, int64_t r0, int64_t r1, const uint8_t *A, size_t a_stride, int64_t n_tok, float *Y,
                 size_t y_stride) {
     const int64_t nb = n / 32;
-    if (nb < 1 || (size_t)nb * 64 * LX_TT > LXT_PRE) return 0;
+    if (nb < 1 || (size_t)nb * 64 * LXT_TT > LXT_PRE) return 0;
     _Alignas(64) uint8_t buf[LXT_PRE];
     const size_t ps = (size_t)nb * 64, bs = row_bytes / (size_t)nb;
     const __m256i kk = _mm256_set1_epi8((char)K);
     const int64_t rows_chunk = (int64_t)((512u << 10) / row_bytes) + 1;
     for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
         const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
-        for (int64_t t = 0; t < n_tok; t += LX_TT) {
-            const int64_t tt = n_tok - t < LX_TT ? n_tok - t : LX_TT;
+        for (int64_t t = 0; t < n_tok; t += LXT_TT) {
+            const int64_t tt = n_tok - t < LXT_TT ? n_tok - t : LXT_TT;
             const uint8_t *at = A + (size_t)t * a_stride;
             for (int64_t j = 0; j < tt; j++)
                 for (int64_t b = 0; b < nb; b++) {
@@ -417,13 +422,20 @@ AI int tile_mat(lxd_unpack un, lxt_base tb, lxt_comb tc, lxd_dw dwf, int K, cons
                     _mm256_store_ps((float *)(void *)(p + (size_t)nb * 32 + (size_t)b * 32), _mm256_set1_ps(_cvtsh_ss(y->d)));
                 }
             for (int64_t r = rc; r < rc_end; r++) {
-                float o[LX_TT];
+                float o[LXT_TT];
                 const uint8_t *w = W + (size_t)r * row_bytes;
                 switch (tt) { /* constant TT: the token loop unrolls */
                 case 1: tile_rows(un, tb, tc, dwf, 1, nb, w, bs, at, a_stride, buf, ps, o); break;
                 case 2: tile_rows(un, tb, tc, dwf, 2, nb, w, bs, at, a_stride, buf, ps, o); break;
                 case 3: tile_rows(un, tb, tc, dwf, 3, nb, w, bs, at, a_stride, buf, ps, o); break;
-                default: tile_rows(un, tb, tc, dwf, 4, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 4: tile_rows(un, tb, tc, dwf, 4, nb, w, bs, at, a_stride, buf, ps, o); break;
+#if LXT_TT > 4
+                case 5: tile_rows(un, tb, tc, dwf, 5, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 6: tile_rows(un, tb, tc, dwf, 6, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 7: tile_rows(un, tb, tc, dwf, 7, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 8: tile_rows(un, tb, tc, dwf, 8, nb, w, bs, at, a_stride, buf, ps, o); break;
+#endif
+                default: break;
                 }
                 for (int64_t j = 0; j < tt; j++) Y[(size_t)(t + j) * y_stride + (size_t)r] = o[j];
             }
