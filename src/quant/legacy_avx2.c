@@ -358,6 +358,99 @@ AI void mat_min(lx_unpack un, const uint8_t *wb, size_t row_bytes, int64_t n, in
     }
 }
 
+/* Q5_0, IQ4_NL, MXFP4, several tokens: a row against up to LX_TT tokens
+ * per pass with the activations prepared once per token tile and row chunk
+ * (-K x group sums, da as floats): per block and row the weights unpacked
+ * (lxs_grp's forms) and dw converted once; per token the group sums, one
+ * convert, dw x da (a vector multiply: each lane the scalar product) and one
+ * fma into the block parity's accumulator, as row_tile (the same bits). */
+#define LXT2_PRE (48 * 1024) /* LX_TT tokens x 36 bytes a block: n <= 10,912 */
+AI void t2_step(int kind, int TT, int64_t b, int64_t nb, const uint8_t *w, size_t bs, const uint8_t *a, size_t ab,
+                const uint8_t *pre, size_t ps, __m256i tbl, __m256 *acc) {
+    const uint8_t *x = w + (size_t)b * bs;
+    float dw;
+    __m256i v;
+    if (kind == 0) {
+        const kv_block_q5_0 *q = (const kv_block_q5_0 *)(const void *)x;
+        dw = _cvtsh_ss(q->d);
+        v = _mm256_or_si256(lx_nibbles(q->qs), lx_bit4(q->qh));
+    } else if (kind == 1) {
+        dw = _cvtsh_ss(((const kv_block_iq4_nl *)(const void *)x)->d);
+        v = _mm256_shuffle_epi8(tbl, lx_nibbles(x + 2));
+    } else {
+        dw = kv_e8m0_half(x[0]);
+        v = _mm256_shuffle_epi8(tbl, lx_nibbles(x + 1));
+    }
+    const __m256 dwv = _mm256_set1_ps(dw);
+    const __m256i ax = kind == 1 ? _mm256_sign_epi8(v, v) : v;
+    LX_TUNROLL for (int t = 0; t < TT; t++) {
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(a + (size_t)t * ab + 34 * (size_t)b + 2));
+        const uint8_t *p = pre + (size_t)t * ps;
+        const __m256i g = kind == 1 ? grp_u(ax, _mm256_sign_epi8(yv, v))
+                                    : _mm256_add_epi32(grp_u(v, yv), _mm256_loadu_si256((const __m256i *)(const void *)(p + 32 * (size_t)b)));
+        const __m256 d = _mm256_mul_ps(dwv, _mm256_broadcast_ss((const float *)(const void *)(p + 32 * (size_t)nb) + b));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g), d, acc[t]);
+    }
+}
+
+AI void tile2_rows(int kind, int TT, int64_t nb, const uint8_t *w, size_t bs, const uint8_t *a, size_t ab,
+                   const uint8_t *pre, size_t ps, float *out) {
+    __m256i tbl = _mm256_setzero_si256();
+    if (kind == 1) tbl = lx_table(kv_iq4nl_values);
+    if (kind == 2) tbl = _mm256_add_epi8(lx_table(kv_mxfp4_values), _mm256_set1_epi8(12));
+    __m256 acc[2][LX_TT];
+    LX_TUNROLL for (int t = 0; t < TT; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        t2_step(kind, TT, b, nb, w, bs, a, ab, pre, ps, tbl, acc[0]);
+        t2_step(kind, TT, b + 1, nb, w, bs, a, ab, pre, ps, tbl, acc[1]);
+    }
+    if (b < nb) t2_step(kind, TT, b, nb, w, bs, a, ab, pre, ps, tbl, acc[0]);
+    LX_TUNROLL for (int t = 0; t < TT; t++) out[t] = hsum_ps(_mm256_add_ps(acc[0][t], acc[1][t]));
+}
+
+/* Rows [r0, r1) x tokens [0, n_tok); 0 when n is past the buffer. */
+AI int tile2_mat(int kind, const uint8_t *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1, const uint8_t *A,
+                 size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
+    const int64_t nb = n / 32;
+    if (nb < 1 || (size_t)nb * 36 * LX_TT > LXT2_PRE) return 0;
+    _Alignas(32) uint8_t buf[LXT2_PRE];
+    const size_t ps = (size_t)nb * 36, bs = row_bytes / (size_t)nb;
+    const int K = kind == 0 ? 16 : kind == 2 ? 12 : 0;
+    const int64_t rows_chunk = (int64_t)((512u << 10) / row_bytes) + 1;
+    for (int64_t rc = r0; rc < r1; rc += rows_chunk) {
+        const int64_t rc_end = rc + rows_chunk < r1 ? rc + rows_chunk : r1;
+        for (int64_t t = 0; t < n_tok; t += LX_TT) {
+            const int64_t tt = n_tok - t < LX_TT ? n_tok - t : LX_TT;
+            const uint8_t *at = A + (size_t)t * a_stride;
+            for (int64_t j = 0; j < tt; j++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *y = at + (size_t)j * a_stride + 34 * (size_t)b;
+                    uint8_t *p = buf + (size_t)j * ps;
+                    uint16_t yd;
+                    memcpy(&yd, y, 2);
+                    const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(y + 2));
+                    const __m256i gs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), yv), _mm256_set1_epi16(1));
+                    _mm256_storeu_si256((__m256i *)(void *)(p + 32 * (size_t)b), _mm256_mullo_epi32(gs, _mm256_set1_epi32(-K)));
+                    const float da = _cvtsh_ss(yd);
+                    memcpy(p + 32 * (size_t)nb + 4 * (size_t)b, &da, 4);
+                }
+            for (int64_t r = rc; r < rc_end; r++) {
+                float o[LX_TT];
+                const uint8_t *w = W + (size_t)r * row_bytes;
+                switch (tt) { /* constant TT: the token loop unrolls */
+                case 1: tile2_rows(kind, 1, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 2: tile2_rows(kind, 2, nb, w, bs, at, a_stride, buf, ps, o); break;
+                case 3: tile2_rows(kind, 3, nb, w, bs, at, a_stride, buf, ps, o); break;
+                default: tile2_rows(kind, 4, nb, w, bs, at, a_stride, buf, ps, o); break;
+                }
+                for (int64_t j = 0; j < tt; j++) Y[(size_t)(t + j) * y_stride + (size_t)r] = o[j];
+            }
+        }
+    }
+    return 1;
+}
+
 AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t n, int64_t r0, int64_t r1,
             const void *A, size_t a_stride, int64_t n_tok, float *Y, size_t y_stride) {
     const uint8_t *wb = W, *ab = A;
@@ -387,6 +480,9 @@ AI void mat(lx_unpack un, int has_min, const void *W, size_t row_bytes, int64_t 
     }
     if (!has_min && n_tok == 1 && n >= 32 && mat_s1(un == lx_q5_0 ? 0 : un == lx_iq4_nl ? 1 : 2, wb, row_bytes, n, r0, r1, ab, Y))
         return; /* decode */
+    if (!has_min && n_tok >= 2 &&
+        tile2_mat(un == lx_q5_0 ? 0 : un == lx_iq4_nl ? 1 : 2, wb, row_bytes, n, r0, r1, ab, a_stride, n_tok, Y, y_stride))
+        return;
     if (n_tok == 1 && n >= 32) /* decode: row pairs */
         for (; r + 2 <= r1; r += 2) {
             float o[2];
