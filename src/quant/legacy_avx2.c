@@ -10,7 +10,10 @@
  * (|w| <= 127) as |w| against the activation with w's sign (vpsignb), so no
  * int16 pair sum can saturate (activations are in [-127, 127]). Even and
  * odd blocks accumulate in two ymm: the 16 canonical lanes (Q4_1 and Q5_1:
- * one ymm, ggml's order, and the min term one scalar fma per block). */
+ * one ymm, ggml's order, and the min term one scalar fma per block). Q5_0,
+ * IQ4_NL and MXFP4 take their own one-token (mat_s1) and several-token
+ * (tile2_mat) paths with prepared activations; row_tile remains for vec_dot
+ * and rows past those paths' buffers. */
 #include "quant/legacy_x86.h"
 
 #define AI LX_AI
