@@ -7,7 +7,9 @@
  * machine shared with other work disturbs them less than wall time would.
  * Usage: bench_quant [type ...]; KV_BENCH_NO_SCALAR=1 skips the scalar rows;
  * KV_BENCH_BACKENDS=avx2,avx512 names the backends (default: every x86 one
- * this CPU runs). */
+ * this CPU runs); KV_BENCH_DEC_ROWS=N sets the decode matrix's rows (default
+ * 8192: 5-9 MB at n = 2048, which a large L3 holds; 131072 reads 70-280 MB
+ * from memory, as a model's LM head or expert set does). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +28,13 @@ int main(int argc, char **argv) {
     const char *types[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K"};
     const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512"};
     const char *only = getenv("KV_BENCH_BACKENDS");
-    const int64_t n = 2048, rows_dec = 8192, rows_pf = 768, ntok = 64;
+    const char *dr = getenv("KV_BENCH_DEC_ROWS");
+    const int64_t n = 2048, rows_pf = 768, ntok = 64;
+    const int64_t rows_dec = dr && atol(dr) >= 256 && atol(dr) <= (1 << 20) ? atol(dr) : 8192;
+    if (dr && rows_dec != atol(dr)) {
+        fprintf(stderr, "KV_BENCH_DEC_ROWS: want 256 .. 1048576 rows, got '%s'\n", dr);
+        return 2;
+    }
     int nt = argc > 1 ? argc - 1 : 8;
     float *x = malloc(sizeof(float) * n * ntok);
     for (int64_t i = 0; i < n * ntok; i++) x[i] = (float)((i * 2654435761u) % 1000) / 1000.f - 0.5f;
@@ -43,7 +51,9 @@ int main(int argc, char **argv) {
             size_t rb = kv_type_row_size((uint32_t)type, n), ab = kv_type_row_size(t->vec_dot_type, n);
             uint8_t *W = malloc(rb * rows_dec), *A = malloc(ab * ntok);
             float *Y = malloc(sizeof(float) * rows_dec * ntok);
-            for (int64_t r = 0; r < rows_dec; r++) t->from_float(x + (r % ntok) * n, W + r * rb, n);
+            for (int64_t r = 0; r < rows_dec; r++) /* row r is row r % ntok: quantized once */
+                if (r < ntok) t->from_float(x + r * n, W + r * rb, n);
+                else memcpy(W + r * rb, W + (r % ntok) * rb, rb);
             for (int64_t k = 0; k < ntok; k++) ta->from_float(x + k * n, A + k * ab, n);
             int reps = b == 0 ? 1 : 5;
             double t0 = now();
