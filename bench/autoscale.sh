@@ -13,7 +13,8 @@
 # (taskset). The gateway (`--hub`, its coordinator key vouched for by the
 # hub: its demand reports drive the market) is pinned to CPU 0 with one
 # compute thread and holds the slabs copied into its folder within
-# --local-experts (KV_AS_BUDGET, default all of them). The
+# --local-experts (KV_AS_BUDGET, default all of them; KV_AS_FF_EXP sets the
+# experts' width, default 768 as Qwen3-30B-A3B's). The
 # load generator (bench/autoscale_load.py) runs, per KV_AS_PHASE_S (15)
 # seconds, 1, 2, 4, 8, 16, 8, 4, 2, 1 clients (then 30 s idle) sending completions of
 # KV_AS_TOKENS (128) tokens back to back; the same for a local-only gateway
@@ -48,7 +49,7 @@ trap cleanup EXIT
 PY=/usr/bin/python3
 $PY -c 'import matplotlib' 2>/dev/null || PY=python3
 
-"$KV" gen-model --arch qwen3moe --out "$D/m.gguf" --layers 8 --embd 512 --ff-exp 768 --experts 16 --experts-used 4 \
+"$KV" gen-model --arch qwen3moe --out "$D/m.gguf" --layers 8 --embd 512 --ff-exp "${KV_AS_FF_EXP:-768}" --experts 16 --experts-used 4 \
   --heads 8 --kv-heads 4 --head-dim 64 --vocab 4000 --type q8_0 --seed 11 --router-skew 2 >/dev/null
 "$KV" slice "$D/m.gguf" --out "$D/sl" --experts-per-slab 2 >/dev/null
 ALL=$(du -cb "$D/sl/experts/"*.gguf | tail -1 | cut -f1)
