@@ -326,6 +326,61 @@ static void test_backends_identical(void) {
 
 /* kv_mat_rows: every output equals a lone vec_dot of the same backend and
  * the reference, for token counts around the tile width. */
+/* MXFP4 blocks whose E8M0 exponent is small (scales and products below the
+ * smallest normal float) and all-zero blocks with e = 0, as a quantizer
+ * writes for zero rows: every backend's kv_mat_rows equals the reference's
+ * vec_dot bit for bit (the AVX2 one-token kernel takes such 8-block groups
+ * apart from the others). */
+static void test_mxfp4_small_scales(void) {
+    const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
+    const int n = 544, n_rows = 9, toks[] = {1, 3};
+    const size_t rb = kv_type_row_size(KV_TYPE_MXFP4, n), ab = kv_type_row_size(KV_TYPE_Q8_0, n);
+    float *x = malloc(sizeof(float) * (size_t)n * n_rows), *Y = malloc(sizeof(float) * 3 * n_rows);
+    uint8_t *W = malloc(rb * n_rows), *A = malloc(ab * 3);
+    const kv_type_info *tr = kv_type_get_ref(KV_TYPE_MXFP4);
+    fill_gauss(x, (int64_t)n * n_rows, 0.05f);
+    for (int r = 0; r < n_rows; r++) tr->from_float(x + (size_t)r * n, W + r * rb, n);
+    for (int r = 0; r < n_rows; r++)
+        for (int b = 0; b < n / 32; b++) {
+            uint8_t *blk = W + r * rb + 17 * (size_t)b;
+            const int k = r * 17 + b;
+            if (k % 4 == 0) { /* a zero block as written for a zero row */
+                memset(blk, 0, 17);
+            } else if (k % 4 == 1) {
+                blk[0] = (uint8_t)(k % 40); /* e 0..39: subnormal scales and products */
+            } else if (r == 4) {
+                blk[0] = (uint8_t)(k % 3); /* a row all below normal */
+            }
+        }
+    fill_gauss(x, (int64_t)n * 3, 1.0f);
+    for (int k = 0; k < 3; k++) kv_type_get_ref(KV_TYPE_Q8_0)->from_float(x + (size_t)k * n, A + k * ab, n);
+    int ran = 0;
+    for (size_t b = 0; b < KVT_N(bes); b++) {
+        if (kv_quant_set_backend(bes[b]) != 0) continue;
+        ran++;
+        int bad = 0;
+        for (size_t tk = 0; tk < KVT_N(toks); tk++) {
+            kv_mat_rows(KV_TYPE_MXFP4, W, rb, n, 0, n_rows, A, ab, toks[tk], Y, n_rows);
+            for (int k = 0; k < toks[tk]; k++)
+                for (int r = 0; r < n_rows; r++) {
+                    float want;
+                    tr->vec_dot(n, &want, W + r * rb, A + k * ab);
+                    if (f2u(Y[(size_t)k * n_rows + r]) != f2u(want)) {
+                        if (bad < 3)
+                            fprintf(stderr, "  %s tok %d row %d: ref %.9g got %.9g\n", bes[b], k, r, want,
+                                    Y[(size_t)k * n_rows + r]);
+                        bad++;
+                    }
+                    kvt_checks++;
+                }
+        }
+        if (bad) KVT_FAIL("mxfp4 small scales, backend %s: %d outputs differ from the reference", bes[b], bad);
+    }
+    ASSERT_TRUE(ran >= 1);
+    kv_quant_set_backend("scalar");
+    free(x); free(Y); free(W); free(A);
+}
+
 static void test_mat_rows(void) {
     const char *bes[] = {"scalar", "avx2", "avxvnni", "avx512", "neon", "neondot"};
     const int toks[] = {1, 2, 3, 4, 5, 7, 9}, n_rows = 11, ns[] = {32, 96, 544};
@@ -374,7 +429,7 @@ static void test_mat_rows(void) {
 
 static const kvt_case cases[] = {
     KVT_CASE(test_sizes_and_names), KVT_CASE(test_q8_1), KVT_CASE(test_dequant_handmade), KVT_CASE(test_roundtrip_error),
-    KVT_CASE(test_vec_dot_ref),     KVT_CASE(test_backends_identical), KVT_CASE(test_mat_rows),
+    KVT_CASE(test_vec_dot_ref),     KVT_CASE(test_backends_identical), KVT_CASE(test_mat_rows), KVT_CASE(test_mxfp4_small_scales),
 };
 
 int main(int argc, char **argv) {

@@ -179,15 +179,22 @@ AI __m256 dw8_f16(const uint8_t *x, size_t bs) {
     }
     return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
 }
-AI __m256 dw8_e8m0(const uint8_t *x, size_t bs) {
+AI uint64_t e8_bytes(const uint8_t *x, size_t bs) {
     uint64_t v = 0;
     for (int k = 0; k < 8; k++) v |= (uint64_t)x[(size_t)k * bs] << (8 * k);
+    return v;
+}
+/* Nonzero when a byte of v is below 32: an exponent whose scale times an
+ * fp16 activation scale can fall below the smallest normal float. */
+AI uint64_t e8_small(uint64_t v) { return (v - 0x2020202020202020ull) & ~v & 0x8080808080808080ull; }
+AI __m256 dw8_e8m0v(uint64_t v) {
     const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v));
     const __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23); /* e >= 2 */
     const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);            /* e < 2 */
     const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
     return _mm256_castsi256_ps(_mm256_blendv_epi8(nrm, sub, small));
 }
+AI __m256 dw8_e8m0(const uint8_t *x, size_t bs) { return dw8_e8m0v(e8_bytes(x, bs)); }
 
 /* Group sums of block x (kind 0: Q5_0 u, 1: IQ4_NL sign trick, 2: MXFP4 u)
  * against activations yv, ng = -K x group sums. */
@@ -202,6 +209,31 @@ AI __m256i lxs_grp(int kind, const uint8_t *x, __m256i yv, __m256i ng, __m256i t
     return grp_u(_mm256_sign_epi8(v, v), _mm256_sign_epi8(yv, v));
 }
 
+/* An MXFP4 group of 8 blocks of which some exponent is small: a scale (and
+ * its product with da) that is not a normal float costs a microcode assist
+ * in every multiply and fma that touches it, on every lane of the vector
+ * (the zero blocks a quantizer writes for zero rows have e = 0: a head of
+ * mostly unused rows spent 88% of its decode so). Per block and row the same
+ * operations as the vector path, dw x da then one fma into acc[r][k & 1];
+ * a block whose group sums are all 0 is skipped, which changes nothing (an
+ * accumulator that starts at +0 is never -0, so acc + 0 x d is acc). */
+AI void mxfp4_group_slow(int R, int64_t b, const uint8_t *const *w, size_t rb, size_t bs, const int8_t *q,
+                         const int32_t *ngp, const float *da, __m256i tbl, __m256 (*acc)[2]) {
+    LXS_UNROLL for (int k = 0; k < 8; k++) {
+        const int64_t c = b + k;
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));
+        const __m256i ng = _mm256_loadu_si256((const __m256i *)(const void *)(ngp + 8 * c));
+        LXS_UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *x = w[r] + (size_t)c * bs;
+            if (!(k & 1)) _mm_prefetch((const char *)(x + KV_LX_PF * 2 * rb), _MM_HINT_T0);
+            const __m256i p = lxs_grp(2, x, yv, ng, tbl);
+            if (_mm256_testz_si256(p, p)) continue;
+            const __m256 d = _mm256_set1_ps(kv_e8m0_half(x[0]) * da[c]);
+            acc[r][k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r][k & 1]);
+        }
+    }
+}
+
 AI void rowsS(int kind, int R, int64_t nb, const uint8_t *const *w, size_t rb, size_t bs, const int8_t *q,
               const int32_t *ngp, const float *da, float *out) {
     __m256 acc[KV_LXS_R][2];
@@ -212,6 +244,14 @@ AI void rowsS(int kind, int R, int64_t nb, const uint8_t *const *w, size_t rb, s
     _Alignas(32) float sd[KV_LXS_R][8];
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
+        if (kind == 2) { /* MXFP4: groups with a small exponent go one block at a time (below) */
+            uint64_t small = 0;
+            LXS_UNROLL for (int r = 0; r < R; r++) small |= e8_small(e8_bytes(w[r] + (size_t)b * bs, bs));
+            if (small) {
+                mxfp4_group_slow(R, b, w, rb, bs, q, ngp, da, tbl, acc);
+                continue;
+            }
+        }
         LXS_UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *x = w[r] + (size_t)b * bs;
             const __m256 dw = kind == 2 ? dw8_e8m0(x, bs) : dw8_f16(x, bs);
@@ -381,6 +421,11 @@ AI void t2_step(int kind, int TT, int64_t b, int64_t nb, const uint8_t *w, size_
         dw = _cvtsh_ss(((const kv_block_iq4_nl *)(const void *)x)->d);
         v = _mm256_shuffle_epi8(tbl, lx_nibbles(x + 2));
     } else {
+        if (x[0] < 32) { /* a zero block (e = 0 as written for zero rows): its group sums are all 0 and an
+                          * fma of 0 leaves acc as it is; skipping it spares the subnormal scale's assists */
+            const __m128i z = _mm_loadu_si128((const __m128i *)(const void *)(x + 1));
+            if (_mm_testz_si128(z, z)) return;
+        }
         dw = kv_e8m0_half(x[0]);
         v = _mm256_shuffle_epi8(tbl, lx_nibbles(x + 1));
     }
