@@ -155,26 +155,11 @@ for arch in q3 q35; do
 done
 
 # ---- the gateway: --draft ngram answers the same; /metrics reports acceptance
-start() { # NAME ARGS...: a gateway; its address in $DIR/NAME.addr
-  local name=$1
-  shift
-  "$BIN" gateway "$@" --listen 127.0.0.1:0 --threads 1 --name m >"$DIR/$name.out" 2>"$DIR/$name.err" &
-  PIDS+=($!)
-  local pid=$!
-  for _ in $(seq 1 600); do
-    grep -q "^listening on " "$DIR/$name.out" 2>/dev/null && break
-    kill -0 "$pid" 2>/dev/null || fail "gateway $name exited: $(cat "$DIR/$name.err")"
-    sleep 0.1
-  done
-  sed -n 's/^listening on //p' "$DIR/$name.out" >"$DIR/$name.addr"
-  [ -s "$DIR/$name.addr" ] || fail "gateway $name did not print its address"
-}
-complete() { # ADDR SEED -> the text
-  jq -n --arg p "$PROMPT" --argjson s "$2" '{model:"m",prompt:$p,max_tokens:40,temperature:(if $s < 0 then 0 else 0.9 end),
-    seed:(if $s < 0 then 0 else $s end)}' |
-    curl -sf "http://$1/v1/completions" -H 'content-type: application/json' -d @- | jq -r '.choices[0].text' ||
-    fail "completion request to $1"
-}
+# shellcheck source=tests/spec_support.sh
+. "$SRC/tests/spec_support.sh"
+SPEC_BIN=$BIN SPEC_DIR=$DIR SPEC_PIDS=PIDS SPEC_MAX_TOKENS=40
+start() { spec_gateway "$@"; }
+complete() { spec_complete "$@"; }
 start plain -m "$DIR/q35.gguf"
 start spec -m "$DIR/q35.gguf" --draft ngram --draft-max 4
 P=$(cat "$DIR/plain.addr")

@@ -86,26 +86,11 @@ for mode in greedy seeded; do
 done
 
 # ---- the gateway: the same text as plain, and the acceptance an in-process MTP gateway reports
-start() { # NAME ARGS...: a gateway; its address in $dir/NAME.addr
-  local name=$1
-  shift
-  "$KV" gateway "$@" --listen 127.0.0.1:0 --threads 1 --name m >"$dir/$name.out" 2>"$dir/$name.err" &
-  pids+=($!)
-  local p=$!
-  for _ in $(seq 1 600); do
-    grep -q "^listening on " "$dir/$name.out" 2>/dev/null && break
-    kill -0 "$p" 2>/dev/null || fail "gateway $name exited: $(cat "$dir/$name.err")"
-    sleep 0.1
-  done
-  sed -n 's/^listening on //p' "$dir/$name.out" >"$dir/$name.addr"
-  [ -s "$dir/$name.addr" ] || fail "gateway $name did not print its address"
-}
-complete() { # ADDR SEED -> the text
-  jq -n --arg p "$PROMPT" --argjson s "$2" '{model:"m",prompt:$p,max_tokens:24,temperature:(if $s < 0 then 0 else 0.9 end),
-    seed:(if $s < 0 then 0 else $s end)}' |
-    curl -sf "http://$1/v1/completions" -H 'content-type: application/json' -d @- | jq -r '.choices[0].text' ||
-    fail "completion request to $1"
-}
+# shellcheck source=tests/spec_support.sh
+. "$SRC/tests/spec_support.sh"
+SPEC_BIN=$KV SPEC_DIR=$dir SPEC_PIDS=pids SPEC_MAX_TOKENS=24
+start() { spec_gateway "$@"; }
+complete() { spec_complete "$@"; }
 metric() { curl -sf "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
 start plain -m "$dir/q35.gguf"
 start local -m "$dir/q35.gguf" --draft mtp --draft-max 3
