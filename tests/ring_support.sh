@@ -161,3 +161,18 @@ mapped_rss() {
     on && /^Rss:/ { s += $2 }
     END { print s * 1024 }' "/proc/$1/smaps"
 }
+
+# ring_worker NAME SLABS: an expert worker for a ring's windows, admitting the
+# keys in $dir/allow; sets $waddr
+ring_worker() {
+  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$dir/allow" \
+    >"$dir/$1.out" 2>"$dir/$1.err" &
+  RING_ALL+=($!)
+  waddr=
+  for _ in $(seq 200); do
+    waddr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$1.out" 2>/dev/null | head -1 || true)
+    [ -n "$waddr" ] && return 0
+    sleep 0.05
+  done
+  fail "worker $1 did not start: $(cat "$dir/$1.err")"
+}

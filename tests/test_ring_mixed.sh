@@ -18,20 +18,7 @@ ring_keys
 P="Some layers are a ring window and the others expert workers"
 N=12
 
-# worker NAME SLABS: an expert worker admitting the ring's keys; sets $waddr
-worker() {
-  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$dir/allow" \
-    >"$dir/$1.out" 2>"$dir/$1.err" &
-  RING_ALL+=($!)
-  waddr=
-  for _ in $(seq 200); do
-    waddr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$1.out" 2>/dev/null | head -1 || true)
-    [ -n "$waddr" ] && return 0
-    sleep 0.05
-  done
-  cat "$dir/$1.err" >&2
-  fail "worker $1 did not start"
-}
+worker() { ring_worker "$@"; } # ring_support.sh
 
 for arch in qwen3moe qwen35moe; do
   m="$dir/$arch.gguf"

@@ -100,18 +100,7 @@ echo "ok: gateway --ring --draft mtp: the text of a gateway without it, $dr toke
 ring_stop
 
 # ---- 2 and 3. a sliced ring: the head window with its slabs, the tail's experts on workers
-worker() { # NAME SLABS: an expert worker admitting the ring's keys; sets $waddr
-  "$KV" worker --slabs "$2" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$dir/allow" \
-    >"$dir/$1.out" 2>"$dir/$1.err" &
-  RING_ALL+=($!)
-  waddr=
-  for _ in $(seq 200); do
-    waddr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$dir/$1.out" 2>/dev/null | head -1 || true)
-    [ -n "$waddr" ] && return 0
-    sleep 0.05
-  done
-  fail "worker $1 did not start: $(cat "$dir/$1.err")"
-}
+worker() { ring_worker "$@"; } # ring_support.sh
 slabs() { # G LAYER...: the slabs of expert group G (3 wide) of those layers
   local g=$1 out="" l
   shift
