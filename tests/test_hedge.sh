@@ -206,6 +206,13 @@ gw=$(sed -n 's/^kvasir_gateway_hedges_won_total \([0-9]*\)$/\1/p' "$D/metrics.tx
 gl=$(sed -n 's/^kvasir_gateway_late_answers_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 gc=$(sed -n 's/^kvasir_gateway_hedges_cancelled_total \([0-9]*\)$/\1/p' "$D/metrics.txt")
 [ -n "$gh" ] && [ -n "$gw" ] && [ -n "$gl" ] && [ -n "$gc" ] || fail "/metrics has no hedge counters: $(grep hedge "$D/metrics.txt")"
+# answer signatures: each connection's first checked on arrival, over the
+# TLS links a sample of the rest taken unchecked (docs/PROTOCOL.md "Signed results")
+sc=$(sed -n 's/^kvasir_gateway_answer_signatures_total{check="checked"} \([0-9]*\)$/\1/p' "$D/metrics.txt")
+sd=$(sed -n 's/^kvasir_gateway_answer_signatures_total{check="deferred"} \([0-9]*\)$/\1/p' "$D/metrics.txt")
+[ -n "$sc" ] && [ -n "$sd" ] || fail "/metrics has no signature counters: $(grep signature "$D/metrics.txt")"
+[ "$sc" -ge 2 ] || fail "/metrics: $sc answer signatures checked (each worker's first is)"
+[ "$sd" -gt "$sc" ] || fail "/metrics: $sd signatures deferred against $sc checked (1 in 16 checked over TLS)"
 # the staller's own counts, for a failure message: stalls taken, then (once
 # it has exited) what it served and dropped on a CANCEL
 s2_counts() {

@@ -176,6 +176,8 @@ uint64_t kv_remote_hedged_pairs(const kv_remote *r);
 /* Superseded requests that their (v6) worker dropped on a CANCEL, since open
  * or the last reset (cheap: for every step's metrics). */
 uint64_t kv_remote_hedges_cancelled(const kv_remote *r);
+/* The signature counters of kv_remote_stats alone (sigs_checked, sigs_deferred). */
+void kv_remote_get_sigs(const kv_remote *r, uint64_t *checked, uint64_t *deferred);
 
 /* ---- demand metering ------------------------------------------------------
  * What the coordinator needed of each shard (a slab of the manifest: one

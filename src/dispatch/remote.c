@@ -2174,6 +2174,11 @@ uint64_t kv_remote_hedged_pairs(const kv_remote *r) { return r->n_hedge_pairs; }
 
 uint64_t kv_remote_hedges_cancelled(const kv_remote *r) { return r->n_cancelled; }
 
+void kv_remote_get_sigs(const kv_remote *r, uint64_t *checked, uint64_t *deferred) {
+    *checked = r->n_sig_checked;
+    *deferred = r->n_sig_deferred;
+}
+
 void kv_remote_reset_stats(kv_remote *r) {
     r->n_calls = r->n_rounds = r->n_retry_pairs = r->n_pairs_remote = r->n_pairs_local = 0;
     r->bytes_sent = r->bytes_recv = r->n_rtt = 0;

@@ -182,6 +182,11 @@ char *kv_gw_metrics_text(kv_gateway *g) {
                  "Worker answers discarded because a replica had answered first.");
         metric_u(&b, "kvasir_gateway_hedges_cancelled_total", "counter", g->hedges_cancelled,
                  "Superseded requests their worker dropped on a CANCEL, before computing them.");
+        metric_head(&b, "kvasir_gateway_answer_signatures_total", "counter",
+                    "Signed worker answers: checked on arrival, or taken unchecked over a TLS link bound to the "
+                    "worker's key (checked later only if a lie is caught in them; docs/PROTOCOL.md \"Signed results\").");
+        KV_M("kvasir_gateway_answer_signatures_total{check=\"checked\"} %llu\n", (unsigned long long)g->sigs_checked);
+        KV_M("kvasir_gateway_answer_signatures_total{check=\"deferred\"} %llu\n", (unsigned long long)g->sigs_deferred);
         const kv_gw_autoscale *a = &g->as;
         metric_head(&b, "kvasir_gateway_expert_pairs_total", "counter",
                     "Expert computations by where they ran: held (a local slab\n"

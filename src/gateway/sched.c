@@ -127,6 +127,7 @@ static void kv_sched_hedges_locked(kv_gateway *g, kv_remote *rm) {
     kv_remote_get_hedges(rm, &g->hedges, &g->hedges_won, &g->late_answers);
     g->hedged_pairs = kv_remote_hedged_pairs(rm);
     g->hedges_cancelled = kv_remote_hedges_cancelled(rm);
+    kv_remote_get_sigs(rm, &g->sigs_checked, &g->sigs_deferred);
 }
 
 /* Health as the scheduler sees it: with workers, every shard (slab of a

@@ -203,6 +203,7 @@ struct kv_gateway {
     uint64_t workers_added;     /* workers added from the hub's placement */
     uint64_t hedges, hedges_won, late_answers; /* the remote's hedged requests (kv_remote_get_hedges) */
     uint64_t hedges_cancelled; /* superseded requests their worker dropped on a CANCEL (kv_remote_hedges_cancelled) */
+    uint64_t sigs_checked, sigs_deferred; /* answer signatures checked on arrival / taken unchecked (kv_remote_get_sigs) */
     uint64_t hedged_pairs;      /* slots those hedges carried (kv_remote_hedged_pairs) */
     /* local experts (autoscale.c, docs/GATEWAY.md "Local experts"); guarded by mu */
     kv_gw_autoscale as;
