@@ -63,15 +63,22 @@ ring_wait_listen() {
 # Returns 2 when a node could not bind its port (another process took it
 # between free_ports and the bind: the machine is shared), so that
 # ring_start can try other ports.
+# Says which node found its port taken, unless ring_start (which retries on
+# other ports) is the caller: a script that calls ring_wait_whole itself
+# under set -e ends on its status 2, and this line says why.
+ring_port_taken() {
+  [ -n "${RING_RETRYING:-}" ] || echo "ring_wait_whole: node $1: its port was taken between free_ports and its bind" >&2
+}
+
 ring_wait_whole() {
   local i n
   for _ in $(seq 400); do
     n=0
     for i in "${!RING_PID[@]}"; do
-      if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then return 2; fi
+      if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then ring_port_taken "$i"; return 2; fi
       if ! kill -0 "${RING_PID[$i]}" 2>/dev/null || grep -q "^kvasir ring: " "$dir/ring$i.err" 2>/dev/null; then
         # (it may have written why and ended since the look above: a taken port is no death)
-        if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then return 2; fi
+        if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then ring_port_taken "$i"; return 2; fi
         cat "$dir/ring$i.err" >&2
         fail "ring node $i died"
       fi
@@ -101,7 +108,7 @@ ring_start() {
         ${RING_EXTRA:-} ${RING_NODE_EXTRA[$i]:-}
     done
     rc=0
-    ring_wait_whole || rc=$?
+    RING_RETRYING=1 ring_wait_whole || rc=$?
     [ $rc = 0 ] && return 0
     ring_stop
   done
