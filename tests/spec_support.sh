@@ -1,7 +1,8 @@
-# Sourced by test_spec.sh and test_spec_mtp.sh: a gateway started on a free
-# port and a completion asked of it. The caller sets SPEC_BIN (kvasir),
-# SPEC_DIR (its temporary folder), SPEC_PIDS (the name of its array of
-# processes to clean up), SPEC_MAX_TOKENS and PROMPT, and defines fail.
+# Sourced by test_spec.sh and test_spec_mtp.sh: kvasir run into a file and
+# two runs compared, a gateway started on a free port and a completion asked
+# of it. The caller sets SPEC_BIN (kvasir), SPEC_DIR (its temporary folder),
+# SPEC_PIDS (the name of its array of processes to clean up),
+# SPEC_MAX_TOKENS, N and PROMPT, and defines fail.
 
 spec_gateway() { # NAME ARGS...: a gateway; its address in $SPEC_DIR/NAME.addr
   local name=$1
@@ -24,4 +25,17 @@ spec_complete() { # ADDR SEED -> the text (SEED < 0: greedy)
     temperature:(if $s < 0 then 0 else 0.9 end), seed:(if $s < 0 then 0 else $s end)}' |
     curl -sf "http://$1/v1/completions" -H 'content-type: application/json' -d @- | jq -r '.choices[0].text' ||
     fail "completion request to $1"
+}
+
+spec_run() { # NAME MODEL ARGS...: kvasir run --json into NAME.json, logits into NAME.bin ($N tokens of $PROMPT)
+  local name=$1 model=$2
+  shift 2
+  "$SPEC_BIN" run -m "$model" -p "$PROMPT" -n "$N" --threads 2 --batch 7 --json --logits-out "$SPEC_DIR/$name.bin" "$@" \
+    >"$SPEC_DIR/$name.json" 2>"$SPEC_DIR/$name.err" || fail "run $name: $(cat "$SPEC_DIR/$name.err")"
+}
+
+spec_same() { # A B: tokens and logits identical
+  [ "$(jq -c .tokens "$SPEC_DIR/$1.json")" = "$(jq -c .tokens "$SPEC_DIR/$2.json")" ] ||
+    fail "$2: tokens differ from $1: $(jq -c .tokens "$SPEC_DIR/$1.json") vs $(jq -c .tokens "$SPEC_DIR/$2.json")"
+  cmp -s "$SPEC_DIR/$1.bin" "$SPEC_DIR/$2.bin" || fail "$2: logits differ from $1"
 }

@@ -40,18 +40,11 @@ SEEDED=(--temp 0.9 --seed 1234 --top-k 0 --top-p 1 --min-p 0)
 CHAIN=(--temp 0.7 --seed 99 --top-k 20 --top-p 0.9 --min-p 0.02 --repeat-penalty 1.3 --presence-penalty 0.5
   --frequency-penalty 0.4)
 
-# run NAME MODEL ARGS...: kvasir run --json into NAME.json, logits into NAME.bin
-run() {
-  local name=$1 model=$2
-  shift 2
-  "$BIN" run -m "$model" -p "$PROMPT" -n "$N" --threads 2 --batch 7 --json --logits-out "$DIR/$name.bin" "$@" \
-    >"$DIR/$name.json" 2>"$DIR/$name.err" || fail "run $name: $(cat "$DIR/$name.err")"
-}
-same() { # A B: tokens and logits identical
-  [ "$(jq -c .tokens "$DIR/$1.json")" = "$(jq -c .tokens "$DIR/$2.json")" ] ||
-    fail "$2: tokens differ from $1: $(jq -c .tokens "$DIR/$1.json") vs $(jq -c .tokens "$DIR/$2.json")"
-  cmp -s "$DIR/$1.bin" "$DIR/$2.bin" || fail "$2: logits differ from $1"
-}
+# shellcheck source=tests/spec_support.sh
+. "$SRC/tests/spec_support.sh"
+SPEC_BIN=$BIN SPEC_DIR=$DIR SPEC_PIDS=PIDS SPEC_MAX_TOKENS=40
+run() { spec_run "$@"; }
+same() { spec_same "$@"; }
 
 for arch in q3 q35; do
   for mode in greedy seeded chain; do
@@ -155,9 +148,6 @@ for arch in q3 q35; do
 done
 
 # ---- the gateway: --draft ngram answers the same; /metrics reports acceptance
-# shellcheck source=tests/spec_support.sh
-. "$SRC/tests/spec_support.sh"
-SPEC_BIN=$BIN SPEC_DIR=$DIR SPEC_PIDS=PIDS SPEC_MAX_TOKENS=40
 start() { spec_gateway "$@"; }
 complete() { spec_complete "$@"; }
 start plain -m "$DIR/q35.gguf"

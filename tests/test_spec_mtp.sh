@@ -39,17 +39,11 @@ PROMPT="the river and the mountain, the river and the mountain, the river and"
 N=32
 GREEDY=(--temp 0)
 SEEDED=(--temp 0.9 --seed 1234 --top-k 0 --top-p 1 --min-p 0)
-run() { # NAME MODEL ARGS...: kvasir run --json into NAME.json, logits into NAME.bin
-  local name=$1 model=$2
-  shift 2
-  "$KV" run -m "$model" -p "$PROMPT" -n "$N" --threads 2 --batch 7 --json --logits-out "$dir/$name.bin" "$@" \
-    >"$dir/$name.json" 2>"$dir/$name.err" || fail "run $name: $(cat "$dir/$name.err")"
-}
-same() { # A B: tokens and logits identical
-  [ "$(jq -c .tokens "$dir/$1.json")" = "$(jq -c .tokens "$dir/$2.json")" ] ||
-    fail "$2: tokens differ from $1: $(jq -c .tokens "$dir/$1.json") vs $(jq -c .tokens "$dir/$2.json")"
-  cmp -s "$dir/$1.bin" "$dir/$2.bin" || fail "$2: logits differ from $1"
-}
+# shellcheck source=tests/spec_support.sh
+. "$SRC/tests/spec_support.sh"
+SPEC_BIN=$KV SPEC_DIR=$dir SPEC_PIDS=pids SPEC_MAX_TOKENS=24
+run() { spec_run "$@"; }
+same() { spec_same "$@"; }
 refused() { # WANT NAME ARGS...: kvasir run fails at start with a message containing WANT
   local want=$1 name=$2
   shift 2
@@ -86,9 +80,6 @@ for mode in greedy seeded; do
 done
 
 # ---- the gateway: the same text as plain, and the acceptance an in-process MTP gateway reports
-# shellcheck source=tests/spec_support.sh
-. "$SRC/tests/spec_support.sh"
-SPEC_BIN=$KV SPEC_DIR=$dir SPEC_PIDS=pids SPEC_MAX_TOKENS=24
 start() { spec_gateway "$@"; }
 complete() { spec_complete "$@"; }
 metric() { curl -sf "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
