@@ -42,6 +42,11 @@ for spec in "f32 128 64" "q8_0 256 128" "q4_k 256 256"; do
   cmp -s "$m/local.bin" "$m/remote.bin" || fail "$type: logits differ"
   [ "$(jq '[.dispatch.workers[] | select(.pairs > 0)] | length' "$m/remote.json")" = 3 ] || fail "$type: a worker idle"
   [ "$(jq '.dispatch.pairs_local' "$m/remote.json")" = 0 ] || fail "$type: local computations with no slabs"
+  # every answer's signature checked on arrival or, over TLS, taken unchecked;
+  # each connection's first one always checked (docs/PROTOCOL.md "Signed results")
+  jq -e '.dispatch.sigs_checked + .dispatch.sigs_deferred == ([.dispatch.workers[].requests] | add) and
+    .dispatch.sigs_checked >= 3' "$m/remote.json" >/dev/null ||
+    fail "$type: signatures $(jq -c '[.dispatch.sigs_checked, .dispatch.sigs_deferred]' "$m/remote.json") for requests $(jq -c '[.dispatch.workers[].requests]' "$m/remote.json")"
   echo "ok: $type: 3 workers, $(jq -c '[.dispatch.workers[].pairs]' "$m/remote.json") expert computations," \
     "$(($(stat -c %s "$m/local.bin") / 2400)) logit rows identical; per-layer round trip" \
     "p50 $(jq .dispatch.rtt_p50_us "$m/remote.json") us, p99 $(jq .dispatch.rtt_p99_us "$m/remote.json") us"

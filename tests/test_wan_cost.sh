@@ -13,6 +13,7 @@
 #   a token takes at least its rounds times the round trip.
 # - the line's fixed cost per crossing (measured by the bench at 0 ms) enters
 #   the formula as the larger of it and the bytes' time at the rate (by hand).
+# - bench --json counts every answer signature as checked or deferred (TLS).
 # Timing figures are the benchmark's (docs/BENCHMARKS.md), not asserted here.
 # Needs root (network namespaces).
 set -euo pipefail
@@ -44,7 +45,14 @@ for enc in f32:4 f16:2; do
     awk -v a="$greq" -v b="$req" 'BEGIN { exit !(a == b) }' || fail "$w S=$S: $greq bytes per COMPUTE, PROTOCOL.md says $req"
     awk -v a="$gresp" -v b="$resp" 'BEGIN { exit !(a == b) }' || fail "$w S=$S: $gresp bytes per RESULT, PROTOCOL.md says $resp"
     awk -v a="$grounds" -v b="$LAYERS" 'BEGIN { exit !(a == b) }' || fail "$w S=$S: $grounds rounds per token, want $LAYERS"
-    echo "ok: $w, $S per step: COMPUTE $greq and RESULT $gresp bytes (PROTOCOL.md), $grounds rounds per token"
+    # every signed answer of the timed phase (one worker: one per round) is either
+    # checked on arrival or, over TLS, taken unchecked (docs/PROTOCOL.md "Signed
+    # results": 1 in 16 checked after the connection's first, so of 8 answers at
+    # least one is deferred but with probability 16^-8)
+    read -r sc sd <<<"$(jq -r '"\(.sigs_checked) \(.sigs_deferred)"' <<<"$j")"
+    [ "$((sc + sd))" = "$((LAYERS * 4))" ] || fail "$w S=$S: $sc + $sd answer signatures, $((LAYERS * 4)) answers"
+    [ "$sd" -ge 1 ] || fail "$w S=$S: over TLS no answer signature was deferred ($sc checked)"
+    echo "ok: $w, $S per step: COMPUTE $greq and RESULT $gresp bytes (PROTOCOL.md), $grounds rounds per token, signatures $sc checked + $sd deferred"
   done
 done
 wcm_worker_stop

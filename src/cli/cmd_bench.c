@@ -354,9 +354,11 @@ int kv_cmd_bench(int argc, char **argv) {
                    rs.rounds ? (double)rs.bytes_sent / (double)rs.rounds : 0.0,
                    rs.rounds ? (double)rs.bytes_recv / (double)rs.rounds : 0.0);
         if (remote)
-            printf(",\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"hedges_cancelled\":%llu",
+            printf(",\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"hedges_cancelled\":%llu"
+                   ",\"sigs_checked\":%llu,\"sigs_deferred\":%llu",
                    (unsigned long long)rs.hedges, (unsigned long long)rs.hedges_won,
-                   (unsigned long long)rs.late_answers, (unsigned long long)rs.hedges_cancelled);
+                   (unsigned long long)rs.late_answers, (unsigned long long)rs.hedges_cancelled,
+                   (unsigned long long)rs.sigs_checked, (unsigned long long)rs.sigs_deferred);
         if (profile) {
             static const char *const phase[2] = {"prefill", "decode"};
             printf(",\"profile\":{");
@@ -392,9 +394,11 @@ int kv_cmd_bench(int argc, char **argv) {
                    (unsigned long long)rs.retried_pairs);
         if (remote)
             printf("hedged requests: %llu sent, %llu won by the replica; %llu late answers discarded, %llu "
-                   "cancelled\n",
+                   "cancelled\n"
+                   "answer signatures: %llu checked on arrival, %llu taken unchecked over TLS (sampled)\n",
                    (unsigned long long)rs.hedges, (unsigned long long)rs.hedges_won,
-                   (unsigned long long)rs.late_answers, (unsigned long long)rs.hedges_cancelled);
+                   (unsigned long long)rs.late_answers, (unsigned long long)rs.hedges_cancelled,
+                   (unsigned long long)rs.sigs_checked, (unsigned long long)rs.sigs_deferred);
     }
     if (profile && !json) {
         static const char *const phase[2] = {"prefill", "decode"};

@@ -211,14 +211,15 @@ static void kv_run_dispatch_json(const kv_remote *r, const kv_run_steplog *sl) {
     printf(",\"dispatch\":{\"calls\":%llu,\"rounds\":%llu,\"retried_pairs\":%llu,\"pairs_remote\":%llu,"
            "\"pairs_local\":%llu,\"bytes_sent\":%llu,\"bytes_recv\":%llu,\"rtt_p50_us\":%.1f,\"rtt_p99_us\":%.1f,"
            "\"verified\":%llu,\"unverified\":%llu,\"recomputed\":%llu,\"caught\":%llu,"
-           "\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"hedges_cancelled\":%llu,\"pairs_hedged\":%llu,\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
+           "\"hedges\":%llu,\"hedges_won\":%llu,\"late_answers\":%llu,\"hedges_cancelled\":%llu,\"pairs_hedged\":%llu,\"sigs_checked\":%llu,\"sigs_deferred\":%llu,\"workers\":[", (unsigned long long)st.calls, (unsigned long long)st.rounds,
            (unsigned long long)st.retried_pairs, (unsigned long long)st.pairs_remote,
            (unsigned long long)st.pairs_local, (unsigned long long)st.bytes_sent, (unsigned long long)st.bytes_recv,
            st.rtt_p50_us, st.rtt_p99_us, (unsigned long long)st.pairs_verified,
            (unsigned long long)st.pairs_unverified, (unsigned long long)st.pairs_recomputed,
            (unsigned long long)st.caught, (unsigned long long)st.hedges, (unsigned long long)st.hedges_won,
            (unsigned long long)st.late_answers, (unsigned long long)st.hedges_cancelled,
-           (unsigned long long)st.pairs_hedged);
+           (unsigned long long)st.pairs_hedged, (unsigned long long)st.sigs_checked,
+           (unsigned long long)st.sigs_deferred);
     for (uint32_t i = 0; i < kv_remote_n_workers(r); i++) {
         kv_remote_worker w;
         kv_remote_worker_info(r, i, &w);
