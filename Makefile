@@ -23,6 +23,7 @@
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make bench-hedge  decode step p50/p99 over two replicas, healthy and with one stalling
 #   make bench-autoscale  a gateway with --local-experts and two workers under 1 -> 16 -> 1 clients
+#   make bench-pair-cost  CPU per remote expert pair (coordinator, nodes) and bench-autoscale's bound
 #                 against a local-only gateway (CSV and PNG in bench/out, docs/BENCHMARKS.md)
 #   make wan-test the WAN test bed (tests/test_wan_bed.sh, docs/NETDELAY.md) in its long
 #                 version: two sites 40 ms apart, 0.5% loss, a host behind a NAT router, a
@@ -171,6 +172,11 @@ bench-hedge: deps
 bench-autoscale: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/autoscale.sh $(BUILD)/kvasir
+
+.PHONY: bench-pair-cost
+bench-pair-cost: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/pair_cost.sh $(BUILD)/kvasir
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build

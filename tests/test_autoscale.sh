@@ -19,6 +19,8 @@
 #     workers, and per-shard demand equal in sum to the pairs computed;
 #   - a gateway with --local-experts and the default (derived) target on a
 #     single request stays tight: every held expert computed here;
+#   - `kvasir bench --local-share S` splits the pairs as asked (none here at
+#     0, all at 1, both at 0.5, the same total);
 #   - bad flags are refused with a message that names them.
 set -euo pipefail
 SRC=${KV_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -115,6 +117,33 @@ jq -e '[.dispatch.demand | group_by(.layer)[] | ([.[].computations] | max > 2 * 
   fail "demand: no skew visible: $(jq -c '[.dispatch.demand[].computations]' "$D/run.json")"
 echo "ok: demand: $sum computations over $(jq '.dispatch.demand | length' "$D/run.json") shards" \
   "($(jq -c '[.dispatch.demand[].computations]' "$D/run.json"))"
+
+# ---- kvasir bench --local-share: a fixed share (bench/pair_cost.sh) ------------
+# every pair of the timed phase is computed whole on one side: none here at
+# share 0, none sent at share 1, both at 0.5, the same total each time
+for s in 0 0.5 1; do
+  "$BIN" bench -m "$D/coord/manifest.json" --worker "$A" --worker "$B" --key "$D/coord.key" -p 4 -n 6 --reps 1 \
+    --parallel 3 --threads 1 --local-share $s --json >"$D/bench$s.json" 2>"$D/bench.err" ||
+    fail "bench --local-share $s: $(cat "$D/bench.err")"
+done
+tot=$(jq '.pairs_remote + .pairs_local' "$D/bench0.json")
+[ "$tot" -gt 0 ] || fail "bench: no pairs"
+jq -e --argjson t "$tot" '.pairs_local == 0 and .pairs_remote == $t and .local_share == 0 and .held_slabs == 16' \
+  "$D/bench0.json" >/dev/null || fail "bench --local-share 0: $(cat "$D/bench0.json")"
+jq -e --argjson t "$tot" '.pairs_remote == 0 and .pairs_held_local == $t' "$D/bench1.json" >/dev/null ||
+  fail "bench --local-share 1: $(cat "$D/bench1.json")"
+jq -e --argjson t "$tot" '.pairs_remote > 0 and .pairs_held_local > 0 and .pairs_held_local == .pairs_local and
+  .pairs_remote + .pairs_local == $t' "$D/bench0.5.json" >/dev/null || fail "bench --local-share 0.5: $(cat "$D/bench0.5.json")"
+"$BIN" bench -m "$D/m.gguf" --local-share 0.5 >/dev/null 2>"$D/bad.err" && fail "bench --local-share without workers"
+grep -q -- "--local-share needs workers" "$D/bad.err" || fail "bench --local-share without workers: $(cat "$D/bad.err")"
+"$BIN" bench -m "$D/coord/manifest.json" --worker "$A" --local-share 1.5 >/dev/null 2>"$D/bad.err" && fail "bench --local-share 1.5"
+grep -q -- "--local-share: '1.5'" "$D/bad.err" || fail "bench --local-share 1.5: $(cat "$D/bad.err")"
+mkdir -p "$D/bare" # a coordinator folder without slabs: nothing to compute here
+cp "$D/sl/backbone.gguf" "$D/sl/manifest.json" "$D/bare/"
+"$BIN" bench -m "$D/bare/manifest.json" --worker "$A" --worker "$B" --key "$D/coord.key" --local-share 0.5 -p 2 -n 2 \
+  --reps 1 >/dev/null 2>"$D/bad.err" && fail "bench --local-share with no slab here"
+grep -q -- "--local-share: no slab" "$D/bad.err" || fail "bench --local-share with no slab here: $(cat "$D/bad.err")"
+echo "ok: bench --local-share: $tot pairs, $(jq .pairs_local "$D/bench0.5.json") here at 0.5, all remote at 0, all here at 1"
 
 # ---- a gateway whose share changes in the middle of requests --------------------
 start_gateway() { # ARGS...: sets $GW

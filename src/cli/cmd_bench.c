@@ -20,7 +20,7 @@
 #include "kvasir/node.h"
 #include "kvasir/quant.h"
 
-static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", "--hub", "--data", "--key", "--hub-wait-ms", NULL};
+static const char *const kv_value_flags[] = {"-m", "--model", "-p", "-n", "--threads", "-t", "--reps", "--batch", "--parallel", "--worker", "--wire", "--worker-timeout-ms", "--kv-type", "--hub", "--data", "--key", "--hub-wait-ms", "--local-share", NULL};
 
 #define CMD "bench"
 
@@ -44,6 +44,10 @@ static const char *kv_bench_help =
     "  --worker H:P  with -m DIR/manifest.json: compute experts on this worker (repeat for\n"
     "                more; see kvasir run --help); prints the per-layer round trip\n"
     "  --wire ENC    hidden states to workers as f32 (default), f16 or bf16\n"
+    "  --local-share S  with workers: hold every slab present in the manifest's folder and compute\n"
+    "                the share S (0..1) of their experts here, the rest on the workers, fixed (a\n"
+    "                gateway's --local-experts moves it with the load); pairs here and sent out\n"
+    "                are reported (docs/GATEWAY.md \"Local experts\")\n"
     "  --worker-timeout-ms N  per-layer deadline before a worker is dropped (default 10000)\n"
     "  --insecure-plaintext  dial workers over plain TCP, without TLS (default: TLS 1.3 pinned to\n"
     "                each worker's key); prints a warning\n"
@@ -109,6 +113,7 @@ int kv_cmd_bench(int argc, char **argv) {
     char **hub_workers = NULL;
     uint32_t n_hub_workers = 0;
     long worker_timeout = 10000, hub_wait = 30000;
+    double local_share = -1; /* --local-share: < 0 unset */
     int wire = KV_ENC_F32, kv_type = KV_TYPE_F32;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -165,6 +170,11 @@ int kv_cmd_bench(int argc, char **argv) {
             if (kv_arg_long(CMD, a, v, 1, 4096, &n_batch)) return 1;
         } else if (!strcmp(a, "--hub-wait-ms")) {
             if (kv_arg_long(CMD, a, v, 0, 86400000, &hub_wait)) return 1;
+        } else if (!strcmp(a, "--local-share")) {
+            char *end = NULL;
+            local_share = strtod(v, &end);
+            if (!*v || *end || !(local_share >= 0 && local_share <= 1))
+                return kv_cli_err(CMD, 1, "--local-share: '%s' is not a number from 0 to 1", v);
         } else {
             return kv_cli_err(CMD, 1, "unknown option '%s' (see kvasir bench --help)", a);
         }
@@ -179,6 +189,9 @@ int kv_cmd_bench(int argc, char **argv) {
         model = hub_manifest;
     }
     if (!model) return kv_cli_err(CMD, 1, "missing -m MODEL or --hub URL (see kvasir bench --help)");
+    if (local_share >= 0 && !n_workers)
+        return kv_cli_err(CMD, 1, "--local-share needs workers (--worker or --hub): without them every expert is "
+                          "computed here");
     if (n_workers && kv_cli_auth_setup(CMD, key_path, hub, data_dir, hub_workers, n_hub_workers, &auth)) {
         kv_node_workers_free(hub_workers, n_hub_workers);
         return 2;
@@ -214,6 +227,23 @@ int kv_cmd_bench(int argc, char **argv) {
     if (hub && remote && kv_node_await_coverage(hub, remote, auth.has_voucher, (uint32_t)hub_wait, stderr, &d)) {
         rc = kv_cli_diag(CMD, &d);
         goto done;
+    }
+    uint64_t held_bytes = 0;
+    uint32_t held_slabs = 0;
+    if (local_share >= 0 && remote) {
+        if (kv_remote_local_hold(remote, UINT64_MAX, &held_bytes, &held_slabs, &d)) {
+            rc = kv_cli_diag(CMD, &d);
+            goto done;
+        }
+        if (!held_slabs) {
+            rc = kv_cli_err(CMD, 1, "--local-share: no slab of %s is in its folder (experts/): nothing to compute here",
+                            model);
+            goto done;
+        }
+        kv_remote_set_local_share(remote, local_share);
+        if (!json)
+            fprintf(stderr, "kvasir bench: %u slabs held here (%.1f MB), local share %.3f\n", held_slabs,
+                    (double)held_bytes / 1e6, local_share);
     }
     const kv_hparams *hp = kv_model_hparams(mc);
     if ((uint64_t)n_prompt + (uint64_t)n_gen > hp->n_ctx_train) {
@@ -359,6 +389,13 @@ int kv_cmd_bench(int argc, char **argv) {
                    (unsigned long long)rs.hedges, (unsigned long long)rs.hedges_won,
                    (unsigned long long)rs.late_answers, (unsigned long long)rs.hedges_cancelled,
                    (unsigned long long)rs.sigs_checked, (unsigned long long)rs.sigs_deferred);
+        if (remote)
+            printf(",\"pairs_remote\":%llu,\"pairs_local\":%llu,\"pairs_held_local\":%llu",
+                   (unsigned long long)rs.pairs_remote, (unsigned long long)rs.pairs_local,
+                   (unsigned long long)rs.pairs_held_local);
+        if (local_share >= 0 && remote)
+            printf(",\"local_share\":%.4f,\"held_slabs\":%u,\"held_bytes\":%llu", local_share, held_slabs,
+                   (unsigned long long)held_bytes);
         if (profile) {
             static const char *const phase[2] = {"prefill", "decode"};
             printf(",\"profile\":{");
