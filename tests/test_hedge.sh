@@ -15,12 +15,13 @@
 #     replica won, and no stall was waited for: every request the staller
 #     stalled was called off before it computed it (its log names each
 #     stalled and each cancelled request: an awaited stall is answered, not
-#     cancelled), or was a probe or a late answer (neither is waited for),
-#     and each hedge of its requests left within half a stall (the
-#     coordinator's --verbose log). These are counts and per-request times:
-#     a comparison of the two decodes' wall times is not, as the healthy
-#     decode itself takes a third longer on a loaded machine (4.3 s idle,
-#     5.7 s at load 8) while the staller's leaves one worker most of the work;
+#     cancelled), or was a probe, a late answer or in flight when the run
+#     ended (none of these is waited for), and each hedge of its requests
+#     left within half a stall (the coordinator's --verbose log). These are
+#     counts and per-request times, not a comparison of the two decodes'
+#     wall times, which a loaded machine moves by seconds (the healthy decode
+#     took 5.7 s instead of 4.3 s at load 8; a coordinator kept off the CPU
+#     half the time takes 7.9 s with the staller and waits for no stall);
 #   - the losers were called off (protocol v6 CANCEL): the staller's own count
 #     of requests it dropped (printed when it exits) equals the CANCELLED the
 #     coordinator counted, at least one, and the expert computations it
@@ -164,17 +165,24 @@ echo "the staller: $dropped requests dropped on a CANCEL (the coordinator counte
 [ "$HC" = "$(jq '[.dispatch.workers[].cancelled] | add' "$D/stall.json")" ] || fail "hedges_cancelled is not the workers' sum"
 # no stall was waited for: each request the staller stalled was cancelled
 # before it was computed; an awaited one is answered instead. A probe that
-# stalled (not answered within half a stall, per the coordinator's log) or
-# a late answer (superseded, answered before its CANCEL came) is not waited
-# for either: so many stalls may go uncancelled.
+# stalled (not answered within half a stall, per the coordinator's log), a
+# late answer (superseded, answered before its CANCEL came) and a request
+# still in flight when the run ended and closed its connections (neither
+# computed nor cancelled: requests and probes sent, less those the staller
+# computed and cancelled) are not waited for either: so many stalls may go
+# uncancelled.
+computed=$(sed -n 's/^worker: served [0-9]* expert computations (\([0-9]*\) requests.*/\1/p' <<<"$summary")
+SREQ=$(jq '.dispatch.workers[1].requests' "$D/stall.json")
+at_close=$((SREQ + SPR - computed - dropped))
+[ "$at_close" -ge 0 ] || fail "the staller computed $computed and cancelled $dropped requests, the coordinator sent it $SREQ and $SPR probes"
 fastp=$(sed -n "s/^kvasir remote: worker $S answered a probe in \([0-9]*\) ms$/\1/p" "$D/stall.err" |
   awk -v h=$((STALL_MS / 2)) '$1 < h' | grep -c . || true)
 stalled=$(sed -n 's/^worker: TEST MODE: request \([0-9]*\) (COMPUTE [0-9]*) stalls .*/\1/p' "$D/s.err" | sort)
 called_off=$(sed -n 's/^worker: conn .*: request \([0-9]*\) cancelled before it was computed$/\1/p' "$D/s.err" | sort)
 [ "$(wc -w <<<"$called_off")" = "$dropped" ] || fail "the staller logged $(wc -w <<<"$called_off") cancels, counted $dropped"
 awaited=$(comm -23 <(tr ' ' '\n' <<<"$stalled") <(tr ' ' '\n' <<<"$called_off") | grep -c . || true)
-[ "$awaited" -le $((SPR - fastp + SL)) ] ||
-  fail "$awaited of the staller's stalled requests ($(tr '\n' ' ' <<<"$stalled")) were not cancelled (cancelled: $(tr '\n' ' ' <<<"$called_off"); $SPR probes, $fastp of them answered at once, $SL late answers): a stall was waited for"
+[ "$awaited" -le $((SPR - fastp + SL + at_close)) ] ||
+  fail "$awaited of the staller's stalled requests ($(tr '\n' ' ' <<<"$stalled")) were not cancelled (cancelled: $(tr '\n' ' ' <<<"$called_off"); $SPR probes, $fastp of them answered at once, $SL late answers, $at_close in flight at the end): a stall was waited for"
 if [ "$SL" = 0 ] && [ "$SPR" = 0 ]; then
   [ "$served" = "$SP" ] ||
     fail "the staller computed $served pairs, the coordinator took $SP from it: a cancelled request was computed"
