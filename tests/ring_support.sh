@@ -62,23 +62,27 @@ ring_wait_listen() {
 # ring_wait_whole: every node logged "ring whole" since its start (bounded).
 # Returns 2 when a node could not bind its port (another process took it
 # between free_ports and the bind: the machine is shared), so that
-# ring_start can try other ports.
-# Says which node found its port taken, unless ring_start (which retries on
+# ring_form can try other ports.
+# Says which node found its port taken, unless ring_form (which retries on
 # other ports) is the caller: a script that calls ring_wait_whole itself
-# under set -e ends on its status 2, and this line says why.
+# (netns_wan.sh, on fixed ports in namespaces of its own) under set -e ends
+# on its status 2, and this line says why.
 ring_port_taken() {
   [ -n "${RING_RETRYING:-}" ] || echo "ring_wait_whole: node $1: its port was taken between free_ports and its bind" >&2
 }
+
+# ring_bind_failed I: node I ended because its port was taken.
+ring_bind_failed() { grep -q "Address already in use" "$dir/ring$1.err" 2>/dev/null; }
 
 ring_wait_whole() {
   local i n
   for _ in $(seq 400); do
     n=0
     for i in "${!RING_PID[@]}"; do
-      if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then ring_port_taken "$i"; return 2; fi
+      if ring_bind_failed "$i"; then ring_port_taken "$i"; return 2; fi
       if ! kill -0 "${RING_PID[$i]}" 2>/dev/null || grep -q "^kvasir ring: " "$dir/ring$i.err" 2>/dev/null; then
         # (it may have written why and ended since the look above: a taken port is no death)
-        if grep -q "Address already in use" "$dir/ring$i.err" 2>/dev/null; then ring_port_taken "$i"; return 2; fi
+        if ring_bind_failed "$i"; then ring_port_taken "$i"; return 2; fi
         cat "$dir/ring$i.err" >&2
         fail "ring node $i died"
       fi
@@ -91,28 +95,49 @@ ring_wait_whole() {
   fail "the ring did not form"
 }
 
-# ring_start MODEL WINDOW...: one node per window, each linked to the next
-# (new ports when one was taken meanwhile, up to 5 tries). Every node gets
-# the flags in RING_EXTRA, node i also those in RING_NODE_EXTRA[i].
-ring_start() {
-  local model=$1
-  shift
-  local n=$# i try rc
-  local wins=("$@")
+# ring_form N START [ARGS...]: N free loopback ports in RING_PORT[0..N-1],
+# then START ARGS..., a function of the caller that starts the ring's nodes
+# on them (ring_node; ring_at I is "127.0.0.1:${RING_PORT[I]}") and whatever
+# they need before the ring can be whole (a worker started late, say);
+# returns once every node logged "ring whole". When a node found its port
+# taken (another process bound it between free_ports and the node's bind, as
+# a test running in parallel can: the machine is shared), the nodes are
+# stopped and START runs again on new ports, up to 5 tries. Every script
+# that starts a ring on ports of its own picking starts it through here.
+ring_form() {
+  local n=$1 start=$2 try rc
+  shift 2
   for try in 1 2 3 4 5; do
-    read -r -a ports <<<"$(free_ports "$n")"
+    read -r -a RING_PORT <<<"$(free_ports "$n")"
     RING_ADDR=()
     RING_PID=()
-    for ((i = 0; i < n; i++)); do
-      ring_node "$i" "$model" "${wins[$i]}" "127.0.0.1:${ports[$i]}" "127.0.0.1:${ports[$(((i + 1) % n))]}" \
-        ${RING_EXTRA:-} ${RING_NODE_EXTRA[$i]:-}
-    done
+    "$start" "$@"
     rc=0
     RING_RETRYING=1 ring_wait_whole || rc=$?
     [ $rc = 0 ] && return 0
     ring_stop
   done
   fail "no free ports for a ring after 5 tries"
+}
+
+ring_at() { echo "127.0.0.1:${RING_PORT[$1]}"; }
+
+# ring_start MODEL WINDOW...: one node per window, each linked to the next,
+# through ring_form. Every node gets the flags in RING_EXTRA, node i also
+# those in RING_NODE_EXTRA[i].
+ring_start() {
+  ring_form $(($# - 1)) ring_start_nodes "$@"
+}
+
+ring_start_nodes() {
+  local model=$1 i
+  shift
+  local n=$#
+  local wins=("$@")
+  for ((i = 0; i < n; i++)); do
+    ring_node "$i" "$model" "${wins[$i]}" "$(ring_at $i)" "$(ring_at $(((i + 1) % n)))" \
+      ${RING_EXTRA:-} ${RING_NODE_EXTRA[$i]:-}
+  done
 }
 
 # ring_hub MANIFEST [FLAGS...]: a hub of the sliced model MANIFEST on a free
@@ -134,20 +159,25 @@ ring_hub() {
 
 # hub_node I [EXTRA...]: node I from the market of the hub at $url (budget
 # 64M, data folder $dir/dI, key kI), with EXTRA flags; returns once it
-# registered its layers. Sets RING_PID[I] and RING_ADDR[I].
+# registered its layers. Sets RING_PID[I] and RING_ADDR[I]. Its ring comes
+# from the hub, so a node that found its port taken (it binds before it
+# registers) is started again alone on another, up to 5 tries.
 hub_node() {
-  local i=$1 pp
+  local i=$1 pp try
   shift
-  read -r -a pp <<<"$(free_ports 1)"
-  "$KV" ring --hub "$url" --budget 64M --data "$dir/d$i" --listen "127.0.0.1:${pp[0]}" --threads 1 \
-    --key "$dir/k$i.key" --allow-key "$dir/allow" "$@" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
-  RING_PID[$i]=$!
-  RING_ALL+=($!)
-  RING_ADDR[$i]=127.0.0.1:${pp[0]}
-  for _ in $(seq 300); do
-    grep -q "registered layers" "$dir/ring$i.err" 2>/dev/null && return 0
-    kill -0 "${RING_PID[$i]}" 2>/dev/null || break
-    sleep 0.05
+  for try in 1 2 3 4 5; do
+    read -r -a pp <<<"$(free_ports 1)"
+    "$KV" ring --hub "$url" --budget 64M --data "$dir/d$i" --listen "127.0.0.1:${pp[0]}" --threads 1 \
+      --key "$dir/k$i.key" --allow-key "$dir/allow" "$@" >"$dir/ring$i.out" 2>"$dir/ring$i.err" &
+    RING_PID[$i]=$!
+    RING_ALL+=($!)
+    RING_ADDR[$i]=127.0.0.1:${pp[0]}
+    for _ in $(seq 300); do
+      grep -q "registered layers" "$dir/ring$i.err" 2>/dev/null && return 0
+      kill -0 "${RING_PID[$i]}" 2>/dev/null || break
+      sleep 0.05
+    done
+    if kill -0 "${RING_PID[$i]}" 2>/dev/null || ! ring_bind_failed "$i"; then break; fi
   done
   cat "$dir/ring$i.err" >&2
   fail "market node $i did not register"

@@ -12,8 +12,16 @@
 #     each (whichever replica answers, and whichever answer of a hedged
 #     request wins);
 #   - with the staller, requests were hedged (counted in the run's JSON), the
-#     replica won, and the decode took less than half a stall longer than the
-#     healthy one: no stall was waited for (each would add STALL_MS);
+#     replica won, and no stall was waited for: every request the staller
+#     stalled was called off before it computed it (its log names each
+#     stalled and each cancelled request: an awaited stall is answered, not
+#     cancelled), or was a probe, a late answer or in flight when the run
+#     ended (none of these is waited for), and each hedge of its requests
+#     left within half a stall (the coordinator's --verbose log). These are
+#     counts and per-request times, not a comparison of the two decodes'
+#     wall times, which a loaded machine moves by seconds (the healthy decode
+#     took 5.7 s instead of 4.3 s at load 8; a coordinator kept off the CPU
+#     half the time takes 7.9 s with the staller and waits for no stall);
 #   - the losers were called off (protocol v6 CANCEL): the staller's own count
 #     of requests it dropped (printed when it exits) equals the CANCELLED the
 #     coordinator counted, at least one, and the expert computations it
@@ -68,9 +76,9 @@ grep -q -- "--test-stall-ms" "$D/bad.err" || fail "--test-stall-every alone: $(c
 
 # start_worker NAME DELAY_MS [FLAGS...]: sets $addr
 start_worker() {
-  local name=$1 delay=$2
+  local name=$1 delay=$2 quiet=${WORKER_QUIET---quiet}
   shift 2
-  "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 --quiet --allow-key "$PK" --test-delay="$delay" "$@" \
+  "$BIN" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 $quiet --allow-key "$PK" --test-delay="$delay" "$@" \
     >"$D/$name.out" 2>"$D/$name.err" &
   PIDS+=("$!")
   eval "pid_$name=$!"
@@ -87,7 +95,8 @@ start_worker a 5
 A=$addr
 start_worker b 5
 B=$addr
-start_worker s 5 "${STALL[@]}"
+# (with its per-connection log: each request it cancels is named)
+WORKER_QUIET= start_worker s 5 "${STALL[@]}"
 S=$addr
 start_worker z 40
 Z=$addr
@@ -103,8 +112,8 @@ t1=$(now)
 # the staller logs each stall it takes ("... stalls N ms"); its start-up lines do not count
 n_stalls() { grep -c "stalls [0-9]* ms" "$D/$1.err" || true; }
 s0=$(n_stalls s)
-"$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$S" --key "$D/coord.key" "${RUN[@]}" \
-  --logits-out "$D/stall.bin" >"$D/stall.json" || fail "run with a stalling replica"
+"$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$S" --key "$D/coord.key" "${RUN[@]}" --verbose \
+  --logits-out "$D/stall.bin" >"$D/stall.json" 2>"$D/stall.err" || fail "run with a stalling replica: $(cat "$D/stall.err")"
 t2=$(now)
 stalls=$(($(n_stalls s) - s0))
 th=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
@@ -128,11 +137,14 @@ echo "healthy: $th s ($(jq -c '[.dispatch.workers[].pairs]' "$D/healthy.json") p
 [ "$SH" -ge 1 ] || fail "no request of the staller was hedged: $(jq -c .dispatch "$D/stall.json")"
 [ "$HW" -ge 1 ] || fail "no hedge won"
 [ "$(jq '.dispatch.workers[1].drops' "$D/stall.json")" = 0 ] || fail "the staller was dropped (a stall is not a fault)"
-# each stall waited for would add STALL_MS; allow half of one for noise
-awk -v ts="$ts" -v th="$th" -v st="$STALL_MS" 'BEGIN { exit !(ts < th + st / 2000.0) }' ||
-  fail "the decode with a stalling replica took $ts s, the healthy one $th s: a stall of $STALL_MS ms was waited for"
+# each hedge of the staller's requests left within half a stall
+hq=$(sed -n "s/^kvasir remote: worker $S has not answered in \([0-9]*\) ms .*: request hedged to .*/\1/p" "$D/stall.err")
+[ "$(wc -w <<<"$hq")" = "$SH" ] || fail "the coordinator logged $(wc -w <<<"$hq") hedges of the staller's requests, counted $SH"
+for q in $hq; do
+  [ "$q" -lt $((STALL_MS / 2)) ] || fail "a request of the staller was hedged after $q ms: its stall of $STALL_MS ms was waited for"
+done
 awk -v ts="$ts" 'BEGIN { exit !(ts < 30) }' || fail "the decode took $ts s"
-echo "ok: byte-identical with and without a stalling replica; no stall waited for"
+echo "ok: byte-identical with and without a stalling replica; the staller's requests hedged after $(tr '\n' ' ' <<<"$hq")ms"
 
 # ---- the losers were cancelled: the staller computed none of them ----------------
 kill "$pid_s" 2>/dev/null || true
@@ -151,11 +163,31 @@ echo "the staller: $dropped requests dropped on a CANCEL (the coordinator counte
 [ "$SC" -ge 1 ] || fail "no superseded request of the staller was cancelled: $(jq -c '.dispatch | del(.steps, .demand)' "$D/stall.json")"
 [ "$dropped" = "$SC" ] || fail "the staller dropped $dropped requests, the coordinator counted $SC CANCELLED from it"
 [ "$HC" = "$(jq '[.dispatch.workers[].cancelled] | add' "$D/stall.json")" ] || fail "hedges_cancelled is not the workers' sum"
+# no stall was waited for: each request the staller stalled was cancelled
+# before it was computed; an awaited one is answered instead. A probe that
+# stalled (not answered within half a stall, per the coordinator's log), a
+# late answer (superseded, answered before its CANCEL came) and a request
+# still in flight when the run ended and closed its connections (neither
+# computed nor cancelled: requests and probes sent, less those the staller
+# computed and cancelled) are not waited for either: so many stalls may go
+# uncancelled.
+computed=$(sed -n 's/^worker: served [0-9]* expert computations (\([0-9]*\) requests.*/\1/p' <<<"$summary")
+SREQ=$(jq '.dispatch.workers[1].requests' "$D/stall.json")
+at_close=$((SREQ + SPR - computed - dropped))
+[ "$at_close" -ge 0 ] || fail "the staller computed $computed and cancelled $dropped requests, the coordinator sent it $SREQ and $SPR probes"
+fastp=$(sed -n "s/^kvasir remote: worker $S answered a probe in \([0-9]*\) ms$/\1/p" "$D/stall.err" |
+  awk -v h=$((STALL_MS / 2)) '$1 < h' | grep -c . || true)
+stalled=$(sed -n 's/^worker: TEST MODE: request \([0-9]*\) (COMPUTE [0-9]*) stalls .*/\1/p' "$D/s.err" | sort)
+called_off=$(sed -n 's/^worker: conn .*: request \([0-9]*\) cancelled before it was computed$/\1/p' "$D/s.err" | sort)
+[ "$(wc -w <<<"$called_off")" = "$dropped" ] || fail "the staller logged $(wc -w <<<"$called_off") cancels, counted $dropped"
+awaited=$(comm -23 <(tr ' ' '\n' <<<"$stalled") <(tr ' ' '\n' <<<"$called_off") | grep -c . || true)
+[ "$awaited" -le $((SPR - fastp + SL + at_close)) ] ||
+  fail "$awaited of the staller's stalled requests ($(tr '\n' ' ' <<<"$stalled")) were not cancelled (cancelled: $(tr '\n' ' ' <<<"$called_off"); $SPR probes, $fastp of them answered at once, $SL late answers, $at_close in flight at the end): a stall was waited for"
 if [ "$SL" = 0 ] && [ "$SPR" = 0 ]; then
   [ "$served" = "$SP" ] ||
     fail "the staller computed $served pairs, the coordinator took $SP from it: a cancelled request was computed"
 fi
-echo "ok: every superseded request of the staller was called off before it was computed"
+echo "ok: every superseded request of the staller was called off before it was computed, every stalled one among them"
 
 # ---- three replicas of different speeds: the slow one gets the least work ------
 "$BIN" run -m "$D/coord/manifest.json" --worker "$A" --worker "$Z" --worker "$B" --key "$D/coord.key" "${RUN[@]}" \

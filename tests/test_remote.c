@@ -92,25 +92,30 @@ static uint16_t free_port(void) {
     return ntohs(a.sin_port);
 }
 
-static bool port_open(uint16_t port) {
-    int fd = -1;
-    char addr[32];
-    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
-    if (kv_link_connect(addr, 200, &fd, NULL)) return false;
-    close(fd);
-    return true;
+/* Whether a line of the file at path holds what. */
+static bool file_has(const char *path, const char *what) {
+    char line[512];
+    bool found = false;
+    FILE *f = fopen(path, "r");
+    while (f && !found && fgets(line, sizeof line, f)) found = strstr(line, what) != NULL;
+    if (f) fclose(f);
+    return found;
 }
 
-/* Starts `kvasir worker` on p->port with p->slabs; waits until it listens. */
+/* Starts `kvasir worker` on p->port with p->slabs; waits until it says it
+ * listens (its own "listening on" line: a dial could meet another process
+ * that took the port). */
 static bool start_worker(proc *p) {
-    char log[300];
+    char log[300], out[300];
     snprintf(log, sizeof log, "%s/worker-%u.log", g_dir, p->port);
+    snprintf(out, sizeof out, "%s/worker-%u.out", g_dir, p->port);
+    unlink(out); /* (an earlier worker's on this port said it listened) */
     fflush(stdout);
     fflush(stderr);
     const pid_t pid = fork();
     if (pid == 0) {
         FILE *f = freopen(log, "a", stderr);
-        FILE *g = freopen("/dev/null", "w", stdout);
+        FILE *g = freopen(out, "w", stdout);
         (void)f;
         (void)g;
         char *argv[24] = {(char *)g_bin, "worker", "--slabs", p->slabs, "--listen", p->addr, "--threads", "1",
@@ -123,22 +128,40 @@ static bool start_worker(proc *p) {
     }
     p->pid = pid;
     for (int i = 0; i < 250; i++) {
-        if (port_open(p->port)) return true;
+        if (file_has(out, "listening on ")) return true;
         int st;
-        if (waitpid(pid, &st, WNOHANG) == pid) break;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            p->pid = 0;
+            break;
+        }
         sleep_ms(20);
     }
     fprintf(stderr, "worker on %s did not start (see %s)\n", p->addr, log);
     return false;
 }
 
-static bool new_worker(proc *p, const char *slabs) {
-    memset(p, 0, sizeof *p);
-    p->port = free_port();
-    snprintf(p->addr, sizeof p->addr, "127.0.0.1:%u", p->port);
-    snprintf(p->slabs, sizeof p->slabs, "%s", slabs);
-    return p->port && start_worker(p);
+/* Starts a worker with slabs and extra arguments on a free port. A port
+ * that free_port found free can be taken before the worker binds it (by a
+ * test running in parallel: the machine is shared); the worker then says
+ * so and ends, and another port is tried, up to 5. */
+static bool new_worker_extra(proc *p, const char *slabs, const char *extra) {
+    for (int t = 0; t < 5; t++) {
+        memset(p, 0, sizeof *p);
+        p->port = free_port();
+        snprintf(p->addr, sizeof p->addr, "127.0.0.1:%u", p->port);
+        snprintf(p->slabs, sizeof p->slabs, "%s", slabs);
+        snprintf(p->extra, sizeof p->extra, "%s", extra);
+        if (!p->port) return false;
+        if (start_worker(p)) return true;
+        char log[300];
+        snprintf(log, sizeof log, "%s/worker-%u.log", g_dir, p->port);
+        if (p->pid || !file_has(log, "Address already in use")) return false;
+        fprintf(stderr, "  (port %u was taken before the worker bound it: another port)\n", p->port);
+    }
+    return false;
 }
+
+static bool new_worker(proc *p, const char *slabs) { return new_worker_extra(p, slabs, ""); }
 
 static void kill_worker(proc *p, int sig) {
     if (p->pid <= 0) return;
@@ -696,12 +719,9 @@ static void test_stall_backoff(void) {
 
 /* A worker holding every group, started with extra arguments. */
 static bool new_worker_all(proc *p, const char *extra) {
-    memset(p, 0, sizeof *p);
-    p->port = free_port();
-    snprintf(p->addr, sizeof p->addr, "127.0.0.1:%u", p->port);
-    snprintf(p->slabs, sizeof p->slabs, "%s,%s,%s", g_group[0], g_group[1], g_group[2]);
-    snprintf(p->extra, sizeof p->extra, "%s", extra);
-    return p->port && start_worker(p);
+    char slabs[sizeof p->slabs];
+    snprintf(slabs, sizeof slabs, "%s,%s,%s", g_group[0], g_group[1], g_group[2]);
+    return new_worker_extra(p, slabs, extra);
 }
 
 typedef struct slow_ctx {

@@ -143,12 +143,10 @@ done
 # tokens (a new LOOKUP: nothing held by every node), and the client gets the local bytes
 m="$dir/qwen3moe.gguf"
 "$KV" run -m "$m" -p "$P2" -n 40 --temp 0 --json --threads 1 --logits-out "$dir/l2long.bin" >"$dir/l2long.json"
-read -r -a ports <<<"$(free_ports 3)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
-ring_node 0 "$m" 0-1 "$A0" "$A1" --prompt-cache 64M
-ring_node 1 "$m" 2-2 "$A1" "$A2" --prompt-cache 64M --die-after-frames 25
-ring_node 2 "$m" 3-3 "$A2" "$A0" --prompt-cache 64M
-ring_wait_whole
+RING_NODE_EXTRA=("" "--die-after-frames 25" "")
+RING_EXTRA="--prompt-cache 64M" ring_start "$m" 0-1 2-2 3-3
+RING_NODE_EXTRA=()
+A1=${RING_ADDR[1]} A2=${RING_ADDR[2]}
 ask 0 "$P1" "$dir/a" # about 12 frames: 3 of prompt, then one per token
 "$KV" run --ring "$A2" "${RK[@]}" -p "$P2" -n 40 --temp 0 --json --logits-out "$dir/r.bin" >"$dir/r.json" 2>"$dir/r.err" &
 c=$!

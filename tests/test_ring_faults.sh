@@ -38,12 +38,10 @@ done
 rowb=$((600 * 4))
 
 # ---- 1. die, replace, replay ------------------------------------------------------
-read -r -a ports <<<"$(free_ports 3)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
-ring_node 0 "$m" 0-1 "$A0" "$A1"
-ring_node 1 "$m" 2-2 "$A1" "$A2" --die-after-frames 30
-ring_node 2 "$m" 3-3 "$A2" "$A0"
-ring_wait_whole
+RING_NODE_EXTRA=("" "--die-after-frames 30" "")
+ring_start "$m" 0-1 2-2 3-3
+RING_NODE_EXTRA=()
+A0=${RING_ADDR[0]} A1=${RING_ADDR[1]} A2=${RING_ADDR[2]}
 "$KV" run --ring "$A0" "${RK[@]}" -p "$P1" -n $N --temp 0 --json --logits-out "$dir/r1.bin" >"$dir/r1.json" 2>"$dir/r1.err" &
 c1=$!
 "$KV" run --ring "$A2" "${RK[@]}" -p "$P2" -n $N --temp 0 --json --logits-out "$dir/r2.bin" >"$dir/r2.json" 2>"$dir/r2.err" &
@@ -74,12 +72,10 @@ echo "ok: a middle node died after 30 frames, a replacement took layers 2-2, bot
 ring_stop
 T=(--temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --seed 4242)
 "$KV" run -m "$m" -p "$P1" -n $N "${T[@]}" --json --threads 1 --logits-out "$dir/localt.bin" >"$dir/localt.json"
-read -r -a ports <<<"$(free_ports 3)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
-ring_node 0 "$m" 0-1 "$A0" "$A1"
-ring_node 1 "$m" 2-2 "$A1" "$A2" --die-after-frames 20
-ring_node 2 "$m" 3-3 "$A2" "$A0"
-ring_wait_whole
+RING_NODE_EXTRA=("" "--die-after-frames 20" "")
+ring_start "$m" 0-1 2-2 3-3
+RING_NODE_EXTRA=()
+A0=${RING_ADDR[0]} A1=${RING_ADDR[1]} A2=${RING_ADDR[2]}
 "$KV" run --ring "$A2" "${RK[@]}" -p "$P1" -n $N "${T[@]}" --json --logits-out "$dir/rt.bin" >"$dir/rt.json" 2>"$dir/rt.err" &
 ct=$!
 for _ in $(seq 200); do kill -0 "${RING_PID[1]}" 2>/dev/null || break; sleep 0.05; done
@@ -101,12 +97,10 @@ echo "ok: temperature 0.8, seed 4242: the middle node died after 20 frames, the 
 
 # ---- 2. die, no replacement: a clear error, a true prefix ---------------------------
 ring_stop
-read -r -a ports <<<"$(free_ports 3)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
-ring_node 0 "$m" 0-1 "$A0" "$A1" --replay-timeout-ms 1000
-ring_node 1 "$m" 2-2 "$A1" "$A2" --die-after-frames 15
-ring_node 2 "$m" 3-3 "$A2" "$A0" --replay-timeout-ms 1000
-ring_wait_whole
+RING_NODE_EXTRA=("--replay-timeout-ms 1000" "--die-after-frames 15" "--replay-timeout-ms 1000")
+ring_start "$m" 0-1 2-2 3-3
+RING_NODE_EXTRA=()
+A0=${RING_ADDR[0]}
 t0=$(date +%s%N)
 set +e
 "$KV" run --ring "$A0" "${RK[@]}" -p "$P1" -n $N --temp 0 --logits-out "$dir/e.bin" >"$dir/e.out" 2>"$dir/e.err"
@@ -126,11 +120,10 @@ echo "ok: no replacement: '$(cut -c1-110 "$dir/e.err")...' after $(((t1 - t0) / 
 
 # ---- 3. the home dies: its client hears at once -------------------------------------
 ring_stop
-read -r -a ports <<<"$(free_ports 2)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]}
-ring_node 0 "$m" 0-1 "$A0" "$A1" --die-after-frames 10
-ring_node 1 "$m" 2-3 "$A1" "$A0"
-ring_wait_whole
+RING_NODE_EXTRA=("--die-after-frames 10")
+ring_start "$m" 0-1 2-3
+RING_NODE_EXTRA=()
+A0=${RING_ADDR[0]}
 set +e
 "$KV" run --ring "$A0" "${RK[@]}" -p "$P1" -n $N --temp 0 >"$dir/h.out" 2>"$dir/h.err"
 rc=$?

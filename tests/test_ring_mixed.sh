@@ -20,6 +20,23 @@ N=12
 
 worker() { ring_worker "$@"; } # ring_support.sh
 
+# mixed_nodes: the two ring nodes on ring_form's first two ports; for
+# qwen35moe the second worker on the third, started 1.5 s after the node that
+# waits for it
+mixed_nodes() {
+  A0=$(ring_at 0) A1=$(ring_at 1)
+  [ $arch = qwen3moe ] || wb=$(ring_at 2) # not up yet when the ring node opens
+  ring_node 0 "$w0/manifest.json" 0-1 "$A0" "$A1"
+  ring_node 1 "$w1/manifest.json" 2-3 "$A1" "$A0" --worker "$wa" --worker "$wb" --worker-wait-ms 20000
+  if [ $arch = qwen35moe ]; then
+    sleep 1.5
+    kill -0 "${RING_PID[1]}" 2>/dev/null || fail "$arch: the ring node gave up before its worker came: $(cat "$dir/ring1.err")"
+    "$KV" worker --slabs "$sl/experts/blk.2.0004-0007.gguf,$sl/experts/blk.3.0004-0007.gguf" --listen "$wb" \
+      --threads 1 --quiet --allow-key "$dir/allow" >"$dir/$arch-b.out" 2>"$dir/$arch-b.err" &
+    RING_ALL+=($!)
+  fi
+}
+
 for arch in qwen3moe qwen35moe; do
   m="$dir/$arch.gguf"
   if [ $arch = qwen3moe ]; then
@@ -44,24 +61,11 @@ for arch in qwen3moe qwen35moe; do
   cp "$sl/backbone.gguf" "$sl/manifest.json" "$w1/"
   worker "$arch-a" "$sl/experts/blk.2.0000-0003.gguf,$sl/experts/blk.3.0000-0003.gguf"
   wa=$waddr
-  read -r -a ports <<<"$(free_ports 3)"
-  A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]}
   if [ $arch = qwen3moe ]; then
     worker "$arch-b" "$sl/experts/blk.2.0004-0007.gguf,$sl/experts/blk.3.0004-0007.gguf"
     wb=$waddr
-  else
-    wb=127.0.0.1:${ports[2]} # not up yet when the ring node opens
   fi
-  ring_node 0 "$w0/manifest.json" 0-1 "$A0" "$A1"
-  ring_node 1 "$w1/manifest.json" 2-3 "$A1" "$A0" --worker "$wa" --worker "$wb" --worker-wait-ms 20000
-  if [ $arch = qwen35moe ]; then
-    sleep 1.5
-    kill -0 "${RING_PID[1]}" 2>/dev/null || fail "$arch: the ring node gave up before its worker came: $(cat "$dir/ring1.err")"
-    "$KV" worker --slabs "$sl/experts/blk.2.0004-0007.gguf,$sl/experts/blk.3.0004-0007.gguf" --listen "$wb" \
-      --threads 1 --quiet --allow-key "$dir/allow" >"$dir/$arch-b.out" 2>"$dir/$arch-b.err" &
-    RING_ALL+=($!)
-  fi
-  ring_wait_whole
+  ring_form 3 mixed_nodes
   for via in "$A0" "$A1"; do
     "$KV" run --ring "$via" "${RK[@]}" -p "$P" -n $N --temp 0 --json --logits-out "$dir/r.bin" >"$dir/r.json" ||
       fail "$arch: the mixed ring failed"

@@ -38,12 +38,10 @@ gw() {
   [ -s "$dir/$name.addr" ] || fail "gateway $name did not start: $(cat "$dir/$name.err")"
 }
 
-read -r -a ports <<<"$(free_ports 3)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]} A2=127.0.0.1:${ports[2]}
-ring_node 0 "$m" 0-1 "$A0" "$A1" --replay-timeout-ms 20000
-ring_node 1 "$m" 2-2 "$A1" "$A2" --die-after-frames 20
-ring_node 2 "$m" 3-3 "$A2" "$A0" --replay-timeout-ms 20000
-ring_wait_whole
+RING_NODE_EXTRA=("--replay-timeout-ms 20000" "--die-after-frames 20" "--replay-timeout-ms 20000")
+ring_start "$m" 0-1 2-2 3-3
+RING_NODE_EXTRA=()
+A1=${RING_ADDR[1]} A2=${RING_ADDR[2]}
 gw local -m "$m" --threads 1
 gw ring --ring "$A2" --key "$dir/client.key"
 LOCAL=$(cat "$dir/local.addr")

@@ -125,10 +125,11 @@ for _ in $(seq 200); do
   sleep 0.05
 done
 [ -n "$waddr" ] || fail "worker did not start: $(cat "$dir/wk.err")"
-read -r -a ports <<<"$(free_ports 2)"
-ring_node 0 "$sl/manifest.json" 0-1 "127.0.0.1:${ports[0]}" "127.0.0.1:${ports[1]}" --allow-sparse
-ring_node 1 "$w1/manifest.json" 2-3 "127.0.0.1:${ports[1]}" "127.0.0.1:${ports[0]}" --allow-sparse --worker "$waddr"
-ring_wait_whole
+sparse_nodes() {
+  ring_node 0 "$sl/manifest.json" 0-1 "$(ring_at 0)" "$(ring_at 1)" --allow-sparse
+  ring_node 1 "$w1/manifest.json" 2-3 "$(ring_at 1)" "$(ring_at 0)" --allow-sparse --worker "$waddr"
+}
+ring_form 2 sparse_nodes
 "$KV" run --ring "${RING_ADDR[0]}" "${RK[@]}" -p "$P" -n $N --temp 0 --json >"$dir/rw.json" ||
   fail "the sparse ring over a worker failed: $(cat "$dir/ring1.err")"
 [ "$(jq -c .tokens "$dir/rw.json")" = "$ref" ] || fail "ring over a worker: $(jq -c .tokens "$dir/rw.json"), run: $ref"

@@ -114,13 +114,12 @@ cp "$sl"/experts/blk.0.* "$sl"/experts/blk.1.* "$w0/experts/"
 cp "$sl/backbone.gguf" "$sl/manifest.json" "$w1/" # no slab: every expert from the workers
 cp "$sl/backbone.gguf" "$sl/manifest.json" "$w2/"
 cp "$sl"/experts/blk.2.* "$sl"/experts/blk.3.* "$w2/experts/" # the trunk's slabs, not the MTP block's
-sliced_ring() { # TAIL_DIR TAIL_FLAGS...
+sliced_ring() { ring_form 2 sliced_ring_nodes "$@"; } # TAIL_DIR TAIL_FLAGS...
+sliced_ring_nodes() {
   local tail=$1
   shift
-  read -r -a ports <<<"$(free_ports 2)"
-  ring_node 0 "$w0/manifest.json" 0-1 "127.0.0.1:${ports[0]}" "127.0.0.1:${ports[1]}"
-  ring_node 1 "$tail/manifest.json" 2-3 "127.0.0.1:${ports[1]}" "127.0.0.1:${ports[0]}" "$@"
-  ring_wait_whole
+  ring_node 0 "$w0/manifest.json" 0-1 "$(ring_at 0)" "$(ring_at 1)"
+  ring_node 1 "$tail/manifest.json" 2-3 "$(ring_at 1)" "$(ring_at 0)" "$@"
 }
 refused() { # WHAT WANT...: --draft mtp on the ring fails with a message holding each WANT
   local what=$1

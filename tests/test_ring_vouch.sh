@@ -50,11 +50,8 @@ done
 hk=$(curl -sf "$url/v1/status" | jq -r .hub_key)
 [ ${#hk} = 64 ] || fail "no hub key in /v1/status"
 
-read -r -a ports <<<"$(free_ports 2)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]}
-ring_node 0 "$m" 0-1 "$A0" "$A1" --hub-key "$hk" --replay-timeout-ms 2000
-ring_node 1 "$m" 2-3 "$A1" "$A0" --hub-key "$hk" --replay-timeout-ms 2000
-ring_wait_whole
+RING_EXTRA="--hub-key $hk --replay-timeout-ms 2000" ring_start "$m" 0-1 2-3
+A0=${RING_ADDR[0]} A1=${RING_ADDR[1]}
 
 # ---- 1. vouched by the hub: admitted, the one-process tokens
 "$KV" run --ring "$A1" --hub "$url" --key "$dir/client.key" -p "$P" -n 12 --temp 0 --json >"$dir/r.json" 2>"$dir/r.err" ||
