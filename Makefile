@@ -23,8 +23,9 @@
 #   make bench-arm  a 256 MiB emulated ARM node: slabs held, peak RSS
 #   make bench-hedge  decode step p50/p99 over two replicas, healthy and with one stalling
 #   make bench-autoscale  a gateway with --local-experts and two workers under 1 -> 16 -> 1 clients
-#   make bench-pair-cost  CPU per remote expert pair (coordinator, nodes) and bench-autoscale's bound
 #                 against a local-only gateway (CSV and PNG in bench/out, docs/BENCHMARKS.md)
+#   make bench-pair-cost  CPU per remote expert pair (coordinator, nodes) and bench-autoscale's bound
+#   make bench-lanes      two coordinators of 8 (two micro-batches) against one local-only of 16
 #   make wan-test the WAN test bed (tests/test_wan_bed.sh, docs/NETDELAY.md) in its long
 #                 version: two sites 40 ms apart, 0.5% loss, a host behind a NAT router, a
 #                 kvasir hub and a NATed kvasir node (needs root), then the design's scenario
@@ -177,6 +178,11 @@ bench-autoscale: deps
 bench-pair-cost: deps
 	@$(MAKE) --no-print-directory build
 	@bash bench/pair_cost.sh $(BUILD)/kvasir
+
+.PHONY: bench-lanes
+bench-lanes: deps
+	@$(MAKE) --no-print-directory build
+	@bash bench/lanes.sh $(BUILD)/kvasir
 
 bench-ledger: deps
 	@$(MAKE) --no-print-directory build

@@ -28,12 +28,21 @@
 # 1-client p50 of both (from the windows and alternated) and the 16-client
 # tokens/s of both, against the targets (p50 within 10%, tokens/s at least
 # 1.5x).
+# Placement (taskset lists): KV_AS_GW_CPU (0) the gateways, KV_AS_NODE_CPUS
+# ("1 1") node a's and node b's, KV_AS_AUX_CPU (1) the hub and the load
+# generator. The issue's layout is the default; on 4 or more CPUs
+# KV_AS_NODE_CPUS="1 2" KV_AS_AUX_CPU=3 gives each node a core of its own
+# (docs/BENCHMARKS.md "Why 1.5x at 16 clients is out of reach on two cores").
 set -euo pipefail
 KV=$(realpath "${1:-build/kvasir}")
 OUT=${2:-bench/out}
 PHASE=${KV_AS_PHASE_S:-15}
 TOK=${KV_AS_TOKENS:-128}
 AB=${KV_AS_AB_PAIRS:-30}
+GWC=${KV_AS_GW_CPU:-0}
+read -r -a NODEC <<<"${KV_AS_NODE_CPUS:-1 1}"
+AUXC=${KV_AS_AUX_CPU:-1}
+[ "${#NODEC[@]}" -eq 2 ] || { echo "bench/autoscale.sh: KV_AS_NODE_CPUS needs two CPU lists (node a, node b)" >&2; exit 1; }
 SRC=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
@@ -65,41 +74,42 @@ wait_listen() { # FILE PID: prints the address
   done
   return 1
 }
-taskset -c 1 "$KV" hub --model "$D/sl/manifest.json" --db "$D/hub.db" --listen 127.0.0.1:0 --quiet --vouch-key "$PK" \
+taskset -c "$AUXC" "$KV" hub --model "$D/sl/manifest.json" --db "$D/hub.db" --listen 127.0.0.1:0 --quiet --vouch-key "$PK" \
   --wanted 1 --wanted-max 3 --demand-per-replica "${KV_AS_PER_REPLICA:-600}" --demand-half-life-ms 10000 \
   --market-raise-ms 3000 --market-hold-ms 5000 >"$D/hub.out" 2>"$D/hub.err" &
 PIDS+=("$!")
 HUB=http://$(wait_listen "$D/hub.out" "$!")
-for n in a b; do
-  taskset -c 1 "$KV" node --hub "$HUB" --budget "$ALL" --data "$D/n$n" --interval-ms 500 --threads 1 \
+for i in 0 1; do
+  n=$([ "$i" = 0 ] && echo a || echo b)
+  taskset -c "${NODEC[$i]}" "$KV" node --hub "$HUB" --budget "$ALL" --data "$D/n$n" --interval-ms 500 --threads 1 \
     >"$D/n$n.out" 2>"$D/n$n.err" &
   PIDS+=("$!")
 done
 mkdir -p "$D/gwd/pieces/experts" # the gateway's folder: the hub fetches manifest and backbone, the slabs are here
 cp "$D/sl/experts/"*.gguf "$D/gwd/pieces/experts/"
 
-gateway() { # NAME ARGS...: starts a gateway on CPU 0, sets GW and GWPID
+gateway() { # NAME ARGS...: starts a gateway on CPU $KV_AS_GW_CPU (0), sets GW and GWPID
   local name=$1
   shift
-  taskset -c 0 "$KV" gateway --listen 127.0.0.1:0 --threads 1 --parallel 16 --per-ip 64 --no-web-ui --quiet "$@" \
+  taskset -c "$GWC" "$KV" gateway --listen 127.0.0.1:0 --threads 1 --parallel 16 --per-ip 64 --no-web-ui --quiet "$@" \
     >"$D/$name.out" 2>"$D/$name.err" &
   GWPID=$!
   PIDS+=("$GWPID")
   GW=http://$(wait_listen "$D/$name.out" "$GWPID")
 }
 load() { # SCHEDULE CSV [--hub URL]
-  taskset -c 1 $PY "$SRC/autoscale_load.py" "$GW" "$1" "$2" --max-tokens "$TOK" "${@:3}"
+  taskset -c "$AUXC" $PY "$SRC/autoscale_load.py" "$GW" "$1" "$2" --max-tokens "$TOK" "${@:3}"
 }
 warm() { curl -sf "$GW/v1/completions" -d '{"prompt":"warm","max_tokens":8}' >/dev/null; }
 
-echo "bench/autoscale.sh: local-only gateway (the GGUF on CPU 0), 1 then 16 clients, $PHASE s each"
+echo "bench/autoscale.sh: local-only gateway (the GGUF on CPU $GWC), 1 then 16 clients, $PHASE s each"
 gateway local -m "$D/m.gguf"
 warm
 load "1:$PHASE" "$OUT/local1.csv"
 load "16:$PHASE" "$OUT/local16.csv"
 kill "$GWPID"; wait "$GWPID" 2>/dev/null || true
 
-echo "bench/autoscale.sh: gateway with --local-experts $BUDGET (of $ALL bytes of slabs), a hub and two nodes (CPU 1)"
+echo "bench/autoscale.sh: gateway with --local-experts $BUDGET (of $ALL bytes of slabs), a hub (CPU $AUXC) and two nodes (CPUs ${NODEC[0]} and ${NODEC[1]})"
 gateway auto --hub "$HUB" --data "$D/gwd" --placement experts --key "$D/coord.key" --local-experts "$BUDGET"
 healthy() { [ "$(curl -s -o /dev/null -w '%{http_code}' "$GW/health")" = 200 ]; }
 for _ in $(seq 1 600); do healthy && break; sleep 0.2; done
@@ -115,7 +125,7 @@ curl -sf "$GW/metrics" >"$OUT/autoscale_metrics.txt"
 AUTO=$GW AUTOPID=$GWPID
 gateway local -m "$D/m.gguf"
 echo "bench/autoscale.sh: 1 client, requests alternated between the local-only gateway and this one ($AB pairs)"
-ABR=$(taskset -c 1 $PY "$SRC/autoscale_ab.py" "$GW" "$AUTO" "$AB" "$OUT/ab1.csv" --max-tokens "$TOK")
+ABR=$(taskset -c "$AUXC" $PY "$SRC/autoscale_ab.py" "$GW" "$AUTO" "$AB" "$OUT/ab1.csv" --max-tokens "$TOK")
 read -r AB_L AB_A AB_R <<<"$ABR"
 kill "$GWPID" "$AUTOPID"; wait "$GWPID" "$AUTOPID" 2>/dev/null || true
 

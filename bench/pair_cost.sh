@@ -30,10 +30,19 @@
 #     1 / (B + max(X s + c_g X (1 - s), c_n X (1 - s)))
 # and the largest c_n that 1.5x allows with perfect overlap at this c_g.
 # Printed as text and as one JSON line (last line).
+# Placement: KV_PC_COORD_CPU (0) the coordinator, KV_PC_NODE_CPUS ("1 1")
+# worker a's and worker b's CPU lists; on 3 or more CPUs "1 2" gives each
+# worker a core of its own (the bounds then read the nodes' side as two
+# cores: N(s) halves).
 set -euo pipefail
 KV=$(realpath "${1:-build/kvasir}")
 REPS=${2:-5}
 FF=${KV_PC_FF_EXP:-768}
+CC=${KV_PC_COORD_CPU:-0}
+read -r -a NODEC <<<"${KV_PC_NODE_CPUS:-1 1}"
+[ "${#NODEC[@]}" -eq 2 ] || { echo "bench/pair_cost.sh: KV_PC_NODE_CPUS needs two CPU lists (worker a, worker b)" >&2; exit 1; }
+# the nodes' cores: 1 when both workers share one (the issue's layout), 2 when apart
+NCORES=$([ "${NODEC[0]}" = "${NODEC[1]}" ] && echo 1 || echo 2)
 [ "$(nproc)" -ge 2 ] || { echo "bench/pair_cost.sh: needs 2 CPUs" >&2; exit 1; }
 D=$(mktemp -d "${TMPDIR:-/tmp}/kv_bench_paircost.XXXXXX")
 PIDS=()
@@ -68,8 +77,9 @@ cpu_of() { # COMMAND...: prints its user + system seconds (its stdout in $D/out.
   awk '{ printf "%.3f", $1 + $2 }' "$D/time.txt"
 }
 W=()
-for n in a b; do
-  taskset -c 1 "$KV" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 --allow-key "$PK" --quiet \
+for i in 0 1; do
+  n=$([ "$i" = 0 ] && echo a || echo b)
+  taskset -c "${NODEC[$i]}" "$KV" worker --slabs "$D/sl/experts" --listen 127.0.0.1:0 --threads 1 --allow-key "$PK" --quiet \
     >"$D/w$n.out" 2>"$D/w$n.err" &
   PIDS+=("$!")
   W+=("$!")
@@ -79,20 +89,20 @@ for n in a b; do
   for _ in $(seq 1 200); do grep -q '^listening on ' "$D/w$n.out" && break; sleep 0.05; done
   ADDR+=(--worker "$(sed -n 's/^listening on //p' "$D/w$n.out")")
 done
-echo "bench/pair_cost.sh: $REPS rounds of: 2 workers on CPU 1 + coordinator on CPU 0, then local only on CPU 0 ($(lscpu | sed -n 's/^Model name: *//p'))"
+echo "bench/pair_cost.sh: $REPS rounds of: 2 workers on CPUs ${NODEC[0]} and ${NODEC[1]} + coordinator on CPU $CC, then local only on CPU $CC ($(lscpu | sed -n 's/^Model name: *//p'))"
 SHARES=${KV_PC_SHARES:-0.25 0.5 0.75 1}
 RC=() RW=() RL=() RX=() RT=()
 for r in $(seq 1 "$REPS"); do
   w0=$(( $(ticks "${W[0]}") + $(ticks "${W[1]}") ))
-  c=$(cpu_of taskset -c 0 "$KV" bench -m "$D/sl/manifest.json" "${ADDR[@]}" --key "$D/coord.key" "${BENCH[@]}" --json \
+  c=$(cpu_of taskset -c "$CC" "$KV" bench -m "$D/sl/manifest.json" "${ADDR[@]}" --key "$D/coord.key" "${BENCH[@]}" --json \
     --local-share 0)
   w1=$(( $(ticks "${W[0]}") + $(ticks "${W[1]}") ))
   t="0:$(jq -r .decode_tok_s "$D/out.json")"
-  l=$(cpu_of taskset -c 0 "$KV" bench -m "$D/m.gguf" "${BENCH[@]}" --json --profile)
+  l=$(cpu_of taskset -c "$CC" "$KV" bench -m "$D/m.gguf" "${BENCH[@]}" --json --profile)
   x=$(jq -r '(.profile.prefill.stages_ms.experts + .profile.decode.stages_ms.experts) / 1000' "$D/out.json")
   tl=$(jq -r .decode_tok_s "$D/out.json")
   for s in $SHARES; do # the same pairs, a fixed share computed here: tokens/s only
-    cpu_of taskset -c 0 "$KV" bench -m "$D/sl/manifest.json" "${ADDR[@]}" --key "$D/coord.key" "${BENCH[@]}" --json \
+    cpu_of taskset -c "$CC" "$KV" bench -m "$D/sl/manifest.json" "${ADDR[@]}" --key "$D/coord.key" "${BENCH[@]}" --json \
       --local-share "$s" >/dev/null
     t="$t $s:$(jq -r .decode_tok_s "$D/out.json")"
   done
@@ -101,8 +111,9 @@ for r in $(seq 1 "$REPS"); do
   RC+=("$c") RW+=("$wk") RL+=("$l") RX+=("$x") RT+=("local:$tl $t")
 done
 printf '%s\n' "${RT[@]}" >"$D/tok.txt"
-python3 - "${RC[*]}" "${RW[*]}" "${RL[*]}" "${RX[*]}" "$D/tok.txt" <<'PYEOF'
+python3 - "${RC[*]}" "${RW[*]}" "${RL[*]}" "${RX[*]}" "$D/tok.txt" "$NCORES" <<'PYEOF'
 import json, statistics, sys
+ncores = int(sys.argv[6])  # the nodes' cores: their CPU time spreads over them
 c, w, l, x = ([float(v) for v in a.split()] for a in sys.argv[1:5])
 C, W, L, E = (statistics.median(v) for v in (c, w, l, x))
 ratios = {}  # share -> [tok/s over the local-only run's, per round]
@@ -116,15 +127,15 @@ B = L - E
 cg, cn = (C - B) / E, W / E
 X, Bs = E / L, B / L
 def G(s): return Bs + X * s + cg * X * (1 - s)
-def N(s): return cn * X * (1 - s)
+def N(s): return cn * X * (1 - s) / ncores
 grid = [i / 1000 for i in range(1001)]
 s1 = min(grid, key=lambda s: max(G(s), N(s)))
-s2 = min(grid, key=lambda s: Bs + max(X * s + cg * X * (1 - s), cn * X * (1 - s)))
+s2 = min(grid, key=lambda s: Bs + max(X * s + cg * X * (1 - s), N(s)))
 ov = 1 / max(G(s1), N(s1))
-st = 1 / (Bs + max(X * s2 + cg * X * (1 - s2), cn * X * (1 - s2)))
+st = 1 / (Bs + max(X * s2 + cg * X * (1 - s2), N(s2)))
 # 1.5x with perfect overlap: G(s) <= 2/3 caps s; then N(s) <= 2/3 caps c_n
 smax = (2 / 3 - Bs - cg * X) / (X * (1 - cg))
-cn_max = (2 / 3) / (X * (1 - smax)) if 0 <= smax < 1 else None  # None: the gateway's own part alone is over 2/3
+cn_max = ncores * (2 / 3) / (X * (1 - smax)) if 0 <= smax < 1 else None  # None: the gateway's own part alone is over 2/3
 print("medians: coordinator %.2f s, workers %.2f s, local only %.2f s (experts %.2f s: X = %.3f)" % (C, W, L, E, X))
 print("c_g = %.3f (coordinator cost of a remote pair / computing it), c_n = %.3f (nodes' cost / the coordinator computing it)" % (cg, cn))
 print("16 sequences, at most: %.2fx with perfect overlap (s = %.3f), %.2fx with today's step (s = %.3f)" % (ov, s1, st, s2))
@@ -138,5 +149,6 @@ print("measured decode tok/s over the local-only run's, by fixed local share: " 
 print(json.dumps({"coordinator_s": round(C, 3), "workers_s": round(W, 3), "local_s": round(L, 3), "experts_s": round(E, 3),
                   "x": round(X, 4), "c_g": round(cg, 4), "c_n": round(cn, 4), "bound_overlap": round(ov, 3),
                   "share_overlap": s1, "bound_step": round(st, 3), "share_step": s2,
-                  "c_n_max_for_1_5": None if cn_max is None else round(cn_max, 4), "measured_by_share": measured, "reps": len(c)}))
+                  "c_n_max_for_1_5": None if cn_max is None else round(cn_max, 4), "measured_by_share": measured, "reps": len(c),
+                  "node_cores": ncores}))
 PYEOF
