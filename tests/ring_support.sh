@@ -48,13 +48,16 @@ ring_node() {
   RING_ADDR[$i]=$listen
 }
 
-# ring_wait_listen I: node I is listening (bounded).
+# ring_wait_listen I: node I is listening (bounded). Under ring_form
+# (RING_RETRYING set), a node that ended because its port was taken returns
+# 2, so that ring_form tries other ports.
 ring_wait_listen() {
   for _ in $(seq 300); do
     grep -q "^listening on" "$dir/ring$1.out" 2>/dev/null && return 0
     kill -0 "${RING_PID[$1]}" 2>/dev/null || break
     sleep 0.05
   done
+  if [ -n "${RING_RETRYING:-}" ] && ring_bind_failed "$1"; then return 2; fi
   cat "$dir/ring$1.err" >&2
   fail "ring node $1 did not start"
 }
@@ -99,25 +102,49 @@ ring_wait_whole() {
 # then START ARGS..., a function of the caller that starts the ring's nodes
 # on them (ring_node; ring_at I is "127.0.0.1:${RING_PORT[I]}") and whatever
 # they need before the ring can be whole (a worker started late, say);
-# returns once every node logged "ring whole". When a node found its port
-# taken (another process bound it between free_ports and the node's bind, as
-# a test running in parallel can: the machine is shared), the nodes are
-# stopped and START runs again on new ports, up to 5 tries. Every script
-# that starts a ring on ports of its own picking starts it through here.
+# returns once every node logged "ring whole" (with RING_FORM_UNTIL=listen:
+# once every node listens, for a ring that is not meant to form). When a
+# node found its port taken (another process bound it between free_ports and
+# the node's bind, as a test running in parallel can: the machine is shared),
+# or START returned 2 (a port it gave to another process was taken:
+# ring_started_listening), the nodes are stopped and START runs again on new
+# ports, up to 5 tries. Every script that starts a ring on ports of its own
+# picking starts it through here.
 ring_form() {
-  local n=$1 start=$2 try rc
+  local n=$1 start=$2 try rc i
   shift 2
   for try in 1 2 3 4 5; do
     read -r -a RING_PORT <<<"$(free_ports "$n")"
     RING_ADDR=()
     RING_PID=()
-    "$start" "$@"
     rc=0
-    RING_RETRYING=1 ring_wait_whole || rc=$?
+    "$start" "$@" || rc=$?
+    [ $rc = 0 ] || [ $rc = 2 ] || fail "ring_form: $start failed (exit $rc)"
+    if [ $rc = 0 ] && [ "${RING_FORM_UNTIL:-whole}" = listen ]; then
+      for i in "${!RING_PID[@]}"; do
+        RING_RETRYING=1 ring_wait_listen "$i" || { rc=$?; break; }
+      done
+    elif [ $rc = 0 ]; then
+      RING_RETRYING=1 ring_wait_whole || rc=$?
+    fi
     [ $rc = 0 ] && return 0
     ring_stop
   done
   fail "no free ports for a ring after 5 tries"
+}
+
+# ring_started_listening PID OUT ERR: the process PID (not a ring node: a
+# worker, say) listens (its OUT has "listening on"): 0; it ended because its
+# port was taken: 2, for a ring_form START to return; else the test fails.
+ring_started_listening() {
+  for _ in $(seq 300); do
+    grep -q "^listening on" "$2" 2>/dev/null && return 0
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.05
+  done
+  grep -q "Address already in use" "$3" 2>/dev/null && return 2
+  cat "$3" >&2
+  fail "process $1 did not start listening"
 }
 
 ring_at() { echo "127.0.0.1:${RING_PORT[$1]}"; }

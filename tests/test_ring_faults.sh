@@ -134,9 +134,17 @@ echo "ok: the home died: $(cat "$dir/h.err")"
 # ---- 4. a wrong neighbour and garbage are refused; the ring serves on ---------------
 ring_stop
 ring_start "$m" 0-1 2-3
-read -r -a p2 <<<"$(free_ports 1)"
-ring_node 9 "$m" 0-0 "127.0.0.1:${p2[0]}" "${RING_ADDR[0]}" # claims to precede layer 0 but ends at 0
-for _ in $(seq 100); do grep -q "refused the link" "$dir/ring9.err" 2>/dev/null && break; sleep 0.05; done
+for try in 1 2 3 4 5; do # (on another port when its own was taken between free_ports and its bind)
+  read -r -a p2 <<<"$(free_ports 1)"
+  ring_node 9 "$m" 0-0 "127.0.0.1:${p2[0]}" "${RING_ADDR[0]}" # claims to precede layer 0 but ends at 0
+  for _ in $(seq 100); do
+    grep -q "refused the link" "$dir/ring9.err" 2>/dev/null && break
+    kill -0 "${RING_PID[9]}" 2>/dev/null || break
+    sleep 0.05
+  done
+  kill -0 "${RING_PID[9]}" 2>/dev/null || grep -q "refused the link" "$dir/ring9.err" || ! ring_bind_failed 9 || continue
+  break
+done
 grep -q "the next node refused the link: ring: layer 0 already has a live link\|the next node refused the link: ring: the peer holds layers 0-0" \
   "$dir/ring9.err" || fail "a wrong neighbour was not refused: $(cat "$dir/ring9.err")"
 kill "${RING_PID[9]}" 2>/dev/null || true
@@ -193,16 +201,16 @@ t, body = read_frame()
 assert t == 8 and struct.unpack("<i", body[8:12])[0] == -13, (t, body)  # ERROR EAUTH
 PY
 ring_stop
-read -r -a ports <<<"$(free_ports 2)"
-A0=127.0.0.1:${ports[0]} A1=127.0.0.1:${ports[1]}
-ring_node 0 "$m" 0-1 "$A0" "$A1" --replay-timeout-ms 1500
-# node 1 holds a key no one admits (it admits the others)
-"$KV" ring -m "$m" --layers 2-3 --listen "$A1" --next "$A0" --threads 1 --key "$dir/stranger.key" \
-  --allow-key "$dir/allow" >"$dir/ring1.out" 2>"$dir/ring1.err" &
-RING_PID[1]=$!
-RING_ALL+=($!)
-ring_wait_listen 0
-ring_wait_listen 1
+stranger_nodes() {
+  A0=$(ring_at 0) A1=$(ring_at 1)
+  ring_node 0 "$m" 0-1 "$A0" "$A1" --replay-timeout-ms 1500
+  # node 1 holds a key no one admits (it admits the others)
+  "$KV" ring -m "$m" --layers 2-3 --listen "$A1" --next "$A0" --threads 1 --key "$dir/stranger.key" \
+    --allow-key "$dir/allow" >"$dir/ring1.out" 2>"$dir/ring1.err" &
+  RING_PID[1]=$!
+  RING_ALL+=($!)
+}
+RING_FORM_UNTIL=listen ring_form 2 stranger_nodes # this ring never forms: both listening is enough
 set +e
 "$KV" run --ring "$A0" "${RK[@]}" -p "$P1" -n 4 --temp 0 >"$dir/u.out" 2>"$dir/u.err"
 rc=$?

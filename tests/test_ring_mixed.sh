@@ -34,6 +34,7 @@ mixed_nodes() {
     "$KV" worker --slabs "$sl/experts/blk.2.0004-0007.gguf,$sl/experts/blk.3.0004-0007.gguf" --listen "$wb" \
       --threads 1 --quiet --allow-key "$dir/allow" >"$dir/$arch-b.out" 2>"$dir/$arch-b.err" &
     RING_ALL+=($!)
+    ring_started_listening $! "$dir/$arch-b.out" "$dir/$arch-b.err" || return # 2: its port was taken, ring_form retries
   fi
 }
 
