@@ -11,15 +11,23 @@
 # The model and workers of bench/pair_cost.sh (kept in bench/out/paircost-FF,
 # KV_PC_FF_EXP default 768; two `kvasir worker --threads 1` on CPU 1). Each
 # round, all on CPU 0 with `kvasir bench -p 8 -n 128 --threads 1`:
-#   local16   one local-only bench of 16 sequences (the GGUF)
-#   local8    one local-only bench of 8 sequences
-#   local8x2  two local-only benches of 8 at once (what sharing the core costs)
+#   local16   one local-only bench of 16 sequences, from the slab files (the
+#             sliced model, no workers: the pages the workers and the sliced
+#             benches compute on)
+#   gguf16    the same from the GGUF. On this VM one file's memory can run
+#             slower or faster than another's for minutes (docs/BENCHMARKS.md),
+#             so the comparisons are made on the same files, and this row
+#             shows how far the GGUF's pages were off
+#   local8    one local-only bench of 8 sequences (slab files)
+#   local8x2  two of them at once (what sharing the core costs)
 #   sS x2     two sliced benches of 8 at once, local share S (KV_LANES_SHARES,
 #             default 0 0.5 0.75), the rest on the workers
+#   sSx1      one sliced bench of 16 at share S (KV_LANES_ONE, default 0.5)
 # Each figure is the decode tokens/s a bench reports (the median of its 3
 # repetitions; the sum of both for a pair, which decode side by side) and the
-# benches' CPU (user + system, both for a pair: model loads, prompts and all); printed per round and as medians over the local16 run of
-# the same round, the last line as JSON.
+# benches' CPU (user + system, both for a pair: model loads, prompts and all);
+# printed per round, then as medians: tokens/s, and over the local16 run of
+# the same round; the last line as JSON.
 set -euo pipefail
 KV=$(realpath "${1:-build/kvasir}")
 REPS=${2:-3}
@@ -54,7 +62,8 @@ for n in a b; do
   ADDR+=(--worker "$(sed -n 's/^listening on //p' "$D/w$n.out")")
 done
 NTOK=128
-loc() { taskset -c 0 "$KV" bench -m "$M/m.gguf" --parallel "$1" -p 8 -n $NTOK --threads 1 --json; }
+gguf() { taskset -c 0 "$KV" bench -m "$M/m.gguf" --parallel "$1" -p 8 -n $NTOK --threads 1 --json; }
+loc() { taskset -c 0 "$KV" bench -m "$M/sl/manifest.json" --parallel "$1" -p 8 -n $NTOK --threads 1 --json; }
 sl() {
   taskset -c 0 "$KV" bench -m "$M/sl/manifest.json" "${ADDR[@]}" --key "$D/coord.key" --parallel "$1" -p 8 -n $NTOK \
     --threads 1 --json --local-share "$2"
@@ -83,30 +92,34 @@ run2() { # NAME N CMD...: two at once; prints NAME tok/s (both) cpu_s (both)
     $(cat "$D/c1" "$D/c2" | awk '{ s += $1 } END { print s }')"
 }
 SHARES=${KV_LANES_SHARES:-0 0.5 0.75}
+ONE=${KV_LANES_ONE:-0.5} # one sliced bench of 16 at this share, for comparison
 echo "bench/lanes.sh: $REPS rounds on CPU 0, workers on CPU 1 ($(lscpu | sed -n 's/^Model name: *//p'), experts of 512 x $FF)"
 : >"$D/all.txt"
 for r in $(seq 1 "$REPS"); do
   {
     run1 local16 16 loc 16
+    run1 gguf16 16 gguf 16
     run1 local8 8 loc 8
     run2 local8x2 8 loc 8
     for s in $SHARES; do run2 "s${s}x2" 8 sl 8 "$s"; done
+    run1 "s${ONE}x1" 16 sl 16 "$ONE"
   } | tee "$D/r.txt" | sed "s/^/  round $r: /"
   awk -v r="$r" '{ print r, $0 }' "$D/r.txt" >>"$D/all.txt"
 done
 python3 - "$D/all.txt" <<'PYEOF'
 import json, statistics, sys
 rows = [l.split() for l in open(sys.argv[1])]
-base = {r: float(t) for r, n, t, c in rows if n == "local16"}
-cpu16 = {r: float(c) for r, n, t, c in rows if n == "local16"}
-out = {}
-for r, n, t, c in rows:
-    out.setdefault(n, {"tok": [], "cpu": []})
-    out[n]["tok"].append(float(t) / base[r])
-    out[n]["cpu"].append(float(c) / cpu16[r])
-res = {n: {"tok_s_over_local16": round(statistics.median(v["tok"]), 3),
-           "cpu_over_local16": round(statistics.median(v["cpu"]), 3)} for n, v in out.items()}
+tok = {(r, n): float(t) for r, n, t, c in rows}
+cpu = {(r, n): float(c) for r, n, t, c in rows}
+rounds = sorted({r for r, n, t, c in rows})
+names = list(dict.fromkeys(n for r, n, t, c in rows))
+res = {}
+for n in names:
+    res[n] = {"tok_s": round(statistics.median(tok[(r, n)] for r in rounds), 1),
+              "tok_s_over_local16": round(statistics.median(tok[(r, n)] / tok[(r, "local16")] for r in rounds), 3),
+              "cpu_over_local16": round(statistics.median(cpu[(r, n)] / cpu[(r, "local16")] for r in rounds), 3)}
+print("%-10s %9s %12s %14s" % ("", "tok/s", "/ local16", "CPU / local16"))
 for n, v in res.items():
-    print("%-10s tokens/s %.3f of local16, coordinator-side CPU %.3f of local16's" % (n, v["tok_s_over_local16"], v["cpu_over_local16"]))
+    print("%-10s %9.1f %12.3f %14.3f" % (n, v["tok_s"], v["tok_s_over_local16"], v["cpu_over_local16"]))
 print(json.dumps(res))
 PYEOF
