@@ -42,14 +42,8 @@ cleanup() {
   rm -rf "$D"
 }
 trap cleanup EXIT
-mkdir -p "$M"
-if [ ! -s "$M/sl/manifest.json" ]; then # the same files as bench/pair_cost.sh
-  "$KV" gen-model --arch qwen3moe --out "$M/m.gguf" --layers 8 --embd 512 --ff-exp "$FF" --experts 16 --experts-used 4 \
-    --heads 8 --kv-heads 4 --head-dim 64 --vocab 4000 --type q8_0 --seed 11 --router-skew 2 >/dev/null 2>&1
-  rm -rf "$M/sl"
-  "$KV" slice "$M/m.gguf" --out "$M/sl" --experts-per-slab 2 >/dev/null 2>&1
-  echo "bench/lanes.sh: wrote the model to $M (fresh files run slow for a while: docs/BENCHMARKS.md)"
-fi
+. "$(dirname "$0")/paircost_model.sh"
+paircost_model "$KV" "$FF" "$M" bench/lanes.sh
 PK=$("$KV" key --key "$D/coord.key")
 ADDR=()
 for n in a b; do

@@ -52,19 +52,10 @@ cleanup() {
   rm -rf "$D"
 }
 trap cleanup EXIT
-# the model is kept (KV_PC_DIR, default bench/out/paircost-FF): on the VMs of
-# docs/BENCHMARKS.md, slab files written minutes before were computed on at
-# up to 1.7x the kernel time, growing from round to round, and files kept
-# from an earlier run were not (the section says more)
+# the model is kept (KV_PC_DIR, default bench/out/paircost-FF; why: bench/paircost_model.sh)
 M=${KV_PC_DIR:-$(dirname "$0")/out/paircost-$FF}
-mkdir -p "$M"
-if [ ! -s "$M/sl/manifest.json" ]; then
-  "$KV" gen-model --arch qwen3moe --out "$M/m.gguf" --layers 8 --embd 512 --ff-exp "$FF" --experts 16 --experts-used 4 \
-    --heads 8 --kv-heads 4 --head-dim 64 --vocab 4000 --type q8_0 --seed 11 --router-skew 2 >/dev/null 2>&1
-  rm -rf "$M/sl"
-  "$KV" slice "$M/m.gguf" --out "$M/sl" --experts-per-slab 2 >/dev/null 2>&1
-  echo "bench/pair_cost.sh: wrote the model to $M (fresh files: see docs/BENCHMARKS.md; a second run reuses them)"
-fi
+. "$(dirname "$0")/paircost_model.sh"
+paircost_model "$KV" "$FF" "$M" bench/pair_cost.sh
 ln -s "$(realpath "$M/m.gguf")" "$D/m.gguf"
 ln -s "$(realpath "$M/sl")" "$D/sl"
 PK=$("$KV" key --key "$D/coord.key")
