@@ -48,15 +48,22 @@ ring_node() {
   RING_ADDR[$i]=$listen
 }
 
+# ring_listening PID OUT: waits (bounded, 15 s) until OUT has "listening on" (0)
+# or PID has ended (1).
+ring_listening() {
+  for _ in $(seq 300); do
+    grep -q "^listening on" "$2" 2>/dev/null && return 0
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.05
+  done
+  return 1
+}
+
 # ring_wait_listen I: node I is listening (bounded). Under ring_form
 # (RING_RETRYING set), a node that ended because its port was taken returns
 # 2, so that ring_form tries other ports.
 ring_wait_listen() {
-  for _ in $(seq 300); do
-    grep -q "^listening on" "$dir/ring$1.out" 2>/dev/null && return 0
-    kill -0 "${RING_PID[$1]}" 2>/dev/null || break
-    sleep 0.05
-  done
+  ring_listening "${RING_PID[$1]}" "$dir/ring$1.out" && return 0
   if [ -n "${RING_RETRYING:-}" ] && ring_bind_failed "$1"; then return 2; fi
   cat "$dir/ring$1.err" >&2
   fail "ring node $1 did not start"
@@ -137,11 +144,7 @@ ring_form() {
 # worker, say) listens (its OUT has "listening on"): 0; it ended because its
 # port was taken: 2, for a ring_form START to return; else the test fails.
 ring_started_listening() {
-  for _ in $(seq 300); do
-    grep -q "^listening on" "$2" 2>/dev/null && return 0
-    kill -0 "$1" 2>/dev/null || break
-    sleep 0.05
-  done
+  ring_listening "$1" "$2" && return 0
   grep -q "Address already in use" "$3" 2>/dev/null && return 2
   cat "$3" >&2
   fail "process $1 did not start listening"
